@@ -1,0 +1,48 @@
+"""Shared fixtures: the golden vectors, and where they live.
+
+The golden vectors sit in ``../shared/golden`` beside the checkout (CI lays a copy
+there too). ``ENGRAM_TRT_GOLDEN`` points elsewhere if needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Tests run against the working tree's package when it is not installed.
+if str(REPO / "python") not in sys.path:
+    sys.path.insert(0, str(REPO / "python"))
+
+
+def golden_dir() -> Path:
+    env = os.environ.get("ENGRAM_TRT_GOLDEN")
+    candidates = [Path(env)] if env else []
+    candidates += [REPO.parent / "shared" / "golden", REPO / "shared" / "golden"]
+    for c in candidates:
+        if (c / "engram_hash_public.json").is_file():
+            return c
+    raise FileNotFoundError(
+        f"golden vectors not found in {[str(c) for c in candidates]}; set ENGRAM_TRT_GOLDEN to the folder holding engram_hash_public.json")
+
+
+@pytest.fixture(scope="session")
+def golden_hash() -> dict:
+    return json.loads((golden_dir() / "engram_hash_public.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def golden_fusion() -> dict:
+    return json.loads((golden_dir() / "engram_fusion_public.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def deepseek_vocab():
+    """The DeepSeek-V4 tokenizer's compressed vocab (built once: ~3 s)."""
+    from engram_trt.tokenizer import build_compressed_vocab, default_tokenizer_json
+
+    return build_compressed_vocab(default_tokenizer_json())
