@@ -1,0 +1,120 @@
+"""The command line: JSON outputs against the golden vectors, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engram_trt.cli import main
+from engram_trt.tokenizer import default_tokenizer_json
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_subprocess(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "engram_trt", *argv], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture
+def golden_config(tmp_path, golden_hash):
+    case = golden_hash["cases"][0]
+    (tmp_path / "config.json").write_text(json.dumps(case["config"]))
+    return tmp_path / "config.json", case
+
+
+def test_layout_json_matches_golden(capsys, golden_hash, tmp_path):
+    for i, case in enumerate(golden_hash["cases"]):
+        path = tmp_path / f"c{i}.json"
+        path.write_text(json.dumps(case["config"]))
+        code, out, _ = run_cli(capsys, "layout", str(path))
+        assert code == 0
+        got = json.loads(out)
+        assert got["primes"] == case["primes"]
+        assert got["offsets"] == case["offsets"]
+        assert got["multipliers"] == case["multipliers"]
+        assert got["layer_ids"] == case["config"]["engram_layer_ids"]
+        assert got["n_hash_cols"] == (case["config"]["engram_max_ngram_size"] - 1) * case["config"]["engram_n_heads"]
+        assert got["table_rows"] == [sum(sum(o) for o in layer) for layer in case["primes"]]
+
+
+def test_hash_compressed_matches_golden(capsys, golden_config):
+    path, case = golden_config
+    for seq, expected in zip(case["sequences"], case["hash_ids"]):
+        code, out, _ = run_cli(capsys, "hash", str(path), "--compressed", "--pad-id", str(case["pad_compressed_id"]),
+                               "--ids", ",".join(map(str, seq)))
+        assert code == 0
+        assert json.loads(out) == {"hash_ids": expected}
+
+
+def _deepseek_config_dir(tmp_path: Path, compressed: int) -> Path:
+    d = tmp_path / f"ck{compressed}"
+    d.mkdir()
+    cfg = {"engram_layer_ids": [0], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_vocab_size": 5000,
+           "engram_compressed_vocab_size": compressed, "engram_pad_token_id": 1}
+    (d / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(default_tokenizer_json(), d / "tokenizer.json")
+    return d
+
+
+def test_hash_raw_ids_go_through_the_tokenizer(capsys, tmp_path, deepseek_vocab):
+    from engram_trt.config import load_engram_spec
+    from engram_trt.hashing import hash_ids
+    from engram_trt.layout import EngramLayout
+
+    d = _deepseek_config_dir(tmp_path, 99092)
+    raw = [5, 17, -1, 3, 128000]
+    code, out, err = run_cli(capsys, "hash", str(d), "--ids", ",".join(map(str, raw)))
+    assert code == 0, err
+    spec = load_engram_spec(d)
+    lay = EngramLayout.from_spec(spec, int(deepseek_vocab.lookup[1]))
+    comp = [-1 if r == -1 else int(deepseek_vocab.lookup[r]) for r in raw]
+    assert json.loads(out)["hash_ids"] == hash_ids(comp, lay).tolist()
+
+
+def test_compressed_vocab_mismatch_fails(capsys, tmp_path):
+    d = _deepseek_config_dir(tmp_path, 99000)
+    code, _, err = run_cli(capsys, "hash", str(d), "--ids", "1,2")
+    assert code == 2
+    assert "compresses to 99092" in err and "99000" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,x,3"], "'x' is not an integer"),
+    (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,700"], "compressed id 700"),
+    (["hash", "{cfg}", "--compressed", "--ids", "5"], "--pad-id"),
+    (["hash", "{cfg}", "--compressed", "--pad-id", "9999", "--ids", "5"], "pad id 9999"),
+    (["layout", "{plain}"], "no Engram fields"),
+    (["layout", "{missing}"], "no config file"),
+])
+def test_bad_input_is_one_line_without_traceback(tmp_path, golden_config, argv, needle):
+    path, _ = golden_config
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"hidden_size": 8}))
+    subst = {"{cfg}": str(path), "{plain}": str(plain), "{missing}": str(tmp_path / "nope")}
+    proc = run_subprocess(*[subst.get(a, a) for a in argv])
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("engram-trt: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_every_subcommand_has_help(capsys):
+    for cmd in ("layout", "hash", "inspect", "run", "demo", "demo-checkpoint"):
+        with pytest.raises(SystemExit) as exc:
+            main([cmd, "--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert "usage: engram-trt " + cmd in out
