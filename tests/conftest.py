@@ -46,3 +46,11 @@ def deepseek_vocab():
     from engram_trt.tokenizer import build_compressed_vocab, default_tokenizer_json
 
     return build_compressed_vocab(default_tokenizer_json())
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The demo checkpoint (seed 0), written once per test session."""
+    from engram_trt.demo import make_demo_checkpoint
+
+    return make_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=0)

@@ -118,3 +118,79 @@ def test_every_subcommand_has_help(capsys):
         assert exc.value.code == 0
         out = capsys.readouterr().out
         assert "usage: engram-trt " + cmd in out
+
+
+# ---------------------------------------------------------------- checkpoints
+SMALL = {
+    "architectures": ["EngramLlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 129280, "hc_mult": 2,
+    "tie_word_embeddings": True, "engram_layer_ids": [1], "engram_max_ngram_size": 3, "engram_n_heads": 2,
+    "engram_head_dim": 32, "engram_vocab_size": 3000, "engram_compressed_vocab_size": 99092,
+    "engram_pad_token_id": 1,
+}
+
+
+def _small_checkpoint(path: Path, table_rows_delta: int = 0) -> Path:
+    import torch
+
+    from engram_trt.checkpoint import write_checkpoint
+    from engram_trt.config import ModelConfig
+    from engram_trt.demo import random_weights
+    from engram_trt.layout import EngramLayout
+
+    cfg = ModelConfig.from_dict(SMALL)
+    rows = [int(r) + table_rows_delta for r in EngramLayout.from_spec(cfg.engram, 0).table_rows]
+    weights = random_weights(cfg, torch.Generator().manual_seed(0), table_rows=rows)
+    return write_checkpoint(path, SMALL, weights, default_tokenizer_json(), max_shard_bytes=2_000_000)
+
+
+def test_inspect_reports_tables(capsys, tmp_path):
+    ck = _small_checkpoint(tmp_path / "ck")
+    code, out, err = run_cli(capsys, "inspect", str(ck), "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["problems"] == []
+    assert rep["compressed_vocab"] == {"built": 99092, "declared": 99092}
+    from engram_trt.checkpoint import Checkpoint
+
+    c = Checkpoint.open(ck)
+    (layer,) = rep["layers"]
+    assert layer["layer_id"] == 1 and layer["table_rows"] == layer["layout_rows"] == c.shape("model.layers.1.engram.embed.weight")[0]
+    want = c.nbytes("model.layers.1.engram.embed.weight") + c.nbytes("model.layers.1.engram.embed.weight_scale_inv")
+    assert layer["bytes"] == rep["total_engram_bytes"] == want == layer["table_rows"] * (32 + 1)
+
+
+def test_table_not_covering_layout_is_reported(capsys, tmp_path):
+    ck = _small_checkpoint(tmp_path / "short", table_rows_delta=-1)
+    code, out, _ = run_cli(capsys, "inspect", str(ck), "--json")
+    assert code == 1
+    problems = json.loads(out)["problems"]
+    assert any("model.layers.1.engram.embed.weight" in p and "layout needs" in p for p in problems)
+    proc = run_subprocess("run", str(ck), "--max-new-tokens", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "does not cover" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_missing_shard_is_one_line(tmp_path):
+    ck = _small_checkpoint(tmp_path / "ck")
+    shards = sorted(ck.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    shards[-1].unlink()
+    for cmd in ("inspect", "run"):
+        proc = run_subprocess(cmd, str(ck))
+        assert proc.returncode == 2, proc.stderr
+        assert shards[-1].name in proc.stderr and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("engram-trt: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_run_prints_text_speed_and_backend(capsys, demo_dir):
+    code, out, err = run_cli(capsys, "run", str(demo_dir), "--prompt", "hello engram", "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["backend"] == "torch" and res["device"] == "cpu"
+    assert res["new_tokens"] == 4 and len(res["token_ids"]) == 4 and res["tokens_per_s"] > 0
+    from engram_trt.tokenizer import load_tokenizer
+
+    assert res["text"] == load_tokenizer(demo_dir).decode(res["token_ids"], skip_special_tokens=False)
+    code, out, _ = run_cli(capsys, "run", str(demo_dir), "--prompt", "hello engram", "--max-new-tokens", "4")
+    assert code == 0 and "backend: torch" in out and "tokens/s" in out

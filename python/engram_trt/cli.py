@@ -112,7 +112,7 @@ def cmd_hash(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- inspect
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """The facts ``engram-trt inspect`` reports, as a dict (also used by tests and the builder)."""
-    from .checkpoint import Checkpoint, validate_checkpoint
+    from .checkpoint import Checkpoint, engram_tensor_names, validate_checkpoint
     from .layout import EngramLayout
     from .tokenizer import build_compressed_vocab
 
@@ -143,15 +143,16 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     for li, lid in enumerate(spec.layer_ids):
         entry: dict[str, Any] = {"layer_id": lid, "layout_rows": int(layout.table_rows[li]), "tensors": {}}
         layer_bytes = 0
-        for suffix in ("embed.weight", "embed.weight_scale_inv"):
-            name = f"model.layers.{lid}.engram.{suffix}"
-            if name in ckpt.tensor_names():
-                shape = list(ckpt.shape(name))
+        names = engram_tensor_names(lid, spec.prefix)
+        for role in ("table", "scale"):
+            name = names[role]
+            if name in ckpt:
                 nbytes = int(ckpt.nbytes(name))
-                entry["tensors"][suffix] = {"shape": shape, "dtype": ckpt.dtype(name), "bytes": nbytes}
+                entry["tensors"][role] = {"name": name, "shape": list(ckpt.shape(name)),
+                                          "dtype": ckpt.st_dtype(name), "bytes": nbytes}
                 layer_bytes += nbytes
-        if "embed.weight" in entry["tensors"]:
-            entry["table_rows"] = entry["tensors"]["embed.weight"]["shape"][0]
+        if "table" in entry["tensors"]:
+            entry["table_rows"] = entry["tensors"]["table"]["shape"][0]
         entry["bytes"] = layer_bytes
         total += layer_bytes
         report["layers"].append(entry)

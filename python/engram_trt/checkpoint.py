@@ -1,0 +1,533 @@
+"""HF-style checkpoint folders: read lazily, write deterministically, validate.
+
+A folder holds ``config.json``, ``tokenizer.json`` and the weights as safetensors:
+either sharded ``model-0000i-of-0000n.safetensors`` with a
+``model.safetensors.index.json`` ``weight_map``, or one ``model.safetensors``.
+
+Engram tables are large (hundreds of GB for a production model), so nothing here
+loads a tensor to learn about it: shapes and dtypes come from the safetensors
+headers, :meth:`Checkpoint.get_rows` reads only the requested rows through a
+read-only file-backed memory map, and :meth:`Checkpoint.locate` hands out the
+absolute byte range of a tensor so a runtime can map or register the file itself.
+
+FP8 tables are stored as ``F8_E4M3`` (``torch.float8_e4m3fn``) and their ue8m0 scales
+as ``F8_E8M0`` (``torch.float8_e8m0fnu``); safetensors >= 0.6 reads and writes both.
+Consumers that feed kernels view both as ``uint8`` (one byte per value).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from .config import EngramSpec, ModelConfig, load_config
+from .errors import CheckpointError, EngramError
+
+log = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+TOKENIZER_NAME = "tokenizer.json"
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+# safetensors dtype string -> (torch dtype, bytes per element)
+ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U64": (torch.uint64, 8),
+    "U32": (torch.uint32, 4),
+    "U16": (torch.uint16, 2),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+}
+FP8_TABLE_DTYPES = ("F8_E4M3", "U8")
+FP8_SCALE_DTYPES = ("F8_E8M0", "U8")
+BF16_TABLE_DTYPES = ("BF16",)
+
+
+def shard_name(i: int, n: int) -> str:
+    """The HF shard file name (1-based ``i``)."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def natural_key(name: str) -> tuple[Any, ...]:
+    """Sort key that orders ``layers.10`` after ``layers.9``: shards then group a
+    layer's tensors together, in the order a model walks them."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def engram_tensor_names(layer_id: int, prefix: str = "engram") -> dict[str, str]:
+    """Checkpoint names of one Engram layer's tensors (notes/engram-spec.md)."""
+    base = f"model.layers.{layer_id}.{prefix}"
+    return {
+        "table": f"{base}.embed.weight",
+        "scale": f"{base}.embed.weight_scale_inv",
+        "wkv": f"{base}.wkv.weight",
+        "q_weight": f"{base}.q_weight",
+        "k_weight": f"{base}.k_weight",
+    }
+
+
+def backbone_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF Llama names and shapes of the engram-llama backbone (no Engram tensors).
+
+    ``lm_head.weight`` is absent when the embeddings are tied: the checkpoint then
+    stores the matrix once, as ``model.embed_tokens.weight``.
+    """
+    D, I = config.hidden_size, config.intermediate_size
+    hd, nh, kvh = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, D)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = (D,)
+        out[f"{p}.self_attn.q_proj.weight"] = (nh * hd, D)
+        out[f"{p}.self_attn.k_proj.weight"] = (kvh * hd, D)
+        out[f"{p}.self_attn.v_proj.weight"] = (kvh * hd, D)
+        out[f"{p}.self_attn.o_proj.weight"] = (D, nh * hd)
+        out[f"{p}.post_attention_layernorm.weight"] = (D,)
+        out[f"{p}.mlp.gate_proj.weight"] = (I, D)
+        out[f"{p}.mlp.up_proj.weight"] = (I, D)
+        out[f"{p}.mlp.down_proj.weight"] = (D, I)
+    out["model.norm.weight"] = (D,)
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (config.vocab_size, D)
+    return out
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives, read from its shard's header (no data touched)."""
+
+    name: str
+    file: Path
+    st_dtype: str
+    shape: tuple[int, ...]
+    data_offset: int  # absolute offset of the first byte in the file
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ST_DTYPES[self.st_dtype][0]
+
+    @property
+    def itemsize(self) -> int:
+        return ST_DTYPES[self.st_dtype][1]
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the absolute offset of its data area.
+
+    The format is: u64 little-endian header length N, N bytes of JSON, then the data;
+    each tensor's ``data_offsets`` are relative to byte ``8 + N``.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path}: too short to be a safetensors file (re-write the checkpoint)")
+            (n,) = struct.unpack("<Q", head)
+            size = path.stat().st_size
+            if n > size - 8:
+                raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}: the file is truncated or not safetensors (re-copy it)")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror}); check the file's permissions") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: the safetensors header is not valid JSON (the file is damaged; re-copy it)") from None
+    return header, 8 + n
+
+
+def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
+    header, base = read_safetensors_header(path)
+    size = path.stat().st_size
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        st_dtype = meta.get("dtype")
+        if st_dtype not in ST_DTYPES:
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {st_dtype!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})")
+        begin, end = (int(x) for x in meta["data_offsets"])
+        shape = tuple(int(s) for s in meta["shape"])
+        if base + end > size:
+            raise CheckpointError(f"{path}: tensor '{name}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)")
+        out[name] = TensorInfo(name, path, st_dtype, shape, base + begin, end - begin)
+    return out
+
+
+class Checkpoint:
+    """A read-only view of a checkpoint folder.
+
+    Opening reads ``config.json``, the index and each shard's header, nothing else.
+    Tensors are read on demand: :meth:`get` through ``safetensors.safe_open``,
+    :meth:`get_rows` through a read-only ``mmap`` of the shard file.
+    """
+
+    def __init__(self, path: Path, config: ModelConfig, config_dict: dict[str, Any],
+                 infos: dict[str, TensorInfo], tokenizer_json: Path | None) -> None:
+        self.path = path
+        self.config = config
+        self.config_dict = config_dict
+        self.tokenizer_json = tokenizer_json
+        self._infos = infos
+        self._handles: dict[Path, Any] = {}
+        self._maps: dict[Path, tuple[Any, mmap.mmap, np.ndarray]] = {}
+
+    # -- opening -----------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        """Open a checkpoint folder; refuse an incomplete one with the file and the fix."""
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise CheckpointError(f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, or make one with `engram-trt demo-checkpoint OUT`)")
+        cfg_file = root / CONFIG_NAME
+        if not cfg_file.is_file():
+            raise CheckpointError(f"checkpoint '{root}' has no {CONFIG_NAME} (copy the model's config.json into the folder)")
+        config = load_config(cfg_file)
+        config_dict = json.loads(cfg_file.read_text())
+        files = cls._weight_files(root)
+        infos: dict[str, TensorInfo] = {}
+        for shard, expected in files.items():
+            found = _tensor_infos(shard)
+            if expected is not None:
+                missing = sorted(set(expected) - set(found), key=natural_key)
+                if missing:
+                    raise CheckpointError(f"shard '{shard}' lacks tensor '{missing[0]}' that {INDEX_NAME} assigns to it ({len(missing)} missing): the shard is stale or the index is wrong; re-copy the checkpoint")
+                found = {k: v for k, v in found.items() if k in expected}
+            for name, info in found.items():
+                if name in infos:
+                    raise CheckpointError(f"tensor '{name}' appears in both '{infos[name].file.name}' and '{shard.name}' (keep one copy; fix {INDEX_NAME})")
+                infos[name] = info
+        tok = root / TOKENIZER_NAME
+        log.debug("opened checkpoint %s: %d tensors in %d files", root, len(infos), len(files))
+        return cls(root, config, config_dict, infos, tok if tok.is_file() else None)
+
+    @staticmethod
+    def _weight_files(root: Path) -> dict[Path, set[str] | None]:
+        """Shard path -> the tensor names the index assigns to it (None: no index)."""
+        index = root / INDEX_NAME
+        if index.is_file():
+            try:
+                data = json.loads(index.read_text())
+                weight_map = data["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object); re-copy it") from None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index}: 'weight_map' is empty (expected tensor name -> shard file)")
+            by_file: dict[Path, set[str]] = {}
+            for name, fname in weight_map.items():
+                by_file.setdefault(root / str(fname), set()).add(name)
+            for f in sorted(by_file, key=lambda p: natural_key(p.name)):
+                if not f.is_file():
+                    raise CheckpointError(f"checkpoint '{root}' is missing shard '{f.name}' named in {INDEX_NAME} ({len(by_file[f])} tensors live there): copy the missing file into the folder or re-download the checkpoint")
+            return dict(by_file)
+        single = root / SINGLE_NAME
+        if single.is_file():
+            return {single: None}
+        stray = sorted(root.glob("*.safetensors"))
+        if stray:
+            raise CheckpointError(f"checkpoint '{root}' has {stray[0].name} but no {INDEX_NAME} (add the index that maps tensor names to shards)")
+        raise CheckpointError(f"checkpoint '{root}' holds no weights (expected {INDEX_NAME} with its shards, or {SINGLE_NAME})")
+
+    # -- metadata (lazy) ---------------------------------------------------------
+    def tensor_names(self) -> list[str]:
+        return sorted(self._infos, key=natural_key)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise CheckpointError(f"checkpoint '{self.path}' has no tensor '{name}' (the checkpoint does not match its config.json)") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the shard header (``safe_open(...).get_slice``): no data is read."""
+        info = self.info(name)
+        return tuple(int(s) for s in self._handle(info.file).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.info(name).torch_dtype
+
+    def st_dtype(self, name: str) -> str:
+        """The safetensors dtype string (``F8_E4M3``, ``BF16``...)."""
+        return self.info(name).st_dtype
+
+    def nbytes(self, name: str) -> int:
+        return self.info(name).nbytes
+
+    def locate(self, name: str) -> tuple[Path, int, int]:
+        """``(file, data_offset, nbytes)``: the absolute byte range of a tensor, for a
+        runtime that maps or registers the file itself (row r starts at
+        ``data_offset + r * row_bytes``)."""
+        info = self.info(name)
+        return info.file, info.data_offset, info.nbytes
+
+    # -- data --------------------------------------------------------------------
+    def _handle(self, file: Path) -> Any:
+        from safetensors import safe_open
+
+        h = self._handles.get(file)
+        if h is None:
+            h = safe_open(str(file), framework="pt", device="cpu")
+            self._handles[file] = h
+        return h
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor on the CPU, in its stored dtype."""
+        info = self.info(name)
+        return self._handle(info.file).get_tensor(name)
+
+    def _file_bytes(self, file: Path) -> np.ndarray:
+        entry = self._maps.get(file)
+        if entry is None:
+            fh = open(file, "rb")
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            entry = (fh, mm, np.frombuffer(mm, dtype=np.uint8))
+            self._maps[file] = entry
+        return entry[2]
+
+    def raw_rows_view(self, name: str) -> np.ndarray:
+        """A read-only ``uint8 [rows, row_bytes]`` view of a tensor's bytes in its
+        file-backed map (the page cache serves it; nothing is copied)."""
+        info = self.info(name)
+        if len(info.shape) < 1 or info.shape[0] == 0:
+            raise CheckpointError(f"tensor '{name}' has shape {list(info.shape)}: rows can only be read from a tensor with a leading row dimension")
+        rows = info.shape[0]
+        row_bytes = info.nbytes // rows
+        buf = self._file_bytes(info.file)
+        return buf[info.data_offset:info.data_offset + info.nbytes].reshape(rows, row_bytes)
+
+    def get_rows(self, name: str, row_ids: Any) -> torch.Tensor:
+        """Rows ``row_ids`` (any int shape) of a tensor: ``[*row_ids.shape, *shape[1:]]``
+        in the stored dtype; only those rows' pages are read."""
+        info = self.info(name)
+        view = self.raw_rows_view(name)
+        ids = row_ids.detach().cpu().numpy() if isinstance(row_ids, torch.Tensor) else np.asarray(row_ids)
+        ids = ids.astype(np.int64, copy=False)
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= view.shape[0]:
+                raise EngramError(f"row id {lo if lo < 0 else hi} is outside tensor '{name}' (rows 0..{view.shape[0] - 1})")
+        picked = np.take(view, ids.reshape(-1), axis=0)  # copies only the rows asked for
+        t = torch.from_numpy(picked)
+        if info.torch_dtype != torch.uint8:
+            t = t.view(info.torch_dtype)
+        return t.reshape(*ids.shape, *info.shape[1:])
+
+    def close(self) -> None:
+        """Release file maps and handles (views from :meth:`raw_rows_view` must be gone)."""
+        self._handles.clear()
+        for fh, mm, _ in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                log.debug("map of %s still referenced; left to the garbage collector", fh.name)
+            fh.close()
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, tensors={len(self._infos)})"
+
+
+def _tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_checkpoint(out_dir: str | Path, config_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                     tokenizer_json: str | Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write an HF-style checkpoint folder; the same inputs give byte-identical files.
+
+    Tensors are ordered by :func:`natural_key` and packed greedily into shards of at
+    most ``max_shard_bytes`` (a single larger tensor gets a shard of its own); the
+    index lists every tensor. Older ``model-*-of-*.safetensors`` files in the folder
+    that the new index does not name are removed, so a re-write never leaves stale
+    shards for a reader to trip on. ``tokenizer_config.json`` beside the tokenizer is
+    copied too (it names the pad/eos tokens).
+    """
+    from safetensors.torch import save_file
+
+    if max_shard_bytes < 1:
+        raise EngramError(f"max_shard_bytes must be positive (got {max_shard_bytes})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ModelConfig.from_dict(dict(config_dict), source="config to write")  # refuse a bad config before writing
+    names = sorted(tensors, key=natural_key)
+    groups: list[list[str]] = []
+    size = 0
+    for name in names:
+        nb = _tensor_nbytes(tensors[name])
+        if not groups or (size + nb > max_shard_bytes and groups[-1]):
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nb
+    n = max(1, len(groups))
+    weight_map: dict[str, str] = {}
+    written: set[str] = set()
+    for i, group in enumerate(groups, start=1):
+        fname = shard_name(i, n)
+        shard = {name: tensors[name].detach().to("cpu").contiguous() for name in group}
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        # safetensors creates files owner-only; a checkpoint is data others read.
+        os.chmod(out / fname, 0o644)
+        written.add(fname)
+        for name in group:
+            weight_map[name] = fname
+    for stale in out.glob("model-*-of-*.safetensors"):
+        if SHARD_RE.match(stale.name) and stale.name not in written:
+            stale.unlink()
+    total = sum(_tensor_nbytes(tensors[k]) for k in names)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG_NAME).write_text(json.dumps(dict(config_dict), indent=2) + "\n")
+    if tokenizer_json is not None:
+        src = Path(tokenizer_json)
+        if not src.is_file():
+            raise EngramError(f"tokenizer file '{src}' does not exist (pass a tokenizer.json path)")
+        shutil.copyfile(src, out / TOKENIZER_NAME)
+        tok_cfg = src.parent / TOKENIZER_CONFIG_NAME
+        if tok_cfg.is_file():
+            shutil.copyfile(tok_cfg, out / TOKENIZER_CONFIG_NAME)
+    log.info("wrote checkpoint %s: %d tensors, %d shard(s), %.1f MB", out, len(names), n, total / 1e6)
+    return out
+
+
+def _engram_layout_for(ckpt: Checkpoint) -> Any:
+    """The layout of a checkpoint's config, for shape checks only.
+
+    Table shapes do not depend on the pad id, so a placeholder compressed pad id (0)
+    is used rather than building the compressed vocab (seconds of tokenizer work).
+    """
+    from .layout import EngramLayout
+
+    spec = ckpt.config.engram
+    assert spec is not None
+    return EngramLayout.from_spec(spec, pad_id=0)
+
+
+def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
+    """Problems that would make the checkpoint unusable, one line each (empty = fine).
+
+    Checks the backbone tensors' presence and shapes, and per Engram layer: the table
+    exists, has ``engram_head_dim`` columns and at least the layout's rows, its dtype
+    matches ``table_dtype`` and (FP8) its scale has shape ``[rows, head_dim/quant_block]``;
+    ``wkv`` is ``[(hc+1)*hidden, n_hash_cols*head_dim]``; ``q_weight``/``k_weight`` are
+    ``[hc, hidden]``.
+    """
+    cfg = ckpt.config
+    problems: list[str] = []
+
+    def shape_of(name: str) -> tuple[int, ...] | None:
+        return ckpt.shape(name) if name in ckpt else None
+
+    for name, want in backbone_tensor_shapes(cfg).items():
+        got = shape_of(name)
+        if got is None:
+            problems.append(f"tensor {name} is missing (expected shape {list(want)})")
+        elif got != want:
+            problems.append(f"tensor {name} has shape {list(got)} but the config needs {list(want)}")
+    spec: EngramSpec | None = cfg.engram
+    if spec is None:
+        return problems
+    if spec.head_dim is None:
+        problems.append(f"config has no {spec.field_name('head_dim')} (the table row width), so the tables cannot be checked")
+        return problems
+    if layout is None:
+        try:
+            layout = _engram_layout_for(ckpt)
+        except EngramError as exc:
+            problems.append(str(exc))
+            return problems
+    D, hc, hd = cfg.hidden_size, cfg.hc_mult, spec.head_dim
+    for li, layer_id in enumerate(layout.layer_ids):
+        names = engram_tensor_names(layer_id, spec.prefix)
+        need = int(layout.table_rows[li])
+        tshape = shape_of(names["table"])
+        if tshape is None:
+            problems.append(f"table {names['table']} is missing (Engram layer {layer_id} needs [{need}, {hd}])")
+        else:
+            st = ckpt.st_dtype(names["table"])
+            if len(tshape) != 2:
+                problems.append(f"table {names['table']} has shape {list(tshape)} (expected 2-D [rows, {hd}])")
+            else:
+                rows, width = tshape
+                if width != hd:
+                    problems.append(f"table {names['table']} has rows of width {width} but {spec.field_name('head_dim')}={hd}")
+                if rows < need:
+                    problems.append(f"table {names['table']} has {rows} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes (rebuild the tables or fix {spec.field_name('vocab_size')})")
+                if spec.table_dtype == "fp8":
+                    if st not in FP8_TABLE_DTYPES:
+                        problems.append(f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='fp8' (expected F8_E4M3 with ue8m0 scales)")
+                    sshape = shape_of(names["scale"])
+                    want_s = (rows, width // spec.quant_block)
+                    if sshape is None:
+                        problems.append(f"scale {names['scale']} is missing (an FP8 table needs [rows, width/{spec.quant_block}] = {list(want_s)})")
+                    else:
+                        if sshape != want_s:
+                            problems.append(f"scale {names['scale']} has shape {list(sshape)} but its table needs {list(want_s)}")
+                        if ckpt.st_dtype(names["scale"]) not in FP8_SCALE_DTYPES:
+                            problems.append(f"scale {names['scale']} is {ckpt.st_dtype(names['scale'])} (expected F8_E8M0 ue8m0 bytes)")
+                elif st not in BF16_TABLE_DTYPES:
+                    problems.append(f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='bf16' (expected BF16)")
+        want_wkv = ((hc + 1) * D, layout.n_hash_cols * hd)
+        got = shape_of(names["wkv"])
+        if got is None:
+            problems.append(f"tensor {names['wkv']} is missing (expected {list(want_wkv)})")
+        elif got != want_wkv:
+            problems.append(f"tensor {names['wkv']} has shape {list(got)} but needs [(hc_mult+1)*hidden, n_hash_cols*head_dim] = {list(want_wkv)}")
+        for key in ("q_weight", "k_weight"):
+            got = shape_of(names[key])
+            if got is None:
+                problems.append(f"tensor {names[key]} is missing (expected [{hc}, {D}])")
+            elif got != (hc, D):
+                problems.append(f"tensor {names[key]} has shape {list(got)} but needs [hc_mult, hidden] = [{hc}, {D}]")
+    return problems
+
+
+def require_valid(ckpt: Checkpoint, layout: Any = None) -> None:
+    """Raise :class:`CheckpointError` with the first problem (and how many) if any."""
+    problems = validate_checkpoint(ckpt, layout)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
+        raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
+
+
+def iter_engram_names(spec: EngramSpec) -> Iterable[str]:
+    """All Engram tensor names a spec implies, in layer order."""
+    for lid in spec.layer_ids:
+        names = engram_tensor_names(lid, spec.prefix)
+        for key in ("table", "scale", "wkv", "q_weight", "k_weight"):
+            if key == "scale" and spec.table_dtype != "fp8":
+                continue
+            yield names[key]

@@ -1,0 +1,293 @@
+"""Checkpoint folders: round trip, lazy metadata, row reads, refusals, the demo."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram_trt.checkpoint import (
+    INDEX_NAME,
+    Checkpoint,
+    engram_tensor_names,
+    validate_checkpoint,
+    write_checkpoint,
+)
+from engram_trt.config import ModelConfig
+from engram_trt.demo import (
+    DEMO_CONFIG,
+    STAMP_NAME,
+    demo_checkpoint_dir,
+    ensure_demo_checkpoint,
+    make_demo_checkpoint,
+    random_weights,
+)
+from engram_trt.errors import EngramError
+from engram_trt.layout import EngramLayout
+from engram_trt.quant import quantize_fp8_rows
+
+SMALL_CONFIG = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 97,
+    "hc_mult": 2,
+    "tie_word_embeddings": False,
+    "engram_layer_ids": [0, 2],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 64,
+    "engram_vocab_size": 40,
+    "engram_compressed_vocab_size": 60,
+    "engram_pad_token_id": 1,
+}
+
+
+def small_layout(cfg: dict | None = None) -> EngramLayout:
+    spec = ModelConfig.from_dict(cfg or SMALL_CONFIG).engram
+    assert spec is not None
+    return EngramLayout.from_spec(spec, pad_id=1)
+
+
+def small_tensors(seed: int = 0, extra_rows: int = 5) -> dict[str, torch.Tensor]:
+    config = ModelConfig.from_dict(SMALL_CONFIG)
+    gen = torch.Generator().manual_seed(seed)
+    rows = [int(r) + extra_rows for r in small_layout().table_rows]
+    return random_weights(config, gen, table_rows=rows)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture()
+def small_ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = small_tensors()
+    # A small shard limit forces several shards, so the index is exercised.
+    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None, max_shard_bytes=8 * 1024)
+    return tmp_path / "ck", tensors
+
+
+def test_round_trip_sharded(small_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, tensors = small_ckpt
+    shards = sorted(p.name for p in path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2
+    index = json.loads((path / INDEX_NAME).read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert set(index["weight_map"].values()) == set(shards)
+    ck = Checkpoint.open(path)
+    assert set(ck.tensor_names()) == set(tensors)
+    assert ck.config.hidden_size == 32 and ck.config.engram is not None
+    for name, t in tensors.items():
+        assert ck.shape(name) == tuple(t.shape)
+        assert ck.dtype(name) == t.dtype
+        got = ck.get(name)
+        assert got.dtype == t.dtype
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+    table = engram_tensor_names(0)["table"]
+    scale = engram_tensor_names(0)["scale"]
+    assert ck.st_dtype(table) == "F8_E4M3"
+    assert ck.st_dtype(scale) == "F8_E8M0"
+    assert validate_checkpoint(ck) == []
+
+
+def test_metadata_is_lazy(small_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """shape/dtype/locate must come from headers: no tensor data may be loaded."""
+    path, tensors = small_ckpt
+    ck = Checkpoint.open(path)
+    loads: list[str] = []
+
+    class Spy:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            loads.append(name)
+            return self.inner.get_tensor(name)  # type: ignore[attr-defined]
+
+        def get_slice(self, name: str) -> object:
+            return self.inner.get_slice(name)  # type: ignore[attr-defined]
+
+    real_handle = ck._handle
+    ck._handle = lambda f: Spy(real_handle(f))  # type: ignore[method-assign]
+    for name in tensors:
+        ck.shape(name)
+        ck.dtype(name)
+        ck.locate(name)
+    assert validate_checkpoint(ck) == []
+    assert loads == []
+    ck.get("model.norm.weight")
+    assert loads == ["model.norm.weight"]
+
+
+def test_get_rows_equals_slicing(small_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, tensors = small_ckpt
+    ck = Checkpoint.open(path)
+    names = engram_tensor_names(2)
+    ids = torch.tensor([[0, 7, 3], [int(tensors[names["table"]].shape[0]) - 1, 7, 0]])
+    for key in ("table", "scale"):
+        full = tensors[names[key]]
+        rows = ck.get_rows(names[key], ids)
+        assert rows.dtype == full.dtype and rows.shape == (2, 3, full.shape[1])
+        assert torch.equal(rows.view(torch.uint8), full.view(torch.uint8)[ids])
+    # a bf16 2-D tensor and a plain list of ids
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(ck.get_rows(name, [5, 1]), tensors[name][[5, 1]])
+    with pytest.raises(EngramError, match="outside tensor"):
+        ck.get_rows(names["table"], [10**6])
+
+
+def test_locate_gives_the_tensor_bytes(small_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, tensors = small_ckpt
+    ck = Checkpoint.open(path)
+    for name in (engram_tensor_names(0)["table"], engram_tensor_names(0)["scale"], "model.embed_tokens.weight",
+                 "lm_head.weight"):
+        file, offset, nbytes = ck.locate(name)
+        t = tensors[name]
+        assert nbytes == t.numel() * t.element_size()
+        mm = np.memmap(file, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
+        expect = t.contiguous().view(torch.uint8).reshape(-1).numpy()
+        assert np.array_equal(np.asarray(mm), expect)
+        del mm
+
+
+def test_write_is_deterministic(tmp_path: Path) -> None:
+    a = write_checkpoint(tmp_path / "a", SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
+    b = write_checkpoint(tmp_path / "b", SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
+    files_a = sorted(p.name for p in a.iterdir())
+    assert files_a == sorted(p.name for p in b.iterdir())
+    for f in files_a:
+        assert sha(a / f) == sha(b / f), f
+
+
+def test_rewrite_removes_stale_shards(tmp_path: Path) -> None:
+    out = tmp_path / "ck"
+    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
+    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=10**9)
+    assert [p.name for p in out.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
+    Checkpoint.open(out)
+
+
+def test_missing_shard_names_the_file(small_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = small_ckpt
+    victim = sorted(path.glob("model-*-of-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(EngramError, match=victim.name) as err:
+        Checkpoint.open(path)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_config_and_missing_folder(small_ckpt: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    path, _ = small_ckpt
+    (path / "config.json").unlink()
+    with pytest.raises(EngramError, match="config.json"):
+        Checkpoint.open(path)
+    with pytest.raises(EngramError, match="does not exist"):
+        Checkpoint.open(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text(json.dumps(SMALL_CONFIG))
+    with pytest.raises(EngramError, match="no weights"):
+        Checkpoint.open(empty)
+
+
+def test_index_naming_absent_tensor(small_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = small_ckpt
+    index = json.loads((path / INDEX_NAME).read_text())
+    index["weight_map"]["model.layers.9.ghost"] = next(iter(index["weight_map"].values()))
+    (path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(EngramError, match="model.layers.9.ghost"):
+        Checkpoint.open(path)
+
+
+def test_tables_not_covering_layout_are_reported(tmp_path: Path) -> None:
+    layout = small_layout()
+    tensors = small_tensors(extra_rows=0)
+    names = engram_tensor_names(2)
+    need = int(layout.table_rows[1])
+    short = need - 3
+    q, s = quantize_fp8_rows(torch.randn(short, 64, generator=torch.Generator().manual_seed(1)))
+    tensors[names["table"]] = q.view(torch.float8_e4m3fn)
+    tensors[names["scale"]] = s.view(torch.float8_e8m0fnu)
+    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None)
+    problems = validate_checkpoint(Checkpoint.open(tmp_path / "ck"), layout)
+    assert len(problems) == 1, problems
+    assert names["table"] in problems[0]
+    assert f"has {short} rows but the layout needs at least {need}" in problems[0]
+    assert "does not cover engram_num_embeddings/primes" in problems[0]
+
+
+def test_shape_problems_are_reported(tmp_path: Path) -> None:
+    tensors = small_tensors()
+    n0, n2 = engram_tensor_names(0), engram_tensor_names(2)
+    rows = tensors[n0["scale"]].shape[0]
+    tensors[n0["scale"]] = tensors[n0["scale"]][: rows - 1].clone()
+    tensors[n0["wkv"]] = tensors[n0["wkv"]][:, :-8].clone()
+    tensors[n2["q_weight"]] = tensors[n2["q_weight"]][:1].clone()
+    del tensors[n2["k_weight"]]
+    q, s = quantize_fp8_rows(torch.randn(tensors[n2["table"]].shape[0], 32))
+    tensors[n2["table"]] = q.view(torch.float8_e4m3fn)  # head_dim 32, config says 64
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None)
+    problems = validate_checkpoint(Checkpoint.open(tmp_path / "ck"))
+    text = "\n".join(problems)
+    assert f"scale {n0['scale']} has shape [{rows - 1}, 2]" in text
+    assert f"tensor {n0['wkv']} has shape" in text and "[96, 256]" in text
+    assert f"tensor {n2['q_weight']} has shape [1, 32] but needs [hc_mult, hidden] = [2, 32]" in text
+    assert f"tensor {n2['k_weight']} is missing" in text
+    assert f"table {n2['table']} has rows of width 32 but engram_head_dim=64" in text
+    assert "tensor model.layers.1.mlp.down_proj.weight is missing" in text
+    assert len(problems) == 7, problems  # the width-32 table also mismatches its [rows, 2] scale
+
+
+def test_demo_config_matches_layout() -> None:
+    config = ModelConfig.from_dict(DEMO_CONFIG)
+    spec = config.engram
+    assert spec is not None
+    layout = EngramLayout.from_spec(spec, pad_id=1)
+    assert list(spec.num_embeddings or ()) == layout.table_rows.tolist()
+    assert layout.n_hash_cols == 8
+    assert all(2e5 < r < 5e5 for r in layout.table_rows)
+
+
+def test_demo_checkpoint_is_deterministic(tmp_path: Path) -> None:
+    a = make_demo_checkpoint(tmp_path / "a", seed=0)
+    b = make_demo_checkpoint(tmp_path / "b", seed=0)
+    c = make_demo_checkpoint(tmp_path / "c", seed=1)
+    shards = sorted(p.name for p in a.glob("*.safetensors"))
+    assert len(shards) > 1
+    for f in shards + [INDEX_NAME, "config.json", "tokenizer.json"]:
+        assert sha(a / f) == sha(b / f), f
+    ca, cc = Checkpoint.open(a), Checkpoint.open(c)
+    assert validate_checkpoint(ca) == []
+    for name in ("model.embed_tokens.weight", engram_tensor_names(1)["table"], engram_tensor_names(2)["wkv"]):
+        assert not torch.equal(ca.get(name).view(torch.uint8), cc.get(name).view(torch.uint8)), name
+    # the stamp records the seed
+    assert json.loads((a / STAMP_NAME).read_text())["seed"] == 0
+    assert json.loads((c / STAMP_NAME).read_text())["seed"] == 1
+
+
+def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGRAM_TRT_CACHE", str(tmp_path / "cache"))
+    target = demo_checkpoint_dir()
+    assert target == tmp_path / "cache" / "demo-checkpoint"
+    first = ensure_demo_checkpoint()
+    assert first == target
+    stamp_mtime = (target / STAMP_NAME).stat().st_mtime_ns
+    shard = sorted(target.glob("*.safetensors"))[0]
+    shard_mtime = shard.stat().st_mtime_ns
+    assert ensure_demo_checkpoint() == target
+    assert (target / STAMP_NAME).stat().st_mtime_ns == stamp_mtime
+    assert shard.stat().st_mtime_ns == shard_mtime
+    # a damaged cache (missing shard) is remade rather than trusted
+    shard.unlink()
+    assert ensure_demo_checkpoint() == target
+    Checkpoint.open(target)
+    assert not list(target.parent.glob(".demo-checkpoint.tmp-*"))
