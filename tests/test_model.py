@@ -21,7 +21,7 @@ import torch
 
 from engram_trt.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
 from engram_trt.config import ModelConfig
-from engram_trt.demo import make_demo_checkpoint, random_weights
+from engram_trt.demo import random_weights
 from engram_trt.errors import EngramError
 from engram_trt.fusion import engram_gate_reference
 from engram_trt.hashing import hash_ids
@@ -130,7 +130,7 @@ def np_rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
 def np_forward(cfg: ModelConfig, weights: dict[str, torch.Tensor], lookup: torch.Tensor | None,
                ids: list[int], engram_ids: np.ndarray | None = None) -> np.ndarray:
     W = lambda n: f64(weights[n])  # noqa: E731
-    T, D, hc = len(ids), cfg.hidden_size, cfg.hc_mult
+    T, hc = len(ids), cfg.hc_mult
     nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     eps = cfg.rms_norm_eps
     pos = np.arange(T, dtype=np.float64)
