@@ -224,7 +224,7 @@ def test_engram_update_matches_numpy_across_a_chunk(small: Any) -> None:
     seen: dict[str, torch.Tensor] = {}
 
     def hook(mod: Any, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-        seen["hidden"], seen["rows"], seen["live"] = args
+        seen["hidden"], seen["rows"], seen["live"] = args[:3]
         seen["out"] = out
 
     block = model.model.layers[layer].engram_module

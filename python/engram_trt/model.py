@@ -47,7 +47,8 @@ from .quant import dequant_fp8_rows_torch
 
 log = logging.getLogger(__name__)
 
-TABLE_STORAGES = ("memory", "mmap")
+TABLE_STORAGES = ("memory", "pinned", "mmap")
+ENGRAM_BACKENDS = ("auto", "torch", "kernels")
 
 
 def model_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -165,15 +166,25 @@ class EngramTables:
         spec = ckpt.config.require_engram("reading Engram tables")
         if storage == "mmap":
             return MmapEngramTables(ckpt)
-        if storage != "memory":
+        if storage not in TABLE_STORAGES:
             raise EngramError(f"table storage {storage!r} is not one of {list(TABLE_STORAGES)}")
+        if storage == "pinned" and not torch.cuda.is_available():
+            raise EngramError("table storage 'pinned' (host memory the GPU reads through UVA) needs a CUDA device; use 'memory' or 'mmap' here")
         tables, scales = [], []
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory() if storage == "pinned" else t.to(device)
+
         for lid in spec.layer_ids:
             names = engram_tensor_names(lid, spec.prefix)
             t = ckpt.get(names["table"])
-            tables.append(t.to(device))
-            scales.append(ckpt.get(names["scale"]).to(device) if t.element_size() == 1 else None)
+            tables.append(place(t))
+            scales.append(place(ckpt.get(names["scale"])) if t.element_size() == 1 else None)
         return cls(tables, scales, spec.quant_block)
+
+    def host_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer ``layer_idx``'s stored bytes as CPU tensors (for the host gather)."""
+        return self.tables[layer_idx], self.scales[layer_idx]
 
 
 class MmapEngramTables(EngramTables):
@@ -212,6 +223,20 @@ class MmapEngramTables(EngramTables):
         """Resident bytes: none (the page cache holds what was read)."""
         return 0
 
+    def host_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zero-copy CPU tensors over the file-backed map: the host gather reads the
+        rows it needs straight from the page cache (no table copy at all)."""
+        import warnings
+
+        names = self._names[layer_idx]
+        with warnings.catch_warnings():  # the map is read-only; nothing writes through these views
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.from_numpy(self.ckpt.raw_rows_view(names["table"]))
+            scale = torch.from_numpy(self.ckpt.raw_rows_view(names["scale"])) if self._fp8[layer_idx] else None
+        if not self._fp8[layer_idx]:
+            rows = rows.view(torch.bfloat16)
+        return rows, scale
+
     def _raw_rows(self, layer_idx: int, flat_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         names = self._names[layer_idx]
         ids = flat_ids.cpu()
@@ -219,6 +244,56 @@ class MmapEngramTables(EngramTables):
         if not self._fp8[layer_idx]:
             return rows, None
         return rows.view(torch.uint8), self.ckpt.get_rows(names["scale"], ids).view(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------
+# The Engram steps through the CUDA kernel library
+# --------------------------------------------------------------------------------------
+class KernelEngramOps:
+    """Hash, gather and gate through the kernel library the TensorRT plugins call
+    (``libengram_trt_plugins.so``, via :mod:`engram_trt.kernels`): one kernel library,
+    two callers, so the GPU path without TensorRT runs the plugins' very kernels.
+
+    Tables on the GPU or in pinned host memory are read by the gather kernel (device
+    memory or UVA); tables in ordinary host memory or file-backed maps go through the
+    host gather (CPU threads into pinned staging, then one copy per chunk).
+    """
+
+    name = "cuda-kernels"
+
+    def __init__(self, layout: EngramLayout, device: torch.device) -> None:
+        from . import kernels
+
+        kernels.load_library()
+        kernels.check_layout(layout)
+        self.kernels = kernels
+        self.layout = layout
+        self.device = device
+
+    def hash(self, cids: torch.Tensor, lookback: torch.Tensor | None) -> torch.Tensor:
+        """int32 ``[B, T, L, cols]`` row ids of compressed ids ``[B, T]`` (one packed launch)."""
+        B, T = cids.shape
+        starts = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=self.device)
+        lb = None if lookback is None else lookback.to(device=self.device, dtype=torch.int32).contiguous()
+        out = self.kernels.hash_packed(cids.reshape(-1).to(torch.int32).contiguous(), starts, lb, self.layout)
+        return out.reshape(B, T, self.layout.num_layers, self.layout.n_hash_cols)
+
+    def rows(self, tables: EngramTables, layer_idx: int, hash_ids: torch.Tensor) -> torch.Tensor:
+        """bf16 ``[B, T, cols, head_dim]`` rows of one layer."""
+        B, T, L, cols = hash_ids.shape
+        flat = hash_ids.reshape(B * T, L, cols).to(torch.int32).contiguous()
+        rows, scales = tables.host_views(layer_idx) if isinstance(tables, MmapEngramTables) else \
+            (tables.tables[layer_idx], tables.scales[layer_idx])
+        if rows.is_cuda or rows.is_pinned():
+            out = self.kernels.gather(flat.to(self.device), rows, scales, layer=layer_idx, quant_block=tables.quant_block)
+        else:
+            out = self.kernels.host_gather(flat.cpu(), rows, scales, layer=layer_idx, quant_block=tables.quant_block,
+                                           device=self.device)
+        return out.reshape(B, T, cols, rows.shape[1])
+
+    def gate(self, hidden: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+             live: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.gate(hidden.contiguous(), kv.contiguous(), q_weight, k_weight, live.contiguous(), eps=eps)
 
 
 # --------------------------------------------------------------------------------------
@@ -346,13 +421,15 @@ class EngramModule(nn.Module):
         self.q_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """hidden ``[B, T, hc, D]``, rows ``[B, T, cols, head_dim]``, live ``[B, T]`` bool."""
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, live: torch.Tensor,
+                ops: KernelEngramOps | None = None) -> torch.Tensor:
+        """hidden ``[B, T, hc, D]``, rows ``[B, T, cols, head_dim]``, live ``[B, T]`` bool;
+        the gate runs in the kernel library when ``ops`` is given (bf16 only)."""
         B, T, hc, D = hidden.shape
         e = rows.reshape(B, T, -1).to(self.wkv.weight.dtype)
         kv = self.wkv(e)
-        out = engram_gate(hidden.reshape(B * T, hc, D), kv.reshape(B * T, -1), self.q_weight, self.k_weight,
-                          live.reshape(B * T), self.eps)
+        args = (hidden.reshape(B * T, hc, D), kv.reshape(B * T, -1), self.q_weight, self.k_weight, live.reshape(B * T))
+        out = engram_gate(*args, self.eps) if ops is None else ops.gate(*args, self.eps)
         return out.reshape(B, T, hc, D)
 
 
@@ -459,9 +536,12 @@ class EngramLlama(nn.Module):
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *,
                  tables: EngramTables | None = None, compress_lookup: Any = None,
                  layout: EngramLayout | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, engram_backend: str = "auto") -> None:
         super().__init__()
         self.config = config
+        self.engram_ops: KernelEngramOps | None = None
+        if engram_backend not in ENGRAM_BACKENDS:
+            raise EngramError(f"engram_backend {engram_backend!r} is not one of {list(ENGRAM_BACKENDS)}")
         self.compute_dtype = dtype
         spec = config.require_model()
         with torch.device("meta"):
@@ -494,12 +574,33 @@ class EngramLlama(nn.Module):
         if tuple(layout.layer_ids) != tuple(spec.layer_ids):
             raise EngramError(f"layout layers {list(layout.layer_ids)} differ from the config's {list(spec.layer_ids)}")
         self.layout = layout
+        self.engram_ops = self._select_engram_ops(engram_backend, layout, torch.device(device), dtype)
         if tables is None and any(engram_tensor_names(l, spec.prefix)["table"] in weights for l in spec.layer_ids):
             tables = EngramTables.from_weights(config, weights, device)
         if tables is not None:
             self.set_tables(tables)
 
     # -- construction helpers ------------------------------------------------------
+    @staticmethod
+    def _select_engram_ops(backend: str, layout: EngramLayout, device: torch.device,
+                           dtype: torch.dtype) -> KernelEngramOps | None:
+        """``auto``: the kernel library on a CUDA device in bf16 when it loads, else the
+        PyTorch path; ``kernels``: the kernel library or a clear error; ``torch``: PyTorch."""
+        if backend == "torch":
+            return None
+        usable = device.type == "cuda" and dtype == torch.bfloat16
+        if not usable:
+            if backend == "kernels":
+                raise EngramError(f"engram_backend 'kernels' runs on a CUDA device in bfloat16 (got {device}, {dtype}); use 'torch' or 'auto'")
+            return None
+        try:
+            return KernelEngramOps(layout, device)
+        except EngramError as exc:
+            if backend == "kernels":
+                raise
+            log.warning("Engram CUDA kernels unavailable (%s); using the PyTorch path", exc)
+            return None
+
     def _load_weights(self, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
         expected = model_weight_shapes(self.config)
         params = dict(self.named_parameters())
@@ -536,7 +637,7 @@ class EngramLlama(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint | str, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, table_storage: str = "memory",
-                        compressed_vocab: Any = None) -> "EngramLlama":
+                        compressed_vocab: Any = None, engram_backend: str = "auto") -> "EngramLlama":
         """Build from a checkpoint: config, validated tensors, compressed vocab from its
         tokenizer.json (size checked against the config), tables in ``table_storage``."""
         from .tokenizer import build_compressed_vocab, check_compressed_size
@@ -561,14 +662,18 @@ class EngramLlama(nn.Module):
         t0 = time.perf_counter()
         weights = {name: ckpt.get(name) for name in model_weight_shapes(cfg)}
         tables = EngramTables.from_checkpoint(ckpt, device, table_storage) if spec is not None else None
-        model = cls(cfg, weights, tables=tables, compress_lookup=lookup, layout=layout, device=device, dtype=dtype)
+        model = cls(cfg, weights, tables=tables, compress_lookup=lookup, layout=layout, device=device, dtype=dtype,
+                    engram_backend=engram_backend)
         log.info("loaded %s in %.1f s (device %s, %s, tables: %s)", ckpt.path, time.perf_counter() - t0,
                  device, dtype, table_storage if spec is not None else "none")
         return model
 
     # -- cache -----------------------------------------------------------------------
-    backend_name = "torch"
-    """What the CLI reports as the backend: this module is the PyTorch reference."""
+    @property
+    def backend_name(self) -> str:
+        """What the CLI reports: the PyTorch reference, with the Engram steps in the
+        CUDA kernel library when it runs them."""
+        return "torch" if self.engram_ops is None else f"torch + engram {self.engram_ops.name}"
 
     @property
     def device(self) -> torch.device:
@@ -610,6 +715,8 @@ class EngramLlama(nn.Module):
         B = compressed_ids.shape[0]
         if lookback is not None and tuple(lookback.shape) != (B, self.layout.max_ngram_size - 1):
             raise EngramError(f"lookback must be [B={B}, N-1={self.layout.max_ngram_size - 1}] (got {tuple(lookback.shape)})")
+        if self.engram_ops is not None:
+            return self.engram_ops.hash(compressed_ids, lookback)
         return torch.stack([hash_ids_torch(compressed_ids[b], self.layout, None if lookback is None else lookback[b])
                             for b in range(B)])
 
@@ -617,6 +724,8 @@ class EngramLlama(nn.Module):
         """Per Engram layer, bf16 rows ``[B, T, cols, head_dim]`` for ``hash_ids [B, T, L, cols]``."""
         if self.tables is None:
             raise EngramError("the model has no Engram tables attached (set_tables), and no engram_rows were given")
+        if self.engram_ops is not None:
+            return [self.engram_ops.rows(self.tables, li, hash_ids) for li in range(hash_ids.shape[2])]
         return [self.tables.rows(li, hash_ids[:, :, li, :]) for li in range(hash_ids.shape[2])]
 
     def _engram_inputs(self, ids: torch.Tensor, engram_ids: Any) -> torch.Tensor:
@@ -695,7 +804,7 @@ class EngramLlama(nn.Module):
             if li is not None:
                 block = layer.engram_module
                 assert rows is not None and block is not None
-                hs = block(hs, rows[li].to(hs.device), live)
+                hs = block(hs, rows[li].to(hs.device), live, self.engram_ops)
             a = layer.self_attn(layer.input_layernorm(hs.mean(dim=2)), cos, sin, start, cache, i)
             hs = hs + a.unsqueeze(2)
             m = layer.mlp(layer.post_attention_layernorm(hs.mean(dim=2)))

@@ -1,0 +1,451 @@
+"""``engram-trt build``: a checkpoint becomes an engine folder, with the tables left outside.
+
+Phases (each with a progress bar, each timed in ``build_report.json``):
+
+1. **check**: ``--engram-config`` against the model (before any work), the checkpoint's
+   tensors against its config and layout, the tokenizer's compressed size against
+   ``engram_compressed_vocab_size``;
+2. **vocab**: the compressed token map, saved as ``compressed_vocab.npy`` (the runtime
+   compresses ids and keeps the lookback with it);
+3. **tables**: each table located (file, offset, length) and hashed, or re-packed to
+   FP8 first with ``--repack-tables DIR``;
+4. **export**: ``model.onnx``, the portable artifact (onnx_export.py);
+5. **engine**: built when a TensorRT builder imports (``tensorrt``, else TensorRT-RTX),
+   the plugin library embedded (``--plugin-library embed``) or recorded
+   (``reference``); otherwise the build stops after the graph and says so.
+
+``manifest.json`` ties it together and is deterministic; timings and sizes go to
+``build_report.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from . import __version__
+from .checkpoint import Checkpoint, require_valid
+from .engram_config import EngramConfig, add_engram_config_arguments, engram_config_from_args
+from .errors import EngramError
+from .layout import EngramLayout
+from .manifest import (MANIFEST_NAME, MANIFEST_VERSION, TableRef, checkpoint_table_refs, hash_tables, repack_tables,
+                       sha256_file, write_manifest)
+from .onnx_export import PLUGIN_NAMES, ExportOptions, export_model, normalize_dtype
+
+log = logging.getLogger(__name__)
+
+ONNX_NAME = "model.onnx"
+ENGINE_NAME = "model.engine"
+VOCAB_NAME = "compressed_vocab.npy"
+REPORT_NAME = "build_report.json"
+PLUGIN_MODES = ("embed", "reference")
+BUILD_DTYPES = ("bf16", "fp16")
+DEFAULT_MAX_BATCH = 4
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_MAX_NUM_TOKENS = 2048
+MIN_TABLE_TO_ENGINE_RATIO = 1.0  # checked only where tables dominate the backbone (see _check_engine_size)
+
+
+@dataclass
+class BuildResult:
+    """What a build produced (paths, sizes, timings); ``engine_path`` is None when no
+    TensorRT builder was importable, with the reason in ``engine_skipped``."""
+
+    output_dir: Path
+    manifest_path: Path
+    onnx_path: Path
+    engine_path: Path | None
+    engine_bytes: int
+    tables_bytes: int
+    onnx_bytes: int
+    build_seconds: float
+    phase_seconds: dict[str, float]
+    trt: dict[str, str] | None
+    plugin_layers: list[str] = field(default_factory=list)
+    engine_skipped: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("output_dir", "manifest_path", "onnx_path", "engine_path"):
+            d[k] = None if d[k] is None else str(d[k])
+        d["tables_to_engine_ratio"] = (self.tables_bytes / self.engine_bytes) if self.engine_bytes else None
+        return d
+
+    def summary(self) -> str:
+        mb = 1024 * 1024
+        lines = [f"engine folder: {self.output_dir}"]
+        if self.engine_path is not None:
+            lines.append(f"engine: {self.engine_path.name} {self.engine_bytes / mb:.1f} MiB ({self.trt['flavour'] if self.trt else '?'} {self.trt['version'] if self.trt else ''}), "
+                         f"plugin layers: {len(self.plugin_layers)}")
+        else:
+            lines.append(f"engine: not built ({self.engine_skipped})")
+        lines.append(f"graph: {self.onnx_path.name} {self.onnx_bytes / mb:.1f} MiB")
+        lines.append(f"tables (outside the engine): {self.tables_bytes / mb:.1f} MiB")
+        lines.append(f"build time: {self.build_seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.phase_seconds.items()) + ")")
+        return "\n".join(lines)
+
+
+class _Phases:
+    """Times phases and shows one progress bar over them."""
+
+    def __init__(self, names: Sequence[str], progress: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=len(names), desc="build", unit="phase", disable=not progress)
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.bar.set_postfix_str(name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(time.perf_counter() - t0, 3)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def find_plugin_library(explicit: str | Path | None = None) -> Path:
+    """The plugin library: ``explicit``, else kernels.library_path()'s search."""
+    if explicit is not None:
+        p = Path(explicit).expanduser()
+        if not p.is_file():
+            raise EngramError(f"--plugin-lib '{p}' is not a file (point it at libengram_trt_plugins.so)")
+        return p.resolve()
+    from .kernels import library_path
+
+    return library_path()
+
+
+def plugin_library_info(path: Path) -> dict[str, Any]:
+    """Version (from the library's C ABI) and sha256 of the plugin library."""
+    version = "unknown"
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL(str(path))
+        fn = lib.engram_trt_plugin_version
+        fn.restype = ctypes.c_char_p
+        version = fn().decode()
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot read the plugin library's version from %s (%s)", path, exc)
+    return {"file": path.name, "path": str(path), "version": version, "sha256": sha256_file(path)}
+
+
+def _check_sizes(max_batch: int, max_seq_len: int, max_num_tokens: int, config: Any) -> None:
+    for name, v in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len), ("--max-num-tokens", max_num_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise EngramError(f"{name} must be a positive integer (got {v!r})")
+    if max_num_tokens > max_seq_len:
+        raise EngramError(f"--max-num-tokens {max_num_tokens} exceeds --max-seq-len {max_seq_len}: one step cannot hold more tokens than a sequence")
+    if max_seq_len > config.max_position_embeddings:
+        raise EngramError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
+
+
+def optimization_profile_shapes(exported: Any, config: Any, max_batch: int, max_seq_len: int,
+                                max_num_tokens: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(min, opt, max) per dynamic input. ``past`` runs 0..max_seq_len-1 (a step adds at
+    least one token), ``seq`` 1..max_num_tokens; opt is a mid-size decode batch."""
+    kvh, hd = config.num_key_value_heads, config.head_dim
+    opt_b = max(1, (max_batch + 1) // 2)
+    opt_s = max(1, min(max_num_tokens, 128))
+    opt_p = max(0, min(max_seq_len - opt_s, max_seq_len // 2))
+    io = exported.io
+    shapes: dict[str, Any] = {}
+    for name in exported.input_names:
+        if name in ("input_ids", "engram_ids"):
+            shapes[name] = ((1, 1), (opt_b, opt_s), (max_batch, max_num_tokens))
+        elif name == "engram_lookback":
+            n = io["lookback"]
+            shapes[name] = ((1, n), (opt_b, n), (max_batch, n))
+        elif name.startswith("past_"):
+            shapes[name] = ((1, kvh, 0, hd), (opt_b, kvh, opt_p, hd), (max_batch, kvh, max_seq_len - 1, hd))
+        elif name.startswith("engram_rows_"):
+            c, d = io["cols"], io["head_dim"]
+            shapes[name] = ((1, 1, c, d), (opt_b, opt_s, c, d), (max_batch, max_num_tokens, c, d))
+    return shapes
+
+
+def _plugin_name(t: Any, layer: Any) -> str:
+    """The plugin name of an IPluginV3 layer (through its core capability). The network
+    hands out plain ILayer objects; the Python bindings expose ``.plugin`` only once the
+    object is viewed as IPluginV3Layer (both flavours)."""
+    layer.__class__ = t.IPluginV3Layer
+    core = layer.plugin.get_capability_interface(t.PluginCapabilityType.CORE)
+    return f"{core.plugin_name}/{core.plugin_version}"
+
+
+def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Path, max_batch: int, max_seq_len: int,
+                 max_num_tokens: int, targets: Sequence[str], plugin_library: Path | None, embed_plugin_library: bool,
+                 fp32_attention_decomposable: bool = True) -> tuple[int, list[str]]:
+    """Parse ``model.onnx`` into a strongly typed network and build the serialized engine.
+    Returns (engine bytes, plugin names of the network's plugin layers)."""
+    from . import trt_compat as tc
+
+    t = tc.load().module
+    builder = tc.create_builder()
+    if plugin_library is not None:
+        tc.load_plugin_library(plugin_library)
+    network = tc.create_network(builder)
+    parser = tc.onnx_parser(network)
+    tc.parse_onnx_file(parser, onnx_path)
+    plugin_layers: list[str] = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == t.LayerType.PLUGIN_V3:
+            plugin_layers.append(_plugin_name(t, layer))
+        att = getattr(layer, "attention", None)
+        if att is not None and fp32_attention_decomposable and exported.dtype == "fp32":
+            att.decomposable = True  # no dedicated float32 attention kernel
+    cfg = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in optimization_profile_shapes(exported, config, max_batch, max_seq_len, max_num_tokens).items():
+        profile.set_shape(name, lo, opt, hi)
+    cfg.add_optimization_profile(profile)
+    tc.set_targets(cfg, targets)
+    if plugin_library is not None and embed_plugin_library:
+        tc.set_plugins_to_serialize(cfg, [plugin_library])
+    serialized = builder.build_serialized_network(network, cfg)
+    if serialized is None:
+        raise EngramError(f"TensorRT could not build an engine from '{onnx_path}' (see the TensorRT log above)")
+    data = memoryview(serialized).cast("B")
+    tmp = engine_path.with_name(engine_path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    tmp.replace(engine_path)
+    return len(data), plugin_layers
+
+
+def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_config: EngramConfig | str | dict | None = None, *,
+          max_batch: int = DEFAULT_MAX_BATCH, max_seq_len: int | None = None, max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS,
+          dtype: str = "bf16", targets: str | Sequence[str] | None = None, embed_plugin_library: bool = True,
+          plugin_library: str | Path | None = None, repack_tables_dir: str | Path | None = None,
+          build_engine_if_possible: bool = True, progress: bool = True) -> BuildResult:
+    """Build an engine folder from a checkpoint (see the module docstring for the phases).
+
+    ``engram_config``: an :class:`EngramConfig`, JSON text/path or dict. ``targets``:
+    TensorRT-RTX compute capabilities (``"sm80,sm86"``). ``build_engine_if_possible``
+    False stops after the graph even when TensorRT is importable.
+    """
+    from . import trt_compat as tc
+
+    t_start = time.perf_counter()
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+    config = ckpt.config
+    ecfg = engram_config if isinstance(engram_config, EngramConfig) else EngramConfig.parse(engram_config)
+    ecfg.validate_for(config)  # before any work
+    dtype = normalize_dtype(dtype)
+    if dtype not in BUILD_DTYPES:
+        raise EngramError(f"--dtype {dtype} is not an engine dtype (expected one of {', '.join(BUILD_DTYPES)}; float32 graphs are for the CPU reference check)")
+    max_seq_len = int(max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
+    max_num_tokens = min(int(max_num_tokens), max_seq_len)
+    _check_sizes(int(max_batch), max_seq_len, max_num_tokens, config)
+    target_list = tc.parse_targets(targets)
+    spec = config.require_model()
+    out = Path(output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise EngramError(f"--output '{out}' exists and is not a folder")
+    phases = _Phases(["check", "vocab", "tables", "export", "engine"], progress)
+    try:
+        layout: EngramLayout | None = None
+        vocab = None
+        with phases.phase("check"):
+            if spec is not None:
+                if ckpt.tokenizer_json is None:
+                    raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)")
+        with phases.phase("vocab"):
+            if spec is not None:
+                from .tokenizer import build_compressed_vocab, check_compressed_size
+
+                vocab = build_compressed_vocab(ckpt.tokenizer_json)
+                check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
+                if spec.pad_token_id >= vocab.vocab_size:
+                    raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
+                layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
+            require_valid(ckpt, layout)
+            out.mkdir(parents=True, exist_ok=True)
+            for stale in (out / ENGINE_NAME, out / VOCAB_NAME):
+                stale.unlink(missing_ok=True)
+            if vocab is not None:
+                vocab.save(out / VOCAB_NAME)
+        refs: list[TableRef] = []
+        hashes: list[str] = []
+        with phases.phase("tables"):
+            if spec is not None:
+                refs = repack_tables(ckpt, repack_tables_dir, progress=progress) if repack_tables_dir else checkpoint_table_refs(ckpt)
+                hashes = hash_tables(refs, progress)
+            elif repack_tables_dir:
+                raise EngramError("--repack-tables: the model has no Engram layers, so there are no tables to re-pack")
+        tables_bytes = sum(r.nbytes for r in refs)
+        table_dtype = None
+        table_rows: tuple[int, ...] | None = None
+        if spec is not None:
+            table_dtype = "fp8" if any(r.role == "scales" for r in refs) else "bf16"
+            table_rows = tuple(int(r.shape[0]) for r in refs if r.role == "rows")
+        with phases.phase("export"):
+            opts = ExportOptions(dtype=dtype, max_position=max_seq_len, placement=ecfg.placement,
+                                 table_dtype=table_dtype, table_rows=table_rows)
+            exported = export_model(config, ckpt.get, layout, opts)
+            _check_no_tables_in_graph(exported, refs)
+            files = exported.save(out / ONNX_NAME)
+        onnx_bytes = sum(f.stat().st_size for f in files)
+        plugin_info = None
+        needs_plugins = spec is not None
+        if needs_plugins:
+            try:
+                plugin_info = plugin_library_info(find_plugin_library(plugin_library))
+            except EngramError:
+                if plugin_library is not None:
+                    raise
+                plugin_info = None
+        trt_info = None
+        engine_path: Path | None = None
+        engine_bytes = 0
+        plugin_layers: list[str] = []
+        skipped: str | None = None
+        with phases.phase("engine"):
+            if not build_engine_if_possible:
+                skipped = "engine build not requested"
+            elif not tc.available():
+                skipped = f"no TensorRT builder is importable ({tc.NOT_INSTALLED_REASON.split(' (')[0]} and neither is tensorrt_rtx); the exported graph {ONNX_NAME} is the artifact: build it where TensorRT is installed"
+                log.warning("%s", skipped)
+            elif needs_plugins and plugin_info is None:
+                skipped = "the plugin library libengram_trt_plugins.so was not found (build it with `cmake -S . -B build && cmake --build build -j2`, or pass --plugin-lib)"
+                log.warning("%s", skipped)
+            else:
+                trt_info = tc.describe()
+                engine_path = out / ENGINE_NAME
+                lib = Path(plugin_info["path"]) if plugin_info else None
+                engine_bytes, plugin_layers = build_engine(
+                    out / ONNX_NAME, exported, config, engine_path=engine_path, max_batch=int(max_batch),
+                    max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, targets=target_list, plugin_library=lib,
+                    embed_plugin_library=embed_plugin_library)
+                _check_engine_size(engine_bytes, tables_bytes, exported, plugin_info if embed_plugin_library else None)
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            "engram_trt_version": __version__,
+            "checkpoint": str(ckpt.path.resolve()),
+            "model": config.to_dict(),
+            "dtype": dtype,
+            "graph": {"file": ONNX_NAME, "sha256": sha256_file(out / ONNX_NAME), "inputs": exported.input_names,
+                      "outputs": exported.output_names, "io": exported.io,
+                      "external_data": [f.name for f in files[1:]]},
+            "engine": None if engine_path is None else {"file": ENGINE_NAME},
+            "shapes": {"max_batch": int(max_batch), "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens},
+            "layout": None if layout is None else layout.to_json_dict(),
+            "compressed_vocab": None if vocab is None else {"file": VOCAB_NAME, "size": vocab.size,
+                                                            "tokenizer_sha256": vocab.source_sha256},
+            "tables": [r.to_json(h) for r, h in zip(refs, hashes)],
+            "tables_bytes": tables_bytes,
+            "table_dtype": table_dtype,
+            "repacked": bool(repack_tables_dir) if spec is not None else False,
+            "plugins": None if plugin_info is None else {
+                "names": list(PLUGIN_NAMES), "plugin_version": "1",
+                "library": {"file": plugin_info["file"], "version": plugin_info["version"], "sha256": plugin_info["sha256"],
+                            "path": None if embed_plugin_library else plugin_info["path"]},
+                "embedded": bool(embed_plugin_library and engine_path is not None),
+            },
+            "tensorrt": trt_info,
+            "build_flags": {"dtype": dtype, "max_batch": int(max_batch), "max_seq_len": max_seq_len,
+                            "max_num_tokens": max_num_tokens, "targets": list(target_list),
+                            "plugin_library": "embed" if embed_plugin_library else "reference",
+                            "repack_tables": str(Path(repack_tables_dir).expanduser().resolve()) if repack_tables_dir else None},
+            "engram_config": ecfg.to_dict(),
+        }
+        manifest_path = write_manifest(out / MANIFEST_NAME, manifest)
+    finally:
+        phases.close()
+    result = BuildResult(
+        output_dir=out, manifest_path=manifest_path, onnx_path=out / ONNX_NAME, engine_path=engine_path,
+        engine_bytes=engine_bytes, tables_bytes=tables_bytes, onnx_bytes=onnx_bytes,
+        build_seconds=round(time.perf_counter() - t_start, 3), phase_seconds=dict(phases.seconds), trt=trt_info,
+        plugin_layers=plugin_layers, engine_skipped=skipped)
+    report = result.to_json()
+    if engine_path is not None:
+        report["engine_sha256"] = sha256_file(engine_path)
+    (out / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    log.info("built %s: engine %s bytes, tables %s bytes outside it, %.1f s", out, engine_bytes, tables_bytes, result.build_seconds)
+    return result
+
+
+def _check_no_tables_in_graph(exported: Any, refs: Sequence[TableRef]) -> None:
+    """The structural guarantee behind "tables never enter an engine": no graph
+    initializer is a table tensor (by name or by size)."""
+    table_names = {r.tensor for r in refs}
+    table_sizes = {r.nbytes for r in refs}
+    from onnx import numpy_helper  # noqa: F401 - the proto fields suffice
+
+    for init in exported.model.graph.initializer:
+        if init.name in table_names:
+            raise EngramError(f"internal: table {init.name} entered the exported graph")
+        n = len(init.raw_data)
+        if n and n in table_sizes and n > (1 << 20):
+            raise EngramError(f"internal: initializer {init.name} has the size of a table ({n} bytes)")
+
+
+def _check_engine_size(engine_bytes: int, tables_bytes: int, exported: Any, plugin_info: dict | None) -> None:
+    """An engine holds the backbone (graph initializers), kernels and, if embedded, the
+    plugin library; table bytes would show as an engine larger than all of that plus
+    the tables. Refuse such an engine rather than ship it."""
+    lib = Path(plugin_info["path"]).stat().st_size if plugin_info else 0
+    allowance = 2 * exported.initializer_bytes + lib + 64 * 1024 * 1024
+    if tables_bytes and engine_bytes > allowance + tables_bytes // 2:
+        raise EngramError(f"internal: the engine ({engine_bytes} bytes) is larger than its backbone, kernels and plugins allow ({allowance} bytes): table bytes may have entered it")
+
+
+# -- CLI --------------------------------------------------------------------------------------
+def add_build_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``engram-trt build`` (the lead registers them on a subparser)."""
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint folder (config.json, tokenizer.json, *.safetensors)")
+    parser.add_argument("--output", "-o", required=True, metavar="ENGINE_DIR",
+                        help="engine folder to write (model.onnx, model.engine, manifest.json, compressed_vocab.npy, build_report.json)")
+    add_engram_config_arguments(parser)
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N", help=f"largest batch the engine serves (default {DEFAULT_MAX_BATCH})")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help=f"longest sequence, cached plus new tokens (default: min(max_position_embeddings, {DEFAULT_MAX_SEQ_LEN}))")
+    parser.add_argument("--max-num-tokens", type=int, default=DEFAULT_MAX_NUM_TOKENS, metavar="N",
+                        help=f"most new tokens per sequence in one step, i.e. the prefill chunk (default {DEFAULT_MAX_NUM_TOKENS})")
+    parser.add_argument("--dtype", choices=BUILD_DTYPES, default="bf16", help="weights and activations (norms and softmax use float32; default bf16)")
+    parser.add_argument("--target", default=None, metavar="sm80,sm86,...",
+                        help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(tc_targets()) + "); default: the RTX portable set")
+    parser.add_argument("--plugin-library", choices=PLUGIN_MODES, default="embed",
+                        help="embed the Engram plugin library in the engine (default) or only record it in the manifest (the runtime loads it)")
+    parser.add_argument("--plugin-lib", default=None, metavar="PATH",
+                        help="path of libengram_trt_plugins.so (default: $ENGRAM_TRT_PLUGIN_LIB, the package, then build/)")
+    parser.add_argument("--repack-tables", default=None, metavar="DIR",
+                        help="write the tables to DIR as FP8 safetensors (quantizing bf16 tables) and point the manifest there")
+    parser.add_argument("--no-engine", action="store_true", help="stop after the exported graph even if TensorRT is installed")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def tc_targets() -> tuple[str, ...]:
+    from .trt_compat import RTX_TARGETS
+
+    return RTX_TARGETS
+
+
+def build_from_args(args: argparse.Namespace) -> int:
+    """Run ``engram-trt build`` from parsed arguments; prints the result, returns 0."""
+    result = build(
+        args.checkpoint, args.output, engram_config_from_args(args),
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+        dtype=args.dtype, targets=args.target, embed_plugin_library=args.plugin_library == "embed",
+        plugin_library=args.plugin_lib, repack_tables_dir=args.repack_tables,
+        build_engine_if_possible=not args.no_engine, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    else:
+        print(result.summary())
+    return 0

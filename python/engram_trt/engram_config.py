@@ -1,0 +1,249 @@
+"""``--engram-config``: where the Engram tables live and how ranks share them.
+
+The fields are the serving peers' (vLLM / SGLang) ``--engram-config`` JSON, so a user
+moving between them writes the same thing. This dataclass is the one place they are
+parsed, defaulted and validated; the builder, the runtime, the CLI and the Triton model
+all take an :class:`EngramConfig` and none re-parses JSON itself.
+
+A value comes from, in order: the defaults, a JSON object (inline text or a file
+path), then dotted overrides (``--engram-config.cpu_offload false``) whose values are
+JSON scalars. Every mistake is refused before any work, in one line naming the field:
+an unknown field (with the valid ones listed), a wrong type, Engram options for a model
+without Engram layers, ``host_file_gather`` on a checkpoint that is not PLE, and
+combinations that contradict each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from .errors import EngramError
+
+log = logging.getLogger(__name__)
+
+FLAG = "--engram-config"
+TABLE_PLACEMENTS = ("auto", "in_engine", "prefetch")
+
+
+@dataclass(frozen=True)
+class EngramConfig:
+    """Storage and topology of the Engram tables (see notes/engram-spec.md).
+
+    ``cpu_offload``: tables in pinned host memory read through UVA (True), or copied
+    to GPU memory (False).
+    ``host_file_gather``: no table copy at all; rows are read from the checkpoint's
+    safetensors files through the page cache (PLE checkpoints).
+    ``dp_shared_memory``: co-located processes share one table copy in /dev/shm.
+    ``embedding_across_dp``: hash heads sharded across ranks, one copy in total.
+    ``table_placement``: where the lookup runs: ``auto`` (default: ``prefetch`` with
+    ``host_file_gather``, else ``in_engine``), ``in_engine`` (EngramHash ->
+    EngramGather inside the engine, reading the tables through UVA; one launch
+    sequence, no host sync) or ``prefetch`` (the engine takes staged rows as inputs; the
+    runtime hashes and gathers them on a side stream, the faster path for host tables
+    per notes/platform.md).
+    """
+
+    cpu_offload: bool = True
+    host_file_gather: bool = False
+    dp_shared_memory: bool = False
+    embedding_across_dp: bool = False
+    table_placement: str = "auto"
+
+    # -- construction --------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = FLAG) -> "EngramConfig":
+        """Build from a mapping; unknown fields and wrong types are refused."""
+        if not isinstance(d, Mapping):
+            raise EngramError(f"{source}: expected a JSON object of fields (got {type(d).__name__}); valid fields: {', '.join(cls.field_names())}")
+        return cls().with_overrides(d, source)
+
+    @classmethod
+    def parse(cls, text: str | Path | Mapping[str, Any] | None, overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> "EngramConfig":
+        """From inline JSON, a JSON file path, a mapping or None (defaults), then dotted
+        overrides (``{"cpu_offload": "false"}``: string values are read as JSON scalars)."""
+        if text is None or (isinstance(text, str) and not text.strip()):
+            cfg = cls()
+        elif isinstance(text, Mapping):
+            cfg = cls.from_dict(text)
+        else:
+            cfg = cls.from_dict(_load_json_object(text))
+        if overrides:
+            items = overrides.items() if isinstance(overrides, Mapping) else overrides
+            parsed = {}
+            for key, value in items:
+                parsed[key] = parse_scalar(value, f"{FLAG}.{key}") if isinstance(value, str) else value
+            cfg = cfg.with_overrides(parsed, FLAG)
+        return cfg
+
+    def with_overrides(self, d: Mapping[str, Any], source: str = FLAG) -> "EngramConfig":
+        valid = self.field_names()
+        changes: dict[str, Any] = {}
+        for key, value in d.items():
+            if key not in valid:
+                raise EngramError(f"{source}: unknown field '{key}' (valid fields: {', '.join(valid)})")
+            changes[key] = _check_type(key, value, source)
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @property
+    def placement(self) -> str:
+        """The resolved placement: ``in_engine`` or ``prefetch``."""
+        if self.table_placement != "auto":
+            return self.table_placement
+        return "prefetch" if self.host_file_gather else "in_engine"
+
+    # -- validation ---------------------------------------------------------------
+    def is_default(self) -> bool:
+        return self == EngramConfig()
+
+    def validate(self) -> None:
+        """Refuse combinations that contradict each other (model-independent)."""
+        if self.host_file_gather and not self.cpu_offload:
+            raise EngramError(f"{FLAG}: host_file_gather reads rows from the checkpoint files on the host, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true or drop host_file_gather")
+        if self.host_file_gather and self.dp_shared_memory:
+            raise EngramError(f"{FLAG}: host_file_gather and dp_shared_memory both choose where the one host copy lives (the page cache of the checkpoint files vs /dev/shm); pick one")
+        if self.host_file_gather and self.table_placement == "in_engine":
+            raise EngramError(f"{FLAG}: host_file_gather gathers rows on the host, so the lookup cannot run in the engine; use table_placement 'prefetch'")
+        if self.dp_shared_memory and not self.cpu_offload:
+            raise EngramError(f"{FLAG}: dp_shared_memory shares a host copy of the tables in /dev/shm, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true")
+        if self.dp_shared_memory and self.embedding_across_dp:
+            raise EngramError(f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one")
+
+    def validate_for(self, model_config: Any) -> None:
+        """Check against the model before any work: a model without Engram layers takes
+        no Engram options; ``host_file_gather`` needs a PLE checkpoint."""
+        self.validate()
+        spec = getattr(model_config, "engram", None)
+        if spec is None:
+            if not self.is_default():
+                changed = sorted(k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k))
+                raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' or 'ple_layer_ids' in config.json); drop {FLAG}")
+            return
+        if self.host_file_gather and spec.prefix != "ple":
+            raise EngramError(f"{FLAG}: host_file_gather serves PLE checkpoints (ple_* fields), whose tables are stored row-major per layer for page-cache reads; this checkpoint declares {spec.prefix}_* fields; drop host_file_gather (cpu_offload keeps the tables in pinned host memory)")
+
+
+def _load_json_object(text: str | Path) -> Any:
+    """Inline JSON (text starting with '{') or a path to a JSON file."""
+    s = str(text).strip()
+    if s.startswith(("{", "[")):
+        try:
+            return json.loads(s)
+        except json.JSONDecodeError as exc:
+            raise EngramError(f"{FLAG}: not valid JSON ({exc.msg} at column {exc.colno}); pass an object such as '{{\"cpu_offload\": false}}' or a file path") from None
+    p = Path(s).expanduser()
+    if not p.is_file():
+        raise EngramError(f"{FLAG}: '{s}' is neither a JSON object nor an existing file (pass '{{\"cpu_offload\": false}}' or a path to a .json file)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise EngramError(f"{FLAG}: file '{p}' is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+
+
+def parse_scalar(text: str, source: str) -> Any:
+    """A dotted override's value as a JSON scalar (``true``, ``3``, ``"x"``); a bare word
+    that is not JSON is taken as a string (``in_engine``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if isinstance(value, (dict, list)):
+        raise EngramError(f"{source}: expected a scalar value (true/false, a number or a string), got {text!r}")
+    return value
+
+
+def _check_type(key: str, value: Any, source: str) -> Any:
+    default = getattr(EngramConfig(), key)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise EngramError(f"{source}: field '{key}' must be true or false (got {json.dumps(value)})")
+        return value
+    if key == "table_placement":
+        if value not in TABLE_PLACEMENTS:
+            raise EngramError(f"{source}: field 'table_placement' must be one of {', '.join(TABLE_PLACEMENTS)} (got {json.dumps(value)})")
+        return value
+    return value  # pragma: no cover - every field is covered above
+
+
+# -- argparse ------------------------------------------------------------------------
+def add_engram_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--engram-config JSON`` plus one ``--engram-config.FIELD VALUE`` per field.
+
+    Each dotted flag is a real argparse option (so ``--help`` lists it and argparse
+    refuses a misspelled one); values stay strings until :func:`engram_config_from_args`
+    parses them as JSON scalars.
+    """
+    group = parser.add_argument_group("Engram table storage (the peers' --engram-config)")
+    group.add_argument(FLAG, dest="engram_config", metavar="JSON", default=None,
+                       help="JSON object or path to a JSON file with the fields: " + ", ".join(EngramConfig.field_names())
+                       + " (defaults: " + EngramConfig().to_json() + ")")
+    helps = {
+        "cpu_offload": "true: tables in pinned host memory read through UVA (default); false: tables in GPU memory",
+        "host_file_gather": "true: read rows straight from the checkpoint files through the page cache (PLE checkpoints)",
+        "dp_shared_memory": "true: co-located processes share one table copy in /dev/shm",
+        "embedding_across_dp": "true: shard hash heads across ranks (one table copy in total)",
+        "table_placement": "auto (default), in_engine (gather plugin reads tables through UVA) or prefetch (runtime gathers rows before the step)",
+    }
+    for name in EngramConfig.field_names():
+        group.add_argument(f"{FLAG}.{name}", dest=f"engram_config__{name}", metavar="VALUE", default=None,
+                           help=helps.get(name, f"override field {name}"))
+
+
+def engram_config_from_args(args: argparse.Namespace) -> EngramConfig:
+    """The :class:`EngramConfig` of parsed arguments (JSON first, dotted flags override)."""
+    overrides = [(name, getattr(args, f"engram_config__{name}"))
+                 for name in EngramConfig.field_names() if getattr(args, f"engram_config__{name}", None) is not None]
+    return EngramConfig.parse(getattr(args, "engram_config", None), overrides)
+
+
+def split_dotted(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Pull ``--engram-config.FIELD VALUE`` / ``--engram-config.FIELD=VALUE`` pairs out of
+    an argv (for callers that do not use :func:`add_engram_config_arguments`), refusing
+    unknown fields with the valid ones listed."""
+    rest: list[str] = []
+    found: dict[str, str] = {}
+    i = 0
+    valid = EngramConfig.field_names()
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith(FLAG + "."):
+            key, eq, val = a[len(FLAG) + 1:].partition("=")
+            if key not in valid:
+                raise EngramError(f"{FLAG}: unknown field '{key}' (valid fields: {', '.join(valid)})")
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise EngramError(f"{a} needs a value (e.g. {a} false)")
+                val = argv[i + 1]
+                i += 1
+            found[key] = val
+        else:
+            rest.append(a)
+        i += 1
+    return rest, found
+
+
+def reject_unknown_args(extra: Sequence[str]) -> None:
+    """For a CLI that uses ``parse_known_args``: turn leftover arguments into one clear
+    error. A misspelled ``--engram-config.FIELD`` names the field and lists the valid
+    ones (argparse alone would only say "unrecognized arguments")."""
+    if not extra:
+        return
+    for a in extra:
+        if a.startswith(FLAG + "."):
+            key = a[len(FLAG) + 1:].partition("=")[0]
+            raise EngramError(f"{FLAG}: unknown field '{key}' (valid fields: {', '.join(EngramConfig.field_names())})")
+    raise EngramError(f"unrecognized arguments: {' '.join(extra)} (see --help)")

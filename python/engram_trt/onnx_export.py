@@ -1,0 +1,652 @@
+"""The whole engram-llama model as an ONNX graph: the portable artifact the builder parses.
+
+Why ONNX: both TensorRT flavours parse it (the TensorRT-RTX Python network has no
+``add_plugin_v3``, but its ONNX parser turns an unknown op whose ``op_type`` is a
+plugin name into that plugin), and it can be *executed* on a CPU with
+``onnx.reference.ReferenceEvaluator``, so CI checks the exported graph numerically
+against the PyTorch reference model (:func:`run_reference` / :class:`ReferenceRunner`):
+the engine is built from exactly what was checked.
+
+The graph, for ``hc_mult`` residual copies ``[B, S, hc, D]`` (notes/engram-spec.md):
+
+* ``input_ids [B, S] int32`` -> Gather(embed) -> ``hc`` copies;
+* per layer: at an Engram layer ``EngramHash -> EngramGather -> wkv MatMul -> EngramGate``
+  on the copies; then RMSNormalization of the copies' mean -> q/k/v -> RotaryEmbedding
+  -> Concat with ``past_key_i/past_value_i [B, kv_heads, P, head_dim]`` (outputs
+  ``present_key_i/present_value_i [B, kv_heads, P+S, head_dim]``) -> Attention (GQA, an
+  explicit causal mask over positions ``P..P+S-1``; ``P`` = 0 for a prefill) -> o_proj
+  added to every copy; the same for the SwiGLU MLP;
+* final RMSNormalization of the mean -> lm_head -> ``logits [B, S, vocab] float32``.
+
+Standard ops are used where TensorRT has native layers behind them (opset 23
+``Attention`` -> IAttention, ``RotaryEmbedding`` -> IRotaryEmbeddingLayer,
+``RMSNormalization``), so the parser picks the fused kernels. The Engram inputs are
+``engram_ids [B, S] int32`` (compressed ids, -1 = dead token), ``engram_lookback
+[B, N-1] int32`` (the compressed ids before each row's first token, from the runtime)
+and the tables' addresses ``engram_table_ptrs`` / ``engram_scale_ptrs [L] int64``:
+the tables themselves never enter the graph or the engine.
+
+The export is a pure function of (config, weights, options): node names come from
+counters, initializers from the weights in a fixed order, and no time or path is
+recorded, so rebuilding gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+from onnx import TensorProto
+
+from .checkpoint import engram_tensor_names
+from .config import ModelConfig
+from .errors import EngramError
+from .layout import EngramLayout
+
+log = logging.getLogger(__name__)
+
+OPSET = 23
+PLUGIN_DOMAIN = "trt.plugins"
+PLUGIN_VERSION = "1"
+PLUGIN_NAMES = ("EngramHash", "EngramGather", "EngramGate")
+PLACEMENTS = ("in_engine", "prefetch")
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf's hard limit is 2 GiB
+EXTERNAL_DATA_NAME = "model.onnx.data"
+
+# --dtype spelling -> (ONNX element type, NumPy dtype, torch dtype name)
+DTYPES: dict[str, tuple[int, Any, str]] = {
+    "bf16": (TensorProto.BFLOAT16, ml_dtypes.bfloat16, "bfloat16"),
+    "fp16": (TensorProto.FLOAT16, np.float16, "float16"),
+    "fp32": (TensorProto.FLOAT, np.float32, "float32"),
+}
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+# Element types the Engram plugins accept for their floating-point tensors. The
+# gather kernel always produces bf16 rows; the gate takes hidden/kv in these types
+# and the exporter casts around it for any other model dtype.
+GATE_IO_DTYPES = ("bf16",)
+GATHER_OUT_DTYPE = "bf16"
+# How EngramHash receives its int64 multipliers (see encode_multipliers): "int64" is the
+# creator's current field list, which the ONNX parser truncates to int32; "int32_halves"
+# needs the creator to read multipliers_lo/multipliers_hi.
+HASH_MULTIPLIER_ENCODING = "int64"
+# EngramGather field ``table_dtype`` (EngramTableDtype in plugins/kernels/engram_kernels.h).
+TABLE_DTYPE_CODES = {"fp8": 0, "bf16": 1}
+
+
+def normalize_dtype(dtype: str) -> str:
+    d = DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
+    if d not in DTYPES:
+        raise EngramError(f"--dtype {dtype!r} is not supported (expected one of {', '.join(DTYPES)})")
+    return d
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What shapes the graph besides the model: the compute dtype, the rotary table's
+    length, and where the Engram lookup runs (``in_engine``: hash + gather plugins;
+    ``prefetch``: the runtime hands staged rows ``engram_rows_j [B, S, cols, head_dim]``
+    bf16 as inputs and only the gate plugin remains)."""
+
+    dtype: str = "bf16"
+    max_position: int | None = None  # rotary cache rows (default: max_position_embeddings)
+    placement: str = "in_engine"
+    table_dtype: str | None = None  # the tables' storage as bound at run time (default: the config's)
+    table_rows: tuple[int, ...] | None = None  # rows of each table (default: the layout's)
+    # None: the EngramGate plugin's own I/O type (bf16; casts around it otherwise). A CPU
+    # check may ask for "fp32" to compare everything else at float32 precision; such a
+    # graph is for the reference executor only (the plugin refuses float32 hidden/kv).
+    gate_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.placement not in PLACEMENTS:
+            raise EngramError(f"Engram placement {self.placement!r} is not one of {', '.join(PLACEMENTS)}")
+
+
+@dataclass
+class ExportedModel:
+    """The model proto plus what a runtime needs to feed it."""
+
+    model: Any  # onnx.ModelProto
+    input_names: list[str]
+    output_names: list[str]
+    num_layers: int
+    engram_layers: int
+    dtype: str
+    initializer_bytes: int
+    io: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> list[Path]:
+        """Write ``model.onnx`` (and ``model.onnx.data`` beside it when the weights pass
+        the 2 GiB protobuf limit); returns the files written."""
+        import onnx
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        data = p.parent / EXTERNAL_DATA_NAME
+        if data.exists():
+            data.unlink()
+        if self.initializer_bytes > EXTERNAL_DATA_THRESHOLD:
+            onnx.save_model(self.model, str(p), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=EXTERNAL_DATA_NAME, size_threshold=1024)
+            return [p, data]
+        p.write_bytes(self.model.SerializeToString(deterministic=True))
+        return [p]
+
+
+def _np(t: Any, np_dtype: Any) -> np.ndarray:
+    """A torch tensor or array as a contiguous NumPy array of ``np_dtype`` (bf16 via ml_dtypes)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None  # type: ignore[assignment]
+    if torch is not None and isinstance(t, torch.Tensor):
+        t = t.detach().to("cpu")
+        if t.dtype == torch.bfloat16:
+            arr = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+            raise EngramError("FP8 tensors are tables; they never enter the exported graph")
+        else:
+            arr = t.numpy()
+    else:
+        arr = np.asarray(t)
+    if arr.dtype != np_dtype:
+        arr = arr.astype(np.float32).astype(np_dtype) if arr.dtype == ml_dtypes.bfloat16 else arr.astype(np_dtype)
+    return np.ascontiguousarray(arr)
+
+
+class _Graph:
+    """Node/initializer accumulator with deterministic names."""
+
+    def __init__(self) -> None:
+        from onnx import helper
+
+        self.h = helper
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self._init_names: set[str] = set()
+        self._count = 0
+        self.init_bytes = 0
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def const(self, name: str, arr: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        if name in self._init_names:
+            return name
+        self._init_names.add(name)
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        self.init_bytes += int(arr.nbytes)
+        return name
+
+    def ints(self, values: Sequence[int]) -> str:
+        """An int64 1-D constant, shared by value."""
+        key = "c_i64_" + "_".join(str(int(v)).replace("-", "m") for v in values)
+        return self.const(key, np.asarray(values, dtype=np.int64))
+
+    def scalar(self, value: int) -> str:
+        return self.const(f"c_s64_{str(int(value)).replace('-', 'm')}", np.asarray(value, dtype=np.int64))
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, n_out: int = 1,
+           outputs: Sequence[str] | None = None, domain: str = "", **attrs: Any) -> Any:
+        outs = list(outputs) if outputs is not None else [self.name(hint or op_type.lower()) for _ in range(n_out)]
+        node_name = self.name("n_" + (hint or op_type))
+        self.nodes.append(self.h.make_node(op_type, list(inputs), outs, name=node_name, domain=domain or None, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+
+def encode_multipliers(multipliers: np.ndarray, encoding: str | None = None) -> dict[str, list[int]]:
+    """The hash multipliers as node attributes.
+
+    They are int64 values up to ~2^62, but the ONNX parser hands an INTS attribute to a
+    plugin as int32 whatever type the creator declares (measured with TensorRT-RTX 1.7:
+    2^40+5 arrives as 5), and a TENSOR attribute arrives with an unusable field type.
+    ``int32_halves`` therefore sends ``multipliers_lo`` / ``multipliers_hi``: the low and
+    high 32 bits, each as a signed int32, which survive the conversion exactly
+    (``m = (hi << 32) | (lo & 0xffffffff)``). Primes and offsets need no such care: the
+    layout keeps every row id below 2^31.
+    """
+    enc = encoding or HASH_MULTIPLIER_ENCODING
+    flat = np.asarray(multipliers, dtype=np.int64).reshape(-1)
+    if enc == "int64":
+        return {"multipliers": [int(v) for v in flat]}
+    if enc == "int32_halves":
+        lo = (flat & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+        hi = (flat >> 32).astype(np.int32)
+        return {"multipliers_lo": [int(v) for v in lo], "multipliers_hi": [int(v) for v in hi]}
+    raise EngramError(f"internal: unknown multiplier encoding {enc!r}")
+
+
+def decode_multipliers(attrs: Mapping[str, Any]) -> np.ndarray:
+    """Inverse of :func:`encode_multipliers` (the reference executor reads either form)."""
+    if attrs.get("multipliers") is not None:
+        return np.asarray(attrs["multipliers"], dtype=np.int64)
+    lo = np.asarray(attrs["multipliers_lo"], dtype=np.int64) & 0xFFFFFFFF
+    hi = np.asarray(attrs["multipliers_hi"], dtype=np.int64)
+    return (hi << 32) | lo
+
+
+def plugin_attributes(layout: EngramLayout, config: ModelConfig, op: str, layer_index: int = 0,
+                      table_dtype: str = "fp8", num_rows: int = 0) -> dict[str, Any]:
+    """The fields of each Engram plugin, as node attributes (the ONNX parser hands node
+    attributes to the plugin creator as fields, converted to the types it declares).
+    Names and meanings are the creators' field lists (plugins/engram*Plugin); the
+    creators refuse unknown or missing fields, so a drift fails the build loudly."""
+    spec = config.engram
+    assert spec is not None and spec.head_dim is not None
+    base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION}
+    if op == "EngramHash":
+        base.update(
+            n_layers=layout.num_layers,
+            max_ngram_size=layout.max_ngram_size,
+            n_heads=layout.n_heads,
+            pad_id=int(layout.pad_id),
+            compressed_vocab_size=int(layout.compressed_vocab_size),
+            primes=[int(v) for v in layout.primes.reshape(-1)],
+            offsets=[int(v) for v in layout.offsets.reshape(-1)],
+        )
+        base.update(encode_multipliers(layout.multipliers))
+    elif op == "EngramGather":
+        base.update(
+            layer_index=int(layer_index),
+            n_layers=layout.num_layers,
+            n_cols=layout.n_hash_cols,
+            head_dim=int(spec.head_dim),
+            table_dtype=TABLE_DTYPE_CODES[table_dtype],
+            quant_block=int(spec.quant_block),
+            num_rows=int(num_rows),
+        )
+    elif op == "EngramGate":
+        base.update(hc_mult=int(config.hc_mult), hidden_size=int(config.hidden_size), eps=float(config.rms_norm_eps))
+    else:
+        raise EngramError(f"internal: unknown Engram plugin {op!r}")
+    return base
+
+
+def rotary_tables(config: ModelConfig, max_position: int) -> tuple[np.ndarray, np.ndarray]:
+    """``cos, sin [max_position, head_dim/2]`` float32, computed exactly as the
+    reference model does (torch float32: positions * inv_freq)."""
+    import torch
+
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    pos = torch.arange(max_position, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    return freqs.cos().numpy(), freqs.sin().numpy()
+
+
+def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str], Any],
+                 layout: EngramLayout | None = None, options: ExportOptions | None = None) -> ExportedModel:
+    """Build the ONNX graph of an engram-llama model.
+
+    ``weights`` maps checkpoint names to tensors (or is a ``name -> tensor`` callable,
+    e.g. ``Checkpoint.get``); only backbone and Engram projection weights are read,
+    never a table. ``layout`` is required for a model with Engram layers (its pad id is
+    the *compressed* pad id).
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    opts = options or ExportOptions()
+    get = weights if callable(weights) else (lambda n: _get_from(weights, n))  # type: ignore[arg-type]
+    elem, np_dt, _ = DTYPES[opts.dtype]
+    spec = config.engram
+    table_dtype = "fp8"
+    table_rows: list[int] = []
+    if spec is not None:
+        spec = config.require_model()
+        assert spec is not None
+        table_dtype = opts.table_dtype or spec.table_dtype
+        if table_dtype not in TABLE_DTYPE_CODES:
+            raise EngramError(f"table dtype {table_dtype!r} is not one of {', '.join(TABLE_DTYPE_CODES)}")
+        if layout is None:
+            raise EngramError("exporting a model with Engram layers needs its layout (EngramLayout.from_spec with the compressed pad id)")
+        if tuple(layout.layer_ids) != tuple(spec.layer_ids):
+            raise EngramError(f"layout layers {list(layout.layer_ids)} differ from the config's {list(spec.layer_ids)}")
+        table_rows = [int(r) for r in (opts.table_rows or layout.table_rows)]
+        if len(table_rows) != layout.num_layers or any(r < int(n) for r, n in zip(table_rows, layout.table_rows)):
+            raise EngramError(f"table rows {table_rows} do not cover the layout's {layout.table_rows.tolist()} (one per Engram layer)")
+    D, hc = config.hidden_size, config.hc_mult
+    qh, kvh, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    max_pos = int(opts.max_position or config.max_position_embeddings)
+    g = _Graph()
+
+    inputs: list[Any] = [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["batch", "seq"])]
+    outputs: list[Any] = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", config.vocab_size])]
+
+    # --- shapes (dynamic batch, seq, past) -------------------------------------------
+    Bv = g.op("Shape", ["input_ids"], "batch", start=0, end=1)  # [1]
+    Sv = g.op("Shape", ["input_ids"], "seq", start=1, end=2)  # [1]
+    Pv = g.op("Shape", ["past_key_0"], "past", start=2, end=3)  # [1]
+    zero, one = g.scalar(0), g.scalar(1)
+    P = g.op("Squeeze", [Pv, g.ints([0])], "past_s")
+    S = g.op("Squeeze", [Sv, g.ints([0])], "seq_s")
+    total = g.op("Add", [P, S], "total")
+    pos = g.op("Range", [P, total, one], "positions")  # [S] int64: P..P+S-1
+    BS = g.op("Concat", [Bv, Sv], "bs", axis=0)
+    position_ids = g.op("Expand", [g.op("Unsqueeze", [pos, g.ints([0])]), BS], "position_ids")  # [B, S]
+    kpos = g.op("Range", [zero, total, one], "key_positions")  # [P+S]
+    mask = g.op("LessOrEqual", [g.op("Unsqueeze", [kpos, g.ints([0])]), g.op("Unsqueeze", [pos, g.ints([1])])],
+                "causal_mask")  # [S, P+S] bool: key position <= query position
+
+    cos, sin = rotary_tables(config, max_pos)
+    cos_n = g.const("rope_cos", cos.astype(np_dt))
+    sin_n = g.const("rope_sin", sin.astype(np_dt))
+
+    def w(name: str, transpose: bool = False, dtype: Any = np_dt) -> str:
+        arr = _np(get(name), dtype)
+        if transpose:
+            arr = np.ascontiguousarray(arr.T)
+        return g.const(name + (".T" if transpose else ""), arr)
+
+    def linear(x: str, name: str, hint: str) -> str:
+        return g.op("MatMul", [x, w(name, transpose=True)], hint)
+
+    def mean_copies(h: str) -> str:
+        if hc == 1:
+            return g.op("Squeeze", [h, g.ints([2])], "copy")
+        return g.op("ReduceMean", [h, g.ints([2])], "copies_mean", keepdims=0)
+
+    def rmsnorm(x: str, name: str) -> str:
+        # stash_type 1: float32 statistics whatever the compute dtype, as the reference.
+        return g.op("RMSNormalization", [x, w(name)], "rmsnorm", axis=-1, epsilon=float(config.rms_norm_eps), stash_type=1)
+
+    def add_to_copies(h: str, x: str) -> str:
+        return g.op("Add", [h, g.op("Unsqueeze", [x, g.ints([2])])], "residual")
+
+    # --- embeddings and copies -----------------------------------------------------------
+    embed = w("model.embed_tokens.weight")
+    x = g.op("Gather", [embed, "input_ids"], "embed", axis=0)  # [B, S, D]
+    hs = g.op("Expand", [g.op("Unsqueeze", [x, g.ints([2])]), g.ints([1, 1, hc, 1])], "copies")  # [B, S, hc, D]
+
+    # --- Engram inputs and hash ---------------------------------------------------------
+    engram_index = config.engram_layer_index
+    hash_out = live = None
+    rows_inputs: list[str] = []
+    io: dict[str, Any] = {"placement": opts.placement if spec is not None else None}
+    if spec is not None:
+        assert layout is not None and spec.head_dim is not None
+        N1, L, cols = layout.max_ngram_size - 1, layout.num_layers, layout.n_hash_cols
+        inputs.append(helper.make_tensor_value_info("engram_ids", TensorProto.INT32, ["batch", "seq"]))
+        ids_flat = g.op("Reshape", ["engram_ids", g.ints([-1])], "engram_ids_flat")  # [T]
+        live = g.op("Cast", [g.op("GreaterOrEqual", [ids_flat, g.const("c_i32_0", np.asarray(0, np.int32))])],
+                    "engram_live", to=TensorProto.INT32)  # [T] 1 = live, 0 = dead
+        if opts.placement == "in_engine":
+            inputs.append(helper.make_tensor_value_info("engram_lookback", TensorProto.INT32, ["batch", N1]))
+            inputs.append(helper.make_tensor_value_info("engram_table_ptrs", TensorProto.INT64, [L]))
+            inputs.append(helper.make_tensor_value_info("engram_scale_ptrs", TensorProto.INT64, [L]))
+            T_ = g.op("Mul", [g.op("Squeeze", [Bv, g.ints([0])]), S], "tokens")
+            starts = g.op("Cast", [g.op("Range", [zero, g.op("Add", [T_, one]), S], "seq_starts64")], "seq_starts",
+                          to=TensorProto.INT32)  # [B+1]: 0, S, 2S, ..., B*S
+            hash_out = g.op("EngramHash", [ids_flat, starts, "engram_lookback"], "engram_hash", domain=PLUGIN_DOMAIN,
+                            **plugin_attributes(layout, config, "EngramHash"))  # [T, L, cols] int32
+        else:
+            for j in range(L):
+                name = f"engram_rows_{j}"
+                inputs.append(helper.make_tensor_value_info(name, TensorProto.BFLOAT16, ["batch", "seq", cols, spec.head_dim]))
+                rows_inputs.append(name)
+        io.update(lookback=N1, engram_layers=L, cols=cols, head_dim=spec.head_dim, table_dtype=table_dtype,
+                  table_rows=list(table_rows))
+
+    if opts.gate_dtype is not None:
+        gate_dt = normalize_dtype(opts.gate_dtype)
+    else:
+        gate_dt = opts.dtype if opts.dtype in GATE_IO_DTYPES else GATE_IO_DTYPES[0]
+
+    def engram_block(h: str, j: int, layer_id: int) -> str:
+        assert spec is not None and layout is not None and spec.head_dim is not None
+        names = engram_tensor_names(layer_id, spec.prefix)
+        cols = layout.n_hash_cols
+        if opts.placement == "in_engine":
+            assert hash_out is not None
+            tptr = g.op("Slice", ["engram_table_ptrs", g.ints([j]), g.ints([j + 1])], f"table_ptr{j}")
+            ptrs = [tptr]
+            if table_dtype == "fp8":  # a bf16 table has no scales, and the plugin no scale input
+                ptrs.append(g.op("Slice", ["engram_scale_ptrs", g.ints([j]), g.ints([j + 1])], f"scale_ptr{j}"))
+            rows = g.op("EngramGather", [hash_out, *ptrs], f"engram_rows{j}", domain=PLUGIN_DOMAIN,
+                        **plugin_attributes(layout, config, "EngramGather", j, table_dtype, table_rows[j]))  # [T, cols, head_dim] bf16
+            e = g.op("Reshape", [rows, g.op("Concat", [Bv, Sv, g.ints([cols * spec.head_dim])], axis=0)], f"engram_e{j}")
+        else:
+            e = g.op("Reshape", [rows_inputs[j], g.ints([0, 0, cols * spec.head_dim])], f"engram_e{j}")
+        if opts.dtype != GATHER_OUT_DTYPE:
+            e = g.op("Cast", [e], f"engram_e{j}_cast", to=elem)
+        kv = linear(e, names["wkv"], f"engram_kv{j}")  # [B, S, (hc+1) D]
+        hid = g.op("Reshape", [h, g.ints([-1, hc, D])], f"engram_hidden{j}")
+        kvf = g.op("Reshape", [kv, g.ints([-1, (hc + 1) * D])], f"engram_kvflat{j}")
+        gate_elem = DTYPES[gate_dt][0]
+        if gate_dt != opts.dtype:
+            hid = g.op("Cast", [hid], to=gate_elem)
+            kvf = g.op("Cast", [kvf], to=gate_elem)
+        # q/k weights: bf16 for a bf16 model, else float32 (the gate takes either).
+        wt_np = np_dt if opts.dtype == "bf16" else np.float32
+        qw, kw = w(names["q_weight"], dtype=wt_np), w(names["k_weight"], dtype=wt_np)
+        out = g.op("EngramGate", [hid, kvf, qw, kw, live], f"engram_gate{j}", domain=PLUGIN_DOMAIN,
+                   **plugin_attributes(layout, config, "EngramGate"))  # [T, hc, D]
+        if gate_dt != opts.dtype:
+            out = g.op("Cast", [out], to=elem)
+        return g.op("Reshape", [out, g.op("Concat", [Bv, Sv, g.ints([hc, D])], axis=0)], f"engram_out{j}")
+
+    # --- decoder layers -------------------------------------------------------------------
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        inputs.append(helper.make_tensor_value_info(f"past_key_{i}", elem, ["batch", kvh, "past", hd]))
+        inputs.append(helper.make_tensor_value_info(f"past_value_{i}", elem, ["batch", kvh, "past", hd]))
+        outputs.append(helper.make_tensor_value_info(f"present_key_{i}", elem, ["batch", kvh, "total", hd]))
+        outputs.append(helper.make_tensor_value_info(f"present_value_{i}", elem, ["batch", kvh, "total", hd]))
+        j = engram_index.get(i)
+        if j is not None:
+            hs = engram_block(hs, j, i)
+        xn = rmsnorm(mean_copies(hs), f"{p}.input_layernorm.weight")
+
+        def heads(name: str, n: int, hint: str) -> str:
+            y = g.op("Reshape", [linear(xn, name, hint), g.ints([0, 0, n, hd])])
+            return g.op("Transpose", [y], hint + "_bhsd", perm=[0, 2, 1, 3])  # [B, n, S, hd]
+
+        q = heads(f"{p}.self_attn.q_proj.weight", qh, f"q{i}")
+        k = heads(f"{p}.self_attn.k_proj.weight", kvh, f"k{i}")
+        v = heads(f"{p}.self_attn.v_proj.weight", kvh, f"v{i}")
+        q = g.op("RotaryEmbedding", [q, cos_n, sin_n, position_ids], f"q{i}_rope", interleaved=0)
+        k = g.op("RotaryEmbedding", [k, cos_n, sin_n, position_ids], f"k{i}_rope", interleaved=0)
+        g.op("Concat", [f"past_key_{i}", k], outputs=[f"present_key_{i}"], axis=2)
+        g.op("Concat", [f"past_value_{i}", v], outputs=[f"present_value_{i}"], axis=2)
+        att = g.op("Attention", [q, f"present_key_{i}", f"present_value_{i}", mask], f"attn{i}")  # [B, qh, S, hd]
+        att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), g.ints([0, 0, qh * hd])], f"attn{i}_bsd")
+        hs = add_to_copies(hs, linear(att, f"{p}.self_attn.o_proj.weight", f"o{i}"))
+        xn2 = rmsnorm(mean_copies(hs), f"{p}.post_attention_layernorm.weight")
+        gate = linear(xn2, f"{p}.mlp.gate_proj.weight", f"gate{i}")
+        up = linear(xn2, f"{p}.mlp.up_proj.weight", f"up{i}")
+        act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])], f"silu{i}"), up], f"swiglu{i}")
+        hs = add_to_copies(hs, linear(act, f"{p}.mlp.down_proj.weight", f"down{i}"))
+
+    final = rmsnorm(mean_copies(hs), "model.norm.weight")
+    if config.tie_word_embeddings:
+        head = g.op("Transpose", [embed], "lm_head_t", perm=[1, 0])
+    else:
+        head = w("lm_head.weight", transpose=True)
+    logits = g.op("MatMul", [final, head], "lm_head")
+    g.op("Cast", [logits], outputs=["logits"], to=TensorProto.FLOAT)
+
+    graph = helper.make_graph(g.nodes, "engram_llama", inputs, outputs, g.inits)
+    opsets = [helper.make_opsetid("", OPSET)]
+    if spec is not None:
+        opsets.append(helper.make_opsetid(PLUGIN_DOMAIN, 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="engram-trt",
+                              doc_string="engram-llama; Engram tables are bound at run time by address")
+    model.ir_version = 10
+    onnx.checker.check_model(model) if g.init_bytes < EXTERNAL_DATA_THRESHOLD else None
+    io.update(vocab=config.vocab_size, kv_heads=kvh, head_dim_attn=hd, layers=config.num_hidden_layers, max_position=max_pos)
+    return ExportedModel(
+        model=model,
+        input_names=[i.name for i in inputs],
+        output_names=[o.name for o in outputs],
+        num_layers=config.num_hidden_layers,
+        engram_layers=0 if spec is None else len(spec.layer_ids),
+        dtype=opts.dtype,
+        initializer_bytes=g.init_bytes,
+        io=io,
+    )
+
+
+def _get_from(weights: Mapping[str, Any], name: str) -> Any:
+    try:
+        return weights[name]
+    except KeyError:
+        raise EngramError(f"weights lack tensor '{name}' (the checkpoint does not match its config.json)") from None
+
+
+def export_weight_names(config: ModelConfig) -> list[str]:
+    """The tensors the exported graph reads (backbone + Engram projections, no tables)."""
+    from .model import model_weight_shapes
+
+    return list(model_weight_shapes(config))
+
+
+# ======================================================================================
+# CPU execution of the exported graph, Engram ops bound to the Python reference
+# ======================================================================================
+class TableRegistry:
+    """Maps the addresses fed as ``engram_table_ptrs``/``engram_scale_ptrs`` to arrays.
+
+    The addresses are the arrays' real data pointers (``arr.ctypes.data``), so the
+    graph is fed exactly as a GPU runtime feeds the engine; the reference gather looks
+    the address up here instead of dereferencing it.
+    """
+
+    def __init__(self) -> None:
+        self._by_addr: dict[int, np.ndarray] = {}
+
+    def register(self, arr: np.ndarray) -> int:
+        addr = int(arr.ctypes.data)
+        if addr == 0:
+            raise EngramError("cannot register an empty table")
+        self._by_addr[addr] = arr
+        return addr
+
+    def lookup(self, addr: int) -> np.ndarray:
+        try:
+            return self._by_addr[int(addr)]
+        except KeyError:
+            raise EngramError(f"table address {int(addr):#x} was never registered (feed the addresses TableRegistry.register returned)") from None
+
+
+def _reference_ops(registry: TableRegistry) -> list[type]:
+    """OpRun classes binding EngramHash/Gather/Gate to hashing/quant/fusion."""
+    from onnx.reference.op_run import OpRun
+
+    from .fusion import engram_gate_reference
+    from .hashing import hash_batch_packed
+    from .quant import dequant_fp8_rows
+
+    class EngramHash(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, ids, seq_starts, lookback, plugin_version=None, n_layers=None, max_ngram_size=None,  # noqa: ANN001
+                 n_heads=None, pad_id=None, compressed_vocab_size=None, primes=None, offsets=None, multipliers=None,
+                 multipliers_lo=None, multipliers_hi=None):
+            L, N, H = int(n_layers), int(max_ngram_size), int(n_heads)
+            primes_a = np.asarray(primes, dtype=np.int64).reshape(L, N - 1, H)
+            lay = EngramLayout(layer_ids=tuple(range(L)), max_ngram_size=N, n_heads=H,
+                               compressed_vocab_size=int(compressed_vocab_size), pad_id=int(pad_id), primes=primes_a,
+                               offsets=np.asarray(offsets, dtype=np.int64).reshape(L, -1),
+                               multipliers=decode_multipliers({"multipliers": multipliers, "multipliers_lo": multipliers_lo,
+                                                               "multipliers_hi": multipliers_hi}).reshape(L, N),
+                               table_rows=primes_a.reshape(L, -1).sum(axis=1))
+            out = hash_batch_packed(ids, seq_starts, lookback, lay)
+            return (out.astype(np.int32),)
+
+    class EngramGather(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, layer_index=None, n_layers=None,  # noqa: ANN001
+                 n_cols=None, head_dim=None, table_dtype=None, quant_block=None, num_rows=None):
+            ids = np.asarray(row_ids)[:, int(layer_index), :].astype(np.int64)  # [T, cols]
+            table = registry.lookup(int(np.asarray(table_ptr).reshape(-1)[0]))
+            if table.shape[0] != int(num_rows):
+                raise EngramError(f"table at the given address has {table.shape[0]} rows, the graph expects {int(num_rows)}")
+            if int(table_dtype) == TABLE_DTYPE_CODES["fp8"]:
+                scale = registry.lookup(int(np.asarray(scale_ptr).reshape(-1)[0]))
+                rows = dequant_fp8_rows(table[ids], scale[ids], int(quant_block))
+            else:
+                rows = table.view(ml_dtypes.bfloat16)[ids].astype(np.float32)
+            return (rows.astype(ml_dtypes.bfloat16),)  # FP8 * 2^k is exact in bf16
+
+    class EngramGate(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, hidden, kv, q_weight, k_weight, live, plugin_version=None, hc_mult=None, hidden_size=None, eps=None):  # noqa: ANN001
+            out = engram_gate_reference(np.asarray(hidden, np.float32), np.asarray(kv, np.float32),
+                                        np.asarray(q_weight, np.float32), np.asarray(k_weight, np.float32),
+                                        np.asarray(live) != 0, float(eps))
+            return (out.astype(hidden.dtype),)
+
+    return [EngramHash, EngramGather, EngramGate]
+
+
+class ReferenceRunner:
+    """Runs an exported graph on the CPU with ``onnx.reference.ReferenceEvaluator``,
+    keeping the KV cache and the Engram lookback between calls like a runtime does.
+
+    ``tables``: per Engram layer ``(rows uint8 [R, hd] or bf16-as-uint16, scales uint8
+    [R, hd/block] or None)`` (e.g. :meth:`Checkpoint.raw_rows_view`, no copy).
+    """
+
+    def __init__(self, exported: ExportedModel, config: ModelConfig, tables: Sequence[tuple[np.ndarray, np.ndarray | None]] = (),
+                 compress_lookup: np.ndarray | None = None) -> None:
+        from onnx.reference import ReferenceEvaluator
+
+        self.exported = exported
+        self.config = config
+        self.registry = TableRegistry()
+        self.evaluator = ReferenceEvaluator(exported.model, new_ops=_reference_ops(self.registry))
+        self.np_dtype = DTYPES[exported.dtype][1]
+        self.lookup = None if compress_lookup is None else np.asarray(compress_lookup, dtype=np.int64)
+        self.table_ptrs = np.asarray([self.registry.register(t) for t, _ in tables], dtype=np.int64)
+        self.scale_ptrs = np.asarray([0 if s is None else self.registry.register(s) for _, s in tables], dtype=np.int64)
+        self._tables = list(tables)  # keep the arrays (and their addresses) alive
+        self.reset(1)
+
+    def reset(self, batch: int) -> None:
+        cfg = self.config
+        shape = (batch, cfg.num_key_value_heads, 0, cfg.head_dim)
+        self.past = {f"past_{kind}_{i}": np.zeros(shape, dtype=self.np_dtype)
+                     for i in range(cfg.num_hidden_layers) for kind in ("key", "value")}
+        n = self.exported.io.get("lookback") or 0
+        self.lookback = np.full((batch, n), -1, dtype=np.int32)
+
+    def step(self, input_ids: Any, engram_ids: Any = None, engram_rows: Sequence[np.ndarray] | None = None) -> np.ndarray:
+        """Feed ``input_ids [B, S]`` after the cached tokens; returns logits ``[B, S, V]``."""
+        ids = np.asarray(input_ids, dtype=np.int32)
+        feeds: dict[str, Any] = {"input_ids": ids, **self.past}
+        names = set(self.exported.input_names)
+        cids = None
+        if "engram_ids" in names:
+            if engram_ids is None:
+                if self.lookup is None:
+                    raise EngramError("an Engram graph needs compressed ids: pass engram_ids or give the runner the compressed vocab")
+                engram_ids = self.lookup[ids.astype(np.int64)]
+            cids = np.asarray(engram_ids, dtype=np.int32).reshape(ids.shape)
+            feeds["engram_ids"] = cids
+        if "engram_lookback" in names:
+            feeds["engram_lookback"] = self.lookback
+            feeds["engram_table_ptrs"] = self.table_ptrs
+            feeds["engram_scale_ptrs"] = self.scale_ptrs
+        if engram_rows is not None:
+            for j, r in enumerate(engram_rows):
+                feeds[f"engram_rows_{j}"] = np.asarray(r).astype(ml_dtypes.bfloat16)
+        results = self.evaluator.run(None, feeds)
+        out = dict(zip(self.exported.output_names, results))
+        for i in range(self.config.num_hidden_layers):
+            self.past[f"past_key_{i}"] = out[f"present_key_{i}"]
+            self.past[f"past_value_{i}"] = out[f"present_value_{i}"]
+        if cids is not None and self.lookback.shape[1]:
+            n = self.lookback.shape[1]
+            self.lookback = np.concatenate([self.lookback, cids], axis=1)[:, -n:].astype(np.int32)
+        return out["logits"]

@@ -1,0 +1,213 @@
+"""engram-trt build: engine folder, manifest (every table, deterministic), engines with
+the three plugins and no table bytes, both TensorRT flavours through one code path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engram_trt import trt_compat
+from engram_trt.builder import build
+from engram_trt.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
+from engram_trt.config import ModelConfig
+from engram_trt.demo import random_weights
+from engram_trt.errors import EngramError
+from engram_trt.layout import EngramLayout
+from engram_trt.tokenizer import build_compressed_vocab
+
+REPO = Path(__file__).resolve().parents[1]
+RTX = trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")
+needs_rtx = pytest.mark.skipif(not RTX, reason="TensorRT-RTX is not installed")
+
+
+@pytest.fixture(scope="module")
+def demo_dir() -> Path:
+    from engram_trt.demo import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def plugin_lib() -> Path:
+    """The plugin library: $ENGRAM_TRT_PLUGIN_LIB / the package / build/, else built with cmake."""
+    from engram_trt.kernels import library_path
+
+    try:
+        return library_path()
+    except EngramError:
+        pass
+    build_dir = REPO / "build"
+    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build_dir)], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j2"], check=True)
+    return library_path()
+
+
+def _region_sha(path: str, offset: int, nbytes: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return hashlib.sha256(f.read(nbytes)).hexdigest()
+
+
+def test_graph_only_build_manifest(demo_dir: Path, tmp_path: Path) -> None:
+    a = build(demo_dir, tmp_path / "a", build_engine_if_possible=False, progress=False)
+    b = build(demo_dir, tmp_path / "b", build_engine_if_possible=False, progress=False)
+    assert a.engine_path is None and a.engine_skipped
+    ma, mb = (r.manifest_path.read_bytes() for r in (a, b))
+    assert ma == mb, "rebuilding with the same inputs must give the same manifest"
+    m = json.loads(ma)
+    ckpt = Checkpoint.open(demo_dir)
+    spec = ckpt.config.engram
+    want = sorted(n for lid in spec.layer_ids for k, n in engram_tensor_names(lid).items() if k in ("table", "scale"))
+    assert sorted(t["tensor"] for t in m["tables"]) == want
+    for t in m["tables"]:
+        f, off, nb = ckpt.locate(t["tensor"])
+        assert (t["file"], t["offset"], t["nbytes"]) == (str(f.resolve()), off, nb)
+        assert t["sha256"] == _region_sha(t["file"], t["offset"], t["nbytes"])
+    assert m["tables_bytes"] == sum(t["nbytes"] for t in m["tables"])
+    assert m["layout"]["table_rows"] == EngramLayout.from_spec(spec, 0).table_rows.tolist()
+    vocab = build_compressed_vocab(ckpt.tokenizer_json)
+    assert np.array_equal(np.load(a.output_dir / "compressed_vocab.npy"), vocab.lookup)
+    assert (a.output_dir / "model.onnx").read_bytes() == (b.output_dir / "model.onnx").read_bytes()
+    report = json.loads((a.output_dir / "build_report.json").read_text())
+    assert report["tables_bytes"] == m["tables_bytes"] and "build_seconds" in report
+
+
+def test_engram_options_fail_before_work(tmp_path: Path, demo_dir: Path) -> None:
+    cfg = {k: v for k, v in json.loads((demo_dir / "config.json").read_text()).items() if not k.startswith("engram")}
+    plain = ModelConfig.from_dict(cfg)
+    write_checkpoint(tmp_path / "plain", cfg, random_weights(plain, torch.Generator().manual_seed(0)), None,
+                     max_shard_bytes=1 << 30)
+    out = tmp_path / "out"
+    with pytest.raises(EngramError, match="no Engram layers"):
+        build(tmp_path / "plain", out, '{"cpu_offload": false}', progress=False)
+    assert not out.exists()
+    with pytest.raises(EngramError, match="unknown field"):
+        build(demo_dir, out, '{"cpu_offlaod": false}', progress=False)
+    assert not out.exists()
+
+
+def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
+    cfg = json.loads((demo_dir / "config.json").read_text())
+    cfg.update(vocab_size=129280, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=16, num_hidden_layers=2, engram_layer_ids=[1], engram_num_embeddings=None, engram_table_dtype="bf16")
+    mc = ModelConfig.from_dict(cfg)
+    rows = [int(r) for r in EngramLayout.from_spec(mc.engram, 0).table_rows]
+    w = random_weights(mc, torch.Generator().manual_seed(0), table_rows=rows)
+    write_checkpoint(tmp_path / "ck", cfg, w, demo_dir / "tokenizer.json", max_shard_bytes=1 << 30)
+    r = build(tmp_path / "ck", tmp_path / "eng", repack_tables_dir=tmp_path / "packed", build_engine_if_possible=False,
+              progress=False)
+    m = json.loads(r.manifest_path.read_text())
+    assert m["table_dtype"] == "fp8" and m["repacked"] is True
+    assert {t["role"] for t in m["tables"]} == {"rows", "scales"}
+    assert all(Path(t["file"]).parent == (tmp_path / "packed").resolve() for t in m["tables"])
+    from safetensors import safe_open
+
+    from engram_trt.quant import dequant_fp8_rows
+    names = engram_tensor_names(1)
+    with safe_open(m["tables"][0]["file"], framework="pt") as f:
+        q = f.get_tensor(names["table"]).view(torch.uint8).numpy()
+        s = f.get_tensor(names["scale"]).view(torch.uint8).numpy()
+    orig = w[names["table"]].float().numpy()
+    deq = dequant_fp8_rows(q, s)
+    assert np.abs(deq - orig).max() <= np.abs(orig).max() / 8  # e4m3: 3 mantissa bits
+    for t in m["tables"]:
+        assert t["sha256"] == _region_sha(t["file"], t["offset"], t["nbytes"])
+
+
+@pytest.mark.skipif(not trt_compat.module_available("tensorrt"), reason=trt_compat.NOT_INSTALLED_REASON)
+def test_full_tensorrt_builds_demo(demo_dir: Path, plugin_lib: Path, tmp_path: Path) -> None:
+    os.environ["ENGRAM_TRT_FLAVOUR"] = "tensorrt"
+    try:
+        r = build(demo_dir, tmp_path / "eng", plugin_library=plugin_lib, progress=False)
+    finally:
+        os.environ.pop("ENGRAM_TRT_FLAVOUR")
+    assert r.trt["flavour"] == "tensorrt" and r.engine_path is not None
+
+
+def _plugin_counts(layers: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name in layers:
+        key = name.split("/")[0]
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+@needs_rtx
+def test_demo_builds_rtx_engine_with_three_plugins(demo_dir: Path, plugin_lib: Path, tmp_path: Path) -> None:
+    r = build(demo_dir, tmp_path / "eng", plugin_library=plugin_lib, progress=False)
+    assert r.engine_path is not None and r.engine_path.stat().st_size == r.engine_bytes
+    assert r.trt["flavour"] == "tensorrt_rtx"
+    n_engram = len(Checkpoint.open(demo_dir).config.engram.layer_ids)
+    assert _plugin_counts(r.plugin_layers) == {"EngramHash": 1, "EngramGather": n_engram, "EngramGate": n_engram}
+    m = json.loads(r.manifest_path.read_text())
+    assert m["plugins"]["embedded"] is True and m["tensorrt"]["flavour"] == "tensorrt_rtx"
+    # A rebuild with the same inputs gives the same manifest.
+    r2 = build(demo_dir, tmp_path / "eng2", plugin_library=plugin_lib, progress=False)
+    assert r2.manifest_path.read_bytes() == r.manifest_path.read_bytes()
+    # --target sm86, plugin library referenced rather than embedded: a smaller engine.
+    r3 = build(demo_dir, tmp_path / "eng3", plugin_library=plugin_lib, targets="sm86", embed_plugin_library=False,
+               progress=False)
+    m3 = json.loads(r3.manifest_path.read_text())
+    assert m3["build_flags"]["targets"] == ["sm86"] and m3["plugins"]["library"]["path"] == str(plugin_lib)
+    assert r3.engine_bytes < r.engine_bytes
+
+
+@needs_rtx
+def test_engine_is_orders_of_magnitude_smaller_than_tables(plugin_lib: Path, tmp_path: Path, demo_dir: Path) -> None:
+    """A small backbone with large tables (the production shape): the engine must stay
+    at least 100x smaller than the tables, i.e. hold none of their bytes."""
+    cfg = json.loads((demo_dir / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+               num_hidden_layers=2, engram_layer_ids=[0, 1], engram_num_embeddings=[5_000_000, 5_000_000],
+               engram_head_dim=128, engram_vocab_size=40000)
+    # A tokenizer-sized vocab would put 16 MB of embeddings in the engine; keep the real
+    # tokenizer (compressed size check) but it is the tables that must dominate.
+    mc = ModelConfig.from_dict(cfg)
+    w = random_weights(mc, torch.Generator().manual_seed(0), table_rows=[16, 16])
+    for lid in mc.engram.layer_ids:  # full-size tables of zeros: their content does not matter here
+        names = engram_tensor_names(lid)
+        w[names["table"]] = torch.zeros((5_000_000, 128), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        w[names["scale"]] = torch.full((5_000_000, 4), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    write_checkpoint(tmp_path / "ck", cfg, w, demo_dir / "tokenizer.json", max_shard_bytes=1 << 30)
+    del w
+    r = build(tmp_path / "ck", tmp_path / "eng", plugin_library=plugin_lib, embed_plugin_library=False,
+              max_seq_len=256, max_num_tokens=64, progress=False)
+    assert r.tables_bytes >= 100 * r.engine_bytes, (r.tables_bytes, r.engine_bytes)
+
+
+def test_rtx_parser_link_through_cache(tmp_path: Path) -> None:
+    """Where the RTX libs folder cannot take the link, the cache-folder route still gives
+    a working parser (checked in a fresh process on a copy of the package layout)."""
+    if not RTX:
+        pytest.skip("TensorRT-RTX is not installed")
+    libs = trt_compat._rtx_libs_dir()
+    bindings = Path(__import__("importlib").util.find_spec("tensorrt_rtx_bindings").origin).parent
+    site = tmp_path / "site"
+    (site / "tensorrt_rtx_libs").mkdir(parents=True)
+    (site / "tensorrt_rtx_libs" / "__init__.py").write_text((libs / "__init__.py").read_text())
+    for name in ("libtensorrt_rtx.so.1", "libtensorrt_onnxparser_rtx.so.1"):
+        (site / "tensorrt_rtx_libs" / name).symlink_to(libs / name)
+    (site / "tensorrt_rtx_bindings").symlink_to(bindings)
+    code = ("from engram_trt import trt_compat as tc\n"
+            "b = tc.create_builder(); n = tc.create_network(b); p = tc.onnx_parser(n)\n"
+            "print('OK', tc.describe()['module'], tc.ensure_rtx_parser_link())\n")
+    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO / 'python'}", ENGRAM_TRT_RTX_LINK_IN_CACHE="1",
+               ENGRAM_TRT_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "OK tensorrt_rtx_bindings" in out.stdout
+    assert (tmp_path / "cache" / "trt-rtx-libs" / "libtensorrt_rtx.so").is_symlink()
+
+
+def test_targets_parse() -> None:
+    assert trt_compat.parse_targets("sm80, sm86,86") == ("sm80", "sm86")
+    with pytest.raises(EngramError, match="sm90"):
+        trt_compat.parse_targets("sm90")

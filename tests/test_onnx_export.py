@@ -1,0 +1,180 @@
+"""The exported graph, run on the CPU with the Engram ops bound to the Python reference,
+against the PyTorch reference model (EngramLlama): prefill and decode logits.
+
+Tolerances (stated, and why):
+* float32 graph with the gate in float32 (``gate_dtype='fp32'``): 1e-4 absolute on logits of
+  magnitude ~4: the two are the same float32 computation up to operation order.
+* float32 graph exactly as built (the EngramGate plugin takes bf16 hidden/kv, so the graph
+  casts around it): 5e-2 absolute: one bf16 rounding (2^-9 relative) of the residual
+  stream per Engram layer, carried through the rest of the network.
+* bf16 graph: it must run and stay within 0.25 absolute of the float32 reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engram_trt.checkpoint import Checkpoint, engram_tensor_names
+from engram_trt.config import ModelConfig
+from engram_trt.demo import random_weights
+from engram_trt.layout import EngramLayout
+from engram_trt.model import EngramLlama
+from engram_trt.onnx_export import PLUGIN_NAMES, ExportOptions, ReferenceRunner, export_model
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=500, hc_mult=2, tie_word_embeddings=False, max_position_embeddings=128,
+             engram_layer_ids=[0, 2], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
+             engram_vocab_size=300, engram_compressed_vocab_size=400, engram_pad_token_id=3)
+
+
+def _small(table_dtype: str = "fp8", hc: int = 2):
+    cfg = ModelConfig.from_dict({**SMALL, "engram_table_dtype": table_dtype, "hc_mult": hc})
+    lookup = np.arange(cfg.vocab_size) % cfg.engram.compressed_vocab_size
+    lookup[7] = -1  # a token with no compressed id: dead for Engram
+    layout = EngramLayout.from_spec(cfg.engram, pad_id=int(lookup[cfg.engram.pad_token_id]))
+    weights = random_weights(cfg, torch.Generator().manual_seed(0), table_rows=[int(r) for r in layout.table_rows])
+    return cfg, lookup, layout, weights
+
+
+def _tables(cfg: ModelConfig, weights) -> list:
+    out = []
+    for lid in cfg.engram.layer_ids:
+        names = engram_tensor_names(lid)
+        t = weights[names["table"]]
+        if t.dtype == torch.bfloat16:
+            out.append((t.view(torch.uint16).numpy(), None))
+        else:
+            out.append((t.view(torch.uint8).numpy(), weights[names["scale"]].view(torch.uint8).numpy()))
+    return out
+
+
+def _compare(cfg, lookup, layout, weights, tables, opts: ExportOptions, tol: float, batch: int = 2, prompt: int = 7,
+             steps: int = 3, seed: int = 1) -> float:
+    ref = EngramLlama(cfg, weights, compress_lookup=lookup, layout=layout, dtype=torch.float32)
+    ex = export_model(cfg, weights, layout, opts)
+    runner = ReferenceRunner(ex, cfg, tables, lookup)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, cfg.vocab_size, size=(batch, prompt))
+    ids[0, min(3, prompt - 1)] = 7  # dead token inside the prompt
+    runner.reset(batch)
+    cache = ref.new_cache(batch, prompt + steps + 1)
+    worst = 0.0
+    got, want = runner.step(ids), ref.forward(torch.as_tensor(ids), cache).numpy()
+    assert got.shape == want.shape == (batch, prompt, cfg.vocab_size) and got.dtype == np.float32
+    worst = max(worst, float(np.abs(got - want).max()))
+    for _ in range(steps):
+        nxt = rng.integers(0, cfg.vocab_size, size=(batch, 1))
+        got, want = runner.step(nxt), ref.forward(torch.as_tensor(nxt), cache).numpy()
+        worst = max(worst, float(np.abs(got - want).max()))
+    assert np.isfinite(worst) and worst <= tol, f"max |logit difference| {worst} > {tol}"
+    return worst
+
+
+@pytest.mark.parametrize("table_dtype, hc", [("fp8", 2), ("bf16", 1), ("fp8", 4)])
+def test_small_model_float32_tight(table_dtype: str, hc: int) -> None:
+    cfg, lookup, layout, weights = _small(table_dtype, hc)
+    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32", gate_dtype="fp32"), 1e-4)
+
+
+def test_small_model_as_built_float32() -> None:
+    cfg, lookup, layout, weights = _small()
+    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32"), 5e-2)
+
+
+def test_small_model_bf16_runs() -> None:
+    cfg, lookup, layout, weights = _small()
+    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="bf16"), 0.25, steps=2)
+
+
+def test_prefetch_placement_takes_rows() -> None:
+    """The prefetch graph has no hash/gather; fed the reference's rows it matches."""
+    cfg, lookup, layout, weights = _small()
+    ref = EngramLlama(cfg, weights, compress_lookup=lookup, layout=layout, dtype=torch.float32)
+    ex = export_model(cfg, weights, layout, ExportOptions(dtype="fp32", gate_dtype="fp32", placement="prefetch"))
+    ops = {n.op_type for n in ex.model.graph.node}
+    assert "EngramGate" in ops and "EngramHash" not in ops and "EngramGather" not in ops
+    runner = ReferenceRunner(ex, cfg, (), lookup)
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(1, 5))
+    runner.reset(1)
+    cache = ref.new_cache(1, 8)
+    rows = [r.float().numpy() for r in ref.prepare_engram(torch.as_tensor(ids), cache)]
+    got = runner.step(ids, engram_rows=rows)
+    want = ref.forward(torch.as_tensor(ids), cache).numpy()
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def test_no_engram_model_exports_and_matches() -> None:
+    cfg = ModelConfig.from_dict({k: v for k, v in SMALL.items() if not k.startswith("engram")})
+    weights = random_weights(cfg, torch.Generator().manual_seed(3))
+    ref = EngramLlama(cfg, weights, dtype=torch.float32)
+    ex = export_model(cfg, weights, None, ExportOptions(dtype="fp32"))
+    assert not any(n.domain for n in ex.model.graph.node)
+    runner = ReferenceRunner(ex, cfg)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, size=(2, 6))
+    runner.reset(2)
+    cache = ref.new_cache(2, 8)
+    assert np.abs(runner.step(ids) - ref.forward(torch.as_tensor(ids), cache).numpy()).max() <= 1e-4
+    nxt = np.array([[5], [9]])
+    assert np.abs(runner.step(nxt) - ref.forward(torch.as_tensor(nxt), cache).numpy()).max() <= 1e-4
+
+
+def test_export_is_deterministic_and_holds_no_tables() -> None:
+    cfg, lookup, layout, weights = _small()
+    a = export_model(cfg, weights, layout, ExportOptions(dtype="bf16")).model.SerializeToString(deterministic=True)
+    ex = export_model(cfg, weights, layout, ExportOptions(dtype="bf16"))
+    assert a == ex.model.SerializeToString(deterministic=True)
+    inits = {i.name for i in ex.model.graph.initializer}
+    for lid in cfg.engram.layer_ids:
+        names = engram_tensor_names(lid)
+        assert names["table"] not in inits and names["scale"] not in inits
+    ops = [n for n in ex.model.graph.node if n.op_type in PLUGIN_NAMES]
+    assert sorted({n.op_type for n in ops}) == sorted(PLUGIN_NAMES)
+    for n in ops:
+        attrs = {a.name: a for a in n.attribute}
+        assert attrs["plugin_version"].s == b"1"
+    names = [i.name for i in ex.model.graph.input]
+    assert {"engram_ids", "engram_lookback", "engram_table_ptrs", "engram_scale_ptrs"} <= set(names)
+
+
+@pytest.fixture(scope="module")
+def demo_ckpt() -> Checkpoint:
+    from engram_trt.demo import ensure_demo_checkpoint
+
+    return Checkpoint.open(ensure_demo_checkpoint())
+
+
+def test_demo_checkpoint_float32(demo_ckpt: Checkpoint) -> None:
+    """The demo checkpoint (real tokenizer, FP8 tables read in place from the shards)."""
+    from engram_trt.model import model_weight_shapes
+    from engram_trt.tokenizer import build_compressed_vocab
+
+    cfg = demo_ckpt.config
+    vocab = build_compressed_vocab(demo_ckpt.tokenizer_json)
+    layout = EngramLayout.from_spec(cfg.engram, pad_id=int(vocab.lookup[cfg.engram.pad_token_id]))
+    weights = {n: demo_ckpt.get(n) for n in model_weight_shapes(cfg)}
+    tables = []
+    for lid in cfg.engram.layer_ids:
+        names = engram_tensor_names(lid)
+        tables.append((demo_ckpt.raw_rows_view(names["table"]), demo_ckpt.raw_rows_view(names["scale"])))
+        weights[names["table"]] = demo_ckpt.get(names["table"])
+        weights[names["scale"]] = demo_ckpt.get(names["scale"])
+    _compare(cfg, vocab.lookup, layout, weights, tables, ExportOptions(dtype="fp32", gate_dtype="fp32"), 1e-4,
+             batch=1, prompt=6, steps=2)
+    _compare(cfg, vocab.lookup, layout, weights, tables, ExportOptions(dtype="fp32"), 5e-2, batch=1, prompt=6, steps=2)
+
+
+def test_multiplier_halves_survive_int32_and_match(monkeypatch) -> None:
+    """The int32-halves encoding of the hash multipliers round-trips exactly through
+    int32 attribute values, and a graph using it still matches the reference."""
+    import engram_trt.onnx_export as ox
+
+    cfg, lookup, layout, weights = _small()
+    enc = ox.encode_multipliers(layout.multipliers, "int32_halves")
+    for v in enc["multipliers_lo"] + enc["multipliers_hi"]:
+        assert -2**31 <= v < 2**31
+    assert np.array_equal(ox.decode_multipliers(enc), layout.multipliers.reshape(-1))
+    monkeypatch.setattr(ox, "HASH_MULTIPLIER_ENCODING", "int32_halves")
+    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32", gate_dtype="fp32"), 1e-4,
+             steps=1)
