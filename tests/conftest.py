@@ -48,9 +48,17 @@ def deepseek_vocab():
     return build_compressed_vocab(default_tokenizer_json())
 
 
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory):
-    """The demo checkpoint (seed 0), written once per test session."""
-    from engram_trt.demo import make_demo_checkpoint
+def pytest_configure(config):
+    """Keep the suite's demo checkpoint and engines out of the user's cache."""
+    if "ENGRAM_TRT_CACHE" not in os.environ:
+        import tempfile
 
-    return make_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=0)
+        os.environ["ENGRAM_TRT_CACHE"] = tempfile.mkdtemp(prefix="engram-trt-test-cache-")
+
+
+@pytest.fixture(scope="session")
+def demo_dir():
+    """The demo checkpoint (seed 0) in the suite's cache, written once per session."""
+    from engram_trt.demo import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint()

@@ -29,13 +29,6 @@ needs_rtx = pytest.mark.skipif(not RTX, reason="TensorRT-RTX is not installed")
 
 
 @pytest.fixture(scope="module")
-def demo_dir() -> Path:
-    from engram_trt.demo import ensure_demo_checkpoint
-
-    return ensure_demo_checkpoint()
-
-
-@pytest.fixture(scope="module")
 def plugin_lib() -> Path:
     """The plugin library: $ENGRAM_TRT_PLUGIN_LIB / the package / build/, else built with cmake."""
     from engram_trt.kernels import library_path
@@ -161,26 +154,47 @@ def test_demo_builds_rtx_engine_with_three_plugins(demo_dir: Path, plugin_lib: P
 
 
 @needs_rtx
-def test_engine_is_orders_of_magnitude_smaller_than_tables(plugin_lib: Path, tmp_path: Path, demo_dir: Path) -> None:
-    """A small backbone with large tables (the production shape): the engine must stay
-    at least 100x smaller than the tables, i.e. hold none of their bytes."""
-    cfg = json.loads((demo_dir / "config.json").read_text())
-    cfg.update(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-               num_hidden_layers=2, engram_layer_ids=[0, 1], engram_num_embeddings=[5_000_000, 5_000_000],
-               engram_head_dim=128, engram_vocab_size=40000)
-    # A tokenizer-sized vocab would put 16 MB of embeddings in the engine; keep the real
-    # tokenizer (compressed size check) but it is the tables that must dominate.
-    mc = ModelConfig.from_dict(cfg)
-    w = random_weights(mc, torch.Generator().manual_seed(0), table_rows=[16, 16])
-    for lid in mc.engram.layer_ids:  # full-size tables of zeros: their content does not matter here
-        names = engram_tensor_names(lid)
-        w[names["table"]] = torch.zeros((5_000_000, 128), dtype=torch.uint8).view(torch.float8_e4m3fn)
-        w[names["scale"]] = torch.full((5_000_000, 4), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    write_checkpoint(tmp_path / "ck", cfg, w, demo_dir / "tokenizer.json", max_shard_bytes=1 << 30)
-    del w
-    r = build(tmp_path / "ck", tmp_path / "eng", plugin_library=plugin_lib, embed_plugin_library=False,
-              max_seq_len=256, max_num_tokens=64, progress=False)
-    assert r.tables_bytes >= 100 * r.engine_bytes, (r.tables_bytes, r.engine_bytes)
+def _word_tokenizer(path: Path, words: int) -> Path:
+    """A tiny word-level tokenizer.json (ids 0..words-1), so a test model's embedding
+    is small and the tables dominate, as in production."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+@needs_rtx
+def test_engine_is_orders_of_magnitude_smaller_than_tables(plugin_lib: Path, tmp_path: Path) -> None:
+    """The production shape (backbone small next to its tables): the engine stays at
+    least 100x smaller than the tables, and its size does not depend on how many rows
+    the tables have, i.e. it holds none of their bytes."""
+    tok = _word_tokenizer(tmp_path / "tokenizer.json", 512)
+    compressed = build_compressed_vocab(tok).size
+    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                num_hidden_layers=2, vocab_size=512, hc_mult=2, tie_word_embeddings=True, max_position_embeddings=256,
+                engram_layer_ids=[0, 1], engram_max_ngram_size=3, engram_n_heads=4, engram_head_dim=128,
+                engram_compressed_vocab_size=compressed, engram_pad_token_id=0)
+    results = []
+    for vocab in (20_000, 400_000):
+        cfg = dict(base, engram_vocab_size=vocab)
+        mc = ModelConfig.from_dict(cfg)
+        rows = [int(r) for r in EngramLayout.from_spec(mc.engram, 0).table_rows]
+        w = random_weights(mc, torch.Generator().manual_seed(0), table_rows=[16] * len(rows))
+        for lid, n in zip(mc.engram.layer_ids, rows):  # full-size tables; their content does not matter here
+            names = engram_tensor_names(lid)
+            w[names["table"]] = torch.zeros((n, 128), dtype=torch.uint8).view(torch.float8_e4m3fn)
+            w[names["scale"]] = torch.full((n, 4), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        ck = write_checkpoint(tmp_path / f"ck{vocab}", cfg, w, tok, max_shard_bytes=1 << 30)
+        del w
+        results.append(build(ck, tmp_path / f"eng{vocab}", plugin_library=plugin_lib, embed_plugin_library=False, targets="sm86",
+                             max_seq_len=256, max_num_tokens=64, progress=False))
+    small, large = results
+    assert large.tables_bytes >= 15 * small.tables_bytes
+    assert large.tables_bytes >= 100 * large.engine_bytes, (large.tables_bytes, large.engine_bytes)
+    # Twenty times the table rows, the same engine (to within the layout constants' bytes).
+    assert abs(large.engine_bytes - small.engine_bytes) < 64 * 1024, (small.engine_bytes, large.engine_bytes)
 
 
 def test_rtx_parser_link_through_cache(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ Tolerances (stated, and why):
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -139,10 +141,8 @@ def test_export_is_deterministic_and_holds_no_tables() -> None:
 
 
 @pytest.fixture(scope="module")
-def demo_ckpt() -> Checkpoint:
-    from engram_trt.demo import ensure_demo_checkpoint
-
-    return Checkpoint.open(ensure_demo_checkpoint())
+def demo_ckpt(demo_dir: Path) -> Checkpoint:
+    return Checkpoint.open(demo_dir)
 
 
 def test_demo_checkpoint_float32(demo_ckpt: Checkpoint) -> None:
@@ -165,16 +165,21 @@ def test_demo_checkpoint_float32(demo_ckpt: Checkpoint) -> None:
     _compare(cfg, vocab.lookup, layout, weights, tables, ExportOptions(dtype="fp32"), 5e-2, batch=1, prompt=6, steps=2)
 
 
-def test_multiplier_halves_survive_int32_and_match(monkeypatch) -> None:
-    """The int32-halves encoding of the hash multipliers round-trips exactly through
-    int32 attribute values, and a graph using it still matches the reference."""
+def test_multipliers_travel_as_exact_decimal_text() -> None:
+    """The hash multipliers (up to ~2^62) travel as one STRING attribute, which the
+    ONNX parser hands to the plugin byte for byte (INTS would be narrowed to int32);
+    the text round-trips exactly and the graph's EngramHash node carries it."""
+    import onnx
+
     import engram_trt.onnx_export as ox
 
     cfg, lookup, layout, weights = _small()
-    enc = ox.encode_multipliers(layout.multipliers, "int32_halves")
-    for v in enc["multipliers_lo"] + enc["multipliers_hi"]:
-        assert -2**31 <= v < 2**31
-    assert np.array_equal(ox.decode_multipliers(enc), layout.multipliers.reshape(-1))
-    monkeypatch.setattr(ox, "HASH_MULTIPLIER_ENCODING", "int32_halves")
-    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32", gate_dtype="fp32"), 1e-4,
-             steps=1)
+    enc = ox.encode_multipliers(layout.multipliers)
+    assert isinstance(enc["multipliers"], str)
+    assert np.array_equal(ox.decode_multipliers(enc["multipliers"]), layout.multipliers.reshape(-1))
+    assert layout.multipliers.max() > 2**40  # the values int32 could not carry
+    exported = ox.export_model(cfg, weights, layout, ExportOptions(dtype="fp32"))
+    (node,) = [n for n in exported.model.graph.node if n.op_type == "EngramHash"]
+    (attr,) = [a for a in node.attribute if a.name == "multipliers"]
+    assert attr.type == onnx.AttributeProto.STRING
+    assert np.array_equal(ox.decode_multipliers(attr.s), layout.multipliers.reshape(-1))

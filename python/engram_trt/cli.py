@@ -291,14 +291,37 @@ def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import ensure_demo_checkpoint
+def cmd_build(args: argparse.Namespace) -> int:
+    from .builder import build_from_args
 
-    print("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
+    return build_from_args(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .builder import build
+    from .demo import demo_checkpoint_dir, ensure_demo_checkpoint
+
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
     ckpt_dir = ensure_demo_checkpoint(seed=args.seed)
-    print(f"checkpoint: {ckpt_dir}")
+    say(f"checkpoint: {ckpt_dir}")
+    engine_dir = Path(args.engine_dir) if args.engine_dir else demo_checkpoint_dir().parent / "demo-engine"
+    built = build(ckpt_dir, engine_dir, progress=not args.json)
+    say(built.summary())
     res = generate_text(str(ckpt_dir), args)
-    _print_json(res) if args.json else _print_generation(res)
+    res["engine"] = built.to_json()
+    if built.engine_skipped:
+        res["engine_note"] = built.engine_skipped
+    else:
+        # No TensorRT runtime here can execute the engine (TensorRT-RTX builds ahead of
+        # time for other GPUs; full TensorRT is absent), so the same model runs on the
+        # PyTorch path, which calls the same kernels on a GPU.
+        res["engine_note"] = "engine built; it runs under TensorRT on a supported GPU. This run used the backend named below."
+    if args.json:
+        _print_json(res)
+    else:
+        say(res["engine_note"])
+        _print_generation(res)
     return 0
 
 
@@ -339,22 +362,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
 
-    p = add("demo", cmd_demo, "the main job: make (or reuse) the demo checkpoint and generate from it end to end",
-            "Make (or reuse, under $ENGRAM_TRT_CACHE or ~/.cache/engram-trt) the demo checkpoint and generate from it.")
+    p = add("build", cmd_build, "turn a checkpoint into a TensorRT engine folder, the Engram tables kept outside the engine",
+            "Validate CHECKPOINT, save its compressed token map, export the whole model as ONNX (Engram layers as "
+            "EngramHash/EngramGather/EngramGate plugin nodes), describe the tables in manifest.json, and build the "
+            "engine with TensorRT or TensorRT-RTX when one is importable.")
+    from .builder import add_build_arguments
+
+    add_build_arguments(p)
+
+    p = add("demo", cmd_demo, "the main job: make (or reuse) the demo checkpoint, build its engine, generate from it",
+            "Make (or reuse, under $ENGRAM_TRT_CACHE or ~/.cache/engram-trt) the demo checkpoint, build its engine "
+            "(TensorRT or TensorRT-RTX when installed; else the exported graph only), and generate from it.")
     _add_generation_args(p)
+    p.add_argument("--engine-dir", default=None, help="where to build the demo engine (default: demo-engine beside the demo checkpoint)")
     p.set_defaults(max_new_tokens=16)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from .engram_config import reject_unknown_args
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
     try:
+        reject_unknown_args(extra)
         return args.func(args)
     except EngramError as exc:
         print(f"engram-trt: error: {exc}", file=sys.stderr)

@@ -70,10 +70,6 @@ DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32
 # and the exporter casts around it for any other model dtype.
 GATE_IO_DTYPES = ("bf16",)
 GATHER_OUT_DTYPE = "bf16"
-# How EngramHash receives its int64 multipliers (see encode_multipliers): "int64" is the
-# creator's current field list, which the ONNX parser truncates to int32; "int32_halves"
-# needs the creator to read multipliers_lo/multipliers_hi.
-HASH_MULTIPLIER_ENCODING = "int64"
 # EngramGather field ``table_dtype`` (EngramTableDtype in plugins/kernels/engram_kernels.h).
 TABLE_DTYPE_CODES = {"fp8": 0, "bf16": 1}
 
@@ -203,35 +199,27 @@ class _Graph:
         return outs[0] if len(outs) == 1 else outs
 
 
-def encode_multipliers(multipliers: np.ndarray, encoding: str | None = None) -> dict[str, list[int]]:
-    """The hash multipliers as node attributes.
+def encode_multipliers(multipliers: np.ndarray) -> dict[str, str]:
+    """The hash multipliers as one node attribute: a STRING of comma-separated decimals.
 
     They are int64 values up to ~2^62, but the ONNX parser hands an INTS attribute to a
     plugin as int32 whatever type the creator declares (measured with TensorRT-RTX 1.7:
-    2^40+5 arrives as 5), and a TENSOR attribute arrives with an unusable field type.
-    ``int32_halves`` therefore sends ``multipliers_lo`` / ``multipliers_hi``: the low and
-    high 32 bits, each as a signed int32, which survive the conversion exactly
-    (``m = (hi << 32) | (lo & 0xffffffff)``). Primes and offsets need no such care: the
-    layout keeps every row id below 2^31.
+    2^40+5 arrives as 5), and a TENSOR attribute arrives with an unusable field type. A
+    STRING attribute arrives as a kCHAR field, byte for byte; the EngramHash creator
+    parses int64 fields from decimal text (and refuses int32-narrowed ones). Primes and
+    offsets need no such care: the layout keeps every row id below 2^31.
     """
-    enc = encoding or HASH_MULTIPLIER_ENCODING
     flat = np.asarray(multipliers, dtype=np.int64).reshape(-1)
-    if enc == "int64":
-        return {"multipliers": [int(v) for v in flat]}
-    if enc == "int32_halves":
-        lo = (flat & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
-        hi = (flat >> 32).astype(np.int32)
-        return {"multipliers_lo": [int(v) for v in lo], "multipliers_hi": [int(v) for v in hi]}
-    raise EngramError(f"internal: unknown multiplier encoding {enc!r}")
+    return {"multipliers": ",".join(str(int(v)) for v in flat)}
 
 
-def decode_multipliers(attrs: Mapping[str, Any]) -> np.ndarray:
-    """Inverse of :func:`encode_multipliers` (the reference executor reads either form)."""
-    if attrs.get("multipliers") is not None:
-        return np.asarray(attrs["multipliers"], dtype=np.int64)
-    lo = np.asarray(attrs["multipliers_lo"], dtype=np.int64) & 0xFFFFFFFF
-    hi = np.asarray(attrs["multipliers_hi"], dtype=np.int64)
-    return (hi << 32) | lo
+def decode_multipliers(value: Any) -> np.ndarray:
+    """Inverse of :func:`encode_multipliers` (the reference executor's side)."""
+    if isinstance(value, bytes):
+        value = value.decode("ascii")
+    if isinstance(value, str):
+        return np.asarray([int(v) for v in value.replace(" ", "").split(",") if v], dtype=np.int64)
+    return np.asarray(value, dtype=np.int64)
 
 
 def plugin_attributes(layout: EngramLayout, config: ModelConfig, op: str, layer_index: int = 0,
@@ -549,15 +537,13 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
         op_domain = PLUGIN_DOMAIN
 
         def _run(self, ids, seq_starts, lookback, plugin_version=None, n_layers=None, max_ngram_size=None,  # noqa: ANN001
-                 n_heads=None, pad_id=None, compressed_vocab_size=None, primes=None, offsets=None, multipliers=None,
-                 multipliers_lo=None, multipliers_hi=None):
+                 n_heads=None, pad_id=None, compressed_vocab_size=None, primes=None, offsets=None, multipliers=None):
             L, N, H = int(n_layers), int(max_ngram_size), int(n_heads)
             primes_a = np.asarray(primes, dtype=np.int64).reshape(L, N - 1, H)
             lay = EngramLayout(layer_ids=tuple(range(L)), max_ngram_size=N, n_heads=H,
                                compressed_vocab_size=int(compressed_vocab_size), pad_id=int(pad_id), primes=primes_a,
                                offsets=np.asarray(offsets, dtype=np.int64).reshape(L, -1),
-                               multipliers=decode_multipliers({"multipliers": multipliers, "multipliers_lo": multipliers_lo,
-                                                               "multipliers_hi": multipliers_hi}).reshape(L, N),
+                               multipliers=decode_multipliers(multipliers).reshape(L, N),
                                table_rows=primes_a.reshape(L, -1).sum(axis=1))
             out = hash_batch_packed(ids, seq_starts, lookback, lay)
             return (out.astype(np.int32),)

@@ -1,0 +1,238 @@
+#include "engramGatePlugin.h"
+
+#include "common/checkMacros.h"
+#include "kernels/engram_kernels.h"
+
+#include <cmath>
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+using nvinfer1::DataType;
+using nvinfer1::PluginFieldType;
+
+namespace gate_detail
+{
+constexpr char const* kName = "EngramGate";
+constexpr int32_t kHidden = 0;
+constexpr int32_t kKv = 1;
+constexpr int32_t kQWeight = 2;
+constexpr int32_t kKWeight = 3;
+constexpr int32_t kMask = 4;
+constexpr int32_t kNbInputs = 5;
+constexpr float kClamp = 1e-6F; // engram-spec.md: sqrt(max(|dot|, 1e-6))
+
+void checkConfig(GateConfig const& c)
+{
+    ENGRAM_PLUGIN_CHECK(c.hcMult >= 1, "hc_mult must be >= 1, got " << c.hcMult);
+    ENGRAM_PLUGIN_CHECK(c.hiddenSize >= 8 && c.hiddenSize % 8 == 0,
+        "hidden_size must be a positive multiple of 8, got " << c.hiddenSize);
+    ENGRAM_PLUGIN_CHECK(std::isfinite(c.eps) && c.eps >= 0.0F, "eps must be finite and >= 0");
+}
+
+bool isWeightType(DataType type)
+{
+    return type == DataType::kBF16 || type == DataType::kFLOAT;
+}
+
+bool isMaskType(DataType type)
+{
+    return type == DataType::kBOOL || type == DataType::kINT32;
+}
+} // namespace gate_detail
+
+EngramGatePlugin::EngramGatePlugin(GateConfig const& config)
+    : EngramPluginBase(gate_detail::kName)
+    , mConfig(config)
+{
+    gate_detail::checkConfig(mConfig);
+}
+
+nvinfer1::IPluginV3* EngramGatePlugin::clone() noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        return new EngramGatePlugin(mConfig);
+    }
+    ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
+}
+
+int32_t EngramGatePlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1,
+            "expects 5 inputs (hidden, kv, q_weight, k_weight, mask) and 1 output, got " << nbInputs << " and "
+                                                                                         << nbOutputs);
+        ENGRAM_PLUGIN_CHECK(inputTypes[gate_detail::kHidden] == DataType::kBF16
+                && inputTypes[gate_detail::kKv] == DataType::kBF16,
+            "hidden and kv must be bfloat16");
+        ENGRAM_PLUGIN_CHECK(gate_detail::isWeightType(inputTypes[gate_detail::kQWeight])
+                && inputTypes[gate_detail::kKWeight] == inputTypes[gate_detail::kQWeight],
+            "q_weight and k_weight must both be bfloat16 or both float32");
+        ENGRAM_PLUGIN_CHECK(gate_detail::isMaskType(inputTypes[gate_detail::kMask]),
+            "mask must be bool or int32, got " << dataTypeName(inputTypes[gate_detail::kMask]));
+        outputTypes[0] = DataType::kBF16;
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
+}
+
+int32_t EngramGatePlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+    nvinfer1::DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, nvinfer1::DimsExprs* outputs,
+    int32_t nbOutputs, nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1, "expects 5 inputs and 1 output");
+        ENGRAM_PLUGIN_CHECK(inputs[gate_detail::kHidden].nbDims == 3, "hidden must be 3-D [T, hc_mult, D]");
+        outputs[0] = inputs[gate_detail::kHidden];
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
+}
+
+bool EngramGatePlugin::supportsFormatCombination(
+    int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    if (nbInputs != gate_detail::kNbInputs || nbOutputs != 1 || pos < 0 || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
+    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    switch (pos)
+    {
+    case gate_detail::kQWeight: return gate_detail::isWeightType(desc.type);
+    case gate_detail::kKWeight: return desc.type == inOut[gate_detail::kQWeight].desc.type;
+    case gate_detail::kMask: return gate_detail::isMaskType(desc.type);
+    default: return desc.type == DataType::kBF16; // hidden, kv, output
+    }
+}
+
+int32_t EngramGatePlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1, "expects 5 inputs and 1 output");
+        auto matches = [](int64_t dim, int64_t expected) { return dim == -1 || dim == expected; };
+        int32_t const hc = mConfig.hcMult;
+        int32_t const d = mConfig.hiddenSize;
+        nvinfer1::Dims const& hidden = in[gate_detail::kHidden].desc.dims;
+        nvinfer1::Dims const& kv = in[gate_detail::kKv].desc.dims;
+        ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && matches(hidden.d[1], hc) && matches(hidden.d[2], d),
+            "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
+        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && matches(kv.d[1], static_cast<int64_t>(hc + 1) * d),
+            "kv must be [T, " << (hc + 1) * d << "], got " << dimsToString(kv));
+        for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
+        {
+            nvinfer1::Dims const& w = in[i].desc.dims;
+            ENGRAM_PLUGIN_CHECK(w.nbDims == 2 && matches(w.d[0], hc) && matches(w.d[1], d),
+                "q_weight / k_weight must be [" << hc << ", " << d << "], got " << dimsToString(w));
+        }
+        ENGRAM_PLUGIN_CHECK(in[gate_detail::kMask].desc.dims.nbDims == 1, "mask must be 1-D [T]");
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
+}
+
+size_t EngramGatePlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/, int32_t /*nbInputs*/,
+    nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+{
+    return 0;
+}
+
+int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs,
+    void* /*workspace*/, cudaStream_t stream) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        int32_t const hc = mConfig.hcMult;
+        int32_t const d = mConfig.hiddenSize;
+        nvinfer1::Dims const& hidden = inputDesc[gate_detail::kHidden].dims;
+        int64_t const numTokens = hidden.d[0];
+        ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && hidden.d[1] == hc && hidden.d[2] == d,
+            "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
+        nvinfer1::Dims const& kv = inputDesc[gate_detail::kKv].dims;
+        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && kv.d[0] == numTokens && kv.d[1] == static_cast<int64_t>(hc + 1) * d,
+            "kv must be [" << numTokens << ", " << (hc + 1) * d << "], got " << dimsToString(kv));
+        for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
+        {
+            nvinfer1::Dims const& w = inputDesc[i].dims;
+            ENGRAM_PLUGIN_CHECK(w.nbDims == 2 && w.d[0] == hc && w.d[1] == d,
+                "q_weight / k_weight must be [" << hc << ", " << d << "], got " << dimsToString(w));
+        }
+        nvinfer1::Dims const& mask = inputDesc[gate_detail::kMask].dims;
+        ENGRAM_PLUGIN_CHECK(mask.nbDims == 1 && mask.d[0] == numTokens,
+            "mask must be [" << numTokens << "], got " << dimsToString(mask));
+        nvinfer1::Dims const& out = outputDesc[0].dims;
+        ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == hc && out.d[2] == d,
+            "output must be [T, hc_mult, D], got " << dimsToString(out));
+
+        int32_t const weightType
+            = inputDesc[gate_detail::kQWeight].type == DataType::kFLOAT ? ENGRAM_WEIGHT_F32 : ENGRAM_WEIGHT_BF16;
+        int32_t const maskType
+            = inputDesc[gate_detail::kMask].type == DataType::kINT32 ? ENGRAM_MASK_I32 : ENGRAM_MASK_U8;
+        int const status = engram_gate(inputs[gate_detail::kHidden], inputs[gate_detail::kKv],
+            inputs[gate_detail::kQWeight], inputs[gate_detail::kKWeight], weightType, inputs[gate_detail::kMask],
+            maskType, numTokens, hc, d, mConfig.eps, gate_detail::kClamp, outputs[0], stream);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
+}
+
+nvinfer1::PluginFieldCollection const* EngramGatePlugin::getFieldsToSerialize() noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        mSerialized.clear();
+        mSerialized.addInt32("hc_mult", mConfig.hcMult);
+        mSerialized.addInt32("hidden_size", mConfig.hiddenSize);
+        mSerialized.addFloat32("eps", mConfig.eps);
+        return mSerialized.collection();
+    }
+    ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
+}
+
+EngramGatePluginCreator::EngramGatePluginCreator()
+    : EngramCreatorBase(gate_detail::kName)
+    , mFieldNames({
+          {"hc_mult", PluginFieldType::kINT32, 1},
+          {"hidden_size", PluginFieldType::kINT32, 1},
+          {"eps", PluginFieldType::kFLOAT32, 1},
+      })
+{
+}
+
+nvinfer1::PluginFieldCollection const* EngramGatePluginCreator::getFieldNames() noexcept
+{
+    return mFieldNames.collection();
+}
+
+nvinfer1::IPluginV3* EngramGatePluginCreator::createPlugin(
+    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase /*phase*/) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        FieldReader reader(gate_detail::kName, fc);
+        GateConfig config;
+        config.hcMult = static_cast<int32_t>(reader.getInt("hc_mult"));
+        config.hiddenSize = static_cast<int32_t>(reader.getInt("hidden_size"));
+        config.eps = static_cast<float>(reader.getFloat("eps"));
+        reader.finish();
+        return new EngramGatePlugin(config);
+    }
+    ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
+}
+
+} // namespace plugin
+} // namespace engram_trt

@@ -1,0 +1,66 @@
+/*
+ * EngramGate (version "1"): the fused gated residual update over hc_mult streams with
+ * the token mask. The math is engram_gate() of the kernel library. See README.md.
+ */
+#ifndef ENGRAM_TRT_GATE_PLUGIN_H
+#define ENGRAM_TRT_GATE_PLUGIN_H
+
+#include "common/engramPluginBase.h"
+#include "common/pluginFields.h"
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+struct GateConfig
+{
+    int32_t hcMult{0};
+    int32_t hiddenSize{0};
+    float eps{0.0F};
+};
+
+class EngramGatePlugin : public EngramPluginBase
+{
+public:
+    explicit EngramGatePlugin(GateConfig const& config);
+
+    nvinfer1::IPluginV3* clone() noexcept override;
+
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
+        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+private:
+    GateConfig mConfig;
+    FieldWriter mSerialized;
+};
+
+class EngramGatePluginCreator : public EngramCreatorBase
+{
+public:
+    EngramGatePluginCreator();
+
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
+        nvinfer1::TensorRTPhase phase) noexcept override;
+
+private:
+    FieldNames mFieldNames;
+};
+
+} // namespace plugin
+} // namespace engram_trt
+
+#endif // ENGRAM_TRT_GATE_PLUGIN_H

@@ -1,0 +1,236 @@
+#include "engramGatherPlugin.h"
+
+#include "common/checkMacros.h"
+#include "kernels/engram_kernels.h"
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+using nvinfer1::DataType;
+using nvinfer1::PluginFieldType;
+
+namespace gather_detail
+{
+constexpr char const* kName = "EngramGather";
+constexpr int32_t kIds = 0;
+constexpr int32_t kRowsAddr = 1;
+constexpr int32_t kScalesAddr = 2;
+
+void checkConfig(GatherConfig const& c)
+{
+    ENGRAM_PLUGIN_CHECK(c.numLayers >= 1 && c.layerIndex >= 0 && c.layerIndex < c.numLayers,
+        "layer_index " << c.layerIndex << " outside [0, n_layers " << c.numLayers << ")");
+    ENGRAM_PLUGIN_CHECK(c.numCols >= 1, "n_cols must be >= 1");
+    ENGRAM_PLUGIN_CHECK(c.numRows >= 1, "num_rows must be >= 1");
+    int const status = engram_gather_check_table(c.headDim, c.tableDtype, c.quantBlock);
+    ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+}
+
+//! A table address input: int64 holding one value ([] or [1]).
+bool isAddressShape(nvinfer1::Dims const& dims)
+{
+    return dims.nbDims == 0 || (dims.nbDims == 1 && (dims.d[0] == 1 || dims.d[0] == -1));
+}
+} // namespace gather_detail
+
+bool GatherConfig::fp8() const
+{
+    return tableDtype == ENGRAM_TABLE_FP8_E4M3;
+}
+
+EngramGatherPlugin::EngramGatherPlugin(GatherConfig const& config)
+    : EngramPluginBase(gather_detail::kName)
+    , mConfig(config)
+{
+    gather_detail::checkConfig(mConfig);
+}
+
+nvinfer1::IPluginV3* EngramGatherPlugin::clone() noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        return new EngramGatherPlugin(mConfig);
+    }
+    ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
+}
+
+int32_t EngramGatherPlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
+            "expects " << mConfig.numInputs() << " inputs (ids, rows address" << (mConfig.fp8() ? ", scales address" : "")
+                       << ") and 1 output, got " << nbInputs << " and " << nbOutputs);
+        ENGRAM_PLUGIN_CHECK(inputTypes[gather_detail::kIds] == DataType::kINT32,
+            "ids must be int32, got " << dataTypeName(inputTypes[gather_detail::kIds]));
+        for (int32_t i = gather_detail::kRowsAddr; i < nbInputs; ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT64,
+                "table address input " << i << " must be int64, got " << dataTypeName(inputTypes[i]));
+        }
+        outputTypes[0] = DataType::kBF16;
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
+}
+
+int32_t EngramGatherPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+    nvinfer1::DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, nvinfer1::DimsExprs* outputs,
+    int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
+            "expects " << mConfig.numInputs() << " inputs and 1 output");
+        ENGRAM_PLUGIN_CHECK(inputs[gather_detail::kIds].nbDims == 3, "ids must be 3-D [T, L, cols]");
+        outputs[0].nbDims = 3;
+        outputs[0].d[0] = inputs[gather_detail::kIds].d[0];
+        outputs[0].d[1] = exprBuilder.constant(mConfig.numCols);
+        outputs[0].d[2] = exprBuilder.constant(mConfig.headDim);
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
+}
+
+bool EngramGatherPlugin::supportsFormatCombination(
+    int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    if (nbInputs != mConfig.numInputs() || nbOutputs != 1 || pos < 0 || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
+    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    if (pos == gather_detail::kIds)
+    {
+        return desc.type == DataType::kINT32;
+    }
+    if (pos < nbInputs)
+    {
+        return desc.type == DataType::kINT64;
+    }
+    return desc.type == DataType::kBF16;
+}
+
+int32_t EngramGatherPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
+            "expects " << mConfig.numInputs() << " inputs and 1 output");
+        nvinfer1::Dims const& ids = in[gather_detail::kIds].desc.dims;
+        ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && (ids.d[1] == -1 || ids.d[1] == mConfig.numLayers)
+                && (ids.d[2] == -1 || ids.d[2] == mConfig.numCols),
+            "ids must be [T, " << mConfig.numLayers << ", " << mConfig.numCols << "], got " << dimsToString(ids));
+        for (int32_t i = gather_detail::kRowsAddr; i < nbInputs; ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(gather_detail::isAddressShape(in[i].desc.dims),
+                "table address input " << i << " must hold one int64, got " << dimsToString(in[i].desc.dims));
+        }
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
+}
+
+size_t EngramGatherPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/,
+    int32_t /*nbInputs*/, nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+{
+    return 0;
+}
+
+int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs,
+    void* /*workspace*/, cudaStream_t stream) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        nvinfer1::Dims const& ids = inputDesc[gather_detail::kIds].dims;
+        nvinfer1::Dims const& out = outputDesc[0].dims;
+        ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && ids.d[1] == mConfig.numLayers && ids.d[2] == mConfig.numCols,
+            "ids must be [T, " << mConfig.numLayers << ", " << mConfig.numCols << "], got " << dimsToString(ids));
+        ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && out.d[0] == ids.d[0] && out.d[1] == mConfig.numCols
+                && out.d[2] == mConfig.headDim,
+            "output must be [T, cols, head_dim], got " << dimsToString(out));
+        for (int32_t i = gather_detail::kRowsAddr; i < mConfig.numInputs(); ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(volume(inputDesc[i].dims) == 1, "table address input " << i << " must hold one int64");
+        }
+        int64_t const tokenStride = static_cast<int64_t>(mConfig.numLayers) * mConfig.numCols;
+        auto const* layerIds = static_cast<int32_t const*>(inputs[gather_detail::kIds])
+            + static_cast<int64_t>(mConfig.layerIndex) * mConfig.numCols;
+        auto const* scalesAddr
+            = mConfig.fp8() ? static_cast<int64_t const*>(inputs[gather_detail::kScalesAddr]) : nullptr;
+        int const status = engram_gather_indirect(layerIds, ids.d[0], mConfig.numCols, tokenStride,
+            static_cast<int64_t const*>(inputs[gather_detail::kRowsAddr]), scalesAddr, mConfig.numRows,
+            mConfig.headDim, mConfig.tableDtype, mConfig.quantBlock, outputs[0], stream);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
+}
+
+nvinfer1::PluginFieldCollection const* EngramGatherPlugin::getFieldsToSerialize() noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        mSerialized.clear();
+        mSerialized.addInt32("layer_index", mConfig.layerIndex);
+        mSerialized.addInt32("n_layers", mConfig.numLayers);
+        mSerialized.addInt32("n_cols", mConfig.numCols);
+        mSerialized.addInt32("head_dim", mConfig.headDim);
+        mSerialized.addInt32("table_dtype", mConfig.tableDtype);
+        mSerialized.addInt32("quant_block", mConfig.quantBlock);
+        mSerialized.addInt64("num_rows", mConfig.numRows);
+        return mSerialized.collection();
+    }
+    ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
+}
+
+EngramGatherPluginCreator::EngramGatherPluginCreator()
+    : EngramCreatorBase(gather_detail::kName)
+    , mFieldNames({
+          {"layer_index", PluginFieldType::kINT32, 1},
+          {"n_layers", PluginFieldType::kINT32, 1},
+          {"n_cols", PluginFieldType::kINT32, 1},
+          {"head_dim", PluginFieldType::kINT32, 1},
+          {"table_dtype", PluginFieldType::kINT32, 1},
+          {"quant_block", PluginFieldType::kINT32, 1},
+          {"num_rows", PluginFieldType::kINT64, 1},
+      })
+{
+}
+
+nvinfer1::PluginFieldCollection const* EngramGatherPluginCreator::getFieldNames() noexcept
+{
+    return mFieldNames.collection();
+}
+
+nvinfer1::IPluginV3* EngramGatherPluginCreator::createPlugin(
+    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase /*phase*/) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        FieldReader reader(gather_detail::kName, fc);
+        GatherConfig config;
+        config.layerIndex = static_cast<int32_t>(reader.getInt("layer_index"));
+        config.numLayers = static_cast<int32_t>(reader.getInt("n_layers"));
+        config.numCols = static_cast<int32_t>(reader.getInt("n_cols"));
+        config.headDim = static_cast<int32_t>(reader.getInt("head_dim"));
+        config.tableDtype = static_cast<int32_t>(reader.getInt("table_dtype"));
+        config.quantBlock = static_cast<int32_t>(reader.getInt("quant_block"));
+        config.numRows = reader.getInt("num_rows");
+        reader.finish();
+        return new EngramGatherPlugin(config);
+    }
+    ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
+}
+
+} // namespace plugin
+} // namespace engram_trt

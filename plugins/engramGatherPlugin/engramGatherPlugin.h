@@ -1,0 +1,77 @@
+/*
+ * EngramGather (version "1"): row ids of one layer -> bf16 rows, read from a table
+ * whose addresses are engine inputs (int64), so tables never enter an engine. The math
+ * is engram_gather_indirect() of the kernel library. See README.md.
+ */
+#ifndef ENGRAM_TRT_GATHER_PLUGIN_H
+#define ENGRAM_TRT_GATHER_PLUGIN_H
+
+#include "common/engramPluginBase.h"
+#include "common/pluginFields.h"
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+struct GatherConfig
+{
+    int32_t layerIndex{0}; // which layer of the [T, L, cols] hash output
+    int32_t numLayers{0};  // L
+    int32_t numCols{0};    // n_hash_cols
+    int32_t headDim{0};
+    int32_t tableDtype{0}; // EngramTableDtype
+    int32_t quantBlock{0};
+    int64_t numRows{0};    // rows of this layer's table (sum of its primes)
+
+    bool fp8() const;
+    int32_t numInputs() const
+    {
+        return fp8() ? 3 : 2; // ids, rows address (, scales address)
+    }
+};
+
+class EngramGatherPlugin : public EngramPluginBase
+{
+public:
+    explicit EngramGatherPlugin(GatherConfig const& config);
+
+    nvinfer1::IPluginV3* clone() noexcept override;
+
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
+        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+private:
+    GatherConfig mConfig;
+    FieldWriter mSerialized;
+};
+
+class EngramGatherPluginCreator : public EngramCreatorBase
+{
+public:
+    EngramGatherPluginCreator();
+
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
+        nvinfer1::TensorRTPhase phase) noexcept override;
+
+private:
+    FieldNames mFieldNames;
+};
+
+} // namespace plugin
+} // namespace engram_trt
+
+#endif // ENGRAM_TRT_GATHER_PLUGIN_H

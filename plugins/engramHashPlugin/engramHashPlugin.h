@@ -1,0 +1,79 @@
+/*
+ * EngramHash (version "1"): compressed token ids of packed sequences -> table row ids.
+ * The layout (primes, offsets, multipliers) is carried in plugin fields; the math is
+ * engram_hash() of the kernel library. See README.md.
+ */
+#ifndef ENGRAM_TRT_HASH_PLUGIN_H
+#define ENGRAM_TRT_HASH_PLUGIN_H
+
+#include "common/engramPluginBase.h"
+#include "common/pluginFields.h"
+
+#include <vector>
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+struct HashLayout
+{
+    int32_t numLayers{0};
+    int32_t maxNgram{0}; // N
+    int32_t numHeads{0};
+    int64_t padId{0};
+    int64_t compressedVocabSize{0};
+    std::vector<int64_t> primes;      // [L, N-1, H]
+    std::vector<int64_t> offsets;     // [L, (N-1)*H]
+    std::vector<int64_t> multipliers; // [L, N]
+
+    int32_t numCols() const
+    {
+        return (maxNgram - 1) * numHeads;
+    }
+};
+
+class EngramHashPlugin : public EngramPluginBase
+{
+public:
+    explicit EngramHashPlugin(HashLayout layout);
+
+    nvinfer1::IPluginV3* clone() noexcept override;
+
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
+        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+private:
+    HashLayout mLayout;
+    FieldWriter mSerialized;
+};
+
+class EngramHashPluginCreator : public EngramCreatorBase
+{
+public:
+    EngramHashPluginCreator();
+
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
+        nvinfer1::TensorRTPhase phase) noexcept override;
+
+private:
+    FieldNames mFieldNames;
+};
+
+} // namespace plugin
+} // namespace engram_trt
+
+#endif // ENGRAM_TRT_HASH_PLUGIN_H

@@ -1,0 +1,26 @@
+/*
+ * The library's registration entry points, looked up by
+ * IPluginRegistry::loadLibrary (TensorRT and TensorRT-RTX): getCreators hands out the
+ * three IPluginCreatorV3One creators, setLoggerFinder gives the plugins TensorRT's
+ * logger. These two and the kernels' C ABI are the only exported symbols.
+ */
+#include "common/checkMacros.h"
+#include "engramGatePlugin/engramGatePlugin.h"
+#include "engramGatherPlugin/engramGatherPlugin.h"
+#include "engramHashPlugin/engramHashPlugin.h"
+#include "kernels/engram_kernels.h"
+
+extern "C" ENGRAM_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
+{
+    engram_trt::plugin::setLoggerFinder(finder);
+}
+
+extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbCreators)
+{
+    static engram_trt::plugin::EngramHashPluginCreator hashCreator;
+    static engram_trt::plugin::EngramGatherPluginCreator gatherCreator;
+    static engram_trt::plugin::EngramGatePluginCreator gateCreator;
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&hashCreator, &gatherCreator, &gateCreator};
+    nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
+    return creators;
+}

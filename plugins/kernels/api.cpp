@@ -1,0 +1,138 @@
+/*
+ * Library-wide entry points: version, error messages, pointer queries, host memory
+ * registration.
+ */
+#include "engram_kernels.h"
+#include "engram_kernels_internal.h"
+
+#include <cstdarg>
+#include <cstdio>
+#include <mutex>
+#include <vector>
+
+namespace engram_trt
+{
+namespace kernels
+{
+
+namespace detail
+{
+thread_local char gLastError[512] = "";
+} // namespace detail
+
+int fail(cudaError_t code, char const* format, ...)
+{
+    va_list args;
+    va_start(args, format);
+    std::vsnprintf(detail::gLastError, sizeof(detail::gLastError), format, args);
+    va_end(args);
+    return static_cast<int>(code == cudaSuccess ? cudaErrorInvalidValue : code);
+}
+
+void clearError()
+{
+    detail::gLastError[0] = '\0';
+}
+
+int checkLaunch(char const* kernelName)
+{
+    cudaError_t const status = cudaGetLastError();
+    if (status != cudaSuccess)
+    {
+        return fail(status, "%s launch failed: %s", kernelName, cudaGetErrorString(status));
+    }
+    return 0;
+}
+
+int smCount()
+{
+    static std::mutex mutex;
+    static std::vector<int> counts;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess)
+    {
+        return 0;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (static_cast<size_t>(device) >= counts.size())
+    {
+        counts.resize(device + 1, 0);
+    }
+    if (counts[device] == 0)
+    {
+        int n = 0;
+        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
+        {
+            counts[device] = n;
+        }
+    }
+    return counts[device];
+}
+
+} // namespace kernels
+} // namespace engram_trt
+
+using namespace engram_trt::kernels;
+
+extern "C" ENGRAM_API char const* engram_trt_plugin_version(void)
+{
+    return ENGRAM_TRT_PLUGIN_VERSION;
+}
+
+extern "C" ENGRAM_API char const* engram_last_error(void)
+{
+    return engram_trt::kernels::detail::gLastError;
+}
+
+extern "C" ENGRAM_API int engram_pointer_kind(void const* ptr, int32_t* kind)
+{
+    clearError();
+    if (kind == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "engram_pointer_kind: kind is NULL");
+    }
+    cudaPointerAttributes attributes{};
+    cudaError_t const status = cudaPointerGetAttributes(&attributes, ptr);
+    if (status != cudaSuccess)
+    {
+        cudaGetLastError(); // the query's error is not sticky; do not leak it to the next launch check
+        return fail(status, "engram_pointer_kind: cudaPointerGetAttributes failed: %s", cudaGetErrorString(status));
+    }
+    switch (attributes.type)
+    {
+    case cudaMemoryTypeHost: *kind = ENGRAM_POINTER_HOST; break;
+    case cudaMemoryTypeDevice: *kind = ENGRAM_POINTER_DEVICE; break;
+    case cudaMemoryTypeManaged: *kind = ENGRAM_POINTER_MANAGED; break;
+    default: *kind = ENGRAM_POINTER_UNREGISTERED; break;
+    }
+    return 0;
+}
+
+extern "C" ENGRAM_API int engram_host_register(void* ptr, size_t bytes)
+{
+    clearError();
+    if (ptr == nullptr || bytes == 0)
+    {
+        return fail(cudaErrorInvalidValue, "engram_host_register: empty range");
+    }
+    cudaError_t const status = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+    if (status != cudaSuccess)
+    {
+        cudaGetLastError();
+        return fail(status, "engram_host_register: cudaHostRegister(%zu bytes) failed: %s", bytes,
+            cudaGetErrorString(status));
+    }
+    return 0;
+}
+
+extern "C" ENGRAM_API int engram_host_unregister(void* ptr)
+{
+    clearError();
+    cudaError_t const status = cudaHostUnregister(ptr);
+    if (status != cudaSuccess)
+    {
+        cudaGetLastError();
+        return fail(status, "engram_host_unregister failed: %s", cudaGetErrorString(status));
+    }
+    return 0;
+}

@@ -1,0 +1,193 @@
+/*
+ * engram-trt kernel library: the C ABI.
+ *
+ * Every CUDA kernel of the project lives once behind this ABI. The TensorRT plugins
+ * (plugins/engram*Plugin) validate their tensors and call these functions; the
+ * PyTorch path calls them through ctypes (python/engram_trt/kernels.py).
+ *
+ * Conventions
+ *   - Every function returns int: 0 on success, otherwise a cudaError_t value
+ *     (cudaErrorInvalidValue = 1 for a rejected argument). The reason of the last
+ *     failure on the calling thread is kept in engram_last_error().
+ *   - Pointers named *_host are CPU pointers read before the function returns; all
+ *     other tensor pointers are device-accessible (device memory, or host memory that
+ *     is pinned / cudaHostRegister'ed and therefore addressable by the GPU through
+ *     unified virtual addressing) unless stated otherwise.
+ *   - Work is enqueued on `stream`; nothing synchronizes the stream unless stated.
+ *   - Tensors are dense, row-major, and 16-byte aligned where a function says so.
+ */
+#ifndef ENGRAM_TRT_KERNELS_H
+#define ENGRAM_TRT_KERNELS_H
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define ENGRAM_API __attribute__((visibility("default")))
+#else
+#define ENGRAM_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Version of the kernel + plugin library; the builder records it with each engine. */
+#define ENGRAM_TRT_PLUGIN_VERSION "0.1.0"
+
+/* Limits of the hash kernel: its layout constants travel as one kernel parameter. */
+#define ENGRAM_HASH_MAX_SLOTS 512       /* num_layers * n_hash_cols */
+#define ENGRAM_HASH_MAX_MULTIPLIERS 256 /* num_layers * max_ngram_size */
+#define ENGRAM_HASH_MAX_NGRAM 16
+
+/* Table element types (EngramGather field `table_dtype`). */
+enum EngramTableDtype
+{
+    ENGRAM_TABLE_FP8_E4M3 = 0, /* fp8 e4m3 rows + ue8m0 scale bytes, one per quant_block */
+    ENGRAM_TABLE_BF16 = 1      /* bf16 rows, no scales */
+};
+
+/* Element type of the gate's token mask (0 = dead token: gate forced to 0). */
+enum EngramMaskType
+{
+    ENGRAM_MASK_NONE = 0, /* no mask: every token live */
+    ENGRAM_MASK_U8 = 1,   /* one byte per token (bool / uint8 / int8), nonzero = live */
+    ENGRAM_MASK_I32 = 2   /* int32 per token, nonzero = live */
+};
+
+/* Element type of the gate's q_weight / k_weight. */
+enum EngramWeightType
+{
+    ENGRAM_WEIGHT_BF16 = 0,
+    ENGRAM_WEIGHT_F32 = 1
+};
+
+/* Kind of memory behind a pointer, from engram_pointer_kind(). */
+enum EngramPointerKind
+{
+    ENGRAM_POINTER_UNREGISTERED = 0, /* plain host memory: the GPU cannot read it */
+    ENGRAM_POINTER_HOST = 1,         /* pinned or registered host memory (UVA-readable) */
+    ENGRAM_POINTER_DEVICE = 2,       /* device memory */
+    ENGRAM_POINTER_MANAGED = 3       /* managed memory */
+};
+
+/* Library version string, ENGRAM_TRT_PLUGIN_VERSION. */
+ENGRAM_API const char* engram_trt_plugin_version(void);
+
+/* One-line reason of the last failed call on this thread ("" if none). */
+ENGRAM_API const char* engram_last_error(void);
+
+/*
+ * N-gram hash of packed sequences (engram-spec.md, "Hash of position p").
+ *
+ * ids          [T] int32 device: compressed token ids of all sequences back to back;
+ *              a negative id marks a dead token.
+ * seq_starts   [S+1] int32 device: cu_seqlens (seq_starts[0] = 0, seq_starts[S] = T,
+ *              non-decreasing). Tokens outside [seq_starts[0], seq_starts[S]) hash as
+ *              fully blocked (every n-gram made of pad ids).
+ * lookback     [S, N-1] int32 device: the N-1 compressed ids before each sequence's
+ *              first token, oldest first; -1 (or any negative) = no token / dead,
+ *              which blocks like the start of a sequence. NULL = every sequence
+ *              starts fresh (all -1).
+ * primes_host       [L, N-1, H] int64, offsets_host [L, (N-1)*H] int64,
+ * multipliers_host  [L, N] int64: the layout constants (host memory, copied into the
+ *              kernel's parameters at each call).
+ * pad_id, compressed_vocab_size: the pad id and the vocabulary bound; the call
+ *              checks that every multiplier times (compressed_vocab_size - 1) fits int64
+ *              and that every row id fits int32.
+ * out          [T, L, (N-1)*H] int32 device: row ids (rolling % prime + offset).
+ */
+ENGRAM_API int engram_hash(const int32_t* ids, int64_t num_tokens, const int32_t* seq_starts, int64_t num_seqs,
+    const int32_t* lookback, const int64_t* primes_host, const int64_t* offsets_host, const int64_t* multipliers_host,
+    int32_t num_layers, int32_t max_ngram_size, int32_t num_heads, int64_t pad_id, int64_t compressed_vocab_size,
+    int32_t* out, cudaStream_t stream);
+
+/* The layout checks engram_hash makes, alone (the plugin runs them at creation). */
+ENGRAM_API int engram_hash_check_layout(const int64_t* primes_host, const int64_t* offsets_host,
+    const int64_t* multipliers_host, int32_t num_layers, int32_t max_ngram_size, int32_t num_heads, int64_t pad_id,
+    int64_t compressed_vocab_size);
+
+/*
+ * Row gather + dequantization, GPU side (device table or UVA host table).
+ *
+ * ids          int32 device, token t's column c at ids[t * id_token_stride + c]
+ *              (for hash output [T, L, cols] of layer l: pass ids + l * cols and
+ *              id_token_stride = L * cols). NULL = identity (row t * num_cols + c).
+ *              Ids outside [0, table_num_rows) produce zero rows (never an
+ *              out-of-bounds read).
+ * table_rows   [table_num_rows, head_dim] fp8 e4m3 bytes or bf16, 16-byte aligned:
+ *              device memory or pinned / registered host memory.
+ * table_scales [table_num_rows, head_dim / quant_block] ue8m0 bytes (value
+ *              2^(b-127); 255 is NaN), for ENGRAM_TABLE_FP8_E4M3; ignored for bf16.
+ * out          [num_tokens, num_cols, head_dim] bf16 device, 16-byte aligned.
+ * Limits: fp8 needs head_dim % 16 == 0, quant_block % 16 == 0 and
+ *         head_dim % quant_block == 0; bf16 needs head_dim % 8 == 0.
+ */
+ENGRAM_API int engram_gather(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
+    const void* table_rows, const void* table_scales, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
+    int32_t quant_block, void* out, cudaStream_t stream);
+
+/* The table-format checks engram_gather makes (head_dim, dtype, quant_block), alone. */
+ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, int32_t quant_block);
+
+/*
+ * engram_gather with the table addresses read on the device: table_rows_addr and
+ * table_scales_addr point to one int64 each (in device memory) holding the address.
+ * This is the plugin's form, where the addresses are engine inputs, so enqueue needs
+ * no host synchronization. table_scales_addr may be NULL for bf16 tables.
+ */
+ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, int32_t num_cols,
+    int64_t id_token_stride, const int64_t* table_rows_addr, const int64_t* table_scales_addr,
+    int64_t table_num_rows, int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out,
+    cudaStream_t stream);
+
+/*
+ * Host gather: rows are gathered by CPU threads from a host table (any host memory,
+ * e.g. a file mapping) into pinned staging slots, and each chunk goes to the GPU in
+ * one cudaMemcpyAsync, pipelined (the copy of chunk k overlaps the gather of chunk
+ * k+1); fp8 chunks are dequantized on the GPU by the gather kernel. Same ids / table /
+ * out contract as engram_gather, except that ids_host, rows_host and scales_host are
+ * CPU pointers. Returns when every chunk has been gathered and its copy and dequant
+ * enqueued on `stream`; `out` is ready when the stream reaches that point.
+ * A gatherer serves one call at a time (calls are serialized by a lock); its staging
+ * slots are reused only after the copies that read them have completed.
+ */
+typedef struct EngramHostGatherer EngramHostGatherer;
+
+/* num_threads <= 0: the number of online CPUs. chunk_rows: rows per pipelined chunk.
+ * max_head_dim: the widest table row (elements) this gatherer will serve. */
+ENGRAM_API int engram_host_gatherer_create(
+    int32_t num_threads, int64_t chunk_rows, int32_t max_head_dim, EngramHostGatherer** gatherer);
+ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gatherer);
+ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_tokens,
+    int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
+    int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out, cudaStream_t stream);
+
+/*
+ * Fused Engram gate over hc_mult streams (engram-spec.md, "Fusion"):
+ *   key_c = kv[t, c*D:(c+1)*D], value = kv[t, hc*D:(hc+1)*D], h = hidden[t, c]
+ *   dot = sum(h*q[c]*k[c]*key_c) * rsqrt(mean(h^2)+eps) * rsqrt(mean(key_c^2)+eps) / sqrt(D)
+ *   g = sigmoid(sign(dot) * sqrt(max(|dot|, clamp)))   (g = 0 where the mask is 0)
+ *   out[t, c] = h + g * value          (out = h exactly where the mask is 0)
+ * hidden [T, hc, D] bf16, kv [T, (hc+1)*D] bf16, q_weight / k_weight [hc, D] bf16 or
+ * fp32 (weight_type), mask [T] (mask_type; NULL with ENGRAM_MASK_NONE), out [T, hc, D]
+ * bf16 (may alias hidden). fp32 math. Limits: D % 8 == 0; tensors 16-byte aligned.
+ */
+ENGRAM_API int engram_gate(const void* hidden, const void* kv, const void* q_weight, const void* k_weight,
+    int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult,
+    int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
+
+/* Kind of memory behind ptr (EngramPointerKind) in *kind. */
+ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);
+
+/* cudaHostRegister(ptr, bytes, portable | mapped) / cudaHostUnregister, so that the
+ * GPU can read an existing host allocation (e.g. a table loaded by NumPy). */
+ENGRAM_API int engram_host_register(void* ptr, size_t bytes);
+ENGRAM_API int engram_host_unregister(void* ptr);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ENGRAM_TRT_KERNELS_H */

@@ -1,0 +1,52 @@
+/*
+ * Helpers shared by the kernel library's translation units (not part of the ABI).
+ */
+#ifndef ENGRAM_TRT_KERNELS_INTERNAL_H
+#define ENGRAM_TRT_KERNELS_INTERNAL_H
+
+#include "engram_kernels.h"
+
+#include <cuda_runtime_api.h>
+#include <cstdint>
+
+namespace engram_trt
+{
+namespace kernels
+{
+
+//! Records a one-line reason for engram_last_error() and returns `code` as int.
+int fail(cudaError_t code, char const* format, ...) __attribute__((format(printf, 2, 3)));
+
+//! Clears the thread's last error message; every ABI entry point calls it first.
+void clearError();
+
+//! Returns the launch status of the kernel just enqueued (0 or a cudaError_t), with
+//! a message naming `kernelName` on failure.
+int checkLaunch(char const* kernelName);
+
+//! Multiprocessor count of the current device (cached per device).
+int smCount();
+
+//! True when `p` is aligned to `bytes`.
+inline bool isAligned(void const* p, uintptr_t bytes)
+{
+    return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+//! Checks the table arguments shared by the device and host gathers; returns 0 or
+//! fails with cudaErrorInvalidValue. Sets rowBytes (input bytes of one row) and
+//! scaleBytes (scale bytes of one row, 0 for bf16).
+int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
+    int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out,
+    int64_t& rowBytes, int64_t& scaleBytes);
+
+//! Enqueues the gather kernel. Exactly one of (rows, rowsAddr) is used: a non-null
+//! rowsAddr means the addresses are read on the device.
+int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
+    void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
+    int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream);
+
+} // namespace kernels
+} // namespace engram_trt
+
+#endif // ENGRAM_TRT_KERNELS_INTERNAL_H

@@ -1,0 +1,304 @@
+/*
+ * Row gather + dequantization: table row ids -> bf16 rows [T, cols, head_dim].
+ *
+ * The table may live in device memory or in pinned / registered host memory read
+ * through UVA. Reads of host memory cross PCIe with microseconds of latency, so the
+ * kernel is written for memory-level parallelism: every thread owns kUnroll 16-byte
+ * vectors of (possibly different) rows and issues all their loads before it converts
+ * and stores any of them; a grid-stride loop keeps the grid at a few waves. A 256-byte
+ * FP8 row is 16 vectors, so one warp reads two rows per load instruction and holds
+ * 2 * kUnroll rows in flight.
+ *
+ * FP8 decode: e4m3 -> half (exact) -> float, times the ue8m0 scale 2^(b-127) (exact in
+ * float32, denormals kept), rounded once to bf16 (round-to-nearest-even), which is
+ * what dequant_fp8_rows(...) followed by a bf16 cast gives.
+ */
+#include "engram_kernels.h"
+#include "engram_kernels_internal.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+namespace engram_trt
+{
+namespace kernels
+{
+
+struct GatherParams
+{
+    int32_t const* ids; // nullptr: identity (row r reads table row r)
+    uint8_t const* rows;
+    uint8_t const* scales;
+    int64_t const* rowsAddr;   // non-null: read rows from *rowsAddr on the device
+    int64_t const* scalesAddr; // non-null: read scales from *scalesAddr on the device
+    uint4* out;
+    int64_t numRowsOut; // num_tokens * num_cols
+    int64_t idTokenStride;
+    int64_t tableNumRows;
+    int64_t rowBytes;       // input bytes of one table row
+    int32_t numCols;
+    int32_t vectorsPerRow;  // rowBytes / 16
+    int32_t scalesPerRow;   // head_dim / quant_block (fp8)
+    int32_t quantBlock;
+};
+
+__device__ __forceinline__ float ue8m0ToFloat(uint32_t b)
+{
+    if (b == 0xFFu)
+    {
+        return __int_as_float(0x7FC00000); // e8m0 NaN
+    }
+    if (b == 0u)
+    {
+        return __int_as_float(0x00400000); // 2^-127: a float32 denormal
+    }
+    return __int_as_float(static_cast<int>(b << 23));
+}
+
+__device__ __forceinline__ uint32_t packBf16x2(float lo, float hi)
+{
+    __nv_bfloat162 const v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t const*>(&v);
+}
+
+//! Decodes 4 fp8 e4m3 bytes (one 32-bit word) times `scale` into 4 bf16 (two words).
+__device__ __forceinline__ uint2 decodeFp8x4(uint32_t word, float scale)
+{
+    __half2_raw const lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word & 0xFFFFu), __NV_E4M3);
+    __half2_raw const hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
+    float2 const a = __half22float2(*reinterpret_cast<__half2 const*>(&lo));
+    float2 const b = __half22float2(*reinterpret_cast<__half2 const*>(&hi));
+    return make_uint2(packBf16x2(a.x * scale, a.y * scale), packBf16x2(b.x * scale, b.y * scale));
+}
+
+template <bool kFp8, int kUnroll>
+__global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
+{
+    uint8_t const* rows = p.rows;
+    uint8_t const* scales = p.scales;
+    if (p.rowsAddr != nullptr)
+    {
+        rows = reinterpret_cast<uint8_t const*>(*p.rowsAddr);
+        scales = (kFp8 && p.scalesAddr != nullptr) ? reinterpret_cast<uint8_t const*>(*p.scalesAddr) : nullptr;
+    }
+
+    int64_t const totalVectors = p.numRowsOut * p.vectorsPerRow;
+    int64_t const stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < totalVectors;
+         base += stride * kUnroll)
+    {
+        uint4 data[kUnroll];
+        float scale[kUnroll];
+        int64_t outRow[kUnroll];
+        int32_t vec[kUnroll];
+        // Phase 1: resolve ids and issue every load before using any of them.
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+        {
+            int64_t const v = base + k * stride;
+            data[k] = make_uint4(0, 0, 0, 0);
+            scale[k] = 0.0F;
+            outRow[k] = -1;
+            vec[k] = 0;
+            if (v < totalVectors)
+            {
+                int64_t const r = v / p.vectorsPerRow;
+                int32_t const j = static_cast<int32_t>(v - r * p.vectorsPerRow);
+                outRow[k] = r;
+                vec[k] = j;
+                int64_t id = r;
+                if (p.ids != nullptr)
+                {
+                    int64_t const t = r / p.numCols;
+                    id = p.ids[t * p.idTokenStride + (r - t * p.numCols)];
+                }
+                if (id >= 0 && id < p.tableNumRows)
+                {
+                    data[k] = *reinterpret_cast<uint4 const*>(rows + id * p.rowBytes + static_cast<int64_t>(j) * 16);
+                    if (kFp8)
+                    {
+                        scale[k] = ue8m0ToFloat(scales[id * p.scalesPerRow + (j * 16) / p.quantBlock]);
+                    }
+                }
+            }
+        }
+        // Phase 2: convert and store.
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+        {
+            if (outRow[k] < 0)
+            {
+                continue;
+            }
+            if (kFp8)
+            {
+                // 16 fp8 in -> 16 bf16 out = two 16-byte stores; out row is 2 * vectorsPerRow vectors.
+                uint2 const a = decodeFp8x4(data[k].x, scale[k]);
+                uint2 const b = decodeFp8x4(data[k].y, scale[k]);
+                uint2 const c = decodeFp8x4(data[k].z, scale[k]);
+                uint2 const d = decodeFp8x4(data[k].w, scale[k]);
+                uint4* dst = p.out + outRow[k] * (2 * p.vectorsPerRow) + 2 * vec[k];
+                dst[0] = make_uint4(a.x, a.y, b.x, b.y);
+                dst[1] = make_uint4(c.x, c.y, d.x, d.y);
+            }
+            else
+            {
+                p.out[outRow[k] * p.vectorsPerRow + vec[k]] = data[k];
+            }
+        }
+    }
+}
+
+int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
+    int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out,
+    int64_t& rowBytes, int64_t& scaleBytes)
+{
+    if (numTokens < 0 || numCols < 1 || idTokenStride < numCols || tableNumRows < 0)
+    {
+        return fail(cudaErrorInvalidValue,
+            "%s: need num_tokens >= 0, num_cols >= 1, id_token_stride >= num_cols, table_num_rows >= 0 "
+            "(got %lld, %d, %lld, %lld)",
+            fn, static_cast<long long>(numTokens), numCols, static_cast<long long>(idTokenStride),
+            static_cast<long long>(tableNumRows));
+    }
+    if (tableDtype == ENGRAM_TABLE_FP8_E4M3)
+    {
+        if (headDim < 16 || headDim % 16 != 0 || quantBlock < 16 || quantBlock % 16 != 0 || headDim % quantBlock != 0)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: fp8 tables need head_dim %% 16 == 0, quant_block %% 16 == 0, head_dim %% quant_block == 0 "
+                "(got head_dim %d, quant_block %d)",
+                fn, headDim, quantBlock);
+        }
+        rowBytes = headDim;
+        scaleBytes = headDim / quantBlock;
+    }
+    else if (tableDtype == ENGRAM_TABLE_BF16)
+    {
+        if (headDim < 8 || headDim % 8 != 0)
+        {
+            return fail(cudaErrorInvalidValue, "%s: bf16 tables need head_dim %% 8 == 0 (got %d)", fn, headDim);
+        }
+        rowBytes = 2 * static_cast<int64_t>(headDim);
+        scaleBytes = 0;
+    }
+    else
+    {
+        return fail(cudaErrorInvalidValue, "%s: table_dtype %d is neither fp8_e4m3 (0) nor bf16 (1)", fn, tableDtype);
+    }
+    if (numTokens > 0 && (out == nullptr || !isAligned(out, 16)))
+    {
+        return fail(cudaErrorInvalidValue, "%s: out must be a 16-byte aligned device pointer", fn);
+    }
+    return 0;
+}
+
+int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
+    void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
+    int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
+{
+    bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
+    GatherParams p{};
+    p.ids = ids;
+    p.rows = static_cast<uint8_t const*>(rows);
+    p.scales = static_cast<uint8_t const*>(scales);
+    p.rowsAddr = rowsAddr;
+    p.scalesAddr = scalesAddr;
+    p.out = static_cast<uint4*>(out);
+    p.numRowsOut = numTokens * numCols;
+    p.idTokenStride = idTokenStride;
+    p.tableNumRows = tableNumRows;
+    p.rowBytes = fp8 ? headDim : 2 * static_cast<int64_t>(headDim);
+    p.numCols = numCols;
+    p.vectorsPerRow = static_cast<int32_t>(p.rowBytes / 16);
+    p.scalesPerRow = fp8 ? headDim / quantBlock : 0;
+    p.quantBlock = fp8 ? quantBlock : 1;
+    if (p.numRowsOut == 0)
+    {
+        return 0;
+    }
+
+    constexpr int kThreads = 256;
+    constexpr int kUnroll = 4;
+    int64_t const totalVectors = p.numRowsOut * p.vectorsPerRow;
+    int64_t const wanted = (totalVectors + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+    // Enough blocks for every multiprocessor to hold its full thread count, no more: the
+    // grid-stride loop covers the rest.
+    int64_t const cap = std::max(1, smCount()) * (2048 / kThreads);
+    unsigned const blocks = static_cast<unsigned>(std::min(wanted, cap));
+    if (fp8)
+    {
+        engramGatherKernel<true, kUnroll><<<blocks, kThreads, 0, stream>>>(p);
+    }
+    else
+    {
+        engramGatherKernel<false, kUnroll><<<blocks, kThreads, 0, stream>>>(p);
+    }
+    return checkLaunch("engram_gather");
+}
+
+} // namespace kernels
+} // namespace engram_trt
+
+using namespace engram_trt::kernels;
+
+extern "C" ENGRAM_API int engram_gather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
+    void const* tableRows, void const* tableScales, int64_t tableNumRows, int32_t headDim, int32_t tableDtype,
+    int32_t quantBlock, void* out, cudaStream_t stream)
+{
+    clearError();
+    int64_t rowBytes = 0;
+    int64_t scaleBytes = 0;
+    if (int const status = validateGatherArgs("engram_gather", numTokens, numCols, idTokenStride, tableNumRows, headDim,
+            tableDtype, quantBlock, out, rowBytes, scaleBytes))
+    {
+        return status;
+    }
+    if (numTokens > 0 && tableNumRows > 0)
+    {
+        if (tableRows == nullptr || !isAligned(tableRows, 16))
+        {
+            return fail(cudaErrorInvalidValue, "engram_gather: table rows must be a 16-byte aligned pointer");
+        }
+        if (scaleBytes > 0 && tableScales == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "engram_gather: an fp8 table needs its scales");
+        }
+    }
+    return launchGather(ids, numTokens, numCols, idTokenStride, tableRows, tableScales, nullptr, nullptr,
+        tableNumRows, headDim, tableDtype, quantBlock, out, stream);
+}
+
+extern "C" ENGRAM_API int engram_gather_check_table(int32_t headDim, int32_t tableDtype, int32_t quantBlock)
+{
+    clearError();
+    int64_t rowBytes = 0;
+    int64_t scaleBytes = 0;
+    return validateGatherArgs(
+        "engram_gather", 0, 1, 1, 0, headDim, tableDtype, quantBlock, nullptr, rowBytes, scaleBytes);
+}
+
+extern "C" ENGRAM_API int engram_gather_indirect(int32_t const* ids, int64_t numTokens, int32_t numCols,
+    int64_t idTokenStride, int64_t const* tableRowsAddr, int64_t const* tableScalesAddr, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
+{
+    clearError();
+    int64_t rowBytes = 0;
+    int64_t scaleBytes = 0;
+    if (int const status = validateGatherArgs("engram_gather_indirect", numTokens, numCols, idTokenStride,
+            tableNumRows, headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
+    {
+        return status;
+    }
+    if (tableRowsAddr == nullptr || (scaleBytes > 0 && tableScalesAddr == nullptr))
+    {
+        return fail(cudaErrorInvalidValue, "engram_gather_indirect: the table address inputs are required");
+    }
+    return launchGather(ids, numTokens, numCols, idTokenStride, nullptr, nullptr, tableRowsAddr, tableScalesAddr,
+        tableNumRows, headDim, tableDtype, quantBlock, out, stream);
+}

@@ -1,0 +1,653 @@
+#!/usr/bin/env python3
+"""Build and verify the kernel + plugin library on a GPU (the H200), then time the gathers.
+
+One script, one device call:
+  1. build      cmake (sm_90 by default) with the plugin harness; TensorRT headers from
+                --trt-include (the device has no TensorRT and no network).
+  2. kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
+                bf16 tables) / gate through engram_trt.kernels, against the Python
+                references on fresh random inputs, outputs poisoned first.
+  3. plugins    EngramHash / EngramGather / EngramGate through their creators, output
+                types and shapes (a harness IExprBuilder), configurePlugin,
+                getWorkspaceSize, enqueue, and a serialize -> createPlugin(kRUNTIME)
+                round trip; same references.
+  4. timing     gather paths on a >= 24 GiB table of 256-byte FP8 rows + 8 scale bytes,
+                6,144 and 196,608 rows, against the sequential host-to-device copy
+                measured in the same run.
+Writes $OUT/h200_verify.json and $OUT/h200_verify.log; prints a summary table last.
+``--cpu-only`` runs the parts that need no GPU (plugin creation, shapes, round trip).
+
+Tolerances: hash ids and gathered rows must be bit-exact (rows: the fp8 * ue8m0 product
+in float32 rounded once to bf16); the gate must satisfy |out - ref| <= 2^-8 |ref| + 1e-5
+elementwise against the float64 reference (one bf16 ulp), and masked tokens must equal
+hidden exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+
+import numpy as np  # noqa: E402
+
+LOG: list[str] = []
+RESULTS: dict = {"checks": [], "timing": {}}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def record(name: str, ok: bool, detail: str = "") -> None:
+    RESULTS["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
+    say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+
+
+# --- build -----------------------------------------------------------------------------
+
+def build(build_dir: Path, trt_include: Path | None, archs: str) -> Path:
+    cmd = ["cmake", "-S", str(REPO), "-B", str(build_dir), f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
+           "-DENGRAM_TRT_BUILD_HARNESS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    if trt_include is not None:
+        cmd.append(f"-DTENSORRT_INCLUDE_DIR={trt_include}")
+    t0 = time.time()
+    for c in (cmd, ["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 2}"]):
+        say("$ " + " ".join(c))
+        proc = subprocess.run(c, capture_output=True, text=True)
+        if proc.returncode != 0:
+            say(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise SystemExit(f"build failed: {' '.join(c)}")
+    say(f"built in {time.time() - t0:.1f} s")
+    return build_dir
+
+
+# --- layouts ---------------------------------------------------------------------------
+
+def make_layouts():
+    from engram_trt.config import EngramSpec
+    from engram_trt.layout import EngramLayout
+
+    # Two shapes: 2 layers of orders 2..3 x 8 heads (DeepSeek-V4 vocabulary sizes), and
+    # 3 layers of orders 2..4 x 4 heads.
+    a = EngramSpec(layer_ids=(2, 15), max_ngram_size=3, n_heads=8, vocab_size=129280,
+                   compressed_vocab_size=99092, pad_token_id=0, head_dim=256)
+    b = EngramSpec(layer_ids=(1, 6, 11), max_ngram_size=4, n_heads=4, vocab_size=50000,
+                   compressed_vocab_size=41234, pad_token_id=0, head_dim=128)
+    return [EngramLayout.from_spec(a, pad_id=17), EngramLayout.from_spec(b, pad_id=3)]
+
+
+def random_packed(rng, layout, num_seqs: int, max_len: int, dead_frac: float = 0.05):
+    """Packed ids with dead tokens, empty sequences and partial / absent lookback."""
+    lengths = rng.integers(0, max_len + 1, size=num_seqs)
+    lengths[rng.random(num_seqs) < 0.1] = 0
+    T = int(lengths.sum())
+    ids = rng.integers(0, layout.compressed_vocab_size, size=T, dtype=np.int64)
+    ids[rng.random(T) < dead_frac] = -1
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(lengths)
+    n = layout.max_ngram_size - 1
+    lookback = rng.integers(0, layout.compressed_vocab_size, size=(num_seqs, n), dtype=np.int64)
+    fresh = rng.random(num_seqs) < 0.3
+    lookback[fresh] = -1
+    partial = rng.random(num_seqs) < 0.2
+    for s in np.nonzero(partial)[0]:  # a chunk close to the sequence start: oldest ids missing
+        lookback[s, : rng.integers(1, n + 1)] = -1
+    lookback[rng.random((num_seqs, n)) < dead_frac] = -1
+    return ids, starts, lookback
+
+
+def random_fp8_table(rng, rows: int, head_dim: int, block: int = 32):
+    fp8 = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
+    fp8[(fp8 & 0x7F) == 0x7F] = 0x3C  # no NaN encodings: bit comparison of NaN payloads is meaningless
+    scales = rng.integers(100, 150, size=(rows, head_dim // block), dtype=np.uint8)
+    return fp8, scales
+
+
+# --- 2. kernels ------------------------------------------------------------------------
+
+def check_kernels(rng, layouts) -> None:
+    import torch
+
+    from engram_trt import kernels
+    from engram_trt.fusion import engram_gate_reference
+    from engram_trt.hashing import hash_batch_packed
+    from engram_trt.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
+    say(f"library {kernels.library_path()} version {kernels.version()}")
+
+    # hash
+    for li, layout in enumerate(layouts):
+        for num_seqs, max_len in ((1, 1), (7, 40), (300, 400)):
+            ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
+            ref = hash_batch_packed(ids, starts, lookback, layout)
+            out = torch.full((ids.shape[0], layout.num_layers, layout.n_hash_cols), -12345, dtype=torch.int32, device=dev)
+            kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+                                torch.from_numpy(starts.astype(np.int32)).to(dev),
+                                torch.from_numpy(lookback.astype(np.int32)).to(dev), layout, out=out)
+            got = out.cpu().numpy().astype(np.int64)
+            record(f"kernel hash layout{li} S={num_seqs} T={ids.shape[0]}", np.array_equal(got, ref),
+                   f"{int((got != ref).sum())} of {ref.size} ids differ")
+        # lookback=None: every sequence fresh
+        ids, starts, _ = random_packed(rng, layout, 5, 30)
+        ref = hash_batch_packed(ids, starts, None, layout)
+        got = kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+                                  torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
+        record(f"kernel hash layout{li} no lookback", np.array_equal(got.cpu().numpy(), ref))
+
+    # gather: fp8 and bf16 tables, every placement
+    rows_n, head_dim, T, L, cols = 50_000, 256, 333, 2, 24
+    fp8, scales = random_fp8_table(rng, rows_n, head_dim)
+    ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
+    ids.reshape(-1)[rng.choice(ids.size, 20, replace=False)] = -1
+    ids.reshape(-1)[rng.choice(ids.size, 20, replace=False)] = rows_n + 7
+    layer = 1
+    sel = ids[:, layer, :].reshape(-1)
+    valid = (sel >= 0) & (sel < rows_n)
+    ref32 = np.zeros((sel.size, head_dim), dtype=np.float32)
+    ref32[valid] = dequant_fp8_rows(fp8[sel[valid]], scales[sel[valid]], 32)
+    ref_bits = torch.from_numpy(ref32).to(torch.bfloat16).view(torch.int16).reshape(T, cols, head_dim)
+
+    def poisoned():
+        return torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
+
+    ids_dev = torch.from_numpy(ids).to(dev)
+    fp8_cpu, scales_cpu = torch.from_numpy(fp8), torch.from_numpy(scales)
+    placements = {
+        "device": (fp8_cpu.to(dev), scales_cpu.to(dev)),
+        "pinned host (UVA)": (fp8_cpu.pin_memory(), scales_cpu.pin_memory()),
+    }
+    reg_rows, reg_scales = fp8_cpu.clone(), scales_cpu.clone()
+    kernels.register_host_memory(reg_rows)
+    kernels.register_host_memory(reg_scales)
+    placements["registered host (UVA)"] = (reg_rows, reg_scales)
+    for name, (r, s) in placements.items():
+        out = kernels.gather(ids_dev, r, s, layer=layer, out=poisoned())
+        torch.cuda.synchronize()
+        same = torch.equal(out.view(torch.int16).cpu(), ref_bits)
+        record(f"kernel gather fp8 {name}", same, f"kind={kernels.pointer_kind(r)}")
+    with kernels.HostGatherer(num_threads=8, chunk_rows=1000, max_head_dim=256) as g:  # several chunks
+        out = g.gather(torch.from_numpy(ids), fp8_cpu, scales_cpu, layer=layer, out=poisoned())
+        torch.cuda.synchronize()
+        record("kernel host gather fp8 (heap table, 5 chunks)", torch.equal(out.view(torch.int16).cpu(), ref_bits))
+        # bf16 table through both paths
+        table_bf16 = torch.randn(rows_n, 128, dtype=torch.bfloat16)
+        ids2 = torch.from_numpy(rng.integers(-2, rows_n + 2, size=(T, cols)).astype(np.int32))
+        ref2 = torch.zeros(T * cols, 128, dtype=torch.bfloat16)
+        flat = ids2.reshape(-1).long()
+        ok = (flat >= 0) & (flat < rows_n)
+        ref2[ok] = table_bf16[flat[ok]]
+        ref2 = ref2.reshape(T, cols, 128)
+        out = kernels.gather(ids2.to(dev), table_bf16.to(dev),
+                             out=torch.full((T, cols, 128), float("nan"), dtype=torch.bfloat16, device=dev))
+        record("kernel gather bf16 device", torch.equal(out.cpu().view(torch.int16), ref2.view(torch.int16)))
+        out = g.gather(ids2, table_bf16, out=torch.full((T, cols, 128), float("nan"), dtype=torch.bfloat16, device=dev))
+        torch.cuda.synchronize()
+        record("kernel host gather bf16", torch.equal(out.cpu().view(torch.int16), ref2.view(torch.int16)))
+    kernels.unregister_host_memory(reg_rows)
+    kernels.unregister_host_memory(reg_scales)
+
+    # gate
+    for T_, hc, D, wdtype, mdtype in ((257, 4, 1024, torch.bfloat16, torch.bool), (64, 1, 64, torch.float32, torch.int32),
+                                      (9, 2, 4096, torch.bfloat16, torch.uint8)):
+        check_gate(rng, kernels, engram_gate_reference, T_, hc, D, wdtype, mdtype, dev)
+
+
+def gate_inputs(rng, T, hc, D, wdtype, mdtype):
+    import torch
+
+    hidden = torch.from_numpy(rng.standard_normal((T, hc, D)).astype(np.float32)).to(torch.bfloat16)
+    kv = torch.from_numpy(rng.standard_normal((T, (hc + 1) * D)).astype(np.float32)).to(torch.bfloat16)
+    qw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(wdtype)
+    kw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(wdtype)
+    mask_np = rng.random(T) > 0.2
+    mask = torch.from_numpy(mask_np.astype(np.int32)).to(mdtype)
+    return hidden, kv, qw, kw, mask, mask_np
+
+
+def gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference) -> tuple[bool, str]:
+    import torch
+
+    ref = reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(), kw.float().numpy(), mask_np, eps)
+    got = out.float().cpu().numpy().astype(np.float64)
+    err = np.abs(got - ref)
+    bound = 2.0 ** -8 * np.abs(ref) + 1e-5
+    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    masked_exact = torch.equal(out.cpu()[~torch.from_numpy(mask_np)].view(torch.int16),
+                               hidden[~torch.from_numpy(mask_np)].view(torch.int16))
+    ok = bool(np.all(err <= bound)) and np.isfinite(got).all() and masked_exact
+    return ok, f"max|err|={err.max():.3g} rel-norm={rel:.3g} worst err/bound={float((err / bound).max()):.3f} masked-exact={masked_exact}"
+
+
+def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev) -> None:
+    import torch
+
+    hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T, hc, D, wdtype, mdtype)
+    eps = 1e-6
+    out = torch.full((T, hc, D), float("nan"), dtype=torch.bfloat16, device=dev)
+    kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=out)
+    ok, detail = gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference)
+    record(f"kernel gate T={T} hc={hc} D={D} w={str(wdtype)[6:]} mask={str(mdtype)[6:]}", ok, detail)
+    # in place (out aliases hidden)
+    h_dev = hidden.to(dev)
+    kernels.gate(h_dev, kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=h_dev)
+    record(f"kernel gate in place T={T} hc={hc} D={D}", torch.equal(h_dev.cpu().view(torch.int16), out.cpu().view(torch.int16)))
+
+
+# --- 3. plugins through the harness -----------------------------------------------------
+
+PF_FLOAT32, PF_INT32, PF_CHAR, PF_INT64 = 1, 5, 6, 10
+DT = {"float32": 0, "int32": 3, "bool": 4, "bfloat16": 7, "int64": 8}
+
+
+class Harness:
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        vp, i32 = ctypes.c_void_p, ctypes.c_int32
+        self.lib.harness_last_error.restype = ctypes.c_char_p
+        self.lib.harness_create.restype = vp
+        self.lib.harness_create.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(ctypes.c_char_p),
+                                            ctypes.POINTER(i32), ctypes.POINTER(i32), ctypes.POINTER(vp), i32]
+        self.lib.harness_roundtrip.restype = vp
+        self.lib.harness_roundtrip.argtypes = [vp]
+        self.lib.harness_destroy.argtypes = [vp]
+        self.lib.harness_output_types.argtypes = [vp, i32, ctypes.POINTER(i32), i32, ctypes.POINTER(i32)]
+        self.lib.harness_output_shapes.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), i32,
+                                                   ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(i32)]
+        self.lib.harness_run.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32),
+                                         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), i32, ctypes.POINTER(i32),
+                                         ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), vp,
+                                         ctypes.POINTER(ctypes.c_uint64)]
+
+    def error(self) -> str:
+        return self.lib.harness_last_error().decode()
+
+    def create(self, name: str, fields: list[tuple[str, int, np.ndarray]], phase: int = 0) -> int:
+        n = len(fields)
+        names = (ctypes.c_char_p * n)(*[f[0].encode() for f in fields])
+        types = (ctypes.c_int32 * n)(*[f[1] for f in fields])
+        lengths = (ctypes.c_int32 * n)(*[int(f[2].size) for f in fields])
+        data = (ctypes.c_void_p * n)(*[f[2].ctypes.data for f in fields])
+        h = self.lib.harness_create(name.encode(), n, names, types, lengths, data, phase)
+        if not h:
+            raise RuntimeError(f"harness_create({name}): {self.error()}")
+        return h
+
+    def roundtrip(self, h: int) -> int:
+        h2 = self.lib.harness_roundtrip(h)
+        if not h2:
+            raise RuntimeError(f"harness_roundtrip: {self.error()}")
+        return h2
+
+    def output_types(self, h: int, in_types: list[int]) -> list[int]:
+        out = (ctypes.c_int32 * 1)()
+        if self.lib.harness_output_types(h, len(in_types), (ctypes.c_int32 * len(in_types))(*in_types), 1, out) != 0:
+            raise RuntimeError(f"output_types: {self.error()}")
+        return [out[0]]
+
+    @staticmethod
+    def _dims(shapes):
+        nb = (ctypes.c_int32 * len(shapes))(*[len(s) for s in shapes])
+        flat = (ctypes.c_int64 * (8 * len(shapes)))()
+        for i, s in enumerate(shapes):
+            for k, v in enumerate(s):
+                flat[8 * i + k] = v
+        return nb, flat
+
+    def output_shapes(self, h: int, in_shapes: list[tuple]) -> tuple[tuple, tuple]:
+        nb, flat = self._dims(in_shapes)
+        onb, odims, oconst = (ctypes.c_int32 * 1)(), (ctypes.c_int64 * 8)(), (ctypes.c_int32 * 8)()
+        if self.lib.harness_output_shapes(h, len(in_shapes), nb, flat, 1, onb, odims, oconst) != 0:
+            raise RuntimeError(f"output_shapes: {self.error()}")
+        return tuple(odims[k] for k in range(onb[0])), tuple(bool(oconst[k]) for k in range(onb[0]))
+
+    def run(self, h: int, inputs: list, in_types: list[int], out, out_type: int, stream: int) -> int:
+        nb, flat = self._dims([tuple(t.shape) for t in inputs])
+        onb, oflat = self._dims([tuple(out.shape)])
+        ptrs = (ctypes.c_void_p * len(inputs))(*[t.data_ptr() for t in inputs])
+        optrs = (ctypes.c_void_p * 1)(out.data_ptr())
+        ws = ctypes.c_uint64(0)
+        status = self.lib.harness_run(h, len(inputs), (ctypes.c_int32 * len(inputs))(*in_types), nb, flat, ptrs, 1,
+                                      (ctypes.c_int32 * 1)(out_type), onb, oflat, optrs, ctypes.c_void_p(stream),
+                                      ctypes.byref(ws))
+        if status != 0:
+            raise RuntimeError(f"harness_run: {self.error()}")
+        return ws.value
+
+
+def hash_fields(layout):
+    return [("n_layers", PF_INT32, np.array([layout.num_layers], np.int32)),
+            ("max_ngram_size", PF_INT32, np.array([layout.max_ngram_size], np.int32)),
+            ("n_heads", PF_INT32, np.array([layout.n_heads], np.int32)),
+            ("pad_id", PF_INT64, np.array([layout.pad_id], np.int64)),
+            ("compressed_vocab_size", PF_INT64, np.array([layout.compressed_vocab_size], np.int64)),
+            ("primes", PF_INT64, np.ascontiguousarray(layout.primes.reshape(-1), np.int64)),
+            ("offsets", PF_INT64, np.ascontiguousarray(layout.offsets.reshape(-1), np.int64)),
+            ("multipliers", PF_INT64, np.ascontiguousarray(layout.multipliers.reshape(-1), np.int64))]
+
+
+def hash_fields_text(layout):
+    """The ONNX form: int64 arrays as comma-separated decimal text (kCHAR)."""
+    text = {name: np.frombuffer(",".join(str(int(v)) for v in arr.reshape(-1)).encode(), dtype=np.uint8)
+            for name, arr in (("primes", layout.primes), ("offsets", layout.offsets),
+                              ("multipliers", layout.multipliers))}
+    return [f if f[0] not in text else (f[0], PF_CHAR, text[f[0]]) for f in hash_fields(layout)]
+
+
+def gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
+    return [("layer_index", PF_INT32, np.array([layer], np.int32)), ("n_layers", PF_INT32, np.array([L], np.int32)),
+            ("n_cols", PF_INT32, np.array([cols], np.int32)), ("head_dim", PF_INT32, np.array([head_dim], np.int32)),
+            ("table_dtype", PF_INT32, np.array([dtype_code], np.int32)),
+            ("quant_block", PF_INT32, np.array([block], np.int32)), ("num_rows", PF_INT64, np.array([rows], np.int64))]
+
+
+def gate_fields(hc, D, eps):
+    return [("hc_mult", PF_INT32, np.array([hc], np.int32)), ("hidden_size", PF_INT32, np.array([D], np.int32)),
+            ("eps", PF_FLOAT32, np.array([eps], np.float32))]
+
+
+def check_plugins_cpu(harness: Harness, layouts) -> None:
+    """Creation, types, shapes, round trip and field validation: no GPU needed."""
+    layout = layouts[0]
+    h = harness.create("EngramHash", hash_fields(layout))
+    shape, const = harness.output_shapes(h, [(100,), (4,), (3, layout.max_ngram_size - 1)])
+    want = (100, layout.num_layers, layout.n_hash_cols)
+    record("plugin EngramHash getOutputShapes", shape == want and const == (False, True, True), f"{shape} const={const}")
+    record("plugin EngramHash getOutputDataTypes", harness.output_types(h, [DT["int32"]] * 3) == [DT["int32"]])
+    h2 = harness.roundtrip(h)
+    record("plugin EngramHash serialize round trip", harness.output_shapes(h2, [(7,), (2,), (1, 2)])[0][1:] == want[1:])
+    harness.lib.harness_destroy(h2)
+    harness.lib.harness_destroy(h)
+    bad = hash_fields(layout)
+    bad[7] = ("multipliers", PF_INT64, np.full(layout.multipliers.size, 2**62, np.int64))
+    try:
+        harness.create("EngramHash", bad)
+        record("plugin EngramHash rejects overflowing multipliers", False)
+    except RuntimeError as exc:
+        record("plugin EngramHash rejects overflowing multipliers", "multiplier" in str(exc), str(exc)[:120])
+    narrow = hash_fields(layout)
+    narrow[7] = ("multipliers", PF_INT32, layout.multipliers.reshape(-1).astype(np.int32))
+    try:
+        harness.create("EngramHash", narrow)
+        record("plugin EngramHash refuses int32 multipliers (truncation)", False)
+    except RuntimeError as exc:
+        record("plugin EngramHash refuses int32 multipliers (truncation)", "64-bit" in str(exc), str(exc)[:120])
+    h3 = harness.create("EngramHash", hash_fields_text(layout))
+    record("plugin EngramHash accepts decimal-text int64 fields",
+           harness.output_shapes(h3, [(9,), (2,), (1, layout.max_ngram_size - 1)])[0] == (9,) + want[1:])
+    harness.lib.harness_destroy(h3)
+    try:
+        harness.create("EngramHash", hash_fields(layout) + [("bogus", PF_INT32, np.array([1], np.int32))])
+        record("plugin EngramHash rejects unknown fields", False)
+    except RuntimeError as exc:
+        record("plugin EngramHash rejects unknown fields", "bogus" in str(exc), str(exc)[:120])
+
+    g = harness.create("EngramGather", gather_fields(1, 2, 24, 256, 0, 32, 1000))
+    shape, const = harness.output_shapes(g, [(50, 2, 24), (1,), (1,)])
+    record("plugin EngramGather getOutputShapes", shape == (50, 24, 256) and const == (False, True, True), str(shape))
+    record("plugin EngramGather getOutputDataTypes",
+           harness.output_types(g, [DT["int32"], DT["int64"], DT["int64"]]) == [DT["bfloat16"]])
+    g2 = harness.roundtrip(g)
+    record("plugin EngramGather serialize round trip", harness.output_shapes(g2, [(5, 2, 24), (1,), (1,)])[0] == (5, 24, 256))
+    harness.lib.harness_destroy(g2)
+    harness.lib.harness_destroy(g)
+
+    t = harness.create("EngramGate", gate_fields(4, 1024, 1e-6))
+    shape, const = harness.output_shapes(t, [(33, 4, 1024), (33, 5 * 1024), (4, 1024), (4, 1024), (33,)])
+    record("plugin EngramGate getOutputShapes", shape == (33, 4, 1024) and not const[0], str(shape))
+    t2 = harness.roundtrip(t)
+    record("plugin EngramGate serialize round trip", harness.output_shapes(t2, [(3, 4, 1024), (3, 5120), (4, 1024),
+                                                                                (4, 1024), (3,)])[0] == (3, 4, 1024))
+    harness.lib.harness_destroy(t2)
+    harness.lib.harness_destroy(t)
+
+
+def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
+    import torch
+
+    from engram_trt.fusion import engram_gate_reference
+    from engram_trt.hashing import hash_batch_packed
+    from engram_trt.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run_both(name, fields, inputs, in_types, make_out, out_type):
+        """Build-phase plugin and its serialize -> runtime-phase twin on the same inputs."""
+        outs = []
+        h = harness.create(name, fields, phase=0)
+        h2 = harness.roundtrip(h)
+        for handle in (h, h2):
+            out = make_out()
+            ws = harness.run(handle, inputs, in_types, out, out_type, stream)
+            torch.cuda.synchronize()
+            outs.append(out)
+        harness.lib.harness_destroy(h2)
+        harness.lib.harness_destroy(h)
+        return outs, ws
+
+    for li, layout in enumerate(layouts):
+        ids, starts, lookback = random_packed(rng, layout, 40, 200)
+        ref = hash_batch_packed(ids, starts, lookback, layout)
+        inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, lookback)]
+        # int64 fields as the plugin serializes them, and as decimal text (the ONNX form)
+        for form, fields in (("int64 fields", hash_fields(layout)), ("text fields", hash_fields_text(layout))):
+            (o1, o2), ws = run_both("EngramHash", fields, inputs, [DT["int32"]] * 3,
+                                    lambda: torch.full(ref.shape, -777, dtype=torch.int32, device=dev), DT["int32"])
+            record(f"plugin EngramHash enqueue layout{li} T={ids.shape[0]} ({form})",
+                   np.array_equal(o1.cpu().numpy(), ref) and np.array_equal(o2.cpu().numpy(), ref), f"workspace={ws}")
+
+    rows_n, head_dim, T, L, cols, layer = 20_000, 256, 150, 2, 24, 1
+    fp8, scales = random_fp8_table(rng, rows_n, head_dim)
+    ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
+    sel = ids[:, layer, :].reshape(-1)
+    ref = torch.from_numpy(dequant_fp8_rows(fp8[sel], scales[sel], 32)).to(torch.bfloat16).reshape(T, cols, head_dim)
+    for where, (r, s) in {"device": (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
+                          "pinned host": (torch.from_numpy(fp8).pin_memory(), torch.from_numpy(scales).pin_memory())}.items():
+        addr_r = torch.tensor([r.data_ptr()], dtype=torch.int64, device=dev)
+        addr_s = torch.tensor([s.data_ptr()], dtype=torch.int64, device=dev)
+        (o1, o2), ws = run_both("EngramGather", gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
+                                [torch.from_numpy(ids).to(dev), addr_r, addr_s], [DT["int32"], DT["int64"], DT["int64"]],
+                                lambda: torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev),
+                                DT["bfloat16"])
+        same = all(torch.equal(o.cpu().view(torch.int16), ref.view(torch.int16)) for o in (o1, o2))
+        record(f"plugin EngramGather enqueue fp8 {where} table", same, f"workspace={ws}")
+    table = torch.randn(rows_n, 64, dtype=torch.bfloat16)
+    ids1 = rng.integers(0, rows_n, size=(T, 1, 8)).astype(np.int32)
+    ref1 = table[torch.from_numpy(ids1[:, 0, :].reshape(-1)).long()].reshape(T, 8, 64)
+    tdev = table.to(dev)
+    (o1, o2), _ = run_both("EngramGather", gather_fields(0, 1, 8, 64, 1, 32, rows_n),
+                           [torch.from_numpy(ids1).to(dev), torch.tensor([tdev.data_ptr()], dtype=torch.int64, device=dev)],
+                           [DT["int32"], DT["int64"]],
+                           lambda: torch.full((T, 8, 64), float("nan"), dtype=torch.bfloat16, device=dev), DT["bfloat16"])
+    record("plugin EngramGather enqueue bf16 device table",
+           all(torch.equal(o.cpu().view(torch.int16), ref1.view(torch.int16)) for o in (o1, o2)))
+
+    for T_, hc, D, wdtype, mdtype, mname in ((200, 4, 1024, torch.bfloat16, torch.bool, "bool"),
+                                             (31, 2, 256, torch.float32, torch.int32, "int32")):
+        hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T_, hc, D, wdtype, mdtype)
+        eps = 1e-5
+        wt = DT["bfloat16"] if wdtype == torch.bfloat16 else DT["float32"]
+        (o1, o2), ws = run_both("EngramGate", gate_fields(hc, D, eps),
+                                [t.to(dev) for t in (hidden, kv, qw, kw, mask)],
+                                [DT["bfloat16"], DT["bfloat16"], wt, wt, DT[mname]],
+                                lambda: torch.full((T_, hc, D), float("nan"), dtype=torch.bfloat16, device=dev),
+                                DT["bfloat16"])
+        ok1, detail = gate_ok(o1, hidden, kv, qw, kw, mask_np, eps, engram_gate_reference)
+        same = torch.equal(o1.cpu().view(torch.int16), o2.cpu().view(torch.int16))
+        record(f"plugin EngramGate enqueue T={T_} hc={hc} D={D} mask={mname}", ok1 and same,
+               f"{detail} roundtrip-identical={same} workspace={ws}")
+
+
+# --- 4. timing -------------------------------------------------------------------------
+
+def time_gathers(rng, table_gib: float, reps: int) -> None:
+    import torch
+
+    from engram_trt import kernels
+
+    dev = torch.device("cuda")
+    head_dim, block, cols = 256, 32, 24
+    rows_n = int(table_gib * 2**30) // head_dim
+    scale_w = head_dim // block
+    say(f"timing: table {rows_n:,} rows x {head_dim} B fp8 + {scale_w} B scales = "
+        f"{rows_n * (head_dim + scale_w) / 2**30:.2f} GiB, in HBM and in pinned host memory")
+    t0 = time.time()
+    dev_rows = torch.randint(0, 256, (rows_n, head_dim), dtype=torch.uint8, device=dev)
+    dev_rows[(dev_rows & 0x7F) == 0x7F] = 0x3C
+    dev_scales = torch.randint(110, 140, (rows_n, scale_w), dtype=torch.uint8, device=dev)
+    host_rows = torch.empty((rows_n, head_dim), dtype=torch.uint8, pin_memory=True)
+    host_scales = torch.empty((rows_n, scale_w), dtype=torch.uint8, pin_memory=True)
+    pin_s = time.time() - t0
+    host_rows.copy_(dev_rows)
+    host_scales.copy_(dev_scales)
+    torch.cuda.synchronize()
+    say(f"tables ready in {time.time() - t0:.1f} s (pinning + filling {pin_s:.1f} s)")
+
+    # sequential host-to-device copy, the link's ceiling in this run
+    n_bytes = 2 * 2**30
+    src = host_rows.view(-1)[:n_bytes]
+    dst = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
+    times = []
+    for i in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        torch.cuda.synchronize()
+        if i:
+            times.append(a.elapsed_time(b) / 1e3)
+    h2d = n_bytes / statistics.median(times) / 1e9
+    del dst
+    RESULTS["timing"]["h2d_sequential_GBps"] = h2d
+    say(f"sequential H2D copy, 2 GiB pinned: {h2d:.1f} GB/s")
+
+    gatherer = kernels.HostGatherer(num_threads=os.cpu_count() or 16, chunk_rows=16384, max_head_dim=head_dim)
+    for n_rows in (6144, 196608):
+        T = n_rows // cols
+        id_sets = [torch.from_numpy(rng.integers(0, rows_n, size=(T, cols)).astype(np.int32)) for _ in range(reps)]
+        id_sets_dev = [x.to(dev) for x in id_sets]
+        out = torch.empty((T, cols, head_dim), dtype=torch.bfloat16, device=dev)
+        moved = n_rows * (head_dim + scale_w)
+        row = {}
+
+        def gpu_time(fn) -> float:
+            fn(0)  # warm-up
+            torch.cuda.synchronize()
+            ts = []
+            for i in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn(i)
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            return statistics.median(ts)
+
+        def wall_time(fn) -> float:
+            fn(0)
+            torch.cuda.synchronize()
+            ts = []
+            for i in range(reps):
+                t = time.perf_counter()
+                fn(i)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t)
+            return statistics.median(ts)
+
+        paths = {
+            "UVA kernel, device (HBM) table": lambda i: kernels.gather(id_sets_dev[i], dev_rows, dev_scales, out=out),
+            "UVA kernel, pinned host table": lambda i: kernels.gather(id_sets_dev[i], host_rows, host_scales, out=out),
+        }
+        for name, fn in paths.items():
+            s = gpu_time(fn)
+            row[name] = {"seconds": s, "GBps": moved / s / 1e9, "ratio_to_h2d": moved / s / 1e9 / h2d}
+        s = wall_time(lambda i: gatherer.gather(id_sets[i], host_rows, host_scales, out=out))
+        row["host gather + copy (pinned host table)"] = {"seconds": s, "GBps": moved / s / 1e9,
+                                                          "ratio_to_h2d": moved / s / 1e9 / h2d}
+        # spot-check the timed outputs of the last id set against the device-table path
+        ref = kernels.gather(id_sets_dev[-1], dev_rows, dev_scales)
+        got = gatherer.gather(id_sets[-1], host_rows, host_scales)
+        torch.cuda.synchronize()
+        record(f"timing outputs agree ({n_rows} rows: host gather == device gather)",
+               torch.equal(ref.view(torch.int16), got.view(torch.int16)))
+        RESULTS["timing"][str(n_rows)] = row
+        for name, v in row.items():
+            say(f"  {n_rows:>7} rows  {name:<40} {v['seconds'] * 1e6:>9.1f} us  {v['GBps']:6.1f} GB/s  "
+                f"{v['ratio_to_h2d']:.2f} x H2D")
+    gatherer.close()
+
+
+# --- main ------------------------------------------------------------------------------
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
+    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
+    ap.add_argument("--archs", default="90")
+    ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU")
+    ap.add_argument("--table-gib", type=float, default=24.0)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
+    args = ap.parse_args()
+
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    RESULTS["seed"] = seed
+    say(f"seed {seed}")
+    if not args.skip_build:
+        build(args.build_dir, args.trt_include, args.archs)
+    lib = args.build_dir / "libengram_trt_plugins.so"
+    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(lib)
+    harness = Harness(args.build_dir / "plugins" / "tests" / "libengram_plugin_harness.so")
+    layouts = make_layouts()
+
+    failed = False
+    try:
+        check_plugins_cpu(harness, layouts)
+        if not args.cpu_only:
+            import torch
+
+            say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+            check_kernels(rng, layouts)
+            check_plugins_gpu(rng, harness, layouts)
+            if not args.no_timing:
+                time_gathers(rng, args.table_gib, args.reps)
+    except Exception as exc:  # report what ran, then fail
+        import traceback
+
+        say(traceback.format_exc())
+        record("script completed", False, f"{type(exc).__name__}: {exc}")
+        failed = True
+
+    n_fail = sum(not c["ok"] for c in RESULTS["checks"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "h200_verify.json").write_text(json.dumps(RESULTS, indent=1))
+    (args.out / "h200_verify.log").write_text("\n".join(LOG) + "\n")
+    say(f"\n{len(RESULTS['checks']) - n_fail} checks passed, {n_fail} failed (seed {seed})")
+    if RESULTS["timing"]:
+        t = RESULTS["timing"]
+        say(f"H2D sequential: {t['h2d_sequential_GBps']:.1f} GB/s")
+        say(f"{'rows':>7} | {'path':<40} | {'us':>9} | {'GB/s':>6} | x H2D")
+        for n in ("6144", "196608"):
+            for name, v in t.get(n, {}).items():
+                say(f"{n:>7} | {name:<40} | {v['seconds'] * 1e6:9.1f} | {v['GBps']:6.1f} | {v['ratio_to_h2d']:.2f}")
+    return 1 if (n_fail or failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

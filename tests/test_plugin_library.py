@@ -1,0 +1,230 @@
+"""The native library (libengram_trt_plugins.so) on a machine without a GPU.
+
+- its exported symbols are exactly the registration entry points and the kernels' C ABI;
+- the C ABI's host-side checks (layout, table format) and the ctypes bindings'
+  argument checks run without a GPU;
+- with TensorRT-RTX: the library loads through the plugin registry, the three creators
+  are listed with their fields, and an ONNX graph holding EngramHash -> EngramGather ->
+  wkv -> EngramGate builds into an engine on the CPU.
+The kernels themselves run on the H200 through scripts/h200_verify.py (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engram_trt import kernels, trt_compat
+from engram_trt.config import EngramSpec
+from engram_trt.errors import EngramError
+from engram_trt.layout import EngramLayout
+
+REPO = Path(__file__).resolve().parents[1]
+HEADER = REPO / "plugins" / "kernels" / "engram_kernels.h"
+PLUGINS = {
+    "EngramHash": ["n_layers", "max_ngram_size", "n_heads", "pad_id", "compressed_vocab_size", "primes", "offsets",
+                   "multipliers"],
+    "EngramGather": ["layer_index", "n_layers", "n_cols", "head_dim", "table_dtype", "quant_block", "num_rows"],
+    "EngramGate": ["hc_mult", "hidden_size", "eps"],
+}
+
+
+def _abi_names() -> set[str]:
+    """Every ENGRAM_API function the header declares."""
+    text = HEADER.read_text()
+    return set(re.findall(r"ENGRAM_API\s+[\w\s\*]+?\b(engram_\w+)\s*\(", text))
+
+
+@pytest.fixture(scope="session")
+def library(tmp_path_factory) -> Path:
+    """The installed / built library, or one built now (one architecture, to stay quick)."""
+    try:
+        return kernels.library_path()
+    except EngramError:
+        pass
+    if shutil.which("cmake") is None or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
+        pytest.skip("no built libengram_trt_plugins.so and no cmake / nvcc to build it")
+    build = tmp_path_factory.mktemp("plugin-build")
+    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80"], check=True,
+                   capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
+    path = build / kernels.LIBRARY_NAME
+    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def layout() -> EngramLayout:
+    spec = EngramSpec(layer_ids=(1, 3), max_ngram_size=3, n_heads=4, vocab_size=1000, compressed_vocab_size=900,
+                      pad_token_id=0, head_dim=64)
+    return EngramLayout.from_spec(spec, pad_id=5)
+
+
+def test_exported_symbols_are_the_abi_and_nothing_else(library: Path) -> None:
+    if shutil.which("nm") is None:
+        pytest.skip("nm (binutils) is not installed")
+    out = subprocess.run(["nm", "-D", "--defined-only", str(library)], check=True, capture_output=True, text=True).stdout
+    exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    expected = {"getCreators", "setLoggerFinder"} | _abi_names()
+    assert "engram_gather" in expected and "engram_host_gather" in expected  # the header parse found the ABI
+    assert exported == expected, f"unexpected: {sorted(exported - expected)}, missing: {sorted(expected - exported)}"
+    # no libnvinfer / libcudart dependency: the library must load where only TensorRT-RTX exists
+    needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout if shutil.which("readelf") else ""
+    assert "libnvinfer" not in needed and "libcudart" not in needed
+
+
+def test_version_matches_the_header(library: Path) -> None:
+    declared = re.search(r'#define ENGRAM_TRT_PLUGIN_VERSION "([^"]+)"', HEADER.read_text()).group(1)
+    assert kernels.version() == declared
+
+
+def test_layout_checks_run_without_gpu(library: Path, layout: EngramLayout) -> None:
+    kernels.check_layout(layout)  # the real layout passes
+
+    too_big = EngramLayout(**{**layout.__dict__, "multipliers": layout.multipliers.copy()})
+    too_big.multipliers[1, 2] = np.iinfo(np.int64).max // (layout.compressed_vocab_size - 1) + 1
+    with pytest.raises(EngramError, match=r"multiplier\[5\]"):
+        kernels.check_layout(too_big)
+
+    wide = EngramLayout(**{**layout.__dict__, "offsets": layout.offsets.copy()})
+    wide.offsets[0, -1] = 2**31 - 2
+    with pytest.raises(EngramError, match="fit int32"):
+        kernels.check_layout(wide)
+
+
+def test_bindings_name_the_bad_argument() -> None:
+    import torch
+
+    class Lay:  # only the fields hash_packed reads before the device check
+        max_ngram_size, num_layers, n_hash_cols = 3, 1, 2
+
+    with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):
+        kernels.hash_packed(torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), None, Lay())
+    with pytest.raises(EngramError, match="^ids must have dtype torch.int32"):
+        kernels.hash_packed(torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), None, Lay())
+    kv, w = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(1, 8)
+    with pytest.raises(EngramError, match="^hidden must have dtype torch.bfloat16"):
+        kernels.gate(torch.zeros(2, 1, 8), kv, w, w, eps=1e-6)
+    with pytest.raises(EngramError, match="^hidden must be a CUDA tensor"):
+        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.bfloat16), kv, w, w, eps=1e-6)
+    with pytest.raises(EngramError, match=r"^ids must be a CUDA tensor"):
+        kernels.gather(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8))
+
+
+# --- TensorRT-RTX ------------------------------------------------------------------------
+
+def _require(module: str) -> None:
+    if not trt_compat.module_available(module if module != "tensorrt_rtx" else "tensorrt_rtx_bindings") \
+            and not trt_compat.module_available(module):
+        pytest.skip(trt_compat.NOT_INSTALLED_REASON if module == "tensorrt" else "tensorrt_rtx not installed")
+
+
+@pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
+def trt(request, library: Path):
+    _require(request.param)
+    os.environ["ENGRAM_TRT_FLAVOUR"] = request.param
+    try:
+        t = trt_compat.load(request.param)
+        trt_compat.load_plugin_library(library)
+        yield t
+    finally:
+        os.environ.pop("ENGRAM_TRT_FLAVOUR", None)
+
+
+def test_creators_are_registered_with_their_fields(trt) -> None:
+    registry = trt.module.get_plugin_registry()
+    found = {}
+    for creator in registry.all_creators:
+        if creator.name in PLUGINS:
+            found[creator.name] = (creator.plugin_version, creator.plugin_namespace,
+                                   [f.name for f in creator.field_names])
+    assert set(found) == set(PLUGINS)
+    for name, fields in PLUGINS.items():
+        assert found[name] == ("1", "", fields)
+
+
+def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int = 2, hidden: int = 128) -> None:
+    """ids -> EngramHash -> EngramGather (layer 1, fp8 table by address) -> wkv -> EngramGate."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    cols, n = layout.n_hash_cols, layout.max_ngram_size - 1
+    rng = np.random.default_rng(0)
+
+    def bf16_init(name, shape):
+        import torch
+
+        t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32) * 0.05).to(torch.bfloat16)
+        return helper.make_tensor(name, TensorProto.BFLOAT16, shape, t.view(torch.int16).numpy().tobytes(), raw=True)
+
+    def i64(name, values):
+        # int64 arrays travel as decimal text (STRING attribute): the ONNX parser narrows
+        # INTS attributes to int32, which would truncate the multipliers.
+        return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))
+
+    nodes = [
+        helper.make_node("EngramHash", ["ids", "seq_starts", "lookback"], ["hash_ids"], name="hash",
+                         domain="engram_trt", plugin_version="1", n_layers=layout.num_layers,
+                         max_ngram_size=layout.max_ngram_size, n_heads=layout.n_heads, pad_id=layout.pad_id,
+                         compressed_vocab_size=layout.compressed_vocab_size,
+                         primes=i64("primes", layout.primes), offsets=i64("offsets", layout.offsets),
+                         multipliers=i64("multipliers", layout.multipliers)),
+        helper.make_node("EngramGather", ["hash_ids", "rows_addr", "scales_addr"], ["rows"], name="gather",
+                         domain="engram_trt", plugin_version="1", layer_index=1, n_layers=layout.num_layers,
+                         n_cols=cols, head_dim=head_dim, table_dtype=0, quant_block=32,
+                         num_rows=int(layout.table_rows[1])),
+        helper.make_node("Reshape", ["rows", "flat_shape"], ["rows_flat"], name="flatten"),
+        helper.make_node("MatMul", ["rows_flat", "wkv"], ["kv"], name="wkv"),
+        helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
+                         domain="engram_trt", plugin_version="1", hc_mult=hc, hidden_size=hidden, eps=1e-6),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("ids", TensorProto.INT32, ["T"]),
+        helper.make_tensor_value_info("seq_starts", TensorProto.INT32, ["S1"]),
+        helper.make_tensor_value_info("lookback", TensorProto.INT32, ["S", n]),
+        helper.make_tensor_value_info("rows_addr", TensorProto.INT64, [1]),
+        helper.make_tensor_value_info("scales_addr", TensorProto.INT64, [1]),
+        helper.make_tensor_value_info("hidden", TensorProto.BFLOAT16, ["T", hc, hidden]),
+        helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"]),
+    ]
+    inits = [numpy_helper.from_array(np.array([-1, cols * head_dim], dtype=np.int64), "flat_shape"),
+             bf16_init("wkv", [cols * head_dim, (hc + 1) * hidden]), bf16_init("q_weight", [hc, hidden]),
+             bf16_init("k_weight", [hc, hidden])]
+    graph = helper.make_graph(nodes, "engram", inputs,
+                              [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, ["T", hc, hidden])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("engram_trt", 1)])
+    onnx.save(model, str(path))
+
+
+def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramLayout, tmp_path: Path) -> None:
+    path = tmp_path / "engram.onnx"
+    _engram_graph(layout, path)
+    builder = trt_compat.create_builder()
+    network = trt_compat.create_network(builder)
+    parser = trt_compat.onnx_parser(network)
+    trt_compat.parse_onnx_file(parser, path)
+
+    plugin_layers = [network.get_layer(i) for i in range(network.num_layers)
+                     if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    assert sorted(layer.name for layer in plugin_layers) == ["gate", "gather", "hash"]
+    by_name = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
+    assert tuple(by_name["out"].shape)[1:] == (2, 128) and by_name["out"].dtype == trt.module.bfloat16
+
+    config = builder.create_builder_config()
+    if trt.is_rtx:
+        trt_compat.set_targets(config, ("sm80",))
+    profile = builder.create_optimization_profile()
+    n = layout.max_ngram_size - 1
+    for name, lo, opt, hi in (("ids", (1,), (64,), (512,)), ("seq_starts", (2,), (3,), (9,)),
+                              ("lookback", (1, n), (2, n), (8, n)), ("hidden", (1, 2, 128), (64, 2, 128), (512, 2, 128)),
+                              ("mask", (1,), (64,), (512,))):
+        profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    engine = builder.build_serialized_network(network, config)
+    assert engine is not None and engine.nbytes > 10_000
