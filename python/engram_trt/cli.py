@@ -202,6 +202,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype of the reference model (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--table-storage", choices=("memory", "pinned", "mmap"), default="memory",
+                   help="where the Engram tables live: 'memory' (on the device), 'pinned' (host memory the GPU reads "
+                        "through UVA), 'mmap' (rows read from the checkpoint files through the page cache) (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
 
 
@@ -243,7 +246,7 @@ def generate_text(checkpoint: str, args: argparse.Namespace) -> dict[str, Any]:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     ckpt = Checkpoint.open(checkpoint)
-    model = EngramLlama.from_checkpoint(ckpt, device=device, dtype=dtype)
+    model = EngramLlama.from_checkpoint(ckpt, device=device, dtype=dtype, table_storage=args.table_storage)
     load_s = time.perf_counter() - t0
     tok = load_tokenizer(ckpt.tokenizer_json)
     prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids
@@ -256,6 +259,7 @@ def generate_text(checkpoint: str, args: argparse.Namespace) -> dict[str, Any]:
         "backend": model.backend_name,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
+        "table_storage": args.table_storage,
         "prompt": args.prompt,
         "prompt_tokens": len(prompt_ids),
         "new_tokens": len(new_ids),
