@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 
 from . import __version__
 from .checkpoint import Checkpoint, require_valid

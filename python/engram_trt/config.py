@@ -281,14 +281,20 @@ class ModelConfig:
         return d
 
 
-def config_path(path: str | Path) -> Path:
-    """A config.json path from a file or checkpoint-folder path."""
+def file_in_checkpoint(path: str | Path, name: str, what: str) -> Path:
+    """``path`` itself, or ``path/name`` when ``path`` is a checkpoint folder; an error
+    naming the place and the expectation when that file does not exist."""
     p = Path(path)
     if p.is_dir():
-        p = p / "config.json"
+        p = p / name
     if not p.is_file():
-        raise ConfigError(f"no config file at '{p}' (expected a config.json path or a checkpoint folder holding one)")
+        raise ConfigError(f"no {what} at '{p}' (expected a {name} path or a checkpoint folder holding one)")
     return p
+
+
+def config_path(path: str | Path) -> Path:
+    """A config.json path from a file or checkpoint-folder path."""
+    return file_in_checkpoint(path, "config.json", "config file")
 
 
 def read_config_dict(path: str | Path) -> tuple[dict[str, Any], str]:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import file_in_checkpoint
 from .errors import ConfigError, EngramError
 
 log = logging.getLogger(__name__)
@@ -57,11 +58,7 @@ def default_tokenizer_json() -> Path:
 def load_tokenizer(path: str | Path) -> Any:
     from tokenizers import Tokenizer
 
-    p = Path(path)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise EngramError(f"no tokenizer at '{p}' (expected a tokenizer.json file or a checkpoint folder holding one)")
+    p = file_in_checkpoint(path, "tokenizer.json", "tokenizer")
     try:
         return Tokenizer.from_file(str(p))
     except Exception as exc:  # the Rust error text is the useful part
@@ -100,9 +97,8 @@ def build_compressed_vocab(tokenizer: str | Path | Any) -> CompressedVocab:
     """Build the map from a tokenizer.json path (or a loaded ``tokenizers.Tokenizer``)."""
     sha = ""
     if isinstance(tokenizer, (str, Path)):
-        p = Path(tokenizer)
-        p = p / "tokenizer.json" if p.is_dir() else p
-        sha = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+        p = file_in_checkpoint(tokenizer, "tokenizer.json", "tokenizer")
+        sha = hashlib.sha256(p.read_bytes()).hexdigest()
         tokenizer = load_tokenizer(p)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     texts = tokenizer.decode_batch([[i] for i in range(vocab)], skip_special_tokens=False)
