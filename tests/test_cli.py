@@ -194,3 +194,10 @@ def test_run_prints_text_speed_and_backend(capsys, demo_dir):
     assert res["text"] == load_tokenizer(demo_dir).decode(res["token_ids"], skip_special_tokens=False)
     code, out, _ = run_cli(capsys, "run", str(demo_dir), "--prompt", "hello engram", "--max-new-tokens", "4")
     assert code == 0 and "backend: torch" in out and "tokens/s" in out
+
+
+def test_raw_id_out_of_range_is_one_line(tmp_path):
+    d = _deepseek_config_dir(tmp_path, 99092)
+    proc = run_subprocess("hash", str(d), "--ids", "5,129280")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "token id 129280" in proc.stderr and proc.stderr.count("\n") == 1
