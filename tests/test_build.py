@@ -153,7 +153,6 @@ def test_demo_builds_rtx_engine_with_three_plugins(demo_dir: Path, plugin_lib: P
     assert r3.engine_bytes < r.engine_bytes
 
 
-@needs_rtx
 def _word_tokenizer(path: Path, words: int) -> Path:
     """A tiny word-level tokenizer.json (ids 0..words-1), so a test model's embedding
     is small and the tables dominate, as in production."""

@@ -26,7 +26,7 @@ from engram_trt.demo import (
     make_demo_checkpoint,
     random_weights,
 )
-from engram_trt.errors import EngramError
+from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.layout import EngramLayout
 from engram_trt.quant import quantize_fp8_rows
 
@@ -291,3 +291,25 @@ def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest
     assert ensure_demo_checkpoint() == target
     Checkpoint.open(target)
     assert not list(target.parent.glob(".demo-checkpoint.tmp-*"))
+
+
+def test_damaged_header_entries_are_refused(tmp_path: Path) -> None:
+    """A header whose shape disagrees with its byte span, or that lacks offsets, is
+    refused with the file and tensor named (never a library traceback)."""
+    import struct
+
+    from engram_trt.checkpoint import _tensor_infos
+
+    def write(path: Path, header: dict) -> Path:
+        body = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(body)) + body + bytes(64))
+        return path
+
+    ok = write(tmp_path / "ok.safetensors", {"t": {"dtype": "U8", "shape": [4, 16], "data_offsets": [0, 64]}})
+    assert _tensor_infos(ok)["t"].nbytes == 64
+    bad_span = write(tmp_path / "span.safetensors", {"t": {"dtype": "U8", "shape": [4, 32], "data_offsets": [0, 64]}})
+    with pytest.raises(CheckpointError, match="declares shape"):
+        _tensor_infos(bad_span)
+    no_offsets = write(tmp_path / "nooff.safetensors", {"t": {"dtype": "U8", "shape": [4, 16]}})
+    with pytest.raises(CheckpointError, match="malformed"):
+        _tensor_infos(no_offsets)

@@ -98,12 +98,19 @@ def test_compressed_vocab_mismatch_fails(capsys, tmp_path):
     (["hash", "{cfg}", "--compressed", "--pad-id", "9999", "--ids", "5"], "pad id 9999"),
     (["layout", "{plain}"], "no Engram fields"),
     (["layout", "{missing}"], "no config file"),
+    (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,,3"], "empty item"),
+    (["hash", "{cfg}", "--pad-id", "426", "--ids", "5"], "--pad-id only applies with --compressed"),
+    (["hash", "{cfg}"], "the following arguments are required: --ids"),
+    (["run", "{cfg}", "--max-new-tokens", "abc"], "invalid int value: 'abc'"),
+    (["run", "{cfg}", "--temperature", "nan"], "--temperature must be a number >= 0"),
+    (["demo-checkpoint", "{under_file}"], "Not a directory"),
 ])
 def test_bad_input_is_one_line_without_traceback(tmp_path, golden_config, argv, needle):
     path, _ = golden_config
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"hidden_size": 8}))
-    subst = {"{cfg}": str(path), "{plain}": str(plain), "{missing}": str(tmp_path / "nope")}
+    subst = {"{cfg}": str(path), "{plain}": str(plain), "{missing}": str(tmp_path / "nope"),
+             "{under_file}": str(path / "sub")}
     proc = run_subprocess(*[subst.get(a, a) for a in argv])
     assert proc.returncode == 2
     assert needle in proc.stderr
@@ -112,7 +119,7 @@ def test_bad_input_is_one_line_without_traceback(tmp_path, golden_config, argv, 
 
 
 def test_every_subcommand_has_help(capsys):
-    for cmd in ("layout", "hash", "inspect", "run", "demo", "demo-checkpoint"):
+    for cmd in ("layout", "hash", "inspect", "run", "build", "demo", "demo-checkpoint"):
         with pytest.raises(SystemExit) as exc:
             main([cmd, "--help"])
         assert exc.value.code == 0
@@ -201,3 +208,30 @@ def test_raw_id_out_of_range_is_one_line(tmp_path):
     proc = run_subprocess("hash", str(d), "--ids", "5,129280")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "token id 129280" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_declared_rows_must_match_tables(capsys, tmp_path):
+    """engram_num_embeddings that disagree with the stored tables are a problem, even
+    when the tables still cover the layout."""
+    ck = _small_checkpoint(tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    from engram_trt.checkpoint import Checkpoint
+
+    rows = Checkpoint.open(ck).shape("model.layers.1.engram.embed.weight")[0]
+    cfg["engram_num_embeddings"] = [rows + 10]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    code, out, _ = run_cli(capsys, "inspect", str(ck), "--json")
+    assert code == 1
+    assert any("engram_num_embeddings[0]" in p and str(rows + 10) in p for p in json.loads(out)["problems"])
+
+
+def test_build_refuses_bad_sizes_before_work(tmp_path):
+    ck = _small_checkpoint(tmp_path / "ck")
+    for argv, needle in ((["--max-seq-len", "0"], "--max-seq-len must be a positive integer"),
+                         (["--max-seq-len", "64", "--max-num-tokens", "100"], "exceeds --max-seq-len 64"),
+                         (["--plugin-lib", str(tmp_path / "nope.so")], "is not a file"),
+                         (["--engram-config.bogus", "1"], "unknown field 'bogus'")):
+        out = tmp_path / "eng"
+        proc = run_subprocess("build", str(ck), "--output", str(out), *argv)
+        assert proc.returncode == 2 and needle in proc.stderr, (argv, proc.stderr)
+        assert "Traceback" not in proc.stderr and not out.exists()

@@ -55,6 +55,12 @@ def test_to_dict_round_trip():
     ({"engram_table_dtype": "int4"}, "engram_table_dtype"),
     ({"engram_pad_token_id": 5000}, "engram_pad_token_id"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"eos_token_id": "x"}, "eos_token_id"),
+    ({"bos_token_id": -1}, "bos_token_id"),
+    ({"rope_theta": float("inf")}, "rope_theta"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    ({"torch_dtype": 16}, "torch_dtype"),
 ])
 def test_bad_fields_are_named(patch, field):
     with pytest.raises(ConfigError) as exc:
@@ -89,3 +95,10 @@ def test_load_from_files(tmp_path):
     (tmp_path / "plain.json").write_text(json.dumps(BASE))
     with pytest.raises(ConfigError, match="no Engram fields"):
         load_engram_spec(tmp_path / "plain.json")
+
+
+def test_eos_list_keeps_every_id():
+    cfg = ModelConfig.from_dict(BASE | ENGRAM | {"eos_token_id": [7, 9]})
+    assert cfg.eos_token_ids == (7, 9)
+    assert ModelConfig.from_dict(cfg.to_dict()).eos_token_ids == (7, 9)
+    assert ModelConfig.from_dict(BASE | {"eos_token_id": 3}).eos_token_ids == (3,)

@@ -63,6 +63,12 @@ def test_no_engram_model_refuses_engram_options() -> None:
     EngramConfig().validate_for(plain)  # defaults are fine: nothing was asked for
     with pytest.raises(EngramError, match="no Engram layers"):
         EngramConfig.parse('{"cpu_offload": false}').validate_for(plain)
+    # Asking for an option is refused even when the value is its default.
+    with pytest.raises(EngramError, match="cpu_offload"):
+        EngramConfig.parse('{"cpu_offload": true}').validate_for(plain)
+    with pytest.raises(EngramError, match="dp_shared_memory"):
+        EngramConfig.parse(None, {"dp_shared_memory": "false"}).validate_for(plain)
+    assert EngramConfig.parse('{"cpu_offload": true}') == EngramConfig()  # same storage choice
 
 
 def test_host_file_gather_needs_ple() -> None:

@@ -51,7 +51,6 @@ BUILD_DTYPES = ("bf16", "fp16")
 DEFAULT_MAX_BATCH = 4
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_MAX_NUM_TOKENS = 2048
-MIN_TABLE_TO_ENGINE_RATIO = 1.0  # checked only where tables dominate the backbone (see _check_engine_size)
 
 
 @dataclass
@@ -228,7 +227,7 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
 
 
 def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_config: EngramConfig | str | dict | None = None, *,
-          max_batch: int = DEFAULT_MAX_BATCH, max_seq_len: int | None = None, max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS,
+          max_batch: int = DEFAULT_MAX_BATCH, max_seq_len: int | None = None, max_num_tokens: int | None = None,
           dtype: str = "bf16", targets: str | Sequence[str] | None = None, embed_plugin_library: bool = True,
           plugin_library: str | Path | None = None, repack_tables_dir: str | Path | None = None,
           build_engine_if_possible: bool = True, progress: bool = True) -> BuildResult:
@@ -248,10 +247,15 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     dtype = normalize_dtype(dtype)
     if dtype not in BUILD_DTYPES:
         raise EngramError(f"--dtype {dtype} is not an engine dtype (expected one of {', '.join(BUILD_DTYPES)}; float32 graphs are for the CPU reference check)")
-    max_seq_len = int(max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN))
-    max_num_tokens = min(int(max_num_tokens), max_seq_len)
-    _check_sizes(int(max_batch), max_seq_len, max_num_tokens, config)
+    # Defaults fit the model; values the user passed are checked as given, never clamped.
+    if max_seq_len is None:
+        max_seq_len = min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    if max_num_tokens is None:
+        max_num_tokens = min(DEFAULT_MAX_NUM_TOKENS, max_seq_len)
+    _check_sizes(max_batch, max_seq_len, max_num_tokens, config)
     target_list = tc.parse_targets(targets)
+    if plugin_library is not None and build_engine_if_possible:
+        find_plugin_library(plugin_library)  # a wrong --plugin-lib fails before any work
     spec = config.require_model()
     out = Path(output_dir).expanduser()
     if out.exists() and not out.is_dir():
@@ -275,7 +279,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
                 layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
             require_valid(ckpt, layout)
             out.mkdir(parents=True, exist_ok=True)
-            for stale in (out / ENGINE_NAME, out / VOCAB_NAME):
+            for stale in (out / ENGINE_NAME, out / VOCAB_NAME, out / MANIFEST_NAME):
                 stale.unlink(missing_ok=True)
             if vocab is not None:
                 vocab.save(out / VOCAB_NAME)
@@ -414,8 +418,8 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N", help=f"largest batch the engine serves (default {DEFAULT_MAX_BATCH})")
     parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                         help=f"longest sequence, cached plus new tokens (default: min(max_position_embeddings, {DEFAULT_MAX_SEQ_LEN}))")
-    parser.add_argument("--max-num-tokens", type=int, default=DEFAULT_MAX_NUM_TOKENS, metavar="N",
-                        help=f"most new tokens per sequence in one step, i.e. the prefill chunk (default {DEFAULT_MAX_NUM_TOKENS})")
+    parser.add_argument("--max-num-tokens", type=int, default=None, metavar="N",
+                        help=f"most new tokens per sequence in one step, i.e. the prefill chunk (default: min({DEFAULT_MAX_NUM_TOKENS}, max-seq-len))")
     parser.add_argument("--dtype", choices=BUILD_DTYPES, default="bf16", help="weights and activations (norms and softmax use float32; default bf16)")
     parser.add_argument("--target", default=None, metavar="sm80,sm86,...",
                         help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(tc_targets()) + "); default: the RTX portable set")

@@ -167,11 +167,21 @@ def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
     for name, meta in header.items():
         if name == "__metadata__":
             continue
+        damaged = f"{path}: the header entry of tensor '{name}' is malformed (the file is damaged; re-copy it)"
+        if not isinstance(meta, dict):
+            raise CheckpointError(damaged)
         st_dtype = meta.get("dtype")
         if st_dtype not in ST_DTYPES:
             raise CheckpointError(f"{path}: tensor '{name}' has dtype {st_dtype!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})")
-        begin, end = (int(x) for x in meta["data_offsets"])
-        shape = tuple(int(s) for s in meta["shape"])
+        offsets, shape_list = meta.get("data_offsets"), meta.get("shape")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not isinstance(shape_list, list)
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in offsets + shape_list)):
+            raise CheckpointError(damaged)
+        begin, end = offsets
+        shape = tuple(shape_list)
+        want = int(np.prod(shape, dtype=np.int64)) * ST_DTYPES[st_dtype][1]
+        if end < begin or end - begin != want:
+            raise CheckpointError(f"{path}: tensor '{name}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)")
         if base + end > size:
             raise CheckpointError(f"{path}: tensor '{name}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)")
         out[name] = TensorInfo(name, path, st_dtype, shape, base + begin, end - begin)
@@ -484,6 +494,9 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
                 rows, width = tshape
                 if width != hd:
                     problems.append(f"table {names['table']} has rows of width {width} but {spec.field_name('head_dim')}={hd}")
+                declared = None if spec.num_embeddings is None else spec.num_embeddings[li]
+                if declared is not None and rows != declared:
+                    problems.append(f"table {names['table']} has {rows} rows but {spec.field_name('num_embeddings')}[{li}]={declared} (fix the config or the table)")
                 if rows < need:
                     problems.append(f"table {names['table']} has {rows} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes (rebuild the tables or fix {spec.field_name('vocab_size')})")
                 if spec.table_dtype == "fp8":

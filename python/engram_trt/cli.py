@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +35,12 @@ def _print_json(obj: Any) -> None:
 
 def _parse_ids(text: str) -> list[int]:
     ids: list[int] = []
-    for part in text.replace(" ", "").split(","):
+    parts = text.replace(" ", "").split(",")
+    if parts and parts[-1] == "" and len(parts) > 1:
+        parts.pop()  # one trailing comma is harmless
+    for part in parts:
+        if part == "" and len(parts) > 1:
+            raise EngramError(f"--ids: empty item in '{text}' (expected comma-separated integers, e.g. --ids 5,17,-1,3)")
         if part == "":
             continue
         try:
@@ -96,6 +103,8 @@ def cmd_hash(args: argparse.Namespace) -> int:
         compressed = np.asarray(ids, dtype=np.int64)
         pad = args.pad_id
     else:
+        if args.pad_id is not None:
+            raise EngramError("--pad-id only applies with --compressed (raw ids take the pad id from the tokenizer)")
         tok = _tokenizer_beside(args.config)
         if tok is None:
             raise EngramError(f"no tokenizer.json beside {args.config}: raw token ids need the checkpoint's tokenizer; pass a checkpoint folder, or --compressed --pad-id N for compressed ids")
@@ -130,8 +139,11 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     }
     if spec is None:
         report["problems"].append("config has no Engram layers (no engram_layer_ids or ple_layer_ids)")
+        report["problems"].extend(validate_checkpoint(ckpt, None))
         return report
     cfg.require_model()
+    if ckpt.tokenizer_json is None:
+        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)")
     vocab = build_compressed_vocab(ckpt.tokenizer_json)
     report["compressed_vocab"] = {"built": vocab.size, "declared": spec.compressed_vocab_size}
     if vocab.size != spec.compressed_vocab_size:
@@ -199,6 +211,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--weights-seed", type=int, default=0,
+                   help="demo only: seed of the demo checkpoint's random weights (default: %(default)s)")
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype of the reference model (default: float32 on CPU, bfloat16 on CUDA)")
@@ -211,8 +225,8 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 def _check_generation_args(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise EngramError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if args.temperature < 0:
-        raise EngramError(f"--temperature must be >= 0 (got {args.temperature})")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise EngramError(f"--temperature must be a number >= 0 (got {args.temperature})")
     if not 0 < args.top_p <= 1:
         raise EngramError(f"--top-p must be in (0, 1] (got {args.top_p})")
 
@@ -307,7 +321,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
-    ckpt_dir = ensure_demo_checkpoint(seed=args.seed)
+    ckpt_dir = ensure_demo_checkpoint(seed=args.weights_seed)
     say(f"checkpoint: {ckpt_dir}")
     engine_dir = Path(args.engine_dir) if args.engine_dir else demo_checkpoint_dir().parent / "demo-engine"
     built = build(ckpt_dir, engine_dir, progress=not args.json)
@@ -330,14 +344,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- parser
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors in the CLI's one-line form."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"engram-trt: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="engram-trt",
         description="Serve LLMs with Engram layers through TensorRT, the Engram tables kept outside the engine.",
     )
     parser.add_argument("--version", action="version", version=f"engram-trt {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics on stderr (-vv for debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str, desc: str | None = None) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=desc or help_)
@@ -404,10 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader (e.g. `| head`) closed the pipe: not an error of ours.
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:
+        # A path the user gave that the system refuses (a file where a folder must go,
+        # no permission, a full disk): name it, no traceback.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"engram-trt: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

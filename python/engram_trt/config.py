@@ -12,6 +12,7 @@ field, the value found and the value expected.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -88,6 +89,10 @@ class EngramSpec:
 
 def _where(source: str | None) -> str:
     return f"{source}: " if source else "config: "
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _int_field(d: Mapping[str, Any], key: str, source: str | None, *, minimum: int | None = None,
@@ -188,10 +193,17 @@ class ModelConfig:
     hc_mult: int = 1
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
     torch_dtype: str = "bfloat16"
     engram: EngramSpec | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation (``eos_token_id`` may be one id or a list)."""
+        if self.eos_token_id is None:
+            return ()
+        return self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
 
     @property
     def engram_layer_index(self) -> dict[int, int]:
@@ -218,14 +230,24 @@ class ModelConfig:
             raise ConfigError(f"{_where(source)}field 'head_dim'={head_dim} must be even (rotary embedding rotates pairs)")
         layers = _int_field(d, "num_hidden_layers", source, minimum=1)
         eps = d.get("rms_norm_eps", 1e-6)
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not (0 < eps < 1):
+        if not _is_number(eps) or not (0 < eps < 1):
             raise ConfigError(f"{_where(source)}field 'rms_norm_eps' must be a number in (0, 1) (got {eps!r})")
         theta = d.get("rope_theta", 10000.0)
-        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
-            raise ConfigError(f"{_where(source)}field 'rope_theta' must be a positive number (got {theta!r})")
+        if not _is_number(theta) or theta <= 0:
+            raise ConfigError(f"{_where(source)}field 'rope_theta' must be a finite positive number (got {theta!r})")
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ConfigError(f"{_where(source)}field 'tie_word_embeddings' must be true or false (got {tie!r})")
+        torch_dtype = d.get("torch_dtype", "bfloat16")
+        if not isinstance(torch_dtype, str):
+            raise ConfigError(f"{_where(source)}field 'torch_dtype' must be a string such as \"bfloat16\" (got {torch_dtype!r})")
+        bos = _int_field(d, "bos_token_id", source, minimum=0, default=None)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
-            eos = eos[0] if eos else None
+            eos = _int_list(d, "eos_token_id", source) if eos else None
+        else:
+            eos = _int_field(d, "eos_token_id", source, minimum=0, default=None,
+                             expected="a token id or a list of token ids")
         spec = parse_engram_spec(d, source)
         cfg = cls(
             hidden_size=hidden,
@@ -239,10 +261,10 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=_int_field(d, "max_position_embeddings", source, minimum=1, default=4096),
             hc_mult=_int_field(d, "hc_mult", source, minimum=1, default=1),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
+            tie_word_embeddings=tie,
+            bos_token_id=bos,
             eos_token_id=eos,
-            torch_dtype=str(d.get("torch_dtype", "bfloat16")),
+            torch_dtype=torch_dtype,
             engram=spec,
             extra={k: v for k, v in d.items()},
         )
@@ -273,6 +295,8 @@ class ModelConfig:
         for k in ("engram", "extra"):
             base.pop(k)
         d.update(base)
+        if isinstance(self.eos_token_id, tuple):
+            d["eos_token_id"] = list(self.eos_token_id)
         for p in ENGRAM_PREFIXES:
             for name in _SPEC_FIELDS:
                 d.pop(f"{p}_{name}", None)

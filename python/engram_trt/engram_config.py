@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -53,11 +53,14 @@ class EngramConfig:
     dp_shared_memory: bool = False
     embedding_across_dp: bool = False
     table_placement: str = "auto"
+    # Fields the user set (to their default or not): a model without Engram layers
+    # refuses any of them, even `cpu_offload: true`.
+    given: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     # -- construction --------------------------------------------------------------
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        return [f.name for f in fields(cls) if f.name != "given"]
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = FLAG) -> "EngramConfig":
@@ -91,10 +94,13 @@ class EngramConfig:
             if key not in valid:
                 raise EngramError(f"{source}: unknown field '{key}' (valid fields: {', '.join(valid)})")
             changes[key] = _check_type(key, value, source)
-        return replace(self, **changes)
+        given = tuple(sorted(set(self.given) | set(changes)))
+        return replace(self, **changes, given=given)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("given")
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -129,8 +135,8 @@ class EngramConfig:
         self.validate()
         spec = getattr(model_config, "engram", None)
         if spec is None:
-            if not self.is_default():
-                changed = sorted(k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k))
+            if self.given or not self.is_default():
+                changed = sorted(set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)})
                 raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' or 'ple_layer_ids' in config.json); drop {FLAG}")
             return
         if self.host_file_gather and spec.prefix != "ple":

@@ -779,6 +779,8 @@ class EngramLlama(nn.Module):
             lookback = cache.lookback
         else:
             start = 0 if start_pos is None else int(start_pos)
+        if start < 0 or start + T > cfg.max_position_embeddings:
+            raise EngramError(f"positions {start}..{start + T - 1} exceed the model's max_position_embeddings={cfg.max_position_embeddings}; shorten the prompt or the generation")
         hc, D = cfg.hc_mult, cfg.hidden_size
         dtype = self.compute_dtype
         x = self.model.embed_tokens(ids).to(dtype)
@@ -865,12 +867,15 @@ class EngramLlama(nn.Module):
             raise EngramError("the prompt is empty: give at least one token")
         if max_new_tokens < 0:
             raise EngramError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
-        if temperature < 0 or not (0 < top_p <= 1):
+        if not (math.isfinite(temperature) and temperature >= 0) or not (0 < top_p <= 1):
             raise EngramError(f"need temperature >= 0 and 0 < top_p <= 1 (got temperature={temperature}, top_p={top_p})")
         if eos is None:
-            stops = set() if self.config.eos_token_id is None else {int(self.config.eos_token_id)}
+            stops = set(self.config.eos_token_ids)
         else:
             stops = {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+        limit = self.config.max_position_embeddings
+        if prompt.numel() + max_new_tokens > limit:
+            raise EngramError(f"{prompt.numel()} prompt tokens + {max_new_tokens} new tokens exceed the model's max_position_embeddings={limit}")
         gen = torch.Generator(device="cpu")
         gen.manual_seed(0 if seed is None else int(seed))
         cache = self.new_cache(1, prompt.numel() + max(1, max_new_tokens))
