@@ -80,6 +80,20 @@ def test_small_model_float32_tight(table_dtype: str, hc: int) -> None:
     _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32", gate_dtype="fp32"), 1e-4)
 
 
+def test_chunked_prefill_through_the_graph() -> None:
+    """Chunks of several tokens after a cached past (P > 0 and S > 1: the causal mask
+    over [S, P+S] and the hash lookback across chunks) equal one full reference forward."""
+    cfg, lookup, layout, weights = _small()
+    ref = EngramLlama(cfg, weights, compress_lookup=lookup, layout=layout, dtype=torch.float32)
+    runner = ReferenceRunner(export_model(cfg, weights, layout, ExportOptions(dtype="fp32", gate_dtype="fp32")),
+                             cfg, _tables(cfg, weights), lookup)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, size=(2, 9))
+    want = ref.forward(torch.as_tensor(ids)).numpy()
+    runner.reset(2)
+    got = np.concatenate([runner.step(ids[:, a:b]) for a, b in ((0, 3), (3, 7), (7, 9))], axis=1)
+    assert np.abs(got - want).max() <= 1e-4
+
+
 def test_small_model_as_built_float32() -> None:
     cfg, lookup, layout, weights = _small()
     _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32"), 5e-2)
