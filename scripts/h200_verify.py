@@ -11,7 +11,12 @@ One script, one device call:
                 types and shapes (a harness IExprBuilder), configurePlugin,
                 getWorkspaceSize, enqueue, and a serialize -> createPlugin(kRUNTIME)
                 round trip; same references.
-  4. timing     gather paths on a >= 24 GiB table of 256-byte FP8 rows + 8 scale bytes,
+  4. hardening  inputs an engine cannot validate on the host: table addresses of 0 or
+                misaligned give zero rows without a fault, a negative seq_starts[0] is
+                never read before ids[0]; and, each in a child process (a fault there
+                cannot end this run): a failed call leaves no stale CUDA error for the
+                next one, and destroying a host gatherer waits for its gather.
+  5. timing     gather paths on a >= 24 GiB table of 256-byte FP8 rows + 8 scale bytes,
                 6,144 and 196,608 rows, against the sequential host-to-device copy
                 measured in the same run.
 Writes $OUT/h200_verify.json and $OUT/h200_verify.log; prints a summary table last.
@@ -392,6 +397,22 @@ def check_plugins_cpu(harness: Harness, layouts) -> None:
         record("plugin EngramHash rejects unknown fields", False)
     except RuntimeError as exc:
         record("plugin EngramHash rejects unknown fields", "bogus" in str(exc), str(exc)[:120])
+    # Values that used to be narrowed to int32 or misparsed (2^32 + 4 read as 4, "12-3" as [12, -3]).
+    gate_wide = gate_fields(4, 64, 1e-6)
+    gate_wide[0] = ("hc_mult", PF_INT64, np.array([2**32 + 4], np.int64))
+    gather_wide = gather_fields(0, 1, 8, 64, 1, 32, 1000)
+    gather_wide[6] = ("num_rows", PF_INT64, np.array([2**31], np.int64))
+    text = hash_fields_text(layout)
+    primes_text = bytes(text[5][2]).decode().replace(",", "-", 1)
+    text[5] = ("primes", PF_CHAR, np.frombuffer(primes_text.encode(), dtype=np.uint8))
+    for name, fields, what, needle in (("EngramGate", gate_wide, "hc_mult = 2^32 + 4", "'hc_mult' = 4294967300"),
+                                       ("EngramGather", gather_wide, "num_rows = 2^31", "num_rows must be in"),
+                                       ("EngramHash", text, "text '12-3' (no separator)", "not a list of integers")):
+        try:
+            harness.lib.harness_destroy(harness.create(name, fields))
+            record(f"plugin {name} refuses {what}", False, "accepted")
+        except RuntimeError as exc:
+            record(f"plugin {name} refuses {what}", needle in str(exc), str(exc)[:120])
 
     g = harness.create("EngramGather", gather_fields(1, 2, 24, 256, 0, 32, 1000))
     shape, const = harness.output_shapes(g, [(50, 2, 24), (1,), (1,)])
@@ -490,7 +511,179 @@ def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
                f"{detail} roundtrip-identical={same} workspace={ws}")
 
 
-# --- 4. timing -------------------------------------------------------------------------
+# --- 4. hardening ----------------------------------------------------------------------
+
+def check_hardening(rng, harness: Harness, layouts) -> None:
+    """Engine inputs nothing validates on the host must not fault or misread (device side)."""
+    import torch
+
+    from engram_trt import kernels
+    from engram_trt.hashing import hash_batch_packed
+    from engram_trt.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+
+    # seq_starts[0] < 0: tokens before ids[0] are no token (blocked), never read. The ids
+    # sit in a buffer whose preceding elements are a valid id (7), so a read of ids[-1]
+    # would change the hash; the result must equal a fresh start (seq_starts[0] = 0, no
+    # lookback for sequence 0).
+    layout = layouts[1]
+    n = layout.max_ngram_size - 1
+    lengths = np.array([9, 0, 14, 5])
+    T = int(lengths.sum())
+    ids = rng.integers(0, layout.compressed_vocab_size, size=T, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    lookback = rng.integers(0, layout.compressed_vocab_size, size=(lengths.size, n), dtype=np.int64)
+    bad_starts = starts.copy()
+    bad_starts[0] = -5
+    fresh = lookback.copy()
+    fresh[0] = -1
+    ref = hash_batch_packed(ids, starts, fresh, layout)
+    buf = torch.full((64 + T,), 7, dtype=torch.int32, device=dev)
+    buf[64:] = torch.from_numpy(ids.astype(np.int32)).to(dev)
+    got = kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
+                              torch.from_numpy(lookback.astype(np.int32)).to(dev), layout)
+    torch.cuda.synchronize()
+    got = got.cpu().numpy()
+    record("kernel hash seq_starts[0] = -5: no read before ids[0], hashes as a fresh start", np.array_equal(got, ref),
+           f"{int((got != ref).sum())} of {ref.size} ids differ")
+
+    # EngramGather with table addresses that cannot be read: zero rows, no fault.
+    rows_n, head_dim, T, L, cols, layer = 5_000, 256, 40, 2, 24, 0
+    fp8, scales = random_fp8_table(rng, rows_n, head_dim)
+    fp8_dev, scales_dev = torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)
+    ids_dev = torch.from_numpy(rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)).to(dev)
+
+    def gather_plugin(fields, addresses, width):
+        h = harness.create("EngramGather", fields)
+        out = torch.full((T, cols, width), float("nan"), dtype=torch.bfloat16, device=dev)
+        inputs = [ids_dev] + [torch.tensor([a], dtype=torch.int64, device=dev) for a in addresses]
+        harness.run(h, inputs, [DT["int32"]] + [DT["int64"]] * len(addresses), out, DT["bfloat16"], stream)
+        torch.cuda.synchronize()  # raises if the kernel faulted
+        harness.lib.harness_destroy(h)
+        return out
+
+    fp8_fields = gather_fields(layer, L, cols, head_dim, 0, 32, rows_n)
+    cases = [("fp8, rows_addr 0", fp8_fields, (0, scales_dev.data_ptr()), head_dim),
+             ("fp8, rows_addr misaligned (+8)", fp8_fields, (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()), head_dim),
+             ("fp8, scales_addr 0", fp8_fields, (fp8_dev.data_ptr(), 0), head_dim),
+             ("bf16, rows_addr 0", gather_fields(layer, L, cols, 64, 1, 32, rows_n), (0,), 64)]
+    for name, fields, addresses, width in cases:
+        out = gather_plugin(fields, addresses, width)
+        nonzero = int(torch.count_nonzero(out.view(torch.int16)))
+        record(f"plugin EngramGather {name}: zero rows, no fault", nonzero == 0, f"{nonzero} nonzero elements")
+    sel = ids_dev[:, layer, :].reshape(-1).cpu().numpy()
+    ref = torch.from_numpy(dequant_fp8_rows(fp8[sel], scales[sel], 32)).to(torch.bfloat16).reshape(T, cols, head_dim)
+    out = gather_plugin(fp8_fields, (fp8_dev.data_ptr(), scales_dev.data_ptr()), head_dim)
+    record("plugin EngramGather after the bad addresses: context usable, rows exact",
+           torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16)))
+
+    for probe in ("stale-error", "destroy-during-gather"):
+        result = run_probe(probe)
+        if result.get("inconclusive"):
+            say(f"note: probe {probe} inconclusive: {result['detail']}")
+            if probe == "stale-error":  # the first provocation did not fail here: try the second
+                result = run_probe("stale-error-unmapped")
+                if result.get("inconclusive"):
+                    say(f"note: probe stale-error-unmapped inconclusive: {result['detail']}")
+                    continue
+            else:
+                continue
+        record(result["name"], result["ok"], result["detail"])
+
+
+def run_probe(name: str) -> dict:
+    """Runs one probe in a child process: a CUDA fault there cannot end this run."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", name], capture_output=True,
+                          text=True, timeout=120)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("PROBE "):
+            return json.loads(line[6:])
+    return {"name": f"probe {name}", "ok": False,
+            "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"}
+
+
+def probe(name: str) -> dict:
+    import threading
+
+    import torch
+
+    from engram_trt import kernels
+    from engram_trt.errors import EngramError
+
+    dev = torch.device("cuda")
+    lib = kernels.load_library()
+    rng = np.random.default_rng(0)
+
+    if name.startswith("stale-error"):
+        # A call that fails in a CUDA runtime call (the host gather's copy into memory that is
+        # no device memory), then calls that must succeed: before the fix, the first one's
+        # non-sticky error stayed in the runtime and the next launch check reported it.
+        g = kernels.HostGatherer(num_threads=2, chunk_rows=64, max_head_dim=64)
+        ids = np.arange(32, dtype=np.int32).reshape(8, 4)
+        table = torch.randn(100, 64, dtype=torch.bfloat16)
+        if name == "stale-error":
+            host_out = np.zeros(8 * 4 * 64 * 2 + 16, np.uint8)  # pageable host memory
+            dst = host_out.ctypes.data + (-host_out.ctypes.data) % 16
+        else:
+            dst = 1 << 12  # an unmapped address
+        status = lib.engram_host_gather(g._handle, ids.ctypes.data_as(ctypes.c_void_p), 8, 4, 4,
+                                        ctypes.c_void_p(table.data_ptr()), None, 100, 64, kernels.TABLE_BF16, 32,
+                                        ctypes.c_void_p(dst), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        first = lib.engram_last_error().decode()
+        if status == 0:
+            return {"inconclusive": True, "detail": "the copy into non-device memory did not fail here"}
+        try:
+            table_dev = table.to(dev)
+            out = kernels.gather(torch.from_numpy(ids).to(dev), table_dev)
+            hidden = torch.randn(4, 2, 64, dtype=torch.bfloat16, device=dev)
+            kv = torch.randn(4, 3 * 64, dtype=torch.bfloat16, device=dev)
+            w = torch.ones(2, 64, dtype=torch.bfloat16, device=dev)
+            kernels.gate(hidden, kv, w, w, eps=1e-6)
+            torch.cuda.synchronize()
+            ok = torch.equal(out.cpu(), table[torch.from_numpy(ids).long()])
+            detail = f"first call failed ({status}: {first[:90]}); gather and gate after it succeeded"
+        except EngramError as exc:
+            ok, detail = False, f"first call failed ({status}: {first[:90]}); then: {exc}"[:300]
+        return {"name": "kernel a failed call leaves no stale CUDA error (next gather / gate succeed)", "ok": ok,
+                "detail": detail}
+
+    if name == "destroy-during-gather":
+        # destroy from a second thread while the gather runs: it must wait for the gather
+        # (before the fix it freed the staging under it). ctypes releases the GIL in calls.
+        rows, width, T, cols = 1 << 20, 128, 1 << 16, 32
+        table = torch.randn(rows, width, dtype=torch.bfloat16)
+        ids = torch.from_numpy(rng.integers(0, rows, size=(T, cols)).astype(np.int32))
+        g = kernels.HostGatherer(num_threads=4, chunk_rows=16384, max_head_dim=width)
+        g.gather(ids[:64], table)  # warm-up
+        torch.cuda.synchronize()
+        times = {}
+
+        def destroy():
+            time.sleep(0.01)
+            times["destroy_start"] = time.perf_counter()
+            g.close()
+            times["destroy_end"] = time.perf_counter()
+
+        thread = threading.Thread(target=destroy)
+        times["gather_start"] = time.perf_counter()
+        thread.start()
+        out = g.gather(ids, table)
+        times["gather_end"] = time.perf_counter()
+        thread.join()
+        torch.cuda.synchronize()
+        same = torch.equal(out.cpu(), table[ids.long()])
+        concurrent = times["gather_start"] < times["destroy_start"] < times["gather_end"]
+        ms = {k: round((v - times["gather_start"]) * 1e3, 1) for k, v in times.items()}
+        if not concurrent:
+            return {"inconclusive": True, "detail": f"destroy did not overlap the gather: {ms} ms"}
+        return {"name": "kernel host gatherer destroy during a gather waits for it", "ok": same,
+                "detail": f"rows exact={same}; ms since gather start: {ms}"}
+    raise SystemExit(f"unknown probe {name}")
+
+
+# --- 5. timing -------------------------------------------------------------------------
 
 def time_gathers(rng, table_gib: float, reps: int) -> None:
     import torch
@@ -603,7 +796,11 @@ def main() -> int:
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
+    ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: one child-process probe
     args = ap.parse_args()
+    if args.probe:
+        print("PROBE " + json.dumps(probe(args.probe)), flush=True)
+        return 0
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
@@ -625,6 +822,7 @@ def main() -> int:
             say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
             check_kernels(rng, layouts)
             check_plugins_gpu(rng, harness, layouts)
+            check_hardening(rng, harness, layouts)
             if not args.no_timing:
                 time_gathers(rng, args.table_gib, args.reps)
     except Exception as exc:  # report what ran, then fail

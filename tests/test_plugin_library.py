@@ -4,8 +4,9 @@
 - the C ABI's host-side checks (layout, table format) and the ctypes bindings'
   argument checks run without a GPU;
 - with TensorRT-RTX: the library loads through the plugin registry, the three creators
-  are listed with their fields, and an ONNX graph holding EngramHash -> EngramGather ->
-  wkv -> EngramGate builds into an engine on the CPU.
+  are listed with their fields, refuse out-of-range or malformed fields (createPlugin
+  needs no GPU), and an ONNX graph holding EngramHash -> EngramGather -> wkv ->
+  EngramGate builds into an engine on the CPU.
 The kernels themselves run on the H200 through scripts/h200_verify.py (docs/benchmarks.md).
 """
 
@@ -115,6 +116,22 @@ def test_bindings_name_the_bad_argument() -> None:
         kernels.gate(torch.zeros(2, 1, 8, dtype=torch.bfloat16), kv, w, w, eps=1e-6)
     with pytest.raises(EngramError, match=r"^ids must be a CUDA tensor"):
         kernels.gather(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8))
+
+
+def test_host_gatherer_create_reports_a_missing_device(library: Path) -> None:
+    """Without a GPU the gatherer's first CUDA call, cudaGetDevice, fails: that is the
+    error reported (it used to be ignored, and a later allocation failed instead)."""
+    import ctypes
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the gatherer would be created")
+    lib = kernels.load_library()
+    handle = ctypes.c_void_p(1)
+    status = lib.engram_host_gatherer_create(2, 64, 64, ctypes.byref(handle))
+    assert status != 0 and handle.value is None
+    assert "engram_host_gatherer_create: cudaGetDevice failed" in lib.engram_last_error().decode()
 
 
 # --- TensorRT-RTX ------------------------------------------------------------------------
@@ -228,3 +245,96 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)
     assert engine is not None and engine.nbytes > 10_000
+
+
+# --- field validation through the registry's creators (createPlugin needs no GPU) -------
+
+def _plugin_fields(trt, fields: dict[str, tuple[str, object]]):
+    """A PluginFieldCollection from {name: (kind, value)}; kind int32 / int64 / float32 /
+    text (comma-separated decimals, the ONNX form of int64 arrays)."""
+    m = trt.module
+    out = []
+    for name, (kind, value) in fields.items():
+        if kind == "text":
+            data = np.frombuffer(str(value).encode(), dtype=np.int8).copy()
+            out.append(m.PluginField(name, data, m.PluginFieldType.CHAR))
+        else:
+            ftype = {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
+                     "float32": m.PluginFieldType.FLOAT32}[kind]
+            out.append(m.PluginField(name, np.atleast_1d(np.asarray(value, dtype=kind)), ftype))
+    return m.PluginFieldCollection(out)
+
+
+def _create(trt, name: str, fields: dict[str, tuple[str, object]]):
+    creator = trt.module.get_plugin_registry().get_creator(name, "1", "")
+    assert creator is not None, f"{name} creator is not registered"
+    return creator.create_plugin(name, _plugin_fields(trt, fields), trt.module.TensorRTPhase.BUILD)
+
+
+def _text(values) -> str:
+    return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))
+
+
+def _hash_fields(layout: EngramLayout) -> dict[str, tuple[str, object]]:
+    return {"n_layers": ("int32", layout.num_layers), "max_ngram_size": ("int32", layout.max_ngram_size),
+            "n_heads": ("int32", layout.n_heads), "pad_id": ("int64", layout.pad_id),
+            "compressed_vocab_size": ("int64", layout.compressed_vocab_size),
+            "primes": ("text", _text(layout.primes)), "offsets": ("text", _text(layout.offsets)),
+            "multipliers": ("text", _text(layout.multipliers))}
+
+
+GATHER_FIELDS = {"layer_index": ("int32", 1), "n_layers": ("int32", 2), "n_cols": ("int32", 8),
+                 "head_dim": ("int32", 64), "table_dtype": ("int32", 0), "quant_block": ("int32", 32),
+                 "num_rows": ("int64", 1000)}
+GATE_FIELDS = {"hc_mult": ("int32", 4), "hidden_size": ("int32", 64), "eps": ("float32", 1e-6)}
+
+# (plugin, fields changed, what the refusal must say). Each value would have been narrowed
+# to int32 or accepted before: 2^32 + 4 became 4, "p0+p1" read as [p0, p1], "12-3" as [12, -3].
+BAD_FIELDS = [
+    ("EngramGate", {"hc_mult": ("int64", 2**32 + 4)}, "field 'hc_mult' = 4294967300 is outside [1, 65535]"),
+    ("EngramGate", {"hc_mult": ("int32", 65536)}, "field 'hc_mult' = 65536 is outside [1, 65535]"),
+    ("EngramGate", {"hidden_size": ("int64", 2**32 + 64)}, "field 'hidden_size' = 4294967360 is outside"),
+    ("EngramGate", {"hc_mult": ("int32", 65535), "hidden_size": ("int32", 32768)},
+     "(hc_mult + 1) * hidden_size = 2147483648 exceeds 2^31 - 1"),
+    ("EngramHash", {"n_heads": ("int64", 2**32 + 4)}, "field 'n_heads' = 4294967300 is outside [1, 512]"),
+    ("EngramHash", {"n_layers": ("int64", 2**32 + 2)}, "field 'n_layers' = 4294967298 is outside"),
+    ("EngramHash", {"max_ngram_size": ("int64", 2**32 + 3)}, "field 'max_ngram_size' = 4294967299 is outside [2, 16]"),
+    ("EngramHash", {"n_heads": ("int32", 300)}, "n_layers * (max_ngram_size - 1) * n_heads = 1200 exceeds 512"),
+    ("EngramHash", "primes:+", "field 'primes' holds text that is not a list of integers"),
+    ("EngramHash", "offsets:-", "field 'offsets' holds text that is not a list of integers"),
+    ("EngramHash", {"pad_id": ("text", "5x")}, "field 'pad_id' holds text that is not a list of integers"),
+    ("EngramGather", {"n_cols": ("int64", 2**32 + 8)}, "field 'n_cols' = 4294967304 is outside"),
+    ("EngramGather", {"layer_index": ("int64", 2**32 + 1)}, "field 'layer_index' = 4294967297 is outside"),
+    ("EngramGather", {"head_dim": ("int64", 2**32 + 64)}, "field 'head_dim' = 4294967360 is outside"),
+    ("EngramGather", {"table_dtype": ("int64", 2**32)}, "field 'table_dtype' = 4294967296 is outside [0, 1]"),
+    ("EngramGather", {"num_rows": ("int64", 2**31)}, "num_rows must be in [1, 2^31 - 1]"),
+]
+
+
+@pytest.mark.parametrize("plugin,change,message", BAD_FIELDS, ids=[f"{p}-{m[:40]}" for p, _, m in BAD_FIELDS])
+def test_creators_refuse_out_of_range_fields(trt, layout: EngramLayout, capfd, plugin, change, message) -> None:
+    base = {"EngramGate": GATE_FIELDS, "EngramGather": GATHER_FIELDS, "EngramHash": _hash_fields(layout)}[plugin]
+    fields = dict(base)
+    if isinstance(change, str):  # "<field>:<char>": the first separator of a text array replaced
+        name, char = change.split(":")
+        fields[name] = ("text", fields[name][1].replace(",", char, 1))
+    else:
+        fields.update(change)
+    capfd.readouterr()
+    assert _create(trt, plugin, fields) is None
+    assert message in capfd.readouterr().err
+
+
+def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> None:
+    # the controls of the test above: the same fields, in range, build a plugin
+    assert _create(trt, "EngramGate", GATE_FIELDS) is not None
+    widest = {"hc_mult": ("int64", 65535), "hidden_size": ("int32", 8)}
+    assert _create(trt, "EngramGate", {**GATE_FIELDS, **widest}) is not None
+    assert _create(trt, "EngramGate", {**GATE_FIELDS, "hidden_size": ("int32", 429_496_728)}) is not None  # 5 D = 2^31 - 8
+    assert _create(trt, "EngramHash", _hash_fields(layout)) is not None
+    spaced = {**_hash_fields(layout), "primes": ("text", _text(layout.primes).replace(",", ", "))}
+    assert _create(trt, "EngramHash", spaced) is not None
+    assert _create(trt, "EngramGather", GATHER_FIELDS) is not None
+    assert _create(trt, "EngramGather", {**GATHER_FIELDS, "num_rows": ("int64", 2**31 - 1)}) is not None
+    bf16 = {"table_dtype": ("int64", 1), "quant_block": ("int32", 0)}  # quant_block is ignored for bf16
+    assert _create(trt, "EngramGather", {**GATHER_FIELDS, **bf16}) is not None

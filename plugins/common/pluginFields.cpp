@@ -36,16 +36,22 @@ int64_t readInteger(PluginField const& field, int32_t index)
 //! Integers written as decimal text, separated by commas and/or spaces.
 std::vector<int64_t> parseIntegerText(PluginField const& field)
 {
+    char const* const separators = ", \t\n";
     std::string const text(static_cast<char const*>(field.data), static_cast<size_t>(field.length));
     std::vector<int64_t> values;
     size_t pos = 0;
     while (true)
     {
-        pos = text.find_first_not_of(", \t\n", pos);
+        pos = text.find_first_not_of(separators, pos);
         if (pos == std::string::npos || text[pos] == '\0')
         {
             break;
         }
+        // A value must be followed by a separator or the end: otherwise "12-3" would
+        // read as 12 and -3, and "12x" as 12.
+        ENGRAM_PLUGIN_CHECK(values.empty() || std::strchr(separators, text[pos - 1]) != nullptr,
+            "field '" << field.name << "' holds text that is not a list of integers (no separator before '"
+                      << text.substr(pos, 16) << "')");
         size_t used = 0;
         long long value = 0;
         try
@@ -88,6 +94,19 @@ PluginField const& FieldReader::take(char const* name)
         }
     }
     throw PluginError("missing field '" + std::string(name) + "'");
+}
+
+int64_t FieldReader::getInt(char const* name, int64_t lo, int64_t hi)
+{
+    int64_t const value = getInt(name);
+    ENGRAM_PLUGIN_CHECK(lo <= value && value <= hi,
+        "field '" << name << "' = " << value << " is outside [" << lo << ", " << hi << "]");
+    return value;
+}
+
+int32_t FieldReader::getInt32(char const* name, int32_t lo, int32_t hi)
+{
+    return static_cast<int32_t>(getInt(name, lo, hi));
 }
 
 int64_t FieldReader::getInt(char const* name)

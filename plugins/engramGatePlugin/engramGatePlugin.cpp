@@ -3,6 +3,7 @@
 #include "common/checkMacros.h"
 #include "kernels/engram_kernels.h"
 
+#include <climits>
 #include <cmath>
 
 namespace engram_trt
@@ -24,11 +25,19 @@ constexpr int32_t kMask = 4;
 constexpr int32_t kNbInputs = 5;
 constexpr float kClamp = 1e-6F; // engram-spec.md: sqrt(max(|dot|, 1e-6))
 
+constexpr int32_t kMaxHcMult = 65535; // the kernel's grid is (T, hc_mult): gridDim.y <= 65535
+
 void checkConfig(GateConfig const& c)
 {
-    ENGRAM_PLUGIN_CHECK(c.hcMult >= 1, "hc_mult must be >= 1, got " << c.hcMult);
+    ENGRAM_PLUGIN_CHECK(c.hcMult >= 1 && c.hcMult <= kMaxHcMult,
+        "hc_mult must be in [1, " << kMaxHcMult << "], got " << c.hcMult);
     ENGRAM_PLUGIN_CHECK(c.hiddenSize >= 8 && c.hiddenSize % 8 == 0,
         "hidden_size must be a positive multiple of 8, got " << c.hiddenSize);
+    // kv's row width is an int32 dimension of the engine: refuse it here, not at every enqueue.
+    int64_t const kvWidth = (static_cast<int64_t>(c.hcMult) + 1) * c.hiddenSize;
+    ENGRAM_PLUGIN_CHECK(kvWidth <= INT32_MAX,
+        "(hc_mult + 1) * hidden_size = " << kvWidth << " exceeds 2^31 - 1 (hc_mult " << c.hcMult << ", hidden_size "
+                                         << c.hiddenSize << ")");
     ENGRAM_PLUGIN_CHECK(std::isfinite(c.eps) && c.eps >= 0.0F, "eps must be finite and >= 0");
 }
 
@@ -129,8 +138,9 @@ int32_t EngramGatePlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc cons
         nvinfer1::Dims const& kv = in[gate_detail::kKv].desc.dims;
         ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && matches(hidden.d[1], hc) && matches(hidden.d[2], d),
             "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
-        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && matches(kv.d[1], static_cast<int64_t>(hc + 1) * d),
-            "kv must be [T, " << (hc + 1) * d << "], got " << dimsToString(kv));
+        int64_t const kvWidth = (static_cast<int64_t>(hc) + 1) * d;
+        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && matches(kv.d[1], kvWidth),
+            "kv must be [T, " << kvWidth << "], got " << dimsToString(kv));
         for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
         {
             nvinfer1::Dims const& w = in[i].desc.dims;
@@ -162,8 +172,9 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && hidden.d[1] == hc && hidden.d[2] == d,
             "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
         nvinfer1::Dims const& kv = inputDesc[gate_detail::kKv].dims;
-        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && kv.d[0] == numTokens && kv.d[1] == static_cast<int64_t>(hc + 1) * d,
-            "kv must be [" << numTokens << ", " << (hc + 1) * d << "], got " << dimsToString(kv));
+        int64_t const kvWidth = (static_cast<int64_t>(hc) + 1) * d;
+        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && kv.d[0] == numTokens && kv.d[1] == kvWidth,
+            "kv must be [" << numTokens << ", " << kvWidth << "], got " << dimsToString(kv));
         for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
         {
             nvinfer1::Dims const& w = inputDesc[i].dims;
@@ -225,8 +236,8 @@ nvinfer1::IPluginV3* EngramGatePluginCreator::createPlugin(
     {
         FieldReader reader(gate_detail::kName, fc);
         GateConfig config;
-        config.hcMult = static_cast<int32_t>(reader.getInt("hc_mult"));
-        config.hiddenSize = static_cast<int32_t>(reader.getInt("hidden_size"));
+        config.hcMult = reader.getInt32("hc_mult", 1, gate_detail::kMaxHcMult);
+        config.hiddenSize = reader.getInt32("hidden_size", 8);
         config.eps = static_cast<float>(reader.getFloat("eps"));
         reader.finish();
         return new EngramGatePlugin(config);

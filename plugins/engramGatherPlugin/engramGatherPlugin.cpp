@@ -3,6 +3,8 @@
 #include "common/checkMacros.h"
 #include "kernels/engram_kernels.h"
 
+#include <climits>
+
 namespace engram_trt
 {
 namespace plugin
@@ -23,7 +25,9 @@ void checkConfig(GatherConfig const& c)
     ENGRAM_PLUGIN_CHECK(c.numLayers >= 1 && c.layerIndex >= 0 && c.layerIndex < c.numLayers,
         "layer_index " << c.layerIndex << " outside [0, n_layers " << c.numLayers << ")");
     ENGRAM_PLUGIN_CHECK(c.numCols >= 1, "n_cols must be >= 1");
-    ENGRAM_PLUGIN_CHECK(c.numRows >= 1, "num_rows must be >= 1");
+    // Row ids are int32, so a larger table could not be addressed past 2^31 - 1 anyway.
+    ENGRAM_PLUGIN_CHECK(c.numRows >= 1 && c.numRows <= INT32_MAX,
+        "num_rows must be in [1, 2^31 - 1] (row ids are int32), got " << c.numRows);
     int const status = engram_gather_check_table(c.headDim, c.tableDtype, c.quantBlock);
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
@@ -219,12 +223,12 @@ nvinfer1::IPluginV3* EngramGatherPluginCreator::createPlugin(
     {
         FieldReader reader(gather_detail::kName, fc);
         GatherConfig config;
-        config.layerIndex = static_cast<int32_t>(reader.getInt("layer_index"));
-        config.numLayers = static_cast<int32_t>(reader.getInt("n_layers"));
-        config.numCols = static_cast<int32_t>(reader.getInt("n_cols"));
-        config.headDim = static_cast<int32_t>(reader.getInt("head_dim"));
-        config.tableDtype = static_cast<int32_t>(reader.getInt("table_dtype"));
-        config.quantBlock = static_cast<int32_t>(reader.getInt("quant_block"));
+        config.layerIndex = reader.getInt32("layer_index", 0);
+        config.numLayers = reader.getInt32("n_layers", 1);
+        config.numCols = reader.getInt32("n_cols", 1);
+        config.headDim = reader.getInt32("head_dim", 1);
+        config.tableDtype = reader.getInt32("table_dtype", ENGRAM_TABLE_FP8_E4M3, ENGRAM_TABLE_BF16);
+        config.quantBlock = reader.getInt32("quant_block"); // any int32: ignored for bf16 tables
         config.numRows = reader.getInt("num_rows");
         reader.finish();
         return new EngramGatherPlugin(config);

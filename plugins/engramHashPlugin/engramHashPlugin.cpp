@@ -187,16 +187,16 @@ nvinfer1::IPluginV3* EngramHashPluginCreator::createPlugin(
     {
         FieldReader reader(hash_detail::kName, fc);
         HashLayout layout;
-        layout.numLayers = static_cast<int32_t>(reader.getInt("n_layers"));
-        layout.maxNgram = static_cast<int32_t>(reader.getInt("max_ngram_size"));
-        layout.numHeads = static_cast<int32_t>(reader.getInt("n_heads"));
+        // The kernel's layout holds at most ENGRAM_HASH_MAX_SLOTS (layer, column) slots:
+        // bound each count by it before it is narrowed or multiplied.
+        layout.numLayers = reader.getInt32("n_layers", 1, ENGRAM_HASH_MAX_SLOTS);
+        layout.maxNgram = reader.getInt32("max_ngram_size", 2, ENGRAM_HASH_MAX_NGRAM);
+        layout.numHeads = reader.getInt32("n_heads", 1, ENGRAM_HASH_MAX_SLOTS);
         layout.padId = reader.getInt("pad_id");
         layout.compressedVocabSize = reader.getInt("compressed_vocab_size");
-        ENGRAM_PLUGIN_CHECK(layout.numLayers >= 1 && layout.maxNgram >= 2 && layout.numHeads >= 1
-                && layout.maxNgram <= ENGRAM_HASH_MAX_NGRAM,
-            "need n_layers >= 1, 2 <= max_ngram_size <= " << ENGRAM_HASH_MAX_NGRAM << ", n_heads >= 1");
-        int64_t const slots = static_cast<int64_t>(layout.numLayers) * layout.numCols();
-        ENGRAM_PLUGIN_CHECK(slots <= ENGRAM_HASH_MAX_SLOTS, "n_layers * n_hash_cols exceeds " << ENGRAM_HASH_MAX_SLOTS);
+        int64_t const slots = layout.numLayers * layout.numCols();
+        ENGRAM_PLUGIN_CHECK(slots <= ENGRAM_HASH_MAX_SLOTS,
+            "n_layers * (max_ngram_size - 1) * n_heads = " << slots << " exceeds " << ENGRAM_HASH_MAX_SLOTS);
         layout.primes = reader.getInts("primes", slots);
         layout.offsets = reader.getInts("offsets", slots);
         layout.multipliers

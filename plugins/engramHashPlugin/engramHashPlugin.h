@@ -27,9 +27,11 @@ struct HashLayout
     std::vector<int64_t> offsets;     // [L, (N-1)*H]
     std::vector<int64_t> multipliers; // [L, N]
 
-    int32_t numCols() const
+    //! (N-1) * H, in int64 so that no field values can overflow it; the creator bounds
+    //! numLayers * numCols() by ENGRAM_HASH_MAX_SLOTS.
+    int64_t numCols() const
     {
-        return (maxNgram - 1) * numHeads;
+        return static_cast<int64_t>(maxNgram - 1) * numHeads;
     }
 };
 

@@ -29,13 +29,30 @@ int fail(cudaError_t code, char const* format, ...)
     return static_cast<int>(code == cudaSuccess ? cudaErrorInvalidValue : code);
 }
 
+int failCuda(cudaError_t code, char const* format, ...)
+{
+    cudaGetLastError(); // consume the runtime's copy of `code`
+    va_list args;
+    va_start(args, format);
+    std::vsnprintf(detail::gLastError, sizeof(detail::gLastError), format, args);
+    va_end(args);
+    return static_cast<int>(code == cudaSuccess ? cudaErrorUnknown : code);
+}
+
 void clearError()
 {
     detail::gLastError[0] = '\0';
 }
 
+void resetLaunchError()
+{
+    cudaGetLastError();
+}
+
 int checkLaunch(char const* kernelName)
 {
+    // cudaGetLastError (not Peek): it also clears a non-sticky launch error, so it does
+    // not outlive this call.
     cudaError_t const status = cudaGetLastError();
     if (status != cudaSuccess)
     {
@@ -95,8 +112,8 @@ extern "C" ENGRAM_API int engram_pointer_kind(void const* ptr, int32_t* kind)
     cudaError_t const status = cudaPointerGetAttributes(&attributes, ptr);
     if (status != cudaSuccess)
     {
-        cudaGetLastError(); // the query's error is not sticky; do not leak it to the next launch check
-        return fail(status, "engram_pointer_kind: cudaPointerGetAttributes failed: %s", cudaGetErrorString(status));
+        return failCuda(
+            status, "engram_pointer_kind: cudaPointerGetAttributes failed: %s", cudaGetErrorString(status));
     }
     switch (attributes.type)
     {
@@ -118,8 +135,7 @@ extern "C" ENGRAM_API int engram_host_register(void* ptr, size_t bytes)
     cudaError_t const status = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (status != cudaSuccess)
     {
-        cudaGetLastError();
-        return fail(status, "engram_host_register: cudaHostRegister(%zu bytes) failed: %s", bytes,
+        return failCuda(status, "engram_host_register: cudaHostRegister(%zu bytes) failed: %s", bytes,
             cudaGetErrorString(status));
     }
     return 0;
@@ -131,8 +147,7 @@ extern "C" ENGRAM_API int engram_host_unregister(void* ptr)
     cudaError_t const status = cudaHostUnregister(ptr);
     if (status != cudaSuccess)
     {
-        cudaGetLastError();
-        return fail(status, "engram_host_unregister failed: %s", cudaGetErrorString(status));
+        return failCuda(status, "engram_host_unregister failed: %s", cudaGetErrorString(status));
     }
     return 0;
 }

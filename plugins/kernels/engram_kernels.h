@@ -8,7 +8,9 @@
  * Conventions
  *   - Every function returns int: 0 on success, otherwise a cudaError_t value
  *     (cudaErrorInvalidValue = 1 for a rejected argument). The reason of the last
- *     failure on the calling thread is kept in engram_last_error().
+ *     failure on the calling thread is kept in engram_last_error(). No C++ exception
+ *     leaves a function, and a failed call leaves no stale error behind that a later
+ *     call would report.
  *   - Pointers named *_host are CPU pointers read before the function returns; all
  *     other tensor pointers are device-accessible (device memory, or host memory that
  *     is pinned / cudaHostRegister'ed and therefore addressable by the GPU through
@@ -81,11 +83,16 @@ ENGRAM_API const char* engram_last_error(void);
 /*
  * N-gram hash of packed sequences (engram-spec.md, "Hash of position p").
  *
+ * Dead tokens: there is no separate dead-token mask. A dead token is a negative id
+ *   in `ids` (and -1 in `lookback`): its position holds no token, so every n-gram that
+ *   reaches it is blocked (its ids are hashed as pad ids), like the start of a sequence.
+ *
  * ids          [T] int32 device: compressed token ids of all sequences back to back;
  *              a negative id marks a dead token.
  * seq_starts   [S+1] int32 device: cu_seqlens (seq_starts[0] = 0, seq_starts[S] = T,
  *              non-decreasing). Tokens outside [seq_starts[0], seq_starts[S]) hash as
- *              fully blocked (every n-gram made of pad ids).
+ *              fully blocked (every n-gram made of pad ids). Token indices below 0 (a
+ *              negative seq_starts[0]) are never read: they count as no token.
  * lookback     [S, N-1] int32 device: the N-1 compressed ids before each sequence's
  *              first token, oldest first; -1 (or any negative) = no token / dead,
  *              which blocks like the start of a sequence. NULL = every sequence
@@ -136,6 +143,10 @@ ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, 
  * table_scales_addr point to one int64 each (in device memory) holding the address.
  * This is the plugin's form, where the addresses are engine inputs, so enqueue needs
  * no host synchronization. table_scales_addr may be NULL for bf16 tables.
+ * Since no host code sees the addresses, the kernel checks them: a row address of 0 or
+ * not 16-byte aligned, or a scales address of 0 for an fp8 table, yields zero rows for
+ * the whole output (no read, no fault). table_num_rows bounds the ids; the table behind
+ * the address must hold at least that many rows, which only the caller can check.
  */
 ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, int32_t num_cols,
     int64_t id_token_stride, const int64_t* table_rows_addr, const int64_t* table_scales_addr,
@@ -156,7 +167,9 @@ ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, in
 typedef struct EngramHostGatherer EngramHostGatherer;
 
 /* num_threads <= 0: the number of online CPUs. chunk_rows: rows per pipelined chunk.
- * max_head_dim: the widest table row (elements) this gatherer will serve. */
+ * max_head_dim: the widest table row (elements) this gatherer will serve.
+ * destroy waits for a gather in progress on another thread, then frees the gatherer; a
+ * gather that starts after destroy has begun uses freed memory (a caller bug). */
 ENGRAM_API int engram_host_gatherer_create(
     int32_t num_threads, int64_t chunk_rows, int32_t max_head_dim, EngramHostGatherer** gatherer);
 ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gatherer);

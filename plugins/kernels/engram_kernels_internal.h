@@ -8,6 +8,8 @@
 
 #include <cuda_runtime_api.h>
 #include <cstdint>
+#include <exception>
+#include <new>
 
 namespace engram_trt
 {
@@ -17,11 +19,21 @@ namespace kernels
 //! Records a one-line reason for engram_last_error() and returns `code` as int.
 int fail(cudaError_t code, char const* format, ...) __attribute__((format(printf, 2, 3)));
 
+//! fail() for a CUDA runtime call that returned `code`. It also takes the error out of
+//! the runtime's last-error slot: a non-sticky error left there would otherwise be
+//! reported by the next launch check, of this or another call.
+int failCuda(cudaError_t code, char const* format, ...) __attribute__((format(printf, 2, 3)));
+
 //! Clears the thread's last error message; every ABI entry point calls it first.
 void clearError();
 
+//! Discards a stale non-sticky error of an earlier runtime call, so that the
+//! checkLaunch() after the next launch reports that launch alone. Call it right before
+//! every kernel launch. (A sticky error cannot be discarded: the launch fails with it.)
+void resetLaunchError();
+
 //! Returns the launch status of the kernel just enqueued (0 or a cudaError_t), with
-//! a message naming `kernelName` on failure.
+//! a message naming `kernelName` on failure. Pair it with resetLaunchError().
 int checkLaunch(char const* kernelName);
 
 //! Multiprocessor count of the current device (cached per device).
@@ -48,5 +60,23 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
 
 } // namespace kernels
 } // namespace engram_trt
+
+//! Wrap the body of every extern "C" entry point that can throw (std::thread,
+//! std::function, containers, std::mutex): a C++ exception must not cross the C ABI, so
+//! each becomes a failure code with its reason in engram_last_error().
+#define ENGRAM_ABI_TRY try
+#define ENGRAM_ABI_CATCH(fn)                                                                                           \
+    catch (std::bad_alloc const&)                                                                                      \
+    {                                                                                                                  \
+        return ::engram_trt::kernels::fail(cudaErrorMemoryAllocation, "%s: out of host memory", fn);                  \
+    }                                                                                                                  \
+    catch (std::exception const& error)                                                                                \
+    {                                                                                                                  \
+        return ::engram_trt::kernels::fail(cudaErrorUnknown, "%s: %s", fn, error.what());                             \
+    }                                                                                                                  \
+    catch (...)                                                                                                        \
+    {                                                                                                                  \
+        return ::engram_trt::kernels::fail(cudaErrorUnknown, "%s: unknown C++ exception", fn);                        \
+    }
 
 #endif // ENGRAM_TRT_KERNELS_INTERNAL_H

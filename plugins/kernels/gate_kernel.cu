@@ -218,6 +218,7 @@ extern "C" ENGRAM_API int engram_gate(void const* hidden, void const* kv, void c
     auto const* h = static_cast<__nv_bfloat16 const*>(hidden);
     auto const* kvp = static_cast<__nv_bfloat16 const*>(kv);
     auto* o = static_cast<__nv_bfloat16*>(out);
+    resetLaunchError();
     if (weightType == ENGRAM_WEIGHT_BF16)
     {
         engramGateKernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(h, kvp,

@@ -81,10 +81,21 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
 {
     uint8_t const* rows = p.rows;
     uint8_t const* scales = p.scales;
+    int64_t tableNumRows = p.tableNumRows;
     if (p.rowsAddr != nullptr)
     {
         rows = reinterpret_cast<uint8_t const*>(*p.rowsAddr);
         scales = (kFp8 && p.scalesAddr != nullptr) ? reinterpret_cast<uint8_t const*>(*p.scalesAddr) : nullptr;
+        // These addresses are engine inputs that no host code sees before this kernel
+        // runs. An unbound (0) or misaligned row address, or an fp8 table without scales,
+        // would fault and take the whole CUDA context down; read no table instead, so
+        // every id is out of range and the output is all zero rows (fp8 zero * scale 0).
+        bool const usable = rows != nullptr && (reinterpret_cast<uintptr_t>(rows) & 15u) == 0
+            && (!kFp8 || scales != nullptr);
+        if (!usable)
+        {
+            tableNumRows = 0;
+        }
     }
 
     int64_t const totalVectors = p.numRowsOut * p.vectorsPerRow;
@@ -117,7 +128,7 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
                     int64_t const t = r / p.numCols;
                     id = p.ids[t * p.idTokenStride + (r - t * p.numCols)];
                 }
-                if (id >= 0 && id < p.tableNumRows)
+                if (id >= 0 && id < tableNumRows)
                 {
                     data[k] = *reinterpret_cast<uint4 const*>(rows + id * p.rowBytes + static_cast<int64_t>(j) * 16);
                     if (kFp8)
@@ -231,6 +242,7 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     // grid-stride loop covers the rest.
     int64_t const cap = std::max(1, smCount()) * (2048 / kThreads);
     unsigned const blocks = static_cast<unsigned>(std::min(wanted, cap));
+    resetLaunchError();
     if (fp8)
     {
         engramGatherKernel<true, kUnroll><<<blocks, kThreads, 0, stream>>>(p);
@@ -252,26 +264,30 @@ extern "C" ENGRAM_API int engram_gather(int32_t const* ids, int64_t numTokens, i
     int32_t quantBlock, void* out, cudaStream_t stream)
 {
     clearError();
-    int64_t rowBytes = 0;
-    int64_t scaleBytes = 0;
-    if (int const status = validateGatherArgs("engram_gather", numTokens, numCols, idTokenStride, tableNumRows, headDim,
-            tableDtype, quantBlock, out, rowBytes, scaleBytes))
+    ENGRAM_ABI_TRY
     {
-        return status;
-    }
-    if (numTokens > 0 && tableNumRows > 0)
-    {
-        if (tableRows == nullptr || !isAligned(tableRows, 16))
+        int64_t rowBytes = 0;
+        int64_t scaleBytes = 0;
+        if (int const status = validateGatherArgs("engram_gather", numTokens, numCols, idTokenStride, tableNumRows,
+                headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
         {
-            return fail(cudaErrorInvalidValue, "engram_gather: table rows must be a 16-byte aligned pointer");
+            return status;
         }
-        if (scaleBytes > 0 && tableScales == nullptr)
+        if (numTokens > 0 && tableNumRows > 0)
         {
-            return fail(cudaErrorInvalidValue, "engram_gather: an fp8 table needs its scales");
+            if (tableRows == nullptr || !isAligned(tableRows, 16))
+            {
+                return fail(cudaErrorInvalidValue, "engram_gather: table rows must be a 16-byte aligned pointer");
+            }
+            if (scaleBytes > 0 && tableScales == nullptr)
+            {
+                return fail(cudaErrorInvalidValue, "engram_gather: an fp8 table needs its scales");
+            }
         }
+        return launchGather(ids, numTokens, numCols, idTokenStride, tableRows, tableScales, nullptr, nullptr,
+            tableNumRows, headDim, tableDtype, quantBlock, out, stream);
     }
-    return launchGather(ids, numTokens, numCols, idTokenStride, tableRows, tableScales, nullptr, nullptr,
-        tableNumRows, headDim, tableDtype, quantBlock, out, stream);
+    ENGRAM_ABI_CATCH("engram_gather")
 }
 
 extern "C" ENGRAM_API int engram_gather_check_table(int32_t headDim, int32_t tableDtype, int32_t quantBlock)
@@ -288,17 +304,21 @@ extern "C" ENGRAM_API int engram_gather_indirect(int32_t const* ids, int64_t num
     int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
 {
     clearError();
-    int64_t rowBytes = 0;
-    int64_t scaleBytes = 0;
-    if (int const status = validateGatherArgs("engram_gather_indirect", numTokens, numCols, idTokenStride,
-            tableNumRows, headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
+    ENGRAM_ABI_TRY
     {
-        return status;
+        int64_t rowBytes = 0;
+        int64_t scaleBytes = 0;
+        if (int const status = validateGatherArgs("engram_gather_indirect", numTokens, numCols, idTokenStride,
+                tableNumRows, headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
+        {
+            return status;
+        }
+        if (tableRowsAddr == nullptr || (scaleBytes > 0 && tableScalesAddr == nullptr))
+        {
+            return fail(cudaErrorInvalidValue, "engram_gather_indirect: the table address inputs are required");
+        }
+        return launchGather(ids, numTokens, numCols, idTokenStride, nullptr, nullptr, tableRowsAddr, tableScalesAddr,
+            tableNumRows, headDim, tableDtype, quantBlock, out, stream);
     }
-    if (tableRowsAddr == nullptr || (scaleBytes > 0 && tableScalesAddr == nullptr))
-    {
-        return fail(cudaErrorInvalidValue, "engram_gather_indirect: the table address inputs are required");
-    }
-    return launchGather(ids, numTokens, numCols, idTokenStride, nullptr, nullptr, tableRowsAddr, tableScalesAddr,
-        tableNumRows, headDim, tableDtype, quantBlock, out, stream);
+    ENGRAM_ABI_CATCH("engram_gather_indirect")
 }

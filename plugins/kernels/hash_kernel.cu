@@ -87,7 +87,11 @@ __global__ void engramHashKernel(int32_t const* __restrict__ ids, int64_t numTok
             int32_t id;
             if (pos >= 0)
             {
-                id = ids[start + pos];
+                // seq_starts is an engine input nobody validated: with a negative start the
+                // token index t - s can fall before ids[0]. Such a position holds no token
+                // (it blocks, as a dead one) and is never read.
+                int64_t const index = start + pos;
+                id = index >= 0 ? ids[index] : -1;
             }
             else
             {
@@ -245,6 +249,7 @@ extern "C" ENGRAM_API int engram_hash(int32_t const* ids, int64_t numTokens, int
     {
         return fail(cudaErrorInvalidValue, "engram_hash: %lld tokens is too many", static_cast<long long>(numTokens));
     }
+    resetLaunchError();
     engramHashKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         ids, numTokens, seqStarts, numSeqs, lookback, out, params);
     return checkLaunch("engram_hash");

@@ -3,9 +3,11 @@
  *
  * Why: on the H200 VM (notes/platform.md) random GPU reads of pinned host memory reach
  * about a tenth of the PCIe link, because every 4 KiB page costs the GPU a translation,
- * while the host's cores gather rows at ~45 GB/s and one contiguous cudaMemcpyAsync
- * runs at ~53 GB/s. So for host tables this path moves rows ~8x faster than the UVA
- * kernel.
+ * while one contiguous cudaMemcpyAsync runs at the link's speed. Measured there
+ * (docs/benchmarks.md, 24.75 GiB fp8 table in pinned host memory): this path is
+ * 3.3-3.5x faster than the UVA kernel for 196,608 rows (an 8k-token prefill chunk) and
+ * 1.5-2x for 6,144 rows (a decode step), over two runs; the CPU side, not the link, is
+ * its limit.
  *
  * Pipeline (two staging slots): gather chunk k into pinned slot k%2 (all pool threads),
  * enqueue its copy into device slot k%2 and the dequant kernel (the gather kernel with
@@ -20,8 +22,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <mutex>
-#include <new>
 #include <thread>
 
 using namespace engram_trt::kernels;
@@ -66,25 +68,36 @@ namespace engram_trt
 namespace kernels
 {
 
-//! Restores the current device on scope exit.
+//! Makes `device` current and restores the previous device on scope exit; status()
+//! says whether the switch worked.
 class DeviceGuard
 {
 public:
     explicit DeviceGuard(int device)
     {
-        cudaGetDevice(&mPrevious);
-        if (mPrevious != device)
+        mStatus = cudaGetDevice(&mPrevious);
+        if (mStatus == cudaSuccess && mPrevious != device)
         {
-            cudaSetDevice(device);
+            mStatus = cudaSetDevice(device);
+            mRestore = mStatus == cudaSuccess;
         }
     }
     ~DeviceGuard()
     {
-        cudaSetDevice(mPrevious);
+        if (mRestore && cudaSetDevice(mPrevious) != cudaSuccess)
+        {
+            cudaGetLastError(); // leave no stale error for a later launch check
+        }
+    }
+    cudaError_t status() const
+    {
+        return mStatus;
     }
 
 private:
     int mPrevious{0};
+    bool mRestore{false};
+    cudaError_t mStatus{cudaSuccess};
 };
 
 //! Copies rows [begin, end) of the flattened (token, col) list into staging.
@@ -148,66 +161,76 @@ extern "C" ENGRAM_API int engram_host_gatherer_create(
     int32_t numThreads, int64_t chunkRows, int32_t maxHeadDim, EngramHostGatherer** gatherer)
 {
     clearError();
-    if (gatherer == nullptr)
+    ENGRAM_ABI_TRY
     {
-        return fail(cudaErrorInvalidValue, "engram_host_gatherer_create: gatherer is NULL");
-    }
-    *gatherer = nullptr;
-    if (chunkRows < 1 || maxHeadDim < 8 || maxHeadDim % 8 != 0)
-    {
-        return fail(cudaErrorInvalidValue,
-            "engram_host_gatherer_create: need chunk_rows >= 1 and max_head_dim %% 8 == 0 (got %lld, %d)",
-            static_cast<long long>(chunkRows), maxHeadDim);
-    }
-    if (numThreads <= 0)
-    {
-        numThreads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
-    }
+        if (gatherer == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "engram_host_gatherer_create: gatherer is NULL");
+        }
+        *gatherer = nullptr;
+        if (chunkRows < 1 || maxHeadDim < 8 || maxHeadDim % 8 != 0)
+        {
+            return fail(cudaErrorInvalidValue,
+                "engram_host_gatherer_create: need chunk_rows >= 1 and max_head_dim %% 8 == 0 (got %lld, %d)",
+                static_cast<long long>(chunkRows), maxHeadDim);
+        }
+        if (numThreads <= 0)
+        {
+            numThreads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+        }
 
-    auto* g = new (std::nothrow) EngramHostGatherer();
-    if (g == nullptr)
-    {
-        return fail(cudaErrorMemoryAllocation, "engram_host_gatherer_create: out of host memory");
-    }
-    cudaGetDevice(&g->device);
-    g->chunkRows = chunkRows;
-    // A bf16 row (2 bytes per element) is the widest form; an fp8 row plus its scale
-    // bytes (head_dim + head_dim / 16 at most) fits in it.
-    g->slotBytes = chunkRows * 2 * static_cast<int64_t>(maxHeadDim);
-    for (int s = 0; s < EngramHostGatherer::kSlots; ++s)
-    {
-        cudaError_t status = cudaHostAlloc(reinterpret_cast<void**>(&g->pinned[s]), g->slotBytes, cudaHostAllocPortable);
-        if (status == cudaSuccess)
+        // Owned here until it is complete: every failure below (an exception too) frees it.
+        std::unique_ptr<EngramHostGatherer> g(new EngramHostGatherer());
+        cudaError_t const deviceStatus = cudaGetDevice(&g->device);
+        if (deviceStatus != cudaSuccess)
         {
-            status = cudaMalloc(reinterpret_cast<void**>(&g->deviceStaging[s]), g->slotBytes);
+            return failCuda(deviceStatus, "engram_host_gatherer_create: cudaGetDevice failed: %s",
+                cudaGetErrorString(deviceStatus));
         }
-        if (status == cudaSuccess)
+        g->chunkRows = chunkRows;
+        // A bf16 row (2 bytes per element) is the widest form; an fp8 row plus its scale
+        // bytes (head_dim + head_dim / 16 at most) fits in it.
+        g->slotBytes = chunkRows * 2 * static_cast<int64_t>(maxHeadDim);
+        for (int s = 0; s < EngramHostGatherer::kSlots; ++s)
         {
-            status = cudaEventCreateWithFlags(&g->slotFree[s], cudaEventDisableTiming);
+            cudaError_t status
+                = cudaHostAlloc(reinterpret_cast<void**>(&g->pinned[s]), g->slotBytes, cudaHostAllocPortable);
+            if (status == cudaSuccess)
+            {
+                status = cudaMalloc(reinterpret_cast<void**>(&g->deviceStaging[s]), g->slotBytes);
+            }
+            if (status == cudaSuccess)
+            {
+                status = cudaEventCreateWithFlags(&g->slotFree[s], cudaEventDisableTiming);
+            }
+            if (status != cudaSuccess)
+            {
+                return failCuda(status, "engram_host_gatherer_create: staging allocation failed: %s",
+                    cudaGetErrorString(status));
+            }
         }
-        if (status != cudaSuccess)
-        {
-            cudaGetLastError();
-            delete g;
-            return fail(status, "engram_host_gatherer_create: staging allocation failed: %s",
-                cudaGetErrorString(status));
-        }
+        g->pool = new ThreadPool(numThreads - 1); // throws if a thread cannot start (caught below)
+        *gatherer = g.release();
+        return 0;
     }
-    g->pool = new (std::nothrow) ThreadPool(numThreads - 1);
-    if (g->pool == nullptr)
-    {
-        delete g;
-        return fail(cudaErrorMemoryAllocation, "engram_host_gatherer_create: out of host memory");
-    }
-    *gatherer = g;
-    return 0;
+    ENGRAM_ABI_CATCH("engram_host_gatherer_create")
 }
 
 extern "C" ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gatherer)
 {
     clearError();
-    delete gatherer;
-    return 0;
+    ENGRAM_ABI_TRY
+    {
+        if (gatherer != nullptr)
+        {
+            // Wait for a gather in progress on another thread: freeing the staging under it
+            // would be a use-after-free. The mutex must be unlocked before it is destroyed.
+            std::lock_guard<std::mutex> callLock(gatherer->callMutex);
+        }
+        delete gatherer;
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_host_gatherer_destroy")
 }
 
 extern "C" ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numTokens,
@@ -215,99 +238,112 @@ extern "C" ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, int32
     int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
 {
     clearError();
-    if (gatherer == nullptr)
+    ENGRAM_ABI_TRY
     {
-        return fail(cudaErrorInvalidValue, "engram_host_gather: gatherer is NULL");
-    }
-    int64_t rowBytes = 0;
-    int64_t scaleBytes = 0;
-    if (int const status = validateGatherArgs("engram_host_gather", numTokens, numCols, idTokenStride, tableNumRows,
-            headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
-    {
-        return status;
-    }
-    EngramHostGatherer& g = *gatherer;
-    if ((rowBytes + scaleBytes) * g.chunkRows > g.slotBytes)
-    {
-        return fail(cudaErrorInvalidValue,
-            "engram_host_gather: head_dim %d is wider than the gatherer's max_head_dim", headDim);
-    }
-    int64_t const totalRows = numTokens * numCols;
-    if (totalRows == 0)
-    {
-        return 0;
-    }
-    if (idsHost == nullptr || (tableNumRows > 0 && rowsHost == nullptr)
-        || (tableNumRows > 0 && scaleBytes > 0 && scalesHost == nullptr))
-    {
-        return fail(cudaErrorInvalidValue, "engram_host_gather: ids, rows (and scales for fp8) are required");
-    }
-
-    std::lock_guard<std::mutex> callLock(g.callMutex);
-    DeviceGuard deviceGuard(g.device);
-    bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
-    auto const* rows = static_cast<uint8_t const*>(rowsHost);
-    auto const* scales = static_cast<uint8_t const*>(scalesHost);
-    auto* outBytes = static_cast<uint8_t*>(out);
-    int64_t const outRowBytes = 2 * static_cast<int64_t>(headDim);
-
-    // Device slots were last used by work on another stream, possibly: order after it.
-    for (int s = 0; s < EngramHostGatherer::kSlots; ++s)
-    {
-        cudaError_t const status = cudaStreamWaitEvent(stream, g.slotFree[s], 0);
-        if (status != cudaSuccess)
+        if (gatherer == nullptr)
         {
-            return fail(status, "engram_host_gather: cudaStreamWaitEvent failed: %s", cudaGetErrorString(status));
+            return fail(cudaErrorInvalidValue, "engram_host_gather: gatherer is NULL");
         }
-    }
-
-    int64_t const numChunks = (totalRows + g.chunkRows - 1) / g.chunkRows;
-    for (int64_t chunk = 0; chunk < numChunks; ++chunk)
-    {
-        int const slot = static_cast<int>(chunk % EngramHostGatherer::kSlots);
-        int64_t const first = chunk * g.chunkRows;
-        int64_t const count = std::min(g.chunkRows, totalRows - first);
-
-        cudaError_t status = cudaEventSynchronize(g.slotFree[slot]);
-        if (status != cudaSuccess)
+        EngramHostGatherer& g = *gatherer;
+        // Taken first: the gatherer's fields and staging belong to one call at a time, and
+        // engram_host_gatherer_destroy waits on the same lock.
+        std::lock_guard<std::mutex> callLock(g.callMutex);
+        int64_t rowBytes = 0;
+        int64_t scaleBytes = 0;
+        if (int const status = validateGatherArgs("engram_host_gather", numTokens, numCols, idTokenStride, tableNumRows,
+                headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
         {
-            return fail(status, "engram_host_gather: waiting for a staging slot failed: %s",
-                cudaGetErrorString(status));
+            return status;
         }
-        uint8_t* stagingRows = g.pinned[slot];
-        uint8_t* stagingScales = g.pinned[slot] + count * rowBytes;
-        // About four tasks per thread balance the pool without making the counter hot.
-        int64_t const rowsPerTask = std::max<int64_t>(64, count / (4 * g.pool->numThreads()) + 1);
-        int64_t const tasks = (count + rowsPerTask - 1) / rowsPerTask;
-        g.pool->parallelFor(tasks, [&](int64_t task) {
-            int64_t const begin = task * rowsPerTask;
-            int64_t const end = std::min(count, begin + rowsPerTask);
-            gatherRange(idsHost, numCols, idTokenStride, first, begin, end, rows, scales, tableNumRows, rowBytes,
-                scaleBytes, stagingRows, stagingScales);
-        });
-
-        int64_t const chunkBytes = count * (rowBytes + scaleBytes);
-        uint8_t* destination = fp8 ? g.deviceStaging[slot] : outBytes + first * outRowBytes;
-        status = cudaMemcpyAsync(destination, stagingRows, chunkBytes, cudaMemcpyHostToDevice, stream);
-        if (status != cudaSuccess)
+        if ((rowBytes + scaleBytes) * g.chunkRows > g.slotBytes)
         {
-            return fail(status, "engram_host_gather: cudaMemcpyAsync failed: %s", cudaGetErrorString(status));
+            return fail(cudaErrorInvalidValue,
+                "engram_host_gather: head_dim %d is wider than the gatherer's max_head_dim", headDim);
         }
-        if (fp8)
+        int64_t const totalRows = numTokens * numCols;
+        if (totalRows == 0)
         {
-            int const launched = launchGather(nullptr, count, 1, 1, g.deviceStaging[slot],
-                g.deviceStaging[slot] + count * rowBytes, nullptr, nullptr, count, headDim, tableDtype, quantBlock,
-                outBytes + first * outRowBytes, stream);
-            if (launched != 0)
+            return 0;
+        }
+        if (idsHost == nullptr || (tableNumRows > 0 && rowsHost == nullptr)
+            || (tableNumRows > 0 && scaleBytes > 0 && scalesHost == nullptr))
+        {
+            return fail(cudaErrorInvalidValue, "engram_host_gather: ids, rows (and scales for fp8) are required");
+        }
+
+        DeviceGuard deviceGuard(g.device);
+        if (deviceGuard.status() != cudaSuccess)
+        {
+            return failCuda(deviceGuard.status(),
+                "engram_host_gather: cannot make the gatherer's device %d current: %s", g.device,
+                cudaGetErrorString(deviceGuard.status()));
+        }
+        bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
+        auto const* rows = static_cast<uint8_t const*>(rowsHost);
+        auto const* scales = static_cast<uint8_t const*>(scalesHost);
+        auto* outBytes = static_cast<uint8_t*>(out);
+        int64_t const outRowBytes = 2 * static_cast<int64_t>(headDim);
+
+        // Device slots were last used by work on another stream, possibly: order after it.
+        for (int s = 0; s < EngramHostGatherer::kSlots; ++s)
+        {
+            cudaError_t const status = cudaStreamWaitEvent(stream, g.slotFree[s], 0);
+            if (status != cudaSuccess)
             {
-                return launched;
+                return failCuda(
+                    status, "engram_host_gather: cudaStreamWaitEvent failed: %s", cudaGetErrorString(status));
             }
         }
-        status = cudaEventRecord(g.slotFree[slot], stream);
-        if (status != cudaSuccess)
+
+        int64_t const numChunks = (totalRows + g.chunkRows - 1) / g.chunkRows;
+        for (int64_t chunk = 0; chunk < numChunks; ++chunk)
         {
-            return fail(status, "engram_host_gather: cudaEventRecord failed: %s", cudaGetErrorString(status));
+            int const slot = static_cast<int>(chunk % EngramHostGatherer::kSlots);
+            int64_t const first = chunk * g.chunkRows;
+            int64_t const count = std::min(g.chunkRows, totalRows - first);
+
+            cudaError_t status = cudaEventSynchronize(g.slotFree[slot]);
+            if (status != cudaSuccess)
+            {
+                return failCuda(status, "engram_host_gather: waiting for a staging slot failed: %s",
+                    cudaGetErrorString(status));
+            }
+            uint8_t* stagingRows = g.pinned[slot];
+            uint8_t* stagingScales = g.pinned[slot] + count * rowBytes;
+            // About four tasks per thread balance the pool without making the counter hot.
+            int64_t const rowsPerTask = std::max<int64_t>(64, count / (4 * g.pool->numThreads()) + 1);
+            int64_t const tasks = (count + rowsPerTask - 1) / rowsPerTask;
+            g.pool->parallelFor(tasks, [&](int64_t task) {
+                int64_t const begin = task * rowsPerTask;
+                int64_t const end = std::min(count, begin + rowsPerTask);
+                gatherRange(idsHost, numCols, idTokenStride, first, begin, end, rows, scales, tableNumRows, rowBytes,
+                    scaleBytes, stagingRows, stagingScales);
+            });
+
+            int64_t const chunkBytes = count * (rowBytes + scaleBytes);
+            uint8_t* destination = fp8 ? g.deviceStaging[slot] : outBytes + first * outRowBytes;
+            status = cudaMemcpyAsync(destination, stagingRows, chunkBytes, cudaMemcpyHostToDevice, stream);
+            if (status != cudaSuccess)
+            {
+                return failCuda(status, "engram_host_gather: cudaMemcpyAsync failed: %s", cudaGetErrorString(status));
+            }
+            if (fp8)
+            {
+                int const launched = launchGather(nullptr, count, 1, 1, g.deviceStaging[slot],
+                    g.deviceStaging[slot] + count * rowBytes, nullptr, nullptr, count, headDim, tableDtype, quantBlock,
+                    outBytes + first * outRowBytes, stream);
+                if (launched != 0)
+                {
+                    return launched;
+                }
+            }
+            status = cudaEventRecord(g.slotFree[slot], stream);
+            if (status != cudaSuccess)
+            {
+                return failCuda(status, "engram_host_gather: cudaEventRecord failed: %s", cudaGetErrorString(status));
+            }
         }
+        return 0;
     }
-    return 0;
+    ENGRAM_ABI_CATCH("engram_host_gather")
 }

@@ -41,26 +41,29 @@ class ThreadPool
 public:
     static constexpr int64_t kSpinMicros = 200;
 
+    //! Throws (std::system_error, std::bad_alloc) if a worker cannot be started; the
+    //! workers started before that are stopped and joined first, since destroying a
+    //! joinable std::thread would terminate the process.
     explicit ThreadPool(int numWorkers)
     {
-        for (int i = 0; i < numWorkers; ++i)
+        mWorkers.reserve(static_cast<size_t>(numWorkers > 0 ? numWorkers : 0));
+        try
         {
-            mWorkers.emplace_back([this] { workerLoop(); });
+            for (int i = 0; i < numWorkers; ++i)
+            {
+                mWorkers.emplace_back([this] { workerLoop(); });
+            }
+        }
+        catch (...)
+        {
+            stopAndJoin();
+            throw;
         }
     }
 
     ~ThreadPool()
     {
-        {
-            std::lock_guard<std::mutex> lock(mMutex);
-            mStop = true;
-            mGeneration.fetch_add(1, std::memory_order_release);
-        }
-        mStart.notify_all();
-        for (std::thread& worker : mWorkers)
-        {
-            worker.join();
-        }
+        stopAndJoin();
     }
 
     ThreadPool(ThreadPool const&) = delete;
@@ -102,6 +105,20 @@ public:
     }
 
 private:
+    void stopAndJoin()
+    {
+        {
+            std::lock_guard<std::mutex> lock(mMutex);
+            mStop = true;
+            mGeneration.fetch_add(1, std::memory_order_release);
+        }
+        mStart.notify_all();
+        for (std::thread& worker : mWorkers)
+        {
+            worker.join();
+        }
+    }
+
     void runTasks(std::function<void(int64_t)> const& task, int64_t numTasks)
     {
         for (int64_t i = mNext.fetch_add(1, std::memory_order_relaxed); i < numTasks;

@@ -10,8 +10,10 @@ the bad argument. Work is enqueued on the current CUDA stream of the output's de
 
 Choosing a gather per table: :func:`gather` reads the table on the GPU (device
 memory, or pinned / registered host memory through UVA); :func:`host_gather` gathers
-on the CPU's threads and sends contiguous chunks. On the H200 VM the second moves
-host rows ~8x faster (``docs/benchmarks.md``), so it is the path for host tables.
+on the CPU's threads and sends contiguous chunks. On the H200 VM, for a pinned host
+table, the second was measured 3.3-3.5x faster than the UVA kernel for 196,608 rows and
+1.5-2x for 6,144 rows (two runs, ``docs/benchmarks.md``), so it is the path for host
+tables.
 """
 
 from __future__ import annotations
@@ -41,21 +43,22 @@ _lib_lock = threading.Lock()
 
 def library_path() -> Path:
     """Where the library is: ``$ENGRAM_TRT_PLUGIN_LIB``, then this package's ``lib/``,
-    then the installed ``engram-trt`` distribution's ``engram_trt/lib/`` (when the tests
-    import the source tree), then ``<repo>/build/``. Raises EngramError if none exists."""
+    then ``<repo>/build/`` (a source tree's own, freshest build), then the installed
+    ``engram-trt`` distribution's ``engram_trt/lib/`` (when the tests import a source
+    tree that was never built in place). Raises EngramError if none exists."""
     env = os.environ.get("ENGRAM_TRT_PLUGIN_LIB")
     if env:
         p = Path(env)
         if not p.is_file():
             raise EngramError(f"ENGRAM_TRT_PLUGIN_LIB='{env}' is not a file; point it at {LIBRARY_NAME} or unset it")
         return p.resolve()
-    candidates = [Path(__file__).resolve().parent / "lib" / LIBRARY_NAME]
+    candidates = [Path(__file__).resolve().parent / "lib" / LIBRARY_NAME,
+                  Path(__file__).resolve().parents[2] / "build" / LIBRARY_NAME]
     try:
         located = metadata.distribution("engram-trt").locate_file(f"engram_trt/lib/{LIBRARY_NAME}")
         candidates.append(Path(str(located)))
     except metadata.PackageNotFoundError:
         pass
-    candidates.append(Path(__file__).resolve().parents[2] / "build" / LIBRARY_NAME)
     for c in candidates:
         if c.is_file():
             return c.resolve()
