@@ -29,6 +29,7 @@ import torch
 from .checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, write_checkpoint
 from .config import ModelConfig
 from .errors import EngramError
+from .paths import cache_root
 from .quant import quantize_fp8_rows
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,7 @@ def config_sha256(config_dict: Mapping[str, Any]) -> str:
 
 def demo_checkpoint_dir() -> Path:
     """``$ENGRAM_TRT_CACHE/demo-checkpoint``, else ``~/.cache/engram-trt/demo-checkpoint``."""
-    root = os.environ.get("ENGRAM_TRT_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "engram-trt"
-    return base / "demo-checkpoint"
+    return cache_root() / "demo-checkpoint"
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:

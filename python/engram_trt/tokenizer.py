@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,13 +94,46 @@ class CompressedVocab:
         return cls(lookup=lookup, size=int(lookup.max()) + 1 if lookup.size else 0)
 
 
+# Bump when the compression rule changes: cached maps of another version are ignored.
+COMPRESSION_VERSION = 1
+
+
+def _cached_map(sha: str) -> Path:
+    from .paths import cache_root
+
+    return cache_root() / "compressed-vocab" / f"{sha}-v{COMPRESSION_VERSION}.npy"
+
+
 def build_compressed_vocab(tokenizer: str | Path | Any) -> CompressedVocab:
-    """Build the map from a tokenizer.json path (or a loaded ``tokenizers.Tokenizer``)."""
+    """Build the map from a tokenizer.json path (or a loaded ``tokenizers.Tokenizer``).
+
+    Decoding and normalizing every token takes seconds for a 100k+ vocabulary, and the
+    map is a pure function of the tokenizer.json bytes, so a path's map is cached under
+    the cache root, keyed by the file's sha256 (a changed file is a new key)."""
     sha = ""
     if isinstance(tokenizer, (str, Path)):
         p = file_in_checkpoint(tokenizer, "tokenizer.json", "tokenizer")
         sha = hashlib.sha256(p.read_bytes()).hexdigest()
-        tokenizer = load_tokenizer(p)
+        cached = _cached_map(sha)
+        if cached.is_file():
+            try:
+                lookup = np.load(cached).astype(np.int64)
+                return CompressedVocab(lookup=lookup, size=int(lookup.max()) + 1, source_sha256=sha)
+            except (OSError, ValueError) as exc:
+                log.warning("ignoring unreadable cached compressed vocab %s (%s)", cached, exc)
+        vocab = _build(load_tokenizer(p), sha)
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp.npy")
+            np.save(tmp, vocab.lookup.astype(np.int32))
+            os.replace(tmp, cached)
+        except OSError as exc:  # a read-only cache only costs the rebuild next time
+            log.debug("could not cache the compressed vocab at %s (%s)", cached, exc)
+        return vocab
+    return _build(tokenizer, sha)
+
+
+def _build(tokenizer: Any, sha: str) -> CompressedVocab:
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     texts = tokenizer.decode_batch([[i] for i in range(vocab)], skip_special_tokens=False)
     norm = _normalizer()

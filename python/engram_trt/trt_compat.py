@@ -85,8 +85,9 @@ def _rtx_libs_dir() -> Path | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("ENGRAM_TRT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "engram-trt")
-    return Path(root) / "trt-rtx-libs"
+    from .paths import cache_root
+
+    return cache_root() / "trt-rtx-libs"
 
 
 def _link(target: Path, link: Path) -> None:
