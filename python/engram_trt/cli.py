@@ -34,21 +34,20 @@ def _print_json(obj: Any) -> None:
 
 
 def _parse_ids(text: str) -> list[int]:
-    ids: list[int] = []
-    parts = text.replace(" ", "").split(",")
-    if parts and parts[-1] == "" and len(parts) > 1:
+    example = "expected comma-separated integers, e.g. --ids 5,17,-1,3"
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 1 and parts[-1] == "":
         parts.pop()  # one trailing comma is harmless
+    if parts == [""]:
+        raise EngramError(f"--ids: no ids given ({example})")
+    ids: list[int] = []
     for part in parts:
-        if part == "" and len(parts) > 1:
-            raise EngramError(f"--ids: empty item in '{text}' (expected comma-separated integers, e.g. --ids 5,17,-1,3)")
         if part == "":
-            continue
+            raise EngramError(f"--ids: empty item in '{text}' ({example})")
         try:
             ids.append(int(part))
         except ValueError:
-            raise EngramError(f"--ids: '{part}' is not an integer (expected comma-separated integers, e.g. --ids 5,17,-1,3)") from None
-    if not ids:
-        raise EngramError("--ids: no ids given (expected comma-separated integers, e.g. --ids 5,17,-1,3)")
+            raise EngramError(f"--ids: '{part}' is not an integer ({example})") from None
     return ids
 
 
