@@ -235,3 +235,21 @@ def test_build_refuses_bad_sizes_before_work(tmp_path):
         proc = run_subprocess("build", str(ck), "--output", str(out), *argv)
         assert proc.returncode == 2 and needle in proc.stderr, (argv, proc.stderr)
         assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_demo_end_to_end_json(demo_dir):
+    """`engram-trt demo`: the cached demo checkpoint, its engine (TensorRT-RTX where
+    installed, else the exported graph only), a generation, and the backend named."""
+    proc = run_subprocess("demo", "--json", "--max-new-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["backend"] == "torch" and res["new_tokens"] == 3
+    eng = res["engine"]
+    assert Path(eng["manifest_path"]).is_file()
+    from engram_trt import trt_compat
+
+    if trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt"):
+        assert eng["engine_bytes"] > 0 and sorted({p.split("/")[0] for p in eng["plugin_layers"]}) == [
+            "EngramGate", "EngramGather", "EngramHash"]
+    else:
+        assert "no TensorRT builder" in res["engine_note"]

@@ -210,8 +210,6 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
-    p.add_argument("--weights-seed", type=int, default=0,
-                   help="demo only: seed of the demo checkpoint's random weights (default: %(default)s)")
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="compute dtype of the reference model (default: float32 on CPU, bfloat16 on CUDA)")
@@ -316,13 +314,14 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from .builder import build
-    from .demo import demo_checkpoint_dir, ensure_demo_checkpoint
+    from .demo import ensure_demo_checkpoint
+    from .paths import cache_root
 
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
     ckpt_dir = ensure_demo_checkpoint(seed=args.weights_seed)
     say(f"checkpoint: {ckpt_dir}")
-    engine_dir = Path(args.engine_dir) if args.engine_dir else demo_checkpoint_dir().parent / "demo-engine"
+    engine_dir = Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-engine"
     built = build(ckpt_dir, engine_dir, progress=not args.json)
     say(built.summary())
     res = generate_text(str(ckpt_dir), args)
@@ -399,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
             "(TensorRT or TensorRT-RTX when installed; else the exported graph only), and generate from it.")
     _add_generation_args(p)
     p.add_argument("--engine-dir", default=None, help="where to build the demo engine (default: demo-engine beside the demo checkpoint)")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of the demo checkpoint's random weights (default: %(default)s)")
     p.set_defaults(max_new_tokens=16)
     return parser
 

@@ -217,11 +217,30 @@ def module_available(name: str) -> bool:
 
 
 def logger(severity: str = "WARNING") -> Any:
-    """One shared TensorRT logger (the plugin registry keeps a pointer to the first one)."""
+    """One shared TensorRT logger (the plugin registry keeps a pointer to the first one).
+
+    TensorRT's stock Python logger prints to stdout, where it would corrupt the JSON a
+    command prints; this one hands each message to :mod:`logging` (stderr) at the
+    matching level instead.
+    """
     global _logger
     t = load().module
     if _logger is None:
-        _logger = t.Logger(getattr(t.Logger, severity))
+        sev = t.Logger.Severity
+        levels = {sev.INTERNAL_ERROR: logging.CRITICAL, sev.ERROR: logging.ERROR, sev.WARNING: logging.WARNING,
+                  sev.INFO: logging.INFO, sev.VERBOSE: logging.DEBUG}
+        trt_log = logging.getLogger("engram_trt.tensorrt")
+
+        class _Logger(t.ILogger):
+            def __init__(self) -> None:
+                t.ILogger.__init__(self)
+                self.min_severity = getattr(sev, severity)
+
+            def log(self, s: Any, msg: str) -> None:
+                if s <= self.min_severity:
+                    trt_log.log(levels.get(s, logging.WARNING), "%s", msg)
+
+        _logger = _Logger()
     return _logger
 
 
