@@ -23,9 +23,11 @@ Writes $OUT/h200_verify.json and $OUT/h200_verify.log; prints a summary table la
 ``--cpu-only`` runs the parts that need no GPU (plugin creation, shapes, round trip).
 
 Tolerances: hash ids and gathered rows must be bit-exact (rows: the fp8 * ue8m0 product
-in float32 rounded once to bf16); the gate must satisfy |out - ref| <= 2^-8 |ref| + 1e-5
-elementwise against the float64 reference (one bf16 ulp), and masked tokens must equal
-hidden exactly.
+in float32 rounded once to bf16); the gate, elementwise against the float64 reference
+on the same (rounded) inputs: bf16 I/O |out - ref| <= 2^-8 |ref| + 1e-5 (one bf16 ulp),
+fp16 I/O <= 2^-10 |ref| + 1e-4 (about one fp16 ulp), fp32 I/O <= 1e-5 max|ref|; masked
+tokens must equal hidden bit for bit, and the in-place update (out = hidden) must equal
+the out-of-place one bit for bit, through the kernel and through the plugin's enqueue.
 """
 
 from __future__ import annotations
@@ -203,22 +205,48 @@ def check_kernels(rng, layouts) -> None:
     kernels.unregister_host_memory(reg_rows)
     kernels.unregister_host_memory(reg_scales)
 
-    # gate
-    for T_, hc, D, wdtype, mdtype in ((257, 4, 1024, torch.bfloat16, torch.bool), (64, 1, 64, torch.float32, torch.int32),
-                                      (9, 2, 4096, torch.bfloat16, torch.uint8)):
-        check_gate(rng, kernels, engram_gate_reference, T_, hc, D, wdtype, mdtype, dev)
+    # gate: bf16, fp16 and fp32 I/O, weights bf16 / fp32 / the I/O type
+    for T_, hc, D, io, wdtype, mdtype in ((257, 4, 1024, torch.bfloat16, torch.bfloat16, torch.bool),
+                                          (64, 1, 64, torch.bfloat16, torch.float32, torch.int32),
+                                          (9, 2, 4096, torch.bfloat16, torch.bfloat16, torch.uint8),
+                                          (257, 4, 1024, torch.float16, torch.float16, torch.bool),
+                                          (64, 2, 256, torch.float16, torch.float32, torch.int32),
+                                          (9, 2, 4096, torch.float16, torch.bfloat16, torch.uint8),
+                                          (257, 4, 1024, torch.float32, torch.float32, torch.bool),
+                                          (33, 3, 512, torch.float32, torch.bfloat16, torch.int32),
+                                          (9, 2, 4096, torch.float32, torch.float32, torch.uint8)):
+        check_gate(rng, kernels, engram_gate_reference, T_, hc, D, wdtype, mdtype, dev, io=io)
 
 
-def gate_inputs(rng, T, hc, D, wdtype, mdtype):
+def gate_inputs(rng, T, hc, D, wdtype, mdtype, io=None):
     import torch
 
-    hidden = torch.from_numpy(rng.standard_normal((T, hc, D)).astype(np.float32)).to(torch.bfloat16)
-    kv = torch.from_numpy(rng.standard_normal((T, (hc + 1) * D)).astype(np.float32)).to(torch.bfloat16)
+    io = torch.bfloat16 if io is None else io
+    hidden = torch.from_numpy(rng.standard_normal((T, hc, D)).astype(np.float32)).to(io)
+    kv = torch.from_numpy(rng.standard_normal((T, (hc + 1) * D)).astype(np.float32)).to(io)
     qw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(wdtype)
     kw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(wdtype)
     mask_np = rng.random(T) > 0.2
     mask = torch.from_numpy(mask_np.astype(np.int32)).to(mdtype)
     return hidden, kv, qw, kw, mask, mask_np
+
+
+def bits(t):
+    """The tensor's raw bits on the CPU (a bitwise comparison, NaN payloads included)."""
+    import torch
+
+    return t.cpu().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def gate_bound(io, ref):
+    """Allowed |out - ref| per element for the I/O dtype (see the module docstring)."""
+    import torch
+
+    if io == torch.bfloat16:
+        return 2.0 ** -8 * np.abs(ref) + 1e-5
+    if io == torch.float16:
+        return 2.0 ** -10 * np.abs(ref) + 1e-4
+    return np.full(ref.shape, 1e-5 * float(np.abs(ref).max()))
 
 
 def gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference) -> tuple[bool, str]:
@@ -227,33 +255,38 @@ def gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference) -> tuple[bool, str
     ref = reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(), kw.float().numpy(), mask_np, eps)
     got = out.float().cpu().numpy().astype(np.float64)
     err = np.abs(got - ref)
-    bound = 2.0 ** -8 * np.abs(ref) + 1e-5
+    bound = gate_bound(hidden.dtype, ref)
     rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-    masked_exact = torch.equal(out.cpu()[~torch.from_numpy(mask_np)].view(torch.int16),
-                               hidden[~torch.from_numpy(mask_np)].view(torch.int16))
+    dead = ~torch.from_numpy(mask_np)
+    masked_exact = out.dtype == hidden.dtype and torch.equal(bits(out)[dead], bits(hidden)[dead])
     ok = bool(np.all(err <= bound)) and np.isfinite(got).all() and masked_exact
     return ok, f"max|err|={err.max():.3g} rel-norm={rel:.3g} worst err/bound={float((err / bound).max()):.3f} masked-exact={masked_exact}"
 
 
-def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev) -> None:
+def dtype_name(dtype) -> str:
+    return str(dtype)[6:]
+
+
+def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev, io=None) -> None:
     import torch
 
-    hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T, hc, D, wdtype, mdtype)
+    hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T, hc, D, wdtype, mdtype, io)
     eps = 1e-6
-    out = torch.full((T, hc, D), float("nan"), dtype=torch.bfloat16, device=dev)
+    out = torch.full((T, hc, D), float("nan"), dtype=hidden.dtype, device=dev)
     kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=out)
     ok, detail = gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference)
-    record(f"kernel gate T={T} hc={hc} D={D} w={str(wdtype)[6:]} mask={str(mdtype)[6:]}", ok, detail)
+    io_name, w_name = dtype_name(hidden.dtype), dtype_name(wdtype)
+    record(f"kernel gate io={io_name} T={T} hc={hc} D={D} w={w_name} mask={dtype_name(mdtype)}", ok, detail)
     # in place (out aliases hidden)
     h_dev = hidden.to(dev)
     kernels.gate(h_dev, kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=h_dev)
-    record(f"kernel gate in place T={T} hc={hc} D={D}", torch.equal(h_dev.cpu().view(torch.int16), out.cpu().view(torch.int16)))
+    record(f"kernel gate io={io_name} in place T={T} hc={hc} D={D}", torch.equal(bits(h_dev), bits(out)))
 
 
 # --- 3. plugins through the harness -----------------------------------------------------
 
 PF_FLOAT32, PF_INT32, PF_CHAR, PF_INT64 = 1, 5, 6, 10
-DT = {"float32": 0, "int32": 3, "bool": 4, "bfloat16": 7, "int64": 8}
+DT = {"float32": 0, "float16": 1, "int32": 3, "bool": 4, "bfloat16": 7, "int64": 8}
 
 
 class Harness:
@@ -427,6 +460,23 @@ def check_plugins_cpu(harness: Harness, layouts) -> None:
     t = harness.create("EngramGate", gate_fields(4, 1024, 1e-6))
     shape, const = harness.output_shapes(t, [(33, 4, 1024), (33, 5 * 1024), (4, 1024), (4, 1024), (33,)])
     record("plugin EngramGate getOutputShapes", shape == (33, 4, 1024) and not const[0], str(shape))
+    gate_types = {}
+    for io, w in (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "float16"), ("float16", "float32"),
+                  ("float16", "bfloat16"), ("float32", "float32"), ("float32", "bfloat16")):
+        gate_types[f"{io}/{w}"] = harness.output_types(t, [DT[io], DT[io], DT[w], DT[w], DT["bool"]]) == [DT[io]]
+    record("plugin EngramGate getOutputDataTypes: output = hidden's type (bf16 / fp16 / fp32 I/O)",
+           all(gate_types.values()), str(gate_types))
+    refused = {}
+    for what, types, needle in (("kv fp32 with hidden fp16", ("float16", "float32", "float16", "float16"), "hidden and kv"),
+                                ("fp16 weights with bf16 hidden", ("bfloat16", "bfloat16", "float16", "float16"), "q_weight"),
+                                ("fp16 weights with fp32 hidden", ("float32", "float32", "float16", "float16"), "q_weight"),
+                                ("q fp32 with k bf16", ("float16", "float16", "float32", "bfloat16"), "q_weight")):
+        try:
+            harness.output_types(t, [DT[x] for x in types] + [DT["bool"]])
+            refused[what] = False
+        except RuntimeError as exc:
+            refused[what] = needle in str(exc)
+    record("plugin EngramGate getOutputDataTypes refuses mixed types", all(refused.values()), str(refused))
     t2 = harness.roundtrip(t)
     record("plugin EngramGate serialize round trip", harness.output_shapes(t2, [(3, 4, 1024), (3, 5120), (4, 1024),
                                                                                 (4, 1024), (3,)])[0] == (3, 4, 1024))
@@ -495,20 +545,31 @@ def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
     record("plugin EngramGather enqueue bf16 device table",
            all(torch.equal(o.cpu().view(torch.int16), ref1.view(torch.int16)) for o in (o1, o2)))
 
-    for T_, hc, D, wdtype, mdtype, mname in ((200, 4, 1024, torch.bfloat16, torch.bool, "bool"),
-                                             (31, 2, 256, torch.float32, torch.int32, "int32")):
-        hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T_, hc, D, wdtype, mdtype)
+    for T_, hc, D, io, wdtype, mdtype, mname in ((200, 4, 1024, torch.bfloat16, torch.bfloat16, torch.bool, "bool"),
+                                                 (31, 2, 256, torch.bfloat16, torch.float32, torch.int32, "int32"),
+                                                 (200, 4, 1024, torch.float16, torch.float16, torch.bool, "bool"),
+                                                 (31, 2, 256, torch.float16, torch.float32, torch.int32, "int32"),
+                                                 (200, 4, 1024, torch.float32, torch.float32, torch.bool, "bool"),
+                                                 (31, 2, 256, torch.float32, torch.bfloat16, torch.int32, "int32")):
+        hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T_, hc, D, wdtype, mdtype, io)
         eps = 1e-5
-        wt = DT["bfloat16"] if wdtype == torch.bfloat16 else DT["float32"]
-        (o1, o2), ws = run_both("EngramGate", gate_fields(hc, D, eps),
-                                [t.to(dev) for t in (hidden, kv, qw, kw, mask)],
-                                [DT["bfloat16"], DT["bfloat16"], wt, wt, DT[mname]],
-                                lambda: torch.full((T_, hc, D), float("nan"), dtype=torch.bfloat16, device=dev),
-                                DT["bfloat16"])
+        io_t, wt = DT[dtype_name(io)], DT[dtype_name(wdtype)]
+        in_types = [io_t, io_t, wt, wt, DT[mname]]
+        dev_inputs = [t.to(dev) for t in (hidden, kv, qw, kw, mask)]
+        (o1, o2), ws = run_both("EngramGate", gate_fields(hc, D, eps), dev_inputs, in_types,
+                                lambda: torch.full((T_, hc, D), float("nan"), dtype=io, device=dev), io_t)
         ok1, detail = gate_ok(o1, hidden, kv, qw, kw, mask_np, eps, engram_gate_reference)
-        same = torch.equal(o1.cpu().view(torch.int16), o2.cpu().view(torch.int16))
-        record(f"plugin EngramGate enqueue T={T_} hc={hc} D={D} mask={mname}", ok1 and same,
-               f"{detail} roundtrip-identical={same} workspace={ws}")
+        same = torch.equal(bits(o1), bits(o2))
+        # in place through enqueue: the output buffer is hidden's
+        h = harness.create("EngramGate", gate_fields(hc, D, eps))
+        in_place = dev_inputs[0].clone()
+        harness.run(h, [in_place] + dev_inputs[1:], in_types, in_place, io_t, stream)
+        torch.cuda.synchronize()
+        harness.lib.harness_destroy(h)
+        inplace_same = torch.equal(bits(in_place), bits(o1))
+        record(f"plugin EngramGate enqueue io={dtype_name(io)} T={T_} hc={hc} D={D} w={dtype_name(wdtype)} mask={mname}",
+               ok1 and same and inplace_same,
+               f"{detail} roundtrip-identical={same} in-place-identical={inplace_same} workspace={ws}")
 
 
 # --- 4. hardening ----------------------------------------------------------------------

@@ -2,16 +2,18 @@
 against the PyTorch reference model (EngramLlama): prefill and decode logits.
 
 Tolerances (stated, and why):
-* float32 graph with the gate in float32 (``gate_dtype='fp32'``): 1e-4 absolute on logits of
-  magnitude ~4: the two are the same float32 computation up to operation order.
-* float32 graph exactly as built (the EngramGate plugin takes bf16 hidden/kv, so the graph
-  casts around it): 5e-2 absolute: one bf16 rounding (2^-9 relative) of the residual
-  stream per Engram layer, carried through the rest of the network.
+* float32 graph exactly as built (the EngramGate plugin takes float32 hidden/kv, so no
+  casts around it): 1e-4 absolute on logits of magnitude ~4: the two are the same
+  float32 computation up to operation order.
+* float32 graph with the gate forced to bf16 (``gate_dtype='bf16'``, casts around it):
+  5e-2 absolute: one bf16 rounding (2^-9 relative) of the residual stream per Engram
+  layer, carried through the rest of the network.
 * bf16 graph: it must run and stay within 0.25 absolute of the float32 reference.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,8 @@ from engram_trt.config import ModelConfig
 from engram_trt.demo import random_weights
 from engram_trt.layout import EngramLayout
 from engram_trt.model import EngramLlama
-from engram_trt.onnx_export import PLUGIN_NAMES, ExportOptions, ReferenceRunner, export_model
+from engram_trt.errors import EngramError
+from engram_trt.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, ReferenceRunner, export_model
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=500, hc_mult=2, tie_word_embeddings=False, max_position_embeddings=128,
@@ -77,7 +80,33 @@ def _compare(cfg, lookup, layout, weights, tables, opts: ExportOptions, tol: flo
 @pytest.mark.parametrize("table_dtype, hc", [("fp8", 2), ("bf16", 1), ("fp8", 4)])
 def test_small_model_float32_tight(table_dtype: str, hc: int) -> None:
     cfg, lookup, layout, weights = _small(table_dtype, hc)
-    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32", gate_dtype="fp32"), 1e-4)
+    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32"), 1e-4)
+
+
+def _gate_neighbours(model) -> list[tuple[str, str, str]]:
+    """Per EngramGate node: (op producing hidden, op producing kv, op consuming the output)."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    consumers = {i: n for n in model.graph.node for i in n.input}
+    return [(producers[n.input[0]].op_type, producers[n.input[1]].op_type, consumers[n.output[0]].op_type)
+            for n in model.graph.node if n.op_type == "EngramGate"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_gate_takes_the_graph_dtype_without_casts(dtype: str) -> None:
+    """Every dtype the plugin takes (GATE_IO_DTYPES) feeds the gate directly: no Cast
+    before hidden / kv or after the output (hidden and kv are Reshapes of the graph's
+    residual stream and wkv output)."""
+    assert dtype in GATE_IO_DTYPES
+    cfg, lookup, layout, weights = _small()
+    model = export_model(cfg, weights, layout, ExportOptions(dtype=dtype)).model
+    neighbours = _gate_neighbours(model)
+    assert len(neighbours) == len(cfg.engram.layer_ids)
+    assert all(n == ("Reshape", "Reshape", "Reshape") for n in neighbours), neighbours
+    # an explicit bf16 gate in a float32 graph still casts around it
+    forced = export_model(cfg, weights, layout, ExportOptions(dtype="fp32", gate_dtype="bf16")).model
+    assert all(n == ("Cast", "Cast", "Cast") for n in _gate_neighbours(forced))
+    with pytest.raises(EngramError, match="--dtype 'fp64' is not supported"):
+        ExportOptions(dtype="fp32", gate_dtype="fp64")
 
 
 def test_chunked_prefill_through_the_graph() -> None:
@@ -85,7 +114,7 @@ def test_chunked_prefill_through_the_graph() -> None:
     over [S, P+S] and the hash lookback across chunks) equal one full reference forward."""
     cfg, lookup, layout, weights = _small()
     ref = EngramLlama(cfg, weights, compress_lookup=lookup, layout=layout, dtype=torch.float32)
-    runner = ReferenceRunner(export_model(cfg, weights, layout, ExportOptions(dtype="fp32", gate_dtype="fp32")),
+    runner = ReferenceRunner(export_model(cfg, weights, layout, ExportOptions(dtype="fp32")),
                              cfg, _tables(cfg, weights), lookup)
     ids = np.random.default_rng(5).integers(0, cfg.vocab_size, size=(2, 9))
     want = ref.forward(torch.as_tensor(ids)).numpy()
@@ -94,9 +123,9 @@ def test_chunked_prefill_through_the_graph() -> None:
     assert np.abs(got - want).max() <= 1e-4
 
 
-def test_small_model_as_built_float32() -> None:
+def test_small_model_float32_with_a_bf16_gate() -> None:
     cfg, lookup, layout, weights = _small()
-    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32"), 5e-2)
+    _compare(cfg, lookup, layout, weights, _tables(cfg, weights), ExportOptions(dtype="fp32", gate_dtype="bf16"), 5e-2)
 
 
 def test_small_model_bf16_runs() -> None:
@@ -108,7 +137,7 @@ def test_prefetch_placement_takes_rows() -> None:
     """The prefetch graph has no hash/gather; fed the reference's rows it matches."""
     cfg, lookup, layout, weights = _small()
     ref = EngramLlama(cfg, weights, compress_lookup=lookup, layout=layout, dtype=torch.float32)
-    ex = export_model(cfg, weights, layout, ExportOptions(dtype="fp32", gate_dtype="fp32", placement="prefetch"))
+    ex = export_model(cfg, weights, layout, ExportOptions(dtype="fp32", placement="prefetch"))
     ops = {n.op_type for n in ex.model.graph.node}
     assert "EngramGate" in ops and "EngramHash" not in ops and "EngramGather" not in ops
     runner = ReferenceRunner(ex, cfg, (), lookup)
@@ -174,9 +203,10 @@ def test_demo_checkpoint_float32(demo_ckpt: Checkpoint) -> None:
         tables.append((demo_ckpt.raw_rows_view(names["table"]), demo_ckpt.raw_rows_view(names["scale"])))
         weights[names["table"]] = demo_ckpt.get(names["table"])
         weights[names["scale"]] = demo_ckpt.get(names["scale"])
-    _compare(cfg, vocab.lookup, layout, weights, tables, ExportOptions(dtype="fp32", gate_dtype="fp32"), 1e-4,
+    _compare(cfg, vocab.lookup, layout, weights, tables, ExportOptions(dtype="fp32"), 1e-4,
              batch=1, prompt=6, steps=2)
-    _compare(cfg, vocab.lookup, layout, weights, tables, ExportOptions(dtype="fp32"), 5e-2, batch=1, prompt=6, steps=2)
+    _compare(cfg, vocab.lookup, layout, weights, tables, ExportOptions(dtype="fp32", gate_dtype="bf16"), 5e-2,
+             batch=1, prompt=6, steps=2)
 
 
 def test_multipliers_travel_as_exact_decimal_text() -> None:
@@ -197,3 +227,40 @@ def test_multipliers_travel_as_exact_decimal_text() -> None:
     (attr,) = [a for a in node.attribute if a.name == "multipliers"]
     assert attr.type == onnx.AttributeProto.STRING
     assert np.array_equal(ox.decode_multipliers(attr.s), layout.multipliers.reshape(-1))
+
+
+def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path) -> None:
+    """An fp16 export (no casts around the gate) parses and builds into a TensorRT-RTX
+    engine: the EngramGate layers take and return float16."""
+    from engram_trt import kernels, trt_compat
+    from engram_trt.builder import build_engine
+
+    if not (trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")):
+        pytest.skip("TensorRT-RTX is not installed")
+    try:
+        lib = kernels.library_path()
+    except EngramError as exc:
+        pytest.skip(str(exc))
+    os.environ["ENGRAM_TRT_FLAVOUR"] = "tensorrt_rtx"
+    try:
+        t = trt_compat.load("tensorrt_rtx").module
+        cfg, lookup, layout, weights = _small()
+        ex = export_model(cfg, weights, layout, ExportOptions(dtype="fp16"))
+        assert all("Cast" not in n for n in _gate_neighbours(ex.model))
+        path = tmp_path / "model.onnx"
+        ex.save(path)
+        nbytes, plugins = build_engine(path, ex, cfg, engine_path=tmp_path / "model.engine", max_batch=2, max_seq_len=32,
+                                       max_num_tokens=64, targets=("sm80",), plugin_library=lib,
+                                       embed_plugin_library=False)
+        assert nbytes > 10_000 and plugins.count("EngramGate/1") == len(cfg.engram.layer_ids)
+        # the gate's types in the parsed network: hidden, kv and output float16
+        network = trt_compat.create_network(trt_compat.create_builder())
+        trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
+        gates = [network.get_layer(i) for i in range(network.num_layers)
+                 if network.get_layer(i).type == t.LayerType.PLUGIN_V3 and network.get_layer(i).num_inputs == 5]
+        assert len(gates) == len(cfg.engram.layer_ids)
+        for layer in gates:
+            assert [layer.get_input(k).dtype for k in (0, 1)] == [t.float16, t.float16]
+            assert layer.get_output(0).dtype == t.float16
+    finally:
+        os.environ.pop("ENGRAM_TRT_FLAVOUR", None)

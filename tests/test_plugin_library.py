@@ -5,8 +5,9 @@
   argument checks run without a GPU;
 - with TensorRT-RTX: the library loads through the plugin registry, the three creators
   are listed with their fields, refuse out-of-range or malformed fields (createPlugin
-  needs no GPU), and an ONNX graph holding EngramHash -> EngramGather -> wkv ->
-  EngramGate builds into an engine on the CPU.
+  needs no GPU), an ONNX graph holding EngramHash -> EngramGather -> wkv ->
+  EngramGate builds into an engine on the CPU, and so do graphs whose gate takes fp16
+  or fp32 hidden / kv (the output takes hidden's type).
 The kernels themselves run on the H200 through scripts/h200_verify.py (docs/benchmarks.md).
 """
 
@@ -110,12 +111,54 @@ def test_bindings_name_the_bad_argument() -> None:
     with pytest.raises(EngramError, match="^ids must have dtype torch.int32"):
         kernels.hash_packed(torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), None, Lay())
     kv, w = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(1, 8)
-    with pytest.raises(EngramError, match="^hidden must have dtype torch.bfloat16"):
+    with pytest.raises(EngramError, match=r"^hidden must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
+                                          r"\(got torch.float64\)$"):
+        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float64), kv, w, w, eps=1e-6)
+    with pytest.raises(EngramError, match="^hidden, kv and out must share one dtype .*; got hidden torch.float32, "
+                                          "kv torch.bfloat16$"):
         kernels.gate(torch.zeros(2, 1, 8), kv, w, w, eps=1e-6)
-    with pytest.raises(EngramError, match="^hidden must be a CUDA tensor"):
-        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.bfloat16), kv, w, w, eps=1e-6)
+    with pytest.raises(EngramError, match="got hidden torch.float16, kv torch.float16, out torch.bfloat16$"):
+        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w, w, eps=1e-6,
+                     out=torch.zeros(2, 1, 8, dtype=torch.bfloat16))
+    with pytest.raises(EngramError, match=r"^q_weight must have dtype torch.bfloat16 or torch.float32 \(got torch.float16\)"):
+        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.bfloat16), kv, w.half(), w.half(), eps=1e-6)
+    with pytest.raises(EngramError, match=r"^k_weight must have dtype torch.float16 \(got torch.float32\)"):
+        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w.half(), w, eps=1e-6)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # all three I/O types pass the dtype checks
+        with pytest.raises(EngramError, match="^hidden must be a CUDA tensor"):
+            kernels.gate(torch.zeros(2, 1, 8, dtype=dtype), kv.to(dtype), w.to(dtype), w.to(dtype), eps=1e-6)
     with pytest.raises(EngramError, match=r"^ids must be a CUDA tensor"):
         kernels.gather(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8))
+
+
+def test_gate_abi_refuses_bad_types_before_any_cuda_call(library: Path) -> None:
+    """engram_gate_typed's type checks (I/O type, weight type vs I/O type) and the bf16-only
+    engram_gate's weight check run on the host: no GPU needed, one-line reasons."""
+    import ctypes
+
+    lib = kernels.load_library()
+    p = ctypes.c_void_p(16)  # never read: the calls fail on their types first
+
+    def typed(io_type: int, weight_type: int) -> tuple[int, str]:
+        status = lib.engram_gate_typed(p, p, io_type, p, p, weight_type, None, kernels.MASK_NONE, 4, 2, 64,
+                                       ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
+        return status, lib.engram_last_error().decode()
+
+    assert typed(3, kernels.FLOAT_BF16) == (1, "engram_gate: io_type 3 is not bf16 (0), fp32 (1) or fp16 (2)")
+    assert typed(kernels.FLOAT_BF16, kernels.FLOAT_F16) == (
+        1, "engram_gate: weight_type 2 is neither bf16 (0), fp32 (1) nor the io_type (0, bf16)")
+    assert typed(kernels.FLOAT_F32, kernels.FLOAT_F16)[0] == 1
+    status = lib.engram_gate(p, p, p, p, kernels.WEIGHT_F16, None, kernels.MASK_NONE, 4, 2, 64,
+                             ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
+    assert (status, lib.engram_last_error().decode()) == (
+        1, "engram_gate: weight_type 2 is neither bf16 (0) nor fp32 (1)")
+    # zero tokens: every type combination is valid and nothing is launched
+    for io_type, weight_types in ((kernels.FLOAT_BF16, (0, 1)), (kernels.FLOAT_F16, (0, 1, 2)),
+                                  (kernels.FLOAT_F32, (0, 1))):
+        for wt in weight_types:
+            status = lib.engram_gate_typed(p, p, io_type, p, p, wt, None, kernels.MASK_NONE, 0, 2, 64,
+                                           ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
+            assert status == 0, lib.engram_last_error().decode()
 
 
 def test_host_gatherer_create_reports_a_missing_device(library: Path) -> None:
@@ -245,6 +288,83 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)
     assert engine is not None and engine.nbytes > 10_000
+
+
+def _gate_graph(path: Path, io: str, weights: str, kv_io: str | None = None, hc: int = 2, hidden: int = 128) -> None:
+    """hidden, kv (io, or kv_io) -> EngramGate (q/k weights of `weights`) -> out (io)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    elem = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16, "fp32": TensorProto.FLOAT}
+    rng = np.random.default_rng(1)
+
+    def init(name, shape, dtype):
+        import torch
+
+        t = torch.from_numpy((1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+        t = t.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
+        raw = t.view(torch.int16).numpy().tobytes() if dtype != "fp32" else t.numpy().tobytes()
+        return helper.make_tensor(name, elem[dtype], shape, raw, raw=True)
+
+    node = helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
+                            domain="engram_trt", plugin_version="1", hc_mult=hc, hidden_size=hidden, eps=1e-6)
+    inputs = [helper.make_tensor_value_info("hidden", elem[io], ["T", hc, hidden]),
+              helper.make_tensor_value_info("kv", elem[kv_io or io], ["T", (hc + 1) * hidden]),
+              helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"])]
+    graph = helper.make_graph([node], "gate", inputs, [helper.make_tensor_value_info("out", elem[io], ["T", hc, hidden])],
+                              [init("q_weight", [hc, hidden], weights), init("k_weight", [hc, hidden], weights)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("engram_trt", 1)])
+    onnx.save(model, str(path))
+
+
+def _build_gate(trt, path: Path, hc: int = 2, hidden: int = 128):
+    builder = trt_compat.create_builder()
+    network = trt_compat.create_network(builder)
+    parser = trt_compat.onnx_parser(network)
+    trt_compat.parse_onnx_file(parser, path)
+    config = builder.create_builder_config()
+    if trt.is_rtx:
+        trt_compat.set_targets(config, ("sm80",))
+    profile = builder.create_optimization_profile()
+    for name, dims in (("hidden", lambda t: (t, hc, hidden)), ("kv", lambda t: (t, (hc + 1) * hidden)),
+                       ("mask", lambda t: (t,))):
+        profile.set_shape(name, dims(1), dims(64), dims(512))
+    config.add_optimization_profile(profile)
+    return network, builder.build_serialized_network(network, config)
+
+
+@pytest.mark.parametrize("io, weights", [("fp16", "fp16"), ("fp16", "fp32"), ("fp16", "bf16"), ("fp32", "fp32"),
+                                         ("fp32", "bf16"), ("bf16", "bf16")])
+def test_gate_graph_of_each_io_dtype_builds_an_engine(trt, tmp_path: Path, io: str, weights: str) -> None:
+    """The gate takes hidden / kv in bf16, fp16 or fp32 (weights bf16, fp32 or hidden's
+    type); the output has hidden's type, so an fp16 graph needs no casts around it."""
+    path = tmp_path / "gate.onnx"
+    _gate_graph(path, io, weights)
+    network, engine = _build_gate(trt, path)
+    want = {"bf16": trt.module.bfloat16, "fp16": trt.module.float16, "fp32": trt.module.float32}[io]
+    (layer,) = [network.get_layer(i) for i in range(network.num_layers)
+                if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    assert layer.get_output(0).dtype == want
+    assert engine is not None and engine.nbytes > 5_000
+
+
+@pytest.mark.parametrize("io, weights, kv_io, reason", [
+    ("fp16", "fp16", "fp32", "hidden and kv must be both bfloat16, both float16 or both float32, got float16 and float32"),
+    ("fp32", "fp16", None, "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type (float32)"),
+    ("bf16", "fp16", None, "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type (bfloat16)")])
+def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: str, weights: str,
+                                                kv_io: str | None, reason: str) -> None:
+    """hidden and kv of different types, or fp16 weights with non-fp16 hidden: no engine,
+    and the plugin's reason reaches the log."""
+    path = tmp_path / "gate.onnx"
+    _gate_graph(path, io, weights, kv_io=kv_io)
+    try:
+        _, engine = _build_gate(trt, path)
+    except Exception:  # noqa: BLE001 - the parser or builder may raise instead of returning None
+        engine = None
+    assert engine is None
+    err = capfd.readouterr()
+    assert f"EngramGate: {reason}" in err.out + err.err
 
 
 # --- field validation through the registry's creators (createPlugin needs no GPU) -------

@@ -41,9 +41,28 @@ void checkConfig(GateConfig const& c)
     ENGRAM_PLUGIN_CHECK(std::isfinite(c.eps) && c.eps >= 0.0F, "eps must be finite and >= 0");
 }
 
-bool isWeightType(DataType type)
+//! hidden / kv / output: bf16, fp16 or fp32, all three the same type.
+bool isIoType(DataType type)
 {
-    return type == DataType::kBF16 || type == DataType::kFLOAT;
+    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
+}
+
+//! q_weight / k_weight: bf16, fp32, or the I/O type (hidden's).
+bool isWeightType(DataType type, DataType ioType)
+{
+    return type == DataType::kBF16 || type == DataType::kFLOAT || type == ioType;
+}
+
+//! The kernel library's EngramFloatType code of an I/O or weight type.
+int32_t floatTypeCode(DataType type)
+{
+    switch (type)
+    {
+    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
+    case DataType::kHALF: return ENGRAM_FLOAT_F16;
+    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
+    default: return -1;
+    }
 }
 
 bool isMaskType(DataType type)
@@ -76,15 +95,18 @@ int32_t EngramGatePlugin::getOutputDataTypes(
         ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1,
             "expects 5 inputs (hidden, kv, q_weight, k_weight, mask) and 1 output, got " << nbInputs << " and "
                                                                                          << nbOutputs);
-        ENGRAM_PLUGIN_CHECK(inputTypes[gate_detail::kHidden] == DataType::kBF16
-                && inputTypes[gate_detail::kKv] == DataType::kBF16,
-            "hidden and kv must be bfloat16");
-        ENGRAM_PLUGIN_CHECK(gate_detail::isWeightType(inputTypes[gate_detail::kQWeight])
+        DataType const io = inputTypes[gate_detail::kHidden];
+        ENGRAM_PLUGIN_CHECK(gate_detail::isIoType(io) && inputTypes[gate_detail::kKv] == io,
+            "hidden and kv must be both bfloat16, both float16 or both float32, got "
+                << dataTypeName(io) << " and " << dataTypeName(inputTypes[gate_detail::kKv]));
+        ENGRAM_PLUGIN_CHECK(gate_detail::isWeightType(inputTypes[gate_detail::kQWeight], io)
                 && inputTypes[gate_detail::kKWeight] == inputTypes[gate_detail::kQWeight],
-            "q_weight and k_weight must both be bfloat16 or both float32");
+            "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type ("
+                << dataTypeName(io) << "), got " << dataTypeName(inputTypes[gate_detail::kQWeight]) << " and "
+                << dataTypeName(inputTypes[gate_detail::kKWeight]));
         ENGRAM_PLUGIN_CHECK(gate_detail::isMaskType(inputTypes[gate_detail::kMask]),
             "mask must be bool or int32, got " << dataTypeName(inputTypes[gate_detail::kMask]));
-        outputTypes[0] = DataType::kBF16;
+        outputTypes[0] = io; // the output is hidden's type (the update may be in place)
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
@@ -116,12 +138,14 @@ bool EngramGatePlugin::supportsFormatCombination(
     {
         return false;
     }
+    DataType const io = inOut[gate_detail::kHidden].desc.type;
     switch (pos)
     {
-    case gate_detail::kQWeight: return gate_detail::isWeightType(desc.type);
+    case gate_detail::kHidden: return gate_detail::isIoType(desc.type);
+    case gate_detail::kQWeight: return gate_detail::isWeightType(desc.type, io);
     case gate_detail::kKWeight: return desc.type == inOut[gate_detail::kQWeight].desc.type;
     case gate_detail::kMask: return gate_detail::isMaskType(desc.type);
-    default: return desc.type == DataType::kBF16; // hidden, kv, output
+    default: return desc.type == io; // kv, output: hidden's type
     }
 }
 
@@ -188,13 +212,21 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == hc && out.d[2] == d,
             "output must be [T, hc_mult, D], got " << dimsToString(out));
 
-        int32_t const weightType
-            = inputDesc[gate_detail::kQWeight].type == DataType::kFLOAT ? ENGRAM_WEIGHT_F32 : ENGRAM_WEIGHT_BF16;
+        DataType const io = inputDesc[gate_detail::kHidden].type;
+        ENGRAM_PLUGIN_CHECK(gate_detail::isIoType(io) && inputDesc[gate_detail::kKv].type == io
+                && outputDesc[0].type == io,
+            "hidden, kv and output must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(io) << ", " << dataTypeName(inputDesc[gate_detail::kKv].type) << " and "
+                << dataTypeName(outputDesc[0].type));
+        DataType const wt = inputDesc[gate_detail::kQWeight].type;
+        ENGRAM_PLUGIN_CHECK(gate_detail::isWeightType(wt, io) && inputDesc[gate_detail::kKWeight].type == wt,
+            "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type");
         int32_t const maskType
             = inputDesc[gate_detail::kMask].type == DataType::kINT32 ? ENGRAM_MASK_I32 : ENGRAM_MASK_U8;
-        int const status = engram_gate(inputs[gate_detail::kHidden], inputs[gate_detail::kKv],
-            inputs[gate_detail::kQWeight], inputs[gate_detail::kKWeight], weightType, inputs[gate_detail::kMask],
-            maskType, numTokens, hc, d, mConfig.eps, gate_detail::kClamp, outputs[0], stream);
+        int const status = engram_gate_typed(inputs[gate_detail::kHidden], inputs[gate_detail::kKv],
+            gate_detail::floatTypeCode(io), inputs[gate_detail::kQWeight], inputs[gate_detail::kKWeight],
+            gate_detail::floatTypeCode(wt), inputs[gate_detail::kMask], maskType, numTokens, hc, d, mConfig.eps,
+            gate_detail::kClamp, outputs[0], stream);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         return 0;
     }

@@ -1,6 +1,7 @@
 /*
  * EngramGate (version "1"): the fused gated residual update over hc_mult streams with
- * the token mask. The math is engram_gate() of the kernel library. See README.md.
+ * the token mask, hidden / kv / output in bf16, fp16 or fp32. The math is
+ * engram_gate_typed() of the kernel library. See README.md.
  */
 #ifndef ENGRAM_TRT_GATE_PLUGIN_H
 #define ENGRAM_TRT_GATE_PLUGIN_H

@@ -58,11 +58,22 @@ enum EngramMaskType
     ENGRAM_MASK_I32 = 2   /* int32 per token, nonzero = live */
 };
 
-/* Element type of the gate's q_weight / k_weight. */
+/* Floating-point element types of the gate's tensors (engram_gate_typed's io_type and
+ * weight_type). */
+enum EngramFloatType
+{
+    ENGRAM_FLOAT_BF16 = 0,
+    ENGRAM_FLOAT_F32 = 1,
+    ENGRAM_FLOAT_F16 = 2
+};
+
+/* Element type of the gate's q_weight / k_weight (the EngramFloatType codes; engram_gate
+ * takes the first two). */
 enum EngramWeightType
 {
     ENGRAM_WEIGHT_BF16 = 0,
-    ENGRAM_WEIGHT_F32 = 1
+    ENGRAM_WEIGHT_F32 = 1,
+    ENGRAM_WEIGHT_F16 = 2
 };
 
 /* Kind of memory behind a pointer, from engram_pointer_kind(). */
@@ -183,10 +194,17 @@ ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, const int32_t* i
  *   dot = sum(h*q[c]*k[c]*key_c) * rsqrt(mean(h^2)+eps) * rsqrt(mean(key_c^2)+eps) / sqrt(D)
  *   g = sigmoid(sign(dot) * sqrt(max(|dot|, clamp)))   (g = 0 where the mask is 0)
  *   out[t, c] = h + g * value          (out = h exactly where the mask is 0)
- * hidden [T, hc, D] bf16, kv [T, (hc+1)*D] bf16, q_weight / k_weight [hc, D] bf16 or
- * fp32 (weight_type), mask [T] (mask_type; NULL with ENGRAM_MASK_NONE), out [T, hc, D]
- * bf16 (may alias hidden). fp32 math. Limits: D % 8 == 0; tensors 16-byte aligned.
+ * hidden [T, hc, D], kv [T, (hc+1)*D] and out [T, hc, D] all of io_type (bf16, fp16 or
+ * fp32: EngramFloatType); q_weight / k_weight [hc, D] both of weight_type: bf16, fp32 or
+ * io_type; mask [T] (mask_type; NULL with ENGRAM_MASK_NONE). out may alias hidden (in
+ * place). fp32 math; out is rounded once (to nearest even) to io_type; masked rows are
+ * a bit copy of hidden. Limits: D % 8 == 0; tensors 16-byte aligned.
  */
+ENGRAM_API int engram_gate_typed(const void* hidden, const void* kv, int32_t io_type, const void* q_weight,
+    const void* k_weight, int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens,
+    int32_t hc_mult, int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
+
+/* engram_gate_typed with io_type bf16 and weight_type bf16 or fp32 (the original form). */
 ENGRAM_API int engram_gate(const void* hidden, const void* kv, const void* q_weight, const void* k_weight,
     int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult,
     int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);

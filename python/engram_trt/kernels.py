@@ -33,7 +33,8 @@ LIBRARY_NAME = "libengram_trt_plugins.so"
 TABLE_FP8_E4M3 = 0
 TABLE_BF16 = 1
 MASK_NONE, MASK_U8, MASK_I32 = 0, 1, 2
-WEIGHT_BF16, WEIGHT_F32 = 0, 1
+FLOAT_BF16, FLOAT_F32, FLOAT_F16 = 0, 1, 2  # EngramFloatType: the gate's io_type / weight_type
+WEIGHT_BF16, WEIGHT_F32, WEIGHT_F16 = FLOAT_BF16, FLOAT_F32, FLOAT_F16
 POINTER_KINDS = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}
 GATE_CLAMP = 1e-6
 
@@ -81,6 +82,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
         "engram_gate": (ctypes.c_int, [vp, vp, vp, vp, i32, vp, i32, i64, i32, i32, f32, f32, vp, vp]),
+        "engram_gate_typed": (ctypes.c_int, [vp, vp, i32, vp, vp, i32, vp, i32, i64, i32, i32, f32, f32, vp, vp]),
         "engram_pointer_kind": (ctypes.c_int, [vp, ctypes.POINTER(i32)]),
         "engram_host_register": (ctypes.c_int, [vp, sz]),
         "engram_host_unregister": (ctypes.c_int, [vp]),
@@ -127,12 +129,17 @@ def _torch() -> Any:
     return torch
 
 
-def _check(name: str, t: Any, dtypes: tuple, ndim: int | None = None, where: str = "cuda") -> None:
+def _check_dtype(name: str, t: Any, dtypes: tuple) -> None:
+    """The type and dtype parts of :func:`_check` alone (before any device check)."""
     torch = _torch()
     if not isinstance(t, torch.Tensor):
         raise EngramError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
     if t.dtype not in dtypes:
         raise EngramError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)} (got {t.dtype})")
+
+
+def _check(name: str, t: Any, dtypes: tuple, ndim: int | None = None, where: str = "cuda") -> None:
+    _check_dtype(name, t, dtypes)
     if ndim is not None and t.dim() != ndim:
         raise EngramError(f"{name} must be {ndim}-D (got shape {tuple(t.shape)})")
     if where == "cuda" and not t.is_cuda:
@@ -395,21 +402,38 @@ def host_gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = 
 
 # --- gate ------------------------------------------------------------------------------
 
+def _float_code(dtype: Any) -> int:
+    torch = _torch()
+    return {torch.bfloat16: FLOAT_BF16, torch.float16: FLOAT_F16, torch.float32: FLOAT_F32}[dtype]
+
+
 def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *, eps: float,
          clamp: float = GATE_CLAMP, out: Any = None) -> Any:
-    """The fused Engram gate (engram-spec.md "Fusion"): bf16 ``[T, hc, D]``.
+    """The fused Engram gate (engram-spec.md "Fusion"): ``[T, hc, D]`` in hidden's dtype.
 
-    ``hidden [T, hc, D]`` and ``kv [T, (hc+1)*D]`` bf16; ``q_weight`` / ``k_weight``
-    ``[hc, D]`` both bf16 or both float32; ``mask [T]`` bool / uint8 / int8 / int32
-    (0 = dead token: gate 0, out = hidden) or None. ``out`` may be ``hidden`` (in place).
+    ``hidden [T, hc, D]``, ``kv [T, (hc+1)*D]`` and ``out`` share one dtype: bf16,
+    fp16 or float32 (fp32 math inside, the output rounded once to that dtype);
+    ``q_weight`` / ``k_weight`` ``[hc, D]`` both bf16, both float32 or both hidden's
+    dtype; ``mask [T]`` bool / uint8 / int8 / int32 (0 = dead token: gate 0, out =
+    hidden bit for bit) or None. ``out`` may be ``hidden`` (in place).
     """
     torch = _torch()
-    _check("hidden", hidden, (torch.bfloat16,), 3)
+    io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    _check_dtype("hidden", hidden, io_dtypes)
+    # one I/O dtype per call: refuse a mix before anything else (no silent conversion)
+    io = {name: t.dtype for name, t in (("hidden", hidden), ("kv", kv), ("out", out)) if isinstance(t, torch.Tensor)}
+    if len(set(io.values())) > 1:
+        raise EngramError("hidden, kv and out must share one dtype (bfloat16, float16 or float32); got "
+                          + ", ".join(f"{name} {dtype}" for name, dtype in io.items()))
+    weight_dtypes = tuple(dict.fromkeys((torch.bfloat16, torch.float32, hidden.dtype)))
+    _check_dtype("q_weight", q_weight, weight_dtypes)
+    _check_dtype("k_weight", k_weight, (q_weight.dtype,))
+    _check("hidden", hidden, io_dtypes, 3)
     T, hc, D = hidden.shape
-    _check("kv", kv, (torch.bfloat16,), 2)
+    _check("kv", kv, (hidden.dtype,), 2)
     if tuple(kv.shape) != (T, (hc + 1) * D):
         raise EngramError(f"kv must be [T, (hc_mult+1)*D] = {(T, (hc + 1) * D)} (got {tuple(kv.shape)})")
-    _check("q_weight", q_weight, (torch.bfloat16, torch.float32), 2)
+    _check("q_weight", q_weight, weight_dtypes, 2)
     _check("k_weight", k_weight, (q_weight.dtype,), 2)
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(w.shape) != (hc, D):
@@ -422,12 +446,12 @@ def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *
         mask_type = MASK_I32 if mask.dtype == torch.int32 else MASK_U8
     if out is None:
         out = torch.empty_like(hidden)
-    _check("out", out, (torch.bfloat16,), 3)
+    _check("out", out, (hidden.dtype,), 3)
     if out.shape != hidden.shape:
         raise EngramError(f"out must be [T, hc_mult, D] = {tuple(hidden.shape)} (got {tuple(out.shape)})")
     _same_device(hidden.device, kv=kv, q_weight=q_weight, k_weight=k_weight, mask=mask, out=out)
-    weight_type = WEIGHT_F32 if q_weight.dtype == torch.float32 else WEIGHT_BF16
     with torch.cuda.device(hidden.device):
-        _call("engram_gate", _ptr(hidden), _ptr(kv), _ptr(q_weight), _ptr(k_weight), weight_type, _ptr(mask),
-              mask_type, T, hc, D, ctypes.c_float(eps), ctypes.c_float(clamp), _ptr(out), _stream(hidden.device))
+        _call("engram_gate_typed", _ptr(hidden), _ptr(kv), _float_code(hidden.dtype), _ptr(q_weight), _ptr(k_weight),
+              _float_code(q_weight.dtype), _ptr(mask), mask_type, T, hc, D, ctypes.c_float(eps), ctypes.c_float(clamp),
+              _ptr(out), _stream(hidden.device))
     return out

@@ -66,9 +66,10 @@ DTYPES: dict[str, tuple[int, Any, str]] = {
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 # Element types the Engram plugins accept for their floating-point tensors. The
-# gather kernel always produces bf16 rows; the gate takes hidden/kv in these types
-# and the exporter casts around it for any other model dtype.
-GATE_IO_DTYPES = ("bf16",)
+# gather kernel always produces bf16 rows; the gate takes hidden/kv/out in any of
+# GATE_IO_DTYPES (one type per node, fp32 math inside), so a graph of one of these
+# dtypes feeds it directly, and the exporter casts around it for any other dtype.
+GATE_IO_DTYPES = ("bf16", "fp16", "fp32")
 GATHER_OUT_DTYPE = "bf16"
 # EngramGather field ``table_dtype`` (EngramTableDtype in plugins/kernels/engram_kernels.h).
 TABLE_DTYPE_CODES = {"fp8": 0, "bf16": 1}
@@ -93,13 +94,19 @@ class ExportOptions:
     placement: str = "in_engine"
     table_dtype: str | None = None  # the tables' storage as bound at run time (default: the config's)
     table_rows: tuple[int, ...] | None = None  # rows of each table (default: the layout's)
-    # None: the EngramGate plugin's own I/O type (bf16; casts around it otherwise). A CPU
-    # check may ask for "fp32" to compare everything else at float32 precision; such a
-    # graph is for the reference executor only (the plugin refuses float32 hidden/kv).
+    # None: the graph's dtype where the EngramGate plugin takes it (GATE_IO_DTYPES, no
+    # casts), else GATE_IO_DTYPES[0] with casts around the gate. A dtype names the gate's
+    # I/O type explicitly (e.g. "bf16" in a float32 graph, casts around it); it must be
+    # one of GATE_IO_DTYPES.
     gate_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.gate_dtype is not None:
+            object.__setattr__(self, "gate_dtype", normalize_dtype(self.gate_dtype))
+            if self.gate_dtype not in GATE_IO_DTYPES:
+                raise EngramError(f"gate dtype {self.gate_dtype!r} is not one the EngramGate plugin takes "
+                                  f"({', '.join(GATE_IO_DTYPES)})")
         if self.placement not in PLACEMENTS:
             raise EngramError(f"Engram placement {self.placement!r} is not one of {', '.join(PLACEMENTS)}")
 
@@ -385,7 +392,7 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
                   table_rows=list(table_rows))
 
     if opts.gate_dtype is not None:
-        gate_dt = normalize_dtype(opts.gate_dtype)
+        gate_dt = opts.gate_dtype
     else:
         gate_dt = opts.dtype if opts.dtype in GATE_IO_DTYPES else GATE_IO_DTYPES[0]
 
@@ -413,7 +420,7 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         if gate_dt != opts.dtype:
             hid = g.op("Cast", [hid], to=gate_elem)
             kvf = g.op("Cast", [kvf], to=gate_elem)
-        # q/k weights: bf16 for a bf16 model, else float32 (the gate takes either).
+        # q/k weights: bf16 for a bf16 model, else float32 (the gate takes either with any I/O type).
         wt_np = np_dt if opts.dtype == "bf16" else np.float32
         qw, kw = w(names["q_weight"], dtype=wt_np), w(names["k_weight"], dtype=wt_np)
         out = g.op("EngramGate", [hid, kvf, qw, kw, live], f"engram_gate{j}", domain=PLUGIN_DOMAIN,
