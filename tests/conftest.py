@@ -62,3 +62,28 @@ def demo_dir():
     from engram_trt.demo import ensure_demo_checkpoint
 
     return ensure_demo_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def plugin_lib(tmp_path_factory) -> Path:
+    """libengram_trt_plugins.so: the one kernels.library_path() finds, else one built
+    now (one architecture, to stay quick) and exported through ENGRAM_TRT_PLUGIN_LIB."""
+    import shutil
+    import subprocess
+
+    from engram_trt import kernels
+    from engram_trt.errors import EngramError
+
+    try:
+        return kernels.library_path()
+    except EngramError:
+        pass
+    if shutil.which("cmake") is None or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
+        pytest.skip("no built libengram_trt_plugins.so and no cmake / nvcc to build it")
+    build = tmp_path_factory.mktemp("plugin-build")
+    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80"], check=True,
+                   capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
+    path = build / kernels.LIBRARY_NAME
+    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(path)
+    return path

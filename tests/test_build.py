@@ -28,21 +28,6 @@ RTX = trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_
 needs_rtx = pytest.mark.skipif(not RTX, reason="TensorRT-RTX is not installed")
 
 
-@pytest.fixture(scope="module")
-def plugin_lib() -> Path:
-    """The plugin library: $ENGRAM_TRT_PLUGIN_LIB / the package / build/, else built with cmake."""
-    from engram_trt.kernels import library_path
-
-    try:
-        return library_path()
-    except EngramError:
-        pass
-    build_dir = REPO / "build"
-    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build_dir)], check=True)
-    subprocess.run(["cmake", "--build", str(build_dir), "-j2"], check=True)
-    return library_path()
-
-
 def _region_sha(path: str, offset: int, nbytes: int) -> str:
     with open(path, "rb") as f:
         f.seek(offset)

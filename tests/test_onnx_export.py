@@ -229,18 +229,15 @@ def test_multipliers_travel_as_exact_decimal_text() -> None:
     assert np.array_equal(ox.decode_multipliers(attr.s), layout.multipliers.reshape(-1))
 
 
-def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path) -> None:
+def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugin_lib: Path) -> None:
     """An fp16 export (no casts around the gate) parses and builds into a TensorRT-RTX
     engine: the EngramGate layers take and return float16."""
-    from engram_trt import kernels, trt_compat
+    from engram_trt import trt_compat
     from engram_trt.builder import build_engine
 
     if not (trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")):
         pytest.skip("TensorRT-RTX is not installed")
-    try:
-        lib = kernels.library_path()
-    except EngramError as exc:
-        pytest.skip(str(exc))
+    lib = plugin_lib
     os.environ["ENGRAM_TRT_FLAVOUR"] = "tensorrt_rtx"
     try:
         t = trt_compat.load("tensorrt_rtx").module

@@ -44,49 +44,31 @@ def _abi_names() -> set[str]:
 
 
 @pytest.fixture(scope="session")
-def library(tmp_path_factory) -> Path:
-    """The installed / built library, or one built now (one architecture, to stay quick)."""
-    try:
-        return kernels.library_path()
-    except EngramError:
-        pass
-    if shutil.which("cmake") is None or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
-        pytest.skip("no built libengram_trt_plugins.so and no cmake / nvcc to build it")
-    build = tmp_path_factory.mktemp("plugin-build")
-    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80"], check=True,
-                   capture_output=True)
-    subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
-    path = build / kernels.LIBRARY_NAME
-    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(path)
-    return path
-
-
-@pytest.fixture(scope="session")
 def layout() -> EngramLayout:
     spec = EngramSpec(layer_ids=(1, 3), max_ngram_size=3, n_heads=4, vocab_size=1000, compressed_vocab_size=900,
                       pad_token_id=0, head_dim=64)
     return EngramLayout.from_spec(spec, pad_id=5)
 
 
-def test_exported_symbols_are_the_abi_and_nothing_else(library: Path) -> None:
+def test_exported_symbols_are_the_abi_and_nothing_else(plugin_lib: Path) -> None:
     if shutil.which("nm") is None:
         pytest.skip("nm (binutils) is not installed")
-    out = subprocess.run(["nm", "-D", "--defined-only", str(library)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(["nm", "-D", "--defined-only", str(plugin_lib)], check=True, capture_output=True, text=True).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
     expected = {"getCreators", "setLoggerFinder"} | _abi_names()
     assert "engram_gather" in expected and "engram_host_gather" in expected  # the header parse found the ABI
     assert exported == expected, f"unexpected: {sorted(exported - expected)}, missing: {sorted(expected - exported)}"
     # no libnvinfer / libcudart dependency: the library must load where only TensorRT-RTX exists
-    needed = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True).stdout if shutil.which("readelf") else ""
+    needed = subprocess.run(["readelf", "-d", str(plugin_lib)], capture_output=True, text=True).stdout if shutil.which("readelf") else ""
     assert "libnvinfer" not in needed and "libcudart" not in needed
 
 
-def test_version_matches_the_header(library: Path) -> None:
+def test_version_matches_the_header(plugin_lib: Path) -> None:
     declared = re.search(r'#define ENGRAM_TRT_PLUGIN_VERSION "([^"]+)"', HEADER.read_text()).group(1)
     assert kernels.version() == declared
 
 
-def test_layout_checks_run_without_gpu(library: Path, layout: EngramLayout) -> None:
+def test_layout_checks_run_without_gpu(plugin_lib: Path, layout: EngramLayout) -> None:
     kernels.check_layout(layout)  # the real layout passes
 
     too_big = EngramLayout(**{**layout.__dict__, "multipliers": layout.multipliers.copy()})
@@ -131,7 +113,7 @@ def test_bindings_name_the_bad_argument() -> None:
         kernels.gather(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8))
 
 
-def test_gate_abi_refuses_bad_types_before_any_cuda_call(library: Path) -> None:
+def test_gate_abi_refuses_bad_types_before_any_cuda_call(plugin_lib: Path) -> None:
     """engram_gate_typed's type checks (I/O type, weight type vs I/O type) and the bf16-only
     engram_gate's weight check run on the host: no GPU needed, one-line reasons."""
     import ctypes
@@ -161,7 +143,7 @@ def test_gate_abi_refuses_bad_types_before_any_cuda_call(library: Path) -> None:
             assert status == 0, lib.engram_last_error().decode()
 
 
-def test_host_gatherer_create_reports_a_missing_device(library: Path) -> None:
+def test_host_gatherer_create_reports_a_missing_device(plugin_lib: Path) -> None:
     """Without a GPU the gatherer's first CUDA call, cudaGetDevice, fails: that is the
     error reported (it used to be ignored, and a later allocation failed instead)."""
     import ctypes
@@ -186,12 +168,12 @@ def _require(module: str) -> None:
 
 
 @pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
-def trt(request, library: Path):
+def trt(request, plugin_lib: Path):
     _require(request.param)
     os.environ["ENGRAM_TRT_FLAVOUR"] = request.param
     try:
         t = trt_compat.load(request.param)
-        trt_compat.load_plugin_library(library)
+        trt_compat.load_plugin_library(plugin_lib)
         yield t
     finally:
         os.environ.pop("ENGRAM_TRT_FLAVOUR", None)
