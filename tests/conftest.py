@@ -48,12 +48,24 @@ def deepseek_vocab():
     return build_compressed_vocab(default_tokenizer_json())
 
 
+_OWN_CACHE: str | None = None
+
+
 def pytest_configure(config):
     """Keep the suite's demo checkpoint and engines out of the user's cache."""
+    global _OWN_CACHE
     if "ENGRAM_TRT_CACHE" not in os.environ:
         import tempfile
 
-        os.environ["ENGRAM_TRT_CACHE"] = tempfile.mkdtemp(prefix="engram-trt-test-cache-")
+        _OWN_CACHE = os.environ["ENGRAM_TRT_CACHE"] = tempfile.mkdtemp(prefix="engram-trt-test-cache-")
+
+
+def pytest_unconfigure(config):
+    """The suite's own cache holds a 2.4 GiB demo checkpoint: never leave it behind."""
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -29,9 +29,15 @@ needs_rtx = pytest.mark.skipif(not RTX, reason="TensorRT-RTX is not installed")
 
 
 def _region_sha(path: str, offset: int, nbytes: int) -> str:
+    h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(offset)
-        return hashlib.sha256(f.read(nbytes)).hexdigest()
+        while nbytes > 0:
+            chunk = f.read(min(nbytes, 1 << 24))
+            assert chunk, f"{path} ends before offset {offset} + its table's bytes"
+            h.update(chunk)
+            nbytes -= len(chunk)
+    return h.hexdigest()
 
 
 def test_graph_only_build_manifest(demo_dir: Path, tmp_path: Path) -> None:
@@ -75,7 +81,8 @@ def test_engram_options_fail_before_work(tmp_path: Path, demo_dir: Path) -> None
 def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
     cfg = json.loads((demo_dir / "config.json").read_text())
     cfg.update(vocab_size=129280, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-               head_dim=16, num_hidden_layers=2, engram_layer_ids=[1], engram_num_embeddings=None, engram_table_dtype="bf16")
+               head_dim=16, num_hidden_layers=2, engram_layer_ids=[1], engram_num_embeddings=None, engram_table_dtype="bf16",
+               engram_n_heads=4, engram_head_dim=64, engram_vocab_size=40000)
     mc = ModelConfig.from_dict(cfg)
     rows = [int(r) for r in EngramLayout.from_spec(mc.engram, 0).table_rows]
     w = random_weights(mc, torch.Generator().manual_seed(0), table_rows=rows)
@@ -123,8 +130,15 @@ def test_demo_builds_rtx_engine_with_three_plugins(demo_dir: Path, plugin_lib: P
     r = build(demo_dir, tmp_path / "eng", plugin_library=plugin_lib, progress=False)
     assert r.engine_path is not None and r.engine_path.stat().st_size == r.engine_bytes
     assert r.trt["flavour"] == "tensorrt_rtx"
-    n_engram = len(Checkpoint.open(demo_dir).config.engram.layer_ids)
-    assert _plugin_counts(r.plugin_layers) == {"EngramHash": 1, "EngramGather": n_engram, "EngramGate": n_engram}
+    ckpt = Checkpoint.open(demo_dir)
+    layer_ids = ckpt.config.engram.layer_ids
+    assert _plugin_counts(r.plugin_layers) == {"EngramHash": 1, "EngramGather": len(layer_ids), "EngramGate": len(layer_ids)}
+    # The tables stay outside: the demo engine (backbone, kernels, the embedded plugin
+    # library) is orders of magnitude smaller than the tables it leaves in the checkpoint.
+    tables_on_disk = sum(ckpt.locate(n)[2] for lid in layer_ids for k, n in engram_tensor_names(lid).items()
+                         if k in ("table", "scale"))
+    assert r.tables_bytes == tables_on_disk
+    assert r.tables_bytes >= 100 * r.engine_bytes, (r.tables_bytes, r.engine_bytes)
     m = json.loads(r.manifest_path.read_text())
     assert m["plugins"]["embedded"] is True and m["tensorrt"]["flavour"] == "tensorrt_rtx"
     # A rebuild with the same inputs gives the same manifest.

@@ -251,5 +251,6 @@ def test_demo_end_to_end_json(demo_dir):
     if trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt"):
         assert eng["engine_bytes"] > 0 and sorted({p.split("/")[0] for p in eng["plugin_layers"]}) == [
             "EngramGate", "EngramGather", "EngramHash"]
+        assert eng["tables_to_engine_ratio"] == eng["tables_bytes"] / eng["engine_bytes"] >= 100
     else:
         assert "no TensorRT builder" in res["engine_note"]

@@ -433,7 +433,7 @@ def test_from_checkpoint_refuses_short_tables(small: Any, tmp_path: Path) -> Non
 
 def test_demo_end_to_end(demo_dir: Path) -> None:
     model = EngramLlama.from_checkpoint(demo_dir)
-    assert model.layout is not None and model.layout.n_hash_cols == 8
+    assert model.layout is not None and model.layout.n_hash_cols == 4
     tok = load_tokenizer(demo_dir)
     prompt = tok.encode("Engram looks up n-grams in large tables.").ids
     result = model.generate(prompt, 8, eos=[])

@@ -87,7 +87,8 @@ class BuildResult:
         else:
             lines.append(f"engine: not built ({self.engine_skipped})")
         lines.append(f"graph: {self.onnx_path.name} {self.onnx_bytes / mb:.1f} MiB")
-        lines.append(f"tables (outside the engine): {self.tables_bytes / mb:.1f} MiB")
+        ratio = f", {self.tables_bytes / self.engine_bytes:.0f}x the engine" if self.engine_bytes else ""
+        lines.append(f"tables (outside the engine): {self.tables_bytes / mb:.1f} MiB{ratio}")
         lines.append(f"build time: {self.build_seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.phase_seconds.items()) + ")")
         return "\n".join(lines)
 

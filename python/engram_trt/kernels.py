@@ -385,18 +385,36 @@ class HostGatherer:
             pass
 
 
-_default_gatherers: dict[Any, HostGatherer] = {}
+_default_gatherers: dict[tuple[Any, int], HostGatherer] = {}
+# Staging bytes per slot of a default gatherer: 16384 rows of 512 bf16 values (16 MiB);
+# wider rows get fewer rows per chunk, so the pinned and device staging stay that size.
+_DEFAULT_SLOT_ELEMS = 16384 * 512
+
+
+def _default_gatherer(device: Any, head_dim: int) -> HostGatherer:
+    """The device's default gatherer for rows of ``head_dim`` elements: one per width
+    class (512, then powers of two above), made on first use and kept (a gatherer's
+    staging may still feed an enqueued copy, so none is replaced)."""
+    width = 512
+    while width < head_dim:
+        width *= 2
+    key = (device, width)
+    g = _default_gatherers.get(key)
+    if g is None:
+        g = _default_gatherers[key] = HostGatherer(device=device, max_head_dim=width,
+                                                   chunk_rows=max(1024, _DEFAULT_SLOT_ELEMS // width))
+    return g
 
 
 def host_gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
                 out: Any = None, device: Any = None, gatherer: HostGatherer | None = None) -> Any:
-    """:meth:`HostGatherer.gather` through ``gatherer`` or a per-device default one."""
+    """:meth:`HostGatherer.gather` through ``gatherer`` or the device's default one for
+    the table's row width."""
     torch = _torch()
     if gatherer is None:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        gatherer = _default_gatherers.get(dev)
-        if gatherer is None:
-            gatherer = _default_gatherers[dev] = HostGatherer(device=dev)
+        _, _, head_dim = _table(rows, scales, quant_block)  # bad tables fail here, named
+        gatherer = _default_gatherer(dev, head_dim)
     return gatherer.gather(ids, rows, scales, layer=layer, quant_block=quant_block, out=out)
 
 
