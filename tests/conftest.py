@@ -6,6 +6,7 @@ there too). ``ENGRAM_TRT_GOLDEN`` points elsewhere if needed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -17,6 +18,23 @@ REPO = Path(__file__).resolve().parents[1]
 # Tests run against the working tree's package when it is not installed.
 if str(REPO / "python") not in sys.path:
     sys.path.insert(0, str(REPO / "python"))
+
+
+def file_sha256(path: str | Path, offset: int = 0, nbytes: int | None = None) -> str:
+    """sha256 of ``nbytes`` bytes of a file from ``offset`` (default: to its end), read
+    in 16 MiB pieces (demo shards are over a GiB). The tests' own, independent of the
+    package's manifest hashing."""
+    p = Path(path)
+    left = p.stat().st_size - offset if nbytes is None else nbytes
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        f.seek(offset)
+        while left > 0:
+            chunk = f.read(min(left, 1 << 24))
+            assert chunk, f"{p} ends before offset {offset} + {nbytes} bytes"
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
 
 
 def golden_dir() -> Path:

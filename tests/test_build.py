@@ -3,7 +3,6 @@ the three plugins and no table bytes, both TensorRT flavours through one code pa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import file_sha256
 from engram_trt import trt_compat
 from engram_trt.builder import build
 from engram_trt.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
@@ -26,18 +26,6 @@ from engram_trt.tokenizer import build_compressed_vocab
 REPO = Path(__file__).resolve().parents[1]
 RTX = trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")
 needs_rtx = pytest.mark.skipif(not RTX, reason="TensorRT-RTX is not installed")
-
-
-def _region_sha(path: str, offset: int, nbytes: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while nbytes > 0:
-            chunk = f.read(min(nbytes, 1 << 24))
-            assert chunk, f"{path} ends before offset {offset} + its table's bytes"
-            h.update(chunk)
-            nbytes -= len(chunk)
-    return h.hexdigest()
 
 
 def test_graph_only_build_manifest(demo_dir: Path, tmp_path: Path) -> None:
@@ -54,7 +42,7 @@ def test_graph_only_build_manifest(demo_dir: Path, tmp_path: Path) -> None:
     for t in m["tables"]:
         f, off, nb = ckpt.locate(t["tensor"])
         assert (t["file"], t["offset"], t["nbytes"]) == (str(f.resolve()), off, nb)
-        assert t["sha256"] == _region_sha(t["file"], t["offset"], t["nbytes"])
+        assert t["sha256"] == file_sha256(t["file"], t["offset"], t["nbytes"])
     assert m["tables_bytes"] == sum(t["nbytes"] for t in m["tables"])
     assert m["layout"]["table_rows"] == EngramLayout.from_spec(spec, 0).table_rows.tolist()
     vocab = build_compressed_vocab(ckpt.tokenizer_json)
@@ -104,7 +92,7 @@ def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
     deq = dequant_fp8_rows(q, s)
     assert np.abs(deq - orig).max() <= np.abs(orig).max() / 8  # e4m3: 3 mantissa bits
     for t in m["tables"]:
-        assert t["sha256"] == _region_sha(t["file"], t["offset"], t["nbytes"])
+        assert t["sha256"] == file_sha256(t["file"], t["offset"], t["nbytes"])
 
 
 @pytest.mark.skipif(not trt_compat.module_available("tensorrt"), reason=trt_compat.NOT_INSTALLED_REASON)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import file_sha256
 from engram_trt.checkpoint import (
     INDEX_NAME,
     Checkpoint,
@@ -64,15 +64,6 @@ def small_tensors(seed: int = 0, extra_rows: int = 5) -> dict[str, torch.Tensor]
     gen = torch.Generator().manual_seed(seed)
     rows = [int(r) + extra_rows for r in small_layout().table_rows]
     return random_weights(config, gen, table_rows=rows)
-
-
-def sha(path: Path) -> str:
-    """sha256 of a file, streamed (demo shards are over a GiB)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @pytest.fixture()
@@ -172,7 +163,7 @@ def test_write_is_deterministic(tmp_path: Path) -> None:
     files_a = sorted(p.name for p in a.iterdir())
     assert files_a == sorted(p.name for p in b.iterdir())
     for f in files_a:
-        assert sha(a / f) == sha(b / f), f
+        assert file_sha256(a / f) == file_sha256(b / f), f
 
 
 def test_rewrite_removes_stale_shards(tmp_path: Path) -> None:
@@ -274,7 +265,7 @@ def test_demo_checkpoint_is_deterministic(tmp_path: Path, demo_dir: Path) -> Non
     assert len(shards) > 1
     assert shards == sorted(p.name for p in demo_dir.glob("*.safetensors"))
     for f in shards + [INDEX_NAME, "config.json", "tokenizer.json", STAMP_NAME]:
-        assert sha(a / f) == sha(demo_dir / f), f
+        assert file_sha256(a / f) == file_sha256(demo_dir / f), f
     ca = Checkpoint.open(a)
     assert validate_checkpoint(ca) == []
     assert json.loads((a / STAMP_NAME).read_text())["seed"] == 0
@@ -340,7 +331,7 @@ def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest
     shard.unlink()
     assert ensure_demo_checkpoint() == target
     Checkpoint.open(target)
-    assert sha(target / shard.name) == sha(demo_dir / shard.name)
+    assert file_sha256(target / shard.name) == file_sha256(demo_dir / shard.name)
     assert not list(target.parent.glob(".demo-checkpoint.tmp-*"))
     assert (demo_dir / shard.name).is_file()
     # A stamp for another generator version is not trusted either.
