@@ -8,7 +8,7 @@
 #include "engramGatePlugin/engramGatePlugin.h"
 #include "engramGatherPlugin/engramGatherPlugin.h"
 #include "engramHashPlugin/engramHashPlugin.h"
-#include "kernels/engram_kernels.h"
+#include "kernels/engramKernels.h"
 
 extern "C" ENGRAM_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
 {

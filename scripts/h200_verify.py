@@ -82,8 +82,8 @@ def build(build_dir: Path, trt_include: Path | None, archs: str) -> Path:
 # --- layouts ---------------------------------------------------------------------------
 
 def make_layouts():
-    from engram_trt.config import EngramSpec
-    from engram_trt.layout import EngramLayout
+    from engram_trt.config.model import EngramSpec
+    from engram_trt.engram.layout import EngramLayout
 
     # Two shapes: 2 layers of orders 2..3 x 8 heads (DeepSeek-V4 vocabulary sizes), and
     # 3 layers of orders 2..4 x 4 heads.
@@ -127,9 +127,9 @@ def check_kernels(rng, layouts) -> None:
     import torch
 
     from engram_trt import kernels
-    from engram_trt.fusion import engram_gate_reference
-    from engram_trt.hashing import hash_batch_packed
-    from engram_trt.quant import dequant_fp8_rows
+    from engram_trt.engram.fusion import engram_gate_reference
+    from engram_trt.engram.hashing import hash_batch_packed
+    from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
     say(f"library {kernels.library_path()} version {kernels.version()}")
@@ -487,9 +487,9 @@ def check_plugins_cpu(harness: Harness, layouts) -> None:
 def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
     import torch
 
-    from engram_trt.fusion import engram_gate_reference
-    from engram_trt.hashing import hash_batch_packed
-    from engram_trt.quant import dequant_fp8_rows
+    from engram_trt.engram.fusion import engram_gate_reference
+    from engram_trt.engram.hashing import hash_batch_packed
+    from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -579,8 +579,8 @@ def check_hardening(rng, harness: Harness, layouts) -> None:
     import torch
 
     from engram_trt import kernels
-    from engram_trt.hashing import hash_batch_packed
-    from engram_trt.quant import dequant_fp8_rows
+    from engram_trt.engram.hashing import hash_batch_packed
+    from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream

@@ -61,7 +61,7 @@ def golden_fusion() -> dict:
 @pytest.fixture(scope="session")
 def deepseek_vocab():
     """The DeepSeek-V4 tokenizer's compressed vocab (built once: ~3 s)."""
-    from engram_trt.tokenizer import build_compressed_vocab, default_tokenizer_json
+    from engram_trt.engram.tokenizer import build_compressed_vocab, default_tokenizer_json
 
     return build_compressed_vocab(default_tokenizer_json())
 
@@ -89,7 +89,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def demo_dir():
     """The demo checkpoint (seed 0) in the suite's cache, written once per session."""
-    from engram_trt.demo import ensure_demo_checkpoint
+    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
 
     return ensure_demo_checkpoint()
 

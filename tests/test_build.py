@@ -15,13 +15,13 @@ import torch
 
 from conftest import file_sha256
 from engram_trt import trt_compat
-from engram_trt.builder import build
-from engram_trt.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
-from engram_trt.config import ModelConfig
-from engram_trt.demo import random_weights
+from engram_trt.builder.build import build
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
+from engram_trt.config.model import ModelConfig
+from engram_trt.checkpoint.demo import random_weights
 from engram_trt.errors import EngramError
-from engram_trt.layout import EngramLayout
-from engram_trt.tokenizer import build_compressed_vocab
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.engram.tokenizer import build_compressed_vocab
 
 REPO = Path(__file__).resolve().parents[1]
 RTX = trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")
@@ -83,7 +83,7 @@ def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
     assert all(Path(t["file"]).parent == (tmp_path / "packed").resolve() for t in m["tables"])
     from safetensors import safe_open
 
-    from engram_trt.quant import dequant_fp8_rows
+    from engram_trt.engram.quant import dequant_fp8_rows
     names = engram_tensor_names(1)
     with safe_open(m["tables"][0]["file"], framework="pt") as f:
         q = f.get_tensor(names["table"]).view(torch.uint8).numpy()

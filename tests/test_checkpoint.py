@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from conftest import file_sha256
-from engram_trt.checkpoint import (
+from engram_trt.checkpoint.checkpoint import (
     INDEX_NAME,
     Checkpoint,
     engram_tensor_names,
     validate_checkpoint,
     write_checkpoint,
 )
-from engram_trt.config import ModelConfig
-from engram_trt.demo import (
+from engram_trt.config.model import ModelConfig
+from engram_trt.checkpoint.demo import (
     DEMO_CONFIG,
     DEMO_TABLE_CHUNK_ROWS,
     STAMP_NAME,
@@ -30,8 +30,8 @@ from engram_trt.demo import (
     random_weights,
 )
 from engram_trt.errors import CheckpointError, EngramError
-from engram_trt.layout import EngramLayout
-from engram_trt.quant import dequant_fp8_rows, quantize_fp8_rows
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.engram.quant import dequant_fp8_rows, quantize_fp8_rows
 
 SMALL_CONFIG = {
     "hidden_size": 32,
@@ -346,7 +346,7 @@ def test_damaged_header_entries_are_refused(tmp_path: Path) -> None:
     refused with the file and tensor named (never a library traceback)."""
     import struct
 
-    from engram_trt.checkpoint import _tensor_infos
+    from engram_trt.checkpoint.checkpoint import _tensor_infos
 
     def write(path: Path, header: dict) -> Path:
         body = json.dumps(header).encode()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engram_trt.cli import main
-from engram_trt.tokenizer import default_tokenizer_json
+from engram_trt.cli.main import main
+from engram_trt.engram.tokenizer import default_tokenizer_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,9 +70,9 @@ def _deepseek_config_dir(tmp_path: Path, compressed: int) -> Path:
 
 
 def test_hash_raw_ids_go_through_the_tokenizer(capsys, tmp_path, deepseek_vocab):
-    from engram_trt.config import load_engram_spec
-    from engram_trt.hashing import hash_ids
-    from engram_trt.layout import EngramLayout
+    from engram_trt.config.model import load_engram_spec
+    from engram_trt.engram.hashing import hash_ids
+    from engram_trt.engram.layout import EngramLayout
 
     d = _deepseek_config_dir(tmp_path, 99092)
     raw = [5, 17, -1, 3, 128000]
@@ -140,10 +140,10 @@ SMALL = {
 def _small_checkpoint(path: Path, table_rows_delta: int = 0) -> Path:
     import torch
 
-    from engram_trt.checkpoint import write_checkpoint
-    from engram_trt.config import ModelConfig
-    from engram_trt.demo import random_weights
-    from engram_trt.layout import EngramLayout
+    from engram_trt.checkpoint.checkpoint import write_checkpoint
+    from engram_trt.config.model import ModelConfig
+    from engram_trt.checkpoint.demo import random_weights
+    from engram_trt.engram.layout import EngramLayout
 
     cfg = ModelConfig.from_dict(SMALL)
     rows = [int(r) + table_rows_delta for r in EngramLayout.from_spec(cfg.engram, 0).table_rows]
@@ -158,7 +158,7 @@ def test_inspect_reports_tables(capsys, tmp_path):
     rep = json.loads(out)
     assert rep["problems"] == []
     assert rep["compressed_vocab"] == {"built": 99092, "declared": 99092}
-    from engram_trt.checkpoint import Checkpoint
+    from engram_trt.checkpoint.checkpoint import Checkpoint
 
     c = Checkpoint.open(ck)
     (layer,) = rep["layers"]
@@ -196,7 +196,7 @@ def test_run_prints_text_speed_and_backend(capsys, demo_dir):
     res = json.loads(out)
     assert res["backend"] == "torch" and res["device"] == "cpu"
     assert res["new_tokens"] == 4 and len(res["token_ids"]) == 4 and res["tokens_per_s"] > 0
-    from engram_trt.tokenizer import load_tokenizer
+    from engram_trt.engram.tokenizer import load_tokenizer
 
     assert res["text"] == load_tokenizer(demo_dir).decode(res["token_ids"], skip_special_tokens=False)
     code, out, _ = run_cli(capsys, "run", str(demo_dir), "--prompt", "hello engram", "--max-new-tokens", "4")
@@ -215,7 +215,7 @@ def test_declared_rows_must_match_tables(capsys, tmp_path):
     when the tables still cover the layout."""
     ck = _small_checkpoint(tmp_path / "ck")
     cfg = json.loads((ck / "config.json").read_text())
-    from engram_trt.checkpoint import Checkpoint
+    from engram_trt.checkpoint.checkpoint import Checkpoint
 
     rows = Checkpoint.open(ck).shape("model.layers.1.engram.embed.weight")[0]
     cfg["engram_num_embeddings"] = [rows + 10]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from engram_trt.config import ModelConfig, load_config, load_engram_spec, parse_engram_spec
+from engram_trt.config.model import ModelConfig, load_config, load_engram_spec, parse_engram_spec
 from engram_trt.errors import ConfigError
-from engram_trt.layout import EngramLayout
+from engram_trt.engram.layout import EngramLayout
 
 BASE = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,

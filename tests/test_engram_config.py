@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engram_trt.config import ModelConfig
-from engram_trt.engram_config import (EngramConfig, add_engram_config_arguments, engram_config_from_args,
+from engram_trt.config.model import ModelConfig
+from engram_trt.config.engram import (EngramConfig, add_engram_config_arguments, engram_config_from_args,
                                       reject_unknown_args, split_dotted)
 from engram_trt.errors import EngramError
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.config import parse_engram_spec
-from engram_trt.fusion import engram_gate, engram_gate_reference
-from engram_trt.hashing import hash_batch_packed, hash_ids, hash_ids_torch, next_lookback
-from engram_trt.layout import EngramLayout
-from engram_trt.quant import dequant_fp8_rows, dequant_fp8_rows_torch, quantize_fp8_rows
+from engram_trt.config.model import parse_engram_spec
+from engram_trt.engram.fusion import engram_gate, engram_gate_reference
+from engram_trt.engram.hashing import hash_batch_packed, hash_ids, hash_ids_torch, next_lookback
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.engram.quant import dequant_fp8_rows, dequant_fp8_rows_torch, quantize_fp8_rows
 
 
 def _layout(case: dict) -> EngramLayout:

@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
-from engram_trt.config import ModelConfig
-from engram_trt.demo import random_weights
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
+from engram_trt.config.model import ModelConfig
+from engram_trt.checkpoint.demo import random_weights
 from engram_trt.errors import EngramError
-from engram_trt.fusion import engram_gate_reference
-from engram_trt.hashing import hash_ids
-from engram_trt.layout import EngramLayout
-from engram_trt.model import EngramLlama, EngramTables, KVCache, sample_next
-from engram_trt.quant import dequant_fp8_rows
-from engram_trt.tokenizer import CompressedVocab, load_tokenizer
+from engram_trt.engram.fusion import engram_gate_reference
+from engram_trt.engram.hashing import hash_ids
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.reference.model import EngramLlama, EngramTables, KVCache, sample_next
+from engram_trt.engram.quant import dequant_fp8_rows
+from engram_trt.engram.tokenizer import CompressedVocab, load_tokenizer
 
 CVOCAB = 120
 MODEL_CONFIG: dict[str, Any] = {

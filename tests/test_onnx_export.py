@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.checkpoint import Checkpoint, engram_tensor_names
-from engram_trt.config import ModelConfig
-from engram_trt.demo import random_weights
-from engram_trt.layout import EngramLayout
-from engram_trt.model import EngramLlama
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
+from engram_trt.config.model import ModelConfig
+from engram_trt.checkpoint.demo import random_weights
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.reference.model import EngramLlama
 from engram_trt.errors import EngramError
-from engram_trt.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, ReferenceRunner, export_model
+from engram_trt.builder.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, ReferenceRunner, export_model
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=500, hc_mult=2, tie_word_embeddings=False, max_position_embeddings=128,
@@ -190,8 +190,8 @@ def demo_ckpt(demo_dir: Path) -> Checkpoint:
 
 def test_demo_checkpoint_float32(demo_ckpt: Checkpoint) -> None:
     """The demo checkpoint (real tokenizer, FP8 tables read in place from the shards)."""
-    from engram_trt.model import model_weight_shapes
-    from engram_trt.tokenizer import build_compressed_vocab
+    from engram_trt.reference.model import model_weight_shapes
+    from engram_trt.engram.tokenizer import build_compressed_vocab
 
     cfg = demo_ckpt.config
     vocab = build_compressed_vocab(demo_ckpt.tokenizer_json)
@@ -215,7 +215,7 @@ def test_multipliers_travel_as_exact_decimal_text() -> None:
     the text round-trips exactly and the graph's EngramHash node carries it."""
     import onnx
 
-    import engram_trt.onnx_export as ox
+    import engram_trt.builder.onnx_export as ox
 
     cfg, lookup, layout, weights = _small()
     enc = ox.encode_multipliers(layout.multipliers)
@@ -233,7 +233,7 @@ def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugi
     """An fp16 export (no casts around the gate) parses and builds into a TensorRT-RTX
     engine: the EngramGate layers take and return float16."""
     from engram_trt import trt_compat
-    from engram_trt.builder import build_engine
+    from engram_trt.builder.build import build_engine
 
     if not (trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")):
         pytest.skip("TensorRT-RTX is not installed")

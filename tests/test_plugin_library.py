@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 
 from engram_trt import kernels, trt_compat
-from engram_trt.config import EngramSpec
+from engram_trt.config.model import EngramSpec
 from engram_trt.errors import EngramError
-from engram_trt.layout import EngramLayout
+from engram_trt.engram.layout import EngramLayout
 
 REPO = Path(__file__).resolve().parents[1]
-HEADER = REPO / "plugins" / "kernels" / "engram_kernels.h"
+HEADER = REPO / "plugins" / "kernels" / "engramKernels.h"
 PLUGINS = {
     "EngramHash": ["n_layers", "max_ngram_size", "n_heads", "pad_id", "compressed_vocab_size", "primes", "offsets",
                    "multipliers"],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engram_trt.tokenizer import _cached_map, build_compressed_vocab, load_tokenizer
+from engram_trt.engram.tokenizer import _cached_map, build_compressed_vocab, load_tokenizer
 
 
 def _tokenizer(path: Path, words: list[str]) -> Path:

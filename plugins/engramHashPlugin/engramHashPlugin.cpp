@@ -1,7 +1,7 @@
 #include "engramHashPlugin.h"
 
 #include "common/checkMacros.h"
-#include "kernels/engram_kernels.h"
+#include "kernels/engramKernels.h"
 
 #include <utility>
 

@@ -6,6 +6,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import ConfigError, CheckpointError, EngramError  # noqa: E402
+from engram_trt.errors import ConfigError, CheckpointError, EngramError  # noqa: E402
 
 __all__ = ["__version__", "EngramError", "ConfigError", "CheckpointError"]

@@ -1,7 +1,7 @@
 """ctypes bindings to the kernel library's C ABI (``libengram_trt_plugins.so``).
 
 The PyTorch runtime path on a GPU calls the same kernels as the TensorRT plugins
-(``plugins/kernels/engram_kernels.h`` is the contract): the n-gram hash, the row
+(``plugins/kernels/engramKernels.h`` is the contract): the n-gram hash, the row
 gather from device or UVA-mapped host tables, the host gather (CPU threads into
 pinned staging, then one copy per chunk), and the fused gate. Every function takes
 torch tensors, checks device, dtype, contiguity and shape before anything reaches
@@ -25,11 +25,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .errors import EngramError
+from engram_trt.errors import EngramError
 
 LIBRARY_NAME = "libengram_trt_plugins.so"
 
-# enum values of engram_kernels.h
+# enum values of engramKernels.h
 TABLE_FP8_E4M3 = 0
 TABLE_BF16 = 1
 MASK_NONE, MASK_U8, MASK_I32 = 0, 1, 2

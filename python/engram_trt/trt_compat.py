@@ -34,7 +34,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable, Sequence
 
-from .errors import EngramError
+from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _rtx_libs_dir() -> Path | None:
 
 
 def _cache_dir() -> Path:
-    from .paths import cache_root
+    from engram_trt.paths import cache_root
 
     return cache_root() / "trt-rtx-libs"
 

@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import EngramError
+from engram_trt.errors import EngramError
 
 FP8_E4M3_MAX = 448.0
 

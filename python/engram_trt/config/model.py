@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import ConfigError
+from engram_trt.errors import ConfigError
 
 ENGRAM_PREFIXES = ("engram", "ple")
 

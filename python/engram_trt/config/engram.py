@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import EngramError
+from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
 

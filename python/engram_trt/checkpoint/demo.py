@@ -35,11 +35,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, write_checkpoint
-from .config import ModelConfig
-from .errors import EngramError
-from .paths import cache_root
-from .quant import quantize_fp8_rows
+from engram_trt.checkpoint.checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, write_checkpoint
+from engram_trt.config.model import ModelConfig
+from engram_trt.errors import EngramError
+from engram_trt.paths import cache_root
+from engram_trt.engram.quant import quantize_fp8_rows
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ def make_demo_checkpoint(out_dir: str | Path, seed: int = 0, max_shard_bytes: in
     Same seed, same bytes. Also writes a stamp file (config hash, seed, generator
     version, tokenizer hash) that :func:`ensure_demo_checkpoint` uses to reuse it.
     """
-    from .tokenizer import default_tokenizer_json
+    from engram_trt.engram.tokenizer import default_tokenizer_json
 
     t0 = time.perf_counter()
     cfg_dict = demo_config()
@@ -270,7 +270,7 @@ def make_demo_checkpoint(out_dir: str | Path, seed: int = 0, max_shard_bytes: in
 
 
 def _stamp_matches(path: Path, seed: int) -> bool:
-    from .tokenizer import default_tokenizer_json
+    from engram_trt.engram.tokenizer import default_tokenizer_json
 
     stamp_file = path / STAMP_NAME
     if not stamp_file.is_file():

@@ -11,8 +11,8 @@
  * a NaN through 0 * value). `out` may alias `hidden` (an in-place update): each thread
  * reads h[j] before it writes out[j], and no other thread touches element j.
  */
-#include "engram_kernels.h"
-#include "engram_kernels_internal.h"
+#include "engramKernels.h"
+#include "engramKernelsInternal.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngramError
-from .layout import EngramLayout
+from engram_trt.errors import EngramError
+from engram_trt.engram.layout import EngramLayout
 
 DEAD = -1
 

@@ -42,10 +42,10 @@ import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
-from .checkpoint import engram_tensor_names
-from .config import ModelConfig
-from .errors import EngramError
-from .layout import EngramLayout
+from engram_trt.checkpoint.checkpoint import engram_tensor_names
+from engram_trt.config.model import ModelConfig
+from engram_trt.errors import EngramError
+from engram_trt.engram.layout import EngramLayout
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32
 # dtypes feeds it directly, and the exporter casts around it for any other dtype.
 GATE_IO_DTYPES = ("bf16", "fp16", "fp32")
 GATHER_OUT_DTYPE = "bf16"
-# EngramGather field ``table_dtype`` (EngramTableDtype in plugins/kernels/engram_kernels.h).
+# EngramGather field ``table_dtype`` (EngramTableDtype in plugins/kernels/engramKernels.h).
 TABLE_DTYPE_CODES = {"fp8": 0, "bf16": 1}
 
 
@@ -499,7 +499,7 @@ def _get_from(weights: Mapping[str, Any], name: str) -> Any:
 
 def export_weight_names(config: ModelConfig) -> list[str]:
     """The tensors the exported graph reads (backbone + Engram projections, no tables)."""
-    from .model import model_weight_shapes
+    from engram_trt.reference.model import model_weight_shapes
 
     return list(model_weight_shapes(config))
 
@@ -536,9 +536,9 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
     """OpRun classes binding EngramHash/Gather/Gate to hashing/quant/fusion."""
     from onnx.reference.op_run import OpRun
 
-    from .fusion import engram_gate_reference
-    from .hashing import hash_batch_packed
-    from .quant import dequant_fp8_rows
+    from engram_trt.engram.fusion import engram_gate_reference
+    from engram_trt.engram.hashing import hash_batch_packed
+    from engram_trt.engram.quant import dequant_fp8_rows
 
     class EngramHash(OpRun):
         op_domain = PLUGIN_DOMAIN

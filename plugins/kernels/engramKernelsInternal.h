@@ -4,7 +4,7 @@
 #ifndef ENGRAM_TRT_KERNELS_INTERNAL_H
 #define ENGRAM_TRT_KERNELS_INTERNAL_H
 
-#include "engram_kernels.h"
+#include "engramKernels.h"
 
 #include <cuda_runtime_api.h>
 #include <cstdint>

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EngramError
+from engram_trt.errors import EngramError
 
 GATE_CLAMP = 1e-6
 

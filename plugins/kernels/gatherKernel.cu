@@ -13,8 +13,8 @@
  * float32, denormals kept), rounded once to bf16 (round-to-nearest-even), which is
  * what dequant_fp8_rows(...) followed by a bf16 cast gives.
  */
-#include "engram_kernels.h"
-#include "engram_kernels_internal.h"
+#include "engramKernels.h"
+#include "engramKernelsInternal.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

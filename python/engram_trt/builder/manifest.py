@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .checkpoint import Checkpoint, engram_tensor_names
-from .errors import EngramError
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
+from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def repack_tables(ckpt: Checkpoint, out_dir: str | Path, quant_block: int | None
     import torch
     from tqdm.auto import tqdm
 
-    from .quant import quantize_fp8_rows
+    from engram_trt.engram.quant import quantize_fp8_rows
 
     spec = ckpt.config.require_engram("re-packing Engram tables")
     block = int(quant_block or spec.quant_block)

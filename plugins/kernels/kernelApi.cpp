@@ -2,8 +2,8 @@
  * Library-wide entry points: version, error messages, pointer queries, host memory
  * registration.
  */
-#include "engram_kernels.h"
-#include "engram_kernels_internal.h"
+#include "engramKernels.h"
+#include "engramKernelsInternal.h"
 
 #include <cstdarg>
 #include <cstdio>

@@ -31,8 +31,8 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from .config import EngramSpec, ModelConfig, load_config
-from .errors import CheckpointError, EngramError
+from engram_trt.config.model import EngramSpec, ModelConfig, load_config
+from engram_trt.errors import CheckpointError, EngramError
 
 log = logging.getLogger(__name__)
 
@@ -439,7 +439,7 @@ def _engram_layout_for(ckpt: Checkpoint) -> Any:
     Table shapes do not depend on the pad id, so a placeholder compressed pad id (0)
     is used rather than building the compressed vocab (seconds of tokenizer work).
     """
-    from .layout import EngramLayout
+    from engram_trt.engram.layout import EngramLayout
 
     spec = ckpt.config.engram
     assert spec is not None

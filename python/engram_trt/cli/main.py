@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from . import __version__
-from .errors import EngramError
+from engram_trt import __version__
+from engram_trt.errors import EngramError
 
 log = logging.getLogger("engram_trt")
 
@@ -53,8 +53,8 @@ def _parse_ids(text: str) -> list[int]:
 
 # ---------------------------------------------------------------- layout / hash
 def cmd_layout(args: argparse.Namespace) -> int:
-    from .config import load_engram_spec
-    from .layout import EngramLayout
+    from engram_trt.config.model import load_engram_spec
+    from engram_trt.engram.layout import EngramLayout
 
     spec = load_engram_spec(args.config)
     pad = args.pad_id if args.pad_id is not None else _compressed_pad_or_zero(args.config, spec)
@@ -82,7 +82,7 @@ def _compressed_pad_or_zero(config_arg: str, spec: Any) -> int:
 
 
 def _checked_vocab(tokenizer_json: Path, spec: Any) -> Any:
-    from .tokenizer import build_compressed_vocab, check_compressed_size
+    from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
 
     vocab = build_compressed_vocab(tokenizer_json)
     check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
@@ -90,9 +90,9 @@ def _checked_vocab(tokenizer_json: Path, spec: Any) -> Any:
 
 
 def cmd_hash(args: argparse.Namespace) -> int:
-    from .config import load_engram_spec
-    from .hashing import hash_ids
-    from .layout import EngramLayout
+    from engram_trt.config.model import load_engram_spec
+    from engram_trt.engram.hashing import hash_ids
+    from engram_trt.engram.layout import EngramLayout
 
     spec = load_engram_spec(args.config)
     ids = _parse_ids(args.ids)
@@ -120,9 +120,9 @@ def cmd_hash(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- inspect
 def inspect_checkpoint(path: str) -> dict[str, Any]:
     """The facts ``engram-trt inspect`` reports, as a dict (also used by tests and the builder)."""
-    from .checkpoint import Checkpoint, engram_tensor_names, validate_checkpoint
-    from .layout import EngramLayout
-    from .tokenizer import build_compressed_vocab
+    from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, validate_checkpoint
+    from engram_trt.engram.layout import EngramLayout
+    from engram_trt.engram.tokenizer import build_compressed_vocab
 
     ckpt = Checkpoint.open(path)
     cfg = ckpt.config
@@ -246,9 +246,9 @@ def generate_text(checkpoint: str, args: argparse.Namespace) -> dict[str, Any]:
     """Load the reference model, generate, and return text, timing and the backend used."""
     import torch
 
-    from .checkpoint import Checkpoint
-    from .model import EngramLlama
-    from .tokenizer import load_tokenizer
+    from engram_trt.checkpoint.checkpoint import Checkpoint
+    from engram_trt.reference.model import EngramLlama
+    from engram_trt.engram.tokenizer import load_tokenizer
 
     _check_generation_args(args)
     device = _resolve_device(args.device)
@@ -299,7 +299,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
-    from .demo import make_demo_checkpoint
+    from engram_trt.checkpoint.demo import make_demo_checkpoint
 
     out = make_demo_checkpoint(Path(args.out), seed=args.seed)
     print(f"wrote the demo checkpoint to {out} (random weights: generated text is meaningless)")
@@ -307,15 +307,15 @@ def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from .builder import build_from_args
+    from engram_trt.builder.build import build_from_args
 
     return build_from_args(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .builder import build
-    from .demo import ensure_demo_checkpoint
-    from .paths import cache_root
+    from engram_trt.builder.build import build
+    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.paths import cache_root
 
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Validate CHECKPOINT, save its compressed token map, export the whole model as ONNX (Engram layers as "
             "EngramHash/EngramGather/EngramGate plugin nodes), describe the tables in manifest.json, and build the "
             "engine with TensorRT or TensorRT-RTX when one is importable.")
-    from .builder import add_build_arguments
+    from engram_trt.builder.build import add_build_arguments
 
     add_build_arguments(p)
 
@@ -404,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .engram_config import reject_unknown_args
+    from engram_trt.config.engram import reject_unknown_args
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

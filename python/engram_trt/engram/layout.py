@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .config import EngramSpec
-from .errors import ConfigError
+from engram_trt.config.model import EngramSpec
+from engram_trt.errors import ConfigError
 
 INT64_MAX = np.iinfo(np.int64).max
 

@@ -16,9 +16,9 @@
  * slot is never overwritten while a copy still reads it; device slots are reused in
  * stream order. bf16 chunks are copied straight into `out`.
  */
-#include "engram_kernels.h"
-#include "engram_kernels_internal.h"
-#include "thread_pool.h"
+#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsInternal.h"
+#include "threadPool.h"
 
 #include <algorithm>
 #include <cstring>

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .config import file_in_checkpoint
-from .errors import ConfigError, EngramError
+from engram_trt.config.model import file_in_checkpoint
+from engram_trt.errors import ConfigError, EngramError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ COMPRESSION_VERSION = 1
 
 
 def _cached_map(sha: str) -> Path:
-    from .paths import cache_root
+    from engram_trt.paths import cache_root
 
     return cache_root() / "compressed-vocab" / f"{sha}-v{COMPRESSION_VERSION}.npy"
 

@@ -9,8 +9,8 @@
  * (a few KiB) travel as one __grid_constant__ kernel parameter, so the kernel needs no
  * device buffer of its own and the plugin none at build time.
  */
-#include "engram_kernels.h"
-#include "engram_kernels_internal.h"
+#include "engramKernels.h"
+#include "engramKernelsInternal.h"
 
 #include <climits>
 #include <cstdint>

@@ -37,13 +37,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, require_valid
-from .config import ModelConfig
-from .errors import CheckpointError, EngramError
-from .fusion import engram_gate
-from .hashing import DEAD, hash_ids_torch
-from .layout import EngramLayout
-from .quant import dequant_fp8_rows_torch
+from engram_trt.checkpoint.checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, require_valid
+from engram_trt.config.model import ModelConfig
+from engram_trt.errors import CheckpointError, EngramError
+from engram_trt.engram.fusion import engram_gate
+from engram_trt.engram.hashing import DEAD, hash_ids_torch
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.engram.quant import dequant_fp8_rows_torch
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class KernelEngramOps:
     name = "cuda-kernels"
 
     def __init__(self, layout: EngramLayout, device: torch.device) -> None:
-        from . import kernels
+        from engram_trt import kernels
 
         kernels.load_library()
         kernels.check_layout(layout)
@@ -640,7 +640,7 @@ class EngramLlama(nn.Module):
                         compressed_vocab: Any = None, engram_backend: str = "auto") -> "EngramLlama":
         """Build from a checkpoint: config, validated tensors, compressed vocab from its
         tokenizer.json (size checked against the config), tables in ``table_storage``."""
-        from .tokenizer import build_compressed_vocab, check_compressed_size
+        from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
 
         if not isinstance(ckpt, Checkpoint):
             ckpt = Checkpoint.open(ckpt)

@@ -31,14 +31,14 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 
-from . import __version__
-from .checkpoint import Checkpoint, require_valid
-from .engram_config import EngramConfig, add_engram_config_arguments, engram_config_from_args
-from .errors import EngramError
-from .layout import EngramLayout
-from .manifest import (MANIFEST_NAME, MANIFEST_VERSION, TableRef, checkpoint_table_refs, hash_tables, repack_tables,
+from engram_trt import __version__
+from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
+from engram_trt.config.engram import EngramConfig, add_engram_config_arguments, engram_config_from_args
+from engram_trt.errors import EngramError
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, TableRef, checkpoint_table_refs, hash_tables, repack_tables,
                        sha256_file, write_manifest)
-from .onnx_export import PLUGIN_NAMES, ExportOptions, export_model, normalize_dtype
+from engram_trt.builder.onnx_export import PLUGIN_NAMES, ExportOptions, export_model, normalize_dtype
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def find_plugin_library(explicit: str | Path | None = None) -> Path:
         if not p.is_file():
             raise EngramError(f"--plugin-lib '{p}' is not a file (point it at libengram_trt_plugins.so)")
         return p.resolve()
-    from .kernels import library_path
+    from engram_trt.kernels import library_path
 
     return library_path()
 
@@ -191,7 +191,7 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
                  fp32_attention_decomposable: bool = True) -> tuple[int, list[str]]:
     """Parse ``model.onnx`` into a strongly typed network and build the serialized engine.
     Returns (engine bytes, plugin names of the network's plugin layers)."""
-    from . import trt_compat as tc
+    from engram_trt import trt_compat as tc
 
     t = tc.load().module
     builder = tc.create_builder()
@@ -238,7 +238,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     TensorRT-RTX compute capabilities (``"sm80,sm86"``). ``build_engine_if_possible``
     False stops after the graph even when TensorRT is importable.
     """
-    from . import trt_compat as tc
+    from engram_trt import trt_compat as tc
 
     t_start = time.perf_counter()
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
@@ -271,7 +271,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
                     raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)")
         with phases.phase("vocab"):
             if spec is not None:
-                from .tokenizer import build_compressed_vocab, check_compressed_size
+                from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
 
                 vocab = build_compressed_vocab(ckpt.tokenizer_json)
                 check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
@@ -435,7 +435,7 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tc_targets() -> tuple[str, ...]:
-    from .trt_compat import RTX_TARGETS
+    from engram_trt.trt_compat import RTX_TARGETS
 
     return RTX_TARGETS
 

@@ -1,0 +1,1 @@
+"""The ``engram-trt`` command line (:func:`engram_trt.cli.main.main`)."""

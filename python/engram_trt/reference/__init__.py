@@ -1,0 +1,1 @@
+"""engram-llama in PyTorch: the reference model and the ``torch`` backend's model."""
