@@ -1,8 +1,4 @@
-"""Shared fixtures: the golden vectors, and where they live.
-
-The golden vectors sit in ``../shared/golden`` beside the checkout (CI lays a copy
-there too). ``ENGRAM_TRT_GOLDEN`` points elsewhere if needed.
-"""
+"""Shared fixtures: the golden vectors (``tests/data``), the demo checkpoint, the plugin library."""
 
 from __future__ import annotations
 
@@ -38,9 +34,10 @@ def file_sha256(path: str | Path, offset: int = 0, nbytes: int | None = None) ->
 
 
 def golden_dir() -> Path:
+    """The golden vectors: the repository's own copy (``tests/data``, so a clone anywhere
+    passes), or ``$ENGRAM_TRT_GOLDEN`` to test against another set."""
     env = os.environ.get("ENGRAM_TRT_GOLDEN")
-    candidates = [Path(env)] if env else []
-    candidates += [REPO.parent / "shared" / "golden", REPO / "shared" / "golden"]
+    candidates = [Path(env)] if env else [REPO / "tests" / "data"]
     for c in candidates:
         if (c / "engram_hash_public.json").is_file():
             return c

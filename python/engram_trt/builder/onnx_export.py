@@ -7,7 +7,7 @@ plugin name into that plugin), and it can be *executed* on a CPU with
 against the PyTorch reference model (:func:`run_reference` / :class:`ReferenceRunner`):
 the engine is built from exactly what was checked.
 
-The graph, for ``hc_mult`` residual copies ``[B, S, hc, D]`` (notes/engram-spec.md):
+The graph, for ``hc_mult`` residual copies ``[B, S, hc, D]`` (docs/engram-spec.md):
 
 * ``input_ids [B, S] int32`` -> Gather(embed) -> ``hc`` copies;
 * per layer: at an Engram layer ``EngramHash -> EngramGather -> wkv MatMul -> EngramGate``

@@ -1,6 +1,6 @@
 """The Engram n-gram hash: compressed token ids -> table row ids.
 
-This is the one Python statement of the formula (notes/engram-spec.md); the CUDA
+This is the one Python statement of the formula (docs/engram-spec.md); the CUDA
 kernel in ``plugins/kernels`` is the other, and tests hold them bit-identical.
 One code path serves NumPy and PyTorch (``_hash`` only uses operators both share),
 so the reference and the torch backend cannot drift apart.

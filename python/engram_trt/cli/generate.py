@@ -1,0 +1,153 @@
+"""``engram-trt run``, ``demo`` and ``demo-checkpoint``: generate text end to end."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engram_trt.cli.output import print_json
+from engram_trt.errors import EngramError
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="compute dtype of the reference model (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--table-storage", choices=("memory", "device", "pinned", "shared", "file"), default="memory",
+                   help="where the Engram tables live: 'memory' (host RAM), 'device' (GPU memory), 'pinned' (host memory the "
+                        "GPU reads through UVA), 'shared' (one /dev/shm copy for every process), 'file' (rows read from the "
+                        "checkpoint files through the page cache) (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _check_generation_args(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 1:
+        raise EngramError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise EngramError(f"--temperature must be a number >= 0 (got {args.temperature})")
+    if not 0 < args.top_p <= 1:
+        raise EngramError(f"--top-p must be in (0, 1] (got {args.top_p})")
+
+
+def _resolve_device(name: str) -> Any:
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise EngramError(f"--device: '{name}' is not a device (expected cpu, cuda, cuda:N or auto)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngramError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    return dev
+
+
+def generate_text(checkpoint: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Load the reference model, generate, and return text, timing and the backend used."""
+    import torch
+
+    from engram_trt.checkpoint.checkpoint import Checkpoint
+    from engram_trt.reference.model import EngramLlama
+    from engram_trt.engram.tokenizer import load_tokenizer
+
+    _check_generation_args(args)
+    device = _resolve_device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "", None)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    ckpt = Checkpoint.open(checkpoint)
+    model = EngramLlama.from_checkpoint(ckpt, device=device, dtype=dtype, table_storage=args.table_storage)
+    load_s = time.perf_counter() - t0
+    tok = load_tokenizer(ckpt.tokenizer_json)
+    prompt_ids = tok.encode(args.prompt, add_special_tokens=False).ids
+    if not prompt_ids:
+        raise EngramError("--prompt is empty after tokenization; give some text")
+    result = model.generate(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    new_ids = list(result.new_ids)
+    return {
+        "backend": model.backend_name,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "table_storage": args.table_storage,
+        "prompt": args.prompt,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": len(new_ids),
+        "token_ids": new_ids,
+        "text": tok.decode(new_ids, skip_special_tokens=False),
+        "prefill_s": round(result.prefill_s, 4),
+        "decode_s": round(result.decode_s, 4),
+        "tokens_per_s": round(len(new_ids) / max(result.prefill_s + result.decode_s, 1e-9), 2),
+        "decode_tokens_per_s": round(max(len(new_ids) - 1, 0) / max(result.decode_s, 1e-9), 2),
+        "load_s": round(load_s, 3),
+    }
+
+
+def _print_generation(res: dict[str, Any]) -> None:
+    print(f"backend: {res['backend']} ({res['device']}, {res['dtype']})")
+    print(f"prompt:  {res['prompt']!r} ({res['prompt_tokens']} tokens)")
+    print(f"output:  {res['text']!r}")
+    print(f"{res['new_tokens']} tokens, {res['tokens_per_s']} tokens/s overall, {res['decode_tokens_per_s']} tokens/s decode "
+          f"(prefill {res['prefill_s']} s, load {res['load_s']} s)")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    res = generate_text(args.checkpoint, args)
+    print_json(res) if args.json else _print_generation(res)
+    return 0
+
+
+def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
+    from engram_trt.checkpoint.demo import make_demo_checkpoint
+
+    out = make_demo_checkpoint(Path(args.out), seed=args.seed)
+    print(f"wrote the demo checkpoint to {out} (random weights: generated text is meaningless)")
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from engram_trt.builder.build import build_from_args
+
+    return build_from_args(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from engram_trt.builder.build import build
+    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.paths import cache_root
+
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
+    ckpt_dir = ensure_demo_checkpoint(seed=args.weights_seed)
+    say(f"checkpoint: {ckpt_dir}")
+    engine_dir = Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-engine"
+    built = build(ckpt_dir, engine_dir, progress=not args.json)
+    say(built.summary())
+    res = generate_text(str(ckpt_dir), args)
+    res["engine"] = built.to_json()
+    if built.engine_skipped:
+        res["engine_note"] = built.engine_skipped
+    else:
+        # No TensorRT runtime here can execute the engine (TensorRT-RTX builds ahead of
+        # time for other GPUs; full TensorRT is absent), so the same model runs on the
+        # PyTorch path, which calls the same kernels on a GPU.
+        res["engine_note"] = "engine built; it runs under TensorRT on a supported GPU. This run used the backend named below."
+    if args.json:
+        print_json(res)
+    else:
+        say(res["engine_note"])
+        _print_generation(res)
+    return 0
+
+
