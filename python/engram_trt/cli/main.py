@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint folder (config.json, tokenizer.json, *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    p = add("run", cmd_run, "generate text from a checkpoint and print it with tokens/s and the backend used")
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint folder")
+    p = add("run", cmd_run, "generate text from an engine folder or a checkpoint through engram_trt.LLM; prints the backend and storage used",
+            "Load PATH (an engine folder from `engram-trt build`, or a checkpoint folder) with engram_trt.LLM and generate "
+            "from --prompt; prints the text, the backend that ran it and why, where the tables live, and timings.")
+    p.add_argument("path", metavar="PATH", help="engine folder (from engram-trt build) or checkpoint folder")
     _add_generation_args(p)
 
     p = add("demo-checkpoint", cmd_demo_checkpoint, "write the built-in engram-llama checkpoint (random weights; a tiny backbone and 2.4 GiB of FP8 tables)")

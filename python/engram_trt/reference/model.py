@@ -379,9 +379,12 @@ class EngramLlama(nn.Module):
             if engram_rows is None:
                 rows = self.gather_engram_rows(self.engram_hash(cids, step.seq_starts, self.step_lookback(step, cache)))
             else:
-                rows = list(engram_rows)
+                # Staged rows (runtime.prefetch.StagedRows) are read lazily: the wait for
+                # the prefetch sits at the first Engram layer, not here.
+                rows = engram_rows
+                shapes = engram_rows.shapes if hasattr(engram_rows, "shapes") else [tuple(r.shape) for r in engram_rows]
                 want = (T, self.layout.n_hash_cols, int(cfg.engram.head_dim))  # type: ignore[union-attr]
-                if len(rows) != self.layout.num_layers or any(tuple(r.shape) != want for r in rows):
+                if len(shapes) != self.layout.num_layers or any(s != want for s in shapes):
                     raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
             live = cids >= 0
         plan = AttentionPlan.make(step, dev, self.attention_impl)
@@ -413,8 +416,8 @@ class EngramLlama(nn.Module):
         n = cache.lookback.shape[1]
         for s, slot in enumerate(step.slots):
             cache.lengths[slot] = step.past_lens[s] + step.seq_lens[s]
-        if cids is None or n == 0:
-            return
+        if cids is None or n == 0 or step.lookback is not None:
+            return  # a step that brings its own lookback: the caller keeps lookbacks (the runtime does, on the host)
         starts = step.seq_starts
         for s, slot in enumerate(step.slots):
             ext = torch.cat([cache.lookback[slot], cids[starts[s]:starts[s + 1]].to(cache.lookback.device)])

@@ -32,13 +32,15 @@ _TORCH_DTYPES = {"BF16": torch.bfloat16}
 def table_kind_for(engram_config: Any, device: torch.device) -> str:
     """The store kind ``--engram-config`` asks for on ``device``: ``host_file_gather`` ->
     file, ``dp_shared_memory`` -> shared, ``cpu_offload: false`` -> device; otherwise
-    pinned on a GPU and plain memory on a CPU (where nothing reads through UVA)."""
+    pinned on a GPU, and the file map on a CPU (where nothing reads through UVA)."""
     if engram_config.host_file_gather:
         return "file"
     if device.type != "cuda":
         if not engram_config.cpu_offload:
             raise EngramError("--engram-config cpu_offload=false puts the tables in GPU memory, but this runtime runs on a CPU; use a CUDA device or drop cpu_offload")
-        return "shared" if engram_config.dp_shared_memory else "memory"
+        # No GPU reads the tables here, so a private copy buys nothing over the page
+        # cache: map the files (nothing is loaded up front).
+        return "shared" if engram_config.dp_shared_memory else "file"
     if not engram_config.cpu_offload:
         return "device"
     return "shared" if engram_config.dp_shared_memory else "pinned"
