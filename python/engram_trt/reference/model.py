@@ -133,6 +133,9 @@ class EngramLlama(nn.Module):
         self.layout: EngramLayout | None = None
         self.tables: TableStore | None = None
         self._engram_layer_index = config.engram_layer_index
+        # False runs the backbone alone (the Engram layers removed): the denominator of
+        # the benchmarks' "cost of Engram" ratios. Not a serving mode.
+        self.engram_enabled = True
         if spec is None:
             self.register_buffer("compress_lookup", None, persistent=False)
             return
@@ -374,7 +377,7 @@ class EngramLlama(nn.Module):
         hs = x.unsqueeze(1).expand(T, hc, D).contiguous()
         cids = None
         rows: Sequence[torch.Tensor] | None = None
-        if self.layout is not None:
+        if self.layout is not None and self.engram_enabled:
             cids = self.step_compressed_ids(step)
             if engram_rows is None:
                 rows = self.gather_engram_rows(self.engram_hash(cids, step.seq_starts, self.step_lookback(step, cache)))
@@ -393,7 +396,7 @@ class EngramLlama(nn.Module):
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
         for i, layer in enumerate(self.model.layers):
             li = self._engram_layer_index.get(i)
-            if li is not None:
+            if li is not None and rows is not None:
                 block = layer.engram_module
                 assert rows is not None and block is not None
                 hs = block(hs, rows[li].to(dev), live, self.engram_ops)

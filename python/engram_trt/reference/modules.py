@@ -66,6 +66,7 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None  # pack index of each decode token
     decode_mask: torch.Tensor | None  # [G, 1, 1, Lmax] bool: key allowed
     decode_max_len: int
+    decode_slot_range: tuple[int, int] | None = None  # contiguous decode slots: read the cache in place
 
     @classmethod
     def make(cls, step: PackedStep, device: torch.device, impl: str) -> "AttentionPlan":
@@ -82,8 +83,13 @@ class AttentionPlan:
             d_rows = torch.tensor([step.seq_starts[s] for s in decode], dtype=torch.int64).to(device, non_blocking=True)
             mask = torch.arange(lmax)[None, :] < torch.tensor(lens)[:, None]
             d_mask = mask[:, None, None, :].to(device, non_blocking=True)
+        slot_range = None
+        if decode:
+            ds = [step.slots[s] for s in decode]
+            if ds == list(range(ds[0], ds[0] + len(ds))):
+                slot_range = (ds[0], ds[0] + len(ds))
         return cls(step, step.token_slots(device), step.positions(device), impl, decode, prefill, d_slots, d_rows,
-                   d_mask, lmax)
+                   d_mask, lmax, slot_range)
 
 
 class Attention(nn.Module):
@@ -147,8 +153,12 @@ class Attention(nn.Module):
         """All one-token sequences at once: ``q [G, H, hd]``; each reads its slot's keys
         up to its length (a key-padding mask over the longest)."""
         L = plan.decode_max_len
-        k = keys[plan.decode_slots, :, :L].to(q.dtype)  # [G, kvh, L, hd]
-        v = values[plan.decode_slots, :, :L].to(q.dtype)
+        if plan.decode_slot_range is not None:  # the usual case: slots handed out lowest first
+            a, b = plan.decode_slot_range
+            k, v = keys[a:b, :, :L], values[a:b, :, :L]  # views: the cache is read in place
+        else:
+            k, v = keys[plan.decode_slots, :, :L], values[plan.decode_slots, :, :L]  # [G, kvh, L, hd] copies
+        k, v = k.to(q.dtype), v.to(q.dtype)
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_mask,
                                            enable_gqa=self.n_heads != self.n_kv)
         return o[:, :, 0, :]

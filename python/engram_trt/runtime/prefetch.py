@@ -63,7 +63,10 @@ class StagedRows:
         if self._future is not None:
             self._future.result()  # re-raises a failure of the lookup
         if self._event is not None:
-            torch.cuda.current_stream(self._views[0].device).wait_event(self._event)
+            stream = torch.cuda.current_stream(self._views[0].device)
+            if "wait_event" in self.info:  # timing: where the main stream stood when it needed the rows
+                self.info["wait_event"].record(stream)
+            stream.wait_event(self._event)
         self._ready = True
 
     def __len__(self) -> int:
@@ -100,11 +103,15 @@ class Prefetcher:
         self.head_dim = tables.head_dim(0)
         self.gather_policy = gather_policy
         self.cuda = self.device.type == "cuda"
+        # True: each step's StagedRows.info carries CUDA events (lookup start and end on
+        # the side stream, the main stream's wait point) for timelines; off when serving.
+        self.timing = False
         self.staging = [torch.empty((self.max_tokens, self.cols, tables.head_dim(i)), dtype=torch.bfloat16,
                                     device=self.device) for i in range(layout.num_layers)]
         self._ops = None
         self._stream = None
         self._pool: ThreadPoolExecutor | None = None
+        self._last_event: Any = None
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
         if self.cuda:
@@ -148,7 +155,11 @@ class Prefetcher:
             self._account(info, time.perf_counter() - t0)
             return StagedRows(views, info=info)
         assert self._pool is not None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=self.timing)
+        if self.timing:
+            info["wait_event"] = torch.cuda.Event(enable_timing=True)
+            info["start_event"] = torch.cuda.Event(enable_timing=True)
+            info["done_event"] = event
         fut = self._pool.submit(self._stage, step, cids, lookback, views, path, event, info)
         return StagedRows(views, fut, event, info)
 
@@ -159,6 +170,8 @@ class Prefetcher:
         T = step.num_tokens
         assert self._ops is not None and self._stream is not None
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            if "start_event" in info:
+                info["start_event"].record(self._stream)
             if path == "host":
                 ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout).astype(np.int32))
                 for li, v in enumerate(views):
@@ -168,6 +181,8 @@ class Prefetcher:
                 info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
             else:
                 # Kernels all the way: upload the compressed ids, hash and gather on the GPU.
+                if self._last_event is not None:
+                    self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
                 self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
                 self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
                 lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
@@ -178,6 +193,7 @@ class Prefetcher:
                     self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v)
                 info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
             event.record(self._stream)
+            self._last_event = event
         self._account(info, time.perf_counter() - t0)
 
     def _account(self, info: dict[str, Any], seconds: float) -> None:
