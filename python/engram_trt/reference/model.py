@@ -368,12 +368,15 @@ class EngramLlama(nn.Module):
 
     @torch.no_grad()
     def forward_step(self, step: PackedStep, cache: KVCache, *, engram_rows: Sequence[torch.Tensor] | None = None,
-                     all_logits: bool = False) -> torch.Tensor:
+                     all_logits: bool = False, capture: bool = False) -> torch.Tensor:
         """Logits (float32) of each sequence's last token ``[S, V]`` (``[T, V]`` with
         ``all_logits``). Writes the step's K/V into the cache slots in place and
         advances each slot's length and Engram lookback. ``engram_rows`` (per Engram
-        layer ``[T, cols, head_dim]``) skips hashing and gathering."""
-        self._check_step(step, cache)
+        layer ``[T, cols, head_dim]``) skips hashing and gathering. ``capture``: the
+        step is being recorded into a CUDA graph (runtime.cuda_graphs): its device
+        arrays are the graph's static buffers, the host bookkeeping is the caller's."""
+        if not capture:
+            self._check_step(step, cache)
         cfg = self.config
         dev = self.device
         T = step.num_tokens
@@ -397,7 +400,7 @@ class EngramLlama(nn.Module):
                 if len(shapes) != self.layout.num_layers or any(s != want for s in shapes):
                     raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
             live = cids >= 0
-        plan = AttentionPlan.make(step, dev, self.attention_impl, self.uploader)
+        plan = AttentionPlan.make(step, dev, self.attention_impl, self.uploader, graph_safe=capture)
         freqs = plan.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
@@ -417,7 +420,8 @@ class EngramLlama(nn.Module):
         out = self.model.norm(out)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(out, head).float()
-        self._advance(step, cache, cids)
+        if not capture:
+            self._advance(step, cache, cids)
         return logits
 
     def _advance(self, step: PackedStep, cache: KVCache, cids: torch.Tensor | None) -> None:

@@ -69,7 +69,10 @@ class AttentionPlan:
     decode_slot_range: tuple[int, int] | None = None  # contiguous decode slots: read the cache in place
 
     @classmethod
-    def make(cls, step: PackedStep, device: torch.device, impl: str, uploader: Any = None) -> "AttentionPlan":
+    def make(cls, step: PackedStep, device: torch.device, impl: str, uploader: Any = None,
+             graph_safe: bool = False) -> "AttentionPlan":
+        """``graph_safe``: every data-dependent choice is read from device tensors (no
+        in-place slot-range shortcut), so a captured CUDA graph replays it for any slots."""
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention impl {impl!r} not in {ATTENTION_IMPLS}")
         arrays = step.device_arrays(device, uploader)
@@ -83,7 +86,7 @@ class AttentionPlan:
             d_slots, d_rows = arrays["decode_slots"], arrays["decode_rows"]
             d_mask = (torch.arange(lmax, device=device)[None, :] < arrays["decode_lens"][:, None])[:, None, None, :]
             ds = [step.slots[s] for s in decode]
-            if ds == list(range(ds[0], ds[0] + len(ds))):
+            if not graph_safe and ds == list(range(ds[0], ds[0] + len(ds))):
                 slot_range = (ds[0], ds[0] + len(ds))
         return cls(step, arrays["token_slots"], arrays["positions"], impl, decode, prefill, d_slots, d_rows,
                    d_mask, lmax, slot_range)
