@@ -179,6 +179,7 @@ def test_export_is_deterministic_and_holds_no_tables() -> None:
     for n in ops:
         attrs = {a.name: a for a in n.attribute}
         assert attrs["plugin_version"].s == b"1"
+        assert attrs["plugin_namespace"].s == b"engram_trt"  # the creators' namespace, read by the ONNX parser
     names = [i.name for i in ex.model.graph.input]
     assert {"engram_ids", "engram_lookback", "engram_table_ptrs", "engram_scale_ptrs"} <= set(names)
 

@@ -1,8 +1,14 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * What the three Engram plugins share: one object implements IPluginV3 and its three
  * capabilities (core, build, runtime), as the TensorRT OSS IPluginV3 plugins do; the
- * name, version "1", the empty namespace and the capability dispatch live here.
- * Plugins need no per-context resources, so attachToContext is a clone.
+ * name, version "1", the namespace "engram_trt" (so the creators cannot collide with
+ * another library's plugins of the same names), the TensorRT phase the plugin was
+ * created in, and the capability dispatch live here. Plugins need no per-context
+ * resources, so attachToContext is a clone; a clone keeps the phase, so every object
+ * TensorRT derives from a build-phase plugin (for timing enqueues during the build)
+ * knows it serves a build.
  */
 #ifndef ENGRAM_TRT_PLUGIN_BASE_H
 #define ENGRAM_TRT_PLUGIN_BASE_H
@@ -18,7 +24,7 @@ namespace plugin
 {
 
 constexpr char const* kEngramPluginVersion = "1";
-constexpr char const* kEngramPluginNamespace = "";
+constexpr char const* kEngramPluginNamespace = "engram_trt";
 
 class EngramPluginBase : public nvinfer1::IPluginV3,
                          public nvinfer1::IPluginV3OneCore,
@@ -26,8 +32,9 @@ class EngramPluginBase : public nvinfer1::IPluginV3,
                          public nvinfer1::IPluginV3OneRuntime
 {
 public:
-    explicit EngramPluginBase(char const* pluginName)
+    EngramPluginBase(char const* pluginName, nvinfer1::TensorRTPhase phase)
         : mPluginName(pluginName)
+        , mPhase(phase)
     {
     }
 
@@ -73,8 +80,16 @@ public:
         return 0; // shapes are validated where they are used, in enqueue
     }
 
+    //! The phase given to the creator's createPlugin (kBUILD: made for a network being
+    //! built, whose enqueues TensorRT runs on made-up inputs; kRUNTIME: deserialized).
+    nvinfer1::TensorRTPhase phase() const
+    {
+        return mPhase;
+    }
+
 protected:
     char const* mPluginName;
+    nvinfer1::TensorRTPhase mPhase;
 };
 
 //! The creator half: name, version, namespace and the field list.

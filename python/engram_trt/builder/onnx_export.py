@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 OPSET = 23
 PLUGIN_DOMAIN = "trt.plugins"
 PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = "engram_trt"  # the creators' namespace; the ONNX parser reads it from the node attribute
 PLUGIN_NAMES = ("EngramHash", "EngramGather", "EngramGate")
 PLACEMENTS = ("in_engine", "prefetch")
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf's hard limit is 2 GiB
@@ -237,7 +238,7 @@ def plugin_attributes(layout: EngramLayout, config: ModelConfig, op: str, layer_
     creators refuse unknown or missing fields, so a drift fails the build loudly."""
     spec = config.engram
     assert spec is not None and spec.head_dim is not None
-    base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION}
+    base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
     if op == "EngramHash":
         base.update(
             n_layers=layout.num_layers,
@@ -258,6 +259,7 @@ def plugin_attributes(layout: EngramLayout, config: ModelConfig, op: str, layer_
             table_dtype=TABLE_DTYPE_CODES[table_dtype],
             quant_block=int(spec.quant_block),
             num_rows=int(num_rows),
+            bad_rows_input=0,  # no bad-row counter input (the plugin's optional last input)
         )
     elif op == "EngramGate":
         base.update(hc_mult=int(config.hc_mult), hidden_size=int(config.hidden_size), eps=float(config.rms_norm_eps))
@@ -543,7 +545,7 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
     class EngramHash(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, ids, seq_starts, lookback, plugin_version=None, n_layers=None, max_ngram_size=None,  # noqa: ANN001
+        def _run(self, ids, seq_starts, lookback, plugin_version=None, plugin_namespace=None, n_layers=None, max_ngram_size=None,  # noqa: ANN001
                  n_heads=None, pad_id=None, compressed_vocab_size=None, primes=None, offsets=None, multipliers=None):
             L, N, H = int(n_layers), int(max_ngram_size), int(n_heads)
             primes_a = np.asarray(primes, dtype=np.int64).reshape(L, N - 1, H)
@@ -558,8 +560,8 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
     class EngramGather(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, layer_index=None, n_layers=None,  # noqa: ANN001
-                 n_cols=None, head_dim=None, table_dtype=None, quant_block=None, num_rows=None):
+        def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, plugin_namespace=None, layer_index=None, n_layers=None,  # noqa: ANN001
+                 n_cols=None, head_dim=None, table_dtype=None, quant_block=None, num_rows=None, bad_rows_input=None):
             ids = np.asarray(row_ids)[:, int(layer_index), :].astype(np.int64)  # [T, cols]
             table = registry.lookup(int(np.asarray(table_ptr).reshape(-1)[0]))
             if table.shape[0] != int(num_rows):
@@ -574,7 +576,7 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
     class EngramGate(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, hidden, kv, q_weight, k_weight, live, plugin_version=None, hc_mult=None, hidden_size=None, eps=None):  # noqa: ANN001
+        def _run(self, hidden, kv, q_weight, k_weight, live, plugin_version=None, plugin_namespace=None, hc_mult=None, hidden_size=None, eps=None):  # noqa: ANN001
             out = engram_gate_reference(np.asarray(hidden, np.float32), np.asarray(kv, np.float32),
                                         np.asarray(q_weight, np.float32), np.asarray(k_weight, np.float32),
                                         np.asarray(live) != 0, float(eps))
