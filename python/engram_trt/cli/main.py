@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
             "from --prompt; prints the text, the backend that ran it and why, where the tables live, and timings.")
     p.add_argument("path", metavar="PATH", help="engine folder (from engram-trt build) or checkpoint folder")
     _add_generation_args(p)
+    from engram_trt.distributed.cli import add_parallel_arguments
+
+    add_parallel_arguments(p)  # hook: --tp / --dp / --prompts-file (engram_trt.distributed)
 
     p = add("demo-checkpoint", cmd_demo_checkpoint, "write the built-in engram-llama checkpoint (random weights; a tiny backbone and 2.4 GiB of FP8 tables)")
     p.add_argument("out", metavar="OUT", help="output folder")
