@@ -1,8 +1,10 @@
 /*
- * What the three Engram plugins share: one object implements IPluginV3 and its three
+ * What the Engram plugins share: one object implements IPluginV3 and its three
  * capabilities (core, build, runtime), as the TensorRT OSS IPluginV3 plugins do; the
  * name, version "1", the empty namespace and the capability dispatch live here.
  * Plugins need no per-context resources, so attachToContext is a clone.
+ * The build capability is a template parameter: IPluginV3OneBuild for most plugins,
+ * IPluginV3OneBuildV2 for a plugin that updates an input in place (aliased I/O).
  */
 #ifndef ENGRAM_TRT_PLUGIN_BASE_H
 #define ENGRAM_TRT_PLUGIN_BASE_H
@@ -20,13 +22,14 @@ namespace plugin
 constexpr char const* kEngramPluginVersion = "1";
 constexpr char const* kEngramPluginNamespace = "";
 
-class EngramPluginBase : public nvinfer1::IPluginV3,
-                         public nvinfer1::IPluginV3OneCore,
-                         public nvinfer1::IPluginV3OneBuild,
-                         public nvinfer1::IPluginV3OneRuntime
+template <typename BuildCapability>
+class EngramPluginBaseT : public nvinfer1::IPluginV3,
+                          public nvinfer1::IPluginV3OneCore,
+                          public BuildCapability,
+                          public nvinfer1::IPluginV3OneRuntime
 {
 public:
-    explicit EngramPluginBase(char const* pluginName)
+    explicit EngramPluginBaseT(char const* pluginName)
         : mPluginName(pluginName)
     {
     }
@@ -36,7 +39,7 @@ public:
         switch (type)
         {
         case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
-        case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
+        case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<BuildCapability*>(this);
         case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
         }
         return nullptr;
@@ -76,6 +79,13 @@ public:
 protected:
     char const* mPluginName;
 };
+
+//! The base of the plugins without aliased I/O.
+using EngramPluginBase = EngramPluginBaseT<nvinfer1::IPluginV3OneBuild>;
+
+//! The base of a plugin whose outputs alias inputs (getAliasedInput; TensorRT honours it
+//! with PreviewFeature::kALIASED_PLUGIN_IO_10_03).
+using EngramAliasingPluginBase = EngramPluginBaseT<nvinfer1::IPluginV3OneBuildV2>;
 
 //! The creator half: name, version, namespace and the field list.
 class EngramCreatorBase : public nvinfer1::IPluginCreatorV3One
