@@ -26,7 +26,8 @@ from engram_trt.checkpoint.demo import random_weights
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.reference.model import EngramLlama
 from engram_trt.errors import EngramError
-from engram_trt.builder.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, ReferenceRunner, export_model
+from engram_trt.builder.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, export_model
+from engram_trt.builder.reference_executor import ReferenceRunner
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=500, hc_mult=2, tie_word_embeddings=False, max_position_embeddings=128,
