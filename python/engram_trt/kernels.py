@@ -538,38 +538,33 @@ def attention_workspace_size(max_tokens: int, num_heads: int, num_kv_heads: int,
 
 def _attention_args(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, token_slot: Any,
                     token_pos: Any) -> tuple[int, int, int, int, int, int]:
-    """(T, num_heads, num_kv_heads, head_dim, num_slots, max_seq_len) after the checks."""
+    """(T, num_heads, num_kv_heads, head_dim, num_slots, max_seq_len) after the checks:
+    dtypes, then shapes, then devices (so a shape error is named on any device)."""
     torch = _torch()
     io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     _check_dtype("key_cache", key_cache, io_dtypes)
     dtype = key_cache.dtype
-    named = (("q", q), ("k", k), ("v", v), ("value_cache", value_cache))
-    for name, t in named:
-        if t is not None:
-            _check_dtype(name, t, (dtype,))
-    _check("key_cache", key_cache, io_dtypes, 4)
-    _check("value_cache", value_cache, (dtype,), 4)
-    if value_cache.shape != key_cache.shape:
-        raise EngramError(f"value_cache must match key_cache {tuple(key_cache.shape)} (got {tuple(value_cache.shape)})")
-    num_slots, kvh, max_seq_len, hd = key_cache.shape
-    ref = q if q is not None else k
-    _check("q" if q is not None else "k", ref, (dtype,), 3)
-    T = ref.shape[0]
-    if q is not None:
-        H = q.shape[1]
-        if q.shape[2] != hd:
-            raise EngramError(f"q must be [T, num_heads, head_dim={hd}] (got {tuple(q.shape)})")
-    else:
-        H = kvh
-    for name, t in (("k", k), ("v", v)):
-        if t is not None:
-            _check(name, t, (dtype,), 3)
-            if tuple(t.shape) != (T, kvh, hd):
-                raise EngramError(f"{name} must be [T, num_kv_heads, head_dim] = {(T, kvh, hd)} (got {tuple(t.shape)})")
+    floats = [(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("value_cache", value_cache)) if t is not None]
+    for name, t in floats:
+        _check_dtype(name, t, (dtype,))
     for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        _check(name, t, (torch.int32,), 1)
-        if t.shape[0] != T:
+        _check_dtype(name, t, (torch.int32,))
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise EngramError(f"key_cache and value_cache must be one shape [slots, kv_heads, max_seq_len, head_dim] "
+                          f"(got {tuple(key_cache.shape)} and {tuple(value_cache.shape)})")
+    num_slots, kvh, max_seq_len, hd = key_cache.shape
+    T = (q if q is not None else k).shape[0]
+    H = kvh if q is None else q.shape[1]
+    if q is not None and (q.dim() != 3 or q.shape[2] != hd):
+        raise EngramError(f"q must be [T, num_heads, head_dim={hd}] (got {tuple(q.shape)})")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and tuple(t.shape) != (T, kvh, hd):
+            raise EngramError(f"{name} must be [T, num_kv_heads, head_dim] = {(T, kvh, hd)} (got {tuple(t.shape)})")
+    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
+        if tuple(t.shape) != (T,):
             raise EngramError(f"{name} must be [T] = ({T},) (got {tuple(t.shape)})")
+    for name, t in floats + [("key_cache", key_cache), ("token_slot", token_slot), ("token_pos", token_pos)]:
+        _check(name, t, (t.dtype,))
     _same_device(key_cache.device, q=q, k=k, v=v, value_cache=value_cache, token_slot=token_slot,
                  token_pos=token_pos)
     return T, H, kvh, hd, num_slots, max_seq_len

@@ -193,19 +193,13 @@ class ReferenceRunner:
         self.value_cache = [np.zeros(shape, dtype=self.np_dtype) for _ in range(config.num_hidden_layers)]
         self.lookback = np.full((self.num_slots, exported.io.get("lookback") or 0), -1, dtype=np.int32)
 
-    def free(self, slot: int) -> None:
-        """Start a new sequence in ``slot``: its lookback is cleared (its K/V rows are
-        rewritten before a new sequence reads them)."""
-        if not 0 <= int(slot) < self.num_slots:
-            raise EngramError(f"slot {slot} is outside [0, {self.num_slots})")
-        self.lookback[int(slot)] = -1
-
     def step(self, input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any, lookback: Any = None,
              engram_ids: Any = None, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
         """One packed step (the PackedStep fields, NumPy arrays or torch tensors): the tokens
         ``input_ids [T]`` of S sequences back to back (``seq_starts [S+1]``), each after
         ``past_lens[s]`` cached tokens in KV slot ``slots[s]``; ``lookback [S, N-1]`` (None:
-        each slot's own, none for a sequence without past); ``engram_ids [T]`` overrides the
+        each slot's own, kept from its previous steps; none for a sequence without past, so
+        a slot needs no reset between sequences); ``engram_ids [T]`` overrides the
         compressed ids; ``engram_rows`` (prefetch graphs) per Engram layer ``[T, cols,
         head_dim]``. Returns the logits of each sequence's last token, ``[S, vocab]`` float32."""
         ids = _array(input_ids, "input_ids", np.int64, 1)
