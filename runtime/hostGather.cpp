@@ -1,7 +1,7 @@
 /*
  * Host gather: CPU threads gather table rows into pinned staging, one copy per chunk.
  *
- * Why: on the H200 VM (notes/platform.md) random GPU reads of pinned host memory reach
+ * Why: on the H200 VM (docs/platform.md) random GPU reads of pinned host memory reach
  * about a tenth of the PCIe link, because every 4 KiB page costs the GPU a translation,
  * while one contiguous cudaMemcpyAsync runs at the link's speed. Measured there
  * (docs/benchmarks.md, 24.75 GiB fp8 table in pinned host memory): this path is

@@ -1,8 +1,4 @@
-"""Shared fixtures: the golden vectors, and where they live.
-
-The golden vectors sit in ``../shared/golden`` beside the checkout (CI lays a copy
-there too). ``ENGRAM_TRT_GOLDEN`` points elsewhere if needed.
-"""
+"""Shared fixtures: the golden vectors (``tests/data``), the demo checkpoint, the plugin library."""
 
 from __future__ import annotations
 
@@ -38,9 +34,10 @@ def file_sha256(path: str | Path, offset: int = 0, nbytes: int | None = None) ->
 
 
 def golden_dir() -> Path:
+    """The golden vectors: the repository's own copy (``tests/data``, so a clone anywhere
+    passes), or ``$ENGRAM_TRT_GOLDEN`` to test against another set."""
     env = os.environ.get("ENGRAM_TRT_GOLDEN")
-    candidates = [Path(env)] if env else []
-    candidates += [REPO.parent / "shared" / "golden", REPO / "shared" / "golden"]
+    candidates = [Path(env)] if env else [REPO / "tests" / "data"]
     for c in candidates:
         if (c / "engram_hash_public.json").is_file():
             return c
@@ -117,3 +114,46 @@ def plugin_lib(tmp_path_factory) -> Path:
     path = build / kernels.LIBRARY_NAME
     os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(path)
     return path
+
+
+# A small engram-llama with the DeepSeek-V4 tokenizer (real text in, real tokens out),
+# Engram on two of three layers, small tables: quick to write, load and run on a CPU.
+SMALL_CONFIG = {
+    "architectures": ["EngramLlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 129280, "hc_mult": 2,
+    "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 1,
+    "engram_layer_ids": [0, 2], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
+    "engram_vocab_size": 3000, "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 1,
+}
+
+
+def write_small_checkpoint(path: Path, seed: int = 0) -> Path:
+    import torch
+
+    from engram_trt.checkpoint.checkpoint import write_checkpoint
+    from engram_trt.checkpoint.demo import random_weights
+    from engram_trt.config.model import ModelConfig
+    from engram_trt.engram.layout import EngramLayout
+    from engram_trt.engram.tokenizer import default_tokenizer_json
+
+    cfg = ModelConfig.from_dict(SMALL_CONFIG)
+    rows = [int(r) for r in EngramLayout.from_spec(cfg.engram, 0).table_rows]
+    weights = random_weights(cfg, torch.Generator().manual_seed(seed), table_rows=rows)
+    return write_checkpoint(path, SMALL_CONFIG, weights, default_tokenizer_json(), max_shard_bytes=8_000_000)
+
+
+@pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory) -> Path:
+    return write_small_checkpoint(tmp_path_factory.mktemp("small") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def small_engine(small_ckpt, tmp_path_factory) -> Path:
+    """An engine folder of the small checkpoint (manifest, graph, vocab; no TensorRT
+    engine needed: the runtime reads the folder either way)."""
+    from engram_trt.builder.build import build
+
+    out = tmp_path_factory.mktemp("small-engine") / "engine"
+    build(small_ckpt, out, build_engine_if_possible=False, progress=False, max_batch=8, max_seq_len=512,
+          max_num_tokens=64)
+    return out

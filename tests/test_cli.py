@@ -195,7 +195,9 @@ def test_run_prints_text_speed_and_backend(capsys, demo_dir):
     assert code == 0, err
     res = json.loads(out)
     assert res["backend"] == "torch" and res["device"] == "cpu"
-    assert res["new_tokens"] == 4 and len(res["token_ids"]) == 4 and res["tokens_per_s"] > 0
+    assert res["new_tokens"] == 4 and len(res["token_ids"]) == 4 and res["timings"]["tokens_per_s"] > 0
+    assert res["finish_reason"] == "length" and res["source"] == "checkpoint"
+    assert res["storage"]["kind"] == "file" and res["storage"]["table_bytes"] > 0
     from engram_trt.engram.tokenizer import load_tokenizer
 
     assert res["text"] == load_tokenizer(demo_dir).decode(res["token_ids"], skip_special_tokens=False)

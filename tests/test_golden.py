@@ -1,4 +1,4 @@
-"""Every Engram formula against the independent golden vectors (../shared/golden)."""
+"""Every Engram formula against the independent golden vectors (tests/data, copied from the independent set)."""
 
 from __future__ import annotations
 

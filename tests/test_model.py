@@ -26,7 +26,12 @@ from engram_trt.errors import EngramError
 from engram_trt.engram.fusion import engram_gate_reference
 from engram_trt.engram.hashing import hash_ids
 from engram_trt.engram.layout import EngramLayout
-from engram_trt.reference.model import EngramLlama, EngramTables, KVCache, sample_next
+from engram_trt.reference.kv_cache import KVCache
+from engram_trt.reference.model import EngramLlama
+from engram_trt.reference.sampling import sample_next
+from engram_trt.runtime.step import PackedStep
+from engram_trt.tables.source import checkpoint_table_refs
+from engram_trt.tables.store import open_tables
 from engram_trt.engram.quant import dequant_fp8_rows
 from engram_trt.engram.tokenizer import CompressedVocab, load_tokenizer
 
@@ -234,9 +239,9 @@ def test_engram_update_matches_numpy_across_a_chunk(small: Any) -> None:
     finally:
         handle.remove()
     lookback = lookup[torch.tensor(IDS[4:6])].numpy()
-    hidden = f64(seen["hidden"][0])
+    hidden = f64(seen["hidden"])  # the packed step's [T, hc, D]
     want = np_engram(cfg, weights, model.layout, 1, hidden, cids.numpy(), lookback)
-    got = f64(seen["out"][0])
+    got = f64(seen["out"])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     # the dead token passes through untouched (gate 0); live ones changed
     np.testing.assert_array_equal(got[2], hidden[2])
@@ -244,7 +249,7 @@ def test_engram_update_matches_numpy_across_a_chunk(small: Any) -> None:
     # and the rows the model gathered are the oracle's rows
     hid = hash_ids(cids.numpy(), model.layout, lookback)[:, 1, :]
     names = engram_tensor_names(layer)
-    np.testing.assert_array_equal(f64(seen["rows"][0]), np_table_rows(weights, names, hid, 32))
+    np.testing.assert_array_equal(f64(seen["rows"]), np_table_rows(weights, names, hid, 32))
 
 
 # --------------------------------------------------------------------------------------
@@ -327,8 +332,8 @@ def test_bad_inputs_are_refused(small: Any) -> None:
     model.prefill(IDS[:3], cache)
     with pytest.raises(EngramError, match="max_len"):
         model.prefill(IDS[:3], cache)
-    with pytest.raises(EngramError, match="start_pos"):
-        model(IDS[:1], cache, start_pos=0)
+    with pytest.raises(EngramError, match="holds 0 tokens, but it holds 3"):
+        model.forward_step(PackedStep.from_sequences([IDS[:1]], past_lens=[0]), cache)
     with pytest.raises(EngramError, match="compressed"):
         EngramLlama(cfg, small[2], compress_lookup=torch.full((300,), CVOCAB))
     with pytest.raises(EngramError):
@@ -407,10 +412,10 @@ def test_from_checkpoint_memory_and_mmap_tables(small: Any, tmp_path: Path) -> N
     ck = Checkpoint.open(tmp_path / "ck")
     vocab = CompressedVocab(lookup=lookup.numpy(), size=CVOCAB)
     ref = model(IDS)
-    for storage in ("memory", "mmap"):
+    for storage in ("memory", "file"):
         loaded = EngramLlama.from_checkpoint(ck, table_storage=storage, compressed_vocab=vocab)
         torch.testing.assert_close(loaded(IDS), ref, rtol=0, atol=0)
-    assert EngramTables.from_checkpoint(ck, storage="mmap").nbytes() == 0
+    assert open_tables(checkpoint_table_refs(ck), "file").nbytes() == 0
     with pytest.raises(EngramError, match="compresses to 119"):
         EngramLlama.from_checkpoint(ck, compressed_vocab=CompressedVocab(lookup=lookup.numpy() % 119, size=119))
     with pytest.raises(EngramError, match="tokenizer.json"):

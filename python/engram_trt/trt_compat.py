@@ -375,3 +375,9 @@ def describe() -> dict[str, str]:
     """``{'flavour', 'module', 'version'}`` of the TensorRT in use (for the manifest)."""
     t = load()
     return {"flavour": t.flavour, "module": t.module_name, "version": t.version}
+
+
+def create_runtime() -> Any:
+    """A ``Runtime`` bound to the shared logger (engine deserialization)."""
+    t = load().module
+    return t.Runtime(logger())

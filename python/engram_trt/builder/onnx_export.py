@@ -7,7 +7,7 @@ plugin name into that plugin), and it can be *executed* on a CPU with
 graph numerically against the PyTorch reference model: the engine is built from exactly
 what was checked.
 
-The graph is one serving step (notes/engram-spec.md, serving-spec): the tokens of S
+The graph is one serving step (docs/engram-spec.md; the serving-step contract of runtime/step.py): the tokens of S
 sequences packed back to back, ``input_ids [T] int32``, with ``seq_starts [S+1]``
 (cu_seqlens), ``past_lens [S]`` (tokens of each sequence already cached) and ``slots
 [S]`` (each sequence's KV-cache slot), all int32. From them the graph derives, with

@@ -80,7 +80,7 @@ def natural_key(name: str) -> tuple[Any, ...]:
 
 
 def engram_tensor_names(layer_id: int, prefix: str = "engram") -> dict[str, str]:
-    """Checkpoint names of one Engram layer's tensors (notes/engram-spec.md)."""
+    """Checkpoint names of one Engram layer's tensors (docs/engram-spec.md)."""
     base = f"model.layers.{layer_id}.{prefix}"
     return {
         "table": f"{base}.embed.weight",

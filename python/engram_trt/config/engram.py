@@ -32,7 +32,7 @@ TABLE_PLACEMENTS = ("auto", "in_engine", "prefetch")
 
 @dataclass(frozen=True)
 class EngramConfig:
-    """Storage and topology of the Engram tables (see notes/engram-spec.md).
+    """Storage and topology of the Engram tables (see docs/engram-spec.md).
 
     ``cpu_offload``: tables in pinned host memory read through UVA (True), or copied
     to GPU memory (False).
@@ -45,7 +45,7 @@ class EngramConfig:
     EngramGather inside the engine, reading the tables through UVA; one launch
     sequence, no host sync) or ``prefetch`` (the engine takes staged rows as inputs; the
     runtime hashes and gathers them on a side stream, the faster path for host tables
-    per notes/platform.md).
+    per docs/platform.md).
     """
 
     cpu_offload: bool = True

@@ -178,7 +178,7 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The engram-llama backbone plus its Engram spec (see notes/engram-spec.md)."""
+    """The engram-llama backbone plus its Engram spec (see docs/engram-spec.md)."""
 
     hidden_size: int
     intermediate_size: int

@@ -1,6 +1,6 @@
 """The Engram n-gram hash: compressed token ids -> table row ids.
 
-This is the one Python statement of the formula (notes/engram-spec.md); the CUDA
+This is the one Python statement of the formula (docs/engram-spec.md); the CUDA
 kernel in ``plugins/kernels`` is the other, and tests hold them bit-identical.
 One code path serves NumPy and PyTorch (``_hash`` only uses operators both share),
 so the reference and the torch backend cannot drift apart.
@@ -36,11 +36,13 @@ def _check_ids(ids: Any, layout: EngramLayout, what: str) -> None:
                 f"(-1 marks a dead token; compressed_vocab_size={layout.compressed_vocab_size})")
 
 
-def _hash(xp: Any, ext: Any, T: int, layout: EngramLayout, lead: int, like: Any) -> Any:
+def _hash(xp: Any, ext: Any, T: int, layout: EngramLayout, lead: int, like: Any, index: Any = None) -> Any:
     """Core formula over ``ext`` = lookback (``lead`` ids) followed by the ``T`` ids.
 
     Returns ``[T, L, cols]`` int64. ``xp`` is numpy or torch; ``like`` converts the
-    layout constants to the same array type and device.
+    layout constants to the same array type and device. ``index`` (packed form): the
+    position in ``ext`` of each of the T tokens, whose lookback precedes it there; the
+    token at shift s of token t is then ``ext[index[t] - s]``.
     """
     N, H, L = layout.max_ngram_size, layout.n_heads, layout.num_layers
     mult = like(layout.multipliers)  # [L, N]
@@ -50,8 +52,11 @@ def _hash(xp: Any, ext: Any, T: int, layout: EngramLayout, lead: int, like: Any)
     blocked = None
     rolling = None
     for s in range(N):
-        start = lead - s
-        tok = ext[start:start + T]  # token at p - s, for every p
+        if index is None:
+            start = lead - s
+            tok = ext[start:start + T]  # token at p - s, for every p
+        else:
+            tok = ext[index - s]
         dead = tok < 0
         blocked = dead if blocked is None else (blocked | dead)
         v = xp.where(blocked, like(np.int64(layout.pad_id)), tok)  # [T]
@@ -114,11 +119,23 @@ def hash_batch_packed(ids: Any, seq_starts: Any, lookback: Any, layout: EngramLa
         lookback = np.asarray(lookback, dtype=np.int64)
         if lookback.shape != (S, layout.max_ngram_size - 1):
             raise EngramError(f"lookback must be [num_sequences={S}, N-1={layout.max_ngram_size - 1}] (got {lookback.shape})")
-    out = np.empty((ids.shape[0], layout.num_layers, layout.n_hash_cols), dtype=np.int64)
-    for s in range(S):
-        a, b = int(starts[s]), int(starts[s + 1])
-        out[a:b] = hash_ids(ids[a:b], layout, None if lookback is None else lookback[s])
-    return out
+    n = layout.max_ngram_size - 1
+    lb = np.full((S, n), DEAD, dtype=np.int64) if lookback is None else lookback
+    _check_ids(ids, layout, "ids")
+    _check_ids(lb.reshape(-1), layout, "lookback")
+    # One vectorized pass over all sequences: each sequence's lookback is laid out just
+    # before its tokens in one flat array, so the token at shift s is ext[index - s]
+    # and never crosses into the previous sequence (decode steps of hundreds of
+    # sequences hash in one go instead of a loop of small ones).
+    T = ids.shape[0]
+    lens = np.diff(starts)
+    seq = np.repeat(np.arange(S), lens)
+    block = starts[:-1] + np.arange(S) * n  # where sequence s's lookback begins in ext
+    ext = np.empty(T + S * n, dtype=np.int64)
+    ext[(block[:, None] + np.arange(n)[None, :]).reshape(-1)] = lb.reshape(-1)
+    index = block[seq] + n + (np.arange(T) - starts[:-1][seq])
+    ext[index] = ids
+    return _hash(np, ext, T, layout, n, lambda a: np.asarray(a, dtype=np.int64), index=index)
 
 
 def next_lookback(previous: Any, ids: Any, n: int) -> np.ndarray:

@@ -1,0 +1,147 @@
+"""``engram-trt run``, ``demo`` and ``demo-checkpoint``: generate text end to end."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engram_trt.cli.output import print_json
+from engram_trt.errors import EngramError
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    from engram_trt.config.engram import add_engram_config_arguments
+
+    p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=32,
+                   help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, 0..2^63-1 (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when the output contains TEXT (excluded from it); repeat for several")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence ids")
+    p.add_argument("--backend", choices=("auto", "tensorrt", "torch"), default="auto",
+                   help="'tensorrt' runs the engine, 'torch' the reference model with the project's CUDA kernels on a GPU "
+                        "(the reference path on a CPU), 'auto' the first that can run here, saying why (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
+    p.add_argument("--dtype", default=None, metavar="{float32,bfloat16,float16}",
+                   help="compute dtype of the torch backend; bf16/fp16/fp32 spellings too (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--verify-tables", action="store_true",
+                   help="check every Engram table's sha256 against the manifest before running (reads every byte)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token_ids, finish_reason, backend, storage, timings and more")
+    add_engram_config_arguments(p)
+
+
+def _check_generation_args(args: argparse.Namespace) -> Any:
+    """The request's SamplingParams, checked before anything is loaded."""
+    from engram_trt.llmapi.params import SamplingParams
+
+    if args.max_new_tokens < 1:
+        raise EngramError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise EngramError(f"--temperature must be a number >= 0 (got {args.temperature})")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise EngramError(f"--top-p must be in (0, 1] (got {args.top_p})")
+    if not 0 <= args.seed < 2**63:
+        raise EngramError(f"--seed must be in 0..2^63-1 (got {args.seed})")
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+
+
+def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Generate through :class:`engram_trt.LLM` (engine folder or checkpoint) and return
+    text, token ids, the finish reason, the backend, the storage and timings."""
+    from engram_trt.config.engram import engram_config_from_args
+    from engram_trt.llmapi.llm import LLM
+
+    params = _check_generation_args(args)
+    ecfg = engram_config_from_args(args)
+    t0 = time.perf_counter()
+    with LLM(path, backend=args.backend, engram_config=ecfg if ecfg.given else None, device=args.device,
+             dtype=args.dtype, verify_tables=args.verify_tables, progress=not args.json) as llm:
+        load_s = time.perf_counter() - t0
+        out = llm.generate(args.prompt, params)[0]
+        if out.error:
+            raise EngramError(out.error)
+        res = {
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "backend": llm.backend_label,
+            "backend_reason": llm.backend_reason,
+            "storage": llm.storage,
+            "device": str(llm.device),
+            "dtype": str(llm.runner.dtype).replace("torch.", ""),
+            "prompt": args.prompt,
+            "prompt_tokens": len(out.prompt_token_ids),
+            "new_tokens": len(out.token_ids),
+            "timings": {"load_s": round(load_s, 3), **out.timings},
+            "source": llm.source.kind,
+        }
+    return res
+
+
+def _print_generation(res: dict[str, Any]) -> None:
+    st = res["storage"]
+    print(f"backend: {res['backend']} ({res['device']}, {res['dtype']}; {res['backend_reason']})")
+    if st.get("kind") != "none":
+        print(f"tables:  {st['kind']}, {st['table_bytes'] / 2**20:.1f} MiB in {st['where']}")
+    print(f"prompt:  {res['prompt']!r} ({res['prompt_tokens']} tokens)")
+    print(f"output:  {res['text']!r} ({res['new_tokens']} tokens, finish: {res['finish_reason']})")
+    tm = res["timings"]
+    print(f"time:    first token {tm.get('time_to_first_token_s', 0):.3f} s, {tm.get('decode_tokens_per_s', 0)} tokens/s decode, "
+          f"load {tm['load_s']} s")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    res = generate_text(args.path, args)
+    print_json(res) if args.json else _print_generation(res)
+    return 0
+
+
+def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
+    from engram_trt.checkpoint.demo import make_demo_checkpoint
+
+    out = make_demo_checkpoint(Path(args.out), seed=args.seed)
+    print(f"wrote the demo checkpoint to {out} (random weights: generated text is meaningless)")
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from engram_trt.builder.build import build_from_args
+
+    return build_from_args(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from engram_trt.builder.build import build
+    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.paths import cache_root
+
+    _check_generation_args(args)  # before the checkpoint or the engine is touched
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
+    ckpt_dir = ensure_demo_checkpoint(seed=args.weights_seed)
+    say(f"checkpoint: {ckpt_dir}")
+    engine_dir = Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-engine"
+    built = build(ckpt_dir, engine_dir, progress=not args.json)
+    say(built.summary())
+    res = generate_text(str(engine_dir), args)
+    res["engine"] = built.to_json()
+    if built.engine_skipped:
+        res["engine_note"] = built.engine_skipped
+    if args.json:
+        print_json(res)
+    else:
+        if built.engine_skipped:
+            say(res["engine_note"])
+        _print_generation(res)
+    return 0
+
+

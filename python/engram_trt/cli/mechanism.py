@@ -1,0 +1,101 @@
+"""``engram-trt layout`` and ``engram-trt hash``: the mechanism's numbers as JSON.
+
+Neither imports torch or onnx: they answer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from engram_trt.cli.output import print_json
+from engram_trt.errors import EngramError
+
+
+def _parse_ids(text: str) -> list[int]:
+    example = "expected comma-separated integers, e.g. --ids 5,17,-1,3"
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 1 and parts[-1] == "":
+        parts.pop()  # one trailing comma is harmless
+    if parts == [""]:
+        raise EngramError(f"--ids: no ids given ({example})")
+    ids: list[int] = []
+    for part in parts:
+        if part == "":
+            raise EngramError(f"--ids: empty item in '{text}' ({example})")
+        try:
+            ids.append(int(part))
+        except ValueError:
+            raise EngramError(f"--ids: '{part}' is not an integer ({example})") from None
+    return ids
+
+
+# ---------------------------------------------------------------- layout / hash
+def cmd_layout(args: argparse.Namespace) -> int:
+    from engram_trt.config.model import load_engram_spec
+    from engram_trt.engram.layout import EngramLayout
+
+    spec = load_engram_spec(args.config)
+    pad = args.pad_id if args.pad_id is not None else _compressed_pad_or_zero(args.config, spec)
+    layout = EngramLayout.from_spec(spec, pad)
+    d = layout.to_json_dict()
+    print_json({k: d[k] for k in ("layer_ids", "primes", "offsets", "multipliers", "n_hash_cols", "table_rows")}
+                | {"pad_id": d["pad_id"], "max_ngram_size": d["max_ngram_size"], "n_heads": d["n_heads"]})
+    return 0
+
+
+def _tokenizer_beside(config_arg: str) -> Path | None:
+    p = Path(config_arg)
+    folder = p if p.is_dir() else p.parent
+    tok = folder / "tokenizer.json"
+    return tok if tok.is_file() else None
+
+
+def _compressed_pad_or_zero(config_arg: str, spec: Any) -> int:
+    """The layout does not depend on the pad id; report it when a tokenizer is at hand."""
+    tok = _tokenizer_beside(config_arg)
+    if tok is None:
+        return 0
+    vocab = _checked_vocab(tok, spec)
+    return int(vocab.compress([spec.pad_token_id])[0])
+
+
+def _checked_vocab(tokenizer_json: Path, spec: Any) -> Any:
+    from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
+
+    vocab = build_compressed_vocab(tokenizer_json)
+    check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
+    return vocab
+
+
+def cmd_hash(args: argparse.Namespace) -> int:
+    from engram_trt.config.model import load_engram_spec
+    import numpy as np
+
+    from engram_trt.engram.hashing import hash_ids
+    from engram_trt.engram.layout import EngramLayout
+
+    spec = load_engram_spec(args.config)
+    ids = _parse_ids(args.ids)
+    if args.compressed:
+        if args.pad_id is None:
+            raise EngramError("--compressed needs --pad-id N, the compressed id of the pad token (engram-trt hash without --compressed derives it from the tokenizer)")
+        compressed = np.asarray(ids, dtype=np.int64)
+        pad = args.pad_id
+    else:
+        if args.pad_id is not None:
+            raise EngramError("--pad-id only applies with --compressed (raw ids take the pad id from the tokenizer)")
+        tok = _tokenizer_beside(args.config)
+        if tok is None:
+            raise EngramError(f"no tokenizer.json beside {args.config}: raw token ids need the checkpoint's tokenizer; pass a checkpoint folder, or --compressed --pad-id N for compressed ids")
+        vocab = _checked_vocab(tok, spec)
+        raw = np.asarray(ids, dtype=np.int64)
+        dead = raw == -1
+        compressed = np.where(dead, -1, vocab.compress(np.where(dead, 0, raw)))
+        pad = int(vocab.compress([spec.pad_token_id])[0])
+    layout = EngramLayout.from_spec(spec, pad)
+    print_json({"hash_ids": hash_ids(compressed, layout).tolist()})
+    return 0
+
+

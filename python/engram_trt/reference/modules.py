@@ -1,0 +1,228 @@
+"""The engram-llama modules (docs/engram-spec.md, "Reference architecture"): a
+Llama-style decoder (RMSNorm, RoPE attention with grouped KV heads, SwiGLU MLP) whose
+residual stream is ``hc_mult`` copies ``[T, hc, D]``, with the Engram update at the
+start of the listed layers. Every module works on a packed step (T tokens of several
+sequences back to back; :class:`AttentionPlan` says which is which).
+
+Attention reads the slot KV cache (:mod:`.kv_cache`) in place. Two implementations of
+one function: ``loop`` (explicit float32 scores per sequence, the CPU reference) and
+``sdpa`` (``scaled_dot_product_attention``: fused kernels, no materialized causal mask
+for a prefill chunk, decode tokens of all sequences batched in one call), chosen per
+device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram_trt.config.model import ModelConfig
+from engram_trt.engram.fusion import engram_gate
+from engram_trt.reference.kv_cache import KVCache
+from engram_trt.runtime.step import PackedStep
+
+ATTENTION_IMPLS = ("loop", "sdpa")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """HF Llama convention: the head dim's halves are the pairs that rotate."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class AttentionPlan:
+    """How one step's tokens map onto the cache, prepared once per step for every layer.
+
+    ``token_slots`` / ``positions`` ``[T]`` on the device; the per-sequence lists on the
+    host (no device reads inside the step). Decode sequences (one token) are batched:
+    ``decode`` lists their indices, with their slots and lengths as device tensors.
+    """
+
+    step: PackedStep
+    token_slots: torch.Tensor
+    positions: torch.Tensor
+    impl: str
+    decode: list[int]
+    prefill: list[int]
+    decode_slots: torch.Tensor | None
+    decode_rows: torch.Tensor | None  # pack index of each decode token
+    decode_mask: torch.Tensor | None  # [G, 1, 1, Lmax] bool: key allowed
+    decode_max_len: int
+    decode_slot_range: tuple[int, int] | None = None  # contiguous decode slots: read the cache in place
+
+    @classmethod
+    def make(cls, step: PackedStep, device: torch.device, impl: str) -> "AttentionPlan":
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention impl {impl!r} not in {ATTENTION_IMPLS}")
+        decode = [s for s, n in enumerate(step.seq_lens) if n == 1] if impl == "sdpa" else []
+        prefill = [s for s in range(step.num_seqs) if s not in set(decode)]
+        d_slots = d_rows = d_mask = None
+        lmax = 0
+        if decode:
+            lens = [step.total_lens[s] for s in decode]
+            lmax = max(lens)
+            d_slots = torch.tensor([step.slots[s] for s in decode], dtype=torch.int64).to(device, non_blocking=True)
+            d_rows = torch.tensor([step.seq_starts[s] for s in decode], dtype=torch.int64).to(device, non_blocking=True)
+            mask = torch.arange(lmax)[None, :] < torch.tensor(lens)[:, None]
+            d_mask = mask[:, None, None, :].to(device, non_blocking=True)
+        slot_range = None
+        if decode:
+            ds = [step.slots[s] for s in decode]
+            if ds == list(range(ds[0], ds[0] + len(ds))):
+                slot_range = (ds[0], ds[0] + len(ds))
+        return cls(step, step.token_slots(device), step.positions(device), impl, decode, prefill, d_slots, d_rows,
+                   d_mask, lmax, slot_range)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        D, hd = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+                cache: KVCache, layer: int) -> torch.Tensor:
+        """``x [T, D]`` -> ``[T, D]``; writes the step's K/V into the cache first, so the
+        tokens of one chunk see each other."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+        c, s = cos[:, None, :], sin[:, None, :]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        keys, values = cache.keys[layer], cache.values[layer]
+        keys[plan.token_slots, :, plan.positions] = k.to(keys.dtype)
+        values[plan.token_slots, :, plan.positions] = v.to(values.dtype)
+        out = torch.empty_like(q)
+        step = plan.step
+        for si in plan.prefill:
+            a, b = step.seq_starts[si], step.seq_starts[si + 1]
+            slot, L = step.slots[si], step.total_lens[si]
+            out[a:b] = self._attend_one(q[a:b], keys[slot, :, :L], values[slot, :, :L], plan.impl)
+        if plan.decode:
+            out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], keys, values, plan)
+        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
+
+    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
+        """One sequence: ``q [n, H, hd]`` (its last n positions), ``k/v [kvh, L, hd]``
+        (the cache up to its end); causal, aligned to the end (lower right)."""
+        n, L = q.shape[0], k.shape[1]
+        groups = self.n_heads // self.n_kv
+        qh = q.transpose(0, 1)  # [H, n, hd]
+        if impl == "sdpa":
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(n, L) if n > 1 else None
+            o = F.scaled_dot_product_attention(qh[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask,
+                                               enable_gqa=groups > 1)[0]
+            return o.transpose(0, 1)
+        kh = k.repeat_interleave(groups, dim=0)  # head h reads kv head h // groups
+        vh = v.repeat_interleave(groups, dim=0)
+        scores = torch.matmul(qh.float(), kh.float().transpose(-1, -2)) / math.sqrt(self.head_dim)
+        q_pos = torch.arange(L - n, L, device=q.device)
+        allowed = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), vh.float()).to(q.dtype)
+        return o.transpose(0, 1)
+
+    def _attend_decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       plan: AttentionPlan) -> torch.Tensor:
+        """All one-token sequences at once: ``q [G, H, hd]``; each reads its slot's keys
+        up to its length (a key-padding mask over the longest)."""
+        L = plan.decode_max_len
+        if plan.decode_slot_range is not None:  # the usual case: slots handed out lowest first
+            a, b = plan.decode_slot_range
+            k, v = keys[a:b, :, :L], values[a:b, :, :L]  # views: the cache is read in place
+        else:
+            k, v = keys[plan.decode_slots, :, :L], values[plan.decode_slots, :, :L]  # [G, kvh, L, hd] copies
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_mask,
+                                           enable_gqa=self.n_heads != self.n_kv)
+        return o[:, :, 0, :]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        D, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(D, I, bias=False)
+        self.up_proj = nn.Linear(D, I, bias=False)
+        self.down_proj = nn.Linear(I, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class EngramModule(nn.Module):
+    """``wkv`` and the gate weights of one Engram layer (its table lives outside)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        spec = config.require_model()
+        assert spec is not None and spec.head_dim is not None
+        D, hc = config.hidden_size, config.hc_mult
+        self.hc, self.eps = hc, config.rms_norm_eps
+        self.wkv = nn.Linear(spec.n_hash_cols * spec.head_dim, (hc + 1) * D, bias=False)
+        self.q_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
+        self.k_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """hidden ``[T, hc, D]``, rows ``[T, cols, head_dim]``, live ``[T]`` bool; the gate
+        runs in the kernel library when ``ops`` is given (bf16 only)."""
+        T = hidden.shape[0]
+        kv = self.wkv(rows.reshape(T, -1).to(self.wkv.weight.dtype))
+        args = (hidden, kv, self.q_weight, self.k_weight, live)
+        return engram_gate(*args, self.eps) if ops is None else ops.gate(*args, self.eps)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, engram_attr: str | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.engram_attr = engram_attr
+        if engram_attr is not None:
+            # Registered under the checkpoint's prefix ('engram' or 'ple') so that
+            # parameter names equal checkpoint names.
+            setattr(self, engram_attr, EngramModule(config))
+
+    @property
+    def engram_module(self) -> EngramModule | None:
+        """The Engram submodule (named 'engram' or 'ple' after the checkpoint), if any."""
+        return None if self.engram_attr is None else getattr(self, self.engram_attr)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        index = config.engram_layer_index
+        prefix = config.engram.prefix if config.engram is not None else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, prefix if i in index else None) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,0 +1,189 @@
+"""What the runtime loads: an engine folder (the main case) or a checkpoint.
+
+The engine folder is all the runtime needs. Its ``manifest.json`` names the tokenizer,
+the compressed token map, each table (file, offset, bytes, sha256), the plugin library,
+the build options and the source checkpoint (whose weights the ``torch`` backend runs).
+:class:`ModelSource` reads either kind of folder into one description, so the rest of
+the runtime never asks which it was given.
+
+Checks made here, before anything heavy runs: every table file exists and holds its
+byte range (always, a ``stat`` per file); with ``verify_tables=True`` every table's
+sha256 too (streams every byte; a progress bar on multi-GiB tables).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engram_trt.config.engram import EngramConfig
+from engram_trt.config.model import ModelConfig
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.errors import EngramError
+from engram_trt.tables.source import TableRef, check_table_files, verify_table_hashes
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_NUM_TOKENS = 2048
+
+
+@dataclass
+class ModelSource:
+    """One model as the runtime sees it, from an engine folder or a checkpoint."""
+
+    path: Path
+    kind: str  # 'engine' | 'checkpoint'
+    config: ModelConfig
+    checkpoint: Path  # the weights' folder (the torch backend's source)
+    tokenizer_json: Path | None
+    compress_lookup: np.ndarray | None  # raw id -> compressed id (int64, -1 = none)
+    layout: EngramLayout | None
+    table_refs: list[TableRef]
+    engram_config: EngramConfig
+    max_batch: int
+    max_seq_len: int
+    max_num_tokens: int
+    engine_file: Path | None = None
+    placement: str = "in_engine"
+    plugin_library: Path | None = None
+    plugin_embedded: bool = False
+    trt: dict[str, Any] | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_engram(self) -> bool:
+        return self.config.engram is not None
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": str(self.path), "kind": self.kind, "checkpoint": str(self.checkpoint),
+                "engine": None if self.engine_file is None else str(self.engine_file),
+                "tensorrt": self.trt, "placement": self.placement,
+                "max_batch": self.max_batch, "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens}
+
+
+def is_engine_folder(path: Path) -> bool:
+    return (path / MANIFEST_NAME).is_file()
+
+
+def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = None, verify_tables: bool = False,
+                      progress: bool = True) -> ModelSource:
+    """Read an engine folder or a checkpoint folder (see the module docstring)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EngramError(f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
+    if not p.is_dir():
+        raise EngramError(f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
+    src = _from_engine_folder(p, engram_config) if is_engine_folder(p) else _from_checkpoint(p, engram_config)
+    if src.table_refs:
+        check_table_files(src.table_refs)
+        if verify_tables:
+            problems = verify_table_hashes(src.table_refs, progress=progress)
+            if problems:
+                raise EngramError("--verify-tables: " + "; ".join(problems) + " (restore the table files, or rebuild the engine folder)")
+            log.info("verified the sha256 of %d table tensors", len(src.table_refs))
+    return src
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    p = folder / MANIFEST_NAME
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise EngramError(f"{p} is not UTF-8 text; rebuild the engine folder") from None
+    except json.JSONDecodeError as exc:
+        raise EngramError(f"{p} is not valid JSON ({exc.msg} at line {exc.lineno}); rebuild the engine folder") from None
+    if not isinstance(data, dict):
+        raise EngramError(f"{p} does not hold a JSON object; rebuild the engine folder")
+    from engram_trt.builder.manifest import MANIFEST_VERSION
+
+    if data.get("manifest_version") != MANIFEST_VERSION:
+        raise EngramError(f"{p}: manifest version {data.get('manifest_version')} is not {MANIFEST_VERSION}; rebuild the engine folder with this engram-trt")
+    return data
+
+
+def _in_folder(folder: Path, name: Any, what: str) -> Path:
+    """A file the manifest names, which must lie inside the engine folder."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise EngramError(f"{folder / MANIFEST_NAME}: {what} {name!r} is not a file name inside the engine folder; rebuild it")
+    return folder / name
+
+
+def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSource:
+    m = _read_manifest(folder)
+    try:
+        config = ModelConfig.from_dict(m["model"], source=str(folder / MANIFEST_NAME))
+        shapes = m["shapes"]
+        max_batch, max_seq_len, max_num_tokens = int(shapes["max_batch"]), int(shapes["max_seq_len"]), int(shapes["max_num_tokens"])
+        checkpoint = Path(m["checkpoint"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngramError(f"{folder / MANIFEST_NAME} lacks or garbles {exc}; rebuild the engine folder") from None
+    lookup = layout = None
+    tokenizer = None
+    tok_entry = m.get("tokenizer")
+    if tok_entry:
+        tokenizer = _in_folder(folder, tok_entry.get("file"), "tokenizer")
+    elif (checkpoint / "tokenizer.json").is_file():
+        tokenizer = checkpoint / "tokenizer.json"
+    if tokenizer is not None and not tokenizer.is_file():
+        raise EngramError(f"the engine folder's tokenizer {tokenizer} is missing; rebuild the engine folder")
+    if config.engram is not None:
+        cv = m.get("compressed_vocab") or {}
+        vocab_file = _in_folder(folder, cv.get("file"), "compressed vocab")
+        if not vocab_file.is_file():
+            raise EngramError(f"{vocab_file} is missing; rebuild the engine folder")
+        from engram_trt.engram.tokenizer import CompressedVocab, check_compressed_size
+
+        vocab = CompressedVocab.load(vocab_file)
+        spec = config.engram
+        check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
+        lookup = np.asarray(vocab.lookup, dtype=np.int64)
+        layout = EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))
+        if m.get("layout") and m["layout"] != layout.to_json_dict():
+            raise EngramError(f"{folder / MANIFEST_NAME}: the recorded layout differs from the one the config gives; rebuild the engine folder")
+    refs = [TableRef.from_json(t, folder) for t in m.get("tables") or []]
+    built = EngramConfig.from_dict(m.get("engram_config") or {}, source=f"{folder / MANIFEST_NAME} engram_config")
+    ecfg = override if override is not None else EngramConfig.from_dict({k: v for k, v in built.to_dict().items() if k != "table_placement"})
+    engine = m.get("engine")
+    engine_file = None if not engine else _in_folder(folder, engine.get("file"), "engine")
+    plugins = m.get("plugins") or {}
+    lib = (plugins.get("library") or {}).get("path")
+    placement = built.placement
+    return ModelSource(folder, "engine", config, checkpoint, tokenizer, lookup, layout, refs, ecfg, max_batch, max_seq_len,
+                       max_num_tokens, engine_file, placement, None if lib is None else Path(lib),
+                       bool(plugins.get("embedded")), m.get("tensorrt"), m)
+
+
+def _from_checkpoint(folder: Path, override: EngramConfig | None) -> ModelSource:
+    from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
+    from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
+    from engram_trt.tables.source import checkpoint_table_refs
+
+    ckpt = Checkpoint.open(folder)
+    config = ckpt.config
+    spec = config.require_model()
+    lookup = layout = None
+    refs: list[TableRef] = []
+    if spec is not None:
+        if ckpt.tokenizer_json is None:
+            raise EngramError(f"checkpoint '{folder}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)")
+        vocab = build_compressed_vocab(ckpt.tokenizer_json)
+        check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
+        lookup = np.asarray(vocab.lookup, dtype=np.int64)
+        if spec.pad_token_id >= lookup.shape[0]:
+            raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not in the tokenizer (vocab {lookup.shape[0]})")
+        layout = EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))
+        refs = checkpoint_table_refs(ckpt)
+    require_valid(ckpt, layout)
+    ecfg = override if override is not None else EngramConfig()
+    ecfg.validate_for(config)
+    max_seq_len = min(config.max_position_embeddings, 4096)
+    return ModelSource(folder, "checkpoint", config, folder, ckpt.tokenizer_json, lookup, layout, refs, ecfg,
+                       DEFAULT_MAX_BATCH, max_seq_len, min(DEFAULT_MAX_NUM_TOKENS, max_seq_len),
+                       placement="prefetch")

@@ -1,0 +1,213 @@
+"""Prefetch: each step's Engram rows hashed and gathered before the layers that need
+them, on a side CUDA stream, into persistent staging buffers.
+
+Why this works: the lookup indices depend only on token ids, and the runtime knows a
+step's ids before the step (the prompt chunk, or the tokens it just sampled). So the
+runtime hands the step to :meth:`Prefetcher.submit` first, which starts the lookup on a
+worker thread and a side stream, then launches the model; the main stream waits on
+the prefetch's event only where the first Engram layer reads the rows
+(:class:`StagedRows` waits lazily, at the first ``rows[i]``). The layers before that
+layer hide the lookup.
+
+Why staging buffers are persistent: fixed addresses. A captured CUDA graph or a
+TensorRT engine binds the rows' address once; every step writes the same buffers
+(``[max_tokens, cols, head_dim]`` bf16 per Engram layer, the first T rows used).
+
+Which gather (per step, by row count): tables in GPU memory go through the gather
+kernel at HBM speed; host tables through the host gather (CPU threads into pinned
+staging, one copy per chunk: measured 2-3.5x faster than GPU reads of host memory on
+the H200, docs/benchmarks.md) or the UVA kernel, whichever the start-up calibration
+found faster for that many rows (``gather_policy``). With no GPU, the rows come from
+the reference gather, synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from engram_trt.engram.hashing import hash_batch_packed
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.errors import EngramError
+from engram_trt.runtime.step import PackedStep
+from engram_trt.tables.store import TableStore
+
+log = logging.getLogger(__name__)
+
+GATHER_PATHS = ("device", "uva", "host", "reference")
+
+
+class StagedRows:
+    """Per Engram layer, the step's rows ``[T, cols, head_dim]`` bf16: views into the
+    staging buffers. Reading ``rows[i]`` the first time makes the caller's current CUDA
+    stream wait for the prefetch (the host part first, then an event on the side
+    stream): the wait sits where the first Engram layer needs the rows."""
+
+    def __init__(self, views: Sequence[torch.Tensor], future: Future | None = None,
+                 event: Any = None, info: dict[str, Any] | None = None) -> None:
+        self._views = list(views)
+        self._future = future
+        self._event = event
+        self._ready = future is None and event is None
+        self.info = info or {}
+
+    def wait(self) -> None:
+        if self._ready:
+            return
+        if self._future is not None:
+            self._future.result()  # re-raises a failure of the lookup
+        if self._event is not None:
+            stream = torch.cuda.current_stream(self._views[0].device)
+            if "wait_event" in self.info:  # timing: where the main stream stood when it needed the rows
+                self.info["wait_event"].record(stream)
+            stream.wait_event(self._event)
+        self._ready = True
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.wait()
+        return self._views[i]
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(v.shape) for v in self._views]
+
+
+class Prefetcher:
+    """Stages each step's Engram rows (see the module docstring).
+
+    ``compress_lookup`` int64 ``[vocab]`` (raw -> compressed id, -1 = none) stays on the
+    host: the runtime compresses and hashes there for the host gather, and uploads the
+    compressed ids for the kernels otherwise. ``gather_policy(num_rows) -> path``
+    picks the gather per step for host tables (default: the host gather).
+    """
+
+    def __init__(self, layout: EngramLayout, tables: TableStore, device: Any, max_tokens: int,
+                 gather_policy: Callable[[int], str] | None = None) -> None:
+        self.layout = layout
+        self.tables = tables
+        self.device = torch.device(device)
+        self.max_tokens = int(max_tokens)
+        self.cols = layout.n_hash_cols
+        self.head_dim = tables.head_dim(0)
+        self.gather_policy = gather_policy
+        self.cuda = self.device.type == "cuda"
+        # True: each step's StagedRows.info carries CUDA events (lookup start and end on
+        # the side stream, the main stream's wait point) for timelines; off when serving.
+        self.timing = False
+        self.staging = [torch.empty((self.max_tokens, self.cols, tables.head_dim(i)), dtype=torch.bfloat16,
+                                    device=self.device) for i in range(layout.num_layers)]
+        self._ops = None
+        self._stream = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._last_event: Any = None
+        self._lock = threading.Lock()
+        self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
+        if self.cuda:
+            from engram_trt.reference.kernel_ops import KernelEngramOps
+
+            self._ops = KernelEngramOps(layout, self.device)
+            self._stream = torch.cuda.Stream(self.device)
+            self._ids_dev = torch.empty(self.max_tokens, dtype=torch.int32, device=self.device)
+            self._ids_host = torch.empty(self.max_tokens, dtype=torch.int32, pin_memory=True)
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-prefetch")
+
+    @property
+    def row_bytes(self) -> int:
+        rows, scales = self.tables.tensors(0)
+        return rows.shape[1] * rows.element_size() + (0 if scales is None else scales.shape[1])
+
+    def path_for(self, num_rows: int) -> str:
+        if not self.cuda:
+            return "reference"
+        if self.tables.on_device:
+            return "device"
+        if self.gather_policy is not None:
+            return self.gather_policy(num_rows)
+        return "host"
+
+    def submit(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> StagedRows:
+        """Start staging the rows of ``step``: ``cids [T]`` compressed ids and ``lookback
+        [S, N-1]`` (host int64 arrays). Returns at once on a GPU (the lookup runs on the
+        worker thread and the side stream); on a CPU, when the rows are ready."""
+        T = step.num_tokens
+        if T > self.max_tokens:
+            raise EngramError(f"a step of {T} tokens exceeds the staging buffers' {self.max_tokens} tokens (max_num_tokens)")
+        views = [s[:T] for s in self.staging]
+        path = self.path_for(T * self.cols)
+        info = {"path": path, "rows": T * self.cols * self.layout.num_layers}
+        if path == "reference":
+            t0 = time.perf_counter()
+            ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout))
+            for li, v in enumerate(views):
+                v.copy_(self.tables.rows(li, ids[:, li, :]))
+            self._account(info, time.perf_counter() - t0)
+            return StagedRows(views, info=info)
+        assert self._pool is not None
+        event = torch.cuda.Event(enable_timing=self.timing)
+        if self.timing:
+            info["wait_event"] = torch.cuda.Event(enable_timing=True)
+            info["start_event"] = torch.cuda.Event(enable_timing=True)
+            info["done_event"] = event
+        fut = self._pool.submit(self._stage, step, cids, lookback, views, path, event, info)
+        return StagedRows(views, fut, event, info)
+
+    def _stage(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor], path: str,
+               event: Any, info: dict[str, Any]) -> None:
+        """The worker's part: everything enqueued on the side stream, then the event."""
+        t0 = time.perf_counter()
+        T = step.num_tokens
+        assert self._ops is not None and self._stream is not None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            if "start_event" in info:
+                info["start_event"].record(self._stream)
+            if path == "host":
+                ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout).astype(np.int32))
+                for li, v in enumerate(views):
+                    rows, scales = self.tables.tensors(li)
+                    self._ops.kernels.host_gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,
+                                                  out=v, device=self.device)
+                info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
+            else:
+                # Kernels all the way: upload the compressed ids, hash and gather on the GPU.
+                if self._last_event is not None:
+                    self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
+                self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
+                self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
+                lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
+                starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(self.device, non_blocking=True)
+                ids = self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
+                for li, v in enumerate(views):
+                    rows, scales = self.tables.tensors(li)
+                    self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v)
+                info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
+            event.record(self._stream)
+            self._last_event = event
+        self._account(info, time.perf_counter() - t0)
+
+    def _account(self, info: dict[str, Any], seconds: float) -> None:
+        with self._lock:
+            st = self.stats
+            st["steps"] += 1
+            st["rows"] += info["rows"]
+            st["bytes_from_host"] += info.get("bytes_from_host", 0)
+            st["lookup_s"] += seconds
+            st["paths"][info["path"]] = st["paths"].get(info["path"], 0) + 1
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._stream is not None:
+            self._stream.synchronize()

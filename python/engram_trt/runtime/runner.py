@@ -1,0 +1,153 @@
+"""The model runner: one model on one device, ready to run packed steps.
+
+It owns what a step needs besides the tokens: the table store (where the tables live,
+chosen by ``--engram-config``), the backend (``tensorrt`` or ``torch``), the KV cache
+(one slot per running sequence, allocated once), and the prefetcher that stages each
+step's Engram rows on a side stream. The scheduler above it decides what goes into a
+step; this module only runs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from engram_trt.config.engram import EngramConfig
+from engram_trt.errors import EngramError
+from engram_trt.runtime.backend import select_backend
+from engram_trt.runtime.engine_folder import ModelSource
+from engram_trt.runtime.prefetch import Prefetcher
+from engram_trt.runtime.step import PackedStep
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``, checked."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise EngramError(f"device {device!r} is not a device (expected auto, cpu, cuda or cuda:N)") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise EngramError(f"device {device!r}: only cpu and cuda devices are supported")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EngramError(f"device {device!r}: no CUDA device is available here; use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise EngramError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    d = DTYPES.get(str(dtype).lower())
+    if d is None:
+        raise EngramError(f"dtype {dtype!r} is not one of float32 (fp32), bfloat16 (bf16), float16 (fp16)")
+    return d
+
+
+class ModelRunner:
+    """See the module docstring. ``max_batch`` KV slots of ``max_seq_len`` tokens;
+    a step holds at most ``max_num_tokens`` tokens."""
+
+    def __init__(self, source: ModelSource, *, backend: str = "auto", device: Any = "auto", dtype: Any = None,
+                 engram_config: EngramConfig | None = None, max_batch: int | None = None,
+                 max_seq_len: int | None = None, max_num_tokens: int | None = None, progress: bool = True,
+                 table_options: dict[str, Any] | None = None) -> None:
+        from engram_trt.tables.store import open_tables, table_kind_for
+
+        self.source = source
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        cfg = source.config
+        self.max_batch = _positive("max_batch_size", max_batch, source.max_batch)
+        self.max_seq_len = _positive("max_seq_len", max_seq_len, source.max_seq_len)
+        self.max_num_tokens = _positive("max_num_tokens", max_num_tokens, source.max_num_tokens)
+        if self.max_seq_len > cfg.max_position_embeddings:
+            raise EngramError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
+        self.engram_config = engram_config or source.engram_config
+        self.engram_config.validate_for(cfg)
+        self.vocab_size = cfg.vocab_size
+        self.eos_ids = set(cfg.eos_token_ids)
+        self.lookback_len = cfg.engram.max_ngram_size - 1 if cfg.engram is not None else 0
+        self._lookup = source.compress_lookup
+        if self._lookup is not None and self._lookup.shape[0] < cfg.vocab_size:
+            pad = np.full(cfg.vocab_size - self._lookup.shape[0], -1, dtype=np.int64)
+            self._lookup = np.concatenate([self._lookup, pad])
+        t0 = time.perf_counter()
+        self.tables = None
+        self.table_kind = "none"
+        if source.table_refs:
+            self.table_kind = table_kind_for(self.engram_config, self.device)
+            self.tables = open_tables(source.table_refs, self.table_kind, quant_block=cfg.engram.quant_block,
+                                      device=self.device, progress=progress, **(table_options or {}))
+            self.table_kind = self.tables.kind  # a shared store may fall back to private memory
+        self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype)
+        log.info("backend: %s (%s)", self.backend.label, self.backend_reason)
+        self.cache = self.backend.allocate_cache(self.max_batch, self.max_seq_len)
+        self.prefetcher = None
+        if self.tables is not None and self.backend.wants_staged_rows:
+            self.prefetcher = Prefetcher(source.layout, self.tables, self.device, self.max_num_tokens)
+        self.load_s = time.perf_counter() - t0
+
+    # -- per step ---------------------------------------------------------------------
+    def compress(self, ids: np.ndarray) -> np.ndarray:
+        """Compressed ids (int64, -1 = none) of raw ids, on the host."""
+        if self._lookup is None:
+            return np.zeros_like(ids)
+        return self._lookup[ids]
+
+    def reset_slot(self, slot: int) -> None:
+        self.cache.reset(slot)
+
+    def run(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
+        """Logits ``[S, V]`` (float32, on the device) of each sequence's last token.
+        The Engram rows are staged first (side stream), then the backend runs."""
+        if step.num_tokens > self.max_num_tokens:
+            raise EngramError(f"a step of {step.num_tokens} tokens exceeds max_num_tokens={self.max_num_tokens}")
+        rows = self.prefetcher.submit(step, cids, lookback) if self.prefetcher is not None else None
+        return self.backend.execute(step, self.cache, rows)
+
+    # -- what it is -----------------------------------------------------------------------
+    @property
+    def backend_label(self) -> str:
+        return self.backend.label
+
+    def storage(self) -> dict[str, Any]:
+        if self.tables is None:
+            return {"kind": "none"}
+        d = self.tables.describe()
+        d.pop("layers", None)
+        return d
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        if self.backend is not None:
+            self.backend.close()
+        if self.tables is not None:
+            self.tables.close()
+            self.tables = None
+
+
+def _positive(name: str, value: Any, default: int) -> int:
+    if value is None:
+        return int(default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 24:
+        raise EngramError(f"{name} must be an integer in 1..16777216 (got {value!r})")
+    return value

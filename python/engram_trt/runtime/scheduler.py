@@ -1,0 +1,344 @@
+"""The scheduler: requests batched as they arrive.
+
+Requests are admitted from any thread (or an asyncio loop, through
+:meth:`Scheduler.submit`'s callback) into a waiting queue. One engine thread runs steps:
+each step takes the decode token of every running sequence that has finished its
+prompt, then fills the rest of the step's token budget (``max_num_tokens``) with
+prefill chunks of sequences still reading their prompts (a long prompt is split into
+chunks across steps), so prefill and decode share a step. Each sequence owns a KV-cache
+slot from admission until it stops on its own (max tokens, a stop string, a stop id,
+EOS) or is cancelled; its slot is freed at once and the next waiting request takes it.
+
+Why per-request generators: a seeded request must give the same tokens alone or in a
+crowd, so each sequence samples from its own logits row with its own CPU generator, and
+greedy sequences take the argmax on the device (one small copy per step, not the logits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from engram_trt.errors import EngramError
+from engram_trt.llmapi.outputs import CompletionOutput, RequestOutput
+from engram_trt.llmapi.params import SamplingParams
+from engram_trt.reference.sampling import sample_next
+from engram_trt.runtime.step import PackedStep
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One sequence's whole life in the scheduler."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[RequestOutput], None] | None
+    generator: torch.Generator | None = None
+    slot: int | None = None
+    processed: int = 0  # tokens of prompt + output already in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent_text: int = 0
+    sent_ids: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    lookback: np.ndarray | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished_at: float | None = None
+    cancelled: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.processed < len(self.prompt_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def output(self, delta_text: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
+        t: dict[str, float] = {}
+        if self.first_token is not None:
+            t["time_to_first_token_s"] = round(self.first_token - self.arrival, 6)
+        if self.finished_at is not None:
+            total = self.finished_at - self.arrival
+            t["total_s"] = round(total, 6)
+            t["tokens_per_s"] = round(len(self.output_ids) / max(total, 1e-9), 2)
+            if self.first_token is not None and len(self.output_ids) > 1:
+                t["decode_tokens_per_s"] = round((len(self.output_ids) - 1) / max(self.finished_at - self.first_token, 1e-9), 2)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids),
+                             [CompletionOutput(0, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)],
+                             self.finished, delta_text, list(delta_ids or []), t, self.error)
+
+
+class Scheduler:
+    """See the module docstring. ``runner`` runs packed steps (:class:`ModelRunner`);
+    ``tokenizer`` decodes output text (stop strings are matched on it)."""
+
+    def __init__(self, runner: Any, tokenizer: Any) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_slots = runner.max_batch
+        self.max_num_tokens = runner.max_num_tokens
+        self.max_seq_len = runner.max_seq_len
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._free_slots = list(range(self.max_slots))
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0,
+                      "max_step_seqs": 0, "last_step_seqs": 0, "last_step_tokens": 0, "step_s": 0.0}
+
+    # -- admission (any thread) ---------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
+               sink: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> Request:
+        if not prompt_ids:
+            raise EngramError("the prompt is empty: give at least one token")
+        vocab = self.runner.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise EngramError(f"token id {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
+        need = len(prompt_ids) + params.max_tokens
+        if need > self.max_seq_len:
+            raise EngramError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} = {need} exceed the "
+                              f"runtime's max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens")
+        req = Request(request_id or f"req-{next(_ids)}", prompt, [int(t) for t in prompt_ids], params, sink)
+        if not params.greedy:
+            req.generator = torch.Generator(device="cpu")
+            req.generator.manual_seed(0 if params.seed is None else params.seed)
+        req.lookback = np.full(self.runner.lookback_len, -1, dtype=np.int64)
+        with self._cond:
+            if self._stop:
+                raise EngramError("the runtime is closed; create a new LLM")
+            self._waiting.append(req)
+            self._ensure_thread()
+            self._cond.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request: it finishes with reason 'cancelled' and frees its slot before the next step."""
+        with self._cond:
+            req.cancelled = True
+            self._cond.notify_all()
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a server exposes: running and waiting requests, slots in use, step sizes."""
+        with self._cond:
+            st = dict(self.stats)
+            st.update(running=len(self._running), waiting=len(self._waiting),
+                      kv_slots_in_use=self.max_slots - len(self._free_slots), kv_slots=self.max_slots)
+        st["tokens_per_step"] = round(st["tokens"] / st["steps"], 2) if st["steps"] else 0.0
+        return st
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            pending = list(self._waiting) + list(self._running)
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        for req in pending:
+            if not req.finished:
+                self._finish(req, "cancelled", emit=True)
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="engram-scheduler", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._reap_cancelled()
+                self._admit()
+                while not self._stop and not self._running and not self._waiting:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                batch = self._plan()
+            if batch:
+                self._run(batch)
+
+    def _reap_cancelled(self) -> None:
+        for req in [r for r in self._running if r.cancelled]:
+            self._running.remove(req)
+            self._finish(req, "cancelled", emit=True)
+        for req in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(req)
+            self._finish(req, "cancelled", emit=True)
+
+    def _admit(self) -> None:
+        while self._waiting and self._free_slots:
+            req = self._waiting.popleft()
+            req.slot = self._free_slots.pop(0)
+            self.runner.reset_slot(req.slot)
+            self._running.append(req)
+
+    def _plan(self) -> list[tuple[Request, list[int]]]:
+        """This step's sequences and the tokens each brings: every decode first, then
+        prefill chunks in arrival order under the token budget."""
+        budget = self.max_num_tokens
+        batch: list[tuple[Request, list[int]]] = []
+        for req in self._running:
+            if not req.prefilling and budget > 0:
+                batch.append((req, [req.output_ids[-1]]))
+                budget -= 1
+        for req in self._running:
+            if req.prefilling and budget > 0:
+                n = min(len(req.prompt_ids) - req.processed, budget)
+                batch.append((req, req.prompt_ids[req.processed:req.processed + n]))
+                budget -= n
+        return batch
+
+    def _run(self, batch: list[tuple[Request, list[int]]]) -> None:
+        t0 = time.perf_counter()
+        runner = self.runner
+        chunks = [toks for _, toks in batch]
+        ids = np.asarray([t for c in chunks for t in c], dtype=np.int64)
+        cids = runner.compress(ids)
+        lookback = np.stack([req.lookback for req, _ in batch]) if runner.lookback_len else np.zeros((len(batch), 0), np.int64)
+        step = PackedStep(torch.from_numpy(ids), [len(c) for c in chunks], [req.processed for req, _ in batch],
+                          [req.slot for req, _ in batch], lookback=torch.from_numpy(lookback),
+                          engram_ids=torch.from_numpy(cids))
+        try:
+            logits = runner.run(step, cids, lookback)
+            sample = [i for i, (req, toks) in enumerate(batch) if req.processed + len(toks) >= len(req.prompt_ids)]
+            tokens = self._sample(logits, [batch[i][0] for i in sample], sample)
+        except Exception as exc:  # a failed step fails its requests, never the server
+            log.error("step of %d sequences failed: %s", len(batch), exc, exc_info=log.isEnabledFor(logging.DEBUG))
+            with self._cond:
+                for req, _ in batch:
+                    req.error = str(exc) if isinstance(exc, EngramError) else f"{type(exc).__name__}: {exc}"
+                    if req in self._running:
+                        self._running.remove(req)
+                    self._finish(req, "error", emit=True)
+            return
+        n = runner.lookback_len
+        a = 0
+        for req, toks in batch:
+            b = a + len(toks)
+            req.processed += len(toks)
+            if n:
+                req.lookback = np.concatenate([req.lookback, cids[a:b]])[-n:]
+            a = b
+        now = time.perf_counter()
+        with self._cond:
+            for i, tok in zip(sample, tokens):
+                req = batch[i][0]
+                if req.finished:
+                    continue
+                if req.first_token is None:
+                    req.first_token = now
+                self._append(req, tok)
+            st = self.stats
+            st["steps"] += 1
+            st["tokens"] += len(ids)
+            st["decode_tokens"] += sum(1 for req, toks in batch if len(toks) == 1 and req.processed > len(req.prompt_ids))
+            st["prefill_tokens"] = st["tokens"] - st["decode_tokens"]
+            st["last_step_seqs"], st["last_step_tokens"] = len(batch), len(ids)
+            st["max_step_seqs"] = max(st["max_step_seqs"], len(batch))
+            st["step_s"] += time.perf_counter() - t0
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int]:
+        if not rows:
+            return []
+        out = [0] * len(rows)
+        greedy = [k for k, r in enumerate(reqs) if r.params.greedy]
+        if greedy:
+            idx = torch.tensor([rows[k] for k in greedy], dtype=torch.int64, device=logits.device)
+            picks = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
+            for k, p in zip(greedy, picks):
+                out[k] = int(p)
+        others = [k for k, r in enumerate(reqs) if not r.params.greedy]
+        if others:
+            idx = torch.tensor([rows[k] for k in others], dtype=torch.int64, device=logits.device)
+            host = logits.index_select(0, idx).float().cpu()
+            for j, k in enumerate(others):
+                p = reqs[k].params
+                out[k] = sample_next(host[j], p.temperature, p.top_p, reqs[k].generator)
+        return out
+
+    def _append(self, req: Request, tok: int) -> None:
+        """Add a sampled token; stop the request if it should; emit its delta."""
+        req.output_ids.append(tok)
+        p = req.params
+        reason: str | None = None
+        if tok in p.stop_token_ids:
+            reason, req.stop_reason = "stop", tok
+        elif not p.ignore_eos and tok in self.runner.eos_ids:
+            reason, req.stop_reason = "eos", tok
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
+        if p.stop:
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                pos, s = min(hits)
+                text, reason, req.stop_reason = text[:pos], "stop", s
+        req.text = text
+        if reason is None and len(req.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._running.remove(req)
+            self._finish(req, reason, emit=True)
+        else:
+            self._emit(req)
+
+    def _emit(self, req: Request) -> None:
+        """Send the request's new text and ids. A trailing replacement character may be
+        the first half of a multi-byte character split over tokens: held back until
+        the next token completes it (or the request ends)."""
+        text = req.text
+        upto = len(text)
+        if not req.finished:
+            while upto > req.sent_text and text[upto - 1] == "\ufffd":
+                upto -= 1
+            # Text that may be the start of a stop string is held back too: if the
+            # stop string completes, it is cut from the text and was never sent.
+            hold = 0
+            for s in req.params.stop:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            upto = min(upto, len(text) - hold)
+        delta_text = text[req.sent_text:upto] if upto >= req.sent_text else ""
+        delta_ids = req.output_ids[req.sent_ids:]
+        req.sent_text, req.sent_ids = max(upto, req.sent_text), len(req.output_ids)
+        if req.sink is not None and (delta_text or delta_ids or req.finished):
+            try:
+                req.sink(req.output(delta_text, delta_ids))
+            except Exception as exc:  # a consumer that broke must not stop the engine
+                log.warning("request %s: output consumer failed (%s); cancelling it", req.request_id, exc)
+                req.cancelled = True
+
+    def _finish(self, req: Request, reason: str, emit: bool) -> None:
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        if req.slot is not None:
+            self._free_slots.append(req.slot)
+            self._free_slots.sort()
+            req.slot = None
+        self.stats["requests_finished"] += 1
+        if emit:
+            self._emit(req)
+        req.done.set()

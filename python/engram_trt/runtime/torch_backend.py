@@ -1,0 +1,58 @@
+"""The ``torch`` backend: the reference model (:mod:`engram_trt.reference`) run on the
+packed step, with the Engram steps in the project's CUDA kernel library on a GPU (the
+plugins' very kernels) and the reference path on a CPU. Its weights come from the
+source checkpoint the engine folder names; its Engram rows are staged by the runtime's
+prefetcher."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from engram_trt.errors import EngramError
+from engram_trt.reference.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+class TorchBackend:
+    name = "torch"
+    wants_staged_rows = True
+
+    def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype) -> None:
+        from engram_trt.checkpoint.checkpoint import Checkpoint
+        from engram_trt.reference.model import EngramLlama, model_weight_shapes
+
+        self.device = device
+        t0 = time.perf_counter()
+        if not (source.checkpoint / "config.json").is_file():
+            raise EngramError(f"the torch backend reads its weights from the source checkpoint {source.checkpoint}, which is "
+                              f"not there; restore it, or rebuild the engine folder from where the checkpoint now lives")
+        ckpt = Checkpoint.open(source.checkpoint)
+        if ckpt.config.to_dict() != source.config.to_dict():
+            raise EngramError(f"the checkpoint {source.checkpoint} no longer matches the engine folder's config "
+                              f"(config.json changed since the build); rebuild the engine folder")
+        weights = {name: ckpt.get(name) for name in model_weight_shapes(source.config)}
+        self.model = EngramLlama(source.config, weights, tables=None, compress_lookup=source.compress_lookup,
+                                 layout=source.layout, device=device, dtype=dtype)
+        if tables is not None:
+            self.model.set_tables(tables)
+        ckpt.close()
+        log.info("torch backend: weights of %s on %s (%s) in %.1f s", source.checkpoint, device, dtype,
+                 time.perf_counter() - t0)
+
+    @property
+    def label(self) -> str:
+        return self.model.backend_name
+
+    def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return self.model.new_cache(num_slots, max_len)
+
+    def execute(self, step: Any, cache: KVCache, rows: Any) -> torch.Tensor:
+        return self.model.forward_step(step, cache, engram_rows=rows)
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
