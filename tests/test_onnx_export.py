@@ -1,11 +1,13 @@
 """The exported serving graph, run on the CPU with the plugin nodes bound to the Python
 references (reference_executor.py), against the PyTorch reference model (EngramLlama).
 
-Every check runs MIXED packed steps: sequences prefilling chunks while others decode, at
-different past lengths, in non-contiguous KV slots (one reused after its sequence
-ended), sequences continuing across steps. The independent reference is each sequence
-alone through ``EngramLlama.forward`` with a fresh KVCache: a prefill of all its tokens so
-far, whose last-token logits the step's logits for that sequence must equal.
+Every check runs MIXED packed steps (runtime.step.PackedStep): sequences prefilling
+chunks while others decode, at different past lengths, in non-contiguous KV slots (one
+reused after its sequence ended), sequences continuing across steps. Two references:
+each sequence alone through ``EngramLlama.forward`` with a fresh KVCache (a prefill of all
+its tokens so far, whose last-token logits the step's logits for that sequence must
+equal: independent of any packing), and the reference model's own packed step,
+``EngramLlama.forward_step``, on the same PackedStep.
 
 Tolerances (stated, and why):
 * float32 graph exactly as built (the EngramGate plugin takes float32 hidden/kv, so no
@@ -36,6 +38,7 @@ from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
 from engram_trt.reference.model import EngramLlama
+from engram_trt.runtime.step import PackedStep
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=500, hc_mult=2, tie_word_embeddings=False, max_position_embeddings=128,
@@ -83,18 +86,22 @@ SCHEDULE = [
 
 def _run_schedule(runner: ReferenceRunner, ref: EngramLlama, seed: int, schedule=SCHEDULE, prefetch: bool = False,
                   lookup: np.ndarray | None = None) -> float:
-    """Runs the schedule through the graph; after every step compares each sequence's
-    logits with that sequence alone through the reference model. Returns the worst
-    absolute difference."""
+    """Runs the schedule through the graph, one PackedStep per step. After every step each
+    sequence's logits must equal (a) that sequence alone through the reference model (a
+    prefill of all its tokens so far) and (b) the reference model's own packed step
+    (``EngramLlama.forward_step`` on the same PackedStep, its own slot cache). Returns the
+    worst absolute difference."""
     rng = np.random.default_rng(seed)
     seqs: dict[str, Sequence] = {}
     worst = 0.0
     n1 = runner.lookback.shape[1]
+    cache = ref.new_cache(runner.num_slots, runner.max_seq_len)
     for step in schedule:
-        ids, starts, past, slots, rows = [], [0], [], [], []
+        chunks, past, slots, rows = [], [], [], []
         for name, slot, n in step:
             if name not in seqs:
-                seqs[name] = Sequence(slot)  # no reset of the slot: a sequence without past has no lookback
+                seqs[name] = Sequence(slot)  # no reset of the runner's slot: a sequence without past has no lookback
+                cache.reset(slot)
             seq = seqs[name]
             new = rng.integers(0, ref.config.vocab_size, size=n).tolist()
             if name == "A" and not seq.ids:
@@ -107,12 +114,13 @@ def _run_schedule(runner: ReferenceRunner, ref: EngramLlama, seed: int, schedule
                 lb = torch.as_tensor([before[len(before) - n1:]], dtype=torch.int64)
                 rows.append([r[0] for r in ref.prepare_engram(torch.as_tensor([new]), lookback=lb)])
             seq.ids += new
-            ids += new
-            starts.append(len(ids))
+            chunks.append(new)
+        packed = PackedStep.from_sequences(chunks, past_lens=past, slots=slots)
         engram_rows = [torch.cat([r[j] for r in rows]) for j in range(len(rows[0]))] if prefetch else None
-        got = runner.step(np.asarray(ids), np.asarray(starts), np.asarray(past), np.asarray(slots),
-                          engram_rows=engram_rows)
+        got = runner.run(packed, engram_rows=engram_rows)
         assert got.shape == (len(step), ref.config.vocab_size) and got.dtype == np.float32
+        direct = ref.forward_step(packed, cache, engram_rows=engram_rows).numpy()
+        worst = max(worst, float(np.abs(got - direct).max()))
         for s, (name, _, _) in enumerate(step):
             history = torch.as_tensor([seqs[name].ids])
             want = ref.forward(history, ref.new_cache(1, history.shape[1]), last_only=True)[0].numpy()

@@ -193,6 +193,12 @@ class ReferenceRunner:
         self.value_cache = [np.zeros(shape, dtype=self.np_dtype) for _ in range(config.num_hidden_layers)]
         self.lookback = np.full((self.num_slots, exported.io.get("lookback") or 0), -1, dtype=np.int32)
 
+    def run(self, step: Any, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
+        """:meth:`step` on a :class:`~engram_trt.runtime.step.PackedStep` (the one step
+        object every backend takes)."""
+        return self.step(step.input_ids, step.seq_starts, step.past_lens, step.slots, step.lookback, step.engram_ids,
+                         engram_rows=engram_rows)
+
     def step(self, input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any, lookback: Any = None,
              engram_ids: Any = None, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
         """One packed step (the PackedStep fields, NumPy arrays or torch tensors): the tokens
