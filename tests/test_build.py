@@ -133,6 +133,11 @@ def test_demo_builds_rtx_engine_with_four_plugins(demo_dir: Path, plugin_lib: Pa
     assert r.tables_bytes >= 100 * r.engine_bytes, (r.tables_bytes, r.engine_bytes)
     m = json.loads(r.manifest_path.read_text())
     assert m["plugins"]["embedded"] is True and m["tensorrt"]["flavour"] == "tensorrt_rtx"
+    assert m["plugins"]["names"] == ["EngramAttention", "EngramGate", "EngramGather", "EngramHash"]
+    layers = ckpt.config.num_hidden_layers
+    assert m["graph"]["io"]["kv_cache"]["aliases"] == {f"{kind}_cache_out_{i}": f"{kind}_cache_{i}"
+                                                       for i in range(layers) for kind in ("key", "value")}
+    assert m["graph"]["inputs"][:4] == ["input_ids", "seq_starts", "past_lens", "slots"]
     # A rebuild with the same inputs gives the same manifest.
     r2 = build(demo_dir, tmp_path / "eng2", plugin_library=plugin_lib, progress=False)
     assert r2.manifest_path.read_bytes() == r.manifest_path.read_bytes()
