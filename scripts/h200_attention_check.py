@@ -271,11 +271,11 @@ def check_splits(rng, dtypes) -> None:
             q, k, v, kc, vc = tensors(rng, torch, dtype, T, H, kvh, hd, num_slots, max_len, dev)
             ref, _, _ = reference_step(as64(q), as64(k), as64(v), as64(kc), as64(vc), slots, pos, 1 / math.sqrt(hd))
             ts, tp = torch.from_numpy(slots).to(dev), torch.from_numpy(pos).to(dev)
-            kc_d, vc_d = kc.to(dev), vc.to(dev)
-            out = kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, ts, tp)
+            kc_d, vc_d, q_d = kc.to(dev), vc.to(dev), q.to(dev)
+            out = kernels.attention_step(q_d, k.to(dev), v.to(dev), kc_d, vc_d, ts, tp)
             unsplit = torch.full_like(out, float("nan"))
             status = lib.engram_attention_packed(
-                ctypes.c_void_p(q.to(dev).data_ptr()), kernels._float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
+                ctypes.c_void_p(q_d.data_ptr()), kernels._float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
                 ctypes.c_void_p(vc_d.data_ptr()), ctypes.c_void_p(ts.data_ptr()), ctypes.c_void_p(tp.data_ptr()), T,
                 H, kvh, hd, num_slots, max_len, ctypes.c_float(1 / math.sqrt(hd)), None, 0,
                 ctypes.c_void_p(unsplit.data_ptr()), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
