@@ -50,8 +50,10 @@ class StagedRows:
     stream): the wait sits where the first Engram layer needs the rows."""
 
     def __init__(self, views: Sequence[torch.Tensor], future: Future | None = None,
-                 event: Any = None, info: dict[str, Any] | None = None) -> None:
+                 event: Any = None, info: dict[str, Any] | None = None,
+                 staging: Sequence[torch.Tensor] | None = None) -> None:
         self._views = list(views)
+        self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
         self._future = future
         self._event = event
         self._ready = future is None and event is None
@@ -153,7 +155,7 @@ class Prefetcher:
             for li, v in enumerate(views):
                 v.copy_(self.tables.rows(li, ids[:, li, :]))
             self._account(info, time.perf_counter() - t0)
-            return StagedRows(views, info=info)
+            return StagedRows(views, info=info, staging=self.staging)
         assert self._pool is not None
         event = torch.cuda.Event(enable_timing=self.timing)
         if self.timing:
@@ -161,7 +163,7 @@ class Prefetcher:
             info["start_event"] = torch.cuda.Event(enable_timing=True)
             info["done_event"] = event
         fut = self._pool.submit(self._stage, step, cids, lookback, views, path, event, info)
-        return StagedRows(views, fut, event, info)
+        return StagedRows(views, fut, event, info, staging=self.staging)
 
     def _stage(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor], path: str,
                event: Any, info: dict[str, Any]) -> None:
