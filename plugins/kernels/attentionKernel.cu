@@ -28,17 +28,19 @@
  * kernel merges them. The split count depends only on the step's shape (planAttention),
  * never on the device, so a workspace sized at engine build time always suffices.
  *
+ * The checks and the split plan live in attentionApi.cpp.
+ *
  * Bounds: the kernels read token_slot / token_pos once per block; an out-of-range slot or
  * position writes nothing and gives a zero output row; the key range of a valid token is
  * 0 .. pos within its own slot, inside the cache by construction.
  */
+#include "attentionInternal.h"
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -47,14 +49,7 @@ namespace engram_trt
 namespace kernels
 {
 
-constexpr int kAttnThreads = 128;
-constexpr int kAttnWarps = kAttnThreads / 32;
-constexpr int kAttnTile = 32;         // keys per tile: one per lane in the score phase
-constexpr int kAttnHeadsPerBlock = 8; // query heads of one KV head in one block (2 per warp)
 constexpr int kAttnColsPerThread = ENGRAM_ATTENTION_MAX_HEAD_DIM / kAttnThreads;
-constexpr int kAttnSplitTarget = 1024;     // blocks a step should have before keys are split
-constexpr int kAttnMinKeysPerSplit = 256;  // shortest key chunk of a split
-constexpr int kAttnMaxSplits = 32;
 constexpr int kAttnDefaultSharedBytes = 48 * 1024;
 constexpr float kLog2e = 1.4426950408889634F;
 
@@ -481,136 +476,8 @@ __global__ void __launch_bounds__(kAttnThreads) attentionMergeKernel(float const
 namespace
 {
 
-//! How a step is cut into blocks: query heads per block, head blocks per KV head, key
-//! splits and keys per split. A function of the shape alone (see the file comment).
-struct AttentionPlan
-{
-    int32_t headsPerBlock;
-    int32_t headBlocks;
-    int32_t splits;
-    int64_t keysPerSplit;
-};
-
-AttentionPlan planAttention(int64_t numTokens, int32_t numHeads, int32_t numKvHeads, int64_t maxSeqLen)
-{
-    AttentionPlan plan{};
-    int32_t const group = numHeads / numKvHeads;
-    plan.headsPerBlock = group < kAttnHeadsPerBlock ? group : kAttnHeadsPerBlock;
-    plan.headBlocks = (group + plan.headsPerBlock - 1) / plan.headsPerBlock;
-    int64_t const blocks = numTokens * numKvHeads * plan.headBlocks;
-    int64_t splits = 1;
-    if (blocks > 0 && blocks < kAttnSplitTarget)
-    {
-        int64_t const wanted = (kAttnSplitTarget + blocks - 1) / blocks;
-        int64_t const bySize = (maxSeqLen + kAttnMinKeysPerSplit - 1) / kAttnMinKeysPerSplit;
-        splits = wanted < bySize ? wanted : bySize;
-        splits = splits > kAttnMaxSplits ? kAttnMaxSplits : (splits < 1 ? 1 : splits);
-    }
-    int64_t keys = (maxSeqLen + splits - 1) / splits;
-    keys = (keys + kAttnTile - 1) / kAttnTile * kAttnTile;
-    plan.keysPerSplit = keys;
-    plan.splits = static_cast<int32_t>((maxSeqLen + keys - 1) / keys);
-    return plan;
-}
-
-size_t planWorkspaceBytes(AttentionPlan const& plan, int64_t numTokens, int32_t numHeads, int32_t headDim)
-{
-    if (plan.splits <= 1)
-    {
-        return 0;
-    }
-    return static_cast<size_t>(numTokens) * numHeads * plan.splits * (headDim + 2) * sizeof(float);
-}
-
-bool isIoType(int32_t type)
-{
-    return type == ENGRAM_FLOAT_BF16 || type == ENGRAM_FLOAT_F16 || type == ENGRAM_FLOAT_F32;
-}
-
-int32_t elementBytes(int32_t type)
-{
-    return type == ENGRAM_FLOAT_F32 ? 4 : 2;
-}
-
-int checkShape(char const* fn, int32_t numHeads, int32_t numKvHeads, int32_t headDim, float scale)
-{
-    if (numHeads < 1 || numKvHeads < 1 || numHeads % numKvHeads != 0)
-    {
-        return fail(cudaErrorInvalidValue,
-            "%s: num_heads must be a positive multiple of num_kv_heads (got num_heads %d, num_kv_heads %d)", fn,
-            numHeads, numKvHeads);
-    }
-    if (headDim < 8 || headDim > ENGRAM_ATTENTION_MAX_HEAD_DIM || headDim % 8 != 0)
-    {
-        return fail(cudaErrorInvalidValue, "%s: head_dim must be a multiple of 8 in [8, %d] (got %d)", fn,
-            ENGRAM_ATTENTION_MAX_HEAD_DIM, headDim);
-    }
-    int32_t const group = numHeads / numKvHeads;
-    int64_t const gridY = static_cast<int64_t>(numKvHeads) * ((group + kAttnHeadsPerBlock - 1) / kAttnHeadsPerBlock);
-    if (gridY > 65535)
-    {
-        return fail(cudaErrorInvalidValue,
-            "%s: num_kv_heads * ceil(num_heads / num_kv_heads / 8) = %lld exceeds 65535 (the grid)", fn,
-            static_cast<long long>(gridY));
-    }
-    if (!std::isfinite(scale) || !(scale > 0.0F))
-    {
-        return fail(cudaErrorInvalidValue, "%s: scale must be finite and > 0 (got %g)", fn, static_cast<double>(scale));
-    }
-    return 0;
-}
-
-//! The checks every entry point shares: counts, cache extent, types, pointers.
-int checkCall(char const* fn, int32_t ioType, int64_t numTokens, int32_t numHeads, int32_t numKvHeads,
-    int32_t headDim, int64_t numSlots, int64_t maxSeqLen, float scale, int32_t const* tokenSlot,
-    int32_t const* tokenPos, void const* const* tensors, char const* tensorNames)
-{
-    if (int const status = checkShape(fn, numHeads, numKvHeads, headDim, scale))
-    {
-        return status;
-    }
-    if (!isIoType(ioType))
-    {
-        return fail(cudaErrorInvalidValue, "%s: io_type %d is not bf16 (0), fp32 (1) or fp16 (2)", fn, ioType);
-    }
-    if (numTokens < 0 || numTokens > INT32_MAX)
-    {
-        return fail(cudaErrorInvalidValue, "%s: num_tokens must be in [0, 2^31 - 1] (got %lld)", fn,
-            static_cast<long long>(numTokens));
-    }
-    if (numSlots < 1 || maxSeqLen < 1 || numSlots > INT32_MAX || maxSeqLen > INT32_MAX)
-    {
-        return fail(cudaErrorInvalidValue, "%s: num_slots and max_seq_len must be in [1, 2^31 - 1] (got %lld, %lld)",
-            fn, static_cast<long long>(numSlots), static_cast<long long>(maxSeqLen));
-    }
-    // The cache's element count must fit int64 with room to spare (offsets are int64).
-    double const cacheElements
-        = static_cast<double>(numSlots) * numKvHeads * static_cast<double>(maxSeqLen) * headDim;
-    if (cacheElements > 4.0e18)
-    {
-        return fail(cudaErrorInvalidValue, "%s: the cache [%lld, %d, %lld, %d] is too large", fn,
-            static_cast<long long>(numSlots), numKvHeads, static_cast<long long>(maxSeqLen), headDim);
-    }
-    if (numTokens == 0)
-    {
-        return 0;
-    }
-    if (tokenSlot == nullptr || tokenPos == nullptr || !isAligned(tokenSlot, 4) || !isAligned(tokenPos, 4))
-    {
-        return fail(cudaErrorInvalidValue, "%s: token_slot and token_pos must be int32 device arrays", fn);
-    }
-    for (int i = 0; tensors[i] != reinterpret_cast<void const*>(-1); ++i)
-    {
-        if (tensors[i] == nullptr || !isAligned(tensors[i], 16))
-        {
-            return fail(cudaErrorInvalidValue, "%s: %s must be 16-byte aligned device pointers", fn, tensorNames);
-        }
-    }
-    return 0;
-}
-
 template <typename T>
-int launchAttention(AttentionParams const& params, int64_t numTokens, size_t sharedBytes, cudaStream_t stream)
+int enqueueAttention(AttentionParams const& params, int64_t numTokens, size_t sharedBytes, cudaStream_t stream)
 {
     if (sharedBytes > static_cast<size_t>(kAttnDefaultSharedBytes))
     {
@@ -640,19 +507,13 @@ int launchAttention(AttentionParams const& params, int64_t numTokens, size_t sha
     return 0;
 }
 
-int attentionPacked(void const* q, int32_t ioType, void const* keyCache, void const* valueCache,
+} // namespace
+
+int launchAttention(void const* q, int32_t ioType, void const* keyCache, void const* valueCache,
     int32_t const* tokenSlot, int32_t const* tokenPos, int64_t numTokens, int32_t numHeads, int32_t numKvHeads,
-    int32_t headDim, int64_t numSlots, int64_t maxSeqLen, float scale, void* workspace, size_t workspaceBytes,
+    int32_t headDim, int64_t numSlots, int64_t maxSeqLen, float scale, AttentionPlan const& plan, void* workspace,
     void* out, cudaStream_t stream)
 {
-    AttentionPlan plan = planAttention(numTokens, numHeads, numKvHeads, maxSeqLen);
-    size_t const needed = planWorkspaceBytes(plan, numTokens, numHeads, headDim);
-    if (plan.splits > 1 && (workspace == nullptr || workspaceBytes < needed || !isAligned(workspace, 16)))
-    {
-        // Not enough workspace for the split: one block per token streams all its keys.
-        plan.splits = 1;
-        plan.keysPerSplit = maxSeqLen;
-    }
     AttentionParams params{};
     params.q = q;
     params.keyCache = keyCache;
@@ -678,17 +539,18 @@ int attentionPacked(void const* q, int32_t ioType, void const* keyCache, void co
     size_t const sharedBytes = static_cast<size_t>(attentionSharedFloats(plan.headsPerBlock, headDim)) * sizeof(float);
     switch (ioType)
     {
-    case ENGRAM_FLOAT_BF16: return launchAttention<__nv_bfloat16>(params, numTokens, sharedBytes, stream);
-    case ENGRAM_FLOAT_F16: return launchAttention<__half>(params, numTokens, sharedBytes, stream);
-    default: return launchAttention<float>(params, numTokens, sharedBytes, stream);
+    case ENGRAM_FLOAT_BF16: return enqueueAttention<__nv_bfloat16>(params, numTokens, sharedBytes, stream);
+    case ENGRAM_FLOAT_F16: return enqueueAttention<__half>(params, numTokens, sharedBytes, stream);
+    default: return enqueueAttention<float>(params, numTokens, sharedBytes, stream);
     }
 }
 
-int kvCacheWrite(void const* k, void const* v, int32_t ioType, int32_t const* tokenSlot, int32_t const* tokenPos,
+int launchKvCacheWrite(void const* k, void const* v, int32_t ioType, int32_t const* tokenSlot, int32_t const* tokenPos,
     int64_t numTokens, int32_t numKvHeads, int32_t headDim, void* keyCache, void* valueCache, int64_t numSlots,
     int64_t maxSeqLen, cudaStream_t stream)
 {
-    int32_t const vectorsPerRow = headDim * elementBytes(ioType) / 16; // head_dim % 8 == 0: whole vectors
+    int32_t const elementBytes = ioType == ENGRAM_FLOAT_F32 ? 4 : 2;
+    int32_t const vectorsPerRow = headDim * elementBytes / 16; // head_dim % 8 == 0: whole vectors
     resetLaunchError();
     kvCacheWriteKernel<<<static_cast<unsigned>(numTokens), kAttnThreads, 0, stream>>>(static_cast<uint4 const*>(k),
         static_cast<uint4 const*>(v), tokenSlot, tokenPos, numKvHeads, vectorsPerRow, numSlots, maxSeqLen,
@@ -696,115 +558,5 @@ int kvCacheWrite(void const* k, void const* v, int32_t ioType, int32_t const* to
     return checkLaunch("engram_kv_cache_write");
 }
 
-void const* const kEnd = reinterpret_cast<void const*>(-1);
-
-} // namespace
-
 } // namespace kernels
 } // namespace engram_trt
-
-using namespace engram_trt::kernels;
-
-extern "C" ENGRAM_API int engram_attention_check_shape(
-    int32_t numHeads, int32_t numKvHeads, int32_t headDim, float scale)
-{
-    clearError();
-    return checkShape("engram_attention", numHeads, numKvHeads, headDim, scale);
-}
-
-extern "C" ENGRAM_API int engram_attention_workspace_size(int64_t maxTokens, int32_t numHeads, int32_t numKvHeads,
-    int32_t headDim, int64_t maxSeqLen, size_t* bytes)
-{
-    clearError();
-    if (bytes == nullptr)
-    {
-        return fail(cudaErrorInvalidValue, "engram_attention_workspace_size: bytes is NULL");
-    }
-    *bytes = 0;
-    if (int const status = checkShape("engram_attention_workspace_size", numHeads, numKvHeads, headDim, 1.0F))
-    {
-        return status;
-    }
-    if (maxTokens < 0 || maxSeqLen < 1)
-    {
-        return fail(cudaErrorInvalidValue,
-            "engram_attention_workspace_size: need max_tokens >= 0 and max_seq_len >= 1 (got %lld, %lld)",
-            static_cast<long long>(maxTokens), static_cast<long long>(maxSeqLen));
-    }
-    // Splits happen only below kAttnSplitTarget blocks, i.e. for at most that many tokens.
-    size_t most = 0;
-    int64_t const last = maxTokens < kAttnSplitTarget ? maxTokens : kAttnSplitTarget;
-    for (int64_t tokens = 1; tokens <= last; ++tokens)
-    {
-        size_t const need
-            = planWorkspaceBytes(planAttention(tokens, numHeads, numKvHeads, maxSeqLen), tokens, numHeads, headDim);
-        most = need > most ? need : most;
-    }
-    *bytes = most;
-    return 0;
-}
-
-extern "C" ENGRAM_API int engram_kv_cache_write(void const* k, void const* v, int32_t ioType,
-    int32_t const* tokenSlot, int32_t const* tokenPos, int64_t numTokens, int32_t numKvHeads, int32_t headDim,
-    void* keyCache, void* valueCache, int64_t numSlots, int64_t maxSeqLen, cudaStream_t stream)
-{
-    clearError();
-    void const* tensors[] = {k, v, keyCache, valueCache, kEnd};
-    if (int const status = checkCall("engram_kv_cache_write", ioType, numTokens, numKvHeads, numKvHeads, headDim,
-            numSlots, maxSeqLen, 1.0F, tokenSlot, tokenPos, tensors, "k, v, key_cache and value_cache"))
-    {
-        return status;
-    }
-    if (numTokens == 0)
-    {
-        return 0;
-    }
-    return kvCacheWrite(
-        k, v, ioType, tokenSlot, tokenPos, numTokens, numKvHeads, headDim, keyCache, valueCache, numSlots, maxSeqLen,
-        stream);
-}
-
-extern "C" ENGRAM_API int engram_attention_packed(void const* q, int32_t ioType, void const* keyCache,
-    void const* valueCache, int32_t const* tokenSlot, int32_t const* tokenPos, int64_t numTokens, int32_t numHeads,
-    int32_t numKvHeads, int32_t headDim, int64_t numSlots, int64_t maxSeqLen, float scale, void* workspace,
-    size_t workspaceBytes, void* out, cudaStream_t stream)
-{
-    clearError();
-    void const* tensors[] = {q, keyCache, valueCache, out, kEnd};
-    if (int const status = checkCall("engram_attention_packed", ioType, numTokens, numHeads, numKvHeads, headDim,
-            numSlots, maxSeqLen, scale, tokenSlot, tokenPos, tensors, "q, key_cache, value_cache and out"))
-    {
-        return status;
-    }
-    if (numTokens == 0)
-    {
-        return 0;
-    }
-    return attentionPacked(q, ioType, keyCache, valueCache, tokenSlot, tokenPos, numTokens, numHeads, numKvHeads,
-        headDim, numSlots, maxSeqLen, scale, workspace, workspaceBytes, out, stream);
-}
-
-extern "C" ENGRAM_API int engram_attention_step(void const* q, void const* k, void const* v, int32_t ioType,
-    int32_t const* tokenSlot, int32_t const* tokenPos, int64_t numTokens, int32_t numHeads, int32_t numKvHeads,
-    int32_t headDim, void* keyCache, void* valueCache, int64_t numSlots, int64_t maxSeqLen, float scale,
-    void* workspace, size_t workspaceBytes, void* out, cudaStream_t stream)
-{
-    clearError();
-    void const* tensors[] = {q, k, v, keyCache, valueCache, out, kEnd};
-    if (int const status = checkCall("engram_attention_step", ioType, numTokens, numHeads, numKvHeads, headDim,
-            numSlots, maxSeqLen, scale, tokenSlot, tokenPos, tensors, "q, k, v, key_cache, value_cache and out"))
-    {
-        return status;
-    }
-    if (numTokens == 0)
-    {
-        return 0;
-    }
-    if (int const status = kvCacheWrite(k, v, ioType, tokenSlot, tokenPos, numTokens, numKvHeads, headDim, keyCache,
-            valueCache, numSlots, maxSeqLen, stream))
-    {
-        return status;
-    }
-    return attentionPacked(q, ioType, keyCache, valueCache, tokenSlot, tokenPos, numTokens, numHeads, numKvHeads,
-        headDim, numSlots, maxSeqLen, scale, workspace, workspaceBytes, out, stream);
-}
