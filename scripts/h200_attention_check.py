@@ -164,7 +164,7 @@ def bits(t):
 def check_kernel(rng) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt import attention_kernels, kernels
 
     dev = torch.device("cuda")
     say(f"library {kernels.library_path()} version {kernels.version()}")
@@ -189,7 +189,7 @@ def check_kernel(rng) -> None:
             ref, ref_k, ref_v = reference_step(as64(q), as64(k), as64(v), as64(kc), as64(vc), slots, pos, scale)
             kc_d, vc_d = kc.to(dev), vc.to(dev)
             out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-            kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
+            attention_kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
                                    torch.from_numpy(pos).to(dev), scale=scale, out=out)
             torch.cuda.synchronize()
             ok, detail = compare(label, out, ref, dname)
@@ -205,9 +205,9 @@ def check_kernel(rng) -> None:
             # the two halves alone give the same bits as the step
             kc2, vc2 = kc.to(dev), vc.to(dev)
             ts, tp = torch.from_numpy(slots).to(dev), torch.from_numpy(pos).to(dev)
-            kernels.kv_cache_write(k.to(dev), v.to(dev), kc2, vc2, ts, tp)
-            out2 = kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
-            out3 = kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
+            attention_kernels.kv_cache_write(k.to(dev), v.to(dev), kc2, vc2, ts, tp)
+            out2 = attention_kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
+            out3 = attention_kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
             torch.cuda.synchronize()
             record(f"kernel write + packed == step, repeat bit-identical {dname} {label}",
                    torch.equal(bits(out2), bits(out)) and torch.equal(bits(out3), bits(out2))
@@ -223,7 +223,7 @@ def check_boundaries(rng, dtypes) -> None:
     the last position of the cache; a token alone at position 0 returns its own value."""
     import torch
 
-    from engram_trt import kernels
+    from engram_trt import attention_kernels
 
     dev = torch.device("cuda")
     H, kvh, hd, num_slots, max_len = 8, 2, 64, 4, 96
@@ -236,7 +236,7 @@ def check_boundaries(rng, dtypes) -> None:
         ref, _, _ = reference_step(as64(q), as64(k), as64(v), as64(kc), as64(vc), slots, pos, 1 / math.sqrt(hd))
         kc_d, vc_d = kc.to(dev), vc.to(dev)
         out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-        kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
+        attention_kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
                                torch.from_numpy(pos).to(dev), out=out)
         torch.cuda.synchronize()  # raises on a fault
         zero = int(torch.count_nonzero(out[torch.from_numpy(bad).to(dev)]).item()) == 0
@@ -258,21 +258,21 @@ def check_splits(rng, dtypes) -> None:
     match the reference and the unsplit kernel (ABI call with no workspace)."""
     import torch
 
-    from engram_trt import kernels
+    from engram_trt import attention_kernels, kernels
 
     dev = torch.device("cuda")
-    lib = kernels._attention_library()
+    lib = attention_kernels._library()
     H, kvh, hd, num_slots, max_len = 32, 8, 128, 6, 4096
     for dname, dtype in dtypes.items():
         for chunks in ([(4095, 1)], [(3000, 1), (17, 1), (4000, 1)], [(2500, 3), (0, 1)]):
             slots, pos, _, _ = random_pack(rng, num_slots, max_len, chunks)
             T = slots.shape[0]
-            ws = kernels.attention_workspace_size(T, H, kvh, hd, max_len)
+            ws = attention_kernels.attention_workspace_size(T, H, kvh, hd, max_len)
             q, k, v, kc, vc = tensors(rng, torch, dtype, T, H, kvh, hd, num_slots, max_len, dev)
             ref, _, _ = reference_step(as64(q), as64(k), as64(v), as64(kc), as64(vc), slots, pos, 1 / math.sqrt(hd))
             ts, tp = torch.from_numpy(slots).to(dev), torch.from_numpy(pos).to(dev)
             kc_d, vc_d, q_d = kc.to(dev), vc.to(dev), q.to(dev)
-            out = kernels.attention_step(q_d, k.to(dev), v.to(dev), kc_d, vc_d, ts, tp)
+            out = attention_kernels.attention_step(q_d, k.to(dev), v.to(dev), kc_d, vc_d, ts, tp)
             unsplit = torch.full_like(out, float("nan"))
             status = lib.engram_attention_packed(
                 ctypes.c_void_p(q_d.data_ptr()), kernels._float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
@@ -291,7 +291,7 @@ def check_continuation(rng) -> None:
     sharing each step with other sequences, equals the reference of its whole history."""
     import torch
 
-    from engram_trt import kernels
+    from engram_trt import attention_kernels
 
     dev = torch.device("cuda")
     H, kvh, hd, num_slots, max_len = 16, 4, 64, 8, 256
@@ -308,7 +308,7 @@ def check_continuation(rng) -> None:
         T = slots.shape[0]
         q, k, v, _, _ = tensors(rng, torch, dtype, T, H, kvh, hd, 1, 1, dev)
         ref, kc_ref, vc_ref = reference_step(as64(q), as64(k), as64(v), kc_ref, vc_ref, slots, pos, 1 / math.sqrt(hd))
-        out = kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
+        out = attention_kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
                                      torch.from_numpy(pos).to(dev))
         torch.cuda.synchronize()
         ok, detail = compare("continuation", out, ref, "float32")
@@ -458,7 +458,7 @@ def check_plugin_cpu(harness: Harness) -> None:
 def check_plugin_gpu(rng, harness: Harness) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt import attention_kernels
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -473,7 +473,7 @@ def check_plugin_gpu(rng, harness: Harness) -> None:
         io = DT[dname]
         in_types = [io] * 5 + [DT["int32"]] * 2
         ts, tp = torch.from_numpy(slots).to(dev), torch.from_numpy(pos).to(dev)
-        want_ws = kernels.attention_workspace_size(T, H, kvh, hd, L)
+        want_ws = attention_kernels.attention_workspace_size(T, H, kvh, hd, L)
         for phase_name, make in (("build", lambda h: h), ("runtime (round trip)", harness.roundtrip)):
             base = harness.create("EngramAttention", attention_fields(H, kvh, hd, scale))
             h = make(base)
@@ -523,56 +523,58 @@ def cuda_time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def time_attention(rng, reps: int) -> None:
+def time_case(label: str, batch: int, context: int, new: int, reps: int) -> None:
+    """One timed case (its buffers are freed on return): ``batch`` sequences, each
+    bringing ``new`` tokens at the end of a ``context``-long history in its own slot."""
     import torch
     import torch.nn.functional as F
 
-    from engram_trt import kernels
+    from engram_trt import attention_kernels
 
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     H, kvh, hd = 32, 8, 128
     scale = hd ** -0.5
-    say(f"timing: bf16, {H} query / {kvh} KV heads of {hd}; SDPA on padded [B, H, S, hd] with enable_gqa")
+    past = context - new
+    kc = torch.randn(batch, kvh, context, hd, dtype=dtype, device=dev)
+    vc = torch.randn(batch, kvh, context, hd, dtype=dtype, device=dev)
+    T = batch * new
+    q = torch.randn(T, H, hd, dtype=dtype, device=dev)
+    k = torch.randn(T, kvh, hd, dtype=dtype, device=dev)
+    v = torch.randn(T, kvh, hd, dtype=dtype, device=dev)
+    slots = torch.arange(batch, dtype=torch.int32, device=dev).repeat_interleave(new)
+    pos = (past + torch.arange(new, dtype=torch.int32, device=dev)).repeat(batch)
+    out = torch.empty_like(q)
+    ours = cuda_time(lambda: attention_kernels.attention_step(q, k, v, kc, vc, slots, pos, scale=scale, out=out), reps)
+    ours_attn = cuda_time(lambda: attention_kernels.attention_packed(q, kc, vc, slots, pos, scale=scale, out=out), reps)
+    # SDPA on the same cache (slot = batch row), the new K/V already in it
+    qs = q.view(batch, new, H, hd).transpose(1, 2)  # [B, H, new, hd]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qs, kc, vc, scale=scale, is_causal=new > 1, enable_gqa=True)
+
+    theirs = cuda_time(sdpa, reps)
+    # agreement on the timed data (the reference here is SDPA itself)
+    got = attention_kernels.attention_packed(q, kc, vc, slots, pos, scale=scale)
+    want = sdpa().transpose(1, 2).reshape(T, H, hd)
+    torch.cuda.synchronize()
+    rel = float((got.float() - want.float()).norm() / want.float().norm())
+    record(f"timing outputs agree with SDPA ({label})", rel < 1e-2, f"relative norm difference {rel:.2e}")
+    kv_bytes = 2 * batch * kvh * context * hd * 2 if new == 1 else 2 * kvh * context * hd * 2
+    flops = 4 * H * hd * (batch * context if new == 1 else context * (context + 1) / 2)
+    row = {"engram_step_s": ours, "engram_attention_s": ours_attn, "sdpa_s": theirs,
+           "ratio_to_sdpa": ours_attn / theirs, "engram_GBps": kv_bytes / ours_attn / 1e9,
+           "engram_TFLOPs": flops / ours_attn / 1e12, "sdpa_TFLOPs": flops / theirs / 1e12}
+    RESULTS["timing"][label] = row
+    say(f"  {label:<22} step {ours * 1e6:9.1f} us  attention {ours_attn * 1e6:9.1f} us  SDPA {theirs * 1e6:9.1f} us"
+        f"  ({ours_attn / theirs:.2f} x SDPA, {row['engram_GBps']:.0f} GB/s K/V, {row['engram_TFLOPs']:.1f} TFLOP/s)")
+
+
+def time_attention(reps: int) -> None:
+    say("timing: bf16, 32 query / 8 KV heads of 128; SDPA on padded [B, H, S, hd] with enable_gqa")
     for label, batch, context, new in (("decode 64 x 4k", 64, 4096, 1), ("decode 256 x 4k", 256, 4096, 1),
                                        ("prefill 1 x 8k chunk", 1, 8192, 8192)):
-        past = context - new
-        max_len = context
-        kc = torch.randn(batch, kvh, max_len, hd, dtype=dtype, device=dev)
-        vc = torch.randn(batch, kvh, max_len, hd, dtype=dtype, device=dev)
-        T = batch * new
-        q = torch.randn(T, H, hd, dtype=dtype, device=dev)
-        k = torch.randn(T, kvh, hd, dtype=dtype, device=dev)
-        v = torch.randn(T, kvh, hd, dtype=dtype, device=dev)
-        slots = torch.arange(batch, dtype=torch.int32, device=dev).repeat_interleave(new)
-        pos = (past + torch.arange(new, dtype=torch.int32, device=dev)).repeat(batch)
-        out = torch.empty_like(q)
-        ours = cuda_time(lambda: kernels.attention_step(q, k, v, kc, vc, slots, pos, scale=scale, out=out), reps)
-        ours_attn = cuda_time(lambda: kernels.attention_packed(q, kc, vc, slots, pos, scale=scale, out=out), reps)
-        # SDPA on the same cache (slot = batch row), the new K/V already in it
-        qs = q.view(batch, new, H, hd).transpose(1, 2)  # [B, H, new, hd]
-        if new == 1:
-            def sdpa():
-                return F.scaled_dot_product_attention(qs, kc, vc, scale=scale, enable_gqa=True)
-        else:
-            def sdpa():
-                return F.scaled_dot_product_attention(qs, kc, vc, scale=scale, is_causal=True, enable_gqa=True)
-        theirs = cuda_time(sdpa, reps)
-        # agreement on the timed data (the reference here is SDPA itself)
-        got = kernels.attention_packed(q, kc, vc, slots, pos, scale=scale)
-        want = sdpa().transpose(1, 2).reshape(T, H, hd)
-        torch.cuda.synchronize()
-        rel = float((got.float() - want.float()).norm() / want.float().norm())
-        record(f"timing outputs agree with SDPA ({label})", rel < 1e-2, f"relative norm difference {rel:.2e}")
-        kv_bytes = 2 * batch * kvh * context * hd * 2 if new == 1 else 2 * kvh * context * hd * 2
-        flops = 4 * H * hd * (batch * context if new == 1 else context * (context + 1) / 2)
-        row = {"engram_step_s": ours, "engram_attention_s": ours_attn, "sdpa_s": theirs,
-               "ratio_to_sdpa": ours_attn / theirs, "engram_GBps": kv_bytes / ours_attn / 1e9,
-               "engram_TFLOPs": flops / ours_attn / 1e12, "sdpa_TFLOPs": flops / theirs / 1e12}
-        RESULTS["timing"][label] = row
-        say(f"  {label:<22} step {ours * 1e6:9.1f} us  attention {ours_attn * 1e6:9.1f} us  SDPA {theirs * 1e6:9.1f} us"
-            f"  ({ours_attn / theirs:.2f} x SDPA, {row['engram_GBps']:.0f} GB/s K/V, {row['engram_TFLOPs']:.1f} TFLOP/s)")
-        del kc, vc
+        time_case(label, batch, context, new, reps)
 
 
 # --- main ---------------------------------------------------------------------------------------
@@ -608,7 +610,7 @@ def main() -> int:
             check_kernel(rng)
             check_plugin_gpu(rng, harness)
             if not args.no_timing:
-                time_attention(rng, args.reps)
+                time_attention(args.reps)
     except Exception as exc:  # report what ran, then fail
         import traceback
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engram_trt import kernels, trt_compat
+from engram_trt import attention_kernels, kernels, trt_compat
 from engram_trt.config.model import EngramSpec
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
@@ -151,7 +151,7 @@ def test_attention_abi_checks_run_without_gpu(plugin_lib: Path) -> None:
     one-line reasons, before any CUDA call; zero tokens launch nothing."""
     import ctypes
 
-    lib = kernels._attention_library()
+    lib = attention_kernels._library()
     p = ctypes.c_void_p(16)  # never read: the calls fail on their arguments first
 
     def packed(io_type=kernels.FLOAT_BF16, T=4, H=8, kvh=2, hd=64, slots=4, max_len=32, scale=0.125, q=p):
@@ -175,9 +175,9 @@ def test_attention_abi_checks_run_without_gpu(plugin_lib: Path) -> None:
     status = lib.engram_attention_step(p, p, p, kernels.FLOAT_F32, p, p, 0, 8, 2, 64, p, p, 4, 32,
                                        ctypes.c_float(0.125), None, 0, p, None)
     assert status == 0
-    kernels.check_attention_shape(32, 8, 128, 128 ** -0.5)
+    attention_kernels.check_attention_shape(32, 8, 128, 128 ** -0.5)
     with pytest.raises(EngramError, match="num_kv_heads \\* ceil\\(num_heads / num_kv_heads / 8\\) = 65536 exceeds 65535"):
-        kernels.check_attention_shape(65536 * 8, 65536, 64, 0.1)
+        attention_kernels.check_attention_shape(65536 * 8, 65536, 64, 0.1)
 
 
 def test_attention_workspace_covers_the_key_splits(plugin_lib: Path) -> None:
@@ -196,12 +196,12 @@ def test_attention_workspace_covers_the_key_splits(plugin_lib: Path) -> None:
 
     for H, kvh, hd, max_len in ((32, 8, 128, 4096), (16, 1, 64, 8192), (8, 8, 64, 300), (40, 2, 256, 2048)):
         for T in (1, 2, 3, 7, 64, 127, 128, 256):
-            one = kernels.attention_workspace_size(T, H, kvh, hd, max_len)
+            one = attention_kernels.attention_workspace_size(T, H, kvh, hd, max_len)
             most = max(expected(t, H, kvh, hd, max_len) for t in range(1, T + 1))
             assert one == most, (H, kvh, hd, max_len, T)
-    assert kernels.attention_workspace_size(1, 32, 8, 128, 4096) == 32 * 16 * 130 * 4  # 16 splits of 256 keys
-    assert kernels.attention_workspace_size(1, 8, 8, 64, 200) == 0  # one split covers a 200-position cache
-    assert kernels.attention_workspace_size(0, 32, 8, 128, 4096) == 0
+    assert attention_kernels.attention_workspace_size(1, 32, 8, 128, 4096) == 32 * 16 * 130 * 4  # 16 splits of 256 keys
+    assert attention_kernels.attention_workspace_size(1, 8, 8, 64, 200) == 0  # one split covers a 200-position cache
+    assert attention_kernels.attention_workspace_size(0, 32, 8, 128, 4096) == 0
 
 
 def test_attention_bindings_name_the_bad_argument() -> None:
@@ -213,20 +213,20 @@ def test_attention_bindings_name_the_bad_argument() -> None:
     idx = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(EngramError, match=r"^key_cache must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
                                           r"\(got torch.float64\)$"):
-        kernels.attention_step(q, kv, kv, cache.double(), cache, idx, idx)
+        attention_kernels.attention_step(q, kv, kv, cache.double(), cache, idx, idx)
     with pytest.raises(EngramError, match=r"^q must have dtype torch.bfloat16 \(got torch.float16\)$"):
-        kernels.attention_step(q.half(), kv, kv, cache, cache, idx, idx)
+        attention_kernels.attention_step(q.half(), kv, kv, cache, cache, idx, idx)
     with pytest.raises(EngramError, match=r"^key_cache and value_cache must be one shape .* \(got \(4, 2, 32, 64\) "
                                           r"and \(4, 2, 16, 64\)\)$"):
-        kernels.attention_step(q, kv, kv, cache, cache[:, :, :16], idx, idx)
+        attention_kernels.attention_step(q, kv, kv, cache, cache[:, :, :16], idx, idx)
     with pytest.raises(EngramError, match=r"^token_pos must have dtype torch.int32 \(got torch.int64\)$"):
-        kernels.attention_step(q, kv, kv, cache, cache, idx, idx.long())
+        attention_kernels.attention_step(q, kv, kv, cache, cache, idx, idx.long())
     with pytest.raises(EngramError, match=r"^k must be \[T, num_kv_heads, head_dim\] = \(3, 2, 64\)"):
-        kernels.kv_cache_write(kv[:, :1], kv, cache, cache, idx, idx)
+        attention_kernels.kv_cache_write(kv[:, :1], kv, cache, cache, idx, idx)
     with pytest.raises(EngramError, match=r"^token_slot must be \[T\] = \(3,\) \(got \(2,\)\)$"):
-        kernels.attention_packed(q, cache, cache, idx[:2], idx)
+        attention_kernels.attention_packed(q, cache, cache, idx[:2], idx)
     with pytest.raises(EngramError, match="^q must be a CUDA tensor"):
-        kernels.attention_packed(q, cache, cache, idx, idx)
+        attention_kernels.attention_packed(q, cache, cache, idx, idx)
 
 
 def test_host_gatherer_create_reports_a_missing_device(plugin_lib: Path) -> None:

@@ -324,7 +324,7 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         table_rows = [int(r) for r in (opts.table_rows or layout.table_rows)]
         if len(table_rows) != layout.num_layers or any(r < int(n) for r, n in zip(table_rows, layout.table_rows)):
             raise EngramError(f"table rows {table_rows} do not cover the layout's {layout.table_rows.tolist()} (one per Engram layer)")
-    D, hc = config.hidden_size, config.hc_mult
+    hc = config.hc_mult
     qh, kvh, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     max_pos = int(opts.max_position or config.max_position_embeddings)
     g = _Graph()
