@@ -1,7 +1,9 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * The library's registration entry points, looked up by
  * IPluginRegistry::loadLibrary (TensorRT and TensorRT-RTX): getCreators hands out the
- * four IPluginCreatorV3One creators, setLoggerFinder gives the plugins TensorRT's
+ * four IPluginCreatorV3One creators (namespace "engram_trt"), setLoggerFinder gives the plugins TensorRT's
  * logger. These two and the kernels' C ABI are the only exported symbols.
  */
 #include "common/checkMacros.h"

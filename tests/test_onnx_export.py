@@ -322,6 +322,7 @@ def test_export_is_deterministic_and_holds_no_tables() -> None:
     for n in ops:
         attrs = {a.name: a for a in n.attribute}
         assert attrs["plugin_version"].s == b"1"
+        assert attrs["plugin_namespace"].s == b"engram_trt"  # the creators' namespace, read by the ONNX parser
     assert not any(n.op_type in ("Attention", "Concat") for n in ex.model.graph.node)  # no whole-cache copy
 
 

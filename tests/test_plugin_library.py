@@ -30,11 +30,13 @@ from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
 REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
 HEADER = REPO / "plugins" / "kernels" / "engramKernels.h"
 PLUGINS = {
     "EngramHash": ["n_layers", "max_ngram_size", "n_heads", "pad_id", "compressed_vocab_size", "primes", "offsets",
                    "multipliers"],
-    "EngramGather": ["layer_index", "n_layers", "n_cols", "head_dim", "table_dtype", "quant_block", "num_rows"],
+    "EngramGather": ["layer_index", "n_layers", "n_cols", "head_dim", "table_dtype", "quant_block", "num_rows",
+                     "bad_rows_input"],
     "EngramGate": ["hc_mult", "hidden_size", "eps"],
     "EngramAttention": ["num_heads", "num_kv_heads", "head_dim", "scale"],
 }
@@ -274,11 +276,16 @@ def test_creators_are_registered_with_their_fields(trt) -> None:
                                    [f.name for f in creator.field_names])
     assert set(found) == set(PLUGINS)
     for name, fields in PLUGINS.items():
-        assert found[name] == ("1", "", fields)
+        assert found[name] == ("1", NAMESPACE, fields)
+    # nothing of ours registers in the empty namespace, where another library's plugins
+    # of the same names could collide
+    assert all(trt.module.get_plugin_registry().get_creator(name, "1", "") is None for name in PLUGINS)
 
 
-def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int = 2, hidden: int = 128) -> None:
-    """ids -> EngramHash -> EngramGather (layer 1, fp8 table by address) -> wkv -> EngramGate."""
+def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int = 2, hidden: int = 128,
+                  bad_rows_input: bool = False) -> None:
+    """ids -> EngramHash -> EngramGather (layer 1, fp8 table by address) -> wkv -> EngramGate.
+    ``bad_rows_input``: the gather takes the bad-row counter's address too."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -296,21 +303,24 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
         # INTS attributes to int32, which would truncate the multipliers.
         return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))
 
+    ns = {"plugin_namespace": NAMESPACE}
+    counter = {"bad_rows_input": 1} if bad_rows_input else {}
     nodes = [
         helper.make_node("EngramHash", ["ids", "seq_starts", "lookback"], ["hash_ids"], name="hash",
-                         domain="engram_trt", plugin_version="1", n_layers=layout.num_layers,
+                         domain="engram_trt", plugin_version="1", **ns, n_layers=layout.num_layers,
                          max_ngram_size=layout.max_ngram_size, n_heads=layout.n_heads, pad_id=layout.pad_id,
                          compressed_vocab_size=layout.compressed_vocab_size,
                          primes=i64("primes", layout.primes), offsets=i64("offsets", layout.offsets),
                          multipliers=i64("multipliers", layout.multipliers)),
-        helper.make_node("EngramGather", ["hash_ids", "rows_addr", "scales_addr"], ["rows"], name="gather",
-                         domain="engram_trt", plugin_version="1", layer_index=1, n_layers=layout.num_layers,
+        helper.make_node("EngramGather", ["hash_ids", "rows_addr", "scales_addr"] + (["bad_rows_addr"] if bad_rows_input else []),
+                         ["rows"], name="gather",
+                         domain="engram_trt", plugin_version="1", **ns, layer_index=1, n_layers=layout.num_layers,
                          n_cols=cols, head_dim=head_dim, table_dtype=0, quant_block=32,
-                         num_rows=int(layout.table_rows[1])),
+                         num_rows=int(layout.table_rows[1]), **counter),
         helper.make_node("Reshape", ["rows", "flat_shape"], ["rows_flat"], name="flatten"),
         helper.make_node("MatMul", ["rows_flat", "wkv"], ["kv"], name="wkv"),
         helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
-                         domain="engram_trt", plugin_version="1", hc_mult=hc, hidden_size=hidden, eps=1e-6),
+                         domain="engram_trt", plugin_version="1", **ns, hc_mult=hc, hidden_size=hidden, eps=1e-6),
     ]
     inputs = [
         helper.make_tensor_value_info("ids", TensorProto.INT32, ["T"]),
@@ -318,6 +328,7 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
         helper.make_tensor_value_info("lookback", TensorProto.INT32, ["S", n]),
         helper.make_tensor_value_info("rows_addr", TensorProto.INT64, [1]),
         helper.make_tensor_value_info("scales_addr", TensorProto.INT64, [1]),
+        *([helper.make_tensor_value_info("bad_rows_addr", TensorProto.INT64, [1])] if bad_rows_input else []),
         helper.make_tensor_value_info("hidden", TensorProto.BFLOAT16, ["T", hc, hidden]),
         helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"]),
     ]
@@ -330,9 +341,11 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
     onnx.save(model, str(path))
 
 
-def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramLayout, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad_rows_input", [False, True], ids=["tables only", "with bad-row counter"])
+def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramLayout, tmp_path: Path,
+                                                            bad_rows_input: bool) -> None:
     path = tmp_path / "engram.onnx"
-    _engram_graph(layout, path)
+    _engram_graph(layout, path, bad_rows_input=bad_rows_input)
     builder = trt_compat.create_builder()
     network = trt_compat.create_network(builder)
     parser = trt_compat.onnx_parser(network)
@@ -341,6 +354,10 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     plugin_layers = [network.get_layer(i) for i in range(network.num_layers)
                      if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
     assert sorted(layer.name for layer in plugin_layers) == ["gate", "gather", "hash"]
+    for layer in plugin_layers:  # the nodes' plugin_namespace names the creators' namespace
+        layer.__class__ = trt.module.IPluginV3Layer
+        core = layer.plugin.get_capability_interface(trt.module.PluginCapabilityType.CORE)
+        assert (core.plugin_namespace, core.plugin_version) == (NAMESPACE, "1")
     by_name = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
     assert tuple(by_name["out"].shape)[1:] == (2, 128) and by_name["out"].dtype == trt.module.bfloat16
 
@@ -368,7 +385,8 @@ def _attention_graph(path: Path, io: str = "bf16", H: int = 8, kvh: int = 2, hd:
     cache = ["slots", kvh, "max_len", hd]
     node = helper.make_node("EngramAttention", ["q", "k", "v", "key_cache", "value_cache", "token_slot", "token_pos"],
                             ["out", "key_cache_out", "value_cache_out"], name="attention", domain="engram_trt",
-                            plugin_version="1", num_heads=H, num_kv_heads=kvh, head_dim=hd, scale=hd ** -0.5)
+                            plugin_version="1", plugin_namespace=NAMESPACE, num_heads=H, num_kv_heads=kvh, head_dim=hd,
+                            scale=hd ** -0.5)
     inputs = [helper.make_tensor_value_info("q", elem, ["T", H, hd]), helper.make_tensor_value_info("k", elem, ["T", kvh, hd]),
               helper.make_tensor_value_info("v", elem, ["T", kvh, hd]),
               helper.make_tensor_value_info("key_cache", elem, cache), helper.make_tensor_value_info("value_cache", elem, cache),
@@ -441,7 +459,7 @@ def _gate_graph(path: Path, io: str, weights: str, kv_io: str | None = None, hc:
         return helper.make_tensor(name, elem[dtype], shape, raw, raw=True)
 
     node = helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
-                            domain="engram_trt", plugin_version="1", hc_mult=hc, hidden_size=hidden, eps=1e-6)
+                            domain="engram_trt", plugin_version="1", plugin_namespace=NAMESPACE, hc_mult=hc, hidden_size=hidden, eps=1e-6)
     inputs = [helper.make_tensor_value_info("hidden", elem[io], ["T", hc, hidden]),
               helper.make_tensor_value_info("kv", elem[kv_io or io], ["T", (hc + 1) * hidden]),
               helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"])]
@@ -520,7 +538,7 @@ def _plugin_fields(trt, fields: dict[str, tuple[str, object]]):
 
 
 def _create(trt, name: str, fields: dict[str, tuple[str, object]]):
-    creator = trt.module.get_plugin_registry().get_creator(name, "1", "")
+    creator = trt.module.get_plugin_registry().get_creator(name, "1", NAMESPACE)
     assert creator is not None, f"{name} creator is not registered"
     return creator.create_plugin(name, _plugin_fields(trt, fields), trt.module.TensorRTPhase.BUILD)
 
@@ -564,6 +582,7 @@ BAD_FIELDS = [
     ("EngramGather", {"head_dim": ("int64", 2**32 + 64)}, "field 'head_dim' = 4294967360 is outside"),
     ("EngramGather", {"table_dtype": ("int64", 2**32)}, "field 'table_dtype' = 4294967296 is outside [0, 1]"),
     ("EngramGather", {"num_rows": ("int64", 2**31)}, "num_rows must be in [1, 2^31 - 1]"),
+    ("EngramGather", {"bad_rows_input": ("int32", 2)}, "field 'bad_rows_input' = 2 is outside [0, 1]"),
     ("EngramAttention", {"num_heads": ("int64", 2**32 + 32)}, "field 'num_heads' = 4294967328 is outside"),
     ("EngramAttention", {"num_kv_heads": ("int32", 0)}, "field 'num_kv_heads' = 0 is outside"),
     ("EngramAttention", {"num_kv_heads": ("int32", 12)}, "num_heads must be a positive multiple of num_kv_heads"),
@@ -609,3 +628,126 @@ def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> No
     for edge in ({"head_dim": ("int64", 256)}, {"head_dim": ("int32", 8)}, {"num_kv_heads": ("int32", 1)},
                  {"num_kv_heads": ("int32", 32)}, {"num_heads": ("int32", 65535 * 8), "num_kv_heads": ("int32", 65535)}):
         assert _create(trt, "EngramAttention", {**ATTENTION_FIELDS, **edge}) is not None, edge
+    for flag in (0, 1):  # the optional bad-row counter input
+        assert _create(trt, "EngramGather", {**GATHER_FIELDS, "bad_rows_input": ("int32", flag)}) is not None
+
+
+# --- prepared hash layout, bad-row counter: host-side ABI (no GPU) ---------------------
+
+def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layout: EngramLayout) -> None:
+    """kernels.hash_packed prepares a layout once per EngramLayout (validated and laid out
+    as the kernel's parameter, no GPU needed) and reuses it; a bad layout is refused at
+    preparation with the library's reason."""
+    import ctypes
+
+    first = kernels.prepared_layout(layout)
+    assert kernels.prepared_layout(layout) is first and first.handle.value
+    assert kernels.prepared_layout(first) is first
+    other = EngramLayout(**layout.__dict__)  # equal content, another object: its own preparation
+    assert kernels.prepared_layout(other) is not first
+    bad = EngramLayout(**{**layout.__dict__, "multipliers": layout.multipliers.copy()})
+    bad.multipliers[0, 1] = -3
+    with pytest.raises(EngramError, match=r"engram_hash_layout_create failed: engram_hash_layout_create: "
+                                          r"multiplier\[1\] = -3 is not in"):
+        kernels.PreparedHashLayout(bad)
+    lib = kernels.load_library()
+    assert lib.engram_hash_prepared(None, None, 4, None, 1, None, None, None) == 1
+    assert lib.engram_last_error().decode() == "engram_hash_prepared: layout is NULL"
+    # zero tokens: nothing to launch, so success without a GPU
+    assert lib.engram_hash_prepared(first.handle, None, 0, None, 0, None, None, None) == 0
+    # the 128-slot layout parameter of CUDA < 12.1 is not the limit of this build: 512 slots still prepare
+    wide = EngramSpec(layer_ids=(0, 1, 2, 3), max_ngram_size=3, n_heads=64, vocab_size=1000,
+                      compressed_vocab_size=900, pad_token_id=0, head_dim=64)
+    assert kernels.PreparedHashLayout(EngramLayout.from_spec(wide, pad_id=5)).handle.value
+    handle = ctypes.c_void_p(1)
+    assert lib.engram_hash_layout_create(None, None, None, 1, 3, 4, 0, 10, ctypes.byref(handle)) == 1
+    assert handle.value is None  # no half-made layout on failure
+
+
+def test_gather_refuses_a_misaligned_bad_row_counter(plugin_lib: Path) -> None:
+    import ctypes
+
+    lib = kernels.load_library()
+    p = ctypes.c_void_p(256)  # never read: the call fails on its arguments first
+    status = lib.engram_gather(p, 1, 1, 1, p, p, 10, 64, kernels.TABLE_FP8_E4M3, 32, p, ctypes.c_void_p(260), None)
+    assert (status, lib.engram_last_error().decode()) == (
+        1, "engram_gather: bad_rows must be an 8-byte aligned device pointer")
+
+
+def test_check_bad_rows_raises_one_line_and_resets() -> None:
+    import torch
+
+    counter = torch.zeros(1, dtype=torch.int64)  # a CPU stand-in: the check only reads and zeroes it
+    kernels.check_bad_rows(counter)  # 0: nothing to report
+    counter += 7
+    with pytest.raises(EngramError, match=r"^layer 1 gather: 7 row\(s\) read no table \(ids outside \[0, num_rows\)"):
+        kernels.check_bad_rows(counter, what="layer 1 gather")
+    assert int(counter.item()) == 0
+    counter += 2
+    with pytest.raises(EngramError, match="2 row"):
+        kernels.check_bad_rows(counter, reset=False)
+    assert int(counter.item()) == 2
+
+
+def test_gather_binding_checks_the_bad_row_counter() -> None:
+    import torch
+
+    ids, table = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8)
+    with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # the device check comes first
+        kernels.gather(ids, table, torch.zeros(10, 2, dtype=torch.uint8), bad_rows=torch.zeros(1, dtype=torch.int64))
+
+
+# --- the plugin harness without a GPU: the build phase reads no table -------------------
+
+HARNESS = REPO / "build" / "plugins" / "tests" / "libengram_plugin_harness.so"
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """scripts/h200_verify.py's binding of the harness that CMake builds beside the library
+    with -DENGRAM_TRT_BUILD_HARNESS=ON (it drives creator -> plugin -> enqueue as TensorRT
+    does, without TensorRT)."""
+    import importlib
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/h200_verify.py runs these enqueues for real")
+    if not HARNESS.is_file():
+        pytest.skip(f"the plugin harness is not built ({HARNESS}; configure with -DENGRAM_TRT_BUILD_HARNESS=ON)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        common = importlib.import_module("h200_common")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return common, common.Harness(HARNESS)
+
+
+def test_build_phase_gather_enqueue_takes_the_no_read_path(harness) -> None:
+    """With no GPU every enqueue fails, which shows which path it took: a plugin created in
+    the build phase (and its attachToContext clone, which harness_run enqueues) only
+    clears its output (cudaMemsetAsync) and never launches the gather on the made-up
+    table addresses; a runtime-phase plugin launches the gather. Errors name file:line."""
+    import torch
+
+    common, h = harness
+    fields = common.gather_fields(0, 2, 8, 64, 0, 32, 1000) + [("bad_rows_input", common.PF_INT32,
+                                                               np.array([1], np.int32))]
+    ids = torch.zeros(4, 2, 8, dtype=torch.int32)
+    garbage = [torch.tensor([0x5EAD_BEE0_0000 + 16 * i]) for i in range(3)]  # rows, scales, counter
+    out = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    types = [common.DT["int32"]] + [common.DT["int64"]] * 3
+    messages = {}
+    for phase in (0, 1):
+        plugin = h.create("EngramGather", fields, phase=phase)
+        try:
+            with pytest.raises(RuntimeError) as failure:
+                h.run(plugin, [ids, *garbage], types, out, common.DT["bfloat16"], 0)
+            messages[phase] = str(failure.value)
+        finally:
+            h.lib.harness_destroy(plugin)
+    assert "cudaMemsetAsync(outputs[0], 0, bytes, stream) failed" in messages[0], messages[0]
+    assert "engram_gather" not in messages[0].split("enqueue failed")[-1], messages[0]
+    assert re.search(r"\(engramGatherPlugin\.cpp:\d+\)", messages[0]), messages[0]
+    assert "engram_gather launch failed" in messages[1], messages[1]

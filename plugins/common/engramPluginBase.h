@@ -1,8 +1,14 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * What the Engram plugins share: one object implements IPluginV3 and its three
  * capabilities (core, build, runtime), as the TensorRT OSS IPluginV3 plugins do; the
- * name, version "1", the empty namespace and the capability dispatch live here.
- * Plugins need no per-context resources, so attachToContext is a clone.
+ * name, version "1", the namespace "engram_trt" (so the creators cannot collide with
+ * another library's plugins of the same names), the TensorRT phase the plugin was
+ * created in, and the capability dispatch live here. Plugins need no per-context
+ * resources, so attachToContext is a clone; a clone keeps the phase, so every object
+ * TensorRT derives from a build-phase plugin (for timing enqueues during the build)
+ * knows it serves a build.
  * The build capability is a template parameter: IPluginV3OneBuild for most plugins,
  * IPluginV3OneBuildV2 for a plugin that updates an input in place (aliased I/O).
  */
@@ -20,7 +26,7 @@ namespace plugin
 {
 
 constexpr char const* kEngramPluginVersion = "1";
-constexpr char const* kEngramPluginNamespace = "";
+constexpr char const* kEngramPluginNamespace = "engram_trt";
 
 template <typename BuildCapability>
 class EngramPluginBaseT : public nvinfer1::IPluginV3,
@@ -29,8 +35,9 @@ class EngramPluginBaseT : public nvinfer1::IPluginV3,
                           public nvinfer1::IPluginV3OneRuntime
 {
 public:
-    explicit EngramPluginBaseT(char const* pluginName)
+    EngramPluginBaseT(char const* pluginName, nvinfer1::TensorRTPhase phase)
         : mPluginName(pluginName)
+        , mPhase(phase)
     {
     }
 
@@ -76,8 +83,16 @@ public:
         return 0; // shapes are validated where they are used, in enqueue
     }
 
+    //! The phase given to the creator's createPlugin (kBUILD: made for a network being
+    //! built, whose enqueues TensorRT runs on made-up inputs; kRUNTIME: deserialized).
+    nvinfer1::TensorRTPhase phase() const
+    {
+        return mPhase;
+    }
+
 protected:
     char const* mPluginName;
+    nvinfer1::TensorRTPhase mPhase;
 };
 
 //! The base of the plugins without aliased I/O.

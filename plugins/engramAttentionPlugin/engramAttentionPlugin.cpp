@@ -84,9 +84,9 @@ void checkDims(AttentionConfig const& c, nvinfer1::Dims const* in, nvinfer1::Dim
     {
         nvinfer1::Dims const& x = in[i];
         ENGRAM_PLUGIN_CHECK(x.nbDims == 4 && matches(x.d[1], c.numKvHeads) && matches(x.d[3], c.headDim),
-            (i == kKeyCache ? "key_cache" : "value_cache") << " must be [num_slots, " << c.numKvHeads
-                                                           << ", max_seq_len, " << c.headDim << "], got "
-                                                           << dimsToString(x));
+            (i == kKeyCache ? "key_cache" : "value_cache")
+                << " must be [num_slots, " << c.numKvHeads << ", max_seq_len, " << c.headDim << "], got "
+                << dimsToString(x));
     }
     for (int32_t i : {kTokenSlot, kTokenPos})
     {
@@ -101,8 +101,8 @@ void checkDims(AttentionConfig const& c, nvinfer1::Dims const* in, nvinfer1::Dim
 }
 } // namespace attention_detail
 
-EngramAttentionPlugin::EngramAttentionPlugin(AttentionConfig const& config)
-    : EngramAliasingPluginBase(attention_detail::kName)
+EngramAttentionPlugin::EngramAttentionPlugin(AttentionConfig const& config, nvinfer1::TensorRTPhase phase)
+    : EngramAliasingPluginBase(attention_detail::kName, phase)
     , mConfig(config)
 {
     attention_detail::checkConfig(mConfig);
@@ -112,7 +112,7 @@ nvinfer1::IPluginV3* EngramAttentionPlugin::clone() noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
-        return new EngramAttentionPlugin(mConfig);
+        return new EngramAttentionPlugin(mConfig, mPhase);
     }
     ENGRAM_PLUGIN_CATCH(attention_detail::kName, nullptr);
 }
@@ -132,8 +132,8 @@ int32_t EngramAttentionPlugin::getOutputDataTypes(
             "expects 7 inputs (q, k, v, key_cache, value_cache, token_slot, token_pos) and 3 outputs, got "
                 << nbInputs << " and " << nbOutputs);
         DataType const io = inputTypes[kQ];
-        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io
-                && inputTypes[kKeyCache] == io && inputTypes[kValueCache] == io,
+        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io && inputTypes[kKeyCache] == io
+                && inputTypes[kValueCache] == io,
             "q, k, v, key_cache and value_cache must share one type (bfloat16, float16 or float32), got "
                 << dataTypeName(io) << ", " << dataTypeName(inputTypes[kK]) << ", " << dataTypeName(inputTypes[kV])
                 << ", " << dataTypeName(inputTypes[kKeyCache]) << " and " << dataTypeName(inputTypes[kValueCache]));
@@ -265,13 +265,13 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
                                       << dimsToString(x));
         }
         nvinfer1::Dims const& cache = inputDesc[kKeyCache].dims;
-        ENGRAM_PLUGIN_CHECK(cache.nbDims == 4 && cache.d[1] == kvh && cache.d[3] == hd && cache.d[0] >= 1
-                && cache.d[2] >= 1,
+        ENGRAM_PLUGIN_CHECK(
+            cache.nbDims == 4 && cache.d[1] == kvh && cache.d[3] == hd && cache.d[0] >= 1 && cache.d[2] >= 1,
             "key_cache must be [num_slots, " << kvh << ", max_seq_len, " << hd << "], got " << dimsToString(cache));
         int64_t const numSlots = cache.d[0];
         int64_t const maxSeqLen = cache.d[2];
-        nvinfer1::Dims const* sameAsCache[] = {&inputDesc[kValueCache].dims, &outputDesc[kKeyCacheOut].dims,
-            &outputDesc[kValueCacheOut].dims};
+        nvinfer1::Dims const* sameAsCache[]
+            = {&inputDesc[kValueCache].dims, &outputDesc[kKeyCacheOut].dims, &outputDesc[kValueCacheOut].dims};
         for (nvinfer1::Dims const* x : sameAsCache)
         {
             bool same = x->nbDims == 4;
@@ -287,8 +287,8 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
         {
             nvinfer1::Dims const& x = inputDesc[i].dims;
             ENGRAM_PLUGIN_CHECK(x.nbDims == 1 && x.d[0] == numTokens,
-                (i == kTokenSlot ? "token_slot" : "token_pos") << " must be [" << numTokens << "], got "
-                                                               << dimsToString(x));
+                (i == kTokenSlot ? "token_slot" : "token_pos")
+                    << " must be [" << numTokens << "], got " << dimsToString(x));
         }
         nvinfer1::Dims const& o = outputDesc[kOut].dims;
         ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == numTokens && o.d[1] == h && o.d[2] == hd,
@@ -303,10 +303,12 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
         {
             sameType = sameType && outputDesc[i].type == io;
         }
-        ENGRAM_PLUGIN_CHECK(sameType, "q, k, v, the caches and the outputs must share one type (bfloat16, float16 "
-                                      "or float32), q is "
+        ENGRAM_PLUGIN_CHECK(sameType,
+            "q, k, v, the caches and the outputs must share one type (bfloat16, float16 "
+            "or float32), q is "
                 << dataTypeName(io));
-        ENGRAM_PLUGIN_CHECK(inputDesc[kTokenSlot].type == DataType::kINT32 && inputDesc[kTokenPos].type == DataType::kINT32,
+        ENGRAM_PLUGIN_CHECK(
+            inputDesc[kTokenSlot].type == DataType::kINT32 && inputDesc[kTokenPos].type == DataType::kINT32,
             "token_slot and token_pos must be int32");
 
         // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) each cache
@@ -320,9 +322,7 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
             void const* src = inputs[kKeyCache + i];
             if (dst != src)
             {
-                cudaError_t const status = cudaMemcpyAsync(dst, src, cacheBytes, cudaMemcpyDeviceToDevice, stream);
-                ENGRAM_PLUGIN_CHECK(status == cudaSuccess,
-                    "copying the cache into its (not aliased) output failed: " << cudaGetErrorString(status));
+                ENGRAM_PLUGIN_CHECK_CUDA(cudaMemcpyAsync(dst, src, cacheBytes, cudaMemcpyDeviceToDevice, stream));
             }
         }
         size_t workspaceBytes = 0;
@@ -330,8 +330,8 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         status = engram_attention_step(inputs[kQ], inputs[kK], inputs[kV], floatTypeCode(io),
             static_cast<int32_t const*>(inputs[kTokenSlot]), static_cast<int32_t const*>(inputs[kTokenPos]), numTokens,
-            h, kvh, hd, outputs[kKeyCacheOut], outputs[kValueCacheOut], numSlots, maxSeqLen, mConfig.scale,
-            workspace, workspace != nullptr ? workspaceBytes : 0, outputs[kOut], stream);
+            h, kvh, hd, outputs[kKeyCacheOut], outputs[kValueCacheOut], numSlots, maxSeqLen, mConfig.scale, workspace,
+            workspace != nullptr ? workspaceBytes : 0, outputs[kOut], stream);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         return 0;
     }
@@ -369,7 +369,7 @@ nvinfer1::PluginFieldCollection const* EngramAttentionPluginCreator::getFieldNam
 }
 
 nvinfer1::IPluginV3* EngramAttentionPluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase /*phase*/) noexcept
+    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
@@ -380,7 +380,7 @@ nvinfer1::IPluginV3* EngramAttentionPluginCreator::createPlugin(
         config.headDim = reader.getInt32("head_dim", 8, ENGRAM_ATTENTION_MAX_HEAD_DIM);
         config.scale = static_cast<float>(reader.getFloat("scale"));
         reader.finish();
-        return new EngramAttentionPlugin(config);
+        return new EngramAttentionPlugin(config, phase);
     }
     ENGRAM_PLUGIN_CATCH(attention_detail::kName, nullptr);
 }

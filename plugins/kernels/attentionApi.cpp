@@ -91,9 +91,9 @@ int checkShape(char const* fn, int32_t numHeads, int32_t numKvHeads, int32_t hea
 }
 
 //! The checks every entry point shares: counts, cache extent, types, pointers.
-int checkCall(char const* fn, int32_t ioType, int64_t numTokens, int32_t numHeads, int32_t numKvHeads,
-    int32_t headDim, int64_t numSlots, int64_t maxSeqLen, float scale, int32_t const* tokenSlot,
-    int32_t const* tokenPos, void const* const* tensors, char const* tensorNames)
+int checkCall(char const* fn, int32_t ioType, int64_t numTokens, int32_t numHeads, int32_t numKvHeads, int32_t headDim,
+    int64_t numSlots, int64_t maxSeqLen, float scale, int32_t const* tokenSlot, int32_t const* tokenPos,
+    void const* const* tensors, char const* tensorNames)
 {
     if (int const status = checkShape(fn, numHeads, numKvHeads, headDim, scale))
     {
@@ -114,8 +114,7 @@ int checkCall(char const* fn, int32_t ioType, int64_t numTokens, int32_t numHead
             fn, static_cast<long long>(numSlots), static_cast<long long>(maxSeqLen));
     }
     // The cache's element count must fit int64 with room to spare (offsets are int64).
-    double const cacheElements
-        = static_cast<double>(numSlots) * numKvHeads * static_cast<double>(maxSeqLen) * headDim;
+    double const cacheElements = static_cast<double>(numSlots) * numKvHeads * static_cast<double>(maxSeqLen) * headDim;
     if (cacheElements > 4.0e18)
     {
         return fail(cudaErrorInvalidValue, "%s: the cache [%lld, %d, %lld, %d] is too large", fn,
@@ -142,9 +141,8 @@ int checkCall(char const* fn, int32_t ioType, int64_t numTokens, int32_t numHead
 //! The attention for a checked call: the plan, fewer splits (none) when the workspace
 //! is too small for them, then the launch.
 int attend(void const* q, int32_t ioType, void const* keyCache, void const* valueCache, int32_t const* tokenSlot,
-    int32_t const* tokenPos, int64_t numTokens, int32_t numHeads, int32_t numKvHeads, int32_t headDim,
-    int64_t numSlots, int64_t maxSeqLen, float scale, void* workspace, size_t workspaceBytes, void* out,
-    cudaStream_t stream)
+    int32_t const* tokenPos, int64_t numTokens, int32_t numHeads, int32_t numKvHeads, int32_t headDim, int64_t numSlots,
+    int64_t maxSeqLen, float scale, void* workspace, size_t workspaceBytes, void* out, cudaStream_t stream)
 {
     AttentionPlan plan = planAttention(numTokens, numHeads, numKvHeads, maxSeqLen);
     size_t const needed = planWorkspaceBytes(plan, numTokens, numHeads, headDim);
@@ -174,8 +172,8 @@ extern "C" ENGRAM_API int engram_attention_check_shape(
     return checkShape("engram_attention", numHeads, numKvHeads, headDim, scale);
 }
 
-extern "C" ENGRAM_API int engram_attention_workspace_size(int64_t maxTokens, int32_t numHeads, int32_t numKvHeads,
-    int32_t headDim, int64_t maxSeqLen, size_t* bytes)
+extern "C" ENGRAM_API int engram_attention_workspace_size(
+    int64_t maxTokens, int32_t numHeads, int32_t numKvHeads, int32_t headDim, int64_t maxSeqLen, size_t* bytes)
 {
     clearError();
     if (bytes == nullptr)
@@ -206,9 +204,9 @@ extern "C" ENGRAM_API int engram_attention_workspace_size(int64_t maxTokens, int
     return 0;
 }
 
-extern "C" ENGRAM_API int engram_kv_cache_write(void const* k, void const* v, int32_t ioType,
-    int32_t const* tokenSlot, int32_t const* tokenPos, int64_t numTokens, int32_t numKvHeads, int32_t headDim,
-    void* keyCache, void* valueCache, int64_t numSlots, int64_t maxSeqLen, cudaStream_t stream)
+extern "C" ENGRAM_API int engram_kv_cache_write(void const* k, void const* v, int32_t ioType, int32_t const* tokenSlot,
+    int32_t const* tokenPos, int64_t numTokens, int32_t numKvHeads, int32_t headDim, void* keyCache, void* valueCache,
+    int64_t numSlots, int64_t maxSeqLen, cudaStream_t stream)
 {
     clearError();
     void const* tensors[] = {k, v, keyCache, valueCache, kEnd};
@@ -221,9 +219,8 @@ extern "C" ENGRAM_API int engram_kv_cache_write(void const* k, void const* v, in
     {
         return 0;
     }
-    return launchKvCacheWrite(
-        k, v, ioType, tokenSlot, tokenPos, numTokens, numKvHeads, headDim, keyCache, valueCache, numSlots, maxSeqLen,
-        stream);
+    return launchKvCacheWrite(k, v, ioType, tokenSlot, tokenPos, numTokens, numKvHeads, headDim, keyCache, valueCache,
+        numSlots, maxSeqLen, stream);
 }
 
 extern "C" ENGRAM_API int engram_attention_packed(void const* q, int32_t ioType, void const* keyCache,

@@ -9,9 +9,9 @@
 
 #include "engramKernels.h"
 
-#include <cuda_runtime_api.h>
 #include <cstddef>
 #include <cstdint>
+#include <cuda_runtime_api.h>
 
 namespace engram_trt
 {
@@ -43,9 +43,9 @@ AttentionPlan planAttention(int64_t numTokens, int32_t numHeads, int32_t numKvHe
 size_t planWorkspaceBytes(AttentionPlan const& plan, int64_t numTokens, int32_t numHeads, int32_t headDim);
 
 //! Enqueues the KV write (arguments checked by the caller).
-int launchKvCacheWrite(void const* k, void const* v, int32_t ioType, int32_t const* tokenSlot,
-    int32_t const* tokenPos, int64_t numTokens, int32_t numKvHeads, int32_t headDim, void* keyCache, void* valueCache,
-    int64_t numSlots, int64_t maxSeqLen, cudaStream_t stream);
+int launchKvCacheWrite(void const* k, void const* v, int32_t ioType, int32_t const* tokenSlot, int32_t const* tokenPos,
+    int64_t numTokens, int32_t numKvHeads, int32_t headDim, void* keyCache, void* valueCache, int64_t numSlots,
+    int64_t maxSeqLen, cudaStream_t stream);
 
 //! Enqueues the attention (and the merge of its splits) for `plan`; with plan.splits > 1
 //! the workspace holds planWorkspaceBytes(plan, ...) bytes (arguments checked by the caller).

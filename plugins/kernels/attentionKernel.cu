@@ -145,8 +145,7 @@ __device__ __forceinline__ bool inCache(int32_t slot, int32_t pos, int64_t numSl
 
 __global__ void __launch_bounds__(kAttnThreads) kvCacheWriteKernel(uint4 const* __restrict__ k,
     uint4 const* __restrict__ v, int32_t const* __restrict__ tokenSlot, int32_t const* __restrict__ tokenPos,
-    int32_t numKvHeads, int32_t vectorsPerRow, int64_t numSlots, int64_t maxSeqLen, uint4* keyCache,
-    uint4* valueCache)
+    int32_t numKvHeads, int32_t vectorsPerRow, int64_t numSlots, int64_t maxSeqLen, uint4* keyCache, uint4* valueCache)
 {
     int64_t const t = blockIdx.x;
     int32_t const slot = tokenSlot[t];
@@ -219,10 +218,10 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
     int32_t const warp = threadIdx.x / 32;
     int32_t const lane = threadIdx.x % 32;
 
-    float* const qS = shared;                             // [headsPerBlock][hd]
-    float* const kS = qS + p.headsPerBlock * hd;          // [kAttnTile][hd + 4]
-    float* const vS = kS + kAttnTile * kStride;           // [kAttnTile][hd]
-    float* const pS = vS + kAttnTile * hd;                // [kAttnTile][kAttnHeadsPerBlock]
+    float* const qS = shared;                                 // [headsPerBlock][hd]
+    float* const kS = qS + p.headsPerBlock * hd;              // [kAttnTile][hd + 4]
+    float* const vS = kS + kAttnTile * kStride;               // [kAttnTile][hd]
+    float* const pS = vS + kAttnTile * hd;                    // [kAttnTile][kAttnHeadsPerBlock]
     float* const corrS = pS + kAttnTile * kAttnHeadsPerBlock; // [kAttnHeadsPerBlock]
     float* const sumS = corrS + kAttnHeadsPerBlock;
     float* const maxS = sumS + kAttnHeadsPerBlock;
@@ -481,8 +480,8 @@ int enqueueAttention(AttentionParams const& params, int64_t numTokens, size_t sh
 {
     if (sharedBytes > static_cast<size_t>(kAttnDefaultSharedBytes))
     {
-        cudaError_t const status = cudaFuncSetAttribute(packedAttentionKernel<T>,
-            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sharedBytes));
+        cudaError_t const status = cudaFuncSetAttribute(
+            packedAttentionKernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(sharedBytes));
         if (status != cudaSuccess)
         {
             return failCuda(status, "engram_attention: %zu bytes of shared memory per block are not available: %s",

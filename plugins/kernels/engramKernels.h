@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * engram-trt kernel library: the C ABI.
  *
@@ -36,9 +38,10 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.1.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.3.0"
 
-/* Limits of the hash kernel: its layout constants travel as one kernel parameter. */
+/* Limits of the hash kernel: its layout constants travel as one kernel parameter
+ * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
 #define ENGRAM_HASH_MAX_SLOTS 512       /* num_layers * n_hash_cols */
 #define ENGRAM_HASH_MAX_MULTIPLIERS 256 /* num_layers * max_ngram_size */
 #define ENGRAM_HASH_MAX_NGRAM 16
@@ -109,8 +112,9 @@ ENGRAM_API const char* engram_last_error(void);
  *              which blocks like the start of a sequence. NULL = every sequence
  *              starts fresh (all -1).
  * primes_host       [L, N-1, H] int64, offsets_host [L, (N-1)*H] int64,
- * multipliers_host  [L, N] int64: the layout constants (host memory, copied into the
- *              kernel's parameters at each call).
+ * multipliers_host  [L, N] int64: the layout constants (host memory, validated and
+ *              copied into the kernel's parameters at each call: prefer a prepared
+ *              layout, engram_hash_layout_create + engram_hash_prepared, below).
  * pad_id, compressed_vocab_size: the pad id and the vocabulary bound; the call
  *              checks that every multiplier times (compressed_vocab_size - 1) fits int64
  *              and that every row id fits int32.
@@ -127,6 +131,25 @@ ENGRAM_API int engram_hash_check_layout(const int64_t* primes_host, const int64_
     int64_t compressed_vocab_size);
 
 /*
+ * A prepared hash layout: the layout constants validated once and laid out as the
+ * kernel's parameter, so a call enqueues the kernel and does nothing else on the host.
+ * It holds no device memory: one layout serves every device and stream, from any number
+ * of threads at once (it is immutable), and needs no GPU to create. create takes the
+ * arguments of engram_hash_check_layout and sets *layout (NULL on failure); destroy
+ * frees it (NULL is a no-op) and must not race a call that uses it.
+ */
+typedef struct EngramHashLayout EngramHashLayout;
+ENGRAM_API int engram_hash_layout_create(const int64_t* primes_host, const int64_t* offsets_host,
+    const int64_t* multipliers_host, int32_t num_layers, int32_t max_ngram_size, int32_t num_heads, int64_t pad_id,
+    int64_t compressed_vocab_size, EngramHashLayout** layout);
+ENGRAM_API int engram_hash_layout_destroy(EngramHashLayout* layout);
+
+/* engram_hash with a prepared layout: same ids / seq_starts / lookback / out contract.
+ * Limit: num_tokens * L * (N-1) * H < 2^31 (the row ids of one call). */
+ENGRAM_API int engram_hash_prepared(const EngramHashLayout* layout, const int32_t* ids, int64_t num_tokens,
+    const int32_t* seq_starts, int64_t num_seqs, const int32_t* lookback, int32_t* out, cudaStream_t stream);
+
+/*
  * Row gather + dequantization, GPU side (device table or UVA host table).
  *
  * ids          int32 device, token t's column c at ids[t * id_token_stride + c]
@@ -139,12 +162,17 @@ ENGRAM_API int engram_hash_check_layout(const int64_t* primes_host, const int64_
  * table_scales [table_num_rows, head_dim / quant_block] ue8m0 bytes (value
  *              2^(b-127); 255 is NaN), for ENGRAM_TABLE_FP8_E4M3; ignored for bf16.
  * out          [num_tokens, num_cols, head_dim] bf16 device, 16-byte aligned.
+ * bad_rows     NULL, or one int64 in device memory (8-byte aligned): every output row
+ *              that read nothing (its id outside [0, table_num_rows)) adds 1 to it,
+ *              atomically, when the kernel runs. It is never reset here: zero it, run
+ *              any number of gathers, read it when convenient (a runtime checks it every
+ *              N steps or in a debug mode and raises on a nonzero count).
  * Limits: fp8 needs head_dim % 16 == 0, quant_block % 16 == 0 and
  *         head_dim % quant_block == 0; bf16 needs head_dim % 8 == 0.
  */
 ENGRAM_API int engram_gather(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
     const void* table_rows, const void* table_scales, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
-    int32_t quant_block, void* out, cudaStream_t stream);
+    int32_t quant_block, void* out, int64_t* bad_rows, cudaStream_t stream);
 
 /* The table-format checks engram_gather makes (head_dim, dtype, quant_block), alone. */
 ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, int32_t quant_block);
@@ -158,11 +186,13 @@ ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, 
  * not 16-byte aligned, or a scales address of 0 for an fp8 table, yields zero rows for
  * the whole output (no read, no fault). table_num_rows bounds the ids; the table behind
  * the address must hold at least that many rows, which only the caller can check.
+ * bad_rows_addr: NULL, or one int64 in device memory holding the address of a bad-row
+ * counter as engram_gather's bad_rows (0, or an address not 8-byte aligned: no count);
+ * with unusable table addresses every row counts.
  */
-ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, int32_t num_cols,
-    int64_t id_token_stride, const int64_t* table_rows_addr, const int64_t* table_scales_addr,
-    int64_t table_num_rows, int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out,
-    cudaStream_t stream);
+ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
+    const int64_t* table_rows_addr, const int64_t* table_scales_addr, int64_t table_num_rows, int32_t head_dim,
+    int32_t table_dtype, int32_t quant_block, void* out, const int64_t* bad_rows_addr, cudaStream_t stream);
 
 /*
  * Host gather: rows are gathered by CPU threads from a host table (any host memory,
@@ -198,16 +228,18 @@ ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, const int32_t* i
  * fp32: EngramFloatType); q_weight / k_weight [hc, D] both of weight_type: bf16, fp32 or
  * io_type; mask [T] (mask_type; NULL with ENGRAM_MASK_NONE). out may alias hidden (in
  * place). fp32 math; out is rounded once (to nearest even) to io_type; masked rows are
- * a bit copy of hidden. Limits: D % 8 == 0; tensors 16-byte aligned.
+ * a bit copy of hidden. NaN propagates as in the float64 reference: a NaN in a live
+ * token's h, key or score makes its stream's gate and output NaN (never gate 0.5).
+ * Limits: D % 8 == 0; tensors 16-byte aligned; num_tokens * hc_mult < 2^31.
  */
 ENGRAM_API int engram_gate_typed(const void* hidden, const void* kv, int32_t io_type, const void* q_weight,
-    const void* k_weight, int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens,
-    int32_t hc_mult, int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
+    const void* k_weight, int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult,
+    int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
 
 /* engram_gate_typed with io_type bf16 and weight_type bf16 or fp32 (the original form). */
 ENGRAM_API int engram_gate(const void* hidden, const void* kv, const void* q_weight, const void* k_weight,
-    int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult,
-    int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
+    int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult, int32_t hidden_size,
+    float eps, float clamp, void* out, cudaStream_t stream);
 
 /* Kind of memory behind ptr (EngramPointerKind) in *kind. */
 ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);
@@ -254,8 +286,8 @@ ENGRAM_API int engram_attention_check_shape(int32_t num_heads, int32_t num_kv_he
  * token's keys over several blocks and merge the partial softmaxes in the workspace;
  * the split count is a pure function of (num_tokens, num_kv_heads, group, max_seq_len),
  * never of the GPU, so an engine built on one machine sizes its workspace right for all. */
-ENGRAM_API int engram_attention_workspace_size(int64_t max_tokens, int32_t num_heads, int32_t num_kv_heads,
-    int32_t head_dim, int64_t max_seq_len, size_t* bytes);
+ENGRAM_API int engram_attention_workspace_size(
+    int64_t max_tokens, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int64_t max_seq_len, size_t* bytes);
 
 /* The KV write alone: token t's k / v rows into the caches at (token_slot[t], token_pos[t]). */
 ENGRAM_API int engram_kv_cache_write(const void* k, const void* v, int32_t io_type, const int32_t* token_slot,

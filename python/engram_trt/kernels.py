@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import weakref
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_last_error": (ctypes.c_char_p, []),
         "engram_hash_check_layout": (ctypes.c_int, [vp, vp, vp, i32, i32, i32, i64, i64]),
         "engram_hash": (ctypes.c_int, [vp, i64, vp, i64, vp, vp, vp, vp, i32, i32, i32, i64, i64, vp, vp]),
+        "engram_hash_layout_create": (ctypes.c_int, [vp, vp, vp, i32, i32, i32, i64, i64, ctypes.POINTER(vp)]),
+        "engram_hash_layout_destroy": (ctypes.c_int, [vp]),
+        "engram_hash_prepared": (ctypes.c_int, [vp, vp, i64, vp, i64, vp, vp, vp]),
         "engram_gather_check_table": (ctypes.c_int, [i32, i32, i32]),
-        "engram_gather": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
-        "engram_gather_indirect": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
+        "engram_gather": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
+        "engram_gather_indirect": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
         "engram_host_gatherer_create": (ctypes.c_int, [i32, i64, i32, ctypes.POINTER(vp)]),
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
@@ -213,6 +217,60 @@ def check_layout(layout: Any) -> None:
 
 # --- hash ------------------------------------------------------------------------------
 
+class PreparedHashLayout:
+    """A layout validated once and laid out as the hash kernel's parameter
+    (``engram_hash_layout_create``), so each :func:`hash_packed` call only enqueues the
+    kernel. It holds no device memory: one serves every device and stream, and needs no
+    GPU to create. :func:`prepared_layout` keeps one per :class:`EngramLayout`."""
+
+    def __init__(self, layout: Any) -> None:
+        keep, args = _layout_args(layout)
+        handle = ctypes.c_void_p()
+        _call("engram_hash_layout_create", *args, ctypes.byref(handle))
+        del keep  # copied into the prepared layout
+        self._handle: ctypes.c_void_p | None = handle
+        self.num_layers, self.max_ngram_size = int(layout.num_layers), int(layout.max_ngram_size)
+        self.n_hash_cols = int(layout.n_hash_cols)
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise EngramError("this PreparedHashLayout is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            _call("engram_hash_layout_destroy", self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+
+# One prepared layout per EngramLayout object (frozen: its arrays are not to change),
+# dropped with the layout.
+_prepared: "weakref.WeakKeyDictionary[Any, PreparedHashLayout]" = weakref.WeakKeyDictionary()
+_prepared_lock = threading.Lock()
+
+
+def prepared_layout(layout: Any) -> PreparedHashLayout:
+    """The cached :class:`PreparedHashLayout` of ``layout`` (made on first use). A
+    PreparedHashLayout passes through."""
+    if isinstance(layout, PreparedHashLayout):
+        return layout
+    with _prepared_lock:
+        try:
+            found = _prepared.get(layout)
+        except TypeError:  # not weak-referenceable / hashable: prepare per call
+            return PreparedHashLayout(layout)
+        if found is None:
+            found = _prepared[layout] = PreparedHashLayout(layout)
+        return found
+
+
 def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: Any = None) -> Any:
     """Row ids ``int32 [T, L, cols]`` of packed sequences, bit-identical to
     :func:`engram_trt.hashing.hash_batch_packed`.
@@ -220,6 +278,8 @@ def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: A
     ``ids [T]`` int32 compressed ids (negative = dead), ``seq_starts [S+1]`` int32
     cu_seqlens, ``lookback [S, N-1]`` int32 (the ids before each sequence, oldest
     first, -1 = none) or None (every sequence starts fresh); all on one CUDA device.
+    ``layout``: an :class:`~engram_trt.layout.EngramLayout` (its prepared form is made
+    once and cached, :func:`prepared_layout`) or a :class:`PreparedHashLayout`.
     """
     torch = _torch()
     _check("ids", ids, (torch.int32,), 1)
@@ -239,11 +299,10 @@ def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: A
     if tuple(out.shape) != (T, L, cols):
         raise EngramError(f"out must be [T, L, cols] = {(T, L, cols)} (got {tuple(out.shape)})")
     _same_device(ids.device, seq_starts=seq_starts, lookback=lookback, out=out)
-    keep, args = _layout_args(layout)
+    prepared = prepared_layout(layout)
     with torch.cuda.device(ids.device):
-        _call("engram_hash", _ptr(ids), T, _ptr(seq_starts), S, _ptr(lookback), *args,
+        _call("engram_hash_prepared", prepared.handle, _ptr(ids), T, _ptr(seq_starts), S, _ptr(lookback),
               _ptr(out), _stream(ids.device))
-    del keep
     return out
 
 
@@ -297,7 +356,7 @@ def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any) -> Any:
 
 
 def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-           out: Any = None) -> Any:
+           out: Any = None, bad_rows: Any = None) -> Any:
     """bf16 rows ``[T, cols, head_dim]`` read on the GPU.
 
     ``ids``: CUDA int32 ``[T, cols]``, or ``[T, L, cols]`` (hash output) with ``layer``.
@@ -305,6 +364,13 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
     ``[num_rows, head_dim/quant_block]`` ue8m0 bytes) or bf16; a CUDA tensor, or a CPU
     tensor in pinned / registered memory (read through UVA). Ids outside the table give
     zero rows.
+
+    ``bad_rows``: None, or a CUDA int64 tensor of one element on ids' device: each output
+    row whose id is outside ``[0, num_rows)`` adds 1 to it on the GPU (atomically; it is
+    never reset here). A runtime zeroes it once, passes it to every gather, and reads it
+    every N steps or in a debug mode (one small device-to-host copy, no sync per gather),
+    raising on a nonzero count: a zero row from a wrong id or an unbound table is
+    otherwise indistinguishable from data.
     """
     T, cols, stride, byte_offset = _ids_view(ids, layer, "cuda")
     dtype, num_rows, head_dim = _table(rows, scales, quant_block)
@@ -318,10 +384,35 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
             raise EngramError(f"{name} is in plain host memory the GPU cannot read; pin it "
                               f"(tensor.pin_memory()) or register it (kernels.register_host_memory)")
     out = _gather_out(out, T, cols, head_dim, device)
+    if bad_rows is not None:
+        torch = _torch()
+        _check("bad_rows", bad_rows, (torch.int64,))
+        if bad_rows.numel() != 1:
+            raise EngramError(f"bad_rows must hold one int64 (got shape {tuple(bad_rows.shape)})")
+        _same_device(device, bad_rows=bad_rows)
     with _torch().cuda.device(device):
         _call("engram_gather", ctypes.c_void_p(ids.data_ptr() + byte_offset), T, cols, stride, _ptr(rows),
-              _ptr(scales), num_rows, head_dim, dtype, quant_block, _ptr(out), _stream(device))
+              _ptr(scales), num_rows, head_dim, dtype, quant_block, _ptr(out), _ptr(bad_rows), _stream(device))
     return out
+
+
+def new_bad_row_counter(device: Any = None) -> Any:
+    """A zeroed int64 ``[1]`` CUDA tensor to pass as :func:`gather`'s ``bad_rows``."""
+    torch = _torch()
+    return torch.zeros(1, dtype=torch.int64, device="cuda" if device is None else device)
+
+
+def check_bad_rows(counter: Any, *, what: str = "Engram gather", reset: bool = True) -> None:
+    """Raise EngramError if the bad-row counter is nonzero (else, with ``reset``, keep it
+    at 0). Reading it waits for the work queued before it (one 8-byte copy): call it every
+    N steps or in a debug mode, not after every gather."""
+    n = int(counter.item())
+    if n:
+        if reset:
+            counter.zero_()
+        raise EngramError(f"{what}: {n} row(s) read no table (ids outside [0, num_rows), or a table address that is "
+                          f"0 / misaligned / an fp8 table without scales) and came back as zero rows; check the table "
+                          f"bindings and that the tables match the engine's layout")
 
 
 class HostGatherer:

@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 OPSET = 23
 PLUGIN_DOMAIN = "trt.plugins"
 PLUGIN_VERSION = "1"
+PLUGIN_NAMESPACE = "engram_trt"  # the creators' namespace; the ONNX parser reads it from the node attribute
 PLUGIN_NAMES = ("EngramHash", "EngramGather", "EngramGate", "EngramAttention")
 ATTENTION_PLUGIN = "EngramAttention"
 PLACEMENTS = ("in_engine", "prefetch")
@@ -247,12 +248,13 @@ def plugin_attributes(layout: EngramLayout | None, config: ModelConfig, op: str,
     Names and meanings are the creators' field lists (plugins/engram*Plugin); the
     creators refuse unknown or missing fields, so a drift fails the build loudly."""
     if op == ATTENTION_PLUGIN:  # the one plugin every model has: no layout needed
-        return {"plugin_version": PLUGIN_VERSION, "num_heads": int(config.num_attention_heads),
+        return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE,
+                "num_heads": int(config.num_attention_heads),
                 "num_kv_heads": int(config.num_key_value_heads), "head_dim": int(config.head_dim),
                 "scale": float(config.head_dim) ** -0.5}
     spec = config.engram
     assert spec is not None and spec.head_dim is not None and layout is not None
-    base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION}
+    base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
     if op == "EngramHash":
         base.update(
             n_layers=layout.num_layers,
@@ -273,6 +275,7 @@ def plugin_attributes(layout: EngramLayout | None, config: ModelConfig, op: str,
             table_dtype=TABLE_DTYPE_CODES[table_dtype],
             quant_block=int(spec.quant_block),
             num_rows=int(num_rows),
+            bad_rows_input=0,  # no bad-row counter input (the plugin's optional last input)
         )
     elif op == "EngramGate":
         base.update(hc_mult=int(config.hc_mult), hidden_size=int(config.hidden_size), eps=float(config.rms_norm_eps))

@@ -93,7 +93,8 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
     class EngramHash(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, ids, seq_starts, lookback, plugin_version=None, n_layers=None, max_ngram_size=None,  # noqa: ANN001
+        def _run(self, ids, seq_starts, lookback, plugin_version=None, plugin_namespace=None, n_layers=None,  # noqa: ANN001
+                 max_ngram_size=None,
                  n_heads=None, pad_id=None, compressed_vocab_size=None, primes=None, offsets=None, multipliers=None):
             L, N, H = int(n_layers), int(max_ngram_size), int(n_heads)
             primes_a = np.asarray(primes, dtype=np.int64).reshape(L, N - 1, H)
@@ -108,8 +109,9 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
     class EngramGather(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, layer_index=None, n_layers=None,  # noqa: ANN001
-                 n_cols=None, head_dim=None, table_dtype=None, quant_block=None, num_rows=None):
+        def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, plugin_namespace=None,  # noqa: ANN001
+                 layer_index=None, n_layers=None, n_cols=None, head_dim=None, table_dtype=None, quant_block=None,
+                 num_rows=None, bad_rows_input=None):
             ids = np.asarray(row_ids)[:, int(layer_index), :].astype(np.int64)  # [T, cols]
             table = registry.lookup(int(np.asarray(table_ptr).reshape(-1)[0]))
             if table.shape[0] != int(num_rows):
@@ -124,7 +126,8 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
     class EngramGate(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, hidden, kv, q_weight, k_weight, live, plugin_version=None, hc_mult=None, hidden_size=None, eps=None):  # noqa: ANN001
+        def _run(self, hidden, kv, q_weight, k_weight, live, plugin_version=None, plugin_namespace=None,  # noqa: ANN001
+                 hc_mult=None, hidden_size=None, eps=None):
             out = engram_gate_reference(np.asarray(hidden, np.float32), np.asarray(kv, np.float32),
                                         np.asarray(q_weight, np.float32), np.asarray(k_weight, np.float32),
                                         np.asarray(live) != 0, float(eps))
@@ -134,7 +137,7 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
         op_domain = PLUGIN_DOMAIN
 
         def _run(self, q, k, v, key_cache, value_cache, token_slot, token_pos, plugin_version=None,  # noqa: ANN001
-                 num_heads=None, num_kv_heads=None, head_dim=None, scale=None):
+                 plugin_namespace=None, num_heads=None, num_kv_heads=None, head_dim=None, scale=None):
             if q.shape[1:] != (int(num_heads), int(head_dim)) or key_cache.shape[1] != int(num_kv_heads):
                 raise EngramError(f"EngramAttention fields (num_heads {num_heads}, num_kv_heads {num_kv_heads}, head_dim "
                                   f"{head_dim}) do not match q {q.shape} and key_cache {key_cache.shape}")

@@ -21,6 +21,7 @@ from engram_trt.cli.generate import _add_generation_args, cmd_build, cmd_demo, c
 from engram_trt.cli.inspect import cmd_inspect
 from engram_trt.cli.mechanism import cmd_hash, cmd_layout
 from engram_trt.cli.output import EXIT_USAGE
+from engram_trt.cli.shm import add_shm_command
 from engram_trt.errors import EngramError
 
 log = logging.getLogger("engram_trt")
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-dir", default=None, help="where to build the demo engine (default: demo-engine beside the demo checkpoint)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the demo checkpoint's random weights (default: %(default)s)")
     p.set_defaults(max_new_tokens=16)
+
+    add_shm_command(add)
 
     from engram_trt.bench import add_bench_parser
 
