@@ -751,3 +751,68 @@ def test_build_phase_gather_enqueue_takes_the_no_read_path(harness) -> None:
     assert "engram_gather" not in messages[0].split("enqueue failed")[-1], messages[0]
     assert re.search(r"\(engramGatherPlugin\.cpp:\d+\)", messages[0]), messages[0]
     assert "engram_gather launch failed" in messages[1], messages[1]
+
+
+@pytest.fixture(scope="module")
+def attention_harness():
+    """scripts/h200_attention_check.py's harness binding (any number of outputs,
+    getAliasedInput) and its checks that need no GPU."""
+    import importlib
+    import sys
+
+    if not HARNESS.is_file():
+        pytest.skip(f"the plugin harness is not built ({HARNESS}; configure with -DENGRAM_TRT_BUILD_HARNESS=ON)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        check = importlib.import_module("h200_attention_check")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return check, check.Harness(HARNESS)
+
+
+def test_attention_plugin_through_the_harness(attention_harness) -> None:
+    """EngramAttention as TensorRT drives it, without TensorRT: its three output shapes and
+    types, getAliasedInput (outputs 1 and 2 alias inputs 3 and 4, build capability v2), a
+    serialize -> createPlugin(kRUNTIME) round trip and refused fields."""
+    check, h = attention_harness
+    check.RESULTS["checks"].clear()
+    check.check_plugin_cpu(h)
+    results = check.RESULTS["checks"]
+    assert len(results) == 6 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+
+
+def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
+    """With no GPU an enqueue fails at its first CUDA call, which shows how far it got: with
+    the cache outputs aliased (the same buffers as the inputs) it passes every check and
+    fails launching the KV write; with separate output buffers it first copies the caches
+    over (the fallback when TensorRT does not alias); a wrong shape never reaches CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/h200_attention_check.py runs these enqueues for real")
+    check, h = attention_harness
+    H, kvh, hd, slots, max_len, T = 8, 2, 64, 3, 16, 5
+    q = torch.zeros(T, H, hd, dtype=torch.bfloat16)
+    k, v = torch.zeros(T, kvh, hd, dtype=torch.bfloat16), torch.zeros(T, kvh, hd, dtype=torch.bfloat16)
+    kc, vc = (torch.zeros(slots, kvh, max_len, hd, dtype=torch.bfloat16) for _ in range(2))
+    slot, pos = torch.zeros(T, dtype=torch.int32), torch.arange(T, dtype=torch.int32)
+    io, i32 = check.DT["bfloat16"], check.DT["int32"]
+    types = [io] * 5 + [i32] * 2
+    plugin = h.create("EngramAttention", check.attention_fields(H, kvh, hd, hd ** -0.5))
+    try:
+        messages = []
+        for outputs in ([q.clone(), kc, vc], [q.clone(), kc.clone(), vc.clone()]):
+            with pytest.raises(RuntimeError) as failure:
+                h.run(plugin, [q, k, v, kc, vc, slot, pos], types, outputs, [io] * 3, 0)
+            messages.append(str(failure.value))
+        for inputs in ([q, k[:, :1], v, kc, vc, slot, pos], [q, k, v, kc, vc, slot, pos[:4]]):
+            with pytest.raises(RuntimeError) as failure:
+                h.run(plugin, inputs, types, [q.clone(), kc, vc], [io] * 3, 0)
+            messages.append(str(failure.value))
+    finally:
+        h.lib.harness_destroy(plugin)
+    assert "engram_kv_cache_write launch failed" in messages[0], messages[0]
+    assert "cudaMemcpyAsync(dst, src, cacheBytes, cudaMemcpyDeviceToDevice, stream) failed" in messages[1], messages[1]
+    assert "configurePlugin failed: EngramAttention: k must be [T, 2, 64], got [-1, 1, 64]" in messages[2], messages[2]
+    assert "enqueue failed" in messages[3] and "token_pos must be [5], got [4]" in messages[3], messages[3]
+    assert not any("launch" in m or "cudaMemcpy" in m for m in messages[2:]), messages[2:]
