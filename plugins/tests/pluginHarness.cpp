@@ -18,6 +18,9 @@
  *   harness_run         supportsFormatCombination at every position, configurePlugin
  *                       (dynamic dims), getWorkspaceSize, attachToContext, onShapeChange
  *                       and enqueue on the given stream
+ *   harness_aliased_input
+ *                       getAliasedInput of a build capability of version 2
+ *                       (IPluginV3OneBuildV2), -1 for a version-1 one
  * In TensorRT 10 headers IExprBuilder / IDimensionExpr forward to apiv::VExprBuilder /
  * apiv::VDimensionExpr implementations; the harness supplies those.
  */
@@ -519,5 +522,24 @@ HARNESS_API int harness_run(void* handle, int32_t nbInputs, int32_t const* inTyp
     {
         return failWithLog("enqueue failed");
     }
+    return 0;
+}
+
+/*
+ * The input an output aliases (IPluginV3OneBuildV2::getAliasedInput), as TensorRT asks it
+ * with PreviewFeature::kALIASED_PLUGIN_IO_10_03: -1 for none, and for a plugin whose build
+ * capability is version 1 (which has no such method). *buildMajor receives that version.
+ */
+HARNESS_API int harness_aliased_input(void* handle, int32_t outputIndex, int32_t* aliased, int32_t* buildMajor)
+{
+    auto* p = static_cast<Plugin*>(handle);
+    nvinfer1::IPluginV3OneBuild* build = p->build();
+    nvinfer1::InterfaceInfo const info = build->getInterfaceInfo();
+    *buildMajor = info.major;
+    if (std::strcmp(info.kind, "PLUGIN_V3ONE_BUILD") != 0)
+    {
+        return failWith(std::string("the build capability reports kind ") + info.kind);
+    }
+    *aliased = info.major >= 2 ? static_cast<nvinfer1::IPluginV3OneBuildV2*>(build)->getAliasedInput(outputIndex) : -1;
     return 0;
 }

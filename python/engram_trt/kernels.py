@@ -3,7 +3,8 @@
 The PyTorch runtime path on a GPU calls the same kernels as the TensorRT plugins
 (``plugins/kernels/engramKernels.h`` is the contract): the n-gram hash, the row
 gather from device or UVA-mapped host tables, the host gather (CPU threads into
-pinned staging, then one copy per chunk), and the fused gate. Every function takes
+pinned staging, then one copy per chunk), and the fused gate (the serving step's
+attention over the slot KV cache: :mod:`engram_trt.attention_kernels`). Every function takes
 torch tensors, checks device, dtype, contiguity and shape before anything reaches
 the library, and raises :class:`~engram_trt.errors.EngramError` with one line naming
 the bad argument. Work is enqueued on the current CUDA stream of the output's device.
