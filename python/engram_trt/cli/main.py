@@ -400,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-dir", default=None, help="where to build the demo engine (default: demo-engine beside the demo checkpoint)")
     p.add_argument("--weights-seed", type=int, default=0, help="seed of the demo checkpoint's random weights (default: %(default)s)")
     p.set_defaults(max_new_tokens=16)
+    from engram_trt.bench import add_bench_parser; add_bench_parser(sub)  # noqa: E702
     return parser
 
 
