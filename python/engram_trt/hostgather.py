@@ -134,9 +134,11 @@ class HostGatherer:
     def __init__(self, num_threads: int = 0, chunk_rows: int = 16384, max_head_dim: int = 512,
                  device: Any = None, num_slots: int = 4) -> None:
         torch = _torch()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.device = torch.device("cuda") if device is None else torch.device(device)
         if self.device.type != "cuda":
             raise EngramError(f"device must be a CUDA device (got {self.device})")
+        if self.device.index is None:  # "cuda" means the current device: name it, so device checks compare equal
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_head_dim = int(max_head_dim)
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):

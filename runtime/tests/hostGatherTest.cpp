@@ -96,14 +96,23 @@ void testWorkersBlockAfterSpinning()
     check(slept, "idle workers stop spinning and block after spin_us");
     pool.parallelFor(64, [&](int64_t) { n.fetch_add(1); });
     check(n.load() == 128, "blocked workers wake for the next round");
+    slept = false;
+    for (int i = 0; i < 500 && !slept; ++i)
+    {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        slept = pool.sleepingWorkers() == pool.numThreads() - 1;
+    }
+    // A long spin after the wake, so that a loaded machine cannot hide it between polls.
+    pool.setSpinMicros(5000000);
     pool.wake();
     bool spinning = false;
-    for (int i = 0; i < 500 && !spinning; ++i)
+    for (int i = 0; i < 5000 && !spinning; ++i)
     {
         spinning = pool.sleepingWorkers() < pool.numThreads() - 1;
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    check(spinning, "wake() makes sleeping workers spin again");
+    check(slept && spinning, "wake() makes sleeping workers spin again");
+    pool.setSpinMicros(0);
 }
 
 void testRunWaitsForWorkersToLeave()

@@ -68,8 +68,11 @@ def add_cache_arguments(p: Any) -> None:
     p.add_argument("--capacity-fraction", type=float, default=0.05, help="cache rows / table rows (default 0.05)")
     p.add_argument("--admit-budget", type=int, default=None, help="rows admitted per step at most (default: auto)")
     p.add_argument("--sample-factor", type=int, default=4, help="eviction sample window / budget (default 4)")
-    p.add_argument("--warm", type=int, default=None, help="warm-up chunks (default 64; --dry-run 6)")
-    p.add_argument("--measure", type=int, default=None, help="timed chunks (default 24; --dry-run 3)")
+    p.add_argument("--admit-every", type=int, default=4, help="try replacements every N steps once full (default 4)")
+    p.add_argument("--warm", type=int, default=None,
+                   help="warm-up chunks: the history the cache's counts learn from (default 448 = 3.7M tokens; "
+                        "--dry-run 6)")
+    p.add_argument("--measure", type=int, default=None, help="timed chunks after the warm-up (default 64; --dry-run 3)")
     p.add_argument("--first-chunk", type=int, default=0, help="first chunk of the token stream (default 0)")
     p.add_argument("--layout", choices=("inline", "split"), default="inline", help="host table layout")
     p.add_argument("--threads", type=int, default=0, help="host gather threads (default: the affinity count)")
@@ -116,8 +119,8 @@ def cmd_cache(args: Any) -> int:
     if not 0.0 <= args.capacity_fraction <= 1.0:
         raise EngramError(f"--capacity-fraction must be in [0, 1] (got {args.capacity_fraction})")
     column_rows = args.column_rows or (4096 if args.dry_run else DEFAULT_COLUMN_ROWS)
-    warm = args.warm if args.warm is not None else (6 if args.dry_run else 64)
-    measure = args.measure if args.measure is not None else (3 if args.dry_run else 24)
+    warm = args.warm if args.warm is not None else (6 if args.dry_run else 448)
+    measure = args.measure if args.measure is not None else (3 if args.dry_run else 64)
     if measure < 1 or warm < 0:
         raise EngramError("--measure must be >= 1 and --warm >= 0")
     stream = _token_stream(args)
@@ -169,7 +172,8 @@ def _run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm:
         table = (tables.inline, None) if args.layout == "inline" else (tables.split_rows, tables.split_scales)
         cache = HotRowCache(*table, device="cpu", capacity_fraction=args.capacity_fraction, layout=args.layout,
                             quant_block=QUANT_BLOCK, max_step_rows=CHUNK_TOKENS * layout.n_hash_cols,
-                            admit_budget=args.admit_budget, sample_factor=args.sample_factor, seed=args.seed)
+                            admit_budget=args.admit_budget, sample_factor=args.sample_factor,
+                            admit_every=args.admit_every, seed=args.seed)
         exact = True
         times = []
         for k, chunk in enumerate(chunks):
@@ -218,7 +222,7 @@ def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm:
             common = dict(device=dev, quant_block=QUANT_BLOCK, gatherer=gatherer, layout=args.layout,
                           max_step_rows=step_rows, sample_factor=args.sample_factor, seed=args.seed)
             cache = HotRowCache(*table, capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
-                                **common)
+                                admit_every=args.admit_every, **common)
             dedup = HotRowCache(*table, capacity_rows=0, **common)
             ids = [_ids_of(c, li).pin_memory() for c in chunks]
             out_cache = torch.empty((CHUNK_TOKENS, layout.n_hash_cols, 256), dtype=torch.bfloat16, device=dev)
@@ -300,7 +304,8 @@ def _simulate(args: Any, stream: Any, layers: list[int], warm: int, measure: int
             plan = policy.plan(torch.from_numpy(chunk[:, li, :].copy()).to(dev))
             policy.place_misses(plan, policy.capacity)
             policy.record(plan)
-            policy.admit(plan, policy.capacity)  # the row copies are not needed: no data here
+            if policy.filled < policy.capacity or (k + 1) % args.admit_every == 0:  # HotRowCache's cadence
+                policy.admit(plan, policy.capacity)  # the row copies are not needed: no data here
             if k >= warm:
                 unique += plan.num_unique
                 hits += plan.num_unique - plan.num_miss

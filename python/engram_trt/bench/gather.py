@@ -70,6 +70,7 @@ class Result:
     locality: int = 3
     stores: str = ""
     task_rows: int = 0
+    slots: int = 0
     pool: str = ""
     seconds: float = 0.0
     gbps: float = 0.0
@@ -85,7 +86,8 @@ class Result:
         return (f"chunk {self.chunk_rows}, min {self.min_chunks}, pf {self.prefetch}"
                 + (f"/far {self.prefetch_far}" if self.prefetch_far else "")
                 + (f", loc {self.locality}" if self.locality != 3 else "") + f", {self.stores}"
-                + (f", task {self.task_rows}" if self.task_rows else "") + (f", {self.pool}" if self.pool else ""))
+                + (f", task {self.task_rows}" if self.task_rows else "") + (f", {self.slots} slots" if self.slots else "")
+                + (f", {self.pool}" if self.pool else ""))
 
 
 def add_gather_arguments(p: Any) -> None:
@@ -109,7 +111,7 @@ def add_gather_arguments(p: Any) -> None:
     p.add_argument("--stores", type=str_list(("streaming", "plain")), default=["plain"],
                    help="host gather: stores into staging (default: plain)")
     p.add_argument("--task-rows", type=int_list, default=[0], help="host gather: rows per work item (0 = auto)")
-    p.add_argument("--slots", type=int, default=4, help="host gather: staging slots (default 4)")
+    p.add_argument("--slots", type=int_list, default=[4], help="host gather: staging slots (default 4)")
     p.add_argument("--spin-us", type=int, default=200,
                    help="host gather: pool spin before blocking (default 200: calls back to back find it spinning)")
     p.add_argument("--pool", type=str_list(("hot", "idle", "woken")), default=["hot"],
@@ -119,7 +121,7 @@ def add_gather_arguments(p: Any) -> None:
     p.add_argument("--wake-us", type=float, default=100.0, help="--pool woken: wake() this long before the call")
     p.add_argument("--pages", choices=("4k", "thp"), default="4k",
                    help="host table pages: 4k, or transparent huge pages (madvise) (default 4k)")
-    p.add_argument("--reps", type=int, default=10, help="timed calls per measurement, fresh ids each (default 10)")
+    p.add_argument("--reps", type=int, default=15, help="timed calls per measurement, fresh ids each (default 15)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write all results as JSON (to stdout without PATH)")
@@ -288,22 +290,23 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
             cap = max(c["chunk_rows"] for c in cfgs)
             cpu_rows = torch.empty((n, HEAD_DIM), dtype=torch.uint8, pin_memory=True)
             cpu_scales = torch.empty((n, SCALE_BYTES), dtype=torch.uint8, pin_memory=True)
-            for threads in args.threads:
+            for threads, slots in itertools.product(args.threads, args.slots):
                 g = hostgather.HostGatherer(num_threads=threads, chunk_rows=cap, max_head_dim=HEAD_DIM, device=dev,
-                                            num_slots=args.slots)
+                                            num_slots=slots)
                 g.set_options(spin_us=args.spin_us)
                 try:
                     for layout, cfg, pool in itertools.product(args.layouts, cfgs, args.pool):
                         table = (tables.inline, None) if layout == "inline" else (tables.split_rows, tables.split_scales)
                         _set_tuning(g, cfg)
 
-                        def call(i: int) -> None:
-                            if pool == "woken":
-                                g.wake()
-                                time.sleep(args.wake_us / 1e6)
-                            g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out, layout=layout)
+                        def wake(i: int) -> None:  # as a runtime does when a step starts: untimed
+                            g.wake()
+                            time.sleep(args.wake_us / 1e6)
 
-                        sec, _ = median_wall(call, args.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0)
+                        sec, _ = median_wall(
+                            lambda i: g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out, layout=layout),
+                            args.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0,
+                            before=wake if pool == "woken" else None)
                         g.gather(sets[0], *table, quant_block=QUANT_BLOCK, out=out, layout=layout)
                         sync()
                         exact = exact_out()
@@ -313,8 +316,9 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                                                                  out_scales=cpu_scales), args.reps, lambda: None)
                         results.append(Result(rows=n, path="host", layout=layout, threads=threads, seconds=sec,
                                               gbps=gbps(n, sec), x_link=gbps(n, sec) / link,
-                                              cpu_part_seconds=cpu_sec, exact=exact, pool=pool if len(args.pool) > 1
-                                              or pool != "hot" else "", **cfg))
+                                              cpu_part_seconds=cpu_sec, exact=exact,
+                                              slots=slots if len(args.slots) > 1 else 0,
+                                              pool=pool if len(args.pool) > 1 or pool != "hot" else "", **cfg))
                 finally:
                     g.close()
             del cpu_rows, cpu_scales
@@ -342,7 +346,6 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                                       exact=exact))
             torch.set_num_threads(saved)
             time.sleep(0.5)  # let torch's OpenMP threads go idle before the next size's host gathers
-        del stage, dev_stage, out
     return {"results": [asdict(r) | {"knobs": r.knobs()} for r in results], "link_GBps": link,
             "copy_alone_seconds": {str(k): v for k, v in copy_alone.items()},
             "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}

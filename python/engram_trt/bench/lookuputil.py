@@ -168,9 +168,10 @@ def make_tables(num_rows: int, *, split: bool, inline: bool, huge_pages: bool, r
 
 
 def median_wall(fn: Callable[[int], Any], reps: int, sync: Callable[[], None], *, warmup: int = 1,
-                gap_s: float = 0.0) -> tuple[float, list[float]]:
+                gap_s: float = 0.0, before: Callable[[int], Any] | None = None) -> tuple[float, list[float]]:
     """Median (and all) wall seconds of fn(i) followed by sync(), over reps calls, after
-    ``warmup`` untimed calls; ``gap_s`` sleeps before each call (idle pool threads block)."""
+    ``warmup`` untimed calls; ``gap_s`` sleeps before each call (idle pool threads
+    block), then ``before(i)`` runs, untimed (e.g. waking the pool ahead of the call)."""
     for i in range(warmup):
         fn(i % max(reps, 1))
         sync()
@@ -178,6 +179,8 @@ def median_wall(fn: Callable[[int], Any], reps: int, sync: Callable[[], None], *
     for i in range(reps):
         if gap_s:
             time.sleep(gap_s)
+        if before is not None:
+            before(i)
         t0 = time.perf_counter()
         fn(i)
         sync()
