@@ -174,7 +174,7 @@ ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, in
  * has been gathered and its copy (and dequant) enqueued; `out` is ready when `stream`
  * reaches that point. A gatherer serves one call at a time (calls are serialized by a
  * lock); its staging slots are reused only after the copies that read them completed.
- * Runtime/README.md describes the pipeline and its tuning.
+ * runtime/README.md describes the pipeline and its tuning.
  */
 typedef struct EngramHostGatherer EngramHostGatherer;
 

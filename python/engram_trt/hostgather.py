@@ -38,6 +38,11 @@ HOST_GATHER_OPTIONS = {"chunk_rows": 0, "min_chunks": 1, "task_rows": 2, "prefet
                        "spin_us": 5, "num_threads": 6, "num_slots": 7, "slot_bytes": 8, "prefetch_far_rows": 9,
                        "prefetch_locality": 10}
 HOST_GATHER_READ_ONLY = ("num_threads", "num_slots", "slot_bytes")
+# Defaults from the H200 VM (docs/benchmarks.md, `engram-trt bench gather` sweeps): with
+# 2048-row chunks and 8 slots an 8k-token prefill chunk overlapped its copies best and a
+# decode step was fastest; the staging is 8 x 2 MiB pinned + 8 x 2 MiB on the device.
+DEFAULT_CHUNK_ROWS = 2048
+DEFAULT_SLOTS = 8
 
 
 def _host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
@@ -131,8 +136,8 @@ class HostGatherer:
     (``HOST_GATHER_OPTIONS``; runtime/README.md says what each knob does).
     """
 
-    def __init__(self, num_threads: int = 0, chunk_rows: int = 16384, max_head_dim: int = 512,
-                 device: Any = None, num_slots: int = 4) -> None:
+    def __init__(self, num_threads: int = 0, chunk_rows: int = DEFAULT_CHUNK_ROWS, max_head_dim: int = 512,
+                 device: Any = None, num_slots: int = DEFAULT_SLOTS) -> None:
         torch = _torch()
         self.device = torch.device("cuda") if device is None else torch.device(device)
         if self.device.type != "cuda":
@@ -185,7 +190,7 @@ class HostGatherer:
 
     def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
                out: Any = None, layout: str = "split") -> Any:
-        """Same contract as :func:`gather`, but ``ids``, ``rows`` and ``scales`` are CPU
+        """Same contract as :func:`engram_trt.kernels.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
         tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
         is on the gatherer's device. ``layout='inline'``: ``rows`` is an inline fp8 table
         ``[num_rows, head_dim + head_dim / quant_block]`` and ``scales`` None. Returns once
@@ -249,10 +254,10 @@ class HostGatherer:
 
 
 _default_gatherers: dict[tuple[Any, int], HostGatherer] = {}
-# Staging bytes per slot of a default gatherer: 16384 rows of 512 bf16 values (16 MiB,
-# four slots pinned and four on the device); wider rows get fewer rows per chunk, so the
+# Staging bytes per slot of a default gatherer: 2048 rows of 512 bf16 values (2 MiB, eight
+# slots pinned and eight on the device); wider rows get fewer rows per chunk, so the
 # staging stays that size.
-_DEFAULT_SLOT_ELEMS = 16384 * 512
+_DEFAULT_SLOT_ELEMS = DEFAULT_CHUNK_ROWS * 512
 
 
 def _default_gatherer(device: Any, head_dim: int) -> HostGatherer:
@@ -266,7 +271,7 @@ def _default_gatherer(device: Any, head_dim: int) -> HostGatherer:
     g = _default_gatherers.get(key)
     if g is None:
         g = _default_gatherers[key] = HostGatherer(device=device, max_head_dim=width,
-                                                   chunk_rows=max(1024, _DEFAULT_SLOT_ELEMS // width))
+                                                   chunk_rows=max(256, _DEFAULT_SLOT_ELEMS // width))
     return g
 
 

@@ -76,7 +76,8 @@ def add_cache_arguments(p: Any) -> None:
     p.add_argument("--first-chunk", type=int, default=0, help="first chunk of the token stream (default 0)")
     p.add_argument("--layout", choices=("inline", "split"), default="inline", help="host table layout")
     p.add_argument("--threads", type=int, default=0, help="host gather threads (default: the affinity count)")
-    p.add_argument("--chunk-rows", type=int, default=16384, help="host gather rows per copy")
+    p.add_argument("--chunk-rows", type=int, default=2048, help="host gather rows per copy (default 2048)")
+    p.add_argument("--slots", type=int, default=8, help="host gather staging slots (default 8)")
     p.add_argument("--min-chunks", type=int, default=4, help="host gather min chunks per call")
     p.add_argument("--prefetch", type=int, default=16, help="host gather prefetch distance (rows)")
     p.add_argument("--stores", choices=("streaming", "plain"), default="plain", help="host gather stores")
@@ -211,7 +212,8 @@ def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm:
                                   seed=args.seed + li) for li in layers}
     setup = time.perf_counter() - t0
     step_rows = CHUNK_TOKENS * layout.n_hash_cols
-    gatherer = HostGatherer(num_threads=args.threads, chunk_rows=args.chunk_rows, max_head_dim=256, device=dev)
+    gatherer = HostGatherer(num_threads=args.threads, chunk_rows=args.chunk_rows, max_head_dim=256, device=dev,
+                            num_slots=args.slots)
     gatherer.set_options(min_chunks=args.min_chunks, prefetch_rows=args.prefetch,
                          streaming_stores=int(args.stores == "streaming"))
     out_layers = []

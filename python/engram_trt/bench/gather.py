@@ -101,7 +101,7 @@ def add_gather_arguments(p: Any) -> None:
     p.add_argument("--layouts", type=str_list(("split", "inline")), default=["split", "inline"],
                    help="host gather table layouts (default: split,inline)")
     p.add_argument("--threads", type=int_list, default=[4, 8, 16], help="CPU threads (default: 4,8,16)")
-    p.add_argument("--chunk-rows", type=int_list, default=[16384], help="host gather: rows per copy (default 16384)")
+    p.add_argument("--chunk-rows", type=int_list, default=[2048], help="host gather: rows per copy (default 2048)")
     p.add_argument("--min-chunks", type=int_list, default=[4], help="host gather: min chunks per call (default 4)")
     p.add_argument("--prefetch", type=int_list, default=[16], help="host gather: prefetch distance in rows (default 16)")
     p.add_argument("--prefetch-far", type=int_list, default=[0],
@@ -111,7 +111,7 @@ def add_gather_arguments(p: Any) -> None:
     p.add_argument("--stores", type=str_list(("streaming", "plain")), default=["plain"],
                    help="host gather: stores into staging (default: plain)")
     p.add_argument("--task-rows", type=int_list, default=[0], help="host gather: rows per work item (0 = auto)")
-    p.add_argument("--slots", type=int_list, default=[4], help="host gather: staging slots (default 4)")
+    p.add_argument("--slots", type=int_list, default=[8], help="host gather: staging slots (default 8)")
     p.add_argument("--spin-us", type=int, default=200,
                    help="host gather: pool spin before blocking (default 200: calls back to back find it spinning)")
     p.add_argument("--pool", type=str_list(("hot", "idle", "woken")), default=["hot"],
