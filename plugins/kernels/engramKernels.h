@@ -197,26 +197,108 @@ ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, in
 /*
  * Host gather: rows are gathered by CPU threads from a host table (any host memory,
  * e.g. a file mapping) into pinned staging slots, and each chunk goes to the GPU in
- * one cudaMemcpyAsync, pipelined (the copy of chunk k overlaps the gather of chunk
- * k+1); fp8 chunks are dequantized on the GPU by the gather kernel. Same ids / table /
- * out contract as engram_gather, except that ids_host, rows_host and scales_host are
- * CPU pointers. Returns when every chunk has been gathered and its copy and dequant
- * enqueued on `stream`; `out` is ready when the stream reaches that point.
- * A gatherer serves one call at a time (calls are serialized by a lock); its staging
- * slots are reused only after the copies that read them have completed.
+ * one cudaMemcpyAsync on the gatherer's own copy stream, pipelined (the copy of a chunk
+ * overlaps the gather of the next ones); fp8 chunks are dequantized on the GPU by the
+ * gather kernel on `stream`. Same ids / table / out contract as engram_gather, except
+ * that ids_host, rows_host and scales_host are CPU pointers. Returns when every chunk
+ * has been gathered and its copy (and dequant) enqueued; `out` is ready when `stream`
+ * reaches that point. A gatherer serves one call at a time (calls are serialized by a
+ * lock); its staging slots are reused only after the copies that read them completed.
+ * runtime/README.md describes the pipeline and its tuning.
  */
 typedef struct EngramHostGatherer EngramHostGatherer;
 
-/* num_threads <= 0: the number of online CPUs. chunk_rows: rows per pipelined chunk.
- * max_head_dim: the widest table row (elements) this gatherer will serve.
+/* Layout of a host table (engram_host_gather_ex / _raw / _rows_cpu `table_layout`). */
+enum EngramTableLayout
+{
+    ENGRAM_LAYOUT_SPLIT = 0, /* rows [N, head_dim] and scales [N, head_dim / quant_block]: two arrays (engram_gather's form) */
+    ENGRAM_LAYOUT_INLINE = 1 /* one array [N, head_dim + head_dim / quant_block] bytes: each row's scale bytes right
+                                after its values (fp8), so a random row costs the CPU one miss instead of two;
+                                scales_host must be NULL. For bf16 tables it is the split layout. */
+};
+
+/* Tuning knobs of a host gatherer (engram_host_gatherer_set_option / get_option). */
+enum EngramHostGatherOption
+{
+    ENGRAM_HOST_GATHER_CHUNK_ROWS = 0,       /* most rows per copy (default: the chunk_rows it was created with;
+                                                capped by what a staging slot holds) */
+    ENGRAM_HOST_GATHER_MIN_CHUNKS = 1,       /* a call is cut into at least this many chunks (not below 256 rows
+                                                each) so a small call overlaps gather and copy (default 4) */
+    ENGRAM_HOST_GATHER_TASK_ROWS = 2,        /* rows per work item of a thread (0 = automatic, default) */
+    ENGRAM_HOST_GATHER_PREFETCH_ROWS = 3,    /* software prefetch distance in rows, 0..64 (0 = off; default 16) */
+    ENGRAM_HOST_GATHER_STREAMING_STORES = 4, /* 1: non-temporal stores into staging, 0: plain stores (default) */
+    ENGRAM_HOST_GATHER_SPIN_US = 5,          /* idle pool threads spin this long, then block (default 50) */
+    ENGRAM_HOST_GATHER_NUM_THREADS = 6,      /* read-only: threads of the pool, the caller included */
+    ENGRAM_HOST_GATHER_NUM_SLOTS = 7,        /* read-only: staging slots */
+    ENGRAM_HOST_GATHER_SLOT_BYTES = 8,       /* read-only: bytes of one pinned (and one device) staging slot */
+    ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS = 9, /* prefetch the first line of the row this far ahead, 0..64, to start
+                                                 its page walk early (0 = off, default) */
+    ENGRAM_HOST_GATHER_PREFETCH_LOCALITY = 10 /* cache level prefetched into: 3 = L1 (default) .. 1 = L2/L3,
+                                                 0 = non-temporal */
+};
+
+/* CPUs in the calling thread's affinity mask (sched_getaffinity; threads it starts inherit
+ * it): the default thread count of a host gatherer. On a node shared by several ranks,
+ * give each rank its own CPU list (taskset, numactl, the scheduler) and this follows. */
+ENGRAM_API int engram_cpu_affinity_count(int32_t* count);
+
+/* num_threads <= 0: engram_cpu_affinity_count() (the caller is one of the threads).
+ * chunk_rows: rows per pipelined chunk, and with max_head_dim (the widest table row, in
+ * elements) the size of a staging slot: chunk_rows * 2 * max_head_dim bytes, pinned and
+ * on the device, num_slots of each (create: 4 slots; create_ex: 2..64).
  * destroy waits for a gather in progress on another thread, then frees the gatherer; a
  * gather that starts after destroy has begun uses freed memory (a caller bug). */
 ENGRAM_API int engram_host_gatherer_create(
     int32_t num_threads, int64_t chunk_rows, int32_t max_head_dim, EngramHostGatherer** gatherer);
+ENGRAM_API int engram_host_gatherer_create_ex(
+    int32_t num_threads, int64_t chunk_rows, int32_t max_head_dim, int32_t num_slots, EngramHostGatherer** gatherer);
 ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gatherer);
+
+/* Set / read an EngramHostGatherOption; set waits for a gather in progress. */
+ENGRAM_API int engram_host_gatherer_set_option(EngramHostGatherer* gatherer, int32_t option, int64_t value);
+ENGRAM_API int engram_host_gatherer_get_option(EngramHostGatherer* gatherer, int32_t option, int64_t* value);
+
+/* Wakes the gatherer's sleeping threads (they spin again for SPIN_US): call it when a
+ * gather is about to come (a step's ids are being computed) to hide the wake-up. */
+ENGRAM_API int engram_host_gatherer_wake(EngramHostGatherer* gatherer);
+
+/* The host gather into bf16 `out` [num_tokens, num_cols, head_dim] from a split table. */
 ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_tokens,
     int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
     int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out, cudaStream_t stream);
+
+/* engram_host_gather from a table in either EngramTableLayout. */
+ENGRAM_API int engram_host_gather_ex(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_tokens,
+    int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
+    int32_t head_dim, int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* out, cudaStream_t stream);
+
+/*
+ * The host gather of raw table bytes (no dequant), for a device row cache that keeps
+ * rows in their stored form: row ids_host[i] (flat, [num_ids]) of the table goes to
+ * dst_rows + i * row_bytes and its scale bytes to dst_scales + i * scale_bytes, where
+ * row_bytes = head_dim (fp8) or 2 * head_dim (bf16) and scale_bytes = head_dim /
+ * quant_block (fp8; dst_scales unused for bf16): the split form engram_gather reads, for
+ * either table layout. dst_rows / dst_scales are device memory (dst_rows 16-byte
+ * aligned). Ids outside the table give zero rows with scale bytes 127. The copies start
+ * after the work enqueued on `stream` before the call, and `stream` waits for them.
+ */
+ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_ids,
+    const void* rows_host, const void* scales_host, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
+    int32_t quant_block, int32_t table_layout, void* dst_rows, void* dst_scales, cudaStream_t stream);
+
+/*
+ * The CPU part of the host gather alone (no GPU, no CUDA call): the raw rows of
+ * ids_host [num_ids] into host memory dst_rows_host [num_ids, row_bytes] and
+ * dst_scales_host [num_ids, scale_bytes] (the engram_host_gather_raw contract), on the
+ * threads of `gatherer` with its tuning, or, with gatherer NULL, on a pool of
+ * num_threads made for the call (<= 0: engram_cpu_affinity_count()). prefetch_rows and
+ * streaming_stores override the tuning (-1: keep it). For tests and for measuring the
+ * gather's CPU side apart from the link.
+ */
+ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gatherer, int32_t num_threads, const int32_t* ids_host,
+    int64_t num_ids, const void* rows_host, const void* scales_host, int64_t table_num_rows, int32_t head_dim,
+    int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* dst_rows_host, void* dst_scales_host,
+    int32_t prefetch_rows, int32_t streaming_stores);
 
 /*
  * Fused Engram gate over hc_mult streams (engram-spec.md, "Fusion"):

@@ -3,8 +3,9 @@
 The PyTorch runtime path on a GPU calls the same kernels as the TensorRT plugins
 (``plugins/kernels/engramKernels.h`` is the contract): the n-gram hash, the row
 gather from device or UVA-mapped host tables, the host gather (CPU threads into
-pinned staging, then one copy per chunk), and the fused gate (the serving step's
-attention over the slot KV cache: :mod:`engram_trt.attention_kernels`). Every function takes
+pinned staging, then one copy per chunk; its bindings are in :mod:`engram_trt.hostgather`
+and reachable from here), and the fused gate (the serving step's attention over the slot
+KV cache: :mod:`engram_trt.attention_kernels`). Every function takes
 torch tensors, checks device, dtype, contiguity and shape before anything reaches
 the library, and raises :class:`~engram_trt.errors.EngramError` with one line naming
 the bad argument. Work is enqueued on the current CUDA stream of the output's device.
@@ -86,6 +87,15 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_host_gatherer_create": (ctypes.c_int, [i32, i64, i32, ctypes.POINTER(vp)]),
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
+        "engram_cpu_affinity_count": (ctypes.c_int, [ctypes.POINTER(i32)]),
+        "engram_host_gatherer_create_ex": (ctypes.c_int, [i32, i64, i32, i32, ctypes.POINTER(vp)]),
+        "engram_host_gatherer_set_option": (ctypes.c_int, [vp, i32, i64]),
+        "engram_host_gatherer_get_option": (ctypes.c_int, [vp, i32, ctypes.POINTER(i64)]),
+        "engram_host_gatherer_wake": (ctypes.c_int, [vp]),
+        "engram_host_gather_ex": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp]),
+        "engram_host_gather_raw": (ctypes.c_int, [vp, vp, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp, vp]),
+        "engram_host_gather_rows_cpu": (ctypes.c_int, [vp, i32, vp, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp,
+                                                       i32, i32]),
         "engram_gate": (ctypes.c_int, [vp, vp, vp, vp, i32, vp, i32, i64, i32, i32, f32, f32, vp, vp]),
         "engram_gate_typed": (ctypes.c_int, [vp, vp, i32, vp, vp, i32, vp, i32, i64, i32, i32, f32, f32, vp, vp]),
         "engram_pointer_kind": (ctypes.c_int, [vp, ctypes.POINTER(i32)]),
@@ -415,101 +425,6 @@ def check_bad_rows(counter: Any, *, what: str = "Engram gather", reset: bool = T
                           f"bindings and that the tables match the engine's layout")
 
 
-class HostGatherer:
-    """Gathers rows of host tables on CPU threads into pinned staging and sends each
-    chunk in one copy (pipelined: the copy of a chunk overlaps the gather of the next).
-
-    One gatherer owns two pinned and two device staging slots of ``chunk_rows`` rows of
-    up to ``max_head_dim`` elements, and a thread pool (``num_threads``; 0 = all CPUs).
-    Calls are serialized. Create it once per device and keep it.
-    """
-
-    def __init__(self, num_threads: int = 0, chunk_rows: int = 16384, max_head_dim: int = 512,
-                 device: Any = None) -> None:
-        torch = _torch()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if self.device.type != "cuda":
-            raise EngramError(f"device must be a CUDA device (got {self.device})")
-        self.max_head_dim = int(max_head_dim)
-        handle = ctypes.c_void_p()
-        with torch.cuda.device(self.device):
-            _call("engram_host_gatherer_create", int(num_threads), int(chunk_rows), self.max_head_dim,
-                  ctypes.byref(handle))
-        self._handle: ctypes.c_void_p | None = handle
-
-    def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-               out: Any = None) -> Any:
-        """Same contract as :func:`gather`, but ``ids``, ``rows`` and ``scales`` are CPU
-        tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
-        is on the gatherer's device. Returns once every chunk is gathered and its copy
-        enqueued on the device's current stream."""
-        if self._handle is None:
-            raise EngramError("this HostGatherer is closed")
-        T, cols, stride, byte_offset = _ids_view(ids, layer, "cpu")
-        dtype, num_rows, head_dim = _table(rows, scales, quant_block)
-        for name, t in (("rows", rows), ("scales", scales)):
-            if t is not None and t.device.type != "cpu":
-                raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device}); use kernels.gather")
-        if head_dim > self.max_head_dim:
-            raise EngramError(f"head_dim {head_dim} exceeds this gatherer's max_head_dim {self.max_head_dim}")
-        out = _gather_out(out, T, cols, head_dim, self.device)
-        with _torch().cuda.device(self.device):
-            _call("engram_host_gather", self._handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), T, cols, stride,
-                  _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, _ptr(out),
-                  _stream(self.device))
-        return out
-
-    def close(self) -> None:
-        if self._handle is not None:
-            _call("engram_host_gatherer_destroy", self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "HostGatherer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may be gone
-            pass
-
-
-_default_gatherers: dict[tuple[Any, int], HostGatherer] = {}
-# Staging bytes per slot of a default gatherer: 16384 rows of 512 bf16 values (16 MiB);
-# wider rows get fewer rows per chunk, so the pinned and device staging stay that size.
-_DEFAULT_SLOT_ELEMS = 16384 * 512
-
-
-def _default_gatherer(device: Any, head_dim: int) -> HostGatherer:
-    """The device's default gatherer for rows of ``head_dim`` elements: one per width
-    class (512, then powers of two above), made on first use and kept (a gatherer's
-    staging may still feed an enqueued copy, so none is replaced)."""
-    width = 512
-    while width < head_dim:
-        width *= 2
-    key = (device, width)
-    g = _default_gatherers.get(key)
-    if g is None:
-        g = _default_gatherers[key] = HostGatherer(device=device, max_head_dim=width,
-                                                   chunk_rows=max(1024, _DEFAULT_SLOT_ELEMS // width))
-    return g
-
-
-def host_gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-                out: Any = None, device: Any = None, gatherer: HostGatherer | None = None) -> Any:
-    """:meth:`HostGatherer.gather` through ``gatherer`` or the device's default one for
-    the table's row width."""
-    torch = _torch()
-    if gatherer is None:
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        _, _, head_dim = _table(rows, scales, quant_block)  # bad tables fail here, named
-        gatherer = _default_gatherer(dev, head_dim)
-    return gatherer.gather(ids, rows, scales, layer=layer, quant_block=quant_block, out=out)
-
-
 # --- gate ------------------------------------------------------------------------------
 
 def _float_code(dtype: Any) -> int:
@@ -565,3 +480,17 @@ def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *
               _float_code(q_weight.dtype), _ptr(mask), mask_type, T, hc, D, ctypes.c_float(eps), ctypes.c_float(clamp),
               _ptr(out), _stream(hidden.device))
     return out
+
+
+# --- host gather ---------------------------------------------------------------------
+# Its bindings live in engram_trt.hostgather; these names stay reachable from here.
+_HOST_GATHER_NAMES = ("HostGatherer", "host_gather", "gather_rows_cpu", "default_gather_threads", "TABLE_LAYOUTS",
+                      "HOST_GATHER_OPTIONS")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOST_GATHER_NAMES:
+        from engram_trt import hostgather
+
+        return getattr(hostgather, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
