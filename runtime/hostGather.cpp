@@ -295,7 +295,8 @@ int makeTable(char const* fn, void const* rowsHost, void const* scalesHost, int6
     }
     if (tableNumRows > 0 && (rowsHost == nullptr || (!inlineScales && scaleBytes > 0 && scalesHost == nullptr)))
     {
-        return fail(cudaErrorInvalidValue, "%s: the table rows (and, for a split fp8 table, its scales) are required", fn);
+        return fail(
+            cudaErrorInvalidValue, "%s: the table rows (and, for a split fp8 table, its scales) are required", fn);
     }
     table.rows = static_cast<uint8_t const*>(rowsHost);
     table.scales = static_cast<uint8_t const*>(scalesHost);
@@ -313,8 +314,8 @@ int recordError(char const* fn, char const* what, cudaError_t status)
 
 //! Enqueues chunk c (all its tasks done): the copy on the copy stream, then the dequant
 //! on the caller's stream for an fp8 table.
-int issueChunk(char const* fn, EngramHostGatherer& g, GatherJob const& job, GatherSink const& sink, int64_t c,
-    cudaStream_t stream)
+int issueChunk(
+    char const* fn, EngramHostGatherer& g, GatherJob const& job, GatherSink const& sink, int64_t c, cudaStream_t stream)
 {
     int const slot = static_cast<int>(c % g.numSlots);
     int64_t const first = c * job.chunkRows;
@@ -374,8 +375,8 @@ int issueChunk(char const* fn, EngramHostGatherer& g, GatherJob const& job, Gath
             return recordError(fn, "cudaStreamWaitEvent", status);
         }
         int const launched = launchGather(nullptr, count, 1, 1, g.deviceStaging[slot],
-            g.deviceStaging[slot] + rowsBytes, nullptr, nullptr, count, sink.headDim, sink.tableDtype,
-            sink.quantBlock, sink.out + first * 2 * static_cast<int64_t>(sink.headDim), stream);
+            g.deviceStaging[slot] + rowsBytes, nullptr, nullptr, count, sink.headDim, sink.tableDtype, sink.quantBlock,
+            sink.out + first * 2 * static_cast<int64_t>(sink.headDim), stream);
         if (launched != 0)
         {
             return launched;
@@ -468,8 +469,7 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
                 ++releasedChunks;
                 progressed = true;
             }
-            if (issued < releasedChunks
-                && job.chunkDone[issued].load(std::memory_order_acquire) == job.tasksOf(issued))
+            if (issued < releasedChunks && job.chunkDone[issued].load(std::memory_order_acquire) == job.tasksOf(issued))
             {
                 result = issueChunk(fn, g, job, sink, issued, stream);
                 if (result != 0)
@@ -616,7 +616,8 @@ extern "C" ENGRAM_API int engram_host_gatherer_create_ex(
         cudaError_t status = cudaGetDevice(&g->device);
         if (status != cudaSuccess)
         {
-            return failCuda(status, "engram_host_gatherer_create: cudaGetDevice failed: %s", cudaGetErrorString(status));
+            return failCuda(
+                status, "engram_host_gatherer_create: cudaGetDevice failed: %s", cudaGetErrorString(status));
         }
         g->maxHeadDim = maxHeadDim;
         g->capacityRows = chunkRows;
@@ -652,8 +653,8 @@ extern "C" ENGRAM_API int engram_host_gatherer_create_ex(
         }
         if (status != cudaSuccess)
         {
-            return failCuda(status, "engram_host_gatherer_create: staging allocation failed: %s",
-                cudaGetErrorString(status));
+            return failCuda(
+                status, "engram_host_gatherer_create: staging allocation failed: %s", cudaGetErrorString(status));
         }
         g->pool.reset(new ThreadPool(numThreads)); // throws if a thread cannot start (caught below)
         *gatherer = g.release();
@@ -855,7 +856,8 @@ extern "C" ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, i
         char const* fn = "engram_host_gather_raw";
         if (numIds < 0)
         {
-            return fail(cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
+            return fail(
+                cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
         }
         GatherSink sink;
         sink.kind = GatherSink::kRaw;
@@ -881,7 +883,8 @@ extern "C" ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gather
         int64_t scaleBytes = 0;
         if (numIds < 0)
         {
-            return fail(cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
+            return fail(
+                cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
         }
         if (int const status = validateGatherArgs(
                 fn, 0, 1, 1, tableNumRows, headDim, tableDtype, quantBlock, nullptr, rowBytes, scaleBytes))
@@ -895,7 +898,8 @@ extern "C" ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gather
                 kMaxPrefetchRows, prefetchRows, streamingStores);
         }
         RowTable table;
-        if (int const status = makeTable(fn, rowsHost, scalesHost, tableNumRows, rowBytes, scaleBytes, tableLayout, table))
+        if (int const status
+            = makeTable(fn, rowsHost, scalesHost, tableNumRows, rowBytes, scaleBytes, tableLayout, table))
         {
             return status;
         }
@@ -905,7 +909,8 @@ extern "C" ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gather
         }
         if (idsHost == nullptr || dstRowsHost == nullptr || (scaleBytes > 0 && dstScalesHost == nullptr))
         {
-            return fail(cudaErrorInvalidValue, "%s: ids_host, dst_rows_host (and dst_scales_host for fp8) are required", fn);
+            return fail(
+                cudaErrorInvalidValue, "%s: ids_host, dst_rows_host (and dst_scales_host for fp8) are required", fn);
         }
         auto run = [&](ThreadPool& pool, GatherTuning tuning) {
             if (prefetchRows >= 0)

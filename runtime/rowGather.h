@@ -88,9 +88,9 @@ struct RowIds
 
 struct GatherTuning
 {
-    int prefetchRows{16};     // rows ahead whose lines are prefetched (0: none)
-    int prefetchFarRows{0};   // rows ahead whose first line is prefetched, to start the page walk early (0: none)
-    int prefetchLocality{3};  // __builtin_prefetch locality: 3 = into L1 (prefetcht0) .. 1 = into L2/L3 (prefetcht2)
+    int prefetchRows{16};    // rows ahead whose lines are prefetched (0: none)
+    int prefetchFarRows{0};  // rows ahead whose first line is prefetched, to start the page walk early (0: none)
+    int prefetchLocality{3}; // __builtin_prefetch locality: 3 = into L1 (prefetcht0) .. 1 = into L2/L3 (prefetcht2)
     bool streamingStores{false};
 };
 

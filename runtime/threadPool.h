@@ -227,7 +227,7 @@ public:
         std::atomic<int64_t> done{0};
         auto body = [&](int /*thread*/) {
             for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < numTasks;
-                 i = next.fetch_add(1, std::memory_order_relaxed))
+                i = next.fetch_add(1, std::memory_order_relaxed))
             {
                 task(i);
                 done.fetch_add(1, std::memory_order_release);
@@ -264,8 +264,8 @@ private:
         while (true)
         {
             // Spin for a bounded time, then block until a new round (or a wake()).
-            auto const spinUntil
-                = std::chrono::steady_clock::now() + std::chrono::microseconds(mSpinMicros.load(std::memory_order_relaxed));
+            auto const spinUntil = std::chrono::steady_clock::now()
+                + std::chrono::microseconds(mSpinMicros.load(std::memory_order_relaxed));
             bool idle = true;
             for (int64_t i = 0;; ++i)
             {

@@ -55,27 +55,65 @@ def main() -> int:
     prompt = "Engram layers look up n-grams in huge static tables, gated into the hidden state."
 
     # 1. LLM (default store) vs the reference loop, same device and dtype.
-    with LLM(str(engine), device="cuda", progress=False) as llm:
-        res["backend"], res["backend_reason"], res["storage"] = llm.backend_label, llm.backend_reason, llm.storage
-        ids = llm.tokenizer.encode(prompt, add_special_tokens=False).ids
-        out = llm.generate(prompt, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))[0]
-        t0 = time.perf_counter()
-        out2 = llm.generate(prompt, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))[0]
-        res["llm_one_sequence_tokens_per_s"] = round(args.new_tokens / (time.perf_counter() - t0), 1)
-        res["llm_timings"] = out2.timings
-        res["engram_stats"] = llm.stats().get("engram")
+    import traceback
+
+    def attempt(name: str, fn: object) -> object:
+        try:
+            return fn()  # type: ignore[operator]
+        except Exception as exc:  # report and go on: one broken store must not hide the rest
+            checks[f"{name} ran"] = False
+            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+            return None
+
+    attempt("greedy", lambda: greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks, res))
+    logits: dict[str, list[torch.Tensor]] = {}
+    for kind, cfg in STORES.items():
+        got = attempt(f"store {kind}", lambda kind=kind, cfg=cfg: store_logits(LLM, PackedStep, engine, kind, cfg, res))
+        if got is not None:
+            logits[kind] = got
+    base = logits.get("device")
+    for kind in STORES:
+        if kind != "device" and base is not None and kind in logits:
+            checks[f"logits bit-identical: {kind} vs device"] = all(torch.equal(a, b) for a, b in zip(logits[kind], base))
+    if not args.skip_serve:
+        attempt("serve", lambda: serve_bench(engine, res))
+    return report(checks, res, args)
+
+
+def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks, res) -> None:  # noqa: ANN001
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    tokens = {}
+    for graphs in (False, True):
+        with LLM(str(engine), device="cuda", progress=False, cuda_graphs=graphs) as llm:
+            tag = "graphs" if graphs else "eager"
+            res[f"backend_{tag}"], res["backend_reason"], res["storage"] = llm.backend_label, llm.backend_reason, llm.storage
+            ids = llm.tokenizer.encode(prompt, add_special_tokens=False).ids
+            tokens[tag] = llm.generate(prompt, params)[0].token_ids
+            t0 = time.perf_counter()
+            again = llm.generate(prompt, params)[0]
+            res[f"llm_one_sequence_tokens_per_s_{tag}"] = round(args.new_tokens / (time.perf_counter() - t0), 1)
+            res[f"llm_timings_{tag}"] = again.timings
+            res["engram_stats"] = llm.stats().get("engram")
+            checks[f"LLM ({tag}) gives the same tokens twice"] = again.token_ids == tokens[tag]
+            if graphs:
+                res["graph_replays"] = getattr(llm.runner.backend.graphs, "replays", None)
+                res["graph_failed"] = getattr(llm.runner.backend.graphs, "failed", None)
     ref = EngramLlama.from_checkpoint(ckpt, device="cuda", dtype=torch.bfloat16, table_storage="device")
     want = ref.generate(ids, args.new_tokens, eos=[]).new_ids
-    checks["LLM greedy tokens == reference loop (cuda, bf16, kernels)"] = out.token_ids == want == out2.token_ids
-    res["greedy_agree"] = sum(a == b for a, b in zip(out.token_ids, want))
+    checks["LLM greedy tokens == reference loop (cuda, bf16, kernels)"] = tokens["eager"] == want
+    res["greedy_agree_eager"] = sum(a == b for a, b in zip(tokens["eager"], want))
+    res["greedy_agree_graphs"] = sum(a == b for a, b in zip(tokens["graphs"], want))
+    checks["LLM with decode CUDA graphs == reference loop"] = tokens["graphs"] == want
     del ref
     torch.cuda.empty_cache()
 
-    # 2. Every store: bit-identical logits on a prefill chunk, then a mixed step.
+
+def store_logits(LLM, PackedStep, engine, kind, cfg, res) -> list:  # noqa: ANN001
+    """2. One store: logits of a prefill chunk, then of a mixed step."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(2, 129280, size=n).tolist() for n in (300, 40, 7)]
-    logits: dict[str, list[torch.Tensor]] = {}
-    for kind, cfg in STORES.items():
+    if True:
         with LLM(str(engine), device="cuda", engram_config=cfg, progress=False) as llm:
             r = llm.runner
             res[f"store_{kind}"] = r.storage()
@@ -90,15 +128,14 @@ def main() -> int:
                 cids = r.compress(ids)
                 step.engram_ids, step.lookback = torch.from_numpy(cids), torch.from_numpy(lb)
                 got.append(r.run(step, cids, lb).float().cpu())
-            logits[kind] = got
             res[f"store_{kind}_paths"] = dict(r.prefetcher.stats["paths"]) if r.prefetcher else None
-    base = logits["pinned"]
-    for kind in STORES:
-        if kind != "pinned":
-            checks[f"logits bit-identical: {kind} vs pinned"] = all(torch.equal(a, b) for a, b in zip(logits[kind], base))
+            res[f"store_{kind}_calibration"] = getattr(r, "gather_calibration", None) and r.gather_calibration.to_dict()
+    return got
 
-    # 3. Serving throughput (the bench serve code path).
-    if not args.skip_serve:
+
+def serve_bench(engine, res) -> None:  # noqa: ANN001
+    """3. Serving throughput (the bench serve code path)."""
+    if True:
         from engram_trt.bench import serve
 
         ns = argparse.Namespace(path=str(engine), concurrency="1,8,64", prompt_tokens=32, max_tokens=32, device="cuda",
@@ -112,6 +149,8 @@ def main() -> int:
         res["bench_serve"] = buf.getvalue()
         print(buf.getvalue())
 
+
+def report(checks, res, args) -> int:  # noqa: ANN001
     print(json.dumps({k: v for k, v in res.items() if k != "bench_serve"}, indent=1, default=str))
     for name, ok in checks.items():
         print(f"[{'PASS' if ok else 'FAIL'}] {name}")

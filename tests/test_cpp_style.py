@@ -1,4 +1,4 @@
-"""C++ / CUDA hygiene of plugins/: every source carries the SPDX header, and is formatted
+"""C++ / CUDA hygiene of plugins/ and runtime/: every source carries the SPDX header, and is formatted
 with the repository's .clang-format (TensorRT OSS's settings)."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ CLANG_FORMAT_VERSION = "23."  # the version the sources were formatted with (tes
 
 
 def plugin_sources() -> list[Path]:
-    files = sorted(p for ext in ("h", "cuh", "cpp", "cu") for p in (REPO / "plugins").rglob(f"*.{ext}"))
+    files = sorted(p for top in ("plugins", "runtime") for ext in ("h", "cuh", "cpp", "cu")
+                   for p in (REPO / top).rglob(f"*.{ext}"))
     assert len(files) >= 20, files  # the walk found the plugin tree
     return files
 
@@ -23,7 +24,7 @@ def plugin_sources() -> list[Path]:
 def test_every_plugin_source_starts_with_the_spdx_header() -> None:
     missing = [str(p.relative_to(REPO)) for p in plugin_sources() if tuple(p.read_text().splitlines()[:2]) != SPDX]
     assert not missing, f"no SPDX header: {missing}"
-    for cmake in [REPO / "CMakeLists.txt", *sorted((REPO / "plugins").rglob("CMakeLists.txt"))]:
+    for cmake in [REPO / "CMakeLists.txt", *sorted(p for top in ("plugins", "runtime") for p in (REPO / top).rglob("CMakeLists.txt"))]:
         assert cmake.read_text().startswith("# SPDX-License-Identifier: Apache-2.0\n"), cmake
 
 

@@ -211,7 +211,8 @@ typedef struct EngramHostGatherer EngramHostGatherer;
 /* Layout of a host table (engram_host_gather_ex / _raw / _rows_cpu `table_layout`). */
 enum EngramTableLayout
 {
-    ENGRAM_LAYOUT_SPLIT = 0, /* rows [N, head_dim] and scales [N, head_dim / quant_block]: two arrays (engram_gather's form) */
+    ENGRAM_LAYOUT_SPLIT = 0, /* rows [N, head_dim] and scales [N, head_dim / quant_block]: two arrays (engram_gather's
+                                form) */
     ENGRAM_LAYOUT_INLINE = 1 /* one array [N, head_dim + head_dim / quant_block] bytes: each row's scale bytes right
                                 after its values (fp8), so a random row costs the CPU one miss instead of two;
                                 scales_host must be NULL. For bf16 tables it is the split layout. */
@@ -220,17 +221,17 @@ enum EngramTableLayout
 /* Tuning knobs of a host gatherer (engram_host_gatherer_set_option / get_option). */
 enum EngramHostGatherOption
 {
-    ENGRAM_HOST_GATHER_CHUNK_ROWS = 0,       /* most rows per copy (default: the chunk_rows it was created with;
-                                                capped by what a staging slot holds) */
-    ENGRAM_HOST_GATHER_MIN_CHUNKS = 1,       /* a call is cut into at least this many chunks (not below 256 rows
-                                                each) so a small call overlaps gather and copy (default 4) */
-    ENGRAM_HOST_GATHER_TASK_ROWS = 2,        /* rows per work item of a thread (0 = automatic, default) */
-    ENGRAM_HOST_GATHER_PREFETCH_ROWS = 3,    /* software prefetch distance in rows, 0..64 (0 = off; default 16) */
-    ENGRAM_HOST_GATHER_STREAMING_STORES = 4, /* 1: non-temporal stores into staging, 0: plain stores (default) */
-    ENGRAM_HOST_GATHER_SPIN_US = 5,          /* idle pool threads spin this long, then block (default 50) */
-    ENGRAM_HOST_GATHER_NUM_THREADS = 6,      /* read-only: threads of the pool, the caller included */
-    ENGRAM_HOST_GATHER_NUM_SLOTS = 7,        /* read-only: staging slots */
-    ENGRAM_HOST_GATHER_SLOT_BYTES = 8,       /* read-only: bytes of one pinned (and one device) staging slot */
+    ENGRAM_HOST_GATHER_CHUNK_ROWS = 0,        /* most rows per copy (default: the chunk_rows it was created with;
+                                                 capped by what a staging slot holds) */
+    ENGRAM_HOST_GATHER_MIN_CHUNKS = 1,        /* a call is cut into at least this many chunks (not below 256 rows
+                                                 each) so a small call overlaps gather and copy (default 4) */
+    ENGRAM_HOST_GATHER_TASK_ROWS = 2,         /* rows per work item of a thread (0 = automatic, default) */
+    ENGRAM_HOST_GATHER_PREFETCH_ROWS = 3,     /* software prefetch distance in rows, 0..64 (0 = off; default 16) */
+    ENGRAM_HOST_GATHER_STREAMING_STORES = 4,  /* 1: non-temporal stores into staging, 0: plain stores (default) */
+    ENGRAM_HOST_GATHER_SPIN_US = 5,           /* idle pool threads spin this long, then block (default 50) */
+    ENGRAM_HOST_GATHER_NUM_THREADS = 6,       /* read-only: threads of the pool, the caller included */
+    ENGRAM_HOST_GATHER_NUM_SLOTS = 7,         /* read-only: staging slots */
+    ENGRAM_HOST_GATHER_SLOT_BYTES = 8,        /* read-only: bytes of one pinned (and one device) staging slot */
     ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS = 9, /* prefetch the first line of the row this far ahead, 0..64, to start
                                                  its page walk early (0 = off, default) */
     ENGRAM_HOST_GATHER_PREFETCH_LOCALITY = 10 /* cache level prefetched into: 3 = L1 (default) .. 1 = L2/L3,

@@ -147,8 +147,8 @@ void testSpinSetting()
 }
 
 //! The naive reference: row ids[i] of a split or inline table, or a zero row.
-void referenceGather(std::vector<int32_t> const& ids, RowTable const& t, std::vector<uint8_t>& rows,
-    std::vector<uint8_t>& scales)
+void referenceGather(
+    std::vector<int32_t> const& ids, RowTable const& t, std::vector<uint8_t>& rows, std::vector<uint8_t>& scales)
 {
     rows.assign(ids.size() * static_cast<size_t>(t.rowBytes), 0);
     scales.assign(ids.size() * static_cast<size_t>(t.scaleBytes), kZeroRowScale);
@@ -237,7 +237,8 @@ void testRowGather()
                             pool.parallelFor((n + taskRows - 1) / taskRows, [&](int64_t task) {
                                 int64_t const b = task * taskRows;
                                 int64_t const e = std::min(n, b + taskRows);
-                                gatherRows(rowIds, b, e, t, dst + b * rowBytes, dstScales.data() + b * scaleBytes, tuning);
+                                gatherRows(
+                                    rowIds, b, e, t, dst + b * rowBytes, dstScales.data() + b * scaleBytes, tuning);
                             });
                             bool const ok = std::memcmp(dst, refRows.data(), refRows.size()) == 0
                                 && std::memcmp(dstScales.data(), refScales.data(), refScales.size()) == 0
@@ -245,7 +246,9 @@ void testRowGather()
                             allOk = allOk && ok;
                             if (!ok)
                             {
-                                std::printf("  mismatch: row %lld B scales %lld B inline %d prefetch %d stream %d misalign %d\n",
+                                std::printf(
+                                    "  mismatch: row %lld B scales %lld B inline %d prefetch %d stream %d misalign "
+                                    "%d\n",
                                     static_cast<long long>(rowBytes), static_cast<long long>(scaleBytes),
                                     inlineLayout ? 1 : 0, prefetch, stream ? 1 : 0, misalign);
                             }
@@ -255,7 +258,9 @@ void testRowGather()
             }
         }
     }
-    check(allOk, "row gather == reference (split / inline, prefetch 0-64 near / far, localities, plain / streaming stores, out-of-range ids)");
+    check(allOk,
+        "row gather == reference (split / inline, prefetch 0-64 near / far, localities, plain / streaming stores, "
+        "out-of-range ids)");
 }
 
 void testStridedIds()

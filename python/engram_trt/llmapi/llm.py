@@ -53,7 +53,7 @@ class LLM:
                  dtype: Any = None, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, verify_tables: bool = False, progress: bool = True,
                  table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
-                 scheduler_factory: Any = None) -> None:
+                 scheduler_factory: Any = None, cuda_graphs: bool = True) -> None:
         from engram_trt.engram.tokenizer import load_tokenizer
         from engram_trt.runtime.engine_folder import open_model_source
         from engram_trt.runtime.runner import ModelRunner
@@ -66,7 +66,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.source.tokenizer_json)
         self.runner = ModelRunner(self.source, backend=backend, device=device, dtype=dtype, engram_config=ecfg,
                                   max_batch=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
-                                  progress=progress, table_options=table_options, engram_lookup=engram_lookup)
+                                  progress=progress, table_options=table_options, cuda_graphs=cuda_graphs, engram_lookup=engram_lookup)
         self.scheduler = (scheduler_factory or Scheduler)(self.runner, self.tokenizer)  # hook: engram_trt.distributed
         self._closed = False
 

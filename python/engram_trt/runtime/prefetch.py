@@ -124,6 +124,28 @@ class Prefetcher:
             self._ids_dev = torch.empty(self.max_tokens, dtype=torch.int32, device=self.device)
             self._ids_host = torch.empty(self.max_tokens, dtype=torch.int32, pin_memory=True)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-prefetch")
+            self._gatherer = None
+            if not tables.on_device:
+                from engram_trt.hostgather import HostGatherer
+
+                width = max(tables.head_dim(i) for i in range(tables.num_layers))
+                self._gatherer = HostGatherer(device=self.device, max_head_dim=max(512, width))
+
+    def calibrate(self) -> Any:
+        """Time the host gather and the UVA kernel on this store at a decode step's and a
+        prefill chunk's row counts, and take the faster per size from then on (logged).
+        Host tables only: GPU-memory tables always use the HBM gather."""
+        if not self.cuda or self.tables.on_device or self._gatherer is None:
+            return None
+        from engram_trt.gatherpath import calibrate_gather
+
+        rows, scales = self.tables.tensors(0)
+        choice = calibrate_gather(rows, scales, gatherer=self._gatherer, quant_block=self.tables.quant_block,
+                                  num_cols=self.cols) if self.tables.gpu_readable else None
+        if choice is not None:
+            self.gather_policy = choice.path_for
+            log.info("gather path by size (start-up calibration): %s", choice.describe())
+        return choice
 
     @property
     def row_bytes(self) -> int:
@@ -157,6 +179,8 @@ class Prefetcher:
             self._account(info, time.perf_counter() - t0)
             return StagedRows(views, info=info, staging=self.staging)
         assert self._pool is not None
+        if path == "host" and self._gatherer is not None:
+            self._gatherer.wake()  # the pool's threads spin again before the ids arrive
         event = torch.cuda.Event(enable_timing=self.timing)
         if self.timing:
             info["wait_event"] = torch.cuda.Event(enable_timing=True)
@@ -178,8 +202,7 @@ class Prefetcher:
                 ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout).astype(np.int32))
                 for li, v in enumerate(views):
                     rows, scales = self.tables.tensors(li)
-                    self._ops.kernels.host_gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,
-                                                  out=v, device=self.device)
+                    self._gatherer.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v)
                 info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
             else:
                 # Kernels all the way: upload the compressed ids, hash and gather on the GPU.
@@ -213,3 +236,6 @@ class Prefetcher:
             self._pool = None
         if self._stream is not None:
             self._stream.synchronize()
+        if getattr(self, "_gatherer", None) is not None:
+            self._gatherer.close()
+            self._gatherer = None

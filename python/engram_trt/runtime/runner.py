@@ -67,7 +67,8 @@ class ModelRunner:
     def __init__(self, source: ModelSource, *, backend: str = "auto", device: Any = "auto", dtype: Any = None,
                  engram_config: EngramConfig | None = None, max_batch: int | None = None,
                  max_seq_len: int | None = None, max_num_tokens: int | None = None, progress: bool = True,
-                 table_options: dict[str, Any] | None = None, engram_lookup: Any = None) -> None:
+                 table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
+                 cuda_graphs: bool = True) -> None:
         from engram_trt.tables.store import open_tables, table_kind_for
 
         self.source = source
@@ -105,7 +106,8 @@ class ModelRunner:
             self.tables = open_tables(source.table_refs, self.table_kind, quant_block=cfg.engram.quant_block,
                                       device=self.device, progress=progress, **(table_options or {}))
             self.table_kind = self.tables.kind  # a shared store may fall back to private memory
-        self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype)
+        self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype,
+                                                            cuda_graphs=cuda_graphs)
         log.info("backend: %s (%s)", self.backend.label, self.backend_reason)
         self.cache = self.backend.allocate_cache(self.max_batch, self.max_seq_len)
         self.prefetcher = None
@@ -116,6 +118,7 @@ class ModelRunner:
             self.prefetcher = self.engram_lookup  # hook (engram_trt.distributed)
         elif self.tables is not None and self.backend.wants_staged_rows:
             self.prefetcher = Prefetcher(source.layout, self.tables, self.device, self.max_num_tokens)
+            self.gather_calibration = self.prefetcher.calibrate()
         self.load_s = time.perf_counter() - t0
 
     # -- per step ---------------------------------------------------------------------
