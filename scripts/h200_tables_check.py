@@ -208,12 +208,20 @@ def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: 
                        ra["gpu"] == rb["gpu"] == ra["cpu"] == expected_gpu, ra["gpu"][:16]))
         checks.append((f"shared {label}: both processes map the one segment", mappers == sorted([a.pid, b.pid]), f"{mappers}"))
         checks.append((f"shared {label}: close() unregistered in both", ua["unregistered"] and ub["unregistered"], ""))
+        import hashlib
+
         mtime = path.stat().st_mtime_ns
+        before = hashlib.sha256(path.read_bytes()).hexdigest()
         c = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         rc = json.loads(c.stdout.splitlines()[0])
+        # "Without writing": the segment's bytes are unchanged and this process did not
+        # create it. (Pinning a writable shared mapping for UVA may bump the file's mtime
+        # without changing a byte, so the mtime is reported, not checked.)
+        same = hashlib.sha256(path.read_bytes()).hexdigest() == before
         checks.append((f"shared {label}: a restarted process re-attaches without writing",
-                       not rc["created"] and rc["gpu"] == expected_gpu and path.stat().st_mtime_ns == mtime,
-                       f"attach {rc['open_s']} s"))
+                       not rc["created"] and rc["gpu"] == expected_gpu and same,
+                       f"attach {rc['open_s']} s, created={rc['created']}, gpu rows equal={rc['gpu'] == expected_gpu}, "
+                       f"bytes unchanged={same}, mtime changed={path.stat().st_mtime_ns != mtime}"))
         timings[f"shared {label}"] = {"bytes": ra["bytes"], "create_s": first["open_s"],
                                       "attach_while_creating_s": (rb if ra["created"] else ra)["open_s"],
                                       "reattach_s": rc["open_s"], "waited": "waiting for" in err_b}

@@ -37,7 +37,8 @@ class EngramConfig:
     ``cpu_offload``: tables in pinned host memory read through UVA (True), or copied
     to GPU memory (False).
     ``host_file_gather``: no table copy at all; rows are read from the checkpoint's
-    safetensors files through the page cache (PLE checkpoints).
+    safetensors files through the page cache (the peers offer it for PLE checkpoints;
+    here any checkpoint's tables qualify: safetensors store every table row-major).
     ``dp_shared_memory``: co-located processes share one table copy in /dev/shm.
     ``embedding_across_dp``: hash heads sharded across ranks, one copy in total.
     ``table_placement``: where the lookup runs: ``auto`` (default: ``prefetch`` with
@@ -139,8 +140,6 @@ class EngramConfig:
                 changed = sorted(set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)})
                 raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' or 'ple_layer_ids' in config.json); drop {FLAG}")
             return
-        if self.host_file_gather and spec.prefix != "ple":
-            raise EngramError(f"{FLAG}: host_file_gather serves PLE checkpoints (ple_* fields), whose tables are stored row-major per layer for page-cache reads; this checkpoint declares {spec.prefix}_* fields; drop host_file_gather (cpu_offload keeps the tables in pinned host memory)")
 
 
 def _load_json_object(text: str | Path) -> Any:
@@ -199,7 +198,7 @@ def add_engram_config_arguments(parser: argparse.ArgumentParser) -> None:
                        + " (defaults: " + EngramConfig().to_json() + ")")
     helps = {
         "cpu_offload": "true: tables in pinned host memory read through UVA (default); false: tables in GPU memory",
-        "host_file_gather": "true: read rows straight from the checkpoint files through the page cache (PLE checkpoints)",
+        "host_file_gather": "true: read rows straight from the checkpoint files through the page cache (no table copy)",
         "dp_shared_memory": "true: co-located processes share one table copy in /dev/shm",
         "embedding_across_dp": "true: shard hash heads across ranks (one table copy in total)",
         "table_placement": "auto (default), in_engine (gather plugin reads tables through UVA) or prefetch (runtime gathers rows before the step)",
