@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 from engram_trt.config.engram import EngramConfig

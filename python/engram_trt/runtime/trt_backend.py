@@ -134,7 +134,7 @@ class TensorRTBackend:
         ctx = self.context
         dev = self.device
         i32 = torch.int32
-        T, S = step.num_tokens, step.num_seqs
+        S = step.num_seqs
         arrays = step.device_arrays(dev, self._uploader)  # one copy of all step metadata
         feeds: dict[str, torch.Tensor] = {k: arrays[k].to(i32) for k in ("input_ids", "seq_starts", "past_lens", "slots")}
         if "engram_ids" in arrays:
