@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -45,6 +44,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--modes", default=",".join(MODES), help=f"table placements to time, of {','.join(MODES)} (default: all)")
     p.add_argument("--iters", type=int, default=10, help="timed steps per case (median reported; default: %(default)s)")
     p.add_argument("--timeline", action="store_true", help="record when the lookup ran vs when the first Engram layer needed it")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend serves them)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a torch-profiler Chrome trace of one pinned decode step")
     p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
     p.set_defaults(func=run)
@@ -154,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"limits": limits, "model": info, "cases": {}}
     for name, lens, past in _steps(args):
         S, T = len(lens), sum(lens)
-        cache = model.new_cache(S, past + max(lens) + 1)
+        decode = max(lens) == 1
+        cache = model.new_cache(S + 1, past + max(lens) + 1)  # + the graphs' scratch slot
         for k, v in zip(cache.keys, cache.values):  # random, not zeros: realistic attention inputs
             k.normal_(0, 1), v.normal_(0, 1)
         ids = rng.integers(2, cfg.vocab_size, size=T)
@@ -172,20 +174,31 @@ def run(args: argparse.Namespace) -> int:
                 policy = None if mode == "device" else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
                 pf = Prefetcher(layout, store, device, T, gather_policy=policy)
             model.engram_enabled = mode != "none"
+            graphs = None
+            if decode and not args.no_graphs:
+                from engram_trt.runtime.cuda_graphs import DecodeGraphs
+
+                graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=model.tables if mode != "none" else None,
+                                      lookup_policy=pf.path_for if pf is not None else None)
 
             def one() -> None:
                 for s in range(S):
                     cache.lengths[s] = past
-                rows = pf.submit(step, cids, lb) if pf is not None else None
-                logits = model.forward_step(step, cache, engram_rows=rows)
+                in_graph = graphs is not None and graphs.handles_lookup(step)
+                rows = pf.submit(step, cids, lb) if pf is not None and not in_graph else None
+                logits = graphs.run(step, rows) if graphs is not None else None
+                if logits is None:
+                    logits = model.forward_step(step, cache, engram_rows=rows)
                 torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
 
             t = time_fn(one, device, 3, args.iters)
-            entry = {"step_ms": t["median_s"] * 1e3}
-            if pf is not None and args.timeline:
+            entry = {"step_ms": t["median_s"] * 1e3,
+                     "graphs": None if graphs is None else (graphs.failed or f"{graphs.replays} replays")}
+            if pf is not None and args.timeline and not (graphs is not None and graphs.handles_lookup(step)):
                 entry["timeline"] = _timeline(pf, one, device)
             if pf is not None:
                 pf.close()
+            graphs = None  # frees its recorded graphs before the next mode
             row[mode] = entry
         base = row.get("none", {}).get("step_ms")
         if base:
@@ -194,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             row["bound_ms"] = _bound_ms(info, limits, cfg, lens, past)
             row["baseline_efficiency"] = row["bound_ms"] / base if row["bound_ms"] else None
         results["cases"][name] = row
-        del cache
+        cache = None  # the next case allocates its own
         torch.cuda.empty_cache()
     if args.trace and "pinned" in stores:
         _trace(model, stores["pinned"], layout, device, args.trace, rng)

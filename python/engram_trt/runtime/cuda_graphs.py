@@ -1,25 +1,33 @@
 """CUDA graphs of the torch backend's decode step: no Python, no host work per layer.
 
-A decode step of a small model is nearly all host time (the demo, hidden 32: ~6 ms of
-Python and launches per token on the H200 against microseconds of GPU work), so the
-torch backend records each decode step shape once and replays it. A graph is recorded
+A decode step of a small model is nearly all host time (on the H200 the demo, hidden
+32, spends ~6 ms of Python and launches per token against microseconds of GPU work; a
+1.1B model's decode step is host-bound at ~20 ms against ~3 ms of GPU work), so the
+torch backend records each decode step shape once and replays it. A step is recorded
 per (batch bucket, context bucket): the batch rounded up to a power of two (padding
 sequences write into a scratch KV slot the scheduler never hands out), the longest
 context rounded up to a power of two (the attention mask hides the rest). Everything
-that changes between steps — token ids, compressed ids, positions, slots, lengths — lives
-in static device buffers the graph reads (one pinned copy per step fills them); the
-staged Engram rows are read from the prefetcher's fixed staging buffers. The one thing
-lost: the main stream waits for the prefetch before the replay instead of at the first
-Engram layer (an event recorded outside a capture cannot be waited on inside it).
+that changes between steps — token ids, compressed ids, positions, slots, lengths, the
+Engram lookback — lives in static device buffers the graphs read; one pinned copy per
+step fills them.
+
+The step is two graphs cut at the first Engram layer, so the wait for the rows sits
+where it does in the eager step: ``pre`` (embedding and the layers before it) replays,
+then the main stream waits for the rows, then ``post``. The rows come from either
+- a third graph, ``lookup`` (hash + gather kernels on the static buffers, replayed on a
+  side stream concurrently with ``pre``), when the tables are GPU-readable and the
+  gather policy picks a GPU gather for this many rows: no host work at all; or
+- the prefetcher (the host gather), staged into its fixed buffers and waited on
+  between ``pre`` and ``post``.
 
 Recording can fail where a kernel or library call is not capturable; then the backend
-logs why once and runs the step eagerly (the same function, only slower).
+logs why once and runs decode steps eagerly (the same function, only slower).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,6 +36,7 @@ from engram_trt.runtime.step import PackedStep
 log = logging.getLogger(__name__)
 
 MIN_CONTEXT_BUCKET = 64
+GPU_GATHERS = ("device", "uva")
 
 
 def _bucket(n: int, floor: int = 1) -> int:
@@ -39,28 +48,129 @@ def _bucket(n: int, floor: int = 1) -> int:
 
 class DecodeGraphs:
     """Recorded decode steps of one model and cache (see the module docstring).
-    ``scratch_slot``: a KV slot outside the scheduler's range, for padding sequences."""
+    ``scratch_slot``: a KV slot outside the scheduler's range, for padding sequences.
+    ``tables`` + ``lookup_policy(num_rows) -> path``: the lookup goes into a graph when
+    the tables are GPU-readable and the policy picks a GPU gather."""
 
-    def __init__(self, model: Any, cache: Any, max_batch: int, scratch_slot: int) -> None:
+    def __init__(self, model: Any, cache: Any, max_batch: int, scratch_slot: int, tables: Any = None,
+                 lookup_policy: Callable[[int], str] | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
         self.max_batch = max_batch
         self.max_len = cache.max_len
         self.scratch = scratch_slot
+        self.tables = tables
+        self.lookup_policy = lookup_policy
+        layout = model.layout
+        self.n_lookback = layout.max_ngram_size - 1 if layout is not None else 0
         G = _bucket(max_batch)
-        # Static buffers the graphs read (fixed addresses), one column per padded
-        # sequence: rows = token id, compressed id, position (= its slot's length before
-        # the step), slot, length after the step. One pinned copy fills them per step.
-        self._dev = torch.zeros((5, G), dtype=torch.int64, device=self.device)
-        self._host = torch.zeros((5, G), dtype=torch.int64, pin_memory=True)
-        self._arange = torch.arange(G, dtype=torch.int64, device=self.device)
+        # Static buffers, one column per padded sequence: token id, compressed id,
+        # position (= its slot's length before the step), slot, length after the step,
+        # then the N-1 lookback ids.
+        rows = 5 + self.n_lookback
+        self._dev = torch.zeros((rows, G), dtype=torch.int64, device=self.device)
+        self._host = torch.zeros((rows, G), dtype=torch.int64, pin_memory=True)
+        self._arange = torch.arange(G + 1, dtype=torch.int64, device=self.device)
+        self._starts32 = torch.arange(G + 1, dtype=torch.int32, device=self.device)  # decode: one token each
+        self.staging: list[torch.Tensor] | None = None
+        if layout is not None and tables is not None:
+            self.staging = [torch.zeros((G, layout.n_hash_cols, tables.head_dim(i)), dtype=torch.bfloat16,
+                                        device=self.device) for i in range(layout.num_layers)]
+        self._lookup_host = None if model.compress_lookup is None else model.compress_lookup.cpu()
         self._event: Any = None
-        self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self._side = torch.cuda.Stream(self.device)
+        self._lookup_done = torch.cuda.Event()
+        self.graphs: dict[tuple[int, int, str], dict[str, Any]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.lookup_pool = torch.cuda.graph_pool_handle()  # replays beside `pre`: its own memory
         self.failed: str | None = None
         self.replays = 0
 
+    # -- which steps -----------------------------------------------------------------------
+    def _fits(self, step: PackedStep) -> bool:
+        return self.failed is None and step.is_decode_only and step.num_seqs <= self.max_batch
+
+    def handles_lookup(self, step: PackedStep) -> bool:
+        """True when this step's Engram rows will be looked up inside a graph (the caller
+        then stages none)."""
+        if not self._fits(step) or self.staging is None or not self.model.engram_enabled:
+            return False
+        if not self.tables.gpu_readable:
+            return False
+        path = "device" if self.tables.on_device else (self.lookup_policy(step.num_seqs * self.model.layout.n_hash_cols)
+                                                      if self.lookup_policy is not None else "host")
+        return path in GPU_GATHERS
+
+    # -- the step -------------------------------------------------------------------------
+    def run(self, step: PackedStep, rows: Any) -> torch.Tensor | None:
+        """Logits ``[S, V]`` of a decode-only step by graph replay, or None when this step
+        cannot be replayed (the caller then runs it eagerly)."""
+        if not self._fits(step):
+            return None
+        engram = self.model.layout is not None and self.model.engram_enabled
+        if not engram:
+            mode = "none"
+        elif rows is None:
+            if not self.handles_lookup(step):
+                return None
+            mode = "lookup"
+        else:
+            if getattr(rows, "staging", None) is None:
+                return None
+            mode = "staged"
+        G = _bucket(step.num_seqs)
+        L = min(_bucket(max(step.total_lens), MIN_CONTEXT_BUCKET), self.max_len)
+        entry = self.graphs.get((G, L, mode))
+        if entry is None:
+            entry = self._record(G, L, mode, None if mode != "staged" else [s[:G] for s in rows.staging])
+            if entry is None:
+                return None
+        self.model._check_step(step, self.cache)  # the host-side checks an eager step makes
+        self._fill(step, G)
+        main = torch.cuda.current_stream(self.device)
+        if mode == "lookup":
+            self._side.wait_stream(main)  # the static buffers are filled
+            with torch.cuda.stream(self._side):
+                entry["lookup"].replay()
+                self._lookup_done.record(self._side)
+        entry["pre"].replay()
+        if mode == "lookup":
+            main.wait_event(self._lookup_done)
+        elif mode == "staged":
+            rows.wait()  # the prefetch, waited on at the first Engram layer
+        if entry.get("post") is not None:
+            entry["post"].replay()
+        self.replays += 1
+        for s, slot in enumerate(step.slots):
+            self.cache.lengths[slot] = step.total_lens[s]
+        return entry["logits"][:step.num_seqs]
+
+    def _fill(self, step: PackedStep, G: int) -> None:
+        """This step's values into the static buffers (one copy; padding -> scratch slot)."""
+        S = step.num_seqs
+        h = self._host
+        if self._event is not None:
+            self._event.synchronize()  # the last copy out of the pinned buffer has run
+        h[:, S:G] = 0
+        h[3, S:G] = self.scratch
+        h[4, S:G] = 1
+        h[5:, S:G] = -1
+        h[0, :S] = step.input_ids
+        if step.engram_ids is not None:
+            h[1, :S] = step.engram_ids
+        elif self._lookup_host is not None:
+            h[1, :S] = self._lookup_host[step.input_ids]
+        h[2, :S] = torch.tensor(step.past_lens)
+        h[3, :S] = torch.tensor(step.slots)
+        h[4, :S] = torch.tensor(step.total_lens)
+        if self.n_lookback and step.lookback is not None:
+            h[5:, :S] = torch.as_tensor(step.lookback, dtype=torch.int64).t()
+        self._dev[:, :G].copy_(h[:, :G], non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    # -- recording ------------------------------------------------------------------------
     def _static_step(self, G: int, L: int) -> PackedStep:
         """A step of G one-token sequences at context L whose device arrays are views
         of the static buffers (the host lists only give the shapes)."""
@@ -74,74 +184,64 @@ class DecodeGraphs:
         step._derived[f"arrays@{self.device}"] = arrays
         return step
 
-    def _fill(self, step: PackedStep, G: int) -> None:
-        """This step's values into the static buffers (one copy; padding -> scratch slot)."""
-        S = step.num_seqs
-        h = self._host
-        if self._event is not None:
-            self._event.synchronize()  # the last copy out of the pinned buffer has run
-        h[:, S:G] = 0
-        h[3, S:G] = self.scratch
-        h[4, S:G] = 1
-        h[0, :S] = step.input_ids
-        if step.engram_ids is not None:
-            h[1, :S] = step.engram_ids
-        h[2, :S] = torch.tensor(step.past_lens)
-        h[3, :S] = torch.tensor(step.slots)
-        h[4, :S] = torch.tensor(step.total_lens)
-        self._dev[:, :G].copy_(h[:, :G], non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+    def _lookup(self, G: int) -> None:
+        """Hash and gather of the static step into the graphs' own staging (kernels only)."""
+        from engram_trt import kernels
 
-    def run(self, step: PackedStep, rows: Any) -> torch.Tensor | None:
-        """Logits ``[S, V]`` of a decode-only step by graph replay, or None when this step
-        cannot be replayed (the caller then runs it eagerly)."""
-        if self.failed is not None or not step.is_decode_only or step.num_seqs > self.max_batch:
-            return None
-        G = _bucket(step.num_seqs)
-        L = min(_bucket(max(step.total_lens), MIN_CONTEXT_BUCKET), self.max_len)
-        staging = None
-        if self.model.layout is not None:
-            if rows is None or getattr(rows, "staging", None) is None:
-                return None
-            staging = [s[:G] for s in rows.staging]
-        entry = self.graphs.get((G, L))
-        if entry is None:
-            entry = self._record(G, L, staging)
-            if entry is None:
-                return None
-        self.model._check_step(step, self.cache)  # the host-side checks an eager step makes
-        self._fill(step, G)
-        if rows is not None:
-            rows.wait()  # the main stream waits for the staged rows before the replay
-        graph, logits = entry
-        graph.replay()
-        self.replays += 1
-        for s, slot in enumerate(step.slots):
-            self.cache.lengths[slot] = step.total_lens[s]
-        return logits[:step.num_seqs]
+        d = self._dev
+        cids = d[1, :G].to(torch.int32)
+        lookback = d[5:5 + self.n_lookback, :G].t().contiguous().to(torch.int32)
+        ids = kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
+        for li, out in enumerate(self.staging):  # type: ignore[arg-type]
+            rows, scales = self.tables.tensors(li)
+            kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=out[:G])
 
-    def _record(self, G: int, L: int, staging: list[torch.Tensor] | None) -> tuple[Any, torch.Tensor] | None:
+    def _record(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
         d = self._dev
         d[:, :G].zero_()
         d[3, :G].fill_(self.scratch)  # warm-up and capture write only the scratch slot
         d[4, :G].fill_(1)
+        d[5:, :G].fill_(-1)
         step = self._static_step(G, L)
+        rows = None if mode == "none" else (staged if mode == "staged" else [s[:G] for s in self.staging])  # type: ignore[union-attr]
+        model, cache = self.model, self.cache
+        k = model.first_engram_layer if mode != "none" else None
+        cut = len(model.model.layers) if k is None else k
+        entry: dict[str, Any] = {}
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # warm-up: lazy inits (cuBLAS handles, kernels) before capture
-                    self.model.forward_step(step, self.cache, engram_rows=staging, capture=True)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.model.forward_step(step, self.cache, engram_rows=staging, capture=True)
+            main = torch.cuda.current_stream(self.device)
+            warm = torch.cuda.Stream(self.device)
+            warm.wait_stream(main)
+            with torch.cuda.stream(warm):
+                for _ in range(2):  # lazy inits (cuBLAS handles, kernels) before capture
+                    if mode == "lookup":
+                        self._lookup(G)
+                    model.forward_step(step, cache, engram_rows=rows, capture=True)
+            main.wait_stream(warm)
+            torch.cuda.synchronize(self.device)
+            if mode == "lookup":
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.lookup_pool, stream=self._side):
+                    self._lookup(G)
+                entry["lookup"] = g
+            pre, post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(pre, pool=self.pool):
+                state = model.step_begin(step, cache, rows, True)
+                model.step_layers(state, cache, 0, cut)
+                if cut == len(model.model.layers):
+                    entry["logits"] = model.step_end(state, step, cache, False, True)
+            entry["pre"] = pre
+            if "logits" not in entry:
+                with torch.cuda.graph(post, pool=self.pool):
+                    model.step_layers(state, cache, cut, len(model.model.layers))
+                    entry["logits"] = model.step_end(state, step, cache, False, True)
+                entry["post"] = post
+            entry["state"] = state  # keeps the tensors the graphs share alive
         except Exception as exc:  # not capturable here: run eagerly from now on
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graphs disabled for decode steps (%s); decode steps run eagerly", self.failed)
             torch.cuda.synchronize(self.device)
             return None
-        self.graphs[(G, L)] = (graph, logits)
-        log.info("recorded a decode CUDA graph for %d sequences, context %d", G, L)
-        return graph, logits
+        self.graphs[(G, L, mode)] = entry
+        log.info("recorded decode CUDA graphs for %d sequences, context %d (%s rows, cut at layer %s)", G, L, mode, k)
+        return entry

@@ -119,6 +119,8 @@ class ModelRunner:
         elif self.tables is not None and self.backend.wants_staged_rows:
             self.prefetcher = Prefetcher(source.layout, self.tables, self.device, self.max_num_tokens)
             self.gather_calibration = self.prefetcher.calibrate()
+            if hasattr(self.backend, "lookup_policy"):
+                self.backend.lookup_policy = self.prefetcher.path_for
         self.load_s = time.perf_counter() - t0
 
     # -- per step ---------------------------------------------------------------------
@@ -136,7 +138,9 @@ class ModelRunner:
         The Engram rows are staged first (side stream), then the backend runs."""
         if step.num_tokens > self.max_num_tokens:
             raise EngramError(f"a step of {step.num_tokens} tokens exceeds max_num_tokens={self.max_num_tokens}")
-        rows = self.prefetcher.submit(step, cids, lookback) if self.prefetcher is not None else None
+        rows = None
+        if self.prefetcher is not None and not getattr(self.backend, "handles_lookup", lambda s: False)(step):
+            rows = self.prefetcher.submit(step, cids, lookback)
         return self.backend.execute(step, self.cache, rows)
 
     # -- what it is -----------------------------------------------------------------------

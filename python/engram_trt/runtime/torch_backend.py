@@ -44,6 +44,7 @@ class TorchBackend:
         ckpt.close()
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: Any = None
+        self.lookup_policy: Any = None  # the prefetcher's gather choice by row count (set by the runner)
         log.info("torch backend: weights of %s on %s (%s) in %.1f s", source.checkpoint, device, dtype,
                  time.perf_counter() - t0)
 
@@ -53,8 +54,14 @@ class TorchBackend:
         from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
         cache = self.model.new_cache(num_slots + 1, max_len)  # + a scratch slot for graph padding
-        self.graphs = DecodeGraphs(self.model, cache, num_slots, scratch_slot=num_slots)
+        self.graphs = DecodeGraphs(self.model, cache, num_slots, scratch_slot=num_slots, tables=self.model.tables,
+                                   lookup_policy=lambda n: self.lookup_policy(n) if self.lookup_policy else "host")
         return cache
+
+    def handles_lookup(self, step: Any) -> bool:
+        """True when this step's Engram rows are looked up inside the decode graphs (the
+        runtime then stages none)."""
+        return self.graphs is not None and self.graphs.handles_lookup(step)
 
     def execute(self, step: Any, cache: KVCache, rows: Any) -> torch.Tensor:
         if self.graphs is not None:
