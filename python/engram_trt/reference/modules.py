@@ -27,6 +27,9 @@ from engram_trt.reference.kv_cache import KVCache
 from engram_trt.runtime.step import PackedStep
 
 ATTENTION_IMPLS = ("loop", "sdpa")
+# Above this many bytes of keys per layer, a recorded decode graph reads the KV cache in
+# place (the attention kernel) rather than copying it out for SDPA.
+IN_PLACE_DECODE_BYTES = 8 << 20
 
 
 class RMSNorm(nn.Module):
@@ -67,6 +70,7 @@ class AttentionPlan:
     decode_mask: torch.Tensor | None  # [G, 1, 1, Lmax] bool: key allowed
     decode_max_len: int
     decode_slot_range: tuple[int, int] | None = None  # contiguous decode slots: read the cache in place
+    graph_safe: bool = False
 
     @classmethod
     def make(cls, step: PackedStep, device: torch.device, impl: str, uploader: Any = None,
@@ -89,7 +93,7 @@ class AttentionPlan:
             if not graph_safe and ds == list(range(ds[0], ds[0] + len(ds))):
                 slot_range = (ds[0], ds[0] + len(ds))
         return cls(step, arrays["token_slots"], arrays["positions"], impl, decode, prefill, d_slots, d_rows,
-                   d_mask, lmax, slot_range)
+                   d_mask, lmax, slot_range, graph_safe)
 
 
 class Attention(nn.Module):
@@ -153,6 +157,15 @@ class Attention(nn.Module):
         """All one-token sequences at once: ``q [G, H, hd]``; each reads its slot's keys
         up to its length (a key-padding mask over the longest)."""
         L = plan.decode_max_len
+        G = q.shape[0]
+        if plan.graph_safe and q.is_cuda and G * self.n_kv * L * self.head_dim * keys.element_size() > IN_PLACE_DECODE_BYTES:
+            # In a recorded graph the slots are data, so the SDPA path below would copy
+            # every sequence's keys; past a few MB per layer read them in place instead,
+            # with the kernel the EngramAttention plugin runs.
+            from engram_trt import attention_kernels
+
+            return attention_kernels.attention_packed(q.contiguous(), keys, values, plan.decode_slots.to(torch.int32),
+                                                      plan.positions.index_select(0, plan.decode_rows).to(torch.int32))
         if plan.decode_slot_range is not None:  # the usual case: slots handed out lowest first
             a, b = plan.decode_slot_range
             k, v = keys[a:b, :, :L], values[a:b, :, :L]  # views: the cache is read in place
