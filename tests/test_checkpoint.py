@@ -169,7 +169,12 @@ def test_write_is_deterministic(tmp_path: Path) -> None:
 def test_rewrite_removes_stale_shards(tmp_path: Path) -> None:
     out = tmp_path / "ck"
     write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
-    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=10**9)
+    before = {p.name: file_sha256(p) for p in out.iterdir()}
+    # Without overwrite=True an existing checkpoint is never written into.
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        write_checkpoint(out, SMALL_CONFIG, small_tensors(seed=1), None, max_shard_bytes=10**9)
+    assert {p.name: file_sha256(p) for p in out.iterdir()} == before
+    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=10**9, overwrite=True)
     assert [p.name for p in out.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
     Checkpoint.open(out)
 

@@ -101,9 +101,9 @@ def test_compressed_vocab_mismatch_fails(capsys, tmp_path):
     (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,,3"], "empty item"),
     (["hash", "{cfg}", "--pad-id", "426", "--ids", "5"], "--pad-id only applies with --compressed"),
     (["hash", "{cfg}"], "the following arguments are required: --ids"),
-    (["run", "{cfg}", "--max-new-tokens", "abc"], "invalid int value: 'abc'"),
+    (["run", "{cfg}", "--max-new-tokens", "abc"], "argument --max-new-tokens: 'abc' is not an integer"),
     (["run", "{cfg}", "--temperature", "nan"], "--temperature must be a number >= 0"),
-    (["demo-checkpoint", "{under_file}"], "Not a directory"),
+    (["demo-checkpoint", "{under_file}"], "is a file, not a folder"),
 ])
 def test_bad_input_is_one_line_without_traceback(tmp_path, golden_config, argv, needle):
     path, _ = golden_config
@@ -227,7 +227,7 @@ def test_declared_rows_must_match_tables(capsys, tmp_path):
 
 def test_build_refuses_bad_sizes_before_work(tmp_path):
     ck = _small_checkpoint(tmp_path / "ck")
-    for argv, needle in ((["--max-seq-len", "0"], "--max-seq-len must be a positive integer"),
+    for argv, needle in ((["--max-seq-len", "0"], "argument --max-seq-len: 0 is outside 1.."),
                          (["--max-seq-len", "64", "--max-num-tokens", "100"], "exceeds --max-seq-len 64"),
                          (["--plugin-lib", str(tmp_path / "nope.so")], "is not a file"),
                          (["--engram-config.bogus", "1"], "unknown field 'bogus'")):

@@ -13,6 +13,13 @@ absolute byte range of a tensor so a runtime can map or register the file itself
 FP8 tables are stored as ``F8_E4M3`` (``torch.float8_e4m3fn``) and their ue8m0 scales
 as ``F8_E8M0`` (``torch.float8_e8m0fnu``); safetensors >= 0.6 reads and writes both.
 Consumers that feed kernels view both as ``uint8`` (one byte per value).
+
+Every file is confined to the folder: an index entry that is absolute or climbs out
+(``../``) is refused, and so is a file that is a link leading out of the folder (a
+Hugging Face hub snapshot, whose files link to ``../../blobs``, is confined to its
+repository folder instead). Shard headers are held to the rules of the safetensors
+library itself (:func:`read_safetensors_header`), so a header that passes here never
+fails later inside the library.
 """
 
 from __future__ import annotations
@@ -25,14 +32,15 @@ import re
 import shutil
 import struct
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable, Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from engram_trt.config.model import EngramSpec, ModelConfig, load_config
-from engram_trt.errors import CheckpointError, EngramError
+from engram_trt.config.jsonfile import read_json_object
+from engram_trt.config.model import EngramSpec, ModelConfig, read_config_dict
+from engram_trt.errors import CheckpointError, ConfigError, EngramError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,10 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+# The safetensors library refuses headers over 100 MB (MAX_HEADER_SIZE); so do we,
+# before reading one into memory.
+MAX_HEADER_BYTES = 100_000_000
+_U64 = 2**64
 
 # safetensors dtype string -> (torch dtype, bytes per element)
 ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -140,52 +152,138 @@ class TensorInfo:
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     """The JSON header of a safetensors file and the absolute offset of its data area.
 
-    The format is: u64 little-endian header length N, N bytes of JSON, then the data;
-    each tensor's ``data_offsets`` are relative to byte ``8 + N``.
+    The format is: u64 little-endian header length N, N bytes of UTF-8 JSON (an
+    object), then the data; each tensor's ``data_offsets`` are relative to byte
+    ``8 + N``. Refused as the library refuses them: N over 100 MB, N past the file's
+    end, bytes that are not UTF-8, text not starting with ``{``, invalid JSON; and,
+    stricter than the library, a key given twice.
     """
+    damaged = f"{path}: the safetensors header is not valid JSON (the file is damaged; re-copy it)"
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) != 8:
                 raise CheckpointError(f"{path}: too short to be a safetensors file (re-write the checkpoint)")
             (n,) = struct.unpack("<Q", head)
-            size = path.stat().st_size
             if n > size - 8:
                 raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}: the file is truncated or not safetensors (re-copy it)")
-            header = json.loads(f.read(n))
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header of {n} bytes is larger than safetensors allows ({MAX_HEADER_BYTES}); the file is damaged or not safetensors (re-copy it)")
+            raw = f.read(n)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror}); check the file's permissions") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON (the file is damaged; re-copy it)") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: the safetensors header is not UTF-8 (the file is damaged; re-copy it)") from None
+    if not text.startswith("{"):
+        raise CheckpointError(damaged)
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise CheckpointError(f"{path}: the safetensors header names a key twice (the file is damaged; re-copy it)")
+        return out
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")  # NaN / Infinity: the library refuses them
+
+    try:
+        header = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+    except (ValueError, RecursionError):
+        raise CheckpointError(damaged) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(damaged)
     return header, 8 + n
 
 
+def _is_u64(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _U64
+
+
 def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor's place in a shard, checked as the safetensors library checks it:
+    known dtypes, shape x itemsize equal to the byte span, the spans in offset order
+    tiling the data area from 0 to the file's end with no gap or overlap."""
     header, base = read_safetensors_header(path)
     size = path.stat().st_size
+    meta = header.get("__metadata__")
+    if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: the header's __metadata__ must map names to strings (the file is damaged; re-copy it)")
     out: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        damaged = f"{path}: the header entry of tensor '{name}' is malformed (the file is damaged; re-copy it)"
-        if not isinstance(meta, dict):
+        shown = name if len(name) <= 120 else name[:117] + "..."
+        damaged = f"{path}: the header entry of tensor '{shown}' is malformed (the file is damaged; re-copy it)"
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CheckpointError(f"{path}: a tensor name in the header is not valid UTF-8 (the file is damaged; re-copy it)") from None
+        if not isinstance(meta, dict) or set(meta) != {"dtype", "shape", "data_offsets"}:
             raise CheckpointError(damaged)
         st_dtype = meta.get("dtype")
         if st_dtype not in ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor '{name}' has dtype {st_dtype!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})")
+            raise CheckpointError(f"{path}: tensor '{shown}' has dtype {str(st_dtype)[:40]!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})")
         offsets, shape_list = meta.get("data_offsets"), meta.get("shape")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not isinstance(shape_list, list)
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in offsets + shape_list)):
+                or not all(_is_u64(x) for x in offsets + shape_list)):
             raise CheckpointError(damaged)
         begin, end = offsets
         shape = tuple(shape_list)
-        want = int(np.prod(shape, dtype=np.int64)) * ST_DTYPES[st_dtype][1]
+        want = ST_DTYPES[st_dtype][1]
+        for dim in shape:
+            want *= dim
+        if want >= _U64:
+            raise CheckpointError(f"{path}: tensor '{shown}' declares shape {list(shape)}, more bytes than a file can hold (the file is damaged; re-copy it)")
         if end < begin or end - begin != want:
-            raise CheckpointError(f"{path}: tensor '{name}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)")
+            raise CheckpointError(f"{path}: tensor '{shown}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)")
         if base + end > size:
-            raise CheckpointError(f"{path}: tensor '{name}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)")
+            raise CheckpointError(f"{path}: tensor '{shown}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)")
         out[name] = TensorInfo(name, path, st_dtype, shape, base + begin, end - begin)
+        spans.append((begin, end, shown))
+    at = 0
+    for begin, end, shown in sorted(spans):
+        if begin != at:
+            raise CheckpointError(f"{path}: tensor '{shown}' starts at data byte {begin}, not {at} where the previous tensor ends "
+                                  f"(safetensors tensors tile the data with no gap or overlap; the file is damaged, re-copy it)")
+        at = end
+    if base + at != size:
+        raise CheckpointError(f"{path}: the tensors end at byte {base + at} but the file has {size} bytes (safetensors files end with "
+                              f"their last tensor; the file is damaged or was appended to, re-copy it)")
     return out
+
+
+def checkpoint_boundary(root: Path) -> Path:
+    """The folder a checkpoint's files must resolve into: the folder itself or, for a
+    Hugging Face hub snapshot (``models--ORG--NAME/snapshots/REV``, whose files are
+    links to ``../../blobs/``), the repository folder that holds the blobs."""
+    real = Path(root).resolve()
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        return real.parent.parent
+    return real
+
+
+def confined_file(root: Path, rel: Any, what: str) -> Path:
+    """``root / rel`` for a file name a checkpoint names, refused when the name is
+    absolute, climbs out (``..``), or the file is a link that leads out of the folder:
+    a checkpoint reads only its own files."""
+    if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel:
+        raise CheckpointError(f"{what}: {str(rel)[:80]!r} is not a file name inside the checkpoint folder (fix the entry)")
+    pr = PurePosixPath(rel)
+    if pr.is_absolute() or ".." in pr.parts or rel.startswith("~"):
+        raise CheckpointError(f"{what}: '{rel[:120]}' points outside the checkpoint folder '{root}' (entries must be file names inside it; fix the entry)")
+    p = Path(root) / rel
+    boundary = checkpoint_boundary(root)
+    try:
+        real = p.resolve()
+    except (OSError, RuntimeError):  # a link loop
+        raise CheckpointError(f"{what}: '{p}' is a link that cannot be resolved (a loop?); replace it with the file") from None
+    if real != boundary and boundary not in real.parents:
+        raise CheckpointError(f"{what}: '{p}' is a link that leads out of the checkpoint folder (to '{real}'); copy the file into the folder, or open the folder it lives in")
+    return p
 
 
 class Checkpoint:
@@ -216,8 +314,9 @@ class Checkpoint:
         cfg_file = root / CONFIG_NAME
         if not cfg_file.is_file():
             raise CheckpointError(f"checkpoint '{root}' has no {CONFIG_NAME} (copy the model's config.json into the folder)")
-        config = load_config(cfg_file)
-        config_dict = json.loads(cfg_file.read_text())
+        confined_file(root, CONFIG_NAME, CONFIG_NAME)
+        config_dict, src = read_config_dict(cfg_file)
+        config = ModelConfig.from_dict(config_dict, src)
         files = cls._weight_files(root)
         infos: dict[str, TensorInfo] = {}
         for shard, expected in files.items():
@@ -232,6 +331,8 @@ class Checkpoint:
                     raise CheckpointError(f"tensor '{name}' appears in both '{infos[name].file.name}' and '{shard.name}' (keep one copy; fix {INDEX_NAME})")
                 infos[name] = info
         tok = root / TOKENIZER_NAME
+        if tok.is_file():
+            confined_file(root, TOKENIZER_NAME, TOKENIZER_NAME)
         log.debug("opened checkpoint %s: %d tensors in %d files", root, len(infos), len(files))
         return cls(root, config, config_dict, infos, tok if tok.is_file() else None)
 
@@ -240,23 +341,26 @@ class Checkpoint:
         """Shard path -> the tensor names the index assigns to it (None: no index)."""
         index = root / INDEX_NAME
         if index.is_file():
+            confined_file(root, INDEX_NAME, INDEX_NAME)
             try:
-                data = json.loads(index.read_text())
-                weight_map = data["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object); re-copy it") from None
-            if not isinstance(weight_map, dict) or not weight_map:
+                data = read_json_object(index, "safetensors index")
+            except ConfigError as exc:
+                raise CheckpointError(f"{exc} (re-copy {INDEX_NAME})") from None
+            weight_map = data.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object); re-copy it")
+            if not weight_map:
                 raise CheckpointError(f"{index}: 'weight_map' is empty (expected tensor name -> shard file)")
             by_file: dict[Path, set[str]] = {}
             for name, fname in weight_map.items():
-                by_file.setdefault(root / str(fname), set()).add(name)
+                by_file.setdefault(confined_file(root, fname, f"{index.name} entry for '{name[:80]}'"), set()).add(name)
             for f in sorted(by_file, key=lambda p: natural_key(p.name)):
                 if not f.is_file():
                     raise CheckpointError(f"checkpoint '{root}' is missing shard '{f.name}' named in {INDEX_NAME} ({len(by_file[f])} tensors live there): copy the missing file into the folder or re-download the checkpoint")
             return dict(by_file)
         single = root / SINGLE_NAME
         if single.is_file():
-            return {single: None}
+            return {confined_file(root, SINGLE_NAME, SINGLE_NAME): None}
         stray = sorted(root.glob("*.safetensors"))
         if stray:
             raise CheckpointError(f"checkpoint '{root}' has {stray[0].name} but no {INDEX_NAME} (add the index that maps tensor names to shards)")
@@ -303,7 +407,10 @@ class Checkpoint:
 
         h = self._handles.get(file)
         if h is None:
-            h = safe_open(str(file), framework="pt", device="cpu")
+            try:
+                h = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:  # the library's own refusal (SafetensorError, OSError)
+                raise CheckpointError(f"{file}: the safetensors library cannot open it ({str(exc).splitlines()[0][:200]}); the file is damaged, re-copy it") from None
             self._handles[file] = h
         return h
 
@@ -374,22 +481,39 @@ def _tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+CHECKPOINT_FILE_NAMES = (CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, INDEX_NAME, SINGLE_NAME)
+
+
+def is_checkpoint_file_name(name: str) -> bool:
+    """A name that :func:`write_checkpoint` writes (or a reader reads as weights)."""
+    return name in CHECKPOINT_FILE_NAMES or bool(SHARD_RE.match(name))
+
+
 def write_checkpoint(out_dir: str | Path, config_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                     tokenizer_json: str | Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                     tokenizer_json: str | Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                     overwrite: bool = False) -> Path:
     """Write an HF-style checkpoint folder; the same inputs give byte-identical files.
 
     Tensors are ordered by :func:`natural_key` and packed greedily into shards of at
     most ``max_shard_bytes`` (a single larger tensor gets a shard of its own); the
-    index lists every tensor. Older ``model-*-of-*.safetensors`` files in the folder
-    that the new index does not name are removed, so a re-write never leaves stale
-    shards for a reader to trip on. ``tokenizer_config.json`` beside the tokenizer is
-    copied too (it names the pad/eos tokens).
+    index lists every tensor. ``tokenizer_config.json`` beside the tokenizer is copied
+    too (it names the pad/eos tokens).
+
+    A folder that already holds checkpoint files is refused unless ``overwrite``: then
+    its files are replaced and older ``model-*-of-*.safetensors`` that the new index
+    does not name are removed, so a re-write leaves no stale shard for a reader to trip
+    on. Callers that must never expose a half-written folder (the demo) write into a
+    fresh temporary folder and rename it into place (engram_trt.atomic).
     """
     from safetensors.torch import save_file
 
     if max_shard_bytes < 1:
         raise EngramError(f"max_shard_bytes must be positive (got {max_shard_bytes})")
     out = Path(out_dir)
+    if out.is_dir() and not overwrite:
+        present = sorted(p.name for p in out.iterdir() if is_checkpoint_file_name(p.name))
+        if present:
+            raise CheckpointError(f"'{out}' already holds a checkpoint ({present[0]}, ...): writing into it would replace its files; choose an empty folder (or pass overwrite=True)")
     out.mkdir(parents=True, exist_ok=True)
     ModelConfig.from_dict(dict(config_dict), source="config to write")  # refuse a bad config before writing
     names = sorted(tensors, key=natural_key)
@@ -534,13 +658,3 @@ def require_valid(ckpt: Checkpoint, layout: Any = None) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
         raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
-
-
-def iter_engram_names(spec: EngramSpec) -> Iterable[str]:
-    """All Engram tensor names a spec implies, in layer order."""
-    for lid in spec.layer_ids:
-        names = engram_tensor_names(lid, spec.prefix)
-        for key in ("table", "scale", "wkv", "q_weight", "k_weight"):
-            if key == "scale" and spec.table_dtype != "fp8":
-                continue
-            yield names[key]

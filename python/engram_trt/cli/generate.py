@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, check_generation_args, int_arg, resolve_device
 from engram_trt.cli.output import print_json
+from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
 from engram_trt.errors import EngramError
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int_arg(1, INT32_MAX), default=32, metavar="N",
+                   help="tokens to generate (default: %(default)s; prompt plus new tokens stay within max_position_embeddings)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, finite, 0..1e4; 0 (or below 1e-5) = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    p.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, metavar="N", help="sampling seed, 0..2^63-1 (default: %(default)s)")
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                   help="compute dtype of the reference model (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default=None,
+                   help=f"compute dtype of the reference model: fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA); "
+                        f"every subcommand takes the spellings {SPELLINGS}")
     p.add_argument("--table-storage", choices=("memory", "device", "pinned", "shared", "file"), default="memory",
                    help="where the Engram tables live: 'memory' (host RAM), 'device' (GPU memory), 'pinned' (host memory the "
                         "GPU reads through UVA), 'shared' (one /dev/shm copy for every process), 'file' (rows read from the "
@@ -30,26 +34,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_generation_args(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise EngramError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise EngramError(f"--temperature must be a number >= 0 (got {args.temperature})")
-    if not 0 < args.top_p <= 1:
-        raise EngramError(f"--top-p must be in (0, 1] (got {args.top_p})")
+    check_generation_args(args)
 
 
 def _resolve_device(name: str) -> Any:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise EngramError(f"--device: '{name}' is not a device (expected cpu, cuda, cuda:N or auto)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EngramError(f"--device {name}: no CUDA device is available here; use --device cpu")
-    return dev
+    return resolve_device(name)
 
 
 def generate_text(checkpoint: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -62,7 +51,7 @@ def generate_text(checkpoint: str, args: argparse.Namespace) -> dict[str, Any]:
 
     _check_generation_args(args)
     device = _resolve_device(args.device)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype or "", None)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype or "", None)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     t0 = time.perf_counter()
@@ -109,9 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
-    from engram_trt.checkpoint.demo import make_demo_checkpoint
+    from engram_trt.checkpoint.demo import write_demo_checkpoint
 
-    out = make_demo_checkpoint(Path(args.out), seed=args.seed)
+    out = write_demo_checkpoint(Path(args.out), seed=args.seed, force=args.force)
     print(f"wrote the demo checkpoint to {out} (random weights: generated text is meaningless)")
     return 0
 
@@ -127,12 +116,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from engram_trt.checkpoint.demo import ensure_demo_checkpoint
     from engram_trt.paths import cache_root
 
+    check_generation_args(args)  # before the checkpoint is made or the engine built
+    resolve_device(args.device)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
     ckpt_dir = ensure_demo_checkpoint(seed=args.weights_seed)
     say(f"checkpoint: {ckpt_dir}")
     engine_dir = Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-engine"
-    built = build(ckpt_dir, engine_dir, progress=not args.json)
+    built = build(ckpt_dir, engine_dir, progress=not args.json, force=args.force)
     say(built.summary())
     res = generate_text(str(ckpt_dir), args)
     res["engine"] = built.to_json()
