@@ -306,7 +306,7 @@ def previous_outputs(out: Path) -> set[str] | None:
     return names
 
 
-def _check_output_is_ours(out: Path, force: bool) -> set[str]:
+def _check_output_is_ours(out: Path, force: bool, warn: bool = True) -> set[str]:
     """The names in ``out`` that the new build may replace. The folder is ours when new,
     empty or holding an earlier build's manifest: then the files that build wrote are
     replaced. A file the new build would write that no earlier build wrote there (a
@@ -329,7 +329,7 @@ def _check_output_is_ours(out: Path, force: bool) -> set[str]:
             raise EngramError(f"--output '{out}': {clash[0]} there was not written by the earlier build, and this build writes that name; "
                               f"move it away, or {fix}")
     replaced = [n for n in names if n in OUTPUT_NAMES]
-    if force and replaced:
+    if force and replaced and warn:
         log.warning("--force: replacing %s in %s", ", ".join(replaced), out)
     return set(replaced)
 
@@ -373,6 +373,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     out, repack_dir = _output_paths(output_dir, ckpt, repack_tables_dir)
     if table_block_bytes < 1:
         raise EngramError(f"table_block_bytes must be positive (got {table_block_bytes})")
+    _check_output_is_ours(out, force, warn=False)  # refused before anything is created (checked again under the lock)
 
     with ExitStack() as stack:
         for target in sorted({out} | ({repack_dir} if repack_dir else set())):

@@ -233,10 +233,15 @@ def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(damaged)
         begin, end = offsets
         shape = tuple(shape_list)
-        want = ST_DTYPES[st_dtype][1]
+        # As the library counts: elements dim by dim, then bits, each step within u64
+        # (a shape [2^62, 2^62, 0] holds no bytes but overflows on the way).
+        count, overflow = 1, False
         for dim in shape:
-            want *= dim
-        if want >= _U64:
+            count *= dim
+            overflow |= count >= _U64
+        overflow |= count * ST_DTYPES[st_dtype][1] * 8 >= _U64
+        want = count * ST_DTYPES[st_dtype][1]
+        if overflow:
             raise CheckpointError(f"{path}: tensor '{shown}' declares shape {list(shape)}, more bytes than a file can hold (the file is damaged; re-copy it)")
         if end < begin or end - begin != want:
             raise CheckpointError(f"{path}: tensor '{shown}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)")

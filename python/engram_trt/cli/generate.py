@@ -91,7 +91,19 @@ def _print_generation(res: dict[str, Any]) -> None:
           f"(prefill {res['prefill_s']} s, load {res['load_s']} s)")
 
 
+def _check_against_config(checkpoint: str, args: argparse.Namespace) -> None:
+    """What the options must fit in the model, from config.json alone (no weights read)."""
+    from engram_trt.config.model import load_config
+
+    check_generation_args(args)
+    cfg = load_config(Path(checkpoint).expanduser()) if (Path(checkpoint).expanduser() / "config.json").is_file() else None
+    if cfg is not None and args.max_new_tokens >= cfg.max_position_embeddings:
+        raise EngramError(f"--max-new-tokens {args.max_new_tokens} does not fit the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings} (with at least one prompt token); ask for fewer tokens")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    _check_against_config(args.checkpoint, args)  # before the weights are loaded
     res = generate_text(args.checkpoint, args)
     print_json(res) if args.json else _print_generation(res)
     return 0

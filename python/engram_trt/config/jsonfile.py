@@ -71,7 +71,8 @@ def parse_json_text(text: str | bytes, where: str, *, max_depth: int = MAX_DEPTH
     except RecursionError:
         raise ConfigError(f"{where}: JSON nested too deeply (more than {max_depth} levels); this is not a config file") from None
     except ValueError as exc:  # NaN/Infinity, an integer of thousands of digits
-        raise ConfigError(f"{where}: not valid JSON ({str(exc).splitlines()[0]})") from None
+        reason = "an integer of thousands of digits" if "digits" in str(exc) else str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: not valid JSON ({reason})") from None
     if _depth(value, max_depth) > max_depth:
         raise ConfigError(f"{where}: JSON nested too deeply (more than {max_depth} levels); this is not a config file")
     return value
