@@ -92,7 +92,7 @@ def demo_dir():
 
 
 @pytest.fixture(scope="session")
-def plugin_lib(tmp_path_factory) -> Path:
+def plugin_lib(tmp_path_factory):
     """libengram_trt_plugins.so: the one kernels.library_path() finds, else one built
     now (one architecture, to stay quick) and exported through ENGRAM_TRT_PLUGIN_LIB."""
     import shutil
@@ -102,7 +102,8 @@ def plugin_lib(tmp_path_factory) -> Path:
     from engram_trt.errors import EngramError
 
     try:
-        return kernels.library_path()
+        yield kernels.library_path()
+        return
     except EngramError:
         pass
     if shutil.which("cmake") is None or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
@@ -112,8 +113,9 @@ def plugin_lib(tmp_path_factory) -> Path:
                    capture_output=True)
     subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
     path = build / kernels.LIBRARY_NAME
-    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(path)
-    return path
+    with pytest.MonkeyPatch.context() as mp:  # for the session: undone when the session ends
+        mp.setenv("ENGRAM_TRT_PLUGIN_LIB", str(path))
+        yield path
 
 
 def word_tokenizer(path: Path, words: int) -> Path:
