@@ -343,3 +343,42 @@ def test_killed_demo_leaves_no_temporary_after_the_next_run(tmp_path: Path, demo
     shutil.copytree(demo_dir, cache / "demo-checkpoint", copy_function=os.link)
     assert ensure_demo_checkpoint(cache / "demo-checkpoint") == cache / "demo-checkpoint"
     assert temps_beside(cache / "demo-checkpoint") == []
+
+
+def _namespaces_work() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
+                            "mount -t tmpfs -o size=64k tmpfs /tmp"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _namespaces_work(), reason="user and mount namespaces (unshare -rm, to mount a small tmpfs) are not available here")
+def test_full_disk_mid_build_is_one_line_and_leaves_the_old_folder(engine: Path, tiny_ckpt: Path, tmp_path: Path) -> None:
+    """A real full disk: the engine folder on a 192 KiB tmpfs (in a private mount
+    namespace) that holds the old build but not a second one. The build fails with
+    ENOSPC in one line; the old folder is whole and no temporary is left."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (engine / "NOTES.txt").unlink()
+    script = f"""
+set -u
+mount -t tmpfs -o size=192k tmpfs {mnt}
+cp -r {engine} {mnt}/eng
+(cd {mnt}/eng && sha256sum * > {out}/before.txt)
+{sys.executable} -m engram_trt build {tiny_ckpt} -o {mnt}/eng --no-engine > /dev/null 2> {out}/stderr.txt
+echo $? > {out}/rc.txt
+(cd {mnt}/eng && sha256sum * > {out}/after.txt)
+ls -A {mnt} > {out}/listing.txt
+"""
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env_for_subprocess(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    err = (out / "stderr.txt").read_text()
+    assert (out / "rc.txt").read_text().strip() == "2", err
+    assert err.startswith("engram-trt: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "No space left on device" in err and "the disk is full" in err, err
+    assert (out / "before.txt").read_text() == (out / "after.txt").read_text()
+    assert (out / "listing.txt").read_text().split() == [".eng.lock", "eng"]

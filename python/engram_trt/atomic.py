@@ -247,20 +247,6 @@ def replace_file(new: Path, target: Path) -> None:
     Path(str(new) + OWNER_SUFFIX).unlink(missing_ok=True)
 
 
-def write_file_atomic(target: Path, data: bytes | str) -> Path:
-    """Write a small file under a temporary name, then rename it into place."""
-    target = Path(target)
-    tmp = temp_sibling(target, "tmp", make_dir=False)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        replace_file(tmp, target)
-    except BaseException:
-        remove_temp(tmp)
-        raise
-    return target
-
-
 def carry_over(old: Path, new: Path, keep: Callable[[str], bool]) -> list[str]:
     """Hard-link (or copy, across filesystems) every entry of folder ``old`` for which
     ``keep(name)`` holds into ``new``, so replacing ``old`` by ``new`` loses none of
