@@ -267,7 +267,7 @@ def _file_hashes(folder: Path) -> dict[str, Any]:
         if f.name == STAMP_NAME or not f.is_file():
             continue
         size = f.stat().st_size
-        _, blocks = hash_region(f, 0, size, STAMP_BLOCK_BYTES)
+        _, blocks = hash_region(f, 0, size, STAMP_BLOCK_BYTES, whole=False)
         files[f.name] = {"bytes": size, "block_hashes": list(blocks)}
     return files
 

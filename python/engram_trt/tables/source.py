@@ -154,13 +154,14 @@ def checkpoint_table_refs(ckpt: Any) -> list[TableRef]:
 
 
 def hash_region(path: str | Path, offset: int, nbytes: int, block_bytes: int = BLOCK_BYTES,
-                progress: Any = None) -> tuple[str, tuple[str, ...]]:
+                progress: Any = None, whole: bool = True) -> tuple[str | None, tuple[str, ...]]:
     """``(sha256 of the region, sha256 of each block_bytes block)`` in one read: the block
     hasher runs on a second thread (hashlib releases the GIL), so recording the sampled
-    check's hashes costs no extra pass over a table."""
+    check's hashes costs no extra pass over a table. ``whole=False``: blocks only (the
+    first item is None)."""
     if block_bytes < 1:
         raise ValueError(f"block_bytes must be positive (got {block_bytes})")
-    full = hashlib.sha256()
+    full = hashlib.sha256() if whole else None
     blocks: list[str] = []
     left = int(nbytes)
     with open(path, "rb") as f, ThreadPoolExecutor(max_workers=1) as pool:
@@ -172,15 +173,18 @@ def hash_region(path: str | Path, offset: int, nbytes: int, block_bytes: int = B
                 chunk = f.read(min(HASH_CHUNK, in_block))
                 if not chunk:
                     raise EngramError(f"{path}: ended {left} bytes before the tensor's end (the file is truncated; re-copy it)")
-                pending = pool.submit(block.update, chunk)
-                full.update(chunk)
-                pending.result()
+                if full is None:
+                    block.update(chunk)
+                else:
+                    pending = pool.submit(block.update, chunk)
+                    full.update(chunk)
+                    pending.result()
                 in_block -= len(chunk)
                 left -= len(chunk)
                 if progress is not None:
                     progress.update(len(chunk))
             blocks.append(block.hexdigest())
-    return full.hexdigest(), tuple(blocks)
+    return (None if full is None else full.hexdigest()), tuple(blocks)
 
 
 def hash_tables(refs: Sequence[TableRef], progress: bool = True, block_bytes: int = BLOCK_BYTES) -> list[TableRef]:
