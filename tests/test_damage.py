@@ -4,7 +4,6 @@ cut short, a damaged demo cache (config, tokenizer, tables, shards)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
