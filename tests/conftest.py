@@ -92,7 +92,7 @@ def demo_dir():
 
 
 @pytest.fixture(scope="session")
-def plugin_lib(tmp_path_factory) -> Path:
+def plugin_lib(tmp_path_factory):
     """libengram_trt_plugins.so: the one kernels.library_path() finds, else one built
     now (one architecture, to stay quick) and exported through ENGRAM_TRT_PLUGIN_LIB."""
     import shutil
@@ -102,7 +102,8 @@ def plugin_lib(tmp_path_factory) -> Path:
     from engram_trt.errors import EngramError
 
     try:
-        return kernels.library_path()
+        yield kernels.library_path()
+        return
     except EngramError:
         pass
     if shutil.which("cmake") is None or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
@@ -112,8 +113,66 @@ def plugin_lib(tmp_path_factory) -> Path:
                    capture_output=True)
     subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
     path = build / kernels.LIBRARY_NAME
-    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(path)
+    with pytest.MonkeyPatch.context() as mp:  # for the session: undone when the session ends
+        mp.setenv("ENGRAM_TRT_PLUGIN_LIB", str(path))
+        yield path
+
+
+def word_tokenizer(path: Path, words: int) -> Path:
+    """A tiny word-level tokenizer.json (ids 0..words-1; every word its own compressed id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
     return path
+
+
+TINY_CONFIG = dict(
+    hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    num_hidden_layers=2, vocab_size=512, hc_mult=2, tie_word_embeddings=True, max_position_embeddings=256,
+    engram_layer_ids=[1], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
+    engram_vocab_size=3000, engram_compressed_vocab_size=512, engram_pad_token_id=0,
+)
+
+
+def make_tiny_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    """A checkpoint that builds in about a second: a 512-word tokenizer, a two-layer
+    backbone, one Engram layer of ~12k FP8 rows (384 KiB of table)."""
+    import torch
+
+    from engram_trt.checkpoint.checkpoint import write_checkpoint
+    from engram_trt.checkpoint.demo import random_weights
+    from engram_trt.config.model import ModelConfig
+    from engram_trt.engram.layout import EngramLayout
+
+    cfg = dict(TINY_CONFIG, **overrides)
+    mc = ModelConfig.from_dict(cfg)
+    rows = [int(r) for r in EngramLayout.from_spec(mc.engram, 0).table_rows]
+    path.mkdir(parents=True, exist_ok=True)
+    tok = word_tokenizer(path.parent / f".{path.name}-tokenizer.json", 512)
+    weights = random_weights(mc, torch.Generator().manual_seed(seed), table_rows=rows)
+    out = write_checkpoint(path, cfg, weights, tok, max_shard_bytes=1 << 30)
+    tok.unlink()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """One tiny checkpoint for the session (read-only: copy it before changing it)."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ck")
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under ``folder`` (links as their target text)."""
+    out: dict[str, str] = {}
+    for p in sorted(Path(folder).rglob("*")):
+        rel = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[rel] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[rel] = file_sha256(p)
+    return out
 
 
 # A small engram-llama with the DeepSeek-V4 tokenizer (real text in, real tokens out),

@@ -96,12 +96,9 @@ def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
 
 
 @pytest.mark.skipif(not trt_compat.module_available("tensorrt"), reason=trt_compat.NOT_INSTALLED_REASON)
-def test_full_tensorrt_builds_demo(demo_dir: Path, plugin_lib: Path, tmp_path: Path) -> None:
-    os.environ["ENGRAM_TRT_FLAVOUR"] = "tensorrt"
-    try:
-        r = build(demo_dir, tmp_path / "eng", plugin_library=plugin_lib, progress=False)
-    finally:
-        os.environ.pop("ENGRAM_TRT_FLAVOUR")
+def test_full_tensorrt_builds_demo(demo_dir: Path, plugin_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", "tensorrt")
+    r = build(demo_dir, tmp_path / "eng", plugin_library=plugin_lib, progress=False)
     assert r.trt["flavour"] == "tensorrt" and r.engine_path is not None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,12 @@ def test_write_is_deterministic(tmp_path: Path) -> None:
 def test_rewrite_removes_stale_shards(tmp_path: Path) -> None:
     out = tmp_path / "ck"
     write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
-    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=10**9)
+    before = {p.name: file_sha256(p) for p in out.iterdir()}
+    # Without overwrite=True an existing checkpoint is never written into.
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        write_checkpoint(out, SMALL_CONFIG, small_tensors(seed=1), None, max_shard_bytes=10**9)
+    assert {p.name: file_sha256(p) for p in out.iterdir()} == before
+    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=10**9, overwrite=True)
     assert [p.name for p in out.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
     Checkpoint.open(out)
 
@@ -310,7 +316,8 @@ def test_demo_table_bytes_do_not_depend_on_threads() -> None:
     assert not np.array_equal(demo_fp8_table_chunk(7, 0, 2, 123, 64)[0], q)  # layers draw apart
 
 
-def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, demo_dir: Path) -> None:
+def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, demo_dir: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
     import os
     import shutil
 
@@ -326,14 +333,23 @@ def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest
     assert ensure_demo_checkpoint() == target
     assert (target / STAMP_NAME).stat().st_mtime_ns == stamp_mtime
     assert shard.stat().st_mtime_ns == shard_mtime
-    # A damaged cache (missing shard) is remade rather than trusted; the remade one
-    # is byte-identical, and the suite's own copy is untouched.
+    # A damaged cache (a missing shard, and a truncated tokenizer.json, which made every
+    # later demo fail) is remade with a warning rather than trusted; the remade one is
+    # byte-identical, and the suite's own copy is untouched. (Each kind of damage alone
+    # is found by tests/test_damage.py; this is the one full remake.)
     shard.unlink()
-    assert ensure_demo_checkpoint() == target
+    tok_bytes = (target / "tokenizer.json").read_bytes()
+    (target / "tokenizer.json").unlink()  # break the hard link before writing
+    (target / "tokenizer.json").write_bytes(tok_bytes[:1000])
+    with caplog.at_level(logging.WARNING, logger="engram_trt"):
+        assert ensure_demo_checkpoint() == target
+    assert any("is damaged" in r.getMessage() and shard.name in r.getMessage() and "rebuilding" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
     Checkpoint.open(target)
-    assert file_sha256(target / shard.name) == file_sha256(demo_dir / shard.name)
-    assert not list(target.parent.glob(".demo-checkpoint.tmp-*"))
-    assert (demo_dir / shard.name).is_file()
+    for name in (shard.name, "tokenizer.json", "config.json"):
+        assert file_sha256(target / name) == file_sha256(demo_dir / name), name
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(".demo-checkpoint.") and not p.name.endswith(".lock")]
+    assert (demo_dir / shard.name).is_file() and (demo_dir / "tokenizer.json").read_bytes() == tok_bytes
     # A stamp for another generator version is not trusted either.
     stamp = json.loads((target / STAMP_NAME).read_text())
     (target / STAMP_NAME).write_text(json.dumps(dict(stamp, generator_version=stamp["generator_version"] - 1)))

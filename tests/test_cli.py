@@ -13,6 +13,7 @@ import pytest
 
 from engram_trt.cli.main import main
 from engram_trt.engram.tokenizer import default_tokenizer_json
+from engram_trt.errors import EngramError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,9 +102,9 @@ def test_compressed_vocab_mismatch_fails(capsys, tmp_path):
     (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,,3"], "empty item"),
     (["hash", "{cfg}", "--pad-id", "426", "--ids", "5"], "--pad-id only applies with --compressed"),
     (["hash", "{cfg}"], "the following arguments are required: --ids"),
-    (["run", "{cfg}", "--max-new-tokens", "abc"], "invalid int value: 'abc'"),
+    (["run", "{cfg}", "--max-new-tokens", "abc"], "argument --max-new-tokens: 'abc' is not an integer"),
     (["run", "{cfg}", "--temperature", "nan"], "--temperature must be a number >= 0"),
-    (["demo-checkpoint", "{under_file}"], "Not a directory"),
+    (["demo-checkpoint", "{under_file}"], "is a file, not a folder"),
 ])
 def test_bad_input_is_one_line_without_traceback(tmp_path, golden_config, argv, needle):
     path, _ = golden_config
@@ -229,8 +230,8 @@ def test_declared_rows_must_match_tables(capsys, tmp_path):
 
 def test_build_refuses_bad_sizes_before_work(tmp_path):
     ck = _small_checkpoint(tmp_path / "ck")
-    for argv, needle in ((["--max-seq-len", "0"], "--max-seq-len must be a positive integer"),
-                         (["--max-num-tokens", "0"], "--max-num-tokens must be a positive integer"),
+    for argv, needle in ((["--max-seq-len", "0"], "argument --max-seq-len: 0 is outside 1.."),
+                         (["--max-num-tokens", "0"], "argument --max-num-tokens: 0 is outside 1.."),
                          (["--max-seq-len", "100000"], "exceeds the model's max_position_embeddings"),
                          (["--plugin-lib", str(tmp_path / "nope.so")], "is not a file"),
                          (["--engram-config.bogus", "1"], "unknown field 'bogus'")):
@@ -257,3 +258,53 @@ def test_demo_end_to_end_json(demo_dir):
         assert eng["tables_to_engine_ratio"] == eng["tables_bytes"] / eng["engine_bytes"] >= 100
     else:
         assert "no TensorRT builder" in res["engine_note"]
+
+
+def test_inspect_lists_a_missing_engram_head_dim(capsys, tmp_path):
+    """inspect's contract is to list problems, not stop at the first: a config without
+    engram_head_dim is one problem among the report (exit 1), not an error exit."""
+    ck = _small_checkpoint(tmp_path / "ck")
+    cfg = json.loads((ck / "config.json").read_text())
+    del cfg["engram_head_dim"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run_cli(capsys, "inspect", str(ck), "--json")
+    assert code == 1, err
+    rep = json.loads(out)
+    assert any("engram_head_dim" in p for p in rep["problems"]), rep["problems"]
+    assert rep["layers"] and rep["compressed_vocab"]["built"] == 99092  # the rest is still reported
+
+
+def test_build_check_phase_times_the_validation(tmp_path, monkeypatch, tiny_ckpt):
+    """The summary's "check" phase is where the checkpoint is validated (it used to run
+    inside "vocab", leaving "check" timing nothing)."""
+    import time
+
+    from engram_trt.builder import build as build_mod
+
+    real = build_mod.require_valid
+
+    def slow(*a, **k):
+        time.sleep(0.3)
+        return real(*a, **k)
+
+    monkeypatch.setattr(build_mod, "require_valid", slow)
+    r = build_mod.build(tiny_ckpt, tmp_path / "eng", build_engine_if_possible=False, progress=False)
+    assert r.phase_seconds["check"] >= 0.3 > r.phase_seconds["vocab"]
+
+
+def test_one_dtype_vocabulary(capsys, tmp_path, tiny_ckpt):
+    """Every subcommand takes every spelling: build bfloat16 / float16 and run bf16 / fp32."""
+    from engram_trt.builder.build import build
+
+    for spelling, want in (("bfloat16", "bf16"), ("float16", "fp16"), ("BF16", "bf16")):
+        code, out, err = run_cli(capsys, "build", str(tiny_ckpt), "-o", str(tmp_path / f"e-{spelling}"), "--no-engine",
+                                 "--dtype", spelling, "--json")
+        assert code == 0, err
+        assert json.loads((tmp_path / f"e-{spelling}" / "manifest.json").read_text())["dtype"] == want
+    for spelling, want in (("bf16", "bfloat16"), ("fp32", "float32"), ("float32", "float32")):
+        code, out, err = run_cli(capsys, "run", str(tiny_ckpt), "--prompt", "w1 w2", "--max-new-tokens", "1",
+                                 "--dtype", spelling, "--json")
+        assert code == 0, err
+        assert json.loads(out)["dtype"] == want
+    with pytest.raises(EngramError, match="--dtype fp32: an engine runs in bf16 or fp16"):
+        build(tiny_ckpt, tmp_path / "x", dtype="float32", progress=False)

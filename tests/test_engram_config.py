@@ -86,15 +86,15 @@ def test_host_file_gather_serves_engram_and_ple_checkpoints() -> None:
         cfg.validate_for(plain)
 
 
-@pytest.mark.parametrize("fields", [
-    {"host_file_gather": True, "cpu_offload": False},
-    {"host_file_gather": True, "dp_shared_memory": True},
-    {"dp_shared_memory": True, "cpu_offload": False},
-    {"dp_shared_memory": True, "embedding_across_dp": True},
-    {"host_file_gather": True, "table_placement": "in_engine"},
+@pytest.mark.parametrize("fields, needle", [
+    ({"host_file_gather": True, "cpu_offload": False}, "host_file_gather reads rows .* contradicts cpu_offload=false"),
+    ({"host_file_gather": True, "dp_shared_memory": True}, "host_file_gather and dp_shared_memory .* pick one"),
+    ({"dp_shared_memory": True, "cpu_offload": False}, "dp_shared_memory shares .* contradicts cpu_offload=false"),
+    ({"dp_shared_memory": True, "embedding_across_dp": True}, "dp_shared_memory .* embedding_across_dp .* pick one"),
+    ({"host_file_gather": True, "table_placement": "in_engine"}, "cannot run in the engine; use table_placement 'prefetch'"),
 ])
-def test_contradictions_refused(fields: dict) -> None:
-    with pytest.raises(EngramError):
+def test_contradictions_refused(fields: dict, needle: str) -> None:
+    with pytest.raises(EngramError, match=needle):
         EngramConfig.from_dict(fields).validate()
 
 

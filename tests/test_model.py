@@ -336,7 +336,7 @@ def test_bad_inputs_are_refused(small: Any) -> None:
         model.forward_step(PackedStep.from_sequences([IDS[:1]], past_lens=[0]), cache)
     with pytest.raises(EngramError, match="compressed"):
         EngramLlama(cfg, small[2], compress_lookup=torch.full((300,), CVOCAB))
-    with pytest.raises(EngramError):
+    with pytest.raises(EngramError, match=f"compressed id {CVOCAB}, outside -1..{CVOCAB - 1}"):
         model(IDS[:3], engram_ids=[1, 2, CVOCAB])
 
 

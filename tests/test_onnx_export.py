@@ -22,7 +22,6 @@ Tolerances (stated, and why):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -373,7 +372,8 @@ def test_multipliers_travel_as_exact_decimal_text() -> None:
     assert np.array_equal(ox.decode_multipliers(attr.s), layout.multipliers.reshape(-1))
 
 
-def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugin_lib: Path) -> None:
+def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugin_lib: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp16 export (no casts around the gate) parses and builds into a TensorRT-RTX
     engine: the EngramGate layers take and return float16, and every EngramAttention
     layer takes and returns float16 caches."""
@@ -383,33 +383,30 @@ def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugi
     if not (trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")):
         pytest.skip("TensorRT-RTX is not installed")
     lib = plugin_lib
-    os.environ["ENGRAM_TRT_FLAVOUR"] = "tensorrt_rtx"
-    try:
-        t = trt_compat.load("tensorrt_rtx").module
-        cfg, lookup, layout, weights = _small()
-        ex = export_model(cfg, weights, layout, ExportOptions(dtype="fp16", max_position=32))
-        assert all("Cast" not in n for n in _gate_neighbours(ex.model))
-        path = tmp_path / "model.onnx"
-        ex.save(path)
-        nbytes, plugins = build_engine(path, ex, cfg, engine_path=tmp_path / "model.engine", max_batch=2, max_seq_len=32,
-                                       max_num_tokens=64, targets=("sm80",), plugin_library=lib,
-                                       embed_plugin_library=False)
-        assert nbytes > 10_000 and plugins.count("EngramGate/1") == len(cfg.engram.layer_ids)
-        assert plugins.count("EngramAttention/1") == cfg.num_hidden_layers
-        # the plugins' types in the parsed network
-        network = trt_compat.create_network(trt_compat.create_builder())
-        trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
-        layers = [network.get_layer(i) for i in range(network.num_layers)
-                  if network.get_layer(i).type == t.LayerType.PLUGIN_V3]
-        gates = [layer for layer in layers if layer.num_inputs == 5]
-        attention = [layer for layer in layers if layer.num_inputs == 7]
-        assert len(gates) == len(cfg.engram.layer_ids) and len(attention) == cfg.num_hidden_layers
-        for layer in gates:
-            assert [layer.get_input(k).dtype for k in (0, 1)] == [t.float16, t.float16]
-            assert layer.get_output(0).dtype == t.float16
-        for layer in attention:
-            assert [layer.get_input(k).dtype for k in range(5)] == [t.float16] * 5
-            assert [layer.get_output(k).dtype for k in range(3)] == [t.float16] * 3
-            assert layer.get_output(1).is_network_output and layer.get_output(2).is_network_output
-    finally:
-        os.environ.pop("ENGRAM_TRT_FLAVOUR", None)
+    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", "tensorrt_rtx")
+    t = trt_compat.load("tensorrt_rtx").module
+    cfg, lookup, layout, weights = _small()
+    ex = export_model(cfg, weights, layout, ExportOptions(dtype="fp16", max_position=32))
+    assert all("Cast" not in n for n in _gate_neighbours(ex.model))
+    path = tmp_path / "model.onnx"
+    ex.save(path)
+    nbytes, plugins = build_engine(path, ex, cfg, engine_path=tmp_path / "model.engine", max_batch=2, max_seq_len=32,
+                                   max_num_tokens=64, targets=("sm80",), plugin_library=lib,
+                                   embed_plugin_library=False)
+    assert nbytes > 10_000 and plugins.count("EngramGate/1") == len(cfg.engram.layer_ids)
+    assert plugins.count("EngramAttention/1") == cfg.num_hidden_layers
+    # the plugins' types in the parsed network
+    network = trt_compat.create_network(trt_compat.create_builder())
+    trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
+    layers = [network.get_layer(i) for i in range(network.num_layers)
+              if network.get_layer(i).type == t.LayerType.PLUGIN_V3]
+    gates = [layer for layer in layers if layer.num_inputs == 5]
+    attention = [layer for layer in layers if layer.num_inputs == 7]
+    assert len(gates) == len(cfg.engram.layer_ids) and len(attention) == cfg.num_hidden_layers
+    for layer in gates:
+        assert [layer.get_input(k).dtype for k in (0, 1)] == [t.float16, t.float16]
+        assert layer.get_output(0).dtype == t.float16
+    for layer in attention:
+        assert [layer.get_input(k).dtype for k in range(5)] == [t.float16] * 5
+        assert [layer.get_output(k).dtype for k in range(3)] == [t.float16] * 3
+        assert layer.get_output(1).is_network_output and layer.get_output(2).is_network_output

@@ -15,7 +15,6 @@ scripts/h200_attention_check.py (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -256,15 +255,12 @@ def _require(module: str) -> None:
 
 
 @pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
-def trt(request, plugin_lib: Path):
+def trt(request, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
     _require(request.param)
-    os.environ["ENGRAM_TRT_FLAVOUR"] = request.param
-    try:
-        t = trt_compat.load(request.param)
-        trt_compat.load_plugin_library(plugin_lib)
-        yield t
-    finally:
-        os.environ.pop("ENGRAM_TRT_FLAVOUR", None)
+    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", request.param)
+    t = trt_compat.load(request.param)
+    trt_compat.load_plugin_library(plugin_lib)
+    return t
 
 
 def test_creators_are_registered_with_their_fields(trt) -> None:

@@ -83,7 +83,6 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_hash_prepared": (ctypes.c_int, [vp, vp, i64, vp, i64, vp, vp, vp]),
         "engram_gather_check_table": (ctypes.c_int, [i32, i32, i32]),
         "engram_gather": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
-        "engram_gather_indirect": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
         "engram_host_gatherer_create": (ctypes.c_int, [i32, i64, i32, ctypes.POINTER(vp)]),
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from engram_trt.cli.argtypes import int_arg
+from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
 from engram_trt.config.engram import add_engram_config_arguments
 
 PLUGIN_MODES = ("embed", "reference")
@@ -20,13 +22,16 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, metavar="ENGINE_DIR",
                         help="engine folder to write (model.onnx, model.engine, manifest.json, compressed_vocab.npy, build_report.json)")
     add_engram_config_arguments(parser)
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N", help=f"most sequences the engine serves at once: its KV-cache slots (default {DEFAULT_MAX_BATCH})")
-    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+    parser.add_argument("--max-batch", type=int_arg(1, 1 << 16), default=DEFAULT_MAX_BATCH, metavar="N",
+                        help=f"most sequences the engine serves at once: its KV-cache slots (default {DEFAULT_MAX_BATCH})")
+    parser.add_argument("--max-seq-len", type=int_arg(1, 1 << 24), default=None, metavar="N",
                         help=f"longest sequence, cached plus new tokens (default: min(max_position_embeddings, {DEFAULT_MAX_SEQ_LEN}))")
-    parser.add_argument("--max-num-tokens", type=int, default=None, metavar="N",
+    parser.add_argument("--max-num-tokens", type=int_arg(1, 1 << 24), default=None, metavar="N",
                         help=f"most tokens of one step, all its sequences together (prefill chunks and decode tokens; "
                              f"default: min({DEFAULT_MAX_NUM_TOKENS}, max-seq-len), at least max-batch)")
-    parser.add_argument("--dtype", choices=BUILD_DTYPES, default="bf16", help="weights and activations (norms and softmax use float32; default bf16)")
+    parser.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default="bf16",
+                        help=f"weights and activations of the engine: bf16 (default) or fp16 (norms and softmax use float32); "
+                             f"every subcommand takes the spellings {SPELLINGS}")
     parser.add_argument("--target", default=None, metavar="sm80,sm86,...",
                         help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(tc_targets()) + "); default: the RTX portable set")
     parser.add_argument("--plugin-library", choices=PLUGIN_MODES, default="embed",
@@ -36,6 +41,9 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repack-tables", default=None, metavar="DIR",
                         help="write the tables to DIR as FP8 safetensors (quantizing bf16 tables) and point the manifest there")
     parser.add_argument("--no-engine", action="store_true", help="stop after the exported graph even if TensorRT is installed")
+    parser.add_argument("--force", action="store_true",
+                        help="build into an ENGINE_DIR that holds files engram-trt did not write (the build's own file names "
+                             "there are replaced, every other file is kept) and replace --repack-tables files no re-pack wrote")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 

@@ -16,6 +16,23 @@ Phases (each with a progress bar, each timed in ``build_report.json``):
 
 ``manifest.json`` ties it together and is deterministic; timings and sizes go to
 ``build_report.json``.
+
+What the build does to the files around it (docs/reliability.md):
+
+* every argument is checked before any work, and ``--output`` may be neither inside
+  the checkpoint nor hold it;
+* the output folder is locked (``.NAME.lock`` beside it): a second build into it waits
+  for the first, then runs;
+* the build writes a new folder under a temporary sibling name and swaps it in whole
+  only when everything (engine, manifest, report) is written, so a failed or killed
+  build leaves the previous engine folder as it was;
+* the output folder is ours when it is new, empty, or holds a manifest of an earlier
+  build; anything else is refused without ``--force``. Files in it that the build does
+  not write (anything but the names in :data:`OUTPUT_NAMES`) are carried into the new
+  folder, never deleted;
+* ``--repack-tables DIR`` files are written under temporary names and renamed into
+  place just before the swap; a file there that no re-pack wrote needs ``--force``;
+* temporaries left by a killed build are removed at the next build's start.
 """
 
 from __future__ import annotations
@@ -25,28 +42,32 @@ import json
 import logging
 import os
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 
-from engram_trt import __version__
+from engram_trt import __version__, atomic
 from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
 from engram_trt.builder.args import BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN
+from engram_trt.config.dtypes import require_dtype
 from engram_trt.config.engram import EngramConfig, engram_config_from_args
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
-from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, TableRef, checkpoint_table_refs, hash_tables, repack_tables,
-                       sha256_file, write_manifest)
-from engram_trt.builder.onnx_export import ExportOptions, export_model, normalize_dtype
+from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, RepackedTables, TableRef, checkpoint_table_refs,
+                                         foreign_repack_files, hash_tables, repack_tables, sha256_file,
+                                         write_manifest)
+from engram_trt.builder.onnx_export import PLUGIN_NAMES, ExportOptions, export_model
+from engram_trt.builder.output import (ENGINE_NAME, ONNX_NAME, OUTPUT_NAMES, REPORT_NAME, VOCAB_NAME,
+                                       check_output_is_ours, output_paths)
+from engram_trt.tables.source import BLOCK_BYTES, check_table_files
 
 log = logging.getLogger(__name__)
 
-ONNX_NAME = "model.onnx"
-ENGINE_NAME = "model.engine"
-VOCAB_NAME = "compressed_vocab.npy"
-REPORT_NAME = "build_report.json"
+# What the engine's dimensions may reach: int32 token counts inside the plugins.
+MAX_BATCH_LIMIT = 1 << 16
+MAX_TOKENS_PER_STEP = 2**31 - 1
 
 
 @dataclass
@@ -142,7 +163,11 @@ def plugin_library_info(path: Path) -> dict[str, Any]:
 def _check_sizes(max_batch: int, max_seq_len: int, max_num_tokens: int, config: Any) -> None:
     for name, v in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len), ("--max-num-tokens", max_num_tokens)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise EngramError(f"{name} must be a positive integer (got {v!r})")
+            raise EngramError(f"{name} must be a positive integer (got {str(v)[:40]})")
+    if max_batch > MAX_BATCH_LIMIT:
+        raise EngramError(f"--max-batch {max_batch} is larger than an engine serves (at most {MAX_BATCH_LIMIT})")
+    if max_num_tokens > MAX_TOKENS_PER_STEP:
+        raise EngramError(f"--max-num-tokens {max_num_tokens} exceeds 2^31-1 tokens per step (token counts are int32 in the plugins)")
     if max_seq_len > config.max_position_embeddings:
         raise EngramError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
 
@@ -197,6 +222,10 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
     builder = tc.create_builder()
     if plugin_library is not None:
         tc.load_plugin_library(plugin_library)
+        registered = {name for name, _ in tc.plugin_creator_names()}
+        missing = [n for n in exported.io.get("plugins", PLUGIN_NAMES) if n not in registered]
+        if missing:
+            raise EngramError(f"the plugin library '{plugin_library}' registers no creator for {', '.join(missing)}; rebuild it from this source tree (cmake --build build)")
     network = tc.create_network(builder)
     parser = tc.onnx_parser(network)
     tc.parse_onnx_file(parser, onnx_path)
@@ -229,23 +258,26 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
           max_batch: int = DEFAULT_MAX_BATCH, max_seq_len: int | None = None, max_num_tokens: int | None = None,
           dtype: str = "bf16", targets: str | Sequence[str] | None = None, embed_plugin_library: bool = True,
           plugin_library: str | Path | None = None, repack_tables_dir: str | Path | None = None,
-          build_engine_if_possible: bool = True, progress: bool = True) -> BuildResult:
-    """Build an engine folder from a checkpoint (see the module docstring for the phases).
+          build_engine_if_possible: bool = True, progress: bool = True, force: bool = False,
+          table_block_bytes: int = BLOCK_BYTES) -> BuildResult:
+    """Build an engine folder from a checkpoint (see the module docstring for the phases
+    and for what happens to the files around it).
 
     ``engram_config``: an :class:`EngramConfig`, JSON text/path or dict. ``targets``:
     TensorRT-RTX compute capabilities (``"sm80,sm86"``). ``build_engine_if_possible``
-    False stops after the graph even when TensorRT is importable.
+    False stops after the graph even when TensorRT is importable. ``force``: build into
+    a folder that holds files engram-trt did not write. ``table_block_bytes``: the
+    block size of the tables' recorded hashes (the sampled check's unit).
     """
     from engram_trt import trt_compat as tc
 
     t_start = time.perf_counter()
+    # -- every argument, before any work ------------------------------------------------
+    dtype = require_dtype(dtype, BUILD_DTYPES, "an engine", "--dtype")
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
     config = ckpt.config
     ecfg = engram_config if isinstance(engram_config, EngramConfig) else EngramConfig.parse(engram_config)
-    ecfg.validate_for(config)  # before any work
-    dtype = normalize_dtype(dtype)
-    if dtype not in BUILD_DTYPES:
-        raise EngramError(f"--dtype {dtype} is not an engine dtype (expected one of {', '.join(BUILD_DTYPES)}; float32 graphs are for the CPU reference check)")
+    ecfg.validate_for(config)
     # Defaults fit the model; values the user passed are checked as given, never clamped.
     if max_seq_len is None:
         max_seq_len = min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
@@ -256,128 +288,179 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     if plugin_library is not None and build_engine_if_possible:
         find_plugin_library(plugin_library)  # a wrong --plugin-lib fails before any work
     spec = config.require_model()
-    out = Path(output_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise EngramError(f"--output '{out}' exists and is not a folder")
-    phases = _Phases(["check", "vocab", "tables", "export", "engine"], progress)
-    try:
-        layout: EngramLayout | None = None
-        vocab = None
-        with phases.phase("check"):
-            if spec is not None:
-                if ckpt.tokenizer_json is None:
-                    raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)")
-        with phases.phase("vocab"):
-            if spec is not None:
-                from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
+    if repack_tables_dir is not None and spec is None:
+        raise EngramError("--repack-tables: the model has no Engram layers, so there are no tables to re-pack")
+    out, repack_dir = output_paths(output_dir, ckpt, repack_tables_dir)
+    if table_block_bytes < 1:
+        raise EngramError(f"table_block_bytes must be positive (got {table_block_bytes})")
+    check_output_is_ours(out, force, warn=False)  # refused before anything is created (checked again under the lock)
 
-                vocab = build_compressed_vocab(ckpt.tokenizer_json)
-                check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
-                if spec.pad_token_id >= vocab.vocab_size:
-                    raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
-                layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
-            require_valid(ckpt, layout)
-            out.mkdir(parents=True, exist_ok=True)
-            for stale in (out / ENGINE_NAME, out / VOCAB_NAME, out / MANIFEST_NAME):
-                stale.unlink(missing_ok=True)
-            if vocab is not None:
-                vocab.save(out / VOCAB_NAME)
-        refs: list[TableRef] = []
-        hashes: list[str] = []
-        with phases.phase("tables"):
-            if spec is not None:
-                refs = repack_tables(ckpt, repack_tables_dir, progress=progress) if repack_tables_dir else checkpoint_table_refs(ckpt)
-                hashes = hash_tables(refs, progress)
-            elif repack_tables_dir:
-                raise EngramError("--repack-tables: the model has no Engram layers, so there are no tables to re-pack")
-        tables_bytes = sum(r.nbytes for r in refs)
-        table_dtype = None
-        table_rows: tuple[int, ...] | None = None
-        if spec is not None:
-            table_dtype = "fp8" if any(r.role == "scales" for r in refs) else "bf16"
-            table_rows = tuple(int(r.shape[0]) for r in refs if r.role == "rows")
-        with phases.phase("export"):
-            opts = ExportOptions(dtype=dtype, max_position=max_seq_len, placement=ecfg.placement,
-                                 table_dtype=table_dtype, table_rows=table_rows)
-            exported = export_model(config, ckpt.get, layout, opts)
-            _check_no_tables_in_graph(exported, refs)
-            files = exported.save(out / ONNX_NAME)
-        onnx_bytes = sum(f.stat().st_size for f in files)
-        # Every graph needs the plugin library: EngramAttention in each layer (and the
-        # hash, gather and gate in an Engram model).
+    with ExitStack() as stack:
+        for target in sorted({out} | ({repack_dir} if repack_dir else set())):
+            stack.enter_context(atomic.locked(target, "another build"))
+        atomic.clean_dead_temps(out)
+        replaced = check_output_is_ours(out, force)
+        if repack_dir is not None:
+            foreign = foreign_repack_files(ckpt, repack_dir)
+            if foreign and not force:
+                raise EngramError(f"--repack-tables: '{foreign[0]}' exists and was not written by a re-pack; move it away, choose another folder, or pass --force to replace it")
+        tmp = atomic.temp_sibling(out, "build")
+        repacked: list[RepackedTables] = []  # filled by _build_into, committed or discarded here
+        phases = _Phases(["check", "vocab", "tables", "export", "engine"], progress)
         try:
-            plugin_info: dict[str, Any] | None = plugin_library_info(find_plugin_library(plugin_library))
-        except EngramError:
-            if plugin_library is not None:
-                raise
-            plugin_info = None
-        trt_info = None
-        engine_path: Path | None = None
-        engine_bytes = 0
-        plugin_layers: list[str] = []
-        skipped: str | None = None
-        with phases.phase("engine"):
-            if not build_engine_if_possible:
-                skipped = "engine build not requested"
-            elif not tc.available():
-                skipped = f"no TensorRT builder is importable ({tc.NOT_INSTALLED_REASON.split(' (')[0]} and neither is tensorrt_rtx); the exported graph {ONNX_NAME} is the artifact: build it where TensorRT is installed"
-                log.warning("%s", skipped)
-            elif plugin_info is None:
-                skipped = "the plugin library libengram_trt_plugins.so was not found (build it with `cmake -S . -B build && cmake --build build -j2`, or pass --plugin-lib)"
-                log.warning("%s", skipped)
+            result = _build_into(tmp, out, ckpt, ecfg, phases, t_start, repacked, dtype=dtype, max_batch=max_batch,
+                                           max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, target_list=target_list,
+                                           embed_plugin_library=embed_plugin_library, plugin_library=plugin_library,
+                                           repack_dir=repack_dir, build_engine_if_possible=build_engine_if_possible,
+                                           progress=progress, table_block_bytes=table_block_bytes)
+            carried = atomic.carry_over(out, tmp, lambda n: n not in replaced and n not in OUTPUT_NAMES)
+            if carried:
+                log.info("kept %d file(s) of %s that the build does not write: %s", len(carried), out, ", ".join(carried))
+            atomic.pause_point("build:commit")
+            for r in repacked:
+                r.commit()
+            atomic.replace_dir(tmp, out)
+        except BaseException:
+            atomic.remove_temp(tmp)
+            for r in repacked:
+                r.discard()
+            raise
+        finally:
+            phases.close()
+    log.info("built %s: engine %s bytes, tables %s bytes outside it, %.1f s", out, result.engine_bytes, result.tables_bytes,
+             result.build_seconds)
+    return result
+
+
+def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phases: _Phases, t_start: float,
+                repacked: list[RepackedTables], *, dtype: str, max_batch: int, max_seq_len: int, max_num_tokens: int,
+                target_list: Sequence[str], embed_plugin_library: bool, plugin_library: str | Path | None,
+                repack_dir: Path | None, build_engine_if_possible: bool, progress: bool, table_block_bytes: int) -> BuildResult:
+    """The phases, writing every file into ``tmp``; paths in the results name ``out``,
+    where ``tmp`` will be swapped in. Re-packed tables (still under temporary names) are
+    appended to ``repacked`` for the caller to commit or discard."""
+    from engram_trt import trt_compat as tc
+
+    config = ckpt.config
+    spec = config.engram
+    layout: EngramLayout | None = None
+    vocab = None
+    with phases.phase("check"):
+        atomic.pause_point("build:check")
+        if spec is not None and ckpt.tokenizer_json is None:
+            raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)")
+        require_valid(ckpt)  # tensors against the config and its layout (shapes do not depend on the pad id)
+        if spec is not None:
+            check_table_files(checkpoint_table_refs(ckpt))
+    with phases.phase("vocab"):
+        if spec is not None:
+            from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
+
+            vocab = build_compressed_vocab(ckpt.tokenizer_json)
+            check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
+            if spec.pad_token_id >= vocab.vocab_size:
+                raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
+            layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
+            vocab.save(tmp / VOCAB_NAME)
+    refs: list[TableRef] = []
+    with phases.phase("tables"):
+        atomic.pause_point("build:tables")
+        if spec is not None:
+            if repack_dir is not None:
+                repacked.append(repack_tables(ckpt, repack_dir, progress=progress))
+                refs = repacked[-1].final(hash_tables(repacked[-1].refs, progress, table_block_bytes))
             else:
-                trt_info = tc.describe()
-                engine_path = out / ENGINE_NAME
-                lib = Path(plugin_info["path"])
-                engine_bytes, plugin_layers = build_engine(
-                    out / ONNX_NAME, exported, config, engine_path=engine_path, max_batch=int(max_batch),
-                    max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, targets=target_list, plugin_library=lib,
-                    embed_plugin_library=embed_plugin_library)
-                _check_engine_size(engine_bytes, tables_bytes, exported, plugin_info if embed_plugin_library else None)
-        manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            "engram_trt_version": __version__,
-            "checkpoint": str(ckpt.path.resolve()),
-            "model": config.to_dict(),
-            "dtype": dtype,
-            "graph": {"file": ONNX_NAME, "sha256": sha256_file(out / ONNX_NAME), "inputs": exported.input_names,
-                      "outputs": exported.output_names, "io": exported.io,
-                      "external_data": [f.name for f in files[1:]]},
-            "engine": None if engine_path is None else {"file": ENGINE_NAME},
-            "shapes": {"max_batch": int(max_batch), "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens},
-            "layout": None if layout is None else layout.to_json_dict(),
-            "compressed_vocab": None if vocab is None else {"file": VOCAB_NAME, "size": vocab.size,
-                                                            "tokenizer_sha256": vocab.source_sha256},
-            "tables": [r.to_json(h) for r, h in zip(refs, hashes)],
-            "tables_bytes": tables_bytes,
-            "table_dtype": table_dtype,
-            "repacked": bool(repack_tables_dir) if spec is not None else False,
-            "plugins": None if plugin_info is None else {
-                "names": list(exported.io["plugins"]), "plugin_version": "1",
-                "library": {"file": plugin_info["file"], "version": plugin_info["version"], "sha256": plugin_info["sha256"],
-                            "path": None if embed_plugin_library else plugin_info["path"]},
-                "embedded": bool(embed_plugin_library and engine_path is not None),
-            },
-            "tensorrt": trt_info,
-            "build_flags": {"dtype": dtype, "max_batch": int(max_batch), "max_seq_len": max_seq_len,
-                            "max_num_tokens": max_num_tokens, "targets": list(target_list),
-                            "plugin_library": "embed" if embed_plugin_library else "reference",
-                            "repack_tables": str(Path(repack_tables_dir).expanduser().resolve()) if repack_tables_dir else None},
-            "engram_config": ecfg.to_dict(),
-        }
-        manifest_path = write_manifest(out / MANIFEST_NAME, manifest)
-    finally:
-        phases.close()
+                refs = hash_tables(checkpoint_table_refs(ckpt), progress, table_block_bytes)
+    tables_bytes = sum(r.nbytes for r in refs)
+    table_dtype = None
+    table_rows: tuple[int, ...] | None = None
+    if spec is not None:
+        table_dtype = "fp8" if any(r.role == "scales" for r in refs) else "bf16"
+        table_rows = tuple(int(r.shape[0]) for r in refs if r.role == "rows")
+    with phases.phase("export"):
+        atomic.pause_point("build:export")
+        opts = ExportOptions(dtype=dtype, max_position=max_seq_len, placement=ecfg.placement,
+                             table_dtype=table_dtype, table_rows=table_rows)
+        exported = export_model(config, ckpt.get, layout, opts)
+        _check_no_tables_in_graph(exported, refs)
+        files = exported.save(tmp / ONNX_NAME)
+    onnx_bytes = sum(f.stat().st_size for f in files)
+    # Every graph needs the plugin library: EngramAttention in each layer (and the
+    # hash, gather and gate in an Engram model).
+    try:
+        plugin_info: dict[str, Any] | None = plugin_library_info(find_plugin_library(plugin_library))
+    except EngramError:
+        if plugin_library is not None:
+            raise
+        plugin_info = None
+    trt_info = None
+    engine_path: Path | None = None
+    engine_bytes = 0
+    engine_sha = None
+    plugin_layers: list[str] = []
+    skipped: str | None = None
+    with phases.phase("engine"):
+        atomic.pause_point("build:engine")
+        if not build_engine_if_possible:
+            skipped = "engine build not requested"
+        elif not tc.available():
+            skipped = f"no TensorRT builder is importable ({tc.NOT_INSTALLED_REASON.split(' (')[0]} and neither is tensorrt_rtx); the exported graph {ONNX_NAME} is the artifact: build it where TensorRT is installed"
+            log.warning("%s", skipped)
+        elif plugin_info is None:
+            skipped = "the plugin library libengram_trt_plugins.so was not found (build it with `cmake -S . -B build && cmake --build build -j2`, or pass --plugin-lib)"
+            log.warning("%s", skipped)
+        else:
+            trt_info = tc.describe()
+            lib = Path(plugin_info["path"])
+            engine_bytes, plugin_layers = build_engine(
+                tmp / ONNX_NAME, exported, config, engine_path=tmp / ENGINE_NAME, max_batch=int(max_batch),
+                max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, targets=target_list, plugin_library=lib,
+                embed_plugin_library=embed_plugin_library)
+            _check_engine_size(engine_bytes, tables_bytes, exported, plugin_info if embed_plugin_library else None)
+            engine_path = out / ENGINE_NAME
+            engine_sha = sha256_file(tmp / ENGINE_NAME)
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "engram_trt_version": __version__,
+        "checkpoint": str(ckpt.path.resolve()),
+        "model": config.to_dict(),
+        "dtype": dtype,
+        "graph": {"file": ONNX_NAME, "sha256": sha256_file(tmp / ONNX_NAME), "inputs": exported.input_names,
+                  "outputs": exported.output_names, "io": exported.io,
+                  "external_data": [f.name for f in files[1:]]},
+        "engine": None if engine_path is None else {"file": ENGINE_NAME},
+        "shapes": {"max_batch": int(max_batch), "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens},
+        "layout": None if layout is None else layout.to_json_dict(),
+        "compressed_vocab": None if vocab is None else {"file": VOCAB_NAME, "size": vocab.size,
+                                                        "tokenizer_sha256": vocab.source_sha256,
+                                                        "sha256": sha256_file(tmp / VOCAB_NAME)},
+        "tables": [r.to_json() for r in refs],
+        "tables_bytes": tables_bytes,
+        "table_dtype": table_dtype,
+        "repacked": repack_dir is not None,
+        "plugins": None if plugin_info is None else {
+            "names": list(exported.io["plugins"]), "plugin_version": "1",
+            "library": {"file": plugin_info["file"], "version": plugin_info["version"], "sha256": plugin_info["sha256"],
+                        "path": None if embed_plugin_library else plugin_info["path"]},
+            "embedded": bool(embed_plugin_library and engine_path is not None),
+        },
+        "tensorrt": trt_info,
+        "build_flags": {"dtype": dtype, "max_batch": int(max_batch), "max_seq_len": max_seq_len,
+                        "max_num_tokens": max_num_tokens, "targets": list(target_list),
+                        "plugin_library": "embed" if embed_plugin_library else "reference",
+                        "repack_tables": str(repack_dir.resolve()) if repack_dir is not None else None},
+        "engram_config": ecfg.to_dict(),
+    }
+    write_manifest(tmp / MANIFEST_NAME, manifest)
     result = BuildResult(
-        output_dir=out, manifest_path=manifest_path, onnx_path=out / ONNX_NAME, engine_path=engine_path,
+        output_dir=out, manifest_path=out / MANIFEST_NAME, onnx_path=out / ONNX_NAME, engine_path=engine_path,
         engine_bytes=engine_bytes, tables_bytes=tables_bytes, onnx_bytes=onnx_bytes,
         build_seconds=round(time.perf_counter() - t_start, 3), phase_seconds=dict(phases.seconds), trt=trt_info,
         plugin_layers=plugin_layers, engine_skipped=skipped)
     report = result.to_json()
-    if engine_path is not None:
-        report["engine_sha256"] = sha256_file(engine_path)
-    (out / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    log.info("built %s: engine %s bytes, tables %s bytes outside it, %.1f s", out, engine_bytes, tables_bytes, result.build_seconds)
+    if engine_sha is not None:
+        report["engine_sha256"] = engine_sha
+    (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return result
 
 
@@ -412,7 +495,7 @@ def build_from_args(args: argparse.Namespace) -> int:
         args.checkpoint, args.output, engram_config_from_args(args),
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         dtype=args.dtype, targets=args.target, embed_plugin_library=args.plugin_library == "embed",
-        plugin_library=args.plugin_lib, repack_tables_dir=args.repack_tables,
+        plugin_library=args.plugin_lib, repack_tables_dir=args.repack_tables, force=args.force,
         build_engine_if_possible=not args.no_engine, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))

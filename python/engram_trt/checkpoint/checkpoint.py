@@ -13,6 +13,13 @@ absolute byte range of a tensor so a runtime can map or register the file itself
 FP8 tables are stored as ``F8_E4M3`` (``torch.float8_e4m3fn``) and their ue8m0 scales
 as ``F8_E8M0`` (``torch.float8_e8m0fnu``); safetensors >= 0.6 reads and writes both.
 Consumers that feed kernels view both as ``uint8`` (one byte per value).
+
+Every file is confined to the folder: an index entry that is absolute or climbs out
+(``../``) is refused, and so is a file that is a link leading out of the folder (a
+Hugging Face hub snapshot, whose files link to ``../../blobs``, is confined to its
+repository folder instead). Shard headers are held to the rules of the safetensors
+library itself (:func:`read_safetensors_header`), so a header that passes here never
+fails later inside the library.
 """
 
 from __future__ import annotations
@@ -23,16 +30,19 @@ import mmap
 import os
 import re
 import shutil
-import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from engram_trt.config.model import EngramSpec, ModelConfig, load_config
-from engram_trt.errors import CheckpointError, EngramError
+# Re-exported: callers import the file-level pieces from here too.
+from engram_trt.checkpoint.files import (BF16_TABLE_DTYPES, FP8_SCALE_DTYPES, FP8_TABLE_DTYPES, MAX_HEADER_BYTES,  # noqa: F401
+                                         ST_DTYPES, TensorInfo, _tensor_infos, checkpoint_boundary, confined_file,
+                                         read_safetensors_header)
+from engram_trt.config.jsonfile import read_json_object
+from engram_trt.config.model import EngramSpec, ModelConfig, read_config_dict
+from engram_trt.errors import CheckpointError, ConfigError, EngramError
 
 log = logging.getLogger(__name__)
 
@@ -43,29 +53,6 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-
-# safetensors dtype string -> (torch dtype, bytes per element)
-ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-    "F8_E8M0": (torch.float8_e8m0fnu, 1),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2),
-    "I8": (torch.int8, 1),
-    "U64": (torch.uint64, 8),
-    "U32": (torch.uint32, 4),
-    "U16": (torch.uint16, 2),
-    "U8": (torch.uint8, 1),
-    "BOOL": (torch.bool, 1),
-}
-FP8_TABLE_DTYPES = ("F8_E4M3", "U8")
-FP8_SCALE_DTYPES = ("F8_E8M0", "U8")
-BF16_TABLE_DTYPES = ("BF16",)
 
 
 def shard_name(i: int, n: int) -> str:
@@ -117,77 +104,6 @@ def backbone_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives, read from its shard's header (no data touched)."""
-
-    name: str
-    file: Path
-    st_dtype: str
-    shape: tuple[int, ...]
-    data_offset: int  # absolute offset of the first byte in the file
-    nbytes: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return ST_DTYPES[self.st_dtype][0]
-
-    @property
-    def itemsize(self) -> int:
-        return ST_DTYPES[self.st_dtype][1]
-
-
-def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The JSON header of a safetensors file and the absolute offset of its data area.
-
-    The format is: u64 little-endian header length N, N bytes of JSON, then the data;
-    each tensor's ``data_offsets`` are relative to byte ``8 + N``.
-    """
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise CheckpointError(f"{path}: too short to be a safetensors file (re-write the checkpoint)")
-            (n,) = struct.unpack("<Q", head)
-            size = path.stat().st_size
-            if n > size - 8:
-                raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}: the file is truncated or not safetensors (re-copy it)")
-            header = json.loads(f.read(n))
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read ({exc.strerror}); check the file's permissions") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: the safetensors header is not valid JSON (the file is damaged; re-copy it)") from None
-    return header, 8 + n
-
-
-def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
-    header, base = read_safetensors_header(path)
-    size = path.stat().st_size
-    out: dict[str, TensorInfo] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        damaged = f"{path}: the header entry of tensor '{name}' is malformed (the file is damaged; re-copy it)"
-        if not isinstance(meta, dict):
-            raise CheckpointError(damaged)
-        st_dtype = meta.get("dtype")
-        if st_dtype not in ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor '{name}' has dtype {st_dtype!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})")
-        offsets, shape_list = meta.get("data_offsets"), meta.get("shape")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not isinstance(shape_list, list)
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in offsets + shape_list)):
-            raise CheckpointError(damaged)
-        begin, end = offsets
-        shape = tuple(shape_list)
-        want = int(np.prod(shape, dtype=np.int64)) * ST_DTYPES[st_dtype][1]
-        if end < begin or end - begin != want:
-            raise CheckpointError(f"{path}: tensor '{name}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)")
-        if base + end > size:
-            raise CheckpointError(f"{path}: tensor '{name}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)")
-        out[name] = TensorInfo(name, path, st_dtype, shape, base + begin, end - begin)
-    return out
-
-
 class Checkpoint:
     """A read-only view of a checkpoint folder.
 
@@ -216,8 +132,9 @@ class Checkpoint:
         cfg_file = root / CONFIG_NAME
         if not cfg_file.is_file():
             raise CheckpointError(f"checkpoint '{root}' has no {CONFIG_NAME} (copy the model's config.json into the folder)")
-        config = load_config(cfg_file)
-        config_dict = json.loads(cfg_file.read_text())
+        confined_file(root, CONFIG_NAME, CONFIG_NAME)
+        config_dict, src = read_config_dict(cfg_file)
+        config = ModelConfig.from_dict(config_dict, src)
         files = cls._weight_files(root)
         infos: dict[str, TensorInfo] = {}
         for shard, expected in files.items():
@@ -232,6 +149,8 @@ class Checkpoint:
                     raise CheckpointError(f"tensor '{name}' appears in both '{infos[name].file.name}' and '{shard.name}' (keep one copy; fix {INDEX_NAME})")
                 infos[name] = info
         tok = root / TOKENIZER_NAME
+        if tok.is_file():
+            confined_file(root, TOKENIZER_NAME, TOKENIZER_NAME)
         log.debug("opened checkpoint %s: %d tensors in %d files", root, len(infos), len(files))
         return cls(root, config, config_dict, infos, tok if tok.is_file() else None)
 
@@ -240,23 +159,26 @@ class Checkpoint:
         """Shard path -> the tensor names the index assigns to it (None: no index)."""
         index = root / INDEX_NAME
         if index.is_file():
+            confined_file(root, INDEX_NAME, INDEX_NAME)
             try:
-                data = json.loads(index.read_text())
-                weight_map = data["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object); re-copy it") from None
-            if not isinstance(weight_map, dict) or not weight_map:
+                data = read_json_object(index, "safetensors index")
+            except ConfigError as exc:
+                raise CheckpointError(f"{exc} (re-copy {INDEX_NAME})") from None
+            weight_map = data.get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object); re-copy it")
+            if not weight_map:
                 raise CheckpointError(f"{index}: 'weight_map' is empty (expected tensor name -> shard file)")
             by_file: dict[Path, set[str]] = {}
             for name, fname in weight_map.items():
-                by_file.setdefault(root / str(fname), set()).add(name)
+                by_file.setdefault(confined_file(root, fname, f"{index.name} entry for '{name[:80]}'"), set()).add(name)
             for f in sorted(by_file, key=lambda p: natural_key(p.name)):
                 if not f.is_file():
                     raise CheckpointError(f"checkpoint '{root}' is missing shard '{f.name}' named in {INDEX_NAME} ({len(by_file[f])} tensors live there): copy the missing file into the folder or re-download the checkpoint")
             return dict(by_file)
         single = root / SINGLE_NAME
         if single.is_file():
-            return {single: None}
+            return {confined_file(root, SINGLE_NAME, SINGLE_NAME): None}
         stray = sorted(root.glob("*.safetensors"))
         if stray:
             raise CheckpointError(f"checkpoint '{root}' has {stray[0].name} but no {INDEX_NAME} (add the index that maps tensor names to shards)")
@@ -303,7 +225,10 @@ class Checkpoint:
 
         h = self._handles.get(file)
         if h is None:
-            h = safe_open(str(file), framework="pt", device="cpu")
+            try:
+                h = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:  # the library's own refusal (SafetensorError, OSError)
+                raise CheckpointError(f"{file}: the safetensors library cannot open it ({str(exc).splitlines()[0][:200]}); the file is damaged, re-copy it") from None
             self._handles[file] = h
         return h
 
@@ -374,22 +299,39 @@ def _tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+CHECKPOINT_FILE_NAMES = (CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, INDEX_NAME, SINGLE_NAME)
+
+
+def is_checkpoint_file_name(name: str) -> bool:
+    """A name that :func:`write_checkpoint` writes (or a reader reads as weights)."""
+    return name in CHECKPOINT_FILE_NAMES or bool(SHARD_RE.match(name))
+
+
 def write_checkpoint(out_dir: str | Path, config_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                     tokenizer_json: str | Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                     tokenizer_json: str | Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                     overwrite: bool = False) -> Path:
     """Write an HF-style checkpoint folder; the same inputs give byte-identical files.
 
     Tensors are ordered by :func:`natural_key` and packed greedily into shards of at
     most ``max_shard_bytes`` (a single larger tensor gets a shard of its own); the
-    index lists every tensor. Older ``model-*-of-*.safetensors`` files in the folder
-    that the new index does not name are removed, so a re-write never leaves stale
-    shards for a reader to trip on. ``tokenizer_config.json`` beside the tokenizer is
-    copied too (it names the pad/eos tokens).
+    index lists every tensor. ``tokenizer_config.json`` beside the tokenizer is copied
+    too (it names the pad/eos tokens).
+
+    A folder that already holds checkpoint files is refused unless ``overwrite``: then
+    its files are replaced and older ``model-*-of-*.safetensors`` that the new index
+    does not name are removed, so a re-write leaves no stale shard for a reader to trip
+    on. Callers that must never expose a half-written folder (the demo) write into a
+    fresh temporary folder and rename it into place (engram_trt.atomic).
     """
     from safetensors.torch import save_file
 
     if max_shard_bytes < 1:
         raise EngramError(f"max_shard_bytes must be positive (got {max_shard_bytes})")
     out = Path(out_dir)
+    if out.is_dir() and not overwrite:
+        present = sorted(p.name for p in out.iterdir() if is_checkpoint_file_name(p.name))
+        if present:
+            raise CheckpointError(f"'{out}' already holds a checkpoint ({present[0]}, ...): writing into it would replace its files; choose an empty folder (or pass overwrite=True)")
     out.mkdir(parents=True, exist_ok=True)
     ModelConfig.from_dict(dict(config_dict), source="config to write")  # refuse a bad config before writing
     names = sorted(tensors, key=natural_key)
@@ -534,13 +476,3 @@ def require_valid(ckpt: Checkpoint, layout: Any = None) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
         raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
-
-
-def iter_engram_names(spec: EngramSpec) -> Iterable[str]:
-    """All Engram tensor names a spec implies, in layer order."""
-    for lid in spec.layer_ids:
-        names = engram_tensor_names(lid, spec.prefix)
-        for key in ("table", "scale", "wkv", "q_weight", "k_weight"):
-            if key == "scale" and spec.table_dtype != "fp8":
-                continue
-            yield names[key]

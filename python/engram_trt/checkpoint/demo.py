@@ -17,6 +17,13 @@ Everything is deterministic from ``seed``: the backbone from one ``torch.Generat
 drawn in a fixed order, each 16384-row chunk of a table from its own NumPy ``PCG64``
 stream keyed by (seed, layer, chunk), so two machines get byte-identical shards and
 any chunk can be re-derived on its own (the tests do).
+
+The cached copy carries its own checksum: a stamp (``engram-trt-demo.json``) with the
+size and the sha256 of every 64 MiB block of every file. Each reuse checks every size,
+every small file whole (config, tokenizer, index, backbone shards) and random blocks
+of the large table shards; a cache that fails is rebuilt, with a warning. It is written
+in a temporary sibling folder and swapped into place whole (engram_trt.atomic), so a
+killed or disk-full run leaves the previous copy, or none, never half of one.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +43,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from engram_trt.checkpoint.checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, write_checkpoint
+from engram_trt import atomic
+from engram_trt.checkpoint.checkpoint import (Checkpoint, backbone_tensor_shapes, engram_tensor_names, is_checkpoint_file_name,
+                                              write_checkpoint)
+from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.model import ModelConfig
 from engram_trt.errors import EngramError
 from engram_trt.paths import cache_root
@@ -46,6 +57,10 @@ log = logging.getLogger(__name__)
 # Bump when the weights drawn for a given seed change, so cached demos are remade.
 DEMO_GENERATOR_VERSION = 2
 STAMP_NAME = "engram-trt-demo.json"
+STAMP_VERSION = 2  # the stamp's own format (2: per-file sizes and block hashes)
+STAMP_BLOCK_BYTES = 64 * 1024 * 1024
+STAMP_SAMPLE_BYTES = 128 * 1024 * 1024  # random table-shard blocks re-hashed per reuse
+MAX_SEED = 2**63 - 1
 DEMO_MAX_SHARD_BYTES = 4 * 1024**2  # small backbone shards so the demo exercises the index
 DEMO_TABLE_CHUNK_ROWS = 16384  # rows per independently seeded stream of a demo table
 
@@ -233,7 +248,9 @@ def demo_fp8_table(seed: int, layer_index: int, rows: int, head_dim: int, block:
 
 
 def _stamp(config_dict: Mapping[str, Any], seed: int, tokenizer_json: Path) -> dict[str, Any]:
+    """What a cached demo was made from (a different value: remake it, silently)."""
     return {
+        "stamp_version": STAMP_VERSION,
         "config_sha256": config_sha256(config_dict),
         "seed": int(seed),
         "generator_version": DEMO_GENERATOR_VERSION,
@@ -241,14 +258,36 @@ def _stamp(config_dict: Mapping[str, Any], seed: int, tokenizer_json: Path) -> d
     }
 
 
-def make_demo_checkpoint(out_dir: str | Path, seed: int = 0, max_shard_bytes: int = DEMO_MAX_SHARD_BYTES) -> Path:
-    """Write the demo checkpoint (random weights, meaningless text) into ``out_dir``.
+def _file_hashes(folder: Path) -> dict[str, Any]:
+    """Size and per-block sha256 of every file of a checkpoint folder (one read each)."""
+    from engram_trt.tables.source import hash_region
 
-    Same seed, same bytes. Also writes a stamp file (config hash, seed, generator
-    version, tokenizer hash) that :func:`ensure_demo_checkpoint` uses to reuse it.
+    files: dict[str, Any] = {}
+    for f in sorted(folder.iterdir()):
+        if f.name == STAMP_NAME or not f.is_file():
+            continue
+        size = f.stat().st_size
+        _, blocks = hash_region(f, 0, size, STAMP_BLOCK_BYTES, whole=False)
+        files[f.name] = {"bytes": size, "block_hashes": list(blocks)}
+    return files
+
+
+def check_seed(seed: Any, flag: str = "--seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise EngramError(f"{flag} must be an integer in 0..{MAX_SEED} (got {str(seed)[:40]})")
+    return seed
+
+
+def make_demo_checkpoint(out_dir: str | Path, seed: int = 0, max_shard_bytes: int = DEMO_MAX_SHARD_BYTES) -> Path:
+    """Write the demo checkpoint (random weights, meaningless text) into ``out_dir``, a
+    new or empty folder (a folder holding a checkpoint is refused).
+
+    Same seed, same bytes. Also writes the stamp (what it was made from, and every
+    file's size and block hashes) that :func:`ensure_demo_checkpoint` checks on reuse.
     """
     from engram_trt.engram.tokenizer import default_tokenizer_json
 
+    check_seed(seed)
     t0 = time.perf_counter()
     cfg_dict = demo_config()
     config = ModelConfig.from_dict(cfg_dict, source="DEMO_CONFIG")
@@ -263,54 +302,177 @@ def make_demo_checkpoint(out_dir: str | Path, seed: int = 0, max_shard_bytes: in
             seed, li, int(spec.num_embeddings[li]), spec.head_dim, spec.quant_block)
     tok = default_tokenizer_json()
     out = write_checkpoint(out_dir, cfg_dict, tensors, tok, max_shard_bytes=max_shard_bytes)
-    (out / STAMP_NAME).write_text(json.dumps(_stamp(cfg_dict, seed, tok), indent=2, sort_keys=True) + "\n")
+    del tensors
+    atomic.pause_point("demo:written")
+    stamp = _stamp(cfg_dict, seed, tok) | {"files": _file_hashes(out)}
+    (out / STAMP_NAME).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
     log.info("made demo checkpoint %s (seed %d) in %.1f s; its weights are random, its text meaningless",
              out, seed, time.perf_counter() - t0)
     return out
 
 
-def _stamp_matches(path: Path, seed: int) -> bool:
+def demo_bytes_needed() -> int:
+    """Disk bytes a demo checkpoint takes (its tables plus a margin for the backbone)."""
+    spec = ModelConfig.from_dict(DEMO_CONFIG).engram
+    assert spec is not None and spec.num_embeddings is not None and spec.head_dim is not None
+    rows = sum(spec.num_embeddings)
+    return rows * (spec.head_dim + spec.head_dim // spec.quant_block) + 64 * 1024**2
+
+
+def _check_free_space(folder: Path) -> None:
+    """Refuse before writing what would fill the disk (a full disk mid-write costs the
+    user minutes and, for other programs, their writes)."""
+    need = demo_bytes_needed()
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if free < need:
+        raise EngramError(f"the demo checkpoint needs {need / 1e9:.1f} GB of disk but {probe} has {free / 1e9:.1f} GB free; "
+                          f"free some space or set ENGRAM_TRT_CACHE to a folder on a larger disk")
+
+
+def demo_checkpoint_problem(path: Path, seed: int) -> tuple[str, bool] | None:
+    """Why the folder is not a usable demo checkpoint of ``seed``, and whether that is
+    damage (True: warn) rather than a stale or absent cache (False: remake quietly);
+    None when it is usable."""
     from engram_trt.engram.tokenizer import default_tokenizer_json
+    from engram_trt.tables.source import HashedRegion, sample_blocks, sha256_file_region
 
     stamp_file = path / STAMP_NAME
+    if not path.is_dir():
+        return "absent", False
     if not stamp_file.is_file():
-        return False
+        return "no stamp", False
     try:
-        found = json.loads(stamp_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if found != _stamp(DEMO_CONFIG, seed, default_tokenizer_json()):
-        return False
-    try:
-        Checkpoint.open(path).close()  # every shard the index names is present
+        found = read_json_object(stamp_file, "demo stamp")
     except EngramError as exc:
-        log.info("cached demo checkpoint %s is unusable (%s); remaking it", path, exc)
-        return False
-    return True
+        return f"its stamp is unreadable ({exc})", True
+    want = _stamp(DEMO_CONFIG, seed, default_tokenizer_json())
+    if {k: found.get(k) for k in want} != want:
+        return "made from other inputs (seed, generator or tokenizer version)", False
+    files = found.get("files")
+    if not isinstance(files, dict) or not files:
+        return "its stamp lists no files", True
+    regions: list[HashedRegion] = []
+    for name, rec in sorted(files.items()):
+        f = path / name
+        try:
+            size = f.stat().st_size if f.is_file() else None
+            blocks = tuple(rec["block_hashes"])
+            nbytes = int(rec["bytes"])
+        except (TypeError, KeyError, ValueError, OSError) as exc:
+            return f"its stamp entry for {name} is unreadable ({exc})", True
+        if size is None:
+            return f"{name} is missing", True
+        if size != nbytes:
+            return f"{name} holds {size} bytes, not the {nbytes} it was written with", True
+        if len(blocks) != max(1, -(-nbytes // STAMP_BLOCK_BYTES)) and nbytes:
+            return f"its stamp entry for {name} is unreadable", True
+        if nbytes <= STAMP_BLOCK_BYTES:
+            # Small files (config, tokenizer, index, backbone shards): checked whole.
+            if nbytes and sha256_file_region(f, 0, nbytes) != blocks[0]:
+                return f"{name} changed since it was written (sha256 differs)", True
+        else:
+            regions.append(HashedRegion(name, f, 0, nbytes, STAMP_BLOCK_BYTES, blocks))
+    problems = sample_blocks(regions, STAMP_SAMPLE_BYTES)
+    if problems:
+        return problems[0], True
+    try:
+        Checkpoint.open(path).close()  # every shard the index names is present and sound
+    except EngramError as exc:
+        return str(exc), True
+    return None
+
+
+_LEGACY_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
+
+
+def _clean_legacy_temps(target: Path) -> None:
+    """Temporaries of engram-trt before 0.2 (``.demo-checkpoint.tmp-PID``, no marker),
+    up to 2.4 GiB each: removed when their process is gone and they hold only
+    checkpoint files."""
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = _LEGACY_TEMP.match(entry.name)
+        if not m or m.group("name") != target.name or not entry.is_dir() or atomic.pid_alive(int(m.group("pid"))):
+            continue
+        names = [p.name for p in entry.iterdir()]
+        if all(is_checkpoint_file_name(n) or n == STAMP_NAME for n in names):
+            shutil.rmtree(entry, ignore_errors=True)
+            log.warning("removed %s, left by process %s that died while writing the demo checkpoint", entry, m.group("pid"))
 
 
 def ensure_demo_checkpoint(path: str | Path | None = None, seed: int = 0) -> Path:
-    """The demo checkpoint folder, made on first use and reused while its stamp matches.
+    """The demo checkpoint folder, made on first use and reused while its stamp holds.
 
-    The checkpoint is built in a sibling temporary folder and renamed into place, so
-    an interrupted run never leaves a half-written cache that looks complete.
+    Concurrent callers serialize on the folder's lock (the second one waits, then
+    reuses what the first made). A damaged copy (an edited config, a truncated
+    tokenizer.json, changed table bytes where the sampled check looks) is rebuilt with
+    a warning. The new copy is built in a temporary sibling and swapped in whole;
+    temporaries of dead processes are removed first.
     """
+    check_seed(seed, "--weights-seed")
     target = Path(path).expanduser() if path is not None else demo_checkpoint_dir()
-    if _stamp_matches(target, seed):
-        log.debug("reusing demo checkpoint %s", target)
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    make_demo_checkpoint(tmp, seed=seed)
-    if target.exists():
-        shutil.rmtree(target)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        # Another process finished first: use its copy if it is good.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not _stamp_matches(target, seed):
-            raise EngramError(f"could not put the demo checkpoint at '{target}' (another process is writing it, or the folder is not writable); set ENGRAM_TRT_CACHE to a writable folder") from None
+    with atomic.locked(target, "another demo"):
+        atomic.clean_dead_temps(target)
+        _clean_legacy_temps(target)
+        problem = demo_checkpoint_problem(target, seed)
+        if problem is None:
+            log.debug("reusing demo checkpoint %s", target)
+            return target
+        reason, damaged = problem
+        if damaged:
+            log.warning("the cached demo checkpoint %s is damaged (%s); rebuilding it", target, reason)
+        elif target.exists():
+            log.info("the cached demo checkpoint %s is stale (%s); remaking it", target, reason)
+        _check_free_space(target.parent)
+        tmp = atomic.temp_sibling(target, "tmp")
+        try:
+            atomic.pause_point("demo:tmp-made")
+            make_demo_checkpoint(tmp, seed=seed)
+            atomic.replace_dir(tmp, target)
+        except BaseException:
+            atomic.remove_temp(tmp)
+            raise
     return target
+
+
+def write_demo_checkpoint(out: str | Path, seed: int = 0, force: bool = False) -> Path:
+    """``engram-trt demo-checkpoint OUT``: the demo checkpoint at ``out``, a new or empty
+    folder. A folder holding anything is refused unless ``force``; then its checkpoint
+    files are replaced and every other file is kept. Written in a temporary sibling
+    and swapped in whole, so ``out`` never holds half a checkpoint."""
+    check_seed(seed)
+    out = Path(out).expanduser().absolute()
+    atomic.check_parents(out, "OUT")
+    if out.exists() and not out.is_dir():
+        raise EngramError(f"OUT '{out}' exists and is not a folder; choose a new folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        sample = sorted(p.name for p in out.iterdir())[0]
+        raise EngramError(f"OUT '{out}' is not empty (it holds {sample}, ...); choose a new or empty folder, or pass --force "
+                          f"to replace its checkpoint files (other files are kept)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.locked(out, "another demo-checkpoint"):
+        atomic.clean_dead_temps(out)
+        if out.is_dir() and any(out.iterdir()) and not force:  # filled while we waited
+            raise EngramError(f"OUT '{out}' is not empty (another process wrote it meanwhile); choose a new or empty folder, or pass --force")
+        _check_free_space(out.parent)
+        tmp = atomic.temp_sibling(out, "tmp")
+        try:
+            atomic.pause_point("demo-checkpoint:tmp-made")
+            make_demo_checkpoint(tmp, seed=seed)
+            if out.is_dir():
+                atomic.carry_over(out, tmp, lambda n: not is_checkpoint_file_name(n) and n != STAMP_NAME)
+            atomic.replace_dir(tmp, out)
+        except BaseException:
+            atomic.remove_temp(tmp)
+            raise
+    return out

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, check_generation_args, int_arg, resolve_device
 from engram_trt.cli.output import print_json
+from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
 from engram_trt.errors import EngramError
 
 
@@ -17,11 +18,13 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     from engram_trt.config.engram import add_engram_config_arguments
 
     p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
-    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=32,
-                   help="most tokens to generate (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int_arg(1, INT32_MAX), default=32,
+                   metavar="N", help="most tokens to generate (default: %(default)s; prompt plus new tokens stay within "
+                                     "the runtime's max_seq_len)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, finite, 0..1e4; 0 (or below 1e-5) = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed, 0..2^63-1 (default: %(default)s)")
+    p.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, metavar="N", help="sampling seed, 0..2^63-1 (default: %(default)s)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when the output contains TEXT (excluded from it); repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence ids")
@@ -29,8 +32,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="'tensorrt' runs the engine, 'torch' the reference model with the project's CUDA kernels on a GPU "
                         "(the reference path on a CPU), 'auto' the first that can run here, saying why (default: %(default)s)")
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
-    p.add_argument("--dtype", default=None, metavar="{float32,bfloat16,float16}",
-                   help="compute dtype of the torch backend; bf16/fp16/fp32 spellings too (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default=None,
+                   help=f"compute dtype of the torch backend: fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA); "
+                        f"every subcommand takes the spellings {SPELLINGS}")
     p.add_argument("--verify-tables", action="store_true",
                    help="check every Engram table's sha256 against the manifest before running (reads every byte)")
     p.add_argument("--json", action="store_true",
@@ -39,17 +43,11 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_generation_args(args: argparse.Namespace) -> Any:
-    """The request's SamplingParams, checked before anything is loaded."""
+    """The request's SamplingParams, every option checked (cli.argtypes) before anything
+    is loaded or built."""
     from engram_trt.llmapi.params import SamplingParams
 
-    if args.max_new_tokens < 1:
-        raise EngramError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise EngramError(f"--temperature must be a number >= 0 (got {args.temperature})")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        raise EngramError(f"--top-p must be in (0, 1] (got {args.top_p})")
-    if not 0 <= args.seed < 2**63:
-        raise EngramError(f"--seed must be in 0..2^63-1 (got {args.seed})")
+    check_generation_args(args)
     return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                           stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
 
@@ -107,15 +105,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         if res:
             print_json(res) if args.json else print_parallel(res)
         return 0
+    _check_generation_args(args)  # before anything is loaded
     res = generate_text(args.path, args)
     print_json(res) if args.json else _print_generation(res)
     return 0
 
 
 def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
-    from engram_trt.checkpoint.demo import make_demo_checkpoint
+    from engram_trt.checkpoint.demo import write_demo_checkpoint
 
-    out = make_demo_checkpoint(Path(args.out), seed=args.seed)
+    out = write_demo_checkpoint(Path(args.out), seed=args.seed, force=args.force)
     print(f"wrote the demo checkpoint to {out} (random weights: generated text is meaningless)")
     return 0
 
@@ -131,13 +130,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from engram_trt.checkpoint.demo import ensure_demo_checkpoint
     from engram_trt.paths import cache_root
 
-    _check_generation_args(args)  # before the checkpoint or the engine is touched
+    _check_generation_args(args)  # before the checkpoint is made or the engine built
+    resolve_device(args.device)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
     ckpt_dir = ensure_demo_checkpoint(seed=args.weights_seed)
     say(f"checkpoint: {ckpt_dir}")
     engine_dir = Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-engine"
-    built = build(ckpt_dir, engine_dir, progress=not args.json)
+    built = build(ckpt_dir, engine_dir, progress=not args.json, force=args.force)
     say(built.summary())
     res = generate_text(str(engine_dir), args)
     res["engine"] = built.to_json()

@@ -1,4 +1,12 @@
-"""``engram-trt inspect``: what a checkpoint holds and what is wrong with it."""
+"""``engram-trt inspect``: what a checkpoint (or an engine folder) holds and what is
+wrong with it.
+
+Its contract: every problem found is *listed* (exit 1), not raised; only a folder that
+cannot be read at all (no config.json, a damaged shard header) ends in the one-line
+error. For an engine folder the tables are checked against what the build recorded:
+sizes always, random blocks against their recorded hashes by default, every byte with
+``--verify-tables``.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +19,11 @@ from engram_trt.errors import EngramError
 
 
 def inspect_checkpoint(path: str) -> dict[str, Any]:
-    """The facts ``engram-trt inspect`` reports, as a dict (also used by tests and the builder)."""
+    """The facts ``engram-trt inspect CHECKPOINT`` reports, as a dict."""
     from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, validate_checkpoint
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.engram.tokenizer import build_compressed_vocab
+    from engram_trt.tables.source import checkpoint_table_refs, table_file_problems
 
     ckpt = Checkpoint.open(path)
     cfg = ckpt.config
@@ -28,20 +37,34 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "layers": [],
         "problems": [],
     }
+    problems: list[str] = report["problems"]
     if spec is None:
-        report["problems"].append("config has no Engram layers (no engram_layer_ids or ple_layer_ids)")
-        report["problems"].extend(validate_checkpoint(ckpt, None))
+        problems.append("config has no Engram layers (no engram_layer_ids or ple_layer_ids)")
+        problems.extend(validate_checkpoint(ckpt, None))
         return report
-    cfg.require_model()
+    pad = 0
     if ckpt.tokenizer_json is None:
-        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)")
-    vocab = build_compressed_vocab(ckpt.tokenizer_json)
-    report["compressed_vocab"] = {"built": vocab.size, "declared": spec.compressed_vocab_size}
-    if vocab.size != spec.compressed_vocab_size:
-        report["problems"].append(
-            f"tokenizer compresses to {vocab.size} ids but {spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}")
-    pad = int(vocab.compress([spec.pad_token_id])[0]) if spec.pad_token_id < vocab.vocab_size else 0
-    layout = EngramLayout.from_spec(spec, pad % spec.compressed_vocab_size)
+        problems.append(f"checkpoint has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into '{ckpt.path}')")
+        report["compressed_vocab"] = {"built": None, "declared": spec.compressed_vocab_size}
+    else:
+        try:
+            vocab = build_compressed_vocab(ckpt.tokenizer_json)
+        except EngramError as exc:
+            problems.append(str(exc))
+            report["compressed_vocab"] = {"built": None, "declared": spec.compressed_vocab_size}
+        else:
+            report["compressed_vocab"] = {"built": vocab.size, "declared": spec.compressed_vocab_size}
+            if vocab.size != spec.compressed_vocab_size:
+                problems.append(f"tokenizer compresses to {vocab.size} ids but {spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}")
+            if spec.pad_token_id < vocab.vocab_size:
+                pad = int(vocab.compress([spec.pad_token_id])[0]) % spec.compressed_vocab_size
+            else:
+                problems.append(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
+    try:
+        layout = EngramLayout.from_spec(spec, pad)
+    except EngramError as exc:
+        problems.append(str(exc))
+        return report
     total = 0
     for li, lid in enumerate(spec.layer_ids):
         entry: dict[str, Any] = {"layer_id": lid, "layout_rows": int(layout.table_rows[li]), "tensors": {}}
@@ -60,24 +83,82 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         total += layer_bytes
         report["layers"].append(entry)
     report["total_engram_bytes"] = total
-    report["problems"].extend(validate_checkpoint(ckpt, layout))
+    found = validate_checkpoint(ckpt, layout)
+    problems.extend(found)
+    if not found:  # every table is present: check its files hold it (sizes, as every load does)
+        problems.extend(table_file_problems(checkpoint_table_refs(ckpt)))
     return report
 
 
+def inspect_engine_folder(path: str, verify_tables: bool = False, sample_bytes: int | None = None) -> dict[str, Any]:
+    """The facts ``engram-trt inspect ENGINE_DIR`` reports: the build's shapes and
+    files, and the tables checked against the manifest."""
+    from engram_trt.builder.manifest import manifest_table_refs, read_manifest
+    from engram_trt.tables.source import DEFAULT_SAMPLE_BYTES, sampled_check, table_file_problems, verify_table_hashes
+
+    folder = Path(path)
+    m = read_manifest(folder)
+    refs = manifest_table_refs(m, folder)
+    report: dict[str, Any] = {
+        "engine_folder": str(folder.resolve()),
+        "checkpoint": m.get("checkpoint"),
+        "engine": (m.get("engine") or {}).get("file"),
+        "dtype": m.get("dtype"),
+        "shapes": m.get("shapes"),
+        "tables": [{"tensor": r.tensor, "file": str(r.file), "bytes": r.nbytes, "blocks": len(r.block_hashes or ())} for r in refs],
+        "total_engram_bytes": sum(r.nbytes for r in refs),
+        "table_check": "full" if verify_tables else "sampled",
+        "problems": [],
+    }
+    problems: list[str] = report["problems"]
+    for name in ([m["engine"]["file"]] if isinstance(m.get("engine"), dict) else []) + [m.get("graph", {}).get("file", "model.onnx")]:
+        if not (folder / str(name)).is_file():
+            problems.append(f"{name} is missing from the engine folder (rebuild it)")
+    problems.extend(table_file_problems(refs))
+    if not problems:
+        if verify_tables:
+            problems.extend(verify_table_hashes(refs))
+        else:
+            budget = DEFAULT_SAMPLE_BYTES if sample_bytes is None else sample_bytes
+            problems.extend(sampled_check(refs, budget))
+            if any(r.block_hashes is None for r in refs):
+                report["table_check"] = "sampled (some tables have no block hashes: use --verify-tables)"
+    return report
+
+
+def _print_checkpoint(report: dict[str, Any]) -> None:
+    print(f"checkpoint   {report['checkpoint']}")
+    print(f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}")
+    if report["engram"]:
+        cv = report.get("compressed_vocab", {})
+        print(f"compressed vocab  built {cv.get('built')}, declared {cv.get('declared')}")
+        for e in report["layers"]:
+            rows = e.get("table_rows", "missing")
+            print(f"engram layer {e['layer_id']:>3}: table rows {rows} (layout needs {e['layout_rows']}), {human_bytes(e['bytes'])}")
+        if "total_engram_bytes" in report:
+            print(f"total Engram bytes  {report['total_engram_bytes']} ({human_bytes(report['total_engram_bytes'])})")
+
+
+def _print_engine(report: dict[str, Any]) -> None:
+    print(f"engine folder  {report['engine_folder']}")
+    print(f"checkpoint     {report['checkpoint']}")
+    print(f"engine         {report['engine'] or 'none (graph only)'}, dtype {report['dtype']}, shapes {report['shapes']}")
+    for t in report["tables"]:
+        print(f"table {t['tensor']}: {human_bytes(t['bytes'])} in {t['file']}")
+    print(f"tables checked  {report['table_check']}")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    report = inspect_checkpoint(args.checkpoint)
+    from engram_trt.builder.manifest import MANIFEST_NAME
+
+    engine = (Path(args.checkpoint) / MANIFEST_NAME).is_file()
+    if args.verify_tables and not engine:
+        raise EngramError(f"--verify-tables checks an engine folder's tables against its manifest, and '{args.checkpoint}' has no {MANIFEST_NAME}; pass the engine folder")
+    report = inspect_engine_folder(args.checkpoint, args.verify_tables) if engine else inspect_checkpoint(args.checkpoint)
     if args.json:
         print_json(report)
     else:
-        print(f"checkpoint   {report['checkpoint']}")
-        print(f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}")
-        if report["engram"]:
-            cv = report["compressed_vocab"]
-            print(f"compressed vocab  built {cv['built']}, declared {cv['declared']}")
-            for e in report["layers"]:
-                rows = e.get("table_rows", "missing")
-                print(f"engram layer {e['layer_id']:>3}: table rows {rows} (layout needs {e['layout_rows']}), {human_bytes(e['bytes'])}")
-            print(f"total Engram bytes  {report['total_engram_bytes']} ({human_bytes(report['total_engram_bytes'])})")
+        (_print_engine if engine else _print_checkpoint)(report)
         if report["problems"]:
             print(f"problems ({len(report['problems'])}):")
             for p in report["problems"]:
@@ -85,5 +166,3 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print("problems     none")
     return EXIT_PROBLEMS if report["problems"] else 0
-
-

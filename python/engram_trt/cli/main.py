@@ -5,6 +5,11 @@ and diagnostics through ``logging`` on stderr. Bad input ends in one line,
 ``engram-trt: error: ...``, and exit status 2; never a traceback. Building the parser
 imports no torch and no onnx: each subcommand imports what it needs when it runs, so
 ``--help``, ``layout`` and ``hash`` answer at once.
+
+:func:`main` is the one guard: an :class:`EngramError` is the bad input's own line; an
+``OSError`` names the path and what the system said (a full disk, no permission);
+anything else that escapes is still one line naming the subcommand and the error, and
+``-vv`` adds the traceback for whoever debugs it. No traceback reaches a user.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Callable, Sequence
 
 from engram_trt import __version__
 from engram_trt.builder.args import add_build_arguments
+from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, int_arg
 from engram_trt.cli.generate import _add_generation_args, cmd_build, cmd_demo, cmd_demo_checkpoint, cmd_run
 from engram_trt.cli.inspect import cmd_inspect
 from engram_trt.cli.mechanism import cmd_hash, cmd_layout
@@ -51,16 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("layout", cmd_layout, "print the Engram layout (primes, offsets, multipliers, table rows) as JSON")
     p.add_argument("config", metavar="CONFIG", help="a config.json path or a checkpoint folder")
-    p.add_argument("--pad-id", type=int, default=None, help="compressed pad id to report (default: from the tokenizer beside CONFIG, else 0; the layout does not depend on it)")
+    p.add_argument("--pad-id", type=int_arg(0, INT32_MAX), default=None, help="compressed pad id to report (default: from the tokenizer beside CONFIG, else 0; the layout does not depend on it)")
 
     p = add("hash", cmd_hash, "hash token ids to table row ids; prints JSON {\"hash_ids\": [position][layer][col]}")
     p.add_argument("config", metavar="CONFIG", help="a config.json path or a checkpoint folder (its tokenizer.json maps raw ids)")
     p.add_argument("--ids", required=True, help="comma-separated token ids of one sequence from position 0; -1 marks a dead token")
     p.add_argument("--compressed", action="store_true", help="the ids are already compressed ids (no tokenizer needed)")
-    p.add_argument("--pad-id", type=int, default=None, help="with --compressed: the compressed id of the pad token")
+    p.add_argument("--pad-id", type=int_arg(0, INT32_MAX), default=None, help="with --compressed: the compressed id of the pad token")
 
-    p = add("inspect", cmd_inspect, "summarize a checkpoint's Engram tables and list the problems found (exit 1 if any)")
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint folder (config.json, tokenizer.json, *.safetensors)")
+    p = add("inspect", cmd_inspect, "summarize a checkpoint's (or an engine folder's) Engram tables and list the problems found (exit 1 if any)",
+            "Summarize a checkpoint folder, or an engine folder (one holding manifest.json): layers, tables, sizes, and "
+            "every problem found. For an engine folder the tables are checked against the build: sizes always, random "
+            "blocks against their recorded hashes by default, every byte with --verify-tables.")
+    p.add_argument("checkpoint", metavar="FOLDER", help="checkpoint folder (config.json, tokenizer.json, *.safetensors) or engine folder (manifest.json)")
+    p.add_argument("--verify-tables", action="store_true", help="engine folder: re-hash every byte of every table against the manifest's sha256 (reads all of them)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
     p = add("run", cmd_run, "generate text from an engine folder or a checkpoint through engram_trt.LLM; prints the backend and storage used",
@@ -73,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_parallel_arguments(p)  # hook: --tp / --dp / --prompts-file (engram_trt.distributed)
 
     p = add("demo-checkpoint", cmd_demo_checkpoint, "write the built-in engram-llama checkpoint (random weights; a tiny backbone and 2.4 GiB of FP8 tables)")
-    p.add_argument("out", metavar="OUT", help="output folder")
-    p.add_argument("--seed", type=int, default=0, help="weights seed (default: %(default)s)")
+    p.add_argument("out", metavar="OUT", help="output folder: new or empty (a folder holding files needs --force)")
+    p.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, metavar="N", help="weights seed, 0..2^63-1 (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="write into an OUT that holds files: its checkpoint files are replaced, every other file is kept")
 
     p = add("build", cmd_build, "turn a checkpoint into a TensorRT engine folder, the Engram tables kept outside the engine",
             "Validate CHECKPOINT, save its compressed token map, export the whole model as ONNX (Engram layers as "
@@ -87,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
             "(TensorRT or TensorRT-RTX when installed; else the exported graph only), and generate from it.")
     _add_generation_args(p)
     p.add_argument("--engine-dir", default=None, help="where to build the demo engine (default: demo-engine beside the demo checkpoint)")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of the demo checkpoint's random weights (default: %(default)s)")
+    p.add_argument("--weights-seed", type=int_arg(0, SEED_MAX), default=0, metavar="N", help="seed of the demo checkpoint's random weights, 0..2^63-1 (default: %(default)s)")
+    p.add_argument("--force", action="store_true", help="build the engine into an --engine-dir that holds files engram-trt did not write (see build --force)")
     p.set_defaults(max_new_tokens=16)
 
     add_shm_command(add)
@@ -98,9 +110,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _os_error_line(exc: OSError) -> str:
+    """A path the system refused (a file where a folder must go, no permission, a full
+    disk), with the fix where there is an obvious one."""
+    import errno
+
+    where = f"{exc.filename}: " if exc.filename else ""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    hint = {
+        errno.ENOSPC: " (the disk is full: free space, or write to a larger disk; nothing half-written was kept)",
+        errno.EDQUOT: " (the disk quota is used up: free space; nothing half-written was kept)",
+        errno.EFBIG: " (the file would pass the size this process may write: raise the limit, `ulimit -f`; nothing half-written was kept)",
+        errno.EACCES: " (check the permissions)",
+        errno.EROFS: " (the filesystem is read-only: choose a writable folder)",
+    }.get(exc.errno or -1, "")
+    return _one_line(f"{where}{reason}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; every failure is one line on stderr and exit status 2."""
     from engram_trt.config.engram import reject_unknown_args
 
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # generated text need not fit the terminal's encoding
+        except (AttributeError, ValueError):
+            pass
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
@@ -112,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reject_unknown_args(extra)
         return args.func(args)
     except EngramError as exc:
-        print(f"engram-trt: error: {exc}", file=sys.stderr)
+        print(f"engram-trt: error: {_one_line(str(exc), 2000)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("engram-trt: interrupted", file=sys.stderr)
@@ -122,10 +162,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as exc:
-        # A path the user gave that the system refuses (a file where a folder must go,
-        # no permission, a full disk): name it, no traceback.
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"engram-trt: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        log.debug("OSError in %s", args.command, exc_info=True)
+        print(f"engram-trt: error: {_os_error_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:
+        print(f"engram-trt: error: {args.command} ran out of memory (free memory, or use smaller inputs)", file=sys.stderr)
+        return EXIT_USAGE
+    except RecursionError:
+        log.debug("RecursionError in %s", args.command, exc_info=True)
+        print(f"engram-trt: error: {args.command}: an input is nested too deeply to read (check the files given)", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # the guard: what nothing above anticipated still gets one line
+        log.debug("unexpected error in %s", args.command, exc_info=True)  # -vv: the traceback
+        what = _one_line(f"{type(exc).__name__}: {exc}", 300)
+        print(f"engram-trt: error: {args.command} failed unexpectedly ({what}); run with -vv for the traceback and "
+              f"report it with the command line", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -6,28 +6,43 @@ Neither imports torch or onnx: they answer in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
+from engram_trt.cli.argtypes import INT32_MAX
 from engram_trt.cli.output import print_json
 from engram_trt.errors import EngramError
 
+_INT_RE = re.compile(r"^-?[0-9]+$")
+
+
+MAX_IDS = 1 << 20  # one sequence; longer belongs in a file, not an argument
+
 
 def _parse_ids(text: str) -> list[int]:
+    """``--ids``: comma-separated ASCII integers, ``-1`` for a dead token, each an int32
+    token id (the GPU's id type); one trailing comma is harmless."""
     example = "expected comma-separated integers, e.g. --ids 5,17,-1,3"
     parts = [p.strip() for p in text.split(",")]
     if len(parts) > 1 and parts[-1] == "":
         parts.pop()  # one trailing comma is harmless
     if parts == [""]:
         raise EngramError(f"--ids: no ids given ({example})")
+    if len(parts) > MAX_IDS:
+        raise EngramError(f"--ids: {len(parts)} ids, more than one sequence of at most {MAX_IDS} takes")
     ids: list[int] = []
     for part in parts:
         if part == "":
-            raise EngramError(f"--ids: empty item in '{text}' ({example})")
-        try:
-            ids.append(int(part))
-        except ValueError:
-            raise EngramError(f"--ids: '{part}' is not an integer ({example})") from None
+            raise EngramError(f"--ids: empty item in '{text[:80]}' ({example})")
+        if not _INT_RE.match(part) or len(part) > 20:
+            raise EngramError(f"--ids: '{part[:40]}' is not an integer ({example})")
+        v = int(part)
+        if v < -1:
+            raise EngramError(f"--ids: {v} is not a token id (ids are >= 0; -1 marks a dead token)")
+        if v > INT32_MAX:
+            raise EngramError(f"--ids: {v} is larger than any token id (at most {INT32_MAX})")
+        ids.append(v)
     return ids
 
 

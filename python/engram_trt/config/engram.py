@@ -93,7 +93,7 @@ class EngramConfig:
         changes: dict[str, Any] = {}
         for key, value in d.items():
             if key not in valid:
-                raise EngramError(f"{source}: unknown field '{key}' (valid fields: {', '.join(valid)})")
+                raise EngramError(f"{source}: unknown field '{str(key)[:80]}' (valid fields: {', '.join(valid)})")
             changes[key] = _check_type(key, value, source)
         given = tuple(sorted(set(self.given) | set(changes)))
         return replace(self, **changes, given=given)
@@ -144,42 +144,52 @@ class EngramConfig:
 
 def _load_json_object(text: str | Path) -> Any:
     """Inline JSON (text starting with '{') or a path to a JSON file."""
+    from engram_trt.config.jsonfile import parse_json_text, read_json_file
+
     s = str(text).strip()
     if s.startswith(("{", "[")):
-        try:
-            return json.loads(s)
-        except json.JSONDecodeError as exc:
-            raise EngramError(f"{FLAG}: not valid JSON ({exc.msg} at column {exc.colno}); pass an object such as '{{\"cpu_offload\": false}}' or a file path") from None
+        return parse_json_text(s, FLAG)
     p = Path(s).expanduser()
-    if not p.is_file():
-        raise EngramError(f"{FLAG}: '{s}' is neither a JSON object nor an existing file (pass '{{\"cpu_offload\": false}}' or a path to a .json file)")
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise EngramError(f"{FLAG}: file '{p}' is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        is_file = p.is_file()
+    except (OSError, ValueError):  # a name too long or with a NUL byte
+        is_file = False
+    if not is_file:
+        shown = s if len(s) <= 80 else s[:77] + "..."
+        raise EngramError(f"{FLAG}: '{shown}' is neither a JSON object nor an existing file (pass '{{\"cpu_offload\": false}}' or a path to a .json file)")
+    return read_json_file(p, f"{FLAG} file", max_bytes=1024 * 1024)
 
 
 def parse_scalar(text: str, source: str) -> Any:
     """A dotted override's value as a JSON scalar (``true``, ``3``, ``"x"``); a bare word
     that is not JSON is taken as a string (``in_engine``)."""
+    from engram_trt.config.jsonfile import parse_json_text
+
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = parse_json_text(text, source)
+    except EngramError:
+        if text.lstrip().startswith(("{", "[")):
+            raise
         return text
     if isinstance(value, (dict, list)):
-        raise EngramError(f"{source}: expected a scalar value (true/false, a number or a string), got {text!r}")
+        raise EngramError(f"{source}: expected a scalar value (true/false, a number or a string), got {text[:80]!r}")
     return value
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_type(key: str, value: Any, source: str) -> Any:
     default = getattr(EngramConfig(), key)
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise EngramError(f"{source}: field '{key}' must be true or false (got {json.dumps(value)})")
+            raise EngramError(f"{source}: field '{key}' must be true or false (got {_shown(value)})")
         return value
     if key == "table_placement":
         if value not in TABLE_PLACEMENTS:
-            raise EngramError(f"{source}: field 'table_placement' must be one of {', '.join(TABLE_PLACEMENTS)} (got {json.dumps(value)})")
+            raise EngramError(f"{source}: field 'table_placement' must be one of {', '.join(TABLE_PLACEMENTS)} (got {_shown(value)})")
         return value
     return value  # pragma: no cover - every field is covered above
 

@@ -6,20 +6,58 @@ and Qwen4Exp-style ``ple_*`` fields (per-layer embeddings). Both become one
 
 Validation happens here, once, so every consumer (layout, model, builder, runtime,
 CLI) can trust the values: each bad field is refused with a message that names the
-field, the value found and the value expected.
+field, the value found and the value expected. Every integer field has an upper bound
+as well as a lower one (:data:`LIMITS`): a value past what the kernels, the int32 ids
+on the GPU or any real model need is a typo or a hostile file, and refusing it here
+keeps it from becoming a 30-second prime search, an overflow or an allocation of
+terabytes later.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from engram_trt.config.jsonfile import read_json_object
 from engram_trt.errors import ConfigError
 
 ENGRAM_PREFIXES = ("engram", "ple")
+
+INT32_MAX = 2**31 - 1
+# The hash kernel's limits (plugins/kernels/engramKernels.h): its layout constants
+# travel as one kernel parameter of fixed size.
+HASH_MAX_NGRAM = 16  # ENGRAM_HASH_MAX_NGRAM
+HASH_MAX_SLOTS = 512  # ENGRAM_HASH_MAX_SLOTS = num_layers * n_hash_cols
+HASH_MAX_MULTIPLIERS = 256  # ENGRAM_HASH_MAX_MULTIPLIERS = num_layers * max_ngram_size
+
+# Upper bounds of the integer fields (inclusive). Generous next to any real model
+# (DeepSeek-V3: hidden 7168, 61 layers, 128 heads, 129280 ids) but finite.
+LIMITS: dict[str, int] = {
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "vocab_size": INT32_MAX,  # token ids are int32 on the GPU
+    "max_position_embeddings": 1 << 24,
+    "hc_mult": 64,
+    "bos_token_id": INT32_MAX,
+    "eos_token_id": INT32_MAX,
+    # Engram fields, without their prefix
+    "layer_ids": 1023,
+    "max_ngram_size": HASH_MAX_NGRAM,
+    "n_heads": HASH_MAX_SLOTS,
+    "engram_head_dim": 1 << 16,
+    "engram_vocab_size": INT32_MAX,
+    "compressed_vocab_size": INT32_MAX,
+    "pad_token_id": INT32_MAX,
+    "quant_block": 1 << 16,
+    "num_embeddings": INT32_MAX,
+}
+MAX_LIST_LEN = 4096
 
 # The fields that make up the mechanism, without their prefix.
 _SPEC_FIELDS = (
@@ -95,29 +133,42 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr`` cut to ``limit`` characters: a hostile value must not flood the one line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _int_field(d: Mapping[str, Any], key: str, source: str | None, *, minimum: int | None = None,
-               default: Any = ..., expected: str | None = None) -> Any:
+               maximum: int | None = None, default: Any = ..., expected: str | None = None) -> Any:
     if key not in d or d[key] is None:
         if default is ...:
             raise ConfigError(f"{_where(source)}missing field '{key}' (expected {expected or 'an integer'})")
         return default
     value = d[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{_where(source)}field '{key}' must be {expected or 'an integer'} (got {value!r})")
+        raise ConfigError(f"{_where(source)}field '{key}' must be {expected or 'an integer'} (got {_short(value)})")
     if minimum is not None and value < minimum:
-        raise ConfigError(f"{_where(source)}field '{key}' must be an integer >= {minimum} (got {value})")
+        raise ConfigError(f"{_where(source)}field '{key}' must be an integer >= {minimum} (got {_short(value)})")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{_where(source)}field '{key}'={_short(value)} is larger than engram-trt supports (at most {maximum}); check the value")
     return value
 
 
-def _int_list(d: Mapping[str, Any], key: str, source: str | None, *, minimum: int = 0) -> tuple[int, ...]:
+def _int_list(d: Mapping[str, Any], key: str, source: str | None, *, minimum: int = 0,
+              maximum: int = INT32_MAX) -> tuple[int, ...]:
     value = d.get(key)
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, Sequence) or isinstance(value, str) or len(value) == 0:
-        raise ConfigError(f"{_where(source)}field '{key}' must be a non-empty list of integers (got {value!r})")
+        raise ConfigError(f"{_where(source)}field '{key}' must be a non-empty list of integers (got {_short(value)})")
+    if len(value) > MAX_LIST_LEN:
+        raise ConfigError(f"{_where(source)}field '{key}' lists {len(value)} values, more than engram-trt supports ({MAX_LIST_LEN})")
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ConfigError(f"{_where(source)}field '{key}' must hold integers >= {minimum} (got {v!r} in {list(value)})")
+            raise ConfigError(f"{_where(source)}field '{key}' must hold integers >= {minimum} (got {_short(v)} in {_short(list(value))})")
+        if v > maximum:
+            raise ConfigError(f"{_where(source)}field '{key}' holds {_short(v)}, larger than engram-trt supports (at most {maximum}); check the value")
     return tuple(value)
 
 
@@ -141,32 +192,46 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
     if prefix is None:
         return None
     k = lambda name: f"{prefix}_{name}"  # noqa: E731
-    layer_ids = _int_list(d, k("layer_ids"), source)
+    layer_ids = _int_list(d, k("layer_ids"), source, maximum=LIMITS["layer_ids"])
     if len(set(layer_ids)) != len(layer_ids):
-        raise ConfigError(f"{_where(source)}field '{k('layer_ids')}' has repeated layers {list(layer_ids)} (expected distinct layer indices)")
-    n = _int_field(d, k("max_ngram_size"), source, minimum=2, expected="an integer >= 2 (n-grams of order 2..N)")
-    heads = _int_field(d, k("n_heads"), source, minimum=1)
+        raise ConfigError(f"{_where(source)}field '{k('layer_ids')}' has repeated layers {_short(list(layer_ids))} (expected distinct layer indices)")
+    n = _int_field(d, k("max_ngram_size"), source, minimum=2, maximum=HASH_MAX_NGRAM,
+                   expected="an integer >= 2 (n-grams of order 2..N)")
+    heads = _int_field(d, k("n_heads"), source, minimum=1, maximum=LIMITS["n_heads"])
+    slots = len(layer_ids) * (n - 1) * heads
+    if slots > HASH_MAX_SLOTS:
+        raise ConfigError(f"{_where(source)}{len(layer_ids)} Engram layers x {n - 1} n-gram orders x {heads} heads = {slots} hash columns, "
+                          f"more than the hash kernel's {HASH_MAX_SLOTS} (ENGRAM_HASH_MAX_SLOTS); lower {k('n_heads')} or {k('max_ngram_size')}")
+    if len(layer_ids) * n > HASH_MAX_MULTIPLIERS:
+        raise ConfigError(f"{_where(source)}{len(layer_ids)} Engram layers x {k('max_ngram_size')}={n} = {len(layer_ids) * n} multipliers, "
+                          f"more than the hash kernel's {HASH_MAX_MULTIPLIERS} (ENGRAM_HASH_MAX_MULTIPLIERS); use fewer layers or a smaller N")
     raw_vocab = d.get(k("vocab_size"))
     if isinstance(raw_vocab, (list, tuple)):
-        vocab: int | tuple[int, ...] = _int_list(d, k("vocab_size"), source, minimum=2)
+        vocab: int | tuple[int, ...] = _int_list(d, k("vocab_size"), source, minimum=2, maximum=LIMITS["engram_vocab_size"])
         if len(vocab) != n - 1:
             raise ConfigError(f"{_where(source)}field '{k('vocab_size')}' lists {len(vocab)} values but {k('max_ngram_size')}={n} needs {n - 1} (one per n-gram order 2..{n}) or a single integer")
     else:
-        vocab = _int_field(d, k("vocab_size"), source, minimum=2)
-    cvocab = _int_field(d, k("compressed_vocab_size"), source, minimum=1)
-    pad = _int_field(d, k("pad_token_id"), source, minimum=0)
-    head_dim = _int_field(d, k("head_dim"), source, minimum=1, default=None)
-    quant_block = _int_field(d, k("quant_block"), source, minimum=1, default=32)
+        vocab = _int_field(d, k("vocab_size"), source, minimum=2, maximum=LIMITS["engram_vocab_size"])
+    # Each head's prime is at least its order's vocab size, so a layer's table has at
+    # least this many rows: refuse before the prime search what cannot fit int32 row ids.
+    least_rows = heads * (sum(vocab) if isinstance(vocab, tuple) else vocab * (n - 1))
+    if least_rows > INT32_MAX:
+        raise ConfigError(f"{_where(source)}field '{k('vocab_size')}' with {k('n_heads')}={heads} and {k('max_ngram_size')}={n} needs tables of "
+                          f"at least {least_rows} rows, over 2^31-1 (row ids are int32 on the GPU); lower {k('vocab_size')} or {k('n_heads')}")
+    cvocab = _int_field(d, k("compressed_vocab_size"), source, minimum=1, maximum=LIMITS["compressed_vocab_size"])
+    pad = _int_field(d, k("pad_token_id"), source, minimum=0, maximum=LIMITS["pad_token_id"])
+    head_dim = _int_field(d, k("head_dim"), source, minimum=1, maximum=LIMITS["engram_head_dim"], default=None)
+    quant_block = _int_field(d, k("quant_block"), source, minimum=1, maximum=LIMITS["quant_block"], default=32)
     num_emb: tuple[int, ...] | None = None
     if d.get(k("num_embeddings")) is not None:
-        num_emb = _int_list(d, k("num_embeddings"), source, minimum=1)
+        num_emb = _int_list(d, k("num_embeddings"), source, minimum=1, maximum=LIMITS["num_embeddings"])
         if len(num_emb) == 1 and len(layer_ids) > 1:
             num_emb = num_emb * len(layer_ids)
         if len(num_emb) != len(layer_ids):
             raise ConfigError(f"{_where(source)}field '{k('num_embeddings')}' lists {len(num_emb)} values for {len(layer_ids)} layers in '{k('layer_ids')}' (expected one per layer or a single integer)")
     table_dtype = d.get(k("table_dtype"), "fp8")
-    if table_dtype not in TABLE_DTYPES:
-        raise ConfigError(f"{_where(source)}field '{k('table_dtype')}' must be one of {list(TABLE_DTYPES)} (got {table_dtype!r})")
+    if not isinstance(table_dtype, str) or table_dtype not in TABLE_DTYPES:
+        raise ConfigError(f"{_where(source)}field '{k('table_dtype')}' must be one of {list(TABLE_DTYPES)} (got {_short(table_dtype)})")
     if table_dtype == "fp8" and head_dim is not None and head_dim % quant_block:
         raise ConfigError(f"{_where(source)}field '{k('head_dim')}'={head_dim} must be a multiple of {k('quant_block')}={quant_block} for FP8 tables (one ue8m0 scale per block)")
     return EngramSpec(
@@ -216,51 +281,51 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any], source: str | None = None) -> "ModelConfig":
         if not isinstance(d, Mapping):
             raise ConfigError(f"{_where(source)}expected a JSON object (got {type(d).__name__})")
-        hidden = _int_field(d, "hidden_size", source, minimum=1)
-        heads = _int_field(d, "num_attention_heads", source, minimum=1)
-        kv_heads = _int_field(d, "num_key_value_heads", source, minimum=1, default=heads)
+        hidden = _int_field(d, "hidden_size", source, minimum=1, maximum=LIMITS["hidden_size"])
+        heads = _int_field(d, "num_attention_heads", source, minimum=1, maximum=LIMITS["num_attention_heads"])
+        kv_heads = _int_field(d, "num_key_value_heads", source, minimum=1, maximum=LIMITS["num_key_value_heads"], default=heads)
         if heads % kv_heads:
             raise ConfigError(f"{_where(source)}field 'num_key_value_heads'={kv_heads} must divide num_attention_heads={heads}")
-        head_dim = _int_field(d, "head_dim", source, minimum=2, default=None)
+        head_dim = _int_field(d, "head_dim", source, minimum=2, maximum=LIMITS["head_dim"], default=None)
         if head_dim is None:
             if hidden % heads:
                 raise ConfigError(f"{_where(source)}hidden_size={hidden} is not a multiple of num_attention_heads={heads}; set 'head_dim'")
             head_dim = hidden // heads
         if head_dim % 2:
             raise ConfigError(f"{_where(source)}field 'head_dim'={head_dim} must be even (rotary embedding rotates pairs)")
-        layers = _int_field(d, "num_hidden_layers", source, minimum=1)
+        layers = _int_field(d, "num_hidden_layers", source, minimum=1, maximum=LIMITS["num_hidden_layers"])
         eps = d.get("rms_norm_eps", 1e-6)
         if not _is_number(eps) or not (0 < eps < 1):
-            raise ConfigError(f"{_where(source)}field 'rms_norm_eps' must be a number in (0, 1) (got {eps!r})")
+            raise ConfigError(f"{_where(source)}field 'rms_norm_eps' must be a number in (0, 1) (got {_short(eps)})")
         theta = d.get("rope_theta", 10000.0)
-        if not _is_number(theta) or theta <= 0:
-            raise ConfigError(f"{_where(source)}field 'rope_theta' must be a finite positive number (got {theta!r})")
+        if not _is_number(theta) or not 0 < theta <= 1e12:
+            raise ConfigError(f"{_where(source)}field 'rope_theta' must be a finite number in (0, 1e12] (got {_short(theta)})")
         tie = d.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
-            raise ConfigError(f"{_where(source)}field 'tie_word_embeddings' must be true or false (got {tie!r})")
+            raise ConfigError(f"{_where(source)}field 'tie_word_embeddings' must be true or false (got {_short(tie)})")
         torch_dtype = d.get("torch_dtype", "bfloat16")
-        if not isinstance(torch_dtype, str):
-            raise ConfigError(f"{_where(source)}field 'torch_dtype' must be a string such as \"bfloat16\" (got {torch_dtype!r})")
-        bos = _int_field(d, "bos_token_id", source, minimum=0, default=None)
+        if not isinstance(torch_dtype, str) or len(torch_dtype) > 64:
+            raise ConfigError(f"{_where(source)}field 'torch_dtype' must be a string such as \"bfloat16\" (got {_short(torch_dtype)})")
+        bos = _int_field(d, "bos_token_id", source, minimum=0, maximum=LIMITS["bos_token_id"], default=None)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
-            eos = _int_list(d, "eos_token_id", source) if eos else None
+            eos = _int_list(d, "eos_token_id", source, maximum=LIMITS["eos_token_id"]) if eos else None
         else:
-            eos = _int_field(d, "eos_token_id", source, minimum=0, default=None,
+            eos = _int_field(d, "eos_token_id", source, minimum=0, maximum=LIMITS["eos_token_id"], default=None,
                              expected="a token id or a list of token ids")
         spec = parse_engram_spec(d, source)
         cfg = cls(
             hidden_size=hidden,
-            intermediate_size=_int_field(d, "intermediate_size", source, minimum=1),
+            intermediate_size=_int_field(d, "intermediate_size", source, minimum=1, maximum=LIMITS["intermediate_size"]),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            vocab_size=_int_field(d, "vocab_size", source, minimum=1),
+            vocab_size=_int_field(d, "vocab_size", source, minimum=1, maximum=LIMITS["vocab_size"]),
             rms_norm_eps=float(eps),
             rope_theta=float(theta),
-            max_position_embeddings=_int_field(d, "max_position_embeddings", source, minimum=1, default=4096),
-            hc_mult=_int_field(d, "hc_mult", source, minimum=1, default=1),
+            max_position_embeddings=_int_field(d, "max_position_embeddings", source, minimum=1, maximum=LIMITS["max_position_embeddings"], default=4096),
+            hc_mult=_int_field(d, "hc_mult", source, minimum=1, maximum=LIMITS["hc_mult"], default=1),
             tie_word_embeddings=tie,
             bos_token_id=bos,
             eos_token_id=eos,
@@ -271,7 +336,7 @@ class ModelConfig:
         if spec is not None:
             bad = [lid for lid in spec.layer_ids if lid >= layers]
             if bad:
-                raise ConfigError(f"{_where(source)}field '{spec.field_name('layer_ids')}' names layers {bad} but num_hidden_layers={layers} (expected ids in 0..{layers - 1})")
+                raise ConfigError(f"{_where(source)}field '{spec.field_name('layer_ids')}' names layers {_short(bad)} but num_hidden_layers={layers} (expected ids in 0..{layers - 1})")
             if spec.pad_token_id >= cfg.vocab_size:
                 raise ConfigError(f"{_where(source)}field '{spec.field_name('pad_token_id')}'={spec.pad_token_id} is not a token id (vocab_size={cfg.vocab_size})")
         return cfg
@@ -322,14 +387,10 @@ def config_path(path: str | Path) -> Path:
 
 
 def read_config_dict(path: str | Path) -> tuple[dict[str, Any], str]:
+    """A config.json as a dict, and its path for messages (see config/jsonfile.py for
+    what is refused)."""
     p = config_path(path)
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{p}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{p}: expected a JSON object at the top level")
-    return d, str(p)
+    return read_json_object(p, "config.json"), str(p)
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,9 +98,51 @@ COMPRESSION_VERSION = 1
 
 
 def _cached_map(sha: str) -> Path:
+    """Where the map of the tokenizer.json with sha256 ``sha`` is cached: one ``.npz``
+    holding the map and the sha256 of its bytes, so a damaged entry is noticed."""
     from engram_trt.paths import cache_root
 
-    return cache_root() / "compressed-vocab" / f"{sha}-v{COMPRESSION_VERSION}.npy"
+    return cache_root() / "compressed-vocab" / f"{sha}-v{COMPRESSION_VERSION}.npz"
+
+
+def _lookup_sha256(lookup: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(lookup, dtype="<i4").tobytes()).hexdigest()
+
+
+def write_cached_map(path: Path, lookup: np.ndarray) -> None:
+    """Write a cache entry (map + its checksum) under a temporary name, then rename it."""
+    from engram_trt import atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.clean_dead_temps(path)
+    tmp = atomic.temp_sibling(path, "tmp", make_dir=False)
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, lookup=np.ascontiguousarray(lookup, dtype="<i4"), lookup_sha256=np.array(_lookup_sha256(lookup)))
+        atomic.replace_file(tmp, path)
+    except BaseException:
+        atomic.remove_temp(tmp)
+        raise
+
+
+def read_cached_map(path: Path) -> np.ndarray:
+    """A cache entry's map, checked against its checksum and the compression rule's
+    shape (ids numbered 0, 1, 2, ... in order of first appearance); ValueError when it
+    is damaged."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            lookup = np.asarray(z["lookup"])
+            recorded = str(z["lookup_sha256"])
+    except Exception as exc:  # not a zip, a truncated member, a missing array: damaged
+        raise ValueError(f"unreadable ({type(exc).__name__}: {str(exc)[:80]})") from None
+    if lookup.ndim != 1 or lookup.dtype != np.dtype("<i4") or lookup.size == 0:
+        raise ValueError(f"holds an array of shape {lookup.shape} and dtype {lookup.dtype}, not a map")
+    if _lookup_sha256(lookup) != recorded:
+        raise ValueError("its bytes do not match its recorded sha256")
+    lk = lookup.astype(np.int64)
+    if lk[0] != 0 or lk.min() < 0 or np.any(lk[1:] > np.maximum.accumulate(lk)[:-1] + 1):
+        raise ValueError("its ids are not numbered in order of first appearance")
+    return lk
 
 
 def build_compressed_vocab(tokenizer: str | Path | Any) -> CompressedVocab:
@@ -109,7 +150,9 @@ def build_compressed_vocab(tokenizer: str | Path | Any) -> CompressedVocab:
 
     Decoding and normalizing every token takes seconds for a 100k+ vocabulary, and the
     map is a pure function of the tokenizer.json bytes, so a path's map is cached under
-    the cache root, keyed by the file's sha256 (a changed file is a new key)."""
+    the cache root, keyed by the file's sha256 (a changed file is a new key). Each
+    entry carries the sha256 of its own bytes: a damaged entry (an edited, truncated
+    or zeroed file) is rebuilt with a warning, never trusted."""
     sha = ""
     if isinstance(tokenizer, (str, Path)):
         p = file_in_checkpoint(tokenizer, "tokenizer.json", "tokenizer")
@@ -117,16 +160,13 @@ def build_compressed_vocab(tokenizer: str | Path | Any) -> CompressedVocab:
         cached = _cached_map(sha)
         if cached.is_file():
             try:
-                lookup = np.load(cached).astype(np.int64)
+                lookup = read_cached_map(cached)
                 return CompressedVocab(lookup=lookup, size=int(lookup.max()) + 1, source_sha256=sha)
-            except (OSError, ValueError) as exc:
-                log.warning("ignoring unreadable cached compressed vocab %s (%s)", cached, exc)
+            except ValueError as exc:
+                log.warning("the cached compressed vocab %s is damaged (%s); rebuilding it", cached, exc)
         vocab = _build(load_tokenizer(p), sha)
         try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cached.with_name(f".{cached.name}.{os.getpid()}.tmp.npy")
-            np.save(tmp, vocab.lookup.astype(np.int32))
-            os.replace(tmp, cached)
+            write_cached_map(cached, vocab.lookup)
         except OSError as exc:  # a read-only cache only costs the rebuild next time
             log.debug("could not cache the compressed vocab at %s (%s)", cached, exc)
         return vocab

@@ -3,16 +3,27 @@ shape, dtype, sha256), read from a checkpoint's safetensors headers or an engine
 folder's manifest, and the checks a runtime makes before it binds a table.
 
 Why a byte range and not a tensor: a table may be hundreds of GB, so nothing here
-loads it; the stores map, copy or register exactly that range. The size check runs at
-every load (cheap: a ``stat``); the full sha256 check streams the bytes and runs on
-request (``verify_tables=True`` / ``--verify-tables``).
+loads it; the stores map, copy or register exactly that range. Three checks, from
+cheap to thorough:
+
+* :func:`check_table_files` at every load: each file exists and is long enough (a
+  ``stat``);
+* :func:`sampled_check` by default: the builder records the sha256 of every
+  ``block_bytes`` block of each table (64 MiB), so a loader re-hashes a few random
+  blocks within a byte budget and notices damage in proportion to what it samples, in
+  a fraction of a second, on every start;
+* :func:`verify_table_hashes` on request (``--verify-tables``): every byte re-hashed
+  against the table's sha256.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
+import random
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -21,7 +32,10 @@ from engram_trt.errors import EngramError
 log = logging.getLogger(__name__)
 
 HASH_CHUNK = 16 * 1024 * 1024
+BLOCK_BYTES = 64 * 1024 * 1024  # one sampled-check unit: sha256 of each such block is recorded
+DEFAULT_SAMPLE_BYTES = 256 * 1024 * 1024  # what the default sampled check reads per load
 ROLES = ("rows", "scales")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def sha256_file_region(path: str | Path, offset: int, nbytes: int, progress: Any = None) -> str:
@@ -61,9 +75,13 @@ class TableRef:
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string
     sha256: str | None = None
+    # sha256 of each block_bytes block of the region (the last one may be shorter), for
+    # the sampled check; None in manifests written before it existed.
+    block_bytes: int | None = None
+    block_hashes: tuple[str, ...] | None = None
 
     def to_json(self, sha256: str | None = None) -> dict[str, Any]:
-        return {
+        d = {
             "layer_id": self.layer_id,
             "layer_index": self.layer_index,
             "role": self.role,
@@ -75,6 +93,10 @@ class TableRef:
             "dtype": self.dtype,
             "sha256": sha256 if sha256 is not None else self.sha256,
         }
+        if self.block_hashes is not None:
+            d["block_bytes"] = self.block_bytes
+            d["block_hashes"] = list(self.block_hashes)
+        return d
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], base: Path | None = None) -> "TableRef":
@@ -87,12 +109,22 @@ class TableRef:
             if role not in ROLES:
                 raise ValueError(f"role {role!r}")
             shape = tuple(int(x) for x in d["shape"])
+            block_bytes = None if d.get("block_bytes") is None else int(d["block_bytes"])
+            blocks = d.get("block_hashes")
+            if blocks is not None:
+                if not isinstance(blocks, list) or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks):
+                    raise ValueError("block_hashes must be a list of sha256 hex digests")
+                blocks = tuple(blocks)
             ref = cls(int(d["layer_id"]), int(d["layer_index"]), role, str(d["tensor"]), f, int(d["offset"]),
-                      int(d["nbytes"]), shape, str(d["dtype"]), None if d.get("sha256") is None else str(d["sha256"]))
+                      int(d["nbytes"]), shape, str(d["dtype"]), None if d.get("sha256") is None else str(d["sha256"]),
+                      block_bytes, blocks)
         except (KeyError, TypeError, ValueError) as exc:
-            raise EngramError(f"manifest table entry {dict(d)!r} is malformed ({exc}); rebuild the engine folder") from None
+            raise EngramError(f"manifest table entry {str(dict(d))[:200]} is malformed ({exc}); rebuild the engine folder") from None
         if ref.offset < 0 or ref.nbytes <= 0 or len(shape) != 2 or shape[0] * shape[1] * ref.itemsize != ref.nbytes:
             raise EngramError(f"manifest table entry for {ref.tensor}: shape {list(shape)} x {ref.itemsize} bytes does not match nbytes={ref.nbytes}; rebuild the engine folder")
+        if ref.block_hashes is not None:
+            if ref.block_bytes is None or ref.block_bytes < 1 or len(ref.block_hashes) != -(-ref.nbytes // ref.block_bytes):
+                raise EngramError(f"manifest table entry for {ref.tensor}: {len(ref.block_hashes)} block hashes do not cover {ref.nbytes} bytes in blocks of {ref.block_bytes}; rebuild the engine folder")
         return ref
 
     @property
@@ -121,13 +153,51 @@ def checkpoint_table_refs(ckpt: Any) -> list[TableRef]:
     return refs
 
 
-def hash_tables(refs: Sequence[TableRef], progress: bool = True) -> list[str]:
-    """sha256 of every table region, with one byte-counting progress bar."""
+def hash_region(path: str | Path, offset: int, nbytes: int, block_bytes: int = BLOCK_BYTES,
+                progress: Any = None, whole: bool = True) -> tuple[str | None, tuple[str, ...]]:
+    """``(sha256 of the region, sha256 of each block_bytes block)`` in one read: the block
+    hasher runs on a second thread (hashlib releases the GIL), so recording the sampled
+    check's hashes costs no extra pass over a table. ``whole=False``: blocks only (the
+    first item is None)."""
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be positive (got {block_bytes})")
+    full = hashlib.sha256() if whole else None
+    blocks: list[str] = []
+    left = int(nbytes)
+    with open(path, "rb") as f, ThreadPoolExecutor(max_workers=1) as pool:
+        f.seek(int(offset))
+        while left > 0:
+            block = hashlib.sha256()
+            in_block = min(block_bytes, left)
+            while in_block > 0:
+                chunk = f.read(min(HASH_CHUNK, in_block))
+                if not chunk:
+                    raise EngramError(f"{path}: ended {left} bytes before the tensor's end (the file is truncated; re-copy it)")
+                if full is None:
+                    block.update(chunk)
+                else:
+                    pending = pool.submit(block.update, chunk)
+                    full.update(chunk)
+                    pending.result()
+                in_block -= len(chunk)
+                left -= len(chunk)
+                if progress is not None:
+                    progress.update(len(chunk))
+            blocks.append(block.hexdigest())
+    return (None if full is None else full.hexdigest()), tuple(blocks)
+
+
+def hash_tables(refs: Sequence[TableRef], progress: bool = True, block_bytes: int = BLOCK_BYTES) -> list[TableRef]:
+    """Each ref with its sha256 and block hashes filled in (one byte-counting bar)."""
     from tqdm.auto import tqdm
 
     total = sum(r.nbytes for r in refs)
+    out: list[TableRef] = []
     with tqdm(total=total, unit="B", unit_scale=True, desc="hash tables", disable=not progress, leave=False) as bar:
-        return [sha256_file_region(r.file, r.offset, r.nbytes, bar) for r in refs]
+        for r in refs:
+            sha, blocks = hash_region(r.file, r.offset, r.nbytes, block_bytes, bar)
+            out.append(replace(r, sha256=sha, block_bytes=block_bytes, block_hashes=blocks))
+    return out
 
 
 def layer_refs(refs: Sequence[TableRef]) -> list[tuple[TableRef, TableRef | None]]:
@@ -151,9 +221,8 @@ def layer_refs(refs: Sequence[TableRef]) -> list[tuple[TableRef, TableRef | None
     return out
 
 
-def check_table_files(refs: Sequence[TableRef]) -> None:
-    """The check made at every load: each file exists and holds the table's whole byte
-    range. One error names every table that fails, and the fix."""
+def table_file_problems(refs: Sequence[TableRef]) -> list[str]:
+    """What :func:`check_table_files` refuses, as a list (for reports such as ``inspect``)."""
     problems: list[str] = []
     for r in refs:
         try:
@@ -166,6 +235,13 @@ def check_table_files(refs: Sequence[TableRef]) -> None:
             continue
         if size < r.offset + r.nbytes:
             problems.append(f"{r.tensor}: file {r.file} holds {size} bytes, fewer than the table's end at {r.offset + r.nbytes}")
+    return problems
+
+
+def check_table_files(refs: Sequence[TableRef]) -> None:
+    """The check made at every load: each file exists and holds the table's whole byte
+    range. One error names every table that fails, and the fix."""
+    problems = table_file_problems(refs)
     if problems:
         raise EngramError("Engram tables do not match the manifest: " + "; ".join(problems)
                           + " (restore the files, or rebuild the engine folder from the checkpoint)")
@@ -190,3 +266,59 @@ def verify_table_hashes(refs: Sequence[TableRef], progress: bool = False) -> lis
             if got != r.sha256:
                 problems.append(f"{r.tensor}: the bytes in {r.file} changed since the build (sha256 differs)")
     return problems
+
+
+@dataclass(frozen=True)
+class HashedRegion:
+    """A byte range of a file with the sha256 of each of its ``block_bytes`` blocks."""
+
+    label: str
+    file: Path
+    offset: int
+    nbytes: int
+    block_bytes: int
+    block_hashes: tuple[str, ...]
+
+
+def sample_blocks(regions: Sequence[HashedRegion], budget_bytes: int, seed: int | None = None) -> list[str]:
+    """Re-hash random blocks of ``regions``, at most ``budget_bytes`` read (at least one
+    block when the budget is positive); one problem line per block that differs."""
+    pool = [(r, i) for r in regions for i in range(len(r.block_hashes))]
+    if budget_bytes <= 0 or not pool:
+        return []
+    rng = random.Random(seed if seed is not None else random.SystemRandom().getrandbits(64))
+    rng.shuffle(pool)
+    problems: list[str] = []
+    spent = 0
+    for reg, i in pool:
+        start = i * reg.block_bytes
+        length = min(reg.block_bytes, reg.nbytes - start)
+        if spent and spent + length > budget_bytes:
+            continue  # a smaller (last) block may still fit
+        spent += length
+        try:
+            got = sha256_file_region(reg.file, reg.offset + start, length)
+        except (OSError, EngramError) as exc:
+            problems.append(f"{reg.label}: {getattr(exc, 'strerror', None) or exc}")
+            continue
+        if got != reg.block_hashes[i]:
+            problems.append(f"{reg.label}: bytes {start}..{start + length} in {reg.file} changed since they were recorded "
+                            f"(sampled block {i} of {len(reg.block_hashes)}: sha256 differs)")
+        if spent >= budget_bytes:
+            break
+    log.debug("sampled check: %d bytes of %d regions re-hashed, %d problem(s)", spent, len(regions), len(problems))
+    return problems
+
+
+def sampled_check(refs: Sequence[TableRef], budget_bytes: int = DEFAULT_SAMPLE_BYTES, seed: int | None = None) -> list[str]:
+    """Problems found by re-hashing random recorded blocks of the tables, at most
+    ``budget_bytes`` read. Cheap enough for every load: the default reads 256 MiB, a
+    fraction of a second from the page cache; damage is found with the probability
+    that a damaged block is drawn, so repeated loads (each a fresh draw) find it ever
+    more surely, and :func:`verify_table_hashes` (``--verify-tables``) always. Refs
+    without block hashes (manifests written before they existed) are skipped; sizes
+    are :func:`check_table_files`' job. ``seed`` fixes the draw (tests); None draws
+    from the OS."""
+    regions = [HashedRegion(r.tensor, r.file, r.offset, r.nbytes, r.block_bytes, r.block_hashes)
+               for r in refs if r.block_hashes and r.block_bytes]
+    return sample_blocks(regions, budget_bytes, seed)
