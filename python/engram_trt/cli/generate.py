@@ -18,7 +18,7 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     from engram_trt.config.engram import add_engram_config_arguments
 
     p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
-    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int_arg(1, INT32_MAX), default=32,
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int_arg(1, INT32_MAX), default=32,
                    metavar="N", help="most tokens to generate (default: %(default)s; prompt plus new tokens stay within "
                                      "the runtime's max_seq_len)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -97,6 +97,30 @@ def _print_generation(res: dict[str, Any]) -> None:
           f"load {tm['load_s']} s")
 
 
+def _check_against_config(path: str, args: argparse.Namespace) -> None:
+    """What the options must fit in the model, from config.json or the engine folder's
+    manifest alone (no weights or tables read)."""
+    from engram_trt.config.jsonfile import read_json_file
+    from engram_trt.config.model import ModelConfig, load_config
+
+    folder = Path(path).expanduser()
+    cfg, limit, what = None, None, ""
+    if (folder / "manifest.json").is_file():
+        m = read_json_file(folder / "manifest.json", "the engine folder's manifest.json")
+        if isinstance(m, dict) and isinstance(m.get("model"), dict):
+            cfg = ModelConfig.from_dict(m["model"], source=str(folder / "manifest.json"))
+            limit = (m.get("shapes") or {}).get("max_seq_len")
+            what = "the engine's max_seq_len"
+    elif (folder / "config.json").is_file():
+        cfg = load_config(folder)
+    if cfg is not None and args.max_new_tokens >= cfg.max_position_embeddings:
+        raise EngramError(f"--max-new-tokens {args.max_new_tokens} does not fit the model's max_position_embeddings="
+                          f"{cfg.max_position_embeddings} (with at least one prompt token); ask for fewer tokens")
+    if isinstance(limit, int) and args.max_new_tokens >= limit:
+        raise EngramError(f"--max-new-tokens {args.max_new_tokens} does not fit {what}={limit} (with at least one prompt "
+                          f"token); ask for fewer tokens, or rebuild with a larger --max-seq-len")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from engram_trt.distributed.cli import print_parallel, run_parallel, wants_parallel
 
@@ -106,6 +130,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             print_json(res) if args.json else print_parallel(res)
         return 0
     _check_generation_args(args)  # before anything is loaded
+    resolve_device(args.device)
+    _check_against_config(args.path, args)
     res = generate_text(args.path, args)
     print_json(res) if args.json else _print_generation(res)
     return 0

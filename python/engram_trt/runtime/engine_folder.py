@@ -77,7 +77,8 @@ def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = 
     """Read an engine folder or a checkpoint folder (see the module docstring)."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise EngramError(f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
+        raise EngramError(f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder "
+                          f"(make one with `engram-trt demo-checkpoint OUT`)")
     if not p.is_dir():
         raise EngramError(f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
     src = _from_engine_folder(p, engram_config) if is_engine_folder(p) else _from_checkpoint(p, engram_config)
