@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -259,6 +260,32 @@ def test_cli_serve_refuses_a_port_in_use(small_engine: Path) -> None:
     assert re.fullmatch(rf"engram-trt: error: --http-port {port}: the port is in use on 127\.0\.0\.1; .*\n", r.stderr), r.stderr
 
 
+def test_cli_serve_reports_why_the_model_did_not_load(small_engine: Path, tmp_path: Path) -> None:
+    """An engine folder that only the model's load can find fault with (a manifest of
+    another version): serve names the model's error in one line, exit 2, nothing left."""
+    from engram_trt.triton.server import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except EngramError as exc:
+        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    bad = tmp_path / "engine"
+    bad.mkdir()
+    for f in small_engine.iterdir():
+        if f.is_file():
+            (bad / f.name).write_bytes(f.read_bytes())
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["manifest_version"] = -1
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    before = set(Path(tempfile.gettempdir()).glob("engram-trt-serve-*"))
+    r = _cli("serve", str(bad), "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+             "--log-file", str(tmp_path / "triton.log"), timeout=240)
+    assert r.returncode == 2, r.stderr
+    assert re.fullmatch(r"engram-trt: error: tritonserver exited \(1\) before engram_llm was ready: the model failed to "
+                        r"load: EngramError: .*manifest version -1 is not \d+; rebuild the engine folder.*\n", r.stderr), r.stderr
+    assert set(Path(tempfile.gettempdir()).glob("engram-trt-serve-*")) <= before  # its temp folder is gone
+
+
 def test_no_tritonserver_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     from engram_trt.triton import server as ts
 
@@ -343,13 +370,16 @@ def _metrics(server: dict) -> dict[str, float]:
 
 
 def _settled_metrics(server: dict, want: Any, timeout: float = 10.0) -> dict[str, float]:
-    """Metrics once ``want(metrics)`` holds (the model refreshes them right after a
-    request finishes, and on a timer)."""
+    """Metrics once ``want(metrics)`` holds and two scrapes agree (the model refreshes
+    them right after a request finishes, and on a timer, one metric at a time)."""
     deadline = time.monotonic() + timeout
+    last: dict[str, float] | None = None
     while True:
         m = _metrics(server)
-        if want(m) or time.monotonic() > deadline:
+        engram = {k: v for k, v in m.items() if k.startswith("engram_")}
+        if (want(m) and engram == last) or time.monotonic() > deadline:
             return m
+        last = engram if want(m) else None
         time.sleep(0.1)
 
 
@@ -541,3 +571,127 @@ def test_a_client_that_goes_away_is_cancelled(server: dict) -> None:
     m = _settled_metrics(server, lambda m: m.get(finished) == before[finished] + 1 and m.get(running) == 0)
     assert m[finished] == before[finished] + 1 and m[running] == 0 and m[slots] == 0
     assert 3 <= m[decode] - before[decode] < 400, "the request ran on after its client left"
+
+
+# ---------------------------------------------------------------- the model in this process (a stand-in for Triton)
+class _Tensor:
+    def __init__(self, name: str, arr: np.ndarray) -> None:
+        self.name, self.arr = name, arr
+
+    def as_numpy(self) -> np.ndarray:
+        return self.arr
+
+
+class _Response:
+    def __init__(self, output_tensors: list | None = None, error: Any = None) -> None:
+        self.tensors = {t.name: t.arr for t in output_tensors or []}
+        self.error = error
+
+
+class _Error:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class _Sender:
+    """Triton's response sender, strict: nothing may follow the final flag."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.sent: list[tuple[Any, int]] = []
+        self.final = threading.Event()
+        self.fail_after = fail_after
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        assert not self.final.is_set(), "a send after the final flag"
+        if self.fail_after is not None and len(self.sent) >= self.fail_after:
+            raise RuntimeError("the client is gone")
+        self.sent.append((response, flags))
+        if flags & 1:
+            self.final.set()
+
+    def is_cancelled(self) -> bool:
+        assert not self.final.is_set(), "is_cancelled after the final flag"
+        return False
+
+
+class _Request:
+    def __init__(self, sender: _Sender, **inputs: np.ndarray) -> None:
+        self.inputs, self.sender = inputs, sender
+
+    def get_response_sender(self) -> _Sender:
+        return self.sender
+
+
+class _Logger:
+    @staticmethod
+    def log_info(msg: str) -> None:
+        pass
+
+
+class _Pb:
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    Tensor, InferenceResponse, TritonError, Logger, MetricFamily = _Tensor, _Response, _Error, _Logger, _FakeFamily
+
+    @staticmethod
+    def get_input_tensor_by_name(request: _Request, name: str) -> _Tensor | None:
+        return _Tensor(name, request.inputs[name]) if name in request.inputs else None
+
+    @staticmethod
+    def using_decoupled_model_transaction_policy(config: dict) -> bool:
+        return bool(config.get("model_transaction_policy", {}).get("decoupled"))
+
+
+@pytest.fixture(scope="module")
+def model(small_engine: Path):
+    from engram_trt.triton.model import EngramTritonModel
+    from engram_trt.triton.repo import model_parameters
+
+    _FakeFamily.made = {}
+    opts = resolve_options(RepoOptions(small_engine, max_batch_size=SERVER_LIMITS["max_batch_size"],
+                                       max_num_tokens=SERVER_LIMITS["max_num_tokens"]))
+    config = {"model_transaction_policy": {"decoupled": True},
+              "parameters": {k: {"string_value": v} for k, v in model_parameters(opts).items()}}
+    m = EngramTritonModel(_Pb, {"model_config": json.dumps(config), "model_name": "engram_llm", "model_version": "1",
+                                "model_instance_name": "engram_llm_0_0", "model_instance_kind": "CPU"})
+    yield m
+    m.finalize()
+
+
+def _req(prompt: str, n: int, stream: bool, sender: _Sender | None = None) -> _Request:
+    return _Request(sender or _Sender(), text_input=np.array([[prompt.encode()]], dtype=object),
+                    max_tokens=np.array([[n]], np.int32), stream=np.array([[stream]]), ignore_eos=np.array([[True]]))
+
+
+def test_model_streams_deltas_and_ends_with_one_final_response(model: Any, llm: Any) -> None:
+    want = _alone(llm, PROMPTS[6], max_tokens=10, ignore_eos=True)
+    streamed, whole = _req(PROMPTS[6], 10, True), _req(PROMPTS[6], 10, False)
+    assert model.execute([streamed, whole]) is None  # returns at once; responses come later
+    for r in (streamed, whole):
+        assert r.sender.final.wait(60)
+    s = streamed.sender.sent
+    assert [f for _, f in s] == [0] * (len(s) - 1) + [1] and len(s) > 1
+    assert [int(i) for resp, _ in s for i in resp.tensors["output_ids"].reshape(-1)] == want.token_ids
+    assert b"".join(resp.tensors["text_output"].reshape(-1)[0] for resp, _ in s).decode() == want.text
+    assert s[-1][0].tensors["finish_reason"].reshape(-1)[0] == b"length"
+    ((resp, flags),) = whole.sender.sent
+    assert flags == 1 and resp.tensors["output_ids"].reshape(-1).tolist() == want.token_ids
+    assert resp.tensors["text_output"].reshape(-1)[0].decode() == want.text
+
+
+def test_model_answers_a_bad_request_with_one_error(model: Any) -> None:
+    bad = _Request(_Sender(), text_input=np.array([[b"x"]], dtype=object), max_tokens=np.array([[0]], np.int32))
+    model.execute([bad])
+    ((resp, flags),) = bad.sender.sent
+    assert flags == 1 and resp.error.message == "input 'max_tokens' must be >= 1 (got 0)"
+
+
+def test_model_cancels_a_request_whose_client_is_gone(model: Any) -> None:
+    before = model.llm.stats()
+    gone = _req(PROMPTS[7], 400, True, _Sender(fail_after=2))
+    model.execute([gone])
+    deadline = time.monotonic() + 60
+    while model.llm.stats()["requests_finished"] == before["requests_finished"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    st = model.llm.stats()
+    assert st["requests_finished"] == before["requests_finished"] + 1 and st["running"] == 0 and st["kv_slots_in_use"] == 0
+    assert len(gone.sender.sent) == 2 and st["decode_tokens"] - before["decode_tokens"] < 399  # stopped early

@@ -126,11 +126,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from engram_trt.triton.repo import options_from_args, resolve_options, write_model_repository
 
     opts = resolve_options(options_from_args(args))
-    install = ts.find_tritonserver(args.tritonserver)
-    ts.check_python_for(install)
     if args.ready_timeout <= 0 or args.exit_timeout < 0:
         raise EngramError("--ready-timeout must be > 0 and --exit-timeout >= 0")
     ports = ts.pick_ports(args.address, {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port})
+    install = ts.find_tritonserver(args.tritonserver)
+    ts.check_python_for(install)
     workdir = Path(tempfile.mkdtemp(prefix="engram-trt-serve-"))
     log_file = open(args.log_file, "a") if args.log_file else None
     server = None

@@ -137,8 +137,12 @@ class MetricsExporter:
     def update(self) -> None:
         """Push one snapshot now."""
         values = flatten_stats(self.stats())
+        # requests_finished last: a scrape that sees a request finished sees its other
+        # counters too (each push is a separate call into Triton).
+        order = sorted(values, key=lambda k: k[0] == "engram_requests_finished_total")
         with self._lock:
-            for key, (mdef, v) in values.items():
+            for key in order:
+                mdef, v = values[key]
                 m = self._metric(key, mdef)
                 if mdef.kind == COUNTER:
                     delta = v - self._last.get(key, 0.0)

@@ -25,6 +25,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -227,6 +228,10 @@ class TritonServer:
     def failure_reason(self) -> str:
         """The most telling line of the server's log (a model's load error first)."""
         lines = list(self.log_tail)
+        for ln in reversed(lines):
+            m = re.search(r"failed to load '[^']+' version \d+: (?:Internal: )?(.*)", ln)
+            if m:  # Triton logs the model's exception with its traceback as literal "\n"s
+                return "the model failed to load: " + m.group(1).split("\\n")[0].strip().rstrip('"')
         for key in ("failed to load", "Failed to initialize", "EngramError", "already in use", "error:", "Error"):
             hits = [ln for ln in lines if key in ln]
             if hits:
