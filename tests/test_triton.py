@@ -627,6 +627,8 @@ class _Logger:
     def log_info(msg: str) -> None:
         pass
 
+    log_warn = log_info
+
 
 class _Pb:
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1

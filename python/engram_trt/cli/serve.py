@@ -132,9 +132,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     install = ts.find_tritonserver(args.tritonserver)
     ts.check_python_for(install)
     workdir = Path(tempfile.mkdtemp(prefix="engram-trt-serve-"))
-    log_file = open(args.log_file, "a") if args.log_file else None
+    log_file = None
     server = None
     try:
+        log_file = open(args.log_file, "a") if args.log_file else None
         repo = write_model_repository(opts, Path(args.repo) if args.repo else workdir / "repo", force=args.force)
         with _Signals() as sigs:
             server = ts.start_server(install, repo, workdir, address=args.address, ports=ports,

@@ -25,7 +25,6 @@ server).
 from __future__ import annotations
 
 import json
-import logging
 import queue
 import threading
 import time
@@ -36,9 +35,8 @@ import numpy as np
 
 from engram_trt.errors import EngramError
 from engram_trt.triton.metrics import MetricsExporter
-from engram_trt.triton.tensors import INPUT_NAMES, parse_request
+from engram_trt.triton.tensors import parse_request
 
-log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.25
 
@@ -166,7 +164,7 @@ class EngramTritonModel:
             try:
                 self._deliver(st, out)
             except Exception as exc:  # one request's failure never stops the others
-                log.warning("engram_llm: sending request %s failed: %s", out.request_id, exc)
+                self.pb.Logger.log_warn(f"engram_llm: sending request {out.request_id} failed ({exc}); cancelling it")
                 self._give_up(st)
             if out.finished:
                 self.metrics.poke()
@@ -227,4 +225,4 @@ class EngramTritonModel:
         self._sender.join(timeout=30)
 
 
-__all__ = ["EngramTritonModel", "ModelParams", "INPUT_NAMES"]
+__all__ = ["EngramTritonModel", "ModelParams"]
