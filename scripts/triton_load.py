@@ -26,6 +26,7 @@ import os
 import queue
 import re
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -263,6 +264,7 @@ def main() -> int:
     finally:
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(120)
+        shutil.rmtree(work, ignore_errors=True)  # the engine built here and the server log
     # Medians of three samples, so one sample taken while a process was being listed
     # does not decide the check.
     warm = [r for t, r in rss if t >= args.warmup][:3]
