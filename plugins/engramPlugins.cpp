@@ -1,10 +1,13 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * The library's registration entry points, looked up by
  * IPluginRegistry::loadLibrary (TensorRT and TensorRT-RTX): getCreators hands out the
- * three IPluginCreatorV3One creators, setLoggerFinder gives the plugins TensorRT's
+ * four IPluginCreatorV3One creators (namespace "engram_trt"), setLoggerFinder gives the plugins TensorRT's
  * logger. These two and the kernels' C ABI are the only exported symbols.
  */
 #include "common/checkMacros.h"
+#include "engramAttentionPlugin/engramAttentionPlugin.h"
 #include "engramGatePlugin/engramGatePlugin.h"
 #include "engramGatherPlugin/engramGatherPlugin.h"
 #include "engramHashPlugin/engramHashPlugin.h"
@@ -20,7 +23,9 @@ extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int3
     static engram_trt::plugin::EngramHashPluginCreator hashCreator;
     static engram_trt::plugin::EngramGatherPluginCreator gatherCreator;
     static engram_trt::plugin::EngramGatePluginCreator gateCreator;
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&hashCreator, &gatherCreator, &gateCreator};
+    static engram_trt::plugin::EngramAttentionPluginCreator attentionCreator;
+    static nvinfer1::IPluginCreatorInterface* const creators[]
+        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }

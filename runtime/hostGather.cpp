@@ -1,65 +1,124 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Host gather: CPU threads gather table rows into pinned staging, one copy per chunk.
  *
  * Why: on the H200 VM (docs/platform.md) random GPU reads of pinned host memory reach
  * about a tenth of the PCIe link, because every 4 KiB page costs the GPU a translation,
- * while one contiguous cudaMemcpyAsync runs at the link's speed. Measured there
- * (docs/benchmarks.md, 24.75 GiB fp8 table in pinned host memory): this path is
- * 3.3-3.5x faster than the UVA kernel for 196,608 rows (an 8k-token prefill chunk) and
- * 1.5-2x for 6,144 rows (a decode step), over two runs; the CPU side, not the link, is
- * its limit.
+ * while one contiguous cudaMemcpyAsync runs at the link's speed. So the CPU's cores pick
+ * the rows (rowGather.h) and the copy engine moves contiguous chunks.
  *
- * Pipeline (two staging slots): gather chunk k into pinned slot k%2 (all pool threads),
- * enqueue its copy into device slot k%2 and the dequant kernel (the gather kernel with
- * identity ids) into `out`, record the slot's event; then gather chunk k+1 while the
- * copy of chunk k runs. Before a slot is refilled its event is waited for, so a pinned
- * slot is never overwritten while a copy still reads it; device slots are reused in
- * stream order. bf16 chunks are copied straight into `out`.
+ * Pipeline. A call's rows are split into chunks (at most chunk_rows rows; a small call
+ * into at least min_chunks chunks, so that even a decode step overlaps its gather with
+ * its copy), each chunk into tasks of task_rows rows. The pool's workers claim tasks in
+ * order from one counter; the caller thread issues the copies and helps with the tasks
+ * when it has nothing to issue. Staging is a ring of num_slots pinned slots (and as many
+ * device slots): chunk c uses slot c % num_slots, and its tasks are released to the
+ * workers only once that slot's previous copy has completed (an event query, never a
+ * blocking wait), so a slot is never overwritten while the copy engine reads it. When
+ * every task of chunk c is done, the caller enqueues its copy on the gatherer's own copy
+ * stream and, for fp8 tables, the dequant (the gather kernel with identity ids) on the
+ * caller's stream behind an event. Copies therefore run back to back on the copy engine
+ * while dequant kernels run beside them, and the caller's stream waits only for what it
+ * needs. All CUDA calls are made by the calling thread; the workers only copy bytes.
+ *
+ * Sinks: bf16 output (fp8 tables dequantized on the GPU, bf16 tables copied straight into
+ * `out`), or raw bytes (rows and scale bytes copied into two device arrays, for a device
+ * row cache that stores fp8).
  */
 #include "kernels/engramKernels.h"
 #include "kernels/engramKernelsInternal.h"
+#include "rowGather.h"
 #include "threadPool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <thread>
+#include <vector>
 
 using namespace engram_trt::kernels;
 
+namespace
+{
+constexpr int kDefaultSlots = 4;
+constexpr int kMaxSlots = 64;
+constexpr int64_t kDefaultMinChunks = 4;
+constexpr int64_t kMinSplitRows = 256; // min_chunks never makes chunks smaller than this
+} // namespace
+
 struct EngramHostGatherer
 {
-    static constexpr int kSlots = 2;
-
     int device{0};
+    int32_t maxHeadDim{0};
+    int64_t capacityRows{0}; // rows of max_head_dim bf16 values one slot holds
+    int64_t slotBytes{0};
+    int numSlots{0};
+    std::vector<uint8_t*> pinned;
+    std::vector<uint8_t*> deviceStaging;
+    std::vector<cudaEvent_t> copied;   // on copyStream after a slot's copy: the pinned slot is free again
+    std::vector<cudaEvent_t> consumed; // on the caller's stream after the dequant read a device slot
+    cudaStream_t copyStream{nullptr};
+    cudaEvent_t callStart{nullptr};
+    std::unique_ptr<ThreadPool> pool;
+
+    // Tuning (engram_host_gatherer_set_option).
     int64_t chunkRows{0};
-    int64_t slotBytes{0}; // bytes of one staging slot (rows + scales of chunkRows rows)
-    uint8_t* pinned[kSlots]{};
-    uint8_t* deviceStaging[kSlots]{};
-    cudaEvent_t slotFree[kSlots]{};
-    ThreadPool* pool{nullptr};
+    int64_t minChunks{kDefaultMinChunks};
+    int64_t taskRows{0}; // 0: automatic
+    GatherTuning tuning{};
+
+    std::unique_ptr<std::atomic<int64_t>[]> chunkDone;
+    int64_t chunkDoneCapacity{0};
     std::mutex callMutex;
 
     ~EngramHostGatherer()
     {
-        delete pool;
-        for (int s = 0; s < kSlots; ++s)
+        pool.reset(); // joins the workers
+        if (copyStream != nullptr)
         {
-            if (slotFree[s] != nullptr)
+            cudaStreamSynchronize(copyStream);
+        }
+        for (cudaEvent_t e : copied)
+        {
+            if (e != nullptr)
             {
-                cudaEventSynchronize(slotFree[s]);
-                cudaEventDestroy(slotFree[s]);
-            }
-            if (pinned[s] != nullptr)
-            {
-                cudaFreeHost(pinned[s]);
-            }
-            if (deviceStaging[s] != nullptr)
-            {
-                cudaFree(deviceStaging[s]);
+                cudaEventSynchronize(e);
+                cudaEventDestroy(e);
             }
         }
+        for (cudaEvent_t e : consumed)
+        {
+            if (e != nullptr)
+            {
+                cudaEventSynchronize(e);
+                cudaEventDestroy(e);
+            }
+        }
+        if (callStart != nullptr)
+        {
+            cudaEventDestroy(callStart);
+        }
+        if (copyStream != nullptr)
+        {
+            cudaStreamDestroy(copyStream);
+        }
+        for (uint8_t* p : pinned)
+        {
+            if (p != nullptr)
+            {
+                cudaFreeHost(p);
+            }
+        }
+        for (uint8_t* p : deviceStaging)
+        {
+            if (p != nullptr)
+            {
+                cudaFree(p);
+            }
+        }
+        cudaGetLastError(); // teardown errors (e.g. no device left) must not reach a later call
     }
 };
 
@@ -100,65 +159,433 @@ private:
     cudaError_t mStatus{cudaSuccess};
 };
 
-//! Copies rows [begin, end) of the flattened (token, col) list into staging.
-void gatherRange(int32_t const* idsHost, int32_t numCols, int64_t idTokenStride, int64_t rowOffset, int64_t begin,
-    int64_t end, uint8_t const* rowsHost, uint8_t const* scalesHost, int64_t tableNumRows, int64_t rowBytes,
-    int64_t scaleBytes, uint8_t* stagingRows, uint8_t* stagingScales)
+//! Where a call's chunks go.
+struct GatherSink
 {
-    // Rows are random in a table of many GiB: each costs a TLB miss and a DRAM miss, and
-    // so does its scale bytes (a separate array). Prefetching both a few rows ahead keeps
-    // several misses in flight per thread.
-    constexpr int64_t kPrefetchAhead = 16;
-    auto idOf = [&](int64_t r) {
-        int64_t const global = rowOffset + r;
-        int64_t const t = global / numCols;
-        return static_cast<int64_t>(idsHost[t * idTokenStride + (global - t * numCols)]);
-    };
-    for (int64_t r = begin; r < end; ++r)
+    enum Kind
     {
-        if (r + kPrefetchAhead < end)
+        kBf16Out, // fp8: dequant into out; bf16: copy into out
+        kRaw      // raw rows into dstRows, raw scale bytes into dstScales
+    };
+    Kind kind{kBf16Out};
+    uint8_t* out{nullptr};
+    uint8_t* dstRows{nullptr};
+    uint8_t* dstScales{nullptr};
+    int32_t headDim{0};
+    int32_t tableDtype{0};
+    int32_t quantBlock{0};
+};
+
+//! One call's work, shared by the caller and the workers.
+struct GatherJob
+{
+    RowIds ids;
+    RowTable table;
+    GatherTuning tuning;
+    int64_t totalRows{0};
+    int64_t chunkRows{0};
+    int64_t numChunks{0};
+    int64_t taskRows{0};
+    int64_t tasksPerChunk{0};
+    int64_t numTasks{0};
+    uint8_t* const* slots{nullptr};
+    int numSlots{0};
+    std::atomic<int64_t>* chunkDone{nullptr};
+    std::atomic<int64_t> next{0};     // next task to claim
+    std::atomic<int64_t> released{0}; // tasks [0, released) may run (their slots are free)
+    std::atomic<bool> abort{false};
+
+    int64_t chunkCount(int64_t c) const
+    {
+        return std::min(chunkRows, totalRows - c * chunkRows);
+    }
+    int64_t tasksOf(int64_t c) const
+    {
+        return (chunkCount(c) + taskRows - 1) / taskRows;
+    }
+    int64_t firstTaskAfter(int64_t c) const
+    {
+        return c * tasksPerChunk + tasksOf(c);
+    }
+
+    void runTask(int64_t task)
+    {
+        int64_t const c = task / tasksPerChunk;
+        int64_t const first = c * chunkRows;
+        int64_t const count = chunkCount(c);
+        int64_t const begin = first + (task - c * tasksPerChunk) * taskRows;
+        int64_t const end = std::min(first + count, begin + taskRows);
+        uint8_t* slot = slots[c % numSlots];
+        gatherRows(ids, begin, end, table, slot + (begin - first) * table.rowBytes,
+            slot + count * table.rowBytes + (begin - first) * table.scaleBytes, tuning);
+        chunkDone[c].fetch_add(1, std::memory_order_release);
+    }
+
+    //! Claims a released task, if any, without waiting.
+    bool tryClaim(int64_t& task)
+    {
+        int64_t current = next.load(std::memory_order_relaxed);
+        while (current < released.load(std::memory_order_acquire))
         {
-            int64_t const ahead = idOf(r + kPrefetchAhead);
-            if (ahead >= 0 && ahead < tableNumRows)
+            if (next.compare_exchange_weak(current, current + 1, std::memory_order_relaxed))
             {
-                uint8_t const* src = rowsHost + ahead * rowBytes;
-                for (int64_t line = 0; line < rowBytes; line += 64)
-                {
-                    __builtin_prefetch(src + line);
-                }
-                if (scaleBytes > 0)
-                {
-                    __builtin_prefetch(scalesHost + ahead * scaleBytes);
-                }
+                task = current;
+                return true;
             }
         }
-        int64_t const id = idOf(r);
-        uint8_t* dstRow = stagingRows + r * rowBytes;
-        if (id >= 0 && id < tableNumRows)
+        return false;
+    }
+
+    //! A worker's part: claim tasks in order; wait for a claimed task's release.
+    void work()
+    {
+        while (true)
         {
-            std::memcpy(dstRow, rowsHost + id * rowBytes, rowBytes);
-            if (scaleBytes > 0)
+            int64_t const task = next.fetch_add(1, std::memory_order_relaxed);
+            if (task >= numTasks)
             {
-                std::memcpy(stagingScales + r * scaleBytes, scalesHost + id * scaleBytes, scaleBytes);
+                return;
             }
-        }
-        else
-        {
-            // Out-of-range ids read as zero rows, as in the GPU gather (fp8 zero * any scale = 0).
-            std::memset(dstRow, 0, rowBytes);
-            if (scaleBytes > 0)
+            for (int64_t spins = 0; task >= released.load(std::memory_order_acquire); ++spins)
             {
-                std::memset(stagingScales + r * scaleBytes, 127, scaleBytes);
+                if (abort.load(std::memory_order_relaxed))
+                {
+                    return;
+                }
+                backoff(spins);
             }
+            if (abort.load(std::memory_order_relaxed))
+            {
+                return;
+            }
+            runTask(task);
         }
     }
+};
+
+namespace
+{
+
+int64_t ceilDiv(int64_t a, int64_t b)
+{
+    return (a + b - 1) / b;
 }
 
+//! Rows per task when the option is 0: about two tasks per thread and chunk, so the
+//! threads finish a chunk together, within [16, 512] rows (a task's first rows are
+//! prefetched together; a claim is one atomic on a shared line).
+int64_t autoTaskRows(int64_t chunkRows, int numThreads)
+{
+    return std::max<int64_t>(16, std::min<int64_t>(512, ceilDiv(chunkRows, 2 * static_cast<int64_t>(numThreads))));
+}
+
+//! Checks table_layout and the table pointers; fills `table` (rows, scales, pitch).
+int makeTable(char const* fn, void const* rowsHost, void const* scalesHost, int64_t tableNumRows, int64_t rowBytes,
+    int64_t scaleBytes, int32_t tableLayout, RowTable& table)
+{
+    if (tableLayout != ENGRAM_LAYOUT_SPLIT && tableLayout != ENGRAM_LAYOUT_INLINE)
+    {
+        return fail(cudaErrorInvalidValue, "%s: table_layout %d is neither split (0) nor inline (1)", fn, tableLayout);
+    }
+    bool const inlineScales = tableLayout == ENGRAM_LAYOUT_INLINE && scaleBytes > 0;
+    if (tableLayout == ENGRAM_LAYOUT_INLINE && scalesHost != nullptr)
+    {
+        return fail(cudaErrorInvalidValue,
+            "%s: an inline table keeps its scale bytes in its rows: pass scales_host = NULL", fn);
+    }
+    if (tableNumRows > 0 && (rowsHost == nullptr || (!inlineScales && scaleBytes > 0 && scalesHost == nullptr)))
+    {
+        return fail(
+            cudaErrorInvalidValue, "%s: the table rows (and, for a split fp8 table, its scales) are required", fn);
+    }
+    table.rows = static_cast<uint8_t const*>(rowsHost);
+    table.scales = static_cast<uint8_t const*>(scalesHost);
+    table.numRows = tableNumRows;
+    table.rowBytes = rowBytes;
+    table.scaleBytes = scaleBytes;
+    table.inlineScales = inlineScales;
+    return 0;
+}
+
+int recordError(char const* fn, char const* what, cudaError_t status)
+{
+    return failCuda(status, "%s: %s failed: %s", fn, what, cudaGetErrorString(status));
+}
+
+//! Enqueues chunk c (all its tasks done): the copy on the copy stream, then the dequant
+//! on the caller's stream for an fp8 table.
+int issueChunk(
+    char const* fn, EngramHostGatherer& g, GatherJob const& job, GatherSink const& sink, int64_t c, cudaStream_t stream)
+{
+    int const slot = static_cast<int>(c % g.numSlots);
+    int64_t const first = c * job.chunkRows;
+    int64_t const count = job.chunkCount(c);
+    int64_t const rowsBytes = count * job.table.rowBytes;
+    int64_t const scalesBytes = count * job.table.scaleBytes;
+    uint8_t const* staged = g.pinned[slot];
+    cudaError_t status = cudaSuccess;
+    if (sink.kind == GatherSink::kRaw)
+    {
+        status = cudaMemcpyAsync(
+            sink.dstRows + first * job.table.rowBytes, staged, rowsBytes, cudaMemcpyHostToDevice, g.copyStream);
+        if (status == cudaSuccess && scalesBytes > 0)
+        {
+            status = cudaMemcpyAsync(sink.dstScales + first * job.table.scaleBytes, staged + rowsBytes, scalesBytes,
+                cudaMemcpyHostToDevice, g.copyStream);
+        }
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "cudaMemcpyAsync", status);
+        }
+    }
+    else if (sink.tableDtype != ENGRAM_TABLE_FP8_E4M3)
+    {
+        status = cudaMemcpyAsync(sink.out + first * 2 * static_cast<int64_t>(sink.headDim), staged, rowsBytes,
+            cudaMemcpyHostToDevice, g.copyStream);
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "cudaMemcpyAsync", status);
+        }
+    }
+    else
+    {
+        // The device slot was last read by the dequant of chunk c - num_slots (or of an
+        // earlier call): the copy into it waits for that kernel.
+        status = cudaStreamWaitEvent(g.copyStream, g.consumed[slot], 0);
+        if (status == cudaSuccess)
+        {
+            status = cudaMemcpyAsync(
+                g.deviceStaging[slot], staged, rowsBytes + scalesBytes, cudaMemcpyHostToDevice, g.copyStream);
+        }
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "cudaMemcpyAsync", status);
+        }
+    }
+    status = cudaEventRecord(g.copied[slot], g.copyStream);
+    if (status != cudaSuccess)
+    {
+        return recordError(fn, "cudaEventRecord", status);
+    }
+    if (sink.kind == GatherSink::kBf16Out && sink.tableDtype == ENGRAM_TABLE_FP8_E4M3)
+    {
+        status = cudaStreamWaitEvent(stream, g.copied[slot], 0);
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "cudaStreamWaitEvent", status);
+        }
+        int const launched = launchGather(nullptr, count, 1, 1, g.deviceStaging[slot],
+            g.deviceStaging[slot] + rowsBytes, nullptr, nullptr, count, sink.headDim, sink.tableDtype, sink.quantBlock,
+            sink.out + first * 2 * static_cast<int64_t>(sink.headDim), stream);
+        if (launched != 0)
+        {
+            return launched;
+        }
+        status = cudaEventRecord(g.consumed[slot], stream);
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "cudaEventRecord", status);
+        }
+    }
+    return 0;
+}
+
+//! The pipeline (see the file comment). Call with callMutex held and the gatherer's
+//! device current.
+int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_t totalRows, RowTable const& table,
+    GatherSink const& sink, cudaStream_t stream)
+{
+    int64_t const perRow = table.rowBytes + table.scaleBytes;
+    int64_t chunk = std::min(g.chunkRows, g.slotBytes / perRow);
+    if (g.minChunks > 1)
+    {
+        chunk = std::min(chunk, std::max(kMinSplitRows, ceilDiv(totalRows, g.minChunks)));
+    }
+    chunk = std::max<int64_t>(1, chunk);
+
+    GatherJob job;
+    job.ids = ids;
+    job.table = table;
+    job.tuning = g.tuning;
+    job.totalRows = totalRows;
+    job.chunkRows = chunk;
+    job.numChunks = ceilDiv(totalRows, chunk);
+    job.taskRows = g.taskRows > 0 ? g.taskRows : autoTaskRows(chunk, g.pool->numThreads());
+    job.tasksPerChunk = ceilDiv(chunk, job.taskRows);
+    job.numTasks = job.firstTaskAfter(job.numChunks - 1);
+    job.slots = g.pinned.data();
+    job.numSlots = g.numSlots;
+    if (job.numChunks > g.chunkDoneCapacity)
+    {
+        g.chunkDone.reset(new std::atomic<int64_t>[static_cast<size_t>(job.numChunks)]);
+        g.chunkDoneCapacity = job.numChunks;
+    }
+    for (int64_t c = 0; c < job.numChunks; ++c)
+    {
+        g.chunkDone[c].store(0, std::memory_order_relaxed);
+    }
+    job.chunkDone = g.chunkDone.get();
+
+    // Raw and bf16 chunks are copied into memory the caller's stream may still be using:
+    // the copy stream starts after the work already enqueued there. (fp8 chunks go to the
+    // gatherer's own device slots, ordered by the slots' events.)
+    bool const copiesIntoCallerMemory = sink.kind == GatherSink::kRaw || sink.tableDtype != ENGRAM_TABLE_FP8_E4M3;
+    if (copiesIntoCallerMemory)
+    {
+        cudaError_t status = cudaEventRecord(g.callStart, stream);
+        if (status == cudaSuccess)
+        {
+            status = cudaStreamWaitEvent(g.copyStream, g.callStart, 0);
+        }
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "ordering the copy stream after the caller's stream", status);
+        }
+    }
+
+    int result = 0;
+    auto worker = [&job](int /*thread*/) { job.work(); };
+    g.pool->run(worker, [&] {
+        int64_t releasedChunks = 0;
+        int64_t issued = 0;
+        for (int64_t spins = 0; issued < job.numChunks;)
+        {
+            bool progressed = false;
+            // Release chunks whose slot is free, at most num_slots ahead of the copies.
+            while (releasedChunks < job.numChunks && releasedChunks - issued < g.numSlots)
+            {
+                cudaError_t const query = cudaEventQuery(g.copied[releasedChunks % g.numSlots]);
+                if (query == cudaErrorNotReady)
+                {
+                    break;
+                }
+                if (query != cudaSuccess)
+                {
+                    result = recordError(fn, "waiting for a staging slot", query);
+                    job.abort.store(true);
+                    return;
+                }
+                job.released.store(job.firstTaskAfter(releasedChunks), std::memory_order_release);
+                ++releasedChunks;
+                progressed = true;
+            }
+            if (issued < releasedChunks && job.chunkDone[issued].load(std::memory_order_acquire) == job.tasksOf(issued))
+            {
+                result = issueChunk(fn, g, job, sink, issued, stream);
+                if (result != 0)
+                {
+                    job.abort.store(true);
+                    return;
+                }
+                ++issued;
+                spins = 0;
+                continue;
+            }
+            int64_t task = 0;
+            if (job.tryClaim(task))
+            {
+                job.runTask(task);
+                progressed = true;
+            }
+            if (progressed)
+            {
+                spins = 0;
+            }
+            else
+            {
+                backoff(spins++);
+            }
+        }
+    });
+    if (result != 0)
+    {
+        return result;
+    }
+    if (copiesIntoCallerMemory)
+    {
+        // Copies complete in order on the copy stream: the last chunk's event covers all.
+        cudaError_t const status
+            = cudaStreamWaitEvent(stream, g.copied[static_cast<size_t>((job.numChunks - 1) % g.numSlots)], 0);
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "cudaStreamWaitEvent", status);
+        }
+    }
+    return 0;
+}
+
+//! Shared by the bf16-out and raw entry points: argument checks, lock, device, pipeline.
+int hostGather(char const* fn, EngramHostGatherer* gatherer, RowIds ids, int64_t totalRows, void const* rowsHost,
+    void const* scalesHost, int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock,
+    int32_t tableLayout, GatherSink sink, cudaStream_t stream)
+{
+    if (gatherer == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "%s: gatherer is NULL", fn);
+    }
+    EngramHostGatherer& g = *gatherer;
+    // Taken first: the gatherer's fields and staging belong to one call at a time, and
+    // engram_host_gatherer_destroy waits on the same lock.
+    std::lock_guard<std::mutex> callLock(g.callMutex);
+    int64_t rowBytes = 0;
+    int64_t scaleBytes = 0;
+    void const* outCheck = sink.kind == GatherSink::kRaw ? static_cast<void const*>(sink.dstRows) : sink.out;
+    if (int const status = validateGatherArgs(fn, totalRows > 0 ? 1 : 0, 1, 1, tableNumRows, headDim, tableDtype,
+            quantBlock, outCheck, rowBytes, scaleBytes))
+    {
+        return status;
+    }
+    if (sink.kind == GatherSink::kRaw && totalRows > 0 && scaleBytes > 0 && sink.dstScales == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "%s: an fp8 table needs dst_scales", fn);
+    }
+    if (rowBytes + scaleBytes > g.slotBytes)
+    {
+        return fail(cudaErrorInvalidValue, "%s: head_dim %d is wider than the gatherer's max_head_dim %d", fn, headDim,
+            g.maxHeadDim);
+    }
+    RowTable table;
+    if (int const status = makeTable(fn, rowsHost, scalesHost, tableNumRows, rowBytes, scaleBytes, tableLayout, table))
+    {
+        return status;
+    }
+    if (totalRows == 0)
+    {
+        return 0;
+    }
+    if (ids.ids == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "%s: ids_host is NULL", fn);
+    }
+    DeviceGuard deviceGuard(g.device);
+    if (deviceGuard.status() != cudaSuccess)
+    {
+        return failCuda(deviceGuard.status(), "%s: cannot make the gatherer's device %d current: %s", fn, g.device,
+            cudaGetErrorString(deviceGuard.status()));
+    }
+    sink.headDim = headDim;
+    sink.tableDtype = tableDtype;
+    sink.quantBlock = quantBlock;
+    return runPipeline(fn, g, ids, totalRows, table, sink, stream);
+}
+
+} // namespace
 } // namespace kernels
 } // namespace engram_trt
 
-extern "C" ENGRAM_API int engram_host_gatherer_create(
-    int32_t numThreads, int64_t chunkRows, int32_t maxHeadDim, EngramHostGatherer** gatherer)
+extern "C" ENGRAM_API int engram_cpu_affinity_count(int32_t* count)
+{
+    clearError();
+    if (count == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "engram_cpu_affinity_count: count is NULL");
+    }
+    *count = defaultThreadCount();
+    return 0;
+}
+
+extern "C" ENGRAM_API int engram_host_gatherer_create_ex(
+    int32_t numThreads, int64_t chunkRows, int32_t maxHeadDim, int32_t numSlots, EngramHostGatherer** gatherer)
 {
     clearError();
     ENGRAM_ABI_TRY
@@ -174,46 +601,72 @@ extern "C" ENGRAM_API int engram_host_gatherer_create(
                 "engram_host_gatherer_create: need chunk_rows >= 1 and max_head_dim %% 8 == 0 (got %lld, %d)",
                 static_cast<long long>(chunkRows), maxHeadDim);
         }
+        if (numSlots < 2 || numSlots > kMaxSlots)
+        {
+            return fail(cudaErrorInvalidValue, "engram_host_gatherer_create: num_slots must be in [2, %d] (got %d)",
+                kMaxSlots, numSlots);
+        }
         if (numThreads <= 0)
         {
-            numThreads = static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+            numThreads = defaultThreadCount();
         }
 
         // Owned here until it is complete: every failure below (an exception too) frees it.
         std::unique_ptr<EngramHostGatherer> g(new EngramHostGatherer());
-        cudaError_t const deviceStatus = cudaGetDevice(&g->device);
-        if (deviceStatus != cudaSuccess)
+        cudaError_t status = cudaGetDevice(&g->device);
+        if (status != cudaSuccess)
         {
-            return failCuda(deviceStatus, "engram_host_gatherer_create: cudaGetDevice failed: %s",
-                cudaGetErrorString(deviceStatus));
+            return failCuda(
+                status, "engram_host_gatherer_create: cudaGetDevice failed: %s", cudaGetErrorString(status));
         }
+        g->maxHeadDim = maxHeadDim;
+        g->capacityRows = chunkRows;
         g->chunkRows = chunkRows;
         // A bf16 row (2 bytes per element) is the widest form; an fp8 row plus its scale
         // bytes (head_dim + head_dim / 16 at most) fits in it.
         g->slotBytes = chunkRows * 2 * static_cast<int64_t>(maxHeadDim);
-        for (int s = 0; s < EngramHostGatherer::kSlots; ++s)
+        g->numSlots = numSlots;
+        g->pinned.assign(static_cast<size_t>(numSlots), nullptr);
+        g->deviceStaging.assign(static_cast<size_t>(numSlots), nullptr);
+        g->copied.assign(static_cast<size_t>(numSlots), nullptr);
+        g->consumed.assign(static_cast<size_t>(numSlots), nullptr);
+        status = cudaStreamCreateWithFlags(&g->copyStream, cudaStreamNonBlocking);
+        if (status == cudaSuccess)
         {
-            cudaError_t status
-                = cudaHostAlloc(reinterpret_cast<void**>(&g->pinned[s]), g->slotBytes, cudaHostAllocPortable);
+            status = cudaEventCreateWithFlags(&g->callStart, cudaEventDisableTiming);
+        }
+        for (int s = 0; s < numSlots && status == cudaSuccess; ++s)
+        {
+            status = cudaHostAlloc(reinterpret_cast<void**>(&g->pinned[s]), g->slotBytes, cudaHostAllocPortable);
             if (status == cudaSuccess)
             {
                 status = cudaMalloc(reinterpret_cast<void**>(&g->deviceStaging[s]), g->slotBytes);
             }
             if (status == cudaSuccess)
             {
-                status = cudaEventCreateWithFlags(&g->slotFree[s], cudaEventDisableTiming);
+                status = cudaEventCreateWithFlags(&g->copied[s], cudaEventDisableTiming);
             }
-            if (status != cudaSuccess)
+            if (status == cudaSuccess)
             {
-                return failCuda(status, "engram_host_gatherer_create: staging allocation failed: %s",
-                    cudaGetErrorString(status));
+                status = cudaEventCreateWithFlags(&g->consumed[s], cudaEventDisableTiming);
             }
         }
-        g->pool = new ThreadPool(numThreads - 1); // throws if a thread cannot start (caught below)
+        if (status != cudaSuccess)
+        {
+            return failCuda(
+                status, "engram_host_gatherer_create: staging allocation failed: %s", cudaGetErrorString(status));
+        }
+        g->pool.reset(new ThreadPool(numThreads)); // throws if a thread cannot start (caught below)
         *gatherer = g.release();
         return 0;
     }
     ENGRAM_ABI_CATCH("engram_host_gatherer_create")
+}
+
+extern "C" ENGRAM_API int engram_host_gatherer_create(
+    int32_t numThreads, int64_t chunkRows, int32_t maxHeadDim, EngramHostGatherer** gatherer)
+{
+    return engram_host_gatherer_create_ex(numThreads, chunkRows, maxHeadDim, kDefaultSlots, gatherer);
 }
 
 extern "C" ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gatherer)
@@ -233,117 +686,263 @@ extern "C" ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gathe
     ENGRAM_ABI_CATCH("engram_host_gatherer_destroy")
 }
 
-extern "C" ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numTokens,
-    int32_t numCols, int64_t idTokenStride, void const* rowsHost, void const* scalesHost, int64_t tableNumRows,
-    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
+extern "C" ENGRAM_API int engram_host_gatherer_set_option(EngramHostGatherer* gatherer, int32_t option, int64_t value)
 {
     clearError();
     ENGRAM_ABI_TRY
     {
         if (gatherer == nullptr)
         {
-            return fail(cudaErrorInvalidValue, "engram_host_gather: gatherer is NULL");
+            return fail(cudaErrorInvalidValue, "engram_host_gatherer_set_option: gatherer is NULL");
         }
         EngramHostGatherer& g = *gatherer;
-        // Taken first: the gatherer's fields and staging belong to one call at a time, and
-        // engram_host_gatherer_destroy waits on the same lock.
         std::lock_guard<std::mutex> callLock(g.callMutex);
+        auto outOfRange = [&](char const* name, long long lo, long long hi) {
+            return fail(cudaErrorInvalidValue, "engram_host_gatherer_set_option: %s must be in [%lld, %lld] (got %lld)",
+                name, lo, hi, static_cast<long long>(value));
+        };
+        switch (option)
+        {
+        case ENGRAM_HOST_GATHER_CHUNK_ROWS:
+            if (value < 1 || value > (int64_t{1} << 31))
+            {
+                return outOfRange("chunk_rows", 1, 1LL << 31);
+            }
+            g.chunkRows = value;
+            return 0;
+        case ENGRAM_HOST_GATHER_MIN_CHUNKS:
+            if (value < 1 || value > 1024)
+            {
+                return outOfRange("min_chunks", 1, 1024);
+            }
+            g.minChunks = value;
+            return 0;
+        case ENGRAM_HOST_GATHER_TASK_ROWS:
+            if (value < 0 || value > (int64_t{1} << 20))
+            {
+                return outOfRange("task_rows", 0, 1LL << 20);
+            }
+            g.taskRows = value;
+            return 0;
+        case ENGRAM_HOST_GATHER_PREFETCH_ROWS:
+            if (value < 0 || value > kMaxPrefetchRows)
+            {
+                return outOfRange("prefetch_rows", 0, kMaxPrefetchRows);
+            }
+            g.tuning.prefetchRows = static_cast<int>(value);
+            return 0;
+        case ENGRAM_HOST_GATHER_STREAMING_STORES:
+            if (value != 0 && value != 1)
+            {
+                return outOfRange("streaming_stores", 0, 1);
+            }
+            g.tuning.streamingStores = value == 1;
+            return 0;
+        case ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS:
+            if (value < 0 || value > kMaxPrefetchRows)
+            {
+                return outOfRange("prefetch_far_rows", 0, kMaxPrefetchRows);
+            }
+            g.tuning.prefetchFarRows = static_cast<int>(value);
+            return 0;
+        case ENGRAM_HOST_GATHER_PREFETCH_LOCALITY:
+            if (value < 0 || value > 3)
+            {
+                return outOfRange("prefetch_locality", 0, 3);
+            }
+            g.tuning.prefetchLocality = static_cast<int>(value);
+            return 0;
+        case ENGRAM_HOST_GATHER_SPIN_US:
+            if (value < 0 || value > 1000000)
+            {
+                return outOfRange("spin_us", 0, 1000000);
+            }
+            g.pool->setSpinMicros(value);
+            return 0;
+        default:
+            return fail(cudaErrorInvalidValue,
+                "engram_host_gatherer_set_option: option %d is not a settable EngramHostGatherOption", option);
+        }
+    }
+    ENGRAM_ABI_CATCH("engram_host_gatherer_set_option")
+}
+
+extern "C" ENGRAM_API int engram_host_gatherer_get_option(EngramHostGatherer* gatherer, int32_t option, int64_t* value)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        if (gatherer == nullptr || value == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "engram_host_gatherer_get_option: gatherer and value are required");
+        }
+        EngramHostGatherer& g = *gatherer;
+        std::lock_guard<std::mutex> callLock(g.callMutex);
+        switch (option)
+        {
+        case ENGRAM_HOST_GATHER_CHUNK_ROWS: *value = g.chunkRows; return 0;
+        case ENGRAM_HOST_GATHER_MIN_CHUNKS: *value = g.minChunks; return 0;
+        case ENGRAM_HOST_GATHER_TASK_ROWS: *value = g.taskRows; return 0;
+        case ENGRAM_HOST_GATHER_PREFETCH_ROWS: *value = g.tuning.prefetchRows; return 0;
+        case ENGRAM_HOST_GATHER_STREAMING_STORES: *value = g.tuning.streamingStores ? 1 : 0; return 0;
+        case ENGRAM_HOST_GATHER_SPIN_US: *value = g.pool->spinMicros(); return 0;
+        case ENGRAM_HOST_GATHER_NUM_THREADS: *value = g.pool->numThreads(); return 0;
+        case ENGRAM_HOST_GATHER_NUM_SLOTS: *value = g.numSlots; return 0;
+        case ENGRAM_HOST_GATHER_SLOT_BYTES: *value = g.slotBytes; return 0;
+        case ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS: *value = g.tuning.prefetchFarRows; return 0;
+        case ENGRAM_HOST_GATHER_PREFETCH_LOCALITY: *value = g.tuning.prefetchLocality; return 0;
+        default:
+            return fail(cudaErrorInvalidValue,
+                "engram_host_gatherer_get_option: option %d is not an EngramHostGatherOption", option);
+        }
+    }
+    ENGRAM_ABI_CATCH("engram_host_gatherer_get_option")
+}
+
+extern "C" ENGRAM_API int engram_host_gatherer_wake(EngramHostGatherer* gatherer)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        if (gatherer == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "engram_host_gatherer_wake: gatherer is NULL");
+        }
+        gatherer->pool->wake(); // thread-safe: no lock, so a gather in progress is not waited for
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_host_gatherer_wake")
+}
+
+extern "C" ENGRAM_API int engram_host_gather_ex(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numTokens,
+    int32_t numCols, int64_t idTokenStride, void const* rowsHost, void const* scalesHost, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, int32_t tableLayout, void* out, cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_host_gather";
+        if (numTokens < 0 || numCols < 1 || idTokenStride < numCols)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: need num_tokens >= 0, num_cols >= 1, id_token_stride >= num_cols (got %lld, %d, %lld)", fn,
+                static_cast<long long>(numTokens), numCols, static_cast<long long>(idTokenStride));
+        }
+        GatherSink sink;
+        sink.kind = GatherSink::kBf16Out;
+        sink.out = static_cast<uint8_t*>(out);
+        RowIds ids{idsHost, numCols, idTokenStride};
+        return hostGather(fn, gatherer, ids, numTokens * numCols, rowsHost, scalesHost, tableNumRows, headDim,
+            tableDtype, quantBlock, tableLayout, sink, stream);
+    }
+    ENGRAM_ABI_CATCH("engram_host_gather")
+}
+
+extern "C" ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numTokens,
+    int32_t numCols, int64_t idTokenStride, void const* rowsHost, void const* scalesHost, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
+{
+    return engram_host_gather_ex(gatherer, idsHost, numTokens, numCols, idTokenStride, rowsHost, scalesHost,
+        tableNumRows, headDim, tableDtype, quantBlock, ENGRAM_LAYOUT_SPLIT, out, stream);
+}
+
+extern "C" ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numIds,
+    void const* rowsHost, void const* scalesHost, int64_t tableNumRows, int32_t headDim, int32_t tableDtype,
+    int32_t quantBlock, int32_t tableLayout, void* dstRows, void* dstScales, cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_host_gather_raw";
+        if (numIds < 0)
+        {
+            return fail(
+                cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
+        }
+        GatherSink sink;
+        sink.kind = GatherSink::kRaw;
+        sink.dstRows = static_cast<uint8_t*>(dstRows);
+        sink.dstScales = static_cast<uint8_t*>(dstScales);
+        RowIds ids{idsHost, 1, 1};
+        return hostGather(fn, gatherer, ids, numIds, rowsHost, scalesHost, tableNumRows, headDim, tableDtype,
+            quantBlock, tableLayout, sink, stream);
+    }
+    ENGRAM_ABI_CATCH("engram_host_gather_raw")
+}
+
+extern "C" ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gatherer, int32_t numThreads,
+    int32_t const* idsHost, int64_t numIds, void const* rowsHost, void const* scalesHost, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, int32_t tableLayout, void* dstRowsHost,
+    void* dstScalesHost, int32_t prefetchRows, int32_t streamingStores)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_host_gather_rows_cpu";
         int64_t rowBytes = 0;
         int64_t scaleBytes = 0;
-        if (int const status = validateGatherArgs("engram_host_gather", numTokens, numCols, idTokenStride, tableNumRows,
-                headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
+        if (numIds < 0)
+        {
+            return fail(
+                cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
+        }
+        if (int const status = validateGatherArgs(
+                fn, 0, 1, 1, tableNumRows, headDim, tableDtype, quantBlock, nullptr, rowBytes, scaleBytes))
         {
             return status;
         }
-        if ((rowBytes + scaleBytes) * g.chunkRows > g.slotBytes)
+        if (prefetchRows > kMaxPrefetchRows || streamingStores > 1)
         {
             return fail(cudaErrorInvalidValue,
-                "engram_host_gather: head_dim %d is wider than the gatherer's max_head_dim", headDim);
+                "%s: prefetch_rows must be <= %d and streaming_stores 0 or 1 (-1: the default) (got %d, %d)", fn,
+                kMaxPrefetchRows, prefetchRows, streamingStores);
         }
-        int64_t const totalRows = numTokens * numCols;
-        if (totalRows == 0)
+        RowTable table;
+        if (int const status
+            = makeTable(fn, rowsHost, scalesHost, tableNumRows, rowBytes, scaleBytes, tableLayout, table))
+        {
+            return status;
+        }
+        if (numIds == 0)
         {
             return 0;
         }
-        if (idsHost == nullptr || (tableNumRows > 0 && rowsHost == nullptr)
-            || (tableNumRows > 0 && scaleBytes > 0 && scalesHost == nullptr))
+        if (idsHost == nullptr || dstRowsHost == nullptr || (scaleBytes > 0 && dstScalesHost == nullptr))
         {
-            return fail(cudaErrorInvalidValue, "engram_host_gather: ids, rows (and scales for fp8) are required");
+            return fail(
+                cudaErrorInvalidValue, "%s: ids_host, dst_rows_host (and dst_scales_host for fp8) are required", fn);
         }
-
-        DeviceGuard deviceGuard(g.device);
-        if (deviceGuard.status() != cudaSuccess)
-        {
-            return failCuda(deviceGuard.status(),
-                "engram_host_gather: cannot make the gatherer's device %d current: %s", g.device,
-                cudaGetErrorString(deviceGuard.status()));
-        }
-        bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
-        auto const* rows = static_cast<uint8_t const*>(rowsHost);
-        auto const* scales = static_cast<uint8_t const*>(scalesHost);
-        auto* outBytes = static_cast<uint8_t*>(out);
-        int64_t const outRowBytes = 2 * static_cast<int64_t>(headDim);
-
-        // Device slots were last used by work on another stream, possibly: order after it.
-        for (int s = 0; s < EngramHostGatherer::kSlots; ++s)
-        {
-            cudaError_t const status = cudaStreamWaitEvent(stream, g.slotFree[s], 0);
-            if (status != cudaSuccess)
+        auto run = [&](ThreadPool& pool, GatherTuning tuning) {
+            if (prefetchRows >= 0)
             {
-                return failCuda(
-                    status, "engram_host_gather: cudaStreamWaitEvent failed: %s", cudaGetErrorString(status));
+                tuning.prefetchRows = prefetchRows;
             }
-        }
-
-        int64_t const numChunks = (totalRows + g.chunkRows - 1) / g.chunkRows;
-        for (int64_t chunk = 0; chunk < numChunks; ++chunk)
-        {
-            int const slot = static_cast<int>(chunk % EngramHostGatherer::kSlots);
-            int64_t const first = chunk * g.chunkRows;
-            int64_t const count = std::min(g.chunkRows, totalRows - first);
-
-            cudaError_t status = cudaEventSynchronize(g.slotFree[slot]);
-            if (status != cudaSuccess)
+            if (streamingStores >= 0)
             {
-                return failCuda(status, "engram_host_gather: waiting for a staging slot failed: %s",
-                    cudaGetErrorString(status));
+                tuning.streamingStores = streamingStores == 1;
             }
-            uint8_t* stagingRows = g.pinned[slot];
-            uint8_t* stagingScales = g.pinned[slot] + count * rowBytes;
-            // About four tasks per thread balance the pool without making the counter hot.
-            int64_t const rowsPerTask = std::max<int64_t>(64, count / (4 * g.pool->numThreads()) + 1);
-            int64_t const tasks = (count + rowsPerTask - 1) / rowsPerTask;
-            g.pool->parallelFor(tasks, [&](int64_t task) {
-                int64_t const begin = task * rowsPerTask;
-                int64_t const end = std::min(count, begin + rowsPerTask);
-                gatherRange(idsHost, numCols, idTokenStride, first, begin, end, rows, scales, tableNumRows, rowBytes,
-                    scaleBytes, stagingRows, stagingScales);
+            RowIds const ids{idsHost, 1, 1};
+            int64_t const taskRows = autoTaskRows(numIds, pool.numThreads());
+            auto* rowsOut = static_cast<uint8_t*>(dstRowsHost);
+            auto* scalesOut = static_cast<uint8_t*>(dstScalesHost);
+            pool.parallelFor(ceilDiv(numIds, taskRows), [&](int64_t task) {
+                int64_t const begin = task * taskRows;
+                int64_t const end = std::min(numIds, begin + taskRows);
+                gatherRows(ids, begin, end, table, rowsOut + begin * rowBytes,
+                    scalesOut == nullptr ? nullptr : scalesOut + begin * scaleBytes, tuning);
             });
-
-            int64_t const chunkBytes = count * (rowBytes + scaleBytes);
-            uint8_t* destination = fp8 ? g.deviceStaging[slot] : outBytes + first * outRowBytes;
-            status = cudaMemcpyAsync(destination, stagingRows, chunkBytes, cudaMemcpyHostToDevice, stream);
-            if (status != cudaSuccess)
-            {
-                return failCuda(status, "engram_host_gather: cudaMemcpyAsync failed: %s", cudaGetErrorString(status));
-            }
-            if (fp8)
-            {
-                int const launched = launchGather(nullptr, count, 1, 1, g.deviceStaging[slot],
-                    g.deviceStaging[slot] + count * rowBytes, nullptr, nullptr, count, headDim, tableDtype, quantBlock,
-                    outBytes + first * outRowBytes, stream);
-                if (launched != 0)
-                {
-                    return launched;
-                }
-            }
-            status = cudaEventRecord(g.slotFree[slot], stream);
-            if (status != cudaSuccess)
-            {
-                return failCuda(status, "engram_host_gather: cudaEventRecord failed: %s", cudaGetErrorString(status));
-            }
+        };
+        if (gatherer != nullptr)
+        {
+            std::lock_guard<std::mutex> callLock(gatherer->callMutex);
+            run(*gatherer->pool, gatherer->tuning);
+        }
+        else
+        {
+            ThreadPool pool(numThreads > 0 ? numThreads : defaultThreadCount());
+            run(pool, GatherTuning{});
         }
         return 0;
     }
-    ENGRAM_ABI_CATCH("engram_host_gather")
+    ENGRAM_ABI_CATCH("engram_host_gather_rows_cpu")
 }

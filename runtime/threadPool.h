@@ -1,16 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * A small fork-join pool for the host gather.
  *
- * The host gather calls parallelFor once per chunk (tens of microseconds of work), so
- * wake-up latency matters more than idle CPU: workers spin for a short while
- * (kSpinMicros) watching an atomic generation counter before they sleep on a condition
- * variable, and the caller waits for the chunk's tasks by spinning, not by sleeping.
- * The caller takes part in the work, so a pool of n workers runs n + 1 threads.
+ * The host gather runs one round per call (tens of microseconds to a few milliseconds
+ * of work), so wake-up latency matters; but the pool must not take a node's CPUs from
+ * other ranks while idle. So a worker spins for a bounded time (spinMicros, 50 us by
+ * default, settable) watching an atomic generation counter, then blocks on a condition
+ * variable; the caller only touches the mutex when a worker sleeps. The caller takes part
+ * in the work: a pool of n threads runs n - 1 workers.
  *
- * Correctness of reuse: a worker captures (task, task count) under the lock and counts
- * itself active; parallelFor sets up a new round only under the lock with no worker
- * active, and resets the task count to 0 when a round ends, so a worker that wakes late
- * never runs a finished round's task.
+ * Size: defaultThreadCount() is the number of CPUs in the calling thread's affinity mask
+ * (sched_getaffinity), which is what a rank launched with a CPU list (taskset, numactl,
+ * a job scheduler) may use; std::thread::hardware_concurrency() would count the whole
+ * machine and oversubscribe a node shared by several ranks.
+ *
+ * Round protocol (why parallelFor never returns while a worker can still reach the
+ * caller's body): the caller publishes the body, marks the round open (mOpenRound = g)
+ * and bumps the generation to g. A worker that sees generation g counts itself active
+ * and only then checks that round g is still open; the caller closes the round
+ * (mOpenRound = 0) and waits until no worker is active. Both sides use sequentially
+ * consistent operations, so either the worker sees the round closed (and never touches
+ * the body) or the caller sees it active (and waits for it to leave). The body is
+ * published for the next round only after that wait, so a late worker can never read a
+ * half-written or destroyed body.
  */
 #ifndef ENGRAM_TRT_THREAD_POOL_H
 #define ENGRAM_TRT_THREAD_POOL_H
@@ -19,10 +32,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -36,22 +53,70 @@ namespace engram_trt
 namespace kernels
 {
 
+//! CPUs in the calling thread's affinity mask (threads it starts inherit the mask), at
+//! least 1; std::thread::hardware_concurrency() where the mask cannot be read.
+inline int defaultThreadCount()
+{
+#if defined(__linux__)
+    // Masks wider than CPU_SETSIZE (1024 CPUs) need a dynamically sized set.
+    for (int cpus = CPU_SETSIZE; cpus <= (1 << 16); cpus *= 2)
+    {
+        cpu_set_t* set = CPU_ALLOC(cpus);
+        if (set == nullptr)
+        {
+            break;
+        }
+        size_t const bytes = CPU_ALLOC_SIZE(cpus);
+        CPU_ZERO_S(bytes, set);
+        int const status = sched_getaffinity(0, bytes, set);
+        int const count = status == 0 ? CPU_COUNT_S(bytes, set) : 0;
+        CPU_FREE(set);
+        if (count > 0)
+        {
+            return count;
+        }
+        if (status == 0)
+        {
+            break; // an empty mask: fall back below
+        }
+    }
+#endif
+    unsigned const n = std::thread::hardware_concurrency();
+    return n > 0 ? static_cast<int>(n) : 1;
+}
+
+//! Waits politely: pause instructions first, then yields the CPU once `spins` is large.
+inline void backoff(int64_t spins)
+{
+    if (spins < 4096)
+    {
+        ENGRAM_CPU_RELAX();
+    }
+    else
+    {
+        std::this_thread::yield();
+    }
+}
+
 class ThreadPool
 {
 public:
-    static constexpr int64_t kSpinMicros = 200;
+    static constexpr int64_t kDefaultSpinMicros = 50;
 
+    //! numThreads counts the caller: numThreads - 1 workers are started (none for 1).
     //! Throws (std::system_error, std::bad_alloc) if a worker cannot be started; the
     //! workers started before that are stopped and joined first, since destroying a
     //! joinable std::thread would terminate the process.
-    explicit ThreadPool(int numWorkers)
+    explicit ThreadPool(int numThreads, int64_t spinMicros = kDefaultSpinMicros)
+        : mSpinMicros(spinMicros < 0 ? 0 : spinMicros)
     {
-        mWorkers.reserve(static_cast<size_t>(numWorkers > 0 ? numWorkers : 0));
+        int const workers = numThreads > 1 ? numThreads - 1 : 0;
+        mWorkers.reserve(static_cast<size_t>(workers));
         try
         {
-            for (int i = 0; i < numWorkers; ++i)
+            for (int i = 0; i < workers; ++i)
             {
-                mWorkers.emplace_back([this] { workerLoop(); });
+                mWorkers.emplace_back([this, i] { workerLoop(i + 1); });
             }
         }
         catch (...)
@@ -69,39 +134,112 @@ public:
     ThreadPool(ThreadPool const&) = delete;
     ThreadPool& operator=(ThreadPool const&) = delete;
 
+    //! Threads that run a round's work, the caller included.
     int numThreads() const
     {
         return static_cast<int>(mWorkers.size()) + 1;
     }
 
-    //! Runs task(i) for every i in [0, numTasks) on the pool and the calling thread;
-    //! returns when all have finished. One caller at a time.
-    void parallelFor(int64_t numTasks, std::function<void(int64_t)> const& task)
+    //! How long an idle worker spins before it blocks (0: block at once).
+    void setSpinMicros(int64_t micros)
     {
-        while (true)
+        mSpinMicros.store(micros < 0 ? 0 : micros, std::memory_order_relaxed);
+    }
+
+    int64_t spinMicros() const
+    {
+        return mSpinMicros.load(std::memory_order_relaxed);
+    }
+
+    //! Workers asleep right now (for tests and diagnostics).
+    int sleepingWorkers() const
+    {
+        return mSleepers.load(std::memory_order_relaxed);
+    }
+
+    //! Makes sleeping workers spin again for spinMicros, so that a round expected soon
+    //! (the ids of a step are on their way) does not pay their wake-up.
+    void wake()
+    {
+        mWakeSeq.fetch_add(1, std::memory_order_seq_cst);
+        if (mSleepers.load(std::memory_order_seq_cst) > 0)
         {
-            std::unique_lock<std::mutex> lock(mMutex);
-            if (mActive.load(std::memory_order_acquire) == 0)
-            {
-                mTask = &task;
-                mNumTasks = numTasks;
-                mNext.store(0, std::memory_order_relaxed);
-                mDone.store(0, std::memory_order_relaxed);
-                mGeneration.fetch_add(1, std::memory_order_release);
-                break;
-            }
-            lock.unlock();
-            ENGRAM_CPU_RELAX();
+            std::lock_guard<std::mutex> lock(mMutex);
         }
         mStart.notify_all();
-        runTasks(task, numTasks);
-        while (mDone.load(std::memory_order_acquire) < numTasks)
+    }
+
+    //! Runs workerBody(thread) on each worker that joins the round (thread = 1 ..
+    //! numThreads() - 1) while the calling thread runs callerBody(). Returns after
+    //! callerBody has returned and every worker has left workerBody. A worker that has
+    //! not joined by then skips the round, so workerBody must only take work from a
+    //! shared queue, and callerBody must itself wait for the work it needs finished.
+    //! workerBody must not throw; callerBody may (the round is closed first). One
+    //! caller at a time (calls are serialized).
+    template <typename WorkerBody, typename CallerBody>
+    void run(WorkerBody& workerBody, CallerBody&& callerBody)
+    {
+        std::lock_guard<std::mutex> callLock(mCallMutex);
+        if (mWorkers.empty())
         {
-            ENGRAM_CPU_RELAX();
+            callerBody();
+            return;
         }
-        std::lock_guard<std::mutex> lock(mMutex);
-        mTask = nullptr;
-        mNumTasks = 0;
+        mBody = &workerBody;
+        mInvoke = [](void* body, int thread) { (*static_cast<WorkerBody*>(body))(thread); };
+        uint64_t const generation = mGeneration.load(std::memory_order_relaxed) + 1;
+        mOpenRound.store(generation, std::memory_order_seq_cst);
+        mGeneration.store(generation, std::memory_order_seq_cst);
+        if (mSleepers.load(std::memory_order_seq_cst) > 0)
+        {
+            // A sleeper is in mStart.wait() or about to re-check the generation under the
+            // lock: taking the lock once orders this notify after its check.
+            std::lock_guard<std::mutex> lock(mMutex);
+        }
+        mStart.notify_all();
+
+        struct RoundCloser
+        {
+            ThreadPool& pool;
+            ~RoundCloser()
+            {
+                pool.mOpenRound.store(0, std::memory_order_seq_cst);
+                for (int64_t spins = 0; pool.mActive.load(std::memory_order_seq_cst) != 0; ++spins)
+                {
+                    backoff(spins);
+                }
+            }
+        } closer{*this};
+        callerBody();
+    }
+
+    //! Runs task(i) for every i in [0, numTasks) on the pool and the calling thread
+    //! (dynamically claimed); returns when all have finished and no worker can touch
+    //! `task` any more. task must not throw.
+    template <typename Task>
+    void parallelFor(int64_t numTasks, Task&& task)
+    {
+        if (numTasks <= 0)
+        {
+            return;
+        }
+        std::atomic<int64_t> next{0};
+        std::atomic<int64_t> done{0};
+        auto body = [&](int /*thread*/) {
+            for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < numTasks;
+                i = next.fetch_add(1, std::memory_order_relaxed))
+            {
+                task(i);
+                done.fetch_add(1, std::memory_order_release);
+            }
+        };
+        run(body, [&] {
+            body(0);
+            for (int64_t spins = 0; done.load(std::memory_order_acquire) < numTasks; ++spins)
+            {
+                backoff(spins);
+            }
+        });
     }
 
 private:
@@ -109,72 +247,82 @@ private:
     {
         {
             std::lock_guard<std::mutex> lock(mMutex);
-            mStop = true;
-            mGeneration.fetch_add(1, std::memory_order_release);
+            mStop.store(true, std::memory_order_seq_cst);
+            mGeneration.fetch_add(1, std::memory_order_seq_cst);
         }
         mStart.notify_all();
         for (std::thread& worker : mWorkers)
         {
             worker.join();
         }
+        mWorkers.clear();
     }
 
-    void runTasks(std::function<void(int64_t)> const& task, int64_t numTasks)
-    {
-        for (int64_t i = mNext.fetch_add(1, std::memory_order_relaxed); i < numTasks;
-             i = mNext.fetch_add(1, std::memory_order_relaxed))
-        {
-            task(i);
-            mDone.fetch_add(1, std::memory_order_release);
-        }
-    }
-
-    void workerLoop()
+    void workerLoop(int thread)
     {
         uint64_t seen = 0;
         while (true)
         {
-            auto const spinUntil = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-            for (int i = 0; mGeneration.load(std::memory_order_acquire) == seen; ++i)
+            // Spin for a bounded time, then block until a new round (or a wake()).
+            auto const spinUntil = std::chrono::steady_clock::now()
+                + std::chrono::microseconds(mSpinMicros.load(std::memory_order_relaxed));
+            bool idle = true;
+            for (int64_t i = 0;; ++i)
             {
+                if (mGeneration.load(std::memory_order_acquire) != seen)
+                {
+                    idle = false;
+                    break;
+                }
                 ENGRAM_CPU_RELAX();
-                if ((i & 63) == 0 && std::chrono::steady_clock::now() > spinUntil)
+                if ((i & 63) == 0 && std::chrono::steady_clock::now() >= spinUntil)
                 {
                     break;
                 }
             }
-            std::function<void(int64_t)> const* task = nullptr;
-            int64_t numTasks = 0;
+            if (idle)
             {
                 std::unique_lock<std::mutex> lock(mMutex);
-                mStart.wait(lock, [&] { return mGeneration.load(std::memory_order_acquire) != seen; });
-                if (mStop)
+                uint64_t const wakeSeq = mWakeSeq.load(std::memory_order_seq_cst);
+                mSleepers.fetch_add(1, std::memory_order_seq_cst);
+                mStart.wait(lock, [&] {
+                    return mGeneration.load(std::memory_order_seq_cst) != seen
+                        || mWakeSeq.load(std::memory_order_seq_cst) != wakeSeq;
+                });
+                mSleepers.fetch_sub(1, std::memory_order_seq_cst);
+                if (mGeneration.load(std::memory_order_seq_cst) == seen)
                 {
-                    return;
+                    continue; // woken by wake(): spin again
                 }
-                seen = mGeneration.load(std::memory_order_acquire);
-                task = mTask;
-                numTasks = mNumTasks;
-                mActive.fetch_add(1, std::memory_order_acq_rel);
             }
-            if (task != nullptr)
+            if (mStop.load(std::memory_order_seq_cst))
             {
-                runTasks(*task, numTasks);
+                return;
             }
-            mActive.fetch_sub(1, std::memory_order_acq_rel);
+            uint64_t const generation = mGeneration.load(std::memory_order_seq_cst);
+            seen = generation;
+            mActive.fetch_add(1, std::memory_order_seq_cst);
+            if (mOpenRound.load(std::memory_order_seq_cst) == generation)
+            {
+                mInvoke(mBody, thread);
+            }
+            mActive.fetch_sub(1, std::memory_order_seq_cst);
         }
     }
 
     std::vector<std::thread> mWorkers;
-    std::mutex mMutex;
+    std::mutex mCallMutex; // one caller at a time
+    std::mutex mMutex;     // sleeping workers
     std::condition_variable mStart;
-    std::function<void(int64_t)> const* mTask{nullptr};
-    int64_t mNumTasks{0};
+    void* mBody{nullptr};
+    void (*mInvoke)(void*, int){nullptr};
     std::atomic<uint64_t> mGeneration{0};
-    std::atomic<int64_t> mNext{0};
-    std::atomic<int64_t> mDone{0};
+    std::atomic<uint64_t> mOpenRound{0};
+    std::atomic<uint64_t> mWakeSeq{0};
     std::atomic<int> mActive{0};
-    bool mStop{false};
+    std::atomic<int> mSleepers{0};
+    std::atomic<int64_t> mSpinMicros;
+    std::atomic<bool> mStop{false};
 };
 
 } // namespace kernels

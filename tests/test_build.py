@@ -1,5 +1,5 @@
 """engram-trt build: engine folder, manifest (every table, deterministic), engines with
-the three plugins and no table bytes, both TensorRT flavours through one code path."""
+the four plugins and no table bytes, both TensorRT flavours through one code path."""
 
 from __future__ import annotations
 
@@ -114,13 +114,17 @@ def _plugin_counts(layers: list[str]) -> dict[str, int]:
 
 
 @needs_rtx
-def test_demo_builds_rtx_engine_with_three_plugins(demo_dir: Path, plugin_lib: Path, tmp_path: Path) -> None:
+def test_demo_builds_rtx_engine_with_four_plugins(demo_dir: Path, plugin_lib: Path, tmp_path: Path) -> None:
+    """The packed serving graph: one EngramAttention per layer (its KV caches aliased in
+    place, which the builder accepts only with the preview feature build_engine enables),
+    the Engram hash once and a gather and gate per Engram layer."""
     r = build(demo_dir, tmp_path / "eng", plugin_library=plugin_lib, progress=False)
     assert r.engine_path is not None and r.engine_path.stat().st_size == r.engine_bytes
     assert r.trt["flavour"] == "tensorrt_rtx"
     ckpt = Checkpoint.open(demo_dir)
     layer_ids = ckpt.config.engram.layer_ids
-    assert _plugin_counts(r.plugin_layers) == {"EngramHash": 1, "EngramGather": len(layer_ids), "EngramGate": len(layer_ids)}
+    assert _plugin_counts(r.plugin_layers) == {"EngramHash": 1, "EngramGather": len(layer_ids), "EngramGate": len(layer_ids),
+                                               "EngramAttention": ckpt.config.num_hidden_layers}
     # The tables stay outside: the demo engine (backbone, kernels, the embedded plugin
     # library) is orders of magnitude smaller than the tables it leaves in the checkpoint.
     tables_on_disk = sum(ckpt.locate(n)[2] for lid in layer_ids for k, n in engram_tensor_names(lid).items()
@@ -129,6 +133,11 @@ def test_demo_builds_rtx_engine_with_three_plugins(demo_dir: Path, plugin_lib: P
     assert r.tables_bytes >= 100 * r.engine_bytes, (r.tables_bytes, r.engine_bytes)
     m = json.loads(r.manifest_path.read_text())
     assert m["plugins"]["embedded"] is True and m["tensorrt"]["flavour"] == "tensorrt_rtx"
+    assert m["plugins"]["names"] == ["EngramAttention", "EngramGate", "EngramGather", "EngramHash"]
+    layers = ckpt.config.num_hidden_layers
+    assert m["graph"]["io"]["kv_cache"]["aliases"] == {f"{kind}_cache_out_{i}": f"{kind}_cache_{i}"
+                                                       for i in range(layers) for kind in ("key", "value")}
+    assert m["graph"]["inputs"][:4] == ["input_ids", "seq_starts", "past_lens", "slots"]
     # A rebuild with the same inputs gives the same manifest.
     r2 = build(demo_dir, tmp_path / "eng2", plugin_library=plugin_lib, progress=False)
     assert r2.manifest_path.read_bytes() == r.manifest_path.read_bytes()

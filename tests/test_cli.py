@@ -230,7 +230,8 @@ def test_declared_rows_must_match_tables(capsys, tmp_path):
 def test_build_refuses_bad_sizes_before_work(tmp_path):
     ck = _small_checkpoint(tmp_path / "ck")
     for argv, needle in ((["--max-seq-len", "0"], "--max-seq-len must be a positive integer"),
-                         (["--max-seq-len", "64", "--max-num-tokens", "100"], "exceeds --max-seq-len 64"),
+                         (["--max-num-tokens", "0"], "--max-num-tokens must be a positive integer"),
+                         (["--max-seq-len", "100000"], "exceeds the model's max_position_embeddings"),
                          (["--plugin-lib", str(tmp_path / "nope.so")], "is not a file"),
                          (["--engram-config.bogus", "1"], "unknown field 'bogus'")):
         out = tmp_path / "eng"
@@ -252,7 +253,7 @@ def test_demo_end_to_end_json(demo_dir):
 
     if trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt"):
         assert eng["engine_bytes"] > 0 and sorted({p.split("/")[0] for p in eng["plugin_layers"]}) == [
-            "EngramGate", "EngramGather", "EngramHash"]
+            "EngramAttention", "EngramGate", "EngramGather", "EngramHash"]
         assert eng["tables_to_engine_ratio"] == eng["tables_bytes"] / eng["engine_bytes"] >= 100
     else:
         assert "no TensorRT builder" in res["engine_note"]

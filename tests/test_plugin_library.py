@@ -3,12 +3,14 @@
 - its exported symbols are exactly the registration entry points and the kernels' C ABI;
 - the C ABI's host-side checks (layout, table format) and the ctypes bindings'
   argument checks run without a GPU;
-- with TensorRT-RTX: the library loads through the plugin registry, the three creators
+- with TensorRT-RTX: the library loads through the plugin registry, the four creators
   are listed with their fields, refuse out-of-range or malformed fields (createPlugin
   needs no GPU), an ONNX graph holding EngramHash -> EngramGather -> wkv ->
   EngramGate builds into an engine on the CPU, and so do graphs whose gate takes fp16
-  or fp32 hidden / kv (the output takes hidden's type).
-The kernels themselves run on the H200 through scripts/h200_verify.py (docs/benchmarks.md).
+  or fp32 hidden / kv (the output takes hidden's type); an EngramAttention graph builds
+  with its caches aliased in place, and only with the aliasing preview feature.
+The kernels themselves run on the H200 through scripts/h200_verify.py and
+scripts/h200_attention_check.py (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,18 +24,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engram_trt import kernels, trt_compat
+from engram_trt import attention_kernels, kernels, trt_compat
 from engram_trt.config.model import EngramSpec
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
 REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
 HEADER = REPO / "plugins" / "kernels" / "engramKernels.h"
 PLUGINS = {
     "EngramHash": ["n_layers", "max_ngram_size", "n_heads", "pad_id", "compressed_vocab_size", "primes", "offsets",
                    "multipliers"],
-    "EngramGather": ["layer_index", "n_layers", "n_cols", "head_dim", "table_dtype", "quant_block", "num_rows"],
+    "EngramGather": ["layer_index", "n_layers", "n_cols", "head_dim", "table_dtype", "quant_block", "num_rows",
+                     "bad_rows_input"],
     "EngramGate": ["hc_mult", "hidden_size", "eps"],
+    "EngramAttention": ["num_heads", "num_kv_heads", "head_dim", "scale"],
 }
 
 
@@ -143,6 +148,89 @@ def test_gate_abi_refuses_bad_types_before_any_cuda_call(plugin_lib: Path) -> No
             assert status == 0, lib.engram_last_error().decode()
 
 
+def test_attention_abi_checks_run_without_gpu(plugin_lib: Path) -> None:
+    """The attention entry points refuse bad shapes, types and pointers on the host, with
+    one-line reasons, before any CUDA call; zero tokens launch nothing."""
+    import ctypes
+
+    lib = attention_kernels._library()
+    p = ctypes.c_void_p(16)  # never read: the calls fail on their arguments first
+
+    def packed(io_type=kernels.FLOAT_BF16, T=4, H=8, kvh=2, hd=64, slots=4, max_len=32, scale=0.125, q=p):
+        status = lib.engram_attention_packed(q, io_type, p, p, p, p, T, H, kvh, hd, slots, max_len, ctypes.c_float(scale),
+                                             None, 0, p, None)
+        return status, lib.engram_last_error().decode()
+
+    assert packed(H=6, kvh=4) == (1, "engram_attention_packed: num_heads must be a positive multiple of num_kv_heads "
+                                     "(got num_heads 6, num_kv_heads 4)")
+    assert packed(hd=264) == (1, "engram_attention_packed: head_dim must be a multiple of 8 in [8, 256] (got 264)")
+    assert packed(scale=float("nan"))[1] == "engram_attention_packed: scale must be finite and > 0 (got nan)"
+    assert packed(io_type=3) == (1, "engram_attention_packed: io_type 3 is not bf16 (0), fp32 (1) or fp16 (2)")
+    assert packed(T=-1)[1].startswith("engram_attention_packed: num_tokens must be in [0, 2^31 - 1]")
+    assert packed(slots=0)[1].startswith("engram_attention_packed: num_slots and max_seq_len must be in [1, 2^31 - 1]")
+    assert packed(q=ctypes.c_void_p(24)) == (1, "engram_attention_packed: q, key_cache, value_cache and out must be "
+                                                "16-byte aligned device pointers")
+    assert packed(T=0) == (0, "")  # nothing to do, nothing launched
+    status = lib.engram_kv_cache_write(p, p, kernels.FLOAT_F16, None, p, 3, 2, 64, p, p, 4, 32, None)
+    assert (status, lib.engram_last_error().decode()) == (
+        1, "engram_kv_cache_write: token_slot and token_pos must be int32 device arrays")
+    status = lib.engram_attention_step(p, p, p, kernels.FLOAT_F32, p, p, 0, 8, 2, 64, p, p, 4, 32,
+                                       ctypes.c_float(0.125), None, 0, p, None)
+    assert status == 0
+    attention_kernels.check_attention_shape(32, 8, 128, 128 ** -0.5)
+    with pytest.raises(EngramError, match="num_kv_heads \\* ceil\\(num_heads / num_kv_heads / 8\\) = 65536 exceeds 65535"):
+        attention_kernels.check_attention_shape(65536 * 8, 65536, 64, 0.1)
+
+
+def test_attention_workspace_covers_the_key_splits(plugin_lib: Path) -> None:
+    """Steps of few tokens split each token's keys over blocks of >= 256 positions (at most
+    32 splits, until a step has 1024 blocks) and need T * heads * splits * (head_dim + 2)
+    floats of workspace; a step with enough blocks, or a short cache, needs none. The size
+    for up to max_tokens is the largest of any step up to that many tokens."""
+    def expected(T: int, H: int, kvh: int, hd: int, max_len: int) -> int:
+        blocks = T * kvh * -(-(H // kvh) // 8)
+        splits = 1
+        if blocks < 1024:
+            splits = max(1, min(-(-1024 // blocks), -(-max_len // 256), 32))
+        keys = -(-(-(-max_len // splits)) // 32) * 32
+        splits = -(-max_len // keys)
+        return 0 if splits == 1 else T * H * splits * (hd + 2) * 4
+
+    for H, kvh, hd, max_len in ((32, 8, 128, 4096), (16, 1, 64, 8192), (8, 8, 64, 300), (40, 2, 256, 2048)):
+        for T in (1, 2, 3, 7, 64, 127, 128, 256):
+            one = attention_kernels.attention_workspace_size(T, H, kvh, hd, max_len)
+            most = max(expected(t, H, kvh, hd, max_len) for t in range(1, T + 1))
+            assert one == most, (H, kvh, hd, max_len, T)
+    assert attention_kernels.attention_workspace_size(1, 32, 8, 128, 4096) == 32 * 16 * 130 * 4  # 16 splits of 256 keys
+    assert attention_kernels.attention_workspace_size(1, 8, 8, 64, 200) == 0  # one split covers a 200-position cache
+    assert attention_kernels.attention_workspace_size(0, 32, 8, 128, 4096) == 0
+
+
+def test_attention_bindings_name_the_bad_argument() -> None:
+    import torch
+
+    q = torch.zeros(3, 8, 64, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16)
+    idx = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(EngramError, match=r"^key_cache must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
+                                          r"\(got torch.float64\)$"):
+        attention_kernels.attention_step(q, kv, kv, cache.double(), cache, idx, idx)
+    with pytest.raises(EngramError, match=r"^q must have dtype torch.bfloat16 \(got torch.float16\)$"):
+        attention_kernels.attention_step(q.half(), kv, kv, cache, cache, idx, idx)
+    with pytest.raises(EngramError, match=r"^key_cache and value_cache must be one shape .* \(got \(4, 2, 32, 64\) "
+                                          r"and \(4, 2, 16, 64\)\)$"):
+        attention_kernels.attention_step(q, kv, kv, cache, cache[:, :, :16], idx, idx)
+    with pytest.raises(EngramError, match=r"^token_pos must have dtype torch.int32 \(got torch.int64\)$"):
+        attention_kernels.attention_step(q, kv, kv, cache, cache, idx, idx.long())
+    with pytest.raises(EngramError, match=r"^k must be \[T, num_kv_heads, head_dim\] = \(3, 2, 64\)"):
+        attention_kernels.kv_cache_write(kv[:, :1], kv, cache, cache, idx, idx)
+    with pytest.raises(EngramError, match=r"^token_slot must be \[T\] = \(3,\) \(got \(2,\)\)$"):
+        attention_kernels.attention_packed(q, cache, cache, idx[:2], idx)
+    with pytest.raises(EngramError, match="^q must be a CUDA tensor"):
+        attention_kernels.attention_packed(q, cache, cache, idx, idx)
+
+
 def test_host_gatherer_create_reports_a_missing_device(plugin_lib: Path) -> None:
     """Without a GPU the gatherer's first CUDA call, cudaGetDevice, fails: that is the
     error reported (it used to be ignored, and a later allocation failed instead)."""
@@ -188,11 +276,16 @@ def test_creators_are_registered_with_their_fields(trt) -> None:
                                    [f.name for f in creator.field_names])
     assert set(found) == set(PLUGINS)
     for name, fields in PLUGINS.items():
-        assert found[name] == ("1", "", fields)
+        assert found[name] == ("1", NAMESPACE, fields)
+    # nothing of ours registers in the empty namespace, where another library's plugins
+    # of the same names could collide
+    assert all(trt.module.get_plugin_registry().get_creator(name, "1", "") is None for name in PLUGINS)
 
 
-def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int = 2, hidden: int = 128) -> None:
-    """ids -> EngramHash -> EngramGather (layer 1, fp8 table by address) -> wkv -> EngramGate."""
+def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int = 2, hidden: int = 128,
+                  bad_rows_input: bool = False) -> None:
+    """ids -> EngramHash -> EngramGather (layer 1, fp8 table by address) -> wkv -> EngramGate.
+    ``bad_rows_input``: the gather takes the bad-row counter's address too."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -210,21 +303,24 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
         # INTS attributes to int32, which would truncate the multipliers.
         return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))
 
+    ns = {"plugin_namespace": NAMESPACE}
+    counter = {"bad_rows_input": 1} if bad_rows_input else {}
     nodes = [
         helper.make_node("EngramHash", ["ids", "seq_starts", "lookback"], ["hash_ids"], name="hash",
-                         domain="engram_trt", plugin_version="1", n_layers=layout.num_layers,
+                         domain="engram_trt", plugin_version="1", **ns, n_layers=layout.num_layers,
                          max_ngram_size=layout.max_ngram_size, n_heads=layout.n_heads, pad_id=layout.pad_id,
                          compressed_vocab_size=layout.compressed_vocab_size,
                          primes=i64("primes", layout.primes), offsets=i64("offsets", layout.offsets),
                          multipliers=i64("multipliers", layout.multipliers)),
-        helper.make_node("EngramGather", ["hash_ids", "rows_addr", "scales_addr"], ["rows"], name="gather",
-                         domain="engram_trt", plugin_version="1", layer_index=1, n_layers=layout.num_layers,
+        helper.make_node("EngramGather", ["hash_ids", "rows_addr", "scales_addr"] + (["bad_rows_addr"] if bad_rows_input else []),
+                         ["rows"], name="gather",
+                         domain="engram_trt", plugin_version="1", **ns, layer_index=1, n_layers=layout.num_layers,
                          n_cols=cols, head_dim=head_dim, table_dtype=0, quant_block=32,
-                         num_rows=int(layout.table_rows[1])),
+                         num_rows=int(layout.table_rows[1]), **counter),
         helper.make_node("Reshape", ["rows", "flat_shape"], ["rows_flat"], name="flatten"),
         helper.make_node("MatMul", ["rows_flat", "wkv"], ["kv"], name="wkv"),
         helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
-                         domain="engram_trt", plugin_version="1", hc_mult=hc, hidden_size=hidden, eps=1e-6),
+                         domain="engram_trt", plugin_version="1", **ns, hc_mult=hc, hidden_size=hidden, eps=1e-6),
     ]
     inputs = [
         helper.make_tensor_value_info("ids", TensorProto.INT32, ["T"]),
@@ -232,6 +328,7 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
         helper.make_tensor_value_info("lookback", TensorProto.INT32, ["S", n]),
         helper.make_tensor_value_info("rows_addr", TensorProto.INT64, [1]),
         helper.make_tensor_value_info("scales_addr", TensorProto.INT64, [1]),
+        *([helper.make_tensor_value_info("bad_rows_addr", TensorProto.INT64, [1])] if bad_rows_input else []),
         helper.make_tensor_value_info("hidden", TensorProto.BFLOAT16, ["T", hc, hidden]),
         helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"]),
     ]
@@ -244,9 +341,11 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
     onnx.save(model, str(path))
 
 
-def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramLayout, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad_rows_input", [False, True], ids=["tables only", "with bad-row counter"])
+def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramLayout, tmp_path: Path,
+                                                            bad_rows_input: bool) -> None:
     path = tmp_path / "engram.onnx"
-    _engram_graph(layout, path)
+    _engram_graph(layout, path, bad_rows_input=bad_rows_input)
     builder = trt_compat.create_builder()
     network = trt_compat.create_network(builder)
     parser = trt_compat.onnx_parser(network)
@@ -255,6 +354,10 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     plugin_layers = [network.get_layer(i) for i in range(network.num_layers)
                      if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
     assert sorted(layer.name for layer in plugin_layers) == ["gate", "gather", "hash"]
+    for layer in plugin_layers:  # the nodes' plugin_namespace names the creators' namespace
+        layer.__class__ = trt.module.IPluginV3Layer
+        core = layer.plugin.get_capability_interface(trt.module.PluginCapabilityType.CORE)
+        assert (core.plugin_namespace, core.plugin_version) == (NAMESPACE, "1")
     by_name = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
     assert tuple(by_name["out"].shape)[1:] == (2, 128) and by_name["out"].dtype == trt.module.bfloat16
 
@@ -270,6 +373,73 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)
     assert engine is not None and engine.nbytes > 10_000
+
+
+def _attention_graph(path: Path, io: str = "bf16", H: int = 8, kvh: int = 2, hd: int = 64) -> None:
+    """q, k, v, the two caches, token slots and positions -> EngramAttention -> the output
+    and both caches (network outputs, as in the serving graph)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    elem = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16, "fp32": TensorProto.FLOAT}[io]
+    cache = ["slots", kvh, "max_len", hd]
+    node = helper.make_node("EngramAttention", ["q", "k", "v", "key_cache", "value_cache", "token_slot", "token_pos"],
+                            ["out", "key_cache_out", "value_cache_out"], name="attention", domain="engram_trt",
+                            plugin_version="1", plugin_namespace=NAMESPACE, num_heads=H, num_kv_heads=kvh, head_dim=hd,
+                            scale=hd ** -0.5)
+    inputs = [helper.make_tensor_value_info("q", elem, ["T", H, hd]), helper.make_tensor_value_info("k", elem, ["T", kvh, hd]),
+              helper.make_tensor_value_info("v", elem, ["T", kvh, hd]),
+              helper.make_tensor_value_info("key_cache", elem, cache), helper.make_tensor_value_info("value_cache", elem, cache),
+              helper.make_tensor_value_info("token_slot", TensorProto.INT32, ["T"]),
+              helper.make_tensor_value_info("token_pos", TensorProto.INT32, ["T"])]
+    outputs = [helper.make_tensor_value_info("out", elem, ["T", H, hd]),
+               helper.make_tensor_value_info("key_cache_out", elem, cache),
+               helper.make_tensor_value_info("value_cache_out", elem, cache)]
+    graph = helper.make_graph([node], "attention", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("engram_trt", 1)])
+    onnx.save(model, str(path))
+
+
+@pytest.mark.parametrize("io", ["bf16", "fp16", "fp32"])
+def test_attention_graph_builds_only_with_aliased_caches(trt, tmp_path: Path, caplog, io: str) -> None:
+    """EngramAttention declares its cache outputs aliases of its cache inputs: with the
+    aliasing preview feature (what build_engine enables) the engine builds, the caches
+    network inputs and outputs of q's type; without it the builder refuses the plugin."""
+    path = tmp_path / "attention.onnx"
+    H, kvh, hd, slots, max_len = 8, 2, 64, 4, 256
+    _attention_graph(path, io, H, kvh, hd)
+    want = {"bf16": trt.module.bfloat16, "fp16": trt.module.float16, "fp32": trt.module.float32}[io]
+    engines = {}
+    for aliased in (True, False):
+        builder = trt_compat.create_builder()
+        network = trt_compat.create_network(builder)
+        trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
+        (layer,) = [network.get_layer(i) for i in range(network.num_layers)
+                    if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+        assert [layer.get_output(k).dtype for k in range(3)] == [want] * 3
+        assert tuple(layer.get_output(1).shape) == (-1, kvh, -1, hd)  # the caches' dims, symbolic in the graph
+        config = builder.create_builder_config()
+        if aliased:
+            trt_compat.enable_aliased_plugin_io(config)
+        if trt.is_rtx:
+            trt_compat.set_targets(config, ("sm80",))
+        profile = builder.create_optimization_profile()
+        for name, n in (("q", H), ("k", kvh), ("v", kvh)):
+            profile.set_shape(name, (1, n, hd), (16, n, hd), (64, n, hd))
+        for name in ("token_slot", "token_pos"):
+            profile.set_shape(name, (1,), (16,), (64,))
+        for name in ("key_cache", "value_cache"):
+            profile.set_shape(name, *[(slots, kvh, max_len, hd)] * 3)
+        config.add_optimization_profile(profile)
+        caplog.clear()
+        try:
+            engines[aliased] = builder.build_serialized_network(network, config)
+        except Exception:  # noqa: BLE001 - a flavour may raise instead of returning None
+            engines[aliased] = None
+    assert engines[True] is not None and engines[True].nbytes > 5_000
+    assert engines[False] is None
+    if trt.is_rtx:  # the reason as TensorRT-RTX 1.7.1 gives it
+        assert "Aliased I/O used by plugin attention but PreviewFeature::kALIASED_PLUGIN_IO_10_03 not enabled" in caplog.text
 
 
 def _gate_graph(path: Path, io: str, weights: str, kv_io: str | None = None, hc: int = 2, hidden: int = 128) -> None:
@@ -289,7 +459,7 @@ def _gate_graph(path: Path, io: str, weights: str, kv_io: str | None = None, hc:
         return helper.make_tensor(name, elem[dtype], shape, raw, raw=True)
 
     node = helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
-                            domain="engram_trt", plugin_version="1", hc_mult=hc, hidden_size=hidden, eps=1e-6)
+                            domain="engram_trt", plugin_version="1", plugin_namespace=NAMESPACE, hc_mult=hc, hidden_size=hidden, eps=1e-6)
     inputs = [helper.make_tensor_value_info("hidden", elem[io], ["T", hc, hidden]),
               helper.make_tensor_value_info("kv", elem[kv_io or io], ["T", (hc + 1) * hidden]),
               helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"])]
@@ -368,7 +538,7 @@ def _plugin_fields(trt, fields: dict[str, tuple[str, object]]):
 
 
 def _create(trt, name: str, fields: dict[str, tuple[str, object]]):
-    creator = trt.module.get_plugin_registry().get_creator(name, "1", "")
+    creator = trt.module.get_plugin_registry().get_creator(name, "1", NAMESPACE)
     assert creator is not None, f"{name} creator is not registered"
     return creator.create_plugin(name, _plugin_fields(trt, fields), trt.module.TensorRTPhase.BUILD)
 
@@ -389,6 +559,8 @@ GATHER_FIELDS = {"layer_index": ("int32", 1), "n_layers": ("int32", 2), "n_cols"
                  "head_dim": ("int32", 64), "table_dtype": ("int32", 0), "quant_block": ("int32", 32),
                  "num_rows": ("int64", 1000)}
 GATE_FIELDS = {"hc_mult": ("int32", 4), "hidden_size": ("int32", 64), "eps": ("float32", 1e-6)}
+ATTENTION_FIELDS = {"num_heads": ("int32", 32), "num_kv_heads": ("int32", 8), "head_dim": ("int32", 128),
+                    "scale": ("float32", 128 ** -0.5)}
 
 # (plugin, fields changed, what the refusal must say). Each value would have been narrowed
 # to int32 or accepted before: 2^32 + 4 became 4, "p0+p1" read as [p0, p1], "12-3" as [12, -3].
@@ -410,12 +582,24 @@ BAD_FIELDS = [
     ("EngramGather", {"head_dim": ("int64", 2**32 + 64)}, "field 'head_dim' = 4294967360 is outside"),
     ("EngramGather", {"table_dtype": ("int64", 2**32)}, "field 'table_dtype' = 4294967296 is outside [0, 1]"),
     ("EngramGather", {"num_rows": ("int64", 2**31)}, "num_rows must be in [1, 2^31 - 1]"),
+    ("EngramGather", {"bad_rows_input": ("int32", 2)}, "field 'bad_rows_input' = 2 is outside [0, 1]"),
+    ("EngramAttention", {"num_heads": ("int64", 2**32 + 32)}, "field 'num_heads' = 4294967328 is outside"),
+    ("EngramAttention", {"num_kv_heads": ("int32", 0)}, "field 'num_kv_heads' = 0 is outside"),
+    ("EngramAttention", {"num_kv_heads": ("int32", 12)}, "num_heads must be a positive multiple of num_kv_heads"),
+    ("EngramAttention", {"head_dim": ("int32", 100)}, "head_dim must be a multiple of 8 in [8, 256] (got 100)"),
+    ("EngramAttention", {"head_dim": ("int64", 2**32 + 128)}, "field 'head_dim' = 4294967424 is outside [8, 256]"),
+    ("EngramAttention", {"scale": ("float32", 0.0)}, "scale must be finite and > 0"),
+    ("EngramAttention", {"scale": ("float32", float("inf"))}, "scale must be finite and > 0"),
+    ("EngramAttention", {"num_heads": ("int32", 65536 * 8), "num_kv_heads": ("int32", 65536)},
+     "num_kv_heads * ceil(num_heads / num_kv_heads / 8) = 65536 exceeds 65535"),
+    ("EngramAttention", {"window": ("int32", 4)}, "unknown field(s) window for plugin EngramAttention"),
 ]
 
 
 @pytest.mark.parametrize("plugin,change,message", BAD_FIELDS, ids=[f"{p}-{m[:40]}" for p, _, m in BAD_FIELDS])
 def test_creators_refuse_out_of_range_fields(trt, layout: EngramLayout, capfd, plugin, change, message) -> None:
-    base = {"EngramGate": GATE_FIELDS, "EngramGather": GATHER_FIELDS, "EngramHash": _hash_fields(layout)}[plugin]
+    base = {"EngramGate": GATE_FIELDS, "EngramGather": GATHER_FIELDS, "EngramHash": _hash_fields(layout),
+            "EngramAttention": ATTENTION_FIELDS}[plugin]
     fields = dict(base)
     if isinstance(change, str):  # "<field>:<char>": the first separator of a text array replaced
         name, char = change.split(":")
@@ -440,3 +624,211 @@ def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> No
     assert _create(trt, "EngramGather", {**GATHER_FIELDS, "num_rows": ("int64", 2**31 - 1)}) is not None
     bf16 = {"table_dtype": ("int64", 1), "quant_block": ("int32", 0)}  # quant_block is ignored for bf16
     assert _create(trt, "EngramGather", {**GATHER_FIELDS, **bf16}) is not None
+    assert _create(trt, "EngramAttention", ATTENTION_FIELDS) is not None
+    for edge in ({"head_dim": ("int64", 256)}, {"head_dim": ("int32", 8)}, {"num_kv_heads": ("int32", 1)},
+                 {"num_kv_heads": ("int32", 32)}, {"num_heads": ("int32", 65535 * 8), "num_kv_heads": ("int32", 65535)}):
+        assert _create(trt, "EngramAttention", {**ATTENTION_FIELDS, **edge}) is not None, edge
+    for flag in (0, 1):  # the optional bad-row counter input
+        assert _create(trt, "EngramGather", {**GATHER_FIELDS, "bad_rows_input": ("int32", flag)}) is not None
+
+
+# --- prepared hash layout, bad-row counter: host-side ABI (no GPU) ---------------------
+
+def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layout: EngramLayout) -> None:
+    """kernels.hash_packed prepares a layout once per EngramLayout (validated and laid out
+    as the kernel's parameter, no GPU needed) and reuses it; a bad layout is refused at
+    preparation with the library's reason."""
+    import ctypes
+
+    first = kernels.prepared_layout(layout)
+    assert kernels.prepared_layout(layout) is first and first.handle.value
+    assert kernels.prepared_layout(first) is first
+    other = EngramLayout(**layout.__dict__)  # equal content, another object: its own preparation
+    assert kernels.prepared_layout(other) is not first
+    bad = EngramLayout(**{**layout.__dict__, "multipliers": layout.multipliers.copy()})
+    bad.multipliers[0, 1] = -3
+    with pytest.raises(EngramError, match=r"engram_hash_layout_create failed: engram_hash_layout_create: "
+                                          r"multiplier\[1\] = -3 is not in"):
+        kernels.PreparedHashLayout(bad)
+    lib = kernels.load_library()
+    assert lib.engram_hash_prepared(None, None, 4, None, 1, None, None, None) == 1
+    assert lib.engram_last_error().decode() == "engram_hash_prepared: layout is NULL"
+    # zero tokens: nothing to launch, so success without a GPU
+    assert lib.engram_hash_prepared(first.handle, None, 0, None, 0, None, None, None) == 0
+    # the 128-slot layout parameter of CUDA < 12.1 is not the limit of this build: 512 slots still prepare
+    wide = EngramSpec(layer_ids=(0, 1, 2, 3), max_ngram_size=3, n_heads=64, vocab_size=1000,
+                      compressed_vocab_size=900, pad_token_id=0, head_dim=64)
+    assert kernels.PreparedHashLayout(EngramLayout.from_spec(wide, pad_id=5)).handle.value
+    handle = ctypes.c_void_p(1)
+    assert lib.engram_hash_layout_create(None, None, None, 1, 3, 4, 0, 10, ctypes.byref(handle)) == 1
+    assert handle.value is None  # no half-made layout on failure
+
+
+def test_gather_refuses_a_misaligned_bad_row_counter(plugin_lib: Path) -> None:
+    import ctypes
+
+    lib = kernels.load_library()
+    p = ctypes.c_void_p(256)  # never read: the call fails on its arguments first
+    status = lib.engram_gather(p, 1, 1, 1, p, p, 10, 64, kernels.TABLE_FP8_E4M3, 32, p, ctypes.c_void_p(260), None)
+    assert (status, lib.engram_last_error().decode()) == (
+        1, "engram_gather: bad_rows must be an 8-byte aligned device pointer")
+
+
+def test_check_bad_rows_raises_one_line_and_resets() -> None:
+    import torch
+
+    counter = torch.zeros(1, dtype=torch.int64)  # a CPU stand-in: the check only reads and zeroes it
+    kernels.check_bad_rows(counter)  # 0: nothing to report
+    counter += 7
+    with pytest.raises(EngramError, match=r"^layer 1 gather: 7 row\(s\) read no table \(ids outside \[0, num_rows\)"):
+        kernels.check_bad_rows(counter, what="layer 1 gather")
+    assert int(counter.item()) == 0
+    counter += 2
+    with pytest.raises(EngramError, match="2 row"):
+        kernels.check_bad_rows(counter, reset=False)
+    assert int(counter.item()) == 2
+
+
+def test_gather_binding_checks_the_bad_row_counter() -> None:
+    import torch
+
+    ids, table = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8)
+    with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # the device check comes first
+        kernels.gather(ids, table, torch.zeros(10, 2, dtype=torch.uint8), bad_rows=torch.zeros(1, dtype=torch.int64))
+
+
+# --- the plugin harness without a GPU: the build phase reads no table -------------------
+
+HARNESS_NAME = "libengram_plugin_harness.so"
+
+
+def _harness_path() -> Path:
+    """The harness beside the library the tests use (installed package or source build),
+    else the source tree's own build."""
+    try:
+        lib = kernels.library_path()
+        for cand in (lib.parent / HARNESS_NAME, lib.parent / "plugins" / "tests" / HARNESS_NAME):
+            if cand.is_file():
+                return cand
+    except EngramError:
+        pass
+    return REPO / "build" / "plugins" / "tests" / HARNESS_NAME
+
+
+HARNESS = _harness_path()
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """scripts/h200_verify.py's binding of the harness that CMake builds beside the library
+    with -DENGRAM_TRT_BUILD_HARNESS=ON (it drives creator -> plugin -> enqueue as TensorRT
+    does, without TensorRT)."""
+    import importlib
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/h200_verify.py runs these enqueues for real")
+    if not HARNESS.is_file():
+        pytest.skip(f"no CUDA compiler built the plugin harness ({HARNESS}): nvcc / the CUDA toolkit is missing")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        common = importlib.import_module("h200_common")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return common, common.Harness(HARNESS)
+
+
+def test_build_phase_gather_enqueue_takes_the_no_read_path(harness) -> None:
+    """With no GPU every enqueue fails, which shows which path it took: a plugin created in
+    the build phase (and its attachToContext clone, which harness_run enqueues) only
+    clears its output (cudaMemsetAsync) and never launches the gather on the made-up
+    table addresses; a runtime-phase plugin launches the gather. Errors name file:line."""
+    import torch
+
+    common, h = harness
+    fields = common.gather_fields(0, 2, 8, 64, 0, 32, 1000) + [("bad_rows_input", common.PF_INT32,
+                                                               np.array([1], np.int32))]
+    ids = torch.zeros(4, 2, 8, dtype=torch.int32)
+    garbage = [torch.tensor([0x5EAD_BEE0_0000 + 16 * i]) for i in range(3)]  # rows, scales, counter
+    out = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    types = [common.DT["int32"]] + [common.DT["int64"]] * 3
+    messages = {}
+    for phase in (0, 1):
+        plugin = h.create("EngramGather", fields, phase=phase)
+        try:
+            with pytest.raises(RuntimeError) as failure:
+                h.run(plugin, [ids, *garbage], types, out, common.DT["bfloat16"], 0)
+            messages[phase] = str(failure.value)
+        finally:
+            h.lib.harness_destroy(plugin)
+    assert "cudaMemsetAsync(outputs[0], 0, bytes, stream) failed" in messages[0], messages[0]
+    assert "engram_gather" not in messages[0].split("enqueue failed")[-1], messages[0]
+    assert re.search(r"\(engramGatherPlugin\.cpp:\d+\)", messages[0]), messages[0]
+    assert "engram_gather launch failed" in messages[1], messages[1]
+
+
+@pytest.fixture(scope="module")
+def attention_harness():
+    """scripts/h200_attention_check.py's harness binding (any number of outputs,
+    getAliasedInput) and its checks that need no GPU."""
+    import importlib
+    import sys
+
+    if not HARNESS.is_file():
+        pytest.skip(f"the plugin harness is not built ({HARNESS}; configure with -DENGRAM_TRT_BUILD_HARNESS=ON)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        check = importlib.import_module("h200_attention_check")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return check, check.Harness(HARNESS)
+
+
+def test_attention_plugin_through_the_harness(attention_harness) -> None:
+    """EngramAttention as TensorRT drives it, without TensorRT: its three output shapes and
+    types, getAliasedInput (outputs 1 and 2 alias inputs 3 and 4, build capability v2), a
+    serialize -> createPlugin(kRUNTIME) round trip and refused fields."""
+    check, h = attention_harness
+    check.RESULTS["checks"].clear()
+    check.check_plugin_cpu(h)
+    results = check.RESULTS["checks"]
+    assert len(results) == 6 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+
+
+def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
+    """With no GPU an enqueue fails at its first CUDA call, which shows how far it got: with
+    the cache outputs aliased (the same buffers as the inputs) it passes every check and
+    fails launching the KV write; with separate output buffers it first copies the caches
+    over (the fallback when TensorRT does not alias); a wrong shape never reaches CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/h200_attention_check.py runs these enqueues for real")
+    check, h = attention_harness
+    H, kvh, hd, slots, max_len, T = 8, 2, 64, 3, 16, 5
+    q = torch.zeros(T, H, hd, dtype=torch.bfloat16)
+    k, v = torch.zeros(T, kvh, hd, dtype=torch.bfloat16), torch.zeros(T, kvh, hd, dtype=torch.bfloat16)
+    kc, vc = (torch.zeros(slots, kvh, max_len, hd, dtype=torch.bfloat16) for _ in range(2))
+    slot, pos = torch.zeros(T, dtype=torch.int32), torch.arange(T, dtype=torch.int32)
+    io, i32 = check.DT["bfloat16"], check.DT["int32"]
+    types = [io] * 5 + [i32] * 2
+    plugin = h.create("EngramAttention", check.attention_fields(H, kvh, hd, hd ** -0.5))
+    try:
+        messages = []
+        for outputs in ([q.clone(), kc, vc], [q.clone(), kc.clone(), vc.clone()]):
+            with pytest.raises(RuntimeError) as failure:
+                h.run(plugin, [q, k, v, kc, vc, slot, pos], types, outputs, [io] * 3, 0)
+            messages.append(str(failure.value))
+        for inputs in ([q, k[:, :1], v, kc, vc, slot, pos], [q, k, v, kc, vc, slot, pos[:4]]):
+            with pytest.raises(RuntimeError) as failure:
+                h.run(plugin, inputs, types, [q.clone(), kc, vc], [io] * 3, 0)
+            messages.append(str(failure.value))
+    finally:
+        h.lib.harness_destroy(plugin)
+    assert "engram_kv_cache_write launch failed" in messages[0], messages[0]
+    assert "cudaMemcpyAsync(dst, src, cacheBytes, cudaMemcpyDeviceToDevice, stream) failed" in messages[1], messages[1]
+    assert "configurePlugin failed: EngramAttention: k must be [T, 2, 64], got [-1, 1, 64]" in messages[2], messages[2]
+    assert "enqueue failed" in messages[3] and "token_pos must be [5], got [4]" in messages[3], messages[3]
+    assert not any("launch" in m or "cudaMemcpy" in m for m in messages[2:]), messages[2:]

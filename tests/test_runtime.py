@@ -9,6 +9,7 @@ API for the packed step.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,6 @@ def test_eight_threads_batched_equal_alone_and_reference(llm: LLM, ref: EngramLl
     greedy tokens it gets alone and the reference gets, and they shared steps."""
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     alone = {p: llm.generate(p, params)[0].token_ids for p in PROMPTS}
-    before = llm.stats()["max_step_seqs"]
     got: dict[str, list[int]] = {}
     barrier = threading.Barrier(8)
 
@@ -165,7 +165,7 @@ def test_eight_threads_batched_equal_alone_and_reference(llm: LLM, ref: EngramLl
     for p in PROMPTS:
         assert got[p] == alone[p] == ref_tokens(ref, ids_of(llm, p), 12), p
     st = llm.stats()
-    assert st["max_step_seqs"] >= 4 > before or st["max_step_seqs"] >= 4  # several sequences shared a step
+    assert st["max_step_seqs"] >= 4  # the threads' sequences shared steps
     assert st["running"] == 0 and st["kv_slots_in_use"] == 0
 
 
@@ -246,3 +246,48 @@ def test_bad_requests_are_refused_in_one_line(llm: LLM) -> None:
         assert "\n" not in str(err.value)
     assert llm.generate([], SamplingParams()) == []  # no prompts, no outputs
     assert llm.generate("still serving", SamplingParams(max_tokens=2))[0].finished
+
+
+# ---------------------------------------------------------------- the CLI on the runtime
+def test_light_commands_import_neither_torch_nor_onnx(small_ckpt: Path) -> None:
+    """--help, layout and hash answer without importing torch or onnx (about 2.5 s saved
+    on every call)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    code = ("import runpy, sys; sys.argv = ['engram-trt'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_module('engram_trt', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx'))\n"
+            "print('HEAVY', bad[:3])")
+    for argv in (["--help"], ["layout", str(small_ckpt)], ["hash", str(small_ckpt), "--ids", "5,17,3"]):
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                              env={"PYTHONPATH": str(repo / "python"), "PATH": "/usr/bin:/bin"})
+        assert "HEAVY []" in proc.stdout, (argv, proc.stdout[-300:], proc.stderr[-300:])
+
+
+def test_run_json_names_backend_storage_and_timings(small_engine: Path, ref: EngramLlama) -> None:
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "engram_trt", "run", str(small_engine), "--prompt", PROMPTS[1],
+                           "--max-new-tokens", "5", "--ignore-eos", "--json"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(repo / "python")})
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["backend"] == "torch" and "torch backend" in res["backend_reason"] and res["source"] == "engine"
+    assert res["storage"]["kind"] == "file" and res["finish_reason"] == "length"
+    assert set(res["timings"]) >= {"load_s", "time_to_first_token_s", "total_s"}
+    from engram_trt.engram.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(small_engine / "tokenizer.json" if (small_engine / "tokenizer.json").is_file()
+                         else res_ckpt(small_engine)).encode(PROMPTS[1], add_special_tokens=False).ids
+    assert res["token_ids"] == ref_tokens(ref, ids, 5)
+
+
+def res_ckpt(engine: Path) -> Path:
+    import json
+
+    return Path(json.loads((engine / "manifest.json").read_text())["checkpoint"])

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 #include "checkMacros.h"
 
 #include <atomic>
@@ -12,6 +14,11 @@ namespace detail
 {
 std::atomic<nvinfer1::ILoggerFinder*> gLoggerFinder{nullptr};
 } // namespace detail
+
+void throwPluginError(std::string const& message, char const* file, int line)
+{
+    throw PluginError(message + " (" + file + ":" + std::to_string(line) + ")");
+}
 
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
 {

@@ -1,15 +1,20 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Validation, logging and CUDA status helpers shared by the Engram plugins.
  *
  * TensorRT calls plugin methods through noexcept virtuals, so a plugin validates by
  * throwing PluginError inside the method and converting it at the method's boundary
  * (ENGRAM_PLUGIN_TRY / ENGRAM_PLUGIN_CATCH) into a logged error and the method's
- * failure value.
+ * failure value. Every message thrown through the macros below ends with the source
+ * file and line that raised it, "... (engramGatherPlugin.cpp:123)", as TensorRT's own
+ * plugin checks do.
  */
 #ifndef ENGRAM_TRT_PLUGIN_CHECK_MACROS_H
 #define ENGRAM_TRT_PLUGIN_CHECK_MACROS_H
 
 #include <NvInferRuntime.h>
+#include <cuda_runtime_api.h>
 
 #include <sstream>
 #include <stdexcept>
@@ -27,6 +32,24 @@ public:
     using std::runtime_error::runtime_error;
 };
 
+//! The file name of a __FILE__ path, at compile time (messages name the file, not the
+//! build machine's directories).
+constexpr char const* sourceFileName(char const* path)
+{
+    char const* name = path;
+    for (char const* p = path; *p != '\0'; ++p)
+    {
+        if (*p == '/' || *p == '\\')
+        {
+            name = p + 1;
+        }
+    }
+    return name;
+}
+
+//! Throws PluginError("<message> (<file>:<line>)").
+[[noreturn]] void throwPluginError(std::string const& message, char const* file, int line);
+
 //! Installs the logger finder handed over by TensorRT (setLoggerFinder).
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder);
 
@@ -36,15 +59,36 @@ void log(nvinfer1::ILogger::Severity severity, std::string const& message);
 } // namespace plugin
 } // namespace engram_trt
 
-//! Throws PluginError with `message` (a stream expression) unless `condition` holds.
+//! Throws PluginError with `message` (a stream expression), the file and the line.
+#define ENGRAM_PLUGIN_FAIL(message)                                                                                    \
+    do                                                                                                                 \
+    {                                                                                                                  \
+        std::ostringstream engramFailStream_;                                                                          \
+        engramFailStream_ << message;                                                                                  \
+        ::engram_trt::plugin::throwPluginError(                                                                        \
+            engramFailStream_.str(), ::engram_trt::plugin::sourceFileName(__FILE__), __LINE__);                        \
+    } while (0)
+
+//! ENGRAM_PLUGIN_FAIL(message) unless `condition` holds.
 #define ENGRAM_PLUGIN_CHECK(condition, message)                                                                        \
     do                                                                                                                 \
     {                                                                                                                  \
         if (!(condition))                                                                                              \
         {                                                                                                              \
-            std::ostringstream engramCheckStream_;                                                                     \
-            engramCheckStream_ << message;                                                                             \
-            throw ::engram_trt::plugin::PluginError(engramCheckStream_.str());                                          \
+            ENGRAM_PLUGIN_FAIL(message);                                                                               \
+        }                                                                                                              \
+    } while (0)
+
+//! ENGRAM_PLUGIN_FAIL naming the CUDA runtime call and its error unless it succeeded;
+//! the error is taken out of the runtime's last-error slot so no later call reports it.
+#define ENGRAM_PLUGIN_CHECK_CUDA(call)                                                                                 \
+    do                                                                                                                 \
+    {                                                                                                                  \
+        cudaError_t const engramCudaStatus_ = (call);                                                                  \
+        if (engramCudaStatus_ != cudaSuccess)                                                                          \
+        {                                                                                                              \
+            cudaGetLastError();                                                                                        \
+            ENGRAM_PLUGIN_FAIL(#call << " failed: " << cudaGetErrorString(engramCudaStatus_));                         \
         }                                                                                                              \
     } while (0)
 

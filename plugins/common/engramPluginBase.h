@@ -1,8 +1,16 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
- * What the three Engram plugins share: one object implements IPluginV3 and its three
+ * What the Engram plugins share: one object implements IPluginV3 and its three
  * capabilities (core, build, runtime), as the TensorRT OSS IPluginV3 plugins do; the
- * name, version "1", the empty namespace and the capability dispatch live here.
- * Plugins need no per-context resources, so attachToContext is a clone.
+ * name, version "1", the namespace "engram_trt" (so the creators cannot collide with
+ * another library's plugins of the same names), the TensorRT phase the plugin was
+ * created in, and the capability dispatch live here. Plugins need no per-context
+ * resources, so attachToContext is a clone; a clone keeps the phase, so every object
+ * TensorRT derives from a build-phase plugin (for timing enqueues during the build)
+ * knows it serves a build.
+ * The build capability is a template parameter: IPluginV3OneBuild for most plugins,
+ * IPluginV3OneBuildV2 for a plugin that updates an input in place (aliased I/O).
  */
 #ifndef ENGRAM_TRT_PLUGIN_BASE_H
 #define ENGRAM_TRT_PLUGIN_BASE_H
@@ -18,16 +26,18 @@ namespace plugin
 {
 
 constexpr char const* kEngramPluginVersion = "1";
-constexpr char const* kEngramPluginNamespace = "";
+constexpr char const* kEngramPluginNamespace = "engram_trt";
 
-class EngramPluginBase : public nvinfer1::IPluginV3,
-                         public nvinfer1::IPluginV3OneCore,
-                         public nvinfer1::IPluginV3OneBuild,
-                         public nvinfer1::IPluginV3OneRuntime
+template <typename BuildCapability>
+class EngramPluginBaseT : public nvinfer1::IPluginV3,
+                          public nvinfer1::IPluginV3OneCore,
+                          public BuildCapability,
+                          public nvinfer1::IPluginV3OneRuntime
 {
 public:
-    explicit EngramPluginBase(char const* pluginName)
+    EngramPluginBaseT(char const* pluginName, nvinfer1::TensorRTPhase phase)
         : mPluginName(pluginName)
+        , mPhase(phase)
     {
     }
 
@@ -36,7 +46,7 @@ public:
         switch (type)
         {
         case nvinfer1::PluginCapabilityType::kCORE: return static_cast<nvinfer1::IPluginV3OneCore*>(this);
-        case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<nvinfer1::IPluginV3OneBuild*>(this);
+        case nvinfer1::PluginCapabilityType::kBUILD: return static_cast<BuildCapability*>(this);
         case nvinfer1::PluginCapabilityType::kRUNTIME: return static_cast<nvinfer1::IPluginV3OneRuntime*>(this);
         }
         return nullptr;
@@ -73,9 +83,24 @@ public:
         return 0; // shapes are validated where they are used, in enqueue
     }
 
+    //! The phase given to the creator's createPlugin (kBUILD: made for a network being
+    //! built, whose enqueues TensorRT runs on made-up inputs; kRUNTIME: deserialized).
+    nvinfer1::TensorRTPhase phase() const
+    {
+        return mPhase;
+    }
+
 protected:
     char const* mPluginName;
+    nvinfer1::TensorRTPhase mPhase;
 };
+
+//! The base of the plugins without aliased I/O.
+using EngramPluginBase = EngramPluginBaseT<nvinfer1::IPluginV3OneBuild>;
+
+//! The base of a plugin whose outputs alias inputs (getAliasedInput; TensorRT honours it
+//! with PreviewFeature::kALIASED_PLUGIN_IO_10_03).
+using EngramAliasingPluginBase = EngramPluginBaseT<nvinfer1::IPluginV3OneBuildV2>;
 
 //! The creator half: name, version, namespace and the field list.
 class EngramCreatorBase : public nvinfer1::IPluginCreatorV3One

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 #include "pluginFields.h"
 #include "checkMacros.h"
 
@@ -30,7 +32,7 @@ int64_t readInteger(PluginField const& field, int32_t index)
     case PluginFieldType::kINT64: return static_cast<int64_t const*>(field.data)[index];
     default: break;
     }
-    throw PluginError(std::string("field '") + field.name + "' is not an integer field");
+    ENGRAM_PLUGIN_FAIL("field '" << field.name << "' is not an integer field");
 }
 
 //! Integers written as decimal text, separated by commas and/or spaces.
@@ -93,14 +95,14 @@ PluginField const& FieldReader::take(char const* name)
             return field;
         }
     }
-    throw PluginError("missing field '" + std::string(name) + "'");
+    ENGRAM_PLUGIN_FAIL("missing field '" << name << "'");
 }
 
 int64_t FieldReader::getInt(char const* name, int64_t lo, int64_t hi)
 {
     int64_t const value = getInt(name);
-    ENGRAM_PLUGIN_CHECK(lo <= value && value <= hi,
-        "field '" << name << "' = " << value << " is outside [" << lo << ", " << hi << "]");
+    ENGRAM_PLUGIN_CHECK(
+        lo <= value && value <= hi, "field '" << name << "' = " << value << " is outside [" << lo << ", " << hi << "]");
     return value;
 }
 
@@ -159,6 +161,19 @@ std::vector<int64_t> FieldReader::getInts(char const* name, int64_t expectedLeng
         values[i] = detail::readInteger(field, i);
     }
     return values;
+}
+
+bool FieldReader::has(char const* name) const
+{
+    for (int32_t i = 0; i < mFields->nbFields; ++i)
+    {
+        char const* fieldName = mFields->fields[i].name;
+        if (fieldName != nullptr && std::strcmp(fieldName, name) == 0)
+        {
+            return true;
+        }
+    }
+    return false;
 }
 
 void FieldReader::finish() const

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Plugin field parsing and serialization.
  *
@@ -52,6 +54,9 @@ public:
     //! only kINT64 or decimal text is accepted: a narrower field may hold values that an
     //! exporter truncated, which no range check can detect.
     std::vector<int64_t> getInts(char const* name, int64_t expectedLength, bool needs64Bits = false);
+
+    //! True when the collection holds a field of this name (for optional fields).
+    bool has(char const* name) const;
 
     //! Throws unless every field of the collection has been read.
     void finish() const;

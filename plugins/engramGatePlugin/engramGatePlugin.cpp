@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 #include "engramGatePlugin.h"
 
 #include "common/checkMacros.h"
@@ -29,8 +31,8 @@ constexpr int32_t kMaxHcMult = 65535; // the kernel's grid is (T, hc_mult): grid
 
 void checkConfig(GateConfig const& c)
 {
-    ENGRAM_PLUGIN_CHECK(c.hcMult >= 1 && c.hcMult <= kMaxHcMult,
-        "hc_mult must be in [1, " << kMaxHcMult << "], got " << c.hcMult);
+    ENGRAM_PLUGIN_CHECK(
+        c.hcMult >= 1 && c.hcMult <= kMaxHcMult, "hc_mult must be in [1, " << kMaxHcMult << "], got " << c.hcMult);
     ENGRAM_PLUGIN_CHECK(c.hiddenSize >= 8 && c.hiddenSize % 8 == 0,
         "hidden_size must be a positive multiple of 8, got " << c.hiddenSize);
     // kv's row width is an int32 dimension of the engine: refuse it here, not at every enqueue.
@@ -71,8 +73,8 @@ bool isMaskType(DataType type)
 }
 } // namespace gate_detail
 
-EngramGatePlugin::EngramGatePlugin(GateConfig const& config)
-    : EngramPluginBase(gate_detail::kName)
+EngramGatePlugin::EngramGatePlugin(GateConfig const& config, nvinfer1::TensorRTPhase phase)
+    : EngramPluginBase(gate_detail::kName, phase)
     , mConfig(config)
 {
     gate_detail::checkConfig(mConfig);
@@ -82,7 +84,7 @@ nvinfer1::IPluginV3* EngramGatePlugin::clone() noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
-        return new EngramGatePlugin(mConfig);
+        return new EngramGatePlugin(mConfig, mPhase);
     }
     ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
 }
@@ -163,8 +165,8 @@ int32_t EngramGatePlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc cons
         ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && matches(hidden.d[1], hc) && matches(hidden.d[2], d),
             "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
         int64_t const kvWidth = (static_cast<int64_t>(hc) + 1) * d;
-        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && matches(kv.d[1], kvWidth),
-            "kv must be [T, " << kvWidth << "], got " << dimsToString(kv));
+        ENGRAM_PLUGIN_CHECK(
+            kv.nbDims == 2 && matches(kv.d[1], kvWidth), "kv must be [T, " << kvWidth << "], got " << dimsToString(kv));
         for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
         {
             nvinfer1::Dims const& w = in[i].desc.dims;
@@ -184,8 +186,8 @@ size_t EngramGatePlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc cons
 }
 
 int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
-    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs,
-    void* /*workspace*/, cudaStream_t stream) noexcept
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs, void* /*workspace*/,
+    cudaStream_t stream) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
@@ -213,8 +215,8 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
             "output must be [T, hc_mult, D], got " << dimsToString(out));
 
         DataType const io = inputDesc[gate_detail::kHidden].type;
-        ENGRAM_PLUGIN_CHECK(gate_detail::isIoType(io) && inputDesc[gate_detail::kKv].type == io
-                && outputDesc[0].type == io,
+        ENGRAM_PLUGIN_CHECK(
+            gate_detail::isIoType(io) && inputDesc[gate_detail::kKv].type == io && outputDesc[0].type == io,
             "hidden, kv and output must share one type (bfloat16, float16 or float32), got "
                 << dataTypeName(io) << ", " << dataTypeName(inputDesc[gate_detail::kKv].type) << " and "
                 << dataTypeName(outputDesc[0].type));
@@ -262,7 +264,7 @@ nvinfer1::PluginFieldCollection const* EngramGatePluginCreator::getFieldNames() 
 }
 
 nvinfer1::IPluginV3* EngramGatePluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase /*phase*/) noexcept
+    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
@@ -272,7 +274,7 @@ nvinfer1::IPluginV3* EngramGatePluginCreator::createPlugin(
         config.hiddenSize = reader.getInt32("hidden_size", 8);
         config.eps = static_cast<float>(reader.getFloat("eps"));
         reader.finish();
-        return new EngramGatePlugin(config);
+        return new EngramGatePlugin(config, phase);
     }
     ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
 }

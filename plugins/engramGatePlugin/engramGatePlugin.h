@@ -1,5 +1,7 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
- * EngramGate (version "1"): the fused gated residual update over hc_mult streams with
+ * EngramGate (version "1", namespace "engram_trt"): the fused gated residual update over hc_mult streams with
  * the token mask, hidden / kv / output in bf16, fp16 or fp32. The math is
  * engram_gate_typed() of the kernel library. See README.md.
  */
@@ -24,12 +26,12 @@ struct GateConfig
 class EngramGatePlugin : public EngramPluginBase
 {
 public:
-    explicit EngramGatePlugin(GateConfig const& config);
+    EngramGatePlugin(GateConfig const& config, nvinfer1::TensorRTPhase phase);
 
     nvinfer1::IPluginV3* clone() noexcept override;
 
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
-        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
     int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
         int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
         nvinfer1::IExprBuilder& exprBuilder) noexcept override;
@@ -54,8 +56,8 @@ public:
     EngramGatePluginCreator();
 
     nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
-        nvinfer1::TensorRTPhase phase) noexcept override;
+    nvinfer1::IPluginV3* createPlugin(
+        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
 
 private:
     FieldNames mFieldNames;

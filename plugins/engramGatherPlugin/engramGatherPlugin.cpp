@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 #include "engramGatherPlugin.h"
 
 #include "common/checkMacros.h"
@@ -44,8 +46,8 @@ bool GatherConfig::fp8() const
     return tableDtype == ENGRAM_TABLE_FP8_E4M3;
 }
 
-EngramGatherPlugin::EngramGatherPlugin(GatherConfig const& config)
-    : EngramPluginBase(gather_detail::kName)
+EngramGatherPlugin::EngramGatherPlugin(GatherConfig const& config, nvinfer1::TensorRTPhase phase)
+    : EngramPluginBase(gather_detail::kName, phase)
     , mConfig(config)
 {
     gather_detail::checkConfig(mConfig);
@@ -55,7 +57,7 @@ nvinfer1::IPluginV3* EngramGatherPlugin::clone() noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
-        return new EngramGatherPlugin(mConfig);
+        return new EngramGatherPlugin(mConfig, mPhase);
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
 }
@@ -66,14 +68,16 @@ int32_t EngramGatherPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
-            "expects " << mConfig.numInputs() << " inputs (ids, rows address" << (mConfig.fp8() ? ", scales address" : "")
-                       << ") and 1 output, got " << nbInputs << " and " << nbOutputs);
+            "expects " << mConfig.numInputs() << " inputs (ids, rows address"
+                       << (mConfig.fp8() ? ", scales address" : "")
+                       << (mConfig.badRowsInput ? ", bad-row counter address" : "") << ") and 1 output, got "
+                       << nbInputs << " and " << nbOutputs);
         ENGRAM_PLUGIN_CHECK(inputTypes[gather_detail::kIds] == DataType::kINT32,
             "ids must be int32, got " << dataTypeName(inputTypes[gather_detail::kIds]));
         for (int32_t i = gather_detail::kRowsAddr; i < nbInputs; ++i)
         {
             ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT64,
-                "table address input " << i << " must be int64, got " << dataTypeName(inputTypes[i]));
+                "address input " << i << " must be int64, got " << dataTypeName(inputTypes[i]));
         }
         outputTypes[0] = DataType::kBF16;
         return 0;
@@ -88,7 +92,7 @@ int32_t EngramGatherPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, i
     ENGRAM_PLUGIN_TRY
     {
         ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
-            "expects " << mConfig.numInputs() << " inputs and 1 output");
+            "expects " << mConfig.numInputs() << " inputs and 1 output, got " << nbInputs << " and " << nbOutputs);
         ENGRAM_PLUGIN_CHECK(inputs[gather_detail::kIds].nbDims == 3, "ids must be 3-D [T, L, cols]");
         outputs[0].nbDims = 3;
         outputs[0].d[0] = inputs[gather_detail::kIds].d[0];
@@ -128,7 +132,7 @@ int32_t EngramGatherPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc co
     ENGRAM_PLUGIN_TRY
     {
         ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
-            "expects " << mConfig.numInputs() << " inputs and 1 output");
+            "expects " << mConfig.numInputs() << " inputs and 1 output, got " << nbInputs << " and " << nbOutputs);
         nvinfer1::Dims const& ids = in[gather_detail::kIds].desc.dims;
         ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && (ids.d[1] == -1 || ids.d[1] == mConfig.numLayers)
                 && (ids.d[2] == -1 || ids.d[2] == mConfig.numCols),
@@ -136,22 +140,22 @@ int32_t EngramGatherPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc co
         for (int32_t i = gather_detail::kRowsAddr; i < nbInputs; ++i)
         {
             ENGRAM_PLUGIN_CHECK(gather_detail::isAddressShape(in[i].desc.dims),
-                "table address input " << i << " must hold one int64, got " << dimsToString(in[i].desc.dims));
+                "address input " << i << " must hold one int64, got " << dimsToString(in[i].desc.dims));
         }
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
 }
 
-size_t EngramGatherPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/,
-    int32_t /*nbInputs*/, nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+size_t EngramGatherPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/, int32_t /*nbInputs*/,
+    nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
 {
     return 0;
 }
 
 int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
-    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs,
-    void* /*workspace*/, cudaStream_t stream) noexcept
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs, void* /*workspace*/,
+    cudaStream_t stream) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
@@ -159,21 +163,34 @@ int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         nvinfer1::Dims const& out = outputDesc[0].dims;
         ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && ids.d[1] == mConfig.numLayers && ids.d[2] == mConfig.numCols,
             "ids must be [T, " << mConfig.numLayers << ", " << mConfig.numCols << "], got " << dimsToString(ids));
-        ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && out.d[0] == ids.d[0] && out.d[1] == mConfig.numCols
-                && out.d[2] == mConfig.headDim,
+        ENGRAM_PLUGIN_CHECK(
+            out.nbDims == 3 && out.d[0] == ids.d[0] && out.d[1] == mConfig.numCols && out.d[2] == mConfig.headDim,
             "output must be [T, cols, head_dim], got " << dimsToString(out));
+        if (mPhase == nvinfer1::TensorRTPhase::kBUILD)
+        {
+            // TensorRT runs this enqueue to time the plugin on inputs it made up: the
+            // address inputs hold arbitrary values, so no table (and no counter) is read.
+            size_t const bytes = static_cast<size_t>(volume(out)) * 2; // bf16
+            if (bytes > 0)
+            {
+                ENGRAM_PLUGIN_CHECK_CUDA(cudaMemsetAsync(outputs[0], 0, bytes, stream));
+            }
+            return 0;
+        }
         for (int32_t i = gather_detail::kRowsAddr; i < mConfig.numInputs(); ++i)
         {
-            ENGRAM_PLUGIN_CHECK(volume(inputDesc[i].dims) == 1, "table address input " << i << " must hold one int64");
+            ENGRAM_PLUGIN_CHECK(volume(inputDesc[i].dims) == 1, "address input " << i << " must hold one int64");
         }
         int64_t const tokenStride = static_cast<int64_t>(mConfig.numLayers) * mConfig.numCols;
         auto const* layerIds = static_cast<int32_t const*>(inputs[gather_detail::kIds])
             + static_cast<int64_t>(mConfig.layerIndex) * mConfig.numCols;
         auto const* scalesAddr
             = mConfig.fp8() ? static_cast<int64_t const*>(inputs[gather_detail::kScalesAddr]) : nullptr;
+        auto const* badRowsAddr
+            = mConfig.badRowsInput ? static_cast<int64_t const*>(inputs[mConfig.badRowsIndex()]) : nullptr;
         int const status = engram_gather_indirect(layerIds, ids.d[0], mConfig.numCols, tokenStride,
-            static_cast<int64_t const*>(inputs[gather_detail::kRowsAddr]), scalesAddr, mConfig.numRows,
-            mConfig.headDim, mConfig.tableDtype, mConfig.quantBlock, outputs[0], stream);
+            static_cast<int64_t const*>(inputs[gather_detail::kRowsAddr]), scalesAddr, mConfig.numRows, mConfig.headDim,
+            mConfig.tableDtype, mConfig.quantBlock, outputs[0], badRowsAddr, stream);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         return 0;
     }
@@ -192,6 +209,7 @@ nvinfer1::PluginFieldCollection const* EngramGatherPlugin::getFieldsToSerialize(
         mSerialized.addInt32("table_dtype", mConfig.tableDtype);
         mSerialized.addInt32("quant_block", mConfig.quantBlock);
         mSerialized.addInt64("num_rows", mConfig.numRows);
+        mSerialized.addInt32("bad_rows_input", mConfig.badRowsInput ? 1 : 0);
         return mSerialized.collection();
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
@@ -207,6 +225,7 @@ EngramGatherPluginCreator::EngramGatherPluginCreator()
           {"table_dtype", PluginFieldType::kINT32, 1},
           {"quant_block", PluginFieldType::kINT32, 1},
           {"num_rows", PluginFieldType::kINT64, 1},
+          {"bad_rows_input", PluginFieldType::kINT32, 1},
       })
 {
 }
@@ -217,7 +236,7 @@ nvinfer1::PluginFieldCollection const* EngramGatherPluginCreator::getFieldNames(
 }
 
 nvinfer1::IPluginV3* EngramGatherPluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase /*phase*/) noexcept
+    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
@@ -230,8 +249,10 @@ nvinfer1::IPluginV3* EngramGatherPluginCreator::createPlugin(
         config.tableDtype = reader.getInt32("table_dtype", ENGRAM_TABLE_FP8_E4M3, ENGRAM_TABLE_BF16);
         config.quantBlock = reader.getInt32("quant_block"); // any int32: ignored for bf16 tables
         config.numRows = reader.getInt("num_rows");
+        // Optional (engines and graphs without the counter input omit it): 0 or 1.
+        config.badRowsInput = reader.has("bad_rows_input") && reader.getInt32("bad_rows_input", 0, 1) == 1;
         reader.finish();
-        return new EngramGatherPlugin(config);
+        return new EngramGatherPlugin(config, phase);
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
 }

@@ -1,7 +1,13 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
- * EngramGather (version "1"): row ids of one layer -> bf16 rows, read from a table
- * whose addresses are engine inputs (int64), so tables never enter an engine. The math
- * is engram_gather_indirect() of the kernel library. See README.md.
+ * EngramGather (version "1", namespace "engram_trt"): row ids of one layer -> bf16
+ * rows, read from a table whose addresses are engine inputs (int64), so tables never
+ * enter an engine. An optional last input holds the address of a device int64 that
+ * counts the rows that read nothing. A plugin created for a build (TensorRTPhase::kBUILD,
+ * and every clone of it) never dereferences an address: TensorRT times it on made-up
+ * inputs, so its enqueue writes zero rows. The math is engram_gather_indirect() of the
+ * kernel library. See README.md.
  */
 #ifndef ENGRAM_TRT_GATHER_PLUGIN_H
 #define ENGRAM_TRT_GATHER_PLUGIN_H
@@ -22,24 +28,32 @@ struct GatherConfig
     int32_t headDim{0};
     int32_t tableDtype{0}; // EngramTableDtype
     int32_t quantBlock{0};
-    int64_t numRows{0};    // rows of this layer's table (sum of its primes)
+    int64_t numRows{0}; // rows of this layer's table (sum of its primes)
+
+    bool badRowsInput{false}; // the node's last input holds the bad-row counter's address
 
     bool fp8() const;
+    //! ids, rows address (, scales address) (, bad-row counter address).
     int32_t numInputs() const
     {
-        return fp8() ? 3 : 2; // ids, rows address (, scales address)
+        return (fp8() ? 3 : 2) + (badRowsInput ? 1 : 0);
+    }
+    //! Index of the counter-address input (valid when badRowsInput).
+    int32_t badRowsIndex() const
+    {
+        return fp8() ? 3 : 2;
     }
 };
 
 class EngramGatherPlugin : public EngramPluginBase
 {
 public:
-    explicit EngramGatherPlugin(GatherConfig const& config);
+    EngramGatherPlugin(GatherConfig const& config, nvinfer1::TensorRTPhase phase);
 
     nvinfer1::IPluginV3* clone() noexcept override;
 
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
-        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
     int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
         int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
         nvinfer1::IExprBuilder& exprBuilder) noexcept override;
@@ -64,8 +78,8 @@ public:
     EngramGatherPluginCreator();
 
     nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
-        nvinfer1::TensorRTPhase phase) noexcept override;
+    nvinfer1::IPluginV3* createPlugin(
+        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
 
 private:
     FieldNames mFieldNames;

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 #include "engramHashPlugin.h"
 
 #include "common/checkMacros.h"
@@ -21,27 +23,36 @@ constexpr int32_t kSeqStarts = 1;
 constexpr int32_t kLookback = 2;
 constexpr int32_t kNbInputs = 3;
 
-void checkLayout(HashLayout const& layout)
+//! Validates the layout and lays it out once (engram_hash_layout_create).
+std::shared_ptr<EngramHashLayout const> prepareLayout(HashLayout const& layout)
 {
-    int const status = engram_hash_check_layout(layout.primes.data(), layout.offsets.data(),
-        layout.multipliers.data(), layout.numLayers, layout.maxNgram, layout.numHeads, layout.padId,
-        layout.compressedVocabSize);
-    ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+    EngramHashLayout* prepared = nullptr;
+    int const status = engram_hash_layout_create(layout.primes.data(), layout.offsets.data(), layout.multipliers.data(),
+        layout.numLayers, layout.maxNgram, layout.numHeads, layout.padId, layout.compressedVocabSize, &prepared);
+    ENGRAM_PLUGIN_CHECK(status == 0 && prepared != nullptr, engram_last_error());
+    return std::shared_ptr<EngramHashLayout const>(
+        prepared, [](EngramHashLayout const* p) { engram_hash_layout_destroy(const_cast<EngramHashLayout*>(p)); });
 }
 } // namespace hash_detail
 
-EngramHashPlugin::EngramHashPlugin(HashLayout layout)
-    : EngramPluginBase(hash_detail::kName)
-    , mLayout(std::move(layout))
+EngramHashPlugin::EngramHashPlugin(HashLayout layout, nvinfer1::TensorRTPhase phase)
+    : EngramHashPlugin(layout, phase, hash_detail::prepareLayout(layout))
 {
-    hash_detail::checkLayout(mLayout);
+}
+
+EngramHashPlugin::EngramHashPlugin(
+    HashLayout layout, nvinfer1::TensorRTPhase phase, std::shared_ptr<EngramHashLayout const> prepared)
+    : EngramPluginBase(hash_detail::kName, phase)
+    , mLayout(std::move(layout))
+    , mPrepared(std::move(prepared))
+{
 }
 
 nvinfer1::IPluginV3* EngramHashPlugin::clone() noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
-        return new EngramHashPlugin(mLayout);
+        return new EngramHashPlugin(mLayout, mPhase, mPrepared);
     }
     ENGRAM_PLUGIN_CATCH(hash_detail::kName, nullptr);
 }
@@ -110,12 +121,12 @@ int32_t EngramHashPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc cons
 size_t EngramHashPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/, int32_t /*nbInputs*/,
     nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
 {
-    return 0; // the layout travels as a kernel parameter
+    return 0; // the prepared layout travels as a kernel parameter
 }
 
 int32_t EngramHashPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
-    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs,
-    void* /*workspace*/, cudaStream_t stream) noexcept
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs, void* /*workspace*/,
+    cudaStream_t stream) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
@@ -128,14 +139,12 @@ int32_t EngramHashPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         ENGRAM_PLUGIN_CHECK(numSeqs >= 0, "seq_starts must hold S+1 >= 1 entries");
         ENGRAM_PLUGIN_CHECK(lookback.d[0] == numSeqs && lookback.d[1] == mLayout.maxNgram - 1,
             "lookback must be [" << numSeqs << ", " << mLayout.maxNgram - 1 << "], got " << dimsToString(lookback));
-        ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == mLayout.numLayers
-                && out.d[2] == mLayout.numCols(),
+        ENGRAM_PLUGIN_CHECK(
+            out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == mLayout.numLayers && out.d[2] == mLayout.numCols(),
             "output must be [T, L, cols], got " << dimsToString(out));
-        int const status = engram_hash(static_cast<int32_t const*>(inputs[hash_detail::kIds]), numTokens,
-            static_cast<int32_t const*>(inputs[hash_detail::kSeqStarts]), numSeqs,
-            static_cast<int32_t const*>(inputs[hash_detail::kLookback]), mLayout.primes.data(),
-            mLayout.offsets.data(), mLayout.multipliers.data(), mLayout.numLayers, mLayout.maxNgram,
-            mLayout.numHeads, mLayout.padId, mLayout.compressedVocabSize, static_cast<int32_t*>(outputs[0]), stream);
+        int const status = engram_hash_prepared(mPrepared.get(), static_cast<int32_t const*>(inputs[hash_detail::kIds]),
+            numTokens, static_cast<int32_t const*>(inputs[hash_detail::kSeqStarts]), numSeqs,
+            static_cast<int32_t const*>(inputs[hash_detail::kLookback]), static_cast<int32_t*>(outputs[0]), stream);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         return 0;
     }
@@ -181,7 +190,7 @@ nvinfer1::PluginFieldCollection const* EngramHashPluginCreator::getFieldNames() 
 }
 
 nvinfer1::IPluginV3* EngramHashPluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase /*phase*/) noexcept
+    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
@@ -202,7 +211,7 @@ nvinfer1::IPluginV3* EngramHashPluginCreator::createPlugin(
         layout.multipliers
             = reader.getInts("multipliers", static_cast<int64_t>(layout.numLayers) * layout.maxNgram, true);
         reader.finish();
-        return new EngramHashPlugin(std::move(layout));
+        return new EngramHashPlugin(std::move(layout), phase);
     }
     ENGRAM_PLUGIN_CATCH(hash_detail::kName, nullptr);
 }

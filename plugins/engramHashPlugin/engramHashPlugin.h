@@ -1,14 +1,20 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
- * EngramHash (version "1"): compressed token ids of packed sequences -> table row ids.
- * The layout (primes, offsets, multipliers) is carried in plugin fields; the math is
- * engram_hash() of the kernel library. See README.md.
+ * EngramHash (version "1", namespace "engram_trt"): compressed token ids of packed
+ * sequences -> table row ids. The layout (primes, offsets, multipliers) is carried in
+ * plugin fields and prepared once per plugin (engram_hash_layout_create: validated and
+ * laid out as the kernel's parameter), so enqueue only launches engram_hash_prepared().
+ * See README.md.
  */
 #ifndef ENGRAM_TRT_HASH_PLUGIN_H
 #define ENGRAM_TRT_HASH_PLUGIN_H
 
 #include "common/engramPluginBase.h"
 #include "common/pluginFields.h"
+#include "kernels/engramKernels.h"
 
+#include <memory>
 #include <vector>
 
 namespace engram_trt
@@ -38,12 +44,12 @@ struct HashLayout
 class EngramHashPlugin : public EngramPluginBase
 {
 public:
-    explicit EngramHashPlugin(HashLayout layout);
+    EngramHashPlugin(HashLayout layout, nvinfer1::TensorRTPhase phase);
 
     nvinfer1::IPluginV3* clone() noexcept override;
 
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
-        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
     int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
         int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
         nvinfer1::IExprBuilder& exprBuilder) noexcept override;
@@ -58,7 +64,12 @@ public:
     nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
 private:
+    EngramHashPlugin(
+        HashLayout layout, nvinfer1::TensorRTPhase phase, std::shared_ptr<EngramHashLayout const> prepared);
+
     HashLayout mLayout;
+    //! The prepared layout: immutable, so clones (one per execution context) share it.
+    std::shared_ptr<EngramHashLayout const> mPrepared;
     FieldWriter mSerialized;
 };
 
@@ -68,8 +79,8 @@ public:
     EngramHashPluginCreator();
 
     nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
-        nvinfer1::TensorRTPhase phase) noexcept override;
+    nvinfer1::IPluginV3* createPlugin(
+        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
 
 private:
     FieldNames mFieldNames;

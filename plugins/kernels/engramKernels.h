@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * engram-trt kernel library: the C ABI.
  *
@@ -36,9 +38,10 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.1.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.3.0"
 
-/* Limits of the hash kernel: its layout constants travel as one kernel parameter. */
+/* Limits of the hash kernel: its layout constants travel as one kernel parameter
+ * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
 #define ENGRAM_HASH_MAX_SLOTS 512       /* num_layers * n_hash_cols */
 #define ENGRAM_HASH_MAX_MULTIPLIERS 256 /* num_layers * max_ngram_size */
 #define ENGRAM_HASH_MAX_NGRAM 16
@@ -109,8 +112,9 @@ ENGRAM_API const char* engram_last_error(void);
  *              which blocks like the start of a sequence. NULL = every sequence
  *              starts fresh (all -1).
  * primes_host       [L, N-1, H] int64, offsets_host [L, (N-1)*H] int64,
- * multipliers_host  [L, N] int64: the layout constants (host memory, copied into the
- *              kernel's parameters at each call).
+ * multipliers_host  [L, N] int64: the layout constants (host memory, validated and
+ *              copied into the kernel's parameters at each call: prefer a prepared
+ *              layout, engram_hash_layout_create + engram_hash_prepared, below).
  * pad_id, compressed_vocab_size: the pad id and the vocabulary bound; the call
  *              checks that every multiplier times (compressed_vocab_size - 1) fits int64
  *              and that every row id fits int32.
@@ -127,6 +131,25 @@ ENGRAM_API int engram_hash_check_layout(const int64_t* primes_host, const int64_
     int64_t compressed_vocab_size);
 
 /*
+ * A prepared hash layout: the layout constants validated once and laid out as the
+ * kernel's parameter, so a call enqueues the kernel and does nothing else on the host.
+ * It holds no device memory: one layout serves every device and stream, from any number
+ * of threads at once (it is immutable), and needs no GPU to create. create takes the
+ * arguments of engram_hash_check_layout and sets *layout (NULL on failure); destroy
+ * frees it (NULL is a no-op) and must not race a call that uses it.
+ */
+typedef struct EngramHashLayout EngramHashLayout;
+ENGRAM_API int engram_hash_layout_create(const int64_t* primes_host, const int64_t* offsets_host,
+    const int64_t* multipliers_host, int32_t num_layers, int32_t max_ngram_size, int32_t num_heads, int64_t pad_id,
+    int64_t compressed_vocab_size, EngramHashLayout** layout);
+ENGRAM_API int engram_hash_layout_destroy(EngramHashLayout* layout);
+
+/* engram_hash with a prepared layout: same ids / seq_starts / lookback / out contract.
+ * Limit: num_tokens * L * (N-1) * H < 2^31 (the row ids of one call). */
+ENGRAM_API int engram_hash_prepared(const EngramHashLayout* layout, const int32_t* ids, int64_t num_tokens,
+    const int32_t* seq_starts, int64_t num_seqs, const int32_t* lookback, int32_t* out, cudaStream_t stream);
+
+/*
  * Row gather + dequantization, GPU side (device table or UVA host table).
  *
  * ids          int32 device, token t's column c at ids[t * id_token_stride + c]
@@ -139,12 +162,17 @@ ENGRAM_API int engram_hash_check_layout(const int64_t* primes_host, const int64_
  * table_scales [table_num_rows, head_dim / quant_block] ue8m0 bytes (value
  *              2^(b-127); 255 is NaN), for ENGRAM_TABLE_FP8_E4M3; ignored for bf16.
  * out          [num_tokens, num_cols, head_dim] bf16 device, 16-byte aligned.
+ * bad_rows     NULL, or one int64 in device memory (8-byte aligned): every output row
+ *              that read nothing (its id outside [0, table_num_rows)) adds 1 to it,
+ *              atomically, when the kernel runs. It is never reset here: zero it, run
+ *              any number of gathers, read it when convenient (a runtime checks it every
+ *              N steps or in a debug mode and raises on a nonzero count).
  * Limits: fp8 needs head_dim % 16 == 0, quant_block % 16 == 0 and
  *         head_dim % quant_block == 0; bf16 needs head_dim % 8 == 0.
  */
 ENGRAM_API int engram_gather(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
     const void* table_rows, const void* table_scales, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
-    int32_t quant_block, void* out, cudaStream_t stream);
+    int32_t quant_block, void* out, int64_t* bad_rows, cudaStream_t stream);
 
 /* The table-format checks engram_gather makes (head_dim, dtype, quant_block), alone. */
 ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, int32_t quant_block);
@@ -158,35 +186,120 @@ ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, 
  * not 16-byte aligned, or a scales address of 0 for an fp8 table, yields zero rows for
  * the whole output (no read, no fault). table_num_rows bounds the ids; the table behind
  * the address must hold at least that many rows, which only the caller can check.
+ * bad_rows_addr: NULL, or one int64 in device memory holding the address of a bad-row
+ * counter as engram_gather's bad_rows (0, or an address not 8-byte aligned: no count);
+ * with unusable table addresses every row counts.
  */
-ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, int32_t num_cols,
-    int64_t id_token_stride, const int64_t* table_rows_addr, const int64_t* table_scales_addr,
-    int64_t table_num_rows, int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out,
-    cudaStream_t stream);
+ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
+    const int64_t* table_rows_addr, const int64_t* table_scales_addr, int64_t table_num_rows, int32_t head_dim,
+    int32_t table_dtype, int32_t quant_block, void* out, const int64_t* bad_rows_addr, cudaStream_t stream);
 
 /*
  * Host gather: rows are gathered by CPU threads from a host table (any host memory,
  * e.g. a file mapping) into pinned staging slots, and each chunk goes to the GPU in
- * one cudaMemcpyAsync, pipelined (the copy of chunk k overlaps the gather of chunk
- * k+1); fp8 chunks are dequantized on the GPU by the gather kernel. Same ids / table /
- * out contract as engram_gather, except that ids_host, rows_host and scales_host are
- * CPU pointers. Returns when every chunk has been gathered and its copy and dequant
- * enqueued on `stream`; `out` is ready when the stream reaches that point.
- * A gatherer serves one call at a time (calls are serialized by a lock); its staging
- * slots are reused only after the copies that read them have completed.
+ * one cudaMemcpyAsync on the gatherer's own copy stream, pipelined (the copy of a chunk
+ * overlaps the gather of the next ones); fp8 chunks are dequantized on the GPU by the
+ * gather kernel on `stream`. Same ids / table / out contract as engram_gather, except
+ * that ids_host, rows_host and scales_host are CPU pointers. Returns when every chunk
+ * has been gathered and its copy (and dequant) enqueued; `out` is ready when `stream`
+ * reaches that point. A gatherer serves one call at a time (calls are serialized by a
+ * lock); its staging slots are reused only after the copies that read them completed.
+ * runtime/README.md describes the pipeline and its tuning.
  */
 typedef struct EngramHostGatherer EngramHostGatherer;
 
-/* num_threads <= 0: the number of online CPUs. chunk_rows: rows per pipelined chunk.
- * max_head_dim: the widest table row (elements) this gatherer will serve.
+/* Layout of a host table (engram_host_gather_ex / _raw / _rows_cpu `table_layout`). */
+enum EngramTableLayout
+{
+    ENGRAM_LAYOUT_SPLIT = 0, /* rows [N, head_dim] and scales [N, head_dim / quant_block]: two arrays (engram_gather's
+                                form) */
+    ENGRAM_LAYOUT_INLINE = 1 /* one array [N, head_dim + head_dim / quant_block] bytes: each row's scale bytes right
+                                after its values (fp8), so a random row costs the CPU one miss instead of two;
+                                scales_host must be NULL. For bf16 tables it is the split layout. */
+};
+
+/* Tuning knobs of a host gatherer (engram_host_gatherer_set_option / get_option). */
+enum EngramHostGatherOption
+{
+    ENGRAM_HOST_GATHER_CHUNK_ROWS = 0,        /* most rows per copy (default: the chunk_rows it was created with;
+                                                 capped by what a staging slot holds) */
+    ENGRAM_HOST_GATHER_MIN_CHUNKS = 1,        /* a call is cut into at least this many chunks (not below 256 rows
+                                                 each) so a small call overlaps gather and copy (default 4) */
+    ENGRAM_HOST_GATHER_TASK_ROWS = 2,         /* rows per work item of a thread (0 = automatic, default) */
+    ENGRAM_HOST_GATHER_PREFETCH_ROWS = 3,     /* software prefetch distance in rows, 0..64 (0 = off; default 16) */
+    ENGRAM_HOST_GATHER_STREAMING_STORES = 4,  /* 1: non-temporal stores into staging, 0: plain stores (default) */
+    ENGRAM_HOST_GATHER_SPIN_US = 5,           /* idle pool threads spin this long, then block (default 50) */
+    ENGRAM_HOST_GATHER_NUM_THREADS = 6,       /* read-only: threads of the pool, the caller included */
+    ENGRAM_HOST_GATHER_NUM_SLOTS = 7,         /* read-only: staging slots */
+    ENGRAM_HOST_GATHER_SLOT_BYTES = 8,        /* read-only: bytes of one pinned (and one device) staging slot */
+    ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS = 9, /* prefetch the first line of the row this far ahead, 0..64, to start
+                                                 its page walk early (0 = off, default) */
+    ENGRAM_HOST_GATHER_PREFETCH_LOCALITY = 10 /* cache level prefetched into: 3 = L1 (default) .. 1 = L2/L3,
+                                                 0 = non-temporal */
+};
+
+/* CPUs in the calling thread's affinity mask (sched_getaffinity; threads it starts inherit
+ * it): the default thread count of a host gatherer. On a node shared by several ranks,
+ * give each rank its own CPU list (taskset, numactl, the scheduler) and this follows. */
+ENGRAM_API int engram_cpu_affinity_count(int32_t* count);
+
+/* num_threads <= 0: engram_cpu_affinity_count() (the caller is one of the threads).
+ * chunk_rows: rows per pipelined chunk, and with max_head_dim (the widest table row, in
+ * elements) the size of a staging slot: chunk_rows * 2 * max_head_dim bytes, pinned and
+ * on the device, num_slots of each (create: 4 slots; create_ex: 2..64).
  * destroy waits for a gather in progress on another thread, then frees the gatherer; a
  * gather that starts after destroy has begun uses freed memory (a caller bug). */
 ENGRAM_API int engram_host_gatherer_create(
     int32_t num_threads, int64_t chunk_rows, int32_t max_head_dim, EngramHostGatherer** gatherer);
+ENGRAM_API int engram_host_gatherer_create_ex(
+    int32_t num_threads, int64_t chunk_rows, int32_t max_head_dim, int32_t num_slots, EngramHostGatherer** gatherer);
 ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gatherer);
+
+/* Set / read an EngramHostGatherOption; set waits for a gather in progress. */
+ENGRAM_API int engram_host_gatherer_set_option(EngramHostGatherer* gatherer, int32_t option, int64_t value);
+ENGRAM_API int engram_host_gatherer_get_option(EngramHostGatherer* gatherer, int32_t option, int64_t* value);
+
+/* Wakes the gatherer's sleeping threads (they spin again for SPIN_US): call it when a
+ * gather is about to come (a step's ids are being computed) to hide the wake-up. */
+ENGRAM_API int engram_host_gatherer_wake(EngramHostGatherer* gatherer);
+
+/* The host gather into bf16 `out` [num_tokens, num_cols, head_dim] from a split table. */
 ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_tokens,
     int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
     int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out, cudaStream_t stream);
+
+/* engram_host_gather from a table in either EngramTableLayout. */
+ENGRAM_API int engram_host_gather_ex(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_tokens,
+    int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
+    int32_t head_dim, int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* out, cudaStream_t stream);
+
+/*
+ * The host gather of raw table bytes (no dequant), for a device row cache that keeps
+ * rows in their stored form: row ids_host[i] (flat, [num_ids]) of the table goes to
+ * dst_rows + i * row_bytes and its scale bytes to dst_scales + i * scale_bytes, where
+ * row_bytes = head_dim (fp8) or 2 * head_dim (bf16) and scale_bytes = head_dim /
+ * quant_block (fp8; dst_scales unused for bf16): the split form engram_gather reads, for
+ * either table layout. dst_rows / dst_scales are device memory (dst_rows 16-byte
+ * aligned). Ids outside the table give zero rows with scale bytes 127. The copies start
+ * after the work enqueued on `stream` before the call, and `stream` waits for them.
+ */
+ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_ids,
+    const void* rows_host, const void* scales_host, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
+    int32_t quant_block, int32_t table_layout, void* dst_rows, void* dst_scales, cudaStream_t stream);
+
+/*
+ * The CPU part of the host gather alone (no GPU, no CUDA call): the raw rows of
+ * ids_host [num_ids] into host memory dst_rows_host [num_ids, row_bytes] and
+ * dst_scales_host [num_ids, scale_bytes] (the engram_host_gather_raw contract), on the
+ * threads of `gatherer` with its tuning, or, with gatherer NULL, on a pool of
+ * num_threads made for the call (<= 0: engram_cpu_affinity_count()). prefetch_rows and
+ * streaming_stores override the tuning (-1: keep it). For tests and for measuring the
+ * gather's CPU side apart from the link.
+ */
+ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gatherer, int32_t num_threads, const int32_t* ids_host,
+    int64_t num_ids, const void* rows_host, const void* scales_host, int64_t table_num_rows, int32_t head_dim,
+    int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* dst_rows_host, void* dst_scales_host,
+    int32_t prefetch_rows, int32_t streaming_stores);
 
 /*
  * Fused Engram gate over hc_mult streams (engram-spec.md, "Fusion"):
@@ -198,16 +311,18 @@ ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, const int32_t* i
  * fp32: EngramFloatType); q_weight / k_weight [hc, D] both of weight_type: bf16, fp32 or
  * io_type; mask [T] (mask_type; NULL with ENGRAM_MASK_NONE). out may alias hidden (in
  * place). fp32 math; out is rounded once (to nearest even) to io_type; masked rows are
- * a bit copy of hidden. Limits: D % 8 == 0; tensors 16-byte aligned.
+ * a bit copy of hidden. NaN propagates as in the float64 reference: a NaN in a live
+ * token's h, key or score makes its stream's gate and output NaN (never gate 0.5).
+ * Limits: D % 8 == 0; tensors 16-byte aligned; num_tokens * hc_mult < 2^31.
  */
 ENGRAM_API int engram_gate_typed(const void* hidden, const void* kv, int32_t io_type, const void* q_weight,
-    const void* k_weight, int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens,
-    int32_t hc_mult, int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
+    const void* k_weight, int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult,
+    int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
 
 /* engram_gate_typed with io_type bf16 and weight_type bf16 or fp32 (the original form). */
 ENGRAM_API int engram_gate(const void* hidden, const void* kv, const void* q_weight, const void* k_weight,
-    int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult,
-    int32_t hidden_size, float eps, float clamp, void* out, cudaStream_t stream);
+    int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult, int32_t hidden_size,
+    float eps, float clamp, void* out, cudaStream_t stream);
 
 /* Kind of memory behind ptr (EngramPointerKind) in *kind. */
 ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);
@@ -216,6 +331,64 @@ ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);
  * GPU can read an existing host allocation (e.g. a table loaded by NumPy). */
 ENGRAM_API int engram_host_register(void* ptr, size_t bytes);
 ENGRAM_API int engram_host_unregister(void* ptr);
+
+/* ======================================================================================
+ * Packed-token attention over a slot-indexed KV cache (attentionKernel.cu).
+ *
+ * A step packs the tokens of several sequences back to back ([T] tokens); token t
+ * belongs to KV-cache slot token_slot[t] and sits at position token_pos[t] of its
+ * sequence. The caches are [num_slots, num_kv_heads, max_seq_len, head_dim], row-major,
+ * updated in place:
+ *   write   key_cache[token_slot[t], h, token_pos[t], :] = k[t, h, :]   (value alike)
+ *   attend  out[t, h] = softmax_j(scale * q[t, h] . K[j]) V[j] over the keys
+ *           j = 0 .. token_pos[t] (inclusive, causal) of slot token_slot[t], KV head
+ *           h / (num_heads / num_kv_heads) (grouped-query attention).
+ * Every key a token reads is in the cache: the tokens of a prefill chunk first write
+ * their own K/V, then read them back (engram_attention_step orders the two on `stream`).
+ * q, out [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim]; all of one
+ * io_type (EngramFloatType: bf16, fp16 or fp32), 16-byte aligned; fp32 math with an
+ * online softmax, the output rounded once to io_type. token_slot / token_pos: int32 [T]
+ * device arrays.
+ * Bounds: a token whose slot is outside [0, num_slots) or whose position is outside
+ * [0, max_seq_len) writes nothing and its output row is zero (a padding token); nothing
+ * is ever read or written outside the caches. Two tokens of one step must not name the
+ * same (slot, position) (distinct slots per sequence): which write wins is undefined.
+ * Keys below a token's position that were never written hold whatever the slot held
+ * before (the caller keeps past lengths right).
+ * Limits: head_dim % 8 == 0 and 8 <= head_dim <= ENGRAM_ATTENTION_MAX_HEAD_DIM;
+ * num_heads % num_kv_heads == 0; num_kv_heads * ceil(group / 8) <= 65535 (the grid);
+ * scale finite and > 0.
+ */
+#define ENGRAM_ATTENTION_MAX_HEAD_DIM 256
+
+/* The shape checks the attention functions make (the plugin runs them at creation). */
+ENGRAM_API int engram_attention_check_shape(int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, float scale);
+
+/* Bytes of workspace that engram_attention_packed / _step may use for up to max_tokens
+ * tokens (0 when they never split the keys). Decode steps with few tokens split each
+ * token's keys over several blocks and merge the partial softmaxes in the workspace;
+ * the split count is a pure function of (num_tokens, num_kv_heads, group, max_seq_len),
+ * never of the GPU, so an engine built on one machine sizes its workspace right for all. */
+ENGRAM_API int engram_attention_workspace_size(
+    int64_t max_tokens, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int64_t max_seq_len, size_t* bytes);
+
+/* The KV write alone: token t's k / v rows into the caches at (token_slot[t], token_pos[t]). */
+ENGRAM_API int engram_kv_cache_write(const void* k, const void* v, int32_t io_type, const int32_t* token_slot,
+    const int32_t* token_pos, int64_t num_tokens, int32_t num_kv_heads, int32_t head_dim, void* key_cache,
+    void* value_cache, int64_t num_slots, int64_t max_seq_len, cudaStream_t stream);
+
+/* The attention alone (reads the caches, writes out). workspace may be NULL (then no
+ * split); with workspace_bytes below what the split needs, fewer splits are used. */
+ENGRAM_API int engram_attention_packed(const void* q, int32_t io_type, const void* key_cache, const void* value_cache,
+    const int32_t* token_slot, const int32_t* token_pos, int64_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
+    int32_t head_dim, int64_t num_slots, int64_t max_seq_len, float scale, void* workspace, size_t workspace_bytes,
+    void* out, cudaStream_t stream);
+
+/* One serving step: engram_kv_cache_write, then engram_attention_packed, on `stream`. */
+ENGRAM_API int engram_attention_step(const void* q, const void* k, const void* v, int32_t io_type,
+    const int32_t* token_slot, const int32_t* token_pos, int64_t num_tokens, int32_t num_heads, int32_t num_kv_heads,
+    int32_t head_dim, void* key_cache, void* value_cache, int64_t num_slots, int64_t max_seq_len, float scale,
+    void* workspace, size_t workspace_bytes, void* out, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Helpers shared by the kernel library's translation units (not part of the ABI).
  */
@@ -6,8 +8,8 @@
 
 #include "engramKernels.h"
 
-#include <cuda_runtime_api.h>
 #include <cstdint>
+#include <cuda_runtime_api.h>
 #include <exception>
 #include <new>
 
@@ -48,15 +50,17 @@ inline bool isAligned(void const* p, uintptr_t bytes)
 //! Checks the table arguments shared by the device and host gathers; returns 0 or
 //! fails with cudaErrorInvalidValue. Sets rowBytes (input bytes of one row) and
 //! scaleBytes (scale bytes of one row, 0 for bf16).
-int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
-    int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out,
-    int64_t& rowBytes, int64_t& scaleBytes);
+int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes, int64_t& scaleBytes);
 
 //! Enqueues the gather kernel. Exactly one of (rows, rowsAddr) is used: a non-null
-//! rowsAddr means the addresses are read on the device.
+//! rowsAddr means the addresses are read on the device. badRows (a device int64) or
+//! badRowsAddr (a device int64 holding such a counter's address, 0 = none) counts the
+//! rows that read nothing; both default to no count.
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
-    int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream);
+    int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows = nullptr,
+    int64_t const* badRowsAddr = nullptr);
 
 } // namespace kernels
 } // namespace engram_trt
@@ -68,15 +72,15 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
 #define ENGRAM_ABI_CATCH(fn)                                                                                           \
     catch (std::bad_alloc const&)                                                                                      \
     {                                                                                                                  \
-        return ::engram_trt::kernels::fail(cudaErrorMemoryAllocation, "%s: out of host memory", fn);                  \
+        return ::engram_trt::kernels::fail(cudaErrorMemoryAllocation, "%s: out of host memory", fn);                   \
     }                                                                                                                  \
     catch (std::exception const& error)                                                                                \
     {                                                                                                                  \
-        return ::engram_trt::kernels::fail(cudaErrorUnknown, "%s: %s", fn, error.what());                             \
+        return ::engram_trt::kernels::fail(cudaErrorUnknown, "%s: %s", fn, error.what());                              \
     }                                                                                                                  \
     catch (...)                                                                                                        \
     {                                                                                                                  \
-        return ::engram_trt::kernels::fail(cudaErrorUnknown, "%s: unknown C++ exception", fn);                        \
+        return ::engram_trt::kernels::fail(cudaErrorUnknown, "%s: unknown C++ exception", fn);                         \
     }
 
 #endif // ENGRAM_TRT_KERNELS_INTERNAL_H

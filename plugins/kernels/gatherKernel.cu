@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Row gather + dequantization: table row ids -> bf16 rows [T, cols, head_dim].
  *
@@ -5,9 +7,20 @@
  * through UVA. Reads of host memory cross PCIe with microseconds of latency, so the
  * kernel is written for memory-level parallelism: every thread owns kUnroll 16-byte
  * vectors of (possibly different) rows and issues all their loads before it converts
- * and stores any of them; a grid-stride loop keeps the grid at a few waves. A 256-byte
- * FP8 row is 16 vectors, so one warp reads two rows per load instruction and holds
- * 2 * kUnroll rows in flight.
+ * and stores any of them; a grid-stride loop keeps the grid at one wave of as many
+ * blocks as the occupancy calculator lets each multiprocessor hold. A 256-byte FP8 row
+ * is 16 vectors, so one warp reads two rows per load instruction and holds 2 * kUnroll
+ * rows in flight.
+ *
+ * Scale bytes: where a row's vectors fall in one warp (16 * 32 % row bytes == 0, e.g. 128,
+ * 256 or 512-byte rows) each scale byte is loaded once per row, by one lane, and handed
+ * to the lanes of its quant block with a shuffle after all loads are in flight; other
+ * row widths load the scale byte per vector.
+ *
+ * Rows that read nothing (an id outside [0, table_num_rows), or, for the indirect form,
+ * a table address of 0 / misaligned / an fp8 table without scales) are written as zero
+ * rows; when the caller passes a counter, each such row adds 1 to it (one atomic per
+ * warp), so a runtime can tell a forgotten binding from a real table.
  *
  * FP8 decode: e4m3 -> half (exact) -> float, times the ue8m0 scale 2^(b-127) (exact in
  * float32, denormals kept), rounded once to bf16 (round-to-nearest-even), which is
@@ -23,6 +36,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 namespace engram_trt
 {
@@ -34,16 +49,18 @@ struct GatherParams
     int32_t const* ids; // nullptr: identity (row r reads table row r)
     uint8_t const* rows;
     uint8_t const* scales;
-    int64_t const* rowsAddr;   // non-null: read rows from *rowsAddr on the device
-    int64_t const* scalesAddr; // non-null: read scales from *scalesAddr on the device
+    int64_t const* rowsAddr;     // non-null: read rows from *rowsAddr on the device
+    int64_t const* scalesAddr;   // non-null: read scales from *scalesAddr on the device
+    unsigned long long* badRows; // non-null: count of rows that read nothing
+    int64_t const* badRowsAddr;  // non-null: read the counter's address from *badRowsAddr (0 = none)
     uint4* out;
     int64_t numRowsOut; // num_tokens * num_cols
     int64_t idTokenStride;
     int64_t tableNumRows;
-    int64_t rowBytes;       // input bytes of one table row
+    int64_t rowBytes; // input bytes of one table row
     int32_t numCols;
-    int32_t vectorsPerRow;  // rowBytes / 16
-    int32_t scalesPerRow;   // head_dim / quant_block (fp8)
+    int32_t vectorsPerRow; // rowBytes / 16
+    int32_t scalesPerRow;  // head_dim / quant_block (fp8)
     int32_t quantBlock;
 };
 
@@ -76,12 +93,23 @@ __device__ __forceinline__ uint2 decodeFp8x4(uint32_t word, float scale)
     return make_uint2(packBf16x2(a.x * scale, a.y * scale), packBf16x2(b.x * scale, b.y * scale));
 }
 
-template <bool kFp8, int kUnroll>
+//! kCount: count the rows that read nothing into p.badRows / *p.badRowsAddr (a separate
+//! instantiation: the count's registers would otherwise cost the plain gather occupancy).
+//! kRowScales (fp8, rows of 16 * 2^k bytes <= 512 whose vectors share a warp): each scale
+//! byte is loaded by one lane of its row and shuffled to the others.
+template <bool kFp8, bool kCount, bool kRowScales, int kUnroll>
 __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
 {
     uint8_t const* rows = p.rows;
     uint8_t const* scales = p.scales;
+    unsigned long long* badRows = p.badRows;
     int64_t tableNumRows = p.tableNumRows;
+    if (kCount && p.badRowsAddr != nullptr)
+    {
+        // An engine input too: 0 means no count, and a misaligned address is not followed.
+        int64_t const address = *p.badRowsAddr;
+        badRows = (address & 7) == 0 ? reinterpret_cast<unsigned long long*>(address) : nullptr;
+    }
     if (p.rowsAddr != nullptr)
     {
         rows = reinterpret_cast<uint8_t const*>(*p.rowsAddr);
@@ -90,21 +118,30 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
         // runs. An unbound (0) or misaligned row address, or an fp8 table without scales,
         // would fault and take the whole CUDA context down; read no table instead, so
         // every id is out of range and the output is all zero rows (fp8 zero * scale 0).
-        bool const usable = rows != nullptr && (reinterpret_cast<uintptr_t>(rows) & 15u) == 0
-            && (!kFp8 || scales != nullptr);
+        bool const usable
+            = rows != nullptr && (reinterpret_cast<uintptr_t>(rows) & 15u) == 0 && (!kFp8 || scales != nullptr);
         if (!usable)
         {
             tableNumRows = 0;
         }
     }
 
-    int64_t const totalVectors = p.numRowsOut * p.vectorsPerRow;
+    int32_t const vpr = p.vectorsPerRow;
+    int32_t const lane = static_cast<int32_t>(threadIdx.x) & 31;
+    int64_t const totalVectors = p.numRowsOut * vpr;
     int64_t const stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < totalVectors;
-         base += stride * kUnroll)
+    uint32_t bad = 0;
+    // With kRowScales the loop runs on the warp's first vector, so all 32 lanes take the
+    // same iterations (the shuffles need every lane); a row's vectors then share a warp
+    // because vpr divides 32 and every vector index v is lane (mod 32) (blockDim.x and
+    // the grid stride are multiples of 32). Otherwise each lane loops on its own vector.
+    int64_t const first
+        = static_cast<int64_t>(blockIdx.x) * blockDim.x + (kRowScales ? threadIdx.x & ~31u : threadIdx.x);
+    for (int64_t loopBase = first; loopBase < totalVectors; loopBase += stride * kUnroll)
     {
+        int64_t const base = kRowScales ? loopBase + lane : loopBase;
         uint4 data[kUnroll];
-        float scale[kUnroll];
+        uint32_t scaleByte[kUnroll];
         int64_t outRow[kUnroll];
         int32_t vec[kUnroll];
         // Phase 1: resolve ids and issue every load before using any of them.
@@ -113,13 +150,13 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
         {
             int64_t const v = base + k * stride;
             data[k] = make_uint4(0, 0, 0, 0);
-            scale[k] = 0.0F;
+            scaleByte[k] = 0; // 2^-127 * 0 = 0 for the zero rows
             outRow[k] = -1;
             vec[k] = 0;
             if (v < totalVectors)
             {
-                int64_t const r = v / p.vectorsPerRow;
-                int32_t const j = static_cast<int32_t>(v - r * p.vectorsPerRow);
+                int64_t const r = v / vpr;
+                int32_t const j = static_cast<int32_t>(v - r * vpr);
                 outRow[k] = r;
                 vec[k] = j;
                 int64_t id = r;
@@ -133,8 +170,22 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
                     data[k] = *reinterpret_cast<uint4 const*>(rows + id * p.rowBytes + static_cast<int64_t>(j) * 16);
                     if (kFp8)
                     {
-                        scale[k] = ue8m0ToFloat(scales[id * p.scalesPerRow + (j * 16) / p.quantBlock]);
+                        if (kRowScales)
+                        {
+                            if (j < p.scalesPerRow) // lane j of the row loads the row's scale byte j
+                            {
+                                scaleByte[k] = scales[id * p.scalesPerRow + j];
+                            }
+                        }
+                        else
+                        {
+                            scaleByte[k] = scales[id * p.scalesPerRow + (j * 16) / p.quantBlock];
+                        }
                     }
+                }
+                else if (kCount && j == 0)
+                {
+                    ++bad; // one count per row, by its first vector's lane
                 }
             }
         }
@@ -142,6 +193,12 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k)
         {
+            if (kRowScales)
+            {
+                // The byte of this vector's quant block, from the row's lane that loaded it.
+                int32_t const leader = lane - vec[k];
+                scaleByte[k] = __shfl_sync(0xFFFFFFFFu, scaleByte[k], leader + (vec[k] * 16) / p.quantBlock);
+            }
             if (outRow[k] < 0)
             {
                 continue;
@@ -149,25 +206,42 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
             if (kFp8)
             {
                 // 16 fp8 in -> 16 bf16 out = two 16-byte stores; out row is 2 * vectorsPerRow vectors.
-                uint2 const a = decodeFp8x4(data[k].x, scale[k]);
-                uint2 const b = decodeFp8x4(data[k].y, scale[k]);
-                uint2 const c = decodeFp8x4(data[k].z, scale[k]);
-                uint2 const d = decodeFp8x4(data[k].w, scale[k]);
-                uint4* dst = p.out + outRow[k] * (2 * p.vectorsPerRow) + 2 * vec[k];
+                // A row that read nothing holds zero bytes and scale byte 0 (2^-127): +0.
+                float const scale = ue8m0ToFloat(scaleByte[k]);
+                uint2 const a = decodeFp8x4(data[k].x, scale);
+                uint2 const b = decodeFp8x4(data[k].y, scale);
+                uint2 const c = decodeFp8x4(data[k].z, scale);
+                uint2 const d = decodeFp8x4(data[k].w, scale);
+                uint4* dst = p.out + outRow[k] * (2 * vpr) + 2 * vec[k];
                 dst[0] = make_uint4(a.x, a.y, b.x, b.y);
                 dst[1] = make_uint4(c.x, c.y, d.x, d.y);
             }
             else
             {
-                p.out[outRow[k] * p.vectorsPerRow + vec[k]] = data[k];
+                p.out[outRow[k] * vpr + vec[k]] = data[k];
             }
+        }
+    }
+    if (kCount && badRows != nullptr)
+    {
+#if __CUDA_ARCH__ >= 800
+        uint32_t const warpBad = __reduce_add_sync(0xFFFFFFFFu, bad);
+#else
+        uint32_t warpBad = bad;
+        for (int offset = 16; offset > 0; offset >>= 1)
+        {
+            warpBad += __shfl_xor_sync(0xFFFFFFFFu, warpBad, offset);
+        }
+#endif
+        if (lane == 0 && warpBad != 0)
+        {
+            atomicAdd(badRows, static_cast<unsigned long long>(warpBad));
         }
     }
 }
 
-int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
-    int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out,
-    int64_t& rowBytes, int64_t& scaleBytes)
+int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes, int64_t& scaleBytes)
 {
     if (numTokens < 0 || numCols < 1 || idTokenStride < numCols || tableNumRows < 0)
     {
@@ -209,9 +283,88 @@ int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64
     return 0;
 }
 
+namespace
+{
+
+constexpr int kGatherThreads = 256;
+constexpr int kGatherUnroll = 4;
+
+template <bool kFp8, bool kCount, bool kRowScales>
+void launchVariant(unsigned blocks, cudaStream_t stream, GatherParams const& p)
+{
+    engramGatherKernel<kFp8, kCount, kRowScales, kGatherUnroll><<<blocks, kGatherThreads, 0, stream>>>(p);
+}
+
+template <bool kFp8, bool kCount, bool kRowScales>
+int queryBlocksPerSm()
+{
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &blocks, engramGatherKernel<kFp8, kCount, kRowScales, kGatherUnroll>, kGatherThreads, 0)
+        != cudaSuccess)
+    {
+        cudaGetLastError(); // leave no error behind; the launch reports a real problem
+        blocks = 0;
+    }
+    return blocks;
+}
+
+//! The kernel variant of a call: (fp8, count, rowScales) as an index 0..7.
+using VariantLauncher = void (*)(unsigned, cudaStream_t, GatherParams const&);
+using VariantQuery = int (*)();
+template <int kIndex>
+constexpr bool bit(int b)
+{
+    return ((kIndex >> b) & 1) != 0;
+}
+template <int kIndex>
+void launchIndexed(unsigned blocks, cudaStream_t stream, GatherParams const& p)
+{
+    launchVariant<bit<kIndex>(2), bit<kIndex>(1), bit<kIndex>(2) && bit<kIndex>(0)>(blocks, stream, p);
+}
+template <int kIndex>
+int queryIndexed()
+{
+    return queryBlocksPerSm<bit<kIndex>(2), bit<kIndex>(1), bit<kIndex>(2) && bit<kIndex>(0)>();
+}
+constexpr VariantLauncher kLaunchers[8] = {launchIndexed<0>, launchIndexed<1>, launchIndexed<2>, launchIndexed<3>,
+    launchIndexed<4>, launchIndexed<5>, launchIndexed<6>, launchIndexed<7>};
+constexpr VariantQuery kQueries[8] = {queryIndexed<0>, queryIndexed<1>, queryIndexed<2>, queryIndexed<3>,
+    queryIndexed<4>, queryIndexed<5>, queryIndexed<6>, queryIndexed<7>};
+
+//! Resident blocks per multiprocessor of a gather kernel variant on the current device,
+//! from the occupancy calculator (registers decide, e.g. 5 blocks of 256 threads for the
+//! plain fp8 kernel on sm_90, not the 8 that 2048 threads would suggest); cached per
+//! device. At least 1.
+int gatherBlocksPerSm(int variant)
+{
+    static std::mutex mutex;
+    static std::vector<int> cache; // [device * 8 + variant]: 0 = not asked yet
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess)
+    {
+        cudaGetLastError();
+        return 1;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    size_t const slot = static_cast<size_t>(device) * 8 + static_cast<size_t>(variant);
+    if (slot >= cache.size())
+    {
+        cache.resize(slot + 1, 0);
+    }
+    if (cache[slot] == 0)
+    {
+        cache[slot] = std::max(1, kQueries[variant]());
+    }
+    return cache[slot];
+}
+
+} // namespace
+
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
-    int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
+    int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows,
+    int64_t const* badRowsAddr)
 {
     bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
     GatherParams p{};
@@ -220,6 +373,8 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     p.scales = static_cast<uint8_t const*>(scales);
     p.rowsAddr = rowsAddr;
     p.scalesAddr = scalesAddr;
+    p.badRows = reinterpret_cast<unsigned long long*>(badRows);
+    p.badRowsAddr = badRowsAddr;
     p.out = static_cast<uint4*>(out);
     p.numRowsOut = numTokens * numCols;
     p.idTokenStride = idTokenStride;
@@ -234,23 +389,16 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
         return 0;
     }
 
-    constexpr int kThreads = 256;
-    constexpr int kUnroll = 4;
     int64_t const totalVectors = p.numRowsOut * p.vectorsPerRow;
-    int64_t const wanted = (totalVectors + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-    // Enough blocks for every multiprocessor to hold its full thread count, no more: the
-    // grid-stride loop covers the rest.
-    int64_t const cap = std::max(1, smCount()) * (2048 / kThreads);
+    int64_t const wanted = (totalVectors + kGatherThreads * kGatherUnroll - 1) / (kGatherThreads * kGatherUnroll);
+    // One wave of resident blocks, no more: the grid-stride loop covers the rest.
+    bool const count = badRows != nullptr || badRowsAddr != nullptr;
+    bool const rowScales = fp8 && (32 % p.vectorsPerRow) == 0;
+    int const variant = (fp8 ? 4 : 0) + (count ? 2 : 0) + (rowScales ? 1 : 0);
+    int64_t const cap = static_cast<int64_t>(std::max(1, smCount())) * gatherBlocksPerSm(variant);
     unsigned const blocks = static_cast<unsigned>(std::min(wanted, cap));
     resetLaunchError();
-    if (fp8)
-    {
-        engramGatherKernel<true, kUnroll><<<blocks, kThreads, 0, stream>>>(p);
-    }
-    else
-    {
-        engramGatherKernel<false, kUnroll><<<blocks, kThreads, 0, stream>>>(p);
-    }
+    kLaunchers[variant](blocks, stream, p);
     return checkLaunch("engram_gather");
 }
 
@@ -261,7 +409,7 @@ using namespace engram_trt::kernels;
 
 extern "C" ENGRAM_API int engram_gather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
     void const* tableRows, void const* tableScales, int64_t tableNumRows, int32_t headDim, int32_t tableDtype,
-    int32_t quantBlock, void* out, cudaStream_t stream)
+    int32_t quantBlock, void* out, int64_t* badRows, cudaStream_t stream)
 {
     clearError();
     ENGRAM_ABI_TRY
@@ -284,8 +432,12 @@ extern "C" ENGRAM_API int engram_gather(int32_t const* ids, int64_t numTokens, i
                 return fail(cudaErrorInvalidValue, "engram_gather: an fp8 table needs its scales");
             }
         }
+        if (badRows != nullptr && !isAligned(badRows, 8))
+        {
+            return fail(cudaErrorInvalidValue, "engram_gather: bad_rows must be an 8-byte aligned device pointer");
+        }
         return launchGather(ids, numTokens, numCols, idTokenStride, tableRows, tableScales, nullptr, nullptr,
-            tableNumRows, headDim, tableDtype, quantBlock, out, stream);
+            tableNumRows, headDim, tableDtype, quantBlock, out, stream, badRows, nullptr);
     }
     ENGRAM_ABI_CATCH("engram_gather")
 }
@@ -301,7 +453,7 @@ extern "C" ENGRAM_API int engram_gather_check_table(int32_t headDim, int32_t tab
 
 extern "C" ENGRAM_API int engram_gather_indirect(int32_t const* ids, int64_t numTokens, int32_t numCols,
     int64_t idTokenStride, int64_t const* tableRowsAddr, int64_t const* tableScalesAddr, int64_t tableNumRows,
-    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream)
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, int64_t const* badRowsAddr, cudaStream_t stream)
 {
     clearError();
     ENGRAM_ABI_TRY
@@ -318,7 +470,7 @@ extern "C" ENGRAM_API int engram_gather_indirect(int32_t const* ids, int64_t num
             return fail(cudaErrorInvalidValue, "engram_gather_indirect: the table address inputs are required");
         }
         return launchGather(ids, numTokens, numCols, idTokenStride, nullptr, nullptr, tableRowsAddr, tableScalesAddr,
-            tableNumRows, headDim, tableDtype, quantBlock, out, stream);
+            tableNumRows, headDim, tableDtype, quantBlock, out, stream, nullptr, badRowsAddr);
     }
     ENGRAM_ABI_CATCH("engram_gather_indirect")
 }

@@ -1,3 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Library-wide entry points: version, error messages, pointer queries, host memory
  * registration.
@@ -112,8 +114,7 @@ extern "C" ENGRAM_API int engram_pointer_kind(void const* ptr, int32_t* kind)
     cudaError_t const status = cudaPointerGetAttributes(&attributes, ptr);
     if (status != cudaSuccess)
     {
-        return failCuda(
-            status, "engram_pointer_kind: cudaPointerGetAttributes failed: %s", cudaGetErrorString(status));
+        return failCuda(status, "engram_pointer_kind: cudaPointerGetAttributes failed: %s", cudaGetErrorString(status));
     }
     switch (attributes.type)
     {
@@ -135,8 +136,8 @@ extern "C" ENGRAM_API int engram_host_register(void* ptr, size_t bytes)
     cudaError_t const status = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
     if (status != cudaSuccess)
     {
-        return failCuda(status, "engram_host_register: cudaHostRegister(%zu bytes) failed: %s", bytes,
-            cudaGetErrorString(status));
+        return failCuda(
+            status, "engram_host_register: cudaHostRegister(%zu bytes) failed: %s", bytes, cudaGetErrorString(status));
     }
     return 0;
 }

@@ -3,7 +3,9 @@
 The PyTorch runtime path on a GPU calls the same kernels as the TensorRT plugins
 (``plugins/kernels/engramKernels.h`` is the contract): the n-gram hash, the row
 gather from device or UVA-mapped host tables, the host gather (CPU threads into
-pinned staging, then one copy per chunk), and the fused gate. Every function takes
+pinned staging, then one copy per chunk; its bindings are in :mod:`engram_trt.hostgather`
+and reachable from here), and the fused gate (the serving step's attention over the slot
+KV cache: :mod:`engram_trt.attention_kernels`). Every function takes
 torch tensors, checks device, dtype, contiguity and shape before anything reaches
 the library, and raises :class:`~engram_trt.errors.EngramError` with one line naming
 the bad argument. Work is enqueued on the current CUDA stream of the output's device.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import weakref
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -75,12 +78,24 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_last_error": (ctypes.c_char_p, []),
         "engram_hash_check_layout": (ctypes.c_int, [vp, vp, vp, i32, i32, i32, i64, i64]),
         "engram_hash": (ctypes.c_int, [vp, i64, vp, i64, vp, vp, vp, vp, i32, i32, i32, i64, i64, vp, vp]),
+        "engram_hash_layout_create": (ctypes.c_int, [vp, vp, vp, i32, i32, i32, i64, i64, ctypes.POINTER(vp)]),
+        "engram_hash_layout_destroy": (ctypes.c_int, [vp]),
+        "engram_hash_prepared": (ctypes.c_int, [vp, vp, i64, vp, i64, vp, vp, vp]),
         "engram_gather_check_table": (ctypes.c_int, [i32, i32, i32]),
-        "engram_gather": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
-        "engram_gather_indirect": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
+        "engram_gather": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
+        "engram_gather_indirect": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
         "engram_host_gatherer_create": (ctypes.c_int, [i32, i64, i32, ctypes.POINTER(vp)]),
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
+        "engram_cpu_affinity_count": (ctypes.c_int, [ctypes.POINTER(i32)]),
+        "engram_host_gatherer_create_ex": (ctypes.c_int, [i32, i64, i32, i32, ctypes.POINTER(vp)]),
+        "engram_host_gatherer_set_option": (ctypes.c_int, [vp, i32, i64]),
+        "engram_host_gatherer_get_option": (ctypes.c_int, [vp, i32, ctypes.POINTER(i64)]),
+        "engram_host_gatherer_wake": (ctypes.c_int, [vp]),
+        "engram_host_gather_ex": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp]),
+        "engram_host_gather_raw": (ctypes.c_int, [vp, vp, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp, vp]),
+        "engram_host_gather_rows_cpu": (ctypes.c_int, [vp, i32, vp, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp,
+                                                       i32, i32]),
         "engram_gate": (ctypes.c_int, [vp, vp, vp, vp, i32, vp, i32, i64, i32, i32, f32, f32, vp, vp]),
         "engram_gate_typed": (ctypes.c_int, [vp, vp, i32, vp, vp, i32, vp, i32, i64, i32, i32, f32, f32, vp, vp]),
         "engram_pointer_kind": (ctypes.c_int, [vp, ctypes.POINTER(i32)]),
@@ -212,6 +227,60 @@ def check_layout(layout: Any) -> None:
 
 # --- hash ------------------------------------------------------------------------------
 
+class PreparedHashLayout:
+    """A layout validated once and laid out as the hash kernel's parameter
+    (``engram_hash_layout_create``), so each :func:`hash_packed` call only enqueues the
+    kernel. It holds no device memory: one serves every device and stream, and needs no
+    GPU to create. :func:`prepared_layout` keeps one per :class:`EngramLayout`."""
+
+    def __init__(self, layout: Any) -> None:
+        keep, args = _layout_args(layout)
+        handle = ctypes.c_void_p()
+        _call("engram_hash_layout_create", *args, ctypes.byref(handle))
+        del keep  # copied into the prepared layout
+        self._handle: ctypes.c_void_p | None = handle
+        self.num_layers, self.max_ngram_size = int(layout.num_layers), int(layout.max_ngram_size)
+        self.n_hash_cols = int(layout.n_hash_cols)
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise EngramError("this PreparedHashLayout is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            _call("engram_hash_layout_destroy", self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+
+# One prepared layout per EngramLayout object (frozen: its arrays are not to change),
+# dropped with the layout.
+_prepared: "weakref.WeakKeyDictionary[Any, PreparedHashLayout]" = weakref.WeakKeyDictionary()
+_prepared_lock = threading.Lock()
+
+
+def prepared_layout(layout: Any) -> PreparedHashLayout:
+    """The cached :class:`PreparedHashLayout` of ``layout`` (made on first use). A
+    PreparedHashLayout passes through."""
+    if isinstance(layout, PreparedHashLayout):
+        return layout
+    with _prepared_lock:
+        try:
+            found = _prepared.get(layout)
+        except TypeError:  # not weak-referenceable / hashable: prepare per call
+            return PreparedHashLayout(layout)
+        if found is None:
+            found = _prepared[layout] = PreparedHashLayout(layout)
+        return found
+
+
 def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: Any = None) -> Any:
     """Row ids ``int32 [T, L, cols]`` of packed sequences, bit-identical to
     :func:`engram_trt.hashing.hash_batch_packed`.
@@ -219,6 +288,8 @@ def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: A
     ``ids [T]`` int32 compressed ids (negative = dead), ``seq_starts [S+1]`` int32
     cu_seqlens, ``lookback [S, N-1]`` int32 (the ids before each sequence, oldest
     first, -1 = none) or None (every sequence starts fresh); all on one CUDA device.
+    ``layout``: an :class:`~engram_trt.layout.EngramLayout` (its prepared form is made
+    once and cached, :func:`prepared_layout`) or a :class:`PreparedHashLayout`.
     """
     torch = _torch()
     _check("ids", ids, (torch.int32,), 1)
@@ -238,11 +309,10 @@ def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: A
     if tuple(out.shape) != (T, L, cols):
         raise EngramError(f"out must be [T, L, cols] = {(T, L, cols)} (got {tuple(out.shape)})")
     _same_device(ids.device, seq_starts=seq_starts, lookback=lookback, out=out)
-    keep, args = _layout_args(layout)
+    prepared = prepared_layout(layout)
     with torch.cuda.device(ids.device):
-        _call("engram_hash", _ptr(ids), T, _ptr(seq_starts), S, _ptr(lookback), *args,
+        _call("engram_hash_prepared", prepared.handle, _ptr(ids), T, _ptr(seq_starts), S, _ptr(lookback),
               _ptr(out), _stream(ids.device))
-    del keep
     return out
 
 
@@ -296,7 +366,7 @@ def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any) -> Any:
 
 
 def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-           out: Any = None) -> Any:
+           out: Any = None, bad_rows: Any = None) -> Any:
     """bf16 rows ``[T, cols, head_dim]`` read on the GPU.
 
     ``ids``: CUDA int32 ``[T, cols]``, or ``[T, L, cols]`` (hash output) with ``layer``.
@@ -304,6 +374,13 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
     ``[num_rows, head_dim/quant_block]`` ue8m0 bytes) or bf16; a CUDA tensor, or a CPU
     tensor in pinned / registered memory (read through UVA). Ids outside the table give
     zero rows.
+
+    ``bad_rows``: None, or a CUDA int64 tensor of one element on ids' device: each output
+    row whose id is outside ``[0, num_rows)`` adds 1 to it on the GPU (atomically; it is
+    never reset here). A runtime zeroes it once, passes it to every gather, and reads it
+    every N steps or in a debug mode (one small device-to-host copy, no sync per gather),
+    raising on a nonzero count: a zero row from a wrong id or an unbound table is
+    otherwise indistinguishable from data.
     """
     T, cols, stride, byte_offset = _ids_view(ids, layer, "cuda")
     dtype, num_rows, head_dim = _table(rows, scales, quant_block)
@@ -317,105 +394,35 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
             raise EngramError(f"{name} is in plain host memory the GPU cannot read; pin it "
                               f"(tensor.pin_memory()) or register it (kernels.register_host_memory)")
     out = _gather_out(out, T, cols, head_dim, device)
+    if bad_rows is not None:
+        torch = _torch()
+        _check("bad_rows", bad_rows, (torch.int64,))
+        if bad_rows.numel() != 1:
+            raise EngramError(f"bad_rows must hold one int64 (got shape {tuple(bad_rows.shape)})")
+        _same_device(device, bad_rows=bad_rows)
     with _torch().cuda.device(device):
         _call("engram_gather", ctypes.c_void_p(ids.data_ptr() + byte_offset), T, cols, stride, _ptr(rows),
-              _ptr(scales), num_rows, head_dim, dtype, quant_block, _ptr(out), _stream(device))
+              _ptr(scales), num_rows, head_dim, dtype, quant_block, _ptr(out), _ptr(bad_rows), _stream(device))
     return out
 
 
-class HostGatherer:
-    """Gathers rows of host tables on CPU threads into pinned staging and sends each
-    chunk in one copy (pipelined: the copy of a chunk overlaps the gather of the next).
-
-    One gatherer owns two pinned and two device staging slots of ``chunk_rows`` rows of
-    up to ``max_head_dim`` elements, and a thread pool (``num_threads``; 0 = all CPUs).
-    Calls are serialized. Create it once per device and keep it.
-    """
-
-    def __init__(self, num_threads: int = 0, chunk_rows: int = 16384, max_head_dim: int = 512,
-                 device: Any = None) -> None:
-        torch = _torch()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if self.device.type != "cuda":
-            raise EngramError(f"device must be a CUDA device (got {self.device})")
-        self.max_head_dim = int(max_head_dim)
-        handle = ctypes.c_void_p()
-        with torch.cuda.device(self.device):
-            _call("engram_host_gatherer_create", int(num_threads), int(chunk_rows), self.max_head_dim,
-                  ctypes.byref(handle))
-        self._handle: ctypes.c_void_p | None = handle
-
-    def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-               out: Any = None) -> Any:
-        """Same contract as :func:`gather`, but ``ids``, ``rows`` and ``scales`` are CPU
-        tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
-        is on the gatherer's device. Returns once every chunk is gathered and its copy
-        enqueued on the device's current stream."""
-        if self._handle is None:
-            raise EngramError("this HostGatherer is closed")
-        T, cols, stride, byte_offset = _ids_view(ids, layer, "cpu")
-        dtype, num_rows, head_dim = _table(rows, scales, quant_block)
-        for name, t in (("rows", rows), ("scales", scales)):
-            if t is not None and t.device.type != "cpu":
-                raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device}); use kernels.gather")
-        if head_dim > self.max_head_dim:
-            raise EngramError(f"head_dim {head_dim} exceeds this gatherer's max_head_dim {self.max_head_dim}")
-        out = _gather_out(out, T, cols, head_dim, self.device)
-        with _torch().cuda.device(self.device):
-            _call("engram_host_gather", self._handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), T, cols, stride,
-                  _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, _ptr(out),
-                  _stream(self.device))
-        return out
-
-    def close(self) -> None:
-        if self._handle is not None:
-            _call("engram_host_gatherer_destroy", self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "HostGatherer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may be gone
-            pass
-
-
-_default_gatherers: dict[tuple[Any, int], HostGatherer] = {}
-# Staging bytes per slot of a default gatherer: 16384 rows of 512 bf16 values (16 MiB);
-# wider rows get fewer rows per chunk, so the pinned and device staging stay that size.
-_DEFAULT_SLOT_ELEMS = 16384 * 512
-
-
-def _default_gatherer(device: Any, head_dim: int) -> HostGatherer:
-    """The device's default gatherer for rows of ``head_dim`` elements: one per width
-    class (512, then powers of two above), made on first use and kept (a gatherer's
-    staging may still feed an enqueued copy, so none is replaced)."""
-    width = 512
-    while width < head_dim:
-        width *= 2
-    key = (device, width)
-    g = _default_gatherers.get(key)
-    if g is None:
-        g = _default_gatherers[key] = HostGatherer(device=device, max_head_dim=width,
-                                                   chunk_rows=max(1024, _DEFAULT_SLOT_ELEMS // width))
-    return g
-
-
-def host_gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-                out: Any = None, device: Any = None, gatherer: HostGatherer | None = None) -> Any:
-    """:meth:`HostGatherer.gather` through ``gatherer`` or the device's default one for
-    the table's row width."""
+def new_bad_row_counter(device: Any = None) -> Any:
+    """A zeroed int64 ``[1]`` CUDA tensor to pass as :func:`gather`'s ``bad_rows``."""
     torch = _torch()
-    if gatherer is None:
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        _, _, head_dim = _table(rows, scales, quant_block)  # bad tables fail here, named
-        gatherer = _default_gatherer(dev, head_dim)
-    return gatherer.gather(ids, rows, scales, layer=layer, quant_block=quant_block, out=out)
+    return torch.zeros(1, dtype=torch.int64, device="cuda" if device is None else device)
+
+
+def check_bad_rows(counter: Any, *, what: str = "Engram gather", reset: bool = True) -> None:
+    """Raise EngramError if the bad-row counter is nonzero (else, with ``reset``, keep it
+    at 0). Reading it waits for the work queued before it (one 8-byte copy): call it every
+    N steps or in a debug mode, not after every gather."""
+    n = int(counter.item())
+    if n:
+        if reset:
+            counter.zero_()
+        raise EngramError(f"{what}: {n} row(s) read no table (ids outside [0, num_rows), or a table address that is "
+                          f"0 / misaligned / an fp8 table without scales) and came back as zero rows; check the table "
+                          f"bindings and that the tables match the engine's layout")
 
 
 # --- gate ------------------------------------------------------------------------------
@@ -473,3 +480,17 @@ def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *
               _float_code(q_weight.dtype), _ptr(mask), mask_type, T, hc, D, ctypes.c_float(eps), ctypes.c_float(clamp),
               _ptr(out), _stream(hidden.device))
     return out
+
+
+# --- host gather ---------------------------------------------------------------------
+# Its bindings live in engram_trt.hostgather; these names stay reachable from here.
+_HOST_GATHER_NAMES = ("HostGatherer", "host_gather", "gather_rows_cpu", "default_gather_threads", "TABLE_LAYOUTS",
+                      "HOST_GATHER_OPTIONS")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOST_GATHER_NAMES:
+        from engram_trt import hostgather
+
+        return getattr(hostgather, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

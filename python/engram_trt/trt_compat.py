@@ -353,6 +353,19 @@ def set_targets(config: Any, targets: Sequence[str]) -> None:
         config.set_compute_capability(getattr(cc, t.upper()), i)
 
 
+def enable_aliased_plugin_io(config: Any) -> None:
+    """Let plugin outputs alias plugin inputs (``PreviewFeature.ALIASED_PLUGIN_IO_10_03``):
+    EngramAttention's cache outputs are its cache inputs, updated in place. Without the
+    feature the builder refuses such a plugin ("Aliased I/O used by plugin ... not
+    enabled", TensorRT-RTX 1.7.1); TensorRT before 10.3 has no such feature at all."""
+    t = load()
+    feature = getattr(getattr(t.module, "PreviewFeature", None), "ALIASED_PLUGIN_IO_10_03", None)
+    if feature is None:
+        raise EngramError(f"{t.flavour} {t.version} has no PreviewFeature.ALIASED_PLUGIN_IO_10_03, which the in-place "
+                          f"KV cache needs; install TensorRT 10.3 or newer, or a TensorRT-RTX that has it (1.7.1 does)")
+    config.set_preview_feature(feature, True)
+
+
 def set_plugins_to_serialize(config: Any, libraries: Sequence[str | Path]) -> None:
     """Embed plugin libraries in the engine (both flavours spell it the same way)."""
     config.plugins_to_serialize = [str(Path(p).resolve()) for p in libraries]

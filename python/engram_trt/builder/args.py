@@ -20,11 +20,12 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, metavar="ENGINE_DIR",
                         help="engine folder to write (model.onnx, model.engine, manifest.json, compressed_vocab.npy, build_report.json)")
     add_engram_config_arguments(parser)
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N", help=f"largest batch the engine serves (default {DEFAULT_MAX_BATCH})")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N", help=f"most sequences the engine serves at once: its KV-cache slots (default {DEFAULT_MAX_BATCH})")
     parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                         help=f"longest sequence, cached plus new tokens (default: min(max_position_embeddings, {DEFAULT_MAX_SEQ_LEN}))")
     parser.add_argument("--max-num-tokens", type=int, default=None, metavar="N",
-                        help=f"most new tokens per sequence in one step, i.e. the prefill chunk (default: min({DEFAULT_MAX_NUM_TOKENS}, max-seq-len))")
+                        help=f"most tokens of one step, all its sequences together (prefill chunks and decode tokens; "
+                             f"default: min({DEFAULT_MAX_NUM_TOKENS}, max-seq-len), at least max-batch)")
     parser.add_argument("--dtype", choices=BUILD_DTYPES, default="bf16", help="weights and activations (norms and softmax use float32; default bf16)")
     parser.add_argument("--target", default=None, metavar="sm80,sm86,...",
                         help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(tc_targets()) + "); default: the RTX portable set")

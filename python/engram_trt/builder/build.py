@@ -39,7 +39,7 @@ from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, TableRef, checkpoint_table_refs, hash_tables, repack_tables,
                        sha256_file, write_manifest)
-from engram_trt.builder.onnx_export import PLUGIN_NAMES, ExportOptions, export_model, normalize_dtype
+from engram_trt.builder.onnx_export import ExportOptions, export_model, normalize_dtype
 
 log = logging.getLogger(__name__)
 
@@ -143,33 +143,37 @@ def _check_sizes(max_batch: int, max_seq_len: int, max_num_tokens: int, config: 
     for name, v in (("--max-batch", max_batch), ("--max-seq-len", max_seq_len), ("--max-num-tokens", max_num_tokens)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise EngramError(f"{name} must be a positive integer (got {v!r})")
-    if max_num_tokens > max_seq_len:
-        raise EngramError(f"--max-num-tokens {max_num_tokens} exceeds --max-seq-len {max_seq_len}: one step cannot hold more tokens than a sequence")
     if max_seq_len > config.max_position_embeddings:
         raise EngramError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
 
 
 def optimization_profile_shapes(exported: Any, config: Any, max_batch: int, max_seq_len: int,
                                 max_num_tokens: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-    """(min, opt, max) per dynamic input. ``past`` runs 0..max_seq_len-1 (a step adds at
-    least one token), ``seq`` 1..max_num_tokens; opt is a mid-size decode batch."""
+    """(min, opt, max) per input of the serving graph: a step packs T in 1..max_num_tokens
+    tokens of S in 1..max_batch sequences; the KV caches are fixed, one slot per sequence
+    the engine serves at once: [max_batch, kv_heads, max_seq_len, head_dim]. opt is a
+    mid-size decode batch with a prefill chunk beside it."""
     kvh, hd = config.num_key_value_heads, config.head_dim
-    opt_b = max(1, (max_batch + 1) // 2)
-    opt_s = max(1, min(max_num_tokens, 128))
-    opt_p = max(0, min(max_seq_len - opt_s, max_seq_len // 2))
+    opt_s = max(1, (max_batch + 1) // 2)
+    opt_t = max(1, min(max_num_tokens, opt_s + 128))
     io = exported.io
+    cache = (max_batch, kvh, max_seq_len, hd)
     shapes: dict[str, Any] = {}
     for name in exported.input_names:
         if name in ("input_ids", "engram_ids"):
-            shapes[name] = ((1, 1), (opt_b, opt_s), (max_batch, max_num_tokens))
+            shapes[name] = ((1,), (opt_t,), (max_num_tokens,))
+        elif name == "seq_starts":
+            shapes[name] = ((2,), (opt_s + 1,), (max_batch + 1,))
+        elif name in ("past_lens", "slots"):
+            shapes[name] = ((1,), (opt_s,), (max_batch,))
         elif name == "engram_lookback":
             n = io["lookback"]
-            shapes[name] = ((1, n), (opt_b, n), (max_batch, n))
-        elif name.startswith("past_"):
-            shapes[name] = ((1, kvh, 0, hd), (opt_b, kvh, opt_p, hd), (max_batch, kvh, max_seq_len - 1, hd))
+            shapes[name] = ((1, n), (opt_s, n), (max_batch, n))
+        elif name.startswith(("key_cache_", "value_cache_")):
+            shapes[name] = (cache, cache, cache)
         elif name.startswith("engram_rows_"):
             c, d = io["cols"], io["head_dim"]
-            shapes[name] = ((1, 1, c, d), (opt_b, opt_s, c, d), (max_batch, max_num_tokens, c, d))
+            shapes[name] = ((1, c, d), (opt_t, c, d), (max_num_tokens, c, d))
     return shapes
 
 
@@ -183,8 +187,8 @@ def _plugin_name(t: Any, layer: Any) -> str:
 
 
 def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Path, max_batch: int, max_seq_len: int,
-                 max_num_tokens: int, targets: Sequence[str], plugin_library: Path | None, embed_plugin_library: bool,
-                 fp32_attention_decomposable: bool = True) -> tuple[int, list[str]]:
+                 max_num_tokens: int, targets: Sequence[str], plugin_library: Path | None,
+                 embed_plugin_library: bool) -> tuple[int, list[str]]:
     """Parse ``model.onnx`` into a strongly typed network and build the serialized engine.
     Returns (engine bytes, plugin names of the network's plugin layers)."""
     from engram_trt import trt_compat as tc
@@ -201,10 +205,8 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
         layer = network.get_layer(i)
         if layer.type == t.LayerType.PLUGIN_V3:
             plugin_layers.append(_plugin_name(t, layer))
-        att = getattr(layer, "attention", None)
-        if att is not None and fp32_attention_decomposable and exported.dtype == "fp32":
-            att.decomposable = True  # no dedicated float32 attention kernel
     cfg = builder.create_builder_config()
+    tc.enable_aliased_plugin_io(cfg)  # EngramAttention updates the KV caches in place
     profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in optimization_profile_shapes(exported, config, max_batch, max_seq_len, max_num_tokens).items():
         profile.set_shape(name, lo, opt, hi)
@@ -248,7 +250,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     if max_seq_len is None:
         max_seq_len = min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if max_num_tokens is None:
-        max_num_tokens = min(DEFAULT_MAX_NUM_TOKENS, max_seq_len)
+        max_num_tokens = max(min(DEFAULT_MAX_NUM_TOKENS, max_seq_len), int(max_batch))
     _check_sizes(max_batch, max_seq_len, max_num_tokens, config)
     target_list = tc.parse_targets(targets)
     if plugin_library is not None and build_engine_if_possible:
@@ -301,15 +303,14 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
             _check_no_tables_in_graph(exported, refs)
             files = exported.save(out / ONNX_NAME)
         onnx_bytes = sum(f.stat().st_size for f in files)
-        plugin_info = None
-        needs_plugins = spec is not None
-        if needs_plugins:
-            try:
-                plugin_info = plugin_library_info(find_plugin_library(plugin_library))
-            except EngramError:
-                if plugin_library is not None:
-                    raise
-                plugin_info = None
+        # Every graph needs the plugin library: EngramAttention in each layer (and the
+        # hash, gather and gate in an Engram model).
+        try:
+            plugin_info: dict[str, Any] | None = plugin_library_info(find_plugin_library(plugin_library))
+        except EngramError:
+            if plugin_library is not None:
+                raise
+            plugin_info = None
         trt_info = None
         engine_path: Path | None = None
         engine_bytes = 0
@@ -321,13 +322,13 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
             elif not tc.available():
                 skipped = f"no TensorRT builder is importable ({tc.NOT_INSTALLED_REASON.split(' (')[0]} and neither is tensorrt_rtx); the exported graph {ONNX_NAME} is the artifact: build it where TensorRT is installed"
                 log.warning("%s", skipped)
-            elif needs_plugins and plugin_info is None:
+            elif plugin_info is None:
                 skipped = "the plugin library libengram_trt_plugins.so was not found (build it with `cmake -S . -B build && cmake --build build -j2`, or pass --plugin-lib)"
                 log.warning("%s", skipped)
             else:
                 trt_info = tc.describe()
                 engine_path = out / ENGINE_NAME
-                lib = Path(plugin_info["path"]) if plugin_info else None
+                lib = Path(plugin_info["path"])
                 engine_bytes, plugin_layers = build_engine(
                     out / ONNX_NAME, exported, config, engine_path=engine_path, max_batch=int(max_batch),
                     max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, targets=target_list, plugin_library=lib,
@@ -352,7 +353,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
             "table_dtype": table_dtype,
             "repacked": bool(repack_tables_dir) if spec is not None else False,
             "plugins": None if plugin_info is None else {
-                "names": list(PLUGIN_NAMES), "plugin_version": "1",
+                "names": list(exported.io["plugins"]), "plugin_version": "1",
                 "library": {"file": plugin_info["file"], "version": plugin_info["version"], "sha256": plugin_info["sha256"],
                             "path": None if embed_plugin_library else plugin_info["path"]},
                 "embedded": bool(embed_plugin_library and engine_path is not None),

@@ -3,28 +3,38 @@
 Why ONNX: both TensorRT flavours parse it (the TensorRT-RTX Python network has no
 ``add_plugin_v3``, but its ONNX parser turns an unknown op whose ``op_type`` is a
 plugin name into that plugin), and it can be *executed* on a CPU with
-``onnx.reference.ReferenceEvaluator``, so CI checks the exported graph numerically
-against the PyTorch reference model (:func:`run_reference` / :class:`ReferenceRunner`):
-the engine is built from exactly what was checked.
+``onnx.reference.ReferenceEvaluator`` (reference_executor.py), so CI checks the exported
+graph numerically against the PyTorch reference model: the engine is built from exactly
+what was checked.
 
-The graph, for ``hc_mult`` residual copies ``[B, S, hc, D]`` (docs/engram-spec.md):
+The graph is one serving step (docs/engram-spec.md; the serving-step contract of runtime/step.py): the tokens of S
+sequences packed back to back, ``input_ids [T] int32``, with ``seq_starts [S+1]``
+(cu_seqlens), ``past_lens [S]`` (tokens of each sequence already cached) and ``slots
+[S]`` (each sequence's KV-cache slot), all int32. From them the graph derives, with
+standard ops, ``token_seq [T]`` (a ReduceSum of ``seq_starts[1:] <= t``), ``token_pos =
+past_lens[token_seq] + t - seq_starts[token_seq]`` and ``token_slot = slots[token_seq]``.
+For ``hc_mult`` residual copies ``[T, hc, D]``:
 
-* ``input_ids [B, S] int32`` -> Gather(embed) -> ``hc`` copies;
+* ``input_ids`` -> Gather(embed) -> ``hc`` copies;
 * per layer: at an Engram layer ``EngramHash -> EngramGather -> wkv MatMul -> EngramGate``
-  on the copies; then RMSNormalization of the copies' mean -> q/k/v -> RotaryEmbedding
-  -> Concat with ``past_key_i/past_value_i [B, kv_heads, P, head_dim]`` (outputs
-  ``present_key_i/present_value_i [B, kv_heads, P+S, head_dim]``) -> Attention (GQA, an
-  explicit causal mask over positions ``P..P+S-1``; ``P`` = 0 for a prefill) -> o_proj
-  added to every copy; the same for the SwiGLU MLP;
-* final RMSNormalization of the mean -> lm_head -> ``logits [B, S, vocab] float32``.
+  on the copies (the hash takes the real ``seq_starts`` and ``engram_lookback [S, N-1]``);
+  then RMSNormalization of the copies' mean -> q/k/v -> RotaryEmbedding at ``token_pos``
+  (each token its own batch row, ``[T, heads, 1, hd]``) -> one ``EngramAttention`` plugin
+  node, which writes the step's K/V into ``key_cache_i / value_cache_i [num_slots,
+  kv_heads, max_seq_len, head_dim]`` in place (its cache outputs ``key_cache_out_i /
+  value_cache_out_i`` alias the inputs: no copy of the cache per step) and attends each
+  token to its slot's keys ``0 .. token_pos`` (causal, GQA) -> o_proj added to every copy;
+  the same for the SwiGLU MLP;
+* the copies' mean at each sequence's last token (``seq_starts[1:] - 1``) -> final
+  RMSNormalization -> lm_head -> ``logits [S, vocab] float32``.
 
-Standard ops are used where TensorRT has native layers behind them (opset 23
-``Attention`` -> IAttention, ``RotaryEmbedding`` -> IRotaryEmbeddingLayer,
-``RMSNormalization``), so the parser picks the fused kernels. The Engram inputs are
-``engram_ids [B, S] int32`` (compressed ids, -1 = dead token), ``engram_lookback
-[B, N-1] int32`` (the compressed ids before each row's first token, from the runtime)
-and the tables' addresses ``engram_table_ptrs`` / ``engram_scale_ptrs [L] int64``:
-the tables themselves never enter the graph or the engine.
+RMSNormalization and RotaryEmbedding are opset-23 ops with native TensorRT layers. The
+attention is a plugin because nothing standard expresses it: ONNX ``Attention`` has no
+packed form and no in-place cache, and TensorRT-RTX 1.7's packed IAttention has no
+kernel for the RTX targets (plugins/engramAttentionPlugin/README.md). The Engram inputs
+are ``engram_ids [T] int32`` (compressed ids, -1 = dead token), ``engram_lookback`` and
+the tables' addresses ``engram_table_ptrs`` / ``engram_scale_ptrs [L] int64``: the
+tables themselves never enter the graph or the engine.
 
 The export is a pure function of (config, weights, options): node names come from
 counters, initializers from the weights in a fixed order, and no time or path is
@@ -52,7 +62,9 @@ log = logging.getLogger(__name__)
 OPSET = 23
 PLUGIN_DOMAIN = "trt.plugins"
 PLUGIN_VERSION = "1"
-PLUGIN_NAMES = ("EngramHash", "EngramGather", "EngramGate")
+PLUGIN_NAMESPACE = "engram_trt"  # the creators' namespace; the ONNX parser reads it from the node attribute
+PLUGIN_NAMES = ("EngramHash", "EngramGather", "EngramGate", "EngramAttention")
+ATTENTION_PLUGIN = "EngramAttention"
 PLACEMENTS = ("in_engine", "prefetch")
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf's hard limit is 2 GiB
 EXTERNAL_DATA_NAME = "model.onnx.data"
@@ -86,7 +98,7 @@ def normalize_dtype(dtype: str) -> str:
 class ExportOptions:
     """What shapes the graph besides the model: the compute dtype, the rotary table's
     length, and where the Engram lookup runs (``in_engine``: hash + gather plugins;
-    ``prefetch``: the runtime hands staged rows ``engram_rows_j [B, S, cols, head_dim]``
+    ``prefetch``: the runtime hands staged rows ``engram_rows_j [T, cols, head_dim]``
     bf16 as inputs and only the gate plugin remains)."""
 
     dtype: str = "bf16"
@@ -229,15 +241,20 @@ def decode_multipliers(value: Any) -> np.ndarray:
     return np.asarray(value, dtype=np.int64)
 
 
-def plugin_attributes(layout: EngramLayout, config: ModelConfig, op: str, layer_index: int = 0,
+def plugin_attributes(layout: EngramLayout | None, config: ModelConfig, op: str, layer_index: int = 0,
                       table_dtype: str = "fp8", num_rows: int = 0) -> dict[str, Any]:
     """The fields of each Engram plugin, as node attributes (the ONNX parser hands node
     attributes to the plugin creator as fields, converted to the types it declares).
     Names and meanings are the creators' field lists (plugins/engram*Plugin); the
     creators refuse unknown or missing fields, so a drift fails the build loudly."""
+    if op == ATTENTION_PLUGIN:  # the one plugin every model has: no layout needed
+        return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE,
+                "num_heads": int(config.num_attention_heads),
+                "num_kv_heads": int(config.num_key_value_heads), "head_dim": int(config.head_dim),
+                "scale": float(config.head_dim) ** -0.5}
     spec = config.engram
-    assert spec is not None and spec.head_dim is not None
-    base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION}
+    assert spec is not None and spec.head_dim is not None and layout is not None
+    base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
     if op == "EngramHash":
         base.update(
             n_layers=layout.num_layers,
@@ -258,6 +275,7 @@ def plugin_attributes(layout: EngramLayout, config: ModelConfig, op: str, layer_
             table_dtype=TABLE_DTYPE_CODES[table_dtype],
             quant_block=int(spec.quant_block),
             num_rows=int(num_rows),
+            bad_rows_input=0,  # no bad-row counter input (the plugin's optional last input)
         )
     elif op == "EngramGate":
         base.update(hc_mult=int(config.hc_mult), hidden_size=int(config.hidden_size), eps=float(config.rms_norm_eps))
@@ -280,7 +298,7 @@ def rotary_tables(config: ModelConfig, max_position: int) -> tuple[np.ndarray, n
 
 def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str], Any],
                  layout: EngramLayout | None = None, options: ExportOptions | None = None) -> ExportedModel:
-    """Build the ONNX graph of an engram-llama model.
+    """Build the ONNX serving graph of an engram-llama model (the module docstring).
 
     ``weights`` maps checkpoint names to tensors (or is a ``name -> tensor`` callable,
     e.g. ``Checkpoint.get``); only backbone and Engram projection weights are read,
@@ -309,28 +327,32 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         table_rows = [int(r) for r in (opts.table_rows or layout.table_rows)]
         if len(table_rows) != layout.num_layers or any(r < int(n) for r, n in zip(table_rows, layout.table_rows)):
             raise EngramError(f"table rows {table_rows} do not cover the layout's {layout.table_rows.tolist()} (one per Engram layer)")
-    D, hc = config.hidden_size, config.hc_mult
+    hc = config.hc_mult
     qh, kvh, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     max_pos = int(opts.max_position or config.max_position_embeddings)
     g = _Graph()
+    cache_dims = ["num_slots", kvh, "max_seq_len", hd]
 
-    inputs: list[Any] = [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["batch", "seq"])]
-    outputs: list[Any] = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", config.vocab_size])]
+    inputs: list[Any] = [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["tokens"]),
+                         helper.make_tensor_value_info("seq_starts", TensorProto.INT32, ["seqs_plus_1"]),
+                         helper.make_tensor_value_info("past_lens", TensorProto.INT32, ["seqs"]),
+                         helper.make_tensor_value_info("slots", TensorProto.INT32, ["seqs"])]
+    outputs: list[Any] = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["seqs", config.vocab_size])]
 
-    # --- shapes (dynamic batch, seq, past) -------------------------------------------
-    Bv = g.op("Shape", ["input_ids"], "batch", start=0, end=1)  # [1]
-    Sv = g.op("Shape", ["input_ids"], "seq", start=1, end=2)  # [1]
-    Pv = g.op("Shape", ["past_key_0"], "past", start=2, end=3)  # [1]
-    zero, one = g.scalar(0), g.scalar(1)
-    P = g.op("Squeeze", [Pv, g.ints([0])], "past_s")
-    S = g.op("Squeeze", [Sv, g.ints([0])], "seq_s")
-    total = g.op("Add", [P, S], "total")
-    pos = g.op("Range", [P, total, one], "positions")  # [S] int64: P..P+S-1
-    BS = g.op("Concat", [Bv, Sv], "bs", axis=0)
-    position_ids = g.op("Expand", [g.op("Unsqueeze", [pos, g.ints([0])]), BS], "position_ids")  # [B, S]
-    kpos = g.op("Range", [zero, total, one], "key_positions")  # [P+S]
-    mask = g.op("LessOrEqual", [g.op("Unsqueeze", [kpos, g.ints([0])]), g.op("Unsqueeze", [pos, g.ints([1])])],
-                "causal_mask")  # [S, P+S] bool: key position <= query position
+    # --- where each token sits: its sequence, position and KV slot ------------------------
+    i32 = TensorProto.INT32
+    T = g.op("Squeeze", [g.op("Shape", ["input_ids"], "tokens")], "tokens_s")  # scalar int64
+    tok = g.op("Cast", [g.op("Range", [g.scalar(0), T, g.scalar(1)], "token_index64")], "token_index", to=i32)  # [T]
+    ends = g.op("Slice", ["seq_starts", g.ints([1]), g.ints([2**62])], "seq_ends")  # [S]: seq_starts[1:]
+    after = g.op("LessOrEqual", [g.op("Unsqueeze", [ends, g.ints([0])]), g.op("Unsqueeze", [tok, g.ints([1])])],
+                 "token_after_seq")  # [T, S]: token t lies past the end of sequence s
+    token_seq = g.op("ReduceSum", [g.op("Cast", [after], to=i32), g.ints([1])], "token_seq", keepdims=0)  # [T]
+    token_pos = g.op("Add", [g.op("Gather", ["past_lens", token_seq], axis=0),
+                             g.op("Sub", [tok, g.op("Gather", ["seq_starts", token_seq], axis=0)])], "token_pos")
+    token_slot = g.op("Gather", ["slots", token_seq], "token_slot", axis=0)  # [T]
+    position_ids = g.op("Unsqueeze", [g.op("Cast", [token_pos], to=TensorProto.INT64), g.ints([1])],
+                        "position_ids")  # [T, 1]: each token a batch row of one position
+    last = g.op("Sub", [ends, g.const("c_i32_1", np.asarray(1, np.int32))], "last_token")  # [S]
 
     cos, sin = rotary_tables(config, max_pos)
     cos_n = g.const("rope_cos", cos.astype(np_dt))
@@ -347,20 +369,20 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
 
     def mean_copies(h: str) -> str:
         if hc == 1:
-            return g.op("Squeeze", [h, g.ints([2])], "copy")
-        return g.op("ReduceMean", [h, g.ints([2])], "copies_mean", keepdims=0)
+            return g.op("Squeeze", [h, g.ints([1])], "copy")
+        return g.op("ReduceMean", [h, g.ints([1])], "copies_mean", keepdims=0)
 
     def rmsnorm(x: str, name: str) -> str:
         # stash_type 1: float32 statistics whatever the compute dtype, as the reference.
         return g.op("RMSNormalization", [x, w(name)], "rmsnorm", axis=-1, epsilon=float(config.rms_norm_eps), stash_type=1)
 
     def add_to_copies(h: str, x: str) -> str:
-        return g.op("Add", [h, g.op("Unsqueeze", [x, g.ints([2])])], "residual")
+        return g.op("Add", [h, g.op("Unsqueeze", [x, g.ints([1])])], "residual")
 
     # --- embeddings and copies -----------------------------------------------------------
     embed = w("model.embed_tokens.weight")
-    x = g.op("Gather", [embed, "input_ids"], "embed", axis=0)  # [B, S, D]
-    hs = g.op("Expand", [g.op("Unsqueeze", [x, g.ints([2])]), g.ints([1, 1, hc, 1])], "copies")  # [B, S, hc, D]
+    x = g.op("Gather", [embed, "input_ids"], "embed", axis=0)  # [T, D]
+    hs = g.op("Expand", [g.op("Unsqueeze", [x, g.ints([1])]), g.ints([1, hc, 1])], "copies")  # [T, hc, D]
 
     # --- Engram inputs and hash ---------------------------------------------------------
     engram_index = config.engram_layer_index
@@ -370,23 +392,19 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
     if spec is not None:
         assert layout is not None and spec.head_dim is not None
         N1, L, cols = layout.max_ngram_size - 1, layout.num_layers, layout.n_hash_cols
-        inputs.append(helper.make_tensor_value_info("engram_ids", TensorProto.INT32, ["batch", "seq"]))
-        ids_flat = g.op("Reshape", ["engram_ids", g.ints([-1])], "engram_ids_flat")  # [T]
-        live = g.op("Cast", [g.op("GreaterOrEqual", [ids_flat, g.const("c_i32_0", np.asarray(0, np.int32))])],
-                    "engram_live", to=TensorProto.INT32)  # [T] 1 = live, 0 = dead
+        inputs.append(helper.make_tensor_value_info("engram_ids", TensorProto.INT32, ["tokens"]))
+        live = g.op("Cast", [g.op("GreaterOrEqual", ["engram_ids", g.const("c_i32_0", np.asarray(0, np.int32))])],
+                    "engram_live", to=i32)  # [T] 1 = live, 0 = dead
         if opts.placement == "in_engine":
-            inputs.append(helper.make_tensor_value_info("engram_lookback", TensorProto.INT32, ["batch", N1]))
+            inputs.append(helper.make_tensor_value_info("engram_lookback", TensorProto.INT32, ["seqs", N1]))
             inputs.append(helper.make_tensor_value_info("engram_table_ptrs", TensorProto.INT64, [L]))
             inputs.append(helper.make_tensor_value_info("engram_scale_ptrs", TensorProto.INT64, [L]))
-            T_ = g.op("Mul", [g.op("Squeeze", [Bv, g.ints([0])]), S], "tokens")
-            starts = g.op("Cast", [g.op("Range", [zero, g.op("Add", [T_, one]), S], "seq_starts64")], "seq_starts",
-                          to=TensorProto.INT32)  # [B+1]: 0, S, 2S, ..., B*S
-            hash_out = g.op("EngramHash", [ids_flat, starts, "engram_lookback"], "engram_hash", domain=PLUGIN_DOMAIN,
-                            **plugin_attributes(layout, config, "EngramHash"))  # [T, L, cols] int32
+            hash_out = g.op("EngramHash", ["engram_ids", "seq_starts", "engram_lookback"], "engram_hash",
+                            domain=PLUGIN_DOMAIN, **plugin_attributes(layout, config, "EngramHash"))  # [T, L, cols] int32
         else:
             for j in range(L):
                 name = f"engram_rows_{j}"
-                inputs.append(helper.make_tensor_value_info(name, TensorProto.BFLOAT16, ["batch", "seq", cols, spec.head_dim]))
+                inputs.append(helper.make_tensor_value_info(name, TensorProto.BFLOAT16, ["tokens", cols, spec.head_dim]))
                 rows_inputs.append(name)
         io.update(lookback=N1, engram_layers=L, cols=cols, head_dim=spec.head_dim, table_dtype=table_dtype,
                   table_rows=list(table_rows))
@@ -408,52 +426,54 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
                 ptrs.append(g.op("Slice", ["engram_scale_ptrs", g.ints([j]), g.ints([j + 1])], f"scale_ptr{j}"))
             rows = g.op("EngramGather", [hash_out, *ptrs], f"engram_rows{j}", domain=PLUGIN_DOMAIN,
                         **plugin_attributes(layout, config, "EngramGather", j, table_dtype, table_rows[j]))  # [T, cols, head_dim] bf16
-            e = g.op("Reshape", [rows, g.op("Concat", [Bv, Sv, g.ints([cols * spec.head_dim])], axis=0)], f"engram_e{j}")
         else:
-            e = g.op("Reshape", [rows_inputs[j], g.ints([0, 0, cols * spec.head_dim])], f"engram_e{j}")
+            rows = rows_inputs[j]
+        e = g.op("Reshape", [rows, g.ints([0, cols * spec.head_dim])], f"engram_e{j}")  # [T, cols * head_dim]
         if opts.dtype != GATHER_OUT_DTYPE:
             e = g.op("Cast", [e], f"engram_e{j}_cast", to=elem)
-        kv = linear(e, names["wkv"], f"engram_kv{j}")  # [B, S, (hc+1) D]
-        hid = g.op("Reshape", [h, g.ints([-1, hc, D])], f"engram_hidden{j}")
-        kvf = g.op("Reshape", [kv, g.ints([-1, (hc + 1) * D])], f"engram_kvflat{j}")
+        kv = linear(e, names["wkv"], f"engram_kv{j}")  # [T, (hc+1) D]
+        hid = h  # [T, hc, D]: the gate's layout already
         gate_elem = DTYPES[gate_dt][0]
         if gate_dt != opts.dtype:
             hid = g.op("Cast", [hid], to=gate_elem)
-            kvf = g.op("Cast", [kvf], to=gate_elem)
+            kv = g.op("Cast", [kv], to=gate_elem)
         # q/k weights: bf16 for a bf16 model, else float32 (the gate takes either with any I/O type).
         wt_np = np_dt if opts.dtype == "bf16" else np.float32
         qw, kw = w(names["q_weight"], dtype=wt_np), w(names["k_weight"], dtype=wt_np)
-        out = g.op("EngramGate", [hid, kvf, qw, kw, live], f"engram_gate{j}", domain=PLUGIN_DOMAIN,
+        out = g.op("EngramGate", [hid, kv, qw, kw, live], f"engram_gate{j}", domain=PLUGIN_DOMAIN,
                    **plugin_attributes(layout, config, "EngramGate"))  # [T, hc, D]
         if gate_dt != opts.dtype:
             out = g.op("Cast", [out], to=elem)
-        return g.op("Reshape", [out, g.op("Concat", [Bv, Sv, g.ints([hc, D])], axis=0)], f"engram_out{j}")
+        return out
 
     # --- decoder layers -------------------------------------------------------------------
+    aliases: dict[str, str] = {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"
-        inputs.append(helper.make_tensor_value_info(f"past_key_{i}", elem, ["batch", kvh, "past", hd]))
-        inputs.append(helper.make_tensor_value_info(f"past_value_{i}", elem, ["batch", kvh, "past", hd]))
-        outputs.append(helper.make_tensor_value_info(f"present_key_{i}", elem, ["batch", kvh, "total", hd]))
-        outputs.append(helper.make_tensor_value_info(f"present_value_{i}", elem, ["batch", kvh, "total", hd]))
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"{kind}_cache_{i}", elem, cache_dims))
+            outputs.append(helper.make_tensor_value_info(f"{kind}_cache_out_{i}", elem, cache_dims))
+            aliases[f"{kind}_cache_out_{i}"] = f"{kind}_cache_{i}"
         j = engram_index.get(i)
         if j is not None:
             hs = engram_block(hs, j, i)
         xn = rmsnorm(mean_copies(hs), f"{p}.input_layernorm.weight")
 
-        def heads(name: str, n: int, hint: str) -> str:
-            y = g.op("Reshape", [linear(xn, name, hint), g.ints([0, 0, n, hd])])
-            return g.op("Transpose", [y], hint + "_bhsd", perm=[0, 2, 1, 3])  # [B, n, S, hd]
+        def heads(name: str, n: int, hint: str, rope: bool) -> str:
+            y = linear(xn, name, hint)
+            if not rope:
+                return g.op("Reshape", [y, g.ints([0, n, hd])], hint + "_thd")  # [T, n, hd]
+            y = g.op("Reshape", [y, g.ints([0, n, 1, hd])], hint + "_t1")  # [T, n, 1, hd]: batch = token
+            y = g.op("RotaryEmbedding", [y, cos_n, sin_n, position_ids], hint + "_rope", interleaved=0)
+            return g.op("Reshape", [y, g.ints([0, n, hd])], hint + "_thd")
 
-        q = heads(f"{p}.self_attn.q_proj.weight", qh, f"q{i}")
-        k = heads(f"{p}.self_attn.k_proj.weight", kvh, f"k{i}")
-        v = heads(f"{p}.self_attn.v_proj.weight", kvh, f"v{i}")
-        q = g.op("RotaryEmbedding", [q, cos_n, sin_n, position_ids], f"q{i}_rope", interleaved=0)
-        k = g.op("RotaryEmbedding", [k, cos_n, sin_n, position_ids], f"k{i}_rope", interleaved=0)
-        g.op("Concat", [f"past_key_{i}", k], outputs=[f"present_key_{i}"], axis=2)
-        g.op("Concat", [f"past_value_{i}", v], outputs=[f"present_value_{i}"], axis=2)
-        att = g.op("Attention", [q, f"present_key_{i}", f"present_value_{i}", mask], f"attn{i}")  # [B, qh, S, hd]
-        att = g.op("Reshape", [g.op("Transpose", [att], perm=[0, 2, 1, 3]), g.ints([0, 0, qh * hd])], f"attn{i}_bsd")
+        q = heads(f"{p}.self_attn.q_proj.weight", qh, f"q{i}", True)
+        k = heads(f"{p}.self_attn.k_proj.weight", kvh, f"k{i}", True)
+        v = heads(f"{p}.self_attn.v_proj.weight", kvh, f"v{i}", False)
+        att = g.op("EngramAttention", [q, k, v, f"key_cache_{i}", f"value_cache_{i}", token_slot, token_pos],
+                   outputs=[g.name(f"attn{i}"), f"key_cache_out_{i}", f"value_cache_out_{i}"], domain=PLUGIN_DOMAIN,
+                   hint=f"attn{i}", **plugin_attributes(layout, config, ATTENTION_PLUGIN))[0]  # [T, qh, hd]
+        att = g.op("Reshape", [att, g.ints([0, qh * hd])], f"attn{i}_flat")
         hs = add_to_copies(hs, linear(att, f"{p}.self_attn.o_proj.weight", f"o{i}"))
         xn2 = rmsnorm(mean_copies(hs), f"{p}.post_attention_layernorm.weight")
         gate = linear(xn2, f"{p}.mlp.gate_proj.weight", f"gate{i}")
@@ -461,7 +481,8 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])], f"silu{i}"), up], f"swiglu{i}")
         hs = add_to_copies(hs, linear(act, f"{p}.mlp.down_proj.weight", f"down{i}"))
 
-    final = rmsnorm(mean_copies(hs), "model.norm.weight")
+    # Only each sequence's last token goes on (norm and head are per token).
+    final = rmsnorm(g.op("Gather", [mean_copies(hs), last], "last_hidden", axis=0), "model.norm.weight")  # [S, D]
     if config.tie_word_embeddings:
         head = g.op("Transpose", [embed], "lm_head_t", perm=[1, 0])
     else:
@@ -470,14 +491,14 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
     g.op("Cast", [logits], outputs=["logits"], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, "engram_llama", inputs, outputs, g.inits)
-    opsets = [helper.make_opsetid("", OPSET)]
-    if spec is not None:
-        opsets.append(helper.make_opsetid(PLUGIN_DOMAIN, 1))
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)]
     model = helper.make_model(graph, opset_imports=opsets, producer_name="engram-trt",
-                              doc_string="engram-llama; Engram tables are bound at run time by address")
+                              doc_string="engram-llama serving step; Engram tables are bound at run time by address")
     model.ir_version = 10
     onnx.checker.check_model(model) if g.init_bytes < EXTERNAL_DATA_THRESHOLD else None
-    io.update(vocab=config.vocab_size, kv_heads=kvh, head_dim_attn=hd, layers=config.num_hidden_layers, max_position=max_pos)
+    io.update(vocab=config.vocab_size, kv_heads=kvh, head_dim_attn=hd, layers=config.num_hidden_layers, max_position=max_pos,
+              plugins=sorted({n.op_type for n in g.nodes if n.domain == PLUGIN_DOMAIN}),
+              kv_cache={"shape": ["num_slots", kvh, "max_seq_len", hd], "aliases": aliases})
     return ExportedModel(
         model=model,
         input_names=[i.name for i in inputs],
@@ -502,144 +523,3 @@ def export_weight_names(config: ModelConfig) -> list[str]:
     from engram_trt.reference.model import model_weight_shapes
 
     return list(model_weight_shapes(config))
-
-
-# ======================================================================================
-# CPU execution of the exported graph, Engram ops bound to the Python reference
-# ======================================================================================
-class TableRegistry:
-    """Maps the addresses fed as ``engram_table_ptrs``/``engram_scale_ptrs`` to arrays.
-
-    The addresses are the arrays' real data pointers (``arr.ctypes.data``), so the
-    graph is fed exactly as a GPU runtime feeds the engine; the reference gather looks
-    the address up here instead of dereferencing it.
-    """
-
-    def __init__(self) -> None:
-        self._by_addr: dict[int, np.ndarray] = {}
-
-    def register(self, arr: np.ndarray) -> int:
-        addr = int(arr.ctypes.data)
-        if addr == 0:
-            raise EngramError("cannot register an empty table")
-        self._by_addr[addr] = arr
-        return addr
-
-    def lookup(self, addr: int) -> np.ndarray:
-        try:
-            return self._by_addr[int(addr)]
-        except KeyError:
-            raise EngramError(f"table address {int(addr):#x} was never registered (feed the addresses TableRegistry.register returned)") from None
-
-
-def _reference_ops(registry: TableRegistry) -> list[type]:
-    """OpRun classes binding EngramHash/Gather/Gate to hashing/quant/fusion."""
-    from onnx.reference.op_run import OpRun
-
-    from engram_trt.engram.fusion import engram_gate_reference
-    from engram_trt.engram.hashing import hash_batch_packed
-    from engram_trt.engram.quant import dequant_fp8_rows
-
-    class EngramHash(OpRun):
-        op_domain = PLUGIN_DOMAIN
-
-        def _run(self, ids, seq_starts, lookback, plugin_version=None, n_layers=None, max_ngram_size=None,  # noqa: ANN001
-                 n_heads=None, pad_id=None, compressed_vocab_size=None, primes=None, offsets=None, multipliers=None):
-            L, N, H = int(n_layers), int(max_ngram_size), int(n_heads)
-            primes_a = np.asarray(primes, dtype=np.int64).reshape(L, N - 1, H)
-            lay = EngramLayout(layer_ids=tuple(range(L)), max_ngram_size=N, n_heads=H,
-                               compressed_vocab_size=int(compressed_vocab_size), pad_id=int(pad_id), primes=primes_a,
-                               offsets=np.asarray(offsets, dtype=np.int64).reshape(L, -1),
-                               multipliers=decode_multipliers(multipliers).reshape(L, N),
-                               table_rows=primes_a.reshape(L, -1).sum(axis=1))
-            out = hash_batch_packed(ids, seq_starts, lookback, lay)
-            return (out.astype(np.int32),)
-
-    class EngramGather(OpRun):
-        op_domain = PLUGIN_DOMAIN
-
-        def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, layer_index=None, n_layers=None,  # noqa: ANN001
-                 n_cols=None, head_dim=None, table_dtype=None, quant_block=None, num_rows=None):
-            ids = np.asarray(row_ids)[:, int(layer_index), :].astype(np.int64)  # [T, cols]
-            table = registry.lookup(int(np.asarray(table_ptr).reshape(-1)[0]))
-            if table.shape[0] != int(num_rows):
-                raise EngramError(f"table at the given address has {table.shape[0]} rows, the graph expects {int(num_rows)}")
-            if int(table_dtype) == TABLE_DTYPE_CODES["fp8"]:
-                scale = registry.lookup(int(np.asarray(scale_ptr).reshape(-1)[0]))
-                rows = dequant_fp8_rows(table[ids], scale[ids], int(quant_block))
-            else:
-                rows = table.view(ml_dtypes.bfloat16)[ids].astype(np.float32)
-            return (rows.astype(ml_dtypes.bfloat16),)  # FP8 * 2^k is exact in bf16
-
-    class EngramGate(OpRun):
-        op_domain = PLUGIN_DOMAIN
-
-        def _run(self, hidden, kv, q_weight, k_weight, live, plugin_version=None, hc_mult=None, hidden_size=None, eps=None):  # noqa: ANN001
-            out = engram_gate_reference(np.asarray(hidden, np.float32), np.asarray(kv, np.float32),
-                                        np.asarray(q_weight, np.float32), np.asarray(k_weight, np.float32),
-                                        np.asarray(live) != 0, float(eps))
-            return (out.astype(hidden.dtype),)
-
-    return [EngramHash, EngramGather, EngramGate]
-
-
-class ReferenceRunner:
-    """Runs an exported graph on the CPU with ``onnx.reference.ReferenceEvaluator``,
-    keeping the KV cache and the Engram lookback between calls like a runtime does.
-
-    ``tables``: per Engram layer ``(rows uint8 [R, hd] or bf16-as-uint16, scales uint8
-    [R, hd/block] or None)`` (e.g. :meth:`Checkpoint.raw_rows_view`, no copy).
-    """
-
-    def __init__(self, exported: ExportedModel, config: ModelConfig, tables: Sequence[tuple[np.ndarray, np.ndarray | None]] = (),
-                 compress_lookup: np.ndarray | None = None) -> None:
-        from onnx.reference import ReferenceEvaluator
-
-        self.exported = exported
-        self.config = config
-        self.registry = TableRegistry()
-        self.evaluator = ReferenceEvaluator(exported.model, new_ops=_reference_ops(self.registry))
-        self.np_dtype = DTYPES[exported.dtype][1]
-        self.lookup = None if compress_lookup is None else np.asarray(compress_lookup, dtype=np.int64)
-        self.table_ptrs = np.asarray([self.registry.register(t) for t, _ in tables], dtype=np.int64)
-        self.scale_ptrs = np.asarray([0 if s is None else self.registry.register(s) for _, s in tables], dtype=np.int64)
-        self._tables = list(tables)  # keep the arrays (and their addresses) alive
-        self.reset(1)
-
-    def reset(self, batch: int) -> None:
-        cfg = self.config
-        shape = (batch, cfg.num_key_value_heads, 0, cfg.head_dim)
-        self.past = {f"past_{kind}_{i}": np.zeros(shape, dtype=self.np_dtype)
-                     for i in range(cfg.num_hidden_layers) for kind in ("key", "value")}
-        n = self.exported.io.get("lookback") or 0
-        self.lookback = np.full((batch, n), -1, dtype=np.int32)
-
-    def step(self, input_ids: Any, engram_ids: Any = None, engram_rows: Sequence[np.ndarray] | None = None) -> np.ndarray:
-        """Feed ``input_ids [B, S]`` after the cached tokens; returns logits ``[B, S, V]``."""
-        ids = np.asarray(input_ids, dtype=np.int32)
-        feeds: dict[str, Any] = {"input_ids": ids, **self.past}
-        names = set(self.exported.input_names)
-        cids = None
-        if "engram_ids" in names:
-            if engram_ids is None:
-                if self.lookup is None:
-                    raise EngramError("an Engram graph needs compressed ids: pass engram_ids or give the runner the compressed vocab")
-                engram_ids = self.lookup[ids.astype(np.int64)]
-            cids = np.asarray(engram_ids, dtype=np.int32).reshape(ids.shape)
-            feeds["engram_ids"] = cids
-        if "engram_lookback" in names:
-            feeds["engram_lookback"] = self.lookback
-            feeds["engram_table_ptrs"] = self.table_ptrs
-            feeds["engram_scale_ptrs"] = self.scale_ptrs
-        if engram_rows is not None:
-            for j, r in enumerate(engram_rows):
-                feeds[f"engram_rows_{j}"] = np.asarray(r).astype(ml_dtypes.bfloat16)
-        results = self.evaluator.run(None, feeds)
-        out = dict(zip(self.exported.output_names, results))
-        for i in range(self.config.num_hidden_layers):
-            self.past[f"past_key_{i}"] = out[f"present_key_{i}"]
-            self.past[f"past_value_{i}"] = out[f"present_value_{i}"]
-        if cids is not None and self.lookback.shape[1]:
-            n = self.lookback.shape[1]
-            self.lookback = np.concatenate([self.lookback, cids], axis=1)[:, -n:].astype(np.int32)
-        return out["logits"]

@@ -100,6 +100,13 @@ def _print_generation(res: dict[str, Any]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from engram_trt.distributed.cli import print_parallel, run_parallel, wants_parallel
+
+    if wants_parallel(args):  # hook: --tp / --dp / --prompts-file start the ranks (engram_trt.distributed)
+        res = run_parallel(args)
+        if res:
+            print_json(res) if args.json else print_parallel(res)
+        return 0
     res = generate_text(args.path, args)
     print_json(res) if args.json else _print_generation(res)
     return 0

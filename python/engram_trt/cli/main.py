@@ -22,6 +22,7 @@ from engram_trt.cli.inspect import cmd_inspect
 from engram_trt.cli.mechanism import cmd_hash, cmd_layout
 from engram_trt.cli.output import EXIT_USAGE
 from engram_trt.cli.serve import add_repo_arguments, add_serve_arguments, cmd_serve, cmd_triton_repo
+from engram_trt.cli.shm import add_shm_command
 from engram_trt.errors import EngramError
 
 log = logging.getLogger("engram_trt")
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
             "from --prompt; prints the text, the backend that ran it and why, where the tables live, and timings.")
     p.add_argument("path", metavar="PATH", help="engine folder (from engram-trt build) or checkpoint folder")
     _add_generation_args(p)
+    from engram_trt.distributed.cli import add_parallel_arguments
+
+    add_parallel_arguments(p)  # hook: --tp / --dp / --prompts-file (engram_trt.distributed)
 
     p = add("demo-checkpoint", cmd_demo_checkpoint, "write the built-in engram-llama checkpoint (random weights; a tiny backbone and 2.4 GiB of FP8 tables)")
     p.add_argument("out", metavar="OUT", help="output folder")
@@ -101,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
             "(the one on PATH, else the one the nvidia-pytriton wheel ships), wait until engram_llm is ready, print the "
             "endpoints, and on SIGINT/SIGTERM stop the server cleanly and remove the temp folder.")
     add_serve_arguments(p)
+    add_shm_command(add)
+
+    from engram_trt.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -44,12 +44,16 @@ class LLM:
     ``max_batch_size`` / ``max_seq_len`` / ``max_num_tokens``: KV slots, their length,
     and the token budget of one step (default: the engine's). ``verify_tables``: check
     every table's sha256 before serving (reads every byte).
+    ``engram_lookup`` / ``scheduler_factory``: hooks for :mod:`engram_trt.distributed`
+    (a sharded Engram lookup in place of the table store, and a scheduler stepping in
+    lockstep with the other ranks); leave them None on one device.
     """
 
     def __init__(self, path: str, *, backend: str = "auto", engram_config: Any = None, device: Any = "auto",
                  dtype: Any = None, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, verify_tables: bool = False, progress: bool = True,
-                 table_options: dict[str, Any] | None = None) -> None:
+                 table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
+                 scheduler_factory: Any = None, cuda_graphs: bool = True) -> None:
         from engram_trt.engram.tokenizer import load_tokenizer
         from engram_trt.runtime.engine_folder import open_model_source
         from engram_trt.runtime.runner import ModelRunner
@@ -62,8 +66,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.source.tokenizer_json)
         self.runner = ModelRunner(self.source, backend=backend, device=device, dtype=dtype, engram_config=ecfg,
                                   max_batch=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
-                                  progress=progress, table_options=table_options)
-        self.scheduler = Scheduler(self.runner, self.tokenizer)
+                                  progress=progress, table_options=table_options, cuda_graphs=cuda_graphs, engram_lookup=engram_lookup)
+        self.scheduler = (scheduler_factory or Scheduler)(self.runner, self.tokenizer)  # hook: engram_trt.distributed
         self._closed = False
 
     # -- what it is ------------------------------------------------------------------------

@@ -133,6 +133,15 @@ class EngramLlama(nn.Module):
         self.layout: EngramLayout | None = None
         self.tables: TableStore | None = None
         self._engram_layer_index = config.engram_layer_index
+        # False runs the backbone alone (the Engram layers removed): the denominator of
+        # the benchmarks' "cost of Engram" ratios. Not a serving mode.
+        self.engram_enabled = True
+        # One pinned buffer for each step's metadata on a GPU (runtime.step.StepUploader).
+        self.uploader = None
+        if dev.type == "cuda":
+            from engram_trt.runtime.step import StepUploader
+
+            self.uploader = StepUploader(dev)
         if spec is None:
             self.register_buffer("compress_lookup", None, persistent=False)
             return
@@ -317,9 +326,10 @@ class EngramLlama(nn.Module):
 
     def step_compressed_ids(self, step: PackedStep) -> torch.Tensor:
         """``[T]`` compressed ids of a step on the model's device (the override, else the lookup)."""
+        arrays = step.device_arrays(self.device, self.uploader)
         if step.engram_ids is not None:
-            return step.engram_ids.to(self.device)
-        return self.compress_lookup[step.input_ids.to(self.device)]
+            return arrays["engram_ids"]
+        return self.compress_lookup[arrays["input_ids"]]
 
     def step_lookback(self, step: PackedStep, cache: KVCache | None) -> torch.Tensor:
         """``[S, N-1]`` lookback of a step: its own, else the cache's rows of its slots."""
@@ -358,23 +368,26 @@ class EngramLlama(nn.Module):
 
     @torch.no_grad()
     def forward_step(self, step: PackedStep, cache: KVCache, *, engram_rows: Sequence[torch.Tensor] | None = None,
-                     all_logits: bool = False) -> torch.Tensor:
+                     all_logits: bool = False, capture: bool = False) -> torch.Tensor:
         """Logits (float32) of each sequence's last token ``[S, V]`` (``[T, V]`` with
         ``all_logits``). Writes the step's K/V into the cache slots in place and
         advances each slot's length and Engram lookback. ``engram_rows`` (per Engram
-        layer ``[T, cols, head_dim]``) skips hashing and gathering."""
-        self._check_step(step, cache)
+        layer ``[T, cols, head_dim]``) skips hashing and gathering. ``capture``: the
+        step is being recorded into a CUDA graph (runtime.cuda_graphs): its device
+        arrays are the graph's static buffers, the host bookkeeping is the caller's."""
+        if not capture:
+            self._check_step(step, cache)
         cfg = self.config
         dev = self.device
         T = step.num_tokens
         hc, D = cfg.hc_mult, cfg.hidden_size
         dtype = self.compute_dtype
-        ids = step.input_ids.to(dev, non_blocking=True)
-        x = self.model.embed_tokens(ids).to(dtype)
+        arrays = step.device_arrays(dev, self.uploader)
+        x = self.model.embed_tokens(arrays["input_ids"]).to(dtype)
         hs = x.unsqueeze(1).expand(T, hc, D).contiguous()
         cids = None
         rows: Sequence[torch.Tensor] | None = None
-        if self.layout is not None:
+        if self.layout is not None and self.engram_enabled:
             cids = self.step_compressed_ids(step)
             if engram_rows is None:
                 rows = self.gather_engram_rows(self.engram_hash(cids, step.seq_starts, self.step_lookback(step, cache)))
@@ -387,13 +400,13 @@ class EngramLlama(nn.Module):
                 if len(shapes) != self.layout.num_layers or any(s != want for s in shapes):
                     raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
             live = cids >= 0
-        plan = AttentionPlan.make(step, dev, self.attention_impl)
+        plan = AttentionPlan.make(step, dev, self.attention_impl, self.uploader, graph_safe=capture)
         freqs = plan.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
         for i, layer in enumerate(self.model.layers):
             li = self._engram_layer_index.get(i)
-            if li is not None:
+            if li is not None and rows is not None:
                 block = layer.engram_module
                 assert rows is not None and block is not None
                 hs = block(hs, rows[li].to(dev), live, self.engram_ops)
@@ -403,11 +416,12 @@ class EngramLlama(nn.Module):
             hs = hs + m.unsqueeze(1)
         out = hs.mean(dim=1)
         if not all_logits:
-            out = out.index_select(0, step.last_token_index(dev))
+            out = out.index_select(0, arrays["last"])
         out = self.model.norm(out)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(out, head).float()
-        self._advance(step, cache, cids)
+        if not capture:
+            self._advance(step, cache, cids)
         return logits
 
     def _advance(self, step: PackedStep, cache: KVCache, cids: torch.Tensor | None) -> None:

@@ -66,24 +66,30 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None  # pack index of each decode token
     decode_mask: torch.Tensor | None  # [G, 1, 1, Lmax] bool: key allowed
     decode_max_len: int
+    decode_slot_range: tuple[int, int] | None = None  # contiguous decode slots: read the cache in place
 
     @classmethod
-    def make(cls, step: PackedStep, device: torch.device, impl: str) -> "AttentionPlan":
+    def make(cls, step: PackedStep, device: torch.device, impl: str, uploader: Any = None,
+             graph_safe: bool = False) -> "AttentionPlan":
+        """``graph_safe``: every data-dependent choice is read from device tensors (no
+        in-place slot-range shortcut), so a captured CUDA graph replays it for any slots."""
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention impl {impl!r} not in {ATTENTION_IMPLS}")
+        arrays = step.device_arrays(device, uploader)
         decode = [s for s, n in enumerate(step.seq_lens) if n == 1] if impl == "sdpa" else []
         prefill = [s for s in range(step.num_seqs) if s not in set(decode)]
         d_slots = d_rows = d_mask = None
         lmax = 0
+        slot_range = None
         if decode:
-            lens = [step.total_lens[s] for s in decode]
-            lmax = max(lens)
-            d_slots = torch.tensor([step.slots[s] for s in decode], dtype=torch.int64).to(device, non_blocking=True)
-            d_rows = torch.tensor([step.seq_starts[s] for s in decode], dtype=torch.int64).to(device, non_blocking=True)
-            mask = torch.arange(lmax)[None, :] < torch.tensor(lens)[:, None]
-            d_mask = mask[:, None, None, :].to(device, non_blocking=True)
-        return cls(step, step.token_slots(device), step.positions(device), impl, decode, prefill, d_slots, d_rows,
-                   d_mask, lmax)
+            lmax = max(step.total_lens[s] for s in decode)
+            d_slots, d_rows = arrays["decode_slots"], arrays["decode_rows"]
+            d_mask = (torch.arange(lmax, device=device)[None, :] < arrays["decode_lens"][:, None])[:, None, None, :]
+            ds = [step.slots[s] for s in decode]
+            if not graph_safe and ds == list(range(ds[0], ds[0] + len(ds))):
+                slot_range = (ds[0], ds[0] + len(ds))
+        return cls(step, arrays["token_slots"], arrays["positions"], impl, decode, prefill, d_slots, d_rows,
+                   d_mask, lmax, slot_range)
 
 
 class Attention(nn.Module):
@@ -147,8 +153,12 @@ class Attention(nn.Module):
         """All one-token sequences at once: ``q [G, H, hd]``; each reads its slot's keys
         up to its length (a key-padding mask over the longest)."""
         L = plan.decode_max_len
-        k = keys[plan.decode_slots, :, :L].to(q.dtype)  # [G, kvh, L, hd]
-        v = values[plan.decode_slots, :, :L].to(q.dtype)
+        if plan.decode_slot_range is not None:  # the usual case: slots handed out lowest first
+            a, b = plan.decode_slot_range
+            k, v = keys[a:b, :, :L], values[a:b, :, :L]  # views: the cache is read in place
+        else:
+            k, v = keys[plan.decode_slots, :, :L], values[plan.decode_slots, :, :L]  # [G, kvh, L, hd] copies
+        k, v = k.to(q.dtype), v.to(q.dtype)
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_mask,
                                            enable_gqa=self.n_heads != self.n_kv)
         return o[:, :, 0, :]

@@ -38,7 +38,8 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def select_backend(requested: str, source: Any, tables: Any, device: torch.device, dtype: torch.dtype) -> tuple[Backend, str]:
+def select_backend(requested: str, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
+                   cuda_graphs: bool = True) -> tuple[Backend, str]:
     """The backend to run and a one-line reason. ``requested`` 'tensorrt' fails with
     the reason TensorRT cannot run here; 'auto' falls back to torch with it."""
     if requested not in BACKENDS:
@@ -59,4 +60,4 @@ def select_backend(requested: str, source: Any, tables: Any, device: torch.devic
         reason = "torch backend requested"
     from engram_trt.runtime.torch_backend import TorchBackend
 
-    return TorchBackend(source, tables, device, dtype), reason
+    return TorchBackend(source, tables, device, dtype, cuda_graphs=cuda_graphs), reason

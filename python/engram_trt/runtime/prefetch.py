@@ -50,8 +50,10 @@ class StagedRows:
     stream): the wait sits where the first Engram layer needs the rows."""
 
     def __init__(self, views: Sequence[torch.Tensor], future: Future | None = None,
-                 event: Any = None, info: dict[str, Any] | None = None) -> None:
+                 event: Any = None, info: dict[str, Any] | None = None,
+                 staging: Sequence[torch.Tensor] | None = None) -> None:
         self._views = list(views)
+        self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
         self._future = future
         self._event = event
         self._ready = future is None and event is None
@@ -63,7 +65,10 @@ class StagedRows:
         if self._future is not None:
             self._future.result()  # re-raises a failure of the lookup
         if self._event is not None:
-            torch.cuda.current_stream(self._views[0].device).wait_event(self._event)
+            stream = torch.cuda.current_stream(self._views[0].device)
+            if "wait_event" in self.info:  # timing: where the main stream stood when it needed the rows
+                self.info["wait_event"].record(stream)
+            stream.wait_event(self._event)
         self._ready = True
 
     def __len__(self) -> int:
@@ -100,11 +105,15 @@ class Prefetcher:
         self.head_dim = tables.head_dim(0)
         self.gather_policy = gather_policy
         self.cuda = self.device.type == "cuda"
+        # True: each step's StagedRows.info carries CUDA events (lookup start and end on
+        # the side stream, the main stream's wait point) for timelines; off when serving.
+        self.timing = False
         self.staging = [torch.empty((self.max_tokens, self.cols, tables.head_dim(i)), dtype=torch.bfloat16,
                                     device=self.device) for i in range(layout.num_layers)]
         self._ops = None
         self._stream = None
         self._pool: ThreadPoolExecutor | None = None
+        self._last_event: Any = None
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
         if self.cuda:
@@ -115,6 +124,28 @@ class Prefetcher:
             self._ids_dev = torch.empty(self.max_tokens, dtype=torch.int32, device=self.device)
             self._ids_host = torch.empty(self.max_tokens, dtype=torch.int32, pin_memory=True)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-prefetch")
+            self._gatherer = None
+            if not tables.on_device:
+                from engram_trt.hostgather import HostGatherer
+
+                width = max(tables.head_dim(i) for i in range(tables.num_layers))
+                self._gatherer = HostGatherer(device=self.device, max_head_dim=max(512, width))
+
+    def calibrate(self) -> Any:
+        """Time the host gather and the UVA kernel on this store at a decode step's and a
+        prefill chunk's row counts, and take the faster per size from then on (logged).
+        Host tables only: GPU-memory tables always use the HBM gather."""
+        if not self.cuda or self.tables.on_device or self._gatherer is None:
+            return None
+        from engram_trt.gatherpath import calibrate_gather
+
+        rows, scales = self.tables.tensors(0)
+        choice = calibrate_gather(rows, scales, gatherer=self._gatherer, quant_block=self.tables.quant_block,
+                                  num_cols=self.cols) if self.tables.gpu_readable else None
+        if choice is not None:
+            self.gather_policy = choice.path_for
+            log.info("gather path by size (start-up calibration): %s", choice.describe())
+        return choice
 
     @property
     def row_bytes(self) -> int:
@@ -146,11 +177,17 @@ class Prefetcher:
             for li, v in enumerate(views):
                 v.copy_(self.tables.rows(li, ids[:, li, :]))
             self._account(info, time.perf_counter() - t0)
-            return StagedRows(views, info=info)
+            return StagedRows(views, info=info, staging=self.staging)
         assert self._pool is not None
-        event = torch.cuda.Event()
+        if path == "host" and self._gatherer is not None:
+            self._gatherer.wake()  # the pool's threads spin again before the ids arrive
+        event = torch.cuda.Event(enable_timing=self.timing)
+        if self.timing:
+            info["wait_event"] = torch.cuda.Event(enable_timing=True)
+            info["start_event"] = torch.cuda.Event(enable_timing=True)
+            info["done_event"] = event
         fut = self._pool.submit(self._stage, step, cids, lookback, views, path, event, info)
-        return StagedRows(views, fut, event, info)
+        return StagedRows(views, fut, event, info, staging=self.staging)
 
     def _stage(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor], path: str,
                event: Any, info: dict[str, Any]) -> None:
@@ -159,15 +196,18 @@ class Prefetcher:
         T = step.num_tokens
         assert self._ops is not None and self._stream is not None
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            if "start_event" in info:
+                info["start_event"].record(self._stream)
             if path == "host":
                 ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout).astype(np.int32))
                 for li, v in enumerate(views):
                     rows, scales = self.tables.tensors(li)
-                    self._ops.kernels.host_gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,
-                                                  out=v, device=self.device)
+                    self._gatherer.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v)
                 info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
             else:
                 # Kernels all the way: upload the compressed ids, hash and gather on the GPU.
+                if self._last_event is not None:
+                    self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
                 self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
                 self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
                 lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
@@ -178,6 +218,7 @@ class Prefetcher:
                     self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v)
                 info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
             event.record(self._stream)
+            self._last_event = event
         self._account(info, time.perf_counter() - t0)
 
     def _account(self, info: dict[str, Any], seconds: float) -> None:
@@ -195,3 +236,6 @@ class Prefetcher:
             self._pool = None
         if self._stream is not None:
             self._stream.synchronize()
+        if getattr(self, "_gatherer", None) is not None:
+            self._gatherer.close()
+            self._gatherer = None

@@ -67,7 +67,8 @@ class ModelRunner:
     def __init__(self, source: ModelSource, *, backend: str = "auto", device: Any = "auto", dtype: Any = None,
                  engram_config: EngramConfig | None = None, max_batch: int | None = None,
                  max_seq_len: int | None = None, max_num_tokens: int | None = None, progress: bool = True,
-                 table_options: dict[str, Any] | None = None) -> None:
+                 table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
+                 cuda_graphs: bool = True) -> None:
         from engram_trt.tables.store import open_tables, table_kind_for
 
         self.source = source
@@ -91,17 +92,33 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.tables = None
         self.table_kind = "none"
-        if source.table_refs:
+        # Hook (engram_trt.distributed): a factory of the step's Engram lookup used in
+        # place of the table store and the Prefetcher (same submit contract), e.g. one
+        # that holds only this rank's column slice and all-gathers the rows.
+        self.engram_lookup = None
+        if source.table_refs and engram_lookup is not None:
+            self.engram_lookup = engram_lookup(source=source, device=self.device, max_num_tokens=self.max_num_tokens,
+                                               engram_config=self.engram_config, progress=progress,
+                                               table_options=table_options)
+            self.table_kind = self.engram_lookup.table_kind
+        elif source.table_refs:
             self.table_kind = table_kind_for(self.engram_config, self.device)
             self.tables = open_tables(source.table_refs, self.table_kind, quant_block=cfg.engram.quant_block,
                                       device=self.device, progress=progress, **(table_options or {}))
             self.table_kind = self.tables.kind  # a shared store may fall back to private memory
-        self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype)
+        self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype,
+                                                            cuda_graphs=cuda_graphs)
         log.info("backend: %s (%s)", self.backend.label, self.backend_reason)
         self.cache = self.backend.allocate_cache(self.max_batch, self.max_seq_len)
         self.prefetcher = None
-        if self.tables is not None and self.backend.wants_staged_rows:
+        if self.engram_lookup is not None:
+            if not self.backend.wants_staged_rows:
+                raise EngramError(f"the {self.backend.name} backend gathers Engram rows inside the engine, so a sharded lookup "
+                                  f"cannot feed it; build the engine with --engram-config.table_placement prefetch or use --backend torch")
+            self.prefetcher = self.engram_lookup  # hook (engram_trt.distributed)
+        elif self.tables is not None and self.backend.wants_staged_rows:
             self.prefetcher = Prefetcher(source.layout, self.tables, self.device, self.max_num_tokens)
+            self.gather_calibration = self.prefetcher.calibrate()
         self.load_s = time.perf_counter() - t0
 
     # -- per step ---------------------------------------------------------------------
@@ -128,6 +145,8 @@ class ModelRunner:
         return self.backend.label
 
     def storage(self) -> dict[str, Any]:
+        if self.engram_lookup is not None:  # hook (engram_trt.distributed)
+            return self.engram_lookup.describe()
         if self.tables is None:
             return {"kind": "none"}
         d = self.tables.describe()

@@ -94,6 +94,43 @@ class PackedStep:
     def is_decode_only(self) -> bool:
         return max(self.seq_lens) == 1
 
+    # -- everything a backend reads on the device, in one copy ---------------------------
+    def device_arrays(self, device: Any, uploader: "StepUploader | None" = None) -> dict[str, torch.Tensor]:
+        """The step's metadata on ``device``: ``input_ids``, ``engram_ids`` (if given),
+        ``positions``, ``token_slots``, ``last`` (pack index of each sequence's last
+        token), of the one-token sequences ``decode_rows`` / ``decode_slots`` /
+        ``decode_lens``, and ``seq_starts``, ``past_lens``, ``slots``, ``lookback``. Built on the host in one int64 array and, with an ``uploader``,
+        sent in ONE asynchronous copy from pinned memory: a copy from pageable memory
+        would make the host wait for the stream (a synchronization inside the step)."""
+        dev = torch.device(device)
+        key = f"arrays@{dev}"
+        got = self._derived.get(key)
+        if got is not None:
+            return got
+        host: dict[str, torch.Tensor] = {"input_ids": self.input_ids}
+        if self.engram_ids is not None:
+            host["engram_ids"] = self.engram_ids
+        host["positions"] = self.positions()
+        host["token_slots"] = self.token_slots()
+        host["last"] = self.last_token_index()
+        decode = [s for s, n in enumerate(self.seq_lens) if n == 1]
+        host["decode_rows"] = torch.tensor([self.seq_starts[s] for s in decode], dtype=torch.int64)
+        host["decode_slots"] = torch.tensor([self.slots[s] for s in decode], dtype=torch.int64)
+        host["decode_lens"] = torch.tensor([self.total_lens[s] for s in decode], dtype=torch.int64)
+        host["seq_starts"] = torch.tensor(self.seq_starts, dtype=torch.int64)
+        host["past_lens"] = torch.tensor(self.past_lens, dtype=torch.int64)
+        host["slots"] = torch.tensor(self.slots, dtype=torch.int64)
+        if self.lookback is not None:
+            host["lookback"] = torch.as_tensor(self.lookback, dtype=torch.int64)
+        if dev.type == "cpu":
+            got = host
+        elif uploader is not None:
+            got = uploader.upload(host)
+        else:
+            got = {k: v.to(dev) for k, v in host.items()}
+        self._derived[key] = got
+        return got
+
     # -- per-token tensors (built once, on the device asked for) ------------------------
     def token_seq(self, device: Any = "cpu") -> torch.Tensor:
         """``[T]`` int64: the sequence index of each token."""
@@ -138,3 +175,38 @@ class PackedStep:
         ids = torch.tensor([int(t) for c in chunks for t in c], dtype=torch.int64)
         return cls(ids, [len(c) for c in chunks], list(past_lens) if past_lens is not None else [0] * S,
                    list(slots) if slots is not None else list(range(S)), **kw)
+
+
+class StepUploader:
+    """One pinned host buffer and one device buffer, reused every step, so a step's
+    metadata goes to the GPU in a single asynchronous copy (see
+    :meth:`PackedStep.device_arrays`). Fixed addresses: a captured graph may bind them.
+    The pinned buffer is refilled only after the previous copy out of it has run."""
+
+    def __init__(self, device: Any, capacity: int = 1 << 16) -> None:
+        self.device = torch.device(device)
+        self.capacity = int(capacity)
+        self._host = torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
+        self._dev = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+        self._event: Any = None
+
+    def upload(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        n = sum(int(a.numel()) for a in arrays.values())
+        if n > self.capacity:  # grow (rare: a larger step than any before)
+            self.__init__(self.device, max(n, 2 * self.capacity))  # type: ignore[misc]
+        if self._event is not None:
+            self._event.synchronize()
+        out: dict[str, torch.Tensor] = {}
+        spans = []
+        pos = 0
+        for k, a in arrays.items():
+            m = int(a.numel())
+            self._host[pos:pos + m].copy_(a.reshape(-1))
+            spans.append((k, pos, m))
+            pos += m
+        self._dev[:pos].copy_(self._host[:pos], non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(self.device))
+        for k, a, m in spans:
+            out[k] = self._dev[a:a + m].view(arrays[k].shape)
+        return out

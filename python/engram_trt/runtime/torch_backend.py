@@ -22,7 +22,8 @@ class TorchBackend:
     name = "torch"
     wants_staged_rows = True
 
-    def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
+                 cuda_graphs: bool = True) -> None:
         from engram_trt.checkpoint.checkpoint import Checkpoint
         from engram_trt.reference.model import EngramLlama, model_weight_shapes
 
@@ -41,18 +42,31 @@ class TorchBackend:
         if tables is not None:
             self.model.set_tables(tables)
         ckpt.close()
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.graphs: Any = None
         log.info("torch backend: weights of %s on %s (%s) in %.1f s", source.checkpoint, device, dtype,
                  time.perf_counter() - t0)
 
-    @property
-    def label(self) -> str:
-        return self.model.backend_name
-
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return self.model.new_cache(num_slots, max_len)
+        if not self.use_graphs:
+            return self.model.new_cache(num_slots, max_len)
+        from engram_trt.runtime.cuda_graphs import DecodeGraphs
+
+        cache = self.model.new_cache(num_slots + 1, max_len)  # + a scratch slot for graph padding
+        self.graphs = DecodeGraphs(self.model, cache, num_slots, scratch_slot=num_slots)
+        return cache
 
     def execute(self, step: Any, cache: KVCache, rows: Any) -> torch.Tensor:
+        if self.graphs is not None:
+            logits = self.graphs.run(step, rows)
+            if logits is not None:
+                return logits
         return self.model.forward_step(step, cache, engram_rows=rows)
+
+    @property
+    def label(self) -> str:
+        graphs = " (decode in CUDA graphs)" if self.graphs is not None and self.graphs.failed is None else ""
+        return self.model.backend_name + graphs
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]

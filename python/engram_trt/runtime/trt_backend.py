@@ -109,6 +109,9 @@ class TensorRTBackend:
             scales = [0 if tables.tensors(i)[1] is None else tables.tensors(i)[1].data_ptr() for i in range(tables.num_layers)]
             self._table_ptrs = torch.tensor(rows, dtype=torch.int64, device=device)
             self._scale_ptrs = torch.tensor(scales, dtype=torch.int64, device=device)
+        from engram_trt.runtime.step import StepUploader
+
+        self._uploader = StepUploader(device)
         vocab = source.config.vocab_size
         self._logits = torch.empty((source.max_batch, vocab), dtype=torch.float32, device=device)
         log.info("tensorrt backend: %s %s, engine %s", self.trt.flavour, self.trt.version, source.engine_file)
@@ -132,16 +135,12 @@ class TensorRTBackend:
         dev = self.device
         i32 = torch.int32
         T, S = step.num_tokens, step.num_seqs
-        feeds: dict[str, torch.Tensor] = {
-            "input_ids": step.input_ids.to(dev, i32, non_blocking=True),
-            "seq_starts": torch.tensor(step.seq_starts, dtype=i32).to(dev, non_blocking=True),
-            "past_lens": torch.tensor(step.past_lens, dtype=i32).to(dev, non_blocking=True),
-            "slots": torch.tensor(step.slots, dtype=i32).to(dev, non_blocking=True),
-        }
-        if step.engram_ids is not None:
-            feeds["engram_ids"] = step.engram_ids.to(dev, i32, non_blocking=True)
-        if step.lookback is not None:
-            feeds["engram_lookback"] = torch.as_tensor(step.lookback).to(dev, i32, non_blocking=True).contiguous()
+        arrays = step.device_arrays(dev, self._uploader)  # one copy of all step metadata
+        feeds: dict[str, torch.Tensor] = {k: arrays[k].to(i32) for k in ("input_ids", "seq_starts", "past_lens", "slots")}
+        if "engram_ids" in arrays:
+            feeds["engram_ids"] = arrays["engram_ids"].to(i32)
+        if "lookback" in arrays:
+            feeds["engram_lookback"] = arrays["lookback"].to(i32).contiguous()
         if self._table_ptrs is not None:
             feeds["engram_table_ptrs"], feeds["engram_scale_ptrs"] = self._table_ptrs, self._scale_ptrs
         if self.wants_staged_rows:

@@ -16,7 +16,25 @@ tensors plus what kind of memory holds them:
 
 :func:`open_tables` is the one factory; :mod:`.source` says where each table's bytes
 are on disk (from a checkpoint or an engine folder's manifest) and checks them.
+:mod:`.hostmem` holds what the pinned and shared stores share (huge-page allocation,
+chunked CUDA registration); :mod:`.segment` the shared segment's format and the
+``engram-trt shm`` inspection, importable without torch.
+
+The names below are imported on first use, so ``engram-trt shm`` (which needs only
+:mod:`.segment`) does not pay for importing torch.
 """
 
+from typing import Any
+
 from engram_trt.tables.source import TableRef, check_table_files, layer_refs  # noqa: F401
-from engram_trt.tables.store import TABLE_KINDS, TableStore, open_tables, table_kind_for  # noqa: F401
+
+_FROM_STORE = ("TABLE_KINDS", "TableStore", "open_tables", "table_kind_for")
+__all__ = ["TableRef", "check_table_files", "layer_refs", *_FROM_STORE]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_STORE:
+        from engram_trt.tables import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'engram_trt.tables' has no attribute {name!r}")

@@ -1,10 +1,15 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Plugin test harness: drives the Engram plugins the way TensorRT does, without
  * TensorRT (the H200 has none; TensorRT-RTX engines do not run on sm_90).
  *
  * libengram_plugin_harness.so exposes a small C API that scripts/h200_verify.py calls
  * through ctypes, so the Python references check the plugins' outputs:
- *   harness_create      getCreators() -> creator by name -> createPlugin(fields, phase)
+ *   harness_create      getCreators() -> creator by name (version "1", namespace
+ *                       "engram_trt") -> createPlugin(fields, phase); phase kBUILD is
+ *                       what a network being built gets: its clones keep it, so
+ *                       harness_run's enqueue is then a build's timing enqueue
  *   harness_roundtrip   getFieldsToSerialize() -> createPlugin(..., kRUNTIME)
  *   harness_output_shapes / harness_output_types
  *                       getOutputShapes through an IExprBuilder implemented here (the
@@ -13,6 +18,9 @@
  *   harness_run         supportsFormatCombination at every position, configurePlugin
  *                       (dynamic dims), getWorkspaceSize, attachToContext, onShapeChange
  *                       and enqueue on the given stream
+ *   harness_aliased_input
+ *                       getAliasedInput of a build capability of version 2
+ *                       (IPluginV3OneBuildV2), -1 for a version-1 one
  * In TensorRT 10 headers IExprBuilder / IDimensionExpr forward to apiv::VExprBuilder /
  * apiv::VDimensionExpr implementations; the harness supplies those.
  */
@@ -173,7 +181,9 @@ public:
         case nvinfer1::DimensionOperation::kSUB: v = a - b; break;
         case nvinfer1::DimensionOperation::kEQUAL: v = a == b; break;
         case nvinfer1::DimensionOperation::kLESS: v = a < b; break;
-        case nvinfer1::DimensionOperation::kFLOOR_DIV: v = b == 0 ? 0 : (a / b - ((a % b != 0) && ((a < 0) != (b < 0)))); break;
+        case nvinfer1::DimensionOperation::kFLOOR_DIV:
+            v = b == 0 ? 0 : (a / b - ((a % b != 0) && ((a < 0) != (b < 0))));
+            break;
         case nvinfer1::DimensionOperation::kCEIL_DIV: v = b == 0 ? 0 : (a + b - 1) / b; break;
         }
         return make(v, first.isConstant() && second.isConstant());
@@ -214,6 +224,8 @@ private:
 
 // --- plugins ---------------------------------------------------------------------------
 
+constexpr char const* kNamespace = "engram_trt";
+
 nvinfer1::IPluginCreatorV3One* findCreator(char const* name)
 {
     int32_t count = 0;
@@ -223,7 +235,7 @@ nvinfer1::IPluginCreatorV3One* findCreator(char const* name)
         auto* creator = static_cast<nvinfer1::IPluginCreatorV3One*>(creators[i]);
         if (std::strcmp(creators[i]->getInterfaceInfo().kind, "PLUGIN CREATOR_V3ONE") == 0
             && std::strcmp(creator->getPluginName(), name) == 0 && std::strcmp(creator->getPluginVersion(), "1") == 0
-            && std::strcmp(creator->getPluginNamespace(), "") == 0)
+            && std::strcmp(creator->getPluginNamespace(), kNamespace) == 0)
         {
             return creator;
         }
@@ -258,7 +270,7 @@ Plugin* create(char const* name, nvinfer1::PluginFieldCollection const& fields, 
     nvinfer1::IPluginCreatorV3One* creator = findCreator(name);
     if (creator == nullptr)
     {
-        failWith(std::string("no creator ") + name + " version 1 in getCreators()");
+        failWith(std::string("no creator ") + name + " version 1, namespace " + kNamespace + " in getCreators()");
         return nullptr;
     }
     nvinfer1::IPluginV3* plugin = creator->createPlugin(name, &fields, phase);
@@ -271,10 +283,11 @@ Plugin* create(char const* name, nvinfer1::PluginFieldCollection const& fields, 
     wrapped->name = name;
     wrapped->plugin = plugin;
     auto* core = wrapped->core();
-    if (core == nullptr || std::strcmp(core->getPluginName(), name) != 0 || std::strcmp(core->getPluginVersion(), "1") != 0)
+    if (core == nullptr || std::strcmp(core->getPluginName(), name) != 0
+        || std::strcmp(core->getPluginVersion(), "1") != 0 || std::strcmp(core->getPluginNamespace(), kNamespace) != 0)
     {
         delete wrapped;
-        failWith(std::string("plugin ") + name + " reports another name or version");
+        failWith(std::string("plugin ") + name + " reports another name, version or namespace");
         return nullptr;
     }
     return wrapped;
@@ -313,8 +326,7 @@ HARNESS_API void* harness_create(char const* pluginName, int32_t nbFields, char 
         fields.emplace_back(names[i], data[i], static_cast<nvinfer1::PluginFieldType>(types[i]), lengths[i]);
     }
     nvinfer1::PluginFieldCollection fc{nbFields, fields.data()};
-    return create(pluginName, fc,
-        phase == 0 ? nvinfer1::TensorRTPhase::kBUILD : nvinfer1::TensorRTPhase::kRUNTIME);
+    return create(pluginName, fc, phase == 0 ? nvinfer1::TensorRTPhase::kBUILD : nvinfer1::TensorRTPhase::kRUNTIME);
 }
 
 HARNESS_API void* harness_roundtrip(void* handle)
@@ -499,8 +511,8 @@ HARNESS_API int harness_run(void* handle, int32_t nbInputs, int32_t const* inTyp
     {
         return failWith("cudaMalloc of the workspace failed");
     }
-    int const status = runtime->enqueue(concrete.data(), concrete.data() + nbInputs, inPtrs, outPtrs, workspacePtr,
-        static_cast<cudaStream_t>(stream));
+    int const status = runtime->enqueue(
+        concrete.data(), concrete.data() + nbInputs, inPtrs, outPtrs, workspacePtr, static_cast<cudaStream_t>(stream));
     if (workspacePtr != nullptr)
     {
         cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
@@ -510,5 +522,24 @@ HARNESS_API int harness_run(void* handle, int32_t nbInputs, int32_t const* inTyp
     {
         return failWithLog("enqueue failed");
     }
+    return 0;
+}
+
+/*
+ * The input an output aliases (IPluginV3OneBuildV2::getAliasedInput), as TensorRT asks it
+ * with PreviewFeature::kALIASED_PLUGIN_IO_10_03: -1 for none, and for a plugin whose build
+ * capability is version 1 (which has no such method). *buildMajor receives that version.
+ */
+HARNESS_API int harness_aliased_input(void* handle, int32_t outputIndex, int32_t* aliased, int32_t* buildMajor)
+{
+    auto* p = static_cast<Plugin*>(handle);
+    nvinfer1::IPluginV3OneBuild* build = p->build();
+    nvinfer1::InterfaceInfo const info = build->getInterfaceInfo();
+    *buildMajor = info.major;
+    if (std::strcmp(info.kind, "PLUGIN_V3ONE_BUILD") != 0)
+    {
+        return failWith(std::string("the build capability reports kind ") + info.kind);
+    }
+    *aliased = info.major >= 2 ? static_cast<nvinfer1::IPluginV3OneBuildV2*>(build)->getAliasedInput(outputIndex) : -1;
     return 0;
 }

@@ -1,0 +1,170 @@
+"""ctypes bindings to the serving step's attention in the kernel library
+(``plugins/kernels/attentionKernel.cu``, the EngramAttention plugin's math).
+
+A step's packed tokens write their K/V into the slot caches ``[slots, kv_heads,
+max_seq_len, head_dim]`` in place, then each token attends (causal, grouped-query) to its
+slot's keys ``0 .. its position``. The functions take torch tensors and check dtypes,
+then shapes, then devices before anything reaches the library (an EngramError names the
+bad argument); work is enqueued on the current CUDA stream. The entry points are
+declared here, on first use, so this module and :mod:`engram_trt.kernels` (the Engram
+hash, gather and gate) each own their part of the C ABI.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from engram_trt.errors import EngramError
+from engram_trt.kernels import _check, _check_dtype, _float_code, _ptr, _same_device, _stream, _torch, load_library
+
+_lock = threading.Lock()
+
+_SIGS = {
+    "engram_attention_check_shape": [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_float],
+    "engram_attention_workspace_size": [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                        ctypes.c_int64, ctypes.POINTER(ctypes.c_size_t)],
+    "engram_kv_cache_write": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
+    "engram_attention_packed": [ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_size_t,
+                                ctypes.c_void_p, ctypes.c_void_p],
+    "engram_attention_step": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                              ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p],
+}
+_declared = False
+
+
+def _library() -> ctypes.CDLL:
+    global _declared
+    lib = load_library()
+    with _lock:
+        if not _declared:
+            for name, argtypes in _SIGS.items():
+                fn = getattr(lib, name)
+                fn.restype = ctypes.c_int
+                fn.argtypes = argtypes
+            _declared = True
+    return lib
+
+
+def _call(fn_name: str, *args: Any) -> None:
+    lib = _library()
+    status = getattr(lib, fn_name)(*args)
+    if status != 0:
+        reason = lib.engram_last_error().decode() or f"CUDA error {status}"
+        raise EngramError(f"{fn_name} failed: {reason}")
+
+
+def check_attention_shape(num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    """The attention kernel's shape limits (GQA ratio, head_dim, scale); needs no GPU."""
+    _call("engram_attention_check_shape", int(num_heads), int(num_kv_heads), int(head_dim),
+                    ctypes.c_float(scale))
+
+
+def attention_workspace_size(max_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                             max_seq_len: int) -> int:
+    """Bytes of workspace the attention may use for steps of up to ``max_tokens`` tokens
+    (the key splits of small decode steps); needs no GPU."""
+    out = ctypes.c_size_t(0)
+    _call("engram_attention_workspace_size", int(max_tokens), int(num_heads), int(num_kv_heads),
+                    int(head_dim), int(max_seq_len), ctypes.byref(out))
+    return int(out.value)
+
+
+def _attention_args(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, token_slot: Any,
+                    token_pos: Any) -> tuple[int, int, int, int, int, int]:
+    """(T, num_heads, num_kv_heads, head_dim, num_slots, max_seq_len) after the checks:
+    dtypes, then shapes, then devices (so a shape error is named on any device)."""
+    torch = _torch()
+    io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    _check_dtype("key_cache", key_cache, io_dtypes)
+    dtype = key_cache.dtype
+    floats = [(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("value_cache", value_cache)) if t is not None]
+    for name, t in floats:
+        _check_dtype(name, t, (dtype,))
+    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
+        _check_dtype(name, t, (torch.int32,))
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise EngramError(f"key_cache and value_cache must be one shape [slots, kv_heads, max_seq_len, head_dim] "
+                          f"(got {tuple(key_cache.shape)} and {tuple(value_cache.shape)})")
+    num_slots, kvh, max_seq_len, hd = key_cache.shape
+    T = (q if q is not None else k).shape[0]
+    H = kvh if q is None else q.shape[1]
+    if q is not None and (q.dim() != 3 or q.shape[2] != hd):
+        raise EngramError(f"q must be [T, num_heads, head_dim={hd}] (got {tuple(q.shape)})")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and tuple(t.shape) != (T, kvh, hd):
+            raise EngramError(f"{name} must be [T, num_kv_heads, head_dim] = {(T, kvh, hd)} (got {tuple(t.shape)})")
+    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
+        if tuple(t.shape) != (T,):
+            raise EngramError(f"{name} must be [T] = ({T},) (got {tuple(t.shape)})")
+    for name, t in floats + [("key_cache", key_cache), ("token_slot", token_slot), ("token_pos", token_pos)]:
+        _check(name, t, (t.dtype,))
+    _same_device(key_cache.device, q=q, k=k, v=v, value_cache=value_cache, token_slot=token_slot,
+                 token_pos=token_pos)
+    return T, H, kvh, hd, num_slots, max_seq_len
+
+
+def _attention_out(out: Any, q: Any) -> Any:
+    torch = _torch()
+    if out is None:
+        return torch.empty_like(q)
+    _check("out", out, (q.dtype,), 3)
+    if out.shape != q.shape or out.device != q.device:
+        raise EngramError(f"out must be [T, num_heads, head_dim] = {tuple(q.shape)} on {q.device} "
+                          f"(got {tuple(out.shape)} on {out.device})")
+    return out
+
+
+def _workspace(T: int, H: int, kvh: int, hd: int, max_seq_len: int, device: Any) -> Any:
+    nbytes = attention_workspace_size(T, H, kvh, hd, max_seq_len)
+    return None if nbytes == 0 else _torch().empty(nbytes, dtype=_torch().uint8, device=device)
+
+
+def kv_cache_write(k: Any, v: Any, key_cache: Any, value_cache: Any, token_slot: Any, token_pos: Any) -> None:
+    """Token t's ``k / v [T, kv_heads, head_dim]`` rows into ``key_cache / value_cache
+    [slots, kv_heads, max_seq_len, head_dim]`` at ``(token_slot[t], :, token_pos[t])``,
+    in place; a slot or position outside the cache writes nothing."""
+    T, _, kvh, hd, num_slots, max_seq_len = _attention_args(None, k, v, key_cache, value_cache, token_slot, token_pos)
+    with _torch().cuda.device(key_cache.device):
+        _call("engram_kv_cache_write", _ptr(k), _ptr(v), _float_code(key_cache.dtype), _ptr(token_slot),
+                        _ptr(token_pos), T, kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len,
+                        _stream(key_cache.device))
+
+
+def attention_packed(q: Any, key_cache: Any, value_cache: Any, token_slot: Any, token_pos: Any, *,
+                     scale: float | None = None, out: Any = None) -> Any:
+    """Causal GQA attention of packed queries ``q [T, heads, head_dim]`` over their slots'
+    keys ``0 .. token_pos[t]`` (inclusive); ``[T, heads, head_dim]`` in q's dtype, zero
+    rows for tokens outside the cache. ``scale`` defaults to ``1/sqrt(head_dim)``."""
+    T, H, kvh, hd, num_slots, max_seq_len = _attention_args(q, None, None, key_cache, value_cache, token_slot,
+                                                            token_pos)
+    out = _attention_out(out, q)
+    ws = _workspace(T, H, kvh, hd, max_seq_len, q.device)
+    with _torch().cuda.device(q.device):
+        _call("engram_attention_packed", _ptr(q), _float_code(q.dtype), _ptr(key_cache), _ptr(value_cache),
+                        _ptr(token_slot), _ptr(token_pos), T, H, kvh, hd, num_slots, max_seq_len,
+                        ctypes.c_float(hd ** -0.5 if scale is None else scale), _ptr(ws),
+                        0 if ws is None else ws.numel(), _ptr(out), _stream(q.device))
+    return out
+
+
+def attention_step(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, token_slot: Any, token_pos: Any, *,
+                   scale: float | None = None, out: Any = None) -> Any:
+    """One serving step: :func:`kv_cache_write` then :func:`attention_packed`, so the
+    tokens of a prefill chunk see each other's keys (the EngramAttention plugin's math)."""
+    T, H, kvh, hd, num_slots, max_seq_len = _attention_args(q, k, v, key_cache, value_cache, token_slot, token_pos)
+    out = _attention_out(out, q)
+    ws = _workspace(T, H, kvh, hd, max_seq_len, q.device)
+    with _torch().cuda.device(q.device):
+        _call("engram_attention_step", _ptr(q), _ptr(k), _ptr(v), _float_code(q.dtype), _ptr(token_slot),
+                        _ptr(token_pos), T, H, kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len,
+                        ctypes.c_float(hd ** -0.5 if scale is None else scale), _ptr(ws),
+                        0 if ws is None else ws.numel(), _ptr(out), _stream(q.device))
+    return out

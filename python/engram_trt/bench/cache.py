@@ -1,0 +1,408 @@
+"""`engram-trt bench cache`: prefill chunks of real row ids through de-duplication and the
+HBM hot-row cache, against the cold host gather of the same ids (issue 11, target 2).
+
+Ids: 8k-token chunks of text hashed by the DeepSeek-V4.1-like spec of
+:mod:`engram_trt.bench.idstreams` (2 layers x 24 columns; 196,608 lookups per layer and
+chunk); tables: each layer's host table (random bytes; 24.75 GiB for both layers at the
+default column size). Per layer a :class:`~engram_trt.hotcache.HotRowCache` of
+``--capacity-fraction`` of the layer's rows (5%) is warmed on ``--warm`` chunks, then
+``--measure`` further chunks are timed, each as the wall time from the call to the
+stream's completion, through three paths: the cache; de-duplication alone (a cache of 0
+rows); the cold host gather of all lookups (the baseline). Every cache output is checked
+bit for bit against the cold gather's. Delivered GB/s counts lookups x 264 bytes, so
+>= 2x the link (the sequential pinned host-to-device copy measured in the same run) is
+target 2. ``--simulate-column-rows`` also runs the cache's policy alone (no table, no
+data) on ids hashed for DeepSeek-V4.1-sized columns (~16M rows, 198 GiB of tables a
+128 GiB host cannot hold) to report the hit rate such a table's 5% cache would have.
+
+``--dry-run`` runs the same logic on the CPU (the torch transfer path, a small spec, few
+chunks) and checks exactness; its figures are no measurement of the target machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from engram_trt.bench.lookuputil import (
+    GiB,
+    QUANT_BLOCK,
+    ROW_BYTES,
+    make_tables,
+    measure_h2d,
+    print_table,
+    require_matplotlib,
+    save_plot,
+    write_json,
+)
+from engram_trt.bench.idstreams import (
+    CHUNK_TOKENS,
+    DEFAULT_COLUMN_ROWS,
+    V41_COLUMN_ROWS,
+    chunk_row_ids,
+    chunk_stats,
+    default_tokens_path,
+    load_tokens,
+    make_layout,
+    prepare_tokens,
+    save_tokens,
+)
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
+
+TARGET_LINK_RATIO = 2.0
+
+
+def add_cache_arguments(p: Any) -> None:
+    p.add_argument("--tokens", type=Path, default=None,
+                   help="token file from `engram-trt bench idstream` (default: the cache's; made if missing and the "
+                        "tokenizer is installed)")
+    p.add_argument("--text-mb", type=float, default=16.0, help="MB of text when the token file is made here")
+    p.add_argument("--column-rows", type=int, default=None,
+                   help=f"rows per column (default {DEFAULT_COLUMN_ROWS}: 24.75 GiB of tables; --dry-run: 4096)")
+    p.add_argument("--layers", default="0,1", help="Engram layers to run, comma-separated (default 0,1)")
+    p.add_argument("--capacity-fraction", type=float, default=0.05, help="cache rows / table rows (default 0.05)")
+    p.add_argument("--admit-budget", type=int, default=None, help="rows admitted per step at most (default: auto)")
+    p.add_argument("--sample-factor", type=int, default=4, help="eviction sample window / budget (default 4)")
+    p.add_argument("--admit-every", type=int, default=4, help="try replacements every N steps once full (default 4)")
+    p.add_argument("--warm", type=int, default=None,
+                   help="warm-up chunks: the history the cache's counts learn from (default 448 = 3.7M tokens; "
+                        "--dry-run 6)")
+    p.add_argument("--measure", type=int, default=None, help="timed chunks after the warm-up (default 64; --dry-run 3)")
+    p.add_argument("--first-chunk", type=int, default=0, help="first chunk of the token stream (default 0)")
+    p.add_argument("--layout", choices=("inline", "split"), default="inline", help="host table layout")
+    p.add_argument("--threads", type=int, default=0, help="host gather threads (default: the affinity count)")
+    p.add_argument("--chunk-rows", type=int, default=2048, help="host gather rows per copy (default 2048)")
+    p.add_argument("--slots", type=int, default=8, help="host gather staging slots (default 8)")
+    p.add_argument("--min-chunks", type=int, default=4, help="host gather min chunks per call")
+    p.add_argument("--prefetch", type=int, default=16, help="host gather prefetch distance (rows)")
+    p.add_argument("--stores", choices=("streaming", "plain"), default="plain", help="host gather stores")
+    p.add_argument("--simulate-column-rows", type=int, default=V41_COLUMN_ROWS,
+                   help=f"also simulate the policy with columns of this many rows (default {V41_COLUMN_ROWS}; 0: off)")
+    p.add_argument("--breakdown", action="store_true", help="also time the cache's phases (syncing between them)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of per-chunk time and hit rate")
+    p.add_argument("--dry-run", action="store_true", help="no GPU: run the logic on CPU tensors, small, and check it")
+
+
+def _token_stream(args: Any) -> Any:
+    path = args.tokens or default_tokens_path()
+    if Path(path).is_file():
+        return load_tokens(path)
+    if args.tokens is not None:
+        return load_tokens(path)  # names the missing file and how to make it
+    log.info("no token file at %s: tokenizing %.1f MB of text", path, args.text_mb)
+    stream = prepare_tokens(args.text_mb)
+    save_tokens(stream, path)
+    return stream
+
+
+def _layers(text: str, num_layers: int) -> list[int]:
+    try:
+        layers = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise EngramError(f"--layers must be comma-separated layer indices (got {text!r})") from None
+    if not layers or any(not 0 <= li < num_layers for li in layers):
+        raise EngramError(f"--layers must be in [0, {num_layers}) (got {text!r})")
+    return layers
+
+
+def cmd_cache(args: Any) -> int:
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise EngramError("bench cache needs a CUDA GPU; run with --dry-run to exercise the logic on the CPU")
+    if not 0.0 <= args.capacity_fraction <= 1.0:
+        raise EngramError(f"--capacity-fraction must be in [0, 1] (got {args.capacity_fraction})")
+    column_rows = args.column_rows or (4096 if args.dry_run else DEFAULT_COLUMN_ROWS)
+    warm = args.warm if args.warm is not None else (6 if args.dry_run else 448)
+    measure = args.measure if args.measure is not None else (3 if args.dry_run else 64)
+    if measure < 1 or warm < 0:
+        raise EngramError("--measure must be >= 1 and --warm >= 0")
+    stream = _token_stream(args)
+    layout = make_layout(column_rows, stream.compressed_vocab_size, stream.pad_id)
+    layers = _layers(args.layers, layout.num_layers)
+    t0 = time.perf_counter()
+    chunks = list(chunk_row_ids(stream, layout, first_chunk=args.first_chunk, num_chunks=warm + measure))
+    if len(chunks) < warm + measure:
+        raise EngramError(f"the token stream holds {len(chunks)} chunks from --first-chunk {args.first_chunk}, "
+                          f"fewer than --warm + --measure = {warm + measure}; use more text (--text-mb)")
+    log.info("hashed %d chunks of %d tokens in %.1f s", len(chunks), CHUNK_TOKENS, time.perf_counter() - t0)
+    report: dict[str, Any] = {
+        "tokens": stream.meta(), "column_rows": column_rows, "table_rows": [int(r) for r in layout.table_rows],
+        "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB, "layout": args.layout,
+        "capacity_fraction": args.capacity_fraction, "warm_chunks": warm, "measured_chunks": measure,
+        "stream_stats": chunk_stats(chunks[warm:], layout), "dry_run": args.dry_run}
+    if args.dry_run:
+        report["layers"] = _run_cpu(args, layout, layers, chunks, warm)
+        report["link_GBps"] = None
+    else:
+        report.update(_run_gpu(args, layout, layers, chunks, warm))
+    if args.simulate_column_rows and not args.dry_run:
+        report["simulation"] = _simulate(args, stream, layers, warm, measure)
+    _print_report(report)
+    if args.json is not None:
+        write_json(report, args.json)
+    if args.plot:
+        _plot(report, args.plot)
+    return 0
+
+
+def _ids_of(chunk: Any, layer: int) -> Any:
+    import torch
+
+    return torch.from_numpy(chunk[:, layer, :].copy())
+
+
+def _run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int) -> list[dict[str, Any]]:
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows_torch
+    from engram_trt.hotcache import HotRowCache
+
+    out = []
+    for li in layers:
+        rows = int(layout.table_rows[li])
+        tables = make_tables(rows, split=True, inline=args.layout == "inline", huge_pages=False,
+                             register_split=False, seed=args.seed + li)
+        table = (tables.inline, None) if args.layout == "inline" else (tables.split_rows, tables.split_scales)
+        cache = HotRowCache(*table, device="cpu", capacity_fraction=args.capacity_fraction, layout=args.layout,
+                            quant_block=QUANT_BLOCK, max_step_rows=CHUNK_TOKENS * layout.n_hash_cols,
+                            admit_budget=args.admit_budget, sample_factor=args.sample_factor,
+                            admit_every=args.admit_every, seed=args.seed)
+        exact = True
+        times = []
+        for k, chunk in enumerate(chunks):
+            if k == warm:
+                cache.reset_stats()
+            ids = _ids_of(chunk, li)
+            t0 = time.perf_counter()
+            got = cache.gather(ids)
+            times.append(time.perf_counter() - t0)
+            if k >= warm:
+                idx = ids.reshape(-1).long()
+                ref = dequant_fp8_rows_torch(tables.split_rows[idx], tables.split_scales[idx], QUANT_BLOCK)
+                exact = exact and torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16), ref.view(torch.int16))
+        cache.policy.check_invariants()
+        out.append({"layer": li, "stats": cache.stats().to_dict(), "exact": exact,
+                    "cache_seconds": statistics.median(times[warm:]), "per_chunk_seconds": times[warm:]})
+        tables.close()
+    return out
+
+
+def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int) -> dict[str, Any]:
+    import torch
+
+    from engram_trt.hostgather import HostGatherer
+    from engram_trt.hotcache import HotRowCache
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    pinned = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
+    link = measure_h2d(pinned, dev, 2 * GiB)
+    del pinned
+    t0 = time.perf_counter()
+    all_tables = {li: make_tables(int(layout.table_rows[li]), split=args.layout == "split",
+                                  inline=args.layout == "inline", huge_pages=False, register_split=False,
+                                  seed=args.seed + li) for li in layers}
+    setup = time.perf_counter() - t0
+    step_rows = CHUNK_TOKENS * layout.n_hash_cols
+    gatherer = HostGatherer(num_threads=args.threads, chunk_rows=args.chunk_rows, max_head_dim=256, device=dev,
+                            num_slots=args.slots)
+    gatherer.set_options(min_chunks=args.min_chunks, prefetch_rows=args.prefetch,
+                         streaming_stores=int(args.stores == "streaming"))
+    out_layers = []
+    try:
+        for li in layers:
+            tables = all_tables[li]
+            table = (tables.inline, None) if args.layout == "inline" else (tables.split_rows, tables.split_scales)
+            common = dict(device=dev, quant_block=QUANT_BLOCK, gatherer=gatherer, layout=args.layout,
+                          max_step_rows=step_rows, sample_factor=args.sample_factor, seed=args.seed)
+            cache = HotRowCache(*table, capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
+                                admit_every=args.admit_every, **common)
+            dedup = HotRowCache(*table, capacity_rows=0, **common)
+            ids = [_ids_of(c, li).pin_memory() for c in chunks]
+            out_cache = torch.empty((CHUNK_TOKENS, layout.n_hash_cols, 256), dtype=torch.bfloat16, device=dev)
+            out_cold = torch.empty_like(out_cache)
+            for k in range(warm):
+                cache.gather(ids[k], out_cache)
+            sync()
+            cache.reset_stats()
+            t_cache, t_dedup, t_cold, hits = [], [], [], []
+            exact = True
+            for k in range(warm, len(chunks)):
+                before = cache.stats()
+                t = time.perf_counter()
+                cache.gather(ids[k], out_cache)
+                sync()
+                t_cache.append(time.perf_counter() - t)
+                after = cache.stats()
+                hits.append((after.hits - before.hits) / max(1, after.unique - before.unique))
+                t = time.perf_counter()
+                dedup.gather(ids[k], out_cold)
+                sync()
+                t_dedup.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                gatherer.gather(ids[k], *table, quant_block=QUANT_BLOCK, out=out_cold, layout=args.layout)
+                sync()
+                t_cold.append(time.perf_counter() - t)
+                exact = exact and torch.equal(out_cache.view(torch.int16), out_cold.view(torch.int16))
+            phases = _breakdown(cache, ids[warm:], out_cache, sync) if args.breakdown else None
+            stats = cache.stats()
+            out_layers.append({
+                "layer": li, "stats": stats.to_dict(), "exact": exact, "device_bytes": cache.device_bytes(),
+                "cache_seconds": statistics.median(t_cache), "dedup_seconds": statistics.median(t_dedup),
+                "cold_seconds": statistics.median(t_cold), "per_chunk_cache_seconds": t_cache,
+                "per_chunk_hit_rate": hits, "phases_seconds": phases, "lookups_per_chunk": step_rows})
+            del cache, dedup
+            torch.cuda.empty_cache()
+    finally:
+        gatherer.close()
+        for t in all_tables.values():
+            t.close()
+    return {"layers": out_layers, "link_GBps": link, "setup_seconds": setup, "device": torch.cuda.get_device_name(dev),
+            "torch": torch.__version__}
+
+
+def _breakdown(cache: Any, ids: list[Any], out: Any, sync: Any) -> dict[str, float]:
+    """Median seconds of each phase of a step (syncing between phases, so the sum is
+    above the step's own time)."""
+    phases: dict[str, list[float]] = {}
+    for x in ids:
+        sync()
+        last = [time.perf_counter()]
+
+        def mark(name: str) -> None:
+            sync()
+            now = time.perf_counter()
+            phases.setdefault(name, []).append(now - last[0])
+            last[0] = now
+
+        cache.gather(x, out, phase=mark)
+    return {k: statistics.median(v) for k, v in phases.items()}
+
+
+def _simulate(args: Any, stream: Any, layers: list[int], warm: int, measure: int) -> dict[str, Any]:
+    """The cache's policy alone on ids for larger columns: hit rates, no data."""
+    import torch
+
+    from engram_trt.hotcache import CachePolicy
+
+    layout = make_layout(args.simulate_column_rows, stream.compressed_vocab_size, stream.pad_id)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    chunks = list(chunk_row_ids(stream, layout, first_chunk=args.first_chunk, num_chunks=warm + measure))
+    out = []
+    for li in layers:
+        rows = int(layout.table_rows[li])
+        policy = CachePolicy(rows, int(args.capacity_fraction * rows), device=dev, admit_budget=args.admit_budget,
+                             sample_factor=args.sample_factor, seed=args.seed)
+        unique = hits = lookups = 0
+        for k, chunk in enumerate(chunks):
+            plan = policy.plan(torch.from_numpy(chunk[:, li, :].copy()).to(dev))
+            policy.place_misses(plan, policy.capacity)
+            policy.record(plan)
+            if policy.filled < policy.capacity or (k + 1) % args.admit_every == 0:  # HotRowCache's cadence
+                policy.admit(plan, policy.capacity)  # the row copies are not needed: no data here
+            if k >= warm:
+                unique += plan.num_unique
+                hits += plan.num_unique - plan.num_miss
+                lookups += chunk.shape[0] * chunk.shape[2]
+        out.append({"layer": li, "table_rows": rows, "capacity_rows": policy.capacity,
+                    "hit_rate": hits / max(1, unique), "unique_fraction": unique / max(1, lookups),
+                    "fetch_fraction": (unique - hits) / max(1, lookups)})
+        del policy
+        torch.cuda.empty_cache()
+    return {"column_rows": args.simulate_column_rows, "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB,
+            "layers": out}
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    link = report.get("link_GBps")
+    tok = report["tokens"]
+    print(f"ids: {tok['num_tokens']:,} tokens from {tok['text_bytes'] / 1e6:.1f} MB of text (Python {tok['python']}); "
+          f"spec 2 layers x 24 columns of ~{report['column_rows']:,} rows = {report['table_gib']:.2f} GiB of "
+          f"{ROW_BYTES}-byte rows ({report['layout']} layout)")
+    st = report["stream_stats"]
+    print("distinct rows per lookup in a chunk: " + ", ".join(
+        f"order {o} {v:.1%}" for o, v in st["distinct_per_order"].items())
+        + f"; a layer's 24 columns {st['distinct_per_layer_step']:.1%}")
+    print(f"cache: {report['capacity_fraction']:.0%} of each layer's rows; warmed on {report['warm_chunks']} "
+          f"8k-token chunks, {report['measured_chunks']} chunks measured")
+    if report["dry_run"]:
+        print("DRY RUN (no GPU): the cache logic on CPU tensors; the times say nothing about the target machine")
+    else:
+        print(f"{report['device']}, torch {report['torch']}; link (sequential 2 GiB pinned H2D copy): {link:.1f} GB/s")
+    headers = ["layer", "hit rate", "distinct", "fetched / lookups", "cache us", "GB/s", "x link", "dedup only us",
+               "cold gather us", "x cold", "exact"]
+    rows = []
+    for L in report["layers"]:
+        s = L["stats"]
+        n = s["lookups"] / max(1, s["steps"])
+        cache_s = L["cache_seconds"]
+        gb = n * ROW_BYTES / cache_s / 1e9
+        cold = L.get("cold_seconds")
+        rows.append([L["layer"], f"{s['hit_rate']:.1%}", f"{s['unique_fraction']:.1%}", f"{s['fetch_fraction']:.1%}",
+                     f"{cache_s * 1e6:.0f}", f"{gb:.1f}", f"{gb / link:.2f}" if link else "-",
+                     f"{L['dedup_seconds'] * 1e6:.0f}" if cold else "-", f"{cold * 1e6:.0f}" if cold else "-",
+                     f"{cold / cache_s:.2f}" if cold else "-", "yes" if L["exact"] else "NO"])
+    print_table(headers, rows)
+    if link:
+        for L in report["layers"]:
+            n = L["lookups_per_chunk"]
+            cold_gb = n * ROW_BYTES / L["cold_seconds"] / 1e9
+            gb = n * ROW_BYTES / L["cache_seconds"] / 1e9
+            ok = gb >= TARGET_LINK_RATIO * link
+            print(f"layer {L['layer']}: cold gather baseline {cold_gb:.1f} GB/s = {cold_gb / link:.2f} x link "
+                  f"(its bound: 1.00); cache {gb:.1f} GB/s = {gb / link:.2f} x link; target 2 (>= "
+                  f"{TARGET_LINK_RATIO:.0f}x link): " + ("MET" if ok else f"MISSED by {TARGET_LINK_RATIO * link / gb:.2f}x")
+                  + f"; cache device memory {L['device_bytes'] / 2**30:.2f} GiB")
+            if L.get("phases_seconds"):
+                print("  phases (synced, medians): " + ", ".join(f"{k} {v * 1e6:.0f} us"
+                                                              for k, v in L["phases_seconds"].items()))
+    sim = report.get("simulation")
+    if sim:
+        print(f"policy simulation with columns of ~{sim['column_rows']:,} rows ({sim['table_gib']:.0f} GiB of "
+              f"tables; no data moved):")
+        for L in sim["layers"]:
+            print(f"  layer {L['layer']}: cache of {L['capacity_rows']:,} rows: hit rate {L['hit_rate']:.1%}, "
+                  f"distinct {L['unique_fraction']:.1%}, fetched / lookups {L['fetch_fraction']:.1%}")
+    if any(not L["exact"] for L in report["layers"]):
+        print("cache output NOT bit-exact against the plain gather")
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    plt = require_matplotlib()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    link = report.get("link_GBps")
+    for L in report["layers"]:
+        n = L.get("lookups_per_chunk") or L["stats"]["lookups"] / max(1, L["stats"]["steps"])
+        times = L.get("per_chunk_cache_seconds") or L.get("per_chunk_seconds")
+        a1.plot([n * ROW_BYTES / t / 1e9 for t in times], marker=".", label=f"layer {L['layer']} cache")
+        if "cold_seconds" in L:
+            a1.axhline(n * ROW_BYTES / L["cold_seconds"] / 1e9, linestyle=":", label=f"layer {L['layer']} cold gather")
+        if L.get("per_chunk_hit_rate"):
+            a2.plot(L["per_chunk_hit_rate"], marker=".", label=f"layer {L['layer']}")
+    if link:
+        a1.axhline(link, color="k", linestyle="--", label=f"link {link:.1f} GB/s")
+        a1.axhline(TARGET_LINK_RATIO * link, color="r", linestyle="-.", label="target 2x link")
+    a1.set_xlabel("measured chunk")
+    a1.set_ylabel("GB/s of row bytes delivered")
+    a1.legend(fontsize=7)
+    a2.set_xlabel("measured chunk")
+    a2.set_ylabel("hit rate (distinct rows)")
+    a2.legend(fontsize=7)
+    save_plot(fig, path)
+
+
+def add_parser(sub: Any) -> Any:
+    """Register ``bench cache`` (no heavy imports)."""
+    p = sub.add_parser("cache", help="real id streams through de-duplication and the HBM hot-row cache",
+                       description=__doc__.split("\n\n")[0].replace("``", "").replace("`", ""))
+    add_cache_arguments(p)
+    p.set_defaults(func=cmd_cache)
+    return p

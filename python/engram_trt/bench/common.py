@@ -1,0 +1,59 @@
+"""What the benchmarks share: timing with device events, the machine's own limits
+(HBM copy bandwidth, bf16 matrix rate, host-to-device link) measured in the run, and
+the random engram-llama configurations they build in memory."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters: int = 10) -> dict[str, float]:
+    """Median / min wall time of ``fn`` (the device synchronized around each call)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters}
+
+
+def measure_limits(device: torch.device) -> dict[str, float]:
+    """The ceilings every ratio is taken against, measured now: HBM (a device-to-device
+    copy, bytes read + written), bf16 matrix rate (8192^3 on random data), and the
+    host-to-device link (a pinned 1 GiB copy)."""
+    if device.type != "cuda":
+        return {}
+    out: dict[str, float] = {}
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    t = time_fn(lambda: b.copy_(a), device, 2, 10)["median_s"]
+    out["hbm_GBps"] = 2 * a.numel() / t / 1e9
+    m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = time_fn(lambda: m @ m, device, 2, 10)["median_s"]
+    out["bf16_TFLOPs"] = 2 * 8192**3 / t / 1e12
+    h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    t = time_fn(lambda: a.copy_(h, non_blocking=True), device, 2, 10)["median_s"]
+    out["h2d_GBps"] = h.numel() / t / 1e9
+    del a, b, m, h
+    torch.cuda.empty_cache()
+    return out
+
+
+def dump(obj: Any, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,449 @@
+"""`engram-trt bench gather`: cold row lookups from a host table, every path, one run.
+
+What it measures (issue 11, target 1): uniform random ids over a host table of >= 24
+GiB (264-byte rows: 256 FP8 values + 8 ue8m0 scale bytes), 6,144 rows (a decode step of
+256 tokens x 24 columns) and 196,608 rows (an 8k-token prefill chunk), through
+  - ``uva``: the project's gather kernel reading the pinned split table through UVA;
+  - ``host``: the host gather (CPU threads + pinned staging + one copy per chunk + the
+    GPU dequant), split and inline layouts, at each thread count and tuning given;
+  - ``torch``: torch.index_select into pinned staging + one copy (raw bytes, no dequant:
+    the plain-library baseline);
+each as the median wall time from the call to the stream's completion over fresh ids.
+Limits measured in the same run: a sequential 2 GiB pinned host-to-device copy (the
+link), the copy of one step's bytes alone, and the host gather's CPU part alone (into
+pinned memory): max(copy alone, CPU part alone) is the host gather's bound, and the
+report says how far each host configuration is from it. Every output is checked bit for
+bit against the dequant reference (quant.dequant_fp8_rows_torch on the CPU).
+
+``--dry-run`` runs what needs no GPU (the CPU part of the host gather and torch's
+index_select on a small table, checked for exactness) so the command is exercised on CPU
+machines; its figures are no measurement of the target machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engram_trt.bench.lookuputil import (
+    GiB,
+    HEAD_DIM,
+    QUANT_BLOCK,
+    ROW_BYTES,
+    SCALE_BYTES,
+    anon_hugepages_kib,
+    gbps,
+    int_list,
+    make_tables,
+    measure_h2d,
+    median_wall,
+    print_table,
+    require_matplotlib,
+    save_plot,
+    str_list,
+    write_json,
+)
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
+
+TARGET_PREFILL_GBPS = 40.0
+TARGET_PREFILL_LINK_RATIO = 0.72
+TARGET_DECODE_US = 100.0
+PREFILL_ROWS = 196608
+DECODE_ROWS = 6144
+
+
+@dataclass
+class Result:
+    rows: int
+    path: str
+    layout: str
+    threads: int
+    chunk_rows: int = 0
+    min_chunks: int = 0
+    prefetch: int = 0
+    prefetch_far: int = 0
+    locality: int = 3
+    stores: str = ""
+    task_rows: int = 0
+    slots: int = 0
+    pool: str = ""
+    seconds: float = 0.0
+    gbps: float = 0.0
+    x_link: float = 0.0
+    cpu_part_seconds: float = 0.0  # host gather: its CPU part alone (dry run: the measurement)
+    exact: bool = False
+
+    def knobs(self) -> str:
+        if not self.path.startswith("host"):
+            return "-"
+        if self.path != "host":  # the CPU part alone takes only these two
+            return f"pf {self.prefetch}, {self.stores}"
+        return (f"chunk {self.chunk_rows}, min {self.min_chunks}, pf {self.prefetch}"
+                + (f"/far {self.prefetch_far}" if self.prefetch_far else "")
+                + (f", loc {self.locality}" if self.locality != 3 else "") + f", {self.stores}"
+                + (f", task {self.task_rows}" if self.task_rows else "") + (f", {self.slots} slots" if self.slots else "")
+                + (f", {self.pool}" if self.pool else ""))
+
+
+def add_gather_arguments(p: Any) -> None:
+    p.add_argument("--table-gib", type=float, default=None,
+                   help="host table size in GiB of 264-byte rows (default: 24.75; --dry-run: 0.25)")
+    p.add_argument("--rows", type=int_list, default=[DECODE_ROWS, PREFILL_ROWS],
+                   help="rows per lookup, comma-separated (default: 6144,196608)")
+    p.add_argument("--cols", type=int, default=24, help="columns per token (ids are [rows / cols, cols]; default 24)")
+    p.add_argument("--paths", type=str_list(("uva", "host", "torch")), default=["uva", "host", "torch"],
+                   help="paths to time (default: uva,host,torch)")
+    p.add_argument("--layouts", type=str_list(("split", "inline")), default=["split", "inline"],
+                   help="host gather table layouts (default: split,inline)")
+    p.add_argument("--threads", type=int_list, default=[4, 8, 16], help="CPU threads (default: 4,8,16)")
+    p.add_argument("--chunk-rows", type=int_list, default=[2048], help="host gather: rows per copy (default 2048)")
+    p.add_argument("--min-chunks", type=int_list, default=[4], help="host gather: min chunks per call (default 4)")
+    p.add_argument("--prefetch", type=int_list, default=[16], help="host gather: prefetch distance in rows (default 16)")
+    p.add_argument("--prefetch-far", type=int_list, default=[0],
+                   help="host gather: first-line prefetch distance in rows, to start page walks early (default 0: off)")
+    p.add_argument("--locality", type=int_list, default=[3],
+                   help="host gather: prefetch locality, 3 = into L1 .. 1 = into L2/L3, 0 = non-temporal (default 3)")
+    p.add_argument("--stores", type=str_list(("streaming", "plain")), default=["plain"],
+                   help="host gather: stores into staging (default: plain)")
+    p.add_argument("--task-rows", type=int_list, default=[0], help="host gather: rows per work item (0 = auto)")
+    p.add_argument("--slots", type=int_list, default=[8], help="host gather: staging slots (default 8)")
+    p.add_argument("--spin-us", type=int, default=200,
+                   help="host gather: pool spin before blocking (default 200: calls back to back find it spinning)")
+    p.add_argument("--pool", type=str_list(("hot", "idle", "woken")), default=["hot"],
+                   help="host gather pool state at each call: hot (calls back to back), idle (2 ms of sleep before "
+                        "each call: the threads have blocked), woken (idle, then wake() --wake-us before the call, "
+                        "as a runtime does when a step starts) (default: hot)")
+    p.add_argument("--wake-us", type=float, default=100.0, help="--pool woken: wake() this long before the call")
+    p.add_argument("--pages", choices=("4k", "thp"), default="4k",
+                   help="host table pages: 4k, or transparent huge pages (madvise) (default 4k)")
+    p.add_argument("--reps", type=int, default=15, help="timed calls per measurement, fresh ids each (default 15)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write all results as JSON (to stdout without PATH)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of throughput vs threads")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU: time the CPU parts on a small table and check them; figures are not the target's")
+
+
+def _reference(tables: Any, ids_flat: Any) -> Any:
+    """bf16 rows of ids by the dequant reference (CPU), zero rows out of range."""
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows_torch
+
+    idx = ids_flat.to(torch.int64)
+    return dequant_fp8_rows_torch(tables.split_rows[idx], tables.split_scales[idx], QUANT_BLOCK)
+
+
+def _raw_reference(tables: Any, ids_flat: Any) -> tuple[Any, Any]:
+    idx = ids_flat.long()
+    return tables.split_rows[idx], tables.split_scales[idx]
+
+
+IDLE_GAP_S = 2e-3
+
+
+def _host_configs(args: Any) -> list[dict[str, Any]]:
+    return [dict(chunk_rows=c, min_chunks=m, prefetch=pf, prefetch_far=far, locality=loc, stores=st, task_rows=tr)
+            for c, m, pf, far, loc, st, tr in itertools.product(args.chunk_rows, args.min_chunks, args.prefetch,
+                                                                args.prefetch_far, args.locality, args.stores,
+                                                                args.task_rows)]
+
+
+def _set_tuning(g: Any, cfg: dict[str, Any]) -> None:
+    g.set_options(chunk_rows=cfg["chunk_rows"], min_chunks=cfg["min_chunks"], prefetch_rows=cfg["prefetch"],
+                  prefetch_far_rows=cfg["prefetch_far"], prefetch_locality=cfg["locality"],
+                  task_rows=cfg["task_rows"], streaming_stores=int(cfg["stores"] == "streaming"))
+
+
+def cmd_gather(args: Any) -> int:
+    import torch
+
+    if any(n % args.cols for n in args.rows):
+        raise EngramError(f"--rows must be multiples of --cols {args.cols} (got {args.rows})")
+    if args.reps < 1:
+        raise EngramError("--reps must be >= 1")
+    gib = args.table_gib if args.table_gib is not None else (0.25 if args.dry_run else 24.75)
+    num_rows = int(gib * GiB) // ROW_BYTES
+    if num_rows < max(args.rows):
+        raise EngramError(f"--table-gib {gib} holds {num_rows} rows, fewer than a lookup of {max(args.rows)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        raise EngramError("bench gather needs a CUDA GPU; run with --dry-run to exercise the CPU parts")
+    # The split table is always built: the UVA kernel and the reference read it.
+    need_inline = "inline" in args.layouts or "torch" in args.paths
+    t0 = time.perf_counter()
+    thp_before = anon_hugepages_kib()
+    tables = make_tables(num_rows, split=True, inline=need_inline, huge_pages=args.pages == "thp",
+                         register_split=not args.dry_run and "uva" in args.paths, seed=args.seed)
+    setup_s = time.perf_counter() - t0
+    thp_gib = (anon_hugepages_kib() - thp_before) / 2**20 if thp_before >= 0 else -1.0
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    id_sets = {n: [torch.randint(0, num_rows, (n // args.cols, args.cols), generator=gen, dtype=torch.int32)
+                   for _ in range(args.reps)] for n in args.rows}
+    try:
+        if args.dry_run:
+            report = _run_cpu(args, tables, id_sets)
+        else:
+            report = _run_gpu(args, tables, id_sets)
+    finally:
+        tables.close()
+    report.update(table_gib=tables.gib(), table_rows=num_rows, pages=args.pages, huge_pages_gib=thp_gib,
+                  setup_seconds=setup_s, dry_run=args.dry_run)
+    _print_report(args, report)
+    if args.json is not None:
+        write_json(report, args.json)
+    if args.plot:
+        _plot(report, args.plot)
+    return 0
+
+
+def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str, Any]:
+    """The CPU parts alone: host gather's row copy (gather_rows_cpu) and index_select."""
+    import torch
+
+    from engram_trt import hostgather
+
+    results: list[Result] = []
+    for n, sets in id_sets.items():
+        flat = [s.reshape(-1) for s in sets]
+        ref_rows, ref_scales = _raw_reference(tables, flat[0])
+        out_rows = torch.empty((n, HEAD_DIM), dtype=torch.uint8)
+        out_scales = torch.empty((n, SCALE_BYTES), dtype=torch.uint8)
+        # The CPU entry point takes the prefetch distance and the store kind (the other
+        # knobs shape the GPU pipeline or need a gatherer).
+        for layout, threads, prefetch, stores in itertools.product(args.layouts, args.threads, args.prefetch,
+                                                                   args.stores):
+            table = (tables.inline, None) if layout == "inline" else (tables.split_rows, tables.split_scales)
+
+            def run(i: int) -> None:
+                hostgather.gather_rows_cpu(flat[i], *table, layout=layout, num_threads=threads,
+                                           prefetch_rows=prefetch, streaming_stores=int(stores == "streaming"),
+                                           out_rows=out_rows, out_scales=out_scales)
+
+            sec, _ = median_wall(run, args.reps, lambda: None)
+            run(0)
+            exact = torch.equal(out_rows, ref_rows) and torch.equal(out_scales, ref_scales)
+            results.append(Result(rows=n, path="host (CPU part)", layout=layout, threads=threads, seconds=sec,
+                                  gbps=gbps(n, sec), cpu_part_seconds=sec, exact=exact, prefetch=prefetch,
+                                  stores=stores))
+        if "torch" in args.paths:
+            stage = torch.empty((n, ROW_BYTES), dtype=torch.uint8)
+            longs = [f.long() for f in flat]
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                sec, _ = median_wall(lambda i: torch.index_select(tables.inline, 0, longs[i], out=stage), args.reps,
+                                     lambda: None)
+                torch.index_select(tables.inline, 0, longs[0], out=stage)
+                exact = torch.equal(stage[:, :HEAD_DIM], ref_rows) and torch.equal(stage[:, HEAD_DIM:], ref_scales)
+                results.append(Result(rows=n, path="torch (gather only)", layout="inline", threads=threads,
+                                      seconds=sec, gbps=gbps(n, sec), exact=exact))
+    return {"results": [asdict(r) | {"knobs": r.knobs()} for r in results], "link_GBps": None}
+
+
+def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str, Any]:
+    import torch
+
+    from engram_trt import hostgather, kernels
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    pinned_src = tables.split_rows if tables.buffers and tables.buffers[0].registered else None
+    if pinned_src is None:
+        pinned_src = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
+    link = measure_h2d(pinned_src, dev, 2 * GiB)
+    log.info("sequential H2D copy, 2 GiB: %.1f GB/s", link)
+    # References first, compared on the GPU later: CPU work between timings would leave
+    # torch's OpenMP threads spinning beside the gather's own threads.
+    refs = {n: _reference(tables, sets[0].reshape(-1)).to(dev) for n, sets in id_sets.items()}
+    raw_refs = {n: tuple(t.to(dev) for t in _raw_reference(tables, sets[0].reshape(-1))) for n, sets in id_sets.items()}
+    time.sleep(0.5)
+    results: list[Result] = []
+    copy_alone: dict[int, float] = {}
+
+    for n, sets in id_sets.items():
+        flat = [s.reshape(-1).contiguous() for s in sets]
+        out = torch.empty((n // args.cols, args.cols, HEAD_DIM), dtype=torch.bfloat16, device=dev)
+        stage = torch.empty((n, ROW_BYTES), dtype=torch.uint8, pin_memory=True)
+        dev_stage = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device=dev)
+        copy_alone[n], _ = median_wall(lambda i: dev_stage.copy_(stage, non_blocking=True), args.reps, sync)
+
+        def exact_out() -> bool:
+            return torch.equal(out.view(-1, HEAD_DIM).view(torch.int16), refs[n].view(torch.int16))
+
+        if "uva" in args.paths:
+            dev_sets = [s.to(dev) for s in sets]
+            sec, _ = median_wall(lambda i: kernels.gather(dev_sets[i], tables.split_rows, tables.split_scales,
+                                                          quant_block=QUANT_BLOCK, out=out), args.reps, sync)
+            kernels.gather(dev_sets[0], tables.split_rows, tables.split_scales, quant_block=QUANT_BLOCK, out=out)
+            sync()
+            results.append(Result(rows=n, path="uva", layout="split", threads=0, seconds=sec, gbps=gbps(n, sec),
+                                  x_link=gbps(n, sec) / link, exact=exact_out()))
+            del dev_sets
+
+        if "host" in args.paths:
+            cfgs = _host_configs(args)
+            cap = max(c["chunk_rows"] for c in cfgs)
+            cpu_rows = torch.empty((n, HEAD_DIM), dtype=torch.uint8, pin_memory=True)
+            cpu_scales = torch.empty((n, SCALE_BYTES), dtype=torch.uint8, pin_memory=True)
+            for threads, slots in itertools.product(args.threads, args.slots):
+                g = hostgather.HostGatherer(num_threads=threads, chunk_rows=cap, max_head_dim=HEAD_DIM, device=dev,
+                                            num_slots=slots)
+                g.set_options(spin_us=args.spin_us)
+                try:
+                    for layout, cfg, pool in itertools.product(args.layouts, cfgs, args.pool):
+                        table = (tables.inline, None) if layout == "inline" else (tables.split_rows, tables.split_scales)
+                        _set_tuning(g, cfg)
+
+                        def wake(i: int) -> None:  # as a runtime does when a step starts: untimed
+                            g.wake()
+                            time.sleep(args.wake_us / 1e6)
+
+                        sec, _ = median_wall(
+                            lambda i: g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out, layout=layout),
+                            args.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0,
+                            before=wake if pool == "woken" else None)
+                        g.gather(sets[0], *table, quant_block=QUANT_BLOCK, out=out, layout=layout)
+                        sync()
+                        exact = exact_out()
+                        cpu_sec, _ = median_wall(
+                            lambda i: hostgather.gather_rows_cpu(flat[i], *table, quant_block=QUANT_BLOCK,
+                                                                 layout=layout, gatherer=g, out_rows=cpu_rows,
+                                                                 out_scales=cpu_scales), args.reps, lambda: None)
+                        results.append(Result(rows=n, path="host", layout=layout, threads=threads, seconds=sec,
+                                              gbps=gbps(n, sec), x_link=gbps(n, sec) / link,
+                                              cpu_part_seconds=cpu_sec, exact=exact,
+                                              slots=slots if len(args.slots) > 1 else 0,
+                                              pool=pool if len(args.pool) > 1 or pool != "hot" else "", **cfg))
+                finally:
+                    g.close()
+            del cpu_rows, cpu_scales
+
+        if "torch" in args.paths:
+            longs = [f.long() for f in flat]
+            saved = torch.get_num_threads()
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+
+                def call_torch(i: int) -> None:
+                    torch.index_select(tables.inline, 0, longs[i], out=stage)
+                    dev_stage.copy_(stage, non_blocking=True)
+
+                sec, _ = median_wall(call_torch, args.reps, sync)
+                gather_sec, _ = median_wall(lambda i: torch.index_select(tables.inline, 0, longs[i], out=stage),
+                                            args.reps, lambda: None)
+                call_torch(0)
+                sync()
+                ref_rows, ref_scales = raw_refs[n]
+                exact = torch.equal(dev_stage[:, :HEAD_DIM], ref_rows) and torch.equal(dev_stage[:, HEAD_DIM:],
+                                                                                       ref_scales)
+                results.append(Result(rows=n, path="torch", layout="inline", threads=threads, seconds=sec,
+                                      gbps=gbps(n, sec), x_link=gbps(n, sec) / link, cpu_part_seconds=gather_sec,
+                                      exact=exact))
+            torch.set_num_threads(saved)
+            time.sleep(0.5)  # let torch's OpenMP threads go idle before the next size's host gathers
+    return {"results": [asdict(r) | {"knobs": r.knobs()} for r in results], "link_GBps": link,
+            "copy_alone_seconds": {str(k): v for k, v in copy_alone.items()},
+            "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+
+
+def _targets(report: dict[str, Any]) -> list[str]:
+    """Target 1's verdicts from the best host gather per size (empty on a dry run)."""
+    link = report.get("link_GBps")
+    if not link:
+        return []
+    host = [r for r in report["results"] if r["path"] == "host" and r["exact"]]
+    lines = []
+    pre = [r for r in host if r["rows"] == PREFILL_ROWS]
+    if pre:
+        best = max(pre, key=lambda r: r["gbps"])
+        need = max(TARGET_PREFILL_GBPS, TARGET_PREFILL_LINK_RATIO * link)
+        ok = best["gbps"] >= need
+        lines.append(f"target 1, {PREFILL_ROWS:,} rows: best host gather {best['gbps']:.1f} GB/s = "
+                     f"{best['gbps'] / link:.2f} x link ({best['layout']}, {best['threads']} threads, {best['knobs']}); "
+                     f"need >= {need:.1f} GB/s: " + ("MET" if ok else f"MISSED by {need / best['gbps']:.2f}x"))
+    dec = [r for r in host if r["rows"] == DECODE_ROWS]
+    if dec:
+        best = min(dec, key=lambda r: r["seconds"])
+        us = best["seconds"] * 1e6
+        ok = us <= TARGET_DECODE_US
+        lines.append(f"target 1, {DECODE_ROWS:,} rows: best host gather {us:.0f} us ({best['layout']}, "
+                     f"{best['threads']} threads, {best['knobs']}); need <= {TARGET_DECODE_US:.0f} us: "
+                     + ("MET" if ok else f"MISSED by {us / TARGET_DECODE_US:.2f}x"))
+    return lines
+
+
+def _print_report(args: Any, report: dict[str, Any]) -> None:
+    link = report.get("link_GBps")
+    print(f"host table: {report['table_rows']:,} rows x {ROW_BYTES} B = {report['table_gib']:.2f} GiB, "
+          f"{report['pages']} pages" + (f" ({report['huge_pages_gib']:.1f} GiB in huge pages)"
+                                        if report['pages'] == 'thp' else "")
+          + f"; set up in {report['setup_seconds']:.1f} s")
+    if args.dry_run:
+        print("DRY RUN (no GPU): CPU parts only, on a small table; these figures say nothing about the target machine")
+    else:
+        print(f"{report['device']}, torch {report['torch']}; link (sequential 2 GiB pinned H2D copy): {link:.1f} GB/s")
+        for n, s in report["copy_alone_seconds"].items():
+            print(f"  one copy of {int(n):,} rows ({int(n) * ROW_BYTES / 1e6:.1f} MB) alone: {s * 1e6:.0f} us, "
+                  f"{gbps(int(n), s):.1f} GB/s")
+    headers = ["rows", "path", "layout", "threads", "knobs", "time us", "GB/s", "x link", "CPU part us",
+               "x bound", "exact"]
+    table = []
+    for r in report["results"]:
+        bound = ""
+        if r["path"] == "host" and link:
+            b = max(r["cpu_part_seconds"], report["copy_alone_seconds"][str(r["rows"])])
+            bound = f"{r['seconds'] / b:.2f}"
+        table.append([f"{r['rows']:,}", r["path"], r["layout"], r["threads"] or "-", r["knobs"],
+                      f"{r['seconds'] * 1e6:.0f}", f"{r['gbps']:.1f}", f"{r['x_link']:.2f}" if link else "-",
+                      f"{r['cpu_part_seconds'] * 1e6:.0f}" if r["cpu_part_seconds"] else "-", bound or "-",
+                      "yes" if r["exact"] else "NO"])
+    print_table(headers, table)
+    if link:
+        print("x bound: time / max(copy alone, CPU part alone), 1.00 = copies and gather fully overlapped")
+    for line in _targets(report):
+        print(line)
+    bad = [r for r in report["results"] if not r["exact"]]
+    if bad:
+        print(f"{len(bad)} result(s) NOT bit-exact against the reference")
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    plt = require_matplotlib()
+    sizes = sorted({r["rows"] for r in report["results"]})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    link = report.get("link_GBps")
+    for ax, n in zip(axes[0], sizes):
+        rows = [r for r in report["results"] if r["rows"] == n]
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            key = f"{r['path']} {r['layout']}" + (f" ({r['knobs']})" if r["path"] == "host" else "")
+            series.setdefault(key, []).append((r["threads"], r["gbps"]))
+        for key, pts in series.items():
+            pts.sort()
+            if len(pts) == 1 and pts[0][0] == 0:
+                ax.axhline(pts[0][1], linestyle=":", label=key)
+            else:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        if link:
+            ax.axhline(link, color="k", linestyle="--", label=f"link {link:.1f} GB/s")
+        if n == PREFILL_ROWS:
+            ax.axhline(TARGET_PREFILL_GBPS, color="r", linestyle="-.", label="target 40 GB/s")
+        ax.set_title(f"{n:,} rows x {ROW_BYTES} B")
+        ax.set_xlabel("CPU threads")
+        ax.set_ylabel("GB/s of row bytes delivered")
+        ax.legend(fontsize=6)
+    save_plot(fig, path)
+
+
+def add_parser(sub: Any) -> Any:
+    """Register ``bench gather`` (no heavy imports)."""
+    p = sub.add_parser("gather", help="cold lookups: UVA kernel vs host gather vs torch.index_select, vs the link",
+                       description=__doc__.split("\n\n")[0].replace("``", "").replace("`", ""))
+    add_gather_arguments(p)
+    p.set_defaults(func=cmd_gather)
+    return p

@@ -1,0 +1,303 @@
+"""``engram-trt bench step``: what Engram costs a step, and how well the lookup hides.
+
+It builds an engram-llama with random weights in GPU memory (``--model 1b``: 16
+layers, hidden 2048, bf16, ~1.1B parameters, Engram on layers 1 and 2 with DeepSeek-
+V4.1-shaped tables, 256-byte FP8 rows + 8 scale bytes, ``--table-gib`` of them), and
+times the runtime's own step (the prefetcher staging rows on its side stream, then
+``EngramLlama.forward_step``, the torch backend's call) for decode batches and a
+prefill chunk, with the tables in GPU memory, in pinned host memory (host gather, and
+the UVA kernel), and with the Engram layers removed. Every time is printed as a ratio to
+the step without Engram measured in the same run, beside that step's own efficiency
+(its time over the weight-read time for decode, over the FLOP-bound time for prefill,
+from the copy bandwidth and matrix rate measured now) so a slow baseline cannot make
+the lookup look cheap. With ``--timeline`` it records, per step, when the lookup ran
+on the side stream and when the main stream first needed the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+           "head_dim": 128, "intermediate_size": 5632, "hc_mult": 4, "engram_layer_ids": [1, 2],
+           "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256},
+    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 64, "intermediate_size": 512, "hc_mult": 2, "engram_layer_ids": [1, 2],
+              "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
+}
+MODES = ("none", "device", "pinned-host", "pinned-uva")
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("step", help="step time with Engram tables in GPU / pinned host memory vs the Engram layers removed",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("--model", choices=sorted(PRESETS), default="1b", help="model shape (default: %(default)s)")
+    p.add_argument("--table-gib", type=float, default=24.0, help="host table size in GiB over all Engram layers (default: %(default)s)")
+    p.add_argument("--decode-batches", default="1,64,256", help="decode batch sizes (default: %(default)s)")
+    p.add_argument("--context", type=int, default=256, help="tokens already in each decode sequence's cache (default: %(default)s)")
+    p.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens, 0 to skip (default: %(default)s)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"table placements to time, of {','.join(MODES)} (default: all)")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per case (median reported; default: %(default)s)")
+    p.add_argument("--timeline", action="store_true", help="record when the lookup ran vs when the first Engram layer needed it")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write a torch-profiler Chrome trace of one pinned decode step")
+    p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
+    p.set_defaults(func=run)
+    return p
+
+
+def _config(args: argparse.Namespace, rows_per_col: int) -> dict[str, Any]:
+    d = dict(PRESETS[args.model])
+    d.update({"architectures": ["EngramLlamaForCausalLM"], "vocab_size": 129280, "tie_word_embeddings": True,
+              "max_position_embeddings": max(16384, args.prefill + 16, args.context + 16), "eos_token_id": 1,
+              "engram_vocab_size": rows_per_col, "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 1})
+    return d
+
+
+def build(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The model (random bf16 weights on the GPU), its layout and host tables."""
+    import numpy as np
+    import torch
+
+    from engram_trt.config.model import ModelConfig
+    from engram_trt.engram.layout import EngramLayout
+    from engram_trt.reference.model import EngramLlama, model_weight_shapes
+
+    pre = PRESETS[args.model]
+    cols = (pre["engram_max_ngram_size"] - 1) * pre["engram_n_heads"]
+    row_bytes = pre["engram_head_dim"] + pre["engram_head_dim"] // 32
+    n_layers = len(pre["engram_layer_ids"])
+    rows_per_col = max(1000, int(args.table_gib * 2**30 / (row_bytes * n_layers * cols)))
+    cfg = ModelConfig.from_dict(_config(args, rows_per_col))
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = {}
+    for name, shape in model_weight_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, device=device, dtype=torch.bfloat16)
+        else:
+            weights[name] = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02)
+    lookup = np.random.default_rng(0).integers(0, 99092, size=cfg.vocab_size, dtype=np.int64)
+    lookup[1] = 1
+    layout = EngramLayout.from_spec(cfg.engram, pad_id=1)
+    model = EngramLlama(cfg, weights, compress_lookup=lookup, layout=layout, device=device, dtype=torch.bfloat16)
+    del weights
+    # Host tables: a random 64 MiB block tiled over pinned memory (fast to fill; random
+    # ids still land on random pages), scales drawn from normal exponents (no NaN).
+    block = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+    block[(block & 0x7F) == 0x7F] = 0x3C  # no FP8 NaN codes
+    tables = []
+    for li in range(layout.num_layers):
+        R = int(layout.table_rows[li])
+        rows = torch.empty((R, cfg.engram.head_dim), dtype=torch.uint8, pin_memory=True)
+        flat = rows.view(-1)
+        for a in range(0, flat.numel(), block.numel()):
+            n = min(block.numel(), flat.numel() - a)
+            flat[a:a + n].copy_(block[:n])
+        scales = torch.randint(118, 130, (R, cfg.engram.head_dim // 32), dtype=torch.uint8).pin_memory()
+        tables.append((rows, scales))
+    info = {"params": sum(p.numel() for p in model.parameters()),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "table_bytes": sum(r.numel() + s.numel() for r, s in tables), "table_rows": [int(r) for r in layout.table_rows],
+            "row_bytes": row_bytes, "cols": cols}
+    return model, layout, tables, info
+
+
+def _stores(tables: list, modes: list[str], device: Any, quant_block: int) -> dict[str, Any]:
+    from engram_trt.tables.store import DeviceTables, TableStore
+
+    class PinnedTensors(TableStore):  # pinned by torch (cudaHostAlloc): readable through UVA
+        kind = "pinned"
+        gpu_readable = True
+
+    out: dict[str, Any] = {}
+    if any(m.startswith("pinned") for m in modes):
+        out["pinned"] = PinnedTensors(tables, quant_block)
+    if "device" in modes:
+        out["device"] = DeviceTables([(r.to(device), s.to(device)) for r, s in tables], quant_block)
+    return out
+
+
+def _steps(args: argparse.Namespace) -> list[tuple[str, list[int], int]]:
+    """(name, seq_lens, past) of each case: decode batches at --context, one prefill chunk."""
+    cases = [(f"decode {b}", [1] * b, args.context) for b in (int(x) for x in args.decode_batches.split(",") if x)]
+    if args.prefill:
+        cases.append((f"prefill {args.prefill}", [args.prefill], 0))
+    return cases
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from engram_trt.bench.common import dump, measure_limits, time_fn
+    from engram_trt.errors import EngramError
+    from engram_trt.runtime.prefetch import Prefetcher
+    from engram_trt.runtime.step import PackedStep
+
+    if not torch.cuda.is_available():
+        raise EngramError("bench step needs a CUDA GPU (it times the GPU runtime); none is available here")
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise EngramError(f"--modes: {bad} not among {', '.join(MODES)}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    limits = measure_limits(device)
+    model, layout, tables, info = build(args, device)
+    cfg = model.config
+    stores = _stores(tables, modes, device, cfg.engram.quant_block)
+    rng = np.random.default_rng(1)
+    results: dict[str, Any] = {"limits": limits, "model": info, "cases": {}}
+    for name, lens, past in _steps(args):
+        S, T = len(lens), sum(lens)
+        cache = model.new_cache(S, past + max(lens) + 1)
+        for k, v in zip(cache.keys, cache.values):  # random, not zeros: realistic attention inputs
+            k.normal_(0, 1), v.normal_(0, 1)
+        ids = rng.integers(2, cfg.vocab_size, size=T)
+        step = PackedStep(torch.from_numpy(ids), lens, [past] * S, list(range(S)),
+                          lookback=torch.from_numpy(model.compress_lookup.cpu().numpy()[rng.integers(2, 1000, size=(S, 3))]),
+                          engram_ids=torch.from_numpy(model.compress_lookup.cpu().numpy()[ids]))
+        cids = step.engram_ids.numpy()
+        lb = step.lookback.numpy()
+        row = {"tokens": T, "seqs": S}
+        for mode in modes:
+            pf = None
+            if mode != "none":
+                store = stores["device" if mode == "device" else "pinned"]
+                model.set_tables(store)
+                policy = None if mode == "device" else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
+                pf = Prefetcher(layout, store, device, T, gather_policy=policy)
+            model.engram_enabled = mode != "none"
+
+            def one() -> None:
+                for s in range(S):
+                    cache.lengths[s] = past
+                rows = pf.submit(step, cids, lb) if pf is not None else None
+                logits = model.forward_step(step, cache, engram_rows=rows)
+                torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
+
+            t = time_fn(one, device, 3, args.iters)
+            entry = {"step_ms": t["median_s"] * 1e3}
+            if pf is not None and args.timeline:
+                entry["timeline"] = _timeline(pf, one, device)
+            if pf is not None:
+                pf.close()
+            row[mode] = entry
+        base = row.get("none", {}).get("step_ms")
+        if base:
+            for mode in modes:
+                row[mode]["ratio_to_none"] = row[mode]["step_ms"] / base
+            row["bound_ms"] = _bound_ms(info, limits, cfg, lens, past)
+            row["baseline_efficiency"] = row["bound_ms"] / base if row["bound_ms"] else None
+        results["cases"][name] = row
+        del cache
+        torch.cuda.empty_cache()
+    if args.trace and "pinned" in stores:
+        _trace(model, stores["pinned"], layout, device, args.trace, rng)
+    _print(results, modes)
+    dump(results, args.json)
+    return 0
+
+
+def _bound_ms(info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: list[int], past: int) -> float | None:
+    """The step's floor: decode reads every weight once (plus the KV cache it attends
+    over); prefill does 2 x params x tokens FLOPs plus causal attention."""
+    if not limits:
+        return None
+    T = sum(lens)
+    if max(lens) == 1:
+        kv = 2 * cfg.num_hidden_layers * len(lens) * (past + 1) * cfg.num_key_value_heads * cfg.head_dim * 2
+        return (info["weight_bytes"] + kv) / (limits["hbm_GBps"] * 1e9) * 1e3
+    attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * (T * T / 2)
+    return (2 * info["params"] * T + attn) / (limits["bf16_TFLOPs"] * 1e12) * 1e3
+
+
+def _timeline(pf: Any, one: Any, device: Any) -> dict[str, float]:
+    """One more step with events: lookup start/end on the side stream, the main
+    stream's wait point, all relative to the step's start on the main stream."""
+    import torch
+
+    pf.timing = True
+    captured: dict[str, Any] = {}
+    orig = pf.submit
+
+    def submit(*a: Any, **k: Any) -> Any:
+        staged = orig(*a, **k)
+        captured.update(staged.info)
+        return staged
+
+    pf.submit = submit
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    one()
+    torch.cuda.synchronize(device)
+    pf.submit, pf.timing = orig, False
+    t = {k: start.elapsed_time(captured[k]) for k in ("start_event", "done_event", "wait_event") if k in captured}
+    out = {"lookup_start_ms": t.get("start_event"), "lookup_end_ms": t.get("done_event"), "first_engram_layer_ms": t.get("wait_event")}
+    if None not in out.values():
+        out["lookup_ms"] = out["lookup_end_ms"] - out["lookup_start_ms"]
+        out["exposed_ms"] = max(0.0, out["lookup_end_ms"] - out["first_engram_layer_ms"])
+    return out
+
+
+def _trace(model: Any, store: Any, layout: Any, device: Any, path: str, rng: Any) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engram_trt.runtime.prefetch import Prefetcher
+    from engram_trt.runtime.step import PackedStep
+
+    model.set_tables(store)
+    model.engram_enabled = True
+    S, past = 64, 256
+    cache = model.new_cache(S, past + 2)
+    ids = rng.integers(2, model.config.vocab_size, size=S)
+    lut = model.compress_lookup.cpu().numpy()
+    step = PackedStep(torch.from_numpy(ids), [1] * S, [past] * S, list(range(S)),
+                      lookback=torch.from_numpy(lut[rng.integers(2, 1000, size=(S, 3))]), engram_ids=torch.from_numpy(lut[ids]))
+    pf = Prefetcher(layout, store, device, S)
+    for i in range(4):
+        for s in range(S):
+            cache.lengths[s] = past
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if i == 3 else _null() as prof:
+            model.forward_step(step, cache, engram_rows=pf.submit(step, step.engram_ids.numpy(), step.lookback.numpy()))
+            torch.cuda.synchronize(device)
+    prof.export_chrome_trace(path)
+    pf.close()
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+def _print(results: dict[str, Any], modes: list[str]) -> None:
+    lim, info = results["limits"], results["model"]
+    print(f"limits measured now: HBM copy {lim.get('hbm_GBps', 0):.0f} GB/s, bf16 matmul {lim.get('bf16_TFLOPs', 0):.0f} TFLOP/s, "
+          f"pinned H2D {lim.get('h2d_GBps', 0):.1f} GB/s")
+    print(f"model: {info['params'] / 1e9:.2f}B params ({info['weight_bytes'] / 2**30:.2f} GiB bf16), tables "
+          f"{info['table_bytes'] / 2**30:.2f} GiB ({info['cols']} cols x {info['row_bytes']} B rows per Engram layer)")
+    head = f"{'case':<14}" + "".join(f"{m:>22}" for m in modes) + f"{'baseline/bound':>16}"
+    print(head)
+    for name, row in results["cases"].items():
+        cells = []
+        for m in modes:
+            e = row[m]
+            r = e.get("ratio_to_none")
+            cells.append(f"{e['step_ms']:9.3f} ms" + (f" ({r:5.3f}x)" if r is not None else "        "))
+        eff = row.get("baseline_efficiency")
+        print(f"{name:<14}" + "".join(f"{c:>22}" for c in cells) + (f"{1 / eff:>14.2f}x" if eff else f"{'':>16}"))
+        for m in modes:
+            tl = row[m].get("timeline")
+            if tl and tl.get("lookup_ms") is not None:
+                print(f"  {m}: lookup {tl['lookup_ms']:.3f} ms on the side stream, first Engram layer at "
+                      f"{tl['first_engram_layer_ms']:.3f} ms, exposed {tl['exposed_ms']:.3f} ms")
+    print("ratios: step time / step time with the Engram layers removed; baseline/bound: the no-Engram step over its floor "
+          "(weights + KV read for decode, FLOPs for prefill)")

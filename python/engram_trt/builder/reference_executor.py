@@ -1,0 +1,281 @@
+"""CPU execution of the exported serving graph, the plugin nodes bound to Python references.
+
+``onnx.reference.ReferenceEvaluator`` runs every standard op of the graph; the Engram
+plugin nodes run as :func:`_reference_ops` binds them: EngramHash / EngramGather /
+EngramGate to the hashing, quant and fusion modules, EngramAttention to
+:func:`engram_attention_reference` (float64 NumPy, the caches written in place, as the
+plugin does with its aliased cache outputs). :class:`ReferenceRunner` holds what a
+runtime holds between steps (the per-layer KV caches of every slot and each slot's
+Engram lookback) and runs one packed step at a time, so CI checks exactly the graph the
+engine is built from against the PyTorch reference model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from engram_trt.builder.onnx_export import DTYPES, PLUGIN_DOMAIN, TABLE_DTYPE_CODES, ExportedModel, decode_multipliers
+from engram_trt.config.model import ModelConfig
+from engram_trt.engram.layout import EngramLayout
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
+
+
+class TableRegistry:
+    """Maps the addresses fed as ``engram_table_ptrs``/``engram_scale_ptrs`` to arrays.
+
+    The addresses are the arrays' real data pointers (``arr.ctypes.data``), so the
+    graph is fed exactly as a GPU runtime feeds the engine; the reference gather looks
+    the address up here instead of dereferencing it.
+    """
+
+    def __init__(self) -> None:
+        self._by_addr: dict[int, np.ndarray] = {}
+
+    def register(self, arr: np.ndarray) -> int:
+        addr = int(arr.ctypes.data)
+        if addr == 0:
+            raise EngramError("cannot register an empty table")
+        self._by_addr[addr] = arr
+        return addr
+
+    def lookup(self, addr: int) -> np.ndarray:
+        try:
+            return self._by_addr[int(addr)]
+        except KeyError:
+            raise EngramError(f"table address {int(addr):#x} was never registered (feed the addresses TableRegistry.register returned)") from None
+
+
+def engram_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_cache: np.ndarray,
+                               value_cache: np.ndarray, token_slot: np.ndarray, token_pos: np.ndarray,
+                               scale: float) -> np.ndarray:
+    """The EngramAttention plugin's contract in float64: token t's ``k / v [T, kvh, hd]``
+    rows go into ``key_cache / value_cache [slots, kvh, max_seq_len, hd]`` at
+    ``(token_slot[t], :, token_pos[t])`` (in place, in the caches' dtype), then every token
+    attends to its slot's keys ``0 .. token_pos[t]`` (causal, inclusive; query head h reads
+    KV head ``h // (H / kvh)``). A token outside the cache writes nothing and gets a zero
+    row. Returns ``[T, H, hd]`` float64."""
+    T, H, hd = q.shape
+    num_slots, kvh, max_len, _ = key_cache.shape
+    group = H // kvh
+    slots = np.asarray(token_slot, dtype=np.int64)
+    pos = np.asarray(token_pos, dtype=np.int64)
+    valid = (slots >= 0) & (slots < num_slots) & (pos >= 0) & (pos < max_len)
+    live = np.nonzero(valid)[0]
+    key_cache[slots[live], :, pos[live]] = k[live]
+    value_cache[slots[live], :, pos[live]] = v[live]
+    out = np.zeros((T, H, hd), dtype=np.float64)
+    qf = np.asarray(q, dtype=np.float64).reshape(T, kvh, group, hd)
+    for t in live:
+        keys = key_cache[slots[t], :, : pos[t] + 1].astype(np.float64)  # [kvh, P, hd]
+        values = value_cache[slots[t], :, : pos[t] + 1].astype(np.float64)
+        scores = np.einsum("kgd,kpd->kgp", qf[t], keys) * float(scale)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out[t] = np.einsum("kgp,kpd->kgd", probs, values).reshape(H, hd)
+    return out
+
+
+def _reference_ops(registry: TableRegistry) -> list[type]:
+    """OpRun classes binding the plugin nodes to their Python references."""
+    from onnx.reference.op_run import OpRun
+
+    from engram_trt.engram.fusion import engram_gate_reference
+    from engram_trt.engram.hashing import hash_batch_packed
+    from engram_trt.engram.quant import dequant_fp8_rows
+
+    class EngramHash(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, ids, seq_starts, lookback, plugin_version=None, plugin_namespace=None, n_layers=None,  # noqa: ANN001
+                 max_ngram_size=None,
+                 n_heads=None, pad_id=None, compressed_vocab_size=None, primes=None, offsets=None, multipliers=None):
+            L, N, H = int(n_layers), int(max_ngram_size), int(n_heads)
+            primes_a = np.asarray(primes, dtype=np.int64).reshape(L, N - 1, H)
+            lay = EngramLayout(layer_ids=tuple(range(L)), max_ngram_size=N, n_heads=H,
+                               compressed_vocab_size=int(compressed_vocab_size), pad_id=int(pad_id), primes=primes_a,
+                               offsets=np.asarray(offsets, dtype=np.int64).reshape(L, -1),
+                               multipliers=decode_multipliers(multipliers).reshape(L, N),
+                               table_rows=primes_a.reshape(L, -1).sum(axis=1))
+            out = hash_batch_packed(ids, seq_starts, lookback, lay)
+            return (out.astype(np.int32),)
+
+    class EngramGather(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, plugin_namespace=None,  # noqa: ANN001
+                 layer_index=None, n_layers=None, n_cols=None, head_dim=None, table_dtype=None, quant_block=None,
+                 num_rows=None, bad_rows_input=None):
+            ids = np.asarray(row_ids)[:, int(layer_index), :].astype(np.int64)  # [T, cols]
+            table = registry.lookup(int(np.asarray(table_ptr).reshape(-1)[0]))
+            if table.shape[0] != int(num_rows):
+                raise EngramError(f"table at the given address has {table.shape[0]} rows, the graph expects {int(num_rows)}")
+            if int(table_dtype) == TABLE_DTYPE_CODES["fp8"]:
+                scale = registry.lookup(int(np.asarray(scale_ptr).reshape(-1)[0]))
+                rows = dequant_fp8_rows(table[ids], scale[ids], int(quant_block))
+            else:
+                rows = table.view(ml_dtypes.bfloat16)[ids].astype(np.float32)
+            return (rows.astype(ml_dtypes.bfloat16),)  # FP8 * 2^k is exact in bf16
+
+    class EngramGate(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, hidden, kv, q_weight, k_weight, live, plugin_version=None, plugin_namespace=None,  # noqa: ANN001
+                 hc_mult=None, hidden_size=None, eps=None):
+            out = engram_gate_reference(np.asarray(hidden, np.float32), np.asarray(kv, np.float32),
+                                        np.asarray(q_weight, np.float32), np.asarray(k_weight, np.float32),
+                                        np.asarray(live) != 0, float(eps))
+            return (out.astype(hidden.dtype),)
+
+    class EngramAttention(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, q, k, v, key_cache, value_cache, token_slot, token_pos, plugin_version=None,  # noqa: ANN001
+                 plugin_namespace=None, num_heads=None, num_kv_heads=None, head_dim=None, scale=None):
+            if q.shape[1:] != (int(num_heads), int(head_dim)) or key_cache.shape[1] != int(num_kv_heads):
+                raise EngramError(f"EngramAttention fields (num_heads {num_heads}, num_kv_heads {num_kv_heads}, head_dim "
+                                  f"{head_dim}) do not match q {q.shape} and key_cache {key_cache.shape}")
+            out = engram_attention_reference(q, k, v, key_cache, value_cache, token_slot, token_pos, float(scale))
+            return (out.astype(q.dtype), key_cache, value_cache)  # the caches themselves: aliased, in place
+
+    return [EngramHash, EngramGather, EngramGate, EngramAttention]
+
+
+def _array(x: Any, name: str, dtype: Any, ndim: int) -> np.ndarray:
+    """A NumPy array of ``dtype`` from a NumPy array, torch tensor or sequence."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None  # type: ignore[assignment]
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu").numpy()
+    arr = np.asarray(x)
+    if arr.ndim != ndim:
+        raise EngramError(f"{name} must be {ndim}-D (got shape {arr.shape})")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise EngramError(f"{name} must hold integers (got dtype {arr.dtype})")
+    return np.ascontiguousarray(arr.astype(dtype))
+
+
+class ReferenceRunner:
+    """Runs the exported serving graph on the CPU, one packed step at a time, holding the
+    KV caches ``[num_slots, kv_heads, max_seq_len, head_dim]`` of every layer (updated in
+    place by the EngramAttention nodes) and each slot's Engram lookback, as a runtime does.
+
+    ``tables``: per Engram layer ``(rows uint8 [R, hd] or bf16-as-uint16, scales uint8
+    [R, hd/block] or None)`` (e.g. :meth:`Checkpoint.raw_rows_view`, no copy).
+    """
+
+    def __init__(self, exported: ExportedModel, config: ModelConfig, tables: Sequence[tuple[np.ndarray, np.ndarray | None]] = (),
+                 compress_lookup: np.ndarray | None = None, *, num_slots: int = 4, max_seq_len: int | None = None) -> None:
+        from onnx.reference import ReferenceEvaluator
+
+        self.exported = exported
+        self.config = config
+        self.registry = TableRegistry()
+        self.evaluator = ReferenceEvaluator(exported.model, new_ops=_reference_ops(self.registry))
+        self.np_dtype = DTYPES[exported.dtype][1]
+        self.lookup = None if compress_lookup is None else np.asarray(compress_lookup, dtype=np.int64)
+        self.table_ptrs = np.asarray([self.registry.register(t) for t, _ in tables], dtype=np.int64)
+        self.scale_ptrs = np.asarray([0 if s is None else self.registry.register(s) for _, s in tables], dtype=np.int64)
+        self._tables = list(tables)  # keep the arrays (and their addresses) alive
+        self.num_slots = int(num_slots)
+        self.max_seq_len = int(max_seq_len or exported.io["max_position"])
+        if self.num_slots < 1 or self.max_seq_len < 1:
+            raise EngramError(f"a runner needs num_slots >= 1 and max_seq_len >= 1 (got {num_slots}, {max_seq_len})")
+        if self.max_seq_len > exported.io["max_position"]:
+            raise EngramError(f"max_seq_len {self.max_seq_len} exceeds the graph's rotary table ({exported.io['max_position']} positions)")
+        shape = (self.num_slots, config.num_key_value_heads, self.max_seq_len, config.head_dim)
+        self.key_cache = [np.zeros(shape, dtype=self.np_dtype) for _ in range(config.num_hidden_layers)]
+        self.value_cache = [np.zeros(shape, dtype=self.np_dtype) for _ in range(config.num_hidden_layers)]
+        self.lookback = np.full((self.num_slots, exported.io.get("lookback") or 0), -1, dtype=np.int32)
+
+    def run(self, step: Any, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
+        """:meth:`step` on a :class:`~engram_trt.runtime.step.PackedStep` (the one step
+        object every backend takes)."""
+        return self.step(step.input_ids, step.seq_starts, step.past_lens, step.slots, step.lookback, step.engram_ids,
+                         engram_rows=engram_rows)
+
+    def step(self, input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any, lookback: Any = None,
+             engram_ids: Any = None, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
+        """One packed step (the PackedStep fields, NumPy arrays or torch tensors): the tokens
+        ``input_ids [T]`` of S sequences back to back (``seq_starts [S+1]``), each after
+        ``past_lens[s]`` cached tokens in KV slot ``slots[s]``; ``lookback [S, N-1]`` (None:
+        each slot's own, kept from its previous steps; none for a sequence without past, so
+        a slot needs no reset between sequences); ``engram_ids [T]`` overrides the
+        compressed ids; ``engram_rows`` (prefetch graphs) per Engram layer ``[T, cols,
+        head_dim]``. Returns the logits of each sequence's last token, ``[S, vocab]`` float32."""
+        ids = _array(input_ids, "input_ids", np.int64, 1)
+        starts = _array(seq_starts, "seq_starts", np.int64, 1)
+        past = _array(past_lens, "past_lens", np.int64, 1)
+        seq_slots = _array(slots, "slots", np.int64, 1)
+        T, S = ids.shape[0], starts.shape[0] - 1
+        if T < 1 or S < 1:
+            raise EngramError(f"a step needs at least one token and one sequence (got {T} tokens, seq_starts {starts.tolist()})")
+        lengths = np.diff(starts)
+        if starts[0] != 0 or starts[-1] != T or np.any(lengths < 1):
+            raise EngramError(f"seq_starts must rise from 0 to the step's {T} tokens, each sequence >= 1 token (got {starts.tolist()})")
+        if past.shape != (S,) or seq_slots.shape != (S,):
+            raise EngramError(f"past_lens and slots must be [S] = ({S},) (got {past.shape} and {seq_slots.shape})")
+        if np.any(past < 0) or np.any(past + lengths > self.max_seq_len):
+            raise EngramError(f"past_lens {past.tolist()} + new tokens {lengths.tolist()} must stay within max_seq_len {self.max_seq_len}")
+        if np.any(seq_slots < 0) or np.any(seq_slots >= self.num_slots) or np.unique(seq_slots).size != S:
+            raise EngramError(f"slots {seq_slots.tolist()} must be distinct and in [0, {self.num_slots})")
+        vocab = self.config.vocab_size
+        if np.any(ids < 0) or np.any(ids >= vocab):
+            raise EngramError(f"input_ids must be token ids in [0, {vocab}) (got {int(ids.min())}..{int(ids.max())})")
+        feeds: dict[str, Any] = {"input_ids": ids.astype(np.int32), "seq_starts": starts.astype(np.int32),
+                                 "past_lens": past.astype(np.int32), "slots": seq_slots.astype(np.int32)}
+        for i in range(self.config.num_hidden_layers):
+            feeds[f"key_cache_{i}"] = self.key_cache[i]
+            feeds[f"value_cache_{i}"] = self.value_cache[i]
+        names = set(self.exported.input_names)
+        n = self.lookback.shape[1]
+        cids = used_lookback = None
+        if "engram_ids" in names:
+            if engram_ids is None:
+                if self.lookup is None:
+                    raise EngramError("an Engram graph needs compressed ids: pass engram_ids or give the runner the compressed vocab")
+                cids = self.lookup[ids]
+            else:
+                cids = _array(engram_ids, "engram_ids", np.int64, 1)
+                if cids.shape != (T,):
+                    raise EngramError(f"engram_ids must be [T] = ({T},) (got {cids.shape})")
+            feeds["engram_ids"] = cids.astype(np.int32)
+            if lookback is None:
+                used_lookback = self.lookback[seq_slots].astype(np.int64)
+                used_lookback[past == 0] = -1  # a sequence without past has nothing before it
+            else:
+                used_lookback = _array(lookback, "lookback", np.int64, 2)
+                if used_lookback.shape != (S, n):
+                    raise EngramError(f"lookback must be [S, N-1] = {(S, n)} (got {used_lookback.shape})")
+        if "engram_lookback" in names:
+            feeds["engram_lookback"] = used_lookback.astype(np.int32)
+            feeds["engram_table_ptrs"] = self.table_ptrs
+            feeds["engram_scale_ptrs"] = self.scale_ptrs
+        if any(name.startswith("engram_rows_") for name in names):
+            if engram_rows is None:
+                raise EngramError("a prefetch graph takes the staged rows: pass engram_rows (one [T, cols, head_dim] per Engram layer)")
+            for j, rows in enumerate(engram_rows):
+                if hasattr(rows, "detach"):
+                    rows = rows.detach().to("cpu").float().numpy()
+                feeds[f"engram_rows_{j}"] = np.asarray(rows).astype(ml_dtypes.bfloat16)
+        results = self.evaluator.run(None, feeds)
+        out = dict(zip(self.exported.output_names, results))
+        for i in range(self.config.num_hidden_layers):
+            # the aliased outputs are the caches themselves; adopt them should an executor copy
+            self.key_cache[i] = out[f"key_cache_out_{i}"]
+            self.value_cache[i] = out[f"value_cache_out_{i}"]
+        if cids is not None and n:
+            from engram_trt.engram.hashing import next_lookback
+
+            for s in range(S):
+                a, b = int(starts[s]), int(starts[s + 1])
+                self.lookback[seq_slots[s]] = next_lookback(used_lookback[s], cids[a:b], n)
+        return out["logits"]

