@@ -133,6 +133,7 @@ def test_metrics_export_counters_as_increases_and_gauges_as_values() -> None:
     stats.update(running=0, steps=15, decode_tokens=15, requests_finished=2)
     stats["engram"] = {**stats["engram"], "rows": 1200, "paths": {"reference": 14, "host": 1},
                        "hot_cache": {"hits": 7, "capacity_rows": 100}}
+    stats["storage"] = {"kind": "shared", "table_bytes": 4096, "resident_bytes": 4096, "where": "/dev/shm/x"}
     exp.update()
     fam = _FakeFamily.made
     assert fam["engram_requests_running"].kind == "GAUGE" and fam["engram_requests_running"].metrics[0].value == 0
@@ -146,6 +147,8 @@ def test_metrics_export_counters_as_increases_and_gauges_as_values() -> None:
     assert fam["engram_hot_cache_hits_total"].metrics[0].value == 7 and fam["engram_hot_cache_capacity_rows"].kind == "GAUGE"
     assert all(m.labels["model"] == "engram_llm" and m.labels["instance"] == "i0" for f in fam.values() for m in f.metrics)
     assert ("engram_step_sequences_max", ()) in flatten_stats(stats)
+    (tb,) = fam["engram_table_bytes"].metrics
+    assert tb.labels["storage"] == "shared" and tb.value == 4096 and fam["engram_table_bytes"].kind == "GAUGE"
 
 
 # ---------------------------------------------------------------- the repository (no server)
@@ -511,6 +514,7 @@ def test_metrics_count_the_lookups_of_a_request(server: dict, llm: Any) -> None:
     assert d[key("engram_lookup_rows_total")] == (P + N - 1) * layout.n_hash_cols * layout.num_layers
     assert d[key("engram_lookup_seconds_total")] > 0
     assert key("engram_lookup_bytes_from_host_total") in after  # 0 on a CPU: nothing crosses a bus
+    assert after[key("engram_table_bytes", ',storage="file"')] == llm.storage["table_bytes"] > 0  # CPU: the file store
     assert 'nv_inference_request_success{model="engram_llm"}' in after  # beside Triton's own
 
 
@@ -697,3 +701,60 @@ def test_model_cancels_a_request_whose_client_is_gone(model: Any) -> None:
     st = model.llm.stats()
     assert st["requests_finished"] == before["requests_finished"] + 1 and st["running"] == 0 and st["kv_slots_in_use"] == 0
     assert len(gone.sender.sent) == 2 and st["decode_tokens"] - before["decode_tokens"] < 399  # stopped early
+
+
+def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any, tmp_path: Path) -> None:
+    """`serve --instances 2`: two model processes, dp_shared_memory on by default, so both
+    attach the one shared table store; concurrent requests spread over both and each
+    gets the tokens LLM.generate gives."""
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
+    from engram_trt.triton.server import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except EngramError as exc:
+        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    cmd = [sys.executable, "-m", "engram_trt", "serve", str(small_engine), "--address", "127.0.0.1", "--http-port", "0",
+           "--grpc-port", "0", "--metrics-port", "0", "--json", "--instances", "2", "--exit-timeout", "10",
+           "--log-file", str(tmp_path / "tritonserver.log"),
+           "--max-batch-size", str(SERVER_LIMITS["max_batch_size"]), "--max-num-tokens", str(SERVER_LIMITS["max_num_tokens"])]
+    segments_before = {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 240)
+        line = proc.stdout.readline() if ready else ""
+        assert line, (tmp_path / "tritonserver.log").read_text()[-3000:]
+        info = json.loads(line)
+        assert info["instances"] == 2
+        made = {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before
+        want = {p: _alone(llm, p, max_tokens=10, ignore_eos=True).token_ids for p in PROMPTS[:8]}
+        got: dict[str, list[int]] = {}
+        barrier = threading.Barrier(8)
+
+        def client(p: str) -> None:
+            barrier.wait()
+            got[p] = hc.collect(hc.generate_stream(info["http"], {"text_input": p, "max_tokens": 10, "ignore_eos": True,
+                                                                  "stream": True}))[1]
+
+        threads = [threading.Thread(target=client, args=(p,)) for p in want]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert got == want
+        text = urllib.request.urlopen(info["metrics"], timeout=10).read().decode()
+        storage = re.findall(r'^engram_table_bytes\{instance="(\w+)",model="engram_llm",storage="(\w+)",version="1"\} (\S+)$',
+                             text, re.M)
+        assert sorted((i, kind, float(v)) for i, kind, v in storage) == [
+            ("engram_llm_0_0", "shared", llm.storage["table_bytes"]), ("engram_llm_0_1", "shared", llm.storage["table_bytes"])]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+    # The segment outlives its users by design (the next start re-attaches); this test
+    # made it, so it removes it, with the project's own tool.
+    assert len(made) <= 1
+    if made:
+        r = _cli("shm", "clean", *sorted(made))
+        assert r.returncode == 0, r.stderr
+        assert not made & {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")}

@@ -57,6 +57,9 @@ _LOOKUP: tuple[tuple[str, MetricDef], ...] = (
     ("steps", MetricDef("engram_lookup_steps_total", COUNTER, "steps whose Engram rows were looked up")),
 )
 _PATHS = MetricDef("engram_lookup_path_steps_total", COUNTER, "steps by gather path (device, uva, host, reference)")
+_TABLE_BYTES = MetricDef("engram_table_bytes", GAUGE, "bytes of the Engram tables this instance serves, by storage kind")
+_RESIDENT_BYTES = MetricDef("engram_table_resident_bytes", GAUGE,
+                            "bytes of table memory this instance holds or maps (a shared segment counts in every instance attached to it)")
 _HOT_COUNTER_KEYS = {"hits", "misses", "lookups", "rows", "admissions", "evictions", "inserts"}
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -69,7 +72,8 @@ def _number(v: Any) -> float | None:
 
 
 def flatten_stats(stats: Mapping[str, Any]) -> dict[Key, tuple[MetricDef, float]]:
-    """``(metric name, labels) -> (definition, value)`` of one :meth:`LLM.stats` snapshot."""
+    """``(metric name, labels) -> (definition, value)`` of one :meth:`LLM.stats` snapshot
+    (plus ``storage``: :attr:`LLM.storage`, where the model adds it)."""
     out: dict[Key, tuple[MetricDef, float]] = {}
     for key, mdef, labels in _SCHEDULER:
         v = _number(stats.get(key))
@@ -85,6 +89,13 @@ def flatten_stats(stats: Mapping[str, Any]) -> dict[Key, tuple[MetricDef, float]
             v = _number(n)
             if v is not None:
                 out[(_PATHS.name, (("path", str(path)),))] = (_PATHS, v)
+    storage = stats.get("storage")
+    if isinstance(storage, Mapping) and storage.get("kind") not in (None, "none"):
+        labels = (("storage", str(storage["kind"])),)
+        for mdef, key in ((_TABLE_BYTES, "table_bytes"), (_RESIDENT_BYTES, "resident_bytes")):
+            v = _number(storage.get(key))
+            if v is not None:
+                out[(mdef.name, labels)] = (mdef, v)
     # A hot-row cache, where the runtime has one, reports under either place.
     hot = stats.get("hot_cache")
     if not isinstance(hot, Mapping) and isinstance(eng, Mapping):

@@ -130,7 +130,9 @@ class EngramTritonModel:
         self._sender.start()
         labels = {"model": args.get("model_name", "engram_llm"), "version": str(args.get("model_version", "1")),
                   "instance": self.instance}
-        self.metrics = MetricsExporter(pb_utils, self.llm.stats, labels, interval=p.metrics_interval_s)
+        storage = self.llm.storage  # fixed for the instance's life
+        self.metrics = MetricsExporter(pb_utils, lambda: {**self.llm.stats(), "storage": storage}, labels,
+                                       interval=p.metrics_interval_s)
         self.metrics.update()
         self.metrics.start()
 
