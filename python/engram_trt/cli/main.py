@@ -27,6 +27,7 @@ from engram_trt.cli.generate import _add_generation_args, cmd_build, cmd_demo, c
 from engram_trt.cli.inspect import cmd_inspect
 from engram_trt.cli.mechanism import cmd_hash, cmd_layout
 from engram_trt.cli.output import EXIT_USAGE
+from engram_trt.cli.serve import add_repo_arguments, add_serve_arguments, cmd_serve, cmd_triton_repo
 from engram_trt.cli.shm import add_shm_command
 from engram_trt.errors import EngramError
 
@@ -102,6 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="build the engine into an --engine-dir that holds files engram-trt did not write (see build --force)")
     p.set_defaults(max_new_tokens=16)
 
+    p = add("triton-repo", cmd_triton_repo, "write a Triton Inference Server model repository serving ENGINE_DIR (model engram_llm)",
+            "Write a Triton model repository to --out: model engram_llm, served by Triton's Python backend over "
+            "engram_trt.LLM, decoupled (tokens stream as generated), with the TensorRT-LLM backend's tensor names "
+            "(inputs text_input, max_tokens, temperature, top_p, random_seed, stop_words, stream; outputs text_output, "
+            "output_ids). The folder is written new and renamed into place; an existing one is replaced only with "
+            "--force and only if engram-trt wrote it.")
+    add_repo_arguments(p)
+    p.add_argument("--out", required=True, metavar="REPO", help="the model repository folder to write (new, or empty)")
+
+    p = add("serve", cmd_serve, "serve ENGINE_DIR with a real tritonserver (HTTP, gRPC, Prometheus metrics) until SIGINT/SIGTERM",
+            "Write the model repository (as triton-repo; to a temp folder unless --repo), start tritonserver on it "
+            "(the one on PATH, else the one the nvidia-pytriton wheel ships), wait until engram_llm is ready, print the "
+            "endpoints, and on SIGINT/SIGTERM stop the server cleanly and remove the temp folder.")
+    add_serve_arguments(p)
     add_shm_command(add)
 
     from engram_trt.bench import add_bench_parser

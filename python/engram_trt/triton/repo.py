@@ -1,0 +1,307 @@
+"""The Triton model repository: ``REPO/engram_llm/config.pbtxt`` + ``1/model.py``.
+
+``config.pbtxt`` declares the Python backend, the decoupled transaction policy (tokens
+stream as generated), the TensorRT-LLM backend's tensor names (:mod:`.tensors`), the
+instance group (count, CPU or the GPUs to place instances on) and, as parameters, what
+the model hands :class:`engram_trt.LLM`: the engine folder, backend, device, the
+``--engram-config`` fields and the runtime limits. ``1/model.py`` is a shim: it finds
+the engram_trt package that wrote the repository (its path is a parameter, used when it
+still exists, else the installed package) and delegates to :mod:`.model`.
+
+Several instances on a node share one copy of the Engram tables through the shared
+table store (``dp_shared_memory``), which :func:`resolve_engram_config` turns on by
+default when more than one instance is configured.
+
+Never losing a user's folder: the repository is written into a new sibling folder and
+renamed into place. An existing non-empty ``REPO`` is refused unless ``force``, and even
+then only when it is a repository this module wrote (its marker file lists the files
+it wrote) holding nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from engram_trt import __version__
+from engram_trt.config.engram import EngramConfig
+from engram_trt.errors import EngramError
+from engram_trt.triton import MODEL_NAME
+from engram_trt.triton.tensors import INPUTS, OUTPUTS, TensorSpec
+
+log = logging.getLogger(__name__)
+
+MARKER = "engram-trt-repo.json"
+BACKENDS = ("auto", "tensorrt", "torch")
+
+MODEL_PY = '''\
+"""engram_llm: Triton Python-backend model over engram_trt.LLM (written by `engram-trt triton-repo`).
+
+The implementation lives in the engram_trt package (engram_trt/triton/model.py); this
+file only finds that package: the one that wrote this repository when its path (the
+'engram_trt_path' parameter) still holds it, else the installed one.
+"""
+
+import json
+import os
+import sys
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        path = config.get("parameters", {}).get("engram_trt_path", {}).get("string_value", "")
+        if path and os.path.isfile(os.path.join(path, "engram_trt", "__init__.py")) and path not in sys.path:
+            sys.path.insert(0, path)
+        import triton_python_backend_utils as pb_utils
+        from engram_trt.triton.model import EngramTritonModel
+
+        self._model = EngramTritonModel(pb_utils, args)
+
+    def execute(self, requests):
+        return self._model.execute(requests)
+
+    def finalize(self):
+        self._model.finalize()
+'''
+
+
+@dataclass(frozen=True)
+class RepoOptions:
+    """What goes into config.pbtxt besides the tensors (see the module docstring)."""
+
+    engine_dir: Path
+    instances: int = 1
+    gpus: tuple[int, ...] = ()
+    backend: str = "auto"
+    device: str = "auto"
+    dtype: str | None = None
+    engram_config: EngramConfig = field(default_factory=EngramConfig)
+    max_batch_size: int | None = None
+    max_seq_len: int | None = None
+    max_num_tokens: int | None = None
+    default_max_tokens: int = 16
+    metrics_interval_s: float = 1.0
+
+    @property
+    def total_instances(self) -> int:
+        """Triton places ``instances`` per listed GPU."""
+        return self.instances * max(1, len(self.gpus))
+
+
+def parse_gpus(text: str | None) -> tuple[int, ...]:
+    """``--gpus 0,1`` -> (0, 1); refused: non-integers, negatives, repeats."""
+    if text is None or not str(text).strip():
+        return ()
+    try:
+        ids = tuple(int(t) for t in str(text).split(","))
+    except ValueError:
+        raise EngramError(f"--gpus {text!r}: expected comma-separated GPU ids such as 0,1") from None
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise EngramError(f"--gpus {text!r}: GPU ids must be distinct integers >= 0")
+    return ids
+
+
+def check_engine_dir(path: str | Path) -> Path:
+    """The engine folder (or checkpoint folder), absolute; refused when it is not one.
+    Light on purpose (no torch): the model's load does the full check."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EngramError(f"engine folder '{p}' does not exist; build one with `engram-trt build CHECKPOINT --output DIR`")
+    if not p.is_dir():
+        raise EngramError(f"'{p}' is not a folder; pass an engine folder from `engram-trt build`")
+    if not (p / "manifest.json").is_file() and not (p / "config.json").is_file():
+        raise EngramError(f"'{p}' is neither an engine folder (no manifest.json) nor a checkpoint (no config.json); "
+                          "build one with `engram-trt build CHECKPOINT --output DIR`")
+    return p.resolve()
+
+
+def resolve_engram_config(cfg: EngramConfig, total_instances: int) -> EngramConfig:
+    """With several instances, default ``dp_shared_memory`` on (one table copy per node)
+    unless the user chose it, or chose a field it contradicts."""
+    if total_instances <= 1 or "dp_shared_memory" in cfg.given:
+        cfg.validate()
+        return cfg
+    shared = cfg.with_overrides({"dp_shared_memory": True})
+    try:
+        shared.validate()
+    except EngramError as exc:
+        log.info("several instances but dp_shared_memory stays off: %s", exc)
+        cfg.validate()
+        return cfg
+    return shared
+
+
+def _q(text: str) -> str:
+    """A protobuf text-format string literal."""
+    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def _tensor(t: TensorSpec, opt: bool) -> str:
+    dims = ", ".join(str(d) for d in t.dims)
+    extra = " optional: true" if opt and t.optional else ""
+    return f"  {{ name: {_q(t.name)} data_type: {t.data_type} dims: [ {dims} ]{extra} }}"
+
+
+def model_parameters(opts: RepoOptions) -> dict[str, str]:
+    """The parameters block, as strings (Triton's form); read back by
+    :meth:`engram_trt.triton.model.ModelParams.from_model_config`."""
+    import engram_trt
+
+    ecfg = opts.engram_config
+    given = {k: v for k, v in ecfg.to_dict().items() if k in ecfg.given}
+    params = {
+        "engine_dir": str(opts.engine_dir),
+        "engram_trt_path": str(Path(engram_trt.__file__).resolve().parent.parent),
+        "backend": opts.backend,
+        "device": opts.device,
+        "dtype": opts.dtype or "",
+        "engram_config": json.dumps(given, sort_keys=True) if given else "",
+        "max_batch_size": "" if opts.max_batch_size is None else str(opts.max_batch_size),
+        "max_seq_len": "" if opts.max_seq_len is None else str(opts.max_seq_len),
+        "max_num_tokens": "" if opts.max_num_tokens is None else str(opts.max_num_tokens),
+        "default_max_tokens": str(opts.default_max_tokens),
+        "metrics_interval_s": str(opts.metrics_interval_s),
+    }
+    return params
+
+
+def config_pbtxt(opts: RepoOptions) -> str:
+    """config.pbtxt of the ``engram_llm`` model."""
+    if opts.gpus:
+        group = f"  {{ count: {opts.instances} kind: KIND_GPU gpus: [ {', '.join(str(g) for g in opts.gpus)} ] }}"
+    else:
+        group = f"  {{ count: {opts.instances} kind: KIND_CPU }}"
+    lines = [
+        f"# engram_llm over engram_trt.LLM; written by engram-trt {__version__} (`engram-trt triton-repo`).",
+        "# Tensor names follow the TensorRT-LLM backend. max_batch_size 1: one prompt per request,",
+        "# concurrent requests are batched by engram-trt's scheduler (the model is decoupled).",
+        f"name: {_q(MODEL_NAME)}",
+        'backend: "python"',
+        "max_batch_size: 1",
+        "model_transaction_policy { decoupled: true }",
+        "input [",
+        ",\n".join(_tensor(t, True) for t in INPUTS),
+        "]",
+        "output [",
+        ",\n".join(_tensor(t, False) for t in OUTPUTS),
+        "]",
+        "instance_group [",
+        group,
+        "]",
+    ]
+    for key, value in model_parameters(opts).items():
+        lines.append(f"parameters {{ key: {_q(key)} value: {{ string_value: {_q(value)} }} }}")
+    return "\n".join(lines) + "\n"
+
+
+def _check_options(opts: RepoOptions) -> None:
+    if opts.instances < 1:
+        raise EngramError(f"--instances must be >= 1 (got {opts.instances})")
+    if opts.backend not in BACKENDS:
+        raise EngramError(f"--backend must be one of {', '.join(BACKENDS)} (got {opts.backend!r})")
+    if opts.gpus and opts.device not in ("auto", "cuda"):
+        raise EngramError(f"--gpus places instances on GPUs, which contradicts --device {opts.device}; drop one")
+    if opts.default_max_tokens < 1:
+        raise EngramError(f"--default-max-tokens must be >= 1 (got {opts.default_max_tokens})")
+    for name in ("max_batch_size", "max_seq_len", "max_num_tokens"):
+        v = getattr(opts, name)
+        if v is not None and v < 1:
+            raise EngramError(f"--{name.replace('_', '-')} must be >= 1 (got {v})")
+
+
+def _our_files(out: Path) -> set[str]:
+    """The files an existing repository's marker says we wrote (empty: not ours)."""
+    try:
+        marker = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(marker, dict) or marker.get("written_by") != "engram-trt":
+        return set()
+    return {str(f) for f in marker.get("files", [])} | {MARKER}
+
+
+def _check_replaceable(out: Path, force: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise EngramError(f"--out '{out}' exists and is not a folder; choose a new folder")
+    present = [p for p in out.rglob("*") if p.is_file() or p.is_symlink()]
+    if not present and not any(out.iterdir()):
+        return
+    if not force:
+        raise EngramError(f"--out '{out}' exists and is not empty; choose a new folder, or pass --force to replace "
+                          "a repository engram-trt wrote there")
+    ours = _our_files(out)
+    if not ours:
+        raise EngramError(f"--out '{out}' is not a model repository engram-trt wrote (no {MARKER}); refusing to "
+                          "replace it, even with --force; choose a new folder")
+    for p in present:
+        rel = p.relative_to(out).as_posix()
+        if rel not in ours and "__pycache__" not in p.parts:
+            raise EngramError(f"--out '{out}' holds '{rel}', which engram-trt did not write; refusing to replace it; "
+                              "move it away or choose a new folder")
+
+
+def resolve_options(opts: RepoOptions) -> RepoOptions:
+    """Checked options: the engine folder absolute, the Engram config with its
+    several-instance default (idempotent)."""
+    _check_options(opts)
+    return replace(opts, engine_dir=check_engine_dir(opts.engine_dir),
+                   engram_config=resolve_engram_config(opts.engram_config, opts.total_instances))
+
+
+def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = False) -> Path:
+    """Write the repository to ``out`` (see the module docstring); returns its path."""
+    opts = resolve_options(opts)
+    out = Path(out).expanduser().absolute()
+    _check_replaceable(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        files = {f"{MODEL_NAME}/config.pbtxt": config_pbtxt(opts), f"{MODEL_NAME}/1/model.py": MODEL_PY}
+        for rel, text in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
+        marker = {"written_by": "engram-trt", "version": __version__, "model": MODEL_NAME,
+                  "engine_dir": str(opts.engine_dir), "files": sorted(files)}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        os.chmod(tmp, 0o755)
+        if out.exists() and any(out.iterdir()):
+            # Ours (checked above): move it aside, put the new one in place, then drop it.
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "repo")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)  # replaces an empty folder atomically
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote Triton model repository %s (model %s, %d instance(s))", out, MODEL_NAME, opts.total_instances)
+    return out
+
+
+def describe(opts: RepoOptions, repo: Path) -> dict[str, Any]:
+    """What ``triton-repo --json`` prints (``opts`` as :func:`resolve_options` returns them)."""
+    return {"repo": str(repo), "model": MODEL_NAME, "engine_dir": str(opts.engine_dir),
+            "instances": opts.total_instances, "instance_kind": "KIND_GPU" if opts.gpus else "KIND_CPU",
+            "gpus": list(opts.gpus), "engram_config": json.loads(model_parameters(opts)["engram_config"] or "{}"),
+            "files": [f"{MODEL_NAME}/config.pbtxt", f"{MODEL_NAME}/1/model.py", MARKER]}
+
+
+def options_from_args(args: Any, gpus: Sequence[int] | None = None) -> RepoOptions:
+    """RepoOptions of parsed ``triton-repo`` / ``serve`` arguments."""
+    from engram_trt.config.engram import engram_config_from_args
+
+    return RepoOptions(engine_dir=Path(args.engine_dir), instances=args.instances,
+                       gpus=tuple(gpus) if gpus is not None else parse_gpus(args.gpus), backend=args.backend,
+                       device=args.device, dtype=args.dtype, engram_config=engram_config_from_args(args),
+                       max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                       max_num_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens)
