@@ -59,7 +59,7 @@ from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, Repack
                                          foreign_repack_files, hash_tables, repack_tables, sha256_file,
                                          write_manifest)
 from engram_trt.builder.onnx_export import PLUGIN_NAMES, ExportOptions, export_model
-from engram_trt.builder.output import (ENGINE_NAME, ONNX_NAME, OUTPUT_NAMES, REPORT_NAME, VOCAB_NAME,
+from engram_trt.builder.output import (ENGINE_NAME, ONNX_NAME, OUTPUT_NAMES, REPORT_NAME, TOKENIZER_FILE, VOCAB_NAME,
                                        check_output_is_ours, output_paths)
 from engram_trt.tables.source import BLOCK_BYTES, check_table_files
 
@@ -362,6 +362,10 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
                 raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
             layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
             vocab.save(tmp / VOCAB_NAME)
+        if ckpt.tokenizer_json is not None:
+            import shutil
+
+            shutil.copyfile(ckpt.tokenizer_json, tmp / TOKENIZER_FILE)
     refs: list[TableRef] = []
     with phases.phase("tables"):
         atomic.pause_point("build:tables")
@@ -431,6 +435,8 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         "engine": None if engine_path is None else {"file": ENGINE_NAME},
         "shapes": {"max_batch": int(max_batch), "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens},
         "layout": None if layout is None else layout.to_json_dict(),
+        "tokenizer": None if ckpt.tokenizer_json is None else {"file": TOKENIZER_FILE,
+                                                                 "sha256": sha256_file(tmp / TOKENIZER_FILE)},
         "compressed_vocab": None if vocab is None else {"file": VOCAB_NAME, "size": vocab.size,
                                                         "tokenizer_sha256": vocab.source_sha256,
                                                         "sha256": sha256_file(tmp / VOCAB_NAME)},

@@ -29,7 +29,8 @@ VOCAB_NAME = "compressed_vocab.npy"
 REPORT_NAME = "build_report.json"
 # Everything a build writes into its output folder: these names are replaced by a
 # rebuild; any other file there is the user's and is carried over.
-OUTPUT_NAMES = (ONNX_NAME, EXTERNAL_DATA_NAME, ENGINE_NAME, VOCAB_NAME, MANIFEST_NAME, REPORT_NAME)
+TOKENIZER_FILE = "tokenizer.json"  # a copy of the checkpoint's: the engine folder is all the runtime needs
+OUTPUT_NAMES = (ONNX_NAME, EXTERNAL_DATA_NAME, ENGINE_NAME, VOCAB_NAME, TOKENIZER_FILE, MANIFEST_NAME, REPORT_NAME)
 
 
 def output_paths(output_dir: str | Path, ckpt: Checkpoint, repack_tables_dir: str | Path | None) -> tuple[Path, Path | None]:
@@ -71,7 +72,7 @@ def previous_outputs(out: Path) -> set[str] | None:
     except EngramError:
         return None
     names = {MANIFEST_NAME, REPORT_NAME}
-    for key in ("graph", "engine", "compressed_vocab"):
+    for key in ("graph", "engine", "compressed_vocab", "tokenizer"):
         entry = m.get(key)
         if isinstance(entry, dict) and isinstance(entry.get("file"), str):
             names.add(entry["file"])

@@ -7,8 +7,10 @@ the build options and the source checkpoint (whose weights the ``torch`` backend
 the runtime never asks which it was given.
 
 Checks made here, before anything heavy runs: every table file exists and holds its
-byte range (always, a ``stat`` per file); with ``verify_tables=True`` every table's
-sha256 too (streams every byte; a progress bar on multi-GiB tables).
+byte range (always, a ``stat`` per file); a few random blocks of the tables re-hashed
+against the manifest's block hashes (always, a fraction of a second); with
+``verify_tables=True`` every table's sha256 too (streams every byte; a progress bar on
+multi-GiB tables).
 """
 
 from __future__ import annotations
@@ -84,6 +86,15 @@ def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = 
     src = _from_engine_folder(p, engram_config) if is_engine_folder(p) else _from_checkpoint(p, engram_config)
     if src.table_refs:
         check_table_files(src.table_refs)
+        if not verify_tables:
+            # The cheap default: re-hash a few random recorded blocks (a fraction of a
+            # second); every load draws afresh, so damage is found ever more surely.
+            from engram_trt.tables.source import sampled_check
+
+            problems = sampled_check(src.table_refs)
+            if problems:
+                raise EngramError("Engram tables damaged: " + "; ".join(problems) + " (restore the table files, or rebuild "
+                                  "the engine folder; engram-trt inspect ENGINE_DIR --verify-tables checks every byte)")
         if verify_tables:
             problems = verify_table_hashes(src.table_refs, progress=progress)
             if problems:
