@@ -86,6 +86,9 @@ class DecodeGraphs:
         self.lookup_pool = torch.cuda.graph_pool_handle()  # replays beside `pre`: its own memory
         self.failed: str | None = None
         self.replays = 0
+        from engram_trt.runtime.prefetch import bad_row_checker
+
+        self._bad_rows, self._check_bad_rows = bad_row_checker(self.device)
 
     # -- which steps -----------------------------------------------------------------------
     def _fits(self, step: PackedStep) -> bool:
@@ -130,6 +133,7 @@ class DecodeGraphs:
         self._fill(step, G)
         main = torch.cuda.current_stream(self.device)
         if mode == "lookup":
+            self._check_bad_rows()  # every N steps: did a gather read no table?
             self._side.wait_stream(main)  # the static buffers are filled
             with torch.cuda.stream(self._side):
                 entry["lookup"].replay()
@@ -194,7 +198,8 @@ class DecodeGraphs:
         ids = kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
         for li, out in enumerate(self.staging):  # type: ignore[arg-type]
             rows, scales = self.tables.tensors(li)
-            kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=out[:G])
+            kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=out[:G],
+                           bad_rows=self._bad_rows)
 
     def _record(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
         d = self._dev

@@ -24,6 +24,7 @@ the reference gather, synchronously.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,26 @@ from engram_trt.tables.store import TableStore
 log = logging.getLogger(__name__)
 
 GATHER_PATHS = ("device", "uva", "host", "reference")
+# Every this many steps the runtime reads the GPU gathers' bad-row counter (rows that read
+# no table: an unbound or misaligned address, or ids past a table's end) and fails the
+# step with a clear error if it moved; 1 = every step (a debug mode). One 8-byte read.
+BAD_ROW_CHECK_EVERY = int(os.environ.get("ENGRAM_TRT_CHECK_ROWS_EVERY", "256") or 256)
+
+
+def bad_row_checker(device: Any) -> Any:
+    """A device int64 counter for the gather kernels and a function that checks it every
+    BAD_ROW_CHECK_EVERY calls (each call counts one step)."""
+    from engram_trt import kernels
+
+    counter = kernels.new_bad_row_counter(device)
+    state = {"steps": 0}
+
+    def check() -> None:
+        state["steps"] += 1
+        if state["steps"] % max(1, BAD_ROW_CHECK_EVERY) == 0:
+            kernels.check_bad_rows(counter, what="Engram lookup")
+
+    return counter, check
 
 
 class StagedRows:
@@ -120,6 +141,7 @@ class Prefetcher:
             from engram_trt.reference.kernel_ops import KernelEngramOps
 
             self._ops = KernelEngramOps(layout, self.device)
+            self._bad_rows, self._check_bad_rows = bad_row_checker(self.device)
             self._stream = torch.cuda.Stream(self.device)
             self._ids_dev = torch.empty(self.max_tokens, dtype=torch.int32, device=self.device)
             self._ids_host = torch.empty(self.max_tokens, dtype=torch.int32, pin_memory=True)
@@ -179,6 +201,8 @@ class Prefetcher:
             self._account(info, time.perf_counter() - t0)
             return StagedRows(views, info=info, staging=self.staging)
         assert self._pool is not None
+        if path != "host":
+            self._check_bad_rows()
         if path == "host" and self._gatherer is not None:
             self._gatherer.wake()  # the pool's threads spin again before the ids arrive
         event = torch.cuda.Event(enable_timing=self.timing)
@@ -215,7 +239,8 @@ class Prefetcher:
                 ids = self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
                 for li, v in enumerate(views):
                     rows, scales = self.tables.tensors(li)
-                    self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v)
+                    self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v,
+                                             bad_rows=self._bad_rows)
                 info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
             event.record(self._stream)
             self._last_event = event
