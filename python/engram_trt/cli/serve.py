@@ -41,8 +41,11 @@ def add_repo_arguments(p: argparse.ArgumentParser) -> None:
                         "'auto' the first that can run where the instance runs (default: %(default)s)")
     p.add_argument("--device", default="auto",
                    help="device of KIND_CPU instances: 'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
-    p.add_argument("--dtype", default=None, metavar="{float32,bfloat16,float16}",
-                   help="compute dtype of the torch backend (default: float32 on CPU, bfloat16 on CUDA)")
+    from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
+
+    p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default=None,
+                   help=f"compute dtype of the torch backend (default: fp32 on CPU, bf16 on CUDA); every subcommand "
+                        f"takes the spellings {SPELLINGS}")
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="KV-cache slots, i.e. requests generating at once per instance (default: the engine's)")
     p.add_argument("--max-seq-len", type=int, default=None, help="tokens per KV slot, prompt + output (default: the engine's)")

@@ -1,5 +1,5 @@
 """Several ranks: Engram heads sharded over tensor-parallel ranks, and one table copy
-across data-parallel replicas (docs/distributed-draft.md).
+across data-parallel replicas (docs/distributed.md).
 
 | module | what |
 | --- | --- |
