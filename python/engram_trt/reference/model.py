@@ -227,7 +227,7 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         tokenizer.json (size checked against the config), tables in a store of kind
         ``table_storage`` (:data:`engram_trt.tables.TABLE_KINDS`; ``None``: none attached,
         the caller stages rows or attaches a store)."""
-        from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
+        from engram_trt.checkpoint.vocab import engram_lookup_and_layout
         from engram_trt.tables.source import checkpoint_table_refs
         from engram_trt.tables.store import open_tables
 
@@ -235,18 +235,7 @@ class EngramLlama(UniformBatchAPI, nn.Module):
             ckpt = Checkpoint.open(ckpt)
         cfg = ckpt.config
         spec = cfg.require_model()
-        lookup = None
-        layout = None
-        if spec is not None:
-            if compressed_vocab is None:
-                if ckpt.tokenizer_json is None:
-                    raise CheckpointError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)")
-                compressed_vocab = build_compressed_vocab(ckpt.tokenizer_json)
-            check_compressed_size(compressed_vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
-            lookup = np.asarray(compressed_vocab.lookup, dtype=np.int64)
-            if spec.pad_token_id >= lookup.shape[0]:
-                raise CheckpointError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not in the tokenizer (vocab {lookup.shape[0]})")
-            layout = EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))
+        lookup, layout = engram_lookup_and_layout(ckpt, compressed_vocab)
         require_valid(ckpt, layout)
         t0 = time.perf_counter()
         weights = {name: ckpt.get(name) for name in model_weight_shapes(cfg)}

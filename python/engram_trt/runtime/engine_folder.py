@@ -174,24 +174,13 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
 
 def _from_checkpoint(folder: Path, override: EngramConfig | None) -> ModelSource:
     from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
-    from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
+    from engram_trt.checkpoint.vocab import engram_lookup_and_layout
     from engram_trt.tables.source import checkpoint_table_refs
 
     ckpt = Checkpoint.open(folder)
     config = ckpt.config
-    spec = config.require_model()
-    lookup = layout = None
-    refs: list[TableRef] = []
-    if spec is not None:
-        if ckpt.tokenizer_json is None:
-            raise EngramError(f"checkpoint '{folder}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)")
-        vocab = build_compressed_vocab(ckpt.tokenizer_json)
-        check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
-        lookup = np.asarray(vocab.lookup, dtype=np.int64)
-        if spec.pad_token_id >= lookup.shape[0]:
-            raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not in the tokenizer (vocab {lookup.shape[0]})")
-        layout = EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))
-        refs = checkpoint_table_refs(ckpt)
+    lookup, layout = engram_lookup_and_layout(ckpt)
+    refs: list[TableRef] = checkpoint_table_refs(ckpt) if layout is not None else []
     require_valid(ckpt, layout)
     ecfg = override if override is not None else EngramConfig()
     ecfg.validate_for(config)

@@ -14,7 +14,7 @@ memory directly; anything else goes through the host gather.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -271,51 +271,51 @@ def _shape_tensor(buf: torch.Tensor, ref: TableRef) -> torch.Tensor:
     return t.view(_TORCH_DTYPES.get(ref.dtype, torch.bfloat16)) if ref.itemsize == 2 else t
 
 
-def load_memory_tables(refs: Sequence[TableRef], quant_block: int, progress: bool = True) -> MemoryTables:
+def _load_layers(refs: Sequence[TableRef], kind: str, progress: bool,
+                 load_one: Callable[[TableRef, Any], torch.Tensor]) -> tuple[list, list[int]]:
+    """Per layer (rows, scales or None) loaded by ``load_one(ref, bar)`` (one flat
+    uint8 tensor of the ref's bytes), with one byte-counting progress bar."""
     pairs = layer_refs(refs)
     layers = []
-    with _load_progress(refs, "memory", progress) as bar:
+    with _load_progress(refs, kind, progress) as bar:
         for rows_ref, scales_ref in pairs:
-            loaded = []
-            for ref in (rows_ref, scales_ref):
-                if ref is None:
-                    loaded.append(None)
-                    continue
-                buf = torch.empty(ref.nbytes, dtype=torch.uint8)
-                read_region_into(ref, buf, bar)
-                loaded.append(_shape_tensor(buf, ref))
-            layers.append((loaded[0], loaded[1]))
-    return MemoryTables(layers, quant_block, [r.layer_id for r, _ in pairs])
+            layers.append(tuple(None if ref is None else _shape_tensor(load_one(ref, bar), ref)
+                                for ref in (rows_ref, scales_ref)))
+    return layers, [r.layer_id for r, _ in pairs]
+
+
+def load_memory_tables(refs: Sequence[TableRef], quant_block: int, progress: bool = True) -> MemoryTables:
+    def load_one(ref: TableRef, bar: Any) -> torch.Tensor:
+        buf = torch.empty(ref.nbytes, dtype=torch.uint8)
+        read_region_into(ref, buf, bar)
+        return buf
+
+    layers, ids = _load_layers(refs, "memory", progress, load_one)
+    return MemoryTables(layers, quant_block, ids)
 
 
 def load_device_tables(refs: Sequence[TableRef], quant_block: int, device: torch.device,
                        progress: bool = True) -> DeviceTables:
     """Tables copied to GPU memory through one reused pinned staging buffer: the host
     never holds a whole table (no OOM while loading a table larger than free RAM)."""
-    pairs = layer_refs(refs)
     staging = torch.empty(LOAD_CHUNK, dtype=torch.uint8, pin_memory=True)
-    layers = []
-    with _load_progress(refs, "device", progress) as bar:
-        for rows_ref, scales_ref in pairs:
-            loaded = []
-            for ref in (rows_ref, scales_ref):
-                if ref is None:
-                    loaded.append(None)
-                    continue
-                dst = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
-                with open(ref.file, "rb", buffering=0) as f:
-                    f.seek(ref.offset)
-                    pos = 0
-                    while pos < ref.nbytes:
-                        n = f.readinto(memoryview(staging.numpy()[:min(LOAD_CHUNK, ref.nbytes - pos)]))
-                        if not n:
-                            raise EngramError(f"{ref.file}: ended {ref.nbytes - pos} bytes before table {ref.tensor}'s end (the file is truncated)")
-                        dst[pos:pos + n].copy_(staging[:n], non_blocking=False)
-                        pos += n
-                        bar.update(n)
-                loaded.append(_shape_tensor(dst, ref))
-            layers.append((loaded[0], loaded[1]))
-    return DeviceTables(layers, quant_block, [r.layer_id for r, _ in pairs])
+
+    def load_one(ref: TableRef, bar: Any) -> torch.Tensor:
+        dst = torch.empty(ref.nbytes, dtype=torch.uint8, device=device)
+        with open(ref.file, "rb", buffering=0) as f:
+            f.seek(ref.offset)
+            pos = 0
+            while pos < ref.nbytes:
+                n = f.readinto(memoryview(staging.numpy()[:min(LOAD_CHUNK, ref.nbytes - pos)]))
+                if not n:
+                    raise EngramError(f"{ref.file}: ended {ref.nbytes - pos} bytes before table {ref.tensor}'s end (the file is truncated)")
+                dst[pos:pos + n].copy_(staging[:n], non_blocking=False)
+                pos += n
+                bar.update(n)
+        return dst
+
+    layers, ids = _load_layers(refs, "device", progress, load_one)
+    return DeviceTables(layers, quant_block, ids)
 
 
 def open_tables(refs: Sequence[TableRef], kind: str, *, quant_block: int = 32, device: Any = "cpu",
