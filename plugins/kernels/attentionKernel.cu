@@ -37,6 +37,7 @@
 #include "attentionInternal.h"
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -58,40 +59,6 @@ static_assert(kAttnColsPerThread * kAttnThreads == ENGRAM_ATTENTION_MAX_HEAD_DIM
 
 namespace
 {
-
-__device__ __forceinline__ void loadFloat8(__nv_bfloat16 const* p, float (&v)[8])
-{
-    uint4 const raw = *reinterpret_cast<uint4 const*>(p);
-    __nv_bfloat162 const* pairs = reinterpret_cast<__nv_bfloat162 const*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        float2 const f = __bfloat1622float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ void loadFloat8(__half const* p, float (&v)[8])
-{
-    uint4 const raw = *reinterpret_cast<uint4 const*>(p);
-    __half2 const* pairs = reinterpret_cast<__half2 const*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        float2 const f = __half22float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ void loadFloat8(float const* p, float (&v)[8])
-{
-    float4 const a = *reinterpret_cast<float4 const*>(p);
-    float4 const b = *reinterpret_cast<float4 const*>(p + 4);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
 
 template <typename T>
 __device__ __forceinline__ T fromFloat(float v);
@@ -120,16 +87,6 @@ __device__ __forceinline__ float warpMax(float v)
     for (int offset = 16; offset > 0; offset >>= 1)
     {
         v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-    }
-    return v;
-}
-
-__device__ __forceinline__ float warpSum(float v)
-{
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-    {
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
     }
     return v;
 }
@@ -253,7 +210,7 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
             int32_t const g = e / vectorsPerRow;
             int32_t const c = (e % vectorsPerRow) * 8;
             float v[8];
-            loadFloat8(q + (t * p.numHeads + head0 + g) * hd + c, v);
+            load8(q + (t * p.numHeads + head0 + g) * hd + c, v);
 #pragma unroll
             for (int i = 0; i < 8; ++i)
             {
@@ -280,8 +237,8 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
                 int32_t const c = (e % vectorsPerRow) * 8;
                 int64_t const offset = (k0 + j) * hd + c;
                 float kv[8], vv[8];
-                loadFloat8(keys + offset, kv);
-                loadFloat8(values + offset, vv);
+                load8(keys + offset, kv);
+                load8(values + offset, vv);
                 float4* kDst = reinterpret_cast<float4*>(kS + j * kStride + c);
                 float4* vDst = reinterpret_cast<float4*>(vS + j * hd + c);
                 kDst[0] = make_float4(kv[0], kv[1], kv[2], kv[3]);

@@ -19,6 +19,7 @@
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "gateMath.h"
+#include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -31,41 +32,6 @@ namespace kernels
 {
 
 constexpr int kGateMaxThreads = 256;
-
-//! 8 consecutive weights as floats (bf16 from one 16-byte load, fp32 from two).
-__device__ __forceinline__ void load8(__nv_bfloat16 const* p, float (&v)[8])
-{
-    uint4 const raw = *reinterpret_cast<uint4 const*>(p);
-    __nv_bfloat162 const* pairs = reinterpret_cast<__nv_bfloat162 const*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        float2 const f = __bfloat1622float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ void load8(__half const* p, float (&v)[8])
-{
-    uint4 const raw = *reinterpret_cast<uint4 const*>(p);
-    __half2 const* pairs = reinterpret_cast<__half2 const*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        float2 const f = __half22float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ void load8(float const* p, float (&v)[8])
-{
-    float4 const a = *reinterpret_cast<float4 const*>(p);
-    float4 const b = *reinterpret_cast<float4 const*>(p + 4);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
 
 //! 8 consecutive floats rounded once (to nearest even) to the I/O type and stored.
 __device__ __forceinline__ void store8(__nv_bfloat16* p, float const (&v)[8])
@@ -96,16 +62,6 @@ __device__ __forceinline__ void store8(float* p, float const (&v)[8])
 {
     *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
     *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-__device__ __forceinline__ float warpSum(float v)
-{
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-    {
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-    }
-    return v;
 }
 
 //! Eight consecutive elements of T as loaded: one 16-byte word for 16-bit types, two for fp32.
