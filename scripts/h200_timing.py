@@ -223,7 +223,8 @@ def time_gathers(rng, table_gib: float, reps: int) -> None:
             return statistics.median(ts)
 
         def wall_time(fn) -> float:
-            fn(0)
+            for i in range(3):  # warm-up: a fresh pool's threads and staging, as in a served runtime
+                fn(i % reps)
             torch.cuda.synchronize()
             ts = []
             for i in range(reps):
