@@ -16,10 +16,10 @@ export ENGRAM_TRT_PLUGIN_LIB=/tmp/b/libengram_trt_plugins.so
 for s in ${STAGES:-verify runtime step tables attention}; do
   case $s in
     verify) TAILN=40 stage verify 120 python3 scripts/h200_verify.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --reps 5 --out "$OUT" ;;
-    runtime) TAILN=45 stage runtime 120 python3 scripts/h200_runtime_check.py --out "$OUT" ;;
+    runtime) TAILN=45 stage runtime 120 python3 scripts/h200_runtime_check.py --out "$OUT" ${RUNTIME_ARGS:-} ;;
     step) TAILN=20 stage step 100 python3 -m engram_trt bench step --model 1b --table-gib 24 --timeline --iters 8 --json "$OUT/step.json" --trace "$OUT/trace_decode64.json" ;;
     tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
-    attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ;;
+    attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ${ATTENTION_ARGS:-} ;;
   esac
 done
 # One archive of every log and result (the transfer back takes few files).
