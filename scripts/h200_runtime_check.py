@@ -113,41 +113,39 @@ def store_logits(LLM, PackedStep, engine, kind, cfg, res) -> list:  # noqa: ANN0
     """2. One store: logits of a prefill chunk, then of a mixed step."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(2, 129280, size=n).tolist() for n in (300, 40, 7)]
-    if True:
-        with LLM(str(engine), device="cuda", engram_config=cfg, progress=False) as llm:
-            r = llm.runner
-            res[f"store_{kind}"] = r.storage()
-            got = []
-            lb = np.full((3, r.lookback_len), -1, dtype=np.int64)
-            first = PackedStep.from_sequences([s[:-1] for s in seqs], slots=[0, 1, 2])
-            for step, past in ((first, None), (None, [len(s) - 1 for s in seqs])):
-                if step is None:
-                    step = PackedStep.from_sequences([s[-1:] for s in seqs], past_lens=past, slots=[0, 1, 2])
-                    lb = np.stack([r.compress(np.asarray(s[-4:-1]))[-r.lookback_len:] for s in seqs])
-                ids = step.input_ids.numpy()
-                cids = r.compress(ids)
-                step.engram_ids, step.lookback = torch.from_numpy(cids), torch.from_numpy(lb)
-                got.append(r.run(step, cids, lb).float().cpu())
-            res[f"store_{kind}_paths"] = dict(r.prefetcher.stats["paths"]) if r.prefetcher else None
-            res[f"store_{kind}_calibration"] = getattr(r, "gather_calibration", None) and r.gather_calibration.to_dict()
+    with LLM(str(engine), device="cuda", engram_config=cfg, progress=False) as llm:
+        r = llm.runner
+        res[f"store_{kind}"] = r.storage()
+        got = []
+        lb = np.full((3, r.lookback_len), -1, dtype=np.int64)
+        first = PackedStep.from_sequences([s[:-1] for s in seqs], slots=[0, 1, 2])
+        for step, past in ((first, None), (None, [len(s) - 1 for s in seqs])):
+            if step is None:
+                step = PackedStep.from_sequences([s[-1:] for s in seqs], past_lens=past, slots=[0, 1, 2])
+                lb = np.stack([r.compress(np.asarray(s[-4:-1]))[-r.lookback_len:] for s in seqs])
+            ids = step.input_ids.numpy()
+            cids = r.compress(ids)
+            step.engram_ids, step.lookback = torch.from_numpy(cids), torch.from_numpy(lb)
+            got.append(r.run(step, cids, lb).float().cpu())
+        res[f"store_{kind}_paths"] = dict(r.prefetcher.stats["paths"]) if r.prefetcher else None
+        res[f"store_{kind}_calibration"] = getattr(r, "gather_calibration", None) and r.gather_calibration.to_dict()
     return got
 
 
 def serve_bench(engine, res) -> None:  # noqa: ANN001
     """3. Serving throughput (the bench serve code path)."""
-    if True:
-        from engram_trt.bench import serve
+    from engram_trt.bench import serve
 
-        ns = argparse.Namespace(path=str(engine), concurrency="1,8,64", prompt_tokens=32, max_tokens=32, device="cuda",
-                                backend="auto", max_num_tokens=None, json=None, engram_config=None)
-        import contextlib
-        import io
+    ns = argparse.Namespace(path=str(engine), concurrency="1,8,64", prompt_tokens=32, max_tokens=32, device="cuda",
+                            backend="auto", max_num_tokens=None, json=None, engram_config=None)
+    import contextlib
+    import io
 
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            serve.run(ns)
-        res["bench_serve"] = buf.getvalue()
-        print(buf.getvalue())
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        serve.run(ns)
+    res["bench_serve"] = buf.getvalue()
+    print(buf.getvalue())
 
 
 def report(checks, res, args) -> int:  # noqa: ANN001
