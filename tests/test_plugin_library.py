@@ -519,24 +519,31 @@ def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: 
 
 def _plugin_fields(trt, fields: dict[str, tuple[str, object]]):
     """A PluginFieldCollection from {name: (kind, value)}; kind int32 / int64 / float32 /
-    text (comma-separated decimals, the ONNX form of int64 arrays)."""
+    text (comma-separated decimals, the ONNX form of int64 arrays). Also returns the
+    PluginFields and their arrays: the collection points into them without owning them,
+    so the caller holds them until createPlugin has read the fields."""
     m = trt.module
-    out = []
+    out, arrays = [], []
     for name, (kind, value) in fields.items():
         if kind == "text":
             data = np.frombuffer(str(value).encode(), dtype=np.int8).copy()
-            out.append(m.PluginField(name, data, m.PluginFieldType.CHAR))
+            ftype = m.PluginFieldType.CHAR
         else:
             ftype = {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
                      "float32": m.PluginFieldType.FLOAT32}[kind]
-            out.append(m.PluginField(name, np.atleast_1d(np.asarray(value, dtype=kind)), ftype))
-    return m.PluginFieldCollection(out)
+            data = np.atleast_1d(np.asarray(value, dtype=kind))
+        arrays.append(data)
+        out.append(m.PluginField(name, data, ftype))
+    return m.PluginFieldCollection(out), (out, arrays)
 
 
 def _create(trt, name: str, fields: dict[str, tuple[str, object]]):
     creator = trt.module.get_plugin_registry().get_creator(name, "1", NAMESPACE)
     assert creator is not None, f"{name} creator is not registered"
-    return creator.create_plugin(name, _plugin_fields(trt, fields), trt.module.TensorRTPhase.BUILD)
+    collection, keep = _plugin_fields(trt, fields)
+    plugin = creator.create_plugin(name, collection, trt.module.TensorRTPhase.BUILD)
+    del keep  # read: the plugin holds its own copy of every field
+    return plugin
 
 
 def _text(values) -> str:
