@@ -94,6 +94,7 @@ class Harness:
         self.lib.harness_roundtrip.restype = vp
         self.lib.harness_roundtrip.argtypes = [vp]
         self.lib.harness_destroy.argtypes = [vp]
+        self.lib.harness_serialized_int.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)]
         self.lib.harness_output_types.argtypes = [vp, i32, ctypes.POINTER(i32), i32, ctypes.POINTER(i32)]
         self.lib.harness_output_shapes.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), i32,
                                                    ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(i32)]
@@ -121,6 +122,13 @@ class Harness:
         if not h2:
             raise RuntimeError(f"harness_roundtrip: {self.error()}")
         return h2
+
+    def serialized_int(self, h: int, name: str) -> int:
+        """A scalar integer field of the plugin's getFieldsToSerialize (what an engine stores)."""
+        value = ctypes.c_int64(0)
+        if self.lib.harness_serialized_int(h, name.encode(), ctypes.byref(value)) != 0:
+            raise RuntimeError(f"serialized_int({name}): {self.error()}")
+        return value.value
 
     def output_types(self, h: int, in_types: list[int]) -> list[int]:
         out = (ctypes.c_int32 * 1)()
@@ -182,6 +190,14 @@ def gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
             ("n_cols", PF_INT32, np.array([cols], np.int32)), ("head_dim", PF_INT32, np.array([head_dim], np.int32)),
             ("table_dtype", PF_INT32, np.array([dtype_code], np.int32)),
             ("quant_block", PF_INT32, np.array([block], np.int32)), ("num_rows", PF_INT64, np.array([rows], np.int64))]
+
+
+def column_range_fields(column_begin, column_end, row_offset):
+    """EngramGather's optional fields of a tensor-parallel rank: its columns and the global
+    row id of its table slice's first row."""
+    return [("column_begin", PF_INT32, np.array([column_begin], np.int32)),
+            ("column_end", PF_INT32, np.array([column_end], np.int32)),
+            ("row_offset", PF_INT64, np.array([row_offset], np.int64))]
 
 
 def gate_fields(hc, D, eps):

@@ -26,6 +26,11 @@ One script, one device call:
                 -> gate; dead tokens stay hidden. Bad rows: the device counter of
                 kernels.gather(bad_rows=...) and of EngramGather's counter input equals
                 the number of ids outside the table, or every row for an unusable table.
+                A tensor-parallel rank's share (h200_column_range.py): its columns of
+                its row slice, through kernels.gather(columns=, row_offset=) and the
+                plugin's column_begin / column_end / row_offset fields, equal the
+                full-table gather's columns bit for bit; ids below and past the slice
+                give zero rows and are counted, other columns are never read.
   6. timing     (h200_timing.py) gate at 8,192 tokens x hc 4 x hidden 4096 against a
                 device-to-device copy (GB/s of bytes moved; target >= 0.70 x), hash of
                 8,192 tokens x 2 layers x 24 columns (target <= 20 us), then the gather
@@ -62,6 +67,7 @@ import numpy as np  # noqa: E402
 from h200_common import (DT, LOG, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
                          gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
                          random_fp8_table, record, say)
+import h200_column_range  # noqa: E402
 import h200_edge_cases  # noqa: E402
 import h200_timing  # noqa: E402
 
@@ -340,6 +346,7 @@ def check_plugins_cpu(harness: Harness, layouts) -> None:
                                                                                 (4, 1024), (3,)])[0] == (3, 4, 1024))
     harness.lib.harness_destroy(t2)
     harness.lib.harness_destroy(t)
+    h200_column_range.check_column_range_cpu(harness)
 
 
 def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
@@ -659,6 +666,7 @@ def main() -> int:
             stream = torch.cuda.current_stream().cuda_stream
             h200_edge_cases.check_nan(rng, harness, stream)
             h200_edge_cases.check_bad_rows(rng, harness, stream)
+            h200_column_range.check_column_range(rng, harness, stream)
             if not args.no_timing:
                 h200_timing.time_gate_and_hash(rng)
                 h200_timing.time_gathers(rng, args.table_gib, args.reps)

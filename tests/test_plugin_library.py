@@ -25,6 +25,7 @@ import pytest
 
 from engram_trt import attention_kernels, kernels, trt_compat
 from engram_trt.config.model import EngramSpec
+from engram_trt.distributed.sharding import ColumnShard, shard_columns
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
@@ -35,7 +36,7 @@ PLUGINS = {
     "EngramHash": ["n_layers", "max_ngram_size", "n_heads", "pad_id", "compressed_vocab_size", "primes", "offsets",
                    "multipliers"],
     "EngramGather": ["layer_index", "n_layers", "n_cols", "head_dim", "table_dtype", "quant_block", "num_rows",
-                     "bad_rows_input"],
+                     "bad_rows_input", "column_begin", "column_end", "row_offset"],
     "EngramGate": ["hc_mult", "hidden_size", "eps"],
     "EngramAttention": ["num_heads", "num_kv_heads", "head_dim", "scale"],
 }
@@ -279,13 +280,19 @@ def test_creators_are_registered_with_their_fields(trt) -> None:
 
 
 def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int = 2, hidden: int = 128,
-                  bad_rows_input: bool = False) -> None:
+                  bad_rows_input: bool = False, shard: ColumnShard | None = None) -> None:
     """ids -> EngramHash -> EngramGather (layer 1, fp8 table by address) -> wkv -> EngramGate.
-    ``bad_rows_input``: the gather takes the bad-row counter's address too."""
+    ``bad_rows_input``: the gather takes the bad-row counter's address too. ``shard``: a
+    tensor-parallel rank's engine, whose gather reads only the shard's columns from its row
+    slice (column_begin / column_end / row_offset, the slice's num_rows)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    cols, n = layout.n_hash_cols, layout.max_ngram_size - 1
+    n = layout.max_ngram_size - 1
+    cols = layout.n_hash_cols if shard is None else shard.num_cols  # the gather's output columns
+    share = {} if shard is None else {"column_begin": shard.col_begin, "column_end": shard.col_end,
+                                      "row_offset": shard.row_begin[1]}
+    num_rows = int(layout.table_rows[1]) if shard is None else shard.num_rows(1)
     rng = np.random.default_rng(0)
 
     def bf16_init(name, shape):
@@ -311,8 +318,8 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
         helper.make_node("EngramGather", ["hash_ids", "rows_addr", "scales_addr"] + (["bad_rows_addr"] if bad_rows_input else []),
                          ["rows"], name="gather",
                          domain="engram_trt", plugin_version="1", **ns, layer_index=1, n_layers=layout.num_layers,
-                         n_cols=cols, head_dim=head_dim, table_dtype=0, quant_block=32,
-                         num_rows=int(layout.table_rows[1]), **counter),
+                         n_cols=layout.n_hash_cols, head_dim=head_dim, table_dtype=0, quant_block=32,
+                         num_rows=num_rows, **counter, **share),
         helper.make_node("Reshape", ["rows", "flat_shape"], ["rows_flat"], name="flatten"),
         helper.make_node("MatMul", ["rows_flat", "wkv"], ["kv"], name="wkv"),
         helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
@@ -337,11 +344,13 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
     onnx.save(model, str(path))
 
 
-@pytest.mark.parametrize("bad_rows_input", [False, True], ids=["tables only", "with bad-row counter"])
+@pytest.mark.parametrize("bad_rows_input, rank", [(False, None), (True, None), (True, 1)],
+                         ids=["tables only", "with bad-row counter", "rank 1 of 2: its columns and row slice"])
 def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramLayout, tmp_path: Path,
-                                                            bad_rows_input: bool) -> None:
+                                                            bad_rows_input: bool, rank: int | None) -> None:
     path = tmp_path / "engram.onnx"
-    _engram_graph(layout, path, bad_rows_input=bad_rows_input)
+    shard = None if rank is None else shard_columns(layout, rank, 2)
+    _engram_graph(layout, path, bad_rows_input=bad_rows_input, shard=shard)
     builder = trt_compat.create_builder()
     network = trt_compat.create_network(builder)
     parser = trt_compat.onnx_parser(network)
@@ -356,6 +365,9 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
         assert (core.plugin_namespace, core.plugin_version) == (NAMESPACE, "1")
     by_name = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
     assert tuple(by_name["out"].shape)[1:] == (2, 128) and by_name["out"].dtype == trt.module.bfloat16
+    (gather,) = [layer for layer in plugin_layers if layer.name == "gather"]
+    cols = layout.n_hash_cols if shard is None else shard.num_cols  # rank 1 of 2: columns 4..8 of 8
+    assert tuple(gather.get_output(0).shape) == (-1, cols, 64)
 
     config = builder.create_builder_config()
     if trt.is_rtx:
@@ -519,24 +531,31 @@ def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: 
 
 def _plugin_fields(trt, fields: dict[str, tuple[str, object]]):
     """A PluginFieldCollection from {name: (kind, value)}; kind int32 / int64 / float32 /
-    text (comma-separated decimals, the ONNX form of int64 arrays)."""
+    text (comma-separated decimals, the ONNX form of int64 arrays). Also returns the
+    PluginFields and their arrays: the collection points into them without owning them,
+    so the caller holds them until createPlugin has read the fields."""
     m = trt.module
-    out = []
+    out, arrays = [], []
     for name, (kind, value) in fields.items():
         if kind == "text":
             data = np.frombuffer(str(value).encode(), dtype=np.int8).copy()
-            out.append(m.PluginField(name, data, m.PluginFieldType.CHAR))
+            ftype = m.PluginFieldType.CHAR
         else:
             ftype = {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
                      "float32": m.PluginFieldType.FLOAT32}[kind]
-            out.append(m.PluginField(name, np.atleast_1d(np.asarray(value, dtype=kind)), ftype))
-    return m.PluginFieldCollection(out)
+            data = np.atleast_1d(np.asarray(value, dtype=kind))
+        arrays.append(data)
+        out.append(m.PluginField(name, data, ftype))
+    return m.PluginFieldCollection(out), (out, arrays)
 
 
 def _create(trt, name: str, fields: dict[str, tuple[str, object]]):
     creator = trt.module.get_plugin_registry().get_creator(name, "1", NAMESPACE)
     assert creator is not None, f"{name} creator is not registered"
-    return creator.create_plugin(name, _plugin_fields(trt, fields), trt.module.TensorRTPhase.BUILD)
+    collection, keep = _plugin_fields(trt, fields)
+    plugin = creator.create_plugin(name, collection, trt.module.TensorRTPhase.BUILD)
+    del keep  # read: the plugin holds its own copy of every field
+    return plugin
 
 
 def _text(values) -> str:
@@ -579,6 +598,18 @@ BAD_FIELDS = [
     ("EngramGather", {"table_dtype": ("int64", 2**32)}, "field 'table_dtype' = 4294967296 is outside [0, 1]"),
     ("EngramGather", {"num_rows": ("int64", 2**31)}, "num_rows must be in [1, 2^31 - 1]"),
     ("EngramGather", {"bad_rows_input": ("int32", 2)}, "field 'bad_rows_input' = 2 is outside [0, 1]"),
+    ("EngramGather", {"column_begin": ("int32", -1)}, "column_begin must be in [0, n_cols 8), got -1"),
+    ("EngramGather", {"column_begin": ("int32", 8)}, "column_begin must be in [0, n_cols 8), got 8"),
+    ("EngramGather", {"column_begin": ("int64", 2**32 + 2)}, "field 'column_begin' = 4294967298 is outside"),
+    ("EngramGather", {"column_end": ("int32", 9)}, "column_end must be in [column_begin + 1, n_cols] = [1, 8], got 9"),
+    ("EngramGather", {"column_begin": ("int32", 3), "column_end": ("int32", 3)},
+     "column_end must be in [column_begin + 1, n_cols] = [4, 8], got 3"),
+    ("EngramGather", {"column_begin": ("int32", 5), "column_end": ("int64", 2)},
+     "column_end must be in [column_begin + 1, n_cols] = [6, 8], got 2"),
+    ("EngramGather", {"row_offset": ("int64", -1)}, "row_offset must be >= 0, got -1"),
+    ("EngramGather", {"row_offset": ("int64", 2**31 - 1000)},
+     "row_offset 2147482648 + num_rows 1000 exceeds 2^31 - 1 (row ids are int32)"),
+    ("EngramGather", {"row_offset": ("int64", 2**63 - 1)}, "row_offset 9223372036854775807 + num_rows 1000 exceeds"),
     ("EngramAttention", {"num_heads": ("int64", 2**32 + 32)}, "field 'num_heads' = 4294967328 is outside"),
     ("EngramAttention", {"num_kv_heads": ("int32", 0)}, "field 'num_kv_heads' = 0 is outside"),
     ("EngramAttention", {"num_kv_heads": ("int32", 12)}, "num_heads must be a positive multiple of num_kv_heads"),
@@ -626,6 +657,10 @@ def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> No
         assert _create(trt, "EngramAttention", {**ATTENTION_FIELDS, **edge}) is not None, edge
     for flag in (0, 1):  # the optional bad-row counter input
         assert _create(trt, "EngramGather", {**GATHER_FIELDS, "bad_rows_input": ("int32", flag)}) is not None
+    for share in ({"column_begin": ("int32", 7)}, {"column_end": ("int32", 1)},  # the first and last column alone
+                  {"column_begin": ("int64", 2), "column_end": ("int64", 6), "row_offset": ("int32", 0)},
+                  {"row_offset": ("int64", 2**31 - 1 - 1000)}):  # the slice ends at the last int32 row id
+        assert _create(trt, "EngramGather", {**GATHER_FIELDS, **share}) is not None, share
 
 
 # --- prepared hash layout, bad-row counter: host-side ABI (no GPU) ---------------------
@@ -828,3 +863,121 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
     assert "configurePlugin failed: EngramAttention: k must be [T, 2, 64], got [-1, 1, 64]" in messages[2], messages[2]
     assert "enqueue failed" in messages[3] and "token_pos must be [5], got [4]" in messages[3], messages[3]
     assert not any("launch" in m or "cudaMemcpy" in m for m in messages[2:]), messages[2:]
+
+
+# --- a tensor-parallel rank's gather: its columns of its row slice ----------------------
+
+def test_gather_ex_abi_checks_the_row_offset(plugin_lib: Path) -> None:
+    """engram_gather_ex / engram_gather_indirect_ex take a row slice's first global row id:
+    refused outside [0, 2^31 - 1] (ids are int32) and for the identity gather, on the host,
+    one line naming the function; valid arguments with no token launch nothing."""
+    import ctypes
+
+    lib = kernels.load_library()
+    lib.engram_gather_indirect_ex.restype = ctypes.c_int
+    i32, i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    lib.engram_gather_indirect_ex.argtypes = [vp, i64, i32, i64, vp, vp, i64, i64, i32, i32, i32, vp, vp, vp]
+    p = ctypes.c_void_p(256)  # never read: the calls fail on their arguments first, or launch nothing
+
+    def direct(row_offset: int, ids=p, T: int = 1) -> tuple[int, str]:
+        status = lib.engram_gather_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, kernels.TABLE_FP8_E4M3, 32, p, None, None)
+        return status, lib.engram_last_error().decode()
+
+    def indirect(row_offset: int, ids=p, T: int = 1) -> tuple[int, str]:
+        status = lib.engram_gather_indirect_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, kernels.TABLE_BF16, 32, p,
+                                               None, None)
+        return status, lib.engram_last_error().decode()
+
+    for fn, call in (("engram_gather_ex", direct), ("engram_gather_indirect_ex", indirect)):
+        assert call(-1) == (1, f"{fn}: row_offset must be in [0, 2^31 - 1] (row ids are int32), got -1")
+        assert call(2**31) == (1, f"{fn}: row_offset must be in [0, 2^31 - 1] (row ids are int32), got 2147483648")
+        assert call(5, ids=None) == (1, f"{fn}: the identity gather (ids NULL) takes no row_offset, got 5")
+        assert call(2**31 - 1, T=0) == (0, "")  # the largest offset is valid; zero tokens launch nothing
+        assert call(0, ids=None, T=0) == (0, "")
+    # the other checks name the _ex function too
+    status = lib.engram_gather_ex(p, 1, 4, 8, ctypes.c_void_p(264), p, 100, 7, 64, kernels.TABLE_FP8_E4M3, 32, p,
+                                  None, None)
+    assert (status, lib.engram_last_error().decode()) == (
+        1, "engram_gather_ex: table rows must be a 16-byte aligned pointer")
+
+
+def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
+    """kernels.gather(columns=, row_offset=) name a bad range or offset before any device
+    check (so they fail the same with or without a GPU)."""
+    import torch
+
+    ids, table = torch.zeros(2, 3, 8, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.bfloat16)
+    for columns in ((3, 3), (-1, 4), (2, 9), (5, 2), (1,), "0:4", (0.0, 4), (True, 4)):
+        with pytest.raises(EngramError, match=r"^columns must be \(begin, end\) with 0 <= begin < end <= 8 \(the ids' "
+                                              r"columns\); got "):
+            kernels.gather(ids, table, layer=1, columns=columns)
+    for row_offset in (-1, 2**31, 1.0, True, None):
+        with pytest.raises(EngramError, match=r"^row_offset must be an integer in \[0, 2\^31 - 1\] .*; got "):
+            kernels.gather(ids, table, layer=1, row_offset=row_offset)
+    with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # a valid share: on to the device check
+        kernels.gather(ids, table, layer=1, columns=(0, 8), row_offset=2**31 - 1)
+    assert kernels._ids_view(ids, 1, "any", (5, 8)) == (2, 3, 24, (8 + 5) * 4)  # [T, 3 columns], stride L * cols
+    assert kernels._ids_view(ids[:, 0].contiguous(), None, "any", (0, 8)) == (2, 8, 8, 0)
+
+
+@pytest.fixture(scope="module")
+def column_range_check():
+    """scripts/h200_column_range.py and the harness (creation, shapes, serialized fields:
+    no GPU needed)."""
+    import importlib
+    import sys
+
+    if not HARNESS.is_file():
+        pytest.skip(f"the plugin harness is not built ({HARNESS}; configure with -DENGRAM_TRT_BUILD_HARNESS=ON)")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        check = importlib.import_module("h200_column_range")
+        common = importlib.import_module("h200_common")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    return check, common, common.Harness(HARNESS)
+
+
+def test_column_range_fields_through_the_harness(column_range_check) -> None:
+    """EngramGather's column_begin / column_end / row_offset as TensorRT drives them: the
+    output shape [T, column_end - column_begin, head_dim], the values getFieldsToSerialize
+    writes into an engine before and after a round trip, the defaults (every column of the
+    whole table) and the refusals (one line, the field named, file:line)."""
+    check, common, h = column_range_check
+    common.RESULTS["checks"].clear()
+    check.check_column_range_cpu(h)
+    results = common.RESULTS["checks"]
+    assert len(results) == 11 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+
+
+def test_rank_share_gather_enqueue_validates_then_launches(column_range_check) -> None:
+    """With no GPU an enqueue fails at its first CUDA call, which shows how far it got: a
+    rank's plugin (columns 2..5 of 8, a row slice at global row 700) given a [T, 3,
+    head_dim] output passes every check of the plugin and of engram_gather_indirect_ex
+    (the row offset included) and fails launching the gather; given the full [T, 8,
+    head_dim] output it is refused before any CUDA call; its build-phase twin only clears
+    the output."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/h200_verify.py runs these enqueues for real")
+    _, common, h = column_range_check
+    fields = (common.gather_fields(1, 2, 8, 64, 0, 32, 300) + common.column_range_fields(2, 5, 700)
+              + [("bad_rows_input", common.PF_INT32, np.array([1], np.int32))])
+    ids = torch.zeros(4, 2, 8, dtype=torch.int32)
+    addresses = [torch.tensor([0x5EAD_BEE0_0000 + 16 * i]) for i in range(3)]  # rows, scales, counter
+    types = [common.DT["int32"]] + [common.DT["int64"]] * 3
+    messages = []
+    for phase, width in ((1, 3), (1, 8), (0, 3)):
+        plugin = h.create("EngramGather", fields, phase=phase)
+        try:
+            with pytest.raises(RuntimeError) as failure:
+                h.run(plugin, [ids, *addresses], types, torch.zeros(4, width, 64, dtype=torch.bfloat16),
+                      common.DT["bfloat16"], 0)
+            messages.append(str(failure.value))
+        finally:
+            h.lib.harness_destroy(plugin)
+    assert "engram_gather launch failed" in messages[0], messages[0]
+    assert "output must be [T, 3, 64], got [4, 8, 64]" in messages[1], messages[1]
+    assert re.search(r"\(engramGatherPlugin\.cpp:\d+\)", messages[1]) and "launch" not in messages[1], messages[1]
+    assert "cudaMemsetAsync(outputs[0], 0, bytes, stream) failed" in messages[2], messages[2]

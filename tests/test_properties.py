@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from engram_trt.checkpoint.checkpoint import ST_DTYPES, _tensor_infos
@@ -44,6 +44,7 @@ interesting_ints = st.one_of(st.integers(-3, 40), st.sampled_from([0, 1, 2, 15, 
                                                              "max_position_embeddings", "tie_word_embeddings"]),
                              st.one_of(interesting_ints, json_values, st.lists(interesting_ints, min_size=1, max_size=5)),
                              max_size=4))
+@example(patch={"engram_layer_ids": None})  # the other Engram fields stray: refused naming the source file
 def test_config_parsing_accepts_only_bounded_values(patch: dict[str, Any]) -> None:
     """Any mutation of a good config either parses into values within every bound (and
     round-trips), or is refused with one ConfigError line naming a field; nothing else

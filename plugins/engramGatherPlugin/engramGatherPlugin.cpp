@@ -30,6 +30,15 @@ void checkConfig(GatherConfig const& c)
     // Row ids are int32, so a larger table could not be addressed past 2^31 - 1 anyway.
     ENGRAM_PLUGIN_CHECK(c.numRows >= 1 && c.numRows <= INT32_MAX,
         "num_rows must be in [1, 2^31 - 1] (row ids are int32), got " << c.numRows);
+    ENGRAM_PLUGIN_CHECK(c.columnBegin >= 0 && c.columnBegin < c.numCols,
+        "column_begin must be in [0, n_cols " << c.numCols << "), got " << c.columnBegin);
+    ENGRAM_PLUGIN_CHECK(c.columnEnd > c.columnBegin && c.columnEnd <= c.numCols,
+        "column_end must be in [column_begin + 1, n_cols] = [" << c.columnBegin + 1 << ", " << c.numCols << "], got "
+                                                               << c.columnEnd);
+    ENGRAM_PLUGIN_CHECK(c.rowOffset >= 0, "row_offset must be >= 0, got " << c.rowOffset);
+    // The slice's rows are rows of a table the unsharded plugin accepts (int32 row ids).
+    ENGRAM_PLUGIN_CHECK(c.rowOffset <= INT32_MAX - c.numRows,
+        "row_offset " << c.rowOffset << " + num_rows " << c.numRows << " exceeds 2^31 - 1 (row ids are int32)");
     int const status = engram_gather_check_table(c.headDim, c.tableDtype, c.quantBlock);
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
@@ -96,7 +105,7 @@ int32_t EngramGatherPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, i
         ENGRAM_PLUGIN_CHECK(inputs[gather_detail::kIds].nbDims == 3, "ids must be 3-D [T, L, cols]");
         outputs[0].nbDims = 3;
         outputs[0].d[0] = inputs[gather_detail::kIds].d[0];
-        outputs[0].d[1] = exprBuilder.constant(mConfig.numCols);
+        outputs[0].d[1] = exprBuilder.constant(mConfig.outCols());
         outputs[0].d[2] = exprBuilder.constant(mConfig.headDim);
         return 0;
     }
@@ -164,8 +173,8 @@ int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && ids.d[1] == mConfig.numLayers && ids.d[2] == mConfig.numCols,
             "ids must be [T, " << mConfig.numLayers << ", " << mConfig.numCols << "], got " << dimsToString(ids));
         ENGRAM_PLUGIN_CHECK(
-            out.nbDims == 3 && out.d[0] == ids.d[0] && out.d[1] == mConfig.numCols && out.d[2] == mConfig.headDim,
-            "output must be [T, cols, head_dim], got " << dimsToString(out));
+            out.nbDims == 3 && out.d[0] == ids.d[0] && out.d[1] == mConfig.outCols() && out.d[2] == mConfig.headDim,
+            "output must be [T, " << mConfig.outCols() << ", " << mConfig.headDim << "], got " << dimsToString(out));
         if (mPhase == nvinfer1::TensorRTPhase::kBUILD)
         {
             // TensorRT runs this enqueue to time the plugin on inputs it made up: the
@@ -181,16 +190,19 @@ int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         {
             ENGRAM_PLUGIN_CHECK(volume(inputDesc[i].dims) == 1, "address input " << i << " must hold one int64");
         }
+        // The rank's columns are a view of the hash output: from column column_begin of
+        // the layer, outCols() per token, the token stride of the whole [T, L, cols].
         int64_t const tokenStride = static_cast<int64_t>(mConfig.numLayers) * mConfig.numCols;
         auto const* layerIds = static_cast<int32_t const*>(inputs[gather_detail::kIds])
-            + static_cast<int64_t>(mConfig.layerIndex) * mConfig.numCols;
+            + static_cast<int64_t>(mConfig.layerIndex) * mConfig.numCols + mConfig.columnBegin;
         auto const* scalesAddr
             = mConfig.fp8() ? static_cast<int64_t const*>(inputs[gather_detail::kScalesAddr]) : nullptr;
         auto const* badRowsAddr
             = mConfig.badRowsInput ? static_cast<int64_t const*>(inputs[mConfig.badRowsIndex()]) : nullptr;
-        int const status = engram_gather_indirect(layerIds, ids.d[0], mConfig.numCols, tokenStride,
-            static_cast<int64_t const*>(inputs[gather_detail::kRowsAddr]), scalesAddr, mConfig.numRows, mConfig.headDim,
-            mConfig.tableDtype, mConfig.quantBlock, outputs[0], badRowsAddr, stream);
+        int const status = engram_gather_indirect_ex(layerIds, ids.d[0], mConfig.outCols(), tokenStride,
+            static_cast<int64_t const*>(inputs[gather_detail::kRowsAddr]), scalesAddr, mConfig.numRows,
+            mConfig.rowOffset, mConfig.headDim, mConfig.tableDtype, mConfig.quantBlock, outputs[0], badRowsAddr,
+            stream);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         return 0;
     }
@@ -210,6 +222,9 @@ nvinfer1::PluginFieldCollection const* EngramGatherPlugin::getFieldsToSerialize(
         mSerialized.addInt32("quant_block", mConfig.quantBlock);
         mSerialized.addInt64("num_rows", mConfig.numRows);
         mSerialized.addInt32("bad_rows_input", mConfig.badRowsInput ? 1 : 0);
+        mSerialized.addInt32("column_begin", mConfig.columnBegin);
+        mSerialized.addInt32("column_end", mConfig.columnEnd);
+        mSerialized.addInt64("row_offset", mConfig.rowOffset);
         return mSerialized.collection();
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
@@ -226,6 +241,9 @@ EngramGatherPluginCreator::EngramGatherPluginCreator()
           {"quant_block", PluginFieldType::kINT32, 1},
           {"num_rows", PluginFieldType::kINT64, 1},
           {"bad_rows_input", PluginFieldType::kINT32, 1},
+          {"column_begin", PluginFieldType::kINT32, 1},
+          {"column_end", PluginFieldType::kINT32, 1},
+          {"row_offset", PluginFieldType::kINT64, 1},
       })
 {
 }
@@ -251,6 +269,11 @@ nvinfer1::IPluginV3* EngramGatherPluginCreator::createPlugin(
         config.numRows = reader.getInt("num_rows");
         // Optional (engines and graphs without the counter input omit it): 0 or 1.
         config.badRowsInput = reader.has("bad_rows_input") && reader.getInt32("bad_rows_input", 0, 1) == 1;
+        // Optional, a tensor-parallel rank's share (checked in checkConfig); the defaults
+        // are every column of the whole table, the engines and graphs that omit them.
+        config.columnBegin = reader.has("column_begin") ? reader.getInt32("column_begin") : 0;
+        config.columnEnd = reader.has("column_end") ? reader.getInt32("column_end") : config.numCols;
+        config.rowOffset = reader.has("row_offset") ? reader.getInt("row_offset") : 0;
         reader.finish();
         return new EngramGatherPlugin(config, phase);
     }

@@ -6,8 +6,10 @@
  * enter an engine. An optional last input holds the address of a device int64 that
  * counts the rows that read nothing. A plugin created for a build (TensorRTPhase::kBUILD,
  * and every clone of it) never dereferences an address: TensorRT times it on made-up
- * inputs, so its enqueue writes zero rows. The math is engram_gather_indirect() of the
- * kernel library. See README.md.
+ * inputs, so its enqueue writes zero rows. A tensor-parallel rank's engine gathers only
+ * its columns [column_begin, column_end) from its row slice (global rows [row_offset,
+ * row_offset + num_rows)); the defaults are every column of the whole table. The math is
+ * engram_gather_indirect_ex() of the kernel library. See README.md.
  */
 #ifndef ENGRAM_TRT_GATHER_PLUGIN_H
 #define ENGRAM_TRT_GATHER_PLUGIN_H
@@ -28,11 +30,19 @@ struct GatherConfig
     int32_t headDim{0};
     int32_t tableDtype{0}; // EngramTableDtype
     int32_t quantBlock{0};
-    int64_t numRows{0}; // rows of this layer's table (sum of its primes)
+    int64_t numRows{0};     // rows of this layer's table (sum of its primes), or of the rank's slice of it
+    int32_t columnBegin{0}; // the columns [columnBegin, columnEnd) of the layer that are gathered
+    int32_t columnEnd{0};   // (the creator's default: numCols)
+    int64_t rowOffset{0};   // global row id of the bound table's first row (a rank's slice; 0: the whole table)
 
     bool badRowsInput{false}; // the node's last input holds the bad-row counter's address
 
     bool fp8() const;
+    //! Columns of the output, columnEnd - columnBegin.
+    int32_t outCols() const
+    {
+        return columnEnd - columnBegin;
+    }
     //! ids, rows address (, scales address) (, bad-row counter address).
     int32_t numInputs() const
     {

@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.3.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.4.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -174,6 +174,21 @@ ENGRAM_API int engram_gather(const int32_t* ids, int64_t num_tokens, int32_t num
     const void* table_rows, const void* table_scales, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
     int32_t quant_block, void* out, int64_t* bad_rows, cudaStream_t stream);
 
+/*
+ * engram_gather from a row slice of a table: table_rows / table_scales hold global rows
+ * [row_offset, row_offset + table_num_rows) (a tensor-parallel rank's slice, its first
+ * row at table_rows), and ids are global row ids, so token t's column c reads slice row
+ * ids[...] - row_offset. An id outside the slice, below row_offset included, gives a
+ * zero row and counts as a bad row: nothing before or after the slice is read.
+ * row_offset in [0, 2^31 - 1] (ids are int32); the identity gather (ids NULL) needs
+ * row_offset 0. A column range of a layer is a view of the ids: pass ids + l * cols +
+ * column_begin, num_cols = column_end - column_begin and the full id_token_stride.
+ * With row_offset 0 it is engram_gather, bit for bit.
+ */
+ENGRAM_API int engram_gather_ex(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
+    const void* table_rows, const void* table_scales, int64_t table_num_rows, int64_t row_offset, int32_t head_dim,
+    int32_t table_dtype, int32_t quant_block, void* out, int64_t* bad_rows, cudaStream_t stream);
+
 /* The table-format checks engram_gather makes (head_dim, dtype, quant_block), alone. */
 ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, int32_t quant_block);
 
@@ -193,6 +208,14 @@ ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, 
 ENGRAM_API int engram_gather_indirect(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
     const int64_t* table_rows_addr, const int64_t* table_scales_addr, int64_t table_num_rows, int32_t head_dim,
     int32_t table_dtype, int32_t quant_block, void* out, const int64_t* bad_rows_addr, cudaStream_t stream);
+
+/* engram_gather_indirect from a row slice (row_offset as in engram_gather_ex): the
+ * addresses point at the slice's first row, table_num_rows is the slice's row count.
+ * The EngramGather plugin's form (fields column_begin, column_end, row_offset). */
+ENGRAM_API int engram_gather_indirect_ex(const int32_t* ids, int64_t num_tokens, int32_t num_cols,
+    int64_t id_token_stride, const int64_t* table_rows_addr, const int64_t* table_scales_addr, int64_t table_num_rows,
+    int64_t row_offset, int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out,
+    const int64_t* bad_rows_addr, cudaStream_t stream);
 
 /*
  * Host gather: rows are gathered by CPU threads from a host table (any host memory,

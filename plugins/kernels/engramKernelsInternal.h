@@ -56,11 +56,12 @@ int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64
 //! Enqueues the gather kernel. Exactly one of (rows, rowsAddr) is used: a non-null
 //! rowsAddr means the addresses are read on the device. badRows (a device int64) or
 //! badRowsAddr (a device int64 holding such a counter's address, 0 = none) counts the
-//! rows that read nothing; both default to no count.
+//! rows that read nothing; both default to no count. rowOffset (checked by the caller:
+//! [0, 2^31 - 1], and 0 when ids is NULL) is the global id of the table's first row.
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows = nullptr,
-    int64_t const* badRowsAddr = nullptr);
+    int64_t const* badRowsAddr = nullptr, int64_t rowOffset = 0);
 
 } // namespace kernels
 } // namespace engram_trt

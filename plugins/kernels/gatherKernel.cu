@@ -17,14 +17,25 @@
  * to the lanes of its quant block with a shuffle after all loads are in flight; other
  * row widths load the scale byte per vector.
  *
- * Rows that read nothing (an id outside [0, table_num_rows), or, for the indirect form,
- * a table address of 0 / misaligned / an fp8 table without scales) are written as zero
- * rows; when the caller passes a counter, each such row adds 1 to it (one atomic per
- * warp), so a runtime can tell a forgotten binding from a real table.
+ * Rows that read nothing (an id outside [row_offset, row_offset + table_num_rows), or,
+ * for the indirect form, a table address of 0 / misaligned / an fp8 table without
+ * scales) are written as zero rows; when the caller passes a counter, each such row adds
+ * 1 to it (one atomic per warp), so a runtime can tell a forgotten binding from a real
+ * table.
+ *
+ * Row slices: a tensor-parallel rank holds rows [row_offset, row_offset + num_rows) of a
+ * layer's table and passes that slice (its first row at table_rows) with the global ids.
+ * The id's table row is computed in 32 bits, uint32(id) - row_offset: an id below
+ * row_offset, negative ones included, wraps to at least 2^31 - row_offset, which the
+ * launch makes the bound of the row count (ids are int32, so no row at or past global
+ * id 2^31 can be asked for). One unsigned compare then rejects ids on both sides of the
+ * slice, as many instructions as the signed test of an offset-free gather.
  *
  * FP8 decode: e4m3 -> half (exact) -> float, times the ue8m0 scale 2^(b-127) (exact in
  * float32, denormals kept), rounded once to bf16 (round-to-nearest-even), which is
  * what dequant_fp8_rows(...) followed by a bf16 cast gives.
+ *
+ * The argument checks and the C ABI entry points live in gatherApi.cpp.
  */
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
@@ -62,6 +73,7 @@ struct GatherParams
     int32_t vectorsPerRow; // rowBytes / 16
     int32_t scalesPerRow;  // head_dim / quant_block (fp8)
     int32_t quantBlock;
+    uint32_t rowOffset; // global id of the table's first row (with ids; the launch caps tableNumRows at 2^31 - it)
 };
 
 __device__ __forceinline__ float ue8m0ToFloat(uint32_t b)
@@ -159,13 +171,14 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
                 int32_t const j = static_cast<int32_t>(v - r * vpr);
                 outRow[k] = r;
                 vec[k] = j;
-                int64_t id = r;
+                int64_t id = r; // the table row: output row r (identity), or the id less rowOffset
                 if (p.ids != nullptr)
                 {
+                    // 32-bit wrap: an id below rowOffset becomes >= 2^31 - rowOffset >= tableNumRows.
                     int64_t const t = r / p.numCols;
-                    id = p.ids[t * p.idTokenStride + (r - t * p.numCols)];
+                    id = static_cast<uint32_t>(p.ids[t * p.idTokenStride + (r - t * p.numCols)]) - p.rowOffset;
                 }
-                if (id >= 0 && id < tableNumRows)
+                if (static_cast<uint64_t>(id) < static_cast<uint64_t>(tableNumRows))
                 {
                     data[k] = *reinterpret_cast<uint4 const*>(rows + id * p.rowBytes + static_cast<int64_t>(j) * 16);
                     if (kFp8)
@@ -238,49 +251,6 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
             atomicAdd(badRows, static_cast<unsigned long long>(warpBad));
         }
     }
-}
-
-int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows,
-    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes, int64_t& scaleBytes)
-{
-    if (numTokens < 0 || numCols < 1 || idTokenStride < numCols || tableNumRows < 0)
-    {
-        return fail(cudaErrorInvalidValue,
-            "%s: need num_tokens >= 0, num_cols >= 1, id_token_stride >= num_cols, table_num_rows >= 0 "
-            "(got %lld, %d, %lld, %lld)",
-            fn, static_cast<long long>(numTokens), numCols, static_cast<long long>(idTokenStride),
-            static_cast<long long>(tableNumRows));
-    }
-    if (tableDtype == ENGRAM_TABLE_FP8_E4M3)
-    {
-        if (headDim < 16 || headDim % 16 != 0 || quantBlock < 16 || quantBlock % 16 != 0 || headDim % quantBlock != 0)
-        {
-            return fail(cudaErrorInvalidValue,
-                "%s: fp8 tables need head_dim %% 16 == 0, quant_block %% 16 == 0, head_dim %% quant_block == 0 "
-                "(got head_dim %d, quant_block %d)",
-                fn, headDim, quantBlock);
-        }
-        rowBytes = headDim;
-        scaleBytes = headDim / quantBlock;
-    }
-    else if (tableDtype == ENGRAM_TABLE_BF16)
-    {
-        if (headDim < 8 || headDim % 8 != 0)
-        {
-            return fail(cudaErrorInvalidValue, "%s: bf16 tables need head_dim %% 8 == 0 (got %d)", fn, headDim);
-        }
-        rowBytes = 2 * static_cast<int64_t>(headDim);
-        scaleBytes = 0;
-    }
-    else
-    {
-        return fail(cudaErrorInvalidValue, "%s: table_dtype %d is neither fp8_e4m3 (0) nor bf16 (1)", fn, tableDtype);
-    }
-    if (numTokens > 0 && (out == nullptr || !isAligned(out, 16)))
-    {
-        return fail(cudaErrorInvalidValue, "%s: out must be a 16-byte aligned device pointer", fn);
-    }
-    return 0;
 }
 
 namespace
@@ -364,7 +334,7 @@ int gatherBlocksPerSm(int variant)
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows,
-    int64_t const* badRowsAddr)
+    int64_t const* badRowsAddr, int64_t rowOffset)
 {
     bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
     GatherParams p{};
@@ -378,7 +348,11 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     p.out = static_cast<uint4*>(out);
     p.numRowsOut = numTokens * numCols;
     p.idTokenStride = idTokenStride;
-    p.tableNumRows = tableNumRows;
+    // With ids, rows at or past global id 2^31 cannot be asked for (ids are int32); the
+    // cap is also what makes the kernel's 32-bit wrap reject every id below rowOffset.
+    int64_t const idRowLimit = (int64_t{1} << 31) - rowOffset;
+    p.tableNumRows = ids != nullptr ? std::min(tableNumRows, idRowLimit) : tableNumRows;
+    p.rowOffset = static_cast<uint32_t>(rowOffset);
     p.rowBytes = fp8 ? headDim : 2 * static_cast<int64_t>(headDim);
     p.numCols = numCols;
     p.vectorsPerRow = static_cast<int32_t>(p.rowBytes / 16);
@@ -404,73 +378,3 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
 
 } // namespace kernels
 } // namespace engram_trt
-
-using namespace engram_trt::kernels;
-
-extern "C" ENGRAM_API int engram_gather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
-    void const* tableRows, void const* tableScales, int64_t tableNumRows, int32_t headDim, int32_t tableDtype,
-    int32_t quantBlock, void* out, int64_t* badRows, cudaStream_t stream)
-{
-    clearError();
-    ENGRAM_ABI_TRY
-    {
-        int64_t rowBytes = 0;
-        int64_t scaleBytes = 0;
-        if (int const status = validateGatherArgs("engram_gather", numTokens, numCols, idTokenStride, tableNumRows,
-                headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
-        {
-            return status;
-        }
-        if (numTokens > 0 && tableNumRows > 0)
-        {
-            if (tableRows == nullptr || !isAligned(tableRows, 16))
-            {
-                return fail(cudaErrorInvalidValue, "engram_gather: table rows must be a 16-byte aligned pointer");
-            }
-            if (scaleBytes > 0 && tableScales == nullptr)
-            {
-                return fail(cudaErrorInvalidValue, "engram_gather: an fp8 table needs its scales");
-            }
-        }
-        if (badRows != nullptr && !isAligned(badRows, 8))
-        {
-            return fail(cudaErrorInvalidValue, "engram_gather: bad_rows must be an 8-byte aligned device pointer");
-        }
-        return launchGather(ids, numTokens, numCols, idTokenStride, tableRows, tableScales, nullptr, nullptr,
-            tableNumRows, headDim, tableDtype, quantBlock, out, stream, badRows, nullptr);
-    }
-    ENGRAM_ABI_CATCH("engram_gather")
-}
-
-extern "C" ENGRAM_API int engram_gather_check_table(int32_t headDim, int32_t tableDtype, int32_t quantBlock)
-{
-    clearError();
-    int64_t rowBytes = 0;
-    int64_t scaleBytes = 0;
-    return validateGatherArgs(
-        "engram_gather", 0, 1, 1, 0, headDim, tableDtype, quantBlock, nullptr, rowBytes, scaleBytes);
-}
-
-extern "C" ENGRAM_API int engram_gather_indirect(int32_t const* ids, int64_t numTokens, int32_t numCols,
-    int64_t idTokenStride, int64_t const* tableRowsAddr, int64_t const* tableScalesAddr, int64_t tableNumRows,
-    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, int64_t const* badRowsAddr, cudaStream_t stream)
-{
-    clearError();
-    ENGRAM_ABI_TRY
-    {
-        int64_t rowBytes = 0;
-        int64_t scaleBytes = 0;
-        if (int const status = validateGatherArgs("engram_gather_indirect", numTokens, numCols, idTokenStride,
-                tableNumRows, headDim, tableDtype, quantBlock, out, rowBytes, scaleBytes))
-        {
-            return status;
-        }
-        if (tableRowsAddr == nullptr || (scaleBytes > 0 && tableScalesAddr == nullptr))
-        {
-            return fail(cudaErrorInvalidValue, "engram_gather_indirect: the table address inputs are required");
-        }
-        return launchGather(ids, numTokens, numCols, idTokenStride, nullptr, nullptr, tableRowsAddr, tableScalesAddr,
-            tableNumRows, headDim, tableDtype, quantBlock, out, stream, nullptr, badRowsAddr);
-    }
-    ENGRAM_ABI_CATCH("engram_gather_indirect")
-}

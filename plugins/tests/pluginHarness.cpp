@@ -11,6 +11,9 @@
  *                       what a network being built gets: its clones keep it, so
  *                       harness_run's enqueue is then a build's timing enqueue
  *   harness_roundtrip   getFieldsToSerialize() -> createPlugin(..., kRUNTIME)
+ *   harness_serialized_int
+ *                       one scalar integer field of getFieldsToSerialize() (what an
+ *                       engine stores), so a check sees the value, not only its effect
  *   harness_output_shapes / harness_output_types
  *                       getOutputShapes through an IExprBuilder implemented here (the
  *                       batch dimension is a non-constant expression, as in an engine
@@ -371,6 +374,40 @@ HARNESS_API void* harness_roundtrip(void* handle)
     }
     nvinfer1::PluginFieldCollection copy{fc->nbFields, fields.data()};
     return create(p->name.c_str(), copy, nvinfer1::TensorRTPhase::kRUNTIME);
+}
+
+/* The value of the scalar integer field `fieldName` among the plugin's serialized fields. */
+HARNESS_API int harness_serialized_int(void* handle, char const* fieldName, int64_t* value)
+{
+    auto* p = static_cast<Plugin*>(handle);
+    auto* runtime = static_cast<nvinfer1::IPluginV3OneRuntime*>(
+        p->plugin->getCapabilityInterface(nvinfer1::PluginCapabilityType::kRUNTIME));
+    nvinfer1::PluginFieldCollection const* fc = runtime->getFieldsToSerialize();
+    if (fc == nullptr)
+    {
+        return failWithLog("getFieldsToSerialize returned null");
+    }
+    for (int32_t i = 0; i < fc->nbFields; ++i)
+    {
+        nvinfer1::PluginField const& f = fc->fields[i];
+        if (f.name == nullptr || std::strcmp(f.name, fieldName) != 0)
+        {
+            continue;
+        }
+        if (f.length != 1)
+        {
+            return failWith(std::string("serialized field ") + fieldName + " is not a scalar");
+        }
+        switch (f.type)
+        {
+        case nvinfer1::PluginFieldType::kINT8: *value = *static_cast<int8_t const*>(f.data); return 0;
+        case nvinfer1::PluginFieldType::kINT16: *value = *static_cast<int16_t const*>(f.data); return 0;
+        case nvinfer1::PluginFieldType::kINT32: *value = *static_cast<int32_t const*>(f.data); return 0;
+        case nvinfer1::PluginFieldType::kINT64: *value = *static_cast<int64_t const*>(f.data); return 0;
+        default: return failWith(std::string("serialized field ") + fieldName + " is not an integer");
+        }
+    }
+    return failWith(std::string("no serialized field ") + fieldName);
 }
 
 HARNESS_API void harness_destroy(void* handle)

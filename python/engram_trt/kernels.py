@@ -83,6 +83,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_hash_prepared": (ctypes.c_int, [vp, vp, i64, vp, i64, vp, vp, vp]),
         "engram_gather_check_table": (ctypes.c_int, [i32, i32, i32]),
         "engram_gather": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
+        "engram_gather_ex": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i64, i32, i32, i32, vp, vp, vp]),
         "engram_host_gatherer_create": (ctypes.c_int, [i32, i64, i32, ctypes.POINTER(vp)]),
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
@@ -337,20 +338,37 @@ def _table(rows: Any, scales: Any, quant_block: int) -> tuple[int, int, int]:
     return TABLE_FP8_E4M3, num_rows, head_dim
 
 
-def _ids_view(ids: Any, layer: int | None, where: str) -> tuple[int, int, int, int]:
-    """(num_tokens, num_cols, token stride, byte offset of the layer) of [T, cols] or [T, L, cols] ids."""
+def _column_range(columns: Any, cols: int) -> int:
+    """The first column of a ``columns = (begin, end)`` argument, checked against ``cols``."""
+    if not (isinstance(columns, (tuple, list)) and len(columns) == 2 and all(type(c) is int for c in columns)
+            and 0 <= columns[0] < columns[1] <= cols):
+        raise EngramError(f"columns must be (begin, end) with 0 <= begin < end <= {cols} (the ids' columns); "
+                          f"got {columns!r}")
+    return columns[0]
+
+
+def _ids_view(ids: Any, layer: int | None, where: str, columns: Any = None) -> tuple[int, int, int, int]:
+    """(num_tokens, num_cols, token stride, byte offset of the first id) of [T, cols] or
+    [T, L, cols] ids; ``columns = (begin, end)``: only those, read in place (no copy)."""
     torch = _torch()
+    if columns is not None and isinstance(ids, torch.Tensor) and ids.dim() in (2, 3):
+        _column_range(columns, ids.shape[-1])  # a bad range is named before any device check
     _check("ids", ids, (torch.int32,), None, where=where)
     if ids.dim() == 2:
         if layer not in (None, 0):
             raise EngramError(f"layer={layer} given for 2-D ids [T, cols]; pass [T, L, cols] ids to pick a layer")
-        return ids.shape[0], ids.shape[1], ids.shape[1], 0
-    if ids.dim() == 3:
+        T, cols, stride, offset = ids.shape[0], ids.shape[1], ids.shape[1], 0
+    elif ids.dim() == 3:
         T, L, cols = ids.shape
         if layer is None or not 0 <= layer < L:
             raise EngramError(f"layer must be in [0, {L}) for ids [T, L, cols] (got {layer})")
-        return T, cols, L * cols, layer * cols * 4
-    raise EngramError(f"ids must be [T, cols] or [T, L, cols] (got shape {tuple(ids.shape)})")
+        stride, offset = L * cols, layer * cols * 4
+    else:
+        raise EngramError(f"ids must be [T, cols] or [T, L, cols] (got shape {tuple(ids.shape)})")
+    if columns is None:
+        return T, cols, stride, offset
+    begin = _column_range(columns, cols)
+    return T, columns[1] - begin, stride, offset + begin * 4
 
 
 def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any) -> Any:
@@ -365,7 +383,8 @@ def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any) -> Any:
 
 
 def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-           out: Any = None, bad_rows: Any = None) -> Any:
+           out: Any = None, bad_rows: Any = None, row_offset: int = 0,
+           columns: tuple[int, int] | None = None) -> Any:
     """bf16 rows ``[T, cols, head_dim]`` read on the GPU.
 
     ``ids``: CUDA int32 ``[T, cols]``, or ``[T, L, cols]`` (hash output) with ``layer``.
@@ -374,14 +393,25 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
     tensor in pinned / registered memory (read through UVA). Ids outside the table give
     zero rows.
 
+    A tensor-parallel rank's share (``distributed/sharding.py``): ``columns = (begin,
+    end)`` gathers only those columns of the ids (out ``[T, end - begin, head_dim]``,
+    read in place from the ids), and ``rows`` / ``scales`` may be a row slice of the
+    table, global rows ``[row_offset, row_offset + num_rows)``, gathered with the global
+    ids: an id outside the slice (below ``row_offset`` included) gives a zero row and is
+    counted, and nothing outside the slice is read. ``row_offset`` 0 calls
+    ``engram_gather`` (as before), another ``engram_gather_ex``.
+
     ``bad_rows``: None, or a CUDA int64 tensor of one element on ids' device: each output
-    row whose id is outside ``[0, num_rows)`` adds 1 to it on the GPU (atomically; it is
-    never reset here). A runtime zeroes it once, passes it to every gather, and reads it
-    every N steps or in a debug mode (one small device-to-host copy, no sync per gather),
-    raising on a nonzero count: a zero row from a wrong id or an unbound table is
-    otherwise indistinguishable from data.
+    row whose id is outside ``[row_offset, row_offset + num_rows)`` adds 1 to it on the
+    GPU (atomically; it is never reset here). A runtime zeroes it once, passes it to every
+    gather, and reads it every N steps or in a debug mode (one small device-to-host copy,
+    no sync per gather), raising on a nonzero count: a zero row from a wrong id or an
+    unbound table is otherwise indistinguishable from data.
     """
-    T, cols, stride, byte_offset = _ids_view(ids, layer, "cuda")
+    if type(row_offset) is not int or not 0 <= row_offset <= 2**31 - 1:
+        raise EngramError(f"row_offset must be an integer in [0, 2^31 - 1] (the global row id of the table's first "
+                          f"row; row ids are int32); got {row_offset!r}")
+    T, cols, stride, byte_offset = _ids_view(ids, layer, "cuda", columns)
     dtype, num_rows, head_dim = _table(rows, scales, quant_block)
     device = ids.device
     for name, t in (("rows", rows), ("scales", scales)):
@@ -399,9 +429,14 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
         if bad_rows.numel() != 1:
             raise EngramError(f"bad_rows must hold one int64 (got shape {tuple(bad_rows.shape)})")
         _same_device(device, bad_rows=bad_rows)
+    ids_ptr = ctypes.c_void_p(ids.data_ptr() + byte_offset)
     with _torch().cuda.device(device):
-        _call("engram_gather", ctypes.c_void_p(ids.data_ptr() + byte_offset), T, cols, stride, _ptr(rows),
-              _ptr(scales), num_rows, head_dim, dtype, quant_block, _ptr(out), _ptr(bad_rows), _stream(device))
+        if row_offset == 0:  # the form every library version has
+            _call("engram_gather", ids_ptr, T, cols, stride, _ptr(rows), _ptr(scales), num_rows, head_dim, dtype,
+                  quant_block, _ptr(out), _ptr(bad_rows), _stream(device))
+        else:
+            _call("engram_gather_ex", ids_ptr, T, cols, stride, _ptr(rows), _ptr(scales), num_rows, row_offset,
+                  head_dim, dtype, quant_block, _ptr(out), _ptr(bad_rows), _stream(device))
     return out
 
 

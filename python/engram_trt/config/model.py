@@ -172,23 +172,23 @@ def _int_list(d: Mapping[str, Any], key: str, source: str | None, *, minimum: in
     return tuple(value)
 
 
-def engram_prefix(d: Mapping[str, Any]) -> str | None:
+def engram_prefix(d: Mapping[str, Any], source: str | None = None) -> str | None:
     """Which spelling a config uses: 'engram', 'ple', or None (no Engram layers)."""
     found = [p for p in ENGRAM_PREFIXES if f"{p}_layer_ids" in d and d[f"{p}_layer_ids"] not in (None, [])]
     if len(found) > 1:
-        raise ConfigError("config: both 'engram_layer_ids' and 'ple_layer_ids' are set; a model declares one Engram mechanism, keep one")
+        raise ConfigError(f"{_where(source)}both 'engram_layer_ids' and 'ple_layer_ids' are set; a model declares one Engram mechanism, keep one")
     if found:
         return found[0]
     stray = sorted(k for k in d if any(k.startswith(p + "_") for p in ENGRAM_PREFIXES))
     if stray:
         p = stray[0].split("_", 1)[0]
-        raise ConfigError(f"config: '{stray[0]}' is set but '{p}_layer_ids' is missing or empty (expected a non-empty list of layer indices)")
+        raise ConfigError(f"{_where(source)}'{stray[0]}' is set but '{p}_layer_ids' is missing or empty (expected a non-empty list of layer indices)")
     return None
 
 
 def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> EngramSpec | None:
     """Read and validate the Engram fields of a config dict; None if it has none."""
-    prefix = engram_prefix(d)
+    prefix = engram_prefix(d, source)
     if prefix is None:
         return None
     k = lambda name: f"{prefix}_{name}"  # noqa: E731

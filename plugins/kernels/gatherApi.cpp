@@ -1,0 +1,206 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+/*
+ * The gather's C ABI entry points (engramKernels.h): the argument checks shared by the
+ * device, indirect and host gathers, and engram_gather[_indirect][_ex], in the style of
+ * kernelApi.cpp; the kernel and its launch are in gatherKernel.cu.
+ */
+#include "engramKernels.h"
+#include "engramKernelsInternal.h"
+
+#include <climits>
+#include <cstdint>
+
+namespace engram_trt
+{
+namespace kernels
+{
+
+int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes, int64_t& scaleBytes)
+{
+    if (numTokens < 0 || numCols < 1 || idTokenStride < numCols || tableNumRows < 0)
+    {
+        return fail(cudaErrorInvalidValue,
+            "%s: need num_tokens >= 0, num_cols >= 1, id_token_stride >= num_cols, table_num_rows >= 0 "
+            "(got %lld, %d, %lld, %lld)",
+            fn, static_cast<long long>(numTokens), numCols, static_cast<long long>(idTokenStride),
+            static_cast<long long>(tableNumRows));
+    }
+    if (tableDtype == ENGRAM_TABLE_FP8_E4M3)
+    {
+        if (headDim < 16 || headDim % 16 != 0 || quantBlock < 16 || quantBlock % 16 != 0 || headDim % quantBlock != 0)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: fp8 tables need head_dim %% 16 == 0, quant_block %% 16 == 0, head_dim %% quant_block == 0 "
+                "(got head_dim %d, quant_block %d)",
+                fn, headDim, quantBlock);
+        }
+        rowBytes = headDim;
+        scaleBytes = headDim / quantBlock;
+    }
+    else if (tableDtype == ENGRAM_TABLE_BF16)
+    {
+        if (headDim < 8 || headDim % 8 != 0)
+        {
+            return fail(cudaErrorInvalidValue, "%s: bf16 tables need head_dim %% 8 == 0 (got %d)", fn, headDim);
+        }
+        rowBytes = 2 * static_cast<int64_t>(headDim);
+        scaleBytes = 0;
+    }
+    else
+    {
+        return fail(cudaErrorInvalidValue, "%s: table_dtype %d is neither fp8_e4m3 (0) nor bf16 (1)", fn, tableDtype);
+    }
+    if (numTokens > 0 && (out == nullptr || !isAligned(out, 16)))
+    {
+        return fail(cudaErrorInvalidValue, "%s: out must be a 16-byte aligned device pointer", fn);
+    }
+    return 0;
+}
+
+} // namespace kernels
+} // namespace engram_trt
+
+using namespace engram_trt::kernels;
+
+namespace
+{
+
+//! The row_offset checks of the _ex entry points: [0, 2^31 - 1] (ids are int32), and 0
+//! for the identity gather (ids NULL), whose output row r reads table row r.
+int checkRowOffset(char const* fn, int32_t const* ids, int64_t rowOffset)
+{
+    if (rowOffset < 0 || rowOffset > INT32_MAX)
+    {
+        return fail(cudaErrorInvalidValue, "%s: row_offset must be in [0, 2^31 - 1] (row ids are int32), got %lld", fn,
+            static_cast<long long>(rowOffset));
+    }
+    if (ids == nullptr && rowOffset != 0)
+    {
+        return fail(cudaErrorInvalidValue, "%s: the identity gather (ids NULL) takes no row_offset, got %lld", fn,
+            static_cast<long long>(rowOffset));
+    }
+    return 0;
+}
+
+int gatherDirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
+    void const* tableRows, void const* tableScales, int64_t tableNumRows, int64_t rowOffset, int32_t headDim,
+    int32_t tableDtype, int32_t quantBlock, void* out, int64_t* badRows, cudaStream_t stream)
+{
+    int64_t rowBytes = 0;
+    int64_t scaleBytes = 0;
+    if (int const status = validateGatherArgs(fn, numTokens, numCols, idTokenStride, tableNumRows, headDim, tableDtype,
+            quantBlock, out, rowBytes, scaleBytes))
+    {
+        return status;
+    }
+    if (int const status = checkRowOffset(fn, ids, rowOffset))
+    {
+        return status;
+    }
+    if (numTokens > 0 && tableNumRows > 0)
+    {
+        if (tableRows == nullptr || !isAligned(tableRows, 16))
+        {
+            return fail(cudaErrorInvalidValue, "%s: table rows must be a 16-byte aligned pointer", fn);
+        }
+        if (scaleBytes > 0 && tableScales == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: an fp8 table needs its scales", fn);
+        }
+    }
+    if (badRows != nullptr && !isAligned(badRows, 8))
+    {
+        return fail(cudaErrorInvalidValue, "%s: bad_rows must be an 8-byte aligned device pointer", fn);
+    }
+    return launchGather(ids, numTokens, numCols, idTokenStride, tableRows, tableScales, nullptr, nullptr, tableNumRows,
+        headDim, tableDtype, quantBlock, out, stream, badRows, nullptr, rowOffset);
+}
+
+int gatherIndirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
+    int64_t const* tableRowsAddr, int64_t const* tableScalesAddr, int64_t tableNumRows, int64_t rowOffset,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, int64_t const* badRowsAddr, cudaStream_t stream)
+{
+    int64_t rowBytes = 0;
+    int64_t scaleBytes = 0;
+    if (int const status = validateGatherArgs(fn, numTokens, numCols, idTokenStride, tableNumRows, headDim, tableDtype,
+            quantBlock, out, rowBytes, scaleBytes))
+    {
+        return status;
+    }
+    if (int const status = checkRowOffset(fn, ids, rowOffset))
+    {
+        return status;
+    }
+    if (tableRowsAddr == nullptr || (scaleBytes > 0 && tableScalesAddr == nullptr))
+    {
+        return fail(cudaErrorInvalidValue, "%s: the table address inputs are required", fn);
+    }
+    return launchGather(ids, numTokens, numCols, idTokenStride, nullptr, nullptr, tableRowsAddr, tableScalesAddr,
+        tableNumRows, headDim, tableDtype, quantBlock, out, stream, nullptr, badRowsAddr, rowOffset);
+}
+
+} // namespace
+
+extern "C" ENGRAM_API int engram_gather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
+    void const* tableRows, void const* tableScales, int64_t tableNumRows, int32_t headDim, int32_t tableDtype,
+    int32_t quantBlock, void* out, int64_t* badRows, cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        return gatherDirect("engram_gather", ids, numTokens, numCols, idTokenStride, tableRows, tableScales,
+            tableNumRows, 0, headDim, tableDtype, quantBlock, out, badRows, stream);
+    }
+    ENGRAM_ABI_CATCH("engram_gather")
+}
+
+extern "C" ENGRAM_API int engram_gather_ex(int32_t const* ids, int64_t numTokens, int32_t numCols,
+    int64_t idTokenStride, void const* tableRows, void const* tableScales, int64_t tableNumRows, int64_t rowOffset,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, int64_t* badRows, cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        return gatherDirect("engram_gather_ex", ids, numTokens, numCols, idTokenStride, tableRows, tableScales,
+            tableNumRows, rowOffset, headDim, tableDtype, quantBlock, out, badRows, stream);
+    }
+    ENGRAM_ABI_CATCH("engram_gather_ex")
+}
+
+extern "C" ENGRAM_API int engram_gather_check_table(int32_t headDim, int32_t tableDtype, int32_t quantBlock)
+{
+    clearError();
+    int64_t rowBytes = 0;
+    int64_t scaleBytes = 0;
+    return validateGatherArgs(
+        "engram_gather", 0, 1, 1, 0, headDim, tableDtype, quantBlock, nullptr, rowBytes, scaleBytes);
+}
+
+extern "C" ENGRAM_API int engram_gather_indirect(int32_t const* ids, int64_t numTokens, int32_t numCols,
+    int64_t idTokenStride, int64_t const* tableRowsAddr, int64_t const* tableScalesAddr, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, int64_t const* badRowsAddr, cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        return gatherIndirect("engram_gather_indirect", ids, numTokens, numCols, idTokenStride, tableRowsAddr,
+            tableScalesAddr, tableNumRows, 0, headDim, tableDtype, quantBlock, out, badRowsAddr, stream);
+    }
+    ENGRAM_ABI_CATCH("engram_gather_indirect")
+}
+
+extern "C" ENGRAM_API int engram_gather_indirect_ex(int32_t const* ids, int64_t numTokens, int32_t numCols,
+    int64_t idTokenStride, int64_t const* tableRowsAddr, int64_t const* tableScalesAddr, int64_t tableNumRows,
+    int64_t rowOffset, int32_t headDim, int32_t tableDtype, int32_t quantBlock, void* out, int64_t const* badRowsAddr,
+    cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        return gatherIndirect("engram_gather_indirect_ex", ids, numTokens, numCols, idTokenStride, tableRowsAddr,
+            tableScalesAddr, tableNumRows, rowOffset, headDim, tableDtype, quantBlock, out, badRowsAddr, stream);
+    }
+    ENGRAM_ABI_CATCH("engram_gather_indirect_ex")
+}
