@@ -132,11 +132,6 @@ class PackedStep:
         return got
 
     # -- per-token tensors (built once, on the device asked for) ------------------------
-    def token_seq(self, device: Any = "cpu") -> torch.Tensor:
-        """``[T]`` int64: the sequence index of each token."""
-        return self._cached("token_seq", device, lambda: torch.repeat_interleave(
-            torch.arange(self.num_seqs, dtype=torch.int64), torch.tensor(self.seq_lens, dtype=torch.int64)))
-
     def positions(self, device: Any = "cpu") -> torch.Tensor:
         """``[T]`` int64: each token's position in its sequence (past length + offset)."""
         def make() -> torch.Tensor:
