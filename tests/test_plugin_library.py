@@ -749,25 +749,31 @@ def _harness_path() -> Path:
 HARNESS = _harness_path()
 
 
+def _harness_scripts(*modules: str) -> list:
+    """The GPU check scripts' modules (scripts/), imported for their harness bindings,
+    once the harness library is known to exist."""
+    import importlib
+    import sys
+
+    if not HARNESS.is_file():
+        pytest.skip(f"no CUDA compiler built the plugin harness ({HARNESS}): nvcc / the CUDA toolkit is missing")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return [importlib.import_module(m) for m in modules]
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
 @pytest.fixture(scope="module")
 def harness():
     """scripts/h200_verify.py's binding of the harness that CMake builds beside the library
     with -DENGRAM_TRT_BUILD_HARNESS=ON (it drives creator -> plugin -> enqueue as TensorRT
     does, without TensorRT)."""
-    import importlib
-    import sys
-
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: scripts/h200_verify.py runs these enqueues for real")
-    if not HARNESS.is_file():
-        pytest.skip(f"no CUDA compiler built the plugin harness ({HARNESS}): nvcc / the CUDA toolkit is missing")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        common = importlib.import_module("h200_common")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    (common,) = _harness_scripts("h200_common")
     return common, common.Harness(HARNESS)
 
 
@@ -804,16 +810,7 @@ def test_build_phase_gather_enqueue_takes_the_no_read_path(harness) -> None:
 def attention_harness():
     """scripts/h200_attention_check.py's harness binding (any number of outputs,
     getAliasedInput) and its checks that need no GPU."""
-    import importlib
-    import sys
-
-    if not HARNESS.is_file():
-        pytest.skip(f"no CUDA compiler built the plugin harness ({HARNESS}): nvcc / the CUDA toolkit is missing")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        check = importlib.import_module("h200_attention_check")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    (check,) = _harness_scripts("h200_attention_check")
     return check, check.Harness(HARNESS)
 
 
@@ -924,17 +921,7 @@ def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
 def column_range_check():
     """scripts/h200_column_range.py and the harness (creation, shapes, serialized fields:
     no GPU needed)."""
-    import importlib
-    import sys
-
-    if not HARNESS.is_file():
-        pytest.skip(f"the plugin harness is not built ({HARNESS}; configure with -DENGRAM_TRT_BUILD_HARNESS=ON)")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        check = importlib.import_module("h200_column_range")
-        common = importlib.import_module("h200_common")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    check, common = _harness_scripts("h200_column_range", "h200_common")
     return check, common, common.Harness(HARNESS)
 
 

@@ -44,27 +44,11 @@ from engram_trt.tables.pinned import PinnedTables
 from engram_trt.tables.shared import TEST_PAUSE_ENV, SharedTables, expected_header
 from engram_trt.tables.source import checkpoint_table_refs
 from engram_trt.tables.store import MemoryTables, TableStore, open_tables
+from test_checkpoint import SMALL_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON_DIR = REPO / "python"
-CONFIG = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "vocab_size": 97,
-    "hc_mult": 2,
-    "tie_word_embeddings": False,
-    "engram_layer_ids": [0, 2],
-    "engram_max_ngram_size": 3,
-    "engram_n_heads": 2,
-    "engram_head_dim": 64,
-    "engram_vocab_size": 40,
-    "engram_compressed_vocab_size": 60,
-    "engram_pad_token_id": 1,
-}
+CONFIG = SMALL_CONFIG  # the checkpoint tests' small model (two Engram layers, FP8 tables)
 
 
 # ------------------------------------------------------------------ fixtures
