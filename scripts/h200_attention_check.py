@@ -38,9 +38,7 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,35 +46,8 @@ sys.path.insert(0, str(REPO / "python"))
 
 import numpy as np  # noqa: E402
 
-LOG: list[str] = []
-RESULTS: dict = {"checks": [], "timing": {}}
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    RESULTS["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
-    say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
-
-
-# --- build -----------------------------------------------------------------------------
-
-def build(build_dir: Path, trt_include: Path | None, archs: str) -> None:
-    cmd = ["cmake", "-S", str(REPO), "-B", str(build_dir), f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
-           "-DENGRAM_TRT_BUILD_HARNESS=ON", "-DCMAKE_BUILD_TYPE=Release"]
-    if trt_include is not None:
-        cmd.append(f"-DTENSORRT_INCLUDE_DIR={trt_include}")
-    t0 = time.time()
-    for c in (cmd, ["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 2}"]):
-        say("$ " + " ".join(c))
-        proc = subprocess.run(c, capture_output=True, text=True)
-        if proc.returncode != 0:
-            say(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"build failed: {' '.join(c)}")
-    say(f"built in {time.time() - t0:.1f} s")
+sys.path.insert(0, str(REPO / "scripts"))
+from h200_common import LOG, RESULTS, build, record, say  # noqa: E402,F401 (one log, one build step)
 
 
 # --- float64 reference -------------------------------------------------------------------

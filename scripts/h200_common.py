@@ -5,9 +5,14 @@ runs everything; this module only holds the pieces)."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
 
 LOG: list[str] = []
 RESULTS: dict = {"checks": [], "timing": {}}
@@ -203,3 +208,22 @@ def column_range_fields(column_begin, column_end, row_offset):
 def gate_fields(hc, D, eps):
     return [("hc_mult", PF_INT32, np.array([hc], np.int32)), ("hidden_size", PF_INT32, np.array([D], np.int32)),
             ("eps", PF_FLOAT32, np.array([eps], np.float32))]
+
+
+def build(build_dir: Path, trt_include: Path | None, archs: str) -> Path:
+    """Configure and build the library and the plugin harness for ``archs`` (the GPU
+    check scripts' one build step)."""
+    cmd = ["cmake", "-S", str(REPO), "-B", str(build_dir), f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
+           "-DENGRAM_TRT_BUILD_HARNESS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    if trt_include is not None:
+        cmd.append(f"-DTENSORRT_INCLUDE_DIR={trt_include}")
+    t0 = time.time()
+    for c in (cmd, ["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 2}"]):
+        say("$ " + " ".join(c))
+        proc = subprocess.run(c, capture_output=True, text=True)
+        if proc.returncode != 0:
+            say(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise SystemExit(f"build failed: {' '.join(c)}")
+    say(f"built in {time.time() - t0:.1f} s")
+    return build_dir
+

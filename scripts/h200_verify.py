@@ -64,29 +64,13 @@ sys.path.insert(0, str(REPO / "python"))
 
 import numpy as np  # noqa: E402
 
-from h200_common import (DT, LOG, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
+from h200_common import (DT, LOG, build, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
                          gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
                          random_fp8_table, record, say)
 import h200_column_range  # noqa: E402
 import h200_edge_cases  # noqa: E402
 import h200_timing  # noqa: E402
 
-# --- build -----------------------------------------------------------------------------
-
-def build(build_dir: Path, trt_include: Path | None, archs: str) -> Path:
-    cmd = ["cmake", "-S", str(REPO), "-B", str(build_dir), f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
-           "-DENGRAM_TRT_BUILD_HARNESS=ON", "-DCMAKE_BUILD_TYPE=Release"]
-    if trt_include is not None:
-        cmd.append(f"-DTENSORRT_INCLUDE_DIR={trt_include}")
-    t0 = time.time()
-    for c in (cmd, ["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 2}"]):
-        say("$ " + " ".join(c))
-        proc = subprocess.run(c, capture_output=True, text=True)
-        if proc.returncode != 0:
-            say(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"build failed: {' '.join(c)}")
-    say(f"built in {time.time() - t0:.1f} s")
-    return build_dir
 
 
 # --- layouts ---------------------------------------------------------------------------
