@@ -19,6 +19,7 @@ for s in ${STAGES:-verify runtime step tables attention}; do
     runtime) TAILN=45 stage runtime 120 python3 scripts/h200_runtime_check.py --out "$OUT" ${RUNTIME_ARGS:-} ;;
     step) TAILN=20 stage step 100 python3 -m engram_trt bench step --model 1b --table-gib 24 --timeline --iters 8 --json "$OUT/step.json" --trace "$OUT/trace_decode64.json" ;;
     tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
+    contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
     attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ${ATTENTION_ARGS:-} ;;
   esac
 done
