@@ -41,6 +41,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--table-gib", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: the OMP_WAIT_POLICY run
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
@@ -93,6 +94,11 @@ def main() -> int:
     print(f"{'case':<58} {'6144 rows (call returns)':>26} {'196608 rows (call returns)':>28}")
     g = HostGatherer(device=dev, max_head_dim=512)
     measure("fresh process, default pool", g)
+    if args.child:
+        measure("after a float64 CPU matmul before each call", g, before=lambda n, i: a64 @ a64)
+        measure("  ... and 20 ms sleep after it", g, before=lambda n, i: (a64 @ a64, time.sleep(0.02)))
+        g.close()
+        return 0
     measure("after a float64 CPU matmul before each call", g, before=lambda n, i: a64 @ a64)
     measure("  ... and 20 ms sleep after it", g, before=lambda n, i: (a64 @ a64, time.sleep(0.02)))
     nt = torch.get_num_threads()
@@ -121,7 +127,19 @@ def main() -> int:
     th.join()
     pool = ThreadPoolExecutor(1)
     measure("called from a worker thread (as the prefetcher)", g, call=lambda f: pool.submit(f).result())
+    g.set_options(spin_us=5000)
+    measure("  ... with the pool spinning 5 ms (no sleep across the hop)", g, call=lambda f: pool.submit(f).result())
+    g.set_options(spin_us=50)
     pool.shutdown()
+    # One non-main thread that runs the whole timed loop itself (as an engine thread
+    # does): is it the thread, or the hop per call?
+
+    def in_thread() -> None:
+        measure("the whole loop on one non-main thread", g)
+
+    th = threading.Thread(target=in_thread)
+    th.start()
+    th.join()
     measure("a UVA gather of the table before each call", g,
             before=lambda n, i: (kernels.gather(dev_ids[n][i], rows, scales, quant_block=QB, out=outs[n]),
                                  torch.cuda.synchronize(dev)))
@@ -141,7 +159,16 @@ def main() -> int:
     g = HostGatherer(device=dev, max_head_dim=512)
     measure("a new pool, again fresh (same ids)", g)
     g.close()
-    (args.out / "hostgather_contention.json").write_text(json.dumps(results, indent=1))
+    if not args.child:
+        import subprocess
+
+        # The same after-matmul case in a process whose OpenMP workers sleep at once
+        # (the CLI sets this default): does it remove the slowdown?
+        env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+        out = subprocess.run([sys.executable, __file__, "--child", "--table-gib", "1", "--reps", str(args.reps),
+                              "--out", str(args.out)], env=env, capture_output=True, text=True)
+        print("OMP_WAIT_POLICY=PASSIVE child:\n" + out.stdout[-1500:] + out.stderr[-800:], flush=True)
+        (args.out / "hostgather_contention.json").write_text(json.dumps(results, indent=1))
     return 0
 
 

@@ -3,11 +3,19 @@ them, on a side CUDA stream, into persistent staging buffers.
 
 Why this works: the lookup indices depend only on token ids, and the runtime knows a
 step's ids before the step (the prompt chunk, or the tokens it just sampled). So the
-runtime hands the step to :meth:`Prefetcher.submit` first, which starts the lookup on a
-worker thread and a side stream, then launches the model; the main stream waits on
-the prefetch's event only where the first Engram layer reads the rows
-(:class:`StagedRows` waits lazily, at the first ``rows[i]``). The layers before that
-layer hide the lookup.
+runtime hands the step to :meth:`Prefetcher.submit` first, then launches the model; the
+main stream waits on the prefetch's event only where the first Engram layer reads the
+rows (:class:`StagedRows` waits lazily, at the first ``rows[i]``). The layers before
+that layer hide the lookup.
+
+Why no worker thread: the lookup's host work runs on the thread that runs the step.
+A GPU gather is launched at once on the side stream (a few asynchronous launches). A
+host gather runs when the first Engram layer asks for the rows, that is after the
+layers before it have been enqueued, so the CPU threads gather while the GPU runs those
+layers. A Python worker thread would have to win the GIL from the engine thread for
+every Python line of the lookup: on the H200 a gather of 6,144 rows took 637 us called
+from a worker thread against 116 us on the calling thread, and 15.7 ms with another
+Python thread busy (scripts/h200_hostgather_contention.py, docs/benchmarks.md).
 
 Why staging buffers are persistent: fixed addresses. A captured CUDA graph or a
 TensorRT engine binds the rows' address once; every step writes the same buffers
@@ -27,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -72,24 +80,27 @@ class StagedRows:
 
     def __init__(self, views: Sequence[torch.Tensor], future: Future | None = None,
                  event: Any = None, info: dict[str, Any] | None = None,
-                 staging: Sequence[torch.Tensor] | None = None) -> None:
+                 staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[], None] | None = None) -> None:
         self._views = list(views)
         self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
         self._future = future
+        self._deferred = deferred  # the host gather, run by the first reader (see the module docstring)
         self._event = event
-        self._ready = future is None and event is None
+        self._ready = future is None and event is None and deferred is None
         self.info = info or {}
 
     def wait(self) -> None:
         if self._ready:
             return
+        if "wait_event" in self.info and self._views:  # timing: where the main stream stood when it needed the rows
+            self.info["wait_event"].record(torch.cuda.current_stream(self._views[0].device))
+        if self._deferred is not None:
+            run, self._deferred = self._deferred, None
+            run()  # raises a failure of the lookup here
         if self._future is not None:
             self._future.result()  # re-raises a failure of the lookup
         if self._event is not None:
-            stream = torch.cuda.current_stream(self._views[0].device)
-            if "wait_event" in self.info:  # timing: where the main stream stood when it needed the rows
-                self.info["wait_event"].record(stream)
-            stream.wait_event(self._event)
+            torch.cuda.current_stream(self._views[0].device).wait_event(self._event)
         self._ready = True
 
     def __len__(self) -> int:
@@ -133,7 +144,6 @@ class Prefetcher:
                                     device=self.device) for i in range(layout.num_layers)]
         self._ops = None
         self._stream = None
-        self._pool: ThreadPoolExecutor | None = None
         self._last_event: Any = None
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
@@ -145,7 +155,6 @@ class Prefetcher:
             self._stream = torch.cuda.Stream(self.device)
             self._ids_dev = torch.empty(self.max_tokens, dtype=torch.int32, device=self.device)
             self._ids_host = torch.empty(self.max_tokens, dtype=torch.int32, pin_memory=True)
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="engram-prefetch")
             self._gatherer = None
             if not tables.on_device:
                 from engram_trt.hostgather import HostGatherer
@@ -185,8 +194,9 @@ class Prefetcher:
 
     def submit(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> StagedRows:
         """Start staging the rows of ``step``: ``cids [T]`` compressed ids and ``lookback
-        [S, N-1]`` (host int64 arrays). Returns at once on a GPU (the lookup runs on the
-        worker thread and the side stream); on a CPU, when the rows are ready."""
+        [S, N-1]`` (host int64 arrays). Returns at once on a GPU (a GPU gather is
+        enqueued on the side stream; a host gather runs at the first ``rows[i]``); on a
+        CPU, when the rows are ready."""
         T = step.num_tokens
         if T > self.max_tokens:
             raise EngramError(f"a step of {T} tokens exceeds the staging buffers' {self.max_tokens} tokens (max_num_tokens)")
@@ -200,7 +210,6 @@ class Prefetcher:
                 v.copy_(self.tables.rows(li, ids[:, li, :]))
             self._account(info, time.perf_counter() - t0)
             return StagedRows(views, info=info, staging=self.staging)
-        assert self._pool is not None
         if path != "host":
             self._check_bad_rows()
         if path == "host" and self._gatherer is not None:
@@ -210,12 +219,18 @@ class Prefetcher:
             info["wait_event"] = torch.cuda.Event(enable_timing=True)
             info["start_event"] = torch.cuda.Event(enable_timing=True)
             info["done_event"] = event
-        fut = self._pool.submit(self._stage, step, cids, lookback, views, path, event, info)
-        return StagedRows(views, fut, event, info, staging=self.staging)
+
+        def stage() -> None:
+            self._stage(step, cids, lookback, views, path, event, info)
+
+        if path == "host":
+            return StagedRows(views, None, event, info, staging=self.staging, deferred=stage)
+        stage()
+        return StagedRows(views, None, event, info, staging=self.staging)
 
     def _stage(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor], path: str,
                event: Any, info: dict[str, Any]) -> None:
-        """The worker's part: everything enqueued on the side stream, then the event."""
+        """The lookup: everything enqueued on the side stream, then the event."""
         t0 = time.perf_counter()
         T = step.num_tokens
         assert self._ops is not None and self._stream is not None
@@ -256,9 +271,6 @@ class Prefetcher:
             st["paths"][info["path"]] = st["paths"].get(info["path"], 0) + 1
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
         if self._stream is not None:
             self._stream.synchronize()
         if getattr(self, "_gatherer", None) is not None:
