@@ -12,6 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+# As the package and the CLI do (engram_trt/__init__.py): torch's OpenMP workers must
+# not spin on the host gather's cores after the checks' CPU references. Before torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = Path(__file__).resolve().parents[1]
 
 LOG: list[str] = []

@@ -27,6 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 
+import engram_trt  # noqa: E402,F401  (before torch: sets torch's OpenMP wait policy, see engram_trt/__init__.py)
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 

@@ -39,6 +39,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 
+import engram_trt  # noqa: E402,F401  (before torch: sets torch's OpenMP wait policy, see engram_trt/__init__.py)
+
 import torch  # noqa: E402
 
 from engram_trt.checkpoint.checkpoint import Checkpoint  # noqa: E402

@@ -6,7 +6,17 @@ so importing the package (and the CLI's ``--help``) costs no torch import.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
+
+# torch's OpenMP workers busy-wait after each parallel CPU operation, on the cores the
+# host gather's threads need (a 6,144-row gather: 5.5 ms right after a parallel CPU
+# matmul, 0.13 ms without; docs/benchmarks.md). The wait policy is read once, when
+# torch loads: set it here if torch is not loaded yet, and never over a user's setting.
+# hostgather.HostGatherer warns when torch came first with the default policy.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 

@@ -16,6 +16,8 @@ bytes after it: one CPU cache and TLB miss per random row instead of two).
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 from typing import Any
 
 from engram_trt.errors import EngramError
@@ -31,6 +33,8 @@ from engram_trt.kernels import (
     _table,
     _torch,
 )
+
+log = logging.getLogger(__name__)
 
 TABLE_LAYOUTS = {"split": 0, "inline": 1}  # EngramTableLayout of the host gather
 # EngramHostGatherOption: the host gatherer's knobs (see HOST_GATHER_READ_ONLY)
@@ -124,6 +128,21 @@ def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int
     return out_rows[:n], (None if out_scales is None else out_scales[:n])
 
 
+_OPENMP_WARNED = False
+
+
+def _warn_openmp_policy() -> None:
+    """Once per process: say so when torch's OpenMP workers may spin on the gather's
+    cores (torch was imported before engram_trt without OMP_WAIT_POLICY set)."""
+    global _OPENMP_WARNED
+    if _OPENMP_WARNED or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        return
+    _OPENMP_WARNED = True
+    log.warning("OMP_WAIT_POLICY is %r: torch's OpenMP workers busy-wait after each parallel CPU operation and slow "
+                "the host gather up to 40x (docs/benchmarks.md); set OMP_WAIT_POLICY=PASSIVE before torch is imported, "
+                "or import engram_trt first", os.environ.get("OMP_WAIT_POLICY", "unset"))
+
+
 class HostGatherer:
     """Gathers rows of host tables on CPU threads into pinned staging and sends each
     chunk in one copy (pipelined: the copies of chunks overlap the gather of the next).
@@ -150,6 +169,7 @@ class HostGatherer:
             _call("engram_host_gatherer_create_ex", int(num_threads), int(chunk_rows), self.max_head_dim,
                   int(num_slots), ctypes.byref(handle))
         self._handle: ctypes.c_void_p | None = handle
+        _warn_openmp_policy()
 
     def _require_open(self) -> ctypes.c_void_p:
         if self._handle is None:

@@ -20,14 +20,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-# torch's OpenMP workers busy-wait after each parallel CPU operation, on the same cores
-# the host gather's threads need: on the H200 a 6,144-row gather took 5.5 ms right after
-# a parallel CPU matmul against 0.13 ms without (scripts/h200_hostgather_contention.py).
-# The CLI's processes do little parallel CPU work in torch, so its workers sleep at once.
-# Set before any subcommand imports torch; a user's own setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-from engram_trt import __version__  # noqa: E402
+from engram_trt import __version__  # (sets torch's OpenMP wait policy: see engram_trt/__init__.py)
 from engram_trt.builder.args import add_build_arguments
 from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, int_arg
 from engram_trt.cli.generate import _add_generation_args, cmd_build, cmd_demo, cmd_demo_checkpoint, cmd_run
