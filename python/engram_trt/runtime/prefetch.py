@@ -76,27 +76,46 @@ class StagedRows:
     """Per Engram layer, the step's rows ``[T, cols, head_dim]`` bf16: views into the
     staging buffers. Reading ``rows[i]`` the first time makes the caller's current CUDA
     stream wait for the prefetch (the host part first, then an event on the side
-    stream): the wait sits where the first Engram layer needs the rows."""
+    stream): the wait sits where the first Engram layer needs the rows.
+
+    ``deferred(i) -> event``: the host gather of layer ``i``, run by the first reader of
+    ``rows[i]`` (see the module docstring); each layer's rows are gathered where that
+    layer needs them, so the gather of the second Engram layer's rows overlaps the
+    first Engram layer on the GPU. :meth:`wait` runs and waits for every layer."""
 
     def __init__(self, views: Sequence[torch.Tensor], future: Future | None = None,
                  event: Any = None, info: dict[str, Any] | None = None,
-                 staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[], None] | None = None) -> None:
+                 staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[int], Any] | None = None) -> None:
         self._views = list(views)
         self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
         self._future = future
-        self._deferred = deferred  # the host gather, run by the first reader (see the module docstring)
+        self._deferred = deferred
+        self._layer_ready = [deferred is None] * len(self._views)
         self._event = event
         self._ready = future is None and event is None and deferred is None
         self.info = info or {}
 
+    def _mark_wait(self) -> None:
+        if "wait_event" in self.info and self._views and not self.info.get("_wait_marked"):
+            # timing: where the main stream stood when it first needed rows
+            self.info["wait_event"].record(torch.cuda.current_stream(self._views[0].device))
+            self.info["_wait_marked"] = True
+
+    def _layer(self, i: int) -> None:
+        if self._layer_ready[i]:
+            return
+        self._mark_wait()
+        assert self._deferred is not None
+        ev = self._deferred(i)  # raises a failure of the lookup here
+        torch.cuda.current_stream(self._views[i].device).wait_event(ev)
+        self._layer_ready[i] = True
+
     def wait(self) -> None:
         if self._ready:
             return
-        if "wait_event" in self.info and self._views:  # timing: where the main stream stood when it needed the rows
-            self.info["wait_event"].record(torch.cuda.current_stream(self._views[0].device))
-        if self._deferred is not None:
-            run, self._deferred = self._deferred, None
-            run()  # raises a failure of the lookup here
+        self._mark_wait()
+        for i in range(len(self._views)):
+            self._layer(i)
         if self._future is not None:
             self._future.result()  # re-raises a failure of the lookup
         if self._event is not None:
@@ -107,6 +126,11 @@ class StagedRows:
         return len(self._views)
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        if self._deferred is not None and not self._ready:
+            self._layer(i)
+            if all(self._layer_ready):
+                self._ready = True
+            return self._views[i]
         self.wait()
         return self._views[i]
 
@@ -220,43 +244,66 @@ class Prefetcher:
             info["start_event"] = torch.cuda.Event(enable_timing=True)
             info["done_event"] = event
 
-        def stage() -> None:
-            self._stage(step, cids, lookback, views, path, event, info)
-
         if path == "host":
-            return StagedRows(views, None, event, info, staging=self.staging, deferred=stage)
-        stage()
+            return StagedRows(views, None, None, info, staging=self.staging,
+                              deferred=self._host_stager(step, cids, lookback, views, event, info))
+        self._stage(step, cids, lookback, views, path, event, info)
         return StagedRows(views, None, event, info, staging=self.staging)
+
+    def _host_stager(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor],
+                     last_event: Any, info: dict[str, Any]) -> Callable[[int], Any]:
+        """The host gather of one layer at a time, on the reader's thread: the ids are
+        hashed at the first call; each layer's copies and dequant go on the side stream,
+        ending in that layer's event (the last layer's is ``last_event``, the timeline's
+        end)."""
+        state: dict[str, Any] = {"ids": None, "t": 0.0, "done": 0}
+        n = len(views)
+
+        def stage(li: int) -> Any:
+            t0 = time.perf_counter()
+            assert self._stream is not None and self._gatherer is not None
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                if state["ids"] is None:
+                    if "start_event" in info:
+                        info["start_event"].record(self._stream)
+                    state["ids"] = torch.from_numpy(
+                        hash_batch_packed(cids, step.seq_starts, lookback, self.layout).astype(np.int32))
+                ids = state["ids"]
+                rows, scales = self.tables.tensors(li)
+                self._gatherer.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=views[li])
+                state["done"] += 1
+                ev = last_event if state["done"] == n else torch.cuda.Event()
+                ev.record(self._stream)
+            state["t"] += time.perf_counter() - t0
+            if state["done"] == n:
+                info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
+                self._account(info, state["t"])
+            return ev
+
+        return stage
 
     def _stage(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor], path: str,
                event: Any, info: dict[str, Any]) -> None:
-        """The lookup: everything enqueued on the side stream, then the event."""
+        """The GPU lookup: everything enqueued on the side stream, then the event."""
         t0 = time.perf_counter()
         T = step.num_tokens
         assert self._ops is not None and self._stream is not None
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             if "start_event" in info:
                 info["start_event"].record(self._stream)
-            if path == "host":
-                ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout).astype(np.int32))
-                for li, v in enumerate(views):
-                    rows, scales = self.tables.tensors(li)
-                    self._gatherer.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v)
-                info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
-            else:
-                # Kernels all the way: upload the compressed ids, hash and gather on the GPU.
-                if self._last_event is not None:
-                    self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
-                self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
-                self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
-                lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
-                starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(self.device, non_blocking=True)
-                ids = self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
-                for li, v in enumerate(views):
-                    rows, scales = self.tables.tensors(li)
-                    self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v,
-                                             bad_rows=self._bad_rows)
-                info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
+            # Kernels all the way: upload the compressed ids, hash and gather on the GPU.
+            if self._last_event is not None:
+                self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
+            self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
+            self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
+            lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
+            starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(self.device, non_blocking=True)
+            ids = self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
+            for li, v in enumerate(views):
+                rows, scales = self.tables.tensors(li)
+                self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v,
+                                         bad_rows=self._bad_rows)
+            info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
             event.record(self._stream)
             self._last_event = event
         self._account(info, time.perf_counter() - t0)
