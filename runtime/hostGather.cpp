@@ -45,7 +45,8 @@ namespace
 constexpr int kDefaultSlots = 4;
 constexpr int kMaxSlots = 64;
 constexpr int64_t kDefaultMinChunks = 4;
-constexpr int64_t kMinSplitRows = 256; // min_chunks never makes chunks smaller than this
+constexpr int64_t kMinSplitRows = 256;   // min_chunks never makes chunks smaller than this
+constexpr int64_t kCallerOnlyRows = 256; // a call of at most this many rows runs on the calling thread alone
 } // namespace
 
 struct EngramHostGatherer
@@ -445,7 +446,7 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
 
     int result = 0;
     auto worker = [&job](int /*thread*/) { job.work(); };
-    g.pool->run(worker, [&] {
+    auto caller = [&] {
         int64_t releasedChunks = 0;
         int64_t issued = 0;
         for (int64_t spins = 0; issued < job.numChunks;)
@@ -496,7 +497,17 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
                 backoff(spins++);
             }
         }
-    });
+    };
+    if (totalRows <= kCallerOnlyRows)
+    {
+        // A decode step of a few sequences: the calling thread alone is done before a
+        // sleeping pool would have woken (each wake is an IPI to a halted vCPU in a VM).
+        caller();
+    }
+    else
+    {
+        g.pool->run(worker, caller);
+    }
     if (result != 0)
     {
         return result;

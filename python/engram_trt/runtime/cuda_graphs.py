@@ -79,7 +79,7 @@ class DecodeGraphs:
                                         device=self.device) for i in range(layout.num_layers)]
         self._lookup_host = None if model.compress_lookup is None else model.compress_lookup.cpu()
         self._event: Any = None
-        self._side = torch.cuda.Stream(self.device)
+        self._side = torch.cuda.Stream(self.device, priority=-1)  # the lookup graph: ahead of the layers' blocks
         self._lookup_done = torch.cuda.Event()
         self.graphs: dict[tuple[int, int, str], dict[str, Any]] = {}
         self.pool = torch.cuda.graph_pool_handle()

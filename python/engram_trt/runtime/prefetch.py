@@ -176,7 +176,10 @@ class Prefetcher:
 
             self._ops = KernelEngramOps(layout, self.device)
             self._bad_rows, self._check_bad_rows = bad_row_checker(self.device)
-            self._stream = torch.cuda.Stream(self.device)
+            # High priority: the lookup's kernels (the host gather's dequant per chunk, whose
+            # slots the next chunks wait for; the GPU gathers) are scheduled ahead of the
+            # layers' queued blocks instead of behind a prefill's GEMMs.
+            self._stream = torch.cuda.Stream(self.device, priority=-1)
             self._ids_dev = torch.empty(self.max_tokens, dtype=torch.int32, device=self.device)
             self._ids_host = torch.empty(self.max_tokens, dtype=torch.int32, pin_memory=True)
             self._gatherer = None
