@@ -707,3 +707,13 @@ def test_layout_hash_follows_the_files(ck8: Checkpointed, tmp_path: Path) -> Non
     moved = [dataclasses.replace(r, file=r2.file, offset=r2.offset) for r, r2 in zip(with_sha, refs2)]
     assert seg.layout_hash(with_sha) == seg.layout_hash(moved)  # content-keyed: wherever the files lie
     assert seg.layout_hash(with_sha) != seg.layout_hash(ck8.refs)
+
+
+def test_giga_pages_refused_with_the_reservation_to_make(monkeypatch) -> None:
+    """No (or too few) reserved 1 GiB pages: one line naming how many are needed and
+    where to reserve them, before any mapping is tried."""
+    from engram_trt.tables import hostmem
+
+    monkeypatch.setattr(hostmem, "giga_pages_free", lambda: 2)
+    with pytest.raises(EngramError, match=r"1 GiB huge pages: 3 needed, 2 free; reserve them \(echo 3 > .*nr_hugepages"):
+        hostmem.allocate_anonymous(2 * hostmem.GIGA_PAGE + 1, huge_pages="hugetlbfs-1g")

@@ -119,8 +119,10 @@ def add_gather_arguments(p: Any) -> None:
                         "each call: the threads have blocked), woken (idle, then wake() --wake-us before the call, "
                         "as a runtime does when a step starts) (default: hot)")
     p.add_argument("--wake-us", type=float, default=100.0, help="--pool woken: wake() this long before the call")
-    p.add_argument("--pages", choices=("4k", "thp"), default="4k",
-                   help="host table pages: 4k, or transparent huge pages (madvise) (default 4k)")
+    p.add_argument("--pages", choices=("4k", "thp", "1g"), default="4k",
+                   help="host table pages: 4k, transparent huge pages (madvise), or reserved 1 GiB huge pages "
+                        "(hugetlbfs; reserve them first in /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages) "
+                        "(default 4k)")
     p.add_argument("--reps", type=int, default=15, help="timed calls per measurement, fresh ids each (default 15)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
@@ -178,7 +180,7 @@ def cmd_gather(args: Any) -> int:
     need_inline = "inline" in args.layouts or "torch" in args.paths
     t0 = time.perf_counter()
     thp_before = anon_hugepages_kib()
-    tables = make_tables(num_rows, split=True, inline=need_inline, huge_pages=args.pages == "thp",
+    tables = make_tables(num_rows, split=True, inline=need_inline, huge_pages={"thp": True, "1g": "1g"}.get(args.pages, False),
                          register_split=not args.dry_run and "uva" in args.paths, seed=args.seed)
     setup_s = time.perf_counter() - t0
     thp_gib = (anon_hugepages_kib() - thp_before) / 2**20 if thp_before >= 0 else -1.0

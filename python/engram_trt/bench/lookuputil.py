@@ -69,12 +69,17 @@ class HostBuffer:
     """An anonymous host mapping viewed as a uint8 tensor; ``huge_pages`` asks for
     transparent huge pages (madvise), ``register()`` makes it GPU-readable."""
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = False) -> None:
+    def __init__(self, nbytes: int, *, huge_pages: bool | str = False) -> None:
         import torch
 
         self.nbytes = int(nbytes)
-        self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if huge_pages:
+        if huge_pages == "1g":
+            from engram_trt.tables.hostmem import map_giga_pages
+
+            self._map = map_giga_pages(self.nbytes)
+        else:
+            self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if huge_pages is True or huge_pages == "thp":
             if not hasattr(mmap, "MADV_HUGEPAGE"):
                 raise EngramError("transparent huge pages need Linux (mmap.MADV_HUGEPAGE); drop --pages thp")
             self._map.madvise(mmap.MADV_HUGEPAGE)
@@ -118,7 +123,7 @@ class Tables:
     split_scales: Any = None  # [N, 8] uint8
     inline: Any = None  # [N, 264] uint8
     buffers: list[HostBuffer] = field(default_factory=list)
-    huge_pages: bool = False
+    huge_pages: bool | str = False
 
     def gib(self) -> float:
         return self.num_rows * ROW_BYTES / GiB
@@ -130,7 +135,7 @@ class Tables:
         self.buffers.clear()
 
 
-def make_tables(num_rows: int, *, split: bool, inline: bool, huge_pages: bool, register_split: bool,
+def make_tables(num_rows: int, *, split: bool, inline: bool, huge_pages: bool | str, register_split: bool,
                 seed: int = 0, block_rows: int = FILL_BLOCK_ROWS) -> Tables:
     """Fill a table of ``num_rows`` 264-byte rows in the layouts asked for, with the same
     content in each: one random block of ``block_rows`` rows repeated (the addresses a
@@ -163,7 +168,7 @@ def make_tables(num_rows: int, *, split: bool, inline: bool, huge_pages: bool, r
             b.register()
         log.info("registered the split table with CUDA in %.1f s", time.perf_counter() - t1)
     log.info("filled %.2f GiB of tables (%s) in %.1f s", tables.gib() * (int(split) + int(inline)),
-             "huge pages" if huge_pages else "4 KiB pages", fill_s)
+             {"1g": "1 GiB huge pages", False: "4 KiB pages"}.get(huge_pages, "huge pages"), fill_s)
     return tables
 
 

@@ -37,7 +37,10 @@ HUGE_PAGE = 2 * 1024 * 1024  # x86-64 / arm64 (4 KiB base pages) PMD size
 DATA_ALIGN = HUGE_PAGE  # each table starts on a huge-page boundary
 DEFAULT_CHUNK_BYTES = GiB
 PAGE = mmap.PAGESIZE
-HUGE_PAGE_MODES = ("auto", "hugetlbfs", "thp", "none")
+HUGE_PAGE_MODES = ("auto", "hugetlbfs", "hugetlbfs-1g", "thp", "none")
+GIGA_PAGE = 1 << 30
+_MAP_HUGE_1GB = 30 << 26  # MAP_HUGE_SHIFT = 26: log2 of the page size in the flags
+_GIGA_POOL = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB")
 
 # Linux's flag values; Python's mmap module lacks MAP_HUGETLB before 3.12.
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
@@ -129,6 +132,31 @@ def hugetlb_free_bytes() -> tuple[int, int]:
     return info.get("HugePages_Free", 0) * size, size
 
 
+def giga_pages_free() -> int:
+    """Free reserved 1 GiB huge pages (0 where the kernel has no such pool)."""
+    try:
+        return int((_GIGA_POOL / "free_hugepages").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def map_giga_pages(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory in reserved 1 GiB huge pages (``MAP_HUGETLB |
+    MAP_HUGE_1GB``): a 24 GiB table then needs 24 TLB entries, where 2 MiB pages need
+    12,288 and the CPU gather pays a page walk on most random rows. Raises EngramError
+    naming the reservation to make when too few are free."""
+    need = round_up(nbytes, GIGA_PAGE)
+    free = giga_pages_free()
+    if free * GIGA_PAGE < need:
+        raise EngramError(f"1 GiB huge pages: {need // GIGA_PAGE} needed, {free} free; reserve them "
+                          f"(echo {need // GIGA_PAGE} > {_GIGA_POOL}/nr_hugepages, as root) or use another huge_pages mode")
+    try:
+        return mmap.mmap(-1, need, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB | _MAP_HUGE_1GB)
+    except OSError as exc:
+        raise EngramError(f"MAP_HUGETLB | MAP_HUGE_1GB of {human_bytes(need)} failed ({exc.strerror}); "
+                          f"check {_GIGA_POOL}/free_hugepages") from None
+
+
 def thp_mode() -> str:
     """The transparent-huge-page policy: 'always', 'madvise', 'never' or 'unknown'."""
     try:
@@ -152,6 +180,10 @@ def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
     if nbytes <= 0:
         raise EngramError(f"internal: host buffer of {nbytes} bytes")
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if huge_pages == "hugetlbfs-1g":
+        mm = map_giga_pages(nbytes)
+        log.info("tables' host memory: %s in hugetlbfs 1 GiB pages", human_bytes(len(mm)))
+        return HostBuffer(mm, 0, nbytes, "hugetlbfs 1 GiB pages")
     if huge_pages in ("auto", "hugetlbfs"):
         free, size = hugetlb_free_bytes()
         need = round_up(nbytes, size) if size else 0
