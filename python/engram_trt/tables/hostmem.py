@@ -171,7 +171,8 @@ def thp_mode() -> str:
 
 def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
     """Private anonymous memory for ``nbytes`` bytes, huge pages asked for where the
-    system allows: hugetlbfs pages when enough are reserved (``MAP_HUGETLB``), else
+    system allows: reserved 1 GiB pages when enough are free (and the buffer is at least
+    half a GiB), else hugetlbfs pages of the default size when enough are reserved (``MAP_HUGETLB``), else
     transparent huge pages (``madvise(MADV_HUGEPAGE)`` on a 2 MiB-aligned range), else
     base pages. ``huge_pages`` forces one mode ('hugetlbfs' fails if none are free).
     Which one took is logged and kept in :attr:`HostBuffer.pages`."""
@@ -180,7 +181,8 @@ def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
     if nbytes <= 0:
         raise EngramError(f"internal: host buffer of {nbytes} bytes")
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    if huge_pages == "hugetlbfs-1g":
+    if huge_pages == "hugetlbfs-1g" or (huge_pages == "auto" and giga_pages_free() * GIGA_PAGE >= round_up(nbytes, GIGA_PAGE)
+                                        and nbytes >= GIGA_PAGE // 2):
         mm = map_giga_pages(nbytes)
         log.info("tables' host memory: %s in hugetlbfs 1 GiB pages", human_bytes(len(mm)))
         return HostBuffer(mm, 0, nbytes, "hugetlbfs 1 GiB pages")
