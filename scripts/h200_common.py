@@ -104,6 +104,9 @@ class Harness:
         self.lib.harness_roundtrip.argtypes = [vp]
         self.lib.harness_destroy.argtypes = [vp]
         self.lib.harness_serialized_int.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)]
+        self.lib.harness_serialized_field.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_char_p),
+                                                      ctypes.POINTER(i32), ctypes.POINTER(i32), vp, ctypes.c_uint64,
+                                                      ctypes.POINTER(ctypes.c_uint64)]
         self.lib.harness_output_types.argtypes = [vp, i32, ctypes.POINTER(i32), i32, ctypes.POINTER(i32)]
         self.lib.harness_output_shapes.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), i32,
                                                    ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(i32)]
@@ -138,6 +141,21 @@ class Harness:
         if self.lib.harness_serialized_int(h, name.encode(), ctypes.byref(value)) != 0:
             raise RuntimeError(f"serialized_int({name}): {self.error()}")
         return value.value
+
+    def serialized_fields(self, h: int) -> list[tuple[str, int, int, bytes]]:
+        """Every field of the plugin's getFieldsToSerialize as (name, PluginFieldType, length,
+        bytes): what TensorRT writes into an engine."""
+        fields, count, index = [], ctypes.c_int32(1), 0
+        while index < count.value:
+            name, ftype, length = ctypes.c_char_p(), ctypes.c_int32(), ctypes.c_int32()
+            buf, size = ctypes.create_string_buffer(1 << 16), ctypes.c_uint64(0)
+            if self.lib.harness_serialized_field(h, index, ctypes.byref(count), ctypes.byref(name), ctypes.byref(ftype),
+                                                 ctypes.byref(length), buf, len(buf), ctypes.byref(size)) != 0:
+                raise RuntimeError(f"serialized_fields: {self.error()}")
+            if index < count.value:
+                fields.append((name.value.decode(), ftype.value, length.value, buf.raw[:size.value]))
+            index += 1
+        return fields
 
     def output_types(self, h: int, in_types: list[int]) -> list[int]:
         out = (ctypes.c_int32 * 1)()

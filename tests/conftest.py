@@ -118,6 +118,50 @@ def plugin_lib(tmp_path_factory):
         yield path
 
 
+@pytest.fixture(scope="session")
+def layout():
+    """A small two-layer Engram layout (3-grams, 4 heads: 16 hash columns) for the plugin tests."""
+    from engram_trt.config.model import EngramSpec
+    from engram_trt.engram.layout import EngramLayout
+
+    spec = EngramSpec(layer_ids=(1, 3), max_ngram_size=3, n_heads=4, vocab_size=1000, compressed_vocab_size=900,
+                      pad_token_id=0, head_dim=64)
+    return EngramLayout.from_spec(spec, pad_id=5)
+
+
+HARNESS_NAME = "libengram_plugin_harness.so"
+
+
+def harness_path() -> Path:
+    """The plugin harness beside the library the tests use (installed package or source
+    build), else the source tree's own build."""
+    from engram_trt import kernels
+    from engram_trt.errors import EngramError
+
+    try:
+        lib = kernels.library_path()
+        for cand in (lib.parent / HARNESS_NAME, lib.parent / "plugins" / "tests" / HARNESS_NAME):
+            if cand.is_file():
+                return cand
+    except EngramError:
+        pass
+    return REPO / "build" / "plugins" / "tests" / HARNESS_NAME
+
+
+def harness_scripts(harness: Path, *modules: str) -> list:
+    """The GPU check scripts' modules (scripts/), imported for their harness bindings,
+    once the harness library is known to exist."""
+    import importlib
+
+    if not harness.is_file():
+        pytest.skip(f"no CUDA compiler built the plugin harness ({harness}): nvcc / the CUDA toolkit is missing")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return [importlib.import_module(m) for m in modules]
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
 def word_tokenizer(path: Path, words: int) -> Path:
     """A tiny word-level tokenizer.json (ids 0..words-1; every word its own compressed id)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

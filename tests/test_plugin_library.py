@@ -29,6 +29,8 @@ from engram_trt.distributed.sharding import ColumnShard, shard_columns
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
+from conftest import harness_path, harness_scripts
+
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
 HEADER = REPO / "plugins" / "kernels" / "engramKernels.h"
@@ -46,13 +48,6 @@ def _abi_names() -> set[str]:
     """Every ENGRAM_API function the header declares."""
     text = HEADER.read_text()
     return set(re.findall(r"ENGRAM_API\s+[\w\s\*]+?\b(engram_\w+)\s*\(", text))
-
-
-@pytest.fixture(scope="session")
-def layout() -> EngramLayout:
-    spec = EngramSpec(layer_ids=(1, 3), max_ngram_size=3, n_heads=4, vocab_size=1000, compressed_vocab_size=900,
-                      pad_token_id=0, head_dim=64)
-    return EngramLayout.from_spec(spec, pad_id=5)
 
 
 def test_exported_symbols_are_the_abi_and_nothing_else(plugin_lib: Path) -> None:
@@ -274,6 +269,17 @@ def test_creators_are_registered_with_their_fields(trt) -> None:
     assert set(found) == set(PLUGINS)
     for name, fields in PLUGINS.items():
         assert found[name] == ("1", NAMESPACE, fields)
+    # the type and length each field is declared with (what the ONNX parser converts an
+    # attribute to; 0: an array whose length follows from other fields)
+    i32, i64, f32 = trt.module.PluginFieldType.INT32, trt.module.PluginFieldType.INT64, trt.module.PluginFieldType.FLOAT32
+    declared = {name: [(f.type, f.size) for f in registry.get_creator(name, "1", NAMESPACE).field_names]
+                for name in PLUGINS}
+    assert declared == {
+        "EngramHash": [(i32, 1)] * 3 + [(i64, 1)] * 2 + [(i64, 0)] * 3,
+        "EngramGather": [(i32, 1)] * 6 + [(i64, 1)] + [(i32, 1)] * 3 + [(i64, 1)],
+        "EngramGate": [(i32, 1), (i32, 1), (f32, 1)],
+        "EngramAttention": [(i32, 1)] * 3 + [(f32, 1)],
+    }
     # nothing of ours registers in the empty namespace, where another library's plugins
     # of the same names could collide
     assert all(trt.module.get_plugin_registry().get_creator(name, "1", "") is None for name in PLUGINS)
@@ -620,6 +626,13 @@ BAD_FIELDS = [
     ("EngramAttention", {"num_heads": ("int32", 65536 * 8), "num_kv_heads": ("int32", 65536)},
      "num_kv_heads * ceil(num_heads / num_kv_heads / 8) = 65536 exceeds 65535"),
     ("EngramAttention", {"window": ("int32", 4)}, "unknown field(s) window for plugin EngramAttention"),
+    # a field left out (None) or of the wrong kind
+    ("EngramGate", {"eps": None}, "missing field 'eps'"),
+    ("EngramGate", {"hc_mult": ("float32", 4.0)}, "field 'hc_mult' must be an integer"),
+    ("EngramAttention", {"scale": ("int32", 1)}, "field 'scale' must be a float"),
+    ("EngramGather", {"num_rows": None}, "missing field 'num_rows'"),
+    ("EngramHash", {"multipliers": None}, "missing field 'multipliers'"),
+    ("EngramHash", {"primes": ("float32", [2.0] * 16)}, "field 'primes' must be integers (got PluginFieldType 1, length 16)"),
 ]
 
 
@@ -633,6 +646,8 @@ def test_creators_refuse_out_of_range_fields(trt, layout: EngramLayout, capfd, p
         fields[name] = ("text", fields[name][1].replace(",", char, 1))
     else:
         fields.update(change)
+        for name in [name for name, value in change.items() if value is None]:
+            del fields[name]
     capfd.readouterr()
     assert _create(trt, plugin, fields) is None
     assert message in capfd.readouterr().err
@@ -730,38 +745,11 @@ def test_gather_binding_checks_the_bad_row_counter() -> None:
 
 # --- the plugin harness without a GPU: the build phase reads no table -------------------
 
-HARNESS_NAME = "libengram_plugin_harness.so"
-
-
-def _harness_path() -> Path:
-    """The harness beside the library the tests use (installed package or source build),
-    else the source tree's own build."""
-    try:
-        lib = kernels.library_path()
-        for cand in (lib.parent / HARNESS_NAME, lib.parent / "plugins" / "tests" / HARNESS_NAME):
-            if cand.is_file():
-                return cand
-    except EngramError:
-        pass
-    return REPO / "build" / "plugins" / "tests" / HARNESS_NAME
-
-
-HARNESS = _harness_path()
+HARNESS = harness_path()
 
 
 def _harness_scripts(*modules: str) -> list:
-    """The GPU check scripts' modules (scripts/), imported for their harness bindings,
-    once the harness library is known to exist."""
-    import importlib
-    import sys
-
-    if not HARNESS.is_file():
-        pytest.skip(f"no CUDA compiler built the plugin harness ({HARNESS}): nvcc / the CUDA toolkit is missing")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        return [importlib.import_module(m) for m in modules]
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    return harness_scripts(HARNESS, *modules)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,23 @@
  * knows it serves a build.
  * The build capability is a template parameter: IPluginV3OneBuild for most plugins,
  * IPluginV3OneBuildV2 for a plugin that updates an input in place (aliased I/O).
+ * A plugin's parameters are one Config struct whose fields are a FieldTable
+ * (fieldTable.h): the base holds the Config, serializes it through the table, and
+ * clones the plugin by copy; EngramCreator lists the table's fields and parses them
+ * into the Config the plugin is constructed from.
  */
 #ifndef ENGRAM_TRT_PLUGIN_BASE_H
 #define ENGRAM_TRT_PLUGIN_BASE_H
+
+#include "checkMacros.h"
+#include "fieldTable.h"
+#include "pluginFields.h"
 
 #include <NvInferRuntime.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace engram_trt
 {
@@ -28,16 +37,20 @@ namespace plugin
 constexpr char const* kEngramPluginVersion = "1";
 constexpr char const* kEngramPluginNamespace = "engram_trt";
 
-template <typename BuildCapability>
+//! `Derived`: the plugin (clone copies it); `Config`: its parameters, the fields of the
+//! table it is constructed with.
+template <typename Derived, typename Config, typename BuildCapability>
 class EngramPluginBaseT : public nvinfer1::IPluginV3,
                           public nvinfer1::IPluginV3OneCore,
                           public BuildCapability,
                           public nvinfer1::IPluginV3OneRuntime
 {
 public:
-    EngramPluginBaseT(char const* pluginName, nvinfer1::TensorRTPhase phase)
-        : mPluginName(pluginName)
+    EngramPluginBaseT(FieldTable<Config> const& fields, Config config, nvinfer1::TensorRTPhase phase)
+        : mPluginName(fields.pluginName())
         , mPhase(phase)
+        , mFields(fields)
+        , mConfig(std::move(config))
     {
     }
 
@@ -67,9 +80,30 @@ public:
         return kEngramPluginNamespace;
     }
 
+    //! A copy: the same Config, the same phase, and whatever the plugin shares between
+    //! its copies (a prepared layout).
+    nvinfer1::IPluginV3* clone() noexcept override
+    {
+        ENGRAM_PLUGIN_TRY
+        {
+            return new Derived(static_cast<Derived const&>(*this));
+        }
+        ENGRAM_PLUGIN_CATCH(mPluginName, nullptr);
+    }
+
     nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* /*context*/) noexcept override
     {
         return clone();
+    }
+
+    //! The Config's fields, as the table declares them (what an engine stores).
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override
+    {
+        ENGRAM_PLUGIN_TRY
+        {
+            return mFields.serialize(mConfig, mSerialized);
+        }
+        ENGRAM_PLUGIN_CATCH(mPluginName, nullptr);
     }
 
     int32_t getNbOutputs() const noexcept override
@@ -93,27 +127,37 @@ public:
 protected:
     char const* mPluginName;
     nvinfer1::TensorRTPhase mPhase;
+    FieldTable<Config> mFields;
+    Config mConfig;
+
+private:
+    FieldWriter mSerialized; // what the last getFieldsToSerialize returned points into it
 };
 
 //! The base of the plugins without aliased I/O.
-using EngramPluginBase = EngramPluginBaseT<nvinfer1::IPluginV3OneBuild>;
+template <typename Derived, typename Config>
+using EngramPluginBase = EngramPluginBaseT<Derived, Config, nvinfer1::IPluginV3OneBuild>;
 
 //! The base of a plugin whose outputs alias inputs (getAliasedInput; TensorRT honours it
 //! with PreviewFeature::kALIASED_PLUGIN_IO_10_03).
-using EngramAliasingPluginBase = EngramPluginBaseT<nvinfer1::IPluginV3OneBuildV2>;
+template <typename Derived, typename Config>
+using EngramAliasingPluginBase = EngramPluginBaseT<Derived, Config, nvinfer1::IPluginV3OneBuildV2>;
 
-//! The creator half: name, version, namespace and the field list.
-class EngramCreatorBase : public nvinfer1::IPluginCreatorV3One
+//! The creator of `Plugin`, constructed as Plugin(Config, phase) from the fields of a
+//! FieldTable<Config>: name, version, namespace, the field list and createPlugin.
+template <typename Plugin, typename Config>
+class EngramCreator : public nvinfer1::IPluginCreatorV3One
 {
 public:
-    explicit EngramCreatorBase(char const* pluginName)
-        : mPluginName(pluginName)
+    explicit EngramCreator(FieldTable<Config> const& fields)
+        : mFields(fields)
+        , mFieldNames(fields.specs())
     {
     }
 
     char const* getPluginName() const noexcept override
     {
-        return mPluginName;
+        return mFields.pluginName();
     }
 
     char const* getPluginVersion() const noexcept override
@@ -126,8 +170,24 @@ public:
         return kEngramPluginNamespace;
     }
 
-protected:
-    char const* mPluginName;
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override
+    {
+        return mFieldNames.collection();
+    }
+
+    nvinfer1::IPluginV3* createPlugin(char const* /*name*/, nvinfer1::PluginFieldCollection const* fc,
+        nvinfer1::TensorRTPhase phase) noexcept override
+    {
+        ENGRAM_PLUGIN_TRY
+        {
+            return new Plugin(mFields.parse(fc), phase);
+        }
+        ENGRAM_PLUGIN_CATCH(mFields.pluginName(), nullptr);
+    }
+
+private:
+    FieldTable<Config> mFields;
+    FieldNames mFieldNames;
 };
 
 //! Product of dims (0 for an empty shape list is never asked for: callers check nbDims).

@@ -84,18 +84,21 @@ FieldReader::FieldReader(char const* pluginName, nvinfer1::PluginFieldCollection
 
 PluginField const& FieldReader::take(char const* name)
 {
+    int32_t found = -1;
     for (int32_t i = 0; i < mFields->nbFields; ++i)
     {
-        PluginField const& field = mFields->fields[i];
-        if (field.name != nullptr && std::strcmp(field.name, name) == 0)
+        char const* fieldName = mFields->fields[i].name;
+        if (fieldName != nullptr && std::strcmp(fieldName, name) == 0)
         {
-            ENGRAM_PLUGIN_CHECK(!mUsed[i], "field '" << name << "' given twice");
-            ENGRAM_PLUGIN_CHECK(field.data != nullptr && field.length >= 1, "field '" << name << "' is empty");
-            mUsed[i] = true;
-            return field;
+            ENGRAM_PLUGIN_CHECK(found < 0, "field '" << name << "' given twice");
+            found = i;
         }
     }
-    ENGRAM_PLUGIN_FAIL("missing field '" << name << "'");
+    ENGRAM_PLUGIN_CHECK(found >= 0, "missing field '" << name << "'");
+    PluginField const& field = mFields->fields[found];
+    ENGRAM_PLUGIN_CHECK(field.data != nullptr && field.length >= 1, "field '" << name << "' is empty");
+    mUsed[found] = true;
+    return field;
 }
 
 int64_t FieldReader::getInt(char const* name, int64_t lo, int64_t hi)

@@ -7,9 +7,10 @@
  * and rebuilt from one (IPluginCreatorV3One::createPlugin); the build-time fields come
  * from the ONNX parser, which converts each node attribute to the type the creator
  * declares in getFieldNames. FieldReader is strict in both directions: a required
- * field that is missing, an array of the wrong length, or a field left unread (an
- * attribute this plugin does not know, or a stale engine) are errors, so whatever was
- * serialized is consumed exactly. Integer fields accept any integer width, floats any
+ * field that is missing or given twice, an array of the wrong length, or a field left
+ * unread (an attribute this plugin does not know, or a stale engine) are errors, so
+ * whatever was serialized is consumed exactly. A plugin's fields are read and written
+ * through its FieldTable (fieldTable.h), not field by field. Integer fields accept any integer width, floats any
  * float width, because exporters differ in what they emit; integers may also come as
  * decimal text (kCHAR, comma separated). That is how int64 arrays (the hash
  * multipliers, up to 2^63 / vocab) must travel through ONNX: the TensorRT ONNX parser
@@ -73,6 +74,19 @@ private:
 class FieldWriter
 {
 public:
+    FieldWriter() = default;
+    //! A copy starts empty (a cloned plugin writes its fields anew): copied fields would
+    //! point into the original's storage.
+    FieldWriter(FieldWriter const& /*other*/) {}
+    FieldWriter& operator=(FieldWriter const& other)
+    {
+        if (this != &other)
+        {
+            clear();
+        }
+        return *this;
+    }
+
     void addInt32(char const* name, int32_t value);
     void addInt64(char const* name, int64_t value);
     void addFloat32(char const* name, float value);

@@ -16,7 +16,6 @@ namespace plugin
 {
 
 using nvinfer1::DataType;
-using nvinfer1::PluginFieldType;
 
 namespace attention_detail
 {
@@ -39,6 +38,16 @@ void checkConfig(AttentionConfig const& c)
     int const status = engram_attention_check_shape(c.numHeads, c.numKvHeads, c.headDim, c.scale);
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
+
+// The shape across fields (num_heads a multiple of num_kv_heads, head_dim a multiple of
+// 8) and the scale are checkConfig's.
+constexpr Field<AttentionConfig> kFieldList[] = {
+    field<&AttentionConfig::numHeads>("num_heads", 1),
+    field<&AttentionConfig::numKvHeads>("num_kv_heads", 1),
+    field<&AttentionConfig::headDim>("head_dim", 8, ENGRAM_ATTENTION_MAX_HEAD_DIM),
+    field<&AttentionConfig::scale>("scale"),
+};
+constexpr FieldTable<AttentionConfig> kFields{kName, kFieldList};
 
 bool isIoType(DataType type)
 {
@@ -102,19 +111,9 @@ void checkDims(AttentionConfig const& c, nvinfer1::Dims const* in, nvinfer1::Dim
 } // namespace attention_detail
 
 EngramAttentionPlugin::EngramAttentionPlugin(AttentionConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramAliasingPluginBase(attention_detail::kName, phase)
-    , mConfig(config)
+    : EngramPluginBaseT(attention_detail::kFields, config, phase)
 {
     attention_detail::checkConfig(mConfig);
-}
-
-nvinfer1::IPluginV3* EngramAttentionPlugin::clone() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        return new EngramAttentionPlugin(mConfig, mPhase);
-    }
-    ENGRAM_PLUGIN_CATCH(attention_detail::kName, nullptr);
 }
 
 int32_t EngramAttentionPlugin::getNbOutputs() const noexcept
@@ -338,51 +337,9 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
     ENGRAM_PLUGIN_CATCH(attention_detail::kName, -1);
 }
 
-nvinfer1::PluginFieldCollection const* EngramAttentionPlugin::getFieldsToSerialize() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        mSerialized.clear();
-        mSerialized.addInt32("num_heads", mConfig.numHeads);
-        mSerialized.addInt32("num_kv_heads", mConfig.numKvHeads);
-        mSerialized.addInt32("head_dim", mConfig.headDim);
-        mSerialized.addFloat32("scale", mConfig.scale);
-        return mSerialized.collection();
-    }
-    ENGRAM_PLUGIN_CATCH(attention_detail::kName, nullptr);
-}
-
 EngramAttentionPluginCreator::EngramAttentionPluginCreator()
-    : EngramCreatorBase(attention_detail::kName)
-    , mFieldNames({
-          {"num_heads", PluginFieldType::kINT32, 1},
-          {"num_kv_heads", PluginFieldType::kINT32, 1},
-          {"head_dim", PluginFieldType::kINT32, 1},
-          {"scale", PluginFieldType::kFLOAT32, 1},
-      })
+    : EngramCreator(attention_detail::kFields)
 {
-}
-
-nvinfer1::PluginFieldCollection const* EngramAttentionPluginCreator::getFieldNames() noexcept
-{
-    return mFieldNames.collection();
-}
-
-nvinfer1::IPluginV3* EngramAttentionPluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        FieldReader reader(attention_detail::kName, fc);
-        AttentionConfig config;
-        config.numHeads = reader.getInt32("num_heads", 1);
-        config.numKvHeads = reader.getInt32("num_kv_heads", 1);
-        config.headDim = reader.getInt32("head_dim", 8, ENGRAM_ATTENTION_MAX_HEAD_DIM);
-        config.scale = static_cast<float>(reader.getFloat("scale"));
-        reader.finish();
-        return new EngramAttentionPlugin(config, phase);
-    }
-    ENGRAM_PLUGIN_CATCH(attention_detail::kName, nullptr);
 }
 
 } // namespace plugin

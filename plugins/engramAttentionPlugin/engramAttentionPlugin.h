@@ -11,7 +11,6 @@
 #define ENGRAM_TRT_ATTENTION_PLUGIN_H
 
 #include "common/engramPluginBase.h"
-#include "common/pluginFields.h"
 
 namespace engram_trt
 {
@@ -26,12 +25,10 @@ struct AttentionConfig
     float scale{0.0F};
 };
 
-class EngramAttentionPlugin : public EngramAliasingPluginBase
+class EngramAttentionPlugin : public EngramAliasingPluginBase<EngramAttentionPlugin, AttentionConfig>
 {
 public:
     EngramAttentionPlugin(AttentionConfig const& config, nvinfer1::TensorRTPhase phase);
-
-    nvinfer1::IPluginV3* clone() noexcept override;
 
     int32_t getNbOutputs() const noexcept override;
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
@@ -48,24 +45,12 @@ public:
     int32_t getAliasedInput(int32_t outputIndex) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
-
-private:
-    AttentionConfig mConfig;
-    FieldWriter mSerialized;
 };
 
-class EngramAttentionPluginCreator : public EngramCreatorBase
+class EngramAttentionPluginCreator : public EngramCreator<EngramAttentionPlugin, AttentionConfig>
 {
 public:
     EngramAttentionPluginCreator();
-
-    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(
-        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
-
-private:
-    FieldNames mFieldNames;
 };
 
 } // namespace plugin

@@ -14,7 +14,6 @@ namespace plugin
 {
 
 using nvinfer1::DataType;
-using nvinfer1::PluginFieldType;
 
 namespace gate_detail
 {
@@ -71,22 +70,19 @@ bool isMaskType(DataType type)
 {
     return type == DataType::kBOOL || type == DataType::kINT32;
 }
+
+constexpr Field<GateConfig> kFieldList[] = {
+    field<&GateConfig::hcMult>("hc_mult", 1, kMaxHcMult),
+    field<&GateConfig::hiddenSize>("hidden_size", 8), // a multiple of 8: checkConfig
+    field<&GateConfig::eps>("eps"),
+};
+constexpr FieldTable<GateConfig> kFields{kName, kFieldList};
 } // namespace gate_detail
 
 EngramGatePlugin::EngramGatePlugin(GateConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBase(gate_detail::kName, phase)
-    , mConfig(config)
+    : EngramPluginBaseT(gate_detail::kFields, config, phase)
 {
     gate_detail::checkConfig(mConfig);
-}
-
-nvinfer1::IPluginV3* EngramGatePlugin::clone() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        return new EngramGatePlugin(mConfig, mPhase);
-    }
-    ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
 }
 
 int32_t EngramGatePlugin::getOutputDataTypes(
@@ -235,48 +231,9 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
     ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
 }
 
-nvinfer1::PluginFieldCollection const* EngramGatePlugin::getFieldsToSerialize() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        mSerialized.clear();
-        mSerialized.addInt32("hc_mult", mConfig.hcMult);
-        mSerialized.addInt32("hidden_size", mConfig.hiddenSize);
-        mSerialized.addFloat32("eps", mConfig.eps);
-        return mSerialized.collection();
-    }
-    ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
-}
-
 EngramGatePluginCreator::EngramGatePluginCreator()
-    : EngramCreatorBase(gate_detail::kName)
-    , mFieldNames({
-          {"hc_mult", PluginFieldType::kINT32, 1},
-          {"hidden_size", PluginFieldType::kINT32, 1},
-          {"eps", PluginFieldType::kFLOAT32, 1},
-      })
+    : EngramCreator(gate_detail::kFields)
 {
-}
-
-nvinfer1::PluginFieldCollection const* EngramGatePluginCreator::getFieldNames() noexcept
-{
-    return mFieldNames.collection();
-}
-
-nvinfer1::IPluginV3* EngramGatePluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        FieldReader reader(gate_detail::kName, fc);
-        GateConfig config;
-        config.hcMult = reader.getInt32("hc_mult", 1, gate_detail::kMaxHcMult);
-        config.hiddenSize = reader.getInt32("hidden_size", 8);
-        config.eps = static_cast<float>(reader.getFloat("eps"));
-        reader.finish();
-        return new EngramGatePlugin(config, phase);
-    }
-    ENGRAM_PLUGIN_CATCH(gate_detail::kName, nullptr);
 }
 
 } // namespace plugin

@@ -9,7 +9,6 @@
 #define ENGRAM_TRT_GATE_PLUGIN_H
 
 #include "common/engramPluginBase.h"
-#include "common/pluginFields.h"
 
 namespace engram_trt
 {
@@ -23,12 +22,10 @@ struct GateConfig
     float eps{0.0F};
 };
 
-class EngramGatePlugin : public EngramPluginBase
+class EngramGatePlugin : public EngramPluginBase<EngramGatePlugin, GateConfig>
 {
 public:
     EngramGatePlugin(GateConfig const& config, nvinfer1::TensorRTPhase phase);
-
-    nvinfer1::IPluginV3* clone() noexcept override;
 
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
         int32_t nbInputs) const noexcept override;
@@ -43,24 +40,12 @@ public:
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
-
-private:
-    GateConfig mConfig;
-    FieldWriter mSerialized;
 };
 
-class EngramGatePluginCreator : public EngramCreatorBase
+class EngramGatePluginCreator : public EngramCreator<EngramGatePlugin, GateConfig>
 {
 public:
     EngramGatePluginCreator();
-
-    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(
-        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
-
-private:
-    FieldNames mFieldNames;
 };
 
 } // namespace plugin

@@ -13,7 +13,6 @@ namespace plugin
 {
 
 using nvinfer1::DataType;
-using nvinfer1::PluginFieldType;
 
 namespace gather_detail
 {
@@ -48,6 +47,30 @@ bool isAddressShape(nvinfer1::Dims const& dims)
 {
     return dims.nbDims == 0 || (dims.nbDims == 1 && (dims.d[0] == 1 || dims.d[0] == -1));
 }
+
+//! column_end's default: every column.
+int64_t allColumns(GatherConfig const& c)
+{
+    return c.numCols;
+}
+
+// The ranges that depend on other fields are checkConfig's. The last four fields are
+// optional (engines and graphs without the counter input or a tensor-parallel share omit
+// them): no counter, every column of the whole table.
+constexpr Field<GatherConfig> kFieldList[] = {
+    field<&GatherConfig::layerIndex>("layer_index", 0),
+    field<&GatherConfig::numLayers>("n_layers", 1),
+    field<&GatherConfig::numCols>("n_cols", 1),
+    field<&GatherConfig::headDim>("head_dim", 1),
+    field<&GatherConfig::tableDtype>("table_dtype", ENGRAM_TABLE_FP8_E4M3, ENGRAM_TABLE_BF16),
+    field<&GatherConfig::quantBlock>("quant_block"), // any int32: ignored for bf16 tables
+    field<&GatherConfig::numRows>("num_rows"),
+    field<&GatherConfig::badRowsInput>("bad_rows_input").optional(),
+    field<&GatherConfig::columnBegin>("column_begin").optional(),
+    field<&GatherConfig::columnEnd>("column_end").optional(allColumns),
+    field<&GatherConfig::rowOffset>("row_offset").optional(),
+};
+constexpr FieldTable<GatherConfig> kFields{kName, kFieldList};
 } // namespace gather_detail
 
 bool GatherConfig::fp8() const
@@ -56,19 +79,9 @@ bool GatherConfig::fp8() const
 }
 
 EngramGatherPlugin::EngramGatherPlugin(GatherConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBase(gather_detail::kName, phase)
-    , mConfig(config)
+    : EngramPluginBaseT(gather_detail::kFields, config, phase)
 {
     gather_detail::checkConfig(mConfig);
-}
-
-nvinfer1::IPluginV3* EngramGatherPlugin::clone() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        return new EngramGatherPlugin(mConfig, mPhase);
-    }
-    ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
 }
 
 int32_t EngramGatherPlugin::getOutputDataTypes(
@@ -209,75 +222,9 @@ int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
 }
 
-nvinfer1::PluginFieldCollection const* EngramGatherPlugin::getFieldsToSerialize() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        mSerialized.clear();
-        mSerialized.addInt32("layer_index", mConfig.layerIndex);
-        mSerialized.addInt32("n_layers", mConfig.numLayers);
-        mSerialized.addInt32("n_cols", mConfig.numCols);
-        mSerialized.addInt32("head_dim", mConfig.headDim);
-        mSerialized.addInt32("table_dtype", mConfig.tableDtype);
-        mSerialized.addInt32("quant_block", mConfig.quantBlock);
-        mSerialized.addInt64("num_rows", mConfig.numRows);
-        mSerialized.addInt32("bad_rows_input", mConfig.badRowsInput ? 1 : 0);
-        mSerialized.addInt32("column_begin", mConfig.columnBegin);
-        mSerialized.addInt32("column_end", mConfig.columnEnd);
-        mSerialized.addInt64("row_offset", mConfig.rowOffset);
-        return mSerialized.collection();
-    }
-    ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
-}
-
 EngramGatherPluginCreator::EngramGatherPluginCreator()
-    : EngramCreatorBase(gather_detail::kName)
-    , mFieldNames({
-          {"layer_index", PluginFieldType::kINT32, 1},
-          {"n_layers", PluginFieldType::kINT32, 1},
-          {"n_cols", PluginFieldType::kINT32, 1},
-          {"head_dim", PluginFieldType::kINT32, 1},
-          {"table_dtype", PluginFieldType::kINT32, 1},
-          {"quant_block", PluginFieldType::kINT32, 1},
-          {"num_rows", PluginFieldType::kINT64, 1},
-          {"bad_rows_input", PluginFieldType::kINT32, 1},
-          {"column_begin", PluginFieldType::kINT32, 1},
-          {"column_end", PluginFieldType::kINT32, 1},
-          {"row_offset", PluginFieldType::kINT64, 1},
-      })
+    : EngramCreator(gather_detail::kFields)
 {
-}
-
-nvinfer1::PluginFieldCollection const* EngramGatherPluginCreator::getFieldNames() noexcept
-{
-    return mFieldNames.collection();
-}
-
-nvinfer1::IPluginV3* EngramGatherPluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        FieldReader reader(gather_detail::kName, fc);
-        GatherConfig config;
-        config.layerIndex = reader.getInt32("layer_index", 0);
-        config.numLayers = reader.getInt32("n_layers", 1);
-        config.numCols = reader.getInt32("n_cols", 1);
-        config.headDim = reader.getInt32("head_dim", 1);
-        config.tableDtype = reader.getInt32("table_dtype", ENGRAM_TABLE_FP8_E4M3, ENGRAM_TABLE_BF16);
-        config.quantBlock = reader.getInt32("quant_block"); // any int32: ignored for bf16 tables
-        config.numRows = reader.getInt("num_rows");
-        // Optional (engines and graphs without the counter input omit it): 0 or 1.
-        config.badRowsInput = reader.has("bad_rows_input") && reader.getInt32("bad_rows_input", 0, 1) == 1;
-        // Optional, a tensor-parallel rank's share (checked in checkConfig); the defaults
-        // are every column of the whole table, the engines and graphs that omit them.
-        config.columnBegin = reader.has("column_begin") ? reader.getInt32("column_begin") : 0;
-        config.columnEnd = reader.has("column_end") ? reader.getInt32("column_end") : config.numCols;
-        config.rowOffset = reader.has("row_offset") ? reader.getInt("row_offset") : 0;
-        reader.finish();
-        return new EngramGatherPlugin(config, phase);
-    }
-    ENGRAM_PLUGIN_CATCH(gather_detail::kName, nullptr);
 }
 
 } // namespace plugin

@@ -15,7 +15,6 @@
 #define ENGRAM_TRT_GATHER_PLUGIN_H
 
 #include "common/engramPluginBase.h"
-#include "common/pluginFields.h"
 
 namespace engram_trt
 {
@@ -55,12 +54,10 @@ struct GatherConfig
     }
 };
 
-class EngramGatherPlugin : public EngramPluginBase
+class EngramGatherPlugin : public EngramPluginBase<EngramGatherPlugin, GatherConfig>
 {
 public:
     EngramGatherPlugin(GatherConfig const& config, nvinfer1::TensorRTPhase phase);
-
-    nvinfer1::IPluginV3* clone() noexcept override;
 
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
         int32_t nbInputs) const noexcept override;
@@ -75,24 +72,12 @@ public:
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
-
-private:
-    GatherConfig mConfig;
-    FieldWriter mSerialized;
 };
 
-class EngramGatherPluginCreator : public EngramCreatorBase
+class EngramGatherPluginCreator : public EngramCreator<EngramGatherPlugin, GatherConfig>
 {
 public:
     EngramGatherPluginCreator();
-
-    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(
-        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
-
-private:
-    FieldNames mFieldNames;
 };
 
 } // namespace plugin

@@ -13,7 +13,6 @@ namespace plugin
 {
 
 using nvinfer1::DataType;
-using nvinfer1::PluginFieldType;
 
 namespace hash_detail
 {
@@ -22,6 +21,36 @@ constexpr int32_t kIds = 0;
 constexpr int32_t kSeqStarts = 1;
 constexpr int32_t kLookback = 2;
 constexpr int32_t kNbInputs = 3;
+
+//! The (layer, column) slots of the layout, the length of primes and offsets. The
+//! kernel's layout holds at most ENGRAM_HASH_MAX_SLOTS of them: the counts are each
+//! bounded by it before they are narrowed or multiplied, and their product here.
+int64_t slots(HashLayout const& layout)
+{
+    int64_t const count = layout.numLayers * layout.numCols();
+    ENGRAM_PLUGIN_CHECK(count <= ENGRAM_HASH_MAX_SLOTS,
+        "n_layers * (max_ngram_size - 1) * n_heads = " << count << " exceeds " << ENGRAM_HASH_MAX_SLOTS);
+    return count;
+}
+
+//! One multiplier per layer and n-gram position: L * N.
+int64_t multiplierCount(HashLayout const& layout)
+{
+    return static_cast<int64_t>(layout.numLayers) * layout.maxNgram;
+}
+
+constexpr Field<HashLayout> kFieldList[] = {
+    field<&HashLayout::numLayers>("n_layers", 1, ENGRAM_HASH_MAX_SLOTS),
+    field<&HashLayout::maxNgram>("max_ngram_size", 2, ENGRAM_HASH_MAX_NGRAM),
+    field<&HashLayout::numHeads>("n_heads", 1, ENGRAM_HASH_MAX_SLOTS),
+    field<&HashLayout::padId>("pad_id"),
+    field<&HashLayout::compressedVocabSize>("compressed_vocab_size"),
+    arrayField<&HashLayout::primes>("primes", slots),
+    arrayField<&HashLayout::offsets>("offsets", slots),
+    // up to 2^63 / vocab: a narrower type may have been truncated by an exporter
+    arrayField<&HashLayout::multipliers>("multipliers", multiplierCount, true),
+};
+constexpr FieldTable<HashLayout> kFields{kName, kFieldList};
 
 //! Validates the layout and lays it out once (engram_hash_layout_create).
 std::shared_ptr<EngramHashLayout const> prepareLayout(HashLayout const& layout)
@@ -36,25 +65,9 @@ std::shared_ptr<EngramHashLayout const> prepareLayout(HashLayout const& layout)
 } // namespace hash_detail
 
 EngramHashPlugin::EngramHashPlugin(HashLayout layout, nvinfer1::TensorRTPhase phase)
-    : EngramHashPlugin(layout, phase, hash_detail::prepareLayout(layout))
+    : EngramPluginBaseT(hash_detail::kFields, std::move(layout), phase)
+    , mPrepared(hash_detail::prepareLayout(mConfig))
 {
-}
-
-EngramHashPlugin::EngramHashPlugin(
-    HashLayout layout, nvinfer1::TensorRTPhase phase, std::shared_ptr<EngramHashLayout const> prepared)
-    : EngramPluginBase(hash_detail::kName, phase)
-    , mLayout(std::move(layout))
-    , mPrepared(std::move(prepared))
-{
-}
-
-nvinfer1::IPluginV3* EngramHashPlugin::clone() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        return new EngramHashPlugin(mLayout, mPhase, mPrepared);
-    }
-    ENGRAM_PLUGIN_CATCH(hash_detail::kName, nullptr);
 }
 
 int32_t EngramHashPlugin::getOutputDataTypes(
@@ -85,8 +98,8 @@ int32_t EngramHashPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int
         ENGRAM_PLUGIN_CHECK(inputs[hash_detail::kIds].nbDims == 1, "ids must be 1-D [T]");
         outputs[0].nbDims = 3;
         outputs[0].d[0] = inputs[hash_detail::kIds].d[0];
-        outputs[0].d[1] = exprBuilder.constant(mLayout.numLayers);
-        outputs[0].d[2] = exprBuilder.constant(mLayout.numCols());
+        outputs[0].d[1] = exprBuilder.constant(mConfig.numLayers);
+        outputs[0].d[2] = exprBuilder.constant(mConfig.numCols());
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(hash_detail::kName, -1);
@@ -111,8 +124,8 @@ int32_t EngramHashPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc cons
         ENGRAM_PLUGIN_CHECK(in[hash_detail::kIds].desc.dims.nbDims == 1, "ids must be 1-D [T]");
         ENGRAM_PLUGIN_CHECK(in[hash_detail::kSeqStarts].desc.dims.nbDims == 1, "seq_starts must be 1-D [S+1]");
         nvinfer1::Dims const& lookback = in[hash_detail::kLookback].desc.dims;
-        ENGRAM_PLUGIN_CHECK(lookback.nbDims == 2 && (lookback.d[1] == -1 || lookback.d[1] == mLayout.maxNgram - 1),
-            "lookback must be [S, " << mLayout.maxNgram - 1 << "], got " << dimsToString(lookback));
+        ENGRAM_PLUGIN_CHECK(lookback.nbDims == 2 && (lookback.d[1] == -1 || lookback.d[1] == mConfig.maxNgram - 1),
+            "lookback must be [S, " << mConfig.maxNgram - 1 << "], got " << dimsToString(lookback));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(hash_detail::kName, -1);
@@ -137,10 +150,10 @@ int32_t EngramHashPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         int64_t const numTokens = ids.d[0];
         int64_t const numSeqs = seqStarts.d[0] - 1;
         ENGRAM_PLUGIN_CHECK(numSeqs >= 0, "seq_starts must hold S+1 >= 1 entries");
-        ENGRAM_PLUGIN_CHECK(lookback.d[0] == numSeqs && lookback.d[1] == mLayout.maxNgram - 1,
-            "lookback must be [" << numSeqs << ", " << mLayout.maxNgram - 1 << "], got " << dimsToString(lookback));
+        ENGRAM_PLUGIN_CHECK(lookback.d[0] == numSeqs && lookback.d[1] == mConfig.maxNgram - 1,
+            "lookback must be [" << numSeqs << ", " << mConfig.maxNgram - 1 << "], got " << dimsToString(lookback));
         ENGRAM_PLUGIN_CHECK(
-            out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == mLayout.numLayers && out.d[2] == mLayout.numCols(),
+            out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == mConfig.numLayers && out.d[2] == mConfig.numCols(),
             "output must be [T, L, cols], got " << dimsToString(out));
         int const status = engram_hash_prepared(mPrepared.get(), static_cast<int32_t const*>(inputs[hash_detail::kIds]),
             numTokens, static_cast<int32_t const*>(inputs[hash_detail::kSeqStarts]), numSeqs,
@@ -151,69 +164,9 @@ int32_t EngramHashPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
     ENGRAM_PLUGIN_CATCH(hash_detail::kName, -1);
 }
 
-nvinfer1::PluginFieldCollection const* EngramHashPlugin::getFieldsToSerialize() noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        mSerialized.clear();
-        mSerialized.addInt32("n_layers", mLayout.numLayers);
-        mSerialized.addInt32("max_ngram_size", mLayout.maxNgram);
-        mSerialized.addInt32("n_heads", mLayout.numHeads);
-        mSerialized.addInt64("pad_id", mLayout.padId);
-        mSerialized.addInt64("compressed_vocab_size", mLayout.compressedVocabSize);
-        mSerialized.addInt64s("primes", mLayout.primes);
-        mSerialized.addInt64s("offsets", mLayout.offsets);
-        mSerialized.addInt64s("multipliers", mLayout.multipliers);
-        return mSerialized.collection();
-    }
-    ENGRAM_PLUGIN_CATCH(hash_detail::kName, nullptr);
-}
-
 EngramHashPluginCreator::EngramHashPluginCreator()
-    : EngramCreatorBase(hash_detail::kName)
-    , mFieldNames({
-          {"n_layers", PluginFieldType::kINT32, 1},
-          {"max_ngram_size", PluginFieldType::kINT32, 1},
-          {"n_heads", PluginFieldType::kINT32, 1},
-          {"pad_id", PluginFieldType::kINT64, 1},
-          {"compressed_vocab_size", PluginFieldType::kINT64, 1},
-          {"primes", PluginFieldType::kINT64, 0},
-          {"offsets", PluginFieldType::kINT64, 0},
-          {"multipliers", PluginFieldType::kINT64, 0},
-      })
+    : EngramCreator(hash_detail::kFields)
 {
-}
-
-nvinfer1::PluginFieldCollection const* EngramHashPluginCreator::getFieldNames() noexcept
-{
-    return mFieldNames.collection();
-}
-
-nvinfer1::IPluginV3* EngramHashPluginCreator::createPlugin(
-    char const* /*name*/, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
-{
-    ENGRAM_PLUGIN_TRY
-    {
-        FieldReader reader(hash_detail::kName, fc);
-        HashLayout layout;
-        // The kernel's layout holds at most ENGRAM_HASH_MAX_SLOTS (layer, column) slots:
-        // bound each count by it before it is narrowed or multiplied.
-        layout.numLayers = reader.getInt32("n_layers", 1, ENGRAM_HASH_MAX_SLOTS);
-        layout.maxNgram = reader.getInt32("max_ngram_size", 2, ENGRAM_HASH_MAX_NGRAM);
-        layout.numHeads = reader.getInt32("n_heads", 1, ENGRAM_HASH_MAX_SLOTS);
-        layout.padId = reader.getInt("pad_id");
-        layout.compressedVocabSize = reader.getInt("compressed_vocab_size");
-        int64_t const slots = layout.numLayers * layout.numCols();
-        ENGRAM_PLUGIN_CHECK(slots <= ENGRAM_HASH_MAX_SLOTS,
-            "n_layers * (max_ngram_size - 1) * n_heads = " << slots << " exceeds " << ENGRAM_HASH_MAX_SLOTS);
-        layout.primes = reader.getInts("primes", slots);
-        layout.offsets = reader.getInts("offsets", slots);
-        layout.multipliers
-            = reader.getInts("multipliers", static_cast<int64_t>(layout.numLayers) * layout.maxNgram, true);
-        reader.finish();
-        return new EngramHashPlugin(std::move(layout), phase);
-    }
-    ENGRAM_PLUGIN_CATCH(hash_detail::kName, nullptr);
 }
 
 } // namespace plugin

@@ -11,7 +11,6 @@
 #define ENGRAM_TRT_HASH_PLUGIN_H
 
 #include "common/engramPluginBase.h"
-#include "common/pluginFields.h"
 #include "kernels/engramKernels.h"
 
 #include <memory>
@@ -41,12 +40,10 @@ struct HashLayout
     }
 };
 
-class EngramHashPlugin : public EngramPluginBase
+class EngramHashPlugin : public EngramPluginBase<EngramHashPlugin, HashLayout>
 {
 public:
     EngramHashPlugin(HashLayout layout, nvinfer1::TensorRTPhase phase);
-
-    nvinfer1::IPluginV3* clone() noexcept override;
 
     int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
         int32_t nbInputs) const noexcept override;
@@ -61,29 +58,16 @@ public:
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
 private:
-    EngramHashPlugin(
-        HashLayout layout, nvinfer1::TensorRTPhase phase, std::shared_ptr<EngramHashLayout const> prepared);
-
-    HashLayout mLayout;
     //! The prepared layout: immutable, so clones (one per execution context) share it.
     std::shared_ptr<EngramHashLayout const> mPrepared;
-    FieldWriter mSerialized;
 };
 
-class EngramHashPluginCreator : public EngramCreatorBase
+class EngramHashPluginCreator : public EngramCreator<EngramHashPlugin, HashLayout>
 {
 public:
     EngramHashPluginCreator();
-
-    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(
-        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
-
-private:
-    FieldNames mFieldNames;
 };
 
 } // namespace plugin

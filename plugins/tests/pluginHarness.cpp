@@ -14,6 +14,9 @@
  *   harness_serialized_int
  *                       one scalar integer field of getFieldsToSerialize() (what an
  *                       engine stores), so a check sees the value, not only its effect
+ *   harness_serialized_field
+ *                       one field of getFieldsToSerialize() as written: name, type,
+ *                       length and bytes, so a check pins what an engine stores
  *   harness_output_shapes / harness_output_types
  *                       getOutputShapes through an IExprBuilder implemented here (the
  *                       batch dimension is a non-constant expression, as in an engine
@@ -92,14 +95,13 @@ public:
     CollectingLogger logger;
 };
 
+//! The harness's logger finder, (re)installed at every use: a TensorRT registry that loads
+//! the same library in this process installs its own, and the plugins' messages must
+//! reach the harness while it drives them.
 HarnessLoggerFinder& loggerFinder()
 {
     static HarnessLoggerFinder finder;
-    static bool installed = [] {
-        setLoggerFinder(&finder);
-        return true;
-    }();
-    (void) installed;
+    setLoggerFinder(&finder);
     return finder;
 }
 
@@ -296,6 +298,41 @@ Plugin* create(char const* name, nvinfer1::PluginFieldCollection const& fields, 
     return wrapped;
 }
 
+//! Bytes of one element of a field of this type (what TensorRT copies into an engine).
+size_t fieldElementBytes(nvinfer1::PluginFieldType type)
+{
+    switch (type)
+    {
+    case nvinfer1::PluginFieldType::kINT64:
+    case nvinfer1::PluginFieldType::kFLOAT64: return 8;
+    case nvinfer1::PluginFieldType::kINT32:
+    case nvinfer1::PluginFieldType::kFLOAT32: return 4;
+    case nvinfer1::PluginFieldType::kINT16:
+    case nvinfer1::PluginFieldType::kFLOAT16:
+    case nvinfer1::PluginFieldType::kBF16: return 2;
+    default: return 1;
+    }
+}
+
+nvinfer1::PluginFieldCollection const* serializedFields(Plugin* p)
+{
+    auto* runtime = static_cast<nvinfer1::IPluginV3OneRuntime*>(
+        p->plugin->getCapabilityInterface(nvinfer1::PluginCapabilityType::kRUNTIME));
+    nvinfer1::PluginFieldCollection const* fc = runtime->getFieldsToSerialize();
+    if (fc == nullptr)
+    {
+        failWithLog("getFieldsToSerialize returned null");
+    }
+    return fc;
+}
+
+//! A handle of the C API, with the harness's logger installed for what the call logs.
+Plugin* use(void* handle)
+{
+    loggerFinder();
+    return static_cast<Plugin*>(handle);
+}
+
 nvinfer1::Dims makeDims(int32_t nbDims, int64_t const* dims)
 {
     nvinfer1::Dims d{};
@@ -334,13 +371,10 @@ HARNESS_API void* harness_create(char const* pluginName, int32_t nbFields, char 
 
 HARNESS_API void* harness_roundtrip(void* handle)
 {
-    auto* p = static_cast<Plugin*>(handle);
-    auto* runtime = static_cast<nvinfer1::IPluginV3OneRuntime*>(
-        p->plugin->getCapabilityInterface(nvinfer1::PluginCapabilityType::kRUNTIME));
-    nvinfer1::PluginFieldCollection const* fc = runtime->getFieldsToSerialize();
+    auto* p = use(handle);
+    nvinfer1::PluginFieldCollection const* fc = serializedFields(p);
     if (fc == nullptr)
     {
-        failWithLog("getFieldsToSerialize returned null");
         return nullptr;
     }
     // Copy the fields (as TensorRT does when it writes the engine) before the plugin goes.
@@ -352,21 +386,9 @@ HARNESS_API void* harness_roundtrip(void* handle)
     for (int32_t i = 0; i < fc->nbFields; ++i)
     {
         nvinfer1::PluginField const& f = fc->fields[i];
-        size_t elem = 1;
-        switch (f.type)
-        {
-        case nvinfer1::PluginFieldType::kINT64:
-        case nvinfer1::PluginFieldType::kFLOAT64: elem = 8; break;
-        case nvinfer1::PluginFieldType::kINT32:
-        case nvinfer1::PluginFieldType::kFLOAT32: elem = 4; break;
-        case nvinfer1::PluginFieldType::kINT16:
-        case nvinfer1::PluginFieldType::kFLOAT16:
-        case nvinfer1::PluginFieldType::kBF16: elem = 2; break;
-        default: elem = 1; break;
-        }
         names.emplace_back(f.name);
         auto const* bytes = static_cast<uint8_t const*>(f.data);
-        data.emplace_back(bytes, bytes + elem * f.length);
+        data.emplace_back(bytes, bytes + fieldElementBytes(f.type) * f.length);
     }
     for (int32_t i = 0; i < fc->nbFields; ++i)
     {
@@ -379,13 +401,10 @@ HARNESS_API void* harness_roundtrip(void* handle)
 /* The value of the scalar integer field `fieldName` among the plugin's serialized fields. */
 HARNESS_API int harness_serialized_int(void* handle, char const* fieldName, int64_t* value)
 {
-    auto* p = static_cast<Plugin*>(handle);
-    auto* runtime = static_cast<nvinfer1::IPluginV3OneRuntime*>(
-        p->plugin->getCapabilityInterface(nvinfer1::PluginCapabilityType::kRUNTIME));
-    nvinfer1::PluginFieldCollection const* fc = runtime->getFieldsToSerialize();
+    nvinfer1::PluginFieldCollection const* fc = serializedFields(use(handle));
     if (fc == nullptr)
     {
-        return failWithLog("getFieldsToSerialize returned null");
+        return -1;
     }
     for (int32_t i = 0; i < fc->nbFields; ++i)
     {
@@ -410,6 +429,40 @@ HARNESS_API int harness_serialized_int(void* handle, char const* fieldName, int6
     return failWith(std::string("no serialized field ") + fieldName);
 }
 
+/*
+ * Field `index` of the plugin's serialized fields: *nbFields receives their count; for an
+ * index below it *name, *type (PluginFieldType) and *length receive the field's, and its
+ * bytes (*nbBytes of them) are copied into `bytes` when `capacity` holds them.
+ */
+HARNESS_API int harness_serialized_field(void* handle, int32_t index, int32_t* nbFields, char const** name,
+    int32_t* type, int32_t* length, void* bytes, uint64_t capacity, uint64_t* nbBytes)
+{
+    nvinfer1::PluginFieldCollection const* fc = serializedFields(use(handle));
+    if (fc == nullptr)
+    {
+        return -1;
+    }
+    *nbFields = fc->nbFields;
+    if (index < 0 || index >= fc->nbFields)
+    {
+        return 0;
+    }
+    nvinfer1::PluginField const& f = fc->fields[index];
+    *name = f.name;
+    *type = static_cast<int32_t>(f.type);
+    *length = f.length;
+    *nbBytes = fieldElementBytes(f.type) * static_cast<uint64_t>(f.length);
+    if (*nbBytes > capacity)
+    {
+        return failWith(std::string("serialized field ") + f.name + " holds more than the buffer");
+    }
+    if (*nbBytes > 0)
+    {
+        std::memcpy(bytes, f.data, *nbBytes);
+    }
+    return 0;
+}
+
 HARNESS_API void harness_destroy(void* handle)
 {
     delete static_cast<Plugin*>(handle);
@@ -419,7 +472,7 @@ HARNESS_API void harness_destroy(void* handle)
 HARNESS_API int harness_output_types(
     void* handle, int32_t nbInputs, int32_t const* inputTypes, int32_t nbOutputs, int32_t* outputTypes)
 {
-    auto* p = static_cast<Plugin*>(handle);
+    auto* p = use(handle);
     if (p->build()->getNbOutputs() != nbOutputs)
     {
         return failWith("getNbOutputs disagrees with the caller");
@@ -449,7 +502,7 @@ HARNESS_API int harness_output_types(
 HARNESS_API int harness_output_shapes(void* handle, int32_t nbInputs, int32_t const* inNbDims, int64_t const* inDims,
     int32_t nbOutputs, int32_t* outNbDims, int64_t* outDims, int32_t* outIsConstant)
 {
-    auto* p = static_cast<Plugin*>(handle);
+    auto* p = use(handle);
     ExprBuilder builder;
     std::vector<nvinfer1::DimsExprs> inputs(nbInputs);
     for (int32_t i = 0; i < nbInputs; ++i)
@@ -491,7 +544,7 @@ HARNESS_API int harness_run(void* handle, int32_t nbInputs, int32_t const* inTyp
     int64_t const* inDims, void const* const* inPtrs, int32_t nbOutputs, int32_t const* outTypes,
     int32_t const* outNbDims, int64_t const* outDims, void* const* outPtrs, void* stream, uint64_t* workspaceBytes)
 {
-    auto* p = static_cast<Plugin*>(handle);
+    auto* p = use(handle);
     int32_t const total = nbInputs + nbOutputs;
     std::vector<nvinfer1::DynamicPluginTensorDesc> dyn(total);
     std::vector<nvinfer1::PluginTensorDesc> concrete(total);
@@ -569,7 +622,7 @@ HARNESS_API int harness_run(void* handle, int32_t nbInputs, int32_t const* inTyp
  */
 HARNESS_API int harness_aliased_input(void* handle, int32_t outputIndex, int32_t* aliased, int32_t* buildMajor)
 {
-    auto* p = static_cast<Plugin*>(handle);
+    auto* p = use(handle);
     nvinfer1::IPluginV3OneBuild* build = p->build();
     nvinfer1::InterfaceInfo const info = build->getInterfaceInfo();
     *buildMajor = info.major;
