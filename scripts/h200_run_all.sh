@@ -13,7 +13,7 @@ stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   echo "=== $name rc=$rc $((SECONDS - t0)) s"; tail -n "${TAILN:-25}" "$OUT/$name.log"; }
 stage build 120 bash -c "cmake -S . -B /tmp/b -DCMAKE_CUDA_ARCHITECTURES=90 -DENGRAM_TRT_BUILD_HARNESS=ON -DTENSORRT_INCLUDE_DIR=$PWD/.device/trt_include && cmake --build /tmp/b -j16"
 export ENGRAM_TRT_PLUGIN_LIB=/tmp/b/libengram_trt_plugins.so
-for s in ${STAGES:-verify runtime step tables attention}; do
+for s in ${STAGES:-verify runtime step tables attention backbone}; do
   case $s in
     verify) TAILN=40 stage verify 120 python3 scripts/h200_verify.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --reps 5 --out "$OUT" ;;
     runtime) TAILN=45 stage runtime 120 python3 scripts/h200_runtime_check.py --out "$OUT" ${RUNTIME_ARGS:-} ;;
@@ -21,6 +21,7 @@ for s in ${STAGES:-verify runtime step tables attention}; do
     tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
     contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
     attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ${ATTENTION_ARGS:-} ;;
+    backbone) TAILN=30 stage backbone 300 python3 scripts/h200_backbone_check.py --build-dir /tmp/b --skip-build --out "$OUT" ${BACKBONE_ARGS:-} ;;
   esac
 done
 # One archive of every log and result (the transfer back takes few files).

@@ -223,6 +223,36 @@ extern "C" ENGRAM_API int engram_kv_cache_write(void const* k, void const* v, in
         numSlots, maxSeqLen, stream);
 }
 
+extern "C" ENGRAM_API int engram_rope_kv_cache_write(void const* qkv, void const* cosTable, void const* sinTable,
+    int32_t const* tokenSlot, int32_t const* tokenPos, int64_t numTokens, int32_t numHeads, int32_t numKvHeads,
+    int32_t headDim, void* keyCache, void* valueCache, int64_t numSlots, int64_t maxSeqLen, void* qOut,
+    cudaStream_t stream)
+{
+    clearError();
+    void const* tensors[] = {qkv, cosTable, sinTable, keyCache, valueCache, qOut, kEnd};
+    if (int const status
+        = checkCall("engram_rope_kv_cache_write", ENGRAM_FLOAT_BF16, numTokens, numHeads, numKvHeads, headDim, numSlots,
+            maxSeqLen, 1.0F, tokenSlot, tokenPos, tensors, "qkv, cos, sin, key_cache, value_cache and q_out"))
+    {
+        return status;
+    }
+    if (numTokens == 0)
+    {
+        return 0;
+    }
+    // q_out is written while other blocks still read their qkv rows: the two must not share a byte.
+    auto const qkvBegin = reinterpret_cast<uintptr_t>(qkv);
+    auto const qBegin = reinterpret_cast<uintptr_t>(qOut);
+    uintptr_t const qkvBytes = static_cast<uintptr_t>(numTokens) * (numHeads + 2 * numKvHeads) * headDim * 2;
+    uintptr_t const qBytes = static_cast<uintptr_t>(numTokens) * numHeads * headDim * 2;
+    if (qBegin < qkvBegin + qkvBytes && qkvBegin < qBegin + qBytes)
+    {
+        return fail(cudaErrorInvalidValue, "engram_rope_kv_cache_write: q_out must not overlap qkv");
+    }
+    return launchRopeKvCacheWrite(qkv, cosTable, sinTable, tokenSlot, tokenPos, numTokens, numHeads, numKvHeads,
+        headDim, keyCache, valueCache, numSlots, maxSeqLen, qOut, stream);
+}
+
 extern "C" ENGRAM_API int engram_attention_packed(void const* q, int32_t ioType, void const* keyCache,
     void const* valueCache, int32_t const* tokenSlot, int32_t const* tokenPos, int64_t numTokens, int32_t numHeads,
     int32_t numKvHeads, int32_t headDim, int64_t numSlots, int64_t maxSeqLen, float scale, void* workspace,

@@ -47,6 +47,12 @@ int launchKvCacheWrite(void const* k, void const* v, int32_t ioType, int32_t con
     int64_t numTokens, int32_t numKvHeads, int32_t headDim, void* keyCache, void* valueCache, int64_t numSlots,
     int64_t maxSeqLen, cudaStream_t stream);
 
+//! Enqueues the RoPE + KV write of a fused qkv row (ropeKernel.cu; bf16, arguments
+//! checked by the caller).
+int launchRopeKvCacheWrite(void const* qkv, void const* cosTable, void const* sinTable, int32_t const* tokenSlot,
+    int32_t const* tokenPos, int64_t numTokens, int32_t numHeads, int32_t numKvHeads, int32_t headDim, void* keyCache,
+    void* valueCache, int64_t numSlots, int64_t maxSeqLen, void* qOut, cudaStream_t stream);
+
 //! Enqueues the attention (and the merge of its splits) for `plan`; with plan.splits > 1
 //! the workspace holds planWorkspaceBytes(plan, ...) bytes (arguments checked by the caller).
 int launchAttention(void const* q, int32_t ioType, void const* keyCache, void const* valueCache,

@@ -347,6 +347,39 @@ ENGRAM_API int engram_gate(const void* hidden, const void* kv, const void* q_wei
     int32_t weight_type, const void* mask, int32_t mask_type, int64_t num_tokens, int32_t hc_mult, int32_t hidden_size,
     float eps, float clamp, void* out, cudaStream_t stream);
 
+/* ======================================================================================
+ * Decoder-layer pieces of the bf16 serving path (backboneKernel.cu): the elementwise work
+ * around a layer's GEMMs in one launch each, rounded as the PyTorch reference
+ * (python/engram_trt/reference/modules.py) rounds its bf16 ops, so the fused path and the
+ * reference differ by the float32 sums' order alone.
+ *
+ * engram_hc_rms_norm: the norm in front of attention / the MLP of an engram-llama layer,
+ * whose residual stream is hc_mult copies [T, hc_mult, D]:
+ *   residual != NULL: hs[t, c, :] = bf16(hs[t, c, :] + residual[t, :]) IN PLACE first
+ *                     (torch's hs + residual.unsqueeze(1): the layer's residual update);
+ *   m   = bf16(sum_c hs[t, c, :] * (1 / hc_mult))     (torch's bf16 hs.mean(dim=1): a
+ *         float32 sum in copy order, then one rounding);
+ *   out[t, :] = bf16((m * rsqrt(mean(m^2) + eps)) * weight)   (float32: RMSNorm.forward).
+ * hc_mult = 1 is a plain RMSNorm (the final norm). hs [T, hc_mult, D], residual [T, D],
+ * weight [D] and out [T, D] are bf16; out must not overlap hs or residual, nor residual
+ * hs. 16-byte loads when D % 8 == 0 and every pointer is 16-byte aligned, element loads
+ * otherwise (any D, any alignment of 2 bytes).
+ * Limits: 1 <= hidden_size <= ENGRAM_NORM_MAX_HIDDEN (the mean row is kept in shared
+ * memory); hc_mult >= 1; eps finite and >= 0; num_tokens in [0, 2^31 - 1].
+ */
+#define ENGRAM_NORM_MAX_HIDDEN 16384
+ENGRAM_API int engram_hc_rms_norm(void* hs, const void* residual, const void* weight, int64_t num_tokens,
+    int32_t hc_mult, int32_t hidden_size, float eps, void* out, cudaStream_t stream);
+
+/* The SwiGLU activation of a fused gate + up projection: gate_up [T, 2 * I] bf16 (gate in
+ * columns 0..I-1, up in I..2I-1) -> out [T, I] bf16 with
+ *   out[t, i] = bf16(bf16(g / (1 + exp(-g))) * up[t, i]),  g = gate_up[t, i]
+ * (torch's bf16 F.silu(gate) * up: two roundings). 16-byte loads when I % 8 == 0 and both
+ * pointers are 16-byte aligned, element loads otherwise. out must not overlap gate_up.
+ * Limits: intermediate_size >= 1; num_tokens >= 0. */
+ENGRAM_API int engram_silu_mul(
+    const void* gate_up, int64_t num_tokens, int32_t intermediate_size, void* out, cudaStream_t stream);
+
 /* Kind of memory behind ptr (EngramPointerKind) in *kind. */
 ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);
 
@@ -399,6 +432,26 @@ ENGRAM_API int engram_attention_workspace_size(
 ENGRAM_API int engram_kv_cache_write(const void* k, const void* v, int32_t io_type, const int32_t* token_slot,
     const int32_t* token_pos, int64_t num_tokens, int32_t num_kv_heads, int32_t head_dim, void* key_cache,
     void* value_cache, int64_t num_slots, int64_t max_seq_len, cudaStream_t stream);
+
+/*
+ * RoPE of a fused q / k / v projection and the KV write, in one launch (ropeKernel.cu):
+ * qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] bf16 holds per token its q heads,
+ * then its k heads, then its v heads (one GEMM with the three weights stacked by rows);
+ * cos / sin [T, head_dim] bf16 are the token's rotary factors (the model's cos / sin of
+ * position * inv_freq, each half repeated). With rotate_half(x) = cat(-x2, x1) (the HF
+ * Llama convention: the halves of the head dim are the rotating pairs), every q and k
+ * head becomes
+ *   x' = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin))
+ * (torch's bf16 q * c + rotate_half(q) * s, rounding for rounding); q' goes to
+ * q_out [T, num_heads, head_dim], k' to key_cache and v (unrotated) to value_cache at
+ * (token_slot[t], :, token_pos[t]), as engram_kv_cache_write. A token outside the cache
+ * (slot or position out of range) writes no K/V but still gets its q'. The shape limits,
+ * the cache layout and the int32 token_slot / token_pos arrays are the attention's
+ * (above); all tensors are 16-byte aligned; q_out must not overlap qkv.
+ */
+ENGRAM_API int engram_rope_kv_cache_write(const void* qkv, const void* cos, const void* sin, const int32_t* token_slot,
+    const int32_t* token_pos, int64_t num_tokens, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+    void* key_cache, void* value_cache, int64_t num_slots, int64_t max_seq_len, void* q_out, cudaStream_t stream);
 
 /* The attention alone (reads the caches, writes out). workspace may be NULL (then no
  * split); with workspace_bytes below what the split needs, fewer splits are used. */

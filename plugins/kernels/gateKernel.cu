@@ -33,37 +33,6 @@ namespace kernels
 
 constexpr int kGateMaxThreads = 256;
 
-//! 8 consecutive floats rounded once (to nearest even) to the I/O type and stored.
-__device__ __forceinline__ void store8(__nv_bfloat16* p, float const (&v)[8])
-{
-    uint4 packed;
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        pairs[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    }
-    *reinterpret_cast<uint4*>(p) = packed;
-}
-
-__device__ __forceinline__ void store8(__half* p, float const (&v)[8])
-{
-    uint4 packed;
-    __half2* pairs = reinterpret_cast<__half2*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        pairs[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-    }
-    *reinterpret_cast<uint4*>(p) = packed;
-}
-
-__device__ __forceinline__ void store8(float* p, float const (&v)[8])
-{
-    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
-}
-
 //! Eight consecutive elements of T as loaded: one 16-byte word for 16-bit types, two for fp32.
 template <typename T>
 struct Pack8

@@ -2,8 +2,10 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * Device helpers shared by the kernels: eight consecutive elements loaded as floats
- * (one 16-byte load for bf16 / fp16, two for fp32) and a warp-wide sum. One home, so the
- * gate and the attention kernels cannot drift apart in how they read their inputs.
+ * (one 16-byte load for bf16 / fp16, two for fp32) and stored back rounded once, bf16
+ * rows of any width in vectors of 8, 4 or 1, and a warp-wide sum. One home, so the gate,
+ * the attention and the decoder-layer kernels cannot drift apart in how they read and
+ * round their inputs.
  */
 #ifndef ENGRAM_TRT_VEC_LOAD_CUH
 #define ENGRAM_TRT_VEC_LOAD_CUH
@@ -49,6 +51,96 @@ __device__ __forceinline__ void load8(float const* p, float (&v)[8])
     float4 const b = *reinterpret_cast<float4 const*>(p + 4);
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
     v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+//! 8 consecutive floats rounded once (to nearest even) to the I/O type and stored.
+__device__ __forceinline__ void store8(__nv_bfloat16* p, float const (&v)[8])
+{
+    uint4 packed;
+    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+    {
+        pairs[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    }
+    *reinterpret_cast<uint4*>(p) = packed;
+}
+
+__device__ __forceinline__ void store8(__half* p, float const (&v)[8])
+{
+    uint4 packed;
+    __half2* pairs = reinterpret_cast<__half2*>(&packed);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+    {
+        pairs[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+    }
+    *reinterpret_cast<uint4*>(p) = packed;
+}
+
+__device__ __forceinline__ void store8(float* p, float const (&v)[8])
+{
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+//! V consecutive bf16 values as floats (V = 8: one 16-byte load, 4: one 8-byte load,
+//! 1: one element), for kernels whose rows need not be multiples of 8 elements.
+template <int V>
+__device__ __forceinline__ void loadBf16(__nv_bfloat16 const* p, float (&v)[V])
+{
+    if constexpr (V == 8)
+    {
+        load8(p, v);
+    }
+    else if constexpr (V == 4)
+    {
+        uint2 const raw = *reinterpret_cast<uint2 const*>(p);
+        __nv_bfloat162 const* pairs = reinterpret_cast<__nv_bfloat162 const*>(&raw);
+        float2 const a = __bfloat1622float2(pairs[0]);
+        float2 const b = __bfloat1622float2(pairs[1]);
+        v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    }
+    else
+    {
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+        {
+            v[i] = __bfloat162float(p[i]);
+        }
+    }
+}
+
+//! V floats rounded once (to nearest even) to bf16 and stored (the widths of loadBf16).
+template <int V>
+__device__ __forceinline__ void storeBf16(__nv_bfloat16* p, float const (&v)[V])
+{
+    if constexpr (V == 8)
+    {
+        store8(p, v);
+    }
+    else if constexpr (V == 4)
+    {
+        uint2 packed;
+        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+        pairs[0] = __floats2bfloat162_rn(v[0], v[1]);
+        pairs[1] = __floats2bfloat162_rn(v[2], v[3]);
+        *reinterpret_cast<uint2*>(p) = packed;
+    }
+    else
+    {
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+        {
+            p[i] = __float2bfloat16_rn(v[i]);
+        }
+    }
+}
+
+//! x rounded to bf16 (to nearest even) and widened back: one rounding of a PyTorch bf16 op.
+__device__ __forceinline__ float roundBf16(float x)
+{
+    return __bfloat162float(__float2bfloat16_rn(x));
 }
 
 //! The sum of v over the 32 lanes of a warp, in every lane.

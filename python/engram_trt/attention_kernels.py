@@ -3,7 +3,8 @@
 
 A step's packed tokens write their K/V into the slot caches ``[slots, kv_heads,
 max_seq_len, head_dim]`` in place, then each token attends (causal, grouped-query) to its
-slot's keys ``0 .. its position``. The functions take torch tensors and check dtypes,
+slot's keys ``0 .. its position``; :func:`rope_kv_cache_write` rotates a fused q / k / v
+projection and writes its K/V in one launch. The functions take torch tensors and check dtypes,
 then shapes, then devices before anything reaches the library (an EngramError names the
 bad argument); work is enqueued on the current CUDA stream. The entry points are
 declared here, on first use, so this module and :mod:`engram_trt.kernels` (the Engram
@@ -32,6 +33,10 @@ _SIGS = {
                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.c_size_t,
                                 ctypes.c_void_p, ctypes.c_void_p],
+    "engram_rope_kv_cache_write": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p],
     "engram_attention_step": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
@@ -168,3 +173,51 @@ def attention_step(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, tok
                         ctypes.c_float(hd ** -0.5 if scale is None else scale), _ptr(ws),
                         0 if ws is None else ws.numel(), _ptr(out), _stream(q.device))
     return out
+
+
+def rope_kv_cache_write(qkv: Any, cos: Any, sin: Any, key_cache: Any, value_cache: Any, token_slot: Any,
+                        token_pos: Any, num_heads: int, *, q_out: Any = None) -> Any:
+    """RoPE of a fused projection and the KV write in one launch (bf16): ``qkv [T,
+    (num_heads + 2 * kv_heads) * head_dim]`` (q heads, k heads, v heads per token),
+    ``cos / sin [T, head_dim]`` -> rotated q ``[T, num_heads, head_dim]``; the rotated k
+    and the v rows go into the caches at ``(token_slot[t], :, token_pos[t])`` as
+    :func:`kv_cache_write` writes them. Rounds as the reference's bf16
+    ``q * cos + rotate_half(q) * sin`` (engramKernels.h)."""
+    torch = _torch()
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("key_cache", key_cache),
+                    ("value_cache", value_cache)):
+        _check_dtype(name, t, (torch.bfloat16,))
+    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
+        _check_dtype(name, t, (torch.int32,))
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise EngramError(f"key_cache and value_cache must be one shape [slots, kv_heads, max_seq_len, head_dim] "
+                          f"(got {tuple(key_cache.shape)} and {tuple(value_cache.shape)})")
+    num_slots, kvh, max_seq_len, hd = key_cache.shape
+    H = int(num_heads)
+    if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * kvh) * hd:
+        raise EngramError(f"qkv must be [T, (num_heads + 2 * kv_heads) * head_dim] = [T, {(H + 2 * kvh) * hd}] "
+                          f"(got {tuple(qkv.shape)})")
+    T = qkv.shape[0]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (T, hd):
+            raise EngramError(f"{name} must be [T, head_dim] = {(T, hd)} (got {tuple(t.shape)})")
+    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
+        if tuple(t.shape) != (T,):
+            raise EngramError(f"{name} must be [T] = ({T},) (got {tuple(t.shape)})")
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("token_slot", token_slot), ("token_pos", token_pos)):
+        _check(name, t, (t.dtype,))
+    _same_device(key_cache.device, qkv=qkv, cos=cos, sin=sin, value_cache=value_cache, token_slot=token_slot,
+                 token_pos=token_pos)
+    if q_out is None:
+        q_out = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
+    else:
+        _check("q_out", q_out, (torch.bfloat16,), 3)
+        if tuple(q_out.shape) != (T, H, hd) or q_out.device != qkv.device:
+            raise EngramError(f"q_out must be [T, num_heads, head_dim] = {(T, H, hd)} on {qkv.device} "
+                              f"(got {tuple(q_out.shape)} on {q_out.device})")
+    with torch.cuda.device(qkv.device):
+        _call("engram_rope_kv_cache_write", _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(token_slot), _ptr(token_pos), T, H,
+              kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len, _ptr(q_out),
+              _stream(qkv.device))
+    return q_out

@@ -1,6 +1,7 @@
-"""The Engram steps through the CUDA kernel library the TensorRT plugins call
-(``libengram_trt_plugins.so``, via :mod:`engram_trt.kernels`): one kernel library, two
-callers, so the GPU path without TensorRT runs the plugins' very kernels.
+"""The Engram steps, and the decoder layers' elementwise steps, through the CUDA kernel
+library the TensorRT plugins call (``libengram_trt_plugins.so``, via
+:mod:`engram_trt.kernels`): one kernel library, two callers, so the GPU path without
+TensorRT runs the plugins' very kernels.
 
 Tables the GPU can read in place (device memory, pinned / registered host memory) go
 through the gather kernel; any other host memory (a file map, plain RAM) through the
@@ -9,11 +10,16 @@ host gather (CPU threads into pinned staging, then one copy per chunk).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engram_trt.engram.layout import EngramLayout
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
 
 
 class KernelEngramOps:
@@ -51,3 +57,89 @@ class KernelEngramOps:
     def gate(self, hidden: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
              live: torch.Tensor, eps: float) -> torch.Tensor:
         return self.kernels.gate(hidden.contiguous(), kv.contiguous(), q_weight, k_weight, live.contiguous(), eps=eps)
+
+
+class TorchBackboneOps:
+    """The fused decoder path's elementwise steps in PyTorch ops: what
+    :class:`KernelBackboneOps` computes, op for op (its kernels round where these bf16 ops
+    round). The model's fused path (``EngramLlama.step_layers`` with ``backbone_ops``)
+    runs on either; this one lets a CPU check that path's plumbing (stacked GEMMs split
+    right, the residual carried into the next norm) and is the GPU checks' reference."""
+
+    name = "torch"
+
+    def norm(self, hs: torch.Tensor, residual: torch.Tensor | None, norm: Any) -> torch.Tensor:
+        """``norm(hs.mean(dim=1))`` after ``hs += residual.unsqueeze(1)`` (in place)."""
+        if residual is not None:
+            hs.add_(residual.unsqueeze(1))
+        return norm(hs.mean(dim=1))
+
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Any, keys: torch.Tensor,
+                      values: torch.Tensor, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+        """Rotated q ``[T, H, hd]`` of a fused projection; its K/V into the cache."""
+        from engram_trt.reference.modules import rope_and_write
+
+        T = qkv.shape[0]
+        q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
+        return rope_and_write(q.reshape(T, n_heads, head_dim), k.reshape(T, n_kv, head_dim),
+                              v.reshape(T, n_kv, head_dim), cos, sin, plan, keys, values)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class KernelBackboneOps:
+    """The fused decoder path's elementwise steps through the kernel library, one launch
+    each: hc-mean RMSNorm with the residual update, RoPE + KV write, SiLU * up (bf16)."""
+
+    name = "cuda-kernels"
+
+    def __init__(self) -> None:
+        from engram_trt import attention_kernels, backbone_kernels
+
+        backbone_kernels.load()
+        attention_kernels._library()
+        self.attention = attention_kernels
+        self.backbone = backbone_kernels
+
+    def norm(self, hs: torch.Tensor, residual: torch.Tensor | None, norm: Any) -> torch.Tensor:
+        return self.backbone.hc_rms_norm(hs, norm.weight, norm.eps, residual)
+
+    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Any, keys: torch.Tensor,
+                      values: torch.Tensor, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+        slots, positions = plan.index32()
+        return self.attention.rope_kv_cache_write(qkv, cos, sin, keys, values, slots, positions, n_heads)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.backbone.silu_mul(gate_up)
+
+
+BACKBONE_BACKENDS = ("auto", "torch", "kernels")
+
+
+def select_backbone_ops(backend: str, device: torch.device, dtype: torch.dtype,
+                        fused: bool) -> KernelBackboneOps | None:
+    """The decoder layers' ops: ``auto``: the kernel library on a CUDA device in bf16 with
+    fused projections when it loads, else None (the modules' PyTorch ops); ``kernels``:
+    the kernel library or a clear error; ``torch``: None. Logs the choice (once per model)."""
+    if backend not in BACKBONE_BACKENDS:
+        raise EngramError(f"backbone_backend {backend!r} is not one of {list(BACKBONE_BACKENDS)}")
+    ops = None
+    usable = device.type == "cuda" and dtype == torch.bfloat16 and fused
+    if backend == "kernels" and not usable:
+        raise EngramError(f"backbone_backend 'kernels' runs on a CUDA device in bfloat16 with fused projections "
+                          f"(got {device}, {dtype}, fuse_projections={fused}); use 'torch' or 'auto'")
+    if backend != "torch" and usable:
+        try:
+            ops = KernelBackboneOps()
+        except EngramError as exc:
+            if backend == "kernels":
+                raise
+            log.warning("decoder-layer CUDA kernels unavailable (%s); using the PyTorch ops", exc)
+    if ops is not None:
+        log.info("decoder layers: fused q/k/v and gate/up GEMMs; norms, RoPE + KV write and SiLU in the kernel "
+                 "library (%s, %s)", device, dtype)
+    else:
+        log.info("decoder layers: PyTorch ops (%s, %s%s)", device, dtype, ", fused projections" if fused else "")
+    return ops

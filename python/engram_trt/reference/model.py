@@ -21,13 +21,21 @@ Design points, and why:
 * The model compresses raw ids itself (``compress_lookup``): callers hand it token
   ids, never compressed ids, unless they override them (``engram_ids``) e.g. to mark
   dead tokens.
+* On a GPU the decoder layers run fused (``backbone_backend``): a decode step of a ~1B
+  model is mostly launch latency, ~45 kernels per layer of which ~40 are tiny elementwise
+  ops. At load the q / k / v weights (and gate / up) are stacked into one tensor whose
+  row slices *are* the projections' parameters (names and memory unchanged), so one GEMM
+  computes each group; the norms (with the residual add before them), RoPE + KV write
+  and SiLU * up run as one kernel-library launch each (:class:`KernelBackboneOps`). The
+  MLP's residual is carried to the next layer's norm (``StepState.pending``). The
+  float32 / CPU reference path is the plain module code, untouched.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -35,37 +43,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram_trt.checkpoint.checkpoint import Checkpoint, backbone_tensor_shapes, engram_tensor_names, require_valid
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, require_valid
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.hashing import DEAD, hash_ids_torch
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.reference.batch_api import UniformBatchAPI
-from engram_trt.reference.kernel_ops import KernelEngramOps
+from engram_trt.reference.kernel_ops import KernelEngramOps, select_backbone_ops
 from engram_trt.reference.kv_cache import KVCache
 from engram_trt.reference.modules import AttentionPlan, Backbone
+from engram_trt.reference.weights import load_weights, model_weight_shapes
 from engram_trt.runtime.step import PackedStep
 from engram_trt.tables.store import TableStore
 
 log = logging.getLogger(__name__)
 
 ENGRAM_BACKENDS = ("auto", "torch", "kernels")
-
-
-def model_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter :class:`EngramLlama` needs (checkpoint names and shapes), tables
-    excluded: the backbone plus each Engram layer's ``wkv``, ``q_weight``, ``k_weight``."""
-    out = dict(backbone_tensor_shapes(config))
-    spec = config.require_model()
-    if spec is not None:
-        assert spec.head_dim is not None
-        D, hc = config.hidden_size, config.hc_mult
-        for lid in spec.layer_ids:
-            names = engram_tensor_names(lid, spec.prefix)
-            out[names["wkv"]] = ((hc + 1) * D, spec.n_hash_cols * spec.head_dim)
-            out[names["q_weight"]] = (hc, D)
-            out[names["k_weight"]] = (hc, D)
-    return out
 
 
 @dataclass
@@ -80,6 +73,8 @@ class StepState:
     cos: torch.Tensor
     sin: torch.Tensor
     arrays: dict[str, torch.Tensor]
+    # The fused path's last MLP output [T, D], not yet added to hs: the next norm adds it.
+    pending: torch.Tensor | None = field(default=None)
 
 
 class EngramLlama(UniformBatchAPI, nn.Module):
@@ -90,13 +85,19 @@ class EngramLlama(UniformBatchAPI, nn.Module):
     small one so they need no tokenizer). Tables come from ``tables`` or, when the
     weight dict holds them, from there. ``attention``: ``loop`` (the float32 reference,
     default on a CPU) or ``sdpa`` (fused kernels, default on a GPU).
+    ``fuse_projections`` (default: on a CUDA device) stacks q / k / v and gate / up weights
+    at load, the parameters becoming views of the stack; ``backbone_backend``: ``auto``
+    runs the decoder layers' elementwise steps in the kernel library on a CUDA device in
+    bf16 with fused projections when the library loads, else the PyTorch ops;
+    ``kernels``: that or a clear error; ``torch``: the PyTorch ops.
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *,
                  tables: TableStore | None = None, compress_lookup: Any = None,
                  layout: EngramLayout | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, engram_backend: str = "auto",
-                 attention: str | None = None) -> None:
+                 attention: str | None = None, backbone_backend: str = "auto",
+                 fuse_projections: bool | None = None) -> None:
         super().__init__()
         self.config = config
         self.engram_ops: KernelEngramOps | None = None
@@ -109,7 +110,12 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         with torch.device("meta"):
             self.model = Backbone(config)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._load_weights(weights, dev, dtype)
+        fuse = dev.type == "cuda" if fuse_projections is None else bool(fuse_projections)
+        # The decoder layers' elementwise steps (None: the modules' PyTorch ops). Any
+        # object with KernelBackboneOps' methods will do (TorchBackboneOps: the same
+        # steps in PyTorch ops, for checks).
+        self.backbone_ops: Any = select_backbone_ops(backbone_backend, dev, dtype, fuse)
+        load_weights(self, weights, dev, dtype, fuse)
         hd = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=dev) / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -185,24 +191,6 @@ class EngramLlama(UniformBatchAPI, nn.Module):
             scales.append(None if s is None else s.to(device))
         return TableStore.from_tensors(tables, scales, spec.quant_block, spec.layer_ids)
 
-    def _load_weights(self, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
-        expected = model_weight_shapes(self.config)
-        params = dict(self.named_parameters())
-        for name, want in expected.items():
-            if name not in weights:
-                raise CheckpointError(f"weights lack tensor '{name}' (expected shape {list(want)})")
-            t = weights[name]
-            if tuple(t.shape) != want:
-                raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)} but the config needs {list(want)}")
-            if name not in params:
-                raise EngramError(f"internal: parameter '{name}' is not part of the module")
-            owner_name, _, leaf = name.rpartition(".")
-            owner = self.get_submodule(owner_name)
-            setattr(owner, leaf, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
-        leftover = [n for n, p in self.named_parameters() if p.is_meta]
-        if leftover:
-            raise EngramError(f"internal: parameters {leftover[:3]} were not loaded")
-
     def set_tables(self, tables: TableStore) -> None:
         """Attach (or swap) the row storage; checked against the layout."""
         spec = self.config.engram
@@ -222,7 +210,8 @@ class EngramLlama(UniformBatchAPI, nn.Module):
     def from_checkpoint(cls, ckpt: Checkpoint | str, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32, table_storage: str | None = "memory",
                         compressed_vocab: Any = None, engram_backend: str = "auto",
-                        attention: str | None = None, progress: bool = False) -> "EngramLlama":
+                        attention: str | None = None, progress: bool = False,
+                        backbone_backend: str = "auto") -> "EngramLlama":
         """Build from a checkpoint: config, validated tensors, compressed vocab from its
         tokenizer.json (size checked against the config), tables in a store of kind
         ``table_storage`` (:data:`engram_trt.tables.TABLE_KINDS`; ``None``: none attached,
@@ -244,7 +233,7 @@ class EngramLlama(UniformBatchAPI, nn.Module):
             tables = open_tables(checkpoint_table_refs(ckpt), table_storage, quant_block=spec.quant_block, device=device,
                                  progress=progress)
         model = cls(cfg, weights, tables=tables, compress_lookup=lookup, layout=layout, device=device, dtype=dtype,
-                    engram_backend=engram_backend, attention=attention)
+                    engram_backend=engram_backend, attention=attention, backbone_backend=backbone_backend)
         log.info("loaded %s in %.1f s (device %s, %s, tables: %s)", ckpt.path, time.perf_counter() - t0,
                  device, dtype, table_storage if spec is not None else "none")
         return model
@@ -254,7 +243,8 @@ class EngramLlama(UniformBatchAPI, nn.Module):
     def backend_name(self) -> str:
         """What the CLI reports: the PyTorch reference, with the Engram steps in the
         CUDA kernel library when it runs them."""
-        return "torch" if self.engram_ops is None else f"torch + engram {self.engram_ops.name}"
+        name = "torch" if self.engram_ops is None else f"torch + engram {self.engram_ops.name}"
+        return name if self.backbone_ops is None else f"{name} + layers {self.backbone_ops.name}"
 
     @property
     def device(self) -> torch.device:
@@ -395,6 +385,9 @@ class EngramLlama(UniformBatchAPI, nn.Module):
     def step_layers(self, state: "StepState", cache: KVCache, begin: int, end: int) -> None:
         """Decoder layers ``begin..end-1`` on ``state.hs`` (the Engram update first at an
         Engram layer, reading its rows there)."""
+        if self.backbone_ops is not None:
+            self._fused_layers(state, cache, begin, end)
+            return
         for i in range(begin, end):
             layer = self.model.layers[i]
             li = self._engram_layer_index.get(i)
@@ -408,12 +401,42 @@ class EngramLlama(UniformBatchAPI, nn.Module):
             m = layer.mlp(layer.post_attention_layernorm(hs.mean(dim=1)))
             state.hs = hs + m.unsqueeze(1)
 
+    def _fused_layers(self, state: "StepState", cache: KVCache, begin: int, end: int) -> None:
+        """:meth:`step_layers` through ``backbone_ops``: each norm also adds the residual
+        before it into ``hs`` in place (the attention output, or the last MLP output, which
+        waits in ``state.pending`` for the next layer's norm or the final one)."""
+        ops = self.backbone_ops
+        for i in range(begin, end):
+            layer = self.model.layers[i]
+            li = self._engram_layer_index.get(i)
+            hs = state.hs
+            if li is not None and state.rows is not None:
+                if state.pending is not None:
+                    hs = hs + state.pending.unsqueeze(1)
+                    state.pending = None
+                block = layer.engram_module
+                assert block is not None
+                hs = block(hs, state.rows[li].to(self.device), state.live, self.engram_ops).contiguous()
+            x = ops.norm(hs, state.pending, layer.input_layernorm)
+            a = layer.self_attn(x, state.cos, state.sin, state.plan, cache, i, ops)
+            x = ops.norm(hs, a, layer.post_attention_layernorm)
+            state.pending = layer.mlp(x, ops)
+            state.hs = hs
+
     def step_end(self, state: "StepState", step: PackedStep, cache: KVCache, all_logits: bool, capture: bool) -> torch.Tensor:
         """Final norm and LM head (of each sequence's last token); the host bookkeeping."""
-        out = state.hs.mean(dim=1)
-        if not all_logits:
-            out = out.index_select(0, state.arrays["last"])
-        out = self.model.norm(out)
+        if self.backbone_ops is not None:
+            # The last MLP output is still pending: the norm adds it (every token; a row
+            # norm commutes with picking the last tokens).
+            out = self.backbone_ops.norm(state.hs, state.pending, self.model.norm)
+            state.pending = None
+            if not all_logits:
+                out = out.index_select(0, state.arrays["last"])
+        else:
+            out = state.hs.mean(dim=1)
+            if not all_logits:
+                out = out.index_select(0, state.arrays["last"])
+            out = self.model.norm(out)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(out, head).float()
         if not capture:

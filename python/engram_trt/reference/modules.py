@@ -14,8 +14,8 @@ device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,33 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   plan: "AttentionPlan", keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``q [T, H, hd]`` and ``k [T, kvh, hd]``, then the step's K/V into the cache
+    at (slot, position); returns the rotated q. (The kernel library's
+    ``engram_rope_kv_cache_write`` does this in one launch, rounding as these bf16 ops do.)"""
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    keys[plan.token_slots, :, plan.positions] = k.to(keys.dtype)
+    values[plan.token_slots, :, plan.positions] = v.to(values.dtype)
+    return q
+
+
+def fused_rows(stacked: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``stacked`` when ``parts`` are still its consecutive row slices (the weights as
+    loaded: fused projections), else None (a weight was replaced since: run them apart)."""
+    if stacked is None:
+        return None
+    row = stacked.stride(0) * stacked.element_size()
+    at, offset = stacked.data_ptr(), 0
+    for p in parts:
+        if p.data_ptr() != at + offset * row or p.shape[1:] != stacked.shape[1:]:
+            return None
+        offset += p.shape[0]
+    return stacked if offset == stacked.shape[0] else None
+
+
 @dataclass
 class AttentionPlan:
     """How one step's tokens map onto the cache, prepared once per step for every layer.
@@ -71,6 +98,14 @@ class AttentionPlan:
     decode_max_len: int
     decode_slot_range: tuple[int, int] | None = None  # contiguous decode slots: read the cache in place
     graph_safe: bool = False
+    _index32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def index32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_slots`` and ``positions`` as int32 (the kernel library's index type),
+        converted once per step, at the first layer that asks."""
+        if self._index32 is None:
+            self._index32 = (self.token_slots.to(torch.int32), self.positions.to(torch.int32))
+        return self._index32
 
     @classmethod
     def make(cls, step: PackedStep, device: torch.device, impl: str, uploader: Any = None,
@@ -105,21 +140,31 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, self.n_kv * hd, bias=False)
         self.v_proj = nn.Linear(D, self.n_kv * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
+        # [(H + 2 kvh) * hd, D]: q, k and v weights stacked by rows, the three projections'
+        # weights being views of it (EngramLlama fuses them at load on a GPU), so one GEMM
+        # computes all three without a second copy of the weights. None: not fused.
+        self.qkv_weight: torch.Tensor | None = None
+
+    def fused_weight(self) -> torch.Tensor | None:
+        """The stacked q / k / v weight, while the projections' weights are its views."""
+        return fused_rows(self.qkv_weight, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                cache: KVCache, layer: int) -> torch.Tensor:
+                cache: KVCache, layer: int, ops: Any = None) -> torch.Tensor:
         """``x [T, D]`` -> ``[T, D]``; writes the step's K/V into the cache first, so the
-        tokens of one chunk see each other."""
+        tokens of one chunk see each other. With ``ops`` (reference.kernel_ops) and fused
+        weights: one GEMM for q / k / v, then RoPE and the KV write in ``ops``."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
-        c, s = cos[:, None, :], sin[:, None, :]
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
         keys, values = cache.keys[layer], cache.values[layer]
-        keys[plan.token_slots, :, plan.positions] = k.to(keys.dtype)
-        values[plan.token_slots, :, plan.positions] = v.to(values.dtype)
+        qkv_weight = None if ops is None else self.fused_weight()
+        if qkv_weight is not None:
+            q = ops.rope_kv_write(F.linear(x, qkv_weight), cos, sin, plan, keys, values, self.n_heads, self.n_kv,
+                                  self.head_dim)
+        else:
+            q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
+            v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
+            q = rope_and_write(q, k, v, cos, sin, plan, keys, values)
         out = torch.empty_like(q)
         step = plan.step
         for si in plan.prefill:
@@ -184,8 +229,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(D, I, bias=False)
         self.up_proj = nn.Linear(D, I, bias=False)
         self.down_proj = nn.Linear(I, D, bias=False)
+        # [2I, D]: gate and up weights stacked by rows, theirs being views of it (as
+        # Attention.qkv_weight). None: not fused.
+        self.gate_up_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fused_weight(self) -> torch.Tensor | None:
+        """The stacked gate / up weight, while the projections' weights are its views."""
+        return fused_rows(self.gate_up_weight, (self.gate_proj.weight, self.up_proj.weight))
+
+    def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """With ``ops`` and fused weights: one GEMM for gate and up, the activation in ``ops``."""
+        gate_up_weight = None if ops is None else self.fused_weight()
+        if gate_up_weight is not None:
+            return self.down_proj(ops.silu_mul(F.linear(x, gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

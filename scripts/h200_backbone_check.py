@@ -1,0 +1,501 @@
+#!/usr/bin/env python3
+"""Verify and time the fused decoder-layer path of the torch backend on a GPU (the H200).
+
+One script, one device call:
+  1. build      cmake (sm_90 by default), unless --skip-build.
+  2. abi        the new entry points' argument checks (engram_hc_rms_norm, engram_silu_mul,
+                engram_rope_kv_cache_write): refused on the host with one-line reasons,
+                zero tokens launch nothing. Needs no GPU (also under --cpu-only).
+  3. reference  the PyTorch ops the kernels reproduce (reference.kernel_ops.TorchBackboneOps,
+                bf16 on the CPU) against the float64 references below, within the bounds
+                below: the bounds are those of the reference itself. Needs no GPU.
+  4. kernels    each kernel against a float64 torch reference (bounds below) and against
+                the PyTorch bf16 ops it replaces (<= 1 bf16 ulp apart, <= 1% of elements
+                differing; the residual update and the V copy bit for bit): T in 1, 64,
+                256, 8192; hc 1, 3, 4; D 2048, 4096 and odd sizes (3, 1000, 2047, 16384),
+                a misaligned tensor (the element-load path); RoPE heads 16/8/128, 32/8/128,
+                4/4/64, 16/8/256 and head dims 40 and 8 (the 4-vector path), random distinct
+                (slot, position) cells with out-of-cache tokens (nothing written, the rest
+                of the cache untouched bit for bit); all three captured in one CUDA graph
+                and replayed with new data, positions and slots.
+  5. model      the 1.15B engram-llama of ``engram-trt bench step --model 1b`` (Engram on
+                layers 1 and 2, tables in GPU memory): the fused path (eager, and decode
+                steps replayed as the runtime's DecodeGraphs) against the unfused path and
+                a float32 twin, on a packed prefill of four sequences and three decode steps.
+  6. timing     decode steps of 1, 64 and 256 sequences (context 256, the Engram layers
+                removed: the backbone the target is about) replayed as DecodeGraphs, fused
+                vs unfused in the same run, each as a ratio to the step's weight-read bound
+                (backbone weights + the K/V read, at the HBM copy rate measured now), with
+                the kernels one replay launches.
+Writes $OUT/h200_backbone_check.json and .log; prints a summary table last; exits 1 on
+a failed check.
+
+Bounds against float64 on the same (bf16) inputs, elementwise, u = 2^-8 (bf16 rounding):
+  norm   |out - ref| <= 3u (1 + 2u) |ref| + 2^-20 max|ref|: the bf16 mean (u) moves each
+         element and the RMS by <= u each, the output rounding adds u; float32 sums and
+         rsqrtf stay near 1e-6 (the 2^-20 terms).
+  rope   |out - ref| <= (2u (1 + u) + 2^-20) (|x cos| + |rotate_half(x) sin|): two rounded
+         products (exact in float32 before rounding) and a rounded sum (float32, then bf16).
+  silu   |out - ref| <= (2u (1 + u) + 2^-20) |ref| + 1e-30: silu rounded, then the rounded
+         product (float32 expf and division: a few float32 ulps).
+  model  rel L2 of the logits vs the float32 twin <= 1.5 x the unfused bf16 path's + 2e-3
+         (the same bf16 weights: the fused path may not be less accurate than the unfused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from h200_common import LOG, RESULTS, build, record, say  # noqa: E402 (one log, one build step)
+
+U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
+EPS = 1e-6
+ROPE_THETA = 10000.0
+
+
+# --- comparisons --------------------------------------------------------------------------------
+
+def ulp_distance(a, b):
+    """Per element, how many bf16 values lie between a and b (0: the same bits; +0 = -0)."""
+    import torch
+
+    def ordered(t):
+        i = t.contiguous().view(torch.int16).to(torch.int32)
+        mag = i & 0x7FFF
+        return torch.where(i < 0, -mag, mag)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def versus_torch(got, want, exact: bool = False) -> tuple[bool, str]:
+    """The kernel's bf16 output against the PyTorch ops' (<= 1 ulp, <= 1% differing; exact:
+    bit for bit)."""
+    d = ulp_distance(got, want)
+    worst = int(d.max()) if d.numel() else 0
+    differing = float((d > 0).float().mean()) if d.numel() else 0.0
+    ok = worst == 0 if exact else (worst <= 1 and differing <= 0.01)
+    return ok, f"vs torch ops: max {worst} ulp, {differing:.2e} of elements differ"
+
+
+def within(got, ref, bound) -> tuple[bool, str]:
+    """|got - ref| <= bound everywhere (got bf16, ref / bound float64 tensors)."""
+    import torch
+
+    g = got.double()
+    err = (g - ref).abs()
+    finite = bool(torch.isfinite(g).all())
+    ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
+    return finite and bool((err <= bound).all()), f"vs float64: max|err|={float(err.max()) if err.numel() else 0:.3g} " \
+                                                  f"worst err/bound={ratio:.3f}"
+
+
+def check(name: str, *results: tuple[bool, str]) -> bool:
+    ok = all(r[0] for r in results)
+    record(name, ok, "; ".join(r[1] for r in results))
+    return ok
+
+
+def placed(t, misaligned: bool):
+    """A contiguous copy of t, starting 2 bytes past a 16-byte boundary when misaligned."""
+    import torch
+
+    if not misaligned:
+        return t.clone()
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+# --- float64 references and the PyTorch ops ------------------------------------------------------
+
+def norm_module(weight, eps: float):
+    """The model's RMSNorm holding ``weight``."""
+    import torch
+
+    from engram_trt.reference.modules import RMSNorm
+
+    norm = RMSNorm(weight.shape[0], eps)
+    norm.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return norm
+
+
+def norm_inputs(gen, device, T: int, hc: int, D: int, residual: bool) -> dict:
+    import torch
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
+
+    hs = randn(T, hc, D)
+    r = randn(T, D) if residual else None
+    if T > 2:
+        hs[1] = 0  # an all-zero token: its norm is eps alone
+        if r is not None:
+            r[1] = 0
+    return {"hs": hs, "residual": r, "weight": (1 + 0.1 * torch.randn(D, generator=gen, device=device)).to(torch.bfloat16)}
+
+
+def norm_verify(name: str, inputs: dict, got_out, got_hs) -> bool:
+    """The kernel's out and hs (after its in-place residual update) against the PyTorch
+    ops on the same inputs and against float64."""
+    import torch
+
+    from engram_trt.reference.kernel_ops import TorchBackboneOps
+
+    hs_t = inputs["hs"].clone()
+    want = TorchBackboneOps().norm(hs_t, inputs["residual"], norm_module(inputs["weight"], EPS))
+    m = hs_t.double().mean(dim=1)
+    ref = m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + EPS) * inputs["weight"].double()
+    bound = 3 * U * (1 + 2 * U) * ref.abs() + 2.0 ** -20 * float(ref.abs().max())
+    parts = [versus_torch(got_out, want), within(got_out, ref, bound)]
+    if inputs["residual"] is not None:
+        ok, detail = versus_torch(got_hs, hs_t, exact=True)
+        parts.append((ok, "residual update " + detail.replace("vs torch ops: ", "")))
+    return check(name, *parts)
+
+
+def rope_inputs(gen, device, T: int, H: int, kvh: int, hd: int, num_slots: int, max_len: int,
+                out_of_cache: bool = True) -> dict:
+    import torch
+
+    qkv = torch.randn(T, (H + 2 * kvh) * hd, generator=gen, device=device).to(torch.bfloat16)
+    assert T <= num_slots * max_len
+    cells = torch.randperm(num_slots * max_len, generator=gen, device=device)[:T]  # distinct (slot, position)
+    slots, pos = cells // max_len, cells % max_len
+    if out_of_cache and T >= 4:
+        bad = torch.randperm(T, generator=gen, device=device)[:max(1, T // 16)]
+        for i, t in enumerate(bad.tolist()):
+            if i % 4 == 0:
+                slots[t] = -1
+            elif i % 4 == 1:
+                slots[t] = num_slots
+            elif i % 4 == 2:
+                pos[t] = max_len
+            else:
+                pos[t] = -1
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    freqs = pos.clamp_min(0).to(torch.float32)[:, None] * inv_freq[None, :]  # the model's cos / sin
+    emb = torch.cat((freqs, freqs), dim=-1)
+    shape = (num_slots, kvh, max_len, hd)
+    return {"qkv": qkv, "cos": emb.cos().to(torch.bfloat16), "sin": emb.sin().to(torch.bfloat16),
+            "slots": slots.to(torch.int32), "pos": pos.to(torch.int32), "H": H, "kvh": kvh, "hd": hd,
+            "keys": torch.randn(shape, generator=gen, device=device).to(torch.bfloat16),
+            "values": torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)}
+
+
+def rope_verify(name: str, inputs: dict, got_q, got_keys, got_values) -> bool:
+    """q and the caches against the PyTorch ops (written cells within 1 ulp, every other
+    cell and the V copy bit for bit) and against float64."""
+    import torch
+
+    from engram_trt.reference.modules import rotate_half
+
+    H, kvh, hd = inputs["H"], inputs["kvh"], inputs["hd"]
+    qkv, cos, sin = inputs["qkv"], inputs["cos"][:, None, :], inputs["sin"][:, None, :]
+    T = qkv.shape[0]
+    num_slots, _, max_len, _ = inputs["keys"].shape
+    q, k, v = (x.reshape(T, -1, hd) for x in qkv.split([H * hd, kvh * hd, kvh * hd], dim=-1))
+    q_t = q * cos + rotate_half(q) * sin
+    k_t = k * cos + rotate_half(k) * sin
+    slots, pos = inputs["slots"].long(), inputs["pos"].long()
+    valid = (slots >= 0) & (slots < num_slots) & (pos >= 0) & (pos < max_len)
+    keys_t, values_t = inputs["keys"].clone(), inputs["values"].clone()
+    keys_t[slots[valid], :, pos[valid]] = k_t[valid]
+    values_t[slots[valid], :, pos[valid]] = v[valid]
+    written = torch.zeros(num_slots, max_len, dtype=torch.bool, device=qkv.device)
+    written[slots[valid], pos[valid]] = True
+    written = written[:, None, :, None].expand_as(keys_t)
+    d = ulp_distance(got_keys, keys_t)
+    untouched = int(d[~written].max()) if (~written).any() else 0
+    kv_ok = untouched == 0 and (int(d[written].max()) <= 1 if written.any() else True)
+    v_ok, v_detail = versus_torch(got_values, values_t, exact=True)
+
+    def ref64(x):
+        x, c, s = x.double(), cos.double(), sin.double()
+        return x * c + rotate_half(x) * s, (2 * U * (1 + U) + 2.0 ** -20) * ((x * c).abs() + (rotate_half(x) * s).abs())
+
+    q_ref, q_bound = ref64(q)
+    k_ref, k_bound = ref64(k[valid])
+    k_got = got_keys[slots[valid], :, pos[valid]]
+    return check(name, versus_torch(got_q, q_t), within(got_q, q_ref, q_bound),
+                 (kv_ok, f"keys: written cells max {int(d[written].max()) if written.any() else 0} ulp from torch, "
+                         f"others max {untouched} ulp (must be 0), {int((~valid).sum())} tokens outside the cache"),
+                 (v_ok, "values " + v_detail.replace("vs torch ops: ", "")), within(k_got, k_ref, k_bound))
+
+
+def silu_inputs(gen, device, T: int, I: int) -> dict:
+    import torch
+
+    gu = torch.randn(T, 2 * I, generator=gen, device=device) * 2
+    if T * I > 8:
+        flat = gu.view(-1)
+        flat[:6] = torch.tensor([80.0, -80.0, 1e4, -1e4, 0.0, -0.0], device=device)  # saturated and zero gates
+    return {"gate_up": gu.to(torch.bfloat16)}
+
+
+def silu_verify(name: str, inputs: dict, got) -> bool:
+    from engram_trt.reference.kernel_ops import TorchBackboneOps
+
+    gu = inputs["gate_up"]
+    want = TorchBackboneOps().silu_mul(gu)
+    g, u = gu.double().chunk(2, dim=-1)
+    ref = g / (1 + (-g).exp()) * u
+    return check(name, versus_torch(got, want), within(got, ref, (2 * U * (1 + U) + 2.0 ** -20) * ref.abs() + 1e-30))
+
+
+# --- 2. ABI (no GPU) -------------------------------------------------------------------------------
+
+def check_abi() -> None:
+    """The entry points refuse bad arguments on the host before any CUDA call."""
+    from engram_trt import attention_kernels, backbone_kernels
+
+    lib = backbone_kernels._library()
+    attention_kernels._library()
+    p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
+
+    def last(status: int) -> tuple[int, str]:
+        return status, lib.engram_last_error().decode()
+
+    def norm(hs=p, residual=None, weight=p, T=4, hc=4, D=2048, eps=1e-6, out=ctypes.c_void_p(1 << 40)):
+        return last(lib.engram_hc_rms_norm(hs, residual, weight, T, hc, D, ctypes.c_float(eps), out, None))
+
+    cases = [
+        ("norm: hc_mult 0", norm(hc=0), (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= 16384 "
+                                            "(got 0, 2048)")),
+        ("norm: hidden 16385", norm(D=16385), (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= "
+                                                  "16384 (got 4, 16385)")),
+        ("norm: eps NaN", norm(eps=float("nan")), (1, "engram_hc_rms_norm: eps must be finite and >= 0 (got nan)")),
+        ("norm: -1 tokens", norm(T=-1), (1, "engram_hc_rms_norm: num_tokens must be in [0, 2^31 - 1] (got -1)")),
+        ("norm: NULL hs", norm(hs=None), (1, "engram_hc_rms_norm: hs, weight and out must be bf16 device pointers")),
+        ("norm: odd residual address", norm(residual=ctypes.c_void_p(17)),
+         (1, "engram_hc_rms_norm: residual must be NULL or a bf16 device pointer")),
+        ("norm: out inside hs", norm(out=ctypes.c_void_p(16 + 2048)),
+         (1, "engram_hc_rms_norm: out, hs and residual must not overlap")),
+        ("norm: zero tokens", norm(T=0, hs=None), (0, "")),
+    ]
+    silu = lambda gu=p, T=4, I=5632, out=ctypes.c_void_p(1 << 40): last(lib.engram_silu_mul(gu, T, I, out, None))  # noqa: E731
+    cases += [
+        ("silu: intermediate 0", silu(I=0), (1, "engram_silu_mul: need num_tokens >= 0 and intermediate_size >= 1 "
+                                               "(got 4, 0)")),
+        ("silu: NULL out", silu(out=None), (1, "engram_silu_mul: gate_up and out must be bf16 device pointers")),
+        ("silu: out inside gate_up", silu(out=ctypes.c_void_p(16 + 4 * 5632)),
+         (1, "engram_silu_mul: out must not overlap gate_up")),
+        ("silu: zero tokens", silu(T=0, gu=None), (0, "")),
+    ]
+    rope_fn = lib.engram_rope_kv_cache_write
+
+    def rope(T=4, H=16, kvh=8, hd=128, slot=p, q_out=ctypes.c_void_p(1 << 40)):
+        return last(rope_fn(p, p, p, slot, p, T, H, kvh, hd, p, p, 4, 256, q_out, None))
+
+    cases += [
+        ("rope: heads 6 / 4", rope(H=6, kvh=4), (1, "engram_rope_kv_cache_write: num_heads must be a positive multiple "
+                                                   "of num_kv_heads (got num_heads 6, num_kv_heads 4)")),
+        ("rope: head_dim 264", rope(hd=264), (1, "engram_rope_kv_cache_write: head_dim must be a multiple of 8 in "
+                                                 "[8, 256] (got 264)")),
+        ("rope: NULL token_slot", rope(slot=None), (1, "engram_rope_kv_cache_write: token_slot and token_pos must be "
+                                                       "int32 device arrays")),
+        ("rope: misaligned q_out", rope(q_out=ctypes.c_void_p(24)),
+         (1, "engram_rope_kv_cache_write: qkv, cos, sin, key_cache, value_cache and q_out must be 16-byte aligned "
+             "device pointers")),
+        ("rope: q_out inside qkv", rope(q_out=ctypes.c_void_p(16 + 4096)),
+         (1, "engram_rope_kv_cache_write: q_out must not overlap qkv")),
+        ("rope: zero tokens", rope(T=0), (0, "")),
+    ]
+    for name, got, want in cases:
+        record(f"abi {name}", got == want, f"got {got}" + ("" if got == want else f", want {want}"))
+
+
+# --- 3. the reference itself, on the CPU ------------------------------------------------------------
+
+def check_reference_cpu() -> None:
+    """The bounds hold for the PyTorch bf16 ops themselves (CPU), so a kernel that matches
+    those ops within an ulp passes them: T 1 and 64, hc 1 and 4."""
+    import torch
+
+    from engram_trt.reference.kernel_ops import TorchBackboneOps
+    from engram_trt.reference.modules import rope_and_write
+
+    gen = torch.Generator().manual_seed(7)
+    cpu = torch.device("cpu")
+    for T, hc, D in ((1, 4, 2048), (64, 4, 256), (64, 1, 1000)):
+        inputs = norm_inputs(gen, cpu, T, hc, D, residual=True)
+        hs = inputs["hs"].clone()
+        out = TorchBackboneOps().norm(hs, inputs["residual"], norm_module(inputs["weight"], EPS))
+        norm_verify(f"reference norm T={T} hc={hc} D={D} +residual (cpu)", inputs, out, hs)
+    for T, H, kvh, hd in ((1, 16, 8, 128), (64, 4, 2, 40)):
+        inputs = rope_inputs(gen, cpu, T, H, kvh, hd, 8, 64, out_of_cache=False)
+        q, k, v = (x.reshape(T, -1, hd) for x in inputs["qkv"].split([H * hd, kvh * hd, kvh * hd], dim=-1))
+        keys, values = inputs["keys"].clone(), inputs["values"].clone()
+        plan = SimpleNamespace(token_slots=inputs["slots"].long(), positions=inputs["pos"].long())
+        got_q = rope_and_write(q, k, v, inputs["cos"], inputs["sin"], plan, keys, values)
+        rope_verify(f"reference rope T={T} heads {H}/{kvh}/{hd} (cpu)", inputs, got_q, keys, values)
+    for T, I in ((1, 5632), (64, 13)):
+        inputs = silu_inputs(gen, cpu, T, I)
+        silu_verify(f"reference silu T={T} I={I} (cpu)", inputs, TorchBackboneOps().silu_mul(inputs["gate_up"]))
+
+
+# --- 4. kernels on the GPU ----------------------------------------------------------------------------
+
+def run_norm(inputs: dict, misaligned: bool = False):
+    from engram_trt import backbone_kernels
+
+    hs = placed(inputs["hs"], misaligned)
+    return backbone_kernels.hc_rms_norm(hs, inputs["weight"], EPS, inputs["residual"]), hs
+
+
+def run_rope(inputs: dict):
+    from engram_trt import attention_kernels
+
+    keys, values = inputs["keys"].clone(), inputs["values"].clone()
+    q = attention_kernels.rope_kv_cache_write(inputs["qkv"], inputs["cos"], inputs["sin"], keys, values,
+                                              inputs["slots"], inputs["pos"], inputs["H"])
+    return q, keys, values
+
+
+def run_silu(inputs: dict, misaligned: bool = False):
+    from engram_trt import backbone_kernels
+
+    return backbone_kernels.silu_mul(placed(inputs["gate_up"], misaligned))
+
+
+def check_kernels(gen) -> None:
+    import torch
+
+    dev = torch.device("cuda")
+    for T in (1, 64, 256, 8192):
+        for hc in (1, 4):
+            for residual in (False, True):
+                inputs = norm_inputs(gen, dev, T, hc, 2048, residual)
+                out, hs = run_norm(inputs)
+                norm_verify(f"norm T={T} hc={hc} D=2048{' +residual' if residual else ''}", inputs, out, hs)
+    for T, hc, D, misaligned in ((64, 4, 2047, False), (64, 4, 1000, False), (64, 4, 3, False), (64, 3, 4096, False),
+                                 (16, 4, 16384, False), (64, 4, 2048, True), (256, 1, 2047, True)):
+        inputs = norm_inputs(gen, dev, T, hc, D, True)
+        out, hs = run_norm(inputs, misaligned)
+        norm_verify(f"norm T={T} hc={hc} D={D} +residual{' misaligned' if misaligned else ''}", inputs, out, hs)
+
+    for T, H, kvh, hd, slots, max_len in ((1, 16, 8, 128, 4, 64), (64, 16, 8, 128, 8, 256), (256, 16, 8, 128, 8, 512),
+                                          (8192, 16, 8, 128, 8, 2048), (64, 32, 8, 128, 4, 64), (64, 4, 4, 64, 4, 64),
+                                          (64, 16, 8, 256, 4, 64), (64, 8, 2, 40, 4, 64), (16, 2, 1, 8, 2, 32)):
+        inputs = rope_inputs(gen, dev, T, H, kvh, hd, slots, max_len)
+        rope_verify(f"rope+kv T={T} heads {H}/{kvh}/{hd} cache {slots}x{max_len}", inputs, *run_rope(inputs))
+
+    for T, I, misaligned in ((1, 5632, False), (64, 5632, False), (256, 5632, False), (8192, 5632, False),
+                             (64, 1000, False), (64, 13, False), (3, 1, False), (64, 5632, True)):
+        inputs = silu_inputs(gen, dev, T, I)
+        silu_verify(f"silu*up T={T} I={I}{' misaligned' if misaligned else ''}", inputs, run_silu(inputs, misaligned))
+    check_graph(gen)
+
+
+def check_graph(gen, rounds: int = 3) -> None:
+    """The three kernels captured in one CUDA graph on static buffers, replayed with new
+    data, positions and slots each round."""
+    import torch
+
+    dev = torch.device("cuda")
+    make = {"norm": lambda: norm_inputs(gen, dev, 64, 4, 2048, True),
+            "rope": lambda: rope_inputs(gen, dev, 64, 16, 8, 128, 8, 256),
+            "silu": lambda: silu_inputs(gen, dev, 64, 5632)}
+    static = {k: f() for k, f in make.items()}
+    from engram_trt import attention_kernels, backbone_kernels
+
+    def body() -> tuple:
+        n, r, s = static["norm"], static["rope"], static["silu"]
+        out = backbone_kernels.hc_rms_norm(n["hs"], n["weight"], EPS, n["residual"])
+        q = attention_kernels.rope_kv_cache_write(r["qkv"], r["cos"], r["sin"], r["keys"], r["values"], r["slots"],
+                                                  r["pos"], r["H"])
+        return out, q, backbone_kernels.silu_mul(s["gate_up"])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = body()
+    for rnd in range(rounds):
+        fresh = {k: f() for k, f in make.items()}
+        for k, inputs in fresh.items():
+            for name, t in inputs.items():
+                if isinstance(t, torch.Tensor):
+                    static[k][name].copy_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        out, q, silu = outputs
+        norm_verify(f"graph replay {rnd + 1}: norm T=64 hc=4 D=2048 +residual", fresh["norm"], out, static["norm"]["hs"])
+        rope_verify(f"graph replay {rnd + 1}: rope+kv T=64 heads 16/8/128, new slots and positions", fresh["rope"], q,
+                    static["rope"]["keys"], static["rope"]["values"])
+        silu_verify(f"graph replay {rnd + 1}: silu*up T=64 I=5632", fresh["silu"], silu)
+
+
+# --- main -----------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
+    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
+    ap.add_argument("--archs", default="90")
+    ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
+    ap.add_argument("--no-model", action="store_true", help="skip the 1.15B model check and the timing")
+    ap.add_argument("--iters", type=int, default=20, help="timed decode steps per case (median)")
+    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
+    args = ap.parse_args(argv)
+
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    RESULTS["seed"] = seed
+    say(f"seed {seed}")
+    if not args.skip_build:
+        build(args.build_dir, args.trt_include, args.archs)
+    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(args.build_dir / "libengram_trt_plugins.so")
+    failed = False
+    try:
+        import torch
+
+        check_abi()
+        check_reference_cpu()
+        if not args.cpu_only:
+            say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+            check_kernels(torch.Generator(device="cuda").manual_seed(seed))
+            if not args.no_model:
+                import h200_backbone_model
+
+                model, layout, info = h200_backbone_model.build_model(torch.device("cuda"))
+                h200_backbone_model.check_model(model, layout, info, seed)
+                h200_backbone_model.time_decode(model, args.iters)
+    except Exception as exc:  # report what ran, then fail
+        import traceback
+
+        say(traceback.format_exc())
+        record("script completed", False, f"{type(exc).__name__}: {exc}")
+        failed = True
+
+    n_fail = sum(not c["ok"] for c in RESULTS["checks"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "h200_backbone_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    (args.out / "h200_backbone_check.log").write_text("\n".join(LOG) + "\n")
+    say(f"\n{len(RESULTS['checks']) - n_fail} checks passed, {n_fail} failed (seed {seed})")
+    for c in RESULTS["checks"]:
+        if not c["ok"]:
+            say(f"  FAILED {c['name']}: {c['detail']}")
+    if RESULTS["timing"]:
+        import h200_backbone_model
+
+        h200_backbone_model.print_table(RESULTS["timing"])
+    return 1 if (n_fail or failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
