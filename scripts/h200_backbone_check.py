@@ -220,12 +220,13 @@ def rope_verify(name: str, inputs: dict, got_q, got_keys, got_values) -> bool:
     kv_ok = untouched == 0 and (int(d[written].max()) <= 1 if written.any() else True)
     v_ok, v_detail = versus_torch(got_values, values_t, exact=True)
 
-    def ref64(x):
-        x, c, s = x.double(), cos.double(), sin.double()
+    def ref64(x, c, s):
+        x, c, s = x.double(), c.double(), s.double()
         return x * c + rotate_half(x) * s, (2 * U * (1 + U) + 2.0 ** -20) * ((x * c).abs() + (rotate_half(x) * s).abs())
 
-    q_ref, q_bound = ref64(q)
-    k_ref, k_bound = ref64(k[valid])
+    q_ref, q_bound = ref64(q, cos, sin)
+    # cos/sin are per token ([T, 1, hd]): the tokens inside the cache take their own rows
+    k_ref, k_bound = ref64(k[valid], cos[valid], sin[valid])
     k_got = got_keys[slots[valid], :, pos[valid]]
     return check(name, versus_torch(got_q, q_t), within(got_q, q_ref, q_bound),
                  (kv_ok, f"keys: written cells max {int(d[written].max()) if written.any() else 0} ulp from torch, "
