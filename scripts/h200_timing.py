@@ -157,6 +157,24 @@ def time_gate_and_hash(rng) -> None:
            f"worst {worst * 1e6:.1f} us on the GPU ({worst * 1e6 - HASH_TARGET_US:+.1f} us vs the target)")
 
 
+def _thread_states() -> str:
+    """This process's threads by state (R running/runnable, S sleeping, ...) and the
+    runnable ones' names."""
+    states: dict[str, int] = {}
+    running = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+        except OSError:
+            continue
+        st = stat.rsplit(")", 1)[1].split()[0]
+        states[st] = states.get(st, 0) + 1
+        if st == "R":
+            running.append(name)
+    return f"{sum(states.values())} threads {states}; runnable: {running}"
+
+
 def time_gathers(rng, table_gib: float, reps: int) -> None:
     import torch
 
@@ -248,6 +266,15 @@ def time_gathers(rng, table_gib: float, reps: int) -> None:
         s = wall_time(lambda i: (gatherer.wake(), gatherer.gather(id_sets[i], host_rows, host_scales, out=out)))
         row["host gather + copy (pinned host table)"] = {"seconds": s, "GBps": moved / s / 1e9,
                                                           "ratio_to_h2d": moved / s / 1e9 / h2d}
+        # Why this script's gather is slower than the same gather alone: how many threads
+        # this process holds and how many are runnable, and the same gather with a pool
+        # that leaves one or two of the CPUs free (a preempted worker holds the round).
+        say(f"  process threads: {_thread_states()}")
+        for threads in (os.cpu_count() - 1, os.cpu_count() - 2):
+            with kernels.HostGatherer(num_threads=threads, max_head_dim=max(512, head_dim)) as g2:
+                s2 = wall_time(lambda i: (g2.wake(), g2.gather(id_sets[i], host_rows, host_scales, out=out)))
+            row[f"host gather + copy, {threads}-thread pool"] = {"seconds": s2, "GBps": moved / s2 / 1e9,
+                                                                 "ratio_to_h2d": moved / s2 / 1e9 / h2d}
         # spot-check the timed outputs of the last id set against the device-table path
         ref = kernels.gather(id_sets_dev[-1], dev_rows, dev_scales)
         got = gatherer.gather(id_sets[-1], host_rows, host_scales)
