@@ -7,8 +7,11 @@ float32 NumPy dequant, or the table's own rows for bf16 and raw bytes):
   - bf16 tables (copied straight into the output);
   - raw rows into device arrays (fp8 and bf16), ordered after the stream's earlier work;
   - tuning knobs round-trip; a pool sized 1 (the caller alone);
-  - the hot-row cache on CUDA against the plain host gather, and calibrate_gather.
-Prints one line per check and a summary; exits 1 if any check failed.
+  - the hot-row cache on CUDA against the plain host gather, and calibrate_gather;
+  - the cache's fused plan / admission kernels against the policy's CPU reference, state
+    by state, its rows against the host gather in four table forms, a failed fetch, and
+    the fused plan's time against the torch reference's (scripts/h200_cache_check.py).
+Prints one line per check, a table of the times and a summary; exits 1 if any check failed.
 
     PYTHONPATH=python python3 scripts/h200_hostgather_check.py
 """
@@ -154,6 +157,16 @@ def main() -> int:
            set(choice.seconds) == {"host", "uva"} and set(choice.chosen.values()) <= {"host", "uva"},
            f"{choice.describe()} in {time.perf_counter() - t0:.1f} s")
     g.close()
+
+    # 9. the cache's fused kernels == the policy's reference; rows == host gather; timing
+    import h200_cache_check
+
+    timings: dict[str, float] = {}
+    h200_cache_check.run(dev, record, timings)
+    print("| cache step, 196,608 skewed lookups, 50M-row table, warm 5% cache (medians) | value |")
+    print("| --- | --- |")
+    for k, v in timings.items():
+        print(f"| {k} | {v:,.0f} |")
 
     failed = [r for r in RESULTS if not r[1]]
     print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")

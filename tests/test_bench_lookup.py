@@ -139,6 +139,12 @@ def test_bench_cache_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     assert layer["layer"] == 1 and layer["exact"] is True
     assert layer["stats"]["steps"] == 2 and layer["stats"]["lookups"] == 2 * 8192 * 24
     assert 0.0 < layer["stats"]["hit_rate"] < 1.0
+    # the second warming: counts over the warm-up chunks, rows preloaded, no history run
+    assert "counts over the warm-up chunks 0..1 of the token stream, disjoint from the measured chunks 2..3" in text
+    assert "| 1     | history |" in text and "| 1     | offline |" in text and "| NO" not in text
+    off = layer["offline"]
+    assert off["exact"] is True and off["stats"]["steps"] == 2 and off["stats"]["preloaded"] > 0
+    assert report["measured_range"] == [2, 4]
 
 
 def test_bench_idstream_reads_a_token_file(capsys, tmp_path: Path) -> None:

@@ -1,9 +1,12 @@
 """The hot-row cache's logic on CPU tensors: exact rows, de-duplication counts, the slot
 map, admission into free slots, frequency-based replacement, and its bounds.
 
-The data path here is the torch one (TorchTransfer); the CUDA path (host gather of raw
-rows, the gather kernel) shares every decision with it and runs on the H200 through
-`engram-trt bench cache`, which checks its output against the plain host gather.
+The data path here is the torch one (TorchTransfer) with the policy's torch reference;
+the CUDA path (host gather of raw rows, the fused plan / admission kernels, the gather
+kernel) makes the same decisions and runs on the H200 through
+scripts/h200_cache_check.py and `engram-trt bench cache`, which check it against the
+reference and its output against the plain host gather (tests/test_cachepolicy.py
+checks the reference against the policy's specification).
 """
 
 from __future__ import annotations
@@ -106,10 +109,8 @@ def test_a_full_cache_replaces_only_colder_rows() -> None:
     policy = CachePolicy(table_rows=1000, capacity_rows=8, admit_budget=8, sample_factor=1)
 
     def step(ids: list[int]) -> None:
-        plan = policy.plan(torch.tensor(ids, dtype=torch.int32))
-        policy.place_misses(plan, miss_base=policy.capacity)
-        policy.record(plan)
-        policy.admit(plan, miss_base=policy.capacity)
+        plan = policy.plan(torch.tensor(ids, dtype=torch.int32), miss_base=policy.capacity)
+        policy.finish(plan)
         policy.check_invariants()
 
     warm = list(range(8))
@@ -128,15 +129,9 @@ def test_replacements_per_step_are_bounded_by_the_budget() -> None:
     import torch
 
     policy = CachePolicy(table_rows=10_000, capacity_rows=100, admit_budget=5, sample_factor=2)
-    plan = policy.plan(torch.arange(100, dtype=torch.int32))
-    policy.place_misses(plan, 100)
-    policy.record(plan)
-    policy.admit(plan, 100)
+    policy.finish(policy.plan(torch.arange(100, dtype=torch.int32), 100))
     hot = torch.arange(5000, 5400, dtype=torch.int32).repeat(3)  # 400 hotter rows at once
-    plan = policy.plan(hot)
-    policy.place_misses(plan, 100)
-    policy.record(plan)
-    copies = policy.admit(plan, 100)
+    copies = policy.finish(policy.plan(hot, 100))
     assert policy.evicted <= 5 and sum(int(c.dst.numel()) for c in copies) <= 5
     policy.check_invariants()
 
@@ -146,8 +141,7 @@ def test_decay_halves_the_counts() -> None:
 
     policy = CachePolicy(table_rows=50, capacity_rows=0, decay_every=2)
     for _ in range(2):
-        plan = policy.plan(torch.tensor([3, 3, 3, 3], dtype=torch.int32))
-        policy.record(plan)
+        policy.finish(policy.plan(torch.tensor([3, 3, 3, 3], dtype=torch.int32)))
     assert int(policy.counts[3]) == 4  # 8 lookups, halved at step 2
 
 

@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.4.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.5.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -387,6 +387,59 @@ ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);
  * GPU can read an existing host allocation (e.g. a table loaded by NumPy). */
 ENGRAM_API int engram_host_register(void* ptr, size_t bytes);
 ENGRAM_API int engram_host_unregister(void* ptr);
+
+/* ======================================================================================
+ * Hot-row cache: a step's plan and admission on the GPU (cacheKernel.cu), for a device
+ * cache of a host table's rows in front of the host gather (python/engram_trt/hotcache.py).
+ *
+ * State, all int32 device arrays owned by the caller:
+ *   slot_of      [table_num_rows + 1]: row -> cache slot, or -1 (not cached). The last
+ *                entry is the sentinel row that every id outside [0, table_num_rows)
+ *                maps to (fetched as a zero row, so it is cached like any row).
+ *   row_of_slot  [capacity]: slot -> row (-1: empty).
+ *   counts       [table_num_rows + 1]: lookups per row (the LFU's frequencies).
+ * Work table (the gather's input): cache slots [0, capacity), then a miss area from row
+ * miss_base (>= capacity) where the step's fetched rows go, miss j at miss_base + j.
+ *
+ * engram_cache_plan: for the step's ids [num_ids] (device int32, any values):
+ *   counts[row] += 1 per lookup (counts NULL: not counted);
+ *   plan[0] = distinct cached rows looked up (hits), plan[1] = M = distinct uncached rows
+ *   (misses), plan[2 .. 2 + M) = the misses' rows, in no particular order (the order
+ *   changes from run to run; each appears once);
+ *   positions[i] = the work-table row of lookup i: its slot, or miss_base + j for miss j.
+ * plan holds 2 + num_ids int32 (device). plan_host: NULL, or pinned host memory of
+ * 2 + plan_host_ids int32: plan[0 .. 2 + min(plan_host_ids, num_ids)) is copied there on
+ * `stream` after the kernels, so one synchronization gives the counts and (if M <=
+ * plan_host_ids) every miss. Between a plan and its engram_cache_admit, slot_of holds
+ * the misses' codes (values below -1): nothing but that admission may read or write it
+ * (a cache serves one step at a time, in stream order). Limits: num_ids <= 2^30,
+ * table_num_rows <= 2^31 - 2, miss_base < 2^30, miss_base + num_ids <= 2^31 - 1.
+ *
+ * engram_cache_admit: the step's end (call it after every plan, also when nothing is
+ * admitted: it restores the misses' slot_of entries). miss_rows = plan + 2, num_miss = M.
+ *   misses j < num_free take slots filled + j (slot_of, row_of_slot, and, with
+ *   work_rows, their rows copied from the miss area); the other misses get slot_of -1;
+ *   then num_candidates replacement tries: candidate c is miss pick = num_free +
+ *   (candidate_start + c * candidate_stride) % (M - num_free), its victim the slot of
+ *   lowest count (ties: the first) among (sample_first + c * sample_factor + k) %
+ *   capacity, k < sample_factor; if counts[candidate] > counts[victim's row], the
+ *   candidate takes the slot (the old row gets slot_of -1), its row copied from the miss
+ *   area, and *replaced (if not NULL) gets + 1.
+ * Replacements need a full cache (filled + num_free == capacity), distinct candidates
+ * (num_candidates * candidate_stride <= M - num_free) and disjoint windows
+ * (num_candidates * sample_factor <= capacity); then the result does not depend on the
+ * order the GPU runs them in. work_rows: NULL (maps only), or the work table's rows
+ * (row_bytes each, a multiple of 16, 16-byte aligned); work_scales: its scale bytes
+ * (scale_bytes each), exactly when scale_bytes > 0.
+ */
+ENGRAM_API int engram_cache_plan(const int32_t* ids, int64_t num_ids, int64_t table_num_rows, int32_t* slot_of,
+    int32_t* counts, int64_t miss_base, int32_t* plan, int32_t* positions, int32_t* plan_host, int64_t plan_host_ids,
+    cudaStream_t stream);
+
+ENGRAM_API int engram_cache_admit(const int32_t* miss_rows, int64_t num_miss, int64_t num_free, int64_t filled,
+    int64_t capacity, int32_t* slot_of, int32_t* row_of_slot, const int32_t* counts, int64_t num_candidates,
+    int64_t candidate_start, int64_t candidate_stride, int64_t sample_first, int32_t sample_factor, int64_t miss_base,
+    void* work_rows, int64_t row_bytes, void* work_scales, int64_t scale_bytes, int64_t* replaced, cudaStream_t stream);
 
 /* ======================================================================================
  * Packed-token attention over a slot-indexed KV cache (attentionKernel.cu).

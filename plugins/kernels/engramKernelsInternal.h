@@ -41,6 +41,21 @@ int checkLaunch(char const* kernelName);
 //! Multiprocessor count of the current device (cached per device).
 int smCount();
 
+//! The file name of a __FILE__ path, at compile time (failure messages name the file and
+//! line, not the build machine's directories).
+constexpr char const* sourceFileName(char const* path)
+{
+    char const* name = path;
+    for (char const* p = path; *p != '\0'; ++p)
+    {
+        if (*p == '/' || *p == '\\')
+        {
+            name = p + 1;
+        }
+    }
+    return name;
+}
+
 //! True when `p` is aligned to `bytes`.
 inline bool isAligned(void const* p, uintptr_t bytes)
 {

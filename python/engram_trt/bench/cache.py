@@ -15,6 +15,15 @@ target 2. ``--simulate-column-rows`` also runs the cache's policy alone (no tabl
 data) on ids hashed for DeepSeek-V4.1-sized columns (~16M rows, 198 GiB of tables a
 128 GiB host cannot hold) to report the hit rate such a table's 5% cache would have.
 
+Two warmings of the cache, reported side by side: "history", the online LFU trained by
+running the ``--warm`` chunks through it; and "offline", a cache that starts from
+per-row counts (``--offline-counts``: by default counted over those same warm-up
+chunks, or a file of ``engram-trt bench rowcounts``), which loads its most frequent rows
+before the first measured chunk and runs no history. Either way the counts come from
+chunks disjoint from the measured ones (checked, and said in the output). On CUDA the
+cache's plan and admission are the fused kernels (``cacheKernel.cu``); ``--breakdown``
+times each phase of a step.
+
 ``--dry-run`` runs the same logic on the CPU (the torch transfer path, a small spec, few
 chunks) and checks exactness; its figures are no measurement of the target machine.
 """
@@ -27,17 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engram_trt.bench.lookuputil import (
-    GiB,
-    QUANT_BLOCK,
-    ROW_BYTES,
-    make_tables,
-    measure_h2d,
-    print_table,
-    require_matplotlib,
-    save_plot,
-    write_json,
-)
+from engram_trt.bench.cachereport import plot_report, print_report, print_simulation
+from engram_trt.bench.lookuputil import GiB, QUANT_BLOCK, ROW_BYTES, make_tables, measure_h2d, write_json
 from engram_trt.bench.idstreams import (
     CHUNK_TOKENS,
     DEFAULT_COLUMN_ROWS,
@@ -53,8 +53,6 @@ from engram_trt.bench.idstreams import (
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
-
-TARGET_LINK_RATIO = 2.0
 
 
 def add_cache_arguments(p: Any) -> None:
@@ -83,6 +81,10 @@ def add_cache_arguments(p: Any) -> None:
     p.add_argument("--stores", choices=("streaming", "plain"), default="plain", help="host gather stores")
     p.add_argument("--simulate-column-rows", type=int, default=V41_COLUMN_ROWS,
                    help=f"also simulate the policy with columns of this many rows (default {V41_COLUMN_ROWS}; 0: off)")
+    p.add_argument("--offline-counts", default="history", metavar="SOURCE",
+                   help="the offline-warmed cache's counts: 'history' (counted over the --warm chunks, default), a "
+                        "counts file of `engram-trt bench rowcounts` (its chunks must not overlap the measured ones), "
+                        "or 'none' (history warming only)")
     p.add_argument("--breakdown", action="store_true", help="also time the cache's phases (syncing between them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="write the results as JSON")
@@ -133,24 +135,56 @@ def cmd_cache(args: Any) -> int:
         raise EngramError(f"the token stream holds {len(chunks)} chunks from --first-chunk {args.first_chunk}, "
                           f"fewer than --warm + --measure = {warm + measure}; use more text (--text-mb)")
     log.info("hashed %d chunks of %d tokens in %.1f s", len(chunks), CHUNK_TOKENS, time.perf_counter() - t0)
+    measured = (args.first_chunk + warm, args.first_chunk + warm + measure)
+    offline, offline_text = _offline_counts(args, stream, layout, layers, chunks[:warm], measured)
     report: dict[str, Any] = {
         "tokens": stream.meta(), "column_rows": column_rows, "table_rows": [int(r) for r in layout.table_rows],
         "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB, "layout": args.layout,
         "capacity_fraction": args.capacity_fraction, "warm_chunks": warm, "measured_chunks": measure,
+        "measured_range": list(measured), "offline_counts": offline_text,
         "stream_stats": chunk_stats(chunks[warm:], layout), "dry_run": args.dry_run}
     if args.dry_run:
-        report["layers"] = _run_cpu(args, layout, layers, chunks, warm)
+        report["layers"] = _run_cpu(args, layout, layers, chunks, warm, offline)
         report["link_GBps"] = None
     else:
-        report.update(_run_gpu(args, layout, layers, chunks, warm))
+        report.update(_run_gpu(args, layout, layers, chunks, warm, offline))
+    # The measured part is printed and written before the simulation, which runs last
+    # (minutes at V4.1 column sizes): a run cut short keeps it.
+    print_report(report)
+    if args.plot:
+        plot_report(report, args.plot)
     if args.simulate_column_rows and not args.dry_run:
+        if args.json not in (None, "-"):
+            write_json(report, args.json)
         report["simulation"] = _simulate(args, stream, layers, warm, measure)
-    _print_report(report)
+        print_simulation(report["simulation"])
     if args.json is not None:
         write_json(report, args.json)
-    if args.plot:
-        _plot(report, args.plot)
     return 0
+
+
+def _offline_counts(args: Any, stream: Any, layout: Any, layers: list[int], history: list[Any],
+                    measured: tuple[int, int]) -> tuple[dict[int, Any] | None, str | None]:
+    """The offline-warmed cache's counts per layer, and what they are (None: no such cache)."""
+    from engram_trt.bench.rowcounts import check_disjoint, count_rows, load_row_counts
+
+    source = str(args.offline_counts)
+    if source == "none":
+        return None, None
+    table_rows = [int(r) for r in layout.table_rows]
+    a, b = measured
+    if source == "history":
+        if not history:
+            return None, None
+        t0 = time.perf_counter()
+        counts = count_rows(history, table_rows, layers)
+        log.info("counted the warm-up chunks' rows in %.1f s", time.perf_counter() - t0)
+        first = args.first_chunk
+        return counts, (f"counts over the warm-up chunks {first}..{first + len(history) - 1} of the token stream, "
+                        f"disjoint from the measured chunks {a}..{b - 1}")
+    rc = load_row_counts(source)
+    text = check_disjoint(rc, stream, measured, layout, layers)
+    return {li: rc.counts[li] for li in layers}, text
 
 
 def _ids_of(chunk: Any, layer: int) -> Any:
@@ -159,7 +193,8 @@ def _ids_of(chunk: Any, layer: int) -> Any:
     return torch.from_numpy(chunk[:, layer, :].copy())
 
 
-def _run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int) -> list[dict[str, Any]]:
+def _run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
+             offline: dict[int, Any] | None) -> list[dict[str, Any]]:
     import torch
 
     from engram_trt.engram.quant import dequant_fp8_rows_torch
@@ -171,31 +206,47 @@ def _run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm:
         tables = make_tables(rows, split=True, inline=args.layout == "inline", huge_pages=False,
                              register_split=False, seed=args.seed + li)
         table = (tables.inline, None) if args.layout == "inline" else (tables.split_rows, tables.split_scales)
-        cache = HotRowCache(*table, device="cpu", capacity_fraction=args.capacity_fraction, layout=args.layout,
-                            quant_block=QUANT_BLOCK, max_step_rows=CHUNK_TOKENS * layout.n_hash_cols,
-                            admit_budget=args.admit_budget, sample_factor=args.sample_factor,
-                            admit_every=args.admit_every, seed=args.seed)
-        exact = True
-        times = []
+        common = dict(device="cpu", capacity_fraction=args.capacity_fraction, layout=args.layout,
+                      quant_block=QUANT_BLOCK, max_step_rows=CHUNK_TOKENS * layout.n_hash_cols,
+                      admit_budget=args.admit_budget, sample_factor=args.sample_factor, admit_every=args.admit_every,
+                      seed=args.seed)
+        caches = {"history": HotRowCache(*table, **common)}
+        if offline is not None:
+            caches["offline"] = HotRowCache(*table, initial_counts=offline[li], **common)
+        exact = {name: True for name in caches}
+        times: dict[str, list[float]] = {name: [] for name in caches}
         for k, chunk in enumerate(chunks):
             if k == warm:
-                cache.reset_stats()
+                caches["history"].reset_stats()
             ids = _ids_of(chunk, li)
-            t0 = time.perf_counter()
-            got = cache.gather(ids)
-            times.append(time.perf_counter() - t0)
-            if k >= warm:
-                idx = ids.reshape(-1).long()
-                ref = dequant_fp8_rows_torch(tables.split_rows[idx], tables.split_scales[idx], QUANT_BLOCK)
-                exact = exact and torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16), ref.view(torch.int16))
-        cache.policy.check_invariants()
-        out.append({"layer": li, "stats": cache.stats().to_dict(), "exact": exact,
-                    "cache_seconds": statistics.median(times[warm:]), "per_chunk_seconds": times[warm:]})
+            idx = ids.reshape(-1).long()
+            ref = dequant_fp8_rows_torch(tables.split_rows[idx], tables.split_scales[idx], QUANT_BLOCK)
+            for name, cache in caches.items():
+                if k < warm and name != "history":
+                    continue  # the offline-warmed cache starts at the measured chunks
+                t0 = time.perf_counter()
+                got = cache.gather(ids)
+                times[name].append(time.perf_counter() - t0)
+                if k >= warm:
+                    exact[name] = exact[name] and torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16),
+                                                              ref.view(torch.int16))
+        entry: dict[str, Any] = {"layer": li}
+        for name, cache in caches.items():
+            cache.policy.check_invariants()
+            t = times[name][-(len(chunks) - warm):]
+            part = {"stats": cache.stats().to_dict(), "exact": exact[name], "cache_seconds": statistics.median(t),
+                    "per_chunk_seconds": t}
+            if name == "history":
+                entry.update(part)
+            else:
+                entry["offline"] = part
+        out.append(entry)
         tables.close()
     return out
 
 
-def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int) -> dict[str, Any]:
+def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
+             offline: dict[int, Any] | None) -> dict[str, Any]:
     import torch
 
     from engram_trt.hostgather import HostGatherer
@@ -223,26 +274,37 @@ def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm:
             table = (tables.inline, None) if args.layout == "inline" else (tables.split_rows, tables.split_scales)
             common = dict(device=dev, quant_block=QUANT_BLOCK, gatherer=gatherer, layout=args.layout,
                           max_step_rows=step_rows, sample_factor=args.sample_factor, seed=args.seed)
-            cache = HotRowCache(*table, capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
-                                admit_every=args.admit_every, **common)
+            sized = dict(capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
+                         admit_every=args.admit_every)
+            caches = {"history": HotRowCache(*table, **sized, **common)}
+            if offline is not None:
+                t0 = time.perf_counter()
+                caches["offline"] = HotRowCache(*table, initial_counts=offline[li], **sized, **common)
+                sync()
+                log.info("layer %d: warm start of %d rows in %.2f s", li, caches["offline"].stats().preloaded,
+                         time.perf_counter() - t0)
             dedup = HotRowCache(*table, capacity_rows=0, **common)
             ids = [_ids_of(c, li).pin_memory() for c in chunks]
-            out_cache = torch.empty((CHUNK_TOKENS, layout.n_hash_cols, 256), dtype=torch.bfloat16, device=dev)
-            out_cold = torch.empty_like(out_cache)
+            outs = {name: torch.empty((CHUNK_TOKENS, layout.n_hash_cols, 256), dtype=torch.bfloat16, device=dev)
+                    for name in caches}
+            out_cold = torch.empty_like(outs["history"])
             for k in range(warm):
-                cache.gather(ids[k], out_cache)
+                caches["history"].gather(ids[k], outs["history"])
             sync()
-            cache.reset_stats()
-            t_cache, t_dedup, t_cold, hits = [], [], [], []
-            exact = True
+            caches["history"].reset_stats()
+            t_cache: dict[str, list[float]] = {name: [] for name in caches}
+            hits: dict[str, list[float]] = {name: [] for name in caches}
+            exact = {name: True for name in caches}
+            t_dedup, t_cold = [], []
             for k in range(warm, len(chunks)):
-                before = cache.stats()
-                t = time.perf_counter()
-                cache.gather(ids[k], out_cache)
-                sync()
-                t_cache.append(time.perf_counter() - t)
-                after = cache.stats()
-                hits.append((after.hits - before.hits) / max(1, after.unique - before.unique))
+                for name, cache in caches.items():
+                    before = cache.stats()
+                    t = time.perf_counter()
+                    cache.gather(ids[k], outs[name])
+                    sync()
+                    t_cache[name].append(time.perf_counter() - t)
+                    after = cache.stats()
+                    hits[name].append((after.hits - before.hits) / max(1, after.unique - before.unique))
                 t = time.perf_counter()
                 dedup.gather(ids[k], out_cold)
                 sync()
@@ -251,15 +313,22 @@ def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm:
                 gatherer.gather(ids[k], *table, quant_block=QUANT_BLOCK, out=out_cold, layout=args.layout)
                 sync()
                 t_cold.append(time.perf_counter() - t)
-                exact = exact and torch.equal(out_cache.view(torch.int16), out_cold.view(torch.int16))
-            phases = _breakdown(cache, ids[warm:], out_cache, sync) if args.breakdown else None
-            stats = cache.stats()
-            out_layers.append({
-                "layer": li, "stats": stats.to_dict(), "exact": exact, "device_bytes": cache.device_bytes(),
-                "cache_seconds": statistics.median(t_cache), "dedup_seconds": statistics.median(t_dedup),
-                "cold_seconds": statistics.median(t_cold), "per_chunk_cache_seconds": t_cache,
-                "per_chunk_hit_rate": hits, "phases_seconds": phases, "lookups_per_chunk": step_rows})
-            del cache, dedup
+                for name in caches:
+                    exact[name] = exact[name] and torch.equal(outs[name].view(torch.int16), out_cold.view(torch.int16))
+            entry: dict[str, Any] = {"layer": li, "dedup_seconds": statistics.median(t_dedup),
+                                     "cold_seconds": statistics.median(t_cold), "lookups_per_chunk": step_rows}
+            for name, cache in caches.items():
+                phases = _breakdown(cache, ids[warm:], outs[name], sync) if args.breakdown else None
+                cache.policy.check_invariants()
+                part = {"stats": cache.stats().to_dict(), "exact": exact[name], "device_bytes": cache.device_bytes(),
+                        "cache_seconds": statistics.median(t_cache[name]), "per_chunk_cache_seconds": t_cache[name],
+                        "per_chunk_hit_rate": hits[name], "phases_seconds": phases}
+                if name == "history":
+                    entry.update(part)
+                else:
+                    entry["offline"] = part
+            out_layers.append(entry)
+            del caches, dedup
             torch.cuda.empty_cache()
     finally:
         gatherer.close()
@@ -271,7 +340,7 @@ def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm:
 
 def _breakdown(cache: Any, ids: list[Any], out: Any, sync: Any) -> dict[str, float]:
     """Median seconds of each phase of a step (syncing between phases, so the sum is
-    above the step's own time)."""
+    above the step's own time). The steps run through the cache (it keeps learning)."""
     phases: dict[str, list[float]] = {}
     for x in ids:
         sync()
@@ -288,115 +357,51 @@ def _breakdown(cache: Any, ids: list[Any], out: Any, sync: Any) -> dict[str, flo
 
 
 def _simulate(args: Any, stream: Any, layers: list[int], warm: int, measure: int) -> dict[str, Any]:
-    """The cache's policy alone on ids for larger columns: hit rates, no data."""
+    """The cache's policy alone on ids for larger columns, both warmings (offline counts
+    over the warm-up chunks): hit rates, no data."""
     import torch
 
+    from engram_trt.bench.rowcounts import count_rows
     from engram_trt.hotcache import CachePolicy
 
     layout = make_layout(args.simulate_column_rows, stream.compressed_vocab_size, stream.pad_id)
     dev = torch.device("cuda", torch.cuda.current_device())
     chunks = list(chunk_row_ids(stream, layout, first_chunk=args.first_chunk, num_chunks=warm + measure))
+    offline = None
+    if args.offline_counts != "none" and warm:  # a counts file is for the benchmark's own layout, not this one
+        offline = count_rows(chunks[:warm], [int(r) for r in layout.table_rows], layers)
+    step_rows = CHUNK_TOKENS * layout.n_hash_cols
     out = []
     for li in layers:
         rows = int(layout.table_rows[li])
-        policy = CachePolicy(rows, int(args.capacity_fraction * rows), device=dev, admit_budget=args.admit_budget,
-                             sample_factor=args.sample_factor, seed=args.seed)
-        unique = hits = lookups = 0
-        for k, chunk in enumerate(chunks):
-            plan = policy.plan(torch.from_numpy(chunk[:, li, :].copy()).to(dev))
-            policy.place_misses(plan, policy.capacity)
-            policy.record(plan)
-            if policy.filled < policy.capacity or (k + 1) % args.admit_every == 0:  # HotRowCache's cadence
-                policy.admit(plan, policy.capacity)  # the row copies are not needed: no data here
-            if k >= warm:
-                unique += plan.num_unique
-                hits += plan.num_unique - plan.num_miss
-                lookups += chunk.shape[0] * chunk.shape[2]
-        out.append({"layer": li, "table_rows": rows, "capacity_rows": policy.capacity,
-                    "hit_rate": hits / max(1, unique), "unique_fraction": unique / max(1, lookups),
-                    "fetch_fraction": (unique - hits) / max(1, lookups)})
-        del policy
-        torch.cuda.empty_cache()
+        entry: dict[str, Any] = {"layer": li, "table_rows": rows}
+        for name in ("history", "offline"):
+            if name == "offline" and offline is None:
+                continue
+            policy = CachePolicy(rows, int(args.capacity_fraction * rows), device=dev, admit_budget=args.admit_budget,
+                                 sample_factor=args.sample_factor, seed=args.seed, max_step_rows=step_rows,
+                                 initial_counts=offline[li] if name == "offline" else None)
+            unique = hits = lookups = 0
+            for k, chunk in enumerate(chunks):
+                if name == "offline" and k < warm:
+                    continue
+                plan = policy.plan(torch.from_numpy(chunk[:, li, :].copy()))
+                policy.finish(plan, replace=(policy.steps + 1) % args.admit_every == 0)  # HotRowCache's cadence
+                if k >= warm:
+                    unique += plan.num_unique
+                    hits += plan.num_unique - plan.num_miss
+                    lookups += plan.num_lookups
+            part = {"capacity_rows": policy.capacity, "hit_rate": hits / max(1, unique),
+                    "unique_fraction": unique / max(1, lookups), "fetch_fraction": (unique - hits) / max(1, lookups)}
+            if name == "history":
+                entry.update(part)
+            else:
+                entry["offline"] = part
+            del policy
+            torch.cuda.empty_cache()
+        out.append(entry)
     return {"column_rows": args.simulate_column_rows, "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB,
             "layers": out}
-
-
-def _print_report(report: dict[str, Any]) -> None:
-    link = report.get("link_GBps")
-    tok = report["tokens"]
-    print(f"ids: {tok['num_tokens']:,} tokens from {tok['text_bytes'] / 1e6:.1f} MB of text (Python {tok['python']}); "
-          f"spec 2 layers x 24 columns of ~{report['column_rows']:,} rows = {report['table_gib']:.2f} GiB of "
-          f"{ROW_BYTES}-byte rows ({report['layout']} layout)")
-    st = report["stream_stats"]
-    print("distinct rows per lookup in a chunk: " + ", ".join(
-        f"order {o} {v:.1%}" for o, v in st["distinct_per_order"].items())
-        + f"; a layer's 24 columns {st['distinct_per_layer_step']:.1%}")
-    print(f"cache: {report['capacity_fraction']:.0%} of each layer's rows; warmed on {report['warm_chunks']} "
-          f"8k-token chunks, {report['measured_chunks']} chunks measured")
-    if report["dry_run"]:
-        print("DRY RUN (no GPU): the cache logic on CPU tensors; the times say nothing about the target machine")
-    else:
-        print(f"{report['device']}, torch {report['torch']}; link (sequential 2 GiB pinned H2D copy): {link:.1f} GB/s")
-    headers = ["layer", "hit rate", "distinct", "fetched / lookups", "cache us", "GB/s", "x link", "dedup only us",
-               "cold gather us", "x cold", "exact"]
-    rows = []
-    for L in report["layers"]:
-        s = L["stats"]
-        n = s["lookups"] / max(1, s["steps"])
-        cache_s = L["cache_seconds"]
-        gb = n * ROW_BYTES / cache_s / 1e9
-        cold = L.get("cold_seconds")
-        rows.append([L["layer"], f"{s['hit_rate']:.1%}", f"{s['unique_fraction']:.1%}", f"{s['fetch_fraction']:.1%}",
-                     f"{cache_s * 1e6:.0f}", f"{gb:.1f}", f"{gb / link:.2f}" if link else "-",
-                     f"{L['dedup_seconds'] * 1e6:.0f}" if cold else "-", f"{cold * 1e6:.0f}" if cold else "-",
-                     f"{cold / cache_s:.2f}" if cold else "-", "yes" if L["exact"] else "NO"])
-    print_table(headers, rows)
-    if link:
-        for L in report["layers"]:
-            n = L["lookups_per_chunk"]
-            cold_gb = n * ROW_BYTES / L["cold_seconds"] / 1e9
-            gb = n * ROW_BYTES / L["cache_seconds"] / 1e9
-            ok = gb >= TARGET_LINK_RATIO * link
-            print(f"layer {L['layer']}: cold gather baseline {cold_gb:.1f} GB/s = {cold_gb / link:.2f} x link "
-                  f"(its bound: 1.00); cache {gb:.1f} GB/s = {gb / link:.2f} x link; target 2 (>= "
-                  f"{TARGET_LINK_RATIO:.0f}x link): " + ("MET" if ok else f"MISSED by {TARGET_LINK_RATIO * link / gb:.2f}x")
-                  + f"; cache device memory {L['device_bytes'] / 2**30:.2f} GiB")
-            if L.get("phases_seconds"):
-                print("  phases (synced, medians): " + ", ".join(f"{k} {v * 1e6:.0f} us"
-                                                              for k, v in L["phases_seconds"].items()))
-    sim = report.get("simulation")
-    if sim:
-        print(f"policy simulation with columns of ~{sim['column_rows']:,} rows ({sim['table_gib']:.0f} GiB of "
-              f"tables; no data moved):")
-        for L in sim["layers"]:
-            print(f"  layer {L['layer']}: cache of {L['capacity_rows']:,} rows: hit rate {L['hit_rate']:.1%}, "
-                  f"distinct {L['unique_fraction']:.1%}, fetched / lookups {L['fetch_fraction']:.1%}")
-    if any(not L["exact"] for L in report["layers"]):
-        print("cache output NOT bit-exact against the plain gather")
-
-
-def _plot(report: dict[str, Any], path: str) -> None:
-    plt = require_matplotlib()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    link = report.get("link_GBps")
-    for L in report["layers"]:
-        n = L.get("lookups_per_chunk") or L["stats"]["lookups"] / max(1, L["stats"]["steps"])
-        times = L.get("per_chunk_cache_seconds") or L.get("per_chunk_seconds")
-        a1.plot([n * ROW_BYTES / t / 1e9 for t in times], marker=".", label=f"layer {L['layer']} cache")
-        if "cold_seconds" in L:
-            a1.axhline(n * ROW_BYTES / L["cold_seconds"] / 1e9, linestyle=":", label=f"layer {L['layer']} cold gather")
-        if L.get("per_chunk_hit_rate"):
-            a2.plot(L["per_chunk_hit_rate"], marker=".", label=f"layer {L['layer']}")
-    if link:
-        a1.axhline(link, color="k", linestyle="--", label=f"link {link:.1f} GB/s")
-        a1.axhline(TARGET_LINK_RATIO * link, color="r", linestyle="-.", label="target 2x link")
-    a1.set_xlabel("measured chunk")
-    a1.set_ylabel("GB/s of row bytes delivered")
-    a1.legend(fontsize=7)
-    a2.set_xlabel("measured chunk")
-    a2.set_ylabel("hit rate (distinct rows)")
-    a2.legend(fontsize=7)
-    save_plot(fig, path)
 
 
 def add_parser(sub: Any) -> Any:

@@ -1,0 +1,204 @@
+"""`engram-trt bench rowcounts`: per-row lookup counts over a range of chunks of the token
+stream, the offline frequencies a hot-row cache warms from (``HotRowCache(initial_counts=)``).
+
+Why: an LFU can only serve rows it has seen, and a bounded admission learns slowly, so a
+cache warmed from counts over a corpus serves rows the online policy has not met yet.
+The benchmark must not count the text it then measures, so every counts file records
+the token stream it came from (its fingerprint) and its chunk range, and ``bench cache``
+refuses counts whose range overlaps the chunks it measures.
+
+File (``.npz``, written via a temp name): per layer ``rows_<l>`` (int32, the rows looked
+up at least once, by count descending) and ``counts_<l>`` (int32, saturated at 2^31 - 1),
+and ``meta`` (JSON: format, token-stream fingerprint, column rows, table rows per layer,
+first chunk, chunks, chunk tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
+
+COUNTS_FORMAT = 1
+_BATCH_IDS = 1 << 25  # ids per bincount: ~128 MB of ids, one accumulator add each
+
+
+@dataclass
+class RowCounts:
+    """Dense per-layer lookup counts (int32 ``[table_rows]``) and where they came from."""
+
+    counts: dict[int, np.ndarray]
+    column_rows: int
+    table_rows: list[int]
+    first_chunk: int
+    num_chunks: int
+    chunk_tokens: int
+    stream: str  # stream_fingerprint of the token stream
+    path: str | None = field(default=None)
+
+    @property
+    def chunk_range(self) -> tuple[int, int]:
+        return self.first_chunk, self.first_chunk + self.num_chunks
+
+    def describe(self) -> str:
+        a, b = self.chunk_range
+        where = f" ({self.path})" if self.path else ""
+        return f"counts over chunks {a}..{b - 1} of the token stream{where}"
+
+
+def stream_fingerprint(stream: Any) -> str:
+    """What identifies a token stream: its tokenizer, its files and its length."""
+    text = f"{stream.tokenizer_sha256}:{stream.files_sha256}:{int(stream.ids.shape[0])}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def count_rows(chunks: Iterable[np.ndarray], table_rows: list[int], layers: list[int]) -> dict[int, np.ndarray]:
+    """Lookups per row of each layer over ``chunks`` (``[tokens, L, cols]`` row ids):
+    int32 ``[table_rows[l]]``, saturated. Batched bincounts into int64 accumulators."""
+    acc = {li: np.zeros(int(table_rows[li]), dtype=np.int64) for li in layers}
+    pending: dict[int, list[np.ndarray]] = {li: [] for li in layers}
+    held = 0
+
+    def flush() -> None:
+        for li in layers:
+            if pending[li]:
+                ids = np.concatenate(pending[li])
+                acc[li] += np.bincount(ids, minlength=acc[li].size)[: acc[li].size]
+                pending[li].clear()
+
+    for chunk in chunks:
+        for li in layers:
+            ids = chunk[:, li, :].reshape(-1)
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= acc[li].size):
+                raise EngramError(f"row ids of layer {li} fall outside its {acc[li].size} rows: the chunks are not "
+                                  f"of this layout")
+            pending[li].append(ids)
+        held += int(chunk.shape[0] * chunk.shape[2])
+        if held >= _BATCH_IDS:
+            flush()
+            held = 0
+    flush()
+    return {li: np.minimum(a, 2**31 - 1).astype(np.int32) for li, a in acc.items()}
+
+
+def save_row_counts(rc: RowCounts, path: str | Path) -> Path:
+    """Write ``rc`` sparse (rows with a nonzero count) to ``path`` via a temp name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays: dict[str, np.ndarray] = {}
+    for li, c in rc.counts.items():
+        rows = np.flatnonzero(c)
+        rows = rows[np.lexsort((rows, -c[rows].astype(np.int64)))]
+        arrays[f"rows_{li}"] = rows.astype(np.int32)
+        arrays[f"counts_{li}"] = c[rows].astype(np.int32)
+    meta = {"format": COUNTS_FORMAT, "stream": rc.stream, "column_rows": rc.column_rows, "table_rows": rc.table_rows,
+            "first_chunk": rc.first_chunk, "num_chunks": rc.num_chunks, "chunk_tokens": rc.chunk_tokens,
+            "layers": sorted(rc.counts)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
+    np.savez_compressed(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def load_row_counts(path: str | Path) -> RowCounts:
+    """Read a counts file (dense int32 per layer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EngramError(f"{path}: no counts file; make one with `engram-trt bench rowcounts --out {path}`")
+    with np.load(path) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        if meta.get("format") != COUNTS_FORMAT:
+            raise EngramError(f"{path}: counts file format {meta.get('format')} is not {COUNTS_FORMAT}; remake it")
+        counts = {}
+        for li in meta["layers"]:
+            dense = np.zeros(int(meta["table_rows"][li]), dtype=np.int32)
+            dense[z[f"rows_{li}"]] = z[f"counts_{li}"]
+            counts[int(li)] = dense
+    return RowCounts(counts=counts, column_rows=int(meta["column_rows"]), table_rows=[int(r) for r in meta["table_rows"]],
+                     first_chunk=int(meta["first_chunk"]), num_chunks=int(meta["num_chunks"]),
+                     chunk_tokens=int(meta["chunk_tokens"]), stream=str(meta["stream"]), path=str(path))
+
+
+def check_disjoint(rc: RowCounts, stream: Any, measured: tuple[int, int], layout: Any, layers: list[int]) -> str:
+    """Refuse counts that cannot warm a cache measured on chunks ``measured`` = [a, b) of
+    ``stream`` (another layout, or overlapping chunks); returns how they relate."""
+    if rc.table_rows != [int(r) for r in layout.table_rows]:
+        raise EngramError(f"{rc.path}: counts for tables of {rc.table_rows} rows, not this run's "
+                          f"{[int(r) for r in layout.table_rows]}; make them with the same --column-rows")
+    missing = [li for li in layers if li not in rc.counts]
+    if missing:
+        raise EngramError(f"{rc.path}: no counts for layer(s) {missing}; make them with --layers covering them")
+    a, b = measured
+    if rc.stream != stream_fingerprint(stream):
+        return f"{rc.describe()}: another token stream than the measured one"
+    lo, hi = rc.chunk_range
+    if lo < b and a < hi:
+        raise EngramError(f"{rc.path}: counts over chunks {lo}..{hi - 1} overlap the measured chunks {a}..{b - 1}; "
+                          f"count a disjoint range (bench rowcounts --first-chunk / --chunks)")
+    return f"{rc.describe()}, disjoint from the measured chunks {a}..{b - 1}"
+
+
+def add_rowcounts_arguments(p: Any) -> None:
+    from engram_trt.bench.idstreams import DEFAULT_COLUMN_ROWS
+
+    p.add_argument("--tokens", type=Path, default=None,
+                   help="token file from `engram-trt bench idstream` (default: the cache's)")
+    p.add_argument("--column-rows", type=int, default=DEFAULT_COLUMN_ROWS,
+                   help="rows per column of the spec (default: %(default)s, as bench cache)")
+    p.add_argument("--first-chunk", type=int, default=0, help="first 8k-token chunk to count (default 0)")
+    p.add_argument("--chunks", type=int, default=448, help="chunks to count (default 448, bench cache's warm-up)")
+    p.add_argument("--layers", default="0,1", help="layers to count, comma-separated (default 0,1)")
+    p.add_argument("--out", type=Path, required=True, help="counts file (.npz) to write")
+
+
+def cmd_rowcounts(args: Any) -> int:
+    from engram_trt.bench.cache import _layers
+    from engram_trt.bench.idstreams import CHUNK_TOKENS, chunk_row_ids, default_tokens_path, load_tokens, make_layout
+
+    if args.chunks < 1 or args.first_chunk < 0:
+        raise EngramError("--chunks must be >= 1 and --first-chunk >= 0")
+    stream = load_tokens(args.tokens or default_tokens_path())
+    layout = make_layout(args.column_rows, stream.compressed_vocab_size, stream.pad_id)
+    layers = _layers(args.layers, layout.num_layers)
+    chunks = chunk_row_ids(stream, layout, first_chunk=args.first_chunk, num_chunks=args.chunks)
+    seen = [0]
+
+    def counted() -> Iterable[np.ndarray]:
+        for c in chunks:
+            seen[0] += 1
+            yield c
+
+    table_rows = [int(r) for r in layout.table_rows]
+    counts = count_rows(counted(), table_rows, layers)
+    if seen[0] < args.chunks:
+        raise EngramError(f"the token stream holds {seen[0]} chunks from --first-chunk {args.first_chunk}, fewer "
+                          f"than --chunks {args.chunks}")
+    rc = RowCounts(counts=counts, column_rows=args.column_rows, table_rows=table_rows, first_chunk=args.first_chunk,
+                   num_chunks=args.chunks, chunk_tokens=CHUNK_TOKENS, stream=stream_fingerprint(stream))
+    path = save_row_counts(rc, args.out)
+    for li in layers:
+        c = counts[li]
+        nz = int(np.count_nonzero(c))
+        print(f"layer {li}: {int(c.sum(dtype=np.int64)):,} lookups, {nz:,} distinct rows of {c.size:,} "
+              f"({nz / c.size:.1%})")
+    print(f"wrote {path}: {rc.describe()}")
+    return 0
+
+
+def add_parser(sub: Any) -> Any:
+    """Register ``bench rowcounts`` (no heavy imports)."""
+    p = sub.add_parser("rowcounts", help="per-row lookup counts of a range of the token stream (a cache's warm start)",
+                       description=__doc__.split("\n\n")[0].replace("``", "").replace("`", ""))
+    add_rowcounts_arguments(p)
+    p.set_defaults(func=cmd_rowcounts)
+    return p

@@ -1,0 +1,431 @@
+"""The hot-row cache's policy: which rows are cached, in which slot, and what a step
+fetches; no row data (that is :class:`engram_trt.hotcache.HotRowCache`).
+
+Two implementations of one step, with the same state (int32 tensors on the policy's
+device: ``slot_of [table_rows + 1]``, ``row_of_slot [capacity]``, ``counts [table_rows
++ 1]``) and the same decisions:
+
+- the reference (:meth:`CachePolicy._plan_reference`, :meth:`_finish_reference`): torch
+  operations on any device, sort-based ``torch.unique``; the CPU path, the tests, and the
+  reference the GPU checks compare the kernels with;
+- the fused one (CUDA devices, ``fused=True``, the default there): the kernels of
+  :mod:`engram_trt.cache_kernels`, one synchronization per step (the miss count read
+  with the miss ids in one copy) instead of three, and about four launches instead of
+  60-70 torch operations.
+
+Only the order of a step's misses differs: the reference lists them by ascending row,
+the kernels in whatever order their atomics ran. Every decision downstream is a
+function of that order (which miss takes which free slot, which misses are replacement
+candidates), so :meth:`CachePolicy.plan` takes ``miss_order=`` on the reference path:
+given the kernels' order it reproduces their positions and, after :meth:`finish`,
+their whole state bit for bit (``scripts/h200_hostgather_check.py`` runs that
+comparison). Delivered rows never depend on it: every lookup's position names a
+work-table row that holds its row.
+
+A step is :meth:`plan` (de-duplicate, count the lookups, resolve slots, list the misses
+and give every lookup its work-table row: a slot, or ``miss_base + j`` for miss ``j``)
+then, after the caller fetched the misses into the miss area and delivered the rows,
+:meth:`finish` (age the counts, admit). Between the two the fused path's slot map holds
+the misses' codes, so every plan must be finished (or :meth:`abort`-ed) before the next.
+
+Admission, bounded and free of host syncs: misses take free slots as they come; once
+the cache is full, up to ``admit_budget`` misses (spread evenly over them from a random
+offset) each meet the coldest of ``sample_factor`` cached slots (a sampled LFU, in the
+manner of TinyLFU's admission) and replace it only if their count is strictly higher.
+A warm start (:meth:`warm_start`) seeds the counts with offline frequencies and loads
+the most frequent rows, so the cache serves rows the online LFU has not seen yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
+
+MAX_STEP_ROWS = 196608  # an 8k-token prefill chunk of 24 columns
+DEFAULT_ADMIT_BUDGET = 8192  # replacements tried per step once the cache is full
+MAX_SLOTS = (1 << 30) - 1  # the kernels' slot codes keep bit 30 for the hit mark
+INT32_MAX = (1 << 31) - 1
+
+
+@dataclass
+class StepPlan:
+    """One step's lookups, de-duplicated and resolved against the cache. The tensors of
+    the fused path are views of the policy's buffers: valid until the next plan."""
+
+    positions: Any  # [n] int32 on the policy's device: the work-table row of every lookup
+    miss_rows: Any  # [M] int32 on the policy's device: the distinct uncached rows, miss j at miss_base + j
+    miss_rows_host: Any  # [M] int32 on the CPU: the same (what the host gather fetches)
+    miss_base: int
+    num_lookups: int
+    num_unique: int  # distinct rows (out-of-range ids count as one sentinel row)
+    num_miss: int
+
+
+@dataclass
+class RowCopy:
+    """Copy work-table rows ``src`` to cache slots ``dst`` (where ``mask``, if given)."""
+
+    dst: Any
+    src: Any
+    mask: Any = None
+
+
+@dataclass
+class Admission:
+    """A step's admission as far as the host decides it (the RNG draws): what both
+    implementations carry out, so that they consume the generator identically."""
+
+    num_free: int  # misses [0, num_free) take slots filled, filled + 1, ...
+    num_candidates: int = 0  # replacement tries
+    candidate_start: int = 0
+    candidate_stride: int = 1
+    sample_first: int = 0
+    sample_factor: int = 1
+
+
+def top_rows(counts: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` most frequent rows with a nonzero count (int32, by count descending,
+    ties to the lower row id): what a warm start loads, in slot order. An
+    ``argpartition``, not a sort of the whole table (50M rows per layer here)."""
+    counts = np.asarray(counts)
+    k = min(int(k), int(np.count_nonzero(counts)))
+    if k <= 0:
+        return np.zeros(0, dtype=np.int32)
+    wide = counts.astype(np.int64, copy=False)
+    kth = int(wide[np.argpartition(-wide, k - 1)[:k]].min()) if k < wide.size else int(wide.min())
+    above = np.flatnonzero(wide > kth)
+    tied = np.flatnonzero(wide == kth)[: k - above.size]
+    rows = np.concatenate([above, tied])
+    return rows[np.lexsort((rows, -wide[rows]))].astype(np.int32)
+
+
+class CachePolicy:
+    """Which rows are cached, in which slot, and which to fetch; no row data.
+
+    Memory on the device: 8 bytes per table row (int32 slot map and int32 counts) plus 4
+    per cache slot (and, fused, 16 bytes per lookup of a step for the plan's buffers);
+    for a 50M-row table layer that is 400 MB beside a 5% cache of 664 MB. The plan needs
+    no stamp array: its per-step marks live in the slot map (``cacheKernel.cu``).
+    """
+
+    def __init__(self, table_rows: int, capacity_rows: int, *, device: Any = "cpu", admit_budget: int | None = None,
+                 sample_factor: int = 4, decay_every: int = 0, seed: int = 0, fused: bool | None = None,
+                 max_step_rows: int = MAX_STEP_ROWS, initial_counts: Any = None) -> None:
+        import torch
+
+        if table_rows < 1 or not 0 <= capacity_rows <= table_rows:
+            raise EngramError(f"cache capacity must be in [0, table_rows={table_rows}] rows (got {capacity_rows})")
+        if table_rows >= INT32_MAX or capacity_rows > MAX_SLOTS:
+            raise EngramError(f"table_rows must be below 2^31 - 1 and the capacity at most 2^30 - 1 rows "
+                              f"(got {table_rows}, {capacity_rows})")
+        if sample_factor < 1 or decay_every < 0:
+            raise EngramError(f"sample_factor must be >= 1 and decay_every >= 0 (got {sample_factor}, {decay_every})")
+        if max_step_rows < 1:
+            raise EngramError(f"max_step_rows must be >= 1 (got {max_step_rows})")
+        self.table_rows = int(table_rows)
+        self.capacity = int(capacity_rows)
+        self.sentinel = self.table_rows
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.fused = self.device.type == "cuda" if fused is None else bool(fused)
+        if self.fused and self.device.type != "cuda":
+            raise EngramError(f"the fused cache plan runs on CUDA devices (got {self.device}); pass fused=False")
+        self.max_step_rows = int(max_step_rows)
+        self.slot_of = torch.full((self.table_rows + 1,), -1, dtype=torch.int32, device=self.device)
+        self.row_of_slot = torch.full((max(self.capacity, 1),), -1, dtype=torch.int32, device=self.device)
+        self.counts = torch.zeros(self.table_rows + 1, dtype=torch.int32, device=self.device)
+        if admit_budget is None:
+            admit_budget = min(self.capacity, DEFAULT_ADMIT_BUDGET)
+        if admit_budget < 0:
+            raise EngramError(f"admit_budget must be >= 0 (got {admit_budget})")
+        self.admit_budget = int(admit_budget)
+        self.sample_factor = int(sample_factor)
+        self.decay_every = int(decay_every)
+        self.filled = 0
+        self.steps = 0
+        self.admitted = 0  # rows admitted into free slots (replacements are counted on the device)
+        self.preloaded = 0  # rows a warm start loaded
+        self._replaced = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._rng = np.random.default_rng(seed)
+        self._pending: StepPlan | None = None
+        if self.fused:
+            n = self.max_step_rows
+            self._ids = torch.empty(n, dtype=torch.int32, device=self.device)
+            self._plan = torch.zeros(2 + n, dtype=torch.int32, device=self.device)
+            self._positions = torch.empty(n, dtype=torch.int32, device=self.device)
+            self._plan_host = torch.zeros(2 + n, dtype=torch.int32, pin_memory=True)
+            self._plan_host_np = self._plan_host.numpy()
+            self._expect_misses = n  # misses copied with the counts; then 1.5x the last step's
+        if initial_counts is not None:
+            self.warm_start(initial_counts)
+
+    @property
+    def evicted(self) -> int:
+        """Rows replaced so far (reading it waits for the device)."""
+        return int(self._replaced.sum())
+
+    def device_bytes(self) -> int:
+        """Device memory of the maps (and the fused plan's buffers)."""
+        tensors = [self.slot_of, self.row_of_slot, self.counts, self._replaced]
+        if self.fused:
+            tensors += [self._ids, self._plan, self._positions]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # --- warm start ------------------------------------------------------------------
+
+    def warm_start(self, counts: Any) -> Any:
+        """Seed the LFU with offline lookup counts (``[table_rows]`` non-negative
+        integers, e.g. over a corpus: ``engram-trt bench rowcounts``) and place the most
+        frequent rows (:func:`top_rows`) in slots 0, 1, ... Returns those rows (CPU int32,
+        in slot order): the caller loads their data into the slots. Needs a fresh policy."""
+        import torch
+
+        if self.steps or self.filled:
+            raise EngramError("warm_start needs a fresh cache (no step served, no slot filled)")
+        c = counts.cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
+        if c.shape != (self.table_rows,) or c.dtype.kind not in "iu":
+            raise EngramError(f"initial counts must be integers [table_rows] = [{self.table_rows}] "
+                              f"(got {c.dtype} {c.shape})")
+        if c.size and int(c.min()) < 0:
+            raise EngramError("initial counts must be >= 0")
+        c32 = np.minimum(c, INT32_MAX).astype(np.int32)
+        rows = top_rows(c32, self.capacity)
+        self.counts[: self.table_rows].copy_(torch.from_numpy(c32))
+        k = int(rows.size)
+        if k:
+            dev_rows = torch.from_numpy(rows).to(self.device)
+            self.slot_of[dev_rows.long()] = torch.arange(k, dtype=torch.int32, device=self.device)
+            self.row_of_slot[:k] = dev_rows
+        self.filled = self.preloaded = k
+        return torch.from_numpy(rows)
+
+    # --- a step ----------------------------------------------------------------------
+
+    def plan(self, ids: Any, miss_base: int | None = None, *, miss_order: Any = None) -> StepPlan:
+        """De-duplicate a step's int32 ids (any shape; CPU or the policy's device), count
+        their lookups, resolve the distinct rows against the slot map and place the
+        misses at work-table rows ``miss_base`` (default: the capacity) onward.
+        ``miss_order`` (reference path only): list the misses in this order (a
+        permutation of them, e.g. the kernels' order) instead of by ascending row."""
+        import torch
+
+        if self._pending is not None:
+            raise EngramError("the previous step's plan is not finished: call finish() (or abort()) first")
+        if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32:
+            raise EngramError(f"ids must be an int32 tensor (got {getattr(ids, 'dtype', type(ids).__name__)})")
+        miss_base = self.capacity if miss_base is None else int(miss_base)
+        n = int(ids.numel())
+        if miss_base < self.capacity or miss_base + n > INT32_MAX:
+            raise EngramError(f"miss_base must be in [capacity={self.capacity}, 2^31 - 1 - lookups] (got {miss_base})")
+        if self.fused:
+            if miss_order is not None:
+                raise EngramError("miss_order is for the reference plan (fused=False)")
+            plan = self._plan_fused(ids, miss_base)
+        else:
+            plan = self._plan_reference(ids, miss_base, miss_order)
+        self._pending = plan
+        return plan
+
+    def finish(self, plan: StepPlan, *, replace: bool = True, work_rows: Any = None, work_scales: Any = None,
+               admit: bool = True) -> list[RowCopy]:
+        """End a step (after its rows were delivered from the work table): age the counts
+        every ``decay_every`` steps, then admit: misses fill free slots, and with
+        ``replace`` up to ``admit_budget`` of them try to replace colder rows. With
+        ``work_rows`` / ``work_scales`` (the work table) the admitted rows are copied from
+        the miss area into their slots. ``admit=False``: nothing enters the cache (a step
+        whose fetch failed). Returns the row copies (reference path; the fused one copies
+        on the device and returns [])."""
+        if plan is not self._pending:
+            raise EngramError("finish() takes the plan of the current step (from the last plan() call)")
+        self._pending = None
+        self.steps += 1
+        if self.decay_every and self.steps % self.decay_every == 0:
+            self.counts >>= 1
+        adm = self._admission(plan.num_miss, replace) if admit else Admission(num_free=0)
+        if self.fused:
+            self._finish_fused(plan, adm, work_rows, work_scales)
+            copies: list[RowCopy] = []
+        else:
+            copies = self._finish_reference(plan, adm)
+            if work_rows is not None:
+                for copy in copies:
+                    apply_copy(copy, work_rows, work_scales)
+        self.filled += adm.num_free
+        self.admitted += adm.num_free
+        return copies
+
+    def abort(self, plan: StepPlan) -> None:
+        """End a step whose rows were not fetched: nothing is admitted (its counts stay)."""
+        self.finish(plan, admit=False)
+
+    def _admission(self, num_miss: int, replace: bool) -> Admission:
+        if self.capacity == 0 or num_miss == 0:
+            return Admission(num_free=0)
+        free = min(num_miss, self.capacity - self.filled)
+        left = num_miss - free
+        budget = min(self.admit_budget, left, self.capacity)
+        if not replace or budget <= 0 or self.filled + free < self.capacity:
+            return Admission(num_free=free)
+        # Candidates: `budget` of the other misses, spread evenly from a random offset. A
+        # hot row not picked in this step recurs and gets its chance in a later one.
+        start = int(self._rng.integers(0, left))
+        # Victims: for each candidate the coldest of `factor` distinct cached slots (a
+        # window of budget * factor slots from a random offset).
+        factor = max(1, min(self.sample_factor, self.capacity // budget))
+        first = int(self._rng.integers(0, self.capacity))
+        return Admission(num_free=free, num_candidates=budget, candidate_start=start, candidate_stride=left // budget,
+                         sample_first=first, sample_factor=factor)
+
+    # --- reference (torch) -------------------------------------------------------------
+
+    def _plan_reference(self, ids: Any, miss_base: int, miss_order: Any) -> StepPlan:
+        import torch
+
+        flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        n = int(flat.numel())
+        valid = (flat >= 0) & (flat < self.table_rows)
+        mapped = torch.where(valid, flat, torch.full_like(flat, self.sentinel))
+        uniq, inverse, lookups = torch.unique(mapped, return_inverse=True, return_counts=True)
+        self.counts.index_add_(0, uniq, lookups.to(torch.int32))
+        slot = self.slot_of[uniq]
+        miss_index = torch.nonzero(slot < 0).squeeze(1)
+        num_miss = int(miss_index.numel())
+        if miss_order is not None:
+            miss_index = self._order_misses(uniq, slot, num_miss, miss_order)
+        slot[miss_index] = torch.arange(miss_base, miss_base + num_miss, dtype=torch.int32, device=self.device)
+        miss_rows = uniq[miss_index].to(torch.int32)
+        return StepPlan(positions=slot[inverse].to(torch.int32), miss_rows=miss_rows, miss_rows_host=miss_rows.cpu(),
+                        miss_base=miss_base, num_lookups=n, num_unique=int(uniq.numel()), num_miss=num_miss)
+
+    def _order_misses(self, uniq: Any, slot: Any, num_miss: int, miss_order: Any) -> Any:
+        import torch
+
+        order = torch.as_tensor(miss_order).reshape(-1).to(device=self.device, dtype=torch.int64)
+        at = torch.searchsorted(uniq, order).clamp(max=max(int(uniq.numel()) - 1, 0))
+        ok = int(order.numel()) == num_miss and (num_miss == 0 or (
+            bool((uniq[at] == order).all()) and bool((slot[at] < 0).all())
+            and int(torch.unique(order).numel()) == num_miss))
+        if not ok:
+            raise EngramError(f"miss_order must be a permutation of the step's {num_miss} misses "
+                              f"(got {int(order.numel())} rows that are not)")
+        return at
+
+    def _finish_reference(self, plan: StepPlan, adm: Admission) -> list[RowCopy]:
+        import torch
+
+        dev = self.device
+        copies: list[RowCopy] = []
+        miss = plan.miss_rows.to(torch.int64)
+        free = adm.num_free
+        if free:
+            slots = torch.arange(self.filled, self.filled + free, device=dev)
+            rows = miss[:free]
+            self.slot_of[rows] = slots.to(torch.int32)
+            self.row_of_slot[slots] = rows.to(torch.int32)
+            copies.append(RowCopy(dst=slots, src=plan.miss_base + torch.arange(free, device=dev)))
+        budget = adm.num_candidates
+        if budget:
+            left = plan.num_miss - free
+            pick = free + (adm.candidate_start + torch.arange(budget, device=dev) * adm.candidate_stride) % left
+            cand_rows = miss[pick]
+            factor = adm.sample_factor
+            sample = ((adm.sample_first + torch.arange(budget * factor, device=dev)) % self.capacity).view(budget, factor)
+            sample_counts = self.counts[self.row_of_slot[sample].to(torch.int64)].to(torch.int64)
+            # the coldest slot of each window, ties to the first (keys are distinct per window)
+            which = (sample_counts * factor + torch.arange(factor, device=dev)).argmin(dim=1, keepdim=True)
+            victims = sample.gather(1, which).squeeze(1)
+            victim_counts = sample_counts.gather(1, which).squeeze(1)
+            replace = self.counts[cand_rows].to(torch.int64) > victim_counts  # strictly hotter than what it evicts
+            old_rows = self.row_of_slot[victims].to(torch.int64)
+            self.slot_of[old_rows[replace]] = -1
+            self.slot_of[cand_rows[replace]] = victims[replace].to(torch.int32)
+            self.row_of_slot[victims[replace]] = cand_rows[replace].to(torch.int32)
+            self._replaced += replace.sum()
+            copies.append(RowCopy(dst=victims, src=plan.miss_base + pick, mask=replace))
+        return copies
+
+    # --- fused (CUDA kernels) ----------------------------------------------------------
+
+    def _plan_fused(self, ids: Any, miss_base: int) -> StepPlan:
+        import torch
+
+        from engram_trt.cache_kernels import cache_plan
+
+        n = int(ids.numel())
+        if n > self.max_step_rows:
+            raise EngramError(f"a step of {n} lookups exceeds this policy's max_step_rows={self.max_step_rows}")
+        flat = ids.reshape(-1)
+        if flat.device != self.device or not flat.is_contiguous():
+            self._ids[:n].copy_(flat, non_blocking=True)
+            flat = self._ids[:n]
+        want = min(n, self._expect_misses)
+        cache_plan(flat, table_rows=self.table_rows, slot_of=self.slot_of, counts=self.counts, miss_base=miss_base,
+                   plan=self._plan, positions=self._positions, plan_host=self._plan_host, host_ids=want)
+        stream = torch.cuda.current_stream(self.device)
+        stream.synchronize()  # the step's one wait: hit and miss counts, and (usually) every miss id
+        hits, num_miss = int(self._plan_host_np[0]), int(self._plan_host_np[1])
+        if num_miss > want:  # more misses than expected: fetch the rest of the list
+            self._plan_host[2 + want: 2 + num_miss].copy_(self._plan[2 + want: 2 + num_miss], non_blocking=True)
+            stream.synchronize()
+        self._expect_misses = min(self.max_step_rows, max(1024, num_miss + num_miss // 2))
+        return StepPlan(positions=self._positions[:n], miss_rows=self._plan[2: 2 + num_miss],
+                        miss_rows_host=self._plan_host[2: 2 + num_miss], miss_base=miss_base, num_lookups=n,
+                        num_unique=hits + num_miss, num_miss=num_miss)
+
+    def _finish_fused(self, plan: StepPlan, adm: Admission, work_rows: Any, work_scales: Any) -> None:
+        from engram_trt.cache_kernels import cache_admit
+
+        if plan.num_miss == 0:
+            return  # nothing was marked that the admission would restore
+        cache_admit(plan.miss_rows, num_free=adm.num_free, filled=self.filled, capacity=self.capacity,
+                    slot_of=self.slot_of, row_of_slot=self.row_of_slot, counts=self.counts,
+                    num_candidates=adm.num_candidates, candidate_start=adm.candidate_start,
+                    candidate_stride=adm.candidate_stride, sample_first=adm.sample_first,
+                    sample_factor=adm.sample_factor, miss_base=plan.miss_base, work_rows=work_rows,
+                    work_scales=work_scales, replaced=self._replaced)
+
+    # --- checks ------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The policy's state on the CPU (for comparisons; syncs)."""
+        return {"slot_of": self.slot_of.cpu(), "row_of_slot": self.row_of_slot.cpu(), "counts": self.counts.cpu(),
+                "filled": self.filled, "evicted": self.evicted, "steps": self.steps}
+
+    def check_invariants(self) -> None:
+        """Slot map and slot table agree, and no step is half done (for tests; syncs)."""
+        import torch
+
+        if self._pending is not None:
+            raise AssertionError("a plan is not finished")
+        s = self.slot_of
+        if not bool(((s == -1) | ((s >= 0) & (s < max(self.capacity, 1)))).all()):
+            raise AssertionError("slot_of holds values that are neither -1 nor a slot")
+        filled = self.row_of_slot[: self.filled].to(torch.int64)
+        if self.filled and not bool((filled >= 0).all()):
+            raise AssertionError("a filled slot holds no row")
+        if self.filled and not torch.equal(self.slot_of[filled].to(torch.int64),
+                                           torch.arange(self.filled, device=self.device)):
+            raise AssertionError("slot_of[row_of_slot[s]] != s")
+        if int((self.slot_of >= 0).sum()) != self.filled:
+            raise AssertionError("rows mapped to slots != filled slots")
+
+
+def apply_copy(copy: RowCopy, work_rows: Any, work_scales: Any) -> None:
+    """Carry out a :class:`RowCopy` on the work table (rows and, if any, scale bytes)."""
+    import torch
+
+    for store in (work_rows, work_scales):
+        if store is None:
+            continue
+        src = store[copy.src]
+        if copy.mask is not None:
+            src = torch.where(copy.mask[:, None], src, store[copy.dst])
+        store[copy.dst] = src
