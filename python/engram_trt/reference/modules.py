@@ -100,6 +100,22 @@ class AttentionPlan:
     graph_safe: bool = False
     _index32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
+    _decode32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every token is a decode token (token i is sequence i): no index copies needed."""
+        return bool(self.decode) and not self.prefill
+
+    def decode_index32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode tokens' slots and positions as int32, once per step (every layer's
+        in-place decode attention reads the same)."""
+        if self._decode32 is None:
+            assert self.decode_slots is not None and self.decode_rows is not None
+            pos = self.positions if self.decode_only else self.positions.index_select(0, self.decode_rows)
+            self._decode32 = (self.decode_slots.to(torch.int32), pos.to(torch.int32))
+        return self._decode32
+
     def index32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``token_slots`` and ``positions`` as int32 (the kernel library's index type),
         converted once per step, at the first layer that asks."""
@@ -165,14 +181,17 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
             v = self.v_proj(x).view(T, self.n_kv, self.head_dim)
             q = rope_and_write(q, k, v, cos, sin, plan, keys, values)
-        out = torch.empty_like(q)
-        step = plan.step
-        for si in plan.prefill:
-            a, b = step.seq_starts[si], step.seq_starts[si + 1]
-            slot, L = step.slots[si], step.total_lens[si]
-            out[a:b] = self._attend_one(q[a:b], keys[slot, :, :L], values[slot, :, :L], plan.impl)
-        if plan.decode:
-            out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], keys, values, plan)
+        if plan.decode_only:  # a pure decode step: token i is sequence i, no index copies
+            out = self._attend_decode(q, keys, values, plan)
+        else:
+            out = torch.empty_like(q)
+            step = plan.step
+            for si in plan.prefill:
+                a, b = step.seq_starts[si], step.seq_starts[si + 1]
+                slot, L = step.slots[si], step.total_lens[si]
+                out[a:b] = self._attend_one(q[a:b], keys[slot, :, :L], values[slot, :, :L], plan.impl)
+            if plan.decode:
+                out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], keys, values, plan)
         return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
@@ -209,8 +228,7 @@ class Attention(nn.Module):
             # with the kernel the EngramAttention plugin runs.
             from engram_trt import attention_kernels
 
-            return attention_kernels.attention_packed(q.contiguous(), keys, values, plan.decode_slots.to(torch.int32),
-                                                      plan.positions.index_select(0, plan.decode_rows).to(torch.int32))
+            return attention_kernels.attention_packed(q.contiguous(), keys, values, *plan.decode_index32())
         if plan.decode_slot_range is not None:  # the usual case: slots handed out lowest first
             a, b = plan.decode_slot_range
             k, v = keys[a:b, :, :L], values[a:b, :, :L]  # views: the cache is read in place
