@@ -16,6 +16,9 @@ table at the end; exit 1 on a failed check.
    /proc/PID/smaps, the private store bytes, and /dev/shm use. ``embedding_across_dp``
    and ``dp_shared_memory`` must hold one copy (within 10%); private copies hold two.
 4. Step time (mean over the timed repeat) and decode throughput as a ratio to one GPU.
+5. The serving group of ``engram-trt serve --tp 2`` (``start_serving_group``): this
+   process leads on GPU 0, one follower process on GPU 1 (NCCL); the leader's greedy
+   tokens equal one GPU's, and the follower exits 0 after ``stop()``.
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1, set here and in every rank).
@@ -220,6 +223,28 @@ def main() -> int:
         res["modes"][name]["step_time_ratio"] = round(step_time(r) / base_step, 3)
         res["modes"][name]["throughput_ratio"] = round(tokens_per_s(r) / base_tps, 3)
 
+    # 5. the serving group of `serve --tp 2`: this process is the leader
+    from engram_trt.distributed.serving import GroupSpec, start_serving_group
+
+    t1 = time.perf_counter()
+    group = start_serving_group(GroupSpec(str(engine), 2, ("cuda:0", "cuda:1"),
+                                          engram_config=None if base_cfg is None else {"cpu_offload": False},
+                                          llm_kwargs={"backend": "torch"}, name="check/tp2", timeout_s=args.timeout,
+                                          start_timeout_s=args.timeout))
+    start_s = time.perf_counter() - t1
+    try:
+        t1 = time.perf_counter()
+        outs = group.llm.generate(PROMPTS, sp)
+        gen_s = time.perf_counter() - t1
+        res["serving_group"] = {"start_s": round(start_s, 2), "generate_s": round(gen_s, 3),
+                                "tokens_per_s": sum(len(o.token_ids) for o in outs) / gen_s, "sharing": group.sharing.to_json(),
+                                "storage": {k: group.llm.storage.get(k) for k in ("kind", "where", "table_bytes")},
+                                "stats": group.stats()}
+    finally:
+        group.stop()
+    checks["serve --tp 2: the group's leader gives the greedy tokens of one GPU"] = [o.token_ids for o in outs] == ref_all
+    checks["serve --tp 2: the follower exited 0 after stop()"] = group.followers[0].returncode == 0
+
     res["checks"] = checks
     if args.out:
         out = Path(args.out)
@@ -231,6 +256,8 @@ def main() -> int:
         print(f"{name:<28} {m['sharing']['dp_mode']:<22} {m['table_host_copies']:>11} {m['shm_used_bytes'] / 2**20:>12.1f} "
               f"{m['step_time_ratio']:>8} {m['throughput_ratio']:>9}")
     print(f"one GPU: {base_step * 1e3:.2f} ms/step, {base_tps:.1f} tokens/s; one table copy {one_copy / 2**30:.2f} GiB")
+    sg = res["serving_group"]
+    print(f"serve --tp 2 group: started in {sg['start_s']} s, {sg['tokens_per_s'] / base_tps:.3f} x one GPU's tokens/s")
     for note in res["notes"]:
         print(f"note: {note}")
     failed = [k for k, v in checks.items() if not v]

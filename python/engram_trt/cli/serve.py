@@ -32,15 +32,19 @@ def add_repo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("engine_dir", metavar="ENGINE_DIR", help="engine folder from `engram-trt build` (a checkpoint folder works too)")
     p.add_argument("--instances", type=int, default=1,
                    help="model instances (each its own process and engram_trt.LLM); with --gpus, per listed GPU. Several "
-                        "instances share one copy of the Engram tables (dp_shared_memory on by default) (default: %(default)s)")
+                        "instances share one copy of the Engram tables (dp_shared_memory on by default); with --tp/--dp "
+                        "use --dp instead (default: %(default)s)")
     p.add_argument("--gpus", default=None, metavar="0,1",
-                   help="place instances on these GPUs (instance_group KIND_GPU, --instances on each); default: KIND_CPU "
-                        "instances that use --device")
+                   help="place instances on these GPUs (instance_group KIND_GPU, --instances on each); with --tp N --dp M, "
+                        "instance i leads the GPUs at positions i*N..i*N+N-1 of this list, which must hold N x M; default: "
+                        "KIND_CPU instances that use --device")
     p.add_argument("--backend", choices=("auto", "tensorrt", "torch"), default="auto",
                    help="'tensorrt' runs the engine, 'torch' the reference model (with the project's CUDA kernels on a GPU), "
                         "'auto' the first that can run where the instance runs (default: %(default)s)")
     p.add_argument("--device", default="auto",
-                   help="device of KIND_CPU instances: 'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
+                   help="device of KIND_CPU instances: 'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available); with "
+                        "--tp/--dp, 'auto'/'cuda' place the ranks on this machine's GPUs (KIND_GPU) and 'cpu' (or no CUDA "
+                        "under 'auto') runs them as CPU processes (default: %(default)s)")
     from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
 
     p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default=None,
@@ -56,6 +60,9 @@ def add_repo_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace an existing repository folder, only if engram-trt wrote it and it holds nothing else")
     p.add_argument("--json", action="store_true", help="print one JSON object (the repository, or the endpoints once ready)")
     add_engram_config_arguments(p)
+    from engram_trt.distributed.cli import add_parallel_arguments
+
+    add_parallel_arguments(p, serving=True)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,12 +99,23 @@ def cmd_triton_repo(args: argparse.Namespace) -> int:
     if args.json:
         print_json(info)
     else:
-        where = f"on GPUs {','.join(map(str, opts.gpus))}" if opts.gpus else "on KIND_CPU"
-        print(f"wrote {repo}: model {info['model']} ({', '.join(info['files'][:2])}), {info['instances']} instance(s) {where}")
+        print(f"wrote {repo}: model {info['model']} ({', '.join(info['files'][:2])}), {info['instances']} instance(s) "
+              f"{_placement(opts)}")
         if info["engram_config"]:
             print(f"engram config: {info['engram_config']}")
         print(f"serve it: tritonserver --model-repository {repo}   (or: engram-trt serve {opts.engine_dir})")
     return 0
+
+
+def _placement(opts: Any) -> str:
+    """Where the instances run, in words."""
+    if opts.tp > 1:
+        where = ("on GPUs " + " ".join("[" + ",".join(map(str, g)) + "]" for g in opts.tp_groups)) if opts.tp_groups \
+            else "on KIND_CPU (gloo ranks)"
+        return f"each leading a TP group of {opts.tp} ranks {where}"
+    if opts.parallel and opts.tp_groups:
+        return f"on GPUs {','.join(str(g[0]) for g in opts.tp_groups)}"
+    return f"on GPUs {','.join(map(str, opts.gpus))}" if opts.gpus else "on KIND_CPU"
 
 
 class _Signals:
@@ -173,12 +191,13 @@ def _announce(server: Any, opts: Any, args: argparse.Namespace, workdir: Path) -
     info = {**ep, "model": MODEL_NAME, "repo": str(server.repo), "repo_is_temporary": not args.repo,
             "tritonserver": str(server.install.binary), "tritonserver_source": server.install.source,
             "tritonserver_version": server_version(server), "pid": server.proc.pid,
-            "instances": opts.total_instances, "engine_dir": str(opts.engine_dir)}
+            "instances": opts.total_instances, "tp": opts.tp, "dp": opts.total_instances,
+            "tp_groups": [list(g) for g in opts.tp_groups], "engine_dir": str(opts.engine_dir)}
     if args.json:
         print_json(info)
     else:
         print(f"{MODEL_NAME} ready: tritonserver {info['tritonserver_version'] or '?'} ({server.install.source}), "
-              f"{opts.total_instances} instance(s), engine {opts.engine_dir}")
+              f"{opts.total_instances} instance(s) {_placement(opts)}, engine {opts.engine_dir}")
         print(f"  HTTP     {ep['http']}   POST /v2/models/{MODEL_NAME}/generate, /generate_stream")
         print(f"  gRPC     {ep['grpc']}")
         print(f"  metrics  {ep['metrics']}")

@@ -9,6 +9,7 @@ across data-parallel replicas (docs/distributed.md).
 | :mod:`.lockstep` | :class:`LockstepScheduler`: every rank of a lookup group steps together |
 | :mod:`.modes` | which table sharing runs (embedding_across_dp, dp_shared_memory, private), with fallbacks |
 | :mod:`.launch` | starting ranks (spawn or torchrun) and serving prompts over ``tp x dp`` |
+| :mod:`.serving` | a serving replica's TP group: the leader starts its followers, :meth:`ServingGroup.stop` ends them |
 | :mod:`.memory` | PSS and ``/dev/shm`` use, for the one-copy checks |
 
 Importing this package imports no torch until a function needs it, except

@@ -1,5 +1,6 @@
-"""``--tp`` / ``--dp`` / ``--prompts-file`` on ``engram-trt run`` (and ``serve`` where it
-exists): the ranks start, the replicas split the prompts, rank 0 prints.
+"""``--tp`` / ``--dp`` / ``--prompts-file`` on ``engram-trt run`` (the ranks start, the
+replicas split the prompts, rank 0 prints), and ``--tp`` / ``--dp`` on ``serve`` and
+``triton-repo`` (:mod:`.serving`: each Triton instance leads its own TP group).
 
 Building the options imports no torch (the CLI's ``--help`` stays instant).
 """
@@ -12,7 +13,13 @@ from typing import Any
 from engram_trt.errors import EngramError
 
 
-def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+def add_parallel_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """``--tp``/``--dp`` (and ``--prompts-file``) of ``run``; ``serving``: the wording of
+    ``serve``/``triton-repo``, where the replicas are Triton instances and take requests,
+    not a prompt list (no ``--prompts-file``)."""
+    if serving:
+        _add_serving_arguments(p)
+        return
     g = p.add_argument_group("several ranks (Engram heads sharded over TP ranks; tables shared across DP replicas)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per replica: each holds 1/N of every Engram table's columns and the rows "
@@ -23,6 +30,22 @@ def add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                         "otherwise each replica holds its own (default: %(default)s)")
     g.add_argument("--prompts-file", default=None, metavar="FILE",
                    help="prompts to serve, a JSON list of strings or one per line (instead of --prompt)")
+
+
+def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several ranks per instance (Engram heads sharded over TP ranks; tables shared across instances)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks per model instance: each instance leads a group of N ranks (itself and N-1 "
+                        "follower processes it starts and stops), each holding 1/N of every Engram table's columns; rows "
+                        "are all-gathered each step. On GPUs instance i leads GPUs i*N..i*N+N-1 of --gpus (default: this "
+                        "machine's 0..N*M-1), and fewer GPUs than N x M are refused; on a CPU the ranks are gloo "
+                        "processes (default: %(default)s)")
+    g.add_argument("--dp", type=int, default=1, metavar="M",
+                   help="model instances (data-parallel replicas), each serving requests on its own; with M > 1 they "
+                        "attach one /dev/shm copy of the tables (dp_shared_memory, on by default; a private copy each where "
+                        "the shared store cannot run, with a warning). embedding_across_dp is refused: it needs every "
+                        "replica stepping in lockstep, which independent instances do not. Replaces --instances "
+                        "(default: %(default)s)")
 
 
 def wants_parallel(args: argparse.Namespace) -> bool:

@@ -64,9 +64,11 @@ class WorldContext:
         return self.world > 1 or self.cpu_group is not None
 
 
-def init_world(rank: int, world: int, local_rank: int, device_kind: str, init_method: str,
-               timeout_s: float = DEFAULT_TIMEOUT_S) -> WorldContext:
-    """Join the process group: NCCL on ``cuda`` (one GPU per local rank), gloo on ``cpu``."""
+def init_world(rank: int, world: int, local_rank: int, device_kind: str, init_method: str | None,
+               timeout_s: float = DEFAULT_TIMEOUT_S, store: Any = None) -> WorldContext:
+    """Join the process group: NCCL on ``cuda`` (one GPU per local rank), gloo on ``cpu``.
+    ``store``: a ``torch.distributed`` store to rendezvous through instead of
+    ``init_method`` (a serving group's leader watches its followers' start through it)."""
     import torch.distributed as dist
 
     disable_multicast()
@@ -85,7 +87,8 @@ def init_world(rank: int, world: int, local_rank: int, device_kind: str, init_me
         raise EngramError(f"internal: device kind {device_kind!r} is not cuda or cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
     kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout, **kw)
+    kw.update({"store": store} if store is not None else {"init_method": init_method})
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
     # A second CPU group, so that the main thread's collectives (a barrier, the results'
     # gather) never interleave with the step loop's on the scheduler thread.

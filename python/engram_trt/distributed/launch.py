@@ -165,8 +165,6 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     """The job of one rank (see the module docstring); rank 0 returns
     ``{"outputs": [per prompt, in order], "sharing": ..., "ranks": [per rank]}``."""
     from engram_trt.config.engram import EngramConfig
-    from engram_trt.distributed.lockstep import LockstepScheduler
-    from engram_trt.distributed.lookup import ShardedLookup
     from engram_trt.distributed.memory import process_memory
     from engram_trt.distributed.modes import choose_table_sharing, log_choice, shared_store_problem
     from engram_trt.llmapi.llm import LLM
@@ -192,12 +190,7 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     if not facts.has_tables and sharing.scope == "world":  # no Engram tables: nothing to exchange across replicas
         sharing = replace(sharing, scope="tp" if topo.tp > 1 else None)
     log_choice(sharing, topo, ctx.rank)
-    hooks: dict[str, Any] = {}
-    if sharing.scope is not None:
-        hooks["engram_lookup"] = ShardedLookup.factory(ctx, sharing.scope)
-        hooks["scheduler_factory"] = LockstepScheduler.factory(ctx, sharing.scope)
-    elif topo.tp > 1:
-        hooks["scheduler_factory"] = LockstepScheduler.factory(ctx, "tp")
+    hooks = lockstep_hooks(ctx, sharing)
     share = topo.split_prompts(len(job.prompts))[ctx.dp_rank]
     params = as_param_list(job.params, len(job.prompts)) if job.prompts else []
     t0 = time.perf_counter()
@@ -241,6 +234,22 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
             ordered[i] = out
     return {"outputs": ordered, "sharing": {**sharing.to_json(), "copies": sharing.copies(topo)},
             "tp": topo.tp, "dp": topo.dp, "ranks": [g["report"] for g in gathered]}
+
+
+def lockstep_hooks(ctx: RankContext, sharing: Any) -> dict[str, Any]:
+    """The :class:`~engram_trt.llmapi.llm.LLM` hooks of one rank: the sharded lookup over
+    ``sharing.scope`` and the lockstep scheduler, or only the scheduler where the tables
+    are whole (TP followers still run the leader's steps)."""
+    from engram_trt.distributed.lockstep import LockstepScheduler
+    from engram_trt.distributed.lookup import ShardedLookup
+
+    hooks: dict[str, Any] = {}
+    if sharing.scope is not None:
+        hooks["engram_lookup"] = ShardedLookup.factory(ctx, sharing.scope)
+        hooks["scheduler_factory"] = LockstepScheduler.factory(ctx, sharing.scope)
+    elif ctx.topology.tp > 1:
+        hooks["scheduler_factory"] = LockstepScheduler.factory(ctx, "tp")
+    return hooks
 
 
 def _gather_to_rank0(ctx: RankContext, obj: Any) -> list[Any]:

@@ -60,6 +60,9 @@ _PATHS = MetricDef("engram_lookup_path_steps_total", COUNTER, "steps by gather p
 _TABLE_BYTES = MetricDef("engram_table_bytes", GAUGE, "bytes of the Engram tables this instance serves, by storage kind")
 _RESIDENT_BYTES = MetricDef("engram_table_resident_bytes", GAUGE,
                             "bytes of table memory this instance holds or maps (a shared segment counts in every instance attached to it)")
+_TP_RANKS = MetricDef("engram_tp_ranks", GAUGE, "ranks of the tensor-parallel group this instance leads (itself included)")
+_TP_RANKS_ALIVE = MetricDef("engram_tp_ranks_alive", GAUGE,
+                            "ranks of this instance's tensor-parallel group still running (below engram_tp_ranks: the group is broken)")
 _HOT_COUNTER_KEYS = {"hits", "misses", "lookups", "rows", "admissions", "evictions", "inserts"}
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -96,6 +99,12 @@ def flatten_stats(stats: Mapping[str, Any]) -> dict[Key, tuple[MetricDef, float]
             v = _number(storage.get(key))
             if v is not None:
                 out[(mdef.name, labels)] = (mdef, v)
+    group = stats.get("tp_group")  # an instance leading a TP group (engram_trt.distributed.serving)
+    if isinstance(group, Mapping):
+        for mdef, key in ((_TP_RANKS, "ranks"), (_TP_RANKS_ALIVE, "ranks_alive")):
+            v = _number(group.get(key))
+            if v is not None:
+                out[(mdef.name, ())] = (mdef, v)
     # A hot-row cache, where the runtime has one, reports under either place.
     hot = stats.get("hot_cache")
     if not isinstance(hot, Mapping) and isinstance(eng, Mapping):

@@ -12,6 +12,15 @@ Several instances on a node share one copy of the Engram tables through the shar
 table store (``dp_shared_memory``), which :func:`resolve_engram_config` turns on by
 default when more than one instance is configured.
 
+``--tp N --dp M`` (:func:`resolve_parallel`): M instances (replicas), each the leader
+of a tensor-parallel group of N ranks that it starts itself
+(:mod:`engram_trt.distributed.serving`). On GPUs instance i leads GPUs
+``gpus[i*N .. i*N+N-1]`` (``--gpus``, else 0..N*M-1 of this machine): the config
+holds one ``KIND_GPU`` group entry per instance on its first GPU, and the
+``tp_gpus`` parameter lists every group's GPUs. On a CPU the groups are gloo
+processes and any count runs. ``embedding_across_dp`` across instances is refused:
+it needs every replica stepping in lockstep, which independent instances do not.
+
 Never losing a user's folder: the repository is written into a new sibling folder and
 renamed into place. An existing non-empty ``REPO`` is refused unless ``force``, and even
 then only when it is a repository this module wrote (its marker file lists the files
@@ -88,10 +97,20 @@ class RepoOptions:
     max_num_tokens: int | None = None
     default_max_tokens: int = 16
     metrics_interval_s: float = 1.0
+    tp: int = 1  # ranks per instance (--tp)
+    dp: int = 1  # instances (--dp)
+    tp_groups: tuple[tuple[int, ...], ...] = ()  # per instance, its group's GPUs (resolve_parallel fills it)
+
+    @property
+    def parallel(self) -> bool:
+        """``--tp`` / ``--dp`` lay the instances out (else ``--instances`` per listed GPU)."""
+        return self.tp != 1 or self.dp != 1
 
     @property
     def total_instances(self) -> int:
-        """Triton places ``instances`` per listed GPU."""
+        """``--dp`` with ``--tp``/``--dp``; else Triton places ``instances`` per listed GPU."""
+        if self.parallel:
+            return self.dp
         return self.instances * max(1, len(self.gpus))
 
 
@@ -138,6 +157,67 @@ def resolve_engram_config(cfg: EngramConfig, total_instances: int) -> EngramConf
     return shared
 
 
+def cuda_device_count() -> int:
+    """GPUs torch sees here (0 without torch or CUDA); imported only when a layout needs it."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_parallel(opts: RepoOptions) -> RepoOptions:
+    """The ``--tp N --dp M`` layout (see the module docstring): ``tp_groups`` and the
+    GPUs used on CUDA, ``device`` 'cpu' for gloo groups. Refused in one line: sizes
+    below 1, ``--instances`` beside ``--dp``, fewer GPUs than ``N x M``. Idempotent."""
+    tp, dp = opts.tp, opts.dp
+    for name, v in (("tp", tp), ("dp", dp)):
+        if v < 1:
+            raise EngramError(f"--{name} must be >= 1 (got {v})")
+    if not opts.parallel:
+        return opts
+    if opts.instances != 1:
+        raise EngramError(f"--instances {opts.instances} cannot be combined with --tp/--dp: there --dp M sets the instances "
+                          f"(each leading --tp N ranks); pass --dp {opts.instances} instead")
+    need = tp * dp
+    layout = f"--tp {tp} x --dp {dp} needs {need} GPU(s), one per rank,"
+    gpus = opts.gpus
+    device = opts.device
+    if not gpus:
+        if device == "cpu":
+            return replace(opts, tp_groups=())
+        if device.startswith("cuda:"):
+            raise EngramError(f"--device {device}: with --tp/--dp every rank takes its own GPU; pass --device cuda (or auto), "
+                              "or --gpus to choose them")
+        n = cuda_device_count()
+        if n == 0 and device == "auto":
+            log.info("no CUDA device here: the %d instance(s) run their TP groups on CPU (gloo); pass --gpus to write a "
+                     "repository for GPUs elsewhere", dp)
+            return replace(opts, device="cpu", tp_groups=())
+        if n < need:
+            raise EngramError(f"{layout} but this machine has {n} CUDA device(s); lower --tp/--dp, pass --gpus to write "
+                              "a repository for another machine, or --device cpu")
+        gpus = tuple(range(need))
+    if len(gpus) < need:
+        raise EngramError(f"{layout} but --gpus lists {len(gpus)} ({','.join(map(str, gpus))}); list {need} GPU ids "
+                          "or lower --tp/--dp")
+    if len(gpus) > need:
+        log.warning("--gpus lists %d GPUs; --tp %d x --dp %d uses the first %d (%s)", len(gpus), tp, dp, need,
+                    ",".join(map(str, gpus[:need])))
+    groups = tuple(tuple(gpus[i * tp:(i + 1) * tp]) for i in range(dp))
+    return replace(opts, gpus=tuple(gpus[:need]), tp_groups=groups)
+
+
+def check_parallel_tables(opts: RepoOptions) -> None:
+    """Refuse ``embedding_across_dp`` over several ``--dp`` instances (see the module docstring)."""
+    if opts.parallel and opts.dp > 1 and opts.engram_config.embedding_across_dp:
+        raise EngramError(f"--engram-config embedding_across_dp shards the tables over replicas that step in lockstep, but "
+                          f"the --dp {opts.dp} Triton instances step independently; drop it (dp_shared_memory, the default "
+                          "with --dp > 1, keeps one /dev/shm copy per node) or serve --dp 1")
+
+
 def _q(text: str) -> str:
     """A protobuf text-format string literal."""
     return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
@@ -168,13 +248,20 @@ def model_parameters(opts: RepoOptions) -> dict[str, str]:
         "max_num_tokens": "" if opts.max_num_tokens is None else str(opts.max_num_tokens),
         "default_max_tokens": str(opts.default_max_tokens),
         "metrics_interval_s": str(opts.metrics_interval_s),
+        "tp": str(opts.tp),
+        "dp": str(opts.total_instances),
+        "tp_gpus": ";".join(",".join(str(g) for g in grp) for grp in opts.tp_groups),
     }
     return params
 
 
 def config_pbtxt(opts: RepoOptions) -> str:
     """config.pbtxt of the ``engram_llm`` model."""
-    if opts.gpus:
+    if opts.parallel and opts.tp_groups:  # one entry per instance, on its group's first GPU
+        group = ",\n".join(f"  {{ count: 1 kind: KIND_GPU gpus: [ {g[0]} ] }}" for g in opts.tp_groups)
+    elif opts.parallel:
+        group = f"  {{ count: {opts.dp} kind: KIND_CPU }}"
+    elif opts.gpus:
         group = f"  {{ count: {opts.instances} kind: KIND_GPU gpus: [ {', '.join(str(g) for g in opts.gpus)} ] }}"
     else:
         group = f"  {{ count: {opts.instances} kind: KIND_CPU }}"
@@ -253,8 +340,11 @@ def resolve_options(opts: RepoOptions) -> RepoOptions:
     """Checked options: the engine folder absolute, the Engram config with its
     several-instance default (idempotent)."""
     _check_options(opts)
-    return replace(opts, engine_dir=check_engine_dir(opts.engine_dir),
+    opts = resolve_parallel(opts)
+    opts = replace(opts, engine_dir=check_engine_dir(opts.engine_dir),
                    engram_config=resolve_engram_config(opts.engram_config, opts.total_instances))
+    check_parallel_tables(opts)
+    return opts
 
 
 def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = False) -> Path:
@@ -292,7 +382,9 @@ def describe(opts: RepoOptions, repo: Path) -> dict[str, Any]:
     """What ``triton-repo --json`` prints (``opts`` as :func:`resolve_options` returns them)."""
     return {"repo": str(repo), "model": MODEL_NAME, "engine_dir": str(opts.engine_dir),
             "instances": opts.total_instances, "instance_kind": "KIND_GPU" if opts.gpus else "KIND_CPU",
-            "gpus": list(opts.gpus), "engram_config": json.loads(model_parameters(opts)["engram_config"] or "{}"),
+            "gpus": list(opts.gpus), "tp": opts.tp, "dp": opts.total_instances,
+            "tp_groups": [list(g) for g in opts.tp_groups],
+            "engram_config": json.loads(model_parameters(opts)["engram_config"] or "{}"),
             "files": [f"{MODEL_NAME}/config.pbtxt", f"{MODEL_NAME}/1/model.py", MARKER]}
 
 
@@ -304,4 +396,5 @@ def options_from_args(args: Any, gpus: Sequence[int] | None = None) -> RepoOptio
                        gpus=tuple(gpus) if gpus is not None else parse_gpus(args.gpus), backend=args.backend,
                        device=args.device, dtype=args.dtype, engram_config=engram_config_from_args(args),
                        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                       max_num_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens)
+                       max_num_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
+                       tp=getattr(args, "tp", 1), dp=getattr(args, "dp", 1))
