@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from engram_trt.runtime.phases import UPLOAD
 from engram_trt.runtime.step import PackedStep
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class DecodeGraphs:
         return path in GPU_GATHERS
 
     # -- the step -------------------------------------------------------------------------
-    def run(self, step: PackedStep, rows: Any) -> torch.Tensor | None:
+    def run(self, step: PackedStep, rows: Any, phases: Any = None) -> torch.Tensor | None:
         """Logits ``[S, V]`` of a decode-only step by graph replay, or None when this step
         cannot be replayed (the caller then runs it eagerly)."""
         if not self._fits(step):
@@ -131,6 +132,8 @@ class DecodeGraphs:
                 return None
         self.model._check_step(step, self.cache)  # the host-side checks an eager step makes
         self._fill(step, G)
+        if phases is not None:
+            phases.mark(UPLOAD)
         main = torch.cuda.current_stream(self.device)
         if mode == "lookup":
             self._check_bad_rows()  # every N steps: did a gather read no table?

@@ -31,6 +31,7 @@ from engram_trt.errors import EngramError
 from engram_trt.llmapi.outputs import CompletionOutput, RequestOutput
 from engram_trt.llmapi.params import SamplingParams
 from engram_trt.reference.sampling import sample_next
+from engram_trt.runtime.phases import FORWARD, OUTPUT, SAMPLE, SCHEDULE, StepPhases
 from engram_trt.runtime.step import PackedStep
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0,
                       "max_step_seqs": 0, "last_step_seqs": 0, "last_step_tokens": 0, "step_s": 0.0}
 
@@ -161,6 +163,15 @@ class Scheduler:
             if not req.finished:
                 self._finish(req, "cancelled", emit=True)
 
+    def attach_phases(self, phases: StepPhases | None) -> None:
+        """Time each step's host work by phase (:mod:`engram_trt.runtime.phases`) into
+        ``phases`` from the next step on, or stop (None). The runner and its backend mark
+        the phases inside them."""
+        for obj in (self.runner, getattr(self.runner, "backend", None)):
+            if obj is not None:
+                obj.phases = phases
+        self.phases = phases
+
     # -- the engine thread -----------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -169,13 +180,17 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
+            ph = self.phases
+            if ph is not None:
+                ph.begin()
             with self._cond:
                 self._reap_cancelled()
                 self._admit()
-                while not self._stop and not self._running and not self._waiting:
-                    self._cond.wait()
                 if self._stop:
                     return
+                if not self._running and not self._waiting:
+                    self._cond.wait()
+                    continue  # admit what woke us before planning
                 batch = self._plan()
             if batch:
                 self._run(batch)
@@ -221,10 +236,17 @@ class Scheduler:
         step = PackedStep(torch.from_numpy(ids), [len(c) for c in chunks], [req.processed for req, _ in batch],
                           [req.slot for req, _ in batch], lookback=torch.from_numpy(lookback),
                           engram_ids=torch.from_numpy(cids))
+        ph = self.phases
         try:
+            if ph is not None:
+                ph.mark(SCHEDULE)
             logits = runner.run(step, cids, lookback)
+            if ph is not None:
+                ph.mark(FORWARD)
             sample = [i for i, (req, toks) in enumerate(batch) if req.processed + len(toks) >= len(req.prompt_ids)]
             tokens = self._sample(logits, [batch[i][0] for i in sample], sample)
+            if ph is not None:
+                ph.mark(SAMPLE)
         except Exception as exc:  # a failed step fails its requests, never the server
             log.error("step of %d sequences failed: %s", len(batch), exc, exc_info=log.isEnabledFor(logging.DEBUG))
             with self._cond:
@@ -259,6 +281,9 @@ class Scheduler:
             st["last_step_seqs"], st["last_step_tokens"] = len(batch), len(ids)
             st["max_step_seqs"] = max(st["max_step_seqs"], len(batch))
             st["step_s"] += time.perf_counter() - t0
+        if ph is not None:
+            ph.mark(OUTPUT)
+            ph.end(step.is_decode_only, len(ids))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int]:
         if not rows:
