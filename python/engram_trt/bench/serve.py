@@ -114,17 +114,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_breakdown(levels: dict[int, Any], format_table: Any) -> None:
-    """Each level's decode-step table, then one line per level: host us per decode step
-    and per token (a step of S sequences makes S tokens)."""
+    """Each level's decode-step table, then one line per level: us per decode step, the
+    host's share without the model (``forward``) and the GPU wait, the GPU stream's time,
+    and the same per token (a step of S sequences makes S tokens); then one JSON line."""
     import json
 
     for n, r in levels.items():
         print(f"\n{n} concurrent: " + format_table(r["host_breakdown"], "decode"))
-    print(f"\n{'concurrent':>10} {'us/decode step':>15} {'no forward':>11} {'us/token':>9} {'no forward':>11}")
+    print(f"\n{'concurrent':>10} {'us/decode step':>15} {'host no fwd':>12} {'gpu_us':>8} {'us/token':>9} {'host no fwd':>12}")
     for n, r in levels.items():
         d = r["host_breakdown"]["decode"]
         per = max(d["tokens"], 1) / max(d["steps"], 1)
-        print(f"{n:>10} {d['total_us']:>15.1f} {d['host_us_without_forward']:>11.1f} {d['total_us'] / per:>9.1f} "
-              f"{d['host_us_without_forward'] / per:>11.1f}")
-    print(json.dumps({str(n): {k: {p: round(v, 1) for p, v in r["host_breakdown"][k]["us_per_step"].items()}
+        print(f"{n:>10} {d['total_us']:>15.1f} {d['host_us_without_forward']:>12.1f} {d['gpu_us']:>8.1f} "
+              f"{d['total_us'] / per:>9.1f} {d['host_us_without_forward'] / per:>12.1f}")
+    print(json.dumps({str(n): {k: {**{p: round(v, 1) for p, v in r["host_breakdown"][k]["us_per_step"].items()},
+                                   "gpu_us": round(r["host_breakdown"][k]["gpu_us"], 1)}
                               for k in ("decode", "prefill")} for n, r in levels.items()}))
