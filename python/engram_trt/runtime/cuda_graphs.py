@@ -81,6 +81,7 @@ class DecodeGraphs:
         self._event = torch.cuda.Event()  # the last copy out of a pinned buffer (one event, re-recorded)
         self._side = torch.cuda.Stream(self.device)
         self._lookup_done = torch.cuda.Event()
+        self._filled = torch.cuda.Event()
         self.graphs: dict[tuple[int, int, str], dict[str, Any]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.lookup_pool = torch.cuda.graph_pool_handle()  # replays beside `pre`: its own memory
@@ -156,7 +157,8 @@ class DecodeGraphs:
         main = torch.cuda.current_stream(self.device)
         if mode == "lookup":
             self._check_bad_rows()  # every N steps: did a gather read no table?
-            self._side.wait_stream(main)  # the static buffers are filled
+            self._filled.record(main)  # the static buffers are filled (one event, re-recorded: wait_stream makes one per call)
+            self._side.wait_event(self._filled)
             with torch.cuda.stream(self._side):
                 entry["lookup"].replay()
                 self._lookup_done.record(self._side)
