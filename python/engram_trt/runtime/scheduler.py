@@ -255,7 +255,7 @@ class Scheduler:
         try:
             if ph is not None:
                 ph.mark(SCHEDULE)
-                ph.gpu_begin(runner.device)
+                ph.gpu_begin(getattr(runner, "device", None))
             logits = runner.run(step, cids, lookback)
             if ph is not None:
                 ph.mark(FORWARD)
