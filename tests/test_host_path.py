@@ -255,3 +255,23 @@ def test_bench_serve_host_breakdown(small_engine: Path, tmp_path: Path, capsys: 
         assert b["decode"]["tokens"] + b["prefill"]["tokens"] == n * (5 + 5)
         assert b["decode"]["steps"] >= 1 and b["decode"]["us_per_step"]["forward"] > 0
         assert b["decode"]["us_per_step"]["schedule"] > 0 and b["decode"]["gpu_us"] == 0.0
+
+
+def test_bench_serve_null_model_leaves_the_host_path(small_engine: Path, tmp_path: Path) -> None:
+    """--null-model: every token is the stub's (7) and no Engram rows are staged."""
+    import argparse
+
+    from engram_trt import LLM
+    from engram_trt.bench import serve
+
+    with LLM(str(small_engine), backend="torch", device="cpu", progress=False) as llm:
+        serve.null_model(llm.runner)
+        (o,) = llm.generate([11, 12, 13], SamplingParams(max_tokens=6, ignore_eos=True))
+        assert o.token_ids == [7] * 6 and llm.runner.prefetcher is None
+    out = tmp_path / "null.json"
+    ns = argparse.Namespace(path=str(small_engine), concurrency="1,4", prompt_tokens=5, max_tokens=8, device="cpu",
+                            backend="torch", max_num_tokens=None, json=str(out), engram_config=None,
+                            host_breakdown=True, no_cuda_graphs=False, repeat=1, null_model=True)
+    assert serve.run(ns) == 0
+    res = json.loads(out.read_text())
+    assert res["backend"].endswith("(null model)") and res["levels"]["1"]["host_breakdown"]["decode"]["steps"] == 7

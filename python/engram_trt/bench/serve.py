@@ -32,6 +32,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--host-breakdown", action="store_true",
                    help="time each step's host work by phase and print microseconds per decode step")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (the torch backend on a GPU)")
+    p.add_argument("--null-model", action="store_true",
+                   help="the backend returns fixed logits at once and no Engram rows are staged: the runtime's host path around the model alone")
     p.add_argument("--repeat", type=int, default=1, help="runs per concurrency; the fastest counts (default: %(default)s)")
     p.set_defaults(func=run)
     return p
@@ -56,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
              engram_config=args.engram_config, progress=False,
              cuda_graphs=not getattr(args, "no_cuda_graphs", False)) as llm:
         vocab = llm.runner.vocab_size
+        if getattr(args, "null_model", False):
+            null_model(llm.runner)
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        res: dict[str, Any] = {"backend": llm.backend_label, "storage": llm.storage, "levels": {}}
+        res: dict[str, Any] = {"backend": llm.backend_label + (" (null model)" if getattr(args, "null_model", False) else ""), "storage": llm.storage, "levels": {}}
 
         def batch(n: int) -> float:
             prompts = [[(7 + 13 * i + 31 * j) % (vocab - 2) + 2 for j in range(args.prompt_tokens)] for i in range(n)]
@@ -111,6 +115,25 @@ def run(args: argparse.Namespace) -> int:
             print_breakdown(res["levels"], format_table)
     dump(res, args.json)
     return 0
+
+
+def null_model(runner: Any) -> None:
+    """Replace the model by one that costs nothing: every step's logits are one fixed
+    ``[S, 16]`` device tensor (token 7 wins) and no rows are staged, so what a step
+    still costs is the runtime's own host path: scheduling, the sampled-token read,
+    detokenization and outputs (what a CUDA graph replay of a tiny model leaves)."""
+    import torch
+
+    logits = torch.zeros(runner.max_batch, 16, device=runner.device)
+    logits[:, 7] = 1.0
+    runner.prefetcher = None
+
+    def execute(step: Any, cache: Any, rows: Any) -> Any:
+        for slot, n in zip(step.slots, step.total_lens):
+            cache.lengths[slot] = n
+        return logits[:step.num_seqs]
+
+    runner.backend.execute = execute
 
 
 def print_breakdown(levels: dict[int, Any], format_table: Any) -> None:
