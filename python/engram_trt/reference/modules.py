@@ -132,12 +132,13 @@ class AttentionPlan:
             raise ValueError(f"attention impl {impl!r} not in {ATTENTION_IMPLS}")
         arrays = step.device_arrays(device, uploader)
         decode = [s for s, n in enumerate(step.seq_lens) if n == 1] if impl == "sdpa" else []
-        prefill = [s for s in range(step.num_seqs) if s not in set(decode)]
+        prefill = [s for s, n in enumerate(step.seq_lens) if n != 1] if decode else list(range(step.num_seqs))
         d_slots = d_rows = d_mask = None
         lmax = 0
         slot_range = None
         if decode:
-            lmax = max(step.total_lens[s] for s in decode)
+            total = step.total_lens
+            lmax = max(total[s] for s in decode)
             d_slots, d_rows = arrays["decode_slots"], arrays["decode_rows"]
             d_mask = (torch.arange(lmax, device=device)[None, :] < arrays["decode_lens"][:, None])[:, None, None, :]
             ds = [step.slots[s] for s in decode]

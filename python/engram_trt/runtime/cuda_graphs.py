@@ -29,8 +29,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
+from engram_trt.runtime.phases import UPLOAD
 from engram_trt.runtime.step import PackedStep
 
 log = logging.getLogger(__name__)
@@ -65,22 +67,21 @@ class DecodeGraphs:
         layout = model.layout
         self.n_lookback = layout.max_ngram_size - 1 if layout is not None else 0
         G = _bucket(max_batch)
-        # Static buffers, one column per padded sequence: token id, compressed id,
-        # position (= its slot's length before the step), slot, length after the step,
-        # then the N-1 lookback ids.
-        rows = 5 + self.n_lookback
-        self._dev = torch.zeros((rows, G), dtype=torch.int64, device=self.device)
-        self._host = torch.zeros((rows, G), dtype=torch.int64, pin_memory=True)
+        self._rows = 5 + self.n_lookback
+        self._bufs: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        self._padded: dict[int, int] = {}  # bucket -> the S whose padding columns its host buffer holds
         self._arange = torch.arange(G + 1, dtype=torch.int64, device=self.device)
         self._starts32 = torch.arange(G + 1, dtype=torch.int32, device=self.device)  # decode: one token each
         self.staging: list[torch.Tensor] | None = None
         if layout is not None and tables is not None:
             self.staging = [torch.zeros((G, layout.n_hash_cols, tables.head_dim(i)), dtype=torch.bfloat16,
                                         device=self.device) for i in range(layout.num_layers)]
-        self._lookup_host = None if model.compress_lookup is None else model.compress_lookup.cpu()
-        self._event: Any = None
+        self._lookup_np = None if model.compress_lookup is None else model.compress_lookup.cpu().numpy()
+        self._lookup_by_seqs: dict[int, bool] = {}
+        self._event = torch.cuda.Event()  # the last copy out of a pinned buffer (one event, re-recorded)
         self._side = torch.cuda.Stream(self.device, priority=-1)  # the lookup graph: ahead of the layers' blocks
         self._lookup_done = torch.cuda.Event()
+        self._filled = torch.cuda.Event()
         self.graphs: dict[tuple[int, int, str], dict[str, Any]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.lookup_pool = torch.cuda.graph_pool_handle()  # replays beside `pre`: its own memory
@@ -90,23 +91,41 @@ class DecodeGraphs:
 
         self._bad_rows, self._check_bad_rows = bad_row_checker(self.device)
 
+    def _buffers(self, G: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """Bucket G's static buffers ``[rows, G]`` int64 (device, pinned host, and the host
+        one as NumPy), one column per padded sequence: token id, compressed id, position
+        (= its slot's length before the step), slot, length after the step, then the N-1
+        lookback ids. One pair per bucket so each step's copy is one dense block."""
+        b = self._bufs.get(G)
+        if b is None:
+            host = torch.zeros((self._rows, G), dtype=torch.int64, pin_memory=True)
+            b = (torch.zeros((self._rows, G), dtype=torch.int64, device=self.device), host, host.numpy())
+            self._bufs[G] = b
+        return b
+
     # -- which steps -----------------------------------------------------------------------
     def _fits(self, step: PackedStep) -> bool:
         return self.failed is None and step.is_decode_only and step.num_seqs <= self.max_batch
 
     def handles_lookup(self, step: PackedStep) -> bool:
         """True when this step's Engram rows will be looked up inside a graph (the caller
-        then stages none)."""
+        then stages none). The answer depends only on the sequence count (the gather
+        policy is a fixed function of the row count), so it is worked out once per count."""
         if not self._fits(step) or self.staging is None or not self.model.engram_enabled:
             return False
-        if not self.tables.gpu_readable:
-            return False
-        path = "device" if self.tables.on_device else (self.lookup_policy(step.num_seqs * self.model.layout.n_hash_cols)
-                                                      if self.lookup_policy is not None else "host")
-        return path in GPU_GATHERS
+        got = self._lookup_by_seqs.get(step.num_seqs)
+        if got is None:
+            if not self.tables.gpu_readable:
+                got = False
+            else:
+                path = "device" if self.tables.on_device else (
+                    self.lookup_policy(step.num_seqs * self.model.layout.n_hash_cols) if self.lookup_policy is not None else "host")
+                got = path in GPU_GATHERS
+            self._lookup_by_seqs[step.num_seqs] = got
+        return got
 
     # -- the step -------------------------------------------------------------------------
-    def run(self, step: PackedStep, rows: Any) -> torch.Tensor | None:
+    def run(self, step: PackedStep, rows: Any, phases: Any = None) -> torch.Tensor | None:
         """Logits ``[S, V]`` of a decode-only step by graph replay, or None when this step
         cannot be replayed (the caller then runs it eagerly)."""
         if not self._fits(step):
@@ -122,19 +141,24 @@ class DecodeGraphs:
             if getattr(rows, "staging", None) is None:
                 return None
             mode = "staged"
-        G = _bucket(step.num_seqs)
-        L = min(_bucket(max(step.total_lens), MIN_CONTEXT_BUCKET), self.max_len)
+        S = step.num_seqs
+        G = _bucket(S)
+        total = step.total_lens
+        L = min(_bucket(max(total), MIN_CONTEXT_BUCKET), self.max_len)
         entry = self.graphs.get((G, L, mode))
         if entry is None:
             entry = self._record(G, L, mode, None if mode != "staged" else [s[:G] for s in rows.staging])
             if entry is None:
                 return None
         self.model._check_step(step, self.cache)  # the host-side checks an eager step makes
-        self._fill(step, G)
+        self._fill(step, S, G)
+        if phases is not None:
+            phases.mark(UPLOAD)
         main = torch.cuda.current_stream(self.device)
         if mode == "lookup":
             self._check_bad_rows()  # every N steps: did a gather read no table?
-            self._side.wait_stream(main)  # the static buffers are filled
+            self._filled.record(main)  # the static buffers are filled (one event, re-recorded: wait_stream makes one per call)
+            self._side.wait_event(self._filled)
             with torch.cuda.stream(self._side):
                 entry["lookup"].replay()
                 self._lookup_done.record(self._side)
@@ -146,39 +170,43 @@ class DecodeGraphs:
         if entry.get("post") is not None:
             entry["post"].replay()
         self.replays += 1
-        for s, slot in enumerate(step.slots):
-            self.cache.lengths[slot] = step.total_lens[s]
-        return entry["logits"][:step.num_seqs]
+        lengths = self.cache.lengths
+        for slot, n in zip(step.slots, total):
+            lengths[slot] = n
+        return entry["logits"] if S == G else entry["logits"][:S]
 
-    def _fill(self, step: PackedStep, G: int) -> None:
-        """This step's values into the static buffers (one copy; padding -> scratch slot)."""
-        S = step.num_seqs
-        h = self._host
-        if self._event is not None:
-            self._event.synchronize()  # the last copy out of the pinned buffer has run
-        h[:, S:G] = 0
-        h[3, S:G] = self.scratch
-        h[4, S:G] = 1
-        h[5:, S:G] = -1
-        h[0, :S] = step.input_ids
+    def _fill(self, step: PackedStep, S: int, G: int) -> None:
+        """This step's values into the static buffers: NumPy writes into the pinned
+        buffer (no torch op per row), then one asynchronous copy. The padding columns
+        S..G-1 (they run on the scratch slot) are rewritten only when S or G changed."""
+        dev, host, h = self._buffers(G)
+        self._event.synchronize()  # the last copy out of a pinned buffer has run (no-op before the first)
+        if self._padded.get(G) != S:
+            h[:, S:G] = 0
+            h[3, S:G] = self.scratch
+            h[4, S:G] = 1
+            h[5:, S:G] = -1
+            self._padded[G] = S
+        ids = step.input_ids.numpy() if step.input_ids.device.type == "cpu" else step.input_ids.cpu().numpy()
+        h[0, :S] = ids
         if step.engram_ids is not None:
-            h[1, :S] = step.engram_ids
-        elif self._lookup_host is not None:
-            h[1, :S] = self._lookup_host[step.input_ids]
-        h[2, :S] = torch.tensor(step.past_lens)
-        h[3, :S] = torch.tensor(step.slots)
-        h[4, :S] = torch.tensor(step.total_lens)
+            h[1, :S] = step.engram_ids.cpu().numpy()
+        elif self._lookup_np is not None:
+            h[1, :S] = self._lookup_np[ids]
+        h[2, :S] = step.past_lens
+        h[3, :S] = step.slots
+        h[4, :S] = step.total_lens
         if self.n_lookback and step.lookback is not None:
-            h[5:, :S] = torch.as_tensor(step.lookback, dtype=torch.int64).t()
-        self._dev[:, :G].copy_(h[:, :G], non_blocking=True)
-        self._event = torch.cuda.Event()
+            lb = step.lookback
+            h[5:, :S] = (lb.cpu().numpy() if isinstance(lb, torch.Tensor) else np.asarray(lb, dtype=np.int64)).T
+        dev.copy_(host, non_blocking=True)
         self._event.record()
 
     # -- recording ------------------------------------------------------------------------
     def _static_step(self, G: int, L: int) -> PackedStep:
         """A step of G one-token sequences at context L whose device arrays are views
         of the static buffers (the host lists only give the shapes)."""
-        d = self._dev
+        d = self._buffers(G)[0]
         step = PackedStep(torch.zeros(G, dtype=torch.int64), [1] * G, [L - 1] * G, list(range(G)))
         arrays = {"input_ids": d[0, :G], "positions": d[2, :G], "token_slots": d[3, :G], "last": self._arange[:G],
                   "decode_rows": self._arange[:G], "decode_slots": d[3, :G], "decode_lens": d[4, :G]}
@@ -192,7 +220,7 @@ class DecodeGraphs:
         """Hash and gather of the static step into the graphs' own staging (kernels only)."""
         from engram_trt import kernels
 
-        d = self._dev
+        d = self._buffers(G)[0]
         cids = d[1, :G].to(torch.int32)
         lookback = d[5:5 + self.n_lookback, :G].t().contiguous().to(torch.int32)
         ids = kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
@@ -202,7 +230,8 @@ class DecodeGraphs:
                            bad_rows=self._bad_rows)
 
     def _record(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
-        d = self._dev
+        d = self._buffers(G)[0]
+        self._event.synchronize()  # no step's copy into d is in flight
         d[:, :G].zero_()
         d[3, :G].fill_(self.scratch)  # warm-up and capture write only the scratch slot
         d[4, :G].fill_(1)

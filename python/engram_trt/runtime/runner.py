@@ -20,6 +20,7 @@ from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 from engram_trt.runtime.backend import select_backend
 from engram_trt.runtime.engine_folder import ModelSource
+from engram_trt.runtime.phases import LOOKUP
 from engram_trt.runtime.prefetch import Prefetcher
 from engram_trt.runtime.step import PackedStep
 
@@ -121,6 +122,7 @@ class ModelRunner:
             self.gather_calibration = self.prefetcher.calibrate()
             if hasattr(self.backend, "lookup_policy"):
                 self.backend.lookup_policy = self.prefetcher.path_for
+        self.phases: Any = None  # a runtime.phases.StepPhases while a benchmark times the steps
         self.load_s = time.perf_counter() - t0
 
     # -- per step ---------------------------------------------------------------------
@@ -141,6 +143,8 @@ class ModelRunner:
         rows = None
         if self.prefetcher is not None and not getattr(self.backend, "handles_lookup", lambda s: False)(step):
             rows = self.prefetcher.submit(step, cids, lookback)
+        if self.phases is not None:
+            self.phases.mark(LOOKUP)
         return self.backend.execute(step, self.cache, rows)
 
     # -- what it is -----------------------------------------------------------------------

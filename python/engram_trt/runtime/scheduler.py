@@ -31,6 +31,8 @@ from engram_trt.errors import EngramError
 from engram_trt.llmapi.outputs import CompletionOutput, RequestOutput
 from engram_trt.llmapi.params import SamplingParams
 from engram_trt.reference.sampling import sample_next
+from engram_trt.runtime.detokenize import IncrementalText
+from engram_trt.runtime.phases import FORWARD, OUTPUT, SAMPLE, SCHEDULE, StepPhases
 from engram_trt.runtime.step import PackedStep
 
 log = logging.getLogger(__name__)
@@ -52,12 +54,13 @@ class Request:
     processed: int = 0  # tokens of prompt + output already in the KV cache
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    text_stale: bool = False  # output_ids moved on since `text` was made (no one reads it before the end)
     sent_text: int = 0
     sent_ids: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    lookback: np.ndarray | None = None
+    detok: IncrementalText | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     finished_at: float | None = None
@@ -103,9 +106,14 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._free_slots = list(range(self.max_slots))
+        # Each slot's Engram lookback (the last N-1 compressed ids of its sequence): one
+        # array for all slots, so a step gathers and advances them in a few NumPy calls.
+        self._lookback = np.full((self.max_slots, runner.lookback_len), -1, dtype=np.int64)
+        self._cancels = False  # a cancel() since the last reap
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0,
                       "max_step_seqs": 0, "last_step_seqs": 0, "last_step_tokens": 0, "step_s": 0.0}
 
@@ -126,7 +134,7 @@ class Scheduler:
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(0 if params.seed is None else params.seed)
-        req.lookback = np.full(self.runner.lookback_len, -1, dtype=np.int64)
+        req.detok = IncrementalText(self.tokenizer, req.output_ids)
         with self._cond:
             if self._stop:
                 raise EngramError("the runtime is closed; create a new LLM")
@@ -139,6 +147,7 @@ class Scheduler:
         """Stop a request: it finishes with reason 'cancelled' and frees its slot before the next step."""
         with self._cond:
             req.cancelled = True
+            self._cancels = True
             self._cond.notify_all()
 
     def snapshot(self) -> dict[str, Any]:
@@ -161,6 +170,15 @@ class Scheduler:
             if not req.finished:
                 self._finish(req, "cancelled", emit=True)
 
+    def attach_phases(self, phases: StepPhases | None) -> None:
+        """Time each step's host work by phase (:mod:`engram_trt.runtime.phases`) into
+        ``phases`` from the next step on, or stop (None). The runner and its backend mark
+        the phases inside them."""
+        for obj in (self.runner, getattr(self.runner, "backend", None)):
+            if obj is not None:
+                obj.phases = phases
+        self.phases = phases
+
     # -- the engine thread -----------------------------------------------------------------
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -169,18 +187,25 @@ class Scheduler:
 
     def _loop(self) -> None:
         while True:
+            ph = self.phases
+            if ph is not None:
+                ph.begin()
             with self._cond:
                 self._reap_cancelled()
                 self._admit()
-                while not self._stop and not self._running and not self._waiting:
-                    self._cond.wait()
                 if self._stop:
                     return
+                if not self._running and not self._waiting:
+                    self._cond.wait()
+                    continue  # admit what woke us before planning
                 batch = self._plan()
             if batch:
                 self._run(batch)
 
     def _reap_cancelled(self) -> None:
+        if not self._cancels:
+            return
+        self._cancels = False
         for req in [r for r in self._running if r.cancelled]:
             self._running.remove(req)
             self._finish(req, "cancelled", emit=True)
@@ -193,6 +218,7 @@ class Scheduler:
             req = self._waiting.popleft()
             req.slot = self._free_slots.pop(0)
             self.runner.reset_slot(req.slot)
+            self._lookback[req.slot] = -1
             self._running.append(req)
 
     def _plan(self) -> list[tuple[Request, list[int]]]:
@@ -214,17 +240,30 @@ class Scheduler:
     def _run(self, batch: list[tuple[Request, list[int]]]) -> None:
         t0 = time.perf_counter()
         runner = self.runner
+        reqs = [req for req, _ in batch]
         chunks = [toks for _, toks in batch]
-        ids = np.asarray([t for c in chunks for t in c], dtype=np.int64)
+        seq_lens = [len(c) for c in chunks]
+        decode_only = max(seq_lens) == 1
+        ids = np.array([c[0] for c in chunks] if decode_only else [t for c in chunks for t in c], dtype=np.int64)
         cids = runner.compress(ids)
-        lookback = np.stack([req.lookback for req, _ in batch]) if runner.lookback_len else np.zeros((len(batch), 0), np.int64)
-        step = PackedStep(torch.from_numpy(ids), [len(c) for c in chunks], [req.processed for req, _ in batch],
-                          [req.slot for req, _ in batch], lookback=torch.from_numpy(lookback),
-                          engram_ids=torch.from_numpy(cids))
+        slots = [req.slot for req in reqs]
+        slot_idx = np.array(slots, dtype=np.int64)
+        lookback = self._lookback[slot_idx]  # a copy: the step (and its prefetch) keeps its own
+        step = PackedStep(torch.from_numpy(ids), seq_lens, [req.processed for req in reqs], slots,
+                          lookback=torch.from_numpy(lookback), engram_ids=torch.from_numpy(cids))
+        ph = self.phases
         try:
+            if ph is not None:
+                ph.mark(SCHEDULE)
+                ph.gpu_begin(getattr(runner, "device", None))
             logits = runner.run(step, cids, lookback)
-            sample = [i for i, (req, toks) in enumerate(batch) if req.processed + len(toks) >= len(req.prompt_ids)]
-            tokens = self._sample(logits, [batch[i][0] for i in sample], sample)
+            if ph is not None:
+                ph.mark(FORWARD)
+                ph.gpu_wait(logits.device)
+            sample = [i for i, (req, n) in enumerate(zip(reqs, seq_lens)) if req.processed + n >= len(req.prompt_ids)]
+            tokens = self._sample(logits, [reqs[i] for i in sample], sample)
+            if ph is not None:
+                ph.mark(SAMPLE)
         except Exception as exc:  # a failed step fails its requests, never the server
             log.error("step of %d sequences failed: %s", len(batch), exc, exc_info=log.isEnabledFor(logging.DEBUG))
             with self._cond:
@@ -234,18 +273,16 @@ class Scheduler:
                         self._running.remove(req)
                     self._finish(req, "error", emit=True)
             return
-        n = runner.lookback_len
-        a = 0
-        for req, toks in batch:
-            b = a + len(toks)
-            req.processed += len(toks)
-            if n:
-                req.lookback = np.concatenate([req.lookback, cids[a:b]])[-n:]
-            a = b
+        decode_tokens = 0
+        for req, n in zip(reqs, seq_lens):
+            if n == 1 and req.processed >= len(req.prompt_ids):
+                decode_tokens += 1
+            req.processed += n
+        self._advance_lookback(slots, slot_idx, seq_lens, decode_only, lookback, cids)
         now = time.perf_counter()
         with self._cond:
             for i, tok in zip(sample, tokens):
-                req = batch[i][0]
+                req = reqs[i]
                 if req.finished:
                     continue
                 if req.first_token is None:
@@ -254,25 +291,51 @@ class Scheduler:
             st = self.stats
             st["steps"] += 1
             st["tokens"] += len(ids)
-            st["decode_tokens"] += sum(1 for req, toks in batch if len(toks) == 1 and req.processed > len(req.prompt_ids))
+            st["decode_tokens"] += decode_tokens
             st["prefill_tokens"] = st["tokens"] - st["decode_tokens"]
             st["last_step_seqs"], st["last_step_tokens"] = len(batch), len(ids)
             st["max_step_seqs"] = max(st["max_step_seqs"], len(batch))
             st["step_s"] += time.perf_counter() - t0
+        if ph is not None:
+            ph.mark(OUTPUT)
+            ph.end(decode_only, len(ids))
+
+    def _advance_lookback(self, slots: list[int], slot_idx: np.ndarray, seq_lens: list[int], decode_only: bool,
+                          before: np.ndarray, cids: np.ndarray) -> None:
+        """Each slot's lookback becomes the last N-1 compressed ids of (its lookback ++
+        this step's ids of its sequence); a decode-only step shifts all rows at once."""
+        n = self._lookback.shape[1]
+        if not n:
+            return
+        if decode_only:
+            if n > 1:
+                self._lookback[slot_idx, :-1] = before[:, 1:]
+            self._lookback[slot_idx, -1] = cids
+            return
+        a = 0
+        for slot, m in zip(slots, seq_lens):
+            self._lookback[slot] = np.concatenate([self._lookback[slot], cids[a:a + m]])[-n:]
+            a += m
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int]:
+        """The sampled token of each of ``rows`` (ascending rows of ``logits``). Greedy
+        rows take one argmax on the device and one small read; when every row is greedy
+        (a decode step of greedy requests) the argmax runs over the logits as they are,
+        with no index to build or send."""
         if not rows:
             return []
-        out = [0] * len(rows)
         greedy = [k for k, r in enumerate(reqs) if r.params.greedy]
+        if len(greedy) == len(rows) == logits.shape[0]:  # rows are 0..S-1
+            return torch.argmax(logits, dim=-1).tolist()
+        out = [0] * len(rows)
         if greedy:
-            idx = torch.tensor([rows[k] for k in greedy], dtype=torch.int64, device=logits.device)
+            idx = torch.tensor([rows[k] for k in greedy], dtype=torch.int64).to(logits.device, non_blocking=True)
             picks = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
             for k, p in zip(greedy, picks):
                 out[k] = int(p)
         others = [k for k, r in enumerate(reqs) if not r.params.greedy]
         if others:
-            idx = torch.tensor([rows[k] for k in others], dtype=torch.int64, device=logits.device)
+            idx = torch.tensor([rows[k] for k in others], dtype=torch.int64).to(logits.device, non_blocking=True)
             host = logits.index_select(0, idx).float().cpu()
             for j, k in enumerate(others):
                 p = reqs[k].params
@@ -280,7 +343,9 @@ class Scheduler:
         return out
 
     def _append(self, req: Request, tok: int) -> None:
-        """Add a sampled token; stop the request if it should; emit its delta."""
+        """Add a sampled token; stop the request if it should; emit its delta. The text
+        is kept incrementally (:mod:`engram_trt.runtime.detokenize`), and stop strings
+        are looked for only where they could have newly appeared."""
         req.output_ids.append(tok)
         p = req.params
         reason: str | None = None
@@ -288,13 +353,12 @@ class Scheduler:
             reason, req.stop_reason = "stop", tok
         elif not p.ignore_eos and tok in self.runner.eos_ids:
             reason, req.stop_reason = "eos", tok
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
-        if p.stop:
-            hits = [(text.find(s), s) for s in p.stop if s in text]
-            if hits:
-                pos, s = min(hits)
-                text, reason, req.stop_reason = text[:pos], "stop", s
-        req.text = text
+        if req.sink is None and not p.stop:
+            # Nobody sees the text before the request ends (no stream, no stop string):
+            # it is decoded once, when the request finishes.
+            req.text_stale = True
+        elif self._update_text(req):
+            reason = "stop"
         if reason is None and len(req.output_ids) >= p.max_tokens:
             reason = "length"
         if reason is not None:
@@ -303,10 +367,36 @@ class Scheduler:
         else:
             self._emit(req)
 
+    def _update_text(self, req: Request) -> bool:
+        """``req.text`` of all its output ids, cut before the first stop string; True
+        when one appeared (its ``stop_reason`` set)."""
+        p = req.params
+        det = req.detok
+        if det is None:  # a request made outside submit()
+            det = req.detok = IncrementalText(self.tokenizer, req.output_ids)
+        stable = det.stable_len  # text before this cannot change, and held no stop string
+        text = det.update()
+        if p.stop:
+            # A stop string wholly inside the unchangeable text would have stopped an
+            # earlier step, so each is looked for from where it could first end anew.
+            hits = []
+            for s in p.stop:
+                pos = text.find(s, max(0, stable - len(s) + 1))
+                if pos >= 0:
+                    hits.append((pos, s))
+            if hits:
+                pos, s = min(hits)
+                req.text, req.stop_reason = text[:pos], s
+                return True
+        req.text = text
+        return False
+
     def _emit(self, req: Request) -> None:
         """Send the request's new text and ids. A trailing replacement character may be
         the first half of a multi-byte character split over tokens: held back until
         the next token completes it (or the request ends)."""
+        if req.sink is None:
+            return  # nobody to send to (generate() reads the whole output at the end)
         text = req.text
         upto = len(text)
         if not req.finished:
@@ -324,14 +414,18 @@ class Scheduler:
         delta_text = text[req.sent_text:upto] if upto >= req.sent_text else ""
         delta_ids = req.output_ids[req.sent_ids:]
         req.sent_text, req.sent_ids = max(upto, req.sent_text), len(req.output_ids)
-        if req.sink is not None and (delta_text or delta_ids or req.finished):
+        if delta_text or delta_ids or req.finished:
             try:
                 req.sink(req.output(delta_text, delta_ids))
             except Exception as exc:  # a consumer that broke must not stop the engine
                 log.warning("request %s: output consumer failed (%s); cancelling it", req.request_id, exc)
                 req.cancelled = True
+                self._cancels = True
 
     def _finish(self, req: Request, reason: str, emit: bool) -> None:
+        if req.text_stale:
+            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
+            req.text_stale = False
         req.finish_reason = reason
         req.finished_at = time.perf_counter()
         if req.slot is not None:

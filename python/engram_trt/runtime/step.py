@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from engram_trt.errors import EngramError
@@ -87,77 +88,105 @@ class PackedStep:
 
     @property
     def total_lens(self) -> list[int]:
-        """Tokens of each sequence in the cache after this step."""
-        return [p + n for p, n in zip(self.past_lens, self.seq_lens)]
+        """Tokens of each sequence in the cache after this step (computed once: callers
+        index it per sequence)."""
+        out = self._derived.get("total_lens")
+        if out is None:
+            out = [p + n for p, n in zip(self.past_lens, self.seq_lens)]
+            self._derived["total_lens"] = out
+        return out
 
     @property
     def is_decode_only(self) -> bool:
         return max(self.seq_lens) == 1
 
     # -- everything a backend reads on the device, in one copy ---------------------------
+    def host_arrays(self) -> tuple[np.ndarray, list[tuple[str, int, tuple[int, ...]]]]:
+        """The step's metadata as ONE host int64 array and its parts ``(name, size,
+        shape)`` in order (see :meth:`device_arrays` for the names), built once with vectorized
+        NumPy: a step of 64 decode sequences costs the same handful of array operations
+        as a step of one."""
+        got = self._derived.get("host_arrays")
+        if got is not None:
+            return got
+        S = len(self.seq_lens)
+        lens = np.asarray(self.seq_lens, dtype=np.int64)
+        past = np.asarray(self.past_lens, dtype=np.int64)
+        slots = np.asarray(self.slots, dtype=np.int64)
+        starts = np.asarray(self.seq_starts, dtype=np.int64)
+        ids = self.input_ids if self.input_ids.device.type == "cpu" else self.input_ids.cpu()
+        T = int(starts[-1])
+        if T == S:  # decode only: every sequence brings one token
+            positions, token_slots, decode = past, slots, None
+        else:
+            positions = np.arange(T, dtype=np.int64) + np.repeat(past - starts[:-1], lens)
+            token_slots = np.repeat(slots, lens)
+            decode = lens == 1
+        parts: list[tuple[str, np.ndarray]] = [("input_ids", ids.numpy())]
+        if self.engram_ids is not None:
+            parts.append(("engram_ids", self.engram_ids.cpu().numpy()))
+        parts += [("positions", positions), ("token_slots", token_slots), ("last", starts[1:] - 1)]
+        if decode is None:
+            parts += [("decode_rows", starts[:-1]), ("decode_slots", slots), ("decode_lens", past + 1)]
+        else:
+            parts += [("decode_rows", starts[:-1][decode]), ("decode_slots", slots[decode]),
+                      ("decode_lens", (past + lens)[decode])]
+        parts += [("seq_starts", starts), ("past_lens", past), ("slots", slots)]
+        if self.lookback is not None:
+            lb = self.lookback if isinstance(self.lookback, torch.Tensor) else torch.as_tensor(self.lookback)
+            parts.append(("lookback", lb.cpu().numpy()))
+        spans = [(name, a.size, a.shape) for name, a in parts]
+        flat = np.concatenate([a.reshape(-1) for _, a in parts]).astype(np.int64, copy=False)
+        got = (flat, spans)
+        self._derived["host_arrays"] = got
+        return got
+
     def device_arrays(self, device: Any, uploader: "StepUploader | None" = None) -> dict[str, torch.Tensor]:
         """The step's metadata on ``device``: ``input_ids``, ``engram_ids`` (if given),
         ``positions``, ``token_slots``, ``last`` (pack index of each sequence's last
         token), of the one-token sequences ``decode_rows`` / ``decode_slots`` /
-        ``decode_lens``, and ``seq_starts``, ``past_lens``, ``slots``, ``lookback``. Built on the host in one int64 array and, with an ``uploader``,
-        sent in ONE asynchronous copy from pinned memory: a copy from pageable memory
-        would make the host wait for the stream (a synchronization inside the step)."""
+        ``decode_lens``, and ``seq_starts``, ``past_lens``, ``slots``, ``lookback``.
+        Built on the host in one int64 array (:meth:`host_arrays`) and sent in ONE copy;
+        with an ``uploader`` an asynchronous one from pinned memory: a copy from pageable
+        memory would make the host wait for the stream (a synchronization inside the step)."""
         dev = torch.device(device)
         key = f"arrays@{dev}"
         got = self._derived.get(key)
         if got is not None:
             return got
-        host: dict[str, torch.Tensor] = {"input_ids": self.input_ids}
-        if self.engram_ids is not None:
-            host["engram_ids"] = self.engram_ids
-        host["positions"] = self.positions()
-        host["token_slots"] = self.token_slots()
-        host["last"] = self.last_token_index()
-        decode = [s for s, n in enumerate(self.seq_lens) if n == 1]
-        host["decode_rows"] = torch.tensor([self.seq_starts[s] for s in decode], dtype=torch.int64)
-        host["decode_slots"] = torch.tensor([self.slots[s] for s in decode], dtype=torch.int64)
-        host["decode_lens"] = torch.tensor([self.total_lens[s] for s in decode], dtype=torch.int64)
-        host["seq_starts"] = torch.tensor(self.seq_starts, dtype=torch.int64)
-        host["past_lens"] = torch.tensor(self.past_lens, dtype=torch.int64)
-        host["slots"] = torch.tensor(self.slots, dtype=torch.int64)
-        if self.lookback is not None:
-            host["lookback"] = torch.as_tensor(self.lookback, dtype=torch.int64)
+        flat, spans = self.host_arrays()
         if dev.type == "cpu":
-            got = host
+            base = torch.from_numpy(flat)
         elif uploader is not None:
-            got = uploader.upload(host)
+            base = uploader.upload_flat(flat)
         else:
-            got = {k: v.to(dev) for k, v in host.items()}
+            base = torch.from_numpy(flat).to(dev)
+        got = {name: (t if len(shape) == 1 else t.view(shape))
+               for (name, _, shape), t in zip(spans, base.split([n for _, n, _ in spans]))}
         self._derived[key] = got
         return got
 
     # -- per-token tensors (built once, on the device asked for) ------------------------
     def positions(self, device: Any = "cpu") -> torch.Tensor:
         """``[T]`` int64: each token's position in its sequence (past length + offset)."""
-        def make() -> torch.Tensor:
-            parts = [torch.arange(p, p + n, dtype=torch.int64) for p, n in zip(self.past_lens, self.seq_lens)]
-            return torch.cat(parts)
-        return self._cached("positions", device, make)
+        return self._cached("positions", device)
 
     def token_slots(self, device: Any = "cpu") -> torch.Tensor:
         """``[T]`` int64: each token's KV-cache slot."""
-        return self._cached("token_slots", device, lambda: torch.repeat_interleave(
-            torch.tensor(self.slots, dtype=torch.int64), torch.tensor(self.seq_lens, dtype=torch.int64)))
+        return self._cached("token_slots", device)
 
     def last_token_index(self, device: Any = "cpu") -> torch.Tensor:
         """``[S]`` int64: the index in the pack of each sequence's last token."""
-        return self._cached("last", device, lambda: torch.tensor(self.seq_starts[1:], dtype=torch.int64) - 1)
+        return self._cached("last", device)
 
-    def _cached(self, name: str, device: Any, make: Any) -> torch.Tensor:
+    def _cached(self, name: str, device: Any) -> torch.Tensor:
         dev = torch.device(device)
         key = f"{name}@{dev}"
         t = self._derived.get(key)
         if t is None:
-            base = self._derived.get(f"{name}@cpu")
-            if base is None:
-                base = make()
-                self._derived[f"{name}@cpu"] = base
-            t = base if dev.type == "cpu" else base.to(dev, non_blocking=True)
+            t = self.device_arrays("cpu")[name]
+            if dev.type != "cpu":
+                t = t.to(dev, non_blocking=True)
             self._derived[key] = t
         return t
 
@@ -182,26 +211,34 @@ class StepUploader:
         self.device = torch.device(device)
         self.capacity = int(capacity)
         self._host = torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()  # the same memory: filled by NumPy, not by torch ops
         self._dev = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
         self._event: Any = None
 
-    def upload(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        n = sum(int(a.numel()) for a in arrays.values())
+    def upload_flat(self, flat: np.ndarray) -> torch.Tensor:
+        """``flat`` (host int64) on the device: one memcpy into the pinned buffer, one
+        asynchronous copy out of it. Returns a view of the device buffer."""
+        n = int(flat.size)
         if n > self.capacity:  # grow (rare: a larger step than any before)
             self.__init__(self.device, max(n, 2 * self.capacity))  # type: ignore[misc]
         if self._event is not None:
-            self._event.synchronize()
+            self._event.synchronize()  # the last copy out of the pinned buffer has run
+        else:
+            self._event = torch.cuda.Event()
+        self._host_np[:n] = flat
+        self._dev[:n].copy_(self._host[:n], non_blocking=True)
+        self._event.record(torch.cuda.current_stream(self.device))
+        return self._dev[:n]
+
+    def upload(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Several host tensors in one copy (views of the device buffer, same shapes)."""
+        flat = np.concatenate([a.reshape(-1).cpu().numpy().astype(np.int64, copy=False) for a in arrays.values()]) \
+            if arrays else np.zeros(0, np.int64)
+        dev = self.upload_flat(flat)
         out: dict[str, torch.Tensor] = {}
-        spans = []
         pos = 0
         for k, a in arrays.items():
             m = int(a.numel())
-            self._host[pos:pos + m].copy_(a.reshape(-1))
-            spans.append((k, pos, m))
+            out[k] = dev[pos:pos + m].view(a.shape)
             pos += m
-        self._dev[:pos].copy_(self._host[:pos], non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(self.device))
-        for k, a, m in spans:
-            out[k] = self._dev[a:a + m].view(arrays[k].shape)
         return out

@@ -14,6 +14,7 @@ import torch
 
 from engram_trt.errors import EngramError
 from engram_trt.reference.kv_cache import KVCache
+from engram_trt.runtime.phases import UPLOAD
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class TorchBackend:
         self.use_graphs = cuda_graphs and device.type == "cuda"
         self.graphs: Any = None
         self.lookup_policy: Any = None  # the prefetcher's gather choice by row count (set by the runner)
+        self.phases: Any = None  # a runtime.phases.StepPhases while a benchmark times the steps
         log.info("torch backend: weights of %s on %s (%s) in %.1f s", source.checkpoint, device, dtype,
                  time.perf_counter() - t0)
 
@@ -65,9 +67,12 @@ class TorchBackend:
 
     def execute(self, step: Any, cache: KVCache, rows: Any) -> torch.Tensor:
         if self.graphs is not None:
-            logits = self.graphs.run(step, rows)
+            logits = self.graphs.run(step, rows, self.phases)
             if logits is not None:
                 return logits
+        if self.phases is not None:  # the eager step's upload (cached on the step: forward_step reuses it)
+            step.device_arrays(self.device, self.model.uploader)
+            self.phases.mark(UPLOAD)
         return self.model.forward_step(step, cache, engram_rows=rows)
 
     @property
