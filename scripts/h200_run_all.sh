@@ -17,12 +17,15 @@ export ENGRAM_TRT_PLUGIN_LIB=/tmp/b/libengram_trt_plugins.so
 for s in ${STAGES:-verify runtime step tables attention backbone}; do
   case $s in
     verify) TAILN=40 stage verify 120 python3 scripts/h200_verify.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --reps 5 --out "$OUT" ;;
-    runtime) TAILN=45 stage runtime 120 python3 scripts/h200_runtime_check.py --out "$OUT" ${RUNTIME_ARGS:-} ;;
+    runtime) TAILN=60 stage runtime 200 python3 scripts/h200_runtime_check.py --out "$OUT" ${RUNTIME_ARGS:-} ;;
     step) TAILN=20 stage step 100 python3 -m engram_trt bench step --model 1b --table-gib 24 --timeline --iters 8 --json "$OUT/step.json" --trace "$OUT/trace_decode64.json" ;;
     tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
     contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
     hostgather) TAILN=30 stage hostgather 300 python3 scripts/h200_hostgather_check.py ;;
     cache) TAILN=30 stage cache 500 python3 -m engram_trt bench cache --tokens "${TOKENS:-.cache/bench/idstream-tokens.npz}" --breakdown --json "$OUT/cache.json" --plot "$OUT/cache.png" ;;
+    gather) TAILN=40 stage gather 400 bash -c "python3 -m engram_trt bench gather --pages thp --paths host,torch --threads 15,16 --json $OUT/gather_thp.json && \
+      G=/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages && echo 52 > \$G && echo \"1 GiB pages reserved: \$(cat \$G)\" && \
+      python3 -m engram_trt bench gather --pages 1g --paths host,torch --threads 15,16 --json $OUT/gather_1g.json --plot $OUT/gather_1g.png; echo 0 > \$G" ;;
     attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ${ATTENTION_ARGS:-} ;;
     backbone) TAILN=30 stage backbone 300 python3 scripts/h200_backbone_check.py --build-dir /tmp/b --skip-build --out "$OUT" ${BACKBONE_ARGS:-} ;;
   esac
