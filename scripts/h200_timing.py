@@ -270,6 +270,21 @@ def time_gathers(rng, table_gib: float, reps: int) -> None:
         # this process holds and how many are runnable, and the same gather with a pool
         # that leaves one or two of the CPUs free (a preempted worker holds the round).
         say(f"  process threads: {_thread_states()}")
+        # Where the time goes: until the call returns (the CPU part), and the same gather
+        # before and after the UVA reads of this table, with a fresh gatherer.
+        ret = []
+        for i in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            gatherer.wake()
+            gatherer.gather(id_sets[i], host_rows, host_scales, out=out)
+            ret.append(time.perf_counter() - t)
+            torch.cuda.synchronize()
+        say(f"  host gather: the call returns after {statistics.median(ret) * 1e6:.0f} us (median)")
+        with kernels.HostGatherer(max_head_dim=max(512, head_dim)) as g3:
+            s3 = wall_time(lambda i: (g3.wake(), g3.gather(id_sets[i], host_rows, host_scales, out=out)))
+            s4 = wall_time(lambda i: (g3.wake(), g3.gather(id_sets[i], host_rows, host_scales, out=out)))
+        say(f"  a fresh gatherer: {s3 * 1e6:.0f} us, again {s4 * 1e6:.0f} us")
         for threads in (os.cpu_count() - 1, os.cpu_count() - 2):
             with kernels.HostGatherer(num_threads=threads, max_head_dim=max(512, head_dim)) as g2:
                 s2 = wall_time(lambda i: (g2.wake(), g2.gather(id_sets[i], host_rows, host_scales, out=out)))
