@@ -30,7 +30,7 @@ PRESETS: dict[str, dict[str, Any]] = {
               "head_dim": 64, "intermediate_size": 512, "hc_mult": 2, "engram_layer_ids": [1, 2],
               "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
 }
-MODES = ("none", "device", "pinned-host", "pinned-uva")
+MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     stores = _stores(tables, modes, device, cfg.engram.quant_block)
     rng = np.random.default_rng(1)
     results: dict[str, Any] = {"limits": limits, "model": info, "cases": {}}
+    calibrated: dict[str, Any] = {}
     for name, lens, past in _steps(args):
         S, T = len(lens), sum(lens)
         decode = max(lens) == 1
@@ -176,8 +177,15 @@ def run(args: argparse.Namespace) -> int:
             if mode != "none":
                 store = stores["device" if mode == "device" else "pinned"]
                 model.set_tables(store)
-                policy = None if mode == "device" else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
+                policy = None if mode in ("device", "pinned-auto") else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
                 pf = Prefetcher(layout, store, device, T, gather_policy=policy)
+                if mode == "pinned-auto":  # what a served runtime does: the start-up calibration's choice per size
+                    if "choice" not in calibrated:
+                        calibrated["choice"] = pf.calibrate()
+                        results["calibration"] = calibrated["choice"].describe() if calibrated["choice"] else None
+                    if calibrated["choice"] is not None:
+                        pf.gather_policy = calibrated["choice"].path_for
+                    row.setdefault("auto_path", pf.path_for(T * layout.n_hash_cols))
             model.engram_enabled = mode != "none"
             graphs = None
             if decode and not args.no_graphs:
@@ -322,6 +330,8 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
     lim, info = results["limits"], results["model"]
     print(f"limits measured now: HBM copy {lim.get('hbm_GBps', 0):.0f} GB/s, bf16 matmul {lim.get('bf16_TFLOPs', 0):.0f} TFLOP/s, "
           f"pinned H2D {lim.get('h2d_GBps', 0):.1f} GB/s")
+    if results.get("calibration"):
+        print(f"pinned-auto: start-up calibration {results['calibration']}")
     print(f"model: {info['params'] / 1e9:.2f}B params ({info['weight_bytes'] / 2**30:.2f} GiB bf16), tables "
           f"{info['table_bytes'] / 2**30:.2f} GiB ({info['cols']} cols x {info['row_bytes']} B rows per Engram layer)")
     head = f"{'case':<14}" + "".join(f"{m:>22}" for m in modes) + f"{'baseline/bound':>16}{'floor ratio':>13}"
@@ -338,7 +348,8 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
               + (f"{floor:>12.3f}x" if floor else ""))
         host = [f"{m} {row[m]['ratio_to_device']:.3f}x" for m in modes if row[m].get("ratio_to_device")]
         if host:
-            print("  host tables over HBM tables: " + ", ".join(host))
+            print("  host tables over HBM tables: " + ", ".join(host)
+                  + (f" (pinned-auto took the {row['auto_path']} path)" if row.get("auto_path") else ""))
         for m in modes:
             tl = row[m].get("timeline")
             if tl and tl.get("lookup_ms") is not None:
