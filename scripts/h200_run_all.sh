@@ -23,7 +23,7 @@ for s in ${STAGES:-verify runtime step tables attention backbone}; do
     tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
     contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
     hostgather) TAILN=30 stage hostgather 300 python3 scripts/h200_hostgather_check.py ;;
-    cache) TAILN=30 stage cache 500 python3 -m engram_trt bench cache --tokens "${TOKENS:-.cache/bench/idstream-tokens.npz}" --breakdown --json "$OUT/cache.json" --plot "$OUT/cache.png" ;;
+    cache) TAILN=30 stage cache 500 python3 -m engram_trt bench cache --tokens "${TOKENS:-.cache/bench/idstream-tokens.npz}" --breakdown --json "$OUT/cache.json" --plot "$OUT/cache.png" ${CACHE_ARGS:-} ;;
     gather) TAILN=40 stage gather 400 bash -c "python3 -m engram_trt bench gather --pages thp --paths host,torch --threads 15,16 --json $OUT/gather_thp.json && \
       G=/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages && echo 52 > \$G && echo \"1 GiB pages reserved: \$(cat \$G)\" && \
       python3 -m engram_trt bench gather --pages 1g --paths host,torch --threads 15,16 --json $OUT/gather_1g.json --plot $OUT/gather_1g.png; echo 0 > \$G" ;;
