@@ -27,7 +27,10 @@ log = logging.getLogger(__name__)
 
 PATH_UVA = "uva"
 PATH_HOST = "host"
-DEFAULT_CALIBRATION_SIZES = (6144, 196608)  # a decode step of 256 tokens x 24 columns; an 8k-token prefill chunk
+# Decode steps of 4, 64 and 256 tokens x 24 columns, and an 8k-token prefill chunk: the
+# faster path changes with the size (a few rows: the UVA kernel, no CPU work at all; a
+# prefill chunk: the host gather), so the small sizes are measured too, not inferred.
+DEFAULT_CALIBRATION_SIZES = (96, 1536, 6144, 196608)
 
 
 def inline_table(rows: Any, scales: Any, *, out: Any = None) -> Any:
