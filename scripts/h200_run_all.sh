@@ -24,9 +24,9 @@ for s in ${STAGES:-verify runtime step tables attention backbone}; do
     contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
     hostgather) TAILN=30 stage hostgather 300 python3 scripts/h200_hostgather_check.py ;;
     cache) TAILN=30 stage cache 500 python3 -m engram_trt bench cache --tokens "${TOKENS:-.cache/bench/idstream-tokens.npz}" --breakdown --json "$OUT/cache.json" --plot "$OUT/cache.png" ${CACHE_ARGS:-} ;;
-    gather) TAILN=40 stage gather 400 bash -c "python3 -m engram_trt bench gather --pages thp --paths host --layouts split --threads 16 --json $OUT/gather_thp.json && \
-      G=/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages && echo 27 > \$G && echo \"1 GiB pages reserved: \$(cat \$G)\" && \
-      python3 -m engram_trt bench gather --pages 1g --paths host --layouts split --threads 16 --json $OUT/gather_1g.json --plot $OUT/gather_1g.png; echo 0 > \$G" ;;
+    gather) TAILN=40 stage gather 400 bash -c "G=/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages && echo 26 > \$G && echo \"1 GiB pages reserved: \$(cat \$G)\" && \
+      python3 -m engram_trt bench gather --pages 1g --paths host --layouts split --threads 16 --json $OUT/gather_1g.json; echo 0 > \$G; \
+      python3 -m engram_trt bench gather --pages thp --paths host --layouts split --threads 16 --json $OUT/gather_thp.json" ;;
     attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ${ATTENTION_ARGS:-} ;;
     backbone) TAILN=30 stage backbone 300 python3 scripts/h200_backbone_check.py --build-dir /tmp/b --skip-build --out "$OUT" ${BACKBONE_ARGS:-} ;;
   esac
