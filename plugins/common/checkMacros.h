@@ -13,6 +13,7 @@
 #ifndef ENGRAM_TRT_PLUGIN_CHECK_MACROS_H
 #define ENGRAM_TRT_PLUGIN_CHECK_MACROS_H
 
+#include "kernels/sourceFileName.h"
 #include <NvInferRuntime.h>
 #include <cuda_runtime_api.h>
 
@@ -32,20 +33,7 @@ public:
     using std::runtime_error::runtime_error;
 };
 
-//! The file name of a __FILE__ path, at compile time (messages name the file, not the
-//! build machine's directories).
-constexpr char const* sourceFileName(char const* path)
-{
-    char const* name = path;
-    for (char const* p = path; *p != '\0'; ++p)
-    {
-        if (*p == '/' || *p == '\\')
-        {
-            name = p + 1;
-        }
-    }
-    return name;
-}
+using ::engram_trt::sourceFileName;
 
 //! Throws PluginError("<message> (<file>:<line>)").
 [[noreturn]] void throwPluginError(std::string const& message, char const* file, int line);

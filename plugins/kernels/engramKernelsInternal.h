@@ -7,6 +7,7 @@
 #define ENGRAM_TRT_KERNELS_INTERNAL_H
 
 #include "engramKernels.h"
+#include "sourceFileName.h"
 
 #include <cstdint>
 #include <cuda_runtime_api.h>
@@ -41,20 +42,7 @@ int checkLaunch(char const* kernelName);
 //! Multiprocessor count of the current device (cached per device).
 int smCount();
 
-//! The file name of a __FILE__ path, at compile time (failure messages name the file and
-//! line, not the build machine's directories).
-constexpr char const* sourceFileName(char const* path)
-{
-    char const* name = path;
-    for (char const* p = path; *p != '\0'; ++p)
-    {
-        if (*p == '/' || *p == '\\')
-        {
-            name = p + 1;
-        }
-    }
-    return name;
-}
+using ::engram_trt::sourceFileName;
 
 //! True when `p` is aligned to `bytes`.
 inline bool isAligned(void const* p, uintptr_t bytes)

@@ -53,29 +53,45 @@ __device__ __forceinline__ void load8(float const* p, float (&v)[8])
     v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-//! 8 consecutive floats rounded once (to nearest even) to the I/O type and stored.
-__device__ __forceinline__ void store8(__nv_bfloat16* p, float const (&v)[8])
+//! Two floats rounded once (to nearest even) to a pair of the I/O type.
+template <typename Pair>
+__device__ __forceinline__ Pair packPair(float a, float b);
+
+template <>
+__device__ __forceinline__ __nv_bfloat162 packPair<__nv_bfloat162>(float a, float b)
+{
+    return __floats2bfloat162_rn(a, b);
+}
+
+template <>
+__device__ __forceinline__ __half2 packPair<__half2>(float a, float b)
+{
+    return __floats2half2_rn(a, b);
+}
+
+//! 8 consecutive floats rounded once (to nearest even) to 16-bit pairs, one 16-byte store.
+template <typename Pair, typename T>
+__device__ __forceinline__ void store8Pairs(T* p, float const (&v)[8])
 {
     uint4 packed;
-    __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&packed);
+    Pair* pairs = reinterpret_cast<Pair*>(&packed);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
     {
-        pairs[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        pairs[i] = packPair<Pair>(v[2 * i], v[2 * i + 1]);
     }
     *reinterpret_cast<uint4*>(p) = packed;
 }
 
+//! 8 consecutive floats rounded once (to nearest even) to the I/O type and stored.
+__device__ __forceinline__ void store8(__nv_bfloat16* p, float const (&v)[8])
+{
+    store8Pairs<__nv_bfloat162>(p, v);
+}
+
 __device__ __forceinline__ void store8(__half* p, float const (&v)[8])
 {
-    uint4 packed;
-    __half2* pairs = reinterpret_cast<__half2*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        pairs[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-    }
-    *reinterpret_cast<uint4*>(p) = packed;
+    store8Pairs<__half2>(p, v);
 }
 
 __device__ __forceinline__ void store8(float* p, float const (&v)[8])

@@ -14,13 +14,11 @@ hash, gather and gate) each own their part of the C ABI.
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import _check, _check_dtype, _float_code, _ptr, _same_device, _stream, _torch, load_library
+from engram_trt.kernels import EntryPoints, _check, _check_dtype, _float_code, _ptr, _same_device, _stream, _torch
 
-_lock = threading.Lock()
 
 _SIGS = {
     "engram_attention_check_shape": [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_float],
@@ -42,28 +40,9 @@ _SIGS = {
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p],
 }
-_declared = False
-
-
-def _library() -> ctypes.CDLL:
-    global _declared
-    lib = load_library()
-    with _lock:
-        if not _declared:
-            for name, argtypes in _SIGS.items():
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = argtypes
-            _declared = True
-    return lib
-
-
-def _call(fn_name: str, *args: Any) -> None:
-    lib = _library()
-    status = getattr(lib, fn_name)(*args)
-    if status != 0:
-        reason = lib.engram_last_error().decode() or f"CUDA error {status}"
-        raise EngramError(f"{fn_name} failed: {reason}")
+_ENTRY = EntryPoints(_SIGS)
+_library = _ENTRY.library
+_call = _ENTRY.call
 
 
 def check_attention_shape(num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:

@@ -14,42 +14,21 @@ KV write of a fused projection is :func:`engram_trt.attention_kernels.rope_kv_ca
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import _check, _check_dtype, _ptr, _same_device, _stream, _torch, load_library
+from engram_trt.kernels import EntryPoints, _check, _check_dtype, _ptr, _same_device, _stream, _torch
 
 NORM_MAX_HIDDEN = 16384  # ENGRAM_NORM_MAX_HIDDEN
 
-_lock = threading.Lock()
 _SIGS = {
     "engram_hc_rms_norm": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                            ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
     "engram_silu_mul": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p],
 }
-_declared = False
-
-
-def _library() -> ctypes.CDLL:
-    global _declared
-    lib = load_library()
-    with _lock:
-        if not _declared:
-            for name, argtypes in _SIGS.items():
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = argtypes
-            _declared = True
-    return lib
-
-
-def _call(fn_name: str, *args: Any) -> None:
-    lib = _library()
-    status = getattr(lib, fn_name)(*args)
-    if status != 0:
-        reason = lib.engram_last_error().decode() or f"CUDA error {status}"
-        raise EngramError(f"{fn_name} failed: {reason}")
+_ENTRY = EntryPoints(_SIGS)
+_library = _ENTRY.library
+_call = _ENTRY.call
 
 
 def load() -> None:

@@ -15,41 +15,20 @@ part of the C ABI (as :mod:`engram_trt.attention_kernels` does).
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import _check, _ptr, _same_device, _stream, _torch, load_library
+from engram_trt.kernels import EntryPoints, _check, _ptr, _same_device, _stream, _torch
 
-_lock = threading.Lock()
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _SIGS = {
     "engram_cache_plan": [_vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _vp],
     "engram_cache_admit": [_vp, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i32, _i64, _vp, _i64,
                            _vp, _i64, _vp, _vp],
 }
-_declared = False
-
-
-def _library() -> ctypes.CDLL:
-    global _declared
-    lib = load_library()
-    with _lock:
-        if not _declared:
-            for name, argtypes in _SIGS.items():
-                fn = getattr(lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = argtypes
-            _declared = True
-    return lib
-
-
-def _call(fn_name: str, *args: Any) -> None:
-    lib = _library()
-    status = getattr(lib, fn_name)(*args)
-    if status != 0:
-        reason = lib.engram_last_error().decode() or f"CUDA error {status}"
-        raise EngramError(f"{fn_name} failed: {reason}")
+_ENTRY = EntryPoints(_SIGS)
+_library = _ENTRY.library
+_call = _ENTRY.call
 
 
 def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_base: int, plan: Any, positions: Any,

@@ -136,6 +136,32 @@ def _call(fn_name: str, *args: Any) -> None:
         raise EngramError(f"{fn_name} failed: {reason}")
 
 
+class EntryPoints:
+    """A family of the library's entry points declared on first use (each binding module
+    of the C ABI: attention, backbone, cache kernels): ``library()`` loads and declares
+    them once; ``call(name, *args)`` raises EngramError with the library's last error."""
+
+    def __init__(self, signatures: dict[str, list[Any]]) -> None:
+        self.signatures = signatures
+        self._declared = False
+        self._lock = threading.Lock()
+
+    def library(self) -> ctypes.CDLL:
+        lib = load_library()
+        with self._lock:
+            if not self._declared:
+                for name, argtypes in self.signatures.items():
+                    fn = getattr(lib, name)
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = argtypes
+                self._declared = True
+        return lib
+
+    def call(self, fn_name: str, *args: Any) -> None:
+        self.library()
+        _call(fn_name, *args)
+
+
 # --- argument checks ------------------------------------------------------------------
 
 def _torch() -> Any:
