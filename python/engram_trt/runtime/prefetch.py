@@ -288,6 +288,19 @@ class Prefetcher:
 
         return stage
 
+    def _hash_on_gpu(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
+        """Row ids ``[T, L, cols]`` int32 on the device: the compressed ids through the
+        pinned buffer, the hash kernel on the current (side) stream."""
+        T = step.num_tokens
+        assert self._ops is not None
+        if self._last_event is not None:
+            self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
+        self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
+        self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
+        lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
+        starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(self.device, non_blocking=True)
+        return self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
+
     def _host_row_ids(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
         """Row ids ``[T, L, cols]`` int32 on the host, for the host gather. A long step is
         hashed by the hash kernel on the side stream and its ids copied back (an 8k-token
@@ -299,13 +312,7 @@ class Prefetcher:
         if self._hash_host is None:
             self._hash_host = torch.empty((self.max_tokens, self.layout.num_layers, self.cols), dtype=torch.int32,
                                           pin_memory=True)
-        if self._last_event is not None:
-            self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
-        self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
-        self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
-        lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
-        starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(self.device, non_blocking=True)
-        ids = self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
+        ids = self._hash_on_gpu(step, cids, lookback)
         out = self._hash_host[:T]
         out.copy_(ids, non_blocking=True)
         done = torch.cuda.Event()
@@ -323,13 +330,7 @@ class Prefetcher:
             if "start_event" in info:
                 info["start_event"].record(self._stream)
             # Kernels all the way: upload the compressed ids, hash and gather on the GPU.
-            if self._last_event is not None:
-                self._last_event.synchronize()  # the pinned ids buffer may still feed the last copy
-            self._ids_host[:T].copy_(torch.from_numpy(cids.astype(np.int32)))
-            self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
-            lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
-            starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(self.device, non_blocking=True)
-            ids = self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
+            ids = self._hash_on_gpu(step, cids, lookback)
             for li, v in enumerate(views):
                 rows, scales = self.tables.tensors(li)
                 self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v,
