@@ -260,3 +260,38 @@ def small_engine(small_ckpt, tmp_path_factory) -> Path:
     build(small_ckpt, out, build_engine_if_possible=False, progress=False, max_batch=8, max_seq_len=512,
           max_num_tokens=64)
     return out
+
+
+def descendants(root: int) -> list[int]:
+    """Live processes below ``root``."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out = []
+    for pid in parent:
+        p = pid
+        while p in parent and p not in (0, 1, root):
+            p = parent[p]
+        if p == root and pid != root:
+            out.append(pid)
+    return out
+
+
+def segments_mapped_by(root: int) -> set[str]:
+    """The engram-trt /dev/shm segments that ``root`` or a process below it maps: this
+    server's, not those of another test or server running beside it."""
+    names: set[str] = set()
+    for pid in [root, *descendants(root)]:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
+            if path.startswith("/dev/shm/engram-trt-") and path.endswith(".tables"):
+                names.add(Path(path).name)
+    return names

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from conftest import segments_mapped_by
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
@@ -386,7 +387,10 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
         assert line, log.read_text()[-3000:] if log.exists() else proc.stderr.read()
         info = json.loads(line)
         assert (info["instances"], info["tp"], info["dp"]) == (2, 2, 2)
-        made = {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before
+        # New segments this server maps (another process may make its own meanwhile;
+        # only ours are counted and, at the end, cleaned).
+        made = ({p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before) \
+            & segments_mapped_by(proc.pid)
         followers = _followers_of(proc.pid)
         assert len(followers) == 2
         finished_re = re.compile(r'^engram_requests_finished_total\{instance="(\w+)",model="engram_llm",tp_group="[\w/]+",'

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import segments_mapped_by
+
 from engram_trt.errors import EngramError
 from engram_trt.triton import client as hc
 from engram_trt.triton.metrics import MetricsExporter, flatten_stats
@@ -727,7 +729,9 @@ def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any
         assert line, (tmp_path / "tritonserver.log").read_text()[-3000:]
         info = json.loads(line)
         assert info["instances"] == 2
-        made = {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before
+        # Only the segments this server maps (a test or server beside it may make its own).
+        made = ({p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before) \
+            & segments_mapped_by(proc.pid)
         want = {p: _alone(llm, p, max_tokens=10, ignore_eos=True).token_ids for p in PROMPTS[:8]}
         got: dict[str, list[int]] = {}
         barrier = threading.Barrier(8)
