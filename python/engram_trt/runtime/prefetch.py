@@ -10,12 +10,12 @@ that layer hide the lookup.
 
 Why no worker thread: the lookup's host work runs on the thread that runs the step.
 A GPU gather is launched at once on the side stream (a few asynchronous launches). A
-host gather runs when the first Engram layer asks for the rows, that is after the
+host gather runs when each Engram layer first asks for its rows, that is after the
 layers before it have been enqueued, so the CPU threads gather while the GPU runs those
 layers. A Python worker thread would have to win the GIL from the engine thread for
-every Python line of the lookup: on the H200 a gather of 6,144 rows took 637 us called
-from a worker thread against 116 us on the calling thread, and 15.7 ms with another
-Python thread busy (scripts/h200_hostgather_contention.py, docs/benchmarks.md).
+every Python line of the lookup: on the H200 a gather of 6,144 rows took 693 us called
+from a worker thread against 115 us on a thread that runs its own loop, and 15.8 ms with
+another Python thread busy (scripts/h200_hostgather_contention.py, docs/benchmarks.md).
 
 Why staging buffers are persistent: fixed addresses. A captured CUDA graph or a
 TensorRT engine binds the rows' address once; every step writes the same buffers
@@ -35,7 +35,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -53,10 +52,10 @@ GATHER_PATHS = ("device", "uva", "host", "reference")
 # Every this many steps the runtime reads the GPU gathers' bad-row counter (rows that read
 # no table: an unbound or misaligned address, or ids past a table's end) and fails the
 # step with a clear error if it moved; 1 = every step (a debug mode). One 8-byte read.
+BAD_ROW_CHECK_EVERY = int(os.environ.get("ENGRAM_TRT_CHECK_ROWS_EVERY", "256") or 256)
 # From this many tokens a host gather's row ids come from the hash kernel (and one copy
 # back) rather than from NumPy on the engine thread.
 GPU_HASH_MIN_TOKENS = 256
-BAD_ROW_CHECK_EVERY = int(os.environ.get("ENGRAM_TRT_CHECK_ROWS_EVERY", "256") or 256)
 
 
 def bad_row_checker(device: Any) -> Any:
@@ -86,16 +85,14 @@ class StagedRows:
     layer needs them, so the gather of the second Engram layer's rows overlaps the
     first Engram layer on the GPU. :meth:`wait` runs and waits for every layer."""
 
-    def __init__(self, views: Sequence[torch.Tensor], future: Future | None = None,
-                 event: Any = None, info: dict[str, Any] | None = None,
+    def __init__(self, views: Sequence[torch.Tensor], event: Any = None, info: dict[str, Any] | None = None,
                  staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[int], Any] | None = None) -> None:
         self._views = list(views)
         self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
-        self._future = future
         self._deferred = deferred
         self._layer_ready = [deferred is None] * len(self._views)
         self._event = event
-        self._ready = future is None and event is None and deferred is None
+        self._ready = event is None and deferred is None
         self.info = info or {}
 
     def _mark_wait(self) -> None:
@@ -119,8 +116,6 @@ class StagedRows:
         self._mark_wait()
         for i in range(len(self._views)):
             self._layer(i)
-        if self._future is not None:
-            self._future.result()  # re-raises a failure of the lookup
         if self._event is not None:
             torch.cuda.current_stream(self._views[0].device).wait_event(self._event)
         self._ready = True
@@ -252,10 +247,10 @@ class Prefetcher:
             info["done_event"] = event
 
         if path == "host":
-            return StagedRows(views, None, None, info, staging=self.staging,
+            return StagedRows(views, None, info, staging=self.staging,
                               deferred=self._host_stager(step, cids, lookback, views, event, info))
         self._stage(step, cids, lookback, views, path, event, info)
-        return StagedRows(views, None, event, info, staging=self.staging)
+        return StagedRows(views, event, info, staging=self.staging)
 
     def _host_stager(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor],
                      last_event: Any, info: dict[str, Any]) -> Callable[[int], Any]:
