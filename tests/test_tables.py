@@ -717,3 +717,20 @@ def test_giga_pages_refused_with_the_reservation_to_make(monkeypatch) -> None:
     monkeypatch.setattr(hostmem, "giga_pages_free", lambda: 2)
     with pytest.raises(EngramError, match=r"1 GiB huge pages: 3 needed, 2 free; reserve them \(echo 3 > .*nr_hugepages"):
         hostmem.allocate_anonymous(2 * hostmem.GIGA_PAGE + 1, huge_pages="hugetlbfs-1g")
+
+
+def test_auto_falls_back_when_the_giga_pages_are_gone(monkeypatch) -> None:
+    """'auto' counted enough free 1 GiB pages but the mapping failed (another process
+    took them): it goes on to the other huge pages instead of failing the load."""
+    from engram_trt.tables import hostmem
+
+    monkeypatch.setattr(hostmem, "giga_pages_free", lambda: 4)
+
+    def taken(nbytes: int):
+        raise EngramError("1 GiB huge pages: 1 needed, 0 free")
+
+    monkeypatch.setattr(hostmem, "map_giga_pages", taken)
+    b = hostmem.allocate_anonymous(hostmem.GIGA_PAGE // 2, huge_pages="auto")
+    assert "1 GiB" not in b.pages
+    with pytest.raises(EngramError, match="1 GiB huge pages: 1 needed, 0 free"):
+        hostmem.allocate_anonymous(hostmem.GIGA_PAGE // 2, huge_pages="hugetlbfs-1g")

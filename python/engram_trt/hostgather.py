@@ -139,7 +139,7 @@ def _warn_openmp_policy() -> None:
         return
     _OPENMP_WARNED = True
     log.warning("OMP_WAIT_POLICY is %r: torch's OpenMP workers busy-wait after each parallel CPU operation and slow "
-                "the host gather up to 40x (docs/benchmarks.md); set OMP_WAIT_POLICY=PASSIVE before torch is imported, "
+                "the host gather up to 50x (docs/benchmarks.md); set OMP_WAIT_POLICY=PASSIVE before torch is imported, "
                 "or import engram_trt first", os.environ.get("OMP_WAIT_POLICY", "unset"))
 
 

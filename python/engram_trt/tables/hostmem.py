@@ -181,11 +181,18 @@ def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
     if nbytes <= 0:
         raise EngramError(f"internal: host buffer of {nbytes} bytes")
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    if huge_pages == "hugetlbfs-1g" or (huge_pages == "auto" and giga_pages_free() * GIGA_PAGE >= round_up(nbytes, GIGA_PAGE)
-                                        and nbytes >= GIGA_PAGE // 2):
-        mm = map_giga_pages(nbytes)
-        log.info("tables' host memory: %s in hugetlbfs 1 GiB pages", human_bytes(len(mm)))
-        return HostBuffer(mm, 0, nbytes, "hugetlbfs 1 GiB pages")
+    if huge_pages == "hugetlbfs-1g" or (huge_pages == "auto" and nbytes >= GIGA_PAGE // 2
+                                        and giga_pages_free() * GIGA_PAGE >= round_up(nbytes, GIGA_PAGE)):
+        try:
+            mm = map_giga_pages(nbytes)
+        except EngramError as exc:
+            if huge_pages == "hugetlbfs-1g":
+                raise
+            # auto: another process may have taken the free pages since they were counted
+            log.info("%s; trying the other huge pages", exc)
+        else:
+            log.info("tables' host memory: %s in hugetlbfs 1 GiB pages", human_bytes(len(mm)))
+            return HostBuffer(mm, 0, nbytes, "hugetlbfs 1 GiB pages")
     if huge_pages in ("auto", "hugetlbfs"):
         free, size = hugetlb_free_bytes()
         need = round_up(nbytes, size) if size else 0
