@@ -291,7 +291,8 @@ def segments_mapped_by(root: int) -> set[str]:
         except OSError:
             continue
         for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1] if len(line.split(maxsplit=5)) == 6 else ""
+            fields = line.split(maxsplit=5)
+            path = fields[5] if len(fields) == 6 else ""
             if path.startswith("/dev/shm/engram-trt-") and path.endswith(".tables"):
                 names.add(Path(path).name)
     return names

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import segments_mapped_by
+from conftest import descendants, segments_mapped_by
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
@@ -60,19 +60,9 @@ def _followers_of(root: int) -> list[int]:
     """Live descendants of ``root`` that run a serving group's follower."""
     from engram_trt.distributed.serving import FOLLOWER_MARK
 
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
     out = []
-    for pid in parent:
-        p = pid
-        while p in parent and p not in (0, 1, root):
-            p = parent[p]
-        if p == root and pid != root and _alive(pid):
+    for pid in descendants(root):
+        if _alive(pid):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             except OSError:
