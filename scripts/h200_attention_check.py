@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import os
 import statistics
@@ -47,7 +46,7 @@ sys.path.insert(0, str(REPO / "python"))
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
-from h200_common import LOG, RESULTS, build, record, say  # noqa: E402,F401 (one log, one build step)
+from h200_common import LOG, RESULTS, Harness, build, record, record_crash, say, write_results  # noqa: E402,F401
 
 
 # --- float64 reference -------------------------------------------------------------------
@@ -294,87 +293,6 @@ PF_FLOAT32, PF_INT32, PF_INT64 = 1, 5, 10
 DT = {"float32": 0, "float16": 1, "int32": 3, "bool": 4, "bfloat16": 7, "int64": 8}
 
 
-class Harness:
-    """The plugin harness's C API (plugins/tests/plugin_harness.cpp), any number of outputs."""
-
-    def __init__(self, path: Path) -> None:
-        self.lib = ctypes.CDLL(str(path))
-        vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        P = ctypes.POINTER
-        self.lib.harness_last_error.restype = ctypes.c_char_p
-        self.lib.harness_create.restype = vp
-        self.lib.harness_create.argtypes = [ctypes.c_char_p, i32, P(ctypes.c_char_p), P(i32), P(i32), P(vp), i32]
-        self.lib.harness_roundtrip.restype = vp
-        self.lib.harness_roundtrip.argtypes = [vp]
-        self.lib.harness_destroy.argtypes = [vp]
-        self.lib.harness_output_types.argtypes = [vp, i32, P(i32), i32, P(i32)]
-        self.lib.harness_output_shapes.argtypes = [vp, i32, P(i32), P(i64), i32, P(i32), P(i64), P(i32)]
-        self.lib.harness_run.argtypes = [vp, i32, P(i32), P(i32), P(i64), P(vp), i32, P(i32), P(i32), P(i64), P(vp),
-                                         vp, P(ctypes.c_uint64)]
-        self.lib.harness_aliased_input.argtypes = [vp, i32, P(i32), P(i32)]
-
-    def error(self) -> str:
-        return self.lib.harness_last_error().decode()
-
-    def create(self, name: str, fields, phase: int = 0) -> int:
-        n = len(fields)
-        names = (ctypes.c_char_p * n)(*[f[0].encode() for f in fields])
-        types = (ctypes.c_int32 * n)(*[f[1] for f in fields])
-        lengths = (ctypes.c_int32 * n)(*[int(f[2].size) for f in fields])
-        data = (ctypes.c_void_p * n)(*[f[2].ctypes.data for f in fields])
-        h = self.lib.harness_create(name.encode(), n, names, types, lengths, data, phase)
-        if not h:
-            raise RuntimeError(f"harness_create({name}): {self.error()}")
-        return h
-
-    def roundtrip(self, h: int) -> int:
-        h2 = self.lib.harness_roundtrip(h)
-        if not h2:
-            raise RuntimeError(f"harness_roundtrip: {self.error()}")
-        return h2
-
-    def output_types(self, h: int, in_types: list[int], n_out: int) -> list[int]:
-        out = (ctypes.c_int32 * n_out)()
-        if self.lib.harness_output_types(h, len(in_types), (ctypes.c_int32 * len(in_types))(*in_types), n_out, out):
-            raise RuntimeError(f"output_types: {self.error()}")
-        return list(out)
-
-    @staticmethod
-    def _dims(shapes):
-        nb = (ctypes.c_int32 * len(shapes))(*[len(s) for s in shapes])
-        flat = (ctypes.c_int64 * (8 * len(shapes)))()
-        for i, s in enumerate(shapes):
-            for j, d in enumerate(s):
-                flat[8 * i + j] = d
-        return nb, flat
-
-    def output_shapes(self, h: int, in_shapes, n_out: int):
-        nb, flat = self._dims(in_shapes)
-        onb, odims, oconst = (ctypes.c_int32 * n_out)(), (ctypes.c_int64 * (8 * n_out))(), (ctypes.c_int32 * (8 * n_out))()
-        if self.lib.harness_output_shapes(h, len(in_shapes), nb, flat, n_out, onb, odims, oconst):
-            raise RuntimeError(f"output_shapes: {self.error()}")
-        return [tuple(odims[8 * o + j] for j in range(onb[o])) for o in range(n_out)]
-
-    def aliased_input(self, h: int, output: int) -> tuple[int, int]:
-        aliased, major = ctypes.c_int32(-7), ctypes.c_int32(0)
-        if self.lib.harness_aliased_input(h, output, ctypes.byref(aliased), ctypes.byref(major)):
-            raise RuntimeError(f"aliased_input: {self.error()}")
-        return aliased.value, major.value
-
-    def run(self, h: int, inputs, in_types, outputs, out_types, stream: int) -> int:
-        nb, flat = self._dims([tuple(t.shape) for t in inputs])
-        onb, oflat = self._dims([tuple(t.shape) for t in outputs])
-        ptrs = (ctypes.c_void_p * len(inputs))(*[t.data_ptr() for t in inputs])
-        optrs = (ctypes.c_void_p * len(outputs))(*[t.data_ptr() for t in outputs])
-        ws = ctypes.c_uint64(0)
-        status = self.lib.harness_run(h, len(inputs), (ctypes.c_int32 * len(inputs))(*in_types), nb, flat, ptrs,
-                                      len(outputs), (ctypes.c_int32 * len(outputs))(*out_types), onb, oflat, optrs,
-                                      ctypes.c_void_p(stream), ctypes.byref(ws))
-        if status != 0:
-            raise RuntimeError(f"harness_run: {self.error()}")
-        return ws.value
-
-
 def attention_fields(H, kvh, hd, scale, **override):
     fields = {"num_heads": (PF_INT32, np.array([H], np.int32)), "num_kv_heads": (PF_INT32, np.array([kvh], np.int32)),
               "head_dim": (PF_INT32, np.array([hd], np.int32)), "scale": (PF_FLOAT32, np.array([scale], np.float32))}
@@ -386,15 +304,15 @@ def check_plugin_cpu(harness: Harness) -> None:
     H, kvh, hd, S, L = 32, 8, 128, 6, 1024
     h = harness.create("EngramAttention", attention_fields(H, kvh, hd, hd ** -0.5))
     in_shapes = [(50, H, hd), (50, kvh, hd), (50, kvh, hd), (S, kvh, L, hd), (S, kvh, L, hd), (50,), (50,)]
-    shapes = harness.output_shapes(h, in_shapes, 3)
+    shapes = harness.outputs_shapes(h, in_shapes, 3)
     record("plugin EngramAttention getOutputShapes", shapes == [(50, H, hd), (S, kvh, L, hd), (S, kvh, L, hd)],
            str(shapes))
     types = {}
     for io in ("bfloat16", "float16", "float32"):
-        types[io] = harness.output_types(h, [DT[io]] * 5 + [DT["int32"]] * 2, 3) == [DT[io]] * 3
+        types[io] = harness.outputs_types(h, [DT[io]] * 5 + [DT["int32"]] * 2, 3) == [DT[io]] * 3
     record("plugin EngramAttention getOutputDataTypes: every output q's type", all(types.values()), str(types))
     try:
-        harness.output_types(h, [DT["bfloat16"]] * 3 + [DT["float16"]] * 2 + [DT["int32"]] * 2, 3)
+        harness.outputs_types(h, [DT["bfloat16"]] * 3 + [DT["float16"]] * 2 + [DT["int32"]] * 2, 3)
         record("plugin EngramAttention refuses caches of another type than q", False, "accepted")
     except RuntimeError as exc:
         record("plugin EngramAttention refuses caches of another type than q", "share one type" in str(exc),
@@ -404,7 +322,7 @@ def check_plugin_cpu(harness: Harness) -> None:
            aliases == [(-1, 2), (3, 2), (4, 2)], str(aliases))
     h2 = harness.roundtrip(h)
     record("plugin EngramAttention serialize round trip",
-           harness.output_shapes(h2, in_shapes, 3) == shapes and harness.aliased_input(h2, 1) == (3, 2))
+           harness.outputs_shapes(h2, in_shapes, 3) == shapes and harness.aliased_input(h2, 1) == (3, 2))
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = {}
@@ -451,7 +369,7 @@ def check_plugin_gpu(rng, harness: Harness) -> None:
             # in place: the cache outputs are the cache inputs (what the aliasing gives)
             kc_d, vc_d = kc.to(dev), vc.to(dev)
             out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-            ws = harness.run(h, [q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, ts, tp], in_types, [out, kc_d, vc_d],
+            ws = harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, ts, tp], in_types, [out, kc_d, vc_d],
                              [io] * 3, stream)
             torch.cuda.synchronize()
             ok, detail = compare("plugin", out, ref, dname)
@@ -463,7 +381,7 @@ def check_plugin_gpu(rng, harness: Harness) -> None:
             kc_out = torch.full_like(kc_in, float("nan"))
             vc_out = torch.full_like(vc_in, float("nan"))
             out2 = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-            harness.run(h, [q.to(dev), k.to(dev), v.to(dev), kc_in, vc_in, ts, tp], in_types, [out2, kc_out, vc_out],
+            harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_in, vc_in, ts, tp], in_types, [out2, kc_out, vc_out],
                         [io] * 3, stream)
             torch.cuda.synchronize()
             inputs_same = torch.equal(bits(kc_in), bits(kc)) and torch.equal(bits(vc_in), bits(vc))
@@ -583,17 +501,10 @@ def main() -> int:
             if not args.no_timing:
                 time_attention(args.reps)
     except Exception as exc:  # report what ran, then fail
-        import traceback
-
-        say(traceback.format_exc())
-        record("script completed", False, f"{type(exc).__name__}: {exc}")
+        record_crash(exc)
         failed = True
 
-    n_fail = sum(not c["ok"] for c in RESULTS["checks"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "h200_attention_check.json").write_text(json.dumps(RESULTS, indent=1))
-    (args.out / "h200_attention_check.log").write_text("\n".join(LOG) + "\n")
-    say(f"\n{len(RESULTS['checks']) - n_fail} checks passed, {n_fail} failed (seed {seed})")
+    n_fail = write_results(args.out, "h200_attention_check", seed)
     if RESULTS["timing"]:
         say(f"{'case':<22} | {'step us':>9} | {'attn us':>9} | {'SDPA us':>9} | x SDPA | GB/s | TFLOP/s")
         for label, r in RESULTS["timing"].items():

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 from pathlib import Path
@@ -56,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from h200_common import LOG, RESULTS, build, record, say  # noqa: E402 (one log, one build step)
+from h200_common import LOG, RESULTS, build, record, record_crash, say, write_results  # noqa: E402,F401
 
 U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
 EPS = 1e-6
@@ -477,20 +476,10 @@ def main(argv: list[str] | None = None) -> int:
                 h200_backbone_model.check_model(model, layout, info, seed)
                 h200_backbone_model.time_decode(model, args.iters)
     except Exception as exc:  # report what ran, then fail
-        import traceback
-
-        say(traceback.format_exc())
-        record("script completed", False, f"{type(exc).__name__}: {exc}")
+        record_crash(exc)
         failed = True
 
-    n_fail = sum(not c["ok"] for c in RESULTS["checks"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "h200_backbone_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    (args.out / "h200_backbone_check.log").write_text("\n".join(LOG) + "\n")
-    say(f"\n{len(RESULTS['checks']) - n_fail} checks passed, {n_fail} failed (seed {seed})")
-    for c in RESULTS["checks"]:
-        if not c["ok"]:
-            say(f"  FAILED {c['name']}: {c['detail']}")
+    n_fail = write_results(args.out, "h200_backbone_check", seed)
     if RESULTS["timing"]:
         import h200_backbone_model
 

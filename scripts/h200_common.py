@@ -32,6 +32,31 @@ def record(name: str, ok: bool, detail: str = "") -> None:
     say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
 
 
+def record_crash(exc: BaseException) -> None:
+    """A check script stopped by an exception: its traceback in the log and a failed
+    check, so what ran before it is still reported."""
+    import traceback
+
+    say(traceback.format_exc())
+    record("script completed", False, f"{type(exc).__name__}: {exc}")
+
+
+def write_results(out: Path, name: str, seed: int) -> int:
+    """``<out>/<name>.json`` (RESULTS) and ``<name>.log``, the pass/fail count and each
+    failed check; returns the number failed."""
+    import json
+
+    n_fail = sum(not c["ok"] for c in RESULTS["checks"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    (out / f"{name}.log").write_text("\n".join(LOG) + "\n")
+    say(f"\n{len(RESULTS['checks']) - n_fail} checks passed, {n_fail} failed (seed {seed})")
+    for c in RESULTS["checks"]:
+        if not c["ok"]:
+            say(f"  FAILED: {c['name']}: {c['detail'][:200]}")
+    return n_fail
+
+
 def random_fp8_table(rng, rows: int, head_dim: int, block: int = 32):
     fp8 = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
     fp8[(fp8 & 0x7F) == 0x7F] = 0x3C  # no NaN encodings: bit comparison of NaN payloads is meaningless
@@ -114,6 +139,7 @@ class Harness:
                                          ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), i32, ctypes.POINTER(i32),
                                          ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), vp,
                                          ctypes.POINTER(ctypes.c_uint64)]
+        self.lib.harness_aliased_input.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
 
     def error(self) -> str:
         return self.lib.harness_last_error().decode()
@@ -158,10 +184,13 @@ class Harness:
         return fields
 
     def output_types(self, h: int, in_types: list[int]) -> list[int]:
-        out = (ctypes.c_int32 * 1)()
-        if self.lib.harness_output_types(h, len(in_types), (ctypes.c_int32 * len(in_types))(*in_types), 1, out) != 0:
+        return self.outputs_types(h, in_types, 1)
+
+    def outputs_types(self, h: int, in_types: list[int], n_out: int) -> list[int]:
+        out = (ctypes.c_int32 * n_out)()
+        if self.lib.harness_output_types(h, len(in_types), (ctypes.c_int32 * len(in_types))(*in_types), n_out, out) != 0:
             raise RuntimeError(f"output_types: {self.error()}")
-        return [out[0]]
+        return list(out)
 
     @staticmethod
     def _dims(shapes):
@@ -172,22 +201,41 @@ class Harness:
                 flat[8 * i + k] = v
         return nb, flat
 
-    def output_shapes(self, h: int, in_shapes: list[tuple]) -> tuple[tuple, tuple]:
+    def _shapes(self, h: int, in_shapes: list[tuple], n_out: int) -> list[tuple[tuple, tuple]]:
+        """Per output (its dims, which of them are build-time constants)."""
         nb, flat = self._dims(in_shapes)
-        onb, odims, oconst = (ctypes.c_int32 * 1)(), (ctypes.c_int64 * 8)(), (ctypes.c_int32 * 8)()
-        if self.lib.harness_output_shapes(h, len(in_shapes), nb, flat, 1, onb, odims, oconst) != 0:
+        onb, odims, oconst = (ctypes.c_int32 * n_out)(), (ctypes.c_int64 * (8 * n_out))(), (ctypes.c_int32 * (8 * n_out))()
+        if self.lib.harness_output_shapes(h, len(in_shapes), nb, flat, n_out, onb, odims, oconst) != 0:
             raise RuntimeError(f"output_shapes: {self.error()}")
-        return tuple(odims[k] for k in range(onb[0])), tuple(bool(oconst[k]) for k in range(onb[0]))
+        return [(tuple(odims[8 * o + k] for k in range(onb[o])), tuple(bool(oconst[8 * o + k]) for k in range(onb[o])))
+                for o in range(n_out)]
+
+    def output_shapes(self, h: int, in_shapes: list[tuple]) -> tuple[tuple, tuple]:
+        return self._shapes(h, in_shapes, 1)[0]
+
+    def outputs_shapes(self, h: int, in_shapes: list[tuple], n_out: int) -> list[tuple]:
+        return [dims for dims, _ in self._shapes(h, in_shapes, n_out)]
+
+    def aliased_input(self, h: int, output: int) -> tuple[int, int]:
+        """(the input an output aliases or -1, the plugin's build capability major)."""
+        aliased, major = ctypes.c_int32(-7), ctypes.c_int32(0)
+        if self.lib.harness_aliased_input(h, output, ctypes.byref(aliased), ctypes.byref(major)):
+            raise RuntimeError(f"aliased_input: {self.error()}")
+        return aliased.value, major.value
 
     def run(self, h: int, inputs: list, in_types: list[int], out, out_type: int, stream: int) -> int:
+        return self.run_outputs(h, inputs, in_types, [out], [out_type], stream)
+
+    def run_outputs(self, h: int, inputs: list, in_types: list[int], outputs: list, out_types: list[int],
+                    stream: int) -> int:
         nb, flat = self._dims([tuple(t.shape) for t in inputs])
-        onb, oflat = self._dims([tuple(out.shape)])
+        onb, oflat = self._dims([tuple(t.shape) for t in outputs])
         ptrs = (ctypes.c_void_p * len(inputs))(*[t.data_ptr() for t in inputs])
-        optrs = (ctypes.c_void_p * 1)(out.data_ptr())
+        optrs = (ctypes.c_void_p * len(outputs))(*[t.data_ptr() for t in outputs])
         ws = ctypes.c_uint64(0)
-        status = self.lib.harness_run(h, len(inputs), (ctypes.c_int32 * len(inputs))(*in_types), nb, flat, ptrs, 1,
-                                      (ctypes.c_int32 * 1)(out_type), onb, oflat, optrs, ctypes.c_void_p(stream),
-                                      ctypes.byref(ws))
+        status = self.lib.harness_run(h, len(inputs), (ctypes.c_int32 * len(inputs))(*in_types), nb, flat, ptrs,
+                                      len(outputs), (ctypes.c_int32 * len(outputs))(*out_types), onb, oflat, optrs,
+                                      ctypes.c_void_p(stream), ctypes.byref(ws))
         if status != 0:
             raise RuntimeError(f"harness_run: {self.error()}")
         return ws.value

@@ -32,8 +32,9 @@ import torch  # noqa: E402
 
 from engram_trt import kernels  # noqa: E402
 from engram_trt.hostgather import HostGatherer  # noqa: E402
+from h200_hostgather_sweep import HD, QB, pinned_fp8_table  # noqa: E402  (the same table as the sweep)
 
-HD, QB, COLS = 256, 32, 24
+COLS = 24
 SIZES = (6144, 196608)
 
 
@@ -47,14 +48,7 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     rows_n = int(args.table_gib * 2**30) // HD
     t0 = time.perf_counter()
-    rows = torch.empty((rows_n, HD), dtype=torch.uint8, pin_memory=True)
-    scales = torch.empty((rows_n, HD // QB), dtype=torch.uint8, pin_memory=True)
-    block = torch.randint(0, 120, (1 << 26,), dtype=torch.uint8)
-    flat = rows.view(-1)
-    for a in range(0, flat.numel(), block.numel()):
-        n = min(block.numel(), flat.numel() - a)
-        flat[a:a + n].copy_(block[:n])
-    scales.fill_(127)
+    rows, scales = pinned_fp8_table(rows_n)
     print(f"table {rows_n:,} rows ready in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}, "
           f"affinity {len(os.sched_getaffinity(0))} CPUs, torch parallel info: {torch.__config__.parallel_info().splitlines()[:4]}",
           flush=True)

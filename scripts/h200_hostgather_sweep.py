@@ -22,17 +22,24 @@ from engram_trt.hostgather import HostGatherer  # noqa: E402
 ROWS, HD, QB = 100_663_296, 256, 32
 
 
-def main() -> int:
-    dev = torch.device("cuda", 0)
-    t0 = time.perf_counter()
-    rows = torch.empty((ROWS, HD), dtype=torch.uint8, pin_memory=True)
-    scales = torch.empty((ROWS, HD // QB), dtype=torch.uint8, pin_memory=True)
+def pinned_fp8_table(num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split fp8 table in pinned (cudaHostAlloc) memory: a random 64 MiB block tiled
+    over the rows (no NaN codes: bytes < 120), every scale 2^0."""
+    rows = torch.empty((num_rows, HD), dtype=torch.uint8, pin_memory=True)
+    scales = torch.empty((num_rows, HD // QB), dtype=torch.uint8, pin_memory=True)
     block = torch.randint(0, 120, (1 << 26,), dtype=torch.uint8)
     flat = rows.view(-1)
     for a in range(0, flat.numel(), block.numel()):
         n = min(block.numel(), flat.numel() - a)
         flat[a:a + n].copy_(block[:n])
     scales.fill_(127)
+    return rows, scales
+
+
+def main() -> int:
+    dev = torch.device("cuda", 0)
+    t0 = time.perf_counter()
+    rows, scales = pinned_fp8_table(ROWS)
     print(f"table ready in {time.perf_counter() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(0)
     ids = {n: [torch.randint(0, ROWS, (n // 24, 24), generator=gen, dtype=torch.int32) for _ in range(20)]

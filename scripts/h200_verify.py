@@ -66,7 +66,7 @@ import numpy as np  # noqa: E402
 
 from h200_common import (DT, LOG, build, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
                          gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
-                         random_fp8_table, record, say)
+                         random_fp8_table, record, record_crash, say, write_results)
 import h200_column_range  # noqa: E402
 import h200_edge_cases  # noqa: E402
 import h200_timing  # noqa: E402
@@ -659,20 +659,10 @@ def main() -> int:
                 h200_timing.time_gate_and_hash(rng)
                 h200_timing.time_gathers(rng, args.table_gib, args.reps)
     except Exception as exc:  # report what ran, then fail
-        import traceback
-
-        say(traceback.format_exc())
-        record("script completed", False, f"{type(exc).__name__}: {exc}")
+        record_crash(exc)
         failed = True
 
-    n_fail = sum(not c["ok"] for c in RESULTS["checks"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "h200_verify.json").write_text(json.dumps(RESULTS, indent=1))
-    (args.out / "h200_verify.log").write_text("\n".join(LOG) + "\n")
-    say(f"\n{len(RESULTS['checks']) - n_fail} checks passed, {n_fail} failed (seed {seed})")
-    for c in RESULTS["checks"]:
-        if not c["ok"]:
-            say(f"  FAILED: {c['name']}: {c['detail'][:200]}")
+    n_fail = write_results(args.out, "h200_verify", seed)
     t = RESULTS["timing"]
     if "d2d_copy_GBps" in t:
         say(f"device-to-device copy: {t['d2d_copy_GBps']:.0f} GB/s")

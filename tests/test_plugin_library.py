@@ -835,11 +835,11 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
         messages = []
         for outputs in ([q.clone(), kc, vc], [q.clone(), kc.clone(), vc.clone()]):
             with pytest.raises(RuntimeError) as failure:
-                h.run(plugin, [q, k, v, kc, vc, slot, pos], types, outputs, [io] * 3, 0)
+                h.run_outputs(plugin, [q, k, v, kc, vc, slot, pos], types, outputs, [io] * 3, 0)
             messages.append(str(failure.value))
         for inputs in ([q, k[:, :1], v, kc, vc, slot, pos], [q, k, v, kc, vc, slot, pos[:4]]):
             with pytest.raises(RuntimeError) as failure:
-                h.run(plugin, inputs, types, [q.clone(), kc, vc], [io] * 3, 0)
+                h.run_outputs(plugin, inputs, types, [q.clone(), kc, vc], [io] * 3, 0)
             messages.append(str(failure.value))
     finally:
         h.lib.harness_destroy(plugin)
