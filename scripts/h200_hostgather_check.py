@@ -10,7 +10,9 @@ float32 NumPy dequant, or the table's own rows for bf16 and raw bytes):
   - the hot-row cache on CUDA against the plain host gather, and calibrate_gather;
   - the cache's fused plan / admission kernels against the policy's CPU reference, state
     by state, its rows against the host gather in four table forms, a failed fetch, and
-    the fused plan's time against the torch reference's (scripts/h200_cache_check.py).
+    the fused plan's time against the torch reference's (scripts/h200_cache_check.py);
+  - the gather driver: queued jobs, GPU-side waits, ids arriving late, a failed job, close
+    with jobs queued, and the engine thread's time (scripts/h200_driver_check.py).
 Prints one line per check, a table of the times and a summary; exits 1 if any check failed.
 
     PYTHONPATH=python python3 scripts/h200_hostgather_check.py
@@ -166,6 +168,14 @@ def main() -> int:
     print("| cache step, 196,608 skewed lookups, 50M-row table, warm 5% cache (medians) | value |")
     print("| --- | --- |")
     for k, v in timings.items():
+        print(f"| {k} | {v:,.0f} |")
+
+    # 10. the gather driver: jobs queued at submit, readers waiting on the GPU
+    import h200_driver_check
+
+    driver_times: dict[str, float] = {}
+    h200_driver_check.run(dev, record, driver_times)
+    for k, v in driver_times.items():
         print(f"| {k} | {v:,.0f} |")
 
     failed = [r for r in RESULTS if not r[1]]

@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.5.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.6.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -323,6 +323,31 @@ ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gatherer, int32_t
     int64_t num_ids, const void* rows_host, const void* scales_host, int64_t table_num_rows, int32_t head_dim,
     int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* dst_rows_host, void* dst_scales_host,
     int32_t prefetch_rows, int32_t streaming_stores);
+
+/*
+ * The gather driver (runtime/gatherDriver.cpp): a thread that runs a host gatherer's
+ * calls queued by the caller, so the caller never waits for their CPU part. submit
+ * queues one engram_host_gather_ex call (same arguments; with ids_ready non-NULL the
+ * driver first waits for that event: ids copied back from the hash kernel) and returns
+ * at once with its ticket (1, 2, ...). ids_host must stay valid, and `out` unread, until
+ * the ticket is finished. wait_stream enqueues on `stream` a wait (no SM, no host wait)
+ * until the ticket's rows are ready on the job's stream; it may come before the job has
+ * run. finish waits on the host until every job up to the ticket has run and returns the
+ * first failure among them with its message (a failed job still releases its waiters; its
+ * rows are then undefined). Jobs of one driver run in order. destroy runs the queued
+ * jobs first; destroy the driver before its gatherer. supported: whether `device` has
+ * the 64-bit stream memory operations the driver needs (create fails without them).
+ */
+typedef struct EngramGatherDriver EngramGatherDriver;
+ENGRAM_API int engram_gather_driver_supported(int32_t device, int32_t* supported);
+ENGRAM_API int engram_gather_driver_create(EngramHostGatherer* gatherer, EngramGatherDriver** driver);
+ENGRAM_API int engram_gather_driver_destroy(EngramGatherDriver* driver);
+ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver, const int32_t* ids_host, int64_t num_tokens,
+    int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
+    int32_t head_dim, int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* out, cudaStream_t stream,
+    cudaEvent_t ids_ready, uint64_t* ticket);
+ENGRAM_API int engram_gather_driver_wait_stream(EngramGatherDriver* driver, uint64_t ticket, cudaStream_t stream);
+ENGRAM_API int engram_gather_driver_finish(EngramGatherDriver* driver, uint64_t ticket);
 
 /*
  * Fused Engram gate over hc_mult streams (engram-spec.md, "Fusion"):

@@ -18,31 +18,41 @@ namespace engram_trt
 namespace kernels
 {
 
-//! 8 consecutive values as floats (bf16 / fp16 from one 16-byte load, fp32 from two).
-__device__ __forceinline__ void load8(__nv_bfloat16 const* p, float (&v)[8])
+//! Two 16-bit values of a pair widened to floats.
+__device__ __forceinline__ float2 unpackPair(__nv_bfloat162 pair)
+{
+    return __bfloat1622float2(pair);
+}
+
+__device__ __forceinline__ float2 unpackPair(__half2 pair)
+{
+    return __half22float2(pair);
+}
+
+//! 8 consecutive 16-bit values (pairs of type Pair) as floats, from one 16-byte load.
+template <typename Pair, typename T>
+__device__ __forceinline__ void load8Pairs(T const* p, float (&v)[8])
 {
     uint4 const raw = *reinterpret_cast<uint4 const*>(p);
-    __nv_bfloat162 const* pairs = reinterpret_cast<__nv_bfloat162 const*>(&raw);
+    Pair const* pairs = reinterpret_cast<Pair const*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
     {
-        float2 const f = __bfloat1622float2(pairs[i]);
+        float2 const f = unpackPair(pairs[i]);
         v[2 * i] = f.x;
         v[2 * i + 1] = f.y;
     }
 }
 
+//! 8 consecutive values as floats (bf16 / fp16 from one 16-byte load, fp32 from two).
+__device__ __forceinline__ void load8(__nv_bfloat16 const* p, float (&v)[8])
+{
+    load8Pairs<__nv_bfloat162>(p, v);
+}
+
 __device__ __forceinline__ void load8(__half const* p, float (&v)[8])
 {
-    uint4 const raw = *reinterpret_cast<uint4 const*>(p);
-    __half2 const* pairs = reinterpret_cast<__half2 const*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        float2 const f = __half22float2(pairs[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
+    load8Pairs<__half2>(p, v);
 }
 
 __device__ __forceinline__ void load8(float const* p, float (&v)[8])

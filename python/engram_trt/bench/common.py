@@ -5,6 +5,7 @@ the random engram-llama configurations they build in memory."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -28,7 +29,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters:
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters}
+    return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters, "times_s": times}
 
 
 def measure_limits(device: torch.device) -> dict[str, float]:
@@ -57,3 +58,42 @@ def dump(obj: Any, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True, default=str)
+
+
+def thread_schedstats() -> dict[tuple[int, int, str], tuple[int, ...]]:
+    """(pid, tid, name) -> (ns on a CPU, ns waiting on a run queue, time slices) of every
+    thread of the machine (Linux /proc/*/task/*/schedstat; empty elsewhere). Two
+    snapshots around a timed step say which threads took the CPUs and how long this
+    process's threads waited for one (a preempted host-gather worker stalls its round)."""
+    out: dict[tuple[int, int, str], tuple[int, ...]] = {}
+    if not os.path.isdir("/proc"):
+        return out
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    stat = tuple(int(x) for x in f.read().split())
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            out[(int(pid), int(tid), name)] = stat
+    return out
+
+
+def schedstat_summary(before: dict, after: dict, top: int = 6) -> dict[str, Any]:
+    """What :func:`thread_schedstats` snapshots say happened between them: this process's
+    threads' run-queue wait (total and the most of one thread) and the busiest threads."""
+    me = os.getpid()
+    delta = {k: tuple(y - x for x, y in zip(before.get(k, (0, 0, 0)), v)) for k, v in after.items()}
+    ours = [v for k, v in delta.items() if k[0] == me]
+    busiest = sorted(delta.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"our_wait_ms": sum(v[1] for v in ours) / 1e6, "our_max_wait_ms": max((v[1] for v in ours), default=0) / 1e6,
+            "busiest": [{"name": k[2], "ours": k[0] == me, "run_ms": v[0] / 1e6, "wait_ms": v[1] / 1e6}
+                        for k, v in busiest]}

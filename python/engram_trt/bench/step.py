@@ -30,7 +30,7 @@ PRESETS: dict[str, dict[str, Any]] = {
               "head_dim": 64, "intermediate_size": 512, "hc_mult": 2, "engram_layer_ids": [1, 2],
               "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
 }
-MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto")
+MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -177,9 +177,11 @@ def run(args: argparse.Namespace) -> int:
             if mode != "none":
                 store = stores["device" if mode == "device" else "pinned"]
                 model.set_tables(store)
-                policy = None if mode in ("device", "pinned-auto") else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
-                pf = Prefetcher(layout, store, device, T, gather_policy=policy)
-                if mode == "pinned-auto":  # what a served runtime does: the start-up calibration's choice per size
+                auto = mode.startswith("pinned-auto")
+                policy = None if mode == "device" or auto else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
+                pf = Prefetcher(layout, store, device, T, gather_policy=policy,
+                                gather_driver=False if mode.endswith("-nodriver") else None)
+                if auto:  # what a served runtime does: the start-up calibration's choice per size
                     if "choice" not in calibrated:
                         calibrated["choice"] = pf.calibrate()
                         results["calibration"] = calibrated["choice"].describe() if calibrated["choice"] else None
@@ -202,10 +204,12 @@ def run(args: argparse.Namespace) -> int:
                 logits = graphs.run(step, rows) if graphs is not None else None
                 if logits is None:
                     logits = model.forward_step(step, cache, engram_rows=rows)
+                if rows is not None:
+                    rows.finish()  # as the runtime does after launching a step
                 torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
 
             t = time_fn(one, device, 3, args.iters)
-            entry = {"step_ms": t["median_s"] * 1e3,
+            entry = {"step_ms": t["median_s"] * 1e3, "times_ms": [x * 1e3 for x in t["times_s"]],
                      "graphs": None if graphs is None else (graphs.failed or f"{graphs.replays} replays")}
             if pf is not None and args.timeline and not (graphs is not None and graphs.handles_lookup(step)):
                 entry["timeline"] = _timeline(pf, one, device)
@@ -279,16 +283,33 @@ def _timeline(pf: Any, one: Any, device: Any) -> dict[str, float]:
         return staged
 
     pf.submit = submit
+    from engram_trt.bench.common import schedstat_summary, thread_schedstats
+
+    before = thread_schedstats()
     start = torch.cuda.Event(enable_timing=True)
     start.record()
     one()
     torch.cuda.synchronize(device)
     pf.submit, pf.timing = orig, False
+    sched = schedstat_summary(before, thread_schedstats())
     t = {k: start.elapsed_time(captured[k]) for k in ("start_event", "done_event", "wait_event") if k in captured}
     out = {"lookup_start_ms": t.get("start_event"), "lookup_end_ms": t.get("done_event"), "first_engram_layer_ms": t.get("wait_event")}
     if None not in out.values():
         out["lookup_ms"] = out["lookup_end_ms"] - out["lookup_start_ms"]
         out["exposed_ms"] = max(0.0, out["lookup_end_ms"] - out["first_engram_layer_ms"])
+    out["sched"] = sched  # type: ignore[assignment]
+    if captured.get("layer_done"):
+        # A host gather, layer by layer: when the main stream reached the layer's read,
+        # when the layer's rows were ready on the side stream (GPU clock, from the step's
+        # start), and when the host thread ran that layer's gather (host clock, from submit).
+        # (With the gather driver the host times are the driver thread's, not recorded;
+        # "ready" is then when the main stream got past its wait.)
+        host = captured.get("layer_host") or [None] * len(captured["layer_done"])
+        out["layers"] = [{"read_ms": start.elapsed_time(w), "ready_ms": start.elapsed_time(d),
+                          "host_gather_ms": None if h is None else [h[0] * 1e3, h[1] * 1e3]}
+                         for w, d, h in zip(captured["layer_waits"], captured["layer_done"], host)]
+        # What the main stream waited: each layer's rows past the point where it needed them.
+        out["exposed_ms"] = sum(max(0.0, x["ready_ms"] - x["read_ms"]) for x in out["layers"])
     return out
 
 
@@ -355,6 +376,15 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
             if tl and tl.get("lookup_ms") is not None:
                 print(f"  {m}: lookup {tl['lookup_ms']:.3f} ms on the side stream, first Engram layer at "
                       f"{tl['first_engram_layer_ms']:.3f} ms, exposed {tl['exposed_ms']:.3f} ms")
+            if tl and tl.get("sched"):
+                sc = tl["sched"]
+                print(f"    the step's threads waited {sc['our_wait_ms']:.2f} ms on run queues (one thread at most "
+                      f"{sc['our_max_wait_ms']:.2f} ms); busiest: " + ", ".join(
+                          f"{x['name']}{'*' if x['ours'] else ''} {x['run_ms']:.1f} ms" for x in sc["busiest"][:4]))
+            for li, layer in enumerate((tl or {}).get("layers", [])):
+                host = layer["host_gather_ms"]
+                print(f"    layer {li}: main stream at its read {layer['read_ms']:.3f} ms, rows ready {layer['ready_ms']:.3f} ms "
+                      f"(GPU clock)" + ("" if host is None else f"; host gather call {host[0]:.3f}-{host[1]:.3f} ms after submit"))
     print("ratios: step time / step time with the Engram layers removed; baseline/bound: the no-Engram step over its floor "
           "(backbone weights + KV read for decode, FLOPs for prefill); floor ratio: the Engram step's floor (its wkv and gate "
           "weights and staged rows read, or their FLOPs) over the backbone's, the least Engram can cost")

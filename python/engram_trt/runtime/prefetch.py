@@ -56,6 +56,25 @@ BAD_ROW_CHECK_EVERY = int(os.environ.get("ENGRAM_TRT_CHECK_ROWS_EVERY", "256") o
 # From this many tokens a host gather's row ids come from the hash kernel (and one copy
 # back) rather than from NumPy on the engine thread.
 GPU_HASH_MIN_TOKENS = 256
+# 0: no gather driver thread (the host gather runs at each Engram layer's first read, on
+# the engine thread), for comparison and for drivers without stream memory operations.
+GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "1") != "0"
+
+
+def _driver_supported(device: Any) -> bool:
+    from engram_trt.gatherdriver import driver_supported
+
+    try:
+        return driver_supported(device)
+    except EngramError as exc:
+        log.warning("gather driver unavailable (%s); the host gather runs on the engine thread", exc)
+        return False
+
+
+def default_threads() -> int:
+    from engram_trt.hostgather import default_gather_threads
+
+    return default_gather_threads()
 
 
 def bad_row_checker(device: Any) -> Any:
@@ -86,13 +105,18 @@ class StagedRows:
     first Engram layer on the GPU. :meth:`wait` runs and waits for every layer."""
 
     def __init__(self, views: Sequence[torch.Tensor], event: Any = None, info: dict[str, Any] | None = None,
-                 staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[int], Any] | None = None) -> None:
+                 staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[int], Any] | None = None,
+                 waiter: Callable[[int, Any], None] | None = None, finish: Callable[[], None] | None = None) -> None:
         self._views = list(views)
         self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
+        if waiter is not None:  # a layer's wait is enqueued on the reader's stream: the same lazy protocol
+            deferred = None
         self._deferred = deferred
-        self._layer_ready = [deferred is None] * len(self._views)
+        self._waiter = waiter
+        self._finish = finish
+        self._layer_ready = [deferred is None and waiter is None] * len(self._views)
         self._event = event
-        self._ready = event is None and deferred is None
+        self._ready = event is None and deferred is None and waiter is None
         self.info = info or {}
 
     def _mark_wait(self) -> None:
@@ -105,10 +129,28 @@ class StagedRows:
         if self._layer_ready[i]:
             return
         self._mark_wait()
-        assert self._deferred is not None
-        ev = self._deferred(i)  # raises a failure of the lookup here
-        torch.cuda.current_stream(self._views[i].device).wait_event(ev)
+        stream = torch.cuda.current_stream(self._views[i].device)
+        if "layer_waits" in self.info:  # timing: where the main stream stood at this layer's read
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record(stream)
+            self.info["layer_waits"].append(mark)
+        if self._waiter is not None:
+            self._waiter(i, stream)  # a wait on the GPU for this layer's rows (the gather driver's)
+            if "layer_done" in self.info:  # timing: when the reader got past it
+                done = self.info["done_event"] if i == len(self._views) - 1 else torch.cuda.Event(enable_timing=True)
+                done.record(stream)
+                self.info["layer_done"].append(done)
+        else:
+            assert self._deferred is not None
+            ev = self._deferred(i)  # raises a failure of the lookup here
+            stream.wait_event(ev)
         self._layer_ready[i] = True
+
+    def finish(self) -> None:
+        """On the host, after the step's layers were launched: wait until the lookup's host
+        work has run and raise its failure, if any (before the step's output is used)."""
+        if self._finish is not None:
+            self._finish()
 
     def wait(self) -> None:
         if self._ready:
@@ -124,7 +166,7 @@ class StagedRows:
         return len(self._views)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if self._deferred is not None and not self._ready:
+        if (self._deferred is not None or self._waiter is not None) and not self._ready:
             self._layer(i)
             if all(self._layer_ready):
                 self._ready = True
@@ -147,10 +189,12 @@ class Prefetcher:
     host: the runtime compresses and hashes there for the host gather, and uploads the
     compressed ids for the kernels otherwise. ``gather_policy(num_rows) -> path``
     picks the gather per step for host tables (default: the host gather).
+    ``gather_driver``: queue host gathers on the gather driver's thread (default: on
+    where the device supports it, unless ``ENGRAM_TRT_GATHER_DRIVER=0``).
     """
 
     def __init__(self, layout: EngramLayout, tables: TableStore, device: Any, max_tokens: int,
-                 gather_policy: Callable[[int], str] | None = None) -> None:
+                 gather_policy: Callable[[int], str] | None = None, gather_driver: bool | None = None) -> None:
         self.layout = layout
         self.tables = tables
         self.device = torch.device(device)
@@ -166,6 +210,7 @@ class Prefetcher:
                                     device=self.device) for i in range(layout.num_layers)]
         self._ops = None
         self._stream = None
+        self._driver: Any = None
         self._last_event: Any = None
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
@@ -186,7 +231,17 @@ class Prefetcher:
                 from engram_trt.hostgather import HostGatherer
 
                 width = max(tables.head_dim(i) for i in range(tables.num_layers))
-                self._gatherer = HostGatherer(device=self.device, max_head_dim=max(512, width))
+                driver = (GATHER_DRIVER if gather_driver is None else gather_driver) and _driver_supported(self.device)
+                # With the driver thread the engine thread keeps launching layers while the
+                # pool gathers: leave it one of the process's CPUs.
+                threads = max(1, default_threads() - 1) if driver else 0
+                self._gatherer = HostGatherer(num_threads=threads, device=self.device, max_head_dim=max(512, width))
+                if driver:
+                    from engram_trt.gatherdriver import GatherDriver
+
+                    self._driver = GatherDriver(self._gatherer)
+                log.info("host gather: %s", "queued on its driver thread at submit (the engine thread never waits for "
+                         "it)" if driver else "run at each Engram layer's first read, on the engine thread")
 
     def calibrate(self) -> Any:
         """Time the host gather and the UVA kernel on this store at a decode step's and a
@@ -245,7 +300,12 @@ class Prefetcher:
             info["wait_event"] = torch.cuda.Event(enable_timing=True)
             info["start_event"] = torch.cuda.Event(enable_timing=True)
             info["done_event"] = event
+            # per layer of a host gather: the main stream's read point, the layer's rows
+            # ready on the side stream, and the host thread's gather call (perf_counter)
+            info.update(layer_waits=[], layer_done=[], layer_host=[], submit_t=time.perf_counter())
 
+        if path == "host" and self._driver is not None:
+            return self._host_queued(step, cids, lookback, views, info)
         if path == "host":
             return StagedRows(views, None, info, staging=self.staging,
                               deferred=self._host_stager(step, cids, lookback, views, event, info))
@@ -271,10 +331,14 @@ class Prefetcher:
                     state["ids"] = self._host_row_ids(step, cids, lookback)
                 ids = state["ids"]
                 rows, scales = self.tables.tensors(li)
+                g0 = time.perf_counter()
                 self._gatherer.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=views[li])
                 state["done"] += 1
-                ev = last_event if state["done"] == n else torch.cuda.Event()
+                ev = last_event if state["done"] == n else torch.cuda.Event(enable_timing="layer_done" in info)
                 ev.record(self._stream)
+                if "layer_done" in info:
+                    info["layer_done"].append(ev)
+                    info["layer_host"].append((g0 - info["submit_t"], time.perf_counter() - info["submit_t"]))
             state["t"] += time.perf_counter() - t0
             if state["done"] == n:
                 info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
@@ -282,6 +346,53 @@ class Prefetcher:
             return ev
 
         return stage
+
+    def _host_queued(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor],
+                     info: dict[str, Any]) -> StagedRows:
+        """The host gather of every Engram layer queued on the gather driver at once (see
+        engram_trt.gatherdriver): the ids hashed here (NumPy) or by the hash kernel on the
+        side stream (the driver waits for their copy back); each layer's reader waits on
+        the GPU for its rows. Nothing here waits for the gather itself."""
+        t0 = time.perf_counter()
+        drv = self._driver
+        assert drv is not None and self._stream is not None
+        drv.finish()  # the last step's jobs have run (their ids buffer is free); raises their failure
+        T = step.num_tokens
+        if self._hash_host is None:
+            self._hash_host = torch.empty((self.max_tokens, self.layout.num_layers, self.cols), dtype=torch.int32,
+                                          pin_memory=True)
+        ids = self._hash_host[:T]
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            # The new rows land in the staging buffers only after the work already queued
+            # on the main stream (the last step's readers of those buffers).
+            self._stream.wait_stream(main)
+            if "start_event" in info:
+                info["start_event"].record(self._stream)
+            ready = None
+            if T < GPU_HASH_MIN_TOKENS or self._ops is None:
+                ids.copy_(torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout)
+                                           .astype(np.int32, copy=False)))
+            else:
+                ids.copy_(self._hash_on_gpu(step, cids, lookback), non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._stream)
+            tickets = []
+            for li, v in enumerate(views):
+                rows, scales = self.tables.tensors(li)
+                tickets.append(drv.submit(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v,
+                                          stream=self._stream, ids_ready=ready))
+        # The driver thread reads these after submit returns: keep them alive (a collected
+        # torch event is destroyed under the driver's wait) until the next step's finish().
+        self._queued_refs = (ids, ready)
+        info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
+        self._account(info, time.perf_counter() - t0)
+
+        def wait(li: int, stream: Any) -> None:
+            drv.wait_stream(tickets[li], stream)
+
+        return StagedRows(views, None, info, staging=self.staging, waiter=wait,
+                          finish=lambda: drv.finish(tickets[-1]))
 
     def _hash_on_gpu(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
         """Row ids ``[T, L, cols]`` int32 on the device: the compressed ids through the
@@ -345,6 +456,12 @@ class Prefetcher:
             st["paths"][info["path"]] = st["paths"].get(info["path"], 0) + 1
 
     def close(self) -> None:
+        if getattr(self, "_driver", None) is not None:
+            try:
+                self._driver.finish()
+            finally:
+                self._driver.close()
+                self._driver = None
         if self._stream is not None:
             self._stream.synchronize()
         if getattr(self, "_gatherer", None) is not None:

@@ -145,7 +145,10 @@ class ModelRunner:
             rows = self.prefetcher.submit(step, cids, lookback)
         if self.phases is not None:
             self.phases.mark(LOOKUP)
-        return self.backend.execute(step, self.cache, rows)
+        logits = self.backend.execute(step, self.cache, rows)
+        if rows is not None and hasattr(rows, "finish"):
+            rows.finish()  # the lookup's host work has run; its failure is raised before the logits are used
+        return logits
 
     # -- what it is -----------------------------------------------------------------------
     @property

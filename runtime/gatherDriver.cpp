@@ -1,0 +1,439 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+/*
+ * The gather driver: a thread that runs a host gatherer's calls queued by the engine
+ * thread, so that thread never waits for a lookup's CPU part.
+ *
+ * Why: a step's Engram ids are known before its first layer, but the host gather's CPU
+ * part (2-3 ms of an 8k-token prefill chunk's 196,608 rows per layer on the H200) ran on
+ * the thread that launches the layers. While it gathered one layer's rows no later layer
+ * was launched, and the GPU went idle once it ran out of queued work (the step timeline
+ * in docs/benchmarks.md). Here the engine thread queues every Engram layer's gather when
+ * the step is submitted and goes on launching layers; the driver gathers them in order;
+ * each layer's reader waits on the GPU, not on the host, for that layer's rows.
+ *
+ * How a reader waits: when job k's copies and dequant are enqueued on the job's stream,
+ * the driver enqueues there a write of k into a device word (cuStreamWriteValue64), and
+ * engram_gather_driver_wait_stream enqueues on the reader's stream a wait until the word
+ * is >= k (cuStreamWaitValue64). Stream memory operations take no SM, and the wait may be
+ * enqueued before the job has even started (a cudaStreamWaitEvent on an event not yet
+ * recorded would wait for nothing). Jobs run and complete in order, so the word only grows.
+ *
+ * Failure: a job that fails still releases its readers (the write is enqueued anyway, or,
+ * when even that fails, stored from the host after the stream drained) and keeps its
+ * message: engram_gather_driver_finish returns it. A reader's stream never waits forever,
+ * and the caller learns of the failure before it uses the step's output.
+ *
+ * The driver thread's CUDA calls use the relaxed stream-capture mode, so a CUDA graph
+ * that another thread captures in the global mode does not make them fail.
+ */
+#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsInternal.h"
+
+#include <condition_variable>
+#include <cuda.h>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+using namespace engram_trt::kernels;
+
+namespace
+{
+
+using WaitValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using WriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using DeviceGetFn = CUresult (*)(CUdevice*, int);
+using DeviceGetAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+
+//! A driver API function through the runtime (no link against libcuda), or nullptr.
+template <typename Fn>
+Fn driverEntry(char const* name)
+{
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess
+        || found != cudaDriverEntryPointSuccess)
+    {
+        cudaGetLastError();
+        return nullptr;
+    }
+    return reinterpret_cast<Fn>(fn);
+}
+
+struct MemOps
+{
+    WaitValue64Fn wait{nullptr};
+    WriteValue64Fn write{nullptr};
+    DeviceGetFn deviceGet{nullptr};
+    DeviceGetAttributeFn attribute{nullptr};
+};
+
+MemOps const& memOps()
+{
+    static MemOps const ops = [] {
+        MemOps m;
+        m.wait = driverEntry<WaitValue64Fn>("cuStreamWaitValue64");
+        m.write = driverEntry<WriteValue64Fn>("cuStreamWriteValue64");
+        m.deviceGet = driverEntry<DeviceGetFn>("cuDeviceGet");
+        m.attribute = driverEntry<DeviceGetAttributeFn>("cuDeviceGetAttribute");
+        return m;
+    }();
+    return ops;
+}
+
+//! 1 when `device` runs 64-bit stream wait / write operations, 0 when not, -1 when the
+//! driver could not be asked.
+int memOpsSupported(int device)
+{
+    MemOps const& m = memOps();
+    if (m.wait == nullptr || m.write == nullptr || m.deviceGet == nullptr || m.attribute == nullptr)
+    {
+        return -1;
+    }
+    CUdevice dev = 0;
+    int value = 0;
+    if (m.deviceGet(&dev, device) != CUDA_SUCCESS
+        || m.attribute(&value, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev) != CUDA_SUCCESS)
+    {
+        return -1;
+    }
+    return value != 0 ? 1 : 0;
+}
+
+struct DriverJob
+{
+    uint64_t ticket{0};
+    int32_t const* ids{nullptr};
+    int64_t numTokens{0};
+    int32_t numCols{0};
+    int64_t idTokenStride{0};
+    void const* rows{nullptr};
+    void const* scales{nullptr};
+    int64_t tableNumRows{0};
+    int32_t headDim{0};
+    int32_t tableDtype{0};
+    int32_t quantBlock{0};
+    int32_t tableLayout{0};
+    void* out{nullptr};
+    cudaStream_t stream{nullptr};
+    cudaEvent_t idsReady{nullptr};
+};
+
+} // namespace
+
+struct EngramGatherDriver
+{
+    EngramHostGatherer* gatherer{nullptr};
+    int device{0};
+    uint64_t* word{nullptr}; // device memory: the last ticket whose rows are ready on its stream
+    std::thread thread;
+    std::mutex mutex;
+    std::condition_variable work;
+    std::condition_variable done;
+    std::deque<DriverJob> queue;
+    uint64_t submitted{0};
+    uint64_t finished{0}; // every job up to this ticket has run (its CPU part and its enqueues)
+    bool stop{false};
+    int error{0};
+    uint64_t errorTicket{0};
+    std::string errorMessage;
+
+    void loop();
+    int runJob(DriverJob const& job);
+    void release(DriverJob const& job, bool failed);
+};
+
+int EngramGatherDriver::runJob(DriverJob const& job)
+{
+    if (job.idsReady != nullptr)
+    {
+        // The ids come from the hash kernel and one copy back (a long step): their event.
+        cudaError_t const status = cudaEventSynchronize(job.idsReady);
+        if (status != cudaSuccess)
+        {
+            return failCuda(
+                status, "engram_gather_driver: waiting for the step's ids failed: %s", cudaGetErrorString(status));
+        }
+    }
+    return engram_host_gather_ex(gatherer, job.ids, job.numTokens, job.numCols, job.idTokenStride, job.rows, job.scales,
+        job.tableNumRows, job.headDim, job.tableDtype, job.quantBlock, job.tableLayout, job.out, job.stream);
+}
+
+void EngramGatherDriver::release(DriverJob const& job, bool failed)
+{
+    CUresult const written
+        = memOps().write(job.stream, reinterpret_cast<CUdeviceptr>(word), job.ticket, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (written != CUDA_SUCCESS)
+    {
+        // Store the ticket once the stream's earlier writes of the word have landed (a
+        // later GPU write of an older ticket would otherwise undo it).
+        cudaStreamSynchronize(job.stream);
+        cudaMemcpy(word, &job.ticket, sizeof(job.ticket), cudaMemcpyHostToDevice);
+        cudaGetLastError();
+        if (!failed)
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            if (error == 0)
+            {
+                error = static_cast<int>(cudaErrorUnknown);
+                errorTicket = job.ticket;
+                errorMessage = "engram_gather_driver: cuStreamWriteValue64 failed (CUresult "
+                    + std::to_string(static_cast<int>(written)) + ")";
+            }
+        }
+    }
+}
+
+void EngramGatherDriver::loop()
+{
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    cudaSetDevice(device);
+    while (true)
+    {
+        DriverJob job;
+        {
+            std::unique_lock<std::mutex> lock(mutex);
+            work.wait(lock, [&] { return stop || !queue.empty(); });
+            if (queue.empty())
+            {
+                return; // stop, and every queued job has run
+            }
+            job = queue.front();
+            queue.pop_front();
+        }
+        clearError();
+        int const status = runJob(job);
+        if (status != 0)
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            if (error == 0)
+            {
+                error = status;
+                errorTicket = job.ticket;
+                errorMessage = engram_last_error();
+            }
+        }
+        release(job, status != 0);
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            finished = job.ticket;
+        }
+        done.notify_all();
+    }
+}
+
+extern "C" ENGRAM_API int engram_gather_driver_supported(int32_t device, int32_t* supported)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        if (supported == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "engram_gather_driver_supported: supported is NULL");
+        }
+        *supported = memOpsSupported(device) == 1 ? 1 : 0;
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_driver_supported")
+}
+
+extern "C" ENGRAM_API int engram_gather_driver_create(EngramHostGatherer* gatherer, EngramGatherDriver** driver)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_gather_driver_create";
+        if (gatherer == nullptr || driver == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: gatherer and driver are required", fn);
+        }
+        *driver = nullptr;
+        int device = 0;
+        cudaError_t status = cudaGetDevice(&device);
+        if (status != cudaSuccess)
+        {
+            return failCuda(status, "%s: cudaGetDevice failed: %s", fn, cudaGetErrorString(status));
+        }
+        int const support = memOpsSupported(device);
+        if (support != 1)
+        {
+            return fail(cudaErrorNotSupported,
+                "%s: device %d %s 64-bit stream memory operations (cuStreamWaitValue64); use the synchronous host "
+                "gather",
+                fn, device, support == 0 ? "does not support" : "cannot be asked about");
+        }
+        auto d = std::make_unique<EngramGatherDriver>();
+        d->gatherer = gatherer;
+        d->device = device;
+        status = cudaMalloc(reinterpret_cast<void**>(&d->word), sizeof(uint64_t));
+        if (status == cudaSuccess)
+        {
+            status = cudaMemset(d->word, 0, sizeof(uint64_t));
+        }
+        if (status == cudaSuccess)
+        {
+            status = cudaDeviceSynchronize();
+        }
+        if (status != cudaSuccess)
+        {
+            if (d->word != nullptr)
+            {
+                cudaFree(d->word);
+            }
+            return failCuda(status, "%s: the driver's device word: %s", fn, cudaGetErrorString(status));
+        }
+        EngramGatherDriver* raw = d.get();
+        d->thread = std::thread([raw] { raw->loop(); });
+        *driver = d.release();
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_driver_create")
+}
+
+extern "C" ENGRAM_API int engram_gather_driver_destroy(EngramGatherDriver* driver)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        if (driver == nullptr)
+        {
+            return 0;
+        }
+        {
+            std::lock_guard<std::mutex> lock(driver->mutex);
+            driver->stop = true;
+        }
+        driver->work.notify_all();
+        if (driver->thread.joinable())
+        {
+            driver->thread.join(); // runs every queued job first: their readers are released
+        }
+        cudaDeviceSynchronize(); // no stream may still wait on the word or write it
+        cudaFree(driver->word);
+        cudaGetLastError();
+        delete driver;
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_driver_destroy")
+}
+
+extern "C" ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver, int32_t const* idsHost,
+    int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rowsHost, void const* scalesHost,
+    int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock, int32_t tableLayout, void* out,
+    cudaStream_t stream, cudaEvent_t idsReady, uint64_t* ticket)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_gather_driver_submit";
+        if (driver == nullptr || ticket == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: driver and ticket are required", fn);
+        }
+        if (numTokens < 0 || numCols < 1 || idTokenStride < numCols)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: need num_tokens >= 0, num_cols >= 1, id_token_stride >= num_cols (got %lld, %d, %lld)", fn,
+                static_cast<long long>(numTokens), numCols, static_cast<long long>(idTokenStride));
+        }
+        if (numTokens > 0 && (idsHost == nullptr || out == nullptr || rowsHost == nullptr))
+        {
+            return fail(cudaErrorInvalidValue, "%s: ids_host, rows_host and out are required", fn);
+        }
+        DriverJob job;
+        job.ids = idsHost;
+        job.numTokens = numTokens;
+        job.numCols = numCols;
+        job.idTokenStride = idTokenStride;
+        job.rows = rowsHost;
+        job.scales = scalesHost;
+        job.tableNumRows = tableNumRows;
+        job.headDim = headDim;
+        job.tableDtype = tableDtype;
+        job.quantBlock = quantBlock;
+        job.tableLayout = tableLayout;
+        job.out = out;
+        job.stream = stream;
+        job.idsReady = idsReady;
+        {
+            std::lock_guard<std::mutex> lock(driver->mutex);
+            if (driver->stop)
+            {
+                return fail(cudaErrorInvalidValue, "%s: the driver is being destroyed", fn);
+            }
+            job.ticket = ++driver->submitted;
+            driver->queue.push_back(job);
+        }
+        driver->work.notify_one();
+        *ticket = job.ticket;
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_driver_submit")
+}
+
+extern "C" ENGRAM_API int engram_gather_driver_wait_stream(
+    EngramGatherDriver* driver, uint64_t ticket, cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_gather_driver_wait_stream";
+        if (driver == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: driver is NULL", fn);
+        }
+        {
+            std::lock_guard<std::mutex> lock(driver->mutex);
+            if (ticket == 0 || ticket > driver->submitted)
+            {
+                return fail(cudaErrorInvalidValue, "%s: ticket %llu was never submitted (last %llu)", fn,
+                    static_cast<unsigned long long>(ticket), static_cast<unsigned long long>(driver->submitted));
+            }
+        }
+        CUresult const status
+            = memOps().wait(stream, reinterpret_cast<CUdeviceptr>(driver->word), ticket, CU_STREAM_WAIT_VALUE_GEQ);
+        if (status != CUDA_SUCCESS)
+        {
+            return fail(cudaErrorUnknown, "%s: cuStreamWaitValue64 failed (CUresult %d)", fn, static_cast<int>(status));
+        }
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_driver_wait_stream")
+}
+
+extern "C" ENGRAM_API int engram_gather_driver_finish(EngramGatherDriver* driver, uint64_t ticket)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_gather_driver_finish";
+        if (driver == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: driver is NULL", fn);
+        }
+        std::unique_lock<std::mutex> lock(driver->mutex);
+        if (ticket > driver->submitted)
+        {
+            return fail(cudaErrorInvalidValue, "%s: ticket %llu was never submitted (last %llu)", fn,
+                static_cast<unsigned long long>(ticket), static_cast<unsigned long long>(driver->submitted));
+        }
+        driver->done.wait(lock, [&] { return driver->finished >= ticket; });
+        if (driver->error != 0 && driver->errorTicket <= ticket)
+        {
+            int const code = driver->error;
+            std::string const message = driver->errorMessage;
+            uint64_t const failed = driver->errorTicket;
+            driver->error = 0;
+            driver->errorTicket = 0;
+            driver->errorMessage.clear();
+            return fail(static_cast<cudaError_t>(code), "host gather job %llu failed: %s",
+                static_cast<unsigned long long>(failed), message.c_str());
+        }
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_driver_finish")
+}

@@ -1,0 +1,177 @@
+"""GPU checks of the gather driver (runtime/gatherDriver.cpp, engram_trt.gatherdriver),
+run by scripts/h200_hostgather_check.py:
+
+  - jobs queued at once (three layers of [T, L, cols] ids, split and inline fp8 tables)
+    equal the NumPy dequant reference, read on another stream after its GPU wait, with
+    the wait enqueued before the job ran (a slow first job keeps the driver busy; without
+    a working wait the reader copies the NaN the outputs were filled with);
+  - ids that arrive by a copy back from the GPU behind a slow kernel (ids_ready): the
+    driver waits for the event (without it, it reads the -1s the buffer held: zero rows);
+  - a job that fails on the driver thread (a table dtype the library refuses): finish()
+    raises its message, the reader's stream is released (it does not hang), and the next
+    job runs;
+  - close() with jobs still queued runs them first (their outputs exact);
+  - the driver against the engine-thread gather on a 24-column prefill-sized call: the
+    time until the engine thread is free again, and until the rows are ready.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+
+def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float]) -> None:
+    import torch
+
+    from engram_trt import gatherdriver, hostgather
+    from engram_trt.engram.quant import dequant_fp8_rows
+    from engram_trt.errors import EngramError
+    from engram_trt.gatherpath import inline_table
+
+    ok = gatherdriver.driver_supported(dev)
+    record("gather driver: the device has 64-bit stream memory operations", ok, "")
+    if not ok:
+        return
+    rng = np.random.default_rng(5)
+    N, D, QB = 300_000, 256, 32
+    values = rng.integers(0, 256, size=(N, D), dtype=np.uint8)
+    values[(values & 0x7F) == 0x7F] = 0x3C
+    scales = rng.integers(110, 140, size=(N, D // QB), dtype=np.uint8)
+    rows_t, scales_t = torch.from_numpy(values), torch.from_numpy(scales)
+    inline_t = inline_table(rows_t, scales_t)
+
+    def ref_fp8(ids: np.ndarray) -> torch.Tensor:
+        okay = (ids >= 0) & (ids < N)
+        safe = np.where(okay, ids, 0)
+        ref = dequant_fp8_rows(values[safe], scales[safe], QB)
+        ref[~okay] = 0
+        return torch.from_numpy(ref).to(torch.bfloat16)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+
+    side = torch.cuda.Stream(dev, priority=-1)
+    reader = torch.cuda.Stream(dev)
+    g = hostgather.HostGatherer(device=dev, max_head_dim=512)
+    drv = gatherdriver.GatherDriver(g)
+
+    # 1. three layers queued at once behind a slow job; the reader waits on the GPU
+    T, L, cols = 4096, 3, 24
+    ids3 = torch.from_numpy(rng.integers(-20, N + 20, size=(T, L, cols)).astype(np.int32)).pin_memory()
+    slow_ids = torch.from_numpy(rng.integers(0, N, size=(60_000, cols)).astype(np.int32)).pin_memory()
+    for layout, table in (("split", (rows_t, scales_t)), ("inline", (inline_t, None))):
+        outs = [torch.full((T, cols, D), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(L)]
+        slow_out = torch.empty((60_000, cols, D), dtype=torch.bfloat16, device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))  # the NaN fills come first
+        t0 = time.perf_counter()
+        slow = drv.submit(slow_ids, *table, quant_block=QB, out=slow_out, stream=side, layout=layout)
+        tickets = [drv.submit(ids3, *table, layer=li, quant_block=QB, out=outs[li], stream=side, layout=layout)
+                   for li in range(L)]
+        copies = []
+        with torch.cuda.stream(reader):
+            for li in range(L):
+                drv.wait_stream(tickets[li], reader)
+                copies.append(outs[li].clone())
+        enqueued = time.perf_counter() - t0
+        reader.synchronize()
+        ready = time.perf_counter() - t0
+        drv.finish()
+        good = all(same(copies[li].reshape(-1, D), ref_fp8(ids3[:, li, :].numpy().reshape(-1))) for li in range(L))
+        # the reads were enqueued long before the rows existed: the GPU wait held them
+        record(f"gather driver, {layout}: 3 layers queued behind a 1.4M-row job, read on another stream after its "
+               f"GPU wait", good and enqueued < 0.3 * ready,
+               f"tickets {slow}, {tickets}; reads enqueued after {enqueued * 1e3:.2f} ms, ready after {ready * 1e3:.2f} ms")
+
+    # 2. ids copied back from the GPU behind a slow kernel: the driver waits for ids_ready
+    dev_ids = torch.from_numpy(rng.integers(0, N, size=(2048, cols)).astype(np.int32)).to(dev)
+    host_ids = torch.full((2048, cols), -1, dtype=torch.int32).pin_memory()
+    busy = torch.empty(1 << 26, device=dev)
+    out = torch.empty((2048, cols, D), dtype=torch.bfloat16, device=dev)
+    with torch.cuda.stream(side):
+        for _ in range(40):
+            busy.mul_(1.0001)  # ~10 ms of work before the ids arrive
+        host_ids.copy_(dev_ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(side)
+    t = drv.submit(host_ids, rows_t, scales_t, quant_block=QB, out=out, stream=side, ids_ready=ready)
+    drv.wait_stream(t, reader)
+    with torch.cuda.stream(reader):
+        got = out.clone()
+    reader.synchronize()
+    drv.finish()
+    record("gather driver: ids copied back behind ~10 ms of GPU work, the driver waits for their event",
+           same(got.reshape(-1, D), ref_fp8(dev_ids.cpu().numpy().reshape(-1))), "")
+
+    # 3. a job that fails on the driver thread releases its reader and reports its message
+    bad_ids = torch.zeros((16, cols), dtype=torch.int32).pin_memory()
+    out = torch.empty((16, cols, D), dtype=torch.bfloat16, device=dev)
+    ticket = ctypes.c_uint64(0)
+    gatherdriver._ENTRY.call("engram_gather_driver_submit", drv._handle, ctypes.c_void_p(bad_ids.data_ptr()), 16, cols,
+                             cols, ctypes.c_void_p(rows_t.data_ptr()), ctypes.c_void_p(scales_t.data_ptr()), N, D, 7,
+                             QB, 0, ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(side.cuda_stream), None,
+                             ctypes.byref(ticket))
+    drv.last_ticket = int(ticket.value)
+    drv.wait_stream(int(ticket.value), reader)
+    done = torch.cuda.Event()
+    done.record(reader)
+    t0 = time.perf_counter()
+    while not done.query() and time.perf_counter() - t0 < 10:
+        time.sleep(0.001)
+    released = done.query()
+    try:
+        drv.finish()
+        message = "no error raised"
+    except EngramError as exc:
+        message = str(exc)
+    after = torch.from_numpy(rng.integers(0, N, size=(64, cols)).astype(np.int32)).pin_memory()
+    out_after = torch.empty((64, cols, D), dtype=torch.bfloat16, device=dev)
+    drv.wait_stream(drv.submit(after, rows_t, scales_t, quant_block=QB, out=out_after, stream=side))
+    drv.finish()
+    torch.cuda.synchronize(dev)
+    record("gather driver: a job failing on its thread releases the reader, finish() raises its message, the next "
+           "job runs", released and "table_dtype 7" in message and "failed" in message
+           and same(out_after.reshape(-1, D), ref_fp8(after.numpy().reshape(-1))), message[:160])
+
+    # 4. close() with queued jobs runs them first
+    outs = [torch.empty((T, cols, D), dtype=torch.bfloat16, device=dev) for _ in range(L)]
+    for li in range(L):
+        drv.submit(ids3, rows_t, scales_t, layer=li, quant_block=QB, out=outs[li], stream=side)
+    drv.close()
+    torch.cuda.synchronize(dev)
+    record("gather driver: close() runs the queued jobs first",
+           all(same(outs[li].reshape(-1, D), ref_fp8(ids3[:, li, :].numpy().reshape(-1))) for li in range(L)), "")
+
+    # 5. engine thread free again: the driver vs the engine-thread gather (196,608 rows)
+    big = torch.from_numpy(rng.integers(0, N, size=(8192, cols)).astype(np.int32)).pin_memory()
+    out = torch.empty((8192, cols, D), dtype=torch.bfloat16, device=dev)
+    drv = gatherdriver.GatherDriver(g)
+    free_d, ready_d, free_s, ready_s = [], [], [], []
+    for i in range(7):
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        tk = drv.submit(big, rows_t, scales_t, quant_block=QB, out=out, stream=side)
+        drv.wait_stream(tk, reader)
+        free_d.append(time.perf_counter() - t0)
+        reader.synchronize()
+        ready_d.append(time.perf_counter() - t0)
+        drv.finish()
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with torch.cuda.stream(side):
+            g.gather(big, rows_t, scales_t, quant_block=QB, out=out)
+        free_s.append(time.perf_counter() - t0)
+        side.synchronize()
+        ready_s.append(time.perf_counter() - t0)
+    drv.close()
+    g.close()
+    med = lambda xs: float(np.median(xs[2:])) * 1e6  # noqa: E731
+    timings.update({"driver: engine thread free after (us)": med(free_d), "driver: rows ready after (us)": med(ready_d),
+                    "engine-thread gather: free after (us)": med(free_s),
+                    "engine-thread gather: rows ready after (us)": med(ready_s)})
+    record("gather driver: the engine thread is free before the rows are ready (196,608 rows)",
+           med(free_d) < 0.25 * med(ready_d), f"free {med(free_d):.0f} us, ready {med(ready_d):.0f} us; "
+           f"engine-thread gather {med(free_s):.0f} / {med(ready_s):.0f} us")
