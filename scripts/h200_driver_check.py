@@ -24,35 +24,24 @@ from typing import Any, Callable
 import numpy as np
 
 
-def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float]) -> None:
+def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float], table: Any) -> None:
+    """``table``: the caller's fp8 test table (``values``, ``scales`` as NumPy, ``rows_t``,
+    ``scales_t``, ``inline_t`` as CPU tensors, ``N``, ``D``, ``QB``) with its ``ref_fp8(ids)``
+    (the NumPy dequant reference, zero rows for ids off the table) and ``same(a, b)``
+    (bit equality)."""
     import torch
 
     from engram_trt import gatherdriver, hostgather
-    from engram_trt.engram.quant import dequant_fp8_rows
     from engram_trt.errors import EngramError
-    from engram_trt.gatherpath import inline_table
 
     ok = gatherdriver.driver_supported(dev)
     record("gather driver: the device has 64-bit stream memory operations", ok, "")
     if not ok:
         return
     rng = np.random.default_rng(5)
-    N, D, QB = 300_000, 256, 32
-    values = rng.integers(0, 256, size=(N, D), dtype=np.uint8)
-    values[(values & 0x7F) == 0x7F] = 0x3C
-    scales = rng.integers(110, 140, size=(N, D // QB), dtype=np.uint8)
-    rows_t, scales_t = torch.from_numpy(values), torch.from_numpy(scales)
-    inline_t = inline_table(rows_t, scales_t)
-
-    def ref_fp8(ids: np.ndarray) -> torch.Tensor:
-        okay = (ids >= 0) & (ids < N)
-        safe = np.where(okay, ids, 0)
-        ref = dequant_fp8_rows(values[safe], scales[safe], QB)
-        ref[~okay] = 0
-        return torch.from_numpy(ref).to(torch.bfloat16)
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+    N, D, QB = table.N, table.D, table.QB
+    rows_t, scales_t, inline_t = table.rows_t, table.scales_t, table.inline_t
+    ref_fp8, same = table.ref_fp8, table.same
 
     side = torch.cuda.Stream(dev, priority=-1)
     reader = torch.cuda.Stream(dev)

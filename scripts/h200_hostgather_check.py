@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -174,7 +175,9 @@ def main() -> int:
     import h200_driver_check
 
     driver_times: dict[str, float] = {}
-    h200_driver_check.run(dev, record, driver_times)
+    h200_driver_check.run(dev, record, driver_times, SimpleNamespace(
+        values=values, scales=scales, rows_t=rows_t, scales_t=scales_t, inline_t=inline_t, N=N, D=D, QB=QB,
+        ref_fp8=ref_fp8, same=same))
     for k, v in driver_times.items():
         print(f"| {k} | {v:,.0f} |")
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from engram_trt.errors import EngramError
 from engram_trt.hostgather import HostGatherer
-from engram_trt.kernels import EntryPoints, _gather_out, _ids_view, _ptr, _torch
+from engram_trt.kernels import EntryPoints, NativeHandle, _gather_out, _ids_view, _ptr, _torch
 
 _vp, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 _ENTRY = EntryPoints({
@@ -49,7 +49,7 @@ def driver_supported(device: Any) -> bool:
     return bool(value.value)
 
 
-class GatherDriver:
+class GatherDriver(NativeHandle):
     """The driver thread of one :class:`HostGatherer` (see the module docstring). Jobs
     run in the order submitted; a failed job still releases its waiting streams, and
     :meth:`finish` raises its message."""
@@ -62,7 +62,7 @@ class GatherDriver:
         handle = _vp()
         with torch.cuda.device(self.device):
             _ENTRY.call("engram_gather_driver_create", gatherer._require_open(), ctypes.byref(handle))
-        self._handle: _vp | None = handle
+        self._handle = handle
 
     def _require_open(self) -> _vp:
         if self._handle is None:
@@ -107,19 +107,5 @@ class GatherDriver:
         if t:
             _ENTRY.call("engram_gather_driver_finish", self._require_open(), t)
 
-    def close(self) -> None:
-        if self._handle is not None:
-            _ENTRY.call("engram_gather_driver_destroy", self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "GatherDriver":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may be gone
-            pass
+    def _destroy(self, handle: Any) -> None:
+        _ENTRY.call("engram_gather_driver_destroy", handle)

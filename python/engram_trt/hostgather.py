@@ -24,6 +24,7 @@ from engram_trt.errors import EngramError
 from engram_trt.kernels import (
     TABLE_BF16,
     TABLE_FP8_E4M3,
+    NativeHandle,
     _call,
     _check,
     _gather_out,
@@ -143,7 +144,7 @@ def _warn_openmp_policy() -> None:
                 "or import engram_trt first", os.environ.get("OMP_WAIT_POLICY", "unset"))
 
 
-class HostGatherer:
+class HostGatherer(NativeHandle):
     """Gathers rows of host tables on CPU threads into pinned staging and sends each
     chunk in one copy (pipelined: the copies of chunks overlap the gather of the next).
 
@@ -255,22 +256,8 @@ class HostGatherer:
                   quant_block, layout_code, _ptr(dst_rows), _ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None),
                   _stream(self.device))
 
-    def close(self) -> None:
-        if self._handle is not None:
-            _call("engram_host_gatherer_destroy", self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "HostGatherer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the library may be gone
-            pass
+    def _destroy(self, handle: Any) -> None:
+        _call("engram_host_gatherer_destroy", handle)
 
 
 _default_gatherers: dict[tuple[Any, int], HostGatherer] = {}

@@ -162,6 +162,33 @@ class EntryPoints:
         _call(fn_name, *args)
 
 
+class NativeHandle:
+    """Owns one handle of the C ABI (a host gatherer, a gather driver): :meth:`close`
+    destroys it once through ``_destroy``; a context manager, and closed when collected."""
+
+    _handle: Any = None
+
+    def _destroy(self, handle: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone
+            pass
+
+
 # --- argument checks ------------------------------------------------------------------
 
 def _torch() -> Any:
