@@ -298,6 +298,8 @@ def _timeline(pf: Any, one: Any, device: Any) -> dict[str, float]:
         out["lookup_ms"] = out["lookup_end_ms"] - out["lookup_start_ms"]
         out["exposed_ms"] = max(0.0, out["lookup_end_ms"] - out["first_engram_layer_ms"])
     out["sched"] = sched  # type: ignore[assignment]
+    if "submit_us" in captured:
+        out["submit_us"] = captured["submit_us"]  # type: ignore[assignment]
     if captured.get("layer_done"):
         # A host gather, layer by layer: when the main stream reached the layer's read,
         # when the layer's rows were ready on the side stream (GPU clock, from the step's
@@ -376,6 +378,10 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
             if tl and tl.get("lookup_ms") is not None:
                 print(f"  {m}: lookup {tl['lookup_ms']:.3f} ms on the side stream, first Engram layer at "
                       f"{tl['first_engram_layer_ms']:.3f} ms, exposed {tl['exposed_ms']:.3f} ms")
+            if tl and tl.get("submit_us"):
+                su = tl["submit_us"]
+                print(f"    submit on the engine thread: {sum(su.values()):.0f} us (last step's finish {su['finish']:.0f}, "
+                      f"ids {su['ids']:.0f}, queueing the layers {su['queue']:.0f})")
             if tl and tl.get("sched"):
                 sc = tl["sched"]
                 print(f"    the step's threads waited {sc['our_wait_ms']:.2f} ms on run queues (one thread at most "

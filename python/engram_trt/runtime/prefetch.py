@@ -357,6 +357,7 @@ class Prefetcher:
         drv = self._driver
         assert drv is not None and self._stream is not None
         drv.finish()  # the last step's jobs have run (their ids buffer is free); raises their failure
+        t_finish = time.perf_counter()
         T = step.num_tokens
         if self._hash_host is None:
             self._hash_host = torch.empty((self.max_tokens, self.layout.num_layers, self.cols), dtype=torch.int32,
@@ -377,6 +378,7 @@ class Prefetcher:
                 ids.copy_(self._hash_on_gpu(step, cids, lookback), non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
+            t_ids = time.perf_counter()
             tickets = []
             for li, v in enumerate(views):
                 rows, scales = self.tables.tensors(li)
@@ -386,7 +388,11 @@ class Prefetcher:
         # torch event is destroyed under the driver's wait) until the next step's finish().
         self._queued_refs = (ids, ready)
         info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
-        self._account(info, time.perf_counter() - t0)
+        t_end = time.perf_counter()
+        if self.timing:  # the engine thread's time in submit, by part
+            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "ids": (t_ids - t_finish) * 1e6,
+                                 "queue": (t_end - t_ids) * 1e6}
+        self._account(info, t_end - t0)
 
         def wait(li: int, stream: Any) -> None:
             drv.wait_stream(tickets[li], stream)
