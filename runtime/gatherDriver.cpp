@@ -37,6 +37,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 using namespace engram_trt::kernels;
 
@@ -105,6 +106,10 @@ int memOpsSupported(int device)
 
 struct DriverJob
 {
+    // A gather job (one engram_host_gather_ex call, ticket `ticket`) or, with `step`, a
+    // step job: its ids hashed on the GPU and copied back, then one gather per layer,
+    // tickets ticket - numLayers + 1 .. ticket.
+    bool step{false};
     uint64_t ticket{0};
     int32_t const* ids{nullptr};
     int64_t numTokens{0};
@@ -120,6 +125,20 @@ struct DriverJob
     void* out{nullptr};
     cudaStream_t stream{nullptr};
     cudaEvent_t idsReady{nullptr};
+    // step jobs
+    EngramHashLayout const* layout{nullptr};
+    int32_t const* cidsHost{nullptr};
+    int32_t const* startsHost{nullptr};
+    int32_t const* lookbackHost{nullptr};
+    int64_t numSeqs{0};
+    int32_t lookbackWidth{0};
+    int32_t* cidsDev{nullptr};
+    int32_t* startsDev{nullptr};
+    int32_t* lookbackDev{nullptr};
+    int32_t* rowIdsDev{nullptr};
+    int32_t* rowIdsHost{nullptr};
+    std::vector<EngramDriverTable> tables;
+    std::vector<void*> outs;
 };
 
 } // namespace
@@ -141,10 +160,86 @@ struct EngramGatherDriver
     uint64_t errorTicket{0};
     std::string errorMessage;
 
+    cudaEvent_t hashed{nullptr}; // a step job's row ids are back on the host
+
     void loop();
     int runJob(DriverJob const& job);
-    void release(DriverJob const& job, bool failed);
+    int runStep(DriverJob const& job, uint64_t& released);
+    void release(cudaStream_t stream, uint64_t ticket, bool failed);
+    void keepError(int status, uint64_t ticket);
 };
+
+void EngramGatherDriver::keepError(int status, uint64_t ticket)
+{
+    std::lock_guard<std::mutex> lock(mutex);
+    if (error == 0)
+    {
+        error = status;
+        errorTicket = ticket;
+        errorMessage = engram_last_error();
+    }
+}
+
+int EngramGatherDriver::runStep(DriverJob const& job, uint64_t& released)
+{
+    char const* fn = "engram_gather_driver (step)";
+    auto const L = static_cast<int64_t>(job.tables.size());
+    uint64_t const first = job.ticket - static_cast<uint64_t>(L) + 1;
+    int64_t const T = job.numTokens;
+    if (T > 0)
+    {
+        // The step's ids: up, hashed, and the row ids back down, all on the job's stream.
+        cudaError_t status = cudaMemcpyAsync(
+            job.cidsDev, job.cidsHost, static_cast<size_t>(T) * sizeof(int32_t), cudaMemcpyHostToDevice, job.stream);
+        if (status == cudaSuccess)
+        {
+            status = cudaMemcpyAsync(job.startsDev, job.startsHost,
+                static_cast<size_t>(job.numSeqs + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, job.stream);
+        }
+        if (status == cudaSuccess && job.lookbackHost != nullptr)
+        {
+            status = cudaMemcpyAsync(job.lookbackDev, job.lookbackHost,
+                static_cast<size_t>(job.numSeqs * job.lookbackWidth) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                job.stream);
+        }
+        if (status != cudaSuccess)
+        {
+            return failCuda(status, "%s: copying the step's ids up failed: %s", fn, cudaGetErrorString(status));
+        }
+        if (int const hashStatus = engram_hash_prepared(job.layout, job.cidsDev, T, job.startsDev, job.numSeqs,
+                job.lookbackHost != nullptr ? job.lookbackDev : nullptr, job.rowIdsDev, job.stream))
+        {
+            return hashStatus;
+        }
+        size_t const rowIdBytes = static_cast<size_t>(T * L * job.numCols) * sizeof(int32_t);
+        status = cudaMemcpyAsync(job.rowIdsHost, job.rowIdsDev, rowIdBytes, cudaMemcpyDeviceToHost, job.stream);
+        if (status == cudaSuccess)
+        {
+            status = cudaEventRecord(hashed, job.stream);
+        }
+        if (status == cudaSuccess)
+        {
+            status = cudaEventSynchronize(hashed);
+        }
+        if (status != cudaSuccess)
+        {
+            return failCuda(status, "%s: copying the row ids back failed: %s", fn, cudaGetErrorString(status));
+        }
+    }
+    for (int64_t l = 0; l < L; ++l)
+    {
+        EngramDriverTable const& t = job.tables[static_cast<size_t>(l)];
+        if (int const status = engram_host_gather_ex(gatherer, job.rowIdsHost + l * job.numCols, T, job.numCols,
+                L * job.numCols, t.rows_host, t.scales_host, t.num_rows, t.head_dim, t.table_dtype, t.quant_block,
+                t.table_layout, job.outs[static_cast<size_t>(l)], job.stream))
+        {
+            return status;
+        }
+        release(job.stream, first + static_cast<uint64_t>(l), false); // this layer's readers go on
+        released = first + static_cast<uint64_t>(l);
+    }
+    return 0;
+}
 
 int EngramGatherDriver::runJob(DriverJob const& job)
 {
@@ -162,16 +257,16 @@ int EngramGatherDriver::runJob(DriverJob const& job)
         job.tableNumRows, job.headDim, job.tableDtype, job.quantBlock, job.tableLayout, job.out, job.stream);
 }
 
-void EngramGatherDriver::release(DriverJob const& job, bool failed)
+void EngramGatherDriver::release(cudaStream_t stream, uint64_t ticket, bool failed)
 {
     CUresult const written
-        = memOps().write(job.stream, reinterpret_cast<CUdeviceptr>(word), job.ticket, CU_STREAM_WRITE_VALUE_DEFAULT);
+        = memOps().write(stream, reinterpret_cast<CUdeviceptr>(word), ticket, CU_STREAM_WRITE_VALUE_DEFAULT);
     if (written != CUDA_SUCCESS)
     {
         // Store the ticket once the stream's earlier writes of the word have landed (a
         // later GPU write of an older ticket would otherwise undo it).
-        cudaStreamSynchronize(job.stream);
-        cudaMemcpy(word, &job.ticket, sizeof(job.ticket), cudaMemcpyHostToDevice);
+        cudaStreamSynchronize(stream);
+        cudaMemcpy(word, &ticket, sizeof(ticket), cudaMemcpyHostToDevice);
         cudaGetLastError();
         if (!failed)
         {
@@ -179,7 +274,7 @@ void EngramGatherDriver::release(DriverJob const& job, bool failed)
             if (error == 0)
             {
                 error = static_cast<int>(cudaErrorUnknown);
-                errorTicket = job.ticket;
+                errorTicket = ticket;
                 errorMessage = "engram_gather_driver: cuStreamWriteValue64 failed (CUresult "
                     + std::to_string(static_cast<int>(written)) + ")";
             }
@@ -206,18 +301,16 @@ void EngramGatherDriver::loop()
             queue.pop_front();
         }
         clearError();
-        int const status = runJob(job);
+        uint64_t released = 0;
+        int const status = job.step ? runStep(job, released) : runJob(job);
         if (status != 0)
         {
-            std::lock_guard<std::mutex> lock(mutex);
-            if (error == 0)
-            {
-                error = status;
-                errorTicket = job.ticket;
-                errorMessage = engram_last_error();
-            }
+            keepError(status, job.step ? job.ticket - job.tables.size() + 1 : job.ticket);
         }
-        release(job, status != 0);
+        if (released != job.ticket)
+        {
+            release(job.stream, job.ticket, status != 0); // a failed job releases all its readers too
+        }
         {
             std::lock_guard<std::mutex> lock(mutex);
             finished = job.ticket;
@@ -276,6 +369,10 @@ extern "C" ENGRAM_API int engram_gather_driver_create(EngramHostGatherer* gather
         }
         if (status == cudaSuccess)
         {
+            status = cudaEventCreateWithFlags(&d->hashed, cudaEventDisableTiming);
+        }
+        if (status == cudaSuccess)
+        {
             status = cudaDeviceSynchronize();
         }
         if (status != cudaSuccess)
@@ -283,6 +380,10 @@ extern "C" ENGRAM_API int engram_gather_driver_create(EngramHostGatherer* gather
             if (d->word != nullptr)
             {
                 cudaFree(d->word);
+            }
+            if (d->hashed != nullptr)
+            {
+                cudaEventDestroy(d->hashed);
             }
             return failCuda(status, "%s: the driver's device word: %s", fn, cudaGetErrorString(status));
         }
@@ -314,6 +415,7 @@ extern "C" ENGRAM_API int engram_gather_driver_destroy(EngramGatherDriver* drive
         }
         cudaDeviceSynchronize(); // no stream may still wait on the word or write it
         cudaFree(driver->word);
+        cudaEventDestroy(driver->hashed);
         cudaGetLastError();
         delete driver;
         return 0;
@@ -373,6 +475,77 @@ extern "C" ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver
         return 0;
     }
     ENGRAM_ABI_CATCH("engram_gather_driver_submit")
+}
+
+extern "C" ENGRAM_API int engram_gather_driver_submit_step(EngramGatherDriver* driver, EngramHashLayout const* layout,
+    int32_t const* cidsHost, int64_t numTokens, int32_t const* seqStartsHost, int64_t numSeqs,
+    int32_t const* lookbackHost, int32_t lookbackWidth, int32_t numCols, int32_t* cidsDev, int32_t* seqStartsDev,
+    int32_t* lookbackDev, int32_t* rowIdsDev, int32_t* rowIdsHost, int32_t numLayers, EngramDriverTable const* tables,
+    void* const* outs, cudaStream_t stream, uint64_t* firstTicket)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_gather_driver_submit_step";
+        if (driver == nullptr || firstTicket == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: driver and first_ticket are required", fn);
+        }
+        if (numTokens < 0 || numSeqs < 0 || numLayers < 1 || numCols < 1 || lookbackWidth < 0)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: need num_tokens >= 0, num_seqs >= 0, num_layers >= 1, num_cols >= 1, lookback_width >= 0 (got "
+                "%lld, %lld, %d, %d, %d)",
+                fn, static_cast<long long>(numTokens), static_cast<long long>(numSeqs), numLayers, numCols,
+                lookbackWidth);
+        }
+        if (tables == nullptr || outs == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: tables and outs (one per layer) are required", fn);
+        }
+        if (numTokens > 0
+            && (layout == nullptr || cidsHost == nullptr || seqStartsHost == nullptr || cidsDev == nullptr
+                || seqStartsDev == nullptr || rowIdsDev == nullptr || rowIdsHost == nullptr
+                || (lookbackHost != nullptr && lookbackDev == nullptr)))
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: layout, the host ids and seq_starts, their device copies, and both row-id buffers are required "
+                "(and lookback_dev with lookback_host)",
+                fn);
+        }
+        DriverJob job;
+        job.step = true;
+        job.layout = layout;
+        job.cidsHost = cidsHost;
+        job.numTokens = numTokens;
+        job.startsHost = seqStartsHost;
+        job.numSeqs = numSeqs;
+        job.lookbackHost = lookbackHost;
+        job.lookbackWidth = lookbackWidth;
+        job.numCols = numCols;
+        job.cidsDev = cidsDev;
+        job.startsDev = seqStartsDev;
+        job.lookbackDev = lookbackDev;
+        job.rowIdsDev = rowIdsDev;
+        job.rowIdsHost = rowIdsHost;
+        job.tables.assign(tables, tables + numLayers);
+        job.outs.assign(outs, outs + numLayers);
+        job.stream = stream;
+        {
+            std::lock_guard<std::mutex> lock(driver->mutex);
+            if (driver->stop)
+            {
+                return fail(cudaErrorInvalidValue, "%s: the driver is being destroyed", fn);
+            }
+            *firstTicket = driver->submitted + 1;
+            driver->submitted += static_cast<uint64_t>(numLayers);
+            job.ticket = driver->submitted;
+            driver->queue.push_back(std::move(job));
+        }
+        driver->work.notify_one();
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_driver_submit_step")
 }
 
 extern "C" ENGRAM_API int engram_gather_driver_wait_stream(

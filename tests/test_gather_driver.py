@@ -48,6 +48,10 @@ def test_missing_arguments_are_named() -> None:
     with pytest.raises(EngramError, match="driver and ticket are required"):
         gatherdriver._ENTRY.call("engram_gather_driver_submit", None, None, 0, 1, 1, None, None, 0, 256, 0, 32, 0,
                                  None, None, None, ctypes.byref(ticket))
+    first = ctypes.c_uint64(0)
+    with pytest.raises(EngramError, match="driver and first_ticket are required"):
+        gatherdriver._ENTRY.call("engram_gather_driver_submit_step", None, None, None, 0, None, 0, None, 2, 8, None,
+                                 None, None, None, None, 2, None, None, None, ctypes.byref(first))
     with pytest.raises(EngramError, match="engram_gather_driver_wait_stream: driver is NULL"):
         gatherdriver._ENTRY.call("engram_gather_driver_wait_stream", None, 1, None)
     with pytest.raises(EngramError, match="engram_gather_driver_finish: driver is NULL"):

@@ -346,6 +346,29 @@ ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver, const int
     int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
     int32_t head_dim, int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* out, cudaStream_t stream,
     cudaEvent_t ids_ready, uint64_t* ticket);
+/* A step's lookup as one job: the driver copies its compressed ids [num_tokens],
+ * seq_starts [num_seqs + 1] and lookback [num_seqs, lookback_width] (NULL: every sequence
+ * starts fresh) from pinned host memory into the device buffers given, hashes them on
+ * `stream` (engram_hash_prepared into row_ids_dev [T, L, num_cols]), copies the row ids
+ * back into row_ids_host (pinned), waits for them, then gathers layer l (l < num_layers
+ * = L) from tables[l] into outs[l] (bf16 [T, num_cols, head_dim]) and releases its ticket
+ * *first_ticket + l. The host buffers must stay unchanged until the last ticket is
+ * finished. */
+typedef struct EngramDriverTable
+{
+    const void* rows_host;
+    const void* scales_host;
+    int64_t num_rows;
+    int32_t head_dim;
+    int32_t table_dtype;
+    int32_t quant_block;
+    int32_t table_layout;
+} EngramDriverTable;
+ENGRAM_API int engram_gather_driver_submit_step(EngramGatherDriver* driver, const EngramHashLayout* layout,
+    const int32_t* cids_host, int64_t num_tokens, const int32_t* seq_starts_host, int64_t num_seqs,
+    const int32_t* lookback_host, int32_t lookback_width, int32_t num_cols, int32_t* cids_dev, int32_t* seq_starts_dev,
+    int32_t* lookback_dev, int32_t* row_ids_dev, int32_t* row_ids_host, int32_t num_layers,
+    const EngramDriverTable* tables, void* const* outs, cudaStream_t stream, uint64_t* first_ticket);
 ENGRAM_API int engram_gather_driver_wait_stream(EngramGatherDriver* driver, uint64_t ticket, cudaStream_t stream);
 ENGRAM_API int engram_gather_driver_finish(EngramGatherDriver* driver, uint64_t ticket);
 

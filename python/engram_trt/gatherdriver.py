@@ -32,9 +32,42 @@ _ENTRY = EntryPoints({
     "engram_gather_driver_destroy": [_vp],
     "engram_gather_driver_submit": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp,
                                     ctypes.POINTER(_u64)],
+    "engram_gather_driver_submit_step": [_vp, _vp, _vp, _i64, _vp, _i64, _vp, _i32, _i32, _vp, _vp, _vp, _vp, _vp,
+                                         _i32, _vp, _vp, _vp, ctypes.POINTER(_u64)],
     "engram_gather_driver_wait_stream": [_vp, _u64, _vp],
     "engram_gather_driver_finish": [_vp, _u64],
 })
+
+
+class DriverTable(ctypes.Structure):
+    """EngramDriverTable: one layer's host table for a step job."""
+
+    _fields_ = [("rows_host", _vp), ("scales_host", _vp), ("num_rows", _i64), ("head_dim", _i32),
+                ("table_dtype", _i32), ("quant_block", _i32), ("table_layout", _i32)]
+
+
+class StepBuffers:
+    """The fixed buffers of a step job for up to ``max_tokens`` tokens: the step's
+    compressed ids, seq_starts and lookback in pinned host memory (the engine thread
+    fills them) and on the device, and the row ids ``[max_tokens, L, cols]`` on the device
+    and, pinned, on the host (the driver copies them back there for the gather)."""
+
+    def __init__(self, max_tokens: int, num_layers: int, num_cols: int, lookback_width: int, device: Any) -> None:
+        torch = _torch()
+        i32 = torch.int32
+        self.lookback_width = int(lookback_width)
+        self.cids_host = torch.empty(max_tokens, dtype=i32, pin_memory=True)
+        self.starts_host = torch.empty(max_tokens + 1, dtype=i32, pin_memory=True)
+        self.lookback_host = torch.empty((max_tokens, max(1, lookback_width)), dtype=i32, pin_memory=True)
+        self.row_ids_host = torch.empty((max_tokens, num_layers, num_cols), dtype=i32, pin_memory=True)
+        self.cids_dev = torch.empty(max_tokens, dtype=i32, device=device)
+        self.starts_dev = torch.empty(max_tokens + 1, dtype=i32, device=device)
+        self.lookback_dev = torch.empty_like(self.lookback_host, device=device)
+        self.row_ids_dev = torch.empty_like(self.row_ids_host, device=device)
+        # NumPy views of the pinned buffers: the engine thread writes them without torch ops
+        self.cids_np = self.cids_host.numpy()
+        self.starts_np = self.starts_host.numpy()
+        self.lookback_np = self.lookback_host.numpy()
 
 
 def driver_supported(device: Any) -> bool:
@@ -92,6 +125,53 @@ class GatherDriver(NativeHandle):
                         ctypes.byref(ticket))
         self.last_ticket = int(ticket.value)
         return self.last_ticket
+
+    def submit_step(self, layout: Any, cids: Any, seq_starts: Any, lookback: Any, buffers: StepBuffers,
+                    tables: list[tuple[Any, Any, int, str]], outs: list[Any], *, stream: Any) -> list[int]:
+        """Queue a whole step's lookup as one job (see the module docstring): ``cids [T]``,
+        ``seq_starts [S+1]`` and ``lookback [S, N-1]`` (or None) as integer NumPy arrays
+        are copied into ``buffers`` here; the driver hashes them on ``stream`` with the
+        prepared ``layout`` and gathers layer ``l`` from ``tables[l] = (rows, scales,
+        quant_block, layout)`` into ``outs[l]``. Returns one ticket per layer, at once."""
+        from engram_trt.kernels import prepared_layout
+
+        torch = _torch()
+        handle = self._require_open()
+        T, S = int(cids.shape[0]), int(len(seq_starts)) - 1
+        L, cols = int(layout.num_layers), int(layout.n_hash_cols)
+        if len(tables) != L or len(outs) != L:
+            raise EngramError(f"a step job needs one table and one output per Engram layer ({L}); got "
+                              f"{len(tables)} and {len(outs)}")
+        if T > buffers.cids_np.shape[0] or S > buffers.lookback_np.shape[0]:
+            raise EngramError(f"a step of {T} tokens / {S} sequences exceeds the step buffers' "
+                              f"{buffers.cids_np.shape[0]} tokens")
+        n = buffers.lookback_width
+        if lookback is not None and tuple(lookback.shape) != (S, n):
+            raise EngramError(f"lookback must be [num_sequences={S}, N-1={n}] (got {tuple(lookback.shape)})")
+        buffers.cids_np[:T] = cids
+        buffers.starts_np[:S + 1] = seq_starts
+        if lookback is not None and n:
+            buffers.lookback_np[:S, :n] = lookback
+        structs = (DriverTable * L)()
+        ptrs = (_vp * L)()
+        for li, ((rows, scales, quant_block, table_layout), out) in enumerate(zip(tables, outs)):
+            dtype, num_rows, head_dim, layout_code = self.gatherer._check_host_table(rows, scales, quant_block,
+                                                                                      table_layout)
+            _gather_out(out, T, cols, head_dim, self.device)
+            structs[li] = DriverTable(rows.data_ptr(), 0 if scales is None else scales.data_ptr(), num_rows, head_dim,
+                                      dtype, quant_block, layout_code)
+            ptrs[li] = out.data_ptr()
+        first = _u64(0)
+        with torch.cuda.device(self.device):
+            _ENTRY.call("engram_gather_driver_submit_step", handle, prepared_layout(layout).handle,
+                        _ptr(buffers.cids_host), T, _ptr(buffers.starts_host), S,
+                        _ptr(buffers.lookback_host) if lookback is not None and n else None, n, cols,
+                        _ptr(buffers.cids_dev), _ptr(buffers.starts_dev), _ptr(buffers.lookback_dev),
+                        _ptr(buffers.row_ids_dev), _ptr(buffers.row_ids_host), L, structs, ptrs,
+                        _vp(stream.cuda_stream), ctypes.byref(first))
+        tickets = [int(first.value) + li for li in range(L)]
+        self.last_ticket = tickets[-1]
+        return tickets
 
     def wait_stream(self, ticket: int, stream: Any = None) -> None:
         """Make ``stream`` (default: the device's current stream) wait on the GPU until

@@ -380,8 +380,8 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
                       f"{tl['first_engram_layer_ms']:.3f} ms, exposed {tl['exposed_ms']:.3f} ms")
             if tl and tl.get("submit_us"):
                 su = tl["submit_us"]
-                print(f"    submit on the engine thread: {sum(su.values()):.0f} us (last step's finish {su['finish']:.0f}, "
-                      f"ids {su['ids']:.0f}, queueing the layers {su['queue']:.0f})")
+                print(f"    submit on the engine thread: {sum(su.values()):.0f} us (" + ", ".join(
+                    f"{k} {v:.0f}" for k, v in su.items()) + ")")
             if tl and tl.get("sched"):
                 sc = tl["sched"]
                 print(f"    the step's threads waited {sc['our_wait_ms']:.2f} ms on run queues (one thread at most "

@@ -211,6 +211,7 @@ class Prefetcher:
         self._ops = None
         self._stream = None
         self._driver: Any = None
+        self._step_buffers: Any = None
         self._last_event: Any = None
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
@@ -240,6 +241,7 @@ class Prefetcher:
                     from engram_trt.gatherdriver import GatherDriver
 
                     self._driver = GatherDriver(self._gatherer)
+                    self._order = torch.cuda.Event()  # re-recorded each step: no event made per step
                 log.info("host gather: %s", "queued on its driver thread at submit (the engine thread never waits for "
                          "it)" if driver else "run at each Engram layer's first read, on the engine thread")
 
@@ -349,49 +351,37 @@ class Prefetcher:
 
     def _host_queued(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor],
                      info: dict[str, Any]) -> StagedRows:
-        """The host gather of every Engram layer queued on the gather driver at once (see
-        engram_trt.gatherdriver): the ids hashed here (NumPy) or by the hash kernel on the
-        side stream (the driver waits for their copy back); each layer's reader waits on
-        the GPU for its rows. Nothing here waits for the gather itself."""
+        """The whole step's host lookup queued on the gather driver as one job (see
+        engram_trt.gatherdriver): the engine thread only copies the step's compressed ids,
+        bounds and lookback into pinned buffers; the driver thread hashes them on the GPU,
+        copies the row ids back and gathers each Engram layer in turn, and each layer's
+        reader waits on the GPU for its rows. Nothing here waits for the lookup."""
+        from engram_trt.gatherdriver import StepBuffers
+
         t0 = time.perf_counter()
         drv = self._driver
         assert drv is not None and self._stream is not None
-        drv.finish()  # the last step's jobs have run (their ids buffer is free); raises their failure
+        drv.finish()  # the last step's job has run (its buffers are free); raises its failure
         t_finish = time.perf_counter()
-        T = step.num_tokens
-        if self._hash_host is None:
-            self._hash_host = torch.empty((self.max_tokens, self.layout.num_layers, self.cols), dtype=torch.int32,
-                                          pin_memory=True)
-        ids = self._hash_host[:T]
-        main = torch.cuda.current_stream(self.device)
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            # The new rows land in the staging buffers only after the work already queued
-            # on the main stream (the last step's readers of those buffers).
-            self._stream.wait_stream(main)
-            if "start_event" in info:
-                info["start_event"].record(self._stream)
-            ready = None
-            if T < GPU_HASH_MIN_TOKENS or self._ops is None:
-                ids.copy_(torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout)
-                                           .astype(np.int32, copy=False)))
-            else:
-                ids.copy_(self._hash_on_gpu(step, cids, lookback), non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self._stream)
-            t_ids = time.perf_counter()
-            tickets = []
-            for li, v in enumerate(views):
-                rows, scales = self.tables.tensors(li)
-                tickets.append(drv.submit(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v,
-                                          stream=self._stream, ids_ready=ready))
-        # The driver thread reads these after submit returns: keep them alive (a collected
-        # torch event is destroyed under the driver's wait) until the next step's finish().
-        self._queued_refs = (ids, ready)
-        info["bytes_from_host"] = int(ids.numel()) * self.row_bytes
+        if self._step_buffers is None:
+            self._step_buffers = StepBuffers(self.max_tokens, self.layout.num_layers, self.cols,
+                                             self.layout.max_ngram_size - 1, self.device)
+        # The new rows land in the staging buffers only after the work already queued on
+        # the main stream (the last step's readers of those buffers).
+        self._order.record(torch.cuda.current_stream(self.device))
+        self._stream.wait_event(self._order)
+        if "start_event" in info:
+            info["start_event"].record(self._stream)
+        t_order = time.perf_counter()
+        qb = self.tables.quant_block
+        tables = [(*self.tables.tensors(li), qb, "split") for li in range(len(views))]
+        tickets = drv.submit_step(self.layout, cids, step.seq_starts, lookback, self._step_buffers, tables, views,
+                                  stream=self._stream)
         t_end = time.perf_counter()
+        info["bytes_from_host"] = step.num_tokens * self.cols * len(views) * self.row_bytes
         if self.timing:  # the engine thread's time in submit, by part
-            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "ids": (t_ids - t_finish) * 1e6,
-                                 "queue": (t_end - t_ids) * 1e6}
+            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "order": (t_order - t_finish) * 1e6,
+                                 "queue": (t_end - t_order) * 1e6}
         self._account(info, t_end - t0)
 
         def wait(li: int, stream: Any) -> None:
