@@ -319,6 +319,18 @@ void EngramGatherDriver::loop()
     }
 }
 
+//! 0, or a failure naming `fn` when `ticket` was never handed out (0 passes where
+//! `zeroPasses`: no job). The caller holds d.mutex.
+static int checkTicket(char const* fn, EngramGatherDriver const& d, uint64_t ticket, bool zeroPasses)
+{
+    if ((ticket == 0 && !zeroPasses) || ticket > d.submitted)
+    {
+        return fail(cudaErrorInvalidValue, "%s: ticket %llu was never submitted (last %llu)", fn,
+            static_cast<unsigned long long>(ticket), static_cast<unsigned long long>(d.submitted));
+    }
+    return 0;
+}
+
 extern "C" ENGRAM_API int engram_gather_driver_supported(int32_t device, int32_t* supported)
 {
     clearError();
@@ -359,6 +371,13 @@ extern "C" ENGRAM_API int engram_gather_driver_create(EngramHostGatherer* gather
                 "gather",
                 fn, device, support == 0 ? "does not support" : "cannot be asked about");
         }
+        // Every kernel a job launches, loaded before any reader can wait on a job (see
+        // preloadGatherKernels: a lazy load under a waiting stream would never finish).
+        if (int const preload = preloadHashKernels())
+        {
+            return preload;
+        }
+        preloadGatherKernels();
         auto d = std::make_unique<EngramGatherDriver>();
         d->gatherer = gatherer;
         d->device = device;
@@ -561,10 +580,9 @@ extern "C" ENGRAM_API int engram_gather_driver_wait_stream(
         }
         {
             std::lock_guard<std::mutex> lock(driver->mutex);
-            if (ticket == 0 || ticket > driver->submitted)
+            if (int const bad = checkTicket(fn, *driver, ticket, false))
             {
-                return fail(cudaErrorInvalidValue, "%s: ticket %llu was never submitted (last %llu)", fn,
-                    static_cast<unsigned long long>(ticket), static_cast<unsigned long long>(driver->submitted));
+                return bad;
             }
         }
         CUresult const status
@@ -589,10 +607,9 @@ extern "C" ENGRAM_API int engram_gather_driver_finish(EngramGatherDriver* driver
             return fail(cudaErrorInvalidValue, "%s: driver is NULL", fn);
         }
         std::unique_lock<std::mutex> lock(driver->mutex);
-        if (ticket > driver->submitted)
+        if (int const bad = checkTicket(fn, *driver, ticket, true))
         {
-            return fail(cudaErrorInvalidValue, "%s: ticket %llu was never submitted (last %llu)", fn,
-                static_cast<unsigned long long>(ticket), static_cast<unsigned long long>(driver->submitted));
+            return bad;
         }
         driver->done.wait(lock, [&] { return driver->finished >= ticket; });
         if (driver->error != 0 && driver->errorTicket <= ticket)

@@ -595,6 +595,17 @@ extern "C" ENGRAM_API int engram_cpu_affinity_count(int32_t* count)
     return 0;
 }
 
+extern "C" ENGRAM_API int engram_host_gather_default_threads(int32_t* count)
+{
+    clearError();
+    if (count == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "engram_host_gather_default_threads: count is NULL");
+    }
+    *count = defaultGatherThreads();
+    return 0;
+}
+
 extern "C" ENGRAM_API int engram_host_gatherer_create_ex(
     int32_t numThreads, int64_t chunkRows, int32_t maxHeadDim, int32_t numSlots, EngramHostGatherer** gatherer)
 {
@@ -619,7 +630,7 @@ extern "C" ENGRAM_API int engram_host_gatherer_create_ex(
         }
         if (numThreads <= 0)
         {
-            numThreads = defaultThreadCount();
+            numThreads = defaultGatherThreads();
         }
 
         // Owned here until it is complete: every failure below (an exception too) frees it.

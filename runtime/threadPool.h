@@ -86,6 +86,18 @@ inline int defaultThreadCount()
 }
 
 //! Waits politely: pause instructions first, then yields the CPU once `spins` is large.
+//! A host gatherer's default pool size: one less than defaultThreadCount(), at least 1.
+//! Why not all of them: the pool's rounds are fork-join, so one worker preempted by any
+//! other runnable thread (the engine thread launching the model, the CUDA driver's own
+//! threads, the OS) stalls its whole round. On the H200 VM a 15-thread pool beat the
+//! 16-thread one on a prefill chunk's 196,608 rows in each of six machine starts (by
+//! 0.3-9%, and 3.4x on a start with run-queue waits: docs/benchmarks.md).
+inline int defaultGatherThreads()
+{
+    int const cpus = defaultThreadCount();
+    return cpus > 1 ? cpus - 1 : 1;
+}
+
 inline void backoff(int64_t spins)
 {
     if (spins < 4096)

@@ -20,6 +20,7 @@ run by scripts/h200_hostgather_check.py:
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 from typing import Any, Callable
 
@@ -45,6 +46,20 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
     rows_t, scales_t, inline_t = table.rows_t, table.scales_t, table.inline_t
     ref_fp8, same = table.ref_fp8, table.same
 
+    def done_or_exit(stream: Any, what: str, seconds: float = 30.0) -> None:
+        """Wait for ``stream`` at most ``seconds``: a stream that waits forever on a
+        driver ticket fails the check and ends the process (it could not exit otherwise)."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        t0 = time.perf_counter()
+        while not ev.query():
+            if time.perf_counter() - t0 > seconds:
+                record(f"gather driver: {what} completes", False, f"not done after {seconds:.0f} s: a stream waits "
+                       "forever (a hang)")
+                print("FATAL: ending the process, a CUDA stream cannot be released", flush=True)
+                os._exit(1)
+            time.sleep(0.0005)
+
     side = torch.cuda.Stream(dev, priority=-1)
     reader = torch.cuda.Stream(dev)
     g = hostgather.HostGatherer(device=dev, max_head_dim=512)
@@ -68,7 +83,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
                 drv.wait_stream(tickets[li], reader)
                 copies.append(outs[li].clone())
         enqueued = time.perf_counter() - t0
-        reader.synchronize()
+        done_or_exit(reader, f"{layout} reads")
         ready = time.perf_counter() - t0
         drv.finish()
         good = all(same(copies[li].reshape(-1, D), ref_fp8(ids3[:, li, :].numpy().reshape(-1))) for li in range(L))
@@ -105,7 +120,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
             for li in range(Ls):
                 drv.wait_stream(tickets[li], reader)
                 copies.append(outs[li].clone())
-        reader.synchronize()
+        done_or_exit(reader, f"step job of {S} sequences")
         drv.finish()
         ids_ok = np.array_equal(buffers.row_ids_host[:T].numpy(), want.astype(np.int32))
         rows_ok = all(same(copies[li].reshape(-1, D), ref_fp8(want[:, li, :].reshape(-1))) for li in range(Ls))
@@ -131,7 +146,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
     drv.wait_stream(t, reader)
     with torch.cuda.stream(reader):
         got = out.clone()
-    reader.synchronize()
+    done_or_exit(reader, "late-ids read")
     drv.finish()
     record("gather driver: ids copied back behind ~10 ms of GPU work, the driver waits for their event",
            same(got.reshape(-1, D), ref_fp8(dev_ids.cpu().numpy().reshape(-1))), "")
@@ -160,6 +175,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
     after = torch.from_numpy(rng.integers(0, N, size=(64, cols)).astype(np.int32)).pin_memory()
     out_after = torch.empty((64, cols, D), dtype=torch.bfloat16, device=dev)
     drv.wait_stream(drv.submit(after, rows_t, scales_t, quant_block=QB, out=out_after, stream=side))
+    done_or_exit(torch.cuda.current_stream(dev), "the job after a failed one")
     drv.finish()
     torch.cuda.synchronize(dev)
     record("gather driver: a job failing on its thread releases the reader, finish() raises its message, the next "
@@ -186,7 +202,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
         tk = drv.submit(big, rows_t, scales_t, quant_block=QB, out=out, stream=side)
         drv.wait_stream(tk, reader)
         free_d.append(time.perf_counter() - t0)
-        reader.synchronize()
+        done_or_exit(reader, "timed read")
         ready_d.append(time.perf_counter() - t0)
         drv.finish()
         torch.cuda.synchronize(dev)

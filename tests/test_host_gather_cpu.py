@@ -137,7 +137,11 @@ def test_rows_cpu_argument_checks(plugin_lib: Path) -> None:
 
 
 def test_default_thread_count_follows_the_affinity_mask(plugin_lib: Path) -> None:
-    assert kernels.default_gather_threads() == len(os.sched_getaffinity(0))
+    # one CPU left to the thread that launches the model, at least one thread
+    assert kernels.default_gather_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    count = ctypes.c_int32(0)
+    assert kernels.load_library().engram_cpu_affinity_count(ctypes.byref(count)) == 0
+    assert count.value == len(os.sched_getaffinity(0))
     cpu = sorted(os.sched_getaffinity(0))[0]
     code = ("import os, sys; os.sched_setaffinity(0, {%d}); sys.path.insert(0, %r); "
             "from engram_trt import kernels; print(kernels.default_gather_threads())") % (cpu, str(REPO / "python"))

@@ -262,11 +262,16 @@ enum EngramHostGatherOption
 };
 
 /* CPUs in the calling thread's affinity mask (sched_getaffinity; threads it starts inherit
- * it): the default thread count of a host gatherer. On a node shared by several ranks,
- * give each rank its own CPU list (taskset, numactl, the scheduler) and this follows. */
+ * it). On a node shared by several ranks, give each rank its own CPU list (taskset,
+ * numactl, the scheduler) and the host gather's pool follows. */
 ENGRAM_API int engram_cpu_affinity_count(int32_t* count);
 
-/* num_threads <= 0: engram_cpu_affinity_count() (the caller is one of the threads).
+/* The default thread count of a host gatherer: one less than engram_cpu_affinity_count()
+ * (at least 1), leaving a CPU to the thread that launches the model and to the OS (one
+ * preempted worker stalls a round of the pool). */
+ENGRAM_API int engram_host_gather_default_threads(int32_t* count);
+
+/* num_threads <= 0: engram_host_gather_default_threads() (the caller is one of the threads).
  * chunk_rows: rows per pipelined chunk, and with max_head_dim (the widest table row, in
  * elements) the size of a staging slot: chunk_rows * 2 * max_head_dim bytes, pinned and
  * on the device, num_slots of each (create: 4 slots; create_ex: 2..64).

@@ -66,6 +66,14 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows = nullptr,
     int64_t const* badRowsAddr = nullptr, int64_t rowOffset = 0);
 
+//! Load the gather kernel's variants (the host gather's dequant among them) and the hash
+//! kernel on the current device now. With lazy loading (CUDA's default) a kernel loads at
+//! its first launch, which may need the whole context to synchronize: from a thread that
+//! launches while another stream waits on that very thread's work (the gather driver's
+//! readers), it would never return. The driver calls these before it takes any job.
+int preloadGatherKernels();
+int preloadHashKernels();
+
 } // namespace kernels
 } // namespace engram_trt
 

@@ -331,6 +331,17 @@ int gatherBlocksPerSm(int variant)
 
 } // namespace
 
+int preloadGatherKernels()
+{
+    for (int variant = 0; variant < 8; ++variant)
+    {
+        // The occupancy query needs the kernel's resources: it loads the kernel (lazy
+        // loading), once per device (gatherBlocksPerSm caches it).
+        gatherBlocksPerSm(variant);
+    }
+    return 0;
+}
+
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows,

@@ -316,6 +316,22 @@ int launchHash(char const* fn, EngramHashLayout const& layout, int32_t const* id
     return checkLaunch(fn);
 }
 
+int preloadHashKernels()
+{
+    cudaFuncAttributes attributes{};
+    cudaError_t status = cudaFuncGetAttributes(&attributes, engramHashKernel<kSmallSlots, kSmallMultipliers>);
+    if (status == cudaSuccess && kLargeHashParameters)
+    {
+        status
+            = cudaFuncGetAttributes(&attributes, engramHashKernel<ENGRAM_HASH_MAX_SLOTS, ENGRAM_HASH_MAX_MULTIPLIERS>);
+    }
+    if (status != cudaSuccess)
+    {
+        return failCuda(status, "loading the hash kernel failed: %s", cudaGetErrorString(status));
+    }
+    return 0;
+}
+
 } // namespace kernels
 } // namespace engram_trt
 

@@ -78,11 +78,13 @@ def _flat_ids_cpu(ids: Any) -> int:
 
 
 def default_gather_threads() -> int:
-    """Threads a host gatherer uses by default: the CPUs in this thread's affinity mask
-    (``sched_getaffinity``), not the machine's CPU count, so ranks sharing a node with
-    their own CPU lists do not oversubscribe it."""
+    """Threads a host gatherer uses by default: one less than the CPUs in this thread's
+    affinity mask (``sched_getaffinity``, not the machine's CPU count, so ranks sharing a
+    node with their own CPU lists do not oversubscribe it), at least 1. The CPU left free
+    is for the thread that launches the model: one preempted worker stalls a whole round
+    of the pool (runtime/threadPool.h)."""
     count = ctypes.c_int32(0)
-    _call("engram_cpu_affinity_count", ctypes.byref(count))
+    _call("engram_host_gather_default_threads", ctypes.byref(count))
     return int(count.value)
 
 
@@ -150,7 +152,7 @@ class HostGatherer(NativeHandle):
 
     One gatherer owns ``num_slots`` pinned and as many device staging slots of
     ``chunk_rows`` rows of up to ``max_head_dim`` bf16 elements, a copy stream and a
-    thread pool of ``num_threads`` (0 = :func:`default_gather_threads`, the CPUs of this
+    thread pool of ``num_threads`` (0 = :func:`default_gather_threads`, one less than the CPUs of this
     process's affinity mask; the calling thread is one of them). Calls are serialized.
     Create it once per device and keep it; :meth:`set_options` tunes it
     (``HOST_GATHER_OPTIONS``; runtime/README.md says what each knob does).

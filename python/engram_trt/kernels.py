@@ -88,6 +88,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
         "engram_cpu_affinity_count": (ctypes.c_int, [ctypes.POINTER(i32)]),
+        "engram_host_gather_default_threads": (ctypes.c_int, [ctypes.POINTER(i32)]),
         "engram_host_gatherer_create_ex": (ctypes.c_int, [i32, i64, i32, i32, ctypes.POINTER(vp)]),
         "engram_host_gatherer_set_option": (ctypes.c_int, [vp, i32, i64]),
         "engram_host_gatherer_get_option": (ctypes.c_int, [vp, i32, ctypes.POINTER(i64)]),

@@ -30,7 +30,7 @@ PRESETS: dict[str, dict[str, Any]] = {
               "head_dim": 64, "intermediate_size": 512, "hc_mult": 2, "engram_layer_ids": [1, 2],
               "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
 }
-MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver")
+MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-driver")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 auto = mode.startswith("pinned-auto")
                 policy = None if mode == "device" or auto else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
                 pf = Prefetcher(layout, store, device, T, gather_policy=policy,
-                                gather_driver=False if mode.endswith("-nodriver") else None)
+                                gather_driver=True if mode.endswith("-driver") else None)
                 if auto:  # what a served runtime does: the start-up calibration's choice per size
                     if "choice" not in calibrated:
                         calibrated["choice"] = pf.calibrate()

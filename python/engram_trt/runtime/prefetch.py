@@ -56,9 +56,11 @@ BAD_ROW_CHECK_EVERY = int(os.environ.get("ENGRAM_TRT_CHECK_ROWS_EVERY", "256") o
 # From this many tokens a host gather's row ids come from the hash kernel (and one copy
 # back) rather than from NumPy on the engine thread.
 GPU_HASH_MIN_TOKENS = 256
-# 0: no gather driver thread (the host gather runs at each Engram layer's first read, on
-# the engine thread), for comparison and for drivers without stream memory operations.
-GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "1") != "0"
+# 1: queue host gathers on the gather driver's thread (engram_trt.gatherdriver) where the
+# device has 64-bit stream memory operations; 0 (the default until its last form, the
+# step job with its kernels preloaded, has passed its GPU checks): the host gather runs
+# at each Engram layer's first read, on the engine thread.
+GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "0") == "1"
 
 
 def _driver_supported(device: Any) -> bool:
@@ -70,11 +72,6 @@ def _driver_supported(device: Any) -> bool:
         log.warning("gather driver unavailable (%s); the host gather runs on the engine thread", exc)
         return False
 
-
-def default_threads() -> int:
-    from engram_trt.hostgather import default_gather_threads
-
-    return default_gather_threads()
 
 
 def bad_row_checker(device: Any) -> Any:
@@ -189,8 +186,8 @@ class Prefetcher:
     host: the runtime compresses and hashes there for the host gather, and uploads the
     compressed ids for the kernels otherwise. ``gather_policy(num_rows) -> path``
     picks the gather per step for host tables (default: the host gather).
-    ``gather_driver``: queue host gathers on the gather driver's thread (default: on
-    where the device supports it, unless ``ENGRAM_TRT_GATHER_DRIVER=0``).
+    ``gather_driver``: queue host gathers on the gather driver's thread where the device
+    supports it (default: ``ENGRAM_TRT_GATHER_DRIVER=1``; off otherwise).
     """
 
     def __init__(self, layout: EngramLayout, tables: TableStore, device: Any, max_tokens: int,
@@ -233,10 +230,9 @@ class Prefetcher:
 
                 width = max(tables.head_dim(i) for i in range(tables.num_layers))
                 driver = (GATHER_DRIVER if gather_driver is None else gather_driver) and _driver_supported(self.device)
-                # With the driver thread the engine thread keeps launching layers while the
-                # pool gathers: leave it one of the process's CPUs.
-                threads = max(1, default_threads() - 1) if driver else 0
-                self._gatherer = HostGatherer(num_threads=threads, device=self.device, max_head_dim=max(512, width))
+                # The default pool leaves a CPU to the engine thread, which keeps launching
+                # layers while the driver's pool gathers.
+                self._gatherer = HostGatherer(device=self.device, max_head_dim=max(512, width))
                 if driver:
                     from engram_trt.gatherdriver import GatherDriver
 
