@@ -49,10 +49,14 @@ using WriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned 
 using DeviceGetFn = CUresult (*)(CUdevice*, int);
 using DeviceGetAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
 
-//! A driver API function through the runtime (no link against libcuda), or nullptr.
+//! A driver API function (its CUDA 12.0 form) through the runtime, with no link against
+//! libcuda; nullptr when the driver lacks it or the library was built with a CUDA older
+//! than 12.5 (no cudaGetDriverEntryPointByVersion: the driver then reports itself
+//! unsupported and the runtime gathers on the engine thread).
 template <typename Fn>
 Fn driverEntry(char const* name)
 {
+#if CUDART_VERSION >= 12050
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
     if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess
@@ -62,6 +66,10 @@ Fn driverEntry(char const* name)
         return nullptr;
     }
     return reinterpret_cast<Fn>(fn);
+#else
+    (void) name;
+    return nullptr;
+#endif
 }
 
 struct MemOps
