@@ -1,0 +1,69 @@
+"""StagedRows' lazy protocol, which the runtime's prefetch relies on: a layer's rows are
+waited for at their first read only, once, in the reader's stream; ``wait()`` waits for
+every layer; ``finish()`` runs the lookup's host-side completion (the gather driver's
+failure check). The streams are stand-ins here (no GPU); the GPU side is checked by
+scripts/h200_driver_check.py and scripts/h200_runtime_check.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engram_trt.runtime import prefetch  # noqa: E402
+from engram_trt.runtime.prefetch import StagedRows  # noqa: E402
+
+
+@pytest.fixture
+def fake_stream(monkeypatch: pytest.MonkeyPatch) -> object:
+    stream = object()
+    monkeypatch.setattr(prefetch.torch.cuda, "current_stream", lambda device=None: stream)
+    return stream
+
+
+def _views(n: int) -> list:
+    return [torch.full((2, 3, 4), float(i)) for i in range(n)]
+
+
+def test_a_waiter_runs_once_per_layer_at_its_first_read(fake_stream: object) -> None:
+    calls: list = []
+    views = _views(3)
+    rows = StagedRows(views, waiter=lambda i, s: calls.append((i, s)))
+    assert calls == []  # nothing waits before a read
+    assert rows[1] is views[1]
+    assert calls == [(1, fake_stream)]
+    assert rows[1] is views[1] and calls == [(1, fake_stream)]  # once
+    assert rows[0] is views[0] and rows[2] is views[2]
+    assert [c[0] for c in calls] == [1, 0, 2]
+    rows.wait()  # every layer waited for already: no further wait
+    assert len(calls) == 3
+
+
+def test_wait_covers_every_layer_and_finish_runs_the_hook(fake_stream: object) -> None:
+    calls: list = []
+    finished: list = []
+    rows = StagedRows(_views(2), waiter=lambda i, s: calls.append(i), finish=lambda: finished.append(True))
+    rows.wait()
+    assert calls == [0, 1]
+    assert list(rows) == rows._views
+    rows.finish()
+    assert finished == [True]
+
+
+def test_a_failed_lookup_surfaces_at_finish(fake_stream: object) -> None:
+    def fail() -> None:
+        raise prefetch.EngramError("host gather job 3 failed: table_dtype 7 is neither fp8_e4m3 (0) nor bf16 (1)")
+
+    rows = StagedRows(_views(1), waiter=lambda i, s: None, finish=fail)
+    rows[0]
+    with pytest.raises(prefetch.EngramError, match="host gather job 3 failed: table_dtype 7"):
+        rows.finish()
+
+
+def test_ready_rows_need_no_wait_and_finish_is_a_no_op() -> None:
+    views = _views(2)
+    rows = StagedRows(views)  # rows computed synchronously (the CPU reference path)
+    assert rows[0] is views[0] and rows[1] is views[1]
+    rows.wait()
+    rows.finish()
+    assert rows.shapes == [(2, 3, 4), (2, 3, 4)]
