@@ -278,14 +278,9 @@ void EngramGatherDriver::release(cudaStream_t stream, uint64_t ticket, bool fail
         cudaGetLastError();
         if (!failed)
         {
-            std::lock_guard<std::mutex> lock(mutex);
-            if (error == 0)
-            {
-                error = static_cast<int>(cudaErrorUnknown);
-                errorTicket = ticket;
-                errorMessage = "engram_gather_driver: cuStreamWriteValue64 failed (CUresult "
-                    + std::to_string(static_cast<int>(written)) + ")";
-            }
+            keepError(fail(cudaErrorUnknown, "engram_gather_driver: cuStreamWriteValue64 failed (CUresult %d)",
+                          static_cast<int>(written)),
+                ticket);
         }
     }
 }

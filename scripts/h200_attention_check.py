@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "python"))
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
-from h200_common import LOG, RESULTS, Harness, build, record, record_crash, say, write_results  # noqa: E402,F401
+from h200_common import LOG, RESULTS, Harness, record, record_crash, say, start, write_results  # noqa: E402,F401
 
 
 # --- float64 reference -------------------------------------------------------------------
@@ -481,13 +481,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
     args = ap.parse_args()
 
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    seed = start(args)
     rng = np.random.default_rng(seed)
-    RESULTS["seed"] = seed
-    say(f"seed {seed}")
-    if not args.skip_build:
-        build(args.build_dir, args.trt_include, args.archs)
-    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(args.build_dir / "libengram_trt_plugins.so")
     failed = False
     try:
         harness = Harness(args.build_dir / "plugins" / "tests" / "libengram_plugin_harness.so")

@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from h200_common import LOG, RESULTS, build, record, record_crash, say, write_results  # noqa: E402,F401
+from h200_common import LOG, RESULTS, record, record_crash, say, start, write_results  # noqa: E402,F401
 
 U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
 EPS = 1e-6
@@ -454,12 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
     args = ap.parse_args(argv)
 
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    RESULTS["seed"] = seed
-    say(f"seed {seed}")
-    if not args.skip_build:
-        build(args.build_dir, args.trt_include, args.archs)
-    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(args.build_dir / "libengram_trt_plugins.so")
+    seed = start(args)
     failed = False
     try:
         import torch

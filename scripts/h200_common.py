@@ -280,6 +280,19 @@ def gate_fields(hc, D, eps):
             ("eps", PF_FLOAT32, np.array([eps], np.float32))]
 
 
+def start(args) -> int:
+    """The check scripts' common start: the run's seed (``--seed`` or fresh, recorded and
+    printed), the build unless ``--skip-build``, and ENGRAM_TRT_PLUGIN_LIB pointing at the
+    build's library. Returns the seed."""
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    RESULTS["seed"] = seed
+    say(f"seed {seed}")
+    if not args.skip_build:
+        build(args.build_dir, args.trt_include, args.archs)
+    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(args.build_dir / "libengram_trt_plugins.so")
+    return seed
+
+
 def build(build_dir: Path, trt_include: Path | None, archs: str) -> Path:
     """Configure and build the library and the plugin harness for ``archs`` (the GPU
     check scripts' one build step)."""

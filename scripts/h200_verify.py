@@ -64,7 +64,7 @@ sys.path.insert(0, str(REPO / "python"))
 
 import numpy as np  # noqa: E402
 
-from h200_common import (DT, LOG, build, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
+from h200_common import (DT, LOG, start, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
                          gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
                          random_fp8_table, record, record_crash, say, write_results)
 import h200_column_range  # noqa: E402
@@ -628,14 +628,8 @@ def main() -> int:
         print("PROBE " + json.dumps(probe(args.probe, args.build_dir)), flush=True)
         return 0
 
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    seed = start(args)
     rng = np.random.default_rng(seed)
-    RESULTS["seed"] = seed
-    say(f"seed {seed}")
-    if not args.skip_build:
-        build(args.build_dir, args.trt_include, args.archs)
-    lib = args.build_dir / "libengram_trt_plugins.so"
-    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(lib)
     harness = Harness(harness_path(args.build_dir))
     layouts = make_layouts()
 

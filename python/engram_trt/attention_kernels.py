@@ -61,6 +61,25 @@ def attention_workspace_size(max_tokens: int, num_heads: int, num_kv_heads: int,
     return int(out.value)
 
 
+def _cache_shape(key_cache: Any, value_cache: Any, token_slot: Any, token_pos: Any) -> tuple[int, int, int, int]:
+    """(num_slots, kv_heads, max_seq_len, head_dim) of a KV cache pair, after the int32
+    check of the step's slots and positions (dtypes are named before shapes)."""
+    torch = _torch()
+    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
+        _check_dtype(name, t, (torch.int32,))
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise EngramError(f"key_cache and value_cache must be one shape [slots, kv_heads, max_seq_len, head_dim] "
+                          f"(got {tuple(key_cache.shape)} and {tuple(value_cache.shape)})")
+    num_slots, kvh, max_seq_len, hd = key_cache.shape
+    return num_slots, kvh, max_seq_len, hd
+
+
+def _check_slot_shapes(token_slot: Any, token_pos: Any, T: int) -> None:
+    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
+        if tuple(t.shape) != (T,):
+            raise EngramError(f"{name} must be [T] = ({T},) (got {tuple(t.shape)})")
+
+
 def _attention_args(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, token_slot: Any,
                     token_pos: Any) -> tuple[int, int, int, int, int, int]:
     """(T, num_heads, num_kv_heads, head_dim, num_slots, max_seq_len) after the checks:
@@ -72,12 +91,7 @@ def _attention_args(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, to
     floats = [(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("value_cache", value_cache)) if t is not None]
     for name, t in floats:
         _check_dtype(name, t, (dtype,))
-    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        _check_dtype(name, t, (torch.int32,))
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-        raise EngramError(f"key_cache and value_cache must be one shape [slots, kv_heads, max_seq_len, head_dim] "
-                          f"(got {tuple(key_cache.shape)} and {tuple(value_cache.shape)})")
-    num_slots, kvh, max_seq_len, hd = key_cache.shape
+    num_slots, kvh, max_seq_len, hd = _cache_shape(key_cache, value_cache, token_slot, token_pos)
     T = (q if q is not None else k).shape[0]
     H = kvh if q is None else q.shape[1]
     if q is not None and (q.dim() != 3 or q.shape[2] != hd):
@@ -85,9 +99,7 @@ def _attention_args(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, to
     for name, t in (("k", k), ("v", v)):
         if t is not None and tuple(t.shape) != (T, kvh, hd):
             raise EngramError(f"{name} must be [T, num_kv_heads, head_dim] = {(T, kvh, hd)} (got {tuple(t.shape)})")
-    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        if tuple(t.shape) != (T,):
-            raise EngramError(f"{name} must be [T] = ({T},) (got {tuple(t.shape)})")
+    _check_slot_shapes(token_slot, token_pos, T)
     for name, t in floats + [("key_cache", key_cache), ("token_slot", token_slot), ("token_pos", token_pos)]:
         _check(name, t, (t.dtype,))
     _same_device(key_cache.device, q=q, k=k, v=v, value_cache=value_cache, token_slot=token_slot,
@@ -166,12 +178,7 @@ def rope_kv_cache_write(qkv: Any, cos: Any, sin: Any, key_cache: Any, value_cach
     for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("key_cache", key_cache),
                     ("value_cache", value_cache)):
         _check_dtype(name, t, (torch.bfloat16,))
-    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        _check_dtype(name, t, (torch.int32,))
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-        raise EngramError(f"key_cache and value_cache must be one shape [slots, kv_heads, max_seq_len, head_dim] "
-                          f"(got {tuple(key_cache.shape)} and {tuple(value_cache.shape)})")
-    num_slots, kvh, max_seq_len, hd = key_cache.shape
+    num_slots, kvh, max_seq_len, hd = _cache_shape(key_cache, value_cache, token_slot, token_pos)
     H = int(num_heads)
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * kvh) * hd:
         raise EngramError(f"qkv must be [T, (num_heads + 2 * kv_heads) * head_dim] = [T, {(H + 2 * kvh) * hd}] "
@@ -180,9 +187,7 @@ def rope_kv_cache_write(qkv: Any, cos: Any, sin: Any, key_cache: Any, value_cach
     for name, t in (("cos", cos), ("sin", sin)):
         if tuple(t.shape) != (T, hd):
             raise EngramError(f"{name} must be [T, head_dim] = {(T, hd)} (got {tuple(t.shape)})")
-    for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        if tuple(t.shape) != (T,):
-            raise EngramError(f"{name} must be [T] = ({T},) (got {tuple(t.shape)})")
+    _check_slot_shapes(token_slot, token_pos, T)
     for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("token_slot", token_slot), ("token_pos", token_pos)):
         _check(name, t, (t.dtype,))
