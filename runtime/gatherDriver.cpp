@@ -147,8 +147,6 @@ struct DriverJob
     int32_t* rowIdsHost{nullptr};
     std::vector<EngramDriverTable> tables;
     std::vector<void*> outs;
-    // recorded on the submit's `after` stream: the gathers (which write outs) wait for it
-    cudaEvent_t after{nullptr};
 };
 
 } // namespace
@@ -171,16 +169,6 @@ struct EngramGatherDriver
     std::string errorMessage;
 
     cudaEvent_t hashed{nullptr}; // a step job's row ids are back on the host
-    // Events for step jobs' `after` orderings, one per job in flight: a job's event is
-    // recorded at submit and waited for by the driver thread later, so no other job may
-    // re-record it in between (the wait would take the newer point of `after`: one
-    // behind a reader of this very job, a deadlock).
-    std::mutex orderMutex;
-    std::vector<cudaEvent_t> orderFree;
-    std::vector<cudaEvent_t> orderAll;
-
-    cudaEvent_t takeOrderEvent();
-    void returnOrderEvent(cudaEvent_t ev);
 
     void loop();
     int runJob(DriverJob const& job);
@@ -246,17 +234,6 @@ int EngramGatherDriver::runStep(DriverJob const& job, uint64_t& released)
             return failCuda(status, "%s: copying the row ids back failed: %s", fn, cudaGetErrorString(status));
         }
     }
-    if (job.after != nullptr)
-    {
-        // Only the gathers write outs, which the last step's readers on `after` may still
-        // read: the upload, hash and copy back above ran without waiting for them.
-        cudaError_t const status = cudaStreamWaitEvent(job.stream, job.after, 0);
-        if (status != cudaSuccess)
-        {
-            return failCuda(
-                status, "%s: ordering the gathers after the `after` stream: %s", fn, cudaGetErrorString(status));
-        }
-    }
     for (int64_t l = 0; l < L; ++l)
     {
         EngramDriverTable const& t = job.tables[static_cast<size_t>(l)];
@@ -308,31 +285,6 @@ void EngramGatherDriver::release(cudaStream_t stream, uint64_t ticket, bool fail
     }
 }
 
-cudaEvent_t EngramGatherDriver::takeOrderEvent()
-{
-    std::lock_guard<std::mutex> lock(orderMutex);
-    if (!orderFree.empty())
-    {
-        cudaEvent_t const ev = orderFree.back();
-        orderFree.pop_back();
-        return ev;
-    }
-    cudaEvent_t ev = nullptr;
-    if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess)
-    {
-        cudaGetLastError();
-        return nullptr;
-    }
-    orderAll.push_back(ev);
-    return ev;
-}
-
-void EngramGatherDriver::returnOrderEvent(cudaEvent_t ev)
-{
-    std::lock_guard<std::mutex> lock(orderMutex);
-    orderFree.push_back(ev);
-}
-
 void EngramGatherDriver::loop()
 {
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
@@ -361,10 +313,6 @@ void EngramGatherDriver::loop()
         if (released != job.ticket)
         {
             release(job.stream, job.ticket, status != 0); // a failed job releases all its readers too
-        }
-        if (job.after != nullptr)
-        {
-            returnOrderEvent(job.after); // its wait is enqueued (or the job failed before it)
         }
         {
             std::lock_guard<std::mutex> lock(mutex);
@@ -459,7 +407,7 @@ extern "C" ENGRAM_API int engram_gather_driver_create(EngramHostGatherer* gather
             {
                 cudaEventDestroy(d->hashed);
             }
-            return failCuda(status, "%s: the driver's device word and events: %s", fn, cudaGetErrorString(status));
+            return failCuda(status, "%s: the driver's device word: %s", fn, cudaGetErrorString(status));
         }
         EngramGatherDriver* raw = d.get();
         d->thread = std::thread([raw] { raw->loop(); });
@@ -490,10 +438,6 @@ extern "C" ENGRAM_API int engram_gather_driver_destroy(EngramGatherDriver* drive
         cudaDeviceSynchronize(); // no stream may still wait on the word or write it
         cudaFree(driver->word);
         cudaEventDestroy(driver->hashed);
-        for (cudaEvent_t ev : driver->orderAll)
-        {
-            cudaEventDestroy(ev);
-        }
         cudaGetLastError();
         delete driver;
         return 0;
@@ -559,7 +503,7 @@ extern "C" ENGRAM_API int engram_gather_driver_submit_step(EngramGatherDriver* d
     int32_t const* cidsHost, int64_t numTokens, int32_t const* seqStartsHost, int64_t numSeqs,
     int32_t const* lookbackHost, int32_t lookbackWidth, int32_t numCols, int32_t* cidsDev, int32_t* seqStartsDev,
     int32_t* lookbackDev, int32_t* rowIdsDev, int32_t* rowIdsHost, int32_t numLayers, EngramDriverTable const* tables,
-    void* const* outs, cudaStream_t stream, cudaStream_t after, uint64_t* firstTicket)
+    void* const* outs, cudaStream_t stream, uint64_t* firstTicket)
 {
     clearError();
     ENGRAM_ABI_TRY
@@ -609,44 +553,10 @@ extern "C" ENGRAM_API int engram_gather_driver_submit_step(EngramGatherDriver* d
         job.tables.assign(tables, tables + numLayers);
         job.outs.assign(outs, outs + numLayers);
         job.stream = stream;
-        if (after != nullptr && after != stream)
-        {
-            // Recorded here, on the calling thread: the point of `after` at submit. The
-            // driver thread makes the job's gathers wait for it.
-            int current = driver->device;
-            cudaGetDevice(&current);
-            cudaError_t status = current == driver->device ? cudaSuccess : cudaSetDevice(driver->device);
-            cudaEvent_t ev = status == cudaSuccess ? driver->takeOrderEvent() : nullptr;
-            if (status == cudaSuccess && ev == nullptr)
-            {
-                status = cudaErrorMemoryAllocation;
-            }
-            if (status == cudaSuccess)
-            {
-                status = cudaEventRecord(ev, after);
-                if (status != cudaSuccess)
-                {
-                    driver->returnOrderEvent(ev);
-                }
-            }
-            if (current != driver->device)
-            {
-                cudaSetDevice(current); // the caller's device, as it was
-            }
-            if (status != cudaSuccess)
-            {
-                return failCuda(status, "%s: recording the `after` stream's point: %s", fn, cudaGetErrorString(status));
-            }
-            job.after = ev;
-        }
         {
             std::lock_guard<std::mutex> lock(driver->mutex);
             if (driver->stop)
             {
-                if (job.after != nullptr)
-                {
-                    driver->returnOrderEvent(job.after);
-                }
                 return fail(cudaErrorInvalidValue, "%s: the driver is being destroyed", fn);
             }
             *firstTicket = driver->submitted + 1;

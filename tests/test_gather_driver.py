@@ -51,7 +51,7 @@ def test_missing_arguments_are_named() -> None:
     first = ctypes.c_uint64(0)
     with pytest.raises(EngramError, match="driver and first_ticket are required"):
         gatherdriver._ENTRY.call("engram_gather_driver_submit_step", None, None, None, 0, None, 0, None, 2, 8, None,
-                                 None, None, None, None, 2, None, None, None, None, ctypes.byref(first))
+                                 None, None, None, None, 2, None, None, None, ctypes.byref(first))
     with pytest.raises(EngramError, match="engram_gather_driver_wait_stream: driver is NULL"):
         gatherdriver._ENTRY.call("engram_gather_driver_wait_stream", None, 1, None)
     with pytest.raises(EngramError, match="engram_gather_driver_finish: driver is NULL"):
@@ -118,7 +118,7 @@ def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(layo
         job.submit(np.zeros(5, dtype=np.int64), np.array([0, 2, 5]), np.zeros((1, n), dtype=np.int64), stream=stream)
     cids, starts, lookback = np.arange(7, 12), np.array([0, 3, 5]), np.arange(2 * n).reshape(2, n) + 40
     with pytest.raises(EngramError, match="driver and first_ticket are required"):
-        job.submit(cids, starts, lookback, stream=stream, after=stream)
+        job.submit(cids, starts, lookback, stream=stream)
     assert gatherer.checks == L and len(out_checks) == L  # no check per step
     assert buffers.cids_np[:5].tolist() == cids.tolist() and buffers.starts_np[:3].tolist() == starts.tolist()
     assert buffers.lookback_np[:2, :n].tolist() == lookback.tolist()

@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.7.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.6.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -357,11 +357,8 @@ ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver, const int
  * `stream` (engram_hash_prepared into row_ids_dev [T, L, num_cols]), copies the row ids
  * back into row_ids_host (pinned), waits for them, then gathers layer l (l < num_layers
  * = L) from tables[l] into outs[l] (bf16 [T, num_cols, head_dim]) and releases its ticket
- * *first_ticket + l. `after` (may be NULL or `stream`): the gathers, which write outs,
- * come after the work queued on `after` at this call (the calling thread records an event
- * of the driver's there; the driver thread makes `stream` wait for it after the hash and
- * the copy back, which need not wait): the last step's readers of outs finish before the
- * new rows land. The host buffers must stay unchanged until the last ticket is finished. */
+ * *first_ticket + l. The host buffers must stay unchanged until the last ticket is
+ * finished. */
 typedef struct EngramDriverTable
 {
     const void* rows_host;
@@ -376,8 +373,7 @@ ENGRAM_API int engram_gather_driver_submit_step(EngramGatherDriver* driver, cons
     const int32_t* cids_host, int64_t num_tokens, const int32_t* seq_starts_host, int64_t num_seqs,
     const int32_t* lookback_host, int32_t lookback_width, int32_t num_cols, int32_t* cids_dev, int32_t* seq_starts_dev,
     int32_t* lookback_dev, int32_t* row_ids_dev, int32_t* row_ids_host, int32_t num_layers,
-    const EngramDriverTable* tables, void* const* outs, cudaStream_t stream, cudaStream_t after,
-    uint64_t* first_ticket);
+    const EngramDriverTable* tables, void* const* outs, cudaStream_t stream, uint64_t* first_ticket);
 ENGRAM_API int engram_gather_driver_wait_stream(EngramGatherDriver* driver, uint64_t ticket, cudaStream_t stream);
 ENGRAM_API int engram_gather_driver_finish(EngramGatherDriver* driver, uint64_t ticket);
 

@@ -33,7 +33,7 @@ _ENTRY = EntryPoints({
     "engram_gather_driver_submit": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp,
                                     ctypes.POINTER(_u64)],
     "engram_gather_driver_submit_step": [_vp, _vp, _vp, _i64, _vp, _i64, _vp, _i32, _i32, _vp, _vp, _vp, _vp, _vp,
-                                         _i32, _vp, _vp, _vp, _vp, ctypes.POINTER(_u64)],
+                                         _i32, _vp, _vp, _vp, ctypes.POINTER(_u64)],
     "engram_gather_driver_wait_stream": [_vp, _u64, _vp],
     "engram_gather_driver_finish": [_vp, _u64],
 })
@@ -127,19 +127,16 @@ class GatherDriver(NativeHandle):
         return self.last_ticket
 
     def submit_step(self, layout: Any, cids: Any, seq_starts: Any, lookback: Any, buffers: StepBuffers,
-                    tables: list[tuple[Any, Any, int, str]], outs: list[Any], *, stream: Any,
-                    after: Any = None) -> list[int]:
+                    tables: list[tuple[Any, Any, int, str]], outs: list[Any], *, stream: Any) -> list[int]:
         """Queue a whole step's lookup as one job (see the module docstring): ``cids [T]``,
         ``seq_starts [S+1]`` and ``lookback [S, N-1]`` (or None) as integer NumPy arrays
         are copied into ``buffers`` here; the driver hashes them on ``stream`` with the
         prepared ``layout`` and gathers layer ``l`` from ``tables[l] = (rows, scales,
-        quant_block, layout)`` into ``outs[l]`` (``[T, cols, head_dim]``). ``after``: a
-        stream whose work so far comes before the gathers (:meth:`StepJob.submit`).
-        Returns one ticket per layer, at once. A runtime that submits every step into the
+        quant_block, layout)`` into ``outs[l]`` (``[T, cols, head_dim]``). Returns one
+        ticket per layer, at once. A runtime that submits every step into the
         same outputs makes a :class:`StepJob` once instead (this checks the tables and
         outputs on every call)."""
-        return StepJob(self, layout, buffers, tables, outs).submit(cids, seq_starts, lookback, stream=stream,
-                                                                     after=after)
+        return StepJob(self, layout, buffers, tables, outs).submit(cids, seq_starts, lookback, stream=stream)
 
     def wait_stream(self, ticket: int, stream: Any = None) -> None:
         """Make ``stream`` (default: the device's current stream) wait on the GPU until
@@ -197,13 +194,12 @@ class StepJob:
                      _ptr(b.row_ids_host))
         self._host = (_ptr(b.cids_host), _ptr(b.starts_host), _ptr(b.lookback_host))
 
-    def submit(self, cids: Any, seq_starts: Any, lookback: Any, *, stream: Any, after: Any = None) -> list[int]:
-        """Queue one step (``T = len(cids)`` tokens, ``len(seq_starts) - 1`` sequences):
-        its ids are copied into the step buffers here, the rest runs on the driver thread.
-        ``after``: a torch CUDA stream whose work queued so far (the last step's readers of
-        the outputs) must come before the job's gathers write the outputs; the upload,
-        hash and copy back of the ids do not wait for it. Returns one ticket per layer, at
-        once."""
+    def submit(self, cids: Any, seq_starts: Any, lookback: Any, *, stream: Any) -> list[int]:
+        """Queue one step (``T = len(cids)`` tokens, ``len(seq_starts) - 1`` sequences) on
+        ``stream``: its ids are copied into the step buffers here, the rest runs on the
+        driver thread. The job's GPU work comes after the work already on ``stream`` (the
+        caller orders ``stream`` after the last step's readers of the outputs). Returns one
+        ticket per layer, at once."""
         drv, b = self.driver, self.buffers
         handle = drv._require_open()
         T, S = int(cids.shape[0]), int(len(seq_starts)) - 1
@@ -221,8 +217,7 @@ class StepJob:
         first = _u64(0)
         _ENTRY.call("engram_gather_driver_submit_step", handle, self._layout, self._host[0], T, self._host[1], S,
                     self._host[2] if with_lookback else None, n, self.cols, *self._dev, self.num_layers, self.structs,
-                    self.ptrs, _vp(stream.cuda_stream), _vp(None if after is None else after.cuda_stream),
-                    ctypes.byref(first))
+                    self.ptrs, _vp(stream.cuda_stream), ctypes.byref(first))
         tickets = [int(first.value) + li for li in range(self.num_layers)]
         drv.last_ticket = tickets[-1]
         return tickets

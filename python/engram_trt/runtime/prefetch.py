@@ -237,6 +237,7 @@ class Prefetcher:
                     from engram_trt.gatherdriver import GatherDriver
 
                     self._driver = GatherDriver(self._gatherer)
+                    self._order = torch.cuda.Event()  # re-recorded each step: no event made per step
                 log.info("host gather: %s", "queued on its driver thread at submit (the engine thread never waits for "
                          "it)" if driver else "run at each Engram layer's first read, on the engine thread")
 
@@ -358,20 +359,20 @@ class Prefetcher:
         t_finish = time.perf_counter()
         if self._step_job is None:
             self._step_job = self._make_step_job()
-        # after=main: the new rows land in the staging buffers only after the work already
-        # queued on the main stream (the last step's readers of those buffers); the driver
-        # makes only the gathers wait, so the step's hash runs while the last step ends.
-        main = torch.cuda.current_stream(self.device)
+        # The new rows land in the staging buffers only after the work already queued on
+        # the main stream (the last step's readers of those buffers).
+        self._order.record(torch.cuda.current_stream(self.device))
+        self._stream.wait_event(self._order)
         if "start_event" in info:
-            info["start_event"].record(self._stream)  # the job's first operation follows it
+            info["start_event"].record(self._stream)
         t_order = time.perf_counter()
-        tickets = self._step_job.submit(cids, step.seq_starts, lookback, stream=self._stream, after=main)
+        tickets = self._step_job.submit(cids, step.seq_starts, lookback, stream=self._stream)
         t_end = time.perf_counter()
         info["bytes_from_host"] = step.num_tokens * self.cols * len(views) * self.row_bytes
         if self.timing:  # the engine thread's time in submit, by part
-            # finish: the last job's; stream: the main stream and the timeline's start event;
-            # queue: the ids into the step buffers and the C call (with the ordering)
-            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "stream": (t_order - t_finish) * 1e6,
+            # finish: the last job's; order: the streams ordered (and the timeline's start
+            # event); queue: the ids into the step buffers and the C call
+            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "order": (t_order - t_finish) * 1e6,
                                  "queue": (t_end - t_order) * 1e6}
         self._account(info, t_end - t0)
 
