@@ -10,21 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engram_trt import gatherdriver, kernels  # noqa: E402
+from engram_trt import gatherdriver  # noqa: E402
 from engram_trt.errors import EngramError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="these cases need a machine without a CUDA device")
 
 
-def _library_or_skip() -> None:
-    try:
-        kernels.load_library()
-    except EngramError as exc:
-        pytest.skip(f"the kernel library is not built here: {exc}")
-
-
-def test_no_gpu_means_unsupported() -> None:
-    _library_or_skip()
+def test_no_gpu_means_unsupported(plugin_lib) -> None:  # noqa: ANN001
     value = ctypes.c_int32(7)
     gatherdriver._ENTRY.call("engram_gather_driver_supported", 0, ctypes.byref(value))
     assert value.value == 0
@@ -32,8 +24,7 @@ def test_no_gpu_means_unsupported() -> None:
     assert gatherdriver.driver_supported("cpu") is False
 
 
-def test_create_without_a_device_fails_naming_why() -> None:
-    _library_or_skip()
+def test_create_without_a_device_fails_naming_why(plugin_lib) -> None:  # noqa: ANN001
     handle = ctypes.c_void_p()
     with pytest.raises(EngramError, match=r"engram_gather_driver_create failed: engram_gather_driver_create: "
                                           r"(cudaGetDevice failed|device 0 (does not support|cannot be asked about))"):
@@ -42,8 +33,7 @@ def test_create_without_a_device_fails_naming_why() -> None:
         gatherdriver._ENTRY.call("engram_gather_driver_create", None, ctypes.byref(handle))
 
 
-def test_missing_arguments_are_named() -> None:
-    _library_or_skip()
+def test_missing_arguments_are_named(plugin_lib) -> None:  # noqa: ANN001
     ticket = ctypes.c_uint64(0)
     with pytest.raises(EngramError, match="driver and ticket are required"):
         gatherdriver._ENTRY.call("engram_gather_driver_submit", None, None, 0, 1, 1, None, None, 0, 256, 0, 32, 0,
@@ -88,7 +78,8 @@ def _step_buffers(max_tokens: int, layers: int, cols: int, width: int):  # noqa:
     return b
 
 
-def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(layout, monkeypatch) -> None:  # noqa: ANN001
+def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(plugin_lib, layout,  # noqa: ANN001
+                                                                             monkeypatch) -> None:
     """StepJob checks the tables and outputs when made, not per step; a step beyond the
     buffers or with a misshapen lookback is refused before anything is queued; a step's
     ids are in the step buffers when the C call is made (here it fails: no driver). The
@@ -96,7 +87,6 @@ def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(layo
     import numpy as np
     from types import SimpleNamespace
 
-    _library_or_skip()
     out_checks = []
     monkeypatch.setattr(gatherdriver, "_gather_out", lambda out, T, cols, head_dim, dev: out_checks.append(
         (tuple(out.shape), T, cols, head_dim)) or out)

@@ -133,9 +133,9 @@ class GatherDriver(NativeHandle):
         are copied into ``buffers`` here; the driver hashes them on ``stream`` with the
         prepared ``layout`` and gathers layer ``l`` from ``tables[l] = (rows, scales,
         quant_block, layout)`` into ``outs[l]`` (``[T, cols, head_dim]``). Returns one
-        ticket per layer, at once. A runtime that submits every step into the
-        same outputs makes a :class:`StepJob` once instead (this checks the tables and
-        outputs on every call)."""
+        ticket per layer, at once. A runtime that submits every step into the same
+        outputs makes a :class:`StepJob` once instead (this checks the tables and outputs
+        on every call)."""
         return StepJob(self, layout, buffers, tables, outs).submit(cids, seq_starts, lookback, stream=stream)
 
     def wait_stream(self, ticket: int, stream: Any = None) -> None:
@@ -188,7 +188,6 @@ class StepJob:
         # The tables and outputs must outlive the jobs that read and write them.
         self._keep = (tables, outs)
         self._prepared = prepared_layout(layout)  # kept: its handle is passed with every job
-        self._layout = self._prepared.handle
         b = buffers
         self._dev = (_ptr(b.cids_dev), _ptr(b.starts_dev), _ptr(b.lookback_dev), _ptr(b.row_ids_dev),
                      _ptr(b.row_ids_host))
@@ -215,7 +214,7 @@ class StepJob:
         if with_lookback:
             b.lookback_np[:S, :n] = lookback
         first = _u64(0)
-        _ENTRY.call("engram_gather_driver_submit_step", handle, self._layout, self._host[0], T, self._host[1], S,
+        _ENTRY.call("engram_gather_driver_submit_step", handle, self._prepared.handle, self._host[0], T, self._host[1], S,
                     self._host[2] if with_lookback else None, n, self.cols, *self._dev, self.num_layers, self.structs,
                     self.ptrs, _vp(stream.cuda_stream), ctypes.byref(first))
         tickets = [int(first.value) + li for li in range(self.num_layers)]
