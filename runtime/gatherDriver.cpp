@@ -237,9 +237,11 @@ int EngramGatherDriver::runStep(DriverJob const& job, uint64_t& released)
     for (int64_t l = 0; l < L; ++l)
     {
         EngramDriverTable const& t = job.tables[static_cast<size_t>(l)];
-        if (int const status = engram_host_gather_ex(gatherer, job.rowIdsHost + l * job.numCols, T, job.numCols,
-                L * job.numCols, t.rows_host, t.scales_host, t.num_rows, t.head_dim, t.table_dtype, t.quant_block,
-                t.table_layout, job.outs[static_cast<size_t>(l)], job.stream))
+        // The device row ids feed a table whose scales are in HBM (its dequant reads them).
+        if (int const status
+            = engram_host_gather_dev(gatherer, job.rowIdsHost + l * job.numCols, job.rowIdsDev + l * job.numCols, T,
+                job.numCols, L * job.numCols, t.rows_host, t.scales_host, t.num_rows, t.head_dim, t.table_dtype,
+                t.quant_block, t.table_layout, job.outs[static_cast<size_t>(l)], job.stream))
         {
             return status;
         }
@@ -467,6 +469,13 @@ extern "C" ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver
         if (numTokens > 0 && (idsHost == nullptr || out == nullptr || rowsHost == nullptr))
         {
             return fail(cudaErrorInvalidValue, "%s: ids_host, rows_host and out are required", fn);
+        }
+        if (tableLayout == ENGRAM_LAYOUT_HBM_SCALES)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: hbm_scales (2) needs device ids, which a plain job has not: submit a step job "
+                "(engram_gather_driver_submit_step) or pass the split layout",
+                fn);
         }
         DriverJob job;
         job.ids = idsHost;

@@ -175,6 +175,12 @@ struct GatherSink
     int32_t headDim{0};
     int32_t tableDtype{0};
     int32_t quantBlock{0};
+    // ENGRAM_LAYOUT_HBM_SCALES: the dequant reads scale bytes by id from device memory.
+    uint8_t const* scalesDev{nullptr};
+    int32_t const* idsDev{nullptr};
+    int32_t numCols{1};
+    int64_t idTokenStride{1};
+    int64_t tableNumRows{0};
 };
 
 //! One call's work, shared by the caller and the workers.
@@ -284,9 +290,31 @@ int64_t autoTaskRows(int64_t chunkRows, int numThreads)
 int makeTable(char const* fn, void const* rowsHost, void const* scalesHost, int64_t tableNumRows, int64_t rowBytes,
     int64_t scaleBytes, int32_t tableLayout, RowTable& table)
 {
-    if (tableLayout != ENGRAM_LAYOUT_SPLIT && tableLayout != ENGRAM_LAYOUT_INLINE)
+    if (tableLayout != ENGRAM_LAYOUT_SPLIT && tableLayout != ENGRAM_LAYOUT_INLINE
+        && tableLayout != ENGRAM_LAYOUT_HBM_SCALES)
     {
-        return fail(cudaErrorInvalidValue, "%s: table_layout %d is neither split (0) nor inline (1)", fn, tableLayout);
+        return fail(cudaErrorInvalidValue, "%s: table_layout %d is not split (0), inline (1) or hbm_scales (2)", fn,
+            tableLayout);
+    }
+    if (tableLayout == ENGRAM_LAYOUT_HBM_SCALES)
+    {
+        // The CPU threads copy the values alone; the scale bytes stay in device memory
+        // (never read on the host) and the GPU-side dequant looks them up.
+        if (scaleBytes == 0)
+        {
+            return fail(cudaErrorInvalidValue, "%s: hbm_scales (2) is a layout of fp8 tables only", fn);
+        }
+        if (tableNumRows > 0 && rowsHost == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: the table rows are required", fn);
+        }
+        table.rows = static_cast<uint8_t const*>(rowsHost);
+        table.scales = nullptr;
+        table.numRows = tableNumRows;
+        table.rowBytes = rowBytes;
+        table.scaleBytes = 0;
+        table.inlineScales = false;
+        return 0;
     }
     bool const inlineScales = tableLayout == ENGRAM_LAYOUT_INLINE && scaleBytes > 0;
     if (tableLayout == ENGRAM_LAYOUT_INLINE && scalesHost != nullptr)
@@ -351,7 +379,8 @@ int issueChunk(
     else
     {
         // The device slot was last read by the dequant of chunk c - num_slots (or of an
-        // earlier call): the copy into it waits for that kernel.
+        // earlier call): the copy into it waits for that kernel. (With scales in HBM the
+        // chunk is its rows alone: scalesBytes is 0.)
         status = cudaStreamWaitEvent(g.copyStream, g.consumed[slot], 0);
         if (status == cudaSuccess)
         {
@@ -375,9 +404,12 @@ int issueChunk(
         {
             return recordError(fn, "cudaStreamWaitEvent", status);
         }
-        int const launched = launchGather(nullptr, count, 1, 1, g.deviceStaging[slot],
-            g.deviceStaging[slot] + rowsBytes, nullptr, nullptr, count, sink.headDim, sink.tableDtype, sink.quantBlock,
-            sink.out + first * 2 * static_cast<int64_t>(sink.headDim), stream);
+        uint8_t* const chunkOut = sink.out + first * 2 * static_cast<int64_t>(sink.headDim);
+        int const launched = sink.scalesDev != nullptr
+            ? launchDequantStaged(g.deviceStaging[slot], sink.idsDev, first, count, sink.numCols, sink.idTokenStride,
+                  sink.scalesDev, sink.tableNumRows, sink.headDim, sink.quantBlock, chunkOut, stream)
+            : launchGather(nullptr, count, 1, 1, g.deviceStaging[slot], g.deviceStaging[slot] + rowsBytes, nullptr,
+                  nullptr, count, sink.headDim, sink.tableDtype, sink.quantBlock, chunkOut, stream);
         if (launched != 0)
         {
             return launched;
@@ -559,6 +591,25 @@ int hostGather(char const* fn, EngramHostGatherer* gatherer, RowIds ids, int64_t
     if (int const status = makeTable(fn, rowsHost, scalesHost, tableNumRows, rowBytes, scaleBytes, tableLayout, table))
     {
         return status;
+    }
+    if (tableLayout == ENGRAM_LAYOUT_HBM_SCALES)
+    {
+        if (sink.kind == GatherSink::kRaw)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: the raw sink copies scale bytes from host memory: pass the split layout (0) with host scales", fn);
+        }
+        if (tableNumRows > 0 && scalesHost == nullptr)
+        {
+            return fail(cudaErrorInvalidValue, "%s: hbm_scales (2) needs the table's scales in device memory", fn);
+        }
+        if (totalRows > 0 && sink.idsDev == nullptr)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: hbm_scales (2) needs the ids in device memory too (engram_host_gather_dev's ids_dev)", fn);
+        }
+        sink.scalesDev = static_cast<uint8_t const*>(scalesHost);
+        sink.tableNumRows = tableNumRows;
     }
     if (totalRows == 0)
     {
@@ -836,9 +887,10 @@ extern "C" ENGRAM_API int engram_host_gatherer_wake(EngramHostGatherer* gatherer
     ENGRAM_ABI_CATCH("engram_host_gatherer_wake")
 }
 
-extern "C" ENGRAM_API int engram_host_gather_ex(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numTokens,
-    int32_t numCols, int64_t idTokenStride, void const* rowsHost, void const* scalesHost, int64_t tableNumRows,
-    int32_t headDim, int32_t tableDtype, int32_t quantBlock, int32_t tableLayout, void* out, cudaStream_t stream)
+extern "C" ENGRAM_API int engram_host_gather_dev(EngramHostGatherer* gatherer, int32_t const* idsHost,
+    int32_t const* idsDev, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rowsHost,
+    void const* scales, int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock,
+    int32_t tableLayout, void* out, cudaStream_t stream)
 {
     clearError();
     ENGRAM_ABI_TRY
@@ -853,11 +905,22 @@ extern "C" ENGRAM_API int engram_host_gather_ex(EngramHostGatherer* gatherer, in
         GatherSink sink;
         sink.kind = GatherSink::kBf16Out;
         sink.out = static_cast<uint8_t*>(out);
+        sink.idsDev = idsDev;
+        sink.numCols = numCols;
+        sink.idTokenStride = idTokenStride;
         RowIds ids{idsHost, numCols, idTokenStride};
-        return hostGather(fn, gatherer, ids, numTokens * numCols, rowsHost, scalesHost, tableNumRows, headDim,
-            tableDtype, quantBlock, tableLayout, sink, stream);
+        return hostGather(fn, gatherer, ids, numTokens * numCols, rowsHost, scales, tableNumRows, headDim, tableDtype,
+            quantBlock, tableLayout, sink, stream);
     }
     ENGRAM_ABI_CATCH("engram_host_gather")
+}
+
+extern "C" ENGRAM_API int engram_host_gather_ex(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numTokens,
+    int32_t numCols, int64_t idTokenStride, void const* rowsHost, void const* scalesHost, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, int32_t tableLayout, void* out, cudaStream_t stream)
+{
+    return engram_host_gather_dev(gatherer, idsHost, nullptr, numTokens, numCols, idTokenStride, rowsHost, scalesHost,
+        tableNumRows, headDim, tableDtype, quantBlock, tableLayout, out, stream);
 }
 
 extern "C" ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numTokens,
@@ -925,6 +988,7 @@ extern "C" ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gather
         {
             return status;
         }
+        scaleBytes = table.scaleBytes; // 0 for hbm_scales: the values alone are copied
         if (numIds == 0)
         {
             return 0;

@@ -2,7 +2,9 @@
 run by scripts/h200_hostgather_check.py:
 
   - a whole step as one job (the driver uploads and hashes the ids, copies the row ids
-    back, gathers each layer): row ids equal hash_batch_packed, rows the dequant reference;
+    back, gathers each layer): row ids equal hash_batch_packed, rows the dequant reference,
+    from split tables and from tables whose scales are in HBM (their dequant reads the
+    device row ids); a plain job with scales in HBM is refused (it has no device ids);
   - jobs queued at once (three layers of [T, L, cols] ids, split and inline fp8 tables)
     equal the NumPy dequant reference, read on another stream after its GPU wait, with
     the wait enqueued before the job ran (a slow first job keeps the driver busy; without
@@ -20,6 +22,7 @@ run by scripts/h200_hostgather_check.py:
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import time
 from typing import Any, Callable
@@ -105,7 +108,10 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
         Ls, cols_s, n = layout.num_layers, layout.n_hash_cols, layout.max_ngram_size - 1
         buffers = gatherdriver.StepBuffers(4096, Ls, cols_s, n, dev)
         cases = []
-        for S, max_len, fresh in ((1, 1, False), (64, 1, False), (5, 700, False), (9, 300, True), (3, 0, False)):
+        scales_dev = scales_t.to(dev)
+        for (S, max_len, fresh), form in itertools.product(
+                ((1, 1, False), (64, 1, False), (5, 700, False), (9, 300, True), (3, 0, False)),
+                ("split", "hbm-scales")):
             lens = rng.integers(0 if max_len == 0 else 1, max_len + 1, size=S)
             T = int(lens.sum())
             starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
@@ -115,7 +121,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
             want = hash_batch_packed(cids, starts, lookback, layout)
             outs = [torch.full((T, cols_s, D), float("nan"), dtype=torch.bfloat16, device=dev) for _ in range(Ls)]
             side.wait_stream(torch.cuda.current_stream(dev))  # the NaN fills come first
-            tables = [(rows_t, scales_t, QB, "split")] * Ls
+            tables = [(rows_t, scales_dev if form == "hbm-scales" else scales_t, QB, form)] * Ls
             tickets = drv.submit_step(layout, cids, starts, lookback, buffers, tables, outs, stream=side)
             with torch.cuda.stream(reader):
                 copies = []
@@ -126,12 +132,21 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
             drv.finish()
             ids_ok = np.array_equal(buffers.row_ids_host[:T].numpy(), want.astype(np.int32))
             rows_ok = all(same(copies[li].reshape(-1, D), ref_fp8(want[:, li, :].reshape(-1))) for li in range(Ls))
-            cases.append((S, T, fresh, ids_ok, rows_ok, tickets))
+            cases.append((S, T, fresh, ids_ok, rows_ok, form))
         record("gather driver, step jobs: the driver's hash == hash_batch_packed and both layers' rows == the dequant "
-               "reference (1 / 64 decode sequences, chunks of up to 700 tokens, fresh sequences, an empty step)",
+               "reference (1 / 64 decode sequences, chunks of up to 700 tokens, fresh sequences, an empty step; "
+               "split tables and scales in HBM)",
                all(c[3] and c[4] for c in cases),
-               "; ".join(f"S={c[0]} T={c[1]}{' fresh' if c[2] else ''}: ids {'ok' if c[3] else 'DIFFER'}, "
+               "; ".join(f"S={c[0]} T={c[1]}{' fresh' if c[2] else ''} {c[5]}: ids {'ok' if c[3] else 'DIFFER'}, "
                          f"rows {'ok' if c[4] else 'DIFFER'}" for c in cases))
+        try:
+            drv.submit(torch.zeros((4, 24), dtype=torch.int32).pin_memory(), rows_t, scales_dev, quant_block=QB,
+                       out=torch.empty((4, 24, D), dtype=torch.bfloat16, device=dev), stream=side, layout="hbm-scales")
+            refused = "ACCEPTED"
+        except EngramError as e:
+            refused = str(e)
+        record("gather driver: a plain job with scales in HBM is refused (it has no device ids)",
+               refused != "ACCEPTED", refused)
 
     check_step_jobs()
 

@@ -2,8 +2,9 @@
 
 Exactness on small tables (seconds), every case against an independent reference (the
 float32 NumPy dequant, or the table's own rows for bf16 and raw bytes):
-  - fp8 to bf16, split and inline layouts, many chunks through 2 slots (slot reuse),
-    out-of-range ids, the ids of one layer of [T, L, cols] (strided), a side stream;
+  - fp8 to bf16, split, inline and hbm-scales layouts (hbm-scales: the scale bytes read on
+    the GPU by id), many chunks through 2 slots (slot reuse), out-of-range ids, the ids of
+    one layer of [T, L, cols] (strided), a side stream; hbm-scales' refusals;
   - bf16 tables (copied straight into the output);
   - raw rows into device arrays (fp8 and bf16), ordered after the stream's earlier work;
   - tuning knobs round-trip; a pool sized 1 (the caller alone);
@@ -42,6 +43,7 @@ def main() -> int:
 
     from engram_trt import hostgather
     from engram_trt.engram.quant import dequant_fp8_rows
+    from engram_trt.errors import EngramError
     from engram_trt.gatherpath import calibrate_gather, inline_table
     from engram_trt.hotcache import HotRowCache
 
@@ -77,6 +79,39 @@ def main() -> int:
         side.synchronize()
         record(f"fp8 {layout}: {T * cols} rows in 24 chunks of 1000 through 2 slots, out-of-range ids, side stream",
                same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))))
+
+    # 1b. scales in HBM (layout hbm-scales): the CPU copies the values alone, the dequant
+    # reads each row's scale bytes on the GPU by its id (the same 24 chunks through 2 slots)
+    scales_dev = scales_t.to(dev)
+    ids_t = torch.from_numpy(ids)
+    with torch.cuda.stream(side):
+        ids_up = ids_t.to(dev)
+        out = torch.full((T, cols, D), float("nan"), dtype=torch.bfloat16, device=dev)
+        got = g.gather(ids_t, rows_t, scales_dev, quant_block=QB, layout="hbm-scales", out=out, ids_dev=ids_up)
+    side.synchronize()
+    record(f"fp8 hbm-scales: {T * cols} rows in 24 chunks through 2 slots, out-of-range ids, side stream",
+           same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))))
+    ids3h = rng.integers(-9, N + 9, size=(400, 3, cols)).astype(np.int32)
+    got = g.gather(torch.from_numpy(ids3h), rows_t, scales_dev, layer=2, quant_block=QB, layout="hbm-scales")
+    torch.cuda.synchronize()
+    record("fp8 hbm-scales, layer 2 of [T, L, cols] ids, the device ids copied up by the call",
+           same(got.reshape(-1, D), ref_fp8(ids3h[:, 2, :].reshape(-1))))
+    refusals = []
+    for what, call in (
+            ("scales on the CPU", lambda: g.gather(ids_t, rows_t, scales_t, quant_block=QB, layout="hbm-scales")),
+            ("gather_raw", lambda: g.gather_raw(ids_t.reshape(-1), rows_t, scales_dev, quant_block=QB,
+                                                dst_rows=torch.empty((T * cols, D), dtype=torch.uint8, device=dev),
+                                                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8,
+                                                                       device=dev), layout="hbm-scales")),
+            ("a bf16 table", lambda: g.gather(ids_t, torch.zeros((10, 128), dtype=torch.bfloat16), None,
+                                              layout="hbm-scales"))):
+        try:
+            call()
+            refusals.append(f"{what}: ACCEPTED")
+        except EngramError as e:
+            refusals.append(f"{what}: {e}")
+    record("hbm-scales refused, each with its reason: scales on the CPU, the raw sink, a bf16 table",
+           all("ACCEPTED" not in r for r in refusals), " | ".join(refusals))
 
     # 2. strided ids: layer 1 of [T, L, cols]
     L = 3

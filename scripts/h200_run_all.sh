@@ -20,7 +20,7 @@ for s in ${STAGES:-verify runtime step tables attention backbone}; do
     verify) TAILN=40 stage verify 120 python3 scripts/h200_verify.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --reps 5 --out "$OUT" ;;
     vtiming) TAILN=30 stage vtiming 120 python3 scripts/h200_verify.py --trt-include "$PWD/.device/trt_include" --build-dir /tmp/b --skip-build --reps 5 --timing-only --out "$OUT/vtiming" ;;
     runtime) TAILN=60 stage runtime 200 python3 scripts/h200_runtime_check.py --out "$OUT" ${RUNTIME_ARGS:-} ;;
-    step) TAILN=20 stage step 100 python3 -m engram_trt bench step --model 1b --table-gib 24 --timeline --iters 8 --json "$OUT/step.json" --trace "$OUT/trace_decode64.json" ${STEP_ARGS:-} ;;
+    step) TAILN=20 stage step 160 python3 -m engram_trt bench step --model 1b --table-gib 24 --timeline --iters 8 --json "$OUT/step.json" --trace "$OUT/trace_decode64.json" ${STEP_ARGS:-} ;;
     tables) TAILN=12 stage tables 40 python3 scripts/h200_tables_check.py --no-demo --out "$OUT" ;;
     contention) TAILN=25 stage contention 150 python3 scripts/h200_hostgather_contention.py --out "$OUT" ${CONTENTION_ARGS:-} ;;
     hostgather) TAILN=30 stage hostgather 300 python3 scripts/h200_hostgather_check.py ;;

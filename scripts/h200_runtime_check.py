@@ -132,6 +132,8 @@ def store_logits(LLM, PackedStep, engine, kind, cfg, res) -> list:  # noqa: ANN0
             step.engram_ids, step.lookback = torch.from_numpy(cids), torch.from_numpy(lb)
             got.append(r.run(step, cids, lb).float().cpu())
         res[f"store_{kind}_paths"] = dict(r.prefetcher.stats["paths"]) if r.prefetcher else None
+        # 'hbm-scales' by default for fp8 host tables with the gather driver (scales on the GPU)
+        res[f"store_{kind}_host_layout"] = r.prefetcher.host_layout if r.prefetcher else None
         res[f"store_{kind}_calibration"] = getattr(r, "gather_calibration", None) and r.gather_calibration.to_dict()
     return got
 

@@ -3,8 +3,9 @@
 - runtime/tests/hostGatherTest.cpp (the thread pool and the row copy loop), compiled here
   with ThreadSanitizer where the compiler has it;
 - the C ABI's CPU entry point engram_host_gather_rows_cpu (the same row copy the
-  pipelined gather runs) against a NumPy reference: split and inline layouts, fp8 and
-  bf16, prefetch distances, plain and streaming stores, out-of-range ids;
+  pipelined gather runs) against a NumPy reference: split, inline and hbm-scales layouts
+  (hbm-scales: the values alone), fp8 and bf16, prefetch distances, plain and streaming
+  stores, out-of-range ids;
 - the pool's size from the CPU affinity mask, in a child process pinned to one CPU;
 - the argument checks of the new entry points (one-line reasons, no GPU needed).
 The pipelined GPU path (copies, dequant) runs on the H200 through `engram-trt bench gather`.
@@ -71,7 +72,7 @@ def _reference(values: np.ndarray, scales: np.ndarray | None, ids: np.ndarray) -
     return rows, np.where(ok[:, None], scales[safe], 127).astype(np.uint8)
 
 
-@pytest.mark.parametrize("layout", ["split", "inline"])
+@pytest.mark.parametrize("layout", ["split", "inline", "hbm-scales"])
 @pytest.mark.parametrize("threads,prefetch,streaming", [(1, 0, 0), (3, 16, 0), (2, 64, 1), (4, 5, 1)])
 def test_rows_cpu_matches_reference_fp8(plugin_lib: Path, layout: str, threads: int, prefetch: int,
                                         streaming: int) -> None:
@@ -86,7 +87,10 @@ def test_rows_cpu_matches_reference_fp8(plugin_lib: Path, layout: str, threads: 
                                                       streaming_stores=streaming)
     ref_rows, ref_scales = _reference(values.numpy(), scales.numpy(), ids)
     np.testing.assert_array_equal(got_rows.numpy(), ref_rows)
-    np.testing.assert_array_equal(got_scales.numpy(), ref_scales)
+    if layout == "hbm-scales":  # its CPU threads copy the values alone; the GPU reads the scales
+        assert got_scales is None
+    else:
+        np.testing.assert_array_equal(got_scales.numpy(), ref_scales)
 
 
 def test_rows_cpu_bf16_and_given_outputs(plugin_lib: Path) -> None:
@@ -113,8 +117,12 @@ def test_rows_cpu_argument_checks(plugin_lib: Path) -> None:
     with pytest.raises(EngramError, match=r"^an inline fp8 table is \[rows, head_dim \+ head_dim / quant_block\] "
                                           r"bytes; width 65 fits no head_dim"):
         hostgather.gather_rows_cpu(ids, torch.zeros(10, 65, dtype=torch.uint8), layout="inline")
-    with pytest.raises(EngramError, match="^layout must be 'split' or 'inline'"):
+    with pytest.raises(EngramError, match="^layout must be one of 'split', 'inline', 'hbm-scales' "
+                                          r"\(got 'packed'\)$"):
         hostgather.gather_rows_cpu(ids, values, scales, layout="packed")
+    with pytest.raises(EngramError, match=r"^layout 'hbm-scales' is for fp8 tables \(a bf16 table has no scales\): "
+                                          "use 'split'$"):
+        hostgather.gather_rows_cpu(ids, torch.zeros(10, 64, dtype=torch.bfloat16), layout="hbm-scales")
     with pytest.raises(EngramError, match=r"^out_rows must be \[>= 4, 64\]"):
         hostgather.gather_rows_cpu(ids, values, scales, out_rows=torch.zeros(3, 64, dtype=torch.uint8))
     with pytest.raises(EngramError, match=r"^ids must have dtype torch.int32 \(got torch.int64\)$"):
@@ -126,8 +134,14 @@ def test_rows_cpu_argument_checks(plugin_lib: Path) -> None:
     status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, None, 10, 64, kernels.TABLE_FP8_E4M3,
                                              32, 7, ptr, ptr, -1, -1)
     assert status == 1
-    assert lib.engram_last_error().decode() == ("engram_host_gather_rows_cpu: table_layout 7 is neither split (0) "
-                                                "nor inline (1)")
+    assert lib.engram_last_error().decode() == ("engram_host_gather_rows_cpu: table_layout 7 is not split (0), "
+                                                "inline (1) or hbm_scales (2)")
+    bf = torch.zeros(10, 64, dtype=torch.bfloat16)
+    status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, vp(bf.data_ptr()), None, 10, 64,
+                                             kernels.TABLE_BF16, 32, 2, vp(bf.data_ptr()), None, -1, -1)
+    assert status == 1
+    assert lib.engram_last_error().decode() == ("engram_host_gather_rows_cpu: hbm_scales (2) is a layout of fp8 "
+                                                "tables only")
     status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, None, 10, 64, kernels.TABLE_FP8_E4M3,
                                              32, 0, ptr, ptr, -1, -1)
     assert status == 1 and "split fp8 table, its scales" in lib.engram_last_error().decode()
@@ -163,6 +177,9 @@ def test_new_entry_points_refuse_null_gatherers(plugin_lib: Path) -> None:
     status = lib.engram_host_gather_raw(None, ids.ctypes.data_as(ctypes.c_void_p), 4, None, None, 0, 64,
                                         kernels.TABLE_FP8_E4M3, 32, 0, None, None, None)
     assert status == 1 and lib.engram_last_error().decode() == "engram_host_gather_raw: gatherer is NULL"
+    status = lib.engram_host_gather_dev(None, ids.ctypes.data_as(ctypes.c_void_p), None, 4, 1, 1, None, None, 0, 64,
+                                        kernels.TABLE_FP8_E4M3, 32, 2, None, None)
+    assert status == 1 and lib.engram_last_error().decode() == "engram_host_gather: gatherer is NULL"
     handle = ctypes.c_void_p(1)
     status = lib.engram_host_gatherer_create_ex(2, 64, 64, 1, ctypes.byref(handle))
     assert status == 1 and handle.value is None

@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.6.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.7.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -234,11 +234,17 @@ typedef struct EngramHostGatherer EngramHostGatherer;
 /* Layout of a host table (engram_host_gather_ex / _raw / _rows_cpu `table_layout`). */
 enum EngramTableLayout
 {
-    ENGRAM_LAYOUT_SPLIT = 0, /* rows [N, head_dim] and scales [N, head_dim / quant_block]: two arrays (engram_gather's
-                                form) */
-    ENGRAM_LAYOUT_INLINE = 1 /* one array [N, head_dim + head_dim / quant_block] bytes: each row's scale bytes right
+    ENGRAM_LAYOUT_SPLIT = 0,  /* rows [N, head_dim] and scales [N, head_dim / quant_block]: two arrays (engram_gather's
+                                 form) */
+    ENGRAM_LAYOUT_INLINE = 1, /* one array [N, head_dim + head_dim / quant_block] bytes: each row's scale bytes right
                                 after its values (fp8), so a random row costs the CPU one miss instead of two;
                                 scales_host must be NULL. For bf16 tables it is the split layout. */
+    ENGRAM_LAYOUT_HBM_SCALES = 2 /* fp8 only: rows [N, head_dim] in host memory, scales [N, head_dim / quant_block] in
+                                device memory (the `scales` pointer is a device pointer). The CPU threads copy only
+                                the values (a 256-byte row is 4 cache lines; with its scale bytes beside it, 5), and
+                                the dequant reads each row's scale bytes from HBM by its id, so the call needs the ids
+                                in device memory too (engram_host_gather_dev, or a step job's row ids). The raw sink
+                                does not take it. */
 };
 
 /* Tuning knobs of a host gatherer (engram_host_gatherer_set_option / get_option). */
@@ -296,10 +302,19 @@ ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, const int32_t* i
     int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
     int32_t head_dim, int32_t table_dtype, int32_t quant_block, void* out, cudaStream_t stream);
 
-/* engram_host_gather from a table in either EngramTableLayout. */
+/* engram_host_gather from a split or inline table (EngramTableLayout; hbm_scales needs
+ * engram_host_gather_dev). */
 ENGRAM_API int engram_host_gather_ex(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_tokens,
     int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales_host, int64_t table_num_rows,
     int32_t head_dim, int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* out, cudaStream_t stream);
+/* engram_host_gather_ex with the ids also in device memory: ids_dev has the layout of
+ * ids_host ([num_tokens, id_token_stride], the same values) and must be ready on `stream`.
+ * Only ENGRAM_LAYOUT_HBM_SCALES reads it (its dequant looks up each row's scale bytes by
+ * id); other layouts ignore it (NULL is fine). */
+ENGRAM_API int engram_host_gather_dev(EngramHostGatherer* gatherer, const int32_t* ids_host, const int32_t* ids_dev,
+    int64_t num_tokens, int32_t num_cols, int64_t id_token_stride, const void* rows_host, const void* scales,
+    int64_t table_num_rows, int32_t head_dim, int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* out,
+    cudaStream_t stream);
 
 /*
  * The host gather of raw table bytes (no dequant), for a device row cache that keeps
@@ -322,7 +337,8 @@ ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, const int32_
  * threads of `gatherer` with its tuning, or, with gatherer NULL, on a pool of
  * num_threads made for the call (<= 0: engram_cpu_affinity_count()). prefetch_rows and
  * streaming_stores override the tuning (-1: keep it). For tests and for measuring the
- * gather's CPU side apart from the link.
+ * gather's CPU side apart from the link. hbm_scales: the values alone (what its CPU
+ * threads copy); scales_host and dst_scales_host are not read or written.
  */
 ENGRAM_API int engram_host_gather_rows_cpu(EngramHostGatherer* gatherer, int32_t num_threads, const int32_t* ids_host,
     int64_t num_ids, const void* rows_host, const void* scales_host, int64_t table_num_rows, int32_t head_dim,
@@ -358,7 +374,9 @@ ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver, const int
  * back into row_ids_host (pinned), waits for them, then gathers layer l (l < num_layers
  * = L) from tables[l] into outs[l] (bf16 [T, num_cols, head_dim]) and releases its ticket
  * *first_ticket + l. The host buffers must stay unchanged until the last ticket is
- * finished. */
+ * finished. A table in ENGRAM_LAYOUT_HBM_SCALES has its scales in device memory
+ * (`scales_host` then holds a device pointer); its dequant reads the layer's row ids from
+ * row_ids_dev. engram_gather_driver_submit refuses that layout: it has no device ids. */
 typedef struct EngramDriverTable
 {
     const void* rows_host;

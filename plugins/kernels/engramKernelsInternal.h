@@ -66,6 +66,17 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows = nullptr,
     int64_t const* badRowsAddr = nullptr, int64_t rowOffset = 0);
 
+//! The host gather's dequant for a table whose scale bytes live in device memory
+//! (ENGRAM_LAYOUT_HBM_SCALES): staged holds `count` fp8 rows of headDim bytes, flat rows
+//! [firstRow, firstRow + count) of the call; flat row r is token r / numCols, column
+//! r % numCols, whose id is idsDev[token * idTokenStride + column]. Its scale bytes are
+//! scales[id * headDim / quantBlock ...] (byte 127, 2^0, for an id outside
+//! [0, tableNumRows): the host gather staged a zero row there). Writes bf16 rows
+//! out[0, count), the same values engram_gather gives for those ids.
+int launchDequantStaged(uint8_t const* staged, int32_t const* idsDev, int64_t firstRow, int64_t count, int32_t numCols,
+    int64_t idTokenStride, uint8_t const* scales, int64_t tableNumRows, int32_t headDim, int32_t quantBlock, void* out,
+    cudaStream_t stream);
+
 //! Load the gather kernel's variants (the host gather's dequant among them) and the hash
 //! kernel on the current device now. With lazy loading (CUDA's default) a kernel loads at
 //! its first launch, which may need the whole context to synchronize: from a thread that

@@ -331,6 +331,83 @@ int gatherBlocksPerSm(int variant)
 
 } // namespace
 
+struct DequantStagedParams
+{
+    uint8_t const* staged; // count rows of vectorsPerRow * 16 bytes
+    int32_t const* ids;    // the call's ids in device memory
+    uint8_t const* scales; // the table's scale bytes in device memory [tableNumRows, scalesPerRow]
+    uint4* out;
+    int64_t firstRow; // the chunk's first flat row of the call
+    int64_t count;
+    int64_t idTokenStride;
+    int64_t tableNumRows;
+    int32_t numCols;
+    int32_t vectorsPerRow;
+    int32_t scalesPerRow;
+    int32_t quantBlock;
+};
+
+//! The host gather's dequant when a table's scale bytes live in HBM: one thread per
+//! 16-byte vector of a staged row, its scale byte read by the row's id (launchDequantStaged).
+//! Every read is of device memory (the staged chunk, the ids, a row's few scale bytes), so
+//! one vector per thread and iteration hides the latency well enough.
+__global__ void __launch_bounds__(256) engramDequantStagedKernel(DequantStagedParams const p)
+{
+    int32_t const vpr = p.vectorsPerRow;
+    int64_t const total = p.count * vpr;
+    int64_t const stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total; v += stride)
+    {
+        int64_t const r = v / vpr;
+        int32_t const j = static_cast<int32_t>(v - r * vpr);
+        int64_t const flat = p.firstRow + r;
+        int64_t const t = flat / p.numCols;
+        int64_t const id = p.ids[t * p.idTokenStride + (flat - t * p.numCols)];
+        uint4 const data = *reinterpret_cast<uint4 const*>(p.staged + (r * vpr + j) * 16);
+        // An id outside the table was staged as a zero row: scale byte 127 (2^0) keeps it +0.
+        uint32_t const scaleByte = static_cast<uint64_t>(id) < static_cast<uint64_t>(p.tableNumRows)
+            ? p.scales[id * p.scalesPerRow + (j * 16) / p.quantBlock]
+            : 127u;
+        float const scale = ue8m0ToFloat(scaleByte);
+        uint2 const a = decodeFp8x4(data.x, scale);
+        uint2 const b = decodeFp8x4(data.y, scale);
+        uint2 const c = decodeFp8x4(data.z, scale);
+        uint2 const d = decodeFp8x4(data.w, scale);
+        uint4* dst = p.out + r * (2 * vpr) + 2 * j;
+        dst[0] = make_uint4(a.x, a.y, b.x, b.y);
+        dst[1] = make_uint4(c.x, c.y, d.x, d.y);
+    }
+}
+
+int launchDequantStaged(uint8_t const* staged, int32_t const* idsDev, int64_t firstRow, int64_t count, int32_t numCols,
+    int64_t idTokenStride, uint8_t const* scales, int64_t tableNumRows, int32_t headDim, int32_t quantBlock, void* out,
+    cudaStream_t stream)
+{
+    if (count <= 0)
+    {
+        return 0;
+    }
+    DequantStagedParams p{};
+    p.staged = staged;
+    p.ids = idsDev;
+    p.scales = scales;
+    p.out = static_cast<uint4*>(out);
+    p.firstRow = firstRow;
+    p.count = count;
+    p.idTokenStride = idTokenStride;
+    p.tableNumRows = tableNumRows;
+    p.numCols = numCols;
+    p.vectorsPerRow = headDim / 16;
+    p.scalesPerRow = headDim / quantBlock;
+    p.quantBlock = quantBlock;
+    int64_t const total = count * p.vectorsPerRow;
+    int64_t const wanted = (total + kGatherThreads - 1) / kGatherThreads;
+    int64_t const cap = static_cast<int64_t>(std::max(1, smCount())) * 8;
+    resetLaunchError();
+    engramDequantStagedKernel<<<static_cast<unsigned>(std::min(wanted, cap)), kGatherThreads, 0, stream>>>(p);
+    return checkLaunch("engram_host_gather (dequant, scales in HBM)");
+}
+
 int preloadGatherKernels()
 {
     for (int variant = 0; variant < 8; ++variant)
@@ -338,6 +415,11 @@ int preloadGatherKernels()
         // The occupancy query needs the kernel's resources: it loads the kernel (lazy
         // loading), once per device (gatherBlocksPerSm caches it).
         gatherBlocksPerSm(variant);
+    }
+    cudaFuncAttributes attributes{};
+    if (cudaFuncGetAttributes(&attributes, engramDequantStagedKernel) != cudaSuccess)
+    {
+        cudaGetLastError(); // the launch reports a real problem
     }
     return 0;
 }

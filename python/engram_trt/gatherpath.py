@@ -134,11 +134,14 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
         ids = [torch.randint(0, num_rows, (tokens, num_cols), generator=gen, dtype=torch.int32) for _ in range(reps)]
         out = torch.empty((tokens, num_cols, _head_dim(rows, quant_block, layout)), dtype=torch.bfloat16, device=device)
         host_ids = [i.pin_memory() for i in ids]
+        # On the GPU too: the UVA kernel reads them, and so does the host gather's dequant
+        # with the scales in HBM (as a step's hash kernel leaves them there).
+        dev_ids = [i.to(device) for i in ids] if uva_rows is not None or layout == "hbm-scales" else None
         choice.seconds[PATH_HOST].append(_median_wall(
-            lambda i: gatherer.gather(host_ids[i], rows, scales, quant_block=quant_block, out=out, layout=layout),
+            lambda i: gatherer.gather(host_ids[i], rows, scales, quant_block=quant_block, out=out, layout=layout,
+                                      ids_dev=dev_ids[i] if layout == "hbm-scales" else None),
             reps, sync))
         if uva_rows is not None:
-            dev_ids = [i.to(device) for i in ids]
             choice.seconds[PATH_UVA].append(_median_wall(
                 lambda i: kernels.gather(dev_ids[i], uva_rows, uva_scales, quant_block=quant_block, out=out),
                 reps, sync))

@@ -7,10 +7,16 @@ the PCIe link, while CPU gather + one copy per chunk approaches it (docs/benchma
 Which path is faster is machine- and size-dependent: :mod:`engram_trt.gatherpath`
 measures it at start-up.
 
-Host tables come in two layouts: ``split`` (rows ``[N, head_dim]`` + scales
-``[N, head_dim / quant_block]``, what :func:`engram_trt.kernels.gather` reads) and
+Host tables come in three layouts: ``split`` (rows ``[N, head_dim]`` + scales
+``[N, head_dim / quant_block]``, what :func:`engram_trt.kernels.gather` reads),
 ``inline`` (one ``[N, head_dim + head_dim / quant_block]`` byte array, each row's scale
-bytes after it: one CPU cache and TLB miss per random row instead of two).
+bytes after it: one CPU cache and TLB miss per random row instead of two) and
+``hbm-scales`` (fp8: the split rows in host memory, the scales on the gatherer's GPU).
+Why the third: the CPU part is bound by the DRAM lines the threads fetch. A 256-byte row
+is 4 lines; with its 8 scale bytes, inline or in the split scale array, it is 5. With the
+scales in HBM (3% of the table: 0.75 GiB per 24 GiB) the CPU copies 4 lines a row and the
+GPU's dequant reads each row's scale bytes by id (which is why the call needs the ids on
+the GPU too).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from engram_trt.kernels import (
 
 log = logging.getLogger(__name__)
 
-TABLE_LAYOUTS = {"split": 0, "inline": 1}  # EngramTableLayout of the host gather
+TABLE_LAYOUTS = {"split": 0, "inline": 1, "hbm-scales": 2}  # EngramTableLayout of the host gather
 # EngramHostGatherOption: the host gatherer's knobs (see HOST_GATHER_READ_ONLY)
 HOST_GATHER_OPTIONS = {"chunk_rows": 0, "min_chunks": 1, "task_rows": 2, "prefetch_rows": 3, "streaming_stores": 4,
                        "spin_us": 5, "num_threads": 6, "num_slots": 7, "slot_bytes": 8, "prefetch_far_rows": 9,
@@ -56,9 +62,12 @@ def _host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[
     An inline table is fp8 ``[num_rows, head_dim + head_dim / quant_block]`` bytes (each
     row's ue8m0 scale bytes after its values) with ``scales=None``."""
     if layout not in TABLE_LAYOUTS:
-        raise EngramError(f"layout must be 'split' or 'inline' (got {layout!r})")
-    if layout == "split":
-        return (*_table(rows, scales, quant_block), TABLE_LAYOUTS["split"])
+        raise EngramError(f"layout must be one of {', '.join(map(repr, TABLE_LAYOUTS))} (got {layout!r})")
+    if layout in ("split", "hbm-scales"):
+        table = _table(rows, scales, quant_block)
+        if layout == "hbm-scales" and table[0] != TABLE_FP8_E4M3:
+            raise EngramError("layout 'hbm-scales' is for fp8 tables (a bf16 table has no scales): use 'split'")
+        return (*table, TABLE_LAYOUTS[layout])
     torch = _torch()
     if scales is not None:
         raise EngramError("an inline table keeps its scale bytes in its rows: pass scales=None with layout='inline'")
@@ -99,15 +108,17 @@ def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int
     apart from first-touch page faults). Runs on ``gatherer``'s threads and tuning, else
     on ``num_threads`` threads (0: the affinity count); ``prefetch_rows`` /
     ``streaming_stores`` >= 0 override the tuning. Ids outside the table give zero rows
-    with scale bytes 127."""
+    with scale bytes 127. ``layout='hbm-scales'``: the values alone (what its CPU threads
+    copy; ``scales`` may be on the GPU and is not read), so the scales returned are None."""
     torch = _torch()
     n = _flat_ids_cpu(ids)
     dtype, num_rows, head_dim, layout_code = _host_table(rows, scales, quant_block, layout)
-    for name, t in (("rows", rows), ("scales", scales)):
+    hbm = layout == "hbm-scales"
+    for name, t in (("rows", rows), ("scales", None if hbm else scales)):
         if t is not None and t.device.type != "cpu":
             raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device})")
     want = [("out_rows", out_rows, torch.bfloat16 if dtype == TABLE_BF16 else torch.uint8, head_dim)]
-    if dtype == TABLE_BF16:
+    if dtype == TABLE_BF16 or hbm:
         out_scales = None
     else:
         want.append(("out_scales", out_scales, torch.uint8, head_dim // quant_block))
@@ -125,7 +136,8 @@ def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int
     handle = None
     if gatherer is not None:
         handle = gatherer._require_open()
-    _call("engram_host_gather_rows_cpu", handle, int(num_threads), _ptr(ids), n, _ptr(rows), _ptr(scales), num_rows,
+    _call("engram_host_gather_rows_cpu", handle, int(num_threads), _ptr(ids), n, _ptr(rows),
+          _ptr(None if hbm else scales), num_rows,
           head_dim, dtype, quant_block, layout_code, _ptr(out_rows), _ptr(out_scales), int(prefetch_rows),
           int(streaming_stores))
     return out_rows[:n], (None if out_scales is None else out_scales[:n])
@@ -204,27 +216,45 @@ class HostGatherer(NativeHandle):
 
     def _check_host_table(self, rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
         table = _host_table(rows, scales, quant_block, layout)
-        for name, t in (("rows", rows), ("scales", scales)):
+        hbm = layout == "hbm-scales"
+        for name, t in (("rows", rows), ("scales", None if hbm else scales)):
             if t is not None and t.device.type != "cpu":
                 raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device}); use kernels.gather")
+        if hbm and scales.device != self.device:
+            raise EngramError(f"layout 'hbm-scales' reads the scales on the gatherer's device {self.device} (got them "
+                              f"on {scales.device}): copy them there once, e.g. scales.to('{self.device}')")
         if table[2] > self.max_head_dim:
             raise EngramError(f"head_dim {table[2]} exceeds this gatherer's max_head_dim {self.max_head_dim}")
         return table
 
     def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-               out: Any = None, layout: str = "split") -> Any:
+               out: Any = None, layout: str = "split", ids_dev: Any = None) -> Any:
         """Same contract as :func:`engram_trt.kernels.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
         tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
         is on the gatherer's device. ``layout='inline'``: ``rows`` is an inline fp8 table
-        ``[num_rows, head_dim + head_dim / quant_block]`` and ``scales`` None. Returns once
-        every chunk is gathered and its copy enqueued on the device's current stream."""
+        ``[num_rows, head_dim + head_dim / quant_block]`` and ``scales`` None.
+        ``layout='hbm-scales'``: ``scales`` is on the gatherer's device, and so is
+        ``ids_dev``, a copy of ``ids`` (same shape; ready on the current stream, as the hash
+        kernel's output is); without it ``ids`` is copied up first. Returns once every chunk
+        is gathered and its copy enqueued on the device's current stream."""
+        torch = _torch()
         handle = self._require_open()
         T, cols, stride, byte_offset = _ids_view(ids, layer, "cpu")
         dtype, num_rows, head_dim, layout_code = self._check_host_table(rows, scales, quant_block, layout)
         out = _gather_out(out, T, cols, head_dim, self.device)
-        with _torch().cuda.device(self.device):
-            _call("engram_host_gather_ex", handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), T, cols, stride,
-                  _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, _ptr(out),
+        dev_ptr = None
+        if layout == "hbm-scales":
+            if ids_dev is None:
+                ids_dev = ids.to(self.device)
+            _check("ids_dev", ids_dev, (torch.int32,), ids.dim())
+            if tuple(ids_dev.shape) != tuple(ids.shape) or ids_dev.stride() != ids.stride() \
+                    or ids_dev.device != self.device:
+                raise EngramError(f"ids_dev must be ids {tuple(ids.shape)} with the same strides on {self.device} "
+                                  f"(got {tuple(ids_dev.shape)}, strides {ids_dev.stride()}, on {ids_dev.device})")
+            dev_ptr = ctypes.c_void_p(ids_dev.data_ptr() + byte_offset)
+        with torch.cuda.device(self.device):
+            _call("engram_host_gather_dev", handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), dev_ptr, T, cols,
+                  stride, _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, _ptr(out),
                   _stream(self.device))
         return out
 
@@ -239,6 +269,9 @@ class HostGatherer(NativeHandle):
         torch = _torch()
         handle = self._require_open()
         n = _flat_ids_cpu(ids)
+        if layout == "hbm-scales":
+            raise EngramError("gather_raw copies the stored scale bytes from host memory: pass the split table "
+                              "(layout='split', host scales)")
         dtype, num_rows, head_dim, layout_code = self._check_host_table(rows, scales, quant_block, layout)
         want = (torch.bfloat16,) if dtype == TABLE_BF16 else (torch.uint8,)
         _check("dst_rows", dst_rows, want, 2)

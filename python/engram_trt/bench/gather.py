@@ -5,7 +5,9 @@ GiB (264-byte rows: 256 FP8 values + 8 ue8m0 scale bytes), 6,144 rows (a decode 
 256 tokens x 24 columns) and 196,608 rows (an 8k-token prefill chunk), through
   - ``uva``: the project's gather kernel reading the pinned split table through UVA;
   - ``host``: the host gather (CPU threads + pinned staging + one copy per chunk + the
-    GPU dequant), split and inline layouts, at each thread count and tuning given;
+    GPU dequant), split, inline and hbm-scales layouts (hbm-scales: the split rows on the
+    host, the scale bytes on the GPU; its CPU threads and the link move 256 of a row's
+    264 bytes), at each thread count and tuning given;
   - ``torch``: torch.index_select into pinned staging + one copy (raw bytes, no dequant:
     the plain-library baseline);
 each as the median wall time from the call to the stream's completion over fresh ids.
@@ -98,8 +100,9 @@ def add_gather_arguments(p: Any) -> None:
     p.add_argument("--cols", type=int, default=24, help="columns per token (ids are [rows / cols, cols]; default 24)")
     p.add_argument("--paths", type=str_list(("uva", "host", "torch")), default=["uva", "host", "torch"],
                    help="paths to time (default: uva,host,torch)")
-    p.add_argument("--layouts", type=str_list(("split", "inline")), default=["split", "inline"],
-                   help="host gather table layouts (default: split,inline)")
+    p.add_argument("--layouts", type=str_list(("split", "inline", "hbm-scales")), default=["split", "inline"],
+                   help="host gather table layouts: split, inline, hbm-scales (the split rows in host memory, the "
+                        "scale bytes on the GPU) (default: split,inline)")
     p.add_argument("--threads", type=int_list, default=[4, 8, 16], help="CPU threads (default: 4,8,16)")
     p.add_argument("--chunk-rows", type=int_list, default=[2048], help="host gather: rows per copy (default 2048)")
     p.add_argument("--min-chunks", type=int_list, default=[4], help="host gather: min chunks per call (default 4)")
@@ -180,7 +183,7 @@ def cmd_gather(args: Any) -> int:
         raise EngramError("bench gather needs a CUDA GPU; run with --dry-run to exercise the CPU parts")
     # Only the layouts timed are built (the reference reads either): a 24.75 GiB table in
     # 1 GiB pages takes 25 of the pages reserved, both layouts 50.
-    need_split = "split" in args.layouts or "uva" in args.paths
+    need_split = "split" in args.layouts or "hbm-scales" in args.layouts or "uva" in args.paths
     need_inline = "inline" in args.layouts or "torch" in args.paths
     t0 = time.perf_counter()
     thp_before = anon_hugepages_kib()
@@ -225,6 +228,7 @@ def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
         for layout, threads, prefetch, stores in itertools.product(args.layouts, args.threads, args.prefetch,
                                                                    args.stores):
             table = (tables.inline, None) if layout == "inline" else (tables.split_rows, tables.split_scales)
+            hbm = layout == "hbm-scales"  # the CPU part copies the values alone
 
             def run(i: int) -> None:
                 hostgather.gather_rows_cpu(flat[i], *table, layout=layout, num_threads=threads,
@@ -233,7 +237,7 @@ def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
 
             sec, _ = median_wall(run, args.reps, lambda: None)
             run(0)
-            exact = torch.equal(out_rows, ref_rows) and torch.equal(out_scales, ref_scales)
+            exact = torch.equal(out_rows, ref_rows) and (hbm or torch.equal(out_scales, ref_scales))
             results.append(Result(rows=n, path="host (CPU part)", layout=layout, threads=threads, seconds=sec,
                                   gbps=gbps(n, sec), cpu_part_seconds=sec, exact=exact, prefetch=prefetch,
                                   stores=stores))
@@ -271,6 +275,8 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
     results: list[Result] = []
     copy_alone: dict[int, float] = {}
 
+    # hbm-scales: the scale bytes copied to the GPU once, as a runtime does at load.
+    scales_dev = tables.split_scales.to(dev) if "hbm-scales" in args.layouts and "host" in args.paths else None
     for n, sets in id_sets.items():
         flat = [s.reshape(-1).contiguous() for s in sets]
         out = torch.empty((n // args.cols, args.cols, HEAD_DIM), dtype=torch.bfloat16, device=dev)
@@ -296,13 +302,17 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
             cap = max(c["chunk_rows"] for c in cfgs)
             cpu_rows = torch.empty((n, HEAD_DIM), dtype=torch.uint8, pin_memory=True)
             cpu_scales = torch.empty((n, SCALE_BYTES), dtype=torch.uint8, pin_memory=True)
+            # The ids on the GPU too, for hbm-scales' dequant (a step's hash kernel leaves them there).
+            id_sets_dev = [s.to(dev) for s in sets] if scales_dev is not None else None
             for threads, slots in itertools.product(args.threads, args.slots):
                 g = hostgather.HostGatherer(num_threads=threads, chunk_rows=cap, max_head_dim=HEAD_DIM, device=dev,
                                             num_slots=slots)
                 g.set_options(spin_us=args.spin_us)
                 try:
                     for layout, cfg, pool in itertools.product(args.layouts, cfgs, args.pool):
-                        table = (tables.inline, None) if layout == "inline" else (tables.split_rows, tables.split_scales)
+                        table = {"inline": (tables.inline, None), "split": (tables.split_rows, tables.split_scales),
+                                 "hbm-scales": (tables.split_rows, scales_dev)}[layout]
+                        on_gpu = (lambda i: id_sets_dev[i]) if layout == "hbm-scales" else (lambda i: None)
                         _set_tuning(g, cfg)
 
                         def wake(i: int) -> None:  # as a runtime does when a step starts: untimed
@@ -310,10 +320,12 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                             time.sleep(args.wake_us / 1e6)
 
                         sec, _ = median_wall(
-                            lambda i: g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out, layout=layout),
+                            lambda i: g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out, layout=layout,
+                                               ids_dev=on_gpu(i)),
                             args.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0,
                             before=wake if pool == "woken" else None)
-                        g.gather(sets[0], *table, quant_block=QUANT_BLOCK, out=out, layout=layout)
+                        out.zero_()  # the check below sees this call's rows alone
+                        g.gather(sets[0], *table, quant_block=QUANT_BLOCK, out=out, layout=layout, ids_dev=on_gpu(0))
                         sync()
                         exact = exact_out()
                         cpu_sec, _ = median_wall(
@@ -327,7 +339,7 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                                               pool=pool if len(args.pool) > 1 or pool != "hot" else "", **cfg))
                 finally:
                     g.close()
-            del cpu_rows, cpu_scales
+            del cpu_rows, cpu_scales, id_sets_dev
 
         if "torch" in args.paths:
             longs = [f.long() for f in flat]
@@ -411,6 +423,9 @@ def _print_report(args: Any, report: dict[str, Any]) -> None:
     print_table(headers, table)
     if link:
         print("x bound: time / max(copy alone, CPU part alone), 1.00 = copies and gather fully overlapped")
+        print(f"GB/s and x link count {ROW_BYTES} B a row (values and scales, what the output needs); hbm-scales "
+              f"moves {HEAD_DIM} B of them over the link (its scale bytes are read in GPU memory): by the bytes "
+              f"that cross the link its GB/s is {HEAD_DIM / ROW_BYTES:.3f} x the one printed")
     for line in _targets(report):
         print(line)
     bad = [r for r in report["results"] if not r["exact"]]

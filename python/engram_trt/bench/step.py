@@ -31,8 +31,9 @@ PRESETS: dict[str, dict[str, Any]] = {
               "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
 }
 # pinned-auto is the runtime as served (the start-up calibration's path per size, host
-# gathers on the gather driver); pinned-auto-nodriver runs those gathers on the engine thread.
-MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver")
+# gathers on the gather driver, the scale bytes read on the GPU); pinned-auto-nodriver runs
+# those gathers on the engine thread; pinned-auto-hostscales keeps the scales in host memory.
+MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver", "pinned-auto-hostscales")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -182,7 +183,9 @@ def run(args: argparse.Namespace) -> int:
                 auto = mode.startswith("pinned-auto")
                 policy = None if mode == "device" or auto else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
                 pf = Prefetcher(layout, store, device, T, gather_policy=policy,
-                                gather_driver=False if mode.endswith("-nodriver") else None)
+                                gather_driver=False if mode.endswith("-nodriver") else None,
+                                hbm_scales=False if mode.endswith("-hostscales") else None)
+                results.setdefault("host_layouts", {})[mode] = pf.host_layout
                 if auto:  # what a served runtime does: the start-up calibration's choice per size
                     if "choice" not in calibrated:
                         calibrated["choice"] = pf.calibrate()
@@ -357,6 +360,9 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
           f"pinned H2D {lim.get('h2d_GBps', 0):.1f} GB/s")
     if results.get("calibration"):
         print(f"pinned-auto: start-up calibration {results['calibration']}")
+    if results.get("host_layouts"):
+        print("host gather's table layout (hbm-scales: the scale bytes read on the GPU): " + ", ".join(
+            f"{m} {v}" for m, v in results["host_layouts"].items() if m != "device"))
     print(f"model: {info['params'] / 1e9:.2f}B params ({info['weight_bytes'] / 2**30:.2f} GiB bf16), tables "
           f"{info['table_bytes'] / 2**30:.2f} GiB ({info['cols']} cols x {info['row_bytes']} B rows per Engram layer)")
     head = f"{'case':<14}" + "".join(f"{m:>22}" for m in modes) + f"{'baseline/bound':>16}{'floor ratio':>13}"

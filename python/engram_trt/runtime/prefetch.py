@@ -61,6 +61,13 @@ GPU_HASH_MIN_TOKENS = 256
 # so the engine thread goes on launching layers while the CPUs gather; 0: the host gather
 # runs at each Engram layer's first read, on the engine thread.
 GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "1") != "0"
+# 1 (the default): with the gather driver, fp8 host tables keep a copy of their scale
+# bytes in GPU memory (3% of a table of 256-byte rows: 0.75 GiB per 24 GiB) so the host
+# gather's CPU threads copy 4 cache lines a row instead of 5 (engram_trt.hostgather,
+# layout 'hbm-scales'); used only while that copy takes at most HBM_SCALES_MAX_FRACTION of
+# the GPU's free memory. 0: the scales stay in host memory.
+HBM_SCALES = os.environ.get("ENGRAM_TRT_HBM_SCALES", "1") != "0"
+HBM_SCALES_MAX_FRACTION = 0.1
 
 
 def _driver_supported(device: Any) -> bool:
@@ -187,11 +194,14 @@ class Prefetcher:
     compressed ids for the kernels otherwise. ``gather_policy(num_rows) -> path``
     picks the gather per step for host tables (default: the host gather).
     ``gather_driver``: queue host gathers on the gather driver's thread where the device
-    supports it (default: on, unless ``ENGRAM_TRT_GATHER_DRIVER=0``).
+    supports it (default: on, unless ``ENGRAM_TRT_GATHER_DRIVER=0``). ``hbm_scales``: with
+    the driver, read fp8 host tables' scale bytes from a copy in GPU memory (default: on,
+    unless ``ENGRAM_TRT_HBM_SCALES=0``; see ``HBM_SCALES``).
     """
 
     def __init__(self, layout: EngramLayout, tables: TableStore, device: Any, max_tokens: int,
-                 gather_policy: Callable[[int], str] | None = None, gather_driver: bool | None = None) -> None:
+                 gather_policy: Callable[[int], str] | None = None, gather_driver: bool | None = None,
+                 hbm_scales: bool | None = None) -> None:
         self.layout = layout
         self.tables = tables
         self.device = torch.device(device)
@@ -209,6 +219,7 @@ class Prefetcher:
         self._stream = None
         self._driver: Any = None
         self._step_job: Any = None
+        self._hbm_scales: list[torch.Tensor] | None = None  # per layer, when the host gather reads them there
         self._last_event: Any = None
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
@@ -238,8 +249,39 @@ class Prefetcher:
 
                     self._driver = GatherDriver(self._gatherer)
                     self._order = torch.cuda.Event()  # re-recorded each step: no event made per step
+                    if HBM_SCALES if hbm_scales is None else hbm_scales:
+                        self._hbm_scales = self._scales_to_hbm()
                 log.info("host gather: %s", "queued on its driver thread at submit (the engine thread never waits for "
                          "it)" if driver else "run at each Engram layer's first read, on the engine thread")
+
+    def _scales_to_hbm(self) -> list[torch.Tensor] | None:
+        """Each layer's scale bytes copied to the GPU, or None (bf16 tables, or the copy
+        would take more than HBM_SCALES_MAX_FRACTION of the free memory; logged)."""
+        scales = [self.tables.tensors(li)[1] for li in range(self.tables.num_layers)]
+        if any(s is None for s in scales):
+            return None
+        need = sum(int(s.numel()) for s in scales)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if need > HBM_SCALES_MAX_FRACTION * free:
+            log.info("host gather: scale bytes stay in host memory (%.2f GiB would be over %.0f%% of the GPU's "
+                     "%.1f GiB free)", need / 2**30, 100 * HBM_SCALES_MAX_FRACTION, free / 2**30)
+            return None
+        out = [s.to(self.device) for s in scales]
+        log.info("host gather: the tables' scale bytes copied to the GPU (%.2f GiB): the CPU threads copy the "
+                 "values alone", need / 2**30)
+        return out
+
+    @property
+    def host_layout(self) -> str:
+        """The host gather's table layout on the driver's path: 'hbm-scales' or 'split'."""
+        return "split" if self._hbm_scales is None else "hbm-scales"
+
+    def _host_table(self, li: int) -> tuple[Any, Any, int, str]:
+        """(rows, scales, quant_block, layout) of layer ``li`` as the driver's step job reads it."""
+        rows, scales = self.tables.tensors(li)
+        if self._hbm_scales is not None:
+            scales = self._hbm_scales[li]
+        return rows, scales, self.tables.quant_block, self.host_layout
 
     def calibrate(self) -> Any:
         """Time the host gather and the UVA kernel on this store at a decode step's and a
@@ -250,8 +292,15 @@ class Prefetcher:
         from engram_trt.gatherpath import calibrate_gather
 
         rows, scales = self.tables.tensors(0)
-        choice = calibrate_gather(rows, scales, gatherer=self._gatherer, quant_block=self.tables.quant_block,
-                                  num_cols=self.cols) if self.tables.gpu_readable else None
+        if not self.tables.gpu_readable:
+            choice = None
+        elif self._hbm_scales is not None:  # the host gather timed as the step job runs it
+            choice = calibrate_gather(rows, self._hbm_scales[0], gatherer=self._gatherer, layout="hbm-scales",
+                                      uva_rows=rows, uva_scales=scales, quant_block=self.tables.quant_block,
+                                      num_cols=self.cols)
+        else:
+            choice = calibrate_gather(rows, scales, gatherer=self._gatherer, quant_block=self.tables.quant_block,
+                                      num_cols=self.cols)
         if choice is not None:
             self.gather_policy = choice.path_for
             log.info("gather path by size (start-up calibration): %s", choice.describe())
@@ -259,8 +308,9 @@ class Prefetcher:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes a row brings from host memory (its scale bytes too, unless they are in HBM)."""
         rows, scales = self.tables.tensors(0)
-        return rows.shape[1] * rows.element_size() + (0 if scales is None else scales.shape[1])
+        return rows.shape[1] * rows.element_size() + (0 if scales is None or self._hbm_scales else scales.shape[1])
 
     def path_for(self, num_rows: int) -> str:
         if not self.cuda:
@@ -389,8 +439,7 @@ class Prefetcher:
 
         buffers = StepBuffers(self.max_tokens, self.layout.num_layers, self.cols, self.layout.max_ngram_size - 1,
                               self.device)
-        qb = self.tables.quant_block
-        tables = [(*self.tables.tensors(li), qb, "split") for li in range(self.layout.num_layers)]
+        tables = [self._host_table(li) for li in range(self.layout.num_layers)]
         return StepJob(self._driver, self.layout, buffers, tables, self.staging)
 
     def _hash_on_gpu(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
@@ -461,6 +510,8 @@ class Prefetcher:
             finally:
                 self._driver.close()
                 self._driver = None
+        self._step_job = None
+        self._hbm_scales = None  # the GPU copy of the scales goes with the last job that read it
         if self._stream is not None:
             self._stream.synchronize()
         if getattr(self, "_gatherer", None) is not None:
