@@ -468,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                 import h200_backbone_model
 
                 model, layout, info = h200_backbone_model.build_model(torch.device("cuda"))
-                h200_backbone_model.check_model(model, layout, info, seed)
-                h200_backbone_model.time_decode(model, args.iters)
+                twin = h200_backbone_model.check_model(model, layout, info, seed)
+                h200_backbone_model.time_decode(model, args.iters, twin=twin)
     except Exception as exc:  # report what ran, then fail
         record_crash(exc)
         failed = True

@@ -36,9 +36,12 @@ def backbone_weight_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in engram)
 
 
-def check_model(model: Any, layout: Any, info: dict, seed: int) -> None:
+def check_model(model: Any, layout: Any, info: dict, seed: int) -> Any:
+    """The 1.15B model's paths against its float32 twin; returns the twin (the timing
+    checks its steps against it too)."""
     import torch
 
+    from engram_trt.reference import modules
     from engram_trt.reference.model import EngramLlama, model_weight_shapes
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
     from engram_trt.runtime.step import PackedStep
@@ -66,8 +69,10 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> None:
     S, steps = len(lens), 3
     history = [torch.randint(2, cfg.vocab_size, (n + steps,), generator=gen) for n in lens]
     max_len = max(lens) + steps + 8
+    # "fused graphs in place": the graphs' decode attention reads the cache in place (the
+    # attention kernel) at this small context too, where by default it runs SDPA on copies.
     paths = {"unfused eager": (None, False), "fused eager": (kernels, False), "fused graphs": (kernels, True),
-             "unfused graphs": (None, True)}
+             "unfused graphs": (None, True), "fused graphs in place": (kernels, True)}
     caches = {name: model.new_cache(S + 1, max_len) for name in paths}  # + the graphs' scratch slot
     graphs = {name: DecodeGraphs(model, caches[name], S, scratch_slot=S, tables=model.tables)
               for name, (_, g) in paths.items() if g}
@@ -89,13 +94,19 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> None:
         logits = {}
         for name, (ops, in_graph) in paths.items():
             model.backbone_ops = ops
-            out = graphs[name].run(step, None) if in_graph and k > 0 else None
+            saved_threshold = modules.IN_PLACE_DECODE_BYTES
+            if name == "fused graphs in place":  # read when a graph is recorded, at its first run
+                modules.IN_PLACE_DECODE_BYTES = -1
+            try:
+                out = graphs[name].run(step, None) if in_graph and k > 0 else None
+            finally:
+                modules.IN_PLACE_DECODE_BYTES = saved_threshold
             if in_graph and k > 0 and out is None:
                 record(f"{name}: {label} replayed from a graph", False, graphs[name].failed or "not replayed")
             logits[name] = (out if out is not None else model.forward_step(step, caches[name])).float().clone()
         model.backbone_ops = kernels
         base = rel_err(logits["unfused eager"], ref)
-        for name in ("fused eager", "fused graphs", "unfused graphs"):
+        for name in ("fused eager", "fused graphs", "unfused graphs", "fused graphs in place"):
             err = rel_err(logits[name], ref)
             worst[name] = max(worst.get(name, 0.0), err)
             ok = err <= 1.5 * base + 2e-3 and bool(torch.isfinite(logits[name]).all())
@@ -108,12 +119,16 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> None:
                g.failed or f"{g.replays} replays")
     RESULTS["model"] = {"worst_rel_l2_vs_float32": worst, "backend": model.backend_name}
     model.backbone_ops = kernels
-    del twin, twin_cache, graphs, caches
+    del twin_cache, graphs, caches
     torch.cuda.empty_cache()
+    return twin
 
 
-def count_kernels(fn: Any) -> int | None:
-    """Kernels one call of ``fn`` launches (graph replays included), by the profiler."""
+def count_kernels(fn: Any, breakdown: dict | None = None) -> int | None:
+    """Kernels one call of ``fn`` launches (graph replays included), by the profiler.
+    ``breakdown``: filled with ``{kernel name: [launches, GPU us]}`` of that call, so a
+    report can say where a step's time goes (the kernels' own durations: the gaps between
+    them are the rest of the step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,20 +136,76 @@ def count_kernels(fn: Any) -> int | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.name.lower().startswith(("memcpy", "memset")))
-        return n or None
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.lower().startswith(("memcpy", "memset"))]
+        if breakdown is not None:
+            for e in events:
+                entry = breakdown.setdefault(e.name, [0, 0.0])
+                entry[0] += 1
+                entry[1] += float(e.time_range.end - e.time_range.start)
+        return len(events) or None
     except Exception as exc:  # the count is a figure, not a check
         say(f"  (kernel count unavailable: {type(exc).__name__}: {exc})")
         return None
 
 
-def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256)) -> None:
+def say_breakdown(label: str, step_ms: float, breakdown: dict, top: int = 10) -> None:
+    """The kernels taking most of one step's GPU time, and what the gaps take."""
+    busy = sum(v[1] for v in breakdown.values())
+    say(f"  {label}: kernels busy {busy / 1e3:.3f} ms of the {step_ms:.3f} ms step (gaps and launch latency: "
+        f"{max(0.0, step_ms - busy / 1e3):.3f} ms); top kernels by GPU time:")
+    for name, (n, us) in sorted(breakdown.items(), key=lambda kv: -kv[1][1])[:top]:
+        say(f"    {us:8.1f} us  {n:4d} x {us / n:6.1f} us  {name[:110]}")
+
+
+def time_variant(model: Any, cache: Any, step: Any, B: int, past: int, name: str, iters: int, bound_ms: float,
+                 row: dict, last: dict) -> None:
+    """One variant of a decode step from a CUDA graph: its time, kernels and logits."""
+    import torch
+
+    from engram_trt.bench.common import time_fn
+    from engram_trt.runtime.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(model, cache, B, scratch_slot=B, tables=None)
+
+    def one() -> Any:
+        for s in range(B):
+            cache.lengths[s] = past
+        logits = graphs.run(step, None)
+        if logits is None:
+            logits = model.forward_step(step, cache)
+        torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
+        return logits
+
+    t = time_fn(one, model.device, 3, iters)
+    last[name] = one().float().clone()  # a graph's output buffer: the next replay overwrites it
+    record(f"decode {B}: {name} step replayed from a CUDA graph", graphs.failed is None and graphs.replays > 0,
+           graphs.failed or f"{graphs.replays} replays")
+    breakdown: dict = {}
+    row[name] = {"step_ms": t["median_s"] * 1e3, "ratio_to_bound": t["median_s"] * 1e3 / bound_ms,
+                 "kernels": count_kernels(one, breakdown), "kernel_us": breakdown}
+    if name.startswith("fused"):
+        say_breakdown(f"decode {B} {name}", row[name]["step_ms"], breakdown)
+
+
+def twin_logits(twin: Any, cache: Any, step: Any, B: int, past: int) -> Any:
+    """The float32 twin's logits of ``step`` on a float32 copy of ``cache``'s keys and values
+    (its Engram layers removed, as the timed model's are)."""
+    twin.engram_enabled = False
+    twin_cache = twin.new_cache(B + 1, cache.keys[0].shape[2])
+    for dst, src in zip(twin_cache.keys + twin_cache.values, cache.keys + cache.values):
+        dst.copy_(src.float())
+    for s in range(B):
+        twin_cache.lengths[s] = past
+    return twin.forward_step(step, twin_cache).float()
+
+
+def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256), twin: Any = None) -> None:
     import numpy as np
     import torch
 
-    from engram_trt.bench.common import measure_limits, time_fn
-    from engram_trt.runtime.cuda_graphs import DecodeGraphs
+    from engram_trt.bench.common import measure_limits
+    from engram_trt.reference import modules
     from engram_trt.runtime.step import PackedStep
 
     dev = model.device
@@ -157,32 +228,37 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256))
         bound_ms = (weight_bytes + kv_bytes) / (limits["hbm_GBps"] * 1e9) * 1e3
         row: dict[str, Any] = {"bound_ms": bound_ms}
         last = {}
-        for name, ops in (("unfused", None), ("fused", kernels)):
+        variants = [("unfused", None), ("fused", kernels)]
+        kv_layer_bytes = B * cfg.num_key_value_heads * (past + 1) * cfg.head_dim * 2
+        if kv_layer_bytes <= modules.IN_PLACE_DECODE_BYTES:
+            # The same fused step with the graph's attention reading the cache in place (the
+            # attention kernel) instead of SDPA over copies: what the threshold decides.
+            variants.append(("fused in place", kernels))
+        for name, ops in variants:
             model.backbone_ops = ops
-            graphs = DecodeGraphs(model, cache, B, scratch_slot=B, tables=None)
-
-            def one() -> Any:
-                for s in range(B):
-                    cache.lengths[s] = past
-                logits = graphs.run(step, None)
-                if logits is None:
-                    logits = model.forward_step(step, cache)
-                torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
-                return logits
-
-            t = time_fn(one, dev, 3, iters)
-            last[name] = one().float().clone()  # a graph's output buffer: the next replay overwrites it
-            record(f"decode {B}: {name} step replayed from a CUDA graph", graphs.failed is None and graphs.replays > 0,
-                   graphs.failed or f"{graphs.replays} replays")
-            row[name] = {"step_ms": t["median_s"] * 1e3, "ratio_to_bound": t["median_s"] * 1e3 / bound_ms,
-                         "kernels": count_kernels(one)}
-            graphs = None
+            saved_threshold = modules.IN_PLACE_DECODE_BYTES
+            if name == "fused in place":  # read when the graph is recorded, at its first run
+                modules.IN_PLACE_DECODE_BYTES = -1
+            try:
+                time_variant(model, cache, step, B, past, name, iters, bound_ms, row, last)
+            finally:
+                modules.IN_PLACE_DECODE_BYTES = saved_threshold
         rel = rel_err(last["fused"], last["unfused"])
         record(f"decode {B}: fused vs unfused logits on the timed step", rel < 3e-2, f"rel L2 {rel:.3e}")
+        if twin is not None:  # every variant against the float32 twin, with section 1's bound
+            ref = twin_logits(twin, cache, step, B, past)
+            base = rel_err(last["unfused"], ref)
+            for name in last:
+                if name != "unfused":
+                    err = rel_err(last[name], ref)
+                    record(f"decode {B}: {name} vs the float32 twin on the timed step", err <= 1.5 * base + 2e-3,
+                           f"rel L2 {err:.3e} (unfused {base:.3e}); vs unfused {rel_err(last[name], last['unfused']):.3e}")
         row["speedup"] = row["unfused"]["step_ms"] / row["fused"]["step_ms"]
         RESULTS["timing"][f"decode {B}"] = row
         say(f"  decode {B}: unfused {row['unfused']['step_ms']:.3f} ms ({row['unfused']['ratio_to_bound']:.2f}x bound), "
-            f"fused {row['fused']['step_ms']:.3f} ms ({row['fused']['ratio_to_bound']:.2f}x), bound {bound_ms:.3f} ms")
+            f"fused {row['fused']['step_ms']:.3f} ms ({row['fused']['ratio_to_bound']:.2f}x), bound {bound_ms:.3f} ms"
+            + (f"; fused with the attention in place {row['fused in place']['step_ms']:.3f} ms "
+               f"({row['fused in place']['ratio_to_bound']:.2f}x)" if "fused in place" in row else ""))
         cache = None
         torch.cuda.empty_cache()
     model.backbone_ops = kernels
