@@ -67,3 +67,50 @@ def test_ready_rows_need_no_wait_and_finish_is_a_no_op() -> None:
     rows.wait()
     rows.finish()
     assert rows.shapes == [(2, 3, 4), (2, 3, 4)]
+
+
+def _prefetcher_over(store: object) -> prefetch.Prefetcher:
+    """A Prefetcher's table bookkeeping alone (its __init__ needs a GPU for the rest)."""
+    pf = prefetch.Prefetcher.__new__(prefetch.Prefetcher)
+    pf.tables, pf.device, pf._hbm_scales = store, torch.device("cpu"), None
+    return pf
+
+
+def test_scales_move_to_gpu_memory_only_within_their_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host gather reads fp8 scales from GPU memory when their copy takes at most
+    HBM_SCALES_MAX_FRACTION of the free memory; then its table layout is 'hbm-scales' and
+    a row brings only its values from the host."""
+    import numpy as np
+
+    from engram_trt.tables.store import TableStore
+
+    rng = np.random.default_rng(3)
+    rows = [torch.from_numpy(rng.integers(0, 256, (1000, 64), dtype=np.uint8)) for _ in range(2)]
+    scales = [torch.from_numpy(rng.integers(100, 150, (1000, 2), dtype=np.uint8)) for _ in range(2)]
+    pf = _prefetcher_over(TableStore.from_tensors(rows, scales))
+    need = 2 * 1000 * 2  # both layers' scale bytes
+    budget_free = int(need / prefetch.HBM_SCALES_MAX_FRACTION)
+    assert pf.row_bytes == 66 and pf.host_layout == "split"
+
+    monkeypatch.setattr(prefetch.torch.cuda, "mem_get_info", lambda device=None: (budget_free - 10, 1 << 40))
+    assert pf._scales_to_hbm() is None  # a byte over the budget: the scales stay on the host
+
+    monkeypatch.setattr(prefetch.torch.cuda, "mem_get_info", lambda device=None: (budget_free, 1 << 40))
+    copied = pf._scales_to_hbm()
+    assert copied is not None and len(copied) == 2
+    assert all(torch.equal(c, s) for c, s in zip(copied, scales))
+    pf._hbm_scales = copied
+    assert pf.host_layout == "hbm-scales"
+    assert pf.row_bytes == 64  # the values alone cross the link
+    got_rows, got_scales, qb, layout = pf._host_table(1)
+    assert got_rows.data_ptr() == rows[1].data_ptr() and torch.equal(got_rows, rows[1])  # the store's rows, in place
+    assert got_scales is copied[1] and qb == 32 and layout == "hbm-scales"
+
+
+def test_bf16_tables_keep_the_split_layout() -> None:
+    from engram_trt.tables.store import TableStore
+
+    tables = [torch.zeros((100, 32), dtype=torch.bfloat16) for _ in range(2)]
+    pf = _prefetcher_over(TableStore.from_tensors(tables, [None, None]))
+    assert pf._scales_to_hbm() is None  # no scales to move (and no GPU asked)
+    assert pf.host_layout == "split" and pf.row_bytes == 64
