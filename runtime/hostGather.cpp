@@ -175,12 +175,10 @@ struct GatherSink
     int32_t headDim{0};
     int32_t tableDtype{0};
     int32_t quantBlock{0};
-    // ENGRAM_LAYOUT_HBM_SCALES: the dequant reads scale bytes by id from device memory.
+    // ENGRAM_LAYOUT_HBM_SCALES: the dequant reads scale bytes by id from device memory
+    // (the ids laid out as the call's host ids, RowIds).
     uint8_t const* scalesDev{nullptr};
     int32_t const* idsDev{nullptr};
-    int32_t numCols{1};
-    int64_t idTokenStride{1};
-    int64_t tableNumRows{0};
 };
 
 //! One call's work, shared by the caller and the workers.
@@ -298,23 +296,14 @@ int makeTable(char const* fn, void const* rowsHost, void const* scalesHost, int6
     }
     if (tableLayout == ENGRAM_LAYOUT_HBM_SCALES)
     {
-        // The CPU threads copy the values alone; the scale bytes stay in device memory
-        // (never read on the host) and the GPU-side dequant looks them up.
+        // The CPU threads copy the values alone: to them it is a split table without scale
+        // bytes, which stay in device memory (never read on the host) for the GPU's dequant.
         if (scaleBytes == 0)
         {
             return fail(cudaErrorInvalidValue, "%s: hbm_scales (2) is a layout of fp8 tables only", fn);
         }
-        if (tableNumRows > 0 && rowsHost == nullptr)
-        {
-            return fail(cudaErrorInvalidValue, "%s: the table rows are required", fn);
-        }
-        table.rows = static_cast<uint8_t const*>(rowsHost);
-        table.scales = nullptr;
-        table.numRows = tableNumRows;
-        table.rowBytes = rowBytes;
-        table.scaleBytes = 0;
-        table.inlineScales = false;
-        return 0;
+        scalesHost = nullptr;
+        scaleBytes = 0;
     }
     bool const inlineScales = tableLayout == ENGRAM_LAYOUT_INLINE && scaleBytes > 0;
     if (tableLayout == ENGRAM_LAYOUT_INLINE && scalesHost != nullptr)
@@ -406,8 +395,9 @@ int issueChunk(
         }
         uint8_t* const chunkOut = sink.out + first * 2 * static_cast<int64_t>(sink.headDim);
         int const launched = sink.scalesDev != nullptr
-            ? launchDequantStaged(g.deviceStaging[slot], sink.idsDev, first, count, sink.numCols, sink.idTokenStride,
-                  sink.scalesDev, sink.tableNumRows, sink.headDim, sink.quantBlock, chunkOut, stream)
+            ? launchDequantStaged(g.deviceStaging[slot], sink.idsDev, first, count,
+                  static_cast<int32_t>(job.ids.numCols), job.ids.tokenStride, sink.scalesDev, job.table.numRows,
+                  sink.headDim, sink.quantBlock, chunkOut, stream)
             : launchGather(nullptr, count, 1, 1, g.deviceStaging[slot], g.deviceStaging[slot] + rowsBytes, nullptr,
                   nullptr, count, sink.headDim, sink.tableDtype, sink.quantBlock, chunkOut, stream);
         if (launched != 0)
@@ -609,7 +599,6 @@ int hostGather(char const* fn, EngramHostGatherer* gatherer, RowIds ids, int64_t
                 "%s: hbm_scales (2) needs the ids in device memory too (engram_host_gather_dev's ids_dev)", fn);
         }
         sink.scalesDev = static_cast<uint8_t const*>(scalesHost);
-        sink.tableNumRows = tableNumRows;
     }
     if (totalRows == 0)
     {
@@ -906,8 +895,6 @@ extern "C" ENGRAM_API int engram_host_gather_dev(EngramHostGatherer* gatherer, i
         sink.kind = GatherSink::kBf16Out;
         sink.out = static_cast<uint8_t*>(out);
         sink.idsDev = idsDev;
-        sink.numCols = numCols;
-        sink.idTokenStride = idTokenStride;
         RowIds ids{idsHost, numCols, idTokenStride};
         return hostGather(fn, gatherer, ids, numTokens * numCols, rowsHost, scales, tableNumRows, headDim, tableDtype,
             quantBlock, tableLayout, sink, stream);

@@ -5,7 +5,8 @@ float32 twin, and decode-step timing of both against the weight-read bound."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from h200_common import RESULTS, record, say
 
@@ -41,7 +42,6 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> Any:
     checks its steps against it too)."""
     import torch
 
-    from engram_trt.reference import modules
     from engram_trt.reference.model import EngramLlama, model_weight_shapes
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
     from engram_trt.runtime.step import PackedStep
@@ -94,13 +94,8 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> Any:
         logits = {}
         for name, (ops, in_graph) in paths.items():
             model.backbone_ops = ops
-            saved_threshold = modules.IN_PLACE_DECODE_BYTES
-            if name == "fused graphs in place":  # read when a graph is recorded, at its first run
-                modules.IN_PLACE_DECODE_BYTES = -1
-            try:
+            with attention_in_place(name == "fused graphs in place"):
                 out = graphs[name].run(step, None) if in_graph and k > 0 else None
-            finally:
-                modules.IN_PLACE_DECODE_BYTES = saved_threshold
             if in_graph and k > 0 and out is None:
                 record(f"{name}: {label} replayed from a graph", False, graphs[name].failed or "not replayed")
             logits[name] = (out if out is not None else model.forward_step(step, caches[name])).float().clone()
@@ -156,6 +151,22 @@ def say_breakdown(label: str, step_ms: float, breakdown: dict, top: int = 10) ->
         f"{max(0.0, step_ms - busy / 1e3):.3f} ms); top kernels by GPU time:")
     for name, (n, us) in sorted(breakdown.items(), key=lambda kv: -kv[1][1])[:top]:
         say(f"    {us:8.1f} us  {n:4d} x {us / n:6.1f} us  {name[:110]}")
+
+
+@contextlib.contextmanager
+def attention_in_place(forced: bool) -> Iterator[None]:
+    """While ``forced``, a decode graph recorded now reads the KV cache in place (the
+    attention kernel) at every context; the threshold is read when a graph is recorded,
+    at its first run."""
+    from engram_trt.reference import modules
+
+    saved = modules.IN_PLACE_DECODE_BYTES
+    if forced:
+        modules.IN_PLACE_DECODE_BYTES = -1
+    try:
+        yield
+    finally:
+        modules.IN_PLACE_DECODE_BYTES = saved
 
 
 def time_variant(model: Any, cache: Any, step: Any, B: int, past: int, name: str, iters: int, bound_ms: float,
@@ -236,13 +247,8 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
             variants.append(("fused in place", kernels))
         for name, ops in variants:
             model.backbone_ops = ops
-            saved_threshold = modules.IN_PLACE_DECODE_BYTES
-            if name == "fused in place":  # read when the graph is recorded, at its first run
-                modules.IN_PLACE_DECODE_BYTES = -1
-            try:
+            with attention_in_place(name == "fused in place"):
                 time_variant(model, cache, step, B, past, name, iters, bound_ms, row, last)
-            finally:
-                modules.IN_PLACE_DECODE_BYTES = saved_threshold
         rel = rel_err(last["fused"], last["unfused"])
         record(f"decode {B}: fused vs unfused logits on the timed step", rel < 3e-2, f"rel L2 {rel:.3e}")
         if twin is not None:  # every variant against the float32 twin, with section 1's bound

@@ -291,16 +291,12 @@ class Prefetcher:
             return None
         from engram_trt.gatherpath import calibrate_gather
 
-        rows, scales = self.tables.tensors(0)
-        if not self.tables.gpu_readable:
-            choice = None
-        elif self._hbm_scales is not None:  # the host gather timed as the step job runs it
-            choice = calibrate_gather(rows, self._hbm_scales[0], gatherer=self._gatherer, layout="hbm-scales",
-                                      uva_rows=rows, uva_scales=scales, quant_block=self.tables.quant_block,
-                                      num_cols=self.cols)
-        else:
-            choice = calibrate_gather(rows, scales, gatherer=self._gatherer, quant_block=self.tables.quant_block,
-                                      num_cols=self.cols)
+        # The host gather timed as the step job runs it; the UVA kernel reads the stored
+        # split table (the host scales, when the host gather's are in HBM).
+        rows, scales, quant_block, layout = self._host_table(0)
+        uva = {} if layout == "split" else {"uva_rows": rows, "uva_scales": self.tables.tensors(0)[1]}
+        choice = calibrate_gather(rows, scales, gatherer=self._gatherer, quant_block=quant_block, layout=layout,
+                                  num_cols=self.cols, **uva) if self.tables.gpu_readable else None
         if choice is not None:
             self.gather_policy = choice.path_for
             log.info("gather path by size (start-up calibration): %s", choice.describe())
