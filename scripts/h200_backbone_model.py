@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 from h200_common import RESULTS, record, say
 
@@ -94,7 +94,7 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> Any:
         logits = {}
         for name, (ops, in_graph) in paths.items():
             model.backbone_ops = ops
-            with attention_in_place(name == "fused graphs in place"):
+            with variant_settings(name):
                 out = graphs[name].run(step, None) if in_graph and k > 0 else None
             if in_graph and k > 0 and out is None:
                 record(f"{name}: {label} replayed from a graph", False, graphs[name].failed or "not replayed")
@@ -138,35 +138,60 @@ def count_kernels(fn: Any, breakdown: dict | None = None) -> int | None:
                 entry = breakdown.setdefault(e.name, [0, 0.0])
                 entry[0] += 1
                 entry[1] += float(e.time_range.end - e.time_range.start)
+            breakdown[UNION] = [0, union_us([(e.time_range.start, e.time_range.end) for e in events])]
         return len(events) or None
     except Exception as exc:  # the count is a figure, not a check
         say(f"  (kernel count unavailable: {type(exc).__name__}: {exc})")
         return None
 
 
+UNION = "(any kernel running)"  # the breakdown's entry for the union of the kernels' spans
+
+
+def union_us(spans: list) -> float:
+    """Length of the union of (start, end) spans: the time some kernel ran. With
+    programmatic dependent launches kernels overlap (a kernel's span then includes its
+    wait for the one before), so their summed times exceed it."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return float(total)
+
+
 def say_breakdown(label: str, step_ms: float, breakdown: dict, top: int = 10) -> None:
     """The kernels taking most of one step's GPU time, and what the gaps take."""
-    busy = sum(v[1] for v in breakdown.values())
-    say(f"  {label}: kernels busy {busy / 1e3:.3f} ms of the {step_ms:.3f} ms step (gaps and launch latency: "
-        f"{max(0.0, step_ms - busy / 1e3):.3f} ms); top kernels by GPU time:")
-    for name, (n, us) in sorted(breakdown.items(), key=lambda kv: -kv[1][1])[:top]:
+    kernels = {k: v for k, v in breakdown.items() if k != UNION}
+    summed = sum(v[1] for v in kernels.values())
+    busy = breakdown.get(UNION, [0, summed])[1]
+    say(f"  {label}: some kernel running {busy / 1e3:.3f} ms of the {step_ms:.3f} ms step (gaps and launch latency: "
+        f"{max(0.0, step_ms - busy / 1e3):.3f} ms; kernel spans summed {summed / 1e3:.3f} ms, more when they overlap); "
+        "top kernels by GPU time:")
+    for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         say(f"    {us:8.1f} us  {n:4d} x {us / n:6.1f} us  {name[:110]}")
 
 
-@contextlib.contextmanager
-def attention_in_place(forced: bool) -> Iterator[None]:
-    """While ``forced``, a decode graph recorded now reads the KV cache in place (the
-    attention kernel) at every context; the threshold is read when a graph is recorded,
-    at its first run."""
-    from engram_trt.reference import modules
+def variant_settings(name: str) -> contextlib.AbstractContextManager:
+    """What a timed variant changes while its decode graph is recorded (at its first
+    run), undone after: "... in place": the graphs' attention reads the KV cache in place
+    (the attention kernel) at every context; "fused, GEMM library": the projections run
+    in the GEMM library at every step size (the GEMV off); "fused, no PDL": the kernel
+    library launches the ordinary way (ENGRAM_TRT_PDL=0, read at each launch). The
+    default variants change nothing."""
+    import os
+    from unittest import mock
 
-    saved = modules.IN_PLACE_DECODE_BYTES
-    if forced:
-        modules.IN_PLACE_DECODE_BYTES = -1
-    try:
-        yield
-    finally:
-        modules.IN_PLACE_DECODE_BYTES = saved
+    from engram_trt.reference import modules
+    from engram_trt.reference.kernel_ops import KernelBackboneOps
+
+    if name.endswith("in place"):
+        return mock.patch.object(modules, "IN_PLACE_DECODE_BYTES", -1)
+    if name == "fused, GEMM library":
+        return mock.patch.object(KernelBackboneOps, "gemv_max_tokens", 0)
+    if name == "fused, no PDL":
+        return mock.patch.dict(os.environ, {"ENGRAM_TRT_PDL": "0"})
+    return contextlib.nullcontext()
 
 
 def time_variant(model: Any, cache: Any, step: Any, B: int, past: int, name: str, iters: int, bound_ms: float,
@@ -240,6 +265,9 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
         row: dict[str, Any] = {"bound_ms": bound_ms}
         last = {}
         variants = [("unfused", None), ("fused", kernels)]
+        if kernels is not None and B <= kernels.gemv_max_tokens:
+            variants.append(("fused, GEMM library", kernels))  # the projections without the GEMV
+        variants.append(("fused, no PDL", kernels))  # ordinary launches: what the dependent launches save
         kv_layer_bytes = B * cfg.num_key_value_heads * (past + 1) * cfg.head_dim * 2
         if kv_layer_bytes <= modules.IN_PLACE_DECODE_BYTES:
             # The same fused step with the graph's attention reading the cache in place (the
@@ -247,7 +275,7 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
             variants.append(("fused in place", kernels))
         for name, ops in variants:
             model.backbone_ops = ops
-            with attention_in_place(name == "fused in place"):
+            with variant_settings(name):
                 time_variant(model, cache, step, B, past, name, iters, bound_ms, row, last)
         rel = rel_err(last["fused"], last["unfused"])
         record(f"decode {B}: fused vs unfused logits on the timed step", rel < 3e-2, f"rel L2 {rel:.3e}")
@@ -264,7 +292,11 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
         say(f"  decode {B}: unfused {row['unfused']['step_ms']:.3f} ms ({row['unfused']['ratio_to_bound']:.2f}x bound), "
             f"fused {row['fused']['step_ms']:.3f} ms ({row['fused']['ratio_to_bound']:.2f}x), bound {bound_ms:.3f} ms"
             + (f"; fused with the attention in place {row['fused in place']['step_ms']:.3f} ms "
-               f"({row['fused in place']['ratio_to_bound']:.2f}x)" if "fused in place" in row else ""))
+               f"({row['fused in place']['ratio_to_bound']:.2f}x)" if "fused in place" in row else "")
+            + (f"; fused with the GEMM library's projections {row['fused, GEMM library']['step_ms']:.3f} ms "
+               f"({row['fused, GEMM library']['ratio_to_bound']:.2f}x)" if "fused, GEMM library" in row else "")
+            + f"; fused without dependent launches {row['fused, no PDL']['step_ms']:.3f} ms "
+              f"({row['fused, no PDL']['ratio_to_bound']:.2f}x)")
         cache = None
         torch.cuda.empty_cache()
     model.backbone_ops = kernels

@@ -110,8 +110,9 @@ def test_fused_path_matches_the_oracle_and_the_reference(cfg_dict: dict) -> None
 
 
 def test_fused_path_reaches_the_ops_once_per_step_piece() -> None:
-    """Per layer two norms, one RoPE + KV write, one SiLU; one final norm; and no
-    separate q / k / v or gate / up GEMM (the stacked weights' GEMMs replace them)."""
+    """Per layer two norms, one RoPE + KV write, one SiLU, four projections through the
+    ops (and an Engram layer's wkv); one final norm; and no separate q / k / v or gate / up GEMM (the stacked
+    weights' GEMMs replace them)."""
     ref, cfg, weights, lookup = build(MODEL_CONFIG)
 
     class Counting(TorchBackboneOps):
@@ -133,6 +134,10 @@ def test_fused_path_reaches_the_ops_once_per_step_piece() -> None:
             self.count("silu")
             return super().silu_mul(*a)
 
+        def linear(self, *a):  # type: ignore[override]
+            self.count("linear")
+            return super().linear(*a)
+
     ops = Counting()
     model = fused_twin(ref, weights, lookup, ops)
     separate = []
@@ -142,7 +147,8 @@ def test_fused_path_reaches_the_ops_once_per_step_piece() -> None:
             proj.register_forward_hook(lambda *a: separate.append(1))
     model(IDS)
     L = cfg.num_hidden_layers
-    assert ops.calls == {"norm": 2 * L + 1, "rope": L, "silu": L}
+    E = len(cfg.engram.layer_ids) if cfg.engram is not None else 0
+    assert ops.calls == {"norm": 2 * L + 1, "rope": L, "silu": L, "linear": 4 * L + E}  # qkv, o, gate_up, down; wkv
     assert not separate
 
 

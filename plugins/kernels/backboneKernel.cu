@@ -15,6 +15,7 @@
  *
  * SiLU * up: a grid-stride loop over 8-element vectors (elements for odd widths).
  */
+#include "dependentLaunch.cuh"
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
@@ -45,6 +46,8 @@ __global__ void __launch_bounds__(kNormMaxThreads) hcRmsNormKernel(__nv_bfloat16
     __shared__ float partial[kNormMaxThreads / 32];
     __shared__ float scaleShared;
 
+    waitForPrimary(); // hs and residual come from the kernel before (dependentLaunch.cuh)
+    allowDependents();
     int64_t const t = blockIdx.x;
     int32_t const vectors = hiddenSize / V;
     __nv_bfloat16* const h = hs + t * hcMult * static_cast<int64_t>(hiddenSize);
@@ -134,6 +137,8 @@ template <int V>
 __global__ void __launch_bounds__(kSiluThreads) siluMulKernel(__nv_bfloat16 const* __restrict__ gateUp,
     int64_t numTokens, int32_t intermediateSize, __nv_bfloat16* __restrict__ out)
 {
+    waitForPrimary();
+    allowDependents();
     int64_t const vectorsPerRow = intermediateSize / V;
     int64_t const total = numTokens * vectorsPerRow;
     for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
@@ -155,14 +160,6 @@ __global__ void __launch_bounds__(kSiluThreads) siluMulKernel(__nv_bfloat16 cons
         }
         storeBf16<V>(out + t * static_cast<int64_t>(intermediateSize) + j, g);
     }
-}
-
-//! True when [a, a + aBytes) and [b, b + bBytes) share a byte.
-bool overlaps(void const* a, int64_t aBytes, void const* b, int64_t bBytes)
-{
-    auto const x = reinterpret_cast<uintptr_t>(a);
-    auto const y = reinterpret_cast<uintptr_t>(b);
-    return aBytes > 0 && bBytes > 0 && x < y + static_cast<uintptr_t>(bBytes) && y < x + static_cast<uintptr_t>(aBytes);
 }
 
 } // namespace
@@ -239,13 +236,13 @@ extern "C" ENGRAM_API int engram_hc_rms_norm(void* hs, void const* residual, voi
     resetLaunchError();
     if (vectorized)
     {
-        hcRmsNormKernel<8><<<grid, threads, sharedBytes, stream>>>(
-            hsT, residualT, weightT, hcMult, hiddenSize, invHc, invD, eps, outT);
+        launchDependent(hcRmsNormKernel<8>, grid, threads, sharedBytes, stream, hsT, residualT, weightT, hcMult,
+            hiddenSize, invHc, invD, eps, outT);
     }
     else
     {
-        hcRmsNormKernel<1><<<grid, threads, sharedBytes, stream>>>(
-            hsT, residualT, weightT, hcMult, hiddenSize, invHc, invD, eps, outT);
+        launchDependent(hcRmsNormKernel<1>, grid, threads, sharedBytes, stream, hsT, residualT, weightT, hcMult,
+            hiddenSize, invHc, invD, eps, outT);
     }
     return checkLaunch("engram_hc_rms_norm");
 }
@@ -289,11 +286,11 @@ extern "C" ENGRAM_API int engram_silu_mul(
     resetLaunchError();
     if (vectorized)
     {
-        siluMulKernel<8><<<grid, kSiluThreads, 0, stream>>>(in, numTokens, intermediateSize, o);
+        launchDependent(siluMulKernel<8>, grid, kSiluThreads, 0, stream, in, numTokens, intermediateSize, o);
     }
     else
     {
-        siluMulKernel<1><<<grid, kSiluThreads, 0, stream>>>(in, numTokens, intermediateSize, o);
+        launchDependent(siluMulKernel<1>, grid, kSiluThreads, 0, stream, in, numTokens, intermediateSize, o);
     }
     return checkLaunch("engram_silu_mul");
 }

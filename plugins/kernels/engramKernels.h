@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.7.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.8.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -450,6 +450,27 @@ ENGRAM_API int engram_hc_rms_norm(void* hs, const void* residual, const void* we
  * Limits: intermediate_size >= 1; num_tokens >= 0. */
 ENGRAM_API int engram_silu_mul(
     const void* gate_up, int64_t num_tokens, int32_t intermediate_size, void* out, cudaStream_t stream);
+
+/* The decode step's projections for a few tokens (gemvKernel.cu):
+ *   out[m, n] = bf16(sum_k x[m, k] * weight[n, k])     (torch's F.linear(x, weight), no bias)
+ * x [M, K], weight [N, K] (row-major, as nn.Linear stores it) and out [M, N] are bf16,
+ * contiguous and 16-byte aligned; the sum is float32 (per lane in k order, then a warp
+ * butterfly), rounded once, so it differs from the GEMM library's by the sums' order.
+ * One warp per rows_per_warp rows of weight, its lanes reading vectors_per_pass 16-byte
+ * vectors of each row per pass (0: the library's choice, 1 x 4; rows 2 / 4 and vectors 8
+ * are for tuning); weight is read once, past the L1. Bound by reading weight: meant for
+ * decode steps of 1..ENGRAM_GEMV_MAX_TOKENS tokens, where a GEMM tiles for many more.
+ * flags: ENGRAM_GEMV_WEIGHT_STATIC promises that no work queued on the stream before
+ * this call writes weight (a model's weights); the kernel may then load it before the
+ * kernel before it completes (programmatic dependent launch, sm_90+, off with
+ * ENGRAM_TRT_PDL=0). Without it the kernel reads nothing before that kernel completes.
+ * Limits: 0 <= num_tokens <= ENGRAM_GEMV_MAX_TOKENS (0 launches nothing); in_features a
+ * multiple of 8; out must not overlap x or weight; no flag but ENGRAM_GEMV_WEIGHT_STATIC. */
+#define ENGRAM_GEMV_MAX_TOKENS 8
+#define ENGRAM_GEMV_WEIGHT_STATIC 1u
+ENGRAM_API int engram_gemv_bf16(const void* x, const void* weight, int64_t num_tokens, int64_t out_features,
+    int64_t in_features, int32_t rows_per_warp, int32_t vectors_per_pass, uint32_t flags, void* out,
+    cudaStream_t stream);
 
 /* Kind of memory behind ptr (EngramPointerKind) in *kind. */
 ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);

@@ -42,12 +42,24 @@ int checkLaunch(char const* kernelName);
 //! Multiprocessor count of the current device (cached per device).
 int smCount();
 
+//! True when the current device has compute capability 9.0 or later and ENGRAM_TRT_PDL
+//! is not "0" (read at each call): dependentLaunch.cuh's launches may then overlap.
+bool dependentLaunchEnabled();
+
 using ::engram_trt::sourceFileName;
 
 //! True when `p` is aligned to `bytes`.
 inline bool isAligned(void const* p, uintptr_t bytes)
 {
     return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+//! True when [a, a + aBytes) and [b, b + bBytes) share a byte.
+inline bool overlaps(void const* a, int64_t aBytes, void const* b, int64_t bBytes)
+{
+    auto const x = reinterpret_cast<uintptr_t>(a);
+    auto const y = reinterpret_cast<uintptr_t>(b);
+    return aBytes > 0 && bBytes > 0 && x < y + static_cast<uintptr_t>(bBytes) && y < x + static_cast<uintptr_t>(aBytes);
 }
 
 //! Checks the table arguments shared by the device and host gathers; returns 0 or

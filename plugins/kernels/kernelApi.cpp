@@ -9,6 +9,8 @@
 
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -86,6 +88,34 @@ int smCount()
         }
     }
     return counts[device];
+}
+
+bool dependentLaunchEnabled()
+{
+    static std::mutex mutex;
+    static std::vector<int> majors; // compute capability major per device, -1: unknown
+    char const* const env = std::getenv("ENGRAM_TRT_PDL");
+    if (env != nullptr && std::strcmp(env, "0") == 0)
+    {
+        return false;
+    }
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess)
+    {
+        return false;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (static_cast<size_t>(device) >= majors.size())
+    {
+        majors.resize(device + 1, -1);
+    }
+    if (majors[device] < 0)
+    {
+        int major = 0;
+        majors[device]
+            = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess ? major : 0;
+    }
+    return majors[device] >= 9;
 }
 
 } // namespace kernels

@@ -15,6 +15,7 @@
  * (head_dim % 8 == 0 is the attention's limit, so half a head is whole 4-vectors).
  */
 #include "attentionInternal.h"
+#include "dependentLaunch.cuh"
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
@@ -40,6 +41,8 @@ __global__ void __launch_bounds__(kRopeMaxThreads)
         int32_t const* __restrict__ tokenPos, int32_t numHeads, int32_t numKvHeads, int32_t headDim, int64_t numSlots,
         int64_t maxSeqLen, __nv_bfloat16* keyCache, __nv_bfloat16* valueCache, __nv_bfloat16* __restrict__ qOut)
 {
+    waitForPrimary(); // qkv comes from the kernel before; the cache may be read after (dependentLaunch.cuh)
+    allowDependents();
     int64_t const t = blockIdx.x;
     int32_t const slot = tokenSlot[t];
     int32_t const pos = tokenPos[t];
@@ -128,13 +131,13 @@ int launchRopeKvCacheWrite(void const* qkv, void const* cosTable, void const* si
     resetLaunchError();
     if (width == 8)
     {
-        ropeKvCacheWriteKernel<8><<<grid, threads, 0, stream>>>(
-            in, c, s, tokenSlot, tokenPos, numHeads, numKvHeads, headDim, numSlots, maxSeqLen, k, v, q);
+        launchDependent(ropeKvCacheWriteKernel<8>, grid, threads, 0, stream, in, c, s, tokenSlot, tokenPos, numHeads,
+            numKvHeads, headDim, numSlots, maxSeqLen, k, v, q);
     }
     else
     {
-        ropeKvCacheWriteKernel<4><<<grid, threads, 0, stream>>>(
-            in, c, s, tokenSlot, tokenPos, numHeads, numKvHeads, headDim, numSlots, maxSeqLen, k, v, q);
+        launchDependent(ropeKvCacheWriteKernel<4>, grid, threads, 0, stream, in, c, s, tokenSlot, tokenPos, numHeads,
+            numKvHeads, headDim, numSlots, maxSeqLen, k, v, q);
     }
     return checkLaunch("engram_rope_kv_cache_write");
 }

@@ -9,7 +9,8 @@ parser build: each command imports what it needs when it runs.
 - ``bench idstream``: the token file of real text those streams come from (idstreams.py);
 - ``bench rowcounts``: per-row lookup counts of a range of that text, a cache's warm start (rowcounts.py);
 - ``bench step``: step time with Engram (GPU / pinned tables) over the step without it (step.py);
-- ``bench serve``: throughput of N concurrent requests through LLM over one request (serve.py).
+- ``bench serve``: throughput of N concurrent requests through LLM over one request (serve.py);
+- ``bench gemv``: a decode step's projections, the kernel library's GEMV vs the GEMM library, over HBM (gemv.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``bench`` and its sub-commands on the CLI's subparsers (no heavy imports)."""
-    from engram_trt.bench import cache, gather, idstreams, rowcounts, serve, step
+    from engram_trt.bench import cache, gather, gemv, idstreams, rowcounts, serve, step
 
     p = sub.add_parser("bench", help="benchmarks on this machine (ratios against limits measured in the same run)",
                        description="Benchmarks. Each prints ratios against a limit or a baseline measured in the same "
@@ -31,5 +32,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     rowcounts.add_parser(bsub)
     step.add_parser(bsub)
     serve.add_parser(bsub)
+    gemv.add_parser(bsub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p

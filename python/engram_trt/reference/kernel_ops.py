@@ -88,12 +88,23 @@ class TorchBackboneOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A layer's projection (no bias)."""
+        return F.linear(x, weight)
+
 
 class KernelBackboneOps:
     """The fused decoder path's elementwise steps through the kernel library, one launch
-    each: hc-mean RMSNorm with the residual update, RoPE + KV write, SiLU * up (bf16)."""
+    each: hc-mean RMSNorm with the residual update, RoPE + KV write, SiLU * up (bf16); and
+    a layer's projections for steps of up to ``gemv_max_tokens`` tokens (a decode step of
+    a few sequences), where the GEMM library's small-M kernels read the weights well
+    below the HBM rate; larger steps keep the GEMM library."""
 
     name = "cuda-kernels"
+    #: Steps of at most this many tokens run their projections in the library's GEMV
+    #: (0: never; at most backbone_kernels.GEMV_MAX_TOKENS). A class attribute so that a
+    #: benchmark can time the same model with the GEMM library alone.
+    gemv_max_tokens = 2
 
     def __init__(self) -> None:
         from engram_trt import attention_kernels, backbone_kernels
@@ -113,6 +124,11 @@ class KernelBackboneOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.backbone.silu_mul(gate_up)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and self.backbone.gemv_fits(x, weight):
+            return self.backbone.gemv(x, weight, weight_static=True)  # a layer's weight: never written in a step
+        return F.linear(x, weight)
 
 
 BACKBONE_BACKENDS = ("auto", "torch", "kernels")
@@ -138,8 +154,8 @@ def select_backbone_ops(backend: str, device: torch.device, dtype: torch.dtype,
                 raise
             log.warning("decoder-layer CUDA kernels unavailable (%s); using the PyTorch ops", exc)
     if ops is not None:
-        log.info("decoder layers: fused q/k/v and gate/up GEMMs; norms, RoPE + KV write and SiLU in the kernel "
-                 "library (%s, %s)", device, dtype)
+        log.info("decoder layers: fused q/k/v and gate/up GEMMs (the kernel library's GEMV up to %d tokens); "
+                 "norms, RoPE + KV write and SiLU in the kernel library (%s, %s)", ops.gemv_max_tokens, device, dtype)
     else:
         log.info("decoder layers: PyTorch ops (%s, %s%s)", device, dtype, ", fused projections" if fused else "")
     return ops

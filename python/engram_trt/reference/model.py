@@ -422,7 +422,7 @@ class EngramLlama(UniformBatchAPI, nn.Module):
                     state.pending = None
                 block = layer.engram_module
                 assert block is not None
-                hs = block(hs, state.rows[li].to(self.device), state.live, self.engram_ops).contiguous()
+                hs = block(hs, state.rows[li].to(self.device), state.live, self.engram_ops, ops.linear).contiguous()
             x = ops.norm(hs, state.pending, layer.input_layernorm)
             a = layer.self_attn(x, state.cos, state.sin, state.plan, cache, i, ops)
             x = ops.norm(hs, a, layer.post_attention_layernorm)

@@ -190,7 +190,7 @@ class Attention(nn.Module):
         keys, values = cache.keys[layer], cache.values[layer]
         qkv_weight = None if ops is None else self.fused_weight()
         if qkv_weight is not None:
-            q = ops.rope_kv_write(F.linear(x, qkv_weight), cos, sin, plan, keys, values, self.n_heads, self.n_kv,
+            q = ops.rope_kv_write(ops.linear(x, qkv_weight), cos, sin, plan, keys, values, self.n_heads, self.n_kv,
                                   self.head_dim)
         else:
             q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
@@ -208,7 +208,8 @@ class Attention(nn.Module):
                 out[a:b] = self._attend_one(q[a:b], keys[slot, :, :L], values[slot, :, :L], plan.impl)
             if plan.decode:
                 out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], keys, values, plan)
-        return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
+        out = out.reshape(T, self.n_heads * self.head_dim)
+        return self.o_proj(out) if ops is None else ops.linear(out, self.o_proj.weight)
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
         """One sequence: ``q [n, H, hd]`` (its last n positions), ``k/v [kvh, L, hd]``
@@ -275,7 +276,7 @@ class MLP(nn.Module):
         """With ``ops`` and fused weights: one GEMM for gate and up, the activation in ``ops``."""
         gate_up_weight = None if ops is None else self.fused_weight()
         if gate_up_weight is not None:
-            return self.down_proj(ops.silu_mul(F.linear(x, gate_up_weight)))
+            return ops.linear(ops.silu_mul(ops.linear(x, gate_up_weight)), self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -292,11 +293,14 @@ class EngramModule(nn.Module):
         self.q_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, ops: Any = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, ops: Any = None,
+                linear: Any = None) -> torch.Tensor:
         """hidden ``[T, hc, D]``, rows ``[T, cols, head_dim]``, live ``[T]`` bool; the gate
-        runs in the kernel library when ``ops`` is given (bf16 only)."""
+        runs in the kernel library when ``ops`` is given (bf16 only); ``linear(x, weight)``
+        computes the wkv projection when given (the fused path's backbone ops)."""
         T = hidden.shape[0]
-        kv = self.wkv(rows.reshape(T, -1).to(self.wkv.weight.dtype))
+        x = rows.reshape(T, -1).to(self.wkv.weight.dtype)
+        kv = self.wkv(x) if linear is None else linear(x, self.wkv.weight)
         args = (hidden, kv, self.q_weight, self.k_weight, live)
         return engram_gate(*args, self.eps) if ops is None else ops.gate(*args, self.eps)
 

@@ -1,0 +1,302 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+/*
+ * The decode step's projections for a few tokens: y[M, N] = x[M, K] W[N, K]^T, bf16 in
+ * and out, float32 sums (engramKernels.h states the contract).
+ *
+ * Why a kernel of our own: a decode step of one sequence is a matrix-vector product per
+ * projection, bound by reading W once. The GEMM library's small-M kernels read a 1B
+ * model's 8-46 MB per-layer matrices at 40-80% of the HBM copy rate on the H200 (and add
+ * a split-K reduction kernel to some), which made the projections half of the step.
+ *
+ * Layout: one warp owns R consecutive rows of W; its lanes read each row in 16-byte
+ * vectors (lane j takes vectors j, j + 32, ...), U vectors per row per pass, all R x U
+ * loads issued before the first FMA so that many bytes are in flight per SM. W is read
+ * with an L1-bypassing streaming load (read once); x (at most 8 tokens, 16 KiB at
+ * K 1024) comes through the L1, which every warp of a block shares. Each lane keeps R x M
+ * float32 partial sums; a butterfly over the warp finishes them and lane 0 writes the
+ * rounded outputs.
+ *
+ * With ENGRAM_GEMV_WEIGHT_STATIC the kernel is scheduled while the kernel before it still
+ * runs (dependentLaunch.cuh) and its first pass's weight loads go out before it waits for
+ * that kernel: a layer's weights never depend on the step.
+ */
+#include "dependentLaunch.cuh"
+#include "engramKernels.h"
+#include "engramKernelsInternal.h"
+#include "vecLoad.cuh"
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace engram_trt
+{
+namespace kernels
+{
+
+constexpr int kGemvThreads = 128;
+constexpr int kGemvDefaultRowsPerWarp = 1; // bench gemv: 3-4% less per layer than 2 at T 1
+constexpr int kGemvDefaultVectorsPerPass = 4;
+
+namespace
+{
+
+//! 16 bytes of W, read once: skip the L1 (ld.global.nc.L1::no_allocate).
+__device__ __forceinline__ uint4 loadStreaming(uint4 const* p)
+{
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8])
+{
+    uint32_t const words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+    {
+        __nv_bfloat162 pair;
+        pair = *reinterpret_cast<__nv_bfloat162 const*>(&words[i]);
+        float2 const f2 = __bfloat1622float2(pair);
+        f[2 * i] = f2.x;
+        f[2 * i + 1] = f2.y;
+    }
+}
+
+//! M tokens, R rows per warp, U 16-byte vectors of each row per lane per pass.
+template <int M, int R, int U>
+__global__ void __launch_bounds__(kGemvThreads) gemvBf16Kernel(__nv_bfloat16 const* __restrict__ x,
+    __nv_bfloat16 const* __restrict__ w, int32_t n, int32_t k, bool weightStatic, __nv_bfloat16* __restrict__ y)
+{
+    if (!weightStatic)
+    {
+        waitForPrimary(); // dependentLaunch.cuh
+        allowDependents();
+    }
+    int const lane = threadIdx.x & 31;
+    int64_t const warp = (static_cast<int64_t>(blockIdx.x) * kGemvThreads + threadIdx.x) >> 5;
+    int64_t const row0 = warp * R;
+    if (row0 >= n)
+    {
+        return;
+    }
+    int32_t const vectors = k / 8;
+    auto const* const xv = reinterpret_cast<uint4 const*>(x);
+    uint4 const* wv[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+    {
+        int64_t const row = row0 + r < n ? row0 + r : n - 1; // past the end: re-read the last row, never written
+        wv[r] = reinterpret_cast<uint4 const*>(w + row * k);
+    }
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+    {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+        {
+            acc[r][m] = 0.0F;
+        }
+    }
+    for (int32_t base = 0; base < vectors; base += 32 * U)
+    {
+        uint4 wr[R][U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+        {
+            int32_t const v = base + lane + 32 * u;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+            {
+                wr[r][u] = v < vectors ? loadStreaming(wv[r] + v) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        if (weightStatic && base == 0)
+        {
+            // The first pass's weight loads are in flight; x (and y) wait for the kernel
+            // before, which may still be running (dependentLaunch.cuh).
+            waitForPrimary();
+            allowDependents();
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+        {
+            int32_t const v = base + lane + 32 * u;
+            if (v >= vectors)
+            {
+                break;
+            }
+            float wf[R][8];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+            {
+                unpack8(wr[r][u], wf[r]);
+            }
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+            {
+                float xf[8];
+                unpack8(__ldg(xv + static_cast<int64_t>(m) * vectors + v), xf);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                    {
+                        acc[r][m] = fmaf(wf[r][i], xf[i], acc[r][m]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+    {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+        {
+            acc[r][m] = warpSum(acc[r][m]);
+        }
+    }
+    if (lane == 0)
+    {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+        {
+            if (row0 + r < n)
+            {
+#pragma unroll
+                for (int m = 0; m < M; ++m)
+                {
+                    y[static_cast<int64_t>(m) * n + row0 + r] = __float2bfloat16_rn(acc[r][m]);
+                }
+            }
+        }
+    }
+}
+
+template <int M, int R, int U>
+void launchGemv(__nv_bfloat16 const* x, __nv_bfloat16 const* w, int32_t n, int32_t k, bool weightStatic,
+    __nv_bfloat16* y, cudaStream_t stream)
+{
+    int64_t const warps = (static_cast<int64_t>(n) + R - 1) / R;
+    int64_t const blocks = (warps * 32 + kGemvThreads - 1) / kGemvThreads;
+    launchDependent(gemvBf16Kernel<M, R, U>, dim3(static_cast<unsigned>(blocks)), dim3(kGemvThreads), 0, stream, x, w,
+        n, k, weightStatic, y);
+}
+
+template <int M, int R>
+void launchGemvVectors(int vectorsPerPass, __nv_bfloat16 const* x, __nv_bfloat16 const* w, int32_t n, int32_t k,
+    bool weightStatic, __nv_bfloat16* y, cudaStream_t stream)
+{
+    if (vectorsPerPass == 8)
+    {
+        launchGemv<M, R, 8>(x, w, n, k, weightStatic, y, stream);
+    }
+    else
+    {
+        launchGemv<M, R, 4>(x, w, n, k, weightStatic, y, stream);
+    }
+}
+
+template <int M>
+void launchGemvRows(int rowsPerWarp, int vectorsPerPass, __nv_bfloat16 const* x, __nv_bfloat16 const* w, int32_t n,
+    int32_t k, bool weightStatic, __nv_bfloat16* y, cudaStream_t stream)
+{
+    switch (rowsPerWarp)
+    {
+    case 1: launchGemvVectors<M, 1>(vectorsPerPass, x, w, n, k, weightStatic, y, stream); break;
+    case 4: launchGemvVectors<M, 4>(vectorsPerPass, x, w, n, k, weightStatic, y, stream); break;
+    default: launchGemvVectors<M, 2>(vectorsPerPass, x, w, n, k, weightStatic, y, stream); break;
+    }
+}
+
+} // namespace
+
+} // namespace kernels
+} // namespace engram_trt
+
+using namespace engram_trt::kernels;
+
+extern "C" ENGRAM_API int engram_gemv_bf16(void const* x, void const* weight, int64_t numTokens, int64_t outFeatures,
+    int64_t inFeatures, int32_t rowsPerWarp, int32_t vectorsPerPass, uint32_t flags, void* out, cudaStream_t stream)
+{
+    clearError();
+    if (numTokens < 0 || numTokens > ENGRAM_GEMV_MAX_TOKENS)
+    {
+        return fail(cudaErrorInvalidValue, "engram_gemv_bf16: num_tokens must be in [0, %d] (got %lld)",
+            ENGRAM_GEMV_MAX_TOKENS, static_cast<long long>(numTokens));
+    }
+    if (outFeatures < 1 || outFeatures > INT32_MAX || inFeatures < 8 || inFeatures > INT32_MAX || inFeatures % 8 != 0)
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a multiple of 8 in "
+            "[8, 2^31 - 1] (got %lld, %lld)",
+            static_cast<long long>(outFeatures), static_cast<long long>(inFeatures));
+    }
+    if (rowsPerWarp != 0 && rowsPerWarp != 1 && rowsPerWarp != 2 && rowsPerWarp != 4)
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_gemv_bf16: rows_per_warp must be 0 (the default), 1, 2 or 4 (got %d)", rowsPerWarp);
+    }
+    if (vectorsPerPass != 0 && vectorsPerPass != 4 && vectorsPerPass != 8)
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_gemv_bf16: vectors_per_pass must be 0 (the default), 4 or 8 (got %d)", vectorsPerPass);
+    }
+    if ((flags & ~static_cast<uint32_t>(ENGRAM_GEMV_WEIGHT_STATIC)) != 0)
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_gemv_bf16: unknown flags 0x%x (the one flag is ENGRAM_GEMV_WEIGHT_STATIC = 0x%x)", flags,
+            static_cast<unsigned>(ENGRAM_GEMV_WEIGHT_STATIC));
+    }
+    if (static_cast<double>(outFeatures) * static_cast<double>(inFeatures) > 4.0e18)
+    {
+        return fail(cudaErrorInvalidValue, "engram_gemv_bf16: weight [%lld, %lld] is too large",
+            static_cast<long long>(outFeatures), static_cast<long long>(inFeatures));
+    }
+    if (numTokens == 0)
+    {
+        return 0;
+    }
+    void const* required[] = {x, weight, out};
+    for (void const* p : required)
+    {
+        if (p == nullptr || !isAligned(p, 16))
+        {
+            return fail(
+                cudaErrorInvalidValue, "engram_gemv_bf16: x, weight and out must be 16-byte aligned device pointers");
+        }
+    }
+    int64_t const outBytes = numTokens * outFeatures * 2;
+    if (overlaps(out, outBytes, x, numTokens * inFeatures * 2)
+        || overlaps(out, outBytes, weight, outFeatures * inFeatures * 2))
+    {
+        return fail(cudaErrorInvalidValue, "engram_gemv_bf16: out must not overlap x or weight");
+    }
+    auto const* const xT = static_cast<__nv_bfloat16 const*>(x);
+    auto const* const wT = static_cast<__nv_bfloat16 const*>(weight);
+    auto* const yT = static_cast<__nv_bfloat16*>(out);
+    auto const n = static_cast<int32_t>(outFeatures);
+    auto const k = static_cast<int32_t>(inFeatures);
+    int const rows = rowsPerWarp == 0 ? kGemvDefaultRowsPerWarp : rowsPerWarp;
+    int const vectors = vectorsPerPass == 0 ? kGemvDefaultVectorsPerPass : vectorsPerPass;
+    bool const weightStatic = (flags & ENGRAM_GEMV_WEIGHT_STATIC) != 0;
+    resetLaunchError();
+    switch (numTokens)
+    {
+    case 1: launchGemvRows<1>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    case 2: launchGemvRows<2>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    case 3: launchGemvRows<3>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    case 4: launchGemvRows<4>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    case 5: launchGemvRows<5>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    case 6: launchGemvRows<6>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    case 7: launchGemvRows<7>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    default: launchGemvRows<8>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    }
+    return checkLaunch("engram_gemv_bf16");
+}

@@ -1,0 +1,142 @@
+"""``engram-trt bench gemv``: a decode step's projections, the kernel library's GEMV
+against the GEMM library (``F.linear``), each as the rate it reads the weights at over
+the HBM copy rate measured in the same run.
+
+A decode step of a few sequences is bound by reading each layer's weights once, so a
+projection's floor is its weight bytes at the copy rate. Each timed call reads a weight
+that no call shortly before it read (copies rotated past the L2's size, as a model's
+layers are), and the calls are replayed from a CUDA graph, as the runtime's decode
+steps are, so the time is the GPU's and not the launch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The 1B model's decode projections (bench step --model 1b): [N, K] of nn.Linear.
+SHAPES: dict[str, tuple[int, int]] = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048),
+                                      "down": (2048, 5632), "wkv": (10240, 6144), "lm_head": (129280, 2048)}
+VARIANTS = {f"{r}x{v}": (r, v) for r in (1, 2, 4) for v in (4, 8)}  # rows per warp x vectors per pass
+ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 5x the H200's 50 MB L2
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("gemv", help="decode projections: the kernel library's GEMV vs the GEMM library, over HBM",
+                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)")
+    p.add_argument("--tokens", default="1,2,4,8", help="tokens per step (x's rows), each <= 8 (default: %(default)s)")
+    p.add_argument("--variants", default="2x4,1x8,2x8,4x4",
+                   help="GEMV variants to time, each ROWSxVECTORS: rows of W per warp (1, 2, 4) x 16-byte vectors "
+                        "of a row per lane per pass (4, 8) (default: %(default)s; the library's default is 2x4)")
+    p.add_argument("--calls", type=int, default=32, help="calls per graph replay (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=20, help="timed replays per case (median; default: %(default)s)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
+    p.set_defaults(func=run)
+    return p
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    from engram_trt.errors import EngramError
+
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise EngramError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+
+
+def time_graph(fn: Any, calls: int, iters: int, device: Any) -> float:
+    """Median seconds per call of ``fn(i)`` for i in 0..calls-1, replayed from one graph."""
+    import torch
+
+    from engram_trt.bench.common import time_fn
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for i in range(calls):
+            fn(i)  # warm-up (and the GEMM library's workspace) outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    return time_fn(graph.replay, device, 3, iters)["median_s"] / calls
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from engram_trt import backbone_kernels
+    from engram_trt.bench.common import dump, measure_limits
+    from engram_trt.errors import EngramError
+
+    if not torch.cuda.is_available():
+        raise EngramError("bench gemv needs a CUDA GPU (it times GPU kernels); none is available here")
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        raise EngramError(f"--shapes: {bad} not among {', '.join(SHAPES)}")
+    tokens = _ints(args.tokens, "--tokens")
+    if not tokens or not all(1 <= t <= backbone_kernels.GEMV_MAX_TOKENS for t in tokens):
+        raise EngramError(f"--tokens: each must be in 1..{backbone_kernels.GEMV_MAX_TOKENS} (got {args.tokens!r})")
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or not all(v in VARIANTS for v in variants):
+        raise EngramError(f"--variants: each must be one of {','.join(VARIANTS)} (got {args.variants!r})")
+    if args.calls < 1 or args.iters < 1:
+        raise EngramError("--calls and --iters must be >= 1")
+    device = torch.device("cuda", torch.cuda.current_device())
+    backbone_kernels.load()
+    limits = measure_limits(device)
+    hbm = limits["hbm_GBps"]
+    print(f"device {torch.cuda.get_device_name(device)}; HBM copy {hbm:.0f} GB/s (read + written; the floor below); "
+          f"{args.calls} calls per graph, weights rotated over >= {ROTATE_BYTES >> 20} MiB")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    print(f"{'shape':<8} {'N x K':>13} {'T':>2} | {'floor us':>8} | {'GEMM lib us':>11} {'x floor':>7} | "
+          + " | ".join(f"{'GEMV ' + v + ' us':>11} {'x floor':>7}" for v in variants)
+          + f" | best / GEMM lib | {'static us':>9} {'x floor':>7}")
+    for name in shapes:
+        N, K = SHAPES[name]
+        copies = max(1, min(args.calls, -(-ROTATE_BYTES // (N * K * 2))))
+        weights = [torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
+        floor_us = N * K * 2 / (hbm * 1e9) * 1e6
+        for T in tokens:
+            x = torch.randn(T, K, device=device, dtype=torch.bfloat16, generator=gen)
+            out = torch.empty(T, N, device=device, dtype=torch.bfloat16)
+            row: dict[str, Any] = {"shape": name, "N": N, "K": K, "tokens": T, "floor_us": floor_us, "weight_copies": copies}
+            row["gemm_library_us"] = time_graph(lambda i: torch.matmul(x, weights[i % copies].t(), out=out), args.calls,
+                                                args.iters, device) * 1e6
+            for v in variants:
+                r, vec = VARIANTS[v]
+                row[f"gemv_{v}_us"] = time_graph(
+                    lambda i, r=r, vec=vec: backbone_kernels.gemv(x, weights[i % copies], out=out, rows_per_warp=r,
+                                                                  vectors_per_pass=vec), args.calls, args.iters,
+                    device) * 1e6
+            best = min(row[f"gemv_{v}_us"] for v in variants)
+            # The default variant with weight_static: each call may load its weight while
+            # the call before it still runs (programmatic dependent launch on sm_90+).
+            row["gemv_default_weight_static_us"] = time_graph(
+                lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out, weight_static=True), args.calls,
+                args.iters, device) * 1e6
+            row["best_gemv_over_gemm_library"] = best / row["gemm_library_us"]
+            want = F.linear(x, weights[0])
+            got = backbone_kernels.gemv(x, weights[0])
+            row["max_abs_diff_vs_gemm_library"] = float((got.float() - want.float()).abs().max())
+            rows.append(row)
+            print(f"{name:<8} {N:>6} x {K:<5} {T:>2} | {floor_us:8.2f} | {row['gemm_library_us']:11.2f} "
+                  f"{row['gemm_library_us'] / floor_us:7.2f} | "
+                  + " | ".join(f"{row[f'gemv_{v}_us']:11.2f} {row[f'gemv_{v}_us'] / floor_us:7.2f}" for v in variants)
+                  + f" | {row['best_gemv_over_gemm_library']:15.2f} | {row['gemv_default_weight_static_us']:9.2f} "
+                    f"{row['gemv_default_weight_static_us'] / floor_us:7.2f}")
+        weights = []
+        torch.cuda.empty_cache()
+    print("floor: the weight's bytes read once at the HBM copy rate measured above; x floor = time / floor; "
+          "static: the default variant told its weight is static (it may load it while the call before it runs)")
+    dump({"limits": limits, "rows": rows, "calls": args.calls, "iters": args.iters}, args.json)
+    return 0

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Verify the kernel library's GEMV (engram_gemv_bf16, plugins/kernels/gemvKernel.cu) on a
+GPU (the H200): the decode step's projections for 1..8 tokens.
+
+One script, one device call (it builds the library first, unless --skip-build):
+  1. abi        every bad argument refused on the host with its one-line reason; zero
+                tokens launch nothing. Needs no GPU (also under --cpu-only).
+  2. reference  the bound below holds for the GEMM library's own bf16 F.linear on the CPU
+                (so the bound judges the kernel, not its slack). Needs no GPU.
+  3. kernels    against float64 (the bound below) and against F.linear on the GPU (<= 1% of
+                elements differing: only the sums' order differs):
+                T 1..8; the 1B model's shapes (qkv, o, gate_up, down, wkv, lm_head); odd
+                N (1, 7, 1001); K 8, 40, 5632, 5640; rows_per_warp 0 / 1 / 2 / 4 by vectors_per_pass 0 / 4 / 8; large and
+                signed inputs; a given out buffer; zero tokens; captured in a CUDA graph
+                and replayed with new x and weights; SiLU -> GEMV -> GEMV in one graph with
+                weight_static (programmatic dependent launch on sm_90: each kernel may
+                start before the one before it ends), each output against float64 on the
+                input of its own replay.
+Timing is `engram-trt bench gemv`. Writes $OUT/h200_gemv_check.json and .log; exits 1 on
+a failed check.
+
+Bound against float64 on the same bf16 inputs, elementwise, u = 2^-8:
+  |out - ref| <= u |ref| + (1 + u) n 2^-24 (1 + 2^-20) sum_k |w x|
+the output's one rounding, and n float32 additions of products that fmaf forms exactly:
+n = K / 32 + 5 for the kernel (each lane's sequential sum, then a 5-level butterfly),
+n = K for the reference (any summation order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from h200_backbone_check import U, check, ulp_distance, within  # noqa: E402
+from h200_common import record, record_crash, say, start, write_results  # noqa: E402
+
+SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
+          "wkv": (10240, 6144), "lm_head": (129280, 2048)}
+
+
+def gemv_inputs(gen, device, T: int, N: int, K: int) -> dict:
+    import torch
+
+    x = torch.randn(T, K, generator=gen, device=device)
+    w = torch.randn(N, K, generator=gen, device=device) * 0.02
+    if T * K > 4:
+        x.view(-1)[:4] = torch.tensor([300.0, -300.0, 0.0, -0.0], device=device)  # large and signed zeros
+    return {"x": x.to(torch.bfloat16), "w": w.to(torch.bfloat16)}
+
+
+def gemv_verify(name: str, inputs: dict, got, terms: float | None = None) -> bool:
+    """``got`` against float64 (``terms`` float32 additions: the kernel's by default) and
+    against F.linear on the same device."""
+    import torch.nn.functional as F
+
+    x, w = inputs["x"], inputs["w"]
+    K = x.shape[1]
+    n = K / 32 + 5 if terms is None else terms
+    xd, wd = x.double(), w.double()
+    ref = xd @ wd.t()
+    mag = xd.abs() @ wd.abs().t()
+    bound = U * ref.abs() + (1 + U) * n * 2.0 ** -24 * (1 + 2.0 ** -20) * mag + 1e-30
+    results = [within(got, ref, bound)]
+    if terms is None:
+        results.append(versus_linear(got, F.linear(x, w)))
+    return check(name, *results)
+
+
+def versus_linear(got, want) -> tuple[bool, str]:
+    """At most 1% of the elements differ from F.linear's. No ulp limit: near a cancelled
+    sum a bf16 ulp is smaller than either float32 sum's error, which the float64 bound
+    judges."""
+    d = ulp_distance(got, want)
+    differing = float((d > 0).float().mean()) if d.numel() else 0.0
+    return differing <= 0.01, f"vs F.linear: {differing:.2e} of elements differ (max {int(d.max()) if d.numel() else 0} ulp)"
+
+
+# --- 1. ABI (no GPU) -----------------------------------------------------------------------------
+
+def check_abi() -> None:
+    from engram_trt import backbone_kernels
+
+    lib = backbone_kernels._library()
+    p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
+
+    def gemv(x=p, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, rows=0, vectors=0, flags=1,
+             out=ctypes.c_void_p(1 << 41)):
+        status = lib.engram_gemv_bf16(x, w, T, N, K, rows, vectors, flags, out, None)
+        return status, lib.engram_last_error().decode()
+
+    cases = [
+        ("9 tokens", gemv(T=9), (1, "engram_gemv_bf16: num_tokens must be in [0, 8] (got 9)")),
+        ("-1 tokens", gemv(T=-1), (1, "engram_gemv_bf16: num_tokens must be in [0, 8] (got -1)")),
+        ("in_features 12", gemv(K=12), (1, "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a "
+                                           "multiple of 8 in [8, 2^31 - 1] (got 2048, 12)")),
+        ("out_features 0", gemv(N=0), (1, "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a "
+                                          "multiple of 8 in [8, 2^31 - 1] (got 0, 2048)")),
+        ("rows_per_warp 3", gemv(rows=3), (1, "engram_gemv_bf16: rows_per_warp must be 0 (the default), 1, 2 or 4 "
+                                              "(got 3)")),
+        ("vectors_per_pass 2", gemv(vectors=2), (1, "engram_gemv_bf16: vectors_per_pass must be 0 (the default), 4 "
+                                                    "or 8 (got 2)")),
+        ("flags 2", gemv(flags=2), (1, "engram_gemv_bf16: unknown flags 0x2 (the one flag is "
+                                       "ENGRAM_GEMV_WEIGHT_STATIC = 0x1)")),
+        ("NULL x", gemv(x=None), (1, "engram_gemv_bf16: x, weight and out must be 16-byte aligned device pointers")),
+        ("misaligned weight", gemv(w=ctypes.c_void_p((1 << 40) + 8)),
+         (1, "engram_gemv_bf16: x, weight and out must be 16-byte aligned device pointers")),
+        ("out inside weight", gemv(out=ctypes.c_void_p((1 << 40) + 4096)),
+         (1, "engram_gemv_bf16: out must not overlap x or weight")),
+        ("out over x", gemv(out=p), (1, "engram_gemv_bf16: out must not overlap x or weight")),
+        ("zero tokens", gemv(T=0, x=None), (0, "")),
+    ]
+    for name, got, want in cases:
+        record(f"abi gemv: {name}", got == want, f"got {got}" + ("" if got == want else f", want {want}"))
+
+
+# --- 2. the reference on the CPU --------------------------------------------------------------------
+
+def check_reference_cpu() -> None:
+    import torch
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(7)
+    for T, N, K in ((1, 256, 2048), (4, 64, 5632), (8, 33, 40)):
+        inputs = gemv_inputs(gen, torch.device("cpu"), T, N, K)
+        gemv_verify(f"reference F.linear T={T} N={N} K={K} (cpu, any summation order)", inputs,
+                    F.linear(inputs["x"], inputs["w"]), terms=K)
+
+
+# --- 3. the kernel on the GPU ------------------------------------------------------------------------
+
+def check_kernels(gen) -> None:
+    import torch
+
+    from engram_trt import backbone_kernels
+
+    dev = torch.device("cuda")
+    for name, (N, K) in SHAPES.items():
+        for T in (1, 2, 3, 4, 8) if name != "lm_head" else (1, 8):
+            inputs = gemv_inputs(gen, dev, T, N, K)
+            gemv_verify(f"gemv {name} T={T} N={N} K={K}", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
+    for T, N, K in ((1, 1, 2048), (5, 7, 8), (6, 1001, 40), (7, 3, 5632), (8, 2049, 1032)):
+        inputs = gemv_inputs(gen, dev, T, N, K)
+        gemv_verify(f"gemv T={T} N={N} K={K}", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
+    inputs = gemv_inputs(gen, dev, 3, 4099, 2048)  # N not a multiple of any row count
+    for rows in backbone_kernels.GEMV_ROWS_PER_WARP:
+        for vectors in backbone_kernels.GEMV_VECTORS_PER_PASS:
+            gemv_verify(f"gemv T=3 N=4099 K=2048 rows_per_warp={rows} vectors_per_pass={vectors}", inputs,
+                        backbone_kernels.gemv(inputs["x"], inputs["w"], rows_per_warp=rows, vectors_per_pass=vectors))
+    inputs = gemv_inputs(gen, dev, 8, 1031, 5640)  # a partial last pass at either vector count
+    for vectors in (4, 8):
+        gemv_verify(f"gemv T=8 N=1031 K=5640 rows_per_warp=4 vectors_per_pass={vectors}", inputs,
+                    backbone_kernels.gemv(inputs["x"], inputs["w"], rows_per_warp=4, vectors_per_pass=vectors))
+    inputs = gemv_inputs(gen, dev, 3, 4099, 2048)
+    out = torch.full((3, 4099), float("nan"), device=dev, dtype=torch.bfloat16)
+    got = backbone_kernels.gemv(inputs["x"], inputs["w"], out=out)
+    gemv_verify("gemv into a given out (every element written)", inputs, out)
+    record("gemv returns the given out", got.data_ptr() == out.data_ptr(), f"{got.data_ptr():#x}")
+    empty = backbone_kernels.gemv(inputs["x"][:0], inputs["w"])
+    record("gemv of zero tokens: an empty [0, N]", tuple(empty.shape) == (0, 4099), str(tuple(empty.shape)))
+    check_graph(gen)
+    check_dependent_chain(gen)
+
+
+def check_graph(gen, rounds: int = 3) -> None:
+    import torch
+
+    from engram_trt import backbone_kernels
+
+    dev = torch.device("cuda")
+    static = gemv_inputs(gen, dev, 1, 4096, 2048)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backbone_kernels.gemv(static["x"], static["w"])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backbone_kernels.gemv(static["x"], static["w"])
+    for rnd in range(rounds):
+        fresh = gemv_inputs(gen, dev, 1, 4096, 2048)
+        static["x"].copy_(fresh["x"]), static["w"].copy_(fresh["w"])
+        graph.replay()
+        torch.cuda.synchronize()
+        gemv_verify(f"graph replay {rnd + 1}: gemv T=1 N=4096 K=2048, new x and weight", fresh, out)
+
+
+def check_dependent_chain(gen, rounds: int = 4) -> None:
+    """SiLU * up -> GEMV -> GEMV in one CUDA graph, each GEMV told its weight is static:
+    with programmatic dependent launch each kernel may start before the one before it
+    ends, so a missing wait would read the last replay's input. Each replay gets new
+    inputs; each output is checked against float64 on the input it should have read."""
+    import torch
+
+    from engram_trt import backbone_kernels
+
+    dev = torch.device("cuda")
+    gate_up = (torch.randn(1, 2 * 5632, generator=gen, device=dev) * 2).to(torch.bfloat16)
+    w1 = (torch.randn(2048, 5632, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(4096, 2048, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+
+    def body() -> tuple:
+        h = backbone_kernels.silu_mul(gate_up)
+        y1 = backbone_kernels.gemv(h, w1, weight_static=True)
+        return h, y1, backbone_kernels.gemv(y1, w2, weight_static=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h, y1, y2 = body()
+    for rnd in range(rounds):
+        gate_up.copy_((torch.randn(1, 2 * 5632, generator=gen, device=dev) * 2).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        g, u = gate_up.double().chunk(2, dim=-1)
+        silu = g / (1 + (-g).exp()) * u
+        fresh = bool(((h.double() - silu).abs() <= (2 * U * (1 + U) + 2.0 ** -20) * silu.abs() + 1e-30).all())
+        record(f"dependent chain replay {rnd + 1}: SiLU * up of this replay's input", fresh, "")
+        gemv_verify(f"dependent chain replay {rnd + 1}: GEMV of the SiLU output", {"x": h, "w": w1}, y1)
+        gemv_verify(f"dependent chain replay {rnd + 1}: GEMV of that GEMV's output", {"x": y1, "w": w2}, y2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
+    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
+    ap.add_argument("--archs", default="90")
+    ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
+    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
+    args = ap.parse_args(argv)
+    seed = start(args)
+    failed = False
+    try:
+        import torch
+
+        check_abi()
+        check_reference_cpu()
+        if not args.cpu_only:
+            say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+            check_kernels(torch.Generator(device="cuda").manual_seed(seed))
+    except Exception as exc:  # report what ran, then fail
+        record_crash(exc)
+        failed = True
+    n_fail = write_results(args.out, "h200_gemv_check", seed)
+    return 1 if (n_fail or failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

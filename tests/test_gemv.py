@@ -1,0 +1,114 @@
+"""The decode projections' GEMV (engram_gemv_bf16) on a machine without a GPU: its C ABI's
+host checks, the binding's argument checks, the fused path's dispatch, and
+scripts/h200_gemv_check.py's CPU stages and verify function. The kernel itself runs on
+the H200 through that script; its timing is `engram-trt bench gemv`."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engram_trt import backbone_kernels
+from engram_trt.errors import EngramError
+from engram_trt.reference.kernel_ops import KernelBackboneOps, TorchBackboneOps
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def check():
+    """scripts/h200_gemv_check.py as a module, its shared results emptied around each test."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        module = importlib.import_module("h200_gemv_check")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    from h200_common import LOG, RESULTS
+
+    RESULTS["checks"].clear()
+    LOG.clear()
+    yield module
+    RESULTS["checks"].clear()
+    LOG.clear()
+
+
+def test_gemv_check_cpu_stages(plugin_lib: Path, tmp_path: Path, check, monkeypatch) -> None:
+    """--cpu-only: twelve ABI refusals with their one-line reasons, and the float64 bound
+    holds for the GEMM library's own F.linear (any summation order) on the CPU."""
+    monkeypatch.setenv("ENGRAM_TRT_PLUGIN_LIB", str(plugin_lib))
+    rc = check.main(["--cpu-only", "--skip-build", "--build-dir", str(plugin_lib.parent), "--out", str(tmp_path),
+                     "--seed", "1"])
+    results = json.loads((tmp_path / "h200_gemv_check.json").read_text())["checks"]
+    assert rc == 0, [r for r in results if not r["ok"]]
+    names = [r["name"] for r in results]
+    assert sum(n.startswith("abi gemv: ") for n in names) == 12
+    assert sum(n.startswith("reference F.linear") for n in names) == 3
+
+
+def test_gemv_verify_is_not_vacuous(check) -> None:
+    """The GPU check's verify (float64 bound and F.linear) passes the exactly rounded
+    product and fails a result nudged by 2^-6, one with x's rows swapped, and one missing a
+    weight row's last element."""
+    gen = torch.Generator().manual_seed(3)
+    inputs = check.gemv_inputs(gen, torch.device("cpu"), 4, 96, 2048)
+    x, w = inputs["x"], inputs["w"]
+    exact = (x.double() @ w.double().t()).to(torch.bfloat16)
+    assert check.gemv_verify("exactly rounded", inputs, exact)
+    assert not check.gemv_verify("nudged by 2^-6", inputs, (exact.double() * (1 + 2.0 ** -6)).to(torch.bfloat16))
+    assert not check.gemv_verify("rows of x swapped", inputs, exact[[1, 0, 2, 3]])
+    short = w.clone()
+    short[:, -1] = 0
+    assert not check.gemv_verify("a weight element dropped", inputs, F.linear(x, short))
+
+
+def test_gemv_abi_reaches_the_launch(plugin_lib: Path) -> None:
+    """Arguments that pass every check get as far as the launch, which a machine
+    without a GPU refuses, named after the entry point."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: scripts/h200_gemv_check.py launches the kernel for real")
+    lib = backbone_kernels._library()
+    a, b, c = (ctypes.c_void_p(x << 32) for x in (1, 2, 3))  # made-up, disjoint, aligned: never dereferenced
+    for tokens in (1, 8):
+        for flags in (0, backbone_kernels.GEMV_WEIGHT_STATIC):
+            status = lib.engram_gemv_bf16(a, b, tokens, 2048, 2048, 0, 0, flags, c, None)
+            assert status != 0 and "engram_gemv_bf16 launch failed" in lib.engram_last_error().decode()
+
+
+def test_gemv_binding_names_the_bad_argument() -> None:
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    with pytest.raises(EngramError, match=r"^x must have dtype torch.bfloat16 \(got torch.float32\)$"):
+        backbone_kernels.gemv(x.float(), w)
+    with pytest.raises(EngramError, match=r"^x must be \[T, K\] and weight \[N, K\] \(got shapes \(2, 64\) and "
+                                          r"\(32, 48\)\)$"):
+        backbone_kernels.gemv(x, w[:, :48])
+    with pytest.raises(EngramError, match=r"^gemv takes at most 8 tokens \(got 9\); use F.linear$"):
+        backbone_kernels.gemv(torch.zeros(9, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(EngramError, match=r"^in_features must be a positive multiple of 8 \(got 12\); use F.linear$"):
+        backbone_kernels.gemv(x[:, :12], w[:, :12])
+    with pytest.raises(EngramError, match=r"^rows_per_warp must be one of \[0, 1, 2, 4\] \(got 3\)$"):
+        backbone_kernels.gemv(x, w, rows_per_warp=3)
+    with pytest.raises(EngramError, match=r"^vectors_per_pass must be one of \[0, 4, 8\] \(got 16\)$"):
+        backbone_kernels.gemv(x, w, vectors_per_pass=16)
+    with pytest.raises(EngramError, match="^x must be a CUDA tensor"):
+        backbone_kernels.gemv(x, w)
+
+
+def test_fused_path_linear_dispatch_off_a_gpu(plugin_lib: Path) -> None:
+    """Both backbone ops compute a projection as F.linear; the kernel ops hand the GEMV
+    only bf16 CUDA steps of at most gemv_max_tokens tokens (here, CPU tensors: never)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    w = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    want = F.linear(x, w)
+    assert torch.equal(TorchBackboneOps().linear(x, w), want)
+    assert not backbone_kernels.gemv_fits(x, w)
+    assert torch.equal(KernelBackboneOps().linear(x, w), want)
+    assert 1 <= KernelBackboneOps.gemv_max_tokens <= backbone_kernels.GEMV_MAX_TOKENS
