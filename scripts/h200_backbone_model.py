@@ -177,8 +177,9 @@ def variant_settings(name: str) -> contextlib.AbstractContextManager:
     run), undone after: "... in place": the graphs' attention reads the KV cache in place
     (the attention kernel) at every context; "fused, GEMM library": the projections run
     in the GEMM library at every step size (the GEMV off); "fused, no PDL": the kernel
-    library launches the ordinary way (ENGRAM_TRT_PDL=0, read at each launch). The
-    default variants change nothing."""
+    library launches the ordinary way (ENGRAM_TRT_PDL=0, read at each launch); "fused,
+    tiled attention": the attention kernel is the tiled one (ENGRAM_TRT_ATTENTION_KERNEL=
+    tiled) where the graphs read the cache in place. The default variants change nothing."""
     import os
     from unittest import mock
 
@@ -191,6 +192,8 @@ def variant_settings(name: str) -> contextlib.AbstractContextManager:
         return mock.patch.object(KernelBackboneOps, "gemv_max_tokens", 0)
     if name == "fused, no PDL":
         return mock.patch.dict(os.environ, {"ENGRAM_TRT_PDL": "0"})
+    if name == "fused, tiled attention":
+        return mock.patch.dict(os.environ, {"ENGRAM_TRT_ATTENTION_KERNEL": "tiled"})
     return contextlib.nullcontext()
 
 
@@ -273,6 +276,8 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
             # The same fused step with the graph's attention reading the cache in place (the
             # attention kernel) instead of SDPA over copies: what the threshold decides.
             variants.append(("fused in place", kernels))
+        else:
+            variants.append(("fused, tiled attention", kernels))  # the attention kernel before the warp kernel
         for name, ops in variants:
             model.backbone_ops = ops
             with variant_settings(name):
@@ -296,7 +301,9 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
             + (f"; fused with the GEMM library's projections {row['fused, GEMM library']['step_ms']:.3f} ms "
                f"({row['fused, GEMM library']['ratio_to_bound']:.2f}x)" if "fused, GEMM library" in row else "")
             + f"; fused without dependent launches {row['fused, no PDL']['step_ms']:.3f} ms "
-              f"({row['fused, no PDL']['ratio_to_bound']:.2f}x)")
+              f"({row['fused, no PDL']['ratio_to_bound']:.2f}x)"
+            + (f"; fused with the tiled attention kernel {row['fused, tiled attention']['step_ms']:.3f} ms "
+               f"({row['fused, tiled attention']['ratio_to_bound']:.2f}x)" if "fused, tiled attention" in row else ""))
         cache = None
         torch.cuda.empty_cache()
     model.backbone_ops = kernels

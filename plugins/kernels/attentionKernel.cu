@@ -21,6 +21,13 @@
  *           registers, after rescaling them by the tile's correction.
  * All math is fp32; the output is rounded once to the I/O type.
  *
+ * The warp kernel (warpAttentionKernel; bf16 / fp16, head_dim 64 / 128 / 256, the usual
+ * case): the same blocks, but each warp owns 32-key chunks of the block's keys and nothing
+ * waits on a block barrier until the warps' partial results meet at the end. The tiled
+ * kernel's three barriers and shared-memory passes per 32-key tile held its decode steps
+ * to 0.35-0.42 TB/s on the H200; the warp kernel reads them at 2.7-3.4 TB/s. The tiled
+ * kernel stays for fp32 and other head dims (and ENGRAM_TRT_ATTENTION_KERNEL=tiled).
+ *
  * Key splits (flash-decoding): a step of few tokens would give the GPU only
  * tokens * KV heads blocks, each streaming a whole context. Such steps split each token's
  * keys into chunks of at least kAttnMinKeysPerSplit positions, one block each; the blocks
@@ -44,6 +51,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace engram_trt
 {
@@ -89,6 +98,99 @@ __device__ __forceinline__ float warpMax(float v)
         v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
     }
     return v;
+}
+
+template <typename T>
+struct PairOf;
+
+template <>
+struct PairOf<__nv_bfloat16>
+{
+    using type = __nv_bfloat162;
+};
+
+template <>
+struct PairOf<__half>
+{
+    using type = __half2;
+};
+
+//! The 8 16-bit values of one 16-byte word (already in registers) as floats.
+template <typename T>
+__device__ __forceinline__ void unpack8(uint4 raw, float (&v)[8])
+{
+    using Pair = typename PairOf<T>::type;
+    uint32_t const words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+    {
+        float2 const f = unpackPair(*reinterpret_cast<Pair const*>(&words[i]));
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+
+//! The word that holds V (2, 4 or 8) 16-bit values.
+template <int V>
+struct RawOf;
+
+template <>
+struct RawOf<2>
+{
+    using type = uint32_t;
+};
+
+template <>
+struct RawOf<4>
+{
+    using type = uint2;
+};
+
+template <>
+struct RawOf<8>
+{
+    using type = uint4;
+};
+
+//! The V 16-bit values of one word (already in registers) as floats.
+template <typename T, int V>
+__device__ __forceinline__ void unpackSmall(typename RawOf<V>::type raw, float (&v)[V])
+{
+    using Pair = typename PairOf<T>::type;
+    if constexpr (V == 8)
+    {
+        unpack8<T>(raw, v);
+    }
+    else if constexpr (V == 4)
+    {
+        float2 const a = unpackPair(*reinterpret_cast<Pair const*>(&raw.x));
+        float2 const b = unpackPair(*reinterpret_cast<Pair const*>(&raw.y));
+        v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+    }
+    else
+    {
+        float2 const a = unpackPair(*reinterpret_cast<Pair const*>(&raw));
+        v[0] = a.x, v[1] = a.y;
+    }
+}
+
+//! 16 bytes global -> shared without a register (cp.async, sm_80+; a plain copy below).
+__device__ __forceinline__ void copy16ToShared(uint4* dst, uint4 const* src)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    auto const address = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(src));
+#else
+    *dst = *src;
+#endif
+}
+
+//! Waits for this thread's copy16ToShared() calls.
+__device__ __forceinline__ void waitCopiesToShared()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ bool inCache(int32_t slot, int32_t pos, int64_t numSlots, int64_t maxSeqLen)
@@ -156,20 +258,52 @@ __host__ __device__ constexpr int64_t attentionSharedFloats(int32_t headsPerBloc
         + static_cast<int64_t>(kAttnTile) * headDim + kAttnTile * kAttnHeadsPerBlock + 3 * kAttnHeadsPerBlock;
 }
 
+//! What one attention block works on: its token, KV head, query heads and key range.
+struct BlockWork
+{
+    int64_t t;        // the token
+    int32_t kvHead;   // its KV head
+    int32_t split;    // the key split
+    int32_t nh;       // query heads of the block
+    int32_t head0;    // the block's first query head
+    int32_t slot;     // the token's cache slot
+    int64_t keyBegin; // keys keyBegin .. keyEnd - 1 of the slot
+    int64_t keyEnd;
+    bool hasKeys; // block-uniform; false for an out-of-cache token (or an empty split)
+};
+
+__device__ __forceinline__ BlockWork blockWork(AttentionParams const& p)
+{
+    BlockWork w{};
+    w.t = blockIdx.x;
+    w.kvHead = blockIdx.y / p.headBlocks;
+    int32_t const headBlock = blockIdx.y % p.headBlocks;
+    w.split = blockIdx.z;
+    int32_t const group = p.numHeads / p.numKvHeads;
+    int32_t const firstInGroup = headBlock * p.headsPerBlock;
+    w.nh = min(p.headsPerBlock, group - firstInGroup);
+    w.head0 = w.kvHead * group + firstInGroup;
+    w.slot = p.tokenSlot[w.t];
+    int32_t const pos = p.tokenPos[w.t];
+    bool const valid = inCache(w.slot, pos, p.numSlots, p.maxSeqLen);
+    w.keyBegin = static_cast<int64_t>(w.split) * p.keysPerSplit;
+    w.keyEnd = valid ? min(static_cast<int64_t>(pos) + 1, w.keyBegin + p.keysPerSplit) : 0;
+    w.hasKeys = w.keyBegin < w.keyEnd;
+    return w;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionParams const p)
 {
     extern __shared__ float4 sharedVectors[];
     float* const shared = reinterpret_cast<float*>(sharedVectors);
 
-    int64_t const t = blockIdx.x;
-    int32_t const kvHead = blockIdx.y / p.headBlocks;
-    int32_t const headBlock = blockIdx.y % p.headBlocks;
-    int32_t const split = blockIdx.z;
-    int32_t const group = p.numHeads / p.numKvHeads;
-    int32_t const firstInGroup = headBlock * p.headsPerBlock;
-    int32_t const nh = min(p.headsPerBlock, group - firstInGroup);
-    int32_t const head0 = kvHead * group + firstInGroup; // the block's first query head
+    BlockWork const work = blockWork(p);
+    int64_t const t = work.t;
+    int32_t const kvHead = work.kvHead;
+    int32_t const split = work.split;
+    int32_t const nh = work.nh;
+    int32_t const head0 = work.head0; // the block's first query head
     int32_t const hd = p.headDim;
     int32_t const kStride = hd + 4;
     int32_t const warp = threadIdx.x / 32;
@@ -183,12 +317,10 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
     float* const sumS = corrS + kAttnHeadsPerBlock;
     float* const maxS = sumS + kAttnHeadsPerBlock;
 
-    int32_t const slot = p.tokenSlot[t];
-    int32_t const pos = p.tokenPos[t];
-    bool const valid = inCache(slot, pos, p.numSlots, p.maxSeqLen);
-    int64_t const keyBegin = static_cast<int64_t>(split) * p.keysPerSplit;
-    int64_t const keyEnd = valid ? min(static_cast<int64_t>(pos) + 1, keyBegin + p.keysPerSplit) : 0;
-    bool const hasKeys = keyBegin < keyEnd; // block-uniform
+    int32_t const slot = work.slot;
+    int64_t const keyBegin = work.keyBegin;
+    int64_t const keyEnd = work.keyEnd;
+    bool const hasKeys = work.hasKeys;
 
     float acc[kAttnColsPerThread][kAttnHeadsPerBlock];
 #pragma unroll
@@ -389,6 +521,290 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
     }
 }
 
+//! The same attention with warps that own keys (16-bit I/O, head_dim 32 * DPL): no block
+//! barrier per tile. Warp w takes the 32-key chunks w, w + 4, ... of the block's key range;
+//! lane j scores key j of a chunk against the G query heads (its K row, staged in the
+//! warp's shared tile for head_dim <= 128; the scaled queries a broadcast read of shared
+//! memory), the warp's online softmax
+//! follows from warp reductions, and for the values lane j owns output columns
+//! DPL * j .. DPL * j + DPL - 1, each key's probability broadcast by a shuffle while the
+//! warp reads the key's V row in one coalesced pass. The four warps' (max, sum, output)
+//! meet once in shared memory at the end. Writes what packedAttentionKernel writes (the
+//! output, or the split partials the merge kernel reads).
+template <typename T, int G, int DPL>
+__global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionParams const p)
+{
+    constexpr int kHd = 32 * DPL;
+    constexpr int kRowVectors = kHd / 8; // 16-byte vectors of a K row
+    constexpr int kBatch = 8;            // K vectors loaded before their FMAs
+    // head_dim <= 128: each warp stages its chunk's K rows in shared memory with coalesced
+    // copies (rows padded by one vector: lane j's reads of row j are conflict-free), where
+    // lane j reading row j from global memory would touch 32 lines per load.
+    constexpr bool kStaged = kRowVectors <= 16;
+    constexpr int kTileStride = kRowVectors + 1;
+    constexpr int kTileVectors = kStaged ? kAttnWarps * 32 * kTileStride : 0;
+    constexpr int kAccVectors = kAttnWarps * G * kHd / 4;
+    static_assert(sizeof(T) == 2, "16-bit I/O");
+    static_assert(kRowVectors % kBatch == 0, "whole batches of K vectors");
+    __shared__ float4 qVectors[G * kHd / 4];
+    __shared__ float statS[kAttnWarps][G][2];
+    // the K tiles during the key loop, then the warps' outputs [kAttnWarps][G][kHd]
+    __shared__ uint4 work[kTileVectors > kAccVectors ? kTileVectors : kAccVectors];
+    float* const qS = reinterpret_cast<float*>(qVectors);
+    auto* const accS = reinterpret_cast<float (*)[G][kHd]>(work);
+
+    BlockWork const block = blockWork(p);
+    int64_t const t = block.t;
+    int32_t const split = block.split;
+    int32_t const nh = block.nh;
+    int32_t const head0 = block.head0;
+    int32_t const slot = block.slot;
+    int64_t const keyBegin = block.keyBegin;
+    int64_t const keyEnd = block.keyEnd;
+    bool const hasKeys = block.hasKeys;
+    int32_t const kvHead = block.kvHead;
+    int32_t const warp = threadIdx.x / 32;
+    int32_t const lane = threadIdx.x % 32;
+
+    T const* q = static_cast<T const*>(p.q);
+    for (int32_t e = threadIdx.x; e < G * kRowVectors; e += kAttnThreads)
+    {
+        int32_t const g = e / kRowVectors;
+        int32_t const c = (e % kRowVectors) * 8;
+        float v[8] = {};
+        if (g < nh && hasKeys)
+        {
+            load8(q + (t * p.numHeads + head0 + g) * kHd + c, v);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            qS[g * kHd + c + i] = v[i] * p.scaleLog2;
+        }
+    }
+    __syncthreads();
+
+    float runMax[G];
+    float runSum[G];
+    float acc[G][DPL];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+    {
+        runMax[g] = -INFINITY;
+        runSum[g] = 0.0F;
+#pragma unroll
+        for (int c = 0; c < DPL; ++c)
+        {
+            acc[g][c] = 0.0F;
+        }
+    }
+    if (hasKeys)
+    {
+        int64_t const rowBase = (static_cast<int64_t>(slot) * p.numKvHeads + kvHead) * p.maxSeqLen;
+        T const* keys = static_cast<T const*>(p.keyCache) + rowBase * kHd;
+        T const* values = static_cast<T const*>(p.valueCache) + rowBase * kHd;
+        for (int64_t k0 = keyBegin + 32 * warp; k0 < keyEnd; k0 += 32 * kAttnWarps)
+        {
+            int64_t const key = k0 + lane;
+            bool const live = key < keyEnd;
+            int32_t const n = static_cast<int32_t>(min(static_cast<int64_t>(32), keyEnd - k0));
+            float score[G];
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+            {
+                score[g] = 0.0F;
+            }
+            uint4 const* row = reinterpret_cast<uint4 const*>(keys + key * kHd);
+            if constexpr (kStaged)
+            {
+                uint4* const tile = work + warp * 32 * kTileStride;
+                auto const* src = reinterpret_cast<uint4 const*>(keys + k0 * kHd);
+                __syncwarp(); // the last chunk's reads of the tile are done
+#pragma unroll
+                for (int i = 0; i < kRowVectors; ++i)
+                {
+                    int32_t const e = lane + 32 * i;
+                    if (e / kRowVectors < n)
+                    {
+                        copy16ToShared(tile + (e / kRowVectors) * kTileStride + e % kRowVectors, src + e);
+                    }
+                }
+                waitCopiesToShared();
+                __syncwarp();
+                row = tile + lane * kTileStride;
+            }
+            if (live)
+            {
+#pragma unroll
+                for (int b = 0; b < kRowVectors; b += kBatch)
+                {
+                    uint4 kv[kBatch];
+#pragma unroll
+                    for (int i = 0; i < kBatch; ++i)
+                    {
+                        kv[i] = row[b + i];
+                    }
+#pragma unroll
+                    for (int i = 0; i < kBatch; ++i)
+                    {
+                        float kf[8];
+                        unpack8<T>(kv[i], kf);
+#pragma unroll
+                        for (int g = 0; g < G; ++g)
+                        {
+                            float4 const qa = qVectors[(g * kHd + (b + i) * 8) / 4];
+                            float4 const qb = qVectors[(g * kHd + (b + i) * 8) / 4 + 1];
+                            score[g] += qa.x * kf[0] + qa.y * kf[1] + qa.z * kf[2] + qa.w * kf[3] + qb.x * kf[4]
+                                + qb.y * kf[5] + qb.z * kf[6] + qb.w * kf[7];
+                        }
+                    }
+                }
+            }
+            // A full chunk's V rows (lane: its DPL columns of each) are loaded before the
+            // softmax's reductions, so their latency overlaps them.
+            using Raw = typename RawOf<DPL>::type;
+            constexpr int kVBatch = DPL == 8 ? 16 : 32; // rows held in registers at once
+            bool const full = n == 32;
+            T const* vRows = values + k0 * kHd + lane * DPL;
+            Raw vr[kVBatch];
+            if (full)
+            {
+#pragma unroll
+                for (int j = 0; j < kVBatch; ++j)
+                {
+                    vr[j] = *reinterpret_cast<Raw const*>(vRows + j * kHd);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g)
+            {
+                float const s = live ? score[g] : -INFINITY;
+                float const newMax = fmaxf(runMax[g], warpMax(s));
+                // as packedAttentionKernel: -inf - -inf must not reach exp2f
+                float const corr = runMax[g] == -INFINITY ? 0.0F : exp2f(runMax[g] - newMax);
+                float const prob = s == -INFINITY ? 0.0F : exp2f(s - newMax);
+                runSum[g] = runSum[g] * corr + warpSum(prob);
+                runMax[g] = newMax;
+                score[g] = prob;
+#pragma unroll
+                for (int c = 0; c < DPL; ++c)
+                {
+                    acc[g][c] *= corr;
+                }
+            }
+            if (full)
+            {
+#pragma unroll
+                for (int b = 0; b < 32; b += kVBatch)
+                {
+                    if (b > 0)
+                    {
+#pragma unroll
+                        for (int j = 0; j < kVBatch; ++j)
+                        {
+                            vr[j] = *reinterpret_cast<Raw const*>(vRows + (b + j) * kHd);
+                        }
+                    }
+#pragma unroll
+                    for (int j = 0; j < kVBatch; ++j)
+                    {
+                        float vf[DPL];
+                        unpackSmall<T, DPL>(vr[j], vf);
+#pragma unroll
+                        for (int g = 0; g < G; ++g)
+                        {
+                            float const pj = __shfl_sync(0xFFFFFFFFu, score[g], b + j);
+#pragma unroll
+                            for (int c = 0; c < DPL; ++c)
+                            {
+                                acc[g][c] = fmaf(pj, vf[c], acc[g][c]);
+                            }
+                        }
+                    }
+                }
+            }
+            else
+            {
+                for (int32_t j = 0; j < n; ++j)
+                {
+                    float vf[DPL];
+                    unpackSmall<T, DPL>(*reinterpret_cast<Raw const*>(vRows + static_cast<int64_t>(j) * kHd), vf);
+#pragma unroll
+                    for (int g = 0; g < G; ++g)
+                    {
+                        float const pj = __shfl_sync(0xFFFFFFFFu, score[g], j);
+#pragma unroll
+                        for (int c = 0; c < DPL; ++c)
+                        {
+                            acc[g][c] = fmaf(pj, vf[c], acc[g][c]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads(); // every warp is past its K tiles: accS overwrites them
+    if (lane == 0)
+    {
+#pragma unroll
+        for (int g = 0; g < G; ++g)
+        {
+            statS[warp][g][0] = runMax[g];
+            statS[warp][g][1] = runSum[g];
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+    {
+#pragma unroll
+        for (int c = 0; c < DPL; ++c)
+        {
+            accS[warp][g][lane * DPL + c] = acc[g][c];
+        }
+    }
+    __syncthreads();
+    for (int32_t e = threadIdx.x; e < nh * kHd; e += kAttnThreads)
+    {
+        int32_t const g = e / kHd;
+        int32_t const d = e % kHd;
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w)
+        {
+            m = fmaxf(m, statS[w][g][0]);
+        }
+        float sum = 0.0F;
+        float value = 0.0F;
+#pragma unroll
+        for (int w = 0; w < kAttnWarps; ++w)
+        {
+            float const mw = statS[w][g][0];
+            if (mw != -INFINITY)
+            {
+                float const weight = exp2f(mw - m);
+                sum += weight * statS[w][g][1];
+                value += weight * accS[w][g][d];
+            }
+        }
+        int64_t const th = t * p.numHeads + head0 + g;
+        if (p.splits == 1)
+        {
+            // no keys only for an out-of-cache token: its row is zero
+            static_cast<T*>(p.out)[th * kHd + d] = fromFloat<T>(hasKeys ? value / sum : 0.0F);
+        }
+        else
+        {
+            int64_t const part = th * p.splits + split;
+            p.partialAcc[part * kHd + d] = value;
+            if (d == 0)
+            {
+                p.partialStats[2 * part] = hasKeys ? m : -INFINITY;
+                p.partialStats[2 * part + 1] = hasKeys ? sum : 0.0F;
+            }
+        }
+    }
+}
+
 //! Merges the key splits of every (token, head): out = sum_z w_z acc_z / sum_z w_z l_z
 //! with w_z = 2^(m_z - max_z m_z); a row with no keys in any split (an out-of-cache
 //! token) is zero.
@@ -432,6 +848,47 @@ __global__ void __launch_bounds__(kAttnThreads) attentionMergeKernel(float const
 namespace
 {
 
+using AttentionKernel = void (*)(AttentionParams);
+
+template <typename T, int DPL>
+AttentionKernel warpKernelFor(int32_t headsPerBlock)
+{
+    switch (headsPerBlock)
+    {
+    case 1: return warpAttentionKernel<T, 1, DPL>;
+    case 2: return warpAttentionKernel<T, 2, DPL>;
+    case 3:
+    case 4: return warpAttentionKernel<T, 4, DPL>;
+    default: return warpAttentionKernel<T, 8, DPL>;
+    }
+}
+
+//! warpAttentionKernel for 16-bit I/O and head_dim 64, 128 or 256 (unless
+//! ENGRAM_TRT_ATTENTION_KERNEL=tiled, read at each launch); else null: the tiled kernel.
+template <typename T>
+AttentionKernel warpKernel(int32_t headDim, int32_t headsPerBlock)
+{
+    char const* const choice = std::getenv("ENGRAM_TRT_ATTENTION_KERNEL");
+    if constexpr (sizeof(T) != 2)
+    {
+        return nullptr;
+    }
+    else
+    {
+        if (choice != nullptr && std::strcmp(choice, "tiled") == 0)
+        {
+            return nullptr;
+        }
+        switch (headDim)
+        {
+        case 64: return warpKernelFor<T, 2>(headsPerBlock);
+        case 128: return warpKernelFor<T, 4>(headsPerBlock);
+        case 256: return warpKernelFor<T, 8>(headsPerBlock);
+        default: return nullptr;
+        }
+    }
+}
+
 template <typename T>
 int enqueueAttention(AttentionParams const& params, int64_t numTokens, size_t sharedBytes, cudaStream_t stream)
 {
@@ -448,7 +905,14 @@ int enqueueAttention(AttentionParams const& params, int64_t numTokens, size_t sh
     dim3 const grid(static_cast<unsigned>(numTokens), static_cast<unsigned>(params.numKvHeads * params.headBlocks),
         static_cast<unsigned>(params.splits));
     resetLaunchError();
-    packedAttentionKernel<T><<<grid, kAttnThreads, sharedBytes, stream>>>(params);
+    if (auto const kernel = warpKernel<T>(params.headDim, params.headsPerBlock))
+    {
+        kernel<<<grid, kAttnThreads, 0, stream>>>(params);
+    }
+    else
+    {
+        packedAttentionKernel<T><<<grid, kAttnThreads, sharedBytes, stream>>>(params);
+    }
     if (int const status = checkLaunch("engram_attention"))
     {
         return status;
