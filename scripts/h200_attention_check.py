@@ -9,7 +9,9 @@ One script, one device call:
                 engram_trt.kernels, bf16 / fp16 / fp32, against a float64 NumPy reference on
                 random data: mixed packs (prefill chunks after a past, decode tokens, a token
                 at position 0, non-contiguous slots, padding tokens), MHA / GQA / MQA, head
-                dims 8..256, a group of 20 query heads (three head blocks), small steps whose
+                dims 8..256, a group of 20 query heads (three head blocks); each case also through the
+                tiled kernel (ENGRAM_TRT_ATTENTION_KERNEL=tiled; the warp kernel serves bf16 /
+                fp16 at head_dim 128 with groups of up to 4 on sm_90), small steps whose
                 keys are split (flash-decoding) against the unsplit kernel, a sequence that
                 continues over three steps; the in-place KV write bit for bit (the rest of
                 the cache untouched); out-of-cache slots and positions (zero rows, nothing
@@ -143,6 +145,8 @@ def check_kernel(rng) -> None:
     mixed = [(0, 37), (120, 1), (0, 1), (511, 1), (64, 90), (300, 1), (1, 1), (200, 55)]
     cases = [
         ("GQA 32/8 hd128 mixed", 32, 8, 128, 12, 640, mixed),
+        ("GQA 16/8 hd128 mixed (groups of 2)", 16, 8, 128, 12, 640, mixed),
+        ("MHA 4/4 hd128", 4, 4, 128, 6, 300, [(0, 40), (250, 1), (31, 33), (0, 1)]),
         ("MHA 8/8 hd64 mixed", 8, 8, 64, 10, 512, [(0, 20), (33, 1), (100, 7), (0, 1)]),
         ("MQA 16/1 hd128", 16, 1, 128, 6, 700, [(0, 64), (650, 1), (10, 30)]),
         ("GQA 12/4 hd256", 12, 4, 256, 5, 400, [(0, 33), (399, 1), (150, 40)]),
@@ -201,7 +205,7 @@ def check_boundaries(rng, dtypes) -> None:
     from engram_trt import attention_kernels
 
     dev = torch.device("cuda")
-    H, kvh, hd, num_slots, max_len = 8, 2, 64, 4, 96
+    H, kvh, hd, num_slots, max_len = 8, 2, 128, 4, 96
     slots = np.array([0, 3, -1, 4, 2, 1, 2, 2**31 - 1, 1], np.int32)
     pos = np.array([0, max_len - 1, 5, 5, -1, max_len, 7, 0, 3], np.int32)
     bad = np.array([False, False, True, True, True, True, False, True, False])
@@ -269,7 +273,7 @@ def check_continuation(rng) -> None:
     from engram_trt import attention_kernels
 
     dev = torch.device("cuda")
-    H, kvh, hd, num_slots, max_len = 16, 4, 64, 8, 256
+    H, kvh, hd, num_slots, max_len = 16, 8, 128, 8, 256
     dtype = torch.float32
     kc = torch.from_numpy(rng.standard_normal((num_slots, kvh, max_len, hd)).astype(np.float32))
     vc = torch.from_numpy(rng.standard_normal((num_slots, kvh, max_len, hd)).astype(np.float32))

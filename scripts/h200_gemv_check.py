@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Verify the kernel library's GEMV (engram_gemv_bf16, plugins/kernels/gemvKernel.cu) on a
-GPU (the H200): the decode step's projections for 1..8 tokens.
+GPU (the H200): the decode step's projections for 1..4 tokens.
 
 One script, one device call (it builds the library first, unless --skip-build):
   1. abi        every bad argument refused on the host with its one-line reason; zero
@@ -9,9 +9,8 @@ One script, one device call (it builds the library first, unless --skip-build):
                 (so the bound judges the kernel, not its slack). Needs no GPU.
   3. kernels    against float64 (the bound below) and against F.linear on the GPU (<= 1% of
                 elements differing: only the sums' order differs):
-                T 1..8; the 1B model's shapes (qkv, o, gate_up, down, wkv, lm_head); odd
-                N (1, 7, 1001); K 8, 40, 5632, 5640; rows_per_warp 0 / 1 / 2 / 4 by vectors_per_pass 0 / 4 / 8; large and
-                signed inputs; a given out buffer; zero tokens; captured in a CUDA graph
+                T 1..4; the 1B model's shapes (qkv, o, gate_up, down, wkv, lm_head); odd
+                N (1, 7, 1001, 4099); K 8, 40, 1032, 5632, 5640; large and signed inputs; a given out buffer; zero tokens; captured in a CUDA graph
                 and replayed with new x and weights; SiLU -> GEMV -> GEMV in one graph with
                 weight_static (programmatic dependent launch on sm_90: each kernel may
                 start before the one before it ends), each output against float64 on the
@@ -90,22 +89,17 @@ def check_abi() -> None:
     lib = backbone_kernels._library()
     p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
 
-    def gemv(x=p, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, rows=0, vectors=0, flags=1,
-             out=ctypes.c_void_p(1 << 41)):
-        status = lib.engram_gemv_bf16(x, w, T, N, K, rows, vectors, flags, out, None)
+    def gemv(x=p, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, flags=1, out=ctypes.c_void_p(1 << 41)):
+        status = lib.engram_gemv_bf16(x, w, T, N, K, flags, out, None)
         return status, lib.engram_last_error().decode()
 
     cases = [
-        ("9 tokens", gemv(T=9), (1, "engram_gemv_bf16: num_tokens must be in [0, 8] (got 9)")),
-        ("-1 tokens", gemv(T=-1), (1, "engram_gemv_bf16: num_tokens must be in [0, 8] (got -1)")),
+        ("5 tokens", gemv(T=5), (1, "engram_gemv_bf16: num_tokens must be in [0, 4] (got 5)")),
+        ("-1 tokens", gemv(T=-1), (1, "engram_gemv_bf16: num_tokens must be in [0, 4] (got -1)")),
         ("in_features 12", gemv(K=12), (1, "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a "
                                            "multiple of 8 in [8, 2^31 - 1] (got 2048, 12)")),
         ("out_features 0", gemv(N=0), (1, "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a "
                                           "multiple of 8 in [8, 2^31 - 1] (got 0, 2048)")),
-        ("rows_per_warp 3", gemv(rows=3), (1, "engram_gemv_bf16: rows_per_warp must be 0 (the default), 1, 2 or 4 "
-                                              "(got 3)")),
-        ("vectors_per_pass 2", gemv(vectors=2), (1, "engram_gemv_bf16: vectors_per_pass must be 0 (the default), 4 "
-                                                    "or 8 (got 2)")),
         ("flags 2", gemv(flags=2), (1, "engram_gemv_bf16: unknown flags 0x2 (the one flag is "
                                        "ENGRAM_GEMV_WEIGHT_STATIC = 0x1)")),
         ("NULL x", gemv(x=None), (1, "engram_gemv_bf16: x, weight and out must be 16-byte aligned device pointers")),
@@ -142,22 +136,16 @@ def check_kernels(gen) -> None:
 
     dev = torch.device("cuda")
     for name, (N, K) in SHAPES.items():
-        for T in (1, 2, 3, 4, 8) if name != "lm_head" else (1, 8):
+        for T in (1, 2, 3, 4) if name != "lm_head" else (1, 4):
             inputs = gemv_inputs(gen, dev, T, N, K)
             gemv_verify(f"gemv {name} T={T} N={N} K={K}", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
-    for T, N, K in ((1, 1, 2048), (5, 7, 8), (6, 1001, 40), (7, 3, 5632), (8, 2049, 1032)):
+    for T, N, K in ((1, 1, 2048), (2, 7, 8), (3, 1001, 40), (4, 3, 5632), (4, 2049, 1032), (3, 1031, 5640)):
         inputs = gemv_inputs(gen, dev, T, N, K)
         gemv_verify(f"gemv T={T} N={N} K={K}", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
-    inputs = gemv_inputs(gen, dev, 3, 4099, 2048)  # N not a multiple of any row count
-    for rows in backbone_kernels.GEMV_ROWS_PER_WARP:
-        for vectors in backbone_kernels.GEMV_VECTORS_PER_PASS:
-            gemv_verify(f"gemv T=3 N=4099 K=2048 rows_per_warp={rows} vectors_per_pass={vectors}", inputs,
-                        backbone_kernels.gemv(inputs["x"], inputs["w"], rows_per_warp=rows, vectors_per_pass=vectors))
-    inputs = gemv_inputs(gen, dev, 8, 1031, 5640)  # a partial last pass at either vector count
-    for vectors in (4, 8):
-        gemv_verify(f"gemv T=8 N=1031 K=5640 rows_per_warp=4 vectors_per_pass={vectors}", inputs,
-                    backbone_kernels.gemv(inputs["x"], inputs["w"], rows_per_warp=4, vectors_per_pass=vectors))
     inputs = gemv_inputs(gen, dev, 3, 4099, 2048)
+    gemv_verify("gemv T=3 N=4099 K=2048", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
+    gemv_verify("gemv T=3 N=4099 K=2048, weight static", inputs,
+                backbone_kernels.gemv(inputs["x"], inputs["w"], weight_static=True))
     out = torch.full((3, 4099), float("nan"), device=dev, dtype=torch.bfloat16)
     got = backbone_kernels.gemv(inputs["x"], inputs["w"], out=out)
     gemv_verify("gemv into a given out (every element written)", inputs, out)

@@ -40,7 +40,7 @@ def check():
 
 
 def test_gemv_check_cpu_stages(plugin_lib: Path, tmp_path: Path, check, monkeypatch) -> None:
-    """--cpu-only: twelve ABI refusals with their one-line reasons, and the float64 bound
+    """--cpu-only: ten ABI refusals with their one-line reasons, and the float64 bound
     holds for the GEMM library's own F.linear (any summation order) on the CPU."""
     monkeypatch.setenv("ENGRAM_TRT_PLUGIN_LIB", str(plugin_lib))
     rc = check.main(["--cpu-only", "--skip-build", "--build-dir", str(plugin_lib.parent), "--out", str(tmp_path),
@@ -48,7 +48,7 @@ def test_gemv_check_cpu_stages(plugin_lib: Path, tmp_path: Path, check, monkeypa
     results = json.loads((tmp_path / "h200_gemv_check.json").read_text())["checks"]
     assert rc == 0, [r for r in results if not r["ok"]]
     names = [r["name"] for r in results]
-    assert sum(n.startswith("abi gemv: ") for n in names) == 12
+    assert sum(n.startswith("abi gemv: ") for n in names) == 10
     assert sum(n.startswith("reference F.linear") for n in names) == 3
 
 
@@ -75,9 +75,9 @@ def test_gemv_abi_reaches_the_launch(plugin_lib: Path) -> None:
         pytest.skip("a GPU is present: scripts/h200_gemv_check.py launches the kernel for real")
     lib = backbone_kernels._library()
     a, b, c = (ctypes.c_void_p(x << 32) for x in (1, 2, 3))  # made-up, disjoint, aligned: never dereferenced
-    for tokens in (1, 8):
+    for tokens in (1, 4):
         for flags in (0, backbone_kernels.GEMV_WEIGHT_STATIC):
-            status = lib.engram_gemv_bf16(a, b, tokens, 2048, 2048, 0, 0, flags, c, None)
+            status = lib.engram_gemv_bf16(a, b, tokens, 2048, 2048, flags, c, None)
             assert status != 0 and "engram_gemv_bf16 launch failed" in lib.engram_last_error().decode()
 
 
@@ -89,14 +89,10 @@ def test_gemv_binding_names_the_bad_argument() -> None:
     with pytest.raises(EngramError, match=r"^x must be \[T, K\] and weight \[N, K\] \(got shapes \(2, 64\) and "
                                           r"\(32, 48\)\)$"):
         backbone_kernels.gemv(x, w[:, :48])
-    with pytest.raises(EngramError, match=r"^gemv takes at most 8 tokens \(got 9\); use F.linear$"):
-        backbone_kernels.gemv(torch.zeros(9, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(EngramError, match=r"^gemv takes at most 4 tokens \(got 5\); use F.linear$"):
+        backbone_kernels.gemv(torch.zeros(5, 64, dtype=torch.bfloat16), w)
     with pytest.raises(EngramError, match=r"^in_features must be a positive multiple of 8 \(got 12\); use F.linear$"):
         backbone_kernels.gemv(x[:, :12], w[:, :12])
-    with pytest.raises(EngramError, match=r"^rows_per_warp must be one of \[0, 1, 2, 4\] \(got 3\)$"):
-        backbone_kernels.gemv(x, w, rows_per_warp=3)
-    with pytest.raises(EngramError, match=r"^vectors_per_pass must be one of \[0, 4, 8\] \(got 16\)$"):
-        backbone_kernels.gemv(x, w, vectors_per_pass=16)
     with pytest.raises(EngramError, match="^x must be a CUDA tensor"):
         backbone_kernels.gemv(x, w)
 

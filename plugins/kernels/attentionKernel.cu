@@ -21,12 +21,12 @@
  *           registers, after rescaling them by the tile's correction.
  * All math is fp32; the output is rounded once to the I/O type.
  *
- * The warp kernel (warpAttentionKernel; bf16 / fp16, head_dim 64 / 128 / 256, the usual
- * case): the same blocks, but each warp owns 32-key chunks of the block's keys and nothing
- * waits on a block barrier until the warps' partial results meet at the end. The tiled
+ * The warp kernel (warpAttentionKernel; bf16 / fp16, head_dim 128, up to 4 query heads per
+ * KV head, sm_90 and later: the shapes measured on the H200): the same blocks, but each warp owns 32-key chunks of the
+ * block's keys and nothing waits on a block barrier until the warps' partial results meet at the end. The tiled
  * kernel's three barriers and shared-memory passes per 32-key tile held its decode steps
  * to 0.35-0.42 TB/s on the H200; the warp kernel reads them at 2.7-3.4 TB/s. The tiled
- * kernel stays for fp32 and other head dims (and ENGRAM_TRT_ATTENTION_KERNEL=tiled).
+ * kernel stays for every other case (and ENGRAM_TRT_ATTENTION_KERNEL=tiled).
  *
  * Key splits (flash-decoding): a step of few tokens would give the GPU only
  * tokens * KV heads blocks, each streaming a whole context. Such steps split each token's
@@ -174,6 +174,7 @@ __device__ __forceinline__ void unpackSmall(typename RawOf<V>::type raw, float (
     }
 }
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // used by the sm_90+ kernels only
 //! 16 bytes global -> shared without a register (cp.async, sm_80+; a plain copy below).
 __device__ __forceinline__ void copy16ToShared(uint4* dst, uint4 const* src)
 {
@@ -192,6 +193,8 @@ __device__ __forceinline__ void waitCopiesToShared()
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 #endif
 }
+
+#endif
 
 __device__ __forceinline__ bool inCache(int32_t slot, int32_t pos, int64_t numSlots, int64_t maxSeqLen)
 {
@@ -534,6 +537,7 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
 template <typename T, int G, int DPL>
 __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionParams const p)
 {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (never chosen there)
     constexpr int kHd = 32 * DPL;
     constexpr int kRowVectors = kHd / 8; // 16-byte vectors of a K row
     constexpr int kBatch = 8;            // K vectors loaded before their FMAs
@@ -803,6 +807,7 @@ __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionPar
             }
         }
     }
+#endif
 }
 
 //! Merges the key splits of every (token, head): out = sum_z w_z acc_z / sum_z w_z l_z
@@ -850,42 +855,25 @@ namespace
 
 using AttentionKernel = void (*)(AttentionParams);
 
-template <typename T, int DPL>
-AttentionKernel warpKernelFor(int32_t headsPerBlock)
-{
-    switch (headsPerBlock)
-    {
-    case 1: return warpAttentionKernel<T, 1, DPL>;
-    case 2: return warpAttentionKernel<T, 2, DPL>;
-    case 3:
-    case 4: return warpAttentionKernel<T, 4, DPL>;
-    default: return warpAttentionKernel<T, 8, DPL>;
-    }
-}
-
-//! warpAttentionKernel for 16-bit I/O and head_dim 64, 128 or 256 (unless
-//! ENGRAM_TRT_ATTENTION_KERNEL=tiled, read at each launch); else null: the tiled kernel.
+//! warpAttentionKernel for 16-bit I/O, head_dim 128 and at most 4 query heads per KV head
+//! on sm_90 and later (the shapes it was measured at, on the H200) unless
+//! ENGRAM_TRT_ATTENTION_KERNEL=tiled (read at each launch); else null: the tiled kernel.
 template <typename T>
 AttentionKernel warpKernel(int32_t headDim, int32_t headsPerBlock)
 {
-    char const* const choice = std::getenv("ENGRAM_TRT_ATTENTION_KERNEL");
     if constexpr (sizeof(T) != 2)
     {
         return nullptr;
     }
     else
     {
-        if (choice != nullptr && std::strcmp(choice, "tiled") == 0)
+        char const* const choice = std::getenv("ENGRAM_TRT_ATTENTION_KERNEL");
+        if ((choice != nullptr && std::strcmp(choice, "tiled") == 0) || headDim != 128 || headsPerBlock > 4
+            || computeCapabilityMajor() < 9)
         {
             return nullptr;
         }
-        switch (headDim)
-        {
-        case 64: return warpKernelFor<T, 2>(headsPerBlock);
-        case 128: return warpKernelFor<T, 4>(headsPerBlock);
-        case 256: return warpKernelFor<T, 8>(headsPerBlock);
-        default: return nullptr;
-        }
+        return headsPerBlock <= 2 ? warpAttentionKernel<T, 2, 4> : warpAttentionKernel<T, 4, 4>;
     }
 }
 

@@ -456,21 +456,20 @@ ENGRAM_API int engram_silu_mul(
  * x [M, K], weight [N, K] (row-major, as nn.Linear stores it) and out [M, N] are bf16,
  * contiguous and 16-byte aligned; the sum is float32 (per lane in k order, then a warp
  * butterfly), rounded once, so it differs from the GEMM library's by the sums' order.
- * One warp per rows_per_warp rows of weight, its lanes reading vectors_per_pass 16-byte
- * vectors of each row per pass (0: the library's choice, 1 x 4; rows 2 / 4 and vectors 8
- * are for tuning); weight is read once, past the L1. Bound by reading weight: meant for
+ * One warp per row of weight, 16-byte streaming loads. Bound by reading weight: meant for
  * decode steps of 1..ENGRAM_GEMV_MAX_TOKENS tokens, where a GEMM tiles for many more.
  * flags: ENGRAM_GEMV_WEIGHT_STATIC promises that no work queued on the stream before
  * this call writes weight (a model's weights); the kernel may then load it before the
- * kernel before it completes (programmatic dependent launch, sm_90+, off with
- * ENGRAM_TRT_PDL=0). Without it the kernel reads nothing before that kernel completes.
- * Limits: 0 <= num_tokens <= ENGRAM_GEMV_MAX_TOKENS (0 launches nothing); in_features a
- * multiple of 8; out must not overlap x or weight; no flag but ENGRAM_GEMV_WEIGHT_STATIC. */
-#define ENGRAM_GEMV_MAX_TOKENS 8
+ * kernel before it completes (programmatic dependent launch, off with ENGRAM_TRT_PDL=0).
+ * Without it the kernel reads nothing before that kernel completes.
+ * Limits: compute capability 9.0 or later (cudaErrorNotSupported before: the kernel was
+ * measured there only); 0 <= num_tokens <= ENGRAM_GEMV_MAX_TOKENS (0 launches nothing);
+ * in_features a multiple of 8; out must not overlap x or weight; no flag but
+ * ENGRAM_GEMV_WEIGHT_STATIC. */
+#define ENGRAM_GEMV_MAX_TOKENS 4
 #define ENGRAM_GEMV_WEIGHT_STATIC 1u
 ENGRAM_API int engram_gemv_bf16(const void* x, const void* weight, int64_t num_tokens, int64_t out_features,
-    int64_t in_features, int32_t rows_per_warp, int32_t vectors_per_pass, uint32_t flags, void* out,
-    cudaStream_t stream);
+    int64_t in_features, uint32_t flags, void* out, cudaStream_t stream);
 
 /* Kind of memory behind ptr (EngramPointerKind) in *kind. */
 ENGRAM_API int engram_pointer_kind(const void* ptr, int32_t* kind);

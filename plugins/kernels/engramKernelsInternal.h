@@ -42,6 +42,10 @@ int checkLaunch(char const* kernelName);
 //! Multiprocessor count of the current device (cached per device).
 int smCount();
 
+//! Compute capability major of the current device (cached per device); -1 when no device
+//! can be asked (the CUDA error is cleared: the next launch reports it).
+int computeCapabilityMajor();
+
 //! True when the current device has compute capability 9.0 or later and ENGRAM_TRT_PDL
 //! is not "0" (read at each call): dependentLaunch.cuh's launches may then overlap.
 bool dependentLaunchEnabled();

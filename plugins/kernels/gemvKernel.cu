@@ -9,13 +9,14 @@
  * model's 8-46 MB per-layer matrices at 40-80% of the HBM copy rate on the H200 (and add
  * a split-K reduction kernel to some), which made the projections half of the step.
  *
- * Layout: one warp owns R consecutive rows of W; its lanes read each row in 16-byte
- * vectors (lane j takes vectors j, j + 32, ...), U vectors per row per pass, all R x U
- * loads issued before the first FMA so that many bytes are in flight per SM. W is read
- * with an L1-bypassing streaming load (read once); x (at most 8 tokens, 16 KiB at
- * K 1024) comes through the L1, which every warp of a block shares. Each lane keeps R x M
- * float32 partial sums; a butterfly over the warp finishes them and lane 0 writes the
- * rounded outputs.
+ * Layout: one warp owns a row of W; its lanes read it in 16-byte vectors (lane j takes
+ * vectors j, j + 32, ...), 4 vectors a lane per pass, all issued before the first FMA.
+ * W is read with an L1-bypassing streaming load (read once); x (at most 4 tokens) comes
+ * through the L1, which every warp of a block shares. Each lane keeps M float32 partial
+ * sums; a butterfly over the warp finishes them and lane 0 writes the rounded outputs.
+ * (Two and four rows a warp, and 8 vectors a pass, were measured no faster on the H200:
+ * docs/benchmarks.md.) Built for sm_90 and later only, where it was measured: the entry
+ * point refuses older GPUs, whose callers keep the GEMM library.
  *
  * With ENGRAM_GEMV_WEIGHT_STATIC the kernel is scheduled while the kernel before it still
  * runs (dependentLaunch.cuh) and its first pass's weight loads go out before it waits for
@@ -36,12 +37,11 @@ namespace kernels
 {
 
 constexpr int kGemvThreads = 128;
-constexpr int kGemvDefaultRowsPerWarp = 1; // bench gemv: 3-4% less per layer than 2 at T 1
-constexpr int kGemvDefaultVectorsPerPass = 4;
 
 namespace
 {
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // used by the sm_90+ kernels only
 //! 16 bytes of W, read once: skip the L1 (ld.global.nc.L1::no_allocate).
 __device__ __forceinline__ uint4 loadStreaming(uint4 const* p)
 {
@@ -66,11 +66,14 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8])
     }
 }
 
+#endif
+
 //! M tokens, R rows per warp, U 16-byte vectors of each row per lane per pass.
 template <int M, int R, int U>
 __global__ void __launch_bounds__(kGemvThreads) gemvBf16Kernel(__nv_bfloat16 const* __restrict__ x,
     __nv_bfloat16 const* __restrict__ w, int32_t n, int32_t k, bool weightStatic, __nv_bfloat16* __restrict__ y)
 {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (refused on the host)
     if (!weightStatic)
     {
         waitForPrimary(); // dependentLaunch.cuh
@@ -177,6 +180,7 @@ __global__ void __launch_bounds__(kGemvThreads) gemvBf16Kernel(__nv_bfloat16 con
             }
         }
     }
+#endif
 }
 
 template <int M, int R, int U>
@@ -189,32 +193,6 @@ void launchGemv(__nv_bfloat16 const* x, __nv_bfloat16 const* w, int32_t n, int32
         n, k, weightStatic, y);
 }
 
-template <int M, int R>
-void launchGemvVectors(int vectorsPerPass, __nv_bfloat16 const* x, __nv_bfloat16 const* w, int32_t n, int32_t k,
-    bool weightStatic, __nv_bfloat16* y, cudaStream_t stream)
-{
-    if (vectorsPerPass == 8)
-    {
-        launchGemv<M, R, 8>(x, w, n, k, weightStatic, y, stream);
-    }
-    else
-    {
-        launchGemv<M, R, 4>(x, w, n, k, weightStatic, y, stream);
-    }
-}
-
-template <int M>
-void launchGemvRows(int rowsPerWarp, int vectorsPerPass, __nv_bfloat16 const* x, __nv_bfloat16 const* w, int32_t n,
-    int32_t k, bool weightStatic, __nv_bfloat16* y, cudaStream_t stream)
-{
-    switch (rowsPerWarp)
-    {
-    case 1: launchGemvVectors<M, 1>(vectorsPerPass, x, w, n, k, weightStatic, y, stream); break;
-    case 4: launchGemvVectors<M, 4>(vectorsPerPass, x, w, n, k, weightStatic, y, stream); break;
-    default: launchGemvVectors<M, 2>(vectorsPerPass, x, w, n, k, weightStatic, y, stream); break;
-    }
-}
-
 } // namespace
 
 } // namespace kernels
@@ -223,7 +201,7 @@ void launchGemvRows(int rowsPerWarp, int vectorsPerPass, __nv_bfloat16 const* x,
 using namespace engram_trt::kernels;
 
 extern "C" ENGRAM_API int engram_gemv_bf16(void const* x, void const* weight, int64_t numTokens, int64_t outFeatures,
-    int64_t inFeatures, int32_t rowsPerWarp, int32_t vectorsPerPass, uint32_t flags, void* out, cudaStream_t stream)
+    int64_t inFeatures, uint32_t flags, void* out, cudaStream_t stream)
 {
     clearError();
     if (numTokens < 0 || numTokens > ENGRAM_GEMV_MAX_TOKENS)
@@ -237,16 +215,6 @@ extern "C" ENGRAM_API int engram_gemv_bf16(void const* x, void const* weight, in
             "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a multiple of 8 in "
             "[8, 2^31 - 1] (got %lld, %lld)",
             static_cast<long long>(outFeatures), static_cast<long long>(inFeatures));
-    }
-    if (rowsPerWarp != 0 && rowsPerWarp != 1 && rowsPerWarp != 2 && rowsPerWarp != 4)
-    {
-        return fail(cudaErrorInvalidValue,
-            "engram_gemv_bf16: rows_per_warp must be 0 (the default), 1, 2 or 4 (got %d)", rowsPerWarp);
-    }
-    if (vectorsPerPass != 0 && vectorsPerPass != 4 && vectorsPerPass != 8)
-    {
-        return fail(cudaErrorInvalidValue,
-            "engram_gemv_bf16: vectors_per_pass must be 0 (the default), 4 or 8 (got %d)", vectorsPerPass);
     }
     if ((flags & ~static_cast<uint32_t>(ENGRAM_GEMV_WEIGHT_STATIC)) != 0)
     {
@@ -283,20 +251,22 @@ extern "C" ENGRAM_API int engram_gemv_bf16(void const* x, void const* weight, in
     auto* const yT = static_cast<__nv_bfloat16*>(out);
     auto const n = static_cast<int32_t>(outFeatures);
     auto const k = static_cast<int32_t>(inFeatures);
-    int const rows = rowsPerWarp == 0 ? kGemvDefaultRowsPerWarp : rowsPerWarp;
-    int const vectors = vectorsPerPass == 0 ? kGemvDefaultVectorsPerPass : vectorsPerPass;
+    int const major = computeCapabilityMajor();
+    if (major >= 0 && major < 9)
+    {
+        return fail(cudaErrorNotSupported,
+            "engram_gemv_bf16: needs a GPU of compute capability 9.0 or later (this one is %d.x); use the GEMM "
+            "library (F.linear)",
+            major);
+    }
     bool const weightStatic = (flags & ENGRAM_GEMV_WEIGHT_STATIC) != 0;
     resetLaunchError();
     switch (numTokens)
     {
-    case 1: launchGemvRows<1>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
-    case 2: launchGemvRows<2>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
-    case 3: launchGemvRows<3>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
-    case 4: launchGemvRows<4>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
-    case 5: launchGemvRows<5>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
-    case 6: launchGemvRows<6>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
-    case 7: launchGemvRows<7>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
-    default: launchGemvRows<8>(rows, vectors, xT, wT, n, k, weightStatic, yT, stream); break;
+    case 1: launchGemv<1, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
+    case 2: launchGemv<2, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
+    case 3: launchGemv<3, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
+    default: launchGemv<4, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
     }
     return checkLaunch("engram_gemv_bf16");
 }

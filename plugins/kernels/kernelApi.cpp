@@ -90,19 +90,15 @@ int smCount()
     return counts[device];
 }
 
-bool dependentLaunchEnabled()
+int computeCapabilityMajor()
 {
     static std::mutex mutex;
-    static std::vector<int> majors; // compute capability major per device, -1: unknown
-    char const* const env = std::getenv("ENGRAM_TRT_PDL");
-    if (env != nullptr && std::strcmp(env, "0") == 0)
-    {
-        return false;
-    }
+    static std::vector<int> majors; // per device, -1: not asked yet
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess)
     {
-        return false;
+        cudaGetLastError(); // the launch that follows reports the missing device itself
+        return -1;
     }
     std::lock_guard<std::mutex> lock(mutex);
     if (static_cast<size_t>(device) >= majors.size())
@@ -112,10 +108,24 @@ bool dependentLaunchEnabled()
     if (majors[device] < 0)
     {
         int major = 0;
-        majors[device]
-            = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess ? major : 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+        {
+            cudaGetLastError();
+            return -1;
+        }
+        majors[device] = major;
     }
-    return majors[device] >= 9;
+    return majors[device];
+}
+
+bool dependentLaunchEnabled()
+{
+    char const* const env = std::getenv("ENGRAM_TRT_PDL");
+    if (env != nullptr && std::strcmp(env, "0") == 0)
+    {
+        return false;
+    }
+    return computeCapabilityMajor() >= 9;
 }
 
 } // namespace kernels

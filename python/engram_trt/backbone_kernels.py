@@ -21,9 +21,8 @@ from engram_trt.errors import EngramError
 from engram_trt.kernels import EntryPoints, _check, _check_dtype, _ptr, _same_device, _stream, _torch
 
 NORM_MAX_HIDDEN = 16384  # ENGRAM_NORM_MAX_HIDDEN
-GEMV_MAX_TOKENS = 8  # ENGRAM_GEMV_MAX_TOKENS
-GEMV_ROWS_PER_WARP = (0, 1, 2, 4)  # 0: the library's choice
-GEMV_VECTORS_PER_PASS = (0, 4, 8)  # 0: the library's choice
+GEMV_MAX_TOKENS = 4  # ENGRAM_GEMV_MAX_TOKENS
+GEMV_MIN_CAPABILITY = 9  # compute capability major the GEMV is built for (and measured at)
 GEMV_WEIGHT_STATIC = 1  # ENGRAM_GEMV_WEIGHT_STATIC
 
 _SIGS = {
@@ -31,7 +30,7 @@ _SIGS = {
                            ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
     "engram_silu_mul": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p],
     "engram_gemv_bf16": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                         ctypes.c_int32, ctypes.c_int32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p],
+                         ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p],
 }
 _ENTRY = EntryPoints(_SIGS)
 _library = _ENTRY.library
@@ -100,24 +99,25 @@ def silu_mul(gate_up: Any, *, out: Any = None) -> Any:
 
 
 def gemv_fits(x: Any, weight: Any) -> bool:
-    """True when :func:`gemv` takes ``F.linear(x, weight)`` as it is: bf16 CUDA tensors,
-    x ``[T, K]`` with 1 <= T <= GEMV_MAX_TOKENS, weight ``[N, K]``, K a multiple of 8, both
-    contiguous and 16-byte aligned. Anything else is the GEMM library's."""
+    """True when :func:`gemv` takes ``F.linear(x, weight)`` as it is: bf16 tensors on a GPU
+    of compute capability 9.0 or later, x ``[T, K]`` with 1 <= T <= GEMV_MAX_TOKENS, weight
+    ``[N, K]``, K a multiple of 8, both contiguous and 16-byte aligned. Anything else is
+    the GEMM library's."""
     torch = _torch()
     return (x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_TOKENS
             and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0 and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and x.is_cuda and weight.device == x.device and x.is_contiguous()
-            and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+            and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and torch.cuda.get_device_capability(x.device)[0] >= GEMV_MIN_CAPABILITY)
 
 
-def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False, rows_per_warp: int = 0,
-         vectors_per_pass: int = 0) -> Any:
+def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False) -> Any:
     """``F.linear(x, weight)`` ``[T, N]`` for a decode step of ``T <= GEMV_MAX_TOKENS``
     tokens: x ``[T, K]``, weight ``[N, K]``, bf16; float32 sums rounded once (the GEMM
     library's differ by their order). ``weight_static``: nothing queued on the stream
     before this call writes ``weight`` (a model's weights), so on sm_90+ the kernel may
     start loading it while the kernel before it still runs (ENGRAM_TRT_PDL=0: never).
-    ``rows_per_warp`` and ``vectors_per_pass`` are for tuning (0: the library's choice)."""
+    Needs a GPU of compute capability 9.0 or later (the library refuses older ones)."""
     torch = _torch()
     _check_dtype("x", x, (torch.bfloat16,))
     _check_dtype("weight", weight, (torch.bfloat16,))
@@ -129,10 +129,6 @@ def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False, r
         raise EngramError(f"gemv takes at most {GEMV_MAX_TOKENS} tokens (got {T}); use F.linear")
     if K % 8 != 0 or K == 0:
         raise EngramError(f"in_features must be a positive multiple of 8 (got {K}); use F.linear")
-    if rows_per_warp not in GEMV_ROWS_PER_WARP:
-        raise EngramError(f"rows_per_warp must be one of {list(GEMV_ROWS_PER_WARP)} (got {rows_per_warp})")
-    if vectors_per_pass not in GEMV_VECTORS_PER_PASS:
-        raise EngramError(f"vectors_per_pass must be one of {list(GEMV_VECTORS_PER_PASS)} (got {vectors_per_pass})")
     _check("x", x, (torch.bfloat16,), 2)
     _check("weight", weight, (torch.bfloat16,), 2)
     _same_device(x.device, weight=weight, out=out)
@@ -147,6 +143,6 @@ def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False, r
             raise EngramError(f"{name} must start on a 16-byte boundary (got address {t.data_ptr():#x}); "
                               "pass a .clone() or use F.linear")
     with torch.cuda.device(x.device):
-        _call("engram_gemv_bf16", _ptr(x), _ptr(weight), T, N, K, rows_per_warp, vectors_per_pass,
-              GEMV_WEIGHT_STATIC if weight_static else 0, _ptr(out), _stream(x.device))
+        _call("engram_gemv_bf16", _ptr(x), _ptr(weight), T, N, K, GEMV_WEIGHT_STATIC if weight_static else 0,
+              _ptr(out), _stream(x.device))
     return out

@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 # The 1B model's decode projections (bench step --model 1b): [N, K] of nn.Linear.
 SHAPES: dict[str, tuple[int, int]] = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048),
                                       "down": (2048, 5632), "wkv": (10240, 6144), "lm_head": (129280, 2048)}
-VARIANTS = {f"{r}x{v}": (r, v) for r in (1, 2, 4) for v in (4, 8)}  # rows per warp x vectors per pass
 ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 5x the H200's 50 MB L2
 
 
@@ -29,10 +28,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--shapes", default=",".join(SHAPES),
                    help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)")
-    p.add_argument("--tokens", default="1,2,4,8", help="tokens per step (x's rows), each <= 8 (default: %(default)s)")
-    p.add_argument("--variants", default="2x4,1x8,2x8,4x4",
-                   help="GEMV variants to time, each ROWSxVECTORS: rows of W per warp (1, 2, 4) x 16-byte vectors "
-                        "of a row per lane per pass (4, 8) (default: %(default)s; the library's default is 2x4)")
+    p.add_argument("--tokens", default="1,2,4", help="tokens per step (x's rows), each <= 4 (default: %(default)s)")
     p.add_argument("--calls", type=int, default=32, help="calls per graph replay (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20, help="timed replays per case (median; default: %(default)s)")
     p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
@@ -85,12 +81,13 @@ def run(args: argparse.Namespace) -> int:
     tokens = _ints(args.tokens, "--tokens")
     if not tokens or not all(1 <= t <= backbone_kernels.GEMV_MAX_TOKENS for t in tokens):
         raise EngramError(f"--tokens: each must be in 1..{backbone_kernels.GEMV_MAX_TOKENS} (got {args.tokens!r})")
-    variants = [v for v in args.variants.split(",") if v]
-    if not variants or not all(v in VARIANTS for v in variants):
-        raise EngramError(f"--variants: each must be one of {','.join(VARIANTS)} (got {args.variants!r})")
     if args.calls < 1 or args.iters < 1:
         raise EngramError("--calls and --iters must be >= 1")
     device = torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < backbone_kernels.GEMV_MIN_CAPABILITY:
+        raise EngramError(f"bench gemv times the kernel library's GEMV, built for compute capability "
+                          f"{backbone_kernels.GEMV_MIN_CAPABILITY}.0 and later; this GPU is {major}.{minor}")
     backbone_kernels.load()
     limits = measure_limits(device)
     hbm = limits["hbm_GBps"]
@@ -99,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[dict[str, Any]] = []
     print(f"{'shape':<8} {'N x K':>13} {'T':>2} | {'floor us':>8} | {'GEMM lib us':>11} {'x floor':>7} | "
-          + " | ".join(f"{'GEMV ' + v + ' us':>11} {'x floor':>7}" for v in variants)
-          + f" | best / GEMM lib | {'static us':>9} {'x floor':>7}")
+          f"{'GEMV us':>9} {'x floor':>7} | {'static us':>9} {'x floor':>7} | GEMV / GEMM lib | static / GEMM lib")
     for name in shapes:
         N, K = SHAPES[name]
         copies = max(1, min(args.calls, -(-ROTATE_BYTES // (N * K * 2))))
@@ -112,31 +108,23 @@ def run(args: argparse.Namespace) -> int:
             row: dict[str, Any] = {"shape": name, "N": N, "K": K, "tokens": T, "floor_us": floor_us, "weight_copies": copies}
             row["gemm_library_us"] = time_graph(lambda i: torch.matmul(x, weights[i % copies].t(), out=out), args.calls,
                                                 args.iters, device) * 1e6
-            for v in variants:
-                r, vec = VARIANTS[v]
-                row[f"gemv_{v}_us"] = time_graph(
-                    lambda i, r=r, vec=vec: backbone_kernels.gemv(x, weights[i % copies], out=out, rows_per_warp=r,
-                                                                  vectors_per_pass=vec), args.calls, args.iters,
-                    device) * 1e6
-            best = min(row[f"gemv_{v}_us"] for v in variants)
-            # The default variant with weight_static: each call may load its weight while
-            # the call before it still runs (programmatic dependent launch on sm_90+).
-            row["gemv_default_weight_static_us"] = time_graph(
+            row["gemv_us"] = time_graph(lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out), args.calls,
+                                        args.iters, device) * 1e6
+            # With weight_static each call may load its weight while the call before it
+            # still runs (programmatic dependent launch).
+            row["gemv_weight_static_us"] = time_graph(
                 lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out, weight_static=True), args.calls,
                 args.iters, device) * 1e6
-            row["best_gemv_over_gemm_library"] = best / row["gemm_library_us"]
             want = F.linear(x, weights[0])
             got = backbone_kernels.gemv(x, weights[0])
             row["max_abs_diff_vs_gemm_library"] = float((got.float() - want.float()).abs().max())
             rows.append(row)
-            print(f"{name:<8} {N:>6} x {K:<5} {T:>2} | {floor_us:8.2f} | {row['gemm_library_us']:11.2f} "
-                  f"{row['gemm_library_us'] / floor_us:7.2f} | "
-                  + " | ".join(f"{row[f'gemv_{v}_us']:11.2f} {row[f'gemv_{v}_us'] / floor_us:7.2f}" for v in variants)
-                  + f" | {row['best_gemv_over_gemm_library']:15.2f} | {row['gemv_default_weight_static_us']:9.2f} "
-                    f"{row['gemv_default_weight_static_us'] / floor_us:7.2f}")
+            lib, gv, st = row["gemm_library_us"], row["gemv_us"], row["gemv_weight_static_us"]
+            print(f"{name:<8} {N:>6} x {K:<5} {T:>2} | {floor_us:8.2f} | {lib:11.2f} {lib / floor_us:7.2f} | "
+                  f"{gv:9.2f} {gv / floor_us:7.2f} | {st:9.2f} {st / floor_us:7.2f} | {gv / lib:15.2f} | {st / lib:17.2f}")
         weights = []
         torch.cuda.empty_cache()
     print("floor: the weight's bytes read once at the HBM copy rate measured above; x floor = time / floor; "
-          "static: the default variant told its weight is static (it may load it while the call before it runs)")
+          "static: the GEMV told its weight is static (it may load it while the call before it runs)")
     dump({"limits": limits, "rows": rows, "calls": args.calls, "iters": args.iters}, args.json)
     return 0
