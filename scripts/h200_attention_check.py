@@ -48,7 +48,8 @@ sys.path.insert(0, str(REPO / "python"))
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
-from h200_common import LOG, RESULTS, Harness, record, record_crash, say, start, write_results  # noqa: E402,F401
+from h200_common import (LOG, RESULTS, Harness, add_build_arguments, record, record_crash, say, start,  # noqa: E402,F401
+                         write_results)
 
 
 # --- float64 reference -------------------------------------------------------------------
@@ -493,10 +494,7 @@ def time_attention(reps: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
-    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
-    ap.add_argument("--archs", default="90")
-    ap.add_argument("--skip-build", action="store_true")
+    add_build_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the plugin checks that need no GPU")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-timing", action="store_true")

@@ -55,7 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from h200_common import LOG, RESULTS, record, record_crash, say, start, write_results  # noqa: E402,F401
+from h200_common import (LOG, RESULTS, add_build_arguments, record, record_crash, say, start,  # noqa: E402,F401
+                         write_results)
 
 U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
 EPS = 1e-6
@@ -416,14 +417,9 @@ def check_graph(gen, rounds: int = 3) -> None:
                                                   r["pos"], r["H"])
         return out, q, backbone_kernels.silu_mul(s["gate_up"])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = body()
+    from engram_trt.bench.common import capture_graph
+
+    graph, outputs = capture_graph(body)
     for rnd in range(rounds):
         fresh = {k: f() for k, f in make.items()}
         for k, inputs in fresh.items():
@@ -443,10 +439,7 @@ def check_graph(gen, rounds: int = 3) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
-    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
-    ap.add_argument("--archs", default="90")
-    ap.add_argument("--skip-build", action="store_true")
+    add_build_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
     ap.add_argument("--no-model", action="store_true", help="skip the 1.15B model check and the timing")
     ap.add_argument("--iters", type=int, default=20, help="timed decode steps per case (median)")

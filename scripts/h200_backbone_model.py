@@ -172,6 +172,13 @@ def say_breakdown(label: str, step_ms: float, breakdown: dict, top: int = 10) ->
         say(f"    {us:8.1f} us  {n:4d} x {us / n:6.1f} us  {name[:110]}")
 
 
+# How the summary line names each variant beside the default fused step, in its order.
+VARIANT_WORDS = {"fused in place": "with the attention in place",
+                 "fused, GEMM library": "with the GEMM library's projections",
+                 "fused, no PDL": "without dependent launches",
+                 "fused, tiled attention": "with the tiled attention kernel"}
+
+
 def variant_settings(name: str) -> contextlib.AbstractContextManager:
     """What a timed variant changes while its decode graph is recorded (at its first
     run), undone after: "... in place": the graphs' attention reads the KV cache in place
@@ -296,14 +303,8 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
         RESULTS["timing"][f"decode {B}"] = row
         say(f"  decode {B}: unfused {row['unfused']['step_ms']:.3f} ms ({row['unfused']['ratio_to_bound']:.2f}x bound), "
             f"fused {row['fused']['step_ms']:.3f} ms ({row['fused']['ratio_to_bound']:.2f}x), bound {bound_ms:.3f} ms"
-            + (f"; fused with the attention in place {row['fused in place']['step_ms']:.3f} ms "
-               f"({row['fused in place']['ratio_to_bound']:.2f}x)" if "fused in place" in row else "")
-            + (f"; fused with the GEMM library's projections {row['fused, GEMM library']['step_ms']:.3f} ms "
-               f"({row['fused, GEMM library']['ratio_to_bound']:.2f}x)" if "fused, GEMM library" in row else "")
-            + f"; fused without dependent launches {row['fused, no PDL']['step_ms']:.3f} ms "
-              f"({row['fused, no PDL']['ratio_to_bound']:.2f}x)"
-            + (f"; fused with the tiled attention kernel {row['fused, tiled attention']['step_ms']:.3f} ms "
-               f"({row['fused, tiled attention']['ratio_to_bound']:.2f}x)" if "fused, tiled attention" in row else ""))
+            + "".join(f"; fused {what} {row[name]['step_ms']:.3f} ms ({row[name]['ratio_to_bound']:.2f}x)"
+                      for name, what in VARIANT_WORDS.items() if name in row))
         cache = None
         torch.cuda.empty_cache()
     model.backbone_ops = kernels

@@ -280,6 +280,14 @@ def gate_fields(hc, D, eps):
             ("eps", PF_FLOAT32, np.array([eps], np.float32))]
 
 
+def add_build_arguments(ap) -> None:
+    """The build options :func:`start` reads: --build-dir, --trt-include, --archs, --skip-build."""
+    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
+    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
+    ap.add_argument("--archs", default="90")
+    ap.add_argument("--skip-build", action="store_true")
+
+
 def start(args) -> int:
     """The check scripts' common start: the run's seed (``--seed`` or fresh, recorded and
     printed), the build unless ``--skip-build``, and ENGRAM_TRT_PLUGIN_LIB pointing at the

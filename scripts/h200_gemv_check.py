@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from h200_backbone_check import U, check, ulp_distance, within  # noqa: E402
-from h200_common import record, record_crash, say, start, write_results  # noqa: E402
+from h200_common import add_build_arguments, record, record_crash, say, start, write_results  # noqa: E402
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "wkv": (10240, 6144), "lm_head": (129280, 2048)}
@@ -160,17 +160,11 @@ def check_graph(gen, rounds: int = 3) -> None:
     import torch
 
     from engram_trt import backbone_kernels
+    from engram_trt.bench.common import capture_graph
 
     dev = torch.device("cuda")
     static = gemv_inputs(gen, dev, 1, 4096, 2048)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        backbone_kernels.gemv(static["x"], static["w"])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backbone_kernels.gemv(static["x"], static["w"])
+    graph, out = capture_graph(lambda: backbone_kernels.gemv(static["x"], static["w"]))
     for rnd in range(rounds):
         fresh = gemv_inputs(gen, dev, 1, 4096, 2048)
         static["x"].copy_(fresh["x"]), static["w"].copy_(fresh["w"])
@@ -187,6 +181,7 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
     import torch
 
     from engram_trt import backbone_kernels
+    from engram_trt.bench.common import capture_graph
 
     dev = torch.device("cuda")
     gate_up = (torch.randn(1, 2 * 5632, generator=gen, device=dev) * 2).to(torch.bfloat16)
@@ -198,14 +193,7 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
         y1 = backbone_kernels.gemv(h, w1, weight_static=True)
         return h, y1, backbone_kernels.gemv(y1, w2, weight_static=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        h, y1, y2 = body()
+    graph, (h, y1, y2) = capture_graph(body)
     for rnd in range(rounds):
         gate_up.copy_((torch.randn(1, 2 * 5632, generator=gen, device=dev) * 2).to(torch.bfloat16))
         graph.replay()
@@ -220,10 +208,7 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
-    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
-    ap.add_argument("--archs", default="90")
-    ap.add_argument("--skip-build", action="store_true")
+    add_build_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))

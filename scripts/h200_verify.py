@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO / "python"))
 import numpy as np  # noqa: E402
 
 from h200_common import (DT, LOG, start, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
-                         gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
+                         add_build_arguments, gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
                          random_fp8_table, record, record_crash, say, write_results)
 import h200_column_range  # noqa: E402
 import h200_edge_cases  # noqa: E402
@@ -609,10 +609,7 @@ def probe(name: str, build_dir: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
-    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
-    ap.add_argument("--archs", default="90")
-    ap.add_argument("--skip-build", action="store_true")
+    add_build_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU")
     ap.add_argument("--table-gib", type=float, default=24.0)
     ap.add_argument("--reps", type=int, default=10)

@@ -100,78 +100,14 @@ __device__ __forceinline__ float warpMax(float v)
     return v;
 }
 
+//! The 4 16-bit values of one 8-byte word (already in registers) as floats.
 template <typename T>
-struct PairOf;
-
-template <>
-struct PairOf<__nv_bfloat16>
-{
-    using type = __nv_bfloat162;
-};
-
-template <>
-struct PairOf<__half>
-{
-    using type = __half2;
-};
-
-//! The 8 16-bit values of one 16-byte word (already in registers) as floats.
-template <typename T>
-__device__ __forceinline__ void unpack8(uint4 raw, float (&v)[8])
+__device__ __forceinline__ void unpack4(uint2 raw, float (&v)[4])
 {
     using Pair = typename PairOf<T>::type;
-    uint32_t const words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        float2 const f = unpackPair(*reinterpret_cast<Pair const*>(&words[i]));
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-//! The word that holds V (2, 4 or 8) 16-bit values.
-template <int V>
-struct RawOf;
-
-template <>
-struct RawOf<2>
-{
-    using type = uint32_t;
-};
-
-template <>
-struct RawOf<4>
-{
-    using type = uint2;
-};
-
-template <>
-struct RawOf<8>
-{
-    using type = uint4;
-};
-
-//! The V 16-bit values of one word (already in registers) as floats.
-template <typename T, int V>
-__device__ __forceinline__ void unpackSmall(typename RawOf<V>::type raw, float (&v)[V])
-{
-    using Pair = typename PairOf<T>::type;
-    if constexpr (V == 8)
-    {
-        unpack8<T>(raw, v);
-    }
-    else if constexpr (V == 4)
-    {
-        float2 const a = unpackPair(*reinterpret_cast<Pair const*>(&raw.x));
-        float2 const b = unpackPair(*reinterpret_cast<Pair const*>(&raw.y));
-        v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
-    }
-    else
-    {
-        float2 const a = unpackPair(*reinterpret_cast<Pair const*>(&raw));
-        v[0] = a.x, v[1] = a.y;
-    }
+    float2 const a = unpackPair(*reinterpret_cast<Pair const*>(&raw.x));
+    float2 const b = unpackPair(*reinterpret_cast<Pair const*>(&raw.y));
+    v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // used by the sm_90+ kernels only
@@ -524,29 +460,28 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
     }
 }
 
-//! The same attention with warps that own keys (16-bit I/O, head_dim 32 * DPL): no block
+//! The same attention with warps that own keys (16-bit I/O, head_dim 128): no block
 //! barrier per tile. Warp w takes the 32-key chunks w, w + 4, ... of the block's key range;
-//! lane j scores key j of a chunk against the G query heads (its K row, staged in the
-//! warp's shared tile for head_dim <= 128; the scaled queries a broadcast read of shared
-//! memory), the warp's online softmax
-//! follows from warp reductions, and for the values lane j owns output columns
-//! DPL * j .. DPL * j + DPL - 1, each key's probability broadcast by a shuffle while the
-//! warp reads the key's V row in one coalesced pass. The four warps' (max, sum, output)
+//! lane j scores key j of a chunk against the G query heads (its K row staged in the
+//! warp's shared tile, the scaled queries a broadcast read of shared memory), the warp's
+//! online softmax follows from warp reductions, and for the values lane j owns output
+//! columns 4 j .. 4 j + 3, each key's probability broadcast by a shuffle while the warp
+//! reads the key's V row in one coalesced pass. The four warps' (max, sum, output)
 //! meet once in shared memory at the end. Writes what packedAttentionKernel writes (the
 //! output, or the split partials the merge kernel reads).
-template <typename T, int G, int DPL>
+template <typename T, int G>
 __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionParams const p)
 {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (never chosen there)
+    constexpr int DPL = 4;                          // output columns per lane
     constexpr int kHd = 32 * DPL;
     constexpr int kRowVectors = kHd / 8; // 16-byte vectors of a K row
     constexpr int kBatch = 8;            // K vectors loaded before their FMAs
-    // head_dim <= 128: each warp stages its chunk's K rows in shared memory with coalesced
-    // copies (rows padded by one vector: lane j's reads of row j are conflict-free), where
-    // lane j reading row j from global memory would touch 32 lines per load.
-    constexpr bool kStaged = kRowVectors <= 16;
+    // Each warp stages its chunk's K rows in shared memory with coalesced copies (rows
+    // padded by one vector: lane j's reads of row j are conflict-free), where lane j
+    // reading row j from global memory would touch 32 lines per load.
     constexpr int kTileStride = kRowVectors + 1;
-    constexpr int kTileVectors = kStaged ? kAttnWarps * 32 * kTileStride : 0;
+    constexpr int kTileVectors = kAttnWarps * 32 * kTileStride;
     constexpr int kAccVectors = kAttnWarps * G * kHd / 4;
     static_assert(sizeof(T) == 2, "16-bit I/O");
     static_assert(kRowVectors % kBatch == 0, "whole batches of K vectors");
@@ -618,25 +553,21 @@ __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionPar
             {
                 score[g] = 0.0F;
             }
-            uint4 const* row = reinterpret_cast<uint4 const*>(keys + key * kHd);
-            if constexpr (kStaged)
-            {
-                uint4* const tile = work + warp * 32 * kTileStride;
-                auto const* src = reinterpret_cast<uint4 const*>(keys + k0 * kHd);
-                __syncwarp(); // the last chunk's reads of the tile are done
+            uint4* const tile = work + warp * 32 * kTileStride;
+            auto const* src = reinterpret_cast<uint4 const*>(keys + k0 * kHd);
+            __syncwarp(); // the last chunk's reads of the tile are done
 #pragma unroll
-                for (int i = 0; i < kRowVectors; ++i)
+            for (int i = 0; i < kRowVectors; ++i)
+            {
+                int32_t const e = lane + 32 * i;
+                if (e / kRowVectors < n)
                 {
-                    int32_t const e = lane + 32 * i;
-                    if (e / kRowVectors < n)
-                    {
-                        copy16ToShared(tile + (e / kRowVectors) * kTileStride + e % kRowVectors, src + e);
-                    }
+                    copy16ToShared(tile + (e / kRowVectors) * kTileStride + e % kRowVectors, src + e);
                 }
-                waitCopiesToShared();
-                __syncwarp();
-                row = tile + lane * kTileStride;
             }
+            waitCopiesToShared();
+            __syncwarp();
+            uint4 const* const row = tile + lane * kTileStride;
             if (live)
             {
 #pragma unroll
@@ -652,7 +583,7 @@ __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionPar
                     for (int i = 0; i < kBatch; ++i)
                     {
                         float kf[8];
-                        unpack8<T>(kv[i], kf);
+                        unpack8Pairs<typename PairOf<T>::type>(kv[i], kf);
 #pragma unroll
                         for (int g = 0; g < G; ++g)
                         {
@@ -666,17 +597,15 @@ __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionPar
             }
             // A full chunk's V rows (lane: its DPL columns of each) are loaded before the
             // softmax's reductions, so their latency overlaps them.
-            using Raw = typename RawOf<DPL>::type;
-            constexpr int kVBatch = DPL == 8 ? 16 : 32; // rows held in registers at once
             bool const full = n == 32;
             T const* vRows = values + k0 * kHd + lane * DPL;
-            Raw vr[kVBatch];
+            uint2 vr[32];
             if (full)
             {
 #pragma unroll
-                for (int j = 0; j < kVBatch; ++j)
+                for (int j = 0; j < 32; ++j)
                 {
-                    vr[j] = *reinterpret_cast<Raw const*>(vRows + j * kHd);
+                    vr[j] = *reinterpret_cast<uint2 const*>(vRows + j * kHd);
                 }
             }
 #pragma unroll
@@ -696,53 +625,34 @@ __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionPar
                     acc[g][c] *= corr;
                 }
             }
+            // out[g, lane's columns] += p[j, g] * V[j, lane's columns]
+            auto const addRow = [&](uint2 raw, int32_t j) {
+                float vf[DPL];
+                unpack4<T>(raw, vf);
+#pragma unroll
+                for (int g = 0; g < G; ++g)
+                {
+                    float const pj = __shfl_sync(0xFFFFFFFFu, score[g], j);
+#pragma unroll
+                    for (int c = 0; c < DPL; ++c)
+                    {
+                        acc[g][c] = fmaf(pj, vf[c], acc[g][c]);
+                    }
+                }
+            };
             if (full)
             {
 #pragma unroll
-                for (int b = 0; b < 32; b += kVBatch)
+                for (int j = 0; j < 32; ++j)
                 {
-                    if (b > 0)
-                    {
-#pragma unroll
-                        for (int j = 0; j < kVBatch; ++j)
-                        {
-                            vr[j] = *reinterpret_cast<Raw const*>(vRows + (b + j) * kHd);
-                        }
-                    }
-#pragma unroll
-                    for (int j = 0; j < kVBatch; ++j)
-                    {
-                        float vf[DPL];
-                        unpackSmall<T, DPL>(vr[j], vf);
-#pragma unroll
-                        for (int g = 0; g < G; ++g)
-                        {
-                            float const pj = __shfl_sync(0xFFFFFFFFu, score[g], b + j);
-#pragma unroll
-                            for (int c = 0; c < DPL; ++c)
-                            {
-                                acc[g][c] = fmaf(pj, vf[c], acc[g][c]);
-                            }
-                        }
-                    }
+                    addRow(vr[j], j);
                 }
             }
             else
             {
                 for (int32_t j = 0; j < n; ++j)
                 {
-                    float vf[DPL];
-                    unpackSmall<T, DPL>(*reinterpret_cast<Raw const*>(vRows + static_cast<int64_t>(j) * kHd), vf);
-#pragma unroll
-                    for (int g = 0; g < G; ++g)
-                    {
-                        float const pj = __shfl_sync(0xFFFFFFFFu, score[g], j);
-#pragma unroll
-                        for (int c = 0; c < DPL; ++c)
-                        {
-                            acc[g][c] = fmaf(pj, vf[c], acc[g][c]);
-                        }
-                    }
+                    addRow(*reinterpret_cast<uint2 const*>(vRows + static_cast<int64_t>(j) * kHd), j);
                 }
             }
         }
@@ -873,7 +783,7 @@ AttentionKernel warpKernel(int32_t headDim, int32_t headsPerBlock)
         {
             return nullptr;
         }
-        return headsPerBlock <= 2 ? warpAttentionKernel<T, 2, 4> : warpAttentionKernel<T, 4, 4>;
+        return headsPerBlock <= 2 ? warpAttentionKernel<T, 2> : warpAttentionKernel<T, 4>;
     }
 }
 

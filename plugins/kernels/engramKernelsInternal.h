@@ -39,7 +39,7 @@ void resetLaunchError();
 //! a message naming `kernelName` on failure. Pair it with resetLaunchError().
 int checkLaunch(char const* kernelName);
 
-//! Multiprocessor count of the current device (cached per device).
+//! Multiprocessor count of the current device (cached per device); 0 when it cannot be asked.
 int smCount();
 
 //! Compute capability major of the current device (cached per device); -1 when no device

@@ -52,71 +52,43 @@ __device__ __forceinline__ uint4 loadStreaming(uint4 const* p)
     return v;
 }
 
-__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8])
-{
-    uint32_t const words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-    {
-        __nv_bfloat162 pair;
-        pair = *reinterpret_cast<__nv_bfloat162 const*>(&words[i]);
-        float2 const f2 = __bfloat1622float2(pair);
-        f[2 * i] = f2.x;
-        f[2 * i + 1] = f2.y;
-    }
-}
-
 #endif
 
-//! M tokens, R rows per warp, U 16-byte vectors of each row per lane per pass.
-template <int M, int R, int U>
+//! M tokens; one row of W per warp, U = 4 16-byte vectors of it per lane per pass.
+template <int M>
 __global__ void __launch_bounds__(kGemvThreads) gemvBf16Kernel(__nv_bfloat16 const* __restrict__ x,
     __nv_bfloat16 const* __restrict__ w, int32_t n, int32_t k, bool weightStatic, __nv_bfloat16* __restrict__ y)
 {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (refused on the host)
+    constexpr int U = 4;                            // 16-byte vectors of the row a lane loads before its first FMA
     if (!weightStatic)
     {
         waitForPrimary(); // dependentLaunch.cuh
         allowDependents();
     }
     int const lane = threadIdx.x & 31;
-    int64_t const warp = (static_cast<int64_t>(blockIdx.x) * kGemvThreads + threadIdx.x) >> 5;
-    int64_t const row0 = warp * R;
-    if (row0 >= n)
+    int64_t const row = (static_cast<int64_t>(blockIdx.x) * kGemvThreads + threadIdx.x) >> 5; // the warp's
+    if (row >= n)
     {
         return;
     }
     int32_t const vectors = k / 8;
     auto const* const xv = reinterpret_cast<uint4 const*>(x);
-    uint4 const* wv[R];
+    auto const* const wv = reinterpret_cast<uint4 const*>(w + row * k);
+    float acc[M];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
     {
-        int64_t const row = row0 + r < n ? row0 + r : n - 1; // past the end: re-read the last row, never written
-        wv[r] = reinterpret_cast<uint4 const*>(w + row * k);
-    }
-    float acc[R][M];
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-    {
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-        {
-            acc[r][m] = 0.0F;
-        }
+        acc[m] = 0.0F;
     }
     for (int32_t base = 0; base < vectors; base += 32 * U)
     {
-        uint4 wr[R][U];
+        uint4 wr[U];
 #pragma unroll
         for (int u = 0; u < U; ++u)
         {
             int32_t const v = base + lane + 32 * u;
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-            {
-                wr[r][u] = v < vectors ? loadStreaming(wv[r] + v) : make_uint4(0, 0, 0, 0);
-            }
+            wr[u] = v < vectors ? loadStreaming(wv + v) : make_uint4(0, 0, 0, 0);
         }
         if (weightStatic && base == 0)
         {
@@ -133,64 +105,44 @@ __global__ void __launch_bounds__(kGemvThreads) gemvBf16Kernel(__nv_bfloat16 con
             {
                 break;
             }
-            float wf[R][8];
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-            {
-                unpack8(wr[r][u], wf[r]);
-            }
+            float wf[8];
+            unpack8Pairs<__nv_bfloat162>(wr[u], wf);
 #pragma unroll
             for (int m = 0; m < M; ++m)
             {
                 float xf[8];
-                unpack8(__ldg(xv + static_cast<int64_t>(m) * vectors + v), xf);
+                unpack8Pairs<__nv_bfloat162>(__ldg(xv + static_cast<int64_t>(m) * vectors + v), xf);
 #pragma unroll
-                for (int r = 0; r < R; ++r)
+                for (int i = 0; i < 8; ++i)
                 {
-#pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                    {
-                        acc[r][m] = fmaf(wf[r][i], xf[i], acc[r][m]);
-                    }
+                    acc[m] = fmaf(wf[i], xf[i], acc[m]);
                 }
             }
         }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
     {
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-        {
-            acc[r][m] = warpSum(acc[r][m]);
-        }
+        acc[m] = warpSum(acc[m]);
     }
     if (lane == 0)
     {
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m)
         {
-            if (row0 + r < n)
-            {
-#pragma unroll
-                for (int m = 0; m < M; ++m)
-                {
-                    y[static_cast<int64_t>(m) * n + row0 + r] = __float2bfloat16_rn(acc[r][m]);
-                }
-            }
+            y[static_cast<int64_t>(m) * n + row] = __float2bfloat16_rn(acc[m]);
         }
     }
 #endif
 }
 
-template <int M, int R, int U>
+template <int M>
 void launchGemv(__nv_bfloat16 const* x, __nv_bfloat16 const* w, int32_t n, int32_t k, bool weightStatic,
     __nv_bfloat16* y, cudaStream_t stream)
 {
-    int64_t const warps = (static_cast<int64_t>(n) + R - 1) / R;
-    int64_t const blocks = (warps * 32 + kGemvThreads - 1) / kGemvThreads;
-    launchDependent(gemvBf16Kernel<M, R, U>, dim3(static_cast<unsigned>(blocks)), dim3(kGemvThreads), 0, stream, x, w,
-        n, k, weightStatic, y);
+    int64_t const blocks = (static_cast<int64_t>(n) * 32 + kGemvThreads - 1) / kGemvThreads; // a warp per row
+    launchDependent(gemvBf16Kernel<M>, dim3(static_cast<unsigned>(blocks)), dim3(kGemvThreads), 0, stream, x, w, n, k,
+        weightStatic, y);
 }
 
 } // namespace
@@ -263,10 +215,10 @@ extern "C" ENGRAM_API int engram_gemv_bf16(void const* x, void const* weight, in
     resetLaunchError();
     switch (numTokens)
     {
-    case 1: launchGemv<1, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
-    case 2: launchGemv<2, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
-    case 3: launchGemv<3, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
-    default: launchGemv<4, 1, 4>(xT, wT, n, k, weightStatic, yT, stream); break;
+    case 1: launchGemv<1>(xT, wT, n, k, weightStatic, yT, stream); break;
+    case 2: launchGemv<2>(xT, wT, n, k, weightStatic, yT, stream); break;
+    case 3: launchGemv<3>(xT, wT, n, k, weightStatic, yT, stream); break;
+    default: launchGemv<4>(xT, wT, n, k, weightStatic, yT, stream); break;
     }
     return checkLaunch("engram_gemv_bf16");
 }

@@ -65,57 +65,53 @@ int checkLaunch(char const* kernelName)
     return 0;
 }
 
+namespace
+{
+
+//! `attribute` of the current device, cached per device in `cache` (each caller keeps its
+//! own); -1 when it cannot be asked, the CUDA error cleared (a launch that follows reports
+//! a missing device itself).
+int cachedDeviceAttribute(cudaDeviceAttr attribute, std::mutex& mutex, std::vector<int>& cache)
+{
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess)
+    {
+        cudaGetLastError();
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    if (static_cast<size_t>(device) >= cache.size())
+    {
+        cache.resize(device + 1, -1);
+    }
+    if (cache[device] < 0)
+    {
+        int value = 0;
+        if (cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess)
+        {
+            cudaGetLastError();
+            return -1;
+        }
+        cache[device] = value;
+    }
+    return cache[device];
+}
+
+} // namespace
+
 int smCount()
 {
     static std::mutex mutex;
     static std::vector<int> counts;
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess)
-    {
-        return 0;
-    }
-    std::lock_guard<std::mutex> lock(mutex);
-    if (static_cast<size_t>(device) >= counts.size())
-    {
-        counts.resize(device + 1, 0);
-    }
-    if (counts[device] == 0)
-    {
-        int n = 0;
-        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
-        {
-            counts[device] = n;
-        }
-    }
-    return counts[device];
+    int const n = cachedDeviceAttribute(cudaDevAttrMultiProcessorCount, mutex, counts);
+    return n > 0 ? n : 0;
 }
 
 int computeCapabilityMajor()
 {
     static std::mutex mutex;
-    static std::vector<int> majors; // per device, -1: not asked yet
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess)
-    {
-        cudaGetLastError(); // the launch that follows reports the missing device itself
-        return -1;
-    }
-    std::lock_guard<std::mutex> lock(mutex);
-    if (static_cast<size_t>(device) >= majors.size())
-    {
-        majors.resize(device + 1, -1);
-    }
-    if (majors[device] < 0)
-    {
-        int major = 0;
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-        {
-            cudaGetLastError();
-            return -1;
-        }
-        majors[device] = major;
-    }
-    return majors[device];
+    static std::vector<int> majors;
+    return cachedDeviceAttribute(cudaDevAttrComputeCapabilityMajor, mutex, majors);
 }
 
 bool dependentLaunchEnabled()

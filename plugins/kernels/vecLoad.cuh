@@ -29,11 +29,27 @@ __device__ __forceinline__ float2 unpackPair(__half2 pair)
     return __half22float2(pair);
 }
 
-//! 8 consecutive 16-bit values (pairs of type Pair) as floats, from one 16-byte load.
-template <typename Pair, typename T>
-__device__ __forceinline__ void load8Pairs(T const* p, float (&v)[8])
+//! The pair type of a 16-bit type (bf16 -> __nv_bfloat162, fp16 -> __half2).
+template <typename T>
+struct PairOf;
+
+template <>
+struct PairOf<__nv_bfloat16>
 {
-    uint4 const raw = *reinterpret_cast<uint4 const*>(p);
+    using type = __nv_bfloat162;
+};
+
+template <>
+struct PairOf<__half>
+{
+    using type = __half2;
+};
+
+//! The 8 16-bit values (pairs of type Pair) of one 16-byte word already in registers, as
+//! floats.
+template <typename Pair>
+__device__ __forceinline__ void unpack8Pairs(uint4 raw, float (&v)[8])
+{
     Pair const* pairs = reinterpret_cast<Pair const*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -42,6 +58,13 @@ __device__ __forceinline__ void load8Pairs(T const* p, float (&v)[8])
         v[2 * i] = f.x;
         v[2 * i + 1] = f.y;
     }
+}
+
+//! 8 consecutive 16-bit values (pairs of type Pair) as floats, from one 16-byte load.
+template <typename Pair, typename T>
+__device__ __forceinline__ void load8Pairs(T const* p, float (&v)[8])
+{
+    unpack8Pairs<Pair>(*reinterpret_cast<uint4 const*>(p), v);
 }
 
 //! 8 consecutive values as floats (bf16 / fp16 from one 16-byte load, fp32 from two).

@@ -15,6 +15,7 @@ KV write of a fused projection is :func:`engram_trt.attention_kernels.rope_kv_ca
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 from engram_trt.errors import EngramError
@@ -35,6 +36,18 @@ _SIGS = {
 _ENTRY = EntryPoints(_SIGS)
 _library = _ENTRY.library
 _call = _ENTRY.call
+
+
+def _bf16_out(out: Any, what: str, shape: tuple, device: Any) -> Any:
+    """``out``, checked as a contiguous bf16 ``shape`` tensor (``what`` names its dims in
+    the message), or a new one on ``device``."""
+    torch = _torch()
+    if out is None:
+        return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    _check("out", out, (torch.bfloat16,), 2)
+    if tuple(out.shape) != shape:
+        raise EngramError(f"out must be {what} = {shape} (got {tuple(out.shape)})")
+    return out
 
 
 def load() -> None:
@@ -65,12 +78,7 @@ def hc_rms_norm(hs: Any, weight: Any, eps: float, residual: Any = None, *, out: 
     if residual is not None:
         _check("residual", residual, (torch.bfloat16,))
     _same_device(hs.device, weight=weight, residual=residual, out=out)
-    if out is None:
-        out = torch.empty((T, D), dtype=hs.dtype, device=hs.device)
-    else:
-        _check("out", out, (torch.bfloat16,), 2)
-        if tuple(out.shape) != (T, D):
-            raise EngramError(f"out must be [T, D] = {(T, D)} (got {tuple(out.shape)})")
+    out = _bf16_out(out, "[T, D]", (T, D), hs.device)
     with torch.cuda.device(hs.device):
         _call("engram_hc_rms_norm", _ptr(hs), _ptr(residual), _ptr(weight), T, hc, D, ctypes.c_float(eps), _ptr(out),
               _stream(hs.device))
@@ -108,7 +116,14 @@ def gemv_fits(x: Any, weight: Any) -> bool:
             and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0 and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and x.is_cuda and weight.device == x.device and x.is_contiguous()
             and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-            and torch.cuda.get_device_capability(x.device)[0] >= GEMV_MIN_CAPABILITY)
+            and _capability_major(x.device.index) >= GEMV_MIN_CAPABILITY)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int | None) -> int:
+    """The compute capability major of a CUDA device (asked once: gemv_fits runs per
+    projection)."""
+    return _torch().cuda.get_device_capability(index)[0]
 
 
 def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False) -> Any:
@@ -132,12 +147,7 @@ def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False) -
     _check("x", x, (torch.bfloat16,), 2)
     _check("weight", weight, (torch.bfloat16,), 2)
     _same_device(x.device, weight=weight, out=out)
-    if out is None:
-        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    else:
-        _check("out", out, (torch.bfloat16,), 2)
-        if tuple(out.shape) != (T, N):
-            raise EngramError(f"out must be [T, N] = {(T, N)} (got {tuple(out.shape)})")
+    out = _bf16_out(out, "[T, N]", (T, N), x.device)
     for name, t in (("x", x), ("weight", weight), ("out", out)):
         if t.data_ptr() % 16:
             raise EngramError(f"{name} must start on a 16-byte boundary (got address {t.data_ptr():#x}); "

@@ -32,6 +32,22 @@ def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters:
     return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters, "times_s": times}
 
 
+def capture_graph(body: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, Any]:
+    """``body()`` run once on a side stream (its warm-up: lazy initialisation and GEMM
+    workspaces stay out of the graph), then captured into a CUDA graph on ``device`` (the
+    current one by default). Returns the graph and what the captured call returned: its
+    static outputs, which each replay refreshes."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = body()
+    return graph, outputs
+
+
 def measure_limits(device: torch.device) -> dict[str, float]:
     """The ceilings every ratio is taken against, measured now: HBM (a device-to-device
     copy, bytes read + written), bf16 matrix rate (8192^3 on random data), and the

@@ -26,9 +26,12 @@ ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 5x the H200's 50 MB L2
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("gemv", help="decode projections: the kernel library's GEMV vs the GEMM library, over HBM",
                        description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--shapes", default=",".join(SHAPES),
+    from engram_trt.bench.lookuputil import int_list, str_list
+
+    p.add_argument("--shapes", type=str_list(list(SHAPES)), default=list(SHAPES),
                    help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)")
-    p.add_argument("--tokens", default="1,2,4", help="tokens per step (x's rows), each <= 4 (default: %(default)s)")
+    p.add_argument("--tokens", type=int_list, default=[1, 2, 4],
+                   help="tokens per step (x's rows), each <= 4 (default: 1,2,4)")
     p.add_argument("--calls", type=int, default=32, help="calls per graph replay (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20, help="timed replays per case (median; default: %(default)s)")
     p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
@@ -36,31 +39,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    from engram_trt.errors import EngramError
-
-    try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise EngramError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
-
-
 def time_graph(fn: Any, calls: int, iters: int, device: Any) -> float:
     """Median seconds per call of ``fn(i)`` for i in 0..calls-1, replayed from one graph."""
-    import torch
+    from engram_trt.bench.common import capture_graph, time_fn
 
-    from engram_trt.bench.common import time_fn
-
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for i in range(calls):
-            fn(i)  # warm-up (and the GEMM library's workspace) outside the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
+    graph, _ = capture_graph(lambda: [fn(i) for i in range(calls)], device)
     return time_fn(graph.replay, device, 3, iters)["median_s"] / calls
 
 
@@ -74,13 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise EngramError("bench gemv needs a CUDA GPU (it times GPU kernels); none is available here")
-    shapes = [s for s in args.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad:
-        raise EngramError(f"--shapes: {bad} not among {', '.join(SHAPES)}")
-    tokens = _ints(args.tokens, "--tokens")
-    if not tokens or not all(1 <= t <= backbone_kernels.GEMV_MAX_TOKENS for t in tokens):
-        raise EngramError(f"--tokens: each must be in 1..{backbone_kernels.GEMV_MAX_TOKENS} (got {args.tokens!r})")
+    shapes, tokens = args.shapes, args.tokens
+    if not all(1 <= t <= backbone_kernels.GEMV_MAX_TOKENS for t in tokens):
+        raise EngramError(f"--tokens: each must be in 1..{backbone_kernels.GEMV_MAX_TOKENS} (got {tokens})")
     if args.calls < 1 or args.iters < 1:
         raise EngramError("--calls and --iters must be >= 1")
     device = torch.device("cuda", torch.cuda.current_device())
