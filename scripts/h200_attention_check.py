@@ -11,7 +11,9 @@ One script, one device call:
                 at position 0, non-contiguous slots, padding tokens), MHA / GQA / MQA, head
                 dims 8..256, a group of 20 query heads (three head blocks); each case also through the
                 tiled kernel (ENGRAM_TRT_ATTENTION_KERNEL=tiled; the warp kernel serves bf16 /
-                fp16 at head_dim 128 with groups of up to 4 on sm_90), small steps whose
+                fp16 at head_dim 128 with groups of up to 4 on sm_90; attention_kernels.
+                warp_kernel_serves, its Python mirror, must name the kernel each case
+                launched), small steps whose
                 keys are split (flash-decoding) against the unsplit kernel, a sequence that
                 continues over three steps; the in-place KV write bit for bit (the rest of
                 the cache untouched); out-of-cache slots and positions (zero rows, nothing
@@ -134,6 +136,17 @@ def bits(t):
 
 # --- 2. kernel ------------------------------------------------------------------------------
 
+def launched_kernels(fn) -> list[str]:
+    """Names of the GPU kernels one call of ``fn`` launched (the profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages()]
+
+
 def check_kernel(rng) -> None:
     import torch
 
@@ -184,6 +197,14 @@ def check_kernel(rng) -> None:
             out2 = attention_kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
             out3 = attention_kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
             torch.cuda.synchronize()
+            # The Python mirror of the library's kernel choice (the decode graphs pick their
+            # attention path by it) names the kernel that ran.
+            qd = q.to(dev)
+            ran = launched_kernels(lambda: attention_kernels.attention_packed(qd, kc2, vc2, ts, tp, scale=scale))
+            warp = any("warpAttentionKernel" in n for n in ran)
+            predicted = attention_kernels.warp_kernel_serves(qd, H, kvh)
+            record(f"kernel choice {dname} {label}: warp_kernel_serves() == the kernel launched", predicted == warp,
+                   f"predicted {'warp' if predicted else 'tiled'}, ran {'warp' if warp else 'tiled'}")
             with tiled_kernel():
                 tiled = attention_kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
             torch.cuda.synchronize()

@@ -69,10 +69,10 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> Any:
     S, steps = len(lens), 3
     history = [torch.randint(2, cfg.vocab_size, (n + steps,), generator=gen) for n in lens]
     max_len = max(lens) + steps + 8
-    # "fused graphs in place": the graphs' decode attention reads the cache in place (the
-    # attention kernel) at this small context too, where by default it runs SDPA on copies.
+    # "fused graphs over copies": the graphs' decode attention runs SDPA on copies of the
+    # slots' K/V at this small context, where by default the warp kernel reads them in place.
     paths = {"unfused eager": (None, False), "fused eager": (kernels, False), "fused graphs": (kernels, True),
-             "unfused graphs": (None, True), "fused graphs in place": (kernels, True)}
+             "unfused graphs": (None, True), "fused graphs over copies": (kernels, True)}
     caches = {name: model.new_cache(S + 1, max_len) for name in paths}  # + the graphs' scratch slot
     graphs = {name: DecodeGraphs(model, caches[name], S, scratch_slot=S, tables=model.tables)
               for name, (_, g) in paths.items() if g}
@@ -101,7 +101,7 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> Any:
             logits[name] = (out if out is not None else model.forward_step(step, caches[name])).float().clone()
         model.backbone_ops = kernels
         base = rel_err(logits["unfused eager"], ref)
-        for name in ("fused eager", "fused graphs", "unfused graphs", "fused graphs in place"):
+        for name in ("fused eager", "fused graphs", "unfused graphs", "fused graphs over copies"):
             err = rel_err(logits[name], ref)
             worst[name] = max(worst.get(name, 0.0), err)
             ok = err <= 1.5 * base + 2e-3 and bool(torch.isfinite(logits[name]).all())
@@ -173,7 +173,7 @@ def say_breakdown(label: str, step_ms: float, breakdown: dict, top: int = 10) ->
 
 
 # How the summary line names each variant beside the default fused step, in its order.
-VARIANT_WORDS = {"fused in place": "with the attention in place",
+VARIANT_WORDS = {"fused, SDPA over copies": "with SDPA over copies of the cache",
                  "fused, GEMM library": "with the GEMM library's projections",
                  "fused, no PDL": "without dependent launches",
                  "fused, tiled attention": "with the tiled attention kernel"}
@@ -181,8 +181,9 @@ VARIANT_WORDS = {"fused in place": "with the attention in place",
 
 def variant_settings(name: str) -> contextlib.AbstractContextManager:
     """What a timed variant changes while its decode graph is recorded (at its first
-    run), undone after: "... in place": the graphs' attention reads the KV cache in place
-    (the attention kernel) at every context; "fused, GEMM library": the projections run
+    run), undone after: "... over copies": the graphs' attention reads the KV cache in place
+    only past IN_PLACE_DECODE_BYTES, not wherever the warp kernel serves (SDPA over copies
+    of the slots' K/V below it); "fused, GEMM library": the projections run
     in the GEMM library at every step size (the GEMV off); "fused, no PDL": the kernel
     library launches the ordinary way (ENGRAM_TRT_PDL=0, read at each launch); "fused,
     tiled attention": the attention kernel is the tiled one (ENGRAM_TRT_ATTENTION_KERNEL=
@@ -193,8 +194,8 @@ def variant_settings(name: str) -> contextlib.AbstractContextManager:
     from engram_trt.reference import modules
     from engram_trt.reference.kernel_ops import KernelBackboneOps
 
-    if name.endswith("in place"):
-        return mock.patch.object(modules, "IN_PLACE_DECODE_BYTES", -1)
+    if name.endswith("over copies"):
+        return mock.patch.object(modules, "IN_PLACE_WITH_WARP_KERNEL", False)
     if name == "fused, GEMM library":
         return mock.patch.object(KernelBackboneOps, "gemv_max_tokens", 0)
     if name == "fused, no PDL":
@@ -280,9 +281,9 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
         variants.append(("fused, no PDL", kernels))  # ordinary launches: what the dependent launches save
         kv_layer_bytes = B * cfg.num_key_value_heads * (past + 1) * cfg.head_dim * 2
         if kv_layer_bytes <= modules.IN_PLACE_DECODE_BYTES:
-            # The same fused step with the graph's attention reading the cache in place (the
-            # attention kernel) instead of SDPA over copies: what the threshold decides.
-            variants.append(("fused in place", kernels))
+            # Below the threshold the graphs read the cache in place because the warp kernel
+            # serves; the same fused step with SDPA over copies is what that rule decides.
+            variants.append(("fused, SDPA over copies", kernels))
         else:
             variants.append(("fused, tiled attention", kernels))  # the attention kernel before the warp kernel
         for name, ops in variants:

@@ -17,7 +17,7 @@ from engram_trt.bench import idstreams
 from engram_trt.cli.main import main
 from engram_trt.engram.hashing import hash_ids
 from engram_trt.errors import EngramError
-from engram_trt.gatherpath import GatherPathChoice, inline_table, split_table
+from engram_trt.gatherpath import HOST_MARGIN, GatherPathChoice, faster_path, inline_table, split_table
 
 VOCAB = 99092
 
@@ -112,6 +112,17 @@ def test_gather_path_choice_takes_the_nearest_calibrated_size() -> None:
     assert json.loads(json.dumps(choice.to_dict()))["chosen"] == {"6144": "uva", "196608": "host"}
     assert "6144 rows: uva (host 100 us, uva 50 us)" in choice.describe()
     assert GatherPathChoice(sizes=()).path_for(5) == "host"
+
+
+def test_calibration_takes_the_host_gather_only_by_a_margin() -> None:
+    """In a step the host path also waits for the row ids' trip to the host, which the
+    calibration's timing leaves out: a tie goes to the UVA kernel."""
+    assert HOST_MARGIN > 1
+    assert faster_path(123e-6, 126e-6) == "uva"  # the decode-64 tie measured on the H200
+    assert faster_path(147e-6, 331e-6) == "host"
+    assert faster_path(100e-6, 100e-6 * HOST_MARGIN * 1.01) == "host"
+    assert faster_path(100e-6, 100e-6 * HOST_MARGIN * 0.99) == "uva"
+    assert faster_path(5.0, None) == "host"  # no UVA path (an inline or unregistered table)
 
 
 def test_bench_gather_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:

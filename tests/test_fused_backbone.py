@@ -324,3 +324,34 @@ def test_rope_check_catches_a_wrong_convention(check) -> None:
     np.testing.assert_array_equal(check.ulp_distance(torch.tensor([1.0, -0.0, 1.0], dtype=torch.bfloat16),
                                                      torch.tensor([1.0078125, 0.0, -1.0], dtype=torch.bfloat16)).numpy(),
                                   [1, 0, 2 * 0x3F80])
+
+
+def test_warp_kernel_serves_what_the_library_picks_it_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """attention_kernels.warp_kernel_serves mirrors warpKernel() in attentionKernel.cu
+    (16-bit I/O, head_dim 128, groups of up to 4, sm_90+, not forced tiled); the decode
+    graphs read small caches in place only where it is true. The GPU attention check ties
+    it to the kernel each case launches; here, the rule itself, on stand-in queries."""
+    from types import SimpleNamespace
+
+    monkeypatch.delenv("ENGRAM_TRT_ATTENTION_KERNEL", raising=False)
+    capability = {"major": 9}
+    monkeypatch.setattr(attention_kernels, "capability_major", lambda index: capability["major"])
+
+    def q(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, cuda: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(is_cuda=cuda, dtype=dtype, shape=(1, 16, head_dim), device=SimpleNamespace(index=0))
+
+    serves = attention_kernels.warp_kernel_serves
+    assert serves(q(), 16, 8) and serves(q(torch.float16), 32, 8) and serves(q(), 4, 4) and serves(q(), 16, 4)
+    assert not serves(q(), 40, 8)  # a group of 5
+    assert not serves(q(), 16, 1)  # a group of 16
+    assert not serves(q(torch.float32), 16, 8)
+    assert not serves(q(head_dim=64), 16, 8) and not serves(q(head_dim=256), 16, 8)
+    assert not serves(q(cuda=False), 16, 8)
+    assert not serves(q(), 16, 0)
+    monkeypatch.setenv("ENGRAM_TRT_ATTENTION_KERNEL", "tiled")
+    assert not serves(q(), 16, 8)
+    monkeypatch.delenv("ENGRAM_TRT_ATTENTION_KERNEL")
+    capability["major"] = 8
+    assert not serves(q(), 16, 8)
+    # a real CPU tensor: never (the decode graphs keep their SDPA path off a GPU)
+    assert not serves(torch.zeros(1, 16, 128, dtype=torch.bfloat16), 16, 8)

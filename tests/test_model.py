@@ -324,6 +324,42 @@ def test_precomputed_rows_equal_internal_gather(small: Any) -> None:
         model(IDS[9:11], cache_a, engram_rows=rows)
 
 
+def test_a_step_in_segments_cut_at_each_engram_layer_equals_one_call(small: Any) -> None:
+    """The decode CUDA graphs (runtime.cuda_graphs) replay a step as segments cut before
+    each Engram layer, each segment waiting only for its own layer's rows: cut there, the
+    segments compute what one call does, and each layer's rows are first read by the
+    segment that starts at that layer (Engram layers 0 and 2 here: the first segment is
+    the embedding alone)."""
+    model, *_ = small
+    assert model.engram_layers == [(0, 0), (2, 1)] and model.first_engram_layer == 0
+    seqs = [IDS[:6], IDS[3:8]]
+    want = model.forward_step(PackedStep.from_sequences(seqs), model.new_cache(2, 32))
+    step = PackedStep.from_sequences(seqs)
+    cache = model.new_cache(2, 32)
+    state = model.step_begin(step, cache, None, False)
+    reads: list[tuple[int, int]] = []  # (segment, Engram layer) of each read of the rows
+    segment = [0]
+
+    class Recorder(list):
+        def __getitem__(self, i: Any) -> Any:
+            reads.append((segment[0], i))
+            return list.__getitem__(self, i)
+
+    state.rows = Recorder(state.rows)
+    bounds = [0, *(layer for layer, _ in model.engram_layers), len(model.model.layers)]
+    for j in range(len(bounds) - 1):
+        segment[0] = j
+        model.step_layers(state, cache, bounds[j], bounds[j + 1])
+    got = model.step_end(state, step, cache, False, False)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert reads == [(1, 0), (2, 1)]
+    model.engram_enabled = False
+    try:
+        assert model.engram_layers == [] and model.first_engram_layer is None
+    finally:
+        model.engram_enabled = True
+
+
 def test_bad_inputs_are_refused(small: Any) -> None:
     model, cfg, *_ = small
     with pytest.raises(EngramError, match="outside the model's vocabulary"):

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engram_trt.runtime import prefetch  # noqa: E402
-from engram_trt.runtime.prefetch import StagedRows  # noqa: E402
+from engram_trt.runtime.staged_rows import StagedRows  # noqa: E402
 
 
 @pytest.fixture
@@ -114,3 +114,15 @@ def test_bf16_tables_keep_the_split_layout() -> None:
     pf = _prefetcher_over(TableStore.from_tensors(tables, [None, None]))
     assert pf._scales_to_hbm() is None  # no scales to move (and no GPU asked)
     assert pf.host_layout == "split" and pf.row_bytes == 64
+
+
+def test_wait_layer_waits_as_a_read_does(fake_stream: object) -> None:
+    """What a replayed graph segment calls before it reads a layer's staging directly."""
+    calls: list = []
+    rows = StagedRows(_views(2), waiter=lambda i, s: calls.append((i, s)))
+    rows.wait_layer(1)
+    assert calls == [(1, fake_stream)]
+    rows.wait_layer(1)
+    rows.wait_layer(0)
+    assert calls == [(1, fake_stream), (0, fake_stream)]
+

@@ -14,10 +14,19 @@ hash, gather and gate) each own their part of the C ABI.
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import EntryPoints, _check, _check_dtype, _float_code, _ptr, _same_device, _stream, _torch
+from engram_trt.kernels import (EntryPoints, _check, _check_dtype, _float_code, _ptr, _same_device, _stream, _torch,
+                                capability_major)
+
+# The shapes the warp attention kernel serves (warpKernel() in attentionKernel.cu, which
+# this mirrors): 16-bit I/O, head_dim 128, at most this many query heads per KV head, a
+# GPU of compute capability 9.0 or later; ENGRAM_TRT_ATTENTION_KERNEL=tiled turns it off.
+WARP_KERNEL_HEAD_DIM = 128
+WARP_KERNEL_MAX_GROUP = 4
+WARP_KERNEL_MIN_CAPABILITY = 9
 
 
 _SIGS = {
@@ -205,3 +214,15 @@ def rope_kv_cache_write(qkv: Any, cos: Any, sin: Any, key_cache: Any, value_cach
               kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len, _ptr(q_out),
               _stream(qkv.device))
     return q_out
+
+
+def warp_kernel_serves(q: Any, num_heads: int, num_kv_heads: int) -> bool:
+    """True when :func:`attention_packed` on queries like ``q [T, H, head_dim]`` runs the
+    warp attention kernel (else the tiled one): the same test as the library's, made in
+    Python so that a caller can pick a path by it (the decode graphs read small caches in
+    place only where this kernel serves)."""
+    torch = _torch()
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == WARP_KERNEL_HEAD_DIM
+            and num_kv_heads > 0 and num_heads // num_kv_heads <= WARP_KERNEL_MAX_GROUP
+            and os.environ.get("ENGRAM_TRT_ATTENTION_KERNEL") != "tiled"
+            and capability_major(q.device.index) >= WARP_KERNEL_MIN_CAPABILITY)

@@ -15,11 +15,10 @@ KV write of a fused projection is :func:`engram_trt.attention_kernels.rope_kv_ca
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import EntryPoints, _check, _check_dtype, _ptr, _same_device, _stream, _torch
+from engram_trt.kernels import EntryPoints, _check, _check_dtype, _ptr, _same_device, _stream, _torch, capability_major
 
 NORM_MAX_HIDDEN = 16384  # ENGRAM_NORM_MAX_HIDDEN
 GEMV_MAX_TOKENS = 4  # ENGRAM_GEMV_MAX_TOKENS
@@ -116,14 +115,7 @@ def gemv_fits(x: Any, weight: Any) -> bool:
             and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0 and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and x.is_cuda and weight.device == x.device and x.is_contiguous()
             and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-            and _capability_major(x.device.index) >= GEMV_MIN_CAPABILITY)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(index: int | None) -> int:
-    """The compute capability major of a CUDA device (asked once: gemv_fits runs per
-    projection)."""
-    return _torch().cuda.get_device_capability(index)[0]
+            and capability_major(x.device.index) >= GEMV_MIN_CAPABILITY)
 
 
 def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False) -> Any:

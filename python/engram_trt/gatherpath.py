@@ -31,6 +31,23 @@ PATH_HOST = "host"
 # faster path changes with the size (a few rows: the UVA kernel, no CPU work at all; a
 # prefill chunk: the host gather), so the small sizes are measured too, not inferred.
 DEFAULT_CALIBRATION_SIZES = (96, 1536, 6144, 196608)
+# How much faster than the UVA kernel the host gather must be, alone, to be chosen. Alone
+# each path is timed from ids in hand to rows on the GPU; in a step the host path also
+# waits for the hashed row ids to come back to the host and for the gather driver, and its
+# CPU threads share the machine with the engine thread, while the UVA kernel replays
+# inside the decode graphs with no host work at all. On the H200 (2026-12-01) a decode
+# step of 64 tokens (1,536 rows a layer) timed the two paths alone at 123 / 126 us, yet
+# in the step the host path cost 1.077 x the step with HBM tables and the UVA kernel
+# 1.002 x; at 6,144 rows the host gather was 2.25 x faster alone and won in the step too.
+HOST_MARGIN = 1.25
+
+
+def faster_path(host_s: float, uva_s: float | None) -> str:
+    """The path to serve a size from its calibration times (``uva_s`` None: no UVA path):
+    the host gather only when it beats the UVA kernel by :data:`HOST_MARGIN`."""
+    if uva_s is None or host_s * HOST_MARGIN < uva_s:
+        return PATH_HOST
+    return PATH_UVA
 
 
 def inline_table(rows: Any, scales: Any, *, out: Any = None) -> Any:
@@ -103,7 +120,7 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
                      num_cols: int = 24, reps: int = 5, seed: int = 0) -> GatherPathChoice:
     """Time the host gather (``gatherer`` on ``rows`` / ``scales`` in ``layout``) and, if
     the table is GPU-readable, the UVA kernel, on uniform random ids at each size; return
-    the faster path per size (and log it).
+    the path per size (:func:`faster_path`; logged).
 
     ``uva_rows`` / ``uva_scales``: the split table in pinned or registered memory for the
     UVA kernel; by default ``rows`` / ``scales`` when they are split and GPU-readable;
@@ -145,8 +162,8 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
             choice.seconds[PATH_UVA].append(_median_wall(
                 lambda i: kernels.gather(dev_ids[i], uva_rows, uva_scales, quant_block=quant_block, out=out),
                 reps, sync))
-        best = min(paths, key=lambda p: choice.seconds[p][-1])
-        choice.chosen[n] = best
+        choice.chosen[n] = faster_path(choice.seconds[PATH_HOST][-1],
+                                       choice.seconds[PATH_UVA][-1] if uva_rows is not None else None)
     log.info("gather path calibration (%d-row table): %s", num_rows, choice.describe())
     return choice
 

@@ -21,6 +21,7 @@ tables.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 import weakref
@@ -197,6 +198,13 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+@functools.lru_cache(maxsize=None)
+def capability_major(index: int | None) -> int:
+    """The compute capability major of CUDA device ``index``, asked once: the kernel
+    choices that depend on it (the GEMV, the warp attention kernel) are made per call."""
+    return _torch().cuda.get_device_capability(index)[0]
 
 
 def _check_dtype(name: str, t: Any, dtypes: tuple) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 # pinned-auto is the runtime as served (the start-up calibration's path per size, host
 # gathers on the gather driver, the scale bytes read on the GPU); pinned-auto-nodriver runs
-# those gathers on the engine thread; pinned-auto-hostscales keeps the scales in host memory.
-MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver", "pinned-auto-hostscales")
+# those gathers on the engine thread; pinned-auto-hostscales keeps the scales in host memory;
+# the -onecut modes replay decode graphs cut only at the first Engram layer, which waits
+# for every layer's rows (the runtime's graphs wait for each layer's rows at that layer).
+MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver", "pinned-auto-hostscales",
+         "pinned-host-onecut", "pinned-uva-onecut")
+DEFAULT_MODES = tuple(m for m in MODES if not m.endswith("-onecut"))  # the A/B variants of the older graphs left out
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -44,12 +49,16 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--decode-batches", default="1,64,256", help="decode batch sizes (default: %(default)s)")
     p.add_argument("--context", type=int, default=256, help="tokens already in each decode sequence's cache (default: %(default)s)")
     p.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens, 0 to skip (default: %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"table placements to time, of {','.join(MODES)} (default: all)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut ones)")
     p.add_argument("--iters", type=int, default=10, help="timed steps per case (median reported; default: %(default)s)")
     p.add_argument("--timeline", action="store_true", help="record when the lookup ran vs when the first Engram layer needed it")
     p.add_argument("--no-graphs", action="store_true",
                    help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend serves them)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a torch-profiler Chrome trace of one pinned decode step")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="after timing each case and mode, profile N more steps' host work (cProfile) and print the "
+                        "functions that take most of it, per step (default: 0, off)")
     p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
     p.set_defaults(func=run)
     return p
@@ -181,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                 store = stores["device" if mode == "device" else "pinned"]
                 model.set_tables(store)
                 auto = mode.startswith("pinned-auto")
-                policy = None if mode == "device" or auto else (lambda n, m=mode: "host" if m == "pinned-host" else "uva")
+                policy = None if mode == "device" or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
                 pf = Prefetcher(layout, store, device, T, gather_policy=policy,
                                 gather_driver=False if mode.endswith("-nodriver") else None,
                                 hbm_scales=False if mode.endswith("-hostscales") else None)
@@ -199,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
                 from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
                 graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=model.tables if mode != "none" else None,
-                                      lookup_policy=pf.path_for if pf is not None else None)
+                                      lookup_policy=pf.path_for if pf is not None else None,
+                                      wait_each_layer=not mode.endswith("-onecut"))
 
             def one() -> None:
                 for s in range(S):
@@ -218,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
                      "graphs": None if graphs is None else (graphs.failed or f"{graphs.replays} replays")}
             if pf is not None and args.timeline and not (graphs is not None and graphs.handles_lookup(step)):
                 entry["timeline"] = _timeline(pf, one, device)
+            if args.host_profile:
+                entry["host_profile"] = _host_profile(one, device, args.host_profile)
             if pf is not None:
                 pf.close()
             graphs = None  # frees its recorded graphs before the next mode
@@ -271,6 +283,33 @@ def _bound_ms(info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: li
         return (weight_bytes + kv + rows) / (limits["hbm_GBps"] * 1e9) * 1e3
     attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * (T * T / 2)
     return (2 * params * T + attn) / (limits["bf16_TFLOPs"] * 1e12) * 1e3
+
+
+def _host_profile(one: Any, device: Any, steps: int, top: int = 12) -> dict[str, Any]:
+    """Where a step's host time goes: ``steps`` steps under cProfile (which slows each
+    Python call by a similar share, so the ranking holds, not the absolute times), the
+    ``top`` functions by their own time, in microseconds per step."""
+    import cProfile
+    import pstats
+
+    from engram_trt.bench.common import sync
+
+    prof = cProfile.Profile()
+    sync(device)
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        one()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in stats.items():
+        where = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if line else name
+        rows.append({"function": where, "calls_per_step": calls / steps, "own_us": own / steps * 1e6,
+                     "cumulative_us": cum / steps * 1e6})
+    rows.sort(key=lambda r: -r["own_us"])
+    return {"steps": steps, "wall_us_per_step": wall / steps * 1e6, "top": rows[:top]}
 
 
 def _timeline(pf: Any, one: Any, device: Any) -> dict[str, float]:
@@ -399,6 +438,10 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
                 host = layer["host_gather_ms"]
                 print(f"    layer {li}: main stream at its read {layer['read_ms']:.3f} ms, rows ready {layer['ready_ms']:.3f} ms "
                       f"(GPU clock)" + ("" if host is None else f"; host gather call {host[0]:.3f}-{host[1]:.3f} ms after submit"))
+            hp = row[m].get("host_profile")
+            if hp:
+                print(f"  {m}: host profile, {hp['wall_us_per_step']:.0f} us a step under cProfile; own time per step: "
+                      + "; ".join(f"{r['function']} {r['own_us']:.0f} us ({r['calls_per_step']:g}x)" for r in hp["top"]))
     print("ratios: step time / step time with the Engram layers removed; baseline/bound: the no-Engram step over its floor "
           "(backbone weights + KV read for decode, FLOPs for prefill); floor ratio: the Engram step's floor (its wkv and gate "
           "weights and staged rows read, or their FLOPs) over the backbone's, the least Engram can cost")

@@ -49,7 +49,7 @@ from engram_trt.distributed.sharding import (
 from engram_trt.engram.hashing import hash_batch_packed
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
-from engram_trt.runtime.prefetch import StagedRows
+from engram_trt.runtime.staged_rows import StagedRows
 from engram_trt.tables.store import TableStore
 
 log = logging.getLogger(__name__)

@@ -355,7 +355,17 @@ class EngramLlama(UniformBatchAPI, nn.Module):
     @property
     def first_engram_layer(self) -> int | None:
         """The first decoder layer that reads Engram rows (where a step waits for them)."""
-        return min(self._engram_layer_index) if self._engram_layer_index and self.engram_enabled else None
+        layers = self.engram_layers
+        return layers[0][0] if layers else None
+
+    @property
+    def engram_layers(self) -> list[tuple[int, int]]:
+        """``(decoder layer, Engram layer index)`` of each layer that reads Engram rows, in
+        the order a step reaches them (empty when Engram is off): where a step waits for
+        each layer's rows."""
+        if not self.engram_enabled:
+            return []
+        return sorted(self._engram_layer_index.items())
 
     def step_begin(self, step: PackedStep, cache: KVCache, engram_rows: Any, capture: bool) -> "StepState":
         """Embedding, the Engram inputs (rows staged or gathered here), RoPE and the

@@ -30,6 +30,13 @@ ATTENTION_IMPLS = ("loop", "sdpa")
 # Above this many bytes of keys per layer, a recorded decode graph reads the KV cache in
 # place (the attention kernel) rather than copying it out for SDPA.
 IN_PLACE_DECODE_BYTES = 8 << 20
+# Where the warp attention kernel serves the shape (attention_kernels.warp_kernel_serves),
+# a recorded decode graph reads the cache in place at every context. On the H200, decode
+# of one sequence at context 256 (1.15B model): the kernel and its merge took 7.2 + 2.0 us
+# a layer, against SDPA's 7.5 us plus 2 x 4.1 us of copies of the slot's K and V (the
+# copies are what SDPA needs in a graph, where the slots are data). The tiled kernel,
+# which serves the other shapes, took 23.7 us a layer there, so those keep the threshold.
+IN_PLACE_WITH_WARP_KERNEL = True
 
 
 class RMSNorm(nn.Module):
@@ -239,13 +246,16 @@ class Attention(nn.Module):
         up to its length (a key-padding mask over the longest)."""
         L = plan.decode_max_len
         G = q.shape[0]
-        if plan.graph_safe and q.is_cuda and G * self.n_kv * L * self.head_dim * keys.element_size() > IN_PLACE_DECODE_BYTES:
+        if plan.graph_safe and q.is_cuda:
             # In a recorded graph the slots are data, so the SDPA path below would copy
-            # every sequence's keys; past a few MB per layer read them in place instead,
-            # with the kernel the EngramAttention plugin runs.
+            # every sequence's keys; read them in place instead, with the kernel the
+            # EngramAttention plugin runs, where its warp kernel serves or past a few MB
+            # per layer.
             from engram_trt import attention_kernels
 
-            return attention_kernels.attention_packed(q.contiguous(), keys, values, *plan.decode_index32())
+            if (IN_PLACE_WITH_WARP_KERNEL and attention_kernels.warp_kernel_serves(q, self.n_heads, self.n_kv)) \
+                    or G * self.n_kv * L * self.head_dim * keys.element_size() > IN_PLACE_DECODE_BYTES:
+                return attention_kernels.attention_packed(q.contiguous(), keys, values, *plan.decode_index32())
         if plan.decode_slot_range is not None:  # the usual case: slots handed out lowest first
             a, b = plan.decode_slot_range
             k, v = keys[a:b, :, :L], values[a:b, :, :L]  # views: the cache is read in place

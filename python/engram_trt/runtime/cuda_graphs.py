@@ -11,14 +11,22 @@ that changes between steps — token ids, compressed ids, positions, slots, leng
 Engram lookback — lives in static device buffers the graphs read; one pinned copy per
 step fills them.
 
-The step is two graphs cut at the first Engram layer, so the wait for the rows sits
-where it does in the eager step: ``pre`` (embedding and the layers before it) replays,
-then the main stream waits for the rows, then ``post``. The rows come from either
-- a third graph, ``lookup`` (hash + gather kernels on the static buffers, replayed on a
-  side stream concurrently with ``pre``), when the tables are GPU-readable and the
-  gather policy picks a GPU gather for this many rows: no host work at all; or
-- the prefetcher (the host gather), staged into its fixed buffers and waited on
-  between ``pre`` and ``post``.
+The step is cut into segments at each Engram layer, so each layer waits for its own
+rows where it does in the eager step: the first segment (embedding and the layers
+before the first Engram layer) replays, then the main stream waits for the first Engram
+layer's rows, then the next segment (that layer up to the next Engram layer), and so on.
+One cut for all layers would make the first Engram layer wait for every layer's rows:
+with host tables a decode step's second gather (100-150 us on the H200 at 64-256
+tokens) would sit on the critical path instead of behind the first Engram layer. The
+rows come from either
+- ``lookup`` graphs, one per Engram layer (the first also hashes), replayed in turn on a
+  high-priority side stream concurrently with the segments, when the tables are
+  GPU-readable and the gather policy picks a GPU gather for this many rows: no host
+  work at all; or
+- the prefetcher (the host gather), staged into its fixed buffers; each layer's wait
+  (``rows[i]``, on the GPU where the gather driver runs) is enqueued before its segment.
+``wait_each_layer=False`` keeps the older form (one cut at the first Engram layer, which
+waits for every layer's rows) for benchmarks that compare the two in one process.
 
 Recording can fail where a kernel or library call is not capturable; then the backend
 logs why once and runs decode steps eagerly (the same function, only slower).
@@ -52,10 +60,11 @@ class DecodeGraphs:
     """Recorded decode steps of one model and cache (see the module docstring).
     ``scratch_slot``: a KV slot outside the scheduler's range, for padding sequences.
     ``tables`` + ``lookup_policy(num_rows) -> path``: the lookup goes into a graph when
-    the tables are GPU-readable and the policy picks a GPU gather."""
+    the tables are GPU-readable and the policy picks a GPU gather. ``wait_each_layer``:
+    a segment per Engram layer (default), else one cut at the first."""
 
     def __init__(self, model: Any, cache: Any, max_batch: int, scratch_slot: int, tables: Any = None,
-                 lookup_policy: Callable[[int], str] | None = None) -> None:
+                 lookup_policy: Callable[[int], str] | None = None, wait_each_layer: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -64,6 +73,7 @@ class DecodeGraphs:
         self.scratch = scratch_slot
         self.tables = tables
         self.lookup_policy = lookup_policy
+        self.wait_each_layer = wait_each_layer
         layout = model.layout
         self.n_lookback = layout.max_ngram_size - 1 if layout is not None else 0
         G = _bucket(max_batch)
@@ -79,8 +89,8 @@ class DecodeGraphs:
         self._lookup_np = None if model.compress_lookup is None else model.compress_lookup.cpu().numpy()
         self._lookup_by_seqs: dict[int, bool] = {}
         self._event = torch.cuda.Event()  # the last copy out of a pinned buffer (one event, re-recorded)
-        self._side = torch.cuda.Stream(self.device, priority=-1)  # the lookup graph: ahead of the layers' blocks
-        self._lookup_done = torch.cuda.Event()
+        self._side = torch.cuda.Stream(self.device, priority=-1)  # the lookup graphs: ahead of the layers' blocks
+        self._lookup_done = [torch.cuda.Event() for _ in range(layout.num_layers if layout is not None else 0)]
         self._filled = torch.cuda.Event()
         self.graphs: dict[tuple[int, int, str], dict[str, Any]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -127,7 +137,8 @@ class DecodeGraphs:
     # -- the step -------------------------------------------------------------------------
     def run(self, step: PackedStep, rows: Any, phases: Any = None) -> torch.Tensor | None:
         """Logits ``[S, V]`` of a decode-only step by graph replay, or None when this step
-        cannot be replayed (the caller then runs it eagerly)."""
+        cannot be replayed (the caller then runs it eagerly). ``rows``: None (the graphs
+        look the rows up, or Engram is off) or the prefetcher's staged rows."""
         if not self._fits(step):
             return None
         engram = self.model.layout is not None and self.model.engram_enabled
@@ -160,15 +171,18 @@ class DecodeGraphs:
             self._filled.record(main)  # the static buffers are filled (one event, re-recorded: wait_stream makes one per call)
             self._side.wait_event(self._filled)
             with torch.cuda.stream(self._side):
-                entry["lookup"].replay()
-                self._lookup_done.record(self._side)
-        entry["pre"].replay()
-        if mode == "lookup":
-            main.wait_event(self._lookup_done)
-        elif mode == "staged":
-            rows.wait()  # the prefetch, waited on at the first Engram layer
-        if entry.get("post") is not None:
-            entry["post"].replay()
+                for graph, done in zip(entry["lookup"], self._lookup_done):  # one event per Engram layer
+                    graph.replay()
+                    done.record(self._side)
+        segments = entry["segments"]
+        segments[0].replay()
+        for j, (_, group) in enumerate(entry["waits"]):
+            if mode == "lookup":
+                main.wait_event(self._lookup_done[j])
+            else:
+                for li in group:  # the prefetch of these rows, waited on where their layer reads them
+                    rows.wait_layer(li)
+            segments[j + 1].replay()
         self.replays += 1
         lengths = self.cache.lengths
         for slot, n in zip(step.slots, total):
@@ -216,18 +230,27 @@ class DecodeGraphs:
         step._derived[f"arrays@{self.device}"] = arrays
         return step
 
-    def _lookup(self, G: int) -> None:
-        """Hash and gather of the static step into the graphs' own staging (kernels only)."""
+    def _hash(self, G: int) -> torch.Tensor:
+        """Row ids of the static step, every Engram layer's (kernels only)."""
         from engram_trt import kernels
 
         d = self._buffers(G)[0]
         cids = d[1, :G].to(torch.int32)
         lookback = d[5:5 + self.n_lookback, :G].t().contiguous().to(torch.int32)
-        ids = kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
-        for li, out in enumerate(self.staging):  # type: ignore[arg-type]
-            rows, scales = self.tables.tensors(li)
-            kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=out[:G],
-                           bad_rows=self._bad_rows)
+        return kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
+
+    def _gather(self, ids: torch.Tensor, li: int, G: int) -> None:
+        """Engram layer ``li``'s rows of the static step into the graphs' own staging."""
+        from engram_trt import kernels
+
+        rows, scales = self.tables.tensors(li)
+        kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,
+                       out=self.staging[li][:G], bad_rows=self._bad_rows)  # type: ignore[index]
+
+    def _lookup(self, G: int) -> None:
+        ids = self._hash(G)
+        for _, li in self.model.engram_layers:
+            self._gather(ids, li, G)
 
     def _record(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
         d = self._buffers(G)[0]
@@ -239,9 +262,15 @@ class DecodeGraphs:
         step = self._static_step(G, L)
         rows = None if mode == "none" else (staged if mode == "staged" else [s[:G] for s in self.staging])  # type: ignore[union-attr]
         model, cache = self.model, self.cache
-        k = model.first_engram_layer if mode != "none" else None
-        cut = len(model.model.layers) if k is None else k
-        entry: dict[str, Any] = {}
+        # [(decoder layer, Engram layer indices)]: a segment ends before each decoder layer,
+        # and the main stream waits there for those Engram layers' rows
+        layers = model.engram_layers if mode != "none" else []
+        waits = [(layer, [li]) for layer, li in layers]
+        if layers and not self.wait_each_layer:
+            waits = [(layers[0][0], [li for _, li in layers])]
+        entry: dict[str, Any] = {"waits": waits}
+        cuts = [layer for layer, _ in waits]
+        bounds = [0, *cuts, len(model.model.layers)]
         try:
             main = torch.cuda.current_stream(self.device)
             warm = torch.cuda.Stream(self.device)
@@ -254,22 +283,28 @@ class DecodeGraphs:
             main.wait_stream(warm)
             torch.cuda.synchronize(self.device)
             if mode == "lookup":
+                lookups = []
+                for j, (_, group) in enumerate(waits):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.lookup_pool, stream=self._side):
+                        if j == 0:
+                            entry["ids"] = self._hash(G)  # read by every layer's graph: kept alive
+                        for li in group:
+                            self._gather(entry["ids"], li, G)
+                    lookups.append(g)
+                entry["lookup"] = lookups
+            segments = []
+            state = None
+            for j in range(len(bounds) - 1):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.lookup_pool, stream=self._side):
-                    self._lookup(G)
-                entry["lookup"] = g
-            pre, post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            with torch.cuda.graph(pre, pool=self.pool):
-                state = model.step_begin(step, cache, rows, True)
-                model.step_layers(state, cache, 0, cut)
-                if cut == len(model.model.layers):
-                    entry["logits"] = model.step_end(state, step, cache, False, True)
-            entry["pre"] = pre
-            if "logits" not in entry:
-                with torch.cuda.graph(post, pool=self.pool):
-                    model.step_layers(state, cache, cut, len(model.model.layers))
-                    entry["logits"] = model.step_end(state, step, cache, False, True)
-                entry["post"] = post
+                with torch.cuda.graph(g, pool=self.pool):
+                    if j == 0:
+                        state = model.step_begin(step, cache, rows, True)
+                    model.step_layers(state, cache, bounds[j], bounds[j + 1])
+                    if j == len(bounds) - 2:
+                        entry["logits"] = model.step_end(state, step, cache, False, True)
+                segments.append(g)
+            entry["segments"] = segments
             entry["state"] = state  # keeps the tensors the graphs share alive
         except Exception as exc:  # not capturable here: run eagerly from now on
             self.failed = f"{type(exc).__name__}: {exc}"
@@ -277,5 +312,5 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             return None
         self.graphs[(G, L, mode)] = entry
-        log.info("recorded decode CUDA graphs for %d sequences, context %d (%s rows, cut at layer %s)", G, L, mode, k)
+        log.info("recorded decode CUDA graphs for %d sequences, context %d (%s rows, cut at layers %s)", G, L, mode, cuts)
         return entry

@@ -4,9 +4,9 @@ them, on a side CUDA stream, into persistent staging buffers.
 Why this works: the lookup indices depend only on token ids, and the runtime knows a
 step's ids before the step (the prompt chunk, or the tokens it just sampled). So the
 runtime hands the step to :meth:`Prefetcher.submit` first, then launches the model; the
-main stream waits on the prefetch's event only where the first Engram layer reads the
-rows (:class:`StagedRows` waits lazily, at the first ``rows[i]``). The layers before
-that layer hide the lookup.
+main stream waits for each Engram layer's rows only where that layer reads them
+(:class:`StagedRows <engram_trt.runtime.staged_rows.StagedRows>` waits lazily, at the
+first ``rows[i]``). The layers before it hide the lookup.
 
 Why no worker thread: the lookup's host work runs on the thread that runs the step.
 A GPU gather is launched at once on the side stream (a few asynchronous launches). A
@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ import torch
 from engram_trt.engram.hashing import hash_batch_packed
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
+from engram_trt.runtime.staged_rows import StagedRows
 from engram_trt.runtime.step import PackedStep
 from engram_trt.tables.store import TableStore
 
@@ -95,95 +96,6 @@ def bad_row_checker(device: Any) -> Any:
             kernels.check_bad_rows(counter, what="Engram lookup")
 
     return counter, check
-
-
-class StagedRows:
-    """Per Engram layer, the step's rows ``[T, cols, head_dim]`` bf16: views into the
-    staging buffers. Reading ``rows[i]`` the first time makes the caller's current CUDA
-    stream wait for the prefetch (the host part first, then an event on the side
-    stream): the wait sits where the first Engram layer needs the rows.
-
-    ``deferred(i) -> event``: the host gather of layer ``i``, run by the first reader of
-    ``rows[i]`` (see the module docstring); each layer's rows are gathered where that
-    layer needs them, so the gather of the second Engram layer's rows overlaps the
-    first Engram layer on the GPU. :meth:`wait` runs and waits for every layer."""
-
-    def __init__(self, views: Sequence[torch.Tensor], event: Any = None, info: dict[str, Any] | None = None,
-                 staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[int], Any] | None = None,
-                 waiter: Callable[[int, Any], None] | None = None, finish: Callable[[], None] | None = None) -> None:
-        self._views = list(views)
-        self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
-        if waiter is not None:  # a layer's wait is enqueued on the reader's stream: the same lazy protocol
-            deferred = None
-        self._deferred = deferred
-        self._waiter = waiter
-        self._finish = finish
-        self._layer_ready = [deferred is None and waiter is None] * len(self._views)
-        self._event = event
-        self._ready = event is None and deferred is None and waiter is None
-        self.info = info or {}
-
-    def _mark_wait(self) -> None:
-        if "wait_event" in self.info and self._views and not self.info.get("_wait_marked"):
-            # timing: where the main stream stood when it first needed rows
-            self.info["wait_event"].record(torch.cuda.current_stream(self._views[0].device))
-            self.info["_wait_marked"] = True
-
-    def _layer(self, i: int) -> None:
-        if self._layer_ready[i]:
-            return
-        self._mark_wait()
-        stream = torch.cuda.current_stream(self._views[i].device)
-        if "layer_waits" in self.info:  # timing: where the main stream stood at this layer's read
-            mark = torch.cuda.Event(enable_timing=True)
-            mark.record(stream)
-            self.info["layer_waits"].append(mark)
-        if self._waiter is not None:
-            self._waiter(i, stream)  # a wait on the GPU for this layer's rows (the gather driver's)
-            if "layer_done" in self.info:  # timing: when the reader got past it
-                done = self.info["done_event"] if i == len(self._views) - 1 else torch.cuda.Event(enable_timing=True)
-                done.record(stream)
-                self.info["layer_done"].append(done)
-        else:
-            assert self._deferred is not None
-            ev = self._deferred(i)  # raises a failure of the lookup here
-            stream.wait_event(ev)
-        self._layer_ready[i] = True
-
-    def finish(self) -> None:
-        """On the host, after the step's layers were launched: wait until the lookup's host
-        work has run and raise its failure, if any (before the step's output is used)."""
-        if self._finish is not None:
-            self._finish()
-
-    def wait(self) -> None:
-        if self._ready:
-            return
-        self._mark_wait()
-        for i in range(len(self._views)):
-            self._layer(i)
-        if self._event is not None:
-            torch.cuda.current_stream(self._views[0].device).wait_event(self._event)
-        self._ready = True
-
-    def __len__(self) -> int:
-        return len(self._views)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if (self._deferred is not None or self._waiter is not None) and not self._ready:
-            self._layer(i)
-            if all(self._layer_ready):
-                self._ready = True
-            return self._views[i]
-        self.wait()
-        return self._views[i]
-
-    def __iter__(self) -> Any:
-        return (self[i] for i in range(len(self)))
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(v.shape) for v in self._views]
 
 
 class Prefetcher:
