@@ -127,6 +127,8 @@ def count_kernels(fn: Any, breakdown: dict | None = None) -> int | None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from engram_trt.bench.common import union_us
+
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
@@ -146,18 +148,6 @@ def count_kernels(fn: Any, breakdown: dict | None = None) -> int | None:
 
 
 UNION = "(any kernel running)"  # the breakdown's entry for the union of the kernels' spans
-
-
-def union_us(spans: list) -> float:
-    """Length of the union of (start, end) spans: the time some kernel ran. With
-    programmatic dependent launches kernels overlap (a kernel's span then includes its
-    wait for the one before), so their summed times exceed it."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return float(total)
 
 
 def say_breakdown(label: str, step_ms: float, breakdown: dict, top: int = 10) -> None:

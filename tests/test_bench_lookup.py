@@ -175,3 +175,14 @@ def test_bench_usage_errors(capsys) -> None:
         main(["bench", "gather", "--threads", "four"])
     assert exc.value.code == 2
     assert "argument --threads: expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_union_us_counts_overlapping_spans_once() -> None:
+    """What the backbone check and bench step --stream-profile report as a stream's busy
+    time: dependent launches overlap, so summed durations would count the overlap twice."""
+    from engram_trt.bench.common import union_us
+
+    assert union_us([]) == 0.0
+    assert union_us([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == 4.0  # order does not matter
+    assert union_us([(0.0, 10.0), (2.0, 3.0), (4.0, 12.0)]) == 12.0  # nested and chained
+    assert union_us([(0.0, 1.0), (1.0, 2.0)]) == 2.0  # touching spans

@@ -32,6 +32,18 @@ def time_fn(fn: Callable[[], Any], device: torch.device, warmup: int = 3, iters:
     return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters, "times_s": times}
 
 
+def union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) spans: the time some kernel ran. With
+    programmatic dependent launches kernels overlap (a kernel's span then includes its
+    wait for the one before), so their summed times exceed it."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return float(total)
+
+
 def capture_graph(body: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, Any]:
     """``body()`` run once on a side stream (its warm-up: lazy initialisation and GEMM
     workspaces stay out of the graph), then captured into a CUDA graph on ``device`` (the

@@ -56,6 +56,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-graphs", action="store_true",
                    help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend serves them)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a torch-profiler Chrome trace of one pinned decode step")
+    p.add_argument("--stream-profile", action="store_true",
+                   help="after timing each case and mode, profile one more step on the GPU and report each stream's "
+                        "kernel and copy time: with host tables, whether the side streams' work slows the main stream's "
+                        "kernels (their time against the same kernels with HBM tables)")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="after timing each case and mode, profile N more steps' host work (cProfile) and print the "
                         "functions that take most of it, per step (default: 0, off)")
@@ -230,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
                 entry["timeline"] = _timeline(pf, one, device)
             if args.host_profile:
                 entry["host_profile"] = _host_profile(one, device, args.host_profile)
+            if args.stream_profile:
+                entry["streams"] = _stream_profile(one, device)
             if pf is not None:
                 pf.close()
             graphs = None  # frees its recorded graphs before the next mode
@@ -283,6 +289,39 @@ def _bound_ms(info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: li
         return (weight_bytes + kv + rows) / (limits["hbm_GBps"] * 1e9) * 1e3
     attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * (T * T / 2)
     return (2 * params * T + attn) / (limits["bf16_TFLOPs"] * 1e12) * 1e3
+
+
+def _stream_profile(one: Any, device: Any) -> dict[str, Any]:
+    """One step under the CUDA profiler, by stream: kernels (count, the union of their
+    spans, their summed durations) and copies. The stream with the most kernels is the
+    step's main stream; the others are the lookup's (a graph's side stream, the
+    prefetcher's, the gather driver's)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from engram_trt.bench.common import sync, union_us
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        one()
+        sync(device)
+    streams: dict[int, dict[str, Any]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        s = streams.setdefault(int(e.device_resource_id or 0), {"kernels": 0, "kernel_spans": [], "copy_us": 0.0, "copies": 0})
+        span = (float(e.time_range.start), float(e.time_range.end))
+        if e.name.lower().startswith(("memcpy", "memset")):
+            s["copies"] += 1
+            s["copy_us"] += span[1] - span[0]
+        else:
+            s["kernels"] += 1
+            s["kernel_spans"].append(span)
+    out = []
+    for sid, s in sorted(streams.items(), key=lambda kv: -kv[1]["kernels"]):
+        spans = s.pop("kernel_spans")
+        out.append({"stream": sid, **s, "kernel_busy_us": union_us(spans), "kernel_sum_us": sum(b - a for a, b in spans)})
+    return {"by_stream": out}
 
 
 def _host_profile(one: Any, device: Any, steps: int, top: int = 12) -> dict[str, Any]:
@@ -438,6 +477,13 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
                 host = layer["host_gather_ms"]
                 print(f"    layer {li}: main stream at its read {layer['read_ms']:.3f} ms, rows ready {layer['ready_ms']:.3f} ms "
                       f"(GPU clock)" + ("" if host is None else f"; host gather call {host[0]:.3f}-{host[1]:.3f} ms after submit"))
+            sp = row[m].get("streams")
+            if sp and sp["by_stream"]:
+                main, *side = sp["by_stream"]
+                print(f"  {m}: main stream {main['kernels']} kernels, {main['kernel_busy_us'] / 1e3:.3f} ms busy "
+                      f"({main['kernel_sum_us'] / 1e3:.3f} ms summed), {main['copies']} copies {main['copy_us']:.0f} us"
+                      + "".join(f"; stream {x['stream']}: {x['kernels']} kernels {x['kernel_busy_us']:.0f} us, "
+                                f"{x['copies']} copies {x['copy_us']:.0f} us" for x in side))
             hp = row[m].get("host_profile")
             if hp:
                 print(f"  {m}: host profile, {hp['wall_us_per_step']:.0f} us a step under cProfile; own time per step: "
