@@ -50,8 +50,8 @@ sys.path.insert(0, str(REPO / "python"))
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(REPO / "scripts"))
-from h200_common import (LOG, RESULTS, Harness, add_build_arguments, record, record_crash, say, start,  # noqa: E402,F401
-                         write_results)
+from h200_common import (LOG, RESULTS, Harness, add_check_arguments, record, run_checks, say,  # noqa: E402,F401
+                         start)
 
 
 # --- float64 reference -------------------------------------------------------------------
@@ -515,18 +515,16 @@ def time_attention(reps: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_build_arguments(ap)
+    add_check_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the plugin checks that need no GPU")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-timing", action="store_true")
-    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
     args = ap.parse_args()
 
     seed = start(args)
     rng = np.random.default_rng(seed)
-    failed = False
-    try:
+
+    def body() -> None:
         harness = Harness(args.build_dir / "plugins" / "tests" / "libengram_plugin_harness.so")
         check_plugin_cpu(harness)
         if not args.cpu_only:
@@ -537,11 +535,12 @@ def main() -> int:
             check_plugin_gpu(rng, harness)
             if not args.no_timing:
                 time_attention(args.reps)
-    except Exception as exc:  # report what ran, then fail
-        record_crash(exc)
-        failed = True
 
-    n_fail = write_results(args.out, "h200_attention_check", seed)
+    return run_checks(body, args.out, "h200_attention_check", seed, print_timing)
+
+
+def print_timing() -> None:
+    """The timing stage's table (after the results are written)."""
     if RESULTS["timing"]:
         say(f"{'case':<22} | {'step us':>9} | {'attn us':>9} | {'SDPA us':>9} | x SDPA | GB/s | TFLOP/s | "
             f"{'tiled us':>9} | x tiled")
@@ -550,7 +549,6 @@ def main() -> int:
                 f"{r['sdpa_s'] * 1e6:9.1f} | {r['ratio_to_sdpa']:6.2f} | {r['engram_GBps']:4.0f} | "
                 f"{r['engram_TFLOPs']:.1f} (SDPA {r['sdpa_TFLOPs']:.1f}) | {r['tiled_attention_s'] * 1e6:9.1f} | "
                 f"{r['ratio_to_tiled']:.2f}")
-    return 1 if (n_fail or failed) else 0
 
 
 if __name__ == "__main__":

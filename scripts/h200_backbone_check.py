@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,8 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from h200_common import (LOG, RESULTS, add_build_arguments, record, record_crash, say, start,  # noqa: E402,F401
-                         write_results)
+from h200_common import LOG, RESULTS, add_check_arguments, record, run_checks, say, start  # noqa: E402,F401
 
 U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
 EPS = 1e-6
@@ -439,17 +437,15 @@ def check_graph(gen, rounds: int = 3) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_build_arguments(ap)
+    add_check_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
     ap.add_argument("--no-model", action="store_true", help="skip the 1.15B model check and the timing")
     ap.add_argument("--iters", type=int, default=20, help="timed decode steps per case (median)")
-    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
     args = ap.parse_args(argv)
 
     seed = start(args)
-    failed = False
-    try:
+
+    def body() -> None:
         import torch
 
         check_abi()
@@ -463,16 +459,14 @@ def main(argv: list[str] | None = None) -> int:
                 model, layout, info = h200_backbone_model.build_model(torch.device("cuda"))
                 twin = h200_backbone_model.check_model(model, layout, info, seed)
                 h200_backbone_model.time_decode(model, args.iters, twin=twin)
-    except Exception as exc:  # report what ran, then fail
-        record_crash(exc)
-        failed = True
 
-    n_fail = write_results(args.out, "h200_backbone_check", seed)
-    if RESULTS["timing"]:
-        import h200_backbone_model
+    def summary() -> None:
+        if RESULTS["timing"]:
+            import h200_backbone_model
 
-        h200_backbone_model.print_table(RESULTS["timing"])
-    return 1 if (n_fail or failed) else 0
+            h200_backbone_model.print_table(RESULTS["timing"])
+
+    return run_checks(body, args.out, "h200_backbone_check", seed, summary)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,23 @@ def write_results(out: Path, name: str, seed: int) -> int:
     return n_fail
 
 
+def run_checks(body, out: Path, name: str, seed: int, summary=None) -> int:
+    """A check script's run after :func:`start`: ``body()`` (its stages); an exception
+    stops it but is reported as a failed check, so what ran before it still is; then the
+    results are written (:func:`write_results`) and ``summary()``, if given, prints the
+    script's tables. Returns the exit status: 1 on any failed check."""
+    failed = False
+    try:
+        body()
+    except Exception as exc:  # report what ran, then fail
+        record_crash(exc)
+        failed = True
+    n_fail = write_results(out, name, seed)
+    if summary is not None:
+        summary()
+    return 1 if (n_fail or failed) else 0
+
+
 def random_fp8_table(rng, rows: int, head_dim: int, block: int = 32):
     fp8 = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
     fp8[(fp8 & 0x7F) == 0x7F] = 0x3C  # no NaN encodings: bit comparison of NaN payloads is meaningless
@@ -280,12 +297,15 @@ def gate_fields(hc, D, eps):
             ("eps", PF_FLOAT32, np.array([eps], np.float32))]
 
 
-def add_build_arguments(ap) -> None:
-    """The build options :func:`start` reads: --build-dir, --trt-include, --archs, --skip-build."""
+def add_check_arguments(ap) -> None:
+    """The options :func:`start` and a script's :func:`run_checks` read: the build's
+    (--build-dir, --trt-include, --archs, --skip-build), --seed and --out."""
     ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
     ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
     ap.add_argument("--archs", default="90")
     ap.add_argument("--skip-build", action="store_true")
+    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
 
 
 def start(args) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from h200_backbone_check import U, check, ulp_distance, within  # noqa: E402
-from h200_common import add_build_arguments, record, record_crash, say, start, write_results  # noqa: E402
+from h200_common import add_check_arguments, record, run_checks, say, start  # noqa: E402
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "wkv": (10240, 6144), "lm_head": (129280, 2048)}
@@ -208,14 +207,12 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_build_arguments(ap)
+    add_check_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
-    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
     args = ap.parse_args(argv)
     seed = start(args)
-    failed = False
-    try:
+
+    def body() -> None:
         import torch
 
         check_abi()
@@ -223,11 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.cpu_only:
             say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
             check_kernels(torch.Generator(device="cuda").manual_seed(seed))
-    except Exception as exc:  # report what ran, then fail
-        record_crash(exc)
-        failed = True
-    n_fail = write_results(args.out, "h200_gemv_check", seed)
-    return 1 if (n_fail or failed) else 0
+
+    return run_checks(body, args.out, "h200_gemv_check", seed)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,8 @@ sys.path.insert(0, str(REPO / "python"))
 import numpy as np  # noqa: E402
 
 from h200_common import (DT, LOG, start, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
-                         add_build_arguments, gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
-                         random_fp8_table, record, record_crash, say, write_results)
+                         add_check_arguments, gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
+                         random_fp8_table, record, run_checks, say)
 import h200_column_range  # noqa: E402
 import h200_edge_cases  # noqa: E402
 import h200_timing  # noqa: E402
@@ -609,15 +609,13 @@ def probe(name: str, build_dir: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_build_arguments(ap)
+    add_check_arguments(ap)
     ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU")
     ap.add_argument("--table-gib", type=float, default=24.0)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--timing-only", action="store_true",
                     help="only the timed cases (the checks skipped): is a timing slow by itself or after the checks?")
-    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
     ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: one child-process probe
     args = ap.parse_args()
     if args.probe:
@@ -630,8 +628,7 @@ def main() -> int:
     harness = Harness(harness_path(args.build_dir))
     layouts = make_layouts()
 
-    failed = False
-    try:
+    def body() -> None:
         if not args.timing_only:
             check_plugins_cpu(harness, layouts)
         if not args.cpu_only:
@@ -649,11 +646,12 @@ def main() -> int:
             if not args.no_timing:
                 h200_timing.time_gate_and_hash(rng)
                 h200_timing.time_gathers(rng, args.table_gib, args.reps)
-    except Exception as exc:  # report what ran, then fail
-        record_crash(exc)
-        failed = True
 
-    n_fail = write_results(args.out, "h200_verify", seed)
+    return run_checks(body, args.out, "h200_verify", seed, print_timing)
+
+
+def print_timing() -> None:
+    """The timing stage's tables and the issue's targets (after the results are written)."""
     t = RESULTS["timing"]
     if "d2d_copy_GBps" in t:
         say(f"device-to-device copy: {t['d2d_copy_GBps']:.0f} GB/s")
@@ -671,7 +669,6 @@ def main() -> int:
                 say(f"{n:>7} | {name:<46} | {v['seconds'] * 1e6:9.1f} | {v['GBps']:6.1f} | {v['ratio_to_h2d']:.2f}")
     for tg in RESULTS.get("targets", []):
         say(f"{'TARGET MET   ' if tg['met'] else 'TARGET MISSED'} {tg['name']}: {tg['detail']}")
-    return 1 if (n_fail or failed) else 0
 
 
 if __name__ == "__main__":
