@@ -375,20 +375,21 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
             }
             __syncthreads();
 
-            // out[g, d] = out[g, d] * corr[g] + sum_j p[j, g] * V[j, d]
+            // out[g, d] = out[g, d] * corr[g] + sum_j p[j, g] * V[j, d]. The tile's terms are
+            // summed apart and added to the running output once per tile: one running sum over
+            // a whole context (4,095 keys: 4,095 roundings of a growing sum) put fp32 outputs
+            // past 2e-6 of max|out| on some inputs, where the split kernel's shorter sums did not.
 #pragma unroll
             for (int c = 0; c < kAttnColsPerThread; ++c)
             {
                 int32_t const d = threadIdx.x + c * kAttnThreads;
                 if (d < hd)
                 {
+                    float tile[kAttnHeadsPerBlock];
 #pragma unroll
                     for (int g = 0; g < kAttnHeadsPerBlock; ++g)
                     {
-                        if (g < nh)
-                        {
-                            acc[c][g] *= corrS[g];
-                        }
+                        tile[g] = 0.0F;
                     }
                     for (int32_t j = 0; j < n; ++j)
                     {
@@ -401,8 +402,16 @@ __global__ void __launch_bounds__(kAttnThreads) packedAttentionKernel(AttentionP
                         {
                             if (g < nh)
                             {
-                                acc[c][g] += prob[g] * v;
+                                tile[g] += prob[g] * v;
                             }
+                        }
+                    }
+#pragma unroll
+                    for (int g = 0; g < kAttnHeadsPerBlock; ++g)
+                    {
+                        if (g < nh)
+                        {
+                            acc[c][g] = acc[c][g] * corrS[g] + tile[g];
                         }
                     }
                 }
