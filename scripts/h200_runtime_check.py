@@ -6,7 +6,7 @@ and the serving throughput. One run, a short table at the end; exit 1 on a faile
    default pinned store with side-stream prefetch) gives the greedy tokens of the
    reference model's own one-sequence loop on the same device and dtype, eagerly and
    with decode CUDA graphs, and with the graphs for each host-table path forced (UVA
-   lookup graphs; host gathers staged by the driver).
+   lookup graphs, apart and forked inside the step's graph; host gathers staged by the driver).
 2. The pinned, device, shared and file stores give bit-identical logits on a prefill
    chunk and on mixed prefill + decode steps (each store takes its own gather path:
    host gather / HBM gather kernel / UVA).
@@ -113,21 +113,26 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks,
     checks["LLM with decode CUDA graphs == reference loop"] = tokens["graphs"] == want
     # The decode graphs per lookup path, whatever the calibration picked above: "uva" reads
     # the rows in per-Engram-layer lookup graphs on the side stream, "host" stages them
-    # through the gather driver, each layer's rows waited on before its graph segment.
-    for path in ("uva", "host"):
+    # through the gather driver, each layer's rows waited on before its graph segment;
+    # "uva-forked" captures the UVA lookup on a side stream forked inside one graph of the step.
+    for name in ("uva", "host", "uva-forked"):
+        path = name.split("-")[0]
         with LLM(str(engine), device="cuda", progress=False, cuda_graphs=True) as llm:
             pf = llm.runner.prefetcher
             if pf is None or pf.tables.on_device:
-                checks[f"LLM with decode CUDA graphs, {path} path: host tables"] = False
+                checks[f"LLM with decode CUDA graphs, {name} path: host tables"] = False
                 continue
             pf.gather_policy = lambda n, path=path: path
-            got = llm.generate(prompt, params)[0].token_ids
             graphs = llm.runner.backend.graphs
+            graphs.fork_lookup = name.endswith("-forked")  # before the first decode step records its graphs
+            got = llm.generate(prompt, params)[0].token_ids
             modes = sorted({mode for (_, _, mode) in graphs.graphs})
-            res[f"graphs_{path}"] = {"modes": modes, "replays": graphs.replays, "failed": graphs.failed,
-                                     "agree": sum(a == b for a, b in zip(got, want))}
+            res[f"graphs_{name}"] = {"modes": modes, "replays": graphs.replays, "failed": graphs.failed,
+                                     "agree": sum(a == b for a, b in zip(got, want)),
+                                     "forked": sorted(e["forked"] for e in graphs.graphs.values())}
             want_mode = "lookup" if path == "uva" else "staged"
-            checks[f"LLM with decode CUDA graphs, {path} path ({want_mode} graphs) == reference loop"] = (
+            forked_ok = all(e["forked"] == name.endswith("-forked") for e in graphs.graphs.values())
+            checks[f"LLM with decode CUDA graphs, {name} path ({want_mode} graphs) == reference loop"] = forked_ok and (
                 got == want and graphs.failed is None and modes == [want_mode] and graphs.replays >= args.new_tokens - 1)
     del ref
     torch.cuda.empty_cache()

@@ -35,10 +35,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 # gathers on the gather driver, the scale bytes read on the GPU); pinned-auto-nodriver runs
 # those gathers on the engine thread; pinned-auto-hostscales keeps the scales in host memory;
 # the -onecut modes replay decode graphs cut only at the first Engram layer, which waits
-# for every layer's rows (the runtime's graphs wait for each layer's rows at that layer).
+# for every layer's rows (the runtime's graphs wait for each layer's rows at that layer);
+# the -forked modes capture the GPU lookup on a side stream forked inside one graph of
+# the whole step (the runtime replays it in graphs of its own beside the step's segments).
 MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver", "pinned-auto-hostscales",
-         "pinned-host-onecut", "pinned-uva-onecut")
-DEFAULT_MODES = tuple(m for m in MODES if not m.endswith("-onecut"))  # the A/B variants of the older graphs left out
+         "pinned-host-onecut", "pinned-uva-onecut", "device-forked", "pinned-uva-forked")
+AB_SUFFIXES = ("-onecut", "-forked")  # the A/B variants of the graphs, left out by default
+DEFAULT_MODES = tuple(m for m in MODES if not m.endswith(AB_SUFFIXES))
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -50,7 +53,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256, help="tokens already in each decode sequence's cache (default: %(default)s)")
     p.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens, 0 to skip (default: %(default)s)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut ones)")
+                   help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut and -forked ones)")
     p.add_argument("--iters", type=int, default=10, help="timed steps per case (median reported; default: %(default)s)")
     p.add_argument("--timeline", action="store_true", help="record when the lookup ran vs when the first Engram layer needed it")
     p.add_argument("--no-graphs", action="store_true",
@@ -139,7 +142,7 @@ def _stores(tables: list, modes: list[str], device: Any, quant_block: int) -> di
     out: dict[str, Any] = {}
     if any(m.startswith("pinned") for m in modes):
         out["pinned"] = PinnedTensors(tables, quant_block)
-    if "device" in modes:
+    if any(m.startswith("device") for m in modes):
         out["device"] = DeviceTables([(r.to(device), s.to(device)) for r, s in tables], quant_block)
     return out
 
@@ -191,10 +194,11 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             pf = None
             if mode != "none":
-                store = stores["device" if mode == "device" else "pinned"]
+                on_device = mode.startswith("device")
+                store = stores["device" if on_device else "pinned"]
                 model.set_tables(store)
                 auto = mode.startswith("pinned-auto")
-                policy = None if mode == "device" or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
+                policy = None if on_device or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
                 pf = Prefetcher(layout, store, device, T, gather_policy=policy,
                                 gather_driver=False if mode.endswith("-nodriver") else None,
                                 hbm_scales=False if mode.endswith("-hostscales") else None)
@@ -213,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
 
                 graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=model.tables if mode != "none" else None,
                                       lookup_policy=pf.path_for if pf is not None else None,
-                                      wait_each_layer=not mode.endswith("-onecut"))
+                                      wait_each_layer=not mode.endswith("-onecut"),
+                                      fork_lookup=mode.endswith("-forked"))
 
             def one() -> None:
                 for s in range(S):
@@ -440,7 +445,7 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
         print(f"pinned-auto: start-up calibration {results['calibration']}")
     if results.get("host_layouts"):
         print("host gather's table layout (hbm-scales: the scale bytes read on the GPU): " + ", ".join(
-            f"{m} {v}" for m, v in results["host_layouts"].items() if m != "device"))
+            f"{m} {v}" for m, v in results["host_layouts"].items() if not m.startswith("device")))
     print(f"model: {info['params'] / 1e9:.2f}B params ({info['weight_bytes'] / 2**30:.2f} GiB bf16), tables "
           f"{info['table_bytes'] / 2**30:.2f} GiB ({info['cols']} cols x {info['row_bytes']} B rows per Engram layer)")
     head = f"{'case':<14}" + "".join(f"{m:>22}" for m in modes) + f"{'baseline/bound':>16}{'floor ratio':>13}"

@@ -11,22 +11,27 @@ that changes between steps — token ids, compressed ids, positions, slots, leng
 Engram lookback — lives in static device buffers the graphs read; one pinned copy per
 step fills them.
 
-The step is cut into segments at each Engram layer, so each layer waits for its own
-rows where it does in the eager step: the first segment (embedding and the layers
-before the first Engram layer) replays, then the main stream waits for the first Engram
-layer's rows, then the next segment (that layer up to the next Engram layer), and so on.
-One cut for all layers would make the first Engram layer wait for every layer's rows:
-with host tables a decode step's second gather (100-150 us on the H200 at 64-256
-tokens) would sit on the critical path instead of behind the first Engram layer. The
-rows come from either
-- ``lookup`` graphs, one per Engram layer (the first also hashes), replayed in turn on a
-  high-priority side stream concurrently with the segments, when the tables are
-  GPU-readable and the gather policy picks a GPU gather for this many rows: no host
-  work at all; or
-- the prefetcher (the host gather), staged into its fixed buffers; each layer's wait
-  (``rows[i]``, on the GPU where the gather driver runs) is enqueued before its segment.
-``wait_each_layer=False`` keeps the older form (one cut at the first Engram layer, which
-waits for every layer's rows) for benchmarks that compare the two in one process.
+Each Engram layer waits for its own rows where it does in the eager step: the layers
+before the first Engram layer run, then the main stream waits for the first Engram
+layer's rows, then the layers up to the next Engram layer, and so on. One wait for all
+layers would make the first Engram layer wait for every layer's rows: with host tables
+a decode step's second gather (100-150 us on the H200 at 64-256 tokens) would sit on the
+critical path instead of behind the first Engram layer. The rows come from either
+- the GPU gathers (``lookup`` mode), when the tables are GPU-readable and the gather
+  policy picks a GPU gather for this many rows: a graph per Engram layer's lookup (the
+  first also hashes) replayed on a high-priority side stream, and the step cut into a
+  graph per segment between the Engram layers, the main stream waiting on each lookup's
+  event: no host work but the launches (five graph launches and four event calls a step
+  at two Engram layers). ``fork_lookup=True`` captures the hash and the gathers on the
+  side stream forked from one graph of the whole step instead, each Engram layer joining
+  its gather inside the graph: one launch a step. It is not the default until measured
+  on the GPU against the separate graphs (``bench step``'s ``-forked`` modes); or
+- the prefetcher (the host gather), staged into its fixed buffers; the step is cut
+  into a graph per segment, and each layer's wait (``rows[i]``, on the GPU where the
+  gather driver runs) is enqueued before its segment. (The driver's wait is on a value
+  that changes every step, which a recorded graph cannot hold.)
+``wait_each_layer=False`` keeps the older form (one wait at the first Engram layer, for
+every layer's rows), for benchmarks that compare the forms in one process.
 
 Recording can fail where a kernel or library call is not capturable; then the backend
 logs why once and runs decode steps eagerly (the same function, only slower).
@@ -61,10 +66,12 @@ class DecodeGraphs:
     ``scratch_slot``: a KV slot outside the scheduler's range, for padding sequences.
     ``tables`` + ``lookup_policy(num_rows) -> path``: the lookup goes into a graph when
     the tables are GPU-readable and the policy picks a GPU gather. ``wait_each_layer``:
-    a segment per Engram layer (default), else one cut at the first."""
+    a wait per Engram layer (default), else one at the first. ``fork_lookup``: GPU
+    lookups forked inside one graph of the step, else (default) in graphs of their own."""
 
     def __init__(self, model: Any, cache: Any, max_batch: int, scratch_slot: int, tables: Any = None,
-                 lookup_policy: Callable[[int], str] | None = None, wait_each_layer: bool = True) -> None:
+                 lookup_policy: Callable[[int], str] | None = None, wait_each_layer: bool = True,
+                 fork_lookup: bool = False) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -74,6 +81,7 @@ class DecodeGraphs:
         self.tables = tables
         self.lookup_policy = lookup_policy
         self.wait_each_layer = wait_each_layer
+        self.fork_lookup = fork_lookup
         layout = model.layout
         self.n_lookback = layout.max_ngram_size - 1 if layout is not None else 0
         G = _bucket(max_batch)
@@ -168,21 +176,27 @@ class DecodeGraphs:
         main = torch.cuda.current_stream(self.device)
         if mode == "lookup":
             self._check_bad_rows()  # every N steps: did a gather read no table?
+        if entry["forked"] or mode == "none":  # one graph: the whole step
+            entry["segments"][0].replay()
+        elif mode == "staged":
+            segments = entry["segments"]
+            segments[0].replay()
+            for j, (_, group) in enumerate(entry["waits"]):
+                for li in group:  # the prefetch of these rows, waited on where their layer reads them
+                    rows.wait_layer(li)
+                segments[j + 1].replay()
+        else:
             self._filled.record(main)  # the static buffers are filled (one event, re-recorded: wait_stream makes one per call)
             self._side.wait_event(self._filled)
             with torch.cuda.stream(self._side):
                 for graph, done in zip(entry["lookup"], self._lookup_done):  # one event per Engram layer
                     graph.replay()
                     done.record(self._side)
-        segments = entry["segments"]
-        segments[0].replay()
-        for j, (_, group) in enumerate(entry["waits"]):
-            if mode == "lookup":
+            segments = entry["segments"]
+            segments[0].replay()
+            for j in range(len(entry["waits"])):
                 main.wait_event(self._lookup_done[j])
-            else:
-                for li in group:  # the prefetch of these rows, waited on where their layer reads them
-                    rows.wait_layer(li)
-            segments[j + 1].replay()
+                segments[j + 1].replay()
         self.replays += 1
         lengths = self.cache.lengths
         for slot, n in zip(step.slots, total):
@@ -252,6 +266,37 @@ class DecodeGraphs:
         for _, li in self.model.engram_layers:
             self._gather(ids, li, G)
 
+    def _record_forked(self, entry: dict[str, Any], step: PackedStep, rows: list[torch.Tensor], G: int,
+                       bounds: list[int]) -> torch.cuda.CUDAGraph:
+        """One graph of the whole step with its GPU lookup forked onto the side stream:
+        the hash and the gathers in the order of ``entry["waits"]``, each group's last
+        gather followed by an event that the main stream waits on before the decoder
+        layer that reads those rows. The side stream's last event is waited on before the
+        last segment, so every forked node joins the graph's origin stream (as capture
+        requires)."""
+        model, cache = self.model, self.cache
+        joins = [torch.cuda.Event() for _ in entry["waits"]]
+        fork = torch.cuda.Event()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            origin = torch.cuda.current_stream(self.device)
+            fork.record(origin)
+            self._side.wait_event(fork)
+            with torch.cuda.stream(self._side):
+                entry["ids"] = self._hash(G)
+                for (_, group), done in zip(entry["waits"], joins):
+                    for li in group:
+                        self._gather(entry["ids"], li, G)
+                    done.record(self._side)
+            state = model.step_begin(step, cache, rows, True)
+            for j in range(len(bounds) - 1):
+                if j > 0:
+                    origin.wait_event(joins[j - 1])
+                model.step_layers(state, cache, bounds[j], bounds[j + 1])
+            entry["logits"] = model.step_end(state, step, cache, False, True)
+        entry["_state"] = state
+        return g
+
     def _record(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
         d = self._buffers(G)[0]
         self._event.synchronize()  # no step's copy into d is in flight
@@ -268,7 +313,8 @@ class DecodeGraphs:
         waits = [(layer, [li]) for layer, li in layers]
         if layers and not self.wait_each_layer:
             waits = [(layers[0][0], [li for _, li in layers])]
-        entry: dict[str, Any] = {"waits": waits}
+        forked = mode == "lookup" and self.fork_lookup
+        entry: dict[str, Any] = {"waits": waits, "forked": forked}
         cuts = [layer for layer, _ in waits]
         bounds = [0, *cuts, len(model.model.layers)]
         try:
@@ -282,7 +328,10 @@ class DecodeGraphs:
                     model.forward_step(step, cache, engram_rows=rows, capture=True)
             main.wait_stream(warm)
             torch.cuda.synchronize(self.device)
-            if mode == "lookup":
+            if forked:
+                entry["segments"] = [self._record_forked(entry, step, rows, G, bounds)]
+                entry["state"] = entry.pop("_state")
+            elif mode == "lookup":
                 lookups = []
                 for j, (_, group) in enumerate(waits):
                     g = torch.cuda.CUDAGraph()
@@ -293,24 +342,26 @@ class DecodeGraphs:
                             self._gather(entry["ids"], li, G)
                     lookups.append(g)
                 entry["lookup"] = lookups
-            segments = []
-            state = None
-            for j in range(len(bounds) - 1):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    if j == 0:
-                        state = model.step_begin(step, cache, rows, True)
-                    model.step_layers(state, cache, bounds[j], bounds[j + 1])
-                    if j == len(bounds) - 2:
-                        entry["logits"] = model.step_end(state, step, cache, False, True)
-                segments.append(g)
-            entry["segments"] = segments
-            entry["state"] = state  # keeps the tensors the graphs share alive
+            if "segments" not in entry:
+                segments = []
+                state = None
+                for j in range(len(bounds) - 1):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        if j == 0:
+                            state = model.step_begin(step, cache, rows, True)
+                        model.step_layers(state, cache, bounds[j], bounds[j + 1])
+                        if j == len(bounds) - 2:
+                            entry["logits"] = model.step_end(state, step, cache, False, True)
+                    segments.append(g)
+                entry["segments"] = segments
+                entry["state"] = state  # keeps the tensors the graphs share alive
         except Exception as exc:  # not capturable here: run eagerly from now on
             self.failed = f"{type(exc).__name__}: {exc}"
             log.warning("CUDA graphs disabled for decode steps (%s); decode steps run eagerly", self.failed)
             torch.cuda.synchronize(self.device)
             return None
         self.graphs[(G, L, mode)] = entry
-        log.info("recorded decode CUDA graphs for %d sequences, context %d (%s rows, cut at layers %s)", G, L, mode, cuts)
+        log.info("recorded decode CUDA graphs for %d sequences, context %d (%s rows, %s at layers %s)", G, L, mode,
+                 "joined" if forked else "cut", cuts)
         return entry
