@@ -24,7 +24,10 @@
  *
  * Sinks: bf16 output (fp8 tables dequantized on the GPU, bf16 tables copied straight into
  * `out`), or raw bytes (rows and scale bytes copied into two device arrays, for a device
- * row cache that stores fp8).
+ * row cache that stores fp8). With the scales in HBM (ENGRAM_LAYOUT_HBM_SCALES) the raw
+ * sink stages and copies the values alone (one copy per chunk instead of two) and one
+ * kernel on the caller's stream gathers the rows' scale bytes from the device scale array
+ * by the device ids, beside the pipeline (the copies do not wait for it).
  */
 #include "kernels/engramKernels.h"
 #include "kernels/engramKernelsInternal.h"
@@ -175,8 +178,9 @@ struct GatherSink
     int32_t headDim{0};
     int32_t tableDtype{0};
     int32_t quantBlock{0};
-    // ENGRAM_LAYOUT_HBM_SCALES: the dequant reads scale bytes by id from device memory
-    // (the ids laid out as the call's host ids, RowIds).
+    // ENGRAM_LAYOUT_HBM_SCALES: the dequant (bf16 sink) or the scale-byte gather (raw sink)
+    // reads scale bytes by id from device memory (the ids laid out as the call's host ids,
+    // RowIds).
     uint8_t const* scalesDev{nullptr};
     int32_t const* idsDev{nullptr};
 };
@@ -465,6 +469,16 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
             return recordError(fn, "ordering the copy stream after the caller's stream", status);
         }
     }
+    if (sink.kind == GatherSink::kRaw && sink.scalesDev != nullptr)
+    {
+        // Enqueued after callStart, so the copies do not wait for it: the scale bytes come
+        // from HBM while the CPU gathers the values; the caller's stream runs it in order.
+        if (int const launched = launchGatherScaleBytes(sink.idsDev, totalRows, sink.scalesDev, table.numRows,
+                sink.headDim / sink.quantBlock, sink.dstScales, stream))
+        {
+            return launched;
+        }
+    }
 
     int result = 0;
     auto worker = [&job](int /*thread*/) { job.work(); };
@@ -584,19 +598,14 @@ int hostGather(char const* fn, EngramHostGatherer* gatherer, RowIds ids, int64_t
     }
     if (tableLayout == ENGRAM_LAYOUT_HBM_SCALES)
     {
-        if (sink.kind == GatherSink::kRaw)
-        {
-            return fail(cudaErrorInvalidValue,
-                "%s: the raw sink copies scale bytes from host memory: pass the split layout (0) with host scales", fn);
-        }
         if (tableNumRows > 0 && scalesHost == nullptr)
         {
             return fail(cudaErrorInvalidValue, "%s: hbm_scales (2) needs the table's scales in device memory", fn);
         }
         if (totalRows > 0 && sink.idsDev == nullptr)
         {
-            return fail(cudaErrorInvalidValue,
-                "%s: hbm_scales (2) needs the ids in device memory too (engram_host_gather_dev's ids_dev)", fn);
+            return fail(cudaErrorInvalidValue, "%s: hbm_scales (2) needs the ids in device memory too (%s's ids_dev)",
+                fn, sink.kind == GatherSink::kRaw ? "engram_host_gather_raw_dev" : "engram_host_gather_dev");
         }
         sink.scalesDev = static_cast<uint8_t const*>(scalesHost);
     }
@@ -918,6 +927,65 @@ extern "C" ENGRAM_API int engram_host_gather(EngramHostGatherer* gatherer, int32
         tableNumRows, headDim, tableDtype, quantBlock, ENGRAM_LAYOUT_SPLIT, out, stream);
 }
 
+namespace
+{
+//! Both raw entry points. The checks of the hbm_scales arguments come first (they need no
+//! gatherer, so a caller's mistake is named before anything else is looked at).
+int hostGatherRaw(char const* fn, EngramHostGatherer* gatherer, int32_t const* idsHost, int32_t const* idsDev,
+    int64_t numIds, void const* rowsHost, void const* scales, int64_t tableNumRows, int32_t headDim, int32_t tableDtype,
+    int32_t quantBlock, int32_t tableLayout, void* dstRows, void* dstScales, cudaStream_t stream)
+{
+    if (numIds < 0)
+    {
+        return fail(cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
+    }
+    if (tableLayout == ENGRAM_LAYOUT_HBM_SCALES)
+    {
+        if (tableDtype != ENGRAM_TABLE_FP8_E4M3)
+        {
+            return fail(cudaErrorInvalidValue, "%s: hbm_scales (2) is a layout of fp8 tables only", fn);
+        }
+        if (tableNumRows > 0 && scales == nullptr)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: hbm_scales (2) needs the table's scales in device memory (scales is NULL)", fn);
+        }
+        if (numIds > 0 && idsDev == nullptr)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: hbm_scales (2) needs the ids in device memory too (engram_host_gather_raw_dev's ids_dev)", fn);
+        }
+        if (numIds > 0 && dstScales == nullptr)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: hbm_scales (2) gathers the rows' scale bytes into dst_scales (device memory): it is NULL", fn);
+        }
+    }
+    GatherSink sink;
+    sink.kind = GatherSink::kRaw;
+    sink.dstRows = static_cast<uint8_t*>(dstRows);
+    sink.dstScales = static_cast<uint8_t*>(dstScales);
+    sink.idsDev = idsDev;
+    RowIds ids{idsHost, 1, 1};
+    return hostGather(fn, gatherer, ids, numIds, rowsHost, scales, tableNumRows, headDim, tableDtype, quantBlock,
+        tableLayout, sink, stream);
+}
+} // namespace
+
+extern "C" ENGRAM_API int engram_host_gather_raw_dev(EngramHostGatherer* gatherer, int32_t const* idsHost,
+    int32_t const* idsDev, int64_t numIds, void const* rowsHost, void const* scales, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, int32_t tableLayout, void* dstRows, void* dstScales,
+    cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        return hostGatherRaw("engram_host_gather_raw_dev", gatherer, idsHost, idsDev, numIds, rowsHost, scales,
+            tableNumRows, headDim, tableDtype, quantBlock, tableLayout, dstRows, dstScales, stream);
+    }
+    ENGRAM_ABI_CATCH("engram_host_gather_raw_dev")
+}
+
 extern "C" ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, int32_t const* idsHost, int64_t numIds,
     void const* rowsHost, void const* scalesHost, int64_t tableNumRows, int32_t headDim, int32_t tableDtype,
     int32_t quantBlock, int32_t tableLayout, void* dstRows, void* dstScales, cudaStream_t stream)
@@ -925,19 +993,8 @@ extern "C" ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, i
     clearError();
     ENGRAM_ABI_TRY
     {
-        char const* fn = "engram_host_gather_raw";
-        if (numIds < 0)
-        {
-            return fail(
-                cudaErrorInvalidValue, "%s: num_ids must be >= 0 (got %lld)", fn, static_cast<long long>(numIds));
-        }
-        GatherSink sink;
-        sink.kind = GatherSink::kRaw;
-        sink.dstRows = static_cast<uint8_t*>(dstRows);
-        sink.dstScales = static_cast<uint8_t*>(dstScales);
-        RowIds ids{idsHost, 1, 1};
-        return hostGather(fn, gatherer, ids, numIds, rowsHost, scalesHost, tableNumRows, headDim, tableDtype,
-            quantBlock, tableLayout, sink, stream);
+        return hostGatherRaw("engram_host_gather_raw", gatherer, idsHost, nullptr, numIds, rowsHost, scalesHost,
+            tableNumRows, headDim, tableDtype, quantBlock, tableLayout, dstRows, dstScales, stream);
     }
     ENGRAM_ABI_CATCH("engram_host_gather_raw")
 }

@@ -8,7 +8,9 @@
  * other ranks while idle. So a worker spins for a bounded time (spinMicros, 50 us by
  * default, settable) watching an atomic generation counter, then blocks on a condition
  * variable; the caller only touches the mutex when a worker sleeps. The caller takes part
- * in the work: a pool of n threads runs n - 1 workers.
+ * in the work: a pool of n threads runs n - 1 workers. wake() (a round is coming) makes
+ * sleeping workers spin again and restarts the spin of spinning ones, so a wake issued
+ * while they still spin after the last round keeps them spinning spinMicros from then.
  *
  * Size: defaultThreadCount() is the number of CPUs in the calling thread's affinity mask
  * (sched_getaffinity), which is what a rank launched with a CPU list (taskset, numactl,
@@ -169,8 +171,9 @@ public:
         return mSleepers.load(std::memory_order_relaxed);
     }
 
-    //! Makes sleeping workers spin again for spinMicros, so that a round expected soon
-    //! (the ids of a step are on their way) does not pay their wake-up.
+    //! Makes sleeping workers spin again for spinMicros, and spinning ones spin spinMicros
+    //! from now, so that a round expected soon (the ids of a step are on their way) does
+    //! not pay their wake-up.
     void wake()
     {
         mWakeSeq.fetch_add(1, std::memory_order_seq_cst);
@@ -275,9 +278,11 @@ private:
         uint64_t seen = 0;
         while (true)
         {
-            // Spin for a bounded time, then block until a new round (or a wake()).
-            auto const spinUntil = std::chrono::steady_clock::now()
+            // Spin for a bounded time (restarted by a wake()), then block until a new round
+            // (or a wake()).
+            auto spinUntil = std::chrono::steady_clock::now()
                 + std::chrono::microseconds(mSpinMicros.load(std::memory_order_relaxed));
+            uint64_t wakeSeq = mWakeSeq.load(std::memory_order_seq_cst);
             bool idle = true;
             for (int64_t i = 0;; ++i)
             {
@@ -287,15 +292,26 @@ private:
                     break;
                 }
                 ENGRAM_CPU_RELAX();
-                if ((i & 63) == 0 && std::chrono::steady_clock::now() >= spinUntil)
+                if ((i & 63) == 0)
                 {
-                    break;
+                    auto const now = std::chrono::steady_clock::now();
+                    uint64_t const woken = mWakeSeq.load(std::memory_order_relaxed);
+                    if (woken != wakeSeq)
+                    {
+                        wakeSeq = woken;
+                        spinUntil = now + std::chrono::microseconds(mSpinMicros.load(std::memory_order_relaxed));
+                    }
+                    else if (now >= spinUntil)
+                    {
+                        break;
+                    }
                 }
             }
             if (idle)
             {
+                // A wake() since the spin last looked (wakeSeq) ends the wait at once: the
+                // worker spins again instead of sleeping through it.
                 std::unique_lock<std::mutex> lock(mMutex);
-                uint64_t const wakeSeq = mWakeSeq.load(std::memory_order_seq_cst);
                 mSleepers.fetch_add(1, std::memory_order_seq_cst);
                 mStart.wait(lock, [&] {
                     return mGeneration.load(std::memory_order_seq_cst) != seen

@@ -13,13 +13,22 @@ step with more misses than the plan's first copy carries (the second copy), a ca
 rows, budget = capacity with aging counts, a warm start, ids already on the device.
 
 Data: HotRowCache on CUDA (fused) against the host gather of the same ids, bit for bit:
-inline and split fp8 tables, a bf16 table, a warm start, replacements every 2nd step; a
-fetch that fails (nothing admitted, the slot map restored, the next step exact).
+inline, split and hbm-scales fp8 tables (hbm-scales: the values in host memory, the scale
+array on the GPU, the misses' scale bytes gathered there by the plan's device miss list),
+a bf16 table, warm starts, replacements every 2nd step; a fetch that fails (nothing
+admitted, the slot map restored, the next step exact). Then real skewed ids: both layers
+of n-gram hashed chunks (the token file of `engram-trt bench idstream` where present,
+else a Zipf token stream) with out-of-range ids mixed in, through an hbm-scales cache
+with and without a warm start, several steps with admission, each step against the
+plain host gather in the hbm-scales and the split layout and the NumPy dequant.
 Timing: a 196,608-lookup step of skewed ids on a 50M-row table with a warm 5% cache, the
-fused plan + admission against the torch reference on the GPU.
+fused plan + admission against the torch reference on the GPU; the raw fetch of a
+cache's misses (uniform rows of a 1 GiB table), inline against hbm-scales, with the
+pool's threads woken before the call against asleep (what the cache's wake at its plan
+saves).
 
     PYTHONPATH=python python3 scripts/h200_cache_check.py          # on the GPU
-    PYTHONPATH=python python3 scripts/h200_cache_check.py --cpu    # the harness, reference vs reference
+    PYTHONPATH=python python3 scripts/h200_cache_check.py --cpu    # the harness and the id streams, no GPU
 """
 
 from __future__ import annotations
@@ -127,11 +136,14 @@ def check_cache_data(dev: Any, record: Record) -> None:
     bf = torch.randn(N, 128, dtype=torch.bfloat16)
     g = hostgather.HostGatherer(device=dev)
     warm_counts = np.bincount(((rng.zipf(1.2, size=200_000) * 7919) % N), minlength=N)
+    scales_dev = scales_t.to(dev)
     configs = [("inline fp8", (inline_table(rows_t, scales_t), None), "inline", {}),
                ("split fp8", (rows_t, scales_t), "split", {}),
+               ("hbm-scales fp8", (rows_t, scales_dev), "hbm-scales", {}),
                ("bf16", (bf, None), "split", {}),
                ("inline fp8, warm start", (inline_table(rows_t, scales_t), None), "inline",
-                {"initial_counts": warm_counts})]
+                {"initial_counts": warm_counts}),
+               ("hbm-scales fp8, warm start", (rows_t, scales_dev), "hbm-scales", {"initial_counts": warm_counts})]
     for name, table, layout, extra in configs:
         cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, capacity_rows=4_000, max_step_rows=40_000,
                             admit_budget=1_500, admit_every=2, **extra)
@@ -157,11 +169,11 @@ def check_cache_data(dev: Any, record: Record) -> None:
         def __init__(self, inner: Any) -> None:
             self.inner, self.failed = inner, False
 
-        def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any) -> None:
+        def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any, **kw: Any) -> None:
             if not self.failed:
                 self.failed = True
                 raise OSError("injected fetch failure")
-            self.inner.fetch(ids_cpu, dst_rows, dst_scales)
+            self.inner.fetch(ids_cpu, dst_rows, dst_scales, **kw)
 
         def deliver(self, *args: Any) -> Any:
             return self.inner.deliver(*args)
@@ -189,6 +201,132 @@ def check_cache_data(dev: Any, record: Record) -> None:
     record("a failed fetch admits nothing, restores the slot map, and the next step is exact",
            raised and restored and exact, f"raised {raised}, restored {restored}, exact {exact}")
     g.close()
+
+
+def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows: int = 4096) -> tuple[Any, Any, str]:
+    """(layout, [chunk_tokens, 2, 24] row-id chunks, where the tokens came from): n-gram
+    hashed chunks of the bench's token file where it exists, else of a Zipf stream."""
+    from engram_trt.bench import idstreams
+
+    path = idstreams.default_tokens_path()
+    if path.is_file():
+        stream, source = idstreams.load_tokens(path), f"token file {path}"
+    else:
+        vocab = 50_000
+        tok = (np.random.default_rng(21).zipf(1.3, size=chunk_tokens * num_chunks + 5) % vocab).astype(np.int32)
+        stream = idstreams.TokenStream(ids=tok, compressed_vocab_size=vocab, pad_id=1, text_bytes=4 * tok.size,
+                                       num_files=1, python="-", tokenizer_sha256="-", files_sha256="-")
+        source = "a Zipf(1.3) token stream (no token file)"
+    layout = idstreams.make_layout(column_rows, stream.compressed_vocab_size, stream.pad_id)
+    chunks = list(idstreams.chunk_row_ids(stream, layout, chunk_tokens=chunk_tokens, num_chunks=num_chunks))
+    return layout, chunks, source
+
+
+def check_hbm_scales_streams(dev: Any, record: Record) -> None:
+    """Both layers of real skewed ids through an hbm-scales cache (history and warm start),
+    each step bit-equal to the plain host gather (hbm-scales and split) and the NumPy
+    dequant, out-of-range ids included."""
+    import torch
+
+    from engram_trt import hostgather
+    from engram_trt.engram.quant import dequant_fp8_rows
+    from engram_trt.hotcache import HotRowCache
+
+    layout, chunks, source = id_stream_chunks()
+    rng = np.random.default_rng(31)
+    g = hostgather.HostGatherer(device=dev)
+    QB, D, warm = 32, 256, 4
+    for li in range(layout.num_layers):
+        N = int(layout.table_rows[li])
+        values = rng.integers(0, 256, size=(N, D), dtype=np.uint8)
+        values[(values & 0x7F) == 0x7F] = 0x3C
+        scales = rng.integers(110, 140, size=(N, D // QB), dtype=np.uint8)
+        rows_t, scales_t = torch.from_numpy(values), torch.from_numpy(scales)
+        scales_dev = scales_t.to(dev)
+        counts = np.bincount(np.concatenate([c[:, li, :].reshape(-1) for c in chunks[:warm]]), minlength=N)
+        for name, extra in (("history", {}), ("warm start", {"initial_counts": counts})):
+            cache = HotRowCache(rows_t, scales_dev, device=dev, gatherer=g, layout="hbm-scales",
+                                capacity_rows=N // 20, max_step_rows=chunks[0].shape[0] * chunks[0].shape[2],
+                                admit_budget=2_000, admit_every=2, **extra)
+            ok, why = True, ""
+            for k, chunk in enumerate(chunks if name == "history" else chunks[warm:]):
+                sid = chunk[:, li, :].copy()
+                sid[k, :4] = [-1, N, N + 5, -(2**31)]  # out of range: zero rows through the cache
+                ids = torch.from_numpy(sid)
+                got = cache.gather(ids)
+                want = g.gather(ids, rows_t, scales_dev, quant_block=QB, layout="hbm-scales")
+                want_split = g.gather(ids, rows_t, scales_t, quant_block=QB, layout="split")
+                torch.cuda.synchronize(dev)
+                flat = sid.reshape(-1)
+                good = (flat >= 0) & (flat < N)
+                ref = dequant_fp8_rows(values[np.where(good, flat, 0)], scales[np.where(good, flat, 0)], QB)
+                ref[~good] = 0
+                ref_t = torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16)
+                g16 = got.reshape(-1, D).view(torch.int16).cpu()
+                if not (torch.equal(g16, want.reshape(-1, D).view(torch.int16).cpu())
+                        and torch.equal(g16, want_split.reshape(-1, D).view(torch.int16).cpu())
+                        and torch.equal(g16, ref_t)):
+                    ok, why = False, f"step {k} differs"
+                    break
+            cache.policy.check_invariants()
+            s = cache.stats()
+            ok = ok and s.hits > 0 and s.fetched > 0 and (s.evicted > 0 or s.preloaded > 0)
+            record(f"hbm-scales cache == plain host gather (hbm-scales, split) == NumPy: layer {li}, {name}, "
+                   f"real skewed ids", ok,
+                   why or f"{s.steps} steps of {chunks[0].shape[0] * 24:,} lookups from {source}; hit rate "
+                          f"{s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
+                          f"preloaded {s.preloaded}")
+            del cache
+    g.close()
+
+
+def time_fetch(dev: Any, timings: dict[str, float], reps: int = 15) -> None:
+    """The raw fetch of a cache's misses (gather_raw into device arrays), uniform rows of
+    a 1 GiB table on the runtime's pages ('auto'), fresh rows each call: inline against
+    hbm-scales in turns, the pool woken at a plan's start (spin 300 us, then 150 us of
+    waiting, as the plan's sync) against asleep (spin 50 us, 1 ms idle). Two sizes, so the
+    call's fixed cost and its cost per row can be told apart."""
+    import torch
+
+    from engram_trt import hostgather
+    from engram_trt.bench.lookuputil import make_tables
+
+    rows = 4 << 20
+    tables = make_tables(rows, split=True, inline=True, huge_pages="auto", register_split=False, seed=4)
+    scales_dev = tables.split_scales.to(dev)
+    g = hostgather.HostGatherer(device=dev, max_head_dim=256)
+    rng = np.random.default_rng(8)
+    forms = {"inline": (tables.inline, None), "hbm-scales": (tables.split_rows, scales_dev)}
+    try:
+        for n in (2_048, 40_960):
+            dst_r = torch.empty((n, 256), dtype=torch.uint8, device=dev)
+            dst_s = torch.empty((n, 8), dtype=torch.uint8, device=dev)
+            got: dict[str, list[float]] = {}
+            for i in range(reps + 1):
+                for pool in ("woken", "asleep"):
+                    for layout, table in (forms.items() if i % 2 else reversed(forms.items())):
+                        # fresh rows each call: a repeat would find them in the host's L3
+                        ids = torch.from_numpy(rng.integers(0, rows, size=n).astype(np.int32)).pin_memory()
+                        ids_dev = ids.to(dev)
+                        torch.cuda.synchronize(dev)
+                        if pool == "woken":
+                            g.set_options(spin_us=300)
+                            g.wake()
+                            time.sleep(150e-6)
+                        else:
+                            g.set_options(spin_us=50)
+                            time.sleep(1e-3)
+                        t0 = time.perf_counter()
+                        g.gather_raw(ids, *table, dst_rows=dst_r, dst_scales=dst_s, layout=layout,
+                                     ids_dev=ids_dev if layout == "hbm-scales" else None)
+                        torch.cuda.synchronize(dev)
+                        if i:
+                            got.setdefault(f"raw fetch {n:,} rows, {layout}, pool {pool} (us)", []).append(
+                                (time.perf_counter() - t0) * 1e6)
+            timings.update({k: statistics.median(v) for k, v in got.items()})
+    finally:
+        g.close()
+        tables.close()
 
 
 def time_plans(dev: Any, timings: dict[str, float], reps: int = 20) -> None:
@@ -223,10 +361,43 @@ def time_plans(dev: Any, timings: dict[str, float], reps: int = 20) -> None:
         torch.cuda.empty_cache()
 
 
+def check_id_streams_cpu(record: Record) -> None:
+    """The id streams' CPU part (no GPU): both layers of hashed chunks, through the
+    hbm-scales cache on CPU tensors, against the NumPy dequant."""
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows
+    from engram_trt.hotcache import HotRowCache
+
+    layout, chunks, source = id_stream_chunks(num_chunks=3)
+    rng = np.random.default_rng(2)
+    for li in range(layout.num_layers):
+        N = int(layout.table_rows[li])
+        values = rng.integers(0, 0x70, size=(N, 256), dtype=np.uint8)
+        scales = rng.integers(110, 140, size=(N, 8), dtype=np.uint8)
+        cache = HotRowCache(torch.from_numpy(values), torch.from_numpy(scales), device="cpu", layout="hbm-scales",
+                            capacity_rows=N // 20, max_step_rows=chunks[0].shape[0] * 24, admit_budget=500)
+        ok = True
+        for chunk in chunks:
+            sid = chunk[:, li, :].copy()
+            sid[0, :2] = [-1, N]
+            got = cache.gather(torch.from_numpy(sid)).reshape(-1, 256)
+            flat = sid.reshape(-1)
+            good = (flat >= 0) & (flat < N)
+            ref = dequant_fp8_rows(values[np.where(good, flat, 0)], scales[np.where(good, flat, 0)], 32)
+            ref[~good] = 0
+            ok &= torch.equal(got.view(torch.int16), torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16))
+        s = cache.stats()
+        record(f"hbm-scales cache (CPU, torch path) == NumPy: layer {li}, hashed ids", ok and s.hits > 0,
+               f"{len(chunks)} chunks from {source}; hit rate {s.hit_rate:.1%}")
+
+
 def run(dev: Any, record: Record, timings: dict[str, float]) -> None:
     compare_policies(dev, record)
     check_cache_data(dev, record)
+    check_hbm_scales_streams(dev, record)
     time_plans(dev, timings)
+    time_fetch(dev, timings)
 
 
 def main() -> int:
@@ -244,6 +415,7 @@ def main() -> int:
     timings: dict[str, float] = {}
     if args.cpu:
         compare_policies(torch.device("cpu"), record, fused=False)
+        check_id_streams_cpu(record)
     else:
         run(torch.device("cuda", torch.cuda.current_device()), record, timings)
     for k, v in timings.items():

@@ -6,12 +6,16 @@ float32 NumPy dequant, or the table's own rows for bf16 and raw bytes):
     the GPU by id), many chunks through 2 slots (slot reuse), out-of-range ids, the ids of
     one layer of [T, L, cols] (strided), a side stream; hbm-scales' refusals;
   - bf16 tables (copied straight into the output);
-  - raw rows into device arrays (fp8 and bf16), ordered after the stream's earlier work;
+  - raw rows into device arrays (fp8 and bf16), ordered after the stream's earlier work,
+    and with the scales in HBM (the values copied alone, the scale bytes gathered on the
+    GPU by the device ids; out-of-range ids: zero rows, scale byte 127);
   - tuning knobs round-trip; a pool sized 1 (the caller alone);
   - the hot-row cache on CUDA against the plain host gather, and calibrate_gather;
   - the cache's fused plan / admission kernels against the policy's CPU reference, state
-    by state, its rows against the host gather in four table forms, a failed fetch, and
-    the fused plan's time against the torch reference's (scripts/h200_cache_check.py);
+    by state, its rows against the host gather in six table forms (hbm-scales among them),
+    a failed fetch, both layers of real skewed ids through an hbm-scales cache, the fused
+    plan's time against the torch reference's and the raw fetch's time, inline against
+    hbm-scales, the pool woken against asleep (scripts/h200_cache_check.py);
   - the gather driver: queued jobs, GPU-side waits, ids arriving late, a failed job, close
     with jobs queued, and the engine thread's time (scripts/h200_driver_check.py).
 Prints one line per check, a table of the times and a summary; exits 1 if any check failed.
@@ -99,10 +103,15 @@ def main() -> int:
     refusals = []
     for what, call in (
             ("scales on the CPU", lambda: g.gather(ids_t, rows_t, scales_t, quant_block=QB, layout="hbm-scales")),
-            ("gather_raw", lambda: g.gather_raw(ids_t.reshape(-1), rows_t, scales_dev, quant_block=QB,
-                                                dst_rows=torch.empty((T * cols, D), dtype=torch.uint8, device=dev),
-                                                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8,
-                                                                       device=dev), layout="hbm-scales")),
+            ("gather_raw, scales on the CPU", lambda: g.gather_raw(
+                ids_t.reshape(-1), rows_t, scales_t, quant_block=QB, layout="hbm-scales",
+                dst_rows=torch.empty((T * cols, D), dtype=torch.uint8, device=dev),
+                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8, device=dev))),
+            ("gather_raw, ids_dev of other ids", lambda: g.gather_raw(
+                ids_t.reshape(-1), rows_t, scales_dev, quant_block=QB, layout="hbm-scales",
+                ids_dev=ids_up.reshape(-1)[:5],
+                dst_rows=torch.empty((T * cols, D), dtype=torch.uint8, device=dev),
+                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8, device=dev))),
             ("a bf16 table", lambda: g.gather(ids_t, torch.zeros((10, 128), dtype=torch.bfloat16), None,
                                               layout="hbm-scales"))):
         try:
@@ -110,7 +119,8 @@ def main() -> int:
             refusals.append(f"{what}: ACCEPTED")
         except EngramError as e:
             refusals.append(f"{what}: {e}")
-    record("hbm-scales refused, each with its reason: scales on the CPU, the raw sink, a bf16 table",
+    record("hbm-scales refused, each with its reason: scales on the CPU (gather, gather_raw), ids_dev of other "
+           "ids, a bf16 table",
            all("ACCEPTED" not in r for r in refusals), " | ".join(refusals))
 
     # 2. strided ids: layer 1 of [T, L, cols]
@@ -158,6 +168,19 @@ def main() -> int:
     want_s = np.where(ok[:, None], scales[np.where(ok, idx, 0)], 127)
     record("raw fp8 rows + scales into device arrays, after the stream's earlier work",
            np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s))
+    # 5b. the same with the scales in HBM: many chunks of values through 2 slots, the scale
+    # bytes gathered on the GPU by the device ids (given, then copied up by the call)
+    for given in (True, False):
+        for _ in range(20):
+            busy.mul_(1.0001)
+        dst_r.fill_(0xAB)
+        dst_s.fill_(0xCD)
+        g.gather_raw(flat, rows_t, scales_dev, dst_rows=dst_r, dst_scales=dst_s, quant_block=QB, layout="hbm-scales",
+                     ids_dev=flat.to(dev) if given else None)
+        torch.cuda.synchronize()
+        record(f"raw fp8 rows, scales in HBM: values copied alone, scale bytes gathered on the GPU by the device ids "
+               f"({'given' if given else 'copied up by the call'}), out-of-range ids, after the stream's earlier work",
+               np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s))
     dst_b = torch.zeros((777 * 5, 128), dtype=torch.bfloat16, device=dev)
     g.gather_raw(torch.from_numpy(bid.reshape(-1).copy()), bf, dst_rows=dst_b)
     torch.cuda.synchronize()

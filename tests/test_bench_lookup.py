@@ -158,6 +158,53 @@ def test_bench_cache_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     assert report["measured_range"] == [2, 4]
 
 
+def test_bench_cache_dry_run_compares_layouts_in_one_process(plugin_lib: Path, capsys, tmp_path: Path) -> None:
+    """inline and hbm-scales through the same chunks in one run: every row and entry names
+    its layout, both exact, the same decisions (same ids, same policy seed), and the
+    pages the tables got are reported."""
+    tokens = idstreams.save_tokens(_stream(8192 * 3 + 5), tmp_path / "t.npz")
+    out = tmp_path / "c.json"
+    rc = main(["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
+               "--warm", "1", "--measure", "2", "--layouts", "inline,hbm-scales", "--pages", "4k",
+               "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    report = json.loads(out.read_text())
+    assert report["layouts"] == ["inline", "hbm-scales"] and report["layout"] == "inline,hbm-scales"
+    assert report["pages"] == "4k" and report["pages_used"] == ["4 KiB pages"]
+    assert "host table pages: 4 KiB pages (--pages 4k)" in text
+    inline, hbm = report["layers"]
+    assert (inline["layout"], hbm["layout"]) == ("inline", "hbm-scales") and inline["layer"] == hbm["layer"] == 0
+    for entry in (inline, hbm):
+        assert entry["exact"] is True and entry["offline"]["exact"] is True
+    for key in ("hits", "fetched", "unique", "evicted", "preloaded"):  # the layouts change no decision
+        assert inline["stats"][key] == hbm["stats"][key]
+        assert inline["offline"]["stats"][key] == hbm["offline"]["stats"][key]
+    assert "| inline     | 0     | history |" in text and "| hbm-scales | 0     | offline |" in text
+    assert "hbm-scales / inline, layer 0, time ratios (same process): history cache" in text
+
+
+def test_bench_cache_layout_defaults_and_refusals(plugin_lib: Path, capsys, tmp_path: Path) -> None:
+    from engram_trt.bench import cache
+
+    assert cache.DEFAULT_LAYOUT == "hbm-scales"  # the runtime's host layout for fp8 tables (runtime/prefetch.py)
+    tokens = idstreams.save_tokens(_stream(8192 * 2 + 5), tmp_path / "t.npz")
+    base = ["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
+            "--warm", "1", "--measure", "1", "--offline-counts", "none"]
+    assert main(base + ["--layout", "split", "--layouts", "inline"]) != 0
+    assert "--layout split and --layouts inline disagree: give one of them" in capsys.readouterr().err
+    assert main(base + ["--layouts", "inline,inline"]) != 0
+    assert "--layouts names a layout twice (inline,inline)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--layouts", "inline,packed"])
+    assert "expected a comma-separated list of inline, split, hbm-scales" in capsys.readouterr().err
+    out = tmp_path / "c.json"
+    assert main(base + ["--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["layouts"] == ["hbm-scales"] and report["layers"][0]["exact"] is True
+    assert report["pages"] == "auto" and report["spin_us"] == cache.DEFAULT_SPIN_US
+
+
 def test_bench_idstream_reads_a_token_file(capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 2), tmp_path / "t.npz")
     rc = main(["bench", "idstream", "--tokens", str(tokens), "--column-rows", "4096", "--stats-chunks", "2",

@@ -7,7 +7,8 @@
   (hbm-scales: the values alone), fp8 and bf16, prefetch distances, plain and streaming
   stores, out-of-range ids;
 - the pool's size from the CPU affinity mask, in a child process pinned to one CPU;
-- the argument checks of the new entry points (one-line reasons, no GPU needed).
+- the argument checks of the new entry points (one-line reasons, no GPU needed), the raw
+  sink's with the scales in HBM among them.
 The pipelined GPU path (copies, dequant) runs on the H200 through `engram-trt bench gather`.
 """
 
@@ -184,6 +185,57 @@ def test_new_entry_points_refuse_null_gatherers(plugin_lib: Path) -> None:
     status = lib.engram_host_gatherer_create_ex(2, 64, 64, 1, ctypes.byref(handle))
     assert status == 1 and handle.value is None
     assert lib.engram_last_error().decode() == "engram_host_gatherer_create: num_slots must be in [2, 64] (got 1)"
+
+
+def test_raw_gather_with_scales_in_hbm_names_its_missing_arguments(plugin_lib: Path) -> None:
+    """The raw sink's hbm_scales arguments are checked before the gatherer (no GPU needed):
+    the device ids, the device scales, dst_scales, an fp8 table; the entry point without
+    device ids names the one that has them. Valid hbm_scales arguments reach the gatherer."""
+    lib = kernels.load_library()
+    vp = ctypes.c_void_p
+    ids = np.zeros(4, np.int32)
+    buf = np.zeros((10, 64), np.uint8)
+    ip, bp = vp(ids.ctypes.data), vp(buf.ctypes.data)
+    fp8, hbm = kernels.TABLE_FP8_E4M3, hostgather.TABLE_LAYOUTS["hbm-scales"]
+
+    def raw_dev(ids_dev, scales, dst_scales, dtype=fp8, num_ids=4):
+        status = lib.engram_host_gather_raw_dev(None, ip, ids_dev, num_ids, bp, scales, 10, 64, dtype, 32, hbm, bp,
+                                                dst_scales, None)
+        return status, lib.engram_last_error().decode()
+
+    fn = "engram_host_gather_raw_dev"
+    assert raw_dev(None, bp, bp) == (1, f"{fn}: hbm_scales (2) needs the ids in device memory too "
+                                        "(engram_host_gather_raw_dev's ids_dev)")
+    assert raw_dev(ip, None, bp) == (1, f"{fn}: hbm_scales (2) needs the table's scales in device memory "
+                                        "(scales is NULL)")
+    assert raw_dev(ip, bp, None) == (1, f"{fn}: hbm_scales (2) gathers the rows' scale bytes into dst_scales "
+                                        "(device memory): it is NULL")
+    assert raw_dev(ip, bp, bp, dtype=kernels.TABLE_BF16) == (1, f"{fn}: hbm_scales (2) is a layout of fp8 tables only")
+    assert raw_dev(ip, bp, bp, num_ids=-2) == (1, f"{fn}: num_ids must be >= 0 (got -2)")
+    assert raw_dev(ip, bp, bp) == (1, f"{fn}: gatherer is NULL")  # the arguments pass: the gatherer is next
+    assert raw_dev(None, bp, None, num_ids=0) == (1, f"{fn}: gatherer is NULL")  # no ids: none needed
+    status = lib.engram_host_gather_raw(None, ip, 4, bp, bp, 10, 64, fp8, 32, hbm, bp, bp, None)
+    assert status == 1
+    assert lib.engram_last_error().decode() == ("engram_host_gather_raw: hbm_scales (2) needs the ids in device "
+                                                "memory too (engram_host_gather_raw_dev's ids_dev)")
+    status = lib.engram_host_gather_raw_dev(None, ip, None, 4, bp, bp, 10, 64, fp8, 32, 0, bp, bp, None)
+    assert status == 1 and lib.engram_last_error().decode() == f"{fn}: gatherer is NULL"  # split: ids_dev unused
+
+
+def test_gather_raw_with_scales_in_hbm_wants_them_on_the_gatherers_device() -> None:
+    import torch
+
+    g = hostgather.HostGatherer.__new__(hostgather.HostGatherer)  # no device needed: refused before any CUDA call
+    g._handle, g.device, g.max_head_dim = ctypes.c_void_p(1), torch.device("cuda", 0), 512
+    values, scales, _ = _fp8_table(10, 64, 32, seed=1)
+    try:
+        with pytest.raises(EngramError, match=r"^layout 'hbm-scales' reads the scales on the gatherer's device cuda:0 "
+                                              r"\(got them on cpu\)"):
+            g.gather_raw(torch.zeros(3, dtype=torch.int32), values, scales, layout="hbm-scales",
+                         dst_rows=torch.zeros(3, 64, dtype=torch.uint8),
+                         dst_scales=torch.zeros(3, 2, dtype=torch.uint8))
+    finally:
+        g._handle = None
 
 
 def test_host_gatherer_names_unknown_options() -> None:

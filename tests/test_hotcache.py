@@ -1,9 +1,11 @@
 """The hot-row cache's logic on CPU tensors: exact rows, de-duplication counts, the slot
 map, admission into free slots, frequency-based replacement, and its bounds.
 
-The data path here is the torch one (TorchTransfer) with the policy's torch reference;
-the CUDA path (host gather of raw rows, the fused plan / admission kernels, the gather
-kernel) makes the same decisions and runs on the H200 through
+The data path here is the torch one (TorchTransfer) with the policy's torch reference,
+for every host layout (hbm-scales: the values in host memory, the scales a tensor of the
+cache's device, gathered there by the plan's device miss list); the CUDA path (host
+gather of raw rows, the fused plan / admission kernels, the gather kernel) makes the
+same decisions and runs on the H200 through
 scripts/h200_cache_check.py and `engram-trt bench cache`, which check it against the
 reference and its output against the plain host gather (tests/test_cachepolicy.py
 checks the reference against the policy's specification).
@@ -44,16 +46,50 @@ def _reference(values, scales, ids: np.ndarray):
     return torch.from_numpy(ref).to(torch.bfloat16)
 
 
+def _e4m3_f64(b: np.ndarray) -> np.ndarray:
+    """FP8 e4m3 bytes decoded by the format's definition in float64 (no NaN codes here)."""
+    b = b.astype(np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    exp, man = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    mag = np.where(exp == 0, man / 8.0 * 2.0**-6, (1.0 + man / 8.0) * np.exp2(exp - 7.0))
+    return sign * mag
+
+
+def _reference_f64(values, scales, ids: np.ndarray):
+    """bf16 rows of ``ids`` by a float64 dequant (value x 2^(scale - 127), rounded once to
+    bf16), zero rows out of range: independent of the package's dequant helpers."""
+    import torch
+
+    ok = (ids >= 0) & (ids < N)
+    safe = np.where(ok, ids, 0).reshape(-1)
+    vals = _e4m3_f64(values.numpy()[safe])
+    scale = np.exp2(scales.numpy()[safe].astype(np.float64) - 127.0)
+    rows = vals * np.repeat(scale, QB, axis=1)
+    rows[~ok.reshape(-1)] = 0.0
+    return torch.from_numpy(rows).to(torch.bfloat16).reshape(*ids.shape, HEAD_DIM)
+
+
+def _host(table, layout: str):
+    """(rows, scales) of the host table in ``layout``; hbm-scales' scales are a copy of
+    their own (the cache's device here is the CPU), so they cannot alias the split table."""
+    values, scales = table
+    if layout == "inline":
+        return inline_table(values, scales), None
+    if layout == "hbm-scales":
+        return values, scales.clone()
+    return values, scales
+
+
 def _zipf_ids(rng, shape) -> np.ndarray:
     return ((rng.zipf(1.2, size=shape) * 7919) % N).astype(np.int32)
 
 
-@pytest.mark.parametrize("layout", ["split", "inline"])
+@pytest.mark.parametrize("layout", ["split", "inline", "hbm-scales"])
 def test_cache_output_equals_a_plain_gather(table, layout: str) -> None:
     import torch
 
     values, scales = table
-    host = (inline_table(values, scales), None) if layout == "inline" else (values, scales)
+    host = _host(table, layout)
     cache = HotRowCache(*host, device="cpu", capacity_rows=200, quant_block=QB, layout=layout, max_step_rows=3000,
                         admit_budget=50)
     rng = np.random.default_rng(1)
@@ -63,6 +99,7 @@ def test_cache_output_equals_a_plain_gather(table, layout: str) -> None:
         got = cache.gather(torch.from_numpy(ids))
         assert got.shape == (120, 24, HEAD_DIM) and got.dtype == torch.bfloat16
         assert torch.equal(got.view(torch.int16), _reference(values, scales, ids).view(torch.int16)), step
+        assert torch.equal(got.view(torch.int16), _reference_f64(values, scales, ids).view(torch.int16)), step
         cache.policy.check_invariants()
     s = cache.stats()
     assert s.steps == 25 and s.lookups == 25 * 120 * 24
@@ -174,3 +211,74 @@ def test_replacements_wait_for_admit_every(table) -> None:
     cache.gather(hot)  # step 3: replacements tried; these rows (count 10) beat the cached ones (count 1)
     assert cache.stats().evicted > 0
     cache.policy.check_invariants()
+
+
+@pytest.mark.parametrize("layout", ["inline", "hbm-scales"])
+def test_a_warm_start_serves_its_rows_exactly(table, layout: str) -> None:
+    """Offline counts load the hottest rows before the first step (one fetch of the
+    slots; hbm-scales gathers their scale bytes by the ids copied to the device), and the
+    first step finds them: its hits are those rows, its output the float64 dequant's."""
+    import torch
+
+    values, scales = table
+    rng = np.random.default_rng(5)
+    counts = np.bincount(_zipf_ids(rng, 20_000), minlength=N)
+    cache = HotRowCache(*_host(table, layout), device="cpu", capacity_rows=150, quant_block=QB, layout=layout,
+                        max_step_rows=3000, admit_budget=40, initial_counts=counts)
+    assert cache.stats().preloaded == 150
+    hot = np.argsort(-counts, kind="stable")[:150]
+    assert torch.equal(cache.work_rows[:150], values[torch.from_numpy(hot).long()])  # the slots hold the raw bytes
+    assert torch.equal(cache.work_scales[:150], scales[torch.from_numpy(hot).long()])
+    for step in range(6):
+        ids = _zipf_ids(rng, (100, 24))
+        ids[1, :3] = [N, -7, N + 1]
+        got = cache.gather(torch.from_numpy(ids))
+        assert torch.equal(got.view(torch.int16), _reference_f64(values, scales, ids).view(torch.int16)), step
+        if step == 0:
+            first = cache.stats()
+            want_hits = np.intersect1d(np.unique(ids[(ids >= 0) & (ids < N)]), hot).size
+            assert first.hits == want_hits > 0
+        cache.policy.check_invariants()
+    assert cache.stats().evicted > 0  # admission ran after the warm start
+
+
+def test_hbm_scales_fetch_reads_the_scales_by_the_device_ids(table) -> None:
+    """TorchTransfer in the hbm-scales layout: values from the host rows by the host ids,
+    scale bytes from the scales tensor by ``ids_dev`` (what the CUDA path's kernel reads),
+    zero rows and scale byte 127 for ids outside the table."""
+    import torch
+
+    from engram_trt.hotcache import TorchTransfer
+
+    values, scales = table
+    t = TorchTransfer(values, scales, quant_block=QB, layout="hbm-scales", head_dim=HEAD_DIM)
+    ids = torch.tensor([5, N, -1, 3999, 0, N + 50], dtype=torch.int32)
+    rows = torch.full((8, HEAD_DIM), 0xAA, dtype=torch.uint8)
+    sc = torch.full((8, HEAD_DIM // QB), 0xAA, dtype=torch.uint8)
+    t.fetch(ids, rows, sc, ids_dev=ids.clone())
+    idx = ids.numpy()
+    ok = (idx >= 0) & (idx < N)
+    safe = np.where(ok, idx, 0)
+    np.testing.assert_array_equal(rows[:6].numpy(), np.where(ok[:, None], values.numpy()[safe], 0))
+    np.testing.assert_array_equal(sc[:6].numpy(), np.where(ok[:, None], scales.numpy()[safe], 127))
+    assert (rows[6:] == 0xAA).all() and (sc[6:] == 0xAA).all()  # rows past n untouched
+    other = torch.tensor([7, 7, 7, 7, 7, 7], dtype=torch.int32)
+    t.fetch(ids, rows, sc, ids_dev=other)  # the scale bytes follow ids_dev, the values the host ids
+    assert (sc[:6] == scales[7]).all()
+    np.testing.assert_array_equal(rows[:6].numpy(), np.where(ok[:, None], values.numpy()[safe], 0))
+
+
+def test_hbm_scales_needs_host_rows_and_scales_on_the_cache_device(table) -> None:
+    import torch
+
+    values, scales = table
+    with pytest.raises(EngramError, match=r"^layout 'hbm-scales' keeps the rows in host memory and the scales on the "
+                                          r"cache's device cpu \(got rows on cpu, scales on meta\)"):
+        HotRowCache(values, torch.empty(scales.shape, dtype=torch.uint8, device="meta"), device="cpu",
+                    capacity_rows=10, quant_block=QB, layout="hbm-scales")
+    with pytest.raises(EngramError, match=r"^layout 'hbm-scales' keeps the rows in host memory .*\(got rows on meta"):
+        HotRowCache(torch.empty(values.shape, dtype=torch.uint8, device="meta"), scales, device="cpu",
+                    capacity_rows=10, quant_block=QB, layout="hbm-scales")
+    with pytest.raises(EngramError, match=r"^layout 'hbm-scales' is for fp8 tables"):
+        HotRowCache(torch.zeros(10, 64, dtype=torch.bfloat16), None, device="cpu", capacity_rows=1,
+                    layout="hbm-scales")

@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.8.1"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.9.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -243,8 +243,8 @@ enum EngramTableLayout
                                 device memory (the `scales` pointer is a device pointer). The CPU threads copy only
                                 the values (a 256-byte row is 4 cache lines; with its scale bytes beside it, 5), and
                                 the dequant reads each row's scale bytes from HBM by its id, so the call needs the ids
-                                in device memory too (engram_host_gather_dev, or a step job's row ids). The raw sink
-                                does not take it. */
+                                in device memory too (engram_host_gather_dev, engram_host_gather_raw_dev, or a step
+                                job's row ids). */
 };
 
 /* Tuning knobs of a host gatherer (engram_host_gatherer_set_option / get_option). */
@@ -293,8 +293,9 @@ ENGRAM_API int engram_host_gatherer_destroy(EngramHostGatherer* gatherer);
 ENGRAM_API int engram_host_gatherer_set_option(EngramHostGatherer* gatherer, int32_t option, int64_t value);
 ENGRAM_API int engram_host_gatherer_get_option(EngramHostGatherer* gatherer, int32_t option, int64_t* value);
 
-/* Wakes the gatherer's sleeping threads (they spin again for SPIN_US): call it when a
- * gather is about to come (a step's ids are being computed) to hide the wake-up. */
+/* Wakes the gatherer's sleeping threads (they spin again for SPIN_US) and restarts the
+ * spin of spinning ones (SPIN_US from now): call it when a gather is about to come (a
+ * step's ids are being computed) to hide the wake-up. */
 ENGRAM_API int engram_host_gatherer_wake(EngramHostGatherer* gatherer);
 
 /* The host gather into bf16 `out` [num_tokens, num_cols, head_dim] from a split table. */
@@ -322,13 +323,23 @@ ENGRAM_API int engram_host_gather_dev(EngramHostGatherer* gatherer, const int32_
  * dst_rows + i * row_bytes and its scale bytes to dst_scales + i * scale_bytes, where
  * row_bytes = head_dim (fp8) or 2 * head_dim (bf16) and scale_bytes = head_dim /
  * quant_block (fp8; dst_scales unused for bf16): the split form engram_gather reads, for
- * either table layout. dst_rows / dst_scales are device memory (dst_rows 16-byte
+ * every table layout. dst_rows / dst_scales are device memory (dst_rows 16-byte
  * aligned). Ids outside the table give zero rows with scale bytes 127. The copies start
  * after the work enqueued on `stream` before the call, and `stream` waits for them.
+ * engram_host_gather_raw takes the split and inline layouts; engram_host_gather_raw_dev
+ * takes all three: with ENGRAM_LAYOUT_HBM_SCALES `scales` is the table's scale array in
+ * device memory and ids_dev the ids in device memory too (ids_host's [num_ids] values,
+ * ready on `stream`; other layouts ignore it). The CPU threads then stage and copy the
+ * values alone (one copy per chunk), and one kernel on `stream` gathers the scale bytes
+ * from `scales` by ids_dev into dst_scales.
  */
 ENGRAM_API int engram_host_gather_raw(EngramHostGatherer* gatherer, const int32_t* ids_host, int64_t num_ids,
     const void* rows_host, const void* scales_host, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
     int32_t quant_block, int32_t table_layout, void* dst_rows, void* dst_scales, cudaStream_t stream);
+ENGRAM_API int engram_host_gather_raw_dev(EngramHostGatherer* gatherer, const int32_t* ids_host, const int32_t* ids_dev,
+    int64_t num_ids, const void* rows_host, const void* scales, int64_t table_num_rows, int32_t head_dim,
+    int32_t table_dtype, int32_t quant_block, int32_t table_layout, void* dst_rows, void* dst_scales,
+    cudaStream_t stream);
 
 /*
  * The CPU part of the host gather alone (no GPU, no CUDA call): the raw rows of

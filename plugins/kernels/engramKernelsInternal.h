@@ -93,11 +93,18 @@ int launchDequantStaged(uint8_t const* staged, int32_t const* idsDev, int64_t fi
     int64_t idTokenStride, uint8_t const* scales, int64_t tableNumRows, int32_t headDim, int32_t quantBlock, void* out,
     cudaStream_t stream);
 
-//! Load the gather kernel's variants (the host gather's dequant among them) and the hash
-//! kernel on the current device now. With lazy loading (CUDA's default) a kernel loads at
-//! its first launch, which may need the whole context to synchronize: from a thread that
-//! launches while another stream waits on that very thread's work (the gather driver's
-//! readers), it would never return. The driver calls these before it takes any job.
+//! The raw host gather's scale bytes for a table whose scales live in device memory
+//! (ENGRAM_LAYOUT_HBM_SCALES): dst[r * scaleBytes ...] = scales[idsDev[r] * scaleBytes ...]
+//! for r in [0, count), byte 127 (2^0) for an id outside [0, tableNumRows) (a zero row).
+int launchGatherScaleBytes(int32_t const* idsDev, int64_t count, uint8_t const* scales, int64_t tableNumRows,
+    int32_t scaleBytes, uint8_t* dst, cudaStream_t stream);
+
+//! Load the gather kernel's variants (the host gather's dequant and scale-byte gather
+//! among them) and the hash kernel on the current device now. With lazy loading (CUDA's
+//! default) a kernel loads at its first launch, which may need the whole context to
+//! synchronize: from a thread that launches while another stream waits on that very
+//! thread's work (the gather driver's readers), it would never return. The driver calls
+//! these before it takes any job.
 int preloadGatherKernels();
 int preloadHashKernels();
 

@@ -408,6 +408,42 @@ int launchDequantStaged(uint8_t const* staged, int32_t const* idsDev, int64_t fi
     return checkLaunch("engram_host_gather (dequant, scales in HBM)");
 }
 
+//! The raw host gather's scale bytes when a table's scales live in HBM (launchGatherScaleBytes):
+//! one thread per output byte, dst[r * scaleBytes + j] = scales[ids[r] * scaleBytes + j]. A
+//! row's few bytes share a sector, so a warp's random reads are one sector per row.
+__global__ void __launch_bounds__(256) engramGatherScaleBytesKernel(int32_t const* __restrict__ ids, int64_t count,
+    uint8_t const* __restrict__ scales, int64_t tableNumRows, int32_t scaleBytes, uint8_t* __restrict__ dst)
+{
+    int64_t const total = count * scaleBytes;
+    int64_t const stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total; v += stride)
+    {
+        int64_t const r = v / scaleBytes;
+        int64_t const id = ids[r];
+        // An id outside the table is a zero row (the host side stages zeros): scale byte 127
+        // (2^0), what the host gather writes for it in the other layouts.
+        dst[v] = static_cast<uint64_t>(id) < static_cast<uint64_t>(tableNumRows)
+            ? scales[id * scaleBytes + (v - r * scaleBytes)]
+            : static_cast<uint8_t>(127);
+    }
+}
+
+int launchGatherScaleBytes(int32_t const* idsDev, int64_t count, uint8_t const* scales, int64_t tableNumRows,
+    int32_t scaleBytes, uint8_t* dst, cudaStream_t stream)
+{
+    if (count <= 0 || scaleBytes <= 0)
+    {
+        return 0;
+    }
+    int64_t const total = count * scaleBytes;
+    int64_t const wanted = (total + kGatherThreads - 1) / kGatherThreads;
+    int64_t const cap = static_cast<int64_t>(std::max(1, smCount())) * 8;
+    resetLaunchError();
+    engramGatherScaleBytesKernel<<<static_cast<unsigned>(std::min(wanted, cap)), kGatherThreads, 0, stream>>>(
+        idsDev, count, scales, tableNumRows, scaleBytes, dst);
+    return checkLaunch("engram_host_gather_raw (scale bytes, scales in HBM)");
+}
+
 int preloadGatherKernels()
 {
     for (int variant = 0; variant < 8; ++variant)
@@ -417,9 +453,13 @@ int preloadGatherKernels()
         gatherBlocksPerSm(variant);
     }
     cudaFuncAttributes attributes{};
-    if (cudaFuncGetAttributes(&attributes, engramDequantStagedKernel) != cudaSuccess)
+    for (void const* kernel : {reinterpret_cast<void const*>(engramDequantStagedKernel),
+             reinterpret_cast<void const*>(engramGatherScaleBytesKernel)})
     {
-        cudaGetLastError(); // the launch reports a real problem
+        if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess)
+        {
+            cudaGetLastError(); // the launch reports a real problem
+        }
     }
     return 0;
 }

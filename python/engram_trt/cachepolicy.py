@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -209,12 +209,16 @@ class CachePolicy:
 
     # --- a step ----------------------------------------------------------------------
 
-    def plan(self, ids: Any, miss_base: int | None = None, *, miss_order: Any = None) -> StepPlan:
+    def plan(self, ids: Any, miss_base: int | None = None, *, miss_order: Any = None,
+             on_enqueued: Callable[[], Any] | None = None) -> StepPlan:
         """De-duplicate a step's int32 ids (any shape; CPU or the policy's device), count
         their lookups, resolve the distinct rows against the slot map and place the
         misses at work-table rows ``miss_base`` (default: the capacity) onward.
         ``miss_order`` (reference path only): list the misses in this order (a
-        permutation of them, e.g. the kernels' order) instead of by ascending row."""
+        permutation of them, e.g. the kernels' order) instead of by ascending row.
+        ``on_enqueued``: called once the fused plan's kernels are enqueued, before the
+        step's wait for them (the reference calls it first), so that the caller can get
+        the fetch ready meanwhile (the cache wakes the host gather's threads)."""
         import torch
 
         if self._pending is not None:
@@ -228,8 +232,10 @@ class CachePolicy:
         if self.fused:
             if miss_order is not None:
                 raise EngramError("miss_order is for the reference plan (fused=False)")
-            plan = self._plan_fused(ids, miss_base)
+            plan = self._plan_fused(ids, miss_base, on_enqueued)
         else:
+            if on_enqueued is not None:
+                on_enqueued()
             plan = self._plan_reference(ids, miss_base, miss_order)
         self._pending = plan
         return plan
@@ -354,7 +360,7 @@ class CachePolicy:
 
     # --- fused (CUDA kernels) ----------------------------------------------------------
 
-    def _plan_fused(self, ids: Any, miss_base: int) -> StepPlan:
+    def _plan_fused(self, ids: Any, miss_base: int, on_enqueued: Callable[[], Any] | None = None) -> StepPlan:
         import torch
 
         from engram_trt.cache_kernels import cache_plan
@@ -369,6 +375,8 @@ class CachePolicy:
         want = min(n, self._expect_misses)
         cache_plan(flat, table_rows=self.table_rows, slot_of=self.slot_of, counts=self.counts, miss_base=miss_base,
                    plan=self._plan, positions=self._positions, plan_host=self._plan_host, host_ids=want)
+        if on_enqueued is not None:
+            on_enqueued()
         stream = torch.cuda.current_stream(self.device)
         stream.synchronize()  # the step's one wait: hit and miss counts, and (usually) every miss id
         hits, num_miss = int(self._plan_host_np[0]), int(self._plan_host_np[1])

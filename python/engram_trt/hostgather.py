@@ -16,7 +16,9 @@ Why the third: the CPU part is bound by the DRAM lines the threads fetch. A 256-
 is 4 lines; with its 8 scale bytes, inline or in the split scale array, it is 5. With the
 scales in HBM (3% of the table: 0.75 GiB per 24 GiB) the CPU copies 4 lines a row and the
 GPU's dequant reads each row's scale bytes by id (which is why the call needs the ids on
-the GPU too).
+the GPU too). The raw gather (:meth:`HostGatherer.gather_raw`, a device row cache's fetch)
+takes it as well: the values cross the link in one copy per chunk and a kernel gathers
+the scale bytes from HBM into the destination's scale array.
 """
 
 from __future__ import annotations
@@ -211,7 +213,8 @@ class HostGatherer(NativeHandle):
         return out
 
     def wake(self) -> None:
-        """Make the pool's sleeping threads spin again: call it when a gather is imminent."""
+        """Make the pool's sleeping threads spin again, and its spinning ones spin ``spin_us``
+        from now: call it when a gather is imminent."""
         _call("engram_host_gatherer_wake", self._require_open())
 
     def _check_host_table(self, rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
@@ -259,19 +262,19 @@ class HostGatherer(NativeHandle):
         return out
 
     def gather_raw(self, ids: Any, rows: Any, scales: Any = None, *, dst_rows: Any, dst_scales: Any = None,
-                   quant_block: int = 32, layout: str = "split") -> None:
+                   quant_block: int = 32, layout: str = "split", ids_dev: Any = None) -> None:
         """Rows ``ids`` (CPU int32 ``[n]``) of a host table in their stored form into device
         arrays: ``dst_rows`` uint8 ``[>= n, head_dim]`` (bf16 tables: bf16) and, for fp8,
         ``dst_scales`` uint8 ``[>= n, head_dim / quant_block]`` (the split form
         :func:`gather` reads, whatever the host layout). For a device row cache: no
         dequant, the copies ordered after the current stream's earlier work, and the
-        stream waits for them."""
+        stream waits for them. ``layout='hbm-scales'``: ``scales`` is the table's scale
+        array on the gatherer's device and ``ids_dev`` the same ids there (int32 ``[n]``,
+        ready on the current stream; without it ``ids`` is copied up first): the CPU
+        threads copy the values alone and a kernel gathers the scale bytes in HBM."""
         torch = _torch()
         handle = self._require_open()
         n = _flat_ids_cpu(ids)
-        if layout == "hbm-scales":
-            raise EngramError("gather_raw copies the stored scale bytes from host memory: pass the split table "
-                              "(layout='split', host scales)")
         dtype, num_rows, head_dim, layout_code = self._check_host_table(rows, scales, quant_block, layout)
         want = (torch.bfloat16,) if dtype == TABLE_BF16 else (torch.uint8,)
         _check("dst_rows", dst_rows, want, 2)
@@ -286,10 +289,19 @@ class HostGatherer(NativeHandle):
                     or dst_scales.device != self.device:
                 raise EngramError(f"dst_scales must be [>= {n}, {head_dim // quant_block}] on {self.device} "
                                   f"(got {tuple(dst_scales.shape)} on {dst_scales.device})")
+        if layout == "hbm-scales":
+            if ids_dev is None:
+                ids_dev = ids.to(self.device)
+            _check("ids_dev", ids_dev, (torch.int32,), 1)
+            if ids_dev.shape[0] != n or ids_dev.device != self.device:
+                raise EngramError(f"ids_dev must be the {n} ids on {self.device} "
+                                  f"(got {ids_dev.shape[0]} on {ids_dev.device})")
+        else:
+            ids_dev = None
         with torch.cuda.device(self.device):
-            _call("engram_host_gather_raw", handle, _ptr(ids), n, _ptr(rows), _ptr(scales), num_rows, head_dim, dtype,
-                  quant_block, layout_code, _ptr(dst_rows), _ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None),
-                  _stream(self.device))
+            _call("engram_host_gather_raw_dev", handle, _ptr(ids), _ptr(ids_dev), n, _ptr(rows), _ptr(scales),
+                  num_rows, head_dim, dtype, quant_block, layout_code, _ptr(dst_rows),
+                  _ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None), _stream(self.device))
 
     def _destroy(self, handle: Any) -> None:
         _call("engram_host_gatherer_destroy", handle)

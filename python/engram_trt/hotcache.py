@@ -18,6 +18,15 @@ table in one launch) or :class:`TorchTransfer` (the same with torch ops on CPU t
 for tests and dry runs). Rows reach the output unchanged (raw bytes, one dequant), so
 the cache is exact: the same bf16 rows as a plain gather of the same ids.
 
+Host layouts: ``split`` and ``inline`` (values and scale bytes in host memory) and
+``hbm-scales`` (the fp8 values in host memory, the table's scale array on the cache's
+device, as the runtime keeps them for its host gather). Why the third: a miss's 256
+value bytes are 4 cache lines for the CPU threads, 5 with its scale bytes, and the
+threads are bound by the lines they fetch (docs/benchmarks.md); with the scales in HBM
+the fetch stages and copies the values alone (one copy per chunk instead of two) and a
+kernel gathers the misses' scale bytes on the device by the miss ids, which the plan
+left there.
+
 A step: plan (every lookup's work-table row, the misses), fetch (the misses into the
 miss area), deliver (one gather from the work table), admit (misses fill free slots;
 every ``admit_every`` steps up to ``admit_budget`` replacements, each copied from the
@@ -25,7 +34,14 @@ miss area where the step just fetched it, device to device, never from the host
 again). A warm start (``initial_counts``: offline per-row frequencies) seeds the counts
 and loads the most frequent rows before the first step. Out-of-range ids all map to one
 sentinel row (``table_rows``), which the host gather returns as a zero row, so they
-stay zero rows through the cache as in a plain gather.
+stay zero rows through the cache as in a plain gather (in the hbm-scales layout the
+scale gather writes byte 127 for the sentinel, as the host side does in the others).
+
+The host gather's threads sleep after ``spin_us`` (50 us by default) without work, and a
+step's plan (its one synchronization) takes longer than that, so the transfer is told
+when a plan has been enqueued (:meth:`Transfer.prepare`): the CUDA transfer wakes the
+threads then, and with a ``spin_us`` above the plan's time (``bench cache --spin-us``)
+they are still spinning when the fetch starts instead of paying their wake-up in it.
 """
 
 from __future__ import annotations
@@ -102,9 +118,15 @@ class CacheStats:
 class Transfer(Protocol):
     """Moves row data for :class:`HotRowCache`."""
 
-    def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any) -> None:
+    def prepare(self) -> None:
+        """A step's plan has been enqueued: a fetch may follow shortly (optional: a
+        transfer without it is not told)."""
+
+    def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any, ids_dev: Any = None) -> None:
         """Raw rows ``ids_cpu`` (CPU int32 [n]) of the host table into dst_rows[:n] /
-        dst_scales[:n] (out-of-range ids: zero rows, scale bytes 127)."""
+        dst_scales[:n] (out-of-range ids: zero rows, scale bytes 127). ``ids_dev``: the
+        same ids on the cache's device, ready on its current stream, passed (by keyword)
+        for the hbm-scales layout only, which gathers the scale bytes there by them."""
 
     def deliver(self, positions: Any, work_rows: Any, work_scales: Any, out: Any) -> Any:
         """bf16 rows ``[*positions.shape, head_dim]``: work-table rows dequantized."""
@@ -117,9 +139,13 @@ class CudaTransfer:
         self.gatherer, self.rows, self.scales = gatherer, rows_host, scales_host
         self.quant_block, self.layout = quant_block, layout
 
-    def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any) -> None:
+    def prepare(self) -> None:
+        self.gatherer.wake()  # the plan's wait follows: the pool wakes beside it, not in the fetch
+
+    def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any, ids_dev: Any = None) -> None:
         self.gatherer.gather_raw(ids_cpu, self.rows, self.scales, dst_rows=dst_rows, dst_scales=dst_scales,
-                                 quant_block=self.quant_block, layout=self.layout)
+                                 quant_block=self.quant_block, layout=self.layout,
+                                 ids_dev=ids_dev if self.layout == "hbm-scales" else None)
 
     def deliver(self, positions: Any, work_rows: Any, work_scales: Any, out: Any) -> Any:
         from engram_trt import kernels
@@ -134,23 +160,35 @@ class TorchTransfer:
         self.rows, self.scales = rows_host, scales_host
         self.quant_block, self.layout, self.head_dim = quant_block, layout, head_dim
 
-    def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any) -> None:
+    def prepare(self) -> None:
+        pass
+
+    def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any, ids_dev: Any = None) -> None:
         import torch
 
         ids = ids_cpu.to(torch.int64)
         n, num_rows = ids.shape[0], self.rows.shape[0]
         valid = (ids >= 0) & (ids < num_rows)
         safe = ids.clamp(0, max(num_rows - 1, 0))
+        scales = None
         if self.layout == "inline":
             picked = self.rows[safe]
             values, scales = picked[:, : self.head_dim], picked[:, self.head_dim:]
         else:
             values = self.rows[safe]
-            scales = self.scales[safe] if self.scales is not None else None
+            if self.layout == "split" and self.scales is not None:
+                scales = self.scales[safe]
         values = torch.where(valid[:, None], values, torch.zeros_like(values))
         dst_rows[:n].copy_(values)
         if scales is not None:
             dst_scales[:n].copy_(torch.where(valid[:, None], scales, torch.full_like(scales, 127)))
+        elif self.layout == "hbm-scales":
+            # As the CUDA path does: the scale bytes gathered where the scales live, by the
+            # ids on that device (the plan's miss list), not by the host copy of them.
+            dev_ids = (ids_cpu if ids_dev is None else ids_dev).to(device=self.scales.device, dtype=torch.int64)
+            ok = (dev_ids >= 0) & (dev_ids < num_rows)
+            picked = self.scales[dev_ids.clamp(0, max(num_rows - 1, 0))]
+            dst_scales[:n].copy_(torch.where(ok[:, None], picked, torch.full_like(picked, 127)))
 
     def deliver(self, positions: Any, work_rows: Any, work_scales: Any, out: Any) -> Any:
         import torch
@@ -173,7 +211,9 @@ class HotRowCache:
     """De-duplicating, frequency-admitted device cache of a host table's rows.
 
     ``rows_host`` / ``scales_host``: the host table (split: fp8 rows + scales, or bf16
-    rows; inline: fp8 ``[N, head_dim + head_dim / quant_block]`` with scales None).
+    rows; inline: fp8 ``[N, head_dim + head_dim / quant_block]`` with scales None;
+    hbm-scales: fp8 rows in host memory, their scales ``[N, head_dim / quant_block]`` on
+    ``device``).
     ``capacity_rows`` (default ``capacity_fraction`` of the table, 5%) cached rows live
     on ``device`` in the stored form, beside a miss area of ``max_step_rows`` rows.
     ``gather(ids)`` returns the bf16 rows of a step's ids, exactly what a plain gather of
@@ -209,6 +249,10 @@ class HotRowCache:
             raise EngramError("a CUDA HotRowCache needs gatherer= (a hostgather.HostGatherer on its device)")
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        if layout == "hbm-scales" and (rows_host.device.type != "cpu" or scales_host.device != self.device):
+            raise EngramError(f"layout 'hbm-scales' keeps the rows in host memory and the scales on the cache's device "
+                              f"{self.device} (got rows on {rows_host.device}, scales on {scales_host.device}): copy "
+                              f"the scales there once, e.g. scales.to('{self.device}')")
         self.head_dim, self.quant_block, self.layout = head_dim, quant_block, layout
         self.fp8 = dtype == TABLE_FP8_E4M3
         self.max_step_rows = int(max_step_rows)
@@ -242,7 +286,9 @@ class HotRowCache:
         rows = self.policy.warm_start(counts)
         k = int(rows.numel())
         if k:
-            self.transfer.fetch(rows, self.work_rows[:k], None if self.work_scales is None else self.work_scales[:k])
+            extra = {"ids_dev": rows.to(self.device)} if self.layout == "hbm-scales" else {}
+            self.transfer.fetch(rows, self.work_rows[:k], None if self.work_scales is None else self.work_scales[:k],
+                                **extra)
         self._stats.preloaded = k
         return k
 
@@ -266,13 +312,16 @@ class HotRowCache:
             raise EngramError(f"ids must be int32 (got {ids.dtype})")
         mark = phase or (lambda name: None)
         policy = self.policy
-        plan = policy.plan(ids, self.miss_base)
+        plan = policy.plan(ids, self.miss_base, on_enqueued=getattr(self.transfer, "prepare", None))
         mark("plan")
         try:
             if plan.num_miss:
                 end = self.miss_base + plan.num_miss
+                # hbm-scales: the miss ids on the device too (the plan's list, ready on the stream)
+                extra = {"ids_dev": plan.miss_rows} if self.layout == "hbm-scales" else {}
                 self.transfer.fetch(plan.miss_rows_host, self.work_rows[self.miss_base:end],
-                                    None if self.work_scales is None else self.work_scales[self.miss_base:end])
+                                    None if self.work_scales is None else self.work_scales[self.miss_base:end],
+                                    **extra)
             mark("fetch")
             shape = tuple(ids.shape) if ids.dim() == 2 else (n, 1)
             positions = plan.positions.view(shape)

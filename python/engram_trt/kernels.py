@@ -97,6 +97,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_host_gather_ex": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp]),
         "engram_host_gather_dev": (ctypes.c_int, [vp, vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp]),
         "engram_host_gather_raw": (ctypes.c_int, [vp, vp, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp, vp]),
+        "engram_host_gather_raw_dev": (ctypes.c_int, [vp, vp, vp, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp, vp]),
         "engram_host_gather_rows_cpu": (ctypes.c_int, [vp, i32, vp, i64, vp, vp, i64, i32, i32, i32, i32, vp, vp,
                                                        i32, i32]),
         "engram_gate": (ctypes.c_int, [vp, vp, vp, vp, i32, vp, i32, i64, i32, i32, f32, f32, vp, vp]),

@@ -115,6 +115,27 @@ void testWorkersBlockAfterSpinning()
     pool.setSpinMicros(0);
 }
 
+void testWakeRestartsASpin()
+{
+    // Workers spin 1.5 s after a round; a wake() 1 s in restarts their spin, so at 2 s
+    // (past the round's deadline, before the wake's) none sleeps; then they block.
+    ThreadPool pool(4, /*spinMicros=*/1500000);
+    std::atomic<int> n{0};
+    pool.parallelFor(64, [&](int64_t) { n.fetch_add(1); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    pool.wake();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    bool const spinning = pool.sleepingWorkers() == 0;
+    bool slept = false;
+    for (int i = 0; i < 2500 && !slept; ++i)
+    {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        slept = pool.sleepingWorkers() == pool.numThreads() - 1;
+    }
+    check(n.load() == 64 && spinning && slept, "wake() restarts the spin of spinning workers, which then block");
+    pool.setSpinMicros(0);
+}
+
 void testRunWaitsForWorkersToLeave()
 {
     ThreadPool pool(6, 1000);
@@ -310,6 +331,7 @@ int main()
     testParallelForCoversEveryTaskOnce();
     testTaskObjectMayDieRightAfterReturn();
     testWorkersBlockAfterSpinning();
+    testWakeRestartsASpin();
     testRunWaitsForWorkersToLeave();
     testSpinSetting();
     testRowGather();

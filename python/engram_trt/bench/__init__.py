@@ -5,7 +5,8 @@ parser build: each command imports what it needs when it runs.
 - ``bench gather``: cold lookups from a >= 24 GiB host table (UVA kernel, host gather in
   split / inline layouts, torch.index_select + copy) against the link (gather.py);
 - ``bench cache``: real row-id streams through per-step de-duplication and the HBM
-  hot-row cache against the cold host gather (cache.py);
+  hot-row cache against the cold host gather, host layouts side by side in one process
+  (cache.py, its runs cacherun.py, its report cachereport.py);
 - ``bench idstream``: the token file of real text those streams come from (idstreams.py);
 - ``bench rowcounts``: per-row lookup counts of a range of that text, a cache's warm start (rowcounts.py);
 - ``bench step``: step time with Engram (GPU / pinned tables) over the step without it (step.py);

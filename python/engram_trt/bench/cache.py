@@ -24,6 +24,15 @@ chunks disjoint from the measured ones (checked, and said in the output). On CUD
 cache's plan and admission are the fused kernels (``cacheKernel.cu``); ``--breakdown``
 times each phase of a step.
 
+Host tables: ``--layouts`` (default: hbm-scales, the runtime's host layout for fp8
+tables: the values in host memory, the scale bytes on the GPU) and ``--pages`` (default
+auto: the runtime's choice of huge pages). Several layouts run in one process, taking
+turns on every measured chunk (:mod:`engram_trt.bench.cacherun`), so they are compared
+on the same machine start; every row of the report names its layout. The host gather's
+threads spin ``--spin-us`` (300 us) before they sleep: a step wakes them when its plan
+is enqueued, and the spin covers the plan's wait, so the fetch does not pay their
+wake-up.
+
 ``--dry-run`` runs the same logic on the CPU (the torch transfer path, a small spec, few
 chunks) and checks exactness; its figures are no measurement of the target machine.
 """
@@ -31,13 +40,13 @@ chunks) and checks exactness; its figures are no measurement of the target machi
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from engram_trt.bench.cachereport import plot_report, print_report, print_simulation
-from engram_trt.bench.lookuputil import GiB, QUANT_BLOCK, ROW_BYTES, make_tables, measure_h2d, write_json
+from engram_trt.bench.cacherun import run_cpu, run_gpu
+from engram_trt.bench.lookuputil import GiB, PAGE_CHOICES, ROW_BYTES, str_list, write_json
 from engram_trt.bench.idstreams import (
     CHUNK_TOKENS,
     DEFAULT_COLUMN_ROWS,
@@ -53,6 +62,12 @@ from engram_trt.bench.idstreams import (
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
+
+LAYOUTS = ("inline", "split", "hbm-scales")
+# The runtime's host layout for fp8 tables (runtime/prefetch.py: the scales copied to the
+# GPU unless ENGRAM_TRT_HBM_SCALES=0 or they would not fit): what the cache is measured in.
+DEFAULT_LAYOUT = "hbm-scales"
+DEFAULT_SPIN_US = 300  # above a prefill chunk's plan (~150-180 us on the H200), from the wake to the fetch
 
 
 def add_cache_arguments(p: Any) -> None:
@@ -72,7 +87,18 @@ def add_cache_arguments(p: Any) -> None:
                         "--dry-run 6)")
     p.add_argument("--measure", type=int, default=None, help="timed chunks after the warm-up (default 64; --dry-run 3)")
     p.add_argument("--first-chunk", type=int, default=0, help="first chunk of the token stream (default 0)")
-    p.add_argument("--layout", choices=("inline", "split"), default="inline", help="host table layout")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help=f"host table layout (default {DEFAULT_LAYOUT}, the runtime's for fp8 tables); one of --layouts")
+    p.add_argument("--layouts", type=str_list(LAYOUTS), default=None, metavar="LIST",
+                   help="host table layouts to compare in this one process, comma-separated, e.g. inline,hbm-scales "
+                        "(they take turns on every measured chunk)")
+    p.add_argument("--pages", choices=PAGE_CHOICES, default="auto",
+                   help="host table pages: auto (the runtime's choice: free reserved 1 GiB pages, else reserved "
+                        "hugetlbfs pages, else transparent huge pages; default), 4k, thp (madvise) or 1g (reserved "
+                        "1 GiB pages)")
+    p.add_argument("--spin-us", type=int, default=DEFAULT_SPIN_US,
+                   help=f"host gather: pool spin before its threads sleep (default {DEFAULT_SPIN_US}: a step's wake at "
+                        "its plan lasts until its fetch)")
     p.add_argument("--threads", type=int, default=0, help="host gather threads (default: the affinity count)")
     p.add_argument("--chunk-rows", type=int, default=2048, help="host gather rows per copy (default 2048)")
     p.add_argument("--slots", type=int, default=8, help="host gather staging slots (default 8)")
@@ -104,6 +130,16 @@ def _token_stream(args: Any) -> Any:
     return stream
 
 
+def _host_layouts(args: Any) -> list[str]:
+    """The layouts to run: ``--layouts``, else ``--layout``, else the runtime's."""
+    if args.layouts is not None and args.layout is not None and args.layouts != [args.layout]:
+        raise EngramError(f"--layout {args.layout} and --layouts {','.join(args.layouts)} disagree: give one of them")
+    layouts = args.layouts or [args.layout or DEFAULT_LAYOUT]
+    if len(set(layouts)) != len(layouts):
+        raise EngramError(f"--layouts names a layout twice ({','.join(layouts)})")
+    return layouts
+
+
 def _layers(text: str, num_layers: int) -> list[int]:
     try:
         layers = [int(v) for v in text.split(",") if v.strip()]
@@ -126,6 +162,9 @@ def cmd_cache(args: Any) -> int:
     measure = args.measure if args.measure is not None else (3 if args.dry_run else 64)
     if measure < 1 or warm < 0:
         raise EngramError("--measure must be >= 1 and --warm >= 0")
+    layouts = _host_layouts(args)
+    if args.spin_us < 0:
+        raise EngramError(f"--spin-us must be >= 0 (got {args.spin_us})")
     stream = _token_stream(args)
     layout = make_layout(column_rows, stream.compressed_vocab_size, stream.pad_id)
     layers = _layers(args.layers, layout.num_layers)
@@ -139,15 +178,16 @@ def cmd_cache(args: Any) -> int:
     offline, offline_text = _offline_counts(args, stream, layout, layers, chunks[:warm], measured)
     report: dict[str, Any] = {
         "tokens": stream.meta(), "column_rows": column_rows, "table_rows": [int(r) for r in layout.table_rows],
-        "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB, "layout": args.layout,
+        "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB, "layout": ",".join(layouts),
+        "layouts": layouts, "pages": args.pages, "spin_us": args.spin_us,
         "capacity_fraction": args.capacity_fraction, "warm_chunks": warm, "measured_chunks": measure,
         "measured_range": list(measured), "offline_counts": offline_text,
         "stream_stats": chunk_stats(chunks[warm:], layout), "dry_run": args.dry_run}
     if args.dry_run:
-        report["layers"] = _run_cpu(args, layout, layers, chunks, warm, offline)
+        report.update(run_cpu(args, layout, layers, chunks, warm, offline, layouts))
         report["link_GBps"] = None
     else:
-        report.update(_run_gpu(args, layout, layers, chunks, warm, offline))
+        report.update(run_gpu(args, layout, layers, chunks, warm, offline, layouts))
     # The measured part is printed and written before the simulation, which runs last
     # (minutes at V4.1 column sizes): a run cut short keeps it.
     print_report(report)
@@ -185,175 +225,6 @@ def _offline_counts(args: Any, stream: Any, layout: Any, layers: list[int], hist
     rc = load_row_counts(source)
     text = check_disjoint(rc, stream, measured, layout, layers)
     return {li: rc.counts[li] for li in layers}, text
-
-
-def _ids_of(chunk: Any, layer: int) -> Any:
-    import torch
-
-    return torch.from_numpy(chunk[:, layer, :].copy())
-
-
-def _run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
-             offline: dict[int, Any] | None) -> list[dict[str, Any]]:
-    import torch
-
-    from engram_trt.engram.quant import dequant_fp8_rows_torch
-    from engram_trt.hotcache import HotRowCache
-
-    out = []
-    for li in layers:
-        rows = int(layout.table_rows[li])
-        tables = make_tables(rows, split=True, inline=args.layout == "inline", huge_pages=False,
-                             register_split=False, seed=args.seed + li)
-        table = (tables.inline, None) if args.layout == "inline" else (tables.split_rows, tables.split_scales)
-        common = dict(device="cpu", capacity_fraction=args.capacity_fraction, layout=args.layout,
-                      quant_block=QUANT_BLOCK, max_step_rows=CHUNK_TOKENS * layout.n_hash_cols,
-                      admit_budget=args.admit_budget, sample_factor=args.sample_factor, admit_every=args.admit_every,
-                      seed=args.seed)
-        caches = {"history": HotRowCache(*table, **common)}
-        if offline is not None:
-            caches["offline"] = HotRowCache(*table, initial_counts=offline[li], **common)
-        exact = {name: True for name in caches}
-        times: dict[str, list[float]] = {name: [] for name in caches}
-        for k, chunk in enumerate(chunks):
-            if k == warm:
-                caches["history"].reset_stats()
-            ids = _ids_of(chunk, li)
-            idx = ids.reshape(-1).long()
-            ref = dequant_fp8_rows_torch(tables.split_rows[idx], tables.split_scales[idx], QUANT_BLOCK)
-            for name, cache in caches.items():
-                if k < warm and name != "history":
-                    continue  # the offline-warmed cache starts at the measured chunks
-                t0 = time.perf_counter()
-                got = cache.gather(ids)
-                times[name].append(time.perf_counter() - t0)
-                if k >= warm:
-                    exact[name] = exact[name] and torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16),
-                                                              ref.view(torch.int16))
-        entry: dict[str, Any] = {"layer": li}
-        for name, cache in caches.items():
-            cache.policy.check_invariants()
-            t = times[name][-(len(chunks) - warm):]
-            part = {"stats": cache.stats().to_dict(), "exact": exact[name], "cache_seconds": statistics.median(t),
-                    "per_chunk_seconds": t}
-            if name == "history":
-                entry.update(part)
-            else:
-                entry["offline"] = part
-        out.append(entry)
-        tables.close()
-    return out
-
-
-def _run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
-             offline: dict[int, Any] | None) -> dict[str, Any]:
-    import torch
-
-    from engram_trt.hostgather import HostGatherer
-    from engram_trt.hotcache import HotRowCache
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
-    pinned = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
-    link = measure_h2d(pinned, dev, 2 * GiB)
-    del pinned
-    t0 = time.perf_counter()
-    all_tables = {li: make_tables(int(layout.table_rows[li]), split=args.layout == "split",
-                                  inline=args.layout == "inline", huge_pages=False, register_split=False,
-                                  seed=args.seed + li) for li in layers}
-    setup = time.perf_counter() - t0
-    step_rows = CHUNK_TOKENS * layout.n_hash_cols
-    gatherer = HostGatherer(num_threads=args.threads, chunk_rows=args.chunk_rows, max_head_dim=256, device=dev,
-                            num_slots=args.slots)
-    gatherer.set_options(min_chunks=args.min_chunks, prefetch_rows=args.prefetch,
-                         streaming_stores=int(args.stores == "streaming"))
-    out_layers = []
-    try:
-        for li in layers:
-            tables = all_tables[li]
-            table = (tables.inline, None) if args.layout == "inline" else (tables.split_rows, tables.split_scales)
-            common = dict(device=dev, quant_block=QUANT_BLOCK, gatherer=gatherer, layout=args.layout,
-                          max_step_rows=step_rows, sample_factor=args.sample_factor, seed=args.seed)
-            sized = dict(capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
-                         admit_every=args.admit_every)
-            caches = {"history": HotRowCache(*table, **sized, **common)}
-            if offline is not None:
-                t0 = time.perf_counter()
-                caches["offline"] = HotRowCache(*table, initial_counts=offline[li], **sized, **common)
-                sync()
-                log.info("layer %d: warm start of %d rows in %.2f s", li, caches["offline"].stats().preloaded,
-                         time.perf_counter() - t0)
-            dedup = HotRowCache(*table, capacity_rows=0, **common)
-            ids = [_ids_of(c, li).pin_memory() for c in chunks]
-            outs = {name: torch.empty((CHUNK_TOKENS, layout.n_hash_cols, 256), dtype=torch.bfloat16, device=dev)
-                    for name in caches}
-            out_cold = torch.empty_like(outs["history"])
-            for k in range(warm):
-                caches["history"].gather(ids[k], outs["history"])
-            sync()
-            caches["history"].reset_stats()
-            t_cache: dict[str, list[float]] = {name: [] for name in caches}
-            hits: dict[str, list[float]] = {name: [] for name in caches}
-            exact = {name: True for name in caches}
-            t_dedup, t_cold = [], []
-            for k in range(warm, len(chunks)):
-                for name, cache in caches.items():
-                    before = cache.stats()
-                    t = time.perf_counter()
-                    cache.gather(ids[k], outs[name])
-                    sync()
-                    t_cache[name].append(time.perf_counter() - t)
-                    after = cache.stats()
-                    hits[name].append((after.hits - before.hits) / max(1, after.unique - before.unique))
-                t = time.perf_counter()
-                dedup.gather(ids[k], out_cold)
-                sync()
-                t_dedup.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                gatherer.gather(ids[k], *table, quant_block=QUANT_BLOCK, out=out_cold, layout=args.layout)
-                sync()
-                t_cold.append(time.perf_counter() - t)
-                for name in caches:
-                    exact[name] = exact[name] and torch.equal(outs[name].view(torch.int16), out_cold.view(torch.int16))
-            entry: dict[str, Any] = {"layer": li, "dedup_seconds": statistics.median(t_dedup),
-                                     "cold_seconds": statistics.median(t_cold), "lookups_per_chunk": step_rows}
-            for name, cache in caches.items():
-                phases = _breakdown(cache, ids[warm:], outs[name], sync) if args.breakdown else None
-                cache.policy.check_invariants()
-                part = {"stats": cache.stats().to_dict(), "exact": exact[name], "device_bytes": cache.device_bytes(),
-                        "cache_seconds": statistics.median(t_cache[name]), "per_chunk_cache_seconds": t_cache[name],
-                        "per_chunk_hit_rate": hits[name], "phases_seconds": phases}
-                if name == "history":
-                    entry.update(part)
-                else:
-                    entry["offline"] = part
-            out_layers.append(entry)
-            del caches, dedup
-            torch.cuda.empty_cache()
-    finally:
-        gatherer.close()
-        for t in all_tables.values():
-            t.close()
-    return {"layers": out_layers, "link_GBps": link, "setup_seconds": setup, "device": torch.cuda.get_device_name(dev),
-            "torch": torch.__version__}
-
-
-def _breakdown(cache: Any, ids: list[Any], out: Any, sync: Any) -> dict[str, float]:
-    """Median seconds of each phase of a step (syncing between phases, so the sum is
-    above the step's own time). The steps run through the cache (it keeps learning)."""
-    phases: dict[str, list[float]] = {}
-    for x in ids:
-        sync()
-        last = [time.perf_counter()]
-
-        def mark(name: str) -> None:
-            sync()
-            now = time.perf_counter()
-            phases.setdefault(name, []).append(now - last[0])
-            last[0] = now
-
-        cache.gather(x, out, phase=mark)
-    return {k: statistics.median(v) for k, v in phases.items()}
 
 
 def _simulate(args: Any, stream: Any, layers: list[int], warm: int, measure: int) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The report of `engram-trt bench cache` (:mod:`engram_trt.bench.cache`): the printed
-table, the target lines and the plot, for both warmings of the cache."""
+table, the target lines and the plot, for both warmings of the cache and every host
+layout run (each row and line names its layout)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,28 @@ def _warmings(L: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [("history", L)] + ([("offline", L["offline"])] if L.get("offline") else [])
 
 
+def _layout_of(L: dict[str, Any], report: dict[str, Any]) -> str:
+    return L.get("layout", report.get("layout", "-"))
+
+
+def _pages_line(report: dict[str, Any]) -> str:
+    used = ", ".join(report.get("pages_used") or ["-"])
+    line = f"host table pages: {used} (--pages {report.get('pages', '-')})"
+    grown = report.get("huge_pages_gib", -1.0)
+    if grown is not None and grown >= 0:
+        line += f"; AnonHugePages grew by {grown:.1f} GiB while the tables were filled"
+    return line
+
+
 def print_report(report: dict[str, Any]) -> None:
     link = report.get("link_GBps")
     tok = report["tokens"]
+    layouts = report.get("layouts") or [report["layout"]]
     print(f"ids: {tok['num_tokens']:,} tokens from {tok['text_bytes'] / 1e6:.1f} MB of text (Python {tok['python']}); "
           f"spec 2 layers x 24 columns of ~{report['column_rows']:,} rows = {report['table_gib']:.2f} GiB of "
-          f"{ROW_BYTES}-byte rows ({report['layout']} layout)")
+          f"{ROW_BYTES}-byte rows (host layout{'s' if len(layouts) > 1 else ''} {', '.join(layouts)})")
+    hbm = "; hbm-scales: the scale bytes on the cache's device" if "hbm-scales" in layouts else ""
+    print(_pages_line(report) + hbm)
     st = report["stream_stats"]
     print("distinct rows per lookup in a chunk: " + ", ".join(
         f"order {o} {v:.1%}" for o, v in st["distinct_per_order"].items())
@@ -36,8 +53,8 @@ def print_report(report: dict[str, Any]) -> None:
         print("DRY RUN (no GPU): the cache logic on CPU tensors; the times say nothing about the target machine")
     else:
         print(f"{report['device']}, torch {report['torch']}; link (sequential 2 GiB pinned H2D copy): {link:.1f} GB/s; "
-              f"cache plan and admission: fused kernels")
-    headers = ["layer", "warming", "hit rate", "distinct", "fetched / lookups", "cache us", "GB/s", "x link",
+              f"cache plan and admission: fused kernels; host gather spin {report.get('spin_us', '-')} us")
+    headers = ["layout", "layer", "warming", "hit rate", "distinct", "fetched / lookups", "cache us", "GB/s", "x link",
                "dedup only us", "cold gather us", "x cold", "exact"]
     rows = []
     for L in report["layers"]:
@@ -47,8 +64,8 @@ def print_report(report: dict[str, Any]) -> None:
             n = s["lookups"] / max(1, s["steps"])
             cache_s = part["cache_seconds"]
             gb = n * ROW_BYTES / cache_s / 1e9
-            rows.append([L["layer"], name, f"{s['hit_rate']:.1%}", f"{s['unique_fraction']:.1%}",
-                         f"{s['fetch_fraction']:.1%}", f"{cache_s * 1e6:.0f}", f"{gb:.1f}",
+            rows.append([_layout_of(L, report), L["layer"], name, f"{s['hit_rate']:.1%}",
+                         f"{s['unique_fraction']:.1%}", f"{s['fetch_fraction']:.1%}", f"{cache_s * 1e6:.0f}", f"{gb:.1f}",
                          f"{gb / link:.2f}" if link else "-", f"{L['dedup_seconds'] * 1e6:.0f}" if cold else "-",
                          f"{cold * 1e6:.0f}" if cold else "-", f"{cold / cache_s:.2f}" if cold else "-",
                          "yes" if part["exact"] else "NO"])
@@ -57,8 +74,8 @@ def print_report(report: dict[str, Any]) -> None:
         for L in report["layers"]:
             n = L["lookups_per_chunk"]
             cold_gb = n * ROW_BYTES / L["cold_seconds"] / 1e9
-            print(f"layer {L['layer']}: cold gather baseline {cold_gb:.1f} GB/s = {cold_gb / link:.2f} x link "
-                  f"(its bound: 1.00)")
+            print(f"{_layout_of(L, report)}, layer {L['layer']}: cold gather baseline {cold_gb:.1f} GB/s = "
+                  f"{cold_gb / link:.2f} x link (its bound: 1.00)")
             for name, part in _warmings(L):
                 gb = n * ROW_BYTES / part["cache_seconds"] / 1e9
                 ok = gb >= TARGET_LINK_RATIO * link
@@ -68,10 +85,38 @@ def print_report(report: dict[str, Any]) -> None:
                 if part.get("phases_seconds"):
                     print("    phases (synced, medians): " + ", ".join(f"{k} {v * 1e6:.0f} us"
                                                                   for k, v in part["phases_seconds"].items()))
+    _print_layout_ratios(report, layouts)
     if any(not part["exact"] for L in report["layers"] for _, part in _warmings(L)):
         print("cache output NOT bit-exact against the plain gather")
+    if "cold_equal_across_layouts" in report:
+        print("the layouts' cold gathers gave " + ("the same bits on every measured chunk"
+                                                    if report["cold_equal_across_layouts"] else "DIFFERENT bits"))
     if report.get("simulation"):
         print_simulation(report["simulation"])
+
+
+def _print_layout_ratios(report: dict[str, Any], layouts: list[str]) -> None:
+    """Each later layout's times over the first one's, in the same process."""
+    if len(layouts) < 2:
+        return
+    by = {(L["layer"], _layout_of(L, report)): L for L in report["layers"]}
+    base = layouts[0]
+    for other in layouts[1:]:
+        for (li, name), L in by.items():
+            B = by.get((li, base))
+            if name != other or B is None:
+                continue
+            parts = []
+            for (warming, part), (_, bpart) in zip(_warmings(L), _warmings(B)):
+                text = f"{warming} cache {part['cache_seconds'] / bpart['cache_seconds']:.2f}"
+                fetch, bfetch = (part.get("phases_seconds") or {}).get("fetch"), \
+                    (bpart.get("phases_seconds") or {}).get("fetch")
+                if fetch and bfetch:
+                    text += f" (fetch {fetch / bfetch:.2f})"
+                parts.append(text)
+            if L.get("cold_seconds") and B.get("cold_seconds"):
+                parts.append(f"cold gather {L['cold_seconds'] / B['cold_seconds']:.2f}")
+            print(f"{other} / {base}, layer {li}, time ratios (same process): " + ", ".join(parts))
 
 
 def print_simulation(sim: dict[str, Any]) -> None:
@@ -94,11 +139,13 @@ def plot_report(report: dict[str, Any], path: str) -> None:
         n = L.get("lookups_per_chunk") or L["stats"]["lookups"] / max(1, L["stats"]["steps"])
         for name, part in _warmings(L):
             times = part.get("per_chunk_cache_seconds") or part.get("per_chunk_seconds")
-            a1.plot([n * ROW_BYTES / t / 1e9 for t in times], marker=".", label=f"layer {L['layer']} cache ({name})")
+            tag = f"{_layout_of(L, report)}, layer {L['layer']}"
+            a1.plot([n * ROW_BYTES / t / 1e9 for t in times], marker=".", label=f"{tag} cache ({name})")
             if part.get("per_chunk_hit_rate"):
-                a2.plot(part["per_chunk_hit_rate"], marker=".", label=f"layer {L['layer']} ({name})")
+                a2.plot(part["per_chunk_hit_rate"], marker=".", label=f"{tag} ({name})")
         if "cold_seconds" in L:
-            a1.axhline(n * ROW_BYTES / L["cold_seconds"] / 1e9, linestyle=":", label=f"layer {L['layer']} cold gather")
+            a1.axhline(n * ROW_BYTES / L["cold_seconds"] / 1e9, linestyle=":",
+                       label=f"{_layout_of(L, report)}, layer {L['layer']} cold gather")
     if link:
         a1.axhline(link, color="k", linestyle="--", label=f"link {link:.1f} GB/s")
         a1.axhline(TARGET_LINK_RATIO * link, color="r", linestyle="-.", label="target 2x link")

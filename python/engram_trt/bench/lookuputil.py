@@ -1,9 +1,10 @@
 """Shared pieces of the lookup benchmarks (gather, cache): host tables, the link's limit, timing, output.
 
-Host tables are anonymous mappings (optionally with transparent huge pages), filled fast
-by repeating one random block, and registered with CUDA only where the GPU reads them
-(the UVA kernel): torch's pinned allocator would round 24.75 GiB up to 32 GiB and pin
-all of it, and the host gather needs no pinned table at all (the CPU reads it).
+Host tables are anonymous mappings (4 KiB pages, transparent huge pages, reserved 1 GiB
+pages, or ``auto``: what the runtime's stores ask for, :func:`engram_trt.tables.hostmem.allocate_anonymous`),
+filled fast by repeating one random block, and registered with CUDA only where the GPU
+reads them (the UVA kernel): torch's pinned allocator would round 24.75 GiB up to 32 GiB
+and pin all of it, and the host gather needs no pinned table at all (the CPU reads it).
 """
 
 from __future__ import annotations
@@ -65,25 +66,45 @@ def anon_hugepages_kib() -> int:
     return -1
 
 
+PAGE_CHOICES = ("auto", "4k", "thp", "1g")  # --pages of the lookup benchmarks
+
+
+def pages_mode(choice: str) -> bool | str:
+    """:class:`HostBuffer`'s ``huge_pages`` for a ``--pages`` choice."""
+    return {"4k": False, "thp": True, "1g": "1g", "auto": "auto"}[choice]
+
+
 class HostBuffer:
-    """An anonymous host mapping viewed as a uint8 tensor; ``huge_pages`` asks for
-    transparent huge pages (madvise), ``register()`` makes it GPU-readable."""
+    """An anonymous host mapping viewed as a uint8 tensor; ``huge_pages``: False (base
+    pages), True / 'thp' (transparent huge pages, madvise), '1g' (reserved 1 GiB pages)
+    or 'auto' (the runtime's choice: 1 GiB pages if enough are free, else reserved
+    hugetlbfs pages, else transparent huge pages). ``pages`` says what it got, in words;
+    ``register()`` makes it GPU-readable."""
 
     def __init__(self, nbytes: int, *, huge_pages: bool | str = False) -> None:
         import torch
 
         self.nbytes = int(nbytes)
-        if huge_pages == "1g":
+        offset = 0
+        if huge_pages == "auto":
+            from engram_trt.tables.hostmem import allocate_anonymous
+
+            buf = allocate_anonymous(self.nbytes, "auto")
+            self._map, offset, self.pages = buf.mm, buf.base, buf.pages
+        elif huge_pages == "1g":
             from engram_trt.tables.hostmem import map_giga_pages
 
             self._map = map_giga_pages(self.nbytes)
+            self.pages = "hugetlbfs 1 GiB pages"
         else:
             self._map = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.pages = f"{mmap.PAGESIZE // 1024} KiB pages"
         if huge_pages is True or huge_pages == "thp":
             if not hasattr(mmap, "MADV_HUGEPAGE"):
                 raise EngramError("transparent huge pages need Linux (mmap.MADV_HUGEPAGE); drop --pages thp")
             self._map.madvise(mmap.MADV_HUGEPAGE)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
+            self.pages = "transparent huge pages (madvise)"
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes, offset=offset)
         self.registered = False
 
     def register(self) -> None:
@@ -128,6 +149,10 @@ class Tables:
     def gib(self) -> float:
         return self.num_rows * ROW_BYTES / GiB
 
+    def pages(self) -> list[str]:
+        """How the buffers are paged, in words (distinct, sorted)."""
+        return sorted({b.pages for b in self.buffers})
+
     def close(self) -> None:
         self.split_rows = self.split_scales = self.inline = None
         for b in self.buffers:
@@ -168,7 +193,7 @@ def make_tables(num_rows: int, *, split: bool, inline: bool, huge_pages: bool | 
             b.register()
         log.info("registered the split table with CUDA in %.1f s", time.perf_counter() - t1)
     log.info("filled %.2f GiB of tables (%s) in %.1f s", tables.gib() * (int(split) + int(inline)),
-             {"1g": "1 GiB huge pages", False: "4 KiB pages"}.get(huge_pages, "huge pages"), fill_s)
+             ", ".join(tables.pages()), fill_s)
     return tables
 
 

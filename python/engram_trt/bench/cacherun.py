@@ -1,0 +1,277 @@
+"""The measured part of `engram-trt bench cache` (:mod:`engram_trt.bench.cache`): each
+host layout's caches through the same chunks, on the GPU or (``--dry-run``) the CPU.
+
+Why several layouts in one process: machine starts differ by 10-20% on the H200 VM, more
+than the layouts do, so inline and hbm-scales are compared chunk by chunk in one run: the
+layouts take turns on every measured chunk (their order alternates from chunk to chunk),
+each with its own caches (history, offline), its de-duplication-only cache and its cold
+host gather, over tables of the same content. Every cache output is checked bit for bit
+against its layout's cold gather, and the cold gathers of the layouts against each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engram_trt.bench.idstreams import CHUNK_TOKENS
+from engram_trt.bench.lookuputil import GiB, QUANT_BLOCK, anon_hugepages_kib, make_tables, measure_h2d, pages_mode
+
+log = logging.getLogger(__name__)
+
+
+def make_layer_tables(args: Any, num_rows: int, layouts: list[str], seed: int, *, cpu_reference: bool = False) -> Any:
+    """One layer's host table in what ``layouts`` read (inline; split rows and scales for
+    split and hbm-scales), on the pages of ``--pages``; ``cpu_reference``: the split form
+    too (the dry run's reference reads it)."""
+    split = cpu_reference or any(name in ("split", "hbm-scales") for name in layouts)
+    return make_tables(num_rows, split=split, inline="inline" in layouts, huge_pages=pages_mode(args.pages),
+                       register_split=False, seed=seed)
+
+
+def host_table(tables: Any, layout: str, device: Any) -> tuple[Any, Any]:
+    """(rows, scales) of ``layout``: hbm-scales keeps the split rows in host memory and
+    copies the scale bytes to ``device`` once, as the runtime does at load."""
+    if layout == "inline":
+        return tables.inline, None
+    if layout == "split":
+        return tables.split_rows, tables.split_scales
+    return tables.split_rows, tables.split_scales.to(device)
+
+
+@dataclass
+class LayoutRun:
+    """One host layout's caches and measurements in a layer."""
+
+    layout: str
+    table: tuple[Any, Any]
+    caches: dict[str, Any]
+    dedup: Any = None
+    outs: dict[str, Any] = field(default_factory=dict)
+    out_cold: Any = None
+    t_cache: dict[str, list[float]] = field(default_factory=dict)
+    hits: dict[str, list[float]] = field(default_factory=dict)
+    exact: dict[str, bool] = field(default_factory=dict)
+    t_dedup: list[float] = field(default_factory=list)
+    t_cold: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in self.caches:
+            self.t_cache[name], self.hits[name], self.exact[name] = [], [], True
+
+
+def _ids_of(chunk: Any, layer: int) -> Any:
+    import torch
+
+    return torch.from_numpy(chunk[:, layer, :].copy())
+
+
+def _pages_used(tables: dict[int, Any], huge_before: int) -> dict[str, Any]:
+    pages = sorted({p for t in tables.values() for p in t.pages()})
+    grown = (anon_hugepages_kib() - huge_before) / 2**20 if huge_before >= 0 else -1.0
+    return {"pages_used": pages, "huge_pages_gib": grown}
+
+
+def run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
+            offline: dict[int, Any] | None, layouts: list[str]) -> dict[str, Any]:
+    """The dry run: the torch transfer path on CPU tensors, each output against the
+    float32 dequant of the split table."""
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows_torch
+    from engram_trt.hotcache import HotRowCache
+
+    out = []
+    huge_before = anon_hugepages_kib()
+    made: dict[int, Any] = {}
+    for li in layers:
+        rows = int(layout.table_rows[li])
+        tables = made[li] = make_layer_tables(args, rows, layouts, args.seed + li, cpu_reference=True)
+        common = dict(device="cpu", capacity_fraction=args.capacity_fraction, quant_block=QUANT_BLOCK,
+                      max_step_rows=CHUNK_TOKENS * layout.n_hash_cols, admit_budget=args.admit_budget,
+                      sample_factor=args.sample_factor, admit_every=args.admit_every, seed=args.seed)
+        runs = []
+        for name in layouts:
+            table = host_table(tables, name, "cpu")
+            caches = {"history": HotRowCache(*table, layout=name, **common)}
+            if offline is not None:
+                caches["offline"] = HotRowCache(*table, layout=name, initial_counts=offline[li], **common)
+            runs.append(LayoutRun(name, table, caches))
+        for k, chunk in enumerate(chunks):
+            ids = _ids_of(chunk, li)
+            idx = ids.reshape(-1).long()
+            ref = dequant_fp8_rows_torch(tables.split_rows[idx], tables.split_scales[idx], QUANT_BLOCK)
+            for run in runs:
+                if k == warm:
+                    run.caches["history"].reset_stats()
+                for name, cache in run.caches.items():
+                    if k < warm and name != "history":
+                        continue  # the offline-warmed cache starts at the measured chunks
+                    t0 = time.perf_counter()
+                    got = cache.gather(ids)
+                    run.t_cache[name].append(time.perf_counter() - t0)
+                    if k >= warm:
+                        run.exact[name] = run.exact[name] and torch.equal(
+                            got.reshape(-1, got.shape[-1]).view(torch.int16), ref.view(torch.int16))
+        for run in runs:
+            entry: dict[str, Any] = {"layer": li, "layout": run.layout}
+            for name, cache in run.caches.items():
+                cache.policy.check_invariants()
+                t = run.t_cache[name][-(len(chunks) - warm):]
+                part = {"stats": cache.stats().to_dict(), "exact": run.exact[name],
+                        "cache_seconds": statistics.median(t), "per_chunk_seconds": t}
+                if name == "history":
+                    entry.update(part)
+                else:
+                    entry["offline"] = part
+            out.append(entry)
+    report = {"layers": out, **_pages_used(made, huge_before)}
+    for tables in made.values():
+        tables.close()
+    return report
+
+
+def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
+            offline: dict[int, Any] | None, layouts: list[str]) -> dict[str, Any]:
+    import torch
+
+    from engram_trt.hostgather import HostGatherer
+    from engram_trt.hotcache import HotRowCache
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
+    pinned = torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
+    link = measure_h2d(pinned, dev, 2 * GiB)
+    del pinned
+    t0 = time.perf_counter()
+    huge_before = anon_hugepages_kib()
+    all_tables = {li: make_layer_tables(args, int(layout.table_rows[li]), layouts, args.seed + li) for li in layers}
+    setup = time.perf_counter() - t0
+    pages = _pages_used(all_tables, huge_before)
+    step_rows = CHUNK_TOKENS * layout.n_hash_cols
+    gatherer = HostGatherer(num_threads=args.threads, chunk_rows=args.chunk_rows, max_head_dim=256, device=dev,
+                            num_slots=args.slots)
+    gatherer.set_options(min_chunks=args.min_chunks, prefetch_rows=args.prefetch,
+                         streaming_stores=int(args.stores == "streaming"), spin_us=args.spin_us)
+    out_layers = []
+    cold_equal = True
+    hbm_bytes = 0
+    try:
+        for li in layers:
+            tables = all_tables[li]
+            ids = [_ids_of(c, li).pin_memory() for c in chunks]
+            # The ids of the measured chunks on the GPU too, as a step's hash kernel leaves
+            # them: the cold hbm-scales gather's dequant reads the scale bytes by them.
+            ids_dev = {k: ids[k].to(dev) for k in range(warm, len(chunks))} if "hbm-scales" in layouts else {}
+            runs = []
+            for name in layouts:
+                table = host_table(tables, name, dev)
+                if name == "hbm-scales":
+                    hbm_bytes = max(hbm_bytes, table[1].numel())
+                common = dict(device=dev, quant_block=QUANT_BLOCK, gatherer=gatherer, layout=name,
+                              max_step_rows=step_rows, sample_factor=args.sample_factor, seed=args.seed)
+                sized = dict(capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
+                             admit_every=args.admit_every)
+                caches = {"history": HotRowCache(*table, **sized, **common)}
+                if offline is not None:
+                    t1 = time.perf_counter()
+                    caches["offline"] = HotRowCache(*table, initial_counts=offline[li], **sized, **common)
+                    sync()
+                    log.info("layer %d, %s: warm start of %d rows in %.2f s", li, name,
+                             caches["offline"].stats().preloaded, time.perf_counter() - t1)
+                run = LayoutRun(name, table, caches, dedup=HotRowCache(*table, capacity_rows=0, **common))
+                run.outs = {n: torch.empty((CHUNK_TOKENS, layout.n_hash_cols, 256), dtype=torch.bfloat16, device=dev)
+                            for n in caches}
+                run.out_cold = torch.empty_like(run.outs["history"])
+                for k in range(warm):
+                    caches["history"].gather(ids[k], run.outs["history"])
+                sync()
+                caches["history"].reset_stats()
+                runs.append(run)
+            for k in range(warm, len(chunks)):
+                for run in runs if (k - warm) % 2 == 0 else runs[::-1]:
+                    _measure_chunk(run, ids[k], ids_dev.get(k), gatherer, sync)
+                if len(runs) > 1:
+                    first = runs[0].out_cold.view(torch.int16)
+                    cold_equal = cold_equal and all(torch.equal(first, r.out_cold.view(torch.int16)) for r in runs[1:])
+            phases = _breakdown([(r.layout, n, c, r.outs[n]) for r in runs for n, c in r.caches.items()],
+                                ids[warm:], sync) if args.breakdown else {}
+            for run in runs:
+                entry: dict[str, Any] = {"layer": li, "layout": run.layout,
+                                         "dedup_seconds": statistics.median(run.t_dedup),
+                                         "cold_seconds": statistics.median(run.t_cold), "lookups_per_chunk": step_rows,
+                                         "per_chunk_cold_seconds": run.t_cold}
+                for name, cache in run.caches.items():
+                    cache.policy.check_invariants()
+                    part = {"stats": cache.stats().to_dict(), "exact": run.exact[name],
+                            "device_bytes": cache.device_bytes(),
+                            "cache_seconds": statistics.median(run.t_cache[name]),
+                            "per_chunk_cache_seconds": run.t_cache[name], "per_chunk_hit_rate": run.hits[name],
+                            "phases_seconds": phases.get((run.layout, name))}
+                    if name == "history":
+                        entry.update(part)
+                    else:
+                        entry["offline"] = part
+                out_layers.append(entry)
+            del runs, ids_dev
+            torch.cuda.empty_cache()
+    finally:
+        gatherer.close()
+        for t in all_tables.values():
+            t.close()
+    report = {"layers": out_layers, "link_GBps": link, "setup_seconds": setup, "device": torch.cuda.get_device_name(dev),
+              "torch": torch.__version__, "hbm_scales_gib": hbm_bytes / GiB, **pages}
+    if len(layouts) > 1:
+        report["cold_equal_across_layouts"] = cold_equal
+    return report
+
+
+def _measure_chunk(run: LayoutRun, ids: Any, ids_dev: Any, gatherer: Any, sync: Any) -> None:
+    """One measured chunk through a layout's caches, its de-duplication alone and its
+    cold gather (each timed from the call to the stream's completion), then the check."""
+    import torch
+
+    for name, cache in run.caches.items():
+        before = cache.stats()
+        t = time.perf_counter()
+        cache.gather(ids, run.outs[name])
+        sync()
+        run.t_cache[name].append(time.perf_counter() - t)
+        after = cache.stats()
+        run.hits[name].append((after.hits - before.hits) / max(1, after.unique - before.unique))
+    t = time.perf_counter()
+    run.dedup.gather(ids, run.out_cold)
+    sync()
+    run.t_dedup.append(time.perf_counter() - t)
+    extra = {"ids_dev": ids_dev} if run.layout == "hbm-scales" else {}
+    t = time.perf_counter()
+    gatherer.gather(ids, *run.table, quant_block=QUANT_BLOCK, out=run.out_cold, layout=run.layout, **extra)
+    sync()
+    run.t_cold.append(time.perf_counter() - t)
+    cold = run.out_cold.view(torch.int16)
+    for name in run.caches:
+        run.exact[name] = run.exact[name] and torch.equal(run.outs[name].view(torch.int16), cold)
+
+
+def _breakdown(parts: list[tuple[str, str, Any, Any]], ids: list[Any], sync: Any) -> dict[tuple[str, str], Any]:
+    """Median seconds of each phase of a step per (layout, warming) (syncing between
+    phases, so the sum is above the step's own time); the caches take turns on each
+    chunk, as in the timed loop. The steps run through the caches (they keep learning)."""
+    phases: dict[tuple[str, str], dict[str, list[float]]] = {(p[0], p[1]): {} for p in parts}
+    for x in ids:
+        for layout_name, name, cache, out in parts:
+            got = phases[(layout_name, name)]
+            sync()
+            last = [time.perf_counter()]
+
+            def mark(phase: str, got: dict[str, list[float]] = got, last: list[float] = last) -> None:
+                sync()
+                now = time.perf_counter()
+                got.setdefault(phase, []).append(now - last[0])
+                last[0] = now
+
+            cache.gather(x, out, phase=mark)
+    return {key: {k: statistics.median(v) for k, v in got.items()} for key, got in phases.items()}
