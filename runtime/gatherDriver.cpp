@@ -27,6 +27,7 @@
  * The driver thread's CUDA calls use the relaxed stream-capture mode, so a CUDA graph
  * that another thread captures in the global mode does not make them fail.
  */
+#include "hostGatherInternal.h"
 #include "kernels/engramKernels.h"
 #include "kernels/engramKernelsInternal.h"
 
@@ -460,11 +461,9 @@ extern "C" ENGRAM_API int engram_gather_driver_submit(EngramGatherDriver* driver
         {
             return fail(cudaErrorInvalidValue, "%s: driver and ticket are required", fn);
         }
-        if (numTokens < 0 || numCols < 1 || idTokenStride < numCols)
+        if (int const status = checkIdShape(fn, numTokens, numCols, idTokenStride))
         {
-            return fail(cudaErrorInvalidValue,
-                "%s: need num_tokens >= 0, num_cols >= 1, id_token_stride >= num_cols (got %lld, %d, %lld)", fn,
-                static_cast<long long>(numTokens), numCols, static_cast<long long>(idTokenStride));
+            return status;
         }
         if (numTokens > 0 && (idsHost == nullptr || out == nullptr || rowsHost == nullptr))
         {

@@ -1,4 +1,4 @@
-"""ctypes bindings of the host gather (``runtime/hostGather.cpp``, same C ABI as the kernels).
+"""ctypes bindings of the host gather (``runtime/hostGatherApi.cpp``, same C ABI as the kernels).
 
 CPU threads gather a host table's rows into pinned staging and each chunk goes to the
 GPU in one contiguous copy, pipelined; fp8 chunks are dequantized on the GPU. Why it
