@@ -233,3 +233,25 @@ def test_union_us_counts_overlapping_spans_once() -> None:
     assert union_us([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == 4.0  # order does not matter
     assert union_us([(0.0, 10.0), (2.0, 3.0), (4.0, 12.0)]) == 12.0  # nested and chained
     assert union_us([(0.0, 1.0), (1.0, 2.0)]) == 2.0  # touching spans
+
+
+def test_idle_gaps_splits_a_step_into_lead_gaps_and_tail() -> None:
+    """bench step --stream-profile's "main stream idle": a step from 100 to 200 us whose
+    stream ran a copy, two overlapping kernels and a last one. Lead, gaps, tail and busy
+    time add up to the step, and the gaps come out largest first, named by the activity
+    on either side (the last one to end before, the first to start after)."""
+    from engram_trt.bench.common import idle_gaps
+
+    spans = [(170.0, 190.0, "argmax"), (110.0, 115.0, "Memcpy HtoD"), (120.0, 140.0, "gemv"),
+             (130.0, 150.0, "attention")]
+    got = idle_gaps(spans, 100.0, 200.0)
+    assert (got["lead_us"], got["gaps_us"], got["tail_us"], got["busy_us"]) == (10.0, 25.0, 10.0, 55.0)
+    assert got["lead_us"] + got["gaps_us"] + got["tail_us"] + got["busy_us"] == 100.0
+    assert got["largest"] == [{"us": 20.0, "after": "attention", "before": "argmax"},
+                              {"us": 5.0, "after": "Memcpy HtoD", "before": "gemv"}]
+    assert idle_gaps(spans, 100.0, 200.0, top=1)["largest"] == got["largest"][:1]
+    # a nested span does not end its group early: "b" ends inside "a", so "a" is last
+    assert idle_gaps([(0.0, 10.0, "a"), (2.0, 3.0, "b"), (12.0, 13.0, "c")], 0.0, 13.0)["largest"] == [
+        {"us": 2.0, "after": "a", "before": "c"}]
+    nothing = idle_gaps([], 0.0, 7.0)
+    assert (nothing["lead_us"], nothing["busy_us"], nothing["largest"]) == (7.0, 0.0, [])

@@ -44,6 +44,32 @@ def union_us(spans: list[tuple[float, float]]) -> float:
     return float(total)
 
 
+def idle_gaps(activity: list[tuple[float, float, str]], start: float, end: float, top: int = 5) -> dict[str, Any]:
+    """Where a stream sat idle within a step: ``activity`` is its (start, end, name) spans
+    (kernels and copies, any order, overlaps allowed), ``start`` / ``end`` the step's wall
+    span on the same clock (us). Returns ``lead_us`` (from the step's start to the first
+    activity: the host's work before the GPU can begin), ``gaps_us`` (idle time between
+    activities), ``tail_us`` (from the last activity to the step's end: the result's trip
+    back to the host), ``busy_us`` (the union of the spans) and the ``top`` largest gaps
+    with the names of the activity before and after each. Why: a step's time minus its
+    kernels' is not one number to attack; a gap before the first kernel is host work, a
+    gap between two kernels of one graph is a dependency or a launch, and they call for
+    different fixes."""
+    merged: list[list[Any]] = []  # [start, end, first name, last name]
+    for a, b, name in sorted(activity):
+        if merged and a <= merged[-1][1]:
+            if b > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = b, name
+        else:
+            merged.append([a, b, name, name])
+    if not merged:
+        return {"lead_us": float(end - start), "gaps_us": 0.0, "tail_us": 0.0, "busy_us": 0.0, "largest": []}
+    gaps = [{"us": float(nxt[0] - cur[1]), "after": cur[3], "before": nxt[2]} for cur, nxt in zip(merged, merged[1:])]
+    return {"lead_us": float(max(0.0, merged[0][0] - start)), "gaps_us": float(sum(g["us"] for g in gaps)),
+            "tail_us": float(max(0.0, end - merged[-1][1])), "busy_us": float(sum(b - a for a, b, _, _ in merged)),
+            "largest": sorted(gaps, key=lambda g: -g["us"])[:top]}
+
+
 def capture_graph(body: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, Any]:
     """``body()`` run once on a side stream (its warm-up: lazy initialisation and GEMM
     workspaces stay out of the graph), then captured into a CUDA graph on ``device`` (the

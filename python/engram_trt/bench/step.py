@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from typing import Any
+
+from engram_trt.bench import stepprofile
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--stream-profile", action="store_true",
                    help="after timing each case and mode, profile one more step on the GPU and report each stream's "
                         "kernel and copy time: with host tables, whether the side streams' work slows the main stream's "
-                        "kernels (their time against the same kernels with HBM tables)")
+                        "kernels (their time against the same kernels with HBM tables); and where the main stream sat "
+                        "idle within the step: before its first kernel (host work), between kernels, after its last, "
+                        "with the largest gaps named by the kernels around them")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="after timing each case and mode, profile N more steps' host work (cProfile) and print the "
                         "functions that take most of it, per step (default: 0, off)")
@@ -236,11 +239,11 @@ def run(args: argparse.Namespace) -> int:
             entry = {"step_ms": t["median_s"] * 1e3, "times_ms": [x * 1e3 for x in t["times_s"]],
                      "graphs": None if graphs is None else (graphs.failed or f"{graphs.replays} replays")}
             if pf is not None and args.timeline and not (graphs is not None and graphs.handles_lookup(step)):
-                entry["timeline"] = _timeline(pf, one, device)
+                entry["timeline"] = stepprofile.timeline(pf, one, device)
             if args.host_profile:
-                entry["host_profile"] = _host_profile(one, device, args.host_profile)
+                entry["host_profile"] = stepprofile.host_profile(one, device, args.host_profile)
             if args.stream_profile:
-                entry["streams"] = _stream_profile(one, device)
+                entry["streams"] = stepprofile.stream_profile(one, device)
             if pf is not None:
                 pf.close()
             graphs = None  # frees its recorded graphs before the next mode
@@ -267,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
         cache = None  # the next case allocates its own
         torch.cuda.empty_cache()
     if args.trace and "pinned" in stores:
-        _trace(model, stores["pinned"], layout, device, args.trace, rng)
+        stepprofile.trace(model, stores["pinned"], layout, device, args.trace, rng)
     _print(results, modes)
     dump(results, args.json)
     return 0
@@ -294,147 +297,6 @@ def _bound_ms(info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: li
         return (weight_bytes + kv + rows) / (limits["hbm_GBps"] * 1e9) * 1e3
     attn = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * (T * T / 2)
     return (2 * params * T + attn) / (limits["bf16_TFLOPs"] * 1e12) * 1e3
-
-
-def _stream_profile(one: Any, device: Any) -> dict[str, Any]:
-    """One step under the CUDA profiler, by stream: kernels (count, the union of their
-    spans, their summed durations) and copies. The stream with the most kernels is the
-    step's main stream; the others are the lookup's (a graph's side stream, the
-    prefetcher's, the gather driver's)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from engram_trt.bench.common import sync, union_us
-
-    sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        one()
-        sync(device)
-    streams: dict[int, dict[str, Any]] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        s = streams.setdefault(int(e.device_resource_id or 0), {"kernels": 0, "kernel_spans": [], "copy_us": 0.0, "copies": 0})
-        span = (float(e.time_range.start), float(e.time_range.end))
-        if e.name.lower().startswith(("memcpy", "memset")):
-            s["copies"] += 1
-            s["copy_us"] += span[1] - span[0]
-        else:
-            s["kernels"] += 1
-            s["kernel_spans"].append(span)
-    out = []
-    for sid, s in sorted(streams.items(), key=lambda kv: -kv[1]["kernels"]):
-        spans = s.pop("kernel_spans")
-        out.append({"stream": sid, **s, "kernel_busy_us": union_us(spans), "kernel_sum_us": sum(b - a for a, b in spans)})
-    return {"by_stream": out}
-
-
-def _host_profile(one: Any, device: Any, steps: int, top: int = 12) -> dict[str, Any]:
-    """Where a step's host time goes: ``steps`` steps under cProfile (which slows each
-    Python call by a similar share, so the ranking holds, not the absolute times), the
-    ``top`` functions by their own time, in microseconds per step."""
-    import cProfile
-    import pstats
-
-    from engram_trt.bench.common import sync
-
-    prof = cProfile.Profile()
-    sync(device)
-    t0 = time.perf_counter()
-    prof.enable()
-    for _ in range(steps):
-        one()
-    prof.disable()
-    wall = time.perf_counter() - t0
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    rows = []
-    for (path, line, name), (_, calls, own, cum, _) in stats.items():
-        where = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if line else name
-        rows.append({"function": where, "calls_per_step": calls / steps, "own_us": own / steps * 1e6,
-                     "cumulative_us": cum / steps * 1e6})
-    rows.sort(key=lambda r: -r["own_us"])
-    return {"steps": steps, "wall_us_per_step": wall / steps * 1e6, "top": rows[:top]}
-
-
-def _timeline(pf: Any, one: Any, device: Any) -> dict[str, float]:
-    """One more step with events: lookup start/end on the side stream, the main
-    stream's wait point, all relative to the step's start on the main stream."""
-    import torch
-
-    pf.timing = True
-    captured: dict[str, Any] = {}
-    orig = pf.submit
-
-    def submit(*a: Any, **k: Any) -> Any:
-        staged = orig(*a, **k)
-        captured.update(staged.info)
-        return staged
-
-    pf.submit = submit
-    from engram_trt.bench.common import schedstat_summary, thread_schedstats
-
-    before = thread_schedstats()
-    start = torch.cuda.Event(enable_timing=True)
-    start.record()
-    one()
-    torch.cuda.synchronize(device)
-    pf.submit, pf.timing = orig, False
-    sched = schedstat_summary(before, thread_schedstats())
-    t = {k: start.elapsed_time(captured[k]) for k in ("start_event", "done_event", "wait_event") if k in captured}
-    out = {"lookup_start_ms": t.get("start_event"), "lookup_end_ms": t.get("done_event"), "first_engram_layer_ms": t.get("wait_event")}
-    if None not in out.values():
-        out["lookup_ms"] = out["lookup_end_ms"] - out["lookup_start_ms"]
-        out["exposed_ms"] = max(0.0, out["lookup_end_ms"] - out["first_engram_layer_ms"])
-    out["sched"] = sched  # type: ignore[assignment]
-    if "submit_us" in captured:
-        out["submit_us"] = captured["submit_us"]  # type: ignore[assignment]
-    if captured.get("layer_done"):
-        # A host gather, layer by layer: when the main stream reached the layer's read,
-        # when the layer's rows were ready on the side stream (GPU clock, from the step's
-        # start), and when the host thread ran that layer's gather (host clock, from submit).
-        # (With the gather driver the host times are the driver thread's, not recorded;
-        # "ready" is then when the main stream got past its wait.)
-        host = captured.get("layer_host") or [None] * len(captured["layer_done"])
-        out["layers"] = [{"read_ms": start.elapsed_time(w), "ready_ms": start.elapsed_time(d),
-                          "host_gather_ms": None if h is None else [h[0] * 1e3, h[1] * 1e3]}
-                         for w, d, h in zip(captured["layer_waits"], captured["layer_done"], host)]
-        # What the main stream waited: each layer's rows past the point where it needed them.
-        out["exposed_ms"] = sum(max(0.0, x["ready_ms"] - x["read_ms"]) for x in out["layers"])
-    return out
-
-
-def _trace(model: Any, store: Any, layout: Any, device: Any, path: str, rng: Any) -> None:
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from engram_trt.runtime.prefetch import Prefetcher
-    from engram_trt.runtime.step import PackedStep
-
-    model.set_tables(store)
-    model.engram_enabled = True
-    S, past = 64, 256
-    cache = model.new_cache(S, past + 2)
-    ids = rng.integers(2, model.config.vocab_size, size=S)
-    lut = model.compress_lookup.cpu().numpy()
-    step = PackedStep(torch.from_numpy(ids), [1] * S, [past] * S, list(range(S)),
-                      lookback=torch.from_numpy(lut[rng.integers(2, 1000, size=(S, 3))]), engram_ids=torch.from_numpy(lut[ids]))
-    pf = Prefetcher(layout, store, device, S)
-    for i in range(4):
-        for s in range(S):
-            cache.lengths[s] = past
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if i == 3 else _null() as prof:
-            model.forward_step(step, cache, engram_rows=pf.submit(step, step.engram_ids.numpy(), step.lookback.numpy()))
-            torch.cuda.synchronize(device)
-    prof.export_chrome_trace(path)
-    pf.close()
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
 
 
 def _print(results: dict[str, Any], modes: list[str]) -> None:
@@ -489,6 +351,13 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
                       f"({main['kernel_sum_us'] / 1e3:.3f} ms summed), {main['copies']} copies {main['copy_us']:.0f} us"
                       + "".join(f"; stream {x['stream']}: {x['kernels']} kernels {x['kernel_busy_us']:.0f} us, "
                                 f"{x['copies']} copies {x['copy_us']:.0f} us" for x in side))
+                idle = sp.get("main_idle")
+                if idle:
+                    print(f"  {m}: main stream idle within the step ({sp['profiled_step_us']:.0f} us under the profiler): "
+                          f"{idle['lead_us']:.0f} us before its first kernel, {idle['gaps_us']:.0f} us between kernels, "
+                          f"{idle['tail_us']:.0f} us after its last; largest gaps: " + "; ".join(
+                              f"{g['us']:.0f} us after {g['after'][:40]} before {g['before'][:40]}"
+                              for g in idle["largest"][:3]))
             hp = row[m].get("host_profile")
             if hp:
                 print(f"  {m}: host profile, {hp['wall_us_per_step']:.0f} us a step under cProfile; own time per step: "
