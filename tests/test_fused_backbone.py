@@ -327,7 +327,7 @@ def test_rope_check_catches_a_wrong_convention(check) -> None:
 
 
 def test_warp_kernel_serves_what_the_library_picks_it_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    """attention_kernels.warp_kernel_serves mirrors warpKernel() in attentionKernel.cu
+    """attention_kernels.warp_kernel_serves mirrors warpKernel() in attentionWarpKernel.cu
     (16-bit I/O, head_dim 128, groups of up to 4, sm_90+, not forced tiled); the decode
     graphs read small caches in place only where it is true. The GPU attention check ties
     it to the kernel each case launches; here, the rule itself, on stand-in queries."""

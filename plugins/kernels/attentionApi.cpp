@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * The attention's C ABI entry points (engramKernels.h): argument checks, in the style of
- * kernelApi.cpp, and the split plan; the kernels are in attentionKernel.cu.
+ * kernelApi.cpp, and the split plan; the kernels are in attentionKernel.cu and attentionWarpKernel.cu.
  *
  * The split plan (flash-decoding for small steps): a step of fewer than kAttnSplitTarget
  * blocks splits each token's keys into chunks of at least kAttnMinKeysPerSplit positions

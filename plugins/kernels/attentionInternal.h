@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * What the attention's entry points (attentionApi.cpp: checks and the split plan) and
- * its kernels (attentionKernel.cu) share. Not part of the ABI.
+ * its kernels (attentionKernel.cu, attentionWarpKernel.cu) share. Not part of the ABI.
  */
 #ifndef ENGRAM_TRT_ATTENTION_INTERNAL_H
 #define ENGRAM_TRT_ATTENTION_INTERNAL_H

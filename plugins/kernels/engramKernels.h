@@ -544,7 +544,8 @@ ENGRAM_API int engram_cache_admit(const int32_t* miss_rows, int64_t num_miss, in
     void* work_rows, int64_t row_bytes, void* work_scales, int64_t scale_bytes, int64_t* replaced, cudaStream_t stream);
 
 /* ======================================================================================
- * Packed-token attention over a slot-indexed KV cache (attentionKernel.cu).
+ * Packed-token attention over a slot-indexed KV cache (attentionKernel.cu and
+ * attentionWarpKernel.cu).
  *
  * A step packs the tokens of several sequences back to back ([T] tokens); token t
  * belongs to KV-cache slot token_slot[t] and sits at position token_pos[t] of its

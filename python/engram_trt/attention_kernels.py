@@ -1,5 +1,6 @@
 """ctypes bindings to the serving step's attention in the kernel library
-(``plugins/kernels/attentionKernel.cu``, the EngramAttention plugin's math).
+(``plugins/kernels/attentionKernel.cu`` and ``attentionWarpKernel.cu``, the EngramAttention
+plugin's math).
 
 A step's packed tokens write their K/V into the slot caches ``[slots, kv_heads,
 max_seq_len, head_dim]`` in place, then each token attends (causal, grouped-query) to its
@@ -21,7 +22,7 @@ from engram_trt.errors import EngramError
 from engram_trt.kernels import (EntryPoints, _check, _check_dtype, _float_code, _ptr, _same_device, _stream, _torch,
                                 capability_major)
 
-# The shapes the warp attention kernel serves (warpKernel() in attentionKernel.cu, which
+# The shapes the warp attention kernel serves (warpKernel() in attentionWarpKernel.cu, which
 # this mirrors): 16-bit I/O, head_dim 128, at most this many query heads per KV head, a
 # GPU of compute capability 9.0 or later; ENGRAM_TRT_ATTENTION_KERNEL=tiled turns it off.
 WARP_KERNEL_HEAD_DIM = 128
