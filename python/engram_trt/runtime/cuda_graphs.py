@@ -294,7 +294,7 @@ class DecodeGraphs:
                     origin.wait_event(joins[j - 1])
                 model.step_layers(state, cache, bounds[j], bounds[j + 1])
             entry["logits"] = model.step_end(state, step, cache, False, True)
-        entry["_state"] = state
+        entry["state"] = state  # keeps the tensors the graph reads alive
         return g
 
     def _record(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
@@ -330,7 +330,6 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             if forked:
                 entry["segments"] = [self._record_forked(entry, step, rows, G, bounds)]
-                entry["state"] = entry.pop("_state")
             elif mode == "lookup":
                 lookups = []
                 for j, (_, group) in enumerate(waits):
