@@ -114,8 +114,9 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks,
     # The decode graphs per lookup path, whatever the calibration picked above: "uva" reads
     # the rows in per-Engram-layer lookup graphs on the side stream, "host" stages them
     # through the gather driver, each layer's rows waited on before its graph segment;
-    # "uva-forked" captures the UVA lookup on a side stream forked inside one graph of the step.
-    for name in ("uva", "host", "uva-forked"):
+    # "uva" captures the UVA lookup on a side stream forked inside one graph of the step (the
+    # default), "uva-separate" replays it in lookup graphs of its own beside the segments.
+    for name in ("uva", "host", "uva-separate"):
         path = name.split("-")[0]
         with LLM(str(engine), device="cuda", progress=False, cuda_graphs=True) as llm:
             pf = llm.runner.prefetcher
@@ -124,14 +125,16 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks,
                 continue
             pf.gather_policy = lambda n, path=path: path
             graphs = llm.runner.backend.graphs
-            graphs.fork_lookup = name.endswith("-forked")  # before the first decode step records its graphs
+            graphs.fork_lookup = not name.endswith("-separate")  # before the first decode step records its graphs
             got = llm.generate(prompt, params)[0].token_ids
             modes = sorted({mode for (_, _, mode) in graphs.graphs})
             res[f"graphs_{name}"] = {"modes": modes, "replays": graphs.replays, "failed": graphs.failed,
                                      "agree": sum(a == b for a, b in zip(got, want)),
                                      "forked": sorted(e["forked"] for e in graphs.graphs.values())}
             want_mode = "lookup" if path == "uva" else "staged"
-            forked_ok = all(e["forked"] == name.endswith("-forked") for e in graphs.graphs.values())
+            # forked: the lookup graphs of the default form; a host path's staged graphs never are
+            forked_ok = all(e["forked"] == (mode == "lookup" and not name.endswith("-separate"))
+                            for (_, _, mode), e in graphs.graphs.items())
             checks[f"LLM with decode CUDA graphs, {name} path ({want_mode} graphs) == reference loop"] = forked_ok and (
                 got == want and graphs.failed is None and modes == [want_mode] and graphs.replays >= args.new_tokens - 1)
     del ref

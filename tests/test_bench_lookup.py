@@ -255,3 +255,86 @@ def test_idle_gaps_splits_a_step_into_lead_gaps_and_tail() -> None:
         {"us": 2.0, "after": "a", "before": "c"}]
     nothing = idle_gaps([], 0.0, 7.0)
     assert (nothing["lead_us"], nothing["busy_us"], nothing["largest"]) == (7.0, 0.0, [])
+
+
+def test_cache_profile_summary_places_phases_and_gpu_work_on_the_step_clock() -> None:
+    """bench cache --kernel-profile: made-up profiler events of one step (100-400 us on
+    the profiler's clock), its four phase ranges and five GPU activities on two streams
+    (and the profiler's GPU-side copy of a phase range, which is no GPU work).
+    Phases and activities come out relative to the step's start, repeated names are
+    summed, the busy time counts the overlap of the two streams once, and the idle split
+    covers the whole step."""
+    from engram_trt.bench.cacheprofile import STEP_RANGE, describe, summarize
+
+    CUDA, CPU = "cuda", "cpu"
+
+    def ev(name: str, a: float, b: float, kind: str = CPU, stream: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(name=name, device_type=kind, device_resource_id=stream,
+                               time_range=SimpleNamespace(start=a, end=b))
+
+    events = [ev(STEP_RANGE, 100.0, 400.0), ev(STEP_RANGE + ".plan", 100.0, 180.0),
+              ev(STEP_RANGE + ".fetch", 180.0, 300.0), ev(STEP_RANGE + ".deliver", 300.0, 320.0),
+              ev(STEP_RANGE + ".admit", 320.0, 330.0), ev("aten::copy_", 101.0, 102.0),
+              ev("cachePlanMarkKernel", 130.0, 140.0, CUDA, 7), ev("Memcpy HtoD", 200.0, 230.0, CUDA, 9),
+              ev("Memcpy HtoD", 240.0, 270.0, CUDA, 9), ev("gatherKernel", 260.0, 290.0, CUDA, 7),
+              ev("cacheAdmitMissesKernel", 340.0, 345.0, CUDA, 7),
+              ev(STEP_RANGE + ".fetch", 150.0, 395.0, CUDA, 9)]  # the profiler's GPU copy of a range: not work
+    got = summarize(events, CUDA)
+    assert got["step_us"] == 300.0
+    assert got["phases"] == {"plan": (0.0, 80.0), "fetch": (80.0, 200.0), "deliver": (200.0, 220.0),
+                             "admit": (220.0, 230.0)}
+    assert [a["name"] for a in got["activities"]] == ["cachePlanMarkKernel", "Memcpy HtoD", "Memcpy HtoD",
+                                                      "gatherKernel", "cacheAdmitMissesKernel"]
+    assert got["activities"][0] == {"name": "cachePlanMarkKernel", "stream": 7, "start_us": 30.0, "us": 10.0}
+    assert got["by_name"]["Memcpy HtoD"] == {"count": 2, "us": 60.0, "first_us": 100.0, "last_us": 170.0}
+    assert got["gpu_busy_us"] == 10.0 + 30.0 + 50.0 + 5.0  # 240-290 once, over both streams
+    idle = got["idle"]
+    assert (idle["lead_us"], idle["tail_us"], idle["busy_us"]) == (30.0, 55.0, 95.0)
+    assert idle["lead_us"] + idle["gaps_us"] + idle["tail_us"] + idle["busy_us"] == 300.0
+    assert idle["largest"][0] == {"us": 60.0, "after": "cachePlanMarkKernel", "before": "Memcpy HtoD"}
+    text = "\n".join(describe(got))
+    assert "plan 0-80" in text and "Memcpy HtoD x2 60 us (100-170)" in text
+    with pytest.raises(RuntimeError, match="no 'engram_trt.bench.cache.step' range"):
+        summarize(events[1:], CUDA)
+
+
+def test_cache_profile_of_a_cpu_cache_step_has_its_four_phases_in_order() -> None:
+    """profile_step on a CPU HotRowCache (the torch transfer path): the profiler sees the
+    step's range and its four phases, one after another inside it, and the step's output
+    is the cache's (a plain second step of the same ids gives the same bits)."""
+    import torch
+
+    from engram_trt.bench.cacheprofile import PHASES, profile_step
+    from engram_trt.hotcache import HotRowCache
+
+    rng = np.random.default_rng(3)
+    values = torch.from_numpy(rng.integers(0, 0x70, size=(500, 64), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(118, 130, size=(500, 2), dtype=np.uint8))
+    cache = HotRowCache(values, scales, device="cpu", capacity_rows=50, quant_block=32, max_step_rows=4000)
+    ids = torch.from_numpy(rng.integers(0, 500, size=(64, 24)).astype(np.int32))
+    out = torch.empty((64, 24, 64), dtype=torch.bfloat16)
+    got = profile_step(cache, ids, out, torch.device("cpu"))
+    assert list(got["phases"]) == list(PHASES)
+    spans = list(got["phases"].values())
+    assert spans[0][0] >= 0.0 and spans[-1][1] <= got["step_us"]
+    assert all(a <= b <= c for (a, b), (c, _) in zip(spans, spans[1:]))
+    assert got["activities"] == [] and got["gpu_busy_us"] == 0.0
+    assert torch.equal(cache.gather(ids).view(torch.int16), out.view(torch.int16))
+
+
+def test_bench_step_pairs_each_ab_variant_with_its_base_round_by_round() -> None:
+    """bench step --rounds: a -separate or -onecut mode is compared with its base mode in
+    each round; a variant whose base did not run is left unpaired, and so are the
+    ordinary modes."""
+    from engram_trt.bench.step import pair_ab
+
+    modes = ["none", "device", "device-separate", "pinned-uva-separate", "pinned-host", "pinned-host-onecut"]
+    row = {m: {"round_ms": r} for m, r in zip(modes, ([1.0, 1.0], [2.0, 4.0], [1.5, 5.0], [3.0, 3.0], [1.0, 2.0],
+                                                      [1.1, 1.8]))}
+    pair_ab(row, modes)
+    assert row["device-separate"]["ab_base"] == "device"
+    assert row["device-separate"]["ab_round_ratios"] == [0.75, 1.25]
+    assert row["pinned-host-onecut"]["ab_base"] == "pinned-host"
+    assert row["pinned-host-onecut"]["ab_round_ratios"] == pytest.approx([1.1, 0.9])
+    assert "ab_base" not in row["pinned-uva-separate"]  # pinned-uva did not run
+    assert all("ab_base" not in row[m] for m in ("none", "device", "pinned-host"))

@@ -352,3 +352,37 @@ def test_the_gpu_check_harness_runs_here_with_the_reference_for_the_kernels() ->
     assert len(results) == len(mod.POLICY_CASES)
     assert all(ok for _, ok, _ in results), [r for r in results if not r[1]]
     assert callable(mod.main) and callable(mod.run)
+
+
+def test_bound_cache_calls_check_their_buffers_once_and_name_the_bad_one() -> None:
+    """The plan, admission and delivery bound to a policy's buffers (cache_kernels.PlanCall,
+    AdmitCall, DeliverCall) check them when bound, with the same messages as the plain
+    calls, before anything reaches CUDA; table_key tells a work table from a view of it."""
+    import torch
+
+    from engram_trt import cache_kernels
+
+    cpu32 = torch.zeros(11, dtype=torch.int32)
+    with pytest.raises(EngramError, match="^slot_of must be a CUDA tensor"):
+        cache_kernels.PlanCall(table_rows=10, slot_of=cpu32, counts=cpu32, plan=cpu32, positions=cpu32,
+                               plan_host=None)
+    with pytest.raises(EngramError, match="^slot_of must have dtype torch.int32"):
+        cache_kernels.PlanCall(table_rows=10, slot_of=cpu32.long(), counts=None, plan=cpu32, positions=cpu32,
+                               plan_host=None)
+    with pytest.raises(EngramError, match="^slot_of must be a CUDA tensor"):
+        cache_kernels.AdmitCall(slot_of=cpu32, row_of_slot=cpu32, counts=cpu32)
+    with pytest.raises(EngramError, match="^miss_rows must be a CUDA tensor"):
+        cache_kernels.cache_admit(cpu32, num_free=0, filled=0, capacity=0, slot_of=cpu32, row_of_slot=cpu32,
+                                  counts=cpu32, miss_base=0)
+    rows = torch.zeros((8, 64), dtype=torch.uint8)
+    with pytest.raises(EngramError, match="^an fp8 table needs scales"):
+        cache_kernels.DeliverCall(rows, None, quant_block=32)
+    with pytest.raises(EngramError, match=r"^scales must be \[rows, head_dim / quant_block\]"):
+        cache_kernels.DeliverCall(rows, torch.zeros((8, 3), dtype=torch.uint8), quant_block=32)
+    with pytest.raises(EngramError, match="^work_rows must be a CUDA tensor"):
+        cache_kernels.DeliverCall(rows, torch.zeros((8, 2), dtype=torch.uint8), quant_block=32)
+    key = cache_kernels.table_key(rows, None)
+    assert key == cache_kernels.table_key(rows, None)
+    assert key != cache_kernels.table_key(rows[:4], None)  # another size: bound anew
+    assert key != cache_kernels.table_key(rows[1:], None)  # another start
+    assert key != cache_kernels.table_key(rows.view(torch.int8), None)  # another dtype

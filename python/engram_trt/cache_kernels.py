@@ -18,7 +18,8 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import EntryPoints, _check, _ptr, _same_device, _stream, _torch
+from engram_trt.kernels import EntryPoints, _check, _device_guard, _ptr, _same_device, _stream, _table, _torch
+from engram_trt.kernels import _call as _library_call
 
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 _SIGS = {
@@ -31,16 +32,10 @@ _library = _ENTRY.library
 _call = _ENTRY.call
 
 
-def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_base: int, plan: Any, positions: Any,
-               plan_host: Any = None, host_ids: int = 0) -> None:
-    """Enqueue a step's plan (``engram_cache_plan``): ``ids`` CUDA int32 ``[n]``;
-    ``slot_of`` / ``counts`` int32 ``[table_rows + 1]`` (counts may be None);
-    ``plan`` int32 ``[>= 2 + n]``: hits, misses, then the miss rows; ``positions``
-    int32 ``[>= n]``; ``plan_host``: None or a pinned CPU int32 tensor ``[>= 2 +
-    host_ids]`` that receives the first ``2 + min(host_ids, n)`` entries of ``plan``."""
+def _check_plan_buffers(n: int, table_rows: int, slot_of: Any, counts: Any, plan: Any, positions: Any,
+                        plan_host: Any, host_ids: int, device: Any) -> None:
+    """The plan's buffers, for steps of up to ``n`` lookups on ``device``."""
     torch = _torch()
-    _check("ids", ids, (torch.int32,), 1)
-    n = int(ids.shape[0])
     for name, t, size in (("slot_of", slot_of, table_rows + 1), ("counts", counts, table_rows + 1),
                           ("plan", plan, 2 + n), ("positions", positions, n)):
         if t is None and name == "counts":
@@ -49,27 +44,68 @@ def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_bas
         if (t.shape[0] < size) if name in ("plan", "positions") else (t.shape[0] != size):
             want = f">= {size}" if name in ("plan", "positions") else str(size)
             raise EngramError(f"{name} must hold {want} int32 entries (got {t.shape[0]})")
-    _same_device(ids.device, slot_of=slot_of, counts=counts, plan=plan, positions=positions)
+    _same_device(device, slot_of=slot_of, counts=counts, plan=plan, positions=positions)
     if plan_host is not None:
         _check("plan_host", plan_host, (torch.int32,), 1, where="cpu")
         if plan_host.shape[0] < 2 + host_ids:
             raise EngramError(f"plan_host must hold >= {2 + host_ids} int32 entries (got {plan_host.shape[0]})")
+
+
+def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_base: int, plan: Any, positions: Any,
+               plan_host: Any = None, host_ids: int = 0) -> None:
+    """Enqueue a step's plan (``engram_cache_plan``): ``ids`` CUDA int32 ``[n]``;
+    ``slot_of`` / ``counts`` int32 ``[table_rows + 1]`` (counts may be None);
+    ``plan`` int32 ``[>= 2 + n]``: hits, misses, then the miss rows; ``positions``
+    int32 ``[>= n]``; ``plan_host``: None or a pinned CPU int32 tensor ``[>= 2 +
+    host_ids]`` that receives the first ``2 + min(host_ids, n)`` entries of ``plan``.
+    (:class:`PlanCall`: the same, its buffers checked once for every step.)"""
+    torch = _torch()
+    _check("ids", ids, (torch.int32,), 1)
+    n = int(ids.shape[0])
+    _check_plan_buffers(n, table_rows, slot_of, counts, plan, positions, plan_host, host_ids, ids.device)
     with torch.cuda.device(ids.device):
         _call("engram_cache_plan", _ptr(ids), n, int(table_rows), _ptr(slot_of), _ptr(counts), int(miss_base),
               _ptr(plan), _ptr(positions), _ptr(plan_host), int(host_ids), _stream(ids.device))
 
 
-def cache_admit(miss_rows: Any, *, num_free: int, filled: int, capacity: int, slot_of: Any, row_of_slot: Any,
-                counts: Any, num_candidates: int = 0, candidate_start: int = 0, candidate_stride: int = 1,
-                sample_first: int = 0, sample_factor: int = 1, miss_base: int, work_rows: Any = None,
-                work_scales: Any = None, replaced: Any = None) -> None:
-    """Enqueue a step's admission (``engram_cache_admit``; the arguments' meaning is in
-    ``engramKernels.h``): ``miss_rows`` CUDA int32 ``[M]`` (the plan's miss list);
-    ``work_rows`` / ``work_scales``: the work table (2-D, rows copied whole) or None;
-    ``replaced``: None or a CUDA int64 ``[1]`` counter of replacements."""
+class PlanCall:
+    """:func:`cache_plan` bound to one policy's persistent buffers, checked once here:
+    each step passes its ids, the miss base and the ids wanted on the host alone.
+
+    Why: on the H200 VM a prefill chunk's plan is ~40 us of GPU work, and the host's
+    part of the call (the buffers' checks, the device guard, the stream lookup) cost tens
+    of microseconds more on the cache's critical path, every step, for buffers that never
+    change (``bench cache --breakdown``'s unsynced timeline; docs/benchmarks.md)."""
+
+    def __init__(self, *, table_rows: int, slot_of: Any, counts: Any, plan: Any, positions: Any,
+                 plan_host: Any) -> None:
+        _check("slot_of", slot_of, (_torch().int32,), 1)
+        self.device = slot_of.device
+        self.max_ids = min(int(plan.shape[0]) - 2, int(positions.shape[0]))
+        self.max_host_ids = int(plan_host.shape[0]) - 2 if plan_host is not None else 0
+        _check_plan_buffers(self.max_ids, table_rows, slot_of, counts, plan, positions, plan_host, self.max_host_ids,
+                            self.device)
+        self._keep = (slot_of, counts, plan, positions, plan_host)  # the pointers below stay valid
+        self._table_rows = int(table_rows)
+        self._ptrs = (_ptr(slot_of), _ptr(counts), _ptr(plan), _ptr(positions), _ptr(plan_host))
+
+    def __call__(self, ids: Any, *, miss_base: int, host_ids: int) -> None:
+        torch = _torch()
+        _check("ids", ids, (torch.int32,), 1)
+        n = int(ids.shape[0])
+        if n > self.max_ids or ids.device != self.device or not 0 <= host_ids <= self.max_host_ids:
+            raise EngramError(f"a plan of {n} ids on {ids.device}, {host_ids} to the host: this call's buffers take "
+                              f"<= {self.max_ids} ids on {self.device}, <= {self.max_host_ids} to the host")
+        slot_of, counts, plan, positions, plan_host = self._ptrs
+        with _device_guard(self.device.index):
+            _call("engram_cache_plan", _ptr(ids), n, self._table_rows, slot_of, counts, int(miss_base), plan,
+                  positions, plan_host, int(host_ids), _stream(self.device))
+
+
+def _check_admit_buffers(device: Any, slot_of: Any, row_of_slot: Any, counts: Any, work_rows: Any,
+                         work_scales: Any, replaced: Any) -> tuple[int, int]:
+    """The admission's maps and work table; returns (row bytes, scale bytes) of its rows."""
     torch = _torch()
-    _check("miss_rows", miss_rows, (torch.int32,), 1)
-    dev = miss_rows.device
     for name, t in (("slot_of", slot_of), ("row_of_slot", row_of_slot), ("counts", counts)):
         _check(name, t, (torch.int32,), 1)
     row_bytes = scale_bytes = 0
@@ -82,15 +118,102 @@ def cache_admit(miss_rows: Any, *, num_free: int, filled: int, capacity: int, sl
                 raise EngramError(f"work_scales must have work_rows' {work_rows.shape[0]} rows "
                                   f"(got {work_scales.shape[0]})")
             scale_bytes = work_scales.shape[1]
-        if work_rows.shape[0] < miss_base + miss_rows.shape[0]:
-            raise EngramError(f"work_rows must hold miss_base + num_miss = {miss_base + miss_rows.shape[0]} rows "
-                              f"(got {work_rows.shape[0]})")
     if replaced is not None:
         _check("replaced", replaced, (torch.int64,), 1)
-    _same_device(dev, slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
+    _same_device(device, slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
                  work_scales=work_scales, replaced=replaced)
-    with torch.cuda.device(dev):
-        _call("engram_cache_admit", _ptr(miss_rows), int(miss_rows.shape[0]), int(num_free), int(filled),
-              int(capacity), _ptr(slot_of), _ptr(row_of_slot), _ptr(counts), int(num_candidates),
-              int(candidate_start), int(candidate_stride), int(sample_first), int(sample_factor), int(miss_base),
-              _ptr(work_rows), row_bytes, _ptr(work_scales), scale_bytes, _ptr(replaced), _stream(dev))
+    return row_bytes, scale_bytes
+
+
+def cache_admit(miss_rows: Any, *, num_free: int, filled: int, capacity: int, slot_of: Any, row_of_slot: Any,
+                counts: Any, num_candidates: int = 0, candidate_start: int = 0, candidate_stride: int = 1,
+                sample_first: int = 0, sample_factor: int = 1, miss_base: int, work_rows: Any = None,
+                work_scales: Any = None, replaced: Any = None) -> None:
+    """Enqueue a step's admission (``engram_cache_admit``; the arguments' meaning is in
+    ``engramKernels.h``): ``miss_rows`` CUDA int32 ``[M]`` (the plan's miss list);
+    ``work_rows`` / ``work_scales``: the work table (2-D, rows copied whole) or None;
+    ``replaced``: None or a CUDA int64 ``[1]`` counter of replacements. (:class:`AdmitCall`:
+    the same, its maps and work table checked once for every step.)"""
+    _check("miss_rows", miss_rows, (_torch().int32,), 1)  # named first, before the maps
+    AdmitCall(slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
+              work_scales=work_scales, replaced=replaced, device=getattr(miss_rows, "device", None))(
+        miss_rows, num_free=num_free, filled=filled, capacity=capacity, num_candidates=num_candidates,
+        candidate_start=candidate_start, candidate_stride=candidate_stride, sample_first=sample_first,
+        sample_factor=sample_factor, miss_base=miss_base)
+
+
+class AdmitCall:
+    """:func:`cache_admit` bound to one policy's maps and one work table, checked once
+    here (as :class:`PlanCall`, and for the same reason): each step passes its miss list
+    and the admission's numbers alone. ``device``: where the maps must be (default: the
+    slot map's)."""
+
+    def __init__(self, *, slot_of: Any, row_of_slot: Any, counts: Any, work_rows: Any = None, work_scales: Any = None,
+                 replaced: Any = None, device: Any = None) -> None:
+        _check("slot_of", slot_of, (_torch().int32,), 1)
+        self.device = slot_of.device if device is None else device
+        self._row_bytes, self._scale_bytes = _check_admit_buffers(self.device, slot_of, row_of_slot, counts,
+                                                                  work_rows, work_scales, replaced)
+        self.work_rows_count = int(work_rows.shape[0]) if work_rows is not None else None
+        self._keep = (slot_of, row_of_slot, counts, work_rows, work_scales, replaced)
+        self._ptrs = (_ptr(slot_of), _ptr(row_of_slot), _ptr(counts), _ptr(work_rows), _ptr(work_scales),
+                      _ptr(replaced))
+
+    def __call__(self, miss_rows: Any, *, num_free: int, filled: int, capacity: int, num_candidates: int = 0,
+                 candidate_start: int = 0, candidate_stride: int = 1, sample_first: int = 0, sample_factor: int = 1,
+                 miss_base: int) -> None:
+        torch = _torch()
+        _check("miss_rows", miss_rows, (torch.int32,), 1)
+        if miss_rows.device != self.device:
+            raise EngramError(f"miss_rows is on {miss_rows.device} but the operation runs on {self.device}")
+        m = int(miss_rows.shape[0])
+        if self.work_rows_count is not None and self.work_rows_count < miss_base + m:
+            raise EngramError(f"work_rows must hold miss_base + num_miss = {miss_base + m} rows "
+                              f"(got {self.work_rows_count})")
+        slot_of, row_of_slot, counts, work_rows, work_scales, replaced = self._ptrs
+        with _device_guard(self.device.index):
+            _call("engram_cache_admit", _ptr(miss_rows), m, int(num_free), int(filled), int(capacity), slot_of,
+                  row_of_slot, counts, int(num_candidates), int(candidate_start), int(candidate_stride),
+                  int(sample_first), int(sample_factor), int(miss_base), work_rows, self._row_bytes, work_scales,
+                  self._scale_bytes, replaced, _stream(self.device))
+
+
+class DeliverCall:
+    """The gather kernel (``engram_gather``) bound to a cache's work table, checked once
+    here: each step's delivery passes its positions ``[T, cols]`` (CUDA int32, rows of
+    the work table) and ``out`` (bf16 ``[T, cols, head_dim]``, or None for a new one).
+    The same kernel and output as :func:`engram_trt.kernels.gather`; bound for the same
+    reason as :class:`PlanCall` (the delivery is ~45 us of GPU work for a prefill chunk)."""
+
+    def __init__(self, work_rows: Any, work_scales: Any, *, quant_block: int) -> None:
+        self.dtype, self.num_rows, self.head_dim = _table(work_rows, work_scales, quant_block)
+        _check("work_rows", work_rows, (work_rows.dtype,), 2)  # on the GPU, contiguous
+        self.device = work_rows.device
+        _same_device(self.device, work_scales=work_scales)
+        self.key = table_key(work_rows, work_scales)
+        self._keep = (work_rows, work_scales)
+        self._table = (_ptr(work_rows), _ptr(work_scales), self.num_rows, self.head_dim, self.dtype, int(quant_block))
+
+    def __call__(self, positions: Any, out: Any = None) -> Any:
+        torch = _torch()
+        _check("positions", positions, (torch.int32,), 2)
+        T, cols = (int(x) for x in positions.shape)
+        if positions.device != self.device:
+            raise EngramError(f"positions is on {positions.device} but the work table on {self.device}")
+        if out is None:
+            out = torch.empty((T, cols, self.head_dim), dtype=torch.bfloat16, device=self.device)
+        else:
+            _check("out", out, (torch.bfloat16,), 3)
+            if tuple(out.shape) != (T, cols, self.head_dim) or out.device != self.device:
+                raise EngramError(f"out must be bf16 [T, cols, head_dim] = {(T, cols, self.head_dim)} on "
+                                  f"{self.device} (got {tuple(out.shape)} on {out.device})")
+        with _device_guard(self.device.index):
+            _library_call("engram_gather", _ptr(positions), T, cols, cols, *self._table, _ptr(out), None,
+                         _stream(self.device))
+        return out
+
+
+def table_key(*tensors: Any) -> tuple:
+    """What identifies a bound call's tensors: where each starts, its shape and dtype (a
+    view of other memory, or of another size, is another table)."""
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)

@@ -164,6 +164,13 @@ class CachePolicy:
             self._plan_host = torch.zeros(2 + n, dtype=torch.int32, pin_memory=True)
             self._plan_host_np = self._plan_host.numpy()
             self._expect_misses = n  # misses copied with the counts; then 1.5x the last step's
+            from engram_trt.cache_kernels import PlanCall
+
+            # The plan and admission calls bound to these buffers: checked once, not every step.
+            self._plan_call = PlanCall(table_rows=self.table_rows, slot_of=self.slot_of, counts=self.counts,
+                                       plan=self._plan, positions=self._positions, plan_host=self._plan_host)
+            self._admit_call: Any = None
+            self._views: dict[int, tuple[Any, Any]] = {}  # step size -> (staged ids, positions): views made once
         if initial_counts is not None:
             self.warm_start(initial_counts)
 
@@ -363,42 +370,44 @@ class CachePolicy:
     def _plan_fused(self, ids: Any, miss_base: int, on_enqueued: Callable[[], Any] | None = None) -> StepPlan:
         import torch
 
-        from engram_trt.cache_kernels import cache_plan
-
         n = int(ids.numel())
         if n > self.max_step_rows:
             raise EngramError(f"a step of {n} lookups exceeds this policy's max_step_rows={self.max_step_rows}")
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = (self._ids[:n], self._positions[:n])
         flat = ids.reshape(-1)
         if flat.device != self.device or not flat.is_contiguous():
-            self._ids[:n].copy_(flat, non_blocking=True)
-            flat = self._ids[:n]
+            views[0].copy_(flat, non_blocking=True)
+            flat = views[0]
         want = min(n, self._expect_misses)
-        cache_plan(flat, table_rows=self.table_rows, slot_of=self.slot_of, counts=self.counts, miss_base=miss_base,
-                   plan=self._plan, positions=self._positions, plan_host=self._plan_host, host_ids=want)
+        self._plan_call(flat, miss_base=miss_base, host_ids=want)
         if on_enqueued is not None:
             on_enqueued()
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.device.index)
         stream.synchronize()  # the step's one wait: hit and miss counts, and (usually) every miss id
         hits, num_miss = int(self._plan_host_np[0]), int(self._plan_host_np[1])
         if num_miss > want:  # more misses than expected: fetch the rest of the list
             self._plan_host[2 + want: 2 + num_miss].copy_(self._plan[2 + want: 2 + num_miss], non_blocking=True)
             stream.synchronize()
         self._expect_misses = min(self.max_step_rows, max(1024, num_miss + num_miss // 2))
-        return StepPlan(positions=self._positions[:n], miss_rows=self._plan[2: 2 + num_miss],
+        return StepPlan(positions=views[1], miss_rows=self._plan[2: 2 + num_miss],
                         miss_rows_host=self._plan_host[2: 2 + num_miss], miss_base=miss_base, num_lookups=n,
                         num_unique=hits + num_miss, num_miss=num_miss)
 
     def _finish_fused(self, plan: StepPlan, adm: Admission, work_rows: Any, work_scales: Any) -> None:
-        from engram_trt.cache_kernels import cache_admit
+        from engram_trt.cache_kernels import AdmitCall, table_key
 
         if plan.num_miss == 0:
             return  # nothing was marked that the admission would restore
-        cache_admit(plan.miss_rows, num_free=adm.num_free, filled=self.filled, capacity=self.capacity,
-                    slot_of=self.slot_of, row_of_slot=self.row_of_slot, counts=self.counts,
-                    num_candidates=adm.num_candidates, candidate_start=adm.candidate_start,
-                    candidate_stride=adm.candidate_stride, sample_first=adm.sample_first,
-                    sample_factor=adm.sample_factor, miss_base=plan.miss_base, work_rows=work_rows,
-                    work_scales=work_scales, replaced=self._replaced)
+        key = table_key(work_rows, work_scales)
+        if self._admit_call is None or self._admit_call[0] != key:  # bound once per work table
+            self._admit_call = (key, AdmitCall(slot_of=self.slot_of, row_of_slot=self.row_of_slot, counts=self.counts,
+                                               work_rows=work_rows, work_scales=work_scales, replaced=self._replaced))
+        self._admit_call[1](plan.miss_rows, num_free=adm.num_free, filled=self.filled, capacity=self.capacity,
+                            num_candidates=adm.num_candidates, candidate_start=adm.candidate_start,
+                            candidate_stride=adm.candidate_stride, sample_first=adm.sample_first,
+                            sample_factor=adm.sample_factor, miss_base=plan.miss_base)
 
     # --- checks ------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ from engram_trt.kernels import (
     NativeHandle,
     _call,
     _check,
+    _device_guard,
     _gather_out,
     _ids_view,
     _ptr,
@@ -298,7 +299,7 @@ class HostGatherer(NativeHandle):
                                   f"(got {ids_dev.shape[0]} on {ids_dev.device})")
         else:
             ids_dev = None
-        with torch.cuda.device(self.device):
+        with _device_guard(self.device.index):
             _call("engram_host_gather_raw_dev", handle, _ptr(ids), _ptr(ids_dev), n, _ptr(rows), _ptr(scales),
                   num_rows, head_dim, dtype, quant_block, layout_code, _ptr(dst_rows),
                   _ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None), _stream(self.device))

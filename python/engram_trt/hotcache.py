@@ -138,6 +138,7 @@ class CudaTransfer:
     def __init__(self, gatherer: Any, rows_host: Any, scales_host: Any, *, quant_block: int, layout: str) -> None:
         self.gatherer, self.rows, self.scales = gatherer, rows_host, scales_host
         self.quant_block, self.layout = quant_block, layout
+        self._deliver: Any = None  # cache_kernels.DeliverCall of the work table last delivered from
 
     def prepare(self) -> None:
         self.gatherer.wake()  # the plan's wait follows: the pool wakes beside it, not in the fetch
@@ -148,9 +149,11 @@ class CudaTransfer:
                                  ids_dev=ids_dev if self.layout == "hbm-scales" else None)
 
     def deliver(self, positions: Any, work_rows: Any, work_scales: Any, out: Any) -> Any:
-        from engram_trt import kernels
+        from engram_trt.cache_kernels import DeliverCall, table_key
 
-        return kernels.gather(positions, work_rows, work_scales, quant_block=self.quant_block, out=out)
+        if self._deliver is None or self._deliver.key != table_key(work_rows, work_scales):
+            self._deliver = DeliverCall(work_rows, work_scales, quant_block=self.quant_block)  # checked once
+        return self._deliver(positions, out)
 
 
 class TorchTransfer:

@@ -111,7 +111,15 @@ def add_cache_arguments(p: Any) -> None:
                    help="the offline-warmed cache's counts: 'history' (counted over the --warm chunks, default), a "
                         "counts file of `engram-trt bench rowcounts` (its chunks must not overlap the measured ones), "
                         "or 'none' (history warming only)")
-    p.add_argument("--breakdown", action="store_true", help="also time the cache's phases (syncing between them)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the cache's phases: synced (a wait after each) and unsynced (when the host had "
+                        "issued each phase and when the GPU got there, by events)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also profile N steps of each cache's host work (cProfile) and print the functions that take "
+                        "most of it, per step (default: 0, off)")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="also run one step of each cache under the CUDA profiler: each phase's host span and every "
+                        "kernel and copy the GPU ran (bench.cacheprofile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of per-chunk time and hit rate")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from engram_trt.bench.cacheprofile import describe, describe_costs, describe_timeline
 from engram_trt.bench.lookuputil import ROW_BYTES, print_table, require_matplotlib, save_plot
 
 TARGET_LINK_RATIO = 2.0
@@ -85,6 +86,18 @@ def print_report(report: dict[str, Any]) -> None:
                 if part.get("phases_seconds"):
                     print("    phases (synced, medians): " + ", ".join(f"{k} {v * 1e6:.0f} us"
                                                                   for k, v in part["phases_seconds"].items()))
+                if part.get("timeline"):
+                    print("    timeline, " + describe_timeline(part["timeline"]))
+                if part.get("call_costs"):
+                    print("    " + describe_costs(part["call_costs"]))
+                if part.get("host_profile"):
+                    hp = part["host_profile"]
+                    print(f"    host profile, {hp['wall_us_per_step']:.0f} us a step under cProfile; own time per step: "
+                          + "; ".join(f"{r['function']} {r['own_us']:.0f} us ({r['calls_per_step']:g}x)"
+                                      for r in hp["top"]))
+                if part.get("kernel_profile"):
+                    for line in describe(part["kernel_profile"]):
+                        print("    " + line)
     _print_layout_ratios(report, layouts)
     if any(not part["exact"] for L in report["layers"] for _, part in _warmings(L)):
         print("cache output NOT bit-exact against the plain gather")

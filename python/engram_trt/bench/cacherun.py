@@ -11,6 +11,7 @@ against its layout's cold gather, and the cold gathers of the layouts against ea
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -138,6 +139,8 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
             offline: dict[int, Any] | None, layouts: list[str]) -> dict[str, Any]:
     import torch
 
+    from engram_trt.bench.cacheprofile import call_costs, phase_timeline, profile_step
+    from engram_trt.bench.stepprofile import host_profile
     from engram_trt.hostgather import HostGatherer
     from engram_trt.hotcache import HotRowCache
 
@@ -197,8 +200,19 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                 if len(runs) > 1:
                     first = runs[0].out_cold.view(torch.int16)
                     cold_equal = cold_equal and all(torch.equal(first, r.out_cold.view(torch.int16)) for r in runs[1:])
+            # The counters of the timed loop alone: the diagnostics below run the measured
+            # chunks again through the caches (they keep learning, so their hits run higher).
+            timed_stats = {(r.layout, n): c.stats() for r in runs for n, c in r.caches.items()}
             phases = _breakdown([(r.layout, n, c, r.outs[n]) for r in runs for n, c in r.caches.items()],
                                 ids[warm:], sync) if args.breakdown else {}
+            profiles = {(r.layout, n): profile_step(c, ids[warm], r.outs[n], dev) for r in runs
+                        for n, c in r.caches.items()} if args.kernel_profile else {}
+            timelines = {(r.layout, n): phase_timeline(c, ids[warm:], r.outs[n], dev) for r in runs
+                         for n, c in r.caches.items()} if args.breakdown else {}
+            costs = {(r.layout, n): call_costs(c, ids[warm], r.outs[n], dev) for r in runs
+                     for n, c in r.caches.items()} if args.breakdown else {}
+            hostprof = {(r.layout, n): host_profile(_cycling(c, ids[warm:], r.outs[n]), dev, args.host_profile)
+                        for r in runs for n, c in r.caches.items()} if args.host_profile else {}
             for run in runs:
                 entry: dict[str, Any] = {"layer": li, "layout": run.layout,
                                          "dedup_seconds": statistics.median(run.t_dedup),
@@ -206,11 +220,15 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                                          "per_chunk_cold_seconds": run.t_cold}
                 for name, cache in run.caches.items():
                     cache.policy.check_invariants()
-                    part = {"stats": cache.stats().to_dict(), "exact": run.exact[name],
+                    part = {"stats": timed_stats[(run.layout, name)].to_dict(), "exact": run.exact[name],
                             "device_bytes": cache.device_bytes(),
                             "cache_seconds": statistics.median(run.t_cache[name]),
                             "per_chunk_cache_seconds": run.t_cache[name], "per_chunk_hit_rate": run.hits[name],
-                            "phases_seconds": phases.get((run.layout, name))}
+                            "phases_seconds": phases.get((run.layout, name)),
+                            "kernel_profile": profiles.get((run.layout, name)),
+                            "timeline": timelines.get((run.layout, name)),
+                            "call_costs": costs.get((run.layout, name)),
+                            "host_profile": hostprof.get((run.layout, name))}
                     if name == "history":
                         entry.update(part)
                     else:
@@ -227,6 +245,12 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     if len(layouts) > 1:
         report["cold_equal_across_layouts"] = cold_equal
     return report
+
+
+def _cycling(cache: Any, ids: list[Any], out: Any) -> Any:
+    """A step of ``cache`` on the next chunk of ``ids`` at each call (round and round)."""
+    chunks = itertools.cycle(ids)
+    return lambda: cache.gather(next(chunks), out)
 
 
 def _measure_chunk(run: LayoutRun, ids: Any, ids_dev: Any, gatherer: Any, sync: Any) -> None:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engram_trt.bench import stepprofile
@@ -37,11 +40,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 # those gathers on the engine thread; pinned-auto-hostscales keeps the scales in host memory;
 # the -onecut modes replay decode graphs cut only at the first Engram layer, which waits
 # for every layer's rows (the runtime's graphs wait for each layer's rows at that layer);
-# the -forked modes capture the GPU lookup on a side stream forked inside one graph of
-# the whole step (the runtime replays it in graphs of its own beside the step's segments).
+# the -separate modes replay the GPU lookup in graphs of its own beside the step's
+# segments (the runtime captures it on a side stream forked inside one graph of the step).
 MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver", "pinned-auto-hostscales",
-         "pinned-host-onecut", "pinned-uva-onecut", "device-forked", "pinned-uva-forked")
-AB_SUFFIXES = ("-onecut", "-forked")  # the A/B variants of the graphs, left out by default
+         "pinned-host-onecut", "pinned-uva-onecut", "device-separate", "pinned-uva-separate")
+AB_SUFFIXES = ("-onecut", "-separate")  # the older forms of the graphs, for A/B runs; left out by default
 DEFAULT_MODES = tuple(m for m in MODES if not m.endswith(AB_SUFFIXES))
 
 
@@ -54,8 +57,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=256, help="tokens already in each decode sequence's cache (default: %(default)s)")
     p.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens, 0 to skip (default: %(default)s)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut and -forked ones)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per case (median reported; default: %(default)s)")
+                   help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut and -separate ones)")
+    p.add_argument("--iters", type=int, default=10, help="timed steps per case and round (median reported; default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of timing: every mode of a case is prepared first, then the modes take turns, --iters "
+                        "steps each, in an order reversed every other round; each round's median is reported beside "
+                        "the median of all steps, and an A/B pair's ratio per round (default: %(default)s)")
     p.add_argument("--timeline", action="store_true", help="record when the lookup ran vs when the first Engram layer needed it")
     p.add_argument("--no-graphs", action="store_true",
                    help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend serves them)")
@@ -164,11 +171,12 @@ def run(args: argparse.Namespace) -> int:
 
     from engram_trt.bench.common import dump, measure_limits, time_fn
     from engram_trt.errors import EngramError
-    from engram_trt.runtime.prefetch import Prefetcher
     from engram_trt.runtime.step import PackedStep
 
     if not torch.cuda.is_available():
         raise EngramError("bench step needs a CUDA GPU (it times the GPU runtime); none is available here")
+    if args.rounds < 1 or args.iters < 1:
+        raise EngramError(f"--rounds and --iters must be >= 1 (got {args.rounds}, {args.iters})")
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -183,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
     calibrated: dict[str, Any] = {}
     for name, lens, past in _steps(args):
         S, T = len(lens), sum(lens)
-        decode = max(lens) == 1
         cache = model.new_cache(S + 1, past + max(lens) + 1)  # + the graphs' scratch slot
         for k, v in zip(cache.keys, cache.values):  # random, not zeros: realistic attention inputs
             k.normal_(0, 1), v.normal_(0, 1)
@@ -193,61 +200,34 @@ def run(args: argparse.Namespace) -> int:
                           engram_ids=torch.from_numpy(model.compress_lookup.cpu().numpy()[ids]))
         cids = step.engram_ids.numpy()
         lb = step.lookback.numpy()
-        row = {"tokens": T, "seqs": S}
+        row: dict[str, Any] = {"tokens": T, "seqs": S}
+        prepared = {mode: _prepare(mode, args, model, layout, stores, device, cache, step, cids, lb, past, calibrated,
+                                   results, row) for mode in modes}
+        times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+        for r in range(args.rounds):
+            # The modes take turns, their order reversed every other round, so a drift of
+            # the machine (clocks, the host's other work) falls on all of them alike.
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                prepared[mode].activate()
+                times[mode].append(time_fn(prepared[mode].one, device, 3 if r == 0 else 1, args.iters)["times_s"])
         for mode in modes:
-            pf = None
-            if mode != "none":
-                on_device = mode.startswith("device")
-                store = stores["device" if on_device else "pinned"]
-                model.set_tables(store)
-                auto = mode.startswith("pinned-auto")
-                policy = None if on_device or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
-                pf = Prefetcher(layout, store, device, T, gather_policy=policy,
-                                gather_driver=False if mode.endswith("-nodriver") else None,
-                                hbm_scales=False if mode.endswith("-hostscales") else None)
-                results.setdefault("host_layouts", {})[mode] = pf.host_layout
-                if auto:  # what a served runtime does: the start-up calibration's choice per size
-                    if "choice" not in calibrated:
-                        calibrated["choice"] = pf.calibrate()
-                        results["calibration"] = calibrated["choice"].describe() if calibrated["choice"] else None
-                    if calibrated["choice"] is not None:
-                        pf.gather_policy = calibrated["choice"].path_for
-                    row.setdefault("auto_path", pf.path_for(T * layout.n_hash_cols))
-            model.engram_enabled = mode != "none"
-            graphs = None
-            if decode and not args.no_graphs:
-                from engram_trt.runtime.cuda_graphs import DecodeGraphs
-
-                graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=model.tables if mode != "none" else None,
-                                      lookup_policy=pf.path_for if pf is not None else None,
-                                      wait_each_layer=not mode.endswith("-onecut"),
-                                      fork_lookup=mode.endswith("-forked"))
-
-            def one() -> None:
-                for s in range(S):
-                    cache.lengths[s] = past
-                in_graph = graphs is not None and graphs.handles_lookup(step)
-                rows = pf.submit(step, cids, lb) if pf is not None and not in_graph else None
-                logits = graphs.run(step, rows) if graphs is not None else None
-                if logits is None:
-                    logits = model.forward_step(step, cache, engram_rows=rows)
-                if rows is not None:
-                    rows.finish()  # as the runtime does after launching a step
-                torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
-
-            t = time_fn(one, device, 3, args.iters)
-            entry = {"step_ms": t["median_s"] * 1e3, "times_ms": [x * 1e3 for x in t["times_s"]],
-                     "graphs": None if graphs is None else (graphs.failed or f"{graphs.replays} replays")}
-            if pf is not None and args.timeline and not (graphs is not None and graphs.handles_lookup(step)):
-                entry["timeline"] = stepprofile.timeline(pf, one, device)
+            m = prepared[mode]
+            m.activate()
+            flat = [x for rt in times[mode] for x in rt]
+            entry = {"step_ms": statistics.median(flat) * 1e3, "times_ms": [x * 1e3 for x in flat],
+                     "round_ms": [statistics.median(rt) * 1e3 for rt in times[mode]],
+                     "graphs": None if m.graphs is None else (m.graphs.failed or f"{m.graphs.replays} replays")}
+            if m.pf is not None and args.timeline and not (m.graphs is not None and m.graphs.handles_lookup(step)):
+                entry["timeline"] = stepprofile.timeline(m.pf, m.one, device)
             if args.host_profile:
-                entry["host_profile"] = stepprofile.host_profile(one, device, args.host_profile)
+                entry["host_profile"] = stepprofile.host_profile(m.one, device, args.host_profile)
             if args.stream_profile:
-                entry["streams"] = stepprofile.stream_profile(one, device)
-            if pf is not None:
-                pf.close()
-            graphs = None  # frees its recorded graphs before the next mode
+                entry["streams"] = stepprofile.stream_profile(m.one, device)
             row[mode] = entry
+        for m in prepared.values():
+            m.close()
+        prepared.clear()  # frees the recorded graphs before the next case
+        pair_ab(row, modes)
         base = row.get("none", {}).get("step_ms")
         if base:
             for mode in modes:
@@ -274,6 +254,94 @@ def run(args: argparse.Namespace) -> int:
     _print(results, modes)
     dump(results, args.json)
     return 0
+
+
+def pair_ab(row: dict[str, Any], modes: list[str]) -> None:
+    """Mark each A/B variant (``device-separate``, ``pinned-uva-onecut``) whose base mode
+    ran in the same case: ``ab_base``, and ``ab_round_ratios``, its median over the
+    base's in each round. Why per round: both were timed in every round, next to each
+    other, so a round's ratio is free of the drift between rounds."""
+    for mode in modes:
+        plain = next((mode[: -len(x)] for x in AB_SUFFIXES if mode.endswith(x)), None)
+        if plain in row:
+            row[mode]["ab_base"] = plain
+            row[mode]["ab_round_ratios"] = [a / b for a, b in zip(row[mode]["round_ms"], row[plain]["round_ms"])]
+
+
+@dataclass
+class _Mode:
+    """One mode of a case, ready to time: its step (``one``), prefetcher and graphs."""
+
+    one: Callable[[], None]
+    activate: Callable[[], None]
+    pf: Any = None
+    graphs: Any = None
+
+    def close(self) -> None:
+        if self.pf is not None:
+            self.pf.close()
+        self.pf = self.graphs = None
+
+
+def _prepare(mode: str, args: argparse.Namespace, model: Any, layout: Any, stores: dict[str, Any], device: Any,
+             cache: Any, step: Any, cids: Any, lb: Any, past: int, calibrated: dict[str, Any],
+             results: dict[str, Any], row: dict[str, Any]) -> _Mode:
+    """A mode's prefetcher and decode graphs for one case, and its step as a callable.
+    ``activate`` puts the model in the mode's state (its tables, Engram on or off): the
+    modes of a case are all prepared first and then timed in turns, and the eager path
+    (prefill) reads that state at every call."""
+    import torch
+
+    from engram_trt.runtime.prefetch import Prefetcher
+
+    S, T = len(step.seq_lens), int(step.input_ids.numel())
+    decode = max(step.seq_lens) == 1
+    store = None if mode == "none" else stores["device" if mode.startswith("device") else "pinned"]
+
+    def activate() -> None:
+        if store is not None:
+            model.set_tables(store)
+        model.engram_enabled = store is not None
+
+    activate()
+    pf = None
+    if store is not None:
+        on_device = mode.startswith("device")
+        auto = mode.startswith("pinned-auto")
+        policy = None if on_device or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
+        pf = Prefetcher(layout, store, device, T, gather_policy=policy,
+                        gather_driver=False if mode.endswith("-nodriver") else None,
+                        hbm_scales=False if mode.endswith("-hostscales") else None)
+        results.setdefault("host_layouts", {})[mode] = pf.host_layout
+        if auto:  # what a served runtime does: the start-up calibration's choice per size
+            if "choice" not in calibrated:
+                calibrated["choice"] = pf.calibrate()
+                results["calibration"] = calibrated["choice"].describe() if calibrated["choice"] else None
+            if calibrated["choice"] is not None:
+                pf.gather_policy = calibrated["choice"].path_for
+            row.setdefault("auto_path", pf.path_for(T * layout.n_hash_cols))
+    graphs = None
+    if decode and not args.no_graphs:
+        from engram_trt.runtime.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=model.tables if store is not None else None,
+                              lookup_policy=pf.path_for if pf is not None else None,
+                              wait_each_layer=not mode.endswith("-onecut"),
+                              fork_lookup=not mode.endswith(AB_SUFFIXES))  # the older forms: graphs apart
+
+    def one() -> None:
+        for s in range(S):
+            cache.lengths[s] = past
+        in_graph = graphs is not None and graphs.handles_lookup(step)
+        rows = pf.submit(step, cids, lb) if pf is not None and not in_graph else None
+        logits = graphs.run(step, rows) if graphs is not None else None
+        if logits is None:
+            logits = model.forward_step(step, cache, engram_rows=rows)
+        if rows is not None:
+            rows.finish()  # as the runtime does after launching a step
+        torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
+
+    return _Mode(one=one, activate=activate, pf=pf, graphs=graphs)
 
 
 def _bound_ms(info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: list[int], past: int,
@@ -322,6 +390,14 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
         floor = row.get("engram_floor_ratio")
         print(f"{name:<14}" + "".join(f"{c:>22}" for c in cells) + (f"{1 / eff:>14.2f}x" if eff else f"{'':>16}")
               + (f"{floor:>12.3f}x" if floor else ""))
+        if len(row[modes[0]]["round_ms"]) > 1:
+            print("  medians of each round (ms): " + "; ".join(
+                f"{m} " + " ".join(f"{x:.3f}" for x in row[m]["round_ms"]) for m in modes))
+        for m in modes:
+            if row[m].get("ab_round_ratios"):
+                rr = row[m]["ab_round_ratios"]
+                print(f"  A/B {m} / {row[m]['ab_base']} by round: " + " ".join(f"{x:.3f}" for x in rr)
+                      + f" (better in {sum(x < 1 for x in rr)} of {len(rr)}; all steps {row[m]['step_ms'] / row[row[m]['ab_base']]['step_ms']:.3f})")
         host = [f"{m} {row[m]['ratio_to_device']:.3f}x" for m in modes if row[m].get("ratio_to_device")]
         if host:
             print("  host tables over HBM tables: " + ", ".join(host)

@@ -21,11 +21,14 @@ critical path instead of behind the first Engram layer. The rows come from eithe
   policy picks a GPU gather for this many rows: a graph per Engram layer's lookup (the
   first also hashes) replayed on a high-priority side stream, and the step cut into a
   graph per segment between the Engram layers, the main stream waiting on each lookup's
-  event: no host work but the launches (five graph launches and four event calls a step
-  at two Engram layers). ``fork_lookup=True`` captures the hash and the gathers on the
-  side stream forked from one graph of the whole step instead, each Engram layer joining
-  its gather inside the graph: one launch a step. It is not the default until measured
-  on the GPU against the separate graphs (``bench step``'s ``-forked`` modes); or
+  event. By default (``fork_lookup=True``) the hash and the gathers are captured on
+  that side stream forked from one graph of the whole step, each Engram layer joining
+  its gather inside the graph: one launch a step. ``fork_lookup=False`` replays them in
+  a graph per Engram layer's lookup beside a graph per segment instead (five graph
+  launches and four event calls a step at two Engram layers). On the H200 the one graph
+  took 3.5-4% off a decode step of 1 sequence and 2-2.5% off one of 64, in every one of
+  five interleaved rounds, and tied at 256 with UVA tables (``bench step --rounds``,
+  the ``-separate`` modes; docs/benchmarks.md); or
 - the prefetcher (the host gather), staged into its fixed buffers; the step is cut
   into a graph per segment, and each layer's wait (``rows[i]``, on the GPU where the
   gather driver runs) is enqueued before its segment. (The driver's wait is on a value
@@ -67,11 +70,11 @@ class DecodeGraphs:
     ``tables`` + ``lookup_policy(num_rows) -> path``: the lookup goes into a graph when
     the tables are GPU-readable and the policy picks a GPU gather. ``wait_each_layer``:
     a wait per Engram layer (default), else one at the first. ``fork_lookup``: GPU
-    lookups forked inside one graph of the step, else (default) in graphs of their own."""
+    lookups forked inside one graph of the step (default), else in graphs of their own."""
 
     def __init__(self, model: Any, cache: Any, max_batch: int, scratch_slot: int, tables: Any = None,
                  lookup_policy: Callable[[int], str] | None = None, wait_each_layer: bool = True,
-                 fork_lookup: bool = False) -> None:
+                 fork_lookup: bool = True) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
