@@ -26,9 +26,10 @@ critical path instead of behind the first Engram layer. The rows come from eithe
   its gather inside the graph: one launch a step. ``fork_lookup=False`` replays them in
   a graph per Engram layer's lookup beside a graph per segment instead (five graph
   launches and four event calls a step at two Engram layers). On the H200 the one graph
-  took 3.5-4% off a decode step of 1 sequence and 2-2.5% off one of 64, in every one of
-  five interleaved rounds, and tied at 256 with UVA tables (``bench step --rounds``,
-  the ``-separate`` modes; docs/benchmarks.md); or
+  took 1.5-4.4% off a decode step of 1 sequence and 0.3-2.9% off one of 64 in every one
+  of eight interleaved rounds (two runs), 0.7-3.1% off one of 256 with HBM tables, and
+  tied there with UVA tables (``bench step --rounds``, the ``-separate`` modes;
+  docs/benchmarks.md); or
 - the prefetcher (the host gather), staged into its fixed buffers; the step is cut
   into a graph per segment, and each layer's wait (``rows[i]``, on the GPU where the
   gather driver runs) is enqueued before its segment. (The driver's wait is on a value
