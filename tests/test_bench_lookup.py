@@ -338,3 +338,15 @@ def test_bench_step_pairs_each_ab_variant_with_its_base_round_by_round() -> None
     assert row["pinned-host-onecut"]["ab_round_ratios"] == pytest.approx([1.1, 0.9])
     assert "ab_base" not in row["pinned-uva-separate"]  # pinned-uva did not run
     assert all("ab_base" not in row[m] for m in ("none", "device", "pinned-host"))
+
+
+def test_bench_step_modes_record_the_runtime_graphs_but_for_the_older_forms() -> None:
+    """bench step's modes replay the runtime's decode graphs (a wait at each Engram layer,
+    the GPU lookup forked inside one graph), except the A/B modes that keep an older form."""
+    from engram_trt.bench.step import DEFAULT_MODES, MODES, graph_form
+
+    assert all(graph_form(m) == (True, True) for m in DEFAULT_MODES)
+    assert graph_form("device-separate") == graph_form("pinned-uva-separate") == (True, False)
+    assert graph_form("pinned-uva-onecut") == graph_form("pinned-host-onecut") == (False, False)
+    assert set(MODES) - set(DEFAULT_MODES) == {"device-separate", "pinned-uva-separate", "pinned-host-onecut",
+                                               "pinned-uva-onecut"}

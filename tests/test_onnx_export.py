@@ -410,3 +410,52 @@ def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugi
         assert [layer.get_input(k).dtype for k in range(5)] == [t.float16] * 5
         assert [layer.get_output(k).dtype for k in range(3)] == [t.float16] * 3
         assert layer.get_output(1).is_network_output and layer.get_output(2).is_network_output
+
+
+@pytest.mark.parametrize("share", [{}, {"column_begin": 0, "column_end": 6, "row_offset": 0},
+                                   {"column_begin": 2, "column_end": 5, "row_offset": 40}],
+                         ids=["fields left out", "the whole table named", "a rank's share"])
+def test_reference_gather_honours_the_plugins_share_fields(share: dict) -> None:
+    """The reference executor's EngramGather reads what the plugin reads: columns
+    [column_begin, column_end) of the layer's ids, global row ids looked up in a table
+    slice starting at row_offset, zero rows for ids outside it (ids 0..199 against a
+    table of 100 rows, from row 0 or, for the share, rows 40..139), checked against a
+    float64 NumPy dequant of the fp8 rows."""
+    import ml_dtypes
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    from engram_trt.builder.onnx_export import PLUGIN_DOMAIN
+    from engram_trt.builder.reference_executor import TableRegistry, _reference_ops
+
+    rng = np.random.default_rng(5)
+    T, L, cols, hd, qb, num_rows = 7, 2, 6, 64, 32, 100
+    offset, begin, end = share.get("row_offset", 0), share.get("column_begin", 0), share.get("column_end", cols)
+    codes = rng.integers(0, 256, size=(num_rows, hd), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes
+    scales = rng.integers(120, 134, size=(num_rows, hd // qb), dtype=np.uint8)
+    ids = rng.integers(0, 200, size=(T, L, cols)).astype(np.int32)
+    registry = TableRegistry()
+    node = helper.make_node("EngramGather", ["ids", "rows", "scales"], ["out"], domain=PLUGIN_DOMAIN, layer_index=1,
+                            n_layers=L, n_cols=cols, head_dim=hd, table_dtype=0, quant_block=qb, num_rows=num_rows,
+                            **share)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT32, [T, L, cols]),
+                                            helper.make_tensor_value_info("rows", TensorProto.INT64, [1]),
+                                            helper.make_tensor_value_info("scales", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PLUGIN_DOMAIN, 1)])
+    ev = ReferenceEvaluator(model, new_ops=_reference_ops(registry))
+    (got,) = ev.run(None, {"ids": ids, "rows": np.array([registry.register(codes)], dtype=np.int64),
+                           "scales": np.array([registry.register(scales)], dtype=np.int64)})
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    want = np.zeros((T, end - begin, hd))
+    for t in range(T):
+        for c in range(begin, end):
+            r = int(ids[t, 1, c]) - offset
+            if 0 <= r < num_rows:
+                want[t, c - begin] = values[r] * 2.0 ** (np.repeat(scales[r].astype(np.float64), qb) - 127)
+    assert got.shape == want.shape and got.dtype == ml_dtypes.bfloat16
+    assert np.array_equal(got.astype(np.float64), want)  # FP8 x 2^k is exact in bf16
+    local = ids[:, 1, begin:end].astype(np.int64) - offset
+    outside = (local < 0) | (local >= num_rows)
+    assert outside.any() and (~outside).any()  # zero rows and read rows both checked

@@ -256,6 +256,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def graph_form(mode: str) -> tuple[bool, bool]:
+    """(wait_each_layer, fork_lookup) of a mode's decode graphs: the runtime's form (a wait
+    at each Engram layer, the GPU lookup forked inside one graph) but for the older forms
+    the A/B modes keep: ``-onecut`` (one wait, at the first Engram layer, with the lookup
+    in graphs of its own, as it was then) and ``-separate`` (the lookup's graphs apart)."""
+    return not mode.endswith("-onecut"), not mode.endswith(AB_SUFFIXES)
+
+
 def pair_ab(row: dict[str, Any], modes: list[str]) -> None:
     """Mark each A/B variant (``device-separate``, ``pinned-uva-onecut``) whose base mode
     ran in the same case: ``ab_base``, and ``ab_round_ratios``, its median over the
@@ -324,10 +332,10 @@ def _prepare(mode: str, args: argparse.Namespace, model: Any, layout: Any, store
     if decode and not args.no_graphs:
         from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
+        wait_each_layer, fork_lookup = graph_form(mode)
         graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=model.tables if store is not None else None,
                               lookup_policy=pf.path_for if pf is not None else None,
-                              wait_each_layer=not mode.endswith("-onecut"),
-                              fork_lookup=not mode.endswith(AB_SUFFIXES))  # the older forms: graphs apart
+                              wait_each_layer=wait_each_layer, fork_lookup=fork_lookup)
 
     def one() -> None:
         for s in range(S):

@@ -276,6 +276,12 @@ def plugin_attributes(layout: EngramLayout | None, config: ModelConfig, op: str,
             quant_block=int(spec.quant_block),
             num_rows=int(num_rows),
             bad_rows_input=0,  # no bad-row counter input (the plugin's optional last input)
+            # The whole table: every column, rows from 0 (a tensor-parallel rank's share would
+            # differ). The plugin defaults these, but TensorRT's ONNX parser warns for every
+            # field of the creator that a node leaves out, three lines per Engram layer.
+            column_begin=0,
+            column_end=layout.n_hash_cols,
+            row_offset=0,
         )
     elif op == "EngramGate":
         base.update(hc_mult=int(config.hc_mult), hidden_size=int(config.hidden_size), eps=float(config.rms_norm_eps))

@@ -111,16 +111,25 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
 
         def _run(self, row_ids, table_ptr, scale_ptr=None, plugin_version=None, plugin_namespace=None,  # noqa: ANN001
                  layer_index=None, n_layers=None, n_cols=None, head_dim=None, table_dtype=None, quant_block=None,
-                 num_rows=None, bad_rows_input=None):
-            ids = np.asarray(row_ids)[:, int(layer_index), :].astype(np.int64)  # [T, cols]
+                 num_rows=None, bad_rows_input=None, column_begin=None, column_end=None, row_offset=None):
+            # The plugin's share fields (defaults: every column, the table from row 0): columns
+            # [column_begin, column_end) of the ids, global row ids read from the table's rows
+            # [row_offset, row_offset + num_rows); an id outside them gives a zero row.
+            begin = 0 if column_begin is None else int(column_begin)
+            end = int(n_cols) if column_end is None else int(column_end)
+            offset = 0 if row_offset is None else int(row_offset)
+            ids = np.asarray(row_ids)[:, int(layer_index), begin:end].astype(np.int64) - offset  # [T, cols]
             table = registry.lookup(int(np.asarray(table_ptr).reshape(-1)[0]))
             if table.shape[0] != int(num_rows):
                 raise EngramError(f"table at the given address has {table.shape[0]} rows, the graph expects {int(num_rows)}")
+            inside = (ids >= 0) & (ids < int(num_rows))
+            ids = np.where(inside, ids, 0)
             if int(table_dtype) == TABLE_DTYPE_CODES["fp8"]:
                 scale = registry.lookup(int(np.asarray(scale_ptr).reshape(-1)[0]))
                 rows = dequant_fp8_rows(table[ids], scale[ids], int(quant_block))
             else:
                 rows = table.view(ml_dtypes.bfloat16)[ids].astype(np.float32)
+            rows = np.where(inside[..., None], rows, np.float32(0.0))
             return (rows.astype(ml_dtypes.bfloat16),)  # FP8 * 2^k is exact in bf16
 
     class EngramGate(OpRun):
