@@ -209,7 +209,7 @@ class DeliverCall:
                                   f"{self.device} (got {tuple(out.shape)} on {out.device})")
         with _device_guard(self.device.index):
             _library_call("engram_gather", _ptr(positions), T, cols, cols, *self._table, _ptr(out), None,
-                         _stream(self.device))
+                          _stream(self.device))
         return out
 
 
