@@ -282,3 +282,14 @@ def test_hbm_scales_needs_host_rows_and_scales_on_the_cache_device(table) -> Non
     with pytest.raises(EngramError, match=r"^layout 'hbm-scales' is for fp8 tables"):
         HotRowCache(torch.zeros(10, 64, dtype=torch.bfloat16), None, device="cpu", capacity_rows=1,
                     layout="hbm-scales")
+
+
+def test_delivery_shape_keeps_2d_ids_and_flattens_the_others() -> None:
+    """The [T, cols] the cache delivers in (and bench cache's call timing reuses)."""
+    import torch
+
+    from engram_trt.hotcache import delivery_shape
+
+    assert delivery_shape(torch.zeros((7, 24), dtype=torch.int32)) == (7, 24)
+    assert delivery_shape(torch.zeros(5, dtype=torch.int32)) == (5, 1)
+    assert delivery_shape(torch.zeros((2, 3, 4), dtype=torch.int32)) == (24, 1)

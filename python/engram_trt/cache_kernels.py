@@ -18,7 +18,8 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import EntryPoints, _check, _device_guard, _ptr, _same_device, _stream, _table, _torch
+from engram_trt.kernels import (EntryPoints, _check, _device_guard, _gather_out, _ptr, _same_device, _stream, _table,
+                                _torch)
 from engram_trt.kernels import _call as _library_call
 
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -155,6 +156,7 @@ class AdmitCall:
         self._row_bytes, self._scale_bytes = _check_admit_buffers(self.device, slot_of, row_of_slot, counts,
                                                                   work_rows, work_scales, replaced)
         self.work_rows_count = int(work_rows.shape[0]) if work_rows is not None else None
+        self.key = table_key(work_rows, work_scales)  # the work table it is bound to
         self._keep = (slot_of, row_of_slot, counts, work_rows, work_scales, replaced)
         self._ptrs = (_ptr(slot_of), _ptr(row_of_slot), _ptr(counts), _ptr(work_rows), _ptr(work_scales),
                       _ptr(replaced))
@@ -200,13 +202,7 @@ class DeliverCall:
         T, cols = (int(x) for x in positions.shape)
         if positions.device != self.device:
             raise EngramError(f"positions is on {positions.device} but the work table on {self.device}")
-        if out is None:
-            out = torch.empty((T, cols, self.head_dim), dtype=torch.bfloat16, device=self.device)
-        else:
-            _check("out", out, (torch.bfloat16,), 3)
-            if tuple(out.shape) != (T, cols, self.head_dim) or out.device != self.device:
-                raise EngramError(f"out must be bf16 [T, cols, head_dim] = {(T, cols, self.head_dim)} on "
-                                  f"{self.device} (got {tuple(out.shape)} on {out.device})")
+        out = _gather_out(out, T, cols, self.head_dim, self.device)
         with _device_guard(self.device.index):
             _library_call("engram_gather", _ptr(positions), T, cols, cols, *self._table, _ptr(out), None,
                           _stream(self.device))

@@ -400,14 +400,13 @@ class CachePolicy:
 
         if plan.num_miss == 0:
             return  # nothing was marked that the admission would restore
-        key = table_key(work_rows, work_scales)
-        if self._admit_call is None or self._admit_call[0] != key:  # bound once per work table
-            self._admit_call = (key, AdmitCall(slot_of=self.slot_of, row_of_slot=self.row_of_slot, counts=self.counts,
-                                               work_rows=work_rows, work_scales=work_scales, replaced=self._replaced))
-        self._admit_call[1](plan.miss_rows, num_free=adm.num_free, filled=self.filled, capacity=self.capacity,
-                            num_candidates=adm.num_candidates, candidate_start=adm.candidate_start,
-                            candidate_stride=adm.candidate_stride, sample_first=adm.sample_first,
-                            sample_factor=adm.sample_factor, miss_base=plan.miss_base)
+        if self._admit_call is None or self._admit_call.key != table_key(work_rows, work_scales):  # once per table
+            self._admit_call = AdmitCall(slot_of=self.slot_of, row_of_slot=self.row_of_slot, counts=self.counts,
+                                         work_rows=work_rows, work_scales=work_scales, replaced=self._replaced)
+        self._admit_call(plan.miss_rows, num_free=adm.num_free, filled=self.filled, capacity=self.capacity,
+                         num_candidates=adm.num_candidates, candidate_start=adm.candidate_start,
+                         candidate_stride=adm.candidate_stride, sample_first=adm.sample_first,
+                         sample_factor=adm.sample_factor, miss_base=plan.miss_base)
 
     # --- checks ------------------------------------------------------------------------
 

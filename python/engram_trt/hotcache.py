@@ -210,6 +210,12 @@ class TorchTransfer:
         return out
 
 
+def delivery_shape(ids: Any) -> tuple[int, int]:
+    """The ``[T, cols]`` shape a step's positions are delivered in: 2-D ids as they are,
+    any other shape as one column of its ``numel`` ids (the gather kernel's two dims)."""
+    return (int(ids.shape[0]), int(ids.shape[1])) if ids.dim() == 2 else (int(ids.numel()), 1)
+
+
 class HotRowCache:
     """De-duplicating, frequency-admitted device cache of a host table's rows.
 
@@ -326,7 +332,7 @@ class HotRowCache:
                                     None if self.work_scales is None else self.work_scales[self.miss_base:end],
                                     **extra)
             mark("fetch")
-            shape = tuple(ids.shape) if ids.dim() == 2 else (n, 1)
+            shape = delivery_shape(ids)
             positions = plan.positions.view(shape)
             out_view = None if out is None else out.view(*shape, self.head_dim)
             result = self.transfer.deliver(positions, self.work_rows, self.work_scales, out_view)

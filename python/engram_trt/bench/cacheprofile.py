@@ -164,11 +164,12 @@ def call_costs(cache: Any, ids: Any, out: Any, device: Any, reps: int = 50) -> d
     import torch
 
     from engram_trt.bench.common import sync
+    from engram_trt.hotcache import delivery_shape
 
     plan = cache.policy.plan(ids, cache.miss_base)
     positions = plan.positions.clone()  # valid positions (a plan's own are views of buffers the next plan reuses)
     cache.policy.abort(plan)  # nothing is admitted (this plan's lookup counts stay)
-    shape = tuple(ids.shape) if ids.dim() == 2 else (int(ids.numel()), 1)
+    shape = delivery_shape(ids)
     positions = positions.view(shape)
     out_view = out.view(*shape, cache.head_dim)
     staged = torch.empty(ids.numel(), dtype=torch.int32, device=device)

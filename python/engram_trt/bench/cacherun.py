@@ -202,17 +202,16 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                     cold_equal = cold_equal and all(torch.equal(first, r.out_cold.view(torch.int16)) for r in runs[1:])
             # The counters of the timed loop alone: the diagnostics below run the measured
             # chunks again through the caches (they keep learning, so their hits run higher).
-            timed_stats = {(r.layout, n): c.stats() for r in runs for n, c in r.caches.items()}
-            phases = _breakdown([(r.layout, n, c, r.outs[n]) for r in runs for n, c in r.caches.items()],
-                                ids[warm:], sync) if args.breakdown else {}
-            profiles = {(r.layout, n): profile_step(c, ids[warm], r.outs[n], dev) for r in runs
-                        for n, c in r.caches.items()} if args.kernel_profile else {}
-            timelines = {(r.layout, n): phase_timeline(c, ids[warm:], r.outs[n], dev) for r in runs
-                         for n, c in r.caches.items()} if args.breakdown else {}
-            costs = {(r.layout, n): call_costs(c, ids[warm], r.outs[n], dev) for r in runs
-                     for n, c in r.caches.items()} if args.breakdown else {}
-            hostprof = {(r.layout, n): host_profile(_cycling(c, ids[warm:], r.outs[n]), dev, args.host_profile)
-                        for r in runs for n, c in r.caches.items()} if args.host_profile else {}
+            cells = [((r.layout, n), c, r.outs[n]) for r in runs for n, c in r.caches.items()]  # (layout, warming)
+            timed_stats = {key: c.stats() for key, c, _ in cells}
+            phases = _breakdown([(*key, c, out) for key, c, out in cells], ids[warm:], sync) if args.breakdown else {}
+            profiles = {key: profile_step(c, ids[warm], out, dev)
+                        for key, c, out in cells} if args.kernel_profile else {}
+            timelines = {key: phase_timeline(c, ids[warm:], out, dev)
+                         for key, c, out in cells} if args.breakdown else {}
+            costs = {key: call_costs(c, ids[warm], out, dev) for key, c, out in cells} if args.breakdown else {}
+            hostprof = {key: host_profile(_cycling(c, ids[warm:], out), dev, args.host_profile)
+                        for key, c, out in cells} if args.host_profile else {}
             for run in runs:
                 entry: dict[str, Any] = {"layer": li, "layout": run.layout,
                                          "dedup_seconds": statistics.median(run.t_dedup),

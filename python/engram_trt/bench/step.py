@@ -304,7 +304,8 @@ def _prepare(mode: str, args: argparse.Namespace, model: Any, layout: Any, store
 
     S, T = len(step.seq_lens), int(step.input_ids.numel())
     decode = max(step.seq_lens) == 1
-    store = None if mode == "none" else stores["device" if mode.startswith("device") else "pinned"]
+    on_device = mode.startswith("device")
+    store = None if mode == "none" else stores["device" if on_device else "pinned"]
 
     def activate() -> None:
         if store is not None:
@@ -314,7 +315,6 @@ def _prepare(mode: str, args: argparse.Namespace, model: Any, layout: Any, store
     activate()
     pf = None
     if store is not None:
-        on_device = mode.startswith("device")
         auto = mode.startswith("pinned-auto")
         policy = None if on_device or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
         pf = Prefetcher(layout, store, device, T, gather_policy=policy,
