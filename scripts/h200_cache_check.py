@@ -11,6 +11,8 @@ fills, Zipf-skewed ids against a full cache (replacements every step), few rows 
 thousands of times within a step, one row and out-of-range ids only, an empty step, a
 step with more misses than the plan's first copy carries (the second copy), a cache of 0
 rows, budget = capacity with aging counts, a warm start, ids already on the device.
+The whole step (``engram_cache_step``, one library call a step): rows and state against
+the host gather and the CPU reference in every layout, and a failed delivery inside it.
 
 Data: HotRowCache on CUDA (fused) against the host gather of the same ids, bit for bit:
 inline, split and hbm-scales fp8 tables (hbm-scales: the values in host memory, the scale
@@ -59,6 +61,17 @@ def _ids(rng, kind: str, n: int, rows: int) -> np.ndarray:
     else:
         ids = rng.integers(-20, rows + 20, size=n)
     return ids.astype(np.int32)
+
+
+def fp8_table(rng: Any, rows: int, head_dim: int = 256, quant_block: int = 32) -> tuple[Any, Any, Any, Any]:
+    """A random fp8 table: (values, scales) as NumPy and as CPU tensors. No value byte is
+    a NaN code (0x7F / 0xFF), so bitwise comparisons of dequantized rows stay meaningful."""
+    import torch
+
+    values = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
+    values[(values & 0x7F) == 0x7F] = 0x3C
+    scales = rng.integers(110, 140, size=(rows, head_dim // quant_block), dtype=np.uint8)
+    return values, scales, torch.from_numpy(values), torch.from_numpy(scales)
 
 
 # (name, rows, capacity, budget, factor, decay, admit_every, [(kind, lookups), ...] per step)
@@ -129,10 +142,7 @@ def check_cache_data(dev: Any, record: Record) -> None:
 
     rng = np.random.default_rng(12)
     N, D, QB = 100_000, 256, 32
-    values = rng.integers(0, 256, size=(N, D), dtype=np.uint8)
-    values[(values & 0x7F) == 0x7F] = 0x3C
-    scales = rng.integers(110, 140, size=(N, D // QB), dtype=np.uint8)
-    rows_t, scales_t = torch.from_numpy(values), torch.from_numpy(scales)
+    values, scales, rows_t, scales_t = fp8_table(rng, N, D, QB)
     bf = torch.randn(N, 128, dtype=torch.bfloat16)
     g = hostgather.HostGatherer(device=dev)
     warm_counts = np.bincount(((rng.zipf(1.2, size=200_000) * 7919) % N), minlength=N)
@@ -203,6 +213,91 @@ def check_cache_data(dev: Any, record: Record) -> None:
     g.close()
 
 
+def check_whole_step(dev: Any, record: Record) -> None:
+    """HotRowCache's whole step (``engram_cache_step``, one library call) on CUDA, step by
+    step: the rows bit-equal to the plain host gather, and the policy's whole state equal
+    to the CPU reference's given the step's miss order (the plan's list, which the step
+    leaves in the policy's buffer); per table layout, a full cache with replacements,
+    aging counts every 3rd step (those steps run phase by phase, between whole ones) and
+    ids on the host and on the device in turns. Then a step whose delivery fails in the
+    library (a misaligned ``out``): the error is raised, nothing admitted, the slot map
+    restored, and the next step exact."""
+    import torch
+
+    from engram_trt import hostgather
+    from engram_trt.cachepolicy import CachePolicy
+    from engram_trt.gatherpath import inline_table
+    from engram_trt.hotcache import HotRowCache
+
+    rng = np.random.default_rng(17)
+    N, D, QB = 60_000, 256, 32
+    _, _, rows_t, scales_t = fp8_table(rng, N, D, QB)
+    bf = torch.randn(N, 128, dtype=torch.bfloat16)
+    g = hostgather.HostGatherer(device=dev)
+    configs = [("inline fp8", (inline_table(rows_t, scales_t), None), "inline"),
+               ("split fp8", (rows_t, scales_t), "split"),
+               ("hbm-scales fp8", (rows_t, scales_t.to(dev)), "hbm-scales"),
+               ("bf16", (bf, None), "split")]
+    kw = dict(capacity_rows=3_000, max_step_rows=30_000, admit_budget=1_000, sample_factor=2, decay_every=3, seed=9)
+    for name, table, layout in configs:
+        cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, admit_every=1, **kw)
+        ref = CachePolicy(N, kw["capacity_rows"], device="cpu", admit_budget=kw["admit_budget"],
+                          sample_factor=kw["sample_factor"], decay_every=kw["decay_every"], seed=kw["seed"])
+        ok, why, whole = True, "", 0
+        for k in range(12):
+            sid = ((rng.zipf(1.2, size=(1_000, 24)) * 7919) % N).astype(np.int32)
+            sid[0, :3] = [-1, N, N + 7]
+            ids = torch.from_numpy(sid)
+            decay = cache.policy.decay_due()
+            before = cache.stats()
+            got = cache.gather(ids.to(dev) if k % 2 else ids.pin_memory())
+            want = g.gather(ids, *table, quant_block=QB, layout=layout)
+            torch.cuda.synchronize(dev)
+            m = cache.stats().fetched - before.fetched
+            whole += not decay
+            order = cache.policy._plan[2: 2 + m].cpu()
+            rp = ref.plan(ids, miss_order=order)
+            ref.finish(rp, replace=True)
+            gs, rs = cache.policy.state(), ref.state()
+            diff = [key for key in gs if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor)
+                                              else gs[key] == rs[key])]
+            exact = torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16).cpu(),
+                                want.reshape(-1, want.shape[-1]).view(torch.int16).cpu())
+            if not exact or diff or rp.num_miss != m:
+                ok, why = False, f"step {k}: rows exact {exact}, misses {m} vs {rp.num_miss}, state differs in {diff}"
+                break
+        cache.policy.check_invariants()
+        s = cache.stats()
+        ok = ok and s.evicted > 0 and whole >= 8
+        record(f"whole-step cache (engram_cache_step) == host gather, state == CPU reference: {name}", ok,
+               why or f"{whole} whole steps of 12 (the others aged the counts), hit rate {s.hit_rate:.1%}, "
+                      f"evicted {s.evicted}")
+
+    cache = HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", capacity_rows=2_000,
+                        max_step_rows=30_000)
+    sid = rng.integers(0, N, size=(1_000, 24)).astype(np.int32)
+    buf = torch.empty(1_000 * 24 * D + 1, dtype=torch.bfloat16, device=dev)
+    misaligned = buf[1:].view(1_000, 24, D)  # contiguous, 2 bytes past a 16-byte boundary: the gather refuses it
+    try:
+        cache.gather(torch.from_numpy(sid), misaligned)
+        raised = ""
+    except Exception as exc:  # noqa: BLE001 - what the library said is the detail
+        raised = str(exc)
+    try:
+        cache.policy.check_invariants()
+        restored = cache.policy.filled == 0 and cache.policy.steps == 1
+    except AssertionError:
+        restored = False
+    got = cache.gather(torch.from_numpy(sid))
+    want = g.gather(torch.from_numpy(sid), rows_t, scales_t, quant_block=QB, layout="split")
+    torch.cuda.synchronize(dev)
+    exact = torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu())
+    record("a whole step whose delivery fails raises, admits nothing, restores the slot map; the next step is exact",
+           bool(raised) and "engram_cache_step failed" in raised and restored and exact,
+           f"raised {raised[:90]!r}, restored {restored}, exact {exact}")
+    g.close()
+
+
 def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows: int = 4096) -> tuple[Any, Any, str]:
     """(layout, [chunk_tokens, 2, 24] row-id chunks, where the tokens came from): n-gram
     hashed chunks of the bench's token file where it exists, else of a Zipf stream."""
@@ -238,10 +333,7 @@ def check_hbm_scales_streams(dev: Any, record: Record) -> None:
     QB, D, warm = 32, 256, 4
     for li in range(layout.num_layers):
         N = int(layout.table_rows[li])
-        values = rng.integers(0, 256, size=(N, D), dtype=np.uint8)
-        values[(values & 0x7F) == 0x7F] = 0x3C
-        scales = rng.integers(110, 140, size=(N, D // QB), dtype=np.uint8)
-        rows_t, scales_t = torch.from_numpy(values), torch.from_numpy(scales)
+        values, scales, rows_t, scales_t = fp8_table(rng, N, D, QB)
         scales_dev = scales_t.to(dev)
         counts = np.bincount(np.concatenate([c[:, li, :].reshape(-1) for c in chunks[:warm]]), minlength=N)
         for name, extra in (("history", {}), ("warm start", {"initial_counts": counts})):
@@ -395,6 +487,7 @@ def check_id_streams_cpu(record: Record) -> None:
 def run(dev: Any, record: Record, timings: dict[str, float]) -> None:
     compare_policies(dev, record)
     check_cache_data(dev, record)
+    check_whole_step(dev, record)
     check_hbm_scales_streams(dev, record)
     time_plans(dev, timings)
     time_fetch(dev, timings)

@@ -50,14 +50,12 @@ def main() -> int:
     from engram_trt.errors import EngramError
     from engram_trt.gatherpath import calibrate_gather, inline_table
     from engram_trt.hotcache import HotRowCache
+    from h200_cache_check import fp8_table  # beside this script (its directory is on sys.path)
 
     dev = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(11)
     N, D, QB = 200_000, 256, 32
-    values = rng.integers(0, 256, size=(N, D), dtype=np.uint8)
-    values[(values & 0x7F) == 0x7F] = 0x3C
-    scales = rng.integers(110, 140, size=(N, D // QB), dtype=np.uint8)
-    rows_t, scales_t = torch.from_numpy(values), torch.from_numpy(scales)
+    values, scales, rows_t, scales_t = fp8_table(rng, N, D, QB)
     inline_t = inline_table(rows_t, scales_t)
 
     def ref_fp8(ids: np.ndarray) -> torch.Tensor:

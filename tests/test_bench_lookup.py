@@ -322,6 +322,65 @@ def test_cache_profile_of_a_cpu_cache_step_has_its_four_phases_in_order() -> Non
     assert torch.equal(cache.gather(ids).view(torch.int16), out.view(torch.int16))
 
 
+def test_cache_trace_own_time_subtracts_the_direct_children_only() -> None:
+    """bench cache --host-trace: one step's spans (appended as they end, as the wrappers
+    do): a parent of 100 us holding two children (20 and 30 us), one of which holds a
+    grandchild (10 us), then a later span. Own time is the duration less the direct
+    children's; counts and first starts are per name; times come out in us from t0."""
+    from engram_trt.bench.cachetrace import _step_calls
+
+    us = 1000  # ns
+    spans = [("c", 2, 15 * us, 25 * us),  # grandchild, inside b1
+             ("b", 1, 10 * us, 30 * us), ("b", 1, 40 * us, 70 * us),
+             ("a", 0, 5 * us, 105 * us), ("d", 0, 110 * us, 112 * us)]
+    got = _step_calls(spans, 0)
+    assert got["a"] == (1, 5.0, 100.0, 50.0)
+    assert got["b"] == (2, 10.0, 50.0, 40.0)
+    assert got["c"] == (1, 15.0, 10.0, 10.0)
+    assert got["d"] == (1, 110.0, 2.0, 2.0)
+
+
+def test_cache_trace_of_a_cpu_cache_step_names_its_seams_and_restores_them() -> None:
+    """host_trace on a CPU HotRowCache: the plan, fetch, delivery and finish are traced in
+    that order inside the step, each once per step, every own time within its duration;
+    afterwards no wrapper is left on the cache, its policy, torch or the modules, and a
+    plain step gives the traced step's bits."""
+    import torch
+
+    import engram_trt.cache_kernels as ck
+    import engram_trt.hostgather as hg
+    from engram_trt.bench.cachetrace import describe_trace, host_trace
+    from engram_trt.hotcache import HotRowCache
+
+    rng = np.random.default_rng(5)
+    values = torch.from_numpy(rng.integers(0, 0x70, size=(500, 64), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(118, 130, size=(500, 2), dtype=np.uint8))
+    cache = HotRowCache(values, scales, device="cpu", capacity_rows=50, quant_block=32, max_step_rows=4000)
+    before = {"module": (ck._call, hg._call, hg._device_guard), "stream": torch.cuda.current_stream,
+              "sync": vars(torch.cuda.Stream)["synchronize"]}
+    ids = [torch.from_numpy(rng.integers(0, 500, size=(64, 24)).astype(np.int32)) for _ in range(3)]
+    out = torch.empty((64, 24, 64), dtype=torch.bfloat16)
+    got = host_trace(cache, ids, out, torch.device("cpu"), steps=4)
+    calls = {r["name"]: r for r in got["calls"]}
+    order = [r["name"] for r in got["calls"] if r["name"] in
+             ("policy.plan", "transfer.fetch", "transfer.deliver", "policy.finish")]
+    assert order == ["policy.plan", "transfer.fetch", "transfer.deliver", "policy.finish"]
+    assert all(calls[n]["count"] == 1 for n in order)
+    assert calls["admission draws"]["start_us"] >= calls["policy.finish"]["start_us"]
+    assert all(0.0 <= r["own_us"] <= r["us"] + 1e-9 for r in got["calls"])
+    assert sum(calls[n]["us"] for n in order) <= got["step_us"]
+    assert got["steps"] == 4 and got["wrapper_ns"] > 0
+    assert "policy.plan @" in "\n".join(describe_trace(got))
+    # everything restored
+    assert "plan" not in vars(cache.policy) and "fetch" not in vars(cache.transfer)
+    assert (ck._call, hg._call, hg._device_guard) == before["module"]
+    assert torch.cuda.current_stream is before["stream"] and vars(torch.cuda.Stream)["synchronize"] is before["sync"]
+    assert "copy_" not in vars(torch.Tensor)
+    traced = out.clone()
+    cache.gather(ids[(4 - 1) % 3], out)  # the trace's last step ran ids[0]; this is ids[0] again
+    assert torch.equal(out.view(torch.int16), traced.view(torch.int16))
+
+
 def test_bench_step_pairs_each_ab_variant_with_its_base_round_by_round() -> None:
     """bench step --rounds: a -separate or -onecut mode is compared with its base mode in
     each round; a variant whose base did not run is left unpaired, and so are the

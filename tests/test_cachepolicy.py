@@ -12,12 +12,25 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from engram_trt.cachepolicy import CachePolicy, top_rows
 from engram_trt.errors import EngramError
+
+
+def _draw(seed: int, step: int, k: int) -> int:
+    """A step's admission draw as engramKernels.h specifies it, in NumPy uint64
+    arithmetic (wrapping): splitmix64's output function over seed + (2 step + k) x the
+    golden-ratio increment."""
+    u = np.uint64
+    with np.errstate(over="ignore"):
+        z = u(seed) + u(2 * step + k) * u(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> u(30))) * u(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> u(27))) * u(0x94D049BB133111EB)
+        return int(z ^ (z >> u(31)))
 
 
 class PyPolicy:
@@ -29,7 +42,7 @@ class PyPolicy:
         self.row_of_slot = [-1] * max(capacity, 1)
         self.counts = [0] * (rows + 1)
         self.filled = self.steps = self.evicted = 0
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
 
     def step(self, ids: list[int], replace: bool = True, order: list[int] | None = None):
         miss_base = self.cap
@@ -53,9 +66,9 @@ class PyPolicy:
         left = m - free
         budget = min(self.budget, left, self.cap)
         if self.cap and m and replace and budget > 0 and self.filled == self.cap:
-            start = int(self.rng.integers(0, left))
+            start = _draw(self.seed, self.steps, 0) % left
             factor = max(1, min(self.factor, self.cap // budget))
-            first = int(self.rng.integers(0, self.cap))
+            first = _draw(self.seed, self.steps, 1) % self.cap
             stride = left // budget
             for c in range(budget):
                 cand = misses[free + (start + c * stride) % left]
@@ -320,6 +333,84 @@ def test_cache_abi_refuses_bad_arguments_before_any_cuda_call(plugin_lib: Path) 
     assert admit(replaced=ctypes.c_void_p(68), **ok) == (
         1, "engram_cache_admit: replaced must be an 8-byte aligned device pointer")
     assert admit(cand=-1, **ok) == (1, "engram_cache_admit: num_candidates must be >= 0 (got -1)")
+
+
+def test_admission_draws_are_splitmix64_of_the_step_counter() -> None:
+    """The draws over seed 0 run through splitmix64's published sequence for seed 0 (its
+    1st..4th outputs), and the package's draw is the specification's (NumPy) draw."""
+    from engram_trt.cachepolicy import admission_draw
+
+    published = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F, 0xF88BB8A8724C81EC]
+    assert [admission_draw(0, i // 2, i % 2) for i in range(1, 5)] == published
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        seed, step, k = int(rng.integers(0, 2**63)) * 2 + 1, int(rng.integers(0, 2**40)), int(rng.integers(0, 2))
+        assert admission_draw(seed, step, k) == _draw(seed, step, k)
+
+
+def test_the_library_admission_equals_the_policy_reference(plugin_lib: Path) -> None:
+    """engram_cache_admission (the whole-step call's admission, host code: no GPU) gives
+    the numbers CachePolicy._admission gives, over fills, budgets, factors, seeds and
+    steps, the boundary cases (empty, no misses, not full, no replace) among them."""
+    from engram_trt import cache_kernels
+    from engram_trt.cachepolicy import Admission
+
+    rng = np.random.default_rng(12)
+    cases = [(0, 0, 0, 5, 4, True), (7, 0, 10, 5, 4, True), (7, 3, 10, 5, 4, True), (30, 10, 10, 5, 4, True),
+             (30, 10, 10, 5, 4, False), (30, 10, 10, 0, 4, True), (13, 9, 10, 100, 3, True), (1, 10, 10, 5, 2, True)]
+    cases += [(int(rng.integers(0, 5000)), None, int(rng.integers(1, 3000)), int(rng.integers(0, 4000)),
+               int(rng.integers(1, 9)), bool(rng.integers(0, 2))) for _ in range(300)]
+    for m, filled, cap, budget, factor, replace in cases:
+        filled = int(rng.integers(0, cap + 1)) if filled is None else filled
+        seed, step = int(rng.integers(0, 2**62)), int(rng.integers(1, 10**6))
+        policy = CachePolicy(max(cap, 1) * 2, cap, admit_budget=budget, sample_factor=factor, seed=seed)
+        policy.filled, policy.steps = filled, step
+        want = policy._admission(m, replace)
+        got = cache_kernels.cache_admission(m, filled=filled, capacity=cap, admit_budget=budget, sample_factor=factor,
+                                            replace=replace, seed=seed, step=step)
+        assert Admission(**got) == want, (m, filled, cap, budget, factor, replace)
+    with pytest.raises(EngramError, match="engram_cache_admission: need num_miss >= 0, 0 <= filled <= capacity"):
+        cache_kernels.cache_admission(5, filled=11, capacity=10, admit_budget=1, sample_factor=1, replace=True,
+                                      seed=0, step=1)
+
+
+def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plugin_lib: Path) -> None:
+    """engram_cache_step's structs as ctypes mirrors them: the library's sizes equal the
+    mirrors', and the step's first checks (host code, before anything is enqueued) name
+    the values set in the mirror's fields, so every field they name sits where the
+    library reads it."""
+    import ctypes as c
+
+    from engram_trt import cache_kernels as ck
+
+    ck._check_struct_sizes()
+    lib = ck._library()
+
+    def step(**fields) -> tuple[int, str, Any]:
+        a = ck._StepArgs(max_ids=100, max_host_ids=50, plan_host=64, capacity=10, miss_base=10, work_num_rows=200,
+                         deliver_tokens=4, deliver_cols=3, num_ids=12, gatherer=64, work_rows=64)
+        for k, v in fields.items():
+            setattr(a, k, v)
+        r = ck._StepResult(hits=-7, num_miss=-7, num_free=-7, aborted=3)
+        status = lib.engram_cache_step(c.byref(a), c.byref(r), None)
+        return status, lib.engram_last_error().decode(), r
+
+    status, why, r = step(num_ids=13)
+    assert status == 1 and why == ("engram_cache_step: num_ids 13 must be deliver_tokens 4 x deliver_cols 3 and at "
+                                   "most max_ids 100")
+    assert (r.hits, r.num_miss, r.num_free, r.aborted) == (0, 0, 0, 0)  # cleared before any check
+    assert step(num_ids=120, deliver_tokens=40)[1].endswith("and at most max_ids 100")
+    assert step(host_ids=51)[1] == "engram_cache_step: plan_host is required and host_ids must be in [0, 50] (got 51)"
+    assert step(plan_host=None)[1].startswith("engram_cache_step: plan_host is required")
+    assert step(work_num_rows=21)[1] == ("engram_cache_step: the work table's 21 rows must hold the 10 cache slots and "
+                                         "a miss area of num_ids = 12 rows from miss_base 10")
+    assert step(miss_base=9)[1].startswith("engram_cache_step: the work table's 200 rows must hold the 10 cache slots")
+    assert step(ids_host=64)[1] == "engram_cache_step: ids_host needs ids_staging (device, max_ids int32)"
+    assert step(gatherer=None)[1] == "engram_cache_step: the gatherer and the work table are required"
+    assert step(work_rows=None)[1] == "engram_cache_step: the gatherer and the work table are required"
+    # past its own checks the step's first call is engram_cache_plan, which checks its own
+    assert step(table_num_rows=0)[1].startswith("engram_cache_plan: table_num_rows must be in [1, 2^31 - 2]")
+    assert lib.engram_cache_step(None, None, None) == 1
 
 
 def test_cache_bindings_name_the_bad_argument() -> None:

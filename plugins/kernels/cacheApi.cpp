@@ -12,6 +12,7 @@
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -168,7 +169,65 @@ int cacheAdmit(CacheAdmitParams const& p, cudaStream_t stream)
     return launchCacheAdmit(p, stream);
 }
 
+//! Draw k of a step: splitmix64's output function over a counter (engramKernels.h).
+uint64_t admissionDraw(uint64_t seed, int64_t step, int k)
+{
+    uint64_t z = seed + (2 * static_cast<uint64_t>(step) + static_cast<uint64_t>(k)) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+int cacheAdmission(int64_t numMiss, int64_t filled, int64_t capacity, int64_t admitBudget, int32_t sampleFactor,
+    int32_t replace, uint64_t seed, int64_t step, EngramCacheAdmission* a)
+{
+    char const* fn = "engram_cache_admission";
+    if (a == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "%s: admission is NULL", fn);
+    }
+    if (numMiss < 0 || capacity < 0 || filled < 0 || filled > capacity || admitBudget < 0 || sampleFactor < 1)
+    {
+        return fail(cudaErrorInvalidValue,
+            "%s: need num_miss >= 0, 0 <= filled <= capacity, admit_budget >= 0 and sample_factor >= 1 (got %lld, "
+            "%lld, %lld, %lld, %d)",
+            fn, ll(numMiss), ll(filled), ll(capacity), ll(admitBudget), sampleFactor);
+    }
+    *a = EngramCacheAdmission{};
+    a->candidate_stride = 1;
+    a->sample_factor = 1;
+    if (capacity == 0 || numMiss == 0)
+    {
+        return 0;
+    }
+    int64_t const numFree = std::min(numMiss, capacity - filled);
+    a->num_free = numFree;
+    int64_t const left = numMiss - numFree;
+    int64_t const budget = std::min(std::min(admitBudget, left), capacity);
+    if (replace == 0 || budget <= 0 || filled + numFree < capacity)
+    {
+        return 0;
+    }
+    a->num_candidates = budget;
+    a->candidate_start = static_cast<int64_t>(admissionDraw(seed, step, 0) % static_cast<uint64_t>(left));
+    a->candidate_stride = left / budget;
+    a->sample_factor = static_cast<int32_t>(std::max<int64_t>(1, std::min<int64_t>(sampleFactor, capacity / budget)));
+    a->sample_first = static_cast<int64_t>(admissionDraw(seed, step, 1) % static_cast<uint64_t>(capacity));
+    return 0;
+}
+
 } // namespace
+
+extern "C" ENGRAM_API int engram_cache_admission(int64_t numMiss, int64_t filled, int64_t capacity, int64_t admitBudget,
+    int32_t sampleFactor, int32_t replace, uint64_t seed, int64_t step, EngramCacheAdmission* admission)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        return cacheAdmission(numMiss, filled, capacity, admitBudget, sampleFactor, replace, seed, step, admission);
+    }
+    ENGRAM_ABI_CATCH("engram_cache_admission")
+}
 
 extern "C" ENGRAM_API int engram_cache_plan(int32_t const* ids, int64_t numIds, int64_t tableNumRows, int32_t* slotOf,
     int32_t* counts, int64_t missBase, int32_t* plan, int32_t* positions, int32_t* planHost, int64_t planHostIds,

@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.9.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.10.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -542,6 +542,102 @@ ENGRAM_API int engram_cache_admit(const int32_t* miss_rows, int64_t num_miss, in
     int64_t capacity, int32_t* slot_of, int32_t* row_of_slot, const int32_t* counts, int64_t num_candidates,
     int64_t candidate_start, int64_t candidate_stride, int64_t sample_first, int32_t sample_factor, int64_t miss_base,
     void* work_rows, int64_t row_bytes, void* work_scales, int64_t scale_bytes, int64_t* replaced, cudaStream_t stream);
+
+/* engram_cache_admission: a step's admission numbers (what engram_cache_admit takes)
+ * from its miss count, the cache's fill and its tuning, the host's part of the
+ * admission (cachepolicy.py's CachePolicy._admission is its reference; a test ties the
+ * two). num_free = min(num_miss, capacity - filled). Replacements are tried only with
+ * `replace`, a cache that the free slots fill and misses left over: budget = min(
+ * admit_budget, num_miss - num_free, capacity) candidates, spread evenly (stride (num_miss
+ * - num_free) / budget) from a start drawn in [0, num_miss - num_free), each against the
+ * coldest of sample_factor' = max(1, min(sample_factor, capacity / budget)) slots of a
+ * window from a first slot drawn in [0, capacity). The draws are counter-based, no
+ * generator state: draw k of a step is splitmix64(seed + (2 * step + k) *
+ * 0x9E3779B97F4A7C15) modulo the range, so a step's draws depend on (seed, step) alone
+ * and any caller computes the same ones. */
+typedef struct EngramCacheAdmission
+{
+    int64_t num_free;
+    int64_t num_candidates;
+    int64_t candidate_start;
+    int64_t candidate_stride;
+    int64_t sample_first;
+    int32_t sample_factor;
+} EngramCacheAdmission;
+
+ENGRAM_API int engram_cache_admission(int64_t num_miss, int64_t filled, int64_t capacity, int64_t admit_budget,
+    int32_t sample_factor, int32_t replace, uint64_t seed, int64_t step, EngramCacheAdmission* admission);
+
+/* engram_cache_step: one whole step of a hot-row cache in front of the host gather, in one
+ * call: engram_cache_plan (the miss list to plan_host), the gatherer's wake, one wait on
+ * `stream` for the counts and misses (a second copy and wait if more misses than
+ * host_ids), engram_host_gather_raw_dev of the misses into the work table's miss area
+ * (their device list as ids_dev for ENGRAM_LAYOUT_HBM_SCALES), engram_gather of every
+ * lookup from the work table into `out` [deliver_tokens, deliver_cols, head_dim] bf16,
+ * then engram_cache_admission and engram_cache_admit. The same calls, arguments and
+ * order as the Python cache's step (hotcache.py) without the interpreter between them.
+ * With ids_host the step first copies the ids to ids_staging on `stream` and plans from
+ * there.
+ * A failed fetch or delivery ends the step with an admission of nothing (the slot map
+ * restored; `aborted` set) and returns the failure, its reason in engram_last_error().
+ * Returns hits (distinct cached rows looked up), num_miss and num_free (misses admitted
+ * into free slots; replacements are counted in *replaced on the device). */
+typedef struct EngramCacheStepArgs
+{
+    /* the cache, bound once */
+    int64_t table_num_rows; /* the policy's and the host table's rows */
+    int32_t* slot_of;
+    int32_t* counts;
+    int32_t* row_of_slot;
+    int64_t capacity;
+    int64_t admit_budget;
+    int32_t sample_factor;
+    uint64_t seed;
+    int32_t* plan;      /* device [2 + max_ids] */
+    int32_t* positions; /* device [max_ids] */
+    int32_t* plan_host; /* pinned host [2 + max_host_ids] */
+    int64_t max_ids;
+    int64_t max_host_ids;
+    void* work_rows;   /* [work_num_rows, row_bytes] */
+    void* work_scales; /* [work_num_rows, scale_bytes] (fp8), or NULL */
+    int64_t work_num_rows;
+    int64_t row_bytes;
+    int64_t scale_bytes;
+    int64_t miss_base;
+    int32_t head_dim;
+    int32_t table_dtype;
+    int32_t quant_block;
+    int32_t table_layout;
+    EngramHostGatherer* gatherer;
+    const void* rows_host;
+    const void* scales; /* host (split), NULL (inline) or device (hbm_scales) */
+    int64_t* replaced;  /* device, or NULL */
+    /* the step */
+    const int32_t* ids;      /* device [num_ids]; or NULL with ids_host */
+    const int32_t* ids_host; /* NULL, or host [num_ids] (pinned: the copy is asynchronous) */
+    int32_t* ids_staging;    /* device [max_ids]: where ids_host is copied first, on `stream` */
+    int64_t num_ids;
+    int64_t deliver_tokens; /* deliver_tokens * deliver_cols == num_ids */
+    int32_t deliver_cols;
+    void* out;
+    int64_t host_ids; /* misses copied with the counts (<= max_host_ids) */
+    int64_t filled;
+    int32_t replace;
+    int64_t step; /* the admission's draw counter */
+} EngramCacheStepArgs;
+
+typedef struct EngramCacheStepResult
+{
+    int64_t hits;
+    int64_t num_miss;
+    int64_t num_free;
+    int32_t aborted;
+} EngramCacheStepResult;
+
+ENGRAM_API int engram_cache_step(const EngramCacheStepArgs* args, EngramCacheStepResult* result, cudaStream_t stream);
+
+/* sizeof the three structs above, for bindings that mirror them (ctypes). */
+ENGRAM_API int engram_cache_step_sizes(int64_t* args_bytes, int64_t* result_bytes, int64_t* admission_bytes);
 
 /* ======================================================================================
  * Packed-token attention over a slot-indexed KV cache (attentionKernel.cu and

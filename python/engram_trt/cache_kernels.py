@@ -22,11 +22,42 @@ from engram_trt.kernels import (EntryPoints, _check, _device_guard, _gather_out,
                                 _torch)
 from engram_trt.kernels import _call as _library_call
 
-_i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_i32, _i64, _u64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
+
+
+class _Admission(ctypes.Structure):
+    """EngramCacheAdmission (engramKernels.h), field for field."""
+
+    _fields_ = [("num_free", _i64), ("num_candidates", _i64), ("candidate_start", _i64), ("candidate_stride", _i64),
+                ("sample_first", _i64), ("sample_factor", _i32)]
+
+
+class _StepArgs(ctypes.Structure):
+    """EngramCacheStepArgs (engramKernels.h), field for field."""
+
+    _fields_ = [("table_num_rows", _i64), ("slot_of", _vp), ("counts", _vp), ("row_of_slot", _vp), ("capacity", _i64),
+                ("admit_budget", _i64), ("sample_factor", _i32), ("seed", _u64), ("plan", _vp), ("positions", _vp),
+                ("plan_host", _vp), ("max_ids", _i64), ("max_host_ids", _i64), ("work_rows", _vp),
+                ("work_scales", _vp), ("work_num_rows", _i64), ("row_bytes", _i64), ("scale_bytes", _i64),
+                ("miss_base", _i64), ("head_dim", _i32), ("table_dtype", _i32), ("quant_block", _i32),
+                ("table_layout", _i32), ("gatherer", _vp), ("rows_host", _vp), ("scales", _vp), ("replaced", _vp),
+                ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64), ("deliver_cols", _i32), ("out", _vp),
+                ("host_ids", _i64), ("filled", _i64), ("replace", _i32), ("step", _i64)]
+
+
+class _StepResult(ctypes.Structure):
+    """EngramCacheStepResult (engramKernels.h), field for field."""
+
+    _fields_ = [("hits", _i64), ("num_miss", _i64), ("num_free", _i64), ("aborted", _i32)]
+
+
 _SIGS = {
     "engram_cache_plan": [_vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _vp],
     "engram_cache_admit": [_vp, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i32, _i64, _vp, _i64,
                            _vp, _i64, _vp, _vp],
+    "engram_cache_admission": [_i64, _i64, _i64, _i64, _i32, _i32, _u64, _i64, ctypes.POINTER(_Admission)],
+    "engram_cache_step": [ctypes.POINTER(_StepArgs), ctypes.POINTER(_StepResult), _vp],
+    "engram_cache_step_sizes": [ctypes.POINTER(_i64), ctypes.POINTER(_i64), ctypes.POINTER(_i64)],
 }
 _ENTRY = EntryPoints(_SIGS)
 _library = _ENTRY.library
@@ -213,3 +244,98 @@ def table_key(*tensors: Any) -> tuple:
     """What identifies a bound call's tensors: where each starts, its shape and dtype (a
     view of other memory, or of another size, is another table)."""
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
+
+
+def cache_admission(num_miss: int, *, filled: int, capacity: int, admit_budget: int, sample_factor: int, replace: bool,
+                    seed: int, step: int) -> dict[str, int]:
+    """The library's admission numbers of a step (``engram_cache_admission``: what
+    :meth:`engram_trt.cachepolicy.CachePolicy._admission` computes in Python, and what
+    :class:`StepCall` admits by), as a dict of the Admission's fields."""
+    got = _Admission()
+    _call("engram_cache_admission", int(num_miss), int(filled), int(capacity), int(admit_budget), int(sample_factor),
+          int(bool(replace)), int(seed), int(step), ctypes.byref(got))
+    return {name: int(getattr(got, name)) for name, _ in _Admission._fields_}
+
+
+def _check_struct_sizes() -> None:
+    """The ctypes mirrors of the step's structs against the library's own sizes: a field
+    added on one side only would make the step read its arguments at wrong offsets."""
+    sizes = [_i64(0), _i64(0), _i64(0)]
+    _call("engram_cache_step_sizes", *(ctypes.byref(v) for v in sizes))
+    mine = (ctypes.sizeof(_StepArgs), ctypes.sizeof(_StepResult), ctypes.sizeof(_Admission))
+    theirs = tuple(int(v.value) for v in sizes)
+    if mine != theirs:
+        raise EngramError(f"the library's cache step structs are {theirs} bytes (args, result, admission), these "
+                          f"bindings' {mine}: the package and libengram_trt_plugins.so are of different versions")
+
+
+class StepCall:
+    """A hot-row cache's whole step in one library call (``engram_cache_step``): plan,
+    wake, wait, fetch, delivery and admission, bound to one cache's policy buffers, work
+    table, host gatherer and host table, all checked once here. Each step passes its ids
+    (int32, contiguous: on the cache's device, or in host memory, which the call copies
+    into the policy's staging buffer itself, pinned for an asynchronous copy), the
+    delivery's ``[T, cols]`` and ``out`` (bf16 ``[T, cols, head_dim]`` on the device,
+    checked by the caller) and the policy's numbers.
+
+    Why: the same calls made from Python (:class:`PlanCall`, the host gather,
+    :class:`DeliverCall`, :class:`AdmitCall`) spend ~150 us of interpreter time between
+    them on the H200 VM, with the GPU idle: more than the GPU work of the plan, the
+    delivery and the admission together (``bench cache --host-trace``)."""
+
+    def __init__(self, *, policy: Any, work_rows: Any, work_scales: Any, miss_base: int, gatherer: Any,
+                 rows_host: Any, scales: Any, quant_block: int, layout: str) -> None:
+        from engram_trt.hostgather import TABLE_LAYOUTS
+
+        _ENTRY.library()
+        _check_struct_sizes()
+        dtype, num_rows, head_dim, layout_code = gatherer._check_host_table(rows_host, scales, quant_block, layout)
+        if num_rows != policy.table_rows:
+            raise EngramError(f"the host table has {num_rows} rows, the cache's policy {policy.table_rows}")
+        row_bytes, scale_bytes = _check_admit_buffers(policy.device, policy.slot_of, policy.row_of_slot, policy.counts,
+                                                      work_rows, work_scales, policy._replaced)
+        self.dtype, self.head_dim, self.device = dtype, head_dim, policy.device
+        self.gatherer = gatherer
+        self.layout_code = TABLE_LAYOUTS[layout]
+        self._keep = (policy.slot_of, policy.counts, policy.row_of_slot, policy._plan, policy._positions,
+                      policy._plan_host, work_rows, work_scales, rows_host, scales, policy._replaced)
+        a = self._args = _StepArgs()
+        a.table_num_rows, a.capacity = policy.table_rows, policy.capacity
+        a.slot_of, a.counts, a.row_of_slot = (t.data_ptr() for t in (policy.slot_of, policy.counts, policy.row_of_slot))
+        a.admit_budget, a.sample_factor, a.seed = policy.admit_budget, policy.sample_factor, policy.seed
+        a.plan, a.positions, a.plan_host = (t.data_ptr() for t in (policy._plan, policy._positions, policy._plan_host))
+        a.max_ids = min(int(policy._plan.shape[0]) - 2, int(policy._positions.shape[0]))
+        a.max_host_ids = int(policy._plan_host.shape[0]) - 2
+        a.work_rows = work_rows.data_ptr()
+        a.work_scales = work_scales.data_ptr() if work_scales is not None else None
+        a.work_num_rows, a.row_bytes, a.scale_bytes = int(work_rows.shape[0]), row_bytes, scale_bytes
+        a.miss_base, a.head_dim, a.table_dtype = int(miss_base), head_dim, dtype
+        a.quant_block, a.table_layout = int(quant_block), layout_code
+        a.rows_host = rows_host.data_ptr()
+        a.scales = scales.data_ptr() if scales is not None else None
+        a.replaced = policy._replaced.data_ptr()
+        a.ids_staging = policy._ids.data_ptr()
+        self.max_ids = int(a.max_ids)
+        self._result = _StepResult()
+        self._refs = (ctypes.byref(self._args), ctypes.byref(self._result))
+        self._fn = _library().engram_cache_step
+        self._last_error = _library().engram_last_error
+
+    def __call__(self, ids: Any, tokens: int, cols: int, out: Any, *, host_ids: int, filled: int, replace: bool,
+                 step: int) -> tuple[int, int, int, bool, str | None]:
+        """Run one step; returns (hits, num_miss, num_free, aborted, error): ``error`` is
+        the library's reason when the step failed (the caller raises it after its own
+        bookkeeping; ``aborted``: the step was ended with nothing admitted)."""
+        a = self._args
+        a.gatherer = self.gatherer._require_open()  # a closed gatherer is refused, never read
+        if ids.is_cuda:
+            a.ids, a.ids_host = ids.data_ptr(), None
+        else:
+            a.ids, a.ids_host = None, ids.data_ptr()
+        a.num_ids, a.deliver_tokens, a.deliver_cols = tokens * cols, tokens, cols
+        a.out, a.host_ids, a.filled, a.replace, a.step = out.data_ptr(), host_ids, filled, int(replace), step
+        with _device_guard(self.device.index):
+            status = self._fn(*self._refs, _stream(self.device))
+        r = self._result
+        error = None if status == 0 else f"engram_cache_step failed: {self._last_error().decode() or status}"
+        return int(r.hits), int(r.num_miss), int(r.num_free), bool(r.aborted), error

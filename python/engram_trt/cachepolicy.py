@@ -32,6 +32,9 @@ Admission, bounded and free of host syncs: misses take free slots as they come; 
 the cache is full, up to ``admit_budget`` misses (spread evenly over them from a random
 offset) each meet the coldest of ``sample_factor`` cached slots (a sampled LFU, in the
 manner of TinyLFU's admission) and replace it only if their count is strictly higher.
+The two random offsets of a step are counter-based draws (:func:`admission_draw`: a
+function of the seed and the step's number, no generator state), so the library's
+whole-step call (``engram_cache_step``) draws the same ones as this module's reference.
 A warm start (:meth:`warm_start`) seeds the counts with offline frequencies and loads
 the most frequent rows, so the cache serves rows the online LFU has not seen yet.
 """
@@ -90,6 +93,22 @@ class Admission:
     sample_factor: int = 1
 
 
+_U64 = (1 << 64) - 1
+
+
+def admission_draw(seed: int, step: int, k: int) -> int:
+    """Draw ``k`` (0: the candidates' start, 1: the victims' first slot) of step number
+    ``step``: splitmix64's output function over the counter ``seed + (2 step + k) x
+    0x9E3779B97F4A7C15`` (mod 2^64), as ``engram_cache_admission`` computes it. Why a
+    counter and not a generator: the step's draws must be the same whichever side
+    admits (this module's reference, the Python step, the library's whole-step call),
+    and a generator's state would have to travel between them."""
+    z = (seed + (2 * step + k) * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
 def top_rows(counts: np.ndarray, k: int) -> np.ndarray:
     """The ``k`` most frequent rows with a nonzero count (int32, by count descending,
     ties to the lower row id): what a warm start loads, in slot order. An
@@ -129,6 +148,8 @@ class CachePolicy:
             raise EngramError(f"sample_factor must be >= 1 and decay_every >= 0 (got {sample_factor}, {decay_every})")
         if max_step_rows < 1:
             raise EngramError(f"max_step_rows must be >= 1 (got {max_step_rows})")
+        if not 0 <= seed <= _U64:
+            raise EngramError(f"seed must be in [0, 2^64) (got {seed})")
         self.table_rows = int(table_rows)
         self.capacity = int(capacity_rows)
         self.sentinel = self.table_rows
@@ -154,7 +175,7 @@ class CachePolicy:
         self.admitted = 0  # rows admitted into free slots (replacements are counted on the device)
         self.preloaded = 0  # rows a warm start loaded
         self._replaced = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._rng = np.random.default_rng(seed)
+        self.seed = int(seed)
         self._pending: StepPlan | None = None
         if self.fused:
             n = self.max_step_rows
@@ -289,11 +310,11 @@ class CachePolicy:
             return Admission(num_free=free)
         # Candidates: `budget` of the other misses, spread evenly from a random offset. A
         # hot row not picked in this step recurs and gets its chance in a later one.
-        start = int(self._rng.integers(0, left))
+        start = admission_draw(self.seed, self.steps, 0) % left
         # Victims: for each candidate the coldest of `factor` distinct cached slots (a
         # window of budget * factor slots from a random offset).
         factor = max(1, min(self.sample_factor, self.capacity // budget))
-        first = int(self._rng.integers(0, self.capacity))
+        first = admission_draw(self.seed, self.steps, 1) % self.capacity
         return Admission(num_free=free, num_candidates=budget, candidate_start=start, candidate_stride=left // budget,
                          sample_first=first, sample_factor=factor)
 
@@ -367,9 +388,10 @@ class CachePolicy:
 
     # --- fused (CUDA kernels) ----------------------------------------------------------
 
-    def _plan_fused(self, ids: Any, miss_base: int, on_enqueued: Callable[[], Any] | None = None) -> StepPlan:
-        import torch
-
+    def staged_ids(self, ids: Any) -> tuple[Any, Any]:
+        """(the step's ids as a contiguous int32 ``[n]`` on the policy's device, the
+        positions' view ``[n]``): ids already there as they are, others copied into the
+        policy's staging buffer (fused path)."""
         n = int(ids.numel())
         if n > self.max_step_rows:
             raise EngramError(f"a step of {n} lookups exceeds this policy's max_step_rows={self.max_step_rows}")
@@ -380,7 +402,38 @@ class CachePolicy:
         if flat.device != self.device or not flat.is_contiguous():
             views[0].copy_(flat, non_blocking=True)
             flat = views[0]
-        want = min(n, self._expect_misses)
+        return flat, views[1]
+
+    def decay_due(self) -> bool:
+        """Whether the next step ends by halving the counts (``decay_every``)."""
+        return bool(self.decay_every) and (self.steps + 1) % self.decay_every == 0
+
+    def host_ids_wanted(self, n: int) -> int:
+        """Miss ids to copy back with a plan's counts: 1.5 x the last step's misses (all
+        of them, usually, in the plan's one wait), at most the step's lookups."""
+        return min(n, self._expect_misses)
+
+    def _expect(self, num_miss: int) -> None:
+        self._expect_misses = min(self.max_step_rows, max(1024, num_miss + num_miss // 2))
+
+    def end_whole_step(self, num_miss: int, num_free: int, aborted: bool) -> None:
+        """The bookkeeping of a step that the library ran whole (``engram_cache_step``):
+        what :meth:`finish` (or, if ``aborted``, :meth:`abort`) does on the host after
+        the admission's launch. Only for steps without a decay (:meth:`decay_due`)."""
+        if self._pending is not None:
+            raise EngramError("a plan of this policy is open: finish() (or abort()) it before a whole step")
+        self.steps += 1
+        if not aborted:
+            self.filled += num_free
+            self.admitted += num_free
+        self._expect(num_miss)
+
+    def _plan_fused(self, ids: Any, miss_base: int, on_enqueued: Callable[[], Any] | None = None) -> StepPlan:
+        import torch
+
+        n = int(ids.numel())
+        flat, positions = self.staged_ids(ids)
+        want = self.host_ids_wanted(n)
         self._plan_call(flat, miss_base=miss_base, host_ids=want)
         if on_enqueued is not None:
             on_enqueued()
@@ -390,8 +443,8 @@ class CachePolicy:
         if num_miss > want:  # more misses than expected: fetch the rest of the list
             self._plan_host[2 + want: 2 + num_miss].copy_(self._plan[2 + want: 2 + num_miss], non_blocking=True)
             stream.synchronize()
-        self._expect_misses = min(self.max_step_rows, max(1024, num_miss + num_miss // 2))
-        return StepPlan(positions=views[1], miss_rows=self._plan[2: 2 + num_miss],
+        self._expect(num_miss)
+        return StepPlan(positions=positions, miss_rows=self._plan[2: 2 + num_miss],
                         miss_rows_host=self._plan_host[2: 2 + num_miss], miss_base=miss_base, num_lookups=n,
                         num_unique=hits + num_miss, num_miss=num_miss)
 

@@ -37,6 +37,13 @@ sentinel row (``table_rows``), which the host gather returns as a zero row, so t
 stay zero rows through the cache as in a plain gather (in the hbm-scales layout the
 scale gather writes byte 127 for the sentinel, as the host side does in the others).
 
+On CUDA with the host gather, a step is one library call (``engram_cache_step``,
+:class:`~engram_trt.cache_kernels.StepCall`): the same plan, wake, wait, fetch,
+delivery and admission as the phases above, without the interpreter between them (on
+the H200 VM ~150 us of a prefill chunk's step, with the GPU idle meanwhile). The phases
+run one by one from Python where a caller marks them (``phase=``), in a step that
+halves the counts (``decay_every``), and with ``whole_step=False`` (A/B runs).
+
 The host gather's threads sleep after ``spin_us`` (50 us by default) without work, and a
 step's plan (its one synchronization) takes longer than that, so the transfer is told
 when a plan has been enqueued (:meth:`Transfer.prepare`): the CUDA transfer wakes the
@@ -232,14 +239,16 @@ class HotRowCache:
     loaded at construction (one host gather) and the counts seed the LFU. The host
     gather (``gatherer``) serves CUDA devices, where the policy runs fused kernels
     (``fused=False``: its torch reference); on the CPU the :class:`TorchTransfer` path
-    runs the same logic.
+    runs the same logic. ``whole_step`` (CUDA, fused, the host gather): each step in one
+    library call (the module's docstring); False: phase by phase from Python.
     """
 
     def __init__(self, rows_host: Any, scales_host: Any = None, *, device: Any, capacity_rows: int | None = None,
                  capacity_fraction: float = DEFAULT_CAPACITY_FRACTION, quant_block: int = 32, gatherer: Any = None,
                  layout: str = "split", max_step_rows: int = MAX_STEP_ROWS, admit_budget: int | None = None,
                  sample_factor: int = 4, decay_every: int = 0, admit_every: int = 1, transfer: Transfer | None = None,
-                 seed: int = 0, initial_counts: Any = None, fused: bool | None = None) -> None:
+                 seed: int = 0, initial_counts: Any = None, fused: bool | None = None,
+                 whole_step: bool = True) -> None:
         import torch
 
         from engram_trt.hostgather import _host_table
@@ -284,6 +293,14 @@ class HotRowCache:
                 transfer = TorchTransfer(rows_host, scales_host, quant_block=quant_block, layout=layout,
                                          head_dim=head_dim)
         self.transfer = transfer
+        self._whole_step: Any = None  # cache_kernels.StepCall
+        if whole_step and self.policy.fused and isinstance(transfer, CudaTransfer):
+            from engram_trt.cache_kernels import StepCall
+
+            self._whole_step = StepCall(policy=self.policy, work_rows=self.work_rows, work_scales=self.work_scales,
+                                        miss_base=self.miss_base, gatherer=transfer.gatherer, rows_host=rows_host,
+                                        scales=scales_host, quant_block=quant_block, layout=layout)
+        self._out_checked: tuple[Any, Any] = (None, None)  # (out, its shape) last checked by the whole step
         row_bytes = head_dim + head_dim // quant_block if self.fp8 else 2 * head_dim
         self._stats = CacheStats(row_bytes=row_bytes)
         if initial_counts is not None:
@@ -319,8 +336,10 @@ class HotRowCache:
                               f"create it with a larger max_step_rows or split the step")
         if ids.dtype != torch.int32:
             raise EngramError(f"ids must be int32 (got {ids.dtype})")
-        mark = phase or (lambda name: None)
         policy = self.policy
+        if self._whole_step is not None and phase is None and not policy.decay_due():
+            return self._gather_whole(ids, n, out)
+        mark = phase or (lambda name: None)
         plan = policy.plan(ids, self.miss_base, on_enqueued=getattr(self.transfer, "prepare", None))
         mark("plan")
         try:
@@ -353,6 +372,44 @@ class HotRowCache:
         s.hits += plan.num_unique - plan.num_miss
         s.fetched += plan.num_miss
         return result.view(*ids.shape, self.head_dim)
+
+    def _gather_whole(self, ids: Any, n: int, out: Any) -> Any:
+        """A step in one library call (:class:`~engram_trt.cache_kernels.StepCall`)."""
+        import torch
+
+        policy = self.policy
+        if policy._pending is not None:
+            raise EngramError("the previous step's plan is not finished: call finish() (or abort()) first")
+        # host ids: the library copies them up itself (one CUDA call instead of a torch copy)
+        flat = ids.reshape(-1)
+        if not flat.is_contiguous() or (flat.is_cuda and flat.device != self.device):
+            flat, _ = policy.staged_ids(ids)
+        tokens, cols = delivery_shape(ids)
+        if out is None:
+            out = torch.empty((tokens, cols, self.head_dim), dtype=torch.bfloat16, device=self.device)
+        elif self._out_checked[0] is not out or self._out_checked[1] != out.shape:
+            from engram_trt.kernels import _check
+
+            _check("out", out, (torch.bfloat16,), None)
+            if out.numel() != n * self.head_dim or out.device != self.device:
+                raise EngramError(f"out must be bf16 with {n} x {self.head_dim} elements on {self.device} "
+                                  f"(got {tuple(out.shape)} on {out.device})")
+            self._out_checked = (out, out.shape)
+        hits, num_miss, num_free, aborted, error = self._whole_step(
+            flat, tokens, cols, out, host_ids=policy.host_ids_wanted(n), filled=policy.filled,
+            replace=(policy.steps + 1) % self.admit_every == 0, step=policy.steps + 1)
+        if error is not None:
+            if aborted:
+                policy.end_whole_step(num_miss, 0, aborted=True)  # as abort(): counted, nothing admitted
+            raise EngramError(error)
+        policy.end_whole_step(num_miss, num_free, aborted=False)
+        s = self._stats
+        s.steps += 1
+        s.lookups += n
+        s.unique += hits + num_miss
+        s.hits += hits
+        s.fetched += num_miss
+        return out.view(*ids.shape, self.head_dim)
 
     def stats(self) -> CacheStats:
         """Counters so far (reading the evictions waits for the device)."""

@@ -21,8 +21,12 @@ per-row counts (``--offline-counts``: by default counted over those same warm-up
 chunks, or a file of ``engram-trt bench rowcounts``), which loads its most frequent rows
 before the first measured chunk and runs no history. Either way the counts come from
 chunks disjoint from the measured ones (checked, and said in the output). On CUDA the
-cache's plan and admission are the fused kernels (``cacheKernel.cu``); ``--breakdown``
-times each phase of a step.
+cache's plan and admission are the fused kernels (``cacheKernel.cu``) and each step is
+one library call (``engram_cache_step``); ``--ab-phases`` runs a twin of each cache that
+makes the same calls phase by phase from Python, on the same chunks in alternating turns;
+``--breakdown`` times each phase of a step (those steps run phase by phase); ``--ids-on
+device`` hands the caches each chunk's ids on the GPU, where a step's hash kernel leaves
+them (default: pinned host memory, which the step uploads).
 
 Host tables: ``--layouts`` (default: hbm-scales, the runtime's host layout for fp8
 tables: the values in host memory, the scale bytes on the GPU) and ``--pages`` (default
@@ -117,6 +121,18 @@ def add_cache_arguments(p: Any) -> None:
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="also profile N steps of each cache's host work (cProfile) and print the functions that take "
                         "most of it, per step (default: 0, off)")
+    p.add_argument("--host-trace", type=int, default=0, metavar="N",
+                   help="also trace N steps of each cache call by call (two clock reads around each of the step's "
+                        "seams: plan, kernel calls, host gather, C entry points, syncs) and print when each ran and "
+                        "what it took (default: 0, off; bench.cachetrace)")
+    p.add_argument("--ab-phases", action="store_true",
+                   help="also run a twin of each cache that takes its steps phase by phase from Python "
+                        "(HotRowCache(whole_step=False)) on the same chunks, the two in alternating order, and print "
+                        "the whole step's time over the twin's")
+    p.add_argument("--ids-on", choices=("host", "device"), default="host",
+                   help="where the caches get each chunk's row ids: 'host' (pinned host memory, uploaded by the plan; "
+                        "default) or 'device' (already on the GPU, as a step's hash kernel leaves them); the cold "
+                        "gather always reads the host copy")
     p.add_argument("--kernel-profile", action="store_true",
                    help="also run one step of each cache under the CUDA profiler: each phase's host span and every "
                         "kernel and copy the GPU ran (bench.cacheprofile)")

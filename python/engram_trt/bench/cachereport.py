@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from engram_trt.bench.cacheprofile import describe, describe_costs, describe_timeline
+from engram_trt.bench.cachetrace import describe_trace
 from engram_trt.bench.lookuputil import ROW_BYTES, print_table, require_matplotlib, save_plot
 
 TARGET_LINK_RATIO = 2.0
@@ -54,7 +55,8 @@ def print_report(report: dict[str, Any]) -> None:
         print("DRY RUN (no GPU): the cache logic on CPU tensors; the times say nothing about the target machine")
     else:
         print(f"{report['device']}, torch {report['torch']}; link (sequential 2 GiB pinned H2D copy): {link:.1f} GB/s; "
-              f"cache plan and admission: fused kernels; host gather spin {report.get('spin_us', '-')} us")
+              f"cache plan and admission: fused kernels; host gather spin {report.get('spin_us', '-')} us; the "
+              f"caches' row ids on the {report.get('ids_on', 'host')}")
     headers = ["layout", "layer", "warming", "hit rate", "distinct", "fetched / lookups", "cache us", "GB/s", "x link",
                "dedup only us", "cold gather us", "x cold", "exact"]
     rows = []
@@ -83,6 +85,12 @@ def print_report(report: dict[str, Any]) -> None:
                 print(f"  {name}: cache {gb:.1f} GB/s = {gb / link:.2f} x link; target 2 (>= "
                       f"{TARGET_LINK_RATIO:.0f}x link): " + ("MET" if ok else f"MISSED by {TARGET_LINK_RATIO * link / gb:.2f}x")
                       + f"; cache device memory {part['device_bytes'] / 2**30:.2f} GiB")
+                if part.get("phases_step"):
+                    ph = part["phases_step"]
+                    print(f"    phase by phase from Python (a twin, same chunks, turns alternating): "
+                          f"{ph['cache_seconds'] * 1e6:.0f} us = {n * ROW_BYTES / ph['cache_seconds'] / 1e9 / link:.2f} "
+                          f"x link, hit rate {ph['stats']['hit_rate']:.1%}; whole step / phases "
+                          f"{part['cache_seconds'] / ph['cache_seconds']:.2f}")
                 if part.get("phases_seconds"):
                     print("    phases (synced, medians): " + ", ".join(f"{k} {v * 1e6:.0f} us"
                                                                   for k, v in part["phases_seconds"].items()))
@@ -95,6 +103,9 @@ def print_report(report: dict[str, Any]) -> None:
                     print(f"    host profile, {hp['wall_us_per_step']:.0f} us a step under cProfile; own time per step: "
                           + "; ".join(f"{r['function']} {r['own_us']:.0f} us ({r['calls_per_step']:g}x)"
                                       for r in hp["top"]))
+                if part.get("host_trace"):
+                    for line in describe_trace(part["host_trace"]):
+                        print("    " + line)
                 if part.get("kernel_profile"):
                     for line in describe(part["kernel_profile"]):
                         print("    " + line)
@@ -153,7 +164,11 @@ def plot_report(report: dict[str, Any], path: str) -> None:
         for name, part in _warmings(L):
             times = part.get("per_chunk_cache_seconds") or part.get("per_chunk_seconds")
             tag = f"{_layout_of(L, report)}, layer {L['layer']}"
-            a1.plot([n * ROW_BYTES / t / 1e9 for t in times], marker=".", label=f"{tag} cache ({name})")
+            line, = a1.plot([n * ROW_BYTES / t / 1e9 for t in times], marker=".", label=f"{tag} cache ({name})")
+            if part.get("phases_step"):
+                a1.plot([n * ROW_BYTES / t / 1e9 for t in part["phases_step"]["per_chunk_cache_seconds"]],
+                        marker=".", linestyle="--", color=line.get_color(),
+                        label=f"{tag} cache ({name}), phase by phase from Python")
             if part.get("per_chunk_hit_rate"):
                 a2.plot(part["per_chunk_hit_rate"], marker=".", label=f"{tag} ({name})")
         if "cold_seconds" in L:

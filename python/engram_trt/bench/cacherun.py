@@ -58,6 +58,10 @@ class LayoutRun:
     exact: dict[str, bool] = field(default_factory=dict)
     t_dedup: list[float] = field(default_factory=list)
     t_cold: list[float] = field(default_factory=list)
+    # --ab-phases: a twin of each cache that runs its steps phase by phase from Python
+    twins: dict[str, Any] = field(default_factory=dict)
+    t_twin: dict[str, list[float]] = field(default_factory=dict)
+    twin_outs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in self.caches:
@@ -140,6 +144,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     import torch
 
     from engram_trt.bench.cacheprofile import call_costs, phase_timeline, profile_step
+    from engram_trt.bench.cachetrace import host_trace
     from engram_trt.bench.stepprofile import host_profile
     from engram_trt.hostgather import HostGatherer
     from engram_trt.hotcache import HotRowCache
@@ -168,7 +173,9 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
             ids = [_ids_of(c, li).pin_memory() for c in chunks]
             # The ids of the measured chunks on the GPU too, as a step's hash kernel leaves
             # them: the cold hbm-scales gather's dequant reads the scale bytes by them.
-            ids_dev = {k: ids[k].to(dev) for k in range(warm, len(chunks))} if "hbm-scales" in layouts else {}
+            on_device = getattr(args, "ids_on", "host") == "device"
+            ids_dev = {k: ids[k].to(dev) for k in range(warm, len(chunks))} \
+                if "hbm-scales" in layouts or on_device else {}
             runs = []
             for name in layouts:
                 table = host_table(tables, name, dev)
@@ -185,18 +192,27 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                     sync()
                     log.info("layer %d, %s: warm start of %d rows in %.2f s", li, name,
                              caches["offline"].stats().preloaded, time.perf_counter() - t1)
-                run = LayoutRun(name, table, caches, dedup=HotRowCache(*table, capacity_rows=0, **common))
+                twins = {}
+                if getattr(args, "ab_phases", False):
+                    twins = {n: HotRowCache(*table, whole_step=False, **sized, **common,
+                                            **({"initial_counts": offline[li]} if n == "offline" else {}))
+                             for n in caches}
+                run = LayoutRun(name, table, caches, dedup=HotRowCache(*table, capacity_rows=0, **common), twins=twins)
+                run.t_twin = {n: [] for n in twins}
                 run.outs = {n: torch.empty((CHUNK_TOKENS, layout.n_hash_cols, 256), dtype=torch.bfloat16, device=dev)
                             for n in caches}
                 run.out_cold = torch.empty_like(run.outs["history"])
-                for k in range(warm):
-                    caches["history"].gather(ids[k], run.outs["history"])
-                sync()
-                caches["history"].reset_stats()
+                run.twin_outs = {n: torch.empty_like(run.out_cold) for n in twins}
+                for warming in [c for c in (caches["history"], twins.get("history")) if c is not None]:
+                    for k in range(warm):
+                        warming.gather(ids[k], run.outs["history"])
+                    sync()
+                    warming.reset_stats()
                 runs.append(run)
             for k in range(warm, len(chunks)):
                 for run in runs if (k - warm) % 2 == 0 else runs[::-1]:
-                    _measure_chunk(run, ids[k], ids_dev.get(k), gatherer, sync)
+                    _measure_chunk(run, ids[k], ids_dev.get(k), gatherer, sync,
+                                   cache_ids=ids_dev[k] if on_device else None, twin_first=k % 2 == 1)
                 if len(runs) > 1:
                     first = runs[0].out_cold.view(torch.int16)
                     cold_equal = cold_equal and all(torch.equal(first, r.out_cold.view(torch.int16)) for r in runs[1:])
@@ -212,6 +228,9 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
             costs = {key: call_costs(c, ids[warm], out, dev) for key, c, out in cells} if args.breakdown else {}
             hostprof = {key: host_profile(_cycling(c, ids[warm:], out), dev, args.host_profile)
                         for key, c, out in cells} if args.host_profile else {}
+            step_ids = [ids_dev[k] for k in range(warm, len(chunks))] if on_device else ids[warm:]
+            traces = {key: host_trace(c, step_ids, out, dev, args.host_trace)
+                      for key, c, out in cells} if getattr(args, "host_trace", 0) else {}
             for run in runs:
                 entry: dict[str, Any] = {"layer": li, "layout": run.layout,
                                          "dedup_seconds": statistics.median(run.t_dedup),
@@ -227,7 +246,14 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                             "kernel_profile": profiles.get((run.layout, name)),
                             "timeline": timelines.get((run.layout, name)),
                             "call_costs": costs.get((run.layout, name)),
-                            "host_profile": hostprof.get((run.layout, name))}
+                            "host_profile": hostprof.get((run.layout, name)),
+                            "host_trace": traces.get((run.layout, name))}
+                    if name in run.twins:
+                        run.twins[name].policy.check_invariants()
+                        part["phases_step"] = {"cache_seconds": statistics.median(run.t_twin[name]),
+                                               "per_chunk_cache_seconds": run.t_twin[name],
+                                               "stats": run.twins[name].stats().to_dict(),
+                                               "exact": run.exact[name]}
                     if name == "history":
                         entry.update(part)
                     else:
@@ -240,7 +266,8 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
         for t in all_tables.values():
             t.close()
     report = {"layers": out_layers, "link_GBps": link, "setup_seconds": setup, "device": torch.cuda.get_device_name(dev),
-              "torch": torch.__version__, "hbm_scales_gib": hbm_bytes / GiB, **pages}
+              "torch": torch.__version__, "hbm_scales_gib": hbm_bytes / GiB, "ids_on": getattr(args, "ids_on", "host"),
+              **pages}
     if len(layouts) > 1:
         report["cold_equal_across_layouts"] = cold_equal
     return report
@@ -252,21 +279,33 @@ def _cycling(cache: Any, ids: list[Any], out: Any) -> Any:
     return lambda: cache.gather(next(chunks), out)
 
 
-def _measure_chunk(run: LayoutRun, ids: Any, ids_dev: Any, gatherer: Any, sync: Any) -> None:
+def _measure_chunk(run: LayoutRun, ids: Any, ids_dev: Any, gatherer: Any, sync: Any, *, cache_ids: Any = None,
+                   twin_first: bool = False) -> None:
     """One measured chunk through a layout's caches, its de-duplication alone and its
-    cold gather (each timed from the call to the stream's completion), then the check."""
+    cold gather (each timed from the call to the stream's completion), then the check.
+    ``cache_ids``: the ids the caches and the de-duplication get (``--ids-on device``:
+    on the GPU, as a step's hash kernel leaves them; default: ``ids``, pinned host
+    memory). The cold gather takes the host ids (its CPU threads read them). A cache's
+    twin (``--ab-phases``) runs the chunk right before or after it (``twin_first``)."""
     import torch
 
+    cache_ids = ids if cache_ids is None else cache_ids
     for name, cache in run.caches.items():
-        before = cache.stats()
-        t = time.perf_counter()
-        cache.gather(ids, run.outs[name])
-        sync()
-        run.t_cache[name].append(time.perf_counter() - t)
-        after = cache.stats()
-        run.hits[name].append((after.hits - before.hits) / max(1, after.unique - before.unique))
+        pair = [(cache, run.t_cache[name], run.outs[name])]
+        twin = run.twins.get(name)
+        if twin is not None:
+            pair.insert(0 if twin_first else 1, (twin, run.t_twin[name], run.twin_outs[name]))
+        for c, times, out in pair:
+            before = c.stats()
+            t = time.perf_counter()
+            c.gather(cache_ids, out)
+            sync()
+            times.append(time.perf_counter() - t)
+            if c is cache:
+                after = c.stats()
+                run.hits[name].append((after.hits - before.hits) / max(1, after.unique - before.unique))
     t = time.perf_counter()
-    run.dedup.gather(ids, run.out_cold)
+    run.dedup.gather(cache_ids, run.out_cold)
     sync()
     run.t_dedup.append(time.perf_counter() - t)
     extra = {"ids_dev": ids_dev} if run.layout == "hbm-scales" else {}
@@ -276,7 +315,8 @@ def _measure_chunk(run: LayoutRun, ids: Any, ids_dev: Any, gatherer: Any, sync: 
     run.t_cold.append(time.perf_counter() - t)
     cold = run.out_cold.view(torch.int16)
     for name in run.caches:
-        run.exact[name] = run.exact[name] and torch.equal(run.outs[name].view(torch.int16), cold)
+        outs = [run.outs[name]] + ([run.twin_outs[name]] if name in run.twins else [])
+        run.exact[name] = run.exact[name] and all(torch.equal(o.view(torch.int16), cold) for o in outs)
 
 
 def _breakdown(parts: list[tuple[str, str, Any, Any]], ids: list[Any], sync: Any) -> dict[tuple[str, str], Any]:
