@@ -19,8 +19,8 @@ import os
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import (EntryPoints, _check, _check_dtype, _float_code, _ptr, _same_device, _stream, _torch,
-                                capability_major)
+from engram_trt.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
+                                _stream, _torch, capability_major)
 
 # The shapes the warp attention kernel serves (warpKernel() in attentionWarpKernel.cu, which
 # this mirrors): 16-bit I/O, head_dim 128, at most this many query heads per KV head, a
@@ -210,7 +210,7 @@ def rope_kv_cache_write(qkv: Any, cos: Any, sin: Any, key_cache: Any, value_cach
         if tuple(q_out.shape) != (T, H, hd) or q_out.device != qkv.device:
             raise EngramError(f"q_out must be [T, num_heads, head_dim] = {(T, H, hd)} on {qkv.device} "
                               f"(got {tuple(q_out.shape)} on {q_out.device})")
-    with torch.cuda.device(qkv.device):
+    with _device_guard(qkv.device.index):
         _call("engram_rope_kv_cache_write", _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(token_slot), _ptr(token_pos), T, H,
               kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len, _ptr(q_out),
               _stream(qkv.device))

@@ -18,7 +18,8 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import EntryPoints, _check, _check_dtype, _ptr, _same_device, _stream, _torch, capability_major
+from engram_trt.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _ptr, _same_device, _stream, _torch,
+                                capability_major)
 
 NORM_MAX_HIDDEN = 16384  # ENGRAM_NORM_MAX_HIDDEN
 GEMV_MAX_TOKENS = 4  # ENGRAM_GEMV_MAX_TOKENS
@@ -78,7 +79,7 @@ def hc_rms_norm(hs: Any, weight: Any, eps: float, residual: Any = None, *, out: 
         _check("residual", residual, (torch.bfloat16,))
     _same_device(hs.device, weight=weight, residual=residual, out=out)
     out = _bf16_out(out, "[T, D]", (T, D), hs.device)
-    with torch.cuda.device(hs.device):
+    with _device_guard(hs.device.index):
         _call("engram_hc_rms_norm", _ptr(hs), _ptr(residual), _ptr(weight), T, hc, D, ctypes.c_float(eps), _ptr(out),
               _stream(hs.device))
     return out
@@ -100,7 +101,7 @@ def silu_mul(gate_up: Any, *, out: Any = None) -> Any:
         if tuple(out.shape) != (T, I) or out.device != gate_up.device:
             raise EngramError(f"out must be [T, intermediate_size] = {(T, I)} on {gate_up.device} "
                               f"(got {tuple(out.shape)} on {out.device})")
-    with torch.cuda.device(gate_up.device):
+    with _device_guard(gate_up.device.index):
         _call("engram_silu_mul", _ptr(gate_up), T, I, _ptr(out), _stream(gate_up.device))
     return out
 
@@ -144,7 +145,7 @@ def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False) -
         if t.data_ptr() % 16:
             raise EngramError(f"{name} must start on a 16-byte boundary (got address {t.data_ptr():#x}); "
                               "pass a .clone() or use F.linear")
-    with torch.cuda.device(x.device):
+    with _device_guard(x.device.index):
         _call("engram_gemv_bf16", _ptr(x), _ptr(weight), T, N, K, GEMV_WEIGHT_STATIC if weight_static else 0,
               _ptr(out), _stream(x.device))
     return out

@@ -41,7 +41,8 @@ class _StepArgs(ctypes.Structure):
                 ("work_scales", _vp), ("work_num_rows", _i64), ("row_bytes", _i64), ("scale_bytes", _i64),
                 ("miss_base", _i64), ("head_dim", _i32), ("table_dtype", _i32), ("quant_block", _i32),
                 ("table_layout", _i32), ("gatherer", _vp), ("rows_host", _vp), ("scales", _vp), ("replaced", _vp),
-                ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64), ("deliver_cols", _i32), ("out", _vp),
+                ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64),
+                ("deliver_cols", _i32), ("out", _vp),
                 ("host_ids", _i64), ("filled", _i64), ("replace", _i32), ("step", _i64)]
 
 
@@ -95,7 +96,7 @@ def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_bas
     _check("ids", ids, (torch.int32,), 1)
     n = int(ids.shape[0])
     _check_plan_buffers(n, table_rows, slot_of, counts, plan, positions, plan_host, host_ids, ids.device)
-    with torch.cuda.device(ids.device):
+    with _device_guard(ids.device.index):
         _call("engram_cache_plan", _ptr(ids), n, int(table_rows), _ptr(slot_of), _ptr(counts), int(miss_base),
               _ptr(plan), _ptr(positions), _ptr(plan_host), int(host_ids), _stream(ids.device))
 

@@ -256,7 +256,7 @@ class HostGatherer(NativeHandle):
                 raise EngramError(f"ids_dev must be ids {tuple(ids.shape)} with the same strides on {self.device} "
                                   f"(got {tuple(ids_dev.shape)}, strides {ids_dev.stride()}, on {ids_dev.device})")
             dev_ptr = ctypes.c_void_p(ids_dev.data_ptr() + byte_offset)
-        with torch.cuda.device(self.device):
+        with _device_guard(self.device.index):
             _call("engram_host_gather_dev", handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), dev_ptr, T, cols,
                   stride, _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, _ptr(out),
                   _stream(self.device))

@@ -391,7 +391,7 @@ def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: A
         raise EngramError(f"out must be [T, L, cols] = {(T, L, cols)} (got {tuple(out.shape)})")
     _same_device(ids.device, seq_starts=seq_starts, lookback=lookback, out=out)
     prepared = prepared_layout(layout)
-    with torch.cuda.device(ids.device):
+    with _device_guard(ids.device.index):
         _call("engram_hash_prepared", prepared.handle, _ptr(ids), T, _ptr(seq_starts), S, _ptr(lookback),
               _ptr(out), _stream(ids.device))
     return out
@@ -590,7 +590,7 @@ def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *
     if out.shape != hidden.shape:
         raise EngramError(f"out must be [T, hc_mult, D] = {tuple(hidden.shape)} (got {tuple(out.shape)})")
     _same_device(hidden.device, kv=kv, q_weight=q_weight, k_weight=k_weight, mask=mask, out=out)
-    with torch.cuda.device(hidden.device):
+    with _device_guard(hidden.device.index):
         _call("engram_gate_typed", _ptr(hidden), _ptr(kv), _float_code(hidden.dtype), _ptr(q_weight), _ptr(k_weight),
               _float_code(q_weight.dtype), _ptr(mask), mask_type, T, hc, D, ctypes.c_float(eps), ctypes.c_float(clamp),
               _ptr(out), _stream(hidden.device))
