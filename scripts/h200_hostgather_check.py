@@ -121,6 +121,40 @@ def main() -> int:
            "ids, a bf16 table",
            all("ACCEPTED" not in r for r in refusals), " | ".join(refusals))
 
+    # 1c. a gather bound to its table (HostGatherer.bind) == the NumPy dequant in every
+    # layout, over steps of two shapes into reused outputs; and its refusals
+    ok_bound, kinds = True, []
+    for layout, table in (("split", (rows_t, scales_t)), ("inline", (inline_t, None)),
+                          ("hbm-scales", (rows_t, scales_dev))):
+        bound = g.bind(*table, quant_block=QB, layout=layout)
+        outs = {n: torch.empty((n, cols, D), dtype=torch.bfloat16, device=dev) for n in (256, 777)}
+        for step in range(6):
+            n = 256 if step % 2 else 777
+            sid = rng.integers(-9, N + 9, size=(n, cols)).astype(np.int32)
+            sid_t = torch.from_numpy(sid)
+            got = bound(sid_t, outs[n], sid_t.to(dev) if layout == "hbm-scales" else None)
+            torch.cuda.synchronize()
+            ok_bound &= got is outs[n] and same(got.reshape(-1, D), ref_fp8(sid.reshape(-1)))
+        kinds.append(layout)
+    bound = g.bind(rows_t, scales_dev, quant_block=QB, layout="hbm-scales")
+    small = torch.from_numpy(ids[:16])
+    refused = []
+
+    def empty(n: int) -> torch.Tensor:
+        return torch.empty((n, cols, D), dtype=torch.bfloat16, device=dev)
+
+    for what, call in (("hbm-scales without ids_dev", lambda: bound(small, empty(16))),
+                       ("an out of another shape", lambda: bound(small, empty(17), small.to(dev))),
+                       ("ids on the GPU", lambda: bound(small.to(dev), empty(16), small.to(dev)))):
+        try:
+            call()
+            refused.append(f"{what}: ACCEPTED")
+        except EngramError as e:
+            refused.append(f"{what}: {e}")
+    record("a gather bound to its table == NumPy (" + ", ".join(kinds) + "; 6 steps, two shapes, reused outputs); "
+           "refused: hbm-scales without ids_dev, an out of another shape, ids on the GPU",
+           ok_bound and all("ACCEPTED" not in r for r in refused), " | ".join(refused))
+
     # 2. strided ids: layer 1 of [T, L, cols]
     L = 3
     ids3 = rng.integers(0, N, size=(500, L, cols)).astype(np.int32)

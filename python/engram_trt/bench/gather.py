@@ -7,7 +7,11 @@ GiB (264-byte rows: 256 FP8 values + 8 ue8m0 scale bytes), 6,144 rows (a decode 
   - ``host``: the host gather (CPU threads + pinned staging + one copy per chunk + the
     GPU dequant), split, inline and hbm-scales layouts (hbm-scales: the split rows on the
     host, the scale bytes on the GPU; its CPU threads and the link move 256 of a row's
-    264 bytes), at each thread count and tuning given;
+    264 bytes), at each thread count and tuning given, each through ``--call``: the
+    plain call (``HostGatherer.gather``, every argument checked each time) and/or the
+    call bound to its table (``HostGatherer.bind``: the table checked once, as a decode
+    loop calls it; the runtime's own host path calls the library from its gather
+    driver's thread, with no Python per step);
   - ``torch``: torch.index_select into pinned staging + one copy (raw bytes, no dequant:
     the plain-library baseline);
 each as the median wall time from the call to the stream's completion over fresh ids.
@@ -74,6 +78,7 @@ class Result:
     task_rows: int = 0
     slots: int = 0
     pool: str = ""
+    call: str = ""  # host gather: "bound" (HostGatherer.bind), "" the plain call (every argument checked)
     seconds: float = 0.0
     gbps: float = 0.0
     x_link: float = 0.0
@@ -89,7 +94,7 @@ class Result:
                 + (f"/far {self.prefetch_far}" if self.prefetch_far else "")
                 + (f", loc {self.locality}" if self.locality != 3 else "") + f", {self.stores}"
                 + (f", task {self.task_rows}" if self.task_rows else "") + (f", {self.slots} slots" if self.slots else "")
-                + (f", {self.pool}" if self.pool else ""))
+                + (f", {self.pool}" if self.pool else "") + (f", {self.call} call" if self.call else ""))
 
 
 def add_gather_arguments(p: Any) -> None:
@@ -115,6 +120,10 @@ def add_gather_arguments(p: Any) -> None:
                    help="host gather: stores into staging (default: plain)")
     p.add_argument("--task-rows", type=int_list, default=[0], help="host gather: rows per work item (0 = auto)")
     p.add_argument("--slots", type=int_list, default=[8], help="host gather: staging slots (default 8)")
+    p.add_argument("--call", type=str_list(("checked", "bound")), default=["checked"],
+                   help="host gather: 'checked' (HostGatherer.gather, every argument checked on every call; default) "
+                        "and/or 'bound' (HostGatherer.bind: the table checked once, then the library call per step, "
+                        "as a decode loop makes it)")
     p.add_argument("--spin-us", type=int, default=200,
                    help="host gather: pool spin before blocking (default 200: calls back to back find it spinning)")
     p.add_argument("--pool", type=str_list(("hot", "idle", "woken")), default=["hot"],
@@ -309,7 +318,7 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                                             num_slots=slots)
                 g.set_options(spin_us=args.spin_us)
                 try:
-                    for layout, cfg, pool in itertools.product(args.layouts, cfgs, args.pool):
+                    for layout, cfg, pool, call in itertools.product(args.layouts, cfgs, args.pool, args.call):
                         table = {"inline": (tables.inline, None), "split": (tables.split_rows, tables.split_scales),
                                  "hbm-scales": (tables.split_rows, scales_dev)}[layout]
                         on_gpu = (lambda i: id_sets_dev[i]) if layout == "hbm-scales" else (lambda i: None)
@@ -319,13 +328,16 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                             g.wake()
                             time.sleep(args.wake_us / 1e6)
 
-                        sec, _ = median_wall(
-                            lambda i: g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out, layout=layout,
-                                               ids_dev=on_gpu(i)),
-                            args.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0,
-                            before=wake if pool == "woken" else None)
+                        if call == "bound":
+                            bound = g.bind(*table, quant_block=QUANT_BLOCK, layout=layout)
+                            one = lambda i: bound(sets[i], out, on_gpu(i))  # noqa: E731
+                        else:
+                            one = lambda i: g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out,  # noqa: E731
+                                                     layout=layout, ids_dev=on_gpu(i))
+                        sec, _ = median_wall(one, args.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0,
+                                             before=wake if pool == "woken" else None)
                         out.zero_()  # the check below sees this call's rows alone
-                        g.gather(sets[0], *table, quant_block=QUANT_BLOCK, out=out, layout=layout, ids_dev=on_gpu(0))
+                        one(0)
                         sync()
                         exact = exact_out()
                         cpu_sec, _ = median_wall(
@@ -336,7 +348,8 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                                               gbps=gbps(n, sec), x_link=gbps(n, sec) / link,
                                               cpu_part_seconds=cpu_sec, exact=exact,
                                               slots=slots if len(args.slots) > 1 else 0,
-                                              pool=pool if len(args.pool) > 1 or pool != "hot" else "", **cfg))
+                                              pool=pool if len(args.pool) > 1 or pool != "hot" else "",
+                                              call="bound" if call == "bound" else "", **cfg))
                 finally:
                     g.close()
             del cpu_rows, cpu_scales, id_sets_dev
