@@ -117,7 +117,8 @@ def add_cache_arguments(p: Any) -> None:
                         "or 'none' (history warming only)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time the cache's phases: synced (a wait after each) and unsynced (when the host had "
-                        "issued each phase and when the GPU got there, by events)")
+                        "issued each phase and when the GPU got there, by events); these steps run phase by phase from "
+                        "Python, not as one library call")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="also profile N steps of each cache's host work (cProfile) and print the functions that take "
                         "most of it, per step (default: 0, off)")

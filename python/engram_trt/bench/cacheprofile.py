@@ -17,7 +17,8 @@ PHASES = ("plan", "fetch", "deliver", "admit")  # the order HotRowCache.gather m
 
 
 def profile_step(cache: Any, ids: Any, out: Any, device: Any) -> dict[str, Any]:
-    """One ``cache.gather(ids, out)`` under the profiler. Returns ``step_us`` (the call
+    """One ``cache.gather(ids, out)`` under the profiler (phase by phase: the marks are
+    Python callbacks between the phases, so a CUDA cache does not take its whole step). Returns ``step_us`` (the call
     to the stream's completion), ``phases`` (each phase's host span, us from the step's
     start), ``activities`` (every kernel and copy: name, stream, start, duration),
     ``by_name`` (count, summed us, first start and last end per name), ``gpu_busy_us``

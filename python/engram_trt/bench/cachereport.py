@@ -92,10 +92,10 @@ def print_report(report: dict[str, Any]) -> None:
                           f"x link, hit rate {ph['stats']['hit_rate']:.1%}; whole step / phases "
                           f"{part['cache_seconds'] / ph['cache_seconds']:.2f}")
                 if part.get("phases_seconds"):
-                    print("    phases (synced, medians): " + ", ".join(f"{k} {v * 1e6:.0f} us"
+                    print("    phases (synced, medians; these steps run phase by phase): " + ", ".join(f"{k} {v * 1e6:.0f} us"
                                                                   for k, v in part["phases_seconds"].items()))
                 if part.get("timeline"):
-                    print("    timeline, " + describe_timeline(part["timeline"]))
+                    print("    timeline (phase by phase), " + describe_timeline(part["timeline"]))
                 if part.get("call_costs"):
                     print("    " + describe_costs(part["call_costs"]))
                 if part.get("host_profile"):
