@@ -52,7 +52,12 @@ from engram_trt.errors import EngramError
 log = logging.getLogger(__name__)
 
 MAX_STEP_ROWS = 196608  # an 8k-token prefill chunk of 24 columns
-DEFAULT_ADMIT_BUDGET = 8192  # replacements tried per step once the cache is full
+# Replacements tried per step once the cache is full. More raise the online hit rate (on
+# 8k-token chunks of real text, a 5% cache of a 50M-row layer: 39.9% at 8192 every 4th
+# step, 48.7% at 32768 every step; scripts/cache_policy_sweep.py), but on the H200 the
+# larger admission cost about as much GPU time as its fewer misses saved in the fetch
+# (docs/benchmarks.md), so the default stays.
+DEFAULT_ADMIT_BUDGET = 8192
 MAX_SLOTS = (1 << 30) - 1  # the kernels' slot codes keep bit 30 for the hit mark
 INT32_MAX = (1 << 31) - 1
 

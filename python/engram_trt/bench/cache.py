@@ -83,9 +83,12 @@ def add_cache_arguments(p: Any) -> None:
                    help=f"rows per column (default {DEFAULT_COLUMN_ROWS}: 24.75 GiB of tables; --dry-run: 4096)")
     p.add_argument("--layers", default="0,1", help="Engram layers to run, comma-separated (default 0,1)")
     p.add_argument("--capacity-fraction", type=float, default=0.05, help="cache rows / table rows (default 0.05)")
-    p.add_argument("--admit-budget", type=int, default=None, help="rows admitted per step at most (default: auto)")
+    p.add_argument("--admit-budget", type=int, default=None,
+                   help="replacements tried per step at most (default: the cache's, min(capacity, 8192))")
     p.add_argument("--sample-factor", type=int, default=4, help="eviction sample window / budget (default 4)")
-    p.add_argument("--admit-every", type=int, default=4, help="try replacements every N steps once full (default 4)")
+    p.add_argument("--admit-every", type=int, default=4,
+                   help="try replacements every N steps once full (default 4; scripts/cache_policy_sweep.py gives the "
+                        "hit rates of cadences and budgets)")
     p.add_argument("--warm", type=int, default=None,
                    help="warm-up chunks: the history the cache's counts learn from (default 448 = 3.7M tokens; "
                         "--dry-run 6)")
