@@ -198,6 +198,9 @@ def test_bench_cache_layout_defaults_and_refusals(plugin_lib: Path, capsys, tmp_
     with pytest.raises(SystemExit):
         main(base + ["--layouts", "inline,packed"])
     assert "expected a comma-separated list of inline, split, hbm-scales" in capsys.readouterr().err
+    for gpu_only in (["--ab-phases"], ["--ids-on", "device"]):
+        assert main(base + gpu_only) != 0
+        assert "the dry run has neither" in capsys.readouterr().err
     out = tmp_path / "c.json"
     assert main(base + ["--json", str(out)]) == 0
     report = json.loads(out.read_text())

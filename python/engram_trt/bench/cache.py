@@ -191,6 +191,9 @@ def cmd_cache(args: Any) -> int:
     if measure < 1 or warm < 0:
         raise EngramError("--measure must be >= 1 and --warm >= 0")
     layouts = _host_layouts(args)
+    if args.dry_run and (args.ab_phases or args.ids_on == "device"):
+        raise EngramError("--ab-phases and --ids-on device compare the GPU's whole step and its device ids: the dry "
+                          "run has neither (it runs the torch path on the CPU); drop them or run on a GPU")
     if args.spin_us < 0:
         raise EngramError(f"--spin-us must be >= 0 (got {args.spin_us})")
     stream = _token_stream(args)
