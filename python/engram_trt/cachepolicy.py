@@ -5,9 +5,9 @@ Two implementations of one step, with the same state (int32 tensors on the polic
 device: ``slot_of [table_rows + 1]``, ``row_of_slot [capacity]``, ``counts [table_rows
 + 1]``) and the same decisions:
 
-- the reference (:meth:`CachePolicy._plan_reference`, :meth:`_finish_reference`): torch
-  operations on any device, sort-based ``torch.unique``; the CPU path, the tests, and the
-  reference the GPU checks compare the kernels with;
+- the reference (:mod:`engram_trt.cachereference`): torch operations on any device,
+  sort-based ``torch.unique``; the CPU path, the tests, and the reference the GPU checks
+  compare the kernels with;
 - the fused one (CUDA devices, ``fused=True``, the default there): the kernels of
   :mod:`engram_trt.cache_kernels`, one synchronization per step (the miss count read
   with the miss ids in one copy) instead of three, and about four launches instead of
@@ -269,7 +269,9 @@ class CachePolicy:
         else:
             if on_enqueued is not None:
                 on_enqueued()
-            plan = self._plan_reference(ids, miss_base, miss_order)
+            from engram_trt.cachereference import plan_reference
+
+            plan = plan_reference(self, ids, miss_base, miss_order)
         self._pending = plan
         return plan
 
@@ -293,7 +295,9 @@ class CachePolicy:
             self._finish_fused(plan, adm, work_rows, work_scales)
             copies: list[RowCopy] = []
         else:
-            copies = self._finish_reference(plan, adm)
+            from engram_trt.cachereference import apply_copy, finish_reference
+
+            copies = finish_reference(self, plan, adm)
             if work_rows is not None:
                 for copy in copies:
                     apply_copy(copy, work_rows, work_scales)
@@ -322,74 +326,6 @@ class CachePolicy:
         first = admission_draw(self.seed, self.steps, 1) % self.capacity
         return Admission(num_free=free, num_candidates=budget, candidate_start=start, candidate_stride=left // budget,
                          sample_first=first, sample_factor=factor)
-
-    # --- reference (torch) -------------------------------------------------------------
-
-    def _plan_reference(self, ids: Any, miss_base: int, miss_order: Any) -> StepPlan:
-        import torch
-
-        flat = ids.reshape(-1).to(device=self.device, dtype=torch.int64)
-        n = int(flat.numel())
-        valid = (flat >= 0) & (flat < self.table_rows)
-        mapped = torch.where(valid, flat, torch.full_like(flat, self.sentinel))
-        uniq, inverse, lookups = torch.unique(mapped, return_inverse=True, return_counts=True)
-        self.counts.index_add_(0, uniq, lookups.to(torch.int32))
-        slot = self.slot_of[uniq]
-        miss_index = torch.nonzero(slot < 0).squeeze(1)
-        num_miss = int(miss_index.numel())
-        if miss_order is not None:
-            miss_index = self._order_misses(uniq, slot, num_miss, miss_order)
-        slot[miss_index] = torch.arange(miss_base, miss_base + num_miss, dtype=torch.int32, device=self.device)
-        miss_rows = uniq[miss_index].to(torch.int32)
-        return StepPlan(positions=slot[inverse].to(torch.int32), miss_rows=miss_rows, miss_rows_host=miss_rows.cpu(),
-                        miss_base=miss_base, num_lookups=n, num_unique=int(uniq.numel()), num_miss=num_miss)
-
-    def _order_misses(self, uniq: Any, slot: Any, num_miss: int, miss_order: Any) -> Any:
-        import torch
-
-        order = torch.as_tensor(miss_order).reshape(-1).to(device=self.device, dtype=torch.int64)
-        at = torch.searchsorted(uniq, order).clamp(max=max(int(uniq.numel()) - 1, 0))
-        ok = int(order.numel()) == num_miss and (num_miss == 0 or (
-            bool((uniq[at] == order).all()) and bool((slot[at] < 0).all())
-            and int(torch.unique(order).numel()) == num_miss))
-        if not ok:
-            raise EngramError(f"miss_order must be a permutation of the step's {num_miss} misses "
-                              f"(got {int(order.numel())} rows that are not)")
-        return at
-
-    def _finish_reference(self, plan: StepPlan, adm: Admission) -> list[RowCopy]:
-        import torch
-
-        dev = self.device
-        copies: list[RowCopy] = []
-        miss = plan.miss_rows.to(torch.int64)
-        free = adm.num_free
-        if free:
-            slots = torch.arange(self.filled, self.filled + free, device=dev)
-            rows = miss[:free]
-            self.slot_of[rows] = slots.to(torch.int32)
-            self.row_of_slot[slots] = rows.to(torch.int32)
-            copies.append(RowCopy(dst=slots, src=plan.miss_base + torch.arange(free, device=dev)))
-        budget = adm.num_candidates
-        if budget:
-            left = plan.num_miss - free
-            pick = free + (adm.candidate_start + torch.arange(budget, device=dev) * adm.candidate_stride) % left
-            cand_rows = miss[pick]
-            factor = adm.sample_factor
-            sample = ((adm.sample_first + torch.arange(budget * factor, device=dev)) % self.capacity).view(budget, factor)
-            sample_counts = self.counts[self.row_of_slot[sample].to(torch.int64)].to(torch.int64)
-            # the coldest slot of each window, ties to the first (keys are distinct per window)
-            which = (sample_counts * factor + torch.arange(factor, device=dev)).argmin(dim=1, keepdim=True)
-            victims = sample.gather(1, which).squeeze(1)
-            victim_counts = sample_counts.gather(1, which).squeeze(1)
-            replace = self.counts[cand_rows].to(torch.int64) > victim_counts  # strictly hotter than what it evicts
-            old_rows = self.row_of_slot[victims].to(torch.int64)
-            self.slot_of[old_rows[replace]] = -1
-            self.slot_of[cand_rows[replace]] = victims[replace].to(torch.int32)
-            self.row_of_slot[victims[replace]] = cand_rows[replace].to(torch.int32)
-            self._replaced += replace.sum()
-            copies.append(RowCopy(dst=victims, src=plan.miss_base + pick, mask=replace))
-        return copies
 
     # --- fused (CUDA kernels) ----------------------------------------------------------
 
@@ -490,16 +426,3 @@ class CachePolicy:
             raise AssertionError("slot_of[row_of_slot[s]] != s")
         if int((self.slot_of >= 0).sum()) != self.filled:
             raise AssertionError("rows mapped to slots != filled slots")
-
-
-def apply_copy(copy: RowCopy, work_rows: Any, work_scales: Any) -> None:
-    """Carry out a :class:`RowCopy` on the work table (rows and, if any, scale bytes)."""
-    import torch
-
-    for store in (work_rows, work_scales):
-        if store is None:
-            continue
-        src = store[copy.src]
-        if copy.mask is not None:
-            src = torch.where(copy.mask[:, None], src, store[copy.dst])
-        store[copy.dst] = src
