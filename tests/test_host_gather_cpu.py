@@ -238,6 +238,32 @@ def test_gather_raw_with_scales_in_hbm_wants_them_on_the_gatherers_device() -> N
         g._handle = None
 
 
+def test_a_bound_gather_checks_its_table_once_and_each_calls_ids_and_out() -> None:
+    """HostGatherer.bind refuses a bad table when bound (as gather does), and each call
+    refuses bad ids and an out off the device before any library call (no GPU needed)."""
+    import torch
+
+    g = hostgather.HostGatherer.__new__(hostgather.HostGatherer)  # no device needed: refused before any CUDA call
+    g._handle, g.device, g.max_head_dim = ctypes.c_void_p(1), torch.device("cuda", 0), 512
+    values, scales, _ = _fp8_table(10, 64, 32, seed=1)
+    try:
+        with pytest.raises(EngramError, match=r"^scales must be \[rows, head_dim / quant_block\]"):
+            g.bind(values, scales[:, :1].contiguous(), quant_block=32)
+        with pytest.raises(EngramError, match="^head_dim 1024 exceeds this gatherer's max_head_dim 512"):
+            g.bind(torch.zeros(4, 1024, dtype=torch.uint8), torch.zeros(4, 32, dtype=torch.uint8), quant_block=32)
+        bound = g.bind(values, scales, quant_block=32)
+        assert (bound.head_dim, bound.layout) == (64, "split")
+        out = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+        with pytest.raises(EngramError, match="^ids must have dtype torch.int32 \\(got torch.int64\\)"):
+            bound(torch.zeros(3, 2, dtype=torch.int64), out)
+        with pytest.raises(EngramError, match=r"^ids must be 2-D"):
+            bound(torch.zeros(6, dtype=torch.int32), out)
+        with pytest.raises(EngramError, match="^out must be a CUDA tensor"):
+            bound(torch.zeros(3, 2, dtype=torch.int32), out)
+    finally:
+        g._handle = None
+
+
 def test_host_gatherer_names_unknown_options() -> None:
     g = hostgather.HostGatherer.__new__(hostgather.HostGatherer)  # no device needed for the name check
     g._handle = ctypes.c_void_p(1)  # never reaches the library: the name is refused first
