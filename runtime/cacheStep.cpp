@@ -74,6 +74,12 @@ int cacheStep(EngramCacheStepArgs const* args, EngramCacheStepResult* result, cu
         return fail(cudaErrorInvalidValue, "%s: plan_host is required and host_ids must be in [0, %lld] (got %lld)", fn,
             ll(a.max_host_ids), ll(a.host_ids));
     }
+    if (a.max_host_ids < a.num_ids)
+    {
+        // Every lookup of a step can miss: the miss list may need the whole buffer.
+        return fail(cudaErrorInvalidValue, "%s: plan_host holds %lld miss ids, fewer than the step's %lld lookups", fn,
+            ll(a.max_host_ids), ll(a.num_ids));
+    }
     if (a.miss_base < a.capacity || a.miss_base + a.num_ids > a.work_num_rows)
     {
         return fail(cudaErrorInvalidValue,

@@ -402,6 +402,8 @@ def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plu
     assert step(num_ids=120, deliver_tokens=40)[1].endswith("and at most max_ids 100")
     assert step(host_ids=51)[1] == "engram_cache_step: plan_host is required and host_ids must be in [0, 50] (got 51)"
     assert step(plan_host=None)[1].startswith("engram_cache_step: plan_host is required")
+    assert step(max_host_ids=11, host_ids=5)[1] == ("engram_cache_step: plan_host holds 11 miss ids, fewer than the "
+                                                    "step's 12 lookups")
     assert step(work_num_rows=21)[1] == ("engram_cache_step: the work table's 21 rows must hold the 10 cache slots and "
                                          "a miss area of num_ids = 12 rows from miss_base 10")
     assert step(miss_base=9)[1].startswith("engram_cache_step: the work table's 200 rows must hold the 10 cache slots")

@@ -595,7 +595,7 @@ typedef struct EngramCacheStepArgs
     uint64_t seed;
     int32_t* plan;      /* device [2 + max_ids] */
     int32_t* positions; /* device [max_ids] */
-    int32_t* plan_host; /* pinned host [2 + max_host_ids] */
+    int32_t* plan_host; /* pinned host [2 + max_host_ids], max_host_ids >= num_ids */
     int64_t max_ids;
     int64_t max_host_ids;
     void* work_rows;   /* [work_num_rows, row_bytes] */
