@@ -23,11 +23,6 @@ using namespace engram_trt::kernels;
 namespace
 {
 
-long long ll(int64_t v)
-{
-    return static_cast<long long>(v);
-}
-
 //! Ends a step whose fetch or delivery failed: an admission of nothing restores the
 //! misses' slot map entries (as CachePolicy.abort does). Returns the first failure,
 //! with its message.

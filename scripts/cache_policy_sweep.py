@@ -23,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 
 def main() -> int:
-    import torch
-
     from engram_trt.bench import idstreams
+    from engram_trt.bench.cache import policy_hit_rates
     from engram_trt.bench.rowcounts import count_rows
     from engram_trt.cachepolicy import CachePolicy
     from engram_trt.errors import EngramError
@@ -69,18 +68,9 @@ def main() -> int:
             policy = CachePolicy(rows, int(args.capacity_fraction * rows), device="cpu", admit_budget=budget,
                                  sample_factor=args.sample_factor, max_step_rows=chunks[0][:, 0, :].size,
                                  initial_counts=counts if warming == "offline" else None)
-            unique = hits = lookups = 0
-            for k, chunk in enumerate(chunks):
-                if warming == "offline" and k < args.warm:
-                    continue  # offline counts stand in for the history
-                plan = policy.plan(torch.from_numpy(chunk[:, args.layer, :].copy()))
-                policy.finish(plan, replace=(policy.steps + 1) % every == 0)  # HotRowCache's cadence
-                if k >= args.warm:
-                    unique += plan.num_unique
-                    hits += plan.num_unique - plan.num_miss
-                    lookups += plan.num_lookups
-            print(f"| {warming} | {every} | {budget} | {hits / max(1, unique):.1%} | "
-                  f"{(unique - hits) / max(1, lookups):.1%} | {time.perf_counter() - t0:.0f} |", flush=True)
+            got = policy_hit_rates(policy, chunks, args.layer, args.warm, every, history=warming == "history")
+            print(f"| {warming} | {every} | {budget} | {got['hit_rate']:.1%} | {got['fetch_fraction']:.1%} | "
+                  f"{time.perf_counter() - t0:.0f} |", flush=True)
     return 0
 
 

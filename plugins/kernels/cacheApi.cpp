@@ -21,11 +21,6 @@ using namespace engram_trt::kernels;
 namespace
 {
 
-long long ll(int64_t v)
-{
-    return static_cast<long long>(v);
-}
-
 int cachePlan(int32_t const* ids, int64_t numIds, int64_t tableNumRows, int32_t* slotOf, int32_t* counts,
     int64_t missBase, int32_t* plan, int32_t* positions, int32_t* planHost, int64_t planHostIds, cudaStream_t stream)
 {

@@ -30,6 +30,12 @@ int failCuda(cudaError_t code, char const* format, ...) __attribute__((format(pr
 //! Clears the thread's last error message; every ABI entry point calls it first.
 void clearError();
 
+//! An int64 as fail()'s %lld takes it.
+inline long long ll(int64_t v)
+{
+    return static_cast<long long>(v);
+}
+
 //! Discards a stale non-sticky error of an earlier runtime call, so that the
 //! checkLaunch() after the next launch reports that launch alone. Call it right before
 //! every kernel launch. (A sticky error cannot be discarded: the launch fails with it.)

@@ -286,18 +286,13 @@ class StepCall:
 
     def __init__(self, *, policy: Any, work_rows: Any, work_scales: Any, miss_base: int, gatherer: Any,
                  rows_host: Any, scales: Any, quant_block: int, layout: str) -> None:
-        from engram_trt.hostgather import TABLE_LAYOUTS
-
-        _ENTRY.library()
         _check_struct_sizes()
         dtype, num_rows, head_dim, layout_code = gatherer._check_host_table(rows_host, scales, quant_block, layout)
         if num_rows != policy.table_rows:
             raise EngramError(f"the host table has {num_rows} rows, the cache's policy {policy.table_rows}")
         row_bytes, scale_bytes = _check_admit_buffers(policy.device, policy.slot_of, policy.row_of_slot, policy.counts,
                                                       work_rows, work_scales, policy._replaced)
-        self.dtype, self.head_dim, self.device = dtype, head_dim, policy.device
-        self.gatherer = gatherer
-        self.layout_code = TABLE_LAYOUTS[layout]
+        self.device, self.gatherer = policy.device, gatherer
         self._keep = (policy.slot_of, policy.counts, policy.row_of_slot, policy._plan, policy._positions,
                       policy._plan_host, work_rows, work_scales, rows_host, scales, policy._replaced)
         a = self._args = _StepArgs()
@@ -316,11 +311,8 @@ class StepCall:
         a.scales = scales.data_ptr() if scales is not None else None
         a.replaced = policy._replaced.data_ptr()
         a.ids_staging = policy._ids.data_ptr()
-        self.max_ids = int(a.max_ids)
         self._result = _StepResult()
         self._refs = (ctypes.byref(self._args), ctypes.byref(self._result))
-        self._fn = _library().engram_cache_step
-        self._last_error = _library().engram_last_error
 
     def __call__(self, ids: Any, tokens: int, cols: int, out: Any, *, host_ids: int, filled: int, replace: bool,
                  step: int) -> tuple[int, int, int, bool, str | None]:
@@ -335,8 +327,11 @@ class StepCall:
             a.ids, a.ids_host = None, ids.data_ptr()
         a.num_ids, a.deliver_tokens, a.deliver_cols = tokens * cols, tokens, cols
         a.out, a.host_ids, a.filled, a.replace, a.step = out.data_ptr(), host_ids, filled, int(replace), step
-        with _device_guard(self.device.index):
-            status = self._fn(*self._refs, _stream(self.device))
+        error = None
+        try:
+            with _device_guard(self.device.index):
+                _call("engram_cache_step", *self._refs, _stream(self.device))
+        except EngramError as e:  # the result still says how far the step got
+            error = str(e)
         r = self._result
-        error = None if status == 0 else f"engram_cache_step failed: {self._last_error().decode() or status}"
         return int(r.hits), int(r.num_miss), int(r.num_free), bool(r.aborted), error

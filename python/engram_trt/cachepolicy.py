@@ -254,8 +254,7 @@ class CachePolicy:
         the fetch ready meanwhile (the cache wakes the host gather's threads)."""
         import torch
 
-        if self._pending is not None:
-            raise EngramError("the previous step's plan is not finished: call finish() (or abort()) first")
+        self.require_no_open_plan()
         if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int32:
             raise EngramError(f"ids must be an int32 tensor (got {getattr(ids, 'dtype', type(ids).__name__)})")
         miss_base = self.capacity if miss_base is None else int(miss_base)
@@ -274,6 +273,12 @@ class CachePolicy:
             plan = plan_reference(self, ids, miss_base, miss_order)
         self._pending = plan
         return plan
+
+    def require_no_open_plan(self) -> None:
+        """Refuse a new step while the last plan is neither finished nor aborted (its
+        misses' codes are still in the fused path's slot map)."""
+        if self._pending is not None:
+            raise EngramError("the previous step's plan is not finished: call finish() (or abort()) first")
 
     def finish(self, plan: StepPlan, *, replace: bool = True, work_rows: Any = None, work_scales: Any = None,
                admit: bool = True) -> list[RowCopy]:
@@ -361,8 +366,7 @@ class CachePolicy:
         """The bookkeeping of a step that the library ran whole (``engram_cache_step``):
         what :meth:`finish` (or, if ``aborted``, :meth:`abort`) does on the host after
         the admission's launch. Only for steps without a decay (:meth:`decay_due`)."""
-        if self._pending is not None:
-            raise EngramError("a plan of this policy is open: finish() (or abort()) it before a whole step")
+        self.require_no_open_plan()
         self.steps += 1
         if not aborted:
             self.filled += num_free

@@ -365,21 +365,24 @@ class HotRowCache:
         replace = (policy.steps + 1) % self.admit_every == 0
         policy.finish(plan, replace=replace, work_rows=self.work_rows, work_scales=self.work_scales)
         mark("admit")
+        self._count(n, plan.num_unique - plan.num_miss, plan.num_miss)
+        return result.view(*ids.shape, self.head_dim)
+
+    def _count(self, lookups: int, hits: int, misses: int) -> None:
+        """A served step's counters (hits and misses are distinct rows)."""
         s = self._stats
         s.steps += 1
-        s.lookups += n
-        s.unique += plan.num_unique
-        s.hits += plan.num_unique - plan.num_miss
-        s.fetched += plan.num_miss
-        return result.view(*ids.shape, self.head_dim)
+        s.lookups += lookups
+        s.unique += hits + misses
+        s.hits += hits
+        s.fetched += misses
 
     def _gather_whole(self, ids: Any, n: int, out: Any) -> Any:
         """A step in one library call (:class:`~engram_trt.cache_kernels.StepCall`)."""
         import torch
 
         policy = self.policy
-        if policy._pending is not None:
-            raise EngramError("the previous step's plan is not finished: call finish() (or abort()) first")
+        policy.require_no_open_plan()
         # host ids: the library copies them up itself (one CUDA call instead of a torch copy)
         flat = ids.reshape(-1)
         if not flat.is_contiguous() or (flat.is_cuda and flat.device != self.device):
@@ -403,12 +406,7 @@ class HotRowCache:
                 policy.end_whole_step(num_miss, 0, aborted=True)  # as abort(): counted, nothing admitted
             raise EngramError(error)
         policy.end_whole_step(num_miss, num_free, aborted=False)
-        s = self._stats
-        s.steps += 1
-        s.lookups += n
-        s.unique += hits + num_miss
-        s.hits += hits
-        s.fetched += num_miss
+        self._count(n, hits, num_miss)
         return out.view(*ids.shape, self.head_dim)
 
     def stats(self) -> CacheStats:

@@ -283,18 +283,8 @@ def _simulate(args: Any, stream: Any, layers: list[int], warm: int, measure: int
             policy = CachePolicy(rows, int(args.capacity_fraction * rows), device=dev, admit_budget=args.admit_budget,
                                  sample_factor=args.sample_factor, seed=args.seed, max_step_rows=step_rows,
                                  initial_counts=offline[li] if name == "offline" else None)
-            unique = hits = lookups = 0
-            for k, chunk in enumerate(chunks):
-                if name == "offline" and k < warm:
-                    continue
-                plan = policy.plan(torch.from_numpy(chunk[:, li, :].copy()))
-                policy.finish(plan, replace=(policy.steps + 1) % args.admit_every == 0)  # HotRowCache's cadence
-                if k >= warm:
-                    unique += plan.num_unique
-                    hits += plan.num_unique - plan.num_miss
-                    lookups += plan.num_lookups
-            part = {"capacity_rows": policy.capacity, "hit_rate": hits / max(1, unique),
-                    "unique_fraction": unique / max(1, lookups), "fetch_fraction": (unique - hits) / max(1, lookups)}
+            part = {"capacity_rows": policy.capacity,
+                    **policy_hit_rates(policy, chunks, li, warm, args.admit_every, history=name == "history")}
             if name == "history":
                 entry.update(part)
             else:
@@ -304,6 +294,29 @@ def _simulate(args: Any, stream: Any, layers: list[int], warm: int, measure: int
         out.append(entry)
     return {"column_rows": args.simulate_column_rows, "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB,
             "layers": out}
+
+
+def policy_hit_rates(policy: Any, chunks: list[Any], layer: int, warm: int, admit_every: int, *,
+                     history: bool) -> dict[str, float]:
+    """A cache policy alone (no data) through ``chunks`` of one layer's ids, replacing
+    every ``admit_every`` steps as HotRowCache does: its ``hit_rate`` (distinct rows),
+    ``unique_fraction`` and ``fetch_fraction`` (per lookup) over the chunks after the
+    first ``warm``. ``history``: the warm chunks run through it first; else they are
+    skipped (a policy warmed from offline counts of them)."""
+    import torch
+
+    unique = hits = lookups = 0
+    for k, chunk in enumerate(chunks):
+        if not history and k < warm:
+            continue
+        plan = policy.plan(torch.from_numpy(chunk[:, layer, :].copy()))
+        policy.finish(plan, replace=(policy.steps + 1) % admit_every == 0)  # HotRowCache's cadence
+        if k >= warm:
+            unique += plan.num_unique
+            hits += plan.num_unique - plan.num_miss
+            lookups += plan.num_lookups
+    return {"hit_rate": hits / max(1, unique), "unique_fraction": unique / max(1, lookups),
+            "fetch_fraction": (unique - hits) / max(1, lookups)}
 
 
 def add_parser(sub: Any) -> Any:

@@ -173,7 +173,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
             ids = [_ids_of(c, li).pin_memory() for c in chunks]
             # The ids of the measured chunks on the GPU too, as a step's hash kernel leaves
             # them: the cold hbm-scales gather's dequant reads the scale bytes by them.
-            on_device = getattr(args, "ids_on", "host") == "device"
+            on_device = args.ids_on == "device"
             ids_dev = {k: ids[k].to(dev) for k in range(warm, len(chunks))} \
                 if "hbm-scales" in layouts or on_device else {}
             runs = []
@@ -193,7 +193,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                     log.info("layer %d, %s: warm start of %d rows in %.2f s", li, name,
                              caches["offline"].stats().preloaded, time.perf_counter() - t1)
                 twins = {}
-                if getattr(args, "ab_phases", False):
+                if args.ab_phases:
                     twins = {n: HotRowCache(*table, whole_step=False, **sized, **common,
                                             **({"initial_counts": offline[li]} if n == "offline" else {}))
                              for n in caches}
@@ -230,7 +230,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                         for key, c, out in cells} if args.host_profile else {}
             step_ids = [ids_dev[k] for k in range(warm, len(chunks))] if on_device else ids[warm:]
             traces = {key: host_trace(c, step_ids, out, dev, args.host_trace)
-                      for key, c, out in cells} if getattr(args, "host_trace", 0) else {}
+                      for key, c, out in cells} if args.host_trace else {}
             for run in runs:
                 entry: dict[str, Any] = {"layer": li, "layout": run.layout,
                                          "dedup_seconds": statistics.median(run.t_dedup),
@@ -252,8 +252,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                         run.twins[name].policy.check_invariants()
                         part["phases_step"] = {"cache_seconds": statistics.median(run.t_twin[name]),
                                                "per_chunk_cache_seconds": run.t_twin[name],
-                                               "stats": run.twins[name].stats().to_dict(),
-                                               "exact": run.exact[name]}
+                                               "stats": run.twins[name].stats().to_dict()}
                     if name == "history":
                         entry.update(part)
                     else:
@@ -266,7 +265,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
         for t in all_tables.values():
             t.close()
     report = {"layers": out_layers, "link_GBps": link, "setup_seconds": setup, "device": torch.cuda.get_device_name(dev),
-              "torch": torch.__version__, "hbm_scales_gib": hbm_bytes / GiB, "ids_on": getattr(args, "ids_on", "host"),
+              "torch": torch.__version__, "hbm_scales_gib": hbm_bytes / GiB, "ids_on": args.ids_on,
               **pages}
     if len(layouts) > 1:
         report["cold_equal_across_layouts"] = cold_equal
