@@ -3,7 +3,9 @@
 /*
  * engram_cache_step (engramKernels.h): a hot-row cache's whole step in one call, the
  * library's own entry points in the order python/engram_trt/hotcache.py calls them:
- * plan, wake, wait, fetch, deliver, admission.
+ * plan, wake, wait, fetch, deliver, admission; with an overlap the delivery of the
+ * cached rows starts before the fetch, on a stream of its own, and so may a read of a
+ * share of the misses through UVA (engram_gather_raw) beside the host gather's.
  *
  * Why in C++: on the H200 VM a prefill chunk's step holds ~100 us of GPU work beside the
  * host gather's fetch, and the Python between those calls (argument checks, views,
@@ -20,20 +22,63 @@
 
 using namespace engram_trt::kernels;
 
+struct EngramCacheOverlap
+{
+    cudaStream_t stream = nullptr;
+    cudaEvent_t done = nullptr;
+};
+
 namespace
 {
+
+//! Makes `stream` wait for the hits' delivery on the overlap's stream (every exit of a
+//! step that launched it: later work on `stream` may move or read what it touches).
+int joinHits(char const* fn, EngramCacheOverlap const* overlap, cudaStream_t stream)
+{
+    cudaError_t status = cudaEventRecord(overlap->done, overlap->stream);
+    if (status == cudaSuccess)
+    {
+        status = cudaStreamWaitEvent(stream, overlap->done, 0);
+    }
+    if (status != cudaSuccess)
+    {
+        return failCuda(status, "%s: joining the hits' delivery failed (%s:%d): %s", fn, sourceFileName(__FILE__),
+            __LINE__, cudaGetErrorString(status));
+    }
+    return 0;
+}
 
 //! Ends a step whose fetch or delivery failed: an admission of nothing restores the
 //! misses' slot map entries (as CachePolicy.abort does). Returns the first failure,
 //! with its message.
-int abortStep(EngramCacheStepArgs const& a, int64_t numMiss, int status, EngramCacheStepResult& r, cudaStream_t stream)
+int abortStep(EngramCacheStepArgs const& a, int64_t numMiss, int status, EngramCacheStepResult& r, cudaStream_t stream,
+    bool hitsLaunched = false)
 {
     std::string const why = engram_last_error();
     r.aborted = 1;
+    if (hitsLaunched)
+    {
+        joinHits("engram_cache_step", a.overlap, stream); // best effort: the first failure is what is reported
+    }
     int const undone = engram_cache_admit(a.plan + 2, numMiss, 0, a.filled, a.capacity, a.slot_of, a.row_of_slot,
         a.counts, 0, 0, 1, 0, 1, a.miss_base, nullptr, 0, nullptr, 0, nullptr, stream);
     return fail(static_cast<cudaError_t>(status), "%s%s", why.c_str(),
         undone != 0 ? "; the slot map could not be restored either" : "");
+}
+
+//! How many of a step's misses the GPU reads itself through UVA (engram_gather_raw): the
+//! first floor(uva_share * numMiss) of a large miss list in a layout whose rows are an
+//! array of their own (split, hbm-scales), with an overlap to run it on; else none.
+//! Small lists stay with the host gather: a UVA read of a few rows is one round trip of
+//! latency that the host gather's threads beat.
+int64_t uvaMissesOf(EngramCacheStepArgs const& a, int64_t numMiss)
+{
+    bool const rowsApart = a.table_layout == ENGRAM_LAYOUT_SPLIT || a.table_layout == ENGRAM_LAYOUT_HBM_SCALES;
+    if (a.overlap == nullptr || !rowsApart || !(a.uva_share > 0.0f) || numMiss < ENGRAM_CACHE_UVA_MIN_MISSES)
+    {
+        return 0;
+    }
+    return static_cast<int64_t>(static_cast<double>(a.uva_share) * static_cast<double>(numMiss));
 }
 
 int waitFor(char const* fn, char const* what, cudaStream_t stream)
@@ -81,6 +126,11 @@ int cacheStep(EngramCacheStepArgs const* args, EngramCacheStepResult* result, cu
             "%s: the work table's %lld rows must hold the %lld cache slots and a miss area of num_ids = %lld rows "
             "from miss_base %lld",
             fn, ll(a.work_num_rows), ll(a.capacity), ll(a.num_ids), ll(a.miss_base));
+    }
+    if (!(a.uva_share >= 0.0f && a.uva_share <= 1.0f) || a.uva_blocks < 0)
+    {
+        return fail(cudaErrorInvalidValue, "%s: uva_share must be in [0, 1] and uva_blocks >= 0 (got %g, %d)", fn,
+            static_cast<double>(a.uva_share), a.uva_blocks);
     }
     if (a.gatherer == nullptr || a.work_rows == nullptr)
     {
@@ -142,20 +192,69 @@ int cacheStep(EngramCacheStepArgs const* args, EngramCacheStepResult* result, cu
     }
     auto* const workRows = static_cast<uint8_t*>(a.work_rows);
     auto* const workScales = static_cast<uint8_t*>(a.work_scales);
-    if (numMiss > 0)
+    // The hits' delivery, on the overlap's stream while the host gathers the misses: the
+    // plan's wait above saw every earlier piece of work on `stream` done, so the kernel
+    // reads finished positions and slots. It reads only the cache's slots [0, miss_base),
+    // which nothing writes before the admission; the fetch writes the miss area.
+    bool const splitDelivery = a.overlap != nullptr && hits > 0 && numMiss > 0;
+    int64_t const uvaMisses = uvaMissesOf(a, numMiss);
+    bool const side = splitDelivery || uvaMisses > 0; // work on the overlap's stream to join
+    if (splitDelivery)
     {
-        bool const hbmScales = a.table_layout == ENGRAM_LAYOUT_HBM_SCALES;
-        int const fetched = engram_host_gather_raw_dev(a.gatherer, a.plan_host + 2, hbmScales ? a.plan + 2 : nullptr,
-            numMiss, a.rows_host, a.scales, a.table_num_rows, a.head_dim, a.table_dtype, a.quant_block, a.table_layout,
-            workRows + a.miss_base * a.row_bytes,
-            workScales != nullptr ? workScales + a.miss_base * a.scale_bytes : nullptr, stream);
-        if (fetched != 0)
+        if (int const launched = engram_gather_part(a.positions, a.deliver_tokens, a.deliver_cols, a.deliver_cols,
+                a.work_rows, a.work_scales, a.miss_base, 0, a.head_dim, a.table_dtype, a.quant_block, 1, 0, a.out,
+                a.overlap->stream))
         {
-            return abortStep(a, numMiss, fetched, r, stream);
+            return abortStep(a, numMiss, launched, r, stream);
         }
     }
-    int const delivered = engram_gather(a.positions, a.deliver_tokens, a.deliver_cols, a.deliver_cols, a.work_rows,
-        a.work_scales, a.work_num_rows, a.head_dim, a.table_dtype, a.quant_block, a.out, nullptr, stream);
+    uint8_t* const missRows = workRows + a.miss_base * a.row_bytes;
+    uint8_t* const missScales = workScales != nullptr ? workScales + a.miss_base * a.scale_bytes : nullptr;
+    if (uvaMisses > 0)
+    {
+        // The first misses through UVA on a few multiprocessors, the rest by the host gather.
+        if (int const read
+            = engram_gather_raw(a.plan + 2, uvaMisses, a.rows_host, a.scales, a.table_num_rows, a.row_bytes,
+                static_cast<int32_t>(a.scale_bytes), missRows, missScales, a.uva_blocks, a.overlap->stream))
+        {
+            return abortStep(a, numMiss, read, r, stream, side);
+        }
+    }
+    if (numMiss > uvaMisses)
+    {
+        bool const hbmScales = a.table_layout == ENGRAM_LAYOUT_HBM_SCALES;
+        int const fetched = engram_host_gather_raw_dev(a.gatherer, a.plan_host + 2 + uvaMisses,
+            hbmScales ? a.plan + 2 + uvaMisses : nullptr, numMiss - uvaMisses, a.rows_host, a.scales, a.table_num_rows,
+            a.head_dim, a.table_dtype, a.quant_block, a.table_layout, missRows + uvaMisses * a.row_bytes,
+            missScales != nullptr ? missScales + uvaMisses * a.scale_bytes : nullptr, stream);
+        if (fetched != 0)
+        {
+            return abortStep(a, numMiss, fetched, r, stream, side);
+        }
+    }
+    if (side)
+    {
+        // The delivery below reads the misses the UVA read wrote, and what follows on
+        // `stream` (the admission) moves rows the hits' call reads.
+        if (int const joined = joinHits(fn, a.overlap, stream))
+        {
+            return abortStep(a, numMiss, joined, r, stream);
+        }
+    }
+    int delivered = 0;
+    if (splitDelivery)
+    {
+        // The misses' lookups: work-table rows [miss_base, work_num_rows), the rows the
+        // hits' call left as they were.
+        delivered = engram_gather_part(a.positions, a.deliver_tokens, a.deliver_cols, a.deliver_cols, missRows,
+            missScales, a.work_num_rows - a.miss_base, a.miss_base, a.head_dim, a.table_dtype, a.quant_block, 1, 0,
+            a.out, stream);
+    }
+    else
+    {
+        delivered = engram_gather(a.positions, a.deliver_tokens, a.deliver_cols, a.deliver_cols, a.work_rows,
+            a.work_scales, a.work_num_rows, a.head_dim, a.table_dtype, a.quant_block, a.out, nullptr, stream);
+    }
     if (delivered != 0)
     {
         return abortStep(a, numMiss, delivered, r, stream);
@@ -191,6 +290,59 @@ extern "C" ENGRAM_API int engram_cache_step(
         return cacheStep(args, result, stream);
     }
     ENGRAM_ABI_CATCH("engram_cache_step")
+}
+
+extern "C" ENGRAM_API int engram_cache_overlap_create(EngramCacheOverlap** overlap)
+{
+    clearError();
+    if (overlap == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "engram_cache_overlap_create: overlap (the output) is required");
+    }
+    *overlap = nullptr;
+    ENGRAM_ABI_TRY
+    {
+        auto* o = new EngramCacheOverlap{};
+        cudaError_t status = cudaStreamCreateWithFlags(&o->stream, cudaStreamNonBlocking);
+        if (status == cudaSuccess)
+        {
+            status = cudaEventCreateWithFlags(&o->done, cudaEventDisableTiming);
+        }
+        if (status != cudaSuccess)
+        {
+            if (o->stream != nullptr)
+            {
+                cudaStreamDestroy(o->stream);
+            }
+            delete o;
+            return failCuda(status, "engram_cache_overlap_create: creating its stream and event failed (%s:%d): %s",
+                sourceFileName(__FILE__), __LINE__, cudaGetErrorString(status));
+        }
+        *overlap = o;
+        return 0;
+    }
+    ENGRAM_ABI_CATCH("engram_cache_overlap_create")
+}
+
+extern "C" ENGRAM_API int engram_cache_overlap_destroy(EngramCacheOverlap* overlap)
+{
+    clearError();
+    if (overlap == nullptr)
+    {
+        return 0;
+    }
+    // Work still queued on the stream finishes first (cudaStreamDestroy does not wait, but
+    // the stream's resources are released only once it has).
+    cudaError_t const event = cudaEventDestroy(overlap->done);
+    cudaError_t const stream = cudaStreamDestroy(overlap->stream);
+    delete overlap;
+    cudaError_t const status = event != cudaSuccess ? event : stream;
+    if (status != cudaSuccess)
+    {
+        return failCuda(status, "engram_cache_overlap_destroy failed (%s:%d): %s", sourceFileName(__FILE__), __LINE__,
+            cudaGetErrorString(status));
+    }
+    return 0;
 }
 
 extern "C" ENGRAM_API int engram_cache_step_sizes(int64_t* argsBytes, int64_t* resultBytes, int64_t* admissionBytes)

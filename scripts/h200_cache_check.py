@@ -36,6 +36,7 @@ saves).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -213,6 +214,82 @@ def check_cache_data(dev: Any, record: Record) -> None:
     g.close()
 
 
+def compare_steps(dev: Any, cache: Any, ref: Any, g: Any, table: tuple[Any, Any], layout: str,
+                  make_ids: Callable[[], Any], steps: int, qb: int) -> tuple[bool, str, int, list[int]]:
+    """``steps`` steps of ``cache`` (ids from ``make_ids``, with three out-of-range ids,
+    on the host and on the device in turns), each against the plain host gather's rows
+    and the CPU reference policy's whole state given the step's miss order; returns (ok,
+    why not, whole steps, misses per step)."""
+    import torch
+
+    n = cache.policy.table_rows
+    whole, misses = 0, []
+    for k in range(steps):
+        sid = make_ids()
+        sid[0, :3] = [-1, n, n + 7]
+        ids = torch.from_numpy(sid)
+        decay = cache.policy.decay_due()
+        before = cache.stats()
+        got = cache.gather(ids.to(dev) if k % 2 else ids.pin_memory())
+        want = g.gather(ids, *table, quant_block=qb, layout=layout)
+        torch.cuda.synchronize(dev)
+        m = cache.stats().fetched - before.fetched
+        misses.append(m)
+        whole += not decay
+        order = cache.policy._plan[2: 2 + m].cpu()
+        rp = ref.plan(ids, miss_order=order)
+        ref.finish(rp, replace=True)
+        gs, rs = cache.policy.state(), ref.state()
+        diff = [key for key in gs if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor)
+                                          else gs[key] == rs[key])]
+        exact = torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16).cpu(),
+                            want.reshape(-1, want.shape[-1]).view(torch.int16).cpu())
+        if not exact or diff or rp.num_miss != m:
+            return False, f"step {k}: rows exact {exact}, misses {m} vs {rp.num_miss}, state differs in {diff}", \
+                whole, misses
+    return True, "", whole, misses
+
+
+def check_uva_misses(dev: Any, record: Record) -> None:
+    """The whole step reading a share of its misses through UVA (``uva_share``) beside the
+    host gather: steps of more than ENGRAM_CACHE_UVA_MIN_MISSES misses from a pinned
+    table, split (scales pinned too) and hbm-scales, each step's rows bit-equal to the
+    plain host gather and the policy's state equal to the CPU reference's; a share of 1
+    (every miss through UVA) too; a share asked for on a table the GPU cannot read is
+    refused."""
+    from engram_trt import hostgather
+    from engram_trt.cache_kernels import UVA_MIN_MISSES
+    from engram_trt.cachepolicy import CachePolicy
+    from engram_trt.hotcache import HotRowCache
+
+    rng = np.random.default_rng(29)
+    N, D, QB = 400_000, 256, 32
+    _, _, rows_t, scales_t = fp8_table(rng, N, D, QB)
+    rows_p, scales_p = rows_t.pin_memory(), scales_t.pin_memory()
+    g = hostgather.HostGatherer(device=dev)
+    kw = dict(capacity_rows=5_000, max_step_rows=48_000, admit_budget=2_000, sample_factor=2, seed=4)
+    uniform = lambda: rng.integers(0, N, size=(2_000, 24)).astype(np.int32)  # noqa: E731
+    for (name, table, layout), share in itertools.product(
+            [("split", (rows_p, scales_p), "split"), ("hbm-scales", (rows_p, scales_t.to(dev)), "hbm-scales")],
+            (0.3, 1.0)):
+        cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, uva_share=share, uva_blocks=4, **kw)
+        ref = CachePolicy(N, kw["capacity_rows"], device="cpu", admit_budget=kw["admit_budget"],
+                          sample_factor=kw["sample_factor"], seed=kw["seed"])
+        ok, why, whole, misses = compare_steps(dev, cache, ref, g, table, layout, uniform, 4, QB)
+        ok = ok and whole == 4 and min(misses) >= UVA_MIN_MISSES and cache._whole_step.uva_share == share
+        record(f"whole step with {share:.0%} of its misses through UVA == host gather, state == CPU reference: {name}",
+               ok, why or f"misses per step {misses}")
+    try:
+        HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", uva_share=0.2, **kw)
+        said = ""
+    except Exception as exc:  # noqa: BLE001
+        said = str(exc)
+    plain = HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", **kw)
+    record("a UVA share on a table the GPU cannot read is refused; by default such a table gets none",
+           "the GPU cannot read the host table" in said and plain._whole_step.uva_share == 0.0, said[:100])
+    g.close()
+
+
 def check_whole_step(dev: Any, record: Record) -> None:
     """HotRowCache's whole step (``engram_cache_step``, one library call) on CUDA, step by
     step: the rows bit-equal to the plain host gather, and the policy's whole state equal
@@ -239,37 +316,21 @@ def check_whole_step(dev: Any, record: Record) -> None:
                ("hbm-scales fp8", (rows_t, scales_t.to(dev)), "hbm-scales"),
                ("bf16", (bf, None), "split")]
     kw = dict(capacity_rows=3_000, max_step_rows=30_000, admit_budget=1_000, sample_factor=2, decay_every=3, seed=9)
-    for name, table, layout in configs:
-        cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, admit_every=1, **kw)
+    for (name, table, layout), overlap in itertools.product(configs, (True, False)):
+        cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, admit_every=1, overlap=overlap, **kw)
+        if cache._whole_step.overlaps != overlap:
+            record(f"whole-step cache binds its overlap as asked: {name}, overlap {overlap}", False,
+                   f"overlaps {cache._whole_step.overlaps}")
+            continue
         ref = CachePolicy(N, kw["capacity_rows"], device="cpu", admit_budget=kw["admit_budget"],
                           sample_factor=kw["sample_factor"], decay_every=kw["decay_every"], seed=kw["seed"])
-        ok, why, whole = True, "", 0
-        for k in range(12):
-            sid = ((rng.zipf(1.2, size=(1_000, 24)) * 7919) % N).astype(np.int32)
-            sid[0, :3] = [-1, N, N + 7]
-            ids = torch.from_numpy(sid)
-            decay = cache.policy.decay_due()
-            before = cache.stats()
-            got = cache.gather(ids.to(dev) if k % 2 else ids.pin_memory())
-            want = g.gather(ids, *table, quant_block=QB, layout=layout)
-            torch.cuda.synchronize(dev)
-            m = cache.stats().fetched - before.fetched
-            whole += not decay
-            order = cache.policy._plan[2: 2 + m].cpu()
-            rp = ref.plan(ids, miss_order=order)
-            ref.finish(rp, replace=True)
-            gs, rs = cache.policy.state(), ref.state()
-            diff = [key for key in gs if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor)
-                                              else gs[key] == rs[key])]
-            exact = torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16).cpu(),
-                                want.reshape(-1, want.shape[-1]).view(torch.int16).cpu())
-            if not exact or diff or rp.num_miss != m:
-                ok, why = False, f"step {k}: rows exact {exact}, misses {m} vs {rp.num_miss}, state differs in {diff}"
-                break
+        zipf = lambda: ((rng.zipf(1.2, size=(1_000, 24)) * 7919) % N).astype(np.int32)  # noqa: E731
+        ok, why, whole, _ = compare_steps(dev, cache, ref, g, table, layout, zipf, 12, QB)
         cache.policy.check_invariants()
         s = cache.stats()
         ok = ok and s.evicted > 0 and whole >= 8
-        record(f"whole-step cache (engram_cache_step) == host gather, state == CPU reference: {name}", ok,
+        record(f"whole-step cache (engram_cache_step) == host gather, state == CPU reference: {name}, "
+               f"{'hits delivered during the fetch' if overlap else 'one delivery after the fetch'}", ok,
                why or f"{whole} whole steps of 12 (the others aged the counts), hit rate {s.hit_rate:.1%}, "
                       f"evicted {s.evicted}")
 
@@ -295,7 +356,89 @@ def check_whole_step(dev: Any, record: Record) -> None:
     record("a whole step whose delivery fails raises, admits nothing, restores the slot map; the next step is exact",
            bool(raised) and "engram_cache_step failed" in raised and restored and exact,
            f"raised {raised[:90]!r}, restored {restored}, exact {exact}")
+    # The same with hits in the step: the hits' call on the overlap's stream refuses out first.
+    try:
+        cache.gather(torch.from_numpy(sid), misaligned)
+        raised = ""
+    except Exception as exc:  # noqa: BLE001
+        raised = str(exc)
+    filled = cache.policy.filled
+    try:
+        cache.policy.check_invariants()
+        intact = True
+    except AssertionError:
+        intact = False
+    got = cache.gather(torch.from_numpy(sid))
+    torch.cuda.synchronize(dev)
+    exact = torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu())
+    record("a whole step with hits whose delivery fails (the overlap's call) raises and admits nothing; next exact",
+           "engram_gather_part" in raised and filled == 2_000 and intact and exact,
+           f"raised {raised[:110]!r}, filled {filled}, invariants {intact}, exact {exact}")
+    # An empty step (0 lookups) and a step of out-of-range ids alone, in one call each.
+    empty = cache.gather(torch.empty((0, 24), dtype=torch.int32))
+    bad = cache.gather(torch.full((4, 24), -5, dtype=torch.int32))
+    torch.cuda.synchronize(dev)
+    record("a whole step of 0 lookups, and one of out-of-range ids alone (zero rows)",
+           tuple(empty.shape) == (0, 24, D) and not bool(bad.ne(0).any()),
+           f"shapes {tuple(empty.shape)} / {tuple(bad.shape)}")
+    cache._whole_step.close()
+    try:
+        cache.gather(torch.from_numpy(sid))
+        closed = ""
+    except Exception as exc:  # noqa: BLE001
+        closed = str(exc)
+    record("a closed step call refuses the next step", "was closed" in closed, closed[:90])
     g.close()
+
+
+def check_gather_part(dev: Any, record: Record) -> None:
+    """``kernels.gather(keep_outside=True)`` (``engram_gather_part``): two gathers with
+    disjoint row slices of one table fill one output bit-equal to a single gather, rows
+    outside a slice keep the sentinel they held, ids outside the table stay untouched by
+    both; ``max_blocks`` 1 and 5 equal a full wave, from device memory and through UVA."""
+    import torch
+
+    from engram_trt import kernels
+
+    rng = np.random.default_rng(23)
+    N, D, QB = 50_000, 256, 32
+    _, _, rows_t, scales_t = fp8_table(rng, N, D, QB)
+    bf = torch.randn(N, 128, dtype=torch.bfloat16)
+    ids = torch.from_numpy(rng.integers(-3, N + 3, size=(3_000, 24)).astype(np.int32)).to(dev)
+    cut = 20_011
+    for name, rows, scales in (("fp8", rows_t, scales_t), ("bf16", bf, None)):
+        d_rows, d_scales = rows.to(dev), None if scales is None else scales.to(dev)
+        want = kernels.gather(ids, d_rows, d_scales, quant_block=QB)
+        sentinel = torch.full_like(want, 7.0)
+        out = sentinel.clone()
+        kernels.gather(ids, d_rows[:cut], None if d_scales is None else d_scales[:cut], quant_block=QB, out=out,
+                       keep_outside=True)
+        first = out.clone()
+        kernels.gather(ids, d_rows[cut:], None if d_scales is None else d_scales[cut:], quant_block=QB, out=out,
+                       keep_outside=True, row_offset=cut)
+        torch.cuda.synchronize(dev)
+        inside = (ids >= 0) & (ids < N)
+        low = (ids >= 0) & (ids < cut)
+        v = lambda t: t.view(torch.int16)  # noqa: E731
+        ok_first = torch.equal(v(first[low]), v(want[low])) and torch.equal(v(first[~low]), v(sentinel[~low]))
+        ok_both = torch.equal(v(out[inside]), v(want[inside])) and torch.equal(v(out[~inside]), v(sentinel[~inside]))
+        capped = [kernels.gather(ids, src_rows, src_scales, quant_block=QB, max_blocks=b)
+                  for b in (1, 5) for src_rows, src_scales in ((d_rows, d_scales), (rows.pin_memory(), None
+                                                               if scales is None else scales.pin_memory()))]
+        torch.cuda.synchronize(dev)
+        ok_capped = all(torch.equal(v(c), v(want)) for c in capped)
+        record(f"engram_gather_part: two slices == one gather, outside rows untouched, capped grids exact: {name}",
+               ok_first and ok_both and ok_capped,
+               f"first slice {ok_first}, both {ok_both}, max_blocks 1/5 (HBM, UVA) {ok_capped}")
+    for kwargs, words in (({"keep_outside": True}, "pass the out tensor"),
+                          ({"max_blocks": -1}, "max_blocks must be an integer >= 0"),
+                          ({"max_blocks": 2, "bad_rows": kernels.new_bad_row_counter(dev)}, "count no bad rows")):
+        try:
+            kernels.gather(ids, rows_t.to(dev), scales_t.to(dev), quant_block=QB, **kwargs)
+            said = ""
+        except Exception as exc:  # noqa: BLE001
+            said = str(exc)
+        record(f"kernels.gather refuses {sorted(kwargs)} as documented", words in said, said[:90])
 
 
 def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows: int = 4096) -> tuple[Any, Any, str]:
@@ -488,6 +631,8 @@ def run(dev: Any, record: Record, timings: dict[str, float]) -> None:
     compare_policies(dev, record)
     check_cache_data(dev, record)
     check_whole_step(dev, record)
+    check_gather_part(dev, record)
+    check_uva_misses(dev, record)
     check_hbm_scales_streams(dev, record)
     time_plans(dev, timings)
     time_fetch(dev, timings)

@@ -11,6 +11,7 @@ step's state is compared with this reference given the kernels' miss order.
 from __future__ import annotations
 
 import ctypes
+import re
 from pathlib import Path
 from typing import Any
 
@@ -410,6 +411,9 @@ def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plu
     assert step(ids_host=64)[1] == "engram_cache_step: ids_host needs ids_staging (device, max_ids int32)"
     assert step(gatherer=None)[1] == "engram_cache_step: the gatherer and the work table are required"
     assert step(work_rows=None)[1] == "engram_cache_step: the gatherer and the work table are required"
+    for share in (1.5, -0.1, float("nan")):
+        assert step(uva_share=share)[1].startswith("engram_cache_step: uva_share must be in [0, 1] and uva_blocks >= 0")
+    assert step(uva_blocks=-1)[1] == "engram_cache_step: uva_share must be in [0, 1] and uva_blocks >= 0 (got 0, -1)"
     # past its own checks the step's first call is engram_cache_plan, which checks its own
     assert step(table_num_rows=0)[1].startswith("engram_cache_plan: table_num_rows must be in [1, 2^31 - 2]")
     assert lib.engram_cache_step(None, None, None) == 1
@@ -479,3 +483,24 @@ def test_bound_cache_calls_check_their_buffers_once_and_name_the_bad_one() -> No
     assert key != cache_kernels.table_key(rows[:4], None)  # another size: bound anew
     assert key != cache_kernels.table_key(rows[1:], None)  # another start
     assert key != cache_kernels.table_key(rows.view(torch.int8), None)  # another dtype
+
+
+def test_the_uva_share_a_step_call_binds(plugin_lib: Path) -> None:
+    """StepCall's uva_share: the default only where it can run (an overlap, rows in an
+    array of their own, a host table the GPU can read), an explicit share refused where
+    it cannot, with the reason; bad numbers refused."""
+    import torch
+
+    from engram_trt import cache_kernels as ck
+
+    rows, scales = torch.zeros(64, 256, dtype=torch.uint8), torch.zeros(64, 8, dtype=torch.uint8)
+    assert ck._uva_share_for(None, 8, True, rows, scales, "split") == 0.0  # plain memory: no UVA by default
+    assert ck._uva_share_for(0.0, 8, True, rows, scales, "split") == 0.0
+    for args, words in (((0.2, 8, True, rows, scales, "split"), "the GPU cannot read the host table: pin it"),
+                        ((0.2, 8, False, rows, scales, "split"), "it needs the overlap (overlap=True)"),
+                        ((0.2, 8, True, rows, None, "inline"), "layout 'inline' keeps rows and scales in one array"),
+                        ((1.5, 8, True, rows, scales, "split"), "uva_share must be a number in [0, 1]; got 1.5"),
+                        ((0.2, -1, True, rows, scales, "split"), "uva_blocks must be an integer >= 0")):
+        with pytest.raises(EngramError, match=re.escape(words)):
+            ck._uva_share_for(*args)
+    assert ck.UVA_MIN_MISSES == 8192 and 0.0 < ck.DEFAULT_UVA_SHARE <= 1.0

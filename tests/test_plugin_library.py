@@ -886,6 +886,96 @@ def test_gather_ex_abi_checks_the_row_offset(plugin_lib: Path) -> None:
         1, "engram_gather_ex: table rows must be a 16-byte aligned pointer")
 
 
+def test_gather_part_abi_refusals(plugin_lib: Path) -> None:
+    """engram_gather_part (a gather of part of the output, or on part of the GPU) refuses
+    on the host, naming itself: no ids (the identity gather writes every row), a
+    keep_outside other than 0 / 1, a negative max_blocks; then engram_gather_ex's own
+    checks under its name; valid arguments with no token launch nothing."""
+    import ctypes
+
+    lib = kernels.load_library()
+    p = ctypes.c_void_p(256)  # never read: the calls fail on their arguments first, or launch nothing
+
+    def part(ids=p, keep: int = 1, blocks: int = 0, T: int = 1, rows=p, offset: int = 0) -> tuple[int, str]:
+        status = lib.engram_gather_part(ids, T, 4, 8, rows, p, 100, offset, 64, kernels.TABLE_FP8_E4M3, 32, keep,
+                                        blocks, p, None)
+        return status, lib.engram_last_error().decode()
+
+    fn = "engram_gather_part"
+    assert part(ids=None) == (1, f"{fn}: ids are required (the identity gather writes every row: use engram_gather)")
+    assert part(keep=2) == (1, f"{fn}: keep_outside must be 0 or 1, got 2")
+    assert part(blocks=-1) == (1, f"{fn}: max_blocks must be >= 0 (0: one full wave), got -1")
+    assert part(offset=-1) == (1, f"{fn}: row_offset must be in [0, 2^31 - 1] (row ids are int32), got -1")
+    assert part(rows=ctypes.c_void_p(264)) == (1, f"{fn}: table rows must be a 16-byte aligned pointer")
+    assert part(T=0, keep=0, blocks=3) == (0, "") and part(T=0) == (0, "")
+
+
+def test_gather_raw_abi_refusals(plugin_lib: Path) -> None:
+    """engram_gather_raw (raw rows, no dequant, e.g. a cache's misses through UVA) names
+    a bad count, row width, grid cap or missing pointer on the host; 0 rows launch
+    nothing, with no pointer read."""
+    import ctypes
+
+    lib = kernels.load_library()
+    p, q = ctypes.c_void_p(256), ctypes.c_void_p(264)
+
+    def raw(count: int = 3, rows=p, row_bytes: int = 256, scale_bytes: int = 8, scales=p, dst=p, dst_scales=p,
+            blocks: int = 0, ids=p) -> tuple[int, str]:
+        status = lib.engram_gather_raw(ids, count, rows, scales, 100, row_bytes, scale_bytes, dst, dst_scales, blocks,
+                                       None)
+        return status, lib.engram_last_error().decode()
+
+    fn = "engram_gather_raw"
+    shape = (f"{fn}: need count >= 0, table_num_rows >= 0, row_bytes a positive multiple of 16, scale_bytes >= 0, "
+             f"max_blocks >= 0")
+    assert raw(count=-1) == (1, f"{shape} (got -1, 100, 256, 8, 0)")
+    assert raw(row_bytes=264) == (1, f"{shape} (got 3, 100, 264, 8, 0)")
+    assert raw(blocks=-2) == (1, f"{shape} (got 3, 100, 256, 8, -2)")
+    need = f"{fn}: ids (4-byte aligned) and the table's and dst's rows (16-byte aligned) are required"
+    assert raw(ids=None) == (1, need) and raw(rows=q) == (1, need) and raw(dst=None) == (1, need)
+    assert raw(scales=None) == (1, f"{fn}: scale_bytes 8 needs table_scales and dst_scales")
+    assert raw(count=0, ids=None, rows=None, dst=None) == (0, "")
+
+
+def test_gather_binding_refuses_partial_gathers_it_cannot_honour() -> None:
+    """kernels.gather(keep_outside=, max_blocks=) name what is wrong before any device
+    check: keep_outside without the out it leaves rows in, a bad grid cap, a bad-row
+    counter (engram_gather_part counts nothing)."""
+    import torch
+
+    ids, table = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.bfloat16)
+    with pytest.raises(EngramError, match="^keep_outside leaves rows of out as they are: pass the out tensor"):
+        kernels.gather(ids, table, keep_outside=True)
+    for blocks in (-1, 1.5, None):
+        with pytest.raises(EngramError, match=r"^max_blocks must be an integer >= 0 \(0: one full wave of blocks\)"):
+            kernels.gather(ids, table, max_blocks=blocks)
+    with pytest.raises(EngramError, match="^keep_outside / max_blocks count no bad rows: pass bad_rows=None"):
+        kernels.gather(ids, table, max_blocks=4, bad_rows=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # valid: on to the device check
+        kernels.gather(ids, table, keep_outside=True, out=torch.empty(2, 3, 64, dtype=torch.bfloat16), max_blocks=2)
+
+
+def test_cache_overlap_abi(plugin_lib: Path) -> None:
+    """engram_cache_overlap_create needs its output; destroying NULL is a no-op; on a
+    machine without a usable GPU creation fails with the CUDA reason, leaving NULL."""
+    import ctypes
+
+    from engram_trt import cache_kernels
+
+    lib = cache_kernels._library()
+    assert lib.engram_cache_overlap_create(None) == 1
+    assert lib.engram_last_error().decode() == "engram_cache_overlap_create: overlap (the output) is required"
+    assert lib.engram_cache_overlap_destroy(None) == 0
+    handle = ctypes.c_void_p(1234)
+    status = lib.engram_cache_overlap_create(ctypes.byref(handle))
+    if status == 0:  # a GPU is here: a real overlap, released again
+        assert handle.value and lib.engram_cache_overlap_destroy(handle) == 0
+    else:
+        assert handle.value is None
+        assert lib.engram_last_error().decode().startswith(
+            "engram_cache_overlap_create: creating its stream and event failed (cacheStep.cpp:")
+
+
 def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
     """kernels.gather(columns=, row_offset=) name a bad range or offset before any device
     check (so they fail the same with or without a GPU)."""

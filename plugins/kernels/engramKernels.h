@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.10.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.11.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -188,6 +188,37 @@ ENGRAM_API int engram_gather(const int32_t* ids, int64_t num_tokens, int32_t num
 ENGRAM_API int engram_gather_ex(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
     const void* table_rows, const void* table_scales, int64_t table_num_rows, int64_t row_offset, int32_t head_dim,
     int32_t table_dtype, int32_t quant_block, void* out, int64_t* bad_rows, cudaStream_t stream);
+
+/*
+ * engram_gather_ex for part of the output or on part of the GPU; nothing is counted.
+ * keep_outside 1: only the output rows whose id falls in the slice [row_offset,
+ * row_offset + table_num_rows) are written, every other row of out is left as it was
+ * (0: zero rows there, as engram_gather_ex). Two such calls over one id list, with
+ * disjoint slices that cover every id, write each output row once, and they may run on
+ * two streams: the hot-row cache delivers its hits (the cache's slots) while its misses
+ * (the miss area after them) are still being fetched.
+ * max_blocks > 0 caps the grid below one full wave (0: the wave): a gather of host rows
+ * through UVA is bound by the host's address translations, not by the multiprocessors,
+ * so a few of them may keep as many reads in flight while the rest stay free for other
+ * work (a host gather's dequant kernels, the layers before an Engram layer).
+ * ids are required.
+ */
+ENGRAM_API int engram_gather_part(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
+    const void* table_rows, const void* table_scales, int64_t table_num_rows, int64_t row_offset, int32_t head_dim,
+    int32_t table_dtype, int32_t quant_block, int32_t keep_outside, int32_t max_blocks, void* out, cudaStream_t stream);
+
+/*
+ * Raw rows, no dequant: dst_rows row i = table_rows row ids[i] (row_bytes, a multiple of
+ * 16; rows and dst 16-byte aligned) and, with scale_bytes > 0, dst_scales row i =
+ * table_scales row ids[i]; an id outside [0, table_num_rows) gives a zero row and scale
+ * bytes 127 (2^0), as the host gather stages it. The table in device memory or in pinned
+ * / registered host memory (UVA); ids and dst on the device. max_blocks as in
+ * engram_gather_part. The hot-row cache reads a share of a step's misses this way, beside
+ * the host gather (engram_cache_step's uva_share).
+ */
+ENGRAM_API int engram_gather_raw(const int32_t* ids, int64_t count, const void* table_rows, const void* table_scales,
+    int64_t table_num_rows, int64_t row_bytes, int32_t scale_bytes, void* dst_rows, void* dst_scales,
+    int32_t max_blocks, cudaStream_t stream);
 
 /* The table-format checks engram_gather makes (head_dim, dtype, quant_block), alone. */
 ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, int32_t quant_block);
@@ -581,7 +612,20 @@ ENGRAM_API int engram_cache_admission(int64_t num_miss, int64_t filled, int64_t 
  * A failed fetch or delivery ends the step with an admission of nothing (the slot map
  * restored; `aborted` set) and returns the failure, its reason in engram_last_error().
  * Returns hits (distinct cached rows looked up), num_miss and num_free (misses admitted
- * into free slots; replacements are counted in *replaced on the device). */
+ * into free slots; replacements are counted in *replaced on the device).
+ * With an overlap (engram_cache_overlap_create), a step with both hits and misses
+ * delivers in two engram_gather_part calls: the lookups of cached rows on the overlap's
+ * stream, launched before the fetch so the GPU copies them while the host gathers the
+ * misses, then the misses' lookups on `stream` after the fetch; `stream` waits for the
+ * first before the admission (which moves work-table rows) and before the call returns.
+ * `out` holds the same bytes either way.
+ * With an overlap and uva_share in (0, 1], a step of at least ENGRAM_CACHE_UVA_MIN_MISSES
+ * misses in the split or hbm-scales layout reads the first floor(uva_share * num_miss)
+ * of them with engram_gather_raw on the overlap's stream (rows_host must then be pinned
+ * or registered: the GPU reads it) while the host gather fetches the rest; the misses'
+ * delivery waits for both. uva_share 0: the host gather fetches every miss. */
+#define ENGRAM_CACHE_UVA_MIN_MISSES 8192
+typedef struct EngramCacheOverlap EngramCacheOverlap;
 typedef struct EngramCacheStepArgs
 {
     /* the cache, bound once */
@@ -610,8 +654,11 @@ typedef struct EngramCacheStepArgs
     int32_t table_layout;
     EngramHostGatherer* gatherer;
     const void* rows_host;
-    const void* scales; /* host (split), NULL (inline) or device (hbm_scales) */
-    int64_t* replaced;  /* device, or NULL */
+    const void* scales;          /* host (split), NULL (inline) or device (hbm_scales) */
+    int64_t* replaced;           /* device, or NULL */
+    EngramCacheOverlap* overlap; /* NULL: the delivery as one gather after the fetch */
+    float uva_share;             /* with an overlap: the share of a large step's misses read through UVA */
+    int32_t uva_blocks;          /* that read's grid cap (engram_gather_raw's max_blocks) */
     /* the step */
     const int32_t* ids;      /* device [num_ids]; or NULL with ids_host */
     const int32_t* ids_host; /* NULL, or host [num_ids] (pinned: the copy is asynchronous) */
@@ -635,6 +682,12 @@ typedef struct EngramCacheStepResult
 } EngramCacheStepResult;
 
 ENGRAM_API int engram_cache_step(const EngramCacheStepArgs* args, EngramCacheStepResult* result, cudaStream_t stream);
+
+/* A cache step's overlap: a stream of its own (non-blocking) and an event (no timing),
+ * made on the current device, which must be the cache's. One overlap serves one cache
+ * (its steps are never concurrent); destroy it after the cache's last step. */
+ENGRAM_API int engram_cache_overlap_create(EngramCacheOverlap** overlap);
+ENGRAM_API int engram_cache_overlap_destroy(EngramCacheOverlap* overlap);
 
 /* sizeof the three structs above, for bindings that mirror them (ctypes). */
 ENGRAM_API int engram_cache_step_sizes(int64_t* args_bytes, int64_t* result_bytes, int64_t* admission_bytes);

@@ -83,10 +83,12 @@ int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64
 //! badRowsAddr (a device int64 holding such a counter's address, 0 = none) counts the
 //! rows that read nothing; both default to no count. rowOffset (checked by the caller:
 //! [0, 2^31 - 1], and 0 when ids is NULL) is the global id of the table's first row.
+//! keepOutside: an output row whose id is outside the table is not written (and not
+//! counted). maxBlocks > 0 caps the grid below its one wave.
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows = nullptr,
-    int64_t const* badRowsAddr = nullptr, int64_t rowOffset = 0);
+    int64_t const* badRowsAddr = nullptr, int64_t rowOffset = 0, bool keepOutside = false, int32_t maxBlocks = 0);
 
 //! The host gather's dequant for a table whose scale bytes live in device memory
 //! (ENGRAM_LAYOUT_HBM_SCALES): staged holds `count` fp8 rows of headDim bytes, flat rows
@@ -104,6 +106,12 @@ int launchDequantStaged(uint8_t const* staged, int32_t const* idsDev, int64_t fi
 //! for r in [0, count), byte 127 (2^0) for an id outside [0, tableNumRows) (a zero row).
 int launchGatherScaleBytes(int32_t const* idsDev, int64_t count, uint8_t const* scales, int64_t tableNumRows,
     int32_t scaleBytes, uint8_t* dst, cudaStream_t stream);
+
+//! The raw row gather (rawGatherKernel.cu): dst row r = rows[ids[r]] (rowBytes, a multiple
+//! of 16, 16-byte aligned rows and dst), a zero row for an id outside [0, tableNumRows);
+//! maxBlocks > 0 caps the grid below one wave.
+int launchGatherRawRows(int32_t const* ids, int64_t count, void const* rows, int64_t tableNumRows, int64_t rowBytes,
+    void* dst, int32_t maxBlocks, cudaStream_t stream);
 
 //! Load the gather kernel's variants (the host gather's dequant and scale-byte gather
 //! among them) and the hash kernel on the current device now. With lazy loading (CUDA's

@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * The gather's C ABI entry points (engramKernels.h): the argument checks shared by the
- * device, indirect and host gathers, and engram_gather[_indirect][_ex], in the style of
+ * device, indirect and host gathers, and engram_gather[_indirect][_ex] and engram_gather_part, in the style of
  * kernelApi.cpp; the kernel and its launch are in gatherKernel.cu.
  */
 #include "engramKernels.h"
@@ -86,7 +86,8 @@ int checkRowOffset(char const* fn, int32_t const* ids, int64_t rowOffset)
 
 int gatherDirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
     void const* tableRows, void const* tableScales, int64_t tableNumRows, int64_t rowOffset, int32_t headDim,
-    int32_t tableDtype, int32_t quantBlock, void* out, int64_t* badRows, cudaStream_t stream)
+    int32_t tableDtype, int32_t quantBlock, void* out, int64_t* badRows, cudaStream_t stream, bool keepOutside = false,
+    int32_t maxBlocks = 0)
 {
     int64_t rowBytes = 0;
     int64_t scaleBytes = 0;
@@ -115,7 +116,7 @@ int gatherDirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_t 
         return fail(cudaErrorInvalidValue, "%s: bad_rows must be an 8-byte aligned device pointer", fn);
     }
     return launchGather(ids, numTokens, numCols, idTokenStride, tableRows, tableScales, nullptr, nullptr, tableNumRows,
-        headDim, tableDtype, quantBlock, out, stream, badRows, nullptr, rowOffset);
+        headDim, tableDtype, quantBlock, out, stream, badRows, nullptr, rowOffset, keepOutside, maxBlocks);
 }
 
 int gatherIndirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
@@ -167,6 +168,76 @@ extern "C" ENGRAM_API int engram_gather_ex(int32_t const* ids, int64_t numTokens
             tableNumRows, rowOffset, headDim, tableDtype, quantBlock, out, badRows, stream);
     }
     ENGRAM_ABI_CATCH("engram_gather_ex")
+}
+
+extern "C" ENGRAM_API int engram_gather_part(int32_t const* ids, int64_t numTokens, int32_t numCols,
+    int64_t idTokenStride, void const* tableRows, void const* tableScales, int64_t tableNumRows, int64_t rowOffset,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, int32_t keepOutside, int32_t maxBlocks, void* out,
+    cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        if (ids == nullptr)
+        {
+            return fail(cudaErrorInvalidValue,
+                "engram_gather_part: ids are required (the identity gather writes every row: use engram_gather)");
+        }
+        if (keepOutside != 0 && keepOutside != 1)
+        {
+            return fail(cudaErrorInvalidValue, "engram_gather_part: keep_outside must be 0 or 1, got %d", keepOutside);
+        }
+        if (maxBlocks < 0)
+        {
+            return fail(cudaErrorInvalidValue, "engram_gather_part: max_blocks must be >= 0 (0: one full wave), got %d",
+                maxBlocks);
+        }
+        return gatherDirect("engram_gather_part", ids, numTokens, numCols, idTokenStride, tableRows, tableScales,
+            tableNumRows, rowOffset, headDim, tableDtype, quantBlock, out, nullptr, stream, keepOutside != 0,
+            maxBlocks);
+    }
+    ENGRAM_ABI_CATCH("engram_gather_part")
+}
+
+extern "C" ENGRAM_API int engram_gather_raw(int32_t const* ids, int64_t count, void const* tableRows,
+    void const* tableScales, int64_t tableNumRows, int64_t rowBytes, int32_t scaleBytes, void* dstRows, void* dstScales,
+    int32_t maxBlocks, cudaStream_t stream)
+{
+    clearError();
+    ENGRAM_ABI_TRY
+    {
+        char const* fn = "engram_gather_raw";
+        if (count < 0 || tableNumRows < 0 || rowBytes < 16 || rowBytes % 16 != 0 || scaleBytes < 0 || maxBlocks < 0)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: need count >= 0, table_num_rows >= 0, row_bytes a positive multiple of 16, scale_bytes >= 0, "
+                "max_blocks >= 0 (got %lld, %lld, %lld, %d, %d)",
+                fn, ll(count), ll(tableNumRows), ll(rowBytes), scaleBytes, maxBlocks);
+        }
+        if (count == 0)
+        {
+            return 0;
+        }
+        if (ids == nullptr || !isAligned(ids, 4) || tableRows == nullptr || !isAligned(tableRows, 16)
+            || dstRows == nullptr || !isAligned(dstRows, 16))
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: ids (4-byte aligned) and the table's and dst's rows (16-byte aligned) are required", fn);
+        }
+        if (scaleBytes > 0 && (tableScales == nullptr || dstScales == nullptr))
+        {
+            return fail(cudaErrorInvalidValue, "%s: scale_bytes %d needs table_scales and dst_scales", fn, scaleBytes);
+        }
+        if (int const launched
+            = launchGatherRawRows(ids, count, tableRows, tableNumRows, rowBytes, dstRows, maxBlocks, stream))
+        {
+            return launched;
+        }
+        return scaleBytes > 0 ? launchGatherScaleBytes(ids, count, static_cast<uint8_t const*>(tableScales),
+                                    tableNumRows, scaleBytes, static_cast<uint8_t*>(dstScales), stream)
+                              : 0;
+    }
+    ENGRAM_ABI_CATCH("engram_gather_raw")
 }
 
 extern "C" ENGRAM_API int engram_gather_check_table(int32_t headDim, int32_t tableDtype, int32_t quantBlock)

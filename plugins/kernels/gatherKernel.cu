@@ -23,6 +23,12 @@
  * 1 to it (one atomic per warp), so a runtime can tell a forgotten binding from a real
  * table.
  *
+ * A partial gather (engram_gather_part) leaves the output rows whose id falls outside
+ * the table as they are instead of zeroing them: two calls over one id list, each with
+ * its own row range, then write every row once (the hot-row cache delivers its hits
+ * while the misses are still being fetched). Its grid may be capped, so a gather of
+ * host rows through UVA can share the GPU with other work.
+ *
  * Row slices: a tensor-parallel rank holds rows [row_offset, row_offset + num_rows) of a
  * layer's table and passes that slice (its first row at table_rows) with the global ids.
  * The id's table row is computed in 32 bits, uint32(id) - row_offset: an id below
@@ -74,6 +80,7 @@ struct GatherParams
     int32_t scalesPerRow;  // head_dim / quant_block (fp8)
     int32_t quantBlock;
     uint32_t rowOffset; // global id of the table's first row (with ids; the launch caps tableNumRows at 2^31 - it)
+    bool keepOutside;   // an output row whose id is outside the table is left as it is (no store, no count)
 };
 
 __device__ __forceinline__ float ue8m0ToFloat(uint32_t b)
@@ -195,6 +202,10 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
                             scaleByte[k] = scales[id * p.scalesPerRow + (j * 16) / p.quantBlock];
                         }
                     }
+                }
+                else if (p.keepOutside)
+                {
+                    outRow[k] = -1; // another call writes this row (engram_gather_part)
                 }
                 else if (kCount && j == 0)
                 {
@@ -467,7 +478,7 @@ int preloadGatherKernels()
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows,
-    int64_t const* badRowsAddr, int64_t rowOffset)
+    int64_t const* badRowsAddr, int64_t rowOffset, bool keepOutside, int32_t maxBlocks)
 {
     bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
     GatherParams p{};
@@ -491,6 +502,7 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     p.vectorsPerRow = static_cast<int32_t>(p.rowBytes / 16);
     p.scalesPerRow = fp8 ? headDim / quantBlock : 0;
     p.quantBlock = fp8 ? quantBlock : 1;
+    p.keepOutside = keepOutside;
     if (p.numRowsOut == 0)
     {
         return 0;
@@ -502,7 +514,8 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     bool const count = badRows != nullptr || badRowsAddr != nullptr;
     bool const rowScales = fp8 && (32 % p.vectorsPerRow) == 0;
     int const variant = (fp8 ? 4 : 0) + (count ? 2 : 0) + (rowScales ? 1 : 0);
-    int64_t const cap = static_cast<int64_t>(std::max(1, smCount())) * gatherBlocksPerSm(variant);
+    int64_t const wave = static_cast<int64_t>(std::max(1, smCount())) * gatherBlocksPerSm(variant);
+    int64_t const cap = maxBlocks > 0 ? std::min<int64_t>(wave, maxBlocks) : wave;
     unsigned const blocks = static_cast<unsigned>(std::min(wanted, cap));
     resetLaunchError();
     kLaunchers[variant](blocks, stream, p);

@@ -41,7 +41,7 @@ class _StepArgs(ctypes.Structure):
                 ("work_scales", _vp), ("work_num_rows", _i64), ("row_bytes", _i64), ("scale_bytes", _i64),
                 ("miss_base", _i64), ("head_dim", _i32), ("table_dtype", _i32), ("quant_block", _i32),
                 ("table_layout", _i32), ("gatherer", _vp), ("rows_host", _vp), ("scales", _vp), ("replaced", _vp),
-                ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64),
+                ("overlap", _vp), ("uva_share", ctypes.c_float), ("uva_blocks", _i32), ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64),
                 ("deliver_cols", _i32), ("out", _vp),
                 ("host_ids", _i64), ("filled", _i64), ("replace", _i32), ("step", _i64)]
 
@@ -59,6 +59,8 @@ _SIGS = {
     "engram_cache_admission": [_i64, _i64, _i64, _i64, _i32, _i32, _u64, _i64, ctypes.POINTER(_Admission)],
     "engram_cache_step": [ctypes.POINTER(_StepArgs), ctypes.POINTER(_StepResult), _vp],
     "engram_cache_step_sizes": [ctypes.POINTER(_i64), ctypes.POINTER(_i64), ctypes.POINTER(_i64)],
+    "engram_cache_overlap_create": [ctypes.POINTER(_vp)],
+    "engram_cache_overlap_destroy": [_vp],
 }
 _ENTRY = EntryPoints(_SIGS)
 _library = _ENTRY.library
@@ -270,6 +272,40 @@ def _check_struct_sizes() -> None:
                           f"bindings' {mine}: the package and libengram_trt_plugins.so are of different versions")
 
 
+# A share of a large step's misses read through UVA beside the host gather (StepCall), and
+# that read's grid: measured on the H200 VM (docs/benchmarks.md, "a share of the misses
+# through UVA"); UVA_MIN_MISSES is the library's ENGRAM_CACHE_UVA_MIN_MISSES.
+DEFAULT_UVA_SHARE = 0.15
+DEFAULT_UVA_BLOCKS = 16
+UVA_MIN_MISSES = 8192
+
+
+def _uva_share_for(share: float | None, blocks: int, overlap: bool, rows_host: Any, scales: Any, layout: str) -> float:
+    """The UVA share a step call binds: ``share`` checked, or the default where it can run."""
+    from engram_trt.kernels import pointer_kind
+
+    if type(blocks) is not int or blocks < 0:
+        raise EngramError(f"uva_blocks must be an integer >= 0 (0: one full wave); got {blocks!r}")
+    if share is not None and not (isinstance(share, (int, float)) and 0.0 <= share <= 1.0):
+        raise EngramError(f"uva_share must be a number in [0, 1]; got {share!r}")
+    if share == 0:
+        return 0.0
+    tables = [rows_host] + ([scales] if layout == "split" else [])
+    try:
+        readable = all(t.device.type == "cpu" and pointer_kind(t) == "host" for t in tables)
+    except EngramError:  # no CUDA driver to ask: nothing the GPU could read either
+        readable = False
+    why = ("it needs the overlap (overlap=True)" if not overlap else
+           f"layout {layout!r} keeps rows and scales in one array" if layout not in ("split", "hbm-scales") else
+           "the GPU cannot read the host table: pin it or register it (kernels.register_host_memory)"
+           if not readable else "")
+    if share is None:
+        return 0.0 if why else DEFAULT_UVA_SHARE
+    if why:
+        raise EngramError(f"uva_share={share} reads misses through UVA, but {why}")
+    return float(share)
+
+
 class StepCall:
     """A hot-row cache's whole step in one library call (``engram_cache_step``): plan,
     wake, wait, fetch, delivery and admission, bound to one cache's policy buffers, work
@@ -282,11 +318,31 @@ class StepCall:
     Why: the same calls made from Python (:class:`PlanCall`, the host gather,
     :class:`DeliverCall`, :class:`AdmitCall`) spend ~150 us of interpreter time between
     them on the H200 VM, with the GPU idle: more than the GPU work of the plan, the
-    delivery and the admission together (``bench cache --host-trace``)."""
+    delivery and the admission together (``bench cache --host-trace``).
+
+    ``overlap`` (default): the library's overlap stream and event for this cache
+    (``engram_cache_overlap_create``), so a step delivers the lookups of cached rows
+    while the host gathers the misses, and the misses' lookups after the fetch. Why: on
+    the H200 VM a prefill chunk's delivery is ~45 us of GPU work that waited for a
+    fetch of ~300 us in which the GPU only copies; ~80% of it is the hits'. False: the
+    whole delivery after the fetch (A/B runs). Close the call (:meth:`close`) after the
+    cache's last step; the overlap is released with it.
+
+    ``uva_share`` (with the overlap; split and hbm-scales layouts): the share of a step's
+    misses, once there are at least ``UVA_MIN_MISSES``, that the GPU reads itself through
+    UVA on ``uva_blocks`` blocks while the host gather fetches the rest. Why: the host
+    gather is bound by its threads' random reads, the GPU's reads of host memory by the
+    host's address translations, two different limits (``bench gather --paths split``:
+    a 196,608-row lookup 6-20% faster with 15-20% of it through UVA on 8 blocks; a cache
+    step 0-9% faster with 15% of its misses on 16 blocks, 20-27% slower with 30%). None:
+    ``DEFAULT_UVA_SHARE`` where the GPU can read the host table (pinned or registered),
+    else 0; a share asked for explicitly on a table the GPU cannot read is refused."""
 
     def __init__(self, *, policy: Any, work_rows: Any, work_scales: Any, miss_base: int, gatherer: Any,
-                 rows_host: Any, scales: Any, quant_block: int, layout: str) -> None:
+                 rows_host: Any, scales: Any, quant_block: int, layout: str, overlap: bool = True,
+                 uva_share: float | None = None, uva_blocks: int = DEFAULT_UVA_BLOCKS) -> None:
         _check_struct_sizes()
+        self.uva_share = _uva_share_for(uva_share, uva_blocks, overlap, rows_host, scales, layout)
         dtype, num_rows, head_dim, layout_code = gatherer._check_host_table(rows_host, scales, quant_block, layout)
         if num_rows != policy.table_rows:
             raise EngramError(f"the host table has {num_rows} rows, the cache's policy {policy.table_rows}")
@@ -311,8 +367,38 @@ class StepCall:
         a.scales = scales.data_ptr() if scales is not None else None
         a.replaced = policy._replaced.data_ptr()
         a.ids_staging = policy._ids.data_ptr()
+        self._overlap: int | None = None
+        self._closed = False
+        if overlap:
+            handle = ctypes.c_void_p()
+            with _device_guard(self.device.index):  # the overlap's stream lives on the cache's device
+                _call("engram_cache_overlap_create", ctypes.byref(handle))
+            self._overlap = a.overlap = handle.value
+        a.uva_share, a.uva_blocks = self.uva_share, int(uva_blocks)
         self._result = _StepResult()
         self._refs = (ctypes.byref(self._args), ctypes.byref(self._result))
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps deliver their hits during the fetch (the overlap is bound)."""
+        return self._overlap is not None
+
+    def close(self) -> None:
+        """Release the overlap's stream and event (idempotent); a later step raises."""
+        handle, self._overlap = self._overlap, None
+        self._args.overlap = None
+        self._closed = True
+        if handle is not None:
+            with _device_guard(self.device.index):
+                _call("engram_cache_overlap_destroy", handle)
+
+    def __del__(self) -> None:
+        if not hasattr(self, "_closed"):  # __init__ failed before the overlap
+            return
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown or a dead device: nothing left to order
+            pass
 
     def __call__(self, ids: Any, tokens: int, cols: int, out: Any, *, host_ids: int, filled: int, replace: bool,
                  step: int) -> tuple[int, int, int, bool, str | None]:
@@ -320,6 +406,8 @@ class StepCall:
         the library's reason when the step failed (the caller raises it after its own
         bookkeeping; ``aborted``: the step was ended with nothing admitted)."""
         a = self._args
+        if self._closed:
+            raise EngramError("this cache's step call was closed (HotRowCache.close()); make a new cache")
         a.gatherer = self.gatherer._require_open()  # a closed gatherer is refused, never read
         if ids.is_cuda:
             a.ids, a.ids_host = ids.data_ptr(), None

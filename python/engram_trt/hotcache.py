@@ -42,7 +42,10 @@ On CUDA with the host gather, a step is one library call (``engram_cache_step``,
 delivery and admission as the phases above, without the interpreter between them (on
 the H200 VM ~150 us of a prefill chunk's step, with the GPU idle meanwhile). The phases
 run one by one from Python where a caller marks them (``phase=``), in a step that
-halves the counts (``decay_every``), and with ``whole_step=False`` (A/B runs).
+halves the counts (``decay_every``), and with ``whole_step=False`` (A/B runs). The
+whole step delivers the lookups of cached rows on a stream of its own while the host
+gathers the misses, and the misses' lookups after the fetch (``overlap=False``: all of
+them after the fetch).
 
 The host gather's threads sleep after ``spin_us`` (50 us by default) without work, and a
 step's plan (its one synchronization) takes longer than that, so the transfer is told
@@ -241,6 +244,11 @@ class HotRowCache:
     (``fused=False``: its torch reference); on the CPU the :class:`TorchTransfer` path
     runs the same logic. ``whole_step`` (CUDA, fused, the host gather): each step in one
     library call (the module's docstring); False: phase by phase from Python.
+    ``overlap`` (the whole step): deliver the hits while the misses are fetched
+    (:class:`~engram_trt.cache_kernels.StepCall`); False: the whole delivery after the
+    fetch. ``uva_share`` / ``uva_blocks``: the share of a large step's misses the GPU
+    reads through UVA beside the host gather, and its grid (None: the defaults of
+    :class:`~engram_trt.cache_kernels.StepCall`). Either gives the same bytes.
     """
 
     def __init__(self, rows_host: Any, scales_host: Any = None, *, device: Any, capacity_rows: int | None = None,
@@ -248,7 +256,8 @@ class HotRowCache:
                  layout: str = "split", max_step_rows: int = MAX_STEP_ROWS, admit_budget: int | None = None,
                  sample_factor: int = 4, decay_every: int = 0, admit_every: int = 1, transfer: Transfer | None = None,
                  seed: int = 0, initial_counts: Any = None, fused: bool | None = None,
-                 whole_step: bool = True) -> None:
+                 whole_step: bool = True, overlap: bool = True, uva_share: float | None = None,
+                 uva_blocks: int | None = None) -> None:
         import torch
 
         from engram_trt.hostgather import _host_table
@@ -299,7 +308,9 @@ class HotRowCache:
 
             self._whole_step = StepCall(policy=self.policy, work_rows=self.work_rows, work_scales=self.work_scales,
                                         miss_base=self.miss_base, gatherer=transfer.gatherer, rows_host=rows_host,
-                                        scales=scales_host, quant_block=quant_block, layout=layout)
+                                        scales=scales_host, quant_block=quant_block, layout=layout,
+                                        overlap=overlap, uva_share=uva_share,
+                                        **({} if uva_blocks is None else {"uva_blocks": uva_blocks}))
         self._out_checked: tuple[Any, Any] = (None, None)  # (out, its shape) last checked by the whole step
         row_bytes = head_dim + head_dim // quant_block if self.fp8 else 2 * head_dim
         self._stats = CacheStats(row_bytes=row_bytes)

@@ -86,6 +86,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "engram_gather_check_table": (ctypes.c_int, [i32, i32, i32]),
         "engram_gather": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp, vp]),
         "engram_gather_ex": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i64, i32, i32, i32, vp, vp, vp]),
+        "engram_gather_part": (ctypes.c_int, [vp, i64, i32, i64, vp, vp, i64, i64, i32, i32, i32, i32, i32, vp, vp]),
+        "engram_gather_raw": (ctypes.c_int, [vp, i64, vp, vp, i64, i64, i32, vp, vp, i32, vp]),
         "engram_host_gatherer_create": (ctypes.c_int, [i32, i64, i32, ctypes.POINTER(vp)]),
         "engram_host_gatherer_destroy": (ctypes.c_int, [vp]),
         "engram_host_gather": (ctypes.c_int, [vp, vp, i64, i32, i64, vp, vp, i64, i32, i32, i32, vp, vp]),
@@ -465,7 +467,7 @@ def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any) -> Any:
 
 def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
            out: Any = None, bad_rows: Any = None, row_offset: int = 0,
-           columns: tuple[int, int] | None = None) -> Any:
+           columns: tuple[int, int] | None = None, keep_outside: bool = False, max_blocks: int = 0) -> Any:
     """bf16 rows ``[T, cols, head_dim]`` read on the GPU.
 
     ``ids``: CUDA int32 ``[T, cols]``, or ``[T, L, cols]`` (hash output) with ``layer``.
@@ -488,7 +490,21 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
     gather, and reads it every N steps or in a debug mode (one small device-to-host copy,
     no sync per gather), raising on a nonzero count: a zero row from a wrong id or an
     unbound table is otherwise indistinguishable from data.
+
+    ``keep_outside``: an output row whose id is outside the table (slice) is left as it
+    is in ``out`` (required) instead of zeroed, so two gathers with disjoint slices fill
+    one output (the hot-row cache's hits and misses). ``max_blocks`` > 0 caps the grid
+    below one wave: a UVA gather of host rows keeps its reads in flight on a few
+    multiprocessors and leaves the rest to other work. Either calls
+    ``engram_gather_part``, which counts nothing (``bad_rows`` must be None).
     """
+    partial = bool(keep_outside) or max_blocks != 0
+    if type(max_blocks) is not int or max_blocks < 0:
+        raise EngramError(f"max_blocks must be an integer >= 0 (0: one full wave of blocks); got {max_blocks!r}")
+    if partial and bad_rows is not None:
+        raise EngramError("keep_outside / max_blocks count no bad rows: pass bad_rows=None")
+    if keep_outside and out is None:
+        raise EngramError("keep_outside leaves rows of out as they are: pass the out tensor the other gather fills")
     if type(row_offset) is not int or not 0 <= row_offset <= 2**31 - 1:
         raise EngramError(f"row_offset must be an integer in [0, 2^31 - 1] (the global row id of the table's first "
                           f"row; row ids are int32); got {row_offset!r}")
@@ -511,8 +527,11 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
             raise EngramError(f"bad_rows must hold one int64 (got shape {tuple(bad_rows.shape)})")
         _same_device(device, bad_rows=bad_rows)
     ids_ptr = ctypes.c_void_p(ids.data_ptr() + byte_offset)
-    with _torch().cuda.device(device):
-        if row_offset == 0:  # the form every library version has
+    with _device_guard(device.index):
+        if partial:
+            _call("engram_gather_part", ids_ptr, T, cols, stride, _ptr(rows), _ptr(scales), num_rows, row_offset,
+                  head_dim, dtype, quant_block, int(bool(keep_outside)), max_blocks, _ptr(out), _stream(device))
+        elif row_offset == 0:  # the form every library version has
             _call("engram_gather", ids_ptr, T, cols, stride, _ptr(rows), _ptr(scales), num_rows, head_dim, dtype,
                   quant_block, _ptr(out), _ptr(bad_rows), _stream(device))
         else:
