@@ -138,6 +138,21 @@ def test_bench_gather_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     assert all(r["exact"] for r in results)
 
 
+def test_bench_gather_split_path_refusals(capsys) -> None:
+    """--paths split (the UVA kernel beside the host gather) names what it needs before
+    any table is made: a GPU, a layout with split rows, a share in [0, 1]."""
+    base = ["bench", "gather", "--table-gib", "0.01", "--rows", "240", "--paths", "split"]
+    for extra, words in ((["--dry-run", "--layouts", "split"], "the dry run has no GPU"),
+                         (["--layouts", "inline"], "add split or hbm-scales to --layouts"),
+                         (["--layouts", "split", "--uva-share", "0.5,1.5"], "--uva-share must be in [0, 1]"),
+                         (["--layouts", "split", "--uva-blocks", "-1"], "--uva-blocks >= 0")):
+        assert main(base + extra) != 0
+        assert words in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):
+        main(base + ["--uva-share", "a tenth"])
+    assert "expected comma-separated numbers" in capsys.readouterr().err
+
+
 def test_bench_cache_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 4 + 5), tmp_path / "t.npz")
     out = tmp_path / "c.json"
@@ -198,7 +213,7 @@ def test_bench_cache_layout_defaults_and_refusals(plugin_lib: Path, capsys, tmp_
     with pytest.raises(SystemExit):
         main(base + ["--layouts", "inline,packed"])
     assert "expected a comma-separated list of inline, split, hbm-scales" in capsys.readouterr().err
-    for gpu_only in (["--ab-phases"], ["--ids-on", "device"]):
+    for gpu_only in (["--ab-phases"], ["--ab-serial"], ["--ids-on", "device"]):
         assert main(base + gpu_only) != 0
         assert "the dry run has neither" in capsys.readouterr().err
     out = tmp_path / "c.json"

@@ -133,6 +133,20 @@ def add_cache_arguments(p: Any) -> None:
                    help="also run a twin of each cache that takes its steps phase by phase from Python "
                         "(HotRowCache(whole_step=False)) on the same chunks, the two in alternating order, and print "
                         "the whole step's time over the twin's")
+    p.add_argument("--ab-serial", action="store_true",
+                   help="also run a twin of each cache whose whole step delivers every lookup after the fetch "
+                        "(HotRowCache(overlap=False)) on the same chunks, the two in alternating order, and print the "
+                        "overlapped step's time over the twin's (not with --ab-phases)")
+    p.add_argument("--ab-uva", action="store_true",
+                   help="also run a twin of each cache whose host gather fetches every miss (uva_share 0) on the same "
+                        "chunks, the two in alternating order, and print the time with the UVA share over the twin's")
+    p.add_argument("--uva-share", type=float, default=None,
+                   help="the share of a step's misses (from 8192 of them) the GPU reads through UVA beside the host "
+                        "gather, in [0, 1] (default: the cache's, cache_kernels.DEFAULT_UVA_SHARE; the host tables "
+                        "are registered with CUDA for it); 0: the host gather fetches every miss")
+    p.add_argument("--uva-blocks", type=int, default=None,
+                   help="the grid of that UVA read in blocks of 256 threads, 0 = one full wave (default: the cache's, "
+                        "cache_kernels.DEFAULT_UVA_BLOCKS)")
     p.add_argument("--ids-on", choices=("host", "device"), default="host",
                    help="where the caches get each chunk's row ids: 'host' (pinned host memory, uploaded by the plan; "
                         "default) or 'device' (already on the GPU, as a step's hash kernel leaves them); the cold "
@@ -191,9 +205,15 @@ def cmd_cache(args: Any) -> int:
     if measure < 1 or warm < 0:
         raise EngramError("--measure must be >= 1 and --warm >= 0")
     layouts = _host_layouts(args)
-    if args.dry_run and (args.ab_phases or args.ids_on == "device"):
-        raise EngramError("--ab-phases and --ids-on device compare the GPU's whole step and its device ids: the dry "
-                          "run has neither (it runs the torch path on the CPU); drop them or run on a GPU")
+    if args.dry_run and (args.ab_phases or args.ab_serial or args.ab_uva or args.ids_on == "device"):
+        raise EngramError("--ab-phases, --ab-serial, --ab-uva and --ids-on device compare the GPU's whole step and its "
+                          "device ids: the dry run has neither (it runs the torch path on the CPU); drop them or run "
+                          "on a GPU")
+    if args.ab_phases + args.ab_serial + args.ab_uva > 1:
+        raise EngramError("--ab-phases, --ab-serial and --ab-uva each run one twin per cache: pick one (or run twice)")
+    if args.uva_share is not None and not 0.0 <= args.uva_share <= 1.0 or (args.uva_blocks or 0) < 0:
+        raise EngramError(f"--uva-share must be in [0, 1] and --uva-blocks >= 0 (got {args.uva_share}, "
+                          f"{args.uva_blocks})")
     if args.spin_us < 0:
         raise EngramError(f"--spin-us must be >= 0 (got {args.spin_us})")
     stream = _token_stream(args)

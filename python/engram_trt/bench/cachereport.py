@@ -11,6 +11,10 @@ from engram_trt.bench.cachetrace import describe_trace
 from engram_trt.bench.lookuputil import ROW_BYTES, print_table, require_matplotlib, save_plot
 
 TARGET_LINK_RATIO = 2.0
+# A cache's twin in the report (bench.cacherun.TWIN_KEY): what it runs, and the ratio printed.
+TWINS = {"phases_step": ("phase by phase from Python", "whole step / phases"),
+         "serial_step": ("the whole delivery after the fetch", "overlapped / serial"),
+         "no_uva_step": ("every miss by the host gather", "with UVA share / without")}
 
 
 def _warmings(L: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -84,13 +88,16 @@ def print_report(report: dict[str, Any]) -> None:
                 ok = gb >= TARGET_LINK_RATIO * link
                 print(f"  {name}: cache {gb:.1f} GB/s = {gb / link:.2f} x link; target 2 (>= "
                       f"{TARGET_LINK_RATIO:.0f}x link): " + ("MET" if ok else f"MISSED by {TARGET_LINK_RATIO * link / gb:.2f}x")
-                      + f"; cache device memory {part['device_bytes'] / 2**30:.2f} GiB")
-                if part.get("phases_step"):
-                    ph = part["phases_step"]
-                    print(f"    phase by phase from Python (a twin, same chunks, turns alternating): "
-                          f"{ph['cache_seconds'] * 1e6:.0f} us = {n * ROW_BYTES / ph['cache_seconds'] / 1e9 / link:.2f} "
-                          f"x link, hit rate {ph['stats']['hit_rate']:.1%}; whole step / phases "
-                          f"{part['cache_seconds'] / ph['cache_seconds']:.2f}")
+                      + f"; cache device memory {part['device_bytes'] / 2**30:.2f} GiB"
+                      + (f"; misses through UVA: {part['uva_share']:.0%} of large steps'" if part.get("uva_share")
+                         else ""))
+                for key, (what, ratio) in TWINS.items():
+                    if part.get(key):
+                        ph = part[key]
+                        print(f"    {what} (a twin, same chunks, turns alternating): "
+                              f"{ph['cache_seconds'] * 1e6:.0f} us = "
+                              f"{n * ROW_BYTES / ph['cache_seconds'] / 1e9 / link:.2f} x link, hit rate "
+                              f"{ph['stats']['hit_rate']:.1%}; {ratio} {part['cache_seconds'] / ph['cache_seconds']:.2f}")
                 if part.get("phases_seconds"):
                     print("    phases (synced, medians; these steps run phase by phase): " + ", ".join(f"{k} {v * 1e6:.0f} us"
                                                                   for k, v in part["phases_seconds"].items()))
@@ -165,10 +172,10 @@ def plot_report(report: dict[str, Any], path: str) -> None:
             times = part.get("per_chunk_cache_seconds") or part.get("per_chunk_seconds")
             tag = f"{_layout_of(L, report)}, layer {L['layer']}"
             line, = a1.plot([n * ROW_BYTES / t / 1e9 for t in times], marker=".", label=f"{tag} cache ({name})")
-            if part.get("phases_step"):
-                a1.plot([n * ROW_BYTES / t / 1e9 for t in part["phases_step"]["per_chunk_cache_seconds"]],
-                        marker=".", linestyle="--", color=line.get_color(),
-                        label=f"{tag} cache ({name}), phase by phase from Python")
+            for key, (what, _) in TWINS.items():
+                if part.get(key):
+                    a1.plot([n * ROW_BYTES / t / 1e9 for t in part[key]["per_chunk_cache_seconds"]],
+                            marker=".", linestyle="--", color=line.get_color(), label=f"{tag} cache ({name}), {what}")
             if part.get("per_chunk_hit_rate"):
                 a2.plot(part["per_chunk_hit_rate"], marker=".", label=f"{tag} ({name})")
         if "cold_seconds" in L:

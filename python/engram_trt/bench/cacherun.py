@@ -22,15 +22,25 @@ from engram_trt.bench.idstreams import CHUNK_TOKENS
 from engram_trt.bench.lookuputil import GiB, QUANT_BLOCK, anon_hugepages_kib, make_tables, measure_h2d, pages_mode
 
 log = logging.getLogger(__name__)
+# Where a cache's twin reports in the JSON: phase by phase (--ab-phases), the whole
+# delivery after the fetch (--ab-serial), every miss by the host gather (--ab-uva).
+TWIN_KEY = {"phases": "phases_step", "serial": "serial_step", "uva": "no_uva_step"}
 
 
-def make_layer_tables(args: Any, num_rows: int, layouts: list[str], seed: int, *, cpu_reference: bool = False) -> Any:
+def twin_of(args: Any) -> str | None:
+    """Which twin the A/B flags ask for (bench cache refuses more than one)."""
+    return next((k for k in ("phases", "serial", "uva") if getattr(args, f"ab_{k}", False)), None)
+
+
+def make_layer_tables(args: Any, num_rows: int, layouts: list[str], seed: int, *, cpu_reference: bool = False,
+                      register: bool = False) -> Any:
     """One layer's host table in what ``layouts`` read (inline; split rows and scales for
     split and hbm-scales), on the pages of ``--pages``; ``cpu_reference``: the split form
-    too (the dry run's reference reads it)."""
+    too (the dry run's reference reads it); ``register``: the split form registered with
+    CUDA (the caches' whole step then reads a share of its misses through UVA)."""
     split = cpu_reference or any(name in ("split", "hbm-scales") for name in layouts)
     return make_tables(num_rows, split=split, inline="inline" in layouts, huge_pages=pages_mode(args.pages),
-                       register_split=False, seed=seed)
+                       register_split=register, seed=seed)
 
 
 def host_table(tables: Any, layout: str, device: Any) -> tuple[Any, Any]:
@@ -58,7 +68,8 @@ class LayoutRun:
     exact: dict[str, bool] = field(default_factory=dict)
     t_dedup: list[float] = field(default_factory=list)
     t_cold: list[float] = field(default_factory=list)
-    # --ab-phases: a twin of each cache that runs its steps phase by phase from Python
+    # --ab-phases / --ab-serial: a twin of each cache that runs its steps phase by phase
+    # from Python / delivers every lookup after the fetch
     twins: dict[str, Any] = field(default_factory=dict)
     t_twin: dict[str, list[float]] = field(default_factory=dict)
     twin_outs: dict[str, Any] = field(default_factory=dict)
@@ -156,7 +167,9 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     del pinned
     t0 = time.perf_counter()
     huge_before = anon_hugepages_kib()
-    all_tables = {li: make_layer_tables(args, int(layout.table_rows[li]), layouts, args.seed + li) for li in layers}
+    uva = args.uva_share is None or args.uva_share > 0 or args.ab_uva
+    all_tables = {li: make_layer_tables(args, int(layout.table_rows[li]), layouts, args.seed + li, register=uva)
+                  for li in layers}
     setup = time.perf_counter() - t0
     pages = _pages_used(all_tables, huge_before)
     step_rows = CHUNK_TOKENS * layout.n_hash_cols
@@ -183,18 +196,22 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                     hbm_bytes = max(hbm_bytes, table[1].numel())
                 common = dict(device=dev, quant_block=QUANT_BLOCK, gatherer=gatherer, layout=name,
                               max_step_rows=step_rows, sample_factor=args.sample_factor, seed=args.seed)
+                uva_kw = ({} if args.uva_blocks is None else {"uva_blocks": args.uva_blocks}) | (
+                    {} if args.uva_share is None or name == "inline" else {"uva_share": args.uva_share})
                 sized = dict(capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
                              admit_every=args.admit_every)
-                caches = {"history": HotRowCache(*table, **sized, **common)}
+                caches = {"history": HotRowCache(*table, **sized, **common, **uva_kw)}
                 if offline is not None:
                     t1 = time.perf_counter()
-                    caches["offline"] = HotRowCache(*table, initial_counts=offline[li], **sized, **common)
+                    caches["offline"] = HotRowCache(*table, initial_counts=offline[li], **sized, **common, **uva_kw)
                     sync()
                     log.info("layer %d, %s: warm start of %d rows in %.2f s", li, name,
                              caches["offline"].stats().preloaded, time.perf_counter() - t1)
                 twins = {}
-                if args.ab_phases:
-                    twins = {n: HotRowCache(*table, whole_step=False, **sized, **common,
+                if twin_of(args):
+                    twin_kind = {"phases": {"whole_step": False}, "serial": {"overlap": False},
+                                 "uva": {"uva_share": 0.0}}[twin_of(args)]
+                    twins = {n: HotRowCache(*table, **twin_kind, **sized, **common,
                                             **({"initial_counts": offline[li]} if n == "offline" else {}))
                              for n in caches}
                 run = LayoutRun(name, table, caches, dedup=HotRowCache(*table, capacity_rows=0, **common), twins=twins)
@@ -238,7 +255,10 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                                          "per_chunk_cold_seconds": run.t_cold}
                 for name, cache in run.caches.items():
                     cache.policy.check_invariants()
+                    step_call = cache._whole_step
                     part = {"stats": timed_stats[(run.layout, name)].to_dict(), "exact": run.exact[name],
+                            "uva_share": step_call.uva_share if step_call is not None else 0.0,
+                            "overlap": step_call is not None and step_call.overlaps,
                             "device_bytes": cache.device_bytes(),
                             "cache_seconds": statistics.median(run.t_cache[name]),
                             "per_chunk_cache_seconds": run.t_cache[name], "per_chunk_hit_rate": run.hits[name],
@@ -250,7 +270,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                             "host_trace": traces.get((run.layout, name))}
                     if name in run.twins:
                         run.twins[name].policy.check_invariants()
-                        part["phases_step"] = {"cache_seconds": statistics.median(run.t_twin[name]),
+                        part[TWIN_KEY[twin_of(args)]] = {"cache_seconds": statistics.median(run.t_twin[name]),
                                                "per_chunk_cache_seconds": run.t_twin[name],
                                                "stats": run.twins[name].stats().to_dict()}
                     if name == "history":

@@ -12,6 +12,8 @@ GiB (264-byte rows: 256 FP8 values + 8 ue8m0 scale bytes), 6,144 rows (a decode 
     call bound to its table (``HostGatherer.bind``: the table checked once, as a decode
     loop calls it; the runtime's own host path calls the library from its gather
     driver's thread, with no Python per step);
+  - ``split``: one lookup shared by the UVA kernel (``--uva-share`` of its tokens, the
+    grid capped at ``--uva-blocks``) and the host gather at once (bench.gathersplit);
   - ``torch``: torch.index_select into pinned staging + one copy (raw bytes, no dequant:
     the plain-library baseline);
 each as the median wall time from the call to the stream's completion over fresh ids.
@@ -34,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engram_trt.bench.gathersplit import plot_split, time_split
 from engram_trt.bench.lookuputil import (
     GiB,
     HEAD_DIM,
@@ -41,6 +44,7 @@ from engram_trt.bench.lookuputil import (
     ROW_BYTES,
     SCALE_BYTES,
     anon_hugepages_kib,
+    float_list,
     gbps,
     int_list,
     make_tables,
@@ -84,8 +88,12 @@ class Result:
     x_link: float = 0.0
     cpu_part_seconds: float = 0.0  # host gather: its CPU part alone (dry run: the measurement)
     exact: bool = False
+    uva_share: float = 0.0  # split: the UVA kernel's share of the tokens
+    uva_blocks: int = 0  # split: its grid cap (0: one full wave)
 
     def knobs(self) -> str:
+        if self.path == "split":
+            return f"uva {self.uva_share:.0%}, {self.uva_blocks or 'all'} blocks"
         if not self.path.startswith("host"):
             return "-"
         if self.path != "host":  # the CPU part alone takes only these two
@@ -103,8 +111,13 @@ def add_gather_arguments(p: Any) -> None:
     p.add_argument("--rows", type=int_list, default=[DECODE_ROWS, PREFILL_ROWS],
                    help="rows per lookup, comma-separated (default: 6144,196608)")
     p.add_argument("--cols", type=int, default=24, help="columns per token (ids are [rows / cols, cols]; default 24)")
-    p.add_argument("--paths", type=str_list(("uva", "host", "torch")), default=["uva", "host", "torch"],
-                   help="paths to time (default: uva,host,torch)")
+    p.add_argument("--paths", type=str_list(("uva", "host", "split", "torch")), default=["uva", "host", "torch"],
+                   help="paths to time: uva, host, split (the UVA kernel and the host gather at once, each on its "
+                        "share of the rows), torch (default: uva,host,torch)")
+    p.add_argument("--uva-share", type=float_list, default=[0.1],
+                   help="split: the UVA kernel's share of a lookup's tokens, comma-separated (default 0.1)")
+    p.add_argument("--uva-blocks", type=int_list, default=[16],
+                   help="split: the UVA kernel's grid cap in blocks of 256 threads, 0 = one full wave (default 16)")
     p.add_argument("--layouts", type=str_list(("split", "inline", "hbm-scales")), default=["split", "inline"],
                    help="host gather table layouts: split, inline, hbm-scales (the split rows in host memory, the "
                         "scale bytes on the GPU) (default: split,inline)")
@@ -188,16 +201,24 @@ def cmd_gather(args: Any) -> int:
     num_rows = int(gib * GiB) // ROW_BYTES
     if num_rows < max(args.rows):
         raise EngramError(f"--table-gib {gib} holds {num_rows} rows, fewer than a lookup of {max(args.rows)}")
+    if "split" in args.paths and not ({"split", "hbm-scales"} & set(args.layouts)):
+        raise EngramError("--paths split gathers the split rows on the host too: add split or hbm-scales to --layouts")
+    if "split" in args.paths and args.dry_run:
+        raise EngramError("--paths split runs the UVA kernel beside the host gather: the dry run has no GPU")
+    if any(not 0.0 <= f <= 1.0 for f in args.uva_share) or any(b < 0 for b in args.uva_blocks):
+        raise EngramError(f"--uva-share must be in [0, 1] and --uva-blocks >= 0 (got {args.uva_share}, "
+                          f"{args.uva_blocks})")
     if not args.dry_run and not torch.cuda.is_available():
         raise EngramError("bench gather needs a CUDA GPU; run with --dry-run to exercise the CPU parts")
     # Only the layouts timed are built (the reference reads either): a 24.75 GiB table in
     # 1 GiB pages takes 25 of the pages reserved, both layouts 50.
-    need_split = "split" in args.layouts or "hbm-scales" in args.layouts or "uva" in args.paths
+    uva = "uva" in args.paths or "split" in args.paths
+    need_split = "split" in args.layouts or "hbm-scales" in args.layouts or uva
     need_inline = "inline" in args.layouts or "torch" in args.paths
     t0 = time.perf_counter()
     thp_before = anon_hugepages_kib()
     tables = make_tables(num_rows, split=need_split, inline=need_inline, huge_pages={"thp": True, "1g": "1g"}.get(args.pages, False),
-                         register_split=not args.dry_run and "uva" in args.paths, seed=args.seed)
+                         register_split=not args.dry_run and uva, seed=args.seed)
     setup_s = time.perf_counter() - t0
     thp_gib = (anon_hugepages_kib() - thp_before) / 2**20 if thp_before >= 0 else -1.0
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -285,7 +306,8 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
     copy_alone: dict[int, float] = {}
 
     # hbm-scales: the scale bytes copied to the GPU once, as a runtime does at load.
-    scales_dev = tables.split_scales.to(dev) if "hbm-scales" in args.layouts and "host" in args.paths else None
+    scales_dev = tables.split_scales.to(dev) if "hbm-scales" in args.layouts and (
+        "host" in args.paths or "split" in args.paths) else None
     for n, sets in id_sets.items():
         flat = [s.reshape(-1).contiguous() for s in sets]
         out = torch.empty((n // args.cols, args.cols, HEAD_DIM), dtype=torch.bfloat16, device=dev)
@@ -354,6 +376,10 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                     g.close()
             del cpu_rows, cpu_scales, id_sets_dev
 
+        if "split" in args.paths:
+            results += time_split(args, tables, sets, [s.to(dev) for s in sets], out, scales_dev, link, sync,
+                                  exact_out, Result)
+
         if "torch" in args.paths:
             longs = [f.long() for f in flat]
             saved = torch.get_num_threads()
@@ -387,14 +413,14 @@ def _targets(report: dict[str, Any]) -> list[str]:
     link = report.get("link_GBps")
     if not link:
         return []
-    host = [r for r in report["results"] if r["path"] == "host" and r["exact"]]
+    host = [r for r in report["results"] if r["path"] in ("host", "split") and r["exact"]]
     lines = []
     pre = [r for r in host if r["rows"] == PREFILL_ROWS]
     if pre:
         best = max(pre, key=lambda r: r["gbps"])
         need = max(TARGET_PREFILL_GBPS, TARGET_PREFILL_LINK_RATIO * link)
         ok = best["gbps"] >= need
-        lines.append(f"target 1, {PREFILL_ROWS:,} rows: best host gather {best['gbps']:.1f} GB/s = "
+        lines.append(f"target 1, {PREFILL_ROWS:,} rows: best {best['path']} gather {best['gbps']:.1f} GB/s = "
                      f"{best['gbps'] / link:.2f} x link ({best['layout']}, {best['threads']} threads, {best['knobs']}); "
                      f"need >= {need:.1f} GB/s: " + ("MET" if ok else f"MISSED by {need / best['gbps']:.2f}x"))
     dec = [r for r in host if r["rows"] == DECODE_ROWS]
@@ -402,7 +428,7 @@ def _targets(report: dict[str, Any]) -> list[str]:
         best = min(dec, key=lambda r: r["seconds"])
         us = best["seconds"] * 1e6
         ok = us <= TARGET_DECODE_US
-        lines.append(f"target 1, {DECODE_ROWS:,} rows: best host gather {us:.0f} us ({best['layout']}, "
+        lines.append(f"target 1, {DECODE_ROWS:,} rows: best {best['path']} gather {us:.0f} us ({best['layout']}, "
                      f"{best['threads']} threads, {best['knobs']}); need <= {TARGET_DECODE_US:.0f} us: "
                      + ("MET" if ok else f"MISSED by {us / TARGET_DECODE_US:.2f}x"))
     return lines
@@ -447,6 +473,8 @@ def _print_report(args: Any, report: dict[str, Any]) -> None:
 
 
 def _plot(report: dict[str, Any], path: str) -> None:
+    if any(r["path"] == "split" for r in report["results"]):
+        return plot_split(report, path, {PREFILL_ROWS: TARGET_PREFILL_GBPS})
     plt = require_matplotlib()
     sizes = sorted({r["rows"] for r in report["results"]})
     fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)

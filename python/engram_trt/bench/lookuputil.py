@@ -33,15 +33,25 @@ ROW_BYTES = HEAD_DIM + SCALE_BYTES  # 264: what a lookup moves, counted in every
 FILL_BLOCK_ROWS = 1 << 20
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated integers (its errors become one usage line)."""
+def _number_list(text: str, cast: Callable[[str], Any], what: str, example: str) -> list[Any]:
+    """Comma-separated values of ``cast``; an error becomes one argparse usage line."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [cast(v) for v in text.split(",") if v.strip()]
     except ValueError:
         values = []
     if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 4,8,16 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, e.g. {example} (got {text!r})")
     return values
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated integers."""
+    return _number_list(text, int, "integers", "4,8,16")
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type: comma-separated numbers."""
+    return _number_list(text, float, "numbers", "0.1,0.2")
 
 
 def str_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
