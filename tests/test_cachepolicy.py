@@ -503,4 +503,6 @@ def test_the_uva_share_a_step_call_binds(plugin_lib: Path) -> None:
                         ((0.2, -1, True, rows, scales, "split"), "uva_blocks must be an integer >= 0")):
         with pytest.raises(EngramError, match=re.escape(words)):
             ck._uva_share_for(*args)
-    assert ck.UVA_MIN_MISSES == 8192 and 0.0 < ck.DEFAULT_UVA_SHARE <= 1.0
+    header = (Path(__file__).resolve().parents[1] / "plugins" / "kernels" / "engramKernels.h").read_text()
+    assert re.search(rf"#define ENGRAM_CACHE_UVA_MIN_MISSES {ck.UVA_MIN_MISSES}\b", header)  # the library's own
+    assert 0.0 < ck.DEFAULT_UVA_SHARE <= 1.0 and ck.DEFAULT_UVA_BLOCKS > 0
