@@ -381,13 +381,19 @@ def check_whole_step(dev: Any, record: Record) -> None:
     record("a whole step of 0 lookups, and one of out-of-range ids alone (zero rows)",
            tuple(empty.shape) == (0, 24, D) and not bool(bad.ne(0).any()),
            f"shapes {tuple(empty.shape)} / {tuple(bad.shape)}")
-    cache._whole_step.close()
+    step_call = cache._whole_step
+    cache.close()
+    cache.close()  # idempotent
     try:
-        cache.gather(torch.from_numpy(sid))
+        step_call(torch.from_numpy(sid).reshape(-1), 1_000, 24, got, host_ids=0, filled=0, replace=False, step=99)
         closed = ""
     except Exception as exc:  # noqa: BLE001
         closed = str(exc)
-    record("a closed step call refuses the next step", "was closed" in closed, closed[:90])
+    after = cache.gather(torch.from_numpy(sid))  # phase by phase now
+    torch.cuda.synchronize(dev)
+    same = torch.equal(after.view(torch.int16).cpu(), want.view(torch.int16).cpu())
+    record("a closed cache's step call refuses a step; the cache serves phase by phase after close(), exact",
+           "was closed" in closed and cache._whole_step is None and same, f"{closed[:80]!r}, exact {same}")
     g.close()
 
 

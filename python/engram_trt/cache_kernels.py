@@ -333,8 +333,10 @@ class StepCall:
     UVA on ``uva_blocks`` blocks while the host gather fetches the rest. Why: the host
     gather is bound by its threads' random reads, the GPU's reads of host memory by the
     host's address translations, two different limits (``bench gather --paths split``:
-    a 196,608-row lookup 6-20% faster with 15-20% of it through UVA on 8 blocks; a cache
-    step 0-9% faster with 15% of its misses on 16 blocks, 20-27% slower with 30%). None:
+    a cold 196,608-row lookup 6-20% faster with 15-20% of it through UVA on 8 blocks on
+    slower hosts, 5-36% slower on the fastest one seen; a cache step, whose misses are a
+    fifth of that, 0-9% faster with 15% of them on 16 blocks and 20-27% slower with 30%,
+    docs/benchmarks.md). The share is a constant, not calibrated per machine. None:
     ``DEFAULT_UVA_SHARE`` where the GPU can read the host table (pinned or registered),
     else 0; a share asked for explicitly on a table the GPU cannot read is refused."""
 

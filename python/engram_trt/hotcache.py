@@ -427,6 +427,14 @@ class HotRowCache:
         s.admitted = self.policy.admitted + s.evicted  # a replacement admits one row and evicts one
         return CacheStats(**asdict(s))
 
+    def close(self) -> None:
+        """Release the whole step's stream and event now rather than when the cache is
+        collected (idempotent); the cache then serves its steps phase by phase, from
+        Python, with the same results."""
+        step, self._whole_step = self._whole_step, None
+        if step is not None:
+            step.close()
+
     def reset_stats(self) -> None:
         """Start counting afresh (e.g. after a warm-up), keeping the cache's contents."""
         self.policy.admitted = 0
