@@ -31,9 +31,10 @@ struct EngramCacheOverlap
 namespace
 {
 
-//! Makes `stream` wait for the hits' delivery on the overlap's stream (every exit of a
-//! step that launched it: later work on `stream` may move or read what it touches).
-int joinHits(char const* fn, EngramCacheOverlap const* overlap, cudaStream_t stream)
+//! Makes `stream` wait for the work on the overlap's stream (the hits' delivery, the UVA
+//! read of misses), at every exit of a step that launched some: later work on `stream`
+//! reads what it writes or moves what it reads.
+int joinOverlap(char const* fn, EngramCacheOverlap const* overlap, cudaStream_t stream)
 {
     cudaError_t status = cudaEventRecord(overlap->done, overlap->stream);
     if (status == cudaSuccess)
@@ -42,7 +43,7 @@ int joinHits(char const* fn, EngramCacheOverlap const* overlap, cudaStream_t str
     }
     if (status != cudaSuccess)
     {
-        return failCuda(status, "%s: joining the hits' delivery failed (%s:%d): %s", fn, sourceFileName(__FILE__),
+        return failCuda(status, "%s: joining the overlap's stream failed (%s:%d): %s", fn, sourceFileName(__FILE__),
             __LINE__, cudaGetErrorString(status));
     }
     return 0;
@@ -52,13 +53,13 @@ int joinHits(char const* fn, EngramCacheOverlap const* overlap, cudaStream_t str
 //! misses' slot map entries (as CachePolicy.abort does). Returns the first failure,
 //! with its message.
 int abortStep(EngramCacheStepArgs const& a, int64_t numMiss, int status, EngramCacheStepResult& r, cudaStream_t stream,
-    bool hitsLaunched = false)
+    bool overlapLaunched = false)
 {
     std::string const why = engram_last_error();
     r.aborted = 1;
-    if (hitsLaunched)
+    if (overlapLaunched)
     {
-        joinHits("engram_cache_step", a.overlap, stream); // best effort: the first failure is what is reported
+        joinOverlap("engram_cache_step", a.overlap, stream); // best effort: the first failure is what is reported
     }
     int const undone = engram_cache_admit(a.plan + 2, numMiss, 0, a.filled, a.capacity, a.slot_of, a.row_of_slot,
         a.counts, 0, 0, 1, 0, 1, a.miss_base, nullptr, 0, nullptr, 0, nullptr, stream);
@@ -236,7 +237,7 @@ int cacheStep(EngramCacheStepArgs const* args, EngramCacheStepResult* result, cu
     {
         // The delivery below reads the misses the UVA read wrote, and what follows on
         // `stream` (the admission) moves rows the hits' call reads.
-        if (int const joined = joinHits(fn, a.overlap, stream))
+        if (int const joined = joinOverlap(fn, a.overlap, stream))
         {
             return abortStep(a, numMiss, joined, r, stream);
         }

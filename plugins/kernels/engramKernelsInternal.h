@@ -107,12 +107,6 @@ int launchDequantStaged(uint8_t const* staged, int32_t const* idsDev, int64_t fi
 int launchGatherScaleBytes(int32_t const* idsDev, int64_t count, uint8_t const* scales, int64_t tableNumRows,
     int32_t scaleBytes, uint8_t* dst, cudaStream_t stream);
 
-//! The raw row gather (rawGatherKernel.cu): dst row r = rows[ids[r]] (rowBytes, a multiple
-//! of 16, 16-byte aligned rows and dst), a zero row for an id outside [0, tableNumRows);
-//! maxBlocks > 0 caps the grid below one wave.
-int launchGatherRawRows(int32_t const* ids, int64_t count, void const* rows, int64_t tableNumRows, int64_t rowBytes,
-    void* dst, int32_t maxBlocks, cudaStream_t stream);
-
 //! Load the gather kernel's variants (the host gather's dequant and scale-byte gather
 //! among them) and the hash kernel on the current device now. With lazy loading (CUDA's
 //! default) a kernel loads at its first launch, which may need the whole context to

@@ -2,8 +2,9 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * The gather's C ABI entry points (engramKernels.h): the argument checks shared by the
- * device, indirect and host gathers, and engram_gather[_indirect][_ex] and engram_gather_part, in the style of
- * kernelApi.cpp; the kernel and its launch are in gatherKernel.cu.
+ * device, indirect and host gathers, and engram_gather[_indirect][_ex], engram_gather_part and
+ * engram_gather_raw, in the style of kernelApi.cpp; the kernel and its launch are in
+ * gatherKernel.cu.
  */
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
@@ -228,8 +229,11 @@ extern "C" ENGRAM_API int engram_gather_raw(int32_t const* ids, int64_t count, v
         {
             return fail(cudaErrorInvalidValue, "%s: scale_bytes %d needs table_scales and dst_scales", fn, scaleBytes);
         }
-        if (int const launched
-            = launchGatherRawRows(ids, count, tableRows, tableNumRows, rowBytes, dstRows, maxBlocks, stream))
+        // Raw bytes are what the gather kernel's bf16 form moves: a row of row_bytes is
+        // row_bytes / 2 bf16 values, copied as they are, a zero row for an id outside.
+        if (int const launched = launchGather(ids, count, 1, 1, tableRows, nullptr, nullptr, nullptr, tableNumRows,
+                static_cast<int32_t>(rowBytes / 2), ENGRAM_TABLE_BF16, 1, dstRows, stream, nullptr, nullptr, 0, false,
+                maxBlocks))
         {
             return launched;
         }

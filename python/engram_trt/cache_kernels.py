@@ -41,7 +41,8 @@ class _StepArgs(ctypes.Structure):
                 ("work_scales", _vp), ("work_num_rows", _i64), ("row_bytes", _i64), ("scale_bytes", _i64),
                 ("miss_base", _i64), ("head_dim", _i32), ("table_dtype", _i32), ("quant_block", _i32),
                 ("table_layout", _i32), ("gatherer", _vp), ("rows_host", _vp), ("scales", _vp), ("replaced", _vp),
-                ("overlap", _vp), ("uva_share", ctypes.c_float), ("uva_blocks", _i32), ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64),
+                ("overlap", _vp), ("uva_share", ctypes.c_float), ("uva_blocks", _i32),
+                ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64),
                 ("deliver_cols", _i32), ("out", _vp),
                 ("host_ids", _i64), ("filled", _i64), ("replace", _i32), ("step", _i64)]
 

@@ -68,8 +68,7 @@ class LayoutRun:
     exact: dict[str, bool] = field(default_factory=dict)
     t_dedup: list[float] = field(default_factory=list)
     t_cold: list[float] = field(default_factory=list)
-    # --ab-phases / --ab-serial: a twin of each cache that runs its steps phase by phase
-    # from Python / delivers every lookup after the fetch
+    # --ab-phases / --ab-serial / --ab-uva: a twin of each cache (TWIN_KEY)
     twins: dict[str, Any] = field(default_factory=dict)
     t_twin: dict[str, list[float]] = field(default_factory=dict)
     twin_outs: dict[str, Any] = field(default_factory=dict)
