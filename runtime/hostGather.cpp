@@ -22,6 +22,17 @@
  * while dequant kernels run beside them, and the caller's stream waits only for what it
  * needs. All CUDA calls are made by the calling thread; the workers only copy bytes.
  *
+ * Job buffers (ENGRAM_HOST_GATHER_JOB_STAGING_BYTES). With the ring alone a device slot is
+ * reused only after the dequant that read it, so a dequant that cannot get a
+ * multiprocessor (a prefill's GEMM or attention kernel holds them all until it ends) stops
+ * the copies behind it, the pinned slots stay full and the CPU threads idle: the gather
+ * then advances one ring of chunks per long kernel. A call whose staged bytes fit a job
+ * buffer copies chunk c to its own offset there instead (values and scale bytes in two
+ * regions), so the copy engine and the CPU threads never wait for the SMs, and one dequant
+ * of the whole call follows the last copy: per-chunk kernels would run in stream order, each
+ * waiting for the next long kernel to end. Two buffers, used in turn, let the next call
+ * (the next Engram layer) start before the last one's dequant ran.
+ *
  * Sinks: bf16 output (fp8 tables dequantized on the GPU, bf16 tables copied straight into
  * `out`), or raw bytes (rows and scale bytes copied into two device arrays, for a device
  * row cache that stores fp8). With the scales in HBM (ENGRAM_LAYOUT_HBM_SCALES) the raw
@@ -48,38 +59,6 @@ namespace
 constexpr int64_t kMinSplitRows = 256;   // min_chunks never makes chunks smaller than this
 constexpr int64_t kCallerOnlyRows = 256; // a call of at most this many rows runs on the calling thread alone
 } // namespace
-
-//! Makes `device` current and restores the previous device on scope exit; status()
-//! says whether the switch worked.
-class DeviceGuard
-{
-public:
-    explicit DeviceGuard(int device)
-    {
-        mStatus = cudaGetDevice(&mPrevious);
-        if (mStatus == cudaSuccess && mPrevious != device)
-        {
-            mStatus = cudaSetDevice(device);
-            mRestore = mStatus == cudaSuccess;
-        }
-    }
-    ~DeviceGuard()
-    {
-        if (mRestore && cudaSetDevice(mPrevious) != cudaSuccess)
-        {
-            cudaGetLastError(); // leave no stale error for a later launch check
-        }
-    }
-    cudaError_t status() const
-    {
-        return mStatus;
-    }
-
-private:
-    int mPrevious{0};
-    bool mRestore{false};
-    cudaError_t mStatus{cudaSuccess};
-};
 
 //! One call's work, shared by the caller and the workers.
 struct GatherJob
@@ -218,9 +197,11 @@ int recordError(char const* fn, char const* what, cudaError_t status)
 }
 
 //! Enqueues chunk c (all its tasks done): the copy on the copy stream, then the dequant
-//! on the caller's stream for an fp8 table.
-int issueChunk(
-    char const* fn, EngramHostGatherer& g, GatherJob const& job, GatherSink const& sink, int64_t c, cudaStream_t stream)
+//! on the caller's stream for an fp8 table. `jobStaging` (or null: the ring of device
+//! slots) is the device buffer that holds the whole call's staged bytes; its dequant is
+//! one kernel after the last chunk (runPipeline).
+int issueChunk(char const* fn, EngramHostGatherer& g, GatherJob const& job, GatherSink const& sink, int64_t c,
+    uint8_t* jobStaging, cudaStream_t stream)
 {
     int const slot = static_cast<int>(c % g.numSlots);
     int64_t const first = c * job.chunkRows;
@@ -252,6 +233,24 @@ int issueChunk(
             return recordError(fn, "cudaMemcpyAsync", status);
         }
     }
+    else if (jobStaging != nullptr)
+    {
+        // The call's own region of the job buffer (values of all its rows, then their
+        // scale bytes): nothing else reads it during the call, so the copy waits for no
+        // dequant (runPipeline ordered the buffer's reuse). One dequant reads it after the
+        // last chunk.
+        status = cudaMemcpyAsync(
+            jobStaging + first * job.table.rowBytes, staged, rowsBytes, cudaMemcpyHostToDevice, g.copyStream);
+        if (status == cudaSuccess && scalesBytes > 0)
+        {
+            status = cudaMemcpyAsync(jobStaging + job.totalRows * job.table.rowBytes + first * job.table.scaleBytes,
+                staged + rowsBytes, scalesBytes, cudaMemcpyHostToDevice, g.copyStream);
+        }
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "cudaMemcpyAsync", status);
+        }
+    }
     else
     {
         // The device slot was last read by the dequant of chunk c - num_slots (or of an
@@ -273,7 +272,7 @@ int issueChunk(
     {
         return recordError(fn, "cudaEventRecord", status);
     }
-    if (sink.kind == GatherSink::kBf16Out && sink.tableDtype == ENGRAM_TABLE_FP8_E4M3)
+    if (sink.kind == GatherSink::kBf16Out && sink.tableDtype == ENGRAM_TABLE_FP8_E4M3 && jobStaging == nullptr)
     {
         status = cudaStreamWaitEvent(stream, g.copied[slot], 0);
         if (status != cudaSuccess)
@@ -281,12 +280,13 @@ int issueChunk(
             return recordError(fn, "cudaStreamWaitEvent", status);
         }
         uint8_t* const chunkOut = sink.out + first * 2 * static_cast<int64_t>(sink.headDim);
+        uint8_t* const chunkDev = g.deviceStaging[slot];
         int const launched = sink.scalesDev != nullptr
-            ? launchDequantStaged(g.deviceStaging[slot], sink.idsDev, first, count,
-                  static_cast<int32_t>(job.ids.numCols), job.ids.tokenStride, sink.scalesDev, job.table.numRows,
-                  sink.headDim, sink.quantBlock, chunkOut, stream)
-            : launchGather(nullptr, count, 1, 1, g.deviceStaging[slot], g.deviceStaging[slot] + rowsBytes, nullptr,
-                  nullptr, count, sink.headDim, sink.tableDtype, sink.quantBlock, chunkOut, stream);
+            ? launchDequantStaged(chunkDev, sink.idsDev, first, count, static_cast<int32_t>(job.ids.numCols),
+                  job.ids.tokenStride, sink.scalesDev, job.table.numRows, sink.headDim, sink.quantBlock, chunkOut,
+                  stream)
+            : launchGather(nullptr, count, 1, 1, chunkDev, chunkDev + rowsBytes, nullptr, nullptr, count, sink.headDim,
+                  sink.tableDtype, sink.quantBlock, chunkOut, stream);
         if (launched != 0)
         {
             return launched;
@@ -363,6 +363,24 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
         }
     }
 
+    // An fp8 call that fits a job buffer stages all its chunks there (the option's comment
+    // in engramKernels.h says why); its copies wait only for the last call that read the
+    // same buffer, two calls back.
+    uint8_t* jobStaging = nullptr;
+    int jobBuffer = 0;
+    bool const dequantSink = sink.kind == GatherSink::kBf16Out && sink.tableDtype == ENGRAM_TABLE_FP8_E4M3;
+    if (dequantSink && g.jobStaging[0] != nullptr && totalRows * perRow <= g.jobStagingBytes)
+    {
+        jobBuffer = g.nextJobBuffer;
+        g.nextJobBuffer ^= 1;
+        jobStaging = g.jobStaging[jobBuffer];
+        cudaError_t const status = cudaStreamWaitEvent(g.copyStream, g.jobConsumed[jobBuffer], 0);
+        if (status != cudaSuccess)
+        {
+            return recordError(fn, "ordering the job buffer after its last reader", status);
+        }
+    }
+
     int result = 0;
     auto worker = [&job](int /*thread*/) { job.work(); };
     auto caller = [&] {
@@ -391,7 +409,7 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
             }
             if (issued < releasedChunks && job.chunkDone[issued].load(std::memory_order_acquire) == job.tasksOf(issued))
             {
-                result = issueChunk(fn, g, job, sink, issued, stream);
+                result = issueChunk(fn, g, job, sink, issued, jobStaging, stream);
                 if (result != 0)
                 {
                     job.abort.store(true);
@@ -426,6 +444,36 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
     else
     {
         g.pool->run(worker, caller);
+    }
+    if (jobStaging != nullptr)
+    {
+        // One dequant of the whole call once its last copy is done (copies complete in order
+        // on the copy stream). One kernel, not one a chunk: the chunks' kernels run in
+        // stream order, and beside kernels that hold every SM (a prefill's GEMMs) each would
+        // wait for the next of them to end. The buffer's consumption is recorded even after
+        // a failed chunk, on the copy stream then: the copies already enqueued still write it.
+        cudaError_t status = cudaSuccess;
+        if (result == 0)
+        {
+            status = cudaStreamWaitEvent(stream, g.copied[static_cast<size_t>((job.numChunks - 1) % g.numSlots)], 0);
+            if (status != cudaSuccess)
+            {
+                result = recordError(fn, "cudaStreamWaitEvent", status);
+            }
+        }
+        if (result == 0)
+        {
+            result = sink.scalesDev != nullptr
+                ? launchDequantStaged(jobStaging, sink.idsDev, 0, totalRows, static_cast<int32_t>(ids.numCols),
+                      ids.tokenStride, sink.scalesDev, table.numRows, sink.headDim, sink.quantBlock, sink.out, stream)
+                : launchGather(nullptr, totalRows, 1, 1, jobStaging, jobStaging + totalRows * table.rowBytes, nullptr,
+                      nullptr, totalRows, sink.headDim, sink.tableDtype, sink.quantBlock, sink.out, stream);
+        }
+        status = cudaEventRecord(g.jobConsumed[jobBuffer], result == 0 ? stream : g.copyStream);
+        if (result == 0 && status != cudaSuccess)
+        {
+            return recordError(fn, "cudaEventRecord", status);
+        }
     }
     if (result != 0)
     {

@@ -19,6 +19,51 @@ namespace
 {
 constexpr int kDefaultSlots = 4;
 constexpr int kMaxSlots = 64;
+
+//! ENGRAM_HOST_GATHER_JOB_STAGING_BYTES: frees the two job buffers once the dequants that
+//! read them are done, then allocates `bytes` for each (none for 0). Call with callMutex
+//! held. On a failed allocation the option is off (0) and the error is returned.
+int setJobStaging(EngramHostGatherer& g, int64_t bytes)
+{
+    DeviceGuard deviceGuard(g.device);
+    if (deviceGuard.status() != cudaSuccess)
+    {
+        return failCuda(deviceGuard.status(),
+            "engram_host_gatherer_set_option: cannot make the gatherer's device %d "
+            "current: %s",
+            g.device, cudaGetErrorString(deviceGuard.status()));
+    }
+    for (int b = 0; b < 2; ++b)
+    {
+        cudaError_t const status = cudaEventSynchronize(g.jobConsumed[b]);
+        if (status != cudaSuccess)
+        {
+            return failCuda(status, "engram_host_gatherer_set_option: waiting for the job buffers' readers: %s",
+                cudaGetErrorString(status));
+        }
+        cudaFree(g.jobStaging[b]);
+        g.jobStaging[b] = nullptr;
+    }
+    g.jobStagingBytes = 0;
+    g.nextJobBuffer = 0;
+    for (int b = 0; b < 2 && bytes > 0; ++b)
+    {
+        cudaError_t const status = cudaMalloc(reinterpret_cast<void**>(&g.jobStaging[b]), static_cast<size_t>(bytes));
+        if (status != cudaSuccess)
+        {
+            cudaFree(g.jobStaging[0]);
+            g.jobStaging[0] = nullptr;
+            g.jobStaging[1] = nullptr;
+            cudaGetLastError();
+            return failCuda(status,
+                "engram_host_gatherer_set_option: job_staging_bytes: two device buffers of %lld "
+                "bytes could not be allocated: %s (set a smaller value, or 0 for the ring of slots alone)",
+                static_cast<long long>(bytes), cudaGetErrorString(status));
+        }
+    }
+    g.jobStagingBytes = bytes;
+    return 0;
+}
 } // namespace
 
 EngramHostGatherer::~EngramHostGatherer()
@@ -42,6 +87,18 @@ EngramHostGatherer::~EngramHostGatherer()
         {
             cudaEventSynchronize(e);
             cudaEventDestroy(e);
+        }
+    }
+    for (int b = 0; b < 2; ++b)
+    {
+        if (jobConsumed[b] != nullptr)
+        {
+            cudaEventSynchronize(jobConsumed[b]);
+            cudaEventDestroy(jobConsumed[b]);
+        }
+        if (jobStaging[b] != nullptr)
+        {
+            cudaFree(jobStaging[b]);
         }
     }
     if (callStart != nullptr)
@@ -141,6 +198,10 @@ extern "C" ENGRAM_API int engram_host_gatherer_create_ex(
         if (status == cudaSuccess)
         {
             status = cudaEventCreateWithFlags(&g->callStart, cudaEventDisableTiming);
+        }
+        for (int b = 0; b < 2 && status == cudaSuccess; ++b)
+        {
+            status = cudaEventCreateWithFlags(&g->jobConsumed[b], cudaEventDisableTiming);
         }
         for (int s = 0; s < numSlots && status == cudaSuccess; ++s)
         {
@@ -266,6 +327,12 @@ extern "C" ENGRAM_API int engram_host_gatherer_set_option(EngramHostGatherer* ga
             }
             g.pool->setSpinMicros(value);
             return 0;
+        case ENGRAM_HOST_GATHER_JOB_STAGING_BYTES:
+            if (value < 0 || value > (int64_t{1} << 40))
+            {
+                return outOfRange("job_staging_bytes", 0, 1LL << 40);
+            }
+            return setJobStaging(g, value);
         default:
             return fail(cudaErrorInvalidValue,
                 "engram_host_gatherer_set_option: option %d is not a settable EngramHostGatherOption", option);
@@ -298,6 +365,7 @@ extern "C" ENGRAM_API int engram_host_gatherer_get_option(EngramHostGatherer* ga
         case ENGRAM_HOST_GATHER_SLOT_BYTES: *value = g.slotBytes; return 0;
         case ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS: *value = g.tuning.prefetchFarRows; return 0;
         case ENGRAM_HOST_GATHER_PREFETCH_LOCALITY: *value = g.tuning.prefetchLocality; return 0;
+        case ENGRAM_HOST_GATHER_JOB_STAGING_BYTES: *value = g.jobStagingBytes; return 0;
         default:
             return fail(cudaErrorInvalidValue,
                 "engram_host_gatherer_get_option: option %d is not an EngramHostGatherOption", option);

@@ -42,6 +42,13 @@ struct EngramHostGatherer
     std::vector<uint8_t*> deviceStaging;
     std::vector<cudaEvent_t> copied;   // on copyStream after a slot's copy: the pinned slot is free again
     std::vector<cudaEvent_t> consumed; // on the caller's stream after the dequant read a device slot
+    // ENGRAM_HOST_GATHER_JOB_STAGING_BYTES: two device buffers, each holding a whole fp8
+    // call's staged bytes, used in turn; jobConsumed[b] is recorded on the caller's stream
+    // after the last dequant that read buffer b, and the next call into b waits for it.
+    int64_t jobStagingBytes{0};
+    uint8_t* jobStaging[2]{nullptr, nullptr};
+    cudaEvent_t jobConsumed[2]{nullptr, nullptr};
+    int nextJobBuffer{0};
     cudaStream_t copyStream{nullptr};
     cudaEvent_t callStart{nullptr};
     std::unique_ptr<engram_trt::kernels::ThreadPool> pool;
@@ -63,6 +70,38 @@ namespace engram_trt
 {
 namespace kernels
 {
+
+//! Makes `device` current and restores the previous device on scope exit; status()
+//! says whether the switch worked.
+class DeviceGuard
+{
+public:
+    explicit DeviceGuard(int device)
+    {
+        mStatus = cudaGetDevice(&mPrevious);
+        if (mStatus == cudaSuccess && mPrevious != device)
+        {
+            mStatus = cudaSetDevice(device);
+            mRestore = mStatus == cudaSuccess;
+        }
+    }
+    ~DeviceGuard()
+    {
+        if (mRestore && cudaSetDevice(mPrevious) != cudaSuccess)
+        {
+            cudaGetLastError(); // leave no stale error for a later launch check
+        }
+    }
+    cudaError_t status() const
+    {
+        return mStatus;
+    }
+
+private:
+    int mPrevious{0};
+    bool mRestore{false};
+    cudaError_t mStatus{cudaSuccess};
+};
 
 //! Where a call's chunks go.
 struct GatherSink

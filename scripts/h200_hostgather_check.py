@@ -17,7 +17,10 @@ float32 NumPy dequant, or the table's own rows for bf16 and raw bytes):
     plan's time against the torch reference's and the raw fetch's time, inline against
     hbm-scales, the pool woken against asleep (scripts/h200_cache_check.py);
   - the gather driver: queued jobs, GPU-side waits, ids arriving late, a failed job, close
-    with jobs queued, and the engine thread's time (scripts/h200_driver_check.py).
+    with jobs queued, and the engine thread's time (scripts/h200_driver_check.py);
+  - the job buffers: exact per layout, reuse ordered behind a held-back stream, the ring as
+    fallback, and a prefill chunk's gather beside long GEMMs with and without them
+    (scripts/h200_jobstaging_check.py).
 Prints one line per check, a table of the times and a summary; exits 1 if any check failed.
 
     PYTHONPATH=python python3 scripts/h200_hostgather_check.py
@@ -261,6 +264,12 @@ def main() -> int:
     import h200_driver_check
 
     h200_driver_check.run(dev, record, timings, SimpleNamespace(
+        values=values, scales=scales, rows_t=rows_t, scales_t=scales_t, inline_t=inline_t, N=N, D=D, QB=QB,
+        ref_fp8=ref_fp8, same=same))
+    # 11. the job buffers: exact, reuse ordered, and what they buy beside long GEMMs
+    import h200_jobstaging_check
+
+    h200_jobstaging_check.run(dev, record, timings, SimpleNamespace(
         values=values, scales=scales, rows_t=rows_t, scales_t=scales_t, inline_t=inline_t, N=N, D=D, QB=QB,
         ref_fp8=ref_fp8, same=same))
     print("| timing (medians; the cache step: 196,608 skewed lookups, 50M-row table, warm 5% cache) | value |")

@@ -426,4 +426,5 @@ def test_bench_step_modes_record_the_runtime_graphs_but_for_the_older_forms() ->
     assert graph_form("device-separate") == graph_form("pinned-uva-separate") == (True, False)
     assert graph_form("pinned-uva-onecut") == graph_form("pinned-host-onecut") == (False, False)
     assert set(MODES) - set(DEFAULT_MODES) == {"device-separate", "pinned-uva-separate", "pinned-host-onecut",
-                                               "pinned-uva-onecut"}
+                                               "pinned-uva-onecut", "pinned-auto-ring", "pinned-host-ring"}
+    assert graph_form("pinned-auto-ring") == graph_form("pinned-host-ring") == (True, True)

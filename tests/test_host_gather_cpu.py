@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -270,7 +271,7 @@ def test_host_gatherer_names_unknown_options() -> None:
     try:
         with pytest.raises(EngramError, match="^unknown or read-only host gather option 'num_threads'; settable: "
                                               "chunk_rows, min_chunks, task_rows, prefetch_rows, streaming_stores, "
-                                              "spin_us, prefetch_far_rows, prefetch_locality$"):
+                                              "spin_us, prefetch_far_rows, prefetch_locality, job_staging_bytes$"):
             g.set_options(num_threads=4)
     finally:
         g._handle = None
@@ -281,3 +282,16 @@ def test_kernels_module_still_exposes_the_host_gather() -> None:
     assert kernels.host_gather is hostgather.host_gather
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         getattr(kernels, "nope")
+
+
+def test_option_names_match_the_header_enum() -> None:
+    """HOST_GATHER_OPTIONS mirrors EngramHostGatherOption: each name's code is the enum
+    value of ENGRAM_HOST_GATHER_<NAME>, and every enum member has a name."""
+    from engram_trt.hostgather import HOST_GATHER_OPTIONS, HOST_GATHER_READ_ONLY
+
+    header = (REPO / "plugins" / "kernels" / "engramKernels.h").read_text()
+    body = header[header.index("enum EngramHostGatherOption"):]
+    body = body[:body.index("};")]
+    enum = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"ENGRAM_HOST_GATHER_(\w+) = (\d+)", body)}
+    assert enum == HOST_GATHER_OPTIONS
+    assert enum["job_staging_bytes"] == 11 and "job_staging_bytes" not in HOST_GATHER_READ_ONLY

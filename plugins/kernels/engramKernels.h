@@ -38,7 +38,7 @@ extern "C" {
 #endif
 
 /* Version of the kernel + plugin library; the builder records it with each engine. */
-#define ENGRAM_TRT_PLUGIN_VERSION "0.11.0"
+#define ENGRAM_TRT_PLUGIN_VERSION "0.12.0"
 
 /* Limits of the hash kernel: its layout constants travel as one kernel parameter
  * (layouts over 128 slots or 64 multipliers need a library built with CUDA 12.1+). */
@@ -281,21 +281,30 @@ enum EngramTableLayout
 /* Tuning knobs of a host gatherer (engram_host_gatherer_set_option / get_option). */
 enum EngramHostGatherOption
 {
-    ENGRAM_HOST_GATHER_CHUNK_ROWS = 0,        /* most rows per copy (default: the chunk_rows it was created with;
-                                                 capped by what a staging slot holds) */
-    ENGRAM_HOST_GATHER_MIN_CHUNKS = 1,        /* a call is cut into at least this many chunks (not below 256 rows
-                                                 each) so a small call overlaps gather and copy (default 4) */
-    ENGRAM_HOST_GATHER_TASK_ROWS = 2,         /* rows per work item of a thread (0 = automatic, default) */
-    ENGRAM_HOST_GATHER_PREFETCH_ROWS = 3,     /* software prefetch distance in rows, 0..64 (0 = off; default 16) */
-    ENGRAM_HOST_GATHER_STREAMING_STORES = 4,  /* 1: non-temporal stores into staging, 0: plain stores (default) */
-    ENGRAM_HOST_GATHER_SPIN_US = 5,           /* idle pool threads spin this long, then block (default 50) */
-    ENGRAM_HOST_GATHER_NUM_THREADS = 6,       /* read-only: threads of the pool, the caller included */
-    ENGRAM_HOST_GATHER_NUM_SLOTS = 7,         /* read-only: staging slots */
-    ENGRAM_HOST_GATHER_SLOT_BYTES = 8,        /* read-only: bytes of one pinned (and one device) staging slot */
-    ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS = 9, /* prefetch the first line of the row this far ahead, 0..64, to start
-                                                 its page walk early (0 = off, default) */
-    ENGRAM_HOST_GATHER_PREFETCH_LOCALITY = 10 /* cache level prefetched into: 3 = L1 (default) .. 1 = L2/L3,
-                                                 0 = non-temporal */
+    ENGRAM_HOST_GATHER_CHUNK_ROWS = 0,         /* most rows per copy (default: the chunk_rows it was created with;
+                                                  capped by what a staging slot holds) */
+    ENGRAM_HOST_GATHER_MIN_CHUNKS = 1,         /* a call is cut into at least this many chunks (not below 256 rows
+                                                  each) so a small call overlaps gather and copy (default 4) */
+    ENGRAM_HOST_GATHER_TASK_ROWS = 2,          /* rows per work item of a thread (0 = automatic, default) */
+    ENGRAM_HOST_GATHER_PREFETCH_ROWS = 3,      /* software prefetch distance in rows, 0..64 (0 = off; default 16) */
+    ENGRAM_HOST_GATHER_STREAMING_STORES = 4,   /* 1: non-temporal stores into staging, 0: plain stores (default) */
+    ENGRAM_HOST_GATHER_SPIN_US = 5,            /* idle pool threads spin this long, then block (default 50) */
+    ENGRAM_HOST_GATHER_NUM_THREADS = 6,        /* read-only: threads of the pool, the caller included */
+    ENGRAM_HOST_GATHER_NUM_SLOTS = 7,          /* read-only: staging slots */
+    ENGRAM_HOST_GATHER_SLOT_BYTES = 8,         /* read-only: bytes of one pinned (and one device) staging slot */
+    ENGRAM_HOST_GATHER_PREFETCH_FAR_ROWS = 9,  /* prefetch the first line of the row this far ahead, 0..64, to start
+                                                  its page walk early (0 = off, default) */
+    ENGRAM_HOST_GATHER_PREFETCH_LOCALITY = 10, /* cache level prefetched into: 3 = L1 (default) .. 1 = L2/L3,
+                                                  0 = non-temporal */
+    ENGRAM_HOST_GATHER_JOB_STAGING_BYTES = 11  /* bytes of each of two device buffers that hold a whole fp8
+                                                  call's staged rows (and scale bytes), 0..2^40 (0 = off, default).
+                                                  A call that fits copies its chunks there instead of into the
+                                                  ring of device slots, so no copy waits for an earlier chunk's
+                                                  dequant: with the ring, a dequant queued behind a long kernel
+                                                  (a prefill's GEMM holds every SM) stalls the copies and with
+                                                  them the CPU threads. Calls alternate between the two buffers;
+                                                  setting it reallocates them (cudaMalloc) and waits for the
+                                                  dequants that read them */
 };
 
 /* CPUs in the calling thread's affinity mask (sched_getaffinity; threads it starts inherit

@@ -50,7 +50,7 @@ TABLE_LAYOUTS = {"split": 0, "inline": 1, "hbm-scales": 2}  # EngramTableLayout 
 # EngramHostGatherOption: the host gatherer's knobs (see HOST_GATHER_READ_ONLY)
 HOST_GATHER_OPTIONS = {"chunk_rows": 0, "min_chunks": 1, "task_rows": 2, "prefetch_rows": 3, "streaming_stores": 4,
                        "spin_us": 5, "num_threads": 6, "num_slots": 7, "slot_bytes": 8, "prefetch_far_rows": 9,
-                       "prefetch_locality": 10}
+                       "prefetch_locality": 10, "job_staging_bytes": 11}
 HOST_GATHER_READ_ONLY = ("num_threads", "num_slots", "slot_bytes")
 # Defaults from the H200 VM (docs/benchmarks.md, `engram-trt bench gather` sweeps): with
 # 2048-row chunks and 8 slots an 8k-token prefill chunk overlapped its copies best and a

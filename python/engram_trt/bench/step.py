@@ -2,7 +2,8 @@
 
 It builds an engram-llama with random weights in GPU memory (``--model 1b``: 16
 layers, hidden 2048, bf16, ~1.1B parameters, Engram on layers 1 and 2 with DeepSeek-
-V4.1-shaped tables, 256-byte FP8 rows + 8 scale bytes, ``--table-gib`` of them), and
+V4.1-shaped tables, 256-byte FP8 rows + 8 scale bytes, ``--table-gib`` of them;
+``--model 8b``: Llama-3-8B's backbone, 32 layers, hidden 4096, the same Engram layers), and
 times the runtime's own step (the prefetcher staging rows on its side stream, then
 ``EngramLlama.forward_step``, the torch backend's call) for decode batches and a
 prefill chunk, with the tables in GPU memory, in pinned host memory (host gather, and
@@ -31,6 +32,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
            "head_dim": 128, "intermediate_size": 5632, "hc_mult": 4, "engram_layer_ids": [1, 2],
            "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256},
+    # Llama-3-8B's backbone with the same Engram layers: the size of the Engram paper's
+    # dense baselines, where the two layers' wkv (126M parameters each) is ~3% of the weights.
+    "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "intermediate_size": 14336, "hc_mult": 4, "engram_layer_ids": [1, 2],
+           "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256},
     "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 64, "intermediate_size": 512, "hc_mult": 2, "engram_layer_ids": [1, 2],
               "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
@@ -38,20 +44,23 @@ PRESETS: dict[str, dict[str, Any]] = {
 # pinned-auto is the runtime as served (the start-up calibration's path per size, host
 # gathers on the gather driver, the scale bytes read on the GPU); pinned-auto-nodriver runs
 # those gathers on the engine thread; pinned-auto-hostscales keeps the scales in host memory;
+# the -ring modes stage the host gather's fp8 chunks in its ring of device slots alone (no
+# job buffers: the library before 0.12.0), for A/B runs;
 # the -onecut modes replay decode graphs cut only at the first Engram layer, which waits
 # for every layer's rows (the runtime's graphs wait for each layer's rows at that layer);
 # the -separate modes replay the GPU lookup in graphs of its own beside the step's
 # segments (the runtime captures it on a side stream forked inside one graph of the step).
 MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver", "pinned-auto-hostscales",
-         "pinned-host-onecut", "pinned-uva-onecut", "device-separate", "pinned-uva-separate")
-AB_SUFFIXES = ("-onecut", "-separate")  # the older forms of the graphs, for A/B runs; left out by default
+         "pinned-auto-ring", "pinned-host-ring", "pinned-host-onecut", "pinned-uva-onecut", "device-separate", "pinned-uva-separate")
+AB_SUFFIXES = ("-onecut", "-separate", "-ring")  # the older forms of the graphs, for A/B runs; left out by default
 DEFAULT_MODES = tuple(m for m in MODES if not m.endswith(AB_SUFFIXES))
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("step", help="step time with Engram tables in GPU / pinned host memory vs the Engram layers removed",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("--model", choices=sorted(PRESETS), default="1b", help="model shape (default: %(default)s)")
+    p.add_argument("--model", choices=sorted(PRESETS), default="1b", help="model shape: 1b (16 layers, hidden 2048), 8b (32 layers, hidden 4096), small "
+                        "(4 layers, hidden 256, for a quick look); all with Engram on layers 1 and 2 (default: %(default)s)")
     p.add_argument("--table-gib", type=float, default=24.0, help="host table size in GiB over all Engram layers (default: %(default)s)")
     p.add_argument("--decode-batches", default="1,64,256", help="decode batch sizes (default: %(default)s)")
     p.add_argument("--context", type=int, default=256, help="tokens already in each decode sequence's cache (default: %(default)s)")
@@ -260,8 +269,9 @@ def graph_form(mode: str) -> tuple[bool, bool]:
     """(wait_each_layer, fork_lookup) of a mode's decode graphs: the runtime's form (a wait
     at each Engram layer, the GPU lookup forked inside one graph) but for the older forms
     the A/B modes keep: ``-onecut`` (one wait, at the first Engram layer, with the lookup
-    in graphs of its own, as it was then) and ``-separate`` (the lookup's graphs apart)."""
-    return not mode.endswith("-onecut"), not mode.endswith(AB_SUFFIXES)
+    in graphs of its own, as it was then) and ``-separate`` (the lookup's graphs apart).
+    ``-ring`` changes the host gather's staging only: its graphs are the runtime's."""
+    return not mode.endswith("-onecut"), not mode.endswith(("-onecut", "-separate"))
 
 
 def pair_ab(row: dict[str, Any], modes: list[str]) -> None:
@@ -319,7 +329,8 @@ def _prepare(mode: str, args: argparse.Namespace, model: Any, layout: Any, store
         policy = None if on_device or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
         pf = Prefetcher(layout, store, device, T, gather_policy=policy,
                         gather_driver=False if mode.endswith("-nodriver") else None,
-                        hbm_scales=False if mode.endswith("-hostscales") else None)
+                        hbm_scales=False if mode.endswith("-hostscales") else None,
+                        job_staging=False if mode.endswith("-ring") else None)
         results.setdefault("host_layouts", {})[mode] = pf.host_layout
         if auto:  # what a served runtime does: the start-up calibration's choice per size
             if "choice" not in calibrated:

@@ -69,6 +69,13 @@ GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "1") != "0"
 # the GPU's free memory. 0: the scales stay in host memory.
 HBM_SCALES = os.environ.get("ENGRAM_TRT_HBM_SCALES", "1") != "0"
 HBM_SCALES_MAX_FRACTION = 0.1
+# 1 (the default): the host gatherer of fp8 tables stages a whole step's rows of a layer in
+# one of two device buffers (``job_staging_bytes``: max_tokens x cols rows each, 52 MB for
+# 8,192 tokens of 24 columns of 264-byte rows), so its copies never wait for a dequant: with
+# the ring of device slots alone, a dequant queued behind a prefill's GEMM (which holds
+# every SM until it ends) stalled the copies and the CPU threads behind it, and a prefill
+# chunk's lookup took up to 20x its time alone (docs/benchmarks.md). 0: the ring alone.
+JOB_STAGING = os.environ.get("ENGRAM_TRT_JOB_STAGING", "1") != "0"
 
 
 def _driver_supported(device: Any) -> bool:
@@ -108,12 +115,14 @@ class Prefetcher:
     ``gather_driver``: queue host gathers on the gather driver's thread where the device
     supports it (default: on, unless ``ENGRAM_TRT_GATHER_DRIVER=0``). ``hbm_scales``: with
     the driver, read fp8 host tables' scale bytes from a copy in GPU memory (default: on,
-    unless ``ENGRAM_TRT_HBM_SCALES=0``; see ``HBM_SCALES``).
+    unless ``ENGRAM_TRT_HBM_SCALES=0``; see ``HBM_SCALES``). ``job_staging``: stage a
+    step's fp8 rows of a layer in a device buffer of their own (default: on, unless
+    ``ENGRAM_TRT_JOB_STAGING=0``; see ``JOB_STAGING``).
     """
 
     def __init__(self, layout: EngramLayout, tables: TableStore, device: Any, max_tokens: int,
                  gather_policy: Callable[[int], str] | None = None, gather_driver: bool | None = None,
-                 hbm_scales: bool | None = None) -> None:
+                 hbm_scales: bool | None = None, job_staging: bool | None = None) -> None:
         self.layout = layout
         self.tables = tables
         self.device = torch.device(device)
@@ -156,6 +165,8 @@ class Prefetcher:
                 # The default pool leaves a CPU to the engine thread, which keeps launching
                 # layers while the driver's pool gathers.
                 self._gatherer = HostGatherer(device=self.device, max_head_dim=max(512, width))
+                if (JOB_STAGING if job_staging is None else job_staging) and tables.quant_block:
+                    self._set_job_staging()
                 if driver:
                     from engram_trt.gatherdriver import GatherDriver
 
@@ -165,6 +176,18 @@ class Prefetcher:
                         self._hbm_scales = self._scales_to_hbm()
                 log.info("host gather: %s", "queued on its driver thread at submit (the engine thread never waits for "
                          "it)" if driver else "run at each Engram layer's first read, on the engine thread")
+
+    def _set_job_staging(self) -> None:
+        """Size the gatherer's two job buffers for a step of max_tokens (fp8 tables only:
+        bf16 rows are copied straight into the staging outputs, with no dequant)."""
+        fp8 = [li for li in range(self.tables.num_layers) if self.tables.tensors(li)[0].dtype == torch.uint8]
+        if not fp8:
+            return
+        per_row = max(self.tables.head_dim(li) + self.tables.head_dim(li) // self.tables.quant_block for li in fp8)
+        need = self.max_tokens * self.cols * per_row
+        self._gatherer.set_options(job_staging_bytes=need)
+        log.info("host gather: a step's fp8 rows staged in 2 device buffers of %.1f MB (copies never wait for a "
+                 "dequant)", need / 1e6)
 
     def _scales_to_hbm(self) -> list[torch.Tensor] | None:
         """Each layer's scale bytes copied to the GPU, or None (bf16 tables, or the copy
