@@ -196,6 +196,20 @@ int recordError(char const* fn, char const* what, cudaError_t status)
     return failCuda(status, "%s: %s failed: %s", fn, what, cudaGetErrorString(status));
 }
 
+//! The dequant of `count` staged fp8 rows into rows [first, first + count) of the sink's
+//! bf16 out, on `stream`: the values at `values`, their scale bytes at `scales` (split
+//! form) or, with the scales in HBM, read there by the rows' device ids.
+int dequantStaged(GatherJob const& job, GatherSink const& sink, uint8_t const* values, uint8_t const* scales,
+    int64_t first, int64_t count, cudaStream_t stream)
+{
+    uint8_t* const out = sink.out + first * 2 * static_cast<int64_t>(sink.headDim);
+    return sink.scalesDev != nullptr
+        ? launchDequantStaged(values, sink.idsDev, first, count, static_cast<int32_t>(job.ids.numCols),
+              job.ids.tokenStride, sink.scalesDev, job.table.numRows, sink.headDim, sink.quantBlock, out, stream)
+        : launchGather(nullptr, count, 1, 1, values, scales, nullptr, nullptr, count, sink.headDim, sink.tableDtype,
+              sink.quantBlock, out, stream);
+}
+
 //! Enqueues chunk c (all its tasks done): the copy on the copy stream, then the dequant
 //! on the caller's stream for an fp8 table. `jobStaging` (or null: the ring of device
 //! slots) is the device buffer that holds the whole call's staged bytes; its dequant is
@@ -279,14 +293,8 @@ int issueChunk(char const* fn, EngramHostGatherer& g, GatherJob const& job, Gath
         {
             return recordError(fn, "cudaStreamWaitEvent", status);
         }
-        uint8_t* const chunkOut = sink.out + first * 2 * static_cast<int64_t>(sink.headDim);
-        uint8_t* const chunkDev = g.deviceStaging[slot];
-        int const launched = sink.scalesDev != nullptr
-            ? launchDequantStaged(chunkDev, sink.idsDev, first, count, static_cast<int32_t>(job.ids.numCols),
-                  job.ids.tokenStride, sink.scalesDev, job.table.numRows, sink.headDim, sink.quantBlock, chunkOut,
-                  stream)
-            : launchGather(nullptr, count, 1, 1, chunkDev, chunkDev + rowsBytes, nullptr, nullptr, count, sink.headDim,
-                  sink.tableDtype, sink.quantBlock, chunkOut, stream);
+        int const launched
+            = dequantStaged(job, sink, g.deviceStaging[slot], g.deviceStaging[slot] + rowsBytes, first, count, stream);
         if (launched != 0)
         {
             return launched;
@@ -463,11 +471,8 @@ int runPipeline(char const* fn, EngramHostGatherer& g, RowIds const& ids, int64_
         }
         if (result == 0)
         {
-            result = sink.scalesDev != nullptr
-                ? launchDequantStaged(jobStaging, sink.idsDev, 0, totalRows, static_cast<int32_t>(ids.numCols),
-                      ids.tokenStride, sink.scalesDev, table.numRows, sink.headDim, sink.quantBlock, sink.out, stream)
-                : launchGather(nullptr, totalRows, 1, 1, jobStaging, jobStaging + totalRows * table.rowBytes, nullptr,
-                      nullptr, totalRows, sink.headDim, sink.tableDtype, sink.quantBlock, sink.out, stream);
+            result
+                = dequantStaged(job, sink, jobStaging, jobStaging + totalRows * table.rowBytes, 0, totalRows, stream);
         }
         status = cudaEventRecord(g.jobConsumed[jobBuffer], result == 0 ? stream : g.copyStream);
         if (result == 0 && status != cudaSuccess)

@@ -45,21 +45,18 @@ def record(name: str, ok: bool, detail: str = "") -> None:
     print(f"[{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True)
 
 
-def main() -> int:
+def fp8_test_table(rng: np.random.Generator, N: int = 200_000, D: int = 256, QB: int = 32) -> SimpleNamespace:
+    """The checks' fp8 table of N rows: ``values``, ``scales`` (NumPy), ``rows_t``,
+    ``scales_t``, ``inline_t`` (CPU tensors), ``N``, ``D``, ``QB``, with ``ref_fp8(ids)`` (the
+    float32 NumPy dequant, zero rows for ids off the table) and ``same(a, b)`` (bit
+    equality). Shared with the checks this script runs and scripts/h200_jobstaging_check.py."""
     import torch
 
-    from engram_trt import hostgather
     from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.errors import EngramError
-    from engram_trt.gatherpath import calibrate_gather, inline_table
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.gatherpath import inline_table
     from h200_cache_check import fp8_table  # beside this script (its directory is on sys.path)
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    rng = np.random.default_rng(11)
-    N, D, QB = 200_000, 256, 32
     values, scales, rows_t, scales_t = fp8_table(rng, N, D, QB)
-    inline_t = inline_table(rows_t, scales_t)
 
     def ref_fp8(ids: np.ndarray) -> torch.Tensor:
         ok = (ids >= 0) & (ids < N)
@@ -70,6 +67,24 @@ def main() -> int:
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+
+    return SimpleNamespace(values=values, scales=scales, rows_t=rows_t, scales_t=scales_t,
+                           inline_t=inline_table(rows_t, scales_t), N=N, D=D, QB=QB, ref_fp8=ref_fp8, same=same)
+
+
+def main() -> int:
+    import torch
+
+    from engram_trt import hostgather
+    from engram_trt.errors import EngramError
+    from engram_trt.gatherpath import calibrate_gather
+    from engram_trt.hotcache import HotRowCache
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(11)
+    tab = fp8_test_table(rng)  # also what the driver's and the job buffers' checks take
+    values, scales, rows_t, scales_t, inline_t = tab.values, tab.scales, tab.rows_t, tab.scales_t, tab.inline_t
+    N, D, QB, ref_fp8, same = tab.N, tab.D, tab.QB, tab.ref_fp8, tab.same
 
     # 1. fp8 -> bf16: many chunks through 2 slots, out-of-range ids, both layouts, a side stream
     g = hostgather.HostGatherer(num_threads=0, chunk_rows=1000, max_head_dim=D, num_slots=2)
@@ -263,15 +278,11 @@ def main() -> int:
     # 10. the gather driver: jobs queued at submit, readers waiting on the GPU
     import h200_driver_check
 
-    h200_driver_check.run(dev, record, timings, SimpleNamespace(
-        values=values, scales=scales, rows_t=rows_t, scales_t=scales_t, inline_t=inline_t, N=N, D=D, QB=QB,
-        ref_fp8=ref_fp8, same=same))
+    h200_driver_check.run(dev, record, timings, tab)
     # 11. the job buffers: exact, reuse ordered, and what they buy beside long GEMMs
     import h200_jobstaging_check
 
-    h200_jobstaging_check.run(dev, record, timings, SimpleNamespace(
-        values=values, scales=scales, rows_t=rows_t, scales_t=scales_t, inline_t=inline_t, N=N, D=D, QB=QB,
-        ref_fp8=ref_fp8, same=same))
+    h200_jobstaging_check.run(dev, record, timings, tab)
     print("| timing (medians; the cache step: 196,608 skewed lookups, 50M-row table, warm 5% cache) | value |")
     print("| --- | --- |")
     for k, v in timings.items():

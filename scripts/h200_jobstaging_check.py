@@ -139,42 +139,16 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
 
 
 def main() -> int:
-    """Alone: the same fp8 test table as scripts/h200_hostgather_check.py."""
-    import sys
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    """Alone: the host gather check's fp8 test table, the same results format."""
     import torch
 
-    from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.gatherpath import inline_table
-    from h200_cache_check import fp8_table
+    from h200_hostgather_check import RESULTS, fp8_test_table, record  # puts python/ on sys.path
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    N, D, QB = 200_000, 256, 32
-    values, scales, rows_t, scales_t = fp8_table(np.random.default_rng(11), N, D, QB)
-
-    def ref_fp8(ids: np.ndarray) -> Any:
-        ok = (ids >= 0) & (ids < N)
-        ref = dequant_fp8_rows(values[np.where(ok, ids, 0)], scales[np.where(ok, ids, 0)], QB)
-        ref[~ok] = 0
-        return torch.from_numpy(ref).to(torch.bfloat16)
-
-    def same(a: Any, b: Any) -> bool:
-        return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
-
-    results: list[bool] = []
-
-    def record(name: str, ok: bool, detail: str = "") -> None:
-        results.append(bool(ok))
-        print(f"[{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True)
-
-    timings: dict[str, float] = {}
-    run(dev, record, timings, SimpleNamespace(rows_t=rows_t, scales_t=scales_t, inline_t=inline_table(rows_t, scales_t),
-                                              N=N, D=D, QB=QB, ref_fp8=ref_fp8, same=same))
-    print(f"{sum(results)} passed, {len(results) - sum(results)} failed")
-    return 0 if all(results) else 1
+    run(dev, record, {}, fp8_test_table(np.random.default_rng(11)))
+    failed = [r for r in RESULTS if not r[1]]
+    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ class Prefetcher:
                 # The default pool leaves a CPU to the engine thread, which keeps launching
                 # layers while the driver's pool gathers.
                 self._gatherer = HostGatherer(device=self.device, max_head_dim=max(512, width))
-                if (JOB_STAGING if job_staging is None else job_staging) and tables.quant_block:
+                if JOB_STAGING if job_staging is None else job_staging:
                     self._set_job_staging()
                 if driver:
                     from engram_trt.gatherdriver import GatherDriver
