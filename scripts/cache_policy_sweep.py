@@ -26,7 +26,7 @@ def main() -> int:
     from engram_trt.bench import idstreams
     from engram_trt.bench.cache import policy_hit_rates
     from engram_trt.bench.rowcounts import count_rows
-    from engram_trt.cachepolicy import CachePolicy
+    from engram_trt.cache.policy import CachePolicy
     from engram_trt.errors import EngramError
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -6,7 +6,7 @@ One script, one device call:
   1. build      cmake (sm_90 by default) with the plugin harness; TensorRT headers from
                 --trt-include (the device has no TensorRT and no network).
   2. kernel     engram_attention_step / _packed / engram_kv_cache_write through
-                engram_trt.kernels, bf16 / fp16 / fp32, against a float64 NumPy reference on
+                engram_trt.native.kernels, bf16 / fp16 / fp32, against a float64 NumPy reference on
                 random data: mixed packs (prefill chunks after a past, decode tokens, a token
                 at position 0, non-contiguous slots, padding tokens), MHA / GQA / MQA, head
                 dims 8..256, a group of 20 query heads (three head blocks); each case also through the
@@ -150,7 +150,8 @@ def launched_kernels(fn) -> list[str]:
 def check_kernel(rng) -> None:
     import torch
 
-    from engram_trt import attention_kernels, kernels
+    from engram_trt.native import attention as attention_kernels
+    from engram_trt.native import kernels
 
     dev = torch.device("cuda")
     say(f"library {kernels.library_path()} version {kernels.version()}")
@@ -224,7 +225,7 @@ def check_boundaries(rng, dtypes) -> None:
     the last position of the cache; a token alone at position 0 returns its own value."""
     import torch
 
-    from engram_trt import attention_kernels
+    from engram_trt.native import attention as attention_kernels
 
     dev = torch.device("cuda")
     H, kvh, hd, num_slots, max_len = 8, 2, 128, 4, 96
@@ -259,7 +260,8 @@ def check_splits(rng, dtypes) -> None:
     match the reference and the unsplit kernel (ABI call with no workspace)."""
     import torch
 
-    from engram_trt import attention_kernels, kernels
+    from engram_trt.native import attention as attention_kernels
+    from engram_trt.native import kernels
 
     dev = torch.device("cuda")
     lib = attention_kernels._library()
@@ -292,7 +294,7 @@ def check_continuation(rng) -> None:
     sharing each step with other sequences, equals the reference of its whole history."""
     import torch
 
-    from engram_trt import attention_kernels
+    from engram_trt.native import attention as attention_kernels
 
     dev = torch.device("cuda")
     H, kvh, hd, num_slots, max_len = 16, 8, 128, 8, 256
@@ -378,7 +380,7 @@ def check_plugin_cpu(harness: Harness) -> None:
 def check_plugin_gpu(rng, harness: Harness) -> None:
     import torch
 
-    from engram_trt import attention_kernels
+    from engram_trt.native import attention as attention_kernels
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -449,7 +451,7 @@ def time_case(label: str, batch: int, context: int, new: int, reps: int) -> None
     import torch
     import torch.nn.functional as F
 
-    from engram_trt import attention_kernels
+    from engram_trt.native import attention as attention_kernels
 
     dev = torch.device("cuda")
     dtype = torch.bfloat16

@@ -121,7 +121,7 @@ def norm_module(weight, eps: float):
     """The model's RMSNorm holding ``weight``."""
     import torch
 
-    from engram_trt.reference.modules import RMSNorm
+    from engram_trt.models.engram_llama.modules import RMSNorm
 
     norm = RMSNorm(weight.shape[0], eps)
     norm.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -148,7 +148,7 @@ def norm_verify(name: str, inputs: dict, got_out, got_hs) -> bool:
     ops on the same inputs and against float64."""
     import torch
 
-    from engram_trt.reference.kernel_ops import TorchBackboneOps
+    from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
 
     hs_t = inputs["hs"].clone()
     want = TorchBackboneOps().norm(hs_t, inputs["residual"], norm_module(inputs["weight"], EPS))
@@ -196,7 +196,7 @@ def rope_verify(name: str, inputs: dict, got_q, got_keys, got_values) -> bool:
     cell and the V copy bit for bit) and against float64."""
     import torch
 
-    from engram_trt.reference.modules import rotate_half
+    from engram_trt.models.engram_llama.modules import rotate_half
 
     H, kvh, hd = inputs["H"], inputs["kvh"], inputs["hd"]
     qkv, cos, sin = inputs["qkv"], inputs["cos"][:, None, :], inputs["sin"][:, None, :]
@@ -243,7 +243,7 @@ def silu_inputs(gen, device, T: int, I: int) -> dict:
 
 
 def silu_verify(name: str, inputs: dict, got) -> bool:
-    from engram_trt.reference.kernel_ops import TorchBackboneOps
+    from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
 
     gu = inputs["gate_up"]
     want = TorchBackboneOps().silu_mul(gu)
@@ -256,7 +256,8 @@ def silu_verify(name: str, inputs: dict, got) -> bool:
 
 def check_abi() -> None:
     """The entry points refuse bad arguments on the host before any CUDA call."""
-    from engram_trt import attention_kernels, backbone_kernels
+    from engram_trt.native import attention as attention_kernels
+    from engram_trt.native import backbone as backbone_kernels
 
     lib = backbone_kernels._library()
     attention_kernels._library()
@@ -321,8 +322,8 @@ def check_reference_cpu() -> None:
     those ops within an ulp passes them: T 1 and 64, hc 1 and 4."""
     import torch
 
-    from engram_trt.reference.kernel_ops import TorchBackboneOps
-    from engram_trt.reference.modules import rope_and_write
+    from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
+    from engram_trt.models.engram_llama.modules import rope_and_write
 
     gen = torch.Generator().manual_seed(7)
     cpu = torch.device("cpu")
@@ -346,14 +347,14 @@ def check_reference_cpu() -> None:
 # --- 4. kernels on the GPU ----------------------------------------------------------------------------
 
 def run_norm(inputs: dict, misaligned: bool = False):
-    from engram_trt import backbone_kernels
+    from engram_trt.native import backbone as backbone_kernels
 
     hs = placed(inputs["hs"], misaligned)
     return backbone_kernels.hc_rms_norm(hs, inputs["weight"], EPS, inputs["residual"]), hs
 
 
 def run_rope(inputs: dict):
-    from engram_trt import attention_kernels
+    from engram_trt.native import attention as attention_kernels
 
     keys, values = inputs["keys"].clone(), inputs["values"].clone()
     q = attention_kernels.rope_kv_cache_write(inputs["qkv"], inputs["cos"], inputs["sin"], keys, values,
@@ -362,7 +363,7 @@ def run_rope(inputs: dict):
 
 
 def run_silu(inputs: dict, misaligned: bool = False):
-    from engram_trt import backbone_kernels
+    from engram_trt.native import backbone as backbone_kernels
 
     return backbone_kernels.silu_mul(placed(inputs["gate_up"], misaligned))
 
@@ -406,7 +407,8 @@ def check_graph(gen, rounds: int = 3) -> None:
             "rope": lambda: rope_inputs(gen, dev, 64, 16, 8, 128, 8, 256),
             "silu": lambda: silu_inputs(gen, dev, 64, 5632)}
     static = {k: f() for k, f in make.items()}
-    from engram_trt import attention_kernels, backbone_kernels
+    from engram_trt.native import attention as attention_kernels
+    from engram_trt.native import backbone as backbone_kernels
 
     def body() -> tuple:
         n, r, s = static["norm"], static["rope"], static["silu"]

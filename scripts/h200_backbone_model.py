@@ -22,7 +22,7 @@ def build_model(device: Any) -> tuple[Any, Any, dict]:
     """The bench's 1.15B model (random bf16 weights, fused at load on the GPU) with its
     tables in GPU memory."""
     from engram_trt.bench.step import build
-    from engram_trt.tables.store import DeviceTables
+    from engram_trt.tables.base import DeviceTables
 
     model, layout, tables, info = build(MODEL_ARGS, device)
     model.set_tables(DeviceTables([(r.to(device), s.to(device)) for r, s in tables], model.config.engram.quant_block))
@@ -42,9 +42,9 @@ def check_model(model: Any, layout: Any, info: dict, seed: int) -> Any:
     checks its steps against it too)."""
     import torch
 
-    from engram_trt.reference.model import EngramLlama, model_weight_shapes
+    from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
-    from engram_trt.runtime.step import PackedStep
+    from engram_trt.models.step import PackedStep
 
     dev = model.device
     cfg = model.config
@@ -192,8 +192,8 @@ def variant_settings(name: str) -> contextlib.AbstractContextManager:
     import os
     from unittest import mock
 
-    from engram_trt.reference import modules
-    from engram_trt.reference.kernel_ops import KernelBackboneOps
+    from engram_trt.models.engram_llama import modules
+    from engram_trt.models.engram_llama.kernel_ops import KernelBackboneOps
 
     if name.endswith("over copies"):
         return mock.patch.object(modules, "IN_PLACE_WITH_WARP_KERNEL", False)
@@ -253,8 +253,8 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...] = (1, 64, 256),
     import torch
 
     from engram_trt.bench.common import measure_limits
-    from engram_trt.reference import modules
-    from engram_trt.runtime.step import PackedStep
+    from engram_trt.models.engram_llama import modules
+    from engram_trt.models.step import PackedStep
 
     dev = model.device
     limits = measure_limits(dev)

@@ -95,7 +95,7 @@ def compare_policies(dev: Any, record: Record, *, fused: bool = True, seed: int 
     ``fused=False``: the harness alone) against the CPU reference, state by state."""
     import torch
 
-    from engram_trt.cachepolicy import CachePolicy
+    from engram_trt.cache.policy import CachePolicy
 
     rng = np.random.default_rng(seed)
     for ci, (name, rows, cap, budget, factor, decay, every, steps) in enumerate(POLICY_CASES):
@@ -136,10 +136,10 @@ def check_cache_data(dev: Any, record: Record) -> None:
     """HotRowCache (fused) on CUDA against the plain host gather, bit for bit."""
     import torch
 
-    from engram_trt import hostgather
+    from engram_trt.native import hostgather
     from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.gatherpath import inline_table
-    from engram_trt.hotcache import HotRowCache, TorchTransfer
+    from engram_trt.runtime.gatherpath import inline_table
+    from engram_trt.cache.hotcache import HotRowCache, TorchTransfer
 
     rng = np.random.default_rng(12)
     N, D, QB = 100_000, 256, 32
@@ -189,7 +189,7 @@ def check_cache_data(dev: Any, record: Record) -> None:
         def deliver(self, *args: Any) -> Any:
             return self.inner.deliver(*args)
 
-    from engram_trt.hotcache import CudaTransfer
+    from engram_trt.cache.hotcache import CudaTransfer
 
     inner = CudaTransfer(g, rows_t, scales_t, quant_block=QB, layout="split")
     cache = HotRowCache(rows_t, scales_t, device=dev, capacity_rows=2_000, max_step_rows=30_000, transfer=Flaky(inner))
@@ -257,10 +257,10 @@ def check_uva_misses(dev: Any, record: Record) -> None:
     plain host gather and the policy's state equal to the CPU reference's; a share of 1
     (every miss through UVA) too; a share asked for on a table the GPU cannot read is
     refused."""
-    from engram_trt import hostgather
-    from engram_trt.cache_kernels import UVA_MIN_MISSES
-    from engram_trt.cachepolicy import CachePolicy
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.native import hostgather
+    from engram_trt.native.cache import UVA_MIN_MISSES
+    from engram_trt.cache.policy import CachePolicy
+    from engram_trt.cache.hotcache import HotRowCache
 
     rng = np.random.default_rng(29)
     N, D, QB = 400_000, 256, 32
@@ -301,10 +301,10 @@ def check_whole_step(dev: Any, record: Record) -> None:
     restored, and the next step exact."""
     import torch
 
-    from engram_trt import hostgather
-    from engram_trt.cachepolicy import CachePolicy
-    from engram_trt.gatherpath import inline_table
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.native import hostgather
+    from engram_trt.cache.policy import CachePolicy
+    from engram_trt.runtime.gatherpath import inline_table
+    from engram_trt.cache.hotcache import HotRowCache
 
     rng = np.random.default_rng(17)
     N, D, QB = 60_000, 256, 32
@@ -404,7 +404,7 @@ def check_gather_part(dev: Any, record: Record) -> None:
     both; ``max_blocks`` 1 and 5 equal a full wave, from device memory and through UVA."""
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
 
     rng = np.random.default_rng(23)
     N, D, QB = 50_000, 256, 32
@@ -472,9 +472,9 @@ def check_hbm_scales_streams(dev: Any, record: Record) -> None:
     dequant, out-of-range ids included."""
     import torch
 
-    from engram_trt import hostgather
+    from engram_trt.native import hostgather
     from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.cache.hotcache import HotRowCache
 
     layout, chunks, source = id_stream_chunks()
     rng = np.random.default_rng(31)
@@ -529,7 +529,7 @@ def time_fetch(dev: Any, timings: dict[str, float], reps: int = 15) -> None:
     call's fixed cost and its cost per row can be told apart."""
     import torch
 
-    from engram_trt import hostgather
+    from engram_trt.native import hostgather
     from engram_trt.bench.lookuputil import make_tables
 
     rows = 4 << 20
@@ -574,7 +574,7 @@ def time_plans(dev: Any, timings: dict[str, float], reps: int = 20) -> None:
     """A prefill chunk's plan + admission: fused kernels against the torch reference on the GPU."""
     import torch
 
-    from engram_trt.cachepolicy import CachePolicy
+    from engram_trt.cache.policy import CachePolicy
 
     rng = np.random.default_rng(5)
     rows, n = 50_331_648, 196_608
@@ -608,7 +608,7 @@ def check_id_streams_cpu(record: Record) -> None:
     import torch
 
     from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.cache.hotcache import HotRowCache
 
     layout, chunks, source = id_stream_chunks(num_chunks=3)
     rng = np.random.default_rng(2)

@@ -146,7 +146,7 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
     tensors (on the device or pinned), want_bits / want_count: the reference."""
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
 
     dev = torch.device("cuda")
     T, L, cols = ids.shape
@@ -195,7 +195,7 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
 def check_column_range(rng, harness, stream: int) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
 
     dev = torch.device("cuda")
     T, L, cols, layer, rows_full = 150, 2, 24, 1, 30_000

@@ -1,4 +1,4 @@
-"""GPU checks of the gather driver (runtime/gatherDriver.cpp, engram_trt.gatherdriver),
+"""GPU checks of the gather driver (runtime/gatherDriver.cpp, engram_trt.native.gatherdriver),
 run by scripts/h200_hostgather_check.py:
 
   - a whole step as one job (the driver uploads and hashes the ids, copies the row ids
@@ -37,7 +37,8 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
     (bit equality)."""
     import torch
 
-    from engram_trt import gatherdriver, hostgather
+    from engram_trt.native import gatherdriver
+    from engram_trt.native import hostgather
     from engram_trt.errors import EngramError
 
     ok = gatherdriver.driver_supported(dev)

@@ -50,7 +50,7 @@ def nan_equal(got: np.ndarray, ref: np.ndarray, bound: np.ndarray | None = None)
 def check_nan(rng, harness, stream: int) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
     from engram_trt.engram.fusion import engram_gate, engram_gate_reference
     from engram_trt.engram.quant import dequant_fp8_rows
 
@@ -142,7 +142,7 @@ def check_nan(rng, harness, stream: int) -> None:
 def check_bad_rows(rng, harness, stream: int) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
@@ -229,7 +229,7 @@ def probe_build_phase(name: str, harness) -> dict:
     which shows they are unreadable (so the first probe would have failed had it read)."""
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream

@@ -83,7 +83,7 @@ def versus_linear(got, want) -> tuple[bool, str]:
 # --- 1. ABI (no GPU) -----------------------------------------------------------------------------
 
 def check_abi() -> None:
-    from engram_trt import backbone_kernels
+    from engram_trt.native import backbone as backbone_kernels
 
     lib = backbone_kernels._library()
     p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
@@ -131,7 +131,7 @@ def check_reference_cpu() -> None:
 def check_kernels(gen) -> None:
     import torch
 
-    from engram_trt import backbone_kernels
+    from engram_trt.native import backbone as backbone_kernels
 
     dev = torch.device("cuda")
     for name, (N, K) in SHAPES.items():
@@ -158,7 +158,7 @@ def check_kernels(gen) -> None:
 def check_graph(gen, rounds: int = 3) -> None:
     import torch
 
-    from engram_trt import backbone_kernels
+    from engram_trt.native import backbone as backbone_kernels
     from engram_trt.bench.common import capture_graph
 
     dev = torch.device("cuda")
@@ -179,7 +179,7 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
     inputs; each output is checked against float64 on the input it should have read."""
     import torch
 
-    from engram_trt import backbone_kernels
+    from engram_trt.native import backbone as backbone_kernels
     from engram_trt.bench.common import capture_graph
 
     dev = torch.device("cuda")

@@ -53,7 +53,7 @@ def fp8_test_table(rng: np.random.Generator, N: int = 200_000, D: int = 256, QB:
     import torch
 
     from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.gatherpath import inline_table
+    from engram_trt.runtime.gatherpath import inline_table
     from h200_cache_check import fp8_table  # beside this script (its directory is on sys.path)
 
     values, scales, rows_t, scales_t = fp8_table(rng, N, D, QB)
@@ -75,10 +75,10 @@ def fp8_test_table(rng: np.random.Generator, N: int = 200_000, D: int = 256, QB:
 def main() -> int:
     import torch
 
-    from engram_trt import hostgather
+    from engram_trt.native import hostgather
     from engram_trt.errors import EngramError
-    from engram_trt.gatherpath import calibrate_gather
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.runtime.gatherpath import calibrate_gather
+    from engram_trt.cache.hotcache import HotRowCache
 
     dev = torch.device("cuda", torch.cuda.current_device())
     rng = np.random.default_rng(11)

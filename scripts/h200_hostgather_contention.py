@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO / "python"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engram_trt import kernels  # noqa: E402
-from engram_trt.hostgather import HostGatherer  # noqa: E402
+from engram_trt.native import kernels  # noqa: E402
+from engram_trt.native.hostgather import HostGatherer  # noqa: E402
 from h200_hostgather_sweep import HD, QB, pinned_fp8_table  # noqa: E402  (the same table as the sweep)
 
 COLS = 24

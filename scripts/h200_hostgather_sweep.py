@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "python"))
 
 import torch  # noqa: E402
 
-from engram_trt.hostgather import HostGatherer  # noqa: E402
+from engram_trt.native.hostgather import HostGatherer  # noqa: E402
 
 ROWS, HD, QB = 100_663_296, 256, 32
 

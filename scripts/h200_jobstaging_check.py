@@ -28,7 +28,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
     """``table``: the caller's fp8 test table and helpers (see h200_driver_check.run)."""
     import torch
 
-    from engram_trt import hostgather
+    from engram_trt.native import hostgather
     from engram_trt.errors import EngramError
 
     rng = np.random.default_rng(17)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO / "python"))
 import torch  # noqa: E402
 
 from engram_trt.checkpoint.checkpoint import Checkpoint  # noqa: E402
-from engram_trt.checkpoint.demo import ensure_demo_checkpoint  # noqa: E402
-from engram_trt.reference.model import EngramLlama  # noqa: E402
+from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint  # noqa: E402
+from engram_trt.models.engram_llama.model import EngramLlama  # noqa: E402
 from engram_trt.engram.tokenizer import build_compressed_vocab  # noqa: E402
 
 

@@ -48,10 +48,10 @@ def main() -> int:
     args = ap.parse_args()
     from engram_trt import LLM, SamplingParams
     from engram_trt.builder.build import build
-    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
     from engram_trt.paths import cache_root
-    from engram_trt.reference.model import EngramLlama
-    from engram_trt.runtime.step import PackedStep
+    from engram_trt.models.engram_llama.model import EngramLlama
+    from engram_trt.models.step import PackedStep
 
     checks: dict[str, bool] = {}
     res: dict[str, object] = {"gpu": torch.cuda.get_device_name(0)}

@@ -139,7 +139,7 @@ def check_pinned(refs: list, label: str, chunk_bytes: int, checks: list, timings
     gpu, cpu = uva_gather_digest(store)
     checks.append((f"pinned {label}: GPU gather through UVA == CPU gather", gpu == cpu, gpu[:16]))
     try:
-        from engram_trt import kernels
+        from engram_trt.native import kernels
 
         kernels.library_path()
         kind = kernels.pointer_kind(store.tensors(0)[0])
@@ -236,7 +236,7 @@ def small_checkpoint(path: Path, table_dtype: str) -> list:
     """A small checkpoint with random tables (two Engram layers), written in small
     shards; returns its table refs (the GPU machine has no pytest: not the tests' helper)."""
     from engram_trt.checkpoint.checkpoint import write_checkpoint
-    from engram_trt.checkpoint.demo import random_weights
+    from engram_trt.models.engram_llama.demo import random_weights
     from engram_trt.config.model import ModelConfig
     from engram_trt.engram.layout import EngramLayout
 
@@ -263,7 +263,7 @@ def check_tables(out: Path, demo: bool = True) -> tuple[bool, dict]:
             refs = small_checkpoint(work / dtype, dtype)
             cases.append((f"small {dtype}", work / dtype, refs, 2 << 20))
         if demo:
-            from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+            from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
 
             t0 = time.perf_counter()
             d = ensure_demo_checkpoint()

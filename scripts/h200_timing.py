@@ -96,7 +96,7 @@ def device_copy_GBps(n_bytes: int = 2 << 30) -> float:
 def time_gate_and_hash(rng) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
     from engram_trt.config.model import EngramSpec
     from engram_trt.engram.hashing import hash_batch_packed
     from engram_trt.engram.layout import EngramLayout
@@ -260,7 +260,7 @@ def _sched_probe(calls: dict, n: int) -> dict:
 def time_gathers(rng, table_gib: float, reps: int) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import hostgather, kernels
 
     dev = torch.device("cuda")
     head_dim, block, cols = 256, 32, 24
@@ -300,8 +300,8 @@ def time_gathers(rng, table_gib: float, reps: int) -> None:
 
     # The runtime's own settings: the default pool (the process's CPUs) and chunking,
     # woken before each gather as the prefetcher does.
-    gatherer = kernels.HostGatherer(max_head_dim=max(512, head_dim))
-    spare = kernels.HostGatherer(num_threads=os.cpu_count() - 1, max_head_dim=max(512, head_dim))
+    gatherer = hostgather.HostGatherer(max_head_dim=max(512, head_dim))
+    spare = hostgather.HostGatherer(num_threads=os.cpu_count() - 1, max_head_dim=max(512, head_dim))
     for n_rows in (6144, 196608):
         T = n_rows // cols
         id_sets = [torch.from_numpy(rng.integers(0, rows_n, size=(T, cols)).astype(np.int32)) for _ in range(reps)]
@@ -368,7 +368,7 @@ def time_gathers(rng, table_gib: float, reps: int) -> None:
         row["control: one pinned copy of the same bytes"] = {"seconds": c, "GBps": moved / c / 1e9,
                                                               "ratio_to_h2d": moved / c / 1e9 / h2d}
         for threads in (os.cpu_count() - 1, os.cpu_count() - 2):
-            with kernels.HostGatherer(num_threads=threads, max_head_dim=max(512, head_dim)) as g2:
+            with hostgather.HostGatherer(num_threads=threads, max_head_dim=max(512, head_dim)) as g2:
                 s2 = wall_time(lambda i: (g2.wake(), g2.gather(id_sets[i], host_rows, host_scales, out=out)))
             row[f"host gather + copy, {threads}-thread pool"] = {"seconds": s2, "GBps": moved / s2 / 1e9,
                                                                  "ratio_to_h2d": moved / s2 / 1e9 / h2d}

@@ -5,7 +5,7 @@ One script, one device call:
   1. build      cmake (sm_90 by default) with the plugin harness; TensorRT headers from
                 --trt-include (the device has no TensorRT and no network).
   2. kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
-                bf16 tables) / gate through engram_trt.kernels, against the Python
+                bf16 tables) / gate through engram_trt.native.kernels, against the Python
                 references on fresh random inputs, outputs poisoned first.
   3. plugins    EngramHash / EngramGather / EngramGate (namespace "engram_trt") through
                 their creators, output types and shapes (a harness IExprBuilder),
@@ -116,7 +116,7 @@ def random_packed(rng, layout, num_seqs: int, max_len: int, dead_frac: float = 0
 def check_kernels(rng, layouts) -> None:
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import hostgather, kernels
     from engram_trt.engram.fusion import engram_gate_reference
     from engram_trt.engram.hashing import hash_batch_packed
     from engram_trt.engram.quant import dequant_fp8_rows
@@ -174,7 +174,7 @@ def check_kernels(rng, layouts) -> None:
         torch.cuda.synchronize()
         same = torch.equal(out.view(torch.int16).cpu(), ref_bits)
         record(f"kernel gather fp8 {name}", same, f"kind={kernels.pointer_kind(r)}")
-    with kernels.HostGatherer(num_threads=8, chunk_rows=1000, max_head_dim=256) as g:  # several chunks
+    with hostgather.HostGatherer(num_threads=8, chunk_rows=1000, max_head_dim=256) as g:  # several chunks
         out = g.gather(torch.from_numpy(ids), fp8_cpu, scales_cpu, layer=layer, out=poisoned())
         torch.cuda.synchronize()
         record("kernel host gather fp8 (heap table, 5 chunks)", torch.equal(out.view(torch.int16).cpu(), ref_bits))
@@ -436,7 +436,7 @@ def check_hardening(rng, harness: Harness, layouts, build_dir: Path) -> None:
     """Engine inputs nothing validates on the host must not fault or misread (device side)."""
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
     from engram_trt.engram.hashing import hash_batch_packed
     from engram_trt.engram.quant import dequant_fp8_rows
 
@@ -528,7 +528,7 @@ def probe(name: str, build_dir: Path) -> dict:
 
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import hostgather, kernels
     from engram_trt.errors import EngramError
 
     dev = torch.device("cuda")
@@ -542,7 +542,7 @@ def probe(name: str, build_dir: Path) -> dict:
         # A call that fails in a CUDA runtime call (the host gather's copy into memory that is
         # no device memory), then calls that must succeed: before the fix, the first one's
         # non-sticky error stayed in the runtime and the next launch check reported it.
-        g = kernels.HostGatherer(num_threads=2, chunk_rows=64, max_head_dim=64)
+        g = hostgather.HostGatherer(num_threads=2, chunk_rows=64, max_head_dim=64)
         ids = np.arange(32, dtype=np.int32).reshape(8, 4)
         table = torch.randn(100, 64, dtype=torch.bfloat16)
         if name == "stale-error":
@@ -577,7 +577,7 @@ def probe(name: str, build_dir: Path) -> dict:
         rows, width, T, cols = 1 << 20, 128, 1 << 16, 32
         table = torch.randn(rows, width, dtype=torch.bfloat16)
         ids = torch.from_numpy(rng.integers(0, rows, size=(T, cols)).astype(np.int32))
-        g = kernels.HostGatherer(num_threads=4, chunk_rows=16384, max_head_dim=width)
+        g = hostgather.HostGatherer(num_threads=4, chunk_rows=16384, max_head_dim=width)
         g.gather(ids[:64], table)  # warm-up
         torch.cuda.synchronize()
         times = {}

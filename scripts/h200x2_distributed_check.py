@@ -76,17 +76,17 @@ def main() -> int:
     import torch
 
     from engram_trt.builder.build import build
-    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
     from engram_trt.config.engram import EngramConfig
     from engram_trt.distributed.checks import LookupCase, case_lookback, lookup_check, replica_jobs, run_sequence
     from engram_trt.distributed.launch import ReplicaJob, spawn
     from engram_trt.distributed.memory import shm_used
     from engram_trt.distributed.sharding import Topology
     from engram_trt.engram.hashing import hash_batch_packed
-    from engram_trt.llmapi.params import SamplingParams
+    from engram_trt.runtime.sampling_params import SamplingParams
     from engram_trt.paths import cache_root
     from engram_trt.runtime.engine_folder import open_model_source
-    from engram_trt.runtime.step import PackedStep
+    from engram_trt.models.step import PackedStep
     from engram_trt.tables.store import open_tables
 
     n_gpu = torch.cuda.device_count()

@@ -86,7 +86,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="session")
 def demo_dir():
     """The demo checkpoint (seed 0) in the suite's cache, written once per session."""
-    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
 
     return ensure_demo_checkpoint()
 
@@ -98,7 +98,7 @@ def plugin_lib(tmp_path_factory):
     import shutil
     import subprocess
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
     from engram_trt.errors import EngramError
 
     try:
@@ -135,7 +135,7 @@ HARNESS_NAME = "libengram_plugin_harness.so"
 def harness_path() -> Path:
     """The plugin harness beside the library the tests use (installed package or source
     build), else the source tree's own build."""
-    from engram_trt import kernels
+    from engram_trt.native import kernels
     from engram_trt.errors import EngramError
 
     try:
@@ -186,7 +186,7 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
     import torch
 
     from engram_trt.checkpoint.checkpoint import write_checkpoint
-    from engram_trt.checkpoint.demo import random_weights
+    from engram_trt.models.engram_llama.demo import random_weights
     from engram_trt.config.model import ModelConfig
     from engram_trt.engram.layout import EngramLayout
 
@@ -234,7 +234,7 @@ def write_small_checkpoint(path: Path, seed: int = 0) -> Path:
     import torch
 
     from engram_trt.checkpoint.checkpoint import write_checkpoint
-    from engram_trt.checkpoint.demo import random_weights
+    from engram_trt.models.engram_llama.demo import random_weights
     from engram_trt.config.model import ModelConfig
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.engram.tokenizer import default_tokenizer_json

@@ -17,7 +17,7 @@ from engram_trt.bench import idstreams
 from engram_trt.cli.main import main
 from engram_trt.engram.hashing import hash_ids
 from engram_trt.errors import EngramError
-from engram_trt.gatherpath import HOST_MARGIN, GatherPathChoice, faster_path, inline_table, split_table
+from engram_trt.runtime.gatherpath import HOST_MARGIN, GatherPathChoice, faster_path, inline_table, split_table
 
 VOCAB = 99092
 
@@ -323,7 +323,7 @@ def test_cache_profile_of_a_cpu_cache_step_has_its_four_phases_in_order() -> Non
     import torch
 
     from engram_trt.bench.cacheprofile import PHASES, profile_step
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.cache.hotcache import HotRowCache
 
     rng = np.random.default_rng(3)
     values = torch.from_numpy(rng.integers(0, 0x70, size=(500, 64), dtype=np.uint8))
@@ -365,10 +365,10 @@ def test_cache_trace_of_a_cpu_cache_step_names_its_seams_and_restores_them() -> 
     plain step gives the traced step's bits."""
     import torch
 
-    import engram_trt.cache_kernels as ck
-    import engram_trt.hostgather as hg
+    import engram_trt.native.cache as ck
+    import engram_trt.native.hostgather as hg
     from engram_trt.bench.cachetrace import describe_trace, host_trace
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.cache.hotcache import HotRowCache
 
     rng = np.random.default_rng(5)
     values = torch.from_numpy(rng.integers(0, 0x70, size=(500, 64), dtype=np.uint8))

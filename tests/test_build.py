@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from conftest import file_sha256
-from engram_trt import trt_compat
+from engram_trt.native import trt_compat
 from engram_trt.builder.build import build
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
 from engram_trt.config.model import ModelConfig
-from engram_trt.checkpoint.demo import random_weights
+from engram_trt.models.engram_llama.demo import random_weights
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.engram.tokenizer import build_compressed_vocab
@@ -208,7 +208,7 @@ def test_rtx_parser_link_through_cache(tmp_path: Path) -> None:
     for name in ("libtensorrt_rtx.so.1", "libtensorrt_onnxparser_rtx.so.1"):
         (site / "tensorrt_rtx_libs" / name).symlink_to(libs / name)
     (site / "tensorrt_rtx_bindings").symlink_to(bindings)
-    code = ("from engram_trt import trt_compat as tc\n"
+    code = ("from engram_trt.native import trt_compat as tc\n"
             "b = tc.create_builder(); n = tc.create_network(b); p = tc.onnx_parser(n)\n"
             "print('OK', tc.describe()['module'], tc.ensure_rtx_parser_link())\n")
     env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO / 'python'}", ENGRAM_TRT_RTX_LINK_IN_CACHE="1",

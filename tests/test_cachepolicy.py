@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engram_trt.cachepolicy import CachePolicy, top_rows
+from engram_trt.cache.policy import CachePolicy, top_rows
 from engram_trt.errors import EngramError
 
 
@@ -241,7 +241,7 @@ def test_a_warm_cache_serves_exact_rows_from_its_first_step() -> None:
     import torch
 
     from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.cache.hotcache import HotRowCache
 
     rng = np.random.default_rng(8)
     values = rng.integers(0, 256, size=(1000, 64), dtype=np.uint8)
@@ -263,7 +263,7 @@ def test_a_failed_fetch_admits_nothing_and_the_next_step_is_exact() -> None:
     import torch
 
     from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.hotcache import HotRowCache, TorchTransfer
+    from engram_trt.cache.hotcache import HotRowCache, TorchTransfer
 
     rng = np.random.default_rng(2)
     values = rng.integers(0, 0x70, size=(200, 32), dtype=np.uint8)
@@ -295,7 +295,7 @@ def test_a_failed_fetch_admits_nothing_and_the_next_step_is_exact() -> None:
 def test_cache_abi_refuses_bad_arguments_before_any_cuda_call(plugin_lib: Path) -> None:
     """engram_cache_plan / engram_cache_admit check every bound and precondition on the
     host, with one-line reasons (no GPU needed: nothing is enqueued)."""
-    from engram_trt import cache_kernels
+    from engram_trt.native import cache as cache_kernels
 
     lib = cache_kernels._library()
     p = ctypes.c_void_p(64)  # never read: the calls fail on their arguments first
@@ -339,7 +339,7 @@ def test_cache_abi_refuses_bad_arguments_before_any_cuda_call(plugin_lib: Path) 
 def test_admission_draws_are_splitmix64_of_the_step_counter() -> None:
     """The draws over seed 0 run through splitmix64's published sequence for seed 0 (its
     1st..4th outputs), and the package's draw is the specification's (NumPy) draw."""
-    from engram_trt.cachepolicy import admission_draw
+    from engram_trt.cache.policy import admission_draw
 
     published = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F, 0xF88BB8A8724C81EC]
     assert [admission_draw(0, i // 2, i % 2) for i in range(1, 5)] == published
@@ -353,8 +353,8 @@ def test_the_library_admission_equals_the_policy_reference(plugin_lib: Path) -> 
     """engram_cache_admission (the whole-step call's admission, host code: no GPU) gives
     the numbers CachePolicy._admission gives, over fills, budgets, factors, seeds and
     steps, the boundary cases (empty, no misses, not full, no replace) among them."""
-    from engram_trt import cache_kernels
-    from engram_trt.cachepolicy import Admission
+    from engram_trt.native import cache as cache_kernels
+    from engram_trt.cache.policy import Admission
 
     rng = np.random.default_rng(12)
     cases = [(0, 0, 0, 5, 4, True), (7, 0, 10, 5, 4, True), (7, 3, 10, 5, 4, True), (30, 10, 10, 5, 4, True),
@@ -382,7 +382,7 @@ def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plu
     library reads it."""
     import ctypes as c
 
-    from engram_trt import cache_kernels as ck
+    from engram_trt.native import cache as ck
 
     ck._check_struct_sizes()
     lib = ck._library()
@@ -422,7 +422,7 @@ def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plu
 def test_cache_bindings_name_the_bad_argument() -> None:
     import torch
 
-    from engram_trt import cache_kernels
+    from engram_trt.native import cache as cache_kernels
 
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):
         cache_kernels.cache_plan(torch.zeros(4, dtype=torch.int32), table_rows=10, slot_of=None, counts=None,
@@ -457,7 +457,7 @@ def test_bound_cache_calls_check_their_buffers_once_and_name_the_bad_one() -> No
     calls, before anything reaches CUDA; table_key tells a work table from a view of it."""
     import torch
 
-    from engram_trt import cache_kernels
+    from engram_trt.native import cache as cache_kernels
 
     cpu32 = torch.zeros(11, dtype=torch.int32)
     with pytest.raises(EngramError, match="^slot_of must be a CUDA tensor"):
@@ -491,7 +491,7 @@ def test_the_uva_share_a_step_call_binds(plugin_lib: Path) -> None:
     it cannot, with the reason; bad numbers refused."""
     import torch
 
-    from engram_trt import cache_kernels as ck
+    from engram_trt.native import cache as ck
 
     rows, scales = torch.zeros(64, 256, dtype=torch.uint8), torch.zeros(64, 8, dtype=torch.uint8)
     assert ck._uva_share_for(None, 8, True, rows, scales, "split") == 0.0  # plain memory: no UVA by default

@@ -19,7 +19,7 @@ from engram_trt.checkpoint.checkpoint import (
     write_checkpoint,
 )
 from engram_trt.config.model import ModelConfig
-from engram_trt.checkpoint.demo import (
+from engram_trt.models.engram_llama.demo import (
     DEMO_CONFIG,
     DEMO_TABLE_CHUNK_ROWS,
     STAMP_NAME,

@@ -143,7 +143,7 @@ def _small_checkpoint(path: Path, table_rows_delta: int = 0) -> Path:
 
     from engram_trt.checkpoint.checkpoint import write_checkpoint
     from engram_trt.config.model import ModelConfig
-    from engram_trt.checkpoint.demo import random_weights
+    from engram_trt.models.engram_llama.demo import random_weights
     from engram_trt.engram.layout import EngramLayout
 
     cfg = ModelConfig.from_dict(SMALL)
@@ -250,7 +250,7 @@ def test_demo_end_to_end_json(demo_dir):
     assert res["backend"] == "torch" and res["new_tokens"] == 3
     eng = res["engine"]
     assert Path(eng["manifest_path"]).is_file()
-    from engram_trt import trt_compat
+    from engram_trt.native import trt_compat
 
     if trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt"):
         assert eng["engine_bytes"] > 0 and sorted({p.split("/")[0] for p in eng["plugin_layers"]}) == [

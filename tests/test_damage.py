@@ -141,7 +141,7 @@ def test_damaged_manifest_is_one_line(built: tuple[Path, Path], capsys: pytest.C
 def _fake_demo(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A tiny checkpoint stamped as a demo, its table shard hashed in 4 KiB blocks (so it
     takes the sampled path, as the demo's 1.2 GB shards do)."""
-    from engram_trt.checkpoint import demo
+    from engram_trt.models.engram_llama import demo
     from engram_trt.engram.tokenizer import default_tokenizer_json
 
     monkeypatch.setattr(demo, "STAMP_BLOCK_BYTES", BLOCK)
@@ -161,7 +161,7 @@ def _fake_demo(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     ("stamp", "stamp is unreadable"),
 ])
 def test_damaged_demo_cache_is_noticed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str, needle: str) -> None:
-    from engram_trt.checkpoint import demo
+    from engram_trt.models.engram_llama import demo
 
     ck = _fake_demo(tmp_path / "demo", monkeypatch)
     shard = next(ck.glob("model-*.safetensors"))

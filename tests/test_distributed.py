@@ -36,7 +36,7 @@ from engram_trt.distributed.sharding import (
 )
 from engram_trt.engram.hashing import hash_batch_packed
 from engram_trt.errors import EngramError
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.step import PackedStep
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +314,7 @@ PROMPTS = ["Engram layers look up n-grams in", "The quick brown fox jumps over t
 
 
 def _params():
-    from engram_trt.llmapi.params import SamplingParams
+    from engram_trt.runtime.sampling_params import SamplingParams
 
     # Different lengths: the replicas finish at different steps, so one idles while the other steps.
     return [SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True),

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from engram_trt.config.model import ModelConfig
-from engram_trt.config.engram import (EngramConfig, add_engram_config_arguments, engram_config_from_args,
-                                      reject_unknown_args, split_dotted)
+from engram_trt.cli.engram_args import (add_engram_config_arguments, engram_config_from_args, reject_unknown_args,
+                                        split_dotted)
+from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
 BACKBONE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

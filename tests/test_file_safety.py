@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, file_sha256, make_tiny_checkpoint, tree_digest
-from engram_trt import atomic
+from engram_trt.storage import atomic
 from engram_trt.builder.build import build
 from engram_trt.cli.main import main
 from engram_trt.errors import EngramError
@@ -63,7 +63,7 @@ def test_demo_checkpoint_refuses_an_existing_checkpoint(tmp_path: Path, tiny_ckp
 def test_demo_checkpoint_force_keeps_other_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--force replaces the checkpoint files only; the user's other files survive, and a
     failure half-way leaves the old folder exactly as it was."""
-    from engram_trt.checkpoint import demo
+    from engram_trt.models.engram_llama import demo
 
     def small_demo(out: Path, seed: int = 0, **_: object) -> Path:  # the 2.4 GiB demo, in miniature
         return make_tiny_checkpoint(Path(out), seed=seed)
@@ -337,12 +337,12 @@ def test_swap_without_exchange_restores_after_a_crash(tmp_path: Path, monkeypatc
 def test_killed_demo_leaves_no_temporary_after_the_next_run(tmp_path: Path, demo_dir: Path) -> None:
     """A demo killed while it makes its checkpoint leaves a marked temporary; the next
     run removes it (and an old-style `.demo-checkpoint.tmp-PID` of a dead process too)."""
-    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
 
     cache = tmp_path / "cache"
     cache.mkdir()
     flag = tmp_path / "paused"
-    proc = subprocess.Popen([sys.executable, "-c", "from engram_trt.checkpoint.demo import ensure_demo_checkpoint; ensure_demo_checkpoint()"],
+    proc = subprocess.Popen([sys.executable, "-c", "from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint; ensure_demo_checkpoint()"],
                             env=env_for_subprocess(ENGRAM_TRT_CACHE=str(cache), **{atomic.PAUSE_ENV: "demo:tmp-made",
                                                                                      atomic.PAUSE_FLAG_ENV: str(flag)}),
                             stderr=subprocess.PIPE, text=True)

@@ -26,11 +26,12 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt import attention_kernels, backbone_kernels
+from engram_trt.native import attention as attention_kernels
+from engram_trt.native import backbone as backbone_kernels
 from engram_trt.errors import EngramError
-from engram_trt.reference.kernel_ops import TorchBackboneOps
-from engram_trt.reference.model import EngramLlama, model_weight_shapes
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
+from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
+from engram_trt.models.step import PackedStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_model import IDS, MODEL_CONFIG, PLAIN_CONFIG, build, close, np_forward  # noqa: E402
@@ -169,13 +170,13 @@ def test_dispatch_on_a_cpu(caplog) -> None:
     """A CPU model (float32 or bf16) runs the plain modules: nothing stacked, no kernels,
     the choice logged once; ``kernels`` names what it needs; a bad name is refused."""
     _, cfg, weights, lookup = build(MODEL_CONFIG)
-    with caplog.at_level(logging.INFO, logger="engram_trt.reference.kernel_ops"):
+    with caplog.at_level(logging.INFO, logger="engram_trt.models.engram_llama.kernel_ops"):
         for dtype in (torch.float32, torch.bfloat16):
             model = EngramLlama(cfg, weights, compress_lookup=lookup, dtype=dtype)
             assert model.backbone_ops is None and model.backend_name == "torch"
             assert all(layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None
                        for layer in model.model.layers)
-    assert [r.getMessage() for r in caplog.records if r.name == "engram_trt.reference.kernel_ops"] == ["decoder layers: PyTorch ops (cpu, torch.float32)",
+    assert [r.getMessage() for r in caplog.records if r.name == "engram_trt.models.engram_llama.kernel_ops"] == ["decoder layers: PyTorch ops (cpu, torch.float32)",
                                                         "decoder layers: PyTorch ops (cpu, torch.bfloat16)"]
     with pytest.raises(EngramError, match=r"^backbone_backend 'kernels' runs on a CUDA device in bfloat16 with fused "
                                           r"projections \(got cpu, torch.bfloat16, fuse_projections=False\); use "
@@ -305,7 +306,7 @@ def test_rope_check_catches_a_wrong_convention(check) -> None:
     inputs = check.rope_inputs(gen, torch.device("cpu"), 8, 4, 2, 64, 4, 16, out_of_cache=False)
     from types import SimpleNamespace
 
-    from engram_trt.reference.modules import rope_and_write
+    from engram_trt.models.engram_llama.modules import rope_and_write
 
     H, kvh, hd = 4, 2, 64
     q, k, v = (x.reshape(8, -1, hd) for x in inputs["qkv"].split([H * hd, kvh * hd, kvh * hd], dim=-1))

@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engram_trt import gatherdriver  # noqa: E402
+from engram_trt.native import gatherdriver  # noqa: E402
 from engram_trt.errors import EngramError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="these cases need a machine without a CUDA device")

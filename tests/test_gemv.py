@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engram_trt import backbone_kernels
+from engram_trt.native import backbone as backbone_kernels
 from engram_trt.errors import EngramError
-from engram_trt.reference.kernel_ops import KernelBackboneOps, TorchBackboneOps
+from engram_trt.models.engram_llama.kernel_ops import KernelBackboneOps, TorchBackboneOps
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engram_trt import hostgather, kernels
+from engram_trt.native import hostgather
+from engram_trt.native import kernels
 from engram_trt.errors import EngramError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,13 +155,13 @@ def test_rows_cpu_argument_checks(plugin_lib: Path) -> None:
 
 def test_default_thread_count_follows_the_affinity_mask(plugin_lib: Path) -> None:
     # one CPU left to the thread that launches the model, at least one thread
-    assert kernels.default_gather_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert hostgather.default_gather_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
     count = ctypes.c_int32(0)
     assert kernels.load_library().engram_cpu_affinity_count(ctypes.byref(count)) == 0
     assert count.value == len(os.sched_getaffinity(0))
     cpu = sorted(os.sched_getaffinity(0))[0]
     code = ("import os, sys; os.sched_setaffinity(0, {%d}); sys.path.insert(0, %r); "
-            "from engram_trt import kernels; print(kernels.default_gather_threads())") % (cpu, str(REPO / "python"))
+            "from engram_trt.native import hostgather; print(hostgather.default_gather_threads())") % (cpu, str(REPO / "python"))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, ENGRAM_TRT_PLUGIN_LIB=str(plugin_lib)))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -277,17 +278,10 @@ def test_host_gatherer_names_unknown_options() -> None:
         g._handle = None
 
 
-def test_kernels_module_still_exposes_the_host_gather() -> None:
-    assert kernels.HostGatherer is hostgather.HostGatherer
-    assert kernels.host_gather is hostgather.host_gather
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        getattr(kernels, "nope")
-
-
 def test_option_names_match_the_header_enum() -> None:
     """HOST_GATHER_OPTIONS mirrors EngramHostGatherOption: each name's code is the enum
     value of ENGRAM_HOST_GATHER_<NAME>, and every enum member has a name."""
-    from engram_trt.hostgather import HOST_GATHER_OPTIONS, HOST_GATHER_READ_ONLY
+    from engram_trt.native.hostgather import HOST_GATHER_OPTIONS, HOST_GATHER_READ_ONLY
 
     header = (REPO / "plugins" / "kernels" / "engramKernels.h").read_text()
     body = header[header.index("enum EngramHostGatherOption"):]

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.llmapi.params import SamplingParams
+from engram_trt.runtime.sampling_params import SamplingParams
 from engram_trt.runtime.detokenize import IncrementalText
 from engram_trt.runtime.phases import PHASES, StepPhases
 from engram_trt.runtime.scheduler import Scheduler
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.step import PackedStep
 
 from conftest import word_tokenizer
 

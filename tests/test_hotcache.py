@@ -18,8 +18,8 @@ import pytest
 
 from engram_trt.engram.quant import dequant_fp8_rows
 from engram_trt.errors import EngramError
-from engram_trt.gatherpath import inline_table
-from engram_trt.hotcache import CachePolicy, HotRowCache
+from engram_trt.runtime.gatherpath import inline_table
+from engram_trt.cache.hotcache import CachePolicy, HotRowCache
 
 N, HEAD_DIM, QB = 4000, 64, 32
 
@@ -248,7 +248,7 @@ def test_hbm_scales_fetch_reads_the_scales_by_the_device_ids(table) -> None:
     zero rows and scale byte 127 for ids outside the table."""
     import torch
 
-    from engram_trt.hotcache import TorchTransfer
+    from engram_trt.cache.hotcache import TorchTransfer
 
     values, scales = table
     t = TorchTransfer(values, scales, quant_block=QB, layout="hbm-scales", head_dim=HEAD_DIM)
@@ -288,7 +288,7 @@ def test_delivery_shape_keeps_2d_ids_and_flattens_the_others() -> None:
     """The [T, cols] the cache delivers in (and bench cache's call timing reuses)."""
     import torch
 
-    from engram_trt.hotcache import delivery_shape
+    from engram_trt.cache.hotcache import delivery_shape
 
     assert delivery_shape(torch.zeros((7, 24), dtype=torch.int32)) == (7, 24)
     assert delivery_shape(torch.zeros(5, dtype=torch.int32)) == (5, 1)

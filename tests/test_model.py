@@ -21,15 +21,15 @@ import torch
 
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
 from engram_trt.config.model import ModelConfig
-from engram_trt.checkpoint.demo import random_weights
+from engram_trt.models.engram_llama.demo import random_weights
 from engram_trt.errors import EngramError
 from engram_trt.engram.fusion import engram_gate_reference
 from engram_trt.engram.hashing import hash_ids
 from engram_trt.engram.layout import EngramLayout
-from engram_trt.reference.kv_cache import KVCache
-from engram_trt.reference.model import EngramLlama
-from engram_trt.reference.sampling import sample_next
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.kv_cache import KVCache
+from engram_trt.models.engram_llama.model import EngramLlama
+from engram_trt.models.sampling import sample_next
+from engram_trt.models.step import PackedStep
 from engram_trt.tables.source import checkpoint_table_refs
 from engram_trt.tables.store import open_tables
 from engram_trt.engram.quant import dequant_fp8_rows

@@ -1,7 +1,7 @@
 """The exported serving graph, run on the CPU with the plugin nodes bound to the Python
 references (reference_executor.py), against the PyTorch reference model (EngramLlama).
 
-Every check runs MIXED packed steps (runtime.step.PackedStep): sequences prefilling
+Every check runs MIXED packed steps (models.step.PackedStep): sequences prefilling
 chunks while others decode, at different past lengths, in non-contiguous KV slots (one
 reused after its sequence ended), sequences continuing across steps. Two references:
 each sequence alone through ``EngramLlama.forward`` with a fresh KVCache (a prefill of all
@@ -29,15 +29,15 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.builder.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, export_model
+from engram_trt.models.engram_llama.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, export_model
 from engram_trt.builder.reference_executor import ReferenceRunner, engram_attention_reference
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
-from engram_trt.checkpoint.demo import random_weights
+from engram_trt.models.engram_llama.demo import random_weights
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
-from engram_trt.reference.model import EngramLlama
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.engram_llama.model import EngramLlama
+from engram_trt.models.step import PackedStep
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=500, hc_mult=2, tie_word_embeddings=False, max_position_embeddings=128,
@@ -333,7 +333,7 @@ def demo_ckpt(demo_dir: Path) -> Checkpoint:
 def test_demo_checkpoint_float32(demo_ckpt: Checkpoint) -> None:
     """The demo checkpoint (real tokenizer, FP8 tables read in place from the shards)."""
     from engram_trt.engram.tokenizer import build_compressed_vocab
-    from engram_trt.reference.model import model_weight_shapes
+    from engram_trt.models.engram_llama.model import model_weight_shapes
 
     cfg = demo_ckpt.config
     vocab = build_compressed_vocab(demo_ckpt.tokenizer_json)
@@ -358,7 +358,7 @@ def test_multipliers_travel_as_exact_decimal_text() -> None:
     the text round-trips exactly and the graph's EngramHash node carries it."""
     import onnx
 
-    import engram_trt.builder.onnx_export as ox
+    import engram_trt.models.engram_llama.onnx_export as ox
 
     cfg, lookup, layout, weights = _small()
     enc = ox.encode_multipliers(layout.multipliers)
@@ -377,7 +377,7 @@ def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugi
     """An fp16 export (no casts around the gate) parses and builds into a TensorRT-RTX
     engine: the EngramGate layers take and return float16, and every EngramAttention
     layer takes and returns float16 caches."""
-    from engram_trt import trt_compat
+    from engram_trt.native import trt_compat
     from engram_trt.builder.build import build_engine
 
     if not (trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")):
@@ -425,7 +425,7 @@ def test_reference_gather_honours_the_plugins_share_fields(share: dict) -> None:
     from onnx import TensorProto, helper
     from onnx.reference import ReferenceEvaluator
 
-    from engram_trt.builder.onnx_export import PLUGIN_DOMAIN
+    from engram_trt.models.engram_llama.onnx_export import PLUGIN_DOMAIN
     from engram_trt.builder.reference_executor import TableRegistry, _reference_ops
 
     rng = np.random.default_rng(5)

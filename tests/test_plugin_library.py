@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engram_trt import attention_kernels, kernels, trt_compat
+from engram_trt.native import attention as attention_kernels
+from engram_trt.native import kernels
+from engram_trt.native import trt_compat
 from engram_trt.config.model import EngramSpec
 from engram_trt.distributed.sharding import ColumnShard, shard_columns
 from engram_trt.errors import EngramError
@@ -960,7 +962,7 @@ def test_cache_overlap_abi(plugin_lib: Path) -> None:
     machine without a usable GPU creation fails with the CUDA reason, leaving NULL."""
     import ctypes
 
-    from engram_trt import cache_kernels
+    from engram_trt.native import cache as cache_kernels
 
     lib = cache_kernels._library()
     assert lib.engram_cache_overlap_create(None) == 1

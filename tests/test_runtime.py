@@ -19,8 +19,8 @@ import torch
 
 from engram_trt import LLM, SamplingParams
 from engram_trt.errors import EngramError
-from engram_trt.reference.model import EngramLlama
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.engram_llama.model import EngramLlama
+from engram_trt.models.step import PackedStep
 
 PROMPTS = ["Engram", "Engram layers look up n-grams in huge tables.", "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2,
            "Hello, world", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7 8 9 10", "def f(x): return x", "∑ ∫ √ π"]

@@ -35,7 +35,7 @@ LENGTHS = (6, 3, 9)  # different lengths: requests finish at different steps whi
 
 
 def _params():
-    from engram_trt.llmapi.params import SamplingParams
+    from engram_trt.runtime.sampling_params import SamplingParams
 
     return [SamplingParams(max_tokens=n, ignore_eos=True) for n in LENGTHS]
 

@@ -82,7 +82,7 @@ def test_scales_move_to_gpu_memory_only_within_their_budget(monkeypatch: pytest.
     a row brings only its values from the host."""
     import numpy as np
 
-    from engram_trt.tables.store import TableStore
+    from engram_trt.tables.base import TableStore
 
     rng = np.random.default_rng(3)
     rows = [torch.from_numpy(rng.integers(0, 256, (1000, 64), dtype=np.uint8)) for _ in range(2)]
@@ -108,7 +108,7 @@ def test_scales_move_to_gpu_memory_only_within_their_budget(monkeypatch: pytest.
 
 
 def test_bf16_tables_keep_the_split_layout() -> None:
-    from engram_trt.tables.store import TableStore
+    from engram_trt.tables.base import TableStore
 
     tables = [torch.zeros((100, 32), dtype=torch.bfloat16) for _ in range(2)]
     pf = _prefetcher_over(TableStore.from_tensors(tables, [None, None]))

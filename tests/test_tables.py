@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
-from engram_trt.checkpoint.demo import random_weights
+from engram_trt.models.engram_llama.demo import random_weights
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.engram.quant import dequant_fp8_rows
@@ -43,7 +43,8 @@ from engram_trt.tables.hostmem import PAGE, HostRegistration, allocate_anonymous
 from engram_trt.tables.pinned import PinnedTables
 from engram_trt.tables.shared import TEST_PAUSE_ENV, SharedTables, expected_header
 from engram_trt.tables.source import checkpoint_table_refs
-from engram_trt.tables.store import MemoryTables, TableStore, open_tables
+from engram_trt.tables.base import MemoryTables, TableStore
+from engram_trt.tables.store import open_tables
 from test_checkpoint import SMALL_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -603,7 +604,7 @@ def test_pinned_load_path_with_fake_registrar(ck: Checkpointed) -> None:
     read: list[tuple[str, int]] = []
 
     def reader(ref: Any, out: torch.Tensor, bar: Any) -> None:
-        from engram_trt.tables.store import read_region_into
+        from engram_trt.tables.base import read_region_into
 
         assert out.dtype == torch.uint8 and out.numel() == ref.nbytes
         read.append((ref.tensor, ref.nbytes))

@@ -22,8 +22,8 @@ __version__ = "0.1.0"
 
 from engram_trt.errors import CheckpointError, ConfigError, EngramError  # noqa: E402
 
-_LAZY = {"LLM": "engram_trt.llmapi.llm", "SamplingParams": "engram_trt.llmapi.params",
-         "RequestOutput": "engram_trt.llmapi.outputs", "CompletionOutput": "engram_trt.llmapi.outputs",
+_LAZY = {"LLM": "engram_trt.llmapi.llm", "SamplingParams": "engram_trt.runtime.sampling_params",
+         "RequestOutput": "engram_trt.runtime.outputs", "CompletionOutput": "engram_trt.runtime.outputs",
          "EngramConfig": "engram_trt.config.engram"}
 
 __all__ = ["__version__", "EngramError", "ConfigError", "CheckpointError", *_LAZY]

@@ -22,3 +22,13 @@ class ConfigError(EngramError):
 
 class CheckpointError(EngramError):
     """A checkpoint folder is incomplete or its tensors do not match its config."""
+
+
+def human_bytes(n: float) -> str:
+    """A size as messages and logs print it (``1.5 GiB``): every layer names sizes in
+    its errors, so the one formatter lives beside the errors."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"

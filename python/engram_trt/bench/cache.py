@@ -4,7 +4,7 @@ HBM hot-row cache, against the cold host gather of the same ids (issue 11, targe
 Ids: 8k-token chunks of text hashed by the DeepSeek-V4.1-like spec of
 :mod:`engram_trt.bench.idstreams` (2 layers x 24 columns; 196,608 lookups per layer and
 chunk); tables: each layer's host table (random bytes; 24.75 GiB for both layers at the
-default column size). Per layer a :class:`~engram_trt.hotcache.HotRowCache` of
+default column size). Per layer a :class:`~engram_trt.cache.hotcache.HotRowCache` of
 ``--capacity-fraction`` of the layer's rows (5%) is warmed on ``--warm`` chunks, then
 ``--measure`` further chunks are timed, each as the wall time from the call to the
 stream's completion, through three paths: the cache; de-duplication alone (a cache of 0
@@ -55,6 +55,7 @@ from engram_trt.bench.idstreams import (
     CHUNK_TOKENS,
     DEFAULT_COLUMN_ROWS,
     V41_COLUMN_ROWS,
+    layer_list,
     chunk_row_ids,
     chunk_stats,
     default_tokens_path,
@@ -182,16 +183,6 @@ def _host_layouts(args: Any) -> list[str]:
     return layouts
 
 
-def _layers(text: str, num_layers: int) -> list[int]:
-    try:
-        layers = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise EngramError(f"--layers must be comma-separated layer indices (got {text!r})") from None
-    if not layers or any(not 0 <= li < num_layers for li in layers):
-        raise EngramError(f"--layers must be in [0, {num_layers}) (got {text!r})")
-    return layers
-
-
 def cmd_cache(args: Any) -> int:
     import torch
 
@@ -218,7 +209,7 @@ def cmd_cache(args: Any) -> int:
         raise EngramError(f"--spin-us must be >= 0 (got {args.spin_us})")
     stream = _token_stream(args)
     layout = make_layout(column_rows, stream.compressed_vocab_size, stream.pad_id)
-    layers = _layers(args.layers, layout.num_layers)
+    layers = layer_list(args.layers, layout.num_layers)
     t0 = time.perf_counter()
     chunks = list(chunk_row_ids(stream, layout, first_chunk=args.first_chunk, num_chunks=warm + measure))
     if len(chunks) < warm + measure:
@@ -284,7 +275,7 @@ def _simulate(args: Any, stream: Any, layers: list[int], warm: int, measure: int
     import torch
 
     from engram_trt.bench.rowcounts import count_rows
-    from engram_trt.hotcache import CachePolicy
+    from engram_trt.cache.hotcache import CachePolicy
 
     layout = make_layout(args.simulate_column_rows, stream.compressed_vocab_size, stream.pad_id)
     dev = torch.device("cuda", torch.cuda.current_device())

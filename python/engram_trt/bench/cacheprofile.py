@@ -165,7 +165,7 @@ def call_costs(cache: Any, ids: Any, out: Any, device: Any, reps: int = 50) -> d
     import torch
 
     from engram_trt.bench.common import sync
-    from engram_trt.hotcache import delivery_shape
+    from engram_trt.cache.hotcache import delivery_shape
 
     plan = cache.policy.plan(ids, cache.miss_base)
     positions = plan.positions.clone()  # valid positions (a plan's own are views of buffers the next plan reuses)

@@ -97,7 +97,7 @@ def run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     import torch
 
     from engram_trt.engram.quant import dequant_fp8_rows_torch
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.cache.hotcache import HotRowCache
 
     out = []
     huge_before = anon_hugepages_kib()
@@ -156,8 +156,8 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     from engram_trt.bench.cacheprofile import call_costs, phase_timeline, profile_step
     from engram_trt.bench.cachetrace import host_trace
     from engram_trt.bench.stepprofile import host_profile
-    from engram_trt.hostgather import HostGatherer
-    from engram_trt.hotcache import HotRowCache
+    from engram_trt.native.hostgather import HostGatherer
+    from engram_trt.cache.hotcache import HotRowCache
 
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731

@@ -54,8 +54,8 @@ def _patched(tracer: _Tracer, cache: Any) -> Iterator[None]:
     """Wrap the step's seams; restore every one afterwards, also on an error."""
     import torch
 
-    import engram_trt.cache_kernels as ck
-    import engram_trt.hostgather as hg
+    import engram_trt.native.cache as ck
+    import engram_trt.native.hostgather as hg
 
     policy, transfer = cache.policy, cache.transfer
     undo: list[tuple[Any, str, Any, bool]] = []

@@ -245,7 +245,7 @@ def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
     """The CPU parts alone: host gather's row copy (gather_rows_cpu) and index_select."""
     import torch
 
-    from engram_trt import hostgather
+    from engram_trt.native import hostgather
 
     results: list[Result] = []
     for n, sets in id_sets.items():
@@ -288,7 +288,8 @@ def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
 def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str, Any]:
     import torch
 
-    from engram_trt import hostgather, kernels
+    from engram_trt.native import hostgather
+    from engram_trt.native import kernels
 
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731

@@ -27,7 +27,8 @@ def time_split(args: Any, tables: Any, sets: list[Any], sets_dev: list[Any], out
     split rows (hbm-scales or split), the first ``--threads`` and ``--slots``."""
     import torch
 
-    from engram_trt import hostgather, kernels
+    from engram_trt.native import hostgather
+    from engram_trt.native import kernels
 
     layout = "hbm-scales" if "hbm-scales" in args.layouts else "split"
     scales = scales_dev if layout == "hbm-scales" else tables.split_scales

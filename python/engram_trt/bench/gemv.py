@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from engram_trt import backbone_kernels
+    from engram_trt.native import backbone as backbone_kernels
     from engram_trt.bench.common import dump, measure_limits
     from engram_trt.errors import EngramError
 

@@ -274,3 +274,14 @@ def add_parser(sub: Any) -> Any:
     add_idstream_arguments(p)
     p.set_defaults(func=cmd_idstream)
     return p
+
+
+def layer_list(text: str, num_layers: int) -> list[int]:
+    """``--layers`` as layer indices in [0, num_layers)."""
+    try:
+        layers = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise EngramError(f"--layers must be comma-separated layer indices (got {text!r})") from None
+    if not layers or any(not 0 <= li < num_layers for li in layers):
+        raise EngramError(f"--layers must be in [0, {num_layers}) (got {text!r})")
+    return layers

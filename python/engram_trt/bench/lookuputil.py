@@ -118,14 +118,14 @@ class HostBuffer:
         self.registered = False
 
     def register(self) -> None:
-        from engram_trt import kernels
+        from engram_trt.native import kernels
 
         kernels.register_host_memory(self.tensor)
         self.registered = True
 
     def close(self) -> None:
         if self.registered:
-            from engram_trt import kernels
+            from engram_trt.native import kernels
 
             kernels.unregister_host_memory(self.tensor)
             self.registered = False

@@ -162,14 +162,14 @@ def add_rowcounts_arguments(p: Any) -> None:
 
 
 def cmd_rowcounts(args: Any) -> int:
-    from engram_trt.bench.cache import _layers
+    from engram_trt.bench.idstreams import layer_list
     from engram_trt.bench.idstreams import CHUNK_TOKENS, chunk_row_ids, default_tokens_path, load_tokens, make_layout
 
     if args.chunks < 1 or args.first_chunk < 0:
         raise EngramError("--chunks must be >= 1 and --first-chunk >= 0")
     stream = load_tokens(args.tokens or default_tokens_path())
     layout = make_layout(args.column_rows, stream.compressed_vocab_size, stream.pad_id)
-    layers = _layers(args.layers, layout.num_layers)
+    layers = layer_list(args.layers, layout.num_layers)
     chunks = chunk_row_ids(stream, layout, first_chunk=args.first_chunk, num_chunks=args.chunks)
     seen = [0]
 

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from engram_trt.bench.common import dump
     from engram_trt.errors import EngramError
     from engram_trt.llmapi.llm import LLM
-    from engram_trt.llmapi.params import SamplingParams
+    from engram_trt.runtime.sampling_params import SamplingParams
     from engram_trt.runtime.phases import StepPhases, format_table
 
     levels = [int(x) for x in args.concurrency.split(",") if x]

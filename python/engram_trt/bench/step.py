@@ -105,7 +105,7 @@ def build(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, dict[st
 
     from engram_trt.config.model import ModelConfig
     from engram_trt.engram.layout import EngramLayout
-    from engram_trt.reference.model import EngramLlama, model_weight_shapes
+    from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
 
     pre = PRESETS[args.model]
     cols = (pre["engram_max_ngram_size"] - 1) * pre["engram_n_heads"]
@@ -152,7 +152,7 @@ def build(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, dict[st
 
 
 def _stores(tables: list, modes: list[str], device: Any, quant_block: int) -> dict[str, Any]:
-    from engram_trt.tables.store import DeviceTables, TableStore
+    from engram_trt.tables.base import DeviceTables, TableStore
 
     class PinnedTensors(TableStore):  # pinned by torch (cudaHostAlloc): readable through UVA
         kind = "pinned"
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engram_trt.bench.common import dump, measure_limits, time_fn
     from engram_trt.errors import EngramError
-    from engram_trt.runtime.step import PackedStep
+    from engram_trt.models.step import PackedStep
 
     if not torch.cuda.is_available():
         raise EngramError("bench step needs a CUDA GPU (it times the GPU runtime); none is available here")

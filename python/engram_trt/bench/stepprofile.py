@@ -138,7 +138,7 @@ def trace(model: Any, store: Any, layout: Any, device: Any, path: str, rng: Any)
     from torch.profiler import ProfilerActivity, profile
 
     from engram_trt.runtime.prefetch import Prefetcher
-    from engram_trt.runtime.step import PackedStep
+    from engram_trt.models.step import PackedStep
 
     model.set_tables(store)
     model.engram_enabled = True

@@ -37,10 +37,8 @@ What the build does to the files around it (docs/reliability.md):
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import os
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -48,17 +46,18 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 
-from engram_trt import __version__, atomic
+from engram_trt import __version__
+from engram_trt.storage import atomic
 from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
-from engram_trt.builder.args import BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN
+from engram_trt.builder.defaults import BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN
 from engram_trt.config.dtypes import require_dtype
-from engram_trt.config.engram import EngramConfig, engram_config_from_args
+from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, RepackedTables, TableRef, checkpoint_table_refs,
                                          foreign_repack_files, hash_tables, repack_tables, sha256_file,
                                          write_manifest)
-from engram_trt.builder.onnx_export import PLUGIN_NAMES, ExportOptions, export_model
+from engram_trt.models.engram_llama.onnx_export import PLUGIN_NAMES, ExportOptions, export_model
 from engram_trt.builder.output import (ENGINE_NAME, ONNX_NAME, OUTPUT_NAMES, REPORT_NAME, TOKENIZER_FILE, VOCAB_NAME,
                                        check_output_is_ours, output_paths)
 from engram_trt.tables.source import BLOCK_BYTES, check_table_files
@@ -140,7 +139,7 @@ def find_plugin_library(explicit: str | Path | None = None) -> Path:
         if not p.is_file():
             raise EngramError(f"--plugin-lib '{p}' is not a file (point it at libengram_trt_plugins.so)")
         return p.resolve()
-    from engram_trt.kernels import library_path
+    from engram_trt.native.kernels import library_path
 
     return library_path()
 
@@ -216,7 +215,7 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
                  embed_plugin_library: bool) -> tuple[int, list[str]]:
     """Parse ``model.onnx`` into a strongly typed network and build the serialized engine.
     Returns (engine bytes, plugin names of the network's plugin layers)."""
-    from engram_trt import trt_compat as tc
+    from engram_trt.native import trt_compat as tc
 
     t = tc.load().module
     builder = tc.create_builder()
@@ -269,7 +268,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     a folder that holds files engram-trt did not write. ``table_block_bytes``: the
     block size of the tables' recorded hashes (the sampled check's unit).
     """
-    from engram_trt import trt_compat as tc
+    from engram_trt.native import trt_compat as tc
 
     t_start = time.perf_counter()
     # -- every argument, before any work ------------------------------------------------
@@ -339,7 +338,7 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
     """The phases, writing every file into ``tmp``; paths in the results name ``out``,
     where ``tmp`` will be swapped in. Re-packed tables (still under temporary names) are
     appended to ``repacked`` for the caller to commit or discard."""
-    from engram_trt import trt_compat as tc
+    from engram_trt.native import trt_compat as tc
 
     config = ckpt.config
     spec = config.engram
@@ -493,18 +492,3 @@ def _check_engine_size(engine_bytes: int, tables_bytes: int, exported: Any, plug
     allowance = 2 * exported.initializer_bytes + lib + 64 * 1024 * 1024
     if tables_bytes and engine_bytes > allowance + tables_bytes // 2:
         raise EngramError(f"internal: the engine ({engine_bytes} bytes) is larger than its backbone, kernels and plugins allow ({allowance} bytes): table bytes may have entered it")
-
-
-def build_from_args(args: argparse.Namespace) -> int:
-    """Run ``engram-trt build`` from parsed arguments; prints the result, returns 0."""
-    result = build(
-        args.checkpoint, args.output, engram_config_from_args(args),
-        max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
-        dtype=args.dtype, targets=args.target, embed_plugin_library=args.plugin_library == "embed",
-        plugin_library=args.plugin_lib, repack_tables_dir=args.repack_tables, force=args.force,
-        build_engine_if_possible=not args.no_engine, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
-    else:
-        print(result.summary())
-    return 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from engram_trt import atomic
+from engram_trt.storage import atomic
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, read_safetensors_header
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.errors import EngramError

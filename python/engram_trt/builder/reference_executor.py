@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from engram_trt.builder.onnx_export import DTYPES, PLUGIN_DOMAIN, TABLE_DTYPE_CODES, ExportedModel, decode_multipliers
+from engram_trt.models.engram_llama.onnx_export import DTYPES, PLUGIN_DOMAIN, TABLE_DTYPE_CODES, ExportedModel, decode_multipliers
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
@@ -206,7 +206,7 @@ class ReferenceRunner:
         self.lookback = np.full((self.num_slots, exported.io.get("lookback") or 0), -1, dtype=np.int32)
 
     def run(self, step: Any, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
-        """:meth:`step` on a :class:`~engram_trt.runtime.step.PackedStep` (the one step
+        """:meth:`step` on a :class:`~engram_trt.models.step.PackedStep` (the one step
         object every backend takes)."""
         return self.step(step.input_ids, step.seq_starts, step.past_lens, step.slots, step.lookback, step.engram_ids,
                          engram_rows=engram_rows)

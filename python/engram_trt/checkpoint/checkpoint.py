@@ -321,7 +321,7 @@ def write_checkpoint(out_dir: str | Path, config_dict: Mapping[str, Any], tensor
     its files are replaced and older ``model-*-of-*.safetensors`` that the new index
     does not name are removed, so a re-write leaves no stale shard for a reader to trip
     on. Callers that must never expose a half-written folder (the demo) write into a
-    fresh temporary folder and rename it into place (engram_trt.atomic).
+    fresh temporary folder and rename it into place (engram_trt.storage.atomic).
     """
     from safetensors.torch import save_file
 

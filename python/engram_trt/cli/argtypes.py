@@ -112,3 +112,13 @@ def resolve_device(name: str) -> Any:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise EngramError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return dev
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> Any:
+    """The request's SamplingParams, every option checked (check_generation_args) before anything
+    is loaded or built."""
+    from engram_trt.runtime.sampling_params import SamplingParams
+
+    check_generation_args(args)
+    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)

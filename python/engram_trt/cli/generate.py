@@ -8,14 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, check_generation_args, int_arg, resolve_device
+from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, int_arg, resolve_device, sampling_params_from_args
 from engram_trt.cli.output import print_json
 from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
 from engram_trt.errors import EngramError
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    from engram_trt.config.engram import add_engram_config_arguments
+    from engram_trt.cli.engram_args import add_engram_config_arguments
 
     p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int_arg(1, INT32_MAX), default=32,
@@ -42,23 +42,13 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     add_engram_config_arguments(p)
 
 
-def _check_generation_args(args: argparse.Namespace) -> Any:
-    """The request's SamplingParams, every option checked (cli.argtypes) before anything
-    is loaded or built."""
-    from engram_trt.llmapi.params import SamplingParams
-
-    check_generation_args(args)
-    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
-
-
 def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Generate through :class:`engram_trt.LLM` (engine folder or checkpoint) and return
     text, token ids, the finish reason, the backend, the storage and timings."""
-    from engram_trt.config.engram import engram_config_from_args
+    from engram_trt.cli.engram_args import engram_config_from_args
     from engram_trt.llmapi.llm import LLM
 
-    params = _check_generation_args(args)
+    params = sampling_params_from_args(args)
     ecfg = engram_config_from_args(args)
     t0 = time.perf_counter()
     with LLM(path, backend=args.backend, engram_config=ecfg if ecfg.given else None, device=args.device,
@@ -122,14 +112,14 @@ def _check_against_config(path: str, args: argparse.Namespace) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from engram_trt.distributed.cli import print_parallel, run_parallel, wants_parallel
+    from engram_trt.cli.distributed import print_parallel, run_parallel, wants_parallel
 
     if wants_parallel(args):  # hook: --tp / --dp / --prompts-file start the ranks (engram_trt.distributed)
         res = run_parallel(args)
         if res:
             print_json(res) if args.json else print_parallel(res)
         return 0
-    _check_generation_args(args)  # before anything is loaded
+    sampling_params_from_args(args)  # before anything is loaded
     resolve_device(args.device)
     _check_against_config(args.path, args)
     res = generate_text(args.path, args)
@@ -138,25 +128,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
-    from engram_trt.checkpoint.demo import write_demo_checkpoint
+    from engram_trt.models.engram_llama.demo import write_demo_checkpoint
 
     out = write_demo_checkpoint(Path(args.out), seed=args.seed, force=args.force)
     print(f"wrote the demo checkpoint to {out} (random weights: generated text is meaningless)")
     return 0
 
 
-def cmd_build(args: argparse.Namespace) -> int:
-    from engram_trt.builder.build import build_from_args
-
-    return build_from_args(args)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from engram_trt.builder.build import build
-    from engram_trt.checkpoint.demo import ensure_demo_checkpoint
+    from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
     from engram_trt.paths import cache_root
 
-    _check_generation_args(args)  # before the checkpoint is made or the engine built
+    sampling_params_from_args(args)  # before the checkpoint is made or the engine built
     resolve_device(args.device)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")

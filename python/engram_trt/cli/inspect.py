@@ -14,7 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from engram_trt.cli.output import EXIT_PROBLEMS, human_bytes, print_json
+from engram_trt.cli.output import EXIT_PROBLEMS, print_json
+from engram_trt.errors import human_bytes
 from engram_trt.errors import EngramError
 
 

@@ -21,9 +21,9 @@ import sys
 from typing import Callable, Sequence
 
 from engram_trt import __version__  # (sets torch's OpenMP wait policy: see engram_trt/__init__.py)
-from engram_trt.builder.args import add_build_arguments
 from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, int_arg
-from engram_trt.cli.generate import _add_generation_args, cmd_build, cmd_demo, cmd_demo_checkpoint, cmd_run
+from engram_trt.cli.build_args import add_build_arguments, cmd_build
+from engram_trt.cli.generate import _add_generation_args, cmd_demo, cmd_demo_checkpoint, cmd_run
 from engram_trt.cli.inspect import cmd_inspect
 from engram_trt.cli.mechanism import cmd_hash, cmd_layout
 from engram_trt.cli.output import EXIT_USAGE
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
             "from --prompt; prints the text, the backend that ran it and why, where the tables live, and timings.")
     p.add_argument("path", metavar="PATH", help="engine folder (from engram-trt build) or checkpoint folder")
     _add_generation_args(p)
-    from engram_trt.distributed.cli import add_parallel_arguments
+    from engram_trt.cli.distributed import add_parallel_arguments
 
     add_parallel_arguments(p)  # hook: --tp / --dp / --prompts-file (engram_trt.distributed)
 
@@ -149,7 +149,7 @@ def _os_error_line(exc: OSError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; every failure is one line on stderr and exit status 2."""
-    from engram_trt.config.engram import reject_unknown_args
+    from engram_trt.cli.engram_args import reject_unknown_args
 
     for stream in (sys.stdout, sys.stderr):
         try:

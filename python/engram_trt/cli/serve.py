@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def add_repo_arguments(p: argparse.ArgumentParser) -> None:
     """The model's options, shared by ``triton-repo`` and ``serve``."""
-    from engram_trt.config.engram import add_engram_config_arguments
+    from engram_trt.cli.engram_args import add_engram_config_arguments
 
     p.add_argument("engine_dir", metavar="ENGINE_DIR", help="engine folder from `engram-trt build` (a checkpoint folder works too)")
     p.add_argument("--instances", type=int, default=1,
@@ -60,7 +60,7 @@ def add_repo_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace an existing repository folder, only if engram-trt wrote it and it holds nothing else")
     p.add_argument("--json", action="store_true", help="print one JSON object (the repository, or the endpoints once ready)")
     add_engram_config_arguments(p)
-    from engram_trt.distributed.cli import add_parallel_arguments
+    from engram_trt.cli.distributed import add_parallel_arguments
 
     add_parallel_arguments(p, serving=True)
 
@@ -89,7 +89,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_triton_repo(args: argparse.Namespace) -> int:
-    from engram_trt.triton.repo import describe, options_from_args, resolve_options, write_model_repository
+    from engram_trt.triton.repo import describe, resolve_options, write_model_repository
 
     if not args.out:
         raise EngramError("triton-repo needs --out REPO (the folder to write the model repository to)")
@@ -144,7 +144,7 @@ class _Signals:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from engram_trt.triton import server as ts
-    from engram_trt.triton.repo import options_from_args, resolve_options, write_model_repository
+    from engram_trt.triton.repo import resolve_options, write_model_repository
 
     opts = resolve_options(options_from_args(args))
     if args.ready_timeout <= 0 or args.exit_timeout < 0:
@@ -203,3 +203,16 @@ def _announce(server: Any, opts: Any, args: argparse.Namespace, workdir: Path) -
         print(f"  metrics  {ep['metrics']}")
         print("stop with Ctrl-C (SIGINT) or SIGTERM")
     sys.stdout.flush()
+
+
+def options_from_args(args: Any, gpus: Any = None) -> Any:
+    """RepoOptions of parsed ``triton-repo`` / ``serve`` arguments."""
+    from engram_trt.cli.engram_args import engram_config_from_args
+    from engram_trt.triton.repo import RepoOptions, parse_gpus
+
+    return RepoOptions(engine_dir=Path(args.engine_dir), instances=args.instances,
+                       gpus=tuple(gpus) if gpus is not None else parse_gpus(args.gpus), backend=args.backend,
+                       device=args.device, dtype=args.dtype, engram_config=engram_config_from_args(args),
+                       max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                       max_num_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
+                       tp=getattr(args, "tp", 1), dp=getattr(args, "dp", 1))

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from engram_trt.cli.output import EXIT_USAGE, human_bytes, print_json
+from engram_trt.cli.output import EXIT_USAGE, print_json
+from engram_trt.errors import human_bytes
 
 SHM_DIR_HELP = "directory holding the segments (default: /dev/shm, where the shared store puts them)"
 

@@ -49,7 +49,7 @@ def lookup_check(world_ctx: Any, path: str, cases: list[LookupCase], max_num_tok
     from engram_trt.distributed.lookup import ShardedLookup
     from engram_trt.distributed.sharding import Topology
     from engram_trt.runtime.engine_folder import open_model_source
-    from engram_trt.runtime.step import PackedStep
+    from engram_trt.models.step import PackedStep
 
     src = open_model_source(path, progress=False)
     lookup_map = src.compress_lookup

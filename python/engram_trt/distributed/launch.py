@@ -168,7 +168,7 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     from engram_trt.distributed.memory import process_memory
     from engram_trt.distributed.modes import choose_table_sharing, log_choice, shared_store_problem
     from engram_trt.llmapi.llm import LLM
-    from engram_trt.llmapi.params import as_param_list
+    from engram_trt.runtime.sampling_params import as_param_list
 
     topo = Topology(job.tp, job.dp)
     if world_ctx is None:

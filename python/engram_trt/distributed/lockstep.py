@@ -36,7 +36,7 @@ import torch
 from engram_trt.distributed.groups import all_gather_flat
 from engram_trt.errors import EngramError
 from engram_trt.runtime.scheduler import Scheduler
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.step import PackedStep
 
 log = logging.getLogger(__name__)
 

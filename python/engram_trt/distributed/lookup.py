@@ -50,7 +50,7 @@ from engram_trt.engram.hashing import hash_batch_packed
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
 from engram_trt.runtime.staged_rows import StagedRows
-from engram_trt.tables.store import TableStore
+from engram_trt.tables.base import TableStore
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,12 @@ class ShardedLookup:
         self.stats: dict[str, Any] = {"steps": 0, "idle_steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0,
                                       "exchange_s": 0.0, "exchange_bytes": 0, "pad_tokens": 0, "paths": {}}
         self._kernels = None
+        self._hostgather = None
         if self.cuda and tables is not None:
-            from engram_trt import kernels
+            from engram_trt.native import hostgather, kernels
 
             self._kernels = kernels
+            self._hostgather = hostgather
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -244,7 +246,7 @@ class ShardedLookup:
                     got = self._kernels.gather(ids.to(torch.int32).to(self.device, non_blocking=True), rows, scales,
                                                quant_block=qb)
                 else:
-                    got = self._kernels.host_gather(ids.to(torch.int32), rows, scales, quant_block=qb, device=self.device)
+                    got = self._hostgather.host_gather(ids.to(torch.int32), rows, scales, quant_block=qb, device=self.device)
             out[:, li, :, :nc].copy_(got.view(R, P, nc, self.head_dim))
         return out
 

@@ -111,7 +111,7 @@ def _lookup_sha256(lookup: np.ndarray) -> str:
 
 def write_cached_map(path: Path, lookup: np.ndarray) -> None:
     """Write a cache entry (map + its checksum) under a temporary name, then rename it."""
-    from engram_trt import atomic
+    from engram_trt.storage import atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.clean_dead_temps(path)

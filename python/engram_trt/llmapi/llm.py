@@ -23,8 +23,8 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
-from engram_trt.llmapi.outputs import RequestOutput
-from engram_trt.llmapi.params import SamplingParams, as_param_list
+from engram_trt.runtime.outputs import RequestOutput
+from engram_trt.runtime.sampling_params import SamplingParams, as_param_list
 
 log = logging.getLogger(__name__)
 

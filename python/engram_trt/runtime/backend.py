@@ -1,6 +1,6 @@
 """The backends' common contract and the choice between them.
 
-A backend runs one :class:`~engram_trt.runtime.step.PackedStep` against a KV cache it
+A backend runs one :class:`~engram_trt.models.step.PackedStep` against a KV cache it
 allocated, with the step's Engram rows staged by the runtime (prefetch placement) or
 gathered inside (the engine's in-engine placement), and returns logits of each
 sequence's last token. Two backends implement it: ``tensorrt`` (the engine) and

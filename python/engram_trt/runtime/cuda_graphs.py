@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from engram_trt.runtime.phases import UPLOAD
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.step import PackedStep
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ class DecodeGraphs:
 
     def _hash(self, G: int) -> torch.Tensor:
         """Row ids of the static step, every Engram layer's (kernels only)."""
-        from engram_trt import kernels
+        from engram_trt.native import kernels
 
         d = self._buffers(G)[0]
         cids = d[1, :G].to(torch.int32)
@@ -259,7 +259,7 @@ class DecodeGraphs:
 
     def _gather(self, ids: torch.Tensor, li: int, G: int) -> None:
         """Engram layer ``li``'s rows of the static step into the graphs' own staging."""
-        from engram_trt import kernels
+        from engram_trt.native import kernels
 
         rows, scales = self.tables.tensors(li)
         kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,

@@ -44,8 +44,8 @@ from engram_trt.engram.hashing import hash_batch_packed
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
 from engram_trt.runtime.staged_rows import StagedRows
-from engram_trt.runtime.step import PackedStep
-from engram_trt.tables.store import TableStore
+from engram_trt.models.step import PackedStep
+from engram_trt.tables.base import TableStore
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,13 @@ BAD_ROW_CHECK_EVERY = int(os.environ.get("ENGRAM_TRT_CHECK_ROWS_EVERY", "256") o
 # back) rather than from NumPy on the engine thread.
 GPU_HASH_MIN_TOKENS = 256
 # 1 (the default): queue each step's host gathers as one step job on the gather driver's
-# thread (engram_trt.gatherdriver) where the device has 64-bit stream memory operations,
+# thread (engram_trt.native.gatherdriver) where the device has 64-bit stream memory operations,
 # so the engine thread goes on launching layers while the CPUs gather; 0: the host gather
 # runs at each Engram layer's first read, on the engine thread.
 GATHER_DRIVER = os.environ.get("ENGRAM_TRT_GATHER_DRIVER", "1") != "0"
 # 1 (the default): with the gather driver, fp8 host tables keep a copy of their scale
 # bytes in GPU memory (3% of a table of 256-byte rows: 0.75 GiB per 24 GiB) so the host
-# gather's CPU threads copy 4 cache lines a row instead of 5 (engram_trt.hostgather,
+# gather's CPU threads copy 4 cache lines a row instead of 5 (engram_trt.native.hostgather,
 # layout 'hbm-scales'); used only while that copy takes at most HBM_SCALES_MAX_FRACTION of
 # the GPU's free memory. 0: the scales stay in host memory.
 HBM_SCALES = os.environ.get("ENGRAM_TRT_HBM_SCALES", "1") != "0"
@@ -79,7 +79,7 @@ JOB_STAGING = os.environ.get("ENGRAM_TRT_JOB_STAGING", "1") != "0"
 
 
 def _driver_supported(device: Any) -> bool:
-    from engram_trt.gatherdriver import driver_supported
+    from engram_trt.native.gatherdriver import driver_supported
 
     try:
         return driver_supported(device)
@@ -92,7 +92,7 @@ def _driver_supported(device: Any) -> bool:
 def bad_row_checker(device: Any) -> Any:
     """A device int64 counter for the gather kernels and a function that checks it every
     BAD_ROW_CHECK_EVERY calls (each call counts one step)."""
-    from engram_trt import kernels
+    from engram_trt.native import kernels
 
     counter = kernels.new_bad_row_counter(device)
     state = {"steps": 0}
@@ -145,7 +145,7 @@ class Prefetcher:
         self._lock = threading.Lock()
         self.stats = {"steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0, "paths": {}}
         if self.cuda:
-            from engram_trt.reference.kernel_ops import KernelEngramOps
+            from engram_trt.models.engram_llama.kernel_ops import KernelEngramOps
 
             self._ops = KernelEngramOps(layout, self.device)
             self._bad_rows, self._check_bad_rows = bad_row_checker(self.device)
@@ -158,7 +158,7 @@ class Prefetcher:
             self._gatherer = None
             self._hash_host: torch.Tensor | None = None
             if not tables.on_device:
-                from engram_trt.hostgather import HostGatherer
+                from engram_trt.native.hostgather import HostGatherer
 
                 width = max(tables.head_dim(i) for i in range(tables.num_layers))
                 driver = (GATHER_DRIVER if gather_driver is None else gather_driver) and _driver_supported(self.device)
@@ -168,7 +168,7 @@ class Prefetcher:
                 if JOB_STAGING if job_staging is None else job_staging:
                     self._set_job_staging()
                 if driver:
-                    from engram_trt.gatherdriver import GatherDriver
+                    from engram_trt.native.gatherdriver import GatherDriver
 
                     self._driver = GatherDriver(self._gatherer)
                     self._order = torch.cuda.Event()  # re-recorded each step: no event made per step
@@ -224,7 +224,7 @@ class Prefetcher:
         Host tables only: GPU-memory tables always use the HBM gather."""
         if not self.cuda or self.tables.on_device or self._gatherer is None:
             return None
-        from engram_trt.gatherpath import calibrate_gather
+        from engram_trt.runtime.gatherpath import calibrate_gather
 
         # The host gather timed as the step job runs it; the UVA kernel reads the stored
         # split table (the host scales, when the host gather's are in HBM).
@@ -329,7 +329,7 @@ class Prefetcher:
     def _host_queued(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor],
                      info: dict[str, Any]) -> StagedRows:
         """The whole step's host lookup queued on the gather driver as one job (see
-        engram_trt.gatherdriver): the engine thread only copies the step's compressed ids,
+        engram_trt.native.gatherdriver): the engine thread only copies the step's compressed ids,
         bounds and lookback into pinned buffers; the driver thread hashes them on the GPU,
         copies the row ids back and gathers each Engram layer in turn, and each layer's
         reader waits on the GPU for its rows. Nothing here waits for the lookup."""
@@ -364,9 +364,9 @@ class Prefetcher:
                           finish=lambda: drv.finish(tickets[-1]))
 
     def _make_step_job(self) -> Any:
-        """The step job's fixed part (engram_trt.gatherdriver.StepJob), made at the first
+        """The step job's fixed part (engram_trt.native.gatherdriver.StepJob), made at the first
         host step: the step buffers, each layer's table and its whole staging buffer."""
-        from engram_trt.gatherdriver import StepBuffers, StepJob
+        from engram_trt.native.gatherdriver import StepBuffers, StepJob
 
         buffers = StepBuffers(self.max_tokens, self.layout.num_layers, self.cols, self.layout.max_ngram_size - 1,
                               self.device)

@@ -22,7 +22,7 @@ from engram_trt.runtime.backend import select_backend
 from engram_trt.runtime.engine_folder import ModelSource
 from engram_trt.runtime.phases import LOOKUP
 from engram_trt.runtime.prefetch import Prefetcher
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.step import PackedStep
 
 log = logging.getLogger(__name__)
 

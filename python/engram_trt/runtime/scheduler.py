@@ -28,12 +28,12 @@ import numpy as np
 import torch
 
 from engram_trt.errors import EngramError
-from engram_trt.llmapi.outputs import CompletionOutput, RequestOutput
-from engram_trt.llmapi.params import SamplingParams
-from engram_trt.reference.sampling import sample_next
+from engram_trt.runtime.outputs import CompletionOutput, RequestOutput
+from engram_trt.runtime.sampling_params import SamplingParams
+from engram_trt.models.sampling import sample_next
 from engram_trt.runtime.detokenize import IncrementalText
 from engram_trt.runtime.phases import FORWARD, OUTPUT, SAMPLE, SCHEDULE, StepPhases
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.step import PackedStep
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The ``torch`` backend: the reference model (:mod:`engram_trt.reference`) run on the
+"""The ``torch`` backend: the reference model (:mod:`engram_trt.models.engram_llama`) run on the
 packed step, with the Engram steps in the project's CUDA kernel library on a GPU (the
 plugins' very kernels) and the reference path on a CPU. Its weights come from the
 source checkpoint the engine folder names; its Engram rows are staged by the runtime's
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from engram_trt.errors import EngramError
-from engram_trt.reference.kv_cache import KVCache
+from engram_trt.models.kv_cache import KVCache
 from engram_trt.runtime.phases import UPLOAD
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class TorchBackend:
     def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True) -> None:
         from engram_trt.checkpoint.checkpoint import Checkpoint
-        from engram_trt.reference.model import EngramLlama, model_weight_shapes
+        from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
 
         self.device = device
         t0 = time.perf_counter()

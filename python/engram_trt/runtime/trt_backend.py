@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from engram_trt.errors import EngramError
-from engram_trt.reference.kv_cache import KVCache
+from engram_trt.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def _gpu_sm(device: torch.device) -> str:
 
 def tensorrt_unusable_reason(source: Any, device: torch.device) -> str | None:
     """Why the engine of ``source`` cannot run here, or None when it can be tried."""
-    from engram_trt import trt_compat as tc
+    from engram_trt.native import trt_compat as tc
 
     if source.kind != "engine":
         return f"{source.path} is a checkpoint, not an engine folder (build one with `engram-trt build`)"
@@ -70,7 +70,7 @@ class TensorRTBackend:
     name = "tensorrt"
 
     def __init__(self, source: Any, tables: Any, device: torch.device) -> None:
-        from engram_trt import trt_compat as tc
+        from engram_trt.native import trt_compat as tc
 
         self.device = device
         self.source = source
@@ -80,7 +80,7 @@ class TensorRTBackend:
         if source.plugin_library is not None and not source.plugin_embedded:
             tc.load_plugin_library(source.plugin_library)
         elif not source.plugin_embedded and source.has_engram:
-            from engram_trt import kernels
+            from engram_trt.native import kernels
 
             tc.load_plugin_library(kernels.library_path())
         runtime = tc.create_runtime()
@@ -109,7 +109,7 @@ class TensorRTBackend:
             scales = [0 if tables.tensors(i)[1] is None else tables.tensors(i)[1].data_ptr() for i in range(tables.num_layers)]
             self._table_ptrs = torch.tensor(rows, dtype=torch.int64, device=device)
             self._scale_ptrs = torch.tensor(scales, dtype=torch.int64, device=device)
-        from engram_trt.runtime.step import StepUploader
+        from engram_trt.models.step import StepUploader
 
         self._uploader = StepUploader(device)
         vocab = source.config.vocab_size

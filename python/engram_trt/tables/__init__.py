@@ -1,4 +1,4 @@
-"""Engram table storage: one interface (:class:`~engram_trt.tables.store.TableStore`)
+"""Engram table storage: one interface (:class:`~engram_trt.tables.base.TableStore`)
 over every place the tables can live.
 
 Tables are the one part of an Engram model that does not fit an engine or, for real
@@ -8,11 +8,11 @@ tensors plus what kind of memory holds them:
 
 | kind | module | where | chosen by (``--engram-config``) |
 | --- | --- | --- | --- |
-| ``memory`` | :mod:`.store` | ordinary host memory (the CPU reference) | no GPU |
-| ``device`` | :mod:`.store` | GPU memory | ``cpu_offload: false`` |
+| ``memory`` | :mod:`.base` | ordinary host memory (the CPU reference) | no GPU |
+| ``device`` | :mod:`.base` | GPU memory | ``cpu_offload: false`` |
 | ``pinned`` | :mod:`.pinned` | host memory registered for UVA, in chunks | default with a GPU |
 | ``shared`` | :mod:`.shared` | one ``/dev/shm`` segment per node, every process attaches | ``dp_shared_memory`` |
-| ``file`` | :mod:`.store` | the checkpoint files through the page cache | ``host_file_gather`` |
+| ``file`` | :mod:`.base` | the checkpoint files through the page cache | ``host_file_gather`` |
 
 :func:`open_tables` is the one factory; :mod:`.source` says where each table's bytes
 are on disk (from a checkpoint or an engine folder's manifest) and checks them.
@@ -28,13 +28,13 @@ from typing import Any
 
 from engram_trt.tables.source import TableRef, check_table_files, layer_refs  # noqa: F401
 
-_FROM_STORE = ("TABLE_KINDS", "TableStore", "open_tables", "table_kind_for")
-__all__ = ["TableRef", "check_table_files", "layer_refs", *_FROM_STORE]
+_LAZY = {"TABLE_KINDS": "base", "TableStore": "base", "open_tables": "store", "table_kind_for": "store"}
+__all__ = ["TableRef", "check_table_files", "layer_refs", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_STORE:
-        from engram_trt.tables import store
+    if name in _LAZY:
+        import importlib
 
-        return getattr(store, name)
+        return getattr(importlib.import_module(f"engram_trt.tables.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'engram_trt.tables' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from engram_trt.cli.output import human_bytes
+from engram_trt.errors import human_bytes
 from engram_trt.errors import EngramError
 from engram_trt.tables.source import TableRef, layer_refs
 
@@ -249,7 +249,7 @@ def tensors_over(buffer: Any, placed: Sequence[PlacedTable], base: int = 0) -> l
 
     import torch
 
-    from engram_trt.tables.store import _shape_tensor
+    from engram_trt.tables.base import _shape_tensor
 
     by_layer: dict[int, dict[str, Any]] = {}
     with warnings.catch_warnings():  # a read-only mapping is fine: nothing writes through these views
@@ -366,7 +366,7 @@ class CudaRegistrar:
                 continue
         if self._torch is None and self._cuda_python is None:
             try:
-                from engram_trt import kernels
+                from engram_trt.native import kernels
 
                 self._kernels = kernels.load_library()
             except EngramError as exc:

@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from engram_trt.cli.output import human_bytes
+from engram_trt.errors import human_bytes
 from engram_trt.tables.hostmem import (
     DEFAULT_CHUNK_BYTES,
     HostBuffer,
@@ -38,7 +38,7 @@ from engram_trt.tables.hostmem import (
     tensors_over,
 )
 from engram_trt.tables.source import TableRef, layer_refs
-from engram_trt.tables.store import TableStore, _load_progress, read_region_into
+from engram_trt.tables.base import TableStore, _load_progress, read_region_into
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engram_trt.cli.output import human_bytes
+from engram_trt.errors import human_bytes
 from engram_trt.errors import EngramError
 from engram_trt.tables import segment as seg
 from engram_trt.tables.hostmem import (
@@ -60,7 +60,7 @@ from engram_trt.tables.hostmem import (
 )
 from engram_trt.tables.pinned import HostResources, PinnedTables, fill_tables
 from engram_trt.tables.source import TableRef, layer_refs
-from engram_trt.tables.store import TableStore, _load_progress, load_memory_tables, read_region_into
+from engram_trt.tables.base import TableStore, _load_progress, load_memory_tables, read_region_into
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from engram_trt import __version__
 from engram_trt.config.engram import EngramConfig
@@ -386,15 +386,3 @@ def describe(opts: RepoOptions, repo: Path) -> dict[str, Any]:
             "tp_groups": [list(g) for g in opts.tp_groups],
             "engram_config": json.loads(model_parameters(opts)["engram_config"] or "{}"),
             "files": [f"{MODEL_NAME}/config.pbtxt", f"{MODEL_NAME}/1/model.py", MARKER]}
-
-
-def options_from_args(args: Any, gpus: Sequence[int] | None = None) -> RepoOptions:
-    """RepoOptions of parsed ``triton-repo`` / ``serve`` arguments."""
-    from engram_trt.config.engram import engram_config_from_args
-
-    return RepoOptions(engine_dir=Path(args.engine_dir), instances=args.instances,
-                       gpus=tuple(gpus) if gpus is not None else parse_gpus(args.gpus), backend=args.backend,
-                       device=args.device, dtype=args.dtype, engram_config=engram_config_from_args(args),
-                       max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                       max_num_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
-                       tp=getattr(args, "tp", 1), dp=getattr(args, "dp", 1))

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from engram_trt.errors import EngramError
-from engram_trt.llmapi.params import MAX_SEED, SamplingParams
+from engram_trt.runtime.sampling_params import MAX_SEED, SamplingParams
 
 
 @dataclass(frozen=True)

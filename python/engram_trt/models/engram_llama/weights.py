@@ -22,7 +22,7 @@ from engram_trt.errors import CheckpointError, EngramError
 
 
 def model_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter :class:`~engram_trt.reference.model.EngramLlama` needs (checkpoint
+    """Every parameter :class:`~engram_trt.models.engram_llama.model.EngramLlama` needs (checkpoint
     names and shapes), tables excluded: the backbone plus each Engram layer's ``wkv``,
     ``q_weight``, ``k_weight``."""
     out = dict(backbone_tensor_shapes(config))

@@ -1,15 +1,15 @@
 """The hot-row cache's policy: which rows are cached, in which slot, and what a step
-fetches; no row data (that is :class:`engram_trt.hotcache.HotRowCache`).
+fetches; no row data (that is :class:`engram_trt.cache.hotcache.HotRowCache`).
 
 Two implementations of one step, with the same state (int32 tensors on the policy's
 device: ``slot_of [table_rows + 1]``, ``row_of_slot [capacity]``, ``counts [table_rows
 + 1]``) and the same decisions:
 
-- the reference (:mod:`engram_trt.cachereference`): torch operations on any device,
+- the reference (:mod:`engram_trt.cache.reference`): torch operations on any device,
   sort-based ``torch.unique``; the CPU path, the tests, and the reference the GPU checks
   compare the kernels with;
 - the fused one (CUDA devices, ``fused=True``, the default there): the kernels of
-  :mod:`engram_trt.cache_kernels`, one synchronization per step (the miss count read
+  :mod:`engram_trt.native.cache`, one synchronization per step (the miss count read
   with the miss ids in one copy) instead of three, and about four launches instead of
   60-70 torch operations.
 
@@ -42,11 +42,11 @@ the most frequent rows, so the cache serves rows the online LFU has not seen yet
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from engram_trt.cache.plan import Admission, RowCopy, StepPlan  # noqa: F401  (the policy's API)
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
@@ -60,42 +60,6 @@ MAX_STEP_ROWS = 196608  # an 8k-token prefill chunk of 24 columns
 DEFAULT_ADMIT_BUDGET = 8192
 MAX_SLOTS = (1 << 30) - 1  # the kernels' slot codes keep bit 30 for the hit mark
 INT32_MAX = (1 << 31) - 1
-
-
-@dataclass
-class StepPlan:
-    """One step's lookups, de-duplicated and resolved against the cache. The tensors of
-    the fused path are views of the policy's buffers: valid until the next plan."""
-
-    positions: Any  # [n] int32 on the policy's device: the work-table row of every lookup
-    miss_rows: Any  # [M] int32 on the policy's device: the distinct uncached rows, miss j at miss_base + j
-    miss_rows_host: Any  # [M] int32 on the CPU: the same (what the host gather fetches)
-    miss_base: int
-    num_lookups: int
-    num_unique: int  # distinct rows (out-of-range ids count as one sentinel row)
-    num_miss: int
-
-
-@dataclass
-class RowCopy:
-    """Copy work-table rows ``src`` to cache slots ``dst`` (where ``mask``, if given)."""
-
-    dst: Any
-    src: Any
-    mask: Any = None
-
-
-@dataclass
-class Admission:
-    """A step's admission as far as the host decides it (the RNG draws): what both
-    implementations carry out, so that they consume the generator identically."""
-
-    num_free: int  # misses [0, num_free) take slots filled, filled + 1, ...
-    num_candidates: int = 0  # replacement tries
-    candidate_start: int = 0
-    candidate_stride: int = 1
-    sample_first: int = 0
-    sample_factor: int = 1
 
 
 _U64 = (1 << 64) - 1
@@ -190,7 +154,7 @@ class CachePolicy:
             self._plan_host = torch.zeros(2 + n, dtype=torch.int32, pin_memory=True)
             self._plan_host_np = self._plan_host.numpy()
             self._expect_misses = n  # misses copied with the counts; then 1.5x the last step's
-            from engram_trt.cache_kernels import PlanCall
+            from engram_trt.native.cache import PlanCall
 
             # The plan and admission calls bound to these buffers: checked once, not every step.
             self._plan_call = PlanCall(table_rows=self.table_rows, slot_of=self.slot_of, counts=self.counts,
@@ -268,7 +232,7 @@ class CachePolicy:
         else:
             if on_enqueued is not None:
                 on_enqueued()
-            from engram_trt.cachereference import plan_reference
+            from engram_trt.cache.reference import plan_reference
 
             plan = plan_reference(self, ids, miss_base, miss_order)
         self._pending = plan
@@ -300,7 +264,7 @@ class CachePolicy:
             self._finish_fused(plan, adm, work_rows, work_scales)
             copies: list[RowCopy] = []
         else:
-            from engram_trt.cachereference import apply_copy, finish_reference
+            from engram_trt.cache.reference import apply_copy, finish_reference
 
             copies = finish_reference(self, plan, adm)
             if work_rows is not None:
@@ -394,7 +358,7 @@ class CachePolicy:
                         num_unique=hits + num_miss, num_miss=num_miss)
 
     def _finish_fused(self, plan: StepPlan, adm: Admission, work_rows: Any, work_scales: Any) -> None:
-        from engram_trt.cache_kernels import AdmitCall, table_key
+        from engram_trt.native.cache import AdmitCall, table_key
 
         if plan.num_miss == 0:
             return  # nothing was marked that the admission would restore

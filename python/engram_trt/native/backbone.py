@@ -9,7 +9,7 @@ decode step more than its weight reads. Each function here is one launch that ro
 where the reference's bf16 ops round (``engramKernels.h`` gives the formulas). Arguments
 are checked (dtypes, then shapes, then devices) before anything reaches the library; an
 EngramError names the bad one. Work is enqueued on the current CUDA stream. The RoPE +
-KV write of a fused projection is :func:`engram_trt.attention_kernels.rope_kv_cache_write`.
+KV write of a fused projection is :func:`engram_trt.native.attention.rope_kv_cache_write`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _ptr, _same_device, _stream, _torch,
+from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _ptr, _same_device, _stream, _torch,
                                 capability_major)
 
 NORM_MAX_HIDDEN = 16384  # ENGRAM_NORM_MAX_HIDDEN

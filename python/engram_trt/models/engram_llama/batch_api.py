@@ -1,4 +1,4 @@
-"""The uniform-batch API of :class:`~engram_trt.reference.model.EngramLlama`: B sequences
+"""The uniform-batch API of :class:`~engram_trt.models.engram_llama.model.EngramLlama`: B sequences
 of one length in KV slots 0..B-1 (``forward``, ``prefill``, ``decode``, ``prepare_engram``)
 and the one-sequence generation loop (``generate``), each a thin layer over the packed
 step (:meth:`EngramLlama.forward_step`). The runtime never uses it; tests and scripts
@@ -16,9 +16,9 @@ from typing import Any, Sequence
 import torch
 
 from engram_trt.errors import EngramError
-from engram_trt.reference.kv_cache import KVCache
-from engram_trt.reference.sampling import sample_next
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.kv_cache import KVCache
+from engram_trt.models.sampling import sample_next
+from engram_trt.models.step import PackedStep
 
 
 @dataclass

@@ -54,15 +54,15 @@ def wants_parallel(args: argparse.Namespace) -> bool:
 
 def run_parallel(args: argparse.Namespace) -> dict[str, Any]:
     """``engram-trt run PATH --tp N --dp M``: the result rank 0 prints."""
-    from engram_trt.cli.generate import _check_generation_args
-    from engram_trt.config.engram import engram_config_from_args
+    from engram_trt.cli.argtypes import sampling_params_from_args
+    from engram_trt.cli.engram_args import engram_config_from_args
     from engram_trt.distributed.launch import ReplicaJob, prompts_from_file, run_replicas
 
     for name in ("tp", "dp"):
         v = getattr(args, name)
         if v < 1:
             raise EngramError(f"--{name} must be >= 1 (got {v})")
-    params = _check_generation_args(args)
+    params = sampling_params_from_args(args)
     prompts = prompts_from_file(args.prompts_file) if args.prompts_file else [args.prompt]
     ecfg = engram_config_from_args(args)
     job = ReplicaJob(args.path, args.tp, args.dp, prompts, params, ecfg if ecfg.given else None,

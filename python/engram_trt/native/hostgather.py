@@ -4,11 +4,11 @@ CPU threads gather a host table's rows into pinned staging and each chunk goes t
 GPU in one contiguous copy, pipelined; fp8 chunks are dequantized on the GPU. Why it
 exists: on the H200 VM random GPU reads of host memory (the UVA kernel) reach a tenth of
 the PCIe link, while CPU gather + one copy per chunk approaches it (docs/benchmarks.md).
-Which path is faster is machine- and size-dependent: :mod:`engram_trt.gatherpath`
+Which path is faster is machine- and size-dependent: :mod:`engram_trt.runtime.gatherpath`
 measures it at start-up.
 
 Host tables come in three layouts: ``split`` (rows ``[N, head_dim]`` + scales
-``[N, head_dim / quant_block]``, what :func:`engram_trt.kernels.gather` reads),
+``[N, head_dim / quant_block]``, what :func:`engram_trt.native.kernels.gather` reads),
 ``inline`` (one ``[N, head_dim + head_dim / quant_block]`` byte array, each row's scale
 bytes after it: one CPU cache and TLB miss per random row instead of two) and
 ``hbm-scales`` (fp8: the split rows in host memory, the scales on the gatherer's GPU).
@@ -29,7 +29,7 @@ import os
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import (
+from engram_trt.native.kernels import (
     TABLE_BF16,
     TABLE_FP8_E4M3,
     NativeHandle,
@@ -233,7 +233,7 @@ class HostGatherer(NativeHandle):
 
     def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
                out: Any = None, layout: str = "split", ids_dev: Any = None) -> Any:
-        """Same contract as :func:`engram_trt.kernels.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
+        """Same contract as :func:`engram_trt.native.kernels.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
         tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
         is on the gatherer's device. ``layout='inline'``: ``rows`` is an inline fp8 table
         ``[num_rows, head_dim + head_dim / quant_block]`` and ``scales`` None.

@@ -7,7 +7,7 @@ plugin name into that plugin), and it can be *executed* on a CPU with
 graph numerically against the PyTorch reference model: the engine is built from exactly
 what was checked.
 
-The graph is one serving step (docs/engram-spec.md; the serving-step contract of runtime/step.py): the tokens of S
+The graph is one serving step (docs/engram-spec.md; the serving-step contract of models/step.py): the tokens of S
 sequences packed back to back, ``input_ids [T] int32``, with ``seq_starts [S+1]``
 (cu_seqlens), ``past_lens [S]`` (tokens of each sequence already cached) and ``slots
 [S]`` (each sequence's KV-cache slot), all int32. From them the graph derives, with
@@ -526,6 +526,6 @@ def _get_from(weights: Mapping[str, Any], name: str) -> Any:
 
 def export_weight_names(config: ModelConfig) -> list[str]:
     """The tensors the exported graph reads (backbone + Engram projections, no tables)."""
-    from engram_trt.reference.model import model_weight_shapes
+    from engram_trt.models.engram_llama.model import model_weight_shapes
 
     return list(model_weight_shapes(config))

@@ -148,7 +148,7 @@ def ensure_rtx_parser_link(force_cache: bool | None = None) -> Path | None:
         # cache link would not be seen and the parser would abort the process.
         raise TensorRTUnavailable(
             f"TensorRT-RTX was imported before engram_trt could link '{_RTX_LIB}', and '{libs}' is not writable; "
-            f"import engram_trt.trt_compat first, or run once: ln -s {real.name} {beside}")
+            f"import engram_trt.native.trt_compat first, or run once: ln -s {real.name} {beside}")
     mode = getattr(os, "RTLD_GLOBAL", 0)
     # Load through the cache folder: the loader records that folder as the libraries'
     # $ORIGIN, and the parser's later dlopen("libtensorrt_rtx.so") searches it.

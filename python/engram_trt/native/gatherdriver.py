@@ -1,5 +1,5 @@
 """ctypes bindings of the gather driver (``runtime/gatherDriver.cpp``): a C++ thread that
-runs a :class:`~engram_trt.hostgather.HostGatherer`'s gathers queued by the caller.
+runs a :class:`~engram_trt.native.hostgather.HostGatherer`'s gathers queued by the caller.
 
 Why: the host gather's CPU part (2-3 ms for an 8k-token prefill chunk's rows per Engram
 layer on the H200) used to run on the thread that launches the model's layers, so no
@@ -22,8 +22,8 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.hostgather import HostGatherer
-from engram_trt.kernels import EntryPoints, NativeHandle, _gather_out, _ids_view, _ptr, _torch
+from engram_trt.native.hostgather import HostGatherer
+from engram_trt.native.kernels import EntryPoints, NativeHandle, _gather_out, _ids_view, _ptr, _torch
 
 _vp, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 _ENTRY = EntryPoints({
@@ -168,7 +168,7 @@ class StepJob:
 
     def __init__(self, driver: GatherDriver, layout: Any, buffers: StepBuffers, tables: list[tuple[Any, Any, int, str]],
                  outs: list[Any]) -> None:
-        from engram_trt.kernels import prepared_layout
+        from engram_trt.native.kernels import prepared_layout
 
         L, cols = int(layout.num_layers), int(layout.n_hash_cols)
         if len(tables) != L or len(outs) != L:

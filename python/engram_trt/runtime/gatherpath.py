@@ -130,7 +130,7 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
     """
     import torch
 
-    from engram_trt import kernels
+    from engram_trt.native import kernels
 
     device = gatherer.device
     if uva_rows is None and layout == "split" and kernels.pointer_kind(rows) == "host" \

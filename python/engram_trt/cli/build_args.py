@@ -6,14 +6,10 @@ from __future__ import annotations
 import argparse
 
 from engram_trt.cli.argtypes import int_arg
+from engram_trt.cli.engram_args import add_engram_config_arguments, engram_config_from_args
+from engram_trt.native.trt_compat import RTX_TARGETS
 from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
-from engram_trt.config.engram import add_engram_config_arguments
-
-PLUGIN_MODES = ("embed", "reference")
-BUILD_DTYPES = ("bf16", "fp16")
-DEFAULT_MAX_BATCH = 4
-DEFAULT_MAX_SEQ_LEN = 4096
-DEFAULT_MAX_NUM_TOKENS = 2048
+from engram_trt.builder.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN, PLUGIN_MODES
 
 
 def add_build_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +29,7 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"weights and activations of the engine: bf16 (default) or fp16 (norms and softmax use float32); "
                              f"every subcommand takes the spellings {SPELLINGS}")
     parser.add_argument("--target", default=None, metavar="sm80,sm86,...",
-                        help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(tc_targets()) + "); default: the RTX portable set")
+                        help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(RTX_TARGETS) + "); default: the RTX portable set")
     parser.add_argument("--plugin-library", choices=PLUGIN_MODES, default="embed",
                         help="embed the Engram plugin library in the engine (default) or only record it in the manifest (the runtime loads it)")
     parser.add_argument("--plugin-lib", default=None, metavar="PATH",
@@ -47,9 +43,21 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
-def tc_targets() -> tuple[str, ...]:
-    from engram_trt.trt_compat import RTX_TARGETS
+def cmd_build(args: argparse.Namespace) -> int:
+    """Run ``engram-trt build`` from parsed arguments; prints the result, returns 0."""
+    import json
+    import os
 
-    return RTX_TARGETS
+    from engram_trt.builder.build import build
 
-
+    result = build(
+        args.checkpoint, args.output, engram_config_from_args(args),
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
+        dtype=args.dtype, targets=args.target, embed_plugin_library=args.plugin_library == "embed",
+        plugin_library=args.plugin_lib, repack_tables_dir=args.repack_tables, force=args.force,
+        build_engine_if_possible=not args.no_engine, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    else:
+        print(result.summary())
+    return 0

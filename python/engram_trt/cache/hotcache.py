@@ -6,7 +6,7 @@ the lookups (notes/platform.md). So a step fetches each distinct row once (expan
 to every position that asked for it is one GPU gather), and rows looked up often stay in
 a device-resident cache, so that only the misses cross the PCIe link.
 
-Structure: :class:`~engram_trt.cachepolicy.CachePolicy` makes every decision (the slot
+Structure: :class:`~engram_trt.cache.policy.CachePolicy` makes every decision (the slot
 map, the frequency counts, admission, eviction) without touching row data: on CUDA
 devices with the fused kernels (one synchronization per step), elsewhere with its
 torch reference, which the tests and the GPU checks compare the kernels with.
@@ -38,7 +38,7 @@ stay zero rows through the cache as in a plain gather (in the hbm-scales layout 
 scale gather writes byte 127 for the sentinel, as the host side does in the others).
 
 On CUDA with the host gather, a step is one library call (``engram_cache_step``,
-:class:`~engram_trt.cache_kernels.StepCall`): the same plan, wake, wait, fetch,
+:class:`~engram_trt.native.cache.StepCall`): the same plan, wake, wait, fetch,
 delivery and admission as the phases above, without the interpreter between them (on
 the H200 VM ~150 us of a prefill chunk's step, with the GPU idle meanwhile). The phases
 run one by one from Python where a caller marks them (``phase=``), in a step that
@@ -60,7 +60,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from engram_trt.cachepolicy import (
+from engram_trt.cache.policy import (
     DEFAULT_ADMIT_BUDGET,
     MAX_STEP_ROWS,
     Admission,
@@ -159,7 +159,7 @@ class CudaTransfer:
                                  ids_dev=ids_dev if self.layout == "hbm-scales" else None)
 
     def deliver(self, positions: Any, work_rows: Any, work_scales: Any, out: Any) -> Any:
-        from engram_trt.cache_kernels import DeliverCall, table_key
+        from engram_trt.native.cache import DeliverCall, table_key
 
         if self._deliver is None or self._deliver.key != table_key(work_rows, work_scales):
             self._deliver = DeliverCall(work_rows, work_scales, quant_block=self.quant_block)  # checked once
@@ -245,10 +245,10 @@ class HotRowCache:
     runs the same logic. ``whole_step`` (CUDA, fused, the host gather): each step in one
     library call (the module's docstring); False: phase by phase from Python.
     ``overlap`` (the whole step): deliver the hits while the misses are fetched
-    (:class:`~engram_trt.cache_kernels.StepCall`); False: the whole delivery after the
+    (:class:`~engram_trt.native.cache.StepCall`); False: the whole delivery after the
     fetch. ``uva_share`` / ``uva_blocks``: the share of a large step's misses the GPU
     reads through UVA beside the host gather, and its grid (None: the defaults of
-    :class:`~engram_trt.cache_kernels.StepCall`). Either gives the same bytes.
+    :class:`~engram_trt.native.cache.StepCall`). Either gives the same bytes.
     """
 
     def __init__(self, rows_host: Any, scales_host: Any = None, *, device: Any, capacity_rows: int | None = None,
@@ -260,8 +260,8 @@ class HotRowCache:
                  uva_blocks: int | None = None) -> None:
         import torch
 
-        from engram_trt.hostgather import _host_table
-        from engram_trt.kernels import TABLE_FP8_E4M3
+        from engram_trt.native.hostgather import _host_table
+        from engram_trt.native.kernels import TABLE_FP8_E4M3
 
         dtype, num_rows, head_dim, _ = _host_table(rows_host, scales_host, quant_block, layout)
         if capacity_rows is None:
@@ -304,7 +304,7 @@ class HotRowCache:
         self.transfer = transfer
         self._whole_step: Any = None  # cache_kernels.StepCall
         if whole_step and self.policy.fused and isinstance(transfer, CudaTransfer):
-            from engram_trt.cache_kernels import StepCall
+            from engram_trt.native.cache import StepCall
 
             self._whole_step = StepCall(policy=self.policy, work_rows=self.work_rows, work_scales=self.work_scales,
                                         miss_base=self.miss_base, gatherer=transfer.gatherer, rows_host=rows_host,
@@ -389,7 +389,7 @@ class HotRowCache:
         s.fetched += misses
 
     def _gather_whole(self, ids: Any, n: int, out: Any) -> Any:
-        """A step in one library call (:class:`~engram_trt.cache_kernels.StepCall`)."""
+        """A step in one library call (:class:`~engram_trt.native.cache.StepCall`)."""
         import torch
 
         policy = self.policy
@@ -402,7 +402,7 @@ class HotRowCache:
         if out is None:
             out = torch.empty((tokens, cols, self.head_dim), dtype=torch.bfloat16, device=self.device)
         elif self._out_checked[0] is not out or self._out_checked[1] != out.shape:
-            from engram_trt.kernels import _check
+            from engram_trt.native.kernels import _check
 
             _check("out", out, (torch.bfloat16,), None)
             if out.numel() != n * self.head_dim or out.device != self.device:

@@ -3,9 +3,9 @@
 The PyTorch runtime path on a GPU calls the same kernels as the TensorRT plugins
 (``plugins/kernels/engramKernels.h`` is the contract): the n-gram hash, the row
 gather from device or UVA-mapped host tables, the host gather (CPU threads into
-pinned staging, then one copy per chunk; its bindings are in :mod:`engram_trt.hostgather`
+pinned staging, then one copy per chunk; its bindings are in :mod:`engram_trt.native.hostgather`
 and reachable from here), and the fused gate (the serving step's attention over the slot
-KV cache: :mod:`engram_trt.attention_kernels`). Every function takes
+KV cache: :mod:`engram_trt.native.attention`). Every function takes
 torch tensors, checks device, dtype, contiguity and shape before anything reaches
 the library, and raises :class:`~engram_trt.errors.EngramError` with one line naming
 the bad argument. Work is enqueued on the current CUDA stream of the output's device.
@@ -58,8 +58,8 @@ def library_path() -> Path:
         if not p.is_file():
             raise EngramError(f"ENGRAM_TRT_PLUGIN_LIB='{env}' is not a file; point it at {LIBRARY_NAME} or unset it")
         return p.resolve()
-    candidates = [Path(__file__).resolve().parent / "lib" / LIBRARY_NAME,
-                  Path(__file__).resolve().parents[2] / "build" / LIBRARY_NAME]
+    package = Path(__file__).resolve().parents[1]  # engram_trt/
+    candidates = [package / "lib" / LIBRARY_NAME, package.parents[1] / "build" / LIBRARY_NAME]
     try:
         located = metadata.distribution("engram-trt").locate_file(f"engram_trt/lib/{LIBRARY_NAME}")
         candidates.append(Path(str(located)))
@@ -614,17 +614,3 @@ def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *
               _float_code(q_weight.dtype), _ptr(mask), mask_type, T, hc, D, ctypes.c_float(eps), ctypes.c_float(clamp),
               _ptr(out), _stream(hidden.device))
     return out
-
-
-# --- host gather ---------------------------------------------------------------------
-# Its bindings live in engram_trt.hostgather; these names stay reachable from here.
-_HOST_GATHER_NAMES = ("HostGatherer", "host_gather", "gather_rows_cpu", "default_gather_threads", "TABLE_LAYOUTS",
-                      "HOST_GATHER_OPTIONS")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _HOST_GATHER_NAMES:
-        from engram_trt import hostgather
-
-        return getattr(hostgather, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ The cached copy carries its own checksum: a stamp (``engram-trt-demo.json``) wit
 size and the sha256 of every 64 MiB block of every file. Each reuse checks every size,
 every small file whole (config, tokenizer, index, backbone shards) and random blocks
 of the large table shards; a cache that fails is rebuilt, with a warning. It is written
-in a temporary sibling folder and swapped into place whole (engram_trt.atomic), so a
+in a temporary sibling folder and swapped into place whole (engram_trt.storage.atomic), so a
 killed or disk-full run leaves the previous copy, or none, never half of one.
 """
 
@@ -43,7 +43,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from engram_trt import atomic
+from engram_trt.storage import atomic
 from engram_trt.checkpoint.checkpoint import (Checkpoint, backbone_tensor_shapes, engram_tensor_names, is_checkpoint_file_name,
                                               write_checkpoint)
 from engram_trt.config.jsonfile import read_json_object

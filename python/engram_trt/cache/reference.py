@@ -1,6 +1,6 @@
 """The hot-row cache policy's torch reference: one step (:func:`plan_reference`, then
 :func:`finish_reference`) as torch operations on any device, over a
-:class:`~engram_trt.cachepolicy.CachePolicy`'s state.
+:class:`~engram_trt.cache.policy.CachePolicy`'s state.
 
 Why it exists beside the fused kernels: it is the CPU path (tests, dry runs), and the
 specification the GPU checks hold the kernels to, step by step and state by state
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engram_trt.cachepolicy import Admission, RowCopy, StepPlan
+from engram_trt.cache.plan import Admission, RowCopy, StepPlan
 from engram_trt.errors import EngramError
 
 

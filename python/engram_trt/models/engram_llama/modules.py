@@ -23,8 +23,8 @@ from torch import nn
 
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.fusion import engram_gate
-from engram_trt.reference.kv_cache import KVCache
-from engram_trt.runtime.step import PackedStep
+from engram_trt.models.kv_cache import KVCache
+from engram_trt.models.step import PackedStep
 
 ATTENTION_IMPLS = ("loop", "sdpa")
 # Above this many bytes of keys per layer, a recorded decode graph reads the KV cache in
@@ -251,7 +251,7 @@ class Attention(nn.Module):
             # every sequence's keys; read them in place instead, with the kernel the
             # EngramAttention plugin runs, where its warp kernel serves or past a few MB
             # per layer.
-            from engram_trt import attention_kernels
+            from engram_trt.native import attention as attention_kernels
 
             if (IN_PLACE_WITH_WARP_KERNEL and attention_kernels.warp_kernel_serves(q, self.n_heads, self.n_kv)) \
                     or G * self.n_kv * L * self.head_dim * keys.element_size() > IN_PLACE_DECODE_BYTES:

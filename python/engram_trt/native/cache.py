@@ -1,5 +1,5 @@
 """ctypes bindings to the hot-row cache's step on the GPU (``plugins/kernels/cacheKernel.cu``):
-the fused plan and the admission that :class:`~engram_trt.cachepolicy.CachePolicy` runs on
+the fused plan and the admission that :class:`~engram_trt.cache.policy.CachePolicy` runs on
 CUDA devices instead of its torch reference.
 
 Why kernels: the reference plan (sort-based ``torch.unique``, slot lookup, miss list) is
@@ -9,7 +9,7 @@ two kernels and one synchronization (plan) and one call of at most four enqueued
 operations (admission). The functions check dtypes, shapes and devices before anything
 reaches the library (an EngramError names the bad argument) and enqueue on the current
 CUDA stream. The entry points are declared here, on first use, so this module owns its
-part of the C ABI (as :mod:`engram_trt.attention_kernels` does).
+part of the C ABI (as :mod:`engram_trt.native.attention` does).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import (EntryPoints, _check, _device_guard, _gather_out, _ptr, _same_device, _stream, _table,
+from engram_trt.native.kernels import (EntryPoints, _check, _device_guard, _gather_out, _ptr, _same_device, _stream, _table,
                                 _torch)
-from engram_trt.kernels import _call as _library_call
+from engram_trt.native.kernels import _call as _library_call
 
 _i32, _i64, _u64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 
@@ -219,7 +219,7 @@ class DeliverCall:
     """The gather kernel (``engram_gather``) bound to a cache's work table, checked once
     here: each step's delivery passes its positions ``[T, cols]`` (CUDA int32, rows of
     the work table) and ``out`` (bf16 ``[T, cols, head_dim]``, or None for a new one).
-    The same kernel and output as :func:`engram_trt.kernels.gather`; bound for the same
+    The same kernel and output as :func:`engram_trt.native.kernels.gather`; bound for the same
     reason as :class:`PlanCall` (the delivery is ~45 us of GPU work for a prefill chunk)."""
 
     def __init__(self, work_rows: Any, work_scales: Any, *, quant_block: int) -> None:
@@ -253,7 +253,7 @@ def table_key(*tensors: Any) -> tuple:
 def cache_admission(num_miss: int, *, filled: int, capacity: int, admit_budget: int, sample_factor: int, replace: bool,
                     seed: int, step: int) -> dict[str, int]:
     """The library's admission numbers of a step (``engram_cache_admission``: what
-    :meth:`engram_trt.cachepolicy.CachePolicy._admission` computes in Python, and what
+    :meth:`engram_trt.cache.policy.CachePolicy._admission` computes in Python, and what
     :class:`StepCall` admits by), as a dict of the Admission's fields."""
     got = _Admission()
     _call("engram_cache_admission", int(num_miss), int(filled), int(capacity), int(admit_budget), int(sample_factor),
@@ -283,7 +283,7 @@ UVA_MIN_MISSES = 8192
 
 def _uva_share_for(share: float | None, blocks: int, overlap: bool, rows_host: Any, scales: Any, layout: str) -> float:
     """The UVA share a step call binds: ``share`` checked, or the default where it can run."""
-    from engram_trt.kernels import pointer_kind
+    from engram_trt.native.kernels import pointer_kind
 
     if type(blocks) is not int or blocks < 0:
         raise EngramError(f"uva_blocks must be an integer >= 0 (0: one full wave); got {blocks!r}")

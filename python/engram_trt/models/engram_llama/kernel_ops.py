@@ -1,6 +1,6 @@
 """The Engram steps, and the decoder layers' elementwise steps, through the CUDA kernel
 library the TensorRT plugins call (``libengram_trt_plugins.so``, via
-:mod:`engram_trt.kernels`): one kernel library, two callers, so the GPU path without
+:mod:`engram_trt.native.kernels`): one kernel library, two callers, so the GPU path without
 TensorRT runs the plugins' very kernels.
 
 Tables the GPU can read in place (device memory, pinned / registered host memory) go
@@ -28,11 +28,12 @@ class KernelEngramOps:
     name = "cuda-kernels"
 
     def __init__(self, layout: EngramLayout, device: torch.device) -> None:
-        from engram_trt import kernels
+        from engram_trt.native import hostgather, kernels
 
         kernels.load_library()
         kernels.check_layout(layout)
         self.kernels = kernels
+        self.hostgather = hostgather
         self.layout = layout
         self.device = device
 
@@ -50,7 +51,7 @@ class KernelEngramOps:
         if tables.gpu_readable:
             out = self.kernels.gather(flat.to(self.device), rows, scales, layer=layer_idx, quant_block=tables.quant_block)
         else:
-            out = self.kernels.host_gather(flat.cpu(), rows, scales, layer=layer_idx, quant_block=tables.quant_block,
+            out = self.hostgather.host_gather(flat.cpu(), rows, scales, layer=layer_idx, quant_block=tables.quant_block,
                                            device=self.device)
         return out.reshape(T, cols, rows.shape[1])
 
@@ -77,7 +78,7 @@ class TorchBackboneOps:
     def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Any, keys: torch.Tensor,
                       values: torch.Tensor, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
         """Rotated q ``[T, H, hd]`` of a fused projection; its K/V into the cache."""
-        from engram_trt.reference.modules import rope_and_write
+        from engram_trt.models.engram_llama.modules import rope_and_write
 
         T = qkv.shape[0]
         q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
@@ -107,7 +108,8 @@ class KernelBackboneOps:
     gemv_max_tokens = 2
 
     def __init__(self) -> None:
-        from engram_trt import attention_kernels, backbone_kernels
+        from engram_trt.native import attention as attention_kernels
+        from engram_trt.native import backbone as backbone_kernels
 
         backbone_kernels.load()
         attention_kernels._library()

@@ -8,7 +8,7 @@ slot's keys ``0 .. its position``; :func:`rope_kv_cache_write` rotates a fused q
 projection and writes its K/V in one launch. The functions take torch tensors and check dtypes,
 then shapes, then devices before anything reaches the library (an EngramError names the
 bad argument); work is enqueued on the current CUDA stream. The entry points are
-declared here, on first use, so this module and :mod:`engram_trt.kernels` (the Engram
+declared here, on first use, so this module and :mod:`engram_trt.native.kernels` (the Engram
 hash, gather and gate) each own their part of the C ABI.
 """
 
@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
+from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
                                 _stream, _torch, capability_major)
 
 # The shapes the warp attention kernel serves (warpKernel() in attentionWarpKernel.cu, which

@@ -2,14 +2,14 @@
 
 The architecture is the one in docs/engram-spec.md ("Reference architecture"; modules
 in :mod:`.modules`). The model's one forward is :meth:`EngramLlama.forward_step` over a
-:class:`~engram_trt.runtime.step.PackedStep` (the step every backend takes: tokens of
+:class:`~engram_trt.models.step.PackedStep` (the step every backend takes: tokens of
 several sequences back to back, each with its KV-cache slot and past length); the
 uniform-batch API (``forward``/``prefill``/``decode``/``generate``, sequences of one
 length in slots 0..B-1) is a thin layer over it, kept for tests and scripts.
 
 Design points, and why:
 
-* Tables are not module parameters but a :class:`~engram_trt.tables.store.TableStore`.
+* Tables are not module parameters but a :class:`~engram_trt.tables.base.TableStore`.
   Tables are the one part that does not fit on a GPU for real models, so the runtime
   swaps their storage (GPU, pinned host, /dev/shm, the checkpoint's file map) without
   touching the model.
@@ -48,13 +48,13 @@ from engram_trt.config.model import ModelConfig
 from engram_trt.engram.hashing import DEAD, hash_ids_torch
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import CheckpointError, EngramError
-from engram_trt.reference.batch_api import UniformBatchAPI
-from engram_trt.reference.kernel_ops import KernelEngramOps, select_backbone_ops
-from engram_trt.reference.kv_cache import KVCache
-from engram_trt.reference.modules import AttentionPlan, Backbone
-from engram_trt.reference.weights import load_weights, model_weight_shapes
-from engram_trt.runtime.step import PackedStep
-from engram_trt.tables.store import TableStore
+from engram_trt.models.engram_llama.batch_api import UniformBatchAPI
+from engram_trt.models.engram_llama.kernel_ops import KernelEngramOps, select_backbone_ops
+from engram_trt.models.kv_cache import KVCache
+from engram_trt.models.engram_llama.modules import AttentionPlan, Backbone
+from engram_trt.models.engram_llama.weights import load_weights, model_weight_shapes
+from engram_trt.models.step import PackedStep
+from engram_trt.tables.base import TableStore
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,10 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         # False runs the backbone alone (the Engram layers removed): the denominator of
         # the benchmarks' "cost of Engram" ratios. Not a serving mode.
         self.engram_enabled = True
-        # One pinned buffer for each step's metadata on a GPU (runtime.step.StepUploader).
+        # One pinned buffer for each step's metadata on a GPU (models.step.StepUploader).
         self.uploader = None
         if dev.type == "cuda":
-            from engram_trt.runtime.step import StepUploader
+            from engram_trt.models.step import StepUploader
 
             self.uploader = StepUploader(dev)
         if spec is None:
