@@ -41,7 +41,8 @@
  * by the device ids, beside the pipeline (the copies do not wait for it).
  *
  * This file holds the pipeline and the body of the gather calls (hostGather); the C
- * entry points are in hostGatherApi.cpp, what the two share in hostGatherInternal.h.
+ * entry points are in hostGatherApi.cpp, the gatherer's state (its creation, job buffers
+ * and teardown) in hostGatherer.cpp, what they share in hostGatherInternal.h.
  */
 #include "hostGatherInternal.h"
 

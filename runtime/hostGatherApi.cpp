@@ -2,15 +2,15 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * The host gather's C ABI entry points (engramKernels.h): the CPU counts, the gatherer's
- * creation, teardown and options, its pool's wake, the bf16-out and raw gathers (their
- * own argument checks, then hostGather: the pipeline, in hostGather.cpp) and the row copy
- * alone on the CPU (engram_host_gather_rows_cpu: tests, and timing the CPU side apart
- * from the link). No exception crosses the ABI (ENGRAM_ABI_TRY / ENGRAM_ABI_CATCH).
+ * creation, teardown and options (their argument checks and locking; the state itself is
+ * hostGatherer.cpp's), its pool's wake, the bf16-out and raw gathers (their own argument
+ * checks, then hostGather: the pipeline, in hostGather.cpp) and the row copy alone on the
+ * CPU (engram_host_gather_rows_cpu: tests, and timing the CPU side apart from the link).
+ * No exception crosses the ABI (ENGRAM_ABI_TRY / ENGRAM_ABI_CATCH).
  */
 #include "hostGatherInternal.h"
 
 #include <algorithm>
-#include <memory>
 #include <mutex>
 
 using namespace engram_trt::kernels;
@@ -19,112 +19,7 @@ namespace
 {
 constexpr int kDefaultSlots = 4;
 constexpr int kMaxSlots = 64;
-
-//! ENGRAM_HOST_GATHER_JOB_STAGING_BYTES: frees the two job buffers once the dequants that
-//! read them are done, then allocates `bytes` for each (none for 0). Call with callMutex
-//! held. On a failed allocation the option is off (0) and the error is returned.
-int setJobStaging(EngramHostGatherer& g, int64_t bytes)
-{
-    DeviceGuard deviceGuard(g.device);
-    if (deviceGuard.status() != cudaSuccess)
-    {
-        return failCuda(deviceGuard.status(),
-            "engram_host_gatherer_set_option: cannot make the gatherer's device %d "
-            "current: %s",
-            g.device, cudaGetErrorString(deviceGuard.status()));
-    }
-    for (int b = 0; b < 2; ++b)
-    {
-        cudaError_t const status = cudaEventSynchronize(g.jobConsumed[b]);
-        if (status != cudaSuccess)
-        {
-            return failCuda(status, "engram_host_gatherer_set_option: waiting for the job buffers' readers: %s",
-                cudaGetErrorString(status));
-        }
-        cudaFree(g.jobStaging[b]);
-        g.jobStaging[b] = nullptr;
-    }
-    g.jobStagingBytes = 0;
-    g.nextJobBuffer = 0;
-    for (int b = 0; b < 2 && bytes > 0; ++b)
-    {
-        cudaError_t const status = cudaMalloc(reinterpret_cast<void**>(&g.jobStaging[b]), static_cast<size_t>(bytes));
-        if (status != cudaSuccess)
-        {
-            cudaFree(g.jobStaging[0]);
-            g.jobStaging[0] = nullptr;
-            g.jobStaging[1] = nullptr;
-            cudaGetLastError();
-            return failCuda(status,
-                "engram_host_gatherer_set_option: job_staging_bytes: two device buffers of %lld "
-                "bytes could not be allocated: %s (set a smaller value, or 0 for the ring of slots alone)",
-                static_cast<long long>(bytes), cudaGetErrorString(status));
-        }
-    }
-    g.jobStagingBytes = bytes;
-    return 0;
-}
 } // namespace
-
-EngramHostGatherer::~EngramHostGatherer()
-{
-    pool.reset(); // joins the workers
-    if (copyStream != nullptr)
-    {
-        cudaStreamSynchronize(copyStream);
-    }
-    for (cudaEvent_t e : copied)
-    {
-        if (e != nullptr)
-        {
-            cudaEventSynchronize(e);
-            cudaEventDestroy(e);
-        }
-    }
-    for (cudaEvent_t e : consumed)
-    {
-        if (e != nullptr)
-        {
-            cudaEventSynchronize(e);
-            cudaEventDestroy(e);
-        }
-    }
-    for (int b = 0; b < 2; ++b)
-    {
-        if (jobConsumed[b] != nullptr)
-        {
-            cudaEventSynchronize(jobConsumed[b]);
-            cudaEventDestroy(jobConsumed[b]);
-        }
-        if (jobStaging[b] != nullptr)
-        {
-            cudaFree(jobStaging[b]);
-        }
-    }
-    if (callStart != nullptr)
-    {
-        cudaEventDestroy(callStart);
-    }
-    if (copyStream != nullptr)
-    {
-        cudaStreamDestroy(copyStream);
-    }
-    for (uint8_t* p : pinned)
-    {
-        if (p != nullptr)
-        {
-            cudaFreeHost(p);
-        }
-    }
-    for (uint8_t* p : deviceStaging)
-    {
-        if (p != nullptr)
-        {
-            cudaFree(p);
-        }
-    }
-    cudaGetLastError(); // teardown errors (e.g. no device left) must not reach a later call
-}
 
 extern "C" ENGRAM_API int engram_cpu_affinity_count(int32_t* count)
 {
@@ -175,58 +70,7 @@ extern "C" ENGRAM_API int engram_host_gatherer_create_ex(
             numThreads = defaultGatherThreads();
         }
 
-        // Owned here until it is complete: every failure below (an exception too) frees it.
-        std::unique_ptr<EngramHostGatherer> g(new EngramHostGatherer());
-        cudaError_t status = cudaGetDevice(&g->device);
-        if (status != cudaSuccess)
-        {
-            return failCuda(
-                status, "engram_host_gatherer_create: cudaGetDevice failed: %s", cudaGetErrorString(status));
-        }
-        g->maxHeadDim = maxHeadDim;
-        g->capacityRows = chunkRows;
-        g->chunkRows = chunkRows;
-        // A bf16 row (2 bytes per element) is the widest form; an fp8 row plus its scale
-        // bytes (head_dim + head_dim / 16 at most) fits in it.
-        g->slotBytes = chunkRows * 2 * static_cast<int64_t>(maxHeadDim);
-        g->numSlots = numSlots;
-        g->pinned.assign(static_cast<size_t>(numSlots), nullptr);
-        g->deviceStaging.assign(static_cast<size_t>(numSlots), nullptr);
-        g->copied.assign(static_cast<size_t>(numSlots), nullptr);
-        g->consumed.assign(static_cast<size_t>(numSlots), nullptr);
-        status = cudaStreamCreateWithFlags(&g->copyStream, cudaStreamNonBlocking);
-        if (status == cudaSuccess)
-        {
-            status = cudaEventCreateWithFlags(&g->callStart, cudaEventDisableTiming);
-        }
-        for (int b = 0; b < 2 && status == cudaSuccess; ++b)
-        {
-            status = cudaEventCreateWithFlags(&g->jobConsumed[b], cudaEventDisableTiming);
-        }
-        for (int s = 0; s < numSlots && status == cudaSuccess; ++s)
-        {
-            status = cudaHostAlloc(reinterpret_cast<void**>(&g->pinned[s]), g->slotBytes, cudaHostAllocPortable);
-            if (status == cudaSuccess)
-            {
-                status = cudaMalloc(reinterpret_cast<void**>(&g->deviceStaging[s]), g->slotBytes);
-            }
-            if (status == cudaSuccess)
-            {
-                status = cudaEventCreateWithFlags(&g->copied[s], cudaEventDisableTiming);
-            }
-            if (status == cudaSuccess)
-            {
-                status = cudaEventCreateWithFlags(&g->consumed[s], cudaEventDisableTiming);
-            }
-        }
-        if (status != cudaSuccess)
-        {
-            return failCuda(
-                status, "engram_host_gatherer_create: staging allocation failed: %s", cudaGetErrorString(status));
-        }
-        g->pool.reset(new ThreadPool(numThreads)); // throws if a thread cannot start (caught below)
-        *gatherer = g.release();
-        return 0;
+        return createGatherer(numThreads, chunkRows, maxHeadDim, numSlots, gatherer);
     }
     ENGRAM_ABI_CATCH("engram_host_gatherer_create")
 }

@@ -2,10 +2,14 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * What the host gather's C entry points (hostGatherApi.cpp: argument checks, locking,
- * options, the gatherer's creation and teardown) and its pipeline (hostGather.cpp)
- * share: the gatherer's state, where a call's chunks go (GatherSink), the task size, the
- * table check (makeTable) and hostGather, the body of every gather call. The gather
+ * options) and its pipeline (hostGather.cpp) share: the gatherer's state, made, resized
+ * and torn down by hostGatherer.cpp, where a call's chunks go (GatherSink), the task size,
+ * the table check (makeTable) and hostGather, the body of every gather call. The gather
  * driver (gatherDriver.cpp) shares the ids' shape check. Not part of the ABI.
+ *
+ * The files' dependencies go one way: hostGatherer.cpp (the state) uses neither of the
+ * others, hostGather.cpp (the pipeline) uses the state, hostGatherApi.cpp uses both, and
+ * the gather driver and the cache step call the entry points.
  */
 #ifndef ENGRAM_TRT_HOST_GATHER_INTERNAL_H
 #define ENGRAM_TRT_HOST_GATHER_INTERNAL_H
@@ -63,7 +67,7 @@ struct EngramHostGatherer
     int64_t chunkDoneCapacity{0};
     std::mutex callMutex;
 
-    ~EngramHostGatherer(); // hostGatherApi.cpp, beside engram_host_gatherer_create_ex
+    ~EngramHostGatherer(); // hostGatherer.cpp, beside createGatherer
 };
 
 namespace engram_trt
@@ -151,6 +155,19 @@ inline int checkIdShape(char const* fn, int64_t numTokens, int32_t numCols, int6
     }
     return 0;
 }
+
+//! engram_host_gatherer_create_ex once its arguments are checked (hostGatherer.cpp): a
+//! gatherer on the current device with `numSlots` staging slots of `chunkRows` rows of
+//! `maxHeadDim` bf16 values, their events, the copy stream and a pool of `numThreads`
+//! threads. On failure nothing is left allocated (a thread that cannot start throws).
+int createGatherer(
+    int32_t numThreads, int64_t chunkRows, int32_t maxHeadDim, int32_t numSlots, EngramHostGatherer** gatherer);
+
+//! ENGRAM_HOST_GATHER_JOB_STAGING_BYTES (hostGatherer.cpp): frees the two job buffers once
+//! the dequants that read them are done, then allocates `bytes` for each (none for 0).
+//! Call with callMutex held. On a failed allocation the option is off (0) and the error
+//! is returned.
+int setJobStaging(EngramHostGatherer& g, int64_t bytes);
 
 //! Checks table_layout and the table pointers; fills `table` (rows, scales, pitch).
 int makeTable(char const* fn, void const* rowsHost, void const* scalesHost, int64_t tableNumRows, int64_t rowBytes,

@@ -173,7 +173,7 @@ def word_tokenizer(path: Path, words: int) -> Path:
 
 
 TINY_CONFIG = dict(
-    hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    architectures=["EngramLlamaForCausalLM"], hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
     num_hidden_layers=2, vocab_size=512, hc_mult=2, tie_word_embeddings=True, max_position_embeddings=256,
     engram_layer_ids=[1], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
     engram_vocab_size=3000, engram_compressed_vocab_size=512, engram_pad_token_id=0,

@@ -170,7 +170,7 @@ def test_engine_is_orders_of_magnitude_smaller_than_tables(plugin_lib: Path, tmp
     the tables have, i.e. it holds none of their bytes."""
     tok = _word_tokenizer(tmp_path / "tokenizer.json", 512)
     compressed = build_compressed_vocab(tok).size
-    base = dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    base = dict(architectures=["EngramLlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                 num_hidden_layers=2, vocab_size=512, hc_mult=2, tie_word_embeddings=True, max_position_embeddings=256,
                 engram_layer_ids=[0, 1], engram_max_ngram_size=3, engram_n_heads=4, engram_head_dim=128,
                 engram_compressed_vocab_size=compressed, engram_pad_token_id=0)

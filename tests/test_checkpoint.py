@@ -35,6 +35,7 @@ from engram_trt.engram.layout import EngramLayout
 from engram_trt.engram.quant import dequant_fp8_rows, quantize_fp8_rows
 
 SMALL_CONFIG = {
+    "architectures": ["EngramLlamaForCausalLM"],
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_hidden_layers": 3,

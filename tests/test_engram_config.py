@@ -13,7 +13,7 @@ from engram_trt.cli.engram_args import (add_engram_config_arguments, engram_conf
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
-BACKBONE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+BACKBONE = dict(architectures=["EngramLlamaForCausalLM"], hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, vocab_size=100)
 ENGRAM = dict(engram_layer_ids=[1], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
               engram_vocab_size=50, engram_compressed_vocab_size=80, engram_pad_token_id=0)

@@ -104,12 +104,12 @@ def test_failed_builds_leave_the_previous_folder_whole(engine: Path, tiny_ckpt: 
         build(tiny_ckpt, engine, repack_tables_dir=a_file, build_engine_if_possible=False, progress=False)
     assert tree_digest(engine) == before
     # A failure in the middle (export), and one at the very end (the swap).
-    from engram_trt.builder import build as build_mod
+    from engram_trt.models.engram_llama.architecture import EngramLlamaArchitecture
 
     def fail(*a: object, **k: object) -> None:
         raise EngramError("simulated export failure")
 
-    monkeypatch.setattr(build_mod, "export_model", fail)
+    monkeypatch.setattr(EngramLlamaArchitecture, "export_onnx", fail)
     with pytest.raises(EngramError, match="simulated export failure"):
         build(tiny_ckpt, engine, build_engine_if_possible=False, progress=False)
     assert tree_digest(engine) == before and temps_beside(engine) == []

@@ -37,6 +37,7 @@ from engram_trt.engram.tokenizer import CompressedVocab, load_tokenizer
 
 CVOCAB = 120
 MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["EngramLlamaForCausalLM"],
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 3,

@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.models.engram_llama.onnx_export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions, export_model
+from engram_trt.models.engram_llama.onnx_export import export_model
+from engram_trt.models.export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions
 from engram_trt.builder.reference_executor import ReferenceRunner, engram_attention_reference
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
 from engram_trt.models.engram_llama.demo import random_weights
@@ -359,17 +360,18 @@ def test_multipliers_travel_as_exact_decimal_text() -> None:
     import onnx
 
     import engram_trt.models.engram_llama.onnx_export as ox
+    from engram_trt.models import export as mx
 
     cfg, lookup, layout, weights = _small()
-    enc = ox.encode_multipliers(layout.multipliers)
+    enc = mx.encode_multipliers(layout.multipliers)
     assert isinstance(enc["multipliers"], str)
-    assert np.array_equal(ox.decode_multipliers(enc["multipliers"]), layout.multipliers.reshape(-1))
+    assert np.array_equal(mx.decode_multipliers(enc["multipliers"]), layout.multipliers.reshape(-1))
     assert layout.multipliers.max() > 2**40  # the values int32 could not carry
     exported = ox.export_model(cfg, weights, layout, ExportOptions(dtype="fp32"))
     (node,) = [n for n in exported.model.graph.node if n.op_type == "EngramHash"]
     (attr,) = [a for a in node.attribute if a.name == "multipliers"]
     assert attr.type == onnx.AttributeProto.STRING
-    assert np.array_equal(ox.decode_multipliers(attr.s), layout.multipliers.reshape(-1))
+    assert np.array_equal(mx.decode_multipliers(attr.s), layout.multipliers.reshape(-1))
 
 
 def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugin_lib: Path,
@@ -425,7 +427,7 @@ def test_reference_gather_honours_the_plugins_share_fields(share: dict) -> None:
     from onnx import TensorProto, helper
     from onnx.reference import ReferenceEvaluator
 
-    from engram_trt.models.engram_llama.onnx_export import PLUGIN_DOMAIN
+    from engram_trt.models.export import PLUGIN_DOMAIN
     from engram_trt.builder.reference_executor import TableRegistry, _reference_ops
 
     rng = np.random.default_rng(5)

@@ -20,7 +20,10 @@
  * it, and they are serialized in that order, in their declared type. Every check of a
  * single field (missing, wrong type or length, out of range, unknown, given twice) is
  * FieldReader's (pluginFields.h) and names the field; checks across fields stay with
- * the plugin, which sees the parsed Config.
+ * the plugin, which sees the parsed Config, and name the fields they refer to through
+ * the table (nameOf), so a field's name is spelled in its table alone:
+ *
+ *   constexpr char const* kHiddenSize = kFields.nameOf<&GateConfig::hiddenSize>();
  */
 #ifndef ENGRAM_TRT_FIELD_TABLE_H
 #define ENGRAM_TRT_FIELD_TABLE_H
@@ -252,6 +255,24 @@ public:
     char const* pluginName() const
     {
         return mPluginName;
+    }
+
+    //! The name of the field stored in `Member`, as the table declares it, for the checks
+    //! across fields to name it. Meant for a constant expression (constexpr char const*
+    //! kHeadDim = kFields.nameOf<&Config::headDim>()), where a member that no field of
+    //! the table stores is a compile error.
+    template <auto Member>
+    constexpr char const* nameOf() const
+    {
+        static_assert(std::is_same<detail::ConfigOf<Member>, Config>::value, "a member of another Config");
+        for (size_t i = 0; i < mCount; ++i)
+        {
+            if (mFields[i].read == &detail::readMember<Member>) // one reader per member
+            {
+                return mFields[i].name;
+            }
+        }
+        throw std::logic_error("no field of the table stores this member");
     }
 
     //! The creator's getFieldNames entries: each field's name, type and length.

@@ -109,11 +109,6 @@ int64_t FieldReader::getInt(char const* name, int64_t lo, int64_t hi)
     return value;
 }
 
-int32_t FieldReader::getInt32(char const* name, int32_t lo, int32_t hi)
-{
-    return static_cast<int32_t>(getInt(name, lo, hi));
-}
-
 int64_t FieldReader::getInt(char const* name)
 {
     PluginField const& field = take(name);

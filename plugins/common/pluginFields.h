@@ -22,7 +22,6 @@
 
 #include <NvInferRuntime.h>
 
-#include <climits>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -43,10 +42,6 @@ public:
     //! A scalar integer field in [lo, hi]; a value outside is refused with the field's
     //! name and range.
     int64_t getInt(char const* name, int64_t lo, int64_t hi);
-
-    //! A scalar integer field stored as int32, in [lo, hi]. The value is range-checked
-    //! before it is narrowed, so an int64 field of 2^32 + 4 is refused, never read as 4.
-    int32_t getInt32(char const* name, int32_t lo = INT32_MIN, int32_t hi = INT32_MAX);
 
     //! A scalar float field (float32 or float64, length 1).
     double getFloat(char const* name);

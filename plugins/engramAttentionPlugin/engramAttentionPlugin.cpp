@@ -49,6 +49,11 @@ constexpr Field<AttentionConfig> kFieldList[] = {
 };
 constexpr FieldTable<AttentionConfig> kFields{kName, kFieldList};
 
+// The names the shape messages give, as the table spells them.
+constexpr char const* kNumHeadsName = kFields.nameOf<&AttentionConfig::numHeads>();
+constexpr char const* kNumKvHeadsName = kFields.nameOf<&AttentionConfig::numKvHeads>();
+constexpr char const* kHeadDimName = kFields.nameOf<&AttentionConfig::headDim>();
+
 bool isIoType(DataType type)
 {
     return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
@@ -103,7 +108,8 @@ void checkDims(AttentionConfig const& c, nvinfer1::Dims const* in, nvinfer1::Dim
     }
     if (out != nullptr && nbOutputs == kNbOutputs)
     {
-        ENGRAM_PLUGIN_CHECK(out[kOut].nbDims == 3, "the attention output must be [T, num_heads, head_dim]");
+        ENGRAM_PLUGIN_CHECK(
+            out[kOut].nbDims == 3, "the attention output must be [T, " << kNumHeadsName << ", " << kHeadDimName << "]");
         ENGRAM_PLUGIN_CHECK(out[kKeyCacheOut].nbDims == 4 && out[kValueCacheOut].nbDims == 4,
             "the cache outputs must be 4-D like the caches");
     }
@@ -155,9 +161,11 @@ int32_t EngramAttentionPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs
     {
         using namespace attention_detail;
         ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 7 inputs and 3 outputs");
-        ENGRAM_PLUGIN_CHECK(inputs[kQ].nbDims == 3, "q must be 3-D [T, num_heads, head_dim]");
+        ENGRAM_PLUGIN_CHECK(
+            inputs[kQ].nbDims == 3, "q must be 3-D [T, " << kNumHeadsName << ", " << kHeadDimName << "]");
         ENGRAM_PLUGIN_CHECK(inputs[kKeyCache].nbDims == 4 && inputs[kValueCache].nbDims == 4,
-            "key_cache and value_cache must be 4-D [num_slots, num_kv_heads, max_seq_len, head_dim]");
+            "key_cache and value_cache must be 4-D [num_slots, " << kNumKvHeadsName << ", max_seq_len, " << kHeadDimName
+                                                                 << "]");
         outputs[kOut] = inputs[kQ];
         outputs[kKeyCacheOut] = inputs[kKeyCache];
         outputs[kValueCacheOut] = inputs[kValueCache];

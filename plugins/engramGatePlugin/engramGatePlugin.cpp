@@ -28,20 +28,6 @@ constexpr float kClamp = 1e-6F; // engram-spec.md: sqrt(max(|dot|, 1e-6))
 
 constexpr int32_t kMaxHcMult = 65535; // the kernel's grid is (T, hc_mult): gridDim.y <= 65535
 
-void checkConfig(GateConfig const& c)
-{
-    ENGRAM_PLUGIN_CHECK(
-        c.hcMult >= 1 && c.hcMult <= kMaxHcMult, "hc_mult must be in [1, " << kMaxHcMult << "], got " << c.hcMult);
-    ENGRAM_PLUGIN_CHECK(c.hiddenSize >= 8 && c.hiddenSize % 8 == 0,
-        "hidden_size must be a positive multiple of 8, got " << c.hiddenSize);
-    // kv's row width is an int32 dimension of the engine: refuse it here, not at every enqueue.
-    int64_t const kvWidth = (static_cast<int64_t>(c.hcMult) + 1) * c.hiddenSize;
-    ENGRAM_PLUGIN_CHECK(kvWidth <= INT32_MAX,
-        "(hc_mult + 1) * hidden_size = " << kvWidth << " exceeds 2^31 - 1 (hc_mult " << c.hcMult << ", hidden_size "
-                                         << c.hiddenSize << ")");
-    ENGRAM_PLUGIN_CHECK(std::isfinite(c.eps) && c.eps >= 0.0F, "eps must be finite and >= 0");
-}
-
 //! hidden / kv / output: bf16, fp16 or fp32, all three the same type.
 bool isIoType(DataType type)
 {
@@ -77,6 +63,24 @@ constexpr Field<GateConfig> kFieldList[] = {
     field<&GateConfig::eps>("eps"),
 };
 constexpr FieldTable<GateConfig> kFields{kName, kFieldList};
+
+// The names the checks across fields and the shape messages give, as the table spells them.
+constexpr char const* kHcMultName = kFields.nameOf<&GateConfig::hcMult>();
+constexpr char const* kHiddenSizeName = kFields.nameOf<&GateConfig::hiddenSize>();
+constexpr char const* kEpsName = kFields.nameOf<&GateConfig::eps>();
+
+//! The checks the table's ranges cannot make (hc_mult's and hidden_size's bounds are its).
+void checkConfig(GateConfig const& c)
+{
+    ENGRAM_PLUGIN_CHECK(
+        c.hiddenSize % 8 == 0, kHiddenSizeName << " must be a positive multiple of 8, got " << c.hiddenSize);
+    // kv's row width is an int32 dimension of the engine: refuse it here, not at every enqueue.
+    int64_t const kvWidth = (static_cast<int64_t>(c.hcMult) + 1) * c.hiddenSize;
+    ENGRAM_PLUGIN_CHECK(kvWidth <= INT32_MAX,
+        "(" << kHcMultName << " + 1) * " << kHiddenSizeName << " = " << kvWidth << " exceeds 2^31 - 1 (" << kHcMultName
+            << " " << c.hcMult << ", " << kHiddenSizeName << " " << c.hiddenSize << ")");
+    ENGRAM_PLUGIN_CHECK(std::isfinite(c.eps) && c.eps >= 0.0F, kEpsName << " must be finite and >= 0");
+}
 } // namespace gate_detail
 
 EngramGatePlugin::EngramGatePlugin(GateConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -117,7 +121,8 @@ int32_t EngramGatePlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int
     ENGRAM_PLUGIN_TRY
     {
         ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1, "expects 5 inputs and 1 output");
-        ENGRAM_PLUGIN_CHECK(inputs[gate_detail::kHidden].nbDims == 3, "hidden must be 3-D [T, hc_mult, D]");
+        ENGRAM_PLUGIN_CHECK(
+            inputs[gate_detail::kHidden].nbDims == 3, "hidden must be 3-D [T, " << gate_detail::kHcMultName << ", D]");
         outputs[0] = inputs[gate_detail::kHidden];
         return 0;
     }
@@ -208,7 +213,7 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
             "mask must be [" << numTokens << "], got " << dimsToString(mask));
         nvinfer1::Dims const& out = outputDesc[0].dims;
         ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == hc && out.d[2] == d,
-            "output must be [T, hc_mult, D], got " << dimsToString(out));
+            "output must be [T, " << gate_detail::kHcMultName << ", D], got " << dimsToString(out));
 
         DataType const io = inputDesc[gate_detail::kHidden].type;
         ENGRAM_PLUGIN_CHECK(

@@ -21,27 +21,6 @@ constexpr int32_t kIds = 0;
 constexpr int32_t kRowsAddr = 1;
 constexpr int32_t kScalesAddr = 2;
 
-void checkConfig(GatherConfig const& c)
-{
-    ENGRAM_PLUGIN_CHECK(c.numLayers >= 1 && c.layerIndex >= 0 && c.layerIndex < c.numLayers,
-        "layer_index " << c.layerIndex << " outside [0, n_layers " << c.numLayers << ")");
-    ENGRAM_PLUGIN_CHECK(c.numCols >= 1, "n_cols must be >= 1");
-    // Row ids are int32, so a larger table could not be addressed past 2^31 - 1 anyway.
-    ENGRAM_PLUGIN_CHECK(c.numRows >= 1 && c.numRows <= INT32_MAX,
-        "num_rows must be in [1, 2^31 - 1] (row ids are int32), got " << c.numRows);
-    ENGRAM_PLUGIN_CHECK(c.columnBegin >= 0 && c.columnBegin < c.numCols,
-        "column_begin must be in [0, n_cols " << c.numCols << "), got " << c.columnBegin);
-    ENGRAM_PLUGIN_CHECK(c.columnEnd > c.columnBegin && c.columnEnd <= c.numCols,
-        "column_end must be in [column_begin + 1, n_cols] = [" << c.columnBegin + 1 << ", " << c.numCols << "], got "
-                                                               << c.columnEnd);
-    ENGRAM_PLUGIN_CHECK(c.rowOffset >= 0, "row_offset must be >= 0, got " << c.rowOffset);
-    // The slice's rows are rows of a table the unsharded plugin accepts (int32 row ids).
-    ENGRAM_PLUGIN_CHECK(c.rowOffset <= INT32_MAX - c.numRows,
-        "row_offset " << c.rowOffset << " + num_rows " << c.numRows << " exceeds 2^31 - 1 (row ids are int32)");
-    int const status = engram_gather_check_table(c.headDim, c.tableDtype, c.quantBlock);
-    ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
-}
-
 //! A table address input: int64 holding one value ([] or [1]).
 bool isAddressShape(nvinfer1::Dims const& dims)
 {
@@ -71,6 +50,37 @@ constexpr Field<GatherConfig> kFieldList[] = {
     field<&GatherConfig::rowOffset>("row_offset").optional(),
 };
 constexpr FieldTable<GatherConfig> kFields{kName, kFieldList};
+
+// The names the checks across fields give, as the table spells them.
+constexpr char const* kLayerIndexName = kFields.nameOf<&GatherConfig::layerIndex>();
+constexpr char const* kNumLayersName = kFields.nameOf<&GatherConfig::numLayers>();
+constexpr char const* kNumColsName = kFields.nameOf<&GatherConfig::numCols>();
+constexpr char const* kNumRowsName = kFields.nameOf<&GatherConfig::numRows>();
+constexpr char const* kColumnBeginName = kFields.nameOf<&GatherConfig::columnBegin>();
+constexpr char const* kColumnEndName = kFields.nameOf<&GatherConfig::columnEnd>();
+constexpr char const* kRowOffsetName = kFields.nameOf<&GatherConfig::rowOffset>();
+
+//! The checks across fields (each field's own range is the table's).
+void checkConfig(GatherConfig const& c)
+{
+    ENGRAM_PLUGIN_CHECK(c.layerIndex < c.numLayers,
+        kLayerIndexName << " " << c.layerIndex << " outside [0, " << kNumLayersName << " " << c.numLayers << ")");
+    // Row ids are int32, so a larger table could not be addressed past 2^31 - 1 anyway.
+    ENGRAM_PLUGIN_CHECK(c.numRows >= 1 && c.numRows <= INT32_MAX,
+        kNumRowsName << " must be in [1, 2^31 - 1] (row ids are int32), got " << c.numRows);
+    ENGRAM_PLUGIN_CHECK(c.columnBegin >= 0 && c.columnBegin < c.numCols,
+        kColumnBeginName << " must be in [0, " << kNumColsName << " " << c.numCols << "), got " << c.columnBegin);
+    ENGRAM_PLUGIN_CHECK(c.columnEnd > c.columnBegin && c.columnEnd <= c.numCols,
+        kColumnEndName << " must be in [" << kColumnBeginName << " + 1, " << kNumColsName << "] = ["
+                       << c.columnBegin + 1 << ", " << c.numCols << "], got " << c.columnEnd);
+    ENGRAM_PLUGIN_CHECK(c.rowOffset >= 0, kRowOffsetName << " must be >= 0, got " << c.rowOffset);
+    // The slice's rows are rows of a table the unsharded plugin accepts (int32 row ids).
+    ENGRAM_PLUGIN_CHECK(c.rowOffset <= INT32_MAX - c.numRows,
+        kRowOffsetName << " " << c.rowOffset << " + " << kNumRowsName << " " << c.numRows
+                       << " exceeds 2^31 - 1 (row ids are int32)");
+    int const status = engram_gather_check_table(c.headDim, c.tableDtype, c.quantBlock);
+    ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+}
 } // namespace gather_detail
 
 bool GatherConfig::fp8() const

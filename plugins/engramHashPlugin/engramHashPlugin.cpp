@@ -22,16 +22,9 @@ constexpr int32_t kSeqStarts = 1;
 constexpr int32_t kLookback = 2;
 constexpr int32_t kNbInputs = 3;
 
-//! The (layer, column) slots of the layout, the length of primes and offsets. The
-//! kernel's layout holds at most ENGRAM_HASH_MAX_SLOTS of them: the counts are each
-//! bounded by it before they are narrowed or multiplied, and their product here.
-int64_t slots(HashLayout const& layout)
-{
-    int64_t const count = layout.numLayers * layout.numCols();
-    ENGRAM_PLUGIN_CHECK(count <= ENGRAM_HASH_MAX_SLOTS,
-        "n_layers * (max_ngram_size - 1) * n_heads = " << count << " exceeds " << ENGRAM_HASH_MAX_SLOTS);
-    return count;
-}
+//! The (layer, column) slots of the layout, the length of primes and offsets (below the
+//! table, whose names its check gives).
+int64_t slots(HashLayout const& layout);
 
 //! One multiplier per layer and n-gram position: L * N.
 int64_t multiplierCount(HashLayout const& layout)
@@ -51,6 +44,22 @@ constexpr Field<HashLayout> kFieldList[] = {
     arrayField<&HashLayout::multipliers>("multipliers", multiplierCount, true),
 };
 constexpr FieldTable<HashLayout> kFields{kName, kFieldList};
+
+// The names the checks across fields give, as the table spells them.
+constexpr char const* kNumLayersName = kFields.nameOf<&HashLayout::numLayers>();
+constexpr char const* kMaxNgramName = kFields.nameOf<&HashLayout::maxNgram>();
+constexpr char const* kNumHeadsName = kFields.nameOf<&HashLayout::numHeads>();
+
+//! The kernel's layout holds at most ENGRAM_HASH_MAX_SLOTS slots: the counts are each
+//! bounded by it before they are narrowed or multiplied, and their product here.
+int64_t slots(HashLayout const& layout)
+{
+    int64_t const count = layout.numLayers * layout.numCols();
+    ENGRAM_PLUGIN_CHECK(count <= ENGRAM_HASH_MAX_SLOTS,
+        kNumLayersName << " * (" << kMaxNgramName << " - 1) * " << kNumHeadsName << " = " << count << " exceeds "
+                       << ENGRAM_HASH_MAX_SLOTS);
+    return count;
+}
 
 //! Validates the layout and lays it out once (engram_hash_layout_create).
 std::shared_ptr<EngramHashLayout const> prepareLayout(HashLayout const& layout)

@@ -9,7 +9,7 @@ Phases (each with a progress bar, each timed in ``build_report.json``):
    compresses ids and keeps the lookback with it);
 3. **tables**: each table located (file, offset, length) and hashed, or re-packed to
    FP8 first with ``--repack-tables DIR``;
-4. **export**: ``model.onnx``, the portable artifact (onnx_export.py);
+4. **export**: ``model.onnx``, the portable artifact (the architecture's onnx_export, through the model registry);
 5. **engine**: built when a TensorRT builder imports (``tensorrt``, else TensorRT-RTX),
    the plugin library embedded (``--plugin-library embed``) or recorded
    (``reference``); otherwise the build stops after the graph and says so.
@@ -57,7 +57,7 @@ from engram_trt.engram.layout import EngramLayout
 from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, RepackedTables, TableRef, checkpoint_table_refs,
                                          foreign_repack_files, hash_tables, repack_tables, sha256_file,
                                          write_manifest)
-from engram_trt.models.engram_llama.onnx_export import PLUGIN_NAMES, ExportOptions, export_model
+from engram_trt.models.export import PLUGIN_NAMES, ExportOptions
 from engram_trt.builder.output import (ENGINE_NAME, ONNX_NAME, OUTPUT_NAMES, REPORT_NAME, TOKENIZER_FILE, VOCAB_NAME,
                                        check_output_is_ours, output_paths)
 from engram_trt.tables.source import BLOCK_BYTES, check_table_files
@@ -258,7 +258,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
           dtype: str = "bf16", targets: str | Sequence[str] | None = None, embed_plugin_library: bool = True,
           plugin_library: str | Path | None = None, repack_tables_dir: str | Path | None = None,
           build_engine_if_possible: bool = True, progress: bool = True, force: bool = False,
-          table_block_bytes: int = BLOCK_BYTES) -> BuildResult:
+          table_block_bytes: int = BLOCK_BYTES, allow_unused_weights: bool = False) -> BuildResult:
     """Build an engine folder from a checkpoint (see the module docstring for the phases
     and for what happens to the files around it).
 
@@ -273,7 +273,11 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     t_start = time.perf_counter()
     # -- every argument, before any work ------------------------------------------------
     dtype = require_dtype(dtype, BUILD_DTYPES, "an engine", "--dtype")
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+    from engram_trt.models.registry import open_checkpoint
+
+    if isinstance(checkpoint, Checkpoint):
+        checkpoint = checkpoint.path
+    ckpt = open_checkpoint(checkpoint, allow_unused=allow_unused_weights)
     config = ckpt.config
     ecfg = engram_config if isinstance(engram_config, EngramConfig) else EngramConfig.parse(engram_config)
     ecfg.validate_for(config)
@@ -384,7 +388,7 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         atomic.pause_point("build:export")
         opts = ExportOptions(dtype=dtype, max_position=max_seq_len, placement=ecfg.placement,
                              table_dtype=table_dtype, table_rows=table_rows)
-        exported = export_model(config, ckpt.get, layout, opts)
+        exported = ckpt.architecture.export_onnx(config, ckpt.get, layout, opts)
         _check_no_tables_in_graph(exported, refs)
         files = exported.save(tmp / ONNX_NAME)
     onnx_bytes = sum(f.stat().st_size for f in files)

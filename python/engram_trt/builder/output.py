@@ -17,7 +17,7 @@ from pathlib import Path
 
 from engram_trt.storage import atomic
 from engram_trt.builder.manifest import MANIFEST_NAME, is_engine_folder
-from engram_trt.models.engram_llama.onnx_export import EXTERNAL_DATA_NAME
+from engram_trt.models.export import EXTERNAL_DATA_NAME
 from engram_trt.checkpoint.checkpoint import Checkpoint, checkpoint_boundary
 from engram_trt.errors import EngramError
 

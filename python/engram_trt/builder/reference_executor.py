@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from engram_trt.models.engram_llama.onnx_export import DTYPES, PLUGIN_DOMAIN, TABLE_DTYPE_CODES, ExportedModel, decode_multipliers
+from engram_trt.models.export import DTYPES, PLUGIN_DOMAIN, TABLE_DTYPE_CODES, ExportedModel, decode_multipliers
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError

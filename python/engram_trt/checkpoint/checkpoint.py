@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -116,6 +116,7 @@ class Checkpoint:
                  infos: dict[str, TensorInfo], tokenizer_json: Path | None) -> None:
         self.path = path
         self.config = config
+        self.architecture: Any = None  # the registry's entry, set by models.registry.open_checkpoint
         self.config_dict = config_dict
         self.tokenizer_json = tokenizer_json
         self._infos = infos
@@ -124,8 +125,13 @@ class Checkpoint:
 
     # -- opening -----------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
-        """Open a checkpoint folder; refuse an incomplete one with the file and the fix."""
+    def open(cls, path: str | Path, config_reader: Callable[[dict[str, Any], str], ModelConfig] | None = None) -> "Checkpoint":
+        """Open a checkpoint folder; refuse an incomplete one with the file and the fix.
+
+        ``config_reader`` turns config.json into the typed config; the model registry
+        (:func:`engram_trt.models.registry.open_checkpoint`) passes its architecture's
+        reader, which honours or refuses every field. Without one the fields are read as
+        engram-llama's, unchecked against an architecture: for tools below the registry."""
         root = Path(path).expanduser()
         if not root.is_dir():
             raise CheckpointError(f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, or make one with `engram-trt demo-checkpoint OUT`)")
@@ -134,7 +140,7 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint '{root}' has no {CONFIG_NAME} (copy the model's config.json into the folder)")
         confined_file(root, CONFIG_NAME, CONFIG_NAME)
         config_dict, src = read_config_dict(cfg_file)
-        config = ModelConfig.from_dict(config_dict, src)
+        config = (config_reader or ModelConfig.from_dict)(config_dict, src)
         files = cls._weight_files(root)
         infos: dict[str, TensorInfo] = {}
         for shard, expected in files.items():

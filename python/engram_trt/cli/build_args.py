@@ -40,6 +40,8 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="build into an ENGINE_DIR that holds files engram-trt did not write (the build's own file names "
                              "there are replaced, every other file is kept) and replace --repack-tables files no re-pack wrote")
+    parser.add_argument("--allow-unused-weights", action="store_true",
+                        help="build from a checkpoint that holds tensors the model does not read (refused by default, naming them)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -55,7 +57,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         dtype=args.dtype, targets=args.target, embed_plugin_library=args.plugin_library == "embed",
         plugin_library=args.plugin_lib, repack_tables_dir=args.repack_tables, force=args.force,
-        build_engine_if_possible=not args.no_engine, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
+        build_engine_if_possible=not args.no_engine, allow_unused_weights=args.allow_unused_weights, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
     else:

@@ -37,6 +37,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                         f"every subcommand takes the spellings {SPELLINGS}")
     p.add_argument("--verify-tables", action="store_true",
                    help="check every Engram table's sha256 against the manifest before running (reads every byte)")
+    p.add_argument("--allow-unused-weights", action="store_true",
+                   help="serve a checkpoint that holds tensors the model does not read (refused by default, naming them: "
+                        "a model that skipped them might not be the one the checkpoint declares)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids, finish_reason, backend, storage, timings and more")
     add_engram_config_arguments(p)
@@ -52,7 +55,8 @@ def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
     ecfg = engram_config_from_args(args)
     t0 = time.perf_counter()
     with LLM(path, backend=args.backend, engram_config=ecfg if ecfg.given else None, device=args.device,
-             dtype=args.dtype, verify_tables=args.verify_tables, progress=not args.json) as llm:
+             dtype=args.dtype, verify_tables=args.verify_tables, progress=not args.json,
+             allow_unused_weights=args.allow_unused_weights) as llm:
         load_s = time.perf_counter() - t0
         out = llm.generate(args.prompt, params)[0]
         if out.error:

@@ -26,11 +26,32 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     from engram_trt.engram.tokenizer import build_compressed_vocab
     from engram_trt.tables.source import checkpoint_table_refs, table_file_problems
 
-    ckpt = Checkpoint.open(path)
+    from engram_trt.config.model import ModelConfig
+    from engram_trt.models.registry import resolve
+
+    seen: dict[str, Any] = {}
+
+    def reader(d: dict[str, Any], source: str) -> ModelConfig:
+        # The architecture's contract lists its problems here instead of refusing the
+        # first: inspect reports every one.
+        arch = seen["arch"] = resolve(d, source)
+        seen["field_problems"] = arch.contract.problems(d, source)
+        seen["ignored"] = arch.contract.ignored(d)
+        return ModelConfig.from_dict(d, source)
+
+    ckpt = Checkpoint.open(path, config_reader=reader)
+    arch = seen["arch"]
     cfg = ckpt.config
     spec = cfg.engram
+    try:
+        unused = arch.unused_tensors(cfg, ckpt.tensor_names())
+    except EngramError:  # the weight names need a field the config lacks: listed below
+        unused = []
     report: dict[str, Any] = {
         "checkpoint": str(Path(path).resolve()),
+        "architecture": arch.name,
+        "ignored_fields": seen["ignored"],
+        "unused_tensors": unused,
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "hc_mult": cfg.hc_mult,
@@ -39,8 +60,11 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "problems": [],
     }
     problems: list[str] = report["problems"]
+    problems.extend(seen["field_problems"])
+    if unused:
+        problems.append(f"{len(unused)} tensor(s) the {arch.name} model does not read: {', '.join(unused[:8])}"
+                        f"{' ...' if len(unused) > 8 else ''} (run / build / serve refuse them without --allow-unused-weights)")
     if spec is None:
-        problems.append("config has no Engram layers (no engram_layer_ids or ple_layer_ids)")
         problems.extend(validate_checkpoint(ckpt, None))
         return report
     pad = 0
@@ -129,8 +153,13 @@ def inspect_engine_folder(path: str, verify_tables: bool = False, sample_bytes: 
 
 def _print_checkpoint(report: dict[str, Any]) -> None:
     print(f"checkpoint   {report['checkpoint']}")
+    print(f"architecture {report['architecture']}")
     print(f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}")
-    if report["engram"]:
+    if report["ignored_fields"]:
+        print(f"ignored      config fields the model does not read (nor does transformers'): {', '.join(report['ignored_fields'])}")
+    if not report["engram"]:
+        print("engram       no Engram layers")
+    else:
         cv = report.get("compressed_vocab", {})
         print(f"compressed vocab  built {cv.get('built')}, declared {cv.get('declared')}")
         for e in report["layers"]:

@@ -21,9 +21,16 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from engram_trt.config.jsonfile import read_json_object
+from engram_trt.config.rope import RopeSetting, parse_rope
 from engram_trt.errors import ConfigError
 
 ENGRAM_PREFIXES = ("engram", "ple")
+# The RoPE types the engram-llama model computes exactly as transformers' Llama: its
+# positions stop at max_position_embeddings, where dynamic NTK is still plain RoPE.
+# longrope switches its factors with each call's length (keys already cached were
+# rotated with the other set), which a KV-cached step cannot reproduce.
+LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 INT32_MAX = 2**31 - 1
 # The hash kernel's limits (plugins/kernels/engramKernels.h): its layout constants
@@ -253,7 +260,7 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope: RopeSetting = field(default_factory=lambda: RopeSetting(rope_type="default", theta=10000.0))
     max_position_embeddings: int = 4096
     hc_mult: int = 1
     tie_word_embeddings: bool = False
@@ -262,6 +269,10 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     engram: EngramSpec | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -297,9 +308,6 @@ class ModelConfig:
         eps = d.get("rms_norm_eps", 1e-6)
         if not _is_number(eps) or not (0 < eps < 1):
             raise ConfigError(f"{_where(source)}field 'rms_norm_eps' must be a number in (0, 1) (got {_short(eps)})")
-        theta = d.get("rope_theta", 10000.0)
-        if not _is_number(theta) or not 0 < theta <= 1e12:
-            raise ConfigError(f"{_where(source)}field 'rope_theta' must be a finite number in (0, 1e12] (got {_short(theta)})")
         tie = d.get("tie_word_embeddings", False)
         if not isinstance(tie, bool):
             raise ConfigError(f"{_where(source)}field 'tie_word_embeddings' must be true or false (got {_short(tie)})")
@@ -314,6 +322,8 @@ class ModelConfig:
             eos = _int_field(d, "eos_token_id", source, minimum=0, maximum=LIMITS["eos_token_id"], default=None,
                              expected="a token id or a list of token ids")
         spec = parse_engram_spec(d, source)
+        max_pos = _int_field(d, "max_position_embeddings", source, minimum=1, maximum=LIMITS["max_position_embeddings"], default=4096)
+        rope = parse_rope(d, source=source, max_position_embeddings=max_pos, head_dim=head_dim, supported=LLAMA_ROPE_TYPES)
         cfg = cls(
             hidden_size=hidden,
             intermediate_size=_int_field(d, "intermediate_size", source, minimum=1, maximum=LIMITS["intermediate_size"]),
@@ -323,8 +333,8 @@ class ModelConfig:
             head_dim=head_dim,
             vocab_size=_int_field(d, "vocab_size", source, minimum=1, maximum=LIMITS["vocab_size"]),
             rms_norm_eps=float(eps),
-            rope_theta=float(theta),
-            max_position_embeddings=_int_field(d, "max_position_embeddings", source, minimum=1, maximum=LIMITS["max_position_embeddings"], default=4096),
+            rope=rope,
+            max_position_embeddings=max_pos,
             hc_mult=_int_field(d, "hc_mult", source, minimum=1, maximum=LIMITS["hc_mult"], default=1),
             tie_word_embeddings=tie,
             bos_token_id=bos,
@@ -357,9 +367,12 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.extra)
         base = asdict(self)
-        for k in ("engram", "extra"):
+        for k in ("engram", "extra", "rope"):
             base.pop(k)
         d.update(base)
+        for k in ROPE_FIELDS:
+            d.pop(k, None)
+        d["rope_parameters"] = self.rope.to_dict()
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
         for p in ENGRAM_PREFIXES:

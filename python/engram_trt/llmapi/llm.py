@@ -42,7 +42,9 @@ class LLM:
     dtype of the torch backend (default bfloat16 on a GPU, float32 on a CPU).
     ``max_batch_size`` / ``max_seq_len`` / ``max_num_tokens``: KV slots, their length,
     and the token budget of one step (default: the engine's). ``verify_tables``: check
-    every table's sha256 before serving (reads every byte).
+    every table's sha256 before serving (reads every byte). ``allow_unused_weights``:
+    serve a checkpoint that holds tensors the model does not read (refused otherwise,
+    with their names).
     ``engram_lookup`` / ``scheduler_factory``: hooks for :mod:`engram_trt.distributed`
     (a sharded Engram lookup in place of the table store, and a scheduler stepping in
     lockstep with the other ranks); leave them None on one device.
@@ -52,14 +54,15 @@ class LLM:
                  dtype: Any = None, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, verify_tables: bool = False, progress: bool = True,
                  table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
-                 scheduler_factory: Any = None, cuda_graphs: bool = True) -> None:
+                 scheduler_factory: Any = None, cuda_graphs: bool = True, allow_unused_weights: bool = False) -> None:
         from engram_trt.engram.tokenizer import load_tokenizer
         from engram_trt.runtime.engine_folder import open_model_source
         from engram_trt.runtime.runner import ModelRunner
         from engram_trt.runtime.scheduler import Scheduler
 
         ecfg = engram_config if isinstance(engram_config, EngramConfig) or engram_config is None else EngramConfig.parse(engram_config)
-        self.source = open_model_source(path, engram_config=ecfg, verify_tables=verify_tables, progress=progress)
+        self.source = open_model_source(path, engram_config=ecfg, verify_tables=verify_tables, progress=progress,
+                                        allow_unused_weights=allow_unused_weights)
         if self.source.tokenizer_json is None:
             raise EngramError(f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens")
         self.tokenizer = load_tokenizer(self.source.tokenizer_json)

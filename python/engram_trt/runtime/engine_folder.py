@@ -58,6 +58,7 @@ class ModelSource:
     plugin_embedded: bool = False
     trt: dict[str, Any] | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
+    architecture: Any = None  # the model registry's entry (models.registry): module, weights, state
 
     @property
     def has_engram(self) -> bool:
@@ -75,15 +76,19 @@ def is_engine_folder(path: Path) -> bool:
 
 
 def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = None, verify_tables: bool = False,
-                      progress: bool = True) -> ModelSource:
-    """Read an engine folder or a checkpoint folder (see the module docstring)."""
+                      progress: bool = True, allow_unused_weights: bool = False) -> ModelSource:
+    """Read an engine folder or a checkpoint folder (see the module docstring). The
+    model's architecture comes from the registry, which honours or refuses every field
+    of its config; a checkpoint's tensors the model does not read are refused unless
+    ``allow_unused_weights``."""
     p = Path(path).expanduser()
     if not p.exists():
         raise EngramError(f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder "
                           f"(make one with `engram-trt demo-checkpoint OUT`)")
     if not p.is_dir():
         raise EngramError(f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
-    src = _from_engine_folder(p, engram_config) if is_engine_folder(p) else _from_checkpoint(p, engram_config)
+    src = (_from_engine_folder(p, engram_config) if is_engine_folder(p)
+           else _from_checkpoint(p, engram_config, allow_unused_weights))
     if src.table_refs:
         check_table_files(src.table_refs)
         if not verify_tables:
@@ -128,9 +133,11 @@ def _in_folder(folder: Path, name: Any, what: str) -> Path:
 
 
 def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSource:
+    from engram_trt.models.registry import read_model_config
+
     m = _read_manifest(folder)
     try:
-        config = ModelConfig.from_dict(m["model"], source=str(folder / MANIFEST_NAME))
+        architecture, config = read_model_config(m["model"], source=str(folder / MANIFEST_NAME))
         shapes = m["shapes"]
         max_batch, max_seq_len, max_num_tokens = int(shapes["max_batch"]), int(shapes["max_seq_len"]), int(shapes["max_num_tokens"])
         checkpoint = Path(m["checkpoint"])
@@ -161,7 +168,12 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
             raise EngramError(f"{folder / MANIFEST_NAME}: the recorded layout differs from the one the config gives; rebuild the engine folder")
     refs = [TableRef.from_json(t, folder) for t in m.get("tables") or []]
     built = EngramConfig.from_dict(m.get("engram_config") or {}, source=f"{folder / MANIFEST_NAME} engram_config")
-    ecfg = override if override is not None else EngramConfig.from_dict({k: v for k, v in built.to_dict().items() if k != "table_placement"})
+    if override is not None:
+        ecfg = override
+    elif config.engram is None:
+        ecfg = EngramConfig()  # nothing to place: the build's defaults are not the user's choice
+    else:
+        ecfg = EngramConfig.from_dict({k: v for k, v in built.to_dict().items() if k != "table_placement"})
     engine = m.get("engine")
     engine_file = None if not engine else _in_folder(folder, engine.get("file"), "engine")
     plugins = m.get("plugins") or {}
@@ -169,15 +181,17 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
     placement = built.placement
     return ModelSource(folder, "engine", config, checkpoint, tokenizer, lookup, layout, refs, ecfg, max_batch, max_seq_len,
                        max_num_tokens, engine_file, placement, None if lib is None else Path(lib),
-                       bool(plugins.get("embedded")), m.get("tensorrt"), m)
+                       bool(plugins.get("embedded")), m.get("tensorrt"), m, architecture)
 
 
-def _from_checkpoint(folder: Path, override: EngramConfig | None) -> ModelSource:
-    from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
+def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_weights: bool) -> ModelSource:
+    from engram_trt.checkpoint.checkpoint import require_valid
     from engram_trt.checkpoint.vocab import engram_lookup_and_layout
     from engram_trt.tables.source import checkpoint_table_refs
 
-    ckpt = Checkpoint.open(folder)
+    from engram_trt.models.registry import open_checkpoint
+
+    ckpt = open_checkpoint(folder, allow_unused=allow_unused_weights)
     config = ckpt.config
     lookup, layout = engram_lookup_and_layout(ckpt)
     refs: list[TableRef] = checkpoint_table_refs(ckpt) if layout is not None else []
@@ -187,4 +201,4 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None) -> ModelSource
     max_seq_len = min(config.max_position_embeddings, 4096)
     return ModelSource(folder, "checkpoint", config, folder, ckpt.tokenizer_json, lookup, layout, refs, ecfg,
                        DEFAULT_MAX_BATCH, max_seq_len, min(DEFAULT_MAX_NUM_TOKENS, max_seq_len),
-                       placement="prefetch")
+                       placement="prefetch", architecture=ckpt.architecture)

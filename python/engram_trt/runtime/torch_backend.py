@@ -26,7 +26,6 @@ class TorchBackend:
     def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
                  cuda_graphs: bool = True) -> None:
         from engram_trt.checkpoint.checkpoint import Checkpoint
-        from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
 
         self.device = device
         t0 = time.perf_counter()
@@ -37,9 +36,10 @@ class TorchBackend:
         if ckpt.config.to_dict() != source.config.to_dict():
             raise EngramError(f"the checkpoint {source.checkpoint} no longer matches the engine folder's config "
                               f"(config.json changed since the build); rebuild the engine folder")
-        weights = {name: ckpt.get(name) for name in model_weight_shapes(source.config)}
-        self.model = EngramLlama(source.config, weights, tables=None, compress_lookup=source.compress_lookup,
-                                 layout=source.layout, device=device, dtype=dtype)
+        arch = source.architecture
+        weights = {name: ckpt.get(name) for name in arch.weight_shapes(source.config)}
+        self.model = arch.build_model(source.config, weights, tables=None, compress_lookup=source.compress_lookup,
+                                      layout=source.layout, device=device, dtype=dtype)
         if tables is not None:
             self.model.set_tables(tables)
         ckpt.close()

@@ -128,7 +128,7 @@ class TensorRTBackend:
         name = "key_cache_0"
         dtype = self._dtype.get(self.engine.get_tensor_dtype(name), torch.bfloat16) if name in self.inputs else torch.bfloat16
         # The engine's cache inputs are fixed at [max_batch, kvh, max_seq_len, hd].
-        return KVCache.allocate(cfg, self.source.max_batch, self.source.max_seq_len, self.device, dtype)
+        return self.source.architecture.allocate_state(cfg, self.source.max_batch, self.source.max_seq_len, self.device, dtype)
 
     def execute(self, step: Any, cache: KVCache, rows: Any) -> torch.Tensor:
         ctx = self.context

@@ -116,8 +116,11 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         # steps in PyTorch ops, for checks).
         self.backbone_ops: Any = select_backbone_ops(backbone_backend, dev, dtype, fuse)
         load_weights(self, weights, dev, dtype, fuse)
-        hd = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=dev) / hd))
+        from engram_trt.models.rope import inv_freq_and_scale
+
+        # RoPE as transformers' LlamaRotaryEmbedding computes it for config.rope (cos and
+        # sin scaled by its attention factor: yarn's, 1 for the others).
+        inv_freq, self.rope_scale = inv_freq_and_scale(config.rope, config.head_dim, device=dev)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.layout: EngramLayout | None = None
         self.tables: TableStore | None = None
@@ -221,7 +224,9 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         from engram_trt.tables.store import open_tables
 
         if not isinstance(ckpt, Checkpoint):
-            ckpt = Checkpoint.open(ckpt)
+            from engram_trt.models.engram_llama.config import read_config
+
+            ckpt = Checkpoint.open(ckpt, config_reader=read_config)
         cfg = ckpt.config
         spec = cfg.require_model()
         lookup, layout = engram_lookup_and_layout(ckpt, compressed_vocab)
@@ -396,7 +401,8 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         plan = AttentionPlan.make(step, dev, self.attention_impl, self.uploader, graph_safe=capture)
         freqs = plan.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return StepState(hs, rows, live, cids, plan, emb.cos().to(dtype), emb.sin().to(dtype), arrays)
+        cos, sin = emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        return StepState(hs, rows, live, cids, plan, cos.to(dtype), sin.to(dtype), arrays)
 
     def step_layers(self, state: "StepState", cache: KVCache, begin: int, end: int) -> None:
         """Decoder layers ``begin..end-1`` on ``state.hs`` (the Engram update first at an

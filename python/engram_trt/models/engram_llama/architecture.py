@@ -1,0 +1,69 @@
+"""engram-llama's declaration in the model registry: a Llama-family decoder (RMSNorm,
+RoPE attention with grouped KV heads, SwiGLU MLP) whose residual stream may be
+``hc_mult`` copies, with optional Engram layers (docs/engram-spec.md). A plain HF
+``LlamaForCausalLM`` is this model with ``hc_mult`` = 1 and no Engram layers, so both
+names resolve here.
+
+Its config fields' contract is :mod:`.config`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from engram_trt.config.model import ModelConfig
+from engram_trt.models.engram_llama.config import CONTRACT, read_config
+
+class EngramLlamaArchitecture:
+    name = "engram-llama"
+    architectures = ("EngramLlamaForCausalLM", "LlamaForCausalLM")
+    model_types = ("engram_llama", "llama")
+    contract = CONTRACT
+
+    def read_config(self, d: Mapping[str, Any], source: str | None = None) -> ModelConfig:
+        return read_config(d, source)
+
+    def weight_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        from engram_trt.models.engram_llama.weights import model_weight_shapes
+
+        return model_weight_shapes(config)
+
+    def tensor_names(self, config: ModelConfig) -> set[str]:
+        """Every tensor name the model reads from a checkpoint: its weights and, per Engram
+        layer, the table and (FP8) its scales."""
+        from engram_trt.checkpoint.checkpoint import engram_tensor_names
+
+        names = set(self.weight_shapes(config))
+        if config.engram is not None:
+            for lid in config.engram.layer_ids:
+                t = engram_tensor_names(lid, config.engram.prefix)
+                names.add(t["table"])
+                if config.engram.table_dtype == "fp8":
+                    names.add(t["scale"])
+        return names
+
+    def unused_tensors(self, config: ModelConfig, present: Iterable[str]) -> list[str]:
+        """Checkpoint tensors the model does not read (e.g. ``lm_head.weight`` of a tied
+        head, a multi-token-prediction layer)."""
+        from engram_trt.checkpoint.checkpoint import natural_key
+
+        used = self.tensor_names(config)
+        return sorted((n for n in present if n not in used), key=natural_key)
+
+    def build_model(self, config: ModelConfig, weights: Mapping[str, Any], **options: Any) -> Any:
+        from engram_trt.models.engram_llama.model import EngramLlama
+
+        return EngramLlama(config, weights, **options)
+
+    def allocate_state(self, config: ModelConfig, num_slots: int, max_len: int, device: Any, dtype: Any) -> Any:
+        from engram_trt.models.kv_cache import KVCache
+
+        return KVCache.allocate(config, num_slots, max_len, device, dtype)
+
+    def export_onnx(self, config: ModelConfig, weights: Any, layout: Any, options: Any) -> Any:
+        from engram_trt.models.engram_llama.onnx_export import export_model
+
+        return export_model(config, weights, layout, options)
+
+
+ARCHITECTURE = EngramLlamaArchitecture()
