@@ -149,17 +149,13 @@ def harness_path() -> Path:
 
 
 def harness_scripts(harness: Path, *modules: str) -> list:
-    """The GPU check scripts' modules (scripts/), imported for their harness bindings,
-    once the harness library is known to exist."""
+    """The GPU tests' modules (tests/gpu: ``helpers``, ``test_attention``, ...), imported for
+    their harness bindings and CPU checks, once the harness library is known to exist."""
     import importlib
 
     if not harness.is_file():
         pytest.skip(f"no CUDA compiler built the plugin harness ({harness}): nvcc / the CUDA toolkit is missing")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        return [importlib.import_module(m) for m in modules]
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    return [importlib.import_module(f"gpu.{m}") for m in modules]
 
 
 def word_tokenizer(path: Path, words: int) -> Path:

@@ -4,7 +4,7 @@ specification in engramKernels.h ("Hot-row cache"), step by step and state by st
 the warm start from offline counts; the step protocol; and the kernels' C ABI argument
 checks, which run on the host (no GPU needed).
 
-The kernels themselves run on the H200 (scripts/h200_hostgather_check.py), where each
+The kernels themselves run on the H200 (tests/gpu/test_cache.py), where each
 step's state is compared with this reference given the kernels' miss order.
 """
 
@@ -433,22 +433,19 @@ def test_cache_bindings_name_the_bad_argument() -> None:
 
 
 def test_the_gpu_check_harness_runs_here_with_the_reference_for_the_kernels() -> None:
-    """scripts/h200_cache_check.py's policy comparison, its CPU part: every case through
-    the reference standing in for the kernels (the GPU run swaps in the fused path)."""
-    import importlib.util
+    """tests/gpu/test_cache.py's policy comparison, its CPU part: every case through the
+    reference standing in for the kernels (the GPU run swaps in the fused path)."""
+    import importlib
 
     import torch
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "h200_cache_check.py"
-    spec = importlib.util.spec_from_file_location("h200_cache_check", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("gpu.test_cache")
     results: list[tuple[str, bool, str]] = []
     mod.compare_policies(torch.device("cpu"), lambda name, ok, detail="": results.append((name, ok, detail)),
                          fused=False)
     assert len(results) == len(mod.POLICY_CASES)
     assert all(ok for _, ok, _ in results), [r for r in results if not r[1]]
-    assert callable(mod.main) and callable(mod.run)
+    assert callable(mod.test_policies) and callable(mod.check_id_streams_cpu)
 
 
 def test_bound_cache_calls_check_their_buffers_once_and_name_the_bad_one() -> None:

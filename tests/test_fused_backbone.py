@@ -11,8 +11,8 @@
   weight replaced after load falls back to separate projections, ``kernels`` off a
   bf16 GPU is one clear error;
 - the new C ABI entry points' host checks and the bindings' argument checks, without a
-  GPU, and scripts/h200_backbone_check.py's CPU stages.
-The kernels themselves run on the H200 through scripts/h200_backbone_check.py.
+  GPU, and tests/gpu/test_backbone.py's CPU stages.
+The kernels themselves run on the H200 through tests/gpu/test_backbone.py.
 """
 
 from __future__ import annotations
@@ -187,10 +187,12 @@ def test_dispatch_on_a_cpu(caplog) -> None:
 
 
 def test_backbone_abi_checks_run_without_gpu(plugin_lib: Path, check) -> None:
-    """scripts/h200_backbone_check.py's ABI stage: every bad argument refused on the host
+    """tests/gpu/test_backbone.py's ABI stage: every bad argument refused on the host
     with its one-line reason, zero tokens launch nothing (it runs the same on the GPU)."""
-    check.check_abi()
-    results = check.RESULTS["checks"]
+    from gpu import helpers
+
+    with helpers.collect() as results:
+        check.check_abi()
     assert len(results) == 18 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
 
 
@@ -198,7 +200,7 @@ def test_checked_arguments_reach_the_launch(plugin_lib: Path) -> None:
     """With arguments that pass every check, the call gets as far as the launch (which a
     machine without a GPU refuses, named after the entry point)."""
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: scripts/h200_backbone_check.py launches these for real")
+        pytest.skip("a GPU is present: tests/gpu/test_backbone.py launches these for real")
     lib = backbone_kernels._library()
     attention_kernels._library()
     a, b, c = (ctypes.c_void_p(x << 32) for x in (1, 2, 3))  # made-up, disjoint, aligned: never dereferenced
@@ -248,36 +250,29 @@ def test_bindings_name_the_bad_argument() -> None:
 
 @pytest.fixture
 def check():
-    """scripts/h200_backbone_check.py as a module, its shared results emptied before and
-    after (the checks below record deliberate failures)."""
+    """tests/gpu/test_backbone.py as a module, its checks recorded into a list while the
+    test runs (the checks below record deliberate failures)."""
     import importlib
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        module = importlib.import_module("h200_backbone_check")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    module.RESULTS["checks"].clear()
-    module.LOG.clear()
-    yield module
-    module.RESULTS["checks"].clear()
-    module.LOG.clear()
+    module = importlib.import_module("gpu.test_backbone")
+    from gpu import helpers
+
+    with helpers.collect():
+        yield module
 
 
-def test_gpu_check_script_cpu_stages(plugin_lib: Path, tmp_path: Path, check, monkeypatch) -> None:
-    """scripts/h200_backbone_check.py --cpu-only: its ABI stage, and its float64 bounds
-    hold for the PyTorch bf16 ops the kernels reproduce (so the GPU stage checks the
-    kernels, not the bounds' slack); it writes its log and JSON and exits 0."""
-    import json
+def test_gpu_check_cpu_stages(plugin_lib: Path, check) -> None:
+    """tests/gpu/test_backbone.py's CPU stages: its ABI stage, and its float64 bounds hold
+    for the PyTorch bf16 ops the kernels reproduce (so the GPU stage checks the kernels,
+    not the bounds' slack)."""
+    from gpu import helpers
 
-    monkeypatch.setenv("ENGRAM_TRT_PLUGIN_LIB", str(plugin_lib))  # main() points it at --build-dir
-    rc = check.main(["--cpu-only", "--skip-build", "--build-dir", str(plugin_lib.parent), "--out", str(tmp_path),
-                     "--seed", "1"])
-    results = json.loads((tmp_path / "h200_backbone_check.json").read_text())["checks"]
-    assert rc == 0, [r for r in results if not r["ok"]]
+    with helpers.collect() as results:
+        check.check_abi()
+        check.check_reference_cpu()
+    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
     names = [r["name"] for r in results]
     assert sum(n.startswith("reference ") for n in names) == 7 and sum(n.startswith("abi ") for n in names) >= 18
-    assert (tmp_path / "h200_backbone_check.log").is_file()
 
 
 def test_norm_and_silu_checks_are_not_vacuous(check) -> None:

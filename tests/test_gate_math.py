@@ -6,7 +6,7 @@ on the host; this test compiles it with the system C++ compiler and compares its
 with :func:`engram_trt.engram.fusion.engram_gate_reference`, including the cases the
 kernel used to get wrong: a NaN score gave gate 0.5 (``fmaxf`` drops NaN) and a finite,
 wrong row, where the reference gives NaN. The kernel itself runs on the H200 through
-``scripts/h200_verify.py`` (the same NaN cases there).
+``tests/gpu/test_edge_cases.py`` (the same NaN cases there).
 """
 
 from __future__ import annotations

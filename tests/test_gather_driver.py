@@ -1,6 +1,6 @@
 """The gather driver's C ABI on a machine without a GPU: it says the device cannot run
 it, refuses to start, and names each missing argument (the GPU behaviour is checked by
-scripts/h200_driver_check.py on the H200)."""
+tests/gpu/test_driver.py on the H200)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """The decode projections' GEMV (engram_gemv_bf16) on a machine without a GPU: its C ABI's
 host checks, the binding's argument checks, the fused path's dispatch, and
-scripts/h200_gemv_check.py's CPU stages and verify function. The kernel itself runs on
-the H200 through that script; its timing is `engram-trt bench gemv`."""
+tests/gpu/test_gemv.py's CPU stages and verify function. The kernel itself runs on the
+H200 through that module (``pytest -m gpu tests/gpu``); its timing is `engram-trt bench gemv`."""
 
 from __future__ import annotations
 
 import ctypes
 import importlib
-import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,34 +17,27 @@ from engram_trt.native import backbone as backbone_kernels
 from engram_trt.errors import EngramError
 from engram_trt.models.engram_llama.kernel_ops import KernelBackboneOps, TorchBackboneOps
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def check():
-    """scripts/h200_gemv_check.py as a module, its shared results emptied around each test."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        module = importlib.import_module("h200_gemv_check")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    from h200_common import LOG, RESULTS
+    """tests/gpu/test_gemv.py as a module, its checks recorded into a list while the test runs."""
+    module = importlib.import_module("gpu.test_gemv")
+    from gpu import helpers
 
-    RESULTS["checks"].clear()
-    LOG.clear()
-    yield module
-    RESULTS["checks"].clear()
-    LOG.clear()
+    with helpers.collect():
+        yield module
 
 
-def test_gemv_check_cpu_stages(plugin_lib: Path, tmp_path: Path, check, monkeypatch) -> None:
-    """--cpu-only: ten ABI refusals with their one-line reasons, and the float64 bound
-    holds for the GEMM library's own F.linear (any summation order) on the CPU."""
-    monkeypatch.setenv("ENGRAM_TRT_PLUGIN_LIB", str(plugin_lib))
-    rc = check.main(["--cpu-only", "--skip-build", "--build-dir", str(plugin_lib.parent), "--out", str(tmp_path),
-                     "--seed", "1"])
-    results = json.loads((tmp_path / "h200_gemv_check.json").read_text())["checks"]
-    assert rc == 0, [r for r in results if not r["ok"]]
+def test_gemv_check_cpu_stages(plugin_lib: Path, check) -> None:
+    """The GPU tests' CPU stages: ten ABI refusals with their one-line reasons, and the
+    float64 bound holds for the GEMM library's own F.linear (any summation order) on the CPU."""
+    from gpu import helpers
+
+    with helpers.collect() as results:
+        check.check_abi()
+        check.check_reference_cpu()
+    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
     names = [r["name"] for r in results]
     assert sum(n.startswith("abi gemv: ") for n in names) == 10
     assert sum(n.startswith("reference F.linear") for n in names) == 3
@@ -72,7 +63,7 @@ def test_gemv_abi_reaches_the_launch(plugin_lib: Path) -> None:
     """Arguments that pass every check get as far as the launch, which a machine
     without a GPU refuses, named after the entry point."""
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: scripts/h200_gemv_check.py launches the kernel for real")
+        pytest.skip("a GPU is present: tests/gpu/test_gemv.py launches the kernel for real")
     lib = backbone_kernels._library()
     a, b, c = (ctypes.c_void_p(x << 32) for x in (1, 2, 3))  # made-up, disjoint, aligned: never dereferenced
     for tokens in (1, 4):

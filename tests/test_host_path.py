@@ -234,15 +234,12 @@ def test_step_phases_sum_and_kinds() -> None:
 
 
 def test_bench_serve_host_breakdown(small_engine: Path, tmp_path: Path, capsys: Any) -> None:
-    import argparse
-
     from engram_trt.bench import serve
 
     out = tmp_path / "serve.json"
-    ns = argparse.Namespace(path=str(small_engine), concurrency="1,3", prompt_tokens=5, max_tokens=6, device="cpu",
-                            backend="torch", max_num_tokens=None, json=str(out), engram_config=None,
-                            host_breakdown=True, no_cuda_graphs=False, repeat=1)
-    assert serve.run(ns) == 0
+    opts = serve.ServeOptions(path=str(small_engine), concurrency="1,3", prompt_tokens=5, max_tokens=6, device="cpu",
+                              backend="torch", json=str(out), host_breakdown=True)
+    assert serve.run(opts) == 0
     res = json.loads(out.read_text())
     printed = capsys.readouterr().out
     one = res["levels"]["1"]["host_breakdown"]
@@ -259,8 +256,6 @@ def test_bench_serve_host_breakdown(small_engine: Path, tmp_path: Path, capsys: 
 
 def test_bench_serve_null_model_leaves_the_host_path(small_engine: Path, tmp_path: Path) -> None:
     """--null-model: every token is the stub's (7) and no Engram rows are staged."""
-    import argparse
-
     from engram_trt import LLM
     from engram_trt.bench import serve
 
@@ -269,9 +264,8 @@ def test_bench_serve_null_model_leaves_the_host_path(small_engine: Path, tmp_pat
         (o,) = llm.generate([11, 12, 13], SamplingParams(max_tokens=6, ignore_eos=True))
         assert o.token_ids == [7] * 6 and llm.runner.prefetcher is None
     out = tmp_path / "null.json"
-    ns = argparse.Namespace(path=str(small_engine), concurrency="1,4", prompt_tokens=5, max_tokens=8, device="cpu",
-                            backend="torch", max_num_tokens=None, json=str(out), engram_config=None,
-                            host_breakdown=True, no_cuda_graphs=False, repeat=1, null_model=True)
-    assert serve.run(ns) == 0
+    opts = serve.ServeOptions(path=str(small_engine), concurrency="1,4", prompt_tokens=5, max_tokens=8, device="cpu",
+                              backend="torch", json=str(out), host_breakdown=True, null_model=True)
+    assert serve.run(opts) == 0
     res = json.loads(out.read_text())
     assert res["backend"].endswith("(null model)") and res["levels"]["1"]["host_breakdown"]["decode"]["steps"] == 7

@@ -9,8 +9,8 @@
   EngramGate builds into an engine on the CPU, and so do graphs whose gate takes fp16
   or fp32 hidden / kv (the output takes hidden's type); an EngramAttention graph builds
   with its caches aliased in place, and only with the aliasing preview feature.
-The kernels themselves run on the H200 through scripts/h200_verify.py and
-scripts/h200_attention_check.py (docs/benchmarks.md).
+The kernels themselves run on the H200 through tests/gpu (test_verify.py,
+test_attention.py; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -756,14 +756,14 @@ def _harness_scripts(*modules: str) -> list:
 
 @pytest.fixture(scope="module")
 def harness():
-    """scripts/h200_verify.py's binding of the harness that CMake builds beside the library
+    """The GPU tests' binding of the harness (tests/gpu/helpers.py) that CMake builds beside the library
     with -DENGRAM_TRT_BUILD_HARNESS=ON (it drives creator -> plugin -> enqueue as TensorRT
     does, without TensorRT)."""
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: scripts/h200_verify.py runs these enqueues for real")
-    (common,) = _harness_scripts("h200_common")
+        pytest.skip("a GPU is present: tests/gpu/test_verify.py runs these enqueues for real")
+    (common,) = _harness_scripts("helpers")
     return common, common.Harness(HARNESS)
 
 
@@ -798,9 +798,9 @@ def test_build_phase_gather_enqueue_takes_the_no_read_path(harness) -> None:
 
 @pytest.fixture(scope="module")
 def attention_harness():
-    """scripts/h200_attention_check.py's harness binding (any number of outputs,
+    """tests/gpu/test_attention.py's harness binding (any number of outputs,
     getAliasedInput) and its checks that need no GPU."""
-    (check,) = _harness_scripts("h200_attention_check")
+    (check,) = _harness_scripts("test_attention")
     return check, check.Harness(HARNESS)
 
 
@@ -809,9 +809,9 @@ def test_attention_plugin_through_the_harness(attention_harness) -> None:
     types, getAliasedInput (outputs 1 and 2 alias inputs 3 and 4, build capability v2), a
     serialize -> createPlugin(kRUNTIME) round trip and refused fields."""
     check, h = attention_harness
-    check.RESULTS["checks"].clear()
-    check.check_plugin_cpu(h)
-    results = check.RESULTS["checks"]
+    (helpers,) = _harness_scripts("helpers")
+    with helpers.collect() as results:
+        check.check_plugin_cpu(h)
     assert len(results) == 6 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
 
 
@@ -823,7 +823,7 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: scripts/h200_attention_check.py runs these enqueues for real")
+        pytest.skip("a GPU is present: tests/gpu/test_attention.py runs these enqueues for real")
     check, h = attention_harness
     H, kvh, hd, slots, max_len, T = 8, 2, 64, 3, 16, 5
     q = torch.zeros(T, H, hd, dtype=torch.bfloat16)
@@ -999,9 +999,9 @@ def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
 
 @pytest.fixture(scope="module")
 def column_range_check():
-    """scripts/h200_column_range.py and the harness (creation, shapes, serialized fields:
+    """tests/gpu/test_column_range.py and the harness (creation, shapes, serialized fields:
     no GPU needed)."""
-    check, common = _harness_scripts("h200_column_range", "h200_common")
+    check, common = _harness_scripts("test_column_range", "helpers")
     return check, common, common.Harness(HARNESS)
 
 
@@ -1011,9 +1011,8 @@ def test_column_range_fields_through_the_harness(column_range_check) -> None:
     writes into an engine before and after a round trip, the defaults (every column of the
     whole table) and the refusals (one line, the field named, file:line)."""
     check, common, h = column_range_check
-    common.RESULTS["checks"].clear()
-    check.check_column_range_cpu(h)
-    results = common.RESULTS["checks"]
+    with common.collect() as results:
+        check.check_column_range_cpu(h)
     assert len(results) == 11 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
 
 
@@ -1027,7 +1026,7 @@ def test_rank_share_gather_enqueue_validates_then_launches(column_range_check) -
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: scripts/h200_verify.py runs these enqueues for real")
+        pytest.skip("a GPU is present: tests/gpu/test_column_range.py runs these enqueues for real")
     _, common, h = column_range_check
     fields = (common.gather_fields(1, 2, 8, 64, 0, 32, 300) + common.column_range_fields(2, 5, 700)
               + [("bad_rows_input", common.PF_INT32, np.array([1], np.int32))])

@@ -28,7 +28,7 @@ Fields = list[tuple[str, int, np.ndarray]]
 
 @pytest.fixture(scope="module")
 def harness():
-    (common,) = harness_scripts(HARNESS, "h200_common")
+    (common,) = harness_scripts(HARNESS, "helpers")
     return common.Harness(HARNESS)
 
 

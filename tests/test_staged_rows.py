@@ -2,7 +2,7 @@
 waited for at their first read only, once, in the reader's stream; ``wait()`` waits for
 every layer; ``finish()`` runs the lookup's host-side completion (the gather driver's
 failure check). The streams are stand-ins here (no GPU); the GPU side is checked by
-scripts/h200_driver_check.py and scripts/h200_runtime_check.py."""
+tests/gpu/test_driver.py and tests/gpu/test_runtime.py."""
 
 from __future__ import annotations
 

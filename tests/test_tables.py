@@ -6,7 +6,7 @@ from_tensors`` over them) and, for the rows, an independent float64 NumPy dequan
 -c``) attaching to one segment, a creator SIGKILLed mid-write through the creator's
 test hook (``ENGRAM_TRT_TEST_SHM_PAUSE``, see engram_trt/tables/shared.py), and the
 ``engram-trt shm`` commands. The pinned store's GPU registration is replaced by a fake
-registrar that records every call (the real one runs in scripts/h200_tables_check.py).
+registrar that records every call (the real one runs in tests/gpu/test_tables.py).
 """
 
 from __future__ import annotations
@@ -689,7 +689,7 @@ def test_allocate_anonymous_huge_page_modes() -> None:
 
 def test_open_tables_pinned_needs_cuda_here(ck8: Checkpointed) -> None:
     if torch.cuda.is_available():
-        pytest.skip("this check is for machines without CUDA (the GPU path: scripts/h200_tables_check.py)")
+        pytest.skip("this check is for machines without CUDA (the GPU path: tests/gpu/test_tables.py)")
     with pytest.raises(EngramError, match="needs a CUDA device"):
         open_tables(ck8.refs, "pinned")
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engram_trt.bench.cacheoptions import CacheOptions
 from engram_trt.bench.idstreams import CHUNK_TOKENS
 from engram_trt.bench.lookuputil import GiB, QUANT_BLOCK, anon_hugepages_kib, make_tables, measure_h2d, pages_mode
 
@@ -27,19 +28,14 @@ log = logging.getLogger(__name__)
 TWIN_KEY = {"phases": "phases_step", "serial": "serial_step", "uva": "no_uva_step"}
 
 
-def twin_of(args: Any) -> str | None:
-    """Which twin the A/B flags ask for (bench cache refuses more than one)."""
-    return next((k for k in ("phases", "serial", "uva") if getattr(args, f"ab_{k}", False)), None)
-
-
-def make_layer_tables(args: Any, num_rows: int, layouts: list[str], seed: int, *, cpu_reference: bool = False,
+def make_layer_tables(num_rows: int, layouts: list[str], seed: int, *, pages: str, cpu_reference: bool = False,
                       register: bool = False) -> Any:
     """One layer's host table in what ``layouts`` read (inline; split rows and scales for
-    split and hbm-scales), on the pages of ``--pages``; ``cpu_reference``: the split form
+    split and hbm-scales), on ``pages`` (a ``--pages`` choice); ``cpu_reference``: the split form
     too (the dry run's reference reads it); ``register``: the split form registered with
     CUDA (the caches' whole step then reads a share of its misses through UVA)."""
     split = cpu_reference or any(name in ("split", "hbm-scales") for name in layouts)
-    return make_tables(num_rows, split=split, inline="inline" in layouts, huge_pages=pages_mode(args.pages),
+    return make_tables(num_rows, split=split, inline="inline" in layouts, huge_pages=pages_mode(pages),
                        register_split=register, seed=seed)
 
 
@@ -90,7 +86,7 @@ def _pages_used(tables: dict[int, Any], huge_before: int) -> dict[str, Any]:
     return {"pages_used": pages, "huge_pages_gib": grown}
 
 
-def run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
+def run_cpu(opts: CacheOptions, layout: Any, layers: list[int], chunks: list[Any], warm: int,
             offline: dict[int, Any] | None, layouts: list[str]) -> dict[str, Any]:
     """The dry run: the torch transfer path on CPU tensors, each output against the
     float32 dequant of the split table."""
@@ -104,10 +100,10 @@ def run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     made: dict[int, Any] = {}
     for li in layers:
         rows = int(layout.table_rows[li])
-        tables = made[li] = make_layer_tables(args, rows, layouts, args.seed + li, cpu_reference=True)
-        common = dict(device="cpu", capacity_fraction=args.capacity_fraction, quant_block=QUANT_BLOCK,
-                      max_step_rows=CHUNK_TOKENS * layout.n_hash_cols, admit_budget=args.admit_budget,
-                      sample_factor=args.sample_factor, admit_every=args.admit_every, seed=args.seed)
+        tables = made[li] = make_layer_tables(rows, layouts, opts.seed + li, pages=opts.pages, cpu_reference=True)
+        common = dict(device="cpu", capacity_fraction=opts.capacity_fraction, quant_block=QUANT_BLOCK,
+                      max_step_rows=CHUNK_TOKENS * layout.n_hash_cols, admit_budget=opts.admit_budget,
+                      sample_factor=opts.sample_factor, admit_every=opts.admit_every, seed=opts.seed)
         runs = []
         for name in layouts:
             table = host_table(tables, name, "cpu")
@@ -149,7 +145,7 @@ def run_cpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     return report
 
 
-def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: int,
+def run_gpu(opts: CacheOptions, layout: Any, layers: list[int], chunks: list[Any], warm: int,
             offline: dict[int, Any] | None, layouts: list[str]) -> dict[str, Any]:
     import torch
 
@@ -166,16 +162,17 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
     del pinned
     t0 = time.perf_counter()
     huge_before = anon_hugepages_kib()
-    uva = args.uva_share is None or args.uva_share > 0 or args.ab_uva
-    all_tables = {li: make_layer_tables(args, int(layout.table_rows[li]), layouts, args.seed + li, register=uva)
+    uva = opts.uva_share is None or opts.uva_share > 0 or opts.ab_uva
+    all_tables = {li: make_layer_tables(int(layout.table_rows[li]), layouts, opts.seed + li, pages=opts.pages,
+                                        register=uva)
                   for li in layers}
     setup = time.perf_counter() - t0
     pages = _pages_used(all_tables, huge_before)
     step_rows = CHUNK_TOKENS * layout.n_hash_cols
-    gatherer = HostGatherer(num_threads=args.threads, chunk_rows=args.chunk_rows, max_head_dim=256, device=dev,
-                            num_slots=args.slots)
-    gatherer.set_options(min_chunks=args.min_chunks, prefetch_rows=args.prefetch,
-                         streaming_stores=int(args.stores == "streaming"), spin_us=args.spin_us)
+    gatherer = HostGatherer(num_threads=opts.threads, chunk_rows=opts.chunk_rows, max_head_dim=256, device=dev,
+                            num_slots=opts.slots)
+    gatherer.set_options(min_chunks=opts.min_chunks, prefetch_rows=opts.prefetch,
+                         streaming_stores=int(opts.stores == "streaming"), spin_us=opts.spin_us)
     out_layers = []
     cold_equal = True
     hbm_bytes = 0
@@ -185,7 +182,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
             ids = [_ids_of(c, li).pin_memory() for c in chunks]
             # The ids of the measured chunks on the GPU too, as a step's hash kernel leaves
             # them: the cold hbm-scales gather's dequant reads the scale bytes by them.
-            on_device = args.ids_on == "device"
+            on_device = opts.ids_on == "device"
             ids_dev = {k: ids[k].to(dev) for k in range(warm, len(chunks))} \
                 if "hbm-scales" in layouts or on_device else {}
             runs = []
@@ -194,11 +191,11 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                 if name == "hbm-scales":
                     hbm_bytes = max(hbm_bytes, table[1].numel())
                 common = dict(device=dev, quant_block=QUANT_BLOCK, gatherer=gatherer, layout=name,
-                              max_step_rows=step_rows, sample_factor=args.sample_factor, seed=args.seed)
-                uva_kw = ({} if args.uva_blocks is None else {"uva_blocks": args.uva_blocks}) | (
-                    {} if args.uva_share is None or name == "inline" else {"uva_share": args.uva_share})
-                sized = dict(capacity_fraction=args.capacity_fraction, admit_budget=args.admit_budget,
-                             admit_every=args.admit_every)
+                              max_step_rows=step_rows, sample_factor=opts.sample_factor, seed=opts.seed)
+                uva_kw = ({} if opts.uva_blocks is None else {"uva_blocks": opts.uva_blocks}) | (
+                    {} if opts.uva_share is None or name == "inline" else {"uva_share": opts.uva_share})
+                sized = dict(capacity_fraction=opts.capacity_fraction, admit_budget=opts.admit_budget,
+                             admit_every=opts.admit_every)
                 caches = {"history": HotRowCache(*table, **sized, **common, **uva_kw)}
                 if offline is not None:
                     t1 = time.perf_counter()
@@ -207,9 +204,9 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                     log.info("layer %d, %s: warm start of %d rows in %.2f s", li, name,
                              caches["offline"].stats().preloaded, time.perf_counter() - t1)
                 twins = {}
-                if twin_of(args):
+                if opts.twin():
                     twin_kind = {"phases": {"whole_step": False}, "serial": {"overlap": False},
-                                 "uva": {"uva_share": 0.0}}[twin_of(args)]
+                                 "uva": {"uva_share": 0.0}}[opts.twin()]
                     twins = {n: HotRowCache(*table, **twin_kind, **sized, **common,
                                             **({"initial_counts": offline[li]} if n == "offline" else {}))
                              for n in caches}
@@ -236,17 +233,17 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
             # chunks again through the caches (they keep learning, so their hits run higher).
             cells = [((r.layout, n), c, r.outs[n]) for r in runs for n, c in r.caches.items()]  # (layout, warming)
             timed_stats = {key: c.stats() for key, c, _ in cells}
-            phases = _breakdown([(*key, c, out) for key, c, out in cells], ids[warm:], sync) if args.breakdown else {}
+            phases = _breakdown([(*key, c, out) for key, c, out in cells], ids[warm:], sync) if opts.breakdown else {}
             profiles = {key: profile_step(c, ids[warm], out, dev)
-                        for key, c, out in cells} if args.kernel_profile else {}
+                        for key, c, out in cells} if opts.kernel_profile else {}
             timelines = {key: phase_timeline(c, ids[warm:], out, dev)
-                         for key, c, out in cells} if args.breakdown else {}
-            costs = {key: call_costs(c, ids[warm], out, dev) for key, c, out in cells} if args.breakdown else {}
-            hostprof = {key: host_profile(_cycling(c, ids[warm:], out), dev, args.host_profile)
-                        for key, c, out in cells} if args.host_profile else {}
+                         for key, c, out in cells} if opts.breakdown else {}
+            costs = {key: call_costs(c, ids[warm], out, dev) for key, c, out in cells} if opts.breakdown else {}
+            hostprof = {key: host_profile(_cycling(c, ids[warm:], out), dev, opts.host_profile)
+                        for key, c, out in cells} if opts.host_profile else {}
             step_ids = [ids_dev[k] for k in range(warm, len(chunks))] if on_device else ids[warm:]
-            traces = {key: host_trace(c, step_ids, out, dev, args.host_trace)
-                      for key, c, out in cells} if args.host_trace else {}
+            traces = {key: host_trace(c, step_ids, out, dev, opts.host_trace)
+                      for key, c, out in cells} if opts.host_trace else {}
             for run in runs:
                 entry: dict[str, Any] = {"layer": li, "layout": run.layout,
                                          "dedup_seconds": statistics.median(run.t_dedup),
@@ -269,7 +266,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
                             "host_trace": traces.get((run.layout, name))}
                     if name in run.twins:
                         run.twins[name].policy.check_invariants()
-                        part[TWIN_KEY[twin_of(args)]] = {"cache_seconds": statistics.median(run.t_twin[name]),
+                        part[TWIN_KEY[opts.twin()]] = {"cache_seconds": statistics.median(run.t_twin[name]),
                                                "per_chunk_cache_seconds": run.t_twin[name],
                                                "stats": run.twins[name].stats().to_dict()}
                     if name == "history":
@@ -284,7 +281,7 @@ def run_gpu(args: Any, layout: Any, layers: list[int], chunks: list[Any], warm: 
         for t in all_tables.values():
             t.close()
     report = {"layers": out_layers, "link_GBps": link, "setup_seconds": setup, "device": torch.cuda.get_device_name(dev),
-              "torch": torch.__version__, "hbm_scales_gib": hbm_bytes / GiB, "ids_on": args.ids_on,
+              "torch": torch.__version__, "hbm_scales_gib": hbm_bytes / GiB, "ids_on": opts.ids_on,
               **pages}
     if len(layouts) > 1:
         report["cold_equal_across_layouts"] = cold_equal

@@ -44,18 +44,16 @@ from engram_trt.bench.lookuputil import (
     ROW_BYTES,
     SCALE_BYTES,
     anon_hugepages_kib,
-    float_list,
     gbps,
-    int_list,
     make_tables,
     measure_h2d,
     median_wall,
     print_table,
     require_matplotlib,
     save_plot,
-    str_list,
     write_json,
 )
+from engram_trt.bench.options import opt
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
@@ -105,56 +103,57 @@ class Result:
                 + (f", {self.pool}" if self.pool else "") + (f", {self.call} call" if self.call else ""))
 
 
-def add_gather_arguments(p: Any) -> None:
-    p.add_argument("--table-gib", type=float, default=None,
-                   help="host table size in GiB of 264-byte rows (default: 24.75; --dry-run: 0.25)")
-    p.add_argument("--rows", type=int_list, default=[DECODE_ROWS, PREFILL_ROWS],
-                   help="rows per lookup, comma-separated (default: 6144,196608)")
-    p.add_argument("--cols", type=int, default=24, help="columns per token (ids are [rows / cols, cols]; default 24)")
-    p.add_argument("--paths", type=str_list(("uva", "host", "split", "torch")), default=["uva", "host", "torch"],
-                   help="paths to time: uva, host, split (the UVA kernel and the host gather at once, each on its "
-                        "share of the rows), torch (default: uva,host,torch)")
-    p.add_argument("--uva-share", type=float_list, default=[0.1],
-                   help="split: the UVA kernel's share of a lookup's tokens, comma-separated (default 0.1)")
-    p.add_argument("--uva-blocks", type=int_list, default=[16],
-                   help="split: the UVA kernel's grid cap in blocks of 256 threads, 0 = one full wave (default 16)")
-    p.add_argument("--layouts", type=str_list(("split", "inline", "hbm-scales")), default=["split", "inline"],
-                   help="host gather table layouts: split, inline, hbm-scales (the split rows in host memory, the "
-                        "scale bytes on the GPU) (default: split,inline)")
-    p.add_argument("--threads", type=int_list, default=[4, 8, 16], help="CPU threads (default: 4,8,16)")
-    p.add_argument("--chunk-rows", type=int_list, default=[2048], help="host gather: rows per copy (default 2048)")
-    p.add_argument("--min-chunks", type=int_list, default=[4], help="host gather: min chunks per call (default 4)")
-    p.add_argument("--prefetch", type=int_list, default=[16], help="host gather: prefetch distance in rows (default 16)")
-    p.add_argument("--prefetch-far", type=int_list, default=[0],
-                   help="host gather: first-line prefetch distance in rows, to start page walks early (default 0: off)")
-    p.add_argument("--locality", type=int_list, default=[3],
-                   help="host gather: prefetch locality, 3 = into L1 .. 1 = into L2/L3, 0 = non-temporal (default 3)")
-    p.add_argument("--stores", type=str_list(("streaming", "plain")), default=["plain"],
-                   help="host gather: stores into staging (default: plain)")
-    p.add_argument("--task-rows", type=int_list, default=[0], help="host gather: rows per work item (0 = auto)")
-    p.add_argument("--slots", type=int_list, default=[8], help="host gather: staging slots (default 8)")
-    p.add_argument("--call", type=str_list(("checked", "bound")), default=["checked"],
-                   help="host gather: 'checked' (HostGatherer.gather, every argument checked on every call; default) "
-                        "and/or 'bound' (HostGatherer.bind: the table checked once, then the library call per step, "
-                        "as a decode loop makes it)")
-    p.add_argument("--spin-us", type=int, default=200,
-                   help="host gather: pool spin before blocking (default 200: calls back to back find it spinning)")
-    p.add_argument("--pool", type=str_list(("hot", "idle", "woken")), default=["hot"],
-                   help="host gather pool state at each call: hot (calls back to back), idle (2 ms of sleep before "
-                        "each call: the threads have blocked), woken (idle, then wake() --wake-us before the call, "
-                        "as a runtime does when a step starts) (default: hot)")
-    p.add_argument("--wake-us", type=float, default=100.0, help="--pool woken: wake() this long before the call")
-    p.add_argument("--pages", choices=("4k", "thp", "1g"), default="4k",
-                   help="host table pages: 4k, transparent huge pages (madvise), or reserved 1 GiB huge pages "
-                        "(hugetlbfs; reserve them first in /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages) "
-                        "(default 4k)")
-    p.add_argument("--reps", type=int, default=15, help="timed calls per measurement, fresh ids each (default 15)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="write all results as JSON (to stdout without PATH)")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of throughput vs threads")
-    p.add_argument("--dry-run", action="store_true",
-                   help="no GPU: time the CPU parts on a small table and check them; figures are not the target's")
+@dataclass(kw_only=True)
+class GatherOptions:
+    """``engram-trt bench gather``'s flags."""
+
+    table_gib: float | None = opt(None, help="host table size in GiB of 264-byte rows (default: 24.75; --dry-run: 0.25)")
+    rows: list[int] = opt([DECODE_ROWS, PREFILL_ROWS], help="rows per lookup, comma-separated (default: 6144,196608)")
+    cols: int = opt(24, help="columns per token (ids are [rows / cols, cols]; default 24)")
+    paths: list[str] = opt(["uva", "host", "torch"], choices=("uva", "host", "split", "torch"),
+                           help="paths to time: uva, host, split (the UVA kernel and the host gather at once, each on "
+                                "its share of the rows), torch (default: uva,host,torch)")
+    uva_share: list[float] = opt([0.1], help="split: the UVA kernel's share of a lookup's tokens, comma-separated "
+                                             "(default 0.1)")
+    uva_blocks: list[int] = opt([16], help="split: the UVA kernel's grid cap in blocks of 256 threads, 0 = one full "
+                                           "wave (default 16)")
+    layouts: list[str] = opt(["split", "inline"], choices=("split", "inline", "hbm-scales"),
+                             help="host gather table layouts: split, inline, hbm-scales (the split rows in host memory, "
+                                  "the scale bytes on the GPU) (default: split,inline)")
+    threads: list[int] = opt([4, 8, 16], help="CPU threads (default: 4,8,16)")
+    chunk_rows: list[int] = opt([2048], help="host gather: rows per copy (default 2048)")
+    min_chunks: list[int] = opt([4], help="host gather: min chunks per call (default 4)")
+    prefetch: list[int] = opt([16], help="host gather: prefetch distance in rows (default 16)")
+    prefetch_far: list[int] = opt([0], help="host gather: first-line prefetch distance in rows, to start page walks "
+                                            "early (default 0: off)")
+    locality: list[int] = opt([3], help="host gather: prefetch locality, 3 = into L1 .. 1 = into L2/L3, 0 = "
+                                        "non-temporal (default 3)")
+    stores: list[str] = opt(["plain"], choices=("streaming", "plain"),
+                            help="host gather: stores into staging (default: plain)")
+    task_rows: list[int] = opt([0], help="host gather: rows per work item (0 = auto)")
+    slots: list[int] = opt([8], help="host gather: staging slots (default 8)")
+    call: list[str] = opt(["checked"], choices=("checked", "bound"),
+                          help="host gather: 'checked' (HostGatherer.gather, every argument checked on every call; "
+                               "default) and/or 'bound' (HostGatherer.bind: the table checked once, then the library "
+                               "call per step, as a decode loop makes it)")
+    spin_us: int = opt(200, help="host gather: pool spin before blocking (default 200: calls back to back find it "
+                                 "spinning)")
+    pool: list[str] = opt(["hot"], choices=("hot", "idle", "woken"),
+                          help="host gather pool state at each call: hot (calls back to back), idle (2 ms of sleep "
+                               "before each call: the threads have blocked), woken (idle, then wake() --wake-us before "
+                               "the call, as a runtime does when a step starts) (default: hot)")
+    wake_us: float = opt(100.0, help="--pool woken: wake() this long before the call")
+    pages: str = opt("4k", choices=("4k", "thp", "1g"),
+                     help="host table pages: 4k, transparent huge pages (madvise), or reserved 1 GiB huge pages "
+                          "(hugetlbfs; reserve them first in /sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages) "
+                          "(default 4k)")
+    reps: int = opt(15, help="timed calls per measurement, fresh ids each (default 15)")
+    seed: int = opt(0)
+    json: str | None = opt(None, nargs="?", const="-", metavar="PATH",
+                           help="write all results as JSON (to stdout without PATH)")
+    plot: str | None = opt(None, metavar="PNG", help="write a plot of throughput vs threads")
+    dry_run: bool = opt(False, help="no GPU: time the CPU parts on a small table and check them; figures are not the "
+                                    "target's")
 
 
 def _reference(tables: Any, ids_flat: Any) -> Any:
@@ -177,11 +176,11 @@ def _raw_reference(tables: Any, ids_flat: Any) -> tuple[Any, Any]:
 IDLE_GAP_S = 2e-3
 
 
-def _host_configs(args: Any) -> list[dict[str, Any]]:
+def _host_configs(opts: GatherOptions) -> list[dict[str, Any]]:
     return [dict(chunk_rows=c, min_chunks=m, prefetch=pf, prefetch_far=far, locality=loc, stores=st, task_rows=tr)
-            for c, m, pf, far, loc, st, tr in itertools.product(args.chunk_rows, args.min_chunks, args.prefetch,
-                                                                args.prefetch_far, args.locality, args.stores,
-                                                                args.task_rows)]
+            for c, m, pf, far, loc, st, tr in itertools.product(opts.chunk_rows, opts.min_chunks, opts.prefetch,
+                                                                opts.prefetch_far, opts.locality, opts.stores,
+                                                                opts.task_rows)]
 
 
 def _set_tuning(g: Any, cfg: dict[str, Any]) -> None:
@@ -190,58 +189,58 @@ def _set_tuning(g: Any, cfg: dict[str, Any]) -> None:
                   task_rows=cfg["task_rows"], streaming_stores=int(cfg["stores"] == "streaming"))
 
 
-def cmd_gather(args: Any) -> int:
+def run(opts: GatherOptions) -> int:
     import torch
 
-    if any(n % args.cols for n in args.rows):
-        raise EngramError(f"--rows must be multiples of --cols {args.cols} (got {args.rows})")
-    if args.reps < 1:
+    if any(n % opts.cols for n in opts.rows):
+        raise EngramError(f"--rows must be multiples of --cols {opts.cols} (got {opts.rows})")
+    if opts.reps < 1:
         raise EngramError("--reps must be >= 1")
-    gib = args.table_gib if args.table_gib is not None else (0.25 if args.dry_run else 24.75)
+    gib = opts.table_gib if opts.table_gib is not None else (0.25 if opts.dry_run else 24.75)
     num_rows = int(gib * GiB) // ROW_BYTES
-    if num_rows < max(args.rows):
-        raise EngramError(f"--table-gib {gib} holds {num_rows} rows, fewer than a lookup of {max(args.rows)}")
-    if "split" in args.paths and not ({"split", "hbm-scales"} & set(args.layouts)):
+    if num_rows < max(opts.rows):
+        raise EngramError(f"--table-gib {gib} holds {num_rows} rows, fewer than a lookup of {max(opts.rows)}")
+    if "split" in opts.paths and not ({"split", "hbm-scales"} & set(opts.layouts)):
         raise EngramError("--paths split gathers the split rows on the host too: add split or hbm-scales to --layouts")
-    if "split" in args.paths and args.dry_run:
+    if "split" in opts.paths and opts.dry_run:
         raise EngramError("--paths split runs the UVA kernel beside the host gather: the dry run has no GPU")
-    if any(not 0.0 <= f <= 1.0 for f in args.uva_share) or any(b < 0 for b in args.uva_blocks):
-        raise EngramError(f"--uva-share must be in [0, 1] and --uva-blocks >= 0 (got {args.uva_share}, "
-                          f"{args.uva_blocks})")
-    if not args.dry_run and not torch.cuda.is_available():
+    if any(not 0.0 <= f <= 1.0 for f in opts.uva_share) or any(b < 0 for b in opts.uva_blocks):
+        raise EngramError(f"--uva-share must be in [0, 1] and --uva-blocks >= 0 (got {opts.uva_share}, "
+                          f"{opts.uva_blocks})")
+    if not opts.dry_run and not torch.cuda.is_available():
         raise EngramError("bench gather needs a CUDA GPU; run with --dry-run to exercise the CPU parts")
     # Only the layouts timed are built (the reference reads either): a 24.75 GiB table in
     # 1 GiB pages takes 25 of the pages reserved, both layouts 50.
-    uva = "uva" in args.paths or "split" in args.paths
-    need_split = "split" in args.layouts or "hbm-scales" in args.layouts or uva
-    need_inline = "inline" in args.layouts or "torch" in args.paths
+    uva = "uva" in opts.paths or "split" in opts.paths
+    need_split = "split" in opts.layouts or "hbm-scales" in opts.layouts or uva
+    need_inline = "inline" in opts.layouts or "torch" in opts.paths
     t0 = time.perf_counter()
     thp_before = anon_hugepages_kib()
-    tables = make_tables(num_rows, split=need_split, inline=need_inline, huge_pages={"thp": True, "1g": "1g"}.get(args.pages, False),
-                         register_split=not args.dry_run and uva, seed=args.seed)
+    tables = make_tables(num_rows, split=need_split, inline=need_inline, huge_pages={"thp": True, "1g": "1g"}.get(opts.pages, False),
+                         register_split=not opts.dry_run and uva, seed=opts.seed)
     setup_s = time.perf_counter() - t0
     thp_gib = (anon_hugepages_kib() - thp_before) / 2**20 if thp_before >= 0 else -1.0
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    id_sets = {n: [torch.randint(0, num_rows, (n // args.cols, args.cols), generator=gen, dtype=torch.int32)
-                   for _ in range(args.reps)] for n in args.rows}
+    gen = torch.Generator().manual_seed(opts.seed + 1)
+    id_sets = {n: [torch.randint(0, num_rows, (n // opts.cols, opts.cols), generator=gen, dtype=torch.int32)
+                   for _ in range(opts.reps)] for n in opts.rows}
     try:
-        if args.dry_run:
-            report = _run_cpu(args, tables, id_sets)
+        if opts.dry_run:
+            report = _run_cpu(opts, tables, id_sets)
         else:
-            report = _run_gpu(args, tables, id_sets)
+            report = _run_gpu(opts, tables, id_sets)
     finally:
         tables.close()
-    report.update(table_gib=tables.gib(), table_rows=num_rows, pages=args.pages, huge_pages_gib=thp_gib,
-                  setup_seconds=setup_s, dry_run=args.dry_run)
-    _print_report(args, report)
-    if args.json is not None:
-        write_json(report, args.json)
-    if args.plot:
-        _plot(report, args.plot)
+    report.update(table_gib=tables.gib(), table_rows=num_rows, pages=opts.pages, huge_pages_gib=thp_gib,
+                  setup_seconds=setup_s, dry_run=opts.dry_run)
+    _print_report(opts, report)
+    if opts.json is not None:
+        write_json(report, opts.json)
+    if opts.plot:
+        _plot(report, opts.plot)
     return 0
 
 
-def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str, Any]:
+def _run_cpu(opts: GatherOptions, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str, Any]:
     """The CPU parts alone: host gather's row copy (gather_rows_cpu) and index_select."""
     import torch
 
@@ -255,8 +254,8 @@ def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
         out_scales = torch.empty((n, SCALE_BYTES), dtype=torch.uint8)
         # The CPU entry point takes the prefetch distance and the store kind (the other
         # knobs shape the GPU pipeline or need a gatherer).
-        for layout, threads, prefetch, stores in itertools.product(args.layouts, args.threads, args.prefetch,
-                                                                   args.stores):
+        for layout, threads, prefetch, stores in itertools.product(opts.layouts, opts.threads, opts.prefetch,
+                                                                   opts.stores):
             table = (tables.inline, None) if layout == "inline" else (tables.split_rows, tables.split_scales)
             hbm = layout == "hbm-scales"  # the CPU part copies the values alone
 
@@ -265,18 +264,18 @@ def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                                            prefetch_rows=prefetch, streaming_stores=int(stores == "streaming"),
                                            out_rows=out_rows, out_scales=out_scales)
 
-            sec, _ = median_wall(run, args.reps, lambda: None)
+            sec, _ = median_wall(run, opts.reps, lambda: None)
             run(0)
             exact = torch.equal(out_rows, ref_rows) and (hbm or torch.equal(out_scales, ref_scales))
             results.append(Result(rows=n, path="host (CPU part)", layout=layout, threads=threads, seconds=sec,
                                   gbps=gbps(n, sec), cpu_part_seconds=sec, exact=exact, prefetch=prefetch,
                                   stores=stores))
-        if "torch" in args.paths:
+        if "torch" in opts.paths:
             stage = torch.empty((n, ROW_BYTES), dtype=torch.uint8)
             longs = [f.long() for f in flat]
-            for threads in args.threads:
+            for threads in opts.threads:
                 torch.set_num_threads(threads)
-                sec, _ = median_wall(lambda i: torch.index_select(tables.inline, 0, longs[i], out=stage), args.reps,
+                sec, _ = median_wall(lambda i: torch.index_select(tables.inline, 0, longs[i], out=stage), opts.reps,
                                      lambda: None)
                 torch.index_select(tables.inline, 0, longs[0], out=stage)
                 exact = torch.equal(stage[:, :HEAD_DIM], ref_rows) and torch.equal(stage[:, HEAD_DIM:], ref_scales)
@@ -285,7 +284,7 @@ def _run_cpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
     return {"results": [asdict(r) | {"knobs": r.knobs()} for r in results], "link_GBps": None}
 
 
-def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str, Any]:
+def _run_gpu(opts: GatherOptions, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str, Any]:
     import torch
 
     from engram_trt.native import hostgather
@@ -307,41 +306,41 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
     copy_alone: dict[int, float] = {}
 
     # hbm-scales: the scale bytes copied to the GPU once, as a runtime does at load.
-    scales_dev = tables.split_scales.to(dev) if "hbm-scales" in args.layouts and (
-        "host" in args.paths or "split" in args.paths) else None
+    scales_dev = tables.split_scales.to(dev) if "hbm-scales" in opts.layouts and (
+        "host" in opts.paths or "split" in opts.paths) else None
     for n, sets in id_sets.items():
         flat = [s.reshape(-1).contiguous() for s in sets]
-        out = torch.empty((n // args.cols, args.cols, HEAD_DIM), dtype=torch.bfloat16, device=dev)
+        out = torch.empty((n // opts.cols, opts.cols, HEAD_DIM), dtype=torch.bfloat16, device=dev)
         stage = torch.empty((n, ROW_BYTES), dtype=torch.uint8, pin_memory=True)
         dev_stage = torch.empty((n, ROW_BYTES), dtype=torch.uint8, device=dev)
-        copy_alone[n], _ = median_wall(lambda i: dev_stage.copy_(stage, non_blocking=True), args.reps, sync)
+        copy_alone[n], _ = median_wall(lambda i: dev_stage.copy_(stage, non_blocking=True), opts.reps, sync)
 
         def exact_out() -> bool:
             return torch.equal(out.view(-1, HEAD_DIM).view(torch.int16), refs[n].view(torch.int16))
 
-        if "uva" in args.paths:
+        if "uva" in opts.paths:
             dev_sets = [s.to(dev) for s in sets]
             sec, _ = median_wall(lambda i: kernels.gather(dev_sets[i], tables.split_rows, tables.split_scales,
-                                                          quant_block=QUANT_BLOCK, out=out), args.reps, sync)
+                                                          quant_block=QUANT_BLOCK, out=out), opts.reps, sync)
             kernels.gather(dev_sets[0], tables.split_rows, tables.split_scales, quant_block=QUANT_BLOCK, out=out)
             sync()
             results.append(Result(rows=n, path="uva", layout="split", threads=0, seconds=sec, gbps=gbps(n, sec),
                                   x_link=gbps(n, sec) / link, exact=exact_out()))
             del dev_sets
 
-        if "host" in args.paths:
-            cfgs = _host_configs(args)
+        if "host" in opts.paths:
+            cfgs = _host_configs(opts)
             cap = max(c["chunk_rows"] for c in cfgs)
             cpu_rows = torch.empty((n, HEAD_DIM), dtype=torch.uint8, pin_memory=True)
             cpu_scales = torch.empty((n, SCALE_BYTES), dtype=torch.uint8, pin_memory=True)
             # The ids on the GPU too, for hbm-scales' dequant (a step's hash kernel leaves them there).
             id_sets_dev = [s.to(dev) for s in sets] if scales_dev is not None else None
-            for threads, slots in itertools.product(args.threads, args.slots):
+            for threads, slots in itertools.product(opts.threads, opts.slots):
                 g = hostgather.HostGatherer(num_threads=threads, chunk_rows=cap, max_head_dim=HEAD_DIM, device=dev,
                                             num_slots=slots)
-                g.set_options(spin_us=args.spin_us)
+                g.set_options(spin_us=opts.spin_us)
                 try:
-                    for layout, cfg, pool, call in itertools.product(args.layouts, cfgs, args.pool, args.call):
+                    for layout, cfg, pool, call in itertools.product(opts.layouts, cfgs, opts.pool, opts.call):
                         table = {"inline": (tables.inline, None), "split": (tables.split_rows, tables.split_scales),
                                  "hbm-scales": (tables.split_rows, scales_dev)}[layout]
                         on_gpu = (lambda i: id_sets_dev[i]) if layout == "hbm-scales" else (lambda i: None)
@@ -349,7 +348,7 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
 
                         def wake(i: int) -> None:  # as a runtime does when a step starts: untimed
                             g.wake()
-                            time.sleep(args.wake_us / 1e6)
+                            time.sleep(opts.wake_us / 1e6)
 
                         if call == "bound":
                             bound = g.bind(*table, quant_block=QUANT_BLOCK, layout=layout)
@@ -357,7 +356,7 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                         else:
                             one = lambda i: g.gather(sets[i], *table, quant_block=QUANT_BLOCK, out=out,  # noqa: E731
                                                      layout=layout, ids_dev=on_gpu(i))
-                        sec, _ = median_wall(one, args.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0,
+                        sec, _ = median_wall(one, opts.reps, sync, gap_s=IDLE_GAP_S if pool != "hot" else 0.0,
                                              before=wake if pool == "woken" else None)
                         out.zero_()  # the check below sees this call's rows alone
                         one(0)
@@ -366,34 +365,36 @@ def _run_gpu(args: Any, tables: Any, id_sets: dict[int, list[Any]]) -> dict[str,
                         cpu_sec, _ = median_wall(
                             lambda i: hostgather.gather_rows_cpu(flat[i], *table, quant_block=QUANT_BLOCK,
                                                                  layout=layout, gatherer=g, out_rows=cpu_rows,
-                                                                 out_scales=cpu_scales), args.reps, lambda: None)
+                                                                 out_scales=cpu_scales), opts.reps, lambda: None)
                         results.append(Result(rows=n, path="host", layout=layout, threads=threads, seconds=sec,
                                               gbps=gbps(n, sec), x_link=gbps(n, sec) / link,
                                               cpu_part_seconds=cpu_sec, exact=exact,
-                                              slots=slots if len(args.slots) > 1 else 0,
-                                              pool=pool if len(args.pool) > 1 or pool != "hot" else "",
+                                              slots=slots if len(opts.slots) > 1 else 0,
+                                              pool=pool if len(opts.pool) > 1 or pool != "hot" else "",
                                               call="bound" if call == "bound" else "", **cfg))
                 finally:
                     g.close()
             del cpu_rows, cpu_scales, id_sets_dev
 
-        if "split" in args.paths:
-            results += time_split(args, tables, sets, [s.to(dev) for s in sets], out, scales_dev, link, sync,
-                                  exact_out, Result)
+        if "split" in opts.paths:
+            results += time_split(tables, sets, [s.to(dev) for s in sets], out, scales_dev, link, sync, exact_out,
+                                  Result, layouts=opts.layouts, threads=opts.threads[0],
+                                  chunk_rows=opts.chunk_rows[0], slots=opts.slots[0], spin_us=opts.spin_us,
+                                  uva_shares=opts.uva_share, uva_blocks=opts.uva_blocks, reps=opts.reps)
 
-        if "torch" in args.paths:
+        if "torch" in opts.paths:
             longs = [f.long() for f in flat]
             saved = torch.get_num_threads()
-            for threads in args.threads:
+            for threads in opts.threads:
                 torch.set_num_threads(threads)
 
                 def call_torch(i: int) -> None:
                     torch.index_select(tables.inline, 0, longs[i], out=stage)
                     dev_stage.copy_(stage, non_blocking=True)
 
-                sec, _ = median_wall(call_torch, args.reps, sync)
+                sec, _ = median_wall(call_torch, opts.reps, sync)
                 gather_sec, _ = median_wall(lambda i: torch.index_select(tables.inline, 0, longs[i], out=stage),
-                                            args.reps, lambda: None)
+                                            opts.reps, lambda: None)
                 call_torch(0)
                 sync()
                 ref_rows, ref_scales = raw_refs[n]
@@ -435,13 +436,13 @@ def _targets(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _print_report(args: Any, report: dict[str, Any]) -> None:
+def _print_report(opts: GatherOptions, report: dict[str, Any]) -> None:
     link = report.get("link_GBps")
     print(f"host table: {report['table_rows']:,} rows x {ROW_BYTES} B = {report['table_gib']:.2f} GiB, "
           f"{report['pages']} pages" + (f" ({report['huge_pages_gib']:.1f} GiB in huge pages)"
                                         if report['pages'] == 'thp' else "")
           + f"; set up in {report['setup_seconds']:.1f} s")
-    if args.dry_run:
+    if opts.dry_run:
         print("DRY RUN (no GPU): CPU parts only, on a small table; these figures say nothing about the target machine")
     else:
         print(f"{report['device']}, torch {report['torch']}; link (sequential 2 GiB pinned H2D copy): {link:.1f} GB/s")
@@ -501,12 +502,3 @@ def _plot(report: dict[str, Any], path: str) -> None:
         ax.set_ylabel("GB/s of row bytes delivered")
         ax.legend(fontsize=6)
     save_plot(fig, path)
-
-
-def add_parser(sub: Any) -> Any:
-    """Register ``bench gather`` (no heavy imports)."""
-    p = sub.add_parser("gather", help="cold lookups: UVA kernel vs host gather vs torch.index_select, vs the link",
-                       description=__doc__.split("\n\n")[0].replace("``", "").replace("`", ""))
-    add_gather_arguments(p)
-    p.set_defaults(func=cmd_gather)
-    return p

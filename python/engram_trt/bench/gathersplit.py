@@ -15,34 +15,38 @@ dequant kernels would wait behind it (their staging slots with them).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from engram_trt.bench.lookuputil import HEAD_DIM, QUANT_BLOCK, gbps, median_wall
 
 
-def time_split(args: Any, tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scales_dev: Any, link: float,
-               sync: Callable[[], None], exact_out: Callable[[], bool], result: Callable[..., Any]) -> list[Any]:
-    """The split path's results for one lookup size: every ``--uva-share`` x
-    ``--uva-blocks``, the host part in the first ``--layouts`` entry that keeps the
-    split rows (hbm-scales or split), the first ``--threads`` and ``--slots``."""
+def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scales_dev: Any, link: float,
+               sync: Callable[[], None], exact_out: Callable[[], bool], result: Callable[..., Any], *,
+               layouts: Sequence[str], threads: int, chunk_rows: int, slots: int, spin_us: int,
+               uva_shares: Sequence[float], uva_blocks: Sequence[int], reps: int) -> list[Any]:
+    """The split path's results for one lookup size: every share of ``uva_shares`` x
+    grid cap of ``uva_blocks`` (``--uva-share`` x ``--uva-blocks``), the host part in
+    hbm-scales if ``layouts`` has it, else split, on a host gatherer of ``threads``
+    threads, ``chunk_rows`` rows per copy and ``slots`` staging slots (the first
+    ``--threads``, ``--chunk-rows`` and ``--slots``), each the median of ``reps`` calls."""
     import torch
 
     from engram_trt.native import hostgather
     from engram_trt.native import kernels
 
-    layout = "hbm-scales" if "hbm-scales" in args.layouts else "split"
+    layout = "hbm-scales" if "hbm-scales" in layouts else "split"
     scales = scales_dev if layout == "hbm-scales" else tables.split_scales
     dev = out.device
     side = torch.cuda.Stream(dev)
     main = torch.cuda.current_stream(dev)
     tokens = int(sets[0].shape[0])
     results = []
-    g = hostgather.HostGatherer(num_threads=args.threads[0], chunk_rows=args.chunk_rows[0], max_head_dim=HEAD_DIM,
-                                device=dev, num_slots=args.slots[0])
-    g.set_options(spin_us=args.spin_us)
+    g = hostgather.HostGatherer(num_threads=threads, chunk_rows=chunk_rows, max_head_dim=HEAD_DIM,
+                                device=dev, num_slots=slots)
+    g.set_options(spin_us=spin_us)
     try:
         bound = g.bind(tables.split_rows, scales, quant_block=QUANT_BLOCK, layout=layout)
-        for share, blocks in itertools.product(args.uva_share, args.uva_blocks):
+        for share, blocks in itertools.product(uva_shares, uva_blocks):
             k = min(tokens, max(0, round(tokens * share)))  # tokens of the UVA kernel's part
 
             def one(i: int) -> None:
@@ -56,12 +60,12 @@ def time_split(args: Any, tables: Any, sets: list[Any], sets_dev: list[Any], out
                 if k:
                     main.wait_stream(side)
 
-            sec, _ = median_wall(one, args.reps, sync)
+            sec, _ = median_wall(one, reps, sync)
             out.zero_()
             one(0)
             sync()
             n = tokens * int(sets[0].shape[1])
-            results.append(result(rows=n, path="split", layout=layout, threads=args.threads[0], seconds=sec,
+            results.append(result(rows=n, path="split", layout=layout, threads=threads, seconds=sec,
                                   gbps=gbps(n, sec), x_link=gbps(n, sec) / link, exact=exact_out(),
                                   uva_share=k / tokens, uva_blocks=blocks))
     finally:

@@ -11,9 +11,11 @@ steps are, so the time is the GPU's and not the launch's.
 
 from __future__ import annotations
 
-import argparse
 import logging
+from dataclasses import dataclass
 from typing import Any
+
+from engram_trt.bench.options import opt
 
 log = logging.getLogger(__name__)
 
@@ -23,20 +25,16 @@ SHAPES: dict[str, tuple[int, int]] = {"qkv": (4096, 2048), "o": (2048, 2048), "g
 ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 5x the H200's 50 MB L2
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("gemv", help="decode projections: the kernel library's GEMV vs the GEMM library, over HBM",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
-    from engram_trt.bench.lookuputil import int_list, str_list
+@dataclass(kw_only=True)
+class GemvOptions:
+    """``engram-trt bench gemv``'s flags."""
 
-    p.add_argument("--shapes", type=str_list(list(SHAPES)), default=list(SHAPES),
-                   help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)")
-    p.add_argument("--tokens", type=int_list, default=[1, 2, 4],
-                   help="tokens per step (x's rows), each <= 4 (default: 1,2,4)")
-    p.add_argument("--calls", type=int, default=32, help="calls per graph replay (default: %(default)s)")
-    p.add_argument("--iters", type=int, default=20, help="timed replays per case (median; default: %(default)s)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
-    p.set_defaults(func=run)
-    return p
+    shapes: list[str] = opt(list(SHAPES), choices=list(SHAPES),
+                            help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)")
+    tokens: list[int] = opt([1, 2, 4], help="tokens per step (x's rows), each <= 4 (default: 1,2,4)")
+    calls: int = opt(32, help="calls per graph replay (default: %(default)s)")
+    iters: int = opt(20, help="timed replays per case (median; default: %(default)s)")
+    json: str | None = opt(None, metavar="FILE", help="write all figures as JSON to FILE")
 
 
 def time_graph(fn: Any, calls: int, iters: int, device: Any) -> float:
@@ -47,7 +45,7 @@ def time_graph(fn: Any, calls: int, iters: int, device: Any) -> float:
     return time_fn(graph.replay, device, 3, iters)["median_s"] / calls
 
 
-def run(args: argparse.Namespace) -> int:
+def run(opts: GemvOptions) -> int:
     import torch
     import torch.nn.functional as F
 
@@ -57,10 +55,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise EngramError("bench gemv needs a CUDA GPU (it times GPU kernels); none is available here")
-    shapes, tokens = args.shapes, args.tokens
+    shapes, tokens = opts.shapes, opts.tokens
     if not all(1 <= t <= backbone_kernels.GEMV_MAX_TOKENS for t in tokens):
         raise EngramError(f"--tokens: each must be in 1..{backbone_kernels.GEMV_MAX_TOKENS} (got {tokens})")
-    if args.calls < 1 or args.iters < 1:
+    if opts.calls < 1 or opts.iters < 1:
         raise EngramError("--calls and --iters must be >= 1")
     device = torch.device("cuda", torch.cuda.current_device())
     major, minor = torch.cuda.get_device_capability(device)
@@ -71,29 +69,29 @@ def run(args: argparse.Namespace) -> int:
     limits = measure_limits(device)
     hbm = limits["hbm_GBps"]
     print(f"device {torch.cuda.get_device_name(device)}; HBM copy {hbm:.0f} GB/s (read + written; the floor below); "
-          f"{args.calls} calls per graph, weights rotated over >= {ROTATE_BYTES >> 20} MiB")
+          f"{opts.calls} calls per graph, weights rotated over >= {ROTATE_BYTES >> 20} MiB")
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[dict[str, Any]] = []
     print(f"{'shape':<8} {'N x K':>13} {'T':>2} | {'floor us':>8} | {'GEMM lib us':>11} {'x floor':>7} | "
           f"{'GEMV us':>9} {'x floor':>7} | {'static us':>9} {'x floor':>7} | GEMV / GEMM lib | static / GEMM lib")
     for name in shapes:
         N, K = SHAPES[name]
-        copies = max(1, min(args.calls, -(-ROTATE_BYTES // (N * K * 2))))
+        copies = max(1, min(opts.calls, -(-ROTATE_BYTES // (N * K * 2))))
         weights = [torch.randn(N, K, device=device, dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(copies)]
         floor_us = N * K * 2 / (hbm * 1e9) * 1e6
         for T in tokens:
             x = torch.randn(T, K, device=device, dtype=torch.bfloat16, generator=gen)
             out = torch.empty(T, N, device=device, dtype=torch.bfloat16)
             row: dict[str, Any] = {"shape": name, "N": N, "K": K, "tokens": T, "floor_us": floor_us, "weight_copies": copies}
-            row["gemm_library_us"] = time_graph(lambda i: torch.matmul(x, weights[i % copies].t(), out=out), args.calls,
-                                                args.iters, device) * 1e6
-            row["gemv_us"] = time_graph(lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out), args.calls,
-                                        args.iters, device) * 1e6
+            row["gemm_library_us"] = time_graph(lambda i: torch.matmul(x, weights[i % copies].t(), out=out), opts.calls,
+                                                opts.iters, device) * 1e6
+            row["gemv_us"] = time_graph(lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out), opts.calls,
+                                        opts.iters, device) * 1e6
             # With weight_static each call may load its weight while the call before it
             # still runs (programmatic dependent launch).
             row["gemv_weight_static_us"] = time_graph(
-                lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out, weight_static=True), args.calls,
-                args.iters, device) * 1e6
+                lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out, weight_static=True), opts.calls,
+                opts.iters, device) * 1e6
             want = F.linear(x, weights[0])
             got = backbone_kernels.gemv(x, weights[0])
             row["max_abs_diff_vs_gemm_library"] = float((got.float() - want.float()).abs().max())
@@ -105,5 +103,5 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.empty_cache()
     print("floor: the weight's bytes read once at the HBM copy rate measured above; x floor = time / floor; "
           "static: the GEMV told its weight is static (it may load it while the call before it runs)")
-    dump({"limits": limits, "rows": rows, "calls": args.calls, "iters": args.iters}, args.json)
+    dump({"limits": limits, "rows": rows, "calls": opts.calls, "iters": opts.iters}, opts.json)
     return 0

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from engram_trt.bench.options import opt
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
@@ -226,38 +227,41 @@ def default_tokens_path() -> Path:
 PLATFORM_DISTINCT = {"2": 0.37, "3": 0.55, "4": 0.66}  # notes/platform.md, 40 MB of stdlib source
 
 
-def add_idstream_arguments(p: Any) -> None:
-    p.add_argument("--out", type=Path, default=None,
-                   help="token file to write (default: under the engram-trt cache: bench/idstream-tokens.npz)")
-    p.add_argument("--tokens", type=Path, default=None, help="read this token file instead of tokenizing text")
-    p.add_argument("--text-mb", type=float, default=16.0, help="MB of text to tokenize (default: %(default)s)")
-    p.add_argument("--column-rows", type=int, default=DEFAULT_COLUMN_ROWS,
-                   help="rows per column of the spec (default: %(default)s = 2^21, 24.75 GiB of tables)")
-    p.add_argument("--stats-chunks", type=int, default=64, help="8k-token chunks to measure (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+@dataclass(kw_only=True)
+class IdstreamOptions:
+    """``engram-trt bench idstream``'s flags."""
+
+    out: Path | None = opt(None, help="token file to write (default: under the engram-trt cache: "
+                                      "bench/idstream-tokens.npz)")
+    tokens: Path | None = opt(None, help="read this token file instead of tokenizing text")
+    text_mb: float = opt(16.0, help="MB of text to tokenize (default: %(default)s)")
+    column_rows: int = opt(DEFAULT_COLUMN_ROWS, help="rows per column of the spec (default: %(default)s = 2^21, 24.75 "
+                                                     "GiB of tables)")
+    stats_chunks: int = opt(64, help="8k-token chunks to measure (default: %(default)s)")
+    json: bool = opt(False, help="print the result as JSON")
 
 
-def cmd_idstream(args: Any) -> int:
+def run(opts: IdstreamOptions) -> int:
     """Make (or read) the token file and print its distinct-row fractions per order."""
-    if args.tokens is not None:
-        stream = load_tokens(args.tokens)
-        path = args.tokens
+    if opts.tokens is not None:
+        stream = load_tokens(opts.tokens)
+        path = opts.tokens
     else:
-        stream = prepare_tokens(args.text_mb)
-        path = save_tokens(stream, args.out or default_tokens_path())
-    layout = make_layout(args.column_rows, stream.compressed_vocab_size, stream.pad_id)
-    chunks = list(chunk_row_ids(stream, layout, num_chunks=args.stats_chunks))
+        stream = prepare_tokens(opts.text_mb)
+        path = save_tokens(stream, opts.out or default_tokens_path())
+    layout = make_layout(opts.column_rows, stream.compressed_vocab_size, stream.pad_id)
+    chunks = list(chunk_row_ids(stream, layout, num_chunks=opts.stats_chunks))
     stats = chunk_stats(chunks, layout)
     rows = int(layout.table_rows.sum())
-    result = {"tokens_file": str(path), **stream.meta(), "column_rows": args.column_rows,
+    result = {"tokens_file": str(path), **stream.meta(), "column_rows": opts.column_rows,
               "table_rows_per_layer": [int(r) for r in layout.table_rows],
               "table_gib_264B_rows": rows * 264 / 2**30, **stats, "platform_distinct_per_order": PLATFORM_DISTINCT}
-    if args.json:
+    if opts.json:
         print(json.dumps(result))
         return 0
     print(f"token file {path}: {stream.ids.shape[0]:,} tokens from {stream.text_bytes / 1e6:.1f} MB of text "
           f"({stream.num_files} files, Python {stream.python}), compressed vocab {stream.compressed_vocab_size}")
-    print(f"spec: 2 layers x orders 2..4 x 8 heads = 24 columns of ~{args.column_rows:,} rows; "
+    print(f"spec: 2 layers x orders 2..4 x 8 heads = 24 columns of ~{opts.column_rows:,} rows; "
           f"{rows:,} rows of 264 B = {rows * 264 / 2**30:.2f} GiB")
     print(f"distinct rows per lookup within an 8k-token chunk ({stats['chunks']} chunks):")
     for o, v in stats["distinct_per_order"].items():
@@ -265,15 +269,6 @@ def cmd_idstream(args: Any) -> int:
     print(f"  all 24 columns of a layer: {stats['distinct_per_layer_step']:6.1%} "
           f"(the share of a step's lookups de-duplication leaves to fetch)")
     return 0
-
-
-def add_parser(sub: Any) -> Any:
-    """Register ``bench idstream`` (no heavy imports)."""
-    p = sub.add_parser("idstream", help="make the token file of real text for `bench cache`; print its statistics",
-                       description=__doc__.split("\n\n")[0].replace("``", "").replace("`", ""))
-    add_idstream_arguments(p)
-    p.set_defaults(func=cmd_idstream)
-    return p
 
 
 def layer_list(text: str, num_layers: int) -> list[int]:

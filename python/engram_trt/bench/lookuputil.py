@@ -9,7 +9,6 @@ and pin all of it, and the host gather needs no pinned table at all (the CPU rea
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import mmap
@@ -31,38 +30,6 @@ QUANT_BLOCK = 32
 SCALE_BYTES = HEAD_DIM // QUANT_BLOCK
 ROW_BYTES = HEAD_DIM + SCALE_BYTES  # 264: what a lookup moves, counted in every GB/s here
 FILL_BLOCK_ROWS = 1 << 20
-
-
-def _number_list(text: str, cast: Callable[[str], Any], what: str, example: str) -> list[Any]:
-    """Comma-separated values of ``cast``; an error becomes one argparse usage line."""
-    try:
-        values = [cast(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, e.g. {example} (got {text!r})")
-    return values
-
-
-def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated integers."""
-    return _number_list(text, int, "integers", "4,8,16")
-
-
-def float_list(text: str) -> list[float]:
-    """argparse type: comma-separated numbers."""
-    return _number_list(text, float, "numbers", "0.1,0.2")
-
-
-def str_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    """argparse type: a comma-separated subset of ``choices``."""
-    def parse(text: str) -> list[str]:
-        values = [v.strip() for v in text.split(",") if v.strip()]
-        if not values or any(v not in choices for v in values):
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)} (got {text!r})")
-        return values
-
-    return parse
 
 
 def anon_hugepages_kib() -> int:

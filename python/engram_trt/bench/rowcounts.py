@@ -25,6 +25,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from engram_trt.bench.idstreams import DEFAULT_COLUMN_ROWS
+from engram_trt.bench.options import opt
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
@@ -148,29 +150,29 @@ def check_disjoint(rc: RowCounts, stream: Any, measured: tuple[int, int], layout
     return f"{rc.describe()}, disjoint from the measured chunks {a}..{b - 1}"
 
 
-def add_rowcounts_arguments(p: Any) -> None:
-    from engram_trt.bench.idstreams import DEFAULT_COLUMN_ROWS
+@dataclass(kw_only=True)
+class RowcountsOptions:
+    """``engram-trt bench rowcounts``'s flags."""
 
-    p.add_argument("--tokens", type=Path, default=None,
-                   help="token file from `engram-trt bench idstream` (default: the cache's)")
-    p.add_argument("--column-rows", type=int, default=DEFAULT_COLUMN_ROWS,
-                   help="rows per column of the spec (default: %(default)s, as bench cache)")
-    p.add_argument("--first-chunk", type=int, default=0, help="first 8k-token chunk to count (default 0)")
-    p.add_argument("--chunks", type=int, default=448, help="chunks to count (default 448, bench cache's warm-up)")
-    p.add_argument("--layers", default="0,1", help="layers to count, comma-separated (default 0,1)")
-    p.add_argument("--out", type=Path, required=True, help="counts file (.npz) to write")
+    tokens: Path | None = opt(None, help="token file from `engram-trt bench idstream` (default: the cache's)")
+    column_rows: int = opt(DEFAULT_COLUMN_ROWS, help="rows per column of the spec (default: %(default)s, as bench "
+                                                     "cache)")
+    first_chunk: int = opt(0, help="first 8k-token chunk to count (default 0)")
+    chunks: int = opt(448, help="chunks to count (default 448, bench cache's warm-up)")
+    layers: str = opt("0,1", help="layers to count, comma-separated (default 0,1)")
+    out: Path = opt(help="counts file (.npz) to write")
 
 
-def cmd_rowcounts(args: Any) -> int:
+def run(opts: RowcountsOptions) -> int:
     from engram_trt.bench.idstreams import layer_list
     from engram_trt.bench.idstreams import CHUNK_TOKENS, chunk_row_ids, default_tokens_path, load_tokens, make_layout
 
-    if args.chunks < 1 or args.first_chunk < 0:
+    if opts.chunks < 1 or opts.first_chunk < 0:
         raise EngramError("--chunks must be >= 1 and --first-chunk >= 0")
-    stream = load_tokens(args.tokens or default_tokens_path())
-    layout = make_layout(args.column_rows, stream.compressed_vocab_size, stream.pad_id)
-    layers = layer_list(args.layers, layout.num_layers)
-    chunks = chunk_row_ids(stream, layout, first_chunk=args.first_chunk, num_chunks=args.chunks)
+    stream = load_tokens(opts.tokens or default_tokens_path())
+    layout = make_layout(opts.column_rows, stream.compressed_vocab_size, stream.pad_id)
+    layers = layer_list(opts.layers, layout.num_layers)
+    chunks = chunk_row_ids(stream, layout, first_chunk=opts.first_chunk, num_chunks=opts.chunks)
     seen = [0]
 
     def counted() -> Iterable[np.ndarray]:
@@ -180,12 +182,12 @@ def cmd_rowcounts(args: Any) -> int:
 
     table_rows = [int(r) for r in layout.table_rows]
     counts = count_rows(counted(), table_rows, layers)
-    if seen[0] < args.chunks:
-        raise EngramError(f"the token stream holds {seen[0]} chunks from --first-chunk {args.first_chunk}, fewer "
-                          f"than --chunks {args.chunks}")
-    rc = RowCounts(counts=counts, column_rows=args.column_rows, table_rows=table_rows, first_chunk=args.first_chunk,
-                   num_chunks=args.chunks, chunk_tokens=CHUNK_TOKENS, stream=stream_fingerprint(stream))
-    path = save_row_counts(rc, args.out)
+    if seen[0] < opts.chunks:
+        raise EngramError(f"the token stream holds {seen[0]} chunks from --first-chunk {opts.first_chunk}, fewer "
+                          f"than --chunks {opts.chunks}")
+    rc = RowCounts(counts=counts, column_rows=opts.column_rows, table_rows=table_rows, first_chunk=opts.first_chunk,
+                   num_chunks=opts.chunks, chunk_tokens=CHUNK_TOKENS, stream=stream_fingerprint(stream))
+    path = save_row_counts(rc, opts.out)
     for li in layers:
         c = counts[li]
         nz = int(np.count_nonzero(c))
@@ -193,12 +195,3 @@ def cmd_rowcounts(args: Any) -> int:
               f"({nz / c.size:.1%})")
     print(f"wrote {path}: {rc.describe()}")
     return 0
-
-
-def add_parser(sub: Any) -> Any:
-    """Register ``bench rowcounts`` (no heavy imports)."""
-    p = sub.add_parser("rowcounts", help="per-row lookup counts of a range of the token stream (a cache's warm start)",
-                       description=__doc__.split("\n\n")[0].replace("``", "").replace("`", ""))
-    add_rowcounts_arguments(p)
-    p.set_defaults(func=cmd_rowcounts)
-    return p

@@ -11,60 +11,61 @@ wait for the GPU, so for a small model the sum is the host's cost of a token.
 
 from __future__ import annotations
 
-import argparse
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("serve", help="throughput of N concurrent requests through LLM, as a ratio to one request",
-                       description=__doc__)
-    p.add_argument("path", metavar="PATH", help="engine folder or checkpoint")
-    p.add_argument("--concurrency", default="1,8,64", help="numbers of concurrent requests (default: %(default)s)")
-    p.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default: %(default)s)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
-    p.add_argument("--backend", default="auto", choices=("auto", "tensorrt", "torch"), help="runtime backend (default: %(default)s)")
-    p.add_argument("--max-num-tokens", type=int, default=None, help="token budget of one step (default: the engine's)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON to FILE")
-    p.add_argument("--engram-config", default=None, metavar="JSON", help="--engram-config for the tables")
-    p.add_argument("--host-breakdown", action="store_true",
-                   help="time each step's host work by phase and print microseconds per decode step")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (the torch backend on a GPU)")
-    p.add_argument("--null-model", action="store_true",
-                   help="the backend returns fixed logits at once and no Engram rows are staged: the runtime's host path around the model alone")
-    p.add_argument("--repeat", type=int, default=1, help="runs per concurrency; the fastest counts (default: %(default)s)")
-    p.set_defaults(func=run)
-    return p
+from engram_trt.bench.options import opt
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(kw_only=True)
+class ServeOptions:
+    """``engram-trt bench serve``'s flags."""
+
+    path: str = opt(positional=True, metavar="PATH", help="engine folder or checkpoint")
+    concurrency: str = opt("1,8,64", help="numbers of concurrent requests (default: %(default)s)")
+    prompt_tokens: int = opt(32, help="tokens per prompt (default: %(default)s)")
+    max_tokens: int = opt(32, help="new tokens per request (default: %(default)s)")
+    device: str = opt("auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    backend: str = opt("auto", choices=("auto", "tensorrt", "torch"), help="runtime backend (default: %(default)s)")
+    max_num_tokens: int | None = opt(None, help="token budget of one step (default: the engine's)")
+    json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
+    engram_config: str | None = opt(None, metavar="JSON", help="--engram-config for the tables")
+    host_breakdown: bool = opt(False, help="time each step's host work by phase and print microseconds per decode "
+                                           "step")
+    no_cuda_graphs: bool = opt(False, help="run decode steps eagerly (the torch backend on a GPU)")
+    null_model: bool = opt(False, help="the backend returns fixed logits at once and no Engram rows are staged: the "
+                                       "runtime's host path around the model alone")
+    repeat: int = opt(1, help="runs per concurrency; the fastest counts (default: %(default)s)")
+
+
+def run(opts: ServeOptions) -> int:
     from engram_trt.bench.common import dump
     from engram_trt.errors import EngramError
     from engram_trt.llmapi.llm import LLM
     from engram_trt.runtime.sampling_params import SamplingParams
     from engram_trt.runtime.phases import StepPhases, format_table
 
-    levels = [int(x) for x in args.concurrency.split(",") if x]
+    levels = [int(x) for x in opts.concurrency.split(",") if x]
     if not levels or min(levels) < 1:
-        raise EngramError(f"--concurrency: expected positive integers, e.g. 1,8,64 (got {args.concurrency!r})")
-    repeat = getattr(args, "repeat", 1)
+        raise EngramError(f"--concurrency: expected positive integers, e.g. 1,8,64 (got {opts.concurrency!r})")
+    repeat = opts.repeat
     if repeat < 1:
         raise EngramError(f"--repeat must be >= 1 (got {repeat})")
-    breakdown = getattr(args, "host_breakdown", False)
-    with LLM(args.path, backend=args.backend, device=args.device, max_batch_size=max(levels),
-             max_seq_len=args.prompt_tokens + args.max_tokens + 1, max_num_tokens=args.max_num_tokens,
-             engram_config=args.engram_config, progress=False,
-             cuda_graphs=not getattr(args, "no_cuda_graphs", False)) as llm:
+    breakdown = opts.host_breakdown
+    with LLM(opts.path, backend=opts.backend, device=opts.device, max_batch_size=max(levels),
+             max_seq_len=opts.prompt_tokens + opts.max_tokens + 1, max_num_tokens=opts.max_num_tokens,
+             engram_config=opts.engram_config, progress=False,
+             cuda_graphs=not opts.no_cuda_graphs) as llm:
         vocab = llm.runner.vocab_size
-        if getattr(args, "null_model", False):
+        if opts.null_model:
             null_model(llm.runner)
-        params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-        res: dict[str, Any] = {"backend": llm.backend_label + (" (null model)" if getattr(args, "null_model", False) else ""), "storage": llm.storage, "levels": {}}
+        params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=True)
+        res: dict[str, Any] = {"backend": llm.backend_label + (" (null model)" if opts.null_model else ""), "storage": llm.storage, "levels": {}}
 
         def batch(n: int) -> float:
-            prompts = [[(7 + 13 * i + 31 * j) % (vocab - 2) + 2 for j in range(args.prompt_tokens)] for i in range(n)]
+            prompts = [[(7 + 13 * i + 31 * j) % (vocab - 2) + 2 for j in range(opts.prompt_tokens)] for i in range(n)]
             barrier = threading.Barrier(n + 1)
             outs: list[Any] = [None] * n
 
@@ -80,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
             for t in threads:
                 t.join()
             dt = time.perf_counter() - t0
-            if any(o is None or o.error or len(o.token_ids) != args.max_tokens for o in outs):
+            if any(o is None or o.error or len(o.token_ids) != opts.max_tokens for o in outs):
                 raise EngramError("a benchmark request failed or stopped early")
-            return n * args.max_tokens / dt
+            return n * opts.max_tokens / dt
 
         for n in sorted(set(levels)):
             batch(n)  # warm-up: every batch and context bucket a level meets is recorded before it is timed
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{n:>10} {r['tokens_per_s']:>12.1f} {(r['ratio_to_one'] or 0):>13.2f}x {r['mean_seqs_per_step']:>12.1f}")
         if breakdown:
             print_breakdown(res["levels"], format_table)
-    dump(res, args.json)
+    dump(res, opts.json)
     return 0
 
 

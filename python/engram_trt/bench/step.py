@@ -17,7 +17,6 @@ on the side stream and when the main stream first needed the rows.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engram_trt.bench import stepprofile
+from engram_trt.bench.options import opt
 
 log = logging.getLogger(__name__)
 
@@ -56,49 +56,50 @@ AB_SUFFIXES = ("-onecut", "-separate", "-ring")  # the older forms of the graphs
 DEFAULT_MODES = tuple(m for m in MODES if not m.endswith(AB_SUFFIXES))
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("step", help="step time with Engram tables in GPU / pinned host memory vs the Engram layers removed",
-                       description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("--model", choices=sorted(PRESETS), default="1b", help="model shape: 1b (16 layers, hidden 2048), 8b (32 layers, hidden 4096), small "
-                        "(4 layers, hidden 256, for a quick look); all with Engram on layers 1 and 2 (default: %(default)s)")
-    p.add_argument("--table-gib", type=float, default=24.0, help="host table size in GiB over all Engram layers (default: %(default)s)")
-    p.add_argument("--decode-batches", default="1,64,256", help="decode batch sizes (default: %(default)s)")
-    p.add_argument("--context", type=int, default=256, help="tokens already in each decode sequence's cache (default: %(default)s)")
-    p.add_argument("--prefill", type=int, default=8192, help="prefill chunk tokens, 0 to skip (default: %(default)s)")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut and -separate ones)")
-    p.add_argument("--iters", type=int, default=10, help="timed steps per case and round (median reported; default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="rounds of timing: every mode of a case is prepared first, then the modes take turns, --iters "
-                        "steps each, in an order reversed every other round; each round's median is reported beside "
-                        "the median of all steps, and an A/B pair's ratio per round (default: %(default)s)")
-    p.add_argument("--timeline", action="store_true", help="record when the lookup ran vs when the first Engram layer needed it")
-    p.add_argument("--no-graphs", action="store_true",
-                   help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend serves them)")
-    p.add_argument("--trace", default=None, metavar="FILE", help="write a torch-profiler Chrome trace of one pinned decode step")
-    p.add_argument("--stream-profile", action="store_true",
-                   help="after timing each case and mode, profile one more step on the GPU and report each stream's "
-                        "kernel and copy time: with host tables, whether the side streams' work slows the main stream's "
-                        "kernels (their time against the same kernels with HBM tables); and where the main stream sat "
-                        "idle within the step: before its first kernel (host work), between kernels, after its last, "
-                        "with the largest gaps named by the kernels around them")
-    p.add_argument("--host-profile", type=int, default=0, metavar="N",
-                   help="after timing each case and mode, profile N more steps' host work (cProfile) and print the "
-                        "functions that take most of it, per step (default: 0, off)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write all figures as JSON to FILE")
-    p.set_defaults(func=run)
-    return p
+@dataclass(kw_only=True)
+class StepOptions:
+    """``engram-trt bench step``'s flags."""
+
+    model: str = opt("1b", choices=sorted(PRESETS),
+                     help="model shape: 1b (16 layers, hidden 2048), 8b (32 layers, hidden 4096), small (4 layers, "
+                          "hidden 256, for a quick look); all with Engram on layers 1 and 2 (default: %(default)s)")
+    table_gib: float = opt(24.0, help="host table size in GiB over all Engram layers (default: %(default)s)")
+    decode_batches: str = opt("1,64,256", help="decode batch sizes (default: %(default)s)")
+    context: int = opt(256, help="tokens already in each decode sequence's cache (default: %(default)s)")
+    prefill: int = opt(8192, help="prefill chunk tokens, 0 to skip (default: %(default)s)")
+    modes: str = opt(",".join(DEFAULT_MODES),
+                     help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut and "
+                          "-separate ones)")
+    iters: int = opt(10, help="timed steps per case and round (median reported; default: %(default)s)")
+    rounds: int = opt(1, help="rounds of timing: every mode of a case is prepared first, then the modes take turns, "
+                              "--iters steps each, in an order reversed every other round; each round's median is "
+                              "reported beside the median of all steps, and an A/B pair's ratio per round (default: "
+                              "%(default)s)")
+    timeline: bool = opt(False, help="record when the lookup ran vs when the first Engram layer needed it")
+    no_graphs: bool = opt(False, help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend "
+                                      "serves them)")
+    trace: str | None = opt(None, metavar="FILE", help="write a torch-profiler Chrome trace of one pinned decode step")
+    stream_profile: bool = opt(False, help="after timing each case and mode, profile one more step on the GPU and "
+                                           "report each stream's kernel and copy time: with host tables, whether the "
+                                           "side streams' work slows the main stream's kernels (their time against "
+                                           "the same kernels with HBM tables); and where the main stream sat idle "
+                                           "within the step: before its first kernel (host work), between kernels, "
+                                           "after its last, with the largest gaps named by the kernels around them")
+    host_profile: int = opt(0, metavar="N", help="after timing each case and mode, profile N more steps' host work "
+                                                 "(cProfile) and print the functions that take most of it, per step "
+                                                 "(default: 0, off)")
+    json: str | None = opt(None, metavar="FILE", help="write all figures as JSON to FILE")
 
 
-def _config(args: argparse.Namespace, rows_per_col: int) -> dict[str, Any]:
-    d = dict(PRESETS[args.model])
+def _config(opts: StepOptions, rows_per_col: int) -> dict[str, Any]:
+    d = dict(PRESETS[opts.model])
     d.update({"architectures": ["EngramLlamaForCausalLM"], "vocab_size": 129280, "tie_word_embeddings": True,
-              "max_position_embeddings": max(16384, args.prefill + 16, args.context + 16), "eos_token_id": 1,
+              "max_position_embeddings": max(16384, opts.prefill + 16, opts.context + 16), "eos_token_id": 1,
               "engram_vocab_size": rows_per_col, "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 1})
     return d
 
 
-def build(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
+def build(opts: StepOptions, device: Any) -> tuple[Any, Any, Any, dict[str, Any]]:
     """The model (random bf16 weights on the GPU), its layout and host tables."""
     import numpy as np
     import torch
@@ -107,12 +108,12 @@ def build(args: argparse.Namespace, device: Any) -> tuple[Any, Any, Any, dict[st
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
 
-    pre = PRESETS[args.model]
+    pre = PRESETS[opts.model]
     cols = (pre["engram_max_ngram_size"] - 1) * pre["engram_n_heads"]
     row_bytes = pre["engram_head_dim"] + pre["engram_head_dim"] // 32
     n_layers = len(pre["engram_layer_ids"])
-    rows_per_col = max(1000, int(args.table_gib * 2**30 / (row_bytes * n_layers * cols)))
-    cfg = ModelConfig.from_dict(_config(args, rows_per_col))
+    rows_per_col = max(1000, int(opts.table_gib * 2**30 / (row_bytes * n_layers * cols)))
+    cfg = ModelConfig.from_dict(_config(opts, rows_per_col))
     gen = torch.Generator(device=device).manual_seed(0)
     weights = {}
     for name, shape in model_weight_shapes(cfg).items():
@@ -166,15 +167,15 @@ def _stores(tables: list, modes: list[str], device: Any, quant_block: int) -> di
     return out
 
 
-def _steps(args: argparse.Namespace) -> list[tuple[str, list[int], int]]:
+def _steps(opts: StepOptions) -> list[tuple[str, list[int], int]]:
     """(name, seq_lens, past) of each case: decode batches at --context, one prefill chunk."""
-    cases = [(f"decode {b}", [1] * b, args.context) for b in (int(x) for x in args.decode_batches.split(",") if x)]
-    if args.prefill:
-        cases.append((f"prefill {args.prefill}", [args.prefill], 0))
+    cases = [(f"decode {b}", [1] * b, opts.context) for b in (int(x) for x in opts.decode_batches.split(",") if x)]
+    if opts.prefill:
+        cases.append((f"prefill {opts.prefill}", [opts.prefill], 0))
     return cases
 
 
-def run(args: argparse.Namespace) -> int:
+def run(opts: StepOptions) -> int:
     import numpy as np
     import torch
 
@@ -184,21 +185,21 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise EngramError("bench step needs a CUDA GPU (it times the GPU runtime); none is available here")
-    if args.rounds < 1 or args.iters < 1:
-        raise EngramError(f"--rounds and --iters must be >= 1 (got {args.rounds}, {args.iters})")
-    modes = [m for m in args.modes.split(",") if m]
+    if opts.rounds < 1 or opts.iters < 1:
+        raise EngramError(f"--rounds and --iters must be >= 1 (got {opts.rounds}, {opts.iters})")
+    modes = [m for m in opts.modes.split(",") if m]
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise EngramError(f"--modes: {bad} not among {', '.join(MODES)}")
     device = torch.device("cuda", torch.cuda.current_device())
     limits = measure_limits(device)
-    model, layout, tables, info = build(args, device)
+    model, layout, tables, info = build(opts, device)
     cfg = model.config
     stores = _stores(tables, modes, device, cfg.engram.quant_block)
     rng = np.random.default_rng(1)
     results: dict[str, Any] = {"limits": limits, "model": info, "cases": {}}
     calibrated: dict[str, Any] = {}
-    for name, lens, past in _steps(args):
+    for name, lens, past in _steps(opts):
         S, T = len(lens), sum(lens)
         cache = model.new_cache(S + 1, past + max(lens) + 1)  # + the graphs' scratch slot
         for k, v in zip(cache.keys, cache.values):  # random, not zeros: realistic attention inputs
@@ -210,15 +211,15 @@ def run(args: argparse.Namespace) -> int:
         cids = step.engram_ids.numpy()
         lb = step.lookback.numpy()
         row: dict[str, Any] = {"tokens": T, "seqs": S}
-        prepared = {mode: _prepare(mode, args, model, layout, stores, device, cache, step, cids, lb, past, calibrated,
+        prepared = {mode: _prepare(mode, opts, model, layout, stores, device, cache, step, cids, lb, past, calibrated,
                                    results, row) for mode in modes}
         times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
-        for r in range(args.rounds):
+        for r in range(opts.rounds):
             # The modes take turns, their order reversed every other round, so a drift of
             # the machine (clocks, the host's other work) falls on all of them alike.
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 prepared[mode].activate()
-                times[mode].append(time_fn(prepared[mode].one, device, 3 if r == 0 else 1, args.iters)["times_s"])
+                times[mode].append(time_fn(prepared[mode].one, device, 3 if r == 0 else 1, opts.iters)["times_s"])
         for mode in modes:
             m = prepared[mode]
             m.activate()
@@ -226,11 +227,11 @@ def run(args: argparse.Namespace) -> int:
             entry = {"step_ms": statistics.median(flat) * 1e3, "times_ms": [x * 1e3 for x in flat],
                      "round_ms": [statistics.median(rt) * 1e3 for rt in times[mode]],
                      "graphs": None if m.graphs is None else (m.graphs.failed or f"{m.graphs.replays} replays")}
-            if m.pf is not None and args.timeline and not (m.graphs is not None and m.graphs.handles_lookup(step)):
+            if m.pf is not None and opts.timeline and not (m.graphs is not None and m.graphs.handles_lookup(step)):
                 entry["timeline"] = stepprofile.timeline(m.pf, m.one, device)
-            if args.host_profile:
-                entry["host_profile"] = stepprofile.host_profile(m.one, device, args.host_profile)
-            if args.stream_profile:
+            if opts.host_profile:
+                entry["host_profile"] = stepprofile.host_profile(m.one, device, opts.host_profile)
+            if opts.stream_profile:
                 entry["streams"] = stepprofile.stream_profile(m.one, device)
             row[mode] = entry
         for m in prepared.values():
@@ -258,10 +259,10 @@ def run(args: argparse.Namespace) -> int:
         results["cases"][name] = row
         cache = None  # the next case allocates its own
         torch.cuda.empty_cache()
-    if args.trace and "pinned" in stores:
-        stepprofile.trace(model, stores["pinned"], layout, device, args.trace, rng)
+    if opts.trace and "pinned" in stores:
+        stepprofile.trace(model, stores["pinned"], layout, device, opts.trace, rng)
     _print(results, modes)
-    dump(results, args.json)
+    dump(results, opts.json)
     return 0
 
 
@@ -301,7 +302,7 @@ class _Mode:
         self.pf = self.graphs = None
 
 
-def _prepare(mode: str, args: argparse.Namespace, model: Any, layout: Any, stores: dict[str, Any], device: Any,
+def _prepare(mode: str, opts: StepOptions, model: Any, layout: Any, stores: dict[str, Any], device: Any,
              cache: Any, step: Any, cids: Any, lb: Any, past: int, calibrated: dict[str, Any],
              results: dict[str, Any], row: dict[str, Any]) -> _Mode:
     """A mode's prefetcher and decode graphs for one case, and its step as a callable.
@@ -340,7 +341,7 @@ def _prepare(mode: str, args: argparse.Namespace, model: Any, layout: Any, store
                 pf.gather_policy = calibrated["choice"].path_for
             row.setdefault("auto_path", pf.path_for(T * layout.n_hash_cols))
     graphs = None
-    if decode and not args.no_graphs:
+    if decode and not opts.no_graphs:
         from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
         wait_each_layer, fork_lookup = graph_form(mode)

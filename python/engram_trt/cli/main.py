@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
     add_shm_command(add)
 
-    from engram_trt.bench import add_bench_parser
+    from engram_trt.cli.bench import add_bench_parser  # the bench modules: no torch at import
 
     add_bench_parser(sub)
     return parser

@@ -1,15 +1,16 @@
-"""A tensor-parallel rank's gather (scripts/h200_verify.py): only the rank's columns
+"""A tensor-parallel rank's gather on a GPU (formerly scripts/h200_column_range.py, run by
+scripts/h200_verify.py): only the rank's columns
 ``[column_begin, column_end)`` of a layer, from its row slice of the layer's table
 (global rows ``[row_offset, row_offset + num_rows)``, the slice tensor's first row at its
 address), with the global row ids of the hash.
 
-- CPU (``check_column_range_cpu``, also run by ``--cpu-only`` and the test suite):
+- CPU (``check_column_range_cpu``, also run by the CPU suite: tests/test_plugin_library.py):
   EngramGather's fields ``column_begin`` / ``column_end`` / ``row_offset`` set the output
   shape ``[T, column_end - column_begin, head_dim]``, are serialized (the values read
   back from getFieldsToSerialize, before and after a round trip), default to every column
   of the whole table (today's plugin), and out-of-range values are refused with one
   line naming the field and file:line.
-- GPU (``check_column_range``): through ``kernels.gather(columns=, row_offset=)``
+- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through ``kernels.gather(columns=, row_offset=)``
   (engram_gather_ex) and the plugin's enqueue (engram_gather_indirect_ex), fp8 and bf16:
   the rows equal, bit for bit, the Python reference and the full-table gather's
   corresponding columns; ids below ``row_offset`` (negative ones, INT32_MIN included) and
@@ -26,8 +27,9 @@ from __future__ import annotations
 import re
 
 import numpy as np
+import pytest
 
-from h200_common import (DT, PF_INT32, PF_INT64, column_range_fields, gather_fields, random_fp8_table, record)
+from .helpers import DT, PF_INT32, PF_INT64, column_range_fields, gather_fields, random_fp8_table, record
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FILE_LINE = re.compile(r"\((engramGatherPlugin|pluginFields)\.cpp:\d+\)")
@@ -114,6 +116,10 @@ def check_column_range_cpu(harness) -> None:
                    and "\n" not in msg, msg[-200:])
 
 
+def test_column_range_cpu(harness) -> None:
+    check_column_range_cpu(harness)
+
+
 # --- GPU: rows and counts, kernel and plugin ----------------------------------------------
 
 def _bad_ids(off: int, n: int, rows_full: int) -> list[int]:
@@ -192,55 +198,63 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
            f"{want_count}; build phase zero rows, no count={build_zero}")
 
 
-def check_column_range(rng, harness, stream: int) -> None:
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_rank_share(rng, harness, dtype) -> None:
     import torch
 
     from engram_trt.native import kernels
 
     dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
     T, L, cols, layer, rows_full = 150, 2, 24, 1, 30_000
-    for dtype in ("fp8", "bf16"):
-        fp8 = dtype == "fp8"
-        head_dim = 256 if fp8 else 128
+    fp8 = dtype == "fp8"
+    head_dim = 256 if fp8 else 128
+    if fp8:
+        full_rows, full_scales = random_fp8_table(rng, rows_full, head_dim)
+        full_dev = (torch.from_numpy(full_rows).to(dev), torch.from_numpy(full_scales).to(dev))
+    else:
+        full_rows, full_scales = torch.randn(rows_full, head_dim, dtype=torch.bfloat16), None
+        full_dev = (full_rows.to(dev), None)
+    cases = [("columns [5, 17), whole table", 5, 17, 0, rows_full),
+             ("all columns, rows [7000, 19000)", 0, cols, 7000, 12_000),
+             ("columns [9, 24), rows [12345, 20000)", 9, cols, 12_345, 7_655),
+             ("columns [0, 1), rows [29000, 30000)", 0, 1, 29_000, 1_000)]
+    for case, b, e, off, n in cases:
+        ids = rng.integers(off, off + n, size=(T, L, cols)).astype(np.int32)  # a rank's ids lie in its slice
+        share = ids[:, layer, b:e].reshape(-1)
+        bad = _bad_ids(off, n, rows_full)
+        where = rng.choice(share.size, min(share.size // 3, 6 * len(bad)), replace=False)
+        share[where] = np.resize(np.array(bad, dtype=np.int32), where.size)
+        ids[:, layer, b:e] = share.reshape(T, e - b)
+        # columns outside the range hold ids no rank may read: never read, never counted
+        ids[:, layer, :b] = -5
+        ids[:, layer, e:] = INT32_MAX
+        ids[:, 1 - layer] = INT32_MIN
+        sel = ids[:, layer, b:e]
+        slice_np = (full_rows[off:off + n], None if full_scales is None else full_scales[off:off + n])
+        want_bits, want_count = _reference(sel, off, *slice_np, fp8)
+        # the full-table gather (offset-free, checked against the reference above) of the same ids
+        full = kernels.gather(torch.from_numpy(np.ascontiguousarray(sel)).to(dev), *full_dev)
+        torch.cuda.synchronize()
+        full_cols = full.cpu().view(torch.int16)
+        in_slice = torch.from_numpy((sel >= off) & (sel < off + n))
+        placements = {"slice view of the device table": tuple(None if t is None else t[off:off + n] for t in full_dev),
+                      "slice copy on the device": tuple(None if t is None else t[off:off + n].clone() for t in full_dev)}
         if fp8:
-            full_rows, full_scales = random_fp8_table(rng, rows_full, head_dim)
-            full_dev = (torch.from_numpy(full_rows).to(dev), torch.from_numpy(full_scales).to(dev))
-        else:
-            full_rows, full_scales = torch.randn(rows_full, head_dim, dtype=torch.bfloat16), None
-            full_dev = (full_rows.to(dev), None)
-        cases = [("columns [5, 17), whole table", 5, 17, 0, rows_full),
-                 ("all columns, rows [7000, 19000)", 0, cols, 7000, 12_000),
-                 ("columns [9, 24), rows [12345, 20000)", 9, cols, 12_345, 7_655),
-                 ("columns [0, 1), rows [29000, 30000)", 0, 1, 29_000, 1_000)]
-        for case, b, e, off, n in cases:
-            ids = rng.integers(off, off + n, size=(T, L, cols)).astype(np.int32)  # a rank's ids lie in its slice
-            share = ids[:, layer, b:e].reshape(-1)
-            bad = _bad_ids(off, n, rows_full)
-            where = rng.choice(share.size, min(share.size // 3, 6 * len(bad)), replace=False)
-            share[where] = np.resize(np.array(bad, dtype=np.int32), where.size)
-            ids[:, layer, b:e] = share.reshape(T, e - b)
-            # columns outside the range hold ids no rank may read: never read, never counted
-            ids[:, layer, :b] = -5
-            ids[:, layer, e:] = INT32_MAX
-            ids[:, 1 - layer] = INT32_MIN
-            sel = ids[:, layer, b:e]
-            slice_np = (full_rows[off:off + n], None if full_scales is None else full_scales[off:off + n])
-            want_bits, want_count = _reference(sel, off, *slice_np, fp8)
-            # the full-table gather (offset-free, checked against the reference above) of the same ids
-            full = kernels.gather(torch.from_numpy(np.ascontiguousarray(sel)).to(dev), *full_dev)
-            torch.cuda.synchronize()
-            full_cols = full.cpu().view(torch.int16)
-            in_slice = torch.from_numpy((sel >= off) & (sel < off + n))
-            placements = {"slice view of the device table": tuple(None if t is None else t[off:off + n] for t in full_dev),
-                          "slice copy on the device": tuple(None if t is None else t[off:off + n].clone() for t in full_dev)}
-            if fp8:
-                placements["slice copy pinned (UVA)"] = tuple(torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
-                                                              for a in slice_np)
-            for place, (r, s) in placements.items():
-                _run_case(harness, stream, f"{dtype} {case}, {place}", ids, layer, b, e, off, n, r, s, want_bits,
-                          want_count, full_cols, in_slice)
+            placements["slice copy pinned (UVA)"] = tuple(torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
+                                                          for a in slice_np)
+        for place, (r, s) in placements.items():
+            _run_case(harness, stream, f"{dtype} {case}, {place}", ids, layer, b, e, off, n, r, s, want_bits,
+                      want_count, full_cols, in_slice)
 
-    # the top of the int32 id space: INT32_MIN and every id below the slice must wrap past it
+
+def test_rank_share_top_of_int32(rng, harness) -> None:
+    """The top of the int32 id space: INT32_MIN and every id below the slice must wrap past it."""
+    import torch
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    T, L, cols = 150, 2, 24
     n, head_dim = 1000, 256
     off = INT32_MAX - n
     rows_np, scales_np = random_fp8_table(rng, n, head_dim)
@@ -254,7 +268,16 @@ def check_column_range(rng, harness, stream: int) -> None:
               ids, 0, 3, 11, off, n, torch.from_numpy(rows_np).to(dev), torch.from_numpy(scales_np).to(dev),
               want_bits, want_count)
 
-    # the defaults, explicit: the plugin is today's full-table gather, bit for bit
+
+def test_explicit_defaults(rng, harness) -> None:
+    """The defaults, explicit: the plugin is today's full-table gather, bit for bit."""
+    import torch
+
+    from engram_trt.native import kernels
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    T, L, cols, layer, rows_full = 150, 2, 24, 1, 30_000
     fp8_np, scales_np = random_fp8_table(rng, rows_full, 256)
     r, s = torch.from_numpy(fp8_np).to(dev), torch.from_numpy(scales_np).to(dev)
     ids = rng.integers(0, rows_full, size=(T, L, cols)).astype(np.int32)
@@ -271,4 +294,5 @@ def check_column_range(rng, harness, stream: int) -> None:
         outs.append(out.cpu().view(torch.int16))
     record("plugin EngramGather explicit defaults (columns [0, n_cols), row_offset 0) = no fields = kernels.gather",
            all(torch.equal(o, ref) for o in outs))
+
 

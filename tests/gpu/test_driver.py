@@ -1,5 +1,5 @@
-"""GPU checks of the gather driver (runtime/gatherDriver.cpp, engram_trt.native.gatherdriver),
-run by scripts/h200_hostgather_check.py:
+"""The gather driver (runtime/gatherDriver.cpp, engram_trt.native.gatherdriver) on a GPU
+(formerly scripts/h200_driver_check.py, run by h200_hostgather_check.py), in one test:
 
   - a whole step as one job (the driver uploads and hashes the ids, copies the row ids
     back, gathers each layer): row ids equal hash_batch_packed, rows the dequant reference,
@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
 import time
 from typing import Any, Callable
 
 import numpy as np
 
+from .helpers import fatal, note, record
 
-def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float], table: Any) -> None:
+
+def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float], table: Any) -> None:
     """``table``: the caller's fp8 test table (``values``, ``scales`` as NumPy, ``rows_t``,
     ``scales_t``, ``inline_t`` as CPU tensors, ``N``, ``D``, ``QB``) with its ``ref_fp8(ids)``
     (the NumPy dequant reference, zero rows for ids off the table) and ``same(a, b)``
@@ -60,8 +61,7 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
             if time.perf_counter() - t0 > seconds:
                 record(f"gather driver: {what} completes", False, f"not done after {seconds:.0f} s: a stream waits "
                        "forever (a hang)")
-                print("FATAL: ending the process, a CUDA stream cannot be released", flush=True)
-                os._exit(1)
+                fatal("ending the process, a CUDA stream cannot be released")
             time.sleep(0.0005)
 
     side = torch.cuda.Stream(dev, priority=-1)
@@ -241,3 +241,11 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
     record("gather driver: the engine thread is free before the rows are ready (196,608 rows)",
            med(free_d) < 0.25 * med(ready_d), f"free {med(free_d):.0f} us, ready {med(ready_d):.0f} us; "
            f"engine-thread gather {med(free_s):.0f} / {med(ready_s):.0f} us")
+
+
+def test_driver(dev, tab) -> None:
+    timings: dict[str, float] = {}
+    try:
+        check_driver(dev, record, timings, tab)
+    finally:
+        note("timings", timings)

@@ -1,6 +1,7 @@
-"""GPU checks of the hot-row cache's fused kernels (plugins/kernels/cacheKernel.cu) against
-the policy's torch reference on the CPU, and of the cache's delivered rows against the
-plain host gather; run by scripts/h200_hostgather_check.py (or alone).
+"""The hot-row cache's fused kernels (plugins/kernels/cacheKernel.cu) on a GPU against the
+policy's torch reference on the CPU, and the cache's delivered rows against the plain
+host gather (formerly scripts/h200_cache_check.py, run by h200_hostgather_check.py; its
+timing is ``engram-trt bench cacheplan``).
 
 Policy, per case, step by step: the fused plan on the GPU and the reference plan on the
 CPU of the same ids, the reference given the kernels' miss order (which must be a
@@ -23,29 +24,19 @@ of n-gram hashed chunks (the token file of `engram-trt bench idstream` where pre
 else a Zipf token stream) with out-of-range ids mixed in, through an hbm-scales cache
 with and without a warm start, several steps with admission, each step against the
 plain host gather in the hbm-scales and the split layout and the NumPy dequant.
-Timing: a 196,608-lookup step of skewed ids on a 50M-row table with a warm 5% cache, the
-fused plan + admission against the torch reference on the GPU; the raw fetch of a
-cache's misses (uniform rows of a 1 GiB table), inline against hbm-scales, with the
-pool's threads woken before the call against asleep (what the cache's wake at its plan
-saves).
 
-    PYTHONPATH=python python3 scripts/h200_cache_check.py          # on the GPU
-    PYTHONPATH=python python3 scripts/h200_cache_check.py --cpu    # the harness and the id streams, no GPU
+The id streams' CPU part (``check_id_streams_cpu``: the hbm-scales cache on CPU tensors
+against the NumPy dequant) runs here too.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from .helpers import fp8_table, record
 
 Record = Callable[[str, bool, str], None]
 
@@ -63,16 +54,6 @@ def _ids(rng, kind: str, n: int, rows: int) -> np.ndarray:
         ids = rng.integers(-20, rows + 20, size=n)
     return ids.astype(np.int32)
 
-
-def fp8_table(rng: Any, rows: int, head_dim: int = 256, quant_block: int = 32) -> tuple[Any, Any, Any, Any]:
-    """A random fp8 table: (values, scales) as NumPy and as CPU tensors. No value byte is
-    a NaN code (0x7F / 0xFF), so bitwise comparisons of dequantized rows stay meaningful."""
-    import torch
-
-    values = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
-    values[(values & 0x7F) == 0x7F] = 0x3C
-    scales = rng.integers(110, 140, size=(rows, head_dim // quant_block), dtype=np.uint8)
-    return values, scales, torch.from_numpy(values), torch.from_numpy(scales)
 
 
 # (name, rows, capacity, budget, factor, decay, admit_every, [(kind, lookups), ...] per step)
@@ -521,86 +502,6 @@ def check_hbm_scales_streams(dev: Any, record: Record) -> None:
     g.close()
 
 
-def time_fetch(dev: Any, timings: dict[str, float], reps: int = 15) -> None:
-    """The raw fetch of a cache's misses (gather_raw into device arrays), uniform rows of
-    a 1 GiB table on the runtime's pages ('auto'), fresh rows each call: inline against
-    hbm-scales in turns, the pool woken at a plan's start (spin 300 us, then 150 us of
-    waiting, as the plan's sync) against asleep (spin 50 us, 1 ms idle). Two sizes, so the
-    call's fixed cost and its cost per row can be told apart."""
-    import torch
-
-    from engram_trt.native import hostgather
-    from engram_trt.bench.lookuputil import make_tables
-
-    rows = 4 << 20
-    tables = make_tables(rows, split=True, inline=True, huge_pages="auto", register_split=False, seed=4)
-    scales_dev = tables.split_scales.to(dev)
-    g = hostgather.HostGatherer(device=dev, max_head_dim=256)
-    rng = np.random.default_rng(8)
-    forms = {"inline": (tables.inline, None), "hbm-scales": (tables.split_rows, scales_dev)}
-    try:
-        for n in (2_048, 40_960):
-            dst_r = torch.empty((n, 256), dtype=torch.uint8, device=dev)
-            dst_s = torch.empty((n, 8), dtype=torch.uint8, device=dev)
-            got: dict[str, list[float]] = {}
-            for i in range(reps + 1):
-                for pool in ("woken", "asleep"):
-                    for layout, table in (forms.items() if i % 2 else reversed(forms.items())):
-                        # fresh rows each call: a repeat would find them in the host's L3
-                        ids = torch.from_numpy(rng.integers(0, rows, size=n).astype(np.int32)).pin_memory()
-                        ids_dev = ids.to(dev)
-                        torch.cuda.synchronize(dev)
-                        if pool == "woken":
-                            g.set_options(spin_us=300)
-                            g.wake()
-                            time.sleep(150e-6)
-                        else:
-                            g.set_options(spin_us=50)
-                            time.sleep(1e-3)
-                        t0 = time.perf_counter()
-                        g.gather_raw(ids, *table, dst_rows=dst_r, dst_scales=dst_s, layout=layout,
-                                     ids_dev=ids_dev if layout == "hbm-scales" else None)
-                        torch.cuda.synchronize(dev)
-                        if i:
-                            got.setdefault(f"raw fetch {n:,} rows, {layout}, pool {pool} (us)", []).append(
-                                (time.perf_counter() - t0) * 1e6)
-            timings.update({k: statistics.median(v) for k, v in got.items()})
-    finally:
-        g.close()
-        tables.close()
-
-
-def time_plans(dev: Any, timings: dict[str, float], reps: int = 20) -> None:
-    """A prefill chunk's plan + admission: fused kernels against the torch reference on the GPU."""
-    import torch
-
-    from engram_trt.cache.policy import CachePolicy
-
-    rng = np.random.default_rng(5)
-    rows, n = 50_331_648, 196_608
-    counts = np.bincount(((rng.zipf(1.15, size=8_000_000) * 7919) % rows), minlength=rows)
-    steps = [torch.from_numpy(((rng.zipf(1.15, size=n) * 7919) % rows).astype(np.int32)).pin_memory()
-             for _ in range(reps + 3)]
-    for fused in (True, False):
-        policy = CachePolicy(rows, rows // 20, device=dev, fused=fused, initial_counts=counts)
-        plan_t, all_t = [], []
-        for k, ids in enumerate(steps):
-            torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            plan = policy.plan(ids)
-            t1 = time.perf_counter()
-            policy.finish(plan, replace=k % 4 == 3)
-            torch.cuda.synchronize(dev)
-            if k >= 3:
-                plan_t.append(t1 - t0)
-                all_t.append(time.perf_counter() - t0)
-        key = "fused" if fused else "reference"
-        timings[f"plan {key} (us)"] = statistics.median(plan_t) * 1e6
-        timings[f"plan + admission {key} (us)"] = statistics.median(all_t) * 1e6
-        timings[f"misses per step {key}"] = float(plan.num_miss)
-        del policy
-        torch.cuda.empty_cache()
-
 
 def check_id_streams_cpu(record: Record) -> None:
     """The id streams' CPU part (no GPU): both layers of hashed chunks, through the
@@ -633,41 +534,32 @@ def check_id_streams_cpu(record: Record) -> None:
                f"{len(chunks)} chunks from {source}; hit rate {s.hit_rate:.1%}")
 
 
-def run(dev: Any, record: Record, timings: dict[str, float]) -> None:
+
+# --- the tests ---------------------------------------------------------------------------------------
+
+def test_policies(dev) -> None:
     compare_policies(dev, record)
+
+
+def test_cache_data(dev) -> None:
     check_cache_data(dev, record)
+
+
+def test_whole_step(dev) -> None:
     check_whole_step(dev, record)
+
+
+def test_gather_part(dev) -> None:
     check_gather_part(dev, record)
+
+
+def test_uva_misses(dev) -> None:
     check_uva_misses(dev, record)
+
+
+def test_hbm_scales_streams(dev) -> None:
     check_hbm_scales_streams(dev, record)
-    time_plans(dev, timings)
-    time_fetch(dev, timings)
 
 
-def main() -> int:
-    import torch
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu", action="store_true", help="no GPU: the policy harness with the reference for the kernels")
-    args = p.parse_args()
-    results: list[tuple[str, bool, str]] = []
-
-    def record(name: str, ok: bool, detail: str = "") -> None:
-        results.append((name, bool(ok), detail))
-        print(f"[{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True)
-
-    timings: dict[str, float] = {}
-    if args.cpu:
-        compare_policies(torch.device("cpu"), record, fused=False)
-        check_id_streams_cpu(record)
-    else:
-        run(torch.device("cuda", torch.cuda.current_device()), record, timings)
-    for k, v in timings.items():
-        print(f"| {k} | {v:.0f} |")
-    failed = [r for r in results if not r[1]]
-    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def test_id_streams_cpu() -> None:
+    check_id_streams_cpu(record)

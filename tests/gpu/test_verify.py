@@ -1,44 +1,24 @@
-#!/usr/bin/env python3
-"""Build and verify the kernel + plugin library on a GPU (the H200), then time the kernels.
+"""The kernel library and the plugins on a GPU (formerly scripts/h200_verify.py; its NaN,
+bad-row and build-phase cases are test_edge_cases.py, a rank's column range
+test_column_range.py, its timing ``engram-trt bench kernels``):
 
-One script, one device call:
-  1. build      cmake (sm_90 by default) with the plugin harness; TensorRT headers from
-                --trt-include (the device has no TensorRT and no network).
-  2. kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
-                bf16 tables) / gate through engram_trt.native.kernels, against the Python
-                references on fresh random inputs, outputs poisoned first.
-  3. plugins    EngramHash / EngramGather / EngramGate (namespace "engram_trt") through
-                their creators, output types and shapes (a harness IExprBuilder),
-                configurePlugin, getWorkspaceSize, enqueue, and a serialize ->
-                createPlugin(kRUNTIME) round trip; same references. A build-phase
-                (kBUILD) EngramGather writes zero rows and reads no table; its kRUNTIME
-                twin reads the rows exactly.
-  4. hardening  inputs an engine cannot validate on the host: table addresses of 0 or
-                misaligned give zero rows without a fault, a negative seq_starts[0] is
-                never read before ids[0]; and, each in a child process (a fault there
-                cannot end this run): a failed call leaves no stale CUDA error for the
-                next one, destroying a host gatherer waits for its gather, and a
-                build-phase EngramGather given unmapped table / counter addresses reads
-                none of them (a runtime-phase control with the same addresses faults).
-  5. edge cases NaN (h200_edge_cases.py): NaN fp8 bytes / scale bytes give NaN rows
-                where the reference has them; NaN keys / hidden / values give NaN
-                outputs (not gate 0.5) through the kernel, the plugin and gather -> wkv
-                -> gate; dead tokens stay hidden. Bad rows: the device counter of
-                kernels.gather(bad_rows=...) and of EngramGather's counter input equals
-                the number of ids outside the table, or every row for an unusable table.
-                A tensor-parallel rank's share (h200_column_range.py): its columns of
-                its row slice, through kernels.gather(columns=, row_offset=) and the
-                plugin's column_begin / column_end / row_offset fields, equal the
-                full-table gather's columns bit for bit; ids below and past the slice
-                give zero rows and are counted, other columns are never read.
-  6. timing     (h200_timing.py) gate at 8,192 tokens x hc 4 x hidden 4096 against a
-                device-to-device copy (GB/s of bytes moved; target >= 0.70 x), hash of
-                8,192 tokens x 2 layers x 24 columns (target <= 20 us), then the gather
-                paths on a >= 24 GiB table of 256-byte FP8 rows + 8 scale bytes, 6,144
-                and 196,608 rows, against the sequential host-to-device copy measured in
-                the same run.
-Writes $OUT/h200_verify.json and $OUT/h200_verify.log; prints a summary table last.
-``--cpu-only`` runs the parts that need no GPU (plugin creation, shapes, round trip).
+  kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
+             bf16 tables) / gate through engram_trt.native.kernels, against the Python
+             references on fresh random inputs, outputs poisoned first.
+  plugins    EngramHash / EngramGather / EngramGate (namespace "engram_trt") through
+             their creators, output types and shapes (a harness IExprBuilder),
+             configurePlugin, getWorkspaceSize, enqueue, and a serialize ->
+             createPlugin(kRUNTIME) round trip; same references. A build-phase
+             (kBUILD) EngramGather writes zero rows and reads no table; its kRUNTIME
+             twin reads the rows exactly.
+  hardening  inputs an engine cannot validate on the host: table addresses of 0 or
+             misaligned give zero rows without a fault, a negative seq_starts[0] is
+             never read before ids[0]; and, each in a child process (a fault there
+             cannot end this run): a failed call leaves no stale CUDA error for the
+             next one, destroying a host gatherer waits for its gather.
+  timed data the outputs of the timed cases of ``engram-trt bench kernels`` (hash of 8,192
+             tokens x 2 layers x 24 columns; the host gather against the device gather of
+             6,144 and 196,608 rows of a >= 24 GiB table, ``$ENGRAM_TRT_GPU_TABLE_GIB``).
 
 Tolerances: hash ids and gathered rows must be bit-exact (rows: the fp8 * ue8m0 product
 in float32 rounded once to bf16); the gate, elementwise against the float64 reference
@@ -50,27 +30,14 @@ the out-of-place one bit for bit, through the kernel and through the plugin's en
 
 from __future__ import annotations
 
-import argparse
-import ctypes
 import json
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
+import numpy as np
+import pytest
 
-import numpy as np  # noqa: E402
-
-from h200_common import (DT, LOG, start, PF_CHAR, PF_INT32, PF_INT64, RESULTS, Harness, bits, dtype_name,  # noqa: E402
-                         add_check_arguments, gate_fields, gate_inputs, gate_ok, gather_fields, hash_fields, hash_fields_text,
-                         random_fp8_table, record, run_checks, say)
-import h200_column_range  # noqa: E402
-import h200_edge_cases  # noqa: E402
-import h200_timing  # noqa: E402
-
+from .helpers import (DT, PF_CHAR, PF_INT32, PF_INT64, bits, dtype_name, gate_fields, gate_inputs, gate_ok,
+                      gather_fields, hash_fields, hash_fields_text, random_fp8_table, record, run_child, say)
 
 
 # --- layouts ---------------------------------------------------------------------------
@@ -111,20 +78,22 @@ def random_packed(rng, layout, num_seqs: int, max_len: int, dead_frac: float = 0
     return ids, starts, lookback
 
 
-# --- 2. kernels ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def layouts():
+    return make_layouts()
 
-def check_kernels(rng, layouts) -> None:
+
+# --- kernels ---------------------------------------------------------------------------
+
+def test_kernel_hash(rng, layouts) -> None:
     import torch
 
-    from engram_trt.native import hostgather, kernels
-    from engram_trt.engram.fusion import engram_gate_reference
+    from engram_trt.native import kernels
     from engram_trt.engram.hashing import hash_batch_packed
-    from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
     say(f"library {kernels.library_path()} version {kernels.version()}")
 
-    # hash
     for li, layout in enumerate(layouts):
         for num_seqs, max_len in ((1, 1), (7, 40), (300, 400)):
             ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
@@ -143,7 +112,16 @@ def check_kernels(rng, layouts) -> None:
                                   torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
         record(f"kernel hash layout{li} no lookback", np.array_equal(got.cpu().numpy(), ref))
 
-    # gather: fp8 and bf16 tables, every placement
+
+def test_kernel_gather(rng) -> None:
+    """fp8 and bf16 tables, every placement."""
+    import torch
+
+    from engram_trt.native import hostgather, kernels
+    from engram_trt.engram.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
+
     rows_n, head_dim, T, L, cols = 50_000, 256, 333, 2, 24
     fp8, scales = random_fp8_table(rng, rows_n, head_dim)
     ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
@@ -195,17 +173,24 @@ def check_kernels(rng, layouts) -> None:
     kernels.unregister_host_memory(reg_rows)
     kernels.unregister_host_memory(reg_scales)
 
-    # gate: bf16, fp16 and fp32 I/O, weights bf16 / fp32 / the I/O type
-    for T_, hc, D, io, wdtype, mdtype in ((257, 4, 1024, torch.bfloat16, torch.bfloat16, torch.bool),
-                                          (64, 1, 64, torch.bfloat16, torch.float32, torch.int32),
-                                          (9, 2, 4096, torch.bfloat16, torch.bfloat16, torch.uint8),
-                                          (257, 4, 1024, torch.float16, torch.float16, torch.bool),
-                                          (64, 2, 256, torch.float16, torch.float32, torch.int32),
-                                          (9, 2, 4096, torch.float16, torch.bfloat16, torch.uint8),
-                                          (257, 4, 1024, torch.float32, torch.float32, torch.bool),
-                                          (33, 3, 512, torch.float32, torch.bfloat16, torch.int32),
-                                          (9, 2, 4096, torch.float32, torch.float32, torch.uint8)):
-        check_gate(rng, kernels, engram_gate_reference, T_, hc, D, wdtype, mdtype, dev, io=io)
+
+# bf16, fp16 and fp32 I/O, weights bf16 / fp32 / the I/O type: (T, hc, D, io, weights, mask)
+GATE_CASES = [(257, 4, 1024, "bfloat16", "bfloat16", "bool"), (64, 1, 64, "bfloat16", "float32", "int32"),
+              (9, 2, 4096, "bfloat16", "bfloat16", "uint8"), (257, 4, 1024, "float16", "float16", "bool"),
+              (64, 2, 256, "float16", "float32", "int32"), (9, 2, 4096, "float16", "bfloat16", "uint8"),
+              (257, 4, 1024, "float32", "float32", "bool"), (33, 3, 512, "float32", "bfloat16", "int32"),
+              (9, 2, 4096, "float32", "float32", "uint8")]
+
+
+@pytest.mark.parametrize("T,hc,D,io_name,w_name,m_name", GATE_CASES)
+def test_kernel_gate(rng, T, hc, D, io_name, w_name, m_name) -> None:
+    import torch
+
+    from engram_trt.native import kernels
+    from engram_trt.engram.fusion import engram_gate_reference
+
+    io, wdtype, mdtype = (getattr(torch, n) for n in (io_name, w_name, m_name))
+    check_gate(rng, kernels, engram_gate_reference, T, hc, D, wdtype, mdtype, torch.device("cuda"), io=io)
 
 
 def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev, io=None) -> None:
@@ -224,9 +209,9 @@ def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev, io=None) 
     record(f"kernel gate io={io_name} in place T={T} hc={hc} D={D}", torch.equal(bits(h_dev), bits(out)))
 
 
-# --- 3. plugins through the harness -----------------------------------------------------
+# --- plugins through the harness -----------------------------------------------------
 
-def check_plugins_cpu(harness: Harness, layouts) -> None:
+def test_plugins_cpu(harness, layouts) -> None:
     """Creation, types, shapes, round trip and field validation: no GPU needed."""
     layout = layouts[0]
     h = harness.create("EngramHash", hash_fields(layout))
@@ -330,32 +315,32 @@ def check_plugins_cpu(harness: Harness, layouts) -> None:
                                                                                 (4, 1024), (3,)])[0] == (3, 4, 1024))
     harness.lib.harness_destroy(t2)
     harness.lib.harness_destroy(t)
-    h200_column_range.check_column_range_cpu(harness)
 
 
-def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
+def run_both(harness, name, fields, inputs, in_types, make_out, out_type):
+    """Build-phase plugin and its serialize -> runtime-phase twin on the same inputs."""
     import torch
 
-    from engram_trt.engram.fusion import engram_gate_reference
+    stream = torch.cuda.current_stream().cuda_stream
+    outs = []
+    h = harness.create(name, fields, phase=0)
+    h2 = harness.roundtrip(h)
+    for handle in (h, h2):
+        out = make_out()
+        ws = harness.run(handle, inputs, in_types, out, out_type, stream)
+        torch.cuda.synchronize()
+        outs.append(out)
+    harness.lib.harness_destroy(h2)
+    harness.lib.harness_destroy(h)
+    return outs, ws
+
+
+def test_plugin_hash_enqueue(rng, harness, layouts) -> None:
+    import torch
+
     from engram_trt.engram.hashing import hash_batch_packed
-    from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def run_both(name, fields, inputs, in_types, make_out, out_type):
-        """Build-phase plugin and its serialize -> runtime-phase twin on the same inputs."""
-        outs = []
-        h = harness.create(name, fields, phase=0)
-        h2 = harness.roundtrip(h)
-        for handle in (h, h2):
-            out = make_out()
-            ws = harness.run(handle, inputs, in_types, out, out_type, stream)
-            torch.cuda.synchronize()
-            outs.append(out)
-        harness.lib.harness_destroy(h2)
-        harness.lib.harness_destroy(h)
-        return outs, ws
 
     for li, layout in enumerate(layouts):
         ids, starts, lookback = random_packed(rng, layout, 40, 200)
@@ -363,10 +348,19 @@ def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
         inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, lookback)]
         # int64 fields as the plugin serializes them, and as decimal text (the ONNX form)
         for form, fields in (("int64 fields", hash_fields(layout)), ("text fields", hash_fields_text(layout))):
-            (o1, o2), ws = run_both("EngramHash", fields, inputs, [DT["int32"]] * 3,
+            (o1, o2), ws = run_both(harness, "EngramHash", fields, inputs, [DT["int32"]] * 3,
                                     lambda: torch.full(ref.shape, -777, dtype=torch.int32, device=dev), DT["int32"])
             record(f"plugin EngramHash enqueue layout{li} T={ids.shape[0]} ({form})",
                    np.array_equal(o1.cpu().numpy(), ref) and np.array_equal(o2.cpu().numpy(), ref), f"workspace={ws}")
+
+
+
+def test_plugin_gather_enqueue(rng, harness) -> None:
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
 
     rows_n, head_dim, T, L, cols, layer = 20_000, 256, 150, 2, 24, 1
     fp8, scales = random_fp8_table(rng, rows_n, head_dim)
@@ -377,7 +371,7 @@ def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
                           "pinned host": (torch.from_numpy(fp8).pin_memory(), torch.from_numpy(scales).pin_memory())}.items():
         addr_r = torch.tensor([r.data_ptr()], dtype=torch.int64, device=dev)
         addr_s = torch.tensor([s.data_ptr()], dtype=torch.int64, device=dev)
-        (o1, o2), ws = run_both("EngramGather", gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
+        (o1, o2), ws = run_both(harness, "EngramGather", gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
                                 [torch.from_numpy(ids).to(dev), addr_r, addr_s], [DT["int32"], DT["int64"], DT["int64"]],
                                 lambda: torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev),
                                 DT["bfloat16"])
@@ -391,7 +385,7 @@ def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
     ids1 = rng.integers(0, rows_n, size=(T, 1, 8)).astype(np.int32)
     ref1 = table[torch.from_numpy(ids1[:, 0, :].reshape(-1)).long()].reshape(T, 8, 64)
     tdev = table.to(dev)
-    (o1, o2), _ = run_both("EngramGather", gather_fields(0, 1, 8, 64, 1, 32, rows_n),
+    (o1, o2), _ = run_both(harness, "EngramGather", gather_fields(0, 1, 8, 64, 1, 32, rows_n),
                            [torch.from_numpy(ids1).to(dev), torch.tensor([tdev.data_ptr()], dtype=torch.int64, device=dev)],
                            [DT["int32"], DT["int64"]],
                            lambda: torch.full((T, 8, 64), float("nan"), dtype=torch.bfloat16, device=dev), DT["bfloat16"])
@@ -399,40 +393,47 @@ def check_plugins_gpu(rng, harness: Harness, layouts) -> None:
            torch.equal(o2.cpu().view(torch.int16), ref1.view(torch.int16))
            and int(torch.count_nonzero(o1.view(torch.int16))) == 0)
 
-    for T_, hc, D, io, wdtype, mdtype, mname in ((200, 4, 1024, torch.bfloat16, torch.bfloat16, torch.bool, "bool"),
-                                                 (31, 2, 256, torch.bfloat16, torch.float32, torch.int32, "int32"),
-                                                 (200, 4, 1024, torch.float16, torch.float16, torch.bool, "bool"),
-                                                 (31, 2, 256, torch.float16, torch.float32, torch.int32, "int32"),
-                                                 (200, 4, 1024, torch.float32, torch.float32, torch.bool, "bool"),
-                                                 (31, 2, 256, torch.float32, torch.bfloat16, torch.int32, "int32")):
-        hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T_, hc, D, wdtype, mdtype, io)
-        eps = 1e-5
-        io_t, wt = DT[dtype_name(io)], DT[dtype_name(wdtype)]
-        in_types = [io_t, io_t, wt, wt, DT[mname]]
-        dev_inputs = [t.to(dev) for t in (hidden, kv, qw, kw, mask)]
-        (o1, o2), ws = run_both("EngramGate", gate_fields(hc, D, eps), dev_inputs, in_types,
-                                lambda: torch.full((T_, hc, D), float("nan"), dtype=io, device=dev), io_t)
-        ok1, detail = gate_ok(o1, hidden, kv, qw, kw, mask_np, eps, engram_gate_reference)
-        same = torch.equal(bits(o1), bits(o2))
-        # in place through enqueue: the output buffer is hidden's
-        h = harness.create("EngramGate", gate_fields(hc, D, eps))
-        in_place = dev_inputs[0].clone()
-        harness.run(h, [in_place] + dev_inputs[1:], in_types, in_place, io_t, stream)
-        torch.cuda.synchronize()
-        harness.lib.harness_destroy(h)
-        inplace_same = torch.equal(bits(in_place), bits(o1))
-        record(f"plugin EngramGate enqueue io={dtype_name(io)} T={T_} hc={hc} D={D} w={dtype_name(wdtype)} mask={mname}",
-               ok1 and same and inplace_same,
-               f"{detail} roundtrip-identical={same} in-place-identical={inplace_same} workspace={ws}")
+
+# (T, hc, D, io, weights, mask)
+PLUGIN_GATE_CASES = [(200, 4, 1024, "bfloat16", "bfloat16", "bool"), (31, 2, 256, "bfloat16", "float32", "int32"),
+                     (200, 4, 1024, "float16", "float16", "bool"), (31, 2, 256, "float16", "float32", "int32"),
+                     (200, 4, 1024, "float32", "float32", "bool"), (31, 2, 256, "float32", "bfloat16", "int32")]
 
 
-# --- 4. hardening ----------------------------------------------------------------------
+@pytest.mark.parametrize("T_,hc,D,io_name,w_name,mname", PLUGIN_GATE_CASES)
+def test_plugin_gate_enqueue(rng, harness, T_, hc, D, io_name, w_name, mname) -> None:
+    import torch
 
-def harness_path(build_dir: Path) -> Path:
-    return build_dir / "plugins" / "tests" / "libengram_plugin_harness.so"
+    from engram_trt.engram.fusion import engram_gate_reference
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    io, wdtype, mdtype = (getattr(torch, n) for n in (io_name, w_name, mname))
+    hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T_, hc, D, wdtype, mdtype, io)
+    eps = 1e-5
+    io_t, wt = DT[dtype_name(io)], DT[dtype_name(wdtype)]
+    in_types = [io_t, io_t, wt, wt, DT[mname]]
+    dev_inputs = [t.to(dev) for t in (hidden, kv, qw, kw, mask)]
+    (o1, o2), ws = run_both(harness, "EngramGate", gate_fields(hc, D, eps), dev_inputs, in_types,
+                            lambda: torch.full((T_, hc, D), float("nan"), dtype=io, device=dev), io_t)
+    ok1, detail = gate_ok(o1, hidden, kv, qw, kw, mask_np, eps, engram_gate_reference)
+    same = torch.equal(bits(o1), bits(o2))
+    # in place through enqueue: the output buffer is hidden's
+    h = harness.create("EngramGate", gate_fields(hc, D, eps))
+    in_place = dev_inputs[0].clone()
+    harness.run(h, [in_place] + dev_inputs[1:], in_types, in_place, io_t, stream)
+    torch.cuda.synchronize()
+    harness.lib.harness_destroy(h)
+    inplace_same = torch.equal(bits(in_place), bits(o1))
+    record(f"plugin EngramGate enqueue io={dtype_name(io)} T={T_} hc={hc} D={D} w={dtype_name(wdtype)} mask={mname}",
+           ok1 and same and inplace_same,
+           f"{detail} roundtrip-identical={same} in-place-identical={inplace_same} workspace={ws}")
 
 
-def check_hardening(rng, harness: Harness, layouts, build_dir: Path) -> None:
+
+# --- hardening ----------------------------------------------------------------------
+
+def test_hardening(rng, harness, layouts) -> None:
     """Engine inputs nothing validates on the host must not fault or misread (device side)."""
     import torch
 
@@ -498,24 +499,27 @@ def check_hardening(rng, harness: Harness, layouts, build_dir: Path) -> None:
     record("plugin EngramGather after the bad addresses: context usable, rows exact",
            torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16)))
 
-    for probe in ("stale-error", "destroy-during-gather", "build-phase-garbage", "runtime-phase-garbage-control"):
-        result = run_probe(probe, build_dir)
-        if result.get("inconclusive"):
-            say(f"note: probe {probe} inconclusive: {result['detail']}")
-            if probe == "stale-error":  # the first provocation did not fail here: try the second
-                result = run_probe("stale-error-unmapped", build_dir)
-                if result.get("inconclusive"):
-                    say(f"note: probe stale-error-unmapped inconclusive: {result['detail']}")
-                    continue
-            else:
-                continue
-        record(result["name"], result["ok"], result["detail"])
+
+@pytest.mark.parametrize("probe", ["stale-error", "destroy-during-gather"])
+def test_probe(probe, build_dir) -> None:
+    """One probe in a child process (tests/gpu/probes.py): a CUDA fault there cannot end
+    this run. An inconclusive probe (its provocation did not happen here) is skipped."""
+    result = run_probe(probe, build_dir)
+    if result.get("inconclusive"):
+        say(f"note: probe {probe} inconclusive: {result['detail']}")
+        if probe == "stale-error":  # the first provocation did not fail here: try the second
+            result = run_probe("stale-error-unmapped", build_dir)
+            if result.get("inconclusive"):
+                say(f"note: probe stale-error-unmapped inconclusive: {result['detail']}")
+                pytest.skip(f"inconclusive: {result['detail']}")
+        else:
+            pytest.skip(f"inconclusive: {result['detail']}")
+    record(result["name"], result["ok"], result["detail"])
 
 
-def run_probe(name: str, build_dir: Path) -> dict:
-    """Runs one probe in a child process: a CUDA fault there cannot end this run."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--probe", name, "--build-dir",
-                           str(build_dir)], capture_output=True, text=True, timeout=120)
+def run_probe(name: str, build_dir) -> dict:
+    """Runs one probe of tests/gpu/probes.py in a child process."""
+    proc = run_child("probes", name, str(build_dir), timeout=120)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("PROBE "):
             return json.loads(line[6:])
@@ -523,153 +527,82 @@ def run_probe(name: str, build_dir: Path) -> dict:
             "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"}
 
 
-def probe(name: str, build_dir: Path) -> dict:
-    import threading
+# --- the timed cases' outputs (their timing: engram-trt bench kernels) ------------------------
+
+@pytest.mark.parametrize("S", [1, 32])  # one prefill sequence; 32 packed sequences
+def test_timed_hash_agrees(rng, S) -> None:
+    """The hash of 8,192 tokens x 2 layers x 24 columns (orders 2..3 x 12 heads), the timed
+    case, equals hash_batch_packed."""
+    import torch
+
+    from engram_trt.native import kernels
+    from engram_trt.config.model import EngramSpec
+    from engram_trt.engram.hashing import hash_batch_packed
+    from engram_trt.engram.layout import EngramLayout
+
+    dev = torch.device("cuda")
+    T = 8192
+    spec = EngramSpec(layer_ids=(2, 15), max_ngram_size=3, n_heads=12, vocab_size=129280,
+                      compressed_vocab_size=99092, pad_token_id=0, head_dim=256)
+    layout = EngramLayout.from_spec(spec, pad_id=17)
+    assert layout.num_layers * layout.n_hash_cols == 48
+    ids_np = rng.integers(0, layout.compressed_vocab_size, size=T).astype(np.int64)
+    starts_np = np.linspace(0, T, S + 1).astype(np.int64)
+    lookback_np = rng.integers(0, layout.compressed_vocab_size, size=(S, layout.max_ngram_size - 1)).astype(np.int64)
+    ids = torch.from_numpy(ids_np.astype(np.int32)).to(dev)
+    starts = torch.from_numpy(starts_np.astype(np.int32)).to(dev)
+    lookback = torch.from_numpy(lookback_np.astype(np.int32)).to(dev)
+    out = torch.empty((T, layout.num_layers, layout.n_hash_cols), dtype=torch.int32, device=dev)
+    kernels.hash_packed(ids, starts, lookback, layout, out=out)
+    ok = np.array_equal(out.cpu().numpy().astype(np.int64), hash_batch_packed(ids_np, starts_np, lookback_np, layout))
+    record(f"timing outputs agree (hash {T} tokens x {layout.num_layers} layers x {layout.n_hash_cols} columns, S={S})", ok)
+
+
+@pytest.fixture(scope="module")
+def big_table():
+    """The timed gathers' table: ``$ENGRAM_TRT_GPU_TABLE_GIB`` (default 24) GiB of 256-byte
+    fp8 rows + 8 scale bytes, in HBM and in pinned host memory (the same bytes)."""
+    import time
 
     import torch
 
+    dev = torch.device("cuda")
+    table_gib = float(os.environ.get("ENGRAM_TRT_GPU_TABLE_GIB", "24"))
+    head_dim, block = 256, 32
+    rows_n = int(table_gib * 2**30) // head_dim
+    scale_w = head_dim // block
+    t0 = time.time()
+    dev_rows = torch.randint(0, 256, (rows_n, head_dim), dtype=torch.uint8, device=dev)
+    dev_rows[(dev_rows & 0x7F) == 0x7F] = 0x3C
+    dev_scales = torch.randint(110, 140, (rows_n, scale_w), dtype=torch.uint8, device=dev)
+    host_rows = torch.empty((rows_n, head_dim), dtype=torch.uint8, pin_memory=True)
+    host_scales = torch.empty((rows_n, scale_w), dtype=torch.uint8, pin_memory=True)
+    host_rows.copy_(dev_rows)
+    host_scales.copy_(dev_scales)
+    torch.cuda.synchronize()
+    say(f"table {rows_n:,} rows x {head_dim} B fp8 + {scale_w} B scales = "
+        f"{rows_n * (head_dim + scale_w) / 2**30:.2f} GiB, in HBM and pinned, ready in {time.time() - t0:.1f} s")
+    yield rows_n, dev_rows, dev_scales, host_rows, host_scales
+    del dev_rows, dev_scales, host_rows, host_scales
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("n_rows", [6144, 196608])
+def test_timed_gathers_agree(rng, big_table, n_rows) -> None:
+    """The host gather (the runtime's default pool, woken as the prefetcher does) of
+    uniform rows of the big pinned table equals the HBM gather kernel's, bit for bit."""
+    import torch
+
     from engram_trt.native import hostgather, kernels
-    from engram_trt.errors import EngramError
 
     dev = torch.device("cuda")
-    lib = kernels.load_library()
-    rng = np.random.default_rng(0)
-
-    if name in ("build-phase-garbage", "runtime-phase-garbage-control"):
-        return h200_edge_cases.probe_build_phase(name, Harness(harness_path(build_dir)))
-
-    if name.startswith("stale-error"):
-        # A call that fails in a CUDA runtime call (the host gather's copy into memory that is
-        # no device memory), then calls that must succeed: before the fix, the first one's
-        # non-sticky error stayed in the runtime and the next launch check reported it.
-        g = hostgather.HostGatherer(num_threads=2, chunk_rows=64, max_head_dim=64)
-        ids = np.arange(32, dtype=np.int32).reshape(8, 4)
-        table = torch.randn(100, 64, dtype=torch.bfloat16)
-        if name == "stale-error":
-            host_out = np.zeros(8 * 4 * 64 * 2 + 16, np.uint8)  # pageable host memory
-            dst = host_out.ctypes.data + (-host_out.ctypes.data) % 16
-        else:
-            dst = 1 << 12  # an unmapped address
-        status = lib.engram_host_gather(g._handle, ids.ctypes.data_as(ctypes.c_void_p), 8, 4, 4,
-                                        ctypes.c_void_p(table.data_ptr()), None, 100, 64, kernels.TABLE_BF16, 32,
-                                        ctypes.c_void_p(dst), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-        first = lib.engram_last_error().decode()
-        if status == 0:
-            return {"inconclusive": True, "detail": "the copy into non-device memory did not fail here"}
-        try:
-            table_dev = table.to(dev)
-            out = kernels.gather(torch.from_numpy(ids).to(dev), table_dev)
-            hidden = torch.randn(4, 2, 64, dtype=torch.bfloat16, device=dev)
-            kv = torch.randn(4, 3 * 64, dtype=torch.bfloat16, device=dev)
-            w = torch.ones(2, 64, dtype=torch.bfloat16, device=dev)
-            kernels.gate(hidden, kv, w, w, eps=1e-6)
-            torch.cuda.synchronize()
-            ok = torch.equal(out.cpu(), table[torch.from_numpy(ids).long()])
-            detail = f"first call failed ({status}: {first[:90]}); gather and gate after it succeeded"
-        except EngramError as exc:
-            ok, detail = False, f"first call failed ({status}: {first[:90]}); then: {exc}"[:300]
-        return {"name": "kernel a failed call leaves no stale CUDA error (next gather / gate succeed)", "ok": ok,
-                "detail": detail}
-
-    if name == "destroy-during-gather":
-        # destroy from a second thread while the gather runs: it must wait for the gather
-        # (before the fix it freed the staging under it). ctypes releases the GIL in calls.
-        rows, width, T, cols = 1 << 20, 128, 1 << 16, 32
-        table = torch.randn(rows, width, dtype=torch.bfloat16)
-        ids = torch.from_numpy(rng.integers(0, rows, size=(T, cols)).astype(np.int32))
-        g = hostgather.HostGatherer(num_threads=4, chunk_rows=16384, max_head_dim=width)
-        g.gather(ids[:64], table)  # warm-up
+    rows_n, dev_rows, dev_scales, host_rows, host_scales = big_table
+    cols = 24
+    ids = torch.from_numpy(rng.integers(0, rows_n, size=(n_rows // cols, cols)).astype(np.int32))
+    with hostgather.HostGatherer(max_head_dim=512) as gatherer:
+        gatherer.wake()
+        got = gatherer.gather(ids, host_rows, host_scales)
+        ref = kernels.gather(ids.to(dev), dev_rows, dev_scales)
         torch.cuda.synchronize()
-        times = {}
-
-        def destroy():
-            time.sleep(0.01)
-            times["destroy_start"] = time.perf_counter()
-            g.close()
-            times["destroy_end"] = time.perf_counter()
-
-        thread = threading.Thread(target=destroy)
-        times["gather_start"] = time.perf_counter()
-        thread.start()
-        out = g.gather(ids, table)
-        times["gather_end"] = time.perf_counter()
-        thread.join()
-        torch.cuda.synchronize()
-        same = torch.equal(out.cpu(), table[ids.long()])
-        concurrent = times["gather_start"] < times["destroy_start"] < times["gather_end"]
-        ms = {k: round((v - times["gather_start"]) * 1e3, 1) for k, v in times.items()}
-        if not concurrent:
-            return {"inconclusive": True, "detail": f"destroy did not overlap the gather: {ms} ms"}
-        return {"name": "kernel host gatherer destroy during a gather waits for it", "ok": same,
-                "detail": f"rows exact={same}; ms since gather start: {ms}"}
-    raise SystemExit(f"unknown probe {name}")
-
-
-# --- main ------------------------------------------------------------------------------
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_check_arguments(ap)
-    ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU")
-    ap.add_argument("--table-gib", type=float, default=24.0)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--no-timing", action="store_true")
-    ap.add_argument("--timing-only", action="store_true",
-                    help="only the timed cases (the checks skipped): is a timing slow by itself or after the checks?")
-    ap.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # internal: one child-process probe
-    args = ap.parse_args()
-    if args.probe:
-        os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(args.build_dir / "libengram_trt_plugins.so")
-        print("PROBE " + json.dumps(probe(args.probe, args.build_dir)), flush=True)
-        return 0
-
-    seed = start(args)
-    rng = np.random.default_rng(seed)
-    harness = Harness(harness_path(args.build_dir))
-    layouts = make_layouts()
-
-    def body() -> None:
-        if not args.timing_only:
-            check_plugins_cpu(harness, layouts)
-        if not args.cpu_only:
-            import torch
-
-            say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-            if not args.timing_only:
-                check_kernels(rng, layouts)
-                check_plugins_gpu(rng, harness, layouts)
-                check_hardening(rng, harness, layouts, args.build_dir)
-                stream = torch.cuda.current_stream().cuda_stream
-                h200_edge_cases.check_nan(rng, harness, stream)
-                h200_edge_cases.check_bad_rows(rng, harness, stream)
-                h200_column_range.check_column_range(rng, harness, stream)
-            if not args.no_timing:
-                h200_timing.time_gate_and_hash(rng)
-                h200_timing.time_gathers(rng, args.table_gib, args.reps)
-
-    return run_checks(body, args.out, "h200_verify", seed, print_timing)
-
-
-def print_timing() -> None:
-    """The timing stage's tables and the issue's targets (after the results are written)."""
-    t = RESULTS["timing"]
-    if "d2d_copy_GBps" in t:
-        say(f"device-to-device copy: {t['d2d_copy_GBps']:.0f} GB/s")
-        say(f"{'gate T=8192 hc=4 D=4096':<32} | {'us':>8} | {'GB/s':>6} | x copy")
-        for name, v in t.get("gate", {}).items():
-            say(f"{name:<32} | {v['seconds'] * 1e6:8.1f} | {v['GBps']:6.0f} | {v['ratio_to_copy']:.2f}")
-        for name, v in t.get("hash", {}).items():
-            gpu = "n/a" if v["gpu_seconds"] is None else f"{v['gpu_seconds'] * 1e6:.1f} us"
-            say(f"hash 8192 x 2 x 24 {name}: {gpu} GPU, {v['eager_wall_seconds'] * 1e6:.1f} us eager call")
-    if "h2d_sequential_GBps" in t:
-        say(f"H2D sequential: {t['h2d_sequential_GBps']:.1f} GB/s")
-        say(f"{'rows':>7} | {'path':<46} | {'us':>9} | {'GB/s':>6} | x H2D")
-        for n in ("6144", "196608"):
-            for name, v in t.get(n, {}).items():
-                say(f"{n:>7} | {name:<46} | {v['seconds'] * 1e6:9.1f} | {v['GBps']:6.1f} | {v['ratio_to_h2d']:.2f}")
-    for tg in RESULTS.get("targets", []):
-        say(f"{'TARGET MET   ' if tg['met'] else 'TARGET MISSED'} {tg['name']}: {tg['detail']}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    record(f"timing outputs agree ({n_rows} rows: host gather == device gather)",
+           torch.equal(ref.view(torch.int16), got.view(torch.int16)))

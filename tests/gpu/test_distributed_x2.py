@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Several GPUs (2 H200s, one node): TP=2 and DP=2 against one GPU. One run, a short
-table at the end; exit 1 on a failed check.
+"""Several GPUs (2 H200s, one node): TP=2 and DP=2 against one GPU (formerly
+scripts/h200x2_distributed_check.py). Skipped with "needs 2 CUDA devices" on a machine of
+one GPU; the ranks are spawned once (module fixture) and each numbered part is a test.
 
 1. The sharded lookup under NCCL (one rank per GPU): TP=2 (columns over the 2 ranks,
    rows all-gathered) and DP=2 with ``embedding_across_dp`` (row ids all-gathered, rows
@@ -22,27 +23,24 @@ table at the end; exit 1 on a failed check.
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1, set here and in every rank).
-
-Run from the repository root on the 2-GPU machine (plugin library built,
-``ENGRAM_TRT_PLUGIN_LIB`` set, ``ENGRAM_TRT_CACHE`` writable):
-    python3 scripts/h200x2_distributed_check.py --out $OUT
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
+import pytest
+
+from .helpers import RecordDict, note, record
 
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+
+NEW_TOKENS = 32  # greedy tokens per prompt
+TIMEOUT_S = 600.0  # collective timeout of the ranks
 
 PROMPTS = [
     "Engram layers look up n-grams in huge static tables,",
@@ -65,35 +63,29 @@ def table_host_bytes(rank_report: dict) -> int:
     return mem["shm_pss_bytes"] + mem["table_file_pss_bytes"] + private
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for h200x2_distributed_check.json")
-    ap.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="collective timeout of the ranks, seconds")
-    args = ap.parse_args()
+@pytest.fixture(scope="module")
+def x2():
+    """Every rank's run, spawned once: the one-GPU references, the sharded lookups and the
+    four serving modes (a namespace of what the tests compare)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from types import SimpleNamespace
 
     import numpy as np
-    import torch
 
     from engram_trt.builder.build import build
     from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
     from engram_trt.config.engram import EngramConfig
-    from engram_trt.distributed.checks import LookupCase, case_lookback, lookup_check, replica_jobs, run_sequence
+    from engram_trt.distributed.checks import LookupCase, lookup_check, replica_jobs, run_sequence
     from engram_trt.distributed.launch import ReplicaJob, spawn
     from engram_trt.distributed.memory import shm_used
     from engram_trt.distributed.sharding import Topology
-    from engram_trt.engram.hashing import hash_batch_packed
     from engram_trt.runtime.sampling_params import SamplingParams
     from engram_trt.paths import cache_root
     from engram_trt.runtime.engine_folder import open_model_source
-    from engram_trt.models.step import PackedStep
-    from engram_trt.tables.store import open_tables
 
-    n_gpu = torch.cuda.device_count()
-    if n_gpu < 2:
-        print(f"this check needs 2 CUDA devices; this machine has {n_gpu}", file=sys.stderr)
-        return 2
-    checks: dict[str, bool] = {}
     res: dict = {"gpus": [torch.cuda.get_device_name(i) for i in range(2)], "torch": torch.__version__, "notes": []}
     pinned_there = importlib.util.find_spec("engram_trt.tables.pinned") is not None
     shared_there = importlib.util.find_spec("engram_trt.tables.shared") is not None
@@ -112,7 +104,7 @@ def main() -> int:
     one_copy = sum(r.nbytes for r in src.table_refs)
     res["table_bytes_one_copy"] = one_copy
 
-    sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     kw = {"backend": "torch", "progress": False}
     shares = Topology(1, 2).split_prompts(len(PROMPTS))
     shm_dir = Path("/dev/shm") / f"engram-trt-dist-check-{os.getpid()}"
@@ -121,7 +113,7 @@ def main() -> int:
         # 1 GPU: all prompts, and each DP replica's share alone (same batch as the replica).
         single = [ReplicaJob(str(engine), 1, 1, PROMPTS, sp, base_cfg, dict(kw), measure_memory=True, repeat=2)]
         single += [ReplicaJob(str(engine), 1, 1, PROMPTS[b:e], sp, base_cfg, dict(kw), repeat=2) for b, e in shares]
-        one = spawn(1, replica_jobs, single, device_kind="cuda", timeout_s=args.timeout)
+        one = spawn(1, replica_jobs, single, device_kind="cuda", timeout_s=TIMEOUT_S)
 
         rng = np.random.default_rng(0)
 
@@ -141,14 +133,28 @@ def main() -> int:
         ]
         shm_before = shm_used()
         lookups, served = spawn(2, run_sequence, [(lookup_check, (str(engine), cases, 512)), (replica_jobs, (dist_jobs,))],
-                                device_kind="cuda", timeout_s=args.timeout)
+                                device_kind="cuda", timeout_s=TIMEOUT_S)
         res["shm_used_before_bytes"] = shm_before
     finally:
         shm_files = sorted(shm_dir.iterdir()) if shm_dir.is_dir() else []
         res["shm_segment_bytes"] = sum(f.stat().st_size for f in shm_files if f.is_file())
         shutil.rmtree(shm_dir, ignore_errors=True)  # this run's own segment folder
+    names = ["TP=2", "DP=2 embedding_across_dp", "DP=2 dp_shared_memory", "DP=2 private copies"]
+    return SimpleNamespace(res=res, one=one, lookups=lookups, served=served, cases=cases, src=src, engine=engine,
+                           one_copy=one_copy, pinned_there=pinned_there, shared_there=shared_there, base_cfg=base_cfg,
+                           sp=sp, names=names, np=np, torch=torch)
 
-    # 1. lookup rows vs the unsharded store (CPU reference), bit for bit
+
+def test_lookup_rows(x2) -> None:
+    """1. The lookup rows vs the unsharded store (CPU reference), bit for bit."""
+    from engram_trt.distributed.checks import case_lookback
+    from engram_trt.distributed.sharding import Topology
+    from engram_trt.engram.hashing import hash_batch_packed
+    from engram_trt.models.step import PackedStep
+    from engram_trt.tables.store import open_tables
+
+    np, torch, src, cases, lookups = x2.np, x2.torch, x2.src, x2.cases, x2.lookups
+    note("setup", dict(x2.res))
     full = open_tables(src.table_refs, "memory", quant_block=src.config.engram.quant_block, progress=False)
     n = src.layout.max_ngram_size - 1
     for case, per_rank in zip(cases, lookups):
@@ -168,26 +174,36 @@ def main() -> int:
                 ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lb, src.layout))
                 want = torch.stack([full.rows(li, ids[:, li, :]) for li in range(src.layout.num_layers)])
                 ok &= bool(np.array_equal(got["steps"][k], want.view(torch.int16).numpy().view(np.uint16)))
-        checks[f"lookup rows bit-exact, {case.scope} scope tp{case.tp} x dp{case.dp} (NCCL)"] = ok
-    full.close()
+        record(f"lookup rows bit-exact, {case.scope} scope tp{case.tp} x dp{case.dp} (NCCL)", ok)
 
-    # 2. greedy tokens
+
+def test_greedy_tokens(x2) -> None:
+    """2. Greedy tokens of each mode against one GPU's."""
+    one, served, names, res = x2.one, x2.served, x2.names, x2.res
     tok = lambda r: [o.token_ids for o in r["outputs"]]  # noqa: E731
     ref_all = tok(one[0])
     ref_shares = tok(one[1]) + tok(one[2])
-    names = ["TP=2", "DP=2 embedding_across_dp", "DP=2 dp_shared_memory", "DP=2 private copies"]
     res["modes"] = {}
     for name, r in zip(names, served):
         got = tok(r)
         want = ref_all if name == "TP=2" else ref_shares
-        checks[f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU"] = got == want
+        record(f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU", got == want)
         res["modes"][name] = {"sharing": r["sharing"], "equals_one_gpu_all_prompts": got == ref_all,
                               "ranks": [{k: x[k] for k in ("rank", "device", "backend", "load_s", "generate_s", "memory")}
                                         | {"storage": {k: x["storage"].get(k) for k in ("kind", "where", "table_bytes", "resident_bytes")},
                                            "stats": {k: x["stats"].get(k) for k in ("steps", "idle_steps", "follower_steps", "step_s")},
                                            "engram": x["stats"].get("engram")} for x in r["ranks"]]}
+    note("modes", res["modes"])
 
-    # 3. host memory of the tables
+
+def test_host_memory(x2) -> None:
+    """3. Host memory of the tables, per mode; 4. step time and throughput as a ratio to
+    one GPU (figures)."""
+    np, one, served, names, res, one_copy = x2.np, x2.one, x2.served, x2.names, x2.res, x2.one_copy
+    shared_there, pinned_there = x2.shared_there, x2.pinned_there
+    if "modes" not in res:
+        pytest.skip("test_greedy_tokens did not run (it fills the modes)")
+    checks = RecordDict()
     one_mem = table_host_bytes(one[0]["ranks"][0])
     res["one_gpu_table_host_bytes"] = one_mem
     res["one_gpu_pss_bytes"] = one[0]["ranks"][0]["memory"]["pss_bytes"]
@@ -222,15 +238,23 @@ def main() -> int:
     for name, r in zip(names, served):
         res["modes"][name]["step_time_ratio"] = round(step_time(r) / base_step, 3)
         res["modes"][name]["throughput_ratio"] = round(tokens_per_s(r) / base_tps, 3)
+    note("modes", res["modes"])
+    note("one_gpu", res["one_gpu"])
 
-    # 5. the serving group of `serve --tp 2`: this process is the leader
+
+def test_serving_group(x2) -> None:
+    """5. The serving group of `serve --tp 2`: this process is the leader."""
+    engine, base_cfg, sp, one, res = x2.engine, x2.base_cfg, x2.sp, x2.one, x2.res
+    tok = lambda r: [o.token_ids for o in r["outputs"]]  # noqa: E731
+    ref_all = tok(one[0])
+    checks = RecordDict()
     from engram_trt.distributed.serving import GroupSpec, start_serving_group
 
     t1 = time.perf_counter()
     group = start_serving_group(GroupSpec(str(engine), 2, ("cuda:0", "cuda:1"),
                                           engram_config=None if base_cfg is None else {"cpu_offload": False},
-                                          llm_kwargs={"backend": "torch"}, name="check/tp2", timeout_s=args.timeout,
-                                          start_timeout_s=args.timeout))
+                                          llm_kwargs={"backend": "torch"}, name="check/tp2", timeout_s=TIMEOUT_S,
+                                          start_timeout_s=TIMEOUT_S))
     start_s = time.perf_counter() - t1
     try:
         t1 = time.perf_counter()
@@ -244,28 +268,4 @@ def main() -> int:
         group.stop()
     checks["serve --tp 2: the group's leader gives the greedy tokens of one GPU"] = [o.token_ids for o in outs] == ref_all
     checks["serve --tp 2: the follower exited 0 after stop()"] = group.followers[0].returncode == 0
-
-    res["checks"] = checks
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "h200x2_distributed_check.json").write_text(json.dumps(res, indent=2, default=str))
-    print(f"\n{'mode':<28} {'tables':<22} {'host copies':>11} {'/dev/shm MiB':>12} {'step x1':>8} {'tok/s x1':>9}")
-    for name in names:
-        m = res["modes"][name]
-        print(f"{name:<28} {m['sharing']['dp_mode']:<22} {m['table_host_copies']:>11} {m['shm_used_bytes'] / 2**20:>12.1f} "
-              f"{m['step_time_ratio']:>8} {m['throughput_ratio']:>9}")
-    print(f"one GPU: {base_step * 1e3:.2f} ms/step, {base_tps:.1f} tokens/s; one table copy {one_copy / 2**30:.2f} GiB")
-    sg = res["serving_group"]
-    print(f"serve --tp 2 group: started in {sg['start_s']} s, {sg['tokens_per_s'] / base_tps:.3f} x one GPU's tokens/s")
-    for note in res["notes"]:
-        print(f"note: {note}")
-    failed = [k for k, v in checks.items() if not v]
-    for k, v in checks.items():
-        print(f"{'PASS' if v else 'FAIL'}  {k}")
-    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    note("serving_group", res["serving_group"])

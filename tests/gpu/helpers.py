@@ -1,14 +1,24 @@
-"""What the H200 check scripts share: the log and results, the plugin harness binding,
-plugin field builders, random inputs and the gate's tolerances (scripts/h200_verify.py
-runs everything; this module only holds the pieces)."""
+"""What the GPU tests share (formerly scripts/h200_common.py and the helpers the check
+scripts lent each other): how a check is recorded, the plugin harness binding, plugin
+field builders, random inputs, the gate's tolerances, the fp8 test tables and the
+backbone / GEMV comparisons.
+
+A check is ``record(name, ok, detail)``: inside a test of tests/gpu it becomes one pytest
+subtest (tests/gpu/conftest.py installs the recorder for each test) and one entry of the
+module's JSON; elsewhere (the CPU suite calling a check function) ``collect()`` gathers
+the checks into a list. ``say`` is the log, ``note`` adds a figure to the module's JSON.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import subprocess
-import time
+import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -16,63 +26,102 @@ import numpy as np
 # not spin on the host gather's cores after the checks' CPU references. Before torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+if str(REPO / "python") not in sys.path:  # the working tree's package when it is not installed
+    sys.path.insert(0, str(REPO / "python"))
 
-LOG: list[str] = []
-RESULTS: dict = {"checks": [], "timing": {}}
+HARNESS_NAME = "libengram_plugin_harness.so"
+
+# --- recording ---------------------------------------------------------------------------------
+
+Recorder = Callable[[str, bool, str], None]
+_recorder: Recorder | None = None
+_log: list[str] | None = None
+_data: dict | None = None
+
+
+def record(name: str, ok: bool, detail: str = "") -> None:
+    """One check: a subtest of the running GPU test (or an entry of ``collect()``)."""
+    if _recorder is None:
+        raise RuntimeError(f"record({name!r}) outside a tests/gpu test: wrap the call in helpers.collect()")
+    _recorder(name, bool(ok), str(detail))
 
 
 def say(msg: str) -> None:
     print(msg, flush=True)
-    LOG.append(msg)
+    if _log is not None:
+        _log.append(msg)
 
 
-def record(name: str, ok: bool, detail: str = "") -> None:
-    RESULTS["checks"].append({"name": name, "ok": bool(ok), "detail": detail})
-    say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+def note(key: str, value: Any) -> None:
+    """A figure for the module's JSON (``data``), beside its checks."""
+    if _data is not None:
+        _data[key] = value
 
 
-def record_crash(exc: BaseException) -> None:
-    """A check script stopped by an exception: its traceback in the log and a failed
-    check, so what ran before it is still reported."""
-    import traceback
-
-    say(traceback.format_exc())
-    record("script completed", False, f"{type(exc).__name__}: {exc}")
+_on_fatal: list[Callable[[], None]] = []
 
 
-def write_results(out: Path, name: str, seed: int) -> int:
-    """``<out>/<name>.json`` (RESULTS) and ``<name>.log``, the pass/fail count and each
-    failed check; returns the number failed."""
-    import json
-
-    n_fail = sum(not c["ok"] for c in RESULTS["checks"])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-    (out / f"{name}.log").write_text("\n".join(LOG) + "\n")
-    say(f"\n{len(RESULTS['checks']) - n_fail} checks passed, {n_fail} failed (seed {seed})")
-    for c in RESULTS["checks"]:
-        if not c["ok"]:
-            say(f"  FAILED: {c['name']}: {c['detail'][:200]}")
-    return n_fail
+def fatal(msg: str) -> None:
+    """End the process now (a CUDA stream that waits forever cannot be released, so the
+    process could not exit otherwise), after the results so far are written."""
+    say(f"FATAL: {msg}")
+    for fn in _on_fatal:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - ending anyway
+            pass
+    sys.stdout.flush()
+    os._exit(1)
 
 
-def run_checks(body, out: Path, name: str, seed: int, summary=None) -> int:
-    """A check script's run after :func:`start`: ``body()`` (its stages); an exception
-    stops it but is reported as a failed check, so what ran before it still is; then the
-    results are written (:func:`write_results`) and ``summary()``, if given, prints the
-    script's tables. Returns the exit status: 1 on any failed check."""
-    failed = False
+@contextlib.contextmanager
+def recording(recorder: Recorder, data: dict | None = None, log: list[str] | None = None) -> Iterator[None]:
+    """While open, ``record`` calls ``recorder`` and ``note`` / ``say`` fill ``data`` / ``log``."""
+    global _recorder, _data, _log
+    saved = _recorder, _data, _log
+    _recorder, _data, _log = recorder, data, log
     try:
-        body()
-    except Exception as exc:  # report what ran, then fail
-        record_crash(exc)
-        failed = True
-    n_fail = write_results(out, name, seed)
-    if summary is not None:
-        summary()
-    return 1 if (n_fail or failed) else 0
+        yield
+    finally:
+        _recorder, _data, _log = saved
 
+
+@contextlib.contextmanager
+def collect() -> Iterator[list[dict]]:
+    """The checks recorded while open, as ``{"name", "ok", "detail"}`` dicts (for callers
+    outside tests/gpu, e.g. the CPU suite running a check function)."""
+    results: list[dict] = []
+
+    def add(name: str, ok: bool, detail: str) -> None:
+        results.append({"name": name, "ok": ok, "detail": detail})
+        say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+
+    with recording(add, {}, []):
+        yield results
+
+
+class RecordDict(dict):
+    """``checks[name] = ok``: each assignment one check (``record``), for code written
+    against a dict of checks."""
+
+    def __setitem__(self, name: str, ok: bool) -> None:
+        super().__setitem__(name, bool(ok))
+        record(name, bool(ok))
+
+
+def run_child(module: str, *args: str, timeout: float = 300, **kw: Any) -> subprocess.CompletedProcess:
+    """``python -m gpu.<module> args`` in a child process (a CUDA fault there cannot end
+    the test session), with tests/ and the package on its path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO / "python")] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return subprocess.run([sys.executable, "-m", f"gpu.{module}", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=str(REPO), **kw)
+
+
+# --- random inputs, the gate's tolerances ------------------------------------------------------
 
 def random_fp8_table(rng, rows: int, head_dim: int, block: int = 32):
     fp8 = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
@@ -102,7 +151,7 @@ def bits(t):
 
 
 def gate_bound(io, ref):
-    """Allowed |out - ref| per element for the I/O dtype (scripts/h200_verify.py's docstring)."""
+    """Allowed |out - ref| per element for the I/O dtype (test_verify.py's docstring)."""
     import torch
 
     if io == torch.bfloat16:
@@ -130,8 +179,14 @@ def dtype_name(dtype) -> str:
     return str(dtype)[6:]
 
 
+# --- the plugin harness (plugins/tests, built beside the library) -------------------------------
+
 PF_FLOAT32, PF_INT32, PF_CHAR, PF_INT64 = 1, 5, 6, 10
 DT = {"float32": 0, "float16": 1, "int32": 3, "bool": 4, "bfloat16": 7, "int64": 8}
+
+
+def harness_path(build_dir: Path) -> Path:
+    return Path(build_dir) / "plugins" / "tests" / HARNESS_NAME
 
 
 class Harness:
@@ -292,49 +347,97 @@ def column_range_fields(column_begin, column_end, row_offset):
             ("row_offset", PF_INT64, np.array([row_offset], np.int64))]
 
 
+def counted_gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
+    """EngramGather fields with the optional bad-row counter input enabled."""
+    return gather_fields(layer, L, cols, head_dim, dtype_code, block, rows) + [
+        ("bad_rows_input", PF_INT32, np.array([1], np.int32))]
+
+
 def gate_fields(hc, D, eps):
     return [("hc_mult", PF_INT32, np.array([hc], np.int32)), ("hidden_size", PF_INT32, np.array([D], np.int32)),
             ("eps", PF_FLOAT32, np.array([eps], np.float32))]
 
 
-def add_check_arguments(ap) -> None:
-    """The options :func:`start` and a script's :func:`run_checks` read: the build's
-    (--build-dir, --trt-include, --archs, --skip-build), --seed and --out."""
-    ap.add_argument("--build-dir", type=Path, default=REPO / "build-h200")
-    ap.add_argument("--trt-include", type=Path, default=None, help="TensorRT headers (default: CMake's lookup)")
-    ap.add_argument("--archs", default="90")
-    ap.add_argument("--skip-build", action="store_true")
-    ap.add_argument("--seed", type=int, default=None, help="default: fresh randomness each run")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build-h200" / "out")))
+# --- fp8 test tables (host gather, cache, driver, job buffers) ----------------------------------
+
+def fp8_table(rng: Any, rows: int, head_dim: int = 256, quant_block: int = 32) -> tuple[Any, Any, Any, Any]:
+    """A random fp8 table: (values, scales) as NumPy and as CPU tensors. No value byte is
+    a NaN code (0x7F / 0xFF), so bitwise comparisons of dequantized rows stay meaningful."""
+    import torch
+
+    values = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
+    values[(values & 0x7F) == 0x7F] = 0x3C
+    scales = rng.integers(110, 140, size=(rows, head_dim // quant_block), dtype=np.uint8)
+    return values, scales, torch.from_numpy(values), torch.from_numpy(scales)
 
 
-def start(args) -> int:
-    """The check scripts' common start: the run's seed (``--seed`` or fresh, recorded and
-    printed), the build unless ``--skip-build``, and ENGRAM_TRT_PLUGIN_LIB pointing at the
-    build's library. Returns the seed."""
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    RESULTS["seed"] = seed
-    say(f"seed {seed}")
-    if not args.skip_build:
-        build(args.build_dir, args.trt_include, args.archs)
-    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(args.build_dir / "libengram_trt_plugins.so")
-    return seed
+def fp8_test_table(rng: np.random.Generator, N: int = 200_000, D: int = 256, QB: int = 32) -> SimpleNamespace:
+    """The host gather checks' fp8 table of N rows: ``values``, ``scales`` (NumPy),
+    ``rows_t``, ``scales_t``, ``inline_t`` (CPU tensors), ``N``, ``D``, ``QB``, with
+    ``ref_fp8(ids)`` (the float32 NumPy dequant, zero rows for ids off the table) and
+    ``same(a, b)`` (bit equality). Shared by test_hostgather, test_driver, test_jobstaging."""
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows
+    from engram_trt.runtime.gatherpath import inline_table
+
+    values, scales, rows_t, scales_t = fp8_table(rng, N, D, QB)
+
+    def ref_fp8(ids: np.ndarray) -> torch.Tensor:
+        ok = (ids >= 0) & (ids < N)
+        safe = np.where(ok, ids, 0)
+        ref = dequant_fp8_rows(values[safe], scales[safe], QB)
+        ref[~ok] = 0
+        return torch.from_numpy(ref).to(torch.bfloat16)
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
+
+    return SimpleNamespace(values=values, scales=scales, rows_t=rows_t, scales_t=scales_t,
+                           inline_t=inline_table(rows_t, scales_t), N=N, D=D, QB=QB, ref_fp8=ref_fp8, same=same)
 
 
-def build(build_dir: Path, trt_include: Path | None, archs: str) -> Path:
-    """Configure and build the library and the plugin harness for ``archs`` (the GPU
-    check scripts' one build step)."""
-    cmd = ["cmake", "-S", str(REPO), "-B", str(build_dir), f"-DCMAKE_CUDA_ARCHITECTURES={archs}",
-           "-DENGRAM_TRT_BUILD_HARNESS=ON", "-DCMAKE_BUILD_TYPE=Release"]
-    if trt_include is not None:
-        cmd.append(f"-DTENSORRT_INCLUDE_DIR={trt_include}")
-    t0 = time.time()
-    for c in (cmd, ["cmake", "--build", str(build_dir), f"-j{os.cpu_count() or 2}"]):
-        say("$ " + " ".join(c))
-        proc = subprocess.run(c, capture_output=True, text=True)
-        if proc.returncode != 0:
-            say(proc.stdout[-4000:] + proc.stderr[-4000:])
-            raise SystemExit(f"build failed: {' '.join(c)}")
-    say(f"built in {time.time() - t0:.1f} s")
-    return build_dir
+# --- bf16 comparisons (backbone kernels, GEMV) --------------------------------------------------
 
+U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
+
+
+def ulp_distance(a, b):
+    """Per element, how many bf16 values lie between a and b (0: the same bits; +0 = -0)."""
+    import torch
+
+    def ordered(t):
+        i = t.contiguous().view(torch.int16).to(torch.int32)
+        mag = i & 0x7FFF
+        return torch.where(i < 0, -mag, mag)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def versus_torch(got, want, exact: bool = False) -> tuple[bool, str]:
+    """The kernel's bf16 output against the PyTorch ops' (<= 1 ulp, <= 1% differing; exact:
+    bit for bit)."""
+    d = ulp_distance(got, want)
+    worst = int(d.max()) if d.numel() else 0
+    differing = float((d > 0).float().mean()) if d.numel() else 0.0
+    ok = worst == 0 if exact else (worst <= 1 and differing <= 0.01)
+    return ok, f"vs torch ops: max {worst} ulp, {differing:.2e} of elements differ"
+
+
+def within(got, ref, bound) -> tuple[bool, str]:
+    """|got - ref| <= bound everywhere (got bf16, ref / bound float64 tensors)."""
+    import torch
+
+    g = got.double()
+    err = (g - ref).abs()
+    finite = bool(torch.isfinite(g).all())
+    ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
+    return finite and bool((err <= bound).all()), f"vs float64: max|err|={float(err.max()) if err.numel() else 0:.3g} " \
+                                                  f"worst err/bound={ratio:.3f}"
+
+
+def check(name: str, *results: tuple[bool, str]) -> bool:
+    """One check made of several comparisons (each ``(ok, detail)``); returns whether all held."""
+    ok = all(r[0] for r in results)
+    record(name, ok, "; ".join(r[1] for r in results))
+    return ok

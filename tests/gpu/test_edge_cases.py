@@ -1,5 +1,6 @@
-"""Edge cases of the H200 check (scripts/h200_verify.py): NaN propagation, the bad-row
-count, and the gather plugin under TensorRT's build phase.
+"""Edge cases of the kernels and the plugins on a GPU (formerly scripts/h200_edge_cases.py,
+run by scripts/h200_verify.py): NaN propagation, the bad-row count, and the gather
+plugin under TensorRT's build phase.
 
 - NaN: an FP8 byte (0x7F / 0xFF) or a ue8m0 scale byte (255) that decodes to NaN gives
   NaN in the gathered row exactly where the reference has it; a NaN in a live token's
@@ -12,27 +13,18 @@ count, and the gather plugin under TensorRT's build phase.
   (kernels.gather(bad_rows=...), the EngramGather plugin's optional counter input).
 - build phase: an EngramGather made with TensorRTPhase::kBUILD (and its clones) writes
   zero rows without reading any address; the garbage addresses used are shown to fault
-  when a runtime-phase plugin does read them (a control in its own child process).
+  when a runtime-phase plugin does read them (a control in its own child process,
+  tests/gpu/probes.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from h200_common import (DT, PF_INT32, bits, dtype_name, gate_bound, gate_fields, gather_fields, random_fp8_table,
-                         record)
-
-# 16-byte aligned addresses no allocation of this process uses (unmapped for the GPU):
-# a read through them faults, as the runtime-phase control probe shows.
-GARBAGE_ROWS = 0x5EAD_BEE0_0000
-GARBAGE_SCALES = 0x5EAD_BEF0_0000
-GARBAGE_COUNTER = 0x5EAD_BF00_0000
-
-
-def counted_gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
-    """EngramGather fields with the optional bad-row counter input enabled."""
-    return gather_fields(layer, L, cols, head_dim, dtype_code, block, rows) + [
-        ("bad_rows_input", PF_INT32, np.array([1], np.int32))]
+from .helpers import (DT, bits, counted_gather_fields, dtype_name, gate_bound, gate_fields, random_fp8_table, record,
+                      say)
+from .test_verify import run_probe
 
 
 def nan_equal(got: np.ndarray, ref: np.ndarray, bound: np.ndarray | None = None) -> tuple[bool, str]:
@@ -47,11 +39,10 @@ def nan_equal(got: np.ndarray, ref: np.ndarray, bound: np.ndarray | None = None)
 
 # --- NaN -------------------------------------------------------------------------------
 
-def check_nan(rng, harness, stream: int) -> None:
+def test_gather_nan(rng) -> None:
     import torch
 
     from engram_trt.native import kernels
-    from engram_trt.engram.fusion import engram_gate, engram_gate_reference
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
@@ -72,49 +63,67 @@ def check_nan(rng, harness, stream: int) -> None:
     ok, detail = nan_equal(got, ref_bf16)
     record("kernel gather NaN fp8 bytes / scale 255 give NaN exactly where the reference does", ok, detail)
 
-    # gate: NaN in a live key, hidden, value; a dead token with an all-NaN kv row
-    for io in (torch.bfloat16, torch.float16, torch.float32):
-        T, hc, D = 48, 4, 512
-        hidden = torch.from_numpy(rng.standard_normal((T, hc, D)).astype(np.float32)).to(io)
-        kv = torch.from_numpy(rng.standard_normal((T, (hc + 1) * D)).astype(np.float32)).to(io)
-        qw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(io)
-        kw = qw.clone()
-        mask_np = np.ones(T, dtype=bool)
-        kv[3, 1 * D + 11] = float("nan")  # token 3, stream 1's key
-        hidden[7, 2, 5] = float("nan")  # token 7, stream 2
-        kv[9, hc * D + 100] = float("nan")  # token 9's value, element 100
-        kv[12, :] = float("nan")  # token 12: a NaN row through wkv
-        kv[20, :] = float("nan")
-        mask_np[20] = False  # ... on a dead token
-        mask = torch.from_numpy(mask_np)
-        with np.errstate(invalid="ignore"):
-            ref = engram_gate_reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(),
-                                        kw.float().numpy(), mask_np, 1e-6)
-        torch_path = engram_gate(hidden, kv, qw, kw, mask, 1e-6).float().numpy()
-        out = kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
-        got = out.float().cpu().numpy().astype(np.float64)
-        live = mask_np
-        ok_ref, detail = nan_equal(got[live], ref[live], gate_bound(io, ref)[live])
-        ok_torch = np.array_equal(np.isnan(got[live]), np.isnan(torch_path[live]))
-        dead_exact = torch.equal(bits(out)[20], bits(hidden)[20])
-        expected_nan = (np.isnan(got[3, 1]).all() and np.isnan(got[7, 2]).all() and np.isnan(got[9, :, 100]).all()
-                        and np.isnan(got[12]).all())
-        record(f"kernel gate io={dtype_name(io)} NaN key / hidden / value / row -> NaN output (not gate 0.5)",
-               ok_ref and ok_torch and dead_exact and expected_nan,
-               f"{detail}; NaN as torch path={ok_torch}; dead token == hidden={dead_exact}")
-        if io == torch.bfloat16:
-            # the plugin's enqueue on the same inputs (runtime phase)
-            h = harness.create("EngramGate", gate_fields(hc, D, 1e-6), phase=1)
-            plugin_out = torch.full((T, hc, D), 7.0, dtype=io, device=dev)
-            io_t = DT["bfloat16"]
-            harness.run(h, [hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev)],
-                        [io_t, io_t, io_t, io_t, DT["bool"]], plugin_out, io_t, stream)
-            torch.cuda.synchronize()
-            harness.lib.harness_destroy(h)
-            record("plugin EngramGate NaN inputs: output bitwise equal to the kernel's",
-                   torch.equal(bits(plugin_out), bits(out)))
 
-    # end to end: a row with a NaN scale -> gather -> wkv -> gate
+@pytest.mark.parametrize("io_name", ["bfloat16", "float16", "float32"])
+def test_gate_nan(rng, harness, io_name) -> None:
+    """NaN in a live key, hidden, value; a dead token with an all-NaN kv row (bf16: also
+    through the plugin's enqueue)."""
+    import torch
+
+    from engram_trt.native import kernels
+    from engram_trt.engram.fusion import engram_gate, engram_gate_reference
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    io = getattr(torch, io_name)
+    T, hc, D = 48, 4, 512
+    hidden = torch.from_numpy(rng.standard_normal((T, hc, D)).astype(np.float32)).to(io)
+    kv = torch.from_numpy(rng.standard_normal((T, (hc + 1) * D)).astype(np.float32)).to(io)
+    qw = torch.from_numpy((1 + 0.1 * rng.standard_normal((hc, D))).astype(np.float32)).to(io)
+    kw = qw.clone()
+    mask_np = np.ones(T, dtype=bool)
+    kv[3, 1 * D + 11] = float("nan")  # token 3, stream 1's key
+    hidden[7, 2, 5] = float("nan")  # token 7, stream 2
+    kv[9, hc * D + 100] = float("nan")  # token 9's value, element 100
+    kv[12, :] = float("nan")  # token 12: a NaN row through wkv
+    kv[20, :] = float("nan")
+    mask_np[20] = False  # ... on a dead token
+    mask = torch.from_numpy(mask_np)
+    with np.errstate(invalid="ignore"):
+        ref = engram_gate_reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(),
+                                    kw.float().numpy(), mask_np, 1e-6)
+    torch_path = engram_gate(hidden, kv, qw, kw, mask, 1e-6).float().numpy()
+    out = kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
+    got = out.float().cpu().numpy().astype(np.float64)
+    live = mask_np
+    ok_ref, detail = nan_equal(got[live], ref[live], gate_bound(io, ref)[live])
+    ok_torch = np.array_equal(np.isnan(got[live]), np.isnan(torch_path[live]))
+    dead_exact = torch.equal(bits(out)[20], bits(hidden)[20])
+    expected_nan = (np.isnan(got[3, 1]).all() and np.isnan(got[7, 2]).all() and np.isnan(got[9, :, 100]).all()
+                    and np.isnan(got[12]).all())
+    record(f"kernel gate io={dtype_name(io)} NaN key / hidden / value / row -> NaN output (not gate 0.5)",
+           ok_ref and ok_torch and dead_exact and expected_nan,
+           f"{detail}; NaN as torch path={ok_torch}; dead token == hidden={dead_exact}")
+    if io == torch.bfloat16:
+        # the plugin's enqueue on the same inputs (runtime phase)
+        h = harness.create("EngramGate", gate_fields(hc, D, 1e-6), phase=1)
+        plugin_out = torch.full((T, hc, D), 7.0, dtype=io, device=dev)
+        io_t = DT["bfloat16"]
+        harness.run(h, [hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev)],
+                    [io_t, io_t, io_t, io_t, DT["bool"]], plugin_out, io_t, stream)
+        torch.cuda.synchronize()
+        harness.lib.harness_destroy(h)
+        record("plugin EngramGate NaN inputs: output bitwise equal to the kernel's",
+               torch.equal(bits(plugin_out), bits(out)))
+
+
+def test_nan_end_to_end(rng) -> None:
+    """A row with a NaN scale -> gather -> wkv -> gate."""
+    import torch
+
+    from engram_trt.native import kernels
+
+    dev = torch.device("cuda")
     T, hc, D = 32, 2, 256
     fp8, scales = random_fp8_table(rng, 1000, 128)
     ids = rng.integers(0, 1000, size=(T, 4)).astype(np.int32)
@@ -137,15 +146,18 @@ def check_nan(rng, harness, stream: int) -> None:
            f"others finite={bool(torch.isfinite(other).all())}")
 
 
+
+
 # --- bad-row count ---------------------------------------------------------------------
 
-def check_bad_rows(rng, harness, stream: int) -> None:
+def test_bad_rows(rng, harness) -> None:
     import torch
 
     from engram_trt.native import kernels
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
     rows_n, head_dim, T, L, cols, layer = 10_000, 256, 200, 2, 24, 1
     fp8, scales = random_fp8_table(rng, rows_n, head_dim)
     ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
@@ -220,44 +232,12 @@ def check_bad_rows(rng, harness, stream: int) -> None:
            torch.equal(out.cpu().view(torch.int16), ref_bits))
 
 
-# --- build phase (child processes) -----------------------------------------------------
+# --- build phase (child processes: tests/gpu/probes.py) --------------------------------
 
-def probe_build_phase(name: str, harness) -> dict:
-    """``build-phase-garbage``: a kBUILD EngramGather enqueued with unmapped table and
-    counter addresses writes zero rows and leaves the context healthy.
-    ``runtime-phase-garbage-control``: the same addresses in a kRUNTIME plugin fault,
-    which shows they are unreadable (so the first probe would have failed had it read)."""
-    import torch
-
-    from engram_trt.native import kernels
-
-    dev = torch.device("cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    rng = np.random.default_rng(1)
-    T, L, cols, head_dim, rows_n = 64, 2, 24, 256, 1000
-    ids = torch.from_numpy(rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)).to(dev)
-    phase = 0 if name == "build-phase-garbage" else 1
-    h = harness.create("EngramGather", counted_gather_fields(0, L, cols, head_dim, 0, 32, rows_n), phase=phase)
-    out = torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
-    inputs = [ids] + [torch.tensor([a], dtype=torch.int64, device=dev)
-                      for a in (GARBAGE_ROWS, GARBAGE_SCALES, GARBAGE_COUNTER)]
-    try:
-        harness.run(h, inputs, [DT["int32"]] + [DT["int64"]] * 3, out, DT["bfloat16"], stream)
-        torch.cuda.synchronize()
-        error = None
-    except Exception as exc:  # noqa: BLE001 - a fault is the control's expected outcome
-        error = f"{type(exc).__name__}: {str(exc)[:160]}"
-    if name == "build-phase-garbage":
-        if error is not None:
-            return {"name": "plugin EngramGather build phase, unmapped addresses: no read, zero rows", "ok": False,
-                    "detail": error}
-        zero = int(torch.count_nonzero(out.view(torch.int16))) == 0
-        # the context is healthy: a real gather afterwards is exact
-        table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
-        flat = ids[:, 0, :].contiguous()
-        exact = torch.equal(kernels.gather(flat, table).cpu(), table.cpu()[flat.cpu().long()])
-        return {"name": "plugin EngramGather build phase, unmapped table / counter addresses: no read, zero rows",
-                "ok": zero and exact, "detail": f"zero rows={zero}; next gather in the context exact={exact}"}
-    return {"name": "control: the same unmapped addresses in the runtime phase fault (the build-phase probe "
-                    "would have seen a read)", "ok": error is not None,
-            "detail": error or "no fault: the addresses were readable, the build-phase probe proves nothing"}
+@pytest.mark.parametrize("probe", ["build-phase-garbage", "runtime-phase-garbage-control"])
+def test_build_phase_probe(probe, build_dir) -> None:
+    result = run_probe(probe, build_dir)
+    if result.get("inconclusive"):
+        say(f"note: probe {probe} inconclusive: {result['detail']}")
+        pytest.skip(f"inconclusive: {result['detail']}")
+    record(result["name"], result["ok"], result["detail"])

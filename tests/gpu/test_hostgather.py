@@ -1,97 +1,66 @@
-"""GPU checks of the host gather's pipeline and the hot-row cache, in one run.
+"""The host gather's pipeline and the hot-row cache on a GPU (formerly
+scripts/h200_hostgather_check.py; its cache, driver and job-buffer parts are
+test_cache.py, test_driver.py and test_jobstaging.py).
 
 Exactness on small tables (seconds), every case against an independent reference (the
 float32 NumPy dequant, or the table's own rows for bf16 and raw bytes):
   - fp8 to bf16, split, inline and hbm-scales layouts (hbm-scales: the scale bytes read on
     the GPU by id), many chunks through 2 slots (slot reuse), out-of-range ids, the ids of
-    one layer of [T, L, cols] (strided), a side stream; hbm-scales' refusals;
+    one layer of [T, L, cols] (strided), a side stream; hbm-scales' refusals; a gather
+    bound to its table;
   - bf16 tables (copied straight into the output);
   - raw rows into device arrays (fp8 and bf16), ordered after the stream's earlier work,
     and with the scales in HBM (the values copied alone, the scale bytes gathered on the
     GPU by the device ids; out-of-range ids: zero rows, scale byte 127);
   - tuning knobs round-trip; a pool sized 1 (the caller alone);
-  - the hot-row cache on CUDA against the plain host gather, and calibrate_gather;
-  - the cache's fused plan / admission kernels against the policy's CPU reference, state
-    by state, its rows against the host gather in six table forms (hbm-scales among them),
-    a failed fetch, both layers of real skewed ids through an hbm-scales cache, the fused
-    plan's time against the torch reference's and the raw fetch's time, inline against
-    hbm-scales, the pool woken against asleep (scripts/h200_cache_check.py);
-  - the gather driver: queued jobs, GPU-side waits, ids arriving late, a failed job, close
-    with jobs queued, and the engine thread's time (scripts/h200_driver_check.py);
-  - the job buffers: exact per layout, reuse ordered behind a held-back stream, the ring as
-    fallback, and a prefill chunk's gather beside long GEMMs with and without them
-    (scripts/h200_jobstaging_check.py).
-Prints one line per check, a table of the times and a summary; exits 1 if any check failed.
+  - the hot-row cache on CUDA against the plain host gather, and calibrate_gather.
 
-    PYTHONPATH=python python3 scripts/h200_hostgather_check.py
+The tests run in file order on one gatherer (num_threads 0, chunks of 1000 rows, 2 slots),
+as the script did: the knobs set by test_knobs stay set for the tests after it.
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-
-RESULTS: list[tuple[str, bool, str]] = []
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    RESULTS.append((name, bool(ok), detail))
-    print(f"[{'PASS' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail else ""), flush=True)
+from .helpers import record
 
 
-def fp8_test_table(rng: np.random.Generator, N: int = 200_000, D: int = 256, QB: int = 32) -> SimpleNamespace:
-    """The checks' fp8 table of N rows: ``values``, ``scales`` (NumPy), ``rows_t``,
-    ``scales_t``, ``inline_t`` (CPU tensors), ``N``, ``D``, ``QB``, with ``ref_fp8(ids)`` (the
-    float32 NumPy dequant, zero rows for ids off the table) and ``same(a, b)`` (bit
-    equality). Shared with the checks this script runs and scripts/h200_jobstaging_check.py."""
-    import torch
-
-    from engram_trt.engram.quant import dequant_fp8_rows
-    from engram_trt.runtime.gatherpath import inline_table
-    from h200_cache_check import fp8_table  # beside this script (its directory is on sys.path)
-
-    values, scales, rows_t, scales_t = fp8_table(rng, N, D, QB)
-
-    def ref_fp8(ids: np.ndarray) -> torch.Tensor:
-        ok = (ids >= 0) & (ids < N)
-        safe = np.where(ok, ids, 0)
-        ref = dequant_fp8_rows(values[safe], scales[safe], QB)
-        ref[~ok] = 0
-        return torch.from_numpy(ref).to(torch.bfloat16)
-
-    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
-
-    return SimpleNamespace(values=values, scales=scales, rows_t=rows_t, scales_t=scales_t,
-                           inline_t=inline_table(rows_t, scales_t), N=N, D=D, QB=QB, ref_fp8=ref_fp8, same=same)
-
-
-def main() -> int:
+@pytest.fixture(scope="module")
+def hg(tab, gpu_seed: int):
+    """The gatherer the first tests share, and their ids: [3001, 8] with out-of-range ids."""
     import torch
 
     from engram_trt.native import hostgather
-    from engram_trt.errors import EngramError
-    from engram_trt.runtime.gatherpath import calibrate_gather
-    from engram_trt.cache.hotcache import HotRowCache
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    rng = np.random.default_rng(11)
-    tab = fp8_test_table(rng)  # also what the driver's and the job buffers' checks take
-    values, scales, rows_t, scales_t, inline_t = tab.values, tab.scales, tab.rows_t, tab.scales_t, tab.inline_t
-    N, D, QB, ref_fp8, same = tab.N, tab.D, tab.QB, tab.ref_fp8, tab.same
-
-    # 1. fp8 -> bf16: many chunks through 2 slots, out-of-range ids, both layouts, a side stream
-    g = hostgather.HostGatherer(num_threads=0, chunk_rows=1000, max_head_dim=D, num_slots=2)
+    rng = np.random.default_rng([gpu_seed, 11])
+    g = hostgather.HostGatherer(num_threads=0, chunk_rows=1000, max_head_dim=tab.D, num_slots=2)
     g.set_options(min_chunks=1)
     T, cols = 3001, 8
-    ids = rng.integers(-50, N + 50, size=(T, cols)).astype(np.int32)
+    ids = rng.integers(-50, tab.N + 50, size=(T, cols)).astype(np.int32)
     side = torch.cuda.Stream()
+    scales_dev = tab.scales_t.to(dev)
+    ids_t = torch.from_numpy(ids)
+    with torch.cuda.stream(side):
+        ids_up = ids_t.to(dev)
+    side.synchronize()
+    yield SimpleNamespace(g=g, T=T, cols=cols, ids=ids, side=side, scales_dev=scales_dev, ids_t=ids_t, ids_up=ids_up)
+    g.close()
+
+
+def test_fp8_layouts(tab, hg, dev) -> None:
+    """fp8 -> bf16: many chunks through 2 slots, out-of-range ids, both layouts, a side stream."""
+    import torch
+
+    rows_t, scales_t, inline_t = tab.rows_t, tab.scales_t, tab.inline_t
+    D, QB, ref_fp8, same = tab.D, tab.QB, tab.ref_fp8, tab.same
+    g, T, cols, ids, side = hg.g, hg.T, hg.cols, hg.ids, hg.side
+
     for layout, table in (("split", (rows_t, scales_t)), ("inline", (inline_t, None))):
         with torch.cuda.stream(side):
             out = torch.full((T, cols, D), float("nan"), dtype=torch.bfloat16, device=dev)
@@ -100,12 +69,20 @@ def main() -> int:
         record(f"fp8 {layout}: {T * cols} rows in 24 chunks of 1000 through 2 slots, out-of-range ids, side stream",
                same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))))
 
-    # 1b. scales in HBM (layout hbm-scales): the CPU copies the values alone, the dequant
-    # reads each row's scale bytes on the GPU by its id (the same 24 chunks through 2 slots)
-    scales_dev = scales_t.to(dev)
-    ids_t = torch.from_numpy(ids)
+
+def test_hbm_scales(tab, hg, dev, rng) -> None:
+    """Scales in HBM (layout hbm-scales): the CPU copies the values alone, the dequant reads
+    each row's scale bytes on the GPU by its id (the same 24 chunks through 2 slots); its
+    refusals."""
+    import torch
+
+    from engram_trt.errors import EngramError
+
+    rows_t, scales_t = tab.rows_t, tab.scales_t
+    N, D, QB, ref_fp8, same = tab.N, tab.D, tab.QB, tab.ref_fp8, tab.same
+    g, T, cols, ids, side = hg.g, hg.T, hg.cols, hg.ids, hg.side
+    scales_dev, ids_t, ids_up = hg.scales_dev, hg.ids_t, hg.ids_up
     with torch.cuda.stream(side):
-        ids_up = ids_t.to(dev)
         out = torch.full((T, cols, D), float("nan"), dtype=torch.bfloat16, device=dev)
         got = g.gather(ids_t, rows_t, scales_dev, quant_block=QB, layout="hbm-scales", out=out, ids_dev=ids_up)
     side.synchronize()
@@ -139,8 +116,19 @@ def main() -> int:
            "ids, a bf16 table",
            all("ACCEPTED" not in r for r in refusals), " | ".join(refusals))
 
-    # 1c. a gather bound to its table (HostGatherer.bind) == the NumPy dequant in every
-    # layout, over steps of two shapes into reused outputs; and its refusals
+
+def test_bound_gather(tab, hg, dev, rng) -> None:
+    """A gather bound to its table (HostGatherer.bind) == the NumPy dequant in every layout,
+    over steps of two shapes into reused outputs; and its refusals."""
+    import torch
+
+    from engram_trt.errors import EngramError
+
+    rows_t, scales_t, inline_t = tab.rows_t, tab.scales_t, tab.inline_t
+    N, D, QB, ref_fp8, same = tab.N, tab.D, tab.QB, tab.ref_fp8, tab.same
+    g, cols, ids = hg.g, hg.cols, hg.ids
+    scales_dev = hg.scales_dev
+
     ok_bound, kinds = True, []
     for layout, table in (("split", (rows_t, scales_t)), ("inline", (inline_t, None)),
                           ("hbm-scales", (rows_t, scales_dev))):
@@ -173,14 +161,30 @@ def main() -> int:
            "refused: hbm-scales without ids_dev, an out of another shape, ids on the GPU",
            ok_bound and all("ACCEPTED" not in r for r in refused), " | ".join(refused))
 
-    # 2. strided ids: layer 1 of [T, L, cols]
+
+def test_strided_ids(tab, hg, rng) -> None:
+    """Layer 1 of [T, L, cols] ids."""
+    import torch
+
+    inline_t = tab.inline_t
+    N, D, QB, ref_fp8, same = tab.N, tab.D, tab.QB, tab.ref_fp8, tab.same
+    g, cols = hg.g, hg.cols
+
     L = 3
     ids3 = rng.integers(0, N, size=(500, L, cols)).astype(np.int32)
     got = g.gather(torch.from_numpy(ids3), inline_t, None, layer=1, quant_block=QB, layout="inline")
     torch.cuda.synchronize()
     record("fp8 inline, layer 1 of [T, L, cols] ids", same(got.reshape(-1, D), ref_fp8(ids3[:, 1, :].reshape(-1))))
 
-    # 3. knobs round-trip, every combination still exact
+
+def test_knobs(tab, hg) -> None:
+    """Knobs round-trip, every combination still exact (they stay set for the tests below)."""
+    import torch
+
+    inline_t = tab.inline_t
+    D, QB, ref_fp8, same = tab.D, tab.QB, tab.ref_fp8, tab.same
+    g, ids = hg.g, hg.ids
+
     ok_all = True
     for knobs in ({"prefetch_rows": 0, "streaming_stores": 1}, {"prefetch_rows": 64, "prefetch_far_rows": 48,
                                                                  "prefetch_locality": 1, "task_rows": 7},
@@ -193,7 +197,17 @@ def main() -> int:
         ok_all &= same(got.reshape(-1, D), ref_fp8(ids.reshape(-1)))
     record("tuning knobs set and read back; outputs stay exact under each", ok_all, str(g.options()))
 
-    # 4. bf16 table (direct copy sink)
+
+def test_bf16_table_and_raw_rows(tab, hg, dev, rng) -> None:
+    """A bf16 table (direct copy sink); raw rows into device arrays, ordered after earlier
+    work on the stream; the same with the scales in HBM; raw bf16 rows."""
+    import torch
+
+    values, scales, rows_t, inline_t = tab.values, tab.scales, tab.rows_t, tab.inline_t
+    N, D, QB, same = tab.N, tab.D, tab.QB, tab.same
+    g = hg.g
+    scales_dev = hg.scales_dev
+
     bf = torch.randn(50_000, 128, dtype=torch.bfloat16)
     bid = rng.integers(-3, 50_003, size=(777, 5)).astype(np.int32)
     got = g.gather(torch.from_numpy(bid), bf)
@@ -202,7 +216,7 @@ def main() -> int:
     want[torch.from_numpy((bid < 0) | (bid >= 50_000))] = 0
     record("bf16 table copied into out (out-of-range ids: zero rows)", same(got, want))
 
-    # 5. raw rows into device arrays, ordered after earlier work on the stream
+    # raw rows into device arrays, ordered after earlier work on the stream
     flat = torch.from_numpy(rng.integers(-5, N + 5, size=20_000).astype(np.int32))
     dst_r = torch.zeros((20_000, D), dtype=torch.uint8, device=dev)
     dst_s = torch.zeros((20_000, D // QB), dtype=torch.uint8, device=dev)
@@ -218,7 +232,7 @@ def main() -> int:
     want_s = np.where(ok[:, None], scales[np.where(ok, idx, 0)], 127)
     record("raw fp8 rows + scales into device arrays, after the stream's earlier work",
            np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s))
-    # 5b. the same with the scales in HBM: many chunks of values through 2 slots, the scale
+    # the same with the scales in HBM: many chunks of values through 2 slots, the scale
     # bytes gathered on the GPU by the device ids (given, then copied up by the call)
     for given in (True, False):
         for _ in range(20):
@@ -235,16 +249,33 @@ def main() -> int:
     g.gather_raw(torch.from_numpy(bid.reshape(-1).copy()), bf, dst_rows=dst_b)
     torch.cuda.synchronize()
     record("raw bf16 rows into a device array", same(dst_b, want.reshape(-1, 128)))
-    g.close()
 
-    # 6. a pool of one thread (the caller alone)
+
+def test_pool_of_one(tab, hg) -> None:
+    """A pool of one thread (the caller alone)."""
+    import torch
+
+    from engram_trt.native import hostgather
+
+    rows_t, scales_t = tab.rows_t, tab.scales_t
+    D, QB, ref_fp8, same = tab.D, tab.QB, tab.ref_fp8, tab.same
+    ids = hg.ids
+
     with hostgather.HostGatherer(num_threads=1, chunk_rows=512, max_head_dim=D) as g1:
         got = g1.gather(torch.from_numpy(ids[:300]), rows_t, scales_t, quant_block=QB)
         torch.cuda.synchronize()
         record("a pool of 1 thread", same(got.reshape(-1, D), ref_fp8(ids[:300].reshape(-1)))
                and g1.options()["num_threads"] == 1)
 
-    # 7. hot-row cache on CUDA == plain host gather, over Zipf-skewed steps
+
+def test_hot_row_cache(tab, dev, rng) -> None:
+    """The hot-row cache on CUDA == the plain host gather, over Zipf-skewed steps."""
+    import torch
+
+    from engram_trt.native import hostgather
+    from engram_trt.cache.hotcache import HotRowCache
+
+    N, D, ref_fp8, same, inline_t = tab.N, tab.D, tab.ref_fp8, tab.same, tab.inline_t
     g = hostgather.HostGatherer(device=dev)
     cache = HotRowCache(inline_t, None, device=dev, gatherer=g, layout="inline", capacity_rows=5_000,
                         max_step_rows=40_000, admit_budget=2_000, admit_every=2)
@@ -259,8 +290,16 @@ def main() -> int:
     s = cache.stats()
     record("hot-row cache on CUDA: 12 skewed steps exact, maps consistent", ok_all and s.hits > 0 and s.evicted > 0,
            f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}")
+    g.close()
 
-    # 8. calibration picks a path per size and says so
+
+def test_calibrate_gather(tab, dev) -> None:
+    """Calibration picks a path per size and says so."""
+    from engram_trt.native import hostgather
+    from engram_trt.runtime.gatherpath import calibrate_gather
+
+    rows_t, scales_t = tab.rows_t, tab.scales_t
+    g = hostgather.HostGatherer(device=dev)
     pinned_rows, pinned_scales = rows_t.pin_memory(), scales_t.pin_memory()
     t0 = time.perf_counter()
     choice = calibrate_gather(pinned_rows, pinned_scales, gatherer=g, sizes=(6144, 98304), reps=3)
@@ -268,30 +307,3 @@ def main() -> int:
            set(choice.seconds) == {"host", "uva"} and set(choice.chosen.values()) <= {"host", "uva"},
            f"{choice.describe()} in {time.perf_counter() - t0:.1f} s")
     g.close()
-
-    # 9. the cache's fused kernels == the policy's reference; rows == host gather; timing
-    import h200_cache_check
-
-    timings: dict[str, float] = {}
-    h200_cache_check.run(dev, record, timings)
-
-    # 10. the gather driver: jobs queued at submit, readers waiting on the GPU
-    import h200_driver_check
-
-    h200_driver_check.run(dev, record, timings, tab)
-    # 11. the job buffers: exact, reuse ordered, and what they buy beside long GEMMs
-    import h200_jobstaging_check
-
-    h200_jobstaging_check.run(dev, record, timings, tab)
-    print("| timing (medians; the cache step: 196,608 skewed lookups, 50M-row table, warm 5% cache) | value |")
-    print("| --- | --- |")
-    for k, v in timings.items():
-        print(f"| {k} | {v:,.0f} |")
-
-    failed = [r for r in RESULTS if not r[1]]
-    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

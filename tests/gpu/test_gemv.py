@@ -1,22 +1,20 @@
-#!/usr/bin/env python3
-"""Verify the kernel library's GEMV (engram_gemv_bf16, plugins/kernels/gemvKernel.cu) on a
-GPU (the H200): the decode step's projections for 1..4 tokens.
+"""The kernel library's GEMV (engram_gemv_bf16, plugins/kernels/gemvKernel.cu) on a GPU
+(formerly scripts/h200_gemv_check.py): the decode step's projections for 1..4 tokens.
 
-One script, one device call (it builds the library first, unless --skip-build):
-  1. abi        every bad argument refused on the host with its one-line reason; zero
-                tokens launch nothing. Needs no GPU (also under --cpu-only).
-  2. reference  the bound below holds for the GEMM library's own bf16 F.linear on the CPU
-                (so the bound judges the kernel, not its slack). Needs no GPU.
-  3. kernels    against float64 (the bound below) and against F.linear on the GPU (<= 1% of
-                elements differing: only the sums' order differs):
-                T 1..4; the 1B model's shapes (qkv, o, gate_up, down, wkv, lm_head); odd
-                N (1, 7, 1001, 4099); K 8, 40, 1032, 5632, 5640; large and signed inputs; a given out buffer; zero tokens; captured in a CUDA graph
-                and replayed with new x and weights; SiLU -> GEMV -> GEMV in one graph with
-                weight_static (programmatic dependent launch on sm_90: each kernel may
-                start before the one before it ends), each output against float64 on the
-                input of its own replay.
-Timing is `engram-trt bench gemv`. Writes $OUT/h200_gemv_check.json and .log; exits 1 on
-a failed check.
+  abi        every bad argument refused on the host with its one-line reason; zero
+             tokens launch nothing (needs no GPU; the CPU suite runs it too).
+  reference  the bound below holds for the GEMM library's own bf16 F.linear on the CPU
+             (so the bound judges the kernel, not its slack).
+  kernels    against float64 (the bound below) and against F.linear on the GPU (<= 1% of
+             elements differing: only the sums' order differs): T 1..4; the 1B model's
+             shapes (qkv, o, gate_up, down, wkv, lm_head); odd N (1, 7, 1001, 4099); K 8,
+             40, 1032, 5632, 5640; large and signed inputs; a given out buffer; zero
+             tokens; captured in a CUDA graph and replayed with new x and weights; SiLU ->
+             GEMV -> GEMV in one graph with weight_static (programmatic dependent launch on
+             sm_90: each kernel may start before the one before it ends), each output
+             against float64 on the input of its own replay.
+
+Timing is `engram-trt bench gemv`.
 
 Bound against float64 on the same bf16 inputs, elementwise, u = 2^-8:
   |out - ref| <= u |ref| + (1 + u) n 2^-24 (1 + 2^-20) sum_k |w x|
@@ -27,17 +25,11 @@ n = K for the reference (any summation order).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "scripts"))
+import pytest
 
-from h200_backbone_check import U, check, ulp_distance, within  # noqa: E402
-from h200_common import add_check_arguments, record, run_checks, say, start  # noqa: E402
+from .helpers import U, check, record, say, ulp_distance, within
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "wkv": (10240, 6144), "lm_head": (129280, 2048)}
@@ -151,8 +143,6 @@ def check_kernels(gen) -> None:
     record("gemv returns the given out", got.data_ptr() == out.data_ptr(), f"{got.data_ptr():#x}")
     empty = backbone_kernels.gemv(inputs["x"][:0], inputs["w"])
     record("gemv of zero tokens: an empty [0, N]", tuple(empty.shape) == (0, 4099), str(tuple(empty.shape)))
-    check_graph(gen)
-    check_dependent_chain(gen)
 
 
 def check_graph(gen, rounds: int = 3) -> None:
@@ -205,24 +195,34 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
         gemv_verify(f"dependent chain replay {rnd + 1}: GEMV of that GEMV's output", {"x": y1, "w": w2}, y2)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_check_arguments(ap)
-    ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
-    args = ap.parse_args(argv)
-    seed = start(args)
 
-    def body() -> None:
-        import torch
+# --- the tests ---------------------------------------------------------------------------------------
 
-        check_abi()
-        check_reference_cpu()
-        if not args.cpu_only:
-            say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-            check_kernels(torch.Generator(device="cuda").manual_seed(seed))
+@pytest.fixture
+def gen(test_seed: int):
+    import torch
 
-    return run_checks(body, args.out, "h200_gemv_check", seed)
+    return torch.Generator(device="cuda").manual_seed(test_seed)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def test_abi() -> None:
+    check_abi()
+
+
+def test_reference_cpu() -> None:
+    check_reference_cpu()
+
+
+def test_kernels(gen) -> None:
+    import torch
+
+    say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+    check_kernels(gen)
+
+
+def test_graph(gen) -> None:
+    check_graph(gen)
+
+
+def test_dependent_chain(gen) -> None:
+    check_dependent_chain(gen)

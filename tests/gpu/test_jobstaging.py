@@ -1,5 +1,5 @@
-"""GPU checks of the host gather's job buffers (``job_staging_bytes``,
-runtime/hostGather.cpp), run by scripts/h200_hostgather_check.py:
+"""The host gather's job buffers (``job_staging_bytes``, runtime/hostGather.cpp) on a GPU
+(formerly scripts/h200_jobstaging_check.py, run by h200_hostgather_check.py):
 
   - the option: set, read back, refused outside [0, 2^40] with its name, 0 frees it;
   - exactness with job buffers, in the split, inline and hbm-scales layouts, against the
@@ -23,9 +23,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .helpers import note, record
 
-def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float], table: Any) -> None:
-    """``table``: the caller's fp8 test table and helpers (see h200_driver_check.run)."""
+
+def check_jobstaging(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float], table: Any) -> None:
+    """``table``: the fp8 test table and its helpers (helpers.fp8_test_table)."""
     import torch
 
     from engram_trt.native import hostgather
@@ -138,18 +140,9 @@ def run(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, f
            exact, "; ".join(f"{k} {v:,.0f} us" for k, v in med.items()))
 
 
-def main() -> int:
-    """Alone: the host gather check's fp8 test table, the same results format."""
-    import torch
-
-    from h200_hostgather_check import RESULTS, fp8_test_table, record  # puts python/ on sys.path
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    run(dev, record, {}, fp8_test_table(np.random.default_rng(11)))
-    failed = [r for r in RESULTS if not r[1]]
-    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def test_jobstaging(dev, tab) -> None:
+    timings: dict[str, float] = {}
+    try:
+        check_jobstaging(dev, record, timings, tab)
+    finally:
+        note("timings", timings)

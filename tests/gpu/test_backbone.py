@@ -1,5 +1,6 @@
-#!/usr/bin/env python3
-"""Verify and time the fused decoder-layer path of the torch backend on a GPU (the H200).
+"""The fused decoder-layer path of the torch backend on a GPU (formerly
+scripts/h200_backbone_check.py and h200_backbone_model.py; its timing is ``engram-trt
+bench backbone``).
 
 One script, one device call:
   1. build      cmake (sm_90 by default), unless --skip-build.
@@ -45,62 +46,17 @@ Bounds against float64 on the same (bf16) inputs, elementwise, u = 2^-8 (bf16 ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
-import sys
-from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "scripts"))
+import pytest
 
-from h200_common import LOG, RESULTS, add_check_arguments, record, run_checks, say, start  # noqa: E402,F401
+from .helpers import U, check, note, record, say, ulp_distance, versus_torch, within  # noqa: F401
 
-U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
 EPS = 1e-6
 ROPE_THETA = 10000.0
-
-
-# --- comparisons --------------------------------------------------------------------------------
-
-def ulp_distance(a, b):
-    """Per element, how many bf16 values lie between a and b (0: the same bits; +0 = -0)."""
-    import torch
-
-    def ordered(t):
-        i = t.contiguous().view(torch.int16).to(torch.int32)
-        mag = i & 0x7FFF
-        return torch.where(i < 0, -mag, mag)
-
-    return (ordered(a) - ordered(b)).abs()
-
-
-def versus_torch(got, want, exact: bool = False) -> tuple[bool, str]:
-    """The kernel's bf16 output against the PyTorch ops' (<= 1 ulp, <= 1% differing; exact:
-    bit for bit)."""
-    d = ulp_distance(got, want)
-    worst = int(d.max()) if d.numel() else 0
-    differing = float((d > 0).float().mean()) if d.numel() else 0.0
-    ok = worst == 0 if exact else (worst <= 1 and differing <= 0.01)
-    return ok, f"vs torch ops: max {worst} ulp, {differing:.2e} of elements differ"
-
-
-def within(got, ref, bound) -> tuple[bool, str]:
-    """|got - ref| <= bound everywhere (got bf16, ref / bound float64 tensors)."""
-    import torch
-
-    g = got.double()
-    err = (g - ref).abs()
-    finite = bool(torch.isfinite(g).all())
-    ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
-    return finite and bool((err <= bound).all()), f"vs float64: max|err|={float(err.max()) if err.numel() else 0:.3g} " \
-                                                  f"worst err/bound={ratio:.3f}"
-
-
-def check(name: str, *results: tuple[bool, str]) -> bool:
-    ok = all(r[0] for r in results)
-    record(name, ok, "; ".join(r[1] for r in results))
-    return ok
 
 
 def placed(t, misaligned: bool):
@@ -394,7 +350,6 @@ def check_kernels(gen) -> None:
                              (64, 1000, False), (64, 13, False), (3, 1, False), (64, 5632, True)):
         inputs = silu_inputs(gen, dev, T, I)
         silu_verify(f"silu*up T={T} I={I}{' misaligned' if misaligned else ''}", inputs, run_silu(inputs, misaligned))
-    check_graph(gen)
 
 
 def check_graph(gen, rounds: int = 3) -> None:
@@ -435,41 +390,282 @@ def check_graph(gen, rounds: int = 3) -> None:
         silu_verify(f"graph replay {rnd + 1}: silu*up T=64 I=5632", fresh["silu"], silu)
 
 
-# --- main -----------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_check_arguments(ap)
-    ap.add_argument("--cpu-only", action="store_true", help="only the checks that need no GPU (abi, reference)")
-    ap.add_argument("--no-model", action="store_true", help="skip the 1.15B model check and the timing")
-    ap.add_argument("--iters", type=int, default=20, help="timed decode steps per case (median)")
-    args = ap.parse_args(argv)
+# --- 5. the 1.15B model -----------------------------------------------------------------------------
 
-    seed = start(args)
-
-    def body() -> None:
-        import torch
-
-        check_abi()
-        check_reference_cpu()
-        if not args.cpu_only:
-            say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-            check_kernels(torch.Generator(device="cuda").manual_seed(seed))
-            if not args.no_model:
-                import h200_backbone_model
-
-                model, layout, info = h200_backbone_model.build_model(torch.device("cuda"))
-                twin = h200_backbone_model.check_model(model, layout, info, seed)
-                h200_backbone_model.time_decode(model, args.iters, twin=twin)
-
-    def summary() -> None:
-        if RESULTS["timing"]:
-            import h200_backbone_model
-
-            h200_backbone_model.print_table(RESULTS["timing"])
-
-    return run_checks(body, args.out, "h200_backbone_check", seed, summary)
+MODEL_ARGS = argparse.Namespace(model="1b", table_gib=0.25, prefill=0, context=256)  # engram-trt bench step's shape
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def rel_err(a: Any, ref: Any) -> float:
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm())
+
+
+def build_model(device: Any) -> tuple[Any, Any, dict]:
+    """The bench's 1.15B model (random bf16 weights, fused at load on the GPU) with its
+    tables in GPU memory."""
+    from engram_trt.bench.step import build
+    from engram_trt.tables.base import DeviceTables
+
+    model, layout, tables, info = build(MODEL_ARGS, device)
+    model.set_tables(DeviceTables([(r.to(device), s.to(device)) for r, s in tables], model.config.engram.quant_block))
+    return model, layout, info
+
+
+
+@pytest.fixture(scope="module")
+def model_1b():
+    """The bench's 1.15B model (``engram-trt bench step --model 1b``: random bf16 weights,
+    fused at load on the GPU) with its tables in GPU memory: (model, layout, info)."""
+    import torch
+
+    got = build_model(torch.device("cuda"))
+    yield got
+    del got
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def twin(model_1b):
+    """The model's float32 twin (the same weights, unfused), sharing its tables."""
+    import torch
+
+    from engram_trt.models.engram_llama.model import EngramLlama
+
+    model, layout, _ = model_1b
+    t = EngramLlama(model.config, {n: p.detach().float() for n, p in model.named_parameters()},
+                    compress_lookup=model.compress_lookup, layout=layout, device=model.device, dtype=torch.float32,
+                    fuse_projections=False)
+    t.set_tables(model.tables)
+    return t
+
+
+def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> None:
+    """The 1.15B model's paths against its float32 twin (the decode variants below check
+    their steps against it too)."""
+    import torch
+
+    from engram_trt.models.engram_llama.model import model_weight_shapes
+    from engram_trt.runtime.cuda_graphs import DecodeGraphs
+    from engram_trt.models.step import PackedStep
+
+    cfg = model.config
+    kernels = model.backbone_ops
+    fused = all(layer.self_attn.fused_weight() is not None and layer.mlp.fused_weight() is not None
+                for layer in model.model.layers)
+    record("1.15B model: fused projections and the kernel library selected", kernels is not None and fused,
+           model.backend_name)
+    names = [n for n, _ in model.named_parameters()]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    record("1.15B model: parameter names are the checkpoint's, no weight stored twice",
+           sorted(names) == sorted(model_weight_shapes(cfg)) and sum(storages.values()) == info["weight_bytes"],
+           f"{len(names)} parameters in {len(storages)} allocations of {sum(storages.values()) / 2**30:.3f} GiB, "
+           f"the parameters {info['weight_bytes'] / 2**30:.3f} GiB")
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = [37, 64, 5, 100]
+    S, steps = len(lens), 3
+    history = [torch.randint(2, cfg.vocab_size, (n + steps,), generator=gen) for n in lens]
+    max_len = max(lens) + steps + 8
+    # "fused graphs over copies": the graphs' decode attention runs SDPA on copies of the
+    # slots' K/V at this small context, where by default the warp kernel reads them in place.
+    # "fused graphs, lookup apart": the GPU lookup replayed in graphs of its own beside the
+    # step's segments, where by default it is forked onto the side stream inside one graph of
+    # the step (the same kernels).
+    paths = {"unfused eager": (None, False), "fused eager": (kernels, False), "fused graphs": (kernels, True),
+             "unfused graphs": (None, True), "fused graphs over copies": (kernels, True),
+             "fused graphs, lookup apart": (kernels, True)}
+    caches = {name: model.new_cache(S + 1, max_len) for name in paths}  # + the graphs' scratch slot
+    graphs = {name: DecodeGraphs(model, caches[name], S, scratch_slot=S, tables=model.tables,
+                                 fork_lookup=name != "fused graphs, lookup apart")
+              for name, (_, g) in paths.items() if g}
+    twin_cache = twin.new_cache(S + 1, max_len)
+    lut = model.compress_lookup.cpu()
+    n_back = layout.max_ngram_size - 1
+    worst: dict[str, float] = {}
+    for k in range(steps + 1):
+        if k == 0:
+            step = PackedStep(torch.cat([h[:n] for h, n in zip(history, lens)]), lens, [0] * S, list(range(S)))
+            label = f"packed prefill {'+'.join(map(str, lens))}"
+        else:
+            past = [n + k - 1 for n in lens]
+            ids = torch.stack([h[p] for h, p in zip(history, past)])
+            lookback = torch.stack([lut[h[p - n_back:p]] for h, p in zip(history, past)])
+            step = PackedStep(ids, [1] * S, past, list(range(S)), lookback=lookback)
+            label = f"decode step {k} of {S} sequences"
+        ref = twin.forward_step(step, twin_cache).float()
+        logits = {}
+        for name, (ops, in_graph) in paths.items():
+            model.backbone_ops = ops
+            with variant_settings(name):
+                out = graphs[name].run(step, None) if in_graph and k > 0 else None
+            if in_graph and k > 0 and out is None:
+                record(f"{name}: {label} replayed from a graph", False, graphs[name].failed or "not replayed")
+            logits[name] = (out if out is not None else model.forward_step(step, caches[name])).float().clone()
+        model.backbone_ops = kernels
+        base = rel_err(logits["unfused eager"], ref)
+        if k > 0:
+            same = torch.equal(logits["fused graphs"], logits["fused graphs, lookup apart"])
+            record(f"1.15B {label}: the lookup forked in one graph of the step gives the separate lookup graphs' logits",
+                   same and graphs["fused graphs"].handles_lookup(step),
+                   f"bit-identical={same}; GPU lookup in the graphs={graphs['fused graphs'].handles_lookup(step)}")
+        for name in ("fused eager", "fused graphs", "unfused graphs", "fused graphs over copies",
+                     "fused graphs, lookup apart"):
+            err = rel_err(logits[name], ref)
+            worst[name] = max(worst.get(name, 0.0), err)
+            ok = err <= 1.5 * base + 2e-3 and bool(torch.isfinite(logits[name]).all())
+            record(f"1.15B {label}: {name} vs float32 twin", ok,
+                   f"rel L2 {err:.3e} (unfused eager {base:.3e}; vs unfused eager "
+                   f"{rel_err(logits[name], logits['unfused eager']):.3e}); argmax agrees with the twin on "
+                   f"{int((logits[name].argmax(-1) == ref.argmax(-1)).sum())}/{S}")
+    for name, g in graphs.items():
+        record(f"1.15B decode graphs recorded and replayed ({name})", g.failed is None and g.replays == steps,
+               g.failed or f"{g.replays} replays")
+    note("model", {"worst_rel_l2_vs_float32": worst, "backend": model.backend_name})
+    model.backbone_ops = kernels
+    del twin_cache, graphs, caches
+    torch.cuda.empty_cache()
+
+
+def variant_settings(name: str) -> contextlib.AbstractContextManager:
+    """What a timed variant changes while its decode graph is recorded (at its first
+    run), undone after: "... over copies": the graphs' attention reads the KV cache in place
+    only past IN_PLACE_DECODE_BYTES, not wherever the warp kernel serves (SDPA over copies
+    of the slots' K/V below it); "fused, GEMM library": the projections run
+    in the GEMM library at every step size (the GEMV off); "fused, no PDL": the kernel
+    library launches the ordinary way (ENGRAM_TRT_PDL=0, read at each launch); "fused,
+    tiled attention": the attention kernel is the tiled one (ENGRAM_TRT_ATTENTION_KERNEL=
+    tiled) where the graphs read the cache in place. The default variants change nothing."""
+    import os
+    from unittest import mock
+
+    from engram_trt.models.engram_llama import modules
+    from engram_trt.models.engram_llama.kernel_ops import KernelBackboneOps
+
+    if name.endswith("over copies"):
+        return mock.patch.object(modules, "IN_PLACE_WITH_WARP_KERNEL", False)
+    if name == "fused, GEMM library":
+        return mock.patch.object(KernelBackboneOps, "gemv_max_tokens", 0)
+    if name == "fused, no PDL":
+        return mock.patch.dict(os.environ, {"ENGRAM_TRT_PDL": "0"})
+    if name == "fused, tiled attention":
+        return mock.patch.dict(os.environ, {"ENGRAM_TRT_ATTENTION_KERNEL": "tiled"})
+    return contextlib.nullcontext()
+
+
+def twin_logits(twin: Any, cache: Any, step: Any, B: int, past: int) -> Any:
+    """The float32 twin's logits of ``step`` on a float32 copy of ``cache``'s keys and values
+    (its Engram layers removed, as the timed model's are)."""
+    twin.engram_enabled = False
+    twin_cache = twin.new_cache(B + 1, cache.keys[0].shape[2])
+    for dst, src in zip(twin_cache.keys + twin_cache.values, cache.keys + cache.values):
+        dst.copy_(src.float())
+    for s in range(B):
+        twin_cache.lengths[s] = past
+    return twin.forward_step(step, twin_cache).float()
+
+
+
+# --- the tests ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gen(test_seed: int):
+    import torch
+
+    return torch.Generator(device="cuda").manual_seed(test_seed)
+
+
+def test_abi() -> None:
+    check_abi()
+
+
+def test_reference_cpu() -> None:
+    check_reference_cpu()
+
+
+def test_kernels(gen) -> None:
+    import torch
+
+    say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+    check_kernels(gen)
+
+
+def test_graph(gen) -> None:
+    check_graph(gen)
+
+
+def test_model(model_1b, twin, test_seed: int) -> None:
+    model, layout, info = model_1b
+    check_model(model, layout, info, test_seed, twin)
+
+
+@pytest.mark.parametrize("B", [1, 64, 256])
+def test_decode_variants(model_1b, twin, B: int) -> None:
+    """The decode steps ``engram-trt bench backbone`` times, checked: B sequences at context
+    256, the Engram layers removed (the backbone), each variant (unfused, fused, the GEMM
+    library's projections, no dependent launches, SDPA over copies or the tiled attention
+    kernel) replayed from a CUDA graph (DecodeGraphs); fused vs unfused logits within 3e-2
+    rel L2, and every variant against the float32 twin within the model's bound."""
+    import numpy as np
+    import torch
+
+    from engram_trt.models.engram_llama import modules
+    from engram_trt.models.step import PackedStep
+    from engram_trt.runtime.cuda_graphs import DecodeGraphs
+
+    model = model_1b[0]
+    cfg = model.config
+    kernels = model.backbone_ops
+    past = MODEL_ARGS.context
+    rng = np.random.default_rng([1, B])
+    model.engram_enabled = False  # the backbone alone, as the bench times it
+    try:
+        cache = model.new_cache(B + 1, past + 2)  # + the graphs' scratch slot
+        for k, v in zip(cache.keys, cache.values):
+            k.normal_(0, 1), v.normal_(0, 1)
+        ids = rng.integers(2, cfg.vocab_size, size=B)
+        step = PackedStep(torch.from_numpy(ids), [1] * B, [past] * B, list(range(B)))
+        variants = [("unfused", None), ("fused", kernels)]
+        if kernels is not None and B <= kernels.gemv_max_tokens:
+            variants.append(("fused, GEMM library", kernels))  # the projections without the GEMV
+        variants.append(("fused, no PDL", kernels))  # ordinary launches
+        kv_layer_bytes = B * cfg.num_key_value_heads * (past + 1) * cfg.head_dim * 2
+        if kv_layer_bytes <= modules.IN_PLACE_DECODE_BYTES:
+            variants.append(("fused, SDPA over copies", kernels))
+        else:
+            variants.append(("fused, tiled attention", kernels))
+        last = {}
+        for name, ops in variants:
+            model.backbone_ops = ops
+            with variant_settings(name):
+                graphs = DecodeGraphs(model, cache, B, scratch_slot=B, tables=None)
+
+                def one() -> Any:
+                    for s in range(B):
+                        cache.lengths[s] = past
+                    logits = graphs.run(step, None)
+                    if logits is None:
+                        logits = model.forward_step(step, cache)
+                    torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
+                    return logits
+
+                for _ in range(3):  # the bench's warm-up: the graph recorded, then replayed
+                    one()
+                last[name] = one().float().clone()  # a graph's output buffer: the next replay overwrites it
+            record(f"decode {B}: {name} step replayed from a CUDA graph", graphs.failed is None and graphs.replays > 0,
+                   graphs.failed or f"{graphs.replays} replays")
+        model.backbone_ops = kernels
+        rel = rel_err(last["fused"], last["unfused"])
+        record(f"decode {B}: fused vs unfused logits on the timed step", rel < 3e-2, f"rel L2 {rel:.3e}")
+        ref = twin_logits(twin, cache, step, B, past)
+        base = rel_err(last["unfused"], ref)
+        for name in last:
+            if name != "unfused":
+                err = rel_err(last[name], ref)
+                record(f"decode {B}: {name} vs the float32 twin on the timed step", err <= 1.5 * base + 2e-3,
+                       f"rel L2 {err:.3e} (unfused {base:.3e}); vs unfused {rel_err(last[name], last['unfused']):.3e}")
+    finally:
+        model.backbone_ops = kernels
+        model.engram_enabled = True
+        twin.engram_enabled = True
+        torch.cuda.empty_cache()

@@ -1,0 +1,100 @@
+"""`engram-trt bench`'s flags come from each subcommand's options dataclass
+(engram_trt.bench.options.opt, derived in engram_trt.cli.bench): the parsed defaults are
+the dataclass's own, argparse stays in cli/, and the derivation spells every form a
+flag takes (typed values, lists, choices, store_true, nargs/const, positional, required,
+a cli/argtypes validator, a mutually exclusive group)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+
+from engram_trt.bench.options import opt
+from engram_trt.cli.bench import BENCH_COMMANDS, add_option_arguments, options_from
+from engram_trt.cli.main import build_parser
+
+BENCH = Path(__file__).resolve().parents[1] / "python" / "engram_trt" / "bench"
+REQUIRED = {"rowcounts": ["--out", "counts.npz"], "serve": ["ENGINE"]}
+
+
+def test_every_subcommand_parses_to_its_options_defaults() -> None:
+    parser = build_parser()
+    assert [c.name for c in BENCH_COMMANDS] == ["gather", "cache", "idstream", "rowcounts", "step", "serve", "gemv"]
+    for cmd in BENCH_COMMANDS:
+        ns = parser.parse_args(["bench", cmd.name, *REQUIRED.get(cmd.name, [])])
+        got = options_from(ns, cmd.options)
+        assert isinstance(got, cmd.options) and callable(cmd.module.run)
+        want = {"rowcounts": {"out": Path("counts.npz")}, "serve": {"path": "ENGINE"}}.get(cmd.name, {})
+        assert asdict(got) == asdict(cmd.options(**want)), cmd.name
+
+
+def test_bench_holds_no_argparse_and_no_cli_import() -> None:
+    for path in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "argparse" or n.startswith("engram_trt.cli") for n in names), (path.name, names)
+
+
+def test_list_defaults_are_not_shared_between_instances() -> None:
+    from engram_trt.bench.gather import GatherOptions
+
+    a, b = GatherOptions(), GatherOptions()
+    a.threads.append(32)
+    assert b.threads == [4, 8, 16]
+
+
+@dataclass(kw_only=True)
+class _Demo:
+    src: str = opt(positional=True, metavar="SRC", help="a positional")
+    count: int = opt(3, help="an int (default: %(default)s)")
+    ratio: float | None = opt(None, help="a float or None")
+    where: Path = opt(help="required path")
+    sizes: list[int] = opt([1, 2], help="ints")
+    parts: list[str] = opt(["a"], choices=("a", "b"), help="a subset")
+    mode: str = opt("x", choices=("x", "y"), help="one of")
+    no_thing: bool = opt(False, help="off switch")
+    json: str | None = opt(None, nargs="?", const="-", metavar="PATH", help="json")
+    seed: int = opt(0, argtype=("int_arg", 0, 9), help="strict")
+    fast: bool = opt(False, exclusive="speed", help="fast")
+    slow: bool = opt(False, exclusive="speed", help="slow")
+    level: int = opt(1, flags=("-l", "--level"), help="short flag")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def test_the_derivation_spells_every_form_of_flag() -> None:
+    p = _Parser(prog="demo")
+    add_option_arguments(p, _Demo)
+    o = options_from(p.parse_args(["in", "--where", "w"]), _Demo)
+    assert o == _Demo(src="in", where=Path("w"))
+    o = options_from(p.parse_args(["in", "--where", "w", "--count", "5", "--ratio", "0.5", "--sizes", "4,8",
+                                   "--parts", "b,a", "--mode", "y", "--no-thing", "--json", "--seed", "9",
+                                   "--fast", "-l", "7"]), _Demo)
+    assert (o.count, o.ratio, o.sizes, o.parts, o.mode, o.no_thing, o.json, o.seed, o.fast, o.level) == (
+        5, 0.5, [4, 8], ["b", "a"], "y", True, "-", 9, True, 7)
+    for bad, why in ((["in"], "required: --where"), (["in", "--where", "w", "--sizes", "x"], "comma-separated integers"),
+                     (["in", "--where", "w", "--parts", "c"], "list of a, b"), (["in", "--where", "w", "--mode", "z"],
+                                                                               "invalid choice"),
+                     (["in", "--where", "w", "--seed", "10"], "outside 0..9"),
+                     (["in", "--where", "w", "--fast", "--slow"], "not allowed with")):
+        with pytest.raises(ValueError, match=why):
+            p.parse_args(bad)
+    text = p.format_help()
+    assert "an int (default: 3)" in text and "--json [PATH]" in text and "-l LEVEL, --level LEVEL" in text
+
+
+def test_a_true_default_flag_is_refused() -> None:
+    @dataclass
+    class Bad:
+        on: bool = opt(True, help="?")
+
+    with pytest.raises(TypeError, match="off by default"):
+        add_option_arguments(argparse.ArgumentParser(), Bad)
