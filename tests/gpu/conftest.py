@@ -20,6 +20,7 @@ import subprocess
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,6 +196,14 @@ def rng(gpu_seed: int, request: pytest.FixtureRequest):
 def test_seed(gpu_seed: int, request: pytest.FixtureRequest) -> int:
     """An integer seed of the test's own (for torch generators)."""
     return (gpu_seed ^ zlib.crc32(request.node.nodeid.encode())) & 0x7FFF_FFFF
+
+
+@pytest.fixture
+def gen(test_seed: int) -> Any:
+    """A CUDA torch generator seeded with the test's own seed."""
+    import torch
+
+    return torch.Generator(device="cuda").manual_seed(test_seed)
 
 
 @pytest.fixture(scope="session")

@@ -568,13 +568,6 @@ def twin_logits(twin: Any, cache: Any, step: Any, B: int, past: int) -> Any:
 
 # --- the tests ---------------------------------------------------------------------------------------
 
-@pytest.fixture
-def gen(test_seed: int):
-    import torch
-
-    return torch.Generator(device="cuda").manual_seed(test_seed)
-
-
 def test_abi() -> None:
     check_abi()
 

@@ -198,13 +198,6 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
 
 # --- the tests ---------------------------------------------------------------------------------------
 
-@pytest.fixture
-def gen(test_seed: int):
-    import torch
-
-    return torch.Generator(device="cuda").manual_seed(test_seed)
-
-
 def test_abi() -> None:
     check_abi()
 

@@ -26,18 +26,17 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     from engram_trt.engram.tokenizer import build_compressed_vocab
     from engram_trt.tables.source import checkpoint_table_refs, table_file_problems
 
-    from engram_trt.config.model import ModelConfig
     from engram_trt.models.registry import resolve
 
     seen: dict[str, Any] = {}
 
-    def reader(d: dict[str, Any], source: str) -> ModelConfig:
+    def reader(d: dict[str, Any], source: str) -> Any:
         # The architecture's contract lists its problems here instead of refusing the
         # first: inspect reports every one.
         arch = seen["arch"] = resolve(d, source)
         seen["field_problems"] = arch.contract.problems(d, source)
         seen["ignored"] = arch.contract.ignored(d)
-        return ModelConfig.from_dict(d, source)
+        return arch.read_config(d, source, enforce_contract=False)
 
     ckpt = Checkpoint.open(path, config_reader=reader)
     arch = seen["arch"]

@@ -91,7 +91,10 @@ class FieldContract:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b if isinstance(b, bool) or isinstance(a, bool) else a == b
+    """``a == b``, except that a bool equals only a bool (JSON's ``1`` is not ``true``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
 
 
 def _shown(value: Any) -> str:

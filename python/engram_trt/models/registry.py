@@ -28,8 +28,9 @@ class ModelArchitecture(Protocol):
     model_types: tuple[str, ...]
     contract: FieldContract
 
-    def read_config(self, d: Mapping[str, Any], source: str | None = None) -> Any:
-        """The typed config of a config.json dict, every field honoured or refused."""
+    def read_config(self, d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True) -> Any:
+        """The typed config of a config.json dict, every field honoured or refused (the
+        refusal left to the caller with ``enforce_contract=False``)."""
 
     def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensor name -> shape of every weight the model reads (no tables)."""

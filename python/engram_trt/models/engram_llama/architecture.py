@@ -20,8 +20,9 @@ class EngramLlamaArchitecture:
     model_types = ("engram_llama", "llama")
     contract = CONTRACT
 
-    def read_config(self, d: Mapping[str, Any], source: str | None = None) -> ModelConfig:
-        return read_config(d, source)
+    def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
+                    enforce_contract: bool = True) -> ModelConfig:
+        return read_config(d, source, enforce_contract=enforce_contract)
 
     def weight_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         from engram_trt.models.engram_llama.weights import model_weight_shapes

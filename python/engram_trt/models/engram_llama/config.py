@@ -34,9 +34,11 @@ CONTRACT = FieldContract(
 )
 
 
-def read_config(d: Mapping[str, Any], source: str | None = None) -> ModelConfig:
-    """The typed config of a config.json dict; the first unsupported field refused."""
-    CONTRACT.check(d, source)
+def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True) -> ModelConfig:
+    """The typed config of a config.json dict; the first unsupported field refused
+    (``enforce_contract=False``: left to the caller, which lists them all, as inspect does)."""
+    if enforce_contract:
+        CONTRACT.check(d, source)
     config = ModelConfig.from_dict(d, source)
     ignored = CONTRACT.ignored(d)
     if ignored:
