@@ -1,0 +1,324 @@
+"""Qwen4Exp's full-attention layer over a packed step with a per-slot KV cache.
+
+The layer (transformers' ``Qwen4ExpTextAttention``) is gated attention: ``q_proj`` yields
+a query and an output gate per head, q and k pass a per-head offset RMSNorm, the first
+``rot_dim = int(head_dim * partial_rotary_factor)`` features of each head are rotated
+(rotate-half RoPE), and the attention output is multiplied by ``sigmoid(gate)`` before
+``o_proj``.
+
+Every full-attention layer of the published model carries the QSA token indexer, which
+restricts each query to a few key blocks: the positions a query sees (``0..pos``) split
+into complete groups of ``compress_ratio`` tokens; each group's key is the float32 mean
+of its raw indexer keys, normalized and rotated at the group's first position; a query
+(indexer heads, normalized and rotated at its own position) scores a group by the sum
+over heads of ``relu(q . k)`` / sqrt(indexer_head_dim) and keeps the top
+``budget // compress_ratio`` groups. The incomplete tail after the last complete group is
+always kept. The raw indexer keys live in the slot cache beside K and V, because a
+group's key changes with nothing but the tokens in it and is cheap to pool again.
+
+Sequences of a step are handled one at a time (their caches and visible lengths differ);
+within one sequence all queries are scored against all complete groups at once, and only
+queries that see more groups than they may keep run a top-k (grouped by how many groups
+they see, so each top-k is over exactly the groups its queries see, as the reference's).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engram_trt.errors import ConfigError, EngramError
+from engram_trt.models.qwen4_exp.norms import OffsetRMSNorm
+
+_INDEXER_FIELDS = (
+    "indexer_n_heads",
+    "indexer_kv_heads",
+    "indexer_head_dim",
+    "indexer_budget",
+    "indexer_compress_ratio",
+)
+
+
+def _rope_fields(config: Any) -> tuple[float, float]:
+    """``(theta, partial_rotary_factor)`` of the config's default RoPE; any other type is
+    refused, since only the plain frequencies are implemented here."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(params, dict):
+        params = dict(params)
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ConfigError(
+            f"rope_parameters.rope_type is {rope_type!r}; Qwen4Exp attention supports only 'default' RoPE"
+        )
+    if "rope_theta" not in params:
+        raise ConfigError("rope_parameters.rope_theta is missing; set the RoPE base of the checkpoint")
+    return float(params["rope_theta"]), float(params.get("partial_rotary_factor", 1.0))
+
+
+def rotary_dim(config: Any) -> int:
+    """How many leading features of each head RoPE rotates."""
+    _, factor = _rope_fields(config)
+    return int(config.head_dim * factor)
+
+
+def rope_cos_sin(config: Any, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos and sin ``[n, rot_dim]`` (float32) of the text RoPE at ``positions``.
+
+    Text tokens carry three equal mrope position components, so the model's per-section
+    recomposition picks every frequency from an identical table and is the identity:
+    the table is plain RoPE over ``rot_dim`` features, each frequency written twice
+    (rotate-half layout). The attention scaling of default RoPE is 1."""
+    theta, _ = _rope_fields(config)
+    dim = rotary_dim(config)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    freqs = positions.reshape(-1, 1).to(torch.float32) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first ``cos.shape[-1]`` features of ``x [n, heads, d]`` (rotate-half
+    pairs) and leave the rest; cos / sin are ``[n, rot_dim]``. Computed in x's dtype
+    after casting the tables to it, as the reference does."""
+    rot = cos.shape[-1]
+    cos = cos.to(x.dtype).unsqueeze(-2)
+    sin = sin.to(x.dtype).unsqueeze(-2)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def _require_int(config: Any, name: str) -> int:
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} is {value!r}; an indexed_attention layer needs a positive integer there")
+    return value
+
+
+class QSAIndexer(nn.Module):
+    """The QSA token indexer's weights (``self_attn.indexer.*``) and its selection."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        for name in _INDEXER_FIELDS:
+            _require_int(config, name)
+        if config.indexer_kv_heads != 1:
+            raise ConfigError(
+                f"indexer_kv_heads is {config.indexer_kv_heads}; Qwen4Exp's QSA indexer has exactly one key head"
+            )
+        if config.indexer_budget % config.indexer_compress_ratio:
+            raise ConfigError(
+                f"indexer_budget {config.indexer_budget} is not a multiple of indexer_compress_ratio "
+                f"{config.indexer_compress_ratio}; the budget is counted in whole blocks"
+            )
+        rot = rotary_dim(config)
+        if rot > config.indexer_head_dim:
+            raise ConfigError(
+                f"indexer_head_dim {config.indexer_head_dim} is smaller than the rotary dims {rot}; "
+                "the indexer rotates its heads with the attention's RoPE table"
+            )
+        self.n_heads = config.indexer_n_heads
+        self.head_dim = config.indexer_head_dim
+        self.compress_ratio = config.indexer_compress_ratio
+        self.block_topk = config.indexer_budget // config.indexer_compress_ratio
+        self.index_qk_proj = nn.Linear(config.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
+        self.q_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries ``[T, n_heads, d]`` (normalized, rotated) and raw keys ``[T, d]``
+        (what the cache keeps: pooling comes before the key norm)."""
+        qk = self.index_qk_proj(x)
+        q, raw_keys = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
+        q = self.q_layernorm(q.reshape(x.shape[0], self.n_heads, self.head_dim))
+        return apply_partial_rope(q, cos, sin), raw_keys
+
+    def block_keys(self, config: Any, raw_keys: Tensor) -> Tensor:
+        """The pooled key ``[n_blocks, d]`` of every complete block of ``raw_keys [L, d]``:
+        the float32 mean of its raw keys (rounded back to their dtype), normalized, then
+        rotated at the block's first position."""
+        r = self.compress_ratio
+        n_blocks = raw_keys.shape[0] // r
+        groups = raw_keys[: n_blocks * r].reshape(n_blocks, r, self.head_dim)
+        pooled = self.k_layernorm(groups.float().mean(dim=1).to(raw_keys.dtype))
+        starts = torch.arange(n_blocks, device=raw_keys.device) * r
+        cos, sin = rope_cos_sin(config, starts)
+        return apply_partial_rope(pooled.unsqueeze(1), cos, sin).squeeze(1)
+
+    def selection_mask(self, q: Tensor, block_keys: Tensor, past_len: int, kv_len: int) -> Tensor:
+        """``[n, kv_len]`` bool: which cached positions each of the ``n`` new queries
+        (at positions ``past_len..``) attends to, the causal limit included."""
+        n = q.shape[0]
+        r = self.compress_ratio
+        device = q.device
+        query_pos = torch.arange(past_len, past_len + n, device=device)
+        key_pos = torch.arange(kv_len, device=device)
+        causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        # A query at position p sees p + 1 tokens, hence (p + 1) // r complete blocks.
+        seen_blocks = [(past_len + i + 1) // r for i in range(n)]
+        if max(seen_blocks, default=0) <= self.block_topk:
+            return causal  # every block it sees fits the budget: nothing dropped
+        scores = torch.einsum("qhd,bd->qbh", q.float(), block_keys.float())
+        scores = scores.relu().sum(dim=-1) / math.sqrt(self.head_dim)  # [n, n_blocks]
+        mask = causal.clone()
+        i = 0
+        while i < n:
+            nb = seen_blocks[i]
+            j = i
+            while j < n and seen_blocks[j] == nb:
+                j += 1
+            if nb > self.block_topk:
+                chosen = scores[i:j, :nb].topk(self.block_topk, dim=-1).indices  # [g, k]
+                keep = torch.zeros(j - i, nb, dtype=torch.bool, device=device)
+                keep.scatter_(1, chosen, True)
+                # Positions in complete blocks follow `keep`; the tail after them stays.
+                mask[i:j, : nb * r] &= keep.repeat_interleave(r, dim=1)
+            i = j
+        return mask
+
+
+class GatedAttention(nn.Module):
+    """One full-attention layer (``model.layers.{i}.self_attn``) over a packed step."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            _require_int(config, name)
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads {config.num_attention_heads} is not a multiple of num_key_value_heads "
+                f"{config.num_key_value_heads}; each key head must serve a whole group of query heads"
+            )
+        rot = rotary_dim(config)
+        if rot % 2 or rot > config.head_dim:
+            raise ConfigError(
+                f"head_dim {config.head_dim} x partial_rotary_factor gives {rot} rotary dims; "
+                "it must be even and at most head_dim"
+            )
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        bias = bool(getattr(config, "attention_bias", False))
+        hidden, hd = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * hd * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, hidden, bias=bias)
+        self.q_norm = OffsetRMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(hd, config.rms_norm_eps)
+        self.indexer = QSAIndexer(config)
+
+    @staticmethod
+    def cache_shapes(config: Any, max_len: int) -> dict[str, tuple[int, ...]]:
+        """Each slot's cache tensors for this layer; the caller stacks slots in front."""
+        kv = (config.num_key_value_heads, max_len, config.head_dim)
+        return {"key": kv, "value": kv, "index_key": (max_len, config.indexer_head_dim)}
+
+    def _check_step(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        seq_starts: list[int],
+        past_lens: list[int],
+        slots: list[int],
+        key_cache: Tensor,
+        value_cache: Tensor,
+        index_key_cache: Tensor,
+    ) -> None:
+        t = x.shape[0]
+        n_seq = len(seq_starts) - 1
+        if x.dim() != 2 or x.shape[1] != self.config.hidden_size:
+            raise EngramError(f"x has shape {tuple(x.shape)}; pass [tokens, {self.config.hidden_size}]")
+        if positions.shape != (t,):
+            raise EngramError(f"positions has shape {tuple(positions.shape)}; pass one position per token ({t})")
+        if n_seq < 0 or seq_starts[0] != 0 or seq_starts[-1] != t:
+            raise EngramError(f"seq_starts {seq_starts} must run from 0 to the token count {t}")
+        if any(b < a for a, b in zip(seq_starts, seq_starts[1:])):
+            raise EngramError(f"seq_starts {seq_starts} must not decrease")
+        if len(past_lens) != n_seq or len(slots) != n_seq:
+            raise EngramError(
+                f"{n_seq} sequences but {len(past_lens)} past_lens and {len(slots)} slots; "
+                "pass one of each per sequence"
+            )
+        if len(set(slots)) != n_seq:
+            raise EngramError(f"slots {slots} repeat; each sequence of a step owns its own slot")
+        n_slots, _, max_len, _ = key_cache.shape
+        want = self.cache_shapes(self.config, max_len)
+        for name, cache in (("key", key_cache), ("value", value_cache), ("index_key", index_key_cache)):
+            if tuple(cache.shape[1:]) != want[name] or cache.shape[0] != n_slots:
+                raise EngramError(
+                    f"{name}_cache has shape {tuple(cache.shape)}; allocate [{n_slots}, *{want[name]}] "
+                    "(GatedAttention.cache_shapes)"
+                )
+        for s in range(n_seq):
+            if not 0 <= slots[s] < n_slots:
+                raise EngramError(f"slot {slots[s]} is outside the cache's {n_slots} slots")
+            end = past_lens[s] + seq_starts[s + 1] - seq_starts[s]
+            if past_lens[s] < 0 or end > max_len:
+                raise EngramError(
+                    f"sequence {s} would reach length {end} (past_len {past_lens[s]}); the cache holds {max_len} "
+                    "positions: allocate a longer cache"
+                )
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        seq_starts: list[int],
+        past_lens: list[int],
+        slots: list[int],
+        key_cache: Tensor,
+        value_cache: Tensor,
+        index_key_cache: Tensor,
+    ) -> Tensor:
+        """Attend the step's tokens ``x [T, hidden]`` over their slots' caches.
+
+        ``positions[j]`` must be ``past_len + i`` for the i-th new token of its sequence
+        (cache index and RoPE position are the same thing here). The new tokens' K
+        (normalized, rotated), V and raw indexer keys are written into the caches at
+        ``past_len..`` first, then each query attends causally over its slot, limited to
+        the blocks its indexer keeps."""
+        self._check_step(x, positions, seq_starts, past_lens, slots, key_cache, value_cache, index_key_cache)
+        t = x.shape[0]
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = rope_cos_sin(self.config, positions)
+
+        query, gate = self.q_proj(x).reshape(t, h, 2 * hd).chunk(2, dim=-1)
+        gate = gate.reshape(t, h * hd)
+        query = apply_partial_rope(self.q_norm(query), cos, sin)
+        key = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(t, kvh, hd)), cos, sin)
+        value = self.v_proj(x).reshape(t, kvh, hd)
+        index_q, index_raw = self.indexer.project(x, cos, sin)
+
+        out = x.new_empty(t, h * hd)
+        for s, slot in enumerate(slots):
+            a, b = seq_starts[s], seq_starts[s + 1]
+            n, past = b - a, past_lens[s]
+            if n == 0:
+                continue
+            kv_len = past + n
+            key_cache[slot, :, past:kv_len] = key[a:b].transpose(0, 1).to(key_cache.dtype)
+            value_cache[slot, :, past:kv_len] = value[a:b].transpose(0, 1).to(value_cache.dtype)
+            index_key_cache[slot, past:kv_len] = index_raw[a:b].to(index_key_cache.dtype)
+
+            raw = index_key_cache[slot, :kv_len].to(index_raw.dtype)
+            blocks = self.indexer.block_keys(self.config, raw)
+            mask = self.indexer.selection_mask(index_q[a:b], blocks, past, kv_len)  # [n, kv_len]
+
+            k = key_cache[slot, :, :kv_len].to(torch.float32).repeat_interleave(h // kvh, dim=0)  # [h, L, hd]
+            v = value_cache[slot, :, :kv_len].to(query.dtype).repeat_interleave(h // kvh, dim=0)
+            q = query[a:b].transpose(0, 1).to(torch.float32)  # [h, n, hd]
+            scores = torch.matmul(q, k.transpose(1, 2)) * self.scaling
+            scores = scores.masked_fill(~mask, float("-inf"))
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+            out[a:b] = torch.matmul(probs, v).transpose(0, 1).reshape(n, h * hd)
+
+        return self.o_proj(out * torch.sigmoid(gate))
