@@ -329,8 +329,8 @@ __global__ void __launch_bounds__(kAttnThreads) warpAttentionKernel(AttentionPar
 //! warpAttentionKernel for 16-bit I/O, head_dim 128 and at most 4 query heads per KV head
 //! on sm_90 and later (the shapes it was measured at, on the H200) unless
 //! ENGRAM_TRT_ATTENTION_KERNEL=tiled (read at each launch); else null: the tiled kernel.
-//! engram_trt.attention_kernels.warp_kernel_serves mirrors this test in Python (the decode
-//! graphs pick their attention path by it); scripts/h200_attention_check.py ties the two.
+//! engram_trt.native.attention.warp_kernel_serves mirrors this test in Python (the decode
+//! graphs pick their attention path by it); tests/gpu/test_attention.py ties the two.
 template <typename T>
 AttentionKernel warpKernel(int32_t headDim, int32_t headsPerBlock)
 {

@@ -4,7 +4,7 @@
  * Plugin test harness: drives the Engram plugins the way TensorRT does, without
  * TensorRT (the H200 has none; TensorRT-RTX engines do not run on sm_90).
  *
- * libengram_plugin_harness.so exposes a small C API that scripts/h200_verify.py calls
+ * libengram_plugin_harness.so exposes a small C API that tests/gpu (helpers.Harness) calls
  * through ctypes, so the Python references check the plugins' outputs:
  *   harness_create      getCreators() -> creator by name (version "1", namespace
  *                       "engram_trt") -> createPlugin(fields, phase); phase kBUILD is

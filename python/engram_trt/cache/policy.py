@@ -18,7 +18,7 @@ the kernels in whatever order their atomics ran. Every decision downstream is a
 function of that order (which miss takes which free slot, which misses are replacement
 candidates), so :meth:`CachePolicy.plan` takes ``miss_order=`` on the reference path:
 given the kernels' order it reproduces their positions and, after :meth:`finish`,
-their whole state bit for bit (``scripts/h200_hostgather_check.py`` runs that
+their whole state bit for bit (``tests/gpu/test_cache.py`` runs that
 comparison). Delivered rows never depend on it: every lookup's position names a
 work-table row that holds its row.
 

@@ -4,7 +4,7 @@
 
 Why it exists beside the fused kernels: it is the CPU path (tests, dry runs), and the
 specification the GPU checks hold the kernels to, step by step and state by state
-(``scripts/h200_cache_check.py``); sort-based ``torch.unique`` and plain indexing, so
+(``tests/gpu/test_cache.py``); sort-based ``torch.unique`` and plain indexing, so
 each decision can be read off the code. Its decisions are the kernels': only the order
 of a step's misses differs, and ``miss_order`` takes the kernels' order to reproduce
 their state bit for bit.
