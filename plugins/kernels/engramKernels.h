@@ -150,6 +150,55 @@ ENGRAM_API int engram_hash_prepared(const EngramHashLayout* layout, const int32_
     const int32_t* seq_starts, int64_t num_seqs, const int32_t* lookback, int32_t* out, cudaStream_t stream);
 
 /*
+ * Qwen4-Exp PLE n-gram hash of packed sequences, one PLE layer (pleHashKernel.cu;
+ * bit-identical to engram_trt.engram.ple_hash.ple_hash_packed, which transformers'
+ * Qwen4ExpTextNGramEmbedding is the reference of).
+ *
+ * Per token and head j (order g = j / heads_per_ngram + 2): w[0] = the token, w[k] =
+ *   the token k back, or eos_id once an EOS lies among the tokens 1..k back (n-grams
+ *   do not cross an EOS); mixed = XOR of w[k] * multipliers[k] for k < g (int64);
+ *   out = mixed mod primes[j] + offsets[j].
+ *
+ * ids          [T] int32 device: raw token ids of all sequences back to back.
+ * seq_starts   [S+1] int32 device: cu_seqlens (0, ..., T, non-decreasing). A token
+ *              outside [seq_starts[0], seq_starts[S]) has no context (reads EOS before it).
+ * context      [S, N-1] int32 device: the N-1 raw ids before each sequence's first token,
+ *              oldest first (all eos_id for a sequence that starts in this step); NULL =
+ *              every sequence starts fresh.
+ * multipliers_host [N], primes_host [H], offsets_host [H] int64 (H = (N-1) *
+ *              heads_per_ngram): the layer's constants (host memory, copied).
+ * eos_id, vocab_size, table_rows: the checks: eos_id in [0, vocab_size), every
+ *              multiplier * (vocab_size - 1) fits int64, every head's rows inside
+ *              [0, table_rows), table_rows < 2^31 (int32 row ids).
+ * out          [T, H] int32 device: rows of the layer's table.
+ * Limits: 2 <= N <= ENGRAM_PLE_HASH_MAX_NGRAM, H <= ENGRAM_PLE_HASH_MAX_HEADS,
+ * T * H < 2^31. Ids outside [0, vocab_size) are a caller bug (they wrap as torch's int64).
+ */
+#define ENGRAM_PLE_HASH_MAX_NGRAM 16
+#define ENGRAM_PLE_HASH_MAX_HEADS 128
+ENGRAM_API int engram_ple_hash(const int32_t* ids, int64_t num_tokens, const int32_t* seq_starts, int64_t num_seqs,
+    const int32_t* context, const int64_t* multipliers_host, const int64_t* primes_host, const int64_t* offsets_host,
+    int32_t ngram_size, int32_t heads_per_ngram, int64_t eos_id, int64_t vocab_size, int64_t table_rows, int32_t* out,
+    cudaStream_t stream);
+
+/* The layout checks engram_ple_hash makes, alone (the plugin runs them at creation). */
+ENGRAM_API int engram_ple_hash_check_layout(const int64_t* multipliers_host, const int64_t* primes_host,
+    const int64_t* offsets_host, int32_t ngram_size, int32_t heads_per_ngram, int64_t eos_id, int64_t vocab_size,
+    int64_t table_rows);
+
+/* A prepared PLE hash layout of one layer (as EngramHashLayout: no device memory,
+ * immutable, needs no GPU to create; destroy must not race a call that uses it). */
+typedef struct EngramPleHashLayout EngramPleHashLayout;
+ENGRAM_API int engram_ple_hash_layout_create(const int64_t* multipliers_host, const int64_t* primes_host,
+    const int64_t* offsets_host, int32_t ngram_size, int32_t heads_per_ngram, int64_t eos_id, int64_t vocab_size,
+    int64_t table_rows, EngramPleHashLayout** layout);
+ENGRAM_API int engram_ple_hash_layout_destroy(EngramPleHashLayout* layout);
+
+/* engram_ple_hash with a prepared layout: same ids / seq_starts / context / out contract. */
+ENGRAM_API int engram_ple_hash_prepared(const EngramPleHashLayout* layout, const int32_t* ids, int64_t num_tokens,
+    const int32_t* seq_starts, int64_t num_seqs, const int32_t* context, int32_t* out, cudaStream_t stream);
+
+/*
  * Row gather + dequantization, GPU side (device table or UVA host table).
  *
  * ids          int32 device, token t's column c at ids[t * id_token_stride + c]

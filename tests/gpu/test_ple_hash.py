@@ -1,0 +1,110 @@
+"""The PLE hash kernel (plugins/kernels/pleHashKernel.cu) on a GPU against the Python
+reference, engram_trt.engram.ple_hash (itself tied to transformers' Qwen4-Exp module in
+tests/test_ple_hash.py): random packed steps with EOS runs (alone, consecutive, at a
+sequence's start and end, in the contexts), empty sequences, fresh and carried contexts,
+context=None, and the default config's layers (base 20,000,000, 16 heads). Bit-exact;
+the output is poisoned first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .helpers import record, say
+
+CONFIGS = [  # (vocab, ngram_size, heads_per_ngram, base, divisor, seed, eos, num_layers)
+    (97, 2, 1, 50, 16, 1234, 96, 3),
+    (1000, 3, 2, 200, 128, -3, 0, 4),
+    (300, 4, 3, 1000, 7, 99, 151, 3),
+    (248_320, 3, 8, 20_000_000, 128, 1234, 248_044, 40),
+    (50_000, 16, 8, 1_000_000, 128, 5, 7, 2),  # the kernel's limits: N = 16, H = 120
+]
+
+
+def make_layout(cfg):
+    from engram_trt.engram.ple_hash import PLEHashLayout
+
+    vocab, n, hpn, base, div, seed, eos, L = cfg
+    return PLEHashLayout.from_config(vocab_size=vocab, ngram_size=n, heads_per_ngram=hpn, ngram_vocab_size_base=base,
+                                     make_ngram_vocab_size_divisible_by=div, seed=seed, eos_token_id=eos,
+                                     num_layers=L)
+
+
+def random_step(rng, layout, num_seqs: int, max_len: int, eos_frac: float = 0.08):
+    """Packed ids with EOS runs and empty sequences; contexts: fresh (all EOS), random,
+    or random with EOS inside."""
+    lengths = rng.integers(0, max_len + 1, size=num_seqs)
+    lengths[rng.random(num_seqs) < 0.1] = 0
+    T = int(lengths.sum())
+    ids = rng.integers(0, layout.vocab_size, size=T, dtype=np.int64)
+    for _ in range(max(1, int(T * eos_frac / 2))):
+        if T:
+            at = int(rng.integers(0, T))
+            ids[at: at + int(rng.integers(1, 4))] = layout.eos_id
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    starts[1:] = np.cumsum(lengths)
+    ids[starts[:-1][lengths > 0][rng.random(int((lengths > 0).sum())) < 0.2]] = layout.eos_id  # EOS first
+    n = layout.ngram_size - 1
+    context = rng.integers(0, layout.vocab_size, size=(num_seqs, n), dtype=np.int64)
+    context[rng.random(num_seqs) < 0.3] = layout.eos_id
+    context[rng.random((num_seqs, n)) < 0.15] = layout.eos_id
+    return ids, starts, context
+
+
+def test_kernel_ple_hash(rng) -> None:
+    import torch
+
+    from engram_trt.engram import ple_hash as ph
+    from engram_trt.native import kernels
+
+    dev = torch.device("cuda")
+    say(f"library {kernels.library_path()} version {kernels.version()}")
+    for ci, cfg in enumerate(CONFIGS):
+        layout = make_layout(cfg)
+        layers = sorted({0, layout.num_layers - 1})
+        for num_seqs, max_len in ((1, 1), (7, 40), (300, 400)):
+            ids, starts, context = random_step(rng, layout, num_seqs, max_len)
+            ids_d = torch.from_numpy(ids.astype(np.int32)).to(dev)
+            starts_d = torch.from_numpy(starts.astype(np.int32)).to(dev)
+            ctx_d = torch.from_numpy(context.astype(np.int32)).to(dev)
+            for li in layers:
+                ref = ph.ple_hash_packed(ids, starts, context, layout, li)
+                out = torch.full((ids.shape[0], layout.num_heads), -12345, dtype=torch.int32, device=dev)
+                kernels.ple_hash_packed(ids_d, starts_d, ctx_d, layout, li, out=out)
+                got = out.cpu().numpy().astype(np.int64)
+                record(f"ple hash config{ci} layer {li} S={num_seqs} T={ids.shape[0]}", np.array_equal(got, ref),
+                       f"{int((got != ref).sum())} of {ref.size} ids differ")
+        # context=None: every sequence fresh (the EOS-filled context)
+        ids, starts, _ = random_step(rng, layout, 5, 30)
+        ref = ph.ple_hash_packed(ids, starts, ph.fresh_context(5, layout), layout, layers[-1])
+        got = kernels.ple_hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+                                      torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout, layers[-1])
+        record(f"ple hash config{ci} context None = fresh", np.array_equal(got.cpu().numpy(), ref))
+
+
+def test_kernel_ple_hash_chunked(rng) -> None:
+    """A prefill cut into chunks and decode steps, the contexts carried on the host by
+    next_context: the kernel's steps concatenated equal the whole sequence's reference."""
+    import torch
+
+    from engram_trt.engram import ple_hash as ph
+    from engram_trt.native import kernels
+
+    dev = torch.device("cuda")
+    layout = make_layout(CONFIGS[2])
+    seq = rng.integers(0, layout.vocab_size, size=60, dtype=np.int64)
+    seq[[0, 9, 10, 11, 30, 59]] = layout.eos_id
+    whole = ph.ple_hash_packed(seq, [0, 60], ph.fresh_context(1, layout), layout, 1)
+    cuts = [0, 10, 12, 31] + list(range(32, 61))
+    ctx = ph.fresh_context(1, layout)
+    pieces = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        part = seq[a:b]
+        got = kernels.ple_hash_packed(torch.from_numpy(part.astype(np.int32)).to(dev),
+                                      torch.tensor([0, b - a], dtype=torch.int32, device=dev),
+                                      torch.from_numpy(ctx.astype(np.int32)).to(dev), layout, 1)
+        pieces.append(got.cpu().numpy())
+        ctx = ph.next_context(ctx, part, [0, b - a])
+    got = np.concatenate(pieces)
+    record("ple hash chunks + decode steps = whole", np.array_equal(got, whole),
+           f"{int((got != whole).sum())} of {whole.size} ids differ")
