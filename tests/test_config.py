@@ -20,14 +20,16 @@ ENGRAM = {
 }
 
 
-def test_engram_and_ple_spellings_are_one_mechanism():
+def test_retired_ple_twins_are_refused_with_the_real_fields():
+    """The ple_* twins of the engram_* fields were never a published format: a config
+    carrying them gets one line naming Qwen4Exp's real PLE fields."""
+    with pytest.raises(ConfigError, match=r"'ple_max_ngram_size' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids'.*ngram_size.*heads_per_ngram"):
+        ModelConfig.from_dict(BASE | {k.replace("engram_", "ple_"): v for k, v in ENGRAM.items()})
+    # Qwen4Exp's own fields in an engram-llama config: PLE is not served silently dropped.
+    with pytest.raises(ConfigError, match=r"'ple_layer_ids' declares Qwen4Exp's PLE.*Qwen4ExpForCausalLM"):
+        ModelConfig.from_dict(BASE | {"ple_layer_ids": [1], "ngram_size": 3})
     a = ModelConfig.from_dict(BASE | ENGRAM)
-    b = ModelConfig.from_dict(BASE | {k.replace("engram_", "ple_"): v for k, v in ENGRAM.items()})
-    assert a.engram.prefix == "engram" and b.engram.prefix == "ple"
-    la, lb = EngramLayout.from_spec(a.engram, 3), EngramLayout.from_spec(b.engram, 3)
-    assert la.primes.tolist() == lb.primes.tolist()
-    assert la.multipliers.tolist() == lb.multipliers.tolist()
-    assert a.head_dim == 16 and a.num_key_value_heads == 2 and a.engram.n_hash_cols == 4
+    assert a.engram.prefix == "engram" and a.head_dim == 16 and a.num_key_value_heads == 2 and a.engram.n_hash_cols == 4
 
 
 def test_model_without_engram_fields():

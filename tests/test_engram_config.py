@@ -72,14 +72,12 @@ def test_no_engram_model_refuses_engram_options() -> None:
     assert EngramConfig.parse('{"cpu_offload": true}') == EngramConfig()  # same storage choice
 
 
-def test_host_file_gather_serves_engram_and_ple_checkpoints() -> None:
+def test_host_file_gather_serves_engram_checkpoints() -> None:
     """The file store reads rows of any safetensors table in place (tables are stored
-    row-major), so DeepSeek-style engram_* checkpoints take host_file_gather as PLE ones
-    do; tests/test_tables.py holds its rows equal to in-memory tables."""
+    row-major), so engram_* checkpoints take host_file_gather; tests/test_tables.py
+    holds its rows equal to in-memory tables."""
     eng = ModelConfig.from_dict({**BACKBONE, **ENGRAM})
-    ple = ModelConfig.from_dict({**BACKBONE, **{k.replace("engram_", "ple_"): v for k, v in ENGRAM.items()}})
     cfg = EngramConfig(host_file_gather=True)
-    cfg.validate_for(ple)
     cfg.validate_for(eng)
     assert cfg.placement == "prefetch"  # rows gathered on the host, staged for the step
     plain = ModelConfig.from_dict(BACKBONE)

@@ -95,18 +95,19 @@ def _check_against_config(path: str, args: argparse.Namespace) -> None:
     """What the options must fit in the model, from config.json or the engine folder's
     manifest alone (no weights or tables read)."""
     from engram_trt.config.jsonfile import read_json_file
-    from engram_trt.config.model import ModelConfig, load_config
+    from engram_trt.config.model import read_config_dict
+    from engram_trt.models.registry import read_model_config
 
     folder = Path(path).expanduser()
     cfg, limit, what = None, None, ""
     if (folder / "manifest.json").is_file():
         m = read_json_file(folder / "manifest.json", "the engine folder's manifest.json")
         if isinstance(m, dict) and isinstance(m.get("model"), dict):
-            cfg = ModelConfig.from_dict(m["model"], source=str(folder / "manifest.json"))
+            _arch, cfg = read_model_config(m["model"], source=str(folder / "manifest.json"))
             limit = (m.get("shapes") or {}).get("max_seq_len")
             what = "the engine's max_seq_len"
     elif (folder / "config.json").is_file():
-        cfg = load_config(folder)
+        _arch, cfg = read_model_config(*read_config_dict(folder))  # the architecture's own reader and contract
     if cfg is not None and args.max_new_tokens >= cfg.max_position_embeddings:
         raise EngramError(f"--max-new-tokens {args.max_new_tokens} does not fit the model's max_position_embeddings="
                           f"{cfg.max_position_embeddings} (with at least one prompt token); ask for fewer tokens")

@@ -53,7 +53,7 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         "unused_tensors": unused,
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
-        "hc_mult": cfg.hc_mult,
+        "hc_mult": getattr(cfg, "hc_mult", None) or getattr(cfg, "hc_count", 1),
         "engram": spec is not None,
         "layers": [],
         "problems": [],
@@ -64,7 +64,9 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         problems.append(f"{len(unused)} tensor(s) the {arch.name} model does not read: {', '.join(unused[:8])}"
                         f"{' ...' if len(unused) > 8 else ''} (run / build / serve refuse them without --allow-unused-weights)")
     if spec is None:
-        problems.extend(validate_checkpoint(ckpt, None))
+        problems.extend(arch.checkpoint_problems(ckpt))
+        if hasattr(arch, "describe_tables"):  # an architecture's own tables (Qwen4Exp's PLE)
+            report.update(arch.describe_tables(ckpt))
         return report
     pad = 0
     if ckpt.tokenizer_json is None:
@@ -156,7 +158,14 @@ def _print_checkpoint(report: dict[str, Any]) -> None:
     print(f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}")
     if report["ignored_fields"]:
         print(f"ignored      config fields the model does not read (nor does transformers'): {', '.join(report['ignored_fields'])}")
-    if not report["engram"]:
+    ple = report.get("ple")
+    if ple:
+        print(f"PLE          {len(ple['layers'])} layer(s), {ple['heads']} hashed heads of n-grams up to {ple['ngram_size']}, "
+              f"{human_bytes(ple['total_bytes'])} of tables")
+        for e in ple["layers"]:
+            print(f"PLE layer {e['ple_layer_id']:>3}: {e['table_rows']} rows (the config's primes give {e['layout_rows']}) "
+                  f"x {e['width']} {e['dtype']} in {e['shards']} shard(s), {human_bytes(e['bytes'])}")
+    elif not report["engram"]:
         print("engram       no Engram layers")
     else:
         cv = report.get("compressed_vocab", {})

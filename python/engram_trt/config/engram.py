@@ -137,7 +137,7 @@ class EngramConfig:
         if spec is None:
             if self.given or not self.is_default():
                 changed = sorted(set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)})
-                raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' or 'ple_layer_ids' in config.json); drop {FLAG}")
+                raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' in config.json); drop {FLAG}")
             return
 
 

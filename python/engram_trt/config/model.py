@@ -1,8 +1,10 @@
 """Model configuration: the HF ``config.json`` of an Engram model, read and validated.
 
-Two spellings of one mechanism are accepted: DeepSeek-V4.1-style ``engram_*`` fields
-and Qwen4Exp-style ``ple_*`` fields (per-layer embeddings). Both become one
-:class:`EngramSpec`. A config with neither has no Engram layers (``engram is None``).
+The Engram fields are DeepSeek-V4.1's ``engram_*`` spelling, read into one
+:class:`EngramSpec`; a config without them has no Engram layers (``engram is None``).
+Qwen4Exp's PLE is another mechanism with its own fields (``ple_layer_ids``,
+``ngram_size``, ...: ``models/qwen4_exp/config.py``); the ``ple_*`` twins of the
+``engram_*`` fields this module once read are refused with a line naming the real ones.
 
 Validation happens here, once, so every consumer (layout, model, builder, runtime,
 CLI) can trust the values: each bad field is refused with a message that names the
@@ -24,7 +26,10 @@ from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.rope import RopeSetting, parse_rope
 from engram_trt.errors import ConfigError
 
-ENGRAM_PREFIXES = ("engram", "ple")
+ENGRAM_PREFIXES = ("engram",)
+# The engram_* twins once read under a ple_ prefix; no published model writes them.
+RETIRED_PLE_TWINS = ("ple_max_ngram_size", "ple_n_heads", "ple_head_dim", "ple_vocab_size", "ple_compressed_vocab_size",
+                     "ple_pad_token_id", "ple_num_embeddings", "ple_quant_block", "ple_table_dtype")
 # The RoPE types the engram-llama model computes exactly as transformers' Llama: its
 # positions stop at max_position_embeddings, where dynamic NTK is still plain RoPE.
 # longrope switches its factors with each call's length (keys already cached were
@@ -113,7 +118,7 @@ class EngramSpec:
         return len(self.layer_ids)
 
     def field_name(self, name: str) -> str:
-        """The config.json spelling of a field (``engram_n_heads`` / ``ple_n_heads``)."""
+        """The config.json spelling of a field (``engram_n_heads``)."""
         return f"{self.prefix}_{name}"
 
     def prime_search_starts(self) -> tuple[int, ...]:
@@ -180,10 +185,20 @@ def _int_list(d: Mapping[str, Any], key: str, source: str | None, *, minimum: in
 
 
 def engram_prefix(d: Mapping[str, Any], source: str | None = None) -> str | None:
-    """Which spelling a config uses: 'engram', 'ple', or None (no Engram layers)."""
+    """'engram' when the config declares Engram layers, None when it has none."""
+    twins = [k for k in RETIRED_PLE_TWINS if k in d]
+    if twins:
+        raise ConfigError(f"{_where(source)}field '{twins[0]}' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids' "
+                          f"(one-indexed, on linear-attention layers) with 'ple_embed_dim', 'ple_conv_kernel_size', 'ngram_size', "
+                          f"'heads_per_ngram', 'ngram_vocab_size_base', 'make_ngram_vocab_size_divisible_by', 'seed' and "
+                          f"'split_ngram_parts' under architectures [\"Qwen4ExpForCausalLM\"]; an Engram model spells its "
+                          f"fields engram_* (engram_max_ngram_size, engram_n_heads, ...)")
+    ple = sorted(k for k in d if k.startswith("ple_") and d[k] not in (None, []))
+    if ple:
+        raise ConfigError(f"{_where(source)}field '{ple[0]}' declares Qwen4Exp's PLE, which the engram-llama architecture does "
+                          f"not have; a Qwen4Exp checkpoint names architectures [\"Qwen4ExpForCausalLM\"] (model_type "
+                          f"\"qwen4_exp_text\"), and engram-trt serves it as that model")
     found = [p for p in ENGRAM_PREFIXES if f"{p}_layer_ids" in d and d[f"{p}_layer_ids"] not in (None, [])]
-    if len(found) > 1:
-        raise ConfigError(f"{_where(source)}both 'engram_layer_ids' and 'ple_layer_ids' are set; a model declares one Engram mechanism, keep one")
     if found:
         return found[0]
     stray = sorted(k for k in d if any(k.startswith(p + "_") for p in ENGRAM_PREFIXES))
@@ -354,7 +369,7 @@ class ModelConfig:
     def require_engram(self, what: str = "this operation") -> EngramSpec:
         """The spec, or a clear error for a model without Engram layers."""
         if self.engram is None:
-            raise ConfigError(f"config has no Engram layers (no 'engram_layer_ids' or 'ple_layer_ids'), so {what} does not apply")
+            raise ConfigError(f"config has no Engram layers (no 'engram_layer_ids'), so {what} does not apply")
         return self.engram
 
     def require_model(self) -> EngramSpec | None:
@@ -417,6 +432,6 @@ def load_engram_spec(path: str | Path) -> EngramSpec:
     d, src = read_config_dict(path)
     spec = parse_engram_spec(d, src)
     if spec is None:
-        raise ConfigError(f"{src}: no Engram fields (expected 'engram_layer_ids' with the other engram_* fields, or the ple_* twins)")
+        raise ConfigError(f"{src}: no Engram fields (expected 'engram_layer_ids' with the other engram_* fields)")
     return spec
 

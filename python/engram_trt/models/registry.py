@@ -48,11 +48,15 @@ class ModelArchitecture(Protocol):
     def unused_tensors(self, config: Any, present: Any) -> list[str]:
         """Checkpoint tensors the model does not read."""
 
+    def checkpoint_problems(self, ckpt: Any) -> list[str]:
+        """One line per tensor the model needs that is missing, misshapen or of the wrong dtype."""
+
 
 def _registered() -> tuple[ModelArchitecture, ...]:
     from engram_trt.models.engram_llama.architecture import ARCHITECTURE as engram_llama
+    from engram_trt.models.qwen4_exp.architecture import ARCHITECTURE as qwen4_exp
 
-    return (engram_llama,)
+    return (engram_llama, qwen4_exp)
 
 
 def supported_architectures() -> list[str]:

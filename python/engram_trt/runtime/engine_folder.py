@@ -26,7 +26,7 @@ import numpy as np
 from engram_trt.config.engram import EngramConfig
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
-from engram_trt.errors import EngramError
+from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.tables.source import TableRef, check_table_files, verify_table_hashes
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,13 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_w
     config = ckpt.config
     lookup, layout = engram_lookup_and_layout(ckpt)
     refs: list[TableRef] = checkpoint_table_refs(ckpt) if layout is not None else []
-    require_valid(ckpt, layout)
+    if layout is not None:
+        require_valid(ckpt, layout)
+    else:
+        problems = ckpt.architecture.checkpoint_problems(ckpt)
+        if problems:
+            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {folder}` lists them)" if len(problems) > 1 else ""
+            raise CheckpointError(f"checkpoint '{folder}': {problems[0]}{more}")
     ecfg = override if override is not None else EngramConfig()
     ecfg.validate_for(config)
     max_seq_len = min(config.max_position_embeddings, 4096)

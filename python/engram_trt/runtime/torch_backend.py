@@ -32,18 +32,23 @@ class TorchBackend:
         if not (source.checkpoint / "config.json").is_file():
             raise EngramError(f"the torch backend reads its weights from the source checkpoint {source.checkpoint}, which is "
                               f"not there; restore it, or rebuild the engine folder from where the checkpoint now lives")
-        ckpt = Checkpoint.open(source.checkpoint)
+        arch = source.architecture
+        ckpt = Checkpoint.open(source.checkpoint, config_reader=lambda d, src: arch.read_config(d, src))
         if ckpt.config.to_dict() != source.config.to_dict():
             raise EngramError(f"the checkpoint {source.checkpoint} no longer matches the engine folder's config "
                               f"(config.json changed since the build); rebuild the engine folder")
-        arch = source.architecture
-        weights = {name: ckpt.get(name) for name in arch.weight_shapes(source.config)}
-        self.model = arch.build_model(source.config, weights, tables=None, compress_lookup=source.compress_lookup,
-                                      layout=source.layout, device=device, dtype=dtype)
+        if hasattr(arch, "load_model"):  # the architecture binds its own tables (Qwen4Exp's PLE)
+            self.model = arch.load_model(ckpt, device=device, dtype=dtype)
+            self._ckpt = ckpt  # PLE rows may be read in place from its file maps
+        else:
+            weights = {name: ckpt.get(name) for name in arch.weight_shapes(source.config)}
+            self.model = arch.build_model(source.config, weights, tables=None, compress_lookup=source.compress_lookup,
+                                          layout=source.layout, device=device, dtype=dtype)
+            ckpt.close()
+            self._ckpt = None
         if tables is not None:
             self.model.set_tables(tables)
-        ckpt.close()
-        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.use_graphs = cuda_graphs and device.type == "cuda" and getattr(self.model, "supports_decode_graphs", True)
         self.graphs: Any = None
         self.lookup_policy: Any = None  # the prefetcher's gather choice by row count (set by the runner)
         self.phases: Any = None  # a runtime.phases.StepPhases while a benchmark times the steps
@@ -82,3 +87,6 @@ class TorchBackend:
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
+        if self._ckpt is not None:
+            self._ckpt.close()
+            self._ckpt = None

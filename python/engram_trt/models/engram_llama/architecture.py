@@ -51,6 +51,12 @@ class EngramLlamaArchitecture:
         used = self.tensor_names(config)
         return sorted((n for n in present if n not in used), key=natural_key)
 
+    def checkpoint_problems(self, ckpt: Any) -> list[str]:
+        """One line per missing / misshapen tensor (backbone and Engram tables)."""
+        from engram_trt.checkpoint.checkpoint import validate_checkpoint
+
+        return validate_checkpoint(ckpt, None)
+
     def build_model(self, config: ModelConfig, weights: Mapping[str, Any], **options: Any) -> Any:
         from engram_trt.models.engram_llama.model import EngramLlama
 

@@ -20,7 +20,7 @@ CONTRACT = FieldContract(
         "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "hc_mult", "tie_word_embeddings",
         "bos_token_id", "eos_token_id", "torch_dtype", "dtype", "rope_theta", "rope_scaling", "rope_parameters",
     }),
-    honoured_prefixes=("engram_", "ple_"),
+    honoured_prefixes=("engram_",),
     pinned={
         "hidden_act": Pinned(("silu",), "silu", "the MLP is SwiGLU"),
         "attention_bias": Pinned((False,), False, "q/k/v/o projections without bias"),

@@ -324,13 +324,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.engram_attr = engram_attr
         if engram_attr is not None:
-            # Registered under the checkpoint's prefix ('engram' or 'ple') so that
+            # Registered under the checkpoint's prefix ('engram') so that
             # parameter names equal checkpoint names.
             setattr(self, engram_attr, EngramModule(config))
 
     @property
     def engram_module(self) -> EngramModule | None:
-        """The Engram submodule (named 'engram' or 'ple' after the checkpoint), if any."""
+        """The Engram submodule (named after the checkpoint's prefix), if any."""
         return None if self.engram_attr is None else getattr(self, self.engram_attr)
 
 

@@ -1,0 +1,132 @@
+"""Qwen4Exp's declaration in the model registry: transformers' ``Qwen4ExpForCausalLM``
+and the text model of ``Qwen4ExpForConditionalGeneration`` (the vision tower's tensors
+are unused ones: refused with a line unless ``--allow-unused-weights``).
+
+Its config fields' contract is :mod:`.config`'s; its PLE tables stay out of the module
+(:mod:`.ple_tables`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from engram_trt.models.qwen4_exp.config import CONTRACT, Qwen4ExpConfig, read_config
+
+
+def ple_layout(config: Qwen4ExpConfig) -> Any:
+    from engram_trt.engram.ple_hash import PLEHashLayout
+
+    p = config.ple
+    return PLEHashLayout.from_config(
+        vocab_size=config.vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
+        ngram_vocab_size_base=p.vocab_size_base, make_ngram_vocab_size_divisible_by=p.divisible_by, seed=p.seed,
+        eos_token_id=config.first_eos, num_layers=len(p.layers))
+
+
+class Qwen4ExpArchitecture:
+    name = "qwen4-exp"
+    architectures = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
+    model_types = ("qwen4_exp_text", "qwen4_exp")
+    contract = CONTRACT
+
+    def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
+                    enforce_contract: bool = True) -> Qwen4ExpConfig:
+        return read_config(d, source, enforce_contract=enforce_contract)
+
+    def weight_shapes(self, config: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
+        from engram_trt.models.qwen4_exp.model import model_weight_shapes
+
+        return model_weight_shapes(config)
+
+    def tensor_names(self, config: Qwen4ExpConfig) -> set[str]:
+        """Every tensor the model reads: its weights, and per PLE layer the table's shards
+        and the buffers checked against the config."""
+        from engram_trt.models.qwen4_exp.ple_tables import buffer_names, shard_names
+
+        names = set(self.weight_shapes(config))
+        if config.ple is not None:
+            for layer in config.ple.layers:
+                names.update(shard_names(config.weight_prefix, layer, config.ple.split_parts))
+                names.update(buffer_names(config.weight_prefix, layer).values())
+        return names
+
+    def unused_tensors(self, config: Qwen4ExpConfig, present: Iterable[str]) -> list[str]:
+        from engram_trt.checkpoint.checkpoint import natural_key
+
+        used = self.tensor_names(config)
+        return sorted((n for n in present if n not in used), key=natural_key)
+
+    def checkpoint_problems(self, ckpt: Any) -> list[str]:
+        """One line per missing / misshapen weight and per PLE table problem."""
+        from engram_trt.models.qwen4_exp.ple_tables import table_problems
+
+        cfg = ckpt.config
+        out = []
+        for name, want in self.weight_shapes(cfg).items():
+            if name not in ckpt:
+                out.append(f"tensor {name} is missing (expected shape {list(want)})")
+            elif tuple(ckpt.shape(name)) != want:
+                out.append(f"tensor {name} has shape {list(ckpt.shape(name))} but the config needs {list(want)}")
+            elif not ckpt.dtype(name).is_floating_point:
+                out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight")
+        if cfg.ple is not None:
+            out.extend(table_problems(ckpt, cfg, ple_layout(cfg)))
+        return out
+
+    def describe_tables(self, ckpt: Any) -> dict[str, Any]:
+        """What ``inspect`` reports of the PLE tables: per layer its shards, rows, width,
+        dtype and bytes (the rows the config's primes give beside the rows found)."""
+        from engram_trt.models.qwen4_exp.ple_tables import shard_names
+
+        cfg = ckpt.config
+        if cfg.ple is None:
+            return {"ple": None, "note": "no PLE layers"}
+        layout = ple_layout(cfg)
+        layers, total = [], 0
+        for li, layer in enumerate(cfg.ple.layers):
+            names = [n for n in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts) if n in ckpt]
+            nbytes = sum(int(ckpt.nbytes(n)) for n in names)
+            total += nbytes
+            layers.append({"ple_layer_id": layer + 1, "layout_rows": int(layout.table_rows[li]),
+                           "table_rows": sum(ckpt.shape(n)[0] for n in names), "shards": len(names),
+                           "width": cfg.ple.head_dim, "dtype": ckpt.st_dtype(names[0]) if names else None,
+                           "bytes": nbytes})
+        return {"ple": {"layers": layers, "total_bytes": total, "heads": cfg.ple.n_heads,
+                        "ngram_size": cfg.ple.ngram_size}}
+
+    def build_model(self, config: Qwen4ExpConfig, weights: Mapping[str, Any], **options: Any) -> Any:
+        from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
+
+        return Qwen4ExpModel(config, weights, **options)
+
+    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, ple_table_kind: str | None = None) -> Any:
+        """The model of an open checkpoint, its PLE tables bound from the checkpoint's
+        shards (``file``: in place, on the CPU; ``device``: one GPU tensor per layer)."""
+        import torch
+
+        from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
+        from engram_trt.models.qwen4_exp.ple_tables import PLETables
+
+        cfg = ckpt.config
+        dev = torch.device(device)
+        dtype = dtype or torch.float32
+        tables = None
+        if cfg.ple is not None:
+            kind = ple_table_kind or ("device" if dev.type == "cuda" else "file")
+            tables = PLETables.from_checkpoint(ckpt, cfg, ple_layout(cfg), kind=kind, device=dev)
+        weights = {name: ckpt.get(name) for name in self.weight_shapes(cfg)}
+        return Qwen4ExpModel(cfg, weights, ple_tables=tables, device=dev, dtype=dtype)
+
+    def allocate_state(self, config: Qwen4ExpConfig, num_slots: int, max_len: int, device: Any, dtype: Any) -> Any:
+        from engram_trt.models.qwen4_exp.state import Qwen4ExpState
+
+        return Qwen4ExpState.allocate(config, num_slots, max_len, device, dtype)
+
+    def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:
+        from engram_trt.errors import EngramError
+
+        raise EngramError("engram-trt build does not export Qwen4Exp yet (its Gated DeltaNet, QSA and PLE fusion have no "
+                          "engine path); serve the checkpoint folder with `engram-trt run` / `serve` (torch backend)")
+
+
+ARCHITECTURE = Qwen4ExpArchitecture()

@@ -1,0 +1,242 @@
+"""Qwen4Exp in PyTorch over the packed step: the torch backend's model for this family.
+
+One decoder layer: PLE (on its layers) adds hashed n-gram features to the
+``hc_count`` residual streams; the attention hyper-connection mixes the streams into the
+token mixer's input (Gated DeltaNet on linear-attention layers, gated attention with the
+QSA indexer on the others) and injects its output back; the MLP hyper-connection does
+the same around the sparse MoE. After the last layer a hyper-connection mixer (no
+injection) gives the head's input; there is no separate final norm.
+
+Why the PLE rows are gathered here and not in the module: the tables are the one part
+that does not fit on a GPU for real models (~95 GiB for the published one), so they stay
+in :class:`~.ple_tables.PLETables` (checkpoint file maps or GPU memory), indexed by the
+hash of :mod:`engram_trt.engram.ple_hash`, whose per-sequence context lives in the state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from engram_trt.errors import EngramError
+from engram_trt.models.qwen4_exp.config import Qwen4ExpConfig
+from engram_trt.models.qwen4_exp.modules import GatedResidual, PLEFusion, SparseMoE
+from engram_trt.models.qwen4_exp.state import Qwen4ExpState
+from engram_trt.models.step import PackedStep, StepUploader
+
+log = logging.getLogger(__name__)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen4ExpConfig, index: int) -> None:
+        super().__init__()
+        from engram_trt.models.qwen4_exp.attention import GatedAttention
+        from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
+
+        self.index = index
+        self.kind = config.layer_types[index]
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, index)
+        else:
+            self.self_attn = GatedAttention(config, index)
+        self.mlp = SparseMoE(config)
+        self.has_ple = config.ple is not None and index in config.ple.layers
+        if self.has_ple:
+            self.ple = PLEFusion(config)
+        self.attn_hyper_connection = GatedResidual(config)
+        self.mlp_hyper_connection = GatedResidual(config)
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: Qwen4ExpConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.hyper_connection_mixer = GatedResidual(config, inject=False)
+
+
+def model_weight_shapes(config: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every weight the model reads (no PLE tables)."""
+    with torch.device("meta"):
+        m = _Modules(config)
+    return {name: tuple(p.shape) for name, p in m.checkpoint_params().items()}
+
+
+class _Modules(nn.Module):
+    """The parameter tree under checkpoint names (``prefix`` + ``layers...``, ``lm_head``)."""
+
+    def __init__(self, config: Qwen4ExpConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = TextModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def checkpoint_params(self) -> dict[str, nn.Parameter]:
+        prefix = self.config.weight_prefix
+        out = {}
+        for name, p in self.named_parameters():
+            out[prefix + name[len("model."):] if name.startswith("model.") else name] = p
+        return out
+
+
+class Qwen4ExpModel(_Modules):
+    """See the module docstring. ``weights``: checkpoint name -> tensor (every name of
+    :func:`model_weight_shapes`); ``ple_tables``: the PLE tables (None for a model
+    without PLE)."""
+
+    supports_decode_graphs = False
+
+    def __init__(self, config: Qwen4ExpConfig, weights: Mapping[str, torch.Tensor], *, ple_tables: Any = None,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **_: Any) -> None:
+        with torch.device("meta"):
+            super().__init__(config)
+        dev = torch.device(device)
+        self.compute_dtype = dtype
+        params = self.checkpoint_params()
+        missing = [n for n in params if n not in weights]
+        if missing:
+            raise EngramError(f"Qwen4Exp weights lack {missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1
+                              else f"Qwen4Exp weights lack {missing[0]}")
+        state = {}
+        for ck_name, p in params.items():
+            t = weights[ck_name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise EngramError(f"tensor {ck_name} has shape {list(t.shape)} but the config needs {list(p.shape)}")
+            state[ck_name] = t
+        by_module_name = {}
+        prefix = config.weight_prefix
+        for name, _p in self.named_parameters():
+            ck = prefix + name[len("model."):] if name.startswith("model.") else name
+            # A_log / dt_bias and the norms' offsets stay float32 as the published model keeps them in math.
+            by_module_name[name] = nn.Parameter(state[ck].to(device=dev, dtype=dtype), requires_grad=False)
+        self.load_state_dict(by_module_name, assign=True, strict=True)
+        self.eval()
+        self.ple_tables = ple_tables
+        self.ple_layout = None
+        if config.ple is not None:
+            from engram_trt.engram.ple_hash import PLEHashLayout
+
+            p = config.ple
+            self.ple_layout = PLEHashLayout.from_config(
+                vocab_size=config.vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
+                ngram_vocab_size_base=p.vocab_size_base, make_ngram_vocab_size_divisible_by=p.divisible_by,
+                seed=p.seed, eos_token_id=config.first_eos, num_layers=len(p.layers))
+            if ple_tables is None:
+                raise EngramError("a Qwen4Exp model with PLE layers needs its PLE tables (ple_tables=)")
+        self.ple_index = {layer: i for i, layer in enumerate(config.ple.layers)} if config.ple else {}
+        self.uploader = StepUploader(dev) if dev.type == "cuda" else None
+        self._device = dev
+
+    # -- what the runtime asks of a model ------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend_name(self) -> str:
+        return f"torch (qwen4-exp, {self.compute_dtype}, {self._device.type})"
+
+    @property
+    def tables(self) -> Any:
+        return None  # no runtime-staged Engram tables: PLE rows are gathered in the step
+
+    def set_tables(self, tables: Any) -> None:
+        if tables is not None:
+            raise EngramError("Qwen4Exp has no engram_* tables; its PLE tables come from the checkpoint")
+
+    def new_cache(self, num_slots: int = 1, max_len: int | None = None) -> Qwen4ExpState:
+        return Qwen4ExpState.allocate(self.config, num_slots, max_len or 4096, self._device, self.compute_dtype)
+
+    # -- the step --------------------------------------------------------------------------
+    def ple_rows(self, step: PackedStep, state: Qwen4ExpState) -> list[torch.Tensor]:
+        """Each PLE layer's rows for the step's tokens ``[T, ple_embed_dim]``; the slots'
+        n-gram context advances past the step's tokens."""
+        from engram_trt.engram.ple_hash import next_context, ple_hash_packed
+
+        slots = torch.tensor(step.slots, dtype=torch.int64)
+        fresh = torch.tensor([p == 0 for p in step.past_lens])
+        ctx = state.context.cpu()[slots]
+        ctx[fresh] = state.eos_id
+        ids = step.input_ids.cpu()
+        out = []
+        for li in range(len(self.config.ple.layers)):
+            rows_ids = torch.as_tensor(ple_hash_packed(ids, step.seq_starts, ctx, self.ple_layout, li), dtype=torch.int64)
+            rows = self.ple_tables.gather(li, rows_ids.to(self._device))
+            out.append(rows.reshape(rows.shape[0], -1).to(self.compute_dtype))
+        new_ctx = torch.as_tensor(next_context(ctx, ids, step.seq_starts), dtype=torch.int64)
+        state.context[slots.to(state.context.device)] = new_ctx.to(state.context.device)
+        return out
+
+    def _check_step(self, step: PackedStep, state: Qwen4ExpState) -> None:
+        for s, slot in enumerate(step.slots):
+            if not 0 <= slot < state.num_slots:
+                raise EngramError(f"step slot {slot} is outside the state's {state.num_slots} slots")
+            if step.past_lens[s] != state.lengths[slot]:
+                raise EngramError(f"sequence {s} says {step.past_lens[s]} tokens are cached but slot {slot} holds {state.lengths[slot]}")
+            if step.total_lens[s] > state.max_len:
+                raise EngramError(f"sequence {s} would hold {step.total_lens[s]} tokens, more than the state's max_len {state.max_len}")
+        if int(step.input_ids.min()) < 0 or int(step.input_ids.max()) >= self.config.vocab_size:
+            raise EngramError(f"token ids must be in [0, {self.config.vocab_size}) (vocab_size)")
+
+    @torch.no_grad()
+    def forward_step(self, step: PackedStep, cache: Qwen4ExpState, *, engram_rows: Any = None,
+                     all_logits: bool = False) -> torch.Tensor:
+        """Logits ``[S, vocab]`` of each sequence's last token (``all_logits``: ``[T, vocab]``)."""
+        if engram_rows is not None:
+            raise EngramError("Qwen4Exp takes no staged Engram rows (its PLE rows are gathered in the step)")
+        cfg = self.config
+        self._check_step(step, cache)
+        dev = self._device
+        ids = step.input_ids.to(dev)
+        positions = step.positions(dev)
+        starts, past, slots = step.seq_starts, step.past_lens, step.slots
+        ple_rows = self.ple_rows(step, cache) if cfg.ple is not None else []
+        streams = self.model.embed_tokens(ids).repeat(1, cfg.hc_count)  # [T, hc * hidden]
+        for layer in self.model.layers:
+            i = layer.index
+            if layer.has_ple:
+                streams = streams + layer.ple(streams, ple_rows[self.ple_index[i]], starts, past, slots, cache.ple_conv[i])
+            x, w = layer.attn_hyper_connection.mix(streams)
+            if layer.kind == "linear_attention":
+                y = layer.linear_attn(x, starts, past, slots, cache.conv[i], cache.recurrent[i])
+            else:
+                y = layer.self_attn(x, positions, starts, past, slots, cache.keys[i], cache.values[i], cache.index_keys[i])
+            streams = GatedResidual.inject(streams, y, w)
+            x, w = layer.mlp_hyper_connection.mix(streams)
+            streams = GatedResidual.inject(streams, layer.mlp(x), w)
+        if not all_logits:
+            streams = streams[step.last_token_index(dev)]
+        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = torch.nn.functional.linear(hidden, head).float()
+        for s, slot in enumerate(slots):
+            cache.lengths[slot] = step.total_lens[s]
+        return logits
+
+    # -- the uniform-batch helpers tests and scripts use --------------------------------------
+    @torch.no_grad()
+    def generate_greedy(self, prompt: Sequence[int], max_new_tokens: int, *, chunk: int | None = None,
+                        max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
+        """Greedy tokens of one sequence (prefill in chunks of ``chunk`` tokens, then one
+        token per step): the scheduler's oracle."""
+        state = self.new_cache(1, max_len or len(prompt) + max_new_tokens + 1)
+        ids = list(prompt)
+        done = 0
+        logits = None
+        step_len = chunk or len(ids)
+        while done < len(ids):
+            part = ids[done:done + step_len]
+            logits = self.forward_step(PackedStep(torch.tensor(part), [len(part)], [done], [0]), state)
+            done += len(part)
+        out = []
+        for _ in range(max_new_tokens):
+            tok = int(torch.argmax(logits[0]))
+            out.append(tok)
+            if tok in self.config.eos_token_ids and not ignore_eos:
+                break
+            logits = self.forward_step(PackedStep(torch.tensor([tok]), [1], [done], [0]), state)
+            done += 1
+        return out

@@ -1,0 +1,163 @@
+"""Qwen4Exp's hyper-connections, sparse MoE and PLE fusion over a packed step
+(``[T, ...]``: the tokens of several sequences back to back).
+
+Parameter names equal the checkpoint's (``attn_hyper_connection.input_mix_weight_down``,
+``mlp.experts.3.gate_proj``, ``ple.norm_key``...), so a state dict loads as saved.
+
+* Hyper-connections (:class:`GatedResidual`): the residual is ``hc_count`` streams
+  ``[T, hc * hidden]``. Before a sublayer the streams, normalized one by one, are mixed
+  into its input by a low-rank sigmoid gate; its output is injected back into every
+  stream with a per-stream weight in (0, 2). Without ``block_inject_weight`` (the final
+  mixer) only the mix is returned.
+* MoE (:class:`SparseMoE`): softmax router in float32, top-k (renormalized when
+  ``norm_topk_prob``), SwiGLU experts, plus a shared expert scaled by a sigmoid gate.
+* PLE (:class:`PLEFusion`): the token's hashed n-gram rows (``[T, ple_embed_dim]``,
+  gathered by the caller from tables outside the module) give a shared value and one
+  key per stream; each stream's normalized activations gate the value through a
+  sqrt-sign of their scaled dot product; a dilated depthwise causal convolution
+  (dilation ``ngram_size``) over the normalized gated values adds local context. The
+  convolution's history is per sequence (:class:`~.state.Qwen4ExpState`), so chunked
+  prefill and decode equal one whole forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram_trt.models.qwen4_exp.norms import OffsetRMSNorm
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, config, inject: bool = True) -> None:
+        super().__init__()
+        self.hc = config.hc_count
+        self.hidden = config.hidden_size
+        width = self.hc * self.hidden
+        self.hc_norm = OffsetRMSNorm(width, config.rms_norm_eps, group_size=self.hidden)
+        self.input_mix_weight_down = nn.Linear(width, config.hc_lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(config.hc_lowrank, width, bias=False)
+        self.block_inject_weight = nn.Linear(width, self.hc, bias=False) if inject else None
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(sublayer input [T, hidden], injection weights [T, hc] or None)``."""
+        normed = self.hc_norm(streams)
+        w = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc)))
+        mixed = (w.unflatten(-1, (self.hc, self.hidden)) * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return mixed, None
+        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc)
+
+    @staticmethod
+    def inject(streams: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The streams after a sublayer's output ``out [T, hidden]`` is added to each with its weight."""
+        return streams + (out.unsqueeze(-2) * weights.unsqueeze(-1)).flatten(-2)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        D = config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(D, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(D, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.shared_expert = MLP(D, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(D, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        # Tokens grouped by expert: one GEMM pair per expert that any token picked.
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = order // self.top_k
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            tok = token_of[start:start + n]
+            start += n
+            y = self.experts[e](x[tok]) * weights.reshape(-1)[sel].unsqueeze(-1)
+            out.index_add_(0, tok, y.to(out.dtype))
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return out + shared
+
+
+class PLEFusion(nn.Module):
+    """See the module docstring; ``forward`` returns the streams' update ``[T, hc * hidden]``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        ple = config.ple
+        self.hc = config.hc_count
+        self.hidden = config.hidden_size
+        width = self.hc * self.hidden
+        self.dilation = ple.ngram_size
+        self.kernel = ple.conv_kernel_size
+        self.history = (self.kernel - 1) * self.dilation
+        eps = config.rms_norm_eps
+        self.key_proj = nn.Linear(ple.embed_dim, width, bias=False)
+        self.value_proj = nn.Linear(ple.embed_dim, self.hidden, bias=False)
+        self.norm_key = OffsetRMSNorm(width, eps, group_size=self.hidden)
+        self.norm_query = OffsetRMSNorm(width, eps, group_size=self.hidden)
+        self.norm_conv = OffsetRMSNorm(width, eps, group_size=self.hidden)
+        # Depthwise: weight [width, 1, kernel] as the checkpoint's conv1d.
+        self.conv1d = nn.Conv1d(width, width, kernel_size=self.kernel, groups=width, dilation=self.dilation, bias=False)
+
+    @staticmethod
+    def state_shape(config) -> tuple[int, int]:
+        """Per slot: the last ``(kernel-1) * dilation`` normalized gated values."""
+        return (config.hc_count * config.hidden_size, (config.ple.conv_kernel_size - 1) * config.ple.ngram_size)
+
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int], past_lens: Sequence[int],
+                slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
+        keys = self.norm_key(self.key_proj(rows)).unflatten(-1, (self.hc, self.hidden))
+        value = self.value_proj(rows)
+        query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
+        score = (keys * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
+        score = score.abs().clamp_min(1e-6).sqrt() * score.sign()
+        gated = (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)  # [T, width]
+        normed = self.norm_conv(gated)
+        return gated + F.silu(self._conv(normed, seq_starts, past_lens, slots, conv_state))
+
+    def _conv(self, x: torch.Tensor, seq_starts: Sequence[int], past_lens: Sequence[int], slots: Sequence[int],
+              conv_state: torch.Tensor) -> torch.Tensor:
+        """The dilated causal convolution of each sequence's tokens after its stored
+        history (zeros for a new sequence); the slots keep the new history."""
+        w = self.conv1d.weight  # [width, 1, K]
+        H = self.history
+        outs = []
+        for s, slot in enumerate(slots):
+            a, b = seq_starts[s], seq_starts[s + 1]
+            past = conv_state[slot].to(x.dtype) if past_lens[s] > 0 else x.new_zeros(x.shape[1], H)
+            seq = torch.cat([past, x[a:b].transpose(0, 1)], dim=1)  # [width, H + n]
+            outs.append(F.conv1d(seq.unsqueeze(0), w, groups=w.shape[0], dilation=self.dilation)[0].transpose(0, 1))
+            conv_state[slot] = seq[:, seq.shape[1] - H:].to(conv_state.dtype)
+        return torch.cat(outs, dim=0)

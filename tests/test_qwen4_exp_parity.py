@@ -1,0 +1,235 @@
+"""Qwen4Exp checkpoints against transformers 5.25.0 itself.
+
+Each case is a tiny random ``Qwen4ExpForCausalLM`` (every parameter, PLE tables
+included, drawn at random: transformers zero-initializes several) that transformers
+builds and saves (``save_pretrained``: its config.json and safetensors as a user's
+folder holds them, the PLE table in ``split_ngram_parts`` shards). engram-trt serves
+the folder through ``engram_trt.LLM`` and ``engram-trt run``; its greedy tokens must
+equal transformers' ``generate``, its fp32 logits agree within 1e-4 relative. Prompts
+carry EOS runs (the PLE hash restarts after each EOS). Bad checkpoints are refused in
+one line with exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from conftest import word_tokenizer  # noqa: E402
+from engram_trt.cli.main import main  # noqa: E402
+
+VOCAB = 96
+EOS = 2
+NEW_TOKENS = 10
+PROMPTS = [[5, 17, 33, EOS, 90, 41, 7, 7, 60], [EOS, EOS, 3, 44], [11, 12, 13, 14, EOS, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+
+BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_conv_kernel_dim=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
+    num_experts_per_tok=2, hc_count=2, hc_lowrank=8, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2,
+)
+
+# name -> Qwen4ExpTextConfig overrides; each is a configuration the published model runs.
+CASES: dict[str, dict[str, Any]] = {
+    "hc2-ple1-qsa": dict(ple_layer_ids=[1], ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
+                         make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2),
+    "hc4-ple2-interval2": dict(hc_count=4, full_attention_interval=2, ple_layer_ids=[1, 3], ple_embed_dim=24, ngram_size=2,
+                               heads_per_ngram=3, ngram_vocab_size_base=70, make_ngram_vocab_size_divisible_by=16,
+                               split_ngram_parts=3, indexer_budget=8, indexer_compress_ratio=4,
+                               rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 1.0}),
+    "no-ple-tied-sigmoid": dict(tie_word_embeddings=True, output_gate_type="sigmoid", norm_topk_prob=False,
+                                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    # (an all-linear model does not generate in transformers 5.25: its cache has no attention layer to size masks by)
+    "ngram4-three-layers": dict(layer_types=["linear_attention", "linear_attention", "full_attention"], num_hidden_layers=3,
+                              ple_layer_ids=[2],
+                              ple_embed_dim=12, ngram_size=4, heads_per_ngram=1, ngram_vocab_size_base=40,
+                              make_ngram_vocab_size_divisible_by=4, split_ngram_parts=1, eos_token_id=[EOS, 3],
+                              ple_conv_kernel_size=3, hc_count=3),
+}
+
+
+def save_qwen4(folder: Path, seed: int = 0, **overrides: Any) -> Any:
+    """A random transformers Qwen4Exp saved into ``folder`` with a word tokenizer."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    kw = dict(BASE, **overrides)
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**kw)).eval()
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 1.0 if "embed" in name else 0.3
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+    model.save_pretrained(folder)
+    word_tokenizer(folder / "tokenizer.json", VOCAB)
+    return model
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """transformers' greedy tokens, EOS not special (so a run that ignores EOS sees the same)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, use_cache=True)
+    got = out[0, len(prompt):].tolist()
+    assert len(got) == n
+    return got
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
+    name = request.param
+    folder = tmp_path_factory.mktemp(name) / "ck"
+    model = save_qwen4(folder, seed=len(name), **CASES[name])
+    return name, folder, model
+
+
+def test_llm_greedy_tokens_equal_transformers(case: tuple[str, Path, Any]) -> None:
+    from engram_trt import LLM, SamplingParams
+
+    _name, folder, model = case
+    want = [hf_greedy(model, p) for p in PROMPTS]
+    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_fp32_logits_within_1e4_of_transformers(case: tuple[str, Path, Any]) -> None:
+    from engram_trt.models.registry import open_checkpoint
+    from engram_trt.models.step import PackedStep
+
+    _name, folder, model = case
+    ckpt = open_checkpoint(folder)
+    ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].double()
+        state = ours.new_cache(1, 64)
+        got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state, all_logits=True).double()
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    ckpt.close()
+
+
+def test_chunked_prefill_and_packed_steps_equal_whole_sequences(case: tuple[str, Path, Any]) -> None:
+    """The per-slot state (KV, delta-rule, convolutions, n-gram context) makes chunks
+    and mixed steps equal one forward of each sequence."""
+    from engram_trt.models.registry import open_checkpoint
+    from engram_trt.models.step import PackedStep
+
+    _name, folder, model = case
+    ckpt = open_checkpoint(folder)
+    ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
+    want = [hf_greedy(model, p, 6) for p in PROMPTS]
+    assert [ours.generate_greedy(p, 6, chunk=3, ignore_eos=True) for p in PROMPTS] == want
+    # All three prompts in one packed step (slots out of order), then decode together.
+    state = ours.new_cache(4, 64)
+    slots = [3, 0, 2]
+    step = PackedStep(torch.tensor(sum(PROMPTS, [])), [len(p) for p in PROMPTS], [0, 0, 0], slots)
+    logits = ours.forward_step(step, state)
+    got: list[list[int]] = [[] for _ in PROMPTS]
+    lens = [len(p) for p in PROMPTS]
+    for _ in range(6):
+        toks = [int(t) for t in torch.argmax(logits, dim=-1)]
+        for g, t in zip(got, toks):
+            g.append(t)
+        logits = ours.forward_step(PackedStep(torch.tensor(toks), [1, 1, 1], lens, slots), state)
+        lens = [n + 1 for n in lens]
+    assert got == want
+    ckpt.close()
+
+
+def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: Any) -> None:
+    _name, folder, model = case
+    prompt = PROMPTS[0]
+    want = hf_greedy(model, prompt)
+    text = " ".join(f"w{i}" for i in prompt)
+    code = main(["run", str(folder), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+                 "--device", "cpu", "--dtype", "fp32", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert json.loads(out)["token_ids"] == want
+
+
+# -- bad input: one line, exit 2 ------------------------------------------------------------
+
+def _resave_without(folder: Path, drop: str | None = None, shorten: str | None = None) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    if drop:
+        tensors.pop(drop)
+    if shorten:
+        tensors[shorten] = tensors[shorten][:-1].clone()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def _edit(folder: Path, **changes: Any) -> None:
+    p = folder / "config.json"
+    d = json.loads(p.read_text())
+    d.update(changes)
+    p.write_text(json.dumps(d))
+
+
+BAD = {
+    "shard-missing": (lambda f: _resave_without(f, drop="model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight"),
+                      "shard_1.weight is missing"),
+    "shard-short": (lambda f: _resave_without(f, shorten="model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"),
+                    "rows in its 2 shards but the config's primes"),
+    "prime-mismatch": (lambda f: _edit(f, ngram_vocab_size_base=60), "give|differs from"),
+    "ple-on-full-attention": (lambda f: _edit(f, ple_layer_ids=[4]), "ple_layer_ids holds 4, a indexed_attention layer"),
+    "retired-twins": (lambda f: _edit(f, ple_max_ngram_size=3), "not a Qwen4Exp field|not implemented|ple_max_ngram_size"),
+    "qsa-partial": (lambda f: _edit(f, indexer_budget=None), "QSA indexer fields are all or none"),
+    "rope-type": (lambda f: _edit(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
+                  "rope_type='yarn' is not implemented"),
+    "layer-type": (lambda f: _edit(f, layer_types=["linear_attention", "linear_attention", "linear_attention", "mamba"]),
+                   "'mamba', not a Qwen4Exp layer type"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_checkpoints_refused_in_one_line(tmp_path: Path, capsys: Any, bad: str) -> None:
+    folder = tmp_path / "ck"
+    save_qwen4(folder, seed=1, **CASES["hc2-ple1-qsa"])
+    damage, needle = BAD[bad]
+    damage(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    capsys.readouterr()  # transformers' own progress output while saving
+    code = main(["run", str(folder), "--prompt", "w5 w6", "--max-new-tokens", "2", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    import re
+
+    assert re.search(needle, err), err
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written
+
+
+def test_inspect_lists_ple_tables(case: tuple[str, Path, Any], capsys: Any) -> None:
+    name, folder, _model = case
+    code = main(["inspect", str(folder), "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert code == 0 and info["architecture"] == "qwen4-exp" and info["problems"] == []
+    spec = CASES[name]
+    if "ple_layer_ids" not in spec:
+        assert info["ple"] is None
+        return
+    layers = info["ple"]["layers"]
+    assert [e["ple_layer_id"] for e in layers] == spec["ple_layer_ids"]
+    heads = (spec["ngram_size"] - 1) * spec["heads_per_ngram"]
+    for e in layers:
+        assert e["shards"] == spec["split_ngram_parts"] and e["width"] == spec["ple_embed_dim"] // heads
+        assert e["table_rows"] == e["layout_rows"] and e["table_rows"] % spec["make_ngram_vocab_size_divisible_by"] == 0
+        assert e["bytes"] == e["table_rows"] * e["width"] * 4  # float32 rows as transformers saved them
