@@ -19,11 +19,13 @@ from engram_trt.cli.main import build_parser
 
 BENCH = Path(__file__).resolve().parents[1] / "python" / "engram_trt" / "bench"
 REQUIRED = {"rowcounts": ["--out", "counts.npz"], "serve": ["ENGINE"]}
+GPU_ONLY = ["kernels", "attention", "backbone", "gathersweep", "contention", "cacheplan"]  # the former H200 timings
 
 
 def test_every_subcommand_parses_to_its_options_defaults() -> None:
     parser = build_parser()
-    assert [c.name for c in BENCH_COMMANDS] == ["gather", "cache", "idstream", "rowcounts", "step", "serve", "gemv"]
+    assert [c.name for c in BENCH_COMMANDS] == ["gather", "cache", "idstream", "rowcounts", "step", "serve", "gemv",
+                                                *GPU_ONLY]
     for cmd in BENCH_COMMANDS:
         ns = parser.parse_args(["bench", cmd.name, *REQUIRED.get(cmd.name, [])])
         got = options_from(ns, cmd.options)
@@ -98,3 +100,57 @@ def test_a_true_default_flag_is_refused() -> None:
 
     with pytest.raises(TypeError, match="off by default"):
         add_option_arguments(argparse.ArgumentParser(), Bad)
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["kernels", "--table-gib", "0.5", "--reps", "3", "--no-gathers", "--seed", "7", "--json", "k.json"],
+     {"table_gib": 0.5, "reps": 3, "no_gathers": True, "seed": 7, "json": "k.json"}),
+    (["attention", "--reps", "5", "--cases", "decode 64 x 256,prefill 1 x 8k chunk"],
+     {"reps": 5, "cases": ["decode 64 x 256", "prefill 1 x 8k chunk"]}),
+    (["backbone", "--iters", "4", "--batches", "1,8", "--context", "512"], {"iters": 4, "batches": [1, 8], "context": 512}),
+    (["gathersweep", "--table-gib", "2", "--reps", "9"], {"table_gib": 2.0, "reps": 9}),
+    (["contention", "--table-gib", "1.5", "--reps", "4"], {"table_gib": 1.5, "reps": 4}),
+    (["cacheplan", "--plan-reps", "2", "--fetch-reps", "3", "--skip-fetch"],
+     {"plan_reps": 2, "fetch_reps": 3, "skip_fetch": True, "skip_plans": False}),
+])
+def test_the_gpu_timings_parse(argv: list[str], want: dict) -> None:
+    cmd = {c.name: c for c in BENCH_COMMANDS}[argv[0]]
+    got = asdict(options_from(build_parser().parse_args(["bench", *argv]), cmd.options))
+    assert {k: got[k] for k in want} == want
+    assert {k: v for k, v in got.items() if k not in want} == {k: v for k, v in asdict(cmd.options()).items()
+                                                                 if k not in want}
+
+
+def test_an_unknown_attention_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", "attention", "--cases", "decode 2 x 2"])
+    assert exc.value.code == 2 and "expected a comma-separated list of decode 1 x 4k" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", GPU_ONLY)
+def test_without_cuda_each_gpu_timing_exits_with_one_line(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from engram_trt.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", name]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"engram-trt: error: bench {name} needs a CUDA GPU") and "none is available here" in err
+
+
+@pytest.mark.parametrize("argv,why", [(["kernels", "--reps", "0"], "--reps must be >= 1"),
+                                      (["attention", "--reps", "0"], "--reps must be >= 1"),
+                                      (["backbone", "--batches", "0,4"], "must be >= 1"),
+                                      (["gathersweep", "--reps", "2"], "--reps must be >= 3"),
+                                      (["contention", "--table-gib", "0"], "--table-gib > 0"),
+                                      (["cacheplan", "--skip-plans", "--skip-fetch"], "leave nothing to time")])
+def test_bad_values_are_one_line_before_any_gpu_work(argv: list[str], why: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from engram_trt.cli.main import main
+
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and why in err, err

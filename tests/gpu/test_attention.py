@@ -38,6 +38,8 @@ import os
 import numpy as np
 import pytest
 
+from engram_trt.bench.gpucases import ATTENTION_CASES
+
 from .helpers import Harness, record, say  # noqa: F401  (Harness: the CPU suite binds the harness through this module)
 
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -436,35 +438,20 @@ def test_plugin_gpu(rng, harness, dname) -> None:
 
 # --- the timed shapes (their timing: engram-trt bench attention) -----------------------------
 
-TIMED_CASES = [("decode 1 x 4k", 1, 4096, 1), ("decode 64 x 256", 64, 256, 1), ("decode 64 x 4k", 64, 4096, 1),
-               ("decode 256 x 4k", 256, 4096, 1), ("prefill 1 x 8k chunk", 1, 8192, 8192)]
-
-
-@pytest.mark.parametrize("label,batch,context,new", TIMED_CASES, ids=[c[0] for c in TIMED_CASES])
-def test_timed_shape_agrees_with_sdpa(label, batch, context, new) -> None:
-    """``batch`` sequences, each bringing ``new`` tokens at the end of a ``context``-long
-    history in its own slot: this kernel against SDPA on the same cache (slot = batch row,
-    the new K/V already in it; padded [B, H, S, hd] with enable_gqa)."""
+@pytest.mark.parametrize("label", list(ATTENTION_CASES))
+def test_timed_shape_agrees_with_sdpa(label) -> None:
+    """A case ``engram-trt bench attention`` times (engram_trt.bench.gpucases: ``batch``
+    sequences, each bringing ``new`` tokens at the end of a ``context``-long history in
+    its own slot): this kernel against SDPA on the same cache (slot = batch row, the new
+    K/V already in it; padded [B, H, S, hd] with enable_gqa)."""
     import torch
-    import torch.nn.functional as F
 
+    from engram_trt.bench.gpucases import attention_case
     from engram_trt.native import attention as attention_kernels
 
-    dev = torch.device("cuda")
-    dtype = torch.bfloat16
-    H, kvh, hd = 32, 8, 128
-    scale = hd ** -0.5
-    past = context - new
-    kc = torch.randn(batch, kvh, context, hd, dtype=dtype, device=dev)
-    vc = torch.randn(batch, kvh, context, hd, dtype=dtype, device=dev)
-    T = batch * new
-    q = torch.randn(T, H, hd, dtype=dtype, device=dev)
-    slots = torch.arange(batch, dtype=torch.int32, device=dev).repeat_interleave(new)
-    pos = (past + torch.arange(new, dtype=torch.int32, device=dev)).repeat(batch)
-    qs = q.view(batch, new, H, hd).transpose(1, 2)  # [B, H, new, hd]
-    got = attention_kernels.attention_packed(q, kc, vc, slots, pos, scale=scale)
-    want = F.scaled_dot_product_attention(qs, kc, vc, scale=scale, is_causal=new > 1, enable_gqa=True)
-    want = want.transpose(1, 2).reshape(T, H, hd)
+    c = attention_case(*ATTENTION_CASES[label], torch.device("cuda"))
+    got = attention_kernels.attention_packed(c.q, c.kc, c.vc, c.slots, c.pos, scale=c.scale)
+    want = c.sdpa()
     torch.cuda.synchronize()
     rel = float((got.float() - want.float()).norm() / want.float().norm())
     record(f"timing outputs agree with SDPA ({label})", rel < 1e-2, f"relative norm difference {rel:.2e}")

@@ -45,13 +45,14 @@ Bounds against float64 on the same (bf16) inputs, elementwise, u = 2^-8 (bf16 ro
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import ctypes
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from engram_trt.bench.gpucases import (MODEL_OPTIONS, build_model, decode_case, decode_step, decode_variants, rel_err,
+                                       variant_settings)
 
 from .helpers import U, check, note, record, say, ulp_distance, versus_torch, within  # noqa: F401
 
@@ -393,24 +394,8 @@ def check_graph(gen, rounds: int = 3) -> None:
 
 # --- 5. the 1.15B model -----------------------------------------------------------------------------
 
-MODEL_ARGS = argparse.Namespace(model="1b", table_gib=0.25, prefill=0, context=256)  # engram-trt bench step's shape
-
-
-def rel_err(a: Any, ref: Any) -> float:
-    a, ref = a.double(), ref.double()
-    return float((a - ref).norm() / ref.norm())
-
-
-def build_model(device: Any) -> tuple[Any, Any, dict]:
-    """The bench's 1.15B model (random bf16 weights, fused at load on the GPU) with its
-    tables in GPU memory."""
-    from engram_trt.bench.step import build
-    from engram_trt.tables.base import DeviceTables
-
-    model, layout, tables, info = build(MODEL_ARGS, device)
-    model.set_tables(DeviceTables([(r.to(device), s.to(device)) for r, s in tables], model.config.engram.quant_block))
-    return model, layout, info
-
+# The model, its decode variants and what each changes: engram_trt.bench.gpucases, shared
+# with ``engram-trt bench backbone``, which times the same steps.
 
 
 @pytest.fixture(scope="module")
@@ -527,32 +512,6 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
     torch.cuda.empty_cache()
 
 
-def variant_settings(name: str) -> contextlib.AbstractContextManager:
-    """What a timed variant changes while its decode graph is recorded (at its first
-    run), undone after: "... over copies": the graphs' attention reads the KV cache in place
-    only past IN_PLACE_DECODE_BYTES, not wherever the warp kernel serves (SDPA over copies
-    of the slots' K/V below it); "fused, GEMM library": the projections run
-    in the GEMM library at every step size (the GEMV off); "fused, no PDL": the kernel
-    library launches the ordinary way (ENGRAM_TRT_PDL=0, read at each launch); "fused,
-    tiled attention": the attention kernel is the tiled one (ENGRAM_TRT_ATTENTION_KERNEL=
-    tiled) where the graphs read the cache in place. The default variants change nothing."""
-    import os
-    from unittest import mock
-
-    from engram_trt.models.engram_llama import modules
-    from engram_trt.models.engram_llama.kernel_ops import KernelBackboneOps
-
-    if name.endswith("over copies"):
-        return mock.patch.object(modules, "IN_PLACE_WITH_WARP_KERNEL", False)
-    if name == "fused, GEMM library":
-        return mock.patch.object(KernelBackboneOps, "gemv_max_tokens", 0)
-    if name == "fused, no PDL":
-        return mock.patch.dict(os.environ, {"ENGRAM_TRT_PDL": "0"})
-    if name == "fused, tiled attention":
-        return mock.patch.dict(os.environ, {"ENGRAM_TRT_ATTENTION_KERNEL": "tiled"})
-    return contextlib.nullcontext()
-
-
 def twin_logits(twin: Any, cache: Any, step: Any, B: int, past: int) -> Any:
     """The float32 twin's logits of ``step`` on a float32 copy of ``cache``'s keys and values
     (its Engram layers removed, as the timed model's are)."""
@@ -602,46 +561,21 @@ def test_decode_variants(model_1b, twin, B: int) -> None:
     import numpy as np
     import torch
 
-    from engram_trt.models.engram_llama import modules
-    from engram_trt.models.step import PackedStep
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
     model = model_1b[0]
-    cfg = model.config
     kernels = model.backbone_ops
-    past = MODEL_ARGS.context
+    past = MODEL_OPTIONS.context
     rng = np.random.default_rng([1, B])
     model.engram_enabled = False  # the backbone alone, as the bench times it
     try:
-        cache = model.new_cache(B + 1, past + 2)  # + the graphs' scratch slot
-        for k, v in zip(cache.keys, cache.values):
-            k.normal_(0, 1), v.normal_(0, 1)
-        ids = rng.integers(2, cfg.vocab_size, size=B)
-        step = PackedStep(torch.from_numpy(ids), [1] * B, [past] * B, list(range(B)))
-        variants = [("unfused", None), ("fused", kernels)]
-        if kernels is not None and B <= kernels.gemv_max_tokens:
-            variants.append(("fused, GEMM library", kernels))  # the projections without the GEMV
-        variants.append(("fused, no PDL", kernels))  # ordinary launches
-        kv_layer_bytes = B * cfg.num_key_value_heads * (past + 1) * cfg.head_dim * 2
-        if kv_layer_bytes <= modules.IN_PLACE_DECODE_BYTES:
-            variants.append(("fused, SDPA over copies", kernels))
-        else:
-            variants.append(("fused, tiled attention", kernels))
+        cache, step = decode_case(model, B, past, rng)
         last = {}
-        for name, ops in variants:
+        for name, ops in decode_variants(model, B, past):
             model.backbone_ops = ops
             with variant_settings(name):
                 graphs = DecodeGraphs(model, cache, B, scratch_slot=B, tables=None)
-
-                def one() -> Any:
-                    for s in range(B):
-                        cache.lengths[s] = past
-                    logits = graphs.run(step, None)
-                    if logits is None:
-                        logits = model.forward_step(step, cache)
-                    torch.argmax(logits, dim=-1).tolist()  # the sampler's one read per step
-                    return logits
-
+                one = decode_step(model, graphs, cache, step, B, past)
                 for _ in range(3):  # the bench's warm-up: the graph recorded, then replayed
                     one()
                 last[name] = one().float().clone()  # a graph's output buffer: the next replay overwrites it

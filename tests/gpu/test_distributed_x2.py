@@ -177,32 +177,39 @@ def test_lookup_rows(x2) -> None:
         record(f"lookup rows bit-exact, {case.scope} scope tp{case.tp} x dp{case.dp} (NCCL)", ok)
 
 
-def test_greedy_tokens(x2) -> None:
+def tokens(run: dict) -> list:
+    return [o.token_ids for o in run["outputs"]]
+
+
+@pytest.fixture(scope="module")
+def modes(x2) -> dict:
+    """Each serving mode's summary from the ranks' runs (its sharing, whether it gave one
+    GPU's tokens for all prompts, each rank's figures), built here so that every test that
+    reports on the modes has it whichever tests run; test_host_memory adds its figures."""
+    ref_all = tokens(x2.one[0])
+    return {name: {"sharing": r["sharing"], "equals_one_gpu_all_prompts": tokens(r) == ref_all,
+                   "ranks": [{k: x[k] for k in ("rank", "device", "backend", "load_s", "generate_s", "memory")}
+                             | {"storage": {k: x["storage"].get(k) for k in ("kind", "where", "table_bytes", "resident_bytes")},
+                                "stats": {k: x["stats"].get(k) for k in ("steps", "idle_steps", "follower_steps", "step_s")},
+                                "engram": x["stats"].get("engram")} for x in r["ranks"]]}
+            for name, r in zip(x2.names, x2.served)}
+
+
+def test_greedy_tokens(x2, modes) -> None:
     """2. Greedy tokens of each mode against one GPU's."""
-    one, served, names, res = x2.one, x2.served, x2.names, x2.res
-    tok = lambda r: [o.token_ids for o in r["outputs"]]  # noqa: E731
-    ref_all = tok(one[0])
-    ref_shares = tok(one[1]) + tok(one[2])
-    res["modes"] = {}
-    for name, r in zip(names, served):
-        got = tok(r)
+    ref_all = tokens(x2.one[0])
+    ref_shares = tokens(x2.one[1]) + tokens(x2.one[2])
+    for name, r in zip(x2.names, x2.served):
         want = ref_all if name == "TP=2" else ref_shares
-        record(f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU", got == want)
-        res["modes"][name] = {"sharing": r["sharing"], "equals_one_gpu_all_prompts": got == ref_all,
-                              "ranks": [{k: x[k] for k in ("rank", "device", "backend", "load_s", "generate_s", "memory")}
-                                        | {"storage": {k: x["storage"].get(k) for k in ("kind", "where", "table_bytes", "resident_bytes")},
-                                           "stats": {k: x["stats"].get(k) for k in ("steps", "idle_steps", "follower_steps", "step_s")},
-                                           "engram": x["stats"].get("engram")} for x in r["ranks"]]}
-    note("modes", res["modes"])
+        record(f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU", tokens(r) == want)
+    note("modes", modes)
 
 
-def test_host_memory(x2) -> None:
+def test_host_memory(x2, modes) -> None:
     """3. Host memory of the tables, per mode; 4. step time and throughput as a ratio to
     one GPU (figures)."""
     np, one, served, names, res, one_copy = x2.np, x2.one, x2.served, x2.names, x2.res, x2.one_copy
     shared_there, pinned_there = x2.shared_there, x2.pinned_there
-    if "modes" not in res:
-        pytest.skip("test_greedy_tokens did not run (it fills the modes)")
     checks = RecordDict()
     one_mem = table_host_bytes(one[0]["ranks"][0])
     res["one_gpu_table_host_bytes"] = one_mem
@@ -211,19 +218,19 @@ def test_host_memory(x2) -> None:
     for name, r in zip(names, served):
         tb = [table_host_bytes(x) for x in r["ranks"]]
         pss = [x["memory"]["pss_bytes"] for x in r["ranks"]]
-        m = res["modes"][name]
+        m = modes[name]
         m["table_host_bytes_per_rank"] = tb
         m["table_host_copies"] = round(sum(tb) / one_copy, 3)
         m["pss_bytes_per_rank"] = pss
         m["pss_minus_nontable_copies"] = round((sum(pss) - len(pss) * nontable) / one_copy, 3)
         m["shm_used_bytes"] = max(x["memory"]["shm_used_bytes"] for x in r["ranks"]) - res["shm_used_before_bytes"]
-    checks["DP=2 embedding_across_dp: tables take one host copy (PSS)"] = abs(res["modes"][names[1]]["table_host_copies"] - 1) < 0.1
+    checks["DP=2 embedding_across_dp: tables take one host copy (PSS)"] = abs(modes[names[1]]["table_host_copies"] - 1) < 0.1
     if shared_there and served[2]["sharing"]["dp_mode"] == "dp_shared_memory":
-        m = res["modes"][names[2]]
+        m = modes[names[2]]
         checks["DP=2 dp_shared_memory: tables take one host copy (PSS of the segment)"] = abs(m["table_host_copies"] - 1) < 0.1
         checks["DP=2 dp_shared_memory: /dev/shm holds one copy"] = abs(res["shm_segment_bytes"] / one_copy - 1) < 0.1
     if pinned_there:
-        checks["DP=2 private copies: two host copies (the contrast)"] = abs(res["modes"][names[3]]["table_host_copies"] - 2) < 0.2
+        checks["DP=2 private copies: two host copies (the contrast)"] = abs(modes[names[3]]["table_host_copies"] - 2) < 0.2
 
     # 4. step time and throughput as a ratio to one GPU
     def step_time(r: dict) -> float:
@@ -236,17 +243,16 @@ def test_host_memory(x2) -> None:
     base_step, base_tps = step_time(one[0]), tokens_per_s(one[0])
     res["one_gpu"] = {"step_s": base_step, "tokens_per_s": base_tps}
     for name, r in zip(names, served):
-        res["modes"][name]["step_time_ratio"] = round(step_time(r) / base_step, 3)
-        res["modes"][name]["throughput_ratio"] = round(tokens_per_s(r) / base_tps, 3)
-    note("modes", res["modes"])
+        modes[name]["step_time_ratio"] = round(step_time(r) / base_step, 3)
+        modes[name]["throughput_ratio"] = round(tokens_per_s(r) / base_tps, 3)
+    note("modes", modes)
     note("one_gpu", res["one_gpu"])
 
 
 def test_serving_group(x2) -> None:
     """5. The serving group of `serve --tp 2`: this process is the leader."""
     engine, base_cfg, sp, one, res = x2.engine, x2.base_cfg, x2.sp, x2.one, x2.res
-    tok = lambda r: [o.token_ids for o in r["outputs"]]  # noqa: E731
-    ref_all = tok(one[0])
+    ref_all = tokens(one[0])
     checks = RecordDict()
     from engram_trt.distributed.serving import GroupSpec, start_serving_group
 

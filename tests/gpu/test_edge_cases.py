@@ -22,8 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .helpers import (DT, bits, counted_gather_fields, dtype_name, gate_bound, gate_fields, random_fp8_table, record,
-                      say)
+from .helpers import DT, bits, counted_gather_fields, dtype_name, gate_bound, gate_fields, random_fp8_table, record
 from .test_verify import run_probe
 
 
@@ -236,8 +235,7 @@ def test_bad_rows(rng, harness) -> None:
 
 @pytest.mark.parametrize("probe", ["build-phase-garbage", "runtime-phase-garbage-control"])
 def test_build_phase_probe(probe, build_dir) -> None:
+    """A probe in a child process (tests/gpu/probes.py); each one decides: the build-phase
+    probe passes only with zero rows and a healthy context, its control only with a fault."""
     result = run_probe(probe, build_dir)
-    if result.get("inconclusive"):
-        say(f"note: probe {probe} inconclusive: {result['detail']}")
-        pytest.skip(f"inconclusive: {result['detail']}")
     record(result["name"], result["ok"], result["detail"])

@@ -16,5 +16,15 @@ torch at import: each ``run`` imports what it needs when it runs.
 - ``bench rowcounts``: per-row lookup counts of a range of that text, a cache's warm start (rowcounts.py);
 - ``bench step``: step time with Engram (GPU / pinned tables) over the step without it (step.py);
 - ``bench serve``: throughput of N concurrent requests through LLM over one request (serve.py);
-- ``bench gemv``: a decode step's projections, the kernel library's GEMV vs the GEMM library, over HBM (gemv.py).
+- ``bench gemv``: a decode step's projections, the kernel library's GEMV vs the GEMM library, over HBM (gemv.py);
+- ``bench kernels``: gate vs a device copy, the hash vs its 20 us target, the gather paths on a 24 GiB
+  table vs the host-to-device copy (kernels.py);
+- ``bench attention``: packed attention vs torch SDPA, the tiled kernel and the K/V read at the HBM rate (attention.py);
+- ``bench backbone``: the 1.15B model's decode steps, fused vs unfused and variants, vs the weight-read bound (backbone.py);
+- ``bench gathersweep`` / ``bench contention``: the host gather under pool and thread settings, and after each
+  contention suspect, vs the link's floor (gathersweep.py, contention.py);
+- ``bench cacheplan``: the hot-row cache's fused plan vs its torch reference, the misses' fetch vs the link (cacheplan.py).
+
+The last six need CUDA (they exit with one line without it); the cases they time are
+built by gpucases.py, which tests/gpu imports to check the same cases' outputs.
 """

@@ -70,6 +70,56 @@ def idle_gaps(activity: list[tuple[float, float, str]], start: float, end: float
             "largest": sorted(gaps, key=lambda g: -g["us"])[:top]}
 
 
+def event_seconds(fn: Callable[[], Any], reps: int) -> float:
+    """Median GPU seconds of one call of ``fn`` on the current stream, between CUDA events
+    (after one warm-up call): the GPU's span, launch latency included."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def graph_seconds(fn: Callable[[], Any], launches: int = 20, reps: int = 7) -> float | None:
+    """Median GPU seconds per call of ``fn`` (kernel launches on the current stream) from
+    a CUDA graph of ``launches`` back-to-back calls, so the Python cost of a call
+    (argument checks, ctypes) is not counted; None when ``fn`` cannot be captured (the
+    caller then times it eagerly and says so)."""
+    fn()  # warm-up (and any lazy initialization) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(launches):
+                fn()
+    except Exception as exc:  # noqa: BLE001 - capture is an optimization of the measurement
+        print(f"note: CUDA graph capture failed ({type(exc).__name__}: {exc}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    return event_seconds(graph.replay, reps) / launches
+
+
+def eager_seconds(fn: Callable[[], Any], reps: int = 20) -> float:
+    """Median wall seconds of one call followed by a device synchronize (Python included)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def capture_graph(body: Callable[[], Any], device: torch.device | None = None) -> tuple[Any, Any]:
     """``body()`` run once on a side stream (its warm-up: lazy initialisation and GEMM
     workspaces stay out of the graph), then captured into a CUDA graph on ``device`` (the

@@ -20,7 +20,8 @@ from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engram_trt.bench import cache, gather, gemv, idstreams, rowcounts, serve, step
+from engram_trt.bench import (attention, backbone, cache, cacheplan, contention, gather, gathersweep, gemv, idstreams,
+                               kernels, rowcounts, serve, step)
 from engram_trt.cli.argtypes import int_arg
 
 
@@ -69,6 +70,18 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
     BenchCommand("gemv", gemv, gemv.GemvOptions,
                  "decode projections: the kernel library's GEMV vs the GEMM library, over HBM",
                  _paragraph(0, plain=False)),
+    BenchCommand("kernels", kernels, kernels.KernelsOptions,
+                 "gate, hash and gather kernels vs the device copy and the host-to-device link"),
+    BenchCommand("attention", attention, attention.AttentionOptions,
+                 "packed attention vs torch SDPA, the tiled kernel and the K/V read at the HBM rate"),
+    BenchCommand("backbone", backbone, backbone.BackboneOptions,
+                 "1.15B decode steps, fused vs unfused and variants, vs the weight-read bound"),
+    BenchCommand("gathersweep", gathersweep, gathersweep.GathersweepOptions,
+                 "the host gather under pool / torch-thread settings, vs the link's floor"),
+    BenchCommand("contention", contention, contention.ContentionOptions,
+                 "the host gather after each contention suspect, vs a fresh pool and the link's floor"),
+    BenchCommand("cacheplan", cacheplan, cacheplan.CacheplanOptions,
+                 "the hot-row cache's fused plan vs its torch reference; the misses' fetch vs the link"),
 )
 
 
