@@ -21,8 +21,9 @@ import sys
 from typing import Callable, Sequence
 
 from engram_trt import __version__  # (sets torch's OpenMP wait policy: see engram_trt/__init__.py)
-from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, int_arg
+from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, attach_dash_values, int_arg
 from engram_trt.cli.build_args import add_build_arguments, cmd_build
+from engram_trt.cli.gguf import add_import_gguf_arguments, cmd_import_gguf
 from engram_trt.cli.generate import _add_generation_args, cmd_demo, cmd_demo_checkpoint, cmd_run
 from engram_trt.cli.inspect import cmd_inspect
 from engram_trt.cli.mechanism import cmd_hash, cmd_layout
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("hash", cmd_hash, "hash token ids to table row ids; prints JSON {\"hash_ids\": [position][layer][col]}")
     p.add_argument("config", metavar="CONFIG", help="a config.json path or a checkpoint folder (its tokenizer.json maps raw ids)")
-    p.add_argument("--ids", required=True, help="comma-separated token ids of one sequence from position 0; -1 marks a dead token")
+    p.add_argument("--ids", required=True, metavar="5,17,-1,3", help="comma-separated token ids of one sequence from position 0; -1 marks a dead token, first too: --ids -1,5,17")
     p.add_argument("--compressed", action="store_true", help="the ids are already compressed ids (no tokenizer needed)")
     p.add_argument("--pad-id", type=int_arg(0, INT32_MAX), default=None, help="with --compressed: the compressed id of the pad token")
 
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", help="output folder: new or empty (a folder holding files needs --force)")
     p.add_argument("--seed", type=int_arg(0, SEED_MAX), default=0, metavar="N", help="weights seed, 0..2^63-1 (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="write into an OUT that holds files: its checkpoint files are replaced, every other file is kept")
+
+    p = add("import-gguf", cmd_import_gguf, "turn a llama.cpp GGUF file (Llama family) into a checkpoint folder that run, build and serve take",
+            "Read FILE.gguf (a Llama-family model: Q4_0, Q4_1, Q8_0, F16, BF16 or F32 tensors), undo llama.cpp's tensor "
+            "names and its q/k RoPE row order, dequantize the weights, and write OUT: config.json, safetensors, "
+            "tokenizer.json and tokenizer_config.json (special tokens, chat template), generation_config.json. An "
+            "unsupported architecture, tensor type or tokenizer is refused in one line before anything is written.")
+    add_import_gguf_arguments(p)
 
     p = add("build", cmd_build, "turn a checkpoint into a TensorRT engine folder, the Engram tables kept outside the engine",
             "Validate CHECKPOINT, save its compressed token map, export the whole model as ONNX (Engram layers as "
@@ -157,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (AttributeError, ValueError):
             pass
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(attach_dash_values(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
