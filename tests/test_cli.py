@@ -308,3 +308,108 @@ def test_one_dtype_vocabulary(capsys, tmp_path, tiny_ckpt):
         assert json.loads(out)["dtype"] == want
     with pytest.raises(EngramError, match="--dtype fp32: an engine runs in bf16 or fp16"):
         build(tiny_ckpt, tmp_path / "x", dtype="float32", progress=False)
+
+
+# ---------------------------------------------------------------- flags as --help shows them
+def test_ids_may_start_with_a_dead_token(capsys, golden_config):
+    """`--ids -1,5,...` (the form --help shows) is an id list, not an unknown option; the
+    hashes equal those of `--ids=-1,5,...`."""
+    path, case = golden_config
+    seq = [-1] + list(case["sequences"][0][1:])
+    ids = ",".join(map(str, seq))
+    base = ["hash", str(path), "--compressed", "--pad-id", str(case["pad_compressed_id"])]
+    code, spaced, err = run_cli(capsys, *base, "--ids", ids)
+    assert code == 0, err
+    code, joined, _ = run_cli(capsys, *base, f"--ids={ids}")
+    assert code == 0 and json.loads(spaced) == json.loads(joined)
+    assert len(json.loads(spaced)["hash_ids"]) == len(seq)
+    with pytest.raises(SystemExit):
+        main(["hash", "--help"])
+    assert "--ids -1,5,17" in " ".join(capsys.readouterr().out.split())
+    code, _, err = run_cli(capsys, *base, "--ids", "-5,1")  # still an id list, refused by its own check
+    assert code == 2 and "-5 is not a token id" in err and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exc:  # a forgotten value stays argparse's usage error
+        main([*base, "--ids", "--compressed"])
+    assert exc.value.code == 2 and "expected one argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["", ",", " , "])
+def test_empty_target_list_is_refused(capsys, tmp_path, value):
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error: one line, exit 2
+        main(["build", str(tmp_path / "ck"), "--output", str(tmp_path / "e"), "--target", value])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and err.count("\n") == 1
+    assert "--target" in err and "names no compute capability" in err
+    assert not (tmp_path / "e").exists()
+
+
+def test_serve_allow_unused_weights_reaches_the_model(tmp_path):
+    """`serve` / `triton-repo --allow-unused-weights`: the model repository's parameters
+    carry it and the instance's LLM loads a checkpoint with a tensor the model does not
+    read; without it the instance refuses that checkpoint naming the tensor."""
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from engram_trt.cli.main import build_parser
+    from engram_trt.cli.serve import options_from_args
+    from engram_trt.llmapi.llm import LLM
+    from engram_trt.triton.model import ModelParams
+    from engram_trt.triton.repo import model_parameters, resolve_options
+    from test_llama_parity import save_llama
+
+    save_llama(tmp_path / "ck", seed=3)
+    st = tmp_path / "ck" / "model.safetensors"
+    tensors = load_file(st)
+    tensors["model.mtp.0.proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, st, metadata={"format": "pt"})
+
+    def params(*extra: str) -> ModelParams:
+        args = build_parser().parse_args(["serve", str(tmp_path / "ck"), "--device", "cpu", "--backend", "torch", *extra])
+        opts = resolve_options(options_from_args(args))
+        raw = model_parameters(opts)
+        return ModelParams.from_model_config({"parameters": {k: {"string_value": v} for k, v in raw.items()}})
+
+    refused = params()
+    assert refused.allow_unused_weights is False and refused.llm_kwargs()["allow_unused_weights"] is False
+    with pytest.raises(EngramError, match=r"model\.mtp\.0\.proj\.weight.*--allow-unused-weights"):
+        LLM(refused.engine_dir, device="cpu", **refused.llm_kwargs())
+    allowed = params("--allow-unused-weights")
+    assert allowed.llm_kwargs()["allow_unused_weights"] is True
+    with LLM(allowed.engine_dir, device="cpu", **allowed.llm_kwargs()) as llm:
+        assert len(llm.generate("w5 w6", {"max_tokens": 2, "ignore_eos": True})[0].token_ids) == 2
+    args = build_parser().parse_args(["triton-repo", str(tmp_path / "ck"), "--out", str(tmp_path / "repo"),
+                                      "--allow-unused-weights"])
+    assert args.allow_unused_weights is True
+
+
+def test_run_reports_steady_decode_apart_from_warmup(capsys, tiny_ckpt):
+    """`run --json`: prefill, warm-up steps, graph capture and the steady decode rate as
+    separate fields (positive where something was timed; no graphs on a CPU)."""
+    argv = ["run", str(tiny_ckpt), "--prompt", "w5 w6 w7", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu",
+            "--backend", "torch"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0, err
+    tm = json.loads(out)["timings"]
+    assert tm["prefill_s"] > 0 and tm["prefill_s"] == tm["time_to_first_token_s"]
+    assert tm["decode_warmup_s"] > 0 and tm["steady_decode_steps"] == 8 - 1 - 2
+    assert tm["steady_decode_tokens_per_s"] > 0 and tm["decode_tokens_per_s"] > 0
+    assert tm["graph_captures"] == 0 and tm["graph_capture_s"] == 0.0
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0 and "tokens/s steady" in out and "prefill (first token)" in out and "CUDA graph capture" in out
+
+
+def test_steady_decode_takes_the_median_after_warmup():
+    from engram_trt.runtime.scheduler import steady_decode
+
+    # token times: a 1 s first decode step (capture), then 0.1 s steps, one 0.5 s spike
+    times = [0.0, 1.0, 1.2, 1.3, 1.4, 1.9, 2.0, 2.1]
+    d = steady_decode(times, warmup=2)
+    assert d["decode_warmup_s"] == pytest.approx(1.2) and d["steady_decode_steps"] == 5
+    assert d["steady_decode_tokens_per_s"] == pytest.approx(10.0)
+    assert steady_decode([0.0]) == {} and steady_decode([0.0, 0.5])["steady_decode_tokens_per_s"] == 2.0
+
+
+def test_chat_flags_checked_before_loading(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "run", str(tmp_path / "nothing"), "--system", "be brief")
+    assert code == 2 and "--system" in err and "--chat" in err and err.count("\n") == 1

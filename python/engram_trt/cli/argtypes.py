@@ -51,6 +51,43 @@ def int_arg(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+# Flags whose value may start with '-' (argparse takes "--ids -1,5" for two options, as
+# "-1,5" is not a plain negative number): main() hands such a value over as "--ids=-1,5".
+DASH_VALUE_FLAGS = ("--ids",)
+_DASH_VALUE_RE = re.compile(r"^-[0-9]")
+
+
+def attach_dash_values(argv: list[str], flags: tuple[str, ...] = DASH_VALUE_FLAGS) -> list[str]:
+    """``[..., "--ids", "-1,5", ...]`` -> ``[..., "--ids=-1,5", ...]`` for the ``flags``
+    whose values are id lists: a list that starts with a dead token (-1) is typed as
+    ``--help`` shows it. Only a value that starts with ``-`` and a digit is attached, so
+    a forgotten value (``--ids --compressed``) is still argparse's "expected one argument"."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":  # everything after is positional
+            out.extend(argv[i:])
+            break
+        if a in flags and i + 1 < len(argv) and _DASH_VALUE_RE.match(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def target_list_arg(text: str) -> str:
+    """argparse ``type=`` of ``build --target``: a comma-separated list that names at
+    least one compute capability (an empty list would silently mean the default set).
+    The names themselves are checked by the builder (native.trt_compat.parse_targets)."""
+    if not any(t.strip() for t in str(text).split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} names no compute capability; give a list such as sm80,sm86, or "
+                                         f"leave --target out for the portable set")
+    return text
+
+
 def check_text(value: str, flag: str) -> str:
     """Text from argv that must be UTF-8 (Python hands undecodable bytes over as lone
     surrogates, which the tokenizer would choke on)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engram_trt.cli.argtypes import int_arg
+from engram_trt.cli.argtypes import int_arg, target_list_arg
 from engram_trt.cli.engram_args import add_engram_config_arguments, engram_config_from_args
 from engram_trt.native.trt_compat import RTX_TARGETS
 from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
@@ -28,7 +28,7 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default="bf16",
                         help=f"weights and activations of the engine: bf16 (default) or fp16 (norms and softmax use float32); "
                              f"every subcommand takes the spellings {SPELLINGS}")
-    parser.add_argument("--target", default=None, metavar="sm80,sm86,...",
+    parser.add_argument("--target", default=None, metavar="sm80,sm86,...", type=target_list_arg,
                         help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(RTX_TARGETS) + "); default: the RTX portable set")
     parser.add_argument("--plugin-library", choices=PLUGIN_MODES, default="embed",
                         help="embed the Engram plugin library in the engine (default) or only record it in the manifest (the runtime loads it)")

@@ -18,6 +18,12 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     from engram_trt.cli.engram_args import add_engram_config_arguments
 
     p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the tokenizer's chat template (tokenizer_config.json's "
+                        "chat_template, rendered as transformers' apply_chat_template with add_generation_prompt), for "
+                        "instruction-tuned models")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: a system message before the user's (default: none; the template may add its own)")
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int_arg(1, INT32_MAX), default=32,
                    metavar="N", help="most tokens to generate (default: %(default)s; prompt plus new tokens stay within "
                                      "the runtime's max_seq_len)")
@@ -58,7 +64,10 @@ def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
              dtype=args.dtype, verify_tables=args.verify_tables, progress=not args.json,
              allow_unused_weights=args.allow_unused_weights) as llm:
         load_s = time.perf_counter() - t0
-        out = llm.generate(args.prompt, params)[0]
+        if getattr(args, "chat", False):
+            out = llm.chat(chat_messages(args), params)[0]
+        else:
+            out = llm.generate(args.prompt, params)[0]
         if out.error:
             raise EngramError(out.error)
         res = {
@@ -73,10 +82,30 @@ def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
             "prompt": args.prompt,
             "prompt_tokens": len(out.prompt_token_ids),
             "new_tokens": len(out.token_ids),
-            "timings": {"load_s": round(load_s, 3), **out.timings},
+            "timings": {"load_s": round(load_s, 3), **out.timings, **llm.runner.graph_capture()},
             "source": llm.source.kind,
         }
+        if getattr(args, "chat", False):
+            res["chat"] = True
+            res["system"] = args.system
+            res["chat_prompt"] = out.prompt  # the rendered template: what the model read
     return res
+
+
+def chat_messages(args: argparse.Namespace) -> list[dict[str, str]]:
+    """``--chat``: the conversation of one turn (``--system`` first when given)."""
+    msgs = [{"role": "system", "content": args.system}] if args.system else []
+    return msgs + [{"role": "user", "content": args.prompt}]
+
+
+def check_chat_args(args: argparse.Namespace) -> None:
+    """``--system`` belongs to ``--chat``; both are checked before anything is loaded."""
+    from engram_trt.cli.argtypes import check_text
+
+    if args.system is not None and not getattr(args, "chat", False):
+        raise EngramError("--system is the system message of a chat; add --chat (or drop --system)")
+    if args.system is not None:
+        check_text(args.system, "--system")
 
 
 def _print_generation(res: dict[str, Any]) -> None:
@@ -84,11 +113,18 @@ def _print_generation(res: dict[str, Any]) -> None:
     print(f"backend: {res['backend']} ({res['device']}, {res['dtype']}; {res['backend_reason']})")
     if st.get("kind") != "none":
         print(f"tables:  {st['kind']}, {st['table_bytes'] / 2**20:.1f} MiB in {st['where']}")
-    print(f"prompt:  {res['prompt']!r} ({res['prompt_tokens']} tokens)")
+    if res.get("chat"):
+        print(f"chat:    {res['chat_prompt']!r} ({res['prompt_tokens']} tokens, the chat template applied)")
+    else:
+        print(f"prompt:  {res['prompt']!r} ({res['prompt_tokens']} tokens)")
     print(f"output:  {res['text']!r} ({res['new_tokens']} tokens, finish: {res['finish_reason']})")
     tm = res["timings"]
-    print(f"time:    first token {tm.get('time_to_first_token_s', 0):.3f} s, {tm.get('decode_tokens_per_s', 0)} tokens/s decode, "
-          f"load {tm['load_s']} s")
+    print(f"time:    load {tm['load_s']} s, prefill (first token) {tm.get('prefill_s', 0):.3f} s, "
+          f"CUDA graph capture {tm.get('graph_capture_s', 0):.3f} s ({tm.get('graph_captures', 0)} graphs)")
+    if "steady_decode_tokens_per_s" in tm:
+        print(f"decode:  {tm['steady_decode_tokens_per_s']} tokens/s steady (median of {tm['steady_decode_steps']} steps "
+              f"after {tm['decode_warmup_s']:.3f} s of warm-up steps); {tm.get('decode_tokens_per_s', 0)} tokens/s over "
+              f"all decode steps")
 
 
 def _check_against_config(path: str, args: argparse.Namespace) -> None:
@@ -119,7 +155,11 @@ def _check_against_config(path: str, args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from engram_trt.cli.distributed import print_parallel, run_parallel, wants_parallel
 
+    check_chat_args(args)
     if wants_parallel(args):  # hook: --tp / --dp / --prompts-file start the ranks (engram_trt.distributed)
+        if args.chat:
+            raise EngramError("--chat runs one prompt on one device; drop --tp / --dp / --prompts-file, or apply the "
+                              "chat template to the prompts yourself")
         res = run_parallel(args)
         if res:
             print_json(res) if args.json else print_parallel(res)
@@ -146,6 +186,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from engram_trt.paths import cache_root
 
     sampling_params_from_args(args)  # before the checkpoint is made or the engine built
+    check_chat_args(args)
     resolve_device(args.device)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")

@@ -58,6 +58,9 @@ def add_repo_arguments(p: argparse.ArgumentParser) -> None:
                    help="max_tokens of a request that does not send one (default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing repository folder, only if engram-trt wrote it and it holds nothing else")
+    p.add_argument("--allow-unused-weights", action="store_true",
+                   help="serve a checkpoint that holds tensors the model does not read (refused by default, naming them: "
+                        "a model that skipped them might not be the one the checkpoint declares)")
     p.add_argument("--json", action="store_true", help="print one JSON object (the repository, or the endpoints once ready)")
     add_engram_config_arguments(p)
     from engram_trt.cli.distributed import add_parallel_arguments
@@ -215,4 +218,5 @@ def options_from_args(args: Any, gpus: Any = None) -> Any:
                        device=args.device, dtype=args.dtype, engram_config=engram_config_from_args(args),
                        max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                        max_num_tokens=args.max_num_tokens, default_max_tokens=args.default_max_tokens,
-                       tp=getattr(args, "tp", 1), dp=getattr(args, "dp", 1))
+                       tp=getattr(args, "tp", 1), dp=getattr(args, "dp", 1),
+                       allow_unused_weights=getattr(args, "allow_unused_weights", False))

@@ -56,6 +56,7 @@ class LLM:
                  table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
                  scheduler_factory: Any = None, cuda_graphs: bool = True, allow_unused_weights: bool = False) -> None:
         from engram_trt.engram.tokenizer import load_tokenizer
+        from engram_trt.llmapi.chat import read_tokenizer_settings
         from engram_trt.runtime.engine_folder import open_model_source
         from engram_trt.runtime.runner import ModelRunner
         from engram_trt.runtime.scheduler import Scheduler
@@ -66,6 +67,8 @@ class LLM:
         if self.source.tokenizer_json is None:
             raise EngramError(f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens")
         self.tokenizer = load_tokenizer(self.source.tokenizer_json)
+        # tokenizer_config.json: beside the tokenizer, else in the checkpoint an engine was built from
+        self.tokenizer_settings = read_tokenizer_settings([self.source.tokenizer_json.parent, self.source.checkpoint])
         self.runner = ModelRunner(self.source, backend=backend, device=device, dtype=dtype, engram_config=ecfg,
                                   max_batch=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
                                   progress=progress, table_options=table_options, cuda_graphs=cuda_graphs, engram_lookup=engram_lookup)
@@ -105,14 +108,22 @@ class LLM:
         return st
 
     # -- prompts ---------------------------------------------------------------------------
-    def encode(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of one prompt: text, or a list of token ids."""
+    def encode(self, prompt: Any, *, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt: text, or a list of token ids.
+
+        Text is tokenized as transformers' ``AutoTokenizer`` does for the folder: with the
+        special tokens of tokenizer.json's post-processor (a Llama tokenizer's BOS, say;
+        transformers 5 takes them from there, not from tokenizer_config's ``add_bos_token``).
+        ``add_special_tokens=False``: the text alone (a rendered chat template, which writes
+        its own BOS)."""
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:
                 raise EngramError("the prompt is not valid UTF-8 text (it holds undecodable bytes); pass UTF-8 text or token ids") from None
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+            if not prompt:
+                raise EngramError("the prompt is empty; give some text")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
             if not ids:
                 raise EngramError("the prompt is empty after tokenization; give some text")
             return prompt, list(ids)
@@ -122,6 +133,47 @@ class LLM:
                 raise EngramError("a token-id prompt must be a non-empty list of integers")
             return None, ids
         raise EngramError(f"a prompt is text or a list of token ids (got {type(prompt).__name__})")
+
+    # -- chat --------------------------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template (tokenizer_config.json / chat_template.jinja), or None."""
+        return self.tokenizer_settings.chat_template
+
+    def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **template_kwargs: Any) -> str:
+        """The prompt text of one conversation, rendered as transformers'
+        ``apply_chat_template(..., tokenize=False)`` renders it
+        (:mod:`engram_trt.llmapi.chat`). ``chat_template``: another template than the
+        tokenizer's."""
+        from engram_trt.llmapi.chat import render_chat
+
+        return render_chat(chat_template or self.chat_template, messages,
+                           special_tokens=self.tokenizer_settings.special_tokens,
+                           add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+    def chat(self, messages: Any, sampling_params: Any = None, *, add_generation_prompt: bool = True,
+             chat_template: str | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """Generate the reply to a conversation, as vLLM's ``LLM.chat``: ``messages`` is
+        one conversation (a list of ``{"role", "content"}``) or a list of them; each is
+        rendered with the chat template and tokenized without adding special tokens (the
+        template writes them), as transformers' ``apply_chat_template(tokenize=True)``.
+        One finished :class:`RequestOutput` per conversation; its ``prompt`` is the
+        rendered text."""
+        self._check_open()
+        if isinstance(messages, Sequence) and messages and all(isinstance(m, Sequence) and not isinstance(m, (str, bytes))
+                                                               for m in messages):
+            convs = list(messages)
+        else:
+            convs = [messages]
+        params = as_param_list(sampling_params, len(convs))
+        texts = [self.apply_chat_template(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                                          **template_kwargs) for c in convs]
+        handles = []
+        for text, sp in zip(texts, params):
+            _, ids = self.encode(text, add_special_tokens=False)
+            handles.append(self.scheduler.submit(ids, SamplingParams.coerce(sp), prompt=text, sink=None, request_id=None))
+        return [self.wait(h) for h in handles]
 
     @staticmethod
     def _prompt_list(prompts: Any) -> list[Any]:

@@ -44,6 +44,7 @@ logs why once and runs decode steps eagerly (the same function, only slower).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -108,6 +109,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.lookup_pool = torch.cuda.graph_pool_handle()  # replays beside `pre`: its own memory
         self.failed: str | None = None
+        self.captures = 0  # graph sets recorded (one per step shape), and the seconds spent on them:
+        self.capture_s = 0.0  # what `run` reports as graph capture, apart from the steady decode rate
         self.replays = 0
         from engram_trt.runtime.prefetch import bad_row_checker
 
@@ -302,6 +305,14 @@ class DecodeGraphs:
         return g
 
     def _record(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
+        try:
+            return self._record_timed(G, L, mode, staged)
+        finally:
+            self.captures += 1
+            self.capture_s += time.perf_counter() - t0
+
+    def _record_timed(self, G: int, L: int, mode: str, staged: list[torch.Tensor] | None) -> dict[str, Any] | None:
         d = self._buffers(G)[0]
         self._event.synchronize()  # no step's copy into d is in flight
         d[:, :G].zero_()

@@ -155,6 +155,14 @@ class ModelRunner:
     def backend_label(self) -> str:
         return self.backend.label
 
+    def graph_capture(self) -> dict[str, Any]:
+        """CUDA graphs recorded so far for decode steps and the seconds they took
+        (captures happen inside the first decode step of each new batch / context shape,
+        which is why the steady decode rate leaves those steps out)."""
+        graphs = getattr(self.backend, "graphs", None)
+        return {"graph_captures": int(getattr(graphs, "captures", 0) or 0),
+                "graph_capture_s": round(float(getattr(graphs, "capture_s", 0.0) or 0.0), 6)}
+
     def storage(self) -> dict[str, Any]:
         if self.engram_lookup is not None:  # hook (engram_trt.distributed)
             return self.engram_lookup.describe()

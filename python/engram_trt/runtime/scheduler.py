@@ -38,6 +38,24 @@ from engram_trt.models.step import PackedStep
 log = logging.getLogger(__name__)
 
 _ids = itertools.count()
+# The first decode steps of a request carry one-off work (a CUDA graph capture for a new
+# batch / context shape, lazy kernel and allocator set-up): the steady decode rate is
+# taken over the steps after them.
+WARMUP_DECODE_STEPS = 2
+
+
+def steady_decode(token_times: list[float], warmup: int = WARMUP_DECODE_STEPS) -> dict[str, float]:
+    """The decode timings of one request from the times its tokens came out: the seconds
+    of its first ``warmup`` decode steps, and the steady rate, one token over the median
+    step time of the rest (a median, so a later capture for a longer context does not
+    weigh on it). Fewer steps than that: all of them count as steady."""
+    gaps = np.diff(np.asarray(token_times, dtype=np.float64))
+    if gaps.size == 0:
+        return {}
+    steady = gaps[warmup:] if gaps.size > warmup else gaps
+    return {"decode_warmup_s": round(float(gaps[:warmup].sum()) if gaps.size > warmup else 0.0, 6),
+            "steady_decode_steps": int(steady.size),
+            "steady_decode_tokens_per_s": round(1.0 / max(float(np.median(steady)), 1e-9), 2)}
 
 
 @dataclass
@@ -63,6 +81,7 @@ class Request:
     detok: IncrementalText | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token came out (steady_decode)
     finished_at: float | None = None
     cancelled: bool = False
     done: threading.Event = field(default_factory=threading.Event)
@@ -82,12 +101,14 @@ class Request:
         t: dict[str, float] = {}
         if self.first_token is not None:
             t["time_to_first_token_s"] = round(self.first_token - self.arrival, 6)
+            t["prefill_s"] = t["time_to_first_token_s"]  # arrival to first token: the prompt's prefill steps
         if self.finished_at is not None:
             total = self.finished_at - self.arrival
             t["total_s"] = round(total, 6)
             t["tokens_per_s"] = round(len(self.output_ids) / max(total, 1e-9), 2)
             if self.first_token is not None and len(self.output_ids) > 1:
                 t["decode_tokens_per_s"] = round((len(self.output_ids) - 1) / max(self.finished_at - self.first_token, 1e-9), 2)
+                t.update(steady_decode(self.token_times))
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids),
                              [CompletionOutput(0, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)],
                              self.finished, delta_text, list(delta_ids or []), t, self.error)
@@ -287,6 +308,7 @@ class Scheduler:
                     continue
                 if req.first_token is None:
                     req.first_token = now
+                req.token_times.append(now)
                 self._append(req, tok)
             st = self.stats
             st["steps"] += 1

@@ -65,6 +65,7 @@ class ModelParams:
     dp: int = 1  # instances (replicas) in the deployment, for the table-sharing choice
     tp_gpus: tuple[tuple[int, ...], ...] = ()  # per KIND_GPU instance, its group's GPUs (the first is the instance's)
     group_timeout_s: float = 600.0  # the TP group's collectives and start-up
+    allow_unused_weights: bool = False  # serve a checkpoint holding tensors the model does not read
 
     @classmethod
     def from_model_config(cls, config: dict[str, Any]) -> "ModelParams":
@@ -97,17 +98,22 @@ class ModelParams:
         if tp < 1 or dp < 1:
             raise EngramError(f"config.pbtxt parameters 'tp' and 'dp' must be >= 1 (got tp {tp}, dp {dp})")
         timeout = text("group_timeout_s")
+        unused = (text("allow_unused_weights") or "false").lower()
+        if unused not in ("true", "false"):
+            raise EngramError(f"config.pbtxt parameter 'allow_unused_weights' must be true or false (got {unused!r})")
         return cls(engine_dir=engine_dir, backend=text("backend") or "auto", device=text("device") or "auto",
                    dtype=text("dtype"), engram_config=ecfg or None, max_batch_size=integer("max_batch_size"),
                    max_seq_len=integer("max_seq_len"), max_num_tokens=integer("max_num_tokens"),
                    default_max_tokens=integer("default_max_tokens") or 16,
                    metrics_interval_s=float(interval) if interval else 1.0, tp=tp, dp=dp,
-                   tp_gpus=parse_tp_gpus(text("tp_gpus") or "", tp), group_timeout_s=float(timeout) if timeout else 600.0)
+                   tp_gpus=parse_tp_gpus(text("tp_gpus") or "", tp), group_timeout_s=float(timeout) if timeout else 600.0,
+                   allow_unused_weights=unused == "true")
 
     def llm_kwargs(self) -> dict[str, Any]:
         """The :class:`engram_trt.LLM` options besides the path, device and tables."""
         return {"backend": self.backend, "dtype": self.dtype, "max_batch_size": self.max_batch_size,
-                "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens, "progress": False}
+                "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens, "progress": False,
+                "allow_unused_weights": self.allow_unused_weights}
 
 
 def parse_tp_gpus(text: str, tp: int) -> tuple[tuple[int, ...], ...]:

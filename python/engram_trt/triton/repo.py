@@ -100,6 +100,7 @@ class RepoOptions:
     tp: int = 1  # ranks per instance (--tp)
     dp: int = 1  # instances (--dp)
     tp_groups: tuple[tuple[int, ...], ...] = ()  # per instance, its group's GPUs (resolve_parallel fills it)
+    allow_unused_weights: bool = False  # serve a checkpoint holding tensors the model does not read (--allow-unused-weights)
 
     @property
     def parallel(self) -> bool:
@@ -251,6 +252,7 @@ def model_parameters(opts: RepoOptions) -> dict[str, str]:
         "tp": str(opts.tp),
         "dp": str(opts.total_instances),
         "tp_gpus": ";".join(",".join(str(g) for g in grp) for grp in opts.tp_groups),
+        "allow_unused_weights": "true" if opts.allow_unused_weights else "false",
     }
     return params
 
