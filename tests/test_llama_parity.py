@@ -147,7 +147,7 @@ REFUSED: dict[str, tuple[Any, tuple[str, ...]]] = {
     "mlp_bias": (True, ("'mlp_bias'", "true", "false")),
     "quantization_config": ({"quant_method": "gptq", "bits": 4}, ("'quantization_config'", "gptq")),
     "model_type": ("mistral", ("model_type 'mistral'", "LlamaForCausalLM")),
-    "architectures": (["Qwen4ExpForCausalLM"], ("Qwen4ExpForCausalLM", "supported architectures", "LlamaForCausalLM")),
+    "architectures": (["MistralForCausalLM"], ("MistralForCausalLM", "supported architectures", "LlamaForCausalLM")),
     "rope_parameters": ({"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
                          "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}, ("longrope",)),
 }

@@ -233,3 +233,31 @@ def test_inspect_lists_ple_tables(case: tuple[str, Path, Any], capsys: Any) -> N
         assert e["shards"] == spec["split_ngram_parts"] and e["width"] == spec["ple_embed_dim"] // heads
         assert e["table_rows"] == e["layout_rows"] and e["table_rows"] % spec["make_ngram_vocab_size_divisible_by"] == 0
         assert e["bytes"] == e["table_rows"] * e["width"] * 4  # float32 rows as transformers saved them
+
+
+def test_build_refuses_before_writing(tmp_path: Path, capsys: Any) -> None:
+    """No engine path for this family yet: build says so in one line, before any work."""
+    folder = tmp_path / "ck"
+    save_qwen4(folder, seed=2, **CASES["hc2-ple1-qsa"])
+    capsys.readouterr()
+    code = main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "does not export Qwen4Exp" in err and "engram-trt run" in err
+    assert not (tmp_path / "engine").exists()
+
+
+def test_committed_tiny_checkpoint_is_transformers_and_ours() -> None:
+    """tests/data/qwen4_exp_tiny (saved by transformers 5.25, no tokenizer): its recorded
+    greedy tokens are transformers' own today and ours through LLM (token-id prompts).
+    The GPU tests (tests/gpu/test_qwen4_exp.py) hold the CUDA model to the same tokens."""
+    from transformers import Qwen4ExpForCausalLM
+
+    from engram_trt import LLM, SamplingParams
+
+    folder = Path(__file__).parent / "data" / "qwen4_exp_tiny"
+    want = json.loads((folder / "expected.json").read_text())
+    model = Qwen4ExpForCausalLM.from_pretrained(folder, use_kernels=False).eval()
+    assert [hf_greedy(model, p, want["new_tokens"]) for p in want["prompts"]] == want["greedy"]
+    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
+        outs = llm.generate(want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want["greedy"]

@@ -279,6 +279,10 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
         checkpoint = checkpoint.path
     ckpt = open_checkpoint(checkpoint, allow_unused=allow_unused_weights)
     config = ckpt.config
+    why_not = getattr(ckpt.architecture, "no_engine_export", None)
+    if why_not:
+        ckpt.close()
+        raise EngramError(f"checkpoint '{checkpoint}': {why_not}")
     ecfg = engram_config if isinstance(engram_config, EngramConfig) else EngramConfig.parse(engram_config)
     ecfg.validate_for(config)
     # Defaults fit the model; values the user passed are checked as given, never clamped.

@@ -28,6 +28,10 @@ class Qwen4ExpArchitecture:
     architectures = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
     model_types = ("qwen4_exp_text", "qwen4_exp")
     contract = CONTRACT
+    # Read by `engram-trt build` before any work: why this family has no engine yet.
+    no_engine_export = ("engram-trt build does not export Qwen4Exp yet (its Gated DeltaNet, QSA indexer and PLE fusion "
+                        "have no ONNX / plugin path); serve the checkpoint folder itself with `engram-trt run` or "
+                        "`engram-trt serve` (the torch backend)")
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> Qwen4ExpConfig:
@@ -99,9 +103,21 @@ class Qwen4ExpArchitecture:
 
         return Qwen4ExpModel(config, weights, **options)
 
-    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, ple_table_kind: str | None = None) -> Any:
+    def table_refs(self, ckpt: Any) -> list[Any]:
+        """Where the PLE tables' bytes are: one :class:`~engram_trt.tables.source.TableRef`
+        per shard (``part`` in row order), what the runtime opens in the store
+        ``--engram-config`` picks and checks as it checks Engram tables (empty without PLE)."""
+        from engram_trt.models.qwen4_exp.ple_tables import ple_table_refs
+
+        return [] if ckpt.config.ple is None else ple_table_refs(ckpt, ckpt.config)
+
+    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, ple_table_kind: str | None = None,
+                   tables: Any = None, engram_config: Any = None) -> Any:
         """The model of an open checkpoint, its PLE tables bound from the checkpoint's
-        shards (``file``: in place, on the CPU; ``device``: one GPU tensor per layer)."""
+        shards: ``tables``, a table store the runtime opened over :meth:`table_refs`
+        (left to it to close), else a store of ``ple_table_kind`` or the kind
+        ``engram_config`` (default: the defaults) gives on ``device``
+        (:func:`~engram_trt.tables.store.table_kind_for`: the file maps on a CPU)."""
         import torch
 
         from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
@@ -110,12 +126,17 @@ class Qwen4ExpArchitecture:
         cfg = ckpt.config
         dev = torch.device(device)
         dtype = dtype or torch.float32
-        tables = None
-        if cfg.ple is not None:
-            kind = ple_table_kind or ("device" if dev.type == "cuda" else "file")
-            tables = PLETables.from_checkpoint(ckpt, cfg, ple_layout(cfg), kind=kind, device=dev)
+        ple = None
+        if cfg.ple is not None and tables is not None:
+            ple = PLETables(tables, dev, owns_store=False)
+        elif cfg.ple is not None:
+            from engram_trt.config.engram import EngramConfig
+            from engram_trt.tables.store import table_kind_for
+
+            kind = ple_table_kind or table_kind_for(engram_config or EngramConfig(), dev)
+            ple = PLETables.from_checkpoint(ckpt, cfg, ple_layout(cfg), kind=kind, device=dev)
         weights = {name: ckpt.get(name) for name in self.weight_shapes(cfg)}
-        return Qwen4ExpModel(cfg, weights, ple_tables=tables, device=dev, dtype=dtype)
+        return Qwen4ExpModel(cfg, weights, ple_tables=ple, device=dev, dtype=dtype)
 
     def allocate_state(self, config: Qwen4ExpConfig, num_slots: int, max_len: int, device: Any, dtype: Any) -> Any:
         from engram_trt.models.qwen4_exp.state import Qwen4ExpState
@@ -125,8 +146,7 @@ class Qwen4ExpArchitecture:
     def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:
         from engram_trt.errors import EngramError
 
-        raise EngramError("engram-trt build does not export Qwen4Exp yet (its Gated DeltaNet, QSA and PLE fusion have no "
-                          "engine path); serve the checkpoint folder with `engram-trt run` / `serve` (torch backend)")
+        raise EngramError(self.no_engine_export)
 
 
 ARCHITECTURE = Qwen4ExpArchitecture()

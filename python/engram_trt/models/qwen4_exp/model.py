@@ -153,22 +153,49 @@ class Qwen4ExpModel(_Modules):
     # -- the step --------------------------------------------------------------------------
     def ple_rows(self, step: PackedStep, state: Qwen4ExpState) -> list[torch.Tensor]:
         """Each PLE layer's rows for the step's tokens ``[T, ple_embed_dim]``; the slots'
-        n-gram context advances past the step's tokens."""
+        n-gram context advances past the step's tokens. On a GPU the hash runs in the
+        kernel library (the plugin's kernel, bit-identical to the reference), on the
+        step's device arrays; elsewhere the reference hash."""
         from engram_trt.engram.ple_hash import next_context, ple_hash_packed
 
+        # The context (a few ids per slot) lives on the host: the scheduler's tokens are
+        # there, so advancing it costs no device round trip.
         slots = torch.tensor(step.slots, dtype=torch.int64)
-        fresh = torch.tensor([p == 0 for p in step.past_lens])
-        ctx = state.context.cpu()[slots]
-        ctx[fresh] = state.eos_id
+        ctx = state.context[slots]
+        ctx[torch.tensor([p == 0 for p in step.past_lens])] = state.eos_id
         ids = step.input_ids.cpu()
+        on_gpu = self._native_ple_hash()
+        if on_gpu is not None:
+            dev = self._device
+            ids_dev = step.input_ids.to(dev, torch.int32)
+            starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(dev)
+            ctx_dev = ctx.to(torch.int32).to(dev)
         out = []
         for li in range(len(self.config.ple.layers)):
-            rows_ids = torch.as_tensor(ple_hash_packed(ids, step.seq_starts, ctx, self.ple_layout, li), dtype=torch.int64)
+            if on_gpu is not None:
+                rows_ids = on_gpu(ids_dev, starts, ctx_dev, self.ple_layout, li)
+            else:
+                rows_ids = torch.as_tensor(ple_hash_packed(ids, step.seq_starts, ctx, self.ple_layout, li), dtype=torch.int64)
             rows = self.ple_tables.gather(li, rows_ids.to(self._device))
             out.append(rows.reshape(rows.shape[0], -1).to(self.compute_dtype))
-        new_ctx = torch.as_tensor(next_context(ctx, ids, step.seq_starts), dtype=torch.int64)
-        state.context[slots.to(state.context.device)] = new_ctx.to(state.context.device)
+        state.context[slots] = torch.as_tensor(next_context(ctx, ids, step.seq_starts), dtype=torch.int64)
         return out
+
+    def _native_ple_hash(self) -> Any:
+        """The kernel library's PLE hash when the model runs on a CUDA device and the
+        library loads (None: the reference hash)."""
+        if self._device.type != "cuda":
+            return None
+        if not hasattr(self, "_ple_hash_fn"):
+            try:
+                from engram_trt.native import kernels
+
+                kernels.load_library()
+                self._ple_hash_fn = kernels.ple_hash_packed
+            except Exception as exc:  # no library here: the reference hash, said once
+                log.warning("PLE hash: the kernel library does not load (%s); using the reference hash", exc)
+                self._ple_hash_fn = None
+        return self._ple_hash_fn
 
     def _check_step(self, step: PackedStep, state: Qwen4ExpState) -> None:
         for s, slot in enumerate(step.slots):

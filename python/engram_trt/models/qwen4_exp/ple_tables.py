@@ -3,19 +3,26 @@
 (``...ngram_embedding.shard_{i}.weight``, split along the rows), bound here as one table
 without concatenating them in RAM.
 
-Where the rows live (``kind``): ``file`` reads them in place from the checkpoint's file
-maps (only the pages of the rows asked for are read; nothing is copied at load), or
-``device`` holds each layer as one tensor on the GPU (filled shard by shard, so host
-memory never holds a second copy). The checks at open name the first problem: a shard
-missing or short, a width other than ``ple_embed_dim / heads``, a row count other than
-the one the config's primes give, or checkpoint buffers (multipliers, head sizes,
-offsets) that disagree with the config.
+Where the rows live is the Engram tables' machinery (:mod:`engram_trt.tables`): the
+shards are :class:`~engram_trt.tables.source.TableRef` regions (``part`` 0..n-1 of the
+layer's table, each with its own sha256 / block hashes once recorded), opened in any of
+the five stores (:func:`~engram_trt.tables.store.open_tables`; ``--engram-config``
+picks the kind through :func:`~engram_trt.tables.store.table_kind_for`, as for an
+Engram model): ``file`` maps the shards in place (only the pages of the rows asked for
+are read), ``memory`` / ``pinned`` / ``shared`` / ``device`` fill one buffer per layer
+shard by shard (never a second copy in RAM). Rows are gathered by
+:class:`~engram_trt.tables.rowgather.StoreGather` (the reference gather on a CPU; on a
+GPU the UVA gather kernel or the host gather for bf16 rows).
+
+The checks at open name the first problem: a shard missing or short, a width other
+than ``ple_embed_dim / heads``, a row count other than the one the config's primes
+give, or checkpoint buffers (multipliers, head sizes, offsets) that disagree with the
+config.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,7 +32,7 @@ from engram_trt.errors import CheckpointError, EngramError
 
 log = logging.getLogger(__name__)
 
-PLE_TABLE_KINDS = ("file", "device", "memory")
+PLE_TABLE_KINDS = ("memory", "device", "pinned", "shared", "file")  # = tables.base.TABLE_KINDS
 _ROW_DTYPES = ("BF16", "F16", "F32")
 
 
@@ -81,82 +88,90 @@ def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
     return out
 
 
-class PLETables:
-    """Per PLE layer, its shards bound as one table (see the module docstring)."""
+def ple_table_refs(ckpt: Any, config: Any) -> list[Any]:
+    """Per PLE layer, one :class:`~engram_trt.tables.source.TableRef` per shard (``part``
+    in row order; ``layer_id`` the 0-based decoder layer, ``layer_index`` the PLE layer's
+    position): where each shard's bytes are in the checkpoint's files. No hashes: a
+    checkpoint records none (:func:`~engram_trt.tables.source.hash_tables` adds them)."""
+    from engram_trt.tables.source import TableRef
 
-    def __init__(self, layers: Sequence[Sequence[torch.Tensor]], kind: str, head_dim: int) -> None:
-        if kind not in PLE_TABLE_KINDS:
-            raise EngramError(f"PLE table kind {kind!r} is not one of {list(PLE_TABLE_KINDS)}")
-        self.kind = kind
-        self.head_dim = head_dim
-        self._shards = [list(s) for s in layers]
-        self._starts = [torch.tensor(np.cumsum([0] + [int(t.shape[0]) for t in s]), dtype=torch.int64) for s in layers]
+    ple = config.ple
+    refs = []
+    for li, layer in enumerate(ple.layers):
+        for part, name in enumerate(shard_names(config.weight_prefix, layer, ple.split_parts)):
+            info = ckpt.info(name)
+            refs.append(TableRef(layer, li, "rows", name, info.file.resolve(), info.data_offset, info.nbytes,
+                                 tuple(info.shape), info.st_dtype, part=part))
+    return refs
+
+
+class PLETables:
+    """Per PLE layer, its shards bound as one table in a table store (module docstring).
+
+    ``owns_store``: :meth:`close` closes the store too (False when the runtime opened
+    it and closes it itself)."""
+
+    def __init__(self, store: Any, device: Any = "cpu", owns_store: bool = True) -> None:
+        from engram_trt.tables.rowgather import StoreGather
+
+        self.store = store
+        self.head_dim = store.head_dim(0) if store.num_layers else 0
+        self._gather = StoreGather(store, device)
+        self._owns_store = owns_store
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Any, config: Any, layout: Any, kind: str = "file",
-                        device: Any = "cpu", dtype: torch.dtype | None = None) -> "PLETables":
+    def from_checkpoint(cls, ckpt: Any, config: Any, layout: Any, kind: str = "file", device: Any = "cpu",
+                        progress: bool = False, **options: Any) -> "PLETables":
+        """Check the checkpoint's PLE tables, then open them in a ``kind`` store
+        (``options``: the pinned / shared stores')."""
+        from engram_trt.tables.store import open_tables
+
         problems = table_problems(ckpt, config, layout)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
-        ple = config.ple
-        layers = []
-        for layer in ple.layers:
-            names = shard_names(config.weight_prefix, layer, ple.split_parts)
-            if kind == "file":
-                shards = []
-                for name in names:
-                    view = ckpt.raw_rows_view(name)  # read-only file map: rows read on demand
-                    with warnings.catch_warnings():  # torch cannot mark a tensor read-only; nothing here writes it
-                        warnings.simplefilter("ignore", UserWarning)
-                        t = torch.frombuffer(memoryview(view).cast("B"), dtype=torch.uint8) if view.size else torch.empty(0, dtype=torch.uint8)
-                    shards.append(t.view(ckpt.dtype(name)).reshape(view.shape[0], ple.head_dim))
-                layers.append(shards)
-            else:
-                rows = sum(ckpt.shape(n)[0] for n in names)
-                target = torch.device(device) if kind == "device" else torch.device("cpu")
-                out = torch.empty((rows, ple.head_dim), dtype=dtype or ckpt.dtype(names[0]), device=target)
-                at = 0
-                for name in names:  # one shard at a time: no second whole copy on the host
-                    t = ckpt.get(name)
-                    out[at:at + t.shape[0]].copy_(t)
-                    at += t.shape[0]
-                    del t
-                layers.append([out])
-        log.info("PLE tables: %d layer(s), %s", len(layers), kind)
-        return cls(layers, kind, ple.head_dim)
+        if kind not in PLE_TABLE_KINDS:
+            raise EngramError(f"PLE table kind {kind!r} is not one of {list(PLE_TABLE_KINDS)}")
+        store = open_tables(ple_table_refs(ckpt, config), kind, device=device, progress=progress, **options)
+        log.info("PLE tables: %d layer(s) in %s", store.num_layers, store.where())
+        return cls(store, device)
 
     @classmethod
     def from_tensors(cls, tables: Sequence[torch.Tensor], kind: str = "memory") -> "PLETables":
-        return cls([[t] for t in tables], kind, int(tables[0].shape[1]))
+        from engram_trt.tables.base import TableStore
+
+        store = TableStore.from_tensors(list(tables), [None] * len(tables))
+        return cls(store, tables[0].device if tables else "cpu")
+
+    @property
+    def kind(self) -> str:
+        return self.store.kind
+
+    @property
+    def paths(self) -> list[str]:
+        """The gather path of each layer (:mod:`engram_trt.tables.rowgather`)."""
+        return list(self._gather.paths)
 
     @property
     def num_layers(self) -> int:
-        return len(self._shards)
+        return self.store.num_layers
 
     def num_rows(self, layer_idx: int) -> int:
-        return int(self._starts[layer_idx][-1])
+        return self.store.num_rows(layer_idx)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self._shards for t in s)
+        return self.store.table_bytes()
 
     def gather(self, layer_idx: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape) of one layer's table: ``[*ids.shape, head_dim]``
         on ``ids``' device, in the table's dtype."""
-        shards = self._shards[layer_idx]
-        n = self.num_rows(layer_idx)
-        if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= n:
-                raise EngramError(f"PLE row id {lo if lo < 0 else hi} is outside layer {layer_idx}'s table (rows 0..{n - 1})")
-        if len(shards) == 1:
-            t = shards[0]
-            return t[ids.to(t.device)].to(ids.device)
-        flat = ids.reshape(-1).cpu()
-        starts = self._starts[layer_idx]
-        which = torch.searchsorted(starts, flat, right=True) - 1
-        out = torch.empty((flat.numel(), self.head_dim), dtype=shards[0].dtype)
-        for s in torch.unique(which).tolist():
-            sel = (which == s).nonzero().flatten()
-            out[sel] = shards[s][flat[sel] - starts[s]]
-        return out.reshape(*ids.shape, self.head_dim).to(ids.device)
+        try:
+            rows = self._gather.gather(layer_idx, ids)
+        except EngramError as exc:
+            raise EngramError(f"PLE layer {layer_idx}: {exc}") from None
+        return rows.to(ids.device)
+
+    def close(self) -> None:
+        self._gather.close()
+        if self._owns_store:
+            self.store.close()

@@ -27,7 +27,7 @@ class Qwen4ExpState:
     conv: dict[int, torch.Tensor]  # linear layer -> [slots, *conv shape]
     recurrent: dict[int, torch.Tensor]  # linear layer -> [slots, Hv, dk, dv] float32
     ple_conv: dict[int, torch.Tensor]  # PLE layer -> [slots, hc * hidden, history]
-    context: torch.Tensor  # [slots, ngram_size - 1] int64 raw ids (EOS = none yet)
+    context: torch.Tensor  # [slots, ngram_size - 1] int64 raw ids on the host (EOS = none yet)
     lengths: list[int]
     max_len: int
     eos_id: int
@@ -57,7 +57,7 @@ class Qwen4ExpState:
             n_ctx = config.ple.ngram_size - 1
             for i in config.ple.layers:
                 ple_conv[i] = torch.zeros((num_slots, *PLEFusion.state_shape(config)), device=device, dtype=dtype)
-        context = torch.full((num_slots, n_ctx), eos, dtype=torch.int64, device=device)
+        context = torch.full((num_slots, n_ctx), eos, dtype=torch.int64)  # host: see Qwen4ExpModel.ple_rows
         return cls(keys, values, index_keys, conv, rec, ple_conv, context, [0] * num_slots, max_len, eos)
 
     @property
