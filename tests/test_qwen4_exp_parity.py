@@ -261,3 +261,20 @@ def test_committed_tiny_checkpoint_is_transformers_and_ours() -> None:
     with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
         outs = llm.generate(want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0, ignore_eos=True))
     assert [list(o.outputs[0].token_ids) for o in outs] == want["greedy"]
+    # bf16: ours within 1e-2 relative L2 of transformers' bf16 logits; transformers' own
+    # bf16 distance from its fp32 logits is what the GPU test's bf16 bound scales.
+    from engram_trt.models.registry import open_checkpoint
+    from engram_trt.models.step import PackedStep
+
+    hf16 = Qwen4ExpForCausalLM.from_pretrained(folder, use_kernels=False, dtype=torch.bfloat16).eval()
+    ckpt = open_checkpoint(folder)
+    ours16 = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.bfloat16)
+    for i, p in enumerate(want["prompts"]):
+        with torch.no_grad():
+            r32 = model(torch.tensor([p])).logits[0].double()
+            r16 = hf16(torch.tensor([p])).logits[0].double()
+        g16 = ours16.forward_step(PackedStep(torch.tensor(p), [len(p)], [0], [0]), ours16.new_cache(1, 64),
+                                  all_logits=True).double()
+        assert float((g16 - r16).norm() / r16.norm()) < 1e-2
+        assert abs(float((r16 - r32).norm() / r32.norm()) - want["transformers_bf16_rel_l2"][i]) < 1e-4
+    ckpt.close()
