@@ -53,10 +53,11 @@ class ModelArchitecture(Protocol):
 
 
 def _registered() -> tuple[ModelArchitecture, ...]:
+    from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE as deepseek_v4
     from engram_trt.models.engram_llama.architecture import ARCHITECTURE as engram_llama
     from engram_trt.models.qwen4_exp.architecture import ARCHITECTURE as qwen4_exp
 
-    return (engram_llama, qwen4_exp)
+    return (engram_llama, qwen4_exp, deepseek_v4)
 
 
 def supported_architectures() -> list[str]:

@@ -1,0 +1,155 @@
+"""DeepSeek-V4's declaration in the model registry: transformers' ``DeepseekV4ForCausalLM``
+(``deepseek_v4``) and DeepSeek-V4.1, the same backbone with Engram layers
+(``DeepseekV41ForCausalLM``, ``deepseek_v41``).
+
+Its config fields' contract is :mod:`.config`'s; its tensor names :mod:`.weights`'. The
+checks a checkpoint must pass before a byte of it is loaded: every tensor the config
+implies, at its shape, float where a weight (the ``tid2eid`` tables integer, their
+expert ids in range), and as many experts per layer as ``n_routed_experts`` says. The
+upstream multi-token-prediction tensors (``mtp.*``) are unused ones the registry
+accepts with a log note: the published implementation skips them too. V4.1's Engram
+tables are the runtime's (``engram_trt.tables``), checked as engram-llama's are.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Iterable, Mapping
+
+from engram_trt.models.deepseek_v4.config import (CONTRACT, V4_ARCH, V4_TYPE, V41_ARCH, V41_TYPE, DeepseekV4Config,
+                                                  read_config)
+
+log = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.w[123]\.weight$")
+
+
+class DeepseekV4Architecture:
+    name = "deepseek-v4"
+    architectures = (V4_ARCH, V41_ARCH)
+    model_types = (V4_TYPE, V41_TYPE)
+    contract = CONTRACT
+
+    def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
+                    enforce_contract: bool = True) -> DeepseekV4Config:
+        return read_config(d, source, enforce_contract=enforce_contract)
+
+    def weight_shapes(self, config: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+        """Every tensor the model reads, by checkpoint name (the ``tid2eid`` tables included)."""
+        from engram_trt.models.deepseek_v4.model import model_tensor_shapes
+
+        return model_tensor_shapes(config)
+
+    def tensor_names(self, config: DeepseekV4Config) -> set[str]:
+        names = set(self.weight_shapes(config))
+        if config.engram is not None:
+            from engram_trt.checkpoint.checkpoint import engram_tensor_names
+
+            for lid in config.engram.layer_ids:
+                t = engram_tensor_names(lid, config.engram.prefix)
+                names.update(v for k, v in t.items() if k in ("table", "scale"))
+        return names
+
+    def unused_tensors(self, config: DeepseekV4Config, present: Iterable[str]) -> list[str]:
+        """Tensors the model does not read, the multi-token-prediction layers' excepted
+        (accepted with a note: transformers does not build them either)."""
+        from engram_trt.checkpoint.checkpoint import natural_key
+        from engram_trt.models.deepseek_v4.weights import MTP_TENSOR
+
+        used = self.tensor_names(config)
+        unused, mtp = [], 0
+        for n in present:
+            if n in used:
+                continue
+            if MTP_TENSOR.search(n):
+                mtp += 1
+            else:
+                unused.append(n)
+        if mtp:
+            log.info("%d multi-token-prediction tensor(s) (mtp.*) are not served (num_nextn_predict_layers=%d)", mtp,
+                     config.num_nextn_predict_layers)
+        return sorted(unused, key=natural_key)
+
+    def checkpoint_problems(self, ckpt: Any) -> list[str]:
+        """One line per problem (module docstring), the expert count first."""
+        from engram_trt.models.deepseek_v4.weights import INTEGER_TENSORS
+
+        cfg = ckpt.config
+        out = []
+        experts: dict[int, set[int]] = {}
+        for name in ckpt.tensor_names():
+            m = _EXPERT.match(name)
+            if m:
+                experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+        for layer, found in sorted(experts.items()):
+            if layer < cfg.num_hidden_layers and len(found) != cfg.n_routed_experts:
+                out.append(f"layer {layer} holds {len(found)} routed experts (ids {min(found)}..{max(found)}) but the config's "
+                           f"n_routed_experts={cfg.n_routed_experts}; the config does not describe these weights")
+                break
+        for name, want in self.weight_shapes(cfg).items():
+            if name not in ckpt:
+                out.append(f"tensor {name} is missing (expected shape {list(want)})")
+            elif tuple(ckpt.shape(name)) != want:
+                out.append(f"tensor {name} has shape {list(ckpt.shape(name))} but the config needs {list(want)}")
+            elif INTEGER_TENSORS.search(name):
+                if ckpt.dtype(name).is_floating_point:
+                    out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not the integer token -> expert table")
+                else:
+                    t = ckpt.get(name)
+                    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_routed_experts):
+                        out.append(f"tensor {name} routes to expert {int(t.max()) if int(t.min()) >= 0 else int(t.min())}, "
+                                   f"outside 0..{cfg.n_routed_experts - 1} (n_routed_experts={cfg.n_routed_experts})")
+            elif not ckpt.dtype(name).is_floating_point:
+                out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight")
+        return out
+
+    def build_model(self, config: DeepseekV4Config, weights: Mapping[str, Any], **options: Any) -> Any:
+        """A model from a name -> tensor dict (tests; serving loads with :meth:`load_model`)."""
+        import torch
+
+        from engram_trt.models.deepseek_v4.model import KEEP_FLOAT32, DeepseekV4Model
+        from engram_trt.models.deepseek_v4.weights import load_into
+
+        class _Dict:
+            path = "<weights>"
+
+            def __contains__(self, n: object) -> bool:
+                return n in weights
+
+            def shape(self, n: str) -> tuple[int, ...]:
+                return tuple(weights[n].shape)
+
+            def locate(self, n: str) -> tuple[str, int, int]:
+                return ("", 0, 0)
+
+            def get(self, n: str) -> Any:
+                return weights[n]
+
+        dev = torch.device(options.get("device", "cpu"))
+        dtype = options.get("dtype") or torch.float32
+        model = DeepseekV4Model(config, device=dev, dtype=dtype, compress_lookup=options.get("compress_lookup"),
+                                layout=options.get("layout"))
+        load_into(model, _Dict(), dev, dtype, KEEP_FLOAT32)
+        return model.eval()
+
+    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, **_: Any) -> Any:
+        """The model of an open checkpoint, loaded tensor by tensor (refused first when its
+        weights do not fit the GPU)."""
+        from engram_trt.models.deepseek_v4.model import DeepseekV4Model
+
+        return DeepseekV4Model.from_checkpoint(ckpt, device=device, dtype=dtype)
+
+    def allocate_state(self, config: DeepseekV4Config, num_slots: int, max_len: int, device: Any, dtype: Any) -> Any:
+        from engram_trt.models.deepseek_v4.state import DeepseekV4State
+
+        return DeepseekV4State.allocate(config, num_slots, max_len, device, dtype)
+
+    def export_onnx(self, config: DeepseekV4Config, weights: Any, layout: Any, options: Any) -> Any:
+        from engram_trt.errors import EngramError
+
+        raise EngramError("engram-trt build does not export DeepSeek-V4 yet (its compressed attention, mHC and MoE have no "
+                          "engine path); serve the checkpoint folder with `engram-trt run` / `serve` (torch backend)")
+
+
+ARCHITECTURE = DeepseekV4Architecture()

@@ -1,0 +1,322 @@
+"""DeepSeek-V4 (and V4.1) in PyTorch over the packed step: the torch backend's model for
+this family.
+
+The token's embedding is copied into ``hc_mult`` residual streams ``[T, hc, D]``. Each
+decoder layer: (V4.1, on an ``engram_layer_ids`` layer) the Engram update on every
+stream first, exactly engram-llama's (:class:`~engram_trt.models.engram_llama.modules.EngramModule`,
+docs/engram-spec.md "Fusion": each stream gated by its own key, the shared value added);
+then the attention's mHC collapses the streams into the RMS-normalized input of the
+attention (CSA / HCA, :mod:`.attention`, whose per-sequence caches live in the slots of
+:class:`~.state.DeepseekV4State`) and spreads its output back; the MLP's mHC does the same
+around the MoE (hash-routed layers read the step's raw token ids). After the last layer
+the hyper head collapses the streams, the final norm and the head give the logits.
+
+V4.1's Engram rows are found as engram-llama's are: hashed from the compressed ids and
+the slot's lookback, gathered from tables outside the model (the runtime's table store,
+prefetched on a side stream and handed in as ``engram_rows``), so the runtime's whole
+Engram path (every store, the prefetch) serves this family unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engram_trt.engram.hashing import DEAD, hash_ids_torch
+from engram_trt.errors import EngramError
+from engram_trt.models.deepseek_v4.config import DeepseekV4Config
+from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RMSNorm, SparseMoE
+from engram_trt.models.deepseek_v4.state import DeepseekV4State
+from engram_trt.models.deepseek_v4.weights import load_into, named_tensors
+from engram_trt.models.step import PackedStep, StepUploader
+
+log = logging.getLogger(__name__)
+
+# Kept in float32 whatever the serving dtype (transformers' _keep_in_fp32_modules_strict).
+KEEP_FLOAT32 = re.compile(r"(hc_attn_|hc_ffn_|hc_head\.|attn_sink$|\.ape$|\.gate\.bias$|q_norm\.|\.norm\.weight$|"
+                          r"attn_norm\.|ffn_norm\.)")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV4Config, index: int) -> None:
+        super().__init__()
+        from engram_trt.models.deepseek_v4.attention import DeepseekV4Attention
+
+        self.index = index
+        self.self_attn = DeepseekV4Attention(config, index)
+        self.mlp = SparseMoE(config, index)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = HyperConnection(config)
+        self.ffn_hc = HyperConnection(config)
+        self.engram: nn.Module | None = None
+        if index in config.engram_layer_index:
+            from engram_trt.models.engram_llama.modules import EngramModule
+
+            self.engram = EngramModule(config)
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = HyperHead(config)
+
+
+class _Modules(nn.Module):
+    """The parameter tree under transformers' module names (``model.``, ``lm_head``)."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+def model_tensor_shapes(config: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape of every tensor the model reads (float weights and the
+    hash-MoE ``tid2eid`` tables; no Engram tables)."""
+    with torch.device("meta"):
+        m = _Modules(config)
+    return {name: tuple(t.shape) for name, (_m, _a, t) in named_tensors(m).items()}
+
+
+class DeepseekV4Model(_Modules):
+    """See the module docstring. Build with :meth:`from_checkpoint` (tensor by tensor,
+    :func:`.weights.load_into`)."""
+
+    supports_decode_graphs = False
+
+    def __init__(self, config: DeepseekV4Config, *, device: Any = "cpu", dtype: torch.dtype = torch.float32,
+                 compress_lookup: Any = None, layout: Any = None) -> None:
+        with torch.device("meta"):
+            super().__init__(config)
+        self._rebuild_host_tables()
+        self._device = torch.device(device)
+        self.compute_dtype = dtype
+        self.uploader = StepUploader(self._device) if self._device.type == "cuda" else None
+        self.tables: Any = None
+        self.layout = layout
+        self.engram_enabled = True
+        self.engram_ops = None  # the CUDA kernel path of engram-llama's gate (bf16 GPU) is not wired here yet
+        self.compress_lookup: torch.Tensor | None = None
+        if config.engram is not None:
+            if compress_lookup is None or layout is None:
+                raise EngramError("a DeepSeek-V4.1 model needs the compressed-vocab lookup and the Engram layout "
+                                  "(load it with DeepseekV4Model.from_checkpoint, which builds both from tokenizer.json)")
+            lookup = torch.as_tensor(np.asarray(compress_lookup), dtype=torch.int64).reshape(-1)
+            if lookup.numel() < config.vocab_size:
+                lookup = torch.cat([lookup, torch.full((config.vocab_size - lookup.numel(),), DEAD, dtype=torch.int64)])
+            self.compress_lookup = lookup.to(self._device)
+
+    def _rebuild_host_tables(self) -> None:
+        """The attention's RoPE frequency tables are plain tensors (not parameters), made
+        on the meta device with the rest; they are recomputed on the CPU (a few floats)."""
+        from engram_trt.models.deepseek_v4.compressors import RopeTable
+
+        for mod in self.modules():
+            rope = getattr(mod, "rope", None)
+            if isinstance(rope, RopeTable) and rope.inv_freq.is_meta:
+                with torch.device("cpu"):
+                    mod.rope = RopeTable(self.config, mod.layer_type)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Any, *, device: Any = "cpu", dtype: torch.dtype | None = None,
+                        compressed_vocab: Any = None) -> "DeepseekV4Model":
+        from engram_trt.checkpoint.vocab import engram_lookup_and_layout
+        from engram_trt.models.deepseek_v4.weights import check_fits, tensor_bytes
+
+        cfg = ckpt.config
+        dev = torch.device(device)
+        dtype = dtype or torch.float32
+        shapes = model_tensor_shapes(cfg)
+        check_fits(tensor_bytes(shapes.values(), torch.empty((), dtype=dtype).element_size()), dev,
+                   f"the DeepSeek-V4 checkpoint {ckpt.path}")
+        lookup, layout = engram_lookup_and_layout(ckpt, compressed_vocab) if cfg.engram is not None else (None, None)
+        model = cls(cfg, device=dev, dtype=dtype, compress_lookup=lookup, layout=layout)
+        load_into(model, ckpt, dev, dtype, KEEP_FLOAT32)
+        model.eval()
+        return model
+
+    # -- what the runtime asks of a model ------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def backend_name(self) -> str:
+        kind = "deepseek-v4.1" if self.config.engram is not None else "deepseek-v4"
+        return f"torch ({kind}, {self.compute_dtype}, {self._device.type})"
+
+    def set_tables(self, tables: Any) -> None:
+        """Attach (or swap) the Engram row storage, checked against the layout."""
+        spec = self.config.engram
+        if spec is None or self.layout is None:
+            raise EngramError("this DeepSeek-V4 model has no Engram layers, so it takes no tables")
+        if tables.num_layers != self.layout.num_layers:
+            raise EngramError(f"{tables.num_layers} tables for {self.layout.num_layers} Engram layers")
+        for li in range(tables.num_layers):
+            need = int(self.layout.table_rows[li])
+            if tables.num_rows(li) < need:
+                raise EngramError(f"Engram table of layer {self.layout.layer_ids[li]} has {tables.num_rows(li)} rows but the "
+                                  f"layout needs at least {need}")
+            if tables.head_dim(li) != spec.head_dim:
+                raise EngramError(f"Engram table of layer {self.layout.layer_ids[li]} has rows of width {tables.head_dim(li)} "
+                                  f"but engram_head_dim={spec.head_dim}")
+        self.tables = tables
+
+    def new_cache(self, num_slots: int = 1, max_len: int | None = None) -> DeepseekV4State:
+        return DeepseekV4State.allocate(self.config, num_slots, max_len or 4096, self._device, self.compute_dtype)
+
+    @property
+    def engram_layers(self) -> list[tuple[int, int]]:
+        """``(decoder layer, Engram layer index)`` in step order (empty without Engram)."""
+        return sorted(self.config.engram_layer_index.items()) if self.engram_enabled else []
+
+    @property
+    def first_engram_layer(self) -> int | None:
+        layers = self.engram_layers
+        return layers[0][0] if layers else None
+
+    # -- Engram (V4.1), as engram-llama finds its rows ---------------------------------------
+    def step_compressed_ids(self, step: PackedStep) -> torch.Tensor:
+        if step.engram_ids is not None:
+            return step.engram_ids.to(self._device)
+        return self.compress_lookup[step.input_ids.to(self._device)]
+
+    def step_lookback(self, step: PackedStep, cache: DeepseekV4State | None) -> torch.Tensor:
+        n = self.layout.max_ngram_size - 1
+        if step.lookback is not None:
+            lb = torch.as_tensor(step.lookback, dtype=torch.int64).to(self._device)
+            if tuple(lb.shape) != (step.num_seqs, n):
+                raise EngramError(f"the step's lookback must be [S={step.num_seqs}, N-1={n}] (got {tuple(lb.shape)})")
+            return lb
+        if cache is None:
+            return torch.full((step.num_seqs, n), DEAD, dtype=torch.int64, device=self._device)
+        return cache.lookback[torch.tensor(step.slots, dtype=torch.int64, device=cache.lookback.device)].to(self._device)
+
+    def engram_hash(self, cids: torch.Tensor, seq_starts: Sequence[int], lookback: torch.Tensor) -> torch.Tensor:
+        """Row ids ``[T, L, cols]`` of packed compressed ids, each sequence after its lookback row."""
+        return torch.cat([hash_ids_torch(cids[seq_starts[s]:seq_starts[s + 1]], self.layout, lookback[s])
+                          for s in range(len(seq_starts) - 1)])
+
+    def gather_engram_rows(self, hash_ids: torch.Tensor) -> list[torch.Tensor]:
+        if self.tables is None:
+            raise EngramError("the model has no Engram tables attached (set_tables), and no engram_rows were given")
+        return [self.tables.rows(li, hash_ids[:, li, :]) for li in range(hash_ids.shape[1])]
+
+    def prepare_step(self, step: PackedStep, cache: DeepseekV4State | None = None) -> list[torch.Tensor]:
+        """The rows :meth:`forward_step` needs (the prefetch placement): pass them as ``engram_rows``."""
+        return self.gather_engram_rows(self.engram_hash(self.step_compressed_ids(step), step.seq_starts,
+                                                        self.step_lookback(step, cache)))
+
+    # -- the step --------------------------------------------------------------------------
+    def _check_step(self, step: PackedStep, state: DeepseekV4State) -> None:
+        for s, slot in enumerate(step.slots):
+            if not 0 <= slot < state.num_slots:
+                raise EngramError(f"sequence {s} names slot {slot}, but the state has slots 0..{state.num_slots - 1}")
+            if state.lengths[slot] != step.past_lens[s]:
+                raise EngramError(f"sequence {s} says {step.past_lens[s]} tokens are cached but slot {slot} holds "
+                                  f"{state.lengths[slot]}")
+            if step.total_lens[s] > state.max_len:
+                raise EngramError(f"sequence {s} would hold {step.total_lens[s]} tokens, more than the state's max_len "
+                                  f"{state.max_len}")
+            if step.total_lens[s] > self.config.max_position_embeddings:
+                raise EngramError(f"positions up to {step.total_lens[s] - 1} exceed the model's max_position_embeddings="
+                                  f"{self.config.max_position_embeddings}")
+        lo, hi = int(step.input_ids.min()), int(step.input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise EngramError(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary 0..{self.config.vocab_size - 1}")
+
+    def _engram_inputs(self, step: PackedStep, cache: DeepseekV4State, engram_rows: Any) -> tuple[Any, Any, Any]:
+        """``(rows per Engram layer, live [T], compressed ids [T])``, or Nones without Engram."""
+        if self.config.engram is None or not self.engram_enabled:
+            if engram_rows is not None and self.config.engram is None:
+                raise EngramError("this DeepSeek-V4 model has no Engram layers, so it takes no engram_rows")
+            return None, None, None
+        cids = self.step_compressed_ids(step)
+        if engram_rows is None:
+            rows = self.gather_engram_rows(self.engram_hash(cids, step.seq_starts, self.step_lookback(step, cache)))
+        else:
+            rows = engram_rows
+            shapes = engram_rows.shapes if hasattr(engram_rows, "shapes") else [tuple(r.shape) for r in engram_rows]
+            want = (step.num_tokens, self.layout.n_hash_cols, int(self.config.engram.head_dim))
+            if len(shapes) != self.layout.num_layers or any(tuple(s) != want for s in shapes):
+                raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
+        return rows, cids >= 0, cids
+
+    @torch.no_grad()
+    def forward_step(self, step: PackedStep, cache: DeepseekV4State, *, engram_rows: Any = None,
+                     all_logits: bool = False) -> torch.Tensor:
+        """Logits (float32) ``[S, vocab]`` of each sequence's last token (``all_logits``:
+        ``[T, vocab]``); the slots' per-layer state, lengths and lookback advance."""
+        cfg = self.config
+        self._check_step(step, cache)
+        dev = self._device
+        ids = step.input_ids.to(dev)
+        positions = step.positions(dev)
+        starts, past, slots = step.seq_starts, step.past_lens, step.slots
+        rows, live, cids = self._engram_inputs(step, cache, engram_rows)
+        x = self.model.embed_tokens(ids).to(self.compute_dtype)
+        streams = x.unsqueeze(1).expand(x.shape[0], cfg.hc_mult, x.shape[1]).contiguous()  # [T, hc, D]
+        index = cfg.engram_layer_index
+        for layer in self.model.layers:
+            i = layer.index
+            if layer.engram is not None and rows is not None:
+                streams = layer.engram(streams, rows[index[i]].to(dev), live)
+            h, post, comb = layer.attn_hc.collapse(streams)
+            y = layer.self_attn(layer.input_layernorm(h), positions, starts, past, slots, cache.layers[i])
+            streams = HyperConnection.expand(streams, y, post, comb)
+            h, post, comb = layer.ffn_hc.collapse(streams)
+            streams = HyperConnection.expand(streams, layer.mlp(layer.post_attention_layernorm(h), ids), post, comb)
+        if not all_logits:
+            streams = streams[step.last_token_index(dev)]
+        hidden = self.model.norm(self.model.hc_head(streams))
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, head.to(hidden.dtype)).float()
+        self._advance(step, cache, cids)
+        return logits
+
+    def _advance(self, step: PackedStep, cache: DeepseekV4State, cids: torch.Tensor | None) -> None:
+        for s, slot in enumerate(step.slots):
+            cache.lengths[slot] = step.total_lens[s]
+        n = cache.lookback.shape[1]
+        if cids is None or n == 0 or step.lookback is not None:
+            return  # a step that brings its own lookback: the caller (the runtime's scheduler) keeps them
+        starts = step.seq_starts
+        for s, slot in enumerate(step.slots):
+            ext = torch.cat([cache.lookback[slot], cids[starts[s]:starts[s + 1]].to(cache.lookback.device)])
+            cache.lookback[slot] = ext[ext.shape[0] - n:]
+
+    # -- the single-sequence helper tests and scripts use ---------------------------------------
+    @torch.no_grad()
+    def generate_greedy(self, prompt: Sequence[int], max_new_tokens: int, *, chunk: int | None = None,
+                        max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
+        """Greedy tokens of one sequence (prefill in chunks of ``chunk`` tokens, then one
+        token per step): the scheduler's oracle."""
+        state = self.new_cache(1, max_len or len(prompt) + max_new_tokens + 1)
+        ids = list(prompt)
+        done = 0
+        logits = None
+        step_len = chunk or len(ids)
+        while done < len(ids):
+            part = ids[done:done + step_len]
+            logits = self.forward_step(PackedStep(torch.tensor(part), [len(part)], [done], [0]), state)
+            done += len(part)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            tok = int(torch.argmax(logits[0]))
+            out.append(tok)
+            if tok in self.config.eos_token_ids and not ignore_eos:
+                break
+            logits = self.forward_step(PackedStep(torch.tensor([tok]), [1], [done], [0]), state)
+            done += 1
+        return out

@@ -1,0 +1,212 @@
+"""DeepSeek-V4's hyper-connections, norms and MoE over a packed step (``[T, ...]``: the
+tokens of several sequences back to back; none of these modules mixes tokens, so a
+packed step needs nothing per sequence here).
+
+Parameter names are transformers' module names (``attn_hc.fn``, ``mlp.experts.3.gate_proj``,
+``mlp.gate.e_score_correction_bias``); :func:`.weights.checkpoint_name` maps them to the
+names the checkpoint stores (``hc_attn_fn``, ``ffn.experts.3.w1``, ``ffn.gate.bias``).
+
+* mHC (:class:`HyperConnection`): the residual is ``hc_mult`` streams ``[T, hc, D]``. From
+  the flattened, RMS-normalized streams one linear map gives three sets of weights:
+  ``pre`` (sigmoid + eps) collapses the streams into the sublayer's input, ``post``
+  (2 sigmoid) spreads its output back over the streams, ``comb`` (softmax + eps, then
+  ``hc_sinkhorn_iters`` Sinkhorn-Knopp steps towards a doubly-stochastic matrix) mixes
+  the streams themselves: ``streams' = post * out + comb^T @ streams``. The matrix is not
+  symmetric, so the transpose matters. All of it in float32, as transformers keeps it.
+* :class:`HyperHead`: the final collapse (a ``pre``-only connection) before the norm.
+* MoE (:class:`SparseMoE`): routed experts plus one shared expert, every SwiGLU with its
+  pre-activations clamped to ``swiglu_limit`` (gate from above only, up both ways).
+  Top-k routing (:class:`TopKRouter`) picks experts by ``score + e_score_correction_bias``
+  and weights them by the score alone; hash routing (:class:`HashRouter`) picks them by
+  the frozen ``tid2eid[token id]`` table. Both renormalize the picked scores and scale
+  them by ``routed_scaling_factor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)`` in float32 (the weight is kept in float32), cast back to x's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """``comb [..., hc, hc]`` (positive) towards doubly stochastic: columns first, then
+    ``iters - 1`` rounds of rows and columns (each sum offset by ``eps``)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(nn.Module):
+    """See the module docstring; ``fn [(2 + hc) * hc, hc * D]``, ``base``, ``scale [3]``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hc = config.hc_mult
+        self.hc = hc
+        self.iters = config.hc_sinkhorn_iters
+        self.hc_eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        n = (2 + hc) * hc
+        self.fn = nn.Parameter(torch.zeros(n, hc * config.hidden_size))
+        self.base = nn.Parameter(torch.zeros(n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(pre [T, hc], post [T, hc], comb [T, hc, hc])`` in float32 of ``streams [T, hc, D]``."""
+        hc = self.hc
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+        base = self.base.float()
+        pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+        s = self.scale.float()
+        pre = torch.sigmoid(pre_w * s[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * s[1] + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * s[2] + comb_b.view(hc, hc), dim=-1) + self.hc_eps
+        return pre, post, sinkhorn(comb, self.iters, self.hc_eps)
+
+    def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sublayer input [T, D], post, comb)``."""
+        pre, post, comb = self.weights(streams)
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), post, comb
+
+    @staticmethod
+    def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The streams after a sublayer: ``post * out + comb^T @ streams``."""
+        dtype = streams.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(nn.Module):
+    """The last collapse of the streams: ``hc_fn [hc, hc * D]``, ``hc_base [hc]``, ``hc_scale [1]``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hc = config.hc_mult
+        self.eps = config.hc_eps
+        self.norm_eps = config.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(hc, hc * config.hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(hc))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class ClampedSwiGLU(nn.Module):
+    """One expert (routed or shared): ``down(silu(min(gate, l)) * clamp(up, -l, l))``."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        return self.down_proj(F.silu(gate) * up)
+
+
+_SCORES = {"sqrtsoftplus": lambda z: F.softplus(z).sqrt(), "sigmoid": torch.sigmoid}
+
+
+class _Router(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.scaling = config.routed_scaling_factor
+        self.score_fn = _SCORES[config.scoring_func]
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+
+    def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w = scores.gather(1, ids)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class TopKRouter(_Router):
+    """Experts by ``score + e_score_correction_bias`` (the load-balancing bias picks, never weighs)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score_fn(F.linear(x, self.weight))
+        ids = torch.topk(scores + self.e_score_correction_bias.to(scores.dtype), self.top_k, dim=-1).indices
+        return self._weights(scores, ids), ids
+
+
+class HashRouter(_Router):
+    """Experts by the frozen ``tid2eid [vocab, top_k]`` table (an int64 buffer of the
+    checkpoint): the token id alone decides which experts run; the learned gate still
+    weighs them."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score_fn(F.linear(x, self.weight))
+        ids = self.tid2eid[input_ids].long()
+        return self._weights(scores, ids), ids
+
+
+class SparseMoE(nn.Module):
+    """Routed experts (one GEMM chain per expert any token picked) plus the shared expert."""
+
+    def __init__(self, config: Any, layer: int) -> None:
+        super().__init__()
+        self.is_hash = config.mlp_layer_types[layer] == "hash_moe"
+        self.gate = HashRouter(config) if self.is_hash else TopKRouter(config)
+        D, I, lim = config.hidden_size, config.moe_intermediate_size, config.swiglu_limit
+        self.experts = nn.ModuleList(ClampedSwiGLU(D, I, lim) for _ in range(config.n_routed_experts))
+        self.shared_experts = ClampedSwiGLU(D, I, lim)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        k = ids.shape[1]
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = order // k
+        start = 0
+        w = weights.reshape(-1)
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            tok = token_of[start:start + n]
+            start += n
+            y = self.experts[e](x[tok]) * w[sel].unsqueeze(-1).to(x.dtype)
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out + self.shared_experts(x)

@@ -1,0 +1,302 @@
+"""DeepSeek-V4 checkpoints against transformers 5.25.0 itself.
+
+Each case is a tiny random ``DeepseekV4ForCausalLM`` (every parameter and buffer drawn
+at random, the ``tid2eid`` hash-routing tables and the routers' correction biases
+included: transformers zero-initializes them) that transformers builds and saves
+(``save_pretrained``: the upstream DeepSeek tensor names, experts one tensor each).
+engram-trt serves the folder through ``engram_trt.LLM`` and ``engram-trt run``; its
+greedy tokens must equal transformers' ``generate``, its fp32 logits agree within 1e-4
+relative; chunked prefills and packed steps equal whole sequences. Bad checkpoints are
+refused in one line with exit 2 and nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from conftest import word_tokenizer  # noqa: E402
+from engram_trt.cli.main import main  # noqa: E402
+
+VOCAB = 96
+NEW_TOKENS = 10
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 7, 60, 12, 13, 14, 15], [3, 44, 45, 9], [11 + i for i in range(21)]]
+
+BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=16, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+    layer_types=[HCA, CSA, HCA], compress_rates={CSA: 2, HCA: 4}, hc_mult=2, hc_sinkhorn_iters=5,
+    mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=6, o_groups=2, o_lora_rank=8, index_n_heads=2,
+    index_head_dim=8, index_topk=3, num_nextn_predict_layers=0, partial_rotary_factor=0.5, max_position_embeddings=256,
+    eos_token_id=2, bos_token_id=1,
+)
+
+# name -> DeepseekV4Config overrides; each a configuration the published model runs.
+CASES: dict[str, dict[str, Any]] = {
+    "hc2-hca-csa-hash1": {},
+    "hc4-csa-first-hash2-sigmoid": dict(
+        hc_mult=4, num_hidden_layers=4, layer_types=[CSA, HCA, CSA, CSA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={CSA: 4, HCA: 3}, scoring_func="sigmoid", sliding_window=5, index_topk=2, o_groups=4,
+        n_routed_experts=6, num_experts_per_tok=3, routed_scaling_factor=2.5, swiglu_limit=0.7, hc_sinkhorn_iters=8,
+        rope_theta=5000.0, compress_rope_theta=40000.0),
+    "hc2-tied-all-moe-window3": dict(
+        tie_word_embeddings=True, layer_types=[CSA, CSA, HCA], mlp_layer_types=["moe", "moe", "moe"], sliding_window=3,
+        compress_rates={CSA: 3, HCA: 2}, index_n_heads=3, index_topk=1, partial_rotary_factor=0.25, hc_eps=1e-3),
+}
+
+
+def save_v4(folder: Path, seed: int = 0, **overrides: Any) -> Any:
+    """A random transformers DeepSeek-V4 saved into ``folder`` with a word tokenizer."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    kw = dict(BASE, **overrides)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(**kw)).eval()
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "embed" in name else 0.3))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                b.copy_(torch.randint(0, kw["n_routed_experts"], b.shape, generator=gen))
+            elif name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+    model.save_pretrained(folder)
+    word_tokenizer(folder / "tokenizer.json", VOCAB)
+    return model
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, use_cache=True)
+    got = out[0, len(prompt):].tolist()
+    assert len(got) == n
+    return got
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
+    name = request.param
+    folder = tmp_path_factory.mktemp(name) / "ck"
+    model = save_v4(folder, seed=len(name), **CASES[name])
+    return name, folder, model
+
+
+def _load(folder: Path) -> Any:
+    from engram_trt.models.registry import open_checkpoint
+
+    ckpt = open_checkpoint(folder)
+    model = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
+    ckpt.close()
+    return model
+
+
+def test_checkpoint_names_are_transformers_names_read_back(case: tuple[str, Path, Any]) -> None:
+    """Every module tensor of transformers' model has its checkpoint spelling, and the
+    names we read are exactly the saved ones."""
+    from safetensors import safe_open
+
+    from engram_trt.models.deepseek_v4.weights import checkpoint_name
+    from engram_trt.models.registry import open_checkpoint
+
+    _name, folder, model = case
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        saved = set(f.keys())
+    theirs = {checkpoint_name(k) for k in model.state_dict() if not re.search(r"\.experts\.(gate_up|down)_proj$", k)
+              and not (k == "lm_head.weight" and model.config.tie_word_embeddings)}  # a tied head is not saved
+    assert theirs <= saved
+    ckpt = open_checkpoint(folder)
+    assert set(ckpt.architecture.tensor_names(ckpt.config)) == saved
+    assert ckpt.architecture.checkpoint_problems(ckpt) == []
+    ckpt.close()
+
+
+def test_llm_greedy_tokens_equal_transformers(case: tuple[str, Path, Any]) -> None:
+    from engram_trt import LLM, SamplingParams
+
+    _name, folder, model = case
+    want = [hf_greedy(model, p) for p in PROMPTS]
+    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_fp32_logits_within_1e4_of_transformers(case: tuple[str, Path, Any]) -> None:
+    from engram_trt.models.step import PackedStep
+
+    _name, folder, model = case
+    ours = _load(folder)
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].double()
+        state = ours.new_cache(1, 64)
+        got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state, all_logits=True).double()
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_chunked_prefill_and_packed_steps_equal_whole_sequences(case: tuple[str, Path, Any]) -> None:
+    from engram_trt.models.step import PackedStep
+
+    _name, folder, model = case
+    ours = _load(folder)
+    want = [hf_greedy(model, p, 6) for p in PROMPTS]
+    assert [ours.generate_greedy(p, 6, chunk=3, ignore_eos=True) for p in PROMPTS] == want
+    state = ours.new_cache(4, 64)
+    slots = [3, 0, 2]
+    step = PackedStep(torch.tensor(sum(PROMPTS, [])), [len(p) for p in PROMPTS], [0, 0, 0], slots)
+    logits = ours.forward_step(step, state)
+    got: list[list[int]] = [[] for _ in PROMPTS]
+    lens = [len(p) for p in PROMPTS]
+    for _ in range(6):
+        toks = [int(t) for t in torch.argmax(logits, dim=-1)]
+        for g, t in zip(got, toks):
+            g.append(t)
+        logits = ours.forward_step(PackedStep(torch.tensor(toks), [1, 1, 1], lens, slots), state)
+        lens = [n + 1 for n in lens]
+    assert got == want
+
+
+def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: Any) -> None:
+    _name, folder, model = case
+    prompt = PROMPTS[0]
+    want = hf_greedy(model, prompt)
+    text = " ".join(f"w{i}" for i in prompt)
+    capsys.readouterr()
+    code = main(["run", str(folder), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+                 "--device", "cpu", "--dtype", "fp32", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert json.loads(out)["token_ids"] == want
+
+
+# -- the pieces against transformers' own modules -------------------------------------------
+
+def test_hyper_connection_and_moe_equal_transformers_modules() -> None:
+    """mHC (Sinkhorn-Knopp), the hyper head and both MoE routings with the same random
+    weights as transformers' modules, on random streams."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ref
+
+    from engram_trt.models.deepseek_v4.config import read_config
+    from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, SparseMoE
+
+    kw = dict(BASE, hc_mult=3, hc_sinkhorn_iters=7, hc_eps=1e-4, scoring_func="sqrtsoftplus", swiglu_limit=0.5)
+    tcfg = DeepseekV4Config(**kw)
+    cfg = read_config(dict(kw, architectures=["DeepseekV4ForCausalLM"]))
+    gen = torch.Generator().manual_seed(7)
+
+    def randomize(m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+    streams = torch.randn(9, 3, 32, generator=gen)
+    theirs_hc, ours_hc = ref.DeepseekV4HyperConnection(tcfg), HyperConnection(cfg)
+    randomize(theirs_hc)
+    ours_hc.load_state_dict(theirs_hc.state_dict())
+    post, comb, collapsed = theirs_hc(streams.unsqueeze(0))
+    got, p2, c2 = ours_hc.collapse(streams)
+    torch.testing.assert_close(got, collapsed[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(p2, post[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(c2, comb[0], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(c2.sum(-2), torch.ones(9, 3), atol=1e-3)  # doubly stochastic after Sinkhorn (columns last)
+
+    theirs_head, ours_head = ref.DeepseekV4HyperHead(tcfg), HyperHead(cfg)
+    randomize(theirs_head)
+    ours_head.load_state_dict(theirs_head.state_dict())
+    torch.testing.assert_close(ours_head(streams), theirs_head(streams.unsqueeze(0))[0], rtol=1e-6, atol=1e-6)
+
+    ids = torch.randint(0, VOCAB, (9,), generator=gen)
+    x = torch.randn(9, 32, generator=gen)
+    for layer in (0, 1):  # hash_moe, moe
+        theirs = ref.DeepseekV4SparseMoeBlock(tcfg, layer)
+        randomize(theirs)
+        with torch.no_grad():
+            if layer == 0:
+                theirs.gate.tid2eid.copy_(torch.randint(0, 4, theirs.gate.tid2eid.shape, generator=gen))
+            else:
+                theirs.gate.e_score_correction_bias.copy_(torch.randn(4, generator=gen))
+        ours = SparseMoE(cfg, layer)
+        sd = {k: v for k, v in theirs.state_dict().items() if not k.startswith("experts.")}
+        for e in range(4):
+            gate, up = theirs.experts.gate_up_proj[e].chunk(2, dim=0)
+            sd[f"experts.{e}.gate_proj.weight"] = gate
+            sd[f"experts.{e}.up_proj.weight"] = up
+            sd[f"experts.{e}.down_proj.weight"] = theirs.experts.down_proj[e]
+        ours.load_state_dict(sd)
+        with torch.no_grad():
+            want = theirs(x.unsqueeze(0), input_ids=ids.unsqueeze(0))[0]
+        torch.testing.assert_close(ours(x, ids), want, rtol=1e-5, atol=1e-6)
+
+
+# -- bad input: one line, exit 2 ------------------------------------------------------------
+
+def _edit(folder: Path, **changes: Any) -> None:
+    p = folder / "config.json"
+    d = json.loads(p.read_text())
+    d.update(changes)
+    p.write_text(json.dumps(d))
+
+
+def _retensor(folder: Path, name: str, value: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors[name] = value(tensors[name])
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+BAD = {
+    "layer-type": (lambda f: _edit(f, layer_types=[HCA, "mamba_attention", HCA]),
+                   "layer_types holds 'mamba_attention', not a DeepSeek-V4 type"),
+    "compress-rate-0": (lambda f: _edit(f, compress_rates={CSA: 0, HCA: 4}), r"compress_rates\['compressed_sparse_attention'\]=0"),
+    "more-experts-than-weights": (lambda f: _edit(f, n_routed_experts=5),
+                                  "layer 0 holds 4 routed experts .* n_routed_experts=5"),
+    "fewer-experts-than-weights": (lambda f: _edit(f, n_routed_experts=3), r"experts\.3\.w1\.weight"),
+    "tid2eid-out-of-range": (lambda f: _retensor(f, "model.layers.0.ffn.gate.tid2eid", lambda t: t + 4),
+                             "routes to expert .* outside 0..3"),
+    "mlp-type": (lambda f: _edit(f, mlp_layer_types=["hash_moe", "dense", "moe"]), "mlp_layer_types holds 'dense'"),
+    "shared-experts": (lambda f: _edit(f, n_shared_experts=2), "'n_shared_experts'=2 is not implemented"),
+    "scoring": (lambda f: _edit(f, scoring_func="softmax"), "scoring_func='softmax' is not implemented"),
+    "engram-on-v4": (lambda f: _edit(f, engram_layer_ids=[1]), "names DeepseekV4ForCausalLM, which has no Engram"),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_checkpoints_refused_in_one_line(tmp_path: Path, capsys: Any, bad: str) -> None:
+    folder = tmp_path / "ck"
+    save_v4(folder, seed=1)
+    damage, needle = BAD[bad]
+    damage(folder)
+    before = sorted(p.name for p in folder.iterdir())
+    capsys.readouterr()
+    code = main(["run", str(folder), "--prompt", "w5 w6", "--max-new-tokens", "2", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert re.search(needle, err), err
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written
+
+
+def test_model_larger_than_the_gpu_is_refused_before_loading(monkeypatch: Any) -> None:
+    """The check runs on the bytes the config implies against the device's free memory
+    (faked here: this machine may have no GPU), before a tensor is read."""
+    from engram_trt.errors import EngramError
+    from engram_trt.models.deepseek_v4 import weights
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
+    with pytest.raises(EngramError, match=r"needs 5.00 GiB of weights on cuda:0 but only 3.00 GiB of 80.00 GiB is free"):
+        weights.check_fits(5 << 30, torch.device("cuda:0"), "the model")
+    weights.check_fits(5 << 30, torch.device("cpu"), "the model")  # no check on a CPU
