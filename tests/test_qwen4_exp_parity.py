@@ -58,13 +58,8 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def save_qwen4(folder: Path, seed: int = 0, **overrides: Any) -> Any:
-    """A random transformers Qwen4Exp saved into ``folder`` with a word tokenizer."""
-    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
-
-    kw = dict(BASE, **overrides)
-    torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**kw)).eval()
+def randomized(model: Any, seed: int) -> Any:
+    """Every parameter drawn at random (PLE tables included)."""
     gen = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -72,6 +67,16 @@ def save_qwen4(folder: Path, seed: int = 0, **overrides: Any) -> Any:
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
             if name.endswith("A_log"):
                 p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)
+    return model
+
+
+def save_qwen4(folder: Path, seed: int = 0, **overrides: Any) -> Any:
+    """A random transformers Qwen4Exp saved into ``folder`` with a word tokenizer."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    kw = dict(BASE, **overrides)
+    torch.manual_seed(seed)
+    model = randomized(Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**kw)).eval(), seed)
     model.save_pretrained(folder)
     word_tokenizer(folder / "tokenizer.json", VOCAB)
     return model
@@ -278,3 +283,30 @@ def test_committed_tiny_checkpoint_is_transformers_and_ours() -> None:
         assert float((g16 - r16).norm() / r16.norm()) < 1e-2
         assert abs(float((r16 - r32).norm() / r32.norm()) - want["transformers_bf16_rel_l2"][i]) < 1e-4
     ckpt.close()
+
+
+def test_conditional_generation_serves_its_text_model(tmp_path: Path, capsys: Any) -> None:
+    """Qwen4ExpForConditionalGeneration: the text model (weights under
+    model.language_model.) is served; the vision tower's tensors are refused in one line
+    unless --allow-unused-weights, with which the tokens equal transformers' text-only
+    generate."""
+    from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    torch.manual_seed(4)
+    cfg = Qwen4ExpConfig(text_config=dict(BASE, **CASES["hc2-ple1-qsa"]), vision_config=vision)
+    model = randomized(Qwen4ExpForConditionalGeneration(cfg).eval(), 4)
+    folder = tmp_path / "ck"
+    model.save_pretrained(folder)
+    word_tokenizer(folder / "tokenizer.json", VOCAB)
+    want = hf_greedy(model, PROMPTS[0])
+    capsys.readouterr()
+    text = " ".join(f"w{i}" for i in PROMPTS[0])
+    argv = ["run", str(folder), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--device", "cpu",
+            "--dtype", "fp32", "--json"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.visual." in err and "--allow-unused-weights" in err
+    assert main(argv + ["--allow-unused-weights"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
