@@ -3,14 +3,15 @@
 /*
  * The library's registration entry points, looked up by
  * IPluginRegistry::loadLibrary (TensorRT and TensorRT-RTX): getCreators hands out the
- * four IPluginCreatorV3One creators (namespace "engram_trt"), setLoggerFinder gives the plugins TensorRT's
- * logger. These two and the kernels' C ABI are the only exported symbols.
+ * IPluginCreatorV3One creators, one per plugin (namespace "engram_trt"), setLoggerFinder
+ * gives the plugins TensorRT's logger. These two and the kernels' C ABI are the only exported symbols.
  */
 #include "common/checkMacros.h"
 #include "engramAttentionPlugin/engramAttentionPlugin.h"
 #include "engramGatePlugin/engramGatePlugin.h"
 #include "engramGatherPlugin/engramGatherPlugin.h"
 #include "engramHashPlugin/engramHashPlugin.h"
+#include "engramPleHashPlugin/engramPleHashPlugin.h"
 #include "kernels/engramKernels.h"
 
 extern "C" ENGRAM_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
@@ -24,8 +25,9 @@ extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int3
     static engram_trt::plugin::EngramGatherPluginCreator gatherCreator;
     static engram_trt::plugin::EngramGatePluginCreator gateCreator;
     static engram_trt::plugin::EngramAttentionPluginCreator attentionCreator;
+    static engram_trt::plugin::EngramPleHashPluginCreator pleHashCreator;
     static nvinfer1::IPluginCreatorInterface* const creators[]
-        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator};
+        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator, &pleHashCreator};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }

@@ -3,7 +3,7 @@
 - its exported symbols are exactly the registration entry points and the kernels' C ABI;
 - the C ABI's host-side checks (layout, table format) and the ctypes bindings'
   argument checks run without a GPU;
-- with TensorRT-RTX: the library loads through the plugin registry, the four creators
+- with TensorRT-RTX: the library loads through the plugin registry, the creators
   are listed with their fields, refuse out-of-range or malformed fields (createPlugin
   needs no GPU), an ONNX graph holding EngramHash -> EngramGather -> wkv ->
   EngramGate builds into an engine on the CPU, and so do graphs whose gate takes fp16
@@ -43,6 +43,8 @@ PLUGINS = {
                      "bad_rows_input", "column_begin", "column_end", "row_offset"],
     "EngramGate": ["hc_mult", "hidden_size", "eps"],
     "EngramAttention": ["num_heads", "num_kv_heads", "head_dim", "scale"],
+    "EngramPleHash": ["ngram_size", "heads_per_ngram", "eos_id", "vocab_size", "table_rows", "multipliers", "primes",
+                      "offsets"],
 }
 
 
@@ -281,6 +283,7 @@ def test_creators_are_registered_with_their_fields(trt) -> None:
         "EngramGather": [(i32, 1)] * 6 + [(i64, 1)] + [(i32, 1)] * 3 + [(i64, 1)],
         "EngramGate": [(i32, 1), (i32, 1), (f32, 1)],
         "EngramAttention": [(i32, 1)] * 3 + [(f32, 1)],
+        "EngramPleHash": [(i32, 1)] * 2 + [(i64, 1)] * 3 + [(i64, 0)] * 3,
     }
     # nothing of ours registers in the empty namespace, where another library's plugins
     # of the same names could collide

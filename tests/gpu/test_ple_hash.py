@@ -3,14 +3,16 @@ reference, engram_trt.engram.ple_hash (itself tied to transformers' Qwen4-Exp mo
 tests/test_ple_hash.py): random packed steps with EOS runs (alone, consecutive, at a
 sequence's start and end, in the contexts), empty sequences, fresh and carried contexts,
 context=None, and the default config's layers (base 20,000,000, 16 heads). Bit-exact;
-the output is poisoned first.
+the output is poisoned first. The EngramPleHash plugin's enqueue (plugins/engramPleHashPlugin,
+through the plugin harness: the build-phase plugin and its serialized runtime twin, int64
+and decimal-text fields) on the same steps.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .helpers import record, say
+from .helpers import DT, PF_CHAR, PF_INT32, PF_INT64, record, say
 
 CONFIGS = [  # (vocab, ngram_size, heads_per_ngram, base, divisor, seed, eos, num_layers)
     (97, 2, 1, 50, 16, 1234, 96, 3),
@@ -108,3 +110,53 @@ def test_kernel_ple_hash_chunked(rng) -> None:
     got = np.concatenate(pieces)
     record("ple hash chunks + decode steps = whole", np.array_equal(got, whole),
            f"{int((got != whole).sum())} of {whole.size} ids differ")
+
+
+def ple_plugin_fields(layout, layer: int, text: bool = False):
+    """EngramPleHash's fields for one PLE layer: int64 arrays, or decimal text (the ONNX form)."""
+    def array(values):
+        values = np.ascontiguousarray(values, np.int64)
+        if not text:
+            return PF_INT64, values
+        return PF_CHAR, np.frombuffer(",".join(str(int(v)) for v in values).encode(), np.uint8)
+
+    return [("ngram_size", PF_INT32, np.array([layout.ngram_size], np.int32)),
+            ("heads_per_ngram", PF_INT32, np.array([layout.heads_per_ngram], np.int32)),
+            ("eos_id", PF_INT64, np.array([layout.eos_id], np.int64)),
+            ("vocab_size", PF_INT64, np.array([layout.vocab_size], np.int64)),
+            ("table_rows", PF_INT64, np.array([layout.table_rows[layer]], np.int64)),
+            ("multipliers", *array(layout.multipliers[layer])),
+            ("primes", *array(layout.head_vocab_sizes[layer])),
+            ("offsets", *array(layout.head_offsets[layer]))]
+
+
+def test_plugin_ple_hash_enqueue(rng, harness) -> None:
+    """EngramPleHash's enqueue equals the reference on random packed steps with EOS runs,
+    the build-phase plugin and its round-tripped runtime twin alike, from int64 and
+    text fields; the output is poisoned first."""
+    import torch
+
+    from engram_trt.engram import ple_hash as ph
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    for ci, cfg in enumerate(CONFIGS):
+        layout = make_layout(cfg)
+        layer = layout.num_layers - 1
+        for num_seqs, max_len in ((1, 1), (9, 50), (200, 300)):
+            ids, starts, context = random_step(rng, layout, num_seqs, max_len)
+            ref = ph.ple_hash_packed(ids, starts, context, layout, layer)
+            inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, context)]
+            for form in ("int64", "text"):
+                h = harness.create("EngramPleHash", ple_plugin_fields(layout, layer, form == "text"), phase=0)
+                h2 = harness.roundtrip(h)
+                same, ws = [], set()
+                for handle in (h, h2):
+                    out = torch.full((ids.shape[0], layout.num_heads), -777, dtype=torch.int32, device=dev)
+                    ws.add(harness.run(handle, inputs, [DT["int32"]] * 3, out, DT["int32"], stream))
+                    torch.cuda.synchronize()
+                    same.append(np.array_equal(out.cpu().numpy().astype(np.int64), ref))
+                harness.lib.harness_destroy(h2)
+                harness.lib.harness_destroy(h)
+                record(f"plugin EngramPleHash enqueue config{ci} layer {layer} S={num_seqs} T={ids.shape[0]} ({form})",
+                       all(same) and ws == {0}, f"build / runtime equal: {same}, workspace {sorted(ws)}")

@@ -22,6 +22,7 @@ PLUGIN_VERSION = "1"
 PLUGIN_NAMESPACE = "engram_trt"  # the creators' namespace; the ONNX parser reads it from the node attribute
 PLUGIN_NAMES = ("EngramHash", "EngramGather", "EngramGate", "EngramAttention")
 ATTENTION_PLUGIN = "EngramAttention"
+PLE_HASH_PLUGIN = "EngramPleHash"  # one Qwen4-Exp PLE layer's n-gram hash (plugins/engramPleHashPlugin)
 PLACEMENTS = ("in_engine", "prefetch")
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000  # protobuf's hard limit is 2 GiB
 EXTERNAL_DATA_NAME = "model.onnx.data"
@@ -132,3 +133,20 @@ def decode_multipliers(value: Any) -> np.ndarray:
     if isinstance(value, str):
         return np.asarray([int(v) for v in value.replace(" ", "").split(",") if v], dtype=np.int64)
     return np.asarray(value, dtype=np.int64)
+
+
+def ple_hash_plugin_attributes(layout: Any, layer: int) -> dict[str, Any]:
+    """The EngramPleHash node's attributes for PLE layer ``layer`` of a
+    :class:`~engram_trt.engram.ple_hash.PLEHashLayout`: one node per PLE layer (each
+    layer's rows feed its own table). The multipliers travel as decimal text
+    (:func:`encode_multipliers`: the parser would narrow INTS to int32); primes and
+    offsets as INTS, which int32 holds (the creator bounds every row by ``table_rows``
+    < 2^31)."""
+    if not 0 <= int(layer) < layout.num_layers:
+        raise EngramError(f"PLE layer {layer} is outside [0, {layout.num_layers}): pass an index into ple_layer_ids")
+    return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE,
+            "ngram_size": int(layout.ngram_size), "heads_per_ngram": int(layout.heads_per_ngram),
+            "eos_id": int(layout.eos_id), "vocab_size": int(layout.vocab_size),
+            "table_rows": int(layout.table_rows[layer]), **encode_multipliers(layout.multipliers[layer]),
+            "primes": [int(v) for v in layout.head_vocab_sizes[layer]],
+            "offsets": [int(v) for v in layout.head_offsets[layer]]}
