@@ -300,3 +300,73 @@ def test_model_larger_than_the_gpu_is_refused_before_loading(monkeypatch: Any) -
     with pytest.raises(EngramError, match=r"needs 5.00 GiB of weights on cuda:0 but only 3.00 GiB of 80.00 GiB is free"):
         weights.check_fits(5 << 30, torch.device("cuda:0"), "the model")
     weights.check_fits(5 << 30, torch.device("cpu"), "the model")  # no check on a CPU
+
+
+# -- V4.1: the V4 backbone with Engram layers on engram_layer_ids ---------------------------
+
+def save_v41(folder: Path, table: Any, seed: int = 3) -> Any:
+    """A saved V4 turned V4.1: Engram fields, random wkv / q / k, and bf16 tables
+    made by ``table(rows, width)``. Returns the transformers V4 model."""
+    from safetensors.torch import load_file, save_file
+
+    from engram_trt.engram.layout import EngramLayout
+    from engram_trt.models.deepseek_v4.config import read_config
+
+    model = save_v4(folder, seed=seed)
+    d = json.loads((folder / "config.json").read_text())
+    d.update(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", engram_layer_ids=[0, 2],
+             engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=8, engram_vocab_size=37,
+             engram_compressed_vocab_size=VOCAB, engram_pad_token_id=0, engram_table_dtype="bf16")
+    (folder / "config.json").write_text(json.dumps(d))
+    cfg = read_config(d)
+    layout = EngramLayout.from_spec(cfg.engram, pad_id=0)
+    tensors = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed + 7)
+    for li, lid in enumerate(cfg.engram.layer_ids):
+        base = f"model.layers.{lid}.engram"
+        tensors[f"{base}.embed.weight"] = table(int(layout.table_rows[li]), 8).to(torch.bfloat16)
+        tensors[f"{base}.wkv.weight"] = torch.randn(3 * 32, layout.n_hash_cols * 8, generator=gen) * 0.3
+        tensors[f"{base}.q_weight"] = torch.randn(2, 32, generator=gen)
+        tensors[f"{base}.k_weight"] = torch.randn(2, 32, generator=gen)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+def _llm_tokens(folder: Path, n: int = NEW_TOKENS) -> list[list[int]]:
+    from engram_trt import LLM, SamplingParams
+
+    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_v41_with_all_zero_tables_gives_the_v4_tokens(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    model = save_v41(folder, lambda rows, width: torch.zeros(rows, width))
+    assert _llm_tokens(folder) == [hf_greedy(model, p) for p in PROMPTS]
+
+
+def test_v41_runtime_prefetch_equals_the_models_own_gather(tmp_path: Path) -> None:
+    """Real tables: the runtime (tables in its store, rows hashed and staged by its
+    prefetcher, lookback kept by the scheduler) gives the tokens of the model gathering
+    its rows itself; and the tables do change the model (logits differ from V4's)."""
+    from engram_trt.models.registry import open_checkpoint
+    from engram_trt.models.step import PackedStep
+    from engram_trt.tables.base import TableStore
+
+    folder = tmp_path / "ck"
+    gen = torch.Generator().manual_seed(11)
+    model = save_v41(folder, lambda rows, width: torch.randn(rows, width, generator=gen))
+    ckpt = open_checkpoint(folder)
+    ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
+    ours.set_tables(TableStore.from_tensors([ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in (0, 2)],
+                                            [None, None], 32, (0, 2)))
+    want = [ours.generate_greedy(p, NEW_TOKENS, chunk=4, ignore_eos=True) for p in PROMPTS]
+    prompt = PROMPTS[2]
+    got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), ours.new_cache(1, 64),
+                            all_logits=True)
+    with torch.no_grad():
+        v4 = model(torch.tensor([prompt])).logits[0]
+    assert (got - v4).abs().max().item() > 1e-2 * v4.abs().max().item()
+    ckpt.close()
+    assert _llm_tokens(folder) == want

@@ -195,8 +195,8 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_w
     config = ckpt.config
     lookup, layout = engram_lookup_and_layout(ckpt)
     refs: list[TableRef] = checkpoint_table_refs(ckpt) if layout is not None else []
-    if layout is not None:
-        require_valid(ckpt, layout)
+    if layout is not None:  # an architecture may check its own weights beside the tables (DeepSeek-V4.1)
+        getattr(ckpt.architecture, "validate", require_valid)(ckpt, layout)
     else:
         problems = ckpt.architecture.checkpoint_problems(ckpt)
         if problems:

@@ -104,6 +104,48 @@ class DeepseekV4Architecture:
                 out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight")
         return out
 
+    def table_problems(self, ckpt: Any, layout: Any) -> list[str]:
+        """V4.1: one line per Engram table that is missing, of the wrong width, dtype or
+        scale shape, or shorter than the layout's rows (the tables stay the runtime's)."""
+        from engram_trt.checkpoint.checkpoint import engram_tensor_names
+        from engram_trt.checkpoint.files import BF16_TABLE_DTYPES, FP8_SCALE_DTYPES, FP8_TABLE_DTYPES
+
+        spec = ckpt.config.engram
+        if spec is None or layout is None:
+            return []
+        out = []
+        for li, lid in enumerate(layout.layer_ids):
+            names = engram_tensor_names(lid, spec.prefix)
+            need, table = int(layout.table_rows[li]), names["table"]
+            if table not in ckpt:
+                out.append(f"table {table} is missing (Engram layer {lid} needs [{need}, {spec.head_dim}])")
+                continue
+            shape, st = tuple(ckpt.shape(table)), ckpt.st_dtype(table)
+            if len(shape) != 2 or shape[1] != spec.head_dim:
+                out.append(f"table {table} has shape {list(shape)} but engram_head_dim={spec.head_dim} needs [rows, {spec.head_dim}]")
+            elif shape[0] < need:
+                out.append(f"table {table} has {shape[0]} rows but the layout needs at least {need} (engram_vocab_size / primes)")
+            elif spec.table_dtype == "bf16" and st not in BF16_TABLE_DTYPES:
+                out.append(f"table {table} is {st} but engram_table_dtype='bf16' (expected BF16)")
+            elif spec.table_dtype == "fp8":
+                want = (shape[0], shape[1] // spec.quant_block)
+                if st not in FP8_TABLE_DTYPES:
+                    out.append(f"table {table} is {st} but engram_table_dtype='fp8' (expected F8_E4M3 with ue8m0 scales)")
+                elif names["scale"] not in ckpt or tuple(ckpt.shape(names["scale"])) != want \
+                        or ckpt.st_dtype(names["scale"]) not in FP8_SCALE_DTYPES:
+                    out.append(f"scale {names['scale']} must be F8_E8M0 of shape {list(want)} beside its FP8 table")
+        return out
+
+    def validate(self, ckpt: Any, layout: Any = None) -> None:
+        """Refuse a checkpoint with any problem (weights, then V4.1's tables) in one line."""
+        from engram_trt.errors import CheckpointError
+
+        problems = self.checkpoint_problems(ckpt) + self.table_problems(ckpt, layout)
+        if problems:
+            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" \
+                if len(problems) > 1 else ""
+            raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
+
     def build_model(self, config: DeepseekV4Config, weights: Mapping[str, Any], **options: Any) -> Any:
         """A model from a name -> tensor dict (tests; serving loads with :meth:`load_model`)."""
         import torch
