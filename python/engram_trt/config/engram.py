@@ -9,8 +9,8 @@ A value comes from, in order: the defaults, a JSON object (inline text or a file
 path), then dotted overrides (``--engram-config.cpu_offload false``) whose values are
 JSON scalars. Every mistake is refused before any work, in one line naming the field:
 an unknown field (with the valid ones listed), a wrong type, Engram options for a model
-without Engram layers, ``host_file_gather`` on a checkpoint that is not PLE, and
-combinations that contradict each other.
+with neither Engram layers nor PLE tables (Qwen4Exp's PLE tables are placed by the same
+options), and combinations that contradict each other.
 """
 
 from __future__ import annotations
@@ -130,14 +130,21 @@ class EngramConfig:
             raise EngramError(f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one")
 
     def validate_for(self, model_config: Any) -> None:
-        """Check against the model before any work: a model without Engram layers takes
-        no Engram options; ``host_file_gather`` needs a PLE checkpoint."""
+        """Check against the model before any work: a model with neither Engram layers
+        nor PLE tables (Qwen4Exp's ``ple_layer_ids``, placed by the same stores) takes no
+        Engram options; PLE tables are not sharded across ranks."""
         self.validate()
         spec = getattr(model_config, "engram", None)
         if spec is None:
+            changed = sorted(set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)})
+            if getattr(model_config, "ple", None) is not None:
+                if self.embedding_across_dp:
+                    raise EngramError(f"{FLAG}: embedding_across_dp shards Engram hash heads across ranks, which this "
+                                      f"model's PLE tables do not support; use dp_shared_memory to share one copy, or drop it")
+                return
             if self.given or not self.is_default():
-                changed = sorted(set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)})
-                raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' in config.json); drop {FLAG}")
+                raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' "
+                                  f"in config.json) and no PLE tables (no 'ple_layer_ids'); drop {FLAG}")
             return
 
 

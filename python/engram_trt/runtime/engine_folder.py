@@ -202,6 +202,10 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_w
         if problems:
             more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {folder}` lists them)" if len(problems) > 1 else ""
             raise CheckpointError(f"checkpoint '{folder}': {problems[0]}{more}")
+        # An architecture with tables of its own (Qwen4Exp's PLE shards) lists them: the
+        # runner opens them in the store --engram-config picks, as Engram tables.
+        table_refs = getattr(ckpt.architecture, "table_refs", None)
+        refs = list(table_refs(ckpt)) if table_refs is not None else []
     ecfg = override if override is not None else EngramConfig()
     ecfg.validate_for(config)
     max_seq_len = min(config.max_position_embeddings, 4096)

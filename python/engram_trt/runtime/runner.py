@@ -104,7 +104,9 @@ class ModelRunner:
             self.table_kind = self.engram_lookup.table_kind
         elif source.table_refs:
             self.table_kind = table_kind_for(self.engram_config, self.device)
-            self.tables = open_tables(source.table_refs, self.table_kind, quant_block=cfg.engram.quant_block,
+            # Engram tables, or an architecture's own (Qwen4Exp's PLE: bf16 rows, no quant block)
+            quant_block = cfg.engram.quant_block if cfg.engram is not None else 32
+            self.tables = open_tables(source.table_refs, self.table_kind, quant_block=quant_block,
                                       device=self.device, progress=progress, **(table_options or {}))
             self.table_kind = self.tables.kind  # a shared store may fall back to private memory
         self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype,
@@ -117,7 +119,8 @@ class ModelRunner:
                 raise EngramError(f"the {self.backend.name} backend gathers Engram rows inside the engine, so a sharded lookup "
                                   f"cannot feed it; build the engine with --engram-config.table_placement prefetch or use --backend torch")
             self.prefetcher = self.engram_lookup  # hook (engram_trt.distributed)
-        elif self.tables is not None and self.backend.wants_staged_rows:
+        elif self.tables is not None and self.backend.wants_staged_rows and source.layout is not None:
+            # (no Engram layout: the model gathers its own rows from the store in the step)
             self.prefetcher = Prefetcher(source.layout, self.tables, self.device, self.max_num_tokens)
             self.gather_calibration = self.prefetcher.calibrate()
             if hasattr(self.backend, "lookup_policy"):

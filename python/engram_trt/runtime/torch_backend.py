@@ -38,7 +38,10 @@ class TorchBackend:
             raise EngramError(f"the checkpoint {source.checkpoint} no longer matches the engine folder's config "
                               f"(config.json changed since the build); rebuild the engine folder")
         if hasattr(arch, "load_model"):  # the architecture binds its own tables (Qwen4Exp's PLE)
-            self.model = arch.load_model(ckpt, device=device, dtype=dtype)
+            # ``tables``: the store the runner opened over the architecture's table refs
+            self.model = arch.load_model(ckpt, device=device, dtype=dtype,
+                                         **({} if tables is None else {"tables": tables}))
+            tables = None  # bound above, not staged
             self._ckpt = ckpt  # PLE rows may be read in place from its file maps
         else:
             weights = {name: ckpt.get(name) for name in arch.weight_shapes(source.config)}

@@ -230,16 +230,17 @@ def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
 def drop_page_cache(ref: TableRef) -> None:
     """Tell the kernel the table's file range need not stay cached: once copied into
     pinned or shared memory, a second copy in the page cache only crowds out RAM."""
-    try:
-        fd = os.open(ref.file, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, ref.offset, ref.nbytes, _MADV_DONTNEED_FILE)
-    except (OSError, AttributeError):
-        pass
-    finally:
-        os.close(fd)
+    for part in ref.parts:
+        try:
+            fd = os.open(part.file, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, part.offset, part.nbytes, _MADV_DONTNEED_FILE)
+        except (OSError, AttributeError):
+            pass
+        finally:
+            os.close(fd)
 
 
 def tensors_over(buffer: Any, placed: Sequence[PlacedTable], base: int = 0) -> list[tuple[Any, Any]]:

@@ -75,15 +75,22 @@ def layout_hash(refs: Sequence[TableRef]) -> str:
     for r in ordered_refs(refs):
         item: dict[str, Any] = {"tensor": r.tensor, "layer_id": r.layer_id, "role": r.role, "shape": list(r.shape),
                                 "dtype": r.dtype, "nbytes": r.nbytes}
-        if r.sha256:
-            item["sha256"] = r.sha256
+        if r.regions:  # a table in several shards: each shard's content (or file identity)
+            item["parts"] = [_content_key(p) for p in r.regions]
         else:
-            st = os.stat(r.file)
-            item["file"] = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                            "offset": r.offset}
+            item.update(_content_key(r))
         items.append(item)
     blob = json.dumps({"align": DATA_ALIGN, "tables": items}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _content_key(r: TableRef) -> dict[str, Any]:
+    """A region's content: its recorded sha256, else its file's identity."""
+    if r.sha256:
+        return {"sha256": r.sha256}
+    st = os.stat(r.file)
+    return {"file": {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                     "offset": r.offset}}
 
 
 def segment_name(layout: str) -> str:

@@ -14,6 +14,14 @@ cheap to thorough:
   a fraction of a second, on every start;
 * :func:`verify_table_hashes` on request (``--verify-tables``): every byte re-hashed
   against the table's sha256.
+
+A table may be several regions: Qwen4Exp's PLE table of a layer is
+``split_ngram_parts`` row shards, possibly in different safetensors files. Each shard
+is then its own ref (``part`` 0, 1, ... in row order, each with its own sha256 and
+block hashes, so the checks above cover it unchanged), and :func:`layer_refs` joins a
+layer's parts into one ref whose ``regions`` lists them: the stores fill one buffer
+per layer region by region (:func:`~engram_trt.tables.base.read_region_into`), the
+file store maps each region.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ HASH_CHUNK = 16 * 1024 * 1024
 BLOCK_BYTES = 64 * 1024 * 1024  # one sampled-check unit: sha256 of each such block is recorded
 DEFAULT_SAMPLE_BYTES = 256 * 1024 * 1024  # what the default sampled check reads per load
 ROLES = ("rows", "scales")
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}  # other table dtypes (FP8 values, ue8m0 scales) are one byte
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -79,8 +88,20 @@ class TableRef:
     # the sampled check; None in manifests written before it existed.
     block_bytes: int | None = None
     block_hashes: tuple[str, ...] | None = None
+    # Position of this region among its layer table's row shards (0 for a one-region table).
+    part: int = 0
+    # Set only on a joined ref (layer_refs): the layer's parts in row order; shape and
+    # nbytes are the whole table's, file and offset the first part's.
+    regions: tuple["TableRef", ...] = ()
+
+    @property
+    def parts(self) -> tuple["TableRef", ...]:
+        """The byte regions holding this table, in row order (itself when it is one)."""
+        return self.regions or (self,)
 
     def to_json(self, sha256: str | None = None) -> dict[str, Any]:
+        if self.regions:
+            raise EngramError(f"internal: the joined ref of {self.tensor} is not a manifest entry (write its parts)")
         d = {
             "layer_id": self.layer_id,
             "layer_index": self.layer_index,
@@ -96,6 +117,8 @@ class TableRef:
         if self.block_hashes is not None:
             d["block_bytes"] = self.block_bytes
             d["block_hashes"] = list(self.block_hashes)
+        if self.part:
+            d["part"] = self.part
         return d
 
     @classmethod
@@ -117,7 +140,9 @@ class TableRef:
                 blocks = tuple(blocks)
             ref = cls(int(d["layer_id"]), int(d["layer_index"]), role, str(d["tensor"]), f, int(d["offset"]),
                       int(d["nbytes"]), shape, str(d["dtype"]), None if d.get("sha256") is None else str(d["sha256"]),
-                      block_bytes, blocks)
+                      block_bytes, blocks, int(d.get("part", 0)))
+            if ref.part < 0:
+                raise ValueError(f"part {ref.part}")
         except (KeyError, TypeError, ValueError) as exc:
             raise EngramError(f"manifest table entry {str(dict(d))[:200]} is malformed ({exc}); rebuild the engine folder") from None
         if ref.offset < 0 or ref.nbytes <= 0 or len(shape) != 2 or shape[0] * shape[1] * ref.itemsize != ref.nbytes:
@@ -129,7 +154,7 @@ class TableRef:
 
     @property
     def itemsize(self) -> int:
-        return 2 if self.dtype in ("BF16", "F16") else 1
+        return _ITEMSIZE.get(self.dtype, 1)
 
     @property
     def row_bytes(self) -> int:
@@ -200,18 +225,39 @@ def hash_tables(refs: Sequence[TableRef], progress: bool = True, block_bytes: in
     return out
 
 
+def join_parts(parts: Sequence[TableRef]) -> TableRef:
+    """One ref for a table held in several regions (``parts``: the same layer and role):
+    checked to be parts 0..n-1 of one width and dtype; a single part is returned as is."""
+    parts = sorted(parts, key=lambda r: r.part)
+    first = parts[0]
+    if [r.part for r in parts] != list(range(len(parts))):
+        raise EngramError(f"table {first.tensor}: the listed parts are {[r.part for r in parts]}, not 0..{len(parts) - 1}; "
+                          f"rebuild the table list (a shard is missing)")
+    if len(parts) == 1:
+        return first
+    for r in parts[1:]:
+        if r.dtype != first.dtype or r.shape[1:] != first.shape[1:]:
+            raise EngramError(f"table part {r.tensor} is {r.dtype} {list(r.shape)} but part 0 ({first.tensor}) is "
+                              f"{first.dtype} {list(first.shape)}: the shards of one table must share width and dtype")
+    rows = sum(r.shape[0] for r in parts)
+    return replace(first, nbytes=sum(r.nbytes for r in parts), shape=(rows, *first.shape[1:]), sha256=None,
+                   block_bytes=None, block_hashes=None, part=0, regions=tuple(parts))
+
+
 def layer_refs(refs: Sequence[TableRef]) -> list[tuple[TableRef, TableRef | None]]:
-    """``(rows, scales or None)`` per Engram layer, in layer order; refuses a list that
-    lacks a layer's rows or pairs scales with a bf16 table."""
-    by_layer: dict[int, dict[str, TableRef]] = {}
+    """``(rows, scales or None)`` per layer, in layer order (a table in several parts
+    joined by :func:`join_parts`); refuses a list that lacks a layer's rows or pairs
+    scales with a bf16 table."""
+    by_layer: dict[int, dict[str, list[TableRef]]] = {}
     for r in refs:
-        by_layer.setdefault(r.layer_index, {})[r.role] = r
+        by_layer.setdefault(r.layer_index, {}).setdefault(r.role, []).append(r)
     out: list[tuple[TableRef, TableRef | None]] = []
     for li in range(len(by_layer)):
         entry = by_layer.get(li)
         if entry is None or "rows" not in entry:
             raise EngramError(f"the table list has no rows for Engram layer index {li}; rebuild the engine folder")
-        rows, scales = entry["rows"], entry.get("scales")
+        rows = join_parts(entry["rows"])
+        scales = join_parts(entry["scales"]) if "scales" in entry else None
         fp8 = rows.itemsize == 1
         if fp8 and scales is None:
             raise EngramError(f"table {rows.tensor} is FP8 but no scale table is listed for it; rebuild the engine folder")
