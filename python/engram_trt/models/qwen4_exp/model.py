@@ -9,7 +9,8 @@ injection) gives the head's input; there is no separate final norm.
 
 Why the PLE rows are gathered here and not in the module: the tables are the one part
 that does not fit on a GPU for real models (~95 GiB for the published one), so they stay
-in :class:`~.ple_tables.PLETables` (checkpoint file maps or GPU memory), indexed by the
+in :class:`~.ple_tables.PLETables` (any of the five table stores, chosen by
+``--engram-config`` as for Engram tables), indexed by the
 hash of :mod:`engram_trt.engram.ple_hash`, whose per-sequence context lives in the state.
 """
 
