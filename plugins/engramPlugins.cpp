@@ -11,6 +11,7 @@
 #include "engramGatePlugin/engramGatePlugin.h"
 #include "engramGatherPlugin/engramGatherPlugin.h"
 #include "engramHashPlugin/engramHashPlugin.h"
+#include "engramPleFusionPlugin/engramPleFusionPlugin.h"
 #include "engramPleHashPlugin/engramPleHashPlugin.h"
 #include "kernels/engramKernels.h"
 
@@ -26,8 +27,9 @@ extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int3
     static engram_trt::plugin::EngramGatePluginCreator gateCreator;
     static engram_trt::plugin::EngramAttentionPluginCreator attentionCreator;
     static engram_trt::plugin::EngramPleHashPluginCreator pleHashCreator;
+    static engram_trt::plugin::EngramPleFusionPluginCreator pleFusionCreator;
     static nvinfer1::IPluginCreatorInterface* const creators[]
-        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator, &pleHashCreator};
+        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator, &pleHashCreator, &pleFusionCreator};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }

@@ -17,11 +17,15 @@ Parameter names equal the checkpoint's (``attn_hyper_connection.input_mix_weight
   sqrt-sign of their scaled dot product; a dilated depthwise causal convolution
   (dilation ``ngram_size``) over the normalized gated values adds local context. The
   convolution's history is per sequence (:class:`~.state.Qwen4ExpState`), so chunked
-  prefill and decode equal one whole forward.
+  prefill and decode equal one whole forward. On a CUDA device the fusion after the two
+  projections runs as one call of the kernel library (``engram_ple_fusion``, the
+  EngramPleFusion plugin's math, :mod:`engram_trt.native.ple`) when it loads; the PyTorch
+  path (:meth:`PLEFusion.forward_torch`) serves the CPU and is the kernel's reference.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Sequence
 
@@ -29,7 +33,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engram_trt.errors import EngramError
 from engram_trt.models.qwen4_exp.norms import OffsetRMSNorm
+
+log = logging.getLogger(__name__)
+
+PLE_BACKENDS = ("auto", "kernels", "torch")
+_ple_library_error: list[str | None] = []  # [] not tried yet; [None] loaded; [reason] unavailable
+
+
+def _ple_library_unavailable() -> str | None:
+    """Why the kernel library cannot serve the PLE fusion (None: it can), asked once."""
+    if not _ple_library_error:
+        try:
+            from engram_trt.native import ple as native_ple
+
+            native_ple.library()
+            _ple_library_error.append(None)
+        except (EngramError, OSError, AttributeError) as exc:
+            _ple_library_error.append(str(exc))
+            log.warning("PLE fusion CUDA kernel unavailable (%s); using the PyTorch path", exc)
+    return _ple_library_error[0]
 
 
 class GatedResidual(nn.Module):
@@ -111,7 +135,14 @@ class SparseMoE(nn.Module):
 
 
 class PLEFusion(nn.Module):
-    """See the module docstring; ``forward`` returns the streams' update ``[T, hc * hidden]``."""
+    """See the module docstring; ``forward`` returns the streams' update ``[T, hc * hidden]``.
+
+    ``backend``: ``auto`` (the kernel library on CUDA tensors it takes: bf16 / fp16 /
+    float32 activations, the conv state in their dtype, weights float32 or theirs; else
+    PyTorch), ``kernels`` (the kernel library or an EngramError saying why not) or
+    ``torch``. A class default, settable per module."""
+
+    backend: str = "auto"
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -138,6 +169,56 @@ class PLEFusion(nn.Module):
 
     def forward(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int], past_lens: Sequence[int],
                 slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
+        if self._kernel_serves(streams, conv_state):
+            return self.forward_kernel(streams, rows, seq_starts, past_lens, slots, conv_state)
+        return self.forward_torch(streams, rows, seq_starts, past_lens, slots, conv_state)
+
+    def _kernel_serves(self, streams: torch.Tensor, conv_state: torch.Tensor) -> bool:
+        """Whether ``forward`` takes the kernel path (see ``backend``)."""
+        if self.backend not in PLE_BACKENDS:
+            raise EngramError(f"PLEFusion.backend {self.backend!r} is not one of {list(PLE_BACKENDS)}")
+        if self.backend == "torch":
+            return False
+        io = streams.dtype
+        weights = {p.dtype for p in (self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight,
+                                     self.conv1d.weight)}
+        why = None
+        if not streams.is_cuda:
+            why = f"the activations are on {streams.device}, not a CUDA device"
+        elif io not in (torch.bfloat16, torch.float16, torch.float32):
+            why = f"the activations are {io}, not bfloat16, float16 or float32"
+        elif conv_state.dtype != io:
+            why = f"the conv state is {conv_state.dtype} but the activations are {io}; allocate the state in {io}"
+        elif len(weights) != 1 or not weights <= {torch.float32, io}:
+            why = f"the PLE weights are {sorted(map(str, weights))}, not all float32 or all {io}"
+        elif self.hidden % 8:
+            why = f"hidden_size {self.hidden} is not a multiple of 8"
+        else:
+            why = _ple_library_unavailable()
+        if why is None:
+            return True
+        if self.backend == "kernels":
+            raise EngramError(f"PLEFusion backend 'kernels' cannot run: {why}; use backend 'auto' or 'torch'")
+        return False
+
+    def forward_kernel(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int],
+                       past_lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
+        """The update through ``engram_ple_fusion``: the two projections here, the rest in
+        one library call (three launches), the conv state updated in place."""
+        from engram_trt.native import ple as native_ple
+
+        S = len(slots)
+        meta = torch.tensor([*seq_starts, *past_lens, *slots], dtype=torch.int32).to(streams.device)
+        key = self.key_proj(rows).contiguous()
+        value = self.value_proj(rows).contiguous()
+        return native_ple.ple_fusion(streams.contiguous(), key, value, self.norm_key.weight, self.norm_query.weight,
+                                     self.norm_conv.weight, self.conv1d.weight, conv_state, meta[:S + 1],
+                                     meta[S + 1:2 * S + 1], meta[2 * S + 1:], hc_count=self.hc,
+                                     dilation=self.dilation, eps=self.norm_conv.eps)
+
+    def forward_torch(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int],
+                      past_lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path (the CPU's, and the kernel's reference)."""
         keys = self.norm_key(self.key_proj(rows)).unflatten(-1, (self.hc, self.hidden))
         value = self.value_proj(rows)
         query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))

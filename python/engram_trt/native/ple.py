@@ -1,0 +1,143 @@
+"""ctypes bindings to Qwen4-Exp's PLE fusion in the kernel library
+(``plugins/kernels/pleFusionKernel.cu``, the EngramPleFusion plugin's math).
+
+:func:`ple_fusion` is :class:`~engram_trt.models.qwen4_exp.modules.PLEFusion` after its two
+projections: the sqrt-sign gate of the PLE value by each stream, the three grouped offset
+RMSNorms and the dilated causal convolution over each slot's history (updated in place),
+three launches on the current stream in one call. The functions check dtypes, then
+shapes, then devices before anything reaches the library (an EngramError names the bad
+argument). The entry points are declared here, on first use, as
+:mod:`engram_trt.native.attention` declares its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from engram_trt.errors import EngramError
+from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
+                                       _stream, _torch)
+
+# engramKernels.h: ENGRAM_PLE_FUSION_MAX_KERNEL / _MAX_DILATION
+MAX_KERNEL = 32
+MAX_DILATION = 256
+
+_i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_ENTRY = EntryPoints({
+    "engram_ple_fusion_check_shape": [_i32, _i32, _i32, _i32, ctypes.c_float],
+    "engram_ple_fusion_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+    "engram_ple_fusion": [_vp, _vp, _vp, _i32, _vp, _vp, _vp, _vp, _i32, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i32,
+                          _i32, _i32, _i32, ctypes.c_float, _i32, _vp, ctypes.c_size_t, _vp, _vp],
+})
+library = _ENTRY.library
+_call = _ENTRY.call
+
+
+def check_shape(hc_count: int, hidden: int, kernel: int, dilation: int, eps: float) -> None:
+    """The kernel's limits (hidden % 8, kernel / dilation ranges, eps); needs no GPU."""
+    _call("engram_ple_fusion_check_shape", int(hc_count), int(hidden), int(kernel), int(dilation), ctypes.c_float(eps))
+
+
+def workspace_size(max_tokens: int, hc_count: int, hidden: int, dtype: Any) -> int:
+    """Bytes of workspace a call of up to ``max_tokens`` tokens needs (the normalized
+    gated values in ``dtype`` and one fp32 gate per token and stream); needs no GPU."""
+    out = ctypes.c_size_t(0)
+    _call("engram_ple_fusion_workspace_size", int(max_tokens), int(hc_count), int(hidden), _float_code(dtype),
+          ctypes.byref(out))
+    return int(out.value)
+
+
+def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_query_weight: Any,
+               norm_conv_weight: Any, conv_weight: Any, conv_state: Any, seq_starts: Any, past_lens: Any, slots: Any,
+               *, hc_count: int, dilation: int, eps: float, add_streams: bool = False, out: Any = None,
+               workspace: Any = None) -> Any:
+    """PLEFusion's update ``[T, hc * D]`` (``add_streams``: ``streams + update``; ``out``
+    may then be ``streams``, an in-place residual add).
+
+    ``streams``, ``key`` (key_proj's output) ``[T, W]``, ``value`` (value_proj's) ``[T, D]``
+    and ``conv_state [num_slots, W, (K-1) * dilation]`` share one dtype (bf16, fp16,
+    float32; fp32 math inside, the output rounded once); the three norm weights ``[W]``
+    and ``conv_weight [W, K]`` or ``[W, 1, K]`` are float32 or that dtype.
+    ``seq_starts [S+1]`` (cu_seqlens), ``past_lens [S]``, ``slots [S]`` int32, on the same
+    CUDA device: each sequence's tokens are consecutive; its history is read when its
+    past length is > 0 (zeros otherwise) and replaced by the last ``(K-1) * dilation``
+    normalized values. ``workspace``: None (allocated) or a uint8 CUDA tensor of
+    :func:`workspace_size` bytes.
+    """
+    torch = _torch()
+    io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    _check_dtype("streams", streams, io_dtypes)
+    io = streams.dtype
+    for name, t in (("key", key), ("value", value), ("conv_state", conv_state)):
+        _check_dtype(name, t, (io,))
+    weight_dtypes = tuple(dict.fromkeys((torch.float32, io)))
+    _check_dtype("norm_key_weight", norm_key_weight, weight_dtypes)
+    wt = norm_key_weight.dtype
+    for name, t in (("norm_query_weight", norm_query_weight), ("norm_conv_weight", norm_conv_weight),
+                    ("conv_weight", conv_weight)):
+        _check_dtype(name, t, (wt,))
+    for name, t in (("seq_starts", seq_starts), ("past_lens", past_lens), ("slots", slots)):
+        _check(name, t, (torch.int32,), 1, where="any")
+    _check("streams", streams, io_dtypes, 2, where="any")
+    T, W = streams.shape
+    hc = int(hc_count)
+    if hc < 1 or W % hc:
+        raise EngramError(f"hc_count={hc_count} must divide streams' width {W}")
+    D = W // hc
+    _check("key", key, (io,), 2, where="any")
+    _check("value", value, (io,), 2, where="any")
+    if tuple(key.shape) != (T, W):
+        raise EngramError(f"key must be [T, W] = {(T, W)} (got {tuple(key.shape)})")
+    if tuple(value.shape) != (T, D):
+        raise EngramError(f"value must be [T, hidden] = {(T, D)} (got {tuple(value.shape)})")
+    for name, t in (("norm_key_weight", norm_key_weight), ("norm_query_weight", norm_query_weight),
+                    ("norm_conv_weight", norm_conv_weight)):
+        _check(name, t, (wt,), 1, where="any")
+        if t.shape[0] != W:
+            raise EngramError(f"{name} must be [W] = ({W},) (got {tuple(t.shape)})")
+    _check("conv_weight", conv_weight, (wt,), where="any")
+    if conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
+        conv_weight = conv_weight.reshape(conv_weight.shape[0], conv_weight.shape[2])
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != W:
+        raise EngramError(f"conv_weight must be [W, K] or [W, 1, K] with W = {W} (got {tuple(conv_weight.shape)})")
+    K = int(conv_weight.shape[1])
+    H = (K - 1) * int(dilation)
+    _check("conv_state", conv_state, (io,), 3, where="any")
+    if tuple(conv_state.shape[1:]) != (W, H):
+        raise EngramError(f"conv_state must be [num_slots, W, (K-1)*dilation] = [num_slots, {W}, {H}] "
+                          f"(got {tuple(conv_state.shape)})")
+    S = past_lens.shape[0]
+    if seq_starts.shape[0] != S + 1 or slots.shape[0] != S:
+        raise EngramError(f"seq_starts must be [S+1] and slots [S] with past_lens' S = {S} "
+                          f"(got {tuple(seq_starts.shape)}, {tuple(slots.shape)})")
+    if out is None:
+        out = torch.empty_like(streams)
+    _check("out", out, (io,), 2, where="any")
+    if tuple(out.shape) != (T, W):
+        raise EngramError(f"out must be [T, W] = {(T, W)} (got {tuple(out.shape)})")
+    need = workspace_size(T, hc, D, io)
+    if workspace is None:
+        workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=streams.device)
+    _check("workspace", workspace, (torch.uint8,), 1, where="any")
+    if workspace.numel() < need:
+        raise EngramError(f"workspace holds {workspace.numel()} bytes, {need} needed for {T} tokens")
+    for name, t in (("streams", streams), ("seq_starts", seq_starts), ("past_lens", past_lens), ("slots", slots)):
+        if not t.is_cuda:
+            raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
+    _same_device(streams.device, key=key, value=value, norm_key_weight=norm_key_weight,
+                 norm_query_weight=norm_query_weight, norm_conv_weight=norm_conv_weight, conv_weight=conv_weight,
+                 conv_state=conv_state, seq_starts=seq_starts, past_lens=past_lens, slots=slots, out=out,
+                 workspace=workspace)
+    for name, t in (("key", key), ("value", value), ("norm_key_weight", norm_key_weight),
+                    ("norm_query_weight", norm_query_weight), ("norm_conv_weight", norm_conv_weight),
+                    ("conv_weight", conv_weight), ("conv_state", conv_state), ("out", out)):
+        if not t.is_cuda:
+            raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
+    with _device_guard(streams.device.index):
+        _call("engram_ple_fusion", _ptr(streams), _ptr(key), _ptr(value), _float_code(io), _ptr(norm_key_weight),
+              _ptr(norm_query_weight), _ptr(norm_conv_weight), _ptr(conv_weight), _float_code(wt),
+              _ptr(conv_state if conv_state.numel() else None), int(conv_state.shape[0]), _ptr(seq_starts),
+              _ptr(past_lens), _ptr(slots), S, T, hc, D, K, int(dilation), ctypes.c_float(eps), int(bool(add_streams)),
+              _ptr(workspace), workspace.numel(), _ptr(out), _stream(streams.device))
+    return out
