@@ -81,3 +81,80 @@ def test_llm_on_cuda_batches_to_the_recorded_tokens(expected) -> None:
         label = llm.runner.backend.label
     got = [list(o.outputs[0].token_ids) for o in outs]
     record("LLM on CUDA: recorded greedy tokens", got == expected["greedy"], f"{got}; backend {label}")
+
+
+def _decode_both(model, prompts, steps, graphs_cls):
+    """Greedy decode of ``prompts`` (one packed prefill, then decode steps of all of them)
+    twice: eagerly, and through the decode graphs; returns (eager tokens, graph tokens,
+    max |logit difference|, the graphs, eager s/step, replay s/step)."""
+    import time
+
+    import torch
+
+    from engram_trt.models.step import PackedStep
+
+    S = len(prompts)
+    results = []
+    graphs = None
+    for use_graphs in (False, True):
+        cache = model.new_cache(S + 1, 256)
+        slots = list(range(S))[::-1]
+        logits = model.forward_step(PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts],
+                                               [0] * S, slots), cache)
+        if use_graphs:
+            graphs = graphs_cls(model, cache, S, scratch_slot=S)
+        lens = [len(p) for p in prompts]
+        toks, all_logits = [], []
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            tok = torch.argmax(logits, dim=-1).cpu()
+            toks.append(tok.tolist())
+            step = PackedStep(tok, [1] * S, lens, slots)
+            got = graphs.run(step) if use_graphs else None
+            logits = (got if got is not None else model.forward_step(step, cache)).clone()
+            all_logits.append(logits)
+            lens = [n + 1 for n in lens]
+        torch.cuda.synchronize()
+        results.append((toks, torch.stack(all_logits), (time.perf_counter() - t0) / steps))
+    (te, le, se), (tg, lg, sg) = results
+    return te, tg, float((le - lg).abs().max()), graphs, se, sg
+
+
+def test_decode_graphs_equal_eager_steps(expected) -> None:
+    """Decode steps replayed from the CUDA graphs give the eager steps' tokens (fp32 with
+    the f32 PLE tables gathered before the replay; bf16 with bf16 tables in HBM, the
+    hash and the gather kernel recorded in the graph), and the eager decode path's
+    tokens equal the recorded transformers tokens."""
+    import torch
+
+    from engram_trt.models.qwen4_exp.graphs import Qwen4ExpDecodeGraphs
+    from engram_trt.models.qwen4_exp.ple_tables import PLETables, shard_names
+
+    prompts = [list(p) for p in expected["prompts"]]
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        ckpt, model = _load("cuda", dtype)
+        if dtype == torch.bfloat16:
+            cfg = model.config
+            tables = [torch.cat([ckpt.get(n) for n in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts)])
+                      .to("cuda", torch.bfloat16) for layer in cfg.ple.layers]
+            model.ple_tables = PLETables.from_tensors(tables)
+        te, tg, diff, graphs, se, sg = _decode_both(model, prompts, 12, Qwen4ExpDecodeGraphs)
+        record(f"{name}: decode graphs recorded", graphs.failed is None and graphs.replays == 12,
+               f"failed={graphs.failed}, replays={graphs.replays}, lookup in graph={graphs.lookup_in_graph}")
+        if dtype == torch.bfloat16:
+            record("bf16: PLE lookup recorded in the graph (gather kernel over HBM tables)", graphs.lookup_in_graph,
+                   str(model.ple_tables.paths))
+        record(f"{name}: graph tokens equal eager tokens", te == tg, f"{te} vs {tg}")
+        record(f"{name}: graph logits equal eager logits", diff <= (1e-5 if dtype == torch.float32 else 5e-2),
+               f"max |diff| {diff:.3e}")
+        note(f"{name}_decode_eager_ms", se * 1e3)
+        note(f"{name}_decode_graph_ms", sg * 1e3)
+        print(f"qwen4 tiny {name} decode of {len(prompts)}: eager {se * 1e3:.2f} ms/step, graphs {sg * 1e3:.2f} ms/step "
+              f"({se / sg:.1f}x)")
+        if dtype == torch.float32:
+            for i, prompt in enumerate(expected["prompts"]):
+                got = model.generate_greedy(prompt, expected["new_tokens"], ignore_eos=True)
+                record(f"prompt {i}: fp32 CUDA decode path tokens", got == expected["greedy"][i],
+                       f"{got} vs {expected['greedy'][i]}")
+        ckpt.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engram_trt.bench import (attention, backbone, cache, cacheplan, contention, gather, gathersweep, gemv, idstreams,
-                               kernels, rowcounts, serve, step)
+                               kernels, plegather, qwen4step, rowcounts, serve, step)
 from engram_trt.cli.argtypes import int_arg
 
 
@@ -82,6 +82,10 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
                  "the host gather after each contention suspect, vs a fresh pool and the link's floor"),
     BenchCommand("cacheplan", cacheplan, cacheplan.CacheplanOptions,
                  "the hot-row cache's fused plan vs its torch reference; the misses' fetch vs the link"),
+    BenchCommand("ple-gather", plegather, plegather.PleGatherOptions,
+                 "Qwen4Exp PLE lookups (real hash ids): UVA kernel vs host gather vs HBM, vs the link"),
+    BenchCommand("qwen4-step", qwen4step, qwen4step.Qwen4StepOptions,
+                 "~1.3B Qwen4Exp decode steps, PLE tables pinned vs HBM, vs the step's floor"),
 )
 
 

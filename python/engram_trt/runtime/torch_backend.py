@@ -64,6 +64,9 @@ class TorchBackend:
         from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
         cache = self.model.new_cache(num_slots + 1, max_len)  # + a scratch slot for graph padding
+        if hasattr(self.model, "decode_graphs"):  # a model with its own recorded decode steps (Qwen4Exp)
+            self.graphs = self.model.decode_graphs(cache, num_slots, scratch_slot=num_slots)
+            return cache
         self.graphs = DecodeGraphs(self.model, cache, num_slots, scratch_slot=num_slots, tables=self.model.tables,
                                    lookup_policy=lambda n: self.lookup_policy(n) if self.lookup_policy else "host")
         return cache

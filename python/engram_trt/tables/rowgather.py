@@ -60,6 +60,7 @@ class StoreGather:
         self.device = torch.device(device)
         self.paths = [gather_path(store, i, self.device) for i in range(store.num_layers)]
         self._gatherer: Any = None
+        self._bad: torch.Tensor | None = None  # kernel-path bad-id count on the GPU (check_bad_rows)
         log.debug("row gather over the %s store on %s: %s", store.kind, self.device, self.paths)
 
     def _check_ids(self, layer_idx: int, flat: torch.Tensor) -> None:
@@ -70,23 +71,45 @@ class StoreGather:
                 raise EngramError(f"row id {lo if lo < 0 else hi} is outside table {layer_idx} (rows 0..{n - 1}): "
                                   f"the table does not cover the hash layout")
 
-    def gather(self, layer_idx: int, ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` (int, any shape) of layer ``layer_idx``: ``[*ids.shape, head_dim]``
-        on this gather's device, in the stored dtype (FP8 dequantized to bf16)."""
+        on this gather's device, in the stored dtype (FP8 dequantized to bf16).
+
+        ``checked=False`` (the kernel path only): the ids are not read on the host (that
+        is a device sync per call for ids on the GPU); a bad id still gives a zero row and
+        is counted on the GPU, which :meth:`check_bad_rows` reads. For ids a hash makes
+        for this very table (in range by construction). ``out``: the kernel path writes
+        the rows there (``[n, 1, head_dim]`` bf16: a CUDA graph's static buffer)."""
         path = self.paths[layer_idx]
         if path == "reference":
             return self.store.rows(layer_idx, ids.to(self.device))
         flat = ids.reshape(-1)
-        self._check_ids(layer_idx, flat)
         hd = self.store.head_dim(layer_idx)
         if path == "kernel":
             from engram_trt.native import kernels
 
+            if checked or not flat.is_cuda:
+                self._check_ids(layer_idx, flat)
             rows, scales = self.store.tensors(layer_idx)
-            out = kernels.gather(flat.to(self.device, torch.int32).reshape(-1, 1), rows, scales,
-                                 quant_block=self.store.quant_block)
-            return out.reshape(*ids.shape, hd)
+            got = kernels.gather(flat.to(self.device, torch.int32).reshape(-1, 1), rows, scales,
+                                 quant_block=self.store.quant_block, out=out, bad_rows=self._bad_counter())
+            return got.reshape(*ids.shape, hd)
+        self._check_ids(layer_idx, flat)
         return self._host(layer_idx, flat.cpu().to(torch.int32)).reshape(*ids.shape, hd)
+
+    def _bad_counter(self) -> torch.Tensor:
+        """The GPU's count of kernel-path rows whose id was outside their table."""
+        if self._bad is None:
+            self._bad = torch.zeros(1, dtype=torch.int64, device=self.device)
+        return self._bad
+
+    def check_bad_rows(self) -> None:
+        """Raise when any kernel-path gather met an id outside its table (one small
+        device-to-host read: a sync, so callers do it every few hundred steps)."""
+        bad = self._bad
+        if bad is not None and int(bad.item()):
+            raise EngramError(f"{int(bad.item())} gathered row id(s) were outside their table: the table does not "
+                              f"cover the hash layout (rows read as zeros)")
 
     def _host(self, layer_idx: int, flat: torch.Tensor) -> torch.Tensor:
         """The host gather of checked CPU int32 ids, shard by shard for a table in parts."""

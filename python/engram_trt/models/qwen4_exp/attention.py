@@ -182,6 +182,57 @@ class QSAIndexer(nn.Module):
         return mask
 
 
+    def decode_mask(self, config: Any, q: Tensor, raw_keys: Tensor, positions: Tensor,
+                    seen_host: list[int] | None = None) -> Tensor:
+        """``[G, L]`` bool for a decode-only step: which of the first ``L`` cached
+        positions of each of the ``G`` slots its one query (at ``positions[g]``, whose key
+        is already in ``raw_keys [G, L, d]``) attends to, the causal limit included.
+
+        The blocks are pooled over all ``L // r`` complete blocks of ``L`` for every slot
+        (fixed shapes: what a CUDA graph records); a slot scores only the blocks it sees.
+        ``seen_host``: each query's complete-block count known on the host, then the top-k
+        runs per query over exactly its blocks as :meth:`selection_mask` does (the same
+        tie-breaking as the per-sequence path, which the CPU's parity with transformers
+        relies on: relu scores tie at 0); None: one top-k over the padded scores
+        (:meth:`select_blocks`, no host values), equal whenever no two scores tie."""
+        r = self.compress_ratio
+        G, L, _ = raw_keys.shape
+        key_pos = torch.arange(L, device=raw_keys.device)
+        causal = key_pos.unsqueeze(0) <= positions.unsqueeze(1)
+        n_blocks = L // r
+        if n_blocks <= self.block_topk:
+            return causal  # no query sees more blocks than it may keep
+        groups = raw_keys[:, : n_blocks * r].reshape(G, n_blocks, r, self.head_dim)
+        pooled = self.k_layernorm(groups.float().mean(dim=2).to(raw_keys.dtype))  # [G, nb, d]
+        cos, sin = rope_cos_sin(config, torch.arange(n_blocks, device=raw_keys.device) * r)
+        blocks = apply_partial_rope(pooled.transpose(0, 1), cos, sin).transpose(0, 1)  # [G, nb, d]
+        scores = torch.einsum("ghd,gbd->gbh", q.float(), blocks.float())
+        scores = scores.relu().sum(dim=-1) / math.sqrt(self.head_dim)  # [G, nb]
+        seen = torch.div(positions + 1, r, rounding_mode="floor")
+        if seen_host is None:
+            allowed = self.select_blocks(scores, seen)
+        else:
+            allowed = torch.ones(G, n_blocks, dtype=torch.bool, device=raw_keys.device)
+            for g, nb in enumerate(seen_host):
+                if nb > self.block_topk:
+                    chosen = scores[g:g + 1, :nb].topk(self.block_topk, dim=-1).indices  # [1, k], as selection_mask
+                    allowed[g, :nb] = torch.zeros(1, nb, dtype=torch.bool, device=raw_keys.device).scatter_(1, chosen, True)[0]
+        tail = torch.ones(G, L - n_blocks * r, dtype=torch.bool, device=raw_keys.device)
+        return causal & torch.cat([allowed.repeat_interleave(r, dim=1), tail], dim=1)
+
+    def select_blocks(self, scores: Tensor, seen: Tensor) -> Tensor:
+        """``[G, nb]`` bool: the blocks each row may read. Row g sees its first
+        ``seen[g]`` blocks; past the budget it keeps the ``block_topk`` best scored of
+        them, and every block it does not see yet is left to the causal mask (the tail
+        after its last complete block is always kept)."""
+        G, nb = scores.shape
+        idx = torch.arange(nb, device=scores.device).unsqueeze(0)
+        unseen = idx >= seen.unsqueeze(1)
+        chosen = scores.masked_fill(unseen, float("-inf")).topk(self.block_topk, dim=-1).indices
+        keep = torch.zeros(G, nb, dtype=torch.bool, device=scores.device).scatter_(1, chosen, True)
+        return keep | unseen | (seen <= self.block_topk).unsqueeze(1)
+
+
 class GatedAttention(nn.Module):
     """One full-attention layer (``model.layers.{i}.self_attn``) over a packed step."""
 
@@ -321,4 +372,38 @@ class GatedAttention(nn.Module):
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
             out[a:b] = torch.matmul(probs, v).transpose(0, 1).reshape(n, h * hd)
 
+        return self.o_proj(out * torch.sigmoid(gate))
+
+    def forward_decode(self, x: Tensor, positions: Tensor, slots: Tensor, context: int, key_cache: Tensor,
+                       value_cache: Tensor, index_key_cache: Tensor, seen_host: list[int] | None = None) -> Tensor:
+        """A decode-only step: token ``j`` of ``x [G, hidden]`` sits at ``positions[j]``
+        of slot ``slots[j]`` (device tensors; distinct slots). All slots at once over
+        their first ``context`` cache positions (>= every ``positions + 1``; later ones
+        are masked), no host values beyond ``context``: what the decode CUDA graphs
+        record. The math of :meth:`forward` (K in float32, probabilities rounded to the
+        activations' dtype before V); ``seen_host``: see :meth:`QSAIndexer.decode_mask`."""
+        G = x.shape[0]
+        h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if context > key_cache.shape[2]:
+            raise EngramError(f"decode context {context} is longer than the cache's {key_cache.shape[2]} positions")
+        cos, sin = rope_cos_sin(self.config, positions)
+        query, gate = self.q_proj(x).reshape(G, h, 2 * hd).chunk(2, dim=-1)
+        gate = gate.reshape(G, h * hd)
+        query = apply_partial_rope(self.q_norm(query), cos, sin)
+        key = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(G, kvh, hd)), cos, sin)
+        value = self.v_proj(x).reshape(G, kvh, hd)
+        index_q, index_raw = self.indexer.project(x, cos, sin)
+        key_cache[slots, :, positions] = key.to(key_cache.dtype)
+        value_cache[slots, :, positions] = value.to(value_cache.dtype)
+        index_key_cache[slots, positions] = index_raw.to(index_key_cache.dtype)
+
+        raw = index_key_cache[slots, :context].to(index_raw.dtype)  # [G, L, d]
+        mask = self.indexer.decode_mask(self.config, index_q, raw, positions, seen_host)  # [G, L]
+        k = key_cache[slots, :, :context].to(torch.float32)  # [G, kvh, L, hd]
+        v = value_cache[slots, :, :context].to(query.dtype)
+        q = query.to(torch.float32).reshape(G, kvh, h // kvh, hd)  # query head j reads kv head j // (h / kvh)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [G, kvh, h / kvh, L]
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, v).reshape(G, h * hd)
         return self.o_proj(out * torch.sigmoid(gate))

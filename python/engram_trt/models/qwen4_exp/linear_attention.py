@@ -237,6 +237,31 @@ class GatedDeltaNet(nn.Module):
                 for t in (q, k))
         return q * self.head_k_dim ** -0.5, k, v.reshape(-1, self.num_v_heads, self.head_v_dim).float()
 
+    def _recurrent(self, cols: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot_ids: torch.Tensor,
+                   conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+        """One token per slot ``slot_ids`` (a device tensor): the token-by-token form,
+        states updated in place; returns ``o [B, Hv, dv]`` float32."""
+        mixed, new_past = self._conv(cols.unsqueeze(-1), conv_state[slot_ids])
+        conv_state[slot_ids] = new_past
+        q, k, v = self._heads(mixed.squeeze(-1))
+        o, new_state = recurrent_delta_step(q, k, v, g, beta, recurrent_state[slot_ids])
+        recurrent_state[slot_ids] = new_state
+        return o
+
+    def forward_decode(self, x: torch.Tensor, slot_ids: torch.Tensor, conv_state: torch.Tensor,
+                       recurrent_state: torch.Tensor) -> torch.Tensor:
+        """A decode-only step: token ``j`` of ``x [B, hidden]`` continues the sequence in
+        slot ``slot_ids[j]`` (a device tensor, distinct slots, each with a past). No host
+        lists, no host syncs: the step the decode CUDA graphs record. Equal to
+        :meth:`forward` on such a step (its decode branch is this very code)."""
+        cols = self.in_proj_qkv(x)
+        z = self.in_proj_z(x)
+        beta = torch.sigmoid(self.in_proj_b(x)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        core = self._recurrent(cols, g, beta, slot_ids, conv_state, recurrent_state)
+        normed = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
+
     # -- the step -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, seq_starts: list[int], past_lens: list[int], slots: list[int],
                 conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
@@ -259,12 +284,7 @@ class GatedDeltaNet(nn.Module):
             # One token of each: their tokens, slots and states gathered into a batch.
             tok = torch.tensor([seq_starts[s] for s in decode], device=x.device)
             slot_ids = torch.tensor([slots[s] for s in decode], device=x.device)
-            mixed, new_past = self._conv(cols[tok].unsqueeze(-1), conv_state[slot_ids])
-            conv_state[slot_ids] = new_past
-            q, k, v = self._heads(mixed.squeeze(-1))
-            o, new_state = recurrent_delta_step(q, k, v, g[tok], beta[tok], recurrent_state[slot_ids])
-            recurrent_state[slot_ids] = new_state
-            core[tok] = o
+            core[tok] = self._recurrent(cols[tok], g[tok], beta[tok], slot_ids, conv_state, recurrent_state)
 
         for s in others:
             a, b, slot = seq_starts[s], seq_starts[s + 1], slots[s]

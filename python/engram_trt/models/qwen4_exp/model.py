@@ -25,10 +25,13 @@ from torch import nn
 from engram_trt.errors import EngramError
 from engram_trt.models.qwen4_exp.config import Qwen4ExpConfig
 from engram_trt.models.qwen4_exp.modules import GatedResidual, PLEFusion, SparseMoE
-from engram_trt.models.qwen4_exp.state import Qwen4ExpState
+from engram_trt.models.qwen4_exp.state import MIN_DECODE_CONTEXT, Qwen4ExpState, decode_context  # noqa: F401
 from engram_trt.models.step import PackedStep, StepUploader
 
 log = logging.getLogger(__name__)
+
+# Unchecked PLE gathers count bad ids on the GPU; read every this many steps.
+BAD_ROW_CHECK_EVERY = 256
 
 
 class DecoderLayer(nn.Module):
@@ -88,7 +91,7 @@ class Qwen4ExpModel(_Modules):
     :func:`model_weight_shapes`); ``ple_tables``: the PLE tables (None for a model
     without PLE)."""
 
-    supports_decode_graphs = False
+    supports_decode_graphs = True  # decode steps through graphs.Qwen4ExpDecodeGraphs (decode_graphs)
 
     def __init__(self, config: Qwen4ExpConfig, weights: Mapping[str, torch.Tensor], *, ple_tables: Any = None,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **_: Any) -> None:
@@ -127,7 +130,17 @@ class Qwen4ExpModel(_Modules):
                 seed=p.seed, eos_token_id=config.first_eos, num_layers=len(p.layers))
             if ple_tables is None:
                 raise EngramError("a Qwen4Exp model with PLE layers needs its PLE tables (ple_tables=)")
+            short = [li for li in range(len(p.layers)) if hasattr(ple_tables, "num_rows")
+                     and ple_tables.num_rows(li) < int(self.ple_layout.table_rows[li])]
+            if short:
+                li = short[0]
+                raise EngramError(f"PLE table {li} has {ple_tables.num_rows(li)} rows but the hash layout needs "
+                                  f"{int(self.ple_layout.table_rows[li])}: the tables do not match the config")
         self.ple_index = {layer: i for i, layer in enumerate(config.ple.layers)} if config.ple else {}
+        if dev.type == "cuda":
+            for layer in self.model.layers:
+                layer.mlp.stack_experts()  # one tensor per weight kind: the sync-free MoE forms read them
+        self._steps = 0
         self.uploader = StepUploader(dev) if dev.type == "cuda" else None
         self._device = dev
 
@@ -157,7 +170,7 @@ class Qwen4ExpModel(_Modules):
         n-gram context advances past the step's tokens. On a GPU the hash runs in the
         kernel library (the plugin's kernel, bit-identical to the reference), on the
         step's device arrays; elsewhere the reference hash."""
-        from engram_trt.engram.ple_hash import next_context, ple_hash_packed
+        from engram_trt.engram.ple_hash import ple_hash_packed
 
         # The context (a few ids per slot) lives on the host: the scheduler's tokens are
         # there, so advancing it costs no device round trip.
@@ -165,7 +178,8 @@ class Qwen4ExpModel(_Modules):
         ctx = state.context[slots]
         ctx[torch.tensor([p == 0 for p in step.past_lens])] = state.eos_id
         ids = step.input_ids.cpu()
-        on_gpu = self._native_ple_hash()
+        kernel = self._ple_kernel_layers()
+        on_gpu = self._native_ple_hash() if any(kernel) else None
         if on_gpu is not None:
             dev = self._device
             ids_dev = step.input_ids.to(dev, torch.int32)
@@ -173,14 +187,35 @@ class Qwen4ExpModel(_Modules):
             ctx_dev = ctx.to(torch.int32).to(dev)
         out = []
         for li in range(len(self.config.ple.layers)):
-            if on_gpu is not None:
-                rows_ids = on_gpu(ids_dev, starts, ctx_dev, self.ple_layout, li)
-            else:
+            if on_gpu is not None and kernel[li]:
+                # the hash's ids are in the table by construction (checked once at init):
+                # the gather reads none on the host, bad ones are counted on the GPU
+                rows = self.ple_tables.gather(li, on_gpu(ids_dev, starts, ctx_dev, self.ple_layout, li), checked=False)
+            else:  # the host gather / reference read the ids on the host: hash them there (no device round trip)
                 rows_ids = torch.as_tensor(ple_hash_packed(ids, step.seq_starts, ctx, self.ple_layout, li), dtype=torch.int64)
-            rows = self.ple_tables.gather(li, rows_ids.to(self._device))
-            out.append(rows.reshape(rows.shape[0], -1).to(self.compute_dtype))
-        state.context[slots] = torch.as_tensor(next_context(ctx, ids, step.seq_starts), dtype=torch.int64)
+                rows = self.ple_tables.gather(li, rows_ids)
+            out.append(rows.reshape(rows.shape[0], -1).to(self._device, self.compute_dtype))
+        self._advance_context(step, state, ctx, ids)
         return out
+
+    def _ple_kernel_layers(self) -> list[bool]:
+        """Per PLE layer, whether its rows come from the GPU gather kernel (then the hash
+        runs on the GPU too and the step's lookup is device work only)."""
+        paths = getattr(self.ple_tables, "paths", None)
+        n = len(self.config.ple.layers) if self.config.ple is not None else 0
+        return [bool(paths) and paths[li] == "kernel" for li in range(n)]
+
+    def _advance_context(self, step: PackedStep, state: Qwen4ExpState, ctx: torch.Tensor, ids: torch.Tensor) -> None:
+        from engram_trt.engram.ple_hash import next_context
+
+        slots = torch.tensor(step.slots, dtype=torch.int64)
+        state.context[slots] = torch.as_tensor(next_context(ctx, ids, step.seq_starts), dtype=torch.int64)
+
+    def _maybe_check_bad_rows(self) -> None:
+        """Every BAD_ROW_CHECK_EVERY steps: did an unchecked gather meet an id outside its table?"""
+        self._steps += 1
+        if self._steps % BAD_ROW_CHECK_EVERY == 0 and hasattr(self.ple_tables, "check_bad_rows"):
+            self.ple_tables.check_bad_rows()
 
     def _native_ple_hash(self) -> Any:
         """The kernel library's PLE hash when the model runs on a CUDA device and the
@@ -217,6 +252,10 @@ class Qwen4ExpModel(_Modules):
             raise EngramError("Qwen4Exp takes no staged Engram rows (its PLE rows are gathered in the step)")
         cfg = self.config
         self._check_step(step, cache)
+        if cfg.ple is not None:
+            self._maybe_check_bad_rows()
+        if not all_logits and step.is_decode_only and step.input_ids.numel() == step.num_seqs and min(step.past_lens) > 0:
+            return self._forward_decode(step, cache)
         dev = self._device
         ids = step.input_ids.to(dev)
         positions = step.positions(dev)
@@ -243,6 +282,73 @@ class Qwen4ExpModel(_Modules):
         for s, slot in enumerate(slots):
             cache.lengths[slot] = step.total_lens[s]
         return logits
+
+    # -- decode-only steps -------------------------------------------------------------------
+    def decode_inputs(self, step: PackedStep) -> dict[str, torch.Tensor]:
+        """A decode step's device arrays in one copy: ``ids``, ``positions`` (= past
+        lengths), ``slots`` (int64 ``[G]``) and ``meta`` (the PLE kernel's int32
+        ``[seq_starts, past_lens, slots]``)."""
+        G = step.num_seqs
+        host = torch.empty((3, G), dtype=torch.int64)
+        host[0] = step.input_ids.reshape(-1).cpu()
+        host[1] = torch.tensor(step.past_lens, dtype=torch.int64)
+        host[2] = torch.tensor(step.slots, dtype=torch.int64)
+        d = host.to(self._device)
+        return self.decode_views(d[0], d[1], d[2])
+
+    def decode_views(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        G = ids.shape[0]
+        starts = torch.arange(G + 1, dtype=torch.int32, device=ids.device)
+        meta = torch.cat([starts, positions.to(torch.int32), slots.to(torch.int32)])
+        return {"ids": ids, "positions": positions, "slots": slots, "meta": meta}
+
+    def _forward_decode(self, step: PackedStep, cache: Qwen4ExpState) -> torch.Tensor:
+        """A decode-only step eagerly: the very function the decode graphs record."""
+        d = self.decode_inputs(step)
+        rows = self.ple_rows(step, cache) if self.config.ple is not None else []
+        L = decode_context(max(step.total_lens), cache.max_len)
+        seen = None
+        if self._device.type != "cuda":  # the per-query top-k (see QSAIndexer.decode_mask)
+            r = self.config.indexer_compress_ratio
+            seen = [(p + 1) // r for p in step.past_lens]
+        logits = self.decode_core(d, cache, L, rows, seen)
+        for s, slot in enumerate(step.slots):
+            cache.lengths[slot] = step.total_lens[s]
+        return logits
+
+    def decode_core(self, d: dict[str, torch.Tensor], cache: Qwen4ExpState, context: int, ple_rows: Sequence[torch.Tensor],
+                    seen_host: list[int] | None = None) -> torch.Tensor:
+        """Logits ``[G, vocab]`` of a decode-only step from its device arrays
+        (:meth:`decode_inputs`) and PLE rows: every module's decode form, the slots
+        vectorized, no host value read (``context`` and ``seen_host`` aside), so a CUDA
+        graph can record it. The caches are updated; ``cache.lengths`` is the caller's."""
+        cfg = self.config
+        ids, positions, slots, meta = d["ids"], d["positions"], d["slots"], d["meta"]
+        streams = self.model.embed_tokens(ids).repeat(1, cfg.hc_count)
+        sync_free = ids.is_cuda
+        for layer in self.model.layers:
+            i = layer.index
+            if layer.has_ple:
+                streams = streams + layer.ple.forward_decode(streams, ple_rows[self.ple_index[i]], slots, meta,
+                                                             cache.ple_conv[i])
+            x, w = layer.attn_hyper_connection.mix(streams)
+            if layer.kind == "linear_attention":
+                y = layer.linear_attn.forward_decode(x, slots, cache.conv[i], cache.recurrent[i])
+            else:
+                y = layer.self_attn.forward_decode(x, positions, slots, context, cache.keys[i], cache.values[i],
+                                                   cache.index_keys[i], seen_host)
+            streams = GatedResidual.inject(streams, y, w)
+            x, w = layer.mlp_hyper_connection.mix(streams)
+            streams = GatedResidual.inject(streams, layer.mlp(x, sync_free=sync_free), w)
+        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, head).float()
+
+    def decode_graphs(self, cache: Qwen4ExpState, max_batch: int, scratch_slot: int) -> Any:
+        """The torch backend's recorded decode steps over ``cache`` (see :mod:`.graphs`)."""
+        from engram_trt.models.qwen4_exp.graphs import Qwen4ExpDecodeGraphs
+
+        return Qwen4ExpDecodeGraphs(self, cache, max_batch, scratch_slot)
 
     # -- the uniform-batch helpers tests and scripts use --------------------------------------
     @torch.no_grad()

@@ -113,8 +113,18 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(logits.dtype), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
+        """``sync_free``: no host sync and fixed shapes (what a decode CUDA graph records):
+        the experts through :meth:`experts_dense` or :meth:`experts_gathered`, whichever
+        reads fewer weight bytes; else one GEMM pair per expert some token picked (its
+        token counts read on the host: a sync)."""
         weights, ids = self.route(x)
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        if sync_free:
+            pairs = ids.numel()
+            routed = self.experts_gathered(x, weights, ids) if 2 * pairs < len(self.experts) else \
+                self.experts_dense(x, weights, ids)
+            return routed + shared
         out = torch.zeros_like(x)
         # Tokens grouped by expert: one GEMM pair per expert that any token picked.
         flat = ids.reshape(-1)
@@ -130,8 +140,63 @@ class SparseMoE(nn.Module):
             start += n
             y = self.experts[e](x[tok]) * weights.reshape(-1)[sel].unsqueeze(-1)
             out.index_add_(0, tok, y.to(out.dtype))
-        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
         return out + shared
+
+    def stack_experts(self) -> None:
+        """Put the experts' weights into three stacked tensors (gate and up ``[E*I, D]``,
+        down ``[D, E*I]``) and make each expert's parameters views of them: no second
+        copy, the per-expert path reads the very same values, and the sync-free forms
+        read every expert in one GEMM or one gather."""
+        if getattr(self, "_stacked", None) is not None:
+            return
+        E = len(self.experts)
+        gate = torch.cat([e.gate_proj.weight for e in self.experts], dim=0)
+        up = torch.cat([e.up_proj.weight for e in self.experts], dim=0)
+        down = torch.cat([e.down_proj.weight for e in self.experts], dim=1)
+        inter = gate.shape[0] // E
+        for i, e in enumerate(self.experts):
+            rows = slice(i * inter, (i + 1) * inter)
+            e.gate_proj.weight = nn.Parameter(gate[rows], requires_grad=False)
+            e.up_proj.weight = nn.Parameter(up[rows], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(down[:, rows], requires_grad=False)
+        self._stacked = (gate, up, down, inter)
+
+    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        self.stack_experts()
+        return self._stacked
+
+    def _routing_matrix(self, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``[T, E]``: each token's routing weight per expert (0 where not picked)."""
+        dense = torch.zeros(ids.shape[0], len(self.experts), dtype=weights.dtype, device=weights.device)
+        return dense.scatter_(1, ids, weights)
+
+    def experts_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, each expert's activations scaled by its routing
+        weight (0 where the token did not pick it) before one down GEMM over all of them:
+        every expert's weights read once, ``E / top_k`` times the picked experts'
+        arithmetic. The sum over a token's experts runs inside the GEMM (float32
+        accumulation) instead of the per-expert path's additions in x's dtype."""
+        gate, up, down, inter = self._stacks()
+        T, E = x.shape[0], len(self.experts)
+        h = F.silu(F.linear(x, gate)) * F.linear(x, up)  # [T, E*I]
+        h = (h.reshape(T, E, inter) * self._routing_matrix(weights, ids).unsqueeze(-1)).reshape(T, E * inter)
+        return F.linear(h, down)
+
+    def experts_gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, pick) pair's expert weights gathered and applied by batched
+        matrix-vector products: the picked experts' weights alone are read (a few tokens
+        against many experts), then each token's ``top_k`` outputs, scaled, summed."""
+        gate, up, down, inter = self._stacks()
+        T, k = ids.shape
+        E, D = len(self.experts), x.shape[1]
+        flat = ids.reshape(-1)
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [P, D, 1]
+        g = torch.bmm(gate.reshape(E, inter, D).index_select(0, flat), xs)
+        u = torch.bmm(up.reshape(E, inter, D).index_select(0, flat), xs)
+        h = F.silu(g) * u  # [P, I, 1]
+        w_down = down.reshape(D, E, inter).transpose(0, 1).index_select(0, flat)  # [P, D, I]
+        y = torch.bmm(w_down, h).squeeze(-1) * weights.reshape(-1, 1)
+        return y.reshape(T, k, D).sum(dim=1)
 
 
 class PLEFusion(nn.Module):
@@ -219,14 +284,41 @@ class PLEFusion(nn.Module):
     def forward_torch(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int],
                       past_lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
         """The PyTorch path (the CPU's, and the kernel's reference)."""
+        gated, normed = self._gated(streams, rows)
+        return gated + F.silu(self._conv(normed, seq_starts, past_lens, slots, conv_state))
+
+    def forward_decode(self, streams: torch.Tensor, rows: torch.Tensor, slot_ids: torch.Tensor, meta: torch.Tensor,
+                       conv_state: torch.Tensor) -> torch.Tensor:
+        """A decode-only step (one token per slot ``slot_ids``, each with a past): the
+        update with no host lists. ``meta``: the kernel's int32 ``[seq_starts (G+1),
+        past_lens (G), slots (G)]`` on the device (built once per step, shared by every
+        PLE layer); the PyTorch path convolves all slots' histories in one call."""
+        if self._kernel_serves(streams, conv_state):
+            from engram_trt.native import ple as native_ple
+
+            G = slot_ids.shape[0]
+            key = self.key_proj(rows).contiguous()
+            value = self.value_proj(rows).contiguous()
+            return native_ple.ple_fusion(streams.contiguous(), key, value, self.norm_key.weight, self.norm_query.weight,
+                                         self.norm_conv.weight, self.conv1d.weight, conv_state, meta[:G + 1],
+                                         meta[G + 1:2 * G + 1], meta[2 * G + 1:], hc_count=self.hc,
+                                         dilation=self.dilation, eps=self.norm_conv.eps)
+        gated, normed = self._gated(streams, rows)
+        w = self.conv1d.weight
+        seq = torch.cat([conv_state[slot_ids].to(normed.dtype), normed.unsqueeze(-1)], dim=-1)  # [G, width, H + 1]
+        out = F.conv1d(seq, w, groups=w.shape[0], dilation=self.dilation)[..., 0]
+        conv_state[slot_ids] = seq[..., 1:].to(conv_state.dtype)
+        return gated + F.silu(out)
+
+    def _gated(self, streams: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gated values ``[T, width]`` and their normalized form (the conv's input)."""
         keys = self.norm_key(self.key_proj(rows)).unflatten(-1, (self.hc, self.hidden))
         value = self.value_proj(rows)
         query = self.norm_query(streams).unflatten(-1, (self.hc, self.hidden))
         score = (keys * query).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
         score = score.abs().clamp_min(1e-6).sqrt() * score.sign()
         gated = (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)  # [T, width]
-        normed = self.norm_conv(gated)
-        return gated + F.silu(self._conv(normed, seq_starts, past_lens, slots, conv_state))
+        return gated, self.norm_conv(gated)
 
     def _conv(self, x: torch.Tensor, seq_starts: Sequence[int], past_lens: Sequence[int], slots: Sequence[int],
               conv_state: torch.Tensor) -> torch.Tensor:

@@ -162,14 +162,20 @@ class PLETables:
     def nbytes(self) -> int:
         return self.store.table_bytes()
 
-    def gather(self, layer_idx: int, ids: torch.Tensor) -> torch.Tensor:
+    def gather(self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape) of one layer's table: ``[*ids.shape, head_dim]``
-        on ``ids``' device, in the table's dtype."""
+        on ``ids``' device, in the table's dtype. ``checked`` / ``out``: see
+        :meth:`~engram_trt.tables.rowgather.StoreGather.gather` (the model passes
+        ``checked=False`` for the hash's ids on a GPU: no host sync per layer)."""
         try:
-            rows = self._gather.gather(layer_idx, ids)
+            rows = self._gather.gather(layer_idx, ids, checked=checked, out=out)
         except EngramError as exc:
             raise EngramError(f"PLE layer {layer_idx}: {exc}") from None
         return rows.to(ids.device)
+
+    def check_bad_rows(self) -> None:
+        """Raise when an unchecked gather met an id outside its table (a device sync)."""
+        self._gather.check_bad_rows()
 
     def close(self) -> None:
         self._gather.close()

@@ -18,6 +18,19 @@ import torch
 
 from engram_trt.errors import EngramError
 
+# A decode step attends over a power-of-two cache prefix at least this long (the same
+# shapes eager and in the CUDA graphs, which record one graph per prefix length).
+MIN_DECODE_CONTEXT = 64
+
+
+def decode_context(longest: int, max_len: int) -> int:
+    """The cache prefix a decode step attends over: ``longest`` (the longest sequence
+    after the step) rounded up to a power of two >= MIN_DECODE_CONTEXT, at most ``max_len``."""
+    n = MIN_DECODE_CONTEXT
+    while n < longest:
+        n *= 2
+    return min(n, max_len)
+
 
 @dataclass
 class Qwen4ExpState:
