@@ -109,7 +109,10 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
         total += layer_bytes
         report["layers"].append(entry)
     report["total_engram_bytes"] = total
-    found = validate_checkpoint(ckpt, layout)
+    if hasattr(arch, "table_problems"):  # an architecture checking its own weights and tables (DeepSeek-V4.1)
+        found = arch.checkpoint_problems(ckpt) + arch.table_problems(ckpt, layout)
+    else:
+        found = validate_checkpoint(ckpt, layout)
     problems.extend(found)
     if not found:  # every table is present: check its files hold it (sizes, as every load does)
         problems.extend(table_file_problems(checkpoint_table_refs(ckpt)))

@@ -30,6 +30,10 @@ class DeepseekV4Architecture:
     architectures = (V4_ARCH, V41_ARCH)
     model_types = (V4_TYPE, V41_TYPE)
     contract = CONTRACT
+    # Read by `engram-trt build` before any work: why this family has no engine yet.
+    no_engine_export = ("engram-trt build does not export DeepSeek-V4 / V4.1 yet (its compressed attention, lightning "
+                        "indexer, mHC and MoE have no ONNX / plugin path); serve the checkpoint folder itself with "
+                        "`engram-trt run` or `engram-trt serve` (the torch backend)")
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> DeepseekV4Config:
@@ -190,8 +194,7 @@ class DeepseekV4Architecture:
     def export_onnx(self, config: DeepseekV4Config, weights: Any, layout: Any, options: Any) -> Any:
         from engram_trt.errors import EngramError
 
-        raise EngramError("engram-trt build does not export DeepSeek-V4 yet (its compressed attention, mHC and MoE have no "
-                          "engine path); serve the checkpoint folder with `engram-trt run` / `serve` (torch backend)")
+        raise EngramError(self.no_engine_export)
 
 
 ARCHITECTURE = DeepseekV4Architecture()

@@ -12,7 +12,8 @@ names the checkpoint stores (``hc_attn_fn``, ``ffn.experts.3.w1``, ``ffn.gate.bi
   (2 sigmoid) spreads its output back over the streams, ``comb`` (softmax + eps, then
   ``hc_sinkhorn_iters`` Sinkhorn-Knopp steps towards a doubly-stochastic matrix) mixes
   the streams themselves: ``streams' = post * out + comb^T @ streams``. The matrix is not
-  symmetric, so the transpose matters. All of it in float32, as transformers keeps it.
+  symmetric, so the transpose matters. All of it in float32, as transformers keeps it (float64 in a
+  float64 model: the float64 oracle tests run the whole model so).
 * :class:`HyperHead`: the final collapse (a ``pre``-only connection) before the norm.
 * MoE (:class:`SparseMoE`): routed experts plus one shared expert, every SwiGLU with its
   pre-activations clamped to ``swiglu_limit`` (gate from above only, up both ways).
@@ -30,9 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engram_trt.models.deepseek_v4.compressors import wide
+
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    return x * torch.rsqrt(wide(x).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -44,9 +47,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = wide(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        return (wide(self.weight) * xf).to(x.dtype)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -77,12 +80,12 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(pre [T, hc], post [T, hc], comb [T, hc, hc])`` in float32 of ``streams [T, hc, D]``."""
         hc = self.hc
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())
+        flat = unweighted_rms_norm(wide(streams.reshape(streams.shape[0], -1)), self.norm_eps)
+        mixes = F.linear(flat, self.fn.to(flat.dtype))
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        base = self.base.float()
+        base = self.base.to(flat.dtype)
         pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-        s = self.scale.float()
+        s = self.scale.to(flat.dtype)
         pre = torch.sigmoid(pre_w * s[0] + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * s[1] + post_b)
         comb = torch.softmax(comb_w.unflatten(-1, (hc, hc)) * s[2] + comb_b.view(hc, hc), dim=-1) + self.hc_eps
@@ -113,9 +116,9 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        flat = unweighted_rms_norm(wide(streams.reshape(streams.shape[0], -1)), self.norm_eps)
+        mixes = F.linear(flat, self.hc_fn.to(flat.dtype))
+        pre = torch.sigmoid(mixes * self.hc_scale.to(flat.dtype) + self.hc_base.to(flat.dtype)) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
@@ -161,7 +164,8 @@ class TopKRouter(_Router):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score_fn(F.linear(x, self.weight))
-        ids = torch.topk(scores + self.e_score_correction_bias.to(scores.dtype), self.top_k, dim=-1).indices
+        # The float32 bias promotes the sum (as published): rounding it to bf16 scores flips near ties.
+        ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
         return self._weights(scores, ids), ids
 
 

@@ -44,7 +44,7 @@ class DeepseekV4State:
                 if kind not in _DTYPES:
                     raise EngramError(f"layer {i} state {name!r} asks for dtype {kind!r} (expected one of {_DTYPES})")
                 tensors[name] = torch.zeros((num_slots, *shape), device=device,
-                                            dtype=torch.float32 if kind == "float32" else dtype)
+                                            dtype=torch.promote_types(dtype, torch.float32) if kind == "float32" else dtype)
             layers.append(tensors)
         n = config.engram.max_ngram_size - 1 if config.engram is not None else 0
         lookback = torch.full((num_slots, n), DEAD, dtype=torch.int64, device=device)
