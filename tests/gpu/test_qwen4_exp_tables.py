@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import struct
 
 import pytest
@@ -55,8 +56,14 @@ def test_stores_gather_bf16_ple_rows_on_cuda(kind, tmp_path) -> None:
     from engram_trt.tables.rowgather import StoreGather
     from engram_trt.tables.store import open_tables
 
+    import shutil
+    import tempfile
+
     refs, whole = _bf16_refs(tmp_path)
-    opts = {"directory": tmp_path} if kind == "shared" else {}
+    # A shared segment lives in /dev/shm (tmpfs): CUDA cannot register file-backed pages
+    # of an ordinary filesystem. A private folder there, removed after.
+    shm = Path(tempfile.mkdtemp(prefix="engram-trt-ple-", dir="/dev/shm")) if kind == "shared" else None
+    opts = {"directory": shm} if shm is not None else {}
     store = open_tables(refs, kind, device="cuda", progress=False, **opts)
     g = StoreGather(store, "cuda")
     record(f"{kind}: gather path", g.paths == [WANT_PATH[kind]], f"{g.paths}")
@@ -66,6 +73,8 @@ def test_stores_gather_bf16_ple_rows_on_cuda(kind, tmp_path) -> None:
            f"shape {tuple(got.shape)} on {got.device}")
     g.close()
     store.close()
+    if shm is not None:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_f32_rows_take_the_reference_path(tmp_path) -> None:

@@ -385,6 +385,7 @@ class CudaRegistrar:
             rt = self._torch
             res = rt.cudaHostRegister(int(address), int(nbytes), REGISTER_FLAGS)
             if res != rt.cudaError.success:
+                _clear_cuda_error(self._ctypes_rt)
                 raise RuntimeError(f"cudaHostRegister: {rt.cudaGetErrorString(res)}")
         elif self._cuda_python is not None:
             self._check(self._cuda_python.cudaHostRegister(int(address), int(nbytes), REGISTER_FLAGS), "cudaHostRegister")
@@ -429,6 +430,15 @@ class CudaRegistrar:
             except Exception:  # noqa: BLE001
                 msg = f"CUDA error {int(err)}"
             raise RuntimeError(f"{call}: {msg}")
+
+
+def _clear_cuda_error(lib: Any = None) -> None:
+    """Reset the runtime's last error after a refused registration: the CUDA runtime keeps
+    it, and the next unrelated CUDA call in the process (a torch kernel) would report it
+    as its own failure."""
+    lib = lib or _loaded_cudart()
+    if lib is not None and hasattr(lib, "cudaGetLastError"):
+        lib.cudaGetLastError()
 
 
 def _loaded_cudart() -> Any:
