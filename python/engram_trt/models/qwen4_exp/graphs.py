@@ -149,9 +149,8 @@ class Qwen4ExpDecodeGraphs:
             entry["rows"] = [torch.zeros((G, width), dtype=model.compute_dtype, device=self.device)
                              for _ in model.config.ple.layers]
         try:
-            views = model.decode_views(d[0], d[1], d[2])
-
             def body() -> torch.Tensor:
+                views = model.decode_views(d[0], d[1], d[2])  # in the graph: the PLE kernel's meta from this step's d
                 rows = (self._lookup(d, G) if self.lookup_in_graph else entry["rows"]) if ple else []
                 return model.decode_core(views, cache, L, rows)
 
