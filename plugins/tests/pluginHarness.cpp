@@ -34,6 +34,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -60,7 +61,10 @@ int failWith(std::string const& message)
     return -1;
 }
 
-//! Collects the plugins' log messages so a failure can report them.
+//! Collects the plugins' log messages so a failure can report them, and writes them to
+//! stderr as TensorRT's logger would: once the harness has installed this logger, plugins
+//! that a TensorRT registry creates later in the same process (which does not reinstall
+//! its own for a library already loaded) still report where their callers look.
 class CollectingLogger : public nvinfer1::ILogger
 {
 public:
@@ -70,6 +74,7 @@ public:
         {
             std::lock_guard<std::mutex> lock(mMutex);
             mMessages += (mMessages.empty() ? "" : " | ") + std::string(msg);
+            std::fprintf(stderr, "%s\n", msg);
         }
     }
     std::string take()
