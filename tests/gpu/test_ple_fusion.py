@@ -95,7 +95,8 @@ def schedule(rng, lengths: list[int], num_slots: int, history: int):
             step.append((s, slot, done, n))
             running[s] = (slot, done + n)
         rng.shuffle(step)
-        steps.append(step)
+        if step:  # every running sequence may sit a step out: a step needs one sequence
+            steps.append(step)
         for s, (slot, done) in list(running.items()):
             if done == lengths[s]:
                 del running[s]
