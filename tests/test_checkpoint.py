@@ -253,6 +253,18 @@ def test_shape_problems_are_reported(tmp_path: Path) -> None:
     assert len(problems) == 7, problems  # the width-32 table also mismatches its [rows, 2] scale
 
 
+def test_backbone_weights_must_be_floats(tmp_path: Path) -> None:
+    """A backbone weight stored as integers (a quantized checkpoint) is listed, not cast."""
+    tensors = small_tensors()
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = torch.zeros(tensors[name].shape, dtype=torch.int8)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)  # a float dtype reads
+    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None)
+    problems = validate_checkpoint(Checkpoint.open(tmp_path / "ck"))
+    assert problems == [f"tensor {name} is I8, not a float weight (expected one of F32, BF16, F16, F64); "
+                        f"dequantize the checkpoint first"]
+
+
 def test_demo_config_matches_layout() -> None:
     config = ModelConfig.from_dict(DEMO_CONFIG)
     spec = config.engram

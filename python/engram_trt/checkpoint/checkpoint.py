@@ -394,6 +394,11 @@ def _engram_layout_for(ckpt: Checkpoint) -> Any:
     return EngramLayout.from_spec(spec, pad_id=0)
 
 
+# The stored dtypes a backbone weight may have: read as floats and cast to the compute
+# dtype. Integer or FP8 weights would need a dequantization the model does not do.
+BACKBONE_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
 def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
     """Problems that would make the checkpoint unusable, one line each (empty = fine).
 
@@ -415,6 +420,9 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
             problems.append(f"tensor {name} is missing (expected shape {list(want)})")
         elif got != want:
             problems.append(f"tensor {name} has shape {list(got)} but the config needs {list(want)}")
+        elif ckpt.st_dtype(name) not in BACKBONE_DTYPES:
+            problems.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight (expected one of "
+                            f"{', '.join(BACKBONE_DTYPES)}); dequantize the checkpoint first")
     spec: EngramSpec | None = cfg.engram
     if spec is None:
         return problems

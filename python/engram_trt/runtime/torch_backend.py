@@ -1,4 +1,4 @@
-"""The ``torch`` backend: the reference model (:mod:`engram_trt.models.engram_llama`) run on the
+"""The ``torch`` backend: the checkpoint's model (its registry architecture's PyTorch module) run on the
 packed step, with the Engram steps in the project's CUDA kernel library on a GPU (the
 plugins' very kernels) and the reference path on a CPU. Its weights come from the
 source checkpoint the engine folder names; its Engram rows are staged by the runtime's
