@@ -279,20 +279,20 @@ def test_kernel_layout_checks_on_the_host(plugin_lib) -> None:
     """The library's layout checks (engram_ple_hash_layout_create needs no GPU): every
     layer of the real config prepares; a table too small for its heads, an EOS outside
     the vocabulary and a multiplier that would overflow are refused in one line."""
-    from engram_trt.native import kernels
+    from engram_trt.native import ple as native_ple
 
     layout = ph.PLEHashLayout.from_config(vocab_size=248_320, ngram_size=3, heads_per_ngram=8,
                                           ngram_vocab_size_base=20_000_000, make_ngram_vocab_size_divisible_by=128,
                                           seed=1234, eos_token_id=248_044, num_layers=4)
     for li in range(4):
-        assert kernels.prepared_ple_layout(layout, li).num_heads == 16
-    assert kernels.prepared_ple_layout(layout, 1) is kernels.prepared_ple_layout(layout, 1)
+        assert native_ple.prepared_ple_layout(layout, li).num_heads == 16
+    assert native_ple.prepared_ple_layout(layout, 1) is native_ple.prepared_ple_layout(layout, 1)
     small = dataclasses.replace(layout, table_rows=layout.table_rows - 200)
     with pytest.raises(EngramError, match="head 15 has prime"):
-        kernels.PreparedPleHashLayout(small, 0)
+        native_ple.PreparedPleHashLayout(small, 0)
     with pytest.raises(EngramError, match="eos_id 248320 outside"):
-        kernels.PreparedPleHashLayout(dataclasses.replace(layout, eos_id=248_320), 0)
+        native_ple.PreparedPleHashLayout(dataclasses.replace(layout, eos_id=248_320), 0)
     big = layout.multipliers.copy()
     big[0, 1] = 2**62
     with pytest.raises(EngramError, match=r"multiplier\[1\]"):
-        kernels.PreparedPleHashLayout(dataclasses.replace(layout, multipliers=big), 0)
+        native_ple.PreparedPleHashLayout(dataclasses.replace(layout, multipliers=big), 0)

@@ -58,6 +58,7 @@ def test_kernel_ple_hash(rng) -> None:
 
     from engram_trt.engram import ple_hash as ph
     from engram_trt.native import kernels
+    from engram_trt.native import ple as native_ple
 
     dev = torch.device("cuda")
     say(f"library {kernels.library_path()} version {kernels.version()}")
@@ -72,15 +73,15 @@ def test_kernel_ple_hash(rng) -> None:
             for li in layers:
                 ref = ph.ple_hash_packed(ids, starts, context, layout, li)
                 out = torch.full((ids.shape[0], layout.num_heads), -12345, dtype=torch.int32, device=dev)
-                kernels.ple_hash_packed(ids_d, starts_d, ctx_d, layout, li, out=out)
+                native_ple.ple_hash_packed(ids_d, starts_d, ctx_d, layout, li, out=out)
                 got = out.cpu().numpy().astype(np.int64)
                 record(f"ple hash config{ci} layer {li} S={num_seqs} T={ids.shape[0]}", np.array_equal(got, ref),
                        f"{int((got != ref).sum())} of {ref.size} ids differ")
         # context=None: every sequence fresh (the EOS-filled context)
         ids, starts, _ = random_step(rng, layout, 5, 30)
         ref = ph.ple_hash_packed(ids, starts, ph.fresh_context(5, layout), layout, layers[-1])
-        got = kernels.ple_hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
-                                      torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout, layers[-1])
+        got = native_ple.ple_hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+                                         torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout, layers[-1])
         record(f"ple hash config{ci} context None = fresh", np.array_equal(got.cpu().numpy(), ref))
 
 
@@ -90,7 +91,7 @@ def test_kernel_ple_hash_chunked(rng) -> None:
     import torch
 
     from engram_trt.engram import ple_hash as ph
-    from engram_trt.native import kernels
+    from engram_trt.native import ple as native_ple
 
     dev = torch.device("cuda")
     layout = make_layout(CONFIGS[2])
@@ -102,9 +103,9 @@ def test_kernel_ple_hash_chunked(rng) -> None:
     pieces = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         part = seq[a:b]
-        got = kernels.ple_hash_packed(torch.from_numpy(part.astype(np.int32)).to(dev),
-                                      torch.tensor([0, b - a], dtype=torch.int32, device=dev),
-                                      torch.from_numpy(ctx.astype(np.int32)).to(dev), layout, 1)
+        got = native_ple.ple_hash_packed(torch.from_numpy(part.astype(np.int32)).to(dev),
+                                         torch.tensor([0, b - a], dtype=torch.int32, device=dev),
+                                         torch.from_numpy(ctx.astype(np.int32)).to(dev), layout, 1)
         pieces.append(got.cpu().numpy())
         ctx = ph.next_context(ctx, part, [0, b - a])
     got = np.concatenate(pieces)

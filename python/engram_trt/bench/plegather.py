@@ -48,14 +48,14 @@ def _layout() -> Any:
 
 def _ids(torch: Any, layout: Any, tokens: int, decode: bool, num_rows: int, gen: Any) -> Any:
     """int32 ``[tokens, heads]`` row ids from the hash kernel on the GPU, modulo the table."""
-    from engram_trt.native import kernels
+    from engram_trt.native.ple import ple_hash_packed
 
     dev = torch.device("cuda")
     ids = torch.randint(0, 248000, (tokens,), generator=gen, dtype=torch.int32).to(dev)
     S = tokens if decode else 1
     starts = (torch.arange(S + 1, dtype=torch.int32) * (1 if decode else tokens)).to(dev)
     ctx = torch.randint(0, 248000, (S, 2), generator=gen, dtype=torch.int32).to(dev)
-    rows = kernels.ple_hash_packed(ids, starts, ctx, layout, 0)
+    rows = ple_hash_packed(ids, starts, ctx, layout, 0)
     return (rows.to(torch.int64) % num_rows).to(torch.int32).contiguous()
 
 

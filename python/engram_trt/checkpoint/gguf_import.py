@@ -18,13 +18,9 @@ What changes on the way:
   written as transformers 5 does (``rope_parameters``); RoPE scaling other than linear,
   partial rotary, mixture-of-experts metadata and per-layer head counts are refused by
   name. ``tie_word_embeddings`` holds exactly when the file has no ``output.weight``.
-* **Tokenizer.** ``tokenizer.json`` is built with ``tokenizers`` from the ``tokenizer.ggml.*``
-  vocabulary: a byte-level BPE for ``tokenizer.ggml.model == "gpt2"`` (the split regex
-  chosen by ``tokenizer.ggml.pre``), a byte-fallback BPE with a ``▁`` metaspace for
-  ``"llama"`` (sentencepiece; merges taken from the file or rebuilt from the scores);
-  control tokens become special added tokens, user-defined ones plain added tokens.
-  ``tokenizer_config.json`` carries the special tokens, ``add_bos_token`` /
-  ``add_eos_token`` and the chat template(s); ``generation_config.json`` the token ids.
+* **Tokenizer.** ``tokenizer.json`` and ``tokenizer_config.json`` (special tokens, BOS /
+  EOS flags, the chat template(s)) are rebuilt from the ``tokenizer.ggml.*`` vocabulary by
+  :mod:`engram_trt.checkpoint.gguf_tokenizer`; ``generation_config.json`` holds the token ids.
 
 Everything is decided from the file's header before a byte is written, so a refused
 import leaves OUT as it was. The folder is written as a temporary sibling and put in
@@ -47,6 +43,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from engram_trt.checkpoint.gguf_tokenizer import build_tokenizer
+from engram_trt.checkpoint.gguf_tokenizer import where as _where
 from engram_trt.errors import CheckpointError, EngramError, human_bytes
 from engram_trt.storage import atomic
 
@@ -67,9 +65,6 @@ SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-
-# GGML token types (llama.cpp's llama_token_type).
-_TT_NORMAL, _TT_UNKNOWN, _TT_CONTROL, _TT_USER_DEFINED, _TT_UNUSED, _TT_BYTE = 1, 2, 3, 4, 5, 6
 
 # llama.cpp name -> transformers name. Per-layer entries are keyed by the part after "blk.N.".
 _GLOBAL_NAMES = {
@@ -99,19 +94,6 @@ _KNOWN_UNSUPPORTED = {
 }
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
-# The pre-tokenizer splits of tokenizer.ggml.pre (llama.cpp's llm_tokenizer_bpe regexes) this
-# importer rebuilds; another value is refused rather than guessed.
-_GPT2_PRES = ("default", "gpt-2", "gpt2")
-_LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")
-_SMOLLM_PRES = ("smollm",)
-_TEKKEN_PRES = ("tekken",)
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SUPPORTED_PRE_TOKENIZERS = _GPT2_PRES + _LLAMA3_PRES + _SMOLLM_PRES + _TEKKEN_PRES
-
 
 @dataclass(frozen=True)
 class ImportResult:
@@ -137,10 +119,6 @@ class _TensorPlan:
 
 
 # ---------------------------------------------------------------- reading the file
-def _where(path: Path) -> str:
-    return f"GGUF '{path}'"
-
-
 def _open_reader(path: Path) -> Any:
     try:
         import gguf
@@ -484,200 +462,6 @@ def _write_safetensors(out: Path, plans: list[_TensorPlan], st_dtype: str, max_s
     return names, written
 
 
-# ---------------------------------------------------------------- tokenizer
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character map: bytes that print stand for themselves,
-    the others take the characters from U+0100 on, in byte order."""
-    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out: dict[int, str] = {}
-    extra = 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
-def _special_token(meta: _Meta, tokens: list[str], name: str) -> str | None:
-    tid = meta.get(f"tokenizer.ggml.{name}_token_id")
-    if tid is None:
-        return None
-    if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= int(tid) < len(tokens):
-        raise CheckpointError(f"{_where(meta.path)}: metadata 'tokenizer.ggml.{name}_token_id' = {tid!r:.40} is not an "
-                              f"id of its {len(tokens)} tokens")
-    return tokens[int(tid)]
-
-
-def _merges(meta: _Meta, byte_level: bool) -> list[tuple[str, str]] | None:
-    raw = meta.get("tokenizer.ggml.merges")
-    if raw is None:
-        return None
-    out = []
-    for m in raw:
-        parts = m.split(" ")
-        if len(parts) != 2 or not all(parts):
-            if byte_level:
-                raise CheckpointError(f"{_where(meta.path)}: merge {m!r:.40} in 'tokenizer.ggml.merges' is not two tokens "
-                                      f"separated by one space; the file is damaged")
-            parts = m.split(" ", 1)
-        out.append((parts[0], parts[1]))
-    return out
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
-    """Sentencepiece-style merges a vocabulary implies: each token splits into every pair
-    of tokens that spell it; a merge ranks by the score of the token it makes (best
-    first), then by the lengths of its parts (longer first); the splits of one token by
-    their ids."""
-    cands: list[tuple[float, int, int, str, str]] = []
-    seen: set[str] = set()
-    for tok, score in zip(tokens, scores):
-        if tok in seen:
-            continue
-        seen.add(tok)
-        local = []
-        for i in range(1, len(tok)):
-            left, right = tok[:i], tok[i:]
-            if left in vocab and right in vocab:
-                local.append((vocab[left], vocab[right], left, right))
-        local.sort(key=lambda x: (x[0], x[1]))
-        cands.extend((float(score), len(lf), len(rt), lf, rt) for _, _, lf, rt in local)
-    cands.sort(key=lambda c: (c[0], c[1], c[2]), reverse=True)
-    return [(c[3], c[4]) for c in cands]
-
-
-def _build_tokenizer(meta: _Meta, vocab_size: int, max_length: int) -> tuple[str, dict[str, Any]]:
-    """``(tokenizer.json text, tokenizer_config.json dict)`` from the ``tokenizer.ggml.*``
-    metadata."""
-    try:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    except ImportError:
-        raise EngramError("the package 'tokenizers' is not installed; run: pip install tokenizers") from None
-    path = meta.path
-    kind = meta.get("tokenizer.ggml.model")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if kind is None or tokens is None:
-        raise CheckpointError(f"{_where(path)} has no tokenizer ('tokenizer.ggml.model' / 'tokenizer.ggml.tokens' missing); "
-                              f"use a GGUF converted with its vocabulary")
-    tokens = [str(t) for t in tokens]
-    if len(tokens) != vocab_size:
-        raise CheckpointError(f"{_where(path)}: the tokenizer lists {len(tokens)} tokens but the model's vocabulary has "
-                              f"{vocab_size} rows; the file is inconsistent")
-    types = meta.get("tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise CheckpointError(f"{_where(path)}: 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} tokens")
-    add_bos = meta.get("tokenizer.ggml.add_bos_token")
-    add_eos = meta.get("tokenizer.ggml.add_eos_token")
-    specials = {name: _special_token(meta, tokens, key) for name, key in
-                (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
-
-    added: list[Any] = []
-    if kind == "gpt2":
-        pre = meta.get("tokenizer.ggml.pre") or "default"
-        if pre not in SUPPORTED_PRE_TOKENIZERS:
-            raise CheckpointError(f"{_where(path)}: pre-tokenizer 'tokenizer.ggml.pre' = '{pre}' is not one this importer "
-                                  f"rebuilds (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})")
-        alphabet = _byte_alphabet()
-        chars = set(alphabet.values())
-        spelled = [t if set(t) <= chars else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
-        vocab = {t: i for i, t in enumerate(spelled)}
-        merges = _merges(meta, byte_level=True)
-        if merges is None:
-            raise CheckpointError(f"{_where(path)}: a byte-level BPE vocabulary ('gpt2') without 'tokenizer.ggml.merges'; "
-                                  f"the file is incomplete")
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                   end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
-        if pre in _GPT2_PRES:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        elif pre in _SMOLLM_PRES:  # llama.cpp: every digit alone, then GPT-2's split
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-        else:
-            split = _LLAMA3_SPLIT if pre in _LLAMA3_PRES else _TEKKEN_SPLIT
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tok.decoder = decoders.ByteLevel()
-        for t, tt in zip(tokens, types):
-            # A control token spelled outside the byte alphabet is a mislabelled normal token:
-            # adding it would give it a second id, so it stays a vocabulary entry.
-            if tt == _TT_CONTROL and set(t) <= chars:
-                added.append(AddedToken(t, normalized=False, special=True))
-            elif tt == _TT_USER_DEFINED and t in vocab:
-                added.append(AddedToken(t, normalized=False, special=False))
-        add_bos = bool(add_bos) if add_bos is not None else False
-    elif kind == "llama":
-        scores = meta.get("tokenizer.ggml.scores")
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = _merges(meta, byte_level=False)
-        if merges is None:
-            if scores is None or len(scores) != len(tokens):
-                raise CheckpointError(f"{_where(path)}: a sentencepiece vocabulary ('llama') needs 'tokenizer.ggml.scores' "
-                                      f"(one per token) or 'tokenizer.ggml.merges'; the file is incomplete")
-            merges = _merges_from_scores(tokens, [float(s) for s in scores], vocab)
-        prefix = meta.get("tokenizer.ggml.add_space_prefix")
-        prefix = True if prefix is None else bool(prefix)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=specials["unk_token"],
-                                   fuse_unk=True, byte_fallback=True))
-        tok.normalizer = None
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
-        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
-            steps.append(decoders.Strip(content=" ", left=1, right=0))
-        tok.decoder = decoders.Sequence(steps)
-        for t, tt in zip(tokens, types):
-            if tt in (_TT_CONTROL, _TT_UNKNOWN):
-                added.append(AddedToken(t, normalized=False, special=True))
-            elif tt == _TT_USER_DEFINED:
-                added.append(AddedToken(t, normalized=False, special=False))
-        add_bos = True if add_bos is None else bool(add_bos)  # llama.cpp's default for sentencepiece vocabularies
-    else:
-        raise CheckpointError(f"{_where(path)}: tokenizer 'tokenizer.ggml.model' = '{kind}' is not translated (supported: "
-                              f"gpt2 (byte-level BPE), llama (sentencepiece))")
-    special_added = [a for a in added if a.special]
-    plain_added = [a for a in added if not a.special]
-    if special_added:
-        tok.add_special_tokens(special_added)
-    if plain_added:
-        tok.add_tokens(plain_added)
-    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise CheckpointError(f"{_where(path)}: the rebuilt tokenizer has {tok.get_vocab_size(with_added_tokens=True)} "
-                              f"tokens, not the file's {len(tokens)} (duplicate token spellings); the file is damaged")
-    add_eos = bool(add_eos) if add_eos is not None else False
-    bos, eos = specials["bos_token"], specials["eos_token"]
-    add_bos = add_bos and bos is not None
-    add_eos = add_eos and eos is not None
-    single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-    pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + ([f"{eos}:1"] if add_eos else [])
-    special_ids: dict[str, int] = {}
-    if add_bos:
-        special_ids[bos] = int(meta.get("tokenizer.ggml.bos_token_id"))
-    if add_eos:
-        special_ids[eos] = int(meta.get("tokenizer.ggml.eos_token_id"))
-    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
-                                                       special_tokens=list(special_ids.items()))
-
-    tcfg: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_length,
-    }
-    tcfg.update({k: v for k, v in specials.items() if v is not None})
-    template = meta.get("tokenizer.chat_template")
-    named = sorted(k[len("tokenizer.chat_template."):] for k in meta.keys() if k.startswith("tokenizer.chat_template."))
-    if named:
-        entries = ([{"name": "default", "template": str(template)}] if template is not None else []) + \
-                  [{"name": n, "template": str(meta.get(f"tokenizer.chat_template.{n}"))} for n in named]
-        tcfg["chat_template"] = entries
-    elif template is not None:
-        tcfg["chat_template"] = str(template)
-    return tok.to_str(pretty=True), tcfg
-
-
 # ---------------------------------------------------------------- writing
 def _write_text(path: Path, text: str) -> int:
     data = text.encode("utf-8")
@@ -746,7 +530,7 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     tensor_infos = {str(t.name): t for t in reader.tensors}
     config = _config_from_meta(meta, arch, tensor_infos, out_dtype)
     plans = _plan_tensors(reader, src, config)
-    tokenizer_json, tokenizer_config = _build_tokenizer(meta, config["vocab_size"], config["max_position_embeddings"])
+    tokenizer_json, tokenizer_config = build_tokenizer(meta, config["vocab_size"], config["max_position_embeddings"])
     try:  # refuse a config the model cannot read before writing (the registry's stricter check is the CLI's)
         from engram_trt.config.model import ModelConfig
 

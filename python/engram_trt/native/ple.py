@@ -1,6 +1,10 @@
-"""ctypes bindings to Qwen4-Exp's PLE fusion in the kernel library
+"""ctypes bindings to Qwen4-Exp's PLE kernels in the kernel library: the PLE n-gram hash
+(``plugins/kernels/pleHashKernel.cu``) and the PLE fusion
 (``plugins/kernels/pleFusionKernel.cu``, the EngramPleFusion plugin's math).
 
+:func:`ple_hash_packed` is :func:`engram_trt.engram.ple_hash.ple_hash_packed` on the GPU,
+bit for bit: each PLE layer of a ``PLEHashLayout`` is validated once and cached as the
+kernel's parameter (:func:`prepared_ple_layout`).
 :func:`ple_fusion` is :class:`~engram_trt.models.qwen4_exp.modules.PLEFusion` after its two
 projections: the sqrt-sign gate of the PLE value by each stream, the three grouped offset
 RMSNorms and the dilated causal convolution over each slot's history (updated in place),
@@ -13,11 +17,13 @@ argument). The entry points are declared here, on first use, as
 from __future__ import annotations
 
 import ctypes
+import threading
+import weakref
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
-                                       _stream, _torch)
+from engram_trt.native.kernels import (EntryPoints, NativeHandle, _check, _check_dtype, _device_guard, _float_code, _ptr,
+                                       _same_device, _stream, _torch)
 
 # engramKernels.h: ENGRAM_PLE_FUSION_MAX_KERNEL / _MAX_DILATION
 MAX_KERNEL = 32
@@ -33,6 +39,97 @@ _ENTRY = EntryPoints({
 library = _ENTRY.library
 _call = _ENTRY.call
 
+
+# --- PLE hash (Qwen4-Exp) ------------------------------------------------------------
+
+# Declared apart from the fusion's entry points: a library built before the fusion
+# kernels still serves the hash.
+_HASH_ENTRY = EntryPoints({
+    "engram_ple_hash_check_layout": [_vp, _vp, _vp, ctypes.c_int32, ctypes.c_int32, _i64, _i64, _i64],
+    "engram_ple_hash_layout_create": [_vp, _vp, _vp, ctypes.c_int32, ctypes.c_int32, _i64, _i64, _i64,
+                                      ctypes.POINTER(_vp)],
+    "engram_ple_hash_layout_destroy": [_vp],
+    "engram_ple_hash_prepared": [_vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
+})
+
+
+class PreparedPleHashLayout(NativeHandle):
+    """One PLE layer of a :class:`~engram_trt.engram.ple_hash.PLEHashLayout`, validated
+    once and laid out as the kernel's parameter (``engram_ple_hash_layout_create``): no
+    device memory, so one serves every device and stream."""
+
+    def __init__(self, layout: Any, layer: int) -> None:
+        import numpy as np
+
+        if not 0 <= int(layer) < int(layout.num_layers):
+            raise EngramError(f"layer={layer} must be a PLE layer index in [0, {layout.num_layers})")
+        arrays = [np.ascontiguousarray(a[int(layer)], dtype=np.int64)
+                  for a in (layout.multipliers, layout.head_vocab_sizes, layout.head_offsets)]
+        handle = ctypes.c_void_p()
+        _HASH_ENTRY.call("engram_ple_hash_layout_create", *(a.ctypes.data_as(ctypes.c_void_p) for a in arrays),
+                  int(layout.ngram_size), int(layout.heads_per_ngram), int(layout.eos_id), int(layout.vocab_size),
+                  int(layout.table_rows[int(layer)]), ctypes.byref(handle))
+        self._handle = handle
+        self.ngram_size, self.num_heads = int(layout.ngram_size), int(layout.num_heads)
+
+    def _destroy(self, handle: Any) -> None:
+        _HASH_ENTRY.call("engram_ple_hash_layout_destroy", handle)
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise EngramError("this PreparedPleHashLayout is closed")
+        return self._handle
+
+
+# The prepared layers of each PLEHashLayout object (frozen), dropped with the layout.
+_ple_prepared: "weakref.WeakKeyDictionary[Any, dict[int, PreparedPleHashLayout]]" = weakref.WeakKeyDictionary()
+_ple_prepared_lock = threading.Lock()
+
+
+def prepared_ple_layout(layout: Any, layer: int) -> PreparedPleHashLayout:
+    """The cached :class:`PreparedPleHashLayout` of ``layout``'s PLE layer ``layer``."""
+    with _ple_prepared_lock:
+        layers = _ple_prepared.setdefault(layout, {})
+        if int(layer) not in layers:
+            layers[int(layer)] = PreparedPleHashLayout(layout, layer)
+        return layers[int(layer)]
+
+
+def ple_hash_packed(ids: Any, seq_starts: Any, context: Any, layout: Any, layer: int, *, out: Any = None) -> Any:
+    """Row ids ``int32 [T, H]`` of PLE layer ``layer`` for a packed step, bit-identical
+    to :func:`engram_trt.engram.ple_hash.ple_hash_packed`.
+
+    ``ids [T]`` int32 raw token ids, ``seq_starts [S+1]`` int32 cu_seqlens, ``context
+    [S, N-1]`` int32 (each sequence's previous ids, oldest first; EOS ids for a fresh
+    one) or None (every sequence fresh); all on one CUDA device. ``layout``: a
+    ``PLEHashLayout`` (each layer prepared once and cached, :func:`prepared_ple_layout`).
+    """
+    torch = _torch()
+    _check("ids", ids, (torch.int32,), 1)
+    _check("seq_starts", seq_starts, (torch.int32,), 1)
+    prepared = prepared_ple_layout(layout, layer)
+    S, n = seq_starts.shape[0] - 1, prepared.ngram_size - 1
+    if S < 0:
+        raise EngramError("seq_starts must hold S+1 >= 1 entries (cu_seqlens starting at 0)")
+    if context is not None:
+        _check("context", context, (torch.int32,), 2)
+        if tuple(context.shape) != (S, n):
+            raise EngramError(f"context must be [S, ngram_size-1] = {(S, n)} (got {tuple(context.shape)})")
+    T, H = ids.shape[0], prepared.num_heads
+    if out is None:
+        out = torch.empty((T, H), dtype=torch.int32, device=ids.device)
+    _check("out", out, (torch.int32,), 2)
+    if tuple(out.shape) != (T, H):
+        raise EngramError(f"out must be [T, H] = {(T, H)} (got {tuple(out.shape)})")
+    _same_device(ids.device, seq_starts=seq_starts, context=context, out=out)
+    with _device_guard(ids.device.index):
+        _HASH_ENTRY.call("engram_ple_hash_prepared", prepared.handle, _ptr(ids), T, _ptr(seq_starts), S, _ptr(context),
+                  _ptr(out), _stream(ids.device))
+    return out
+
+
+# --- PLE fusion --------------------------------------------------------------------
 
 def check_shape(hc_count: int, hidden: int, kernel: int, dilation: int, eps: float) -> None:
     """The kernel's limits (hidden % 8, kernel / dilation ranges, eps); needs no GPU."""
