@@ -158,6 +158,19 @@ def harness_scripts(harness: Path, *modules: str) -> list:
     return [importlib.import_module(f"gpu.{m}") for m in modules]
 
 
+def transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' ``generate`` greedy tokens of one prompt, EOS not special (so a run
+    that ignores EOS sees the same); exactly ``n`` of them."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, use_cache=True)
+    got = out[0, len(prompt):].tolist()
+    assert len(got) == n
+    return got
+
+
 def word_tokenizer(path: Path, words: int) -> Path:
     """A tiny word-level tokenizer.json (ids 0..words-1; every word its own compressed id)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

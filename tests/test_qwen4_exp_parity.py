@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import word_tokenizer  # noqa: E402
+from conftest import transformers_greedy, word_tokenizer  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 96
@@ -83,13 +83,7 @@ def save_qwen4(folder: Path, seed: int = 0, **overrides: Any) -> Any:
 
 
 def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    """transformers' greedy tokens, EOS not special (so a run that ignores EOS sees the same)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, use_cache=True)
-    got = out[0, len(prompt):].tolist()
-    assert len(got) == n
-    return got
+    return transformers_greedy(model, prompt, n)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

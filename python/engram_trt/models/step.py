@@ -242,3 +242,31 @@ class StepUploader:
             out[k] = dev[pos:pos + m].view(a.shape)
             pos += m
         return out
+
+
+def greedy_tokens(model: Any, prompt: Sequence[int], max_new_tokens: int, *, chunk: int | None = None,
+                  max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
+    """Greedy tokens of one sequence through ``model.forward_step`` in slot 0 of a fresh
+    ``model.new_cache``: the prompt in chunks of ``chunk`` tokens (default: whole), then
+    one token per step, stopping at the config's EOS ids unless ``ignore_eos``. The
+    scheduler's oracle for every architecture that serves a packed step."""
+    import torch
+
+    state = model.new_cache(1, max_len or len(prompt) + max_new_tokens + 1)
+    ids = list(prompt)
+    done = 0
+    logits = None
+    step_len = chunk or len(ids)
+    while done < len(ids):
+        part = ids[done:done + step_len]
+        logits = model.forward_step(PackedStep(torch.tensor(part), [len(part)], [done], [0]), state)
+        done += len(part)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        tok = int(torch.argmax(logits[0]))
+        out.append(tok)
+        if tok in model.config.eos_token_ids and not ignore_eos:
+            break
+        logits = model.forward_step(PackedStep(torch.tensor([tok]), [1], [done], [0]), state)
+        done += 1
+    return out

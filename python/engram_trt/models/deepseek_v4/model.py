@@ -34,7 +34,7 @@ from engram_trt.models.deepseek_v4.config import DeepseekV4Config
 from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RMSNorm, SparseMoE
 from engram_trt.models.deepseek_v4.state import DeepseekV4State
 from engram_trt.models.deepseek_v4.weights import load_into, named_tensors
-from engram_trt.models.step import PackedStep, StepUploader
+from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
 
 log = logging.getLogger(__name__)
 
@@ -302,21 +302,4 @@ class DeepseekV4Model(_Modules):
                         max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
         """Greedy tokens of one sequence (prefill in chunks of ``chunk`` tokens, then one
         token per step): the scheduler's oracle."""
-        state = self.new_cache(1, max_len or len(prompt) + max_new_tokens + 1)
-        ids = list(prompt)
-        done = 0
-        logits = None
-        step_len = chunk or len(ids)
-        while done < len(ids):
-            part = ids[done:done + step_len]
-            logits = self.forward_step(PackedStep(torch.tensor(part), [len(part)], [done], [0]), state)
-            done += len(part)
-        out: list[int] = []
-        for _ in range(max_new_tokens):
-            tok = int(torch.argmax(logits[0]))
-            out.append(tok)
-            if tok in self.config.eos_token_ids and not ignore_eos:
-                break
-            logits = self.forward_step(PackedStep(torch.tensor([tok]), [1], [done], [0]), state)
-            done += 1
-        return out
+        return greedy_tokens(self, prompt, max_new_tokens, chunk=chunk, max_len=max_len, ignore_eos=ignore_eos)

@@ -26,7 +26,7 @@ from engram_trt.errors import EngramError
 from engram_trt.models.qwen4_exp.config import Qwen4ExpConfig
 from engram_trt.models.qwen4_exp.modules import GatedResidual, PLEFusion, SparseMoE
 from engram_trt.models.qwen4_exp.state import MIN_DECODE_CONTEXT, Qwen4ExpState, decode_context  # noqa: F401
-from engram_trt.models.step import PackedStep, StepUploader
+from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
 
 log = logging.getLogger(__name__)
 
@@ -357,21 +357,4 @@ class Qwen4ExpModel(_Modules):
                         max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
         """Greedy tokens of one sequence (prefill in chunks of ``chunk`` tokens, then one
         token per step): the scheduler's oracle."""
-        state = self.new_cache(1, max_len or len(prompt) + max_new_tokens + 1)
-        ids = list(prompt)
-        done = 0
-        logits = None
-        step_len = chunk or len(ids)
-        while done < len(ids):
-            part = ids[done:done + step_len]
-            logits = self.forward_step(PackedStep(torch.tensor(part), [len(part)], [done], [0]), state)
-            done += len(part)
-        out = []
-        for _ in range(max_new_tokens):
-            tok = int(torch.argmax(logits[0]))
-            out.append(tok)
-            if tok in self.config.eos_token_ids and not ignore_eos:
-                break
-            logits = self.forward_step(PackedStep(torch.tensor([tok]), [1], [done], [0]), state)
-            done += 1
-        return out
+        return greedy_tokens(self, prompt, max_new_tokens, chunk=chunk, max_len=max_len, ignore_eos=ignore_eos)
