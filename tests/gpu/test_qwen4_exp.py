@@ -18,14 +18,11 @@ import json
 
 import pytest
 
+from engram_trt.bench.gpucases import rel_err
+
 from .helpers import REPO, note, record
 
 DATA = REPO / "tests" / "data" / "qwen4_exp_tiny"
-
-
-def rel_err(a, ref) -> float:
-    a, ref = a.double().cpu(), ref.double().cpu()
-    return float((a - ref).norm() / ref.norm())
 
 
 @pytest.fixture(scope="module")

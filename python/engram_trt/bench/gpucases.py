@@ -31,8 +31,9 @@ def require_cuda(command: str) -> Any:
 
 
 def rel_err(a: Any, ref: Any) -> float:
-    """Relative L2 difference of two tensors, in float64."""
-    a, ref = a.double(), ref.double()
+    """Relative L2 difference of two tensors, in float64 on the host (they may live on
+    different devices: a GPU result against a CPU reference)."""
+    a, ref = a.double().cpu(), ref.double().cpu()
     return float((a - ref).norm() / ref.norm())
 
 
