@@ -12,6 +12,15 @@ The published layout's table (about 82 GB a layer) is larger than the host table
 timed here, so the hash's row ids are taken modulo the table's rows: the spread of the
 ids (what a cold lookup pays for) is the hash's; the HBM table is smaller still
 (random rows of a table many times the L2 cost the same at any size).
+
+``--pages`` (as ``bench gather`` / ``bench cache`` name it): the host table's pages.
+``4k`` (default) is torch's pinned allocator, the table the published figures timed;
+``thp`` / ``1g`` / ``auto`` an anonymous mapping in transparent huge pages (madvise),
+reserved 1 GiB hugetlbfs pages, or the runtime stores' choice
+(:class:`~engram_trt.bench.lookuputil.HostBuffer`), registered with CUDA so the UVA
+kernel reads the same table. Why: a random row of a 4 KiB-page table costs the host
+gather's threads a page walk and the GPU's UVA reads an IOMMU / ATS translation; huge
+pages take most of both away, which is what the comparison wants to see.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engram_trt.bench.lookuputil import PAGE_CHOICES
 from engram_trt.bench.options import opt
 from engram_trt.errors import EngramError
 
@@ -36,6 +46,11 @@ class PleGatherOptions:
     prefill: list[int] = opt([8192], help="prefill steps: tokens of one sequence (default: 8192)")
     reps: int = opt(20, argtype=("int_arg", 1, 10000), help="timed repetitions per case (default: %(default)s)")
     seed: int = opt(0, help="token stream seed (default: %(default)s)")
+    pages: str = opt("4k", choices=PAGE_CHOICES,
+                     help="host table pages: 4k (torch's pinned allocator; default), thp (transparent huge pages, "
+                          "madvise), 1g (reserved 1 GiB hugetlbfs pages: reserve them first in "
+                          "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages) or auto (the runtime stores' "
+                          "choice); huge-page tables are registered with CUDA for the UVA kernel")
     json: str | None = opt(None, help="write the figures as JSON to this file")
 
 
@@ -86,17 +101,19 @@ def run(opts: PleGatherOptions) -> int:
           f"{PCIE5_X16_GBPS:.0f} GB/s; HBM copy {limits['hbm_GBps']:.0f} GB/s", flush=True)
     row_bytes = opts.head_dim * 2
     t0 = time.perf_counter()
-    host = torch.empty((int(opts.table_gib * GiB) // row_bytes, opts.head_dim), dtype=torch.bfloat16, pin_memory=True)
+    host, buffer, pages = _host_table(torch, int(opts.table_gib * GiB) // row_bytes, opts.head_dim, opts.pages)
     _fill(torch, host, dev)
     hbm = torch.empty((int(opts.hbm_gib * GiB) // row_bytes, opts.head_dim), dtype=torch.bfloat16, device=dev)
     _fill(torch, hbm, dev)
-    print(f"tables: pinned host {opts.table_gib:g} GiB ({host.shape[0]} rows of {row_bytes} B), HBM {opts.hbm_gib:g} GiB, "
-          f"made in {time.perf_counter() - t0:.1f} s", flush=True)
+    huge_gib = _huge_gib(buffer)
+    print(f"tables: pinned host {opts.table_gib:g} GiB ({host.shape[0]} rows of {row_bytes} B) in {pages}"
+          + (f" ({huge_gib:.1f} GiB of transparent huge pages)" if huge_gib is not None else "")
+          + f", HBM {opts.hbm_gib:g} GiB, made in {time.perf_counter() - t0:.1f} s", flush=True)
     layout = _layout()
     gen = torch.Generator().manual_seed(opts.seed)
     gatherer = HostGatherer(device=dev, max_head_dim=max(512, opts.head_dim))
     cases = [("decode", n) for n in opts.decode] + [("prefill", n) for n in opts.prefill]
-    results = {"limits": limits, "cases": []}
+    results = {"limits": limits, "pages": opts.pages, "pages_got": pages, "thp_gib": huge_gib, "cases": []}
     print(f"{'step':>8} {'tokens':>6} {'rows':>7} {'MB':>7} | {'UVA GB/s':>8} {'/link':>6} | {'host GB/s':>9} {'/link':>6}"
           f" | {'HBM GB/s':>8} {'/link':>6} | UVA/host", flush=True)
     for kind, n in cases:
@@ -130,5 +147,33 @@ def run(opts: PleGatherOptions) -> int:
               f"{row['host_GBps']:>9.1f} {row['host_of_link']:>6.2f} | {row['hbm_GBps']:>8.1f} {row['hbm_of_link']:>6.2f} | "
               f"{t_host / t_uva:>6.2f}x", flush=True)
     gatherer.close()
+    if buffer is not None:
+        del host
+        buffer.close()
     dump(results, opts.json)
     return 0
+
+
+def _host_table(torch: Any, rows: int, head_dim: int, pages: str) -> tuple[Any, Any, str]:
+    """(bf16 ``[rows, head_dim]`` host table the GPU can read, its HostBuffer or None,
+    its pages in words) for a ``--pages`` choice (module docstring)."""
+    if pages == "4k":
+        return (torch.empty((rows, head_dim), dtype=torch.bfloat16, pin_memory=True), None,
+                "4 KiB pages (torch's pinned allocator)")
+    from engram_trt.bench.lookuputil import HostBuffer, anon_hugepages_kib, pages_mode
+
+    before = anon_hugepages_kib()
+    buffer = HostBuffer(rows * head_dim * 2, huge_pages=pages_mode(pages))
+    buffer.thp_before = before
+    buffer.register()  # the UVA kernel reads it; the host gather's threads read it as it is
+    return buffer.tensor.view(torch.bfloat16).view(rows, head_dim), buffer, buffer.pages
+
+
+def _huge_gib(buffer: Any) -> float | None:
+    """GiB of transparent huge pages the table's mapping gained (None: not measured)."""
+    before = getattr(buffer, "thp_before", -1)
+    if buffer is None or before < 0 or "transparent" not in buffer.pages:
+        return None
+    from engram_trt.bench.lookuputil import anon_hugepages_kib
+
+    return (anon_hugepages_kib() - before) / 2**20

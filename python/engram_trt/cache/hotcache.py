@@ -18,6 +18,15 @@ table in one launch) or :class:`TorchTransfer` (the same with torch ops on CPU t
 for tests and dry runs). Rows reach the output unchanged (raw bytes, one dequant), so
 the cache is exact: the same bf16 rows as a plain gather of the same ids.
 
+Float rows (bf16, f16, f32: Qwen4Exp's PLE tables keep the dtype their checkpoint
+saved): no scales, a row is ``width * itemsize`` bytes, and the cache moves them as
+bytes. An f16 / f32 table is viewed as bf16 "words" (``[N, width * itemsize / 2]``, the
+same memory) so that the host gather's raw copy, the work table, the admission's row
+copies and the gather kernel's bf16 path (a 16-byte load and store, no conversion) all
+carry its bits unchanged; the delivered words are viewed back as the table's dtype.
+Why a view and not a dtype in the library: every step of the cache is already a byte
+copy for unquantized rows, so the view is exact and needs no new kernel.
+
 Host layouts: ``split`` and ``inline`` (values and scale bytes in host memory) and
 ``hbm-scales`` (the fp8 values in host memory, the table's scale array on the cache's
 device, as the runtime keeps them for its host gather). Why the third: a miss's 256
@@ -78,6 +87,26 @@ __all__ = ["DEFAULT_ADMIT_BUDGET", "DEFAULT_CAPACITY_FRACTION", "MAX_STEP_ROWS",
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY_FRACTION = 0.05
+
+
+def float_row_dtypes() -> tuple[Any, ...]:
+    """The unquantized row dtypes a cache serves (module docstring: float rows)."""
+    import torch
+
+    return (torch.bfloat16, torch.float16, torch.float32)
+
+
+def as_words(rows: Any) -> Any:
+    """``rows`` (bf16 / f16 / f32 ``[N, width]``, last dim contiguous) viewed as bf16
+    words ``[N, width * itemsize / 2]``: the same memory, the cache's byte carrier."""
+    import torch
+
+    if rows.dtype == torch.bfloat16:
+        return rows
+    if rows.dtype not in float_row_dtypes() or rows.dim() != 2 or rows.stride(-1) != 1:
+        raise EngramError(f"float cache rows must be 2-D bf16 / f16 / f32 with contiguous rows "
+                          f"(got {rows.dtype} {tuple(rows.shape)} with strides {rows.stride()})")
+    return rows.view(torch.bfloat16)
 
 
 @dataclass
@@ -229,14 +258,14 @@ def delivery_shape(ids: Any) -> tuple[int, int]:
 class HotRowCache:
     """De-duplicating, frequency-admitted device cache of a host table's rows.
 
-    ``rows_host`` / ``scales_host``: the host table (split: fp8 rows + scales, or bf16
-    rows; inline: fp8 ``[N, head_dim + head_dim / quant_block]`` with scales None;
+    ``rows_host`` / ``scales_host``: the host table (split: fp8 rows + scales, or float
+    rows, bf16 / f16 / f32, with no scales, delivered in their own dtype; inline: fp8 ``[N, head_dim + head_dim / quant_block]`` with scales None;
     hbm-scales: fp8 rows in host memory, their scales ``[N, head_dim / quant_block]`` on
     ``device``).
     ``capacity_rows`` (default ``capacity_fraction`` of the table, 5%) cached rows live
     on ``device`` in the stored form, beside a miss area of ``max_step_rows`` rows.
-    ``gather(ids)`` returns the bf16 rows of a step's ids, exactly what a plain gather of
-    the same ids gives. Once the cache is full, replacements are tried every
+    ``gather(ids)`` returns the rows of a step's ids (bf16 for fp8, else the table's
+    dtype), exactly what a plain gather of the same ids gives. Once the cache is full, replacements are tried every
     ``admit_every`` steps (counting runs every step). ``initial_counts``: offline lookup
     counts per row (``[N]`` integers) to warm the cache from: its most frequent rows are
     loaded at construction (one host gather) and the counts seed the LFU. The host
@@ -263,7 +292,15 @@ class HotRowCache:
         from engram_trt.native.hostgather import _host_table
         from engram_trt.native.kernels import TABLE_FP8_E4M3
 
+        # float rows: the table's dtype for the output, its bytes carried as bf16 words
+        self.row_dtype = rows_host.dtype if rows_host.dtype in float_row_dtypes() else torch.bfloat16
+        if rows_host.dtype in (torch.float16, torch.float32):
+            if scales_host is not None or layout != "split":
+                raise EngramError(f"{rows_host.dtype} rows have no scales: pass scales_host=None and layout='split' "
+                                  f"(got scales {'given' if scales_host is not None else 'None'}, layout {layout!r})")
+            rows_host = as_words(rows_host)
         dtype, num_rows, head_dim, _ = _host_table(rows_host, scales_host, quant_block, layout)
+        self.width = head_dim * 2 // self.row_dtype.itemsize if dtype != TABLE_FP8_E4M3 else head_dim
         if capacity_rows is None:
             if not 0.0 <= capacity_fraction <= 1.0:
                 raise EngramError(f"capacity_fraction must be in [0, 1] (got {capacity_fraction})")
@@ -335,10 +372,25 @@ class HotRowCache:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self.policy.device_bytes()
 
     def gather(self, ids: Any, out: Any = None, *, phase: Any = None) -> Any:
-        """bf16 rows ``[*ids.shape, head_dim]`` of int32 ids (CPU or on the cache's device).
+        """Rows ``[*ids.shape, width]`` of int32 ids (CPU or on the cache's device), in
+        :attr:`row_dtype` (bf16 for fp8 tables); ``out`` (optional) in that dtype too.
 
         ``phase``: an optional callable, called with "plan", "fetch", "deliver" and
         "admit" as each phase has been enqueued (a benchmark's timer that syncs)."""
+        import torch
+
+        if self.row_dtype == torch.bfloat16:
+            return self._gather_words(ids, out, phase)
+        if out is not None:
+            if out.dtype != self.row_dtype or out.dim() == 0 or out.stride(-1) != 1:
+                raise EngramError(f"out must be {self.row_dtype} with contiguous rows, as the table "
+                                  f"(got {out.dtype} {tuple(out.shape)})")
+            out = out.view(torch.bfloat16)
+        return self._gather_words(ids, out, phase).view(self.row_dtype)
+
+    def _gather_words(self, ids: Any, out: Any, phase: Any) -> Any:
+        """:meth:`gather` in the cache's carrier form: bf16 ``[*ids.shape, head_dim]``
+        (fp8 rows dequantized; float rows as their bf16 words)."""
         import torch
 
         n = int(ids.numel())

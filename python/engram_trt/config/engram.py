@@ -46,6 +46,11 @@ class EngramConfig:
     sequence, no host sync) or ``prefetch`` (the engine takes staged rows as inputs; the
     runtime hashes and gathers them on a side stream, the faster path for host tables
     per docs/platform.md).
+    ``hot_cache_fraction`` (default 0: off): a hot-row cache in GPU memory in front of
+    the host tables, holding this share (0..1] of each table's rows, so a step fetches
+    only its distinct uncached rows over the link (:mod:`engram_trt.cache.storecache`).
+    For tables a model gathers in its step (Qwen4Exp's PLE tables); not with
+    ``cpu_offload: false`` (the tables are in GPU memory already).
     """
 
     cpu_offload: bool = True
@@ -53,6 +58,7 @@ class EngramConfig:
     dp_shared_memory: bool = False
     embedding_across_dp: bool = False
     table_placement: str = "auto"
+    hot_cache_fraction: float = 0.0
     # Fields the user set (to their default or not): a model without Engram layers
     # refuses any of them, even `cpu_offload: true`.
     given: tuple[str, ...] = field(default=(), compare=False, repr=False)
@@ -126,6 +132,8 @@ class EngramConfig:
             raise EngramError(f"{FLAG}: host_file_gather gathers rows on the host, so the lookup cannot run in the engine; use table_placement 'prefetch'")
         if self.dp_shared_memory and not self.cpu_offload:
             raise EngramError(f"{FLAG}: dp_shared_memory shares a host copy of the tables in /dev/shm, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true")
+        if self.hot_cache_fraction and not self.cpu_offload:
+            raise EngramError(f"{FLAG}: hot_cache_fraction caches host-table rows in GPU memory, but cpu_offload=false puts the whole tables there already; drop hot_cache_fraction or set cpu_offload true")
         if self.dp_shared_memory and self.embedding_across_dp:
             raise EngramError(f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one")
 
@@ -146,6 +154,9 @@ class EngramConfig:
                 raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' "
                                   f"in config.json) and no PLE tables (no 'ple_layer_ids'); drop {FLAG}")
             return
+        if self.hot_cache_fraction:
+            raise EngramError(f"{FLAG}: hot_cache_fraction serves tables a model gathers in its step (Qwen4Exp's PLE "
+                              f"tables); this model's Engram rows are gathered by the engine or the prefetcher; drop it")
 
 
 def _load_json_object(text: str | Path) -> Any:
@@ -193,6 +204,10 @@ def _check_type(key: str, value: Any, source: str) -> Any:
         if not isinstance(value, bool):
             raise EngramError(f"{source}: field '{key}' must be true or false (got {_shown(value)})")
         return value
+    if key == "hot_cache_fraction":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise EngramError(f"{source}: field 'hot_cache_fraction' must be a number in [0, 1] (the share of each table's rows cached in GPU memory; 0 = off), got {_shown(value)}")
+        return float(value)
     if key == "table_placement":
         if value not in TABLE_PLACEMENTS:
             raise EngramError(f"{source}: field 'table_placement' must be one of {', '.join(TABLE_PLACEMENTS)} (got {_shown(value)})")

@@ -39,7 +39,7 @@ class Backend(Protocol):
 
 
 def select_backend(requested: str, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
-                   cuda_graphs: bool = True) -> tuple[Backend, str]:
+                   cuda_graphs: bool = True, engram_config: Any = None) -> tuple[Backend, str]:
     """The backend to run and a one-line reason. ``requested`` 'tensorrt' fails with
     the reason TensorRT cannot run here; 'auto' falls back to torch with it."""
     if requested not in BACKENDS:
@@ -60,4 +60,4 @@ def select_backend(requested: str, source: Any, tables: Any, device: torch.devic
         reason = "torch backend requested"
     from engram_trt.runtime.torch_backend import TorchBackend
 
-    return TorchBackend(source, tables, device, dtype, cuda_graphs=cuda_graphs), reason
+    return TorchBackend(source, tables, device, dtype, cuda_graphs=cuda_graphs, engram_config=engram_config), reason

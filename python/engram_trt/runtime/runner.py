@@ -110,7 +110,7 @@ class ModelRunner:
                                       device=self.device, progress=progress, **(table_options or {}))
             self.table_kind = self.tables.kind  # a shared store may fall back to private memory
         self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype,
-                                                            cuda_graphs=cuda_graphs)
+                                                            cuda_graphs=cuda_graphs, engram_config=self.engram_config)
         log.info("backend: %s (%s)", self.backend.label, self.backend_reason)
         self.cache = self.backend.allocate_cache(self.max_batch, self.max_seq_len)
         self.prefetcher = None

@@ -24,7 +24,7 @@ class TorchBackend:
     wants_staged_rows = True
 
     def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, engram_config: Any = None) -> None:
         from engram_trt.checkpoint.checkpoint import Checkpoint
 
         self.device = device
@@ -39,7 +39,9 @@ class TorchBackend:
                               f"(config.json changed since the build); rebuild the engine folder")
         if hasattr(arch, "load_model"):  # the architecture binds its own tables (Qwen4Exp's PLE)
             # ``tables``: the store the runner opened over the architecture's table refs
+            # ``engram_config``: the runner's (its hot_cache_fraction caches the PLE rows)
             self.model = arch.load_model(ckpt, device=device, dtype=dtype,
+                                         engram_config=engram_config or getattr(source, "engram_config", None),
                                          **({} if tables is None else {"tables": tables}))
             tables = None  # bound above, not staged
             self._ckpt = ckpt  # PLE rows may be read in place from its file maps

@@ -117,7 +117,8 @@ class Qwen4ExpArchitecture:
         shards: ``tables``, a table store the runtime opened over :meth:`table_refs`
         (left to it to close), else a store of ``ple_table_kind`` or the kind
         ``engram_config`` (default: the defaults) gives on ``device``
-        (:func:`~engram_trt.tables.store.table_kind_for`: the file maps on a CPU)."""
+        (:func:`~engram_trt.tables.store.table_kind_for`: the file maps on a CPU); its
+        ``hot_cache_fraction`` puts the hot-row cache in front of the tables."""
         import torch
 
         from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
@@ -126,15 +127,18 @@ class Qwen4ExpArchitecture:
         cfg = ckpt.config
         dev = torch.device(device)
         dtype = dtype or torch.float32
+        from engram_trt.config.engram import EngramConfig
+
+        ecfg = engram_config or EngramConfig()
         ple = None
         if cfg.ple is not None and tables is not None:
-            ple = PLETables(tables, dev, owns_store=False)
+            ple = PLETables(tables, dev, owns_store=False, hot_cache_fraction=ecfg.hot_cache_fraction)
         elif cfg.ple is not None:
-            from engram_trt.config.engram import EngramConfig
             from engram_trt.tables.store import table_kind_for
 
-            kind = ple_table_kind or table_kind_for(engram_config or EngramConfig(), dev)
-            ple = PLETables.from_checkpoint(ckpt, cfg, ple_layout(cfg), kind=kind, device=dev)
+            kind = ple_table_kind or table_kind_for(ecfg, dev)
+            ple = PLETables.from_checkpoint(ckpt, cfg, ple_layout(cfg), kind=kind, device=dev,
+                                            hot_cache_fraction=ecfg.hot_cache_fraction)
         weights = {name: ckpt.get(name) for name in self.weight_shapes(cfg)}
         return Qwen4ExpModel(cfg, weights, ple_tables=ple, device=dev, dtype=dtype)
 

@@ -12,7 +12,11 @@ Engram model): ``file`` maps the shards in place (only the pages of the rows ask
 are read), ``memory`` / ``pinned`` / ``shared`` / ``device`` fill one buffer per layer
 shard by shard (never a second copy in RAM). Rows are gathered by
 :class:`~engram_trt.tables.rowgather.StoreGather` (the reference gather on a CPU; on a
-GPU the UVA gather kernel or the host gather for bf16 rows).
+GPU the UVA gather kernel or the host gather for bf16 rows), or, with
+``--engram-config.hot_cache_fraction`` above 0, by the hot-row cache in front of them
+(:class:`~engram_trt.cache.storecache.CachedStoreGather`: that share of each host
+table's rows in HBM, only a step's misses fetched; the same rows, any of the three
+dtypes).
 
 The checks at open name the first problem: a shard missing or short, a width other
 than ``ple_embed_dim / heads``, a row count other than the one the config's primes
@@ -109,21 +113,32 @@ class PLETables:
     """Per PLE layer, its shards bound as one table in a table store (module docstring).
 
     ``owns_store``: :meth:`close` closes the store too (False when the runtime opened
-    it and closes it itself)."""
+    it and closes it itself). ``hot_cache_fraction`` > 0: the host tables' rows go
+    through a hot-row cache holding that share of each table in HBM (``cache_options``:
+    :class:`~engram_trt.cache.storecache.CachedStoreGather`'s)."""
 
-    def __init__(self, store: Any, device: Any = "cpu", owns_store: bool = True) -> None:
+    def __init__(self, store: Any, device: Any = "cpu", owns_store: bool = True, hot_cache_fraction: float = 0.0,
+                 cache_options: dict[str, Any] | None = None) -> None:
         from engram_trt.tables.rowgather import StoreGather
 
         self.store = store
         self.head_dim = store.head_dim(0) if store.num_layers else 0
-        self._gather = StoreGather(store, device)
+        if hot_cache_fraction:
+            from engram_trt.cache.storecache import CachedStoreGather
+
+            self._gather: Any = CachedStoreGather(store, device, capacity_fraction=hot_cache_fraction,
+                                                  **(cache_options or {}))
+        else:
+            if cache_options:
+                raise EngramError("cache_options need a hot-row cache: pass hot_cache_fraction > 0 too")
+            self._gather = StoreGather(store, device)
         self._owns_store = owns_store
 
     @classmethod
     def from_checkpoint(cls, ckpt: Any, config: Any, layout: Any, kind: str = "file", device: Any = "cpu",
-                        progress: bool = False, **options: Any) -> "PLETables":
+                        progress: bool = False, hot_cache_fraction: float = 0.0, **options: Any) -> "PLETables":
         """Check the checkpoint's PLE tables, then open them in a ``kind`` store
-        (``options``: the pinned / shared stores')."""
+        (``options``: the pinned / shared stores'; ``hot_cache_fraction``: see the class)."""
         from engram_trt.tables.store import open_tables
 
         problems = table_problems(ckpt, config, layout)
@@ -134,14 +149,15 @@ class PLETables:
             raise EngramError(f"PLE table kind {kind!r} is not one of {list(PLE_TABLE_KINDS)}")
         store = open_tables(ple_table_refs(ckpt, config), kind, device=device, progress=progress, **options)
         log.info("PLE tables: %d layer(s) in %s", store.num_layers, store.where())
-        return cls(store, device)
+        return cls(store, device, hot_cache_fraction=hot_cache_fraction)
 
     @classmethod
-    def from_tensors(cls, tables: Sequence[torch.Tensor], kind: str = "memory") -> "PLETables":
+    def from_tensors(cls, tables: Sequence[torch.Tensor], kind: str = "memory", **options: Any) -> "PLETables":
+        """Tables from tensors (``options``: the class's, e.g. ``hot_cache_fraction``)."""
         from engram_trt.tables.base import TableStore
 
         store = TableStore.from_tensors(list(tables), [None] * len(tables))
-        return cls(store, tables[0].device if tables else "cpu")
+        return cls(store, tables[0].device if tables else "cpu", **options)
 
     @property
     def kind(self) -> str:
@@ -172,6 +188,11 @@ class PLETables:
         except EngramError as exc:
             raise EngramError(f"PLE layer {layer_idx}: {exc}") from None
         return rows.to(ids.device)
+
+    def cache_stats(self) -> list[dict[str, Any] | None] | None:
+        """Per layer, the hot-row cache's counters (None: no cache)."""
+        stats = getattr(self._gather, "stats", None)
+        return stats() if stats is not None else None
 
     def check_bad_rows(self) -> None:
         """Raise when an unchecked gather met an id outside its table (a device sync)."""
