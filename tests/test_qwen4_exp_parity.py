@@ -234,14 +234,17 @@ def test_inspect_lists_ple_tables(case: tuple[str, Path, Any], capsys: Any) -> N
         assert e["bytes"] == e["table_rows"] * e["width"] * 4  # float32 rows as transformers saved them
 
 
-def test_build_refuses_before_writing(tmp_path: Path, capsys: Any) -> None:
-    """No engine path for this family yet: build says so in one line, before any work."""
+def test_build_refuses_f32_ple_tables_before_writing(tmp_path: Path, capsys: Any) -> None:
+    """transformers saves the PLE shards as float32; an engine's EngramGather reads bf16
+    rows only, so build says so in one line before any work (tests/test_qwen4_exp_build.py
+    builds bf16 ones)."""
     folder = tmp_path / "ck"
     save_qwen4(folder, seed=2, **CASES["hc2-ple1-qsa"])
     capsys.readouterr()
     code = main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "does not export Qwen4Exp" in err and "engram-trt run" in err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "shard_0.weight is F32" in err and "BF16" in err and "torch backend" in err
     assert not (tmp_path / "engine").exists()
 
 

@@ -52,7 +52,7 @@ from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
 from engram_trt.builder.defaults import BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN
 from engram_trt.config.dtypes import require_dtype
 from engram_trt.config.engram import EngramConfig
-from engram_trt.errors import EngramError
+from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, RepackedTables, TableRef, checkpoint_table_refs,
                                          foreign_repack_files, hash_tables, repack_tables, sha256_file,
@@ -198,6 +198,13 @@ def optimization_profile_shapes(exported: Any, config: Any, max_batch: int, max_
         elif name.startswith("engram_rows_"):
             c, d = io["cols"], io["head_dim"]
             shapes[name] = ((1, c, d), (opt_t, c, d), (max_num_tokens, c, d))
+        elif name in (io.get("states") or {}):  # a per-slot state (Qwen4Exp): fixed, one slot per sequence
+            dims = tuple(max_batch if d == "num_slots" else max_seq_len if d == "max_seq_len" else int(d)
+                         for d in io["states"][name]["shape"])
+            shapes[name] = (dims, dims, dims)
+        elif name == "ple_context":
+            n = io["ple"]["context"]
+            shapes[name] = ((1, n), (opt_s, n), (max_batch, n))
     return shapes
 
 
@@ -283,6 +290,11 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     if why_not:
         ckpt.close()
         raise EngramError(f"checkpoint '{checkpoint}': {why_not}")
+    engine_problems = getattr(ckpt.architecture, "engine_problems", None)  # what the engine cannot take (Qwen4Exp's F32 PLE rows)
+    refused = engine_problems(ckpt) if engine_problems is not None else []
+    if refused:
+        ckpt.close()
+        raise EngramError(f"checkpoint '{checkpoint}': {refused[0]}")
     ecfg = engram_config if isinstance(engram_config, EngramConfig) else EngramConfig.parse(engram_config)
     ecfg.validate_for(config)
     # Defaults fit the model; values the user passed are checked as given, never clamped.
@@ -356,7 +368,17 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         atomic.pause_point("build:check")
         if spec is not None and ckpt.tokenizer_json is None:
             raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)")
-        require_valid(ckpt)  # tensors against the config and its layout (shapes do not depend on the pad id)
+        arch = ckpt.architecture
+        own_refs: list[TableRef] = []
+        if spec is None and hasattr(arch, "table_refs"):  # an architecture with tables of its own (Qwen4Exp's PLE)
+            problems = arch.checkpoint_problems(ckpt)
+            if problems:
+                more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
+                raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
+            own_refs = list(arch.table_refs(ckpt))
+            check_table_files(own_refs)
+        else:
+            require_valid(ckpt)  # tensors against the config and its layout (shapes do not depend on the pad id)
         if spec is not None:
             check_table_files(checkpoint_table_refs(ckpt))
     with phases.phase("vocab"):
@@ -382,12 +404,20 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
                 refs = repacked[-1].final(hash_tables(repacked[-1].refs, progress, table_block_bytes))
             else:
                 refs = hash_tables(checkpoint_table_refs(ckpt), progress, table_block_bytes)
+        elif own_refs:  # each shard's sha256 and block hashes: the manifest's checksums
+            refs = hash_tables(own_refs, progress, table_block_bytes)
     tables_bytes = sum(r.nbytes for r in refs)
     table_dtype = None
     table_rows: tuple[int, ...] | None = None
     if spec is not None:
         table_dtype = "fp8" if any(r.role == "scales" for r in refs) else "bf16"
         table_rows = tuple(int(r.shape[0]) for r in refs if r.role == "rows")
+    elif refs:  # one table per layer of shards (parts)
+        table_dtype = ckpt.architecture.table_dtype(refs)
+        per_layer: dict[int, int] = {}
+        for r in refs:
+            per_layer[r.layer_index] = per_layer.get(r.layer_index, 0) + int(r.shape[0])
+        table_rows = tuple(per_layer[i] for i in sorted(per_layer))
     with phases.phase("export"):
         atomic.pause_point("build:export")
         opts = ExportOptions(dtype=dtype, max_position=max_seq_len, placement=ecfg.placement,

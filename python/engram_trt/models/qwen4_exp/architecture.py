@@ -28,10 +28,6 @@ class Qwen4ExpArchitecture:
     architectures = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
     model_types = ("qwen4_exp_text", "qwen4_exp")
     contract = CONTRACT
-    # Read by `engram-trt build` before any work: why this family has no engine yet.
-    no_engine_export = ("engram-trt build does not export Qwen4Exp yet (its Gated DeltaNet, QSA indexer and PLE fusion "
-                        "have no ONNX / plugin path); serve the checkpoint folder itself with `engram-trt run` or "
-                        "`engram-trt serve` (the torch backend)")
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> Qwen4ExpConfig:
@@ -147,10 +143,33 @@ class Qwen4ExpArchitecture:
 
         return Qwen4ExpState.allocate(config, num_slots, max_len, device, dtype)
 
-    def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:
-        from engram_trt.errors import EngramError
+    def engine_problems(self, ckpt: Any) -> list[str]:
+        """What `engram-trt build` refuses before any work beyond :meth:`checkpoint_problems`:
+        PLE shards the engine's EngramGather plugin cannot read (it reads bf16 rows; F16 /
+        F32 shards serve through the torch backend)."""
+        from engram_trt.models.qwen4_exp.ple_tables import shard_names
 
-        raise EngramError(self.no_engine_export)
+        cfg = ckpt.config
+        if cfg.ple is None:
+            return []
+        for layer in cfg.ple.layers:
+            for name in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts):
+                if name in ckpt and ckpt.st_dtype(name) != "BF16":
+                    return [f"PLE table shard {name} is {ckpt.st_dtype(name)}: an engine's EngramGather plugin reads BF16 "
+                            f"rows only; save the PLE shards as BF16 to build, or serve the checkpoint folder with the "
+                            f"torch backend (engram-trt run / serve)"]
+        return []
+
+    def table_dtype(self, refs: Any) -> str:
+        """The storage of the PLE tables the engine binds (their shards' dtype)."""
+        return "bf16" if all(r.dtype == "BF16" for r in refs) else "unsupported"
+
+    def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:
+        """The ONNX serving step (:mod:`.onnx_export`); ``layout``: the PLE hash layout
+        (None: the config's)."""
+        from engram_trt.models.qwen4_exp.onnx_export import export_model
+
+        return export_model(config, weights, layout if config.ple is not None else None, options)
 
 
 ARCHITECTURE = Qwen4ExpArchitecture()

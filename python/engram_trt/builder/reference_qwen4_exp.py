@@ -1,0 +1,113 @@
+"""CPU execution of Qwen4Exp's exported serving step, one packed step at a time, holding
+what a runtime holds between steps: every per-slot state the graph takes (KV and index
+key caches, the Gated DeltaNet conv and recurrent states, the PLE conv histories) and
+each slot's PLE n-gram context (the last ``ngram_size - 1`` raw ids). The plugin nodes
+run as :func:`~engram_trt.builder.reference_executor._reference_ops` binds them, the PLE
+tables bound by address through a :class:`~engram_trt.builder.reference_executor.TableRegistry`,
+so CI checks exactly the graph the engine is built from against transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from engram_trt.builder.reference_executor import TableRegistry, _array, _reference_ops
+from engram_trt.errors import EngramError
+from engram_trt.models.export import DTYPES, ExportedModel
+
+
+def ple_tables_of(ckpt: Any) -> list[np.ndarray]:
+    """Each PLE layer's table ``[rows, head_dim]`` bf16, its shards joined in row order
+    (what a memory store holds); the tests' and scripts' binding for the runner."""
+    import torch
+
+    from engram_trt.models.qwen4_exp.ple_tables import shard_names
+
+    cfg = ckpt.config
+    if cfg.ple is None:
+        return []
+    out = []
+    for layer in cfg.ple.layers:
+        parts = [ckpt.get(n) for n in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts)]
+        if any(p.dtype != torch.bfloat16 for p in parts):
+            raise EngramError(f"PLE shards of layer {layer + 1} are {parts[0].dtype}, not bfloat16 (the graph's gather reads bf16 rows)")
+        joined = torch.cat(parts, dim=0).contiguous()
+        out.append(joined.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy())
+    return out
+
+
+class Qwen4ExpReferenceRunner:
+    """See the module docstring. ``tables``: per PLE layer its bf16 rows (:func:`ple_tables_of`)."""
+
+    def __init__(self, exported: ExportedModel, config: Any, tables: Sequence[np.ndarray] = (), *, num_slots: int = 4,
+                 max_seq_len: int | None = None) -> None:
+        from onnx.reference import ReferenceEvaluator
+
+        self.exported = exported
+        self.config = config
+        self.registry = TableRegistry()
+        self.evaluator = ReferenceEvaluator(exported.model, new_ops=_reference_ops(self.registry))
+        self.np_dtype = DTYPES[exported.dtype][1]
+        self.num_slots = int(num_slots)
+        self.max_seq_len = int(max_seq_len or exported.io["max_position"])
+        if self.num_slots < 1 or not 1 <= self.max_seq_len <= exported.io["max_position"]:
+            raise EngramError(f"a runner needs num_slots >= 1 and max_seq_len in [1, {exported.io['max_position']}] "
+                              f"(got {num_slots}, {max_seq_len})")
+        ple = exported.io.get("ple")
+        self._tables = [np.ascontiguousarray(t) for t in tables]  # keep the arrays (and their addresses) alive
+        if ple is not None and len(self._tables) != ple["layers"]:
+            raise EngramError(f"the graph has {ple['layers']} PLE layers but {len(self._tables)} tables were given")
+        self.table_ptrs = np.asarray([self.registry.register(t) for t in self._tables], dtype=np.int64)
+        self.states: dict[str, np.ndarray] = {}
+        for name, spec in exported.io["states"].items():
+            shape = [self.num_slots if d == "num_slots" else self.max_seq_len if d == "max_seq_len" else int(d)
+                     for d in spec["shape"]]
+            self.states[name] = np.zeros(shape, dtype=self.np_dtype if spec["dtype"] == "act" else np.float32)
+        n = 0 if ple is None else int(ple["context"])
+        self.eos_id = 0 if ple is None else int(ple["eos_id"])
+        self.context = np.full((self.num_slots, n), self.eos_id, dtype=np.int64)
+
+    def run(self, step: Any) -> np.ndarray:
+        """:meth:`step` on a :class:`~engram_trt.models.step.PackedStep`."""
+        return self.step(step.input_ids, step.seq_starts, step.past_lens, step.slots)
+
+    def step(self, input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any) -> np.ndarray:
+        """One packed step: ``input_ids [T]`` of S sequences back to back (``seq_starts
+        [S+1]``), each after ``past_lens[s]`` tokens held in slot ``slots[s]`` (a
+        sequence with no past ignores what its slot holds). Returns the logits of each
+        sequence's last token, ``[S, vocab]`` float32; the slots' states and contexts
+        advance past the step."""
+        from engram_trt.engram.ple_hash import next_context
+
+        ids = _array(input_ids, "input_ids", np.int64, 1)
+        starts = _array(seq_starts, "seq_starts", np.int64, 1)
+        past = _array(past_lens, "past_lens", np.int64, 1)
+        seq_slots = _array(slots, "slots", np.int64, 1)
+        T, S = ids.shape[0], starts.shape[0] - 1
+        lengths = np.diff(starts)
+        if T < 1 or S < 1 or starts[0] != 0 or starts[-1] != T or np.any(lengths < 1):
+            raise EngramError(f"seq_starts must rise from 0 to the step's {T} tokens, each sequence >= 1 token (got {starts.tolist()})")
+        if past.shape != (S,) or seq_slots.shape != (S,):
+            raise EngramError(f"past_lens and slots must be [S] = ({S},) (got {past.shape} and {seq_slots.shape})")
+        if np.any(past < 0) or np.any(past + lengths > self.max_seq_len):
+            raise EngramError(f"past_lens {past.tolist()} + new tokens {lengths.tolist()} must stay within max_seq_len {self.max_seq_len}")
+        if np.any(seq_slots < 0) or np.any(seq_slots >= self.num_slots) or np.unique(seq_slots).size != S:
+            raise EngramError(f"slots {seq_slots.tolist()} must be distinct and in [0, {self.num_slots})")
+        if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
+            raise EngramError(f"input_ids must be token ids in [0, {self.config.vocab_size})")
+        feeds: dict[str, Any] = {"input_ids": ids.astype(np.int32), "seq_starts": starts.astype(np.int32),
+                                 "past_lens": past.astype(np.int32), "slots": seq_slots.astype(np.int32), **self.states}
+        ctx = self.context[seq_slots].copy()
+        ctx[past == 0] = self.eos_id  # a fresh sequence has no ids before it
+        if "ple_context" in self.exported.input_names:
+            feeds["ple_context"] = ctx.astype(np.int32)
+            feeds["ple_table_ptrs"] = self.table_ptrs
+        out = dict(zip(self.exported.output_names, self.evaluator.run(None, feeds)))
+        for name, spec in self.exported.io["states"].items():
+            self.states[name] = out[spec["alias"]]  # the state itself (aliased); adopted should an executor copy
+        if ctx.shape[1]:
+            self.context[seq_slots] = next_context(ctx, ids, starts)
+        return out["logits"]
