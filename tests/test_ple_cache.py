@@ -267,3 +267,17 @@ def test_llm_with_hot_cache_fraction_gives_the_recorded_tokens() -> None:
         ple = llm.runner.backend.model.ple_tables
         assert ple.paths == ["cache"] and ple.cache_stats()[0]["steps"] > 0
     assert [list(o.outputs[0].token_ids) for o in outs] == want["greedy"]
+
+
+def test_a_pinned_float_table_gets_the_uva_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole step's UVA share over a float table (no scales): the default where the GPU
+    can read the rows (pointer kind stood in: no CUDA driver here), which once asked the
+    missing scales for their memory."""
+    from engram_trt.native import cache as ck
+    from engram_trt.native import kernels
+
+    words = torch.zeros(64, 16, dtype=torch.bfloat16)
+    monkeypatch.setattr(kernels, "pointer_kind", lambda t: "host")
+    assert ck._uva_share_for(None, 8, True, words, None, "split") == ck.DEFAULT_UVA_SHARE
+    monkeypatch.setattr(kernels, "pointer_kind", lambda t: "unregistered")
+    assert ck._uva_share_for(None, 8, True, words, None, "split") == 0.0

@@ -291,7 +291,8 @@ def _uva_share_for(share: float | None, blocks: int, overlap: bool, rows_host: A
         raise EngramError(f"uva_share must be a number in [0, 1]; got {share!r}")
     if share == 0:
         return 0.0
-    tables = [rows_host] + ([scales] if layout == "split" else [])
+    # the arrays the GPU would read: rows, and a split fp8 table's scales (a float table has none)
+    tables = [rows_host] + ([scales] if layout == "split" and scales is not None else [])
     try:
         readable = all(t.device.type == "cpu" and pointer_kind(t) == "host" for t in tables)
     except EngramError:  # no CUDA driver to ask: nothing the GPU could read either
