@@ -158,6 +158,10 @@ class Qwen4ExpArchitecture:
                     return [f"PLE table shard {name} is {ckpt.st_dtype(name)}: an engine's EngramGather plugin reads BF16 "
                             f"rows only; save the PLE shards as BF16 to build, or serve the checkpoint folder with the "
                             f"torch backend (engram-trt run / serve)"]
+        if cfg.ple.head_dim % 8:
+            return [f"PLE rows are {cfg.ple.head_dim} wide (ple_embed_dim {cfg.ple.embed_dim} / {cfg.ple.n_heads} heads): an "
+                    f"engine's EngramGather plugin reads bf16 rows of a multiple of 8 elements; serve the checkpoint "
+                    f"folder with the torch backend (engram-trt run / serve)"]
         return []
 
     def table_dtype(self, refs: Any) -> str:

@@ -1,0 +1,305 @@
+"""``engram-trt build`` of Qwen4Exp (issue 30 items 3, 5, 6): transformers-saved tiny
+random checkpoints (tests/test_qwen4_exp_parity.py's configs, every parameter drawn at
+random; the PLE shards saved as BF16, the rows the engine's EngramGather reads) become
+one ONNX serving step and an engine folder.
+
+* the exported graph, run by ONNX's ReferenceEvaluator (the plugin nodes bound to their
+  NumPy / PyTorch references), over a packed prefill of three prompts (slots out of
+  order, QSA dropping blocks) and two decode steps equals transformers' fp32 logits within
+  1e-4 relative, for hc 2 / 3 / 4, PLE on 1 and 2 layers, with and without PLE;
+* TensorRT-RTX builds the engine on the CPU with every plugin in the network and the PLE
+  tables outside it (their shards in the manifest with sha256 and block hashes);
+* the engine folder, served by ``engram-trt run``, ``LLM`` and ``engram-trt serve``
+  (torch backend over the source checkpoint: no GPU here), gives transformers' greedy tokens;
+* a tampered PLE shard is refused by the manifest check in one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from test_qwen4_exp_parity import CASES, EOS, NEW_TOKENS, PROMPTS, hf_greedy, save_qwen4  # noqa: E402
+
+from engram_trt.cli.main import main  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+QWEN4_PLUGINS = ("EngramCausalConv1d", "EngramGatedDeltaNet", "EngramGather", "EngramPleFusion", "EngramPleHash",
+                 "EngramQsaAttention")
+GRAPH_CASES = ("hc2-ple1-qsa", "hc4-ple2-interval2", "no-ple-tied-sigmoid", "ngram4-three-layers")
+EXTRA = [[7, 8], [9, EOS], [EOS, 12]]  # the two decode steps' tokens of each prompt
+# The engine's gather reads bf16 rows of a multiple of 8 elements: 32 / 4 heads.
+BUILD_CASE = dict(CASES["hc2-ple1-qsa"], ple_embed_dim=32)
+
+
+def save_bf16_qwen4(folder: Path, seed: int, **overrides: Any) -> Any:
+    """:func:`save_qwen4` with the PLE tables rounded to bf16 in the model and saved as
+    BF16 shards (transformers saves float32 ones, which the engine does not read)."""
+    from safetensors.torch import load_file, save_file
+
+    model = save_qwen4(folder, seed=seed, **overrides)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ngram_embedding" in name:
+                p.copy_(p.bfloat16().float())
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    for k in tensors:
+        if ".ngram_embedding.shard_" in k:
+            tensors[k] = tensors[k].bfloat16()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    return model
+
+
+@pytest.fixture(scope="module", params=GRAPH_CASES)
+def graph_case(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
+    name = request.param
+    folder = tmp_path_factory.mktemp(name) / "ck"
+    return name, folder, save_bf16_qwen4(folder, seed=len(name) + 40, **CASES[name])
+
+
+def test_exported_graph_equals_transformers(graph_case: tuple[str, Path, Any]) -> None:
+    from engram_trt.builder.reference_qwen4_exp import Qwen4ExpReferenceRunner, ple_tables_of
+    from engram_trt.models.export import ExportOptions
+    from engram_trt.models.registry import open_checkpoint
+
+    name, folder, model = graph_case
+    ckpt = open_checkpoint(folder)
+    cfg = ckpt.config
+    exported = ckpt.architecture.export_onnx(cfg, ckpt.get, None, ExportOptions(dtype="fp32", max_position=64))
+    plugins = set(exported.io["plugins"])
+    want_plugins = {"EngramQsaAttention", "EngramCausalConv1d", "EngramGatedDeltaNet"}
+    if cfg.ple is not None:
+        want_plugins |= {"EngramPleHash", "EngramGather", "EngramPleFusion"}
+    assert plugins == want_plugins
+    # the QSA drop is active: a prompt sees more complete blocks than the budget keeps
+    r = cfg.qsa.compress_ratio
+    assert max(len(p) for p in PROMPTS) // r > cfg.qsa.budget // r
+    runner = Qwen4ExpReferenceRunner(exported, cfg, ple_tables_of(ckpt), num_slots=4, max_seq_len=64)
+    with torch.no_grad():
+        refs = [model(torch.tensor([p + e])).logits[0].double().numpy() for p, e in zip(PROMPTS, EXTRA)]
+    slots = [3, 0, 2]
+    lens = [len(p) for p in PROMPTS]
+    got = [runner.step(np.array(sum(PROMPTS, [])), np.cumsum([0, *lens]), [0, 0, 0], slots)]
+    at = [[n - 1 for n in lens]]
+    for d in range(2):
+        got.append(runner.step(np.array([e[d] for e in EXTRA]), np.arange(4), lens, slots))
+        at.append(list(lens))
+        lens = [n + 1 for n in lens]
+    for logits, positions in zip(got, at):
+        assert logits.shape == (3, cfg.vocab_size) and logits.dtype == np.float32
+        for s, pos in enumerate(positions):
+            ref = refs[s][pos]
+            assert np.abs(logits[s] - ref).max() <= 1e-4 * np.abs(ref).max(), (name, s, pos)
+    ckpt.close()
+
+
+def test_exported_graph_is_deterministic(tmp_path: Path) -> None:
+    from engram_trt.models.export import ExportOptions
+    from engram_trt.models.registry import open_checkpoint
+
+    save_bf16_qwen4(tmp_path / "ck", seed=5, **CASES["hc2-ple1-qsa"])
+    ckpt = open_checkpoint(tmp_path / "ck")
+    a, b = (ckpt.architecture.export_onnx(ckpt.config, ckpt.get, None, ExportOptions(dtype="bf16", max_position=64))
+            for _ in range(2))
+    assert a.model.SerializeToString(deterministic=True) == b.model.SerializeToString(deterministic=True)
+    names = {i.name for i in a.model.graph.initializer}
+    assert not [n for n in names if "ngram_embedding" in n]  # tables never enter the graph
+    ckpt.close()
+
+
+# -- the engine folder ---------------------------------------------------------------------
+
+def _engine_skip_reason() -> str | None:
+    """Why no TensorRT-RTX engine can be built here (None: it can)."""
+    from engram_trt.errors import EngramError
+    from engram_trt.native import kernels
+    from engram_trt.native import trt_compat as tc
+
+    if not tc.available():
+        return "no TensorRT builder is installed (tensorrt_rtx / tensorrt_rtx_bindings, or tensorrt)"
+    try:
+        lib = kernels.library_path()
+    except EngramError as exc:
+        return f"the plugin library is missing: {exc}"
+    tc.load_plugin_library(lib)
+    have = {n for n, _ in tc.plugin_creator_names()}
+    missing = [n for n in QWEN4_PLUGINS if n not in have]
+    if missing:
+        return f"the plugin library {lib} lacks {', '.join(missing)} (rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]], dict[str, Any], str | None]:
+    """(checkpoint, engine folder, transformers' greedy tokens, build report, why no engine)."""
+    root = tmp_path_factory.mktemp("qwen4build")
+    model = save_bf16_qwen4(root / "ck", seed=31, **BUILD_CASE)
+    want = [hf_greedy(model, p) for p in PROMPTS]
+    why = _engine_skip_reason()
+    out = io.StringIO()
+    argv = ["build", str(root / "ck"), "--output", str(root / "engine"), "--json", "--max-batch", "4",
+            "--max-seq-len", "64", "--max-num-tokens", "64"]
+    with contextlib.redirect_stdout(out):
+        code = main(argv + (["--no-engine"] if why else []))
+    assert code == 0
+    return root / "ck", root / "engine", want, json.loads(out.getvalue()), why
+
+
+def test_manifest_records_the_ple_shards_with_their_checksums(built: tuple) -> None:
+    ck, engine, _want, report, _why = built
+    manifest = json.loads((engine / "manifest.json").read_text())
+    tables = manifest["tables"]
+    spec = BUILD_CASE
+    assert [t["tensor"] for t in tables] == [f"model.layers.0.ple.ple_embedding.ngram_embedding.shard_{i}.weight"
+                                              for i in range(spec["split_ngram_parts"])]
+    assert [t.get("part", 0) for t in tables] == list(range(spec["split_ngram_parts"]))
+    data = (ck / "model.safetensors").read_bytes()
+    for t in tables:
+        region = data[t["offset"]:t["offset"] + t["nbytes"]]
+        assert t["dtype"] == "BF16" and len(region) == t["nbytes"]
+        assert t["sha256"] == hashlib.sha256(region).hexdigest()
+        assert t["block_hashes"] == [hashlib.sha256(region[i:i + t["block_bytes"]]).hexdigest()
+                                     for i in range(0, t["nbytes"], t["block_bytes"])]
+    assert report["tables_bytes"] == sum(t["nbytes"] for t in tables) and manifest["table_dtype"] == "bf16"
+    io_ = manifest["graph"]["io"]
+    assert io_["ple"]["table_rows"] == [sum(t["shape"][0] for t in tables)]
+    assert sorted(io_["states"]) == sorted(["conv_state_0", "conv_state_1", "conv_state_2", "recurrent_state_0",
+                                            "recurrent_state_1", "recurrent_state_2", "key_cache_3", "value_cache_3",
+                                            "index_key_cache_3", "ple_conv_state_0"])
+
+
+def test_tensorrt_rtx_builds_the_engine_with_the_plugins(built: tuple) -> None:
+    ck, engine, _want, report, why = built
+    if why:
+        pytest.skip(why)
+    assert report["engine_skipped"] is None
+    blob = (engine / "model.engine").read_bytes()
+    assert len(blob) == report["engine_bytes"] > 0
+    names = sorted({p.split("/")[0] for p in report["plugin_layers"]})
+    assert names == sorted(QWEN4_PLUGINS)
+    # 3 linear layers x 2 + 1 attention layer + PLE hash, gather, fusion
+    assert len(report["plugin_layers"]) == 10
+    manifest = json.loads((engine / "manifest.json").read_text())
+    data = (ck / "model.safetensors").read_bytes()
+    for t in manifest["tables"]:  # the tables stay outside the engine
+        assert data[t["offset"]:t["offset"] + t["nbytes"]] not in blob
+
+
+def test_engine_folder_gives_transformers_tokens(built: tuple, capsys: Any) -> None:
+    from engram_trt import LLM, SamplingParams
+
+    _ck, engine, want, _report, _why = built
+    with LLM(str(engine), device="cpu", dtype="fp32", progress=False) as llm:
+        assert llm.source.kind == "engine" and all(r.sha256 for r in llm.source.table_refs)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    capsys.readouterr()
+    text = " ".join(f"w{i}" for i in PROMPTS[2])
+    code = main(["run", str(engine), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+                 "--device", "cpu", "--dtype", "fp32", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert code == 0 and res["token_ids"] == want[2] and res["source"] == "engine"
+
+
+def test_served_engine_folder_gives_transformers_tokens(built: tuple) -> None:
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
+    from engram_trt.errors import EngramError
+    from engram_trt.triton import client as hc
+    from engram_trt.triton.server import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except EngramError as exc:
+        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    _ck, engine, want, _report, _why = built
+    log = engine.parent / "tritonserver.log"
+    cmd = [sys.executable, "-m", "engram_trt", "serve", str(engine), "--address", "127.0.0.1", "--http-port", "0",
+           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log), "--exit-timeout", "10",
+           "--device", "cpu", "--max-batch-size", "4", "--max-num-tokens", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 240)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            proc.kill()
+            _out, err = proc.communicate()
+            pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}")
+        info = json.loads(line)
+        for prompt, ids in zip(PROMPTS[:2], want):
+            status, body = hc.generate(info["http"], {"text_input": " ".join(f"w{i}" for i in prompt),
+                                                      "max_tokens": NEW_TOKENS, "ignore_eos": True})
+            assert status == 200, body
+            assert hc.ids(body["output_ids"]) == ids
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(90) == 0, proc.stderr.read()[-2000:]
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+def test_tampered_ple_shard_refused_in_one_line(tmp_path: Path, capsys: Any) -> None:
+    ck = tmp_path / "ck"
+    save_bf16_qwen4(ck, seed=7, **BUILD_CASE)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine", "--json"]) == 0
+    shard = json.loads((tmp_path / "engine" / "manifest.json").read_text())["tables"][1]
+    with open(ck / "model.safetensors", "r+b") as f:  # one bit of the second shard
+        f.seek(shard["offset"] + 5)
+        byte = f.read(1)[0]
+        f.seek(shard["offset"] + 5)
+        f.write(bytes([byte ^ 1]))
+    capsys.readouterr()
+    code = main(["run", str(tmp_path / "engine"), "--prompt", "w5 w6", "--max-new-tokens", "2", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert shard["tensor"] in err and "changed since they were recorded" in err
+
+
+def test_f16_ple_shards_refused_before_any_work(tmp_path: Path, capsys: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    ck = tmp_path / "ck"
+    save_qwen4(ck, seed=8, **BUILD_CASE)
+    tensors = load_file(str(ck / "model.safetensors"))
+    for k in tensors:
+        if ".ngram_embedding.shard_" in k:
+            tensors[k] = tensors[k].half()
+    save_file(tensors, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    code = main(["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "is F16" in err and "BF16 rows only" in err
+    assert not (tmp_path / "engine").exists()
+    shutil.rmtree(ck)
+
+
+def test_ple_rows_narrower_than_the_gather_refused(tmp_path: Path, capsys: Any) -> None:
+    ck = tmp_path / "ck"
+    save_bf16_qwen4(ck, seed=9, **CASES["hc2-ple1-qsa"])  # 16 / 4 heads: rows of 4 elements
+    capsys.readouterr()
+    code = main(["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "PLE rows are 4 wide" in err and "multiple of 8" in err
+    assert not (tmp_path / "engine").exists()
