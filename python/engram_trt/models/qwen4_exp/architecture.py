@@ -169,11 +169,11 @@ class Qwen4ExpArchitecture:
         return "bf16" if all(r.dtype == "BF16" for r in refs) else "unsupported"
 
     def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:
-        """The ONNX serving step (:mod:`.onnx_export`); ``layout``: the PLE hash layout
-        (None: the config's)."""
+        """The ONNX serving step (:mod:`.onnx_export`); the PLE hash layout is the config's
+        (``layout``, the builder's Engram layout, is None for this family)."""
         from engram_trt.models.qwen4_exp.onnx_export import export_model
 
-        return export_model(config, weights, layout if config.ple is not None else None, options)
+        return export_model(config, weights, ple_layout(config) if config.ple is not None else None, options)
 
 
 ARCHITECTURE = Qwen4ExpArchitecture()

@@ -101,7 +101,7 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
 
     ``weights``: checkpoint name -> tensor, or a callable (``Checkpoint.get``); only
     weights are read, never a PLE table. ``layout``: the model's
-    :class:`~engram_trt.engram.ple_hash.PLEHashLayout` (None: built from the config).
+    :class:`~engram_trt.engram.ple_hash.PLEHashLayout` (``architecture.ple_layout(config)``).
     ``options.table_rows``: each PLE table's rows as bound at run time (default: the
     layout's); ``options.table_dtype``: their storage, which must be bf16."""
     import onnx
@@ -116,9 +116,7 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     cfg = config
     ple = cfg.ple
     if ple is not None and layout is None:
-        from engram_trt.models.qwen4_exp.architecture import ple_layout
-
-        layout = ple_layout(cfg)
+        raise EngramError("exporting a Qwen4Exp model with PLE layers needs its PLEHashLayout (architecture.ple_layout(config))")
     table_rows: list[int] = []
     if ple is not None:
         tdt = opts.table_dtype or "bf16"
