@@ -201,7 +201,7 @@ def test_run_prints_text_speed_and_backend(capsys, demo_dir):
     assert res["storage"]["kind"] == "file" and res["storage"]["table_bytes"] > 0
     from engram_trt.engram.tokenizer import load_tokenizer
 
-    assert res["text"] == load_tokenizer(demo_dir).decode(res["token_ids"], skip_special_tokens=False)
+    assert res["text"] == load_tokenizer(demo_dir).decode(res["token_ids"], skip_special_tokens=True)
     code, out, _ = run_cli(capsys, "run", str(demo_dir), "--prompt", "hello engram", "--max-new-tokens", "4")
     assert code == 0 and "backend: torch" in out and "tokens/s" in out
 

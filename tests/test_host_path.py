@@ -44,13 +44,17 @@ def _multibyte_ids(tok: Any, rng: random.Random, n: int) -> list[int]:
 
 
 def _check_incremental(tok: Any, seqs: list[list[int]]) -> None:
-    for seq in seqs:
-        ids: list[int] = []
-        inc = IncrementalText(tok, ids)
-        for t in seq:
-            ids.append(t)
-            assert inc.update() == tok.decode(ids, skip_special_tokens=False), ids
-            assert inc.text[:inc.stable_len] == tok.decode(ids, skip_special_tokens=False)[:inc.stable_len]
+    """Every prefix's text equals the whole decode, special tokens skipped (the default)
+    and kept."""
+    for skip in (True, False):
+        for seq in seqs:
+            ids: list[int] = []
+            inc = IncrementalText(tok, ids) if skip else IncrementalText(tok, ids, skip_special_tokens=False)
+            for t in seq:
+                ids.append(t)
+                want = tok.decode(ids, skip_special_tokens=skip)
+                assert inc.update() == want, (skip, ids)
+                assert inc.text[:inc.stable_len] == want[:inc.stable_len]
 
 
 def test_incremental_text_equals_whole_decode_byte_level(ds_tok: Any) -> None:
@@ -75,6 +79,15 @@ def test_incremental_text_equals_whole_decode_context_decoders(tmp_path: Path) -
     rng = random.Random(1)
     _check_incremental(plain, [[rng.randrange(64) for _ in range(rng.randrange(1, 20))] for _ in range(40)])
     _check_incremental(meta, [[rng.randrange(6) for _ in range(rng.randrange(1, 20))] for _ in range(80)])
+    # Special tokens among them (ids 6, 7), and a non-special added token (8, kept either
+    # way); the text around a skipped token is as the whole decode makes it.
+    for t in (plain, meta):
+        t.add_special_tokens(["<|im_end|>", "<s>"])
+        t.add_tokens(["<plain>"])
+    assert sorted(i for i, a in meta.get_added_tokens_decoder().items() if a.special) == [6, 7]
+    assert meta.decode([6, 2, 7, 0], skip_special_tokens=True) == "b a"  # skipped first: the next leads
+    _check_incremental(plain, [[rng.choice([*range(64), 64, 65, 66]) for _ in range(rng.randrange(1, 20))] for _ in range(60)])
+    _check_incremental(meta, [[rng.randrange(9) for _ in range(rng.randrange(1, 20))] for _ in range(150)])
 
 
 # ---------------------------------------------------------------- the packed step's metadata
@@ -156,7 +169,7 @@ def _naive(tok: Any, script: list[int], p: SamplingParams) -> tuple[list[int], s
     ids: list[int] = []
     for t in script[:p.max_tokens]:
         ids.append(t)
-        text = tok.decode(ids, skip_special_tokens=False)
+        text = tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
         if t in p.stop_token_ids:
             reason, why = "stop", t
         else:
@@ -167,26 +180,33 @@ def _naive(tok: Any, script: list[int], p: SamplingParams) -> tuple[list[int], s
             return ids, text[:pos], "stop", s
         if reason:
             return ids, text, reason, why
-    return ids, tok.decode(ids, skip_special_tokens=False), "length", None
+    return ids, tok.decode(ids, skip_special_tokens=p.skip_special_tokens), "length", None
 
 
 def test_scheduler_outputs_equal_a_naive_scheduler(ds_tok: Any) -> None:
     rng = random.Random(3)
     V = ds_tok.get_vocab_size()
+    specials = sorted(i for i, a in ds_tok.get_added_tokens_decoder().items() if a.special)[:50]
+    assert specials
     cases = []
     for i in range(24):
         script = _multibyte_ids(ds_tok, rng, 20) if i % 3 == 0 else \
             ds_tok.encode(" ".join(rng.choice(["alpha", "beta", "γάμμα", "δ", "end", "stop", "日本"]) for _ in range(30)),
                           add_special_tokens=False).ids
         script = script[:40]
-        text = ds_tok.decode(script, skip_special_tokens=False)
+        if i % 4 == 1:  # special tokens in the output: skipped from the text (or kept, every 8th case)
+            for _ in range(3):
+                script.insert(rng.randrange(len(script) + 1), rng.choice(specials))
+        skip = i % 8 != 1
+        text = ds_tok.decode(script, skip_special_tokens=skip)
         stop: tuple[str, ...] = ()
         if i % 2 and len(text) > 8:  # a stop string taken from somewhere in the text, plus one that never comes
             a = rng.randrange(1, len(text) - 3)
             stop = (text[a:a + rng.randrange(1, 4)], "never-in-this-text")
         stop_ids = (script[rng.randrange(len(script))],) if i % 5 == 4 else ()
         cases.append((1000 + i, rng.randrange(1, 20), script,
-                      SamplingParams(max_tokens=rng.randrange(5, 40), stop=stop, stop_token_ids=stop_ids, ignore_eos=True)))
+                      SamplingParams(max_tokens=rng.randrange(5, 40), stop=stop, stop_token_ids=stop_ids, ignore_eos=True,
+                                     skip_special_tokens=skip)))
     runner = ScriptedRunner(V, {first: (plen, script) for first, plen, script, _ in cases})
     sched = Scheduler(runner, ds_tok)
     streams: dict[int, list[Any]] = {}

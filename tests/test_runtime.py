@@ -104,7 +104,7 @@ def test_generate_equals_reference_greedy_from_engine_folder(llm: LLM, ref: Engr
     for p, o in zip(PROMPTS[:4], outs):
         assert o.finished and o.finish_reason == "length" and len(o.token_ids) == 10
         assert o.token_ids == ref_tokens(ref, ids_of(llm, p), 10), p
-        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=False)
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
 
 
 def test_generate_from_a_checkpoint(small_ckpt: Path, ref: EngramLlama) -> None:
@@ -208,7 +208,7 @@ def test_stop_ids_strings_and_eos(llm: LLM) -> None:
     assert o.finish_reason == "stop" and o.stop_reason == stop_id and o.token_ids == base.token_ids[:first + 1]
     o = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, stop_token_ids=[stop_id]))[0]
     assert o.token_ids == base.token_ids[:first + 1]
-    piece = llm.tokenizer.decode(base.token_ids[4:6], skip_special_tokens=False)
+    piece = llm.tokenizer.decode(base.token_ids[4:6], skip_special_tokens=True)
     if piece.strip():
         o = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, stop=[piece], ignore_eos=True))[0]
         assert o.finish_reason == "stop" and o.stop_reason == piece and piece not in o.text

@@ -158,4 +158,5 @@ def sampling_params_from_args(args: argparse.Namespace) -> Any:
 
     check_generation_args(args)
     return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
+                          skip_special_tokens=not getattr(args, "keep_special_tokens", False))

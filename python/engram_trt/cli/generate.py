@@ -38,6 +38,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop when the output contains TEXT (excluded from it); repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end-of-sequence ids")
+    p.add_argument("--keep-special-tokens", dest="keep_special_tokens", action="store_true",
+                   help="keep special tokens' text (an end token's <|im_end|>, say) in the output text; by default it is "
+                        "left out, as vLLM's skip_special_tokens (token_ids hold them either way)")
     p.add_argument("--backend", choices=("auto", "tensorrt", "torch"), default="auto",
                    help="'tensorrt' runs the engine, 'torch' the reference model with the project's CUDA kernels on a GPU "
                         "(the reference path on a CPU), 'auto' the first that can run here, saying why (default: %(default)s)")

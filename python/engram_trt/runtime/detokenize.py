@@ -10,10 +10,17 @@ token it sees, a tokenizer without a decoder joins tokens with spaces); the wind
 starts where the text was complete for byte-level decoders, which must start on a
 character boundary.
 
-:attr:`IncrementalText.text` equals ``tokenizer.decode(ids, skip_special_tokens=False)``
-of all ids so far; where a decoder's window text does not extend the text of its context
+:attr:`IncrementalText.text` equals ``tokenizer.decode(ids, skip_special_tokens=S)`` of
+all ids so far (``S``: the request's ``skip_special_tokens``, True by default as in vLLM, so
+a chat answer does not end in ``<|im_end|>``); where a decoder's window text does not extend the text of its context
 (a decoder that rewrites earlier text) the whole sequence is decoded once and the window
 starts again from there, so the equality never rests on the window alone.
+
+Skipping special tokens: a ``tokenizers`` decode drops the special added tokens before its
+decoder runs, so ``decode(ids, skip_special_tokens=True)`` is ``decode`` of the ids with
+those removed. The window runs over that filtered list, so the equality above rests on
+that property and the window argument alone, and a run of skipped tokens (a chat turn's
+end, say) costs no decode at all.
 """
 
 from __future__ import annotations
@@ -23,14 +30,37 @@ from typing import Any
 REPLACEMENT_CHAR = "\ufffd"
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int] | None:
+    """The ids ``tokenizer.decode(..., skip_special_tokens=True)`` leaves out: the added
+    tokens marked special (a ``tokenizers.Tokenizer``), else ``all_special_ids`` (a
+    transformers tokenizer); None when the tokenizer says neither (then the decoder's own
+    flag is used and the window may hold skipped tokens)."""
+    added = getattr(tokenizer, "get_added_tokens_decoder", None)
+    if callable(added):
+        return frozenset(int(i) for i, t in added().items() if getattr(t, "special", False))
+    ids = getattr(tokenizer, "all_special_ids", None)
+    return frozenset(int(i) for i in ids) if ids is not None else None
+
+
 class IncrementalText:
-    """The text of ``ids`` (a list the caller appends to), updated by :meth:`update`."""
+    """The text of ``ids`` (a list the caller appends to), updated by :meth:`update`;
+    special tokens left out unless ``skip_special_tokens`` is False. ``special_ids``:
+    the ids to leave out, when the caller has them already (one set for all requests);
+    by default :func:`special_token_ids` of the tokenizer."""
 
-    __slots__ = ("_tok", "ids", "text", "_stable", "_prefix", "_read", "_prefix_text")
+    __slots__ = ("_tok", "ids", "text", "_stable", "_prefix", "_read", "_prefix_text", "_skip", "_flag", "_vis", "_seen")
 
-    def __init__(self, tokenizer: Any, ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, ids: list[int], skip_special_tokens: bool = True,
+                 special_ids: frozenset[int] | None = None) -> None:
         self._tok = tokenizer
         self.ids = ids
+        skip = (special_ids if special_ids is not None else special_token_ids(tokenizer)) if skip_special_tokens else None
+        # Filtered here (skip non-empty): the window sees only visible ids. Unknown
+        # (None with skip_special_tokens): the decoder's own flag does the skipping.
+        self._skip = skip or None
+        self._flag = bool(skip_special_tokens) and skip is None
+        self._vis: list[int] = [] if self._skip else ids  # the ids the text is made of
+        self._seen = 0  # ids[:_seen] are sorted into _vis
         self.text = ""
         self._stable = ""  # decode(ids[:_read]): text that later tokens cannot change
         self._prefix = 0  # the window starts here, at the complete point before _read ...
@@ -44,11 +74,17 @@ class IncrementalText:
         return len(self._stable)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=False)
+        return self._tok.decode(ids, skip_special_tokens=self._flag)
 
     def update(self) -> str:
         """Take the ids appended since the last call; returns the whole text."""
-        ids = self.ids
+        if self._skip:
+            new = [i for i in self.ids[self._seen:] if i not in self._skip]
+            self._seen = len(self.ids)
+            if not new:  # only skipped tokens came: the text is what it was
+                return self.text
+            self._vis.extend(new)
+        ids = self._vis
         n = len(ids)
         window = self._decode(ids[self._prefix:])
         if not window.startswith(self._prefix_text):  # the decoder rewrote its context: decode all, once
@@ -68,4 +104,4 @@ class IncrementalText:
             return
         self._stable = text
         self._prefix, self._read = self._read, n
-        self._prefix_text = self._decode(self.ids[self._prefix:n])
+        self._prefix_text = self._decode(self._vis[self._prefix:n])

@@ -26,6 +26,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> EngramError:
@@ -52,6 +53,8 @@ class SamplingParams:
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise bad(f"stop_token_ids must be non-negative integers (got {list(ids)!r})")
         object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad(f"skip_special_tokens must be True or False (got {self.skip_special_tokens!r})")
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +62,8 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos}
+                "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos,
+                "skip_special_tokens": self.skip_special_tokens}
 
     @classmethod
     def coerce(cls, value: "SamplingParams | dict | None") -> "SamplingParams":

@@ -31,7 +31,7 @@ from engram_trt.errors import EngramError
 from engram_trt.runtime.outputs import CompletionOutput, RequestOutput
 from engram_trt.runtime.sampling_params import SamplingParams
 from engram_trt.models.sampling import sample_next
-from engram_trt.runtime.detokenize import IncrementalText
+from engram_trt.runtime.detokenize import IncrementalText, special_token_ids
 from engram_trt.runtime.phases import FORWARD, OUTPUT, SAMPLE, SCHEDULE, StepPhases
 from engram_trt.models.step import PackedStep
 
@@ -134,6 +134,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._special_ids = special_token_ids(tokenizer)  # what skip_special_tokens leaves out of the text
         self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0,
                       "max_step_seqs": 0, "last_step_seqs": 0, "last_step_tokens": 0, "step_s": 0.0}
@@ -155,7 +156,7 @@ class Scheduler:
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
             req.generator.manual_seed(0 if params.seed is None else params.seed)
-        req.detok = IncrementalText(self.tokenizer, req.output_ids)
+        req.detok = self._detokenizer(req)
         with self._cond:
             if self._stop:
                 raise EngramError("the runtime is closed; create a new LLM")
@@ -389,13 +390,16 @@ class Scheduler:
         else:
             self._emit(req)
 
+    def _detokenizer(self, req: Request) -> IncrementalText:
+        return IncrementalText(self.tokenizer, req.output_ids, req.params.skip_special_tokens, self._special_ids)
+
     def _update_text(self, req: Request) -> bool:
         """``req.text`` of all its output ids, cut before the first stop string; True
         when one appeared (its ``stop_reason`` set)."""
         p = req.params
         det = req.detok
         if det is None:  # a request made outside submit()
-            det = req.detok = IncrementalText(self.tokenizer, req.output_ids)
+            det = req.detok = self._detokenizer(req)
         stable = det.stable_len  # text before this cannot change, and held no stop string
         text = det.update()
         if p.stop:
@@ -446,7 +450,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, emit: bool) -> None:
         if req.text_stale:
-            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=False)
+            req.text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
             req.text_stale = False
         req.finish_reason = reason
         req.finished_at = time.perf_counter()

@@ -43,6 +43,8 @@ INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("bad_words", "TYPE_STRING", (-1,), True, "accepted for TensorRT-LLM clients only when empty (not supported)"),
     TensorSpec("top_k", "TYPE_INT32", (1,), True, "accepted for TensorRT-LLM clients only as 0 (off) or 1 (greedy)"),
     TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "engram-trt extension: true keeps generating past end-of-sequence ids"),
+    TensorSpec("skip_special_tokens", "TYPE_BOOL", (1,), True,
+               "true or absent: special tokens' text (an end token's, say) is left out of text_output; false keeps it"),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
@@ -153,6 +155,7 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
     stop = _words("stop_words", arr) if (arr := get("stop_words")) is not None else ()
     stream = _flag("stream", arr) if (arr := get("stream")) is not None else False
     ignore_eos = _flag("ignore_eos", arr) if (arr := get("ignore_eos")) is not None else False
+    skip = _flag("skip_special_tokens", arr) if (arr := get("skip_special_tokens")) is not None else True
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                            ignore_eos=ignore_eos)
+                            ignore_eos=ignore_eos, skip_special_tokens=skip)
     return GenerateRequest(prompt, params, stream)
