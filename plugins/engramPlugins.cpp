@@ -8,7 +8,9 @@
  */
 #include "common/checkMacros.h"
 #include "engramAttentionPlugin/engramAttentionPlugin.h"
+#include "engramCausalConv1dPlugin/engramCausalConv1dPlugin.h"
 #include "engramGatePlugin/engramGatePlugin.h"
+#include "engramGatedDeltaNetPlugin/engramGatedDeltaNetPlugin.h"
 #include "engramGatherPlugin/engramGatherPlugin.h"
 #include "engramHashPlugin/engramHashPlugin.h"
 #include "engramPleFusionPlugin/engramPleFusionPlugin.h"
@@ -28,8 +30,10 @@ extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int3
     static engram_trt::plugin::EngramAttentionPluginCreator attentionCreator;
     static engram_trt::plugin::EngramPleHashPluginCreator pleHashCreator;
     static engram_trt::plugin::EngramPleFusionPluginCreator pleFusionCreator;
-    static nvinfer1::IPluginCreatorInterface* const creators[]
-        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator, &pleHashCreator, &pleFusionCreator};
+    static engram_trt::plugin::EngramCausalConv1dPluginCreator causalConv1dCreator;
+    static engram_trt::plugin::EngramGatedDeltaNetPluginCreator gatedDeltaNetCreator;
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&hashCreator, &gatherCreator, &gateCreator,
+        &attentionCreator, &pleHashCreator, &pleFusionCreator, &causalConv1dCreator, &gatedDeltaNetCreator};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }

@@ -50,7 +50,9 @@ extern "C" {
 enum EngramTableDtype
 {
     ENGRAM_TABLE_FP8_E4M3 = 0, /* fp8 e4m3 rows + ue8m0 scale bytes, one per quant_block */
-    ENGRAM_TABLE_BF16 = 1      /* bf16 rows, no scales */
+    ENGRAM_TABLE_BF16 = 1,     /* bf16 rows, no scales */
+    ENGRAM_TABLE_F16 = 2,      /* f16 rows, no scales (GPU gather only: engram_gather*, EngramGather) */
+    ENGRAM_TABLE_F32 = 3       /* f32 rows, no scales (GPU gather only) */
 };
 
 /* Element type of the gate's token mask (0 = dead token: gate forced to 0). */
@@ -251,6 +253,61 @@ ENGRAM_API int engram_ple_fusion(const void* streams, const void* key, const voi
     cudaStream_t stream);
 
 /*
+ * Qwen4-Exp's Gated DeltaNet over a packed step, the two pieces between its projections
+ * (linearAttentionKernel.cu; the float64 reference is
+ * engram_trt.builder.reference_linear_attention, tied to
+ * engram_trt.models.qwen4_exp.linear_attention.GatedDeltaNet). Both take the packed step
+ * as engram_ple_fusion does: seq_starts [S+1] int32 (cu_seqlens in [0, T], non-decreasing,
+ * a sequence's tokens consecutive and in order), past_lens [S] (<= 0: a fresh sequence,
+ * its slot's old state ignored, read as zeros), seq_slots [S] (the state row; one outside
+ * [0, num_slots) reads zeros and keeps nothing; two sequences of a step must not share a
+ * slot); a token outside [seq_starts[0], seq_starts[S]) gets a zero output; T = 0 is a
+ * no-op. fp32 math, each output rounded once to io_type (bf16, fp16 or fp32).
+ *
+ * engram_causal_conv1d: the depthwise causal conv (dilation 1, no bias)
+ *   out[t, c] = act(sum_j weight[c, j] * x_seq(pos - (K-1-j)))
+ * x, out [T, C] io_type; weight [C, K] (the checkpoint's [C, 1, K]) fp32 or io_type;
+ * conv_state [num_slots, C, K-1] io_type, in place: row (slot, c) holds the slot's last
+ * K-1 pre-conv inputs (oldest first) and after the call the last K-1 of [old row (zeros
+ * when fresh), the sequence's x of this step]. act: ENGRAM_CONV_ACTIVATION_*. out must not
+ * overlap x or conv_state. Limits: 1 <= K <= ENGRAM_CAUSAL_CONV_MAX_KERNEL,
+ * 1 <= C <= 256 * 65535, T < 2^31.
+ *
+ * engram_gated_delta_net: the gated delta rule, per sequence and value head h (key head
+ * h / (Hv / Hk)), token by token from the slot's state S [dk, dv]:
+ *   (l2norm_qk: q, k = x / sqrt(|x|^2 + 1e-6)); q *= scale
+ *   S = exp(g) S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
+ * q, k [T, Hk, dk], v, out [T, Hv, dv] io_type; g (log decay), beta [T, Hv] fp32;
+ * state [num_slots, Hv, dk, dv] fp32, in place (the state after the sequence's last
+ * token). out must not overlap q, k, v or state. Limits: Hv % Hk == 0;
+ * 1 <= dk, dv <= ENGRAM_GATED_DELTA_MAX_HEAD_DIM; scale finite; S * Hv * ceil(dv / 32) < 2^31.
+ */
+#define ENGRAM_CAUSAL_CONV_MAX_KERNEL 32
+#define ENGRAM_GATED_DELTA_MAX_HEAD_DIM 256
+
+/* engram_causal_conv1d's activation (the EngramCausalConv1d field `activation`). */
+enum EngramConvActivation
+{
+    ENGRAM_CONV_ACTIVATION_IDENTITY = 0,
+    ENGRAM_CONV_ACTIVATION_SILU = 1
+};
+
+/* The shape checks of the two calls (the plugins run them at creation); need no GPU. */
+ENGRAM_API int engram_causal_conv1d_check_shape(int64_t channels, int32_t kernel, int32_t activation);
+ENGRAM_API int engram_gated_delta_net_check_shape(
+    int32_t num_k_heads, int32_t num_v_heads, int32_t head_k_dim, int32_t head_v_dim, int32_t l2norm_qk, float scale);
+
+ENGRAM_API int engram_causal_conv1d(const void* x, int32_t io_type, const void* weight, int32_t weight_type,
+    void* conv_state, int64_t num_slots, const int32_t* seq_starts, const int32_t* past_lens, const int32_t* seq_slots,
+    int64_t num_seqs, int64_t num_tokens, int64_t channels, int32_t kernel, int32_t activation, void* out,
+    cudaStream_t stream);
+
+ENGRAM_API int engram_gated_delta_net(const void* q, const void* k, const void* v, int32_t io_type, const float* g,
+    const float* beta, float* state, int64_t num_slots, const int32_t* seq_starts, const int32_t* past_lens,
+    const int32_t* seq_slots, int64_t num_seqs, int64_t num_tokens, int32_t num_k_heads, int32_t num_v_heads,
+    int32_t head_k_dim, int32_t head_v_dim, int32_t l2norm_qk, float scale, void* out, cudaStream_t stream);
+
+/*
  * Row gather + dequantization, GPU side (device table or UVA host table).
  *
  * ids          int32 device, token t's column c at ids[t * id_token_stride + c]
@@ -258,18 +315,23 @@ ENGRAM_API int engram_ple_fusion(const void* streams, const void* key, const voi
  *              id_token_stride = L * cols). NULL = identity (row t * num_cols + c).
  *              Ids outside [0, table_num_rows) produce zero rows (never an
  *              out-of-bounds read).
- * table_rows   [table_num_rows, head_dim] fp8 e4m3 bytes or bf16, 16-byte aligned:
- *              device memory or pinned / registered host memory.
+ * table_rows   [table_num_rows, head_dim] fp8 e4m3 bytes (16-byte aligned) or bf16 /
+ *              f16 / f32 (aligned to the element): device memory or pinned /
+ *              registered host memory.
  * table_scales [table_num_rows, head_dim / quant_block] ue8m0 bytes (value
  *              2^(b-127); 255 is NaN), for ENGRAM_TABLE_FP8_E4M3; ignored for bf16.
- * out          [num_tokens, num_cols, head_dim] bf16 device, 16-byte aligned.
+ * out          [num_tokens, num_cols, head_dim] device: bf16 for fp8 (16-byte aligned),
+ *              the table's dtype for a float table (its rows copied; element-aligned).
  * bad_rows     NULL, or one int64 in device memory (8-byte aligned): every output row
  *              that read nothing (its id outside [0, table_num_rows)) adds 1 to it,
  *              atomically, when the kernel runs. It is never reset here: zero it, run
  *              any number of gathers, read it when convenient (a runtime checks it every
  *              N steps or in a debug mode and raises on a nonzero count).
  * Limits: fp8 needs head_dim % 16 == 0, quant_block % 16 == 0 and
- *         head_dim % quant_block == 0; bf16 needs head_dim % 8 == 0.
+ *         head_dim % quant_block == 0; float tables take any head_dim >= 1 (16-byte
+ *         loads where the row bytes and addresses allow, narrower words otherwise).
+ *         The host gather (engram_host_gather*) still takes fp8 and bf16 of
+ *         head_dim % 8 == 0 only.
  */
 ENGRAM_API int engram_gather(const int32_t* ids, int64_t num_tokens, int32_t num_cols, int64_t id_token_stride,
     const void* table_rows, const void* table_scales, int64_t table_num_rows, int32_t head_dim, int32_t table_dtype,
@@ -330,7 +392,8 @@ ENGRAM_API int engram_gather_check_table(int32_t head_dim, int32_t table_dtype, 
  * This is the plugin's form, where the addresses are engine inputs, so enqueue needs
  * no host synchronization. table_scales_addr may be NULL for bf16 tables.
  * Since no host code sees the addresses, the kernel checks them: a row address of 0 or
- * not 16-byte aligned, or a scales address of 0 for an fp8 table, yields zero rows for
+ * not 16-byte aligned (fp8; a float table: not aligned to its element), or a scales
+ * address of 0 for an fp8 table, yields zero rows for
  * the whole output (no read, no fault). table_num_rows bounds the ids; the table behind
  * the address must hold at least that many rows, which only the caller can check.
  * bad_rows_addr: NULL, or one int64 in device memory holding the address of a bad-row

@@ -22,6 +22,7 @@
  */
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "seqIndex.cuh"
 
 #include <climits>
 #include <cstdint>
@@ -95,31 +96,11 @@ __global__ void __launch_bounds__(kHashThreads) engramHashKernel(int32_t const* 
     int32_t const layer = static_cast<int32_t>(row - static_cast<uint32_t>(t) * numLayers);
     int32_t const lastShift = col / p.numHeads + 1; // the n-gram's order is lastShift + 1
 
-    // The sequence holding token t: seqStarts[seq] <= t < seqStarts[seq + 1]. Empty
-    // sequences (equal starts) are skipped because the search keeps the last such start.
-    bool blocked = true;
-    int64_t seq = 0;
-    int64_t start = 0;
-    if (numSeqs > 0 && seqStarts[0] <= t && t < seqStarts[numSeqs])
-    {
-        int64_t lo = 0;
-        int64_t hi = numSeqs;
-        while (hi - lo > 1)
-        {
-            int64_t const mid = (lo + hi) / 2;
-            if (seqStarts[mid] <= t)
-            {
-                lo = mid;
-            }
-            else
-            {
-                hi = mid;
-            }
-        }
-        seq = lo;
-        start = seqStarts[lo];
-        blocked = false;
-    }
+    // The sequence holding token t (seqIndex.cuh); outside every sequence: blocked.
+    int64_t const found = sequenceOf(seqStarts, numSeqs, t);
+    bool blocked = found < 0; // also set by a dead token below
+    int64_t const seq = blocked ? 0 : found;
+    int64_t const start = blocked ? 0 : seqStarts[found];
     int64_t const position = t - start;
     int32_t const lookbackLen = p.maxNgram - 1;
     int64_t const* layerMultipliers = multipliers + layer * p.maxNgram;

@@ -21,17 +21,19 @@
  *               from the history equals the one computed in the step) into the
  *               workspace, and g (fp32) beside it. rms(g * value) = |g| rms(value), so
  *               gated is never stored.
- *   2. conv:    a block per token, a thread per 8 channels: finds its sequence (binary
- *               search of seq_starts), gathers the K taps from the workspace or the
+ *   2. conv:    a block per token, a thread per 8 channels: finds its sequence
+ *               (seqIndex.cuh), gathers the K taps from the workspace or the
  *               history, writes g * value + silu(conv) (+ streams with add_streams)
  *               rounded once.
- *   3. history: a thread per (sequence, channel): the new last H values of
+ *   3. history: a thread per (sequence, channel) (convHistory.cuh): the new last H values of
  *               [old history (zeros for a fresh sequence), this step's normed], in place
  *               (ascending, each read ahead of the write that would clobber it).
  */
+#include "convHistory.cuh"
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "gateMath.h"
+#include "seqIndex.cuh"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
@@ -51,7 +53,6 @@ namespace
 
 constexpr int kPleNormMaxThreads = 256;
 constexpr int kPleConvMaxThreads = 256;
-constexpr int kPleHistoryThreads = 256;
 constexpr float kPleGateClamp = 1e-6F; // sqrt(max(|score|, 1e-6)), the reference's clamp
 
 __device__ __forceinline__ float toFloat(float x)
@@ -67,27 +68,6 @@ __device__ __forceinline__ float toFloat(__nv_bfloat16 x)
 __device__ __forceinline__ float toFloat(__half x)
 {
     return __half2float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T fromFloat(float x);
-
-template <>
-__device__ __forceinline__ float fromFloat<float>(float x)
-{
-    return x;
-}
-
-template <>
-__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x)
-{
-    return __float2bfloat16_rn(x);
-}
-
-template <>
-__device__ __forceinline__ __half fromFloat<__half>(float x)
-{
-    return __float2half_rn(x);
 }
 
 //! Block-wide sums of four values (every thread gets them); blockDim.x a multiple of 32.
@@ -189,31 +169,6 @@ __global__ void __launch_bounds__(kPleNormMaxThreads) pleFusionNormKernel(IoT co
     }
 }
 
-//! The sequence holding token t (seqStarts[s] <= t < seqStarts[s + 1], the last such s
-//! so empty sequences are skipped), or -1 outside every sequence.
-__device__ __forceinline__ int64_t sequenceOf(int32_t const* seqStarts, int64_t numSeqs, int64_t t)
-{
-    if (numSeqs <= 0 || t < seqStarts[0] || t >= seqStarts[numSeqs])
-    {
-        return -1;
-    }
-    int64_t lo = 0;
-    int64_t hi = numSeqs; // seqStarts[lo] <= t < seqStarts[hi]
-    while (hi - lo > 1)
-    {
-        int64_t const mid = (lo + hi) / 2;
-        if (seqStarts[mid] <= t)
-        {
-            lo = mid;
-        }
-        else
-        {
-            hi = mid;
-        }
-    }
-    return lo;
-}
-
 /*
  * Kernel 2: blockIdx.x = t; thread j owns channels [8 j, 8 j + 8) of the W.
  */
@@ -313,52 +268,6 @@ __global__ void __launch_bounds__(kPleConvMaxThreads) pleFusionConvKernel(IoT co
     }
 }
 
-/*
- * Kernel 3: thread index = seq * W + ch. history[slot, ch, :] = the last H of
- * [old (zeros for a fresh sequence), normed of the sequence's n tokens].
- */
-template <typename IoT>
-__global__ void __launch_bounds__(kPleHistoryThreads) pleFusionHistoryKernel(IoT const* __restrict__ normed,
-    IoT* history, int64_t numSlots, int32_t const* __restrict__ seqStarts, int32_t const* __restrict__ pastLens,
-    int32_t const* __restrict__ seqSlots, int64_t numSeqs, int64_t numTokens, int64_t width, int32_t historyLen)
-{
-    int64_t const index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (index >= numSeqs * width)
-    {
-        return;
-    }
-    int64_t const seq = index / width;
-    int64_t const ch = index - seq * width;
-    int64_t const slot = seqSlots[seq];
-    if (slot < 0 || slot >= numSlots)
-    {
-        return; // a padding sequence keeps no history
-    }
-    int64_t const start = seqStarts[seq];
-    int64_t const n = static_cast<int64_t>(seqStarts[seq + 1]) - start;
-    if (n < 0)
-    {
-        return;
-    }
-    bool const fresh = pastLens[seq] <= 0;
-    IoT* h = history + (slot * width + ch) * historyLen;
-    for (int32_t i = 0; i < historyLen; ++i)
-    {
-        int64_t const src = n + i; // index into [old (H), new (n)]
-        IoT value;
-        if (src >= historyLen)
-        {
-            int64_t const token = start + src - historyLen;
-            value = token >= 0 && token < numTokens ? normed[token * width + ch] : fromFloat<IoT>(0.0F);
-        }
-        else
-        {
-            value = fresh ? fromFloat<IoT>(0.0F) : h[src]; // src > i: not yet overwritten
-        }
-        h[i] = value;
-    }
-}
-
 char const* typeName(int32_t type)
 {
     switch (type)
@@ -449,8 +358,8 @@ int launchPleFusion(PleFusionLaunch const& a)
     }
     int64_t const threads = a.numSeqs * width;
     resetLaunchError();
-    pleFusionHistoryKernel<IoT><<<static_cast<unsigned>((threads + kPleHistoryThreads - 1) / kPleHistoryThreads),
-        kPleHistoryThreads, 0, a.stream>>>(
+    convHistoryKernel<IoT><<<static_cast<unsigned>((threads + kConvHistoryThreads - 1) / kConvHistoryThreads),
+        kConvHistoryThreads, 0, a.stream>>>(
         normed, history, a.numSlots, a.seqStarts, a.pastLens, a.seqSlots, a.numSeqs, a.numTokens, width, historyLen);
     return checkLaunch("engram_ple_fusion (history)");
 }
@@ -554,7 +463,7 @@ extern "C" ENGRAM_API int engram_ple_fusion(void const* streams, void const* key
         return fail(cudaErrorInvalidValue, "engram_ple_fusion: grid too large (%lld tokens x hc_count %d >= 2^31)",
             ll(numTokens), hcCount);
     }
-    if (numSeqs > INT32_MAX / width * kPleHistoryThreads)
+    if (numSeqs > INT32_MAX / width * kConvHistoryThreads)
     {
         return fail(cudaErrorInvalidValue, "engram_ple_fusion: grid too large (%lld sequences x width %lld)",
             ll(numSeqs), ll(width));

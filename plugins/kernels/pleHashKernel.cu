@@ -21,6 +21,7 @@
  */
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "seqIndex.cuh"
 
 #include <climits>
 #include <cstdint>
@@ -74,32 +75,12 @@ __global__ void __launch_bounds__(kPleHashThreads) plePackedHashKernel(int32_t c
     int32_t const head = static_cast<int32_t>(index - static_cast<uint32_t>(t) * numHeads);
     int32_t const order = head / p.headsPerNgram + 2; // the ids t, t-1, ..., t-order+1
 
-    // The sequence holding token t: seqStarts[seq] <= t < seqStarts[seq + 1]; empty
-    // sequences (equal starts) are skipped because the search keeps the last such start.
-    // A token outside every sequence has no context: its predecessors read as EOS.
-    bool inSequence = false;
-    int64_t seq = 0;
-    int64_t start = t;
-    if (numSeqs > 0 && seqStarts[0] <= t && t < seqStarts[numSeqs])
-    {
-        int64_t lo = 0;
-        int64_t hi = numSeqs;
-        while (hi - lo > 1)
-        {
-            int64_t const mid = (lo + hi) / 2;
-            if (seqStarts[mid] <= t)
-            {
-                lo = mid;
-            }
-            else
-            {
-                hi = mid;
-            }
-        }
-        seq = lo;
-        start = seqStarts[lo];
-        inSequence = true;
-    }
+    // The sequence holding token t (seqIndex.cuh). A token outside every sequence has no
+    // context: its predecessors read as EOS.
+    int64_t const found = sequenceOf(seqStarts, numSeqs, t);
+    bool const inSequence = found >= 0;
+    int64_t const seq = inSequence ? found : 0;
+    int64_t const start = inSequence ? seqStarts[found] : t;
     int64_t const position = t - start;
     int32_t const contextLen = p.ngramSize - 1;
 

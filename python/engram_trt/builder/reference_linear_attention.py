@@ -12,8 +12,9 @@ A packed step: ``seq_starts [S+1]`` (cu_seqlens), ``past_lens [S]`` (tokens the 
 already holds), ``slots [S]`` (the per-slot state row). A sequence with ``past_lens == 0``
 ignores what its slot held (zeros). The kernels' out-of-range conventions are kept, so
 the reference specifies them too: a token outside every sequence gets a zero output, a
-sequence whose slot is outside ``[0, num_slots)`` reads zeros and keeps nothing. Both
-functions return new arrays (outputs and whole new states); the caller decides what
+sequence whose slot is outside ``[0, num_slots)`` reads zeros and keeps nothing, a step
+of no tokens changes nothing (even a fresh empty sequence's slot). Both functions return
+new arrays (outputs and whole new states); the caller decides what
 "in place" means.
 """
 
@@ -89,7 +90,7 @@ def causal_conv1d_reference(x: Any, weight: Any, conv_state: Any, seq_starts: An
     num_slots = state.shape[0]
     new_state = state.copy()
     y = np.zeros((T, C), dtype=np.float64)
-    for s in range(starts.size - 1):
+    for s in range(starts.size - 1 if T else 0):
         a, b = int(starts[s]), int(starts[s + 1])
         valid = 0 <= slot[s] < num_slots
         old = state[slot[s]] if valid and past[s] > 0 else np.zeros((C, K - 1))
@@ -140,7 +141,7 @@ def gated_delta_net_reference(q: Any, k: Any, v: Any, g: Any, beta: Any, state: 
     num_slots = st.shape[0]
     new_state = st.copy()
     o = np.zeros((T, Hv, dv), dtype=np.float64)
-    for s in range(starts.size - 1):
+    for s in range(starts.size - 1 if T else 0):
         valid = 0 <= slot[s] < num_slots
         S = st[slot[s]].copy() if valid and past[s] > 0 else np.zeros((Hv, dk, dv))
         for t in range(int(starts[s]), int(starts[s + 1])):

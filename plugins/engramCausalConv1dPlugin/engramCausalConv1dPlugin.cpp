@@ -1,0 +1,289 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+#include "engramCausalConv1dPlugin.h"
+
+#include "common/checkMacros.h"
+#include "kernels/engramKernels.h"
+
+#include <cuda_runtime_api.h>
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+using nvinfer1::DataType;
+
+namespace causal_conv_detail
+{
+constexpr char const* kName = "EngramCausalConv1d";
+constexpr int32_t kX = 0;
+constexpr int32_t kWeight = 1;
+constexpr int32_t kConvState = 2;
+constexpr int32_t kSeqStarts = 3;
+constexpr int32_t kPastLens = 4;
+constexpr int32_t kSlots = 5;
+constexpr int32_t kNbInputs = 6;
+constexpr int32_t kOut = 0;
+constexpr int32_t kConvStateOut = 1;
+constexpr int32_t kNbOutputs = 2;
+
+constexpr Field<CausalConv1dConfig> kFieldList[] = {
+    field<&CausalConv1dConfig::kernel>("kernel", 1, ENGRAM_CAUSAL_CONV_MAX_KERNEL),
+    field<&CausalConv1dConfig::activation>("activation", ENGRAM_CONV_ACTIVATION_IDENTITY, ENGRAM_CONV_ACTIVATION_SILU),
+};
+constexpr FieldTable<CausalConv1dConfig> kFields{kName, kFieldList};
+
+char const* const kInputNames[kNbInputs] = {"x", "weight", "conv_state", "seq_starts", "past_lens", "slots"};
+
+//! The kernel library's checks (so the plugin and the ctypes path refuse the same).
+void checkShape(int64_t channels, CausalConv1dConfig const& c)
+{
+    int const status = engram_causal_conv1d_check_shape(channels, c.kernel, c.activation);
+    ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+}
+
+bool isIoType(DataType type)
+{
+    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
+}
+
+bool isWeightType(DataType type, DataType io)
+{
+    return type == DataType::kFLOAT || type == io;
+}
+
+int32_t floatTypeCode(DataType type)
+{
+    switch (type)
+    {
+    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
+    case DataType::kHALF: return ENGRAM_FLOAT_F16;
+    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
+    default: return -1;
+    }
+}
+
+size_t elementBytes(DataType type)
+{
+    return type == DataType::kFLOAT ? 4 : 2;
+}
+
+bool matches(int64_t dim, int64_t expected)
+{
+    return dim == -1 || expected == -1 || dim == expected;
+}
+
+//! weight is [C, K] or the checkpoint's [C, 1, K].
+bool isWeightShape(nvinfer1::Dims const& w, int64_t channels, int64_t kernel)
+{
+    if (w.nbDims == 2)
+    {
+        return matches(w.d[0], channels) && matches(w.d[1], kernel);
+    }
+    return w.nbDims == 3 && matches(w.d[0], channels) && matches(w.d[1], 1) && matches(w.d[2], kernel);
+}
+
+//! Shape checks at build time (dims may be -1) and at enqueue (concrete dims).
+void checkDims(CausalConv1dConfig const& c, nvinfer1::Dims const* in)
+{
+    ENGRAM_PLUGIN_CHECK(in[kX].nbDims == 2, "x must be [T, C], got " << dimsToString(in[kX]));
+    int64_t const channels = in[kX].d[1];
+    if (channels != -1)
+    {
+        checkShape(channels, c);
+    }
+    ENGRAM_PLUGIN_CHECK(isWeightShape(in[kWeight], channels, c.kernel),
+        "weight must be [C, kernel] or [C, 1, kernel] with x's C = " << channels << " and kernel " << c.kernel
+                                                                     << ", got " << dimsToString(in[kWeight]));
+    nvinfer1::Dims const& state = in[kConvState];
+    ENGRAM_PLUGIN_CHECK(state.nbDims == 3 && matches(state.d[1], channels) && matches(state.d[2], c.kernel - 1),
+        "conv_state must be [num_slots, " << channels << ", kernel - 1 = " << c.kernel - 1 << "], got "
+                                          << dimsToString(state));
+    for (int32_t i : {kSeqStarts, kPastLens, kSlots})
+    {
+        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1, kInputNames[i] << " must be 1-D, got " << dimsToString(in[i]));
+    }
+}
+} // namespace causal_conv_detail
+
+EngramCausalConv1dPlugin::EngramCausalConv1dPlugin(CausalConv1dConfig const& config, nvinfer1::TensorRTPhase phase)
+    : EngramPluginBaseT(causal_conv_detail::kFields, config, phase)
+{
+    causal_conv_detail::checkShape(1, mConfig);
+}
+
+int32_t EngramCausalConv1dPlugin::getNbOutputs() const noexcept
+{
+    return causal_conv_detail::kNbOutputs;
+}
+
+int32_t EngramCausalConv1dPlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace causal_conv_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
+            "expects 6 inputs (x, weight, conv_state, seq_starts, past_lens, slots) and 2 outputs, got "
+                << nbInputs << " and " << nbOutputs);
+        DataType const io = inputTypes[kX];
+        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputTypes[kConvState] == io,
+            "x and conv_state must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(io) << " and " << dataTypeName(inputTypes[kConvState]));
+        ENGRAM_PLUGIN_CHECK(isWeightType(inputTypes[kWeight], io),
+            "weight must be float32 or x's type (" << dataTypeName(io) << "), got "
+                                                   << dataTypeName(inputTypes[kWeight]));
+        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
+        {
+            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
+                kInputNames[i] << " must be int32, got " << dataTypeName(inputTypes[i]));
+        }
+        outputTypes[kOut] = io;
+        outputTypes[kConvStateOut] = io;
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(causal_conv_detail::kName, -1);
+}
+
+int32_t EngramCausalConv1dPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+    nvinfer1::DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, nvinfer1::DimsExprs* outputs,
+    int32_t nbOutputs, nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace causal_conv_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 6 inputs and 2 outputs");
+        ENGRAM_PLUGIN_CHECK(inputs[kX].nbDims == 2, "x must be 2-D [T, C]");
+        ENGRAM_PLUGIN_CHECK(inputs[kConvState].nbDims == 3, "conv_state must be 3-D [num_slots, C, kernel - 1]");
+        outputs[kOut] = inputs[kX];
+        outputs[kConvStateOut] = inputs[kConvState];
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(causal_conv_detail::kName, -1);
+}
+
+bool EngramCausalConv1dPlugin::supportsFormatCombination(
+    int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    using namespace causal_conv_detail;
+    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
+    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    DataType const io = inOut[kX].desc.type;
+    switch (pos)
+    {
+    case kX: return isIoType(desc.type);
+    case kWeight: return isWeightType(desc.type, io);
+    case kSeqStarts:
+    case kPastLens:
+    case kSlots: return desc.type == DataType::kINT32;
+    default: return desc.type == io; // conv_state, both outputs
+    }
+}
+
+int32_t EngramCausalConv1dPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace causal_conv_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 6 inputs and 2 outputs");
+        nvinfer1::Dims dims[kNbInputs];
+        for (int32_t i = 0; i < kNbInputs; ++i)
+        {
+            dims[i] = in[i].desc.dims;
+        }
+        checkDims(mConfig, dims);
+        ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kConvStateOut].desc.dims.nbDims == 3,
+            "the outputs must be [T, C] and conv_state's shape");
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(causal_conv_detail::kName, -1);
+}
+
+size_t EngramCausalConv1dPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/,
+    int32_t /*nbInputs*/, nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+{
+    return 0;
+}
+
+int32_t EngramCausalConv1dPlugin::getAliasedInput(int32_t outputIndex) noexcept
+{
+    // The conv state is read-modify-write: its output is its input's memory.
+    return outputIndex == causal_conv_detail::kConvStateOut ? causal_conv_detail::kConvState : -1;
+}
+
+int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs, void* /*workspace*/,
+    cudaStream_t stream) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace causal_conv_detail;
+        nvinfer1::Dims dims[kNbInputs];
+        for (int32_t i = 0; i < kNbInputs; ++i)
+        {
+            dims[i] = inputDesc[i].dims;
+        }
+        checkDims(mConfig, dims);
+        int64_t const numTokens = dims[kX].d[0];
+        int64_t const channels = dims[kX].d[1];
+        int64_t const numSeqs = dims[kPastLens].d[0];
+        ENGRAM_PLUGIN_CHECK(dims[kSeqStarts].d[0] == numSeqs + 1 && dims[kSlots].d[0] == numSeqs,
+            "seq_starts must be [S + 1] and slots [S] with past_lens' S = "
+                << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
+        nvinfer1::Dims const& state = dims[kConvState];
+        nvinfer1::Dims const& stateOut = outputDesc[kConvStateOut].dims;
+        bool sameState = stateOut.nbDims == 3;
+        for (int32_t k = 0; sameState && k < 3; ++k)
+        {
+            sameState = stateOut.d[k] == state.d[k];
+        }
+        ENGRAM_PLUGIN_CHECK(sameState,
+            "the conv_state output must match conv_state " << dimsToString(state) << ", got "
+                                                           << dimsToString(stateOut));
+        nvinfer1::Dims const& o = outputDesc[kOut].dims;
+        ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == channels,
+            "the output must match x " << dimsToString(dims[kX]) << ", got " << dimsToString(o));
+        DataType const io = inputDesc[kX].type;
+        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputDesc[kConvState].type == io && outputDesc[kOut].type == io
+                && outputDesc[kConvStateOut].type == io,
+            "x, conv_state and the outputs must share one type (bfloat16, float16 or float32), x is "
+                << dataTypeName(io));
+        DataType const wt = inputDesc[kWeight].type;
+        ENGRAM_PLUGIN_CHECK(isWeightType(wt, io), "weight must be float32 or x's type");
+
+        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) the state
+        // output is its input's memory; without it the step copies the state over first.
+        int64_t const numSlots = state.d[0];
+        size_t const stateBytes = static_cast<size_t>(volume(state)) * elementBytes(io);
+        void* history = outputs[kConvStateOut];
+        if (history != inputs[kConvState] && stateBytes > 0)
+        {
+            ENGRAM_PLUGIN_CHECK_CUDA(
+                cudaMemcpyAsync(history, inputs[kConvState], stateBytes, cudaMemcpyDeviceToDevice, stream));
+        }
+        int const status = engram_causal_conv1d(inputs[kX], floatTypeCode(io), inputs[kWeight], floatTypeCode(wt),
+            stateBytes > 0 ? history : nullptr, numSlots, static_cast<int32_t const*>(inputs[kSeqStarts]),
+            static_cast<int32_t const*>(inputs[kPastLens]), static_cast<int32_t const*>(inputs[kSlots]), numSeqs,
+            numTokens, channels, mConfig.kernel, mConfig.activation, outputs[kOut], stream);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(causal_conv_detail::kName, -1);
+}
+
+EngramCausalConv1dPluginCreator::EngramCausalConv1dPluginCreator()
+    : EngramCreator(causal_conv_detail::kFields)
+{
+}
+
+} // namespace plugin
+} // namespace engram_trt

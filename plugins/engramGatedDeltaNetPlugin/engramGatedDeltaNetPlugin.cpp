@@ -1,0 +1,296 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+#include "engramGatedDeltaNetPlugin.h"
+
+#include "common/checkMacros.h"
+#include "kernels/engramKernels.h"
+
+#include <cuda_runtime_api.h>
+
+#include <climits>
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+using nvinfer1::DataType;
+
+namespace gated_delta_detail
+{
+constexpr char const* kName = "EngramGatedDeltaNet";
+constexpr int32_t kQ = 0;
+constexpr int32_t kK = 1;
+constexpr int32_t kV = 2;
+constexpr int32_t kG = 3;
+constexpr int32_t kBeta = 4;
+constexpr int32_t kState = 5;
+constexpr int32_t kSeqStarts = 6;
+constexpr int32_t kPastLens = 7;
+constexpr int32_t kSlots = 8;
+constexpr int32_t kNbInputs = 9;
+constexpr int32_t kOut = 0;
+constexpr int32_t kStateOut = 1;
+constexpr int32_t kNbOutputs = 2;
+
+constexpr Field<GatedDeltaNetConfig> kFieldList[] = {
+    field<&GatedDeltaNetConfig::l2normQk>("l2norm_qk", 0, 1),
+    field<&GatedDeltaNetConfig::scale>("scale"), // finite: checkShape
+};
+constexpr FieldTable<GatedDeltaNetConfig> kFields{kName, kFieldList};
+
+char const* const kInputNames[kNbInputs] = {"q", "k", "v", "g", "beta", "state", "seq_starts", "past_lens", "slots"};
+
+//! The kernel library's checks (so the plugin and the ctypes path refuse the same);
+//! dims still -1 at build time are checked at enqueue.
+void checkShape(int64_t hk, int64_t hv, int64_t dk, int64_t dv, GatedDeltaNetConfig const& c)
+{
+    auto const known
+        = [](int64_t d, int32_t fallback) { return d == -1 ? fallback : static_cast<int32_t>(d > INT32_MAX ? -1 : d); };
+    int32_t const heads = known(hk, 1);
+    int const status = engram_gated_delta_net_check_shape(
+        heads, hv == -1 ? heads : known(hv, 1), known(dk, 1), known(dv, 1), c.l2normQk, c.scale);
+    ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+}
+
+bool isIoType(DataType type)
+{
+    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
+}
+
+int32_t floatTypeCode(DataType type)
+{
+    switch (type)
+    {
+    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
+    case DataType::kHALF: return ENGRAM_FLOAT_F16;
+    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
+    default: return -1;
+    }
+}
+
+bool matches(int64_t dim, int64_t expected)
+{
+    return dim == -1 || expected == -1 || dim == expected;
+}
+
+//! Shape checks at build time (dims may be -1) and at enqueue (concrete dims).
+void checkDims(GatedDeltaNetConfig const& c, nvinfer1::Dims const* in)
+{
+    nvinfer1::Dims const& q = in[kQ];
+    ENGRAM_PLUGIN_CHECK(q.nbDims == 3, "q must be [T, Hk, dk], got " << dimsToString(q));
+    bool sameQk = in[kK].nbDims == 3;
+    for (int32_t i = 0; sameQk && i < 3; ++i)
+    {
+        sameQk = matches(in[kK].d[i], q.d[i]);
+    }
+    ENGRAM_PLUGIN_CHECK(sameQk, "k must be q's shape " << dimsToString(q) << ", got " << dimsToString(in[kK]));
+    nvinfer1::Dims const& v = in[kV];
+    ENGRAM_PLUGIN_CHECK(
+        v.nbDims == 3 && matches(v.d[0], q.d[0]), "v must be [T, Hv, dv] with q's T, got " << dimsToString(v));
+    int64_t const hv = v.d[1];
+    checkShape(q.d[1], hv, q.d[2], v.d[2], c);
+    for (int32_t i : {kG, kBeta})
+    {
+        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 2 && matches(in[i].d[0], q.d[0]) && matches(in[i].d[1], hv),
+            kInputNames[i] << " must be [T, Hv = " << hv << "], got " << dimsToString(in[i]));
+    }
+    nvinfer1::Dims const& state = in[kState];
+    ENGRAM_PLUGIN_CHECK(
+        state.nbDims == 4 && matches(state.d[1], hv) && matches(state.d[2], q.d[2]) && matches(state.d[3], v.d[2]),
+        "state must be [num_slots, Hv, dk, dv] = [num_slots, " << hv << ", " << q.d[2] << ", " << v.d[2] << "], got "
+                                                               << dimsToString(state));
+    for (int32_t i : {kSeqStarts, kPastLens, kSlots})
+    {
+        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1, kInputNames[i] << " must be 1-D, got " << dimsToString(in[i]));
+    }
+}
+} // namespace gated_delta_detail
+
+EngramGatedDeltaNetPlugin::EngramGatedDeltaNetPlugin(GatedDeltaNetConfig const& config, nvinfer1::TensorRTPhase phase)
+    : EngramPluginBaseT(gated_delta_detail::kFields, config, phase)
+{
+    gated_delta_detail::checkShape(-1, -1, -1, -1, mConfig);
+}
+
+int32_t EngramGatedDeltaNetPlugin::getNbOutputs() const noexcept
+{
+    return gated_delta_detail::kNbOutputs;
+}
+
+int32_t EngramGatedDeltaNetPlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace gated_delta_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
+            "expects 9 inputs (q, k, v, g, beta, state, seq_starts, past_lens, slots) and 2 outputs, got "
+                << nbInputs << " and " << nbOutputs);
+        DataType const io = inputTypes[kQ];
+        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io,
+            "q, k and v must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(io) << ", " << dataTypeName(inputTypes[kK]) << " and " << dataTypeName(inputTypes[kV]));
+        for (int32_t i : {kG, kBeta, kState})
+        {
+            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kFLOAT,
+                kInputNames[i] << " must be float32, got " << dataTypeName(inputTypes[i]));
+        }
+        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
+        {
+            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
+                kInputNames[i] << " must be int32, got " << dataTypeName(inputTypes[i]));
+        }
+        outputTypes[kOut] = io;
+        outputTypes[kStateOut] = DataType::kFLOAT;
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gated_delta_detail::kName, -1);
+}
+
+int32_t EngramGatedDeltaNetPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+    nvinfer1::DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, nvinfer1::DimsExprs* outputs,
+    int32_t nbOutputs, nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace gated_delta_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 9 inputs and 2 outputs");
+        ENGRAM_PLUGIN_CHECK(inputs[kV].nbDims == 3, "v must be 3-D [T, Hv, dv]");
+        ENGRAM_PLUGIN_CHECK(inputs[kState].nbDims == 4, "state must be 4-D [num_slots, Hv, dk, dv]");
+        outputs[kOut] = inputs[kV];
+        outputs[kStateOut] = inputs[kState];
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gated_delta_detail::kName, -1);
+}
+
+bool EngramGatedDeltaNetPlugin::supportsFormatCombination(
+    int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    using namespace gated_delta_detail;
+    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
+    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    DataType const io = inOut[kQ].desc.type;
+    switch (pos)
+    {
+    case kQ: return isIoType(desc.type);
+    case kK:
+    case kV: return desc.type == io;
+    case kSeqStarts:
+    case kPastLens:
+    case kSlots: return desc.type == DataType::kINT32;
+    case kNbInputs + kOut: return desc.type == io;
+    default: return desc.type == DataType::kFLOAT; // g, beta, state, the state output
+    }
+}
+
+int32_t EngramGatedDeltaNetPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace gated_delta_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 9 inputs and 2 outputs");
+        nvinfer1::Dims dims[kNbInputs];
+        for (int32_t i = 0; i < kNbInputs; ++i)
+        {
+            dims[i] = in[i].desc.dims;
+        }
+        checkDims(mConfig, dims);
+        ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 3 && out[kStateOut].desc.dims.nbDims == 4,
+            "the outputs must be v's and state's shapes");
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gated_delta_detail::kName, -1);
+}
+
+size_t EngramGatedDeltaNetPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/,
+    int32_t /*nbInputs*/, nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+{
+    return 0;
+}
+
+int32_t EngramGatedDeltaNetPlugin::getAliasedInput(int32_t outputIndex) noexcept
+{
+    // The memory is read-modify-write: its output is its input's memory.
+    return outputIndex == gated_delta_detail::kStateOut ? gated_delta_detail::kState : -1;
+}
+
+int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs, void* /*workspace*/,
+    cudaStream_t stream) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace gated_delta_detail;
+        nvinfer1::Dims dims[kNbInputs];
+        for (int32_t i = 0; i < kNbInputs; ++i)
+        {
+            dims[i] = inputDesc[i].dims;
+        }
+        checkDims(mConfig, dims);
+        int64_t const numTokens = dims[kQ].d[0];
+        int64_t const numSeqs = dims[kPastLens].d[0];
+        ENGRAM_PLUGIN_CHECK(dims[kSeqStarts].d[0] == numSeqs + 1 && dims[kSlots].d[0] == numSeqs,
+            "seq_starts must be [S + 1] and slots [S] with past_lens' S = "
+                << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
+        nvinfer1::Dims const& state = dims[kState];
+        nvinfer1::Dims const& stateOut = outputDesc[kStateOut].dims;
+        bool sameState = stateOut.nbDims == 4;
+        for (int32_t k = 0; sameState && k < 4; ++k)
+        {
+            sameState = stateOut.d[k] == state.d[k];
+        }
+        ENGRAM_PLUGIN_CHECK(sameState,
+            "the state output must match state " << dimsToString(state) << ", got " << dimsToString(stateOut));
+        nvinfer1::Dims const& v = dims[kV];
+        nvinfer1::Dims const& o = outputDesc[kOut].dims;
+        ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == v.d[0] && o.d[1] == v.d[1] && o.d[2] == v.d[2],
+            "the output must match v " << dimsToString(v) << ", got " << dimsToString(o));
+        DataType const io = inputDesc[kQ].type;
+        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputDesc[kK].type == io && inputDesc[kV].type == io
+                && outputDesc[kOut].type == io && inputDesc[kG].type == DataType::kFLOAT
+                && inputDesc[kBeta].type == DataType::kFLOAT && inputDesc[kState].type == DataType::kFLOAT
+                && outputDesc[kStateOut].type == DataType::kFLOAT,
+            "q, k, v and the output must share one type (bfloat16, float16 or float32), g, beta and the states "
+            "float32; q is "
+                << dataTypeName(io));
+
+        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) the state
+        // output is its input's memory; without it the step copies the state over first.
+        int64_t const numSlots = state.d[0];
+        size_t const stateBytes = static_cast<size_t>(volume(state)) * sizeof(float);
+        void* memory = outputs[kStateOut];
+        if (memory != inputs[kState] && stateBytes > 0)
+        {
+            ENGRAM_PLUGIN_CHECK_CUDA(
+                cudaMemcpyAsync(memory, inputs[kState], stateBytes, cudaMemcpyDeviceToDevice, stream));
+        }
+        int const status = engram_gated_delta_net(inputs[kQ], inputs[kK], inputs[kV], floatTypeCode(io),
+            static_cast<float const*>(inputs[kG]), static_cast<float const*>(inputs[kBeta]),
+            stateBytes > 0 ? static_cast<float*>(memory) : nullptr, numSlots,
+            static_cast<int32_t const*>(inputs[kSeqStarts]), static_cast<int32_t const*>(inputs[kPastLens]),
+            static_cast<int32_t const*>(inputs[kSlots]), numSeqs, numTokens, static_cast<int32_t>(dims[kQ].d[1]),
+            static_cast<int32_t>(v.d[1]), static_cast<int32_t>(dims[kQ].d[2]), static_cast<int32_t>(v.d[2]),
+            mConfig.l2normQk, mConfig.scale, outputs[kOut], stream);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(gated_delta_detail::kName, -1);
+}
+
+EngramGatedDeltaNetPluginCreator::EngramGatedDeltaNetPluginCreator()
+    : EngramCreator(gated_delta_detail::kFields)
+{
+}
+
+} // namespace plugin
+} // namespace engram_trt

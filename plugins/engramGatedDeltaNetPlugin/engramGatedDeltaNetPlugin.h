@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+/*
+ * EngramGatedDeltaNet (version "1", namespace "engram_trt"): the Gated DeltaNet's
+ * delta-rule recurrence over a packed step, each sequence continuing from its slot's fp32
+ * memory. The state output aliases the state input (IPluginV3OneBuildV2::getAliasedInput):
+ * the runtime owns the state and the step updates it in place. The math is
+ * engram_gated_delta_net() of the kernel library. See README.md.
+ */
+#ifndef ENGRAM_TRT_GATED_DELTA_NET_PLUGIN_H
+#define ENGRAM_TRT_GATED_DELTA_NET_PLUGIN_H
+
+#include "common/engramPluginBase.h"
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+struct GatedDeltaNetConfig
+{
+    int32_t l2normQk{0};
+    float scale{0.0F};
+};
+
+class EngramGatedDeltaNetPlugin : public EngramAliasingPluginBase<EngramGatedDeltaNetPlugin, GatedDeltaNetConfig>
+{
+public:
+    EngramGatedDeltaNetPlugin(GatedDeltaNetConfig const& config, nvinfer1::TensorRTPhase phase);
+
+    int32_t getNbOutputs() const noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+    int32_t getAliasedInput(int32_t outputIndex) noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+};
+
+class EngramGatedDeltaNetPluginCreator : public EngramCreator<EngramGatedDeltaNetPlugin, GatedDeltaNetConfig>
+{
+public:
+    EngramGatedDeltaNetPluginCreator();
+};
+
+} // namespace plugin
+} // namespace engram_trt
+
+#endif // ENGRAM_TRT_GATED_DELTA_NET_PLUGIN_H
