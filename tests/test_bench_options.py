@@ -24,7 +24,7 @@ GPU_ONLY = ["kernels", "attention", "backbone", "gathersweep", "contention", "ca
 
 def test_every_subcommand_parses_to_its_options_defaults() -> None:
     parser = build_parser()
-    assert [c.name for c in BENCH_COMMANDS] == ["gather", "cache", "idstream", "rowcounts", "step", "serve", "gemv",
+    assert [c.name for c in BENCH_COMMANDS] == ["gather", "cache", "idstream", "rowcounts", "step", "serve", "steady", "gemv",
                                                 *GPU_ONLY]
     for cmd in BENCH_COMMANDS:
         ns = parser.parse_args(["bench", cmd.name, *REQUIRED.get(cmd.name, [])])

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engram_trt.bench import (attention, backbone, cache, cacheplan, contention, gather, gathersweep, gemv, idstreams,
-                               kernels, plegather, qwen4step, rowcounts, serve, step)
+                               kernels, plegather, qwen4step, rowcounts, serve, steady, step)
 from engram_trt.cli.argtypes import int_arg
 
 
@@ -67,6 +67,8 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
                  _paragraph(1, plain=False)),
     BenchCommand("serve", serve, serve.ServeOptions,
                  "throughput of N concurrent requests through LLM, as a ratio to one request", _whole),
+    BenchCommand("steady", steady, steady.SteadyOptions,
+                 "the steady decode rate demo / run print vs bench serve's one stream, and their ratio"),
     BenchCommand("gemv", gemv, gemv.GemvOptions,
                  "decode projections: the kernel library's GEMV vs the GEMM library, over HBM",
                  _paragraph(0, plain=False)),

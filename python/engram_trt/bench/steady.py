@@ -1,0 +1,130 @@
+"""``engram-trt bench steady``: the steady decode rate that ``engram-trt demo`` and
+``engram-trt run`` print, beside ``bench serve``'s one-stream figure on the same engine
+folder, and their ratio (issue 32's target: within 1.2x either way).
+
+Why subprocesses: the figures compared are the ones a user sees, so each comes from
+the command itself (``demo --json``, ``run --json``, ``bench serve --json``), each in a
+fresh process with its own load, warm-up and CUDA-graph capture, on this machine, in
+one go. ``--path`` skips the demo and compares ``run PATH`` with ``bench serve PATH``
+(a checkpoint or engine folder of any model).
+
+What differs between the two on purpose: ``run`` / ``demo`` report one over the median
+decode step after the first two (warm-up, graph capture: ``steady_decode``), while
+``bench serve`` counts one request's new tokens over its whole time after a warm-up
+batch, prefill included; with ``--max-tokens`` the same for both, the prefill step is
+the only extra in the latter.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engram_trt.bench.options import opt
+
+TARGET = 1.2  # issue 32, item 5: steady rate within this factor of bench serve's one stream
+
+
+@dataclass(kw_only=True)
+class SteadyOptions:
+    """``engram-trt bench steady``'s flags."""
+
+    path: str | None = opt(None, metavar="PATH", help="compare `run PATH` with `bench serve PATH` and skip the demo "
+                                                     "(default: build and run `engram-trt demo`, then use its engine folder)")
+    model: str = opt("random", choices=("random", "smollm2"), help="the demo's --model (default: %(default)s)")
+    engine_dir: str | None = opt(None, metavar="DIR", help="the demo's --engine-dir (default: the demo's own)")
+    max_tokens: int = opt(64, argtype=("int_arg", 4, 4096),
+                          help="new tokens per request in all three (default: %(default)s; at least 4, so steady steps exist)")
+    prompt_tokens: int = opt(32, argtype=("int_arg", 1, 4096), help="bench serve's prompt tokens (default: %(default)s)")
+    repeat: int = opt(3, argtype=("int_arg", 1, 100), help="bench serve's runs; the fastest counts (default: %(default)s)")
+    device: str = opt("auto", help="cpu, cuda, cuda:N or auto, for all three (default: %(default)s)")
+    backend: str = opt("auto", choices=("auto", "tensorrt", "torch"), help="runtime backend for all three (default: %(default)s)")
+    json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
+
+
+def _cli(args: list[str], what: str) -> tuple[str, float]:
+    """Run ``engram-trt ARGS`` in a fresh interpreter; its stdout and seconds. A failure
+    raises one line with the command's last error line."""
+    from engram_trt.errors import EngramError
+
+    cmd = [sys.executable, "-m", "engram_trt", *args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise EngramError(f"bench steady: `engram-trt {' '.join(args)}` ({what}) exited {proc.returncode}: {last}")
+    return proc.stdout, dt
+
+
+def _generation_figures(res: dict[str, Any], seconds: float) -> dict[str, Any]:
+    tm = res.get("timings", {})
+    keep = ("steady_decode_tokens_per_s", "steady_decode_steps", "decode_warmup_s", "decode_tokens_per_s", "prefill_s",
+            "load_s", "graph_capture_s", "graph_captures")
+    return {"backend": res.get("backend"), "device": res.get("device"), "dtype": res.get("dtype"),
+            "new_tokens": res.get("new_tokens"), "finish_reason": res.get("finish_reason"),
+            **{k: tm[k] for k in keep if k in tm}, "command_s": round(seconds, 2)}
+
+
+def ratio_report(steady: float | None, serve_one: float | None, target: float = TARGET) -> dict[str, Any]:
+    """``serve_one / steady`` and whether it is within ``target`` either way."""
+    if not steady or not serve_one:
+        return {"serve_over_steady": None, "within_target": None}
+    r = serve_one / steady
+    return {"serve_over_steady": round(r, 4), "within_target": max(r, 1 / r) <= target}
+
+
+def run(opts: SteadyOptions) -> int:
+    from engram_trt.bench.common import dump
+    from engram_trt.errors import EngramError
+
+    common = ["--device", opts.device, "--backend", opts.backend]
+    gen = ["--max-new-tokens", str(opts.max_tokens), "--ignore-eos", "--json", *common]
+    res: dict[str, Any] = {"target": TARGET, "max_tokens": opts.max_tokens, "commands": []}
+    if opts.path is None:
+        args = ["demo", "--model", opts.model, *gen] + (["--engine-dir", opts.engine_dir] if opts.engine_dir else [])
+        out, dt = _cli(args, "the demo")
+        demo = json.loads(out)
+        path = (demo.get("engine") or {}).get("output_dir")
+        if not path:
+            raise EngramError("bench steady: the demo's JSON names no engine folder (engine.output_dir)")
+        res["commands"].append("engram-trt " + " ".join(args))
+        res["demo"] = _generation_figures(demo, dt)
+    else:
+        path = opts.path
+    res["path"] = str(path)
+    args = ["run", str(path), *gen]
+    out, dt = _cli(args, "run")
+    res["commands"].append("engram-trt " + " ".join(args))
+    res["run"] = _generation_figures(json.loads(out), dt)
+    with tempfile.TemporaryDirectory(prefix="engram-steady-") as tmp:
+        figures = Path(tmp) / "serve.json"
+        args = ["bench", "serve", str(path), "--concurrency", "1", "--max-tokens", str(opts.max_tokens),
+                "--prompt-tokens", str(opts.prompt_tokens), "--repeat", str(opts.repeat), "--json", str(figures), *common]
+        _out, dt = _cli(args, "bench serve")
+        serve = json.loads(figures.read_text())
+    res["commands"].append("engram-trt " + " ".join(args))
+    one = (serve.get("levels") or {}).get("1") or {}
+    res["bench_serve"] = {"backend": serve.get("backend"), "one_stream_tokens_per_s": one.get("tokens_per_s"),
+                          "steps": one.get("steps"), "command_s": round(dt, 2)}
+    serve_one = one.get("tokens_per_s")
+    res["ratios"] = {"run": ratio_report(res["run"].get("steady_decode_tokens_per_s"), serve_one)}
+    if "demo" in res:
+        res["ratios"]["demo"] = ratio_report(res["demo"].get("steady_decode_tokens_per_s"), serve_one)
+    print(f"engine folder: {path}")
+    for name in ("demo", "run"):
+        if name in res:
+            r, q = res[name], res["ratios"][name]
+            print(f"{name:>5}: {r.get('steady_decode_tokens_per_s')} tokens/s steady ({r.get('backend')}, {r.get('device')}, "
+                  f"{r.get('dtype')}; warm-up {r.get('decode_warmup_s')} s, capture {r.get('graph_capture_s', 0)} s); "
+                  f"bench serve / {name} = {q['serve_over_steady']} (within {TARGET}x: {q['within_target']})")
+    print(f"bench serve, one stream: {serve_one:.1f} tokens/s ({serve.get('backend')})" if serve_one else
+          "bench serve, one stream: no figure")
+    dump(res, opts.json)
+    return 0
