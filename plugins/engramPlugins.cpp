@@ -15,6 +15,7 @@
 #include "engramHashPlugin/engramHashPlugin.h"
 #include "engramPleFusionPlugin/engramPleFusionPlugin.h"
 #include "engramPleHashPlugin/engramPleHashPlugin.h"
+#include "engramQsaAttentionPlugin/engramQsaAttentionPlugin.h"
 #include "kernels/engramKernels.h"
 
 extern "C" ENGRAM_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
@@ -32,8 +33,10 @@ extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int3
     static engram_trt::plugin::EngramPleFusionPluginCreator pleFusionCreator;
     static engram_trt::plugin::EngramCausalConv1dPluginCreator causalConv1dCreator;
     static engram_trt::plugin::EngramGatedDeltaNetPluginCreator gatedDeltaNetCreator;
-    static nvinfer1::IPluginCreatorInterface* const creators[] = {&hashCreator, &gatherCreator, &gateCreator,
-        &attentionCreator, &pleHashCreator, &pleFusionCreator, &causalConv1dCreator, &gatedDeltaNetCreator};
+    static engram_trt::plugin::EngramQsaAttentionPluginCreator qsaAttentionCreator;
+    static nvinfer1::IPluginCreatorInterface* const creators[]
+        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator, &pleHashCreator, &pleFusionCreator,
+            &causalConv1dCreator, &gatedDeltaNetCreator, &qsaAttentionCreator};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }

@@ -1,0 +1,396 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+#include "engramQsaAttentionPlugin.h"
+
+#include "common/checkMacros.h"
+#include "kernels/engramKernels.h"
+
+#include <cuda_runtime_api.h>
+
+#include <climits>
+#include <type_traits>
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+using nvinfer1::DataType;
+
+namespace qsa_detail
+{
+constexpr char const* kName = "EngramQsaAttention";
+constexpr int32_t kQ = 0;
+constexpr int32_t kK = 1;
+constexpr int32_t kV = 2;
+constexpr int32_t kIndexQ = 3;
+constexpr int32_t kIndexRaw = 4;
+constexpr int32_t kKeyCache = 5;
+constexpr int32_t kValueCache = 6;
+constexpr int32_t kIndexKeyCache = 7;
+constexpr int32_t kNormWeight = 8;
+constexpr int32_t kTokenSlot = 9;
+constexpr int32_t kTokenPos = 10;
+constexpr int32_t kNbInputs = 11;
+constexpr int32_t kOut = 0;
+constexpr int32_t kKeyCacheOut = 1;
+constexpr int32_t kValueCacheOut = 2;
+constexpr int32_t kIndexKeyCacheOut = 3;
+constexpr int32_t kNbOutputs = 4;
+
+// Bounds of single fields; the checks across fields ((block_topk + 1) * compress_ratio,
+// rot_dim even, the float fields) are the kernel library's (checkConfig).
+constexpr Field<QsaAttentionConfig> kFieldList[] = {
+    field<&QsaAttentionConfig::compressRatio>("compress_ratio", 1, ENGRAM_QSA_MAX_VISIBLE),
+    field<&QsaAttentionConfig::blockTopk>("block_topk", 1, ENGRAM_QSA_MAX_VISIBLE),
+    field<&QsaAttentionConfig::rotDim>("rot_dim", 0, ENGRAM_QSA_MAX_HEAD_DIM),
+    field<&QsaAttentionConfig::ropeTheta>("rope_theta"),
+    field<&QsaAttentionConfig::eps>("eps"),
+    field<&QsaAttentionConfig::scaling>("scaling"),
+};
+constexpr FieldTable<QsaAttentionConfig> kFields{kName, kFieldList};
+
+constexpr char const* kRotDimName = kFields.nameOf<&QsaAttentionConfig::rotDim>();
+
+void checkConfig(QsaAttentionConfig const& c)
+{
+    int const status = engram_qsa_check_fields(c.compressRatio, c.blockTopk, c.rotDim, c.ropeTheta, c.eps, c.scaling);
+    ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+}
+
+bool isIoType(DataType type)
+{
+    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
+}
+
+int32_t floatTypeCode(DataType type)
+{
+    switch (type)
+    {
+    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
+    case DataType::kHALF: return ENGRAM_FLOAT_F16;
+    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
+    default: return -1;
+    }
+}
+
+size_t elementBytes(DataType type)
+{
+    return type == DataType::kFLOAT ? 4 : 2;
+}
+
+//! A dim that may still be -1 (dynamic) at build time.
+bool matches(int64_t dim, int64_t expected)
+{
+    return dim == -1 || expected == -1 || dim == expected;
+}
+
+char const* const kInputNames[kNbInputs] = {"q", "k", "v", "index_q", "index_raw", "key_cache", "value_cache",
+    "index_key_cache", "index_k_norm_weight", "token_slot", "token_pos"};
+
+//! Shape checks at build time (dims may be -1) and at enqueue (concrete dims): ranks,
+//! the dims the inputs share, and the kernel library's limits once the dims are known.
+void checkDims(QsaAttentionConfig const& c, nvinfer1::Dims const* in)
+{
+    nvinfer1::Dims const& q = in[kQ];
+    nvinfer1::Dims const& kc = in[kKeyCache];
+    nvinfer1::Dims const& iq = in[kIndexQ];
+    ENGRAM_PLUGIN_CHECK(q.nbDims == 3, "q must be [T, num_heads, head_dim], got " << dimsToString(q));
+    ENGRAM_PLUGIN_CHECK(kc.nbDims == 4 && matches(kc.d[3], q.d[2]),
+        "key_cache must be [num_slots, num_kv_heads, max_len, head_dim = " << q.d[2] << "], got " << dimsToString(kc));
+    ENGRAM_PLUGIN_CHECK(iq.nbDims == 3, "index_q must be [T, index_heads, index_dim], got " << dimsToString(iq));
+    int64_t const t = q.d[0];
+    for (int32_t i : {kK, kV})
+    {
+        nvinfer1::Dims const& x = in[i];
+        ENGRAM_PLUGIN_CHECK(x.nbDims == 3 && matches(x.d[0], t) && matches(x.d[1], kc.d[1]) && matches(x.d[2], q.d[2]),
+            kInputNames[i] << " must be [T, num_kv_heads = " << kc.d[1] << ", head_dim = " << q.d[2] << "], got "
+                           << dimsToString(x));
+    }
+    nvinfer1::Dims const& vc = in[kValueCache];
+    bool sameCache = vc.nbDims == 4;
+    for (int32_t k = 0; sameCache && k < 4; ++k)
+    {
+        sameCache = matches(vc.d[k], kc.d[k]);
+    }
+    ENGRAM_PLUGIN_CHECK(
+        sameCache, "value_cache must match key_cache " << dimsToString(kc) << ", got " << dimsToString(vc));
+    int64_t const di = iq.d[2];
+    ENGRAM_PLUGIN_CHECK(matches(iq.d[0], t), "index_q must have q's T tokens, got " << dimsToString(iq));
+    nvinfer1::Dims const& raw = in[kIndexRaw];
+    ENGRAM_PLUGIN_CHECK(raw.nbDims == 2 && matches(raw.d[0], t) && matches(raw.d[1], di),
+        "index_raw must be [T, index_dim = " << di << "], got " << dimsToString(raw));
+    nvinfer1::Dims const& ic = in[kIndexKeyCache];
+    ENGRAM_PLUGIN_CHECK(
+        ic.nbDims == 3 && matches(ic.d[0], kc.d[0]) && matches(ic.d[1], kc.d[2]) && matches(ic.d[2], di),
+        "index_key_cache must be [num_slots = " << kc.d[0] << ", max_len = " << kc.d[2] << ", index_dim = " << di
+                                                << "], got " << dimsToString(ic));
+    nvinfer1::Dims const& w = in[kNormWeight];
+    ENGRAM_PLUGIN_CHECK(w.nbDims == 1 && matches(w.d[0], di),
+        "index_k_norm_weight must be [index_dim = " << di << "], got " << dimsToString(w));
+    for (int32_t i : {kTokenSlot, kTokenPos})
+    {
+        ENGRAM_PLUGIN_CHECK(
+            in[i].nbDims == 1 && matches(in[i].d[0], t), kInputNames[i] << " must be [T], got " << dimsToString(in[i]));
+    }
+    if (q.d[1] != -1 && q.d[2] != -1 && kc.d[1] != -1 && iq.d[1] != -1 && di != -1)
+    {
+        ENGRAM_PLUGIN_CHECK(q.d[1] <= INT32_MAX && q.d[2] <= INT32_MAX && kc.d[1] <= INT32_MAX && iq.d[1] <= INT32_MAX
+                && di <= INT32_MAX,
+            "head counts and dims must fit int32");
+        int const status = engram_qsa_check_shape(static_cast<int32_t>(q.d[1]), static_cast<int32_t>(kc.d[1]),
+            static_cast<int32_t>(q.d[2]), static_cast<int32_t>(iq.d[1]), static_cast<int32_t>(di), c.rotDim);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error() << " (" << kRotDimName << " " << c.rotDim << ")");
+    }
+}
+
+//! The dims of the descs, for checkDims.
+template <typename Desc>
+void dimsOf(Desc const* desc, nvinfer1::Dims* dims)
+{
+    for (int32_t i = 0; i < kNbInputs; ++i)
+    {
+        if constexpr (std::is_same_v<Desc, nvinfer1::DynamicPluginTensorDesc>)
+        {
+            dims[i] = desc[i].desc.dims;
+        }
+        else
+        {
+            dims[i] = desc[i].dims;
+        }
+    }
+}
+
+bool sameDims(nvinfer1::Dims const& a, nvinfer1::Dims const& b)
+{
+    bool same = a.nbDims == b.nbDims;
+    for (int32_t k = 0; same && k < a.nbDims; ++k)
+    {
+        same = a.d[k] == b.d[k];
+    }
+    return same;
+}
+} // namespace qsa_detail
+
+EngramQsaAttentionPlugin::EngramQsaAttentionPlugin(QsaAttentionConfig const& config, nvinfer1::TensorRTPhase phase)
+    : EngramPluginBaseT(qsa_detail::kFields, config, phase)
+{
+    qsa_detail::checkConfig(mConfig);
+}
+
+int32_t EngramQsaAttentionPlugin::getNbOutputs() const noexcept
+{
+    return qsa_detail::kNbOutputs;
+}
+
+int32_t EngramQsaAttentionPlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace qsa_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
+            "expects 11 inputs (q, k, v, index_q, index_raw, key_cache, value_cache, index_key_cache, "
+            "index_k_norm_weight, token_slot, token_pos) and 4 outputs, got "
+                << nbInputs << " and " << nbOutputs);
+        DataType const io = inputTypes[kQ];
+        ENGRAM_PLUGIN_CHECK(isIoType(io), "q must be bfloat16, float16 or float32, got " << dataTypeName(io));
+        for (int32_t i : {kK, kV, kIndexQ, kIndexRaw, kKeyCache, kValueCache, kIndexKeyCache})
+        {
+            ENGRAM_PLUGIN_CHECK(inputTypes[i] == io,
+                kInputNames[i] << " must be q's type " << dataTypeName(io) << ", got " << dataTypeName(inputTypes[i]));
+        }
+        DataType const wt = inputTypes[kNormWeight];
+        ENGRAM_PLUGIN_CHECK(wt == DataType::kFLOAT || wt == io,
+            "index_k_norm_weight must be float32 or q's type " << dataTypeName(io) << ", got " << dataTypeName(wt));
+        for (int32_t i : {kTokenSlot, kTokenPos})
+        {
+            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
+                kInputNames[i] << " must be int32, got " << dataTypeName(inputTypes[i]));
+        }
+        for (int32_t i = 0; i < kNbOutputs; ++i)
+        {
+            outputTypes[i] = io;
+        }
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(qsa_detail::kName, -1);
+}
+
+int32_t EngramQsaAttentionPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+    nvinfer1::DimsExprs const* /*shapeInputs*/, int32_t /*nbShapeInputs*/, nvinfer1::DimsExprs* outputs,
+    int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace qsa_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 4 outputs");
+        ENGRAM_PLUGIN_CHECK(inputs[kQ].nbDims == 3, "q must be 3-D [T, num_heads, head_dim]");
+        ENGRAM_PLUGIN_CHECK(inputs[kKeyCache].nbDims == 4 && inputs[kValueCache].nbDims == 4,
+            "key_cache and value_cache must be 4-D [num_slots, num_kv_heads, max_len, head_dim]");
+        ENGRAM_PLUGIN_CHECK(
+            inputs[kIndexKeyCache].nbDims == 3, "index_key_cache must be 3-D [num_slots, max_len, index_dim]");
+        outputs[kOut].nbDims = 2;
+        outputs[kOut].d[0] = inputs[kQ].d[0];
+        outputs[kOut].d[1]
+            = exprBuilder.operation(nvinfer1::DimensionOperation::kPROD, *inputs[kQ].d[1], *inputs[kQ].d[2]);
+        outputs[kKeyCacheOut] = inputs[kKeyCache];
+        outputs[kValueCacheOut] = inputs[kValueCache];
+        outputs[kIndexKeyCacheOut] = inputs[kIndexKeyCache];
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(qsa_detail::kName, -1);
+}
+
+bool EngramQsaAttentionPlugin::supportsFormatCombination(
+    int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    using namespace qsa_detail;
+    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
+    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    DataType const io = inOut[kQ].desc.type;
+    switch (pos)
+    {
+    case kQ: return isIoType(desc.type);
+    case kNormWeight: return desc.type == DataType::kFLOAT || desc.type == io;
+    case kTokenSlot:
+    case kTokenPos: return desc.type == DataType::kINT32;
+    default: return desc.type == io; // the activations, the caches and every output
+    }
+}
+
+int32_t EngramQsaAttentionPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace qsa_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 4 outputs");
+        nvinfer1::Dims dims[kNbInputs];
+        dimsOf(in, dims);
+        checkDims(mConfig, dims);
+        ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kKeyCacheOut].desc.dims.nbDims == 4
+                && out[kValueCacheOut].desc.dims.nbDims == 4 && out[kIndexKeyCacheOut].desc.dims.nbDims == 3,
+            "the outputs must be [T, num_heads * head_dim] and the caches' shapes");
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(qsa_detail::kName, -1);
+}
+
+size_t EngramQsaAttentionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+    nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace qsa_detail;
+        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs, "expects 11 inputs");
+        // The block scores of the profile's largest step (its most tokens, the cache's
+        // length: static in a serving profile).
+        size_t bytes = 0;
+        int const status = engram_qsa_workspace_size(
+            inputs[kQ].max.d[0], inputs[kKeyCache].max.d[2], mConfig.compressRatio, mConfig.blockTopk, &bytes);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+        return bytes;
+    }
+    ENGRAM_PLUGIN_CATCH(qsa_detail::kName, 0);
+}
+
+int32_t EngramQsaAttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept
+{
+    // The caches are read-modify-write: each cache output is its cache input's memory.
+    switch (outputIndex)
+    {
+    case qsa_detail::kKeyCacheOut: return qsa_detail::kKeyCache;
+    case qsa_detail::kValueCacheOut: return qsa_detail::kValueCache;
+    case qsa_detail::kIndexKeyCacheOut: return qsa_detail::kIndexKeyCache;
+    default: return -1;
+    }
+}
+
+int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
+    nvinfer1::PluginTensorDesc const* outputDesc, void const* const* inputs, void* const* outputs, void* workspace,
+    cudaStream_t stream) noexcept
+{
+    ENGRAM_PLUGIN_TRY
+    {
+        using namespace qsa_detail;
+        nvinfer1::Dims dims[kNbInputs];
+        dimsOf(inputDesc, dims);
+        checkDims(mConfig, dims);
+        nvinfer1::Dims const& q = dims[kQ];
+        nvinfer1::Dims const& kc = dims[kKeyCache];
+        int64_t const numTokens = q.d[0];
+        nvinfer1::Dims const& o = outputDesc[kOut].dims;
+        ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == q.d[1] * q.d[2],
+            "the output must be [" << numTokens << ", " << q.d[1] * q.d[2] << "], got " << dimsToString(o));
+        for (int32_t i : {kKeyCacheOut, kValueCacheOut, kIndexKeyCacheOut})
+        {
+            nvinfer1::Dims const& src = dims[kKeyCache + i - kKeyCacheOut];
+            ENGRAM_PLUGIN_CHECK(sameDims(outputDesc[i].dims, src),
+                "cache output " << i << " must match its cache " << dimsToString(src) << ", got "
+                                << dimsToString(outputDesc[i].dims));
+        }
+        DataType const io = inputDesc[kQ].type;
+        bool sameType = isIoType(io);
+        for (int32_t i : {kK, kV, kIndexQ, kIndexRaw, kKeyCache, kValueCache, kIndexKeyCache})
+        {
+            sameType = sameType && inputDesc[i].type == io;
+        }
+        for (int32_t i = 0; i < kNbOutputs; ++i)
+        {
+            sameType = sameType && outputDesc[i].type == io;
+        }
+        ENGRAM_PLUGIN_CHECK(sameType,
+            "the activations, the caches and the outputs must share one type (bfloat16, float16 or float32), q is "
+                << dataTypeName(io));
+        DataType const wt = inputDesc[kNormWeight].type;
+        ENGRAM_PLUGIN_CHECK(
+            wt == DataType::kFLOAT || wt == io, "index_k_norm_weight must be float32 or q's type " << dataTypeName(io));
+        ENGRAM_PLUGIN_CHECK(
+            inputDesc[kTokenSlot].type == DataType::kINT32 && inputDesc[kTokenPos].type == DataType::kINT32,
+            "token_slot and token_pos must be int32");
+
+        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) each cache
+        // output is its input's memory; without it the step copies the caches over first.
+        for (int32_t i : {kKeyCacheOut, kValueCacheOut, kIndexKeyCacheOut})
+        {
+            int32_t const src = kKeyCache + i - kKeyCacheOut;
+            size_t const bytes = static_cast<size_t>(volume(dims[src])) * elementBytes(io);
+            if (outputs[i] != inputs[src] && bytes > 0)
+            {
+                ENGRAM_PLUGIN_CHECK_CUDA(
+                    cudaMemcpyAsync(outputs[i], inputs[src], bytes, cudaMemcpyDeviceToDevice, stream));
+            }
+        }
+        size_t workspaceBytes = 0;
+        int status
+            = engram_qsa_workspace_size(numTokens, kc.d[2], mConfig.compressRatio, mConfig.blockTopk, &workspaceBytes);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+        status = engram_qsa_attention(inputs[kQ], inputs[kK], inputs[kV], inputs[kIndexQ], inputs[kIndexRaw],
+            floatTypeCode(io), outputs[kKeyCacheOut], outputs[kValueCacheOut], outputs[kIndexKeyCacheOut],
+            inputs[kNormWeight], floatTypeCode(wt), static_cast<int32_t const*>(inputs[kTokenSlot]),
+            static_cast<int32_t const*>(inputs[kTokenPos]), numTokens, static_cast<int32_t>(q.d[1]),
+            static_cast<int32_t>(kc.d[1]), static_cast<int32_t>(q.d[2]), static_cast<int32_t>(dims[kIndexQ].d[1]),
+            static_cast<int32_t>(dims[kIndexQ].d[2]), kc.d[0], kc.d[2], mConfig.compressRatio, mConfig.blockTopk,
+            mConfig.rotDim, mConfig.ropeTheta, mConfig.eps, mConfig.scaling, workspace,
+            workspace != nullptr ? workspaceBytes : 0, outputs[kOut], stream);
+        ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
+        return 0;
+    }
+    ENGRAM_PLUGIN_CATCH(qsa_detail::kName, -1);
+}
+
+EngramQsaAttentionPluginCreator::EngramQsaAttentionPluginCreator()
+    : EngramCreator(qsa_detail::kFields)
+{
+}
+
+} // namespace plugin
+} // namespace engram_trt
