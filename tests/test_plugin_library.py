@@ -606,7 +606,7 @@ BAD_FIELDS = [
     ("EngramGather", {"n_cols": ("int64", 2**32 + 8)}, "field 'n_cols' = 4294967304 is outside"),
     ("EngramGather", {"layer_index": ("int64", 2**32 + 1)}, "field 'layer_index' = 4294967297 is outside"),
     ("EngramGather", {"head_dim": ("int64", 2**32 + 64)}, "field 'head_dim' = 4294967360 is outside"),
-    ("EngramGather", {"table_dtype": ("int64", 2**32)}, "field 'table_dtype' = 4294967296 is outside [0, 1]"),
+    ("EngramGather", {"table_dtype": ("int64", 2**32)}, "field 'table_dtype' = 4294967296 is outside [0, 3]"),
     ("EngramGather", {"num_rows": ("int64", 2**31)}, "num_rows must be in [1, 2^31 - 1]"),
     ("EngramGather", {"bad_rows_input": ("int32", 2)}, "field 'bad_rows_input' = 2 is outside [0, 1]"),
     ("EngramGather", {"column_begin": ("int32", -1)}, "column_begin must be in [0, n_cols 8), got -1"),

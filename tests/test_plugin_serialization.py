@@ -165,7 +165,7 @@ OUT_OF_RANGE = [
     ("EngramGather", "layer_index", PF_INT32, -1, "[0, 2147483647]"),
     ("EngramGather", "n_layers", PF_INT32, 0, "[1, 2147483647]"),
     ("EngramGather", "head_dim", PF_INT32, 0, "[1, 2147483647]"),
-    ("EngramGather", "table_dtype", PF_INT32, -1, "[0, 1]"), ("EngramGather", "table_dtype", PF_INT32, 2, "[0, 1]"),
+    ("EngramGather", "table_dtype", PF_INT32, -1, "[0, 3]"), ("EngramGather", "table_dtype", PF_INT32, 4, "[0, 3]"),
     ("EngramGather", "quant_block", PF_INT64, 2**31, I32_RANGE),
     ("EngramGather", "bad_rows_input", PF_INT32, -1, "[0, 1]"),
     ("EngramGather", "column_end", PF_INT64, -2**31 - 1, I32_RANGE),

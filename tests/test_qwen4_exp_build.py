@@ -1,17 +1,20 @@
 """``engram-trt build`` of Qwen4Exp (issue 30 items 3, 5, 6): transformers-saved tiny
 random checkpoints (tests/test_qwen4_exp_parity.py's configs, every parameter drawn at
-random; the PLE shards saved as BF16, the rows the engine's EngramGather reads) become
-one ONNX serving step and an engine folder.
+random; the PLE shards as save_pretrained writes them, F32, or converted to BF16 / F16:
+the engine's EngramGather reads each, rows of any width) become one ONNX serving step
+and an engine folder.
 
 * the exported graph, run by ONNX's ReferenceEvaluator (the plugin nodes bound to their
   NumPy / PyTorch references), over a packed prefill of three prompts (slots out of
   order, QSA dropping blocks) and two decode steps equals transformers' fp32 logits within
-  1e-4 relative, for hc 2 / 3 / 4, PLE on 1 and 2 layers, with and without PLE;
+  1e-4 relative, for hc 2 / 3 / 4, PLE on 1 and 2 layers, with and without PLE, PLE
+  tables of F32 / BF16 / F16 shards with rows 4 and 8 wide (the parity configs);
 * TensorRT-RTX builds the engine on the CPU with every plugin in the network and the PLE
   tables outside it (their shards in the manifest with sha256 and block hashes);
 * the engine folder, served by ``engram-trt run``, ``LLM`` and ``engram-trt serve``
   (torch backend over the source checkpoint: no GPU here), gives transformers' greedy tokens;
-* a tampered PLE shard is refused by the manifest check in one line, exit 2.
+* a tampered PLE shard is refused by the manifest check in one line, exit 2, and so are
+  PLE shards the gather cannot read (F64) or of mixed dtypes, before any work.
 """
 
 from __future__ import annotations
@@ -43,36 +46,52 @@ from engram_trt.cli.main import main  # noqa: E402
 REPO_ROOT = Path(__file__).resolve().parents[1]
 QWEN4_PLUGINS = ("EngramCausalConv1d", "EngramGatedDeltaNet", "EngramGather", "EngramPleFusion", "EngramPleHash",
                  "EngramQsaAttention")
-GRAPH_CASES = ("hc2-ple1-qsa", "hc4-ple2-interval2", "no-ple-tied-sigmoid", "ngram4-three-layers")
+# (config, PLE shard storage): F32 is what save_pretrained writes. Rows: 16 / 4 heads = 4
+# wide, 24 / 3 = 8, 12 / 3 = 4.
+GRAPH_CASES = (("hc2-ple1-qsa", "F32"), ("hc4-ple2-interval2", "BF16"), ("no-ple-tied-sigmoid", "F32"),
+               ("ngram4-three-layers", "F16"))
 EXTRA = [[7, 8], [9, EOS], [EOS, 12]]  # the two decode steps' tokens of each prompt
-# The engine's gather reads bf16 rows of a multiple of 8 elements: 32 / 4 heads.
-BUILD_CASE = dict(CASES["hc2-ple1-qsa"], ple_embed_dim=32)
+# The parity config as transformers saves it: F32 PLE shards, rows 4 wide (16 / 4 heads).
+BUILD_CASE = CASES["hc2-ple1-qsa"]
+SHARD_TYPES = {"BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def save_bf16_qwen4(folder: Path, seed: int, **overrides: Any) -> Any:
-    """:func:`save_qwen4` with the PLE tables rounded to bf16 in the model and saved as
-    BF16 shards (transformers saves float32 ones, which the engine does not read)."""
+def save_qwen4_ple_as(folder: Path, seed: int, storage: str, **overrides: Any) -> Any:
+    """:func:`save_qwen4` (F32 PLE shards, as transformers saves them) or, for ``storage``
+    BF16 / F16, with the PLE tables rounded to that type in the model and saved so."""
     from safetensors.torch import load_file, save_file
 
     model = save_qwen4(folder, seed=seed, **overrides)
+    if storage == "F32":
+        return model
+    dt = SHARD_TYPES[storage]
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "ngram_embedding" in name:
-                p.copy_(p.bfloat16().float())
+                p.copy_(p.to(dt).float())
     f = folder / "model.safetensors"
     tensors = load_file(str(f))
     for k in tensors:
         if ".ngram_embedding.shard_" in k:
-            tensors[k] = tensors[k].bfloat16()
+            tensors[k] = tensors[k].to(dt)
     save_file(tensors, str(f), metadata={"format": "pt"})
     return model
 
 
-@pytest.fixture(scope="module", params=GRAPH_CASES)
+def _shard_dtypes(folder: Path) -> set[str]:
+    """The safetensors dtypes of the PLE shards in a saved checkpoint (read from its header)."""
+    import struct
+
+    raw = (folder / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    return {v["dtype"] for k, v in header.items() if ".ngram_embedding.shard_" in k}
+
+
+@pytest.fixture(scope="module", params=GRAPH_CASES, ids=["-".join(c) for c in GRAPH_CASES])
 def graph_case(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
-    name = request.param
+    name, storage = request.param
     folder = tmp_path_factory.mktemp(name) / "ck"
-    return name, folder, save_bf16_qwen4(folder, seed=len(name) + 40, **CASES[name])
+    return name, folder, save_qwen4_ple_as(folder, len(name) + 40, storage, **CASES[name])
 
 
 def test_exported_graph_equals_transformers(graph_case: tuple[str, Path, Any]) -> None:
@@ -83,11 +102,22 @@ def test_exported_graph_equals_transformers(graph_case: tuple[str, Path, Any]) -
     name, folder, model = graph_case
     ckpt = open_checkpoint(folder)
     cfg = ckpt.config
-    exported = ckpt.architecture.export_onnx(cfg, ckpt.get, None, ExportOptions(dtype="fp32", max_position=64))
+    assert ckpt.architecture.engine_problems(ckpt) == []
+    table_dtype = ckpt.architecture.table_dtype(list(ckpt.architecture.table_refs(ckpt))) if cfg.ple else None
+    exported = ckpt.architecture.export_onnx(cfg, ckpt.get, None,
+                                             ExportOptions(dtype="fp32", max_position=64, table_dtype=table_dtype))
     plugins = set(exported.io["plugins"])
     want_plugins = {"EngramQsaAttention", "EngramCausalConv1d", "EngramGatedDeltaNet"}
     if cfg.ple is not None:
         want_plugins |= {"EngramPleHash", "EngramGather", "EngramPleFusion"}
+        # the gather reads the shards' own dtype, rows narrower than 8, and its output is cast
+        storage = _shard_dtypes(folder)
+        assert len(storage) == 1 and exported.io["ple"]["table_dtype"] == {"F32": "fp32", "BF16": "bf16",
+                                                                            "F16": "fp16"}[storage.pop()]
+        assert cfg.ple.head_dim == {"hc2-ple1-qsa": 4, "hc4-ple2-interval2": 8, "ngram4-three-layers": 4}[name]
+        gathers = [n for n in exported.model.graph.node if n.op_type == "EngramGather"]
+        codes = {a.i for n in gathers for a in n.attribute if a.name == "table_dtype"}
+        assert codes == {{"bf16": 1, "fp16": 2, "fp32": 3}[table_dtype]}
     assert plugins == want_plugins
     # the QSA drop is active: a prompt sees more complete blocks than the budget keeps
     r = cfg.qsa.compress_ratio
@@ -115,7 +145,7 @@ def test_exported_graph_is_deterministic(tmp_path: Path) -> None:
     from engram_trt.models.export import ExportOptions
     from engram_trt.models.registry import open_checkpoint
 
-    save_bf16_qwen4(tmp_path / "ck", seed=5, **CASES["hc2-ple1-qsa"])
+    save_qwen4(tmp_path / "ck", seed=5, **CASES["hc2-ple1-qsa"])
     ckpt = open_checkpoint(tmp_path / "ck")
     a, b = (ckpt.architecture.export_onnx(ckpt.config, ckpt.get, None, ExportOptions(dtype="bf16", max_position=64))
             for _ in range(2))
@@ -151,7 +181,7 @@ def _engine_skip_reason() -> str | None:
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]], dict[str, Any], str | None]:
     """(checkpoint, engine folder, transformers' greedy tokens, build report, why no engine)."""
     root = tmp_path_factory.mktemp("qwen4build")
-    model = save_bf16_qwen4(root / "ck", seed=31, **BUILD_CASE)
+    model = save_qwen4(root / "ck", seed=31, **BUILD_CASE)  # F32 PLE shards, 4-wide rows
     want = [hf_greedy(model, p) for p in PROMPTS]
     why = _engine_skip_reason()
     out = io.StringIO()
@@ -174,12 +204,13 @@ def test_manifest_records_the_ple_shards_with_their_checksums(built: tuple) -> N
     data = (ck / "model.safetensors").read_bytes()
     for t in tables:
         region = data[t["offset"]:t["offset"] + t["nbytes"]]
-        assert t["dtype"] == "BF16" and len(region) == t["nbytes"]
+        assert t["dtype"] == "F32" and len(region) == t["nbytes"]
         assert t["sha256"] == hashlib.sha256(region).hexdigest()
         assert t["block_hashes"] == [hashlib.sha256(region[i:i + t["block_bytes"]]).hexdigest()
                                      for i in range(0, t["nbytes"], t["block_bytes"])]
-    assert report["tables_bytes"] == sum(t["nbytes"] for t in tables) and manifest["table_dtype"] == "bf16"
+    assert report["tables_bytes"] == sum(t["nbytes"] for t in tables) and manifest["table_dtype"] == "fp32"
     io_ = manifest["graph"]["io"]
+    assert io_["ple"]["table_dtype"] == "fp32" and io_["ple"]["head_dim"] == 4  # F32 rows 4 wide, as saved
     assert io_["ple"]["table_rows"] == [sum(t["shape"][0] for t in tables)]
     assert sorted(io_["states"]) == sorted(["conv_state_0", "conv_state_1", "conv_state_2", "recurrent_state_0",
                                             "recurrent_state_1", "recurrent_state_2", "key_cache_3", "value_cache_3",
@@ -259,7 +290,7 @@ def test_served_engine_folder_gives_transformers_tokens(built: tuple) -> None:
 
 def test_tampered_ple_shard_refused_in_one_line(tmp_path: Path, capsys: Any) -> None:
     ck = tmp_path / "ck"
-    save_bf16_qwen4(ck, seed=7, **BUILD_CASE)
+    save_qwen4(ck, seed=7, **BUILD_CASE)
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine", "--json"]) == 0
     shard = json.loads((tmp_path / "engine" / "manifest.json").read_text())["tables"][1]
@@ -275,31 +306,33 @@ def test_tampered_ple_shard_refused_in_one_line(tmp_path: Path, capsys: Any) -> 
     assert shard["tensor"] in err and "changed since they were recorded" in err
 
 
-def test_f16_ple_shards_refused_before_any_work(tmp_path: Path, capsys: Any) -> None:
+def _restore_ple_shards(ck: Path, convert: Any) -> None:
+    """Rewrite the checkpoint's PLE shards through ``convert(name, tensor)``."""
     from safetensors.torch import load_file, save_file
 
-    ck = tmp_path / "ck"
-    save_qwen4(ck, seed=8, **BUILD_CASE)
     tensors = load_file(str(ck / "model.safetensors"))
     for k in tensors:
         if ".ngram_embedding.shard_" in k:
-            tensors[k] = tensors[k].half()
+            tensors[k] = convert(k, tensors[k])
     save_file(tensors, str(ck / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("kind", ["f64", "mixed"])
+def test_ple_shards_the_gather_cannot_read_refused_before_any_work(tmp_path: Path, capsys: Any, kind: str) -> None:
+    """F64 shards (no gather reads them) and shards of two dtypes (one table dtype per
+    engine) are refused in one line, exit 2, nothing written; F32 / BF16 / F16 of any
+    width build (the tests above)."""
+    ck = tmp_path / "ck"
+    save_qwen4(ck, seed=8, **BUILD_CASE)
+    _restore_ple_shards(ck, (lambda k, t: t.double()) if kind == "f64" else
+                        (lambda k, t: t.half() if k.endswith("shard_1.weight") else t))
     capsys.readouterr()
     code = main(["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "is F16" in err and "BF16 rows only" in err
+    if kind == "f64":
+        assert "is F64" in err and "reads BF16 / F16 / F32 rows" in err
+    else:
+        assert "PLE table shards mix dtypes" in err and "shard_1.weight is F16" in err and "is F32" in err
     assert not (tmp_path / "engine").exists()
     shutil.rmtree(ck)
-
-
-def test_ple_rows_narrower_than_the_gather_refused(tmp_path: Path, capsys: Any) -> None:
-    ck = tmp_path / "ck"
-    save_bf16_qwen4(ck, seed=9, **CASES["hc2-ple1-qsa"])  # 16 / 4 heads: rows of 4 elements
-    capsys.readouterr()
-    code = main(["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1, err
-    assert "PLE rows are 4 wide" in err and "multiple of 8" in err
-    assert not (tmp_path / "engine").exists()

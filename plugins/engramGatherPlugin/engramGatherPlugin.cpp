@@ -41,8 +41,8 @@ constexpr Field<GatherConfig> kFieldList[] = {
     field<&GatherConfig::numLayers>("n_layers", 1),
     field<&GatherConfig::numCols>("n_cols", 1),
     field<&GatherConfig::headDim>("head_dim", 1),
-    field<&GatherConfig::tableDtype>("table_dtype", ENGRAM_TABLE_FP8_E4M3, ENGRAM_TABLE_BF16),
-    field<&GatherConfig::quantBlock>("quant_block"), // any int32: ignored for bf16 tables
+    field<&GatherConfig::tableDtype>("table_dtype", ENGRAM_TABLE_FP8_E4M3, ENGRAM_TABLE_F32),
+    field<&GatherConfig::quantBlock>("quant_block"), // any int32: ignored for float tables
     field<&GatherConfig::numRows>("num_rows"),
     field<&GatherConfig::badRowsInput>("bad_rows_input").optional(),
     field<&GatherConfig::columnBegin>("column_begin").optional(),
@@ -88,6 +88,21 @@ bool GatherConfig::fp8() const
     return tableDtype == ENGRAM_TABLE_FP8_E4M3;
 }
 
+DataType GatherConfig::outType() const
+{
+    switch (tableDtype)
+    {
+    case ENGRAM_TABLE_F16: return DataType::kHALF;
+    case ENGRAM_TABLE_F32: return DataType::kFLOAT;
+    default: return DataType::kBF16; // fp8 (dequantized) and bf16
+    }
+}
+
+int32_t GatherConfig::outElemBytes() const
+{
+    return tableDtype == ENGRAM_TABLE_F32 ? 4 : 2;
+}
+
 EngramGatherPlugin::EngramGatherPlugin(GatherConfig const& config, nvinfer1::TensorRTPhase phase)
     : EngramPluginBaseT(gather_detail::kFields, config, phase)
 {
@@ -111,7 +126,7 @@ int32_t EngramGatherPlugin::getOutputDataTypes(
             ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT64,
                 "address input " << i << " must be int64, got " << dataTypeName(inputTypes[i]));
         }
-        outputTypes[0] = DataType::kBF16;
+        outputTypes[0] = mConfig.outType();
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
@@ -155,7 +170,7 @@ bool EngramGatherPlugin::supportsFormatCombination(
     {
         return desc.type == DataType::kINT64;
     }
-    return desc.type == DataType::kBF16;
+    return desc.type == mConfig.outType();
 }
 
 int32_t EngramGatherPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
@@ -202,7 +217,7 @@ int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
         {
             // TensorRT runs this enqueue to time the plugin on inputs it made up: the
             // address inputs hold arbitrary values, so no table (and no counter) is read.
-            size_t const bytes = static_cast<size_t>(volume(out)) * 2; // bf16
+            size_t const bytes = static_cast<size_t>(volume(out)) * mConfig.outElemBytes();
             if (bytes > 0)
             {
                 ENGRAM_PLUGIN_CHECK_CUDA(cudaMemsetAsync(outputs[0], 0, bytes, stream));

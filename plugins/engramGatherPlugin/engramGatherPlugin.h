@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
- * EngramGather (version "1", namespace "engram_trt"): row ids of one layer -> bf16
- * rows, read from a table whose addresses are engine inputs (int64), so tables never
+ * EngramGather (version "1", namespace "engram_trt"): row ids of one layer -> rows
+ * (bf16 for an fp8 table, dequantized; the table's dtype for a bf16 / f16 / f32 table of
+ * any width), read from a table whose addresses are engine inputs (int64), so tables never
  * enter an engine. An optional last input holds the address of a device int64 that
  * counts the rows that read nothing. A plugin created for a build (TensorRTPhase::kBUILD,
  * and every clone of it) never dereferences an address: TensorRT times it on made-up
@@ -37,6 +38,9 @@ struct GatherConfig
     bool badRowsInput{false}; // the node's last input holds the bad-row counter's address
 
     bool fp8() const;
+    //! The output's type: bf16 for fp8 and bf16 tables, else the table's dtype.
+    nvinfer1::DataType outType() const;
+    int32_t outElemBytes() const;
     //! Columns of the output, columnEnd - columnBegin.
     int32_t outCols() const
     {

@@ -78,6 +78,10 @@ inline bool overlaps(void const* a, int64_t aBytes, void const* b, int64_t bByte
 int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows,
     int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes, int64_t& scaleBytes);
 
+//! Bytes of one element of an EngramTableDtype (fp8 1, bf16 / f16 2, f32 4; 0 for any
+//! other value).
+int32_t gatherElemBytes(int32_t tableDtype);
+
 //! Enqueues the gather kernel. Exactly one of (rows, rowsAddr) is used: a non-null
 //! rowsAddr means the addresses are read on the device. badRows (a device int64) or
 //! badRowsAddr (a device int64 holding such a counter's address, 0 = none) counts the

@@ -17,8 +17,10 @@ namespace engram_trt
 namespace kernels
 {
 
-int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows,
-    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes, int64_t& scaleBytes)
+namespace
+{
+//! The id and table shape checks every gather makes.
+int checkGatherShape(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows)
 {
     if (numTokens < 0 || numCols < 1 || idTokenStride < numCols || tableNumRows < 0)
     {
@@ -27,6 +29,17 @@ int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64
             "(got %lld, %d, %lld, %lld)",
             fn, static_cast<long long>(numTokens), numCols, static_cast<long long>(idTokenStride),
             static_cast<long long>(tableNumRows));
+    }
+    return 0;
+}
+} // namespace
+
+int validateGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride, int64_t tableNumRows,
+    int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes, int64_t& scaleBytes)
+{
+    if (int const status = checkGatherShape(fn, numTokens, numCols, idTokenStride, tableNumRows))
+    {
+        return status;
     }
     if (tableDtype == ENGRAM_TABLE_FP8_E4M3)
     {
@@ -68,6 +81,43 @@ using namespace engram_trt::kernels;
 namespace
 {
 
+//! The table checks of the GPU gather (engram_gather[_ex|_part|_indirect], the plugin):
+//! an fp8 table as validateGatherArgs (the host gather's contract, which stays bf16 / fp8
+//! of 16-byte rows), a float table (bf16, f16, f32) of any head_dim >= 1 whose output
+//! needs only its element's alignment. Sets rowBytes and scaleBytes as validateGatherArgs.
+int validateDeviceGatherArgs(char const* fn, int64_t numTokens, int32_t numCols, int64_t idTokenStride,
+    int64_t tableNumRows, int32_t headDim, int32_t tableDtype, int32_t quantBlock, void const* out, int64_t& rowBytes,
+    int64_t& scaleBytes)
+{
+    if (tableDtype == ENGRAM_TABLE_FP8_E4M3)
+    {
+        return validateGatherArgs(fn, numTokens, numCols, idTokenStride, tableNumRows, headDim, tableDtype, quantBlock,
+            out, rowBytes, scaleBytes);
+    }
+    int32_t const elemBytes = gatherElemBytes(tableDtype);
+    if (elemBytes < 2)
+    {
+        return fail(cudaErrorInvalidValue, "%s: table_dtype %d is none of fp8_e4m3 (0), bf16 (1), f16 (2), f32 (3)", fn,
+            tableDtype);
+    }
+    if (int const status = checkGatherShape(fn, numTokens, numCols, idTokenStride, tableNumRows))
+    {
+        return status;
+    }
+    if (headDim < 1)
+    {
+        return fail(cudaErrorInvalidValue, "%s: float tables need head_dim >= 1 (got %d)", fn, headDim);
+    }
+    if (numTokens > 0 && (out == nullptr || !isAligned(out, elemBytes)))
+    {
+        return fail(cudaErrorInvalidValue, "%s: out must be a device pointer aligned to the table's %d-byte element",
+            fn, elemBytes);
+    }
+    rowBytes = static_cast<int64_t>(elemBytes) * headDim;
+    scaleBytes = 0;
+    return 0;
+}
+
 //! The row_offset checks of the _ex entry points: [0, 2^31 - 1] (ids are int32), and 0
 //! for the identity gather (ids NULL), whose output row r reads table row r.
 int checkRowOffset(char const* fn, int32_t const* ids, int64_t rowOffset)
@@ -92,8 +142,8 @@ int gatherDirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_t 
 {
     int64_t rowBytes = 0;
     int64_t scaleBytes = 0;
-    if (int const status = validateGatherArgs(fn, numTokens, numCols, idTokenStride, tableNumRows, headDim, tableDtype,
-            quantBlock, out, rowBytes, scaleBytes))
+    if (int const status = validateDeviceGatherArgs(fn, numTokens, numCols, idTokenStride, tableNumRows, headDim,
+            tableDtype, quantBlock, out, rowBytes, scaleBytes))
     {
         return status;
     }
@@ -103,9 +153,12 @@ int gatherDirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_t 
     }
     if (numTokens > 0 && tableNumRows > 0)
     {
-        if (tableRows == nullptr || !isAligned(tableRows, 16))
+        if (tableRows == nullptr || !isAligned(tableRows, scaleBytes > 0 ? 16 : gatherElemBytes(tableDtype)))
         {
-            return fail(cudaErrorInvalidValue, "%s: table rows must be a 16-byte aligned pointer", fn);
+            return scaleBytes > 0
+                ? fail(cudaErrorInvalidValue, "%s: table rows must be a 16-byte aligned pointer", fn)
+                : fail(cudaErrorInvalidValue, "%s: table rows must be a pointer aligned to the table's %d-byte element",
+                      fn, gatherElemBytes(tableDtype));
         }
         if (scaleBytes > 0 && tableScales == nullptr)
         {
@@ -126,8 +179,8 @@ int gatherIndirect(char const* fn, int32_t const* ids, int64_t numTokens, int32_
 {
     int64_t rowBytes = 0;
     int64_t scaleBytes = 0;
-    if (int const status = validateGatherArgs(fn, numTokens, numCols, idTokenStride, tableNumRows, headDim, tableDtype,
-            quantBlock, out, rowBytes, scaleBytes))
+    if (int const status = validateDeviceGatherArgs(fn, numTokens, numCols, idTokenStride, tableNumRows, headDim,
+            tableDtype, quantBlock, out, rowBytes, scaleBytes))
     {
         return status;
     }
@@ -249,7 +302,7 @@ extern "C" ENGRAM_API int engram_gather_check_table(int32_t headDim, int32_t tab
     clearError();
     int64_t rowBytes = 0;
     int64_t scaleBytes = 0;
-    return validateGatherArgs(
+    return validateDeviceGatherArgs(
         "engram_gather", 0, 1, 1, 0, headDim, tableDtype, quantBlock, nullptr, rowBytes, scaleBytes);
 }
 

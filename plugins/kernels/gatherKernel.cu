@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
- * Row gather + dequantization: table row ids -> bf16 rows [T, cols, head_dim].
+ * Row gather + dequantization: table row ids -> rows [T, cols, head_dim]: bf16 for an
+ * fp8 table (dequantized), the table's own dtype for a float table (bf16, f16 or f32
+ * rows of any width, copied as they are).
  *
  * The table may live in device memory or in pinned / registered host memory read
  * through UVA. Reads of host memory cross PCIe with microseconds of latency, so the
@@ -41,6 +43,14 @@
  * float32, denormals kept), rounded once to bf16 (round-to-nearest-even), which is
  * what dequant_fp8_rows(...) followed by a bf16 cast gives.
  *
+ * Float rows (bf16 / f16 / f32) are moved as words of the widest size, 16, 8, 4 or 2
+ * bytes, that divides the row's bytes, the table address and the output address: a
+ * 64-wide bf16 row is 8 16-byte vectors as before, a 4-wide bf16 row (8 bytes) one 8-byte
+ * word, a 3-wide one three 2-byte words. The choice is made on the device, once per
+ * thread, since the indirect form's table address is only known there; every thread
+ * takes the same branch. A float table address must be aligned to its element (2 or 4
+ * bytes): an address that is not is unusable, as a 0 is.
+ *
  * The argument checks and the C ABI entry points live in gatherApi.cpp.
  */
 #include "engramKernels.h"
@@ -74,9 +84,10 @@ struct GatherParams
     int64_t numRowsOut; // num_tokens * num_cols
     int64_t idTokenStride;
     int64_t tableNumRows;
-    int64_t rowBytes; // input bytes of one table row
+    int64_t rowBytes;  // input bytes of one table row
+    int32_t elemBytes; // bytes of one table element: 1 (fp8), 2 (bf16 / f16) or 4 (f32)
     int32_t numCols;
-    int32_t vectorsPerRow; // rowBytes / 16
+    int32_t vectorsPerRow; // rowBytes / 16 (fp8; float rows pick their word on the device)
     int32_t scalesPerRow;  // head_dim / quant_block (fp8)
     int32_t quantBlock;
     uint32_t rowOffset; // global id of the table's first row (with ids; the launch caps tableNumRows at 2^31 - it)
@@ -112,6 +123,74 @@ __device__ __forceinline__ uint2 decodeFp8x4(uint32_t word, float scale)
     return make_uint2(packBf16x2(a.x * scale, a.y * scale), packBf16x2(b.x * scale, b.y * scale));
 }
 
+//! The widest word, 16, 8, 4 or 2 bytes (1 for an odd address), that divides rowBytes
+//! and both addresses: the lowest set bit of their OR, capped at 16.
+__device__ __forceinline__ int32_t floatWordBytes(int64_t rowBytes, uintptr_t a, uintptr_t b)
+{
+    uintptr_t const bits = static_cast<uintptr_t>(rowBytes) | a | b | uintptr_t{16};
+    return static_cast<int32_t>(bits & (~bits + 1));
+}
+
+//! Float rows moved as `Word`s (rowBytes, rows and p.out are multiples of its size): the
+//! fp8 kernel's loop without the decode, every load issued before any store. Output word
+//! v of the flat [rows, words per row] output is row v / wpr's word v % wpr, so the store
+//! index is the loop index itself.
+template <typename Word, bool kCount, int kUnroll>
+__device__ __forceinline__ void copyFloatRows(
+    GatherParams const& p, uint8_t const* rows, int64_t tableNumRows, uint32_t& bad)
+{
+    int64_t const wpr = p.rowBytes / static_cast<int64_t>(sizeof(Word));
+    int64_t const total = p.numRowsOut * wpr;
+    int64_t const stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    Word* out = reinterpret_cast<Word*>(p.out);
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+        base += stride * kUnroll)
+    {
+        Word data[kUnroll];
+        int64_t dst[kUnroll];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+        {
+            int64_t const v = base + k * stride;
+            data[k] = Word{};
+            dst[k] = -1;
+            if (v < total)
+            {
+                int64_t const r = v / wpr;
+                int64_t const j = v - r * wpr;
+                dst[k] = v;
+                int64_t id = r;
+                if (p.ids != nullptr)
+                {
+                    int64_t const t = r / p.numCols;
+                    id = static_cast<uint32_t>(p.ids[t * p.idTokenStride + (r - t * p.numCols)]) - p.rowOffset;
+                }
+                if (static_cast<uint64_t>(id) < static_cast<uint64_t>(tableNumRows))
+                {
+                    data[k] = *reinterpret_cast<Word const*>(
+                        rows + id * p.rowBytes + j * static_cast<int64_t>(sizeof(Word)));
+                }
+                else if (p.keepOutside)
+                {
+                    dst[k] = -1;
+                }
+                else if (kCount && j == 0)
+                {
+                    ++bad;
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k)
+        {
+            if (dst[k] >= 0)
+            {
+                out[dst[k]] = data[k];
+            }
+        }
+    }
+}
+
 //! kCount: count the rows that read nothing into p.badRows / *p.badRowsAddr (a separate
 //! instantiation: the count's registers would otherwise cost the plain gather occupancy).
 //! kRowScales (fp8, rows of 16 * 2^k bytes <= 512 whose vectors share a warp): each scale
@@ -137,112 +216,141 @@ __global__ void __launch_bounds__(256) engramGatherKernel(GatherParams const p)
         // runs. An unbound (0) or misaligned row address, or an fp8 table without scales,
         // would fault and take the whole CUDA context down; read no table instead, so
         // every id is out of range and the output is all zero rows (fp8 zero * scale 0).
+        // A float table needs its element's alignment only (its word follows below).
+        uintptr_t const alignMask = kFp8 ? 15u : static_cast<uintptr_t>(p.elemBytes - 1);
         bool const usable
-            = rows != nullptr && (reinterpret_cast<uintptr_t>(rows) & 15u) == 0 && (!kFp8 || scales != nullptr);
+            = rows != nullptr && (reinterpret_cast<uintptr_t>(rows) & alignMask) == 0 && (!kFp8 || scales != nullptr);
         if (!usable)
         {
             tableNumRows = 0;
         }
     }
 
-    int32_t const vpr = p.vectorsPerRow;
     int32_t const lane = static_cast<int32_t>(threadIdx.x) & 31;
-    int64_t const totalVectors = p.numRowsOut * vpr;
-    int64_t const stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     uint32_t bad = 0;
-    // With kRowScales the loop runs on the warp's first vector, so all 32 lanes take the
-    // same iterations (the shuffles need every lane); a row's vectors then share a warp
-    // because vpr divides 32 and every vector index v is lane (mod 32) (blockDim.x and
-    // the grid stride are multiples of 32). Otherwise each lane loops on its own vector.
-    int64_t const first
-        = static_cast<int64_t>(blockIdx.x) * blockDim.x + (kRowScales ? threadIdx.x & ~31u : threadIdx.x);
-    for (int64_t loopBase = first; loopBase < totalVectors; loopBase += stride * kUnroll)
+    if constexpr (!kFp8)
     {
-        int64_t const base = kRowScales ? loopBase + lane : loopBase;
-        uint4 data[kUnroll];
-        uint32_t scaleByte[kUnroll];
-        int64_t outRow[kUnroll];
-        int32_t vec[kUnroll];
-        // Phase 1: resolve ids and issue every load before using any of them.
-#pragma unroll
-        for (int k = 0; k < kUnroll; ++k)
+        // The direct form's table address was checked at the launch, the indirect one's
+        // above: both are element-aligned when rows are read, so the word is >= 2 bytes.
+        uintptr_t const rowsBits = tableNumRows > 0 ? reinterpret_cast<uintptr_t>(rows) : 0;
+        int32_t const word = floatWordBytes(p.rowBytes, rowsBits, reinterpret_cast<uintptr_t>(p.out));
+        if (word >= 16)
         {
-            int64_t const v = base + k * stride;
-            data[k] = make_uint4(0, 0, 0, 0);
-            scaleByte[k] = 0; // 2^-127 * 0 = 0 for the zero rows
-            outRow[k] = -1;
-            vec[k] = 0;
-            if (v < totalVectors)
+            copyFloatRows<uint4, kCount, kUnroll>(p, rows, tableNumRows, bad);
+        }
+        else if (word == 8)
+        {
+            copyFloatRows<uint2, kCount, kUnroll>(p, rows, tableNumRows, bad);
+        }
+        else if (word == 4)
+        {
+            copyFloatRows<uint32_t, kCount, kUnroll>(p, rows, tableNumRows, bad);
+        }
+        else
+        {
+            copyFloatRows<uint16_t, kCount, kUnroll>(p, rows, tableNumRows, bad);
+        }
+    }
+    else
+    {
+        int32_t const vpr = p.vectorsPerRow;
+        int64_t const totalVectors = p.numRowsOut * vpr;
+        int64_t const stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+        // With kRowScales the loop runs on the warp's first vector, so all 32 lanes take the
+        // same iterations (the shuffles need every lane); a row's vectors then share a warp
+        // because vpr divides 32 and every vector index v is lane (mod 32) (blockDim.x and
+        // the grid stride are multiples of 32). Otherwise each lane loops on its own vector.
+        int64_t const first
+            = static_cast<int64_t>(blockIdx.x) * blockDim.x + (kRowScales ? threadIdx.x & ~31u : threadIdx.x);
+        for (int64_t loopBase = first; loopBase < totalVectors; loopBase += stride * kUnroll)
+        {
+            int64_t const base = kRowScales ? loopBase + lane : loopBase;
+            uint4 data[kUnroll];
+            uint32_t scaleByte[kUnroll];
+            int64_t outRow[kUnroll];
+            int32_t vec[kUnroll];
+            // Phase 1: resolve ids and issue every load before using any of them.
+#pragma unroll
+            for (int k = 0; k < kUnroll; ++k)
             {
-                int64_t const r = v / vpr;
-                int32_t const j = static_cast<int32_t>(v - r * vpr);
-                outRow[k] = r;
-                vec[k] = j;
-                int64_t id = r; // the table row: output row r (identity), or the id less rowOffset
-                if (p.ids != nullptr)
+                int64_t const v = base + k * stride;
+                data[k] = make_uint4(0, 0, 0, 0);
+                scaleByte[k] = 0; // 2^-127 * 0 = 0 for the zero rows
+                outRow[k] = -1;
+                vec[k] = 0;
+                if (v < totalVectors)
                 {
-                    // 32-bit wrap: an id below rowOffset becomes >= 2^31 - rowOffset >= tableNumRows.
-                    int64_t const t = r / p.numCols;
-                    id = static_cast<uint32_t>(p.ids[t * p.idTokenStride + (r - t * p.numCols)]) - p.rowOffset;
-                }
-                if (static_cast<uint64_t>(id) < static_cast<uint64_t>(tableNumRows))
-                {
-                    data[k] = *reinterpret_cast<uint4 const*>(rows + id * p.rowBytes + static_cast<int64_t>(j) * 16);
-                    if (kFp8)
+                    int64_t const r = v / vpr;
+                    int32_t const j = static_cast<int32_t>(v - r * vpr);
+                    outRow[k] = r;
+                    vec[k] = j;
+                    int64_t id = r; // the table row: output row r (identity), or the id less rowOffset
+                    if (p.ids != nullptr)
                     {
-                        if (kRowScales)
+                        // 32-bit wrap: an id below rowOffset becomes >= 2^31 - rowOffset >= tableNumRows.
+                        int64_t const t = r / p.numCols;
+                        id = static_cast<uint32_t>(p.ids[t * p.idTokenStride + (r - t * p.numCols)]) - p.rowOffset;
+                    }
+                    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(tableNumRows))
+                    {
+                        data[k]
+                            = *reinterpret_cast<uint4 const*>(rows + id * p.rowBytes + static_cast<int64_t>(j) * 16);
+                        if (kFp8)
                         {
-                            if (j < p.scalesPerRow) // lane j of the row loads the row's scale byte j
+                            if (kRowScales)
                             {
-                                scaleByte[k] = scales[id * p.scalesPerRow + j];
+                                if (j < p.scalesPerRow) // lane j of the row loads the row's scale byte j
+                                {
+                                    scaleByte[k] = scales[id * p.scalesPerRow + j];
+                                }
+                            }
+                            else
+                            {
+                                scaleByte[k] = scales[id * p.scalesPerRow + (j * 16) / p.quantBlock];
                             }
                         }
-                        else
-                        {
-                            scaleByte[k] = scales[id * p.scalesPerRow + (j * 16) / p.quantBlock];
-                        }
+                    }
+                    else if (p.keepOutside)
+                    {
+                        outRow[k] = -1; // another call writes this row (engram_gather_part)
+                    }
+                    else if (kCount && j == 0)
+                    {
+                        ++bad; // one count per row, by its first vector's lane
                     }
                 }
-                else if (p.keepOutside)
-                {
-                    outRow[k] = -1; // another call writes this row (engram_gather_part)
-                }
-                else if (kCount && j == 0)
-                {
-                    ++bad; // one count per row, by its first vector's lane
-                }
             }
-        }
-        // Phase 2: convert and store.
+            // Phase 2: convert and store.
 #pragma unroll
-        for (int k = 0; k < kUnroll; ++k)
-        {
-            if (kRowScales)
+            for (int k = 0; k < kUnroll; ++k)
             {
-                // The byte of this vector's quant block, from the row's lane that loaded it.
-                int32_t const leader = lane - vec[k];
-                scaleByte[k] = __shfl_sync(0xFFFFFFFFu, scaleByte[k], leader + (vec[k] * 16) / p.quantBlock);
-            }
-            if (outRow[k] < 0)
-            {
-                continue;
-            }
-            if (kFp8)
-            {
-                // 16 fp8 in -> 16 bf16 out = two 16-byte stores; out row is 2 * vectorsPerRow vectors.
-                // A row that read nothing holds zero bytes and scale byte 0 (2^-127): +0.
-                float const scale = ue8m0ToFloat(scaleByte[k]);
-                uint2 const a = decodeFp8x4(data[k].x, scale);
-                uint2 const b = decodeFp8x4(data[k].y, scale);
-                uint2 const c = decodeFp8x4(data[k].z, scale);
-                uint2 const d = decodeFp8x4(data[k].w, scale);
-                uint4* dst = p.out + outRow[k] * (2 * vpr) + 2 * vec[k];
-                dst[0] = make_uint4(a.x, a.y, b.x, b.y);
-                dst[1] = make_uint4(c.x, c.y, d.x, d.y);
-            }
-            else
-            {
-                p.out[outRow[k] * vpr + vec[k]] = data[k];
+                if (kRowScales)
+                {
+                    // The byte of this vector's quant block, from the row's lane that loaded it.
+                    int32_t const leader = lane - vec[k];
+                    scaleByte[k] = __shfl_sync(0xFFFFFFFFu, scaleByte[k], leader + (vec[k] * 16) / p.quantBlock);
+                }
+                if (outRow[k] < 0)
+                {
+                    continue;
+                }
+                if (kFp8)
+                {
+                    // 16 fp8 in -> 16 bf16 out = two 16-byte stores; out row is 2 * vectorsPerRow vectors.
+                    // A row that read nothing holds zero bytes and scale byte 0 (2^-127): +0.
+                    float const scale = ue8m0ToFloat(scaleByte[k]);
+                    uint2 const a = decodeFp8x4(data[k].x, scale);
+                    uint2 const b = decodeFp8x4(data[k].y, scale);
+                    uint2 const c = decodeFp8x4(data[k].z, scale);
+                    uint2 const d = decodeFp8x4(data[k].w, scale);
+                    uint4* dst = p.out + outRow[k] * (2 * vpr) + 2 * vec[k];
+                    dst[0] = make_uint4(a.x, a.y, b.x, b.y);
+                    dst[1] = make_uint4(c.x, c.y, d.x, d.y);
+                }
+                else
+                {
+                    p.out[outRow[k] * vpr + vec[k]] = data[k];
+                }
             }
         }
     }
@@ -475,12 +583,36 @@ int preloadGatherKernels()
     return 0;
 }
 
+int32_t gatherElemBytes(int32_t tableDtype)
+{
+    switch (tableDtype)
+    {
+    case ENGRAM_TABLE_FP8_E4M3: return 1;
+    case ENGRAM_TABLE_BF16:
+    case ENGRAM_TABLE_F16: return 2;
+    case ENGRAM_TABLE_F32: return 4;
+    default: return 0;
+    }
+}
+
+namespace
+{
+//! floatWordBytes on the host, for the grid's size: rows may be null (indirect form).
+int64_t hostFloatWordBytes(int64_t rowBytes, void const* rows, void const* out)
+{
+    uintptr_t const bits = static_cast<uintptr_t>(rowBytes) | reinterpret_cast<uintptr_t>(rows)
+        | reinterpret_cast<uintptr_t>(out) | uintptr_t{16};
+    return static_cast<int64_t>(bits & (~bits + 1));
+}
+} // namespace
+
 int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t idTokenStride, void const* rows,
     void const* scales, int64_t const* rowsAddr, int64_t const* scalesAddr, int64_t tableNumRows, int32_t headDim,
     int32_t tableDtype, int32_t quantBlock, void* out, cudaStream_t stream, int64_t* badRows,
     int64_t const* badRowsAddr, int64_t rowOffset, bool keepOutside, int32_t maxBlocks)
 {
     bool const fp8 = tableDtype == ENGRAM_TABLE_FP8_E4M3;
+    int32_t const elemBytes = gatherElemBytes(tableDtype);
     GatherParams p{};
     p.ids = ids;
     p.rows = static_cast<uint8_t const*>(rows);
@@ -497,9 +629,10 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
     int64_t const idRowLimit = (int64_t{1} << 31) - rowOffset;
     p.tableNumRows = ids != nullptr ? std::min(tableNumRows, idRowLimit) : tableNumRows;
     p.rowOffset = static_cast<uint32_t>(rowOffset);
-    p.rowBytes = fp8 ? headDim : 2 * static_cast<int64_t>(headDim);
+    p.rowBytes = static_cast<int64_t>(elemBytes) * headDim;
+    p.elemBytes = elemBytes;
     p.numCols = numCols;
-    p.vectorsPerRow = static_cast<int32_t>(p.rowBytes / 16);
+    p.vectorsPerRow = fp8 ? static_cast<int32_t>(p.rowBytes / 16) : 0;
     p.scalesPerRow = fp8 ? headDim / quantBlock : 0;
     p.quantBlock = fp8 ? quantBlock : 1;
     p.keepOutside = keepOutside;
@@ -508,7 +641,10 @@ int launchGather(int32_t const* ids, int64_t numTokens, int32_t numCols, int64_t
         return 0;
     }
 
-    int64_t const totalVectors = p.numRowsOut * p.vectorsPerRow;
+    // Float rows: the words the kernel will move, as far as the host can tell (the
+    // indirect form's table address may narrow them on the device; the wave caps the grid).
+    int64_t const hostWord = fp8 ? 16 : hostFloatWordBytes(p.rowBytes, rows, out);
+    int64_t const totalVectors = p.numRowsOut * (fp8 ? p.vectorsPerRow : p.rowBytes / hostWord);
     int64_t const wanted = (totalVectors + kGatherThreads * kGatherUnroll - 1) / (kGatherThreads * kGatherUnroll);
     // One wave of resident blocks, no more: the grid-stride loop covers the rest.
     bool const count = badRows != nullptr || badRowsAddr != nullptr;

@@ -18,12 +18,18 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from engram_trt.models.export import DTYPES, PLUGIN_DOMAIN, TABLE_DTYPE_CODES, ExportedModel, decode_multipliers
+from engram_trt.models.export import (DTYPES, FLOAT_TABLE_DTYPE_CODES, PLUGIN_DOMAIN, TABLE_DTYPE_CODES, ExportedModel,
+                                      decode_multipliers)
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
+
+
+# EngramGather's float table_dtype codes (models/export.FLOAT_TABLE_DTYPE_CODES) -> NumPy dtype.
+_FLOAT_TABLE_NP = {FLOAT_TABLE_DTYPE_CODES["bf16"]: ml_dtypes.bfloat16, FLOAT_TABLE_DTYPE_CODES["fp16"]: np.float16,
+                   FLOAT_TABLE_DTYPE_CODES["fp32"]: np.float32}
 
 
 class TableRegistry:
@@ -127,10 +133,21 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
             if int(table_dtype) == TABLE_DTYPE_CODES["fp8"]:
                 scale = registry.lookup(int(np.asarray(scale_ptr).reshape(-1)[0]))
                 rows = dequant_fp8_rows(table[ids], scale[ids], int(quant_block))
-            else:
-                rows = table.view(ml_dtypes.bfloat16)[ids].astype(np.float32)
-            rows = np.where(inside[..., None], rows, np.float32(0.0))
-            return (rows.astype(ml_dtypes.bfloat16),)  # FP8 * 2^k is exact in bf16
+                rows = np.where(inside[..., None], rows, np.float32(0.0))
+                return (rows.astype(ml_dtypes.bfloat16),)  # FP8 * 2^k is exact in bf16
+            # A float table: its rows as they are, in its own dtype (the plugin's output).
+            np_dt = _FLOAT_TABLE_NP.get(int(table_dtype))
+            if np_dt is None:
+                raise EngramError(f"EngramGather table_dtype {int(table_dtype)} is not one of the plugin's "
+                                  f"(fp8 0, bf16 1, fp16 2, fp32 3)")
+            if table.dtype.itemsize != np.dtype(np_dt).itemsize:
+                raise EngramError(f"table at the given address is {table.dtype}, the graph's gather reads "
+                                  f"{np.dtype(np_dt).name} rows (table_dtype {int(table_dtype)})")
+            rows = table.view(np_dt)[ids]
+            if rows.shape[-1] != int(head_dim):
+                raise EngramError(f"table at the given address has rows of {rows.shape[-1]}, the graph expects "
+                                  f"{int(head_dim)}")
+            return (np.where(inside[..., None], rows, np.zeros((), np_dt)),)
 
     class EngramGate(OpRun):
         op_domain = PLUGIN_DOMAIN

@@ -20,8 +20,9 @@ from engram_trt.models.export import DTYPES, ExportedModel
 
 
 def ple_tables_of(ckpt: Any) -> list[np.ndarray]:
-    """Each PLE layer's table ``[rows, head_dim]`` bf16, its shards joined in row order
-    (what a memory store holds); the tests' and scripts' binding for the runner."""
+    """Each PLE layer's table ``[rows, head_dim]`` in its shards' dtype (bf16, float16 or
+    float32, what the graph's gather reads), its shards joined in row order (what a
+    memory store holds); the tests' and scripts' binding for the runner."""
     import torch
 
     from engram_trt.models.qwen4_exp.ple_tables import shard_names
@@ -32,15 +33,21 @@ def ple_tables_of(ckpt: Any) -> list[np.ndarray]:
     out = []
     for layer in cfg.ple.layers:
         parts = [ckpt.get(n) for n in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts)]
-        if any(p.dtype != torch.bfloat16 for p in parts):
-            raise EngramError(f"PLE shards of layer {layer + 1} are {parts[0].dtype}, not bfloat16 (the graph's gather reads bf16 rows)")
+        kinds = {p.dtype for p in parts}
+        if len(kinds) != 1 or not kinds <= {torch.bfloat16, torch.float16, torch.float32}:
+            raise EngramError(f"PLE shards of layer {layer + 1} are {sorted(map(str, kinds))}: the graph's gather reads "
+                              f"one of bfloat16 / float16 / float32 per table")
         joined = torch.cat(parts, dim=0).contiguous()
-        out.append(joined.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy())
+        if joined.dtype == torch.bfloat16:
+            out.append(joined.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy())
+        else:
+            out.append(joined.numpy().copy())
     return out
 
 
 class Qwen4ExpReferenceRunner:
-    """See the module docstring. ``tables``: per PLE layer its bf16 rows (:func:`ple_tables_of`)."""
+    """See the module docstring. ``tables``: per PLE layer its rows in the dtype the graph's gather reads
+    (:func:`ple_tables_of`)."""
 
     def __init__(self, exported: ExportedModel, config: Any, tables: Sequence[np.ndarray] = (), *, num_slots: int = 4,
                  max_seq_len: int | None = None) -> None:

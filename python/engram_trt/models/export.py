@@ -36,13 +36,18 @@ DTYPES: dict[str, tuple[int, Any, str]] = {
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 # Element types the Engram plugins accept for their floating-point tensors. The
-# gather kernel always produces bf16 rows; the gate takes hidden/kv/out in any of
+# gather kernel produces bf16 rows from the Engram tables (fp8 or bf16; float PLE tables
+# come out in their own dtype, FLOAT_TABLE_DTYPE_CODES); the gate takes hidden/kv/out in any of
 # GATE_IO_DTYPES (one type per node, fp32 math inside), so a graph of one of these
 # dtypes feeds it directly, and the exporter casts around it for any other dtype.
 GATE_IO_DTYPES = ("bf16", "fp16", "fp32")
 GATHER_OUT_DTYPE = "bf16"
 # EngramGather field ``table_dtype`` (EngramTableDtype in plugins/kernels/engramKernels.h).
 TABLE_DTYPE_CODES = {"fp8": 0, "bf16": 1}
+# The float tables EngramGather reads (any row width): its output is the table's dtype
+# (fp8 rows come out bf16). An Engram model's tables are TABLE_DTYPE_CODES' (its gate
+# reads bf16 rows); a PLE table may be any of these.
+FLOAT_TABLE_DTYPE_CODES = {"bf16": 1, "fp16": 2, "fp32": 3}
 
 
 def normalize_dtype(dtype: str) -> str:

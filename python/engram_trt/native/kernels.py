@@ -38,6 +38,8 @@ LIBRARY_NAME = "libengram_trt_plugins.so"
 # enum values of engramKernels.h
 TABLE_FP8_E4M3 = 0
 TABLE_BF16 = 1
+TABLE_F16 = 2  # f16 / f32 rows: the GPU gather (gather, EngramGather) only, not the host gather
+TABLE_F32 = 3
 MASK_NONE, MASK_U8, MASK_I32 = 0, 1, 2
 FLOAT_BF16, FLOAT_F32, FLOAT_F16 = 0, 1, 2  # EngramFloatType: the gate's io_type / weight_type
 WEIGHT_BF16, WEIGHT_F32, WEIGHT_F16 = FLOAT_BF16, FLOAT_F32, FLOAT_F16
@@ -402,16 +404,21 @@ def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: A
 
 # --- gather ----------------------------------------------------------------------------
 
-def _table(rows: Any, scales: Any, quant_block: int) -> tuple[int, int, int]:
-    """(table dtype code, num_rows, head_dim) after checking rows / scales."""
+def _table(rows: Any, scales: Any, quant_block: int, float_rows: bool = False) -> tuple[int, int, int]:
+    """(table dtype code, num_rows, head_dim) after checking rows / scales. ``float_rows``:
+    f16 and f32 tables are taken too (the GPU gather reads them; the host gather and the
+    hot-row cache's work table take fp8 / bf16 only)."""
     torch = _torch()
     fp8_types = (torch.uint8,) + ((torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn") else ())
-    _check("rows", rows, fp8_types + (torch.bfloat16,), 2, where="any")
+    floats = {torch.bfloat16: TABLE_BF16}
+    if float_rows:
+        floats.update({torch.float16: TABLE_F16, torch.float32: TABLE_F32})
+    _check("rows", rows, fp8_types + tuple(floats), 2, where="any")
     num_rows, head_dim = rows.shape
-    if rows.dtype == torch.bfloat16:
+    if rows.dtype in floats:
         if scales is not None:
-            raise EngramError("scales must be None for a bf16 table")
-        return TABLE_BF16, num_rows, head_dim
+            raise EngramError(f"scales must be None for a {rows.dtype} table (only fp8 tables have scales)")
+        return floats[rows.dtype], num_rows, head_dim
     scale_types = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
     if scales is None:
         raise EngramError("an fp8 table needs scales [rows, head_dim / quant_block] (ue8m0 bytes)")
@@ -455,13 +462,16 @@ def _ids_view(ids: Any, layer: int | None, where: str, columns: Any = None) -> t
     return T, columns[1] - begin, stride, offset + begin * 4
 
 
-def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any) -> Any:
+def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any, dtype: Any = None) -> Any:
+    """The gather's output ``[T, cols, head_dim]``: ``out`` checked, or a new tensor;
+    ``dtype`` (default bf16) is the rows' type: bf16 for fp8 and bf16 tables, else the table's."""
     torch = _torch()
+    dtype = torch.bfloat16 if dtype is None else dtype
     if out is None:
-        return torch.empty((T, cols, head_dim), dtype=torch.bfloat16, device=device)
-    _check("out", out, (torch.bfloat16,), 3)
+        return torch.empty((T, cols, head_dim), dtype=dtype, device=device)
+    _check("out", out, (dtype,), 3)
     if tuple(out.shape) != (T, cols, head_dim) or out.device != device:
-        raise EngramError(f"out must be bf16 [T, cols, head_dim] = {(T, cols, head_dim)} on {device} "
+        raise EngramError(f"out must be {dtype} [T, cols, head_dim] = {(T, cols, head_dim)} on {device} "
                           f"(got {tuple(out.shape)} on {out.device})")
     return out
 
@@ -469,13 +479,14 @@ def _gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any) -> Any:
 def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
            out: Any = None, bad_rows: Any = None, row_offset: int = 0,
            columns: tuple[int, int] | None = None, keep_outside: bool = False, max_blocks: int = 0) -> Any:
-    """bf16 rows ``[T, cols, head_dim]`` read on the GPU.
+    """Rows ``[T, cols, head_dim]`` read on the GPU: bf16 for an fp8 table (dequantized),
+    the table's dtype for a bf16 / f16 / f32 table (its rows as they are, any head_dim).
 
     ``ids``: CUDA int32 ``[T, cols]``, or ``[T, L, cols]`` (hash output) with ``layer``.
     ``rows``: ``[num_rows, head_dim]`` fp8 bytes (uint8 / float8_e4m3fn, with ``scales``
-    ``[num_rows, head_dim/quant_block]`` ue8m0 bytes) or bf16; a CUDA tensor, or a CPU
-    tensor in pinned / registered memory (read through UVA). Ids outside the table give
-    zero rows.
+    ``[num_rows, head_dim/quant_block]`` ue8m0 bytes) or bf16 / float16 / float32; a CUDA
+    tensor, or a CPU tensor in pinned / registered memory (read through UVA). Ids outside
+    the table give zero rows.
 
     A tensor-parallel rank's share (``distributed/sharding.py``): ``columns = (begin,
     end)`` gathers only those columns of the ids (out ``[T, end - begin, head_dim]``,
@@ -510,7 +521,7 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
         raise EngramError(f"row_offset must be an integer in [0, 2^31 - 1] (the global row id of the table's first "
                           f"row; row ids are int32); got {row_offset!r}")
     T, cols, stride, byte_offset = _ids_view(ids, layer, "cuda", columns)
-    dtype, num_rows, head_dim = _table(rows, scales, quant_block)
+    dtype, num_rows, head_dim = _table(rows, scales, quant_block, float_rows=True)
     device = ids.device
     for name, t in (("rows", rows), ("scales", scales)):
         if t is None:
@@ -520,7 +531,7 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
         elif pointer_kind(t) != "host":
             raise EngramError(f"{name} is in plain host memory the GPU cannot read; pin it "
                               f"(tensor.pin_memory()) or register it (kernels.register_host_memory)")
-    out = _gather_out(out, T, cols, head_dim, device)
+    out = _gather_out(out, T, cols, head_dim, device, None if dtype == TABLE_FP8_E4M3 else rows.dtype)
     if bad_rows is not None:
         torch = _torch()
         _check("bad_rows", bad_rows, (torch.int64,))

@@ -12,6 +12,10 @@ from typing import Any, Iterable, Mapping
 
 from engram_trt.models.qwen4_exp.config import CONTRACT, Qwen4ExpConfig, read_config
 
+# The PLE shard dtypes an engine's EngramGather reads (safetensors spelling -> the export's
+# table_dtype, onnx_export.PLE_TABLE_DTYPES).
+PLE_SHARD_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+
 
 def ple_layout(config: Qwen4ExpConfig) -> Any:
     from engram_trt.engram.ple_hash import PLEHashLayout
@@ -145,28 +149,36 @@ class Qwen4ExpArchitecture:
 
     def engine_problems(self, ckpt: Any) -> list[str]:
         """What `engram-trt build` refuses before any work beyond :meth:`checkpoint_problems`:
-        PLE shards the engine's EngramGather plugin cannot read (it reads bf16 rows; F16 /
-        F32 shards serve through the torch backend)."""
+        PLE shards the engine's EngramGather plugin cannot read. It reads BF16, F16 and F32
+        rows of any width (F32 is what transformers' save_pretrained writes), one dtype per
+        model, since the graph's gather nodes and the manifest name one table dtype."""
         from engram_trt.models.qwen4_exp.ple_tables import shard_names
 
         cfg = ckpt.config
         if cfg.ple is None:
             return []
+        seen: dict[str, str] = {}
         for layer in cfg.ple.layers:
             for name in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts):
-                if name in ckpt and ckpt.st_dtype(name) != "BF16":
-                    return [f"PLE table shard {name} is {ckpt.st_dtype(name)}: an engine's EngramGather plugin reads BF16 "
-                            f"rows only; save the PLE shards as BF16 to build, or serve the checkpoint folder with the "
-                            f"torch backend (engram-trt run / serve)"]
-        if cfg.ple.head_dim % 8:
-            return [f"PLE rows are {cfg.ple.head_dim} wide (ple_embed_dim {cfg.ple.embed_dim} / {cfg.ple.n_heads} heads): an "
-                    f"engine's EngramGather plugin reads bf16 rows of a multiple of 8 elements; serve the checkpoint "
-                    f"folder with the torch backend (engram-trt run / serve)"]
+                if name not in ckpt:
+                    continue
+                st = ckpt.st_dtype(name)
+                if st not in PLE_SHARD_DTYPES:
+                    return [f"PLE table shard {name} is {st}: an engine's EngramGather plugin reads "
+                            f"{' / '.join(PLE_SHARD_DTYPES)} rows; save the PLE shards in one of those to build, or "
+                            f"serve the checkpoint folder with the torch backend (engram-trt run / serve)"]
+                seen.setdefault(st, name)
+        if len(seen) > 1:
+            (a, first), (b, other) = list(seen.items())[:2]
+            return [f"PLE table shards mix dtypes ({first} is {a}, {other} is {b}): an engine reads every PLE table "
+                    f"as one dtype; save all PLE shards as one of {' / '.join(PLE_SHARD_DTYPES)}"]
         return []
 
     def table_dtype(self, refs: Any) -> str:
-        """The storage of the PLE tables the engine binds (their shards' dtype)."""
-        return "bf16" if all(r.dtype == "BF16" for r in refs) else "unsupported"
+        """The storage of the PLE tables the engine binds (their shards' one dtype, in the
+        export's spelling), ``"unsupported"`` for any other or a mix."""
+        kinds = {PLE_SHARD_DTYPES.get(r.dtype, "unsupported") for r in refs}
+        return kinds.pop() if len(kinds) == 1 else "unsupported"
 
     def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:
         """The ONNX serving step (:mod:`.onnx_export`); the PLE hash layout is the config's

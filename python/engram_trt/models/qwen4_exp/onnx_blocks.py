@@ -251,12 +251,16 @@ class Blocks:
         return self.linear(g.op("Mul", [att, g.op("Sigmoid", [gate])], "attn_gated"), f"{s}.o_proj.weight", "attn_out")
 
     # -- PLE -----------------------------------------------------------------------------------
-    def ple(self, streams: str, p: str, j: int, layout: Any, table_rows: int, conv_state: str, conv_out: str) -> str:
+    def ple(self, streams: str, p: str, j: int, layout: Any, table_rows: int, conv_state: str, conv_out: str,
+            table_dtype: str = "bf16") -> str:
         """PLE layer ``j`` (decoder layer prefix ``p``): EngramPleHash over the step's raw
         ids and each sequence's ``ple_context``, EngramGather of the rows from the table
-        at ``ple_table_ptrs[j]`` (bf16, outside the engine), the key / value projections,
-        then EngramPleFusion (its dilated conv history in place); returns the streams
-        plus the update."""
+        at ``ple_table_ptrs[j]`` (outside the engine, stored as ``table_dtype``: bf16, fp16
+        or fp32; the gather gives rows of that type, cast to the graph's dtype where they
+        differ), the key / value projections, then EngramPleFusion (its dilated conv
+        history in place); returns the streams plus the update."""
+        from engram_trt.models.export import DTYPES, FLOAT_TABLE_DTYPE_CODES
+
         g, cfg = self.g, self.config
         hc, D = cfg.hc_count, cfg.hidden_size
         ple = cfg.ple
@@ -268,10 +272,11 @@ class Blocks:
         ptr = g.op("Slice", ["ple_table_ptrs", g.ints([j]), g.ints([j + 1])], f"ple_table_ptr{j}")
         rows = g.op("EngramGather", [g.op("Unsqueeze", [ids, g.ints([1])], f"ple_ids{j}"), ptr], f"ple_rows{j}",
                     domain=PLUGIN_DOMAIN,
-                    **_plugin(layer_index=0, n_layers=1, n_cols=H, head_dim=hd, table_dtype=1, quant_block=32,
-                              num_rows=int(table_rows), bad_rows_input=0, column_begin=0, column_end=H, row_offset=0))
-        rows = g.op("Reshape", [rows, g.ints([0, H * hd])], f"ple_e{j}")  # [T, ple_embed_dim] bf16
-        if self.elem != TensorProto.BFLOAT16:
+                    **_plugin(layer_index=0, n_layers=1, n_cols=H, head_dim=hd,
+                              table_dtype=FLOAT_TABLE_DTYPE_CODES[table_dtype], quant_block=32, num_rows=int(table_rows),
+                              bad_rows_input=0, column_begin=0, column_end=H, row_offset=0))
+        rows = g.op("Reshape", [rows, g.ints([0, H * hd])], f"ple_e{j}")  # [T, ple_embed_dim] in the table's dtype
+        if self.elem != DTYPES[table_dtype][0]:
             rows = g.op("Cast", [rows], f"ple_e{j}_cast", to=self.elem)
         f = f"{p}.ple"
         key = self.linear(rows, f"{f}.key_proj.weight", "ple_key")

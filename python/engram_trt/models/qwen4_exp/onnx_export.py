@@ -49,9 +49,10 @@ import numpy as np
 from engram_trt.errors import EngramError
 from engram_trt.models.export import DTYPES, EXTERNAL_DATA_THRESHOLD, OPSET, PLUGIN_DOMAIN, ExportedModel, ExportOptions
 
-# The PLE rows the EngramGather plugin reads (its table_dtype 1); fp8 needs scales that a
-# PLE checkpoint does not have, and F16 / F32 rows it has no kernel for.
-PLE_TABLE_DTYPES = ("bf16",)
+# The PLE rows the EngramGather plugin reads, of any width (models/export.FLOAT_TABLE_DTYPE_CODES;
+# its output is the table's dtype, cast to the graph's); fp8 needs scales that a PLE
+# checkpoint does not have.
+PLE_TABLE_DTYPES = ("bf16", "fp16", "fp32")
 STATE_KINDS = ("key_cache", "value_cache", "index_key_cache", "conv_state", "recurrent_state", "ple_conv_state")
 
 
@@ -103,7 +104,8 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     weights are read, never a PLE table. ``layout``: the model's
     :class:`~engram_trt.engram.ple_hash.PLEHashLayout` (``architecture.ple_layout(config)``).
     ``options.table_rows``: each PLE table's rows as bound at run time (default: the
-    layout's); ``options.table_dtype``: their storage, which must be bf16."""
+    layout's); ``options.table_dtype``: their storage, one of :data:`PLE_TABLE_DTYPES`
+    (default bf16): the gather reads that type and the graph casts its rows."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -118,11 +120,12 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     if ple is not None and layout is None:
         raise EngramError("exporting a Qwen4Exp model with PLE layers needs its PLEHashLayout (architecture.ple_layout(config))")
     table_rows: list[int] = []
+    tdt = opts.table_dtype or "bf16"
     if ple is not None:
-        tdt = opts.table_dtype or "bf16"
         if tdt not in PLE_TABLE_DTYPES:
-            raise EngramError(f"PLE tables stored as {tdt}: the EngramGather plugin reads bf16 rows only; save the PLE "
-                              f"shards as BF16 to build an engine (or serve the checkpoint with the torch backend)")
+            raise EngramError(f"PLE tables stored as {tdt}: the EngramGather plugin reads {', '.join(PLE_TABLE_DTYPES)} "
+                              f"rows; save the PLE shards as BF16, F16 or F32 to build an engine (or serve the "
+                              f"checkpoint with the torch backend)")
         table_rows = [int(r) for r in (opts.table_rows or layout.table_rows)]
         if len(table_rows) != len(ple.layers):
             raise EngramError(f"table rows {table_rows} are not one per PLE layer ({len(ple.layers)})")
@@ -173,7 +176,8 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
         p = f"{prefix}layers.{i}"
         if i in ple_index:
             j = ple_index[i]
-            streams = b.ple(streams, p, j, layout, table_rows[j], f"ple_conv_state_{i}", f"ple_conv_state_out_{i}")
+            streams = b.ple(streams, p, j, layout, table_rows[j], f"ple_conv_state_{i}", f"ple_conv_state_out_{i}",
+                            table_dtype=tdt)
         x, w = b.mix(streams, f"{p}.attn_hyper_connection")
         if cfg.layer_types[i] == "linear_attention":
             y = b.gated_delta_net(x, p, f"conv_state_{i}", f"conv_state_out_{i}", f"recurrent_state_{i}",
@@ -204,7 +208,7 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
         "plugins": sorted({n.op_type for n in g.nodes if n.domain == PLUGIN_DOMAIN}),
         "states": {name: {"shape": shape, "dtype": kind, "alias": alias_name(name)} for name, (shape, kind) in states.items()},
         "ple": None if ple is None else {"layers": len(ple.layers), "context": ple.ngram_size - 1, "table_rows": table_rows,
-                                         "head_dim": ple.head_dim, "heads": ple.n_heads, "table_dtype": "bf16",
+                                         "head_dim": ple.head_dim, "heads": ple.n_heads, "table_dtype": tdt,
                                          "eos_id": int(layout.eos_id)},
     }
     return ExportedModel(model=model, input_names=[v.name for v in inputs], output_names=[v.name for v in outputs],
