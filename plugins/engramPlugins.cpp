@@ -9,6 +9,7 @@
 #include "common/checkMacros.h"
 #include "engramAttentionPlugin/engramAttentionPlugin.h"
 #include "engramCausalConv1dPlugin/engramCausalConv1dPlugin.h"
+#include "engramDsv4AttentionPlugin/engramDsv4AttentionPlugin.h"
 #include "engramGatePlugin/engramGatePlugin.h"
 #include "engramGatedDeltaNetPlugin/engramGatedDeltaNetPlugin.h"
 #include "engramGatherPlugin/engramGatherPlugin.h"
@@ -34,9 +35,10 @@ extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int3
     static engram_trt::plugin::EngramCausalConv1dPluginCreator causalConv1dCreator;
     static engram_trt::plugin::EngramGatedDeltaNetPluginCreator gatedDeltaNetCreator;
     static engram_trt::plugin::EngramQsaAttentionPluginCreator qsaAttentionCreator;
+    static engram_trt::plugin::EngramDsv4AttentionPluginCreator dsv4AttentionCreator;
     static nvinfer1::IPluginCreatorInterface* const creators[]
         = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator, &pleHashCreator, &pleFusionCreator,
-            &causalConv1dCreator, &gatedDeltaNetCreator, &qsaAttentionCreator};
+            &causalConv1dCreator, &gatedDeltaNetCreator, &qsaAttentionCreator, &dsv4AttentionCreator};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }
