@@ -16,7 +16,7 @@
  *   3. select: a block per such token keeps the block_topk best blocks, rank by rank
  *              (a block's rank counts the better blocks and the equal ones of lower
  *              index, so ties go to the lower block index).
- *   4. attend: a block per (token, query head): the visible positions are the kept
+ *   4. attend: a block per (token, query head), 8 warps: the visible positions are the kept
  *              blocks (ascending) then the tail after the last complete block (or all of
  *              0..pos when nothing is dropped); a warp per position scores q . K * scaling
  *              in fp32 into shared memory, the softmax probabilities are rounded to the
@@ -47,7 +47,8 @@ namespace
 constexpr int kWriteThreads = 128;
 constexpr int kScoreWarps = 8;
 constexpr int kSelectThreads = 256;
-constexpr int kAttendWarps = 4;
+constexpr int kAttendWarps = 8;
+constexpr int kDotBatch = 4; // positions a warp scores at once
 constexpr int kPerLane = ENGRAM_QSA_MAX_HEAD_DIM / 32;
 constexpr size_t kWorkspaceChunkBytes = size_t{64} << 20; // the most one chunk's scores may take
 constexpr int kDefaultSharedBytes = 48 * 1024;
@@ -358,21 +359,41 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
     int64_t const kvHead = h / (s.numHeads / s.numKvHeads);
     T const* keys = keyCache + (slot * s.numKvHeads + kvHead) * s.maxLen * hd;
     T const* values = valueCache + (slot * s.numKvHeads + kvHead) * s.maxLen * hd;
+    // A warp scores kDotBatch positions at once (their loads in flight together).
     float localMax = -INFINITY;
-    for (int64_t j = warp; j < visible; j += kAttendWarps)
+    for (int64_t j0 = static_cast<int64_t>(warp) * kDotBatch; j0 < visible; j0 += kAttendWarps * kDotBatch)
     {
-        T const* kr = keys + positionOf(j) * hd;
-        float dot = 0.0F;
+        T const* kr[kDotBatch];
+        float dot[kDotBatch];
+#pragma unroll
+        for (int u = 0; u < kDotBatch; ++u)
+        {
+            int64_t const j = j0 + u < visible ? j0 + u : j0; // past the end: a repeat, not stored
+            kr[u] = keys + positionOf(j) * hd;
+            dot[u] = 0.0F;
+        }
         for (int d = lane; d < hd; d += 32)
         {
-            dot += qs[d] * toFloat(kr[d]);
+            float const qd = qs[d];
+#pragma unroll
+            for (int u = 0; u < kDotBatch; ++u)
+            {
+                dot[u] += qd * toFloat(kr[u][d]);
+            }
         }
-        dot = warpSum(dot) * s.scaling;
-        if (lane == 0)
+#pragma unroll
+        for (int u = 0; u < kDotBatch; ++u)
         {
-            sc[j] = dot;
+            float const score = warpSum(dot[u]) * s.scaling;
+            if (j0 + u < visible)
+            {
+                if (lane == 0)
+                {
+                    sc[j0 + u] = score;
+                }
+                localMax = fmaxf(localMax, score);
+            }
         }
-        localMax = fmaxf(localMax, dot);
     }
     if (lane == 0)
     {
@@ -411,6 +432,7 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
     for (int d = threadIdx.x; d < hd; d += blockDim.x)
     {
         float acc = 0.0F;
+#pragma unroll 4
         for (int64_t j = 0; j < visible; ++j)
         {
             acc += sc[j] * toFloat(values[positionOf(j) * hd + d]);
