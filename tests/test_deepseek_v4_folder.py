@@ -1,9 +1,9 @@
 """DeepSeek-V4 / V4.1 checkpoint folders through the CLI's other commands, and the tiny
 transformers-saved checkpoint committed for the GPU tests.
 
-* ``engram-trt build``: refused in one line before any work (no engine path for this
-  family yet; the line names ``run`` / ``serve``), the architecture's ``export_onnx``
-  never reached, nothing written.
+* ``engram-trt build``: the graph written (tests/test_deepseek_v4_build.py checks its
+  numbers and the engine), V4.1's tables recorded with their hashes, the checkpoint
+  folder untouched.
 * ``engram-trt inspect``: a good V4 and V4.1 folder exit 0, name the architecture and
   list no problems; a damaged one lists every problem (exit 1).
 * tests/data/deepseek_v4_tiny: its recorded greedy tokens are transformers' own today and
@@ -39,20 +39,27 @@ def v41_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("which", ["v4", "v41"])
-def test_build_refuses_before_any_work(which: str, v41_folder: Path, tmp_path: Path, capsys: Any,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from engram_trt.models.deepseek_v4.architecture import DeepseekV4Architecture
-
-    reached: list[str] = []
-    monkeypatch.setattr(DeepseekV4Architecture, "export_onnx", lambda *a, **k: reached.append("export_onnx"))
+def test_build_writes_the_graph_and_leaves_the_checkpoint_alone(which: str, v41_folder: Path, tmp_path: Path,
+                                                                capsys: Any) -> None:
+    """The build exports the serving step (tests/test_deepseek_v4_build.py checks its
+    numbers): exit 0, the graph's io names the architecture and every attention
+    layer's state, V4.1's two tables are recorded with their hashes, the checkpoint
+    folder is untouched."""
     folder = TINY if which == "v4" else v41_folder
     before = sorted(p.name for p in folder.iterdir())
     capsys.readouterr()
-    code = main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1, err
-    assert "does not export DeepSeek-V4 / V4.1" in err and "engram-trt run" in err and "engram-trt serve" in err
-    assert reached == [] and not (tmp_path / "engine").exists()
+    code = main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine", "--max-seq-len", "64",
+                 "--max-num-tokens", "64", "--json"])
+    assert code == 0, capsys.readouterr().err
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    io = manifest["graph"]["io"]
+    assert io["architecture"] == "deepseek-v4" and (tmp_path / "engine" / "model.onnx").is_file()
+    assert "EngramDsv4Attention" in io["plugins"] and ("EngramGate" in io["plugins"]) == (which == "v41")
+    assert {n.rsplit("_", 1)[0] for n in io["states"]} >= {"window_kv", "compressed_kv"}
+    tables = manifest["tables"]
+    assert [t["tensor"] for t in tables] == ([] if which == "v4" else
+                                             [f"model.layers.{i}.engram.embed.weight" for i in (0, 2)])
+    assert all(t["sha256"] and t["block_hashes"] for t in tables)
     assert sorted(p.name for p in folder.iterdir()) == before
 
 

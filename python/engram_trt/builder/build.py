@@ -198,14 +198,25 @@ def optimization_profile_shapes(exported: Any, config: Any, max_batch: int, max_
         elif name.startswith("engram_rows_"):
             c, d = io["cols"], io["head_dim"]
             shapes[name] = ((1, c, d), (opt_t, c, d), (max_num_tokens, c, d))
-        elif name in (io.get("states") or {}):  # a per-slot state (Qwen4Exp): fixed, one slot per sequence
-            dims = tuple(max_batch if d == "num_slots" else max_seq_len if d == "max_seq_len" else int(d)
-                         for d in io["states"][name]["shape"])
+        elif name in (io.get("states") or {}):  # a per-slot state (Qwen4Exp, DeepSeek-V4): fixed, one slot per sequence
+            dims = tuple(_state_dim(d, max_batch, max_seq_len) for d in io["states"][name]["shape"])
             shapes[name] = (dims, dims, dims)
         elif name == "ple_context":
             n = io["ple"]["context"]
             shapes[name] = ((1, n), (opt_s, n), (max_batch, n))
     return shapes
+
+
+def _state_dim(d: Any, max_batch: int, max_seq_len: int) -> int:
+    """A state dimension of the graph's io: ``num_slots``, ``max_seq_len``, ``max_seq_len//r``
+    (DeepSeek-V4's compressed entries) or a number."""
+    if d == "num_slots":
+        return max_batch
+    if d == "max_seq_len":
+        return max_seq_len
+    if isinstance(d, str) and d.startswith("max_seq_len//"):
+        return max_seq_len // int(d.split("//", 1)[1])
+    return int(d)
 
 
 def _plugin_name(t: Any, layer: Any) -> str:
@@ -377,8 +388,9 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
                 raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
             own_refs = list(arch.table_refs(ckpt))
             check_table_files(own_refs)
-        else:
-            require_valid(ckpt)  # tensors against the config and its layout (shapes do not depend on the pad id)
+        else:  # tensors against the config (an architecture's own check where it has one: DeepSeek-V4)
+            validate = getattr(arch, "validate", None)
+            (validate or require_valid)(ckpt)  # shapes do not depend on the pad id
         if spec is not None:
             check_table_files(checkpoint_table_refs(ckpt))
     with phases.phase("vocab"):
@@ -390,6 +402,8 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
             if spec.pad_token_id >= vocab.vocab_size:
                 raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
             layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
+            if getattr(arch, "validate", None) is not None:
+                arch.validate(ckpt, layout)  # its tables against the layout (DeepSeek-V4.1)
             vocab.save(tmp / VOCAB_NAME)
         if ckpt.tokenizer_json is not None:
             import shutil

@@ -170,7 +170,7 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
             out = engram_attention_reference(q, k, v, key_cache, value_cache, token_slot, token_pos, float(scale))
             return (out.astype(q.dtype), key_cache, value_cache)  # the caches themselves: aliased, in place
 
-    return [EngramHash, EngramGather, EngramGate, EngramAttention, *_qwen4_exp_ops()]
+    return [EngramHash, EngramGather, EngramGate, EngramAttention, *_qwen4_exp_ops(), *_dsv4_ops()]
 
 
 def _in_place(state: np.ndarray, new: Any) -> np.ndarray:
@@ -252,6 +252,28 @@ def _qwen4_exp_ops() -> list[type]:
                     _in_place(index_key_cache, ikc))
 
     return [EngramPleHash, EngramPleFusion, EngramCausalConv1d, EngramGatedDeltaNet, EngramQsaAttention]
+
+
+def _dsv4_ops() -> list[type]:
+    """The OpRun of DeepSeek-V4's EngramDsv4Attention: builder/reference_dsv4_attention.py
+    (float64 NumPy) over the node's 7 / 15 / 24 inputs; each state input is updated in
+    place and returned as its aliased output."""
+    from onnx.reference.op_run import OpRun
+
+    class EngramDsv4Attention(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, *inputs, **kw):  # noqa: ANN002, ANN003
+            from engram_trt.builder.reference_dsv4_attention import dsv4_attention_reference_flat
+
+            fields = {k: kw[k] for k in ("layer_type", "window", "compress_rate", "index_topk", "scaling", "eps",
+                                         "rope_scale") if kw.get(k) is not None}
+            out, *new_states = dsv4_attention_reference_flat(*inputs, **fields)  # checks the input count
+            where = (6, 12, 13, 14, 21, 22, 23)[: len(new_states)]  # the state inputs, in output order
+            return (np.asarray(out).astype(inputs[0].dtype),
+                    *(_in_place(inputs[k], st) for k, st in zip(where, new_states)))
+
+    return [EngramDsv4Attention]
 
 
 def ple_fusion_reference(streams: np.ndarray, key: np.ndarray, value: np.ndarray, norm_key_w: np.ndarray,

@@ -96,9 +96,12 @@ class TensorRTBackend:
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             (self.inputs if engine.get_tensor_mode(name) == t.TensorIOMode.INPUT else self.outputs).append(name)
-        states = [n for n in self.inputs if n.startswith(("conv_state_", "recurrent_state_", "index_key_cache_", "ple_"))]
-        if states:  # a Qwen4Exp engine: its per-slot states and PLE inputs are not bound here yet
-            raise EngramError(f"the tensorrt backend does not bind a Qwen4Exp engine's state inputs yet ({states[0]} and "
+        own = set(((source.manifest or {}).get("graph") or {}).get("io", {}).get("states") or {})
+        states = [n for n in self.inputs if n in own or n.startswith(("conv_state_", "recurrent_state_",
+                                                                      "index_key_cache_", "ple_"))]
+        if states:  # a Qwen4Exp / DeepSeek-V4 engine: its per-slot states and PLE inputs are not bound here yet
+            arch = ((source.manifest or {}).get("graph") or {}).get("io", {}).get("architecture") or "Qwen4Exp"
+            raise EngramError(f"the tensorrt backend does not bind a {arch} engine's state inputs yet ({states[0]} and "
                               f"{len(states) - 1} more); serve the engine folder with --backend torch")
         self.wants_staged_rows = any(n.startswith("engram_rows_") for n in self.inputs)
         self._dtype = {t.DataType.BFLOAT16: torch.bfloat16, t.DataType.HALF: torch.float16,

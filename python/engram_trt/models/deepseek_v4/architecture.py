@@ -9,6 +9,10 @@ expert ids in range), and as many experts per layer as ``n_routed_experts`` says
 upstream multi-token-prediction tensors (``mtp.*``) are unused ones the registry
 accepts with a log note: the published implementation skips them too. V4.1's Engram
 tables are the runtime's (``engram_trt.tables``), checked as engram-llama's are.
+
+``engram-trt build`` exports the model as one ONNX serving step (:mod:`.onnx_export`)
+and refuses, before any work, what the attention kernel cannot take
+(:meth:`DeepseekV4Architecture.engine_problems`).
 """
 
 from __future__ import annotations
@@ -30,10 +34,6 @@ class DeepseekV4Architecture:
     architectures = (V4_ARCH, V41_ARCH)
     model_types = (V4_TYPE, V41_TYPE)
     contract = CONTRACT
-    # Read by `engram-trt build` before any work: why this family has no engine yet.
-    no_engine_export = ("engram-trt build does not export DeepSeek-V4 / V4.1 yet (its compressed attention, lightning "
-                        "indexer, mHC and MoE have no ONNX / plugin path); serve the checkpoint folder itself with "
-                        "`engram-trt run` or `engram-trt serve` (the torch backend)")
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> DeepseekV4Config:
@@ -191,10 +191,22 @@ class DeepseekV4Architecture:
 
         return DeepseekV4State.allocate(config, num_slots, max_len, device, dtype)
 
-    def export_onnx(self, config: DeepseekV4Config, weights: Any, layout: Any, options: Any) -> Any:
-        from engram_trt.errors import EngramError
+    def engine_problems(self, ckpt: Any) -> list[str]:
+        """What `engram-trt build` refuses before any work beyond :meth:`checkpoint_problems`:
+        shapes the EngramDsv4Attention kernel cannot take (one line each; the
+        length-dependent ones, a compressed entry count below ``index_topk``, are
+        checked by the export against ``--max-seq-len``)."""
+        from engram_trt.models.deepseek_v4.onnx_export import engine_limits
 
-        raise EngramError(self.no_engine_export)
+        cfg = ckpt.config
+        return engine_limits(cfg, int(cfg.max_position_embeddings))
+
+    def export_onnx(self, config: DeepseekV4Config, weights: Any, layout: Any, options: Any) -> Any:
+        """The ONNX serving step (:mod:`.onnx_export`); ``layout`` is V4.1's Engram layout
+        (None for V4)."""
+        from engram_trt.models.deepseek_v4.onnx_export import export_model
+
+        return export_model(config, weights, layout, options)
 
 
 ARCHITECTURE = DeepseekV4Architecture()
