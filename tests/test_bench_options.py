@@ -19,7 +19,8 @@ from engram_trt.cli.main import build_parser
 
 BENCH = Path(__file__).resolve().parents[1] / "python" / "engram_trt" / "bench"
 REQUIRED = {"rowcounts": ["--out", "counts.npz"], "serve": ["ENGINE"]}
-GPU_ONLY = ["kernels", "attention", "backbone", "gathersweep", "contention", "cacheplan", "ple-gather", "qwen4-step"]  # the former H200 timings
+GPU_ONLY = ["kernels", "attention", "backbone", "gathersweep", "contention", "cacheplan", "ple-gather", "qwen4-step",
+            "dsv4-step"]  # the former H200 timings
 
 
 def test_every_subcommand_parses_to_its_options_defaults() -> None:

@@ -1,0 +1,273 @@
+"""Steps of a ~1.8B DeepSeek-V4.1-shaped model (random bf16 weights made on the GPU:
+hidden 2048, 16 layers of sliding-window attention but one CSA layer (7) and one HCA
+layer (14), 8 experts top-2 plus the shared expert, hash routing on the first 3 layers,
+4 hyper-connection streams, Engram on layers 1 and 2 with DeepSeek-V4.1's 256-byte FP8
+rows) with its Engram tables in pinned host memory vs in HBM: decode steps at each
+batch and one prefill chunk, each the runtime's own step (the Prefetcher stages the
+rows on its side stream, calibrated for host tables as the runner does, then
+``DeepseekV4Model.forward_step`` and the sampler's read), the ratio pinned / HBM, and
+each step against its floor (weights + attended state + Engram rows at the HBM rate
+measured now; a prefill's FLOPs at the bf16 rate; host tables' rows over the link at the
+pinned host-to-device rate measured in the same run, beside the lookup timed alone).
+
+Per case and placement it also records where the step's time goes by module class
+(attention sliding / CSA / HCA, MoE, mHC, Engram, the wait for the prefetched rows,
+norms: :mod:`engram_trt.bench.dsv4profile`), to pick the next CUDA kernel. The steps are
+eager: this model has no decode CUDA graphs yet. ``--device cpu --model tiny`` runs the
+whole path on a CPU in seconds (tables in plain memory, no limits, no floors' times).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engram_trt.bench.dsv4model import PRESETS
+from engram_trt.bench.dsv4profile import CLASSES
+from engram_trt.bench.options import opt
+from engram_trt.errors import EngramError
+
+PLACEMENTS = ("hbm", "pinned")
+_SHORT = {"attention.sliding": "slide", "attention.csa": "csa", "attention.hca": "hca", "moe": "moe", "mhc": "mhc",
+          "engram": "engram", "engram.wait": "wait", "norm": "norm", "embed": "embed", "other": "other"}
+
+
+@dataclass(kw_only=True)
+class Dsv4StepOptions:
+    """``engram-trt bench dsv4-step``'s flags."""
+
+    model: str = opt("1b", choices=sorted(PRESETS),
+                     help="model shape: 1b (~1.8B parameters, hidden 2048, 16 layers) or tiny (hidden 64, 4 layers: the "
+                          "CPU smoke test's) (default: %(default)s)")
+    device: str = opt("cuda", choices=("cuda", "cpu"),
+                      help="where the model runs: cuda (bf16, the benchmark) or cpu (fp32, a smoke run of the whole "
+                           "path; tables in plain memory) (default: %(default)s)")
+    batches: list[int] = opt([1, 8], help="decode batch sizes, comma-separated (default: 1,8)")
+    context: int = opt(4096, help="tokens already cached per decode sequence (default: %(default)s)")
+    prefill: int = opt(2048, help="tokens of the prefill chunk (one sequence from position 0); 0 skips it "
+                                  "(default: %(default)s)")
+    table_gib: float = opt(16.0, help="Engram table size in GiB over both Engram layers, FP8 rows + scales "
+                                      "(default: %(default)s)")
+    placements: list[str] = opt(list(PLACEMENTS), choices=PLACEMENTS,
+                                help="where the tables live: hbm (GPU memory, the gather kernel), pinned (page-locked "
+                                     "host memory, the calibrated host gather or UVA kernel) (default: hbm,pinned)")
+    reps: int = opt(10, argtype=("int_arg", 1, 10000), help="timed steps per case (median reported; default: %(default)s)")
+    profile_reps: int = opt(3, argtype=("int_arg", 0, 1000),
+                            help="steps of the per-module-class breakdown per case and placement; 0 skips it "
+                                 "(default: %(default)s)")
+    json: str | None = opt(None, metavar="FILE", help="write every figure as JSON to FILE")
+
+
+def _check(opts: Dsv4StepOptions) -> None:
+    import torch
+
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise EngramError("bench dsv4-step needs a CUDA GPU; none is available here (--device cpu --model tiny runs "
+                          "the path on the CPU)")
+    if opts.context < 1 or not opts.batches or min(opts.batches) < 1:
+        raise EngramError(f"--context and --batches must be >= 1 (got {opts.context}, {opts.batches})")
+    if opts.prefill < 0:
+        raise EngramError(f"--prefill must be >= 0 tokens (got {opts.prefill}; 0 skips the prefill chunk)")
+    if not opts.table_gib > 0:
+        raise EngramError(f"--table-gib must be > 0 (got {opts.table_gib})")
+
+
+def cases(opts: Dsv4StepOptions) -> list[tuple[str, list[int], int]]:
+    """``(name, seq_lens, past)``: each decode batch at --context, then the prefill chunk."""
+    out = [(f"decode {b}", [1] * b, opts.context) for b in opts.batches]
+    if opts.prefill:
+        out.append((f"prefill {opts.prefill}", [opts.prefill], 0))
+    return out
+
+
+def run(opts: Dsv4StepOptions) -> int:
+    import torch
+
+    from engram_trt.bench.common import dump, measure_limits
+    from engram_trt.bench.dsv4model import bench_config, build_model, build_tables, table_store
+
+    _check(opts)
+    dev = torch.device(opts.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    limits = measure_limits(dev)
+    max_len = max(opts.context + 2, opts.prefill + 2)
+    bm = build_model(bench_config(opts.model, table_gib=opts.table_gib, max_len=max_len), dev, dtype)
+    cfg = bm.config
+    results: dict[str, Any] = {
+        "limits": limits, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "model": {"preset": opts.model, "params": bm.params, "weight_bytes": bm.weight_bytes, "dtype": str(dtype),
+                  "layer_types": list(cfg.layer_types), "mlp_layer_types": list(cfg.mlp_layer_types),
+                  "experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok, "hc_mult": cfg.hc_mult,
+                  "engram_layers": list(cfg.engram.layer_ids), "engram_cols": bm.layout.n_hash_cols,
+                  "table_rows": [int(r) for r in bm.layout.table_rows]},
+        "cases": {}}
+    print(f"model: {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB {dtype}), layers "
+          f"{_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on {dev.type} in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    logits: dict[str, Any] = {}
+    for where in opts.placements:
+        t1 = time.perf_counter()
+        tables = build_tables(bm.layout, cfg.engram.head_dim, where, dev)
+        store = table_store(tables, where, list(cfg.engram.layer_ids))
+        bm.model.set_tables(store)
+        gib = sum(r.numel() + s.numel() for r, s in tables) / 2**30
+        results.setdefault("tables", {})[where] = {"gib": gib, "kind": store.kind, "where": store.where()}
+        print(f"{where}: tables {gib:.2f} GiB in {store.where()} ({store.kind}), made in {time.perf_counter() - t1:.0f} s",
+              flush=True)
+        calibrated: dict[str, Any] = {}
+        for name, lens, past in cases(opts):
+            entry = _time_case(opts, bm, store, where, lens, past, dev, limits, calibrated, logits, name)
+            results["cases"].setdefault(name, {"tokens": sum(lens), "seqs": len(lens), "past": past})[where] = entry
+        if calibrated.get("choice") is not None:
+            results.setdefault("calibration", {})[where] = calibrated["choice"].describe()
+        bm.model.tables = None
+        store.close()
+        del tables, store
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    _ratios(results)
+    _print(results, opts)
+    results["wall_s"] = time.perf_counter() - t0
+    dump(results, opts.json)
+    return 0
+
+
+def _layer_line(cfg: Any) -> str:
+    short = {"sliding_attention": "S", "compressed_sparse_attention": "C", "heavily_compressed_attention": "H"}
+    return "".join(short[t] for t in cfg.layer_types) + " (S sliding, C CSA, H HCA)"
+
+
+def _make_step(bm: Any, lens: list[int], past: int, seed: int) -> tuple[Any, Any, Any]:
+    """The packed step (raw ids, their compressed ids, each sequence's lookback) and
+    the host arrays the prefetcher takes."""
+    import numpy as np
+    import torch
+
+    from engram_trt.engram.hashing import DEAD
+    from engram_trt.models.step import PackedStep
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, bm.config.vocab_size, size=sum(lens))
+    n = bm.layout.max_ngram_size - 1
+    lb = (bm.compress_lookup[rng.integers(3, bm.config.vocab_size, size=(len(lens), n))] if past
+          else np.full((len(lens), n), DEAD, dtype=np.int64))
+    cids = bm.compress_lookup[ids]
+    step = PackedStep(torch.from_numpy(ids), lens, [past] * len(lens), list(range(len(lens))),
+                      lookback=torch.from_numpy(lb), engram_ids=torch.from_numpy(cids))
+    return step, cids, lb
+
+
+def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: list[int], past: int, dev: Any,
+               limits: dict[str, float], calibrated: dict[str, Any], logits: dict[str, Any], name: str) -> dict[str, Any]:
+    import torch
+
+    from engram_trt.bench.common import time_fn
+    from engram_trt.bench.dsv4model import floor
+    from engram_trt.bench.dsv4profile import ModuleClock
+    from engram_trt.runtime.prefetch import Prefetcher
+
+    model, S, T = bm.model, len(lens), sum(lens)
+    cache = model.new_cache(S, past + max(lens) + 1)
+    gen = torch.Generator(device=dev).manual_seed(S)
+    for layer in cache.layers:  # random, not zeros: attention over realistic entries
+        for t in layer.values():
+            t.normal_(generator=gen)
+    step, cids, lb = _make_step(bm, lens, past, seed=T)
+    pf = Prefetcher(bm.layout, store, dev, T)
+    if where == "pinned" and dev.type == "cuda":  # as the runner does at start-up, once per store
+        if "choice" not in calibrated:
+            calibrated["choice"] = pf.calibrate()
+        if calibrated["choice"] is not None:
+            pf.gather_policy = calibrated["choice"].path_for
+    out: dict[str, Any] = {"lookup_path": pf.path_for(T * bm.layout.n_hash_cols)}
+
+    def one(wrap: Any = None) -> Any:
+        for s in range(S):
+            cache.lengths[s] = past
+        rows = pf.submit(step, cids, lb)
+        got = model.forward_step(step, cache, engram_rows=rows if wrap is None else wrap(rows))
+        rows.finish()  # as the runtime does after launching a step
+        torch.argmax(got, dim=-1).tolist()  # the sampler's one read per step
+        return got
+
+    def lookup() -> None:
+        rows = pf.submit(step, cids, lb)
+        rows.wait()
+        rows.finish()
+
+    try:
+        out["step_ms"] = time_fn(one, dev, 2, opts.reps)["median_s"] * 1e3
+        out["lookup_ms"] = time_fn(lookup, dev, 2, opts.reps)["median_s"] * 1e3
+        mine = one().float()
+        for s in range(S):
+            cache.lengths[s] = past
+        own = model.forward_step(step, cache).float()  # the model's own gather, no prefetch
+        scale = float(mine.abs().max()) or 1.0
+        out["check"] = {"finite": bool(torch.isfinite(mine).all()),
+                        "vs_own_gather_rel": float((mine - own).abs().max()) / scale}
+        if name in logits:
+            out["check"]["vs_first_placement_rel"] = float((mine - logits[name]).abs().max()) / scale
+        else:
+            logits[name] = mine
+        if opts.profile_reps:
+            with ModuleClock(model) as clock:
+                for _ in range(opts.profile_reps):
+                    clock.step(lambda: one(clock.rows))
+            out["breakdown"] = clock.summary()
+    finally:
+        pf.close()
+    out["floor"] = floor(bm, lens, past, where, limits)
+    fl = out["floor"]
+    if "floor_ms" in fl:
+        out["step_over_floor"] = out["step_ms"] / fl["floor_ms"]
+        if where == "pinned" and fl["link_ms"] > 0:
+            out["lookup_over_link"] = out["lookup_ms"] / fl["link_ms"]
+    print(f"  {where} {name}: step {out['step_ms']:.3f} ms, lookup alone {out['lookup_ms']:.3f} ms "
+          f"({out['lookup_path']})" + (f", floor {fl['floor_ms']:.3f} ms" if "floor_ms" in fl else ""), flush=True)
+    return out
+
+
+def _ratios(results: dict[str, Any]) -> None:
+    """Per case: pinned / HBM step time, and what the host tables add over the link's floor."""
+    for row in results["cases"].values():
+        h, p = row.get("hbm"), row.get("pinned")
+        if h and p:
+            row["pinned_over_hbm"] = p["step_ms"] / h["step_ms"]
+            row["pinned_extra_ms"] = p["step_ms"] - h["step_ms"]
+            link = p["floor"].get("link_ms")
+            if link:
+                row["pinned_extra_over_link"] = row["pinned_extra_ms"] / link
+
+
+def _print(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
+    lim = results["limits"]
+    if lim:
+        print(f"\nlimits measured now: HBM copy {lim['hbm_GBps']:.0f} GB/s, bf16 matmul {lim['bf16_TFLOPs']:.0f} TFLOP/s, "
+              f"pinned H2D {lim['h2d_GBps']:.1f} GB/s")
+    for where, c in results.get("calibration", {}).items():
+        print(f"{where}: start-up calibration {c}")
+    print(f"\n{'case':<14} {'place':<7} {'step ms':>9} {'floor ms':>9} {'step/floor':>10} {'lookup ms':>9} {'link ms':>8} "
+          f"{'lookup/link':>11} {'pinned/HBM':>10}")
+    for name, row in results["cases"].items():
+        for where in opts.placements:
+            e = row[where]
+            fl = e["floor"]
+            ratio = f"{row['pinned_over_hbm']:>10.3f}" if where == "pinned" and "pinned_over_hbm" in row else f"{'':>10}"
+            print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl.get('floor_ms', float('nan')):>9.3f} "
+                  f"{e.get('step_over_floor', float('nan')):>10.2f} {e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.3f} "
+                  f"{e.get('lookup_over_link', float('nan')):>11.2f} {ratio}")
+    shown = [c for c in (*CLASSES, "other")]
+    if any(row[w].get("breakdown") for row in results["cases"].values() for w in opts.placements):
+        clock = next(row[w]["breakdown"]["clock"] for row in results["cases"].values() for w in opts.placements
+                     if row[w].get("breakdown"))
+        print(f"\nwhere a step's time goes, ms per module class ({clock}; median of the profiled steps):")
+        print(f"{'case':<14} {'place':<7} {'step':>8} " + " ".join(f"{_SHORT[c]:>8}" for c in shown))
+        for name, row in results["cases"].items():
+            for where in opts.placements:
+                b = row[where].get("breakdown")
+                if b:
+                    print(f"{name:<14} {where:<7} {b['total_gpu_ms']:>8.3f} "
+                          + " ".join(f"{b['classes'][c]['gpu_ms']:>8.3f}" for c in shown))
+        print("(" + ", ".join(f"{_SHORT[c]}: {c}" for c in shown) + "; host-side times and call counts in the JSON)")
