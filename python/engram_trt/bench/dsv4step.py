@@ -88,7 +88,7 @@ def run(opts: Dsv4StepOptions) -> int:
     from engram_trt.bench.dsv4model import bench_config, build_model, build_tables, table_store
 
     _check(opts)
-    dev = torch.device(opts.device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     limits = measure_limits(dev)
@@ -258,7 +258,7 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
             print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl.get('floor_ms', float('nan')):>9.3f} "
                   f"{e.get('step_over_floor', float('nan')):>10.2f} {e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.3f} "
                   f"{e.get('lookup_over_link', float('nan')):>11.2f} {ratio}")
-    shown = [c for c in (*CLASSES, "other")]
+    shown = [*CLASSES, "other"]
     if any(row[w].get("breakdown") for row in results["cases"].values() for w in opts.placements):
         clock = next(row[w]["breakdown"]["clock"] for row in results["cases"].values() for w in opts.placements
                      if row[w].get("breakdown"))
