@@ -225,7 +225,7 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
         if where == "pinned" and fl["link_ms"] > 0:
             out["lookup_over_link"] = out["lookup_ms"] / fl["link_ms"]
     print(f"  {where} {name}: step {out['step_ms']:.3f} ms, lookup alone {out['lookup_ms']:.3f} ms "
-          f"({out['lookup_path']})" + (f", floor {fl['floor_ms']:.3f} ms" if "floor_ms" in fl else ""), flush=True)
+          f"({out['lookup_path']})" + (f", floor {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else ""), flush=True)
     return out
 
 
@@ -255,9 +255,9 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
             e = row[where]
             fl = e["floor"]
             ratio = f"{row['pinned_over_hbm']:>10.3f}" if where == "pinned" and "pinned_over_hbm" in row else f"{'':>10}"
-            print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl.get('floor_ms', float('nan')):>9.3f} "
-                  f"{e.get('step_over_floor', float('nan')):>10.2f} {e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.3f} "
-                  f"{e.get('lookup_over_link', float('nan')):>11.2f} {ratio}")
+            print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl.get('floor_ms', float('nan')):>9.4f} "
+                  f"{e.get('step_over_floor', float('nan')):>10.1f} {e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} "
+                  f"{e.get('lookup_over_link', float('nan')):>11.1f} {ratio}")
     shown = [*CLASSES, "other"]
     if any(row[w].get("breakdown") for row in results["cases"].values() for w in opts.placements):
         clock = next(row[w]["breakdown"]["clock"] for row in results["cases"].values() for w in opts.placements

@@ -1,0 +1,82 @@
+"""`engram-trt bench dsv4-step` on CUDA with the tiny shape (``--model tiny``): the path
+the 1.8B benchmark takes, checked before its figures are read.
+
+  1. Every case and placement ran: finite bf16 logits; the runtime's prefetched rows
+     (gather kernel for HBM tables, the calibrated host gather / UVA kernel for pinned
+     ones) give the logits of the model's own reference gather, and the two placements
+     the same logits, within bf16 round-off of the MoE's unordered index_add (relative
+     to the largest logit).
+  2. The floors carry the limits measured in the run: no step beats its floor, no
+     lookup from pinned tables beats its rows' bytes over the measured link.
+  3. The breakdown, timed by CUDA events: each class called as the layer types imply,
+     the classes adding up to the step's span on the stream.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .helpers import note, record
+
+ARGS = ["bench", "dsv4-step", "--device", "cuda", "--model", "tiny", "--batches", "1,4", "--context", "300",
+        "--prefill", "64", "--reps", "3", "--profile-reps", "2", "--table-gib", "0.05"]
+REL = 2e-2  # bf16 logits: the MoE's index_add sums two experts per token in no fixed order
+
+
+@pytest.fixture(scope="module")
+def report(build_dir, tmp_path_factory):
+    from engram_trt.cli.main import main
+
+    out = tmp_path_factory.mktemp("dsv4") / "r.json"
+    rc = main([*ARGS, "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    note("report", data)
+    return data
+
+
+def test_prefetched_rows_give_the_models_own_logits(report) -> None:
+    for name, row in report["cases"].items():
+        for where, paths in (("hbm", ("device",)), ("pinned", ("host", "uva"))):
+            e = row[where]
+            c = e["check"]
+            record(f"{name} {where}: finite logits", c["finite"], "")
+            record(f"{name} {where}: lookup path", e["lookup_path"] in paths, f"expected one of {paths}")
+            record(f"{name} {where}: prefetched rows = own gather", c["vs_own_gather_rel"] <= REL,
+                   f"max |diff| / max |logit| = {c['vs_own_gather_rel']:.2e}")
+        rel = row["pinned"]["check"]["vs_first_placement_rel"]
+        record(f"{name}: pinned tables = HBM tables", rel <= REL, f"max |diff| / max |logit| = {rel:.2e}")
+
+
+def test_floors_carry_the_measured_limits(report) -> None:
+    lim = report["limits"]
+    record("limits measured", all(lim.get(k, 0) > 0 for k in ("hbm_GBps", "h2d_GBps", "bf16_TFLOPs")), str(lim))
+    for name, row in report["cases"].items():
+        for where in ("hbm", "pinned"):
+            e, f = row[where], row[where]["floor"]
+            record(f"{name} {where}: step >= floor", e["step_over_floor"] >= 1.0,
+                   f"step {e['step_ms']:.3f} ms, floor {f['floor_ms']:.4f} ms")
+        p = row["pinned"]
+        record(f"{name}: pinned lookup no faster than its rows over the link",
+               p["floor"]["link_ms"] > 0 and p["lookup_over_link"] >= 1.0,
+               f"lookup alone {p['lookup_ms']:.3f} ms, link floor {p['floor']['link_ms']:.5f} ms")
+
+
+def test_breakdown_by_cuda_events_adds_up(report) -> None:
+    types = report["model"]["layer_types"]
+    n = len(types)
+    want = {"attention.sliding": types.count("sliding_attention"), "attention.csa": 1, "attention.hca": 1, "moe": n,
+            "mhc": 4 * n + 1, "engram": 2, "engram.wait": 2, "norm": 2 * n + 1, "embed": 1, "other": 0}
+    for name, row in report["cases"].items():
+        for where in ("hbm", "pinned"):
+            b = row[where]["breakdown"]
+            calls = {c: v["calls"] for c, v in b["classes"].items()}
+            record(f"{name} {where}: calls per class", calls == want and b["clock"] == "cuda events", f"{calls}")
+            # medians of 2 steps per class need not add up exactly: 5% of the step
+            total = sum(v["gpu_ms"] for v in b["classes"].values())
+            record(f"{name} {where}: classes add up to the step", abs(total - b["total_gpu_ms"]) <= 0.05 * b["total_gpu_ms"],
+                   f"{total:.3f} vs {b['total_gpu_ms']:.3f} ms")
+            record(f"{name} {where}: no class below zero", min(v["gpu_ms"] for v in b["classes"].values()) > -1e-3,
+                   f"{ {c: round(v['gpu_ms'], 4) for c, v in b['classes'].items()} }")
