@@ -30,6 +30,9 @@ from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Harness, record  # noqa
 
 DTYPES = ["float32", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+# Half the spacing of the type's subnormals: rounding a value below the normal range errs
+# by up to this much, not by u |x| (float16's subnormals start at 6.1e-5, spacing 2^-24).
+SUBNORMAL_HALF_SPACING = {"float32": 0.0, "bfloat16": 2.0 ** -134, "float16": 2.0 ** -25}
 DELTA_CONFIGS = [(2, 4, 8, 40), (2, 4, 128, 128), (1, 2, 256, 256), (2, 6, 64, 96)]  # (Hk, Hv, dk, dv)
 NUM_SLOTS = 5
 # (seq_starts, past_lens, slots) per step: prompts (one shorter than the conv's history),
@@ -43,11 +46,12 @@ def _i32(torch, values, dev):
     return torch.tensor(list(values), dtype=torch.int32, device=dev)
 
 
-def _rel_or_bound(got, want, u: float, rel: float) -> tuple[bool, float]:
+def _rel_or_bound(got, want, u: float, rel: float, eta: float = 0.0) -> tuple[bool, float]:
     """(ok, worst): float32 ``|got - want| <= rel max|want|``; 16-bit elementwise
-    ``u |want| + rel max|want|`` (worst: the excess over the bound, <= 0 passes)."""
+    ``u |want| + eta + rel max|want|`` (``eta``: the output rounding's absolute error
+    below the normal range; worst: the excess over the bound, <= 0 passes)."""
     scale = float(np.abs(want).max()) if want.size else 0.0
-    excess = np.abs(got - want) - (u * np.abs(want) + rel * max(scale, 1e-30))
+    excess = np.abs(got - want) - (u * np.abs(want) + eta + rel * max(scale, 1e-30))
     worst = float(excess.max()) if excess.size else 0.0
     return bool(np.isfinite(got).all()) and worst <= 0, worst
 
@@ -71,7 +75,7 @@ def test_conv_kernel_matches_reference(rng, dname) -> None:
                                  _i32(torch, slots, dev), activation=act)
             want, ref_state = causal_conv1d_reference(x.double().cpu().numpy(), weight.double().cpu().numpy(),
                                                       ref_state, starts, past, slots, act)
-            ok, err = _rel_or_bound(y.double().cpu().numpy(), want, u, 2e-5)
+            ok, err = _rel_or_bound(y.double().cpu().numpy(), want, u, 2e-5, SUBNORMAL_HALF_SPACING[dname])
             s_err = float(np.abs(state.double().cpu().numpy() - ref_state).max())  # copies of inputs: exact
             ok_all &= ok and s_err == 0.0
             worst, worst_state = max(worst, err), max(worst_state, s_err)
@@ -110,7 +114,7 @@ def test_delta_kernel_matches_reference(rng, dname, ci) -> None:
                                _i32(torch, slots, dev), l2norm_qk=bool(l2norm), scale=scale)
         want, ref_state = gated_delta_net_reference(*(t.double().cpu().numpy() for t in (q, k, v, g, beta)),
                                                     ref_state, starts, past, slots, l2norm, scale)
-        ok, err = _rel_or_bound(o.double().cpu().numpy(), want, u, 2e-5)
+        ok, err = _rel_or_bound(o.double().cpu().numpy(), want, u, 2e-5, SUBNORMAL_HALF_SPACING[dname])
         s_ok, s_err = _rel_or_bound(state.double().cpu().numpy(), ref_state, 0.0, 2e-5)
         ok_all &= ok and s_ok
         worst, worst_state = max(worst, err), max(worst_state, s_err)
