@@ -29,7 +29,9 @@ constexpr Field<Dsv4AttentionConfig> kFieldList[] = {
     field<&Dsv4AttentionConfig::indexTopk>("index_topk", 0).optional(),
     field<&Dsv4AttentionConfig::scaling>("scaling"),
     field<&Dsv4AttentionConfig::eps>("eps").optional(),
-    field<&Dsv4AttentionConfig::ropeScale>("rope_scale").optional([](Dsv4AttentionConfig const&) -> int64_t { return 1; }),
+    field<&Dsv4AttentionConfig::ropeScale>("rope_scale").optional([](Dsv4AttentionConfig const&) -> int64_t {
+        return 1;
+    }),
 };
 constexpr FieldTable<Dsv4AttentionConfig> kFields{kName, kFieldList};
 
@@ -48,14 +50,14 @@ struct InputSpec
     bool state; // updated in place, with an aliased output
 };
 
-constexpr InputSpec kInputs[kMaxInputs] = {
-    {"q", kAct, 3, false}, {"kv", kAct, 2, false}, {"sinks", kF32, 1, false}, {"seq_starts", kI32, 1, false},
-    {"past_lens", kI32, 1, false}, {"slots", kI32, 1, false}, {"window_kv", kAct, 3, true},
-    {"c_kv", kAct, 2, false}, {"c_gate", kAct, 2, false}, {"c_bias", kF32, 2, false}, {"c_norm", kF32, 1, false},
-    {"inv_freq", kF32, 1, false}, {"compressed_kv", kAct, 3, true}, {"compressor_kv", kAct, 3, true},
-    {"compressor_gate", kAct, 3, true}, {"index_q", kAct, 3, false}, {"index_w", kF32, 2, false},
-    {"i_kv", kAct, 2, false}, {"i_gate", kAct, 2, false}, {"i_bias", kF32, 2, false}, {"i_norm", kF32, 1, false},
-    {"index_keys", kAct, 3, true}, {"indexer_kv", kAct, 3, true}, {"indexer_gate", kAct, 3, true}};
+constexpr InputSpec kInputs[kMaxInputs]
+    = {{"q", kAct, 3, false}, {"kv", kAct, 2, false}, {"sinks", kF32, 1, false}, {"seq_starts", kI32, 1, false},
+        {"past_lens", kI32, 1, false}, {"slots", kI32, 1, false}, {"window_kv", kAct, 3, true},
+        {"c_kv", kAct, 2, false}, {"c_gate", kAct, 2, false}, {"c_bias", kF32, 2, false}, {"c_norm", kF32, 1, false},
+        {"inv_freq", kF32, 1, false}, {"compressed_kv", kAct, 3, true}, {"compressor_kv", kAct, 3, true},
+        {"compressor_gate", kAct, 3, true}, {"index_q", kAct, 3, false}, {"index_w", kF32, 2, false},
+        {"i_kv", kAct, 2, false}, {"i_gate", kAct, 2, false}, {"i_bias", kF32, 2, false}, {"i_norm", kF32, 1, false},
+        {"index_keys", kAct, 3, true}, {"indexer_kv", kAct, 3, true}, {"indexer_gate", kAct, 3, true}};
 
 int32_t nbInputsOf(int32_t layerType)
 {
@@ -136,8 +138,8 @@ void expectDims(nvinfer1::Dims const* in, int32_t i, std::initializer_list<int64
 EngramDsv4Shape shapeOf(Dsv4AttentionConfig const& c, nvinfer1::Dims const* in, int32_t nbInputs, DataType io)
 {
     ENGRAM_PLUGIN_CHECK(nbInputs == nbInputsOf(c.layerType),
-        "layer_type " << c.layerType << " takes " << nbInputsOf(c.layerType) << " inputs (sliding 7, HCA 15, CSA 24), got "
-                      << nbInputs);
+        "layer_type " << c.layerType << " takes " << nbInputsOf(c.layerType)
+                      << " inputs (sliding 7, HCA 15, CSA 24), got " << nbInputs);
     for (int32_t i = 0; i < nbInputs; ++i)
     {
         ENGRAM_PLUGIN_CHECK(in[i].nbDims == kInputs[i].rank,
@@ -263,8 +265,10 @@ int32_t EngramDsv4AttentionPlugin::getOutputDataTypes(
         for (int32_t i = 1; i < nbInputs; ++i)
         {
             ENGRAM_PLUGIN_CHECK(typeOk(i, inputTypes[i], io),
-                kInputs[i].name << " must be " << (kInputs[i].kind == kAct ? dataTypeName(io)
-                                                      : kInputs[i].kind == kF32 ? "float32" : "int32")
+                kInputs[i].name << " must be "
+                                << (kInputs[i].kind == kAct          ? dataTypeName(io)
+                                           : kInputs[i].kind == kF32 ? "float32"
+                                                                     : "int32")
                                 << ", got " << dataTypeName(inputTypes[i]));
         }
         for (int32_t o = 0; o < nbOutputs; ++o)
@@ -398,8 +402,9 @@ int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
             {
                 same = so.d[k] == dims[in].d[k];
             }
-            ENGRAM_PLUGIN_CHECK(same, "output " << 1 + i << " must match " << kInputs[in].name << " "
-                                                << dimsToString(dims[in]) << ", got " << dimsToString(so));
+            ENGRAM_PLUGIN_CHECK(same,
+                "output " << 1 + i << " must match " << kInputs[in].name << " " << dimsToString(dims[in]) << ", got "
+                          << dimsToString(so));
             size_t const bytes = static_cast<size_t>(volume(dims[in])) * elementBytes(io);
             if (outputs[1 + i] != inputs[in] && bytes > 0)
             {

@@ -479,8 +479,8 @@ struct KeySource
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kAttendThreads) attendKernel(
-    EngramDsv4Shape sh, EngramDsv4Tensors t, int32_t const* picks)
+__global__ void __launch_bounds__(kAttendThreads)
+    attendKernel(EngramDsv4Shape sh, EngramDsv4Tensors t, int32_t const* picks)
 {
     __shared__ float qs[ENGRAM_DSV4_MAX_HEAD_DIM];
     __shared__ float warpMax[kAttendWarps];
@@ -722,16 +722,16 @@ int launchAll(EngramDsv4Shape const& sh, EngramDsv4Tensors const& t, void* works
         }
     }
     resetLaunchError();
-    attendKernel<T><<<dim3(static_cast<unsigned>(sh.num_tokens), static_cast<unsigned>(sh.num_heads)),
-        kAttendThreads, 0, stream>>>(sh, t, picks);
+    attendKernel<T><<<dim3(static_cast<unsigned>(sh.num_tokens), static_cast<unsigned>(sh.num_heads)), kAttendThreads,
+        0, stream>>>(sh, t, picks);
     int status = checkLaunch("engram_dsv4_attention (attend)");
     if (status != 0)
     {
         return status;
     }
     resetLaunchError();
-    windowKernel<T><<<dim3(static_cast<unsigned>(sh.window), static_cast<unsigned>(sh.num_seqs)), 128, 0, stream>>>(
-        sh, t);
+    windowKernel<T>
+        <<<dim3(static_cast<unsigned>(sh.window), static_cast<unsigned>(sh.num_seqs)), 128, 0, stream>>>(sh, t);
     (void) seqGrid;
     return checkLaunch("engram_dsv4_attention (window)");
 }
@@ -753,8 +753,8 @@ extern "C" ENGRAM_API int engram_dsv4_check(const EngramDsv4Shape* shape)
     char const* fn = "EngramDsv4Attention";
     if (s.layer_type < ENGRAM_DSV4_SLIDING || s.layer_type > ENGRAM_DSV4_HCA)
     {
-        return fail(cudaErrorInvalidValue, "%s: layer_type %d must be 0 (sliding), 1 (CSA) or 2 (HCA)", fn,
-            s.layer_type);
+        return fail(
+            cudaErrorInvalidValue, "%s: layer_type %d must be 0 (sliding), 1 (CSA) or 2 (HCA)", fn, s.layer_type);
     }
     if (s.window < 1)
     {
@@ -763,8 +763,8 @@ extern "C" ENGRAM_API int engram_dsv4_check(const EngramDsv4Shape* shape)
     bool const compressed = s.layer_type != ENGRAM_DSV4_SLIDING;
     if (compressed && s.compress_rate < 1)
     {
-        return fail(cudaErrorInvalidValue, "%s: compress_rate %d must be >= 1 on a CSA / HCA layer", fn,
-            s.compress_rate);
+        return fail(
+            cudaErrorInvalidValue, "%s: compress_rate %d must be >= 1 on a CSA / HCA layer", fn, s.compress_rate);
     }
     if (s.layer_type == ENGRAM_DSV4_CSA && s.index_topk < 1)
     {
@@ -796,8 +796,10 @@ extern "C" ENGRAM_API int engram_dsv4_check(const EngramDsv4Shape* shape)
     }
     if (s.num_tokens < 0 || s.num_tokens > INT32_MAX || s.num_seqs < 0 || s.num_seqs > 65535 || s.num_slots < 0)
     {
-        return fail(cudaErrorInvalidValue, "%s: need 0 <= tokens < 2^31, 0 <= sequences <= 65535, slots >= 0 (got "
-            "%lld, %lld, %lld)", fn, ll(s.num_tokens), ll(s.num_seqs), ll(s.num_slots));
+        return fail(cudaErrorInvalidValue,
+            "%s: need 0 <= tokens < 2^31, 0 <= sequences <= 65535, slots >= 0 (got "
+            "%lld, %lld, %lld)",
+            fn, ll(s.num_tokens), ll(s.num_seqs), ll(s.num_slots));
     }
     if (compressed)
     {
@@ -817,14 +819,15 @@ extern "C" ENGRAM_API int engram_dsv4_check(const EngramDsv4Shape* shape)
         if (s.index_heads < 1 || s.index_dim < 1 || s.index_dim > ENGRAM_DSV4_MAX_INDEX_DIM
             || static_cast<int64_t>(s.index_heads) * (s.index_dim + 1) * 4 > 48 * 1024)
         {
-            return fail(cudaErrorInvalidValue, "%s: need index_head_dim in [1, %d] and index_n_heads x "
-                "(index_head_dim + 1) x 4 bytes <= 48 KiB (got %d heads of %d)", fn, ENGRAM_DSV4_MAX_INDEX_DIM,
-                s.index_heads, s.index_dim);
+            return fail(cudaErrorInvalidValue,
+                "%s: need index_head_dim in [1, %d] and index_n_heads x "
+                "(index_head_dim + 1) x 4 bytes <= 48 KiB (got %d heads of %d)",
+                fn, ENGRAM_DSV4_MAX_INDEX_DIM, s.index_heads, s.index_dim);
         }
         if (2 * s.rope_pairs > s.index_dim)
         {
-            return fail(cudaErrorInvalidValue, "%s: rope_dim %d exceeds index_head_dim %d", fn, 2 * s.rope_pairs,
-                s.index_dim);
+            return fail(
+                cudaErrorInvalidValue, "%s: rope_dim %d exceeds index_head_dim %d", fn, 2 * s.rope_pairs, s.index_dim);
         }
     }
     if (s.window > 65535)
@@ -880,8 +883,9 @@ extern "C" ENGRAM_API int engram_dsv4_attention(const EngramDsv4Shape* shape, co
     if (s.layer_type == ENGRAM_DSV4_CSA
         && (t.index_q == nullptr || t.index_w == nullptr || t.index_kv == nullptr || t.index_gate == nullptr
             || t.index_bias == nullptr || t.index_norm == nullptr
-            || (s.num_slots > 0 && (t.index_ring_kv == nullptr || t.index_ring_gate == nullptr
-                || (s.max_entries > 0 && t.index_keys == nullptr)))))
+            || (s.num_slots > 0
+                && (t.index_ring_kv == nullptr || t.index_ring_gate == nullptr
+                    || (s.max_entries > 0 && t.index_keys == nullptr)))))
     {
         return fail(cudaErrorInvalidValue, "%s: a CSA layer needs every indexer input (NULL given)", fn);
     }

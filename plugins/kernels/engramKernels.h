@@ -1052,7 +1052,7 @@ typedef struct EngramDsv4Tensors
     const int32_t* seq_slots;
     void* window_kv; /* [N, W, d] */
     const void* comp_kv;
-    const void* comp_gate; /* [T, w] */
+    const void* comp_gate;  /* [T, w] */
     const float* comp_bias; /* [r, w] */
     const float* comp_norm; /* [d] */
     const float* inv_freq;  /* [rope_pairs] */
@@ -1062,7 +1062,7 @@ typedef struct EngramDsv4Tensors
     const void* index_q;  /* [T, NI, di] */
     const float* index_w; /* [T, NI] */
     const void* index_kv;
-    const void* index_gate; /* [T, 2 di] */
+    const void* index_gate;  /* [T, 2 di] */
     const float* index_bias; /* [r, 2 di] */
     const float* index_norm; /* [di] */
     void* index_keys;        /* [N, E, di] */
