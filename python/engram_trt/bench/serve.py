@@ -83,7 +83,10 @@ def run(opts: ServeOptions) -> int:
             dt = time.perf_counter() - t0
             if any(o is None or o.error or len(o.token_ids) != opts.max_tokens for o in outs):
                 raise EngramError("a benchmark request failed or stopped early")
+            last_outs[:] = outs
             return n * opts.max_tokens / dt
+
+        last_outs: list[Any] = []  # the latest batch's outputs (their per-request steady decode rates)
 
         for n in sorted(set(levels)):
             batch(n)  # warm-up: every batch and context bucket a level meets is recorded before it is timed
@@ -98,12 +101,13 @@ def run(opts: ServeOptions) -> int:
                 after = llm.stats()
                 llm.scheduler.attach_phases(None)
                 if best is None or tps > best[0]:
-                    best = (tps, (before, after), phases)
-            tps, (before, after), phases = best  # type: ignore[misc]
+                    best = (tps, (before, after), phases, steady_rate(last_outs))
+            tps, (before, after), phases, steady = best  # type: ignore[misc]
             steps = after["steps"] - before["steps"]
             one = one or (tps if n == 1 else None)
             res["levels"][n] = {"tokens_per_s": tps, "steps": steps,
-                                "mean_seqs_per_step": (after["tokens"] - before["tokens"]) / max(steps, 1)}
+                                "mean_seqs_per_step": (after["tokens"] - before["tokens"]) / max(steps, 1),
+                                "steady_decode_tokens_per_s": steady}
             if phases is not None:
                 res["levels"][n]["host_breakdown"] = phases.summary()
         base = res["levels"].get(1, {}).get("tokens_per_s")
@@ -116,6 +120,19 @@ def run(opts: ServeOptions) -> int:
             print_breakdown(res["levels"], format_table)
     dump(res, opts.json)
     return 0
+
+
+def steady_rate(outs: list[Any]) -> float | None:
+    """The median over a batch's requests of each one's steady decode rate, as ``run``
+    prints it (one over the median decode step after the warm-up steps:
+    :func:`engram_trt.runtime.scheduler.steady_decode`), so ``bench steady`` can set
+    ``run``'s figure beside one defined the same way, not only beside tokens/s over a
+    whole request (prefill and the threads' start and join included)."""
+    import statistics
+
+    rates = [o.timings.get("steady_decode_tokens_per_s") for o in outs if o is not None]
+    rates = [r for r in rates if r]
+    return statistics.median(rates) if rates else None
 
 
 def null_model(runner: Any) -> None:

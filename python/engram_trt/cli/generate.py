@@ -132,6 +132,10 @@ def _print_generation(res: dict[str, Any]) -> None:
         print(f"decode:  {tm['steady_decode_tokens_per_s']} tokens/s steady (median of {tm['steady_decode_steps']} steps "
               f"after {tm['decode_warmup_s']:.3f} s of warm-up steps); {tm.get('decode_tokens_per_s', 0)} tokens/s over "
               f"all decode steps")
+    if "steady_decode_first_half_tokens_per_s" in tm:  # a rate still climbing: more tokens for a steady figure
+        print(f"         steady halves {tm['steady_decode_first_half_tokens_per_s']} / "
+              f"{tm['steady_decode_second_half_tokens_per_s']} tokens/s"
+              + (f"; decode graphs {', '.join(tm['graph_shapes'])}" if tm.get("graph_shapes") else ""))
 
 
 def _check_against_config(path: str, args: argparse.Namespace) -> None:

@@ -163,8 +163,18 @@ class ModelRunner:
         (captures happen inside the first decode step of each new batch / context shape,
         which is why the steady decode rate leaves those steps out)."""
         graphs = getattr(self.backend, "graphs", None)
-        return {"graph_captures": int(getattr(graphs, "captures", 0) or 0),
-                "graph_capture_s": round(float(getattr(graphs, "capture_s", 0.0) or 0.0), 6)}
+        out = {"graph_captures": int(getattr(graphs, "captures", 0) or 0),
+               "graph_capture_s": round(float(getattr(graphs, "capture_s", 0.0) or 0.0), 6)}
+        shapes = getattr(graphs, "graphs", None)
+        if isinstance(shapes, dict) and all(isinstance(k, tuple) and len(k) == 3 for k in shapes):
+            # which decode path each recorded shape took (sequences x context : lookup / staged / none):
+            # two processes on one folder that decode at different rates show here whether they
+            # took different paths (the gather calibration is timed per process)
+            out["graph_shapes"] = [f"{g}x{ctx}:{mode}" for g, ctx, mode in sorted(shapes)]
+        chosen = getattr(getattr(self, "gather_calibration", None), "chosen", None)  # the start-up calibration's pick
+        if isinstance(chosen, dict) and chosen:
+            out["gather_path_by_rows"] = {str(k): v for k, v in sorted(chosen.items())}
+        return out
 
     def storage(self) -> dict[str, Any]:
         if self.engram_lookup is not None:  # hook (engram_trt.distributed)
