@@ -28,8 +28,10 @@ pick what it picks on the CPU; across splits, ties may go either way (in both).
 
 Per slot the layer carries (:meth:`DeepseekV4Attention.state_shapes`) the last
 ``sliding_window`` keys in a ring (``position % sliding_window``), and per compressor
-its entries and a ring of its last raw projections. Sequences of a step are handled
-one at a time; all queries of one sequence at once.
+its entries and a ring of its last raw projections. The torch path handles the
+sequences of a step one at a time, all queries of one sequence at once; on CUDA the
+core (everything between the projections and the inverse RoPE) runs as one kernel call
+over the packed step instead (:mod:`.attention_kernel`, the same state layout).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from engram_trt.models.deepseek_v4.compressors import (
     apply_rope,
     check_rope_fits,
     compress_rate,
+    rope_label,
     rope_tables,
     unweighted_rms_norm,
     wide,
@@ -103,7 +106,12 @@ class GroupedLinear(nn.Module):
 
 
 class DeepseekV4Attention(nn.Module):
-    """One attention layer (``model.layers.{i}.self_attn``) of any of the three types."""
+    """One attention layer (``model.layers.{i}.self_attn``) of any of the three types.
+
+    ``backend``: ``auto`` (the CUDA kernel where it can serve, else torch), ``kernels``
+    or ``torch`` (:mod:`.attention_kernel`); a class default, settable per layer."""
+
+    backend: str = "auto"
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -117,6 +125,7 @@ class DeepseekV4Attention(nn.Module):
             raise ConfigError(f"o_groups {config.o_groups} does not divide num_attention_heads x head_dim = {h * d}; "
                               "the grouped output projection splits the heads evenly")
         self.rope = RopeTable(config, self.layer_type)
+        self.rope_label = rope_label(self.layer_type)  # layers of one label share (cos, sin) within a step
         check_rope_fits(config, self.rope.rope_dim, self.layer_type)
         self.num_heads, self.head_dim = h, d
         self.window = config.sliding_window
@@ -204,22 +213,43 @@ class DeepseekV4Attention(nn.Module):
     # ---- forward --------------------------------------------------------------
 
     def forward(self, x: Tensor, positions: Tensor, seq_starts: list[int], past_lens: list[int], slots: list[int],
-                state: dict[str, Tensor]) -> Tensor:
+                state: dict[str, Tensor], *, meta: Tensor | None = None,
+                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Attend the step's tokens ``x [T, hidden]`` over their slots' state.
 
         Sequence ``s`` owns tokens ``seq_starts[s]:seq_starts[s + 1]`` at positions
         ``past_lens[s] + i`` (``positions`` gives them for RoPE; masks follow
         ``past_lens``) and slot ``slots[s]``; ``past_lens[s] == 0`` starts fresh (nothing
         of the slot is read). The slots' state is updated in place. Returns
-        ``[T, hidden]``."""
+        ``[T, hidden]``. The core runs on the CUDA kernel or the torch path by
+        ``backend`` (:mod:`.attention_kernel`); ``meta`` (the kernel's int32
+        ``[seq_starts, past_lens, slots]`` on the device) and ``rope`` (this layer's
+        ``self.rope(positions)``) let the model build them once per step."""
+        from engram_trt.models.deepseek_v4 import attention_kernel
+
         self._check_step(x, positions, seq_starts, past_lens, slots, state)
         t, h, d = x.shape[0], self.num_heads, self.head_dim
-        cos, sin = self.rope(positions)
+        cos, sin = rope if rope is not None else self.rope(positions)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).reshape(t, h, d), self.eps)
         q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        if attention_kernel.kernel_serves(self, x, state):
+            if meta is None:
+                meta = attention_kernel.step_meta(seq_starts, past_lens, slots, x.device)
+            out = attention_kernel.core(self, x, q, kv, q_residual, cos, sin, len(slots), meta, state)
+        else:
+            out = self._core_torch(x, q, kv, q_residual, cos, sin, seq_starts, past_lens, slots, state)
+        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
+        grouped = self.o_a_proj(out.reshape(t, self.config.o_groups, -1)).flatten(1)
+        return self.o_b_proj(grouped)
 
+    def _core_torch(self, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor, cos: Tensor, sin: Tensor,
+                    seq_starts: list[int], past_lens: list[int], slots: list[int],
+                    state: dict[str, Tensor]) -> Tensor:
+        """The torch path of the core (the CPU's, and the kernel's reference): one
+        sequence at a time, all its queries at once. ``[T, H, d]`` before the inverse RoPE."""
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
         comp = self.compressor
         if comp is not None:
             c_kv, c_gate = comp.kv_proj(x), comp.gate_proj(x)
@@ -261,10 +291,7 @@ class DeepseekV4Attention(nn.Module):
             window[slot][torch.arange(past + n - keep, past + n, device=dev) % self.window] = \
                 kv[b - keep:b].to(window.dtype)
             out[a:b] = self._attend(q[a:b], keys, mask)
-
-        out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
-        grouped = self.o_a_proj(out.reshape(t, self.config.o_groups, -1)).flatten(1)
-        return self.o_b_proj(grouped)
+        return out
 
     def _attend(self, q: Tensor, kv: Tensor, mask: Tensor) -> Tensor:
         """``[n, h, d]`` outputs of queries ``q [n, h, d]`` over the shared key/value

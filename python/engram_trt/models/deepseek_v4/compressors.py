@@ -126,11 +126,17 @@ class RopeTable:
         self.inv_freq, self.scale = inv_freq_and_scale(setting, int(config.head_dim))
         self._device_freq: dict[Any, Tensor] = {}
 
-    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        inv = self._device_freq.get(positions.device)
+    def inv_freq_on(self, device: Any) -> Tensor:
+        """The float32 inverse frequencies on ``device``, copied there once (the CUDA
+        attention kernel takes them as an input)."""
+        device = torch.device(device)
+        inv = self._device_freq.get(device)
         if inv is None:
-            inv = self._device_freq[positions.device] = self.inv_freq.to(positions.device)
-        freqs = positions.reshape(-1, 1).float() * inv
+            inv = self._device_freq[device] = self.inv_freq.to(device)
+        return inv
+
+    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.reshape(-1, 1).float() * self.inv_freq_on(positions.device)
         return freqs.cos() * self.scale, freqs.sin() * self.scale
 
 

@@ -31,7 +31,8 @@ from torch import nn
 from engram_trt.engram.hashing import DEAD, hash_ids_torch
 from engram_trt.errors import EngramError
 from engram_trt.models.deepseek_v4.config import DeepseekV4Config
-from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RMSNorm, SparseMoE
+from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RMSNorm
+from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
 from engram_trt.models.deepseek_v4.state import DeepseekV4State
 from engram_trt.models.deepseek_v4.weights import load_into, named_tensors
 from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
@@ -50,7 +51,7 @@ class DecoderLayer(nn.Module):
 
         self.index = index
         self.self_attn = DeepseekV4Attention(config, index)
-        self.mlp = SparseMoE(config, index)
+        self.mlp = GroupedSparseMoE(config, index)  # SparseMoE with sync-free expert forms on CUDA
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config)
@@ -154,7 +155,38 @@ class DeepseekV4Model(_Modules):
     @property
     def backend_name(self) -> str:
         kind = "deepseek-v4.1" if self.config.engram is not None else "deepseek-v4"
-        return f"torch ({kind}, {self.compute_dtype}, {self._device.type})"
+        return f"torch ({kind}, {self.compute_dtype}, {self._device.type}, attention {self.attention_label()})"
+
+    @property
+    def attention_backend(self) -> str:
+        """Every layer's attention backend (``auto`` / ``kernels`` / ``torch``, see
+        :mod:`.attention_kernel`); set it here for the whole model."""
+        got = {layer.self_attn.backend for layer in self.model.layers}
+        return got.pop() if len(got) == 1 else "mixed"
+
+    @attention_backend.setter
+    def attention_backend(self, backend: str) -> None:
+        from engram_trt.models.deepseek_v4.attention_kernel import check_backend
+
+        check_backend(backend)
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def attention_label(self) -> str:
+        """Which core the attention runs on for this model's device and dtype, and why
+        not the kernel when it does not (a state-dependent refusal, such as an
+        ``index_topk`` above a short state's entries, shows at the step)."""
+        from engram_trt.models.deepseek_v4.attention_kernel import check_backend, why_not_kernel
+
+        probe = torch.empty(0, device=self._device, dtype=self.compute_dtype)
+        used: dict[str, list[int]] = {}
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            why = "backend torch" if check_backend(attn.backend) == "torch" else why_not_kernel(attn, probe, None)
+            used.setdefault("kernels" if why is None else f"torch: {why}", []).append(layer.index)
+        if len(used) == 1:
+            return next(iter(used))
+        return "; ".join(f"{k} (layers {v})" for k, v in used.items())
 
     def set_tables(self, tables: Any) -> None:
         """Attach (or swap) the Engram row storage, checked against the layout."""
@@ -188,6 +220,9 @@ class DeepseekV4Model(_Modules):
 
     # -- Engram (V4.1), as engram-llama finds its rows ---------------------------------------
     def step_compressed_ids(self, step: PackedStep) -> torch.Tensor:
+        if self.uploader is not None:  # CUDA: from the step's one asynchronous upload (no pageable copy)
+            arrays = step.device_arrays(self._device, self.uploader)
+            return arrays["engram_ids"] if "engram_ids" in arrays else self.compress_lookup[arrays["input_ids"]]
         if step.engram_ids is not None:
             return step.engram_ids.to(self._device)
         return self.compress_lookup[step.input_ids.to(self._device)]
@@ -261,10 +296,18 @@ class DeepseekV4Model(_Modules):
         cfg = self.config
         self._check_step(step, cache)
         dev = self._device
-        ids = step.input_ids.to(dev)
-        positions = step.positions(dev)
         starts, past, slots = step.seq_starts, step.past_lens, step.slots
+        meta = None
+        if self.uploader is not None:
+            # CUDA: the step's metadata in ONE asynchronous copy from pinned memory (a pageable
+            # copy would make the host wait for the stream), the kernel's int32 view built once
+            arrays = step.device_arrays(dev, self.uploader)
+            ids, positions, last = arrays["input_ids"], arrays["positions"], arrays["last"]
+            meta = torch.cat((arrays["seq_starts"], arrays["past_lens"], arrays["slots"])).to(torch.int32)
+        else:
+            ids, positions, last = step.input_ids.to(dev), step.positions(dev), step.last_token_index(dev)
         rows, live, cids = self._engram_inputs(step, cache, engram_rows)
+        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one (cos, sin) per RoPE table and step
         x = self.model.embed_tokens(ids).to(self.compute_dtype)
         streams = x.unsqueeze(1).expand(x.shape[0], cfg.hc_mult, x.shape[1]).contiguous()  # [T, hc, D]
         index = cfg.engram_layer_index
@@ -273,12 +316,16 @@ class DeepseekV4Model(_Modules):
             if layer.engram is not None and rows is not None:
                 streams = layer.engram(streams, rows[index[i]].to(dev), live)
             h, post, comb = layer.attn_hc.collapse(streams)
-            y = layer.self_attn(layer.input_layernorm(h), positions, starts, past, slots, cache.layers[i])
+            attn = layer.self_attn
+            rope = ropes.get(attn.rope_label)
+            if rope is None:
+                rope = ropes[attn.rope_label] = attn.rope(positions)
+            y = attn(layer.input_layernorm(h), positions, starts, past, slots, cache.layers[i], meta=meta, rope=rope)
             streams = HyperConnection.expand(streams, y, post, comb)
             h, post, comb = layer.ffn_hc.collapse(streams)
             streams = HyperConnection.expand(streams, layer.mlp(layer.post_attention_layernorm(h), ids), post, comb)
         if not all_logits:
-            streams = streams[step.last_token_index(dev)]
+            streams = streams[last]
         hidden = self.model.norm(self.model.hc_head(streams))
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, head.to(hidden.dtype)).float()
@@ -292,6 +339,13 @@ class DeepseekV4Model(_Modules):
         if cids is None or n == 0 or step.lookback is not None:
             return  # a step that brings its own lookback: the caller (the runtime's scheduler) keeps them
         starts = step.seq_starts
+        if step.num_tokens == step.num_seqs:  # decode: one token per slot, all slots at once
+            slots = torch.as_tensor(step.slots, dtype=torch.int64) if self.uploader is None else \
+                step.device_arrays(self._device, self.uploader)["slots"]
+            slots = slots.to(cache.lookback.device)
+            ext = torch.cat([cache.lookback[slots], cids.to(cache.lookback.device).unsqueeze(1)], dim=1)
+            cache.lookback[slots] = ext[:, 1:]
+            return
         for s, slot in enumerate(step.slots):
             ext = torch.cat([cache.lookback[slot], cids[starts[s]:starts[s + 1]].to(cache.lookback.device)])
             cache.lookback[slot] = ext[ext.shape[0] - n:]
