@@ -15,6 +15,11 @@ names the checkpoint stores (``hc_attn_fn``, ``ffn.experts.3.w1``, ``ffn.gate.bi
   symmetric, so the transpose matters. All of it in float32, as transformers keeps it (float64 in a
   float64 model: the float64 oracle tests run the whole model so).
 * :class:`HyperHead`: the final collapse (a ``pre``-only connection) before the norm.
+* On CUDA both run as the kernel library's mHC kernels (``engram_mhc_pre`` / ``_post`` /
+  ``_head``, :mod:`engram_trt.native.mhc`: two launches for the collapse, one for the
+  expand, whatever ``hc_sinkhorn_iters``) when ``backend`` allows and the kernels take the
+  tensors (bf16 / fp16 / float32 activations, float32 mHC parameters, ``hc_mult <= 8``,
+  ``hidden % 8 == 0``); the PyTorch path (``*_torch``) serves the rest and is their reference.
 * MoE (:class:`SparseMoE`): routed experts plus one shared expert, every SwiGLU with its
   pre-activations clamped to ``swiglu_limit`` (gate from above only, up both ways).
   Top-k routing (:class:`TopKRouter`) picks experts by ``score + e_score_correction_bias``
@@ -25,13 +30,67 @@ names the checkpoint stores (``hc_attn_fn``, ``ffn.experts.3.w1``, ``ffn.gate.bi
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engram_trt.errors import EngramError
 from engram_trt.models.deepseek_v4.compressors import wide
+
+log = logging.getLogger(__name__)
+
+MHC_BACKENDS = ("auto", "kernels", "torch")
+MHC_MAX_HC = 8  # engramKernels.h ENGRAM_MHC_MAX_HC
+_mhc_library_error: list[str | None] = []  # [] not tried yet; [None] loaded; [reason] unavailable
+
+
+def _mhc_library_unavailable() -> str | None:
+    """Why the kernel library cannot serve the mHC kernels (None: it can), asked once."""
+    if not _mhc_library_error:
+        try:
+            from engram_trt.native import mhc as native_mhc
+
+            native_mhc.library()
+            _mhc_library_error.append(None)
+        except (EngramError, OSError, AttributeError) as exc:
+            _mhc_library_error.append(str(exc))
+            log.warning("mHC CUDA kernels unavailable (%s); using the PyTorch path", exc)
+    return _mhc_library_error[0]
+
+
+def mhc_kernel_serves(owner: str, backend: str, streams: torch.Tensor, *tensors: torch.Tensor,
+                      floats: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Whether the mHC kernels take this call: ``backend`` ``auto`` (when they can),
+    ``kernels`` (or an EngramError naming why not, ``owner`` the class) or ``torch``.
+    ``tensors`` must share streams' dtype, ``floats`` (parameters, post / comb) be float32."""
+    if backend not in MHC_BACKENDS:
+        raise EngramError(f"{owner}.backend {backend!r} is not one of {list(MHC_BACKENDS)}")
+    if backend == "torch":
+        return False
+    io = streams.dtype
+    why = None
+    if not streams.is_cuda:
+        why = f"the activations are on {streams.device}, not a CUDA device"
+    elif io not in (torch.bfloat16, torch.float16, torch.float32):
+        why = f"the activations are {io}, not bfloat16, float16 or float32"
+    elif streams.dim() != 3 or not 1 <= streams.shape[1] <= MHC_MAX_HC:
+        why = f"the streams are {tuple(streams.shape)}, not [T, hc <= {MHC_MAX_HC}, hidden]"
+    elif streams.shape[2] % 8:
+        why = f"hidden_size {streams.shape[2]} is not a multiple of 8"
+    elif any(t.dtype != io for t in tensors):
+        why = f"the sublayer output is {[str(t.dtype) for t in tensors if t.dtype != io][0]}, not {io}"
+    elif any(t.dtype != torch.float32 for t in floats):
+        why = f"the mHC parameters are {[str(t.dtype) for t in floats if t.dtype != torch.float32][0]}, not float32"
+    else:
+        why = _mhc_library_unavailable()
+    if why is None:
+        return True
+    if backend == "kernels":
+        raise EngramError(f"{owner} backend 'kernels' cannot run: {why}; use backend 'auto' or 'torch'")
+    return False
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,7 +122,14 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 class HyperConnection(nn.Module):
-    """See the module docstring; ``fn [(2 + hc) * hc, hc * D]``, ``base``, ``scale [3]``."""
+    """See the module docstring; ``fn [(2 + hc) * hc, hc * D]``, ``base``, ``scale [3]``.
+
+    ``backend``: ``auto`` (the mHC kernels where they take the tensors, else PyTorch),
+    ``kernels`` (the kernels or an EngramError saying why not) or ``torch``; a class
+    default, settable per module for :meth:`collapse`; :meth:`expand` (static: it needs
+    no parameters) follows the class attribute."""
+
+    backend: str = "auto"
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -93,18 +159,40 @@ class HyperConnection(nn.Module):
 
     def collapse(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sublayer input [T, D], post, comb)``."""
+        if mhc_kernel_serves("HyperConnection", self.backend, streams, floats=(self.fn, self.base, self.scale)):
+            from engram_trt.native import mhc as native_mhc
+
+            return native_mhc.mhc_pre(streams.contiguous(), self.fn, self.base, self.scale, sinkhorn_iters=self.iters,
+                                      hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        return self.collapse_torch(streams)
+
+    def collapse_torch(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The PyTorch :meth:`collapse` (the CPU's, and the kernel's reference)."""
         pre, post, comb = self.weights(streams)
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype), post, comb
 
     @staticmethod
     def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """The streams after a sublayer: ``post * out + comb^T @ streams``."""
+        """The streams after a sublayer: ``post * out + comb^T @ streams`` (a new tensor).
+        A static method (bench/dsv4profile times it as one), so the class's ``backend`` decides."""
+        if mhc_kernel_serves("HyperConnection", HyperConnection.backend, streams, out, floats=(post, comb)):
+            from engram_trt.native import mhc as native_mhc
+
+            return native_mhc.mhc_post(streams.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous())
+        return HyperConnection.expand_torch(streams, out, post, comb)
+
+    @staticmethod
+    def expand_torch(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """The PyTorch :meth:`expand` (the CPU's, and the kernel's reference)."""
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
 class HyperHead(nn.Module):
-    """The last collapse of the streams: ``hc_fn [hc, hc * D]``, ``hc_base [hc]``, ``hc_scale [1]``."""
+    """The last collapse of the streams: ``hc_fn [hc, hc * D]``, ``hc_base [hc]``, ``hc_scale [1]``.
+    ``backend`` as :class:`HyperConnection`'s (``engram_mhc_head`` on CUDA)."""
+
+    backend: str = "auto"
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -116,6 +204,15 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        if mhc_kernel_serves("HyperHead", self.backend, streams, floats=(self.hc_fn, self.hc_base, self.hc_scale)):
+            from engram_trt.native import mhc as native_mhc
+
+            return native_mhc.mhc_head(streams.contiguous(), self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.eps,
+                                       norm_eps=self.norm_eps)
+        return self.forward_torch(streams)
+
+    def forward_torch(self, streams: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path (the CPU's, and the kernel's reference)."""
         flat = unweighted_rms_norm(wide(streams.reshape(streams.shape[0], -1)), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.to(flat.dtype))
         pre = torch.sigmoid(mixes * self.hc_scale.to(flat.dtype) + self.hc_base.to(flat.dtype)) + self.eps

@@ -1,0 +1,726 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+/*
+ * DeepSeek-V4's manifold-constrained hyper-connections (mHC) per token: the reference is
+ * engram_trt.models.deepseek_v4.modules.HyperConnection / HyperHead (tied to transformers'
+ * DeepseekV4HyperConnection / DeepseekV4HyperHead), the float64 one
+ * engram_trt.builder.reference_mhc.
+ *
+ * With x = the token's hc streams flattened (K = hc * D values), n = (2 + hc) * hc rows of
+ * fn [n, K], r = rsqrt(mean(x^2) + norm_eps) and m = r * (fn @ x):
+ *   pre[c]   = sigmoid(m[c] scale[0] + base[c]) + hc_eps
+ *   post[c]  = 2 sigmoid(m[hc + c] scale[1] + base[hc + c])
+ *   comb     = softmax_j(m[2 hc + i hc + j] scale[2] + base[...]) + hc_eps, then Sinkhorn-Knopp:
+ *              columns, then iters - 1 rounds of rows and columns (each sum + hc_eps)
+ *   collapsed[d] = sum_c pre[c] x[c, d]                       (engram_mhc_pre)
+ *   new[k, d]    = post[k] out[d] + sum_j comb[j, k] x[j, d]   (engram_mhc_post; comb^T)
+ * The head (engram_mhc_head) is the pre alone over hc rows of fn with one scale.
+ *
+ * Launches (one stream, each reading what the one before wrote):
+ *   1. mix:      a block per (tile of TOK tokens, span of K): one pass over the span of
+ *                x and of every fn row, the sum of squares and the n dot products in fp32
+ *                registers, reduced over the block into workspace [splits, T, n + 1]
+ *                (no atomics: the result does not depend on the schedule). The split of
+ *                K depends only on T and K (a fixed target of blocks), so the workspace
+ *                size needs no device and every GPU adds in the same order.
+ *   2. finalize: a block per token: the partials summed, the coefficients (Sinkhorn by
+ *                warp 0 on a shared hc x hc matrix), post / comb written (fp32), then
+ *                the collapse, rounded once to the io type.
+ *   3. post:     a thread per (token, 8 channels): all hc streams of its channels read
+ *                before any is written, so new_streams may be streams (in place). post
+ *                and comb are rounded to the io type first, as the reference's
+ *                post.to(dtype) / comb.to(dtype) do; the sum is fp32, rounded once.
+ */
+#include "engramKernels.h"
+#include "engramKernelsInternal.h"
+#include "vecLoad.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+namespace engram_trt
+{
+namespace kernels
+{
+
+namespace
+{
+
+constexpr int kMhcThreads = 256;
+constexpr int kMhcWarps = kMhcThreads / 32;
+constexpr int64_t kMhcTargetBlocks = 256; // mix blocks aimed at (independent of the device)
+constexpr int64_t kMhcMinSpan = 32;       // vectors of 8 per mix block, at least
+constexpr int64_t kMhcTileTokens = 256;   // from this many tokens on, 4 tokens share a block's fn loads
+constexpr int kMhcMaxEntries = ENGRAM_MHC_MAX_HC * ENGRAM_MHC_MAX_HC;
+
+__device__ __forceinline__ float sigmoidOf(float x)
+{
+    return 1.0F / (1.0F + expf(-x));
+}
+
+template <typename IoT>
+__device__ __forceinline__ float roundTo(float x);
+
+template <>
+__device__ __forceinline__ float roundTo<float>(float x)
+{
+    return x;
+}
+
+template <>
+__device__ __forceinline__ float roundTo<__nv_bfloat16>(float x)
+{
+    return __bfloat162float(__float2bfloat16(x));
+}
+
+template <>
+__device__ __forceinline__ float roundTo<__half>(float x)
+{
+    return __half2float(__float2half(x));
+}
+
+/*
+ * Kernel 1: blockIdx.x = token tile, blockIdx.y = split of K. MaxRows bounds rows (the
+ * accumulators stay in registers); partial [splits, T, rows + 1]: rows dots, then sum x^2.
+ */
+template <typename IoT, int MaxRows, int Tok>
+__global__ void __launch_bounds__(kMhcThreads) mhcMixKernel(IoT const* __restrict__ x, float const* __restrict__ fn,
+    int32_t rows, int64_t numTokens, int64_t vectors, int64_t span, float* __restrict__ partial)
+{
+    constexpr int kAcc = MaxRows + 1;
+    __shared__ float warpPartial[kMhcWarps][Tok * kAcc];
+    int64_t const t0 = static_cast<int64_t>(blockIdx.x) * Tok;
+    int64_t const split = blockIdx.y;
+    int64_t const first = split * span;
+    int64_t const last = first + span < vectors ? first + span : vectors;
+    int64_t const width = vectors * 8;
+
+    float acc[Tok][kAcc];
+#pragma unroll
+    for (int k = 0; k < Tok; ++k)
+    {
+#pragma unroll
+        for (int r = 0; r < kAcc; ++r)
+        {
+            acc[k][r] = 0.0F;
+        }
+    }
+    for (int64_t v = first + threadIdx.x; v < last; v += blockDim.x)
+    {
+        float xv[Tok][8];
+#pragma unroll
+        for (int k = 0; k < Tok; ++k)
+        {
+            if (t0 + k < numTokens)
+            {
+                load8(x + (t0 + k) * width + 8 * v, xv[k]);
+            }
+            else
+            {
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                {
+                    xv[k][i] = 0.0F;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                acc[k][MaxRows] += xv[k][i] * xv[k][i];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < MaxRows; ++r)
+        {
+            if (r < rows)
+            {
+                float w[8];
+                load8(fn + r * width + 8 * v, w);
+#pragma unroll
+                for (int k = 0; k < Tok; ++k)
+                {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                    {
+                        acc[k][r] += w[i] * xv[k][i];
+                    }
+                }
+            }
+        }
+    }
+    int const warp = threadIdx.x / 32;
+    int const lane = threadIdx.x % 32;
+#pragma unroll
+    for (int k = 0; k < Tok; ++k)
+    {
+#pragma unroll
+        for (int r = 0; r < kAcc; ++r)
+        {
+            if (r < rows || r == MaxRows)
+            {
+                float const s = warpSum(acc[k][r]);
+                if (lane == 0)
+                {
+                    warpPartial[warp][k * kAcc + r] = s;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    int const warps = (static_cast<int>(blockDim.x) + 31) / 32;
+    for (int e = threadIdx.x; e < Tok * (rows + 1); e += blockDim.x)
+    {
+        int const k = e / (rows + 1);
+        int const j = e - k * (rows + 1);
+        int const r = j == rows ? MaxRows : j; // the sum of squares sits last in both layouts
+        if (t0 + k >= numTokens)
+        {
+            continue;
+        }
+        float s = 0.0F;
+        for (int w = 0; w < warps; ++w)
+        {
+            s += warpPartial[w][k * kAcc + r];
+        }
+        partial[(split * numTokens + t0 + k) * (rows + 1) + j] = s;
+    }
+}
+
+//! Warp 0's Sinkhorn-Knopp on the shared row-major hc x hc matrix m: columns, then iters - 1
+//! rounds of rows and columns, each divided by its sum + eps.
+__device__ void sinkhornWarp(float* m, float* sums, int32_t hc, int32_t iters, float eps)
+{
+    int const lane = threadIdx.x % 32;
+    int const entries = hc * hc;
+    for (int32_t round = 0; round < 2 * iters - 1; ++round)
+    {
+        bool const columns = round % 2 == 0;
+        if (lane < hc)
+        {
+            float s = 0.0F;
+            for (int32_t i = 0; i < hc; ++i)
+            {
+                s += columns ? m[i * hc + lane] : m[lane * hc + i];
+            }
+            sums[lane] = s + eps;
+        }
+        __syncwarp();
+        for (int e = lane; e < entries; e += 32)
+        {
+            m[e] = m[e] / sums[columns ? e % hc : e / hc];
+        }
+        __syncwarp();
+    }
+}
+
+/*
+ * Kernel 2: blockIdx.x = t. head != 0: pre only (rows = hc, one scale); else the layer's
+ * pre / post / comb, post [T, hc] and comb [T, hc, hc] written in fp32.
+ */
+template <typename IoT>
+__global__ void __launch_bounds__(kMhcThreads) mhcFinalizeKernel(IoT const* __restrict__ x,
+    float const* __restrict__ partial, int64_t splits, float const* __restrict__ base, float const* __restrict__ scale,
+    int64_t numTokens, int32_t hc, int32_t hidden, int32_t iters, float hcEps, float normEps, int32_t head,
+    IoT* __restrict__ collapsed, float* __restrict__ post, float* __restrict__ comb)
+{
+    __shared__ float mix[(2 + ENGRAM_MHC_MAX_HC) * ENGRAM_MHC_MAX_HC + 1];
+    __shared__ float pre[ENGRAM_MHC_MAX_HC];
+    __shared__ float matrix[kMhcMaxEntries];
+    __shared__ float stats[2 * ENGRAM_MHC_MAX_HC];
+    int64_t const t = blockIdx.x;
+    int32_t const rows = head != 0 ? hc : (2 + hc) * hc;
+    for (int e = threadIdx.x; e <= rows; e += blockDim.x)
+    {
+        float s = 0.0F;
+        for (int64_t p = 0; p < splits; ++p)
+        {
+            s += partial[(p * numTokens + t) * (rows + 1) + e];
+        }
+        mix[e] = s;
+    }
+    __syncthreads();
+    int64_t const width = static_cast<int64_t>(hc) * hidden;
+    float const r = rsqrtf(mix[rows] / static_cast<float>(width) + normEps);
+    int const lane = threadIdx.x % 32;
+    if (threadIdx.x < 32)
+    {
+        float const s0 = scale[0];
+        if (lane < hc)
+        {
+            pre[lane] = sigmoidOf(mix[lane] * r * s0 + base[lane]) + hcEps;
+        }
+        if (head == 0)
+        {
+            float const s1 = scale[1];
+            float const s2 = scale[2];
+            if (lane < hc)
+            {
+                post[t * hc + lane] = 2.0F * sigmoidOf(mix[hc + lane] * r * s1 + base[hc + lane]);
+            }
+            int const entries = hc * hc;
+            for (int e = lane; e < entries; e += 32)
+            {
+                matrix[e] = mix[2 * hc + e] * r * s2 + base[2 * hc + e];
+            }
+            __syncwarp();
+            if (lane < hc) // row softmax: the row's max and sum of exponentials
+            {
+                float mx = matrix[lane * hc];
+                for (int32_t j = 1; j < hc; ++j)
+                {
+                    mx = fmaxf(mx, matrix[lane * hc + j]);
+                }
+                float s = 0.0F;
+                for (int32_t j = 0; j < hc; ++j)
+                {
+                    s += expf(matrix[lane * hc + j] - mx);
+                }
+                stats[lane] = mx;
+                stats[ENGRAM_MHC_MAX_HC + lane] = s;
+            }
+            __syncwarp();
+            for (int e = lane; e < entries; e += 32)
+            {
+                int const i = e / hc;
+                matrix[e] = expf(matrix[e] - stats[i]) / stats[ENGRAM_MHC_MAX_HC + i] + hcEps;
+            }
+            __syncwarp();
+            sinkhornWarp(matrix, stats, hc, iters, hcEps);
+            for (int e = lane; e < entries; e += 32)
+            {
+                comb[t * entries + e] = matrix[e];
+            }
+        }
+    }
+    __syncthreads();
+    IoT const* xt = x + t * width;
+    IoT* ct = collapsed + t * hidden;
+    for (int32_t v = threadIdx.x; v < hidden / 8; v += blockDim.x)
+    {
+        float acc[8] = {0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F};
+        for (int32_t c = 0; c < hc; ++c)
+        {
+            float xv[8];
+            load8(xt + static_cast<int64_t>(c) * hidden + 8 * v, xv);
+            float const p = pre[c];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                acc[i] += p * xv[i];
+            }
+        }
+        store8(ct + 8 * v, acc);
+    }
+}
+
+/*
+ * Kernel 3: a thread per (token, vector of 8 channels).
+ */
+template <typename IoT>
+__global__ void __launch_bounds__(kMhcThreads)
+    mhcPostKernel(IoT const* streams, IoT const* __restrict__ out, float const* __restrict__ post,
+        float const* __restrict__ comb, int64_t numTokens, int32_t hc, int32_t hidden, IoT* newStreams)
+{
+    int64_t const vectorsPerToken = hidden / 8;
+    int64_t const idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= numTokens * vectorsPerToken)
+    {
+        return;
+    }
+    int64_t const t = idx / vectorsPerToken;
+    int64_t const v = idx - t * vectorsPerToken;
+    int64_t const width = static_cast<int64_t>(hc) * hidden;
+    IoT const* st = streams + t * width + 8 * v;
+    float s[ENGRAM_MHC_MAX_HC][8];
+#pragma unroll
+    for (int j = 0; j < ENGRAM_MHC_MAX_HC; ++j)
+    {
+        if (j < hc)
+        {
+            load8(st + static_cast<int64_t>(j) * hidden, s[j]);
+        }
+    }
+    float o[8];
+    load8(out + t * hidden + 8 * v, o);
+    float const* pt = post + t * hc;
+    float const* ct = comb + t * hc * hc;
+    IoT* nt = newStreams + t * width + 8 * v;
+#pragma unroll
+    for (int k = 0; k < ENGRAM_MHC_MAX_HC; ++k)
+    {
+        if (k < hc)
+        {
+            float const p = roundTo<IoT>(pt[k]);
+            float acc[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                acc[i] = p * o[i];
+            }
+#pragma unroll
+            for (int j = 0; j < ENGRAM_MHC_MAX_HC; ++j)
+            {
+                if (j < hc)
+                {
+                    float const w = roundTo<IoT>(ct[j * hc + k]);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                    {
+                        acc[i] += w * s[j][i];
+                    }
+                }
+            }
+            store8(nt + static_cast<int64_t>(k) * hidden, acc);
+        }
+    }
+}
+
+//! How the mix kernel splits the work for T tokens, `vectors` = K / 8 and `rows` fn rows.
+struct MixPlan
+{
+    int tok;
+    int64_t tiles;
+    int64_t span;
+    int64_t splits;
+    int threads;
+};
+
+MixPlan mixPlan(int64_t numTokens, int64_t vectors, int32_t rows)
+{
+    MixPlan p{};
+    p.tok = (numTokens >= kMhcTileTokens && rows <= 24) ? 4 : 1;
+    p.tiles = (numTokens + p.tok - 1) / p.tok;
+    int64_t const maxSplits = (vectors + kMhcMinSpan - 1) / kMhcMinSpan;
+    int64_t want = (kMhcTargetBlocks + p.tiles - 1) / p.tiles;
+    want = want < 1 ? 1 : (want > maxSplits ? maxSplits : want);
+    int64_t span = (vectors + want - 1) / want;
+    span = (span + kMhcMinSpan - 1) / kMhcMinSpan * kMhcMinSpan;
+    p.span = span;
+    p.splits = (vectors + span - 1) / span;
+    p.threads = static_cast<int>(span < kMhcThreads ? span : kMhcThreads);
+    return p;
+}
+
+int64_t partialFloats(int64_t numTokens, int32_t hc, int32_t hidden, int32_t rows)
+{
+    int64_t const vectors = static_cast<int64_t>(hc) * hidden / 8;
+    return mixPlan(numTokens, vectors, rows).splits * numTokens * (rows + 1);
+}
+
+int64_t workspaceFloats(int64_t numTokens, int32_t hc, int32_t hidden)
+{
+    int64_t const layer = partialFloats(numTokens, hc, hidden, (2 + hc) * hc);
+    int64_t const head = partialFloats(numTokens, hc, hidden, hc);
+    return layer > head ? layer : head;
+}
+
+template <typename IoT, int MaxRows, int Tok>
+void launchMixAs(MixPlan const& p, void const* x, float const* fn, int32_t rows, int64_t numTokens, int64_t vectors,
+    float* partial, cudaStream_t stream)
+{
+    dim3 const grid(static_cast<unsigned>(p.tiles), static_cast<unsigned>(p.splits));
+    mhcMixKernel<IoT, MaxRows, Tok>
+        <<<grid, p.threads, 0, stream>>>(static_cast<IoT const*>(x), fn, rows, numTokens, vectors, p.span, partial);
+}
+
+template <typename IoT>
+int launchMix(void const* x, float const* fn, int32_t rows, int64_t numTokens, int64_t vectors, float* partial,
+    cudaStream_t stream, MixPlan& plan)
+{
+    plan = mixPlan(numTokens, vectors, rows);
+    resetLaunchError();
+    if (rows <= 8)
+    {
+        plan.tok == 4 ? launchMixAs<IoT, 8, 4>(plan, x, fn, rows, numTokens, vectors, partial, stream)
+                      : launchMixAs<IoT, 8, 1>(plan, x, fn, rows, numTokens, vectors, partial, stream);
+    }
+    else if (rows <= 24)
+    {
+        plan.tok == 4 ? launchMixAs<IoT, 24, 4>(plan, x, fn, rows, numTokens, vectors, partial, stream)
+                      : launchMixAs<IoT, 24, 1>(plan, x, fn, rows, numTokens, vectors, partial, stream);
+    }
+    else
+    {
+        launchMixAs<IoT, (2 + ENGRAM_MHC_MAX_HC) * ENGRAM_MHC_MAX_HC, 1>(
+            plan, x, fn, rows, numTokens, vectors, partial, stream);
+    }
+    return checkLaunch("engram_mhc (mix)");
+}
+
+struct CollapseLaunch
+{
+    void const* streams;
+    float const* fn;
+    float const* base;
+    float const* scale;
+    int64_t numTokens;
+    int32_t hc;
+    int32_t hidden;
+    int32_t iters;
+    float hcEps;
+    float normEps;
+    int32_t head;
+    float* partial;
+    void* collapsed;
+    float* post;
+    float* comb;
+    cudaStream_t stream;
+};
+
+template <typename IoT>
+int launchCollapse(CollapseLaunch const& a)
+{
+    int32_t const rows = a.head != 0 ? a.hc : (2 + a.hc) * a.hc;
+    int64_t const vectors = static_cast<int64_t>(a.hc) * a.hidden / 8;
+    MixPlan plan{};
+    int status = launchMix<IoT>(a.streams, a.fn, rows, a.numTokens, vectors, a.partial, a.stream, plan);
+    if (status != 0)
+    {
+        return status;
+    }
+    int64_t const wanted = (a.hidden / 8 + 31) / 32 * 32;
+    unsigned const threads = static_cast<unsigned>(wanted < kMhcThreads ? wanted : kMhcThreads);
+    resetLaunchError();
+    mhcFinalizeKernel<IoT><<<static_cast<unsigned>(a.numTokens), threads, 0, a.stream>>>(
+        static_cast<IoT const*>(a.streams), a.partial, plan.splits, a.base, a.scale, a.numTokens, a.hc, a.hidden,
+        a.iters, a.hcEps, a.normEps, a.head, static_cast<IoT*>(a.collapsed), a.post, a.comb);
+    return checkLaunch("engram_mhc (finalize)");
+}
+
+int launchCollapseFor(int32_t ioType, CollapseLaunch const& a)
+{
+    switch (ioType)
+    {
+    case ENGRAM_FLOAT_BF16: return launchCollapse<__nv_bfloat16>(a);
+    case ENGRAM_FLOAT_F16: return launchCollapse<__half>(a);
+    default: return launchCollapse<float>(a);
+    }
+}
+
+template <typename IoT>
+int launchPost(void const* streams, void const* out, float const* post, float const* comb, int64_t numTokens,
+    int32_t hc, int32_t hidden, void* newStreams, cudaStream_t stream)
+{
+    int64_t const total = numTokens * (hidden / 8);
+    resetLaunchError();
+    mhcPostKernel<IoT><<<static_cast<unsigned>((total + kMhcThreads - 1) / kMhcThreads), kMhcThreads, 0, stream>>>(
+        static_cast<IoT const*>(streams), static_cast<IoT const*>(out), post, comb, numTokens, hc, hidden,
+        static_cast<IoT*>(newStreams));
+    return checkLaunch("engram_mhc_post");
+}
+
+int checkIoType(char const* fn, int32_t ioType)
+{
+    if (ioType != ENGRAM_FLOAT_BF16 && ioType != ENGRAM_FLOAT_F32 && ioType != ENGRAM_FLOAT_F16)
+    {
+        return fail(cudaErrorInvalidValue, "%s: io_type %d is not bf16 (0), fp32 (1) or fp16 (2)", fn, ioType);
+    }
+    return 0;
+}
+
+int64_t ioBytes(int32_t ioType)
+{
+    return ioType == ENGRAM_FLOAT_F32 ? 4 : 2;
+}
+
+//! The checks engram_mhc_pre and engram_mhc_head share, after the shape's.
+int checkCollapseArgs(char const* name, void const* streams, int32_t ioType, float const* fn, float const* base,
+    float const* scale, int64_t numTokens, int32_t hc, int32_t hidden, void const* workspace, size_t workspaceBytes,
+    void const* collapsed)
+{
+    int status = checkIoType(name, ioType);
+    if (status != 0)
+    {
+        return status;
+    }
+    if (numTokens < 0 || numTokens > INT32_MAX)
+    {
+        return fail(cudaErrorInvalidValue, "%s: num_tokens must be in [0, 2^31 - 1] (got %lld)", name, ll(numTokens));
+    }
+    if (numTokens == 0)
+    {
+        return 0;
+    }
+    void const* aligned[] = {streams, fn, collapsed};
+    for (void const* p : aligned)
+    {
+        if (p == nullptr || !isAligned(p, 16))
+        {
+            return fail(
+                cudaErrorInvalidValue, "%s: streams, fn and collapsed must be 16-byte aligned device pointers", name);
+        }
+    }
+    if (base == nullptr || scale == nullptr || workspace == nullptr || !isAligned(workspace, 4))
+    {
+        return fail(cudaErrorInvalidValue, "%s: base, scale and a 4-byte aligned workspace must not be NULL", name);
+    }
+    size_t const need = static_cast<size_t>(workspaceFloats(numTokens, hc, hidden)) * sizeof(float);
+    if (workspaceBytes < need)
+    {
+        return fail(cudaErrorInvalidValue, "%s: workspace holds %llu bytes, %llu needed for %lld tokens", name,
+            static_cast<unsigned long long>(workspaceBytes), static_cast<unsigned long long>(need), ll(numTokens));
+    }
+    int64_t const streamBytes = numTokens * hc * hidden * ioBytes(ioType);
+    if (overlaps(collapsed, numTokens * hidden * ioBytes(ioType), streams, streamBytes)
+        || overlaps(workspace, static_cast<int64_t>(workspaceBytes), streams, streamBytes)
+        || overlaps(workspace, static_cast<int64_t>(workspaceBytes), collapsed, numTokens * hidden * ioBytes(ioType)))
+    {
+        return fail(cudaErrorInvalidValue, "%s: collapsed, streams and workspace must not overlap", name);
+    }
+    return 0;
+}
+
+} // namespace
+
+} // namespace kernels
+} // namespace engram_trt
+
+using namespace engram_trt::kernels;
+
+extern "C" ENGRAM_API int engram_mhc_check_shape(
+    int32_t hcMult, int32_t hidden, int32_t sinkhornIters, float hcEps, float normEps)
+{
+    clearError();
+    if (hcMult < 1 || hcMult > ENGRAM_MHC_MAX_HC)
+    {
+        return fail(
+            cudaErrorInvalidValue, "engram_mhc: hc_mult must be in [1, %d] (got %d)", ENGRAM_MHC_MAX_HC, hcMult);
+    }
+    if (hidden < 8 || hidden % 8 != 0)
+    {
+        return fail(cudaErrorInvalidValue, "engram_mhc: hidden must be a positive multiple of 8 (got %d)", hidden);
+    }
+    if (static_cast<int64_t>(hcMult) * hidden > INT32_MAX / 8)
+    {
+        return fail(cudaErrorInvalidValue, "engram_mhc: hc_mult * hidden = %lld exceeds 2^28 - 1",
+            static_cast<long long>(hcMult) * hidden);
+    }
+    if (sinkhornIters < 1 || sinkhornIters > ENGRAM_MHC_MAX_SINKHORN_ITERS)
+    {
+        return fail(cudaErrorInvalidValue, "engram_mhc: sinkhorn_iters must be in [1, %d] (got %d)",
+            ENGRAM_MHC_MAX_SINKHORN_ITERS, sinkhornIters);
+    }
+    if (!std::isfinite(hcEps) || hcEps < 0.0F || !std::isfinite(normEps) || normEps < 0.0F)
+    {
+        return fail(cudaErrorInvalidValue, "engram_mhc: hc_eps and norm_eps must be finite and >= 0 (got %g, %g)",
+            static_cast<double>(hcEps), static_cast<double>(normEps));
+    }
+    return 0;
+}
+
+extern "C" ENGRAM_API int engram_mhc_workspace_size(int64_t numTokens, int32_t hcMult, int32_t hidden, size_t* bytes)
+{
+    int status = engram_mhc_check_shape(hcMult, hidden, 1, 0.0F, 0.0F);
+    if (status != 0)
+    {
+        return status;
+    }
+    if (bytes == nullptr || numTokens < 0 || numTokens > INT32_MAX)
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_mhc_workspace_size: need bytes != NULL and num_tokens in [0, 2^31 - 1] (got %lld)", ll(numTokens));
+    }
+    *bytes = static_cast<size_t>(workspaceFloats(numTokens, hcMult, hidden)) * sizeof(float);
+    return 0;
+}
+
+extern "C" ENGRAM_API int engram_mhc_pre(void const* streams, int32_t ioType, float const* fn, float const* base,
+    float const* scale, int64_t numTokens, int32_t hcMult, int32_t hidden, int32_t sinkhornIters, float hcEps,
+    float normEps, void* workspace, size_t workspaceBytes, void* collapsed, float* post, float* comb,
+    cudaStream_t stream)
+{
+    int status = engram_mhc_check_shape(hcMult, hidden, sinkhornIters, hcEps, normEps);
+    if (status != 0)
+    {
+        return status;
+    }
+    status = checkCollapseArgs("engram_mhc_pre", streams, ioType, fn, base, scale, numTokens, hcMult, hidden, workspace,
+        workspaceBytes, collapsed);
+    if (status != 0 || numTokens == 0)
+    {
+        return status;
+    }
+    if (post == nullptr || comb == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "engram_mhc_pre: post and comb must not be NULL");
+    }
+    CollapseLaunch const a{streams, fn, base, scale, numTokens, hcMult, hidden, sinkhornIters, hcEps, normEps, 0,
+        static_cast<float*>(workspace), collapsed, post, comb, stream};
+    return launchCollapseFor(ioType, a);
+}
+
+extern "C" ENGRAM_API int engram_mhc_head(void const* streams, int32_t ioType, float const* fn, float const* base,
+    float const* scale, int64_t numTokens, int32_t hcMult, int32_t hidden, float hcEps, float normEps, void* workspace,
+    size_t workspaceBytes, void* collapsed, cudaStream_t stream)
+{
+    int status = engram_mhc_check_shape(hcMult, hidden, 1, hcEps, normEps);
+    if (status != 0)
+    {
+        return status;
+    }
+    status = checkCollapseArgs("engram_mhc_head", streams, ioType, fn, base, scale, numTokens, hcMult, hidden,
+        workspace, workspaceBytes, collapsed);
+    if (status != 0 || numTokens == 0)
+    {
+        return status;
+    }
+    CollapseLaunch const a{streams, fn, base, scale, numTokens, hcMult, hidden, 1, hcEps, normEps, 1,
+        static_cast<float*>(workspace), collapsed, nullptr, nullptr, stream};
+    return launchCollapseFor(ioType, a);
+}
+
+extern "C" ENGRAM_API int engram_mhc_post(void const* streams, void const* out, int32_t ioType, float const* post,
+    float const* comb, int64_t numTokens, int32_t hcMult, int32_t hidden, void* newStreams, cudaStream_t stream)
+{
+    int status = engram_mhc_check_shape(hcMult, hidden, 1, 0.0F, 0.0F);
+    if (status != 0)
+    {
+        return status;
+    }
+    status = checkIoType("engram_mhc_post", ioType);
+    if (status != 0)
+    {
+        return status;
+    }
+    if (numTokens < 0 || numTokens * (hidden / 8) > INT32_MAX)
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_mhc_post: num_tokens * hidden / 8 must be in [0, 2^31 - 1] (got %lld tokens)", ll(numTokens));
+    }
+    if (numTokens == 0)
+    {
+        return 0;
+    }
+    void const* aligned[] = {streams, out, newStreams};
+    for (void const* p : aligned)
+    {
+        if (p == nullptr || !isAligned(p, 16))
+        {
+            return fail(cudaErrorInvalidValue,
+                "engram_mhc_post: streams, out and new_streams must be 16-byte aligned device pointers");
+        }
+    }
+    if (post == nullptr || comb == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "engram_mhc_post: post and comb must not be NULL");
+    }
+    int64_t const streamBytes = numTokens * hcMult * hidden * ioBytes(ioType);
+    if ((newStreams != streams && overlaps(newStreams, streamBytes, streams, streamBytes))
+        || overlaps(newStreams, streamBytes, out, numTokens * hidden * ioBytes(ioType)))
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_mhc_post: new_streams must be streams itself or apart from it, and apart from out");
+    }
+    switch (ioType)
+    {
+    case ENGRAM_FLOAT_BF16:
+        return launchPost<__nv_bfloat16>(streams, out, post, comb, numTokens, hcMult, hidden, newStreams, stream);
+    case ENGRAM_FLOAT_F16:
+        return launchPost<__half>(streams, out, post, comb, numTokens, hcMult, hidden, newStreams, stream);
+    default: return launchPost<float>(streams, out, post, comb, numTokens, hcMult, hidden, newStreams, stream);
+    }
+}

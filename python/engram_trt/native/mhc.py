@@ -1,0 +1,179 @@
+"""ctypes binding to DeepSeek-V4's mHC kernels in the kernel library
+(``plugins/kernels/mhcKernel.cu``): the hyper-connection around each sublayer in two
+calls and the hyper head in one, each a fixed two or one launches whatever ``hc_mult`` and
+``hc_sinkhorn_iters`` are (the PyTorch path spends dozens of tiny launches on the
+Sinkhorn-Knopp loop alone).
+
+* :func:`mhc_pre`: :meth:`~engram_trt.models.deepseek_v4.modules.HyperConnection.collapse`
+  — ``(collapsed [T, D], post [T, hc] fp32, comb [T, hc, hc] fp32)`` of ``streams [T, hc, D]``;
+* :func:`mhc_post`: :meth:`~engram_trt.models.deepseek_v4.modules.HyperConnection.expand`
+  — ``post * out + comb^T @ streams`` (may write into ``streams``);
+* :func:`mhc_head`: :class:`~engram_trt.models.deepseek_v4.modules.HyperHead`.
+
+fp32 math inside, activations bf16 / fp16 / float32 (one dtype per call), the mHC
+parameters float32 (the model keeps them so, as transformers does). The functions check
+dtypes, then shapes, then devices before anything reaches the library (an EngramError
+names the bad argument); the entry points are declared here on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from engram_trt.errors import EngramError
+from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
+                                       _stream, _torch)
+
+# engramKernels.h: ENGRAM_MHC_MAX_HC / ENGRAM_MHC_MAX_SINKHORN_ITERS
+MAX_HC = 8
+MAX_SINKHORN_ITERS = 1000
+
+_i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_ENTRY = EntryPoints({
+    "engram_mhc_check_shape": [_i32, _i32, _i32, _f32, _f32],
+    "engram_mhc_workspace_size": [_i64, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+    "engram_mhc_pre": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _i32, _f32, _f32, _vp, ctypes.c_size_t, _vp, _vp,
+                       _vp, _vp],
+    "engram_mhc_post": [_vp, _vp, _i32, _vp, _vp, _i64, _i32, _i32, _vp, _vp],
+    "engram_mhc_head": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, ctypes.c_size_t, _vp, _vp],
+})
+library = _ENTRY.library
+_call = _ENTRY.call
+
+
+def check_shape(hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
+    """The kernel's limits (hc_mult in [1, 8], hidden % 8, iterations, eps); needs no GPU."""
+    _call("engram_mhc_check_shape", int(hc_mult), int(hidden), int(sinkhorn_iters), _f32(hc_eps), _f32(norm_eps))
+
+
+def workspace_size(num_tokens: int, hc_mult: int, hidden: int) -> int:
+    """Bytes of fp32 partial sums a :func:`mhc_pre` / :func:`mhc_head` call of
+    ``num_tokens`` tokens needs (the split of the ``hc * hidden`` dot products depends on
+    the token count and width alone, so no GPU is asked)."""
+    out = ctypes.c_size_t(0)
+    _call("engram_mhc_workspace_size", int(num_tokens), int(hc_mult), int(hidden), ctypes.byref(out))
+    return int(out.value)
+
+
+def _check_streams(streams: Any) -> tuple[int, int, int]:
+    """``(T, hc, D)`` of ``streams [T, hc, D]`` (bf16 / fp16 / float32)."""
+    torch = _torch()
+    _check_dtype("streams", streams, (torch.bfloat16, torch.float16, torch.float32))
+    if streams.dim() != 3:
+        raise EngramError(f"streams must be [T, hc_mult, hidden] (got shape {tuple(streams.shape)})")
+    return int(streams.shape[0]), int(streams.shape[1]), int(streams.shape[2])
+
+
+def _check_params(fn: Any, base: Any, scale: Any, rows: int, width: int, scales: int) -> None:
+    torch = _torch()
+    for name, t in (("fn", fn), ("base", base), ("scale", scale)):
+        _check_dtype(name, t, (torch.float32,))
+    if tuple(fn.shape) != (rows, width):
+        raise EngramError(f"fn must be [{rows}, {width}] (got {tuple(fn.shape)})")
+    if tuple(base.shape) != (rows,):
+        raise EngramError(f"base must be [{rows}] (got {tuple(base.shape)})")
+    if tuple(scale.shape) != (scales,):
+        raise EngramError(f"scale must be [{scales}] (got {tuple(scale.shape)})")
+
+
+def _check_devices(streams: Any, **tensors: Any) -> None:
+    """Every tensor contiguous and on streams' CUDA device (streams first)."""
+    for name, t in (("streams", streams), *tensors.items()):
+        if t is not None:
+            _check(name, t, (t.dtype,))
+    _same_device(streams.device, **tensors)
+
+
+def _workspace(workspace: Any, T: int, hc: int, D: int, device: Any) -> Any:
+    torch = _torch()
+    need = workspace_size(T, hc, D)
+    if workspace is None:
+        return torch.empty(max(need // 4, 4), dtype=torch.float32, device=device)
+    _check_dtype("workspace", workspace, (torch.float32, torch.uint8))
+    if workspace.numel() * workspace.element_size() < need:
+        raise EngramError(f"workspace holds {workspace.numel() * workspace.element_size()} bytes, {need} needed for "
+                          f"{T} tokens (workspace_size)")
+    return workspace
+
+
+def mhc_pre(streams: Any, fn: Any, base: Any, scale: Any, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+            collapsed: Any = None, workspace: Any = None) -> tuple[Any, Any, Any]:
+    """``(collapsed [T, D] in streams' dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)``:
+    HyperConnection.collapse of ``streams [T, hc, D]`` with ``fn [(2+hc)*hc, hc*D]``,
+    ``base [(2+hc)*hc]``, ``scale [3]`` (float32, on streams' CUDA device)."""
+    torch = _torch()
+    T, hc, D = _check_streams(streams)
+    rows = (2 + hc) * hc
+    _check_params(fn, base, scale, rows, hc * D, 3)
+    check_shape(hc, D, sinkhorn_iters, hc_eps, norm_eps)
+    if collapsed is None:
+        collapsed = torch.empty((T, D), dtype=streams.dtype, device=streams.device)
+    _check_dtype("collapsed", collapsed, (streams.dtype,))
+    if tuple(collapsed.shape) != (T, D):
+        raise EngramError(f"collapsed must be [T, hidden] = {(T, D)} (got {tuple(collapsed.shape)})")
+    _check_devices(streams, fn=fn, base=base, scale=scale, collapsed=collapsed)
+    # post and comb share one allocation (one allocator call fewer per sublayer)
+    coef = torch.empty(T * hc * (1 + hc), dtype=torch.float32, device=streams.device)
+    post, comb = coef[:T * hc].view(T, hc), coef[T * hc:].view(T, hc, hc)
+    workspace = _workspace(workspace, T, hc, D, streams.device)
+    _check("workspace", workspace, (workspace.dtype,))
+    _same_device(streams.device, workspace=workspace)
+    with _device_guard(streams.device.index):
+        _call("engram_mhc_pre", _ptr(streams), _float_code(streams.dtype), _ptr(fn), _ptr(base), _ptr(scale), T, hc, D,
+              int(sinkhorn_iters), _f32(hc_eps), _f32(norm_eps), _ptr(workspace),
+              workspace.numel() * workspace.element_size(), _ptr(collapsed), _ptr(post), _ptr(comb),
+              _stream(streams.device))
+    return collapsed, post, comb
+
+
+def mhc_post(streams: Any, out: Any, post: Any, comb: Any, *, new_streams: Any = None) -> Any:
+    """``post * out + comb^T @ streams`` ``[T, hc, D]`` in streams' dtype (HyperConnection.expand):
+    ``out [T, D]`` the sublayer's output in streams' dtype, ``post [T, hc]`` / ``comb [T, hc, hc]``
+    float32 (what :func:`mhc_pre` returned). ``new_streams`` may be ``streams`` (in place)."""
+    torch = _torch()
+    T, hc, D = _check_streams(streams)
+    _check_dtype("out", out, (streams.dtype,))
+    _check_dtype("post", post, (torch.float32,))
+    _check_dtype("comb", comb, (torch.float32,))
+    if tuple(out.shape) != (T, D):
+        raise EngramError(f"out must be [T, hidden] = {(T, D)} (got {tuple(out.shape)})")
+    if tuple(post.shape) != (T, hc):
+        raise EngramError(f"post must be [T, hc] = {(T, hc)} (got {tuple(post.shape)})")
+    if tuple(comb.shape) != (T, hc, hc):
+        raise EngramError(f"comb must be [T, hc, hc] = {(T, hc, hc)} (got {tuple(comb.shape)})")
+    check_shape(hc, D, 1, 0.0, 0.0)
+    if new_streams is None:
+        new_streams = torch.empty_like(streams)
+    _check_dtype("new_streams", new_streams, (streams.dtype,))
+    if tuple(new_streams.shape) != (T, hc, D):
+        raise EngramError(f"new_streams must be [T, hc, hidden] = {(T, hc, D)} (got {tuple(new_streams.shape)})")
+    _check_devices(streams, out=out, post=post, comb=comb, new_streams=new_streams)
+    with _device_guard(streams.device.index):
+        _call("engram_mhc_post", _ptr(streams), _ptr(out), _float_code(streams.dtype), _ptr(post), _ptr(comb), T, hc, D,
+              _ptr(new_streams), _stream(streams.device))
+    return new_streams
+
+
+def mhc_head(streams: Any, fn: Any, base: Any, scale: Any, *, hc_eps: float, norm_eps: float, collapsed: Any = None,
+             workspace: Any = None) -> Any:
+    """HyperHead: ``collapsed [T, D]`` in streams' dtype of ``streams [T, hc, D]`` with
+    ``fn [hc, hc*D]``, ``base [hc]``, ``scale [1]`` (float32)."""
+    torch = _torch()
+    T, hc, D = _check_streams(streams)
+    _check_params(fn, base, scale, hc, hc * D, 1)
+    check_shape(hc, D, 1, hc_eps, norm_eps)
+    if collapsed is None:
+        collapsed = torch.empty((T, D), dtype=streams.dtype, device=streams.device)
+    _check_dtype("collapsed", collapsed, (streams.dtype,))
+    if tuple(collapsed.shape) != (T, D):
+        raise EngramError(f"collapsed must be [T, hidden] = {(T, D)} (got {tuple(collapsed.shape)})")
+    _check_devices(streams, fn=fn, base=base, scale=scale, collapsed=collapsed)
+    workspace = _workspace(workspace, T, hc, D, streams.device)
+    _check("workspace", workspace, (workspace.dtype,))
+    _same_device(streams.device, workspace=workspace)
+    with _device_guard(streams.device.index):
+        _call("engram_mhc_head", _ptr(streams), _float_code(streams.dtype), _ptr(fn), _ptr(base), _ptr(scale), T, hc, D,
+              _f32(hc_eps), _f32(norm_eps), _ptr(workspace), workspace.numel() * workspace.element_size(),
+              _ptr(collapsed), _stream(streams.device))
+    return collapsed
