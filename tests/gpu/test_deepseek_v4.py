@@ -11,6 +11,14 @@ tests/test_deepseek_v4_folder.py, ties to transformers) run on CUDA.
      not a fixed number).
   3. ``engram_trt.LLM`` on CUDA (the scheduler's packed steps, prompts batched): the
      recorded tokens in float32.
+  4. the attention's ``kernels`` backend (one engram_dsv4_attention call per layer) vs
+     its ``torch`` backend on the same weights and state over packed prefill + chunk +
+     decode steps (float32 logits within 1e-4 relative, bf16 within 3x transformers'
+     bf16 round-off; the greedy token of every step equal in float32), the recorded
+     tokens through the kernel, the label naming the core, and a decode step with the
+     kernel and the sync-free MoE run under torch's sync debug mode ``error``;
+  5. the MoE's sync-free forms (gathered, dense, grouped through torch._grouped_mm) on
+     CUDA vs the per-expert loop, float32 tight and bf16 loose.
 """
 
 from __future__ import annotations
@@ -82,3 +90,125 @@ def test_llm_on_cuda_batches_to_the_recorded_tokens(expected) -> None:
         label = llm.runner.backend.label
     got = [list(o.outputs[0].token_ids) for o in outs]
     record("LLM on CUDA: recorded greedy tokens", got == expected["greedy"], f"{got}; backend {label}")
+
+
+# -- 4. the attention kernel backend vs the torch backend -------------------------------------
+
+def _packed_steps(torch, prompts):
+    """Three packed steps over three slots: two prefills; a chunk continuing slot 2 + a
+    decode of slot 0 + a fresh prefill of slot 1; then decodes of all three (the decode
+    tokens are fixed ids, so both backends see the same inputs)."""
+    from engram_trt.models.step import PackedStep
+
+    a, b, c = prompts[0], prompts[1], prompts[2]
+    cut = len(c) // 2
+    steps = [([c[:cut], a], [0, 0], [2, 0]),
+             ([c[cut:], [7], b], [cut, len(a), 0], [2, 0, 1]),
+             ([[9], [11], [13]], [len(a) + 1, len(b), len(c)], [0, 1, 2])]
+    for parts, past, slots in steps:
+        yield PackedStep(torch.tensor([t for p in parts for t in p]), [len(p) for p in parts], past, slots)
+
+
+def _run_backend(torch, model, backend, prompts, all_logits=True):
+    model.attention_backend = backend
+    state = model.new_cache(3, 64)
+    return [model.forward_step(step, state, all_logits=all_logits).float().cpu()
+            for step in _packed_steps(torch, prompts)], model.attention_label()
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_kernel_attention_backend_equals_torch_backend(expected, dtype_name) -> None:
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    ckpt, model = _load("cuda", dtype)
+    want, torch_label = _run_backend(torch, model, "torch", expected["prompts"])
+    got, label = _run_backend(torch, model, "kernels", expected["prompts"])
+    record(f"{dtype_name}: the kernels backend's label names the kernel on every layer", label == "kernels",
+           f"{label!r} (torch backend: {torch_label!r})")
+    bound = 1e-4 if dtype is torch.float32 else 3 * max(expected["transformers_bf16_rel_l2"])
+    for n, (g, w) in enumerate(zip(got, want)):
+        err = rel_err(g, w)
+        note(f"kernel_vs_torch_{dtype_name}_step{n}", err)
+        record(f"{dtype_name} step {n}: kernel-backend logits vs torch-backend logits (all tokens)",
+               bool(torch.isfinite(g).all()) and err <= bound, f"rel L2 {err:.2e}, bound {bound:.2e}")
+        if dtype is torch.float32:
+            same = torch.equal(g.argmax(-1), w.argmax(-1))
+            record(f"float32 step {n}: every token's greedy pick equal across the backends", same,
+                   f"{g.argmax(-1).tolist()} vs {w.argmax(-1).tolist()}")
+    model.attention_backend = "auto"
+    ckpt.close()
+
+
+def test_kernel_backend_recorded_tokens_and_sync_free_decode(expected) -> None:
+    import torch
+
+    from engram_trt.models.step import PackedStep
+
+    ckpt, model = _load("cuda", torch.float32)
+    model.attention_backend = "kernels"
+    record("backend_name labels the attention core", "attention kernels" in model.backend_name, model.backend_name)
+    for i, prompt in enumerate(expected["prompts"]):
+        got = model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
+        record(f"prompt {i}: fp32 CUDA greedy tokens through the attention kernel", got == expected["greedy"][i],
+               f"{got} vs {expected['greedy'][i]}")
+    # a decode step of three slots: no host synchronization inside forward_step
+    state = model.new_cache(3, 64)
+    prompts = expected["prompts"]
+    model.forward_step(PackedStep(torch.tensor([t for p in prompts for t in p]), [len(p) for p in prompts],
+                                  [0, 0, 0], [0, 1, 2]), state)
+    torch.cuda.synchronize()
+    decode = PackedStep(torch.tensor([5, 6, 7]), [1, 1, 1], [len(p) for p in prompts], [0, 1, 2])
+    err = ""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model.forward_step(decode, state)
+    except RuntimeError as exc:
+        err = str(exc).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    forms = sorted({layer.mlp.last_form for layer in model.model.layers})
+    record("a decode step (kernel attention, sync-free MoE) runs under sync debug mode 'error'", not err,
+           f"{err or 'no synchronizing call'}; MoE forms {forms}")
+    model.attention_backend = "auto"
+    ckpt.close()
+
+
+# -- 5. the MoE forms on CUDA ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_moe_forms_on_cuda_equal_the_loop(dtype_name) -> None:
+    import torch
+
+    from engram_trt.models.deepseek_v4.config import read_config
+    from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
+
+    dtype = getattr(torch, dtype_name)
+    cfg = read_config(json.loads((DATA / "config.json").read_text()) | {"moe_intermediate_size": 64,
+                                                                        "n_routed_experts": 8})
+    gen = torch.Generator().manual_seed(21)
+    for layer in range(cfg.num_hidden_layers):
+        moe = GroupedSparseMoE(cfg, layer).eval()
+        with torch.no_grad():
+            for p in moe.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            if moe.is_hash:
+                moe.gate.tid2eid.copy_(torch.stack([torch.randperm(8, generator=gen)[:2]
+                                                    for _ in range(cfg.vocab_size)]))
+        moe = moe.to("cuda", dtype)
+        forms = ["gathered", "dense"] + (["grouped"] if moe.grouped_serves(torch.empty(1, cfg.hidden_size,
+                                                                                      device="cuda", dtype=dtype))
+                                         else [])
+        for tokens in (1, 3, 40):
+            x = (torch.randn(tokens, cfg.hidden_size, generator=gen)).to("cuda", dtype)
+            ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).cuda()
+            with torch.no_grad():
+                w, picks = moe.gate(x, ids)
+                loop = moe.experts_loop(x, w, picks)
+                errs = {f: rel_err(getattr(moe, f"experts_{f}")(x, w, picks).float(), loop.float()) for f in forms}
+                moe.form = "auto"
+                moe(x, ids)
+            bound = 1e-5 if dtype is torch.float32 else 2e-2
+            record(f"{dtype_name} MoE layer {layer} ({'hash' if moe.is_hash else 'top-k'}), {tokens} tokens: "
+                   f"sync-free forms vs the loop", max(errs.values()) <= bound,
+                   f"{ {k: f'{v:.1e}' for k, v in errs.items()} }, auto took {moe.last_form}, bound {bound:.0e}")

@@ -56,6 +56,9 @@ class Dsv4StepOptions:
     profile_reps: int = opt(3, argtype=("int_arg", 0, 1000),
                             help="steps of the per-module-class breakdown per case and placement; 0 skips it "
                                  "(default: %(default)s)")
+    attention: str = opt("auto", choices=("auto", "kernels", "torch"),
+                         help="the attention core: auto (the CUDA kernel where it serves, else torch), kernels (the "
+                              "kernel or an error), torch (the per-sequence PyTorch path) (default: %(default)s)")
     json: str | None = opt(None, metavar="FILE", help="write every figure as JSON to FILE")
 
 
@@ -94,6 +97,7 @@ def run(opts: Dsv4StepOptions) -> int:
     limits = measure_limits(dev)
     max_len = max(opts.context + 2, opts.prefill + 2)
     bm = build_model(bench_config(opts.model, table_gib=opts.table_gib, max_len=max_len), dev, dtype)
+    bm.model.attention_backend = opts.attention
     cfg = bm.config
     results: dict[str, Any] = {
         "limits": limits, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -101,11 +105,11 @@ def run(opts: Dsv4StepOptions) -> int:
                   "layer_types": list(cfg.layer_types), "mlp_layer_types": list(cfg.mlp_layer_types),
                   "experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok, "hc_mult": cfg.hc_mult,
                   "engram_layers": list(cfg.engram.layer_ids), "engram_cols": bm.layout.n_hash_cols,
-                  "table_rows": [int(r) for r in bm.layout.table_rows]},
+                  "table_rows": [int(r) for r in bm.layout.table_rows], "backend": bm.model.backend_name},
         "cases": {}}
     print(f"model: {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB {dtype}), layers "
           f"{_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on {dev.type} in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
+          f"{time.perf_counter() - t0:.0f} s\nbackend: {bm.model.backend_name}", flush=True)
     logits: dict[str, Any] = {}
     for where in opts.placements:
         t1 = time.perf_counter()
@@ -218,6 +222,7 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
             out["breakdown"] = clock.summary()
     finally:
         pf.close()
+    out["moe_forms"] = sorted({f for f in (getattr(layer.mlp, "last_form", None) for layer in model.model.layers) if f})
     out["floor"] = floor(bm, lens, past, where, limits)
     fl = out["floor"]
     if "floor_ms" in fl:
@@ -225,7 +230,8 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
         if where == "pinned" and fl["link_ms"] > 0:
             out["lookup_over_link"] = out["lookup_ms"] / fl["link_ms"]
     print(f"  {where} {name}: step {out['step_ms']:.3f} ms, lookup alone {out['lookup_ms']:.3f} ms "
-          f"({out['lookup_path']})" + (f", floor {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else ""), flush=True)
+          f"({out['lookup_path']})" + (f", floor {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else "")
+          + f", MoE {'/'.join(out['moe_forms'])}", flush=True)
     return out
 
 
