@@ -395,7 +395,8 @@ MixPlan mixPlan(int64_t numTokens, int64_t vectors, int32_t rows)
     p.tok = (numTokens >= kMhcTileTokens && rows <= 24) ? 4 : 1;
     p.tiles = (numTokens + p.tok - 1) / p.tok;
     int64_t const maxSplits = (vectors + kMhcMinSpan - 1) / kMhcMinSpan;
-    int64_t want = (kMhcTargetBlocks + p.tiles - 1) / p.tiles;
+    int64_t const tiles = p.tiles > 0 ? p.tiles : 1; // no tokens: any split, nothing launched
+    int64_t want = (kMhcTargetBlocks + tiles - 1) / tiles;
     want = want < 1 ? 1 : (want > maxSplits ? maxSplits : want);
     int64_t span = (vectors + want - 1) / want;
     span = (span + kMhcMinSpan - 1) / kMhcMinSpan * kMhcMinSpan;

@@ -19,6 +19,7 @@ names the bad argument); the entry points are declared here on first use.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 from engram_trt.errors import EngramError
@@ -47,10 +48,12 @@ def check_shape(hc_mult: int, hidden: int, sinkhorn_iters: int, hc_eps: float, n
     _call("engram_mhc_check_shape", int(hc_mult), int(hidden), int(sinkhorn_iters), _f32(hc_eps), _f32(norm_eps))
 
 
+@functools.lru_cache(maxsize=256)
 def workspace_size(num_tokens: int, hc_mult: int, hidden: int) -> int:
     """Bytes of fp32 partial sums a :func:`mhc_pre` / :func:`mhc_head` call of
     ``num_tokens`` tokens needs (the split of the ``hc * hidden`` dot products depends on
-    the token count and width alone, so no GPU is asked)."""
+    the token count and width alone, so no GPU is asked; cached: a decode step asks it
+    for every sublayer)."""
     out = ctypes.c_size_t(0)
     _call("engram_mhc_workspace_size", int(num_tokens), int(hc_mult), int(hidden), ctypes.byref(out))
     return int(out.value)
@@ -87,7 +90,7 @@ def _check_devices(streams: Any, **tensors: Any) -> None:
 
 def _workspace(workspace: Any, T: int, hc: int, D: int, device: Any) -> Any:
     torch = _torch()
-    need = workspace_size(T, hc, D)
+    need = workspace_size(int(T), int(hc), int(D))
     if workspace is None:
         return torch.empty(max(need // 4, 4), dtype=torch.float32, device=device)
     _check_dtype("workspace", workspace, (torch.float32, torch.uint8))
