@@ -11,6 +11,7 @@
 #define ENGRAM_TRT_ATTENTION_DEVICE_CUH
 
 #include "attentionInternal.h"
+#include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -21,27 +22,6 @@ namespace engram_trt
 {
 namespace kernels
 {
-
-template <typename T>
-__device__ __forceinline__ T fromFloat(float v);
-
-template <>
-__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float v)
-{
-    return __float2bfloat16_rn(v);
-}
-
-template <>
-__device__ __forceinline__ __half fromFloat<__half>(float v)
-{
-    return __float2half_rn(v);
-}
-
-template <>
-__device__ __forceinline__ float fromFloat<float>(float v)
-{
-    return v;
-}
 
 __device__ __forceinline__ float warpMax(float v)
 {

@@ -25,6 +25,7 @@
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "seqIndex.cuh"
+#include "vecLoad.cuh"
 
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
@@ -52,49 +53,6 @@ constexpr size_t kAlign = 256;
 size_t alignUp(size_t n)
 {
     return (n + kAlign - 1) / kAlign * kAlign;
-}
-
-__device__ __forceinline__ float toFloat(float x)
-{
-    return x;
-}
-
-__device__ __forceinline__ float toFloat(__nv_bfloat16 x)
-{
-    return __bfloat162float(x);
-}
-
-__device__ __forceinline__ float toFloat(__half x)
-{
-    return __half2float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T fromFloat(float x);
-
-template <>
-__device__ __forceinline__ float fromFloat<float>(float x)
-{
-    return x;
-}
-
-template <>
-__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x)
-{
-    return __float2bfloat16_rn(x);
-}
-
-template <>
-__device__ __forceinline__ __half fromFloat<__half>(float x)
-{
-    return __float2half_rn(x);
-}
-
-//! x rounded once to T (to nearest even), back as a float: the torch layer's roundings.
-template <typename T>
-__device__ __forceinline__ float roundTo(float x)
-{
-    return toFloat(fromFloat<T>(x));
 }
 
 //! The step's view of sequence s: its tokens, past length and slot; valid = may run.

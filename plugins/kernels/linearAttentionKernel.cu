@@ -51,42 +51,6 @@ constexpr int kDeltaRowsPerLane = ENGRAM_GATED_DELTA_MAX_HEAD_DIM / 32;
 constexpr int kPadThreads = 256;
 constexpr float kL2Eps = 1e-6F; // linear_attention.L2_EPS (inside the root, as FLA's)
 
-__device__ __forceinline__ float toFloat(float x)
-{
-    return x;
-}
-
-__device__ __forceinline__ float toFloat(__nv_bfloat16 x)
-{
-    return __bfloat162float(x);
-}
-
-__device__ __forceinline__ float toFloat(__half x)
-{
-    return __half2float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T fromFloat(float x);
-
-template <>
-__device__ __forceinline__ float fromFloat<float>(float x)
-{
-    return x;
-}
-
-template <>
-__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x)
-{
-    return __float2bfloat16_rn(x);
-}
-
-template <>
-__device__ __forceinline__ __half fromFloat<__half>(float x)
-{
-    return __float2half_rn(x);
-}
-
 /*
  * Causal conv: blockIdx.x = t, blockIdx.y * blockDim.x + threadIdx.x = channel.
  * x, out [T, C]; weight [C, K]; history [numSlots, C, K-1].

@@ -62,27 +62,6 @@ __device__ __forceinline__ float sigmoidOf(float x)
     return 1.0F / (1.0F + expf(-x));
 }
 
-template <typename IoT>
-__device__ __forceinline__ float roundTo(float x);
-
-template <>
-__device__ __forceinline__ float roundTo<float>(float x)
-{
-    return x;
-}
-
-template <>
-__device__ __forceinline__ float roundTo<__nv_bfloat16>(float x)
-{
-    return __bfloat162float(__float2bfloat16(x));
-}
-
-template <>
-__device__ __forceinline__ float roundTo<__half>(float x)
-{
-    return __half2float(__float2half(x));
-}
-
 /*
  * Kernel 1: blockIdx.x = token tile, blockIdx.y = split of K. MaxRows bounds rows (the
  * accumulators stay in registers); partial [splits, T, rows + 1]: rows dots, then sum x^2.

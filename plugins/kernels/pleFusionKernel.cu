@@ -55,21 +55,6 @@ constexpr int kPleNormMaxThreads = 256;
 constexpr int kPleConvMaxThreads = 256;
 constexpr float kPleGateClamp = 1e-6F; // sqrt(max(|score|, 1e-6)), the reference's clamp
 
-__device__ __forceinline__ float toFloat(float x)
-{
-    return x;
-}
-
-__device__ __forceinline__ float toFloat(__nv_bfloat16 x)
-{
-    return __bfloat162float(x);
-}
-
-__device__ __forceinline__ float toFloat(__half x)
-{
-    return __half2float(x);
-}
-
 //! Block-wide sums of four values (every thread gets them); blockDim.x a multiple of 32.
 __device__ __forceinline__ void blockSum4(float (&v)[4])
 {

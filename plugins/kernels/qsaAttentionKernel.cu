@@ -53,49 +53,6 @@ constexpr int kPerLane = ENGRAM_QSA_MAX_HEAD_DIM / 32;
 constexpr size_t kWorkspaceChunkBytes = size_t{64} << 20; // the most one chunk's scores may take
 constexpr int kDefaultSharedBytes = 48 * 1024;
 
-__device__ __forceinline__ float toFloat(float x)
-{
-    return x;
-}
-
-__device__ __forceinline__ float toFloat(__nv_bfloat16 x)
-{
-    return __bfloat162float(x);
-}
-
-__device__ __forceinline__ float toFloat(__half x)
-{
-    return __half2float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T fromFloat(float x);
-
-template <>
-__device__ __forceinline__ float fromFloat<float>(float x)
-{
-    return x;
-}
-
-template <>
-__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x)
-{
-    return __float2bfloat16_rn(x);
-}
-
-template <>
-__device__ __forceinline__ __half fromFloat<__half>(float x)
-{
-    return __float2half_rn(x);
-}
-
-//! x rounded to the I/O type and widened back.
-template <typename T>
-__device__ __forceinline__ float roundTo(float x)
-{
-    return toFloat(fromFloat<T>(x));
-}
-
 //! The token's (slot, pos), or false for a token outside the caches.
 __device__ __forceinline__ bool tokenPlace(int32_t const* tokenSlot, int32_t const* tokenPos, int64_t t,
     int64_t numSlots, int64_t maxLen, int64_t& slot, int64_t& pos)

@@ -5,7 +5,8 @@
  * (one 16-byte load for bf16 / fp16, two for fp32) and stored back rounded once, bf16
  * rows of any width in vectors of 8, 4 or 1, and a warp-wide sum. One home, so the gate,
  * the attention and the decoder-layer kernels cannot drift apart in how they read and
- * round their inputs.
+ * round their inputs; toFloat / fromFloat / roundTo, the per-element conversions every
+ * kernel with bf16 / fp16 / fp32 I/O makes.
  */
 #ifndef ENGRAM_TRT_VEC_LOAD_CUH
 #define ENGRAM_TRT_VEC_LOAD_CUH
@@ -184,6 +185,52 @@ __device__ __forceinline__ void storeBf16(__nv_bfloat16* p, float const (&v)[V])
             p[i] = __float2bfloat16_rn(v[i]);
         }
     }
+}
+
+//! One element of an I/O type widened to float (fp32, bf16, fp16 overloads).
+__device__ __forceinline__ float toFloat(float x)
+{
+    return x;
+}
+
+__device__ __forceinline__ float toFloat(__nv_bfloat16 x)
+{
+    return __bfloat162float(x);
+}
+
+__device__ __forceinline__ float toFloat(__half x)
+{
+    return __half2float(x);
+}
+
+//! A float rounded once (to nearest even) to T, the kernels' one output rounding.
+template <typename T>
+__device__ __forceinline__ T fromFloat(float x);
+
+template <>
+__device__ __forceinline__ float fromFloat<float>(float x)
+{
+    return x;
+}
+
+template <>
+__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x)
+{
+    return __float2bfloat16_rn(x);
+}
+
+template <>
+__device__ __forceinline__ __half fromFloat<__half>(float x)
+{
+    return __float2half_rn(x);
+}
+
+//! x rounded once to T (to nearest even) and widened back: the rounding a PyTorch op of
+//! dtype T makes between two steps of a reference.
+template <typename T>
+__device__ __forceinline__ float roundTo(float x)
+{
+    return toFloat(fromFloat<T>(x));
 }
 
 //! x rounded to bf16 (to nearest even) and widened back: one rounding of a PyTorch bf16 op.
