@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engram_trt.builder.reference_executor import TableRegistry, _array, _reference_ops
+from engram_trt.builder.reference_executor import TableRegistry, _reference_ops, packed_step_feeds, staged_rows_feeds
 from engram_trt.errors import EngramError
 from engram_trt.models.export import DTYPES, ExportedModel
 
@@ -69,28 +69,12 @@ class DeepseekV4ReferenceRunner:
         graph (per Engram layer ``[T, cols, head_dim]``). Returns the logits of each
         sequence's last token, ``[S, vocab]`` float32; the slots' states and lookbacks
         advance past the step."""
-        import ml_dtypes
-
         from engram_trt.engram.hashing import next_lookback
 
-        ids = _array(input_ids, "input_ids", np.int64, 1)
-        starts = _array(seq_starts, "seq_starts", np.int64, 1)
-        past = _array(past_lens, "past_lens", np.int64, 1)
-        seq_slots = _array(slots, "slots", np.int64, 1)
-        T, S = ids.shape[0], starts.shape[0] - 1
-        lengths = np.diff(starts)
-        if T < 1 or S < 1 or starts[0] != 0 or starts[-1] != T or np.any(lengths < 1):
-            raise EngramError(f"seq_starts must rise from 0 to the step's {T} tokens, each sequence >= 1 token (got {starts.tolist()})")
-        if past.shape != (S,) or seq_slots.shape != (S,):
-            raise EngramError(f"past_lens and slots must be [S] = ({S},) (got {past.shape} and {seq_slots.shape})")
-        if np.any(past < 0) or np.any(past + lengths > self.max_seq_len):
-            raise EngramError(f"past_lens {past.tolist()} + new tokens {lengths.tolist()} must stay within max_seq_len {self.max_seq_len}")
-        if np.any(seq_slots < 0) or np.any(seq_slots >= self.num_slots) or np.unique(seq_slots).size != S:
-            raise EngramError(f"slots {seq_slots.tolist()} must be distinct and in [0, {self.num_slots})")
-        if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
-            raise EngramError(f"input_ids must be token ids in [0, {self.config.vocab_size})")
-        feeds: dict[str, Any] = {"input_ids": ids.astype(np.int32), "seq_starts": starts.astype(np.int32),
-                                 "past_lens": past.astype(np.int32), "slots": seq_slots.astype(np.int32), **self.states}
+        feeds, (ids, starts, past, seq_slots) = packed_step_feeds(
+            input_ids, seq_starts, past_lens, slots, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
+            vocab_size=self.config.vocab_size)
+        feeds.update(self.states)
         names = set(self.exported.input_names)
         cids = lookback = None
         if "engram_ids" in names:
@@ -102,18 +86,12 @@ class DeepseekV4ReferenceRunner:
             feeds["engram_lookback"] = lookback.astype(np.int32)
             feeds["engram_table_ptrs"] = self.table_ptrs
             feeds["engram_scale_ptrs"] = self.scale_ptrs
-        if any(n.startswith("engram_rows_") for n in names):
-            if engram_rows is None:
-                raise EngramError("a prefetch graph takes the staged rows: pass engram_rows (one [T, cols, head_dim] per Engram layer)")
-            for j, rows in enumerate(engram_rows):
-                if hasattr(rows, "detach"):
-                    rows = rows.detach().to("cpu").float().numpy()
-                feeds[f"engram_rows_{j}"] = np.asarray(rows).astype(ml_dtypes.bfloat16)
+        feeds.update(staged_rows_feeds(names, engram_rows))
         out = dict(zip(self.exported.output_names, self.evaluator.run(None, feeds)))
         for name, spec in self.exported.io["states"].items():
             self.states[name] = out[spec["alias"]]  # the state itself (aliased); adopted should an executor copy
         n = self.lookback.shape[1]
         if cids is not None and n:
-            for s in range(S):
+            for s in range(seq_slots.shape[0]):
                 self.lookback[seq_slots[s]] = next_lookback(lookback[s], cids[starts[s]:starts[s + 1]], n)
         return out["logits"]

@@ -345,6 +345,49 @@ def _array(x: Any, name: str, dtype: Any, ndim: int) -> np.ndarray:
     return np.ascontiguousarray(arr.astype(dtype))
 
 
+def packed_step_feeds(input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any, *, num_slots: int,
+                      max_seq_len: int, vocab_size: int) -> tuple[dict[str, Any], tuple[np.ndarray, ...]]:
+    """The four step inputs every exported serving step takes (int32), checked once for all
+    the reference runners: ``(feeds, (ids, seq_starts, past_lens, slots))`` with the
+    arrays as int64. Raises one line naming the bad input."""
+    ids = _array(input_ids, "input_ids", np.int64, 1)
+    starts = _array(seq_starts, "seq_starts", np.int64, 1)
+    past = _array(past_lens, "past_lens", np.int64, 1)
+    seq_slots = _array(slots, "slots", np.int64, 1)
+    T, S = ids.shape[0], starts.shape[0] - 1
+    if T < 1 or S < 1:
+        raise EngramError(f"a step needs at least one token and one sequence (got {T} tokens, seq_starts {starts.tolist()})")
+    lengths = np.diff(starts)
+    if starts[0] != 0 or starts[-1] != T or np.any(lengths < 1):
+        raise EngramError(f"seq_starts must rise from 0 to the step's {T} tokens, each sequence >= 1 token (got {starts.tolist()})")
+    if past.shape != (S,) or seq_slots.shape != (S,):
+        raise EngramError(f"past_lens and slots must be [S] = ({S},) (got {past.shape} and {seq_slots.shape})")
+    if np.any(past < 0) or np.any(past + lengths > max_seq_len):
+        raise EngramError(f"past_lens {past.tolist()} + new tokens {lengths.tolist()} must stay within max_seq_len {max_seq_len}")
+    if np.any(seq_slots < 0) or np.any(seq_slots >= num_slots) or np.unique(seq_slots).size != S:
+        raise EngramError(f"slots {seq_slots.tolist()} must be distinct and in [0, {num_slots})")
+    if np.any(ids < 0) or np.any(ids >= vocab_size):
+        raise EngramError(f"input_ids must be token ids in [0, {vocab_size}) (got {int(ids.min())}..{int(ids.max())})")
+    feeds: dict[str, Any] = {"input_ids": ids.astype(np.int32), "seq_starts": starts.astype(np.int32),
+                             "past_lens": past.astype(np.int32), "slots": seq_slots.astype(np.int32)}
+    return feeds, (ids, starts, past, seq_slots)
+
+
+def staged_rows_feeds(input_names: Any, engram_rows: Sequence[Any] | None) -> dict[str, np.ndarray]:
+    """``engram_rows_{j}`` (bf16) for a prefetch graph, whose Engram layers take the
+    staged rows as inputs; nothing for a graph that gathers them itself."""
+    if not any(name.startswith("engram_rows_") for name in input_names):
+        return {}
+    if engram_rows is None:
+        raise EngramError("a prefetch graph takes the staged rows: pass engram_rows (one [T, cols, head_dim] per Engram layer)")
+    feeds = {}
+    for j, rows in enumerate(engram_rows):
+        if hasattr(rows, "detach"):
+            rows = rows.detach().to("cpu").float().numpy()
+        feeds[f"engram_rows_{j}"] = np.asarray(rows).astype(ml_dtypes.bfloat16)
+    return feeds
+
+
 class ReferenceRunner:
     """Runs the exported serving graph on the CPU, one packed step at a time, holding the
     KV caches ``[num_slots, kv_heads, max_seq_len, head_dim]`` of every layer (updated in
@@ -393,27 +436,10 @@ class ReferenceRunner:
         a slot needs no reset between sequences); ``engram_ids [T]`` overrides the
         compressed ids; ``engram_rows`` (prefetch graphs) per Engram layer ``[T, cols,
         head_dim]``. Returns the logits of each sequence's last token, ``[S, vocab]`` float32."""
-        ids = _array(input_ids, "input_ids", np.int64, 1)
-        starts = _array(seq_starts, "seq_starts", np.int64, 1)
-        past = _array(past_lens, "past_lens", np.int64, 1)
-        seq_slots = _array(slots, "slots", np.int64, 1)
+        feeds, (ids, starts, past, seq_slots) = packed_step_feeds(
+            input_ids, seq_starts, past_lens, slots, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
+            vocab_size=self.config.vocab_size)
         T, S = ids.shape[0], starts.shape[0] - 1
-        if T < 1 or S < 1:
-            raise EngramError(f"a step needs at least one token and one sequence (got {T} tokens, seq_starts {starts.tolist()})")
-        lengths = np.diff(starts)
-        if starts[0] != 0 or starts[-1] != T or np.any(lengths < 1):
-            raise EngramError(f"seq_starts must rise from 0 to the step's {T} tokens, each sequence >= 1 token (got {starts.tolist()})")
-        if past.shape != (S,) or seq_slots.shape != (S,):
-            raise EngramError(f"past_lens and slots must be [S] = ({S},) (got {past.shape} and {seq_slots.shape})")
-        if np.any(past < 0) or np.any(past + lengths > self.max_seq_len):
-            raise EngramError(f"past_lens {past.tolist()} + new tokens {lengths.tolist()} must stay within max_seq_len {self.max_seq_len}")
-        if np.any(seq_slots < 0) or np.any(seq_slots >= self.num_slots) or np.unique(seq_slots).size != S:
-            raise EngramError(f"slots {seq_slots.tolist()} must be distinct and in [0, {self.num_slots})")
-        vocab = self.config.vocab_size
-        if np.any(ids < 0) or np.any(ids >= vocab):
-            raise EngramError(f"input_ids must be token ids in [0, {vocab}) (got {int(ids.min())}..{int(ids.max())})")
-        feeds: dict[str, Any] = {"input_ids": ids.astype(np.int32), "seq_starts": starts.astype(np.int32),
-                                 "past_lens": past.astype(np.int32), "slots": seq_slots.astype(np.int32)}
         for i in range(self.config.num_hidden_layers):
             feeds[f"key_cache_{i}"] = self.key_cache[i]
             feeds[f"value_cache_{i}"] = self.value_cache[i]
@@ -441,13 +467,7 @@ class ReferenceRunner:
             feeds["engram_lookback"] = used_lookback.astype(np.int32)
             feeds["engram_table_ptrs"] = self.table_ptrs
             feeds["engram_scale_ptrs"] = self.scale_ptrs
-        if any(name.startswith("engram_rows_") for name in names):
-            if engram_rows is None:
-                raise EngramError("a prefetch graph takes the staged rows: pass engram_rows (one [T, cols, head_dim] per Engram layer)")
-            for j, rows in enumerate(engram_rows):
-                if hasattr(rows, "detach"):
-                    rows = rows.detach().to("cpu").float().numpy()
-                feeds[f"engram_rows_{j}"] = np.asarray(rows).astype(ml_dtypes.bfloat16)
+        feeds.update(staged_rows_feeds(names, engram_rows))
         results = self.evaluator.run(None, feeds)
         out = dict(zip(self.exported.output_names, results))
         for i in range(self.config.num_hidden_layers):

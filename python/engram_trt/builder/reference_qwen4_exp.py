@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from engram_trt.builder.reference_executor import TableRegistry, _array, _reference_ops
+from engram_trt.builder.reference_executor import TableRegistry, _reference_ops, packed_step_feeds
 from engram_trt.errors import EngramError
 from engram_trt.models.export import DTYPES, ExportedModel
 
@@ -89,24 +89,10 @@ class Qwen4ExpReferenceRunner:
         advance past the step."""
         from engram_trt.engram.ple_hash import next_context
 
-        ids = _array(input_ids, "input_ids", np.int64, 1)
-        starts = _array(seq_starts, "seq_starts", np.int64, 1)
-        past = _array(past_lens, "past_lens", np.int64, 1)
-        seq_slots = _array(slots, "slots", np.int64, 1)
-        T, S = ids.shape[0], starts.shape[0] - 1
-        lengths = np.diff(starts)
-        if T < 1 or S < 1 or starts[0] != 0 or starts[-1] != T or np.any(lengths < 1):
-            raise EngramError(f"seq_starts must rise from 0 to the step's {T} tokens, each sequence >= 1 token (got {starts.tolist()})")
-        if past.shape != (S,) or seq_slots.shape != (S,):
-            raise EngramError(f"past_lens and slots must be [S] = ({S},) (got {past.shape} and {seq_slots.shape})")
-        if np.any(past < 0) or np.any(past + lengths > self.max_seq_len):
-            raise EngramError(f"past_lens {past.tolist()} + new tokens {lengths.tolist()} must stay within max_seq_len {self.max_seq_len}")
-        if np.any(seq_slots < 0) or np.any(seq_slots >= self.num_slots) or np.unique(seq_slots).size != S:
-            raise EngramError(f"slots {seq_slots.tolist()} must be distinct and in [0, {self.num_slots})")
-        if np.any(ids < 0) or np.any(ids >= self.config.vocab_size):
-            raise EngramError(f"input_ids must be token ids in [0, {self.config.vocab_size})")
-        feeds: dict[str, Any] = {"input_ids": ids.astype(np.int32), "seq_starts": starts.astype(np.int32),
-                                 "past_lens": past.astype(np.int32), "slots": seq_slots.astype(np.int32), **self.states}
+        feeds, (ids, starts, past, seq_slots) = packed_step_feeds(
+            input_ids, seq_starts, past_lens, slots, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
+            vocab_size=self.config.vocab_size)
+        feeds.update(self.states)
         ctx = self.context[seq_slots].copy()
         ctx[past == 0] = self.eos_id  # a fresh sequence has no ids before it
         if "ple_context" in self.exported.input_names:
