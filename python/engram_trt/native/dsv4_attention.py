@@ -61,6 +61,7 @@ _ENTRY = EntryPoints({
     "engram_dsv4_attention": [_P(Dsv4Shape), _P(Dsv4Tensors), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
 })
 library = _ENTRY.library
+unavailable = _ENTRY.unavailable
 _call = _ENTRY.call
 
 

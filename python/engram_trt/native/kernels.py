@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import threading
 import weakref
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
 
 LIBRARY_NAME = "libengram_trt_plugins.so"
 
@@ -155,6 +158,7 @@ class EntryPoints:
         self.signatures = signatures
         self._declared = False
         self._lock = threading.Lock()
+        self._unavailable: list[str | None] = []  # [] not asked yet; [None] loaded; [reason] unavailable
 
     def library(self) -> ctypes.CDLL:
         lib = load_library()
@@ -170,6 +174,19 @@ class EntryPoints:
     def call(self, fn_name: str, *args: Any) -> None:
         self.library()
         _call(fn_name, *args)
+
+    def unavailable(self, what: str) -> str | None:
+        """Why this family cannot serve (None: it can), asked once and logged once: a
+        model layer's ``auto`` backend then takes its PyTorch path and ``kernels`` raises
+        the reason. ``what`` names the kernels in the log line."""
+        if not self._unavailable:
+            try:
+                self.library()
+                self._unavailable.append(None)
+            except (EngramError, OSError, AttributeError) as exc:
+                self._unavailable.append(str(exc))
+                log.warning("%s unavailable (%s); using the PyTorch path", what, exc)
+        return self._unavailable[0]
 
 
 class NativeHandle:

@@ -40,6 +40,7 @@ _ENTRY = EntryPoints({
     "engram_mhc_head": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, ctypes.c_size_t, _vp, _vp],
 })
 library = _ENTRY.library
+unavailable = _ENTRY.unavailable
 _call = _ENTRY.call
 
 

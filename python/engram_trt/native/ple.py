@@ -37,6 +37,7 @@ _ENTRY = EntryPoints({
                           _i32, _i32, _i32, ctypes.c_float, _i32, _vp, ctypes.c_size_t, _vp, _vp],
 })
 library = _ENTRY.library
+unavailable = _ENTRY.unavailable
 _call = _ENTRY.call
 
 

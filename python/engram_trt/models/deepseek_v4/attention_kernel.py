@@ -25,7 +25,6 @@ or bf16 round-off.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence
 
 import torch
@@ -33,28 +32,18 @@ from torch import Tensor
 
 from engram_trt.errors import EngramError
 
-log = logging.getLogger(__name__)
-
 ATTENTION_BACKENDS = ("auto", "kernels", "torch")
 _TYPE_CODE = {"sliding_attention": 0, "compressed_sparse_attention": 1, "heavily_compressed_attention": 2}
 _ACTS = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_HEAD_DIM = 512  # engramKernels.h ENGRAM_DSV4_MAX_HEAD_DIM
 _MAX_INDEX_DIM = 256
-_library_error: list[str | None] = []  # [] not asked yet; [None] loaded; [reason] unavailable
 
 
 def library_unavailable() -> str | None:
     """Why the kernel library cannot serve the attention (None: it can), asked once."""
-    if not _library_error:
-        try:
-            from engram_trt.native import dsv4_attention as native
+    from engram_trt.native import dsv4_attention as native
 
-            native.library()
-            _library_error.append(None)
-        except (EngramError, OSError, AttributeError) as exc:
-            _library_error.append(str(exc))
-            log.warning("DeepSeek-V4 attention CUDA kernel unavailable (%s); using the PyTorch path", exc)
-    return _library_error[0]
+    return native.unavailable("DeepSeek-V4 attention CUDA kernel")
 
 
 def check_backend(backend: str) -> str:

@@ -30,7 +30,6 @@ names the checkpoint stores (``hc_attn_fn``, ``ffn.experts.3.w1``, ``ffn.gate.bi
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -40,25 +39,15 @@ from torch import nn
 from engram_trt.errors import EngramError
 from engram_trt.models.deepseek_v4.compressors import wide
 
-log = logging.getLogger(__name__)
-
 MHC_BACKENDS = ("auto", "kernels", "torch")
 MHC_MAX_HC = 8  # engramKernels.h ENGRAM_MHC_MAX_HC
-_mhc_library_error: list[str | None] = []  # [] not tried yet; [None] loaded; [reason] unavailable
 
 
 def _mhc_library_unavailable() -> str | None:
     """Why the kernel library cannot serve the mHC kernels (None: it can), asked once."""
-    if not _mhc_library_error:
-        try:
-            from engram_trt.native import mhc as native_mhc
+    from engram_trt.native import mhc as native_mhc
 
-            native_mhc.library()
-            _mhc_library_error.append(None)
-        except (EngramError, OSError, AttributeError) as exc:
-            _mhc_library_error.append(str(exc))
-            log.warning("mHC CUDA kernels unavailable (%s); using the PyTorch path", exc)
-    return _mhc_library_error[0]
+    return native_mhc.unavailable("mHC CUDA kernels")
 
 
 def mhc_kernel_serves(owner: str, backend: str, streams: torch.Tensor, *tensors: torch.Tensor,

@@ -25,7 +25,6 @@ Parameter names equal the checkpoint's (``attn_hyper_connection.input_mix_weight
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Sequence
 
@@ -36,24 +35,14 @@ from torch import nn
 from engram_trt.errors import EngramError
 from engram_trt.models.qwen4_exp.norms import OffsetRMSNorm
 
-log = logging.getLogger(__name__)
-
 PLE_BACKENDS = ("auto", "kernels", "torch")
-_ple_library_error: list[str | None] = []  # [] not tried yet; [None] loaded; [reason] unavailable
 
 
 def _ple_library_unavailable() -> str | None:
     """Why the kernel library cannot serve the PLE fusion (None: it can), asked once."""
-    if not _ple_library_error:
-        try:
-            from engram_trt.native import ple as native_ple
+    from engram_trt.native import ple as native_ple
 
-            native_ple.library()
-            _ple_library_error.append(None)
-        except (EngramError, OSError, AttributeError) as exc:
-            _ple_library_error.append(str(exc))
-            log.warning("PLE fusion CUDA kernel unavailable (%s); using the PyTorch path", exc)
-    return _ple_library_error[0]
+    return native_ple.unavailable("PLE fusion CUDA kernel")
 
 
 class GatedResidual(nn.Module):
