@@ -17,34 +17,25 @@ rounds. Names are the checkpoint's (:func:`.weights.checkpoint_name` of the modu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto
 
-from engram_trt.models.export import PLUGIN_DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from engram_trt.models.export import PLUGIN_DOMAIN
+from engram_trt.models.onnx_blocks import GraphBlocks, plugin_fields
 
-F32 = TensorProto.FLOAT
 ATTENTION_OP = "EngramDsv4Attention"
 LAYER_TYPE_CODES = {"sliding_attention": 0, "compressed_sparse_attention": 1, "heavily_compressed_attention": 2}
 
 
-def _plugin(**fields: Any) -> dict[str, Any]:
-    return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, **fields}
-
-
 @dataclass
-class Blocks:
+class Blocks(GraphBlocks):
     """The graph under construction plus what every block reads: ``g`` (the node
     accumulator of :mod:`engram_trt.models.engram_llama.onnx_export`), ``get``
     (checkpoint name -> tensor), the graph's ONNX element type / NumPy dtype and the
     step's ``token_pos [T]`` (int32)."""
 
-    g: Any
-    config: Any
-    get: Callable[[str], Any]
-    elem: int
-    np_dt: Any
     token_pos: str
 
     # -- constants and casts ---------------------------------------------------------
@@ -77,34 +68,11 @@ class Blocks:
             arr = np.ascontiguousarray(arr.T)
         return self.g.const(checkpoint_name(module_name) + (".T" if transpose else "") + (".f32" if wide else ""), arr)
 
-    def act_scalar(self, value: float) -> str:
-        key = f"c_act_{value!r}".replace(".", "p").replace("-", "m")
-        return self.g.const(key, np.asarray(value, dtype=self.np_dt))
-
-    def f32_scalar(self, value: float) -> str:
-        key = f"c_f32_{value!r}".replace(".", "p").replace("-", "m")
-        return self.g.const(key, np.asarray(value, dtype=np.float32))
-
-    def f32(self, x: str) -> str:
-        return x if self.elem == F32 else self.g.op("Cast", [x], "to_f32", to=F32)
-
-    def act(self, x: str) -> str:
-        return x if self.elem == F32 else self.g.op("Cast", [x], "to_act", to=self.elem)
-
     def linear(self, x: str, module: str, hint: str) -> str:
         """``x @ W^T`` in the graph's dtype (the torch model's ``nn.Linear``)."""
         return self.g.op("MatMul", [x, self.weight(f"{module}.weight", transpose=True, f32=False)], hint)
 
-    def silu(self, x: str) -> str:
-        return self.g.op("Mul", [x, self.g.op("Sigmoid", [x])], "silu")
-
     # -- norms and RoPE ----------------------------------------------------------------
-    def rms(self, xf: str, size: int) -> str:
-        """``x * rsqrt(mean(x^2) + eps)`` over the last axis, float32 in and out."""
-        ones = self.g.const(f"c_ones_{size}", np.ones(size, dtype=np.float32))
-        return self.g.op("RMSNormalization", [xf, ones], "rms", axis=-1, epsilon=float(self.config.rms_norm_eps),
-                         stash_type=1)
-
     def rms_norm(self, x: str, module: str, size: int) -> str:
         """:class:`~.modules.RMSNorm`: float32 statistics times the (float32) weight,
         rounded once to the graph's dtype."""
@@ -349,7 +317,7 @@ class Blocks:
                        g.const(f"{ix}.kv_norm.weight.host", self.host(f"{ix}.kv_norm.weight")), *states[4:7]]
         out = g.op(ATTENTION_OP, inputs, outputs=[g.name(f"dsv4_attn{index}"), *state_outs], domain=PLUGIN_DOMAIN,
                    hint=f"dsv4_attn{index}",
-                   **_plugin(layer_type=LAYER_TYPE_CODES[layer_type], window=int(cfg.sliding_window),
+                   **plugin_fields(layer_type=LAYER_TYPE_CODES[layer_type], window=int(cfg.sliding_window),
                              compress_rate=int(rate), index_topk=topk, scaling=float(d) ** -0.5,
                              eps=float(cfg.rms_norm_eps), rope_scale=float(table.scale)))[0]  # [T, H, d]
         self._rank3[out] = True

@@ -12,33 +12,22 @@ the torch model to round-off and a bf16 graph rounds where it rounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-from onnx import TensorProto
 
 from engram_trt.errors import EngramError
-from engram_trt.models.export import PLUGIN_DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, ple_hash_plugin_attributes
-
-F32 = TensorProto.FLOAT
-
-
-def _plugin(**fields: Any) -> dict[str, Any]:
-    return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, **fields}
+from engram_trt.models.export import PLUGIN_DOMAIN, ple_hash_plugin_attributes
+from engram_trt.models.onnx_blocks import GraphBlocks, plugin_fields
 
 
 @dataclass
-class Blocks:
+class Blocks(GraphBlocks):
     """The graph under construction plus what every block reads: ``g`` (the node
     accumulator of :mod:`engram_trt.models.engram_llama.onnx_export`), ``get`` (checkpoint
     name -> tensor), the graph's ONNX element type / NumPy dtype, and the step's derived
     tensors (``position_ids [T, 1]``, ``token_slot``, ``token_pos``)."""
 
-    g: Any
-    config: Any
-    get: Callable[[str], Any]
-    elem: int
-    np_dt: Any
     cos: str
     sin: str
     position_ids: str
@@ -62,33 +51,10 @@ class Blocks:
 
         return _np(self.get(name), self.np_dt).astype(np.float32).astype(dtype)
 
-    def act_scalar(self, value: float) -> str:
-        key = f"c_act_{value!r}".replace(".", "p").replace("-", "m")
-        return self.g.const(key, np.asarray(value, dtype=self.np_dt))
-
-    def f32_scalar(self, value: float) -> str:
-        key = f"c_f32_{value!r}".replace(".", "p").replace("-", "m")
-        return self.g.const(key, np.asarray(value, dtype=np.float32))
-
-    def f32(self, x: str) -> str:
-        return x if self.elem == F32 else self.g.op("Cast", [x], "to_f32", to=F32)
-
-    def act(self, x: str) -> str:
-        return x if self.elem == F32 else self.g.op("Cast", [x], "to_act", to=self.elem)
-
     def linear(self, x: str, name: str, hint: str) -> str:
         return self.g.op("MatMul", [x, self.weight(name, transpose=True)], hint)
 
-    def silu(self, x: str) -> str:
-        return self.g.op("Mul", [x, self.g.op("Sigmoid", [x])], "silu")
-
     # -- norms and RoPE ----------------------------------------------------------------
-    def rms(self, xf: str, size: int) -> str:
-        """``x * rsqrt(mean(x^2) + eps)`` over the last axis, float32 in and out."""
-        ones = self.g.const(f"c_ones_{size}", np.ones(size, dtype=np.float32))
-        return self.g.op("RMSNormalization", [xf, ones], "rms", axis=-1,
-                         epsilon=float(self.config.rms_norm_eps), stash_type=1)
-
     def offset_norm(self, x: str, name: str, size: int, groups: int | None = None) -> str:
         """:func:`~.norms.offset_rms_norm`: float32 statistics, scale ``1 + w``, rounded
         once to the graph's dtype. ``x`` ends in ``[..., size]``; with ``groups`` it ends
@@ -204,14 +170,14 @@ class Blocks:
         conv_w = self.weight(f"{a}.conv1d.weight")
         mixed = g.op("EngramCausalConv1d", [cols, conv_w, conv_state, "seq_starts", "past_lens", "slots"],
                      outputs=[g.name("gdn_conv"), conv_out], domain=PLUGIN_DOMAIN, hint="gdn_conv",
-                     **_plugin(kernel=int(cfg.linear_conv_kernel_dim), activation=1))[0]
+                     **plugin_fields(kernel=int(cfg.linear_conv_kernel_dim), activation=1))[0]
         q, k, v = g.op("Split", [mixed, g.ints([key_dim, key_dim, value_dim])], "gdn_split", n_out=3, axis=1)
         q = g.op("Reshape", [q, g.ints([0, Hk, dk])], "gdn_q")
         k = g.op("Reshape", [k, g.ints([0, Hk, dk])], "gdn_k")
         v = g.op("Reshape", [v, g.ints([0, Hv, dv])], "gdn_v")
         core = g.op("EngramGatedDeltaNet", [q, k, v, gate, beta, rec_state, "seq_starts", "past_lens", "slots"],
                     outputs=[g.name("gdn_core"), rec_out], domain=PLUGIN_DOMAIN, hint="gdn_core",
-                    **_plugin(l2norm_qk=1, scale=float(dk) ** -0.5))[0]  # [T, Hv, dv]
+                    **plugin_fields(l2norm_qk=1, scale=float(dk) ** -0.5))[0]  # [T, Hv, dv]
         # GatedRMSNorm: normalized in float32, rounded, times the weight in the graph's
         # dtype, times act(gate) in float32, rounded once more.
         normed = g.op("Mul", [self.act(self.rms(self.f32(core), dv)), self.weight(f"{a}.norm.weight")], "gdn_norm")
@@ -245,7 +211,7 @@ class Blocks:
         q = cfg.qsa
         att = g.op("EngramQsaAttention", [query, key, value, iq, iraw, *caches, knorm, self.token_slot, self.token_pos],
                    outputs=[g.name("qsa"), *cache_outs], domain=PLUGIN_DOMAIN, hint="qsa",
-                   **_plugin(compress_ratio=int(q.compress_ratio), block_topk=int(q.budget // q.compress_ratio),
+                   **plugin_fields(compress_ratio=int(q.compress_ratio), block_topk=int(q.budget // q.compress_ratio),
                              rot_dim=int(cfg.rotary_dim), rope_theta=float(cfg.rope_theta), eps=float(cfg.rms_norm_eps),
                              scaling=float(hd) ** -0.5))[0]  # [T, h*hd]
         return self.linear(g.op("Mul", [att, g.op("Sigmoid", [gate])], "attn_gated"), f"{s}.o_proj.weight", "attn_out")
@@ -272,7 +238,7 @@ class Blocks:
         ptr = g.op("Slice", ["ple_table_ptrs", g.ints([j]), g.ints([j + 1])], f"ple_table_ptr{j}")
         rows = g.op("EngramGather", [g.op("Unsqueeze", [ids, g.ints([1])], f"ple_ids{j}"), ptr], f"ple_rows{j}",
                     domain=PLUGIN_DOMAIN,
-                    **_plugin(layer_index=0, n_layers=1, n_cols=H, head_dim=hd,
+                    **plugin_fields(layer_index=0, n_layers=1, n_cols=H, head_dim=hd,
                               table_dtype=FLOAT_TABLE_DTYPE_CODES[table_dtype], quant_block=32, num_rows=int(table_rows),
                               bad_rows_input=0, column_begin=0, column_end=H, row_offset=0))
         rows = g.op("Reshape", [rows, g.ints([0, H * hd])], f"ple_e{j}")  # [T, ple_embed_dim] in the table's dtype
@@ -286,6 +252,6 @@ class Blocks:
                                        self.weight(f"{f}.norm_query.weight"), self.weight(f"{f}.norm_conv.weight"),
                                        self.weight(f"{f}.conv1d.weight"), conv_state, "seq_starts", "past_lens", "slots"],
                    outputs=[g.name("ple_update"), conv_out], domain=PLUGIN_DOMAIN, hint="ple_fusion",
-                   **_plugin(hc_count=int(hc), hidden=int(D), kernel=int(ple.conv_kernel_size),
+                   **plugin_fields(hc_count=int(hc), hidden=int(D), kernel=int(ple.conv_kernel_size),
                              dilation=int(ple.ngram_size), eps=float(cfg.rms_norm_eps)))[0]
         return g.op("Add", [streams, g.op("Reshape", [upd, g.ints([0, hc, D])])], "streams")
