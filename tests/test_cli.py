@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engram_trt.cli.main import main
@@ -408,6 +409,15 @@ def test_steady_decode_takes_the_median_after_warmup():
     assert d["decode_warmup_s"] == pytest.approx(1.2) and d["steady_decode_steps"] == 5
     assert d["steady_decode_tokens_per_s"] == pytest.approx(10.0)
     assert steady_decode([0.0]) == {} and steady_decode([0.0, 0.5])["steady_decode_tokens_per_s"] == 2.0
+    assert "steady_decode_p10_step_us" not in d  # too few steps for a spread
+
+    # ten steady steps of 1..10 ms (shuffled): p10 / p90 by linear interpolation, 1.9 and 9.1 ms
+    gaps = [0.005, 0.002, 0.009, 0.001, 0.010, 0.004, 0.007, 0.003, 0.008, 0.006]
+    times = [0.0, 1.0, 1.5] + list(1.5 + np.cumsum(gaps))
+    d = steady_decode(times, warmup=2)
+    assert d["steady_decode_steps"] == 10
+    assert d["steady_decode_p10_step_us"] == pytest.approx(1900.0) and d["steady_decode_p90_step_us"] == pytest.approx(9100.0)
+    assert d["steady_decode_tokens_per_s"] == pytest.approx(1 / 0.0055, abs=0.01)
 
 
 def test_chat_flags_checked_before_loading(capsys, tmp_path):

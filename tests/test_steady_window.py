@@ -16,7 +16,7 @@ import numpy as np
 
 from conftest import make_tiny_checkpoint
 
-from engram_trt.bench.steady import median_run
+from engram_trt.bench.steady import median_of
 from engram_trt.cli.main import main
 from engram_trt.runtime import detokenize, scheduler
 from engram_trt.runtime.scheduler import WARMUP_DECODE_STEPS, steady_decode
@@ -38,12 +38,14 @@ def test_the_window_leaves_out_warm_up_and_capture() -> None:
     assert "steady_decode_first_half_tokens_per_s" not in steady_decode([0.0, 1.0, 2.0, 3.0, 4.0])  # 2 steady gaps
 
 
-def test_median_run_keeps_every_run() -> None:
+def test_median_of_takes_the_middle_round() -> None:
     runs = [{"steady_decode_tokens_per_s": r, "i": i} for i, r in enumerate([2194.0, 3333.0, 2900.0])]
-    mid = median_run(runs)
-    assert mid["i"] == 2 and mid["runs"] == runs
-    assert median_run(runs[:1]) == runs[0] and "runs" not in median_run(runs[:1])
-    assert median_run(runs[:2])["i"] == 0  # the lower middle of an even count
+    key = "steady_decode_tokens_per_s"
+    assert median_of(runs, key)["i"] == 2
+    assert median_of(runs[:1], key) == runs[0]
+    assert median_of(runs[:2], key)["i"] == 0  # the lower middle of an even count
+    assert median_of([{"i": 0}, *runs[:2]], key)["i"] == 0  # a missing figure ranks lowest
+    assert median_of([{"i": 9}, *runs], key)["i"] == 0  # 0, 2194, 2900, 3333: the lower middle
 
 
 def _counting(monkeypatch: Any) -> dict[str, int]:

@@ -16,14 +16,16 @@ the only extra in the latter. So that the two are also set side by side measured
 same way, ``bench serve`` reports its one-stream request's steady rate too (the same
 ``steady_decode``), and ``ratios`` holds both quotients.
 
-Why ``run`` runs ``--runs`` times: ``demo`` and ``run`` on one folder take the same
-code path (``cli.generate.generate_text``) and decode the same greedy tokens, yet on the
-H200 VM their rates differ from process to process (3,333 and 2,194 tokens/s in one go,
-docs/benchmarks.md), while ``bench serve`` takes the fastest of ``--repeat`` runs after a
-warm-up batch. One ``run`` against the best of three is not one measurement against
-another; the median of ``--runs`` fresh ``run`` processes is (each one's figures are
-kept, with the decode path its graphs took and its gather calibration, to tell a slower
-process's cause).
+Why rounds: ``demo`` and ``run`` on one folder take the same code path
+(``cli.generate.generate_text``) and decode the same greedy tokens, yet on the H200 VM
+their rates differ from process to process (``run`` 2,194 to 3,382 tokens/s on one
+machine, docs/benchmarks.md), and one process's two halves by up to 1.4x: the host's
+speed drifts. One ``demo`` against a ``bench serve`` started a minute later compares
+two moments of that drift, not two commands. So each of ``--rounds`` rounds runs the
+demo, ``run`` and ``bench serve`` back to back (fresh processes, that order); a round's
+ratios compare neighbours in time, every round is kept (with the decode path its graphs
+took and its gather calibration, to tell a slower process's cause), and the verdict is
+on the median figures over the rounds (the lower middle one of an even count).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ class SteadyOptions:
                                "a few hundred, so the steady window is more than ~0.1 s on a GPU)")
     prompt_tokens: int = opt(32, argtype=("int_arg", 1, 4096), help="bench serve's prompt tokens (default: %(default)s)")
     repeat: int = opt(3, argtype=("int_arg", 1, 100), help="bench serve's runs; the fastest counts (default: %(default)s)")
-    runs: int = opt(3, argtype=("int_arg", 1, 20),
-                    help="`run` commands, each a fresh process; their median steady rate counts (default: %(default)s)")
+    rounds: int = opt(3, argtype=("int_arg", 1, 20), flags=("--rounds", "--runs"),
+                      help="rounds of demo, run and bench serve, each command a fresh process, back to back; the "
+                           "median figures over the rounds count, every round's ratios are kept (default: %(default)s; "
+                           "--runs is the old spelling)")
     device: str = opt("auto", help="cpu, cuda, cuda:N or auto, for all three (default: %(default)s)")
     backend: str = opt("auto", choices=("auto", "tensorrt", "torch"), help="runtime backend for all three (default: %(default)s)")
     json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
@@ -81,7 +85,7 @@ def _generation_figures(res: dict[str, Any], seconds: float) -> dict[str, Any]:
     tm = res.get("timings", {})
     keep = ("steady_decode_tokens_per_s", "steady_decode_steps", "decode_warmup_s", "decode_tokens_per_s", "prefill_s",
             "load_s", "graph_capture_s", "graph_captures", "steady_decode_first_half_tokens_per_s",
-            "steady_decode_second_half_tokens_per_s", "graph_shapes", "gather_path_by_rows")
+            "steady_decode_second_half_tokens_per_s", "steady_decode_p10_step_us", "steady_decode_p90_step_us", "graph_shapes", "gather_path_by_rows")
     return {"backend": res.get("backend"), "device": res.get("device"), "dtype": res.get("dtype"),
             "new_tokens": res.get("new_tokens"), "finish_reason": res.get("finish_reason"),
             **{k: tm[k] for k in keep if k in tm}, "command_s": round(seconds, 2)}
@@ -95,14 +99,39 @@ def ratio_report(steady: float | None, serve_one: float | None, target: float = 
     return {"serve_over_steady": round(r, 4), "within_target": max(r, 1 / r) <= target}
 
 
-def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run whose steady rate is the median of ``runs`` (the lower middle one of an
-    even count), with every run's figures under ``runs`` when there are several."""
-    ranked = sorted(runs, key=lambda r: r.get("steady_decode_tokens_per_s") or 0.0)
-    mid = dict(ranked[(len(ranked) - 1) // 2])
-    if len(runs) > 1:
-        mid["runs"] = runs
-    return mid
+def median_of(figures: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The figures whose ``key`` is the median of ``figures`` (the lower middle one of an
+    even count; a missing figure ranks lowest)."""
+    ranked = sorted(figures, key=lambda r: r.get(key) or 0.0)
+    return dict(ranked[(len(ranked) - 1) // 2])
+
+
+def _ratios(res: dict[str, Any]) -> dict[str, Any]:
+    """``bench serve``'s one-stream figures over each generation command's steady rate:
+    the issue's figure (tokens/s of a whole request) and the one measured alike (the
+    request's own steady rate)."""
+    serve = res["bench_serve"]
+    out = {}
+    for name in ("demo", "run"):
+        if name in res:
+            steady = res[name].get("steady_decode_tokens_per_s")
+            out[name] = {**ratio_report(steady, serve.get("one_stream_tokens_per_s")),
+                         "serve_steady_over_steady": ratio_report(
+                             steady, serve.get("one_stream_steady_decode_tokens_per_s"))["serve_over_steady"]}
+    return out
+
+
+def _bench_serve(path: str, opts: SteadyOptions, common: list[str]) -> tuple[list[str], dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="engram-steady-") as tmp:
+        figures = Path(tmp) / "serve.json"
+        args = ["bench", "serve", path, "--concurrency", "1", "--max-tokens", str(opts.max_tokens),
+                "--prompt-tokens", str(opts.prompt_tokens), "--repeat", str(opts.repeat), "--json", str(figures), *common]
+        _out, dt = _cli(args, "bench serve")
+        serve = json.loads(figures.read_text())
+    one = (serve.get("levels") or {}).get("1") or {}
+    return args, {"backend": serve.get("backend"), "one_stream_tokens_per_s": one.get("tokens_per_s"),
+                  "one_stream_steady_decode_tokens_per_s": one.get("steady_decode_tokens_per_s"),
+                  "steps": one.get("steps"), "command_s": round(dt, 2)}
 
 
 def run(opts: SteadyOptions) -> int:
@@ -112,44 +141,41 @@ def run(opts: SteadyOptions) -> int:
     common = ["--device", opts.device, "--backend", opts.backend]
     gen = ["--max-new-tokens", str(opts.max_tokens), "--ignore-eos", "--json", *common]
     res: dict[str, Any] = {"target": TARGET, "max_tokens": opts.max_tokens, "commands": []}
+    path = opts.path
+    rounds: list[dict[str, Any]] = []
+    for _ in range(opts.rounds):
+        rnd: dict[str, Any] = {}
+        if opts.path is None:
+            args = ["demo", "--model", opts.model, *gen] + (["--engine-dir", opts.engine_dir] if opts.engine_dir else [])
+            out, dt = _cli(args, "the demo")
+            demo = json.loads(out)
+            built = (demo.get("engine") or {}).get("output_dir")
+            if not built:
+                raise EngramError("bench steady: the demo's JSON names no engine folder (engine.output_dir)")
+            if path is not None and str(built) != str(path):
+                raise EngramError(f"bench steady: the demo built {built} after {path}; give --engine-dir")
+            path = str(built)
+            demo_args = args
+            rnd["demo"] = {**_generation_figures(demo, dt), "engine_note": demo.get("engine_note")}
+        run_args = ["run", str(path), *gen]
+        out, dt = _cli(run_args, "run")
+        rnd["run"] = _generation_figures(json.loads(out), dt)
+        serve_args, rnd["bench_serve"] = _bench_serve(str(path), opts, common)
+        rnd["ratios"] = _ratios(rnd)
+        rounds.append(rnd)
     if opts.path is None:
-        args = ["demo", "--model", opts.model, *gen] + (["--engine-dir", opts.engine_dir] if opts.engine_dir else [])
-        out, dt = _cli(args, "the demo")
-        demo = json.loads(out)
-        path = (demo.get("engine") or {}).get("output_dir")
-        if not path:
-            raise EngramError("bench steady: the demo's JSON names no engine folder (engine.output_dir)")
-        res["commands"].append("engram-trt " + " ".join(args))
-        res["demo"] = _generation_figures(demo, dt)
-    else:
-        path = opts.path
+        res["commands"].append("engram-trt " + " ".join(demo_args))
+    res["commands"] += ["engram-trt " + " ".join(run_args), "engram-trt " + " ".join(serve_args)]
     res["path"] = str(path)
-    args = ["run", str(path), *gen]
-    runs = []
-    for _ in range(opts.runs):
-        out, dt = _cli(args, "run")
-        runs.append(_generation_figures(json.loads(out), dt))
-    res["commands"].append("engram-trt " + " ".join(args) + (f"  (x{opts.runs})" if opts.runs > 1 else ""))
-    res["run"] = median_run(runs)
-    with tempfile.TemporaryDirectory(prefix="engram-steady-") as tmp:
-        figures = Path(tmp) / "serve.json"
-        args = ["bench", "serve", str(path), "--concurrency", "1", "--max-tokens", str(opts.max_tokens),
-                "--prompt-tokens", str(opts.prompt_tokens), "--repeat", str(opts.repeat), "--json", str(figures), *common]
-        _out, dt = _cli(args, "bench serve")
-        serve = json.loads(figures.read_text())
-    res["commands"].append("engram-trt " + " ".join(args))
-    one = (serve.get("levels") or {}).get("1") or {}
-    res["bench_serve"] = {"backend": serve.get("backend"), "one_stream_tokens_per_s": one.get("tokens_per_s"),
-                          "one_stream_steady_decode_tokens_per_s": one.get("steady_decode_tokens_per_s"),
-                          "steps": one.get("steps"), "command_s": round(dt, 2)}
-    serve_one = one.get("tokens_per_s")
-    res["ratios"] = {}
+    res["rounds"] = rounds
     for name in ("demo", "run"):
-        if name in res:
-            steady = res[name].get("steady_decode_tokens_per_s")
-            res["ratios"][name] = {**ratio_report(steady, serve_one),  # the issue's figure: tokens/s of a whole request
-                                   "serve_steady_over_steady": ratio_report(
-                                       steady, one.get("steady_decode_tokens_per_s"))["serve_over_steady"]}
+        if name in rounds[0]:
+            res[name] = median_of([r[name] for r in rounds], "steady_decode_tokens_per_s")
+    res["bench_serve"] = median_of([r["bench_serve"] for r in rounds], "one_stream_tokens_per_s")
+    res["ratios"] = _ratios(res)  # the medians over the rounds: the verdict
+    res["rounds_within_target"] = {name: sum(bool(r["ratios"][name]["within_target"]) for r in rounds)
+                                   for name in res["ratios"]}
+    serve_one = res["bench_serve"].get("one_stream_tokens_per_s")
     print(f"engine folder: {path}")
     for name in ("demo", "run"):
         if name in res:
@@ -157,10 +183,15 @@ def run(opts: SteadyOptions) -> int:
             print(f"{name:>5}: {r.get('steady_decode_tokens_per_s')} tokens/s steady ({r.get('backend')}, {r.get('device')}, "
                   f"{r.get('dtype')}; warm-up {r.get('decode_warmup_s')} s, capture {r.get('graph_capture_s', 0)} s); "
                   f"bench serve / {name} = {q['serve_over_steady']} (within {TARGET}x: {q['within_target']})")
-    if len(runs) > 1:
-        print(f"  run: {len(runs)} processes, steady {', '.join(str(r.get('steady_decode_tokens_per_s')) for r in runs)} "
-              f"tokens/s (the median counts)")
-    print(f"bench serve, one stream: {serve_one:.1f} tokens/s, steady {one.get('steady_decode_tokens_per_s')} tokens/s "
-          f"({serve.get('backend')})" if serve_one else "bench serve, one stream: no figure")
+    print(f"bench serve, one stream: {serve_one:.1f} tokens/s, steady "
+          f"{res['bench_serve'].get('one_stream_steady_decode_tokens_per_s')} tokens/s ({res['bench_serve'].get('backend')})"
+          if serve_one else "bench serve, one stream: no figure")
+    if len(rounds) > 1:
+        print(f"{len(rounds)} rounds (demo, run, bench serve back to back in each; the medians above count):")
+        for i, rnd in enumerate(rounds):
+            cells = [f"{name} {rnd[name].get('steady_decode_tokens_per_s')} (x{rnd['ratios'][name]['serve_over_steady']})"
+                     for name in ("demo", "run") if name in rnd]
+            print(f"  round {i + 1}: " + ", ".join(cells) + f"; bench serve {(rnd['bench_serve'].get('one_stream_tokens_per_s') or 0):.1f}")
+        print("  rounds within target: " + ", ".join(f"{k} {v}/{len(rounds)}" for k, v in res["rounds_within_target"].items()))
     dump(res, opts.json)
     return 0

@@ -61,6 +61,11 @@ def steady_decode(token_times: list[float], warmup: int = WARMUP_DECODE_STEPS) -
     out = {"decode_warmup_s": round(float(gaps[:warmup].sum()) if gaps.size > warmup else 0.0, 6),
            "steady_decode_steps": int(steady.size),
            "steady_decode_tokens_per_s": _rate(steady)}
+    if steady.size >= 10:  # the step time's spread: a fast p10 with a slow median says the host stalls now and then,
+        # a slow p10 too says the whole process ran slower (how bench steady tells drift from a slower code path)
+        p10, p90 = np.percentile(steady, [10, 90])
+        out["steady_decode_p10_step_us"] = round(float(p10) * 1e6, 1)
+        out["steady_decode_p90_step_us"] = round(float(p90) * 1e6, 1)
     if steady.size >= 4:
         half = steady.size // 2
         out["steady_decode_first_half_tokens_per_s"] = _rate(steady[:half])
