@@ -849,10 +849,11 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
     finally:
         h.lib.harness_destroy(plugin)
     assert "engram_kv_cache_write launch failed" in messages[0], messages[0]
-    assert "cudaMemcpyAsync(dst, src, cacheBytes, cudaMemcpyDeviceToDevice, stream) failed" in messages[1], messages[1]
+    copy = "copyUnlessAliased(outputs[kKeyCacheOut + i], inputs[kKeyCache + i], cacheBytes, stream) failed"
+    assert copy in messages[1], messages[1]
     assert "configurePlugin failed: EngramAttention: k must be [T, 2, 64], got [-1, 1, 64]" in messages[2], messages[2]
     assert "enqueue failed" in messages[3] and "token_pos must be [5], got [4]" in messages[3], messages[3]
-    assert not any("launch" in m or "cudaMemcpy" in m for m in messages[2:]), messages[2:]
+    assert not any("launch" in m or "copyUnlessAliased" in m for m in messages[2:]), messages[2:]
 
 
 # --- a tensor-parallel rank's gather: its columns of its row slice ----------------------

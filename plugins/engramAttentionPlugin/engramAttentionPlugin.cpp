@@ -3,6 +3,7 @@
 #include "engramAttentionPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <cuda_runtime_api.h>
@@ -54,50 +55,23 @@ constexpr char const* kNumHeadsName = kFields.nameOf<&AttentionConfig::numHeads>
 constexpr char const* kNumKvHeadsName = kFields.nameOf<&AttentionConfig::numKvHeads>();
 constexpr char const* kHeadDimName = kFields.nameOf<&AttentionConfig::headDim>();
 
-bool isIoType(DataType type)
-{
-    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
-}
-
-//! The kernel library's EngramFloatType code of an I/O type.
-int32_t floatTypeCode(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
-    case DataType::kHALF: return ENGRAM_FLOAT_F16;
-    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
-    default: return -1;
-    }
-}
-
-size_t elementBytes(DataType type)
-{
-    return type == DataType::kFLOAT ? 4 : 2;
-}
-
-bool matches(int64_t dim, int64_t expected)
-{
-    return dim == -1 || dim == expected;
-}
-
 //! Build-time shape checks (dims may be -1 = dynamic).
 void checkDims(AttentionConfig const& c, nvinfer1::Dims const* in, nvinfer1::Dims const* out, int32_t nbOutputs)
 {
     nvinfer1::Dims const& q = in[kQ];
-    ENGRAM_PLUGIN_CHECK(q.nbDims == 3 && matches(q.d[1], c.numHeads) && matches(q.d[2], c.headDim),
+    ENGRAM_PLUGIN_CHECK(q.nbDims == 3 && dimMatches(q.d[1], c.numHeads) && dimMatches(q.d[2], c.headDim),
         "q must be [T, " << c.numHeads << ", " << c.headDim << "], got " << dimsToString(q));
     for (int32_t i : {kK, kV})
     {
         nvinfer1::Dims const& x = in[i];
-        ENGRAM_PLUGIN_CHECK(x.nbDims == 3 && matches(x.d[1], c.numKvHeads) && matches(x.d[2], c.headDim),
+        ENGRAM_PLUGIN_CHECK(x.nbDims == 3 && dimMatches(x.d[1], c.numKvHeads) && dimMatches(x.d[2], c.headDim),
             (i == kK ? "k" : "v") << " must be [T, " << c.numKvHeads << ", " << c.headDim << "], got "
                                   << dimsToString(x));
     }
     for (int32_t i : {kKeyCache, kValueCache})
     {
         nvinfer1::Dims const& x = in[i];
-        ENGRAM_PLUGIN_CHECK(x.nbDims == 4 && matches(x.d[1], c.numKvHeads) && matches(x.d[3], c.headDim),
+        ENGRAM_PLUGIN_CHECK(x.nbDims == 4 && dimMatches(x.d[1], c.numKvHeads) && dimMatches(x.d[3], c.headDim),
             (i == kKeyCache ? "key_cache" : "value_cache")
                 << " must be [num_slots, " << c.numKvHeads << ", max_seq_len, " << c.headDim << "], got "
                 << dimsToString(x));
@@ -137,8 +111,8 @@ int32_t EngramAttentionPlugin::getOutputDataTypes(
             "expects 7 inputs (q, k, v, key_cache, value_cache, token_slot, token_pos) and 3 outputs, got "
                 << nbInputs << " and " << nbOutputs);
         DataType const io = inputTypes[kQ];
-        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io && inputTypes[kKeyCache] == io
-                && inputTypes[kValueCache] == io,
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io
+                && inputTypes[kKeyCache] == io && inputTypes[kValueCache] == io,
             "q, k, v, key_cache and value_cache must share one type (bfloat16, float16 or float32), got "
                 << dataTypeName(io) << ", " << dataTypeName(inputTypes[kK]) << ", " << dataTypeName(inputTypes[kV])
                 << ", " << dataTypeName(inputTypes[kKeyCache]) << " and " << dataTypeName(inputTypes[kValueCache]));
@@ -178,18 +152,14 @@ bool EngramAttentionPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
     using namespace attention_detail;
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, kNbInputs, kNbOutputs))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     switch (pos)
     {
-    case kQ: return isIoType(desc.type);
+    case kQ: return isFloatIoType(desc.type);
     case kTokenSlot:
     case kTokenPos: return desc.type == DataType::kINT32;
     default: return desc.type == inOut[kQ].desc.type; // k, v, the caches and every output: q's type
@@ -281,12 +251,7 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
             = {&inputDesc[kValueCache].dims, &outputDesc[kKeyCacheOut].dims, &outputDesc[kValueCacheOut].dims};
         for (nvinfer1::Dims const* x : sameAsCache)
         {
-            bool same = x->nbDims == 4;
-            for (int32_t k = 0; same && k < 4; ++k)
-            {
-                same = x->d[k] == cache.d[k];
-            }
-            ENGRAM_PLUGIN_CHECK(same,
+            ENGRAM_PLUGIN_CHECK(sameDims(*x, cache),
                 "value_cache and both cache outputs must match key_cache " << dimsToString(cache) << ", got "
                                                                            << dimsToString(*x));
         }
@@ -301,7 +266,7 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
         ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == numTokens && o.d[1] == h && o.d[2] == hd,
             "the attention output must be [" << numTokens << ", " << h << ", " << hd << "], got " << dimsToString(o));
         DataType const io = inputDesc[kQ].type;
-        bool sameType = isIoType(io);
+        bool sameType = isFloatIoType(io);
         for (int32_t i : {kK, kV, kKeyCache, kValueCache})
         {
             sameType = sameType && inputDesc[i].type == io;
@@ -322,15 +287,11 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
         // output is its input's memory. Without it TensorRT hands separate buffers: the
         // step stays correct by copying the caches over first (a whole-cache copy per step,
         // which the aliasing exists to avoid).
-        size_t const cacheBytes = static_cast<size_t>(numSlots) * kvh * maxSeqLen * hd * elementBytes(io);
+        size_t const cacheBytes = static_cast<size_t>(numSlots) * kvh * maxSeqLen * hd * floatElementBytes(io);
         for (int32_t i : {0, 1})
         {
-            void* dst = outputs[kKeyCacheOut + i];
-            void const* src = inputs[kKeyCache + i];
-            if (dst != src)
-            {
-                ENGRAM_PLUGIN_CHECK_CUDA(cudaMemcpyAsync(dst, src, cacheBytes, cudaMemcpyDeviceToDevice, stream));
-            }
+            ENGRAM_PLUGIN_CHECK_CUDA(
+                copyUnlessAliased(outputs[kKeyCacheOut + i], inputs[kKeyCache + i], cacheBytes, stream));
         }
         size_t workspaceBytes = 0;
         int status = engram_attention_workspace_size(numTokens, h, kvh, hd, maxSeqLen, &workspaceBytes);

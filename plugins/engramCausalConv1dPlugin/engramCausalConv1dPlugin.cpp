@@ -3,6 +3,7 @@
 #include "engramCausalConv1dPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <cuda_runtime_api.h>
@@ -43,35 +44,9 @@ void checkShape(int64_t channels, CausalConv1dConfig const& c)
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
 
-bool isIoType(DataType type)
-{
-    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
-}
-
 bool isWeightType(DataType type, DataType io)
 {
     return type == DataType::kFLOAT || type == io;
-}
-
-int32_t floatTypeCode(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
-    case DataType::kHALF: return ENGRAM_FLOAT_F16;
-    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
-    default: return -1;
-    }
-}
-
-size_t elementBytes(DataType type)
-{
-    return type == DataType::kFLOAT ? 4 : 2;
-}
-
-bool matches(int64_t dim, int64_t expected)
-{
-    return dim == -1 || expected == -1 || dim == expected;
 }
 
 //! weight is [C, K] or the checkpoint's [C, 1, K].
@@ -79,9 +54,9 @@ bool isWeightShape(nvinfer1::Dims const& w, int64_t channels, int64_t kernel)
 {
     if (w.nbDims == 2)
     {
-        return matches(w.d[0], channels) && matches(w.d[1], kernel);
+        return dimMatches(w.d[0], channels) && dimMatches(w.d[1], kernel);
     }
-    return w.nbDims == 3 && matches(w.d[0], channels) && matches(w.d[1], 1) && matches(w.d[2], kernel);
+    return w.nbDims == 3 && dimMatches(w.d[0], channels) && dimMatches(w.d[1], 1) && dimMatches(w.d[2], kernel);
 }
 
 //! Shape checks at build time (dims may be -1) and at enqueue (concrete dims).
@@ -97,7 +72,7 @@ void checkDims(CausalConv1dConfig const& c, nvinfer1::Dims const* in)
         "weight must be [C, kernel] or [C, 1, kernel] with x's C = " << channels << " and kernel " << c.kernel
                                                                      << ", got " << dimsToString(in[kWeight]));
     nvinfer1::Dims const& state = in[kConvState];
-    ENGRAM_PLUGIN_CHECK(state.nbDims == 3 && matches(state.d[1], channels) && matches(state.d[2], c.kernel - 1),
+    ENGRAM_PLUGIN_CHECK(state.nbDims == 3 && dimMatches(state.d[1], channels) && dimMatches(state.d[2], c.kernel - 1),
         "conv_state must be [num_slots, " << channels << ", kernel - 1 = " << c.kernel - 1 << "], got "
                                           << dimsToString(state));
     for (int32_t i : {kSeqStarts, kPastLens, kSlots})
@@ -128,7 +103,7 @@ int32_t EngramCausalConv1dPlugin::getOutputDataTypes(
             "expects 6 inputs (x, weight, conv_state, seq_starts, past_lens, slots) and 2 outputs, got "
                 << nbInputs << " and " << nbOutputs);
         DataType const io = inputTypes[kX];
-        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputTypes[kConvState] == io,
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[kConvState] == io,
             "x and conv_state must share one type (bfloat16, float16 or float32), got "
                 << dataTypeName(io) << " and " << dataTypeName(inputTypes[kConvState]));
         ENGRAM_PLUGIN_CHECK(isWeightType(inputTypes[kWeight], io),
@@ -167,19 +142,15 @@ bool EngramCausalConv1dPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
     using namespace causal_conv_detail;
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, kNbInputs, kNbOutputs))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     DataType const io = inOut[kX].desc.type;
     switch (pos)
     {
-    case kX: return isIoType(desc.type);
+    case kX: return isFloatIoType(desc.type);
     case kWeight: return isWeightType(desc.type, io);
     case kSeqStarts:
     case kPastLens:
@@ -196,22 +167,13 @@ int32_t EngramCausalConv1dPlugin::configurePlugin(nvinfer1::DynamicPluginTensorD
         using namespace causal_conv_detail;
         ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 6 inputs and 2 outputs");
         nvinfer1::Dims dims[kNbInputs];
-        for (int32_t i = 0; i < kNbInputs; ++i)
-        {
-            dims[i] = in[i].desc.dims;
-        }
+        copyDims(in, kNbInputs, dims);
         checkDims(mConfig, dims);
         ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kConvStateOut].desc.dims.nbDims == 3,
             "the outputs must be [T, C] and conv_state's shape");
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(causal_conv_detail::kName, -1);
-}
-
-size_t EngramCausalConv1dPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/,
-    int32_t /*nbInputs*/, nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
-{
-    return 0;
 }
 
 int32_t EngramCausalConv1dPlugin::getAliasedInput(int32_t outputIndex) noexcept
@@ -228,10 +190,7 @@ int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
     {
         using namespace causal_conv_detail;
         nvinfer1::Dims dims[kNbInputs];
-        for (int32_t i = 0; i < kNbInputs; ++i)
-        {
-            dims[i] = inputDesc[i].dims;
-        }
+        copyDims(inputDesc, kNbInputs, dims);
         checkDims(mConfig, dims);
         int64_t const numTokens = dims[kX].d[0];
         int64_t const channels = dims[kX].d[1];
@@ -241,19 +200,14 @@ int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
                 << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
         nvinfer1::Dims const& state = dims[kConvState];
         nvinfer1::Dims const& stateOut = outputDesc[kConvStateOut].dims;
-        bool sameState = stateOut.nbDims == 3;
-        for (int32_t k = 0; sameState && k < 3; ++k)
-        {
-            sameState = stateOut.d[k] == state.d[k];
-        }
-        ENGRAM_PLUGIN_CHECK(sameState,
+        ENGRAM_PLUGIN_CHECK(sameDims(stateOut, state),
             "the conv_state output must match conv_state " << dimsToString(state) << ", got "
                                                            << dimsToString(stateOut));
         nvinfer1::Dims const& o = outputDesc[kOut].dims;
         ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == channels,
             "the output must match x " << dimsToString(dims[kX]) << ", got " << dimsToString(o));
         DataType const io = inputDesc[kX].type;
-        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputDesc[kConvState].type == io && outputDesc[kOut].type == io
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputDesc[kConvState].type == io && outputDesc[kOut].type == io
                 && outputDesc[kConvStateOut].type == io,
             "x, conv_state and the outputs must share one type (bfloat16, float16 or float32), x is "
                 << dataTypeName(io));
@@ -263,13 +217,9 @@ int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
         // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) the state
         // output is its input's memory; without it the step copies the state over first.
         int64_t const numSlots = state.d[0];
-        size_t const stateBytes = static_cast<size_t>(volume(state)) * elementBytes(io);
+        size_t const stateBytes = static_cast<size_t>(volume(state)) * floatElementBytes(io);
         void* history = outputs[kConvStateOut];
-        if (history != inputs[kConvState] && stateBytes > 0)
-        {
-            ENGRAM_PLUGIN_CHECK_CUDA(
-                cudaMemcpyAsync(history, inputs[kConvState], stateBytes, cudaMemcpyDeviceToDevice, stream));
-        }
+        ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(history, inputs[kConvState], stateBytes, stream));
         int const status = engram_causal_conv1d(inputs[kX], floatTypeCode(io), inputs[kWeight], floatTypeCode(wt),
             stateBytes > 0 ? history : nullptr, numSlots, static_cast<int32_t const*>(inputs[kSeqStarts]),
             static_cast<int32_t const*>(inputs[kPastLens]), static_cast<int32_t const*>(inputs[kSlots]), numSeqs,

@@ -3,6 +3,7 @@
 #include "engramDsv4AttentionPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <cuda_runtime_api.h>
@@ -76,31 +77,6 @@ int32_t stateInput(int32_t i)
     return kStates[i];
 }
 
-bool isActType(DataType type)
-{
-    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
-}
-
-int32_t floatTypeCode(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
-    case DataType::kHALF: return ENGRAM_FLOAT_F16;
-    default: return ENGRAM_FLOAT_F32;
-    }
-}
-
-size_t elementBytes(DataType type)
-{
-    return type == DataType::kFLOAT ? 4 : 2;
-}
-
-bool matches(int64_t dim, int64_t expected)
-{
-    return dim == -1 || expected == -1 || dim == expected;
-}
-
 int64_t times(int64_t a, int64_t k)
 {
     return a == -1 ? -1 : a * k;
@@ -118,7 +94,7 @@ void expectDims(nvinfer1::Dims const* in, int32_t i, std::initializer_list<int64
     int32_t k = 0;
     for (int64_t w : want)
     {
-        ok = ok && matches(got.d[k], w);
+        ok = ok && dimMatches(got.d[k], w);
         ++k;
     }
     if (!ok)
@@ -233,7 +209,7 @@ bool typeOk(int32_t pos, DataType type, DataType io)
 {
     switch (kInputs[pos].kind)
     {
-    case kAct: return pos == 0 ? isActType(type) : type == io;
+    case kAct: return pos == 0 ? isFloatIoType(type) : type == io;
     case kF32: return type == DataType::kFLOAT;
     default: return type == DataType::kINT32;
     }
@@ -261,7 +237,7 @@ int32_t EngramDsv4AttentionPlugin::getOutputDataTypes(
             "layer_type " << mConfig.layerType << " takes " << nbInputsOf(mConfig.layerType) << " inputs and gives "
                           << getNbOutputs() << " outputs, got " << nbInputs << " and " << nbOutputs);
         DataType const io = inputTypes[0];
-        ENGRAM_PLUGIN_CHECK(isActType(io), "q must be bfloat16, float16 or float32, got " << dataTypeName(io));
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io), "q must be bfloat16, float16 or float32, got " << dataTypeName(io));
         for (int32_t i = 1; i < nbInputs; ++i)
         {
             ENGRAM_PLUGIN_CHECK(typeOk(i, inputTypes[i], io),
@@ -304,16 +280,11 @@ bool EngramDsv4AttentionPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
     using namespace dsv4_detail;
-    if (nbInputs != nbInputsOf(mConfig.layerType) || nbOutputs != getNbOutputs() || pos < 0
-        || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, nbInputsOf(mConfig.layerType), getNbOutputs()))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     DataType const io = inOut[0].desc.type;
     if (pos >= nbInputs)
     {
@@ -331,10 +302,7 @@ int32_t EngramDsv4AttentionPlugin::configurePlugin(nvinfer1::DynamicPluginTensor
         ENGRAM_PLUGIN_CHECK(nbInputs == nbInputsOf(mConfig.layerType) && nbOutputs == getNbOutputs(),
             "layer_type " << mConfig.layerType << " takes " << nbInputsOf(mConfig.layerType) << " inputs");
         nvinfer1::Dims dims[kMaxInputs];
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            dims[i] = in[i].desc.dims;
-        }
+        copyDims(in, nbInputs, dims);
         shapeOf(mConfig, dims, nbInputs, in[0].desc.type);
         return 0;
     }
@@ -376,12 +344,9 @@ int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
         using namespace dsv4_detail;
         int32_t const nbInputs = nbInputsOf(mConfig.layerType);
         nvinfer1::Dims dims[kMaxInputs];
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            dims[i] = inputDesc[i].dims;
-        }
+        copyDims(inputDesc, nbInputs, dims);
         DataType const io = inputDesc[0].type;
-        ENGRAM_PLUGIN_CHECK(isActType(io), "q must be bfloat16, float16 or float32");
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io), "q must be bfloat16, float16 or float32");
         for (int32_t i = 1; i < nbInputs; ++i)
         {
             ENGRAM_PLUGIN_CHECK(typeOk(i, inputDesc[i].type, io), kInputs[i].name << " has the wrong type");
@@ -397,20 +362,11 @@ int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
         {
             int32_t const in = stateInput(i);
             nvinfer1::Dims const& so = outputDesc[1 + i].dims;
-            bool same = so.nbDims == dims[in].nbDims;
-            for (int32_t k = 0; same && k < so.nbDims; ++k)
-            {
-                same = so.d[k] == dims[in].d[k];
-            }
-            ENGRAM_PLUGIN_CHECK(same,
+            ENGRAM_PLUGIN_CHECK(sameDims(so, dims[in]),
                 "output " << 1 + i << " must match " << kInputs[in].name << " " << dimsToString(dims[in]) << ", got "
                           << dimsToString(so));
-            size_t const bytes = static_cast<size_t>(volume(dims[in])) * elementBytes(io);
-            if (outputs[1 + i] != inputs[in] && bytes > 0)
-            {
-                ENGRAM_PLUGIN_CHECK_CUDA(
-                    cudaMemcpyAsync(outputs[1 + i], inputs[in], bytes, cudaMemcpyDeviceToDevice, stream));
-            }
+            size_t const bytes = static_cast<size_t>(volume(dims[in])) * floatElementBytes(io);
+            ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(outputs[1 + i], inputs[in], bytes, stream));
             state[in] = bytes > 0 ? outputs[1 + i] : nullptr;
         }
         EngramDsv4Tensors t{};

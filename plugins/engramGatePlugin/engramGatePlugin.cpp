@@ -3,6 +3,7 @@
 #include "engramGatePlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <climits>
@@ -28,28 +29,10 @@ constexpr float kClamp = 1e-6F; // engram-spec.md: sqrt(max(|dot|, 1e-6))
 
 constexpr int32_t kMaxHcMult = 65535; // the kernel's grid is (T, hc_mult): gridDim.y <= 65535
 
-//! hidden / kv / output: bf16, fp16 or fp32, all three the same type.
-bool isIoType(DataType type)
-{
-    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
-}
-
 //! q_weight / k_weight: bf16, fp32, or the I/O type (hidden's).
 bool isWeightType(DataType type, DataType ioType)
 {
     return type == DataType::kBF16 || type == DataType::kFLOAT || type == ioType;
-}
-
-//! The kernel library's EngramFloatType code of an I/O or weight type.
-int32_t floatTypeCode(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
-    case DataType::kHALF: return ENGRAM_FLOAT_F16;
-    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
-    default: return -1;
-    }
 }
 
 bool isMaskType(DataType type)
@@ -98,7 +81,7 @@ int32_t EngramGatePlugin::getOutputDataTypes(
             "expects 5 inputs (hidden, kv, q_weight, k_weight, mask) and 1 output, got " << nbInputs << " and "
                                                                                          << nbOutputs);
         DataType const io = inputTypes[gate_detail::kHidden];
-        ENGRAM_PLUGIN_CHECK(gate_detail::isIoType(io) && inputTypes[gate_detail::kKv] == io,
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[gate_detail::kKv] == io,
             "hidden and kv must be both bfloat16, both float16 or both float32, got "
                 << dataTypeName(io) << " and " << dataTypeName(inputTypes[gate_detail::kKv]));
         ENGRAM_PLUGIN_CHECK(gate_detail::isWeightType(inputTypes[gate_detail::kQWeight], io)
@@ -132,19 +115,15 @@ int32_t EngramGatePlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int
 bool EngramGatePlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != gate_detail::kNbInputs || nbOutputs != 1 || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, gate_detail::kNbInputs, 1))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     DataType const io = inOut[gate_detail::kHidden].desc.type;
     switch (pos)
     {
-    case gate_detail::kHidden: return gate_detail::isIoType(desc.type);
+    case gate_detail::kHidden: return isFloatIoType(desc.type);
     case gate_detail::kQWeight: return gate_detail::isWeightType(desc.type, io);
     case gate_detail::kKWeight: return desc.type == inOut[gate_detail::kQWeight].desc.type;
     case gate_detail::kMask: return gate_detail::isMaskType(desc.type);
@@ -158,32 +137,25 @@ int32_t EngramGatePlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc cons
     ENGRAM_PLUGIN_TRY
     {
         ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1, "expects 5 inputs and 1 output");
-        auto matches = [](int64_t dim, int64_t expected) { return dim == -1 || dim == expected; };
         int32_t const hc = mConfig.hcMult;
         int32_t const d = mConfig.hiddenSize;
         nvinfer1::Dims const& hidden = in[gate_detail::kHidden].desc.dims;
         nvinfer1::Dims const& kv = in[gate_detail::kKv].desc.dims;
-        ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && matches(hidden.d[1], hc) && matches(hidden.d[2], d),
+        ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && dimMatches(hidden.d[1], hc) && dimMatches(hidden.d[2], d),
             "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
         int64_t const kvWidth = (static_cast<int64_t>(hc) + 1) * d;
-        ENGRAM_PLUGIN_CHECK(
-            kv.nbDims == 2 && matches(kv.d[1], kvWidth), "kv must be [T, " << kvWidth << "], got " << dimsToString(kv));
+        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && dimMatches(kv.d[1], kvWidth),
+            "kv must be [T, " << kvWidth << "], got " << dimsToString(kv));
         for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
         {
             nvinfer1::Dims const& w = in[i].desc.dims;
-            ENGRAM_PLUGIN_CHECK(w.nbDims == 2 && matches(w.d[0], hc) && matches(w.d[1], d),
+            ENGRAM_PLUGIN_CHECK(w.nbDims == 2 && dimMatches(w.d[0], hc) && dimMatches(w.d[1], d),
                 "q_weight / k_weight must be [" << hc << ", " << d << "], got " << dimsToString(w));
         }
         ENGRAM_PLUGIN_CHECK(in[gate_detail::kMask].desc.dims.nbDims == 1, "mask must be 1-D [T]");
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
-}
-
-size_t EngramGatePlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/, int32_t /*nbInputs*/,
-    nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
-{
-    return 0;
 }
 
 int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -216,8 +188,7 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
             "output must be [T, " << gate_detail::kHcMultName << ", D], got " << dimsToString(out));
 
         DataType const io = inputDesc[gate_detail::kHidden].type;
-        ENGRAM_PLUGIN_CHECK(
-            gate_detail::isIoType(io) && inputDesc[gate_detail::kKv].type == io && outputDesc[0].type == io,
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputDesc[gate_detail::kKv].type == io && outputDesc[0].type == io,
             "hidden, kv and output must share one type (bfloat16, float16 or float32), got "
                 << dataTypeName(io) << ", " << dataTypeName(inputDesc[gate_detail::kKv].type) << " and "
                 << dataTypeName(outputDesc[0].type));
@@ -226,10 +197,9 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
             "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type");
         int32_t const maskType
             = inputDesc[gate_detail::kMask].type == DataType::kINT32 ? ENGRAM_MASK_I32 : ENGRAM_MASK_U8;
-        int const status = engram_gate_typed(inputs[gate_detail::kHidden], inputs[gate_detail::kKv],
-            gate_detail::floatTypeCode(io), inputs[gate_detail::kQWeight], inputs[gate_detail::kKWeight],
-            gate_detail::floatTypeCode(wt), inputs[gate_detail::kMask], maskType, numTokens, hc, d, mConfig.eps,
-            gate_detail::kClamp, outputs[0], stream);
+        int const status = engram_gate_typed(inputs[gate_detail::kHidden], inputs[gate_detail::kKv], floatTypeCode(io),
+            inputs[gate_detail::kQWeight], inputs[gate_detail::kKWeight], floatTypeCode(wt), inputs[gate_detail::kMask],
+            maskType, numTokens, hc, d, mConfig.eps, gate_detail::kClamp, outputs[0], stream);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         return 0;
     }

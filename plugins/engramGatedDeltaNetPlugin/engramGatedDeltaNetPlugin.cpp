@@ -3,6 +3,7 @@
 #include "engramGatedDeltaNetPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <cuda_runtime_api.h>
@@ -53,27 +54,6 @@ void checkShape(int64_t hk, int64_t hv, int64_t dk, int64_t dv, GatedDeltaNetCon
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
 
-bool isIoType(DataType type)
-{
-    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
-}
-
-int32_t floatTypeCode(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
-    case DataType::kHALF: return ENGRAM_FLOAT_F16;
-    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
-    default: return -1;
-    }
-}
-
-bool matches(int64_t dim, int64_t expected)
-{
-    return dim == -1 || expected == -1 || dim == expected;
-}
-
 //! Shape checks at build time (dims may be -1) and at enqueue (concrete dims).
 void checkDims(GatedDeltaNetConfig const& c, nvinfer1::Dims const* in)
 {
@@ -82,22 +62,22 @@ void checkDims(GatedDeltaNetConfig const& c, nvinfer1::Dims const* in)
     bool sameQk = in[kK].nbDims == 3;
     for (int32_t i = 0; sameQk && i < 3; ++i)
     {
-        sameQk = matches(in[kK].d[i], q.d[i]);
+        sameQk = dimMatches(in[kK].d[i], q.d[i]);
     }
     ENGRAM_PLUGIN_CHECK(sameQk, "k must be q's shape " << dimsToString(q) << ", got " << dimsToString(in[kK]));
     nvinfer1::Dims const& v = in[kV];
     ENGRAM_PLUGIN_CHECK(
-        v.nbDims == 3 && matches(v.d[0], q.d[0]), "v must be [T, Hv, dv] with q's T, got " << dimsToString(v));
+        v.nbDims == 3 && dimMatches(v.d[0], q.d[0]), "v must be [T, Hv, dv] with q's T, got " << dimsToString(v));
     int64_t const hv = v.d[1];
     checkShape(q.d[1], hv, q.d[2], v.d[2], c);
     for (int32_t i : {kG, kBeta})
     {
-        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 2 && matches(in[i].d[0], q.d[0]) && matches(in[i].d[1], hv),
+        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 2 && dimMatches(in[i].d[0], q.d[0]) && dimMatches(in[i].d[1], hv),
             kInputNames[i] << " must be [T, Hv = " << hv << "], got " << dimsToString(in[i]));
     }
     nvinfer1::Dims const& state = in[kState];
-    ENGRAM_PLUGIN_CHECK(
-        state.nbDims == 4 && matches(state.d[1], hv) && matches(state.d[2], q.d[2]) && matches(state.d[3], v.d[2]),
+    ENGRAM_PLUGIN_CHECK(state.nbDims == 4 && dimMatches(state.d[1], hv) && dimMatches(state.d[2], q.d[2])
+            && dimMatches(state.d[3], v.d[2]),
         "state must be [num_slots, Hv, dk, dv] = [num_slots, " << hv << ", " << q.d[2] << ", " << v.d[2] << "], got "
                                                                << dimsToString(state));
     for (int32_t i : {kSeqStarts, kPastLens, kSlots})
@@ -128,7 +108,7 @@ int32_t EngramGatedDeltaNetPlugin::getOutputDataTypes(
             "expects 9 inputs (q, k, v, g, beta, state, seq_starts, past_lens, slots) and 2 outputs, got "
                 << nbInputs << " and " << nbOutputs);
         DataType const io = inputTypes[kQ];
-        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io,
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io,
             "q, k and v must share one type (bfloat16, float16 or float32), got "
                 << dataTypeName(io) << ", " << dataTypeName(inputTypes[kK]) << " and " << dataTypeName(inputTypes[kV]));
         for (int32_t i : {kG, kBeta, kState})
@@ -169,19 +149,15 @@ bool EngramGatedDeltaNetPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
     using namespace gated_delta_detail;
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, kNbInputs, kNbOutputs))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     DataType const io = inOut[kQ].desc.type;
     switch (pos)
     {
-    case kQ: return isIoType(desc.type);
+    case kQ: return isFloatIoType(desc.type);
     case kK:
     case kV: return desc.type == io;
     case kSeqStarts:
@@ -200,22 +176,13 @@ int32_t EngramGatedDeltaNetPlugin::configurePlugin(nvinfer1::DynamicPluginTensor
         using namespace gated_delta_detail;
         ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 9 inputs and 2 outputs");
         nvinfer1::Dims dims[kNbInputs];
-        for (int32_t i = 0; i < kNbInputs; ++i)
-        {
-            dims[i] = in[i].desc.dims;
-        }
+        copyDims(in, kNbInputs, dims);
         checkDims(mConfig, dims);
         ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 3 && out[kStateOut].desc.dims.nbDims == 4,
             "the outputs must be v's and state's shapes");
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gated_delta_detail::kName, -1);
-}
-
-size_t EngramGatedDeltaNetPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/,
-    int32_t /*nbInputs*/, nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
-{
-    return 0;
 }
 
 int32_t EngramGatedDeltaNetPlugin::getAliasedInput(int32_t outputIndex) noexcept
@@ -232,10 +199,7 @@ int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
     {
         using namespace gated_delta_detail;
         nvinfer1::Dims dims[kNbInputs];
-        for (int32_t i = 0; i < kNbInputs; ++i)
-        {
-            dims[i] = inputDesc[i].dims;
-        }
+        copyDims(inputDesc, kNbInputs, dims);
         checkDims(mConfig, dims);
         int64_t const numTokens = dims[kQ].d[0];
         int64_t const numSeqs = dims[kPastLens].d[0];
@@ -244,19 +208,14 @@ int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
                 << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
         nvinfer1::Dims const& state = dims[kState];
         nvinfer1::Dims const& stateOut = outputDesc[kStateOut].dims;
-        bool sameState = stateOut.nbDims == 4;
-        for (int32_t k = 0; sameState && k < 4; ++k)
-        {
-            sameState = stateOut.d[k] == state.d[k];
-        }
-        ENGRAM_PLUGIN_CHECK(sameState,
+        ENGRAM_PLUGIN_CHECK(sameDims(stateOut, state),
             "the state output must match state " << dimsToString(state) << ", got " << dimsToString(stateOut));
         nvinfer1::Dims const& v = dims[kV];
         nvinfer1::Dims const& o = outputDesc[kOut].dims;
         ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == v.d[0] && o.d[1] == v.d[1] && o.d[2] == v.d[2],
             "the output must match v " << dimsToString(v) << ", got " << dimsToString(o));
         DataType const io = inputDesc[kQ].type;
-        ENGRAM_PLUGIN_CHECK(isIoType(io) && inputDesc[kK].type == io && inputDesc[kV].type == io
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputDesc[kK].type == io && inputDesc[kV].type == io
                 && outputDesc[kOut].type == io && inputDesc[kG].type == DataType::kFLOAT
                 && inputDesc[kBeta].type == DataType::kFLOAT && inputDesc[kState].type == DataType::kFLOAT
                 && outputDesc[kStateOut].type == DataType::kFLOAT,
@@ -269,11 +228,7 @@ int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
         int64_t const numSlots = state.d[0];
         size_t const stateBytes = static_cast<size_t>(volume(state)) * sizeof(float);
         void* memory = outputs[kStateOut];
-        if (memory != inputs[kState] && stateBytes > 0)
-        {
-            ENGRAM_PLUGIN_CHECK_CUDA(
-                cudaMemcpyAsync(memory, inputs[kState], stateBytes, cudaMemcpyDeviceToDevice, stream));
-        }
+        ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(memory, inputs[kState], stateBytes, stream));
         int const status = engram_gated_delta_net(inputs[kQ], inputs[kK], inputs[kV], floatTypeCode(io),
             static_cast<float const*>(inputs[kG]), static_cast<float const*>(inputs[kBeta]),
             stateBytes > 0 ? static_cast<float*>(memory) : nullptr, numSlots,

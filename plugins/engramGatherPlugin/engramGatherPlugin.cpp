@@ -3,6 +3,7 @@
 #include "engramGatherPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <climits>
@@ -153,15 +154,11 @@ int32_t EngramGatherPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, i
 bool EngramGatherPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != mConfig.numInputs() || nbOutputs != 1 || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, mConfig.numInputs(), 1))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     if (pos == gather_detail::kIds)
     {
         return desc.type == DataType::kINT32;
@@ -192,12 +189,6 @@ int32_t EngramGatherPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc co
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
-}
-
-size_t EngramGatherPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /*inputs*/, int32_t /*nbInputs*/,
-    nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
-{
-    return 0;
 }
 
 int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,

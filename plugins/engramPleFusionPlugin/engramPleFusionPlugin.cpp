@@ -3,6 +3,7 @@
 #include "engramPleFusionPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <cuda_runtime_api.h>
@@ -55,36 +56,10 @@ void checkConfig(PleFusionConfig const& c)
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
 
-bool isIoType(DataType type)
-{
-    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
-}
-
 //! The four weights: float32, or the I/O type (all four the same).
 bool isWeightType(DataType type, DataType io)
 {
     return type == DataType::kFLOAT || type == io;
-}
-
-int32_t floatTypeCode(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
-    case DataType::kHALF: return ENGRAM_FLOAT_F16;
-    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
-    default: return -1;
-    }
-}
-
-size_t elementBytes(DataType type)
-{
-    return type == DataType::kFLOAT ? 4 : 2;
-}
-
-bool matches(int64_t dim, int64_t expected)
-{
-    return dim == -1 || dim == expected;
 }
 
 char const* const kInputNames[kNbInputs] = {"streams", "key", "value", "norm_key_weight", "norm_query_weight",
@@ -95,9 +70,9 @@ bool isConvWeightShape(nvinfer1::Dims const& w, int64_t width, int64_t kernel)
 {
     if (w.nbDims == 2)
     {
-        return matches(w.d[0], width) && matches(w.d[1], kernel);
+        return dimMatches(w.d[0], width) && dimMatches(w.d[1], kernel);
     }
-    return w.nbDims == 3 && matches(w.d[0], width) && matches(w.d[1], 1) && matches(w.d[2], kernel);
+    return w.nbDims == 3 && dimMatches(w.d[0], width) && dimMatches(w.d[1], 1) && dimMatches(w.d[2], kernel);
 }
 
 //! Shape checks at build time (dims may be -1) and at enqueue (concrete dims).
@@ -108,22 +83,22 @@ void checkDims(PleFusionConfig const& c, nvinfer1::Dims const* in)
     int64_t const history = static_cast<int64_t>(c.kernel - 1) * c.dilation;
     for (int32_t i : {kStreams, kKey})
     {
-        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 2 && matches(in[i].d[1], width),
+        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 2 && dimMatches(in[i].d[1], width),
             kInputNames[i] << " must be [T, " << kHcCountName << " * " << kHiddenName << " = " << width << "], got "
                            << dimsToString(in[i]));
     }
-    ENGRAM_PLUGIN_CHECK(in[kValue].nbDims == 2 && matches(in[kValue].d[1], d),
+    ENGRAM_PLUGIN_CHECK(in[kValue].nbDims == 2 && dimMatches(in[kValue].d[1], d),
         "value must be [T, " << d << "], got " << dimsToString(in[kValue]));
     for (int32_t i : {kNormKeyWeight, kNormQueryWeight, kNormConvWeight})
     {
-        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1 && matches(in[i].d[0], width),
+        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1 && dimMatches(in[i].d[0], width),
             kInputNames[i] << " must be [" << width << "], got " << dimsToString(in[i]));
     }
     ENGRAM_PLUGIN_CHECK(isConvWeightShape(in[kConvWeight], width, c.kernel),
         "conv_weight must be [" << width << ", " << c.kernel << "] or [" << width << ", 1, " << c.kernel << "], got "
                                 << dimsToString(in[kConvWeight]));
     nvinfer1::Dims const& state = in[kConvState];
-    ENGRAM_PLUGIN_CHECK(state.nbDims == 3 && matches(state.d[1], width) && matches(state.d[2], history),
+    ENGRAM_PLUGIN_CHECK(state.nbDims == 3 && dimMatches(state.d[1], width) && dimMatches(state.d[2], history),
         "conv_state must be [num_slots, " << width << ", (kernel - 1) * dilation = " << history << "], got "
                                           << dimsToString(state));
     for (int32_t i : {kSeqStarts, kPastLens, kSlots})
@@ -156,7 +131,7 @@ int32_t EngramPleFusionPlugin::getOutputDataTypes(
                 << nbInputs << " and " << nbOutputs);
         DataType const io = inputTypes[kStreams];
         ENGRAM_PLUGIN_CHECK(
-            isIoType(io) && inputTypes[kKey] == io && inputTypes[kValue] == io && inputTypes[kConvState] == io,
+            isFloatIoType(io) && inputTypes[kKey] == io && inputTypes[kValue] == io && inputTypes[kConvState] == io,
             "streams, key, value and conv_state must share one type (bfloat16, float16 or float32), got "
                 << dataTypeName(io) << ", " << dataTypeName(inputTypes[kKey]) << ", "
                 << dataTypeName(inputTypes[kValue]) << " and " << dataTypeName(inputTypes[kConvState]));
@@ -198,19 +173,15 @@ bool EngramPleFusionPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
     using namespace ple_fusion_detail;
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, kNbInputs, kNbOutputs))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     DataType const io = inOut[kStreams].desc.type;
     switch (pos)
     {
-    case kStreams: return isIoType(desc.type);
+    case kStreams: return isFloatIoType(desc.type);
     case kNormKeyWeight: return isWeightType(desc.type, io);
     case kNormQueryWeight:
     case kNormConvWeight:
@@ -230,10 +201,7 @@ int32_t EngramPleFusionPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc
         using namespace ple_fusion_detail;
         ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 2 outputs");
         nvinfer1::Dims dims[kNbInputs];
-        for (int32_t i = 0; i < kNbInputs; ++i)
-        {
-            dims[i] = in[i].desc.dims;
-        }
+        copyDims(in, kNbInputs, dims);
         checkDims(mConfig, dims);
         ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kConvStateOut].desc.dims.nbDims == 3,
             "the outputs must be [T, W] and conv_state's shape");
@@ -272,10 +240,7 @@ int32_t EngramPleFusionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
     {
         using namespace ple_fusion_detail;
         nvinfer1::Dims dims[kNbInputs];
-        for (int32_t i = 0; i < kNbInputs; ++i)
-        {
-            dims[i] = inputDesc[i].dims;
-        }
+        copyDims(inputDesc, kNbInputs, dims);
         checkDims(mConfig, dims);
         int64_t const numTokens = dims[kStreams].d[0];
         for (int32_t i : {kKey, kValue})
@@ -289,19 +254,14 @@ int32_t EngramPleFusionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
                 << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
         nvinfer1::Dims const& state = dims[kConvState];
         nvinfer1::Dims const& stateOut = outputDesc[kConvStateOut].dims;
-        bool sameState = stateOut.nbDims == 3;
-        for (int32_t k = 0; sameState && k < 3; ++k)
-        {
-            sameState = stateOut.d[k] == state.d[k];
-        }
-        ENGRAM_PLUGIN_CHECK(sameState,
+        ENGRAM_PLUGIN_CHECK(sameDims(stateOut, state),
             "the conv_state output must match conv_state " << dimsToString(state) << ", got "
                                                            << dimsToString(stateOut));
         nvinfer1::Dims const& o = outputDesc[kOut].dims;
         ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == dims[kStreams].d[1],
             "the output must match streams " << dimsToString(dims[kStreams]) << ", got " << dimsToString(o));
         DataType const io = inputDesc[kStreams].type;
-        bool sameType = isIoType(io) && inputDesc[kKey].type == io && inputDesc[kValue].type == io
+        bool sameType = isFloatIoType(io) && inputDesc[kKey].type == io && inputDesc[kValue].type == io
             && inputDesc[kConvState].type == io && outputDesc[kOut].type == io && outputDesc[kConvStateOut].type == io;
         ENGRAM_PLUGIN_CHECK(sameType,
             "streams, key, value, conv_state and the outputs must share one type (bfloat16, float16 or float32), "
@@ -315,13 +275,9 @@ int32_t EngramPleFusionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
         // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) the history
         // output is its input's memory; without it the step copies the history over first.
         int64_t const numSlots = state.d[0];
-        size_t const stateBytes = static_cast<size_t>(volume(state)) * elementBytes(io);
+        size_t const stateBytes = static_cast<size_t>(volume(state)) * floatElementBytes(io);
         void* history = outputs[kConvStateOut];
-        if (history != inputs[kConvState] && stateBytes > 0)
-        {
-            ENGRAM_PLUGIN_CHECK_CUDA(
-                cudaMemcpyAsync(history, inputs[kConvState], stateBytes, cudaMemcpyDeviceToDevice, stream));
-        }
+        ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(history, inputs[kConvState], stateBytes, stream));
         size_t workspaceBytes = 0;
         int status = engram_ple_fusion_workspace_size(
             numTokens, mConfig.hcCount, mConfig.hidden, floatTypeCode(io), &workspaceBytes);

@@ -3,12 +3,12 @@
 #include "engramQsaAttentionPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernels.h"
 
 #include <cuda_runtime_api.h>
 
 #include <climits>
-#include <type_traits>
 
 namespace engram_trt
 {
@@ -58,33 +58,6 @@ void checkConfig(QsaAttentionConfig const& c)
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
 
-bool isIoType(DataType type)
-{
-    return type == DataType::kBF16 || type == DataType::kHALF || type == DataType::kFLOAT;
-}
-
-int32_t floatTypeCode(DataType type)
-{
-    switch (type)
-    {
-    case DataType::kBF16: return ENGRAM_FLOAT_BF16;
-    case DataType::kHALF: return ENGRAM_FLOAT_F16;
-    case DataType::kFLOAT: return ENGRAM_FLOAT_F32;
-    default: return -1;
-    }
-}
-
-size_t elementBytes(DataType type)
-{
-    return type == DataType::kFLOAT ? 4 : 2;
-}
-
-//! A dim that may still be -1 (dynamic) at build time.
-bool matches(int64_t dim, int64_t expected)
-{
-    return dim == -1 || expected == -1 || dim == expected;
-}
-
 char const* const kInputNames[kNbInputs] = {"q", "k", "v", "index_q", "index_raw", "key_cache", "value_cache",
     "index_key_cache", "index_k_norm_weight", "token_slot", "token_pos"};
 
@@ -96,14 +69,15 @@ void checkDims(QsaAttentionConfig const& c, nvinfer1::Dims const* in)
     nvinfer1::Dims const& kc = in[kKeyCache];
     nvinfer1::Dims const& iq = in[kIndexQ];
     ENGRAM_PLUGIN_CHECK(q.nbDims == 3, "q must be [T, num_heads, head_dim], got " << dimsToString(q));
-    ENGRAM_PLUGIN_CHECK(kc.nbDims == 4 && matches(kc.d[3], q.d[2]),
+    ENGRAM_PLUGIN_CHECK(kc.nbDims == 4 && dimMatches(kc.d[3], q.d[2]),
         "key_cache must be [num_slots, num_kv_heads, max_len, head_dim = " << q.d[2] << "], got " << dimsToString(kc));
     ENGRAM_PLUGIN_CHECK(iq.nbDims == 3, "index_q must be [T, index_heads, index_dim], got " << dimsToString(iq));
     int64_t const t = q.d[0];
     for (int32_t i : {kK, kV})
     {
         nvinfer1::Dims const& x = in[i];
-        ENGRAM_PLUGIN_CHECK(x.nbDims == 3 && matches(x.d[0], t) && matches(x.d[1], kc.d[1]) && matches(x.d[2], q.d[2]),
+        ENGRAM_PLUGIN_CHECK(
+            x.nbDims == 3 && dimMatches(x.d[0], t) && dimMatches(x.d[1], kc.d[1]) && dimMatches(x.d[2], q.d[2]),
             kInputNames[i] << " must be [T, num_kv_heads = " << kc.d[1] << ", head_dim = " << q.d[2] << "], got "
                            << dimsToString(x));
     }
@@ -111,27 +85,27 @@ void checkDims(QsaAttentionConfig const& c, nvinfer1::Dims const* in)
     bool sameCache = vc.nbDims == 4;
     for (int32_t k = 0; sameCache && k < 4; ++k)
     {
-        sameCache = matches(vc.d[k], kc.d[k]);
+        sameCache = dimMatches(vc.d[k], kc.d[k]);
     }
     ENGRAM_PLUGIN_CHECK(
         sameCache, "value_cache must match key_cache " << dimsToString(kc) << ", got " << dimsToString(vc));
     int64_t const di = iq.d[2];
-    ENGRAM_PLUGIN_CHECK(matches(iq.d[0], t), "index_q must have q's T tokens, got " << dimsToString(iq));
+    ENGRAM_PLUGIN_CHECK(dimMatches(iq.d[0], t), "index_q must have q's T tokens, got " << dimsToString(iq));
     nvinfer1::Dims const& raw = in[kIndexRaw];
-    ENGRAM_PLUGIN_CHECK(raw.nbDims == 2 && matches(raw.d[0], t) && matches(raw.d[1], di),
+    ENGRAM_PLUGIN_CHECK(raw.nbDims == 2 && dimMatches(raw.d[0], t) && dimMatches(raw.d[1], di),
         "index_raw must be [T, index_dim = " << di << "], got " << dimsToString(raw));
     nvinfer1::Dims const& ic = in[kIndexKeyCache];
     ENGRAM_PLUGIN_CHECK(
-        ic.nbDims == 3 && matches(ic.d[0], kc.d[0]) && matches(ic.d[1], kc.d[2]) && matches(ic.d[2], di),
+        ic.nbDims == 3 && dimMatches(ic.d[0], kc.d[0]) && dimMatches(ic.d[1], kc.d[2]) && dimMatches(ic.d[2], di),
         "index_key_cache must be [num_slots = " << kc.d[0] << ", max_len = " << kc.d[2] << ", index_dim = " << di
                                                 << "], got " << dimsToString(ic));
     nvinfer1::Dims const& w = in[kNormWeight];
-    ENGRAM_PLUGIN_CHECK(w.nbDims == 1 && matches(w.d[0], di),
+    ENGRAM_PLUGIN_CHECK(w.nbDims == 1 && dimMatches(w.d[0], di),
         "index_k_norm_weight must be [index_dim = " << di << "], got " << dimsToString(w));
     for (int32_t i : {kTokenSlot, kTokenPos})
     {
-        ENGRAM_PLUGIN_CHECK(
-            in[i].nbDims == 1 && matches(in[i].d[0], t), kInputNames[i] << " must be [T], got " << dimsToString(in[i]));
+        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1 && dimMatches(in[i].d[0], t),
+            kInputNames[i] << " must be [T], got " << dimsToString(in[i]));
     }
     if (q.d[1] != -1 && q.d[2] != -1 && kc.d[1] != -1 && iq.d[1] != -1 && di != -1)
     {
@@ -144,32 +118,6 @@ void checkDims(QsaAttentionConfig const& c, nvinfer1::Dims const* in)
     }
 }
 
-//! The dims of the descs, for checkDims.
-template <typename Desc>
-void dimsOf(Desc const* desc, nvinfer1::Dims* dims)
-{
-    for (int32_t i = 0; i < kNbInputs; ++i)
-    {
-        if constexpr (std::is_same_v<Desc, nvinfer1::DynamicPluginTensorDesc>)
-        {
-            dims[i] = desc[i].desc.dims;
-        }
-        else
-        {
-            dims[i] = desc[i].dims;
-        }
-    }
-}
-
-bool sameDims(nvinfer1::Dims const& a, nvinfer1::Dims const& b)
-{
-    bool same = a.nbDims == b.nbDims;
-    for (int32_t k = 0; same && k < a.nbDims; ++k)
-    {
-        same = a.d[k] == b.d[k];
-    }
-    return same;
-}
 } // namespace qsa_detail
 
 EngramQsaAttentionPlugin::EngramQsaAttentionPlugin(QsaAttentionConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -194,7 +142,7 @@ int32_t EngramQsaAttentionPlugin::getOutputDataTypes(
             "index_k_norm_weight, token_slot, token_pos) and 4 outputs, got "
                 << nbInputs << " and " << nbOutputs);
         DataType const io = inputTypes[kQ];
-        ENGRAM_PLUGIN_CHECK(isIoType(io), "q must be bfloat16, float16 or float32, got " << dataTypeName(io));
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(io), "q must be bfloat16, float16 or float32, got " << dataTypeName(io));
         for (int32_t i : {kK, kV, kIndexQ, kIndexRaw, kKeyCache, kValueCache, kIndexKeyCache})
         {
             ENGRAM_PLUGIN_CHECK(inputTypes[i] == io,
@@ -246,19 +194,15 @@ bool EngramQsaAttentionPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
     using namespace qsa_detail;
-    if (nbInputs != kNbInputs || nbOutputs != kNbOutputs || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!isLinearIoAt(pos, inOut, nbInputs, nbOutputs, kNbInputs, kNbOutputs))
     {
         return false;
     }
     nvinfer1::PluginTensorDesc const& desc = inOut[pos].desc;
-    if (desc.format != nvinfer1::TensorFormat::kLINEAR)
-    {
-        return false;
-    }
     DataType const io = inOut[kQ].desc.type;
     switch (pos)
     {
-    case kQ: return isIoType(desc.type);
+    case kQ: return isFloatIoType(desc.type);
     case kNormWeight: return desc.type == DataType::kFLOAT || desc.type == io;
     case kTokenSlot:
     case kTokenPos: return desc.type == DataType::kINT32;
@@ -274,7 +218,7 @@ int32_t EngramQsaAttentionPlugin::configurePlugin(nvinfer1::DynamicPluginTensorD
         using namespace qsa_detail;
         ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 4 outputs");
         nvinfer1::Dims dims[kNbInputs];
-        dimsOf(in, dims);
+        copyDims(in, kNbInputs, dims);
         checkDims(mConfig, dims);
         ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kKeyCacheOut].desc.dims.nbDims == 4
                 && out[kValueCacheOut].desc.dims.nbDims == 4 && out[kIndexKeyCacheOut].desc.dims.nbDims == 3,
@@ -322,7 +266,7 @@ int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
     {
         using namespace qsa_detail;
         nvinfer1::Dims dims[kNbInputs];
-        dimsOf(inputDesc, dims);
+        copyDims(inputDesc, kNbInputs, dims);
         checkDims(mConfig, dims);
         nvinfer1::Dims const& q = dims[kQ];
         nvinfer1::Dims const& kc = dims[kKeyCache];
@@ -338,7 +282,7 @@ int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
                                 << dimsToString(outputDesc[i].dims));
         }
         DataType const io = inputDesc[kQ].type;
-        bool sameType = isIoType(io);
+        bool sameType = isFloatIoType(io);
         for (int32_t i : {kK, kV, kIndexQ, kIndexRaw, kKeyCache, kValueCache, kIndexKeyCache})
         {
             sameType = sameType && inputDesc[i].type == io;
@@ -362,12 +306,8 @@ int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
         for (int32_t i : {kKeyCacheOut, kValueCacheOut, kIndexKeyCacheOut})
         {
             int32_t const src = kKeyCache + i - kKeyCacheOut;
-            size_t const bytes = static_cast<size_t>(volume(dims[src])) * elementBytes(io);
-            if (outputs[i] != inputs[src] && bytes > 0)
-            {
-                ENGRAM_PLUGIN_CHECK_CUDA(
-                    cudaMemcpyAsync(outputs[i], inputs[src], bytes, cudaMemcpyDeviceToDevice, stream));
-            }
+            size_t const bytes = static_cast<size_t>(volume(dims[src])) * floatElementBytes(io);
+            ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(outputs[i], inputs[src], bytes, stream));
         }
         size_t workspaceBytes = 0;
         int status

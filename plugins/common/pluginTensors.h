@@ -1,0 +1,119 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+/*
+ * The tensor questions every Engram plugin asks the same way: which float types its
+ * activations may take and their code in the kernel library, whether a build-time dim
+ * (-1 while unknown) can be the one expected, the dims of a descriptor list, the common
+ * part of supportsFormatCombination, and the copy a state output needs when TensorRT did
+ * not alias it to its input. One definition each, so the plugins refuse alike.
+ */
+#ifndef ENGRAM_TRT_PLUGIN_TENSORS_H
+#define ENGRAM_TRT_PLUGIN_TENSORS_H
+
+#include "kernels/engramKernels.h"
+
+#include <NvInferRuntime.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace engram_trt
+{
+namespace plugin
+{
+
+//! The activation types the float kernels take: bfloat16, float16, float32.
+inline bool isFloatIoType(nvinfer1::DataType type)
+{
+    return type == nvinfer1::DataType::kBF16 || type == nvinfer1::DataType::kHALF || type == nvinfer1::DataType::kFLOAT;
+}
+
+//! The kernel library's code of a float type (ENGRAM_FLOAT_*), -1 for any other type
+//! (which the library's checks refuse by name).
+inline int32_t floatTypeCode(nvinfer1::DataType type)
+{
+    switch (type)
+    {
+    case nvinfer1::DataType::kBF16: return ENGRAM_FLOAT_BF16;
+    case nvinfer1::DataType::kHALF: return ENGRAM_FLOAT_F16;
+    case nvinfer1::DataType::kFLOAT: return ENGRAM_FLOAT_F32;
+    default: return -1;
+    }
+}
+
+//! Bytes per element of a float activation type (4 for float32, else 2).
+inline size_t floatElementBytes(nvinfer1::DataType type)
+{
+    return type == nvinfer1::DataType::kFLOAT ? 4 : 2;
+}
+
+//! Whether `dim` can be `expected`: at build time either may still be -1 (unknown); at
+//! enqueue both are concrete and this is equality.
+inline bool dimMatches(int64_t dim, int64_t expected)
+{
+    return dim == -1 || expected == -1 || dim == expected;
+}
+
+//! Whether two shapes are the same (rank and every dim).
+inline bool sameDims(nvinfer1::Dims const& a, nvinfer1::Dims const& b)
+{
+    if (a.nbDims != b.nbDims)
+    {
+        return false;
+    }
+    for (int32_t k = 0; k < a.nbDims; ++k)
+    {
+        if (a.d[k] != b.d[k])
+        {
+            return false;
+        }
+    }
+    return true;
+}
+
+//! The dims of the first `count` descriptors (PluginTensorDesc at enqueue,
+//! DynamicPluginTensorDesc at configurePlugin) into `dims`.
+template <typename Desc>
+void copyDims(Desc const* desc, int32_t count, nvinfer1::Dims* dims)
+{
+    for (int32_t i = 0; i < count; ++i)
+    {
+        if constexpr (std::is_same_v<Desc, nvinfer1::DynamicPluginTensorDesc>)
+        {
+            dims[i] = desc[i].desc.dims;
+        }
+        else
+        {
+            dims[i] = desc[i].dims;
+        }
+    }
+}
+
+//! The part of supportsFormatCombination every plugin shares: the I/O counts are the
+//! plugin's, `pos` names one of them and that tensor is linear (the only format the
+//! kernels read). The type questions at `pos` are the plugin's own.
+inline bool isLinearIoAt(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+    int32_t nbOutputs, int32_t expectedInputs, int32_t expectedOutputs)
+{
+    return nbInputs == expectedInputs && nbOutputs == expectedOutputs && pos >= 0 && pos < nbInputs + nbOutputs
+        && inOut[pos].desc.format == nvinfer1::TensorFormat::kLINEAR;
+}
+
+//! A state output (KV cache, conv or recurrent state) is read-modify-write. With the
+//! aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) it is its input's memory
+//! and nothing moves; without it the step copies the input's `bytes` over first.
+inline cudaError_t copyUnlessAliased(void* out, void const* in, size_t bytes, cudaStream_t stream)
+{
+    if (out == in || bytes == 0)
+    {
+        return cudaSuccess;
+    }
+    return cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream);
+}
+
+} // namespace plugin
+} // namespace engram_trt
+
+#endif // ENGRAM_TRT_PLUGIN_TENSORS_H
