@@ -21,13 +21,23 @@ decoder runs, so ``decode(ids, skip_special_tokens=True)`` is ``decode`` of the 
 those removed. The window runs over that filtered list, so the equality above rests on
 that property and the window argument alone, and a run of skipped tokens (a chat turn's
 end, say) costs no decode at all.
+
+Byte-fallback runs (:attr:`IncrementalText.settled_len`): a ``ByteFallback`` decoder
+(SentencePiece-style ``<0xNN>`` tokens) decodes a run of consecutive byte tokens as one
+UTF-8 string, or, when the run is not valid UTF-8, as one U+FFFD per byte, the ASCII
+ones included: ``<0x41>`` alone is ``A``, ``<0x41><0xFF>`` is two U+FFFD. So the text of
+a trailing run can still be rewritten by the next token, and a stream must not send it
+until a token that is not a byte ends the run (or the request ends).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int] | None:
@@ -42,16 +52,53 @@ def special_token_ids(tokenizer: Any) -> frozenset[int] | None:
     return frozenset(int(i) for i in ids) if ids is not None else None
 
 
+def _decoder_types(node: Any) -> set[str]:
+    """Every ``"type"`` in a tokenizer.json decoder (a Sequence nests others)."""
+    out: set[str] = set()
+    if isinstance(node, dict):
+        if isinstance(node.get("type"), str):
+            out.add(node["type"])
+        for value in node.values():
+            out |= _decoder_types(value)
+    elif isinstance(node, list):
+        for value in node:
+            out |= _decoder_types(value)
+    return out
+
+
+def byte_fallback_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the ``<0xNN>`` byte tokens when the tokenizer's decoder is (or holds) a
+    ``ByteFallback``, whose runs a later byte token can rewrite; empty otherwise (a
+    byte-level BPE's text only ever grows, and a tokenizer that is not a ``tokenizers``
+    one says nothing about its decoder)."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a transformers fast tokenizer
+    to_str = getattr(backend, "to_str", None)
+    if not callable(to_str):
+        return frozenset()
+    try:
+        decoder = json.loads(to_str()).get("decoder")
+    except (ValueError, TypeError):
+        return frozenset()
+    if "ByteFallback" not in _decoder_types(decoder):
+        return frozenset()
+    vocab = backend.get_vocab(with_added_tokens=True)
+    return frozenset(int(i) for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
+
+
 class IncrementalText:
     """The text of ``ids`` (a list the caller appends to), updated by :meth:`update`;
     special tokens left out unless ``skip_special_tokens`` is False. ``special_ids``:
     the ids to leave out, when the caller has them already (one set for all requests);
-    by default :func:`special_token_ids` of the tokenizer."""
+    by default :func:`special_token_ids` of the tokenizer. ``byte_ids``: the byte tokens
+    of a ByteFallback decoder, whose trailing run :attr:`settled_len` leaves out; by
+    default :func:`byte_fallback_ids` of the tokenizer (a caller with many requests
+    asks once and passes the set, empty for other decoders)."""
 
-    __slots__ = ("_tok", "ids", "text", "_stable", "_prefix", "_read", "_prefix_text", "_skip", "_flag", "_vis", "_seen")
+    __slots__ = ("_tok", "ids", "text", "_stable", "_prefix", "_read", "_prefix_text", "_skip", "_flag", "_vis", "_seen",
+                 "_bytes")
 
     def __init__(self, tokenizer: Any, ids: list[int], skip_special_tokens: bool = True,
-                 special_ids: frozenset[int] | None = None) -> None:
+                 special_ids: frozenset[int] | None = None, byte_ids: frozenset[int] | None = None) -> None:
         self._tok = tokenizer
         self.ids = ids
         skip = (special_ids if special_ids is not None else special_token_ids(tokenizer)) if skip_special_tokens else None
@@ -66,6 +113,17 @@ class IncrementalText:
         self._prefix = 0  # the window starts here, at the complete point before _read ...
         self._read = 0  # ... and the text of ids[_prefix:_read] is _prefix_text
         self._prefix_text = ""
+        self._bytes = (byte_ids if byte_ids is not None else byte_fallback_ids(tokenizer)) or None  # no commit point inside a byte run (see settled_len)
+
+    @property
+    def settled_len(self) -> int:
+        """Characters at the start of :attr:`text` that no later token rewrites: all of it
+        but the text of a trailing run of ByteFallback byte tokens (see the module's
+        docstring); a stream sends no further than this before the request ends. With
+        byte tokens the text is committed only where a token that is not a byte ends
+        the run, so this is the committed text (and a window never starts inside a run,
+        whose context text the next byte could rewrite)."""
+        return len(self._stable) if self._bytes else len(self.text)
 
     @property
     def stable_len(self) -> int:
@@ -102,6 +160,8 @@ class IncrementalText:
         window starts at the previous such point (a complete chunk of context)."""
         if text.endswith(REPLACEMENT_CHAR):  # only after a full decode: nothing is complete yet
             return
+        if self._bytes and n and self._vis[n - 1] in self._bytes:
+            return  # an open byte run: the next byte token may rewrite it, context included
         self._stable = text
         self._prefix, self._read = self._read, n
         self._prefix_text = self._decode(self._vis[self._prefix:n])

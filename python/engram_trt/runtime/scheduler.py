@@ -31,7 +31,7 @@ from engram_trt.errors import EngramError
 from engram_trt.runtime.outputs import CompletionOutput, RequestOutput
 from engram_trt.runtime.sampling_params import SamplingParams
 from engram_trt.models.sampling import sample_next
-from engram_trt.runtime.detokenize import IncrementalText, special_token_ids
+from engram_trt.runtime.detokenize import IncrementalText, byte_fallback_ids, special_token_ids
 from engram_trt.runtime.phases import FORWARD, OUTPUT, SAMPLE, SCHEDULE, StepPhases
 from engram_trt.models.step import PackedStep
 
@@ -155,6 +155,7 @@ class Scheduler:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._special_ids = special_token_ids(tokenizer)  # what skip_special_tokens leaves out of the text
+        self._byte_ids = byte_fallback_ids(tokenizer)  # byte tokens whose trailing run a stream holds back
         self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
         self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0,
                       "max_step_seqs": 0, "last_step_seqs": 0, "last_step_tokens": 0, "step_s": 0.0}
@@ -411,7 +412,8 @@ class Scheduler:
             self._emit(req)
 
     def _detokenizer(self, req: Request) -> IncrementalText:
-        return IncrementalText(self.tokenizer, req.output_ids, req.params.skip_special_tokens, self._special_ids)
+        return IncrementalText(self.tokenizer, req.output_ids, req.params.skip_special_tokens, self._special_ids,
+                               self._byte_ids)
 
     def _update_text(self, req: Request) -> bool:
         """``req.text`` of all its output ids, cut before the first stop string; True
@@ -439,13 +441,16 @@ class Scheduler:
 
     def _emit(self, req: Request) -> None:
         """Send the request's new text and ids. A trailing replacement character may be
-        the first half of a multi-byte character split over tokens: held back until
-        the next token completes it (or the request ends)."""
+        the first half of a multi-byte character split over tokens, and the text of a
+        trailing run of byte-fallback tokens may still be rewritten by the next byte
+        token: both held back until a later token settles them (or the request ends)."""
         if req.sink is None:
             return  # nobody to send to (generate() reads the whole output at the end)
         text = req.text
         upto = len(text)
         if not req.finished:
+            if req.detok is not None:
+                upto = min(upto, req.detok.settled_len)
             while upto > req.sent_text and text[upto - 1] == "\ufffd":
                 upto -= 1
             # Text that may be the start of a stop string is held back too: if the
