@@ -307,3 +307,30 @@ def test_bad_steps_are_refused_in_one_line():
         ours(x, [0, 4], [0], [0], conv, rec.double())
     with pytest.raises(EngramError, match="conv_state"):
         ours(x, [0, 4], [0], [0], conv[:, :, :2], rec)
+
+
+@torch.no_grad()
+def test_backend_choice_falls_back_or_names_why() -> None:
+    """``auto`` on the CPU takes the PyTorch forms (the same output as ``torch``);
+    ``kernels`` where they cannot run, a sigmoid convolution or an unknown backend is one
+    EngramError naming the reason (tests/gpu/test_linear_attention.py runs the kernels)."""
+    cfg = make_config()
+    ours, _ = randomized_pair(cfg)
+    x = tokens(5)
+    outs = {}
+    for backend in ("auto", "torch"):
+        ours.backend = backend
+        conv, rec = new_states(cfg)
+        outs[backend] = (ours(x, [0, 3, 5], [0, 0], [0, 1], conv, rec), conv, rec)
+    assert all(torch.equal(a, b) for a, b in zip(outs["auto"], outs["torch"]))
+    conv, rec = new_states(cfg)
+    ours.backend = "kernels"
+    with pytest.raises(EngramError, match="backend 'kernels' cannot run: the activations are on cpu"):
+        ours(x, [0, 5], [0], [0], conv, rec)
+    with pytest.raises(EngramError, match="backend 'kernels' cannot run: the activations are on cpu"):
+        ours.forward_decode(x[:1], torch.tensor([0]), conv, rec)
+    ours.backend = "fast"
+    with pytest.raises(EngramError, match="GatedDeltaNet.backend 'fast' is not one of"):
+        ours(x, [0, 5], [0], [0], conv, rec)
+    sig, _ = randomized_pair(make_config(hidden_act="sigmoid"))
+    assert sig.conv_kernel_activation is None  # the conv kernel applies identity or silu only

@@ -9,8 +9,11 @@ EngramGatedDeltaNet) on a GPU.
   ``u |ref| + 2e-5 max|ref|`` (the output rounded once; u = 2^-8 / 2^-11). States
   compared after every step. dk / dv from 8 to 256, dv not a multiple of the 32-column tile.
 - the layer: GatedDeltaNet (models/qwen4_exp/linear_attention.py, every parameter random)
-  with its conv and recurrence replaced by the kernels = the torch layer on the CPU in
-  float32 (its chunked / recurrent forms): float32 ``1e-4 max|ref|``, bf16 ``6e-2``.
+  on its kernel path (``backend = "kernels"``: the packed step and the decode-only step
+  the CUDA graphs record) = the torch layer on the CPU in float32 (its chunked /
+  recurrent forms): float32 ``1e-4 max|ref|``; bf16 as close as the torch layer's own bf16
+  path on the same GPU (within 1.5x its distance + 0.01; a fixed bf16 bound was too tight
+  for some random layers, PyTorch's bf16 path included).
 - chunks + decode steps = one whole step, bit for bit (both kernels keep the token order
   and the tap order whatever the chunking); padding tokens / a padding slot; T = 0.
 - the plugins' enqueue (build phase and runtime after a round trip; state aliased in place
@@ -141,31 +144,15 @@ def _layer(torch, Hk, Hv, dk, dv, seed):
     return cfg, layer
 
 
-def _kernel_layer_step(torch, layer, x, starts, past, slots, conv, rec):
-    """GatedDeltaNet.forward with its conv and recurrence on the kernels."""
-    import torch.nn.functional as F
-
-    from engram_trt.native import linear_attention as la
-
-    dev = x.device
-    meta = [_i32(torch, v, dev) for v in (starts, past, slots)]
-    T = x.shape[0]
-    cols, z = layer.in_proj_qkv(x), layer.in_proj_z(x)
-    beta = torch.sigmoid(layer.in_proj_b(x)).float().contiguous()
-    g = (-layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias.float())).contiguous()
-    mixed = la.causal_conv1d(cols.contiguous(), layer.conv1d.weight, conv, *meta, activation="silu")
-    kd = layer.key_dim
-    q = mixed[:, :kd].reshape(T, layer.num_k_heads, layer.head_k_dim).contiguous()
-    k = mixed[:, kd:2 * kd].reshape(T, layer.num_k_heads, layer.head_k_dim).contiguous()
-    v = mixed[:, 2 * kd:].reshape(T, layer.num_v_heads, layer.head_v_dim).contiguous()
-    core = la.gated_delta_net(q, k, v, g, beta, rec, *meta, l2norm_qk=True, scale=layer.head_k_dim ** -0.5)
-    dv = layer.head_v_dim
-    return layer.out_proj(layer.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(T, -1))
-
-
 @pytest.mark.parametrize("dname", ["float32", "bfloat16"])
 @pytest.mark.parametrize("ci", [0, 1])
 def test_layer_on_kernels_matches_torch_layer(rng, dname, ci) -> None:
+    """The layer's kernel path against the float32 CPU torch layer. float32: within
+    ``1e-4 max|ref|``. bf16: the weights, inputs and states are rounded to bf16 before
+    either path runs, which alone moves the output by up to ~25% of max|ref| on some
+    random layers (measured: the torch layer in bf16 on the GPU, 0.01-0.26 over eight
+    seeds); so the kernels must be as close as PyTorch's own bf16 path on the same rounded
+    inputs, run here beside them: within ``1.5 x`` its distance ``+ 0.01``."""
     import torch
 
     from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
@@ -173,27 +160,45 @@ def test_layer_on_kernels_matches_torch_layer(rng, dname, ci) -> None:
     dev, dtype = torch.device("cuda"), getattr(torch, dname)
     Hk, Hv, dk, dv = DELTA_CONFIGS[ci]
     cfg, ref = _layer(torch, Hk, Hv, dk, dv, seed=int(rng.integers(1 << 30)))
-    km = copy.deepcopy(ref).to(dev, dtype)
+    layers = {}
+    for backend in ("kernels", "torch"):  # kernels: an EngramError if they cannot serve
+        layers[backend] = copy.deepcopy(ref).to(dev, dtype)
+        layers[backend].backend = backend
     shapes = GatedDeltaNet.state_shapes(cfg)
-    conv_r = torch.from_numpy(rng.standard_normal((NUM_SLOTS, *shapes["conv"])).astype(np.float32))  # stale garbage
-    rec_r = torch.from_numpy(rng.standard_normal((NUM_SLOTS, *shapes["recurrent"])).astype(np.float32))
-    conv_k, rec_k = conv_r.to(dev, dtype), rec_r.clone().to(dev)
-    conv_r = conv_k.float().cpu()  # the same (rounded) garbage on both sides
-    rel = 1e-4 if dname == "float32" else 6e-2
-    worst = {"out": 0.0, "conv": 0.0, "rec": 0.0}
-    ok_all = True
-    for starts, past, slots in STEPS:
-        x = torch.from_numpy(rng.standard_normal((starts[-1], cfg.hidden_size)).astype(np.float32))
+    conv0 = torch.from_numpy(rng.standard_normal((NUM_SLOTS, *shapes["conv"])).astype(np.float32))  # stale garbage
+    rec0 = torch.from_numpy(rng.standard_normal((NUM_SLOTS, *shapes["recurrent"])).astype(np.float32))
+    states = {b: (conv0.to(dev, dtype), rec0.clone().to(dev)) for b in layers}
+    conv_r, rec_r = states["kernels"][0].float().cpu(), rec0.clone()  # the same (rounded) garbage on both sides
+    slot_list = [0, 2, 3]
+    decode_steps = [None, None]  # then the decode-only step the CUDA graphs record (metadata on the device)
+    worst = {(b, phase): {"out": 0.0, "conv": 0.0, "rec": 0.0} for b in layers for phase in ("packed", "decode")}
+    finite = True
+    for step in STEPS + decode_steps:
+        rows = step[0][-1] if step else len(slot_list)
+        x = torch.from_numpy(rng.standard_normal((rows, cfg.hidden_size)).astype(np.float32))
         with torch.no_grad():
-            want = ref(x, starts, past, slots, conv_r, rec_r)
-            got = _kernel_layer_step(torch, km, x.to(dev, dtype), starts, past, slots, conv_k, rec_k)
-        for key, a, b in (("out", got, want), ("conv", conv_k, conv_r), ("rec", rec_k, rec_r)):
-            a, b = a.double().cpu(), b.double()
-            err = float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
-            worst[key] = max(worst[key], err)
-            ok_all &= err <= rel and bool(torch.isfinite(a).all())
-    record(f"GatedDeltaNet on the kernels {dname} (Hk={Hk} Hv={Hv} dk={dk} dv={dv}) = torch layer (CPU fp32), "
-           f"{len(STEPS)} packed steps", ok_all, f"max rel errors {worst} (bound {rel})")
+            want = ref(x, *step, conv_r, rec_r) if step else ref.forward_decode(x, torch.tensor(slot_list), conv_r,
+                                                                              rec_r)
+            for b, layer in layers.items():
+                conv, rec = states[b]
+                xd = x.to(dev, dtype)
+                got = layer(xd, *step, conv, rec) if step else layer.forward_decode(
+                    xd, torch.tensor(slot_list, device=dev), conv, rec)
+                for key, a, r in (("out", got, want), ("conv", conv, conv_r), ("rec", rec, rec_r)):
+                    a, r = a.double().cpu(), r.double()
+                    err = float((a - r).abs().max()) / max(float(r.abs().max()), 1e-30)
+                    w = worst[(b, "packed" if step else "decode")]
+                    w[key] = max(w[key], err)
+                    finite &= bool(torch.isfinite(a).all())
+    for phase, what in (("packed", f"{len(STEPS)} packed steps"), ("decode", "2 decode-only steps")):
+        k, t = worst[("kernels", phase)], worst[("torch", phase)]
+        if dname == "float32":
+            bound = {key: 1e-4 for key in k}
+        else:
+            bound = {key: 1.5 * t[key] + 0.01 for key in k}
+        ok = finite and all(k[key] <= bound[key] for key in k)
+        record(f"GatedDeltaNet on the kernels {dname} (Hk={Hk} Hv={Hv} dk={dk} dv={dv}) = torch layer (CPU fp32), "
+               f"{what}", ok, f"max rel errors {k}; the torch layer in {dname} on the GPU: {t}; bounds {bound}")
 
 
 @pytest.mark.parametrize("dname", ["float32", "bfloat16"])

@@ -3,7 +3,7 @@ saved (tests/data/qwen4_exp_tiny, whose recorded greedy tokens a CPU test ties t
 transformers) run on CUDA.
 
   1. float32 on CUDA: the greedy tokens of each prompt (chunked prefill + decode) equal
-     the recorded ones; the PLE hash ran in the kernel library.
+     the recorded ones; the PLE hash and the Gated DeltaNet layers ran in the kernel library.
   2. bfloat16 on CUDA: the prefill logits' relative L2 distance from the float32 CPU
      model's at most 3x transformers' own bf16-vs-fp32 distance on the same prompt
      (recorded in expected.json: random weights make this tiny model sensitive, so the
@@ -42,6 +42,8 @@ def test_fp32_cuda_greedy_equals_transformers(expected) -> None:
 
     ckpt, model = _load("cuda", torch.float32)
     record("PLE hash in the kernel library", model._native_ple_hash() is not None, "")
+    record("Gated DeltaNet layers on the kernel library", "linear attention cuda-kernels" in model.backend_name,
+           model.backend_name)
     record("PLE tables where GPU kernels read them", model.ple_tables.kind in ("device", "pinned"), model.ple_tables.kind)
     for i, prompt in enumerate(expected["prompts"]):
         got = model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)

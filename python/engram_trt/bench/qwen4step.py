@@ -8,6 +8,11 @@ states + the attended K/V + the PLE rows, at the HBM copy rate measured in the r
 
 The PLE hash layout uses a smaller ``--ple-base`` than the published 20,000,000 so both
 layers' tables fit the host (each about ``16 * base * 256`` bytes).
+
+``--linear-attention both`` asks another question on the HBM tables: the Gated DeltaNet
+layers' core on the PyTorch forms vs on the kernel library (``GatedDeltaNet.backend``),
+for the decode step (graphs, and eager with ``--eager``) and for a prefill step of
+``--prefill-tokens`` tokens per sequence (eager: a prefill is not recorded).
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ class Qwen4StepOptions:
     ple_base: int = opt(2_000_000, help="ngram_vocab_size_base of the PLE hash (default: %(default)s)")
     reps: int = opt(20, argtype=("int_arg", 1, 10000), help="timed steps per case (default: %(default)s)")
     eager: bool = opt(False, help="also time eager decode steps (no graphs)")
+    linear_attention: str = opt("auto", choices=("auto", "kernels", "torch", "both"),
+                                help="the Gated DeltaNet core's backend; 'both' times torch and kernels side by "
+                                     "side on the HBM tables (default: %(default)s)")
+    prefill_tokens: int = opt(256, argtype=("int_arg", 0, 65536),
+                              help="with --linear-attention both: also time a prefill step of this many tokens per "
+                                   "sequence, 0 to skip (default: %(default)s)")
     json: str | None = opt(None, help="write the figures as JSON to this file")
 
 
@@ -84,8 +95,12 @@ def run(opts: Qwen4StepOptions) -> int:
     n_params = sum(t.numel() for t in weights.values())
     t0 = time.perf_counter()
     layout = None
-    results: dict[str, Any] = {"limits": limits, "params": n_params, "cases": []}
-    for where in ("hbm", "pinned"):
+    results: dict[str, Any] = {"limits": limits, "params": n_params, "cases": [],
+                               "linear_attention": opts.linear_attention}
+    both = opts.linear_attention == "both"
+    runs = [("hbm", "torch"), ("hbm", "kernels")] if both else [("hbm", opts.linear_attention),
+                                                                ("pinned", opts.linear_attention)]
+    for where, backend in runs:
         if layout is None:
             from engram_trt.engram.ple_hash import PLEHashLayout
 
@@ -106,15 +121,26 @@ def run(opts: Qwen4StepOptions) -> int:
             tables.append(t)
         store = TableStoreFor(tables, where)
         model = Qwen4ExpModel(cfg, weights, ple_tables=PLETables(store, dev), device=dev, dtype=torch.bfloat16)
+        _set_linear_attention(model, backend)
         table_gib = sum(t.numel() * 2 for t in tables) / (1 << 30)
         print(f"{where}: {n_params / 1e9:.2f}B parameters, PLE tables {table_gib:.1f} GiB ({model.ple_tables.paths}), "
-              f"ready in {time.perf_counter() - t0:.0f} s", flush=True)
+              f"ready in {time.perf_counter() - t0:.0f} s; backend {model.backend_name}", flush=True)
         for B in opts.batches:
-            results["cases"].append(_time_batch(torch, model, cfg, B, opts, where, limits, Qwen4ExpDecodeGraphs,
-                                                decode_context, PackedStep))
+            case = _time_batch(torch, model, cfg, B, opts, where, limits, Qwen4ExpDecodeGraphs, decode_context,
+                               PackedStep)
+            case["linear_attention"] = backend
+            if both and opts.prefill_tokens:
+                case["prefill_ms"] = _time_prefill(torch, model, cfg, B, opts.prefill_tokens, opts.reps, PackedStep)
+                print(f"  {backend} batch {B}: prefill of {opts.prefill_tokens} tokens each {case['prefill_ms']:.3f} ms",
+                      flush=True)
+            results["cases"].append(case)
         model.ple_tables.close()
         del model, tables, store
         torch.cuda.empty_cache()
+    if both:
+        _print_backends(results["cases"], opts)
+        dump(results, opts.json)
+        return 0
     by = {(c["tables"], c["batch"]): c for c in results["cases"]}
     print(f"\n{'batch':>5} | {'HBM ms':>7} {'pinned ms':>9} {'pinned/HBM':>10} | {'floor ms':>8} {'HBM/floor':>9}"
           + (f" | {'eager HBM ms':>12} {'eager/graph':>11}" if opts.eager else ""))
@@ -127,6 +153,52 @@ def run(opts: Qwen4StepOptions) -> int:
         print(line)
     dump(results, opts.json)
     return 0
+
+
+def _set_linear_attention(model: Any, backend: str) -> None:
+    from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
+
+    for m in model.modules():
+        if isinstance(m, GatedDeltaNet):
+            m.backend = backend
+
+
+def _time_prefill(torch: Any, model: Any, cfg: Any, B: int, P: int, reps: int, PackedStep: Any) -> float:  # noqa: N803
+    """Median ms of one eager packed step of B fresh prompts of P tokens each."""
+    cache = model.new_cache(B, P + 64)
+    gen = torch.Generator().manual_seed(P)
+
+    def once() -> float:
+        for s in range(B):
+            cache.lengths[s] = 0
+        st = PackedStep(torch.randint(3, cfg.vocab_size, (B * P,), generator=gen), [P] * B, [0] * B, list(range(B)))
+        torch.cuda.synchronize()
+        a = time.perf_counter()
+        model.forward_step(st, cache)
+        torch.cuda.synchronize()
+        return time.perf_counter() - a
+
+    once()
+    times = sorted(once() for _ in range(max(3, reps // 4)))
+    return times[len(times) // 2] * 1e3
+
+
+def _print_backends(cases: list[dict[str, Any]], opts: Qwen4StepOptions) -> None:
+    by = {(c["linear_attention"], c["batch"]): c for c in cases}
+    pre = bool(opts.prefill_tokens)
+    print(f"\nGated DeltaNet core, torch vs kernels (HBM tables; ratio = torch / kernels)\n{'batch':>5} | "
+          f"{'graph torch':>11} {'kernels':>8} {'ratio':>6} | {'floor ms':>8}"
+          + (f" | {'eager torch':>11} {'kernels':>8} {'ratio':>6}" if opts.eager else "")
+          + (f" | {'prefill torch':>13} {'kernels':>8} {'ratio':>6}" if pre else ""))
+    for B in opts.batches:
+        t, k = by[("torch", B)], by[("kernels", B)]
+        line = (f"{B:>5} | {t['graph_ms']:>11.3f} {k['graph_ms']:>8.3f} {t['graph_ms'] / k['graph_ms']:>6.2f} | "
+                f"{k['floor_ms']:>8.3f}")
+        if opts.eager:
+            line += f" | {t['eager_ms']:>11.3f} {k['eager_ms']:>8.3f} {t['eager_ms'] / k['eager_ms']:>6.2f}"
+        if pre:
+            line += f" | {t['prefill_ms']:>13.3f} {k['prefill_ms']:>8.3f} {t['prefill_ms'] / k['prefill_ms']:>6.2f}"
+        print(line)
 
 
 def TableStoreFor(tables: list[Any], where: str) -> Any:  # noqa: N802 - a factory

@@ -38,6 +38,7 @@ _ENTRY = EntryPoints({
 })
 library = _ENTRY.library
 _call = _ENTRY.call
+unavailable = _ENTRY.unavailable
 
 
 def _activation_code(activation: int | str) -> int:

@@ -25,6 +25,13 @@ continuing from a state, a one-token prompt) takes the chunked form. The chunked
 (:func:`chunked_delta_rule`) turns the recurrence inside a chunk into one
 unit-lower-triangular solve and a few matmuls, then scans chunk to chunk. A step whose
 sequences are all decode tokens is one vectorized recurrent step over their slots.
+
+On CUDA the layer's core (the causal conv, then the gated delta rule with the q / k
+normalization inside) runs as two calls of the kernel library for the whole packed step
+(``engram_causal_conv1d`` and ``engram_gated_delta_net``: the EngramCausalConv1d and
+EngramGatedDeltaNet plugins' math, :mod:`engram_trt.native.linear_attention`) instead of
+a Python loop over the step's sequences; :attr:`GatedDeltaNet.backend` chooses, and the
+PyTorch forms above stay the CPU's path and the kernels' reference.
 """
 
 from __future__ import annotations
@@ -46,6 +53,16 @@ _CONV_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
 }
 _GATE_ACTIVATIONS = ("silu", "sigmoid")
+# The activations the conv kernel applies itself (native.linear_attention.ACTIVATIONS).
+_CONV_KERNEL_ACTIVATIONS = {"silu": "silu", "swish": "silu"}
+LINEAR_ATTENTION_BACKENDS = ("auto", "kernels", "torch")
+
+
+def _kernels_unavailable() -> str | None:
+    """Why the kernel library cannot serve the linear attention (None: it can), asked once."""
+    from engram_trt.native import linear_attention as native_linear
+
+    return native_linear.unavailable("Gated DeltaNet CUDA kernels")
 
 # Tokens per chunk of the chunked form; the published layer's default, which keeps the
 # round-off of a prompt the same as its.
@@ -140,7 +157,13 @@ def _config_int(config: Any, name: str) -> int:
 
 class GatedDeltaNet(nn.Module):
     """The linear-attention layer; parameters named as the checkpoint's
-    ``model.layers.{i}.linear_attn.*`` so its state dict loads as is."""
+    ``model.layers.{i}.linear_attn.*`` so its state dict loads as is.
+
+    ``backend``: ``auto`` (the kernel library on CUDA activations it takes: bf16 / fp16 /
+    float32, a silu convolution; else PyTorch), ``kernels`` (the kernel library or an
+    EngramError saying why not) or ``torch``. A class default, settable per module."""
+
+    backend: str = "auto"
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -167,6 +190,7 @@ class GatedDeltaNet(nn.Module):
             raise ConfigError(f"config field output_gate_type = {gate_act!r}: the output gate supports "
                               f"{list(_GATE_ACTIVATIONS)}")
         self.conv_activation = _CONV_ACTIVATIONS[act]
+        self.conv_kernel_activation = _CONV_KERNEL_ACTIVATIONS.get(act)
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -219,6 +243,51 @@ class GatedDeltaNet(nn.Module):
             raise EngramError(f"recurrent_state is {tuple(recurrent_state.shape)} {recurrent_state.dtype}; "
                               f"allocate {rec_shape} torch.float32")
 
+    # -- the kernel library ---------------------------------------------------------------
+    def _kernel_serves(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> bool:
+        """Whether the step's core takes the kernel library (see ``backend``)."""
+        if self.backend not in LINEAR_ATTENTION_BACKENDS:
+            raise EngramError(f"GatedDeltaNet.backend {self.backend!r} is not one of {list(LINEAR_ATTENTION_BACKENDS)}")
+        if self.backend == "torch":
+            return False
+        why = None
+        if not x.is_cuda:
+            why = f"the activations are on {x.device}, not a CUDA device"
+        elif x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            why = f"the activations are {x.dtype}, not bfloat16, float16 or float32"
+        elif conv_state.dtype != x.dtype or recurrent_state.dtype != torch.float32:
+            why = (f"the states are {conv_state.dtype} / {recurrent_state.dtype}; allocate the conv state in "
+                   f"{x.dtype} and the recurrent state in float32")
+        elif self.conv1d.weight.dtype not in (torch.float32, x.dtype):
+            why = f"the conv weight is {self.conv1d.weight.dtype}, not float32 or {x.dtype}"
+        elif self.conv_kernel_activation is None:
+            why = "the convolution's activation (hidden_act) is not silu"
+        else:
+            why = _kernels_unavailable()
+        if why is None:
+            return True
+        if self.backend == "kernels":
+            raise EngramError(f"GatedDeltaNet backend 'kernels' cannot run: {why}; use backend 'auto' or 'torch'")
+        return False
+
+    def _core_kernels(self, cols: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: torch.Tensor, S: int,
+                      conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+        """Conv then delta rule for every sequence of the step in two library calls, the
+        states updated in place. ``meta``: int32 ``[seq_starts (S+1), past_lens (S),
+        slots (S)]`` on the device. Returns ``o [T, Hv, dv]`` in the activations' dtype
+        (the PyTorch path's float32 core rounded once, as it rounds it)."""
+        from engram_trt.native import linear_attention as native_linear
+
+        starts, past, slots = meta[:S + 1], meta[S + 1:2 * S + 1], meta[2 * S + 1:]
+        mixed = native_linear.causal_conv1d(cols, self.conv1d.weight, conv_state, starts, past, slots,
+                                            activation=self.conv_kernel_activation)
+        T = cols.shape[0]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = (t.reshape(T, self.num_k_heads, self.head_k_dim).contiguous() for t in (q, k))
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim).contiguous()
+        return native_linear.gated_delta_net(q, k, v, g.contiguous(), beta.contiguous(), recurrent_state, starts,
+                                             past, slots, l2norm_qk=True, scale=self.head_k_dim ** -0.5)
+
     # -- pieces ---------------------------------------------------------------------------
     def _conv(self, cols: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv of ``cols [B, C, L]`` after ``past [B, C, K-1]``:
@@ -258,7 +327,15 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)
         beta = torch.sigmoid(self.in_proj_b(x)).float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        core = self._recurrent(cols, g, beta, slot_ids, conv_state, recurrent_state)
+        if self._kernel_serves(x, conv_state, recurrent_state):
+            # Sequence j is token j with a past (its length only needs to be > 0), in slot
+            # slot_ids[j]: the step's metadata built on the device, so the graphs record it.
+            B = x.shape[0]
+            ones = torch.ones(B, dtype=torch.int32, device=x.device)
+            meta = torch.cat([torch.arange(B + 1, dtype=torch.int32, device=x.device), ones, slot_ids.to(torch.int32)])
+            core = self._core_kernels(cols, g, beta, meta, B, conv_state, recurrent_state)
+        else:
+            core = self._recurrent(cols, g, beta, slot_ids, conv_state, recurrent_state)
         normed = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
 
@@ -274,6 +351,11 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x)
         beta = torch.sigmoid(self.in_proj_b(x)).float()                  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        if self._kernel_serves(x, conv_state, recurrent_state):
+            meta = torch.tensor([*seq_starts, *past_lens, *slots], dtype=torch.int32).to(x.device)
+            core = self._core_kernels(cols, g, beta, meta, len(slots), conv_state, recurrent_state)
+            normed = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+            return self.out_proj(normed.reshape(T, self.value_dim))
         core = torch.empty(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
 
         lens = [b - a for a, b in zip(seq_starts, seq_starts[1:])]

@@ -151,7 +151,22 @@ class Qwen4ExpModel(_Modules):
 
     @property
     def backend_name(self) -> str:
-        return f"torch (qwen4-exp, {self.compute_dtype}, {self._device.type})"
+        return f"torch (qwen4-exp, {self.compute_dtype}, {self._device.type}{self._linear_attention_label()})"
+
+    def _linear_attention_label(self) -> str:
+        """Where the Gated DeltaNet layers' core runs (``GatedDeltaNet.backend`` on this
+        device and dtype); empty for a model without linear-attention layers."""
+        from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
+
+        layer = next((m for m in self.modules() if isinstance(m, GatedDeltaNet)), None)
+        if layer is None:
+            return ""
+        probe = torch.empty(0, device=self._device, dtype=self.compute_dtype)
+        try:
+            on = layer._kernel_serves(probe, probe, probe.float())
+        except EngramError:  # backend 'kernels' where they cannot run: the step raises why
+            on = False
+        return f", linear attention {'cuda-kernels' if on else 'torch'}"
 
     @property
     def tables(self) -> Any:
