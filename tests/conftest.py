@@ -305,3 +305,347 @@ def segments_mapped_by(root: int) -> set[str]:
             if path.startswith("/dev/shm/engram-trt-") and path.endswith(".tables"):
                 names.add(Path(path).name)
     return names
+
+
+# --- TensorRT plugin tests: the flavours, createPlugin, one-plugin ONNX graphs -------------
+
+PLUGIN_NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
+
+
+def require_trt_module(module: str) -> None:
+    """Skip unless the TensorRT flavour ``module`` (``tensorrt_rtx`` or ``tensorrt``) is
+    installed; the skip names which one is missing."""
+    from engram_trt.native import trt_compat
+
+    if not trt_compat.module_available(module if module != "tensorrt_rtx" else "tensorrt_rtx_bindings") \
+            and not trt_compat.module_available(module):
+        pytest.skip(trt_compat.NOT_INSTALLED_REASON if module == "tensorrt" else "tensorrt_rtx not installed")
+
+
+@pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
+def trt(request, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
+    """Each TensorRT flavour in turn (skipped where it is not installed), with the plugin
+    library loaded into its registry: the plugin tests' creators and engine builds."""
+    from engram_trt.native import trt_compat
+
+    require_trt_module(request.param)
+    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", request.param)
+    t = trt_compat.load(request.param)
+    trt_compat.load_plugin_library(plugin_lib)
+    return t
+
+
+def plugin_fields(trt, fields: dict[str, tuple[str, object]]):
+    """A PluginFieldCollection from {name: (kind, value)}; kind int32 / int64 / float32 /
+    text (comma-separated decimals, the ONNX form of int64 arrays). Also returns the
+    PluginFields and their arrays: the collection points into them without owning them,
+    so the caller holds them until createPlugin has read the fields."""
+    import numpy as np
+
+    m = trt.module
+    out, arrays = [], []
+    for name, (kind, value) in fields.items():
+        if kind == "text":
+            data = np.frombuffer(str(value).encode(), dtype=np.int8).copy()
+            ftype = m.PluginFieldType.CHAR
+        else:
+            ftype = {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
+                     "float32": m.PluginFieldType.FLOAT32}[kind]
+            data = np.atleast_1d(np.asarray(value, dtype=kind))
+        arrays.append(data)
+        out.append(m.PluginField(name, data, ftype))
+    return m.PluginFieldCollection(out), (out, arrays)
+
+
+def create_plugin(trt, name: str, fields: dict[str, tuple[str, object]]):
+    """The registry creator of plugin ``name`` (version 1, our namespace) called in the
+    build phase with ``fields`` (see plugin_fields): the plugin, or None if refused."""
+    creator = trt.module.get_plugin_registry().get_creator(name, "1", PLUGIN_NAMESPACE)
+    assert creator is not None, f"{name} creator is not registered"
+    collection, keep = plugin_fields(trt, fields)
+    plugin = creator.create_plugin(name, collection, trt.module.TensorRTPhase.BUILD)
+    del keep  # read: the plugin holds its own copy of every field
+    return plugin
+
+
+def parse_plugin_graph(trt, path: Path):
+    """A builder and the network parsed from the ONNX file ``path``, and the network's one
+    IPluginV3 layer: (builder, network, layer)."""
+    from engram_trt.native import trt_compat
+
+    builder = trt_compat.create_builder()
+    network = trt_compat.create_network(builder)
+    trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
+    (layer,) = [network.get_layer(i) for i in range(network.num_layers)
+                if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    return builder, network, layer
+
+
+def plugin_builder_config(trt, builder, aliased: bool):
+    """A builder config for the plugin tests' engines: the aliased plugin I/O preview
+    feature when ``aliased`` (what build_engine enables), sm80 targets on TensorRT-RTX."""
+    from engram_trt.native import trt_compat
+
+    config = builder.create_builder_config()
+    if aliased:
+        trt_compat.enable_aliased_plugin_io(config)
+    if trt.is_rtx:
+        trt_compat.set_targets(config, ("sm80",))
+    return config
+
+
+def serialized_twice(harness, name: str, fields: list) -> tuple[list, list]:
+    """Through the plugin harness: getFieldsToSerialize of plugin ``name`` made from
+    ``fields``, and the same of the plugin rebuilt from those (the round trip an engine's
+    deserialization takes); both plugins destroyed."""
+    p = harness.create(name, fields)
+    try:
+        first = harness.serialized_fields(p)
+        p2 = harness.roundtrip(p)
+        try:
+            again = harness.serialized_fields(p2)
+        finally:
+            harness.lib.harness_destroy(p2)
+    finally:
+        harness.lib.harness_destroy(p)
+    return first, again
+
+
+# --- engram-trt serve behind a real tritonserver ------------------------------------------
+
+def require_tritonserver() -> None:
+    """Skip unless what the serve tests need is here: tritonclient and a tritonserver
+    (nvidia-pytriton's or one on PATH); the skip names the missing one."""
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
+    from engram_trt.errors import EngramError
+    from engram_trt.triton.server import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except EngramError as exc:
+        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+
+
+def start_serve(folder: Path, log: Path, *flags: str):
+    """``engram-trt serve folder`` on loopback (free ports, ``--json``, the log in
+    ``log``, the working tree's package) with ``flags``: (the process, its ready line's
+    dict). Fails with the server's stderr and log tail if it is not ready in 240 s."""
+    import json
+    import select
+    import subprocess
+
+    cmd = [sys.executable, "-m", "engram_trt", "serve", str(folder), "--address", "127.0.0.1", "--http-port", "0",
+           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log), "--exit-timeout", "10", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+    ready, _, _ = select.select([proc.stdout], [], [], 240)
+    line = proc.stdout.readline() if ready else ""
+    if not line:
+        proc.kill()
+        _out, err = proc.communicate()
+        tail = log.read_text()[-3000:] if log.exists() else ""
+        pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}\n{tail}")
+    return proc, json.loads(line)
+
+
+def stop_serve(proc) -> None:
+    """SIGTERM to a server start_serve started: it must exit 0 within 90 s."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == 0, proc.stderr.read()[-2000:]
+
+
+def words(ids: list[int]) -> str:
+    """The word tokenizer's text of token ids (``w5 w17 ...``; see word_tokenizer)."""
+    return " ".join(f"w{i}" for i in ids)
+
+
+def assert_served_tokens(http: str, prompts: list[list[int]], want: list[list[int]], max_tokens: int) -> None:
+    """HTTP ``generate`` of each word-tokenizer prompt (EOS ignored) gives ``want``'s tokens."""
+    from engram_trt.triton import client as hc
+
+    for prompt, ids in zip(prompts, want):
+        status, body = hc.generate(http, {"text_input": words(prompt), "max_tokens": max_tokens, "ignore_eos": True})
+        assert status == 200, body
+        assert hc.ids(body["output_ids"]) == ids
+
+
+# --- checkpoints against transformers (tests/test_*_parity.py, *_folder.py, *_build.py) ----
+
+def llm_greedy(folder: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """``engram_trt.LLM``'s greedy tokens (torch backend, fp32 on the CPU, EOS ignored)
+    for each prompt: ``n`` each."""
+    from engram_trt import LLM, SamplingParams
+
+    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def assert_fp32_logits_match(model, ours, prompts: list[list[int]]) -> None:
+    """Our model's fp32 prefill logits of each prompt within 1e-4 (relative to the
+    largest) of transformers' ``model``."""
+    import torch
+
+    from engram_trt.models.step import PackedStep
+
+    for prompt in prompts:
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].double()
+        state = ours.new_cache(1, 64)
+        got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state, all_logits=True).double()
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def packed_greedy(ours, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of all prompts prefilled in one packed step (slots out of order),
+    then decoded together: ``n`` each."""
+    import torch
+
+    from engram_trt.models.step import PackedStep
+
+    state = ours.new_cache(4, 64)
+    slots = [3, 0, 2]
+    step = PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts], [0, 0, 0], slots)
+    logits = ours.forward_step(step, state)
+    got: list[list[int]] = [[] for _ in prompts]
+    lens = [len(p) for p in prompts]
+    for _ in range(n):
+        toks = [int(t) for t in torch.argmax(logits, dim=-1)]
+        for g, t in zip(got, toks):
+            g.append(t)
+        logits = ours.forward_step(PackedStep(torch.tensor(toks), [1, 1, 1], lens, slots), state)
+        lens = [k + 1 for k in lens]
+    return got
+
+
+def run_json(folder: Path, prompt: list[int], n: int, capsys) -> dict:
+    """``engram-trt run --json`` of a word-tokenizer prompt (fp32 on the CPU, EOS ignored,
+    ``n`` tokens): its JSON; asserts exit 0."""
+    import json
+
+    from engram_trt.cli.main import main
+
+    capsys.readouterr()
+    code = main(["run", str(folder), "--prompt", words(prompt), "--max-new-tokens", str(n), "--ignore-eos",
+                 "--device", "cpu", "--dtype", "fp32", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    return json.loads(out)
+
+
+def edit_config(folder: Path, **changes) -> None:
+    """``changes`` written over the checkpoint's config.json."""
+    import json
+
+    p = folder / "config.json"
+    d = json.loads(p.read_text())
+    d.update(changes)
+    p.write_text(json.dumps(d))
+
+
+def assert_run_refused(folder: Path, needle: str, capsys) -> None:
+    """``engram-trt run`` of a bad checkpoint: exit 2, one line of stderr matching the
+    regex ``needle``, nothing written into the folder."""
+    import re
+
+    from engram_trt.cli.main import main
+
+    before = sorted(p.name for p in folder.iterdir())
+    capsys.readouterr()  # e.g. transformers' own progress output while saving
+    code = main(["run", str(folder), "--prompt", "w5 w6", "--max-new-tokens", "2", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert re.search(needle, err), err
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written
+
+
+def assert_bf16_logits_match(folder: Path, model, hf16, want: dict) -> None:
+    """A committed tiny checkpoint (tests/data, ``want`` its expected.json): our bf16
+    prefill logits within 1e-2 relative L2 of transformers' bf16 ones (``hf16``), and
+    transformers' bf16-vs-fp32 (``model``) distance the recorded one."""
+    import torch
+
+    from engram_trt.models.registry import open_checkpoint
+    from engram_trt.models.step import PackedStep
+
+    ckpt = open_checkpoint(folder)
+    ours16 = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.bfloat16)
+    for i, p in enumerate(want["prompts"]):
+        with torch.no_grad():
+            r32 = model(torch.tensor([p])).logits[0].double()
+            r16 = hf16(torch.tensor([p])).logits[0].double()
+        g16 = ours16.forward_step(PackedStep(torch.tensor(p), [len(p)], [0], [0]), ours16.new_cache(1, 64),
+                                  all_logits=True).double()
+        assert float((g16 - r16).norm() / r16.norm()) < 1e-2
+        assert abs(float((r16 - r32).norm() / r32.norm()) - want["transformers_bf16_rel_l2"][i]) < 1e-4
+    ckpt.close()
+
+
+def engine_skip_reason(plugins: tuple[str, ...]) -> str | None:
+    """Why no TensorRT-RTX engine holding ``plugins`` can be built here (None: it can)."""
+    from engram_trt.errors import EngramError
+    from engram_trt.native import kernels
+    from engram_trt.native import trt_compat as tc
+
+    if not tc.available():
+        return "no TensorRT builder is installed (tensorrt_rtx / tensorrt_rtx_bindings, or tensorrt)"
+    try:
+        lib = kernels.library_path()
+    except EngramError as exc:
+        return f"the plugin library is missing: {exc}"
+    tc.load_plugin_library(lib)
+    have = {n for n, _ in tc.plugin_creator_names()}
+    missing = [n for n in plugins if n not in have]
+    if missing:
+        return f"the plugin library {lib} lacks {', '.join(missing)} (rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
+    return None
+
+
+# --- plugin fields as the plugin harness takes them: (name, nvinfer1 type code, array) -----
+
+# nvinfer1::PluginFieldType values
+PF_FLOAT32, PF_FLOAT64, PF_INT8, PF_INT16, PF_INT32, PF_CHAR, PF_INT64 = 1, 2, 3, 4, 5, 6, 10
+
+
+def pf_scalar(ftype: int, value):
+    """``value`` as a one-element array of field type ``ftype``'s numpy type."""
+    import numpy as np
+
+    dtype = {PF_FLOAT32: np.float32, PF_FLOAT64: np.float64, PF_INT8: np.int8, PF_INT16: np.int16,
+             PF_INT32: np.int32, PF_INT64: np.int64}[ftype]
+    return np.array([value], dtype)
+
+
+def pf_text(values):
+    """Integers as comma-separated decimal text (the ONNX form of an int64 array), in bytes."""
+    import numpy as np
+
+    return np.frombuffer(",".join(str(int(v)) for v in np.asarray(values).reshape(-1)).encode(), np.uint8)
+
+
+def pf_written(name: str, ftype: int, values) -> tuple[str, int, int, bytes]:
+    """A field as getFieldsToSerialize must write it: the declared type, its bytes."""
+    import numpy as np
+
+    dtype = {PF_INT32: np.int32, PF_INT64: np.int64, PF_FLOAT32: np.float32}[ftype]
+    data = np.atleast_1d(np.asarray(values, dtype))
+    return name, ftype, int(data.size), data.tobytes()
+
+
+def drop_field(name: str):
+    """A change of a field list: field ``name`` left out."""
+    return lambda fields: [f for f in fields if f[0] != name]
+
+
+def set_field(name: str, ftype: int, data):
+    """A change of a field list: field ``name`` given as ``ftype`` / ``data`` instead."""
+    return lambda fields: [(n, ftype, data) if n == name else (n, t, d) for n, t, d in fields]
+
+
+def add_field(name: str, ftype: int, data):
+    """A change of a field list: field ``name`` appended."""
+    return lambda fields: fields + [(name, ftype, data)]

@@ -26,11 +26,6 @@ import contextlib
 import hashlib
 import io
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +36,13 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+from conftest import (assert_served_tokens, engine_skip_reason, require_tritonserver, run_json,  # noqa: E402
+                      start_serve, stop_serve)
 import test_deepseek_v4_parity as parity  # noqa: E402
 from test_deepseek_v4_parity import CASES, NEW_TOKENS, PROMPTS, hf_greedy, save_v4, save_v41  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 V41_PLUGINS = ("EngramDsv4Attention", "EngramGate", "EngramGather", "EngramHash")
 # Eight indexer heads: an entry scores exactly 0 (a tie) only when all eight q.k are <= 0.
@@ -191,26 +187,6 @@ def test_exported_graph_is_deterministic(v41: Path) -> None:
 
 # -- the engine folder ---------------------------------------------------------------------
 
-def _engine_skip_reason() -> str | None:
-    """Why no TensorRT-RTX engine can be built here (None: it can)."""
-    from engram_trt.errors import EngramError
-    from engram_trt.native import kernels
-    from engram_trt.native import trt_compat as tc
-
-    if not tc.available():
-        return "no TensorRT builder is installed (tensorrt_rtx / tensorrt_rtx_bindings, or tensorrt)"
-    try:
-        lib = kernels.library_path()
-    except EngramError as exc:
-        return f"the plugin library is missing: {exc}"
-    tc.load_plugin_library(lib)
-    have = {n for n, _ in tc.plugin_creator_names()}
-    missing = [n for n in V41_PLUGINS if n not in have]
-    if missing:
-        return f"the plugin library {lib} lacks {', '.join(missing)} (rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
-    return None
-
-
 def _build(ck: Path, out: Path, *extra: str) -> dict[str, Any]:
     buf = io.StringIO()
     argv = ["build", str(ck), "--output", str(out), "--json", "--max-batch", "4", "--max-seq-len", str(MAX_LEN),
@@ -224,7 +200,7 @@ def _build(ck: Path, out: Path, *extra: str) -> dict[str, Any]:
 def built(tmp_path_factory: pytest.TempPathFactory, v41: Path) -> dict[str, Any]:
     """V4 (transformers' greedy tokens) and V4.1 (the torch model's own gather) engine folders."""
     root = tmp_path_factory.mktemp("dsv4build")
-    why = _engine_skip_reason()
+    why = engine_skip_reason(V41_PLUGINS)
     no_engine = ["--no-engine"] if why else []
     model = save_v4(root / "v4", seed=41, **GRAPH_CASES["hc2-hca-csa-hash1"])
     from engram_trt.models.registry import open_checkpoint
@@ -290,46 +266,20 @@ def test_engine_folders_give_the_reference_tokens(built: dict[str, Any], capsys:
             assert llm.source.kind == "engine" and "torch" in llm.backend_label
             outs = llm.generate(PROMPTS, params)
         assert [list(o.outputs[0].token_ids) for o in outs] == want
-    capsys.readouterr()
-    text = " ".join(f"w{i}" for i in PROMPTS[2])
-    code = main(["run", str(built["engine"]), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-                 "--device", "cpu", "--dtype", "fp32", "--json"])
-    res = json.loads(capsys.readouterr().out)
-    assert code == 0 and res["token_ids"] == built["want"][2] and res["source"] == "engine"
+    res = run_json(built["engine"], PROMPTS[2], NEW_TOKENS, capsys)
+    assert res["token_ids"] == built["want"][2] and res["source"] == "engine"
 
 
 def test_served_engine_folder_gives_transformers_tokens(built: dict[str, Any]) -> None:
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
-    from engram_trt.errors import EngramError
-    from engram_trt.triton import client as hc
-    from engram_trt.triton.server import find_tritonserver
-
-    try:
-        find_tritonserver()
-    except EngramError as exc:
-        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    require_tritonserver()
     engine = built["engine"]
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(engine), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(engine.parent / "tritonserver.log"),
-           "--exit-timeout", "10", "--device", "cpu", "--max-batch-size", "4", "--max-num-tokens", str(MAX_LEN)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+    proc, info = start_serve(engine, engine.parent / "tritonserver.log", "--device", "cpu", "--max-batch-size", "4",
+                             "--max-num-tokens", str(MAX_LEN))
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 240)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            proc.kill()
-            _out, err = proc.communicate()
-            pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}")
-        info = json.loads(line)
-        status, body = hc.generate(info["http"], {"text_input": " ".join(f"w{i}" for i in PROMPTS[0]),
-                                                  "max_tokens": NEW_TOKENS, "ignore_eos": True})
-        assert status == 200, body
-        assert hc.ids(body["output_ids"]) == built["want"][0]
+        assert_served_tokens(info["http"], PROMPTS[:1], built["want"][:1], NEW_TOKENS)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(90) == 0, proc.stderr.read()[-2000:]
+            stop_serve(proc)
 
 
 # -- bad input: one line, exit 2, nothing written -------------------------------------------

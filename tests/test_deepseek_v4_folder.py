@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+from conftest import assert_bf16_logits_match, llm_greedy  # noqa: E402
 from test_deepseek_v4_parity import hf_greedy, save_v41  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
@@ -116,27 +117,11 @@ def test_committed_tiny_checkpoint_is_transformers_and_ours() -> None:
     distance is the recorded one."""
     from transformers import DeepseekV4ForCausalLM
 
-    from engram_trt import LLM, SamplingParams
-    from engram_trt.models.registry import open_checkpoint
-    from engram_trt.models.step import PackedStep
-
     want = json.loads((TINY / "expected.json").read_text())
     assert sum(p.stat().st_size for p in TINY.iterdir()) < 1 << 20
     assert all(0 not in p for p in want["prompts"])  # hf_greedy's pad_token_id=0 would mask those out
     model = DeepseekV4ForCausalLM.from_pretrained(TINY, use_kernels=False).eval()
     assert [hf_greedy(model, p, want["new_tokens"]) for p in want["prompts"]] == want["greedy"]
-    with LLM(str(TINY), backend="torch", device="cpu", dtype="fp32") as llm:
-        outs = llm.generate(want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0, ignore_eos=True))
-    assert [list(o.outputs[0].token_ids) for o in outs] == want["greedy"]
+    assert llm_greedy(TINY, want["prompts"], want["new_tokens"]) == want["greedy"]
     hf16 = DeepseekV4ForCausalLM.from_pretrained(TINY, use_kernels=False, dtype=torch.bfloat16).eval()
-    ckpt = open_checkpoint(TINY)
-    ours16 = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.bfloat16)
-    for i, p in enumerate(want["prompts"]):
-        with torch.no_grad():
-            r32 = model(torch.tensor([p])).logits[0].double()
-            r16 = hf16(torch.tensor([p])).logits[0].double()
-        g16 = ours16.forward_step(PackedStep(torch.tensor(p), [len(p)], [0], [0]), ours16.new_cache(1, 64),
-                                  all_logits=True).double()
-        assert float((g16 - r16).norm() / r16.norm()) < 1e-2
-        assert abs(float((r16 - r32).norm() / r32.norm()) - want["transformers_bf16_rel_l2"][i]) < 1e-4
-    ckpt.close()
+    assert_bf16_logits_match(TINY, model, hf16, want)

@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import transformers_greedy, word_tokenizer  # noqa: E402
-from engram_trt.cli.main import main  # noqa: E402
+from conftest import (assert_fp32_logits_match, assert_run_refused, edit_config, llm_greedy,  # noqa: E402
+                      packed_greedy, run_json, transformers_greedy, word_tokenizer)
 
 VOCAB = 96
 NEW_TOKENS = 10
@@ -117,62 +117,29 @@ def test_checkpoint_names_are_transformers_names_read_back(case: tuple[str, Path
 
 
 def test_llm_greedy_tokens_equal_transformers(case: tuple[str, Path, Any]) -> None:
-    from engram_trt import LLM, SamplingParams
-
     _name, folder, model = case
     want = [hf_greedy(model, p) for p in PROMPTS]
-    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert llm_greedy(folder, PROMPTS, NEW_TOKENS) == want
 
 
 def test_fp32_logits_within_1e4_of_transformers(case: tuple[str, Path, Any]) -> None:
-    from engram_trt.models.step import PackedStep
-
     _name, folder, model = case
-    ours = _load(folder)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt])).logits[0].double()
-        state = ours.new_cache(1, 64)
-        got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state, all_logits=True).double()
-        assert got.shape == ref.shape
-        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert_fp32_logits_match(model, _load(folder), PROMPTS)
 
 
 def test_chunked_prefill_and_packed_steps_equal_whole_sequences(case: tuple[str, Path, Any]) -> None:
-    from engram_trt.models.step import PackedStep
-
     _name, folder, model = case
     ours = _load(folder)
     want = [hf_greedy(model, p, 6) for p in PROMPTS]
     assert [ours.generate_greedy(p, 6, chunk=3, ignore_eos=True) for p in PROMPTS] == want
-    state = ours.new_cache(4, 64)
-    slots = [3, 0, 2]
-    step = PackedStep(torch.tensor(sum(PROMPTS, [])), [len(p) for p in PROMPTS], [0, 0, 0], slots)
-    logits = ours.forward_step(step, state)
-    got: list[list[int]] = [[] for _ in PROMPTS]
-    lens = [len(p) for p in PROMPTS]
-    for _ in range(6):
-        toks = [int(t) for t in torch.argmax(logits, dim=-1)]
-        for g, t in zip(got, toks):
-            g.append(t)
-        logits = ours.forward_step(PackedStep(torch.tensor(toks), [1, 1, 1], lens, slots), state)
-        lens = [n + 1 for n in lens]
-    assert got == want
+    assert packed_greedy(ours, PROMPTS, 6) == want
 
 
 def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: Any) -> None:
     _name, folder, model = case
     prompt = PROMPTS[0]
     want = hf_greedy(model, prompt)
-    text = " ".join(f"w{i}" for i in prompt)
-    capsys.readouterr()
-    code = main(["run", str(folder), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-                 "--device", "cpu", "--dtype", "fp32", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert json.loads(out)["token_ids"] == want
+    assert run_json(folder, prompt, NEW_TOKENS, capsys)["token_ids"] == want
 
 
 # -- the pieces against transformers' own modules -------------------------------------------
@@ -237,13 +204,6 @@ def test_hyper_connection_and_moe_equal_transformers_modules() -> None:
 
 # -- bad input: one line, exit 2 ------------------------------------------------------------
 
-def _edit(folder: Path, **changes: Any) -> None:
-    p = folder / "config.json"
-    d = json.loads(p.read_text())
-    d.update(changes)
-    p.write_text(json.dumps(d))
-
-
 def _retensor(folder: Path, name: str, value: Any) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -254,18 +214,18 @@ def _retensor(folder: Path, name: str, value: Any) -> None:
 
 
 BAD = {
-    "layer-type": (lambda f: _edit(f, layer_types=[HCA, "mamba_attention", HCA]),
+    "layer-type": (lambda f: edit_config(f, layer_types=[HCA, "mamba_attention", HCA]),
                    "layer_types holds 'mamba_attention', not a DeepSeek-V4 type"),
-    "compress-rate-0": (lambda f: _edit(f, compress_rates={CSA: 0, HCA: 4}), r"compress_rates\['compressed_sparse_attention'\]=0"),
-    "more-experts-than-weights": (lambda f: _edit(f, n_routed_experts=5),
+    "compress-rate-0": (lambda f: edit_config(f, compress_rates={CSA: 0, HCA: 4}), r"compress_rates\['compressed_sparse_attention'\]=0"),
+    "more-experts-than-weights": (lambda f: edit_config(f, n_routed_experts=5),
                                   "layer 0 holds 4 routed experts .* n_routed_experts=5"),
-    "fewer-experts-than-weights": (lambda f: _edit(f, n_routed_experts=3), r"experts\.3\.w1\.weight"),
+    "fewer-experts-than-weights": (lambda f: edit_config(f, n_routed_experts=3), r"experts\.3\.w1\.weight"),
     "tid2eid-out-of-range": (lambda f: _retensor(f, "model.layers.0.ffn.gate.tid2eid", lambda t: t + 4),
                              "routes to expert .* outside 0..3"),
-    "mlp-type": (lambda f: _edit(f, mlp_layer_types=["hash_moe", "dense", "moe"]), "mlp_layer_types holds 'dense'"),
-    "shared-experts": (lambda f: _edit(f, n_shared_experts=2), "'n_shared_experts'=2 is not implemented"),
-    "scoring": (lambda f: _edit(f, scoring_func="softmax"), "scoring_func='softmax' is not implemented"),
-    "engram-on-v4": (lambda f: _edit(f, engram_layer_ids=[1]), "names DeepseekV4ForCausalLM, which has no Engram"),
+    "mlp-type": (lambda f: edit_config(f, mlp_layer_types=["hash_moe", "dense", "moe"]), "mlp_layer_types holds 'dense'"),
+    "shared-experts": (lambda f: edit_config(f, n_shared_experts=2), "'n_shared_experts'=2 is not implemented"),
+    "scoring": (lambda f: edit_config(f, scoring_func="softmax"), "scoring_func='softmax' is not implemented"),
+    "engram-on-v4": (lambda f: edit_config(f, engram_layer_ids=[1]), "names DeepseekV4ForCausalLM, which has no Engram"),
 }
 
 
@@ -275,14 +235,7 @@ def test_bad_checkpoints_refused_in_one_line(tmp_path: Path, capsys: Any, bad: s
     save_v4(folder, seed=1)
     damage, needle = BAD[bad]
     damage(folder)
-    before = sorted(p.name for p in folder.iterdir())
-    capsys.readouterr()
-    code = main(["run", str(folder), "--prompt", "w5 w6", "--max-new-tokens", "2", "--device", "cpu"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2
-    assert len(err.splitlines()) == 1, err
-    assert re.search(needle, err), err
-    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written
+    assert_run_refused(folder, needle, capsys)
 
 
 def test_model_larger_than_the_gpu_is_refused_before_loading(monkeypatch: Any) -> None:
@@ -328,11 +281,7 @@ def save_v41(folder: Path, table: Any, seed: int = 3) -> Any:
 
 
 def _llm_tokens(folder: Path, n: int = NEW_TOKENS) -> list[list[int]]:
-    from engram_trt import LLM, SamplingParams
-
-    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return llm_greedy(folder, PROMPTS, n)
 
 
 def test_v41_with_all_zero_tables_gives_the_v4_tokens(tmp_path: Path) -> None:

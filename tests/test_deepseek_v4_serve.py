@@ -7,12 +7,6 @@ runs (and, for V4.1, pad ids); ``generate_stream`` gives the same tokens.
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,12 +16,11 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+from conftest import assert_served_tokens, require_tritonserver, start_serve, stop_serve, words  # noqa: E402
 from test_deepseek_v4_parity import hf_greedy, save_v4, save_v41  # noqa: E402
 
-from engram_trt.errors import EngramError  # noqa: E402
 from engram_trt.triton import client as hc  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 EOS = 2
 PAD = 0  # V4.1's engram_pad_token_id (save_v41)
 PROMPTS = [[5, 17, 33, EOS, 90, 41, 7], [EOS, EOS, 3, 44, 8], [60, 61, EOS, 62, 63, 9, 10, 11, 12]]
@@ -53,13 +46,7 @@ def _v41_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["v4", "v41"])
 def served(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, list[list[int]], list[list[int]]]]:
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
-    from engram_trt.triton.server import find_tritonserver
-
-    try:
-        find_tritonserver()
-    except EngramError as exc:
-        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    require_tritonserver()
     root = tmp_path_factory.mktemp(f"dsv4serve-{request.param}")
     folder = root / "ck"
     if request.param == "v4":
@@ -72,36 +59,19 @@ def served(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
         prompts = PROMPTS_V41
         want = _v41_greedy(folder, prompts)
     log = root / "tritonserver.log"
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(folder), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log), "--exit-timeout", "10",
-           "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "4", "--max-num-tokens", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
-    ready, _, _ = select.select([proc.stdout], [], [], 240)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        _out, err = proc.communicate()
-        tail = log.read_text()[-3000:] if log.exists() else ""
-        pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}\n{tail}")
-    info = json.loads(line)
+    proc, info = start_serve(folder, log, "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "4",
+                             "--max-num-tokens", "64")
     yield info, prompts, want
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(90) == 0, proc.stderr.read()[-2000:]
+    stop_serve(proc)
 
 
 def test_http_generate_gives_the_reference_tokens(served: tuple[dict, list[list[int]], list[list[int]]]) -> None:
     info, prompts, want = served
-    for prompt, ids in zip(prompts, want):
-        text = " ".join(f"w{i}" for i in prompt)
-        status, body = hc.generate(info["http"], {"text_input": text, "max_tokens": NEW, "ignore_eos": True})
-        assert status == 200, body
-        assert hc.ids(body["output_ids"]) == ids
+    assert_served_tokens(info["http"], prompts, want, NEW)
 
 
 def test_http_stream_gives_the_reference_tokens(served: tuple[dict, list[list[int]], list[list[int]]]) -> None:
     info, prompts, want = served
-    text = " ".join(f"w{i}" for i in prompts[2])
-    events = hc.generate_stream(info["http"], {"text_input": text, "max_tokens": NEW, "ignore_eos": True})
+    events = hc.generate_stream(info["http"], {"text_input": words(prompts[2]), "max_tokens": NEW, "ignore_eos": True})
     _text, ids, _finish, error = hc.collect(events)
     assert error is None and ids == want[2]

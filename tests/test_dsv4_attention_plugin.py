@@ -20,8 +20,8 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import dsv4_attention as dsv4
 
-from conftest import harness_path, harness_scripts
-from test_linear_attention_plugins import _build, _create, _graph, trt  # noqa: F401 (trt: the fixture)
+from conftest import create_plugin, harness_path, harness_scripts
+from test_linear_attention_plugins import _build, _graph  # (the trt fixture: tests/conftest.py)
 
 HARNESS = harness_path()
 FIELDS = dict(layer_type=1, window=6, compress_rate=4, index_topk=2, scaling=0.125, eps=1e-6, rope_scale=1.0)
@@ -80,14 +80,14 @@ def test_creator_is_registered_and_refuses_bad_fields(trt, capfd) -> None:
         ("eps", f32), ("rope_scale", f32)]
     good = {"layer_type": ("int32", 1), "window": ("int32", 6), "compress_rate": ("int32", 4),
             "index_topk": ("int32", 2), "scaling": ("float32", 0.125), "eps": ("float32", 1e-6)}
-    assert _create(trt, "EngramDsv4Attention", good) is not None
-    assert _create(trt, "EngramDsv4Attention", {"layer_type": ("int32", 0), "window": ("int32", 4),
-                                                "scaling": ("float32", 0.1)}) is not None  # sliding: rate / top-k optional
+    assert create_plugin(trt, "EngramDsv4Attention", good) is not None
+    sliding = {"layer_type": ("int32", 0), "window": ("int32", 4), "scaling": ("float32", 0.1)}
+    assert create_plugin(trt, "EngramDsv4Attention", sliding) is not None  # sliding: rate / top-k optional
     for change, message in (({"layer_type": ("int32", 5)}, "field 'layer_type' = 5 is outside [0, 2]"),
                             ({"compress_rate": ("int32", 0)}, "compress_rate 0 must be >= 1"),
                             ({"window": ("int32", 0)}, "field 'window' = 0 is outside")):
         capfd.readouterr()
-        assert _create(trt, "EngramDsv4Attention", {**good, **change}) is None
+        assert create_plugin(trt, "EngramDsv4Attention", {**good, **change}) is None
         assert any(message in line for line in capfd.readouterr().err.splitlines())
 
 

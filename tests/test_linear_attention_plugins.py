@@ -24,7 +24,8 @@ from engram_trt.errors import EngramError
 from engram_trt.native import linear_attention as la
 from engram_trt.native import trt_compat
 
-from conftest import harness_path, harness_scripts
+from conftest import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
+                      serialized_twice)
 
 NAMESPACE = "engram_trt"
 HARNESS = harness_path()
@@ -102,31 +103,7 @@ def test_delta_binding_names_the_bad_argument(plugin_lib: Path, change, needle) 
 
 # --- TensorRT-RTX: the creators ---------------------------------------------------------------
 
-@pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
-def trt(request, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
-    module = "tensorrt_rtx_bindings" if request.param == "tensorrt_rtx" else "tensorrt"
-    if not trt_compat.module_available(module) and not trt_compat.module_available(request.param):
-        pytest.skip(trt_compat.NOT_INSTALLED_REASON if request.param == "tensorrt" else "tensorrt_rtx not installed")
-    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", request.param)
-    t = trt_compat.load(request.param)
-    trt_compat.load_plugin_library(plugin_lib)
-    return t
-
-
-def _create(trt, name: str, fields: dict[str, tuple[str, object]]):
-    m = trt.module
-    creator = m.get_plugin_registry().get_creator(name, "1", NAMESPACE)
-    assert creator is not None, f"{name} creator is not registered"
-    keep, out = [], []
-    for field, (kind, value) in fields.items():
-        data = np.atleast_1d(np.asarray(value, dtype=kind))
-        keep.append(data)
-        out.append(m.PluginField(field, data, {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
-                                               "float32": m.PluginFieldType.FLOAT32}[kind]))
-    plugin = creator.create_plugin(name, m.PluginFieldCollection(out), m.TensorRTPhase.BUILD)
-    del keep
-    return plugin
-
+# (the trt fixture: tests/conftest.py)
 
 CONV_VALID = {"kernel": ("int32", 4), "activation": ("int32", 1)}
 DELTA_VALID = {"l2norm_qk": ("int32", 1), "scale": ("float32", 0.125)}
@@ -161,16 +138,16 @@ def test_creators_refuse_bad_fields_in_one_line(trt, capfd, name, valid, change,
     for field in [k for k, v in change.items() if v is None]:
         del fields[field]
     capfd.readouterr()
-    assert _create(trt, name, fields) is None
+    assert create_plugin(trt, name, fields) is None
     err = [line for line in capfd.readouterr().err.splitlines() if message in line]
     assert err and err[0].count(name) >= 1, capfd.readouterr().err
 
 
 def test_creators_accept_the_edge_of_each_range(trt) -> None:
     for edge in ({"kernel": ("int32", 1)}, {"kernel": ("int64", 32)}, {"activation": ("int32", 0)}):
-        assert _create(trt, "EngramCausalConv1d", {**CONV_VALID, **edge}) is not None, edge
+        assert create_plugin(trt, "EngramCausalConv1d", {**CONV_VALID, **edge}) is not None, edge
     for edge in ({"l2norm_qk": ("int32", 0)}, {"scale": ("float32", 0.0)}, {"scale": ("float32", -3.0)}):
-        assert _create(trt, "EngramGatedDeltaNet", {**DELTA_VALID, **edge}) is not None, edge
+        assert create_plugin(trt, "EngramGatedDeltaNet", {**DELTA_VALID, **edge}) is not None, edge
 
 
 # --- engines -------------------------------------------------------------------------------------
@@ -189,18 +166,13 @@ def _graph(path: Path, op: str, inputs: list[tuple[str, int, list]], outputs: li
 
 
 def _build(trt, path: Path, shapes: dict[str, tuple[tuple, tuple, tuple]], name: str):
-    builder = trt_compat.create_builder()
-    network = trt_compat.create_network(builder)
-    trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
-    (layer,) = [network.get_layer(i) for i in range(network.num_layers)
-                if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    """The one-plugin graph at ``path`` (plugin ``name``) built with aliased I/O and the
+    ``shapes`` profile: (the network, the serialized engine or None)."""
+    builder, network, layer = parse_plugin_graph(trt, path)
     layer.__class__ = trt.module.IPluginV3Layer
     core = layer.plugin.get_capability_interface(trt.module.PluginCapabilityType.CORE)
     assert (core.plugin_name, core.plugin_namespace, core.plugin_version) == (name, NAMESPACE, "1")
-    config = builder.create_builder_config()
-    trt_compat.enable_aliased_plugin_io(config)
-    if trt.is_rtx:
-        trt_compat.set_targets(config, ("sm80",))
+    config = plugin_builder_config(trt, builder, aliased=True)
     profile = builder.create_optimization_profile()
     for tensor, (lo, opt, hi) in shapes.items():
         profile.set_shape(tensor, lo, opt, hi)
@@ -274,16 +246,7 @@ def test_serialized_fields_are_pinned(harness) -> None:
             ("EngramGatedDeltaNet", [("scale", PF_FLOAT64, np.array([0.125], np.float64)),
                                      ("l2norm_qk", PF_INT64, np.array([1], np.int64))],
              [("l2norm_qk", i32, 1, np.int32(1).tobytes()), ("scale", f32, 1, np.float32(0.125).tobytes())])):
-        p = h.create(name, given)
-        try:
-            first = h.serialized_fields(p)
-            p2 = h.roundtrip(p)
-            try:
-                again = h.serialized_fields(p2)
-            finally:
-                h.lib.harness_destroy(p2)
-        finally:
-            h.lib.harness_destroy(p)
+        first, again = serialized_twice(h, name, given)
         assert first == want and again == want, name
 
 

@@ -8,11 +8,6 @@ a model without Engram layers never opens a table store, a prefetcher or a looku
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,12 +16,11 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import assert_served_tokens, require_tritonserver, start_serve, stop_serve, words  # noqa: E402
 from test_llama_parity import NEW_TOKENS, PROMPTS, SUPPORTED, hf_greedy, save_llama  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
-from engram_trt.errors import EngramError  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -85,42 +79,21 @@ def test_engram_options_on_the_engine_folder_are_refused(built: tuple[Path, Path
 
 @pytest.fixture(scope="module")
 def served(built: tuple[Path, Path, list[list[int]], dict]):
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
-    from engram_trt.triton.server import find_tritonserver
-
-    try:
-        find_tritonserver()
-    except EngramError as exc:
-        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    require_tritonserver()
     _ck, engine, want, _report = built
     log = engine.parent / "tritonserver.log"
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(engine), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log), "--exit-timeout", "10",
-           "--device", "cpu", "--backend", "torch", "--max-batch-size", "4", "--max-num-tokens", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
-    ready, _, _ = select.select([proc.stdout], [], [], 240)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        _out, err = proc.communicate()
-        tail = log.read_text()[-3000:] if log.exists() else ""
-        pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}\n{tail}")
-    yield json.loads(line), want
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(90) == 0, proc.stderr.read()[-2000:]
+    proc, info = start_serve(engine, log, "--device", "cpu", "--backend", "torch", "--max-batch-size", "4",
+                             "--max-num-tokens", "64")
+    yield info, want
+    stop_serve(proc)
 
 
 def test_served_engine_folder_gives_transformers_tokens(served: tuple[dict, list[list[int]]]) -> None:
     from engram_trt.triton import client as hc
 
     info, want = served
-    for prompt, ids in zip(PROMPTS, want):
-        text = " ".join(f"w{i}" for i in prompt)
-        status, body = hc.generate(info["http"], {"text_input": text, "max_tokens": NEW_TOKENS, "ignore_eos": True})
-        assert status == 200, body
-        assert hc.ids(body["output_ids"]) == ids
-    events = hc.generate_stream(info["http"], {"text_input": " ".join(f"w{i}" for i in PROMPTS[1]),
+    assert_served_tokens(info["http"], PROMPTS, want, NEW_TOKENS)
+    events = hc.generate_stream(info["http"], {"text_input": words(PROMPTS[1]),
                                                "max_tokens": NEW_TOKENS, "ignore_eos": True})
     _text, ids, _finish, error = hc.collect(events)
     assert error is None and ids == want[1]

@@ -23,9 +23,8 @@ import torch
 
 from engram_trt.errors import EngramError
 from engram_trt.native import ple
-from engram_trt.native import trt_compat
 
-from conftest import harness_path, harness_scripts
+from conftest import create_plugin, harness_path, harness_scripts, serialized_twice
 
 NAMESPACE = "engram_trt"
 FIELDS = ["hc_count", "hidden", "kernel", "dilation", "eps"]
@@ -128,31 +127,10 @@ def test_plefusion_backend_kernels_says_why_it_cannot_run() -> None:
 
 # --- TensorRT-RTX: the creator ------------------------------------------------------------
 
-@pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
-def trt(request, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
-    module = request.param
-    if not trt_compat.module_available(module if module != "tensorrt_rtx" else "tensorrt_rtx_bindings") \
-            and not trt_compat.module_available(module):
-        pytest.skip(trt_compat.NOT_INSTALLED_REASON if module == "tensorrt" else "tensorrt_rtx not installed")
-    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", module)
-    t = trt_compat.load(module)
-    trt_compat.load_plugin_library(plugin_lib)
-    return t
-
+# (the trt fixture: tests/conftest.py)
 
 def _create(trt, fields: dict[str, tuple[str, object]]):
-    m = trt.module
-    creator = m.get_plugin_registry().get_creator("EngramPleFusion", "1", NAMESPACE)
-    assert creator is not None, "EngramPleFusion creator is not registered"
-    keep, out = [], []
-    for name, (kind, value) in fields.items():
-        data = np.atleast_1d(np.asarray(value, dtype=kind))
-        keep.append(data)
-        out.append(m.PluginField(name, data, {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
-                                              "float32": m.PluginFieldType.FLOAT32}[kind]))
-    plugin = creator.create_plugin("EngramPleFusion", m.PluginFieldCollection(out), m.TensorRTPhase.BUILD)
-    del keep
-    return plugin
+    return create_plugin(trt, "EngramPleFusion", fields)
 
 
 VALID = {"hc_count": ("int32", 4), "hidden": ("int32", 2048), "kernel": ("int32", 4), "dilation": ("int32", 3),
@@ -214,16 +192,7 @@ def test_serialized_fields_are_pinned(harness) -> None:
     given = [("eps", PF_FLOAT64, np.array([1e-5], np.float64)), ("dilation", PF_INT16, np.array([3], np.int16)),
              ("kernel", PF_INT64, np.array([4], np.int64)), ("hidden", helpers.PF_INT32, np.array([64], np.int32)),
              ("hc_count", PF_INT64, np.array([2], np.int64))]
-    p = h.create("EngramPleFusion", given)
-    try:
-        first = h.serialized_fields(p)
-        p2 = h.roundtrip(p)
-        try:
-            again = h.serialized_fields(p2)
-        finally:
-            h.lib.harness_destroy(p2)
-    finally:
-        h.lib.harness_destroy(p)
+    first, again = serialized_twice(h, "EngramPleFusion", given)
     i32 = helpers.PF_INT32
     want = [("hc_count", i32, 1, np.int32(2).tobytes()), ("hidden", i32, 1, np.int32(64).tobytes()),
             ("kernel", i32, 1, np.int32(4).tobytes()), ("dilation", i32, 1, np.int32(3).tobytes()),

@@ -28,13 +28,13 @@ from engram_trt.errors import EngramError
 from engram_trt.models import export
 from engram_trt.native import trt_compat
 
-from conftest import harness_path, harness_scripts
+from conftest import (PF_CHAR, PF_FLOAT32, PF_INT8, PF_INT16, PF_INT32, PF_INT64, add_field, drop_field,
+                      harness_path, harness_scripts, parse_plugin_graph, pf_scalar, pf_text, pf_written,
+                      plugin_builder_config, serialized_twice, set_field)
 
 NAME = "EngramPleHash"
 NAMESPACE = "engram_trt"
 HARNESS = harness_path()
-# nvinfer1::PluginFieldType values
-PF_FLOAT32, PF_FLOAT64, PF_INT8, PF_INT16, PF_INT32, PF_CHAR, PF_INT64 = 1, 2, 3, 4, 5, 6, 10
 FIELD_NAMES = ["ngram_size", "heads_per_ngram", "eos_id", "vocab_size", "table_rows", "multipliers", "primes",
                "offsets"]
 
@@ -52,33 +52,16 @@ LAYOUT = make_layout()
 LAYER = 1  # not the first: its primes and offsets are not layer 0's
 
 
-def _scalar(ftype: int, value) -> np.ndarray:
-    dtype = {PF_FLOAT32: np.float32, PF_FLOAT64: np.float64, PF_INT8: np.int8, PF_INT16: np.int16,
-             PF_INT32: np.int32, PF_INT64: np.int64}[ftype]
-    return np.array([value], dtype)
-
-
-def _text(values) -> np.ndarray:
-    return np.frombuffer(",".join(str(int(v)) for v in np.asarray(values).reshape(-1)).encode(), np.uint8)
-
-
 def ple_fields(layout: ph.PLEHashLayout, layer: int) -> Fields:
     """One PLE layer's plugin fields, as an exporter writes them (int64 arrays)."""
-    return [("ngram_size", PF_INT32, _scalar(PF_INT32, layout.ngram_size)),
-            ("heads_per_ngram", PF_INT32, _scalar(PF_INT32, layout.heads_per_ngram)),
-            ("eos_id", PF_INT64, _scalar(PF_INT64, layout.eos_id)),
-            ("vocab_size", PF_INT64, _scalar(PF_INT64, layout.vocab_size)),
-            ("table_rows", PF_INT64, _scalar(PF_INT64, layout.table_rows[layer])),
+    return [("ngram_size", PF_INT32, pf_scalar(PF_INT32, layout.ngram_size)),
+            ("heads_per_ngram", PF_INT32, pf_scalar(PF_INT32, layout.heads_per_ngram)),
+            ("eos_id", PF_INT64, pf_scalar(PF_INT64, layout.eos_id)),
+            ("vocab_size", PF_INT64, pf_scalar(PF_INT64, layout.vocab_size)),
+            ("table_rows", PF_INT64, pf_scalar(PF_INT64, layout.table_rows[layer])),
             ("multipliers", PF_INT64, np.ascontiguousarray(layout.multipliers[layer], np.int64)),
             ("primes", PF_INT64, np.ascontiguousarray(layout.head_vocab_sizes[layer], np.int64)),
             ("offsets", PF_INT64, np.ascontiguousarray(layout.head_offsets[layer], np.int64))]
-
-
-def _written(name: str, ftype: int, values) -> tuple[str, int, int, bytes]:
-    """A field as getFieldsToSerialize must write it: the declared type, its bytes."""
-    dtype = {PF_INT32: np.int32, PF_INT64: np.int64}[ftype]
-    data = np.atleast_1d(np.asarray(values, dtype))
-    return name, ftype, int(data.size), data.tobytes()
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +73,8 @@ def harness():
 def _serialized(harness, fields: Fields) -> list[tuple[str, int, int, bytes]]:
     """getFieldsToSerialize of a plugin made from ``fields``, and the same of the plugin
     rebuilt from them (createPlugin in the runtime phase, as an engine is deserialized)."""
-    h = harness.create(NAME, fields)
-    try:
-        first = harness.serialized_fields(h)
-        h2 = harness.roundtrip(h)
-        try:
-            assert harness.serialized_fields(h2) == first, "the round trip changed the fields"
-        finally:
-            harness.lib.harness_destroy(h2)
-    finally:
-        harness.lib.harness_destroy(h)
+    first, again = serialized_twice(harness, NAME, fields)
+    assert again == first, "the round trip changed the fields"
     return first
 
 
@@ -108,20 +83,20 @@ def test_serialized_fields_are_pinned(harness) -> None:
     and arrays), from the exporter's int64 arrays, from decimal text (the ONNX form),
     and from narrower / wider integer scalars; layers 0 and 2 write their own arrays."""
     for layer in (0, LAYER, 2):
-        want = [_written("ngram_size", PF_INT32, 4), _written("heads_per_ngram", PF_INT32, 3),
-                _written("eos_id", PF_INT64, 151), _written("vocab_size", PF_INT64, 300),
-                _written("table_rows", PF_INT64, LAYOUT.table_rows[layer]),
-                _written("multipliers", PF_INT64, LAYOUT.multipliers[layer]),
-                _written("primes", PF_INT64, LAYOUT.head_vocab_sizes[layer]),
-                _written("offsets", PF_INT64, LAYOUT.head_offsets[layer])]
+        want = [pf_written("ngram_size", PF_INT32, 4), pf_written("heads_per_ngram", PF_INT32, 3),
+                pf_written("eos_id", PF_INT64, 151), pf_written("vocab_size", PF_INT64, 300),
+                pf_written("table_rows", PF_INT64, LAYOUT.table_rows[layer]),
+                pf_written("multipliers", PF_INT64, LAYOUT.multipliers[layer]),
+                pf_written("primes", PF_INT64, LAYOUT.head_vocab_sizes[layer]),
+                pf_written("offsets", PF_INT64, LAYOUT.head_offsets[layer])]
         assert [w[2] for w in want[5:]] == [4, 9, 9]  # N multipliers, H = (N-1) * heads_per_ngram heads
         assert _serialized(harness, ple_fields(LAYOUT, layer)) == want
-        as_text = [(n, PF_CHAR, _text(a)) if n in ("multipliers", "primes", "offsets") else (n, t, a)
+        as_text = [(n, PF_CHAR, pf_text(a)) if n in ("multipliers", "primes", "offsets") else (n, t, a)
                    for n, t, a in ple_fields(LAYOUT, layer)]
         assert _serialized(harness, as_text) == want
-    widths = [("ngram_size", PF_INT64, _scalar(PF_INT64, 4)), ("heads_per_ngram", PF_INT8, _scalar(PF_INT8, 3)),
-              ("eos_id", PF_INT32, _scalar(PF_INT32, 151)), ("vocab_size", PF_INT16, _scalar(PF_INT16, 300)),
-              ("table_rows", PF_CHAR, _text([LAYOUT.table_rows[LAYER]]))]
+    widths = [("ngram_size", PF_INT64, pf_scalar(PF_INT64, 4)), ("heads_per_ngram", PF_INT8, pf_scalar(PF_INT8, 3)),
+              ("eos_id", PF_INT32, pf_scalar(PF_INT32, 151)), ("vocab_size", PF_INT16, pf_scalar(PF_INT16, 300)),
+              ("table_rows", PF_CHAR, pf_text([LAYOUT.table_rows[LAYER]]))]
     fields = widths + ple_fields(LAYOUT, LAYER)[5:]
     assert _serialized(harness, fields) == _serialized(harness, ple_fields(LAYOUT, LAYER))
 
@@ -145,18 +120,6 @@ def test_output_shape_and_type(harness) -> None:
         harness.lib.harness_destroy(h)
 
 
-def _drop(name: str) -> Callable[[Fields], Fields]:
-    return lambda fields: [f for f in fields if f[0] != name]
-
-
-def _set(name: str, ftype: int, data: np.ndarray) -> Callable[[Fields], Fields]:
-    return lambda fields: [(n, ftype, data) if n == name else (n, t, d) for n, t, d in fields]
-
-
-def _add(name: str, ftype: int, data: np.ndarray) -> Callable[[Fields], Fields]:
-    return lambda fields: fields + [(name, ftype, data)]
-
-
 def _array(name: str, index: int, value: int) -> Callable[[Fields], Fields]:
     """One entry of an int64 array field changed."""
     def change(fields: Fields) -> Fields:
@@ -173,43 +136,43 @@ def _array(name: str, index: int, value: int) -> Callable[[Fields], Fields]:
 PRIME0, OFFSET_LAST = int(LAYOUT.head_vocab_sizes[LAYER][0]), int(LAYOUT.head_offsets[LAYER][-1])
 ROWS = int(LAYOUT.table_rows[LAYER])
 # (change of the valid fields, the refusal's message, the file that raises it)
-MALFORMED = [(_drop(name), f"missing field '{name}'", "pluginFields.cpp") for name in FIELD_NAMES] + [
-    (_set("ngram_size", PF_INT32, _scalar(PF_INT32, 1)), "field 'ngram_size' = 1 is outside [2, 16]",
+MALFORMED = [(drop_field(name), f"missing field '{name}'", "pluginFields.cpp") for name in FIELD_NAMES] + [
+    (set_field("ngram_size", PF_INT32, pf_scalar(PF_INT32, 1)), "field 'ngram_size' = 1 is outside [2, 16]",
      "pluginFields.cpp"),
-    (_set("ngram_size", PF_INT64, _scalar(PF_INT64, 17)), "field 'ngram_size' = 17 is outside [2, 16]",
+    (set_field("ngram_size", PF_INT64, pf_scalar(PF_INT64, 17)), "field 'ngram_size' = 17 is outside [2, 16]",
      "pluginFields.cpp"),
-    (_set("ngram_size", PF_INT64, _scalar(PF_INT64, 2**32 + 4)),  # not narrowed to 4
+    (set_field("ngram_size", PF_INT64, pf_scalar(PF_INT64, 2**32 + 4)),  # not narrowed to 4
      "field 'ngram_size' = 4294967300 is outside [2, 16]", "pluginFields.cpp"),
-    (_set("heads_per_ngram", PF_INT32, _scalar(PF_INT32, 0)), "field 'heads_per_ngram' = 0 is outside [1, 128]",
+    (set_field("heads_per_ngram", PF_INT32, pf_scalar(PF_INT32, 0)), "field 'heads_per_ngram' = 0 is outside [1, 128]",
      "pluginFields.cpp"),
-    (_set("eos_id", PF_INT64, _scalar(PF_INT64, -1)), "field 'eos_id' = -1 is outside [0, 2147483647]",
+    (set_field("eos_id", PF_INT64, pf_scalar(PF_INT64, -1)), "field 'eos_id' = -1 is outside [0, 2147483647]",
      "pluginFields.cpp"),
-    (_set("vocab_size", PF_INT64, _scalar(PF_INT64, 0)), "field 'vocab_size' = 0 is outside [1, 2147483648]",
+    (set_field("vocab_size", PF_INT64, pf_scalar(PF_INT64, 0)), "field 'vocab_size' = 0 is outside [1, 2147483648]",
      "pluginFields.cpp"),
-    (_set("table_rows", PF_INT64, _scalar(PF_INT64, 2**31)), "field 'table_rows' = 2147483648 is outside "
+    (set_field("table_rows", PF_INT64, pf_scalar(PF_INT64, 2**31)), "field 'table_rows' = 2147483648 is outside "
      "[1, 2147483647]", "pluginFields.cpp"),
-    (_set("heads_per_ngram", PF_FLOAT32, _scalar(PF_FLOAT32, 3.0)), "field 'heads_per_ngram' must be an integer",
+    (set_field("heads_per_ngram", PF_FLOAT32, pf_scalar(PF_FLOAT32, 3.0)), "field 'heads_per_ngram' must be an integer",
      "pluginFields.cpp"),
-    (_set("multipliers", PF_INT32, LAYOUT.multipliers[LAYER].astype(np.int32)),
+    (set_field("multipliers", PF_INT32, LAYOUT.multipliers[LAYER].astype(np.int32)),
      "field 'multipliers' needs 64-bit integers but came as a narrower type", "pluginFields.cpp"),
-    (_set("primes", PF_INT64, np.zeros(8, np.int64)), "field 'primes' must hold 9 values, not 8", "pluginFields.cpp"),
-    (_set("offsets", PF_CHAR, _text(LAYOUT.head_offsets[LAYER][:-1])), "field 'offsets' must hold 9 values, not 8",
+    (set_field("primes", PF_INT64, np.zeros(8, np.int64)), "field 'primes' must hold 9 values, not 8", "pluginFields.cpp"),
+    (set_field("offsets", PF_CHAR, pf_text(LAYOUT.head_offsets[LAYER][:-1])), "field 'offsets' must hold 9 values, not 8",
      "pluginFields.cpp"),
-    (_set("multipliers", PF_CHAR, _text([1, 3, 5, 7, 9])), "field 'multipliers' must hold 4 values, not 5",
+    (set_field("multipliers", PF_CHAR, pf_text([1, 3, 5, 7, 9])), "field 'multipliers' must hold 4 values, not 5",
      "pluginFields.cpp"),
-    (_set("primes", PF_CHAR, np.frombuffer(b"1009+1013", np.uint8)),
+    (set_field("primes", PF_CHAR, np.frombuffer(b"1009+1013", np.uint8)),
      "field 'primes' holds text that is not a list of integers", "pluginFields.cpp"),
-    (_add("eos_id", PF_INT64, _scalar(PF_INT64, 151)), "field 'eos_id' given twice", "pluginFields.cpp"),
-    (_add("pad_id", PF_INT64, _scalar(PF_INT64, 0)), "unknown field(s) pad_id for plugin EngramPleHash",
+    (add_field("eos_id", PF_INT64, pf_scalar(PF_INT64, 151)), "field 'eos_id' given twice", "pluginFields.cpp"),
+    (add_field("pad_id", PF_INT64, pf_scalar(PF_INT64, 0)), "unknown field(s) pad_id for plugin EngramPleHash",
      "pluginFields.cpp"),
     # the head bound comes before primes / offsets are read: a missing array is not what
     # is reported when the counts are already too large
-    (lambda f: _drop("primes")(_set("heads_per_ngram", PF_INT32, _scalar(PF_INT32, 43))(f)),
+    (lambda f: drop_field("primes")(set_field("heads_per_ngram", PF_INT32, pf_scalar(PF_INT32, 43))(f)),
      "(ngram_size - 1) * heads_per_ngram = 129 exceeds 128", "engramPleHashPlugin.cpp"),
     # the layout checks across fields (engram_ple_hash_layout_create, at creation)
-    (_set("eos_id", PF_INT64, _scalar(PF_INT64, 300)), "eos_id 300 outside [0, vocab_size 300)",
+    (set_field("eos_id", PF_INT64, pf_scalar(PF_INT64, 300)), "eos_id 300 outside [0, vocab_size 300)",
      "engramPleHashPlugin.cpp"),
-    (_set("table_rows", PF_INT64, _scalar(PF_INT64, OFFSET_LAST + int(LAYOUT.head_vocab_sizes[LAYER][-1]) - 1)),
+    (set_field("table_rows", PF_INT64, pf_scalar(PF_INT64, OFFSET_LAST + int(LAYOUT.head_vocab_sizes[LAYER][-1]) - 1)),
      f"head 8 has prime {int(LAYOUT.head_vocab_sizes[LAYER][-1])}, offset {OFFSET_LAST}: its rows must lie in the "
      f"table's {OFFSET_LAST + int(LAYOUT.head_vocab_sizes[LAYER][-1]) - 1}", "engramPleHashPlugin.cpp"),
     (_array("offsets", 0, -1), f"head 0 has prime {PRIME0}, offset -1: its rows must lie in the table's {ROWS}",
@@ -239,10 +202,10 @@ def test_the_valid_fields_and_range_edges_are_accepted(harness) -> None:
     table row used exactly, EOS at the vocabulary's ends, the largest multiplier."""
     cases = [ple_fields(LAYOUT, LAYER), ple_fields(make_layout(vocab=50_000, n=16, hpn=8, base=100_000, eos=7), 0),
              ple_fields(make_layout(n=2, hpn=128, base=1000, divisor=1), 0),
-             _set("table_rows", PF_INT64, _scalar(PF_INT64, OFFSET_LAST + int(LAYOUT.head_vocab_sizes[LAYER][-1])))(
+             set_field("table_rows", PF_INT64, pf_scalar(PF_INT64, OFFSET_LAST + int(LAYOUT.head_vocab_sizes[LAYER][-1])))(
                  ple_fields(LAYOUT, LAYER)),
-             _set("eos_id", PF_INT64, _scalar(PF_INT64, 0))(ple_fields(LAYOUT, LAYER)),
-             _set("eos_id", PF_INT64, _scalar(PF_INT64, 299))(ple_fields(LAYOUT, LAYER)),
+             set_field("eos_id", PF_INT64, pf_scalar(PF_INT64, 0))(ple_fields(LAYOUT, LAYER)),
+             set_field("eos_id", PF_INT64, pf_scalar(PF_INT64, 299))(ple_fields(LAYOUT, LAYER)),
              _array("multipliers", 2, np.iinfo(np.int64).max // 299)(ple_fields(LAYOUT, LAYER))]
     for fields in cases:
         h = harness.create(NAME, fields)
@@ -251,16 +214,7 @@ def test_the_valid_fields_and_range_edges_are_accepted(harness) -> None:
 
 # --- TensorRT-RTX ------------------------------------------------------------------------
 
-@pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
-def trt(request, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
-    module = "tensorrt_rtx_bindings" if request.param == "tensorrt_rtx" else "tensorrt"
-    if not trt_compat.module_available(module) and not trt_compat.module_available(request.param):
-        pytest.skip(trt_compat.NOT_INSTALLED_REASON if request.param == "tensorrt" else "tensorrt_rtx not installed")
-    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", request.param)
-    t = trt_compat.load(request.param)
-    trt_compat.load_plugin_library(plugin_lib)
-    return t
-
+# (the trt fixture: tests/conftest.py)
 
 def test_creator_is_registered_with_its_fields(trt) -> None:
     registry = trt.module.get_plugin_registry()
@@ -287,14 +241,14 @@ def _registry_fields(trt, fields: Fields):
 
 
 def _text_form(fields: Fields) -> Fields:
-    return [(n, PF_CHAR, _text(d)) if n in ("multipliers", "primes", "offsets") else (n, t, d) for n, t, d in fields]
+    return [(n, PF_CHAR, pf_text(d)) if n in ("multipliers", "primes", "offsets") else (n, t, d) for n, t, d in fields]
 
 
 def test_registry_creator_builds_and_refuses(trt, capfd) -> None:
     creator = trt.module.get_plugin_registry().get_creator(NAME, "1", NAMESPACE)
     collection, keep = _registry_fields(trt, _text_form(ple_fields(LAYOUT, LAYER)))
     assert creator.create_plugin(NAME, collection, trt.module.TensorRTPhase.BUILD) is not None
-    bad = _set("eos_id", PF_INT64, _scalar(PF_INT64, 300))(ple_fields(LAYOUT, LAYER))
+    bad = set_field("eos_id", PF_INT64, pf_scalar(PF_INT64, 300))(ple_fields(LAYOUT, LAYER))
     collection, keep = _registry_fields(trt, _text_form(bad))
     capfd.readouterr()
     assert creator.create_plugin(NAME, collection, trt.module.TensorRTPhase.BUILD) is None
@@ -352,21 +306,14 @@ def test_onnx_graph_with_one_ple_hash_node_builds_an_engine(trt, tmp_path: Path,
     attributes = export.ple_hash_plugin_attributes(LAYOUT, LAYER) if form == "exporter" else \
         _text_attributes(LAYOUT, LAYER)
     _ple_graph(path, LAYOUT, attributes)
-    builder = trt_compat.create_builder()
-    network = trt_compat.create_network(builder)
-    parser = trt_compat.onnx_parser(network)
-    trt_compat.parse_onnx_file(parser, path)
-    (layer,) = [network.get_layer(i) for i in range(network.num_layers)
-                if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    builder, network, layer = parse_plugin_graph(trt, path)
     layer.__class__ = trt.module.IPluginV3Layer
     core = layer.plugin.get_capability_interface(trt.module.PluginCapabilityType.CORE)
     assert (core.plugin_name, core.plugin_namespace, core.plugin_version) == (NAME, NAMESPACE, "1")
     out = network.get_output(0)
     assert out.name == "rows" and tuple(out.shape) == (-1, LAYOUT.num_heads) and out.dtype == trt.module.int32
 
-    config = builder.create_builder_config()
-    if trt.is_rtx:
-        trt_compat.set_targets(config, ("sm80",))
+    config = plugin_builder_config(trt, builder, aliased=False)
     profile = builder.create_optimization_profile()
     n = LAYOUT.ngram_size - 1
     for name, lo, opt, hi in (("ids", (1,), (64,), (512,)), ("seq_starts", (2,), (3,), (9,)),

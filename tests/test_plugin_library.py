@@ -31,7 +31,7 @@ from engram_trt.distributed.sharding import ColumnShard, shard_columns
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
-from conftest import harness_path, harness_scripts
+from conftest import create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
@@ -248,20 +248,7 @@ def test_host_gatherer_create_reports_a_missing_device(plugin_lib: Path) -> None
 
 # --- TensorRT-RTX ------------------------------------------------------------------------
 
-def _require(module: str) -> None:
-    if not trt_compat.module_available(module if module != "tensorrt_rtx" else "tensorrt_rtx_bindings") \
-            and not trt_compat.module_available(module):
-        pytest.skip(trt_compat.NOT_INSTALLED_REASON if module == "tensorrt" else "tensorrt_rtx not installed")
-
-
-@pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
-def trt(request, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
-    _require(request.param)
-    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", request.param)
-    t = trt_compat.load(request.param)
-    trt_compat.load_plugin_library(plugin_lib)
-    return t
-
+# (the trt fixture: tests/conftest.py)
 
 def test_creators_are_registered_with_their_fields(trt) -> None:
     registry = trt.module.get_plugin_registry()
@@ -364,8 +351,7 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     _engram_graph(layout, path, bad_rows_input=bad_rows_input, shard=shard)
     builder = trt_compat.create_builder()
     network = trt_compat.create_network(builder)
-    parser = trt_compat.onnx_parser(network)
-    trt_compat.parse_onnx_file(parser, path)
+    trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
 
     plugin_layers = [network.get_layer(i) for i in range(network.num_layers)
                      if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
@@ -380,9 +366,7 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     cols = layout.n_hash_cols if shard is None else shard.num_cols  # rank 1 of 2: columns 4..8 of 8
     assert tuple(gather.get_output(0).shape) == (-1, cols, 64)
 
-    config = builder.create_builder_config()
-    if trt.is_rtx:
-        trt_compat.set_targets(config, ("sm80",))
+    config = plugin_builder_config(trt, builder, aliased=False)
     profile = builder.create_optimization_profile()
     n = layout.max_ngram_size - 1
     for name, lo, opt, hi in (("ids", (1,), (64,), (512,)), ("seq_starts", (2,), (3,), (9,)),
@@ -430,18 +414,10 @@ def test_attention_graph_builds_only_with_aliased_caches(trt, tmp_path: Path, ca
     want = {"bf16": trt.module.bfloat16, "fp16": trt.module.float16, "fp32": trt.module.float32}[io]
     engines = {}
     for aliased in (True, False):
-        builder = trt_compat.create_builder()
-        network = trt_compat.create_network(builder)
-        trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
-        (layer,) = [network.get_layer(i) for i in range(network.num_layers)
-                    if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+        builder, network, layer = parse_plugin_graph(trt, path)
         assert [layer.get_output(k).dtype for k in range(3)] == [want] * 3
         assert tuple(layer.get_output(1).shape) == (-1, kvh, -1, hd)  # the caches' dims, symbolic in the graph
-        config = builder.create_builder_config()
-        if aliased:
-            trt_compat.enable_aliased_plugin_io(config)
-        if trt.is_rtx:
-            trt_compat.set_targets(config, ("sm80",))
+        config = plugin_builder_config(trt, builder, aliased)
         profile = builder.create_optimization_profile()
         for name, n in (("q", H), ("k", kvh), ("v", kvh)):
             profile.set_shape(name, (1, n, hd), (16, n, hd), (64, n, hd))
@@ -491,11 +467,8 @@ def _gate_graph(path: Path, io: str, weights: str, kv_io: str | None = None, hc:
 def _build_gate(trt, path: Path, hc: int = 2, hidden: int = 128):
     builder = trt_compat.create_builder()
     network = trt_compat.create_network(builder)
-    parser = trt_compat.onnx_parser(network)
-    trt_compat.parse_onnx_file(parser, path)
-    config = builder.create_builder_config()
-    if trt.is_rtx:
-        trt_compat.set_targets(config, ("sm80",))
+    trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
+    config = plugin_builder_config(trt, builder, aliased=False)
     profile = builder.create_optimization_profile()
     for name, dims in (("hidden", lambda t: (t, hc, hidden)), ("kv", lambda t: (t, (hc + 1) * hidden)),
                        ("mask", lambda t: (t,))):
@@ -540,34 +513,7 @@ def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: 
 
 # --- field validation through the registry's creators (createPlugin needs no GPU) -------
 
-def _plugin_fields(trt, fields: dict[str, tuple[str, object]]):
-    """A PluginFieldCollection from {name: (kind, value)}; kind int32 / int64 / float32 /
-    text (comma-separated decimals, the ONNX form of int64 arrays). Also returns the
-    PluginFields and their arrays: the collection points into them without owning them,
-    so the caller holds them until createPlugin has read the fields."""
-    m = trt.module
-    out, arrays = [], []
-    for name, (kind, value) in fields.items():
-        if kind == "text":
-            data = np.frombuffer(str(value).encode(), dtype=np.int8).copy()
-            ftype = m.PluginFieldType.CHAR
-        else:
-            ftype = {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
-                     "float32": m.PluginFieldType.FLOAT32}[kind]
-            data = np.atleast_1d(np.asarray(value, dtype=kind))
-        arrays.append(data)
-        out.append(m.PluginField(name, data, ftype))
-    return m.PluginFieldCollection(out), (out, arrays)
-
-
-def _create(trt, name: str, fields: dict[str, tuple[str, object]]):
-    creator = trt.module.get_plugin_registry().get_creator(name, "1", NAMESPACE)
-    assert creator is not None, f"{name} creator is not registered"
-    collection, keep = _plugin_fields(trt, fields)
-    plugin = creator.create_plugin(name, collection, trt.module.TensorRTPhase.BUILD)
-    del keep  # read: the plugin holds its own copy of every field
-    return plugin
-
+# (plugin_fields and create_plugin: tests/conftest.py)
 
 def _text(values) -> str:
     return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))
@@ -654,33 +600,33 @@ def test_creators_refuse_out_of_range_fields(trt, layout: EngramLayout, capfd, p
         for name in [name for name, value in change.items() if value is None]:
             del fields[name]
     capfd.readouterr()
-    assert _create(trt, plugin, fields) is None
+    assert create_plugin(trt, plugin, fields) is None
     assert message in capfd.readouterr().err
 
 
 def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> None:
     # the controls of the test above: the same fields, in range, build a plugin
-    assert _create(trt, "EngramGate", GATE_FIELDS) is not None
+    assert create_plugin(trt, "EngramGate", GATE_FIELDS) is not None
     widest = {"hc_mult": ("int64", 65535), "hidden_size": ("int32", 8)}
-    assert _create(trt, "EngramGate", {**GATE_FIELDS, **widest}) is not None
-    assert _create(trt, "EngramGate", {**GATE_FIELDS, "hidden_size": ("int32", 429_496_728)}) is not None  # 5 D = 2^31 - 8
-    assert _create(trt, "EngramHash", _hash_fields(layout)) is not None
+    assert create_plugin(trt, "EngramGate", {**GATE_FIELDS, **widest}) is not None
+    assert create_plugin(trt, "EngramGate", {**GATE_FIELDS, "hidden_size": ("int32", 429_496_728)}) is not None  # 5 D = 2^31 - 8
+    assert create_plugin(trt, "EngramHash", _hash_fields(layout)) is not None
     spaced = {**_hash_fields(layout), "primes": ("text", _text(layout.primes).replace(",", ", "))}
-    assert _create(trt, "EngramHash", spaced) is not None
-    assert _create(trt, "EngramGather", GATHER_FIELDS) is not None
-    assert _create(trt, "EngramGather", {**GATHER_FIELDS, "num_rows": ("int64", 2**31 - 1)}) is not None
+    assert create_plugin(trt, "EngramHash", spaced) is not None
+    assert create_plugin(trt, "EngramGather", GATHER_FIELDS) is not None
+    assert create_plugin(trt, "EngramGather", {**GATHER_FIELDS, "num_rows": ("int64", 2**31 - 1)}) is not None
     bf16 = {"table_dtype": ("int64", 1), "quant_block": ("int32", 0)}  # quant_block is ignored for bf16
-    assert _create(trt, "EngramGather", {**GATHER_FIELDS, **bf16}) is not None
-    assert _create(trt, "EngramAttention", ATTENTION_FIELDS) is not None
+    assert create_plugin(trt, "EngramGather", {**GATHER_FIELDS, **bf16}) is not None
+    assert create_plugin(trt, "EngramAttention", ATTENTION_FIELDS) is not None
     for edge in ({"head_dim": ("int64", 256)}, {"head_dim": ("int32", 8)}, {"num_kv_heads": ("int32", 1)},
                  {"num_kv_heads": ("int32", 32)}, {"num_heads": ("int32", 65535 * 8), "num_kv_heads": ("int32", 65535)}):
-        assert _create(trt, "EngramAttention", {**ATTENTION_FIELDS, **edge}) is not None, edge
+        assert create_plugin(trt, "EngramAttention", {**ATTENTION_FIELDS, **edge}) is not None, edge
     for flag in (0, 1):  # the optional bad-row counter input
-        assert _create(trt, "EngramGather", {**GATHER_FIELDS, "bad_rows_input": ("int32", flag)}) is not None
+        assert create_plugin(trt, "EngramGather", {**GATHER_FIELDS, "bad_rows_input": ("int32", flag)}) is not None
     for share in ({"column_begin": ("int32", 7)}, {"column_end": ("int32", 1)},  # the first and last column alone
                   {"column_begin": ("int64", 2), "column_end": ("int64", 6), "row_offset": ("int32", 0)},
                   {"row_offset": ("int64", 2**31 - 1 - 1000)}):  # the slice ends at the last int32 row id
-        assert _create(trt, "EngramGather", {**GATHER_FIELDS, **share}) is not None, share
+        assert create_plugin(trt, "EngramGather", {**GATHER_FIELDS, **share}) is not None, share
 
 
 # --- prepared hash layout, bad-row counter: host-side ABI (no GPU) ---------------------

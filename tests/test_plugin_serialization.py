@@ -16,12 +16,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from conftest import harness_path, harness_scripts
+from conftest import (PF_CHAR, PF_FLOAT32, PF_FLOAT64, PF_INT8, PF_INT16, PF_INT32, PF_INT64, add_field, drop_field,
+                      harness_path, harness_scripts, pf_scalar, pf_text, pf_written, serialized_twice, set_field)
 
 HARNESS = harness_path()
 
-# nvinfer1::PluginFieldType values
-PF_FLOAT32, PF_FLOAT64, PF_INT8, PF_INT16, PF_INT32, PF_CHAR, PF_INT64 = 1, 2, 3, 4, 5, 6, 10
 
 Fields = list[tuple[str, int, np.ndarray]]
 
@@ -32,35 +31,25 @@ def harness():
     return common.Harness(HARNESS)
 
 
-def _scalar(ftype: int, value) -> np.ndarray:
-    dtype = {PF_FLOAT32: np.float32, PF_FLOAT64: np.float64, PF_INT8: np.int8, PF_INT16: np.int16,
-             PF_INT32: np.int32, PF_INT64: np.int64}[ftype]
-    return np.array([value], dtype)
-
-
-def _text(values) -> np.ndarray:
-    return np.frombuffer(",".join(str(int(v)) for v in np.asarray(values).reshape(-1)).encode(), np.uint8)
-
-
 def _hash_fields(layout) -> Fields:
-    return [("n_layers", PF_INT32, _scalar(PF_INT32, layout.num_layers)),
-            ("max_ngram_size", PF_INT32, _scalar(PF_INT32, layout.max_ngram_size)),
-            ("n_heads", PF_INT32, _scalar(PF_INT32, layout.n_heads)),
-            ("pad_id", PF_INT64, _scalar(PF_INT64, layout.pad_id)),
-            ("compressed_vocab_size", PF_INT64, _scalar(PF_INT64, layout.compressed_vocab_size)),
+    return [("n_layers", PF_INT32, pf_scalar(PF_INT32, layout.num_layers)),
+            ("max_ngram_size", PF_INT32, pf_scalar(PF_INT32, layout.max_ngram_size)),
+            ("n_heads", PF_INT32, pf_scalar(PF_INT32, layout.n_heads)),
+            ("pad_id", PF_INT64, pf_scalar(PF_INT64, layout.pad_id)),
+            ("compressed_vocab_size", PF_INT64, pf_scalar(PF_INT64, layout.compressed_vocab_size)),
             ("primes", PF_INT64, layout.primes.reshape(-1).astype(np.int64)),
             ("offsets", PF_INT64, layout.offsets.reshape(-1).astype(np.int64)),
             ("multipliers", PF_INT64, layout.multipliers.reshape(-1).astype(np.int64))]
 
 
-GATHER = [("layer_index", PF_INT32, _scalar(PF_INT32, 1)), ("n_layers", PF_INT32, _scalar(PF_INT32, 2)),
-          ("n_cols", PF_INT32, _scalar(PF_INT32, 8)), ("head_dim", PF_INT32, _scalar(PF_INT32, 64)),
-          ("table_dtype", PF_INT32, _scalar(PF_INT32, 0)), ("quant_block", PF_INT32, _scalar(PF_INT32, 32)),
-          ("num_rows", PF_INT64, _scalar(PF_INT64, 1000))]
-GATE = [("hc_mult", PF_INT32, _scalar(PF_INT32, 4)), ("hidden_size", PF_INT32, _scalar(PF_INT32, 64)),
-        ("eps", PF_FLOAT32, _scalar(PF_FLOAT32, 1e-6))]
-ATTENTION = [("num_heads", PF_INT32, _scalar(PF_INT32, 32)), ("num_kv_heads", PF_INT32, _scalar(PF_INT32, 8)),
-             ("head_dim", PF_INT32, _scalar(PF_INT32, 128)), ("scale", PF_FLOAT32, _scalar(PF_FLOAT32, 128 ** -0.5))]
+GATHER = [("layer_index", PF_INT32, pf_scalar(PF_INT32, 1)), ("n_layers", PF_INT32, pf_scalar(PF_INT32, 2)),
+          ("n_cols", PF_INT32, pf_scalar(PF_INT32, 8)), ("head_dim", PF_INT32, pf_scalar(PF_INT32, 64)),
+          ("table_dtype", PF_INT32, pf_scalar(PF_INT32, 0)), ("quant_block", PF_INT32, pf_scalar(PF_INT32, 32)),
+          ("num_rows", PF_INT64, pf_scalar(PF_INT64, 1000))]
+GATE = [("hc_mult", PF_INT32, pf_scalar(PF_INT32, 4)), ("hidden_size", PF_INT32, pf_scalar(PF_INT32, 64)),
+        ("eps", PF_FLOAT32, pf_scalar(PF_FLOAT32, 1e-6))]
+ATTENTION = [("num_heads", PF_INT32, pf_scalar(PF_INT32, 32)), ("num_kv_heads", PF_INT32, pf_scalar(PF_INT32, 8)),
+             ("head_dim", PF_INT32, pf_scalar(PF_INT32, 128)), ("scale", PF_FLOAT32, pf_scalar(PF_FLOAT32, 128 ** -0.5))]
 
 
 def _base(plugin: str, layout) -> Fields:
@@ -68,26 +57,11 @@ def _base(plugin: str, layout) -> Fields:
             "EngramAttention": ATTENTION}[plugin]
 
 
-def _written(name: str, ftype: int, values) -> tuple[str, int, int, bytes]:
-    """A field as getFieldsToSerialize must write it: the declared type, its bytes."""
-    dtype = {PF_INT32: np.int32, PF_INT64: np.int64, PF_FLOAT32: np.float32}[ftype]
-    data = np.atleast_1d(np.asarray(values, dtype))
-    return name, ftype, int(data.size), data.tobytes()
-
-
 def _serialized(harness, plugin: str, fields: Fields) -> list[tuple[str, int, int, bytes]]:
     """getFieldsToSerialize of a plugin made from ``fields``, and the same of the plugin
     rebuilt from them (createPlugin in the runtime phase, as an engine is deserialized)."""
-    h = harness.create(plugin, fields)
-    try:
-        first = harness.serialized_fields(h)
-        h2 = harness.roundtrip(h)
-        try:
-            assert harness.serialized_fields(h2) == first, f"{plugin}: the round trip changed the fields"
-        finally:
-            harness.lib.harness_destroy(h2)
-    finally:
-        harness.lib.harness_destroy(h)
+    first, again = serialized_twice(harness, plugin, fields)
+    assert again == first, f"{plugin}: the round trip changed the fields"
     return first
 
 
@@ -96,58 +70,46 @@ def test_serialized_fields_are_pinned(harness, layout) -> None:
     type, whatever form the creator was given: int32 fields given as int64 / int16 / int8
     or text, float32 fields given as float64, int64 arrays as decimal text (the ONNX
     form); EngramGather's optional fields with their defaults when left out."""
-    hash_want = [_written("n_layers", PF_INT32, 2), _written("max_ngram_size", PF_INT32, 3),
-                 _written("n_heads", PF_INT32, 4), _written("pad_id", PF_INT64, 5),
-                 _written("compressed_vocab_size", PF_INT64, 900),
-                 _written("primes", PF_INT64, layout.primes.reshape(-1)),
-                 _written("offsets", PF_INT64, layout.offsets.reshape(-1)),
-                 _written("multipliers", PF_INT64, layout.multipliers.reshape(-1))]
+    hash_want = [pf_written("n_layers", PF_INT32, 2), pf_written("max_ngram_size", PF_INT32, 3),
+                 pf_written("n_heads", PF_INT32, 4), pf_written("pad_id", PF_INT64, 5),
+                 pf_written("compressed_vocab_size", PF_INT64, 900),
+                 pf_written("primes", PF_INT64, layout.primes.reshape(-1)),
+                 pf_written("offsets", PF_INT64, layout.offsets.reshape(-1)),
+                 pf_written("multipliers", PF_INT64, layout.multipliers.reshape(-1))]
     assert _serialized(harness, "EngramHash", _hash_fields(layout)) == hash_want
-    as_text = [(n, PF_CHAR, _text(a)) if n in ("primes", "offsets", "multipliers") else
+    as_text = [(n, PF_CHAR, pf_text(a)) if n in ("primes", "offsets", "multipliers") else
                (n, PF_INT64, a.astype(np.int64)) for n, _, a in _hash_fields(layout)]
     assert _serialized(harness, "EngramHash", as_text) == hash_want
 
-    gather_want = [_written("layer_index", PF_INT32, 1), _written("n_layers", PF_INT32, 2),
-                   _written("n_cols", PF_INT32, 8), _written("head_dim", PF_INT32, 64),
-                   _written("table_dtype", PF_INT32, 0), _written("quant_block", PF_INT32, 32),
-                   _written("num_rows", PF_INT64, 1000)]
-    defaults = [_written("bad_rows_input", PF_INT32, 0), _written("column_begin", PF_INT32, 0),
-                _written("column_end", PF_INT32, 8), _written("row_offset", PF_INT64, 0)]
+    gather_want = [pf_written("layer_index", PF_INT32, 1), pf_written("n_layers", PF_INT32, 2),
+                   pf_written("n_cols", PF_INT32, 8), pf_written("head_dim", PF_INT32, 64),
+                   pf_written("table_dtype", PF_INT32, 0), pf_written("quant_block", PF_INT32, 32),
+                   pf_written("num_rows", PF_INT64, 1000)]
+    defaults = [pf_written("bad_rows_input", PF_INT32, 0), pf_written("column_begin", PF_INT32, 0),
+                pf_written("column_end", PF_INT32, 8), pf_written("row_offset", PF_INT64, 0)]
     assert _serialized(harness, "EngramGather", GATHER) == gather_want + defaults
-    share = [("row_offset", PF_INT32, _scalar(PF_INT32, 700)), ("column_end", PF_INT64, _scalar(PF_INT64, 5)),
-             ("bad_rows_input", PF_INT8, _scalar(PF_INT8, 1)), ("column_begin", PF_CHAR, _text([2]))]
+    share = [("row_offset", PF_INT32, pf_scalar(PF_INT32, 700)), ("column_end", PF_INT64, pf_scalar(PF_INT64, 5)),
+             ("bad_rows_input", PF_INT8, pf_scalar(PF_INT8, 1)), ("column_begin", PF_CHAR, pf_text([2]))]
     assert _serialized(harness, "EngramGather", GATHER + share) == gather_want + [
-        _written("bad_rows_input", PF_INT32, 1), _written("column_begin", PF_INT32, 2),
-        _written("column_end", PF_INT32, 5), _written("row_offset", PF_INT64, 700)]
+        pf_written("bad_rows_input", PF_INT32, 1), pf_written("column_begin", PF_INT32, 2),
+        pf_written("column_end", PF_INT32, 5), pf_written("row_offset", PF_INT64, 700)]
 
-    gate = [("eps", PF_FLOAT64, _scalar(PF_FLOAT64, 1e-5)), ("hidden_size", PF_INT16, _scalar(PF_INT16, 64)),
-            ("hc_mult", PF_INT64, _scalar(PF_INT64, 4))]
-    assert _serialized(harness, "EngramGate", gate) == [_written("hc_mult", PF_INT32, 4),
-                                                        _written("hidden_size", PF_INT32, 64),
-                                                        _written("eps", PF_FLOAT32, 1e-5)]
-    attention = [("num_heads", PF_CHAR, _text([32])), ("num_kv_heads", PF_INT8, _scalar(PF_INT8, 8)),
-                 ("head_dim", PF_INT64, _scalar(PF_INT64, 128)), ("scale", PF_FLOAT64, _scalar(PF_FLOAT64, 0.088))]
+    gate = [("eps", PF_FLOAT64, pf_scalar(PF_FLOAT64, 1e-5)), ("hidden_size", PF_INT16, pf_scalar(PF_INT16, 64)),
+            ("hc_mult", PF_INT64, pf_scalar(PF_INT64, 4))]
+    assert _serialized(harness, "EngramGate", gate) == [pf_written("hc_mult", PF_INT32, 4),
+                                                        pf_written("hidden_size", PF_INT32, 64),
+                                                        pf_written("eps", PF_FLOAT32, 1e-5)]
+    attention = [("num_heads", PF_CHAR, pf_text([32])), ("num_kv_heads", PF_INT8, pf_scalar(PF_INT8, 8)),
+                 ("head_dim", PF_INT64, pf_scalar(PF_INT64, 128)), ("scale", PF_FLOAT64, pf_scalar(PF_FLOAT64, 0.088))]
     assert _serialized(harness, "EngramAttention", attention) == [
-        _written("num_heads", PF_INT32, 32), _written("num_kv_heads", PF_INT32, 8), _written("head_dim", PF_INT32, 128),
-        _written("scale", PF_FLOAT32, 0.088)]
-
-
-def _drop(name: str) -> Callable[[Fields], Fields]:
-    return lambda fields: [f for f in fields if f[0] != name]
-
-
-def _set(name: str, ftype: int, data: np.ndarray) -> Callable[[Fields], Fields]:
-    return lambda fields: [(n, ftype, data) if n == name else (n, t, d) for n, t, d in fields]
-
-
-def _add(name: str, ftype: int, data: np.ndarray) -> Callable[[Fields], Fields]:
-    return lambda fields: fields + [(name, ftype, data)]
+        pf_written("num_heads", PF_INT32, 32), pf_written("num_kv_heads", PF_INT32, 8), pf_written("head_dim", PF_INT32, 128),
+        pf_written("scale", PF_FLOAT32, 0.088)]
 
 
 def _put(name: str, ftype: int, data: np.ndarray) -> Callable[[Fields], Fields]:
     """The field replaced, or added when the valid fields leave it out (an optional one)."""
-    return lambda fields: _set(name, ftype, data)(fields) if any(f[0] == name for f in fields) else \
-        _add(name, ftype, data)(fields)
+    return lambda fields: set_field(name, ftype, data)(fields) if any(f[0] == name for f in fields) else \
+        add_field(name, ftype, data)(fields)
 
 
 REQUIRED = {"EngramHash": ["n_layers", "max_ngram_size", "n_heads", "pad_id", "compressed_vocab_size", "primes",
@@ -175,47 +137,47 @@ OUT_OF_RANGE = [
 ]
 
 # (plugin, change of the valid fields, the refusal's message, the file that raises it)
-MALFORMED = [(plugin, _drop(name), f"missing field '{name}'", "pluginFields.cpp")
+MALFORMED = [(plugin, drop_field(name), f"missing field '{name}'", "pluginFields.cpp")
              for plugin, names in REQUIRED.items() for name in names] + [
-    (plugin, _put(name, ftype, _scalar(ftype, value)), f"field '{name}' = {value} is outside {bounds}",
+    (plugin, _put(name, ftype, pf_scalar(ftype, value)), f"field '{name}' = {value} is outside {bounds}",
      "pluginFields.cpp") for plugin, name, ftype, value, bounds in OUT_OF_RANGE] + [
     # the wrong type
-    ("EngramGate", _set("hc_mult", PF_FLOAT32, _scalar(PF_FLOAT32, 4.0)), "field 'hc_mult' must be an integer",
+    ("EngramGate", set_field("hc_mult", PF_FLOAT32, pf_scalar(PF_FLOAT32, 4.0)), "field 'hc_mult' must be an integer",
      "pluginFields.cpp"),
-    ("EngramGate", _set("eps", PF_INT32, _scalar(PF_INT32, 0)), "field 'eps' must be a float", "pluginFields.cpp"),
-    ("EngramAttention", _set("scale", PF_INT64, _scalar(PF_INT64, 1)), "field 'scale' must be a float",
+    ("EngramGate", set_field("eps", PF_INT32, pf_scalar(PF_INT32, 0)), "field 'eps' must be a float", "pluginFields.cpp"),
+    ("EngramAttention", set_field("scale", PF_INT64, pf_scalar(PF_INT64, 1)), "field 'scale' must be a float",
      "pluginFields.cpp"),
-    ("EngramGather", _set("num_rows", PF_FLOAT64, _scalar(PF_FLOAT64, 1000.0)), "field 'num_rows' must be an integer",
+    ("EngramGather", set_field("num_rows", PF_FLOAT64, pf_scalar(PF_FLOAT64, 1000.0)), "field 'num_rows' must be an integer",
      "pluginFields.cpp"),
-    ("EngramGather", _add("bad_rows_input", PF_FLOAT32, _scalar(PF_FLOAT32, 1.0)),
+    ("EngramGather", add_field("bad_rows_input", PF_FLOAT32, pf_scalar(PF_FLOAT32, 1.0)),
      "field 'bad_rows_input' must be an integer", "pluginFields.cpp"),
-    ("EngramHash", _set("primes", PF_FLOAT64, np.full(16, 3.0)),
+    ("EngramHash", set_field("primes", PF_FLOAT64, np.full(16, 3.0)),
      "field 'primes' must be integers (got PluginFieldType 2, length 16)", "pluginFields.cpp"),
-    ("EngramHash", _set("multipliers", PF_INT32, np.ones(6, np.int32)),
+    ("EngramHash", set_field("multipliers", PF_INT32, np.ones(6, np.int32)),
      "field 'multipliers' needs 64-bit integers but came as a narrower type", "pluginFields.cpp"),
     # the wrong length, given twice, empty, unknown
-    ("EngramGather", _set("n_cols", PF_INT32, np.array([8, 8], np.int32)), "field 'n_cols' must hold 1 value, not 2",
+    ("EngramGather", set_field("n_cols", PF_INT32, np.array([8, 8], np.int32)), "field 'n_cols' must hold 1 value, not 2",
      "pluginFields.cpp"),
-    ("EngramGate", _set("eps", PF_FLOAT32, np.array([1e-6, 1e-6], np.float32)), "field 'eps' must hold 1 value, not 2",
+    ("EngramGate", set_field("eps", PF_FLOAT32, np.array([1e-6, 1e-6], np.float32)), "field 'eps' must hold 1 value, not 2",
      "pluginFields.cpp"),
-    ("EngramHash", _set("pad_id", PF_CHAR, _text([5, 6])), "field 'pad_id' must hold 1 integer", "pluginFields.cpp"),
-    ("EngramHash", _set("offsets", PF_INT64, np.zeros(15, np.int64)), "field 'offsets' must hold 16 values, not 15",
+    ("EngramHash", set_field("pad_id", PF_CHAR, pf_text([5, 6])), "field 'pad_id' must hold 1 integer", "pluginFields.cpp"),
+    ("EngramHash", set_field("offsets", PF_INT64, np.zeros(15, np.int64)), "field 'offsets' must hold 16 values, not 15",
      "pluginFields.cpp"),
-    ("EngramHash", _set("multipliers", PF_CHAR, _text([1, 3, 5, 7, 9])), "field 'multipliers' must hold 6 values, not 5",
+    ("EngramHash", set_field("multipliers", PF_CHAR, pf_text([1, 3, 5, 7, 9])), "field 'multipliers' must hold 6 values, not 5",
      "pluginFields.cpp"),
-    ("EngramGate", _add("hc_mult", PF_INT32, _scalar(PF_INT32, 4)), "field 'hc_mult' given twice", "pluginFields.cpp"),
-    ("EngramAttention", _set("head_dim", PF_INT32, np.zeros(0, np.int32)), "field 'head_dim' is empty",
+    ("EngramGate", add_field("hc_mult", PF_INT32, pf_scalar(PF_INT32, 4)), "field 'hc_mult' given twice", "pluginFields.cpp"),
+    ("EngramAttention", set_field("head_dim", PF_INT32, np.zeros(0, np.int32)), "field 'head_dim' is empty",
      "pluginFields.cpp"),
-    ("EngramGather", _add("colum_end", PF_INT32, _scalar(PF_INT32, 4)),
+    ("EngramGather", add_field("colum_end", PF_INT32, pf_scalar(PF_INT32, 4)),
      "unknown field(s) colum_end for plugin EngramGather", "pluginFields.cpp"),
     # the hash layout's slot bound comes before its arrays are read: a missing array is
     # not what is reported when the counts are already too large
-    ("EngramHash", lambda f: _drop("primes")(_set("n_heads", PF_INT32, _scalar(PF_INT32, 300))(f)),
+    ("EngramHash", lambda f: drop_field("primes")(set_field("n_heads", PF_INT32, pf_scalar(PF_INT32, 300))(f)),
      "n_layers * (max_ngram_size - 1) * n_heads = 1200 exceeds 512", "engramHashPlugin.cpp"),
     # checks across fields, after parsing (the plugin's own)
-    ("EngramGather", _add("column_end", PF_INT32, _scalar(PF_INT32, 9)),
+    ("EngramGather", add_field("column_end", PF_INT32, pf_scalar(PF_INT32, 9)),
      "column_end must be in [column_begin + 1, n_cols] = [1, 8], got 9", "engramGatherPlugin.cpp"),
-    ("EngramGate", _set("eps", PF_FLOAT64, _scalar(PF_FLOAT64, float("nan"))), "eps must be finite and >= 0",
+    ("EngramGate", set_field("eps", PF_FLOAT64, pf_scalar(PF_FLOAT64, float("nan"))), "eps must be finite and >= 0",
      "engramGatePlugin.cpp"),
 ]
 
@@ -235,15 +197,15 @@ def test_malformed_fields_are_refused_naming_the_field(harness, layout, plugin: 
 def test_the_valid_fields_and_range_edges_are_accepted(harness, layout) -> None:
     """The controls of the refusals above: the unchanged fields, and each bound itself."""
     edges = [("EngramHash", []), ("EngramGather", []), ("EngramGate", []), ("EngramAttention", []),
-             ("EngramHash", [_set("primes", PF_INT32, layout.primes.reshape(-1).astype(np.int32))]),  # narrow is fine
-             ("EngramGather", [_set("table_dtype", PF_INT32, _scalar(PF_INT32, 1)),
-                               _set("quant_block", PF_INT64, _scalar(PF_INT64, -2**31))]),
-             ("EngramGather", [_add("bad_rows_input", PF_INT32, _scalar(PF_INT32, 1)),
-                               _add("column_begin", PF_INT32, _scalar(PF_INT32, 7))]),
-             ("EngramGate", [_set("hc_mult", PF_INT32, _scalar(PF_INT32, 65535)),
-                             _set("hidden_size", PF_INT32, _scalar(PF_INT32, 8))]),
-             ("EngramAttention", [_set("head_dim", PF_INT32, _scalar(PF_INT32, 256))]),
-             ("EngramAttention", [_set("head_dim", PF_INT32, _scalar(PF_INT32, 8))])]
+             ("EngramHash", [set_field("primes", PF_INT32, layout.primes.reshape(-1).astype(np.int32))]),  # narrow is fine
+             ("EngramGather", [set_field("table_dtype", PF_INT32, pf_scalar(PF_INT32, 1)),
+                               set_field("quant_block", PF_INT64, pf_scalar(PF_INT64, -2**31))]),
+             ("EngramGather", [add_field("bad_rows_input", PF_INT32, pf_scalar(PF_INT32, 1)),
+                               add_field("column_begin", PF_INT32, pf_scalar(PF_INT32, 7))]),
+             ("EngramGate", [set_field("hc_mult", PF_INT32, pf_scalar(PF_INT32, 65535)),
+                             set_field("hidden_size", PF_INT32, pf_scalar(PF_INT32, 8))]),
+             ("EngramAttention", [set_field("head_dim", PF_INT32, pf_scalar(PF_INT32, 256))]),
+             ("EngramAttention", [set_field("head_dim", PF_INT32, pf_scalar(PF_INT32, 8))])]
     for plugin, changes in edges:
         fields = list(_base(plugin, layout))
         for change in changes:

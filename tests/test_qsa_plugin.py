@@ -22,9 +22,9 @@ import torch
 
 from engram_trt.errors import EngramError
 from engram_trt.native import qsa
-from engram_trt.native import trt_compat
 
-from conftest import harness_path, harness_scripts
+from conftest import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
+                      serialized_twice)
 
 NAME = "EngramQsaAttention"
 NAMESPACE = "engram_trt"
@@ -118,16 +118,7 @@ def test_serialized_fields_are_pinned(harness) -> None:
              ("block_topk", PF_INT64, np.array([7], np.int64)), ("compress_ratio", helpers.PF_INT32,
                                                                   np.array([64], np.int32)),
              ("rope_theta", PF_FLOAT64, np.array([1e7], np.float64))]
-    p = h.create(NAME, given)
-    try:
-        first = h.serialized_fields(p)
-        p2 = h.roundtrip(p)
-        try:
-            again = h.serialized_fields(p2)
-        finally:
-            h.lib.harness_destroy(p2)
-    finally:
-        h.lib.harness_destroy(p)
+    first, again = serialized_twice(h, NAME, given)
     i32, f32 = helpers.PF_INT32, helpers.PF_FLOAT32
     want = [("compress_ratio", i32, 1, np.int32(64).tobytes()), ("block_topk", i32, 1, np.int32(7).tobytes()),
             ("rot_dim", i32, 1, np.int32(16).tobytes()), ("rope_theta", f32, 1, np.float32(1e7).tobytes()),
@@ -146,31 +137,10 @@ def test_plugin_through_the_harness(harness) -> None:
 
 # --- TensorRT-RTX -------------------------------------------------------------------------------
 
-@pytest.fixture(params=["tensorrt_rtx", "tensorrt"])
-def trt(request, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
-    module = request.param
-    if not trt_compat.module_available(module if module != "tensorrt_rtx" else "tensorrt_rtx_bindings") \
-            and not trt_compat.module_available(module):
-        pytest.skip(trt_compat.NOT_INSTALLED_REASON if module == "tensorrt" else "tensorrt_rtx not installed")
-    monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", module)
-    t = trt_compat.load(module)
-    trt_compat.load_plugin_library(plugin_lib)
-    return t
-
+# (the trt fixture: tests/conftest.py)
 
 def _create(trt, fields: dict[str, tuple[str, object]]):
-    m = trt.module
-    creator = m.get_plugin_registry().get_creator(NAME, "1", NAMESPACE)
-    assert creator is not None, f"{NAME} creator is not registered"
-    keep, out = [], []
-    for name, (kind, value) in fields.items():
-        data = np.atleast_1d(np.asarray(value, dtype=kind))
-        keep.append(data)
-        out.append(m.PluginField(name, data, {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
-                                              "float32": m.PluginFieldType.FLOAT32}[kind]))
-    plugin = creator.create_plugin(NAME, m.PluginFieldCollection(out), m.TensorRTPhase.BUILD)
-    del keep
-    return plugin
+    return create_plugin(trt, NAME, fields)
 
 
 VALID = {"compress_ratio": ("int32", 4), "block_topk": ("int32", 2), "rot_dim": ("int32", 16),
@@ -256,22 +226,14 @@ def test_qsa_graph_builds_an_engine_only_with_aliased_caches(trt, tmp_path: Path
     want = {"bf16": trt.module.bfloat16, "fp32": trt.module.float32}[io]
     engines = {}
     for aliased in (True, False):
-        builder = trt_compat.create_builder()
-        network = trt_compat.create_network(builder)
-        trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
-        (layer,) = [network.get_layer(i) for i in range(network.num_layers)
-                    if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+        builder, network, layer = parse_plugin_graph(trt, path)
         layer.__class__ = trt.module.IPluginV3Layer
         core = layer.plugin.get_capability_interface(trt.module.PluginCapabilityType.CORE)
         assert (core.plugin_name, core.plugin_namespace, core.plugin_version) == (NAME, NAMESPACE, "1")
         assert [layer.get_output(k).dtype for k in range(4)] == [want] * 4
         assert tuple(layer.get_output(0).shape) == (-1, H * hd)
         assert tuple(layer.get_output(3).shape) == (-1, -1, di)
-        config = builder.create_builder_config()
-        if aliased:
-            trt_compat.enable_aliased_plugin_io(config)
-        if trt.is_rtx:
-            trt_compat.set_targets(config, ("sm80",))
+        config = plugin_builder_config(trt, builder, aliased)
         profile = builder.create_optimization_profile()
         for name, shape in (("q", (H, hd)), ("k", (kvh, hd)), ("v", (kvh, hd)), ("index_q", (ni, di)),
                             ("index_raw", (di,))):

@@ -23,12 +23,7 @@ import contextlib
 import hashlib
 import io
 import json
-import os
-import select
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +34,12 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+from conftest import (assert_served_tokens, engine_skip_reason, require_tritonserver, run_json,  # noqa: E402
+                      start_serve, stop_serve)
 from test_qwen4_exp_parity import CASES, EOS, NEW_TOKENS, PROMPTS, hf_greedy, save_qwen4  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 QWEN4_PLUGINS = ("EngramCausalConv1d", "EngramGatedDeltaNet", "EngramGather", "EngramPleFusion", "EngramPleHash",
                  "EngramQsaAttention")
 # (config, PLE shard storage): F32 is what save_pretrained writes. Rows: 16 / 4 heads = 4
@@ -157,33 +153,13 @@ def test_exported_graph_is_deterministic(tmp_path: Path) -> None:
 
 # -- the engine folder ---------------------------------------------------------------------
 
-def _engine_skip_reason() -> str | None:
-    """Why no TensorRT-RTX engine can be built here (None: it can)."""
-    from engram_trt.errors import EngramError
-    from engram_trt.native import kernels
-    from engram_trt.native import trt_compat as tc
-
-    if not tc.available():
-        return "no TensorRT builder is installed (tensorrt_rtx / tensorrt_rtx_bindings, or tensorrt)"
-    try:
-        lib = kernels.library_path()
-    except EngramError as exc:
-        return f"the plugin library is missing: {exc}"
-    tc.load_plugin_library(lib)
-    have = {n for n, _ in tc.plugin_creator_names()}
-    missing = [n for n in QWEN4_PLUGINS if n not in have]
-    if missing:
-        return f"the plugin library {lib} lacks {', '.join(missing)} (rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]], dict[str, Any], str | None]:
     """(checkpoint, engine folder, transformers' greedy tokens, build report, why no engine)."""
     root = tmp_path_factory.mktemp("qwen4build")
     model = save_qwen4(root / "ck", seed=31, **BUILD_CASE)  # F32 PLE shards, 4-wide rows
     want = [hf_greedy(model, p) for p in PROMPTS]
-    why = _engine_skip_reason()
+    why = engine_skip_reason(QWEN4_PLUGINS)
     out = io.StringIO()
     argv = ["build", str(root / "ck"), "--output", str(root / "engine"), "--json", "--max-batch", "4",
             "--max-seq-len", "64", "--max-num-tokens", "64"]
@@ -242,48 +218,20 @@ def test_engine_folder_gives_transformers_tokens(built: tuple, capsys: Any) -> N
         assert llm.source.kind == "engine" and all(r.sha256 for r in llm.source.table_refs)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert [list(o.outputs[0].token_ids) for o in outs] == want
-    capsys.readouterr()
-    text = " ".join(f"w{i}" for i in PROMPTS[2])
-    code = main(["run", str(engine), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-                 "--device", "cpu", "--dtype", "fp32", "--json"])
-    res = json.loads(capsys.readouterr().out)
-    assert code == 0 and res["token_ids"] == want[2] and res["source"] == "engine"
+    res = run_json(engine, PROMPTS[2], NEW_TOKENS, capsys)
+    assert res["token_ids"] == want[2] and res["source"] == "engine"
 
 
 def test_served_engine_folder_gives_transformers_tokens(built: tuple) -> None:
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
-    from engram_trt.errors import EngramError
-    from engram_trt.triton import client as hc
-    from engram_trt.triton.server import find_tritonserver
-
-    try:
-        find_tritonserver()
-    except EngramError as exc:
-        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    require_tritonserver()
     _ck, engine, want, _report, _why = built
     log = engine.parent / "tritonserver.log"
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(engine), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log), "--exit-timeout", "10",
-           "--device", "cpu", "--max-batch-size", "4", "--max-num-tokens", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+    proc, info = start_serve(engine, log, "--device", "cpu", "--max-batch-size", "4", "--max-num-tokens", "64")
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 240)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            proc.kill()
-            _out, err = proc.communicate()
-            pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}")
-        info = json.loads(line)
-        for prompt, ids in zip(PROMPTS[:2], want):
-            status, body = hc.generate(info["http"], {"text_input": " ".join(f"w{i}" for i in prompt),
-                                                      "max_tokens": NEW_TOKENS, "ignore_eos": True})
-            assert status == 200, body
-            assert hc.ids(body["output_ids"]) == ids
+        assert_served_tokens(info["http"], PROMPTS[:2], want, NEW_TOKENS)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(90) == 0, proc.stderr.read()[-2000:]
+            stop_serve(proc)
 
 
 # -- bad input ---------------------------------------------------------------------------------

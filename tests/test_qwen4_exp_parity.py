@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import transformers_greedy, word_tokenizer  # noqa: E402
+from conftest import (assert_bf16_logits_match, assert_fp32_logits_match, assert_run_refused, edit_config,  # noqa: E402
+                      llm_greedy, packed_greedy, run_json, transformers_greedy, word_tokenizer)
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 96
@@ -95,29 +96,18 @@ def case(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
 
 
 def test_llm_greedy_tokens_equal_transformers(case: tuple[str, Path, Any]) -> None:
-    from engram_trt import LLM, SamplingParams
-
     _name, folder, model = case
     want = [hf_greedy(model, p) for p in PROMPTS]
-    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert llm_greedy(folder, PROMPTS, NEW_TOKENS) == want
 
 
 def test_fp32_logits_within_1e4_of_transformers(case: tuple[str, Path, Any]) -> None:
     from engram_trt.models.registry import open_checkpoint
-    from engram_trt.models.step import PackedStep
 
     _name, folder, model = case
     ckpt = open_checkpoint(folder)
     ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt])).logits[0].double()
-        state = ours.new_cache(1, 64)
-        got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state, all_logits=True).double()
-        assert got.shape == ref.shape
-        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    assert_fp32_logits_match(model, ours, PROMPTS)
     ckpt.close()
 
 
@@ -125,7 +115,6 @@ def test_chunked_prefill_and_packed_steps_equal_whole_sequences(case: tuple[str,
     """The per-slot state (KV, delta-rule, convolutions, n-gram context) makes chunks
     and mixed steps equal one forward of each sequence."""
     from engram_trt.models.registry import open_checkpoint
-    from engram_trt.models.step import PackedStep
 
     _name, folder, model = case
     ckpt = open_checkpoint(folder)
@@ -133,19 +122,7 @@ def test_chunked_prefill_and_packed_steps_equal_whole_sequences(case: tuple[str,
     want = [hf_greedy(model, p, 6) for p in PROMPTS]
     assert [ours.generate_greedy(p, 6, chunk=3, ignore_eos=True) for p in PROMPTS] == want
     # All three prompts in one packed step (slots out of order), then decode together.
-    state = ours.new_cache(4, 64)
-    slots = [3, 0, 2]
-    step = PackedStep(torch.tensor(sum(PROMPTS, [])), [len(p) for p in PROMPTS], [0, 0, 0], slots)
-    logits = ours.forward_step(step, state)
-    got: list[list[int]] = [[] for _ in PROMPTS]
-    lens = [len(p) for p in PROMPTS]
-    for _ in range(6):
-        toks = [int(t) for t in torch.argmax(logits, dim=-1)]
-        for g, t in zip(got, toks):
-            g.append(t)
-        logits = ours.forward_step(PackedStep(torch.tensor(toks), [1, 1, 1], lens, slots), state)
-        lens = [n + 1 for n in lens]
-    assert got == want
+    assert packed_greedy(ours, PROMPTS, 6) == want
     ckpt.close()
 
 
@@ -153,12 +130,7 @@ def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: A
     _name, folder, model = case
     prompt = PROMPTS[0]
     want = hf_greedy(model, prompt)
-    text = " ".join(f"w{i}" for i in prompt)
-    code = main(["run", str(folder), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-                 "--device", "cpu", "--dtype", "fp32", "--json"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert json.loads(out)["token_ids"] == want
+    assert run_json(folder, prompt, NEW_TOKENS, capsys)["token_ids"] == want
 
 
 # -- bad input: one line, exit 2 ------------------------------------------------------------
@@ -175,25 +147,18 @@ def _resave_without(folder: Path, drop: str | None = None, shorten: str | None =
     save_file(tensors, str(f), metadata={"format": "pt"})
 
 
-def _edit(folder: Path, **changes: Any) -> None:
-    p = folder / "config.json"
-    d = json.loads(p.read_text())
-    d.update(changes)
-    p.write_text(json.dumps(d))
-
-
 BAD = {
     "shard-missing": (lambda f: _resave_without(f, drop="model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight"),
                       "shard_1.weight is missing"),
     "shard-short": (lambda f: _resave_without(f, shorten="model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"),
                     "rows in its 2 shards but the config's primes"),
-    "prime-mismatch": (lambda f: _edit(f, ngram_vocab_size_base=60), "give|differs from"),
-    "ple-on-full-attention": (lambda f: _edit(f, ple_layer_ids=[4]), "ple_layer_ids holds 4, a indexed_attention layer"),
-    "retired-twins": (lambda f: _edit(f, ple_max_ngram_size=3), "not a Qwen4Exp field|not implemented|ple_max_ngram_size"),
-    "qsa-partial": (lambda f: _edit(f, indexer_budget=None), "QSA indexer fields are all or none"),
-    "rope-type": (lambda f: _edit(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
+    "prime-mismatch": (lambda f: edit_config(f, ngram_vocab_size_base=60), "give|differs from"),
+    "ple-on-full-attention": (lambda f: edit_config(f, ple_layer_ids=[4]), "ple_layer_ids holds 4, a indexed_attention layer"),
+    "retired-twins": (lambda f: edit_config(f, ple_max_ngram_size=3), "not a Qwen4Exp field|not implemented|ple_max_ngram_size"),
+    "qsa-partial": (lambda f: edit_config(f, indexer_budget=None), "QSA indexer fields are all or none"),
+    "rope-type": (lambda f: edit_config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
                   "rope_type='yarn' is not implemented"),
-    "layer-type": (lambda f: _edit(f, layer_types=["linear_attention", "linear_attention", "linear_attention", "mamba"]),
+    "layer-type": (lambda f: edit_config(f, layer_types=["linear_attention", "linear_attention", "linear_attention", "mamba"]),
                    "'mamba', not a Qwen4Exp layer type"),
 }
 
@@ -204,16 +169,7 @@ def test_bad_checkpoints_refused_in_one_line(tmp_path: Path, capsys: Any, bad: s
     save_qwen4(folder, seed=1, **CASES["hc2-ple1-qsa"])
     damage, needle = BAD[bad]
     damage(folder)
-    before = sorted(p.name for p in folder.iterdir())
-    capsys.readouterr()  # transformers' own progress output while saving
-    code = main(["run", str(folder), "--prompt", "w5 w6", "--max-new-tokens", "2", "--device", "cpu"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2
-    assert len(err.splitlines()) == 1, err
-    import re
-
-    assert re.search(needle, err), err
-    assert sorted(p.name for p in folder.iterdir()) == before  # nothing written
+    assert_run_refused(folder, needle, capsys)
 
 
 def test_inspect_lists_ple_tables(case: tuple[str, Path, Any], capsys: Any) -> None:
@@ -256,32 +212,15 @@ def test_committed_tiny_checkpoint_is_transformers_and_ours() -> None:
     The GPU tests (tests/gpu/test_qwen4_exp.py) hold the CUDA model to the same tokens."""
     from transformers import Qwen4ExpForCausalLM
 
-    from engram_trt import LLM, SamplingParams
-
     folder = Path(__file__).parent / "data" / "qwen4_exp_tiny"
     want = json.loads((folder / "expected.json").read_text())
     model = Qwen4ExpForCausalLM.from_pretrained(folder, use_kernels=False).eval()
     assert [hf_greedy(model, p, want["new_tokens"]) for p in want["prompts"]] == want["greedy"]
-    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32") as llm:
-        outs = llm.generate(want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0, ignore_eos=True))
-    assert [list(o.outputs[0].token_ids) for o in outs] == want["greedy"]
+    assert llm_greedy(folder, want["prompts"], want["new_tokens"]) == want["greedy"]
     # bf16: ours within 1e-2 relative L2 of transformers' bf16 logits; transformers' own
     # bf16 distance from its fp32 logits is what the GPU test's bf16 bound scales.
-    from engram_trt.models.registry import open_checkpoint
-    from engram_trt.models.step import PackedStep
-
     hf16 = Qwen4ExpForCausalLM.from_pretrained(folder, use_kernels=False, dtype=torch.bfloat16).eval()
-    ckpt = open_checkpoint(folder)
-    ours16 = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.bfloat16)
-    for i, p in enumerate(want["prompts"]):
-        with torch.no_grad():
-            r32 = model(torch.tensor([p])).logits[0].double()
-            r16 = hf16(torch.tensor([p])).logits[0].double()
-        g16 = ours16.forward_step(PackedStep(torch.tensor(p), [len(p)], [0], [0]), ours16.new_cache(1, 64),
-                                  all_logits=True).double()
-        assert float((g16 - r16).norm() / r16.norm()) < 1e-2
-        assert abs(float((r16 - r32).norm() / r32.norm()) - want["transformers_bf16_rel_l2"][i]) < 1e-4
-    ckpt.close()
+    assert_bf16_logits_match(folder, model, hf16, want)
 
 
 def test_conditional_generation_serves_its_text_model(tmp_path: Path, capsys: Any) -> None:

@@ -16,11 +16,6 @@ land amid ordinary ones, incomplete UTF-8 included.
 from __future__ import annotations
 
 import json
-import os
-import select
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +26,7 @@ pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads 
 pytest.importorskip("transformers", reason="'transformers' is the reference tokenizer")
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 
+from conftest import require_tritonserver, start_serve, stop_serve  # noqa: E402
 from test_gguf_import import SMOL, _bpe_vocab, _spm_vocab, write_tiny_gguf  # noqa: E402
 
 from engram_trt.checkpoint.gguf_import import import_gguf  # noqa: E402
@@ -38,7 +34,6 @@ from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT  # noqa: E402
 from engram_trt.errors import EngramError  # noqa: E402
 from engram_trt.runtime.sampling_params import SamplingParams  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": DEFAULT_CHAT_PROMPT}]
 NEW = 16  # the answer is ~8 tokens and <|im_end|>
 
@@ -163,29 +158,12 @@ def test_sampling_params_and_triton_input_carry_the_choice() -> None:
 # ---------------------------------------------------------------- a chat prompt through Triton's generate endpoint
 @pytest.fixture(scope="module")
 def served(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
-    from engram_trt.triton.server import find_tritonserver
-
-    try:
-        find_tritonserver()
-    except EngramError as exc:
-        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    require_tritonserver()
     log = tmp_path_factory.mktemp("special-serve") / "tritonserver.log"
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(folders["smollm2"]), "--address", "127.0.0.1",
-           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log),
-           "--exit-timeout", "10", "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "2", "--max-num-tokens", "64"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
-    ready, _, _ = select.select([proc.stdout], [], [], 240)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        _out, err = proc.communicate()
-        tail = log.read_text()[-3000:] if log.exists() else ""
-        pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}\n{tail}")
-    yield json.loads(line)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(90) == 0, proc.stderr.read()[-2000:]
+    proc, info = start_serve(folders["smollm2"], log, "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "2",
+                             "--max-num-tokens", "64")
+    yield info
+    stop_serve(proc)
 
 
 def test_chat_through_the_generate_endpoint_equals_llm_chat(served: dict, smol: tuple[Any, Any]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import segments_mapped_by
+from conftest import require_tritonserver, segments_mapped_by, start_serve, stop_serve
 
 from engram_trt.errors import EngramError
 from engram_trt.triton import client as hc
@@ -332,33 +332,14 @@ def _alone(llm: Any, prompt: str, **params: Any) -> Any:
 def server(small_engine: Path, tmp_path_factory: pytest.TempPathFactory):
     """``engram-trt serve`` on loopback (free ports), started once; stopped with SIGTERM
     at the end, which must exit 0 and remove the temp repository."""
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
-    from engram_trt.triton.server import find_tritonserver
-
-    try:
-        find_tritonserver()
-    except EngramError as exc:
-        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    require_tritonserver()
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(small_engine), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log), "--exit-timeout", "10",
-           "--max-batch-size", str(SERVER_LIMITS["max_batch_size"]), "--max-num-tokens", str(SERVER_LIMITS["max_num_tokens"])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
-    ready, _, _ = select.select([proc.stdout], [], [], 240)
-    line = proc.stdout.readline() if ready else ""
-    if not line:
-        proc.kill()
-        out, err = proc.communicate()
-        tail = log.read_text()[-3000:] if log.exists() else ""
-        pytest.fail(f"engram-trt serve did not get ready: {err[-2000:]}\n{tail}")
-    info = json.loads(line)
+    proc, info = start_serve(small_engine, log, "--max-batch-size", str(SERVER_LIMITS["max_batch_size"]),
+                             "--max-num-tokens", str(SERVER_LIMITS["max_num_tokens"]))
     info["log"] = log
     info["proc"] = proc
     yield info
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(90)
-    assert rc == 0, proc.stderr.read()[-2000:]
+    stop_serve(proc)
     assert not Path(info["repo"]).exists(), "the temp repository was left behind"
 
 
@@ -709,13 +690,7 @@ def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any
     """`serve --instances 2`: two model processes, dp_shared_memory on by default, so both
     attach the one shared table store; concurrent requests spread over both and each
     gets the tokens LLM.generate gives."""
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
-    from engram_trt.triton.server import find_tritonserver
-
-    try:
-        find_tritonserver()
-    except EngramError as exc:
-        pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
+    require_tritonserver()
     cmd = [sys.executable, "-m", "engram_trt", "serve", str(small_engine), "--address", "127.0.0.1", "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", "--json", "--instances", "2", "--exit-timeout", "10",
            "--log-file", str(tmp_path / "tritonserver.log"),

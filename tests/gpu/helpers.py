@@ -441,3 +441,67 @@ def check(name: str, *results: tuple[bool, str]) -> bool:
     ok = all(r[0] for r in results)
     record(name, ok, "; ".join(r[1] for r in results))
     return ok
+
+
+# --- float tables and the tiny committed checkpoints ---------------------------------------
+
+def special_float_table(torch: Any, dtype: Any, rows: int, width: int, seed: int, inf_column: int) -> Any:
+    """[rows, width] random rows of ``dtype`` holding special values, for bit-exact gathers:
+    f32 rows whose low halves are bf16 NaN (with a payload) / +inf bit patterns (any
+    conversion would show); f16 / bf16 NaN in column 0 and inf in ``inf_column``."""
+    gen = torch.Generator().manual_seed(seed)
+    t = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    if dtype == torch.float32:
+        bits = t.view(torch.int32)
+        bits[::7, ::3] = (bits[::7, ::3] & ~0xFFFF) | 0x7FC1  # low half: a bf16 NaN with a payload
+        bits[1::7, 1::3] = (bits[1::7, 1::3] & ~0xFFFF) | 0x7F80  # low half: bf16 +inf
+    else:
+        t[::11, 0] = float("nan")
+        t[1::13, inf_column] = float("inf")
+    return t
+
+
+def load_checkpoint(folder: Path, device: Any, dtype: Any) -> tuple[Any, Any]:
+    """The checkpoint folder opened and its model loaded on ``device`` in ``dtype``:
+    (checkpoint, model); the caller closes the checkpoint."""
+    from engram_trt.models.registry import open_checkpoint
+
+    ckpt = open_checkpoint(folder)
+    return ckpt, ckpt.architecture.load_model(ckpt, device=device, dtype=dtype)
+
+
+def check_bf16_cuda_logits_near_fp32_cpu(folder: Path, expected: dict) -> None:
+    """A tiny committed checkpoint (tests/data, ``expected`` its expected.json): the bf16
+    CUDA model's prefill logits of each prompt within 3x transformers' own recorded
+    bf16-vs-fp32 distance of the fp32 CPU model's; a check and a figure per prompt."""
+    import torch
+
+    from engram_trt.bench.gpucases import rel_err
+    from engram_trt.models.step import PackedStep
+
+    ckpt_c, cpu = load_checkpoint(folder, "cpu", torch.float32)
+    ckpt_g, gpu = load_checkpoint(folder, "cuda", torch.bfloat16)
+    for i, prompt in enumerate(expected["prompts"]):
+        step = lambda: PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0])  # noqa: E731
+        ref = cpu.forward_step(step(), cpu.new_cache(1, 64), all_logits=True)
+        got = gpu.forward_step(step(), gpu.new_cache(1, 64), all_logits=True)
+        err = rel_err(got, ref)
+        bound = 3 * expected["transformers_bf16_rel_l2"][i]
+        note(f"bf16_rel_l2_prompt{i}", err)
+        record(f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU", err <= bound,
+               f"rel L2 {err:.2e}, bound {bound:.2e}")
+    ckpt_c.close()
+    ckpt_g.close()
+
+
+def check_llm_on_cuda_gives_the_recorded_tokens(folder: Path, expected: dict) -> None:
+    """A tiny committed checkpoint through ``engram_trt.LLM`` on CUDA (torch backend,
+    fp32, the prompts batched): the recorded greedy tokens; one check."""
+    from engram_trt import LLM, SamplingParams
+
+    with LLM(str(folder), backend="torch", device="cuda", dtype="fp32") as llm:
+        outs = llm.generate(expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0,
+                                                                  ignore_eos=True))
+        label = llm.runner.backend.label
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    record("LLM on CUDA: recorded greedy tokens", got == expected["greedy"], f"{got}; backend {label}")

@@ -29,7 +29,8 @@ import pytest
 
 from engram_trt.bench.gpucases import rel_err
 
-from .helpers import REPO, note, record
+from .helpers import (REPO, check_bf16_cuda_logits_near_fp32_cpu, check_llm_on_cuda_gives_the_recorded_tokens,
+                      load_checkpoint, note, record)
 
 DATA = REPO / "tests" / "data" / "deepseek_v4_tiny"
 
@@ -40,10 +41,7 @@ def expected():
 
 
 def _load(device, dtype):
-    from engram_trt.models.registry import open_checkpoint
-
-    ckpt = open_checkpoint(DATA)
-    return ckpt, ckpt.architecture.load_model(ckpt, device=device, dtype=dtype)
+    return load_checkpoint(DATA, device, dtype)
 
 
 def test_fp32_cuda_greedy_equals_transformers(expected) -> None:
@@ -62,34 +60,11 @@ def test_fp32_cuda_greedy_equals_transformers(expected) -> None:
 
 
 def test_bf16_cuda_logits_near_fp32_cpu(expected) -> None:
-    import torch
-
-    from engram_trt.models.step import PackedStep
-
-    ckpt_c, cpu = _load("cpu", torch.float32)
-    ckpt_g, gpu = _load("cuda", torch.bfloat16)
-    for i, prompt in enumerate(expected["prompts"]):
-        step = lambda: PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0])  # noqa: E731
-        ref = cpu.forward_step(step(), cpu.new_cache(1, 64), all_logits=True)
-        got = gpu.forward_step(step(), gpu.new_cache(1, 64), all_logits=True)
-        err = rel_err(got, ref)
-        bound = 3 * expected["transformers_bf16_rel_l2"][i]
-        note(f"bf16_rel_l2_prompt{i}", err)
-        record(f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU", err <= bound,
-               f"rel L2 {err:.2e}, bound {bound:.2e}")
-    ckpt_c.close()
-    ckpt_g.close()
+    check_bf16_cuda_logits_near_fp32_cpu(DATA, expected)
 
 
 def test_llm_on_cuda_batches_to_the_recorded_tokens(expected) -> None:
-    from engram_trt import LLM, SamplingParams
-
-    with LLM(str(DATA), backend="torch", device="cuda", dtype="fp32") as llm:
-        outs = llm.generate(expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0,
-                                                                  ignore_eos=True))
-        label = llm.runner.backend.label
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    record("LLM on CUDA: recorded greedy tokens", got == expected["greedy"], f"{got}; backend {label}")
+    check_llm_on_cuda_gives_the_recorded_tokens(DATA, expected)
 
 
 # -- 4. the attention kernel backend vs the torch backend -------------------------------------

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .helpers import DT, PF_INT32, gather_fields, record
+from .helpers import DT, PF_INT32, gather_fields, record, special_float_table
 
 N = 5000
 WIDTHS = (1, 3, 4, 8, 17, 64)
@@ -31,15 +31,7 @@ DTYPE_CODES = {"bfloat16": 1, "float16": 2, "float32": 3}
 def _table(torch: Any, dtype: Any, width: int, seed: int, offset: int = 0) -> Any:
     """[N, width] random rows with special values; ``offset`` > 0: a view ``offset``
     elements into a larger buffer (its address only element-aligned)."""
-    gen = torch.Generator().manual_seed(seed)
-    t = (torch.randn(N, width, generator=gen) * 3).to(dtype)
-    if dtype == torch.float32:
-        bits = t.view(torch.int32)
-        bits[::7, ::3] = (bits[::7, ::3] & ~0xFFFF) | 0x7FC1  # low half: a bf16 NaN with a payload
-        bits[1::7, 1::3] = (bits[1::7, 1::3] & ~0xFFFF) | 0x7F80  # low half: bf16 +inf
-    else:
-        t[::11, 0] = float("nan")
-        t[1::13, -1] = float("inf")
+    t = special_float_table(torch, dtype, N, width, seed, inf_column=-1)
     if offset:
         buf = torch.empty(N * width + offset, dtype=dtype)
         view = buf[offset:].view(N, width)

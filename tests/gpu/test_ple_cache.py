@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .helpers import REPO, record
+from .helpers import REPO, record, special_float_table
 from .test_cache import compare_steps
 
 DATA = REPO / "tests" / "data" / "qwen4_exp_tiny"
@@ -31,16 +31,7 @@ N = 60_000
 
 
 def _table(torch: Any, dtype: Any, width: int, seed: int) -> Any:
-    gen = torch.Generator().manual_seed(seed)
-    t = (torch.randn(N, width, generator=gen) * 3).to(dtype)
-    if dtype == torch.float32:
-        bits = t.view(torch.int32)
-        bits[::7, ::3] = (bits[::7, ::3] & ~0xFFFF) | 0x7FC1  # low half: a bf16 NaN with a payload
-        bits[1::7, 1::3] = (bits[1::7, 1::3] & ~0xFFFF) | 0x7F80  # low half: bf16 +inf
-    else:
-        t[::11, 0] = float("nan")
-        t[1::13, 1] = float("inf")
-    return t
+    return special_float_table(torch, dtype, N, width, seed, inf_column=1)
 
 
 def _plain(torch: Any, table: Any, ids: Any) -> Any:
