@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "storage"),
     ("engram",),
     ("native",),
+    ("quant",),
     ("checkpoint",),
     ("tables",),
     ("cache",),

@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: Apache-2.0
+// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
+/*
+ * engram-trt kernel library: weights computed in the format a checkpoint stores them
+ * (FP8 E4M3 with block scales, FP4 E2M1 experts with per-32 scales, BF16), the C ABI.
+ * Included by engramKernels.h; its conventions (return codes, engram_last_error, device
+ * pointers, streams) hold here. docs/quantization.md states the formats and which
+ * reference each computation follows.
+ *
+ * Formats (checkpoint-formats facts):
+ *   FP8 weight W [N, K]: e4m3 bytes w [N, K]; scales s [ceil(N/bn), ceil(K/bk)], float32
+ *     or ue8m0 bytes (value 2^(byte-127)); W[n, k] = e4m3(w[n, k]) * s[n / bn, k / bk]
+ *     (the last block of a dimension that is not a multiple of the block is partial).
+ *   FP4 weight W [N, K]: bytes w [N, K/2], element 2j in bits 0-3 and 2j+1 in bits 4-7;
+ *     e2m1 codes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6, bit 3 the sign; scales as above with
+ *     (bn, bk) = (1, 32) in the published checkpoints (any bn >= 1, bk even).
+ *   BF16 weight W [N, K]: no scales.
+ *   Experts: E weights of one kind stacked [E, N, K(/2)] with scales [E, ...], expert e at
+ *     e * (its bytes).
+ *
+ * Rows and experts. The GEMV and GEMM take P output rows; row p reads activation row
+ * row_index[p] (NULL: row p) and, with E > 1, the expert whose range of the expert
+ * offsets holds p: rows offsets[e] .. offsets[e+1]-1 belong to expert e (offsets [E+1]
+ * int32 device, non-decreasing, offsets[0] = 0, offsets[E] = P). E = 1 takes offsets
+ * NULL (every row expert 0). engram_moe_plan makes order, row_index, offsets and the
+ * active-expert slots of a routed step on the device (no host synchronization), so a
+ * MoE step can be captured in a CUDA graph.
+ */
+#ifndef ENGRAM_TRT_QUANT_KERNELS_H
+#define ENGRAM_TRT_QUANT_KERNELS_H
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef ENGRAM_API
+#if defined(__GNUC__)
+#define ENGRAM_API __attribute__((visibility("default")))
+#else
+#define ENGRAM_API
+#endif
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Weight element formats. */
+enum EngramQuantWeightType
+{
+    ENGRAM_QWEIGHT_FP8_E4M3 = 0, /* one byte per value, block scales */
+    ENGRAM_QWEIGHT_FP4_E2M1 = 1, /* two values per byte (low nibble first), block scales */
+    ENGRAM_QWEIGHT_BF16 = 2      /* bf16, no scales (w_scale NULL) */
+};
+
+/* Scale element formats. */
+enum EngramQuantScaleType
+{
+    ENGRAM_QSCALE_F32 = 0,  /* float32 */
+    ENGRAM_QSCALE_UE8M0 = 1 /* one byte b: 2^(b - 127); b = 255 is NaN */
+};
+
+/* Float I/O element types: the EngramFloatType codes of engramKernels.h
+ * (ENGRAM_FLOAT_BF16 = 0, ENGRAM_FLOAT_F32 = 1, ENGRAM_FLOAT_F16 = 2). */
+
+/* Most output rows one GEMV block keeps in registers at a time; more rows of one expert
+ * are taken in passes of this many (the weight read again from L2). */
+#define ENGRAM_QGEMV_MAX_ROWS 8
+
+/*
+ * Dynamic activation quantization, per row and group of `group` columns (the published
+ * FP8 inference's per-token-group cast):
+ *   amax = max |x[m, k]| over the group (a partial last group over the columns it has)
+ *   s    = max(amax, 1e-4) / 448;   with ue8m0: s = 2^ceil(log2(s))
+ *   q    = e4m3_rn_satfinite(x * (1 / s))           (1 / s rounded to float32 first)
+ * x [M, K] of x_type (row stride ldx elements, ldx >= K). Outputs, each optional (NULL):
+ *   q      [M, K] e4m3 bytes (row stride K), 16-byte aligned when K % 16 == 0;
+ *   scale  [M, ceil(K / group)] float32: s;
+ *   deq    [M, K] of deq_type (row stride K): e4m3(q) * s, what the reference's matrix
+ *          product multiplies (exact in float32; in bf16 exact only when s is a power of
+ *          two, i.e. with ue8m0).
+ * group > 0 and a multiple of 8 (16, 32, 64, 128 are used); M >= 0 (0 launches nothing).
+ */
+ENGRAM_API int engram_act_quant(const void* x, int32_t x_type, int64_t num_rows, int64_t cols, int64_t ldx,
+    int32_t group, int32_t ue8m0, void* q, float* scale, void* deq, int32_t deq_type, cudaStream_t stream);
+
+/*
+ * The expert MLP's activation between the two projections, then the activation
+ * quantization of engram_act_quant on its result:
+ *   g = gate_up[p, i], u = gate_up[p, I + i]          (float32 [P, 2I], row stride ld)
+ *   limit > 0: g = min(g, limit), u = clamp(u, -limit, limit)   (DeepSeek-V4's clamped SwiGLU)
+ *   h = silu(g) * u  (float32), then quantized per `group` columns as engram_act_quant
+ *   (group 0: no quantization, deq = h). Outputs as engram_act_quant's (q, scale, deq).
+ */
+ENGRAM_API int engram_swiglu_act_quant(const float* gate_up, int64_t num_rows, int64_t intermediate, int64_t ld,
+    float limit, int32_t group, int32_t ue8m0, void* q, float* scale, void* deq, int32_t deq_type,
+    cudaStream_t stream);
+
+/*
+ * A routed step's plan, on the device: ids [T, k] (int32 or int64 by ids_is_int64) are
+ * each token's picked experts (0 <= id < E; an id outside is an error reported through
+ * error_flag: *error_flag set to 1, that pair dropped). Outputs (int32 device):
+ *   offsets   [E + 1]: rows of expert e are offsets[e] .. offsets[e+1]-1 of the sorted pairs;
+ *   order     [T * k]: order[r] = the pair (t * k + j) at sorted row r (pairs of one expert
+ *             in increasing pair order: the plan is deterministic);
+ *   row_token [T * k]: row_token[r] = order[r] / k, the activation row of sorted row r;
+ *   slot_expert [num_slots]: the experts with at least one row in increasing order, -1
+ *             after the last (num_slots >= min(T * k, E) covers every active expert);
+ *   error_flag [1] (may be NULL).
+ * One block; T * k <= 1 << 20, E <= 4096.
+ */
+ENGRAM_API int engram_moe_plan(const void* ids, int32_t ids_is_int64, int64_t num_tokens, int32_t top_k,
+    int32_t num_experts, int32_t* offsets, int32_t* order, int32_t* row_token, int32_t* slot_expert,
+    int32_t num_slots, int32_t* error_flag, cudaStream_t stream);
+
+/*
+ * Matrix-vector products for a few rows per weight, reading each weight's bytes once per
+ * pass (decode steps; the MoE's routed experts):
+ *   out[p, o_col0 + n] = sum_k a[row_index[p], k] * W_e[n, k]     (float32 sums)
+ * a      float32 or bf16 (a_type) [*, K], row stride lda: the activations as the reference's
+ *        product sees them (engram_act_quant's deq, or unquantized);
+ * W_e    expert e's weight (w_type, w_scale, scale_type, bn, bk as the formats above;
+ *        experts stacked, E >= 1);
+ * rows   P; with E > 1, offsets [E + 1] and slot_expert [num_slots] (engram_moe_plan's:
+ *        one block column per slot, a slot of -1 exits); with E = 1 both NULL and
+ *        num_slots = 1;
+ * out    out_type [P, ldo] (ldo >= N): columns o_col0 .. o_col0 + N - 1 written, so a gate
+ *        and an up projection can fill the two halves of one buffer.
+ * K: a multiple of 32 for FP4 (even bytes), of 8 otherwise; w 16-byte aligned;
+ * P >= 0 (0 launches nothing).
+ */
+ENGRAM_API int engram_quant_gemv(const void* a, int32_t a_type, int64_t lda, const int32_t* row_index,
+    int64_t num_rows, const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
+    int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets,
+    const int32_t* slot_expert, int32_t num_slots, void* out, int32_t out_type, int64_t ldo, int64_t o_col0,
+    cudaStream_t stream);
+
+/*
+ * FP8 x FP8 block-scaled matrix product on the tensor cores (mma e4m3, float32
+ * accumulation; sm_89 or later), for prefill:
+ *   out[p, n] = sum_kb a_scale[r, kb] * s_e[n / bn, kb] * sum_{k in block kb} aq[r, k] * w_e[n, k]
+ *   with r = row_index[p] (NULL: p), e the expert of row p (as engram_quant_gemv).
+ * aq [*, K] e4m3 bytes (row stride K) and a_scale [*, ceil(K/128)] float32 from
+ * engram_act_quant with group 128; w [E, N, K] e4m3, w_scale float32 or ue8m0
+ * [E, ceil(N/bn), ceil(K/128)]: bk must be 128, bn >= 1 (any; read per column).
+ * K % 16 == 0, aq and w 16-byte aligned. out out_type [P, ldo], columns 0..N-1.
+ * With E > 1 the grid covers ceil(P / 128) + E row tiles (an expert's rows never share a
+ * tile with another's); offsets as engram_quant_gemv's. cudaErrorNotSupported before sm_89.
+ */
+ENGRAM_API int engram_fp8_gemm(const uint8_t* aq, const float* a_scale, const int32_t* row_index, int64_t num_rows,
+    const uint8_t* w, const void* w_scale, int32_t scale_type, int32_t bn, int64_t out_features, int64_t in_features,
+    int32_t num_experts, const int32_t* offsets, void* out, int32_t out_type, int64_t ldo, cudaStream_t stream);
+
+/*
+ * Grouped matrix product with FP4 (or BF16) expert weights dequantized in registers,
+ * on bf16 tensor cores (mma bf16, float32 accumulation; Hopper has no FP4 tensor cores),
+ * for prefill:
+ *   out[p, n] = sum_k a[row_index[p], k] * W_e[n, k]
+ * a bf16 [*, K] (row stride lda): the activations as the reference's product sees them
+ * (engram_act_quant's deq in bf16 with ue8m0 scales is exact); w_type FP4_E2M1 (scales
+ * as the formats above) or BF16; offsets / E / out as engram_fp8_gemm's.
+ * K % 32 == 0 for FP4 (% 8 for BF16), a and w 16-byte aligned. sm_80 or later.
+ */
+ENGRAM_API int engram_quant_grouped_gemm(const void* a, int64_t lda, const int32_t* row_index, int64_t num_rows,
+    const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
+    int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets, void* out,
+    int32_t out_type, int64_t ldo, cudaStream_t stream);
+
+/*
+ * Dequantize a weight into a float buffer (float32 or bf16 out_type) [E, N, K]: the
+ * export, the tests and a CPU-less fallback read it; serving never materializes it.
+ */
+ENGRAM_API int engram_quant_dequantize(const void* w, int32_t w_type, const void* w_scale, int32_t scale_type,
+    int32_t bn, int32_t bk, int64_t out_features, int64_t in_features, int32_t num_experts, void* out,
+    int32_t out_type, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ENGRAM_TRT_QUANT_KERNELS_H */
