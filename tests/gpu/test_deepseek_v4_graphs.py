@@ -65,7 +65,10 @@ PHASES = [(3, 8), (5, 6), (1, 4)]  # (sequences, steps): buckets 4, 8, 1
 def _config(mix: str, **overrides: Any) -> Any:
     from engram_trt.models.deepseek_v4.config import read_config
 
-    return read_config(dict(BASE, **MIXES[mix], **overrides), f"graph test {mix}")
+    d = dict(BASE)
+    d.update(MIXES[mix])
+    d.update(overrides)
+    return read_config(d, f"graph test {mix}")
 
 
 def _model(cfg: Any, weights: dict, dtype: Any) -> Any:

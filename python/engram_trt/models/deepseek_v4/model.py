@@ -343,6 +343,7 @@ class DeepseekV4Model(_Modules):
         self.step_layers(state, cache, 0, len(self.model.layers))
         return self.step_end(state, step, cache, all_logits, capture)
 
+    @torch.no_grad()
     def step_begin(self, step: PackedStep, cache: DeepseekV4State, engram_rows: Any, capture: bool) -> "StepState":
         """The step's device metadata (one upload on CUDA), the Engram inputs (rows staged
         or gathered here) and the embedding copied into the ``hc_mult`` streams: everything
@@ -366,6 +367,7 @@ class DeepseekV4Model(_Modules):
                          meta=meta, seq_starts=step.seq_starts, past_lens=step.past_lens, slots=step.slots,
                          decode=step.is_decode_only, static=capture)
 
+    @torch.no_grad()
     def step_layers(self, state: "StepState", cache: DeepseekV4State, begin: int, end: int) -> None:
         """Decoder layers ``begin..end-1`` on ``state.streams`` (the Engram update first on
         an Engram layer, reading its rows there). A decode step on CUDA runs its MoE in a
@@ -397,6 +399,7 @@ class DeepseekV4Model(_Modules):
             streams = HyperConnection.expand(streams, y, post, comb)
         state.streams = streams
 
+    @torch.no_grad()
     def step_end(self, state: "StepState", step: PackedStep, cache: DeepseekV4State, all_logits: bool,
                  capture: bool) -> torch.Tensor:
         """The hyper head, the final norm and the LM head (of each sequence's last token),
