@@ -317,12 +317,14 @@ def bench_folder(folder: Path, shape: str, opts: E2eOptions, limits: dict[str, f
     res: dict[str, Any] = {"shape": shape, "folder": str(folder), "family": family, "floor": floor,
                            "prompt_tokens": opts.prompt_tokens, "max_tokens": opts.max_tokens}
     hf = None
-    runs_hf = family != "engram-llama" and not opts.no_transformers
-    if runs_hf:
+    engram = getattr(source.config, "engram", None) is not None
+    skip = ("--no-transformers" if opts.no_transformers else
+            f"transformers has no {'engram-llama' if family == 'engram-llama' else family + ' with Engram layers'}"
+            if family == "engram-llama" or engram else None)
+    if skip is None:
         hf = res["transformers"] = transformers_generate(folder, prompt, opts.max_tokens, opts.device, opts.dtype)
     else:
-        res["transformers"] = {"skipped": "transformers has no engram-llama" if family == "engram-llama"
-                               else "--no-transformers"}
+        res["transformers"] = {"skipped": skip}
     run = res["run"] = engram_run(folder, prompt, opts, words)
     if hf is not None and run.get("token_ids") is not None:
         a, b = run["token_ids"], hf["token_ids"]
