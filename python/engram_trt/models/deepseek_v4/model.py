@@ -265,14 +265,20 @@ class DeepseekV4Model(_Modules):
         return self.compress_lookup[step.input_ids.to(self._device)]
 
     def step_lookback(self, step: PackedStep, cache: DeepseekV4State | None) -> torch.Tensor:
+        """``[S, N-1]`` lookback of a step: its own, else the cache's rows of its slots (on CUDA
+        from the step's one upload: no pageable copy)."""
         n = self.layout.max_ngram_size - 1
         if step.lookback is not None:
-            lb = torch.as_tensor(step.lookback, dtype=torch.int64).to(self._device)
+            lb = torch.as_tensor(step.lookback, dtype=torch.int64)
             if tuple(lb.shape) != (step.num_seqs, n):
                 raise EngramError(f"the step's lookback must be [S={step.num_seqs}, N-1={n}] (got {tuple(lb.shape)})")
-            return lb
+            if self.uploader is not None:
+                return step.device_arrays(self._device, self.uploader)["lookback"]
+            return lb.to(self._device)
         if cache is None:
             return torch.full((step.num_seqs, n), DEAD, dtype=torch.int64, device=self._device)
+        if self.uploader is not None and cache.lookback.device == self._device:
+            return cache.lookback[step.device_arrays(self._device, self.uploader)["slots"]]
         return cache.lookback[torch.tensor(step.slots, dtype=torch.int64, device=cache.lookback.device)].to(self._device)
 
     def engram_hash(self, cids: torch.Tensor, seq_starts: Sequence[int], lookback: torch.Tensor) -> torch.Tensor:
