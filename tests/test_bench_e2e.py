@@ -38,9 +38,11 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = root / "e2e.json"
     code = main(["bench", "e2e", "--shapes", "dsv4-tiny,qwen4-tiny", "--device", "cpu", "--dtype", "fp32",
                  "--max-tokens", str(MAX_TOKENS), "--prompt-tokens", "5", "--concurrency", "1,2", "--breakdown",
-                 "--work-dir", str(root / "work"), "--json", str(out)])
+                 "--work-dir", str(root / "work"), "--json", str(out), "--plot", str(root / "serve.svg")])
     assert code == 0
-    return json.loads(out.read_text())
+    got = json.loads(out.read_text())
+    got["svg"] = (root / "serve.svg").read_text()
+    return got
 
 
 def test_every_run_reports_and_the_tokens_equal_transformers(report: dict[str, Any]) -> None:
@@ -59,6 +61,16 @@ def test_every_run_reports_and_the_tokens_equal_transformers(report: dict[str, A
         assert levels["1"]["ratio_to_one"] == pytest.approx(1.0)
         assert r["breakdown"] == {"skipped": "no CUDA device (the breakdown times CUDA events)"}
         assert Path(r["folder"], "tokenizer.json").is_file()
+
+
+def test_the_plot_draws_one_line_per_model(report: dict[str, Any]) -> None:
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(report["svg"])
+    ns = "{http://www.w3.org/2000/svg}"
+    lines = root.findall(f"{ns}polyline")
+    assert len(lines) == 2 and all(len(p.get("points").split()) == 2 for p in lines)  # 2 models x 2 stream counts
+    assert {t.text for t in root.findall(f"{ns}text")} >= {"dsv4-tiny", "qwen4-tiny", "streams", "tokens/s"}
 
 
 def _transformers_read(shape: str) -> tuple[int, int]:

@@ -24,7 +24,8 @@ For each ``--shapes`` entry (or the one ``--path`` folder) in one call:
    (:mod:`engram_trt.bench.breakdown`: CUDA events recorded inside the step's CUDA graph).
 
 Printed as a table and written with ``--json``: tokens/s, ms per step, the floor, ours /
-floor (how many floors a step takes) and ours / transformers.
+floor (how many floors a step takes) and ours / transformers; ``--plot`` draws bench serve's
+tokens/s against streams, one line per model, as an SVG.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class E2eOptions:
     breakdown_reps: int = opt(5, argtype=("int_arg", 1, 1000), help="replays the breakdown's medians take "
                                                                    "(default: %(default)s)")
     json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
+    plot: str | None = opt(None, metavar="FILE", help="write bench serve's tokens/s against streams, one line per "
+                                                     "model, as an SVG to FILE")
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -406,6 +409,48 @@ def report(res: dict[str, Any]) -> list[str]:
     return lines
 
 
+def svg_plot(results: list[dict[str, Any]], title: str) -> str:
+    """bench serve's tokens/s against streams (both axes log2), one line per result."""
+    import math
+
+    W, H, L, B, R, T = 640, 400, 70, 50, 150, 40
+    series = [(r["shape"], sorted((int(n), v["tokens_per_s"]) for n, v in r["serve"]["levels"].items()
+                                  if v.get("tokens_per_s"))) for r in results]
+    pts = [p for _, s in series for p in s]
+    if not pts:
+        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><text x="10" y="20">no figures</text></svg>'
+    xs = [math.log2(n) for n, _ in pts]
+    ys = [math.log2(v) for _, v in pts]
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    y0, y1 = math.floor(min(ys)), math.ceil(max(max(ys), min(ys) + 1))
+
+    def at(n: float, v: float) -> tuple[float, float]:
+        return (L + (math.log2(n) - x0) / (x1 - x0) * (W - L - R), H - B - (math.log2(v) - y0) / (y1 - y0) * (H - B - T))
+
+    colors = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+           f'<text x="{L}" y="20">{title}</text>',
+           f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
+           f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
+           f'<text x="{(W - R + L) / 2 - 20}" y="{H - 12}">streams</text>',
+           f'<text x="8" y="{T - 8}">tokens/s</text>']
+    for n in sorted({n for n, _ in pts}):
+        x, _ = at(n, 2 ** y0)
+        out.append(f'<text x="{x - 6:.1f}" y="{H - B + 16}">{n}</text>')
+    for e in range(int(y0), int(y1) + 1):
+        _, y = at(2 ** x0, 2 ** e)
+        out.append(f'<text x="{L - 60}" y="{y + 4:.1f}">{2 ** e:,}</text>')
+    for i, (name, s) in enumerate(series):
+        c = colors[i % len(colors)]
+        xy = [at(n, v) for n, v in s]
+        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="'
+                   + " ".join(f"{x:.1f},{y:.1f}" for x, y in xy) + '"/>')
+        out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{c}"/>' for x, y in xy]
+        out.append(f'<text x="{W - R + 10}" y="{T + 18 * i + 10}" fill="{c}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def run(opts: E2eOptions) -> int:
     import torch
 
@@ -453,8 +498,10 @@ def run(opts: E2eOptions) -> int:
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(f"bench e2e: {out['seconds']} s")
     dump(out, opts.json)
+    if opts.plot:
+        Path(opts.plot).write_text(svg_plot(out["results"], f"bench serve, {out['device']}, {opts.dtype}"))
     return 0
 
 
-__all__ = ["E2eOptions", "SHAPES", "decode_bytes", "make_checkpoint", "prompt_ids", "ratios", "run",
+__all__ = ["E2eOptions", "SHAPES", "decode_bytes", "make_checkpoint", "prompt_ids", "ratios", "run", "svg_plot",
            "transformers_config", "word_tokenizer"]
