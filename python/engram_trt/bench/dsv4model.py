@@ -97,22 +97,33 @@ def _random(name: str, shape: tuple[int, ...], dtype: Any, device: Any, gen: Any
     return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * (0.5 / math.sqrt(fan_in))).to(dtype)
 
 
-def build_model(cfg_dict: dict[str, Any], device: Any, dtype: Any, seed: int = 0) -> BenchModel:
-    """The V4.1 model of ``cfg_dict`` with random weights made on ``device`` (module docstring)."""
-    import numpy as np
+def random_weights(cfg: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str, Any]:
+    """Checkpoint name -> a random tensor for every weight a DeepSeek-V4 / V4.1 model of
+    ``cfg`` reads (no Engram tables), made on ``device`` in ``dtype`` (the float32-kept
+    ones in float32): norms near 1, hash routing to distinct experts, the rest
+    N(0, 1 / fan_in) scaled so activations stay O(1) through the layers."""
     import torch
 
-    from engram_trt.engram.layout import EngramLayout
-    from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE
-    from engram_trt.models.deepseek_v4.config import read_config
     from engram_trt.models.deepseek_v4.model import KEEP_FLOAT32, model_tensor_shapes
 
-    cfg = read_config(cfg_dict, "bench dsv4-step")
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in model_tensor_shapes(cfg).items():
         want = torch.float32 if KEEP_FLOAT32.search(name) else dtype
         weights[name] = _random(name, shape, want, device, gen, cfg.n_routed_experts)
+    return weights
+
+
+def build_model(cfg_dict: dict[str, Any], device: Any, dtype: Any, seed: int = 0) -> BenchModel:
+    """The V4.1 model of ``cfg_dict`` with random weights made on ``device`` (module docstring)."""
+    import numpy as np
+
+    from engram_trt.engram.layout import EngramLayout
+    from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE
+    from engram_trt.models.deepseek_v4.config import read_config
+
+    cfg = read_config(cfg_dict, "bench dsv4-step")
+    weights = random_weights(cfg, device, dtype, seed)
     spec = cfg.engram
     lookup = np.random.default_rng(seed).integers(3, spec.compressed_vocab_size, size=cfg.vocab_size, dtype=np.int64)
     lookup[PAD] = PAD

@@ -20,8 +20,8 @@ from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engram_trt.bench import (attention, backbone, cache, cacheplan, contention, dsv4step, gather, gathersweep, gemv,
-                               idstreams, kernels, plegather, qwen4step, rowcounts, serve, steady, step)
+from engram_trt.bench import (attention, backbone, cache, cacheplan, contention, dsv4step, e2e, gather, gathersweep,
+                               gemv, idstreams, kernels, plegather, qwen4step, rowcounts, serve, steady, step)
 from engram_trt.cli.argtypes import int_arg
 
 
@@ -90,6 +90,8 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
                  "~1.3B Qwen4Exp decode steps, PLE tables pinned vs HBM, vs the step's floor"),
     BenchCommand("dsv4-step", dsv4step, dsv4step.Dsv4StepOptions,
                  "~1.8B DeepSeek-V4.1 steps, Engram tables pinned vs HBM, vs floors; time per module class"),
+    BenchCommand("e2e", e2e, e2e.E2eOptions,
+                 "transformers-made checkpoints: generate vs run vs bench serve, vs the weight-read floor"),
 )
 
 

@@ -37,6 +37,7 @@ _ENTRY = EntryPoints({
                              _vp, _vp],
 })
 library = _ENTRY.library
+unavailable = _ENTRY.unavailable
 _call = _ENTRY.call
 
 

@@ -6,7 +6,10 @@ A decode step of a small model is nearly all host time (on the H200 the demo, hi
 torch backend records each decode step shape once and replays it. A step is recorded
 per (batch bucket, context bucket): the batch rounded up to a power of two (padding
 sequences write into a scratch KV slot the scheduler never hands out), the longest
-context rounded up to a power of two (the attention mask hides the rest). Everything
+context rounded up to a power of two (the attention mask hides the rest). A model whose
+decode step reads every length on the device (``decode_context_free``: DeepSeek-V4,
+whose attention kernel takes the lengths from the step's metadata) gets one graph per
+batch bucket whatever the context (its context bucket is the cache's ``max_len``). Everything
 that changes between steps — token ids, compressed ids, positions, slots, lengths, the
 Engram lookback — lives in static device buffers the graphs read; one pinned copy per
 step fills them.
@@ -66,6 +69,53 @@ def _bucket(n: int, floor: int = 1) -> int:
     return b
 
 
+def context_bucket(longest: int, max_len: int, context_free: bool = False) -> int:
+    """The context a decode step of ``longest`` tokens (after the step) is recorded for:
+    ``max_len`` for a context-free model (one graph per batch bucket), else the longest
+    rounded up to a power of two (at least :data:`MIN_CONTEXT_BUCKET`), at most ``max_len``."""
+    if context_free:
+        return max_len
+    return min(_bucket(longest, MIN_CONTEXT_BUCKET), max_len)
+
+
+def fill_columns(h: np.ndarray, step: PackedStep, S: int, G: int, scratch: int, lookup: np.ndarray | None,
+                 pad: bool = True) -> None:
+    """A decode step's values into a bucket's host buffer ``h [5 + N-1, >= G]`` (the
+    layout :meth:`DecodeGraphs._buffers` names), one column per sequence: token id,
+    compressed id, position (its past length), slot, length after the step, the N-1
+    lookback ids; with ``pad``, columns S..G-1 as padding sequences on the ``scratch``
+    slot (position 0, length 1, compressed id 0, no lookback)."""
+    if pad:
+        h[:, S:G] = 0
+        h[3, S:G] = scratch
+        h[4, S:G] = 1
+        h[5:, S:G] = -1
+    ids = step.input_ids.numpy() if step.input_ids.device.type == "cpu" else step.input_ids.cpu().numpy()
+    h[0, :S] = ids
+    if step.engram_ids is not None:
+        h[1, :S] = step.engram_ids.cpu().numpy()
+    elif lookup is not None:
+        h[1, :S] = lookup[ids]
+    h[2, :S] = step.past_lens
+    h[3, :S] = step.slots
+    h[4, :S] = step.total_lens
+    if h.shape[0] > 5 and step.lookback is not None:
+        lb = step.lookback
+        h[5:, :S] = (lb.cpu().numpy() if isinstance(lb, torch.Tensor) else np.asarray(lb, dtype=np.int64)).T
+
+
+def static_arrays(d: torch.Tensor, arange: torch.Tensor, G: int, engram: bool) -> dict[str, torch.Tensor]:
+    """A recorded step's device arrays (the names of :meth:`PackedStep.device_arrays`) as
+    views of the bucket's static buffer ``d`` (:func:`fill_columns`' layout) and of
+    ``arange`` (0, 1, 2, ...): what the graphs read at every replay."""
+    arrays = {"input_ids": d[0, :G], "positions": d[2, :G], "token_slots": d[3, :G], "last": arange[:G],
+              "decode_rows": arange[:G], "decode_slots": d[3, :G], "decode_lens": d[4, :G],
+              "seq_starts": arange[:G + 1], "past_lens": d[2, :G], "slots": d[3, :G]}
+    if engram:
+        arrays["engram_ids"] = d[1, :G]
+    return arrays
+
+
 class DecodeGraphs:
     """Recorded decode steps of one model and cache (see the module docstring).
     ``scratch_slot``: a KV slot outside the scheduler's range, for padding sequences.
@@ -87,6 +137,7 @@ class DecodeGraphs:
         self.lookup_policy = lookup_policy
         self.wait_each_layer = wait_each_layer
         self.fork_lookup = fork_lookup
+        self.context_free = bool(getattr(model, "decode_context_free", False))
         layout = model.layout
         self.n_lookback = layout.max_ngram_size - 1 if layout is not None else 0
         G = _bucket(max_batch)
@@ -170,7 +221,7 @@ class DecodeGraphs:
         S = step.num_seqs
         G = _bucket(S)
         total = step.total_lens
-        L = min(_bucket(max(total), MIN_CONTEXT_BUCKET), self.max_len)
+        L = context_bucket(max(total), self.max_len, self.context_free)
         entry = self.graphs.get((G, L, mode))
         if entry is None:
             entry = self._record(G, L, mode, None if mode != "staged" else [s[:G] for s in rows.staging])
@@ -216,24 +267,10 @@ class DecodeGraphs:
         S..G-1 (they run on the scratch slot) are rewritten only when S or G changed."""
         dev, host, h = self._buffers(G)
         self._event.synchronize()  # the last copy out of a pinned buffer has run (no-op before the first)
-        if self._padded.get(G) != S:
-            h[:, S:G] = 0
-            h[3, S:G] = self.scratch
-            h[4, S:G] = 1
-            h[5:, S:G] = -1
+        pad = self._padded.get(G) != S
+        fill_columns(h, step, S, G, self.scratch, self._lookup_np, pad)
+        if pad:
             self._padded[G] = S
-        ids = step.input_ids.numpy() if step.input_ids.device.type == "cpu" else step.input_ids.cpu().numpy()
-        h[0, :S] = ids
-        if step.engram_ids is not None:
-            h[1, :S] = step.engram_ids.cpu().numpy()
-        elif self._lookup_np is not None:
-            h[1, :S] = self._lookup_np[ids]
-        h[2, :S] = step.past_lens
-        h[3, :S] = step.slots
-        h[4, :S] = step.total_lens
-        if self.n_lookback and step.lookback is not None:
-            lb = step.lookback
-            h[5:, :S] = (lb.cpu().numpy() if isinstance(lb, torch.Tensor) else np.asarray(lb, dtype=np.int64)).T
         dev.copy_(host, non_blocking=True)
         self._event.record()
 
@@ -243,10 +280,8 @@ class DecodeGraphs:
         of the static buffers (the host lists only give the shapes)."""
         d = self._buffers(G)[0]
         step = PackedStep(torch.zeros(G, dtype=torch.int64), [1] * G, [L - 1] * G, list(range(G)))
-        arrays = {"input_ids": d[0, :G], "positions": d[2, :G], "token_slots": d[3, :G], "last": self._arange[:G],
-                  "decode_rows": self._arange[:G], "decode_slots": d[3, :G], "decode_lens": d[4, :G]}
+        arrays = static_arrays(d, self._arange, G, self.model.layout is not None)
         if self.model.layout is not None:
-            arrays["engram_ids"] = d[1, :G]
             step.engram_ids = torch.zeros(G, dtype=torch.int64)
         step._derived[f"arrays@{self.device}"] = arrays
         return step

@@ -214,7 +214,7 @@ class DeepseekV4Attention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, seq_starts: list[int], past_lens: list[int], slots: list[int],
                 state: dict[str, Tensor], *, meta: Tensor | None = None,
-                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                rope: tuple[Tensor, Tensor] | None = None, static: bool = False) -> Tensor:
         """Attend the step's tokens ``x [T, hidden]`` over their slots' state.
 
         Sequence ``s`` owns tokens ``seq_starts[s]:seq_starts[s + 1]`` at positions
@@ -224,10 +224,13 @@ class DeepseekV4Attention(nn.Module):
         ``[T, hidden]``. The core runs on the CUDA kernel or the torch path by
         ``backend`` (:mod:`.attention_kernel`); ``meta`` (the kernel's int32
         ``[seq_starts, past_lens, slots]`` on the device) and ``rope`` (this layer's
-        ``self.rope(positions)``) let the model build them once per step."""
+        ``self.rope(positions)``) let the model build them once per step. ``static``: a
+        CUDA graph's recording (:mod:`.graphs`): the host lists give only the step's shape,
+        every length is in ``meta``, so they are not checked and the kernel must serve."""
         from engram_trt.models.deepseek_v4 import attention_kernel
 
-        self._check_step(x, positions, seq_starts, past_lens, slots, state)
+        if not static:
+            self._check_step(x, positions, seq_starts, past_lens, slots, state)
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         cos, sin = rope if rope is not None else self.rope(positions)
         q_residual = self.q_a_norm(self.q_a_proj(x))
@@ -236,8 +239,14 @@ class DeepseekV4Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         if attention_kernel.kernel_serves(self, x, state):
             if meta is None:
+                if static:
+                    raise EngramError("a recorded decode step needs the step's device metadata (meta)")
                 meta = attention_kernel.step_meta(seq_starts, past_lens, slots, x.device)
             out = attention_kernel.core(self, x, q, kv, q_residual, cos, sin, len(slots), meta, state)
+        elif static:
+            raise EngramError(f"layer {self.layer_idx}'s attention core is not on the CUDA kernel "
+                              f"({attention_kernel.why_not_kernel(self, x, state) or 'backend torch'}); a recorded "
+                              "decode step cannot take the torch core, whose loop reads the lengths on the host")
         else:
             out = self._core_torch(x, q, kv, q_residual, cos, sin, seq_starts, past_lens, slots, state)
         out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))

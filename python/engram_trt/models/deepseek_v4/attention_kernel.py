@@ -72,9 +72,6 @@ def why_not_kernel(layer: Any, x: Tensor, state: dict[str, Tensor] | None) -> st
             t = state[bad[0]]
             return (f"state[{bad[0]!r}] is {t.dtype} on {t.device}; the kernel wants contiguous CUDA state in the "
                     f"activations' dtype {x.dtype}")
-        if indexer is not None and indexer.topk > state["compressed_kv"].shape[1]:
-            return (f"index_topk {indexer.topk} exceeds the state's {state['compressed_kv'].shape[1]} entries "
-                    "(max_len // rate); allocate a longer state")
     return library_unavailable()
 
 

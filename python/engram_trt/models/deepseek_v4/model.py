@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -42,6 +43,26 @@ log = logging.getLogger(__name__)
 # Kept in float32 whatever the serving dtype (transformers' _keep_in_fp32_modules_strict).
 KEEP_FLOAT32 = re.compile(r"(hc_attn_|hc_ffn_|hc_head\.|attn_sink$|\.ape$|\.gate\.bias$|q_norm\.|\.norm\.weight$|"
                           r"attn_norm\.|ffn_norm\.)")
+
+
+@dataclass
+class StepState:
+    """What one step carries between its stages (:meth:`DeepseekV4Model.forward_step`)."""
+
+    streams: torch.Tensor  # [T, hc, D] the residual streams
+    rows: Any  # per Engram layer [T, cols, head_dim] (staged lazily or gathered), or None
+    live: torch.Tensor | None  # [T] bool: tokens whose Engram gate may open
+    cids: torch.Tensor | None  # [T] compressed ids
+    ids: torch.Tensor  # [T] raw token ids on the device (the hash MoE routes by them)
+    positions: torch.Tensor  # [T] on the device
+    last: torch.Tensor  # [S] each sequence's last token in the pack
+    meta: torch.Tensor | None  # the attention kernel's int32 [seq_starts, past_lens, slots] (CUDA)
+    seq_starts: list[int]
+    past_lens: list[int]
+    slots: list[int]
+    decode: bool  # every sequence brings one token (the MoE takes a sync-free form on CUDA)
+    static: bool  # a recording: the host lists give only the shape
+    ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (cos, sin) per RoPE table
 
 
 class DecoderLayer(nn.Module):
@@ -94,7 +115,10 @@ class DeepseekV4Model(_Modules):
     """See the module docstring. Build with :meth:`from_checkpoint` (tensor by tensor,
     :func:`.weights.load_into`)."""
 
-    supports_decode_graphs = False
+    # Every length of a decode step is read on the device (the attention kernel's metadata,
+    # the RoPE positions), so one recorded graph per batch bucket serves every context
+    # length (runtime.cuda_graphs.DecodeGraphs, graphs.py).
+    decode_context_free = True
 
     def __init__(self, config: DeepseekV4Config, *, device: Any = "cpu", dtype: torch.dtype = torch.float32,
                  compress_lookup: Any = None, layout: Any = None) -> None:
@@ -109,6 +133,7 @@ class DeepseekV4Model(_Modules):
         self.engram_enabled = True
         self.engram_ops = None  # the CUDA kernel path of engram-llama's gate (bf16 GPU) is not wired here yet
         self.compress_lookup: torch.Tensor | None = None
+        self._graphs_why: str | None = None  # the last reason graphs_unavailable gave (logged once)
         if config.engram is not None:
             if compress_lookup is None or layout is None:
                 raise EngramError("a DeepSeek-V4.1 model needs the compressed-vocab lookup and the Engram layout "
@@ -172,10 +197,22 @@ class DeepseekV4Model(_Modules):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
+    @property
+    def supports_decode_graphs(self) -> bool:
+        """Whether the torch backend may record this model's decode steps as CUDA graphs
+        (:func:`.graphs.graphs_unavailable` says why not; logged once)."""
+        from engram_trt.models.deepseek_v4.graphs import graphs_unavailable
+
+        why = graphs_unavailable(self)
+        if why is not None and why != self._graphs_why:
+            log.info("DeepSeek-V4 decode steps run eagerly, without CUDA graphs: %s", why)
+        self._graphs_why = why
+        return why is None
+
     def attention_label(self) -> str:
         """Which core the attention runs on for this model's device and dtype, and why
-        not the kernel when it does not (a state-dependent refusal, such as an
-        ``index_topk`` above a short state's entries, shows at the step)."""
+        not the kernel when it does not (a state-dependent refusal, such as a state in
+        another dtype, shows at the step)."""
         from engram_trt.models.deepseek_v4.attention_kernel import check_backend, why_not_kernel
 
         probe = torch.empty(0, device=self._device, dtype=self.compute_dtype)
@@ -228,14 +265,20 @@ class DeepseekV4Model(_Modules):
         return self.compress_lookup[step.input_ids.to(self._device)]
 
     def step_lookback(self, step: PackedStep, cache: DeepseekV4State | None) -> torch.Tensor:
+        """``[S, N-1]`` lookback of a step: its own, else the cache's rows of its slots (on CUDA
+        from the step's one upload: no pageable copy)."""
         n = self.layout.max_ngram_size - 1
         if step.lookback is not None:
-            lb = torch.as_tensor(step.lookback, dtype=torch.int64).to(self._device)
+            lb = torch.as_tensor(step.lookback, dtype=torch.int64)
             if tuple(lb.shape) != (step.num_seqs, n):
                 raise EngramError(f"the step's lookback must be [S={step.num_seqs}, N-1={n}] (got {tuple(lb.shape)})")
-            return lb
+            if self.uploader is not None:
+                return step.device_arrays(self._device, self.uploader)["lookback"]
+            return lb.to(self._device)
         if cache is None:
             return torch.full((step.num_seqs, n), DEAD, dtype=torch.int64, device=self._device)
+        if self.uploader is not None and cache.lookback.device == self._device:
+            return cache.lookback[step.device_arrays(self._device, self.uploader)["slots"]]
         return cache.lookback[torch.tensor(step.slots, dtype=torch.int64, device=cache.lookback.device)].to(self._device)
 
     def engram_hash(self, cids: torch.Tensor, seq_starts: Sequence[int], lookback: torch.Tensor) -> torch.Tensor:
@@ -290,46 +333,89 @@ class DeepseekV4Model(_Modules):
 
     @torch.no_grad()
     def forward_step(self, step: PackedStep, cache: DeepseekV4State, *, engram_rows: Any = None,
-                     all_logits: bool = False) -> torch.Tensor:
+                     all_logits: bool = False, capture: bool = False) -> torch.Tensor:
         """Logits (float32) ``[S, vocab]`` of each sequence's last token (``all_logits``:
-        ``[T, vocab]``); the slots' per-layer state, lengths and lookback advance."""
+        ``[T, vocab]``); the slots' per-layer state, lengths and lookback advance.
+
+        The step runs in three stages (:meth:`step_begin`, :meth:`step_layers`,
+        :meth:`step_end`) so a CUDA graph can be cut where an Engram layer waits for its
+        rows (runtime.cuda_graphs.DecodeGraphs, :mod:`.graphs`). ``capture``: the step is
+        being recorded: its device arrays are the graph's static buffers and its host
+        lists only give its shape (every length is read on the device), so the host checks
+        and the host bookkeeping (lengths, lookback) are the caller's."""
+        if not capture:
+            self._check_step(step, cache)
+        state = self.step_begin(step, cache, engram_rows, capture)
+        self.step_layers(state, cache, 0, len(self.model.layers))
+        return self.step_end(state, step, cache, all_logits, capture)
+
+    @torch.no_grad()
+    def step_begin(self, step: PackedStep, cache: DeepseekV4State, engram_rows: Any, capture: bool) -> "StepState":
+        """The step's device metadata (one upload on CUDA), the Engram inputs (rows staged
+        or gathered here) and the embedding copied into the ``hc_mult`` streams: everything
+        before the first decoder layer."""
         cfg = self.config
-        self._check_step(step, cache)
         dev = self._device
-        starts, past, slots = step.seq_starts, step.past_lens, step.slots
         meta = None
         if self.uploader is not None:
             # CUDA: the step's metadata in ONE asynchronous copy from pinned memory (a pageable
-            # copy would make the host wait for the stream), the kernel's int32 view built once
+            # copy would make the host wait for the stream), the kernel's int32 view built once;
+            # in a recording, views of the graph's static buffers (no copy)
             arrays = step.device_arrays(dev, self.uploader)
             ids, positions, last = arrays["input_ids"], arrays["positions"], arrays["last"]
             meta = torch.cat((arrays["seq_starts"], arrays["past_lens"], arrays["slots"])).to(torch.int32)
         else:
             ids, positions, last = step.input_ids.to(dev), step.positions(dev), step.last_token_index(dev)
         rows, live, cids = self._engram_inputs(step, cache, engram_rows)
-        ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # one (cos, sin) per RoPE table and step
         x = self.model.embed_tokens(ids).to(self.compute_dtype)
         streams = x.unsqueeze(1).expand(x.shape[0], cfg.hc_mult, x.shape[1]).contiguous()  # [T, hc, D]
-        index = cfg.engram_layer_index
-        for layer in self.model.layers:
-            i = layer.index
-            if layer.engram is not None and rows is not None:
-                streams = layer.engram(streams, rows[index[i]].to(dev), live)
+        return StepState(streams=streams, rows=rows, live=live, cids=cids, ids=ids, positions=positions, last=last,
+                         meta=meta, seq_starts=step.seq_starts, past_lens=step.past_lens, slots=step.slots,
+                         decode=step.is_decode_only, static=capture)
+
+    @torch.no_grad()
+    def step_layers(self, state: "StepState", cache: DeepseekV4State, begin: int, end: int) -> None:
+        """Decoder layers ``begin..end-1`` on ``state.streams`` (the Engram update first on
+        an Engram layer, reading its rows there). A decode step on CUDA runs its MoE in a
+        sync-free form (:func:`.graphs.sync_free_moe`), eagerly and in a recording alike."""
+        from engram_trt.models.deepseek_v4.graphs import sync_free_moe
+
+        dev = self._device
+        index = self.config.engram_layer_index
+        streams = state.streams
+        for i in range(begin, end):
+            layer = self.model.layers[i]
+            if layer.engram is not None and state.rows is not None:
+                streams = layer.engram(streams, state.rows[index[i]].to(dev), state.live)
             h, post, comb = layer.attn_hc.collapse(streams)
             attn = layer.self_attn
-            rope = ropes.get(attn.rope_label)
+            rope = state.ropes.get(attn.rope_label)
             if rope is None:
-                rope = ropes[attn.rope_label] = attn.rope(positions)
-            y = attn(layer.input_layernorm(h), positions, starts, past, slots, cache.layers[i], meta=meta, rope=rope)
+                rope = state.ropes[attn.rope_label] = attn.rope(state.positions)
+            y = attn(layer.input_layernorm(h), state.positions, state.seq_starts, state.past_lens, state.slots,
+                     cache.layers[i], meta=state.meta, rope=rope, static=state.static)
             streams = HyperConnection.expand(streams, y, post, comb)
             h, post, comb = layer.ffn_hc.collapse(streams)
-            streams = HyperConnection.expand(streams, layer.mlp(layer.post_attention_layernorm(h), ids), post, comb)
-        if not all_logits:
-            streams = streams[last]
+            x = layer.post_attention_layernorm(h)
+            if state.decode:
+                with sync_free_moe(layer.mlp, x):
+                    y = layer.mlp(x, state.ids)
+            else:
+                y = layer.mlp(x, state.ids)
+            streams = HyperConnection.expand(streams, y, post, comb)
+        state.streams = streams
+
+    @torch.no_grad()
+    def step_end(self, state: "StepState", step: PackedStep, cache: DeepseekV4State, all_logits: bool,
+                 capture: bool) -> torch.Tensor:
+        """The hyper head, the final norm and the LM head (of each sequence's last token),
+        then the host bookkeeping (none in a recording: the caller's)."""
+        streams = state.streams if all_logits else state.streams[state.last]
         hidden = self.model.norm(self.model.hc_head(streams))
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, head.to(hidden.dtype)).float()
-        self._advance(step, cache, cids)
+        if not capture:
+            self._advance(step, cache, state.cids)
         return logits
 
     def _advance(self, step: PackedStep, cache: DeepseekV4State, cids: torch.Tensor | None) -> None:

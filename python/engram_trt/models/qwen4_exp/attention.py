@@ -20,6 +20,19 @@ Sequences of a step are handled one at a time (their caches and visible lengths 
 within one sequence all queries are scored against all complete groups at once, and only
 queries that see more groups than they may keep run a top-k (grouped by how many groups
 they see, so each top-k is over exactly the groups its queries see, as the reference's).
+
+A decode-only step on CUDA (:meth:`GatedAttention.forward_decode`) runs the core, from the
+normed and rotated q / k and the indexer's queries and raw keys to the gated output's
+input, as ONE call of the kernel library's QSA attention (``engram_qsa_attention``, the
+EngramQsaAttention plugin's math, :mod:`engram_trt.native.qsa`) when ``backend`` allows
+and the kernel takes the shapes: it writes the step's k / v / raw keys at each token's
+position, pools each query's visible blocks, selects and attends, reading every position
+and slot from the step's device metadata. So the step reads the slots' caches up to each
+query's own position (not a padded context) and a decode graph serves every length.
+The torch decode path (every block of a padded context pooled again each step, about
+forty launches a layer) serves the rest and is the kernel's reference; ties at the
+top-k cut go to the lower block in the kernel (builder/reference_qsa.py), where torch's
+``topk`` has no rule.
 """
 
 from __future__ import annotations
@@ -233,8 +246,17 @@ class QSAIndexer(nn.Module):
         return keep | unseen | (seen <= self.block_topk).unsqueeze(1)
 
 
+QSA_BACKENDS = ("auto", "kernels", "torch")
+
+
 class GatedAttention(nn.Module):
-    """One full-attention layer (``model.layers.{i}.self_attn``) over a packed step."""
+    """One full-attention layer (``model.layers.{i}.self_attn``) over a packed step.
+
+    ``backend``: the decode step's core on ``auto`` (the QSA kernel where it serves, else
+    torch), ``kernels`` (the kernel or an EngramError naming why not) or ``torch``; a
+    class default, settable per layer (see the module docstring)."""
+
+    backend: str = "auto"
 
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
@@ -266,6 +288,49 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(hd, config.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(hd, config.rms_norm_eps)
         self.indexer = QSAIndexer(config)
+
+    def qsa_fields(self) -> Any:
+        """The QSA kernel's fields of this layer (``native.qsa.QsaFields``)."""
+        from engram_trt.native.qsa import QsaFields
+
+        theta, _ = _rope_fields(self.config)
+        ix = self.indexer
+        return QsaFields(compress_ratio=ix.compress_ratio, block_topk=ix.block_topk, rot_dim=rotary_dim(self.config),
+                         rope_theta=theta, eps=float(self.config.rms_norm_eps), scaling=float(self.scaling))
+
+    def why_not_kernel(self, x: Tensor, key_cache: Tensor | None = None) -> str | None:
+        """Why the decode core cannot run on the QSA kernel for activations like ``x``
+        (and caches like ``key_cache``); None: it can."""
+        if self.backend not in QSA_BACKENDS:
+            raise EngramError(f"GatedAttention.backend {self.backend!r} is not one of {list(QSA_BACKENDS)}")
+        if self.backend == "torch":
+            return "backend torch"
+        if not x.is_cuda:
+            return f"the activations are on {x.device}, not a CUDA device"
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"the activations are {x.dtype}, not bfloat16, float16 or float32"
+        if key_cache is not None and (key_cache.dtype != x.dtype or not key_cache.is_cuda):
+            return f"the caches are {key_cache.dtype} on {key_cache.device}; the kernel wants them in {x.dtype} on CUDA"
+        from engram_trt.native import qsa
+
+        why = qsa.unavailable("QSA attention CUDA kernel")
+        if why is not None:
+            return why
+        try:
+            qsa.check_fields(self.qsa_fields())
+            qsa.check_shape(self.num_heads, self.num_kv_heads, self.head_dim, self.indexer.n_heads,
+                            self.indexer.head_dim, rotary_dim(self.config))
+        except EngramError as exc:
+            return str(exc)
+        return None
+
+    def kernel_serves(self, x: Tensor, key_cache: Tensor | None = None) -> bool:
+        """Whether :meth:`forward_decode` takes the QSA kernel (``kernels``: or raises why not)."""
+        why = self.why_not_kernel(x, key_cache)
+        if why is not None and self.backend == "kernels":
+            raise EngramError(f"attention backend 'kernels' cannot run layer {self.layer_idx}: {why}; use backend "
+                              "'auto' or 'torch'")
+        return why is None
 
     @staticmethod
     def cache_shapes(config: Any, max_len: int) -> dict[str, tuple[int, ...]]:
@@ -375,13 +440,17 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate))
 
     def forward_decode(self, x: Tensor, positions: Tensor, slots: Tensor, context: int, key_cache: Tensor,
-                       value_cache: Tensor, index_key_cache: Tensor, seen_host: list[int] | None = None) -> Tensor:
+                       value_cache: Tensor, index_key_cache: Tensor, seen_host: list[int] | None = None, *,
+                       meta: Tensor | None = None) -> Tensor:
         """A decode-only step: token ``j`` of ``x [G, hidden]`` sits at ``positions[j]``
         of slot ``slots[j]`` (device tensors; distinct slots). All slots at once over
         their first ``context`` cache positions (>= every ``positions + 1``; later ones
         are masked), no host values beyond ``context``: what the decode CUDA graphs
         record. The math of :meth:`forward` (K in float32, probabilities rounded to the
-        activations' dtype before V); ``seen_host``: see :meth:`QSAIndexer.decode_mask`."""
+        activations' dtype before V); ``seen_host``: see :meth:`QSAIndexer.decode_mask`.
+        ``meta``: the step's int32 ``[seq_starts (G+1), positions (G), slots (G)]`` on the
+        device (``Qwen4ExpModel.decode_views``); with it the core runs on the QSA kernel
+        where it serves (module docstring), ``context`` and ``seen_host`` unused."""
         G = x.shape[0]
         h, kvh, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if context > key_cache.shape[2]:
@@ -393,6 +462,14 @@ class GatedAttention(nn.Module):
         key = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(G, kvh, hd)), cos, sin)
         value = self.v_proj(x).reshape(G, kvh, hd)
         index_q, index_raw = self.indexer.project(x, cos, sin)
+        if meta is not None and self.kernel_serves(x, key_cache):
+            from engram_trt.native.qsa import qsa_attention
+
+            out = qsa_attention(query.contiguous(), key.contiguous(), value.contiguous(), index_q.contiguous(),
+                                index_raw.contiguous(), key_cache, value_cache, index_key_cache,
+                                self.indexer.k_layernorm.weight, meta[2 * G + 1:3 * G + 1], meta[G + 1:2 * G + 1],
+                                self.qsa_fields())
+            return self.o_proj(out * torch.sigmoid(gate))
         key_cache[slots, :, positions] = key.to(key_cache.dtype)
         value_cache[slots, :, positions] = value.to(value_cache.dtype)
         index_key_cache[slots, positions] = index_raw.to(index_key_cache.dtype)

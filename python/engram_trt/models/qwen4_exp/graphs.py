@@ -9,7 +9,9 @@ What is shared is the shape of the idea: a graph per (batch bucket, context buck
 the batch rounded up to a power of two (padding sequences run on a scratch slot the
 scheduler never hands out), the attention context the step's
 :func:`~.model.decode_context` (eager decode steps use the same, so replay and eager run
-the same kernels on the same shapes); token ids, positions, slots and the PLE hash's
+the same kernels on the same shapes), or one graph per batch bucket when every QSA layer's
+decode core runs on the QSA kernel (``Qwen4ExpModel.decode_context_free``: the kernel reads
+each query's positions from the step's metadata, so no shape depends on the context); token ids, positions, slots and the PLE hash's
 n-gram context live in static device buffers, filled by one copy from a pinned buffer.
 
 The PLE lookup is recorded in the graph when every PLE layer's rows come from the GPU
@@ -55,6 +57,8 @@ class Qwen4ExpDecodeGraphs:
         self.n_ctx = cfg.ple.ngram_size - 1 if cfg.ple is not None else 0
         kernel = model._ple_kernel_layers()
         self.lookup_in_graph = cfg.ple is None or (all(kernel) and model._native_ple_hash() is not None)
+        # every QSA layer's decode core on the kernel: one graph per batch bucket (context = max_len)
+        self.context = cache.max_len if getattr(model, "decode_context_free", False) else 0
         self.graphs: dict[tuple[int, int], dict[str, Any]] = {}
         self._host: dict[int, torch.Tensor] = {}
         self._dev: dict[int, torch.Tensor] = {}
@@ -86,7 +90,7 @@ class Qwen4ExpDecodeGraphs:
             return None
         model, cache = self.model, self.cache
         S, G = step.num_seqs, _bucket(step.num_seqs)
-        L = decode_context(max(step.total_lens), cache.max_len)
+        L = self.context if self.context else decode_context(max(step.total_lens), cache.max_len)
         entry = self.graphs.get((G, L)) or self._record(G, L)
         if entry is None:
             return None

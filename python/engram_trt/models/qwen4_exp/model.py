@@ -151,7 +151,28 @@ class Qwen4ExpModel(_Modules):
 
     @property
     def backend_name(self) -> str:
-        return f"torch (qwen4-exp, {self.compute_dtype}, {self._device.type}{self._linear_attention_label()})"
+        return (f"torch (qwen4-exp, {self.compute_dtype}, {self._device.type}{self._linear_attention_label()}"
+                f"{self._qsa_label()})")
+
+    def _qsa_layers(self) -> list[Any]:
+        return [layer.self_attn for layer in self.model.layers if layer.kind != "linear_attention"]
+
+    def _qsa_label(self) -> str:
+        """Where the QSA layers' decode core runs (empty without full-attention layers)."""
+        layers = self._qsa_layers()
+        if not layers:
+            return ""
+        probe = torch.empty(0, device=self._device, dtype=self.compute_dtype)
+        why = layers[0].why_not_kernel(probe)
+        return f", QSA decode {'cuda-kernel' if why is None else 'torch'}"
+
+    @property
+    def decode_context_free(self) -> bool:
+        """Whether a decode step reads no padded context: every full-attention layer's
+        decode core on the QSA kernel (it reads each query's positions from the step's
+        metadata), so one recorded graph per batch bucket serves every length."""
+        probe = torch.empty(0, device=self._device, dtype=self.compute_dtype)
+        return all(attn.why_not_kernel(probe) is None for attn in self._qsa_layers())
 
     def _linear_attention_label(self) -> str:
         """Where the Gated DeltaNet layers' core runs (``GatedDeltaNet.backend`` on this
@@ -322,7 +343,7 @@ class Qwen4ExpModel(_Modules):
         """A decode-only step eagerly: the very function the decode graphs record."""
         d = self.decode_inputs(step)
         rows = self.ple_rows(step, cache) if self.config.ple is not None else []
-        L = decode_context(max(step.total_lens), cache.max_len)
+        L = cache.max_len if self.decode_context_free else decode_context(max(step.total_lens), cache.max_len)
         seen = None
         if self._device.type != "cuda":  # the per-query top-k (see QSAIndexer.decode_mask)
             r = self.config.indexer_compress_ratio
@@ -352,7 +373,7 @@ class Qwen4ExpModel(_Modules):
                 y = layer.linear_attn.forward_decode(x, slots, cache.conv[i], cache.recurrent[i])
             else:
                 y = layer.self_attn.forward_decode(x, positions, slots, context, cache.keys[i], cache.values[i],
-                                                   cache.index_keys[i], seen_host)
+                                                   cache.index_keys[i], seen_host, meta=meta)
             streams = GatedResidual.inject(streams, y, w)
             x, w = layer.mlp_hyper_connection.mix(streams)
             streams = GatedResidual.inject(streams, layer.mlp(x, sync_free=sync_free), w)
