@@ -207,7 +207,7 @@ def linear(x: Any, qw: Any) -> Any:
     w = _weight("weight", qw, stacked=False)
     K, N = w.in_features, w.out_features
     x2 = x.reshape(-1, K)
-    if x2.stride(1) != 1 or x2.stride(0) % 8:
+    if x2.stride(1) != 1 or x2.stride(0) < K:  # (an expanded x repeats its rows: stride 0)
         x2 = x2.contiguous()
     M = int(x2.shape[0])
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -291,7 +291,8 @@ def experts(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, li
     gemv_max = _experts_gemv_rows(T, P)
     # one expert: every row is its (the kernels take no offsets then)
     rows = {"offsets": plan.offsets, "slot_expert": plan.slot_expert} if E > 1 else {}
-    x2 = x if x.stride(1) == 1 and x.stride(0) % 8 == 0 else x.contiguous()
+    # the GEMV / GEMM may read x itself (bf16 weights): rows 16-byte aligned
+    x2 = x if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
     # gate and up into the two halves of one float32 buffer
     gate_up = torch.empty((P, 2 * I), dtype=torch.float32, device=x.device)
     route = _route(P, g, x.device, gemv_max)

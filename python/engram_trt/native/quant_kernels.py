@@ -129,9 +129,9 @@ def act_quant(x: Any, group: int, ue8m0: bool, *, q: bool = True, scale: bool = 
     _check_dtype("x", x, (torch.bfloat16, torch.float16, torch.float32))
     if x.dim() != 2:
         raise EngramError(f"x must be [M, K] (got shape {tuple(x.shape)})")
-    if x.stride(1) != 1:
-        raise EngramError("x must have contiguous rows (call .contiguous())")
     M, K = int(x.shape[0]), int(x.shape[1])
+    if x.stride(1) != 1 or (M > 1 and x.stride(0) < K):
+        raise EngramError("x must have contiguous rows (call .contiguous())")
     if not x.is_cuda:
         raise EngramError(f"x must be a CUDA tensor (got device {x.device})")
     qt = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device) if q else None
@@ -228,8 +228,9 @@ def fp8_gemm(aq: Any, a_scale: Any, w: Weight, out: Any, *, row_index: Any = Non
     torch = _torch()
     _check("aq", aq, (torch.float8_e4m3fn,), 2)
     _check("a_scale", a_scale, (torch.float32,), 2)
-    if w.kind != "fp8":
-        raise EngramError(f"fp8_gemm takes an fp8 weight (got {w.kind})")
+    if w.kind != "fp8" or w.block[1] != GEMM_BLOCK_K:
+        raise EngramError(f"fp8_gemm takes an fp8 weight in blocks of bk = {GEMM_BLOCK_K} (got {w.kind} "
+                          f"{w.block[0]}x{w.block[1]})")
     P = int(out.shape[0])
     _out_check(out, P, w.out_features)
     _same_device(aq.device, a_scale=a_scale, out=out, row_index=row_index, offsets=offsets)
