@@ -49,8 +49,11 @@ PLUGINS = {
 
 
 def _abi_names() -> set[str]:
-    """Every ENGRAM_API function the header declares."""
+    """Every ENGRAM_API function the header declares (with the headers it includes from
+    the kernel library: quantKernels.h)."""
     text = HEADER.read_text()
+    for included in re.findall(r'^#include "(\w+\.h)"', text, re.M):
+        text += (HEADER.parent / included).read_text()
     return set(re.findall(r"ENGRAM_API\s+[\w\s\*]+?\b(engram_\w+)\s*\(", text))
 
 

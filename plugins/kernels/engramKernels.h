@@ -1118,4 +1118,7 @@ ENGRAM_API int engram_mhc_head(const void* streams, int32_t io_type, const float
 } /* extern "C" */
 #endif
 
+/* Weights in their stored formats (FP8 / FP4 / BF16 products): quantKernels.h. */
+#include "quantKernels.h"
+
 #endif /* ENGRAM_TRT_KERNELS_H */

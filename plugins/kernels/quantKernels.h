@@ -71,15 +71,18 @@ enum EngramQuantScaleType
  * Dynamic activation quantization, per row and group of `group` columns (the published
  * FP8 inference's per-token-group cast):
  *   amax = max |x[m, k]| over the group (a partial last group over the columns it has)
- *   s    = max(amax, 1e-4) / 448;   with ue8m0: s = 2^ceil(log2(s))
- *   q    = e4m3_rn_satfinite(x * (1 / s))           (1 / s rounded to float32 first)
- * x [M, K] of x_type (row stride ldx elements, ldx >= K). Outputs, each optional (NULL):
- *   q      [M, K] e4m3 bytes (row stride K), 16-byte aligned when K % 16 == 0;
+ *   s    = max(amax, 1e-4) / 448   (float32 division);   with ue8m0: s = 2^ceil(log2(s)),
+ *          exactly (the exponent of s, plus one unless s already is a power of two)
+ *   q    = e4m3_rn_satfinite(x * (1 / s))          (1 / s rounded to float32 first)
+ * x [M, K] of x_type (EngramFloatType; row stride ldx elements, ldx >= K). Outputs, each
+ * optional (NULL), at least one given:
+ *   q      [M, K] e4m3 bytes (row stride K);
  *   scale  [M, ceil(K / group)] float32: s;
- *   deq    [M, K] of deq_type (row stride K): e4m3(q) * s, what the reference's matrix
- *          product multiplies (exact in float32; in bf16 exact only when s is a power of
- *          two, i.e. with ue8m0).
- * group > 0 and a multiple of 8 (16, 32, 64, 128 are used); M >= 0 (0 launches nothing).
+ *   deq    [M, K] of deq_type (EngramFloatType, row stride K): e4m3(q) * s in float32,
+ *          rounded once to deq_type: what the reference's matrix product multiplies (exact
+ *          in bf16 only when s is a power of two, i.e. with ue8m0).
+ * group >= 1 (16, 32, 64, 128 are used); M >= 0 (0 launches nothing); K >= 1.
+ * quant/formats.py act_quant is the statement the GPU tests hold this to, bit for bit.
  */
 ENGRAM_API int engram_act_quant(const void* x, int32_t x_type, int64_t num_rows, int64_t cols, int64_t ldx,
     int32_t group, int32_t ue8m0, void* q, float* scale, void* deq, int32_t deq_type, cudaStream_t stream);
@@ -87,92 +90,110 @@ ENGRAM_API int engram_act_quant(const void* x, int32_t x_type, int64_t num_rows,
 /*
  * The expert MLP's activation between the two projections, then the activation
  * quantization of engram_act_quant on its result:
- *   g = gate_up[p, i], u = gate_up[p, I + i]          (float32 [P, 2I], row stride ld)
+ *   g = gate_up[p, i], u = gate_up[p, I + i]          (float32 [P, 2I], row stride ld >= 2I)
  *   limit > 0: g = min(g, limit), u = clamp(u, -limit, limit)   (DeepSeek-V4's clamped SwiGLU)
- *   h = silu(g) * u  (float32), then quantized per `group` columns as engram_act_quant
- *   (group 0: no quantization, deq = h). Outputs as engram_act_quant's (q, scale, deq).
+ *   h = g / (1 + exp(-g)) * u  (float32), then quantized per `group` columns as
+ *   engram_act_quant (group 0: no quantization, q and scale must be NULL, deq = h rounded
+ *   once to deq_type). Outputs as engram_act_quant's (q, scale, deq), [P, I].
  */
 ENGRAM_API int engram_swiglu_act_quant(const float* gate_up, int64_t num_rows, int64_t intermediate, int64_t ld,
-    float limit, int32_t group, int32_t ue8m0, void* q, float* scale, void* deq, int32_t deq_type,
-    cudaStream_t stream);
+    float limit, int32_t group, int32_t ue8m0, void* q, float* scale, void* deq, int32_t deq_type, cudaStream_t stream);
 
 /*
  * A routed step's plan, on the device: ids [T, k] (int32 or int64 by ids_is_int64) are
  * each token's picked experts (0 <= id < E; an id outside is an error reported through
- * error_flag: *error_flag set to 1, that pair dropped). Outputs (int32 device):
- *   offsets   [E + 1]: rows of expert e are offsets[e] .. offsets[e+1]-1 of the sorted pairs;
+ * error_flag: *error_flag set to 1, and the pair belongs to no expert). Outputs (int32
+ * device):
+ *   offsets   [E + 1]: rows of expert e are offsets[e] .. offsets[e+1]-1 of the sorted pairs
+ *             (offsets[E] = the pairs with an id in range);
  *   order     [T * k]: order[r] = the pair (t * k + j) at sorted row r (pairs of one expert
- *             in increasing pair order: the plan is deterministic);
+ *             in increasing pair order: the plan is deterministic); the pairs of no expert
+ *             follow offsets[E] in increasing order, so order is always a permutation;
  *   row_token [T * k]: row_token[r] = order[r] / k, the activation row of sorted row r;
+ *   pair_row  [T * k] (may be NULL): the inverse of order, pair_row[order[r]] = r: where
+ *             pair (t, j)'s output row is (the combine gathers by it, no scatter);
  *   slot_expert [num_slots]: the experts with at least one row in increasing order, -1
  *             after the last (num_slots >= min(T * k, E) covers every active expert);
- *   error_flag [1] (may be NULL).
- * One block; T * k <= 1 << 20, E <= 4096.
+ *   error_flag [1] (may be NULL): set to 1 when an id is out of range, else left as it was
+ *             (the caller zeroes it once).
+ * One block (sync-free: nothing is read back on the host). Limits: T * k <= 1 << 20,
+ * 1 <= E <= 4096, 1 <= k; T = 0 still writes offsets (zeros) and slot_expert (-1).
  */
 ENGRAM_API int engram_moe_plan(const void* ids, int32_t ids_is_int64, int64_t num_tokens, int32_t top_k,
-    int32_t num_experts, int32_t* offsets, int32_t* order, int32_t* row_token, int32_t* slot_expert,
+    int32_t num_experts, int32_t* offsets, int32_t* order, int32_t* row_token, int32_t* pair_row, int32_t* slot_expert,
     int32_t num_slots, int32_t* error_flag, cudaStream_t stream);
 
 /*
  * Matrix-vector products for a few rows per weight, reading each weight's bytes once per
  * pass (decode steps; the MoE's routed experts):
  *   out[p, o_col0 + n] = sum_k a[row_index[p], k] * W_e[n, k]     (float32 sums)
- * a      float32 or bf16 (a_type) [*, K], row stride lda: the activations as the reference's
- *        product sees them (engram_act_quant's deq, or unquantized);
+ * a      float32 or bf16 (a_type: EngramFloatType F32 or BF16) [*, K], row stride lda: the
+ *        activations as the reference's product sees them (engram_act_quant's deq, or
+ *        unquantized); 16-byte aligned, lda a multiple of 16 bytes' worth of elements;
  * W_e    expert e's weight (w_type, w_scale, scale_type, bn, bk as the formats above;
- *        experts stacked, E >= 1);
+ *        experts stacked, E >= 1); 16-byte aligned; bk a multiple of 16 (FP8) or 32 (FP4)
+ *        (each 16-byte vector of a row lies in one scale block), bn >= 1;
  * rows   P; with E > 1, offsets [E + 1] and slot_expert [num_slots] (engram_moe_plan's:
  *        one block column per slot, a slot of -1 exits); with E = 1 both NULL and
  *        num_slots = 1;
- * out    out_type [P, ldo] (ldo >= N): columns o_col0 .. o_col0 + N - 1 written, so a gate
- *        and an up projection can fill the two halves of one buffer.
- * K: a multiple of 32 for FP4 (even bytes), of 8 otherwise; w 16-byte aligned;
- * P >= 0 (0 launches nothing).
+ * out    out_type [P, ldo] (EngramFloatType; ldo >= o_col0 + N): columns o_col0 ..
+ *        o_col0 + N - 1 written, so a gate and an up projection can fill the two halves of
+ *        one buffer.
+ * K: a multiple of 16 for FP8, of 32 for FP4, of 8 for BF16 (rows of whole 16-byte
+ * vectors); P >= 0 (0 launches nothing). Any GPU the library is built for (sm_80+).
+ * One warp per weight row (two for 4+ rows of E = 1), lanes over K in 16-byte streaming
+ * loads; rows of an expert per pass: the smallest power of two >= min(ENGRAM_QGEMV_MAX_ROWS,
+ * P / num_slots rounded up), more rows in further passes (the weight read again, from L2).
  */
-ENGRAM_API int engram_quant_gemv(const void* a, int32_t a_type, int64_t lda, const int32_t* row_index,
-    int64_t num_rows, const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
-    int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets,
-    const int32_t* slot_expert, int32_t num_slots, void* out, int32_t out_type, int64_t ldo, int64_t o_col0,
-    cudaStream_t stream);
+ENGRAM_API int engram_quant_gemv(const void* a, int32_t a_type, int64_t lda, const int32_t* row_index, int64_t num_rows,
+    const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
+    int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets, const int32_t* slot_expert,
+    int32_t num_slots, void* out, int32_t out_type, int64_t ldo, int64_t o_col0, cudaStream_t stream);
 
 /*
  * FP8 x FP8 block-scaled matrix product on the tensor cores (mma e4m3, float32
- * accumulation; sm_89 or later), for prefill:
+ * accumulation of each 128-column block, promoted into a float32 sum with its scales;
+ * sm_89 or later), for prefill:
  *   out[p, n] = sum_kb a_scale[r, kb] * s_e[n / bn, kb] * sum_{k in block kb} aq[r, k] * w_e[n, k]
  *   with r = row_index[p] (NULL: p), e the expert of row p (as engram_quant_gemv).
  * aq [*, K] e4m3 bytes (row stride K) and a_scale [*, ceil(K/128)] float32 from
  * engram_act_quant with group 128; w [E, N, K] e4m3, w_scale float32 or ue8m0
  * [E, ceil(N/bn), ceil(K/128)]: bk must be 128, bn >= 1 (any; read per column).
- * K % 16 == 0, aq and w 16-byte aligned. out out_type [P, ldo], columns 0..N-1.
- * With E > 1 the grid covers ceil(P / 128) + E row tiles (an expert's rows never share a
- * tile with another's); offsets as engram_quant_gemv's. cudaErrorNotSupported before sm_89.
+ * K % 16 == 0, aq and w 16-byte aligned. out out_type [P, ldo] (ldo >= N), columns
+ * 0..N-1 (pass out + c for a column offset). With E > 1 the grid covers
+ * ceil(P / 128) + E row tiles (an expert's rows never share a tile with another's);
+ * offsets as engram_quant_gemv's. cudaErrorNotSupported before sm_89.
  */
 ENGRAM_API int engram_fp8_gemm(const uint8_t* aq, const float* a_scale, const int32_t* row_index, int64_t num_rows,
     const uint8_t* w, const void* w_scale, int32_t scale_type, int32_t bn, int64_t out_features, int64_t in_features,
     int32_t num_experts, const int32_t* offsets, void* out, int32_t out_type, int64_t ldo, cudaStream_t stream);
 
 /*
- * Grouped matrix product with FP4 (or BF16) expert weights dequantized in registers,
- * on bf16 tensor cores (mma bf16, float32 accumulation; Hopper has no FP4 tensor cores),
- * for prefill:
+ * Grouped matrix product with FP4 (or BF16) expert weights dequantized in shared memory
+ * to bf16, on bf16 tensor cores (mma bf16, float32 accumulation; Hopper has no FP4
+ * tensor cores), for prefill:
  *   out[p, n] = sum_k a[row_index[p], k] * W_e[n, k]
- * a bf16 [*, K] (row stride lda): the activations as the reference's product sees them
- * (engram_act_quant's deq in bf16 with ue8m0 scales is exact); w_type FP4_E2M1 (scales
- * as the formats above) or BF16; offsets / E / out as engram_fp8_gemm's.
- * K % 32 == 0 for FP4 (% 8 for BF16), a and w 16-byte aligned. sm_80 or later.
+ * a bf16 [*, K] (row stride lda, a multiple of 8): the activations as the reference's
+ * product sees them (engram_act_quant's deq in bf16 with ue8m0 scales is exact); w_type
+ * FP4_E2M1 (scales as the formats above, bk a multiple of 32; a weight value is
+ * e2m1 * scale rounded once to bf16: exact with ue8m0 scales) or BF16 (w_scale NULL);
+ * offsets / E / out as engram_fp8_gemm's. K % 32 == 0 for FP4 (% 8 for BF16), a and w
+ * 16-byte aligned. sm_80 or later.
  */
 ENGRAM_API int engram_quant_grouped_gemm(const void* a, int64_t lda, const int32_t* row_index, int64_t num_rows,
     const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
-    int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets, void* out,
-    int32_t out_type, int64_t ldo, cudaStream_t stream);
+    int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets, void* out, int32_t out_type,
+    int64_t ldo, cudaStream_t stream);
 
 /*
- * Dequantize a weight into a float buffer (float32 or bf16 out_type) [E, N, K]: the
- * export, the tests and a CPU-less fallback read it; serving never materializes it.
+ * Dequantize a weight into a float buffer (out_type EngramFloatType) [E, N, K]: e4m3 /
+ * e2m1 value times its block scale in float32, rounded once to out_type (BF16 weights are
+ * copied). The export, the tests and a fallback read it; serving never materializes it.
+ * K even for FP4; any bn, bk >= 1.
  */
 ENGRAM_API int engram_quant_dequantize(const void* w, int32_t w_type, const void* w_scale, int32_t scale_type,
-    int32_t bn, int32_t bk, int64_t out_features, int64_t in_features, int32_t num_experts, void* out,
-    int32_t out_type, cudaStream_t stream);
+    int32_t bn, int32_t bk, int64_t out_features, int64_t in_features, int32_t num_experts, void* out, int32_t out_type,
+    cudaStream_t stream);
 
 #ifdef __cplusplus
 }

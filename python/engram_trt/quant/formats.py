@@ -90,7 +90,12 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(x)))
+    """The smallest power of two >= x (x > 0), exactly: x itself when its mantissa is 1/2
+    (``frexp``: x = m 2^e, m in [1/2, 1)), else 2^e. (``exp2(ceil(log2(x)))`` is not exact:
+    a float32 log2 rounds x slightly above a power of two down to the integer, and the
+    result falls below x.)"""
+    m, e = torch.frexp(x)
+    return torch.where(m == 0.5, x, torch.ldexp(torch.ones_like(x), e))
 
 
 def act_quant(x: torch.Tensor, group: int = 128, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,345 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Microbenchmark of the stored-format kernels (plugins/kernels/quantKernels.h) on one GPU,
+each figure against a floor measured in the same process:
+
+  copy     the HBM copy rate: a device-to-device copy of 2 GiB (bytes read + written per
+           second), the floor of every memory-bound figure;
+  gemv     engram_quant_gemv for decode shapes (N x K = 7168x2048, 2048x7168, 1536x7168,
+           4096x1024, 4096x4096) with BF16, FP8 and FP4 weights of the same logical shape,
+           1 / 2 / 4 / 8 rows: GB/s of weight bytes and time / (bytes / copy rate); torch's
+           bf16 F.linear beside it; the weights rotate over copies larger than the L2, so
+           every call reads HBM;
+  experts  the grouped GEMV, 6 of 256 experts (one token) and 4 tokens x 6, expert
+           2048 x 7168 (DeepSeek-V3's routed expert shape), FP8 and FP4 (and BF16);
+  gemm     engram_fp8_gemm for prefill shapes (M = 512 .. 8192; N x K = 7168x2048,
+           2048x7168, 4096x4096) in TFLOP/s, against torch.matmul in bf16 on the same
+           shapes (its measured rate the bf16 floor; twice it the FP8 dense floor) and
+           torch._scaled_mm (per-tensor FP8, and block-wise 1x128 / 128x128 where this torch
+           takes it); engram_quant_grouped_gemm with FP4 and BF16 weights beside.
+
+Timings are CUDA-graph replays of many calls (the launch cost of a ctypes call would hide
+a 5 us kernel), medians of several replays. One process, one command:
+
+    python benchmarks/kernels/bench_quant.py --json $OUT/bench_quant.json [--quick]
+
+The kernel library is the one engram_trt finds ($ENGRAM_TRT_PLUGIN_LIB, the package's
+lib/, build/); if none, it is built for this GPU into build-bench/ first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "python"))
+
+import torch  # noqa: E402
+
+GIB = 1 << 30
+L2_ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes (several L2s)
+
+
+def ensure_library() -> str:
+    from engram_trt.errors import EngramError
+    from engram_trt.native import kernels
+
+    try:
+        return str(kernels.library_path())
+    except EngramError:
+        pass
+    major, minor = torch.cuda.get_device_capability()
+    build = REPO / "build-bench"
+    t0 = time.time()
+    for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_CUDA_ARCHITECTURES={major}{minor}",
+                 "-DCMAKE_BUILD_TYPE=Release", "-DENGRAM_TRT_BUILD_HARNESS=OFF"]
+                + ([f"-DTENSORRT_INCLUDE_DIR={REPO / '.device' / 'trt_include'}"]
+                   if (REPO / ".device" / "trt_include" / "NvInferRuntime.h").is_file() else []),
+                ["cmake", "--build", str(build), f"-j{os.cpu_count() or 2}"]):
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    lib = build / "libengram_trt_plugins.so"
+    os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(lib)
+    print(f"built {lib} in {time.time() - t0:.0f} s", file=sys.stderr)
+    return str(lib)
+
+
+def graph_time_us(call: Callable[[int], Any], calls: int, replays: int = 7) -> float:
+    """Median time of one ``call(i)`` (i = 0 .. calls - 1, captured once in a CUDA graph)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(min(calls, 3)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def event_time_us(call: Callable[[], Any], iters: int = 10) -> float:
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def copy_rate() -> float:
+    """Bytes read + written per second of a 2 GiB device-to-device copy."""
+    src = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    us = event_time_us(lambda: dst.copy_(src), iters=7)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 2 * GIB / (us * 1e-6)
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+def make_weight(kind: str, lead: tuple, N: int, K: int) -> Any:
+    """Random stored bytes of a ``kind`` weight (FP8: 128x128 float scales; FP4: 1x32 ue8m0;
+    BF16) as a QuantWeight or a bf16 tensor; values need no meaning for timing."""
+    from engram_trt.quant.weight import QuantWeight
+
+    dev = "cuda"
+    if kind == "bf16":
+        return (torch.randn(*lead, N, K, device=dev) * 0.02).to(torch.bfloat16)
+    if kind == "fp8":
+        q = torch.randint(0, 0x7E, (*lead, N, K), dtype=torch.uint8, device=dev)
+        q = (q | (torch.randint(0, 2, q.shape, dtype=torch.uint8, device=dev) << 7)).view(torch.float8_e4m3fn)
+        s = torch.rand(*lead, -(-N // 128), -(-K // 128), device=dev) * 1e-2 + 1e-3
+        return QuantWeight(q, s, "fp8", (128, 128))
+    q = torch.randint(-128, 128, (*lead, N, K // 2), dtype=torch.int8, device=dev)
+    s = torch.randint(118, 126, (*lead, N, K // 32), dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu)
+    return QuantWeight(q, s, "fp4", (1, 32))
+
+
+def weight_bytes(w: Any) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.nbytes
+
+
+def kernel_weight(w: Any, stacked: bool):
+    from engram_trt.native import quant_kernels as qk
+
+    if isinstance(w, torch.Tensor):
+        return qk.make_weight("w", w, None, "bf16", (1, 1), stacked)
+    return qk.make_weight("w", w.data, w.scale, w.kind, w.block, stacked)
+
+
+# --- GEMV --------------------------------------------------------------------------------------
+
+def bench_gemv(rate: float, shapes, rows_list, kinds) -> list[dict]:
+    from engram_trt.native import quant_kernels as qk
+
+    out = []
+    for N, K in shapes:
+        for kind in kinds:
+            one = make_weight(kind, (), N, K)
+            nbytes = weight_bytes(one)
+            copies = [one] + [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
+            ws = [kernel_weight(w, False) for w in copies]
+            for rows in rows_list:
+                adt = torch.float32 if kind == "fp8" else torch.bfloat16
+                a = torch.randn(rows, K, device="cuda").to(adt)
+                y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+                us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y), calls=2 * len(ws))
+                floor = nbytes / rate * 1e6
+                entry = {"kind": kind, "N": N, "K": K, "rows": rows, "bytes": nbytes, "us": round(us, 2),
+                         "GBps": round(nbytes / us / 1e3, 1), "floor_us": round(floor, 2),
+                         "x_floor": round(us / floor, 3)}
+                if kind == "bf16":
+                    xs = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+                    t_us = graph_time_us(lambda i: torch.nn.functional.linear(xs, copies[i % len(copies)]),
+                                         calls=2 * len(copies))
+                    entry["torch_linear_us"] = round(t_us, 2)
+                out.append(entry)
+                print(json.dumps(entry), flush=True)
+            del copies, ws
+            torch.cuda.empty_cache()
+    return out
+
+
+def bench_experts(rate: float, kinds, E: int = 256, N: int = 2048, K: int = 7168, k: int = 6) -> list[dict]:
+    from engram_trt.native import quant as nq
+    from engram_trt.native import quant_kernels as qk
+
+    out = []
+    for kind in kinds:
+        stack = make_weight(kind, (E,), N, K)
+        w = kernel_weight(stack, True)
+        per_expert = weight_bytes(stack) // E
+        for tokens in (1, 4):
+            plans, distinct = [], []
+            for seed in range(16):
+                g = torch.Generator(device="cuda").manual_seed(seed)
+                ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(tokens)])
+                plans.append(nq.moe_plan(ids.to(torch.int32), E))
+                distinct.append(len(set(ids.reshape(-1).tolist())))
+            adt = torch.float32 if kind == "fp8" else torch.bfloat16
+            a = torch.randn(tokens, K, device="cuda").to(adt)
+            y = torch.empty(tokens * k, N, device="cuda", dtype=torch.float32)
+
+            def call(i):
+                p = plans[i % len(plans)]
+                qk.gemv(a, w, y, row_index=p.row_token, offsets=p.offsets, slot_expert=p.slot_expert)
+
+            us = graph_time_us(call, calls=len(plans) * 2)
+            nbytes = statistics.mean(distinct) * per_expert
+            floor = nbytes / rate * 1e6
+            entry = {"kind": kind, "experts": E, "N": N, "K": K, "tokens": tokens, "top_k": k,
+                     "active_experts": statistics.mean(distinct), "bytes": int(nbytes), "us": round(us, 2),
+                     "GBps": round(nbytes / us / 1e3, 1), "floor_us": round(floor, 2), "x_floor": round(us / floor, 3)}
+            out.append(entry)
+            print(json.dumps(entry), flush=True)
+        del stack, w
+        torch.cuda.empty_cache()
+    return out
+
+
+# --- GEMM --------------------------------------------------------------------------------------
+
+def scaled_mm_variants(M: int, N: int, K: int) -> dict[str, Callable[[], Any] | str]:
+    """torch._scaled_mm forms this torch takes on these shapes (or why not)."""
+    fp8 = torch.float8_e4m3fn
+    a = torch.randn(M, K, device="cuda").to(fp8)
+    b = torch.randn(N, K, device="cuda").to(fp8).t()  # column-major K x N
+    out: dict[str, Any] = {}
+    one = torch.ones((), device="cuda")
+    try:
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        out["scaled_mm_tensorwise"] = lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    except Exception as exc:  # noqa: BLE001 - a torch without the form
+        out["scaled_mm_tensorwise"] = f"unsupported: {str(exc).splitlines()[0][:160]}"
+    sa = torch.rand(M, -(-K // 128), device="cuda")
+    sb = torch.rand(-(-K // 128), -(-N // 128), device="cuda")
+    tried = []
+    for name, sa_, sb_ in (("outer-major", sa.t().contiguous().t(), sb.t().contiguous().t()), ("row-major", sa, sb)):
+        try:
+            torch._scaled_mm(a, b, sa_, sb_, out_dtype=torch.bfloat16)
+            out["scaled_mm_blockwise"] = (lambda s1=sa_, s2=sb_: torch._scaled_mm(a, b, s1, s2,
+                                                                                   out_dtype=torch.bfloat16))
+            break
+        except Exception as exc:  # noqa: BLE001
+            tried.append(f"{name}: {str(exc).splitlines()[0][:120]}")
+    else:
+        out["scaled_mm_blockwise"] = "unsupported: " + "; ".join(tried)
+    return out
+
+
+def bench_gemm(Ms, shapes, quick: bool) -> list[dict]:
+    from engram_trt.native import quant_kernels as qk
+
+    out = []
+    for N, K in shapes:
+        fp8w = kernel_weight(make_weight("fp8", (), N, K), False)
+        fp4w = kernel_weight(make_weight("fp4", (), N, K), False)
+        bfw = make_weight("bf16", (), N, K)
+        bfk = kernel_weight(bfw, False)
+        for M in Ms:
+            flops = 2.0 * M * N * K
+            x = torch.randn(M, K, device="cuda")
+            q, s, _ = qk.act_quant(x, 128, False)
+            xb = x.to(torch.bfloat16)
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            iters = 5 if quick else 10
+            t = {"fp8_gemm": event_time_us(lambda: qk.fp8_gemm(q, s, fp8w, y), iters),
+                 "fp4_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, fp4w, y), iters),
+                 "bf16_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, bfk, y), iters),
+                 "torch_bf16_matmul": event_time_us(lambda: torch.matmul(xb, bfw.t()), iters)}
+            extra = {}
+            for name, fn in scaled_mm_variants(M, N, K).items():
+                if callable(fn):
+                    t[name] = event_time_us(fn, iters)
+                else:
+                    extra[name] = fn
+            bf16_rate = flops / (t["torch_bf16_matmul"] * 1e-6)
+            entry = {"M": M, "N": N, "K": K, "GFLOP": round(flops / 1e9, 2),
+                     "us": {k_: round(v, 1) for k_, v in t.items()},
+                     "TFLOPs": {k_: round(flops / (v * 1e-6) / 1e12, 1) for k_, v in t.items()},
+                     # time / floor: the bf16 floor is torch's bf16 matmul here; the FP8 floor twice its rate
+                     "x_bf16_floor": {k_: round(v / t["torch_bf16_matmul"], 3) for k_, v in t.items()},
+                     "x_fp8_floor": {k_: round(v / (flops / (2 * bf16_rate) * 1e6), 3) for k_, v in t.items()},
+                     **extra}
+            # a sanity check of the FP8 GEMM against torch on the dequantized operands
+            ref = (q.float() * s.repeat_interleave(128, 1)[:, :K]) @ qk.dequantize(fp8w)[0].t()
+            qk.fp8_gemm(q, s, fp8w, y)
+            entry["fp8_gemm_rel_err"] = float((y.float() - ref).norm() / ref.norm())
+            out.append(entry)
+            print(json.dumps(entry), flush=True)
+        del fp8w, fp4w, bfw, bfk
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="Microbenchmark of the FP8 / FP4 / BF16 stored-format kernels (quantKernels.h).")
+    ap.add_argument("--json", type=Path, help="write the summary here")
+    ap.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_quant: error: no CUDA device", file=sys.stderr)
+        return 2
+    lib = ensure_library()
+    t0 = time.time()
+    rate = copy_rate()
+    print(json.dumps({"copy_GBps": round(rate / 1e9, 1)}), flush=True)
+    cap = torch.cuda.get_device_capability()
+    shapes = [(7168, 2048), (2048, 7168), (1536, 7168), (4096, 1024), (4096, 4096)]
+    gemm_shapes = [(7168, 2048), (2048, 7168), (4096, 4096)]
+    Ms = [512, 1024, 2048, 4096, 8192]
+    if args.quick:
+        shapes, gemm_shapes, Ms = shapes[:2], gemm_shapes[:1], [512, 4096]
+    summary: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "capability": f"{cap[0]}.{cap[1]}", "torch": torch.__version__,
+        "library": lib, "copy_GBps": round(rate / 1e9, 1),
+        "gemv": bench_gemv(rate, shapes, [1, 2, 4, 8], ["bf16", "fp8", "fp4"]),
+        "experts_gemv": bench_experts(rate, ["fp8", "fp4"] if args.quick else ["bf16", "fp8", "fp4"]),
+    }
+    if cap >= (8, 9):
+        summary["gemm"] = bench_gemm(Ms, gemm_shapes, args.quick)
+    else:
+        summary["gemm"] = f"skipped: the FP8 tensor cores need compute capability 8.9+ (this GPU is {cap[0]}.{cap[1]})"
+    summary["seconds"] = round(time.time() - t0, 1)
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
