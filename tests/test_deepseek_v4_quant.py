@@ -601,3 +601,80 @@ def test_fp4_weight_with_an_odd_inner_size_is_refused(tmp_path: Path, capsys: An
     quantize_folder(tmp_path / "float", tmp_path / "q")
     folder = tmp_path / "q"
     assert_run_refused(folder, r"tensor layers\.0\.ffn\.experts\.0\.w2\.weight is FP4 with an odd inner size 33", capsys)
+
+
+# ------------------------------------------------------------------------------ inspect
+def _header_bytes(folder: Path) -> dict[str, int]:
+    """Bytes per stored dtype read from the safetensors header with the library itself."""
+    from safetensors import safe_open
+
+    out: dict[str, int] = {}
+    size = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            sl = f.get_slice(k)
+            n = 1
+            for d in sl.get_shape():
+                n *= d
+            out[sl.get_dtype()] = out.get(sl.get_dtype(), 0) + n * size[sl.get_dtype()]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_inspect_reports_stored_bytes_quantization_and_the_load(small: Case, dtype: str, capsys: Any) -> None:
+    """``engram-trt inspect --json``: bytes per stored dtype as the header says, the
+    declared quantization, and the GPU bytes of a load at --dtype equal to what our
+    loader then holds (loaded here on the CPU in that dtype); the text names them too."""
+    from engram_trt.cli.main import main
+    from engram_trt.models.deepseek_v4.weights import module_bytes
+
+    capsys.readouterr()
+    assert main(["inspect", str(small.q), "--json", "--dtype", dtype]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    w = rep["weights"]
+    assert w["stored_bytes"] == _header_bytes(small.q)
+    assert w["quantization"] == "fp8 e4m3 (128x128 blocks, ue8m0 scales, dynamic activations), experts fp4"
+    load = w["load"]
+    model = _load(small.q, torch.float32 if dtype == "fp32" else torch.bfloat16)
+    assert load["dtype"] == dtype and load["gpu_bytes"] == module_bytes(model)
+    stored = _header_bytes(small.q)
+    mtp = sum(t.numel() * t.element_size() for n, t in _mtp_tensors(small.q).items()
+              if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8))
+    assert load["by_kind"]["fp8"]["gpu_bytes"] + load["by_kind"]["fp4"]["gpu_bytes"] == \
+        stored["F8_E4M3"] + stored["I8"] + stored["F8_E8M0"] - mtp
+    assert main(["inspect", str(small.q), "--dtype", dtype]) == 0
+    text = capsys.readouterr().out
+    assert "quantization fp8 e4m3 (128x128 blocks, ue8m0 scales, dynamic activations), experts fp4" in text
+    assert re.search(rf"GPU weights .* at --dtype {dtype} \(.*fp4 .* as stored, fp8 .* as stored", text), text
+    assert re.search(r"stored +F8_E4M3 .*\(FP8\).*I8 .*\(FP4 experts\)", text), text
+
+
+def _mtp_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {n: t for n, t in load_file(str(folder / "model.safetensors")).items() if n.startswith("mtp.")}
+
+
+def test_inspect_float_folder_counts_the_serving_dtype(small: Case, capsys: Any) -> None:
+    """The dequantized (float32) folder: no quantization, and at bf16 its quantized
+    weights take 2 bytes a value where the FP8 / FP4 folder takes its stored bytes."""
+    from engram_trt.cli.main import main
+
+    capsys.readouterr()
+    assert main(["inspect", str(small.deq), "--json", "--dtype", "bf16"]) == 0
+    rep = json.loads(capsys.readouterr().out)["weights"]
+    assert rep["quantization"] is None and set(rep["load"]["by_kind"]) == {"float", "int"}
+    assert main(["inspect", str(small.q), "--json", "--dtype", "bf16"]) == 0
+    q = json.loads(capsys.readouterr().out)["weights"]["load"]
+    quant_values = 0
+    from safetensors import safe_open
+
+    with safe_open(str(small.deq / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            if FP8_LINEAR.search(k) or ROUTED.search(k):
+                n = 1
+                for d in f.get_slice(k).get_shape():
+                    n *= d
+                quant_values += n
+    assert rep["load"]["gpu_bytes"] - q["gpu_bytes"] == \
+        2 * quant_values - q["by_kind"]["fp8"]["gpu_bytes"] - q["by_kind"]["fp4"]["gpu_bytes"]

@@ -122,9 +122,12 @@ class DeepseekV4Architecture:
         float32), ``int`` (``tid2eid``) as int64. ``engram-trt inspect`` sums it."""
         import torch
 
+        from engram_trt.config.dtypes import TORCH_NAMES, normalize_dtype
         from engram_trt.models.deepseek_v4.model import KEEP_FLOAT32
 
         dtype = dtype or torch.bfloat16
+        if isinstance(dtype, str):
+            dtype = getattr(torch, TORCH_NAMES[normalize_dtype(dtype)])
         formats, _problems, _names = self.stored_formats(ckpt.config, ckpt)
         return {f.name: (f.kind, f.stored_bytes, f.gpu_bytes(dtype, KEEP_FLOAT32)) for f in formats.values()}
 
