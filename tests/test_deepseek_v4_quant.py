@@ -70,7 +70,8 @@ QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e
 FP8_LINEAR = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|"
                         r"\.shared_experts\.w[123]\.weight$")
 ROUTED = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-BF16_2D = re.compile(r"\.(compressor\.wkv|compressor\.wgate|indexer\.weights_proj|gate)\.weight$|^(embed|head)\.weight$")
+BF16_2D = re.compile(r"\.(compressor\.wkv|compressor\.wgate|indexer\.weights_proj|gate)\.weight$|"
+                     r"^(embed|head)\.weight$")
 _ROOT = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
          "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
          "model.hc_head.hc_scale": "hc_head_scale"}
@@ -79,7 +80,8 @@ _ROOT = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm
 CASES: dict[str, tuple[dict[str, Any], bool, bool]] = {
     # every FP8 dim 128 (one block each); three layers HCA / CSA / HCA, one hash layer
     "v4-128-hash1": (dict(hidden_size=128, num_attention_heads=2, head_dim=128, q_lora_rank=128, o_groups=2,
-                          o_lora_rank=128, moe_intermediate_size=128, index_n_heads=2, index_head_dim=64), False, False),
+                          o_lora_rank=128, moe_intermediate_size=128, index_n_heads=2, index_head_dim=64),
+                     False, False),
     # grids of 2x2 blocks (256 = two blocks), hc 4, CSA first, two hash layers, sigmoid, 6 experts top 3
     "v4-256-hc4-hash2": (dict(hidden_size=256, num_attention_heads=2, head_dim=128, q_lora_rank=256, o_groups=2,
                               o_lora_rank=128, moe_intermediate_size=64, index_n_heads=4, index_head_dim=64,
@@ -504,7 +506,8 @@ def test_float_forms_refuse_quantized_experts(small: Case) -> None:
 
     moe = _load(small.q).model.layers[1].mlp
     moe.form = "dense"
-    with pytest.raises(EngramError, match="form 'dense' reads float expert weights, but layer 1's experts are stored fp4"):
+    with pytest.raises(EngramError, match="form 'dense' reads float expert weights, but layer 1's experts are "
+                                          "stored fp4"):
         moe(torch.randn(2, 128), torch.tensor([5, 6]))
 
 
@@ -551,20 +554,23 @@ BAD: dict[str, tuple[Any, str]] = {
                         rf"scale of {W1}\.weight has shape \[128, 2\] but a \[128, 128\] FP4 weight in 1x32 blocks "
                         r"needs \[128, 4\]"),
     "scale-dtype": (lambda f: _retensor(f, _set(f"{WQA}.scale", lambda s: s.float())),
-                    rf"scale {WQA}\.scale is F32 but quantization_config\.scale_fmt is 'ue8m0': expected F8_E8M0 or U8"),
+                    rf"scale {WQA}\.scale is F32 but quantization_config\.scale_fmt is 'ue8m0': expected F8_E8M0 "
+                    r"or U8"),
     "fp8-without-quantization-config": (
         lambda f: edit_config(f, quantization_config=None, expert_dtype=None),
         rf"tensor {WQA}\.weight is F8_E4M3 but config.json declares no quantization_config"),
     "fp8-in-modules-to-not-convert": (_quant(modules_to_not_convert=["wq_a"]),
-                                      rf"tensor {WQA}\.weight is F8_E4M3 but quantization_config\.modules_to_not_convert "
-                                      r"lists its module"),
+                                      rf"tensor {WQA}\.weight is F8_E4M3 but quantization_config\."
+                                      r"modules_to_not_convert lists its module"),
     "fp8-embedding": (lambda f: _retensor(f, _set("embed.weight", lambda t: t.to(torch.float8_e4m3fn))),
-                      r"tensor embed\.weight is F8_E4M3 but engram-trt serves FP8 / FP4 only for the linear projections"),
+                      r"tensor embed\.weight is F8_E4M3 but engram-trt serves FP8 / FP4 only for the linear "
+                      r"projections"),
     "fp4-without-expert-dtype": (lambda f: edit_config(f, expert_dtype=None),
                                  r"tensor layers\.0\.ffn\.experts\.0\.w1\.weight is I8 \(packed FP4\) but the config's "
                                  r"expert_dtype is 'fp8'"),
     "expert-dtype-contradiction": (lambda f: (edit_config(f, expert_dtype="fp8"), _quant(expert_dtype="fp4")(f)),
-                                   r"'expert_dtype'='fp8' at the top level contradicts 'quantization_config\.expert_dtype'"),
+                                   r"'expert_dtype'='fp8' at the top level contradicts "
+                                   r"'quantization_config\.expert_dtype'"),
     **{f"quant-method-{m}": (_quant(quant_method=m),
                              rf"field 'quantization_config\.quant_method'='{m}' is not served by engram-trt")
        for m in ("awq", "gptq", "bitsandbytes", "compressed-tensors", "mxfp4")},
@@ -595,12 +601,14 @@ def test_fp4_weight_with_an_odd_inner_size_is_refused(tmp_path: Path, capsys: An
 
     save_float_v4(tmp_path / "float", seed=9, **dict(CASES["v4-128-hash1"][0], moe_intermediate_size=33))
     src = load_file(str(tmp_path / "float" / "model.safetensors"))
-    fixed = {n: (t[..., :32].contiguous() if n.endswith(".w2.weight") and ".experts." in n and ".shared" not in n else t)
+    routed_w2 = re.compile(r"\.experts\.\d+\.w2\.weight$")
+    fixed = {n: (t[..., :32].contiguous() if routed_w2.search(n) else t)
              for n, t in src.items()}  # quantize_fp4 packs whole groups of 32
     save_file(fixed, str(tmp_path / "float" / "model.safetensors"), metadata={"format": "pt"})
     quantize_folder(tmp_path / "float", tmp_path / "q")
     folder = tmp_path / "q"
-    assert_run_refused(folder, r"tensor layers\.0\.ffn\.experts\.0\.w2\.weight is FP4 with an odd inner size 33", capsys)
+    assert_run_refused(folder, r"tensor layers\.0\.ffn\.experts\.0\.w2\.weight is FP4 with an odd inner size 33",
+                       capsys)
 
 
 # ------------------------------------------------------------------------------ inspect

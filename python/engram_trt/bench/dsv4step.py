@@ -19,8 +19,9 @@ eager: this model has no decode CUDA graphs yet.
 (``fp8``: DeepSeek-V4.1-Flash's FP8 linears + FP4 routed experts,
 :func:`engram_trt.bench.dsv4model.quantize_weights`) and times the same cases; each
 step's byte floor (the bytes it reads in that format) is printed beside it, and with
-both formats the FP8 step's speed-up over the BF16 one beside the ratio of their floors. ``--device cpu --model tiny`` runs the
-whole path on a CPU in seconds (tables in plain memory, no limits, no floors' times).
+both formats the FP8 step's speed-up over the BF16 one beside the ratio of their floors.
+``--device cpu --model tiny`` runs the whole path on a CPU in seconds (tables in plain
+memory, no limits, no floors' times).
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ class Dsv4StepOptions:
                             help="steps of the per-module-class breakdown per case and placement; 0 skips it "
                                  "(default: %(default)s)")
     weights: list[str] = opt(["bf16"], choices=WEIGHT_FORMATS,
-                             help="weight formats, comma-separated, each built and timed in turn: bf16 (every weight in "
-                                  "the compute dtype) or fp8 (FP8 E4M3 linears with ue8m0 128x128 scales + FP4 routed "
-                                  "experts, DeepSeek-V4.1-Flash's recipe) (default: bf16)")
+                             help="weight formats, comma-separated, each built and timed in turn: bf16 (every "
+                                  "weight in the compute dtype) or fp8 (FP8 E4M3 linears with ue8m0 128x128 scales + "
+                                  "FP4 routed experts, DeepSeek-V4.1-Flash's recipe) (default: bf16)")
     attention: str = opt("auto", choices=("auto", "kernels", "torch"),
                          help="the attention core: auto (the CUDA kernel where it serves, else torch), kernels (the "
                               "kernel or an error), torch (the per-sequence PyTorch path) (default: %(default)s)")
@@ -144,9 +145,9 @@ def _run_weights(opts: Dsv4StepOptions, weights: str, dev: Any, dtype: Any, limi
                   "table_rows": [int(r) for r in bm.layout.table_rows], "backend": bm.model.backend_name},
         "cases": {}}
     fmt = "" if cfg.quant is None else f", {cfg.quant.describe()}"
-    print(f"model ({weights} weights{fmt}): {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB held, "
-          f"compute {dtype}), layers {_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on {dev.type} in "
-          f"{time.perf_counter() - t0:.0f} s\nbackend: {bm.model.backend_name}", flush=True)
+    print(f"model ({weights} weights{fmt}): {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB "
+          f"held, compute {dtype}), layers {_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on "
+          f"{dev.type} in {time.perf_counter() - t0:.0f} s\nbackend: {bm.model.backend_name}", flush=True)
     logits: dict[str, Any] = {}
     for where in opts.placements:
         t1 = time.perf_counter()
@@ -308,11 +309,12 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions, lim: dict[str, float]
         print(f"\nlimits measured now: HBM copy {lim['hbm_GBps']:.0f} GB/s, bf16 matmul {lim['bf16_TFLOPs']:.0f} TFLOP/s, "
               f"pinned H2D {lim['h2d_GBps']:.1f} GB/s")
     if weights is not None:
-        print(f"\n== {weights} weights ({results['model']['quantization'] or 'every weight ' + results['model']['dtype']})")
+        what = results["model"]["quantization"] or "every weight " + results["model"]["dtype"]
+        print(f"\n== {weights} weights ({what})")
     for where, c in results.get("calibration", {}).items():
         print(f"{where}: start-up calibration {c}")
-    print(f"\n{'case':<14} {'place':<7} {'step ms':>9} {'floor MiB':>9} {'floor ms':>9} {'step/floor':>10} {'lookup ms':>9} "
-          f"{'link ms':>8} {'lookup/link':>11} {'pinned/HBM':>10}")
+    print(f"\n{'case':<14} {'place':<7} {'step ms':>9} {'floor MiB':>9} {'floor ms':>9} {'step/floor':>10} "
+          f"{'lookup ms':>9} {'link ms':>8} {'lookup/link':>11} {'pinned/HBM':>10}")
     for name, row in results["cases"].items():
         for where in opts.placements:
             e = row[where]
@@ -320,8 +322,8 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions, lim: dict[str, float]
             ratio = f"{row['pinned_over_hbm']:>10.3f}" if where == "pinned" and "pinned_over_hbm" in row else f"{'':>10}"
             print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl['hbm_bytes'] / 2**20:>9.1f} "
                   f"{fl.get('floor_ms', float('nan')):>9.4f} {e.get('step_over_floor', float('nan')):>10.1f} "
-                  f"{e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} {e.get('lookup_over_link', float('nan')):>11.1f} "
-                  f"{ratio}")
+                  f"{e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} "
+                  f"{e.get('lookup_over_link', float('nan')):>11.1f} {ratio}")
     shown = [*CLASSES, "other"]
     if any(row[w].get("breakdown") for row in results["cases"].values() for w in opts.placements):
         clock = next(row[w]["breakdown"]["clock"] for row in results["cases"].values() for w in opts.placements
@@ -342,10 +344,10 @@ def _print_weights(results: dict[str, Any]) -> None:
     if not table:
         return
     where = next(iter(table.values()))["placement"]
-    print(f"\nfp8 (FP8 linears + FP4 experts) vs bf16 weights, {where} tables: the step's speed-up against the ratio of "
-          f"the bytes each step reads")
-    print(f"{'case':<14} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>9} {'bf16 MiB':>9} {'fp8 MiB':>9} {'bytes ratio':>11} "
-          f"{'speed-up/ratio':>14}")
+    print(f"\nfp8 (FP8 linears + FP4 experts) vs bf16 weights, {where} tables: the step's speed-up against the "
+          f"ratio of the bytes each step reads")
+    print(f"{'case':<14} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>9} {'bf16 MiB':>9} {'fp8 MiB':>9} "
+          f"{'bytes ratio':>11} {'speed-up/ratio':>14}")
     for name, e in table.items():
         print(f"{name:<14} {e['bf16_step_ms']:>9.3f} {e['fp8_step_ms']:>9.3f} {e['speedup']:>9.2f} "
               f"{e['bf16_floor_bytes'] / 2**20:>9.1f} {e['fp8_floor_bytes'] / 2**20:>9.1f} {e['floor_ratio']:>11.2f} "

@@ -8,9 +8,9 @@ architecture alike, :func:`weights_report`): the bytes per stored dtype (``F8_E4
 ``I8`` packed FP4, ``F8_E8M0`` scales, ``BF16``, ``F32`` ...), the quantization its
 config declares (``QuantSpec.describe()``), and the GPU bytes a load takes at ``--dtype``
 (stored bytes for FP8 / FP4 weights, the serving dtype for float ones; each
-architecture's ``weight_formats`` says which is which). For an engine folder the tables are checked against what the build recorded:
-sizes always, random blocks against their recorded hashes by default, every byte with
-``--verify-tables``.
+architecture's ``weight_formats`` says which is which). For an engine folder the tables
+are checked against what the build recorded: sizes always, random blocks against their
+recorded hashes by default, every byte with ``--verify-tables``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def weights_report(ckpt: Any, arch: Any, dtype: str) -> dict[str, Any]:
         k["tensors"] += 1
         k["stored_bytes"] += stored
         k["gpu_bytes"] += gpu
-    out["load"] = {"dtype": dtype, "tensors": len(formats), "stored_bytes": sum(k["stored_bytes"] for k in kinds.values()),
+    out["load"] = {"dtype": dtype, "tensors": len(formats),
+                   "stored_bytes": sum(k["stored_bytes"] for k in kinds.values()),
                    "gpu_bytes": sum(k["gpu_bytes"] for k in kinds.values()), "by_kind": kinds}
     return out
 
@@ -213,8 +214,8 @@ def _print_weights(w: dict[str, Any]) -> None:
     print(f"quantization {w['quantization'] or 'none (float weights)'}")
     load = w.get("load")
     if load:
-        parts = ", ".join(f"{kind} {human_bytes(k['gpu_bytes'])}"
-                          + (" as stored" if kind in ("fp8", "fp4") else f" in {load['dtype']}" if kind == "float" else "")
+        how = {"fp8": " as stored", "fp4": " as stored", "float": f" in {load['dtype']}"}
+        parts = ", ".join(f"{kind} {human_bytes(k['gpu_bytes'])}{how.get(kind, '')}"
                           for kind, k in sorted(load["by_kind"].items()))
         print(f"GPU weights  {human_bytes(load['gpu_bytes'])} at --dtype {load['dtype']} ({parts}; "
               f"{human_bytes(load['stored_bytes'])} stored)")

@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compressed", action="store_true", help="the ids are already compressed ids (no tokenizer needed)")
     p.add_argument("--pad-id", type=int_arg(0, INT32_MAX), default=None, help="with --compressed: the compressed id of the pad token")
 
-    p = add("inspect", cmd_inspect, "summarize a checkpoint (weights by stored dtype, quantization, GPU bytes of a load, Engram tables) or an engine folder and list the problems found (exit 1 if any)",
+    p = add("inspect", cmd_inspect, "summarize a checkpoint (weights by stored dtype, quantization, GPU bytes of "
+                                    "a load, Engram tables) or an engine folder and list the problems found "
+                                    "(exit 1 if any)",
             "Summarize a checkpoint folder, or an engine folder (one holding manifest.json): layers, tables, sizes, and "
             "every problem found. For an engine folder the tables are checked against the build: sizes always, random "
             "blocks against their recorded hashes by default, every byte with --verify-tables.")

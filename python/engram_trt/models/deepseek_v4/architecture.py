@@ -218,8 +218,9 @@ class DeepseekV4Architecture:
         cfg = ckpt.config
         out = []
         if cfg.quant is not None:
-            out.append(f"the engine path does not export FP8 / FP4 weights yet ({cfg.quant.describe()}); serve this "
-                       f"checkpoint with `engram-trt run` / `serve` on the torch backend, which computes them as stored")
+            out.append(f"the engine path does not export FP8 / FP4 weights yet ({cfg.quant.describe()}); serve "
+                       f"this checkpoint with `engram-trt run` / `serve` on the torch backend, which computes them "
+                       f"as stored")
         elif layout_of(ckpt.tensor_names()) == UPSTREAM:
             out.append("the engine path reads transformers' tensor names (model.layers...), and this checkpoint stores "
                        "DeepSeek's root names (layers..., embed.weight); serve it on the torch backend, or save it "

@@ -147,8 +147,8 @@ class GroupedSparseMoE(SparseMoE):
                     first = mods[0]
                     if any(not isinstance(m, QuantLinear) or m.kind != first.kind or m.block != first.block
                            or m.weight_scale_inv.dtype != first.weight_scale_inv.dtype for m in mods):
-                        raise EngramError(f"layer {self.layer_index}'s routed experts' {proj} are stored in mixed formats; "
-                                          f"engram-trt stacks one layer's experts in one format")
+                        raise EngramError(f"layer {self.layer_index}'s routed experts' {proj} are stored in mixed "
+                                          f"formats; engram-trt stacks one layer's experts in one format")
                     stack: Any = QuantWeight(torch.stack([m.weight for m in mods]),
                                              torch.stack([m.weight_scale_inv for m in mods]), first.kind, first.block)
                 else:
@@ -225,8 +225,8 @@ class GroupedSparseMoE(SparseMoE):
         stacks = self.stack_experts()
         if any(isinstance(st, QuantWeight) for st in stacks):
             kinds = "/".join(sorted({st.kind for st in stacks if isinstance(st, QuantWeight)}))
-            raise EngramError(f"MoE form {form!r} reads float expert weights, but layer {self.layer_index}'s experts are "
-                              f"stored {kinds}; use form 'auto', 'loop' or 'kernels'")
+            raise EngramError(f"MoE form {form!r} reads float expert weights, but layer {self.layer_index}'s experts "
+                              f"are stored {kinds}; use form 'auto', 'loop' or 'kernels'")
         return stacks  # type: ignore[return-value]
 
     def kernels_unavailable(self, x: torch.Tensor) -> str | None:
@@ -253,7 +253,8 @@ class GroupedSparseMoE(SparseMoE):
         """The kernel library's routed-expert product over the stacks (module docstring)."""
         why = self.kernels_unavailable(x)
         if why is not None:
-            raise EngramError(f"MoE form 'kernels' cannot run layer {self.layer_index}: {why}; use form 'auto' or 'loop'")
+            raise EngramError(f"MoE form 'kernels' cannot run layer {self.layer_index}: {why}; use form 'auto' or "
+                              f"'loop'")
         from engram_trt.native import quant as native_quant
 
         gate, up, down = self.stack_experts()

@@ -319,7 +319,8 @@ def stored_formats(shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None
         if bad is None:
             fmt = "ue8m0" if kind == "fp4" else spec.scale_fmt
             if s_st not in SCALE_ST_DTYPES[fmt]:
-                what = "an FP4 weight's scales are ue8m0" if kind == "fp4" else f"quantization_config.scale_fmt is {fmt!r}"
+                what = "an FP4 weight's scales are ue8m0" if kind == "fp4" else \
+                    f"quantization_config.scale_fmt is {fmt!r}"
                 bad = (f"scale {s} is {s_st} but {what}: expected {' or '.join(SCALE_ST_DTYPES[fmt])} (one "
                        f"{'power-of-two byte' if fmt == 'ue8m0' else 'float32'} per block)")
         if bad is not None:
@@ -330,9 +331,10 @@ def stored_formats(shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None
             expert_formats.setdefault(int(expert.group(1)), {})[(st, s_st)] = n
     for layer, kinds in sorted(expert_formats.items()):
         if len(kinds) > 1:
-            shown = ", ".join(f"{st}{'' if sc is None else ' + ' + sc + ' scales'} ({n})" for (st, sc), n in kinds.items())
-            problems.append(f"layer {layer}'s routed experts are stored in mixed formats: {shown}; engram-trt stacks one "
-                            f"layer's experts in one format (store them all alike)")
+            shown = ", ".join(f"{st}{'' if sc is None else ' + ' + sc + ' scales'} ({n})"
+                              for (st, sc), n in kinds.items())
+            problems.append(f"layer {layer}'s routed experts are stored in mixed formats: {shown}; engram-trt stacks "
+                            f"one layer's experts in one format (store them all alike)")
     return formats, problems, names
 
 
@@ -341,16 +343,17 @@ def _quant_contradiction(canonical: str, name: str, st: str, kind: str, spec: Qu
     """Why a weight stored quantized cannot be served as such (None: it can)."""
     if spec is None:
         if kind == "fp4":
-            return (f"tensor {name} is {st} (packed FP4 expert weights) but config.json declares no quantization_config "
-                    f"with expert_dtype \"fp4\"; add the checkpoint's quantization_config (quant_method \"fp8\") and "
-                    f"expert_dtype \"fp4\"")
+            return (f"tensor {name} is {st} (packed FP4 expert weights) but config.json declares no "
+                    f"quantization_config with expert_dtype \"fp4\"; add the checkpoint's quantization_config "
+                    f"(quant_method \"fp8\") and expert_dtype \"fp4\"")
         return (f"tensor {name} is {st} but config.json declares no quantization_config; add the checkpoint's "
                 f"quantization_config (quant_method \"fp8\", weight_block_size, scale_fmt) to config.json")
     if kind == "fp4" and spec.expert_dtype != "fp4":
         return (f"tensor {name} is {st} (packed FP4) but the config's expert_dtype is {spec.expert_dtype!r}; set "
                 f"expert_dtype \"fp4\" if the routed experts are stored FP4")
     if kind == "fp8" and ROUTED_EXPERT.match(canonical) and spec.expert_dtype == "fp4":
-        return f"tensor {name} is F8_E4M3 but the config's expert_dtype is \"fp4\"; set expert_dtype \"fp8\" or store FP4"
+        return (f"tensor {name} is F8_E4M3 but the config's expert_dtype is \"fp4\"; set expert_dtype \"fp8\" or "
+                f"store FP4")
     module = linears.get(canonical)
     if module is None:
         return (f"tensor {name} is {st} but engram-trt serves FP8 / FP4 only for the linear projections (this tensor "
@@ -497,7 +500,8 @@ def load_into(module: nn.Module, ckpt: Any, device: torch.device, dtype: torch.d
         src = ckpt.get(names.stored[c])
         if meta.dtype in _STORED_AS_IS:
             if src.dtype not in _STORED_AS_IS or src.element_size() != meta.element_size():
-                raise EngramError(f"tensor {names.stored[c]} is {src.dtype}, not the {meta.dtype} bytes its module holds")
+                raise EngramError(f"tensor {names.stored[c]} is {src.dtype}, not the {meta.dtype} bytes its module "
+                                  f"holds")
             value = (src if src.dtype == meta.dtype else src.view(meta.dtype)).to(device)
         elif INTEGER_TENSORS.search(c):
             value = src.to(device=device, dtype=torch.int64)
