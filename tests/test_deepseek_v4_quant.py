@@ -424,6 +424,31 @@ def test_transformers_spelling_loads_the_same_model(small: Case, tmp_path: Path)
     assert torch.equal(_logits(a, PROMPTS[0]), _logits(b, PROMPTS[0]))
 
 
+def test_transformers_own_fp8_save_of_this_family_loads(small: Case, tmp_path: Path, monkeypatch: Any) -> None:
+    """What transformers' own FP8 save of DeepSeek-V4 writes, and that it loads. transformers
+    keeps the FP8 / FP4 modules only where it finds a GPU; with that environment check
+    stubbed (the modules are built and filled, nothing is computed) ``save_pretrained``
+    of the hub folder writes transformers' names (``model.`` prefix) with one ``.scale``
+    per weight, per expert included: no merged ``experts.gate_up_proj_scale_inv``. Our
+    loader reads that folder into the model the hub folder gives, logits equal."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    monkeypatch.setattr(quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer, "validate_environment",
+                        lambda self, *a, **k: None)
+    model = AutoModelForCausalLM.from_pretrained(str(small.q), use_kernels=False)
+    saved = tmp_path / "saved"
+    model.save_pretrained(saved)
+    shutil.copy(small.q / "tokenizer.json", saved / "tokenizer.json")
+    with safe_open(str(saved / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.ffn.experts.2.w1.scale" in names and "model.layers.0.attn.wq_a.scale" in names
+    assert not any(n.endswith("_scale_inv") for n in names)
+    assert all(n.startswith("model.") or n == "head.weight" for n in names)
+    assert torch.equal(_logits(_load(saved), PROMPTS[0]), _logits(_load(small.q), PROMPTS[0]))
+
+
 def test_transformers_cpu_dequant_diverges_on_partial_blocks() -> None:
     """Why the partial-block cases' reference is the float folder: transformers'
     ``Fp8Dequantize`` reads a [160, 160] weight's 2x2 scale grid as 80x80 blocks, the
