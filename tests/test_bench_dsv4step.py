@@ -154,3 +154,62 @@ def test_help_names_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     for f in fields(Dsv4StepOptions):
         assert f"--{f.name.replace('_', '-')}" in text and f.metadata["help"], f.name
+
+
+@pytest.fixture(scope="module")
+def both_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from engram_trt.cli.main import main
+
+    out = tmp_path_factory.mktemp("dsv4w") / "r.json"
+    argv = list(ARGS)
+    argv[argv.index("--profile-reps") + 1] = "0"  # the breakdown is checked above
+    assert main([*argv, "--placements", "hbm", "--weights", "bf16,fp8", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_fp8_weights_floor_counts_the_stored_bytes(both_weights: dict[str, Any]) -> None:
+    """``--weights bf16,fp8``: both formats built and timed in one process; the fp8 model
+    (FP8 E4M3 linears with ue8m0 128x128 scales, FP4 routed experts with a ue8m0 scale per
+    32 inputs, DeepSeek-V4.1-Flash's recipe) holds and its floor reads the bytes of that
+    format, summed here from the config's shapes; the comparison holds the two floors'
+    ratio beside the step times' (logits finite in both)."""
+    import re
+
+    from engram_trt.models.deepseek_v4.model import model_tensor_shapes
+
+    r = both_weights
+    assert list(r["runs"]) == ["bf16", "fp8"] and r["cases"] == r["runs"]["bf16"]["cases"]
+    fp8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|"
+                     r"\.shared_experts\.w[123]\.weight$")
+    fp4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+    cfg = _cfg()
+    p = PRESETS["tiny"]
+    E, k, D = p["n_routed_experts"], p["num_experts_per_tok"], p["hidden_size"]
+
+    def stored(name: str, shape: tuple[int, ...]) -> int:
+        n, kk = shape
+        if fp8.search(name):
+            return n * kk + -(-n // 128) * -(-kk // 128)
+        if fp4.search(name):
+            return n * kk // 2 + n * kk // 32
+        return 4 * math.prod(shape)
+
+    shapes = {n: s for n, s in model_tensor_shapes(cfg).items() if not n.endswith("tid2eid")}
+    assert any(fp8.search(n) for n in shapes) and any(fp4.search(n) for n in shapes)
+    assert r["runs"]["fp8"]["model"]["weight_bytes"] == sum(stored(n, s) if len(s) == 2 else 4 * math.prod(s)
+                                                            for n, s in shapes.items())
+    assert r["runs"]["fp8"]["model"]["quantization"] == \
+        "fp8 e4m3 (128x128 blocks, ue8m0 scales, dynamic activations), experts fp4"
+    experts = sum(stored(n, s) for n, s in shapes.items() if ".experts." in n and ".shared_experts." not in n)
+    other = sum(stored(n, s) if len(s) == 2 else 4 * math.prod(s) for n, s in shapes.items()
+                if (".experts." not in n or ".shared_experts." in n) and n != "model.embed_tokens.weight")
+    for name, row in r["runs"]["fp8"]["cases"].items():
+        T = row["tokens"]
+        touched = 1 - (1 - k / E) ** T
+        f = row["hbm"]["floor"]
+        assert f["weight_bytes"] == pytest.approx(other + experts * touched + 4 * T * D, abs=1), name
+        assert row["hbm"]["check"]["finite"] and r["runs"]["bf16"]["cases"][name]["hbm"]["check"]["finite"]
+        c = r["weights_comparison"][name]
+        assert c["floor_ratio"] == pytest.approx(r["runs"]["bf16"]["cases"][name]["hbm"]["floor"]["hbm_bytes"]
+                                                 / f["hbm_bytes"])
+        assert c["speedup"] == pytest.approx(c["bf16_step_ms"] / c["fp8_step_ms"]) and c["floor_ratio"] > 1

@@ -423,3 +423,26 @@ def test_steady_decode_takes_the_median_after_warmup():
 def test_chat_flags_checked_before_loading(capsys, tmp_path):
     code, _, err = run_cli(capsys, "run", str(tmp_path / "nothing"), "--system", "be brief")
     assert code == 2 and "--system" in err and "--chat" in err and err.count("\n") == 1
+
+
+def test_inspect_reports_weights_by_stored_dtype_and_the_load(capsys, tiny_ckpt):
+    """Every architecture's report (here engram-llama, the generic weight_formats): bytes
+    per stored dtype as the shard headers say, no quantization, and a load at bf16 takes
+    two bytes per float value the model reads (its F32 weights halved), the tables apart."""
+    from engram_trt.checkpoint.checkpoint import Checkpoint
+    from engram_trt.models.engram_llama.weights import model_weight_shapes
+
+    code, out, err = run_cli(capsys, "inspect", str(tiny_ckpt), "--json")
+    assert code == 0, err
+    w = json.loads(out)["weights"]
+    c = Checkpoint.open(tiny_ckpt)
+    by_dtype: dict = {}
+    for n in c.tensor_names():
+        by_dtype[c.st_dtype(n)] = by_dtype.get(c.st_dtype(n), 0) + c.nbytes(n)
+    assert w["stored_bytes"] == by_dtype and w["quantization"] is None
+    shapes = model_weight_shapes(c.config)
+    values = sum(int(np.prod(s)) for s in shapes.values())
+    assert w["load"]["dtype"] == "bf16" and w["load"]["tensors"] == len(shapes)
+    assert w["load"]["gpu_bytes"] == 2 * values and w["load"]["stored_bytes"] == sum(c.nbytes(n) for n in shapes)
+    code, out, _ = run_cli(capsys, "inspect", str(tiny_ckpt), "--dtype", "fp32")
+    assert code == 0 and f"at --dtype fp32 (float " in out and "quantization none (float weights)" in out

@@ -9,6 +9,14 @@ costs minutes of the benchmark's device time and measures nothing the step depen
 The weights go through the model's own loader (:meth:`DeepseekV4Architecture.build_model`,
 tensor by tensor, the float32 ones kept float32), so the model is the one served.
 
+Two weight formats (:data:`WEIGHT_FORMATS`): ``bf16`` (every weight in the compute
+dtype) and ``fp8``, DeepSeek-V4.1-Flash's recipe: the attention's ``wq_a wq_b wkv wo_a
+wo_b``, the indexer's ``wq_b`` and the shared experts FP8 E4M3 with ue8m0 128x128 block
+scales, the routed experts FP4 e2m1 (ue8m0 scale per 32 inputs), the rest as ``bf16``
+(:func:`quantize_weights`: the random float weights quantized on the device, the config
+given the published ``quantization_config``). A step's floor counts the bytes its
+weights take in that format.
+
 The floors (:func:`floor`): a step must read its weights once (all but the embedding
 table, of which only the step's rows, and only the routed experts its tokens can reach),
 the per-sequence attention state it attends (the sliding window, the CSA indexer's keys
@@ -45,15 +53,24 @@ PRESETS: dict[str, dict[str, Any]] = {
              "engram_compressed_vocab_size": 400, "csa_layer": 1, "hca_layer": 2, "hash_layers": 1},
 }
 PAD = 1  # the pad token's raw and compressed id
+WEIGHT_FORMATS = ("bf16", "fp8")
+# DeepSeek-V4.1-Flash's recipe (canonical names): FP8 projections, FP4 routed experts.
+FP8_WEIGHTS = r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|\.shared_experts\.w[123]\.weight$"
+FP4_WEIGHTS = r"\.ffn\.experts\.\d+\.w[123]\.weight$"
+QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                "weight_block_size": [128, 128]}
 ROTARY_DIMS = 64  # DeepSeek-V4's rope dims (head_dim x partial_rotary_factor), fewer when the head is narrower
 NAN_CODE = 0x7F  # FP8 E4M3's NaN code (low seven bits all set): never stored in a table
 
 
-def bench_config(preset: str, *, table_gib: float, max_len: int) -> dict[str, Any]:
+def bench_config(preset: str, *, table_gib: float, max_len: int, weights: str = "bf16") -> dict[str, Any]:
     """The config.json dict of ``preset``, its Engram tables sized to ``table_gib`` GiB
-    over both layers (FP8 rows + one scale byte per 32 values)."""
+    over both layers (FP8 rows + one scale byte per 32 values); ``weights`` ``fp8``
+    declares the published quantization_config (FP8 linears, FP4 experts)."""
     if preset not in PRESETS:
         raise EngramError(f"--model {preset!r} is not a preset (choose one of {', '.join(sorted(PRESETS))})")
+    if weights not in WEIGHT_FORMATS:
+        raise EngramError(f"--weights {weights!r} is not a weight format (choose from {', '.join(WEIGHT_FORMATS)})")
     p = dict(PRESETS[preset])
     n = p.pop("num_hidden_layers")
     csa, hca, n_hash = p.pop("csa_layer"), p.pop("hca_layer"), p.pop("hash_layers")
@@ -67,6 +84,8 @@ def bench_config(preset: str, *, table_gib: float, max_len: int) -> dict[str, An
              partial_rotary_factor=min(ROTARY_DIMS, p["head_dim"] // 4) / p["head_dim"], num_nextn_predict_layers=0,
              max_position_embeddings=max(65536, max_len), eos_token_id=2, bos_token_id=0, tie_word_embeddings=False,
              engram_vocab_size=rows_per_col, engram_pad_token_id=PAD, engram_table_dtype="fp8")
+    if weights == "fp8":
+        p.update(quantization_config=dict(QUANT_CONFIG), expert_dtype="fp4")
     return p
 
 
@@ -80,6 +99,7 @@ class BenchModel:
     compress_lookup: Any  # numpy int64 [vocab]: raw -> compressed id
     weight_bytes: int
     params: int
+    weights: str = "bf16"  # the weight format (WEIGHT_FORMATS)
 
 
 def _random(name: str, shape: tuple[int, ...], dtype: Any, device: Any, gen: Any, experts: int) -> Any:
@@ -97,11 +117,44 @@ def _random(name: str, shape: tuple[int, ...], dtype: Any, device: Any, gen: Any
     return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * (0.5 / math.sqrt(fan_in))).to(dtype)
 
 
+def quantize_weights(weights: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's weights quantized in place of the float ones (module docstring):
+    ``<name>`` the stored bytes, ``<name>_scale_inv`` (``.weight_scale_inv``) the scales."""
+    import re
+
+    from engram_trt.quant.formats import quantize_fp4, quantize_fp8
+
+    fp8, fp4 = re.compile(FP8_WEIGHTS), re.compile(FP4_WEIGHTS)
+    for name in list(weights):
+        if fp8.search(name) or fp4.search(name):
+            w = weights.pop(name)
+            q, s = quantize_fp8(w, (128, 128), "ue8m0") if fp8.search(name) else quantize_fp4(w)
+            del w
+            weights[name] = q
+            weights[name[: -len(".weight")] + ".weight_scale_inv"] = s
+    return weights
+
+
+def weight_tensors(model: Any) -> list[tuple[str, int, int]]:
+    """``(name, bytes held, values)`` of every weight of the model: each float parameter,
+    and each stored-format projection's bytes with its scales (its values: N x K)."""
+    out: list[tuple[str, int, int]] = []
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for attr, p in mod.named_parameters(recurse=False):
+            out.append((prefix + attr, p.numel() * p.element_size(), p.numel()))
+        qw = getattr(mod, "qweight", None)
+        if qw is not None:
+            out.append((prefix + "weight", qw.nbytes, qw.out_features * qw.in_features))
+    return out
+
+
 def random_weights(cfg: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str, Any]:
     """Checkpoint name -> a random tensor for every weight a DeepSeek-V4 / V4.1 model of
     ``cfg`` reads (no Engram tables), made on ``device`` in ``dtype`` (the float32-kept
     ones in float32): norms near 1, hash routing to distinct experts, the rest
-    N(0, 1 / fan_in) scaled so activations stay O(1) through the layers."""
+    N(0, 1 / fan_in) scaled so activations stay O(1) through the layers; quantized per the
+    recipe (one float weight at a time on the device) where ``cfg`` declares quantization."""
     import torch
 
     from engram_trt.models.deepseek_v4.model import KEEP_FLOAT32, model_tensor_shapes
@@ -111,11 +164,14 @@ def random_weights(cfg: Any, device: Any, dtype: Any, seed: int = 0) -> dict[str
     for name, shape in model_tensor_shapes(cfg).items():
         want = torch.float32 if KEEP_FLOAT32.search(name) else dtype
         weights[name] = _random(name, shape, want, device, gen, cfg.n_routed_experts)
+        if cfg.quant is not None:
+            weights.update(quantize_weights({name: weights.pop(name)}))
     return weights
 
 
 def build_model(cfg_dict: dict[str, Any], device: Any, dtype: Any, seed: int = 0) -> BenchModel:
-    """The V4.1 model of ``cfg_dict`` with random weights made on ``device`` (module docstring)."""
+    """The V4.1 model of ``cfg_dict`` with random weights made on ``device`` (module
+    docstring), quantized per the recipe where ``cfg_dict`` declares quantization_config."""
     import numpy as np
 
     from engram_trt.engram.layout import EngramLayout
@@ -130,9 +186,9 @@ def build_model(cfg_dict: dict[str, Any], device: Any, dtype: Any, seed: int = 0
     layout = EngramLayout.from_spec(spec, pad_id=PAD)
     model = ARCHITECTURE.build_model(cfg, weights, device=device, dtype=dtype, compress_lookup=lookup, layout=layout)
     del weights
-    params = list(model.parameters())
-    return BenchModel(model, cfg, layout, lookup, sum(p.numel() * p.element_size() for p in params),
-                      sum(p.numel() for p in params))
+    held = weight_tensors(model)
+    return BenchModel(model, cfg, layout, lookup, sum(b for _n, b, _v in held), sum(v for _n, _b, v in held),
+                      "bf16" if cfg.quant is None else "fp8")
 
 
 def build_tables(layout: Any, head_dim: int, where: str, device: Any, seed: int = 1) -> list[tuple[Any, Any]]:
@@ -221,9 +277,9 @@ def floor(bm: BenchModel, seq_lens: list[int], past: int, placement: str, limits
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = min(1.0, 1 - (1 - k / E) ** T)  # expected share of a layer's experts T tokens reach
     weights = active = 0
-    for name, p in model.named_parameters():
-        nbytes, n = p.numel() * p.element_size(), p.numel()
+    for name, nbytes, n in weight_tensors(model):
         if name.endswith("embed_tokens.weight"):
+            p = model.model.embed_tokens.weight
             nbytes, n = T * p.shape[1] * p.element_size(), 0
         elif name.startswith("lm_head."):
             n *= S / T  # the head meets each sequence's last token only

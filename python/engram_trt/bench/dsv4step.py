@@ -13,8 +13,15 @@ pinned host-to-device rate measured in the same run, beside the lookup timed alo
 Per case and placement it also records where the step's time goes by module class
 (attention sliding / CSA / HCA, MoE, mHC, Engram, the wait for the prefetched rows,
 norms: :mod:`engram_trt.bench.dsv4profile`), to pick the next CUDA kernel. The steps are
-eager: this model has no decode CUDA graphs yet. ``--device cpu --model tiny`` runs the
-whole path on a CPU in seconds (tables in plain memory, no limits, no floors' times).
+eager: this model has no decode CUDA graphs yet.
+
+``--weights bf16,fp8`` builds the model in each weight format in turn in the one process
+(``fp8``: DeepSeek-V4.1-Flash's FP8 linears + FP4 routed experts,
+:func:`engram_trt.bench.dsv4model.quantize_weights`) and times the same cases; each
+step's byte floor (the bytes it reads in that format) is printed beside it, and with
+both formats the FP8 step's speed-up over the BF16 one beside the ratio of their floors.
+``--device cpu --model tiny`` runs the whole path on a CPU in seconds (tables in plain
+memory, no limits, no floors' times).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engram_trt.bench.dsv4model import PRESETS
+from engram_trt.bench.dsv4model import PRESETS, WEIGHT_FORMATS
 from engram_trt.bench.dsv4profile import CLASSES
 from engram_trt.bench.options import opt
 from engram_trt.errors import EngramError
@@ -56,6 +63,10 @@ class Dsv4StepOptions:
     profile_reps: int = opt(3, argtype=("int_arg", 0, 1000),
                             help="steps of the per-module-class breakdown per case and placement; 0 skips it "
                                  "(default: %(default)s)")
+    weights: list[str] = opt(["bf16"], choices=WEIGHT_FORMATS,
+                             help="weight formats, comma-separated, each built and timed in turn: bf16 (every "
+                                  "weight in the compute dtype) or fp8 (FP8 E4M3 linears with ue8m0 128x128 scales + "
+                                  "FP4 routed experts, DeepSeek-V4.1-Flash's recipe) (default: bf16)")
     attention: str = opt("auto", choices=("auto", "kernels", "torch"),
                          help="the attention core: auto (the CUDA kernel where it serves, else torch), kernels (the "
                               "kernel or an error), torch (the per-sequence PyTorch path) (default: %(default)s)")
@@ -74,6 +85,9 @@ def _check(opts: Dsv4StepOptions) -> None:
         raise EngramError(f"--prefill must be >= 0 tokens (got {opts.prefill}; 0 skips the prefill chunk)")
     if not opts.table_gib > 0:
         raise EngramError(f"--table-gib must be > 0 (got {opts.table_gib})")
+    if not opts.weights or len(set(opts.weights)) != len(opts.weights):
+        raise EngramError(f"--weights must name each format once (got {opts.weights}; choose from "
+                          f"{', '.join(WEIGHT_FORMATS)})")
 
 
 def cases(opts: Dsv4StepOptions) -> list[tuple[str, list[int], int]]:
@@ -88,28 +102,52 @@ def run(opts: Dsv4StepOptions) -> int:
     import torch
 
     from engram_trt.bench.common import dump, measure_limits
-    from engram_trt.bench.dsv4model import bench_config, build_model, build_tables, table_store
 
     _check(opts)
     dev = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     limits = measure_limits(dev)
+    results: dict[str, Any] = {"limits": limits,
+                               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": {}}
+    for weights in opts.weights:
+        results["runs"][weights] = _run_weights(opts, weights, dev, dtype, limits)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    first = results["runs"][opts.weights[0]]  # the first format's figures also at the top (one-format readers)
+    results.update({k: first[k] for k in ("model", "cases", "tables", "calibration") if k in first})
+    _compare_weights(results, opts)
+    for weights, one in results["runs"].items():
+        _print(one, opts, limits, weights if len(opts.weights) > 1 else None)
+    _print_weights(results)
+    results["wall_s"] = time.perf_counter() - t0
+    dump(results, opts.json)
+    return 0
+
+
+def _run_weights(opts: Dsv4StepOptions, weights: str, dev: Any, dtype: Any, limits: dict[str, float]) -> dict[str, Any]:
+    """The model built in the ``weights`` format, every placement and case timed."""
+    import torch
+
+    from engram_trt.bench.dsv4model import bench_config, build_model, build_tables, table_store
+
+    t0 = time.perf_counter()
     max_len = max(opts.context + 2, opts.prefill + 2)
-    bm = build_model(bench_config(opts.model, table_gib=opts.table_gib, max_len=max_len), dev, dtype)
+    bm = build_model(bench_config(opts.model, table_gib=opts.table_gib, max_len=max_len, weights=weights), dev, dtype)
     bm.model.attention_backend = opts.attention
     cfg = bm.config
-    results: dict[str, Any] = {
-        "limits": limits, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-        "model": {"preset": opts.model, "params": bm.params, "weight_bytes": bm.weight_bytes, "dtype": str(dtype),
+    out: dict[str, Any] = {
+        "model": {"preset": opts.model, "weights": weights, "params": bm.params, "weight_bytes": bm.weight_bytes,
+                  "dtype": str(dtype), "quantization": None if cfg.quant is None else cfg.quant.describe(),
                   "layer_types": list(cfg.layer_types), "mlp_layer_types": list(cfg.mlp_layer_types),
                   "experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok, "hc_mult": cfg.hc_mult,
                   "engram_layers": list(cfg.engram.layer_ids), "engram_cols": bm.layout.n_hash_cols,
                   "table_rows": [int(r) for r in bm.layout.table_rows], "backend": bm.model.backend_name},
         "cases": {}}
-    print(f"model: {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB {dtype}), layers "
-          f"{_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on {dev.type} in "
-          f"{time.perf_counter() - t0:.0f} s\nbackend: {bm.model.backend_name}", flush=True)
+    fmt = "" if cfg.quant is None else f", {cfg.quant.describe()}"
+    print(f"model ({weights} weights{fmt}): {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB "
+          f"held, compute {dtype}), layers {_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on "
+          f"{dev.type} in {time.perf_counter() - t0:.0f} s\nbackend: {bm.model.backend_name}", flush=True)
     logits: dict[str, Any] = {}
     for where in opts.placements:
         t1 = time.perf_counter()
@@ -117,25 +155,42 @@ def run(opts: Dsv4StepOptions) -> int:
         store = table_store(tables, where, list(cfg.engram.layer_ids))
         bm.model.set_tables(store)
         gib = sum(r.numel() + s.numel() for r, s in tables) / 2**30
-        results.setdefault("tables", {})[where] = {"gib": gib, "kind": store.kind, "where": store.where()}
+        out.setdefault("tables", {})[where] = {"gib": gib, "kind": store.kind, "where": store.where()}
         print(f"{where}: tables {gib:.2f} GiB in {store.where()} ({store.kind}), made in {time.perf_counter() - t1:.0f} s",
               flush=True)
         calibrated: dict[str, Any] = {}
         for name, lens, past in cases(opts):
             entry = _time_case(opts, bm, store, where, lens, past, dev, limits, calibrated, logits, name)
-            results["cases"].setdefault(name, {"tokens": sum(lens), "seqs": len(lens), "past": past})[where] = entry
+            out["cases"].setdefault(name, {"tokens": sum(lens), "seqs": len(lens), "past": past})[where] = entry
         if calibrated.get("choice") is not None:
-            results.setdefault("calibration", {})[where] = calibrated["choice"].describe()
+            out.setdefault("calibration", {})[where] = calibrated["choice"].describe()
         bm.model.tables = None
         store.close()
         del tables, store
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    _ratios(results)
-    _print(results, opts)
-    results["wall_s"] = time.perf_counter() - t0
-    dump(results, opts.json)
-    return 0
+    _ratios(out)
+    return out
+
+
+def _compare_weights(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
+    """With bf16 and fp8 both run: per case (HBM tables where run, else the first
+    placement), the fp8 step's speed-up over bf16 beside the ratio of their byte floors
+    (the bytes each reads), and their quotient (1.0: the fewer bytes show in full)."""
+    runs = results["runs"]
+    if not {"bf16", "fp8"} <= set(runs):
+        return
+    where = "hbm" if "hbm" in opts.placements else opts.placements[0]
+    table: dict[str, Any] = {}
+    for name, row in runs["bf16"]["cases"].items():
+        b, f = row[where], runs["fp8"]["cases"][name][where]
+        entry = {"placement": where, "bf16_step_ms": b["step_ms"], "fp8_step_ms": f["step_ms"],
+                 "speedup": b["step_ms"] / f["step_ms"], "bf16_floor_bytes": b["floor"]["hbm_bytes"],
+                 "fp8_floor_bytes": f["floor"]["hbm_bytes"],
+                 "floor_ratio": b["floor"]["hbm_bytes"] / f["floor"]["hbm_bytes"]}
+        entry["speedup_over_floor_ratio"] = entry["speedup"] / entry["floor_ratio"]
+        table[name] = entry
+    results["weights_comparison"] = table
 
 
 def _layer_line(cfg: Any) -> str:
@@ -230,7 +285,8 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
         if where == "pinned" and fl["link_ms"] > 0:
             out["lookup_over_link"] = out["lookup_ms"] / fl["link_ms"]
     print(f"  {where} {name}: step {out['step_ms']:.3f} ms, lookup alone {out['lookup_ms']:.3f} ms "
-          f"({out['lookup_path']})" + (f", floor {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else "")
+          f"({out['lookup_path']}), floor reads {fl['hbm_bytes'] / 2**20:.1f} MiB"
+          + (f" = {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else "")
           + f", MoE {'/'.join(out['moe_forms'])}", flush=True)
     return out
 
@@ -247,22 +303,26 @@ def _ratios(results: dict[str, Any]) -> None:
                 row["pinned_extra_over_link"] = row["pinned_extra_ms"] / link
 
 
-def _print(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
-    lim = results["limits"]
-    if lim:
+def _print(results: dict[str, Any], opts: Dsv4StepOptions, lim: dict[str, float], weights: str | None) -> None:
+    """One weight format's tables (``weights`` names it when several ran)."""
+    if lim and weights in (None, opts.weights[0]):
         print(f"\nlimits measured now: HBM copy {lim['hbm_GBps']:.0f} GB/s, bf16 matmul {lim['bf16_TFLOPs']:.0f} TFLOP/s, "
               f"pinned H2D {lim['h2d_GBps']:.1f} GB/s")
+    if weights is not None:
+        what = results["model"]["quantization"] or "every weight " + results["model"]["dtype"]
+        print(f"\n== {weights} weights ({what})")
     for where, c in results.get("calibration", {}).items():
         print(f"{where}: start-up calibration {c}")
-    print(f"\n{'case':<14} {'place':<7} {'step ms':>9} {'floor ms':>9} {'step/floor':>10} {'lookup ms':>9} {'link ms':>8} "
-          f"{'lookup/link':>11} {'pinned/HBM':>10}")
+    print(f"\n{'case':<14} {'place':<7} {'step ms':>9} {'floor MiB':>9} {'floor ms':>9} {'step/floor':>10} "
+          f"{'lookup ms':>9} {'link ms':>8} {'lookup/link':>11} {'pinned/HBM':>10}")
     for name, row in results["cases"].items():
         for where in opts.placements:
             e = row[where]
             fl = e["floor"]
             ratio = f"{row['pinned_over_hbm']:>10.3f}" if where == "pinned" and "pinned_over_hbm" in row else f"{'':>10}"
-            print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl.get('floor_ms', float('nan')):>9.4f} "
-                  f"{e.get('step_over_floor', float('nan')):>10.1f} {e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} "
+            print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl['hbm_bytes'] / 2**20:>9.1f} "
+                  f"{fl.get('floor_ms', float('nan')):>9.4f} {e.get('step_over_floor', float('nan')):>10.1f} "
+                  f"{e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} "
                   f"{e.get('lookup_over_link', float('nan')):>11.1f} {ratio}")
     shown = [*CLASSES, "other"]
     if any(row[w].get("breakdown") for row in results["cases"].values() for w in opts.placements):
@@ -277,3 +337,18 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
                     print(f"{name:<14} {where:<7} {b['total_gpu_ms']:>8.3f} "
                           + " ".join(f"{b['classes'][c]['gpu_ms']:>8.3f}" for c in shown))
         print("(" + ", ".join(f"{_SHORT[c]}: {c}" for c in shown) + "; host-side times and call counts in the JSON)")
+
+
+def _print_weights(results: dict[str, Any]) -> None:
+    table = results.get("weights_comparison")
+    if not table:
+        return
+    where = next(iter(table.values()))["placement"]
+    print(f"\nfp8 (FP8 linears + FP4 experts) vs bf16 weights, {where} tables: the step's speed-up against the "
+          f"ratio of the bytes each step reads")
+    print(f"{'case':<14} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>9} {'bf16 MiB':>9} {'fp8 MiB':>9} "
+          f"{'bytes ratio':>11} {'speed-up/ratio':>14}")
+    for name, e in table.items():
+        print(f"{name:<14} {e['bf16_step_ms']:>9.3f} {e['fp8_step_ms']:>9.3f} {e['speedup']:>9.2f} "
+              f"{e['bf16_floor_bytes'] / 2**20:>9.1f} {e['fp8_floor_bytes'] / 2**20:>9.1f} {e['floor_ratio']:>11.2f} "
+              f"{e['speedup_over_floor_ratio']:>14.2f}")

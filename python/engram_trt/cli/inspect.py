@@ -3,9 +3,14 @@ wrong with it.
 
 Its contract: every problem found is *listed* (exit 1), not raised; only a folder that
 cannot be read at all (no config.json, a damaged shard header) ends in the one-line
-error. For an engine folder the tables are checked against what the build recorded:
-sizes always, random blocks against their recorded hashes by default, every byte with
-``--verify-tables``.
+error. A checkpoint's report also says what its weights are and take (every
+architecture alike, :func:`weights_report`): the bytes per stored dtype (``F8_E4M3``,
+``I8`` packed FP4, ``F8_E8M0`` scales, ``BF16``, ``F32`` ...), the quantization its
+config declares (``QuantSpec.describe()``), and the GPU bytes a load takes at ``--dtype``
+(stored bytes for FP8 / FP4 weights, the serving dtype for float ones; each
+architecture's ``weight_formats`` says which is which). For an engine folder the tables
+are checked against what the build recorded: sizes always, random blocks against their
+recorded hashes by default, every byte with ``--verify-tables``.
 """
 
 from __future__ import annotations
@@ -19,8 +24,46 @@ from engram_trt.errors import human_bytes
 from engram_trt.errors import EngramError
 
 
-def inspect_checkpoint(path: str) -> dict[str, Any]:
-    """The facts ``engram-trt inspect CHECKPOINT`` reports, as a dict."""
+def weights_report(ckpt: Any, arch: Any, dtype: str) -> dict[str, Any]:
+    """Bytes per stored dtype, the declared quantization and what a load takes at
+    ``dtype`` (module docstring); a problem with the quantization fields is listed under
+    ``problems``."""
+    from engram_trt.errors import ConfigError
+    from engram_trt.quant.spec import read_quant_spec
+
+    by_dtype: dict[str, int] = {}
+    for name in ckpt.tensor_names():
+        st = ckpt.st_dtype(name)
+        by_dtype[st] = by_dtype.get(st, 0) + int(ckpt.nbytes(name))
+    out: dict[str, Any] = {"stored_bytes": dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])), "quantization": None,
+                           "load": None, "problems": []}
+    try:
+        spec = read_quant_spec(ckpt.config_dict, str(ckpt.path / "config.json"))
+    except ConfigError as exc:
+        out["problems"].append(str(exc))
+        spec = None
+    if spec is not None:
+        out["quantization"] = spec.describe()
+        out["expert_dtype"] = spec.expert_dtype
+    try:
+        formats = arch.weight_formats(ckpt, dtype)
+    except EngramError:  # a config the weights cannot be named for: its problems are listed by the checks
+        return out
+    kinds: dict[str, dict[str, int]] = {}
+    for kind, stored, gpu in formats.values():
+        k = kinds.setdefault(kind, {"tensors": 0, "stored_bytes": 0, "gpu_bytes": 0})
+        k["tensors"] += 1
+        k["stored_bytes"] += stored
+        k["gpu_bytes"] += gpu
+    out["load"] = {"dtype": dtype, "tensors": len(formats),
+                   "stored_bytes": sum(k["stored_bytes"] for k in kinds.values()),
+                   "gpu_bytes": sum(k["gpu_bytes"] for k in kinds.values()), "by_kind": kinds}
+    return out
+
+
+def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
+    """The facts ``engram-trt inspect CHECKPOINT`` reports, as a dict (``dtype``: the
+    serving dtype the GPU bytes of a load are counted in)."""
     from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, validate_checkpoint
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.engram.tokenizer import build_compressed_vocab
@@ -60,6 +103,9 @@ def inspect_checkpoint(path: str) -> dict[str, Any]:
     }
     problems: list[str] = report["problems"]
     problems.extend(seen["field_problems"])
+    weights = weights_report(ckpt, arch, dtype)
+    problems.extend(weights.pop("problems"))
+    report["weights"] = weights
     if unused:
         problems.append(f"{len(unused)} tensor(s) the {arch.name} model does not read: {', '.join(unused[:8])}"
                         f"{' ...' if len(unused) > 8 else ''} (run / build / serve refuse them without --allow-unused-weights)")
@@ -155,10 +201,32 @@ def inspect_engine_folder(path: str, verify_tables: bool = False, sample_bytes: 
     return report
 
 
+_DTYPE_NOTE = {"F8_E4M3": "FP8", "F8_E8M0": "scales", "I8": "packed FP4", "U8": "bytes"}
+
+
+def _print_weights(w: dict[str, Any]) -> None:
+    def note(st: str) -> str:
+        if st in ("I8", "U8") and w.get("expert_dtype") == "fp4":
+            return " (FP4 experts)"
+        return f" ({_DTYPE_NOTE[st]})" if st in _DTYPE_NOTE and st not in ("I8", "U8") else ""
+
+    print("stored       " + ", ".join(f"{st} {human_bytes(n)}{note(st)}" for st, n in w["stored_bytes"].items()))
+    print(f"quantization {w['quantization'] or 'none (float weights)'}")
+    load = w.get("load")
+    if load:
+        how = {"fp8": " as stored", "fp4": " as stored", "float": f" in {load['dtype']}"}
+        parts = ", ".join(f"{kind} {human_bytes(k['gpu_bytes'])}{how.get(kind, '')}"
+                          for kind, k in sorted(load["by_kind"].items()))
+        print(f"GPU weights  {human_bytes(load['gpu_bytes'])} at --dtype {load['dtype']} ({parts}; "
+              f"{human_bytes(load['stored_bytes'])} stored)")
+
+
 def _print_checkpoint(report: dict[str, Any]) -> None:
     print(f"checkpoint   {report['checkpoint']}")
     print(f"architecture {report['architecture']}")
     print(f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}")
+    if report.get("weights"):
+        _print_weights(report["weights"])
     if report["ignored_fields"]:
         print(f"ignored      config fields the model does not read (nor does transformers'): {', '.join(report['ignored_fields'])}")
     ple = report.get("ple")
@@ -195,7 +263,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     engine = (Path(args.checkpoint) / MANIFEST_NAME).is_file()
     if args.verify_tables and not engine:
         raise EngramError(f"--verify-tables checks an engine folder's tables against its manifest, and '{args.checkpoint}' has no {MANIFEST_NAME}; pass the engine folder")
-    report = inspect_engine_folder(args.checkpoint, args.verify_tables) if engine else inspect_checkpoint(args.checkpoint)
+    report = inspect_engine_folder(args.checkpoint, args.verify_tables) if engine else \
+        inspect_checkpoint(args.checkpoint, getattr(args, "dtype", None) or "bf16")
     if args.json:
         print_json(report)
     else:

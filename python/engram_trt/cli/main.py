@@ -30,6 +30,7 @@ from engram_trt.cli.mechanism import cmd_hash, cmd_layout
 from engram_trt.cli.output import EXIT_USAGE
 from engram_trt.cli.serve import add_repo_arguments, add_serve_arguments, cmd_serve, cmd_triton_repo
 from engram_trt.cli.shm import add_shm_command
+from engram_trt.config.dtypes import CANONICAL, METAVAR, dtype_arg
 from engram_trt.errors import EngramError
 
 log = logging.getLogger("engram_trt")
@@ -67,13 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compressed", action="store_true", help="the ids are already compressed ids (no tokenizer needed)")
     p.add_argument("--pad-id", type=int_arg(0, INT32_MAX), default=None, help="with --compressed: the compressed id of the pad token")
 
-    p = add("inspect", cmd_inspect, "summarize a checkpoint's (or an engine folder's) Engram tables and list the problems found (exit 1 if any)",
+    p = add("inspect", cmd_inspect, "summarize a checkpoint (weights by stored dtype, quantization, GPU bytes of "
+                                    "a load, Engram tables) or an engine folder and list the problems found "
+                                    "(exit 1 if any)",
             "Summarize a checkpoint folder, or an engine folder (one holding manifest.json): layers, tables, sizes, and "
             "every problem found. For an engine folder the tables are checked against the build: sizes always, random "
             "blocks against their recorded hashes by default, every byte with --verify-tables.")
     p.add_argument("checkpoint", metavar="FOLDER", help="checkpoint folder (config.json, tokenizer.json, *.safetensors) or engine folder (manifest.json)")
     p.add_argument("--verify-tables", action="store_true", help="engine folder: re-hash every byte of every table against the manifest's sha256 (reads all of them)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default="bf16",
+                   help="checkpoint: the serving dtype the GPU bytes of a load are counted in (float weights take it; "
+                        "FP8 / FP4 weights their stored bytes) (default: %(default)s)")
 
     p = add("run", cmd_run, "generate text from an engine folder or a checkpoint through engram_trt.LLM; prints the backend and storage used",
             "Load PATH (an engine folder from `engram-trt build`, or a checkpoint folder) with engram_trt.LLM and generate "

@@ -51,6 +51,12 @@ class ModelArchitecture(Protocol):
     def checkpoint_problems(self, ckpt: Any) -> list[str]:
         """One line per tensor the model needs that is missing, misshapen or of the wrong dtype."""
 
+    def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
+        """Stored name -> ``(kind, stored bytes, GPU bytes a load takes at dtype)`` of each
+        weight the model reads (``fp8`` / ``fp4`` / ``float`` / ``int``; scales counted
+        with their weight): what ``engram-trt inspect`` sums
+        (:func:`engram_trt.models.weight_formats.generic_weight_formats` is the default)."""
+
 
 def _registered() -> tuple[ModelArchitecture, ...]:
     from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE as deepseek_v4

@@ -155,11 +155,11 @@ def quantize_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.
     amax = g.abs().amax(dim=-1)
     s = torch.where(amax > 0, _pow2_ceil(amax / 6.0), torch.ones_like(amax))
     x = (g / s.unsqueeze(-1)).reshape(wf.shape)
-    grid = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
+    grid = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32, device=wf.device)
     mag = x.abs().clamp(max=6.0)
     dist = (mag.unsqueeze(-1) - grid).abs()
     # nearest magnitude, a tie to the even code (round half to even on the 1-bit mantissa)
-    code = torch.argmin(dist + (torch.arange(8) % 2).to(torch.float32) * 1e-6, dim=-1)
+    code = torch.argmin(dist + (torch.arange(8, device=wf.device) % 2).to(torch.float32) * 1e-6, dim=-1)
     codes = code | ((x < 0) & (code > 0)).to(torch.int64) << 3
     exp = torch.log2(s).round().to(torch.int32) + 127
     return pack_fp4(codes).view(torch.int8), exp.clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)

@@ -2,13 +2,18 @@
 (``deepseek_v4``) and DeepSeek-V4.1, the same backbone with Engram layers
 (``DeepseekV41ForCausalLM``, ``deepseek_v41``).
 
-Its config fields' contract is :mod:`.config`'s; its tensor names :mod:`.weights`'. The
-checks a checkpoint must pass before a byte of it is loaded: every tensor the config
-implies, at its shape, float where a weight (the ``tid2eid`` tables integer, their
-expert ids in range), and as many experts per layer as ``n_routed_experts`` says. The
-upstream multi-token-prediction tensors (``mtp.*``) are unused ones the registry
+Its config fields' contract is :mod:`.config`'s; its tensor names and stored formats
+:mod:`.weights`' (one resolver: transformers' save spelling or DeepSeek's root names,
+scales under ``.scale`` or ``.weight_scale_inv``). The checks a checkpoint must pass
+before a byte of it is loaded: every tensor the config implies, at its shape, float where
+a weight or FP8 / FP4 where ``quantization_config`` allows it with a scale of the right
+shape and dtype (:func:`.weights.stored_formats`), the ``tid2eid`` tables integer with
+their expert ids in range, and as many experts per layer as ``n_routed_experts`` says.
+The upstream multi-token-prediction tensors (``mtp.*``) are unused ones the registry
 accepts with a log note: the published implementation skips them too. V4.1's Engram
 tables are the runtime's (``engram_trt.tables``), checked as engram-llama's are.
+:meth:`DeepseekV4Architecture.weight_formats` tells ``engram-trt inspect`` each weight's
+stored format and the bytes a load takes.
 
 ``engram-trt build`` exports the model as one ONNX serving step (:mod:`.onnx_export`)
 and refuses, before any work, what the attention kernel cannot take
@@ -18,7 +23,6 @@ and refuses, before any work, what the attention kernel cannot take
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Iterable, Mapping
 
 from engram_trt.models.deepseek_v4.config import (CONTRACT, V4_ARCH, V4_TYPE, V41_ARCH, V41_TYPE, DeepseekV4Config,
@@ -26,7 +30,6 @@ from engram_trt.models.deepseek_v4.config import (CONTRACT, V4_ARCH, V4_TYPE, V4
 
 log = logging.getLogger(__name__)
 
-_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.w[123]\.weight$")
 
 
 class DeepseekV4Architecture:
@@ -56,12 +59,14 @@ class DeepseekV4Architecture:
         return names
 
     def unused_tensors(self, config: DeepseekV4Config, present: Iterable[str]) -> list[str]:
-        """Tensors the model does not read, the multi-token-prediction layers' excepted
-        (accepted with a note: transformers does not build them either)."""
+        """Tensors the model does not read (a weight's block scale is read with it), the
+        multi-token-prediction layers' excepted (accepted with a note: transformers does
+        not build them either)."""
         from engram_trt.checkpoint.checkpoint import natural_key
-        from engram_trt.models.deepseek_v4.weights import MTP_TENSOR
+        from engram_trt.models.deepseek_v4.weights import MTP_TENSOR, resolve_names
 
-        used = self.tensor_names(config)
+        present = list(present)
+        used = set(resolve_names(self.tensor_names(config), set(present)).stored.values())
         unused, mtp = [], 0
         for n in present:
             if n in used:
@@ -75,15 +80,23 @@ class DeepseekV4Architecture:
                      config.num_nextn_predict_layers)
         return sorted(unused, key=natural_key)
 
+    def stored_formats(self, config: DeepseekV4Config, ckpt: Any) -> tuple[dict[str, Any], list[str], Any]:
+        """``(canonical name -> StoredFormat, problems, resolved names)`` of the weights a
+        checkpoint (or a :class:`~.weights.TensorDict`) holds for ``config``."""
+        from engram_trt.models.deepseek_v4.model import meta_modules
+        from engram_trt.models.deepseek_v4.weights import model_formats
+
+        return model_formats(meta_modules(config), config.quant, ckpt)
+
     def checkpoint_problems(self, ckpt: Any) -> list[str]:
         """One line per problem (module docstring), the expert count first."""
-        from engram_trt.models.deepseek_v4.weights import INTEGER_TENSORS
+        from engram_trt.models.deepseek_v4.weights import ROUTED_EXPERT
 
         cfg = ckpt.config
         out = []
         experts: dict[int, set[int]] = {}
         for name in ckpt.tensor_names():
-            m = _EXPERT.match(name)
+            m = ROUTED_EXPERT.match(name)
             if m:
                 experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
         for layer, found in sorted(experts.items()):
@@ -91,22 +104,32 @@ class DeepseekV4Architecture:
                 out.append(f"layer {layer} holds {len(found)} routed experts (ids {min(found)}..{max(found)}) but the config's "
                            f"n_routed_experts={cfg.n_routed_experts}; the config does not describe these weights")
                 break
-        for name, want in self.weight_shapes(cfg).items():
-            if name not in ckpt:
-                out.append(f"tensor {name} is missing (expected shape {list(want)})")
-            elif tuple(ckpt.shape(name)) != want:
-                out.append(f"tensor {name} has shape {list(ckpt.shape(name))} but the config needs {list(want)}")
-            elif INTEGER_TENSORS.search(name):
-                if ckpt.dtype(name).is_floating_point:
-                    out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not the integer token -> expert table")
-                else:
-                    t = ckpt.get(name)
-                    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_routed_experts):
-                        out.append(f"tensor {name} routes to expert {int(t.max()) if int(t.min()) >= 0 else int(t.min())}, "
-                                   f"outside 0..{cfg.n_routed_experts - 1} (n_routed_experts={cfg.n_routed_experts})")
-            elif not ckpt.dtype(name).is_floating_point:
-                out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight")
+        formats, problems, _names = self.stored_formats(cfg, ckpt)
+        out.extend(problems)
+        for f in formats.values():
+            if f.kind != "int":
+                continue
+            t = ckpt.get(f.name)
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_routed_experts):
+                out.append(f"tensor {f.name} routes to expert {int(t.max()) if int(t.min()) >= 0 else int(t.min())}, "
+                           f"outside 0..{cfg.n_routed_experts - 1} (n_routed_experts={cfg.n_routed_experts})")
         return out
+
+    def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
+        """Stored name -> ``(kind, stored bytes, GPU bytes at dtype)`` of every weight the
+        model reads that the checkpoint holds: ``fp8`` / ``fp4`` as stored (scales
+        included), ``float`` in ``dtype`` (bf16 unless given; the float32-kept tensors in
+        float32), ``int`` (``tid2eid``) as int64. ``engram-trt inspect`` sums it."""
+        import torch
+
+        from engram_trt.config.dtypes import TORCH_NAMES, normalize_dtype
+        from engram_trt.models.deepseek_v4.model import KEEP_FLOAT32
+
+        dtype = dtype or torch.bfloat16
+        if isinstance(dtype, str):
+            dtype = getattr(torch, TORCH_NAMES[normalize_dtype(dtype)])
+        formats, _problems, _names = self.stored_formats(ckpt.config, ckpt)
+        return {f.name: (f.kind, f.stored_bytes, f.gpu_bytes(dtype, KEEP_FLOAT32)) for f in formats.values()}
 
     def table_problems(self, ckpt: Any, layout: Any) -> list[str]:
         """V4.1: one line per Engram table that is missing, of the wrong width, dtype or
@@ -151,32 +174,25 @@ class DeepseekV4Architecture:
             raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
 
     def build_model(self, config: DeepseekV4Config, weights: Mapping[str, Any], **options: Any) -> Any:
-        """A model from a name -> tensor dict (tests; serving loads with :meth:`load_model`)."""
+        """A model from a name -> tensor dict (tests, the benchmark; serving loads with
+        :meth:`load_model`): canonical names, quantized weights with their
+        ``.weight_scale_inv`` scales where ``config.quant`` declares them."""
         import torch
 
+        from engram_trt.errors import CheckpointError
         from engram_trt.models.deepseek_v4.model import KEEP_FLOAT32, DeepseekV4Model
-        from engram_trt.models.deepseek_v4.weights import load_into
-
-        class _Dict:
-            path = "<weights>"
-
-            def __contains__(self, n: object) -> bool:
-                return n in weights
-
-            def shape(self, n: str) -> tuple[int, ...]:
-                return tuple(weights[n].shape)
-
-            def locate(self, n: str) -> tuple[str, int, int]:
-                return ("", 0, 0)
-
-            def get(self, n: str) -> Any:
-                return weights[n]
+        from engram_trt.models.deepseek_v4.weights import TensorDict, load_into, model_formats, prepare_model
 
         dev = torch.device(options.get("device", "cpu"))
         dtype = options.get("dtype") or torch.float32
         model = DeepseekV4Model(config, device=dev, dtype=dtype, compress_lookup=options.get("compress_lookup"),
                                 layout=options.get("layout"))
-        load_into(model, _Dict(), dev, dtype, KEEP_FLOAT32)
+        source = TensorDict(weights)
+        formats, problems, names = model_formats(model, config.quant, source)
+        if problems:
+            raise CheckpointError(f"weights: {problems[0]}")
+        prepare_model(model, formats, dev, dtype)
+        load_into(model, source, dev, dtype, KEEP_FLOAT32, names)
         return model.eval()
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, **_: Any) -> Any:
@@ -197,9 +213,19 @@ class DeepseekV4Architecture:
         length-dependent ones, a compressed entry count below ``index_topk``, are
         checked by the export against ``--max-seq-len``)."""
         from engram_trt.models.deepseek_v4.onnx_export import engine_limits
+        from engram_trt.models.deepseek_v4.weights import UPSTREAM, layout_of
 
         cfg = ckpt.config
-        return engine_limits(cfg, int(cfg.max_position_embeddings))
+        out = []
+        if cfg.quant is not None:
+            out.append(f"the engine path does not export FP8 / FP4 weights yet ({cfg.quant.describe()}); serve "
+                       f"this checkpoint with `engram-trt run` / `serve` on the torch backend, which computes them "
+                       f"as stored")
+        elif layout_of(ckpt.tensor_names()) == UPSTREAM:
+            out.append("the engine path reads transformers' tensor names (model.layers...), and this checkpoint stores "
+                       "DeepSeek's root names (layers..., embed.weight); serve it on the torch backend, or save it "
+                       "with transformers first")
+        return out + engine_limits(cfg, int(cfg.max_position_embeddings))
 
     def export_onnx(self, config: DeepseekV4Config, weights: Any, layout: Any, options: Any) -> Any:
         """The ONNX serving step (:mod:`.onnx_export`); ``layout`` is V4.1's Engram layout

@@ -7,10 +7,13 @@ backbone plus this project's Engram layers (``engram_layer_ids`` ...; parsed by
 Every field transformers' DeepSeek-V4 reads is honoured (with the published model's own
 folding of its legacy spellings: ``compress_ratios``, ``compress_rate_csa`` /
 ``compress_rate_hca``, ``num_hash_layers``, ``qk_rope_head_dim``), pinned to the value
-implemented (``hidden_act: silu``, one KV head, one shared expert, no biases, no
-quantization), or without effect at inference (:data:`CONTRACT`). Field names are
-transformers' own, so the modules (and tests handing them a transformers config) read
-one spelling. Multi-token-prediction layers (``num_nextn_predict_layers``) are not
+implemented (``hidden_act: silu``, one KV head, one shared expert, no biases), or
+without effect at inference (:data:`CONTRACT`). ``quantization_config`` and the top-level
+``expert_dtype`` (DeepSeek's published layout: FP8 linears, FP4 routed experts) are read
+by :func:`engram_trt.quant.spec.read_quant_spec`, the one reader of those fields, into
+``config.quant`` (None: float weights); unserved methods are refused there in one line.
+Field names are transformers' own, so the modules (and tests handing them a transformers
+config) read one spelling. Multi-token-prediction layers (``num_nextn_predict_layers``) are not
 served: transformers does not build them either; their ``mtp.*`` tensors are the
 checkpoint's unused ones, accepted with a log note.
 """
@@ -25,6 +28,7 @@ from typing import Any, Mapping
 from engram_trt.config.model import EngramSpec, parse_engram_spec
 from engram_trt.errors import ConfigError
 from engram_trt.models.contract import FieldContract, Pinned
+from engram_trt.quant.spec import QuantSpec, read_quant_spec
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ _FIELDS = frozenset({
     "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types", "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank",
     "index_n_heads", "index_head_dim", "index_topk", "num_nextn_predict_layers", "rms_norm_eps", "bos_token_id",
     "eos_token_id", "tie_word_embeddings", "rope_parameters", "rope_scaling", "partial_rotary_factor", "dtype",
-    "torch_dtype",
+    "torch_dtype", "quantization_config", "expert_dtype",
     # legacy spellings transformers folds in at __post_init__
     "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
 })
@@ -69,8 +73,6 @@ CONTRACT = FieldContract(
         "norm_topk_prob": Pinned((True,), True, "transformers' DeepSeek-V4 router always renormalizes the top-k weights"),
         "attention_bias": Pinned((False,), False, "projections without bias"),
         "mlp_bias": Pinned((False,), False, "shared-expert projections without bias"),
-        "quantization_config": Pinned((None,), None, "weights are read as float tensors; dequantize the checkpoint first"),
-        "expert_dtype": Pinned((None,), None, "expert weights are read as float tensors; dequantize the checkpoint first"),
     },
     # Read by transformers' DeepSeek-V4 without effect on a forward pass at inference.
     neutral=frozenset({"attention_dropout", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
@@ -119,6 +121,7 @@ class DeepseekV4Config:
     eos_token_id: int | tuple[int, ...] | None
     bos_token_id: int | None = None
     engram: EngramSpec | None = None
+    quant: QuantSpec | None = None  # the stored weight formats (None: float weights)
     architecture_name: str = V4_ARCH
     # pinned values, readable as transformers' attributes
     num_key_value_heads: int = 1
@@ -174,7 +177,7 @@ class DeepseekV4Config:
                   "rope_scaling"):
             d.pop(k, None)
         base = asdict(self)
-        for k in ("engram", "extra", "architecture_name"):
+        for k in ("engram", "extra", "architecture_name", "quant"):
             base.pop(k)
         d.update(base)
         d["layer_types"] = list(self.layer_types)
@@ -419,7 +422,8 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
         rms_norm_eps=_float(d, "rms_norm_eps", source, 1e-6), tie_word_embeddings=tie, partial_rotary_factor=factor,
         rope_parameters=rope, eos_token_id=_eos(d, vocab, source),
         bos_token_id=_int(d, "bos_token_id", source, None, minimum=0, maximum=vocab - 1),
-        engram=_engram(d, n, vocab, arch, source), architecture_name=arch, extra=dict(d))
+        engram=_engram(d, n, vocab, arch, source), quant=read_quant_spec(d, source), architecture_name=arch,
+        extra=dict(d))
     if mtp:
         log.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not served (transformers does not "
                  "build them either); their mtp.* tensors are unused", source or "config", mtp)

@@ -64,7 +64,7 @@ def sync_free_moe(mlp: Any, x: Any) -> Iterator[None]:
     from engram_trt.models.deepseek_v4.moe import DENSE_MAX_TOKEN_EXPERTS
 
     swap = None
-    if x.is_cuda and getattr(mlp, "form", "auto") == "auto":
+    if x.is_cuda and getattr(mlp, "form", "auto") == "auto" and not getattr(mlp, "quantized_experts", False):
         probe = torch.empty((x.shape[0], mlp.gate.top_k), dtype=torch.int64, device="meta")  # choose_form reads its size
         swap = decode_moe_form(mlp.choose_form(x, probe), x.shape[0], len(mlp.experts), DENSE_MAX_TOKEN_EXPERTS)
     if swap is None:
@@ -99,7 +99,12 @@ def graphs_unavailable(model: Any) -> str | None:
             return (f"layer {layer.index}'s attention core is not on the CUDA kernel ({why}), and the torch core's "
                     "loop over sequences reads their lengths on the host")
         form = getattr(layer.mlp, "form", "auto")
-        if form in SYNCING_MOE_FORMS:
+        if getattr(layer.mlp, "quantized_experts", False) and form in ("auto", "kernels"):
+            why = layer.mlp.kernels_unavailable(probe)
+            if why is not None:  # the float forms cannot take stored-format experts: only the loop would
+                return (f"layer {layer.index}'s quantized experts are not on the kernel library ({why}), and the "
+                        "loop over experts reads their counts on the host")
+        elif form in SYNCING_MOE_FORMS:
             return f"layer {layer.index}'s MoE form is {form!r}, which reads expert counts on the host; use 'auto'"
     return None
 

@@ -103,12 +103,16 @@ class _Modules(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
+def meta_modules(config: DeepseekV4Config) -> nn.Module:
+    """The model's parameter tree on the meta device (names and logical shapes; nothing allocated)."""
+    with torch.device("meta"):
+        return _Modules(config)
+
+
 def model_tensor_shapes(config: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     """Checkpoint name -> shape of every tensor the model reads (float weights and the
     hash-MoE ``tid2eid`` tables; no Engram tables)."""
-    with torch.device("meta"):
-        m = _Modules(config)
-    return {name: tuple(t.shape) for name, (_m, _a, t) in named_tensors(m).items()}
+    return {name: tuple(t.shape) for name, (_m, _a, t) in named_tensors(meta_modules(config)).items()}
 
 
 class DeepseekV4Model(_Modules):
@@ -157,18 +161,26 @@ class DeepseekV4Model(_Modules):
     @classmethod
     def from_checkpoint(cls, ckpt: Any, *, device: Any = "cpu", dtype: torch.dtype | None = None,
                         compressed_vocab: Any = None) -> "DeepseekV4Model":
+        """The model of an open checkpoint: built on the meta device, its FP8 / FP4
+        projections swapped for their stored-format modules and its expert stacks
+        allocated, then filled tensor by tensor (:mod:`.weights`); refused first when the
+        stored formats contradict the config or the weights do not fit the GPU."""
         from engram_trt.checkpoint.vocab import engram_lookup_and_layout
-        from engram_trt.models.deepseek_v4.weights import check_fits, tensor_bytes
+        from engram_trt.errors import CheckpointError
+        from engram_trt.models.deepseek_v4.weights import check_fits, model_formats, prepare_model
 
         cfg = ckpt.config
         dev = torch.device(device)
         dtype = dtype or torch.float32
-        shapes = model_tensor_shapes(cfg)
-        check_fits(tensor_bytes(shapes.values(), torch.empty((), dtype=dtype).element_size()), dev,
-                   f"the DeepSeek-V4 checkpoint {ckpt.path}")
         lookup, layout = engram_lookup_and_layout(ckpt, compressed_vocab) if cfg.engram is not None else (None, None)
         model = cls(cfg, device=dev, dtype=dtype, compress_lookup=lookup, layout=layout)
-        load_into(model, ckpt, dev, dtype, KEEP_FLOAT32)
+        formats, problems, names = model_formats(model, cfg.quant, ckpt)
+        if problems:
+            raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}")
+        check_fits(sum(f.gpu_bytes(dtype, KEEP_FLOAT32) for f in formats.values()), dev,
+                   f"the DeepSeek-V4 checkpoint {ckpt.path}")
+        prepare_model(model, formats, dev, dtype)
+        load_into(model, ckpt, dev, dtype, KEEP_FLOAT32, names)
         model.eval()
         return model
 

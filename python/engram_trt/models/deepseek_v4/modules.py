@@ -25,7 +25,10 @@ names the checkpoint stores (``hc_attn_fn``, ``ffn.experts.3.w1``, ``ffn.gate.bi
   Top-k routing (:class:`TopKRouter`) picks experts by ``score + e_score_correction_bias``
   and weights them by the score alone; hash routing (:class:`HashRouter`) picks them by
   the frozen ``tid2eid[token id]`` table. Both renormalize the picked scores and scale
-  them by ``routed_scaling_factor``.
+  them by ``routed_scaling_factor``. An expert's projections are ``QuantLinear`` where the
+  checkpoint stores them FP8 / FP4 (:func:`.weights.quantize_modules`).
+* :class:`QuantGroupedLinear`: the attention's grouped output projection (``wo_a``) over a
+  weight stored FP8, the block-diagonal contract of ``GroupedLinear`` kept.
 """
 
 from __future__ import annotations
@@ -206,6 +209,74 @@ class HyperHead(nn.Module):
         mixes = F.linear(flat, self.hc_fn.to(flat.dtype))
         pre = torch.sigmoid(mixes * self.hc_scale.to(flat.dtype) + self.hc_base.to(flat.dtype)) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class QuantGroupedLinear(nn.Module):
+    """``GroupedLinear`` (``attention.py``: a block-diagonal linear, group ``g`` of the
+    input meets rows ``g * out_per_group ..`` of the weight only) whose weight
+    ``[out_features, in_per_group]`` is stored FP8 with block scales over that matrix, as
+    the published ``wo_a`` is. Buffers ``weight`` / ``weight_scale_inv`` as QuantLinear's.
+
+    Each group's rows are one QuantWeight view when its rows fill whole scale blocks
+    (``out_per_group % bn == 0``), so on CUDA each group runs the stored-format product
+    (:func:`engram_trt.quant.weight.quant_linear`); elsewhere (the CPU path, or groups
+    cutting a block) the weight is dequantized for the call, as transformers' CPU path does."""
+
+    backend: str = "auto"
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int, kind: str, block: tuple[int, int],
+                 scale_fmt: str = "float", device: Any = None) -> None:
+        super().__init__()
+        from engram_trt.quant.formats import scale_grid
+
+        if out_features % groups:
+            raise EngramError(f"QuantGroupedLinear: {groups} groups do not divide {out_features} output rows")
+        self.groups, self.in_per_group, self.out_features = groups, int(in_per_group), int(out_features)
+        self.kind, self.block = kind, (int(block[0]), int(block[1]))
+        data_shape = (out_features, in_per_group // 2) if kind == "fp4" else (out_features, in_per_group)
+        self.register_buffer("weight", torch.empty(data_shape, device=device,
+                                                   dtype=torch.int8 if kind == "fp4" else torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.empty(
+            scale_grid(out_features, in_per_group, *self.block), device=device,
+            dtype=torch.float8_e8m0fnu if scale_fmt == "ue8m0" else torch.float32))
+
+    @classmethod
+    def like(cls, grouped: nn.Module, kind: str, block: tuple[int, int], scale_fmt: str) -> "QuantGroupedLinear":
+        out_features, in_per_group = grouped.weight.shape
+        return cls(in_per_group, out_features, grouped.groups, kind, block, scale_fmt, device=grouped.weight.device)
+
+    @property
+    def qweight(self) -> Any:
+        from engram_trt.quant.weight import QuantWeight
+
+        return QuantWeight(self.weight, self.weight_scale_inv, self.kind, self.block)
+
+    def group_weights(self) -> list[Any] | None:
+        """One QuantWeight view per group (None when a group's rows cut a scale block)."""
+        from engram_trt.quant.weight import QuantWeight
+
+        rows, bn = self.out_features // self.groups, self.block[0]
+        if rows % bn:
+            return None
+        srows = rows // bn
+        return [QuantWeight(self.weight[g * rows:(g + 1) * rows], self.weight_scale_inv[g * srows:(g + 1) * srows],
+                            self.kind, self.block) for g in range(self.groups)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, groups, in_per_group]`` -> ``[n, groups, out_per_group]``."""
+        from engram_trt.quant.weight import quant_linear
+
+        parts = self.group_weights() if x.is_cuda and self.backend != "torch" else None
+        if parts is not None:
+            return torch.stack([quant_linear(x[:, g].contiguous(), parts[g], backend=self.backend)
+                                for g in range(self.groups)], dim=1)
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        w = self.qweight.dequantize(work).to(x.dtype)
+        return torch.einsum("ngi,goi->ngo", x, w.reshape(self.groups, -1, w.shape[-1]))
+
+    def extra_repr(self) -> str:
+        return (f"in_per_group={self.in_per_group}, out_features={self.out_features}, groups={self.groups}, "
+                f"{self.kind}, block={self.block[0]}x{self.block[1]}")
 
 
 class ClampedSwiGLU(nn.Module):

@@ -72,5 +72,13 @@ class EngramLlamaArchitecture:
 
         return export_model(config, weights, layout, options)
 
+    def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
+        """Stored name -> ``(kind, stored bytes, GPU bytes at dtype)`` of each weight the
+        model reads (``engram-trt inspect``; the generic default of
+        :mod:`engram_trt.models.weight_formats`)."""
+        from engram_trt.models.weight_formats import generic_weight_formats
+
+        return generic_weight_formats(self, ckpt, dtype)
+
 
 ARCHITECTURE = EngramLlamaArchitecture()
