@@ -97,7 +97,8 @@ def _fp8(gen, lead, N, K, block, fmt, device):
     from engram_trt.quant.weight import QuantWeight
 
     torch = _t()
-    w = torch.randn(*lead, N, K, generator=gen) * torch.exp(torch.randn(*lead, N, 1, generator=gen))
+    w = torch.randn(*lead, N, K, generator=gen, device=gen.device) * torch.exp(
+        torch.randn(*lead, N, 1, generator=gen, device=gen.device))
     q, s = formats.quantize_fp8(w, block, fmt)
     return QuantWeight(q.to(device), s.to(device), "fp8", block)
 
@@ -107,7 +108,8 @@ def _fp4(gen, lead, N, K, device, block=(1, 32)):
     from engram_trt.quant.weight import QuantWeight
 
     torch = _t()
-    w = torch.randn(*lead, N, K, generator=gen) * torch.exp(0.5 * torch.randn(*lead, N, 1, generator=gen))
+    w = torch.randn(*lead, N, K, generator=gen, device=gen.device) * torch.exp(
+        0.5 * torch.randn(*lead, N, 1, generator=gen, device=gen.device))
     q, s = formats.quantize_fp4(w, block[1])
     if block[0] > 1:  # a coarser row block: one scale per bn rows (the largest of the rows')
         gn = -(-N // block[0])
@@ -268,7 +270,7 @@ def _weight_case(gen, dev, kind, lead, N, K, block=None, fmt="float"):
         return _fp8(gen, lead, N, K, block or (128, 128), fmt, dev)
     if kind == "fp4":
         return _fp4(gen, lead, N, K, dev, block or (1, 32))
-    return (torch.randn(*lead, N, K, generator=gen) * 0.1).to(dev, torch.bfloat16)
+    return (torch.randn(*lead, N, K, generator=gen, device=gen.device) * 0.1).to(dev, torch.bfloat16)
 
 
 GEMV_WEIGHTS = [  # (kind, N, K, block, scale fmt)

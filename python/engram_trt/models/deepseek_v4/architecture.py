@@ -195,12 +195,17 @@ class DeepseekV4Architecture:
         load_into(model, source, dev, dtype, KEEP_FLOAT32, names)
         return model.eval()
 
-    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, **_: Any) -> Any:
+    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None, **_: Any) -> Any:
         """The model of an open checkpoint, loaded tensor by tensor (refused first when its
-        weights do not fit the GPU)."""
+        weights do not fit the GPU); V4.1's table store bound when given (the runtime's:
+        decode graphs then gather GPU-readable rows inside the graph, the prefetcher
+        stages the others)."""
         from engram_trt.models.deepseek_v4.model import DeepseekV4Model
 
-        return DeepseekV4Model.from_checkpoint(ckpt, device=device, dtype=dtype)
+        model = DeepseekV4Model.from_checkpoint(ckpt, device=device, dtype=dtype)
+        if tables is not None and ckpt.config.engram is not None:
+            model.set_tables(tables)
+        return model
 
     def allocate_state(self, config: DeepseekV4Config, num_slots: int, max_len: int, device: Any, dtype: Any) -> Any:
         from engram_trt.models.deepseek_v4.state import DeepseekV4State

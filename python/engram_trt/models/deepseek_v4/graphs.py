@@ -100,7 +100,8 @@ def graphs_unavailable(model: Any) -> str | None:
                     "loop over sequences reads their lengths on the host")
         form = getattr(layer.mlp, "form", "auto")
         if getattr(layer.mlp, "quantized_experts", False) and form in ("auto", "kernels"):
-            why = layer.mlp.kernels_unavailable(probe)
+            why = layer.mlp.kernels_unavailable(torch.empty((1, model.config.hidden_size), device=model.device,
+                                                            dtype=model.compute_dtype))
             if why is not None:  # the float forms cannot take stored-format experts: only the loop would
                 return (f"layer {layer.index}'s quantized experts are not on the kernel library ({why}), and the "
                         "loop over experts reads their counts on the host")

@@ -231,21 +231,18 @@ class GroupedSparseMoE(SparseMoE):
 
     def kernels_unavailable(self, x: torch.Tensor) -> str | None:
         """Why :func:`engram_trt.native.quant.experts` cannot take this layer's experts for
-        activations like ``x`` (None: it can), asked of the library once per dtype and
-        device (``unavailable_for`` of each stack)."""
+        activations like ``x [T, D]`` (None: it can), asked of the library once per dtype,
+        device and product kind (the few-row GEMV of a decode step, the GEMMs of a prefill)."""
         try:
             from engram_trt.native import quant as native_quant
         except ImportError as exc:
             return f"the kernel library's quantized products are not in this build ({exc})"
         stacks = self.stack_experts()
-        key = (x.dtype, x.device, tuple(id(self._data(st)) for st in stacks))
+        T = int(x.shape[0]) if x.dim() == 2 else 1
+        key = (x.dtype, x.device, T <= 8, tuple(id(self._data(st)) for st in stacks))
         if key not in self._kernels_why:
-            why = None
-            for proj, st in zip(_PROJECTIONS, stacks):
-                why = native_quant.unavailable_for(x, st)
-                if why is not None:
-                    why = f"{proj}: {why}"
-                    break
+            probe_ids = torch.empty((T, self.gate.top_k), dtype=torch.int64, device="meta")  # only its size is read
+            why = native_quant.unavailable_for_experts(x, probe_ids, *stacks)
             self._kernels_why[key] = why
         return self._kernels_why[key]
 
