@@ -476,6 +476,9 @@ def fake_native_quant(monkeypatch: Any) -> list[dict[str, Any]]:
     def unavailable_for(x: torch.Tensor, qw: Any) -> str | None:
         return None
 
+    def unavailable_for_experts(x: torch.Tensor, ids: Any, gate: Any, up: Any, down: Any) -> str | None:
+        return None
+
     def experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, gate: Any, up: Any, down: Any, *,
                 limit: float | None, plan: Any = None) -> torch.Tensor:
         calls.append(dict(gate=gate, up=up, down=down, route_w=route_w, ids=ids, limit=limit, plan=plan))
@@ -491,6 +494,7 @@ def fake_native_quant(monkeypatch: Any) -> list[dict[str, Any]]:
 
     fake = types.ModuleType("engram_trt.native.quant")
     fake.unavailable_for, fake.experts = unavailable_for, experts  # type: ignore[attr-defined]
+    fake.unavailable_for_experts = unavailable_for_experts  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "engram_trt.native.quant", fake)
     import engram_trt.native as native
 
