@@ -341,10 +341,21 @@ def _check_replaceable(out: Path, force: bool) -> None:
 def resolve_options(opts: RepoOptions) -> RepoOptions:
     """Checked options: the engine folder absolute, the Engram config with its
     several-instance default (idempotent)."""
+    from engram_trt.distributed.support import check_parallel_support
+    from engram_trt.runtime.engine_folder import peek_model
+
     _check_options(opts)
+    engine_dir = check_engine_dir(opts.engine_dir)
+    peek = check_parallel_support(engine_dir, opts.tp, opts.dp, opts.engram_config, serving=True)
     opts = resolve_parallel(opts)
-    opts = replace(opts, engine_dir=check_engine_dir(opts.engine_dir),
-                   engram_config=resolve_engram_config(opts.engram_config, opts.total_instances))
+    if peek is None and opts.total_instances > 1:
+        peek = peek_model(engine_dir)
+    ecfg = opts.engram_config
+    if peek is None or peek.has_tables:  # a model without tables has nothing to share
+        ecfg = resolve_engram_config(ecfg, opts.total_instances)
+    else:
+        ecfg.validate()
+    opts = replace(opts, engine_dir=engine_dir, engram_config=ecfg)
     check_parallel_tables(opts)
     return opts
 
