@@ -133,6 +133,9 @@ class Checkpoint:
         reader, which honours or refuses every field. Without one the fields are read as
         engram-llama's, unchecked against an architecture: for tools below the registry."""
         root = Path(path).expanduser()
+        if root.exists() and not root.is_dir():
+            raise CheckpointError(f"'{root}' is a file, not a checkpoint folder (pass the folder holding config.json and "
+                                  f"*.safetensors)")
         if not root.is_dir():
             raise CheckpointError(f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, or make one with `engram-trt demo-checkpoint OUT`)")
         cfg_file = root / CONFIG_NAME
