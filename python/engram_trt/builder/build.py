@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -396,7 +397,7 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         if spec is None and hasattr(arch, "table_refs"):  # an architecture with tables of its own (Qwen4Exp's PLE)
             problems = arch.checkpoint_problems(ckpt)
             if problems:
-                more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
+                more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)" if len(problems) > 1 else ""
                 raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
             own_refs = list(arch.table_refs(ckpt))
             check_table_files(own_refs)

@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -491,5 +492,5 @@ def require_valid(ckpt: Checkpoint, layout: Any = None) -> None:
     """Raise :class:`CheckpointError` with the first problem (and how many) if any."""
     problems = validate_checkpoint(ckpt, layout)
     if problems:
-        more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
+        more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)" if len(problems) > 1 else ""
         raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")

@@ -511,11 +511,11 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     index. Raises :class:`CheckpointError` (one line: the bad input and the fix) for a
     file it does not translate, before OUT is touched."""
     src = Path(gguf_path).expanduser()
-    out = Path(out_dir).expanduser().absolute()
     out_dtype = _norm_dtype(dtype)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise EngramError(f"max_shard_bytes must be a positive integer (got {max_shard_bytes!r})")
-    atomic.check_parents(out, "OUT")
+    atomic.check_parents(Path(out_dir).expanduser().absolute(), "OUT")
+    out = atomic.writable_output(out_dir, "OUT")  # a link written through; a mount point refused
     if out.exists() and not out.is_dir():
         raise EngramError(f"OUT '{out}' exists and is not a folder; choose a new folder")
     _refuse_non_empty(out, force)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,7 +211,7 @@ def require_finite(ckpt: Any, budget_bytes: int | None = DEFAULT_SCAN_BYTES) -> 
 
     res = scan_checkpoint(ckpt, budget_bytes)
     if res.findings:
-        more = (f" (and {len(res.findings) - 1} more tensor(s); `engram-trt inspect {ckpt.path}` lists them)"
+        more = (f" (and {len(res.findings) - 1} more tensor(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)"
                 if len(res.findings) > 1 else "")
         raise CheckpointError(f"checkpoint '{ckpt.path}': {res.problems()[0]}{more}")
     return res

@@ -303,12 +303,17 @@ def prompts_from_file(path: str) -> list[str]:
     import json
 
     p = Path(path).expanduser()
-    if not p.exists() or p.is_dir():
+    if p.is_dir():
+        raise EngramError(f"--prompts-file {path}: is a folder, not a file; pass a file of prompts (a JSON list of strings "
+                          f"or one per line)")
+    if not p.exists():
         raise EngramError(f"--prompts-file {path}: no such file")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise EngramError(f"--prompts-file {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise EngramError(f"--prompts-file {path}: cannot be read ({exc.strerror})") from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)

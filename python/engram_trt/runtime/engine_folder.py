@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,7 +249,7 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_w
     else:
         problems = ckpt.architecture.checkpoint_problems(ckpt)
         if problems:
-            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {folder}` lists them)" if len(problems) > 1 else ""
+            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(folder))}` lists them)" if len(problems) > 1 else ""
             raise CheckpointError(f"checkpoint '{folder}': {problems[0]}{more}")
         # An architecture with tables of its own (Qwen4Exp's PLE shards) lists them: the
         # runner opens them in the store --engram-config picks, as Engram tables.

@@ -316,25 +316,25 @@ def _our_files(out: Path) -> set[str]:
     return {str(f) for f in marker.get("files", [])} | {MARKER}
 
 
-def _check_replaceable(out: Path, force: bool) -> None:
+def _check_replaceable(out: Path, force: bool, flag: str = "--out") -> None:
     if not out.exists():
         return
     if not out.is_dir():
-        raise EngramError(f"--out '{out}' exists and is not a folder; choose a new folder")
+        raise EngramError(f"{flag} '{out}' exists and is not a folder; choose a new folder")
     present = [p for p in out.rglob("*") if p.is_file() or p.is_symlink()]
     if not present and not any(out.iterdir()):
         return
     if not force:
-        raise EngramError(f"--out '{out}' exists and is not empty; choose a new folder, or pass --force to replace "
+        raise EngramError(f"{flag} '{out}' exists and is not empty; choose a new folder, or pass --force to replace "
                           "a repository engram-trt wrote there")
     ours = _our_files(out)
     if not ours:
-        raise EngramError(f"--out '{out}' is not a model repository engram-trt wrote (no {MARKER}); refusing to "
+        raise EngramError(f"{flag} '{out}' is not a model repository engram-trt wrote (no {MARKER}); refusing to "
                           "replace it, even with --force; choose a new folder")
     for p in present:
         rel = p.relative_to(out).as_posix()
         if rel not in ours and "__pycache__" not in p.parts:
-            raise EngramError(f"--out '{out}' holds '{rel}', which engram-trt did not write; refusing to replace it; "
+            raise EngramError(f"{flag} '{out}' holds '{rel}', which engram-trt did not write; refusing to replace it; "
                               "move it away or choose a new folder")
 
 
@@ -360,11 +360,13 @@ def resolve_options(opts: RepoOptions) -> RepoOptions:
     return opts
 
 
-def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = False) -> Path:
+def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = False, flag: str = "--out") -> Path:
     """Write the repository to ``out`` (see the module docstring); returns its path."""
     opts = resolve_options(opts)
-    out = Path(out).expanduser().absolute()
-    _check_replaceable(out, force)
+    from engram_trt.storage import atomic
+
+    out = atomic.writable_output(out, flag)  # a link written through; a mount point refused
+    _check_replaceable(out, force, flag)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
