@@ -128,6 +128,15 @@ def _check(buf: bytes | memoryview, region: Region, element0: int, finding: Find
     finding.first = first if finding.first < 0 else min(finding.first, first)
 
 
+def count_nonfinite(data: Any, st_dtype: str, name: str = "") -> Finding:
+    """The non-finite elements of ``data`` (an array or bytes holding whole elements
+    stored as ``st_dtype``), as a :class:`Finding` (zero counts: none)."""
+    finding = Finding(name)
+    buf = np.ascontiguousarray(data).view(np.uint8) if isinstance(data, np.ndarray) else data
+    _check(buf, Region(name, Path(), 0, len(buf), st_dtype), 0, finding)
+    return finding
+
+
 def _read(f: Any, offset: int, n: int) -> bytes:
     data = os.pread(f.fileno(), n, offset)
     if len(data) != n:
