@@ -423,3 +423,19 @@ def test_steady_decode_takes_the_median_after_warmup():
 def test_chat_flags_checked_before_loading(capsys, tmp_path):
     code, _, err = run_cli(capsys, "run", str(tmp_path / "nothing"), "--system", "be brief")
     assert code == 2 and "--system" in err and "--chat" in err and err.count("\n") == 1
+
+
+def test_printed_next_step_commands_quote_paths_with_spaces(capsys, tmp_path):
+    """The command a subcommand prints for the next step runs as printed: a path with a
+    space (or a quote) is one argument when the shell splits the line."""
+    import shlex
+
+    src = tmp_path / "my model's folder"
+    shutil.copytree(REPO / "tests" / "data" / "deepseek_v4_tiny", src)
+    repo = tmp_path / "triton repo"
+    code, out, err = run_cli(capsys, "triton-repo", str(src), "--out", str(repo))
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("serve it:"))
+    first, second = line[len("serve it:"):].split("(or:")
+    assert shlex.split(first) == ["tritonserver", "--model-repository", str(repo)]
+    assert shlex.split(second.rstrip(")")) == ["engram-trt", "serve", str(src)]
