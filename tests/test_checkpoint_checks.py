@@ -286,7 +286,8 @@ def test_prompts_file_lists_each_failed_prompt_and_exits_1(tmp_path: Path, capsy
     res = json.loads(out)["results"]
     assert code == 1
     assert res[0]["error"] is None and len(res[0]["token_ids"]) == 2
-    assert res[1]["finish_reason"] == "error" and "logits are NaN or Inf" in res[1]["error"] and res[1]["token_ids"] == []
+    assert res[1]["finish_reason"] == "error" and "logits are NaN or Inf" in res[1]["error"]
+    assert res[1]["token_ids"] == []
 
 
 # ---------------------------------------------------------------- the tokenizer

@@ -32,7 +32,8 @@ GEN = ["--max-new-tokens", "2", "--device", "cpu", "--prompt", "w1 w2 w3"]
 EXEMPT = {"demo"}
 
 OK = "ok"
-# Each case: (id, argv with {ckpt} / {engine} / {tmp} / {foreign} / {prompts}, per family: OK or the needles of its refusal)
+# Each case: (id, argv with {ckpt} / {engine} / {tmp} / {foreign} / {prompts}, per family: OK or the needles
+# of its refusal)
 ALL_OK = {f: OK for f in FAMILIES}
 NO_ENGRAM = {"deepseek-v4": ("DeepSeek-V4 model has no Engram layers", "engram-trt inspect"),
              "qwen4-exp": ("Qwen4Exp model has no Engram layers", "engram-trt inspect"), "engram-llama": OK}
@@ -51,7 +52,8 @@ CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     # (engram-llama's ranks: tests/test_distributed.py, token for token against one rank)
     ("run-dp-2", ["run", "{ckpt}", "--dp", "2", "--prompts-file", "{prompts}", *GEN], NEW_FAMILIES_OK),
     ("run-tp-2", ["run", "{ckpt}", "--tp", "2", *GEN], NEW_FAMILIES_NO_TP),
-    ("run-dp-2-embedding-across-dp", ["run", "{ckpt}", "--dp", "2", "--engram-config.embedding_across_dp", "true", *GEN],
+    ("run-dp-2-embedding-across-dp",
+     ["run", "{ckpt}", "--dp", "2", "--engram-config.embedding_across_dp", "true", *GEN],
      {"deepseek-v4": ("--engram-config sets embedding_across_dp", "no Engram layers"),
       "qwen4-exp": ("embedding_across_dp", "Qwen4Exp tables are not sharded across ranks yet", "dp_shared_memory")}),
     ("build", ["build", "{ckpt}", "-o", "{engine}", "--no-engine", "--max-batch", "2", "--json"], ALL_OK),
@@ -69,7 +71,8 @@ CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     ("bench-serve", ["bench", "serve", "{ckpt}", "--concurrency", "1,2", "--prompt-tokens", "4", "--max-tokens", "2",
                      "--device", "cpu"], ALL_OK),
     ("demo-checkpoint", ["demo-checkpoint", "{ckpt}"], {f: ("is not empty", "--force") for f in FAMILIES}),
-    ("import-gguf", ["import-gguf", "{ckpt}/config.json", "{tmp}/imported"], {f: ("config.json", "GGUF") for f in FAMILIES}),
+    ("import-gguf", ["import-gguf", "{ckpt}/config.json", "{tmp}/imported"],
+     {f: ("config.json", "GGUF") for f in FAMILIES}),
     ("shm", ["shm", "list", "--dir", "{tmp}"], ALL_OK),
 ]
 
@@ -96,7 +99,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path) -> dict[s
         d = root / fam
         d.mkdir()
         shutil.copytree(src, d / "ckpt")
-        out[fam] = {"ckpt": d / "ckpt", "engine": d / "engine", "tmp": d / "tmp", "foreign": foreign, "prompts": prompts}
+        out[fam] = {"ckpt": d / "ckpt", "engine": d / "engine", "tmp": d / "tmp", "foreign": foreign,
+                    "prompts": prompts}
         (d / "tmp").mkdir()
     return out
 

@@ -548,8 +548,9 @@ def _check_tokenizer(ckpt: Checkpoint, token_ids_only: bool) -> None:
         raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab "
                           f"(copy the model's tokenizer.json into it)")
     if not token_ids_only:
-        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which turns text into tokens: copy the model's "
-                          f"tokenizer.json into it, or pass --token-ids-only to build an engine that is sent token ids only")
+        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which turns text into tokens: copy "
+                          f"the model's tokenizer.json into it, or pass --token-ids-only to build an engine that is "
+                          f"sent token ids only")
 
 
 def _check_no_tables_in_graph(exported: Any, refs: Sequence[TableRef]) -> None:

@@ -399,8 +399,8 @@ def _refuse_nonfinite(plans: list[_TensorPlan], path: Path) -> None:
         found = count_nonfinite(np.ascontiguousarray(data), st, p.gguf_name)
         if found.nan or found.inf:
             kinds = " and ".join(f"{n} {k}" for n, k in ((found.nan, "NaN"), (found.inf, "Inf")) if n)
-            raise CheckpointError(f"{_where(path)}: tensor '{p.gguf_name}' ({p.hf_name}) holds {kinds} {what}: the model "
-                                  f"would compute NaN from it; re-convert or re-download the GGUF")
+            raise CheckpointError(f"{_where(path)}: tensor '{p.gguf_name}' ({p.hf_name}) holds {kinds} {what}: "
+                                  f"the model would compute NaN from it; re-convert or re-download the GGUF")
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

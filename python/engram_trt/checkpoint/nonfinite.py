@@ -100,7 +100,8 @@ class ScanResult:
         from engram_trt.errors import human_bytes
 
         pct = 100.0 * self.bytes_read / self.bytes_total if self.bytes_total else 100.0
-        how = "every byte" if self.full else f"sampled {human_bytes(self.bytes_read)} of {human_bytes(self.bytes_total)} ({pct:.1f}%)"
+        how = ("every byte" if self.full else
+               f"sampled {human_bytes(self.bytes_read)} of {human_bytes(self.bytes_total)} ({pct:.1f}%)")
         return f"{how} of {self.tensors} float tensor(s) read in {self.seconds:.2f} s"
 
     def to_json(self) -> dict[str, Any]:
@@ -220,7 +221,8 @@ def require_finite(ckpt: Any, budget_bytes: int | None = DEFAULT_SCAN_BYTES) -> 
 
     res = scan_checkpoint(ckpt, budget_bytes)
     if res.findings:
-        more = (f" (and {len(res.findings) - 1} more tensor(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)"
+        more = (f" (and {len(res.findings) - 1} more tensor(s); `engram-trt inspect "
+                f"{shlex.quote(str(ckpt.path))}` lists them)"
                 if len(res.findings) > 1 else "")
         raise CheckpointError(f"checkpoint '{ckpt.path}': {res.problems()[0]}{more}")
     return res

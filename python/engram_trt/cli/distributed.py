@@ -62,12 +62,9 @@ def run_parallel(args: argparse.Namespace) -> dict[str, Any]:
         v = getattr(args, name)
         if v < 1:
             raise EngramError(f"--{name} must be >= 1 (got {v})")
-    from engram_trt.distributed.support import check_parallel_support
-
     params = sampling_params_from_args(args)
     prompts = prompts_from_file(args.prompts_file) if args.prompts_file else [args.prompt]
     ecfg = engram_config_from_args(args)
-    check_parallel_support(args.path, args.tp, args.dp, ecfg)  # before any rank starts
     job = ReplicaJob(args.path, args.tp, args.dp, prompts, params, ecfg if ecfg.given else None,
                      {"backend": args.backend, "dtype": args.dtype, "verify_tables": args.verify_tables,
                       "progress": not args.json, "device": args.device})

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 
-def add_folder_checks(report: dict[str, Any], path: str, engine: bool, full: bool, token_ids_only: bool = False) -> None:
+def add_folder_checks(report: dict[str, Any], path: str, engine: bool, full: bool,
+                      token_ids_only: bool = False) -> None:
     """Scan the folder's tensors for NaN / Inf and check its tokenizer; the results go
     into ``report["nonfinite"]`` and ``report["problems"]``."""
     from engram_trt.checkpoint.nonfinite import DEFAULT_SCAN_BYTES, Region, scan_regions
@@ -29,8 +30,9 @@ def add_folder_checks(report: dict[str, Any], path: str, engine: bool, full: boo
 
         folder = Path(path)
         m = read_manifest(folder)
+        parts = [p for r in manifest_table_refs(m, folder) for p in r.parts]
         regions = [Region(p.tensor, Path(p.file), p.offset, p.nbytes, p.dtype)
-                   for r in manifest_table_refs(m, folder) for p in r.parts if _holds(Path(p.file), p.offset + p.nbytes)]
+                   for p in parts if _holds(Path(p.file), p.offset + p.nbytes)]
         scan = scan_regions(regions, budget)
         tok = (m.get("tokenizer") or {}).get("file")
         if not m.get("token_ids_only") and tok and not (folder / str(tok)).is_file():
@@ -65,8 +67,9 @@ def tokenizer_problem(ckpt: Any, token_ids_only: bool) -> str | None:
     if ckpt.tokenizer_json is None:
         if token_ids_only:
             return None
-        return (f"checkpoint has no tokenizer.json, which run and serve need to turn text into tokens: copy the model's "
-                f"tokenizer.json into '{ckpt.path}' (or build with --token-ids-only for an engine sent token ids)")
+        return (f"checkpoint has no tokenizer.json, which run and serve need to turn text into tokens: copy the "
+                f"model's tokenizer.json into '{ckpt.path}' (or build with --token-ids-only for an engine sent "
+                f"token ids)")
     try:
         load_tokenizer(ckpt.tokenizer_json)
     except EngramError as exc:

@@ -69,8 +69,8 @@ def engram_spec_of(config_arg: str, command: str) -> Any:
     if spec is None:
         family = getattr(arch, "title", arch.name)
         raise ConfigError(f"{src}: this {family} model has no Engram layers (no 'engram_layer_ids'), so `engram-trt "
-                          f"{command}` has nothing to compute; `engram-trt inspect {shlex.quote(config_arg)}` describes "
-                          f"the model and its tables")
+                          f"{command}` has nothing to compute; `engram-trt inspect {shlex.quote(config_arg)}` "
+                          f"describes the model and its tables")
     return spec
 
 

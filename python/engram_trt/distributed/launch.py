@@ -284,8 +284,11 @@ def run_replicas(job: ReplicaJob, *, device: str | None = None, timeout_s: float
     """Serve ``job`` over ``tp x dp`` ranks: in this process for one rank, else under
     torchrun when started by it, else on spawned processes. Returns rank 0's result
     (None on other torchrun ranks)."""
+    from engram_trt.distributed.support import check_parallel_support
+
     world = job.tp * job.dp
     Topology(job.tp, job.dp)  # refuse bad sizes before anything starts
+    check_parallel_support(job.path, job.tp, job.dp, job.engram_config)  # what the family cannot run, in one line
     if world == 1 and not in_torchrun():
         return generate_replicas(None, job)  # type: ignore[return-value]
     kind = resolve_device_kind(device, world)

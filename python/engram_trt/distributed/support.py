@@ -34,13 +34,13 @@ def check_parallel_support(path: Any, tp: int, dp: int, engram_config: Any = Non
     if tp > 1 and not getattr(arch, "tensor_parallel", False):
         then = ("serve --tp 1 (--dp M serves M whole instances)" if serving else
                 "run with --tp 1 (--dp M runs M whole replicas)")
-        raise EngramError(f"--tp {tp}: {family} backbones are not sharded yet (issue 42); {then}, or use an engram-llama "
-                          f"checkpoint, whose Engram columns --tp shards")
+        raise EngramError(f"--tp {tp}: {family} backbones are not sharded yet (issue 42); {then}, or use an "
+                          f"engram-llama checkpoint, whose Engram columns --tp shards")
     across = getattr(engram_config, "embedding_across_dp", False)
     if dp > 1 and across and peek.has_tables and not getattr(arch, "tensor_parallel", False):
-        raise EngramError(f"--engram-config.embedding_across_dp: {family} tables are not sharded across ranks yet (issue 42); "
-                          f"drop it (--engram-config.dp_shared_memory true keeps one /dev/shm copy per node for the "
-                          f"{dp} replicas)")
+        raise EngramError(f"--engram-config.embedding_across_dp: {family} tables are not sharded across ranks "
+                          f"yet (issue 42); drop it (--engram-config.dp_shared_memory true keeps one /dev/shm copy "
+                          f"per node for the {dp} replicas)")
     if engram_config is not None and getattr(engram_config, "given", None):
         engram_config.validate_for(peek.config)  # what each rank would refuse, said once before they start
     return peek

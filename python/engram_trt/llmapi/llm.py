@@ -65,9 +65,9 @@ class LLM:
         self.source = open_model_source(path, engram_config=ecfg, verify_tables=verify_tables, progress=progress,
                                         allow_unused_weights=allow_unused_weights)
         if self.source.tokenizer_json is None and not self.source.manifest.get("token_ids_only"):
-            raise EngramError(f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens (copy the "
-                              f"model's tokenizer.json into the checkpoint, or build an engine with --token-ids-only and "
-                              f"send token ids)")
+            raise EngramError(f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens "
+                              f"(copy the model's tokenizer.json into the checkpoint, or build an engine with "
+                              f"--token-ids-only and send token ids)")
         if self.source.tokenizer_json is None:  # an engine built with --token-ids-only
             from engram_trt.runtime.detokenize import TokenIdsOnly
 

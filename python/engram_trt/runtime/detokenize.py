@@ -174,8 +174,9 @@ class TokenIdsOnly:
     def encode(self, text: str, add_special_tokens: bool = True) -> Any:
         from engram_trt.errors import EngramError
 
-        raise EngramError("this engine was built with --token-ids-only (its checkpoint had no tokenizer.json): send token "
-                          "ids, not text, or rebuild it from a checkpoint holding the model's tokenizer.json")
+        raise EngramError("this engine was built with --token-ids-only (its checkpoint had no tokenizer.json): "
+                          "send token ids, not text, or rebuild it from a checkpoint holding the model's "
+                          "tokenizer.json")
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         return ""

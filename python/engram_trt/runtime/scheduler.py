@@ -81,8 +81,8 @@ def _argmax_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
 
 def nonfinite_message(position: int) -> str:
     """The one-line error of a request whose logits were NaN / Inf."""
-    return (f"the model's logits are NaN or Inf at output token {position}, so no token can be drawn: a weight or table "
-            f"holds non-finite values, or the activations overflowed the compute dtype; check the model with "
+    return (f"the model's logits are NaN or Inf at output token {position}, so no token can be drawn: a weight "
+            f"or table holds non-finite values, or the activations overflowed the compute dtype; check the model with "
             f"`engram-trt inspect` (a float32 --dtype rules out an overflow)")
 
 

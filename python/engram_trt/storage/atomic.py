@@ -334,8 +334,8 @@ def locked(target: Path, what: str) -> Iterator[None]:
             if fd < 0 or not _is_our_lock(fd):
                 if fd >= 0:
                     os.close(fd)
-                raise EngramError(f"'{path}' exists and is not an engram-trt lock (engram-trt locks {target} with a file "
-                                  f"of that name); move it away, then run again")
+                raise EngramError(f"'{path}' exists and is not an engram-trt lock (engram-trt locks {target} "
+                                  f"with a file of that name); move it away, then run again")
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
