@@ -184,7 +184,8 @@ CASES: list[tuple[str, list[str], tuple[str, ...]]] = [
     ("inspect-header-over-100MB", ["inspect", "{st_bigheader}"], ("model.safetensors", "larger than safetensors allows")),
     ("inspect-header-extra-key", ["inspect", "{st_extra_key}"], ("model.safetensors", "malformed")),
     ("inspect-header-utf16", ["inspect", "{st_utf16}"], ("model.safetensors", "not UTF-8")),
-    ("inspect-verify-tables-on-checkpoint", ["inspect", "{ck}", "--verify-tables"], ("--verify-tables", "pass the engine folder")),
+    # (--verify-tables on a checkpoint is no longer refused: it scans every byte for NaN / Inf)
+    ("inspect-a-file-not-a-folder", ["inspect", "{file}"], ("plain-file.bin", "is a file, not a checkpoint folder")),
     # -- run
     ("run-prompt-undecodable", ["run", "{ck}", "--prompt", "caf\udce9"], ("--prompt", "not UTF-8")),
     ("run-prompt-empty", ["run", "{ck}", "--prompt", ""], ("--prompt is empty",)),

@@ -446,3 +446,19 @@ def test_inspect_reports_weights_by_stored_dtype_and_the_load(capsys, tiny_ckpt)
     assert w["load"]["gpu_bytes"] == 2 * values and w["load"]["stored_bytes"] == sum(c.nbytes(n) for n in shapes)
     code, out, _ = run_cli(capsys, "inspect", str(tiny_ckpt), "--dtype", "fp32")
     assert code == 0 and f"at --dtype fp32 (float " in out and "quantization none (float weights)" in out
+
+
+def test_printed_next_step_commands_quote_paths_with_spaces(capsys, tmp_path):
+    """The command a subcommand prints for the next step runs as printed: a path with a
+    space (or a quote) is one argument when the shell splits the line."""
+    import shlex
+
+    src = tmp_path / "my model's folder"
+    shutil.copytree(REPO / "tests" / "data" / "deepseek_v4_tiny", src)
+    repo = tmp_path / "triton repo"
+    code, out, err = run_cli(capsys, "triton-repo", str(src), "--out", str(repo))
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("serve it:"))
+    first, second = line[len("serve it:"):].split("(or:")
+    assert shlex.split(first) == ["tritonserver", "--model-repository", str(repo)]
+    assert shlex.split(second.rstrip(")")) == ["engram-trt", "serve", str(src)]

@@ -400,4 +400,155 @@ ls -A {mnt} > {out}/listing.txt
     assert err.startswith("engram-trt: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert "No space left on device" in err and "the disk is full" in err, err
     assert (out / "before.txt").read_text() == (out / "after.txt").read_text()
-    assert (out / "listing.txt").read_text().split() == [".eng.lock", "eng"]
+    assert (out / "listing.txt").read_text().split() == ["eng"]  # no temporary, no lock file left
+
+
+# ---------------------------------------------------------------- locks and links
+def test_locks_are_never_left_and_never_a_users_file(engine: Path, tiny_ckpt: Path, tmp_path: Path, capsys,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lock of a write is .NAME.engram-trt.lock, removed by its holder: none is left
+    after a finished or a failed build, a user's file of the old name (.NAME.lock) is
+    never touched, a user's file of the lock's own name is refused (unchanged), and a
+    lock a killed build left is taken over and removed."""
+    user_old = tmp_path / ".eng.lock"
+    user_old.write_text("the user's\n")
+    assert main(["build", str(tiny_ckpt), "-o", str(engine), "--no-engine"]) == 0
+    capsys.readouterr()
+    assert user_old.read_text() == "the user's\n"
+    assert not atomic.lock_path(engine).exists() and temps_beside(engine) == [".eng.lock"]  # only the user's
+
+    import engram_trt.builder.build as b
+
+    def boom(*a, **k):
+        raise RuntimeError("an export that failed")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(b, "_build_into", boom)
+        assert main(["build", str(tiny_ckpt), "-o", str(engine), "--no-engine"]) == 2
+    assert "an export that failed" in capsys.readouterr().err
+    assert not atomic.lock_path(engine).exists() and temps_beside(engine) == [".eng.lock"]  # only the user's
+
+    theirs = atomic.lock_path(engine)
+    theirs.write_text("the user's notes, by chance under that name\n")
+    before = tree_digest(engine)
+    assert main(["build", str(tiny_ckpt), "-o", str(engine), "--no-engine"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(theirs) in err and "is not an engram-trt lock" in err and "move it away" in err
+    assert theirs.read_text() == "the user's notes, by chance under that name\n" and tree_digest(engine) == before
+    theirs.unlink()
+
+    theirs.write_bytes(atomic.LOCK_MARK + b" pid 999999999\n")  # what a kill -9 leaves
+    assert main(["build", str(tiny_ckpt), "-o", str(engine), "--no-engine"]) == 0
+    assert not theirs.exists()
+    capsys.readouterr()
+
+
+def test_lock_holders_never_overlap_while_lock_files_come_and_go(tmp_path: Path) -> None:
+    """Eight threads (each its own open file, as processes are) take the lock of one
+    target 25 times each: never two inside at once, though every holder removes the
+    file on the way out (a waiter that wakes on a removed file starts over)."""
+    import threading
+
+    target = tmp_path / "out"
+    inside, overlaps, rounds = [0], [0], [0]
+    guard = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(25):
+            with atomic.locked(target, "a test"):
+                with guard:
+                    inside[0] += 1
+                    overlaps[0] += inside[0] > 1
+                time.sleep(0.0005)
+                with guard:
+                    inside[0] -= 1
+                    rounds[0] += 1
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert rounds[0] == 200 and overlaps[0] == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_that_is_a_symbolic_link_is_written_through(engine: Path, tiny_ckpt: Path, tmp_path: Path,
+                                                             capsys) -> None:
+    """build -o LINK and triton-repo --out LINK rebuild the folder the link names; the link
+    stays a link to it. A link to nothing is refused before any work."""
+    link = tmp_path / "link"
+    link.symlink_to(engine, target_is_directory=True)
+    old_manifest = (engine / "manifest.json").read_bytes()
+    assert main(["build", str(tiny_ckpt), "-o", str(link), "--no-engine", "--max-batch", "2"]) == 0
+    capsys.readouterr()
+    assert link.is_symlink() and os.readlink(link) == str(engine)
+    assert (engine / "manifest.json").read_bytes() != old_manifest and (engine / "NOTES.txt").is_file()
+    assert json.loads((engine / "manifest.json").read_text())["shapes"]["max_batch"] == 2
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    rlink = tmp_path / "repo-link"
+    rlink.symlink_to(repo, target_is_directory=True)
+    assert main(["triton-repo", str(engine), "--out", str(rlink)]) == 0
+    out = capsys.readouterr().out
+    assert rlink.is_symlink() and os.readlink(rlink) == str(repo) and (repo / "engram_llm" / "config.pbtxt").is_file()
+    assert str(repo) in out
+
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert main(["build", str(tiny_ckpt), "-o", str(dangling), "--no-engine"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a symbolic link to" in err and "which does not exist" in err
+    assert dangling.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.skipif(not _namespaces_work(), reason="user and mount namespaces (unshare -rm, to mount a small tmpfs) are not available here")
+def test_a_mount_point_output_is_refused_before_any_work(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """build -o MOUNTPOINT: the new folder could never be swapped in (EBUSY after the whole
+    build); refused first, naming the path and a folder inside it."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    script = f"""
+set -u
+mount -t tmpfs -o size=1m tmpfs {mnt}
+{sys.executable} -m engram_trt build {tiny_ckpt} -o {mnt} --no-engine > /dev/null 2> {out}/stderr.txt
+echo $? > {out}/rc.txt
+ls -A {mnt} > {out}/listing.txt
+"""
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env_for_subprocess(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    err = (out / "stderr.txt").read_text()
+    assert (out / "rc.txt").read_text().strip() == "2", err
+    assert err.count("\n") == 1 and f"--output '{mnt}' is a mount point" in err and f"{mnt}/model" in err, err
+    assert (out / "listing.txt").read_text() == ""
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_import_gguf_into_a_link_writes_where_it_points(tmp_path: Path, capsys) -> None:
+    """import-gguf FILE LINK (a link to an empty folder: once 'Not a directory' after the
+    whole import) and FILE LINK --force (once: the link replaced by a folder): the link
+    stays a link, the folder it names gets the checkpoint, the user's file there is kept."""
+    pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
+    from test_gguf_import import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf")
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "ilink"
+    link.symlink_to(real, target_is_directory=True)
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(link), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert link.is_symlink() and os.readlink(link) == str(real) and (real / "config.json").is_file()
+    (real / "notes.txt").write_text("mine\n")
+    first = (real / "model.safetensors").read_bytes()
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), str(link), "--force", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert (real / "notes.txt").read_text() == "mine\n" and (real / "model.safetensors").read_bytes() == first
+    assert str(real) in out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

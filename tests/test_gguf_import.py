@@ -98,7 +98,7 @@ def test_import_result_and_config(smol_import):
                                         "tokenizer.json", "tokenizer_config.json"]
     assert r.bytes_written == sum((r.out / n).stat().st_size for n in names)
     left = [p.name for p in r.out.parent.iterdir() if p.name.startswith(".")]
-    assert left == [".smollm2.lock"]  # no temporaries or markers left (the lock file stays, as every writer's does)
+    assert left == []  # no temporaries, markers or lock files left
     cfg = json.loads((r.out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]) == (576, 30, 1536)
@@ -420,7 +420,7 @@ def _refused(src: Path, out: Path, match: str, *, error=CheckpointError, **kw) -
         assert not out.exists()
     else:
         assert _snapshot(out) == before
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.") and not p.name.endswith(".lock")]
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
     return msg
 
 
@@ -493,7 +493,7 @@ def test_non_empty_out_needs_force_and_force_keeps_other_files(tiny, user_out):
     assert sorted(p.name for p in user_out.iterdir()) == sorted([*r.files, "notes.txt"])
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (user_out / name).read_bytes() == (res.out / name).read_bytes()  # deterministic
-    assert not [p for p in user_out.parent.iterdir() if p.name.startswith(".out.") and not p.name.endswith(".lock")]
+    assert not [p for p in user_out.parent.iterdir() if p.name.startswith(".out.")]
 
 
 def test_refuses_bad_dtype(tiny, tmp_path):
@@ -532,7 +532,7 @@ def test_killed_import_leaves_out_whole_and_next_run_cleans_up(tiny, user_out, t
         proc.wait()
     assert _snapshot(user_out) == before
     r = import_gguf(tiny[0] / "tiny.gguf", user_out, force=True, progress=False)
-    assert not [p for p in user_out.parent.iterdir() if p.name.startswith(".out.") and not p.name.endswith(".lock")]
+    assert not [p for p in user_out.parent.iterdir() if p.name.startswith(".out.")]
     assert (user_out / "notes.txt").exists() and (user_out / "model.safetensors").is_file() and r.n_tensors == 21
 
 

@@ -737,3 +737,52 @@ def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any
         r = _cli("shm", "clean", *sorted(made))
         assert r.returncode == 0, r.stderr
         assert not made & {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")}
+
+
+def test_model_ends_a_request_with_nan_logits_in_one_error_and_serves_the_others(tmp_path: Path) -> None:
+    """A DeepSeek-V4 folder whose embedding row of token 17 is NaN, served by the model:
+    the request whose prompt holds it gets one error response naming the cause; the
+    others in the same execute get the clean folder's tokens, and so does a later one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from conftest import REPO
+    from engram_trt import LLM, SamplingParams
+    from engram_trt.triton.model import EngramTritonModel
+    from engram_trt.triton.repo import model_parameters
+
+    clean = REPO / "tests" / "data" / "deepseek_v4_tiny"
+    ck = tmp_path / "ck"
+    shutil.copytree(clean, ck)
+    d = load_file(str(ck / "model.safetensors"))
+    d["model.embed_tokens.weight"][17] = float("nan")
+    save_file(d, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    prompts = ["w5 w6 w7", "w5 w17 w7", "w9 w10"]
+    with LLM(str(clean), backend="torch", device="cpu", dtype="fp32") as ref:
+        want = {p: o.token_ids for p, o in zip(prompts, ref.generate(
+            prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))}
+    _FakeFamily.made = {}
+    opts = resolve_options(RepoOptions(ck, device="cpu", dtype="fp32", max_batch_size=4, max_num_tokens=32))
+    config = {"model_transaction_policy": {"decoupled": True},
+              "parameters": {k: {"string_value": v} for k, v in model_parameters(opts).items()}}
+    m = EngramTritonModel(_Pb, {"model_config": json.dumps(config), "model_name": "engram_llm", "model_version": "1",
+                                "model_instance_name": "engram_llm_0_0", "model_instance_kind": "CPU"})
+    try:
+        reqs = [_req(p, 4, False) for p in prompts]
+        m.execute(reqs)
+        later = _req(prompts[2], 4, True)
+        for r in reqs:
+            assert r.sender.final.wait(60)
+        m.execute([later])
+        assert later.sender.final.wait(60)
+    finally:
+        m.finalize()
+    for p, r in zip(prompts, reqs):
+        ((resp, flags),) = r.sender.sent
+        assert flags == 1
+        if "w17" in p:
+            assert resp.error is not None and "logits are NaN or Inf" in resp.error.message and "\n" not in resp.error.message
+        else:
+            assert resp.error is None and resp.tensors["output_ids"].reshape(-1).tolist() == want[p]
+    assert [int(i) for resp, _ in later.sender.sent for i in resp.tensors["output_ids"].reshape(-1)] == want[prompts[2]]

@@ -47,7 +47,10 @@ def run(opts: ServeOptions) -> int:
     from engram_trt.runtime.sampling_params import SamplingParams
     from engram_trt.runtime.phases import StepPhases, format_table
 
-    levels = [int(x) for x in opts.concurrency.split(",") if x]
+    try:
+        levels = [int(x) for x in opts.concurrency.split(",") if x]
+    except ValueError:
+        levels = []
     if not levels or min(levels) < 1:
         raise EngramError(f"--concurrency: expected positive integers, e.g. 1,8,64 (got {opts.concurrency!r})")
     repeat = opts.repeat

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -49,6 +50,7 @@ from typing import Any, Iterator, Sequence
 from engram_trt import __version__
 from engram_trt.storage import atomic
 from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
+from engram_trt.checkpoint.nonfinite import DEFAULT_SCAN_BYTES, require_finite
 from engram_trt.builder.defaults import BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN
 from engram_trt.config.dtypes import require_dtype
 from engram_trt.config.engram import EngramConfig
@@ -276,7 +278,8 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
           dtype: str = "bf16", targets: str | Sequence[str] | None = None, embed_plugin_library: bool = True,
           plugin_library: str | Path | None = None, repack_tables_dir: str | Path | None = None,
           build_engine_if_possible: bool = True, progress: bool = True, force: bool = False,
-          table_block_bytes: int = BLOCK_BYTES, allow_unused_weights: bool = False) -> BuildResult:
+          table_block_bytes: int = BLOCK_BYTES, allow_unused_weights: bool = False,
+          token_ids_only: bool = False, nonfinite_scan_bytes: int | None = DEFAULT_SCAN_BYTES) -> BuildResult:
     """Build an engine folder from a checkpoint (see the module docstring for the phases
     and for what happens to the files around it).
 
@@ -285,6 +288,9 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     False stops after the graph even when TensorRT is importable. ``force``: build into
     a folder that holds files engram-trt did not write. ``table_block_bytes``: the
     block size of the tables' recorded hashes (the sampled check's unit).
+    ``token_ids_only``: the checkpoint may lack tokenizer.json (a model without Engram
+    layers): the engine is served token ids, never text. ``nonfinite_scan_bytes``: the
+    NaN / Inf scan's budget before any work (None: every byte; ``checkpoint.nonfinite``).
     """
     from engram_trt.native import trt_compat as tc
 
@@ -324,6 +330,13 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
     if table_block_bytes < 1:
         raise EngramError(f"table_block_bytes must be positive (got {table_block_bytes})")
     check_output_is_ours(out, force, warn=False)  # refused before anything is created (checked again under the lock)
+    try:  # what the checkpoint holds, read before anything is written: its tokenizer, then NaN / Inf
+        _check_tokenizer(ckpt, token_ids_only)
+        scan = require_finite(ckpt, nonfinite_scan_bytes)
+    except BaseException:
+        ckpt.close()
+        raise
+    log.info("non-finite scan: none found (%s)", scan.cost())
 
     with ExitStack() as stack:
         for target in sorted({out} | ({repack_dir} if repack_dir else set())):
@@ -384,7 +397,7 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         if spec is None and hasattr(arch, "table_refs"):  # an architecture with tables of its own (Qwen4Exp's PLE)
             problems = arch.checkpoint_problems(ckpt)
             if problems:
-                more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
+                more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)" if len(problems) > 1 else ""
                 raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
             own_refs = list(arch.table_refs(ckpt))
             check_table_files(own_refs)
@@ -491,6 +504,7 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         "compressed_vocab": None if vocab is None else {"file": VOCAB_NAME, "size": vocab.size,
                                                         "tokenizer_sha256": vocab.source_sha256,
                                                         "sha256": sha256_file(tmp / VOCAB_NAME)},
+        "token_ids_only": ckpt.tokenizer_json is None,
         "tables": [r.to_json() for r in refs],
         "tables_bytes": tables_bytes,
         "table_dtype": table_dtype,
@@ -519,6 +533,24 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         report["engine_sha256"] = engine_sha
     (tmp / REPORT_NAME).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return result
+
+
+def _check_tokenizer(ckpt: Checkpoint, token_ids_only: bool) -> None:
+    """A checkpoint's tokenizer.json must be there and readable (the engine turns text into
+    tokens with it), unless ``token_ids_only`` says the engine is served token ids only;
+    an Engram model needs it either way (its compressed token map is built from it)."""
+    from engram_trt.engram.tokenizer import load_tokenizer
+
+    if ckpt.tokenizer_json is not None:
+        load_tokenizer(ckpt.tokenizer_json)  # one line naming it when it cannot be read
+        return
+    if ckpt.config.engram is not None:
+        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab "
+                          f"(copy the model's tokenizer.json into it)")
+    if not token_ids_only:
+        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which turns text into tokens: copy "
+                          f"the model's tokenizer.json into it, or pass --token-ids-only to build an engine that is "
+                          f"sent token ids only")
 
 
 def _check_no_tables_in_graph(exported: Any, refs: Sequence[TableRef]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -196,7 +197,7 @@ def write_manifest(path: str | Path, manifest: dict[str, Any]) -> Path:
 def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
     p = Path(engine_dir) / MANIFEST_NAME
     if not p.is_file():
-        raise EngramError(f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output {engine_dir}`)")
+        raise EngramError(f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output {shlex.quote(str(engine_dir))}`)")
     try:
         data = read_json_object(p, MANIFEST_NAME)
     except EngramError as exc:

@@ -36,10 +36,8 @@ OUTPUT_NAMES = (ONNX_NAME, EXTERNAL_DATA_NAME, ENGINE_NAME, VOCAB_NAME, TOKENIZE
 def output_paths(output_dir: str | Path, ckpt: Checkpoint, repack_tables_dir: str | Path | None) -> tuple[Path, Path | None]:
     """The output folder and the re-pack folder as absolute paths, refused where a build
     would mix its files with the model's or replace the checkpoint itself."""
-    out = Path(os.path.abspath(Path(output_dir).expanduser()))
-    if out.is_symlink():
-        out = out.resolve()  # the link stays; the folder it names is rebuilt
-    atomic.check_parents(out, "--output")
+    atomic.check_parents(Path(os.path.abspath(Path(output_dir).expanduser())), "--output")
+    out = atomic.writable_output(output_dir, "--output")  # a link written through (it stays); a mount point refused
     if out.exists() and not out.is_dir():
         raise EngramError(f"--output '{out}' exists and is not a folder; choose a folder path")
     home = checkpoint_boundary(ckpt.path)
@@ -49,8 +47,8 @@ def output_paths(output_dir: str | Path, ckpt: Checkpoint, repack_tables_dir: st
         raise EngramError(f"the checkpoint '{home}' lies inside --output '{out}': rebuilding the output folder would move it; choose another --output")
     repack: Path | None = None
     if repack_tables_dir is not None:
-        repack = Path(os.path.abspath(Path(repack_tables_dir).expanduser()))
-        atomic.check_parents(repack, "--repack-tables")
+        atomic.check_parents(Path(os.path.abspath(Path(repack_tables_dir).expanduser())), "--repack-tables")
+        repack = atomic.writable_output(repack_tables_dir, "--repack-tables")
         if repack.exists() and not repack.is_dir():
             raise EngramError(f"--repack-tables '{repack}' exists and is not a folder; pass a folder for the re-packed tables")
         if atomic.is_within(repack, home):

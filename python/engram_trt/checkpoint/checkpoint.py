@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -133,6 +134,9 @@ class Checkpoint:
         reader, which honours or refuses every field. Without one the fields are read as
         engram-llama's, unchecked against an architecture: for tools below the registry."""
         root = Path(path).expanduser()
+        if root.exists() and not root.is_dir():
+            raise CheckpointError(f"'{root}' is a file, not a checkpoint folder (pass the folder holding config.json and "
+                                  f"*.safetensors)")
         if not root.is_dir():
             raise CheckpointError(f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, or make one with `engram-trt demo-checkpoint OUT`)")
         cfg_file = root / CONFIG_NAME
@@ -488,5 +492,5 @@ def require_valid(ckpt: Checkpoint, layout: Any = None) -> None:
     """Raise :class:`CheckpointError` with the first problem (and how many) if any."""
     problems = validate_checkpoint(ckpt, layout)
     if problems:
-        more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" if len(problems) > 1 else ""
+        more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)" if len(problems) > 1 else ""
         raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")

@@ -377,6 +377,32 @@ def _plan_tensors(reader: Any, path: Path, cfg: Mapping[str, Any]) -> list[_Tens
     return plans
 
 
+# Bytes per block and the float16 fields (scale, and min) at its start, of the block types
+# read here: a NaN or Inf there makes the whole block's values NaN / Inf.
+_BLOCK_SCALES = {"Q8_0": (34, 1), "Q4_0": (18, 1), "Q4_1": (20, 2)}
+
+
+def _refuse_nonfinite(plans: list[_TensorPlan], path: Path) -> None:
+    """Refuse a file holding NaN or Inf (in a float tensor's values, or a quantized
+    block's scale), naming the tensor, before anything is written: a checkpoint made
+    from it would make every logit NaN."""
+    from engram_trt.checkpoint.nonfinite import count_nonfinite
+
+    for p in plans:
+        raw = np.ascontiguousarray(np.asarray(p.tensor.data)).view(np.uint8).reshape(-1)
+        if p.ggml_type in _BLOCK_SCALES:
+            size, fields = _BLOCK_SCALES[p.ggml_type]
+            data, what = raw.reshape(-1, size)[:, : 2 * fields], "block scale(s)"
+            st = "F16"
+        else:
+            data, what, st = raw, "value(s)", p.ggml_type
+        found = count_nonfinite(np.ascontiguousarray(data), st, p.gguf_name)
+        if found.nan or found.inf:
+            kinds = " and ".join(f"{n} {k}" for n, k in ((found.nan, "NaN"), (found.inf, "Inf")) if n)
+            raise CheckpointError(f"{_where(path)}: tensor '{p.gguf_name}' ({p.hf_name}) holds {kinds} {what}: "
+                                  f"the model would compute NaN from it; re-convert or re-download the GGUF")
+
+
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: within each head, rows ``(2i, 2i+1)`` (llama.cpp's
     interleaved RoPE pairs) go back to ``(i, i + head_dim/2)`` (transformers' halves)."""
@@ -511,11 +537,11 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     index. Raises :class:`CheckpointError` (one line: the bad input and the fix) for a
     file it does not translate, before OUT is touched."""
     src = Path(gguf_path).expanduser()
-    out = Path(out_dir).expanduser().absolute()
     out_dtype = _norm_dtype(dtype)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise EngramError(f"max_shard_bytes must be a positive integer (got {max_shard_bytes!r})")
-    atomic.check_parents(out, "OUT")
+    atomic.check_parents(Path(out_dir).expanduser().absolute(), "OUT")
+    out = atomic.writable_output(out_dir, "OUT")  # a link written through; a mount point refused
     if out.exists() and not out.is_dir():
         raise EngramError(f"OUT '{out}' exists and is not a folder; choose a new folder")
     _refuse_non_empty(out, force)
@@ -530,6 +556,7 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     tensor_infos = {str(t.name): t for t in reader.tensors}
     config = _config_from_meta(meta, arch, tensor_infos, out_dtype)
     plans = _plan_tensors(reader, src, config)
+    _refuse_nonfinite(plans, src)
     tokenizer_json, tokenizer_config = build_tokenizer(meta, config["vocab_size"], config["max_position_embeddings"])
     try:  # refuse a config the model cannot read before writing (the registry's stricter check is the CLI's)
         from engram_trt.config.model import ModelConfig

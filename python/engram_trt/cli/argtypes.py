@@ -128,6 +128,11 @@ def check_generation_args(args: argparse.Namespace) -> None:
     check_text(args.prompt, "--prompt")
     if not args.prompt:
         raise EngramError("--prompt is empty; give some text")
+    for stop in getattr(args, "stop", None) or ():
+        check_text(stop, "--stop")  # as --prompt: text the output is matched against
+        if not stop:
+            raise EngramError("--stop is empty (every output would stop before its first token); give the text "
+                              "to stop at")
     check_device_name(args.device)
     from engram_trt.config.dtypes import require_dtype
 

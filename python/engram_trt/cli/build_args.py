@@ -42,6 +42,10 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
                              "there are replaced, every other file is kept) and replace --repack-tables files no re-pack wrote")
     parser.add_argument("--allow-unused-weights", action="store_true",
                         help="build from a checkpoint that holds tensors the model does not read (refused by default, naming them)")
+    parser.add_argument("--token-ids-only", action="store_true",
+                        help="build from a checkpoint without tokenizer.json: the engine is sent token ids, never text "
+                             "(refused by default, since run and serve turn text into tokens with it; an Engram model "
+                             "needs it either way)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -57,7 +61,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens,
         dtype=args.dtype, targets=args.target, embed_plugin_library=args.plugin_library == "embed",
         plugin_library=args.plugin_lib, repack_tables_dir=args.repack_tables, force=args.force,
-        build_engine_if_possible=not args.no_engine, allow_unused_weights=args.allow_unused_weights, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
+        build_engine_if_possible=not args.no_engine, allow_unused_weights=args.allow_unused_weights,
+        token_ids_only=args.token_ids_only, progress=not args.json and os.environ.get("ENGRAM_TRT_NO_PROGRESS") is None)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, sort_keys=True))
     else:

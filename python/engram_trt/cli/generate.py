@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, int_arg, resolve_device, sampling_params_from_args
-from engram_trt.cli.output import print_json
+from engram_trt.cli.output import EXIT_PROBLEMS, print_json
 from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
 from engram_trt.errors import EngramError
 
@@ -174,7 +174,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         res = run_parallel(args)
         if res:
             print_json(res) if args.json else print_parallel(res)
-        return 0
+        failed = any(r["error"] for r in (res or {}).get("results", []))
+        return EXIT_PROBLEMS if failed else 0  # each failed prompt's line is in the output
     sampling_params_from_args(args)  # before anything is loaded
     resolve_device(args.device)
     _check_against_config(args.path, args)

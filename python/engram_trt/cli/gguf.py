@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 
 from engram_trt.cli.output import print_json
 from engram_trt.errors import human_bytes
@@ -66,5 +67,6 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
         types = ", ".join(f"{n} {k}" for k, n in r.tensor_types.items())
         print(f"imported {args.gguf} -> {r.out}: {r.architecture}, {r.n_tensors} tensors ({types}) as {r.dtype}, "
               f"{human_bytes(r.bytes_written)} in {len(r.files)} files")
-        print(f"serve it: engram-trt run {r.out} --chat --prompt 'Hello'   (or: engram-trt build {r.out} --output ENGINE_DIR)")
+        q = shlex.quote(str(r.out))
+        print(f"serve it: engram-trt run {q} --chat --prompt 'Hello'   (or: engram-trt build {q} --output ENGINE_DIR)")
     return 0

@@ -260,15 +260,17 @@ def _print_engine(report: dict[str, Any]) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from engram_trt.builder.manifest import MANIFEST_NAME
 
+    from engram_trt.cli.folder_checks import add_folder_checks, print_folder_checks
+
     engine = (Path(args.checkpoint) / MANIFEST_NAME).is_file()
-    if args.verify_tables and not engine:
-        raise EngramError(f"--verify-tables checks an engine folder's tables against its manifest, and '{args.checkpoint}' has no {MANIFEST_NAME}; pass the engine folder")
     report = inspect_engine_folder(args.checkpoint, args.verify_tables) if engine else \
         inspect_checkpoint(args.checkpoint, getattr(args, "dtype", None) or "bf16")
+    add_folder_checks(report, args.checkpoint, engine, args.verify_tables, args.token_ids_only)  # NaN / Inf, tokenizer
     if args.json:
         print_json(report)
     else:
         (_print_engine if engine else _print_checkpoint)(report)
+        print_folder_checks(report)
         if report["problems"]:
             print(f"problems ({len(report['problems'])}):")
             for p in report["problems"]:

@@ -75,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
             "every problem found. For an engine folder the tables are checked against the build: sizes always, random "
             "blocks against their recorded hashes by default, every byte with --verify-tables.")
     p.add_argument("checkpoint", metavar="FOLDER", help="checkpoint folder (config.json, tokenizer.json, *.safetensors) or engine folder (manifest.json)")
-    p.add_argument("--verify-tables", action="store_true", help="engine folder: re-hash every byte of every table against the manifest's sha256 (reads all of them)")
+    p.add_argument("--verify-tables", action="store_true",
+                   help="read every byte: an engine folder's tables re-hashed against the manifest's sha256, and every "
+                        "tensor scanned for NaN / Inf (default: a sampled scan, its cost printed)")
+    p.add_argument("--token-ids-only", action="store_true",
+                   help="a checkpoint without tokenizer.json is not a problem (it is built with --token-ids-only)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default="bf16",
                    help="checkpoint: the serving dtype the GPU bytes of a load are counted in (float weights take it; "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,36 @@ def _parse_ids(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------- layout / hash
+def engram_spec_of(config_arg: str, command: str) -> Any:
+    """The Engram spec of a config.json or checkpoint folder. A config naming its model
+    (``architectures`` / ``model_type``) is read by that family's reader (the model
+    registry); a bare set of ``engram_*`` fields (the golden vectors' form) by the Engram
+    reader alone. A model without Engram layers is refused in one line."""
+    from engram_trt.config.model import parse_engram_spec, read_config_dict
+    from engram_trt.errors import ConfigError
+
+    d, src = read_config_dict(config_arg)
+    if "architectures" not in d and "model_type" not in d:
+        spec = parse_engram_spec(d, src)
+        if spec is None:
+            raise ConfigError(f"{src}: no Engram fields (expected 'engram_layer_ids' with the other engram_* fields)")
+        return spec
+    from engram_trt.models.registry import resolve
+
+    arch = resolve(d, src)
+    spec = getattr(arch.read_config(d, src, enforce_contract=False), "engram", None)
+    if spec is None:
+        family = getattr(arch, "title", arch.name)
+        raise ConfigError(f"{src}: this {family} model has no Engram layers (no 'engram_layer_ids'), so `engram-trt "
+                          f"{command}` has nothing to compute; `engram-trt inspect {shlex.quote(config_arg)}` "
+                          f"describes the model and its tables")
+    return spec
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
-    from engram_trt.config.model import load_engram_spec
     from engram_trt.engram.layout import EngramLayout
 
-    spec = load_engram_spec(args.config)
+    spec = engram_spec_of(args.config, "layout")
     pad = args.pad_id if args.pad_id is not None else _compressed_pad_or_zero(args.config, spec)
     layout = EngramLayout.from_spec(spec, pad)
     d = layout.to_json_dict()
@@ -85,13 +111,12 @@ def _checked_vocab(tokenizer_json: Path, spec: Any) -> Any:
 
 
 def cmd_hash(args: argparse.Namespace) -> int:
-    from engram_trt.config.model import load_engram_spec
     import numpy as np
 
     from engram_trt.engram.hashing import hash_ids
     from engram_trt.engram.layout import EngramLayout
 
-    spec = load_engram_spec(args.config)
+    spec = engram_spec_of(args.config, "hash")
     ids = _parse_ids(args.ids)
     if args.compressed:
         if args.pad_id is None:

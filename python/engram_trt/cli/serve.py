@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import shutil
 import signal
 import sys
@@ -106,7 +107,8 @@ def cmd_triton_repo(args: argparse.Namespace) -> int:
               f"{_placement(opts)}")
         if info["engram_config"]:
             print(f"engram config: {info['engram_config']}")
-        print(f"serve it: tritonserver --model-repository {repo}   (or: engram-trt serve {opts.engine_dir})")
+        print(f"serve it: tritonserver --model-repository {shlex.quote(str(repo))}   "
+              f"(or: engram-trt serve {shlex.quote(str(opts.engine_dir))})")
     return 0
 
 
@@ -160,7 +162,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = None
     try:
         log_file = open(args.log_file, "a") if args.log_file else None
-        repo = write_model_repository(opts, Path(args.repo) if args.repo else workdir / "repo", force=args.force)
+        repo = write_model_repository(opts, Path(args.repo) if args.repo else workdir / "repo", force=args.force,
+                                      flag="--repo" if args.repo else "the temporary repository")
         with _Signals() as sigs:
             server = ts.start_server(install, repo, workdir, address=args.address, ports=ports,
                                      exit_timeout=args.exit_timeout, extra_args=args.triton_arg,

@@ -72,6 +72,10 @@ def _rank_entry(local_rank: int, world: int, port: int, device_kind: str, fn: Ca
             with open(tmp, "wb") as f:
                 pickle.dump(out, f)
             os.replace(tmp, result_path)
+    except EngramError as exc:  # a bad input found by a rank: the parent says it in one line
+        with open(f"{result_path}.rank{local_rank}.error", "w", encoding="utf-8") as f:
+            f.write(str(exc))
+        raise
     finally:
         close_world()
 
@@ -84,10 +88,24 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cp
     import torch.multiprocessing as mp
 
     disable_multicast()  # inherited by the ranks
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")  # its "Terminating process ..." lines
+    level = spawn_log.level
     with tempfile.TemporaryDirectory(prefix="engram-trt-ranks-") as d:
         result = os.path.join(d, "rank0.pkl")
-        mp.spawn(_rank_entry, args=(world, free_port(), device_kind, fn, args, result, timeout_s,
-                                    logging.getLogger().getEffectiveLevel()), nprocs=world, join=True)
+        try:
+            if log.getEffectiveLevel() > logging.DEBUG:
+                spawn_log.setLevel(logging.ERROR)
+            mp.spawn(_rank_entry, args=(world, free_port(), device_kind, fn, args, result, timeout_s,
+                                        logging.getLogger().getEffectiveLevel()), nprocs=world, join=True)
+        except Exception:
+            errors = [Path(f"{result}.rank{r}.error") for r in range(world)]
+            found = [e.read_text(encoding="utf-8") for e in errors if e.is_file()]
+            if found:  # the first rank's one line, not the spawn machinery's traceback
+                log.debug("a rank refused its input", exc_info=True)
+                raise EngramError(found[0]) from None
+            raise
+        finally:
+            spawn_log.setLevel(level)
         with open(result, "rb") as f:
             return pickle.load(f)
 
@@ -139,19 +157,12 @@ def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> Sou
     lookup feeds staged rows, which the torch backend always takes and an engine only
     when built for prefetch placement (or when TensorRT cannot run here and auto falls
     back to torch)."""
-    import json
-
     from engram_trt.config.engram import EngramConfig
-    from engram_trt.config.model import ModelConfig
-    from engram_trt.runtime.engine_folder import is_engine_folder, open_model_source
+    from engram_trt.runtime.engine_folder import is_engine_folder, open_model_source, peek_model
 
     p = Path(path).expanduser()
     if not is_engine_folder(p):
-        cfg_file = p / "config.json"
-        if not cfg_file.is_file():
-            raise EngramError(f"'{path}' is neither an engine folder nor a checkpoint folder (no manifest.json or config.json)")
-        has = ModelConfig.from_dict(json.loads(cfg_file.read_text()), source=str(cfg_file)).engram is not None
-        return SourceFacts(engram_config or EngramConfig(), has, True)
+        return SourceFacts(engram_config or EngramConfig(), peek_model(p).has_tables, True)
     src = open_model_source(p, engram_config=engram_config, progress=False)
     ok = backend == "torch" or src.placement == "prefetch" or src.engine_file is None
     if not ok and backend == "auto":
@@ -273,8 +284,11 @@ def run_replicas(job: ReplicaJob, *, device: str | None = None, timeout_s: float
     """Serve ``job`` over ``tp x dp`` ranks: in this process for one rank, else under
     torchrun when started by it, else on spawned processes. Returns rank 0's result
     (None on other torchrun ranks)."""
+    from engram_trt.distributed.support import check_parallel_support
+
     world = job.tp * job.dp
     Topology(job.tp, job.dp)  # refuse bad sizes before anything starts
+    check_parallel_support(job.path, job.tp, job.dp, job.engram_config)  # what the family cannot run, in one line
     if world == 1 and not in_torchrun():
         return generate_replicas(None, job)  # type: ignore[return-value]
     kind = resolve_device_kind(device, world)
@@ -292,12 +306,17 @@ def prompts_from_file(path: str) -> list[str]:
     import json
 
     p = Path(path).expanduser()
-    if not p.exists() or p.is_dir():
+    if p.is_dir():
+        raise EngramError(f"--prompts-file {path}: is a folder, not a file; pass a file of prompts (a JSON list of strings "
+                          f"or one per line)")
+    if not p.exists():
         raise EngramError(f"--prompts-file {path}: no such file")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise EngramError(f"--prompts-file {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise EngramError(f"--prompts-file {path}: cannot be read ({exc.strerror})") from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)

@@ -154,9 +154,11 @@ def serving_sharing(path: str, engram_config: Any, tp: int, dp: int, *, backend:
     the choice needs without loading weights or tables."""
     from engram_trt.distributed.launch import peek_source
     from engram_trt.distributed.modes import shared_store_problem
+    from engram_trt.distributed.support import check_parallel_support
     from engram_trt.runtime.runner import resolve_device
 
     user = engram_config if isinstance(engram_config, EngramConfig) or engram_config is None else EngramConfig.parse(engram_config)
+    check_parallel_support(path, tp, dp, user, serving=True)  # what the family cannot run, in one line
     dev = resolve_device(device)
     facts = peek_source(path, user, backend, dev)
     cfg = facts.engram_config

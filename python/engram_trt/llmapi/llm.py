@@ -64,11 +64,19 @@ class LLM:
         ecfg = engram_config if isinstance(engram_config, EngramConfig) or engram_config is None else EngramConfig.parse(engram_config)
         self.source = open_model_source(path, engram_config=ecfg, verify_tables=verify_tables, progress=progress,
                                         allow_unused_weights=allow_unused_weights)
-        if self.source.tokenizer_json is None:
-            raise EngramError(f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens")
-        self.tokenizer = load_tokenizer(self.source.tokenizer_json)
-        # tokenizer_config.json: beside the tokenizer, else in the checkpoint an engine was built from
-        self.tokenizer_settings = read_tokenizer_settings([self.source.tokenizer_json.parent, self.source.checkpoint])
+        if self.source.tokenizer_json is None and not self.source.manifest.get("token_ids_only"):
+            raise EngramError(f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens "
+                              f"(copy the model's tokenizer.json into the checkpoint, or build an engine with "
+                              f"--token-ids-only and send token ids)")
+        if self.source.tokenizer_json is None:  # an engine built with --token-ids-only
+            from engram_trt.runtime.detokenize import TokenIdsOnly
+
+            self.tokenizer: Any = TokenIdsOnly()
+            self.tokenizer_settings = read_tokenizer_settings([])
+        else:
+            self.tokenizer = load_tokenizer(self.source.tokenizer_json)
+            # tokenizer_config.json: beside the tokenizer, else in the checkpoint an engine was built from
+            self.tokenizer_settings = read_tokenizer_settings([self.source.tokenizer_json.parent, self.source.checkpoint])
         self.runner = ModelRunner(self.source, backend=backend, device=device, dtype=dtype, engram_config=ecfg,
                                   max_batch=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
                                   progress=progress, table_options=table_options, cuda_graphs=cuda_graphs, engram_lookup=engram_lookup)

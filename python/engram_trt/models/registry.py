@@ -27,6 +27,8 @@ class ModelArchitecture(Protocol):
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     contract: FieldContract
+    title: str  # the family as messages name it ("DeepSeek-V4")
+    tensor_parallel: bool  # `--tp N` runs (engram-llama: the Engram columns sharded, the backbone replicated)
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True) -> Any:
         """The typed config of a config.json dict, every field honoured or refused (the

@@ -165,3 +165,18 @@ class IncrementalText:
         self._stable = text
         self._prefix, self._read = self._read, n
         self._prefix_text = self._decode(self._vis[self._prefix:n])
+
+
+class TokenIdsOnly:
+    """The tokenizer of an engine built with ``--token-ids-only`` (no tokenizer.json):
+    text in is refused in one line, token ids out have no text."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> Any:
+        from engram_trt.errors import EngramError
+
+        raise EngramError("this engine was built with --token-ids-only (its checkpoint had no tokenizer.json): "
+                          "send token ids, not text, or rebuild it from a checkpoint holding the model's "
+                          "tokenizer.json")
+
+    def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
+        return ""

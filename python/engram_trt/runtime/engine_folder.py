@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,54 @@ class ModelSource:
 
 def is_engine_folder(path: Path) -> bool:
     return (path / MANIFEST_NAME).is_file()
+
+
+@dataclass(frozen=True)
+class ModelPeek:
+    """What a folder's config says, read through the model registry without weights or
+    tables: its ``architecture`` (the registry's entry), typed ``config``, ``kind``
+    ('engine' | 'checkpoint') and the manifest of an engine folder."""
+
+    path: Path
+    kind: str
+    architecture: Any
+    config: Any
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        """The model family in messages (``DeepSeek-V4``, ``Qwen4Exp``, ``engram-llama``)."""
+        return getattr(self.architecture, "title", self.architecture.name)
+
+    @property
+    def has_tables(self) -> bool:
+        """The model reads tables beside its weights (Engram tables, Qwen4Exp's PLE shards)."""
+        return getattr(self.config, "engram", None) is not None or getattr(self.config, "ple", None) is not None
+
+
+def peek_model(path: str | Path) -> ModelPeek:
+    """The architecture and config of an engine folder (its manifest's ``model``) or a
+    checkpoint folder (its config.json), through the registry's reader of that family;
+    nothing else is read. Refused in one line like :func:`open_model_source`."""
+    from engram_trt.config.model import read_config_dict
+    from engram_trt.models.registry import read_model_config
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EngramError(f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder "
+                          f"(make one with `engram-trt demo-checkpoint OUT`)")
+    if not p.is_dir():
+        raise EngramError(f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
+    if is_engine_folder(p):
+        m = _read_manifest(p)
+        if not isinstance(m.get("model"), dict):
+            raise EngramError(f"{p / MANIFEST_NAME} lacks or garbles 'model'; rebuild the engine folder")
+        arch, config = read_model_config(m["model"], source=str(p / MANIFEST_NAME))
+        return ModelPeek(p, "engine", arch, config, m)
+    if not (p / "config.json").is_file():
+        raise EngramError(f"'{p}' is neither an engine folder nor a checkpoint folder (no manifest.json or config.json)")
+    arch, config = read_model_config(*read_config_dict(p))
+    return ModelPeek(p, "checkpoint", arch, config)
 
 
 def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = None, verify_tables: bool = False,
@@ -200,7 +249,7 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_w
     else:
         problems = ckpt.architecture.checkpoint_problems(ckpt)
         if problems:
-            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {folder}` lists them)" if len(problems) > 1 else ""
+            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(folder))}` lists them)" if len(problems) > 1 else ""
             raise CheckpointError(f"checkpoint '{folder}': {problems[0]}{more}")
         # An architecture with tables of its own (Qwen4Exp's PLE shards) lists them: the
         # runner opens them in the store --engram-config picks, as Engram tables.

@@ -73,6 +73,19 @@ def steady_decode(token_times: list[float], warmup: int = WARMUP_DECODE_STEPS) -
     return out
 
 
+def _argmax_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's argmax and whether the row is all finite, read in one copy."""
+    both = torch.stack((torch.argmax(logits, dim=-1), torch.isfinite(logits).all(dim=-1).to(torch.int64))).tolist()
+    return both[0], [bool(f) for f in both[1]]
+
+
+def nonfinite_message(position: int) -> str:
+    """The one-line error of a request whose logits were NaN / Inf."""
+    return (f"the model's logits are NaN or Inf at output token {position}, so no token can be drawn: a weight "
+            f"or table holds non-finite values, or the activations overflowed the compute dtype; check the model with "
+            f"`engram-trt inspect` (a float32 --dtype rules out an overflow)")
+
+
 def _rate(gaps: np.ndarray) -> float:
     """One token over the median gap, tokens/s (2 decimals)."""
     return round(1.0 / max(float(np.median(gaps)), 1e-9), 2)
@@ -304,7 +317,7 @@ class Scheduler:
                 ph.mark(FORWARD)
                 ph.gpu_wait(logits.device)
             sample = [i for i, (req, n) in enumerate(zip(reqs, seq_lens)) if req.processed + n >= len(req.prompt_ids)]
-            tokens = self._sample(logits, [reqs[i] for i in sample], sample)
+            tokens, finite = self._sample(logits, [reqs[i] for i in sample], sample)
             if ph is not None:
                 ph.mark(SAMPLE)
         except Exception as exc:  # a failed step fails its requests, never the server
@@ -324,9 +337,15 @@ class Scheduler:
         self._advance_lookback(slots, slot_idx, seq_lens, decode_only, lookback, cids)
         now = time.perf_counter()
         with self._cond:
-            for i, tok in zip(sample, tokens):
+            for i, tok, ok in zip(sample, tokens, finite):
                 req = reqs[i]
                 if req.finished:
+                    continue
+                if not ok:  # never a token drawn from garbage: this request ends, the others go on
+                    req.error = nonfinite_message(len(req.output_ids))
+                    log.info("request %s: %s", req.request_id, req.error)  # the request's output carries it
+                    self._running.remove(req)
+                    self._finish(req, "error", emit=True)
                     continue
                 if req.first_token is None:
                     req.first_token = now
@@ -361,30 +380,38 @@ class Scheduler:
             self._lookback[slot] = np.concatenate([self._lookback[slot], cids[a:a + m]])[-n:]
             a += m
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> list[int]:
-        """The sampled token of each of ``rows`` (ascending rows of ``logits``). Greedy
-        rows take one argmax on the device and one small read; when every row is greedy
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> tuple[list[int], list[bool]]:
+        """The sampled token of each of ``rows`` (ascending rows of ``logits``), and whether
+        that row's logits are all finite (a row that is not samples nothing: its token is
+        garbage). Greedy rows take one argmax on the device and one small read, the
+        finiteness flags read with the tokens (no extra sync); when every row is greedy
         (a decode step of greedy requests) the argmax runs over the logits as they are,
         with no index to build or send."""
         if not rows:
-            return []
+            return [], []
         greedy = [k for k, r in enumerate(reqs) if r.params.greedy]
         if len(greedy) == len(rows) == logits.shape[0]:  # rows are 0..S-1
-            return torch.argmax(logits, dim=-1).tolist()
+            picks, finite = _argmax_and_finite(logits)
+            return picks, finite
         out = [0] * len(rows)
+        ok = [True] * len(rows)
         if greedy:
             idx = torch.tensor([rows[k] for k in greedy], dtype=torch.int64).to(logits.device, non_blocking=True)
-            picks = torch.argmax(logits.index_select(0, idx), dim=-1).tolist()
-            for k, p in zip(greedy, picks):
-                out[k] = int(p)
+            picks, finite = _argmax_and_finite(logits.index_select(0, idx))
+            for k, p, f in zip(greedy, picks, finite):
+                out[k], ok[k] = int(p), f
         others = [k for k, r in enumerate(reqs) if not r.params.greedy]
         if others:
             idx = torch.tensor([rows[k] for k in others], dtype=torch.int64).to(logits.device, non_blocking=True)
             host = logits.index_select(0, idx).float().cpu()
+            finite = torch.isfinite(host).all(dim=-1).tolist()
             for j, k in enumerate(others):
+                if not finite[j]:
+                    ok[k] = False  # softmax of NaN: no distribution to draw from
+                    continue
                 p = reqs[k].params
                 out[k] = sample_next(host[j], p.temperature, p.top_p, reqs[k].generator)
-        return out
+        return out, ok
 
     def _append(self, req: Request, tok: int) -> None:
         """Add a sampled token; stop the request if it should; emit its delta. The text

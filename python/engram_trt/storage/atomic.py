@@ -13,8 +13,10 @@ The rules every command that writes follows (docs/reliability.md):
   folder or the new whole folder; where the filesystem cannot exchange, the old folder
   is first moved to a marked ``.NAME.old-PID-TOKEN`` and put back by the next start if
   the process died between the two renames.
-* Writers of one target take an exclusive ``flock`` on ``.NAME.lock`` beside it; a
-  second writer waits (and says so) rather than racing the first.
+* Writers of one target take an exclusive ``flock`` on ``.NAME.engram-trt.lock`` beside
+  it (created with ``O_EXCL``, removed by its holder: none is left behind; a user's
+  file of that name is refused, never written); a second writer waits (and says so)
+  rather than racing the first.
 * At the next start, temporaries whose marker names a dead process are removed (and a
   moved-away old folder whose target is missing is restored). Nothing without our
   marker is ever removed.
@@ -42,7 +44,7 @@ from engram_trt.errors import EngramError
 log = logging.getLogger(__name__)
 
 OWNER_SUFFIX = ".owner"
-LOCK_SUFFIX = ".lock"
+LOCK_SUFFIX = ".engram-trt.lock"
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>[a-z]+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})$")
 
 # Test-only: ENGRAM_TRT_TEST_PAUSE_AT=<point> makes the process stop at that named
@@ -277,26 +279,117 @@ def carry_over(old: Path, new: Path, keep: Callable[[str], bool]) -> list[str]:
 
 
 # ---------------------------------------------------------------- locks
+LOCK_MARK = b"engram-trt lock"  # the first bytes of every lock file of ours
+
+
+def lock_path(target: Path) -> Path:
+    """Where the lock of ``target`` lives: ``.NAME.engram-trt.lock`` beside it (the same
+    for every process and user writing there, whatever their cache)."""
+    target = Path(target)
+    return target.parent / f".{target.name}{LOCK_SUFFIX}"
+
+
+def _is_our_lock(fd: int) -> bool:
+    """An empty file (a lock another writer created this instant, its mark not yet
+    written) or one starting with our mark."""
+    head = os.pread(fd, len(LOCK_MARK), 0)
+    return head == b"" or head == LOCK_MARK
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 @contextmanager
 def locked(target: Path, what: str) -> Iterator[None]:
-    """Hold the exclusive lock of ``target`` (``.NAME.lock`` beside it) for a write; a
-    second writer waits for the first, and says whom it waits for."""
+    """Hold the exclusive lock of ``target`` for a write; a second writer waits for the
+    first, and says whom it waits for.
+
+    The lock is ``flock`` on :func:`lock_path`, a file of ours (its first bytes
+    :data:`LOCK_MARK`), created with ``O_EXCL`` and removed by its holder before the lock
+    is released, so nothing is left after a finished or failed command. A waiter that
+    wakes on a file already removed (or replaced) starts over. A file of that name that
+    is not ours (a user's) is refused, never written. What a killed holder left is taken
+    over by the next writer and removed by it."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock = target.parent / f".{target.name}{LOCK_SUFFIX}"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    path = lock_path(target)
+    while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
-            log.warning("waiting for %s (pid %s) to finish writing %s", what, holder, target)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue  # its holder removed it between our two opens
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:  # a symlink there: not ours
+                    fd = -1
+                else:
+                    raise
+            if fd < 0 or not _is_our_lock(fd):
+                if fd >= 0:
+                    os.close(fd)
+                raise EngramError(f"'{path}' exists and is not an engram-trt lock (engram-trt locks {target} "
+                                  f"with a file of that name); move it away, then run again")
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, len(LOCK_MARK)).decode(errors="replace").strip() or "another process"
+                log.warning("waiting for %s (%s) to finish writing %s", what, holder, target)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if not _same_file(fd, path):  # its holder removed it while we waited: lock the next one
+                os.close(fd)
+                continue
+            if not _is_our_lock(fd):  # the file changed under us (not ours): leave it
+                raise EngramError(f"'{path}' is not an engram-trt lock any more; move it away, then run again")
+        except BaseException:
+            os.close(fd)
+            raise
+        break
+    try:
         os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        os.pwrite(fd, LOCK_MARK + f" pid {os.getpid()}\n".encode(), 0)
         yield
     finally:
+        if _same_file(fd, path):
+            path.unlink(missing_ok=True)  # removed while held: a waiter then starts over
         os.close(fd)  # releases the lock
+
+
+def writable_output(path: str | os.PathLike[str], flag: str) -> Path:
+    """The absolute folder a command will write and swap in whole (``flag`` names it in
+    messages), checked before any work so that nothing fails after it:
+
+    * a symbolic link is written through: the folder it names is the one replaced (the
+      link stays as it was); a link to nothing is refused;
+    * a mount point is refused (a new folder cannot be swapped in for it): the fix is a
+      folder inside it;
+    * the folder that will hold the temporary beside it (and the lock) must be writable
+      by this user."""
+    p = Path(os.path.abspath(Path(path).expanduser()))
+    if p.is_symlink():
+        dest = p.resolve()
+        if not dest.exists():
+            raise EngramError(f"{flag} '{p}' is a symbolic link to '{dest}', which does not exist; create that folder, "
+                              f"or pass a real folder")
+        log.info("%s %s is a symbolic link: writing the folder it names, %s", flag, p, dest)
+        p = dest
+    if p.is_dir() and os.path.ismount(p):
+        raise EngramError(f"{flag} '{p}' is a mount point: engram-trt writes a new folder beside it and swaps it in "
+                          f"whole, which a mount point cannot be; pass a folder inside it, e.g. '{p / 'model'}'")
+    holder = p.parent
+    while not holder.exists() and holder != holder.parent:
+        holder = holder.parent
+    if holder.is_dir() and not os.access(holder, os.W_OK | os.X_OK):
+        raise EngramError(f"{flag} '{p}': this user cannot write in '{holder}' (engram-trt writes a new folder beside "
+                          f"{p.name} and swaps it in); choose a folder you can write to, or fix the permissions")
+    return p
 
 
 def check_parents(path: Path, flag: str) -> None:

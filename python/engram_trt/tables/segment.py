@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import struct
 import time
 from contextlib import contextmanager
@@ -408,8 +409,8 @@ def clean(directory: str | Path = DEFAULT_DIR, names: Sequence[str] = (), all_: 
             f = by_name.get(base)
             if f is None:
                 if parse_name(base) is None:
-                    raise EngramError(f"{n!r} is not an engram-trt segment name (they look like engram-trt-<16 hex>.tables; `engram-trt shm list --dir {d}` shows them)")
-                raise EngramError(f"no segment {base} in {d} (`engram-trt shm list --dir {d}` shows what is there)")
+                    raise EngramError(f"{n!r} is not an engram-trt segment name (they look like engram-trt-<16 hex>.tables; `engram-trt shm list --dir {shlex.quote(str(d))}` shows them)")
+                raise EngramError(f"no segment {base} in {d} (`engram-trt shm list --dir {shlex.quote(str(d))}` shows what is there)")
             if not f.ours:
                 raise EngramError(f"{f.path} has an engram-trt name but not its header: it is not ours, so shm clean leaves it; remove it yourself if nobody needs it")
             group = [g for g in files if g.segment == f.segment and g.ours] if f.role == "segment" else [f]

@@ -39,6 +39,7 @@ import errno
 import logging
 import mmap
 import os
+import shlex
 import sys
 import time
 import weakref
@@ -198,7 +199,7 @@ class SharedTables(TableStore):
             st = path.stat()
         except FileNotFoundError:
             return None
-        fix = f"run `engram-trt shm clean {path.name} --dir {path.parent}` (after stopping the processes using it), then start again"
+        fix = f"run `engram-trt shm clean {shlex.quote(path.name)} --dir {shlex.quote(str(path.parent))}` (after stopping the processes using it), then start again"
         hdr = seg.read_header(path)
         if hdr is None:
             if not os.access(path, os.R_OK):

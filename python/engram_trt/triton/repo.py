@@ -316,44 +316,57 @@ def _our_files(out: Path) -> set[str]:
     return {str(f) for f in marker.get("files", [])} | {MARKER}
 
 
-def _check_replaceable(out: Path, force: bool) -> None:
+def _check_replaceable(out: Path, force: bool, flag: str = "--out") -> None:
     if not out.exists():
         return
     if not out.is_dir():
-        raise EngramError(f"--out '{out}' exists and is not a folder; choose a new folder")
+        raise EngramError(f"{flag} '{out}' exists and is not a folder; choose a new folder")
     present = [p for p in out.rglob("*") if p.is_file() or p.is_symlink()]
     if not present and not any(out.iterdir()):
         return
     if not force:
-        raise EngramError(f"--out '{out}' exists and is not empty; choose a new folder, or pass --force to replace "
+        raise EngramError(f"{flag} '{out}' exists and is not empty; choose a new folder, or pass --force to replace "
                           "a repository engram-trt wrote there")
     ours = _our_files(out)
     if not ours:
-        raise EngramError(f"--out '{out}' is not a model repository engram-trt wrote (no {MARKER}); refusing to "
+        raise EngramError(f"{flag} '{out}' is not a model repository engram-trt wrote (no {MARKER}); refusing to "
                           "replace it, even with --force; choose a new folder")
     for p in present:
         rel = p.relative_to(out).as_posix()
         if rel not in ours and "__pycache__" not in p.parts:
-            raise EngramError(f"--out '{out}' holds '{rel}', which engram-trt did not write; refusing to replace it; "
+            raise EngramError(f"{flag} '{out}' holds '{rel}', which engram-trt did not write; refusing to replace it; "
                               "move it away or choose a new folder")
 
 
 def resolve_options(opts: RepoOptions) -> RepoOptions:
     """Checked options: the engine folder absolute, the Engram config with its
     several-instance default (idempotent)."""
+    from engram_trt.distributed.support import check_parallel_support
+    from engram_trt.runtime.engine_folder import peek_model
+
     _check_options(opts)
+    engine_dir = check_engine_dir(opts.engine_dir)
+    peek = check_parallel_support(engine_dir, opts.tp, opts.dp, opts.engram_config, serving=True)
     opts = resolve_parallel(opts)
-    opts = replace(opts, engine_dir=check_engine_dir(opts.engine_dir),
-                   engram_config=resolve_engram_config(opts.engram_config, opts.total_instances))
+    if peek is None and opts.total_instances > 1:
+        peek = peek_model(engine_dir)
+    ecfg = opts.engram_config
+    if peek is None or peek.has_tables:  # a model without tables has nothing to share
+        ecfg = resolve_engram_config(ecfg, opts.total_instances)
+    else:
+        ecfg.validate()
+    opts = replace(opts, engine_dir=engine_dir, engram_config=ecfg)
     check_parallel_tables(opts)
     return opts
 
 
-def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = False) -> Path:
+def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = False, flag: str = "--out") -> Path:
     """Write the repository to ``out`` (see the module docstring); returns its path."""
     opts = resolve_options(opts)
-    out = Path(out).expanduser().absolute()
-    _check_replaceable(out, force)
+    from engram_trt.storage import atomic
+
+    out = atomic.writable_output(out, flag)  # a link written through; a mount point refused
+    _check_replaceable(out, force, flag)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

@@ -167,8 +167,30 @@ def pick_port(address: str, port: int, flag: str) -> int:
         return int(s.getsockname()[1])
 
 
+def check_address(address: str) -> None:
+    """``--address``: an IP address of this machine (or a wildcard), or a host name that
+    resolves to one; refused in one line that blames the address, not a port."""
+    fix = "use 0.0.0.0 (all interfaces), 127.0.0.1 (this machine only) or one of this machine's addresses"
+    if address == "":
+        return  # all interfaces, as 0.0.0.0
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise EngramError(f"--address {address!r} is not an IP address or a host name this machine resolves ({why}); "
+                          f"{fix}") from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((sockaddr[0], 0))
+        except OSError as exc:
+            raise EngramError(f"--address {address!r}: cannot listen there ({exc.strerror}: not an address of this "
+                              f"machine?); {fix}") from None
+
+
 def pick_ports(address: str, wanted: dict[str, int]) -> dict[str, int]:
-    """All three ports checked (and picked for 0), distinct."""
+    """All three ports checked (and picked for 0), distinct; the address first."""
+    check_address(address)
     got: dict[str, int] = {}
     for name, port in wanted.items():
         for _ in range(20):

@@ -37,6 +37,8 @@ class DeepseekV4Architecture:
     architectures = (V4_ARCH, V41_ARCH)
     model_types = (V4_TYPE, V41_TYPE)
     contract = CONTRACT
+    title = "DeepSeek-V4"  # the family in messages
+    tensor_parallel = False  # --tp N: not yet (the backbone's tensor parallelism is issue 42)
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> DeepseekV4Config:

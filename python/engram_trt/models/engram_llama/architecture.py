@@ -19,6 +19,8 @@ class EngramLlamaArchitecture:
     architectures = ("EngramLlamaForCausalLM", "LlamaForCausalLM")
     model_types = ("engram_llama", "llama")
     contract = CONTRACT
+    title = "engram-llama"  # the family in messages
+    tensor_parallel = True  # --tp N: each rank holds 1/N of the Engram columns (the backbone is replicated)
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> ModelConfig:

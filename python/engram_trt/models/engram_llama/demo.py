@@ -459,8 +459,8 @@ def write_demo_checkpoint(out: str | Path, seed: int = 0, force: bool = False) -
     files are replaced and every other file is kept. Written in a temporary sibling
     and swapped in whole, so ``out`` never holds half a checkpoint."""
     check_seed(seed)
-    out = Path(out).expanduser().absolute()
-    atomic.check_parents(out, "OUT")
+    atomic.check_parents(Path(out).expanduser().absolute(), "OUT")
+    out = atomic.writable_output(out, "OUT")  # a link written through; a mount point refused
     if out.exists() and not out.is_dir():
         raise EngramError(f"OUT '{out}' exists and is not a folder; choose a new folder")
     if out.is_dir() and any(out.iterdir()) and not force:

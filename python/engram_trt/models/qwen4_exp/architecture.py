@@ -32,6 +32,8 @@ class Qwen4ExpArchitecture:
     architectures = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
     model_types = ("qwen4_exp_text", "qwen4_exp")
     contract = CONTRACT
+    title = "Qwen4Exp"  # the family in messages
+    tensor_parallel = False  # --tp N: not yet (the backbone's tensor parallelism is issue 42)
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> Qwen4ExpConfig:
