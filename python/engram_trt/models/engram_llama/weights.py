@@ -99,10 +99,10 @@ def stored_scale(weights: Mapping[str, torch.Tensor], scale_name: str) -> torch.
 
 
 def read_fp8_weight(weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], quant: Any,
-                    scale: tuple[str, torch.Tensor] | None = None) -> QuantWeight:
+                    scale: tuple[str, torch.Tensor] | None = None, block: tuple[int, int] | None = None) -> QuantWeight:
     """The stored FP8 weight ``name`` of logical ``shape`` with its block scales (read from
-    beside it, or ``scale`` = (its name, the tensor) where an architecture keeps them
-    elsewhere), checked; one line naming the tensor when it cannot be served."""
+    beside it, or ``scale`` = (its name, the tensor) in ``block`` where an architecture keeps
+    them elsewhere), checked; one line naming the tensor when it cannot be served."""
     from engram_trt.checkpoint.checkpoint import module_of
 
     if quant is None:
@@ -111,7 +111,7 @@ def read_fp8_weight(weights: Mapping[str, torch.Tensor], name: str, shape: tuple
     if quant.not_converted(module_of(name)):
         raise CheckpointError(f"tensor {name} is F8_E4M3 but quantization_config.modules_to_not_convert lists "
                               f"{module_of(name)} (kept in 16 bits): the checkpoint and its config disagree")
-    block = quant.block_for(shape)
+    block = block or quant.block_for(shape)
     if scale is None:
         scale_name = find_scale(name, weights)
         scale_t = None if scale_name is None else stored_scale(weights, scale_name)
@@ -137,14 +137,18 @@ def quant_linear_of(linear: nn.Module, qw: QuantWeight, device: torch.device) ->
 
 def set_linear(model: nn.Module, module_name: str, weights: Mapping[str, torch.Tensor], name: str,
                shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, quant: Any,
-               scale: tuple[str, torch.Tensor] | None = None) -> None:
+               scale: Any = None) -> None:
     """Load the linear ``module_name`` of ``model`` from checkpoint tensor ``name``: a
-    QuantLinear over the stored bytes when FP8, else a float parameter in ``dtype``."""
+    QuantLinear over the stored bytes when FP8 (``scale``: a callable giving ``((scale
+    name, tensor), block)`` or None where an architecture keeps its scales elsewhere),
+    else a float parameter in ``dtype``."""
     owner_name, _, leaf = module_name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     linear = getattr(owner, leaf)
     if is_fp8(weights, name):
-        setattr(owner, leaf, quant_linear_of(linear, read_fp8_weight(weights, name, shape, quant, scale), device))
+        found = scale() if scale is not None else None
+        qw = read_fp8_weight(weights, name, shape, quant, *(found if found is not None else (None, None)))
+        setattr(owner, leaf, quant_linear_of(linear, qw, device))
         return
     t = weights[name]
     if tuple(t.shape) != shape:

@@ -1,7 +1,12 @@
 """Qwen4Exp's PLE tables, kept out of the module's parameters: each PLE layer's
-``ngram_embedding`` is stored as ``split_ngram_parts`` checkpoint shards
-(``...ngram_embedding.shard_{i}.weight``, split along the rows), bound here as one table
-without concatenating them in RAM.
+``ngram_embedding`` is stored as checkpoint shards (``...ngram_embedding.shard_{i}.weight``,
+split along the rows), bound here as one table without concatenating them in RAM.
+
+The shards are what transformers' save writes: ``torch.chunk(table, split_ngram_parts)``,
+chunks of ``ceil(rows / parts)`` rows, the last one shorter, so ``ceil(rows / chunk)``
+shards, which can be fewer than ``split_ngram_parts`` (4064 rows in 512 parts: 508 shards
+of 8 rows). :func:`chunk_rows` gives them; exactly those are accepted, and a shard count or
+shard size ``torch.chunk`` would not write is refused with the shard's name.
 
 Where the rows live is the Engram tables' machinery (:mod:`engram_trt.tables`): the
 shards are :class:`~engram_trt.tables.source.TableRef` regions (``part`` 0..n-1 of the
@@ -26,6 +31,7 @@ config.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Sequence
 
@@ -40,8 +46,48 @@ PLE_TABLE_KINDS = ("memory", "device", "pinned", "shared", "file")  # = tables.b
 _ROW_DTYPES = ("BF16", "F16", "F32")
 
 
-def shard_names(prefix: str, layer: int, parts: int) -> list[str]:
-    return [f"{prefix}layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{i}.weight" for i in range(parts)]
+def ple_layout(config: Any) -> Any:
+    """The PLE hash layout of a config (:class:`~engram_trt.engram.ple_hash.PLEHashLayout`:
+    the table rows its primes give), its primes searched once per PLE spec."""
+    return _ple_layout(config.vocab_size, config.ple, config.first_eos)
+
+
+@functools.lru_cache(maxsize=8)
+def _ple_layout(vocab_size: int, p: Any, eos: int) -> Any:
+    from engram_trt.engram.ple_hash import PLEHashLayout
+
+    return PLEHashLayout.from_config(
+        vocab_size=vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
+        ngram_vocab_size_base=p.vocab_size_base, make_ngram_vocab_size_divisible_by=p.divisible_by, seed=p.seed,
+        eos_token_id=eos, num_layers=len(p.layers))
+
+
+def chunk_rows(rows: int, parts: int) -> list[int]:
+    """The rows of each shard ``torch.chunk`` writes of a ``rows``-row table split into
+    ``parts``: ``ceil(rows / parts)`` each, the last what is left; ``ceil(rows / chunk)``
+    shards, possibly fewer than ``parts``."""
+    if rows <= 0 or parts <= 0:
+        return []
+    chunk = -(-rows // parts)
+    n = -(-rows // chunk)
+    return [chunk] * (n - 1) + [rows - chunk * (n - 1)]
+
+
+def shard_names(prefix: str, layer: int, parts: int, rows: int | None = None) -> list[str]:
+    """The shard names of PLE layer ``layer`` (0-based decoder layer): as many as
+    ``torch.chunk`` writes of a ``rows``-row table in ``parts`` (:func:`chunk_rows`), or
+    ``parts`` names without ``rows`` (every name a save may hold)."""
+    n = parts if rows is None else len(chunk_rows(rows, parts))
+    return [f"{prefix}layers.{layer}.ple.ple_embedding.ngram_embedding.shard_{i}.weight" for i in range(n)]
+
+
+def table_shard_names(config: Any, li: int, layout: Any = None) -> list[str]:
+    """PLE layer index ``li``'s shard names, as many as the save writes of the table the
+    config's primes give (``layout``: the config's PLE hash layout, made if not given)."""
+    if layout is None:
+        layout = ple_layout(config)
+    ple = config.ple
+    return shard_names(config.weight_prefix, ple.layers[li], ple.split_parts, int(layout.table_rows[li]))
 
 
 def buffer_names(prefix: str, layer: int) -> dict[str, str]:
@@ -51,17 +97,29 @@ def buffer_names(prefix: str, layer: int) -> dict[str, str]:
 
 
 def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
-    """One line per problem of the checkpoint's PLE tables and buffers (empty = fine)."""
+    """One line per problem of the checkpoint's PLE tables and buffers (empty = fine): a
+    shard missing, of another width, dtype or row count than ``torch.chunk`` writes of the
+    table the config's primes give, or one more than it writes."""
     ple = config.ple
     out: list[str] = []
     for li, layer in enumerate(ple.layers):
-        names = shard_names(config.weight_prefix, layer, ple.split_parts)
         want_rows = int(layout.table_rows[li])
+        sizes = chunk_rows(want_rows, ple.split_parts)
+        names = shard_names(config.weight_prefix, layer, ple.split_parts, want_rows)
+        how = (f"torch.chunk(table, split_ngram_parts={ple.split_parts}) writes {len(sizes)} shard(s) of "
+               f"{sizes[0]} rows{f' (the last {sizes[-1]})' if sizes[-1] != sizes[0] else ''}")
+        stem = names[0].rsplit(".shard_", 1)[0] + ".shard_"
+        extra = sorted((n for n in ckpt.tensor_names() if n.startswith(stem) and n not in names),
+                       key=lambda n: (len(n), n))
         rows = 0
+        if extra:
+            out.append(f"PLE table of layer {layer + 1} has a shard torch.chunk does not write: {extra[0]} ({how} of its "
+                       f"{want_rows}-row table: shards 0..{len(names) - 1})")
+            names, rows = [], -1
         for name in names:
             if name not in ckpt:
-                out.append(f"PLE table shard {name} is missing (split_ngram_parts={ple.split_parts} shards of "
-                           f"[rows, {ple.head_dim}] make layer {layer + 1}'s {want_rows}-row table)")
+                out.append(f"PLE table shard {name} is missing ({how} of layer {layer + 1}'s {want_rows}-row table, "
+                           f"rows of width {ple.head_dim})")
                 rows = -1
                 break
             shape = ckpt.shape(name)
@@ -74,12 +132,16 @@ def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
                 out.append(f"PLE table shard {name} is {ckpt.st_dtype(name)} (expected BF16, F16 or F32 rows)")
             rows += shape[0]
         if rows >= 0 and rows != want_rows:
-            out.append(f"PLE table of layer {layer + 1} has {rows} rows in its {ple.split_parts} shards but the config's "
+            out.append(f"PLE table of layer {layer + 1} has {rows} rows in its {len(names)} shards but the config's "
                        f"primes (ngram_vocab_size_base={ple.vocab_size_base}, heads_per_ngram={ple.heads_per_ngram}, "
                        f"make_ngram_vocab_size_divisible_by={ple.divisible_by}) give {want_rows}: the table and the config disagree")
-        extra = f"{names[0].rsplit('.shard_', 1)[0]}.shard_{ple.split_parts}.weight"
-        if extra in ckpt:
-            out.append(f"PLE table of layer {layer + 1} has more shards than split_ngram_parts={ple.split_parts} ({extra})")
+        elif rows >= 0:
+            for name, size in zip(names, sizes):
+                got = ckpt.shape(name)[0]
+                if got != size:
+                    out.append(f"PLE table shard {name} has {got} rows but {how} of the {want_rows}-row table: "
+                               f"shard {names.index(name)} holds {size}; re-save the table as transformers does")
+                    break
         for key, name in buffer_names(config.weight_prefix, layer).items():
             if name not in ckpt:
                 continue
@@ -92,7 +154,7 @@ def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
     return out
 
 
-def ple_table_refs(ckpt: Any, config: Any) -> list[Any]:
+def ple_table_refs(ckpt: Any, config: Any, layout: Any = None) -> list[Any]:
     """Per PLE layer, one :class:`~engram_trt.tables.source.TableRef` per shard (``part``
     in row order; ``layer_id`` the 0-based decoder layer, ``layer_index`` the PLE layer's
     position): where each shard's bytes are in the checkpoint's files. No hashes: a
@@ -101,8 +163,10 @@ def ple_table_refs(ckpt: Any, config: Any) -> list[Any]:
 
     ple = config.ple
     refs = []
+    if layout is None:
+        layout = ple_layout(config)
     for li, layer in enumerate(ple.layers):
-        for part, name in enumerate(shard_names(config.weight_prefix, layer, ple.split_parts)):
+        for part, name in enumerate(table_shard_names(config, li, layout)):
             info = ckpt.info(name)
             refs.append(TableRef(layer, li, "rows", name, info.file.resolve(), info.data_offset, info.nbytes,
                                  tuple(info.shape), info.st_dtype, part=part))
@@ -147,7 +211,7 @@ class PLETables:
             raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
         if kind not in PLE_TABLE_KINDS:
             raise EngramError(f"PLE table kind {kind!r} is not one of {list(PLE_TABLE_KINDS)}")
-        store = open_tables(ple_table_refs(ckpt, config), kind, device=device, progress=progress, **options)
+        store = open_tables(ple_table_refs(ckpt, config, layout), kind, device=device, progress=progress, **options)
         log.info("PLE tables: %d layer(s) in %s", store.num_layers, store.where())
         return cls(store, device, hot_cache_fraction=hot_cache_fraction)
 
