@@ -696,7 +696,7 @@ def _save_folder_as(src: Path, out: Path, tensors: dict, config: dict | None = N
 
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "tokenizer.json", "generation_config.json"):
-        if (Path(src) / name).is_file():
+        if (Path(src) / name).is_file() and Path(src).resolve() != out.resolve():
             shutil.copyfile(Path(src) / name, out / name)
     if config is not None:
         (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -471,6 +471,21 @@ def checkpoint_quant(ckpt: "Checkpoint") -> Any:
     return read_quant_spec(ckpt.config_dict, str(ckpt.path / CONFIG_NAME))
 
 
+def listed_not_to_convert(module: str, quant: Any) -> str | None:
+    """The ``modules_to_not_convert`` entry that keeps ``module`` in 16 bits (None: none),
+    by transformers' rule (``should_convert_module``): an entry matches as a regex from the
+    start of the name up to a module boundary (``layers.1`` matches ``layers.1.mlp``, not
+    ``layers.11``; ``layers.*.mlp.gate`` not ``mlp.gate_proj``), or as a suffix of the name."""
+    for key in getattr(quant, "modules_to_not_convert", ()) or ():
+        try:
+            if re.match(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(key):
+                return key
+        except re.error:
+            if module.endswith(key):
+                return key
+    return None
+
+
 def module_of(weight_name: str) -> str:
     """``model.layers.0.mlp.up_proj`` of ``model.layers.0.mlp.up_proj.weight``."""
     return weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
@@ -494,9 +509,10 @@ def fp8_weight_problem(ckpt: Any, name: str, shape: tuple[int, ...], quant: Any,
                 f"carries quantization_config with quant_method \"fp8\" and its weight_block_size); restore it, or "
                 f"serve the 16-bit weights")
     module = module_of(name)
-    if quant.not_converted(module):
-        return (f"tensor {name} is {st} but quantization_config.modules_to_not_convert lists {module} (kept in 16 "
-                f"bits): the checkpoint and its config disagree; fix the list or the tensor")
+    listed = listed_not_to_convert(module, quant)
+    if listed is not None:
+        return (f"tensor {name} is {st} but quantization_config.modules_to_not_convert lists {module} (as "
+                f"{listed!r}: kept in 16 bits): the checkpoint and its config disagree; fix the list or the tensor")
     if scale_name is None:
         scale_name = find_scale(name, ckpt)
     if scale_name is None or scale_name not in ckpt:

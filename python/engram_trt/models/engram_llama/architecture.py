@@ -35,15 +35,15 @@ class EngramLlamaArchitecture:
         from engram_trt.checkpoint.checkpoint import engram_tensor_names
 
         names = set(self.weight_shapes(config))
-        if getattr(config, "quant", None) is not None:
-            # an FP8 checkpoint's block scales; transformers' FP8 save also writes a (stale)
-            # scale beside the weights it leaves in 16 bits, the tied head's included: read
-            # for none of those
-            from engram_trt.checkpoint.checkpoint import is_linear_weight
-            from engram_trt.quant.names import scale_candidates
+        # An FP8 checkpoint's block scales (transformers' FP8 save also writes a stale one
+        # beside each weight it leaves in 16 bits, the tied head's included: not read).
+        # Known whatever the config says, so that an FP8 weight whose config lost its
+        # quantization_config is refused for that, by name (validate_checkpoint).
+        from engram_trt.checkpoint.checkpoint import is_linear_weight
+        from engram_trt.quant.names import scale_candidates
 
-            for n in [n for n in names if is_linear_weight(n)] + ["lm_head.weight"]:
-                names.update(scale_candidates(n))
+        for n in [n for n in names if is_linear_weight(n)] + ["lm_head.weight"]:
+            names.update(scale_candidates(n))
         if config.engram is not None:
             for lid in config.engram.layer_ids:
                 t = engram_tensor_names(lid, config.engram.prefix)

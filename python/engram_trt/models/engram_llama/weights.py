@@ -103,12 +103,12 @@ def read_fp8_weight(weights: Mapping[str, torch.Tensor], name: str, shape: tuple
     """The stored FP8 weight ``name`` of logical ``shape`` with its block scales (read from
     beside it, or ``scale`` = (its name, the tensor) in ``block`` where an architecture keeps
     them elsewhere), checked; one line naming the tensor when it cannot be served."""
-    from engram_trt.checkpoint.checkpoint import module_of
+    from engram_trt.checkpoint.checkpoint import listed_not_to_convert, module_of
 
     if quant is None:
         raise CheckpointError(f"tensor {name} is F8_E4M3 but the config declares no quantization_config (an FP8 "
                               f"checkpoint's config carries quantization_config with quant_method \"fp8\"); restore it")
-    if quant.not_converted(module_of(name)):
+    if listed_not_to_convert(module_of(name), quant) is not None:
         raise CheckpointError(f"tensor {name} is F8_E4M3 but quantization_config.modules_to_not_convert lists "
                               f"{module_of(name)} (kept in 16 bits): the checkpoint and its config disagree")
     block = block or quant.block_for(shape)

@@ -45,19 +45,20 @@ class Qwen4ExpArchitecture:
         from engram_trt.models.qwen4_exp.ple_tables import buffer_names, shard_names
 
         names = set(self.weight_shapes(config))
-        if config.quant is not None:
-            # the block scales of an FP8 checkpoint (transformers' save also writes a stale
-            # one beside each linear it leaves in 16 bits: not read), the experts' merged ones
-            from engram_trt.models.qwen4_exp.weights import MERGED_SCALES, expert_of
-            from engram_trt.quant.names import scale_candidates
+        # The block scales of an FP8 checkpoint (transformers' save also writes a stale one
+        # beside each linear it leaves in 16 bits: not read) and the experts' merged ones;
+        # known whatever the config says, so that an FP8 weight whose config lost its
+        # quantization_config is refused for that, by name (checkpoint_problems).
+        from engram_trt.models.qwen4_exp.weights import MERGED_SCALES, expert_of
+        from engram_trt.quant.names import scale_candidates
 
-            for n in self.linear_names(config):
-                names.update(scale_candidates(n))
-                ex = expert_of(n)
-                if ex is not None:
-                    names.update(f"{ex[0]}.{m}" for m in MERGED_SCALES.values())
-            if config.tie_word_embeddings:
-                names.update(scale_candidates("lm_head.weight"))
+        for n in self.linear_names(config):
+            names.update(scale_candidates(n))
+            ex = expert_of(n)
+            if ex is not None:
+                names.update(f"{ex[0]}.{m}" for m in MERGED_SCALES.values())
+        if config.tie_word_embeddings:
+            names.update(scale_candidates("lm_head.weight"))
         if config.ple is not None:
             for layer in config.ple.layers:
                 # every shard name a save may hold: those torch.chunk does not write are

@@ -157,11 +157,7 @@ class SparseMoE(nn.Module):
         scales), each expert's QuantLinear buffers views of them."""
         if getattr(self, "_stacked", None) is not None:
             return
-        quant = [isinstance(getattr(e, k), QuantLinear) for e in self.experts for k in ("gate_proj", "up_proj", "down_proj")]
-        if any(quant):
-            if not all(quant):
-                raise EngramError("the routed experts of a layer are partly FP8 and partly float: a layer's experts are "
-                                  "all FP8 or all float")
+        if any(isinstance(getattr(e, k), QuantLinear) for e in self.experts for k in ("gate_proj", "up_proj", "down_proj")):
             self._stacked = self._stack_quant()
             return
         E = len(self.experts)
@@ -176,16 +172,31 @@ class SparseMoE(nn.Module):
             e.down_proj.weight = nn.Parameter(down[:, rows], requires_grad=False)
         self._stacked = (gate, up, down, inter)
 
-    def _stack_quant(self) -> tuple[QuantWeight, QuantWeight, QuantWeight, int]:
-        stacks = []
+    def _stack_quant(self) -> tuple[Any, Any, Any, int]:
+        """Per projection kind, the experts' weights stacked ``[E, N, K]``: a QuantWeight
+        (bytes and scales) where they are FP8, a float tensor where transformers left them
+        in 16 bits (e.g. ``down_proj`` when ``I`` does not divide by the block); each
+        expert's buffers / parameters views of the stacks."""
+        stacks: list[Any] = []
         for kind in ("gate_proj", "up_proj", "down_proj"):
             mods = [getattr(e, kind) for e in self.experts]
-            data = torch.stack([m.weight for m in mods])
-            scale = torch.stack([m.weight_scale_inv for m in mods])
-            for i, m in enumerate(mods):
-                m.weight, m.weight_scale_inv = data[i], scale[i]
-            stacks.append(QuantWeight(data, scale, "fp8", mods[0].block))
-        return stacks[0], stacks[1], stacks[2], int(stacks[0].data.shape[1])
+            fp8 = {isinstance(m, QuantLinear) for m in mods}
+            if len(fp8) > 1:
+                raise EngramError(f"the routed experts' {kind} weights are partly FP8 and partly float: one projection "
+                                  f"of a layer's experts is FP8 for all of them or for none")
+            if fp8 == {True}:
+                data = torch.stack([m.weight for m in mods])
+                scale = torch.stack([m.weight_scale_inv for m in mods])
+                for i, m in enumerate(mods):
+                    m.weight, m.weight_scale_inv = data[i], scale[i]
+                stacks.append(QuantWeight(data, scale, "fp8", mods[0].block))
+            else:
+                w = torch.stack([m.weight for m in mods])
+                for i, m in enumerate(mods):
+                    m.weight = nn.Parameter(w[i], requires_grad=False)
+                stacks.append(w)
+        return stacks[0], stacks[1], stacks[2], int(stacks[0].shape[1] if isinstance(stacks[0], torch.Tensor)
+                                                    else stacks[0].data.shape[1])
 
     def _stacks(self) -> tuple[Any, Any, Any, int]:
         self.stack_experts()
@@ -198,7 +209,7 @@ class SparseMoE(nn.Module):
         call, this layer's stacks dequantized for the call and the dense form's math."""
         gate, up, down, inter = self._stacks()
         if x.is_cuda:
-            why = _native_experts_unavailable(x, gate)
+            why = _native_experts_unavailable(x, next(w for w in (gate, up, down) if isinstance(w, QuantWeight)))
             if why is None:
                 from engram_trt.native import quant as native_quant
 
@@ -208,7 +219,7 @@ class SparseMoE(nn.Module):
                 log.warning("FP8 experts: the kernel library cannot serve them (%s); dequantizing each layer's experts "
                             "for its step", why)
         E, T, D = len(self.experts), x.shape[0], x.shape[1]
-        g, u, d = (w.dequantize(torch.float32).to(x.dtype) for w in (gate, up, down))
+        g, u, d = (w.dequantize(torch.float32).to(x.dtype) if isinstance(w, QuantWeight) else w for w in (gate, up, down))
         h = F.silu(F.linear(x, g.reshape(E * inter, D))) * F.linear(x, u.reshape(E * inter, D))
         h = (h.reshape(T, E, inter) * self._routing_matrix(weights, ids).unsqueeze(-1)).reshape(T, E * inter)
         return F.linear(h, d.permute(1, 0, 2).reshape(D, E * inter))
@@ -225,7 +236,7 @@ class SparseMoE(nn.Module):
         arithmetic. The sum over a token's experts runs inside the GEMM (float32
         accumulation) instead of the per-expert path's additions in x's dtype."""
         gate, up, down, inter = self._stacks()
-        if isinstance(gate, QuantWeight):
+        if any(isinstance(w, QuantWeight) for w in (gate, up, down)):
             return self.experts_quant(x, weights, ids)
         T, E = x.shape[0], len(self.experts)
         h = F.silu(F.linear(x, gate)) * F.linear(x, up)  # [T, E*I]
@@ -237,7 +248,7 @@ class SparseMoE(nn.Module):
         matrix-vector products: the picked experts' weights alone are read (a few tokens
         against many experts), then each token's ``top_k`` outputs, scaled, summed."""
         gate, up, down, inter = self._stacks()
-        if isinstance(gate, QuantWeight):
+        if any(isinstance(w, QuantWeight) for w in (gate, up, down)):
             return self.experts_quant(x, weights, ids)
         T, k = ids.shape
         E, D = len(self.experts), x.shape[1]

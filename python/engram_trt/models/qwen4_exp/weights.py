@@ -38,10 +38,12 @@ MERGED_SCALES = {"gate_proj": "gate_up_proj_scale_inv", "up_proj": "gate_up_proj
 
 def linear_weight_names(model: nn.Module, prefix: str) -> dict[str, str]:
     """Checkpoint weight name -> module path of every ``nn.Linear`` of ``model`` (a
-    Qwen4Exp module tree whose ``model.`` maps to the checkpoint's ``prefix``)."""
+    Qwen4Exp module tree whose ``model.`` maps to the checkpoint's ``prefix``) that an FP8
+    checkpoint may store FP8: the router (``mlp.gate``, a plain parameter in transformers,
+    never quantized) is not one."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and not name.endswith(".mlp.gate"):
             ck = prefix + name[len("model."):] if name.startswith("model.") else name
             out[ck + ".weight"] = name
     return out
@@ -123,8 +125,8 @@ def expert_weight_scale(weights: Mapping[str, torch.Tensor], name: str, shape: t
 def fp8_problems(ckpt: Any, config: Any, linear_names: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]],
                  quant: Any) -> dict[str, str]:
     """Per FP8 weight with a problem, its one line (the weights stored F8_E4M3: a linear's,
-    with its scales valid; the experts of a layer all FP8 or all float)."""
-    from engram_trt.checkpoint.checkpoint import fp8_weight_problem, module_of
+    with its scales valid; one projection of a layer's experts all FP8 or all float)."""
+    from engram_trt.checkpoint.checkpoint import fp8_weight_problem, listed_not_to_convert, module_of
     from engram_trt.quant.names import SCALE_DTYPES, find_scale
 
     out: dict[str, str] = {}
@@ -135,12 +137,12 @@ def fp8_problems(ckpt: Any, config: Any, linear_names: Mapping[str, str], shapes
         fp8 = ckpt.st_dtype(name) == "F8_E4M3"
         ex = expert_of(name)
         if ex is not None:
-            kinds.setdefault(ex[0], set()).add(fp8)
+            kinds.setdefault(f"{ex[0]}.*.{ex[2]}", set()).add(fp8)
         if not fp8:
             continue
         merged = merged_scale_name(name)
         if merged is not None and find_scale(name, ckpt) is None and merged in ckpt and quant is not None \
-                and not quant.not_converted(module_of(name)):
+                and listed_not_to_convert(module_of(name), quant) is None:
             block = quant.block_for(shapes[name])
             want = merged_scale_shape(config, ex[2], block)  # type: ignore[index]
             got = tuple(ckpt.shape(merged))
@@ -154,8 +156,11 @@ def fp8_problems(ckpt: Any, config: Any, linear_names: Mapping[str, str], shapes
         problem = fp8_weight_problem(ckpt, name, shapes[name], quant)
         if problem is not None:
             out[name] = problem
-    for base, seen in kinds.items():
+    for pattern, seen in kinds.items():
         if len(seen) > 1:
-            out[f"{base}.0.gate_proj.weight"] = (f"the routed experts of {base} are stored partly F8_E4M3 and partly "
-                                                 f"in 16 bits: a layer's experts are all FP8 or all float")
+            first = next(n for n in linear_names if n.startswith(pattern.split("*")[0]) and n.endswith(
+                pattern.split("*")[1] + ".weight") and n in ckpt and ckpt.st_dtype(n) != "F8_E4M3")
+            out[first] = (f"the routed experts' weights {pattern}.weight are stored partly F8_E4M3 and partly in 16 bits "
+                          f"({first} is {ckpt.st_dtype(first)}): one projection of a layer's experts is FP8 for all "
+                          f"of them or for none, as transformers' save writes it")
     return out
