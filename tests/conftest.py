@@ -722,8 +722,9 @@ def dequantized_folder(folder: Path, out: Path, moe_intermediate: int | None = N
     """A float32 copy of an FP8 folder: each F8_E4M3 weight times its block scales as the
     format defines them (blocks of ``weight_block_size``, the last one partial; the routed
     experts' merged ``gate_up_proj_scale_inv`` split into its gate rows then its up rows,
-    row by row), its quantization_config removed: what transformers loads as the reference
-    where its own CPU load cannot (the merged expert scales, partial blocks)."""
+    row by row; an FP8 PLE table's shards times its one ``weight_scale``), its
+    quantization_config removed: what transformers loads as the reference where its own
+    CPU load cannot (the merged expert scales, partial blocks)."""
     import torch
 
     from engram_trt.quant.formats import dequantize_fp8
@@ -733,10 +734,14 @@ def dequantized_folder(folder: Path, out: Path, moe_intermediate: int | None = N
     t = _folder_tensors(folder)
     out_t = {}
     for k, v in t.items():
-        if "_scale_inv" in k or k.endswith(".scale"):
+        if "_scale_inv" in k or k.endswith((".scale", ".ngram_embedding.weight_scale")):
             continue
         if v.dtype != torch.float8_e4m3fn:
             out_t[k] = v
+            continue
+        if ".ngram_embedding.shard_" in k:  # an FP8Embedding's shard: one float32 scale per table
+            scale = t[k.split(".shard_")[0] + ".weight_scale"].double()
+            out_t[k] = (v.double() * scale).float()
             continue
         base = k[: -len(".weight")]
         own = next((base + s for s in (".weight_scale_inv", ".scale") if base + s in t), None)
@@ -754,3 +759,34 @@ def dequantized_folder(folder: Path, out: Path, moe_intermediate: int | None = N
             out_t[k] = dequantize_fp8(v, merged, block, torch.float64).float()
     cfg.pop("quantization_config")
     return _save_folder_as(folder, out, out_t, cfg)
+
+
+def fp8_ple_folder(folder: Path, out: Path) -> Path:
+    """A Qwen4Exp folder whose PLE tables are stored as transformers' ``FP8Embedding``
+    holds them (quantization_config.modules_to_convert naming ``ngram_embedding``): each
+    layer's table quantized to E4M3 with one float32 scale (amax / 448), written as the
+    shards ``torch.chunk`` makes of it (the save's Chunk) beside ``...ngram_embedding.
+    weight_scale [1]``. transformers 5.25 loads this layout (on a CPU too) but cannot
+    write it (its save of a pre-quantized Qwen4Exp fails in the shard Chunk), so the
+    layout is laid out here, under transformers' names."""
+    import torch
+
+    t = _folder_tensors(folder)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    stems = sorted({k.split(".shard_")[0] for k in t if ".ngram_embedding.shard_" in k})
+    for stem in stems:
+        names = sorted((k for k in t if k.startswith(stem + ".shard_")), key=lambda k: int(k.rsplit("shard_", 1)[1][:-7]))
+        table = torch.cat([t[k] for k in names]).float()
+        scale = (table.abs().max() / 448.0).reshape(1)
+        q = (table / scale).to(torch.float8_e4m3fn)
+        for k in names:
+            t.pop(k)
+        for i, part in enumerate(torch.chunk(q, text["split_ngram_parts"])):
+            t[f"{stem}.shard_{i}.weight"] = part.contiguous()
+        t[f"{stem}.weight_scale"] = scale.float()
+    qc = cfg.get("quantization_config") or {"activation_scheme": "dynamic", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128], "scale_fmt": "float"}
+    qc["modules_to_convert"] = ["ngram_embedding"]
+    cfg["quantization_config"] = qc
+    return _save_folder_as(folder, out, t, cfg)

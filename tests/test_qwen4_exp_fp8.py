@@ -21,6 +21,12 @@ format (:func:`conftest.dequantized_folder`); every weight transformers' own deq
 load does read equals that dequantization bit for bit (the first test). engram-trt serves
 the FP8 folder through ``LLM`` and ``engram-trt run`` (greedy tokens equal), fp32 logits
 within 1e-4 relative on the CPU.
+
+FP8 PLE tables (transformers' ``FP8Embedding``, declared by ``modules_to_convert``): one
+float32 scale per table, the shards F8_E4M3 as ``torch.chunk`` splits them. transformers
+5.25 loads that layout on a CPU (the reference where the linears stay float) but cannot
+write it, so it is laid out under its names (:func:`conftest.fp8_ple_folder`); the stores
+hold the FP8 bytes and the rows are dequantized after the gather.
 """
 
 from __future__ import annotations
@@ -37,8 +43,8 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from conftest import (_folder_tensors, _save_folder_as, assert_fp32_logits_match, assert_run_refused,  # noqa: E402
-                      dequantized_folder, edit_config, llm_greedy, packed_greedy, run_json, transformers_fp8_save,
-                      transformers_greedy, without_stale_scales, word_tokenizer)
+                      dequantized_folder, edit_config, fp8_ple_folder, llm_greedy, packed_greedy, run_json,
+                      transformers_fp8_save, transformers_greedy, without_stale_scales, word_tokenizer)
 from test_qwen4_exp_parity import randomized  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
@@ -300,5 +306,131 @@ def test_bad_fp8_checkpoints_refused_in_one_line(good_fp8: Path, tmp_path: Path,
     folder = tmp_path / "ck"
     shutil.copytree(good_fp8, folder)
     damage, needle = BAD[bad]
+    damage(folder)
+    assert_run_refused(folder, needle, capsys)
+
+
+# -- FP8 PLE tables (FP8Embedding) ------------------------------------------------------------
+
+PLE_CASE = dict(ple_layer_ids=[1, 3], ple_embed_dim=128, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
+                make_ngram_vocab_size_divisible_by=8, split_ngram_parts=100,
+                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+
+
+@pytest.fixture(scope="module", params=["linears-float", "linears-fp8"])
+def fp8_ple(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
+    """(variant, the folder with FP8 PLE tables, transformers' reference model): with float
+    linears transformers loads the folder itself (its FP8Embedding); with FP8 linears it
+    loads the folder dequantized per the format."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    variant = request.param
+    root = tmp_path_factory.mktemp(variant)
+    torch.manual_seed(5)
+    randomized(Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**dict(BASE, **PLE_CASE))).eval(), 5).save_pretrained(root / "float")
+    word_tokenizer(root / "float" / "tokenizer.json", VOCAB)
+    src = root / "float"
+    if variant == "linears-fp8":
+        src = transformers_fp8_save(Qwen4ExpForCausalLM, src, root / "fp8", weight_block_size=[128, 128])
+    folder = fp8_ple_folder(src, root / "ple8")
+    ref_folder = folder if variant == "linears-float" else dequantized_folder(folder, root / "ref", moe_intermediate=128)
+    ref = Qwen4ExpForCausalLM.from_pretrained(ref_folder, dtype=torch.float32, use_kernels=False).eval()
+    return variant, folder, ref
+
+
+def test_fp8_ple_tables_greedy_tokens_and_logits_equal_transformers(fp8_ple: tuple[str, Path, Any], capsys: Any) -> None:
+    from engram_trt.models.registry import open_checkpoint
+
+    variant, folder, ref = fp8_ple
+    if variant == "linears-float":  # transformers reads the table as its FP8Embedding
+        emb = ref.model.layers[0].ple.ple_embedding.ngram_embedding
+        assert type(emb).__name__ == "FP8Embedding" and emb.weight.dtype == torch.float8_e4m3fn
+    want = [transformers_greedy(ref, p, NEW_TOKENS) for p in PROMPTS]
+    assert llm_greedy(folder, PROMPTS, NEW_TOKENS) == want
+    assert run_json(folder, PROMPTS[2], NEW_TOKENS, capsys)["token_ids"] == want[2]
+    ckpt = open_checkpoint(folder)
+    ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
+    assert_fp32_logits_match(ref, ours, PROMPTS)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("kind", ["memory", "file", "shared", "pinned"])
+def test_fp8_ple_stores_hold_the_bytes_and_dequantize_gathered_rows(fp8_ple: tuple[str, Path, Any], tmp_path: Path,
+                                                                    kind: str) -> None:
+    """Each store holds the FP8 bytes (one per value, float8_e4m3fn); the gather gives
+    the rows times the table's scale, as transformers' FP8Embedding does."""
+    from test_tables import FakeRegistrar
+
+    from engram_trt.models.qwen4_exp.ple_tables import PLETables, table_scales
+    from engram_trt.models.registry import open_checkpoint
+    from engram_trt.tables.store import open_tables
+
+    _variant, folder, _ref = fp8_ple
+    tensors = _folder_tensors(folder)
+    ckpt = open_checkpoint(folder)
+    refs = ckpt.architecture.table_refs(ckpt)
+    assert all(r.dtype == "F8_E4M3" and r.table_scale is not None for r in refs)
+    assert [r.to_json()["table_scale"] for r in refs[:1]] == [refs[0].table_scale]
+    if kind == "pinned":
+        from engram_trt.tables.pinned import PinnedTables
+
+        store = PinnedTables.load(refs, registrar=FakeRegistrar(), huge_pages="none", progress=False)
+    else:
+        store = open_tables(refs, kind, progress=False, **({"directory": tmp_path} if kind == "shared" else {}))
+    try:
+        tables = PLETables(store, "cpu", owns_store=False, table_scales=table_scales(ckpt, ckpt.config))
+        for li, layer in enumerate(PLE_CASE["ple_layer_ids"]):
+            stem = f"model.layers.{layer - 1}.ple.ple_embedding.ngram_embedding"
+            n = sum(1 for k in tensors if k.startswith(stem + ".shard_"))
+            whole = torch.cat([tensors[f"{stem}.shard_{i}.weight"] for i in range(n)])
+            scale = tensors[f"{stem}.weight_scale"]
+            assert store.row_dtype(li) == torch.float8_e4m3fn and store.table_bytes() >= whole.numel()
+            ids = torch.randint(0, whole.shape[0], (6, 4), generator=torch.Generator().manual_seed(li))
+            got = tables.gather(li, ids)
+            assert got.dtype == torch.float32 and torch.equal(got, whole[ids].float() * scale)
+        assert store.describe()["layers"][0]["dtype"] == "fp8-table-scaled"
+    finally:
+        store.close()
+        ckpt.close()
+
+
+def test_fp8_ple_inspect_and_build(fp8_ple: tuple[str, Path, Any], capsys: Any, tmp_path: Path) -> None:
+    _variant, folder, _ref = fp8_ple
+    capsys.readouterr()
+    assert main(["inspect", str(folder), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["problems"] == []
+    tensors = _folder_tensors(folder)
+    for e in report["ple"]["layers"]:
+        stem = f"model.layers.{e['ple_layer_id'] - 1}.ple.ple_embedding.ngram_embedding"
+        assert e["dtype"] == "F8_E4M3" and e["bytes"] == e["table_rows"] * e["width"]
+        assert e["table_scale"] == float(tensors[f"{stem}.weight_scale"][0])
+    assert main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "FP8 checkpoints are not exported yet" in err
+
+
+PLE_STEM = "model.layers.0.ple.ple_embedding.ngram_embedding"
+BAD_PLE: dict[str, tuple[Any, str]] = {
+    "undeclared": (lambda f: edit_config(f, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+                   rf"{PLE_STEM}\.shard_0\.weight is F8_E4M3 \(expected BF16, F16 or F32 rows\) \(an FP8 table is declared"),
+    "scale-missing": (lambda f: _edit_tensors(f, lambda t: t.pop(f"{PLE_STEM}.weight_scale")),
+                      rf"scale {PLE_STEM}\.weight_scale of layer 1's FP8 PLE table is missing"),
+    "scale-per-row": (lambda f: _edit_tensors(f, lambda t: t.update({f"{PLE_STEM}.weight_scale": torch.ones(3, 1)})),
+                      rf"scale {PLE_STEM}\.weight_scale is F32 \[3, 1\] \(expected one float32 for the table"),
+    "float-shard": (lambda f: _edit_tensors(f, lambda t: t.update(
+        {f"{PLE_STEM}.shard_1.weight": t[f"{PLE_STEM}.shard_1.weight"].float()})),
+        rf"{PLE_STEM}\.shard_1\.weight is F32 but quantization_config\.modules_to_convert declares"),
+}
+
+
+@pytest.mark.parametrize("fp8_ple", ["linears-float"], indirect=True)  # the refusals concern the table alone
+@pytest.mark.parametrize("bad", sorted(BAD_PLE))
+def test_bad_fp8_ple_tables_refused_in_one_line(fp8_ple: tuple[str, Path, Any], tmp_path: Path, capsys: Any,
+                                                bad: str) -> None:
+    _variant, src, _ref = fp8_ple
+    folder = tmp_path / "ck"
+    shutil.copytree(src, folder)
+    damage, needle = BAD_PLE[bad]
     damage(folder)
     assert_run_refused(folder, needle, capsys)

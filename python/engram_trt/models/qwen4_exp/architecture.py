@@ -42,7 +42,7 @@ class Qwen4ExpArchitecture:
     def tensor_names(self, config: Qwen4ExpConfig) -> set[str]:
         """Every tensor the model reads: its weights, and per PLE layer the table's shards
         and the buffers checked against the config."""
-        from engram_trt.models.qwen4_exp.ple_tables import buffer_names, shard_names
+        from engram_trt.models.qwen4_exp.ple_tables import buffer_names, shard_names, table_scale_name
 
         names = set(self.weight_shapes(config))
         # The block scales of an FP8 checkpoint (transformers' save also writes a stale one
@@ -65,6 +65,7 @@ class Qwen4ExpArchitecture:
                 # refused by name (checkpoint_problems), not as unused tensors
                 names.update(shard_names(config.weight_prefix, layer, config.ple.split_parts))
                 names.update(buffer_names(config.weight_prefix, layer).values())
+                names.add(table_scale_name(config.weight_prefix, layer))  # an FP8 table's (FP8Embedding)
         return names
 
     def linear_names(self, config: Qwen4ExpConfig) -> dict[str, str]:
@@ -115,13 +116,14 @@ class Qwen4ExpArchitecture:
     def describe_tables(self, ckpt: Any) -> dict[str, Any]:
         """What ``inspect`` reports of the PLE tables: per layer its shards, rows, width,
         dtype and bytes (the rows the config's primes give beside the rows found)."""
-        from engram_trt.models.qwen4_exp.ple_tables import chunk_rows, table_shard_names
+        from engram_trt.models.qwen4_exp.ple_tables import chunk_rows, table_scales, table_shard_names
 
         cfg = ckpt.config
         if cfg.ple is None:
             return {"ple": None, "note": "no PLE layers"}
         layout = ple_layout(cfg)
         layers, total = [], 0
+        scales = table_scales(ckpt, cfg)
         for li, layer in enumerate(cfg.ple.layers):
             names = [n for n in table_shard_names(cfg, li, layout) if n in ckpt]
             chunk = chunk_rows(int(layout.table_rows[li]), cfg.ple.split_parts)
@@ -133,7 +135,7 @@ class Qwen4ExpArchitecture:
                            # torch.chunk's shards: this many rows each, the last what is left
                            "chunk_rows": chunk[0] if chunk else None, "last_shard_rows": chunk[-1] if chunk else None,
                            "width": cfg.ple.head_dim, "dtype": ckpt.st_dtype(names[0]) if names else None,
-                           "bytes": nbytes})
+                           "table_scale": scales[li], "bytes": nbytes})
         return {"ple": {"layers": layers, "total_bytes": total, "heads": cfg.ple.n_heads,
                         "ngram_size": cfg.ple.ngram_size}}
 
@@ -171,7 +173,10 @@ class Qwen4ExpArchitecture:
         ecfg = engram_config or EngramConfig()
         ple = None
         if cfg.ple is not None and tables is not None:
-            ple = PLETables(tables, dev, owns_store=False, hot_cache_fraction=ecfg.hot_cache_fraction)
+            from engram_trt.models.qwen4_exp.ple_tables import table_scales
+
+            ple = PLETables(tables, dev, owns_store=False, hot_cache_fraction=ecfg.hot_cache_fraction,
+                            table_scales=table_scales(ckpt, cfg))
         elif cfg.ple is not None:
             from engram_trt.tables.store import table_kind_for
 
@@ -209,6 +214,10 @@ class Qwen4ExpArchitecture:
                 if name not in ckpt:
                     continue
                 st = ckpt.st_dtype(name)
+                if st == "F8_E4M3":
+                    return [f"FP8 checkpoints are not exported yet: PLE table shard {name} is F8_E4M3 (an FP8Embedding "
+                            f"scaled per table); serve the checkpoint folder with the torch backend (engram-trt run / "
+                            f"serve CHECKPOINT)"]
                 if st not in PLE_SHARD_DTYPES:
                     return [f"PLE table shard {name} is {st}: an engine's EngramGather plugin reads "
                             f"{' / '.join(PLE_SHARD_DTYPES)} rows; save the PLE shards in one of those to build, or "
