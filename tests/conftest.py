@@ -700,7 +700,8 @@ def _save_folder_as(src: Path, out: Path, tensors: dict, config: dict | None = N
             shutil.copyfile(Path(src) / name, out / name)
     if config is not None:
         (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     return out
 
 
@@ -776,7 +777,8 @@ def fp8_ple_folder(folder: Path, out: Path) -> Path:
     text = cfg.get("text_config", cfg)
     stems = sorted({k.split(".shard_")[0] for k in t if ".ngram_embedding.shard_" in k})
     for stem in stems:
-        names = sorted((k for k in t if k.startswith(stem + ".shard_")), key=lambda k: int(k.rsplit("shard_", 1)[1][:-7]))
+        names = sorted((k for k in t if k.startswith(stem + ".shard_")),
+                       key=lambda k: int(k.rsplit("shard_", 1)[1][: -len(".weight")]))
         table = torch.cat([t[k] for k in names]).float()
         scale = (table.abs().max() / 448.0).reshape(1)
         q = (table / scale).to(torch.float8_e4m3fn)

@@ -35,9 +35,9 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import (_folder_tensors, _save_folder_as, assert_run_refused, dequantized_folder, edit_config,  # noqa: E402
-                      llm_greedy, run_json, transformers_fp8_save, transformers_greedy, without_stale_scales,
-                      word_tokenizer)
+from conftest import (_folder_tensors, _save_folder_as, assert_run_refused,  # noqa: E402
+                      dequantized_folder, edit_config, llm_greedy, run_json, transformers_fp8_save,
+                      transformers_greedy, without_stale_scales, word_tokenizer)
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 256
@@ -60,7 +60,8 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     "not-converted-o-proj": (dict(hidden_size=384, num_attention_heads=6, intermediate_size=512),
                              dict(weight_block_size=[128, 128], modules_to_not_convert=["o_proj", "lm_head"])),
     # dims 320 / 64 / 200 in 128x128 blocks, the last ones partial; every projection FP8
-    "partial-blocks": (dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1, intermediate_size=200), None),
+    "partial-blocks": (dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1, intermediate_size=200),
+                       None),
 }
 
 
@@ -150,7 +151,8 @@ def test_llm_greedy_tokens_equal_transformers(case: tuple[str, Path, Any]) -> No
 
 def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: Any) -> None:
     _name, folder, ref = case
-    assert run_json(folder, PROMPTS[0], NEW_TOKENS, capsys)["token_ids"] == transformers_greedy(ref, PROMPTS[0], NEW_TOKENS)
+    want = transformers_greedy(ref, PROMPTS[0], NEW_TOKENS)
+    assert run_json(folder, PROMPTS[0], NEW_TOKENS, capsys)["token_ids"] == want
 
 
 def test_fp32_logits_within_1e4_of_transformers(case: tuple[str, Path, Any]) -> None:
@@ -278,11 +280,12 @@ BAD: dict[str, tuple[Any, str]] = {
                          rf"scale of {Q}\.weight has shape \[1, 2\] but a \[256, 256\] FP8 weight in 128x128 blocks "
                          rf"needs \[2, 2\]"),
     "scale-wrong-dtype": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {f"{Q}.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)})), rf"scale {Q}\.weight_scale_inv of {Q}\.weight is I32"),
+        {f"{Q}.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)})),
+        rf"scale {Q}\.weight_scale_inv of {Q}\.weight is I32"),
     "no-quantization-config": (lambda f: edit_config(f, quantization_config=None),
                                rf"tensor \S+_proj\.weight is F8_E4M3 but config\.json declares no quantization_config"),
-    "listed-not-to-convert": (lambda f: edit_config(f, quantization_config={"quant_method": "fp8", "weight_block_size":
-                                                                            [128, 128], "modules_to_not_convert": ["q_proj"]}),
+    "listed-not-to-convert": (lambda f: edit_config(f, quantization_config={
+        "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["q_proj"]}),
                               rf"{Q}\.weight is F8_E4M3 but quantization_config\.modules_to_not_convert lists {Q}"),
     "fp8-embedding": (lambda f: _edit_tensors(f, lambda t: t.update(
         {"model.embed_tokens.weight": t["model.embed_tokens.weight"].to(torch.float8_e4m3fn)})),
@@ -323,4 +326,5 @@ def test_inspect_lists_a_bad_scale(good_fp8: Path, tmp_path: Path, capsys: Any) 
     capsys.readouterr()
     assert main(["inspect", str(folder), "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
-    assert problems == [f"scale of {Q}.weight has shape [1, 2] but a [256, 256] FP8 weight in 128x128 blocks needs [2, 2]"]
+    assert problems == [f"scale of {Q}.weight has shape [1, 2] but a [256, 256] FP8 weight in 128x128 blocks "
+                        f"needs [2, 2]"]

@@ -67,7 +67,8 @@ BASE: dict[str, Any] = dict(
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # PLE (key / value projections FP8) with 240 rows in 100 parts: 80 shards of 3
     "ple-fp8-float-scales": (dict(ple_layer_ids=[1], ple_embed_dim=128, ngram_size=3, heads_per_ngram=2,
-                                  ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=100),
+                                  ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8,
+                                  split_ngram_parts=100),
                              dict(weight_block_size=[128, 128])),
     "tied-ue8m0-shared-expert-float": (dict(tie_word_embeddings=True, output_gate_type="sigmoid", norm_topk_prob=False,
                                             layer_types=["linear_attention", "full_attention", "linear_attention",
@@ -122,7 +123,8 @@ def test_folder_layout_and_the_reference_dequantization(case: tuple[str, Path, A
     fp8 = {k for k, v in kinds.items() if v == "F8_E4M3"}
     for must in ("layers.0.linear_attn.in_proj_qkv.weight", "layers.0.linear_attn.out_proj.weight",
                  "layers.3.self_attn.q_proj.weight", "layers.3.self_attn.o_proj.weight",
-                 "layers.0.attn_hyper_connection.input_mix_weight_down.weight", "layers.0.mlp.experts.0.gate_proj.weight",
+                 "layers.0.attn_hyper_connection.input_mix_weight_down.weight",
+                 "layers.0.mlp.experts.0.gate_proj.weight",
                  "layers.0.mlp.experts.0.up_proj.weight"):
         assert f"model.{must}" in fp8, must
     for never in ("layers.3.self_attn.k_proj.weight", "layers.3.self_attn.indexer.index_qk_proj.weight",
@@ -135,8 +137,8 @@ def test_folder_layout_and_the_reference_dequantization(case: tuple[str, Path, A
     tensors = _folder_tensors(folder)
     I, E = (64, 6) if name == "experts-i64-straddle" else (128, 4)
     assert list(tensors["model.layers.0.mlp.experts.gate_up_proj_scale_inv"].shape) == [E, 2 * I // 128, 1]
-    theirs = Qwen4ExpForCausalLM.from_pretrained(without_stale_scales(folder, tmp_path / "stripped"), dtype=torch.float32,
-                                                 use_kernels=False)
+    stripped = without_stale_scales(folder, tmp_path / "stripped")
+    theirs = Qwen4ExpForCausalLM.from_pretrained(stripped, dtype=torch.float32, use_kernels=False)
     want = dict(ref.named_parameters())
     compared = 0
     for k, p in theirs.named_parameters():
@@ -154,7 +156,8 @@ def test_llm_greedy_tokens_equal_transformers(case: tuple[str, Path, Any]) -> No
 
 def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: Any) -> None:
     _name, folder, ref = case
-    assert run_json(folder, PROMPTS[0], NEW_TOKENS, capsys)["token_ids"] == transformers_greedy(ref, PROMPTS[0], NEW_TOKENS)
+    want = transformers_greedy(ref, PROMPTS[0], NEW_TOKENS)
+    assert run_json(folder, PROMPTS[0], NEW_TOKENS, capsys)["token_ids"] == want
 
 
 def test_fp32_logits_and_packed_steps(case: tuple[str, Path, Any]) -> None:
@@ -280,8 +283,8 @@ BAD: dict[str, tuple[Any, str]] = {
     "fp8-router": (lambda f: _edit_tensors(f, lambda t: t.update(
         {"model.layers.0.mlp.gate.weight": t["model.layers.0.mlp.gate.weight"].to(torch.float8_e4m3fn)})),
         r"model\.layers\.0\.mlp\.gate\.weight is F8_E4M3, but only linear weights are served in FP8"),
-    "fp4-experts": (lambda f: edit_config(f, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
-                                                                  "expert_dtype": "fp4"}),
+    "fp4-experts": (lambda f: edit_config(f, quantization_config={
+        "quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}),
                     r"'quantization_config\.expert_dtype'='fp4' is not served for qwen4-exp"),
     "no-quantization-config": (lambda f: edit_config(f, quantization_config=None),
                                r"is F8_E4M3 but config\.json declares no quantization_config"),
@@ -327,18 +330,21 @@ def fp8_ple(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
     variant = request.param
     root = tmp_path_factory.mktemp(variant)
     torch.manual_seed(5)
-    randomized(Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**dict(BASE, **PLE_CASE))).eval(), 5).save_pretrained(root / "float")
+    model = Qwen4ExpForCausalLM(Qwen4ExpTextConfig(**dict(BASE, **PLE_CASE))).eval()
+    randomized(model, 5).save_pretrained(root / "float")
     word_tokenizer(root / "float" / "tokenizer.json", VOCAB)
     src = root / "float"
     if variant == "linears-fp8":
         src = transformers_fp8_save(Qwen4ExpForCausalLM, src, root / "fp8", weight_block_size=[128, 128])
     folder = fp8_ple_folder(src, root / "ple8")
-    ref_folder = folder if variant == "linears-float" else dequantized_folder(folder, root / "ref", moe_intermediate=128)
+    ref_folder = (folder if variant == "linears-float"
+                  else dequantized_folder(folder, root / "ref", moe_intermediate=128))
     ref = Qwen4ExpForCausalLM.from_pretrained(ref_folder, dtype=torch.float32, use_kernels=False).eval()
     return variant, folder, ref
 
 
-def test_fp8_ple_tables_greedy_tokens_and_logits_equal_transformers(fp8_ple: tuple[str, Path, Any], capsys: Any) -> None:
+def test_fp8_ple_tables_greedy_tokens_and_logits_equal_transformers(fp8_ple: tuple[str, Path, Any],
+                                                                     capsys: Any) -> None:
     from engram_trt.models.registry import open_checkpoint
 
     variant, folder, ref = fp8_ple
@@ -412,8 +418,10 @@ def test_fp8_ple_inspect_and_build(fp8_ple: tuple[str, Path, Any], capsys: Any, 
 
 PLE_STEM = "model.layers.0.ple.ple_embedding.ngram_embedding"
 BAD_PLE: dict[str, tuple[Any, str]] = {
-    "undeclared": (lambda f: edit_config(f, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
-                   rf"{PLE_STEM}\.shard_0\.weight is F8_E4M3 \(expected BF16, F16 or F32 rows\) \(an FP8 table is declared"),
+    "undeclared": (lambda f: edit_config(f, quantization_config={"quant_method": "fp8",
+                                                                 "weight_block_size": [128, 128]}),
+                   rf"{PLE_STEM}\.shard_0\.weight is F8_E4M3 \(expected BF16, F16 or F32 rows\) "
+                   rf"\(an FP8 table is declared"),
     "scale-missing": (lambda f: _edit_tensors(f, lambda t: t.pop(f"{PLE_STEM}.weight_scale")),
                       rf"scale {PLE_STEM}\.weight_scale of layer 1's FP8 PLE table is missing"),
     "scale-per-row": (lambda f: _edit_tensors(f, lambda t: t.update({f"{PLE_STEM}.weight_scale": torch.ones(3, 1)})),

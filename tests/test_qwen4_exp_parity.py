@@ -66,9 +66,9 @@ CASES: dict[str, dict[str, Any]] = {
                              indexer_compress_ratio=4),
     # 132 rows in 13 parts: 12 shards of 11 rows.
     "ngram4-chunk13": dict(layer_types=["linear_attention", "linear_attention", "full_attention"], num_hidden_layers=3,
-                           ple_layer_ids=[2], ple_embed_dim=12, ngram_size=4, heads_per_ngram=1, ngram_vocab_size_base=40,
-                           make_ngram_vocab_size_divisible_by=4, split_ngram_parts=13, eos_token_id=[EOS, 3],
-                           ple_conv_kernel_size=3, hc_count=3),
+                           ple_layer_ids=[2], ple_embed_dim=12, ngram_size=4, heads_per_ngram=1,
+                           ngram_vocab_size_base=40, make_ngram_vocab_size_divisible_by=4, split_ngram_parts=13,
+                           eos_token_id=[EOS, 3], ple_conv_kernel_size=3, hc_count=3),
 }
 
 
@@ -213,7 +213,8 @@ def test_ple_shards_torch_chunk_would_not_write_refused(tmp_path: Path, capsys: 
     assert shard_rows_saved(folder) == {1: [11] * 12}
     sizes, needle = {
         "one-shard-more": ([11] * 11 + [6, 5], r"shard torch\.chunk does not write: \S+shard_12\.weight"),
-        "other-sizes": ([10, 12] + [11] * 10, r"shard_0\.weight has 10 rows but torch\.chunk.* writes 12 shard\(s\) of 11 rows"),
+        "other-sizes": ([10, 12] + [11] * 10,
+                        r"shard_0\.weight has 10 rows but torch\.chunk.* writes 12 shard\(s\) of 11 rows"),
         "fewer-shards": ([12] * 11, r"shard_11\.weight is missing \(torch\.chunk.* writes 12 shard"),
     }[layout]
     _resplit_ple(folder, sizes)

@@ -58,7 +58,8 @@ def _write(folder: Path, cfg: dict, tensors: dict) -> Path:
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg["vocab_size"])}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
     return folder
 
 
@@ -199,7 +200,8 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
     # 1. the stored bytes on the device
     ckpt_g, gpu32 = load_checkpoint(folder, "cuda", torch.float32)
     quant = [m for m in gpu32.modules() if isinstance(m, QuantLinear)]
-    on_dev = all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv.is_cuda for m in quant)
+    on_dev = all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv.is_cuda
+                 for m in quant)
     held = sum(m.weight.numel() for m in quant)
     want = sum(t.numel() for k, t in stored.items() if t.dtype == torch.float8_e4m3fn and ".ngram_embedding." not in k)
     record(f"{arch}: FP8 linears hold the stored bytes on the GPU", on_dev and held == want > 0,

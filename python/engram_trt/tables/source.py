@@ -16,12 +16,12 @@ cheap to thorough:
   against the table's sha256.
 
 A table may be several regions: Qwen4Exp's PLE table of a layer is the row shards
-``torch.chunk(table, split_ngram_parts)`` writes (``ceil(rows / chunk)`` of them), possibly in different safetensors files. Each shard
-is then its own ref (``part`` 0, 1, ... in row order, each with its own sha256 and
-block hashes, so the checks above cover it unchanged), and :func:`layer_refs` joins a
-layer's parts into one ref whose ``regions`` lists them: the stores fill one buffer
-per layer region by region (:func:`~engram_trt.tables.base.read_region_into`), the
-file store maps each region.
+``torch.chunk(table, split_ngram_parts)`` writes (``ceil(rows / chunk)`` of them),
+possibly in different safetensors files. Each shard is then its own ref (``part`` 0,
+1, ... in row order, each with its own sha256 and block hashes, so the checks above
+cover it unchanged), and :func:`layer_refs` joins a layer's parts into one ref whose
+``regions`` lists them: the stores fill one buffer per layer region by region
+(:func:`~engram_trt.tables.base.read_region_into`), the file store maps each region.
 
 FP8 rows come with per-row ue8m0 scales (an Engram table: a ``scales`` ref), or, for a
 Qwen4Exp PLE table transformers stores as an ``FP8Embedding``, with one float32 scale for

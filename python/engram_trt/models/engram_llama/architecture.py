@@ -71,9 +71,9 @@ class EngramLlamaArchitecture:
         reads float weights; the engine path for stored FP8 is not written yet)."""
         fp8 = [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
         if fp8:
-            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored F8_E4M3 "
-                    f"with block scales; serve the checkpoint folder with the torch backend (engram-trt run / serve "
-                    f"CHECKPOINT), or build from its 16-bit weights"]
+            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored "
+                    f"F8_E4M3 with block scales; serve the checkpoint folder with the torch backend "
+                    f"(engram-trt run / serve CHECKPOINT), or build from its 16-bit weights"]
         return []
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,

@@ -118,8 +118,8 @@ def read_fp8_weight(weights: Mapping[str, torch.Tensor], name: str, shape: tuple
     else:
         scale_name, scale_t = scale
     data = weights[name]
-    problem = check_quant_tensors(name, "fp8", shape, tuple(data.shape), None if scale_t is None else tuple(scale_t.shape),
-                                  block)
+    scale_shape = None if scale_t is None else tuple(scale_t.shape)
+    problem = check_quant_tensors(name, "fp8", shape, tuple(data.shape), scale_shape, block)
     if problem is not None:
         raise CheckpointError(problem)
     return QuantWeight(data, scale_t, "fp8", block)  # type: ignore[arg-type]
@@ -248,7 +248,8 @@ def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], device: 
             n = expected[name][0]
             t = weights[name]
             if tuple(t.shape) != expected[name]:
-                raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)} but the config needs {list(expected[name])}")
+                raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)} but the config needs "
+                                      f"{list(expected[name])}")
             buf[at:at + n].copy_(t)
             owner_name, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner_name), leaf, nn.Parameter(buf[at:at + n], requires_grad=False))

@@ -203,9 +203,9 @@ class Qwen4ExpArchitecture:
         cfg = ckpt.config
         fp8 = [n for n in self.weight_shapes(cfg) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
         if fp8:
-            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored F8_E4M3 "
-                    f"with block scales; serve the checkpoint folder with the torch backend (engram-trt run / serve "
-                    f"CHECKPOINT), or build from its 16-bit weights"]
+            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored "
+                    f"F8_E4M3 with block scales; serve the checkpoint folder with the torch backend "
+                    f"(engram-trt run / serve CHECKPOINT), or build from its 16-bit weights"]
         if cfg.ple is None:
             return []
         seen: dict[str, str] = {}

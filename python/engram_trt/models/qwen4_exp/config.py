@@ -353,8 +353,8 @@ def _quant(d: Mapping[str, Any], source: str | None) -> QuantSpec | None:
     FP8 (transformers' FP8Experts); FP4 experts are refused in one line."""
     quant = read_quant_spec(d, source)
     if quant is not None and quant.expert_dtype != "fp8":
-        raise ConfigError(f"{_where(source)}field 'quantization_config.expert_dtype'={quant.expert_dtype!r} is not served "
-                          f"for qwen4-exp (supported: \"fp8\": the experts stored F8_E4M3 with block scales, as "
+        raise ConfigError(f"{_where(source)}field 'quantization_config.expert_dtype'={quant.expert_dtype!r} is not "
+                          f"served for qwen4-exp (supported: \"fp8\": the experts stored F8_E4M3 with block scales, as "
                           f"transformers' FP8 save writes them); FP4 experts are served for deepseek-v4 only")
     return quant
 

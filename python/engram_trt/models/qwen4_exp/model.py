@@ -76,7 +76,8 @@ def linear_weight_shapes(config: Qwen4ExpConfig) -> tuple[dict[str, tuple[int, .
 
     with torch.device("meta"):
         m = _Modules(config)
-    return {name: tuple(p.shape) for name, p in m.checkpoint_params().items()}, linear_weight_names(m, config.weight_prefix)
+    shapes = {name: tuple(p.shape) for name, p in m.checkpoint_params().items()}
+    return shapes, linear_weight_names(m, config.weight_prefix)
 
 
 class _Modules(nn.Module):

@@ -157,7 +157,8 @@ class SparseMoE(nn.Module):
         scales), each expert's QuantLinear buffers views of them."""
         if getattr(self, "_stacked", None) is not None:
             return
-        if any(isinstance(getattr(e, k), QuantLinear) for e in self.experts for k in ("gate_proj", "up_proj", "down_proj")):
+        kinds = ("gate_proj", "up_proj", "down_proj")
+        if any(isinstance(getattr(e, k), QuantLinear) for e in self.experts for k in kinds):
             self._stacked = self._stack_quant()
             return
         E = len(self.experts)
@@ -219,7 +220,8 @@ class SparseMoE(nn.Module):
                 log.warning("FP8 experts: the kernel library cannot serve them (%s); dequantizing each layer's experts "
                             "for its step", why)
         E, T, D = len(self.experts), x.shape[0], x.shape[1]
-        g, u, d = (w.dequantize(torch.float32).to(x.dtype) if isinstance(w, QuantWeight) else w for w in (gate, up, down))
+        g, u, d = (w.dequantize(torch.float32).to(x.dtype) if isinstance(w, QuantWeight) else w
+                   for w in (gate, up, down))
         h = F.silu(F.linear(x, g.reshape(E * inter, D))) * F.linear(x, u.reshape(E * inter, D))
         h = (h.reshape(T, E, inter) * self._routing_matrix(weights, ids).unsqueeze(-1)).reshape(T, E * inter)
         return F.linear(h, d.permute(1, 0, 2).reshape(D, E * inter))

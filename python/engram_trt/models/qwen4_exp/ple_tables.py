@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 PLE_TABLE_KINDS = ("memory", "device", "pinned", "shared", "file")  # = tables.base.TABLE_KINDS
 _ROW_DTYPES = ("BF16", "F16", "F32")
+ONE = ((1,), ())  # the shapes of one per-table scale
 
 
 def ple_layout(config: Any) -> Any:
@@ -155,16 +156,16 @@ def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
             if scale_name not in ckpt:
                 out.append(f"scale {scale_name} of layer {layer + 1}'s FP8 PLE table is missing (an FP8Embedding "
                            f"stores one float32 weight_scale per table)")
-            elif ckpt.st_dtype(scale_name) not in ("F32", "BF16", "F16") or tuple(ckpt.shape(scale_name)) not in ((1,), ()):
-                out.append(f"scale {scale_name} is {ckpt.st_dtype(scale_name)} {list(ckpt.shape(scale_name))} (expected "
-                           f"one float32 for the table, shape [1])")
+            elif ckpt.st_dtype(scale_name) not in ("F32", "BF16", "F16") or tuple(ckpt.shape(scale_name)) not in ONE:
+                out.append(f"scale {scale_name} is {ckpt.st_dtype(scale_name)} {list(ckpt.shape(scale_name))} "
+                           f"(expected one float32 for the table, shape [1])")
             else:
                 v = float(ckpt.get(scale_name).reshape(-1)[0])
                 if not 0 < v < float("inf"):
                     out.append(f"scale {scale_name} is {v} (expected a positive finite float)")
         if extra:
-            out.append(f"PLE table of layer {layer + 1} has a shard torch.chunk does not write: {extra[0]} ({how} of its "
-                       f"{want_rows}-row table: shards 0..{len(names) - 1})")
+            out.append(f"PLE table of layer {layer + 1} has a shard torch.chunk does not write: {extra[0]} ({how} of "
+                       f"its {want_rows}-row table: shards 0..{len(names) - 1})")
             names, rows = [], -1
         for name in names:
             if name not in ckpt:
@@ -240,7 +241,8 @@ class PLETables:
     :class:`~engram_trt.cache.storecache.CachedStoreGather`'s)."""
 
     def __init__(self, store: Any, device: Any = "cpu", owns_store: bool = True, hot_cache_fraction: float = 0.0,
-                 cache_options: dict[str, Any] | None = None, table_scales: Sequence[float | None] | None = None) -> None:
+                 cache_options: dict[str, Any] | None = None,
+                 table_scales: Sequence[float | None] | None = None) -> None:
         from engram_trt.tables.rowgather import StoreGather
 
         self.store = store

@@ -160,7 +160,7 @@ def fp8_problems(ckpt: Any, config: Any, linear_names: Mapping[str, str], shapes
         if len(seen) > 1:
             first = next(n for n in linear_names if n.startswith(pattern.split("*")[0]) and n.endswith(
                 pattern.split("*")[1] + ".weight") and n in ckpt and ckpt.st_dtype(n) != "F8_E4M3")
-            out[first] = (f"the routed experts' weights {pattern}.weight are stored partly F8_E4M3 and partly in 16 bits "
-                          f"({first} is {ckpt.st_dtype(first)}): one projection of a layer's experts is FP8 for all "
-                          f"of them or for none, as transformers' save writes it")
+            out[first] = (f"the routed experts' weights {pattern}.weight are stored partly F8_E4M3 and partly in 16 "
+                          f"bits ({first} is {ckpt.st_dtype(first)}): one projection of a layer's experts is FP8 "
+                          f"for all of them or for none, as transformers' save writes it")
     return out
