@@ -649,3 +649,146 @@ def set_field(name: str, ftype: int, data):
 def add_field(name: str, ftype: int, data):
     """A change of a field list: field ``name`` appended."""
     return lambda fields: fields + [(name, ftype, data)]
+
+
+# --- fine-grained FP8 folders as transformers writes them (tests/test_llama_fp8.py, -----
+# --- tests/test_qwen4_exp_fp8.py) ------------------------------------------------------
+
+def transformers_fp8_save(model_cls, float_folder: Path, out: Path, **fp8_config) -> Path:
+    """transformers' own FP8 save of a float folder it saved: ``from_pretrained`` with a
+    ``FineGrainedFP8Config(**fp8_config)`` (its quantizer and ``Fp8Quantize`` op quantize
+    each linear whose dims divide by the block; the rest stays float), then
+    ``save_pretrained``: transformers' layout and names, not ours. transformers 5.25
+    refuses to quantize without a GPU ("No GPU or XPU found"); only that check (and the
+    compute capability it then asks for) is patched for the duration, the quantization
+    itself runs on the CPU tensors. The tokenizer is copied over."""
+    import shutil
+    from unittest import mock
+
+    import torch
+    from transformers import FineGrainedFP8Config
+
+    with mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        model = model_cls.from_pretrained(float_folder, quantization_config=FineGrainedFP8Config(**fp8_config),
+                                          dtype=torch.float32, use_kernels=False)
+        model.save_pretrained(out)
+    tok = Path(float_folder) / "tokenizer.json"
+    if tok.is_file():
+        shutil.copyfile(tok, out / "tokenizer.json")
+    return out
+
+
+def _folder_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _save_folder_as(src: Path, out: Path, tensors: dict, config: dict | None = None) -> Path:
+    """``src``'s config (or ``config``) and tokenizer with ``tensors`` as one safetensors file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        if (Path(src) / name).is_file() and Path(src).resolve() != out.resolve():
+            shutil.copyfile(Path(src) / name, out / name)
+    if config is not None:
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
+
+
+def without_stale_scales(folder: Path, out: Path) -> Path:
+    """A copy of an FP8 folder without the scales transformers' save writes beside the
+    weights it left in 16 bits (uninitialized memory: its CPU load would multiply those
+    weights by them), so transformers' own dequantizing load is the reference."""
+    import torch
+
+    t = _folder_tensors(folder)
+    keep = {k: v for k, v in t.items()
+            if not (k.endswith(".weight_scale_inv") and k[: -len("_scale_inv")] in t
+                    and t[k[: -len("_scale_inv")]].dtype != torch.float8_e4m3fn)
+            and not (k == "lm_head.weight_scale_inv" and "lm_head.weight" not in t)}
+    return _save_folder_as(folder, out, keep)
+
+
+def dequantized_folder(folder: Path, out: Path, moe_intermediate: int | None = None) -> Path:
+    """A float32 copy of an FP8 folder: each F8_E4M3 weight times its block scales as the
+    format defines them (blocks of ``weight_block_size``, the last one partial; the routed
+    experts' merged ``gate_up_proj_scale_inv`` split into its gate rows then its up rows,
+    row by row; an FP8 PLE table's shards times its one ``weight_scale``), its
+    quantization_config removed: what transformers loads as the reference where its own
+    CPU load cannot (the merged expert scales, partial blocks)."""
+    import torch
+
+    from engram_trt.quant.formats import dequantize_fp8
+
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    block = tuple(cfg["quantization_config"]["weight_block_size"])
+    t = _folder_tensors(folder)
+    out_t = {}
+    for k, v in t.items():
+        if "_scale_inv" in k or k.endswith((".scale", ".ngram_embedding.weight_scale")):
+            continue
+        if v.dtype != torch.float8_e4m3fn:
+            out_t[k] = v
+            continue
+        if ".ngram_embedding.shard_" in k:  # an FP8Embedding's shard: one float32 scale per table
+            scale = t[k.split(".shard_")[0] + ".weight_scale"].double()
+            out_t[k] = (v.double() * scale).float()
+            continue
+        base = k[: -len(".weight")]
+        own = next((base + s for s in (".weight_scale_inv", ".scale") if base + s in t), None)
+        if own is not None:
+            out_t[k] = dequantize_fp8(v, t[own], block, torch.float64).float()
+            continue
+        experts, e, proj = base.rsplit(".", 2)
+        merged = t[f"{experts}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}_scale_inv"][int(e)]
+        if proj != "down_proj":  # the fused gate_up weight's block rows, row by row
+            lo = 0 if proj == "gate_proj" else moe_intermediate
+            rows = (torch.arange(v.shape[0]) + lo) // block[0]
+            merged = merged[rows]
+            out_t[k] = dequantize_fp8(v, merged, (1, block[1]), torch.float64).float()
+        else:
+            out_t[k] = dequantize_fp8(v, merged, block, torch.float64).float()
+    cfg.pop("quantization_config")
+    return _save_folder_as(folder, out, out_t, cfg)
+
+
+def fp8_ple_folder(folder: Path, out: Path) -> Path:
+    """A Qwen4Exp folder whose PLE tables are stored as transformers' ``FP8Embedding``
+    holds them (quantization_config.modules_to_convert naming ``ngram_embedding``): each
+    layer's table quantized to E4M3 with one float32 scale (amax / 448), written as the
+    shards ``torch.chunk`` makes of it (the save's Chunk) beside ``...ngram_embedding.
+    weight_scale [1]``. transformers 5.25 loads this layout (on a CPU too) but cannot
+    write it (its save of a pre-quantized Qwen4Exp fails in the shard Chunk), so the
+    layout is laid out here, under transformers' names."""
+    import torch
+
+    t = _folder_tensors(folder)
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    stems = sorted({k.split(".shard_")[0] for k in t if ".ngram_embedding.shard_" in k})
+    for stem in stems:
+        names = sorted((k for k in t if k.startswith(stem + ".shard_")),
+                       key=lambda k: int(k.rsplit("shard_", 1)[1][: -len(".weight")]))
+        table = torch.cat([t[k] for k in names]).float()
+        scale = (table.abs().max() / 448.0).reshape(1)
+        q = (table / scale).to(torch.float8_e4m3fn)
+        for k in names:
+            t.pop(k)
+        for i, part in enumerate(torch.chunk(q, text["split_ngram_parts"])):
+            t[f"{stem}.shard_{i}.weight"] = part.contiguous()
+        t[f"{stem}.weight_scale"] = scale.float()
+    qc = cfg.get("quantization_config") or {"activation_scheme": "dynamic", "quant_method": "fp8",
+                                             "weight_block_size": [128, 128], "scale_fmt": "float"}
+    qc["modules_to_convert"] = ["ngram_embedding"]
+    cfg["quantization_config"] = qc
+    return _save_folder_as(folder, out, t, cfg)

@@ -45,7 +45,7 @@ QWEN4_PLUGINS = ("EngramCausalConv1d", "EngramGatedDeltaNet", "EngramGather", "E
 # (config, PLE shard storage): F32 is what save_pretrained writes. Rows: 16 / 4 heads = 4
 # wide, 24 / 3 = 8, 12 / 3 = 4.
 GRAPH_CASES = (("hc2-ple1-qsa", "F32"), ("hc4-ple2-interval2", "BF16"), ("no-ple-tied-sigmoid", "F32"),
-               ("ngram4-three-layers", "F16"))
+               ("ngram4-three-layers", "F16"), ("ngram4-chunk13", "F32"))
 EXTRA = [[7, 8], [9, EOS], [EOS, 12]]  # the two decode steps' tokens of each prompt
 # The parity config as transformers saves it: F32 PLE shards, rows 4 wide (16 / 4 heads).
 BUILD_CASE = CASES["hc2-ple1-qsa"]
@@ -110,7 +110,8 @@ def test_exported_graph_equals_transformers(graph_case: tuple[str, Path, Any]) -
         storage = _shard_dtypes(folder)
         assert len(storage) == 1 and exported.io["ple"]["table_dtype"] == {"F32": "fp32", "BF16": "bf16",
                                                                             "F16": "fp16"}[storage.pop()]
-        assert cfg.ple.head_dim == {"hc2-ple1-qsa": 4, "hc4-ple2-interval2": 8, "ngram4-three-layers": 4}[name]
+        assert cfg.ple.head_dim == {"hc2-ple1-qsa": 4, "hc4-ple2-interval2": 8, "ngram4-three-layers": 4,
+                                    "ngram4-chunk13": 4}[name]
         gathers = [n for n in exported.model.graph.node if n.op_type == "EngramGather"]
         codes = {a.i for n in gathers for a in n.attribute if a.name == "table_dtype"}
         assert codes == {{"bf16": 1, "fp16": 2, "fp32": 3}[table_dtype]}
@@ -232,6 +233,51 @@ def test_served_engine_folder_gives_transformers_tokens(built: tuple) -> None:
     finally:
         if proc.poll() is None:
             stop_serve(proc)
+
+
+# -- PLE rows that do not divide by split_ngram_parts ---------------------------------------
+
+@pytest.fixture(scope="module")
+def built_uneven(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]], str | None]:
+    """hc4-ple2-chunk64 as transformers saves it: 224 and 272 PLE rows in 64 parts, so 56
+    shards of 4 rows and 55 of 5 (the last 2): (checkpoint, engine folder, transformers'
+    greedy tokens, why no engine)."""
+    root = tmp_path_factory.mktemp("qwen4uneven")
+    model = save_qwen4(root / "ck", seed=33, **CASES["hc4-ple2-chunk64"])
+    want = [hf_greedy(model, p) for p in PROMPTS]
+    why = engine_skip_reason(QWEN4_PLUGINS)
+    argv = ["build", str(root / "ck"), "--output", str(root / "engine"), "--json", "--max-batch", "4",
+            "--max-seq-len", "64", "--max-num-tokens", "64"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv + (["--no-engine"] if why else [])) == 0
+    return root / "ck", root / "engine", want, why
+
+
+def test_uneven_ple_shards_build_and_serve_transformers_tokens(built_uneven: tuple, capsys: Any) -> None:
+    """The manifest records each shard torch.chunk wrote (row counts 4 / 5 and the last 2,
+    in part order, with checksums); TensorRT-RTX builds the engine; the engine folder
+    through LLM and run gives transformers' greedy tokens."""
+    from engram_trt import LLM, SamplingParams
+
+    ck, engine, want, why = built_uneven
+    manifest = json.loads((engine / "manifest.json").read_text())
+    data = (ck / "model.safetensors").read_bytes()
+    for layer, (n, rows, last) in ((0, (56, 4, 4)), (2, (55, 5, 2))):
+        mine = [t for t in manifest["tables"] if t["tensor"].startswith(f"model.layers.{layer}.")]
+        stem = f"model.layers.{layer}.ple.ple_embedding.ngram_embedding"
+        assert [t["tensor"] for t in mine] == [f"{stem}.shard_{i}.weight" for i in range(n)]
+        assert [t.get("part", 0) for t in mine] == list(range(n))
+        assert [t["shape"][0] for t in mine] == [rows] * (n - 1) + [last]
+        for t in mine:
+            assert t["sha256"] == hashlib.sha256(data[t["offset"]:t["offset"] + t["nbytes"]]).hexdigest()
+    assert manifest["graph"]["io"]["ple"]["table_rows"] == [224, 272]
+    if not why:
+        assert (engine / "model.engine").stat().st_size > 0
+    with LLM(str(engine), device="cpu", dtype="fp32", progress=False) as llm:
+        assert llm.source.kind == "engine" and len(llm.source.table_refs) == 56 + 55
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert run_json(engine, PROMPTS[1], NEW_TOKENS, capsys)["token_ids"] == want[1]
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -56,7 +56,24 @@ CASES: dict[str, dict[str, Any]] = {
                               ple_embed_dim=12, ngram_size=4, heads_per_ngram=1, ngram_vocab_size_base=40,
                               make_ngram_vocab_size_divisible_by=4, split_ngram_parts=1, eos_token_id=[EOS, 3],
                               ple_conv_kernel_size=3, hc_count=3),
+    # PLE rows that do not divide by split_ngram_parts: transformers' save writes what
+    # torch.chunk gives, ceil(rows / chunk) shards of chunk = ceil(rows / parts) rows, fewer
+    # than split_ngram_parts. 224 rows in 64 parts: 56 shards of 4; 272 rows: 55 shards of 5,
+    # the last of 2.
+    "hc4-ple2-chunk64": dict(hc_count=4, full_attention_interval=2, ple_layer_ids=[1, 3], ple_embed_dim=24,
+                             ngram_size=2, heads_per_ngram=3, ngram_vocab_size_base=70,
+                             make_ngram_vocab_size_divisible_by=16, split_ngram_parts=64, indexer_budget=8,
+                             indexer_compress_ratio=4),
+    # 132 rows in 13 parts: 12 shards of 11 rows.
+    "ngram4-chunk13": dict(layer_types=["linear_attention", "linear_attention", "full_attention"], num_hidden_layers=3,
+                           ple_layer_ids=[2], ple_embed_dim=12, ngram_size=4, heads_per_ngram=1,
+                           ngram_vocab_size_base=40, make_ngram_vocab_size_divisible_by=4, split_ngram_parts=13,
+                           eos_token_id=[EOS, 3], ple_conv_kernel_size=3, hc_count=3),
 }
+
+
+# the cases whose PLE rows do not divide by split_ngram_parts (fewer shards than parts)
+UNEVEN = ("hc4-ple2-chunk64", "ngram4-chunk13")
 
 
 def randomized(model: Any, seed: int) -> Any:
@@ -172,6 +189,38 @@ def test_bad_checkpoints_refused_in_one_line(tmp_path: Path, capsys: Any, bad: s
     assert_run_refused(folder, needle, capsys)
 
 
+def _resplit_ple(folder: Path, sizes: list[int]) -> None:
+    """The saved PLE table of the one PLE layer re-split into shards of ``sizes`` rows."""
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    stem = next(k for k in tensors if ".ngram_embedding.shard_0." in k).replace("shard_0.", "shard_{}.")
+    n = sum(1 for k in tensors if ".ngram_embedding.shard_" in k)
+    table = torch.cat([tensors.pop(stem.format(i)) for i in range(n)])
+    assert sum(sizes) == table.shape[0]
+    for i, part in enumerate(torch.split(table, sizes)):
+        tensors[stem.format(i)] = part.clone()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("layout", ["one-shard-more", "other-sizes", "fewer-shards"])
+def test_ple_shards_torch_chunk_would_not_write_refused(tmp_path: Path, capsys: Any, layout: str) -> None:
+    """132 rows in split_ngram_parts=13: torch.chunk writes 12 shards of 11 rows. The same
+    rows in 13 shards, in 12 shards of other sizes, or in 11 shards are refused by name."""
+    folder = tmp_path / "ck"
+    save_qwen4(folder, seed=6, **CASES["ngram4-chunk13"])
+    assert shard_rows_saved(folder) == {1: [11] * 12}
+    sizes, needle = {
+        "one-shard-more": ([11] * 11 + [6, 5], r"shard torch\.chunk does not write: \S+shard_12\.weight"),
+        "other-sizes": ([10, 12] + [11] * 10,
+                        r"shard_0\.weight has 10 rows but torch\.chunk.* writes 12 shard\(s\) of 11 rows"),
+        "fewer-shards": ([12] * 11, r"shard_11\.weight is missing \(torch\.chunk.* writes 12 shard"),
+    }[layout]
+    _resplit_ple(folder, sizes)
+    assert_run_refused(folder, needle, capsys)
+
+
 def test_inspect_lists_ple_tables(case: tuple[str, Path, Any], capsys: Any) -> None:
     name, folder, _model = case
     code = main(["inspect", str(folder), "--json"])
@@ -184,10 +233,32 @@ def test_inspect_lists_ple_tables(case: tuple[str, Path, Any], capsys: Any) -> N
     layers = info["ple"]["layers"]
     assert [e["ple_layer_id"] for e in layers] == spec["ple_layer_ids"]
     heads = (spec["ngram_size"] - 1) * spec["heads_per_ngram"]
+    shards = shard_rows_saved(folder)
     for e in layers:
-        assert e["shards"] == spec["split_ngram_parts"] and e["width"] == spec["ple_embed_dim"] // heads
+        # the shards transformers' save wrote (torch.chunk: fewer than split_ngram_parts
+        # when the rows do not divide)
+        saved = shards[e["ple_layer_id"] - 1]
+        chunk = -(-e["table_rows"] // spec["split_ngram_parts"])
+        assert e["shards"] == len(saved) == -(-e["table_rows"] // chunk) <= spec["split_ngram_parts"]
+        assert e["chunk_rows"] == saved[0] == chunk and e["last_shard_rows"] == saved[-1]
+        assert e["width"] == spec["ple_embed_dim"] // heads and e["split_ngram_parts"] == spec["split_ngram_parts"]
         assert e["table_rows"] == e["layout_rows"] and e["table_rows"] % spec["make_ngram_vocab_size_divisible_by"] == 0
         assert e["bytes"] == e["table_rows"] * e["width"] * 4  # float32 rows as transformers saved them
+    if name in UNEVEN:
+        assert any(e["shards"] < spec["split_ngram_parts"] for e in layers)
+
+
+def shard_rows_saved(folder: Path) -> dict[int, list[int]]:
+    """Per decoder layer, the rows of each PLE shard in the saved file, in shard order."""
+    from safetensors import safe_open
+
+    out: dict[int, dict[int, int]] = {}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            if ".ngram_embedding.shard_" in k:
+                layer = int(k.split("layers.")[1].split(".")[0])
+                out.setdefault(layer, {})[int(k.rsplit("shard_", 1)[1].split(".")[0])] = f.get_slice(k).get_shape()[0]
+    return {layer: [d[i] for i in range(len(d))] for layer, d in out.items()}
 
 
 def test_build_takes_the_f32_ple_tables_transformers_saves(tmp_path: Path, capsys: Any) -> None:

@@ -101,15 +101,15 @@ def test_decode_graphs_equal_eager_steps(expected) -> None:
     import torch
 
     from engram_trt.models.qwen4_exp.graphs import Qwen4ExpDecodeGraphs
-    from engram_trt.models.qwen4_exp.ple_tables import PLETables, shard_names
+    from engram_trt.models.qwen4_exp.ple_tables import PLETables, table_shard_names
 
     prompts = [list(p) for p in expected["prompts"]]
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         ckpt, model = _load("cuda", dtype)
         if dtype == torch.bfloat16:
             cfg = model.config
-            tables = [torch.cat([ckpt.get(n) for n in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts)])
-                      .to("cuda", torch.bfloat16) for layer in cfg.ple.layers]
+            tables = [torch.cat([ckpt.get(n) for n in table_shard_names(cfg, li)]).to("cuda", torch.bfloat16)
+                      for li in range(len(cfg.ple.layers))]
             model.ple_tables = PLETables.from_tensors(tables)
         te, tg, diff, graphs, se, sg = _decode_both(model, prompts, 12, Qwen4ExpDecodeGraphs)
         record(f"{name}: decode graphs recorded", graphs.failed is None and graphs.replays == 12,

@@ -25,14 +25,14 @@ def ple_tables_of(ckpt: Any) -> list[np.ndarray]:
     memory store holds); the tests' and scripts' binding for the runner."""
     import torch
 
-    from engram_trt.models.qwen4_exp.ple_tables import shard_names
+    from engram_trt.models.qwen4_exp.ple_tables import table_shard_names
 
     cfg = ckpt.config
     if cfg.ple is None:
         return []
     out = []
-    for layer in cfg.ple.layers:
-        parts = [ckpt.get(n) for n in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts)]
+    for li, layer in enumerate(cfg.ple.layers):
+        parts = [ckpt.get(n) for n in table_shard_names(cfg, li)]  # the shards torch.chunk wrote
         kinds = {p.dtype for p in parts}
         if len(kinds) != 1 or not kinds <= {torch.bfloat16, torch.float16, torch.float32}:
             raise EngramError(f"PLE shards of layer {layer + 1} are {sorted(map(str, kinds))}: the graph's gather reads "

@@ -14,6 +14,12 @@ FP8 tables are stored as ``F8_E4M3`` (``torch.float8_e4m3fn``) and their ue8m0 s
 as ``F8_E8M0`` (``torch.float8_e8m0fnu``); safetensors >= 0.6 reads and writes both.
 Consumers that feed kernels view both as ``uint8`` (one byte per value).
 
+Fine-grained FP8 checkpoints (``quantization_config`` with ``quant_method: "fp8"``) store
+linear weights as ``F8_E4M3`` with their block scales beside them
+(``<module>.weight_scale_inv`` or ``<module>.scale``): :func:`fp8_weight_problem` holds one
+such weight to its config, and :meth:`Checkpoint.lazy` hands a model loader the tensors
+one at a time (read when taken, never all held at once).
+
 Every file is confined to the folder: an index entry that is absolute or climbs out
 (``../``) is refused, and so is a file that is a link leading out of the folder (a
 Hugging Face hub snapshot, whose files link to ``../../blobs``, is confined to its
@@ -32,7 +38,7 @@ import re
 import shlex
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -77,6 +83,12 @@ def engram_tensor_names(layer_id: int, prefix: str = "engram") -> dict[str, str]
         "q_weight": f"{base}.q_weight",
         "k_weight": f"{base}.k_weight",
     }
+
+
+def is_linear_weight(name: str) -> bool:
+    """Whether a backbone / Engram tensor name is a linear layer's weight (the ones a
+    fine-grained FP8 checkpoint may store as F8_E4M3): the projections, the head, wkv."""
+    return name.endswith(("_proj.weight", ".wkv.weight")) or name == "lm_head.weight"
 
 
 def backbone_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -247,6 +259,11 @@ class Checkpoint:
         info = self.info(name)
         return self._handle(info.file).get_tensor(name)
 
+    def lazy(self, names: Any = None) -> "LazyTensors":
+        """The tensors ``names`` (default: all) as a mapping that reads one when a loader
+        takes it: a model loads shard by shard, never holding the checkpoint in a dict."""
+        return LazyTensors(self, names)
+
     def _file_bytes(self, file: Path) -> np.ndarray:
         entry = self._maps.get(file)
         if entry is None:
@@ -303,6 +320,46 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, tensors={len(self._infos)})"
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by name, each read from its shard when asked for and not
+    kept (the loader copies it where it goes and drops it): the weights mapping the
+    model loaders take (:meth:`Checkpoint.lazy`). :meth:`stored_dtype` answers from the
+    shard header, without reading the tensor."""
+
+    def __init__(self, ckpt: "Checkpoint", names: Any = None) -> None:
+        self._ckpt = ckpt
+        self._names = ckpt.tensor_names() if names is None else [n for n in names if n in ckpt]
+        self._set = frozenset(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._set:
+            raise KeyError(name)
+        return self._ckpt.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The tensor's dtype as stored (from its shard's header; no data read)."""
+        return self._ckpt.dtype(name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self._ckpt.shape(name)
+
+
+def stored_dtype(weights: Mapping[str, torch.Tensor], name: str) -> torch.dtype:
+    """``weights[name]``'s dtype, from the header when ``weights`` is lazy (no read)."""
+    if isinstance(weights, LazyTensors):
+        return weights.stored_dtype(name)
+    return weights[name].dtype
 
 
 def _tensor_nbytes(t: torch.Tensor) -> int:
@@ -399,14 +456,99 @@ def _engram_layout_for(ckpt: Checkpoint) -> Any:
 
 
 # The stored dtypes a backbone weight may have: read as floats and cast to the compute
-# dtype. Integer or FP8 weights would need a dequantization the model does not do.
+# dtype. Beside them, a linear weight may be FP8 (F8_E4M3 with block scales) where the
+# config declares a fine-grained FP8 quantization_config (fp8_weight_problem); integer
+# weights (GPTQ, AWQ, ...) are refused.
 BACKBONE_DTYPES = ("F32", "BF16", "F16", "F64")
+FP8_WEIGHT_DTYPE = "F8_E4M3"
+
+
+def checkpoint_quant(ckpt: "Checkpoint") -> Any:
+    """The checkpoint's :class:`~engram_trt.quant.spec.QuantSpec` (None: float weights):
+    its typed config's, or read from config.json when the config was read without an
+    architecture's reader (an unserved method: ConfigError)."""
+    quant = getattr(ckpt.config, "quant", None)
+    if quant is not None:
+        return quant
+    from engram_trt.quant.spec import read_quant_spec
+
+    return read_quant_spec(ckpt.config_dict, str(ckpt.path / CONFIG_NAME))
+
+
+def listed_not_to_convert(module: str, quant: Any) -> str | None:
+    """The ``modules_to_not_convert`` entry that keeps ``module`` in 16 bits (None: none),
+    by transformers' rule (``should_convert_module``): an entry matches as a regex from the
+    start of the name up to a module boundary (``layers.1`` matches ``layers.1.mlp``, not
+    ``layers.11``; ``layers.*.mlp.gate`` not ``mlp.gate_proj``), or as a suffix of the name."""
+    for key in getattr(quant, "modules_to_not_convert", ()) or ():
+        try:
+            if re.match(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(key):
+                return key
+        except re.error:
+            if module.endswith(key):
+                return key
+    return None
+
+
+def module_of(weight_name: str) -> str:
+    """``model.layers.0.mlp.up_proj`` of ``model.layers.0.mlp.up_proj.weight``."""
+    return weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+
+
+def fp8_weight_problem(ckpt: Any, name: str, shape: tuple[int, ...], quant: Any, scale_name: str | None = None,
+                       scale_shape: tuple[int, ...] | None = None) -> str | None:
+    """The problem (one line naming the tensor; None if none) of a linear weight ``name``
+    stored F8_E4M3 whose logical shape is ``shape`` ``[..., N, K]``: the config must declare
+    FP8 (``quant``), must not list the module in ``modules_to_not_convert``, and its block
+    scales must be stored beside it (``<module>.weight_scale_inv`` or ``<module>.scale``,
+    or ``scale_name`` where an architecture keeps them elsewhere: transformers' merged expert
+    scales, whose per-expert shape is ``scale_shape``) as F32 (or BF16 / F16) floats or
+    F8_E8M0 / U8 ue8m0 bytes, one per block."""
+    from engram_trt.quant.names import SCALE_DTYPES, find_scale
+    from engram_trt.quant.weight import check_quant_tensors
+
+    st = ckpt.st_dtype(name)
+    if quant is None:
+        return (f"tensor {name} is {st} but config.json declares no quantization_config (an FP8 checkpoint's config "
+                f"carries quantization_config with quant_method \"fp8\" and its weight_block_size); restore it, or "
+                f"serve the 16-bit weights")
+    module = module_of(name)
+    listed = listed_not_to_convert(module, quant)
+    if listed is not None:
+        return (f"tensor {name} is {st} but quantization_config.modules_to_not_convert lists {module} (as "
+                f"{listed!r}: kept in 16 bits): the checkpoint and its config disagree; fix the list or the tensor")
+    if scale_name is None:
+        scale_name = find_scale(name, ckpt)
+    if scale_name is None or scale_name not in ckpt:
+        return check_quant_tensors(name, "fp8", shape, ckpt.shape(name), None, quant.block_for(shape))
+    sst = ckpt.st_dtype(scale_name)
+    if sst not in SCALE_DTYPES:
+        return (f"scale {scale_name} of {name} is {sst} (expected F32 float scales, or F8_E8M0 ue8m0 bytes, one "
+                f"per {'x'.join(map(str, quant.block_for(shape)))} block)")
+    got_scale = ckpt.shape(scale_name) if scale_shape is None else scale_shape
+    return check_quant_tensors(name, "fp8", shape, ckpt.shape(name), tuple(got_scale), quant.block_for(shape))
+
+
+def float_or_fp8_problem(ckpt: Any, name: str, shape: tuple[int, ...], quant: Any, linear: bool) -> str | None:
+    """The dtype problem of a weight whose shape is right (None: none): float weights
+    read; a linear weight may be F8_E4M3 with its scales (:func:`fp8_weight_problem`)."""
+    st = ckpt.st_dtype(name)
+    if st in BACKBONE_DTYPES:
+        return None
+    if st == FP8_WEIGHT_DTYPE and linear:
+        return fp8_weight_problem(ckpt, name, shape, quant)
+    if st == FP8_WEIGHT_DTYPE and quant is not None:
+        return (f"tensor {name} is {st}, but only linear weights are served in FP8 (embeddings, norms and gates are "
+                f"read as floats: expected one of {', '.join(BACKBONE_DTYPES)})")
+    return (f"tensor {name} is {st}, not a float weight (expected one of {', '.join(BACKBONE_DTYPES)}); "
+            f"dequantize the checkpoint first")
 
 
 def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
     """Problems that would make the checkpoint unusable, one line each (empty = fine).
 
-    Checks the backbone tensors' presence and shapes, and per Engram layer: the table
+    Checks the backbone tensors' presence, shapes and dtypes (FP8 linear weights with
+    valid block scales where the config declares FP8), and per Engram layer: the table
     exists, has ``engram_head_dim`` columns and at least the layout's rows, its dtype
     matches ``table_dtype`` and (FP8) its scale has shape ``[rows, head_dim/quant_block]``;
     ``wkv`` is ``[(hc+1)*hidden, n_hash_cols*head_dim]``; ``q_weight``/``k_weight`` are
@@ -414,6 +556,10 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
     """
     cfg = ckpt.config
     problems: list[str] = []
+    try:
+        quant = checkpoint_quant(ckpt)
+    except ConfigError as exc:
+        return [str(exc)]
 
     def shape_of(name: str) -> tuple[int, ...] | None:
         return ckpt.shape(name) if name in ckpt else None
@@ -424,9 +570,10 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
             problems.append(f"tensor {name} is missing (expected shape {list(want)})")
         elif got != want:
             problems.append(f"tensor {name} has shape {list(got)} but the config needs {list(want)}")
-        elif ckpt.st_dtype(name) not in BACKBONE_DTYPES:
-            problems.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight (expected one of "
-                            f"{', '.join(BACKBONE_DTYPES)}); dequantize the checkpoint first")
+        else:
+            bad = float_or_fp8_problem(ckpt, name, want, quant, is_linear_weight(name))
+            if bad is not None:
+                problems.append(bad)
     spec: EngramSpec | None = cfg.engram
     if spec is None:
         return problems
@@ -479,6 +626,10 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
             problems.append(f"tensor {names['wkv']} is missing (expected {list(want_wkv)})")
         elif got != want_wkv:
             problems.append(f"tensor {names['wkv']} has shape {list(got)} but needs [(hc_mult+1)*hidden, n_hash_cols*head_dim] = {list(want_wkv)}")
+        else:
+            bad = float_or_fp8_problem(ckpt, names["wkv"], want_wkv, quant, linear=True)
+            if bad is not None:
+                problems.append(bad)
         for key in ("q_weight", "k_weight"):
             got = shape_of(names[key])
             if got is None:

@@ -283,6 +283,10 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     torch_dtype: str = "bfloat16"
     engram: EngramSpec | None = None
+    # The checkpoint's stored weight formats (an engram_trt.quant.QuantSpec from its
+    # quantization_config), set by the architecture's reader (models/engram_llama/config.py);
+    # None: float weights. Typed loosely: config/ sits below quant/ in the layer order.
+    quant: Any = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -382,7 +386,7 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.extra)
         base = asdict(self)
-        for k in ("engram", "extra", "rope"):
+        for k in ("engram", "extra", "rope", "quant"):
             base.pop(k)
         d.update(base)
         for k in ROPE_FIELDS:

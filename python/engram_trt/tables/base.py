@@ -6,7 +6,9 @@ memory (``memory``), GPU memory (``device``) and the checkpoint files themselves
 Every store hands out, per Engram layer, the stored bytes as torch tensors: FP8 e4m3
 rows viewed as ``uint8 [rows, head_dim]`` with ue8m0 scales ``uint8 [rows,
 head_dim/quant_block]``, or bf16 rows ``[rows, head_dim]`` with no scales (Qwen4Exp's
-PLE tables may also be f16 / f32 rows, as a checkpoint saved them). Consumers
+PLE tables may also be f16 / f32 rows, as a checkpoint saved them, or FP8 rows scaled per
+table, handed out as ``float8_e4m3fn`` without scales: the consumer applies the table's
+scale, :attr:`~engram_trt.tables.source.TableRef.table_scale`). Consumers
 (the reference gather, the kernel library's gathers, the prefetcher) pick their path
 from :attr:`TableStore.gpu_readable`: a GPU kernel may read device and pinned/registered
 memory directly; anything else goes through the host gather.
@@ -35,7 +37,17 @@ log = logging.getLogger(__name__)
 TABLE_KINDS = ("memory", "device", "pinned", "shared", "file")
 LOAD_CHUNK = 64 * 1024 * 1024
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
+                torch.float8_e4m3fn: "fp8-table-scaled"}
+
+
+def _typed_rows(t: torch.Tensor, ref: TableRef) -> torch.Tensor:
+    """A table's ``uint8 [rows, row_bytes]`` bytes in the dtype the stores hand out:
+    float rows as their dtype, FP8 rows with a table scale as ``float8_e4m3fn``, FP8
+    rows with per-row scales (and the scales) as ``uint8``."""
+    if ref.itemsize > 1:
+        return t.view(_TORCH_DTYPES.get(ref.dtype, torch.bfloat16))
+    return t.view(torch.float8_e4m3fn) if ref.table_scale is not None else t
 
 
 @dataclass
@@ -98,10 +110,10 @@ class TableStore:
                     t = t.regions[0]  # the parts are one tensor in row order
                 else:
                     r0 = t.regions[0]
-                    if s is not None or any(r.ndim != 2 or r.element_size() == 1 or r.shape[1] != r0.shape[1]
+                    if s is not None or any(r.ndim != 2 or r.dtype == torch.uint8 or r.shape[1] != r0.shape[1]
                                             or r.dtype != r0.dtype for r in t.regions):
                         raise EngramError(f"table {i}: a table in several parts must be 2-D rows of one width and one "
-                                          f"float dtype, without scales")
+                                          f"float (or table-scaled FP8) dtype, without scales")
                     self._rows.append(None)
                     self._scales.append(None)
                     self._parts.append(t)
@@ -110,7 +122,7 @@ class TableStore:
             if t.ndim != 2:
                 raise EngramError(f"Engram table {i} must be 2-D [rows, head_dim] (got {tuple(t.shape)})")
             if s is None:
-                if t.element_size() == 1:
+                if t.element_size() == 1 and t.dtype != torch.float8_e4m3fn:
                     raise EngramError(f"Engram table {i} is one byte per value (FP8) but has no scales")
             else:
                 want = (t.shape[0], t.shape[1] // self.quant_block)
@@ -190,7 +202,8 @@ class TableStore:
         """Rows ``ids`` (any int shape) of layer ``layer_idx``: ``[*ids.shape, head_dim]``
         on ``ids``'s device, in the stored dtype (bf16 for Engram tables), FP8
         dequantized to bf16 as the GPU gather kernel does (FP8 times a power of two is
-        exact in bf16). The reference path: ids are checked."""
+        exact in bf16); FP8 rows scaled per table as stored (``float8_e4m3fn``: the
+        consumer applies the scale). The reference path: ids are checked."""
         from engram_trt.engram.quant import dequant_fp8_rows_torch
 
         self._check_open()
@@ -217,9 +230,12 @@ class TableStore:
         regions = self._tensors_of(layer_idx)
         which, local = self.locate(layer_idx, flat.cpu())
         out = torch.empty((flat.numel(), self.head_dim(layer_idx)), dtype=regions[0].dtype)
+        # FP8 bytes copied as bytes (index_put has no float8 kernels)
+        raw = out.view(torch.uint8) if out.element_size() == 1 else out
         for r in torch.unique(which).tolist():
             sel = (which == r).nonzero().flatten()
-            out[sel] = regions[r][local[sel]]
+            region = regions[r].view(torch.uint8) if out.element_size() == 1 else regions[r]
+            raw[sel] = region[local[sel]]
         return out
 
     # -- accounting ------------------------------------------------------------------
@@ -319,7 +335,7 @@ class FileTables(TableStore):
 
     @staticmethod
     def _typed(ref: TableRef, t: torch.Tensor) -> torch.Tensor:
-        return t.view(_TORCH_DTYPES.get(ref.dtype, torch.bfloat16)) if ref.itemsize > 1 else t
+        return _typed_rows(t, ref)
 
     def _map(self, ref: TableRef) -> np.ndarray:
         if len(ref.parts) > 1:
@@ -408,8 +424,7 @@ def _load_progress(refs: Sequence[TableRef], kind: str, progress: bool) -> Any:
 
 
 def _shape_tensor(buf: torch.Tensor, ref: TableRef) -> torch.Tensor:
-    t = buf.view(torch.uint8).reshape(ref.shape[0], ref.row_bytes)
-    return t.view(_TORCH_DTYPES.get(ref.dtype, torch.bfloat16)) if ref.itemsize > 1 else t
+    return _typed_rows(buf.view(torch.uint8).reshape(ref.shape[0], ref.row_bytes), ref)
 
 
 def _load_layers(refs: Sequence[TableRef], kind: str, progress: bool,

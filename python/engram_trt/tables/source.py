@@ -15,13 +15,19 @@ cheap to thorough:
 * :func:`verify_table_hashes` on request (``--verify-tables``): every byte re-hashed
   against the table's sha256.
 
-A table may be several regions: Qwen4Exp's PLE table of a layer is
-``split_ngram_parts`` row shards, possibly in different safetensors files. Each shard
-is then its own ref (``part`` 0, 1, ... in row order, each with its own sha256 and
-block hashes, so the checks above cover it unchanged), and :func:`layer_refs` joins a
-layer's parts into one ref whose ``regions`` lists them: the stores fill one buffer
-per layer region by region (:func:`~engram_trt.tables.base.read_region_into`), the
-file store maps each region.
+A table may be several regions: Qwen4Exp's PLE table of a layer is the row shards
+``torch.chunk(table, split_ngram_parts)`` writes (``ceil(rows / chunk)`` of them),
+possibly in different safetensors files. Each shard is then its own ref (``part`` 0,
+1, ... in row order, each with its own sha256 and block hashes, so the checks above
+cover it unchanged), and :func:`layer_refs` joins a layer's parts into one ref whose
+``regions`` lists them: the stores fill one buffer per layer region by region
+(:func:`~engram_trt.tables.base.read_region_into`), the file store maps each region.
+
+FP8 rows come with per-row ue8m0 scales (an Engram table: a ``scales`` ref), or, for a
+Qwen4Exp PLE table transformers stores as an ``FP8Embedding``, with one float32 scale for
+the whole table: the ref's ``table_scale`` (recorded in the manifest), no scales ref; the
+stores hand such rows out as ``float8_e4m3fn`` and the consumer multiplies the rows it
+gathered by the scale.
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class TableRef:
     # Set only on a joined ref (layer_refs): the layer's parts in row order; shape and
     # nbytes are the whole table's, file and offset the first part's.
     regions: tuple["TableRef", ...] = ()
+    # FP8 rows scaled by this one float for the whole table (module docstring); None:
+    # float rows, or FP8 rows with a scales ref.
+    table_scale: float | None = None
 
     @property
     def parts(self) -> tuple["TableRef", ...]:
@@ -119,6 +128,8 @@ class TableRef:
             d["block_hashes"] = list(self.block_hashes)
         if self.part:
             d["part"] = self.part
+        if self.table_scale is not None:
+            d["table_scale"] = self.table_scale
         return d
 
     @classmethod
@@ -140,9 +151,12 @@ class TableRef:
                 blocks = tuple(blocks)
             ref = cls(int(d["layer_id"]), int(d["layer_index"]), role, str(d["tensor"]), f, int(d["offset"]),
                       int(d["nbytes"]), shape, str(d["dtype"]), None if d.get("sha256") is None else str(d["sha256"]),
-                      block_bytes, blocks, int(d.get("part", 0)))
+                      block_bytes, blocks, int(d.get("part", 0)),
+                      table_scale=None if d.get("table_scale") is None else float(d["table_scale"]))
             if ref.part < 0:
                 raise ValueError(f"part {ref.part}")
+            if ref.table_scale is not None and not (ref.table_scale > 0 and ref.table_scale < float("inf")):
+                raise ValueError(f"table_scale {ref.table_scale}")
         except (KeyError, TypeError, ValueError) as exc:
             raise EngramError(f"manifest table entry {str(dict(d))[:200]} is malformed ({exc}); rebuild the engine folder") from None
         if ref.offset < 0 or ref.nbytes <= 0 or len(shape) != 2 or shape[0] * shape[1] * ref.itemsize != ref.nbytes:
@@ -236,6 +250,9 @@ def join_parts(parts: Sequence[TableRef]) -> TableRef:
     if len(parts) == 1:
         return first
     for r in parts[1:]:
+        if r.table_scale != first.table_scale:
+            raise EngramError(f"table part {r.tensor} has table_scale {r.table_scale} but part 0 ({first.tensor}) has "
+                              f"{first.table_scale}: one FP8 table has one scale")
         if r.dtype != first.dtype or r.shape[1:] != first.shape[1:]:
             raise EngramError(f"table part {r.tensor} is {r.dtype} {list(r.shape)} but part 0 ({first.tensor}) is "
                               f"{first.dtype} {list(first.shape)}: the shards of one table must share width and dtype")
@@ -259,6 +276,13 @@ def layer_refs(refs: Sequence[TableRef]) -> list[tuple[TableRef, TableRef | None
         rows = join_parts(entry["rows"])
         scales = join_parts(entry["scales"]) if "scales" in entry else None
         fp8 = rows.itemsize == 1
+        if rows.table_scale is not None:
+            if not fp8 or scales is not None:
+                raise EngramError(f"table {rows.tensor} has a table_scale but is {rows.dtype}"
+                                  f"{' with a scale table' if scales is not None else ''}: a table_scale scales FP8 "
+                                  f"rows that have no per-row scales; rebuild the engine folder")
+            out.append((rows, None))
+            continue
         if fp8 and scales is None:
             raise EngramError(f"table {rows.tensor} is FP8 but no scale table is listed for it; rebuild the engine folder")
         if scales is not None and scales.shape[0] != rows.shape[0]:

@@ -37,6 +37,15 @@ class EngramLlamaArchitecture:
         from engram_trt.checkpoint.checkpoint import engram_tensor_names
 
         names = set(self.weight_shapes(config))
+        # An FP8 checkpoint's block scales (transformers' FP8 save also writes a stale one
+        # beside each weight it leaves in 16 bits, the tied head's included: not read).
+        # Known whatever the config says, so that an FP8 weight whose config lost its
+        # quantization_config is refused for that, by name (validate_checkpoint).
+        from engram_trt.checkpoint.checkpoint import is_linear_weight
+        from engram_trt.quant.names import scale_candidates
+
+        for n in [n for n in names if is_linear_weight(n)] + ["lm_head.weight"]:
+            names.update(scale_candidates(n))
         if config.engram is not None:
             for lid in config.engram.layer_ids:
                 t = engram_tensor_names(lid, config.engram.prefix)
@@ -58,6 +67,38 @@ class EngramLlamaArchitecture:
         from engram_trt.checkpoint.checkpoint import validate_checkpoint
 
         return validate_checkpoint(ckpt, None)
+
+    def engine_problems(self, ckpt: Any) -> list[str]:
+        """What `engram-trt build` refuses before any work: FP8 weights (the ONNX export
+        reads float weights; the engine path for stored FP8 is not written yet)."""
+        fp8 = [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
+        if fp8:
+            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored "
+                    f"F8_E4M3 with block scales; serve the checkpoint folder with the torch backend "
+                    f"(engram-trt run / serve CHECKPOINT), or build from its 16-bit weights"]
+        return []
+
+    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
+                   compress_lookup: Any = None, layout: Any = None, **_: Any) -> Any:
+        """The torch module of an open checkpoint, its weights read tensor by tensor from
+        their shards (FP8 linears kept in their stored form); ``tables``: a store the
+        runtime opened (attached), else none (the runtime stages rows). The compressed
+        vocab and layout are the checkpoint's unless given."""
+        import torch
+
+        from engram_trt.checkpoint.checkpoint import require_valid
+        from engram_trt.checkpoint.vocab import engram_lookup_and_layout
+        from engram_trt.models.engram_llama.model import EngramLlama
+        from engram_trt.models.engram_llama.weights import lazy_weights
+
+        if compress_lookup is None and ckpt.config.engram is not None:
+            compress_lookup, layout = engram_lookup_and_layout(ckpt)
+        require_valid(ckpt, layout)
+        model = EngramLlama(ckpt.config, lazy_weights(ckpt), compress_lookup=compress_lookup, layout=layout,
+                            device=device, dtype=dtype or torch.float32)
+        if tables is not None:
+            model.set_tables(tables)
+        return model
 
     def build_model(self, config: ModelConfig, weights: Mapping[str, Any], **options: Any) -> Any:
         from engram_trt.models.engram_llama.model import EngramLlama

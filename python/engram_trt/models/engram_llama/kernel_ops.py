@@ -89,8 +89,13 @@ class TorchBackboneOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """A layer's projection (no bias)."""
+    def linear(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        """A layer's projection (no bias); an FP8 weight (a QuantWeight) in its stored
+        form through :func:`engram_trt.quant.weight.quant_linear`."""
+        from engram_trt.quant.weight import QuantWeight, quant_linear
+
+        if isinstance(weight, QuantWeight):
+            return quant_linear(x, weight)
         return F.linear(x, weight)
 
 
@@ -127,7 +132,14 @@ class KernelBackboneOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.backbone.silu_mul(gate_up)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
+        """A layer's projection: an FP8 weight (a QuantWeight) through the kernel library's
+        FP8 products (:func:`engram_trt.quant.weight.quant_linear`); a bf16 one through the
+        library's GEMV for a few tokens, else the GEMM library."""
+        from engram_trt.quant.weight import QuantWeight, quant_linear
+
+        if isinstance(weight, QuantWeight):
+            return quant_linear(x, weight)
         if x.dim() == 2 and x.shape[0] <= self.gemv_max_tokens and self.backbone.gemv_fits(x, weight):
             return self.backbone.gemv(x, weight, weight_static=True)  # a layer's weight: never written in a step
         return F.linear(x, weight)

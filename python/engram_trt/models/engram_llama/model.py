@@ -52,8 +52,9 @@ from engram_trt.models.engram_llama.batch_api import UniformBatchAPI
 from engram_trt.models.engram_llama.kernel_ops import KernelEngramOps, select_backbone_ops
 from engram_trt.models.kv_cache import KVCache
 from engram_trt.models.engram_llama.modules import AttentionPlan, Backbone
-from engram_trt.models.engram_llama.weights import load_weights, model_weight_shapes
+from engram_trt.models.engram_llama.weights import lazy_weights, load_weights, model_weight_shapes  # noqa: F401
 from engram_trt.models.step import PackedStep
+from engram_trt.quant.weight import QuantLinear
 from engram_trt.tables.base import TableStore
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,7 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         lookup, layout = engram_lookup_and_layout(ckpt, compressed_vocab)
         require_valid(ckpt, layout)
         t0 = time.perf_counter()
-        weights = {name: ckpt.get(name) for name in model_weight_shapes(cfg)}
+        weights = lazy_weights(ckpt)
         tables = None
         if spec is not None and table_storage is not None:
             tables = open_tables(checkpoint_table_refs(ckpt), table_storage, quant_block=spec.quant_block, device=device,
@@ -459,8 +460,11 @@ class EngramLlama(UniformBatchAPI, nn.Module):
             if not all_logits:
                 out = out.index_select(0, state.arrays["last"])
             out = self.model.norm(out)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(out, head).float()
+        if isinstance(self.lm_head, QuantLinear):  # an FP8 head, in its stored form
+            logits = self.lm_head(out).float()
+        else:
+            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(out, head).float()
         if not capture:
             self._advance(step, cache, state.cids)
         return logits

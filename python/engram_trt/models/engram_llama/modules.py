@@ -25,6 +25,7 @@ from engram_trt.config.model import ModelConfig
 from engram_trt.engram.fusion import engram_gate
 from engram_trt.models.kv_cache import KVCache
 from engram_trt.models.step import PackedStep
+from engram_trt.quant.weight import QuantLinear, QuantWeight, linear_weight
 
 ATTENTION_IMPLS = ("loop", "sdpa")
 # Above this many bytes of keys per layer, a recorded decode graph reads the KV cache in
@@ -68,6 +69,22 @@ def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     keys[plan.token_slots, :, plan.positions] = k.to(keys.dtype)
     values[plan.token_slots, :, plan.positions] = v.to(values.dtype)
     return q
+
+
+def fused_weight_of(stacked: torch.Tensor | QuantWeight | None, linears: Sequence[nn.Module]
+                    ) -> torch.Tensor | QuantWeight | None:
+    """The stack of ``linears``' weights (a tensor, or an FP8 :class:`QuantWeight` whose
+    bytes and scales are each stacked) while their weights are still its row slices, else
+    None (not fused, or a weight was replaced since: run them apart)."""
+    if isinstance(stacked, QuantWeight):
+        if not all(isinstance(m, QuantLinear) for m in linears):
+            return None
+        data = fused_rows(stacked.data, [m.weight for m in linears])
+        scale = fused_rows(stacked.scale, [m.weight_scale_inv for m in linears])
+        return stacked if data is not None and scale is not None else None
+    if stacked is None or any(isinstance(m, QuantLinear) for m in linears):
+        return None
+    return fused_rows(stacked, [m.weight for m in linears])
 
 
 def fused_rows(stacked: torch.Tensor | None, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -181,12 +198,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
         # [(H + 2 kvh) * hd, D]: q, k and v weights stacked by rows, the three projections'
         # weights being views of it (EngramLlama fuses them at load on a GPU), so one GEMM
-        # computes all three without a second copy of the weights. None: not fused.
-        self.qkv_weight: torch.Tensor | None = None
+        # computes all three without a second copy of the weights. None: not fused. FP8
+        # projections: a QuantWeight whose bytes and scales are the stacks.
+        self.qkv_weight: torch.Tensor | QuantWeight | None = None
 
-    def fused_weight(self) -> torch.Tensor | None:
+    def fused_weight(self) -> torch.Tensor | QuantWeight | None:
         """The stacked q / k / v weight, while the projections' weights are its views."""
-        return fused_rows(self.qkv_weight, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        return fused_weight_of(self.qkv_weight, (self.q_proj, self.k_proj, self.v_proj))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
                 cache: KVCache, layer: int, ops: Any = None) -> torch.Tensor:
@@ -216,7 +234,7 @@ class Attention(nn.Module):
             if plan.decode:
                 out[plan.decode_rows] = self._attend_decode(q[plan.decode_rows], keys, values, plan)
         out = out.reshape(T, self.n_heads * self.head_dim)
-        return self.o_proj(out) if ops is None else ops.linear(out, self.o_proj.weight)
+        return self.o_proj(out) if ops is None else ops.linear(out, linear_weight(self.o_proj))
 
     def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
         """One sequence: ``q [n, H, hd]`` (its last n positions), ``k/v [kvh, L, hd]``
@@ -276,17 +294,17 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, D, bias=False)
         # [2I, D]: gate and up weights stacked by rows, theirs being views of it (as
         # Attention.qkv_weight). None: not fused.
-        self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up_weight: torch.Tensor | QuantWeight | None = None
 
-    def fused_weight(self) -> torch.Tensor | None:
+    def fused_weight(self) -> torch.Tensor | QuantWeight | None:
         """The stacked gate / up weight, while the projections' weights are its views."""
-        return fused_rows(self.gate_up_weight, (self.gate_proj.weight, self.up_proj.weight))
+        return fused_weight_of(self.gate_up_weight, (self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """With ``ops`` and fused weights: one GEMM for gate and up, the activation in ``ops``."""
         gate_up_weight = None if ops is None else self.fused_weight()
         if gate_up_weight is not None:
-            return ops.linear(ops.silu_mul(ops.linear(x, gate_up_weight)), self.down_proj.weight)
+            return ops.linear(ops.silu_mul(ops.linear(x, gate_up_weight)), linear_weight(self.down_proj))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -309,8 +327,9 @@ class EngramModule(nn.Module):
         runs in the kernel library when ``ops`` is given (bf16 only); ``linear(x, weight)``
         computes the wkv projection when given (the fused path's backbone ops)."""
         T = hidden.shape[0]
-        x = rows.reshape(T, -1).to(self.wkv.weight.dtype)
-        kv = self.wkv(x) if linear is None else linear(x, self.wkv.weight)
+        # the compute dtype: the float weight's, or the residual's for an FP8 wkv
+        x = rows.reshape(T, -1).to(hidden.dtype if isinstance(self.wkv, QuantLinear) else self.wkv.weight.dtype)
+        kv = self.wkv(x) if linear is None else linear(x, linear_weight(self.wkv))
         args = (hidden, kv, self.q_weight, self.k_weight, live)
         return engram_gate(*args, self.eps) if ops is None else ops.gate(*args, self.eps)
 

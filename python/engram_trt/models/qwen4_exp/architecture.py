@@ -18,13 +18,10 @@ PLE_SHARD_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 
 
 def ple_layout(config: Qwen4ExpConfig) -> Any:
-    from engram_trt.engram.ple_hash import PLEHashLayout
+    """The PLE hash layout of a config (its primes searched once per PLE spec)."""
+    from engram_trt.models.qwen4_exp.ple_tables import ple_layout as layout_of
 
-    p = config.ple
-    return PLEHashLayout.from_config(
-        vocab_size=config.vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
-        ngram_vocab_size_base=p.vocab_size_base, make_ngram_vocab_size_divisible_by=p.divisible_by, seed=p.seed,
-        eos_token_id=config.first_eos, num_layers=len(p.layers))
+    return layout_of(config)
 
 
 class Qwen4ExpArchitecture:
@@ -47,14 +44,37 @@ class Qwen4ExpArchitecture:
     def tensor_names(self, config: Qwen4ExpConfig) -> set[str]:
         """Every tensor the model reads: its weights, and per PLE layer the table's shards
         and the buffers checked against the config."""
-        from engram_trt.models.qwen4_exp.ple_tables import buffer_names, shard_names
+        from engram_trt.models.qwen4_exp.ple_tables import buffer_names, shard_names, table_scale_name
 
         names = set(self.weight_shapes(config))
+        # The block scales of an FP8 checkpoint (transformers' save also writes a stale one
+        # beside each linear it leaves in 16 bits: not read) and the experts' merged ones;
+        # known whatever the config says, so that an FP8 weight whose config lost its
+        # quantization_config is refused for that, by name (checkpoint_problems).
+        from engram_trt.models.qwen4_exp.weights import MERGED_SCALES, expert_of
+        from engram_trt.quant.names import scale_candidates
+
+        for n in self.linear_names(config):
+            names.update(scale_candidates(n))
+            ex = expert_of(n)
+            if ex is not None:
+                names.update(f"{ex[0]}.{m}" for m in MERGED_SCALES.values())
+        if config.tie_word_embeddings:
+            names.update(scale_candidates("lm_head.weight"))
         if config.ple is not None:
             for layer in config.ple.layers:
+                # every shard name a save may hold: those torch.chunk does not write are
+                # refused by name (checkpoint_problems), not as unused tensors
                 names.update(shard_names(config.weight_prefix, layer, config.ple.split_parts))
                 names.update(buffer_names(config.weight_prefix, layer).values())
+                names.add(table_scale_name(config.weight_prefix, layer))  # an FP8 table's (FP8Embedding)
         return names
+
+    def linear_names(self, config: Qwen4ExpConfig) -> dict[str, str]:
+        """Checkpoint weight name -> module path of every linear (what FP8 may store)."""
+        from engram_trt.models.qwen4_exp.model import linear_weight_shapes
+
+        return linear_weight_shapes(config)[1]
 
     def unused_tensors(self, config: Qwen4ExpConfig, present: Iterable[str]) -> list[str]:
         from engram_trt.checkpoint.checkpoint import natural_key
@@ -66,13 +86,29 @@ class Qwen4ExpArchitecture:
         """One line per missing / misshapen weight and per PLE table problem."""
         from engram_trt.models.qwen4_exp.ple_tables import table_problems
 
+        from engram_trt.checkpoint.checkpoint import FP8_WEIGHT_DTYPE, checkpoint_quant
+        from engram_trt.errors import ConfigError
+        from engram_trt.models.qwen4_exp.weights import fp8_problems
+
         cfg = ckpt.config
         out = []
-        for name, want in self.weight_shapes(cfg).items():
+        try:
+            quant = checkpoint_quant(ckpt)
+        except ConfigError as exc:
+            return [str(exc)]
+        shapes = self.weight_shapes(cfg)
+        linears = self.linear_names(cfg)
+        fp8 = fp8_problems(ckpt, cfg, linears, shapes, quant)
+        for name, want in shapes.items():
             if name not in ckpt:
                 out.append(f"tensor {name} is missing (expected shape {list(want)})")
             elif tuple(ckpt.shape(name)) != want:
                 out.append(f"tensor {name} has shape {list(ckpt.shape(name))} but the config needs {list(want)}")
+            elif name in fp8:
+                out.append(fp8[name])
+            elif ckpt.st_dtype(name) == FP8_WEIGHT_DTYPE and name not in linears:
+                out.append(f"tensor {name} is {ckpt.st_dtype(name)}, but only linear weights are served in FP8 "
+                           f"(embeddings, norms, convolutions and the router are read as floats)")
             elif not ckpt.dtype(name).is_floating_point:
                 out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight")
         if cfg.ple is not None:
@@ -82,21 +118,26 @@ class Qwen4ExpArchitecture:
     def describe_tables(self, ckpt: Any) -> dict[str, Any]:
         """What ``inspect`` reports of the PLE tables: per layer its shards, rows, width,
         dtype and bytes (the rows the config's primes give beside the rows found)."""
-        from engram_trt.models.qwen4_exp.ple_tables import shard_names
+        from engram_trt.models.qwen4_exp.ple_tables import chunk_rows, table_scales, table_shard_names
 
         cfg = ckpt.config
         if cfg.ple is None:
             return {"ple": None, "note": "no PLE layers"}
         layout = ple_layout(cfg)
         layers, total = [], 0
+        scales = table_scales(ckpt, cfg)
         for li, layer in enumerate(cfg.ple.layers):
-            names = [n for n in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts) if n in ckpt]
+            names = [n for n in table_shard_names(cfg, li, layout) if n in ckpt]
+            chunk = chunk_rows(int(layout.table_rows[li]), cfg.ple.split_parts)
             nbytes = sum(int(ckpt.nbytes(n)) for n in names)
             total += nbytes
             layers.append({"ple_layer_id": layer + 1, "layout_rows": int(layout.table_rows[li]),
                            "table_rows": sum(ckpt.shape(n)[0] for n in names), "shards": len(names),
+                           "split_ngram_parts": cfg.ple.split_parts,
+                           # torch.chunk's shards: this many rows each, the last what is left
+                           "chunk_rows": chunk[0] if chunk else None, "last_shard_rows": chunk[-1] if chunk else None,
                            "width": cfg.ple.head_dim, "dtype": ckpt.st_dtype(names[0]) if names else None,
-                           "bytes": nbytes})
+                           "table_scale": scales[li], "bytes": nbytes})
         return {"ple": {"layers": layers, "total_bytes": total, "heads": cfg.ple.n_heads,
                         "ngram_size": cfg.ple.ngram_size}}
 
@@ -111,7 +152,7 @@ class Qwen4ExpArchitecture:
         ``--engram-config`` picks and checks as it checks Engram tables (empty without PLE)."""
         from engram_trt.models.qwen4_exp.ple_tables import ple_table_refs
 
-        return [] if ckpt.config.ple is None else ple_table_refs(ckpt, ckpt.config)
+        return [] if ckpt.config.ple is None else ple_table_refs(ckpt, ckpt.config, ple_layout(ckpt.config))
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, ple_table_kind: str | None = None,
                    tables: Any = None, engram_config: Any = None) -> Any:
@@ -134,14 +175,19 @@ class Qwen4ExpArchitecture:
         ecfg = engram_config or EngramConfig()
         ple = None
         if cfg.ple is not None and tables is not None:
-            ple = PLETables(tables, dev, owns_store=False, hot_cache_fraction=ecfg.hot_cache_fraction)
+            from engram_trt.models.qwen4_exp.ple_tables import table_scales
+
+            ple = PLETables(tables, dev, owns_store=False, hot_cache_fraction=ecfg.hot_cache_fraction,
+                            table_scales=table_scales(ckpt, cfg))
         elif cfg.ple is not None:
             from engram_trt.tables.store import table_kind_for
 
             kind = ple_table_kind or table_kind_for(ecfg, dev)
             ple = PLETables.from_checkpoint(ckpt, cfg, ple_layout(cfg), kind=kind, device=dev,
                                             hot_cache_fraction=ecfg.hot_cache_fraction)
-        weights = {name: ckpt.get(name) for name in self.weight_shapes(cfg)}
+        # each tensor read from its shard when the model takes it (FP8 scales included; the
+        # PLE shards are the table store's)
+        weights = ckpt.lazy()
         return Qwen4ExpModel(cfg, weights, ple_tables=ple, device=dev, dtype=dtype)
 
     def allocate_state(self, config: Qwen4ExpConfig, num_slots: int, max_len: int, device: Any, dtype: Any) -> Any:
@@ -154,17 +200,26 @@ class Qwen4ExpArchitecture:
         PLE shards the engine's EngramGather plugin cannot read. It reads BF16, F16 and F32
         rows of any width (F32 is what transformers' save_pretrained writes), one dtype per
         model, since the graph's gather nodes and the manifest name one table dtype."""
-        from engram_trt.models.qwen4_exp.ple_tables import shard_names
+        from engram_trt.models.qwen4_exp.ple_tables import table_shard_names
 
         cfg = ckpt.config
+        fp8 = [n for n in self.weight_shapes(cfg) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
+        if fp8:
+            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored "
+                    f"F8_E4M3 with block scales; serve the checkpoint folder with the torch backend "
+                    f"(engram-trt run / serve CHECKPOINT), or build from its 16-bit weights"]
         if cfg.ple is None:
             return []
         seen: dict[str, str] = {}
-        for layer in cfg.ple.layers:
-            for name in shard_names(cfg.weight_prefix, layer, cfg.ple.split_parts):
+        for li in range(len(cfg.ple.layers)):
+            for name in table_shard_names(cfg, li, ple_layout(cfg)):
                 if name not in ckpt:
                     continue
                 st = ckpt.st_dtype(name)
+                if st == "F8_E4M3":
+                    return [f"FP8 checkpoints are not exported yet: PLE table shard {name} is F8_E4M3 (an FP8Embedding "
+                            f"scaled per table); serve the checkpoint folder with the torch backend (engram-trt run / "
+                            f"serve CHECKPOINT)"]
                 if st not in PLE_SHARD_DTYPES:
                     return [f"PLE table shard {name} is {st}: an engine's EngramGather plugin reads "
                             f"{' / '.join(PLE_SHARD_DTYPES)} rows; save the PLE shards in one of those to build, or "

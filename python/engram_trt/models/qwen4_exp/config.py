@@ -9,6 +9,11 @@ id when PLE is on, the QSA fields all or none), pinned to the value implemented
 (``hidden_act: silu``, ``attention_bias: false``, RoPE type ``default``), or without
 effect at inference (:data:`CONTRACT`). Its field names are transformers' own, so the
 modules (and tests handing them a transformers config) read one spelling.
+
+``quantization_config`` (at the top level, also for a ForConditionalGeneration config)
+is read by :func:`engram_trt.quant.spec.read_quant_spec` into :attr:`Qwen4ExpConfig.quant`:
+fine-grained FP8 weights and FP8 experts are served as stored (docs/quantization.md);
+FP4 experts (``expert_dtype: "fp4"``) and any other method are refused in one line.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Mapping
 from engram_trt.config.model import RETIRED_PLE_TWINS
 from engram_trt.errors import ConfigError
 from engram_trt.models.contract import FieldContract, Pinned
+from engram_trt.quant.spec import QuantSpec, read_quant_spec
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +52,10 @@ _TEXT_FIELDS = frozenset({
 
 CONTRACT = FieldContract(
     architecture="qwen4-exp",
-    honoured=_TEXT_FIELDS | {"text_config", "vision_config"},
+    honoured=_TEXT_FIELDS | {"text_config", "vision_config", "quantization_config"},
     pinned={
         "hidden_act": Pinned(("silu",), "silu", "SwiGLU experts and the SiLU short convolutions"),
         "attention_bias": Pinned((False,), False, "q/k/v/o projections without bias"),
-        "quantization_config": Pinned((None,), None, "weights are read as float tensors; dequantize the checkpoint first"),
     },
     # Read by transformers' Qwen4Exp without effect on a forward pass at inference.
     neutral=frozenset({"attention_dropout", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
@@ -133,6 +138,8 @@ class Qwen4ExpConfig:
     qsa: QSASpec | None = None
     hidden_act: str = "silu"
     attention_bias: bool = False
+    # The stored weight formats (quantization_config; None: float weights).
+    quant: QuantSpec | None = None
     # ForConditionalGeneration keeps the text model under model.language_model.
     weight_prefix: str = "model."
     architecture_name: str = "Qwen4ExpForCausalLM"
@@ -185,7 +192,7 @@ class Qwen4ExpConfig:
         d = dict(self.extra)
         base = asdict(self)
         for k in ("ple", "qsa", "extra", "engram", "weight_prefix", "architecture_name", "rope_theta",
-                  "partial_rotary_factor"):
+                  "partial_rotary_factor", "quant"):
             base.pop(k)
         d.update(base)
         d["layer_types"] = list(self.layer_types)
@@ -203,6 +210,11 @@ class Qwen4ExpConfig:
             q = self.qsa
             d.update(indexer_n_heads=q.n_heads, indexer_kv_heads=q.kv_heads, indexer_head_dim=q.head_dim,
                      indexer_budget=q.budget, indexer_compress_ratio=q.compress_ratio)
+        if self.quant is not None:
+            qd = self.quant.to_dict()
+            if self.quant.modules_to_convert:
+                qd["modules_to_convert"] = list(self.quant.modules_to_convert)
+            d["quantization_config"] = qd
         return d
 
 
@@ -335,6 +347,18 @@ def _qsa(d: Mapping[str, Any], head_dim: int, rotary_dim: int, source: str | Non
                    vals["indexer_compress_ratio"])
 
 
+def _quant(d: Mapping[str, Any], source: str | None) -> QuantSpec | None:
+    """The checkpoint's stored formats (the top-level quantization_config; a
+    ForConditionalGeneration config carries it there too). Qwen4Exp's experts are served
+    FP8 (transformers' FP8Experts); FP4 experts are refused in one line."""
+    quant = read_quant_spec(d, source)
+    if quant is not None and quant.expert_dtype != "fp8":
+        raise ConfigError(f"{_where(source)}field 'quantization_config.expert_dtype'={quant.expert_dtype!r} is not "
+                          f"served for qwen4-exp (supported: \"fp8\": the experts stored F8_E4M3 with block scales, as "
+                          f"transformers' FP8 save writes them); FP4 experts are served for deepseek-v4 only")
+    return quant
+
+
 def text_config_of(d: Mapping[str, Any], source: str | None = None) -> tuple[Mapping[str, Any], str, str]:
     """``(text config dict, weight prefix, architecture name)``: a ForConditionalGeneration
     config's ``text_config`` (weights under ``model.language_model.``), else the dict."""
@@ -365,6 +389,7 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
         if text is not d:
             CONTRACT.check(text, f"{source or 'config'} text_config")
     src = source if text is d else f"{source or 'config'} text_config"
+    quant = _quant(d, source)
     n_layers = _int(text, "num_hidden_layers", src, maximum=_MAX["num_hidden_layers"])
     hidden = _int(text, "hidden_size", src, maximum=_MAX["hidden_size"])
     heads = _int(text, "num_attention_heads", src, maximum=_MAX["heads"])
@@ -417,7 +442,8 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
         num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=ntp, layer_types=types,
         hc_count=hc, hc_lowrank=_int(text, "hc_lowrank", src, 320, maximum=1 << 16), eos_token_id=eos,
         bos_token_id=text.get("bos_token_id"), output_gate_type=gate,
-        ple=_ple(text, types, hidden, vocab, eos, src), qsa=qsa, weight_prefix=prefix, architecture_name=arch_name)
+        ple=_ple(text, types, hidden, vocab, eos, src), qsa=qsa, quant=quant, weight_prefix=prefix,
+        architecture_name=arch_name)
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
         raise ConfigError(f"{_where(src)}linear_num_value_heads={cfg.linear_num_value_heads} is not a multiple of "
                           f"linear_num_key_heads={cfg.linear_num_key_heads}")

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from engram_trt.errors import EngramError
+from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.models.qwen4_exp.config import Qwen4ExpConfig
 from engram_trt.models.qwen4_exp.modules import GatedResidual, PLEFusion, SparseMoE
 from engram_trt.models.qwen4_exp.state import MIN_DECODE_CONTEXT, Qwen4ExpState, decode_context  # noqa: F401
@@ -69,6 +69,17 @@ def model_weight_shapes(config: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in m.checkpoint_params().items()}
 
 
+def linear_weight_shapes(config: Qwen4ExpConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """``(checkpoint name -> shape of every weight, linear weight name -> its module
+    path)``: the linears are what a fine-grained FP8 checkpoint may store as F8_E4M3."""
+    from engram_trt.models.qwen4_exp.weights import linear_weight_names
+
+    with torch.device("meta"):
+        m = _Modules(config)
+    shapes = {name: tuple(p.shape) for name, p in m.checkpoint_params().items()}
+    return shapes, linear_weight_names(m, config.weight_prefix)
+
+
 class _Modules(nn.Module):
     """The parameter tree under checkpoint names (``prefix`` + ``layers...``, ``lm_head``)."""
 
@@ -104,19 +115,32 @@ class Qwen4ExpModel(_Modules):
         if missing:
             raise EngramError(f"Qwen4Exp weights lack {missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1
                               else f"Qwen4Exp weights lack {missing[0]}")
-        state = {}
-        for ck_name, p in params.items():
-            t = weights[ck_name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise EngramError(f"tensor {ck_name} has shape {list(t.shape)} but the config needs {list(p.shape)}")
-            state[ck_name] = t
-        by_module_name = {}
-        prefix = config.weight_prefix
-        for name, _p in self.named_parameters():
+        # One tensor at a time (``weights`` may be a checkpoint's lazy mapping): each read,
+        # put where it lives, dropped; linears stored FP8 kept so (QuantLinear).
+        from engram_trt.models.engram_llama.weights import is_fp8, set_linear
+        from engram_trt.models.qwen4_exp.weights import ExpertScales, expert_weight_scale, linear_weight_names
+
+        prefix, quant = config.weight_prefix, config.quant
+        linears = linear_weight_names(self, prefix)
+        scales = ExpertScales(weights)
+        for name, _p in list(self.named_parameters()):
             ck = prefix + name[len("model."):] if name.startswith("model.") else name
+            shape = tuple(params[ck].shape)
+            if ck in linears:
+                def merged(ck: str = ck, shape: tuple[int, ...] = shape) -> Any:
+                    return expert_weight_scale(weights, ck, shape, quant, config, scales)
+
+                set_linear(self, linears[ck], weights, ck, shape, dev, dtype, quant, merged)
+                continue
+            if is_fp8(weights, ck):
+                raise CheckpointError(f"tensor {ck} is F8_E4M3, but only linear weights are served in FP8 (embeddings, "
+                                      f"norms, convolutions and the router are read as floats)")
+            t = weights[ck]
+            if tuple(t.shape) != shape:
+                raise EngramError(f"tensor {ck} has shape {list(t.shape)} but the config needs {list(shape)}")
             # A_log / dt_bias and the norms' offsets stay float32 as the published model keeps them in math.
-            by_module_name[name] = nn.Parameter(state[ck].to(device=dev, dtype=dtype), requires_grad=False)
-        self.load_state_dict(by_module_name, assign=True, strict=True)
+            owner, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(owner), leaf, nn.Parameter(t.to(device=dev, dtype=dtype), requires_grad=False))
         self.eval()
         self.ple_tables = ple_tables
         self.ple_layout = None
@@ -314,8 +338,7 @@ class Qwen4ExpModel(_Modules):
         if not all_logits:
             streams = streams[step.last_token_index(dev)]
         hidden, _ = self.model.hyper_connection_mixer.mix(streams)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, head).float()
+        logits = self.head_logits(hidden)
         for s, slot in enumerate(slots):
             cache.lengths[slot] = step.total_lens[s]
         return logits
@@ -378,6 +401,13 @@ class Qwen4ExpModel(_Modules):
             x, w = layer.mlp_hyper_connection.mix(streams)
             streams = GatedResidual.inject(streams, layer.mlp(x, sync_free=sync_free), w)
         hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the head's input (the tied embeddings, the head, or an FP8
+        head in its stored form)."""
+        if self.lm_head is not None and not isinstance(self.lm_head, nn.Linear):
+            return self.lm_head(hidden).float()
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, head).float()
 

@@ -11,6 +11,10 @@ Parameter names equal the checkpoint's (``attn_hyper_connection.input_mix_weight
   mixer) only the mix is returned.
 * MoE (:class:`SparseMoE`): softmax router in float32, top-k (renormalized when
   ``norm_topk_prob``), SwiGLU experts, plus a shared expert scaled by a sigmoid gate.
+  Experts stored FP8 (QuantLinear) run in their stored form: one expert at a time
+  (each dequantized for its product) on the per-expert path, and through the kernel
+  library's grouped expert product (:func:`engram_trt.native.quant.experts`) on the
+  sync-free path of a CUDA decode step.
 * PLE (:class:`PLEFusion`): the token's hashed n-gram rows (``[T, ple_embed_dim]``,
   gathered by the caller from tables outside the module) give a shared value and one
   key per stream; each stream's normalized activations gate the value through a
@@ -25,8 +29,9 @@ Parameter names equal the checkpoint's (``attn_hyper_connection.input_mix_weight
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +39,9 @@ from torch import nn
 
 from engram_trt.errors import EngramError
 from engram_trt.models.qwen4_exp.norms import OffsetRMSNorm
+from engram_trt.quant.weight import QuantLinear, QuantWeight
+
+log = logging.getLogger(__name__)
 
 PLE_BACKENDS = ("auto", "kernels", "torch")
 
@@ -43,6 +51,15 @@ def _ple_library_unavailable() -> str | None:
     from engram_trt.native import ple as native_ple
 
     return native_ple.unavailable("PLE fusion CUDA kernel")
+
+
+def _native_experts_unavailable(x: torch.Tensor, gate: QuantWeight) -> str | None:
+    """Why the kernel library's FP8 expert product cannot take this call (None: it can)."""
+    try:
+        from engram_trt.native import quant as native_quant
+    except ImportError as exc:
+        return f"this build has no engram_trt.native.quant ({exc})"
+    return native_quant.unavailable_for(x, gate)
 
 
 class GatedResidual(nn.Module):
@@ -135,8 +152,14 @@ class SparseMoE(nn.Module):
         """Put the experts' weights into three stacked tensors (gate and up ``[E*I, D]``,
         down ``[D, E*I]``) and make each expert's parameters views of them: no second
         copy, the per-expert path reads the very same values, and the sync-free forms
-        read every expert in one GEMM or one gather."""
+        read every expert in one GEMM or one gather. FP8 experts: three
+        :class:`QuantWeight` stacks (bytes ``[E, I, D]`` / ``[E, D, I]`` and their block
+        scales), each expert's QuantLinear buffers views of them."""
         if getattr(self, "_stacked", None) is not None:
+            return
+        kinds = ("gate_proj", "up_proj", "down_proj")
+        if any(isinstance(getattr(e, k), QuantLinear) for e in self.experts for k in kinds):
+            self._stacked = self._stack_quant()
             return
         E = len(self.experts)
         gate = torch.cat([e.gate_proj.weight for e in self.experts], dim=0)
@@ -150,9 +173,58 @@ class SparseMoE(nn.Module):
             e.down_proj.weight = nn.Parameter(down[:, rows], requires_grad=False)
         self._stacked = (gate, up, down, inter)
 
-    def _stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def _stack_quant(self) -> tuple[Any, Any, Any, int]:
+        """Per projection kind, the experts' weights stacked ``[E, N, K]``: a QuantWeight
+        (bytes and scales) where they are FP8, a float tensor where transformers left them
+        in 16 bits (e.g. ``down_proj`` when ``I`` does not divide by the block); each
+        expert's buffers / parameters views of the stacks."""
+        stacks: list[Any] = []
+        for kind in ("gate_proj", "up_proj", "down_proj"):
+            mods = [getattr(e, kind) for e in self.experts]
+            fp8 = {isinstance(m, QuantLinear) for m in mods}
+            if len(fp8) > 1:
+                raise EngramError(f"the routed experts' {kind} weights are partly FP8 and partly float: one projection "
+                                  f"of a layer's experts is FP8 for all of them or for none")
+            if fp8 == {True}:
+                data = torch.stack([m.weight for m in mods])
+                scale = torch.stack([m.weight_scale_inv for m in mods])
+                for i, m in enumerate(mods):
+                    m.weight, m.weight_scale_inv = data[i], scale[i]
+                stacks.append(QuantWeight(data, scale, "fp8", mods[0].block))
+            else:
+                w = torch.stack([m.weight for m in mods])
+                for i, m in enumerate(mods):
+                    m.weight = nn.Parameter(w[i], requires_grad=False)
+                stacks.append(w)
+        return stacks[0], stacks[1], stacks[2], int(stacks[0].shape[1] if isinstance(stacks[0], torch.Tensor)
+                                                    else stacks[0].data.shape[1])
+
+    def _stacks(self) -> tuple[Any, Any, Any, int]:
         self.stack_experts()
         return self._stacked
+
+    def experts_quant(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts stored FP8, every (token, pick) pair at once: on a CUDA
+        device the kernel library's grouped expert product over the stored bytes
+        (sync-free, graph-capturable); elsewhere, or where the library cannot serve the
+        call, this layer's stacks dequantized for the call and the dense form's math."""
+        gate, up, down, inter = self._stacks()
+        if x.is_cuda:
+            why = _native_experts_unavailable(x, next(w for w in (gate, up, down) if isinstance(w, QuantWeight)))
+            if why is None:
+                from engram_trt.native import quant as native_quant
+
+                return native_quant.experts(x, ids, weights.float(), gate, up, down, limit=None)
+            if not getattr(SparseMoE, "_warned", False):
+                SparseMoE._warned = True  # type: ignore[attr-defined]
+                log.warning("FP8 experts: the kernel library cannot serve them (%s); dequantizing each layer's experts "
+                            "for its step", why)
+        E, T, D = len(self.experts), x.shape[0], x.shape[1]
+        g, u, d = (w.dequantize(torch.float32).to(x.dtype) if isinstance(w, QuantWeight) else w
+                   for w in (gate, up, down))
+        h = F.silu(F.linear(x, g.reshape(E * inter, D))) * F.linear(x, u.reshape(E * inter, D))
+        h = (h.reshape(T, E, inter) * self._routing_matrix(weights, ids).unsqueeze(-1)).reshape(T, E * inter)
+        return F.linear(h, d.permute(1, 0, 2).reshape(D, E * inter))
 
     def _routing_matrix(self, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``[T, E]``: each token's routing weight per expert (0 where not picked)."""
@@ -166,6 +238,8 @@ class SparseMoE(nn.Module):
         arithmetic. The sum over a token's experts runs inside the GEMM (float32
         accumulation) instead of the per-expert path's additions in x's dtype."""
         gate, up, down, inter = self._stacks()
+        if any(isinstance(w, QuantWeight) for w in (gate, up, down)):
+            return self.experts_quant(x, weights, ids)
         T, E = x.shape[0], len(self.experts)
         h = F.silu(F.linear(x, gate)) * F.linear(x, up)  # [T, E*I]
         h = (h.reshape(T, E, inter) * self._routing_matrix(weights, ids).unsqueeze(-1)).reshape(T, E * inter)
@@ -176,6 +250,8 @@ class SparseMoE(nn.Module):
         matrix-vector products: the picked experts' weights alone are read (a few tokens
         against many experts), then each token's ``top_k`` outputs, scaled, summed."""
         gate, up, down, inter = self._stacks()
+        if any(isinstance(w, QuantWeight) for w in (gate, up, down)):
+            return self.experts_quant(x, weights, ids)
         T, k = ids.shape
         E, D = len(self.experts), x.shape[1]
         flat = ids.reshape(-1)
