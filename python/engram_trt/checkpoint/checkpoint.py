@@ -476,18 +476,9 @@ def checkpoint_quant(ckpt: "Checkpoint") -> Any:
 
 
 def listed_not_to_convert(module: str, quant: Any) -> str | None:
-    """The ``modules_to_not_convert`` entry that keeps ``module`` in 16 bits (None: none),
-    by transformers' rule (``should_convert_module``): an entry matches as a regex from the
-    start of the name up to a module boundary (``layers.1`` matches ``layers.1.mlp``, not
-    ``layers.11``; ``layers.*.mlp.gate`` not ``mlp.gate_proj``), or as a suffix of the name."""
-    for key in getattr(quant, "modules_to_not_convert", ()) or ():
-        try:
-            if re.match(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", module) or module.endswith(key):
-                return key
-        except re.error:
-            if module.endswith(key):
-                return key
-    return None
+    """The ``modules_to_not_convert`` entry that keeps ``module`` in 16 bits (None: none):
+    :meth:`engram_trt.quant.spec.QuantSpec.listed`, transformers' rule."""
+    return quant.listed(module) if quant is not None else None
 
 
 def module_of(weight_name: str) -> str:

@@ -47,14 +47,27 @@ class QuantSpec:
             return int(shape[-2]), int(shape[-1])
         return self.block
 
+    def listed(self, module_name: str) -> str | None:
+        """The ``modules_to_not_convert`` entry that keeps ``module_name`` in 16 bits (None:
+        none), by transformers' rule (``should_convert_module``): an entry matches as a regex
+        from the start of the name up to a module boundary (``layers.1`` matches
+        ``layers.1.mlp``, not ``layers.11``; ``mlp.gate`` not ``mlp.gate_proj``), or as a
+        suffix of the name."""
+        import re
+
+        for key in self.modules_to_not_convert:
+            try:
+                if re.match(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", module_name):
+                    return key
+            except re.error:
+                pass
+            if module_name.endswith(key):
+                return key
+        return None
+
     def not_converted(self, module_name: str) -> bool:
-        """Whether ``module_name`` is listed to stay in 16 bits (transformers' rule: a
-        listed name matches the module itself or any module under or ending with it)."""
-        for listed in self.modules_to_not_convert:
-            if module_name == listed or module_name.endswith("." + listed) or module_name.startswith(listed + ".") \
-                    or f".{listed}." in f".{module_name}.":
-                return True
-        return False
+        """Whether ``module_name`` is listed to stay in 16 bits (:meth:`listed`)."""
+        return self.listed(module_name) is not None
 
     def describe(self) -> str:
         block = "per tensor" if self.block is None else f"{self.block[0]}x{self.block[1]} blocks"

@@ -42,6 +42,8 @@ class TorchBackend:
             # ``engram_config``: the runner's (its hot_cache_fraction caches the PLE rows)
             self.model = arch.load_model(ckpt, device=device, dtype=dtype,
                                          engram_config=engram_config or getattr(source, "engram_config", None),
+                                         compress_lookup=getattr(source, "compress_lookup", None),
+                                         layout=getattr(source, "layout", None),
                                          **({} if tables is None else {"tables": tables}))
             tables = None  # bound above, not staged
             self._ckpt = ckpt  # PLE rows may be read in place from its file maps

@@ -155,7 +155,7 @@ class Qwen4ExpArchitecture:
         return [] if ckpt.config.ple is None else ple_table_refs(ckpt, ckpt.config, ple_layout(ckpt.config))
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, ple_table_kind: str | None = None,
-                   tables: Any = None, engram_config: Any = None) -> Any:
+                   tables: Any = None, engram_config: Any = None, **_: Any) -> Any:
         """The model of an open checkpoint, its PLE tables bound from the checkpoint's
         shards: ``tables``, a table store the runtime opened over :meth:`table_refs`
         (left to it to close), else a store of ``ple_table_kind`` or the kind
