@@ -174,8 +174,15 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
         return None
     stacks = mlp.stack_experts()
     quantized = any(isinstance(st, QuantWeight) for st in stacks)
-    if quantized and mlp.kernels_unavailable(x) is not None:
-        return None
+    limit = mlp.experts[0].limit
+    shared = mlp.shared_experts
+    projections = [getattr(shared, p) for p in ("gate_proj", "up_proj", "down_proj")]
+    plain = not quantized and all(isinstance(m, nn.Linear) and m.bias is None for m in projections) \
+        and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections))) \
+        and x.is_contiguous() and shared.limit == limit and stacks[0].shape[1] % 8 == 0 \
+        and projections[0].weight.shape[0] % 8 == 0  # the experts kernel reads 16-byte vectors of I and I_s
+    if not plain and mlp.kernels_unavailable(x) is not None:
+        return None  # neither the fused experts nor the library's stored-format product: the module's forms
     logits = torch.empty((T, router.num_experts), dtype=x.dtype, device=x.device)
     decode.gemv_segments([(x, router.weight, logits)])
     if bias is not None:
@@ -185,13 +192,8 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
         tokens = input_ids if input_ids.dtype == torch.int64 else input_ids.long()
         ids, weights = decode.moe_route(logits, top_k=router.top_k, score_fn=scoring, scaling=router.scaling,
                                         tid2eid=router.tid2eid, input_ids=tokens)
-    limit = mlp.experts[0].limit
-    shared = mlp.shared_experts
-    shared_w = [getattr(shared, p).weight for p in ("gate_proj", "up_proj", "down_proj")]
-    if not quantized and all(isinstance(getattr(shared, p), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")) \
-            and all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in (*stacks, *shared_w)) \
-            and x.is_contiguous() and shared.limit == limit:
-        return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(shared_w), limit=limit)
+    if plain:
+        return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(m.weight for m in projections), limit=limit)
     from engram_trt.native import quant as native_quant
 
     routed = native_quant.experts(x, ids, weights, *stacks, limit=limit)
