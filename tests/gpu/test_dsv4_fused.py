@@ -508,3 +508,26 @@ def test_launches_per_module_kind_at_the_bench_width() -> None:
         record(f"bench width, {k}: every marker kernel seen in the profile", marks == want, f"{marks} / {want}")
     record("bench width: the fused decode step launches fewer than half the unfused step's kernels",
            0 < totals["fused"] < totals["unfused"] / 2, f"fused {totals['fused']}, unfused {totals['unfused']}")
+
+
+def test_breakdown_detail_names_the_fused_launches_inside_the_graph() -> None:
+    """The tiny DeepSeek-V4 checkpoint's recorded bf16 decode step with ``detail``: every
+    fused launch happened inside the graph (GEMV launches: x's projections, q_b, o_a, o_b
+    and the router, per layer; three norm / RoPE launches, one core, one route, one experts
+    call per layer), the kinds as without detail."""
+    import json
+
+    from engram_trt.bench.breakdown import decode_breakdown
+
+    from .helpers import REPO
+
+    folder = REPO / "tests" / "data" / "deepseek_v4_tiny"
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    b = decode_breakdown(folder, device="cuda", dtype="bf16", prompt_tokens=8, reps=3, detail=True)
+    detail = {k: v["calls"] for k, v in b.get("detail", {}).items()}
+    want = {"gemv": 5 * n, "norm_rope": 3 * n, "attention.core": n, "moe.route": n, "moe.experts": n}
+    record("tiny DeepSeek-V4: the recorded decode step's fused launches, per layer", b.get("mode") == "graph" and
+           detail == want, f"mode {b.get('mode')}; detail {detail}; want {want}")
+    kinds = {k: v["calls"] for k, v in b.get("kinds", {}).items() if k != "other"}
+    record("tiny DeepSeek-V4: with detail, the kinds' calls unchanged", kinds.get("mhc.pre+norm") == 2 * n
+           and kinds.get("moe") == n and "detail:gemv" not in kinds, f"{kinds}")
