@@ -319,6 +319,41 @@ __device__ void sinkhornWarp(float* m, int32_t hc, int32_t iters, float eps)
     __syncwarp();
 }
 
+//! sinkhornWarp for a compile-time hc <= 5 (hc * hc entries in one register a lane): the hc
+//! shuffles of a round issued before its sum, which adds them in the same order (the same
+//! bits as the general form).
+template <int HC>
+__device__ void sinkhornWarpFixed(float* m, int32_t iters, float eps)
+{
+    static_assert(HC * HC <= 32, "one register a lane");
+    int const lane = threadIdx.x % 32;
+    int const row = lane / HC;
+    int const col = lane - row * HC;
+    float v = lane < HC * HC ? m[lane] : 0.0F;
+    for (int32_t round = 0; round < 2 * iters - 1; ++round)
+    {
+        bool const columns = round % 2 == 0;
+        float vals[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i)
+        {
+            vals[i] = __shfl_sync(0xFFFFFFFFu, v, (columns ? i * HC + col : row * HC + i) & 31);
+        }
+        float s = 0.0F;
+#pragma unroll
+        for (int i = 0; i < HC; ++i)
+        {
+            s += vals[i];
+        }
+        v = v / (s + eps);
+    }
+    if (lane < HC * HC)
+    {
+        m[lane] = v;
+    }
+    __syncwarp();
+}
+
 /*
  * Kernel 2: blockIdx.x = t. head != 0: pre only (rows = hc, one scale); else the layer's
  * pre / post / comb, post [T, hc] and comb [T, hc, hc] written in fp32. The partials of a
@@ -404,7 +439,18 @@ __global__ void __launch_bounds__(kMhcThreads)
                 matrix[e] = expf(matrix[e] - stats[i]) / stats[ENGRAM_MHC_MAX_HC + i] + hcEps;
             }
             __syncwarp();
-            sinkhornWarp(matrix, hc, iters, hcEps);
+            if (hc == 4)
+            {
+                sinkhornWarpFixed<4>(matrix, iters, hcEps);
+            }
+            else if (hc == 2)
+            {
+                sinkhornWarpFixed<2>(matrix, iters, hcEps);
+            }
+            else
+            {
+                sinkhornWarp(matrix, hc, iters, hcEps);
+            }
             for (int e = lane; e < entries; e += 32)
             {
                 comb[t * entries + e] = matrix[e];
