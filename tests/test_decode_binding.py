@@ -36,7 +36,7 @@ _FAKE = 1 << 20  # a 16-byte aligned address the checks accept (nothing is launc
 
 def _job(**change) -> decode._NormRopeJob:
     base = dict(x=_FAKE, out=_FAKE * 2, weight=_FAKE * 3, cos=_FAKE * 4, sin=_FAKE * 5, rows=4, x_stride=64,
-                out_stride=64, cos_stride=8, dim=32, heads=2, norm=decode.NORM_WEIGHTED, rope_pairs=8, rope_sign=1,
+                out_stride=64, cos_stride=8, weight_stride=0, dim=32, heads=2, norm=decode.NORM_WEIGHTED, rope_pairs=8, rope_sign=1,
                 eps=1e-6)
     base.update(change)
     return decode._NormRopeJob(**base)
@@ -56,6 +56,7 @@ def _norm_rope(*jobs, io=0):
     ({"eps": -1.0}, "job 1: eps must be finite and >= 0 (got -1)"),
     ({"x_stride": 63}, "job 1: x_stride and out_stride must be at least heads * dim = 64 elements (got 63, 64)"),
     ({"out_stride": 40}, "(got 64, 40)"),
+    ({"weight_stride": -32}, "job 1: weight_stride must be >= 0 (got -32)"),
     ({"weight": None}, "job 1: weight must be given for the WEIGHTED norm and only then"),
     ({"norm": decode.NORM_NONE}, "job 1: weight must be given for the WEIGHTED norm and only then"),
     ({"cos_stride": 7}, "job 1: a RoPE job needs cos and sin [tokens, cos_stride >= rope_pairs] (got cos_stride 7)"),

@@ -4,7 +4,8 @@
  * The element-wise glue of a DeepSeek-V4 attention layer around its projections, one
  * launch for up to ENGRAM_NORM_ROPE_MAX_JOBS row sets (engramKernels.h states the
  * contract; python/engram_trt/native/decode.py binds it): the weighted RMSNorm of q_a and
- * of kv (float32 weight), the per-head unweighted RMSNorm of q, the interleaved partial
+ * of kv (float32 weight; a weight per head too: Qwen4Exp's grouped offset norms, the
+ * weight 1 + w made once), the per-head unweighted RMSNorm of q, the interleaved partial
  * RoPE of q / kv / the indexer's queries, and the inverse RoPE of the attention output.
  * The PyTorch reference (models/deepseek_v4/compressors.py: RMSNorm, unweighted_rms_norm,
  * apply_rope) spends 7 to 15 element-wise kernels on each of these.
@@ -52,12 +53,12 @@ struct NormRopeJobs
 //! The row's value at channel c after the norm, rounded to the I/O type (as the reference's
 //! norm output is); `r` the reciprocal RMS (its I/O-rounded form for the unweighted norm).
 template <typename T>
-__device__ __forceinline__ float normed(T const* x, int32_t c, EngramNormRopeJob const& j, float r)
+__device__ __forceinline__ float normed(T const* x, int32_t c, EngramNormRopeJob const& j, float const* weight, float r)
 {
     float const v = toFloat(x[c]);
     if (j.norm == ENGRAM_NORM_WEIGHTED)
     {
-        return roundTo<T>(__fmul_rn(j.weight[c], __fmul_rn(v, r))); // weight * (x * rsqrt(...)), float32
+        return roundTo<T>(__fmul_rn(weight[c], __fmul_rn(v, r))); // weight * (x * rsqrt(...)), float32
     }
     if (j.norm == ENGRAM_NORM_UNWEIGHTED)
     {
@@ -82,6 +83,7 @@ __global__ void __launch_bounds__(kNormRopeThreads) normRopeKernel(NormRopeJobs 
     int64_t const head = row - token * j.heads;
     T const* const x = static_cast<T const*>(j.x) + token * j.x_stride + head * j.dim;
     T* const out = static_cast<T*>(j.out) + token * j.out_stride + head * j.dim;
+    float const* const weight = j.weight == nullptr ? nullptr : j.weight + head * j.weight_stride;
 
     float r = 1.0F;
     if (j.norm != ENGRAM_NORM_NONE)
@@ -105,7 +107,7 @@ __global__ void __launch_bounds__(kNormRopeThreads) normRopeKernel(NormRopeJobs 
     int32_t const lead = j.dim - 2 * j.rope_pairs;
     for (int32_t c = lane; c < lead; c += 32)
     {
-        out[c] = fromFloat<T>(normed(x, c, j, r));
+        out[c] = fromFloat<T>(normed(x, c, j, weight, r));
     }
     if (j.rope_pairs > 0)
     {
@@ -113,8 +115,8 @@ __global__ void __launch_bounds__(kNormRopeThreads) normRopeKernel(NormRopeJobs 
         float const* const sinRow = j.sin + token * j.cos_stride;
         for (int32_t p = lane; p < j.rope_pairs; p += 32)
         {
-            float const even = normed(x, lead + 2 * p, j, r);
-            float const odd = normed(x, lead + 2 * p + 1, j, r);
+            float const even = normed(x, lead + 2 * p, j, weight, r);
+            float const odd = normed(x, lead + 2 * p + 1, j, weight, r);
             float const c = roundTo<T>(cosRow[p]); // cos.to(x.dtype), then widened
             float const s = roundTo<T>(sinRow[p]) * static_cast<float>(j.rope_sign);
             out[lead + 2 * p] = fromFloat<T>(__fsub_rn(__fmul_rn(even, c), __fmul_rn(odd, s)));
@@ -176,6 +178,11 @@ int checkJob(EngramNormRopeJob const& j, int32_t index, int32_t ioType)
     {
         return fail(
             cudaErrorInvalidValue, "%s: job %d: x and out must be device pointers aligned to an element", fn, index);
+    }
+    if (j.weight_stride < 0)
+    {
+        return fail(
+            cudaErrorInvalidValue, "%s: job %d: weight_stride must be >= 0 (got %lld)", fn, index, ll(j.weight_stride));
     }
     if ((j.norm == ENGRAM_NORM_WEIGHTED) != (j.weight != nullptr))
     {

@@ -1141,7 +1141,7 @@ ENGRAM_API int engram_mhc_head_norm(const void* streams, int32_t io_type, const 
 /* engram_norm_rope: up to ENGRAM_NORM_ROPE_MAX_JOBS row sets in one launch. Job row r
  * (0 <= r < rows) is head h = r % heads of token t = r / heads: x + t * x_stride + h * dim
  * (dim elements, io_type), written to out + t * out_stride + h * dim:
- *   norm WEIGHTED:   y = io(weight * (x * rsqrt(sum(x^2) / dim + eps)))   (RMSNorm, fp32 weight)
+ *   norm WEIGHTED:   y = io(w * (x * rsqrt(sum(x^2) / dim + eps)))   (RMSNorm; fp32 w = weight + h * weight_stride)
  *   norm UNWEIGHTED: y = io(x * io(rsqrt(sum(x^2) / dim + eps)))         (the per-head q norm)
  *   norm NONE:       y = x
  * then, with rope_pairs > 0, the trailing 2 * rope_pairs channels rotated in interleaved
@@ -1169,6 +1169,7 @@ typedef struct EngramNormRopeJob
     int64_t x_stride;   /* elements between two tokens' rows of x */
     int64_t out_stride; /* elements between two tokens' rows of out */
     int64_t cos_stride;
+    int64_t weight_stride; /* elements between two heads' weights (0: one [dim] weight for every head) */
     int32_t dim;
     int32_t heads;
     int32_t norm; /* EngramNormKind */

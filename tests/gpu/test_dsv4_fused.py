@@ -10,7 +10,8 @@ each kernel replaces, on the same GPU:
    rotation's terms ``(|y0| + |y1|)(|c| + |s|)`` (one ulp of the normed value may flip, then
    the rotation's own rounding; 4u on t for the unweighted norm, whose reciprocal RMS is
    rounded first; u = 2^-8 bf16, 2^-11 fp16, 0 float32). Four jobs in one
-   launch equal each job alone, bit for bit.
+   launch equal each job alone, bit for bit. Qwen4Exp's OffsetRMSNorm on the kernel (a
+   weight per group) against its PyTorch form within one rounding flip.
 2. ``gemv_segments``: each segment equals ``engram_gemv_bf16`` on the same operands bit for
    bit (the same per-warp product), strided x / out slices and the grouped output
    projection's groups included; against float64: ``u |ref| + K 2^-23 sum|x w|``.
@@ -166,6 +167,37 @@ def test_norm_rope_matches_the_torch_modules(rng, dname) -> None:
         torch.cuda.synchronize()
         record(f"four jobs in one launch = each alone, bit for bit, {tag}",
                all(torch.equal(a, b) for a, b in zip(outs, alone)), "")
+
+
+@pytest.mark.parametrize("group", [None, 64, 2048])
+def test_offset_norm_kernel_matches_offset_rms_norm(rng, group) -> None:
+    """Qwen4Exp's OffsetRMSNorm on the kernel (a weight per group through weight_stride, 1 + w
+    made once) against its PyTorch form, bf16: one rounding flip at most (the sum of squares'
+    order), ``(2u + 1e-5) |ref|``; a second call reuses the made weight and gives the same
+    bits; a changed weight is seen."""
+    import torch
+
+    from engram_trt.models.qwen4_exp.norms import OffsetRMSNorm, offset_rms_norm
+
+    u = UNIT["bfloat16"]
+    size = 4 * 2048 if group == 2048 else (4 * 64 if group == 64 else 768)
+    norm = OffsetRMSNorm(size, 1e-6, group_size=group).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(_t(rng, (size,), 0.3))
+        for T in (1, 3):
+            x = _t(rng, (T, size), 2.0, "bfloat16")
+            got = norm.forward_kernel(x)
+            ref = offset_rms_norm(x, norm.weight, 1e-6, group)
+            err = _excess(got, ref, (2 * u + 1e-5) * ref.double().abs() + 1e-30)
+            again = norm(x)
+            record(f"OffsetRMSNorm kernel = offset_rms_norm, size {size} group {group} T {T}", err <= 0 and
+                   torch.equal(got, again), f"max excess {err:.3g}")
+        norm.weight.add_(0.5)
+        x = _t(rng, (2, size), 1.0, "bfloat16")
+        err = _excess(norm(x), offset_rms_norm(x, norm.weight, 1e-6, group),
+                      (2 * u + 1e-5) * offset_rms_norm(x, norm.weight, 1e-6, group).double().abs() + 1e-30)
+        record(f"OffsetRMSNorm kernel follows a changed weight, size {size} group {group}", err <= 0,
+               f"max excess {err:.3g}")
 
 
 # --- 2. gemv_segments --------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class _NormRopeJob(ctypes.Structure):
     _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("weight", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("rows", ctypes.c_int64),
                 ("x_stride", ctypes.c_int64), ("out_stride", ctypes.c_int64), ("cos_stride", ctypes.c_int64),
-                ("dim", ctypes.c_int32), ("heads", ctypes.c_int32), ("norm", ctypes.c_int32),
+                ("weight_stride", ctypes.c_int64), ("dim", ctypes.c_int32), ("heads", ctypes.c_int32), ("norm", ctypes.c_int32),
                 ("rope_pairs", ctypes.c_int32), ("rope_sign", ctypes.c_int32), ("eps", ctypes.c_float)]
 
 
@@ -112,7 +112,7 @@ def _on_device(device: Any, **tensors: Any) -> None:
 class NormRopeJob:
     """One row set of :func:`norm_rope`: rows ``x [T, >= heads * dim]`` (a token's heads side
     by side) into ``out`` (same shape rules, may be ``x`` itself); ``norm`` NORM_NONE /
-    NORM_WEIGHTED (``weight [dim]`` float32) / NORM_UNWEIGHTED; ``rope_pairs`` trailing
+    NORM_WEIGHTED (``weight [dim]`` float32, or head h's at ``h * weight_stride``) / NORM_UNWEIGHTED; ``rope_pairs`` trailing
     pairs rotated by ``cos`` / ``sin [T, >= rope_pairs]`` float32 (``rope_sign`` -1: the
     inverse rotation)."""
 
@@ -127,6 +127,7 @@ class NormRopeJob:
     cos: Any = None
     sin: Any = None
     rope_sign: int = 1
+    weight_stride: int = 0  # elements between two heads' weights (0: one [dim] weight for every head)
 
 
 def norm_rope(*jobs: NormRopeJob) -> None:
@@ -153,12 +154,14 @@ def norm_rope(*jobs: NormRopeJob) -> None:
                                   f"(got {tuple(j.cos.shape)}, {tuple(j.sin.shape)})")
         if j.weight is not None:
             _check_dtype(f"jobs[{i}].weight", j.weight, (torch.float32,))
-            if tuple(j.weight.shape) != (j.dim,) or not j.weight.is_contiguous():
-                raise EngramError(f"jobs[{i}].weight must be a contiguous [{j.dim}] (got {tuple(j.weight.shape)})")
+            need = j.dim + (j.heads - 1) * j.weight_stride
+            if j.weight.dim() != 1 or j.weight.numel() < need or not j.weight.is_contiguous():
+                raise EngramError(f"jobs[{i}].weight must be a contiguous 1-D tensor of at least {need} values "
+                                  f"(dim {j.dim}, weight_stride {j.weight_stride}; got {tuple(j.weight.shape)})")
         _on_device(device, **{f"jobs[{i}].x": j.x, f"jobs[{i}].out": j.out, f"jobs[{i}].weight": j.weight,
                               f"jobs[{i}].cos": j.cos, f"jobs[{i}].sin": j.sin})
         packed[i] = _NormRopeJob(_ptr(j.x), _ptr(j.out), _ptr(j.weight), _ptr(j.cos), _ptr(j.sin), rows * j.heads,
-                                 xs, os_, cs, j.dim, j.heads, j.norm, j.rope_pairs, j.rope_sign, j.eps)
+                                 xs, os_, cs, j.weight_stride, j.dim, j.heads, j.norm, j.rope_pairs, j.rope_sign, j.eps)
     with _device_guard(device.index):
         _call("engram_norm_rope", packed, len(jobs), _float_code(dtype), _stream(device))
 
