@@ -54,12 +54,12 @@ def _ctype_of(arg: str):
     if "*" in arg or arg.startswith("cudaStream_t"):
         return ctypes.c_void_p
     kind = arg.split()[0]
-    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float}[kind]
+    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32, "float": ctypes.c_float}[kind]
 
 
 def test_declarations_are_the_header_prototypes() -> None:
     protos = _prototypes()
-    assert len(protos) == 7, sorted(protos)  # the parse found the ABI
+    assert len(protos) == 8, sorted(protos)  # the parse found the ABI
     assert set(protos) == set(qk.SIGNATURES)
     for name, args in protos.items():
         assert [_ctype_of(a) for a in args] == qk.SIGNATURES[name], name
@@ -170,6 +170,18 @@ def test_gemv_abi_refusals(plugin_lib: Path) -> None:
     for change, needle in cases:
         _one_line(_refused("engram_quant_gemv", *_gemv_args(**change)), needle)
     assert qk.library().engram_quant_gemv(*_gemv_args(rows=0, a=None)) == 0  # 0 rows launch nothing
+
+
+def test_gemv_ex_flags(plugin_lib: Path) -> None:
+    """engram_quant_gemv_ex: engram_quant_gemv's checks, and a flag other than
+    ENGRAM_QGEMV_WEIGHT_STATIC refused by name; its known flag passes the checks."""
+    base = _gemv_args()
+    with_flags = lambda flags, **change: _gemv_args(**change)[:-1] + (flags, None)  # noqa: E731
+    _one_line(_refused("engram_quant_gemv_ex", *with_flags(2)),
+              "unknown flags 0x2 (the one flag is ENGRAM_QGEMV_WEIGHT_STATIC = 0x1)")
+    _one_line(_refused("engram_quant_gemv_ex", *with_flags(1, w_type=3)), "w_type must be 0 (fp8 e4m3)")
+    assert qk.library().engram_quant_gemv_ex(*with_flags(1, rows=0, a=None)) == 0  # 0 rows launch nothing
+    assert len(base) + 1 == len(qk.SIGNATURES["engram_quant_gemv_ex"])
 
 
 def _gemm_args(**change):

@@ -36,6 +36,15 @@ __device__ __forceinline__ float ue8m0ToFloat(uint32_t b)
     return b == 255U ? __uint_as_float(0x7FC00000U) : __uint_as_float(b << 23);
 }
 
+//! ue8m0ToFloat with selects instead of branches (for loops that load many scales).
+__device__ __forceinline__ float ue8m0ToFloatSelect(uint32_t b)
+{
+    uint32_t bits = b << 23;
+    bits = b == 0U ? 0x00400000U : bits;
+    bits = b == 255U ? 0x7FC00000U : bits;
+    return __uint_as_float(bits);
+}
+
 //! Element i of a scale array: float32, or ue8m0 bytes when `ue8m0`.
 __device__ __forceinline__ float loadScale(void const* scale, int64_t i, bool ue8m0)
 {
