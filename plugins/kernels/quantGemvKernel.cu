@@ -18,8 +18,8 @@
  * (software pipelining: each warp always has its next 8 vectors in flight). A vector holds
  * 16 (FP8), 32 (FP4) or 8 (BF16) consecutive values of one scale block (bk is a multiple of
  * the vector's values), so each vector's dot product with up to MR activation rows is summed
- * in float32 apart and added times the block's scale (FP4's decode yields 2^-14 times the
- * values: the scale carries the 2^14). Warps take groups blockIdx.x * 8 + warp + i * 8 *
+ * in float32 apart and added times the block's scale (FP4's decode yields 2^-6 times the
+ * values: the scale carries the 2^6). Warps take groups blockIdx.x * 8 + warp + i * 8 *
  * gridDim.x (the grid is at most the blocks resident at once, times ENGRAM_TRT_QGEMV_WAVES).
  *
  * Activations. The MR activation rows of a pass are staged once per block in shared memory
@@ -79,6 +79,37 @@ constexpr int kQGemvThreads = 256;
 constexpr int kQGemvWarps = kQGemvThreads / 32;
 constexpr int kQGemvStaticShared = 64; // the kernel's static shared memory (row sources), at most
 
+/*
+ * Division of a uint32 by a divisor d >= 1 fixed per launch, without a division
+ * instruction (the branch-free form of Granlund and Montgomery's method): with
+ * l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1, t = umulhi(m, n),
+ * n / d = (t + ((n - t) >> s1)) >> s2, s1 = min(l, 1), s2 = max(l - 1, 0); exact for every
+ * uint32 n. Five instructions.
+ */
+struct FastDivisor
+{
+    uint32_t magic;
+    uint32_t shift1;
+    uint32_t shift2;
+
+    static FastDivisor of(uint32_t d)
+    {
+        uint32_t l = 0;
+        while ((uint64_t{1} << l) < d)
+        {
+            ++l;
+        }
+        uint64_t const m = ((uint64_t{1} << 32) * ((uint64_t{1} << l) - d)) / d + 1;
+        return {static_cast<uint32_t>(m), l < 1 ? l : 1U, l > 1 ? l - 1 : 0U};
+    }
+
+    __device__ __forceinline__ uint32_t divide(uint32_t n) const
+    {
+        uint32_t const t = __umulhi(magic, n);
+        return (t + ((n - t) >> shift1)) >> shift2;
+    }
+};
+
 struct QGemvParams
 {
     void const* a;
@@ -90,9 +121,8 @@ struct QGemvParams
     int32_t ue8m0;
     int32_t aBf16;
     int32_t bn;
-    int32_t bnShift;     // log2(bn) when a power of two, else -1
-    int32_t vecPerBlock; // bk / VPV: vectors of one scale block along K
-    int32_t vecShift;    // log2(vecPerBlock) when a power of two, else -1
+    FastDivisor bnDiv;  // n / bn
+    FastDivisor vecDiv; // v / (bk / VPV): the scale block of vector v
     int32_t n;
     int32_t k;
     int32_t vectors; // K / VPV
@@ -130,7 +160,7 @@ struct VectorValues
 
 /*
  * Chunk c (8 consecutive values) of a weight vector as floats: FP8 bytes 8c .. 8c + 7
- * (cvt.rn.f16x2.e4m3x2 on sm_89+, then widened); FP4 word c (times 2^-14); BF16 the
+ * (cvt.rn.f16x2.e4m3x2 on sm_89+, then widened); FP4 word c (times 2^-6); BF16 the
  * vector itself (c = 0).
  */
 template <int WT>
@@ -238,20 +268,20 @@ __device__ __forceinline__ void issueWeights(
     }
 }
 
-//! issueWeights and the block scale of each vector: ue8m0 bytes or float32 (UE8M0), the
-//! block of vector v being v >> vecShift (POW2) or v / vecPerBlock.
-template <int R, int U, bool UE8M0, bool POW2, typename Params>
-__device__ __forceinline__ void issueStep(uint4 const* const (&rows)[R], int64_t const (&scaleRows)[R], int32_t v0,
-    Params const& p, uint4 (&wv)[R][U], float (&sv)[R][U])
+//! The block scale of each of the U vectors of R rows a step loads: ue8m0 bytes or
+//! float32 (UE8M0); 0 past the row (a zero vector times 0, never a NaN scale). Loads
+//! without branches: a lane past the row reads the row's last scale.
+template <int R, int U, bool UE8M0, typename Params>
+__device__ __forceinline__ void issueScales(
+    int64_t const (&scaleRows)[R], int32_t v0, Params const& p, float (&sv)[R][U])
 {
-    issueWeights<R, U>(rows, v0, p.vectors, wv);
 #pragma unroll
     for (int u = 0; u < U; ++u)
     {
         int32_t const v0u = v0 + 32 * u;
         bool const ok = v0u < p.vectors;
-        int32_t const v = ok ? v0u : p.vectors - 1; // always a valid address: loads without branches
-        int32_t const kb = POW2 ? (v >> p.vecShift) : static_cast<int32_t>(static_cast<uint32_t>(v) / p.vecPerBlock);
+        int32_t const v = ok ? v0u : p.vectors - 1;
+        auto const kb = static_cast<int32_t>(p.vecDiv.divide(static_cast<uint32_t>(v)));
 #pragma unroll
         for (int r = 0; r < R; ++r)
         {
@@ -264,18 +294,21 @@ __device__ __forceinline__ void issueStep(uint4 const* const (&rows)[R], int64_t
             {
                 s = __ldg(static_cast<float const*>(p.scale) + scaleRows[r] + kb);
             }
-            sv[r][u] = ok ? s : 0.0F; // past the row: a zero vector times 0 (never a NaN scale)
+            sv[r][u] = ok ? s : 0.0F;
         }
     }
 }
 
-//! Weight rows a warp (R) and 16-byte vectors a lane loads per row and step (U) for MR
-//! activation rows a pass: R * U * 16 bytes in flight per lane, twice (the next step's).
-template <int MR>
+//! Weight rows a warp (R) and 16-byte vectors a lane loads per row and step (U) for weight
+//! type WT and MR activation rows a pass: R * U * 16 bytes in flight per lane, twice (the
+//! next step's). FP4 vectors hold twice FP8's values (twice the FMAs per byte): half the
+//! vectors a step, so a step's registers stay within two blocks of 256 threads an SM.
+template <int WT, int MR>
 struct RowsPerWarp
 {
     static constexpr int value = MR <= 2 ? 2 : 4;
-    static constexpr int vectors = MR <= 2 ? 4 : (MR == 4 ? 2 : 1);
+    static constexpr int full = MR <= 2 ? 4 : (MR == 4 ? 2 : 1);
+    static constexpr int vectors = WT == ENGRAM_QWEIGHT_FP4_E2M1 && full > 1 ? full / 2 : full;
 };
 
 /*
@@ -289,8 +322,8 @@ __global__ void __launch_bounds__(kQGemvThreads) quantGemvKernel(QGemvParams con
     constexpr int VPV = VectorValues<WT>::value;
     constexpr int CH = VPV / 4; // 16-byte float chunks of the activations of one vector
     constexpr int C8 = VPV / 8; // decode chunks of 8 values
-    constexpr int R = RowsPerWarp<MR>::value;
-    constexpr int U = RowsPerWarp<MR>::vectors;
+    constexpr int R = RowsPerWarp<WT, MR>::value;
+    constexpr int U = RowsPerWarp<WT, MR>::vectors;
     constexpr bool kScaled = WT != ENGRAM_QWEIGHT_BF16;
     extern __shared__ float4 sAct[];
     __shared__ int32_t sSrc[8];
@@ -338,41 +371,29 @@ __global__ void __launch_bounds__(kQGemvThreads) quantGemvKernel(QGemvParams con
             scaleNext[r] = 0;
             if constexpr (kScaled)
             {
-                int32_t const nb
-                    = p.bnShift >= 0 ? (n >> p.bnShift) : static_cast<int32_t>(static_cast<uint32_t>(n) / p.bn);
+                auto const nb = static_cast<int32_t>(p.bnDiv.divide(static_cast<uint32_t>(n)));
                 scaleNext[r] = e * p.expertScales + static_cast<int64_t>(nb) * p.kBlocks;
             }
         }
     };
     // one step's loads: U vectors of each of the group's R rows, and their scales (one
-    // uniform branch on the scale format and the block's divisor per step, not per vector)
+    // uniform branch on the scale format per step)
     auto issue = [&](int32_t step, uint4(&wv)[R][U], float (&sv)[R][U]) {
         int32_t const v0 = step * 32 * U + lane;
+        issueWeights<R, U>(rowNext, v0, p.vectors, wv);
         if constexpr (kScaled)
         {
             if (p.ue8m0 != 0)
             {
-                if (p.vecShift >= 0)
-                {
-                    issueStep<R, U, true, true>(rowNext, scaleNext, v0, p, wv, sv);
-                }
-                else
-                {
-                    issueStep<R, U, true, false>(rowNext, scaleNext, v0, p, wv, sv);
-                }
-            }
-            else if (p.vecShift >= 0)
-            {
-                issueStep<R, U, false, true>(rowNext, scaleNext, v0, p, wv, sv);
+                issueScales<R, U, true>(scaleNext, v0, p, sv);
             }
             else
             {
-                issueStep<R, U, false, false>(rowNext, scaleNext, v0, p, wv, sv);
+                issueScales<R, U, false>(scaleNext, v0, p, sv);
             }
         }
         else
         {
-            issueWeights<R, U>(rowNext, v0, p.vectors, wv);
 #pragma unroll
             for (int r = 0; r < R; ++r)
             {
@@ -518,9 +539,12 @@ __global__ void __launch_bounds__(kQGemvThreads) quantGemvKernel(QGemvParams con
                         }
                         else
                         {
-                            int64_t const i = src0 * p.lda + static_cast<int64_t>(vg * 32 + lane) * VPV + 8 * c;
-                            lo = loadAct4Global(p.a, i, p.aBf16 != 0);
-                            hi = loadAct4Global(p.a, i + 4, p.aBf16 != 0);
+                            // (a lane past the row's vectors reads nothing: its weights are zeros)
+                            int32_t const v = vg * 32 + lane;
+                            int64_t const i = src0 * p.lda + static_cast<int64_t>(v) * VPV + 8 * c;
+                            lo = v < vectors ? loadAct4Global(p.a, i, p.aBf16 != 0) : make_float4(0.F, 0.F, 0.F, 0.F);
+                            hi = v < vectors ? loadAct4Global(p.a, i + 4, p.aBf16 != 0)
+                                             : make_float4(0.F, 0.F, 0.F, 0.F);
                         }
                         float const af[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
@@ -540,7 +564,7 @@ __global__ void __launch_bounds__(kQGemvThreads) quantGemvKernel(QGemvParams con
                     float s = sCur[r][u];
                     if constexpr (WT == ENGRAM_QWEIGHT_FP4_E2M1)
                     {
-                        s *= kE2m1HalfScale;
+                        s *= kE2m1DecodeScale;
                     }
 #pragma unroll
                     for (int m = 0; m < MR; ++m)
@@ -764,14 +788,8 @@ extern "C" ENGRAM_API int engram_quant_gemv_ex(void const* a, int32_t aType, int
     p.ue8m0 = scaleType == ENGRAM_QSCALE_UE8M0 ? 1 : 0;
     p.aBf16 = aType == ENGRAM_FLOAT_BF16 ? 1 : 0;
     p.bn = wType == ENGRAM_QWEIGHT_BF16 ? 1 : bn;
-    p.vecPerBlock = wType == ENGRAM_QWEIGHT_BF16 ? 1 : bk / vpv;
-    p.vecShift = -1;
-    p.bnShift = -1;
-    for (int s = 0; s < 31; ++s)
-    {
-        p.vecShift = (1 << s) == p.vecPerBlock ? s : p.vecShift;
-        p.bnShift = (1 << s) == p.bn ? s : p.bnShift;
-    }
+    p.vecDiv = FastDivisor::of(static_cast<uint32_t>(wType == ENGRAM_QWEIGHT_BF16 ? 1 : bk / vpv));
+    p.bnDiv = FastDivisor::of(static_cast<uint32_t>(p.bn));
     p.n = static_cast<int32_t>(outFeatures);
     p.k = static_cast<int32_t>(inFeatures);
     p.vectors = static_cast<int32_t>(vectors);
