@@ -14,6 +14,9 @@ each figure against a floor measured in the same process:
            HBM;
   variants the GEMV's tuning knobs on the first shape (ENGRAM_TRT_QGEMV_WAVES 1 / 2 / 0,
            ENGRAM_TRT_QGEMV_STAGE=0 for one row), so one run picks the defaults;
+  linear   native.quant.linear on decode rows (1 / 2 / 4) for FP8 / FP4 weights of the first
+           shape, weight_static: the GEMV quantizing the activations itself (one launch)
+           against act_quant + the GEMV (two), both from the bf16 activations;
   experts  the grouped GEMV, 6 of 256 experts (one token) and 4 / 8 / 32 tokens x 6 (batch
            decode: most experts one row, some two or three), expert 2048 x 7168
            (DeepSeek-V3's routed expert shape), FP8 and FP4 (and BF16);
@@ -255,6 +258,40 @@ def bench_variants(rate: float, N: int, K: int, rows_list, kinds) -> list[dict]:
     return out
 
 
+def bench_linear_decode(rate: float, N: int, K: int, rows_list, kinds) -> list[dict]:
+    """native.quant.linear (the GEMV quantizing x itself) against act_quant + the GEMV."""
+    from engram_trt.native import quant as nq
+    from engram_trt.native import quant_kernels as qk
+
+    out = []
+    for kind in kinds:
+        copies = [make_weight(kind, (), N, K)]
+        nbytes = weight_bytes(copies[0])
+        copies += [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
+        ws = [kernel_weight(w, False) for w in copies]
+        group, ue8m0 = nq.ACT_QUANT[kind]
+        floor = nbytes / rate * 1e6
+        for rows in rows_list:
+            x = torch.randn(rows, K, device="cuda").to(torch.bfloat16)
+            y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+            fused = graph_time_us(lambda i: nq.linear(x, copies[i % len(copies)], weight_static=True),
+                                  calls=2 * len(copies))
+
+            def two(i):
+                deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
+                qk.gemv(deq, ws[i % len(ws)], y, weight_static=True)
+
+            two_us = graph_time_us(two, calls=2 * len(copies))
+            entry = {"kind": kind, "N": N, "K": K, "rows": rows, "floor_us": round(floor, 2),
+                     "linear_us": round(fused, 2), "linear_x_floor": round(fused / floor, 3),
+                     "act_quant_then_gemv_us": round(two_us, 2), "two_launch_x_floor": round(two_us / floor, 3)}
+            out.append(entry)
+            print(json.dumps(entry), flush=True)
+        del copies, ws
+        torch.cuda.empty_cache()
+    return out
+
+
 def bench_experts(rate: float, kinds, E: int = 256, N: int = 2048, K: int = 7168, k: int = 6) -> list[dict]:
     from engram_trt.native import quant as nq
     from engram_trt.native import quant_kernels as qk
@@ -408,6 +445,7 @@ def main() -> int:
         "library": lib, "copy_GBps": round(rate / 1e9, 1),
         "gemv": bench_gemv(rate, shapes, [1, 2, 4, 8], ["bf16", "fp8", "fp4"]),
         "variants": bench_variants(rate, *shapes[0], [1, 4], ["bf16", "fp8", "fp4"]),
+        "linear_decode": bench_linear_decode(rate, *shapes[0], [1, 2, 4], ["fp8", "fp4"]),
         "experts_gemv": bench_experts(rate, ["fp8", "fp4"] if args.quick else ["bf16", "fp8", "fp4"]),
     }
     if cap >= (8, 9):

@@ -87,13 +87,24 @@ __device__ __forceinline__ float e4m3ToFloat(uint8_t b)
     return __half2float(__half(h));
 }
 
-//! Bytes 0..3 of `word` (e4m3) as floats v[0..3] (exact): two cvt.rn.f16x2.e4m3x2 on sm_89+.
+//! Bytes 0..3 of `word` (e4m3) as floats v[0..3] (exact): two cvt.rn.f16x2.e4m3x2 on sm_89+
+//! reading the word's 16-bit halves in place (F2FP .H0 / .H1: no shift), each half widened.
 __device__ __forceinline__ void e4m3x4ToFloat(uint32_t word, float* v)
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t lo;
+    uint32_t hi;
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(word));
+    float2 const a = __half22float2(*reinterpret_cast<__half2 const*>(&lo));
+    float2 const b = __half22float2(*reinterpret_cast<__half2 const*>(&hi));
+#else
     __half2_raw const lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word & 0xFFFFU), __NV_E4M3);
     __half2_raw const hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
     float2 const a = __half22float2(__half2(lo));
     float2 const b = __half22float2(__half2(hi));
+#endif
     v[0] = a.x;
     v[1] = a.y;
     v[2] = b.x;

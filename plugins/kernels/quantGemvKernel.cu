@@ -130,6 +130,8 @@ struct QGemvParams
     int32_t chunksPerRow; // staged 16-byte float chunks of one activation row (K padded to 32 vectors)
     int32_t groups;       // ceil(N / R)
     int32_t weightStatic;
+    int32_t actGroup; // 0: a as given; 128 / 32: a quantized per group at staging (engram_act_quant's deq)
+    int32_t actUe8m0;
     int64_t expertBytes;  // bytes of one expert's weight
     int64_t expertScales; // scale elements of one expert
     int32_t experts;
@@ -299,6 +301,112 @@ __device__ __forceinline__ void issueScales(
     }
 }
 
+//! Chunk q (16 bytes of floats) of a staged row holds values 4 c .. 4 c + 3 of vector v,
+//! v = (q / (32 CH)) * 32 + q % 32, c = (q / 32) % CH; its index for value k of the row.
+template <int VPV>
+__device__ __forceinline__ int32_t stagedChunk(int32_t k)
+{
+    constexpr int CH = VPV / 4;
+    int32_t const v = k / VPV;
+    int32_t const c = (k % VPV) / 4;
+    return ((v >> 5) * CH + c) * 32 + (v & 31);
+}
+
+//! The pass's activation rows (sSrc[m] >= 0) as float32 into the staged layout; rows past
+//! the pass's count (sSrc -1) and values past K as zeros.
+template <int VPV, int MR, typename Params>
+__device__ __forceinline__ void stagePlain(Params const& p, int32_t const* sSrc, float4* sAct)
+{
+    constexpr int CH = VPV / 4;
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+    {
+        int32_t const src = sSrc[m];
+        for (int32_t q = threadIdx.x; q < p.chunksPerRow; q += blockDim.x)
+        {
+            int32_t const v = (q / (32 * CH)) * 32 + (q & 31);
+            int32_t const c = (q >> 5) % CH;
+            float4 val = make_float4(0.0F, 0.0F, 0.0F, 0.0F);
+            if (src >= 0 && v < p.vectors)
+            {
+                val = loadAct4Global(p.a, src * p.lda + static_cast<int64_t>(v) * VPV + 4 * c, p.aBf16 != 0);
+            }
+            sAct[m * p.chunksPerRow + q] = val;
+        }
+    }
+}
+
+/*
+ * stagePlain with the activations quantized on the way, bit for bit engram_act_quant's deq
+ * in float32 (quantActKernel.cu, quant/formats.py act_quant): per row and group of
+ * p.actGroup columns (128 or 32; a partial last group over the columns it has) amax, s =
+ * max(amax, 1e-4) / 448 (float32 division; ue8m0: the next power of two), q = e4m3 of
+ * x * (1 / s) (1 / s rounded first), deq = e4m3(q) * s. A group of G columns is G / 4 lanes
+ * of one warp, 4 consecutive values a lane (one 16-byte chunk of the staged row); its amax
+ * a max over those lanes (max is exact in any order). Rows past the pass's count and the
+ * padding past K are zeros.
+ */
+template <int VPV, int MR, typename Params>
+__device__ __forceinline__ void stageQuantized(Params const& p, int32_t const* sSrc, float4* sAct, int warp, int lane)
+{
+    int32_t const group = p.actGroup;
+    int const lanesPerGroup = group / 4; // 32 or 8
+    int const groupsPerWarp = 32 / lanesPerGroup;
+    int32_t const groups = (p.k + group - 1) / group;
+    int32_t const items = (groups + groupsPerWarp - 1) / groupsPerWarp; // warp items per row
+    int const sub = lane / lanesPerGroup;
+    int const part = lane % lanesPerGroup;
+    float* const sFloat = reinterpret_cast<float*>(sAct);
+    for (int32_t it = warp; it < MR * items; it += kQGemvWarps)
+    {
+        int const m = it / items;
+        int32_t const gi = (it - m * items) * groupsPerWarp + sub;
+        int32_t const src = sSrc[m];
+        int32_t const k = gi * group + 4 * part; // this lane's 4 values
+        bool const ok = src >= 0 && gi < groups && k < p.k;
+        float4 x = make_float4(0.0F, 0.0F, 0.0F, 0.0F);
+        if (ok)
+        {
+            x = loadAct4Global(p.a, src * p.lda + k, p.aBf16 != 0);
+        }
+        float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+        for (int offset = lanesPerGroup / 2; offset > 0; offset >>= 1)
+        {
+            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFU, amax, offset));
+        }
+        float s = __fdiv_rn(fmaxf(amax, kActAmaxFloor), kFp8Max);
+        if (p.actUe8m0 != 0)
+        {
+            s = pow2Ceil(s);
+        }
+        float const inv = __fdiv_rn(1.0F, s);
+        float const in[4] = {x.x, x.y, x.z, x.w};
+        float out[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+        {
+            out[i] = __fmul_rn(e4m3ToFloat(floatToE4m3(__fmul_rn(in[i], inv))), s);
+        }
+        if (gi < groups && k < p.k)
+        {
+            // (a row past the pass's count stores the zeros it loaded: ok is false there)
+            float4 const val = src >= 0 ? make_float4(out[0], out[1], out[2], out[3]) : make_float4(0.F, 0.F, 0.F, 0.F);
+            sAct[m * p.chunksPerRow + stagedChunk<VPV>(k)] = val;
+        }
+    }
+    // the padding past K (the staged layout holds whole 32-vector groups)
+    int32_t const kPad = p.chunksPerRow * 4;
+    for (int32_t i = p.k + threadIdx.x; i < kPad; i += blockDim.x)
+    {
+#pragma unroll
+        for (int m = 0; m < MR; ++m)
+        {
+            int32_t const c = stagedChunk<VPV>(i & ~3);
+            sFloat[(m * p.chunksPerRow + c) * 4 + (i & 3)] = 0.0F;
+        }
+    }
+}
+
 //! Weight rows a warp (R) and 16-byte vectors a lane loads per row and step (U) for weight
 //! type WT and MR activation rows a pass: R * U * 16 bytes in flight per lane, twice (the
 //! next step's). FP4 vectors hold twice FP8's values (twice the FMAs per byte): half the
@@ -438,22 +546,13 @@ __global__ void __launch_bounds__(kQGemvThreads) quantGemvKernel(QGemvParams con
         __syncthreads();
         if constexpr (STAGED)
         {
-            // chunk q of a row: vector v = (q / (32 CH)) * 32 + q % 32, values 4 ((q / 32) % CH) ..
-#pragma unroll
-            for (int m = 0; m < MR; ++m)
+            if (p.actGroup != 0)
             {
-                int32_t const src = sSrc[m];
-                for (int32_t q = threadIdx.x; q < p.chunksPerRow; q += kQGemvThreads)
-                {
-                    int32_t const v = (q / (32 * CH)) * 32 + (q & 31);
-                    int32_t const c = (q >> 5) % CH;
-                    float4 val = make_float4(0.0F, 0.0F, 0.0F, 0.0F);
-                    if (src >= 0 && v < vectors)
-                    {
-                        val = loadAct4Global(p.a, src * p.lda + static_cast<int64_t>(v) * VPV + 4 * c, p.aBf16 != 0);
-                    }
-                    sAct[m * p.chunksPerRow + q] = val;
-                }
+                stageQuantized<VPV, MR>(p, sSrc, sAct, warp, lane);
+            }
+            else
+            {
+                stagePlain<VPV, MR>(p, sSrc, sAct);
             }
             __syncthreads();
         }
@@ -753,10 +852,23 @@ extern "C" ENGRAM_API int engram_quant_gemv_ex(void const* a, int32_t aType, int
     {
         return status;
     }
-    if ((flags & ~static_cast<uint32_t>(ENGRAM_QGEMV_WEIGHT_STATIC)) != 0)
+    uint32_t const known = ENGRAM_QGEMV_WEIGHT_STATIC | ENGRAM_QGEMV_ACT_Q128_F32 | ENGRAM_QGEMV_ACT_Q32_UE8M0;
+    if ((flags & ~known) != 0)
     {
-        return fail(cudaErrorInvalidValue, "%s: unknown flags 0x%x (the one flag is ENGRAM_QGEMV_WEIGHT_STATIC = 0x%x)",
-            fn, flags, static_cast<unsigned>(ENGRAM_QGEMV_WEIGHT_STATIC));
+        return fail(cudaErrorInvalidValue,
+            "%s: unknown flags 0x%x (known: ENGRAM_QGEMV_WEIGHT_STATIC 0x%x, ENGRAM_QGEMV_ACT_Q128_F32 0x%x, "
+            "ENGRAM_QGEMV_ACT_Q32_UE8M0 0x%x)",
+            fn, flags, static_cast<unsigned>(ENGRAM_QGEMV_WEIGHT_STATIC),
+            static_cast<unsigned>(ENGRAM_QGEMV_ACT_Q128_F32), static_cast<unsigned>(ENGRAM_QGEMV_ACT_Q32_UE8M0));
+    }
+    bool const q128 = (flags & ENGRAM_QGEMV_ACT_Q128_F32) != 0;
+    bool const q32 = (flags & ENGRAM_QGEMV_ACT_Q32_UE8M0) != 0;
+    if (q128 && q32)
+    {
+        return fail(cudaErrorInvalidValue,
+            "%s: flags ENGRAM_QGEMV_ACT_Q128_F32 and ENGRAM_QGEMV_ACT_Q32_UE8M0 exclude each other (one "
+            "quantization of the activations)",
+            fn);
     }
     if (numRows == 0)
     {
@@ -796,6 +908,8 @@ extern "C" ENGRAM_API int engram_quant_gemv_ex(void const* a, int32_t aType, int
     p.kBlocks = static_cast<int32_t>(kBlocks);
     p.chunksPerRow = static_cast<int32_t>(chunksPerRow);
     p.weightStatic = (flags & ENGRAM_QGEMV_WEIGHT_STATIC) != 0 ? 1 : 0;
+    p.actGroup = q128 ? 128 : (q32 ? 32 : 0);
+    p.actUe8m0 = q32 ? 1 : 0;
     p.expertBytes = outFeatures * bytesPerRow;
     p.expertScales = nBlocks * kBlocks;
     p.experts = numExperts;
@@ -817,7 +931,15 @@ extern "C" ENGRAM_API int engram_quant_gemv_ex(void const* a, int32_t aType, int
     {
         mr /= 2;
     }
-    bool const staged = rowShared <= optin && !(mr == 1 && envInt("ENGRAM_TRT_QGEMV_STAGE", 1) == 0);
+    bool const quantize = q128 || q32;
+    if (quantize && rowShared > optin)
+    {
+        return fail(cudaErrorNotSupported,
+            "%s: quantizing the activations in the GEMV stages a row of %lld floats in shared memory, more than this "
+            "GPU allows a block (%lld bytes): quantize them first (engram_act_quant) and pass the result",
+            fn, ll(inFeatures), ll(optin));
+    }
+    bool const staged = rowShared <= optin && (quantize || !(mr == 1 && envInt("ENGRAM_TRT_QGEMV_STAGE", 1) == 0));
     int const shared = staged ? static_cast<int>(mr * rowShared) : 0;
     int const rowsPerWarp = mr <= 2 ? 2 : 4;
     p.groups = static_cast<int32_t>((outFeatures + rowsPerWarp - 1) / rowsPerWarp);

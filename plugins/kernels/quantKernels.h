@@ -169,9 +169,18 @@ ENGRAM_API int engram_quant_gemv(const void* a, int32_t a_type, int64_t lda, con
  *   its first weight vectors before it waits for the kernel before it (programmatic
  *   dependent launch, sm_90+, off with ENGRAM_TRT_PDL=0). Without it nothing is read
  *   before that kernel completes. Experts ignore it (their weight depends on slot_expert).
+ *   ENGRAM_QGEMV_ACT_Q128_F32 / ENGRAM_QGEMV_ACT_Q32_UE8M0 (at most one): a is the raw
+ *   activations (float32 or bf16), quantized inside the GEMV exactly as engram_act_quant
+ *   with group 128 and float32 scales / group 32 and ue8m0 scales, the product taking its
+ *   deq in float32: the same bits as engram_act_quant (deq float32) then the GEMV, one
+ *   launch instead of two (each block quantizes the rows it stages). Needs a row of K
+ *   floats to fit a block's shared memory (K <= 16384 fits every GPU of sm_80+):
+ *   cudaErrorNotSupported otherwise.
  * Other bits: cudaErrorInvalidValue.
  */
 #define ENGRAM_QGEMV_WEIGHT_STATIC 1u
+#define ENGRAM_QGEMV_ACT_Q128_F32 2u
+#define ENGRAM_QGEMV_ACT_Q32_UE8M0 4u
 ENGRAM_API int engram_quant_gemv_ex(const void* a, int32_t a_type, int64_t lda, const int32_t* row_index,
     int64_t num_rows, const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
     int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets, const int32_t* slot_expert,

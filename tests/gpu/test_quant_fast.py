@@ -12,6 +12,11 @@ references and bounds as tests/gpu/test_quant_kernels.py (whose helpers this mod
                  path; K = 16,384 with 8 rows: passes of fewer rows);
   experts        the grouped GEMV with many slots (batch decode: 32 tokens x 6 of 64 experts,
                  most experts one row, some several) under the same knobs;
+  fused quant    ENGRAM_QGEMV_ACT_Q128_F32 / _Q32_UE8M0 (gemv(act_quant=...)): the GEMV quantizing
+                 the raw activations itself = act_quant's float32 deq then the GEMV, bit for bit
+                 (FP8 with partial groups, FP4; float32 / bf16 x; row_index; experts); a K
+                 whose row does not fit the shared memory refused in one line; linear and
+                 experts (which take it on decode rows) = the two-launch path bit for bit;
   the GEMV's bound is gemv_bound (every product passes VPV + ceil(K / (32 VPV)) + 7 float32
                  roundings, then the output's): the kernel's sums have that depth whatever
                  the grid (a lane's chain, the block scale's FMA, its vectors, 5 levels over
@@ -172,6 +177,134 @@ def test_gemv_experts_batch_decode(gen, dev, kind, fmt) -> None:
                     slot_expert=torch.from_numpy(slot_expert).to(dev))
         _check_within(f"grouped gemv = float64, {kind}, uneven rows {counts}, {name}", out, ref2,
                       gemv_bound(kind, K, ref2, mag2, out.dtype))
+
+
+FUSED_CASES = [  # (kind, N, K, block, scale fmt, rows)
+    ("fp8", 200, 336, (128, 128), "float", (1, 3, 8)),    # a partial last group of 80 columns
+    ("fp8", 300, 7168, (128, 128), "ue8m0", (1, 2, 5)),
+    ("fp4", 257, 2048, (1, 32), "ue8m0", (1, 4, 8)),
+    ("fp4", 64, 16384, (1, 32), "ue8m0", (1, 3)),         # the largest K the fused path promises
+]
+
+
+@pytest.mark.parametrize("ci", range(len(FUSED_CASES)))
+def test_gemv_fused_act_quant(gen, dev, ci) -> None:
+    from engram_trt.native import quant as nq
+    from engram_trt.native import quant_kernels as qk
+
+    torch = _t()
+    kind, N, K, block, fmt, rows_list = FUSED_CASES[ci]
+    qw = _weight_case(gen, dev, kind, (), N, K, block, fmt)
+    w = _qweight(qw, False)
+    group, ue8m0 = nq.ACT_QUANT[kind]
+    for rows in rows_list:
+        for xdt in ("float32", "bfloat16"):
+            base = torch.randn(rows + 3, K, generator=gen, device=dev) * torch.exp(
+                2 * torch.randn(rows + 3, 1, generator=gen, device=dev))
+            if rows > 2:
+                base[1] = 0.0  # the amax floor
+            x = base.to(getattr(torch, xdt))
+            row_index = torch.randperm(rows + 3, generator=gen, device=dev)[:rows].to(torch.int32)
+            deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
+            want = torch.full((rows, N + 6), float("nan"), device=dev)
+            qk.gemv(deq, w, want, row_index=row_index, o_col0=3)
+            for static in (False, True):
+                got = torch.full((rows, N + 6), float("nan"), device=dev)
+                qk.gemv(x, w, got, row_index=row_index, o_col0=3, act_quant=(group, ue8m0), weight_static=static)
+                tag = f"{kind} [{N}, {K}] {fmt}, {rows} rows, x {xdt}, static {static}"
+                same = torch.equal(got[:, 3:3 + N], want[:, 3:3 + N])
+                record(f"gemv quantizing x itself = act_quant then gemv, bit for bit, {tag}", same,
+                       "" if same else f"{int((got[:, 3:3 + N] != want[:, 3:3 + N]).sum())} differ")
+                outside = torch.cat([got[:, :3], got[:, 3 + N:]], dim=1)
+                record(f"gemv quantizing x leaves the other columns, {tag}", bool(torch.isnan(outside).all()), "")
+
+
+def test_gemv_fused_act_quant_experts_and_refusal(gen, dev) -> None:
+    from engram_trt.errors import EngramError
+    from engram_trt.native import quant as nq
+    from engram_trt.native import quant_kernels as qk
+
+    torch = _t()
+    rng = np.random.default_rng(31)
+    for kind in ("fp8", "fp4"):
+        E, T, k, N, K = 32, 8, 6, 96, 1024
+        qw = _weight_case(gen, dev, kind, (E,), N, K, None, "ue8m0")
+        w = _qweight(qw, True)
+        ids = torch.from_numpy(np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])).to(dev, torch.int32)
+        plan = nq.moe_plan(ids, E)
+        x = (torch.randn(T, K, generator=gen, device=dev) * 3).to(torch.bfloat16)
+        group, ue8m0 = nq.ACT_QUANT[kind]
+        deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
+        rows = {"row_index": plan.row_token, "offsets": plan.offsets, "slot_expert": plan.slot_expert}
+        want = torch.zeros((T * k, N), device=dev)
+        got = torch.zeros((T * k, N), device=dev)
+        qk.gemv(deq, w, want, **rows)
+        qk.gemv(x, w, got, act_quant=(group, ue8m0), **rows)
+        record(f"grouped gemv quantizing x itself = act_quant then gemv, bit for bit, {kind}", torch.equal(got, want),
+               "")
+    # a row the shared memory cannot stage: refused in one line, nothing launched
+    qw = _weight_case(gen, dev, "fp8", (), 16, 65536, (128, 128), "float")
+    out = torch.full((1, 16), float("nan"), device=dev)
+    try:
+        qk.gemv(torch.randn(1, 65536, generator=gen, device=dev), _qweight(qw, False), out, act_quant=(128, False))
+        ok, detail = False, "no error"
+    except EngramError as exc:
+        ok, detail = "quantize them first" in str(exc) and "\n" not in str(exc), str(exc)
+    record("gemv quantizing x refuses K = 65536 (one line) and leaves out", ok and bool(torch.isnan(out).all()),
+           detail)
+    # linear on a K that large still runs (act_quant first, then the GEMV)
+    x = torch.randn(2, 65536, generator=gen, device=dev)
+    y = nq.linear(x, qw)
+    ref, mag = linear_reference(x, qw)
+    _check_within("linear with K = 65536 (two launches) = float64", y.cpu(), ref,
+                  (gemv_bound("fp8", 65536, ref, mag, y.dtype) + U32 * mag).cpu())
+
+
+def test_linear_and_experts_fused_equal_two_launches(gen, dev) -> None:
+    """linear / experts on decode rows take the fused quantization: their outputs equal the
+    two-launch computation (act_quant, then the GEMV) bit for bit."""
+    from engram_trt.native import quant as nq
+    from engram_trt.native import quant_kernels as qk
+
+    torch = _t()
+    for kind, N, K in (("fp8", 384, 1024), ("fp4", 256, 512)):
+        qw = _weight_case(gen, dev, kind, (), N, K, (128, 128) if kind == "fp8" else (1, 32), "float")
+        w = _qweight(qw, False)
+        group, ue8m0 = nq.ACT_QUANT[kind]
+        for M in (1, 3, 8):
+            for xdt in (torch.bfloat16, torch.float32):
+                x = (torch.randn(M, K, generator=gen, device=dev) * 2).to(xdt)
+                y = nq.linear(x, qw)
+                deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
+                want = torch.empty((M, N), device=dev, dtype=xdt)
+                qk.gemv(deq, w, want)
+                record(f"linear (fused quantization) = act_quant + gemv, bit for bit, {kind} {M} rows {xdt}",
+                       torch.equal(y, want), "")
+    E, D, I, k, T = 8, 256, 128, 4, 3
+    for kind in ("fp8", "fp4"):
+        block = (128, 128) if kind == "fp8" else (1, 32)
+        gate, up = (_weight_case(gen, dev, kind, (E,), I, D, block, "float") for _ in range(2))
+        down = _weight_case(gen, dev, kind, (E,), D, I, block, "float")
+        x = torch.randn(T, D, generator=gen, device=dev).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=gen, device=dev)[:k] for _ in range(T)]).to(torch.int32)
+        route_w = torch.rand(T, k, generator=gen, device=dev)
+        y = nq.experts(x, ids, route_w, gate, up, down, limit=7.0)
+        # the two-launch path: quantize x first (a view the GEMV cannot quantize itself would take it too)
+        plan = nq.moe_plan(ids, E)
+        g, u = _qweight(gate, True), _qweight(up, True)
+        group, ue8m0 = nq.ACT_QUANT[kind]
+        deq = qk.act_quant(x, group, ue8m0, q=False, scale=False,
+                           deq_dtype=torch.float32 if kind == "fp8" else torch.bfloat16)[2]
+        gu = torch.empty((T * k, 2 * I), device=dev)
+        rows = {"row_index": plan.row_token, "offsets": plan.offsets, "slot_expert": plan.slot_expert}
+        qk.gemv(deq, g, gu[:, :I], **rows)
+        qk.gemv(deq, u, gu[:, I:], **rows)
+        dg, dug = (qk.gemv(x, wq, torch.empty((T * k, I), device=dev), act_quant=(group, ue8m0), **rows)
+                   for wq in (g, u))
+        record(f"experts gate / up (fused quantization) = act_quant + gemv, bit for bit, {kind}",
+               torch.equal(dg, gu[:, :I]) and torch.equal(dug, gu[:, I:]), "")
+        again = nq.experts(x, ids, route_w, gate, up, down, limit=7.0)
+        record(f"experts deterministic with the fused quantization, {kind}", torch.equal(y, again), "")
 
 
 @pytest.mark.parametrize("fmt", ["float", "ue8m0"])

@@ -203,6 +203,18 @@ def _quantized_input(x2: Any, kind: str, route: str) -> dict[str, Any]:
     return {"a": qk.act_quant(x2, group, ue8m0, q=False, scale=False, deq_dtype=deq)[2]}
 
 
+def _gemv_quantizes(x2: Any, w: qk.Weight) -> bool:
+    """True when the GEMV can quantize ``x2 [M, K]`` itself (ENGRAM_QGEMV_ACT_*: the same
+    bits as act_quant's deq, one launch fewer): an fp8 / fp4 weight, float32 / bf16 rows
+    16-byte aligned, K <= GEMV_ACT_QUANT_MAX_K."""
+    torch = _torch()
+    if w.kind not in ACT_QUANT or ACT_QUANT[w.kind] not in qk.QGEMV_ACT_QUANT:
+        return False
+    if x2.dtype not in (torch.float32, torch.bfloat16) or w.in_features > qk.GEMV_ACT_QUANT_MAX_K:
+        return False
+    return x2.stride(1) == 1 and (x2.stride(0) * x2.element_size()) % 16 == 0 and x2.data_ptr() % 16 == 0
+
+
 def _product(act: dict[str, Any], w: qk.Weight, route: str, out: Any, **rows: Any) -> None:
     if route == "gemv":
         qk.gemv(act["a"], w, out, **rows)
@@ -303,11 +315,13 @@ def linear(x: Any, qw: Any, *, weight_static: bool = False) -> Any:
         return out.view(*x.shape[:-1], N)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
-        act = _quantized_input(x2, w.kind, route)
-        if route == "gemv":
-            qk.gemv(act["a"], w, out, weight_static=weight_static)
+        if route == "gemv" and _gemv_quantizes(x2, w):
+            # the GEMV quantizes x itself: the same bits, one launch fewer
+            qk.gemv(x2, w, out, weight_static=weight_static, act_quant=ACT_QUANT[w.kind])
+        elif route == "gemv":
+            qk.gemv(_quantized_input(x2, w.kind, route)["a"], w, out, weight_static=weight_static)
         else:
-            _product(act, w, route, out)
+            _product(_quantized_input(x2, w.kind, route), w, route, out)
     return out.view(*x.shape[:-1], N)
 
 
@@ -390,9 +404,13 @@ def experts(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, li
     # gate and up into the two halves of one float32 buffer
     gate_up = torch.empty((P, 2 * I), dtype=torch.float32, device=x.device)
     route = _route(P, g, x.device, gemv_max)
-    act = _quantized_input(x2, g.kind, route)
-    _product(act, g, route, gate_up[:, :I], row_index=plan.row_token, **rows)
-    _product(act, u, route, gate_up[:, I:], row_index=plan.row_token, **rows)
+    if route == "gemv" and _gemv_quantizes(x2, g):  # each GEMV quantizes x itself: the same bits, no act_quant
+        for w_, cols in ((g, slice(None, I)), (u, slice(I, None))):
+            qk.gemv(x2, w_, gate_up[:, cols], row_index=plan.row_token, act_quant=ACT_QUANT[g.kind], **rows)
+    else:
+        act = _quantized_input(x2, g.kind, route)
+        _product(act, g, route, gate_up[:, :I], row_index=plan.row_token, **rows)
+        _product(act, u, route, gate_up[:, I:], row_index=plan.row_token, **rows)
     # the clamped SwiGLU, quantized as the down projection takes it
     route = _route(P, d, x.device, gemv_max)
     group, ue8m0 = ACT_QUANT.get(d.kind, (0, False))
