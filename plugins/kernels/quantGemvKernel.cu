@@ -12,10 +12,11 @@
  *
  * Layout. A block of 8 warps; a warp owns a group of R weight rows (R = 2 for up to 2
  * activation rows a pass, 4 for 4 or 8: the activation values a lane reads serve R rows);
- * its lanes read each row in 16-byte vectors (lane j takes vectors j, j + 32, ...), U = 8 / R
- * vectors a lane per row per step, all issued with an L1-bypassing streaming load, and the
- * next step's (of this group or the warp's next group) issued before this step's FMAs
- * (software pipelining: each warp always has its next 8 vectors in flight). A vector holds
+ * its lanes read each row in 16-byte vectors (lane j takes vectors j, j + 32, ...), U
+ * vectors a lane per row per step (RowsPerWarp: R * U = 8 for FP8 / BF16 up to 4 rows, 4
+ * for 8 rows and for FP4), all issued with an L1-bypassing streaming load, and the next
+ * step's (of this group or the warp's next group) issued before this step's FMAs (software
+ * pipelining: each warp always has its next step's vectors in flight). A vector holds
  * 16 (FP8), 32 (FP4) or 8 (BF16) consecutive values of one scale block (bk is a multiple of
  * the vector's values), so each vector's dot product with up to MR activation rows is summed
  * in float32 apart and added times the block's scale (FP4's decode yields 2^-6 times the
@@ -28,7 +29,9 @@
  * consecutive bytes, 4 wavefronts, free of bank conflicts. (Read from global memory, a
  * lane's VPV values are 64 / 128 bytes apart from its neighbour's: each 16-byte load of the
  * warp touched 16 lines, 4 times the activation traffic, which bounded the previous
- * kernel.) Rows past the pass's count and values past K are staged as zeros. Where MR rows
+ * kernel.) Rows past the pass's count and values past K are staged as zeros. With
+ * ENGRAM_QGEMV_ACT_Q128_F32 / _Q32_UE8M0 the staging quantizes the raw rows on the way,
+ * bit for bit engram_act_quant's float32 deq (stageQuantized). Where MR rows
  * do not fit the shared memory, passes take fewer rows; where one row does not, or
  * ENGRAM_TRT_QGEMV_STAGE=0 with one row a pass, the activations are read from global memory
  * (the unstaged variant).
