@@ -54,7 +54,8 @@ def _ctype_of(arg: str):
     if "*" in arg or arg.startswith("cudaStream_t"):
         return ctypes.c_void_p
     kind = arg.split()[0]
-    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32, "float": ctypes.c_float}[kind]
+    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32,
+            "float": ctypes.c_float}[kind]
 
 
 def test_declarations_are_the_header_prototypes() -> None:
