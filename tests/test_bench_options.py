@@ -26,7 +26,7 @@ GPU_ONLY = ["kernels", "attention", "backbone", "gathersweep", "contention", "ca
 def test_every_subcommand_parses_to_its_options_defaults() -> None:
     parser = build_parser()
     assert [c.name for c in BENCH_COMMANDS] == ["gather", "cache", "idstream", "rowcounts", "step", "serve", "steady", "gemv",
-                                                *GPU_ONLY]
+                                                *GPU_ONLY, "e2e"]
     for cmd in BENCH_COMMANDS:
         ns = parser.parse_args(["bench", cmd.name, *REQUIRED.get(cmd.name, [])])
         got = options_from(ns, cmd.options)

@@ -54,12 +54,13 @@ def _ctype_of(arg: str):
     if "*" in arg or arg.startswith("cudaStream_t"):
         return ctypes.c_void_p
     kind = arg.split()[0]
-    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float}[kind]
+    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32,
+            "float": ctypes.c_float}[kind]
 
 
 def test_declarations_are_the_header_prototypes() -> None:
     protos = _prototypes()
-    assert len(protos) == 7, sorted(protos)  # the parse found the ABI
+    assert len(protos) == 8, sorted(protos)  # the parse found the ABI
     assert set(protos) == set(qk.SIGNATURES)
     for name, args in protos.items():
         assert [_ctype_of(a) for a in args] == qk.SIGNATURES[name], name
@@ -170,6 +171,40 @@ def test_gemv_abi_refusals(plugin_lib: Path) -> None:
     for change, needle in cases:
         _one_line(_refused("engram_quant_gemv", *_gemv_args(**change)), needle)
     assert qk.library().engram_quant_gemv(*_gemv_args(rows=0, a=None)) == 0  # 0 rows launch nothing
+
+
+def test_gemv_ex_flags(plugin_lib: Path) -> None:
+    """engram_quant_gemv_ex: engram_quant_gemv's checks, and its flags: an unknown bit and
+    both activation quantizations refused by name; the known flags pass the checks."""
+    base = _gemv_args()
+    with_flags = lambda flags, **change: _gemv_args(**change)[:-1] + (flags, None)  # noqa: E731
+    _one_line(_refused("engram_quant_gemv_ex", *with_flags(8)),
+              "unknown flags 0x8 (known: ENGRAM_QGEMV_WEIGHT_STATIC 0x1, ENGRAM_QGEMV_ACT_Q128_F32 0x2, "
+              "ENGRAM_QGEMV_ACT_Q32_UE8M0 0x4)")
+    _one_line(_refused("engram_quant_gemv_ex", *with_flags(6)),
+              "flags ENGRAM_QGEMV_ACT_Q128_F32 and ENGRAM_QGEMV_ACT_Q32_UE8M0 exclude each other")
+    _one_line(_refused("engram_quant_gemv_ex", *with_flags(1, w_type=3)), "w_type must be 0 (fp8 e4m3)")
+    for flags in (1, 2, 4, 3, 5):
+        assert qk.library().engram_quant_gemv_ex(*with_flags(flags, rows=0, a=None)) == 0  # 0 rows launch nothing
+    assert len(base) + 1 == len(qk.SIGNATURES["engram_quant_gemv_ex"])
+    assert qk.QGEMV_ACT_QUANT == {(128, False): 2, (32, True): 4}
+    text = HEADER.read_text()
+    for name, value in (("ENGRAM_QGEMV_WEIGHT_STATIC", qk.QGEMV_WEIGHT_STATIC), ("ENGRAM_QGEMV_ACT_Q128_F32", 2),
+                        ("ENGRAM_QGEMV_ACT_Q32_UE8M0", 4)):
+        assert re.search(rf"#define {name} {value}u", text), name
+
+
+def test_gemv_act_quant_groups_are_native_quants(plugin_lib: Path) -> None:
+    """native.quant's ACT_QUANT (what linear / experts quantize with) maps onto the GEMV's
+    own quantization flags, so decode steps take the fused launch; others are refused."""
+    from engram_trt.native import quant as nq
+
+    for kind, key in nq.ACT_QUANT.items():
+        assert key in qk.QGEMV_ACT_QUANT, kind
+    with pytest.raises(EngramError, match="the GEMV quantizes per"):
+        w = qk.make_weight("w", torch.zeros((4, 32), dtype=torch.float8_e4m3fn),
+                           torch.ones((1, 1), dtype=torch.float32), "fp8", (128, 128), False)
+        qk.gemv(torch.zeros((1, 32)), w, torch.zeros((1, 4)), act_quant=(64, False))
 
 
 def _gemm_args(**change):

@@ -7,16 +7,27 @@ each figure against a floor measured in the same process:
            second), the floor of every memory-bound figure;
   gemv     engram_quant_gemv for decode shapes (N x K = 7168x2048, 2048x7168, 1536x7168,
            4096x1024, 4096x4096) with BF16, FP8 and FP4 weights of the same logical shape,
-           1 / 2 / 4 / 8 rows: GB/s of weight bytes and time / (bytes / copy rate); torch's
-           bf16 F.linear beside it; the weights rotate over copies larger than the L2, so
-           every call reads HBM;
-  experts  the grouped GEMV, 6 of 256 experts (one token) and 4 tokens x 6, expert
-           2048 x 7168 (DeepSeek-V3's routed expert shape), FP8 and FP4 (and BF16);
+           1 / 2 / 4 / 8 rows: GB/s of weight bytes and time / (bytes / copy rate), ordinary
+           and with weight_static (its first weight loads issued before it waits for the
+           call before it); for BF16 torch's F.linear and engram_gemv_bf16 (plain / static)
+           beside it; the weights rotate over copies larger than the L2, so every call reads
+           HBM;
+  variants the GEMV's tuning knobs on the first shape (ENGRAM_TRT_QGEMV_WAVES 1 / 2 / 0,
+           ENGRAM_TRT_QGEMV_STAGE=0 for one row), so one run picks the defaults;
+  linear   native.quant.linear on decode rows (1 / 2 / 4) for FP8 / FP4 weights of the first
+           shape, weight_static: the GEMV quantizing the activations itself (one launch)
+           against act_quant + the GEMV (two), both from the bf16 activations;
+  experts  the grouped GEMV, 6 of 256 experts (one token) and 4 / 8 / 32 tokens x 6 (batch
+           decode: most experts one row, some two or three), expert 2048 x 7168
+           (DeepSeek-V3's routed expert shape), FP8 and FP4 (and BF16);
   gemm     engram_fp8_gemm for prefill shapes (M = 512 .. 8192; N x K = 7168x2048,
            2048x7168, 4096x4096) in TFLOP/s, against torch.matmul in bf16 on the same
            shapes (its measured rate the bf16 floor; twice it the FP8 dense floor) and
            torch._scaled_mm (per-tensor FP8, and block-wise 1x128 / 128x128 where this torch
-           takes it); engram_quant_grouped_gemm with FP4 and BF16 weights beside.
+           takes it); native.quant.linear (act quant + the route it picks: torch's block-wise
+           _scaled_mm where scaled_mm_reason allows, else ours) with the route named and its
+           output against engram_fp8_gemm's; engram_quant_grouped_gemm with FP4 and BF16
+           weights beside.
 
 Timings are CUDA-graph replays of many calls (the launch cost of a ctypes call would hide
 a 5 us kernel), medians of several replays. One process, one command:
@@ -160,6 +171,7 @@ def kernel_weight(w: Any, stacked: bool):
 # --- GEMV --------------------------------------------------------------------------------------
 
 def bench_gemv(rate: float, shapes, rows_list, kinds) -> list[dict]:
+    from engram_trt.native import backbone
     from engram_trt.native import quant_kernels as qk
 
     out = []
@@ -174,19 +186,109 @@ def bench_gemv(rate: float, shapes, rows_list, kinds) -> list[dict]:
                 a = torch.randn(rows, K, device="cuda").to(adt)
                 y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
                 us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y), calls=2 * len(ws))
+                us_static = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True),
+                                          calls=2 * len(ws))
                 floor = nbytes / rate * 1e6
                 entry = {"kind": kind, "N": N, "K": K, "rows": rows, "bytes": nbytes, "us": round(us, 2),
                          "GBps": round(nbytes / us / 1e3, 1), "floor_us": round(floor, 2),
-                         "x_floor": round(us / floor, 3)}
+                         "x_floor": round(us / floor, 3), "static_us": round(us_static, 2),
+                         "static_GBps": round(nbytes / us_static / 1e3, 1),
+                         "static_x_floor": round(us_static / floor, 3)}
                 if kind == "bf16":
                     xs = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
                     t_us = graph_time_us(lambda i: torch.nn.functional.linear(xs, copies[i % len(copies)]),
                                          calls=2 * len(copies))
                     entry["torch_linear_us"] = round(t_us, 2)
+                    if rows <= backbone.GEMV_MAX_TOKENS:
+                        for name, static in (("gemv_bf16_us", False), ("gemv_bf16_static_us", True)):
+                            entry[name] = round(graph_time_us(
+                                lambda i: backbone.gemv(xs, copies[i % len(copies)], out=y, weight_static=static),
+                                calls=2 * len(copies)), 2)
                 out.append(entry)
                 print(json.dumps(entry), flush=True)
             del copies, ws
             torch.cuda.empty_cache()
+    return out
+
+
+VARIANTS = [  # (name, environment) of the GEMV's knobs (quantGemvKernel.cu)
+    ("waves1", {"ENGRAM_TRT_QGEMV_WAVES": "1"}),
+    ("waves2", {"ENGRAM_TRT_QGEMV_WAVES": "2"}),
+    ("uncapped", {"ENGRAM_TRT_QGEMV_WAVES": "0"}),
+    ("unstaged", {"ENGRAM_TRT_QGEMV_STAGE": "0"}),
+]
+
+
+def bench_variants(rate: float, N: int, K: int, rows_list, kinds) -> list[dict]:
+    """The GEMV (weight_static) under each tuning knob of VARIANTS, the environment set
+    while the graph is captured (the library reads it at each launch)."""
+    from engram_trt.native import quant_kernels as qk
+
+    out = []
+    for kind in kinds:
+        one = make_weight(kind, (), N, K)
+        nbytes = weight_bytes(one)
+        copies = [one] + [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
+        ws = [kernel_weight(w, False) for w in copies]
+        floor = nbytes / rate * 1e6
+        for rows in rows_list:
+            adt = torch.float32 if kind == "fp8" else torch.bfloat16
+            a = torch.randn(rows, K, device="cuda").to(adt)
+            y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+            entry = {"kind": kind, "N": N, "K": K, "rows": rows, "floor_us": round(floor, 2)}
+            for name, env in VARIANTS:
+                if name == "unstaged" and rows != 1:
+                    continue
+                saved = {k_: os.environ.get(k_) for k_ in env}
+                os.environ.update(env)
+                try:
+                    us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True),
+                                       calls=2 * len(ws))
+                finally:
+                    for k_, v_ in saved.items():
+                        if v_ is None:
+                            os.environ.pop(k_, None)
+                        else:
+                            os.environ[k_] = v_
+                entry[name] = {"us": round(us, 2), "x_floor": round(us / floor, 3)}
+            out.append(entry)
+            print(json.dumps(entry), flush=True)
+        del copies, ws
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_linear_decode(rate: float, N: int, K: int, rows_list, kinds) -> list[dict]:
+    """native.quant.linear (the GEMV quantizing x itself) against act_quant + the GEMV."""
+    from engram_trt.native import quant as nq
+    from engram_trt.native import quant_kernels as qk
+
+    out = []
+    for kind in kinds:
+        copies = [make_weight(kind, (), N, K)]
+        nbytes = weight_bytes(copies[0])
+        copies += [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
+        ws = [kernel_weight(w, False) for w in copies]
+        group, ue8m0 = nq.ACT_QUANT[kind]
+        floor = nbytes / rate * 1e6
+        for rows in rows_list:
+            x = torch.randn(rows, K, device="cuda").to(torch.bfloat16)
+            y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+            fused = graph_time_us(lambda i: nq.linear(x, copies[i % len(copies)], weight_static=True),
+                                  calls=2 * len(copies))
+
+            def two(i):
+                deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
+                qk.gemv(deq, ws[i % len(ws)], y, weight_static=True)
+
+            two_us = graph_time_us(two, calls=2 * len(copies))
+            entry = {"kind": kind, "N": N, "K": K, "rows": rows, "floor_us": round(floor, 2),
+                     "linear_us": round(fused, 2), "linear_x_floor": round(fused / floor, 3),
+                     "act_quant_then_gemv_us": round(two_us, 2), "two_launch_x_floor": round(two_us / floor, 3)}
+            out.append(entry)
+            print(json.dumps(entry), flush=True)
+        del copies, ws
+        torch.cuda.empty_cache()
     return out
 
 
@@ -199,7 +301,7 @@ def bench_experts(rate: float, kinds, E: int = 256, N: int = 2048, K: int = 7168
         stack = make_weight(kind, (E,), N, K)
         w = kernel_weight(stack, True)
         per_expert = weight_bytes(stack) // E
-        for tokens in (1, 4):
+        for tokens in (1, 4, 8, 32):
             plans, distinct = [], []
             for seed in range(16):
                 g = torch.Generator(device="cuda").manual_seed(seed)
@@ -215,10 +317,12 @@ def bench_experts(rate: float, kinds, E: int = 256, N: int = 2048, K: int = 7168
                 qk.gemv(a, w, y, row_index=p.row_token, offsets=p.offsets, slot_expert=p.slot_expert)
 
             us = graph_time_us(call, calls=len(plans) * 2)
+            rows_per_expert = tokens * k / statistics.mean(distinct)
             nbytes = statistics.mean(distinct) * per_expert
             floor = nbytes / rate * 1e6
             entry = {"kind": kind, "experts": E, "N": N, "K": K, "tokens": tokens, "top_k": k,
-                     "active_experts": statistics.mean(distinct), "bytes": int(nbytes), "us": round(us, 2),
+                     "active_experts": statistics.mean(distinct), "rows_per_expert": round(rows_per_expert, 2),
+                     "bytes": int(nbytes), "us": round(us, 2),
                      "GBps": round(nbytes / us / 1e3, 1), "floor_us": round(floor, 2), "x_floor": round(us / floor, 3)}
             out.append(entry)
             print(json.dumps(entry), flush=True)
@@ -262,7 +366,8 @@ def bench_gemm(Ms, shapes, quick: bool) -> list[dict]:
 
     out = []
     for N, K in shapes:
-        fp8w = kernel_weight(make_weight("fp8", (), N, K), False)
+        fp8_qw = make_weight("fp8", (), N, K)
+        fp8w = kernel_weight(fp8_qw, False)
         fp4w = kernel_weight(make_weight("fp4", (), N, K), False)
         bfw = make_weight("bf16", (), N, K)
         bfk = kernel_weight(bfw, False)
@@ -295,9 +400,24 @@ def bench_gemm(Ms, shapes, quick: bool) -> list[dict]:
             ref = (q.float() * s.repeat_interleave(128, 1)[:, :K]) @ qk.dequantize(fp8w)[0].t()
             qk.fp8_gemm(q, s, fp8w, y)
             entry["fp8_gemm_rel_err"] = float((y.float() - ref).norm() / ref.norm())
+            # native.quant.linear: act quant + the route it picks (torch's block-wise _scaled_mm or ours)
+            from engram_trt.native import quant as nq
+
+            qw = fp8_qw
+            reason = nq.scaled_mm_reason(fp8w, x.device, torch.bfloat16)
+            entry["linear_route"] = "torch._scaled_mm" if reason is None else f"engram_fp8_gemm ({reason})"
+            t_lin = event_time_us(lambda: nq.linear(xb, qw), iters)
+            entry["us"]["linear_fp8"] = round(t_lin, 1)
+            entry["TFLOPs"]["linear_fp8"] = round(flops / (t_lin * 1e-6) / 1e12, 1)
+            yl = nq.linear(xb, qw)
+            reason = nq.scaled_mm_reason(fp8w, x.device, torch.bfloat16)  # a refusal seen in the call is recorded
+            entry["linear_route_after"] = "torch._scaled_mm" if reason is None else f"engram_fp8_gemm ({reason})"
+            qb, sb, _ = qk.act_quant(xb, 128, False)  # linear's own activations, through our GEMM
+            qk.fp8_gemm(qb, sb, fp8w, y)
+            entry["linear_vs_fp8_gemm_rel_err"] = float((yl.float() - y.float()).norm() / y.float().norm())
             out.append(entry)
             print(json.dumps(entry), flush=True)
-        del fp8w, fp4w, bfw, bfk
+        del fp8w, fp4w, bfw, bfk, fp8_qw
         torch.cuda.empty_cache()
     return out
 
@@ -324,6 +444,8 @@ def main() -> int:
         "device": torch.cuda.get_device_name(), "capability": f"{cap[0]}.{cap[1]}", "torch": torch.__version__,
         "library": lib, "copy_GBps": round(rate / 1e9, 1),
         "gemv": bench_gemv(rate, shapes, [1, 2, 4, 8], ["bf16", "fp8", "fp4"]),
+        "variants": bench_variants(rate, *shapes[0], [1, 4], ["bf16", "fp8", "fp4"]),
+        "linear_decode": bench_linear_decode(rate, *shapes[0], [1, 2, 4], ["fp8", "fp4"]),
         "experts_gemv": bench_experts(rate, ["fp8", "fp4"] if args.quick else ["bf16", "fp8", "fp4"]),
     }
     if cap >= (8, 9):

@@ -36,6 +36,15 @@ __device__ __forceinline__ float ue8m0ToFloat(uint32_t b)
     return b == 255U ? __uint_as_float(0x7FC00000U) : __uint_as_float(b << 23);
 }
 
+//! ue8m0ToFloat with selects instead of branches (for loops that load many scales).
+__device__ __forceinline__ float ue8m0ToFloatSelect(uint32_t b)
+{
+    uint32_t bits = b << 23;
+    bits = b == 0U ? 0x00400000U : bits;
+    bits = b == 255U ? 0x7FC00000U : bits;
+    return __uint_as_float(bits);
+}
+
 //! Element i of a scale array: float32, or ue8m0 bytes when `ue8m0`.
 __device__ __forceinline__ float loadScale(void const* scale, int64_t i, bool ue8m0)
 {
@@ -78,13 +87,24 @@ __device__ __forceinline__ float e4m3ToFloat(uint8_t b)
     return __half2float(__half(h));
 }
 
-//! Bytes 0..3 of `word` (e4m3) as floats v[0..3] (exact): two cvt.rn.f16x2.e4m3x2 on sm_89+.
+//! Bytes 0..3 of `word` (e4m3) as floats v[0..3] (exact): two cvt.rn.f16x2.e4m3x2 on sm_89+
+//! reading the word's 16-bit halves in place (F2FP .H0 / .H1: no shift), each half widened.
 __device__ __forceinline__ void e4m3x4ToFloat(uint32_t word, float* v)
 {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t lo;
+    uint32_t hi;
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(word));
+    float2 const a = __half22float2(*reinterpret_cast<__half2 const*>(&lo));
+    float2 const b = __half22float2(*reinterpret_cast<__half2 const*>(&hi));
+#else
     __half2_raw const lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word & 0xFFFFU), __NV_E4M3);
     __half2_raw const hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word >> 16), __NV_E4M3);
     float2 const a = __half22float2(__half2(lo));
     float2 const b = __half22float2(__half2(hi));
+#endif
     v[0] = a.x;
     v[1] = a.y;
     v[2] = b.x;
@@ -93,35 +113,30 @@ __device__ __forceinline__ void e4m3x4ToFloat(uint32_t word, float* v)
 
 /*
  * The 8 e2m1 values of one 32-bit word (element 2j in bits 0-3 of byte j, 2j+1 in bits
- * 4-7), each times 2^-14, as fp16 bit patterns, two a half2: the 3 magnitude bits of a
- * nibble go to fp16 bits 9-11 (exponent field 00eee -> 2 bits of exponent, 1 of mantissa)
- * and its sign to bit 15. An e2m1 code (e, m) is 2^(e-1) (1 + m/2) for e > 0 and m / 2
- * for e = 0; the fp16 of the same bits is 2^(e-15) (1 + m/2), or the subnormal 2^-14 m/2:
- * both exactly 2^-14 times the e2m1 value. Masks over the whole word build the pairs
- * (0, 4), (1, 5), (2, 6), (3, 7) (the nibbles 16 bits apart) at once; v[0..7] are then
- * the elements 0..7 in order.
+ * 4-7), each times 2^-6, as floats v[0..7] in element order (exact). A nibble s e1 e0 m
+ * becomes the e4m3 byte s 0 0 e1 e0 m 0 0: for e > 0 that is 2^(e - 7) (1 + m/2), for e = 0
+ * the subnormal m/2 2^-6 -- both 2^-6 times the e2m1 value. The low nibbles of the 4 bytes
+ * and the high ones give two words of 4 such bytes (5 logic / shift instructions), then
+ * cvt.rn.f16x2.e4m3x2 widens 2 values an instruction (sm_89+) and each half widens to float.
  */
 __device__ __forceinline__ void e2m1x8ToFloatScaled(uint32_t x, float* v)
 {
-    uint32_t const h0 = ((x & 0x00070007U) << 9) | ((x & 0x00080008U) << 12);
-    uint32_t const h1 = ((x & 0x00700070U) << 5) | ((x & 0x00800080U) << 8);
-    uint32_t const h2 = ((x & 0x07000700U) << 1) | ((x & 0x08000800U) << 4);
-    uint32_t const h3 = ((x & 0x70007000U) >> 3) | (x & 0x80008000U);
-    uint32_t const halves[4] = {h0, h1, h2, h3};
+    uint32_t const even = ((x << 2) & 0x1C1C1C1CU) | ((x << 4) & 0x80808080U); // elements 0, 2, 4, 6
+    uint32_t const odd = ((x >> 2) & 0x1C1C1C1CU) | (x & 0x80808080U);         // elements 1, 3, 5, 7
+    float e[4];
+    float o[4];
+    e4m3x4ToFloat(even, e);
+    e4m3x4ToFloat(odd, o);
 #pragma unroll
     for (int i = 0; i < 4; ++i)
     {
-        __half2_raw raw;
-        raw.x = static_cast<unsigned short>(halves[i] & 0xFFFFU);
-        raw.y = static_cast<unsigned short>(halves[i] >> 16);
-        float2 const f = __half22float2(__half2(raw));
-        v[i] = f.x;     // element i
-        v[i + 4] = f.y; // element i + 4
+        v[2 * i] = e[i];
+        v[2 * i + 1] = o[i];
     }
 }
 
-//! 2^14: what e2m1x8ToFloatScaled's values are short of (folded into the block scale).
-constexpr float kE2m1HalfScale = 16384.0F;
+//! 2^6: what e2m1x8ToFloatScaled's values are short of (folded into the block scale).
+constexpr float kE2m1DecodeScale = 64.0F;
 
 //! The e2m1 value of a 4-bit code as bf16 bits (exact: 0, 0.5, 1, 1.5, 2, 3, 4, 6, signed).
 __device__ __forceinline__ uint32_t e2m1Bf16Bits(uint32_t code)

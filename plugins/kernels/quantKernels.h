@@ -134,21 +134,57 @@ ENGRAM_API int engram_moe_plan(const void* ids, int32_t ids_is_int64, int64_t nu
  *        experts stacked, E >= 1); 16-byte aligned; bk a multiple of 16 (FP8) or 32 (FP4)
  *        (each 16-byte vector of a row lies in one scale block), bn >= 1;
  * rows   P; with E > 1, offsets [E + 1] and slot_expert [num_slots] (engram_moe_plan's:
- *        one block column per slot, a slot of -1 exits); with E = 1 both NULL and
+ *        one block row of the grid per slot, a slot of -1 exits); with E = 1 both NULL and
  *        num_slots = 1;
  * out    out_type [P, ldo] (EngramFloatType; ldo >= o_col0 + N): columns o_col0 ..
  *        o_col0 + N - 1 written, so a gate and an up projection can fill the two halves of
  *        one buffer.
  * K: a multiple of 16 for FP8, of 32 for FP4, of 8 for BF16 (rows of whole 16-byte
  * vectors); P >= 0 (0 launches nothing). Any GPU the library is built for (sm_80+).
- * One warp per weight row (two for 4+ rows of E = 1), lanes over K in 16-byte streaming
- * loads; rows of an expert per pass: the smallest power of two >= min(ENGRAM_QGEMV_MAX_ROWS,
- * P / num_slots rounded up), more rows in further passes (the weight read again, from L2).
+ * Sums: per output, each lane of a warp sums the VPV products of each of its 16-byte
+ * vectors (VPV = 16 FP8, 32 FP4, 8 BF16 values) in a float32 FMA chain, adds it times the
+ * vector's block scale (one FMA) over its ceil(K / (32 VPV)) vectors, and the 32 lanes'
+ * sums are added in 5 levels: every product passes at most VPV + ceil(K / (32 VPV)) + 6
+ * float32 roundings, then the output's one.
+ * Layout (quantGemvKernel.cu): warps of 2 weight rows (4 for 3+ rows a pass), 16-byte
+ * streaming loads, the activations of a pass staged once per block in shared memory; rows
+ * of an expert per pass: the smallest power of two >= min(ENGRAM_QGEMV_MAX_ROWS, P /
+ * num_slots rounded up), fewer where the staged rows would not fit the shared memory, more
+ * rows in further passes (the weight read again, from L2). Launched as a programmatic
+ * dependent launch on sm_90+ (it waits for the kernel before it before it reads a, row_index,
+ * offsets or slot_expert, or writes out). Tuning knobs, read at each call (a CUDA graph
+ * keeps what its capture saw): ENGRAM_TRT_QGEMV_WAVES = the grid's cap in waves of resident
+ * blocks (default 1; 0: a warp per weight-row group), ENGRAM_TRT_QGEMV_STAGE=0: one-row
+ * passes read the activations from global memory.
  */
 ENGRAM_API int engram_quant_gemv(const void* a, int32_t a_type, int64_t lda, const int32_t* row_index, int64_t num_rows,
     const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
     int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets, const int32_t* slot_expert,
     int32_t num_slots, void* out, int32_t out_type, int64_t ldo, int64_t o_col0, cudaStream_t stream);
+
+/*
+ * engram_quant_gemv with flags (engram_quant_gemv is this with flags 0):
+ *   ENGRAM_QGEMV_WEIGHT_STATIC promises that no work queued on the stream before this call
+ *   writes w or w_scale (a model's weights): with one weight (E = 1) the kernel then loads
+ *   its first weight vectors before it waits for the kernel before it (programmatic
+ *   dependent launch, sm_90+, off with ENGRAM_TRT_PDL=0). Without it nothing is read
+ *   before that kernel completes. Experts ignore it (their weight depends on slot_expert).
+ *   ENGRAM_QGEMV_ACT_Q128_F32 / ENGRAM_QGEMV_ACT_Q32_UE8M0 (at most one): a is the raw
+ *   activations (float32 or bf16), quantized inside the GEMV exactly as engram_act_quant
+ *   with group 128 and float32 scales / group 32 and ue8m0 scales, the product taking its
+ *   deq in float32: the same bits as engram_act_quant (deq float32) then the GEMV, one
+ *   launch instead of two (each block quantizes the rows it stages). Needs a row of K
+ *   floats to fit a block's shared memory (K <= 16384 fits every GPU of sm_80+):
+ *   cudaErrorNotSupported otherwise.
+ * Other bits: cudaErrorInvalidValue.
+ */
+#define ENGRAM_QGEMV_WEIGHT_STATIC 1u
+#define ENGRAM_QGEMV_ACT_Q128_F32 2u
+#define ENGRAM_QGEMV_ACT_Q32_UE8M0 4u
+ENGRAM_API int engram_quant_gemv_ex(const void* a, int32_t a_type, int64_t lda, const int32_t* row_index,
+    int64_t num_rows, const void* w, int32_t w_type, const void* w_scale, int32_t scale_type, int32_t bn, int32_t bk,
+    int64_t out_features, int64_t in_features, int32_t num_experts, const int32_t* offsets, const int32_t* slot_expert,
+    int32_t num_slots, void* out, int32_t out_type, int64_t ldo, int64_t o_col0, uint32_t flags, cudaStream_t stream);
 
 /*
  * FP8 x FP8 block-scaled matrix product on the tensor cores (mma e4m3, float32

@@ -200,10 +200,30 @@ def scan_regions(regions: Iterable[Region], budget_bytes: int | None = DEFAULT_S
     return res
 
 
+# A weight's block-scale tensor names (engram_trt.quant.names.SCALE_SUFFIXES; kept here
+# as strings: checkpoint/ sits below nothing that needs quant/ for this).
+_SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+_QUANT_WEIGHT_DTYPES = ("F8_E4M3", "I8", "U8")
+
+
+def unread_scale(ckpt: Any, name: str) -> bool:
+    """A scale tensor beside a weight the checkpoint stores in floats: no loader reads it
+    (transformers' FP8 save writes one, never initialized, beside every weight it left in
+    16 bits), so garbage in it is no problem of the model's."""
+    for suffix in _SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            weight = name[: -len(suffix)] + ".weight"
+            return weight in ckpt and ckpt.st_dtype(weight) not in _QUANT_WEIGHT_DTYPES
+    return False
+
+
 def checkpoint_regions(ckpt: Any) -> list[Region]:
-    """Every tensor of an open :class:`~engram_trt.checkpoint.checkpoint.Checkpoint`."""
+    """Every tensor of an open :class:`~engram_trt.checkpoint.checkpoint.Checkpoint` that a
+    model can read (:func:`unread_scale`'s stale scales left out)."""
     out = []
     for name in ckpt.tensor_names():
+        if unread_scale(ckpt, name):
+            continue
         file, offset, nbytes = ckpt.locate(name)
         out.append(Region(name, Path(file), int(offset), int(nbytes), ckpt.st_dtype(name)))
     return out

@@ -7,6 +7,14 @@ library's ``quantKernels.h`` through :mod:`engram_trt.native.quant_kernels`):
   ``LINEAR_GEMV_MAX_ROWS`` rows (each weight byte read once) or the tensor-core GEMM for
   more (FP8: the e4m3 GEMM with its per-block promotion; FP4: the bf16 grouped GEMM with
   E = 1); :func:`unavailable_for` says why the kernels cannot take a call (None: they can).
+  FP8 GEMM rows go to ``torch._scaled_mm`` with block-wise scales (activations 1x128,
+  weights 128x128, float32; cuBLASLt's Hopper kernels, 4-5x the rate of ours at prefill
+  sizes) where :func:`scaled_mm_reason` is None: compute capability 9.x, a weight of
+  128x128 blocks with N and K multiples of 128, this torch taking the call (asked once per
+  shape and dtype; a refusal keeps our GEMM for that shape), ``ENGRAM_TRT_FP8_GEMM`` not
+  ``ours``. Both compute the same sum (per 128-column block the tensor cores' e4m3
+  products, promoted into float32 times the two scales); the plugin (engine path) keeps
+  ours.
 * :func:`moe_plan` ``(ids [T, k], E) -> MoePlan``: a routed step's counting sort on the
   device.
 * :func:`experts`: a MoE layer's routed experts, ``sum_j w[t, j] down_e(swiglu(gate_e x,
@@ -23,6 +31,9 @@ Nothing here reads a device value on the host (no ``.item()``, ``.tolist()``,
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +48,11 @@ LINEAR_GEMV_MAX_ROWS = qk.GEMV_MAX_ROWS  # linear(): the GEMV up to this many ro
 GEMV_PASSES_MAX_ROWS = 64  # where the GEMM cannot take a weight, the GEMV (in passes) up to this many rows
 EXPERTS_GEMV_MAX_TOKENS = 8  # experts(): the grouped GEMV up to this many tokens, the grouped GEMMs above
 KERNELS = "the FP8 / FP4 kernels"
+FP8_GEMM_ENV = "ENGRAM_TRT_FP8_GEMM"  # "ours": never torch._scaled_mm; unset / "auto": the rule above
+
+log = logging.getLogger(__name__)
+_SCALED_MM_REFUSED: dict[tuple, str] = {}  # (device index, N, K, out dtype) -> torch's refusal, asked once
+_SCALED_MM_LOCK = threading.Lock()
 
 
 @dataclass
@@ -187,6 +203,18 @@ def _quantized_input(x2: Any, kind: str, route: str) -> dict[str, Any]:
     return {"a": qk.act_quant(x2, group, ue8m0, q=False, scale=False, deq_dtype=deq)[2]}
 
 
+def _gemv_quantizes(x2: Any, w: qk.Weight) -> bool:
+    """True when the GEMV can quantize ``x2 [M, K]`` itself (ENGRAM_QGEMV_ACT_*: the same
+    bits as act_quant's deq, one launch fewer): an fp8 / fp4 weight, float32 / bf16 rows
+    16-byte aligned, K <= GEMV_ACT_QUANT_MAX_K."""
+    torch = _torch()
+    if w.kind not in ACT_QUANT or ACT_QUANT[w.kind] not in qk.QGEMV_ACT_QUANT:
+        return False
+    if x2.dtype not in (torch.float32, torch.bfloat16) or w.in_features > qk.GEMV_ACT_QUANT_MAX_K:
+        return False
+    return x2.stride(1) == 1 and (x2.stride(0) * x2.element_size()) % 16 == 0 and x2.data_ptr() % 16 == 0
+
+
 def _product(act: dict[str, Any], w: qk.Weight, route: str, out: Any, **rows: Any) -> None:
     if route == "gemv":
         qk.gemv(act["a"], w, out, **rows)
@@ -198,8 +226,74 @@ def _product(act: dict[str, Any], w: qk.Weight, route: str, out: Any, **rows: An
         qk.grouped_gemm(act["a"], w, out, **rows)
 
 
-def linear(x: Any, qw: Any) -> Any:
-    """``x @ W^T`` ``[..., N]`` in x's dtype for a stored weight ``qw`` (module docstring)."""
+def scaled_mm_reason(w: qk.Weight, device: Any, out_dtype: Any = None) -> str | None:
+    """Why ``torch._scaled_mm`` (block-wise FP8) cannot take the GEMM rows of ``w`` (None:
+    :func:`linear` routes them there): the rule of the module docstring."""
+    torch = _torch()
+    if os.environ.get(FP8_GEMM_ENV, "auto") == "ours":
+        return f"{FP8_GEMM_ENV}=ours"
+    if w.kind != "fp8" or w.experts != 1:
+        return "torch._scaled_mm takes one fp8 weight"
+    if tuple(w.block) != (128, 128):
+        return f"torch._scaled_mm's block-wise scales are 128x128 (got {w.block[0]}x{w.block[1]})"
+    if w.out_features % 128 or w.in_features % 128:
+        return (f"torch._scaled_mm's block-wise route is taken for N and K multiples of 128 (got "
+                f"{w.out_features}, {w.in_features})")
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no _scaled_mm"
+    major, minor = _capability(_device_index(device))
+    if major != 9:
+        return f"torch._scaled_mm's block-wise FP8 is taken on compute capability 9.x (this GPU is {major}.{minor})"
+    key = (_device_index(device), w.out_features, w.in_features, str(out_dtype))
+    return _SCALED_MM_REFUSED.get(key)
+
+
+def _weight_scale_f32(w: qk.Weight) -> Any:
+    """The weight's scales ``[N/128, K/128]`` as float32 (ue8m0 bytes exactly 2^(b - 127))."""
+    torch = _torch()
+    s = w.scale.reshape(w.scale.shape[-2], w.scale.shape[-1])
+    if s.dtype == torch.float32:
+        return s
+    return s.view(torch.float8_e8m0fnu).float()
+
+
+def _scaled_mm(q: Any, a_scale: Any, w: qk.Weight, out_dtype: Any) -> Any | None:
+    """``torch._scaled_mm`` of the quantized activations ``q [M, K]`` / ``a_scale [M, K/128]``
+    and the FP8 weight, ``[M, N]`` of out_dtype; None when torch refuses the call (recorded:
+    that shape keeps our GEMM). Scale layouts as torch's checks take them: the activations'
+    ``[M, K/128]`` with stride ``(1, M)``, the weight's ``[K/128, N/128]`` with stride
+    ``(1, K/128)`` (the stored ``[N/128, K/128]`` transposed; a torch that pads the K
+    blocks to a multiple of 4 gets that layout instead)."""
+    torch = _torch()
+    key = (_device_index(q.device), w.out_features, w.in_features, str(out_dtype))
+    data = w.data if w.data.dtype == torch.float8_e4m3fn else w.data.view(torch.float8_e4m3fn)
+    b = data.reshape(w.out_features, w.in_features).t()  # [K, N], column-major: the stored rows
+    sa = a_scale.t().contiguous().t()
+    ws = _weight_scale_f32(w)
+    kb = ws.shape[1]
+    layouts = [ws.t()]
+    if kb % 4:
+        padded = torch.zeros((ws.shape[0], -(-kb // 4) * 4), dtype=torch.float32, device=ws.device)
+        padded[:, :kb] = ws
+        layouts.append(padded[:, :kb].t())
+    errors = []
+    for sb in layouts:
+        try:
+            return torch._scaled_mm(q, b, sa, sb, out_dtype=out_dtype)
+        except (RuntimeError, TypeError, ValueError) as exc:  # this torch / cuBLASLt does not take it
+            errors.append(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+    with _SCALED_MM_LOCK:
+        if key not in _SCALED_MM_REFUSED:
+            _SCALED_MM_REFUSED[key] = "torch._scaled_mm refused it: " + "; ".join(errors)
+            log.info("FP8 GEMM [%d, %d] %s: %s; using engram_fp8_gemm", w.out_features, w.in_features, out_dtype,
+                     _SCALED_MM_REFUSED[key])
+    return None
+
+
+def linear(x: Any, qw: Any, *, weight_static: bool = False) -> Any:
+    """``x @ W^T`` ``[..., N]`` in x's dtype for a stored weight ``qw`` (module docstring).
+    ``weight_static``: nothing queued on the stream before this call writes ``qw`` (a
+    model's weights): the GEMV may start loading it while the kernel before it runs."""
     torch = _torch()
     why = unavailable_for(x, qw)
     if why is not None:
@@ -210,10 +304,24 @@ def linear(x: Any, qw: Any) -> Any:
     if x2.stride(1) != 1 or x2.stride(0) < K:  # (an expanded x repeats its rows: stride 0)
         x2 = x2.contiguous()
     M = int(x2.shape[0])
+    route = _route(M, w, x.device, LINEAR_GEMV_MAX_ROWS) if M else "gemv"
+    if M and route == "gemm" and scaled_mm_reason(w, x.device, x.dtype) is None:
+        act = _quantized_input(x2, w.kind, route)
+        y = _scaled_mm(act["q"], act["scale"], w, x.dtype)
+        if y is not None:
+            return y.view(*x.shape[:-1], N)
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        _product(act, w, route, out)
+        return out.view(*x.shape[:-1], N)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M:
-        route = _route(M, w, x.device, LINEAR_GEMV_MAX_ROWS)
-        _product(_quantized_input(x2, w.kind, route), w, route, out)
+        if route == "gemv" and _gemv_quantizes(x2, w):
+            # the GEMV quantizes x itself: the same bits, one launch fewer
+            qk.gemv(x2, w, out, weight_static=weight_static, act_quant=ACT_QUANT[w.kind])
+        elif route == "gemv":
+            qk.gemv(_quantized_input(x2, w.kind, route)["a"], w, out, weight_static=weight_static)
+        else:
+            _product(_quantized_input(x2, w.kind, route), w, route, out)
     return out.view(*x.shape[:-1], N)
 
 
@@ -296,9 +404,13 @@ def experts(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, li
     # gate and up into the two halves of one float32 buffer
     gate_up = torch.empty((P, 2 * I), dtype=torch.float32, device=x.device)
     route = _route(P, g, x.device, gemv_max)
-    act = _quantized_input(x2, g.kind, route)
-    _product(act, g, route, gate_up[:, :I], row_index=plan.row_token, **rows)
-    _product(act, u, route, gate_up[:, I:], row_index=plan.row_token, **rows)
+    if route == "gemv" and _gemv_quantizes(x2, g):  # each GEMV quantizes x itself: the same bits, no act_quant
+        for w_, cols in ((g, slice(None, I)), (u, slice(I, None))):
+            qk.gemv(x2, w_, gate_up[:, cols], row_index=plan.row_token, act_quant=ACT_QUANT[g.kind], **rows)
+    else:
+        act = _quantized_input(x2, g.kind, route)
+        _product(act, g, route, gate_up[:, :I], row_index=plan.row_token, **rows)
+        _product(act, u, route, gate_up[:, I:], row_index=plan.row_token, **rows)
     # the clamped SwiGLU, quantized as the down projection takes it
     route = _route(P, d, x.device, gemv_max)
     group, ue8m0 = ACT_QUANT.get(d.kind, (0, False))

@@ -40,6 +40,8 @@ SIGNATURES: dict[str, list[Any]] = {
     "engram_moe_plan": [_vp, _i32, _i64, _i32, _i32, _vp, _vp, _vp, _vp, _vp, _i32, _vp, _vp],
     "engram_quant_gemv": [_vp, _i32, _i64, _vp, _i64, _vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp, _vp,
                           _i32, _vp, _i32, _i64, _i64, _vp],
+    "engram_quant_gemv_ex": [_vp, _i32, _i64, _vp, _i64, _vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp,
+                             _vp, _i32, _vp, _i32, _i64, _i64, ctypes.c_uint32, _vp],
     "engram_fp8_gemm": [_vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i64, _i64, _i32, _vp, _vp, _i32, _i64, _vp],
     "engram_quant_grouped_gemm": [_vp, _i64, _vp, _i64, _vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp, _vp,
                                   _i32, _i64, _vp],
@@ -49,6 +51,11 @@ _ENTRY = EntryPoints(SIGNATURES)
 library = _ENTRY.library
 unavailable = _ENTRY.unavailable
 _call = _ENTRY.call
+QGEMV_WEIGHT_STATIC = 1  # ENGRAM_QGEMV_WEIGHT_STATIC
+# ENGRAM_QGEMV_ACT_Q128_F32 / ENGRAM_QGEMV_ACT_Q32_UE8M0: the GEMV quantizes its activations
+# as act_quant (group, ue8m0) would; keyed by (group, ue8m0)
+QGEMV_ACT_QUANT = {(128, False): 2, (32, True): 4}
+GEMV_ACT_QUANT_MAX_K = 16384  # a row of K floats in a block's shared memory on every GPU of sm_80+
 
 
 @dataclass(frozen=True)
@@ -201,11 +208,22 @@ def _out_check(out: Any, rows: int, cols: int) -> None:
 
 
 def gemv(a: Any, w: Weight, out: Any, *, row_index: Any = None, offsets: Any = None, slot_expert: Any = None,
-         o_col0: int = 0) -> Any:
+         o_col0: int = 0, weight_static: bool = False, act_quant: tuple[int, bool] | None = None) -> Any:
     """engram_quant_gemv: ``out[p, o_col0 + n] = a[row_index[p]] . W_e[n]`` (``a`` float32 /
     bf16 ``[*, K]`` with contiguous rows; ``out [P, ldo]`` bf16 / f16 / float32, P its rows;
-    experts: ``offsets`` / ``slot_expert`` of :func:`plan`)."""
+    experts: ``offsets`` / ``slot_expert`` of :func:`plan`). ``weight_static``: nothing queued
+    on the stream before this call writes the weight (a model's weights), so one weight's
+    first vectors may be loaded while the kernel before it still runs (engram_quant_gemv_ex
+    with ENGRAM_QGEMV_WEIGHT_STATIC). ``act_quant`` ``(group, ue8m0)`` in QGEMV_ACT_QUANT:
+    ``a`` is the raw activations, quantized inside the GEMV as :func:`act_quant` would (the
+    same bits as act_quant's float32 deq passed as ``a``; K <= GEMV_ACT_QUANT_MAX_K)."""
     torch = _torch()
+    flags = QGEMV_WEIGHT_STATIC if weight_static else 0
+    if act_quant is not None:
+        key = (int(act_quant[0]), bool(act_quant[1]))
+        if key not in QGEMV_ACT_QUANT:
+            raise EngramError(f"act_quant {act_quant!r}: the GEMV quantizes per (128, float32) or (32, ue8m0) only")
+        flags |= QGEMV_ACT_QUANT[key]
     _check_dtype("a", a, (torch.float32, torch.bfloat16))
     if a.dim() != 2 or a.stride(1) != 1 or int(a.shape[1]) != w.in_features:
         raise EngramError(f"a must be [*, {w.in_features}] with contiguous rows (got shape {tuple(a.shape)})")
@@ -214,11 +232,11 @@ def gemv(a: Any, w: Weight, out: Any, *, row_index: Any = None, offsets: Any = N
     _same_device(a.device, out=out, row_index=row_index, offsets=offsets, slot_expert=slot_expert)
     _check_weight_device(w, "w", a.device)
     slots = 1 if slot_expert is None else int(slot_expert.shape[0])
+    args = (_ptr(a), _float_code(a.dtype), int(a.stride(0)), _ptr(row_index), P, _ptr(w.data), w.w_type,
+            _ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features, w.experts,
+            _ptr(offsets), _ptr(slot_expert), slots, _ptr(out), _float_code(out.dtype), int(out.stride(0)), int(o_col0))
     with _device_guard(a.device.index):
-        _call("engram_quant_gemv", _ptr(a), _float_code(a.dtype), int(a.stride(0)), _ptr(row_index), P, _ptr(w.data),
-              w.w_type, _ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features,
-              w.experts, _ptr(offsets), _ptr(slot_expert), slots, _ptr(out), _float_code(out.dtype),
-              int(out.stride(0)), int(o_col0), _stream(a.device))
+        _call("engram_quant_gemv_ex", *args, flags, _stream(a.device))
     return out
 
 
