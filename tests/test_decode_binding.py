@@ -36,8 +36,8 @@ _FAKE = 1 << 20  # a 16-byte aligned address the checks accept (nothing is launc
 
 def _job(**change) -> decode._NormRopeJob:
     base = dict(x=_FAKE, out=_FAKE * 2, weight=_FAKE * 3, cos=_FAKE * 4, sin=_FAKE * 5, rows=4, x_stride=64,
-                out_stride=64, cos_stride=8, weight_stride=0, dim=32, heads=2, norm=decode.NORM_WEIGHTED, rope_pairs=8, rope_sign=1,
-                eps=1e-6)
+                out_stride=64, cos_stride=8, weight_stride=0, dim=32, heads=2, norm=decode.NORM_WEIGHTED, rope_pairs=8,
+                rope_sign=1, eps=1e-6)
     base.update(change)
     return decode._NormRopeJob(**base)
 

@@ -27,7 +27,8 @@ BASE: dict[str, Any] = dict(
     tie_word_embeddings=False)
 MIXES: dict[str, dict[str, Any]] = {
     "SCHS-hash1-e8k2": dict(num_hidden_layers=4, layer_types=[S_, C_, H_, S_],
-                            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8, num_experts_per_tok=2),
+                            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8,
+                            num_experts_per_tok=2),
     "CC-topk-e6k3": dict(num_hidden_layers=2, layer_types=[C_, C_], mlp_layer_types=["moe", "moe"], n_routed_experts=6,
                          num_experts_per_tok=3, index_topk=2),
     "HSH-hash2-hc4-sigmoid": dict(num_hidden_layers=3, layer_types=[H_, S_, H_],

@@ -399,7 +399,8 @@ def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None
         htight = norm(mhc.mhc_head(x, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=1e-6, norm_eps=1e-6))
         hloose = norm(head.forward_torch(x))
     torch.cuda.synchronize()
-    record(f"pre_norm's post / comb = mhc_pre's bit for bit, {tag}", torch.equal(post, post0) and torch.equal(comb, comb0))
+    record(f"pre_norm's post / comb = mhc_pre's bit for bit, {tag}",
+           torch.equal(post, post0) and torch.equal(comb, comb0))
     for name, a, t, lo in (("pre", got, tight, loose), ("head", hgot, htight, hloose)):
         err = _excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
         record(f"{name}_norm = RMSNorm of the kernel's own collapse, {tag}", err <= 0, f"max excess {err:.3g}")

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
-                                       _stream, _torch, capability_major)
+from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr,
+                                       _same_device, _stream, _torch, capability_major)
 
 MAX_JOBS = 4  # ENGRAM_NORM_ROPE_MAX_JOBS
 MAX_SEGMENTS = 8  # ENGRAM_GEMV_MAX_SEGMENTS
@@ -44,7 +44,8 @@ class _NormRopeJob(ctypes.Structure):
     _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("weight", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("rows", ctypes.c_int64),
                 ("x_stride", ctypes.c_int64), ("out_stride", ctypes.c_int64), ("cos_stride", ctypes.c_int64),
-                ("weight_stride", ctypes.c_int64), ("dim", ctypes.c_int32), ("heads", ctypes.c_int32), ("norm", ctypes.c_int32),
+                ("weight_stride", ctypes.c_int64), ("dim", ctypes.c_int32), ("heads", ctypes.c_int32),
+                ("norm", ctypes.c_int32),
                 ("rope_pairs", ctypes.c_int32), ("rope_sign", ctypes.c_int32), ("eps", ctypes.c_float)]
 
 
@@ -112,9 +113,9 @@ def _on_device(device: Any, **tensors: Any) -> None:
 class NormRopeJob:
     """One row set of :func:`norm_rope`: rows ``x [T, >= heads * dim]`` (a token's heads side
     by side) into ``out`` (same shape rules, may be ``x`` itself); ``norm`` NORM_NONE /
-    NORM_WEIGHTED (``weight [dim]`` float32, or head h's at ``h * weight_stride``) / NORM_UNWEIGHTED; ``rope_pairs`` trailing
-    pairs rotated by ``cos`` / ``sin [T, >= rope_pairs]`` float32 (``rope_sign`` -1: the
-    inverse rotation)."""
+    NORM_WEIGHTED (``weight [dim]`` float32, or head h's at ``h * weight_stride``) /
+    NORM_UNWEIGHTED; ``rope_pairs`` trailing pairs rotated by ``cos`` / ``sin [T, >= rope_pairs]``
+    float32 (``rope_sign`` -1: the inverse rotation)."""
 
     x: Any
     out: Any

@@ -143,8 +143,8 @@ def _grouped_output(attn: Any, flat: Tensor) -> Tensor:
         rows = w.shape[0] // groups
         if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):
             y = torch.empty((T, w.shape[0]), dtype=flat.dtype, device=flat.device)
-            segments = [(flat[:, g * per_in:(g + 1) * per_in], w[g * rows:(g + 1) * rows], y[:, g * rows:(g + 1) * rows])
-                        for g in range(groups)]
+            segments = [(flat[:, g * per_in:(g + 1) * per_in], w[g * rows:(g + 1) * rows],
+                         y[:, g * rows:(g + 1) * rows]) for g in range(groups)]
             for first in range(0, groups, decode.MAX_SEGMENTS):
                 decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
             return y
