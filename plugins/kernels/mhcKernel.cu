@@ -16,21 +16,30 @@
  *   new[k, d]    = post[k] out[d] + sum_j comb[j, k] x[j, d]   (engram_mhc_post; comb^T)
  * The head (engram_mhc_head) is the pre alone over hc rows of fn with one scale.
  *
- * Launches (one stream, each reading what the one before wrote):
+ * Launches (one stream, each reading what the one before wrote; each a programmatic
+ * dependent launch on sm_90+, dependentLaunch.cuh):
  *   1. mix:      a block per (tile of TOK tokens, span of K): one pass over the span of
  *                x and of every fn row, the sum of squares and the n dot products in fp32
  *                registers, reduced over the block into workspace [splits, T, n + 1]
  *                (no atomics: the result does not depend on the schedule). The split of
  *                K depends only on T and K (a fixed target of blocks), so the workspace
  *                size needs no device and every GPU adds in the same order.
- *   2. finalize: a block per token: the partials summed, the coefficients (Sinkhorn by
- *                warp 0 on a shared hc x hc matrix), post / comb written (fp32), then
- *                the collapse, rounded once to the io type.
+ *                A decode step (T <= kMhcSmallTokens) takes its own mix kernel: 256
+ *                threads a block, a lane per 8 columns of a 256-column span and a warp per
+ *                set of fn rows, fn's loads issued before the wait for the kernel before
+ *                (the general plan gives one token 32 blocks of one warp each, every lane
+ *                walking all fn rows; the collapse measured 34 us on the H100 with it).
+ *   2. finalize: a block per token: the partials summed (a warp per row, its lanes over
+ *                the splits), the coefficients (Sinkhorn by warp 0, the matrix in
+ *                registers, sums through shuffles), post / comb written (fp32), then the
+ *                collapse, rounded once to the io type; engram_mhc_pre_norm /
+ *                engram_mhc_head_norm then RMS-normalize it in place (the layer's norm).
  *   3. post:     a thread per (token, 8 channels): all hc streams of its channels read
  *                before any is written, so new_streams may be streams (in place). post
  *                and comb are rounded to the io type first, as the reference's
  *                post.to(dtype) / comb.to(dtype) do; the sum is fp32, rounded once.
  */
+#include "dependentLaunch.cuh"
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
@@ -55,6 +64,7 @@ constexpr int kMhcWarps = kMhcThreads / 32;
 constexpr int64_t kMhcTargetBlocks = 256; // mix blocks aimed at (independent of the device)
 constexpr int64_t kMhcMinSpan = 32;       // vectors of 8 per mix block, at least
 constexpr int64_t kMhcTileTokens = 256;   // from this many tokens on, 4 tokens share a block's fn loads
+constexpr int64_t kMhcSmallTokens = 8;    // up to this many tokens: the decode mix (a warp per fn row set)
 constexpr int kMhcMaxEntries = ENGRAM_MHC_MAX_HC * ENGRAM_MHC_MAX_HC;
 
 __device__ __forceinline__ float sigmoidOf(float x)
@@ -72,6 +82,8 @@ __global__ void __launch_bounds__(kMhcThreads) mhcMixKernel(IoT const* __restric
 {
     constexpr int kAcc = MaxRows + 1;
     __shared__ float warpPartial[kMhcWarps][Tok * kAcc];
+    waitForPrimary(); // x comes from the kernel before (dependentLaunch.cuh)
+    allowDependents();
     int64_t const t0 = static_cast<int64_t>(blockIdx.x) * Tok;
     int64_t const split = blockIdx.y;
     int64_t const first = split * span;
@@ -169,62 +181,221 @@ __global__ void __launch_bounds__(kMhcThreads) mhcMixKernel(IoT const* __restric
     }
 }
 
+/*
+ * Kernel 1 for a decode step (T <= kMhcSmallTokens): blockIdx.x = t, blockIdx.y = a span of
+ * 32 vectors of 8 (one a lane); warp w owns fn rows w, w + 8, ... (RowsPerWarp of them), so
+ * a block keeps 8 x RowsPerWarp rows' loads in flight where the general kernel's 32-thread
+ * blocks kept one warp's. fn is a weight: its loads go out before the kernel waits for the
+ * one before it (dependentLaunch.cuh); then x. partial as the general kernel's.
+ */
+template <typename IoT, int RowsPerWarp>
+__global__ void __launch_bounds__(kMhcThreads) mhcMixSmallKernel(IoT const* __restrict__ x,
+    float const* __restrict__ fn, int32_t rows, int64_t numTokens, int64_t vectors, float* __restrict__ partial)
+{
+    int const lane = threadIdx.x % 32;
+    int const warp = threadIdx.x / 32;
+    int64_t const t = blockIdx.x;
+    int64_t const split = blockIdx.y;
+    int64_t const v = split * 32 + lane;
+    int64_t const width = vectors * 8;
+    bool const inside = v < vectors;
+    float w[RowsPerWarp][8];
+#pragma unroll
+    for (int j = 0; j < RowsPerWarp; ++j)
+    {
+        int const r = warp + kMhcWarps * j;
+        if (inside && r < rows)
+        {
+            load8(fn + r * width + 8 * v, w[j]);
+        }
+        else
+        {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                w[j][i] = 0.0F;
+            }
+        }
+    }
+    waitForPrimary();
+    allowDependents();
+    float xv[8];
+    if (inside)
+    {
+        load8(x + t * width + 8 * v, xv);
+    }
+    else
+    {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            xv[i] = 0.0F;
+        }
+    }
+    float* const out = partial + (split * numTokens + t) * (rows + 1);
+#pragma unroll
+    for (int j = 0; j < RowsPerWarp; ++j)
+    {
+        int const r = warp + kMhcWarps * j;
+        float acc = 0.0F;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            acc += w[j][i] * xv[i];
+        }
+        acc = warpSum(acc);
+        if (lane == 0 && r < rows)
+        {
+            out[r] = acc;
+        }
+    }
+    if (warp == 0)
+    {
+        float squares = 0.0F;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            squares += xv[i] * xv[i];
+        }
+        squares = warpSum(squares);
+        if (lane == 0)
+        {
+            out[rows] = squares;
+        }
+    }
+}
+
+//! The entry q of the hc x hc matrix a warp holds in registers (entry q in lane q % 32 of v0
+//! for q < 32, of v1 above); q may differ from lane to lane.
+__device__ __forceinline__ float entryAt(float v0, float v1, int q)
+{
+    float const a = __shfl_sync(0xFFFFFFFFu, v0, q & 31);
+    float const b = __shfl_sync(0xFFFFFFFFu, v1, q & 31);
+    return q < 32 ? a : b;
+}
+
 //! Warp 0's Sinkhorn-Knopp on the shared row-major hc x hc matrix m: columns, then iters - 1
-//! rounds of rows and columns, each divided by its sum + eps.
-__device__ void sinkhornWarp(float* m, float* sums, int32_t hc, int32_t iters, float eps)
+//! rounds of rows and columns, each divided by its sum + eps. The matrix lives in
+//! registers (an entry a lane, two for hc > 5) and the sums come through shuffles, in the
+//! order the shared-memory form added them (s = 0, then entry by entry), so the result is
+//! that form's bit for bit; a round costs hc shuffles instead of two shared-memory trips
+//! and two warp barriers.
+__device__ void sinkhornWarp(float* m, int32_t hc, int32_t iters, float eps)
 {
     int const lane = threadIdx.x % 32;
     int const entries = hc * hc;
+    int const e0 = lane;
+    int const e1 = lane + 32;
+    float v0 = e0 < entries ? m[e0] : 0.0F;
+    float v1 = e1 < entries ? m[e1] : 0.0F;
+    int const row0 = e0 / hc;
+    int const col0 = e0 - row0 * hc;
+    int const row1 = e1 / hc;
+    int const col1 = e1 - row1 * hc;
     for (int32_t round = 0; round < 2 * iters - 1; ++round)
     {
         bool const columns = round % 2 == 0;
-        if (lane < hc)
+        float s0 = 0.0F;
+        float s1 = 0.0F;
+        for (int32_t i = 0; i < hc; ++i)
         {
-            float s = 0.0F;
-            for (int32_t i = 0; i < hc; ++i)
+            s0 += entryAt(v0, v1, columns ? i * hc + col0 : row0 * hc + i);
+            if (entries > 32)
             {
-                s += columns ? m[i * hc + lane] : m[lane * hc + i];
+                s1 += entryAt(v0, v1, columns ? i * hc + col1 : row1 * hc + i);
             }
-            sums[lane] = s + eps;
         }
-        __syncwarp();
-        for (int e = lane; e < entries; e += 32)
-        {
-            m[e] = m[e] / sums[columns ? e % hc : e / hc];
-        }
-        __syncwarp();
+        v0 = v0 / (s0 + eps);
+        v1 = v1 / (s1 + eps);
     }
+    if (e0 < entries)
+    {
+        m[e0] = v0;
+    }
+    if (e1 < entries)
+    {
+        m[e1] = v1;
+    }
+    __syncwarp();
+}
+
+//! sinkhornWarp for a compile-time hc <= 5 (hc * hc entries in one register a lane): the hc
+//! shuffles of a round issued before its sum, which adds them in the same order (the same
+//! bits as the general form).
+template <int HC>
+__device__ void sinkhornWarpFixed(float* m, int32_t iters, float eps)
+{
+    static_assert(HC * HC <= 32, "one register a lane");
+    int const lane = threadIdx.x % 32;
+    int const row = lane / HC;
+    int const col = lane - row * HC;
+    float v = lane < HC * HC ? m[lane] : 0.0F;
+    for (int32_t round = 0; round < 2 * iters - 1; ++round)
+    {
+        bool const columns = round % 2 == 0;
+        float vals[HC];
+#pragma unroll
+        for (int i = 0; i < HC; ++i)
+        {
+            vals[i] = __shfl_sync(0xFFFFFFFFu, v, (columns ? i * HC + col : row * HC + i) & 31);
+        }
+        float s = 0.0F;
+#pragma unroll
+        for (int i = 0; i < HC; ++i)
+        {
+            s += vals[i];
+        }
+        v = v / (s + eps);
+    }
+    if (lane < HC * HC)
+    {
+        m[lane] = v;
+    }
+    __syncwarp();
 }
 
 /*
  * Kernel 2: blockIdx.x = t. head != 0: pre only (rows = hc, one scale); else the layer's
- * pre / post / comb, post [T, hc] and comb [T, hc, hc] written in fp32.
+ * pre / post / comb, post [T, hc] and comb [T, hc, hc] written in fp32. The partials of a
+ * row are summed by one warp (its lanes over the splits, then a butterfly). normWeight
+ * != NULL: the collapse rounded to the io type is then RMS-normalized in place (the
+ * layer's RMSNorm: float32 weight * (c * rsqrt(mean(c^2) + rmsEps)), rounded once).
  */
 template <typename IoT>
-__global__ void __launch_bounds__(kMhcThreads) mhcFinalizeKernel(IoT const* __restrict__ x,
-    float const* __restrict__ partial, int64_t splits, float const* __restrict__ base, float const* __restrict__ scale,
-    int64_t numTokens, int32_t hc, int32_t hidden, int32_t iters, float hcEps, float normEps, int32_t head,
-    IoT* __restrict__ collapsed, float* __restrict__ post, float* __restrict__ comb)
+__global__ void __launch_bounds__(kMhcThreads)
+    mhcFinalizeKernel(IoT const* __restrict__ x, float const* __restrict__ partial, int64_t splits,
+        float const* __restrict__ base, float const* __restrict__ scale, int64_t numTokens, int32_t hc, int32_t hidden,
+        int32_t iters, float hcEps, float normEps, int32_t head, float const* __restrict__ normWeight, float rmsEps,
+        IoT* __restrict__ collapsed, float* __restrict__ post, float* __restrict__ comb)
 {
     __shared__ float mix[(2 + ENGRAM_MHC_MAX_HC) * ENGRAM_MHC_MAX_HC + 1];
     __shared__ float pre[ENGRAM_MHC_MAX_HC];
     __shared__ float matrix[kMhcMaxEntries];
     __shared__ float stats[2 * ENGRAM_MHC_MAX_HC];
+    __shared__ float squareParts[kMhcWarps];
+    waitForPrimary(); // the partials come from the mix kernel (dependentLaunch.cuh)
+    allowDependents();
     int64_t const t = blockIdx.x;
     int32_t const rows = head != 0 ? hc : (2 + hc) * hc;
-    for (int e = threadIdx.x; e <= rows; e += blockDim.x)
+    int const lane = threadIdx.x % 32;
+    int const warp = threadIdx.x / 32;
+    int const warps = (static_cast<int>(blockDim.x) + 31) / 32;
+    for (int e = warp; e <= rows; e += warps)
     {
         float s = 0.0F;
-        for (int64_t p = 0; p < splits; ++p)
+        for (int64_t p = lane; p < splits; p += 32)
         {
             s += partial[(p * numTokens + t) * (rows + 1) + e];
         }
-        mix[e] = s;
+        s = warpSum(s);
+        if (lane == 0)
+        {
+            mix[e] = s;
+        }
     }
     __syncthreads();
     int64_t const width = static_cast<int64_t>(hc) * hidden;
     float const r = rsqrtf(mix[rows] / static_cast<float>(width) + normEps);
-    int const lane = threadIdx.x % 32;
     if (threadIdx.x < 32)
     {
         float const s0 = scale[0];
@@ -268,7 +439,18 @@ __global__ void __launch_bounds__(kMhcThreads) mhcFinalizeKernel(IoT const* __re
                 matrix[e] = expf(matrix[e] - stats[i]) / stats[ENGRAM_MHC_MAX_HC + i] + hcEps;
             }
             __syncwarp();
-            sinkhornWarp(matrix, stats, hc, iters, hcEps);
+            if (hc == 4)
+            {
+                sinkhornWarpFixed<4>(matrix, iters, hcEps);
+            }
+            else if (hc == 2)
+            {
+                sinkhornWarpFixed<2>(matrix, iters, hcEps);
+            }
+            else
+            {
+                sinkhornWarp(matrix, hc, iters, hcEps);
+            }
             for (int e = lane; e < entries; e += 32)
             {
                 comb[t * entries + e] = matrix[e];
@@ -278,6 +460,7 @@ __global__ void __launch_bounds__(kMhcThreads) mhcFinalizeKernel(IoT const* __re
     __syncthreads();
     IoT const* xt = x + t * width;
     IoT* ct = collapsed + t * hidden;
+    float squares = 0.0F;
     for (int32_t v = threadIdx.x; v < hidden / 8; v += blockDim.x)
     {
         float acc[8] = {0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F};
@@ -292,7 +475,46 @@ __global__ void __launch_bounds__(kMhcThreads) mhcFinalizeKernel(IoT const* __re
                 acc[i] += p * xv[i];
             }
         }
+        if (normWeight != nullptr)
+        {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                float const c = roundTo<IoT>(acc[i]);
+                squares += c * c;
+            }
+        }
         store8(ct + 8 * v, acc);
+    }
+    if (normWeight == nullptr)
+    {
+        return;
+    }
+    squares = warpSum(squares);
+    if (lane == 0)
+    {
+        squareParts[warp] = squares;
+    }
+    __syncthreads();
+    float total = 0.0F;
+    for (int w = 0; w < warps; ++w)
+    {
+        total += squareParts[w];
+    }
+    // RMSNorm: mean (sum / D) + eps, rsqrt; weight * (c * rsqrt), float32 products, one rounding
+    float const rn = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(hidden)), rmsEps));
+    for (int32_t v = threadIdx.x; v < hidden / 8; v += blockDim.x)
+    {
+        float c[8];
+        float w[8];
+        load8(ct + 8 * v, c); // this thread's own stores above
+        load8(normWeight + 8 * v, w);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            c[i] = __fmul_rn(w[i], __fmul_rn(c[i], rn));
+        }
+        store8(ct + 8 * v, c);
     }
 }
 
@@ -304,6 +526,8 @@ __global__ void __launch_bounds__(kMhcThreads)
     mhcPostKernel(IoT const* streams, IoT const* __restrict__ out, float const* __restrict__ post,
         float const* __restrict__ comb, int64_t numTokens, int32_t hc, int32_t hidden, IoT* newStreams)
 {
+    waitForPrimary(); // streams and out come from the kernels before (dependentLaunch.cuh)
+    allowDependents();
     int64_t const vectorsPerToken = hidden / 8;
     int64_t const idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= numTokens * vectorsPerToken)
@@ -366,11 +590,22 @@ struct MixPlan
     int64_t span;
     int64_t splits;
     int threads;
+    bool small; // the decode kernel (mhcMixSmallKernel): a span of 32 vectors a block
 };
 
 MixPlan mixPlan(int64_t numTokens, int64_t vectors, int32_t rows)
 {
     MixPlan p{};
+    if (numTokens <= kMhcSmallTokens)
+    {
+        p.small = true;
+        p.tok = 1;
+        p.tiles = numTokens;
+        p.span = 32;
+        p.splits = (vectors + 31) / 32;
+        p.threads = kMhcThreads;
+        return p;
+    }
     p.tok = (numTokens >= kMhcTileTokens && rows <= 24) ? 4 : 1;
     p.tiles = (numTokens + p.tok - 1) / p.tok;
     int64_t const maxSplits = (vectors + kMhcMinSpan - 1) / kMhcMinSpan;
@@ -403,8 +638,17 @@ void launchMixAs(MixPlan const& p, void const* x, float const* fn, int32_t rows,
     float* partial, cudaStream_t stream)
 {
     dim3 const grid(static_cast<unsigned>(p.tiles), static_cast<unsigned>(p.splits));
-    mhcMixKernel<IoT, MaxRows, Tok>
-        <<<grid, p.threads, 0, stream>>>(static_cast<IoT const*>(x), fn, rows, numTokens, vectors, p.span, partial);
+    launchDependent(mhcMixKernel<IoT, MaxRows, Tok>, grid, dim3(p.threads), 0, stream, static_cast<IoT const*>(x), fn,
+        rows, numTokens, vectors, p.span, partial);
+}
+
+template <typename IoT, int RowsPerWarp>
+void launchMixSmall(MixPlan const& p, void const* x, float const* fn, int32_t rows, int64_t numTokens, int64_t vectors,
+    float* partial, cudaStream_t stream)
+{
+    dim3 const grid(static_cast<unsigned>(p.tiles), static_cast<unsigned>(p.splits));
+    launchDependent(mhcMixSmallKernel<IoT, RowsPerWarp>, grid, dim3(p.threads), 0, stream, static_cast<IoT const*>(x),
+        fn, rows, numTokens, vectors, partial);
 }
 
 template <typename IoT>
@@ -413,7 +657,23 @@ int launchMix(void const* x, float const* fn, int32_t rows, int64_t numTokens, i
 {
     plan = mixPlan(numTokens, vectors, rows);
     resetLaunchError();
-    if (rows <= 8)
+    if (plan.small)
+    {
+        if (rows <= kMhcWarps)
+        {
+            launchMixSmall<IoT, 1>(plan, x, fn, rows, numTokens, vectors, partial, stream);
+        }
+        else if (rows <= 3 * kMhcWarps)
+        {
+            launchMixSmall<IoT, 3>(plan, x, fn, rows, numTokens, vectors, partial, stream);
+        }
+        else
+        {
+            launchMixSmall<IoT, ((2 + ENGRAM_MHC_MAX_HC) * ENGRAM_MHC_MAX_HC + kMhcWarps - 1) / kMhcWarps>(
+                plan, x, fn, rows, numTokens, vectors, partial, stream);
+        }
+    }
+    else if (rows <= 8)
     {
         plan.tok == 4 ? launchMixAs<IoT, 8, 4>(plan, x, fn, rows, numTokens, vectors, partial, stream)
                       : launchMixAs<IoT, 8, 1>(plan, x, fn, rows, numTokens, vectors, partial, stream);
@@ -449,6 +709,8 @@ struct CollapseLaunch
     float* post;
     float* comb;
     cudaStream_t stream;
+    float const* normWeight; // the fused RMSNorm's weight (NULL: none)
+    float rmsEps;
 };
 
 template <typename IoT>
@@ -465,9 +727,9 @@ int launchCollapse(CollapseLaunch const& a)
     int64_t const wanted = (a.hidden / 8 + 31) / 32 * 32;
     unsigned const threads = static_cast<unsigned>(wanted < kMhcThreads ? wanted : kMhcThreads);
     resetLaunchError();
-    mhcFinalizeKernel<IoT><<<static_cast<unsigned>(a.numTokens), threads, 0, a.stream>>>(
+    launchDependent(mhcFinalizeKernel<IoT>, dim3(static_cast<unsigned>(a.numTokens)), dim3(threads), 0, a.stream,
         static_cast<IoT const*>(a.streams), a.partial, plan.splits, a.base, a.scale, a.numTokens, a.hc, a.hidden,
-        a.iters, a.hcEps, a.normEps, a.head, static_cast<IoT*>(a.collapsed), a.post, a.comb);
+        a.iters, a.hcEps, a.normEps, a.head, a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
     return checkLaunch("engram_mhc (finalize)");
 }
 
@@ -487,9 +749,9 @@ int launchPost(void const* streams, void const* out, float const* post, float co
 {
     int64_t const total = numTokens * (hidden / 8);
     resetLaunchError();
-    mhcPostKernel<IoT><<<static_cast<unsigned>((total + kMhcThreads - 1) / kMhcThreads), kMhcThreads, 0, stream>>>(
-        static_cast<IoT const*>(streams), static_cast<IoT const*>(out), post, comb, numTokens, hc, hidden,
-        static_cast<IoT*>(newStreams));
+    launchDependent(mhcPostKernel<IoT>, dim3(static_cast<unsigned>((total + kMhcThreads - 1) / kMhcThreads)),
+        dim3(kMhcThreads), 0, stream, static_cast<IoT const*>(streams), static_cast<IoT const*>(out), post, comb,
+        numTokens, hc, hidden, static_cast<IoT*>(newStreams));
     return checkLaunch("engram_mhc_post");
 }
 
@@ -629,7 +891,7 @@ extern "C" ENGRAM_API int engram_mhc_pre(void const* streams, int32_t ioType, fl
         return fail(cudaErrorInvalidValue, "engram_mhc_pre: post and comb must not be NULL");
     }
     CollapseLaunch const a{streams, fn, base, scale, numTokens, hcMult, hidden, sinkhornIters, hcEps, normEps, 0,
-        static_cast<float*>(workspace), collapsed, post, comb, stream};
+        static_cast<float*>(workspace), collapsed, post, comb, stream, nullptr, 0.0F};
     return launchCollapseFor(ioType, a);
 }
 
@@ -649,7 +911,83 @@ extern "C" ENGRAM_API int engram_mhc_head(void const* streams, int32_t ioType, f
         return status;
     }
     CollapseLaunch const a{streams, fn, base, scale, numTokens, hcMult, hidden, 1, hcEps, normEps, 1,
-        static_cast<float*>(workspace), collapsed, nullptr, nullptr, stream};
+        static_cast<float*>(workspace), collapsed, nullptr, nullptr, stream, nullptr, 0.0F};
+    return launchCollapseFor(ioType, a);
+}
+
+namespace
+{
+
+//! The fused norm's own arguments (engram_mhc_pre_norm / engram_mhc_head_norm).
+int checkNormArgs(char const* name, float const* normWeight, float rmsEps)
+{
+    if (normWeight == nullptr || !isAligned(normWeight, 16))
+    {
+        return fail(
+            cudaErrorInvalidValue, "%s: norm_weight must be a 16-byte aligned device pointer (fp32 [hidden])", name);
+    }
+    if (!std::isfinite(rmsEps) || rmsEps < 0.0F)
+    {
+        return fail(
+            cudaErrorInvalidValue, "%s: rms_eps must be finite and >= 0 (got %g)", name, static_cast<double>(rmsEps));
+    }
+    return 0;
+}
+
+} // namespace
+
+extern "C" ENGRAM_API int engram_mhc_pre_norm(void const* streams, int32_t ioType, float const* fn, float const* base,
+    float const* scale, int64_t numTokens, int32_t hcMult, int32_t hidden, int32_t sinkhornIters, float hcEps,
+    float normEps, float const* normWeight, float rmsEps, void* workspace, size_t workspaceBytes, void* normed,
+    float* post, float* comb, cudaStream_t stream)
+{
+    int status = engram_mhc_check_shape(hcMult, hidden, sinkhornIters, hcEps, normEps);
+    if (status != 0)
+    {
+        return status;
+    }
+    status = checkCollapseArgs("engram_mhc_pre_norm", streams, ioType, fn, base, scale, numTokens, hcMult, hidden,
+        workspace, workspaceBytes, normed);
+    if (status != 0 || numTokens == 0)
+    {
+        return status;
+    }
+    status = checkNormArgs("engram_mhc_pre_norm", normWeight, rmsEps);
+    if (status != 0)
+    {
+        return status;
+    }
+    if (post == nullptr || comb == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "engram_mhc_pre_norm: post and comb must not be NULL");
+    }
+    CollapseLaunch const a{streams, fn, base, scale, numTokens, hcMult, hidden, sinkhornIters, hcEps, normEps, 0,
+        static_cast<float*>(workspace), normed, post, comb, stream, normWeight, rmsEps};
+    return launchCollapseFor(ioType, a);
+}
+
+extern "C" ENGRAM_API int engram_mhc_head_norm(void const* streams, int32_t ioType, float const* fn, float const* base,
+    float const* scale, int64_t numTokens, int32_t hcMult, int32_t hidden, float hcEps, float normEps,
+    float const* normWeight, float rmsEps, void* workspace, size_t workspaceBytes, void* normed, cudaStream_t stream)
+{
+    int status = engram_mhc_check_shape(hcMult, hidden, 1, hcEps, normEps);
+    if (status != 0)
+    {
+        return status;
+    }
+    status = checkCollapseArgs("engram_mhc_head_norm", streams, ioType, fn, base, scale, numTokens, hcMult, hidden,
+        workspace, workspaceBytes, normed);
+    if (status != 0 || numTokens == 0)
+    {
+        return status;
+    }
+    status = checkNormArgs("engram_mhc_head_norm", normWeight, rmsEps);
+    if (status != 0)
+    {
+        return status;
+    }
+    CollapseLaunch const a{streams, fn, base, scale, numTokens, hcMult, hidden, 1, hcEps, normEps, 1,
+        static_cast<float*>(workspace), normed, nullptr, nullptr, stream, normWeight, rmsEps};
     return launchCollapseFor(ioType, a);
 }
 

@@ -363,7 +363,7 @@ def test_breakdown_times_every_module_kind_inside_the_graph(which: str) -> None:
     b = decode_breakdown(folder, device="cuda", dtype="bf16", prompt_tokens=8, reps=3)
     if which == "deepseek_v4_tiny":
         types = cfg["layer_types"]
-        want = {"embed": 1, "head": 1, "mhc.pre": 2 * n, "mhc.post": 2 * n, "norm": 2 * n, "moe": n,
+        want = {"embed": 1, "head": 1, "mhc.pre+norm": 2 * n, "mhc.post": 2 * n, "moe": n,
                 "attention.csa": types.count(C_), "attention.hca": types.count(H_)}
     else:
         types = cfg["layer_types"]

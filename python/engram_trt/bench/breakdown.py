@@ -13,15 +13,21 @@ the same events time eager decode steps, and the report says so.
 Kinds (summed over the layers; per layer in the JSON):
 
 * DeepSeek-V4: ``embed`` (``step_begin``: the embedding, the step's metadata, the Engram
-  inputs), ``engram``, ``mhc.pre`` (each collapse), ``mhc.post`` (each expansion),
-  ``norm``, ``attention.sliding`` / ``.csa`` / ``.hca``, ``moe`` (router, routed and shared
-  experts), ``head`` (``step_end``: hyper head, final norm, LM head);
+  inputs), ``engram``, ``mhc.pre+norm`` (each collapse with the RMSNorm after it: one
+  kernel chain on the fused bf16 path, :mod:`engram_trt.models.deepseek_v4.fused`),
+  ``mhc.post`` (each expansion), ``attention.sliding`` / ``.csa`` / ``.hca``, ``moe``
+  (router, routed and shared experts), ``head`` (``step_end``: hyper head, final norm, LM
+  head);
 * Qwen4Exp: ``ple.lookup`` (the PLE hash and gather inside the graph), ``meta``, ``embed``,
   ``ple``, ``hc.mix``, ``hc.inject``, ``attention.gdn``, ``attention.qsa``, ``moe``,
   ``head.mix`` (the final mixer; the LM head's GEMM is in ``other``).
 
 ``other`` is the step (the replay's span on the stream) less the kinds: the glue between
 modules (RoPE angles, casts), Qwen4Exp's LM head GEMM, the graph's launch.
+
+``detail`` (``bench e2e --breakdown-detail``, DeepSeek-V4): spans inside the kinds, reported
+apart (:func:`deepseek_details`: the fused glue's GEMV / norm-RoPE / router / experts
+launches and the attention kernel's core), for choosing what to fuse next.
 """
 
 from __future__ import annotations
@@ -105,13 +111,26 @@ def deepseek_regions(clock: RegionClock, model: Any) -> None:
         i = layer.index
         if layer.engram is not None:
             clock.wrap(layer.engram, "forward", "engram", i)
-        clock.wrap(layer.attn_hc, "collapse", "mhc.pre", i)
-        clock.wrap(layer.ffn_hc, "collapse", "mhc.pre", i)
-        clock.wrap(layer.input_layernorm, "forward", "norm", i)
-        clock.wrap(layer.post_attention_layernorm, "forward", "norm", i)
+        clock.wrap(layer.attn_hc, "collapse_normed", "mhc.pre+norm", i)
+        clock.wrap(layer.ffn_hc, "collapse_normed", "mhc.pre+norm", i)
         clock.wrap(layer.self_attn, "forward", _ATTN[layer.self_attn.layer_type], i)
         clock.wrap(layer.mlp, "forward", "moe", i)
     clock.wrap_static(HyperConnection, "expand", "mhc.post")
+
+
+def deepseek_details(clock: RegionClock) -> None:
+    """Spans inside the kinds (``detail:`` labels, reported apart, never summed with the
+    kinds): the fused glue's launches by kernel (:mod:`engram_trt.models.deepseek_v4.fused`:
+    every GEMV launch, the norm / RoPE launches, the router's picks, the experts) and the
+    attention kernel's core, so a breakdown names which part of a kind took its time."""
+    from engram_trt.models.deepseek_v4 import attention_kernel
+    from engram_trt.native import decode
+
+    clock.wrap(attention_kernel, "core", "detail:attention.core")
+    clock.wrap(decode, "gemv_segments", "detail:gemv")
+    clock.wrap(decode, "norm_rope", "detail:norm_rope")
+    clock.wrap(decode, "moe_route", "detail:moe.route")
+    clock.wrap(decode, "moe_experts", "detail:moe.experts")
 
 
 def qwen4_regions(clock: RegionClock, model: Any, graphs: Any) -> None:
@@ -156,9 +175,11 @@ def _graphs_for(model: Any, cache: Any, backend: Any) -> Any:
 
 
 def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int, reps: int,
-                     max_seq_len: int | None = None) -> dict[str, Any]:
+                     max_seq_len: int | None = None, detail: bool = False) -> dict[str, Any]:
     """The breakdown of ``reps`` decode steps of one sequence after a prompt of
-    ``prompt_tokens`` (module docstring): medians per kind, ``mode`` graph or eager."""
+    ``prompt_tokens`` (module docstring): medians per kind, ``mode`` graph or eager.
+    ``detail`` (DeepSeek-V4): also the spans of :func:`deepseek_details` (more event nodes
+    in the graph: the kinds' own times grow by their cost)."""
     import torch
 
     from engram_trt import LLM
@@ -186,6 +207,8 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
         mode = "graph" if graphs is not None else "eager"
         with clock:
             (deepseek_regions(clock, model) if family == "deepseek-v4" else qwen4_regions(clock, model, graphs))
+            if detail and family == "deepseek-v4":
+                deepseek_details(clock)
             model.forward_step(PackedStep(torch.tensor(prompt), [prompt_tokens], [0], [0]), cache)
             past = prompt_tokens
             tok = 7
@@ -223,14 +246,20 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
                  "calls": samples[0]["kinds"].get(k, {"calls": 0})["calls"],
                  "per_layer_ms": {str(i): med(s["kinds"][k]["layers"].get(i, 0.0) for s in samples)
                                   for i in samples[0]["kinds"].get(k, {"layers": {}})["layers"]}} for k in labels}
+    details = {k[len("detail:"):]: {"ms": v["ms"], "calls": v["calls"]} for k, v in kinds.items()
+               if k.startswith("detail:")}
+    kinds = {k: v for k, v in kinds.items() if not k.startswith("detail:")}
     span = med(s["span_ms"] for s in samples)
     step = med(totals) if totals else span
     whole = max(step, span)
     kinds["other"] = {"ms": max(whole - sum(v["ms"] for v in kinds.values()), 0.0), "calls": 0, "per_layer_ms": {}}
     for v in kinds.values():
         v["share"] = v["ms"] / whole if whole > 0 else 0.0
-    return {"family": family, "mode": mode, "steps": len(samples), "step_ms": step, "span_ms": span, "kinds": kinds,
-            "order": sorted(kinds, key=lambda k: -kinds[k]["ms"])}
+    out = {"family": family, "mode": mode, "steps": len(samples), "step_ms": step, "span_ms": span, "kinds": kinds,
+           "order": sorted(kinds, key=lambda k: -kinds[k]["ms"])}
+    if details:
+        out["detail"] = details
+    return out
 
 
 def format_breakdown(b: dict[str, Any]) -> list[str]:
@@ -241,7 +270,12 @@ def format_breakdown(b: dict[str, Any]) -> list[str]:
     for k in b["order"]:
         v = b["kinds"][k]
         lines.append(f"  {k:18} {v['ms']:8.3f} ms {100 * v['share']:5.1f}%  ({v['calls']} calls)")
+    if b.get("detail"):
+        lines.append("  inside the kinds (spans of the fused kernels and the attention core; not added above):")
+        for k, v in sorted(b["detail"].items(), key=lambda kv: -kv[1]["ms"]):
+            lines.append(f"    {k:18} {v['ms']:8.3f} ms  ({v['calls']} calls)")
     return lines
 
 
-__all__ = ["RegionClock", "decode_breakdown", "deepseek_regions", "format_breakdown", "qwen4_regions"]
+__all__ = ["RegionClock", "decode_breakdown", "deepseek_details", "deepseek_regions", "format_breakdown",
+           "qwen4_regions"]

@@ -7,8 +7,9 @@ layer type (``attention.sliding`` / ``attention.csa`` / ``attention.hca``), the 
 (``moe``: router, routed and shared experts), the hyper-connections (``mhc``: each
 layer's two collapses and two expansions, and the final hyper head), the Engram update
 (``engram``), the main stream's wait for the prefetched rows (``engram.wait``), the
-RMSNorms around the sublayers and the final one (``norm``) and the embedding
-(``embed``). ``other`` is the rest of the step (the head's GEMM, the step's checks and
+RMSNorms around the sublayers and the final one (``norm``; on the fused bf16 GPU path,
+:mod:`engram_trt.models.deepseek_v4.fused`, each runs inside its collapse and counts as
+``mhc``) and the embedding (``embed``). ``other`` is the rest of the step (the head's GEMM, the step's checks and
 uploads, the sampler's read).
 
 Each region is timed two ways at once, without any synchronization inside the step: a
@@ -62,11 +63,14 @@ class ModuleClock:
             self._wrap(layer.mlp, "forward", "moe")
             self._wrap(layer.attn_hc, "collapse", "mhc")
             self._wrap(layer.ffn_hc, "collapse", "mhc")
+            self._wrap(layer.attn_hc, "collapse_fused", "mhc")  # the bf16 GPU path: collapse + its norm in one
+            self._wrap(layer.ffn_hc, "collapse_fused", "mhc")
             self._wrap(layer.input_layernorm, "forward", "norm")
             self._wrap(layer.post_attention_layernorm, "forward", "norm")
             if layer.engram is not None:
                 self._wrap(layer.engram, "forward", "engram")
         self._wrap(bb.hc_head, "forward", "mhc")
+        self._wrap(bb.hc_head, "forward_fused", "mhc")
         self._wrap(bb.norm, "forward", "norm")
         self._wrap(bb.embed_tokens, "forward", "embed")
         expand = modules.HyperConnection.__dict__["expand"]

@@ -12,8 +12,14 @@ pinned host-to-device rate measured in the same run, beside the lookup timed alo
 
 Per case and placement it also records where the step's time goes by module class
 (attention sliding / CSA / HCA, MoE, mHC, Engram, the wait for the prefetched rows,
-norms: :mod:`engram_trt.bench.dsv4profile`), to pick the next CUDA kernel. The steps are
-eager: this model has no decode CUDA graphs yet.
+norms: :mod:`engram_trt.bench.dsv4profile`), to pick the next CUDA kernel. On a GPU the
+decode cases replay the step through the runtime's decode CUDA graphs
+(:class:`engram_trt.runtime.cuda_graphs.DecodeGraphs`, as the torch backend does: a
+scratch slot for padding, the Engram rows gathered inside the graph where the tables are
+GPU-readable and the calibrated choice is a GPU gather, else staged by the prefetcher),
+and report the eager step beside it (``eager_step_ms``); the prefill chunk, and the
+module-class breakdown, run eagerly (the breakdown wraps the modules' Python calls;
+``bench e2e --breakdown`` times a recorded step by module kind).
 
 ``--weights bf16,fp8`` builds the model in each weight format in turn in the one process
 (``fp8``: DeepSeek-V4.1-Flash's FP8 linears + FP4 routed experts,
@@ -184,7 +190,8 @@ def _compare_weights(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
     table: dict[str, Any] = {}
     for name, row in runs["bf16"]["cases"].items():
         b, f = row[where], runs["fp8"]["cases"][name][where]
-        entry = {"placement": where, "bf16_step_ms": b["step_ms"], "fp8_step_ms": f["step_ms"],
+        entry = {"placement": where, "bf16_mode": b.get("mode", "eager"), "fp8_mode": f.get("mode", "eager"),
+                 "bf16_step_ms": b["step_ms"], "fp8_step_ms": f["step_ms"],
                  "speedup": b["step_ms"] / f["step_ms"], "bf16_floor_bytes": b["floor"]["hbm_bytes"],
                  "fp8_floor_bytes": f["floor"]["hbm_bytes"],
                  "floor_ratio": b["floor"]["hbm_bytes"] / f["floor"]["hbm_bytes"]}
@@ -228,7 +235,9 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
     from engram_trt.runtime.prefetch import Prefetcher
 
     model, S, T = bm.model, len(lens), sum(lens)
-    cache = model.new_cache(S, past + max(lens) + 1)
+    decode = all(n == 1 for n in lens)
+    graphed = decode and dev.type == "cuda" and model.supports_decode_graphs
+    cache = model.new_cache(S + 1 if graphed else S, past + max(lens) + 1)  # + the graphs' scratch slot
     gen = torch.Generator(device=dev).manual_seed(S)
     for layer in cache.layers:  # random, not zeros: attention over realistic entries
         for t in layer.values():
@@ -241,13 +250,22 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
         if calibrated["choice"] is not None:
             pf.gather_policy = calibrated["choice"].path_for
     out: dict[str, Any] = {"lookup_path": pf.path_for(T * bm.layout.n_hash_cols)}
+    graphs = None
+    if graphed:  # the runtime's decode graphs (torch_backend: a scratch slot, the prefetcher's gather choice)
+        from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
-    def one(wrap: Any = None) -> Any:
+        graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=store, lookup_policy=pf.path_for)
+
+    def one(wrap: Any = None, eager: bool = False) -> Any:
         for s in range(S):
             cache.lengths[s] = past
-        rows = pf.submit(step, cids, lb)
-        got = model.forward_step(step, cache, engram_rows=rows if wrap is None else wrap(rows))
-        rows.finish()  # as the runtime does after launching a step
+        replay = graphs is not None and not eager and wrap is None
+        rows = None if replay and graphs.handles_lookup(step) else pf.submit(step, cids, lb)
+        got = graphs.run(step, rows) if replay else None
+        if got is None:
+            got = model.forward_step(step, cache, engram_rows=rows if wrap is None else wrap(rows))
+        if rows is not None:
+            rows.finish()  # as the runtime does after launching a step
         torch.argmax(got, dim=-1).tolist()  # the sampler's one read per step
         return got
 
@@ -258,11 +276,16 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
 
     try:
         out["step_ms"] = time_fn(one, dev, 2, opts.reps)["median_s"] * 1e3
+        out["mode"] = "graph" if graphs is not None and graphs.replays and graphs.failed is None else "eager"
+        if graphs is not None:
+            out["graphs"] = {"replays": graphs.replays, "captures": graphs.captures, "failed": graphs.failed,
+                             "shapes": [f"{g}x{ctx}:{mode}" for g, ctx, mode in sorted(graphs.graphs)]}
+            out["eager_step_ms"] = time_fn(lambda: one(eager=True), dev, 2, opts.reps)["median_s"] * 1e3
         out["lookup_ms"] = time_fn(lookup, dev, 2, opts.reps)["median_s"] * 1e3
         mine = one().float()
         for s in range(S):
             cache.lengths[s] = past
-        own = model.forward_step(step, cache).float()  # the model's own gather, no prefetch
+        own = model.forward_step(step, cache).float()  # eager, the model's own gather, no prefetch
         scale = float(mine.abs().max()) or 1.0
         out["check"] = {"finite": bool(torch.isfinite(mine).all()),
                         "vs_own_gather_rel": float((mine - own).abs().max()) / scale}
@@ -284,7 +307,8 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
         out["step_over_floor"] = out["step_ms"] / fl["floor_ms"]
         if where == "pinned" and fl["link_ms"] > 0:
             out["lookup_over_link"] = out["lookup_ms"] / fl["link_ms"]
-    print(f"  {where} {name}: step {out['step_ms']:.3f} ms, lookup alone {out['lookup_ms']:.3f} ms "
+    graph_note = f" ({out['mode']}; eager {out['eager_step_ms']:.3f} ms)" if "eager_step_ms" in out else ""
+    print(f"  {where} {name}: step {out['step_ms']:.3f} ms{graph_note}, lookup alone {out['lookup_ms']:.3f} ms "
           f"({out['lookup_path']}), floor reads {fl['hbm_bytes'] / 2**20:.1f} MiB"
           + (f" = {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else "")
           + f", MoE {'/'.join(out['moe_forms'])}", flush=True)
@@ -313,14 +337,15 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions, lim: dict[str, float]
         print(f"\n== {weights} weights ({what})")
     for where, c in results.get("calibration", {}).items():
         print(f"{where}: start-up calibration {c}")
-    print(f"\n{'case':<14} {'place':<7} {'step ms':>9} {'floor MiB':>9} {'floor ms':>9} {'step/floor':>10} "
-          f"{'lookup ms':>9} {'link ms':>8} {'lookup/link':>11} {'pinned/HBM':>10}")
+    print(f"\n{'case':<14} {'place':<7} {'mode':<5} {'step ms':>9} {'eager ms':>9} {'floor MiB':>9} {'floor ms':>9} "
+          f"{'step/floor':>10} {'lookup ms':>9} {'link ms':>8} {'lookup/link':>11} {'pinned/HBM':>10}")
     for name, row in results["cases"].items():
         for where in opts.placements:
             e = row[where]
             fl = e["floor"]
             ratio = f"{row['pinned_over_hbm']:>10.3f}" if where == "pinned" and "pinned_over_hbm" in row else f"{'':>10}"
-            print(f"{name:<14} {where:<7} {e['step_ms']:>9.3f} {fl['hbm_bytes'] / 2**20:>9.1f} "
+            print(f"{name:<14} {where:<7} {e.get('mode', 'eager'):<5} {e['step_ms']:>9.3f} "
+                  f"{e.get('eager_step_ms', e['step_ms']):>9.3f} {fl['hbm_bytes'] / 2**20:>9.1f} "
                   f"{fl.get('floor_ms', float('nan')):>9.4f} {e.get('step_over_floor', float('nan')):>10.1f} "
                   f"{e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} "
                   f"{e.get('lookup_over_link', float('nan')):>11.1f} {ratio}")
@@ -345,7 +370,7 @@ def _print_weights(results: dict[str, Any]) -> None:
         return
     where = next(iter(table.values()))["placement"]
     print(f"\nfp8 (FP8 linears + FP4 experts) vs bf16 weights, {where} tables: the step's speed-up against the "
-          f"ratio of the bytes each step reads")
+          f"ratio of the bytes each step reads (decode steps replayed as CUDA graphs where the mode says graph)")
     print(f"{'case':<14} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>9} {'bf16 MiB':>9} {'fp8 MiB':>9} "
           f"{'bytes ratio':>11} {'speed-up/ratio':>14}")
     for name, e in table.items():

@@ -21,7 +21,8 @@ For each ``--shapes`` entry (or the one ``--path`` folder) in one call:
 5. ``engram-trt bench serve`` on the folder at ``--concurrency`` (1 / 8 / 32 / 64 streams,
    a fresh process): tokens/s per level and the ratio to one stream;
 6. ``--breakdown``: where one graphed decode step's GPU time goes, by module kind
-   (:mod:`engram_trt.bench.breakdown`: CUDA events recorded inside the step's CUDA graph).
+   (:mod:`engram_trt.bench.breakdown`: CUDA events recorded inside the step's CUDA graph);
+   ``--breakdown-detail`` adds the spans inside the kinds (DeepSeek-V4's fused launches).
 
 Printed as a table and written with ``--json``: tokens/s, ms per step, the floor, ours /
 floor (how many floors a step takes) and ours / transformers; ``--plot`` draws bench serve's
@@ -73,6 +74,8 @@ class E2eOptions:
                                                                  "(default: %(default)s)")
     no_transformers: bool = opt(False, help="skip transformers' generate")
     breakdown: bool = opt(False, help="also time one graphed decode step by module kind (CUDA events in the graph)")
+    breakdown_detail: bool = opt(False, help="with --breakdown (DeepSeek-V4): also the spans inside the kinds (the "
+                                             "fused glue's launches by kernel, the attention core), reported apart")
     breakdown_reps: int = opt(5, argtype=("int_arg", 1, 1000), help="replays the breakdown's medians take "
                                                                    "(default: %(default)s)")
     json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
@@ -344,7 +347,8 @@ def bench_folder(folder: Path, shape: str, opts: E2eOptions, limits: dict[str, f
         from engram_trt.bench.breakdown import decode_breakdown
 
         res["breakdown"] = decode_breakdown(folder, device=opts.device, dtype=opts.dtype,
-                                            prompt_tokens=opts.prompt_tokens, reps=opts.breakdown_reps)
+                                            prompt_tokens=opts.prompt_tokens, reps=opts.breakdown_reps,
+                                            detail=opts.breakdown_detail)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res

@@ -8,7 +8,10 @@ Sinkhorn-Knopp loop alone).
   — ``(collapsed [T, D], post [T, hc] fp32, comb [T, hc, hc] fp32)`` of ``streams [T, hc, D]``;
 * :func:`mhc_post`: :meth:`~engram_trt.models.deepseek_v4.modules.HyperConnection.expand`
   — ``post * out + comb^T @ streams`` (may write into ``streams``);
-* :func:`mhc_head`: :class:`~engram_trt.models.deepseek_v4.modules.HyperHead`.
+* :func:`mhc_head`: :class:`~engram_trt.models.deepseek_v4.modules.HyperHead`;
+* :func:`mhc_pre_norm` / :func:`mhc_head_norm`: the same collapses with the RMSNorm that
+  follows them in the model (the layer's ``input_layernorm`` / ``post_attention_layernorm``,
+  the final ``norm``) fused into their last launch: the normed input instead of the collapse.
 
 fp32 math inside, activations bf16 / fp16 / float32 (one dtype per call), the mHC
 parameters float32 (the model keeps them so, as transformers does). The functions check
@@ -38,6 +41,10 @@ _ENTRY = EntryPoints({
                        _vp, _vp],
     "engram_mhc_post": [_vp, _vp, _i32, _vp, _vp, _i64, _i32, _i32, _vp, _vp],
     "engram_mhc_head": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, ctypes.c_size_t, _vp, _vp],
+    "engram_mhc_pre_norm": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _i32, _f32, _f32, _vp, _f32, _vp,
+                            ctypes.c_size_t, _vp, _vp, _vp, _vp],
+    "engram_mhc_head_norm": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, _f32, _vp, ctypes.c_size_t,
+                             _vp, _vp],
 })
 library = _ENTRY.library
 unavailable = _ENTRY.unavailable
@@ -181,3 +188,54 @@ def mhc_head(streams: Any, fn: Any, base: Any, scale: Any, *, hc_eps: float, nor
               _f32(hc_eps), _f32(norm_eps), _ptr(workspace), workspace.numel() * workspace.element_size(),
               _ptr(collapsed), _stream(streams.device))
     return collapsed
+
+
+def _check_norm_weight(norm_weight: Any, D: int, device: Any) -> None:
+    torch = _torch()
+    _check_dtype("norm_weight", norm_weight, (torch.float32,))
+    if tuple(norm_weight.shape) != (D,):
+        raise EngramError(f"norm_weight must be [{D}] (got {tuple(norm_weight.shape)})")
+    _check("norm_weight", norm_weight, (torch.float32,))
+    _same_device(device, norm_weight=norm_weight)
+
+
+def mhc_pre_norm(streams: Any, fn: Any, base: Any, scale: Any, norm_weight: Any, *, sinkhorn_iters: int, hc_eps: float,
+                 norm_eps: float, rms_eps: float, workspace: Any = None) -> tuple[Any, Any, Any]:
+    """``(normed [T, D], post, comb)``: :func:`mhc_pre` whose collapse (rounded to streams'
+    dtype) then takes the RMSNorm of ``norm_weight [D]`` (float32, ``rms_eps``), in the same
+    launches (engram_mhc_pre_norm)."""
+    torch = _torch()
+    T, hc, D = _check_streams(streams)
+    _check_params(fn, base, scale, (2 + hc) * hc, hc * D, 3)
+    check_shape(hc, D, sinkhorn_iters, hc_eps, norm_eps)
+    _check_devices(streams, fn=fn, base=base, scale=scale)
+    _check_norm_weight(norm_weight, D, streams.device)
+    normed = torch.empty((T, D), dtype=streams.dtype, device=streams.device)
+    coef = torch.empty(T * hc * (1 + hc), dtype=torch.float32, device=streams.device)
+    post, comb = coef[:T * hc].view(T, hc), coef[T * hc:].view(T, hc, hc)
+    workspace = _workspace(workspace, T, hc, D, streams.device)
+    with _device_guard(streams.device.index):
+        _call("engram_mhc_pre_norm", _ptr(streams), _float_code(streams.dtype), _ptr(fn), _ptr(base), _ptr(scale), T,
+              hc, D, int(sinkhorn_iters), _f32(hc_eps), _f32(norm_eps), _ptr(norm_weight), _f32(rms_eps),
+              _ptr(workspace), workspace.numel() * workspace.element_size(), _ptr(normed), _ptr(post), _ptr(comb),
+              _stream(streams.device))
+    return normed, post, comb
+
+
+def mhc_head_norm(streams: Any, fn: Any, base: Any, scale: Any, norm_weight: Any, *, hc_eps: float, norm_eps: float,
+                  rms_eps: float, workspace: Any = None) -> Any:
+    """:func:`mhc_head` followed by the final RMSNorm of ``norm_weight [D]`` (float32), fused
+    (engram_mhc_head_norm): ``normed [T, D]`` in streams' dtype."""
+    torch = _torch()
+    T, hc, D = _check_streams(streams)
+    _check_params(fn, base, scale, hc, hc * D, 1)
+    check_shape(hc, D, 1, hc_eps, norm_eps)
+    _check_devices(streams, fn=fn, base=base, scale=scale)
+    _check_norm_weight(norm_weight, D, streams.device)
+    normed = torch.empty((T, D), dtype=streams.dtype, device=streams.device)
+    workspace = _workspace(workspace, T, hc, D, streams.device)
+    with _device_guard(streams.device.index):
+        _call("engram_mhc_head_norm", _ptr(streams), _float_code(streams.dtype), _ptr(fn), _ptr(base), _ptr(scale), T,
+              hc, D, _f32(hc_eps), _f32(norm_eps), _ptr(norm_weight), _f32(rms_eps), _ptr(workspace),
+              workspace.numel() * workspace.element_size(), _ptr(normed), _stream(streams.device))
+    return normed

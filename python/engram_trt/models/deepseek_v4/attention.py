@@ -224,15 +224,23 @@ class DeepseekV4Attention(nn.Module):
         ``[T, hidden]``. The core runs on the CUDA kernel or the torch path by
         ``backend`` (:mod:`.attention_kernel`); ``meta`` (the kernel's int32
         ``[seq_starts, past_lens, slots]`` on the device) and ``rope`` (this layer's
-        ``self.rope(positions)``) let the model build them once per step. ``static``: a
+        ``self.rope(positions)``) let the model build them once per step. bf16 activations
+        on a GPU that serves the fused decode glue take :func:`.fused.attention` around the
+        same kernel core (the same math in a few launches). ``static``: a
         CUDA graph's recording (:mod:`.graphs`): the host lists give only the step's shape,
         every length is in ``meta``, so they are not checked and the kernel must serve."""
-        from engram_trt.models.deepseek_v4 import attention_kernel
+        from engram_trt.models.deepseek_v4 import attention_kernel, fused
 
         if not static:
             self._check_step(x, positions, seq_starts, past_lens, slots, state)
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         cos, sin = rope if rope is not None else self.rope(positions)
+        if fused.unavailable(x) is None and attention_kernel.kernel_serves(self, x, state):
+            if meta is None:
+                if static:
+                    raise EngramError("a recorded decode step needs the step's device metadata (meta)")
+                meta = attention_kernel.step_meta(seq_starts, past_lens, slots, x.device)
+            return fused.attention(self, x, cos, sin, len(slots), meta, state)
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = unweighted_rms_norm(self.q_b_proj(q_residual).reshape(t, h, d), self.eps)
         q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))

@@ -94,23 +94,30 @@ def step_meta(seq_starts: Sequence[int], past_lens: Sequence[int], slots: Sequen
 
 
 def core(layer: Any, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor, cos: Tensor, sin: Tensor, n_seqs: int,
-         meta: Tensor, state: dict[str, Tensor]) -> Tensor:
+         meta: Tensor, state: dict[str, Tensor], *, pre: dict[str, Tensor] | None = None) -> Tensor:
     """The attention core's output ``[T, H, d]`` (before the inverse RoPE) through one
-    library call, ``state`` updated in place. ``meta`` as :func:`step_meta`."""
+    library call, ``state`` updated in place. ``meta`` as :func:`step_meta`. ``pre``: the
+    compressor's / indexer's inputs already made (:mod:`.fused`: ``c_kv``, ``c_gate``,
+    ``i_q``, ``i_w``, ``i_kv``, ``i_gate``); the rest are made here."""
     from engram_trt.native.dsv4_attention import dsv4_attention
 
+    pre = pre or {}
     S = n_seqs
     inputs = [q.contiguous(), kv.contiguous(), layer.sinks.float().contiguous(), meta[:S + 1], meta[S + 1:2 * S + 1],
               meta[2 * S + 1:3 * S + 1], state["window_kv"]]
     comp = layer.compressor
     if comp is not None:
-        inputs += [comp.kv_proj(x), comp.gate_proj(x), comp.position_bias.float().contiguous(),
+        c_kv = pre["c_kv"] if "c_kv" in pre else comp.kv_proj(x)
+        c_gate = pre["c_gate"] if "c_gate" in pre else comp.gate_proj(x)
+        inputs += [c_kv, c_gate, comp.position_bias.float().contiguous(),
                    comp.kv_norm.weight.float().contiguous(), layer.rope.inv_freq_on(x.device),
                    state["compressed_kv"], state["compressor_kv"], state["compressor_gate"]]
         ix = getattr(comp, "indexer", None)
         if ix is not None:
-            i_q, i_w = ix.queries(q_residual, x, cos, sin)
-            inputs += [i_q.contiguous(), i_w.float().contiguous(), ix.kv_proj(x), ix.gate_proj(x),
+            i_q, i_w = (pre["i_q"], pre["i_w"]) if "i_q" in pre else ix.queries(q_residual, x, cos, sin)
+            i_kv = pre["i_kv"] if "i_kv" in pre else ix.kv_proj(x)
+            i_gate = pre["i_gate"] if "i_gate" in pre else ix.gate_proj(x)
+            inputs += [i_q.contiguous(), i_w.float().contiguous(), i_kv, i_gate,
                        ix.position_bias.float().contiguous(), ix.kv_norm.weight.float().contiguous(),
                        state["index_keys"], state["indexer_kv"], state["indexer_gate"]]
     return dsv4_attention(*inputs, layer_type=_TYPE_CODE[layer.layer_type], window=layer.window,

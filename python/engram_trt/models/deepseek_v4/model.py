@@ -399,16 +399,15 @@ class DeepseekV4Model(_Modules):
             layer = self.model.layers[i]
             if layer.engram is not None and state.rows is not None:
                 streams = layer.engram(streams, state.rows[index[i]].to(dev), state.live)
-            h, post, comb = layer.attn_hc.collapse(streams)
+            x, post, comb = layer.attn_hc.collapse_normed(streams, layer.input_layernorm)
             attn = layer.self_attn
             rope = state.ropes.get(attn.rope_label)
             if rope is None:
                 rope = state.ropes[attn.rope_label] = attn.rope(state.positions)
-            y = attn(layer.input_layernorm(h), state.positions, state.seq_starts, state.past_lens, state.slots,
+            y = attn(x, state.positions, state.seq_starts, state.past_lens, state.slots,
                      cache.layers[i], meta=state.meta, rope=rope, static=state.static)
             streams = HyperConnection.expand(streams, y, post, comb)
-            h, post, comb = layer.ffn_hc.collapse(streams)
-            x = layer.post_attention_layernorm(h)
+            x, post, comb = layer.ffn_hc.collapse_normed(streams, layer.post_attention_layernorm)
             if state.decode:
                 with sync_free_moe(layer.mlp, x):
                     y = layer.mlp(x, state.ids)
@@ -423,7 +422,7 @@ class DeepseekV4Model(_Modules):
         """The hyper head, the final norm and the LM head (of each sequence's last token),
         then the host bookkeeping (none in a recording: the caller's)."""
         streams = state.streams if all_logits else state.streams[state.last]
-        hidden = self.model.norm(self.model.hc_head(streams))
+        hidden = self.model.hc_head.forward_normed(streams, self.model.norm)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, head.to(hidden.dtype)).float()
         if not capture:

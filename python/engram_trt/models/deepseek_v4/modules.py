@@ -158,6 +158,28 @@ class HyperConnection(nn.Module):
                                       hc_eps=self.hc_eps, norm_eps=self.norm_eps)
         return self.collapse_torch(streams)
 
+    def collapse_normed(self, streams: torch.Tensor, norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(norm(sublayer input), post, comb)``: :meth:`collapse` and the RMSNorm after it
+        (the layer's ``input_layernorm`` / ``post_attention_layernorm``). On the bf16 CUDA
+        decode path (:mod:`.fused`) the norm runs in the collapse kernel's last launch
+        (``engram_mhc_pre_norm``); elsewhere the two run as they are."""
+        from engram_trt.models.deepseek_v4 import fused
+
+        if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and fused.unavailable(streams) is None \
+                and mhc_kernel_serves("HyperConnection", self.backend, streams, floats=(self.fn, self.base, self.scale)):
+            return self.collapse_fused(streams, norm)
+        h, post, comb = self.collapse(streams)
+        return norm(h), post, comb
+
+    def collapse_fused(self, streams: torch.Tensor, norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`collapse_normed`'s kernel form (``engram_mhc_pre_norm``; a method of its
+        own so a profiler can time it apart from :meth:`collapse` and the norm)."""
+        from engram_trt.native import mhc as native_mhc
+
+        return native_mhc.mhc_pre_norm(streams.contiguous(), self.fn, self.base, self.scale, norm.weight,
+                                       sinkhorn_iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
+                                       rms_eps=norm.eps)
+
     def collapse_torch(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The PyTorch :meth:`collapse` (the CPU's, and the kernel's reference)."""
         pre, post, comb = self.weights(streams)
@@ -202,6 +224,24 @@ class HyperHead(nn.Module):
             return native_mhc.mhc_head(streams.contiguous(), self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.eps,
                                        norm_eps=self.norm_eps)
         return self.forward_torch(streams)
+
+    def forward_normed(self, streams: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
+        """``norm(self(streams))``: the final norm fused into the head's last launch on the
+        bf16 CUDA decode path (``engram_mhc_head_norm``, as :meth:`HyperConnection.collapse_normed`)."""
+        from engram_trt.models.deepseek_v4 import fused
+
+        if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and fused.unavailable(streams) is None \
+                and mhc_kernel_serves("HyperHead", self.backend, streams,
+                                      floats=(self.hc_fn, self.hc_base, self.hc_scale)):
+            return self.forward_fused(streams, norm)
+        return norm(self(streams))
+
+    def forward_fused(self, streams: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
+        """:meth:`forward_normed`'s kernel form (``engram_mhc_head_norm``)."""
+        from engram_trt.native import mhc as native_mhc
+
+        return native_mhc.mhc_head_norm(streams.contiguous(), self.hc_fn, self.hc_base, self.hc_scale, norm.weight,
+                                        hc_eps=self.eps, norm_eps=self.norm_eps, rms_eps=norm.eps)
 
     def forward_torch(self, streams: torch.Tensor) -> torch.Tensor:
         """The PyTorch path (the CPU's, and the kernel's reference)."""
@@ -304,6 +344,7 @@ class _Router(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.n_routed_experts
         self.scaling = config.routed_scaling_factor
+        self.scoring = config.scoring_func  # the score function's name (the fused decode router takes it)
         self.score_fn = _SCORES[config.scoring_func]
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
 

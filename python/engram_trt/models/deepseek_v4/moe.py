@@ -22,7 +22,10 @@ whose routed experts run in one of four forms.
   for a checkpoint whose experts are stored FP8 / FP4, and the decode step's grouped GEMV
   for a BF16 one.
 
-``form = "auto"`` takes ``loop`` on a CPU and on CUDA ``kernels`` where the library
+``form = "auto"`` takes the fused decode MoE on a bf16 GPU step of up to four tokens
+(:func:`.fused.moe`: the router's picks in one kernel, bf16 experts with the shared expert
+in two, stored-format ones through ``kernels``; ``last_form`` says ``fused``), else
+``loop`` on a CPU and on CUDA ``kernels`` where the library
 serves the call (:meth:`GroupedSparseMoE.kernels_unavailable`); otherwise, for float
 experts, the sync-free one that fits: ``gathered`` when the pairs are fewer than half the
 experts, else ``grouped`` where ``torch._grouped_mm`` serves (bf16, sm90+, widths
@@ -290,6 +293,14 @@ class GroupedSparseMoE(SparseMoE):
         return "loop"
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.form == "auto":
+            from engram_trt.models.deepseek_v4 import fused
+
+            if fused.unavailable(x) is None:
+                out = fused.moe(self, x, input_ids)
+                if out is not None:
+                    self.last_form = "fused"
+                    return out
         weights, ids = self.gate(x, input_ids)
         form = self.last_form = self.choose_form(x, ids)
         routed = getattr(self, f"experts_{form}")(x, weights, ids)

@@ -7,9 +7,17 @@
 * :class:`GatedRMSNorm` (the linear attention's output norm) scales by ``weight`` and
   multiplies by an activation of the gate; like the published model it rounds the
   normalized value to the input dtype before the weight.
+
+On a GPU of compute capability 9.0+, bf16 activations take :class:`OffsetRMSNorm` in one
+launch (the kernel library's ``engram_norm_rope``, :mod:`engram_trt.native.decode`: the
+same float32 products, ``(x * rsqrt(mean(x^2) + eps)) * (1 + w)`` rounded once, a weight
+per group) where the PyTorch form takes about nine; ``1 + w`` is made once per weight.
+``ENGRAM_TRT_QWEN4_FUSED=0`` keeps the PyTorch form (an A/B switch for timing).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +46,38 @@ class OffsetRMSNorm(nn.Module):
         self.group_size = group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == torch.bfloat16 and _fused_norms(x.device):
+            return self.forward_kernel(x)
         return offset_rms_norm(x, self.weight, self.eps, self.group_size)
+
+    def forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm as one ``engram_norm_rope`` launch (module docstring)."""
+        from engram_trt.native import decode
+
+        size = self.weight.shape[0]
+        key = (self.weight.data_ptr(), self.weight._version, x.device)
+        cached = getattr(self, "_offset_weight", None)
+        if cached is None or cached[0] != key:
+            cached = (key, (1.0 + self.weight.float()).to(x.device).contiguous())
+            self._offset_weight = cached
+        group = self.group_size or size
+        flat = x.reshape(-1, size)
+        out = torch.empty_like(flat)
+        decode.norm_rope(decode.NormRopeJob(flat, out, dim=group, heads=size // group, norm=decode.NORM_WEIGHTED,
+                                            weight=cached[1], eps=self.eps, weight_stride=group if group < size else 0))
+        return out.view(x.shape)
+
+
+def _fused_norms(device: torch.device) -> bool:
+    """Whether the kernel form serves (the library loads, ``ENGRAM_TRT_QWEN4_FUSED`` is not
+    ``0``, and the GPU is sm_90+ as the decode kernels are measured there)."""
+    if os.environ.get("ENGRAM_TRT_QWEN4_FUSED", "1") == "0":
+        return False
+    from engram_trt.native import decode
+
+    if decode.unavailable("Qwen4Exp fused norms") is not None:
+        return False
+    return decode.gemv_capable(device)
 
 
 class GatedRMSNorm(nn.Module):

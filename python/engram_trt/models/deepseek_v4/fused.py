@@ -1,0 +1,203 @@
+"""The bf16 CUDA path of a DeepSeek-V4 layer's glue: what the layer does around its
+attention kernel and its MoE in a few launches (:mod:`engram_trt.native.decode`, the
+fused norms of :mod:`engram_trt.native.mhc`) instead of the PyTorch reference's dozens of
+small element-wise kernels, which made a graphed decode step launch bound (issue 41: a
+1.63B model's step was 12x its weight-read floor, each module a chain of 2-5 us kernels).
+
+Per layer, with the step's tokens ``x [T, D]`` (bf16 on a GPU of compute capability 9.0+):
+
+* the mHC collapse with the RMSNorm after it (``input_layernorm`` /
+  ``post_attention_layernorm``; the final ``norm`` after the hyper head): the norm runs in
+  the collapse's last launch (:meth:`~.modules.HyperConnection.collapse_normed`);
+* attention (:func:`attention`): ONE product launch for every projection of x (``q_a``,
+  ``kv``, on CSA / HCA layers the compressor's and the indexer's), ONE element-wise launch
+  for ``q_a_norm`` and ``kv_norm`` + RoPE, one for ``q_b`` (and the indexer's ``q_b``), one
+  for the per-head norm + RoPE of q (and the indexer queries' RoPE), the attention kernel,
+  one for the inverse RoPE of its output, one for the grouped ``o_a`` (its groups as
+  segments of one launch), one for ``o_b``;
+* the MoE (:func:`moe`): one launch for the router's logits, one for its picks and
+  weights, two for the routed experts with the shared expert (combined in the reference's
+  order).
+
+The products take the GEMV for up to ``native.decode.GEMV_MAX_TOKENS`` rows of bf16
+weights; otherwise (a prefill chunk, a stored-format weight) each projection runs as its
+module does, and the element-wise launches stay. Every kernel rounds where the reference
+rounds (engramKernels.h), so this path differs from the PyTorch one by float32 sums'
+order only (tests/gpu/test_dsv4_fused.py holds each kernel to the module it replaces).
+float32 and float16 models, CPUs and older GPUs keep the PyTorch glue; so does everything
+with ``ENGRAM_TRT_DSV4_FUSED=0`` (an A/B switch for timing).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+FUSED_ENV = "ENGRAM_TRT_DSV4_FUSED"
+
+
+def unavailable(x: Tensor) -> str | None:
+    """Why the fused glue does not take activations like ``x`` (None: it does)."""
+    if os.environ.get(FUSED_ENV, "1") == "0":
+        return f"{FUSED_ENV}=0"
+    if not x.is_cuda:
+        return f"the activations are on {x.device}, not a CUDA device"
+    if x.dtype != torch.bfloat16:
+        return f"the activations are {x.dtype}, not bfloat16"
+    from engram_trt.native import decode
+
+    why = decode.unavailable()
+    if why is not None:
+        return why
+    if not decode.gemv_capable(x.device):
+        return "the GPU's compute capability is below 9.0"
+    return None
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def project(x: Tensor, mods: list[nn.Module]) -> list[Tensor]:
+    """Each module's output for ``x [T, K]``: the plain bias-free bf16 ``nn.Linear`` ones the
+    GEMV takes (a decode step's few rows) in one launch
+    (:func:`engram_trt.native.decode.gemv_segments`, a segment each), the others through
+    their own forward (a prefill chunk, a stored-format weight)."""
+    from engram_trt.native import decode
+
+    outs: list[Tensor] = []
+    segments = []
+    for mod in mods:
+        w = mod.weight if isinstance(mod, nn.Linear) and mod.bias is None else None
+        if w is not None and decode.gemv_fits(x, w):
+            out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+            segments.append((x, w, out))
+        else:
+            out = mod(x)
+        outs.append(out)
+    for first in range(0, len(segments), decode.MAX_SEGMENTS):
+        decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
+    return outs
+
+
+def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta: Tensor,
+              state: dict[str, Tensor]) -> Tensor:
+    """:meth:`~.attention.DeepseekV4Attention.forward` on the kernel core with the fused glue
+    (module docstring): ``[T, hidden]``, the state updated in place."""
+    from engram_trt.models.deepseek_v4 import attention_kernel
+    from engram_trt.native import decode
+
+    T, H, d = x.shape[0], attn.num_heads, attn.head_dim
+    pairs = int(cos.shape[-1])
+    comp = attn.compressor
+    ix = getattr(comp, "indexer", None)
+    mods: list[nn.Module] = [attn.q_a_proj, attn.kv_proj]
+    if comp is not None:
+        mods += [comp.kv_proj, comp.gate_proj]
+    if ix is not None:
+        mods += [ix.kv_proj, ix.gate_proj, ix.scorer.weights_proj]
+    outs = project(x, mods)
+    q_a, kv_raw = outs[0], outs[1]
+    q_residual = torch.empty_like(q_a)
+    kv = torch.empty_like(kv_raw)
+    Job = decode.NormRopeJob
+    decode.norm_rope(
+        Job(q_a, q_residual, dim=q_a.shape[1], norm=decode.NORM_WEIGHTED, weight=_f32(attn.q_a_norm.weight),
+            eps=attn.q_a_norm.eps),
+        Job(kv_raw, kv, dim=d, norm=decode.NORM_WEIGHTED, weight=_f32(attn.kv_norm.weight), eps=attn.kv_norm.eps,
+            rope_pairs=pairs, cos=cos, sin=sin))
+    q_outs = project(q_residual, [attn.q_b_proj] + ([ix.q_b_proj] if ix is not None else []))
+    q = torch.empty_like(q_outs[0])
+    jobs = [Job(q_outs[0], q, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=attn.eps, rope_pairs=pairs, cos=cos,
+                sin=sin)]
+    pre: dict[str, Tensor] = {}
+    if comp is not None:
+        pre["c_kv"], pre["c_gate"] = outs[2], outs[3]
+    if ix is not None:
+        i_q = torch.empty_like(q_outs[1])
+        jobs.append(Job(q_outs[1], i_q, dim=ix.dim, heads=ix.heads, rope_pairs=pairs, cos=cos, sin=sin))
+        pre.update(i_kv=outs[4], i_gate=outs[5], i_q=i_q.view(T, ix.heads, ix.dim),
+                   i_w=outs[6].float() * ix.heads**-0.5)
+    decode.norm_rope(*jobs)
+    out = attention_kernel.core(attn, x, q.view(T, H, d), kv, q_residual, cos, sin, n_seqs, meta, state, pre=pre)
+    flat = out.view(T, H * d)
+    decode.norm_rope(Job(flat, flat, dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1))
+    grouped = _grouped_output(attn, flat)
+    return project(grouped, [attn.o_b_proj])[0]
+
+
+def _grouped_output(attn: Any, flat: Tensor) -> Tensor:
+    """``o_a_proj`` of the attention output ``flat [T, H * d]``: its groups as segments of
+    one GEMV launch for a plain bf16 weight, else the module's own forward."""
+    from engram_trt.native import decode
+
+    T = flat.shape[0]
+    mod = attn.o_a_proj
+    groups = attn.config.o_groups
+    per_in = flat.shape[1] // groups
+    w = getattr(mod, "weight", None)  # GroupedLinear's bf16 weight (QuantGroupedLinear's is stored FP8: not taken)
+    if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and per_in % 8 == 0:
+        rows = w.shape[0] // groups
+        if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):
+            y = torch.empty((T, w.shape[0]), dtype=flat.dtype, device=flat.device)
+            segments = [(flat[:, g * per_in:(g + 1) * per_in], w[g * rows:(g + 1) * rows],
+                         y[:, g * rows:(g + 1) * rows]) for g in range(groups)]
+            for first in range(0, groups, decode.MAX_SEGMENTS):
+                decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
+            return y
+    return mod(flat.view(T, groups, per_in)).flatten(1)
+
+
+def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
+    """A decode step's MoE (:class:`~.moe.GroupedSparseMoE`, form ``auto``) on the fused
+    kernels, or None where they do not serve it (the caller takes its forms): the router's
+    logits through the GEMV, its picks through ``moe_route``; bf16 expert stacks and a
+    bf16 shared expert through ``moe_experts`` (two launches), stored-format experts through
+    :func:`engram_trt.native.quant.experts` with the shared expert as its module."""
+    from engram_trt.native import decode
+    from engram_trt.quant.weight import QuantWeight
+
+    router = mlp.gate
+    T = x.shape[0]
+    if not 1 <= T <= decode.GEMV_MAX_TOKENS or x.dim() != 2:
+        return None
+    scoring = getattr(router, "scoring", None)
+    if scoring not in decode.SCORE_FNS or not decode.gemv_fits(x, router.weight):
+        return None
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is not None and bias.dtype != torch.float32:
+        return None  # a bf16 bias rounds the keys: the module's path
+    if router.top_k > decode.MOE_MAX_TOP_K or router.num_experts > decode.MOE_MAX_EXPERTS:
+        return None
+    stacks = mlp.stack_experts()
+    quantized = any(isinstance(st, QuantWeight) for st in stacks)
+    limit = mlp.experts[0].limit
+    shared = mlp.shared_experts
+    projections = [getattr(shared, p) for p in ("gate_proj", "up_proj", "down_proj")]
+    plain = not quantized and all(isinstance(m, nn.Linear) and m.bias is None for m in projections) \
+        and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections))) \
+        and x.is_contiguous() and shared.limit == limit and stacks[0].shape[1] % 8 == 0 \
+        and projections[0].weight.shape[0] % 8 == 0  # the experts kernel reads 16-byte vectors of I and I_s
+    if not plain and mlp.kernels_unavailable(x) is not None:
+        return None  # neither the fused experts nor the library's stored-format product: the module's forms
+    logits = torch.empty((T, router.num_experts), dtype=x.dtype, device=x.device)
+    decode.gemv_segments([(x, router.weight, logits)])
+    if bias is not None:
+        ids, weights = decode.moe_route(logits, top_k=router.top_k, score_fn=scoring, scaling=router.scaling,
+                                        bias=bias)
+    else:
+        tokens = input_ids if input_ids.dtype == torch.int64 else input_ids.long()
+        ids, weights = decode.moe_route(logits, top_k=router.top_k, score_fn=scoring, scaling=router.scaling,
+                                        tid2eid=router.tid2eid, input_ids=tokens)
+    if plain:
+        return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(m.weight for m in projections), limit=limit)
+    from engram_trt.native import quant as native_quant
+
+    routed = native_quant.experts(x, ids, weights, *stacks, limit=limit)
+    return routed + shared(x)
+
+
+__all__ = ["FUSED_ENV", "attention", "moe", "project", "unavailable"]

@@ -1,0 +1,301 @@
+"""ctypes bindings of the decode step's glue kernels (``plugins/kernels/decodeNormKernel.cu``,
+``decodeGemvKernel.cu``, ``decodeMoeKernel.cu``; ``engramKernels.h`` states each contract):
+what a DeepSeek-V4 layer does around its attention kernel and its MoE, in a few launches
+instead of the dozens of small PyTorch kernels of its reference.
+
+* :func:`norm_rope`: up to :data:`MAX_JOBS` row sets in one launch, each an optional RMSNorm
+  (weighted with a float32 weight, or the per-head unweighted one) then an optional
+  interleaved partial RoPE (or its inverse); rounded as the reference's ops round.
+* :func:`gemv_segments`: up to :data:`MAX_SEGMENTS` bf16 products of a decode step's few
+  rows (``<= GEMV_MAX_TOKENS``) in one launch (each segment its own x, weight and out, with
+  row strides: several projections of one input, or the groups of a grouped projection).
+* :func:`moe_route`: a router's top-k / hash picks and weights from its logits.
+* :func:`moe_experts`: the routed experts of a decode step plus the shared expert, bf16,
+  in two launches, combined in the reference's order.
+
+The functions check dtypes, shapes and devices (an EngramError names the bad argument),
+then the library checks the rest; work is enqueued on the current CUDA stream. They read
+nothing back on the host, so a CUDA graph can record them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from engram_trt.errors import EngramError
+from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr,
+                                       _same_device, _stream, _torch, capability_major)
+
+MAX_JOBS = 4  # ENGRAM_NORM_ROPE_MAX_JOBS
+MAX_SEGMENTS = 8  # ENGRAM_GEMV_MAX_SEGMENTS
+GEMV_MAX_TOKENS = 4  # ENGRAM_GEMV_MAX_TOKENS
+MOE_MAX_EXPERTS = 1024  # ENGRAM_MOE_MAX_EXPERTS
+MOE_MAX_TOP_K = 16  # ENGRAM_MOE_MAX_TOP_K
+MOE_MAX_TOKENS = 16  # ENGRAM_MOE_DECODE_MAX_TOKENS
+MIN_CAPABILITY = 9  # the GEMV and the experts' products are built for sm_90+ (as engram_gemv_bf16)
+NORM_NONE, NORM_WEIGHTED, NORM_UNWEIGHTED = 0, 1, 2  # EngramNormKind
+SCORE_FNS = {"sqrtsoftplus": 0, "sigmoid": 1}  # EngramMoeScore
+GEMV_WEIGHT_STATIC = 1
+
+
+class _NormRopeJob(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("weight", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("rows", ctypes.c_int64),
+                ("x_stride", ctypes.c_int64), ("out_stride", ctypes.c_int64), ("cos_stride", ctypes.c_int64),
+                ("weight_stride", ctypes.c_int64), ("dim", ctypes.c_int32), ("heads", ctypes.c_int32),
+                ("norm", ctypes.c_int32),
+                ("rope_pairs", ctypes.c_int32), ("rope_sign", ctypes.c_int32), ("eps", ctypes.c_float)]
+
+
+class _GemvSegment(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("x_stride", ctypes.c_int64), ("out_stride", ctypes.c_int64), ("out_features", ctypes.c_int32),
+                ("in_features", ctypes.c_int32)]
+
+
+class _MoeExperts(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p),
+                ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("shared_gate", ctypes.c_void_p), ("shared_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
+                ("workspace", ctypes.c_void_p), ("out", ctypes.c_void_p), ("num_tokens", ctypes.c_int64),
+                ("workspace_bytes", ctypes.c_int64), ("hidden", ctypes.c_int32), ("top_k", ctypes.c_int32),
+                ("num_experts", ctypes.c_int32), ("intermediate", ctypes.c_int32),
+                ("shared_intermediate", ctypes.c_int32), ("clamp", ctypes.c_int32), ("limit", ctypes.c_float),
+                ("reserved", ctypes.c_int32)]
+
+
+_i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_ENTRY = EntryPoints({
+    "engram_norm_rope": [ctypes.POINTER(_NormRopeJob), _i32, _i32, _vp],
+    "engram_gemv_segments_bf16": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32, _vp],
+    "engram_moe_route": [_vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _vp],
+    "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+    "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
+})
+library = _ENTRY.library
+_call = _ENTRY.call
+
+
+def unavailable(what: str = "decode glue CUDA kernels") -> str | None:
+    """Why the library cannot serve these kernels (None: it can), asked once and logged once."""
+    return _ENTRY.unavailable(what)
+
+
+def gemv_capable(device: Any) -> bool:
+    """Whether the GEMV / experts kernels run on ``device`` (compute capability 9.0 or later)."""
+    return capability_major(device.index) >= MIN_CAPABILITY
+
+
+def _rows2d(name: str, t: Any, dtype: Any, width: int) -> tuple[int, int]:
+    """``(rows, row stride)`` of a 2-D tensor whose rows hold at least ``width`` elements
+    with unit stride inside a row (a slice of a wider buffer is fine)."""
+    if t.dim() != 2 or t.shape[1] < width or (t.shape[0] > 1 and t.stride(0) < width):
+        raise EngramError(f"{name} must be [tokens, >= {width}] (got shape {tuple(t.shape)})")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise EngramError(f"{name} must have unit stride inside a row (got strides {t.stride()})")
+    if t.dtype != dtype:
+        raise EngramError(f"{name} must have dtype {dtype} (got {t.dtype})")
+    return int(t.shape[0]), int(t.stride(0)) if t.shape[0] > 1 else max(int(t.stride(0)), width)
+
+
+def _on_device(device: Any, **tensors: Any) -> None:
+    """Every tensor given (None skipped) on one CUDA device, ``device`` (checked after the
+    dtypes and shapes: the house order)."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_cuda:
+            raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
+    _same_device(device, **tensors)
+
+
+@dataclass
+class NormRopeJob:
+    """One row set of :func:`norm_rope`: rows ``x [T, >= heads * dim]`` (a token's heads side
+    by side) into ``out`` (same shape rules, may be ``x`` itself); ``norm`` NORM_NONE /
+    NORM_WEIGHTED (``weight [dim]`` float32, or head h's at ``h * weight_stride``) /
+    NORM_UNWEIGHTED; ``rope_pairs`` trailing pairs rotated by ``cos`` / ``sin [T, >= rope_pairs]``
+    float32 (``rope_sign`` -1: the inverse rotation)."""
+
+    x: Any
+    out: Any
+    dim: int
+    heads: int = 1
+    norm: int = NORM_NONE
+    weight: Any = None
+    eps: float = 0.0
+    rope_pairs: int = 0
+    cos: Any = None
+    sin: Any = None
+    rope_sign: int = 1
+    weight_stride: int = 0  # elements between two heads' weights (0: one [dim] weight for every head)
+
+
+def norm_rope(*jobs: NormRopeJob) -> None:
+    """One launch of ``engram_norm_rope`` over ``jobs`` (engramKernels.h): all in one dtype
+    (bf16 / fp16 / float32), on one CUDA device."""
+    torch = _torch()
+    if not 1 <= len(jobs) <= MAX_JOBS:
+        raise EngramError(f"norm_rope takes 1..{MAX_JOBS} jobs (got {len(jobs)})")
+    dtype, device = jobs[0].x.dtype, jobs[0].x.device
+    _check_dtype("x", jobs[0].x, (torch.bfloat16, torch.float16, torch.float32))
+    packed = (_NormRopeJob * len(jobs))()
+    for i, j in enumerate(jobs):
+        width = j.heads * j.dim
+        rows, xs = _rows2d(f"jobs[{i}].x", j.x, dtype, width)
+        out_rows, os_ = _rows2d(f"jobs[{i}].out", j.out, dtype, width)
+        if out_rows != rows:
+            raise EngramError(f"jobs[{i}].out has {out_rows} rows, x has {rows}")
+        cs = 0
+        if j.rope_pairs:
+            c_rows, cs = _rows2d(f"jobs[{i}].cos", j.cos, torch.float32, j.rope_pairs)
+            s_rows, ss = _rows2d(f"jobs[{i}].sin", j.sin, torch.float32, j.rope_pairs)
+            if c_rows != rows or s_rows != rows or ss != cs:
+                raise EngramError(f"jobs[{i}].cos / sin must be [{rows}, >= {j.rope_pairs}] with one row stride "
+                                  f"(got {tuple(j.cos.shape)}, {tuple(j.sin.shape)})")
+        if j.weight is not None:
+            _check_dtype(f"jobs[{i}].weight", j.weight, (torch.float32,))
+            need = j.dim + (j.heads - 1) * j.weight_stride
+            if j.weight.dim() != 1 or j.weight.numel() < need or not j.weight.is_contiguous():
+                raise EngramError(f"jobs[{i}].weight must be a contiguous 1-D tensor of at least {need} values "
+                                  f"(dim {j.dim}, weight_stride {j.weight_stride}; got {tuple(j.weight.shape)})")
+        _on_device(device, **{f"jobs[{i}].x": j.x, f"jobs[{i}].out": j.out, f"jobs[{i}].weight": j.weight,
+                              f"jobs[{i}].cos": j.cos, f"jobs[{i}].sin": j.sin})
+        packed[i] = _NormRopeJob(_ptr(j.x), _ptr(j.out), _ptr(j.weight), _ptr(j.cos), _ptr(j.sin), rows * j.heads,
+                                 xs, os_, cs, j.weight_stride, j.dim, j.heads, j.norm, j.rope_pairs, j.rope_sign, j.eps)
+    with _device_guard(device.index):
+        _call("engram_norm_rope", packed, len(jobs), _float_code(dtype), _stream(device))
+
+
+def gemv_fits(x: Any, weight: Any) -> bool:
+    """Whether :func:`gemv_segments` takes ``F.linear(x, weight)`` as it is: bf16, x ``[T, K]``
+    with ``1 <= T <= GEMV_MAX_TOKENS`` (unit stride in a row, rows 16-byte aligned), weight a
+    contiguous 16-byte aligned ``[N, K]``, K a multiple of 8, one CUDA device of compute
+    capability 9.0 or later."""
+    torch = _torch()
+    return (isinstance(weight, torch.Tensor) and x.dim() == 2 and weight.dim() == 2
+            and 1 <= x.shape[0] <= GEMV_MAX_TOKENS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cuda
+            and weight.device == x.device and (x.stride(1) == 1) and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
+            and x.data_ptr() % 16 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and gemv_capable(x.device))
+
+
+def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True) -> None:
+    """``out = F.linear(x, weight)`` for each ``(x [T, K], weight [N, K], out [T, N])`` of
+    ``segments`` (bf16; x and out may be slices with a row stride), one launch. ``weight_static``:
+    the weights are a model's (nothing on the stream writes them), so the kernel may start
+    reading them before the kernel before it completes."""
+    torch = _torch()
+    if not 1 <= len(segments) <= MAX_SEGMENTS:
+        raise EngramError(f"gemv_segments takes 1..{MAX_SEGMENTS} segments (got {len(segments)})")
+    T = int(segments[0][0].shape[0])
+    device = segments[0][0].device
+    packed = (_GemvSegment * len(segments))()
+    for i, (x, w, out) in enumerate(segments):
+        _check_dtype(f"segments[{i}].weight", w, (torch.bfloat16,))
+        if w.dim() != 2 or not w.is_contiguous():
+            raise EngramError(f"segments[{i}].weight must be a contiguous [N, K] (got shape {tuple(w.shape)})")
+        N, K = int(w.shape[0]), int(w.shape[1])
+        rows, xs = _rows2d(f"segments[{i}].x", x, torch.bfloat16, K)
+        out_rows, os_ = _rows2d(f"segments[{i}].out", out, torch.bfloat16, N)
+        if rows != T or out_rows != T:
+            raise EngramError(f"segments[{i}]: x and out must have {T} rows (got {rows}, {out_rows})")
+        _on_device(device, **{f"segments[{i}].x": x, f"segments[{i}].weight": w, f"segments[{i}].out": out})
+        packed[i] = _GemvSegment(_ptr(x), _ptr(w), _ptr(out), xs, os_, N, K)
+    with _device_guard(device.index):
+        _call("engram_gemv_segments_bf16", packed, len(segments), T, GEMV_WEIGHT_STATIC if weight_static else 0,
+              _stream(device))
+
+
+def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: Any = None, tid2eid: Any = None,
+              input_ids: Any = None) -> tuple[Any, Any]:
+    """``(ids int32 [T, top_k], weights float32 [T, top_k])`` of a router's ``logits [T, E]``
+    (bf16 / fp16 / float32, unit stride in a row): top-k by score + ``bias [E]`` (float32),
+    or hash routing by ``tid2eid [vocab, top_k]`` int64 at ``input_ids [T]`` int64."""
+    torch = _torch()
+    _check_dtype("logits", logits, (torch.bfloat16, torch.float16, torch.float32))
+    T, E = int(logits.shape[0]), int(logits.shape[1]) if logits.dim() == 2 else -1
+    _rows, stride = _rows2d("logits", logits, logits.dtype, max(E, 1))
+    if score_fn not in SCORE_FNS:
+        raise EngramError(f"score_fn {score_fn!r} is not one of {sorted(SCORE_FNS)}")
+    if (bias is None) == (tid2eid is None):
+        raise EngramError("give exactly one of bias (top-k routing) and tid2eid (hash routing)")
+    vocab = 0
+    if bias is not None:
+        _check_dtype("bias", bias, (torch.float32,))
+        if tuple(bias.shape) != (E,) or not bias.is_contiguous():
+            raise EngramError(f"bias must be a contiguous [{E}] (got {tuple(bias.shape)})")
+    else:
+        _check_dtype("tid2eid", tid2eid, (torch.int64,))
+        _check_dtype("input_ids", input_ids, (torch.int64,))
+        if tid2eid.dim() != 2 or int(tid2eid.shape[1]) != top_k or tuple(input_ids.shape) != (T,) \
+                or not tid2eid.is_contiguous() or not input_ids.is_contiguous():
+            raise EngramError(f"tid2eid must be a contiguous [vocab, {top_k}] and input_ids [{T}] (got "
+                              f"{tuple(tid2eid.shape)}, {tuple(input_ids.shape)})")
+        vocab = int(tid2eid.shape[0])
+    _on_device(logits.device, logits=logits, bias=bias, tid2eid=tid2eid, input_ids=input_ids)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    with _device_guard(logits.device.index):
+        _call("engram_moe_route", _ptr(logits), _float_code(logits.dtype), stride, _ptr(bias), _ptr(tid2eid),
+              _ptr(input_ids), vocab, T, E, int(top_k), SCORE_FNS[score_fn], _f32(scaling), _ptr(ids), _ptr(weights),
+              _stream(logits.device))
+    return ids, weights
+
+
+def experts_workspace_size(tokens: int, top_k: int, intermediate: int, shared_intermediate: int) -> int:
+    out = ctypes.c_size_t(0)
+    _call("engram_moe_experts_workspace_size", int(tokens), int(top_k), int(intermediate), int(shared_intermediate),
+          ctypes.byref(out))
+    return int(out.value)
+
+
+def moe_experts(x: Any, ids: Any, weights: Any, gate: Any, up: Any, down: Any, *, shared: tuple[Any, Any, Any] | None,
+                limit: float | None) -> Any:
+    """A decode step's MoE output ``[T, D]`` bf16 (engram_moe_experts_bf16): ``x [T, D]``,
+    ``ids`` int32 / ``weights`` float32 ``[T, k]`` (:func:`moe_route`), the routed stacks
+    ``gate`` / ``up [E, I, D]``, ``down [E, D, I]`` and ``shared = (gate [I_s, D], up,
+    down [D, I_s])`` (or None), all bf16 and contiguous; ``limit`` the SwiGLU clamp (None:
+    none)."""
+    torch = _torch()
+    for name, t in (("x", x), ("gate", gate), ("up", up), ("down", down)):
+        _check(name, t, (torch.bfloat16,))
+    _check("ids", ids, (torch.int32,), 2)
+    _check("weights", weights, (torch.float32,), 2)
+    if x.dim() != 2 or gate.dim() != 3:
+        raise EngramError(f"x must be [T, D] and gate [E, I, D] (got {tuple(x.shape)}, {tuple(gate.shape)})")
+    T, D = int(x.shape[0]), int(x.shape[1])
+    E, I = int(gate.shape[0]), int(gate.shape[1])
+    k = int(ids.shape[1])
+    if tuple(up.shape) != (E, I, D) or tuple(down.shape) != (E, D, I) or tuple(gate.shape) != (E, I, D):
+        raise EngramError(f"gate / up must be [E, I, D] and down [E, D, I] = {(E, I, D)}, {(E, D, I)} (got "
+                          f"{tuple(gate.shape)}, {tuple(up.shape)}, {tuple(down.shape)})")
+    if tuple(ids.shape) != (T, k) or tuple(weights.shape) != (T, k):
+        raise EngramError(f"ids and weights must be [T, k] = [{T}, {k}] (got {tuple(ids.shape)}, "
+                          f"{tuple(weights.shape)})")
+    Is = 0
+    sg = su = sd = None
+    if shared is not None:
+        sg, su, sd = shared
+        for name, t in (("shared gate", sg), ("shared up", su), ("shared down", sd)):
+            _check(name, t, (torch.bfloat16,), 2)
+        Is = int(sg.shape[0])
+        if tuple(sg.shape) != (Is, D) or tuple(su.shape) != (Is, D) or tuple(sd.shape) != (D, Is):
+            raise EngramError(f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s] (got "
+                              f"{tuple(sg.shape)}, {tuple(su.shape)}, {tuple(sd.shape)})")
+    _same_device(x.device, ids=ids, weights=weights, gate=gate, up=up, down=down, sg=sg, su=su, sd=sd)
+    need = experts_workspace_size(T, k, I, Is)
+    workspace = torch.empty(max(need // 2, 8), dtype=torch.bfloat16, device=x.device)
+    out = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
+    args = _MoeExperts(_ptr(x), _ptr(ids), _ptr(weights), _ptr(gate), _ptr(up), _ptr(down), _ptr(sg), _ptr(su),
+                       _ptr(sd), _ptr(workspace), _ptr(out), T, workspace.numel() * 2, D, k, E, I, Is,
+                       0 if limit is None else 1, 0.0 if limit is None else float(limit), 0)
+    with _device_guard(x.device.index):
+        _call("engram_moe_experts_bf16", ctypes.byref(args), _stream(x.device))
+    return out
+
+
+__all__ = ["GEMV_MAX_TOKENS", "MAX_JOBS", "MAX_SEGMENTS", "NORM_NONE", "NORM_UNWEIGHTED", "NORM_WEIGHTED",
+           "NormRopeJob", "SCORE_FNS", "gemv_fits", "gemv_segments", "moe_experts", "moe_route", "norm_rope",
+           "unavailable"]

@@ -1,0 +1,196 @@
+"""The wiring of DeepSeek-V4's fused decode glue (models/deepseek_v4/fused.py) on a CPU:
+which tensor goes into which kernel, in which order, with which norm / RoPE / group
+arguments. The kernels themselves need a GPU (tests/gpu/test_dsv4_fused.py holds each
+to the module it replaces); here each is replaced by a PyTorch emulation of its contract
+(engramKernels.h) and the fused path, forced on for a float32 CPU model, must give the
+module path's logits (float32 round-off) over a prefill and decode steps of 1-3
+sequences, for three layer mixes (sliding / CSA / HCA, hash and top-k routing, hc 2 and 4,
+sqrtsoftplus and sigmoid). The emulated attention core also checks that the compressor's
+and indexer's inputs the fused path made equal the ones the core would make itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+S_, C_, H_ = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+BASE: dict[str, Any] = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=96, hidden_size=64,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=40, o_groups=2, o_lora_rank=16,
+    moe_intermediate_size=24, n_shared_experts=1, index_n_heads=4, index_head_dim=16, index_topk=3,
+    sliding_window=8, compress_rates={C_: 4, H_: 8}, hc_mult=2, hc_sinkhorn_iters=3, partial_rotary_factor=0.5,
+    num_nextn_predict_layers=0, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
+    tie_word_embeddings=False)
+MIXES: dict[str, dict[str, Any]] = {
+    "SCHS-hash1-e8k2": dict(num_hidden_layers=4, layer_types=[S_, C_, H_, S_],
+                            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8,
+                            num_experts_per_tok=2),
+    "CC-topk-e6k3": dict(num_hidden_layers=2, layer_types=[C_, C_], mlp_layer_types=["moe", "moe"], n_routed_experts=6,
+                         num_experts_per_tok=3, index_topk=2),
+    "HSH-hash2-hc4-sigmoid": dict(num_hidden_layers=3, layer_types=[H_, S_, H_],
+                                  mlp_layer_types=["hash_moe", "hash_moe", "moe"], n_routed_experts=4,
+                                  num_experts_per_tok=2, hc_mult=4, scoring_func="sigmoid"),
+}
+
+
+# --- PyTorch emulations of the kernels' contracts ------------------------------------------------------
+
+def _norm_rope(*jobs: Any) -> None:
+    from engram_trt.models.deepseek_v4.compressors import apply_rope, unweighted_rms_norm, wide
+    from engram_trt.native import decode
+
+    for j in jobs:
+        T = j.x.shape[0]
+        y = j.x[:, :j.heads * j.dim].reshape(T, j.heads, j.dim)
+        if j.norm == decode.NORM_WEIGHTED:
+            xf = wide(y)
+            y = (j.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + j.eps))).to(y.dtype)
+        elif j.norm == decode.NORM_UNWEIGHTED:
+            y = unweighted_rms_norm(y, j.eps)
+        if j.rope_pairs:
+            c, s = j.cos[:, :j.rope_pairs].unsqueeze(1), j.sin[:, :j.rope_pairs].unsqueeze(1)
+            y = apply_rope(y, c, s * j.rope_sign)
+        j.out[:, :j.heads * j.dim].copy_(y.reshape(T, -1))
+
+
+def _gemv_segments(segments, *, weight_static: bool = True) -> None:
+    for x, w, out in segments:
+        out[:, :w.shape[0]].copy_(F.linear(x[:, :w.shape[1]], w))
+
+
+def _moe_route(logits, *, top_k, score_fn, scaling, bias=None, tid2eid=None, input_ids=None):
+    from engram_trt.models.deepseek_v4.modules import _SCORES
+
+    scores = _SCORES[score_fn](logits)
+    ids = tid2eid[input_ids] if bias is None else torch.topk(scores + bias, top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+    return ids.to(torch.int32), w.float()
+
+
+def _moe_experts(x, ids, weights, gate, up, down, *, shared, limit):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: (int(ids[t, j]), j)):
+            e = int(ids[t, j])
+            g = F.linear(x[t], gate[e]).clamp(max=limit)
+            u = F.linear(x[t], up[e]).clamp(min=-limit, max=limit)
+            out[t] += F.linear(F.silu(g) * u, down[e]) * weights[t, j].to(x.dtype)
+    sg, su, sd = shared
+    g = F.linear(x, sg).clamp(max=limit)
+    u = F.linear(x, su).clamp(min=-limit, max=limit)
+    return out + F.linear(F.silu(g) * u, sd)
+
+
+def _emulate(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
+    from engram_trt.models.deepseek_v4 import attention_kernel, fused, modules
+    from engram_trt.native import decode, mhc
+
+    def counted(name, fn):
+        def call(*a, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **kw)
+        return call
+
+    monkeypatch.setattr(fused, "unavailable", lambda x: None)
+    monkeypatch.setattr(decode, "gemv_fits", lambda x, w: x.dim() == 2 and 1 <= x.shape[0] <= 4 and
+                        w.dim() == 2 and x.shape[1] == w.shape[1] and x.dtype == w.dtype)
+    monkeypatch.setattr(decode, "norm_rope", counted("norm_rope", _norm_rope))
+    monkeypatch.setattr(decode, "gemv_segments", counted("gemv_segments", _gemv_segments))
+    monkeypatch.setattr(decode, "moe_route", counted("moe_route", _moe_route))
+    monkeypatch.setattr(decode, "moe_experts", counted("moe_experts", _moe_experts))
+    monkeypatch.setattr(modules, "mhc_kernel_serves", lambda *a, **kw: True)
+
+    def pre_norm(streams, fn, base, scale, norm_weight, *, sinkhorn_iters, hc_eps, norm_eps, rms_eps):
+        conn = _conn_of[fn.data_ptr()]
+        h, post, comb = conn.collapse_torch(streams)
+        xf = h.float()
+        return (norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps))).to(h.dtype), post, comb
+
+    def head_norm(streams, fn, base, scale, norm_weight, *, hc_eps, norm_eps, rms_eps):
+        h = _head_of[fn.data_ptr()].forward_torch(streams)
+        xf = h.float()
+        return (norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps))).to(h.dtype)
+
+    monkeypatch.setattr(mhc, "mhc_pre_norm", counted("mhc_pre_norm", pre_norm))
+    monkeypatch.setattr(mhc, "mhc_head_norm", counted("mhc_head_norm", head_norm))
+    monkeypatch.setattr(mhc, "mhc_post", lambda streams, out, post, comb: modules.HyperConnection.expand_torch(
+        streams, out, post, comb))
+
+    def core(layer, x, q, kv, q_residual, cos, sin, n_seqs, meta, state, *, pre=None):
+        calls["core"] = calls.get("core", 0) + 1
+        S = n_seqs
+        m = meta.tolist()
+        starts, past, slots = m[:S + 1], m[S + 1:2 * S + 1], m[2 * S + 1:3 * S + 1]
+        comp = layer.compressor
+        pre = pre or {}
+        want = {}
+        if comp is not None:
+            want.update(c_kv=comp.kv_proj(x), c_gate=comp.gate_proj(x))
+            ix = getattr(comp, "indexer", None)
+            if ix is not None:
+                i_q, i_w = ix.queries(q_residual, x, cos, sin)
+                want.update(i_q=i_q, i_w=i_w, i_kv=ix.kv_proj(x), i_gate=ix.gate_proj(x))
+        assert sorted(pre) == sorted(want), (sorted(pre), sorted(want))
+        for k, v in want.items():
+            torch.testing.assert_close(pre[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        return layer._core_torch(x, q, kv, q_residual, cos, sin, starts, past, slots, state)
+
+    monkeypatch.setattr(attention_kernel, "kernel_serves", lambda layer, x, state: True)
+    monkeypatch.setattr(attention_kernel, "core", core)
+
+
+_conn_of: dict[int, Any] = {}
+_head_of: dict[int, Any] = {}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix: str) -> None:
+    from engram_trt.bench.dsv4model import random_weights
+    from engram_trt.models.deepseek_v4.architecture import ARCHITECTURE
+    from engram_trt.models.deepseek_v4.config import read_config
+    from engram_trt.models.step import PackedStep
+
+    d = dict(BASE)
+    d.update(MIXES[mix])
+    cfg = read_config(d, f"wiring {mix}")
+    model = ARCHITECTURE.build_model(cfg, random_weights(cfg, "cpu", torch.float32, 3), device="cpu",
+                                     dtype=torch.float32)
+    for layer in model.model.layers:
+        _conn_of[layer.attn_hc.fn.data_ptr()] = layer.attn_hc
+        _conn_of[layer.ffn_hc.fn.data_ptr()] = layer.ffn_hc
+    _head_of[model.model.hc_head.hc_fn.data_ptr()] = model.model.hc_head
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in (9, 3, 14)]
+    states = {"plain": model.new_cache(3, 64), "fused": model.new_cache(3, 64)}
+    calls: dict[str, int] = {}
+    lens = [len(p) for p in prompts]
+    toks = [5, 9, 13]
+    worst = 0.0
+    with monkeypatch.context() as mp:
+        steps = [("prefill", PackedStep(torch.tensor(sum(prompts, [])), lens, [0, 0, 0], [0, 1, 2]))]
+        for k in range(7):
+            slots = [0, 1, 2][: 1 + k % 3]
+            steps.append(("decode", PackedStep(torch.tensor([toks[s] for s in slots]), [1] * len(slots),
+                                               [lens[s] for s in slots], slots)))
+            for s in slots:
+                lens[s] += 1
+        for kind, step in steps:
+            want = model.forward_step(step, states["plain"], all_logits=kind == "prefill")
+            _emulate(mp, calls)
+            got = model.forward_step(step, states["fused"], all_logits=kind == "prefill")
+            mp.undo()
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+            if kind == "decode":
+                assert {layer.mlp.last_form for layer in model.model.layers} == {"fused"}
+    assert worst <= 1e-5, worst
+    assert states["plain"].lengths == states["fused"].lengths
+    n = cfg.num_hidden_layers
+    # per step: 2 collapses a layer, the head's; attention 3 norm_rope launches a layer
+    assert calls["mhc_pre_norm"] == 8 * 2 * n and calls["mhc_head_norm"] == 8
+    assert calls["norm_rope"] == 8 * 3 * n and calls["core"] == 8 * n
+    assert calls["moe_route"] == 7 * n and calls["moe_experts"] == 7 * n  # decode steps only (1-3 tokens)
