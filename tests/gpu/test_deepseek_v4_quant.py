@@ -188,6 +188,9 @@ def test_dequantizing_path_on_cuda_equals_the_float_model(folders: dict[str, Pat
         QuantLinear.backend, QuantGroupedLinear.backend = "auto", "auto"
 
 
+_E4M3: Any = None
+
+
 def _e4m3_grid() -> Any:
     """Every finite e4m3 value, sorted (float64)."""
     global _E4M3
