@@ -164,10 +164,10 @@ def serving_sharing(path: str, engram_config: Any, tp: int, dp: int, *, backend:
     cfg = facts.engram_config
     wants_shared = cfg.dp_shared_memory or (dp > 1 and cfg.embedding_across_dp)
     problem = shared_store_problem((table_options or {}).get("directory")) if wants_shared else None
-    sharing = choose_serving_sharing(cfg, tp, dp, staged_rows_ok=facts.staged_rows_ok, shared_problem=problem)
-    if not facts.has_tables and sharing.scope == "world":
-        sharing = replace(sharing, scope="tp" if tp > 1 else None)
-    return sharing
+    # with --tp the backbone is sharded: the torch backend, which takes staged rows, serves every rank
+    sharing = choose_serving_sharing(cfg, tp, dp, staged_rows_ok=facts.staged_rows_ok or tp > 1,
+                                     shared_problem=problem)
+    return facts.adjust(sharing, tp)  # no Engram tables: nothing to shard or exchange
 
 
 # -- the leader ------------------------------------------------------------------------------
