@@ -24,9 +24,9 @@ def add_parallel_arguments(p: argparse.ArgumentParser, serving: bool = False) ->
                              "across DP replicas)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per replica: each holds 1/N of the backbone (attention heads, MLP "
-                        "channels, MoE experts, vocabulary rows; one all-reduce per attention and MLP block) and of every "
-                        "Engram table's columns (rows all-gathered each step); the heads and experts must divide by N "
-                        "(default: %(default)s)")
+                        "channels, MoE experts, vocabulary rows; one all-reduce per attention and MLP block) and of "
+                        "every Engram table's columns (rows all-gathered each step); the heads and experts must divide "
+                        "by N (default: %(default)s)")
     g.add_argument("--dp", type=int, default=1, metavar="M",
                    help="data-parallel replicas; they split the prompts. Tables: --engram-config.embedding_across_dp true "
                         "shards the columns over all N x M ranks, dp_shared_memory true shares one /dev/shm copy, "
@@ -40,11 +40,11 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
                              "tables shared across instances)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per model instance: each instance leads a group of N ranks (itself and N-1 "
-                        "follower processes it starts and stops), each holding 1/N of the backbone (heads, MLP channels, "
-                        "experts, vocabulary rows) and of every Engram table's columns; rows are all-gathered each step. "
-                        "On GPUs instance i leads GPUs i*N..i*N+N-1 of --gpus (default: this "
-                        "machine's 0..N*M-1), and fewer GPUs than N x M are refused; on a CPU the ranks are gloo "
-                        "processes (default: %(default)s)")
+                        "follower processes it starts and stops), each holding 1/N of the backbone (heads, MLP "
+                        "channels, experts, vocabulary rows) and of every Engram table's columns; rows are "
+                        "all-gathered each step. On GPUs instance i leads GPUs i*N..i*N+N-1 of --gpus (default: "
+                        "this machine's 0..N*M-1), and fewer GPUs than N x M are refused; on a CPU the ranks are "
+                        "gloo processes (default: %(default)s)")
     g.add_argument("--dp", type=int, default=1, metavar="M",
                    help="model instances (data-parallel replicas), each serving requests on its own; with M > 1 they "
                         "attach one /dev/shm copy of the tables (dp_shared_memory, on by default; a private copy each where "

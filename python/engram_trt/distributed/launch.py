@@ -99,9 +99,9 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cp
         try:
             if log.getEffectiveLevel() > logging.DEBUG:
                 spawn_log.setLevel(logging.ERROR)
-            context = mp.start_processes(_rank_entry, args=(world, free_port(), device_kind, fn, args, result, timeout_s,
-                                                            logging.getLogger().getEffectiveLevel()),
-                                         nprocs=world, join=False, start_method="spawn")
+            entry_args = (world, free_port(), device_kind, fn, args, result, timeout_s,
+                          logging.getLogger().getEffectiveLevel())
+            context = mp.start_processes(_rank_entry, args=entry_args, nprocs=world, join=False, start_method="spawn")
             while not context.join():
                 pass
         except Exception as exc:
@@ -300,7 +300,8 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
             ordered[i] = out
     return {"outputs": ordered, "sharing": {**sharing.to_json(), "copies": sharing.copies(topo)},
             "tp": topo.tp, "dp": topo.dp, "ranks": [g["report"] for g in gathered],
-            "weights": weights_report(job.path, kw.get("dtype"), ctx.device, [g["report"]["weight_bytes"] for g in gathered])}
+            "weights": weights_report(job.path, kw.get("dtype"), ctx.device,
+                                      [g["report"]["weight_bytes"] for g in gathered])}
 
 
 def weights_report(path: str, dtype: Any, device: Any, per_rank: list[Any]) -> dict[str, Any]:

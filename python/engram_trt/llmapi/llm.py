@@ -83,8 +83,8 @@ class LLM:
             self.tokenizer_settings = read_tokenizer_settings([self.source.tokenizer_json.parent, self.source.checkpoint])
         self.runner = ModelRunner(self.source, backend=backend, device=device, dtype=dtype, engram_config=ecfg,
                                   max_batch=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
-                                  progress=progress, table_options=table_options, cuda_graphs=cuda_graphs, engram_lookup=engram_lookup,
-                                  tensor_parallel=tensor_parallel)  # hook: engram_trt.distributed
+                                  progress=progress, table_options=table_options, cuda_graphs=cuda_graphs,
+                                  engram_lookup=engram_lookup, tensor_parallel=tensor_parallel)
         self.scheduler = (scheduler_factory or Scheduler)(self.runner, self.tokenizer)  # hook: engram_trt.distributed
         self._closed = False
 

@@ -39,7 +39,7 @@ class DeepseekV4Architecture(ArchitectureBase):
     model_types = (V4_TYPE, V41_TYPE)
     contract = CONTRACT
     title = "DeepSeek-V4"  # the family in messages
-    tensor_parallel = True  # --tp N: heads, output groups, indexer heads, experts and vocabulary split (:mod:`.parallel`)
+    tensor_parallel = True  # --tp N: heads, output groups, indexer heads, experts, vocabulary split (.parallel)
 
     def parallel_plan(self, config: DeepseekV4Config, tp: int, rank: int = 0) -> Any:
         """TP rank ``rank`` of ``tp``'s share (:mod:`.parallel`); refused in one line when the
@@ -213,8 +213,8 @@ class DeepseekV4Architecture(ArchitectureBase):
         stages the others). ``parallel``: a tensor-parallel rank's plan (its slices only)."""
         from engram_trt.models.deepseek_v4.model import DeepseekV4Model
 
-        model = DeepseekV4Model.from_checkpoint(ckpt, device=device, dtype=dtype,
-                                                parallel=parallel if parallel is not None and parallel.sharded else None)
+        sharded = parallel if parallel is not None and parallel.sharded else None
+        model = DeepseekV4Model.from_checkpoint(ckpt, device=device, dtype=dtype, parallel=sharded)
         if tables is not None and ckpt.config.engram is not None:
             model.set_tables(tables)
         return model
