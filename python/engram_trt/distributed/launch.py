@@ -382,7 +382,7 @@ def run_replicas(job: ReplicaJob, *, device: str | None = None, timeout_s: float
     if kind == "cuda":  # a model larger than this TP's GPUs: said before any rank loads
         from engram_trt.distributed.support import check_gpu_fit, gpu_memory_bytes
 
-        check_gpu_fit(job.path, job.tp, job.llm_kwargs.get("dtype"), gpu_memory_bytes())
+        check_gpu_fit(job.path, job.tp, job.llm_kwargs.get("dtype"), gpu_memory_bytes(0))
     job.llm_kwargs.pop("device", None)
     if in_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:

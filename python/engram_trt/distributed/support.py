@@ -36,8 +36,9 @@ def check_parallel_support(path: Any, tp: int, dp: int, engram_config: Any = Non
     nothing is read)."""
     from engram_trt.runtime.engine_folder import peek_model
 
-    if tp < 1 or dp < 1:
-        raise EngramError(f"--tp and --dp must be >= 1 (got --tp {tp} --dp {dp})")
+    for name, v in (("tp", tp), ("dp", dp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise EngramError(f"--{name} must be >= 1 (got {v})")
     if tp == 1 and dp == 1:
         return None
     peek = peek_model(path)
@@ -112,13 +113,16 @@ def gpus_needed(arch: Any, config: Any, formats: dict[str, tuple[str, int, int]]
     return now, None
 
 
-def check_gpu_fit(path: Any, tp: int, dtype: Any, gpu_bytes: int, what: str = "a GPU here") -> None:
+def check_gpu_fit(path: Any, tp: int, dtype: Any, gpu_bytes: int | None, what: str = "a GPU here") -> None:
     """Refuse, before loading, a model whose per-rank weights at ``--tp tp`` exceed what a
     GPU of ``gpu_bytes`` holds, saying how many GPUs of this size it needs (module
-    docstring)."""
+    docstring). ``gpu_bytes`` None (no such GPU on this machine): nothing to check."""
+    import torch
+
     from engram_trt.config.dtypes import TORCH_NAMES, normalize_dtype
 
-    import torch
+    if gpu_bytes is None:
+        return
 
     if isinstance(dtype, str):
         dtype = getattr(torch, TORCH_NAMES[normalize_dtype(dtype)])
@@ -143,8 +147,10 @@ def check_gpu_fit(path: Any, tp: int, dtype: Any, gpu_bytes: int, what: str = "a
     raise EngramError(f"{head}: it needs {fits} GPUs of this size; pass --tp {fits}")
 
 
-def gpu_memory_bytes(index: int = 0) -> int:
-    """Total memory of CUDA device ``index``."""
+def gpu_memory_bytes(index: int = 0) -> int | None:
+    """Total memory of this machine's CUDA device ``index`` (None: no such device here)."""
     import torch
 
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        return None
     return int(torch.cuda.get_device_properties(index).total_memory)

@@ -48,12 +48,13 @@ _EXPERT = re.compile(r"^(?P<head>.*\.experts\.)(?P<e>\d+)(?P<tail>\..+)$")
 
 
 # -- the group and its collectives ---------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class TensorParallel:
     """This rank's place in its replica's tensor-parallel group: ``rank`` of ``size``,
     ``group`` the ``torch.distributed`` process group of the replica's TP ranks (NCCL on
     GPUs, gloo on CPUs). The collectives run on the current CUDA stream with no host
-    wait, so a decode CUDA graph records them."""
+    wait, so a decode CUDA graph records them. (Not frozen: a benchmark's clock wraps
+    ``all_reduce`` / ``all_gather`` on the instance, bench/breakdown.RegionClock.)"""
 
     rank: int
     size: int
