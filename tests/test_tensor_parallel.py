@@ -153,7 +153,7 @@ def _job(f: Folder, tp: int) -> Any:
     from engram_trt.runtime.sampling_params import SamplingParams
 
     return ReplicaJob(str(f.path), tp, 1, f.prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                      None, {"backend": "torch", "dtype": "fp32", "progress": False})
+                      None, {"backend": "torch", "dtype": "fp32", "progress": False}, time_collectives=True)
 
 
 TP2 = ["llama", "deepseek-v4", "qwen4-exp", "llama-fp8", "deepseek-v4-fp8-fp4", "deepseek-v4.1"]
@@ -259,6 +259,30 @@ def test_tokens_equal_transformers_and_each_rank_holds_its_share(folders, served
     assert max(per_rank) < sharded + replicated == res["weights"]["total_bytes"]
 
 
+# per step: one all-reduce after each attention block and each MLP / MoE block, one for the
+# vocab-parallel embedding; one all-gather of the head's logits, and per indexed layer its
+# indexer's queries (DeepSeek's CSA layers: queries and head weights)
+COLLECTIVES = {"llama": lambda c: (2 * c["num_hidden_layers"] + 1, 1),
+               "deepseek-v4": lambda c: (2 * c["num_hidden_layers"] + 1,
+                                         1 + 2 * c["layer_types"].count("compressed_sparse_attention")),
+               "qwen4-exp": lambda c: (2 * c["num_hidden_layers"] + 1,
+                                       1 + sum(t != "linear_attention" for t in c["layer_types"]))}
+
+
+@pytest.mark.parametrize("name", sorted(COLLECTIVES))
+def test_one_all_reduce_per_block(folders, served, name: str) -> None:
+    """The collectives each rank's model ran, counted as they ran, per step: what the
+    config's layers give (the launcher's CollectiveClock around the rank's group)."""
+    res = served[(name, 2)]
+    config = json.loads((folders[name].path / "config.json").read_text())
+    reduces, gathers = COLLECTIVES[name](config)
+    for r in res["ranks"]:
+        steps = r["stats"]["steps"]
+        assert steps > NEW - 1
+        assert r["collectives"]["all_reduce"]["calls"] == reduces * steps, (name, r["rank"])
+        assert r["collectives"]["all_gather"]["calls"] == gathers * steps, (name, r["rank"])
+
+
 def test_rank_slices_as_the_checkpoint_stores_them(folders) -> None:
     """The view a rank loads from: row and column slices of the whole tensors, FP8 block
     scales cut with them, FP4 experts renumbered from the rank's first."""
@@ -317,7 +341,7 @@ def _refused(capsys: Any, monkeypatch: Any, argv: list[str]) -> str:
     ("qwen4-exp", 8, "--tp 8: Qwen4Exp's num_attention_heads=4 do not divide over 8 ranks"),
     ("llama-fp8", 4, "--tp 4: tensor model.layers.0.self_attn.k_proj.weight is stored FP8 in 128x128 blocks, and "
                      "rank 0's rows 0..64 of 256 do not start and end on block boundaries (multiples of 128)"),
-])
+], ids=["llama-tp8", "llama-tp3", "deepseek-tp3", "qwen-tp8", "llama-fp8-tp4"])
 def test_sizes_the_model_cannot_split_are_refused_before_any_rank(folders, capsys, monkeypatch, name: str, tp: int,
                                                                   needle: str) -> None:
     err = _refused(capsys, monkeypatch, [str(folders[name].path), "--prompt", "a b", "--tp", str(tp)])

@@ -62,6 +62,7 @@ def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Generate through :class:`engram_trt.LLM` (engine folder or checkpoint) and return
     text, token ids, the finish reason, the backend, the storage and timings."""
     from engram_trt.cli.engram_args import engram_config_from_args
+    from engram_trt.distributed.launch import weights_report
     from engram_trt.llmapi.llm import LLM
 
     params = sampling_params_from_args(args)
@@ -91,6 +92,7 @@ def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
             "new_tokens": len(out.token_ids),
             "timings": {"load_s": round(load_s, 3), **out.timings, **llm.runner.graph_capture()},
             "source": llm.source.kind,
+            "weights": weights_report(path, llm.runner.dtype, llm.device, [llm.runner.weight_bytes()]),
         }
         if getattr(args, "chat", False):
             res["chat"] = True

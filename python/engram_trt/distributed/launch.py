@@ -183,6 +183,7 @@ class ReplicaJob:
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
     measure_memory: bool = False
     repeat: int = 1  # generate the replica's share this many times (timing runs)
+    time_collectives: bool = False  # each rank's model collectives timed (checks.CollectiveClock; eager steps)
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,11 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     t0 = time.perf_counter()
     llm = LLM(job.path, engram_config=sharing.engram_config, **kw, **hooks)
     load_s = time.perf_counter() - t0
+    clock = None
+    if job.time_collectives and llm.runner.tensor_parallel is not None:
+        from engram_trt.distributed.checks import CollectiveClock
+
+        clock = CollectiveClock(llm.runner.tensor_parallel, ctx.device)
     outs: list[tuple[int, Any]] = []
     gen_s = 0.0
     try:
@@ -291,6 +297,8 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
               "load_s": round(load_s, 3), "generate_s": round(gen_s, 4), "weight_bytes": weight_bytes}
     if memory is not None:
         report["memory"] = memory
+    if clock is not None:
+        report["collectives"] = clock.summary()
     gathered = _gather_to_rank0(ctx, {"outputs": outs, "report": report})
     if ctx.rank != 0:
         return None
@@ -306,14 +314,18 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
 
 def weights_report(path: str, dtype: Any, device: Any, per_rank: list[Any]) -> dict[str, Any]:
     """``{"total_bytes": the whole model's weights at the serving dtype (the checkpoint's
-    figures, as one device would hold them), "bytes_per_rank": [what each rank holds]}``."""
+    figures, as one device would hold them), "bytes_per_rank": [what each rank holds]}``
+    (``total_bytes`` None where a TensorRT engine holds the weights)."""
+    import torch
+
     from engram_trt.runtime.runner import resolve_dtype
 
     total = None
-    try:
-        total = model_weight_bytes(path, resolve_dtype(dtype, device))
-    except EngramError as exc:  # an engine folder whose checkpoint moved: the ranks' figures stand alone
-        log.debug("whole-model weight bytes unknown: %s", exc)
+    if all(b is not None for b in per_rank):
+        try:
+            total = model_weight_bytes(path, dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device))
+        except EngramError as exc:  # an engine folder whose checkpoint moved: the ranks' figures stand alone
+            log.debug("whole-model weight bytes unknown: %s", exc)
     return {"total_bytes": total, "bytes_per_rank": list(per_rank)}
 
 
