@@ -279,6 +279,7 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
             outs = list(zip(idx, got))
         storage = llm.storage
         weight_bytes = llm.runner.weight_bytes()
+        graphs = llm.runner.graph_capture()  # decode CUDA graphs recorded (the collectives inside them)
         label, reason = llm.backend_label, llm.backend_reason
         table_files = sorted({str(r.file) for r in llm.source.table_refs})
         memory = None
@@ -294,7 +295,8 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
         stats["engram"] = dict(lookup.stats)
     report = {"rank": ctx.rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "device": str(ctx.device),
               "backend": label, "backend_reason": reason, "storage": storage, "stats": stats,
-              "load_s": round(load_s, 3), "generate_s": round(gen_s, 4), "weight_bytes": weight_bytes}
+              "load_s": round(load_s, 3), "generate_s": round(gen_s, 4), "weight_bytes": weight_bytes,
+              "graphs": graphs}
     if memory is not None:
         report["memory"] = memory
     if clock is not None:
