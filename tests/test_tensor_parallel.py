@@ -149,11 +149,11 @@ def folders(tmp_path_factory: Any) -> dict[str, Folder]:
     return {f.name: f for f in made}
 
 
-def _job(f: Folder, tp: int) -> Any:
+def _job(f: Folder, tp: int, dp: int = 1) -> Any:
     from engram_trt.distributed.launch import ReplicaJob
     from engram_trt.runtime.sampling_params import SamplingParams
 
-    return ReplicaJob(str(f.path), tp, 1, f.prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+    return ReplicaJob(str(f.path), tp, dp, f.prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
                       None, {"backend": "torch", "dtype": "fp32", "progress": False}, time_collectives=True)
 
 
@@ -169,9 +169,13 @@ def served(folders: dict[str, Folder]) -> dict[tuple[str, int], Any]:
 
     out = {}
     for tp, names in ((2, TP2), (4, TP4)):
-        results = spawn(tp, replica_jobs, [_job(folders[n], tp) for n in names], device_kind="cpu",
-                        timeout_s=TIMEOUT_S)
+        jobs = [_job(folders[n], tp) for n in names]
+        if tp == 4:  # and two replicas of --tp 2 on the same four ranks (a prompt each)
+            jobs.append(_job(folders["qwen4-exp"], 2, 2))
+        results = spawn(tp, replica_jobs, jobs, device_kind="cpu", timeout_s=TIMEOUT_S)
         out.update({(n, tp): r for n, r in zip(names, results)})
+        if tp == 4:
+            out[("qwen4-exp", "2x2")] = results[-1]
     return out
 
 
@@ -258,6 +262,15 @@ def test_tokens_equal_transformers_and_each_rank_holds_its_share(folders, served
         else:
             assert sharded // tp < got <= bound, f"rank {rank}: {got} bytes, above 1/{tp} of {sharded} + {replicated}"
     assert max(per_rank) < sharded + replicated == res["weights"]["total_bytes"]
+
+
+def test_two_replicas_of_two_ranks(folders, served) -> None:
+    """--tp 2 --dp 2: each replica's TP group on its own process group, a prompt each."""
+    f, res = folders["qwen4-exp"], served[("qwen4-exp", "2x2")]
+    assert [o.error for o in res["outputs"]] == [None, None]
+    assert [o.token_ids for o in res["outputs"]] == f.want
+    assert [(r["dp_rank"], r["tp_rank"]) for r in res["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert res["weights"]["bytes_per_rank"][:2] == res["weights"]["bytes_per_rank"][2:]
 
 
 # per step: one all-reduce after each attention block and each MLP / MoE block, one for the

@@ -179,8 +179,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         failed = any(r["error"] for r in (res or {}).get("results", []))
         return EXIT_PROBLEMS if failed else 0  # each failed prompt's line is in the output
     sampling_params_from_args(args)  # before anything is loaded
-    resolve_device(args.device)
+    device = resolve_device(args.device)
     _check_against_config(args.path, args)
+    if str(device).startswith("cuda"):  # a model larger than this GPU: how many it needs, before loading
+        from engram_trt.distributed.support import check_gpu_fit, gpu_memory_bytes
+
+        index = int(str(device).split(":")[1]) if ":" in str(device) else 0
+        check_gpu_fit(args.path, 1, args.dtype, gpu_memory_bytes(index), f"GPU {index}")
     res = generate_text(args.path, args)
     print_json(res) if args.json else _print_generation(res)
     return 0

@@ -22,9 +22,12 @@ no weights, no tables, no process started.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from engram_trt.errors import EngramError
+
+log = logging.getLogger(__name__)
 
 GPU_FILL = 0.9  # the share of a GPU's memory the weights may take (the rest: state, activations, graphs)
 
@@ -126,7 +129,11 @@ def check_gpu_fit(path: Any, tp: int, dtype: Any, gpu_bytes: int | None, what: s
 
     if isinstance(dtype, str):
         dtype = getattr(torch, TORCH_NAMES[normalize_dtype(dtype)])
-    ckpt = _open(path)
+    try:
+        ckpt = _open(path)
+    except EngramError as exc:  # no checkpoint to read the bytes from (an engine folder's moved): the load says
+        log.debug("no weight-size check before loading: %s", exc)
+        return
     try:
         arch = ckpt.architecture
         formats = arch.weight_formats(ckpt, dtype or torch.bfloat16)
