@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from engram_trt.distributed.groups import DEFAULT_TIMEOUT_S
 from engram_trt.errors import EngramError
 from engram_trt.llmapi.llm import LLM as _LLM
 
@@ -30,7 +29,7 @@ class LLM(_LLM):
     :class:`engram_trt.llmapi.llm.LLM`'s."""
 
     def __init__(self, path: str, *, tp: int = 1, device: Any = "auto", gpus: Sequence[int] | None = None,
-                 group_timeout_s: float = DEFAULT_TIMEOUT_S, **kw: Any) -> None:
+                 group_timeout_s: float = 600.0, **kw: Any) -> None:
         self._group: Any = None
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise EngramError(f"tp must be an integer >= 1 (got {tp!r})")
