@@ -13,7 +13,8 @@ and one table copy across data-parallel replicas (docs/distributed.md).
 | :mod:`.memory` | PSS and ``/dev/shm`` use, for the one-copy checks |
 | :mod:`.support` | what a model can run over several ranks (plans, scale blocks, GPUs needed), asked first |
 | :mod:`.llm` | ``engram_trt.LLM``: llmapi's LLM, leading a tensor-parallel group with ``tp=N`` |
-| :mod:`.checks` | jobs that check a deployment's ranks (lookup rows, jobs on one world, collectives' time) |
+| :mod:`.checks` | jobs that check a deployment's ranks (the lookup's rows, several jobs on one world) |
+| :mod:`.clock` | :class:`CollectiveClock`: the time a rank's model spends in its collectives |
 
 The model's own share of a TP group (its plan, its collectives) is
 :mod:`engram_trt.models.parallel`: the models call it, and they sit below this package.

@@ -183,7 +183,7 @@ class ReplicaJob:
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
     measure_memory: bool = False
     repeat: int = 1  # generate the replica's share this many times (timing runs)
-    time_collectives: bool = False  # each rank's model collectives timed (checks.CollectiveClock; eager steps)
+    time_collectives: bool = False  # each rank's model collectives timed (clock.CollectiveClock; eager steps)
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     load_s = time.perf_counter() - t0
     clock = None
     if job.time_collectives and llm.runner.tensor_parallel is not None:
-        from engram_trt.distributed.checks import CollectiveClock
+        from engram_trt.distributed.clock import CollectiveClock
 
         clock = CollectiveClock(llm.runner.tensor_parallel, ctx.device)
     outs: list[tuple[int, Any]] = []
