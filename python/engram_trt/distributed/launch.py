@@ -202,8 +202,10 @@ class SourceFacts:
         if self.has_tables and self.engram_columns:
             return sharing
         if not self.has_tables:
-            return replace(sharing, scope=None)
-        return replace(sharing, scope=None, reason=f"{sharing.reason} (the model's own tables whole on each rank)")
+            return replace(sharing, scope=None, reason="the model has no tables")
+        across = sharing.reason.split("; ", 1)[1] if sharing.reason.startswith("hash columns") else sharing.reason
+        return replace(sharing, scope=None, reason=f"the model's own tables (not Engram tables) whole on each rank; "
+                                                   f"{across}")
 
 
 def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> SourceFacts:

@@ -51,11 +51,13 @@ def select_backend(requested: str, source: Any, tables: Any, device: torch.devic
     tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
     reason = "torch backend requested"
     if tp is not None and requested in ("auto", "tensorrt"):
-        why = (f"--tp {tp.size} shards the backbone's weights over the ranks, and a TensorRT engine holds the whole "
-               f"model")
+        from engram_trt.runtime.trt_backend import tensorrt_unusable_reason
+
+        why = tensorrt_unusable_reason(source, device) or (
+            f"--tp {tp.size} shards the backbone's weights over the ranks, and a TensorRT engine holds the whole model")
         if requested == "tensorrt":
             raise EngramError(f"backend 'tensorrt' cannot run here: {why}; use --backend torch (or auto), which "
-                              f"reads each rank's slices from the checkpoint the engine folder names")
+                              f"reads each rank's slices from the checkpoint")
         requested, reason = "torch", f"{why}: torch backend"
     if requested in ("auto", "tensorrt"):
         from engram_trt.runtime.trt_backend import TensorRTBackend, tensorrt_unusable_reason
