@@ -460,3 +460,70 @@ def test_the_two_gpu_check_imports() -> None:
 
     mod = importlib.import_module("gpu.test_tensor_parallel_x2")
     assert callable(mod.test_tiny_tokens_equal_one_gpu_with_graphs) and callable(mod.test_collectives_per_step)
+
+
+# ------------------------------------------------------------------ the pieces, in one process
+@pytest.mark.parametrize("vocab,size", [(10, 4), (96, 2), (7, 3)])
+def test_vocab_parallel_embedding_and_head_with_uneven_rows(vocab: int, size: int) -> None:
+    """Rows split unevenly (the first ranks one more): the ranks' masked lookups sum to the
+    whole table's rows; the ranks' padded logits, gathered, are the whole head's."""
+    import torch.nn.functional as F
+
+    from engram_trt.models.parallel import gather_vocab, split_ranges, vocab_parallel_embedding
+
+    gen = torch.Generator().manual_seed(vocab)
+    table = torch.randn(vocab, 5, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (17,), generator=gen)
+    ranges = split_ranges(vocab, size)
+    assert ranges[0][1] - ranges[0][0] >= ranges[-1][1] - ranges[-1][0] and ranges[-1][1] == vocab
+    parts = []
+    for a, b in ranges:
+        emb = vocab_parallel_embedding(a, b, 5, None)  # no group: the sum is taken below
+        emb.weight = torch.nn.Parameter(table[a:b].clone(), requires_grad=False)
+        parts.append(emb(ids))
+    assert torch.equal(sum(parts), F.embedding(ids, table))
+    hidden = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    local = [F.linear(hidden, table[a:b]) for a, b in ranges]
+    width = max(b - a for a, b in ranges)
+
+    class Gathering:  # every rank's padded logits side by side, as all_gather_into_tensor lays them
+        def __init__(self) -> None:
+            self.rank, self.size = 0, size
+
+        def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+            padded = [F.pad(t, (0, width - t.shape[-1])) for t in local]
+            assert torch.equal(padded[0], x)
+            return torch.cat(padded, dim=dim)
+
+    got = gather_vocab(local[0], Gathering(), vocab)  # type: ignore[arg-type]
+    assert torch.equal(got, torch.cat(local, dim=-1))  # the padding dropped, every rank's rows in order
+    assert torch.allclose(got, F.linear(hidden, table), rtol=1e-12, atol=1e-12)
+
+
+def test_expert_parallel_moe_sums_to_the_whole(folders) -> None:
+    """DeepSeek-V4's MoE (top-k and hash routed) and Qwen4Exp's, split over 2 ranks as the
+    plans split them (experts by rank, the shared expert's channels by rank): the ranks'
+    outputs, summed (what the block's all-reduce does), equal the whole MoE's in float64."""
+    from engram_trt.models.registry import open_checkpoint
+
+    for name in ("deepseek-v4", "qwen4-exp"):
+        ckpt = open_checkpoint(folders[name].path)
+        arch = ckpt.architecture
+        whole = arch.load_model(ckpt, device="cpu", dtype=torch.float64)
+        ranks = []
+        for r in range(2):
+            plan = arch.parallel_plan(ckpt.config, 2, r)
+            ranks.append(arch.load_model(ckpt, device="cpu", dtype=torch.float64, parallel=plan))
+        ckpt.close()
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(9, ckpt.config.hidden_size, generator=gen, dtype=torch.float64)
+        ids = torch.randint(0, ckpt.config.vocab_size, (9,), generator=gen)
+        for li, layer in enumerate(whole.model.layers):
+            if name == "deepseek-v4":
+                want = layer.mlp(x, ids)
+                got = sum(m.model.layers[li].mlp(x, ids) for m in ranks)
+            else:
+                want = layer.mlp(x)
+                got = sum(m.model.layers[li].mlp(x) for m in ranks)
+            assert len(ranks[0].model.layers[li].mlp.experts) == len(layer.mlp.experts) // 2
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (name, li, (got - want).abs().max())
