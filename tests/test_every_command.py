@@ -37,10 +37,7 @@ OK = "ok"
 ALL_OK = {f: OK for f in FAMILIES}
 NO_ENGRAM = {"deepseek-v4": ("DeepSeek-V4 model has no Engram layers", "engram-trt inspect"),
              "qwen4-exp": ("Qwen4Exp model has no Engram layers", "engram-trt inspect"), "engram-llama": OK}
-NO_TP = {"deepseek-v4": ("--tp 2", "DeepSeek-V4 backbones are not sharded yet", "--tp 1"),
-         "qwen4-exp": ("--tp 2", "Qwen4Exp backbones are not sharded yet", "--tp 1"), "engram-llama": OK}
 NEW_FAMILIES_OK = {"deepseek-v4": OK, "qwen4-exp": OK}
-NEW_FAMILIES_NO_TP = {f: NO_TP[f] for f in ("deepseek-v4", "qwen4-exp")}
 CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     ("layout", ["layout", "{ckpt}"], NO_ENGRAM),
     ("hash", ["hash", "{ckpt}", "--ids", "1,2,3"], NO_ENGRAM),
@@ -49,25 +46,26 @@ CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     ("run", ["run", "{ckpt}", "--json", *GEN], ALL_OK),
     ("run-sampled", ["run", "{ckpt}", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", *GEN], ALL_OK),
     ("run-prompts-file", ["run", "{ckpt}", "--prompts-file", "{prompts}", *GEN], ALL_OK),
-    # (engram-llama's ranks: tests/test_distributed.py, token for token against one rank)
+    # (engram-llama's ranks: tests/test_distributed.py; every family's backbone at --tp 2 / 4 token for token
+    # against transformers: tests/test_tensor_parallel.py)
     ("run-dp-2", ["run", "{ckpt}", "--dp", "2", "--prompts-file", "{prompts}", *GEN], NEW_FAMILIES_OK),
-    ("run-tp-2", ["run", "{ckpt}", "--tp", "2", *GEN], NEW_FAMILIES_NO_TP),
+    ("run-tp-2", ["run", "{ckpt}", "--tp", "2", *GEN], NEW_FAMILIES_OK),
     ("run-dp-2-embedding-across-dp",
      ["run", "{ckpt}", "--dp", "2", "--engram-config.embedding_across_dp", "true", *GEN],
      {"deepseek-v4": ("--engram-config sets embedding_across_dp", "no Engram layers"),
-      "qwen4-exp": ("embedding_across_dp", "Qwen4Exp tables are not sharded across ranks yet", "dp_shared_memory")}),
+      "qwen4-exp": ("embedding_across_dp", "Qwen4Exp's own tables (not Engram tables) are not sharded across ranks",
+                    "dp_shared_memory")}),
     ("build", ["build", "{ckpt}", "-o", "{engine}", "--no-engine", "--max-batch", "2", "--json"], ALL_OK),
     ("inspect-engine", ["inspect", "{engine}", "--verify-tables"], ALL_OK),
     ("run-engine", ["run", "{engine}", *GEN], ALL_OK),
-    ("run-engine-tp-2", ["run", "{engine}", "--tp", "2", *GEN], NEW_FAMILIES_NO_TP),
+    ("run-engine-tp-2", ["run", "{engine}", "--tp", "2", *GEN], NEW_FAMILIES_OK),
     ("triton-repo", ["triton-repo", "{engine}", "--out", "{tmp}/repo"], ALL_OK),
-    ("triton-repo-tp-2", ["triton-repo", "{ckpt}", "--out", "{tmp}/repo", "--tp", "2", "--device", "cpu"],
-     {**NO_TP, "engram-llama": OK}),
+    ("triton-repo-tp-2", ["triton-repo", "{ckpt}", "--out", "{tmp}/repo", "--tp", "2", "--device", "cpu"], ALL_OK),
     # serve reads the folder through the registry (--dp 2) before it writes --repo, which is refused here
     ("serve", ["serve", "{ckpt}", "--dp", "2", "--device", "cpu", "--repo", "{foreign}"],
      {f: ("--repo", "foreign", "is not empty") for f in FAMILIES}),
     ("serve-tp-2", ["serve", "{engine}", "--tp", "2", "--device", "cpu", "--repo", "{foreign}"],
-     {**NO_TP, "engram-llama": ("--repo", "foreign", "is not empty")}),
+     {f: ("--repo", "foreign", "is not empty") for f in FAMILIES}),
     ("bench-serve", ["bench", "serve", "{ckpt}", "--concurrency", "1,2", "--prompt-tokens", "4", "--max-tokens", "2",
                      "--device", "cpu"], ALL_OK),
     ("demo-checkpoint", ["demo-checkpoint", "{ckpt}"], {f: ("is not empty", "--force") for f in FAMILIES}),

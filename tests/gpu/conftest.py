@@ -1,5 +1,6 @@
 """The GPU tests' frame: every test under tests/gpu is marked ``gpu`` and skipped with
-the reason "no CUDA device" where torch sees none (CI); each ``helpers.record`` call in
+the reason "no CUDA device" where torch sees none (CI), and a test marked ``gpus2`` (several
+GPUs of one node) with "needs 2 CUDA devices" where it sees fewer; each ``helpers.record`` call in
 a test is one pytest subtest; each module's checks and figures land in
 ``$ENGRAM_TRT_GPU_OUT/<module>.json`` (default: a temporary folder), with
 ``summary.json`` beside them (checks passed / failed per module).
@@ -29,6 +30,7 @@ from . import helpers
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 NO_CUDA = "no CUDA device"
+NO_TWO_GPUS = "needs 2 CUDA devices"  # tests marked gpus2 (several GPUs of one node)
 
 
 def _is_gpu_item(item: pytest.Item) -> bool:
@@ -50,16 +52,26 @@ def cuda_available() -> bool:
     return _cuda
 
 
+def cuda_device_count() -> int:
+    if not cuda_available():
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if _is_gpu_item(item)]
     if not gpu_items:
         return
     skip = None if cuda_available() else pytest.mark.skip(reason=NO_CUDA)
+    two = pytest.mark.skip(reason=NO_TWO_GPUS) if skip is None and cuda_device_count() < 2 else skip
     for item in gpu_items:
         item.add_marker(pytest.mark.gpu)
-        if skip is not None:
-            item.add_marker(skip)
+        several = item.get_closest_marker("gpus2") is not None
+        if (two if several else skip) is not None:
+            item.add_marker(two if several else skip)
 
 
 # --- results: per module, written at the session's end ---------------------------------------

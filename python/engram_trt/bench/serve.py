@@ -38,12 +38,14 @@ class ServeOptions:
     null_model: bool = opt(False, help="the backend returns fixed logits at once and no Engram rows are staged: the "
                                        "runtime's host path around the model alone")
     repeat: int = opt(1, help="runs per concurrency; the fastest counts (default: %(default)s)")
+    tp: int = opt(1, help="tensor-parallel ranks: this process leads a group of N ranks (one GPU each, GPUs 0..N-1; "
+                          "gloo processes with --device cpu), the backbone sharded over them (default: %(default)s)")
 
 
 def run(opts: ServeOptions) -> int:
     from engram_trt.bench.common import dump
+    from engram_trt.distributed.llm import LLM
     from engram_trt.errors import EngramError
-    from engram_trt.llmapi.llm import LLM
     from engram_trt.runtime.sampling_params import SamplingParams
     from engram_trt.runtime.phases import StepPhases, format_table
 
@@ -57,7 +59,11 @@ def run(opts: ServeOptions) -> int:
     if repeat < 1:
         raise EngramError(f"--repeat must be >= 1 (got {repeat})")
     breakdown = opts.host_breakdown
-    with LLM(opts.path, backend=opts.backend, device=opts.device, max_batch_size=max(levels),
+    if opts.tp < 1:
+        raise EngramError(f"--tp must be >= 1 (got {opts.tp})")
+    if opts.tp > 1 and opts.null_model:
+        raise EngramError("--null-model replaces the model of one process; drop it or --tp")
+    with LLM(opts.path, tp=opts.tp, backend=opts.backend, device=opts.device, max_batch_size=max(levels),
              max_seq_len=opts.prompt_tokens + opts.max_tokens + 1, max_num_tokens=opts.max_num_tokens,
              engram_config=opts.engram_config, progress=False,
              cuda_graphs=not opts.no_cuda_graphs) as llm:
@@ -65,7 +71,8 @@ def run(opts: ServeOptions) -> int:
         if opts.null_model:
             null_model(llm.runner)
         params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=True)
-        res: dict[str, Any] = {"backend": llm.backend_label + (" (null model)" if opts.null_model else ""), "storage": llm.storage, "levels": {}}
+        res: dict[str, Any] = {"backend": llm.backend_label + (" (null model)" if opts.null_model else ""),
+                               "storage": llm.storage, "levels": {}, "tp": opts.tp}
 
         def batch(n: int) -> float:
             prompts = [[(7 + 13 * i + 31 * j) % (vocab - 2) + 2 for j in range(opts.prompt_tokens)] for i in range(n)]
@@ -114,7 +121,8 @@ def run(opts: ServeOptions) -> int:
             if phases is not None:
                 res["levels"][n]["host_breakdown"] = phases.summary()
         base = res["levels"].get(1, {}).get("tokens_per_s")
-        print(f"backend: {res['backend']}, tables: {res['storage'].get('kind')}")
+        tp = f", --tp {opts.tp}" if opts.tp > 1 else ""
+        print(f"backend: {res['backend']}, tables: {res['storage'].get('kind')}{tp}")
         print(f"{'concurrent':>10} {'tokens/s':>12} {'x one request':>14} {'tokens/step':>12}")
         for n, r in res["levels"].items():
             r["ratio_to_one"] = r["tokens_per_s"] / base if base else None

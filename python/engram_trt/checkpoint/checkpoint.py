@@ -259,6 +259,20 @@ class Checkpoint:
         info = self.info(name)
         return self._handle(info.file).get_tensor(name)
 
+    def get_slice(self, name: str, dim: int, ranges: Any) -> torch.Tensor:
+        """Ranges ``[(a, b), ...]`` of dimension ``dim`` of a tensor, concatenated, on the
+        CPU in its stored dtype; only those bytes are read (``safe_open(...).get_slice``:
+        a row range is one read, a column range one read per row). A tensor-parallel
+        rank's share of a weight."""
+        info = self.info(name)
+        shape = info.shape
+        if not 0 <= dim < len(shape) or any(not 0 <= a <= b <= shape[dim] for a, b in ranges):
+            raise EngramError(f"internal: slice {list(ranges)} of dim {dim} is outside tensor '{name}' {list(shape)}")
+        sl = self._handle(info.file).get_slice(name)
+        parts = [sl[tuple([slice(None)] * dim + [slice(int(a), int(b))])] for a, b in ranges]
+        # a row range is a view of the file map (only its pages are read); columns are copied out
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=dim)
+
     def lazy(self, names: Any = None) -> "LazyTensors":
         """The tensors ``names`` (default: all) as a mapping that reads one when a loader
         takes it: a model loads shard by shard, never holding the checkpoint in a dict."""

@@ -20,10 +20,13 @@ def add_parallel_arguments(p: argparse.ArgumentParser, serving: bool = False) ->
     if serving:
         _add_serving_arguments(p)
         return
-    g = p.add_argument_group("several ranks (Engram heads sharded over TP ranks; tables shared across DP replicas)")
+    g = p.add_argument_group("several ranks (the backbone and the Engram heads sharded over TP ranks; tables shared "
+                             "across DP replicas)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks per replica: each holds 1/N of every Engram table's columns and the rows "
-                        "are all-gathered each step (default: %(default)s)")
+                   help="tensor-parallel ranks per replica: each holds 1/N of the backbone (attention heads, MLP "
+                        "channels, MoE experts, vocabulary rows; one all-reduce per attention and MLP block) and of "
+                        "every Engram table's columns (rows all-gathered each step); the heads and experts must divide "
+                        "by N (default: %(default)s)")
     g.add_argument("--dp", type=int, default=1, metavar="M",
                    help="data-parallel replicas; they split the prompts. Tables: --engram-config.embedding_across_dp true "
                         "shards the columns over all N x M ranks, dp_shared_memory true shares one /dev/shm copy, "
@@ -33,13 +36,15 @@ def add_parallel_arguments(p: argparse.ArgumentParser, serving: bool = False) ->
 
 
 def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("several ranks per instance (Engram heads sharded over TP ranks; tables shared across instances)")
+    g = p.add_argument_group("several ranks per instance (the backbone and the Engram heads sharded over TP ranks; "
+                             "tables shared across instances)")
     g.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks per model instance: each instance leads a group of N ranks (itself and N-1 "
-                        "follower processes it starts and stops), each holding 1/N of every Engram table's columns; rows "
-                        "are all-gathered each step. On GPUs instance i leads GPUs i*N..i*N+N-1 of --gpus (default: this "
-                        "machine's 0..N*M-1), and fewer GPUs than N x M are refused; on a CPU the ranks are gloo "
-                        "processes (default: %(default)s)")
+                        "follower processes it starts and stops), each holding 1/N of the backbone (heads, MLP "
+                        "channels, experts, vocabulary rows) and of every Engram table's columns; rows are "
+                        "all-gathered each step. On GPUs instance i leads GPUs i*N..i*N+N-1 of --gpus (default: "
+                        "this machine's 0..N*M-1), and fewer GPUs than N x M are refused; on a CPU the ranks are "
+                        "gloo processes (default: %(default)s)")
     g.add_argument("--dp", type=int, default=1, metavar="M",
                    help="model instances (data-parallel replicas), each serving requests on its own; with M > 1 they "
                         "attach one /dev/shm copy of the tables (dp_shared_memory, on by default; a private copy each where "
@@ -76,8 +81,9 @@ def run_parallel(args: argparse.Namespace) -> dict[str, Any]:
            "backend_reason": r0["backend_reason"], "device": r0["device"],
            "results": [{"prompt": p, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                         "error": o.error, "timings": o.timings} for p, o in zip(prompts, res["outputs"])],
-           "ranks": [{k: r[k] for k in ("rank", "dp_rank", "tp_rank", "device", "load_s")} | {"storage": r["storage"]}
-                     for r in res["ranks"]]}
+           "ranks": [{k: r[k] for k in ("rank", "dp_rank", "tp_rank", "device", "load_s", "weight_bytes")}
+                     | {"storage": r["storage"]} for r in res["ranks"]],
+           "weights": res["weights"]}
     return out
 
 
@@ -89,6 +95,10 @@ def print_parallel(res: dict[str, Any]) -> None:
     print(f"tables:  {t['dp_mode']} ({t['reason']})")
     for w in t["warnings"]:
         print(f"warning: {w}")
+    wts = res["weights"]
+    per_rank = ", ".join("-" if b is None else f"{b / 2**20:.1f}" for b in wts["bytes_per_rank"])
+    total = "?" if wts["total_bytes"] is None else f"{wts['total_bytes'] / 2**20:.1f}"
+    print(f"weights: {total} MiB in all; per rank (MiB): {per_rank}")
     for r in res["ranks"]:
         st = r["storage"]
         if st.get("kind") != "none" or st.get("sharded"):

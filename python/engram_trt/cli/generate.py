@@ -62,6 +62,7 @@ def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """Generate through :class:`engram_trt.LLM` (engine folder or checkpoint) and return
     text, token ids, the finish reason, the backend, the storage and timings."""
     from engram_trt.cli.engram_args import engram_config_from_args
+    from engram_trt.distributed.launch import weights_report
     from engram_trt.llmapi.llm import LLM
 
     params = sampling_params_from_args(args)
@@ -91,6 +92,7 @@ def generate_text(path: str, args: argparse.Namespace) -> dict[str, Any]:
             "new_tokens": len(out.token_ids),
             "timings": {"load_s": round(load_s, 3), **out.timings, **llm.runner.graph_capture()},
             "source": llm.source.kind,
+            "weights": weights_report(path, llm.runner.dtype, llm.device, [llm.runner.weight_bytes()]),
         }
         if getattr(args, "chat", False):
             res["chat"] = True
@@ -177,8 +179,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         failed = any(r["error"] for r in (res or {}).get("results", []))
         return EXIT_PROBLEMS if failed else 0  # each failed prompt's line is in the output
     sampling_params_from_args(args)  # before anything is loaded
-    resolve_device(args.device)
+    device = resolve_device(args.device)
     _check_against_config(args.path, args)
+    if str(device).startswith("cuda"):  # a model larger than this GPU: how many it needs, before loading
+        from engram_trt.distributed.support import check_gpu_fit, gpu_memory_bytes
+
+        index = int(str(device).split(":")[1]) if ":" in str(device) else 0
+        check_gpu_fit(args.path, 1, args.dtype, gpu_memory_bytes(index), f"GPU {index}")
     res = generate_text(args.path, args)
     print_json(res) if args.json else _print_generation(res)
     return 0

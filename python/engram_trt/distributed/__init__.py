@@ -1,5 +1,5 @@
-"""Several ranks: Engram heads sharded over tensor-parallel ranks, and one table copy
-across data-parallel replicas (docs/distributed.md).
+"""Several ranks: the backbone and the Engram heads sharded over tensor-parallel ranks,
+and one table copy across data-parallel replicas (docs/distributed.md).
 
 | module | what |
 | --- | --- |
@@ -11,6 +11,13 @@ across data-parallel replicas (docs/distributed.md).
 | :mod:`.launch` | starting ranks (spawn or torchrun) and serving prompts over ``tp x dp`` |
 | :mod:`.serving` | a serving replica's TP group: the leader starts its followers, :meth:`ServingGroup.stop` ends them |
 | :mod:`.memory` | PSS and ``/dev/shm`` use, for the one-copy checks |
+| :mod:`.support` | what a model can run over several ranks (plans, scale blocks, GPUs needed), asked first |
+| :mod:`.llm` | ``engram_trt.LLM``: llmapi's LLM, leading a tensor-parallel group with ``tp=N`` |
+| :mod:`.checks` | jobs that check a deployment's ranks (the lookup's rows, several jobs on one world) |
+| :mod:`.clock` | :class:`CollectiveClock`: the time a rank's model spends in its collectives |
+
+The model's own share of a TP group (its plan, its collectives) is
+:mod:`engram_trt.models.parallel`: the models call it, and they sit below this package.
 
 Importing this package imports no torch until a function needs it, except
 :mod:`.lookup`, :mod:`.lockstep` and :mod:`.groups`.

@@ -97,3 +97,4 @@ def run_sequence(world_ctx: Any, calls: list[tuple[Any, tuple]]) -> list[Any]:
     """``fn(world_ctx, *args)`` for each ``(fn, args)`` in order, on one set of ranks
     (module-level functions: the spawned ranks import them)."""
     return [fn(world_ctx, *args) for fn, args in calls]
+

@@ -163,6 +163,16 @@ class RankContext:
         """TP rank 0 of its replica: it takes the requests, schedules and samples."""
         return self.tp_rank == 0
 
+    def tensor_parallel(self) -> Any:
+        """This rank's :class:`~engram_trt.models.parallel.TensorParallel` (the replica's TP
+        ranks on the data group: NCCL on GPUs, gloo on CPUs), None with one TP rank: the
+        model's all-reduces and all-gathers run on it."""
+        if self.topology.tp == 1:
+            return None
+        from engram_trt.models.parallel import TensorParallel
+
+        return TensorParallel(self.tp_rank, self.topology.tp, self.tp_data_group)
+
     def groups(self, scope: str) -> tuple[Any, Any]:
         """``(control, data)`` groups of a lookup scope: the replica's TP ranks or every rank."""
         if scope not in LOOKUP_SCOPES:

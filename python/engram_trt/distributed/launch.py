@@ -84,7 +84,10 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cp
           timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """Run ``fn(world_ctx, *args)`` on ``world`` new processes (rank = local rank, one
     node); returns rank 0's result. ``fn`` must be a module-level function (spawned
-    processes import it). A rank that fails fails the whole call with its traceback."""
+    processes import it). A rank that refuses its input fails the call with its one
+    line; a rank that dies (a signal, an exit) stops the others at once (SIGTERM: the
+    collectives they wait in cannot complete) and fails the call with one line naming
+    it (:func:`rank_failure`)."""
     import torch.multiprocessing as mp
 
     disable_multicast()  # inherited by the ranks
@@ -92,22 +95,61 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cp
     level = spawn_log.level
     with tempfile.TemporaryDirectory(prefix="engram-trt-ranks-") as d:
         result = os.path.join(d, "rank0.pkl")
+        context = None
         try:
             if log.getEffectiveLevel() > logging.DEBUG:
                 spawn_log.setLevel(logging.ERROR)
-            mp.spawn(_rank_entry, args=(world, free_port(), device_kind, fn, args, result, timeout_s,
-                                        logging.getLogger().getEffectiveLevel()), nprocs=world, join=True)
-        except Exception:
+            entry_args = (world, free_port(), device_kind, fn, args, result, timeout_s,
+                          logging.getLogger().getEffectiveLevel())
+            context = mp.start_processes(_rank_entry, args=entry_args, nprocs=world, join=False, start_method="spawn")
+            while not context.join():
+                pass
+        except Exception as exc:
             errors = [Path(f"{result}.rank{r}.error") for r in range(world)]
             found = [e.read_text(encoding="utf-8") for e in errors if e.is_file()]
             if found:  # the first rank's one line, not the spawn machinery's traceback
                 log.debug("a rank refused its input", exc_info=True)
                 raise EngramError(found[0]) from None
+            if context is not None:
+                log.debug("a rank failed", exc_info=True)
+                raise EngramError(rank_failure(exc, [(p.pid, p.exitcode) for p in context.processes])) from None
             raise
         finally:
             spawn_log.setLevel(level)
         with open(result, "rb") as f:
             return pickle.load(f)
+
+
+def rank_failure(exc: BaseException, exits: list[tuple[int | None, int | None]]) -> str:
+    """The one line of a run whose rank failed: the rank that died of a signal other than
+    the SIGTERM the launcher stops the others with (a crash, an OOM kill), else the rank
+    the launcher saw fail first, with the last line of its error."""
+    import signal
+
+    first = getattr(exc, "error_index", None)
+
+    def died(rank: int) -> str:
+        pid, code = exits[rank]
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        return f"rank {rank} (pid {pid}) {how}"
+
+    killed = [r for r, (_pid, code) in enumerate(exits) if code is not None and code < 0 and -code != signal.SIGTERM]
+    if killed:
+        rank = first if first in killed else killed[0]
+        return (f"{died(rank)} while the ranks were running; the other ranks were stopped (a rank cannot be replaced "
+                f"mid-run: rerun the command)")
+    if first is not None:
+        text = str(exc).strip().splitlines()
+        cause = next((line.strip() for line in reversed(text) if line.strip()), "")
+        return (f"{died(first)} while the ranks were running: {cause[:300]}; the other ranks were stopped (rerun with "
+                f"-vv for its traceback)")
+    return f"the ranks failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
 
 
 def in_torchrun() -> bool:
@@ -141,6 +183,7 @@ class ReplicaJob:
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
     measure_memory: bool = False
     repeat: int = 1  # generate the replica's share this many times (timing runs)
+    time_collectives: bool = False  # each rank's model collectives timed (clock.CollectiveClock; eager steps)
 
 
 @dataclass(frozen=True)
@@ -150,6 +193,19 @@ class SourceFacts:
     engram_config: Any  # the EngramConfig the runtime will use (the user's, else the folder's)
     has_tables: bool
     staged_rows_ok: bool  # the backend takes rows staged by the runtime
+    engram_columns: bool = True  # the tables are Engram tables, whose hash columns a lookup shards (not PLE's)
+
+    def adjust(self, sharing: Any, tp: int) -> Any:
+        """``sharing`` as this model can run it: no Engram tables, no lookup to shard (a
+        family's own tables, Qwen4Exp's PLE, stay whole on each rank; its TP ranks still
+        step in lockstep for the backbone's collectives)."""
+        if self.has_tables and self.engram_columns:
+            return sharing
+        if not self.has_tables:
+            return replace(sharing, scope=None, reason="the model has no tables")
+        across = sharing.reason.split("; ", 1)[1] if sharing.reason.startswith("hash columns") else sharing.reason
+        return replace(sharing, scope=None, reason=f"the model's own tables (not Engram tables) whole on each rank; "
+                                                   f"{across}")
 
 
 def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> SourceFacts:
@@ -162,14 +218,16 @@ def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> Sou
 
     p = Path(path).expanduser()
     if not is_engine_folder(p):
-        return SourceFacts(engram_config or EngramConfig(), peek_model(p).has_tables, True)
+        peek = peek_model(p)
+        return SourceFacts(engram_config or EngramConfig(), peek.has_tables, True,
+                           getattr(peek.config, "engram", None) is not None)
     src = open_model_source(p, engram_config=engram_config, progress=False)
     ok = backend == "torch" or src.placement == "prefetch" or src.engine_file is None
     if not ok and backend == "auto":
         from engram_trt.runtime.trt_backend import tensorrt_unusable_reason
 
         ok = tensorrt_unusable_reason(src, device) is not None
-    return SourceFacts(src.engram_config, bool(src.table_refs), ok)
+    return SourceFacts(src.engram_config, bool(src.table_refs), ok, src.layout is not None)
 
 
 def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[str, Any] | None:
@@ -196,10 +254,9 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     facts = peek_source(job.path, user_cfg, kw.get("backend", "auto"), ctx.device)
     shm_dir = (kw.get("table_options") or {}).get("directory")
     cfg = facts.engram_config
-    sharing = choose_table_sharing(cfg, topo, staged_rows_ok=facts.staged_rows_ok,
+    sharing = choose_table_sharing(cfg, topo, staged_rows_ok=facts.staged_rows_ok or topo.tp > 1,
                                    shared_problem=shared_store_problem(shm_dir) if cfg.dp_shared_memory else None)
-    if not facts.has_tables and sharing.scope == "world":  # no Engram tables: nothing to exchange across replicas
-        sharing = replace(sharing, scope="tp" if topo.tp > 1 else None)
+    sharing = facts.adjust(sharing, topo.tp)  # no Engram tables: nothing to shard or exchange
     log_choice(sharing, topo, ctx.rank)
     hooks = lockstep_hooks(ctx, sharing)
     share = topo.split_prompts(len(job.prompts))[ctx.dp_rank]
@@ -207,6 +264,11 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     t0 = time.perf_counter()
     llm = LLM(job.path, engram_config=sharing.engram_config, **kw, **hooks)
     load_s = time.perf_counter() - t0
+    clock = None
+    if job.time_collectives and llm.runner.tensor_parallel is not None:
+        from engram_trt.distributed.clock import CollectiveClock
+
+        clock = CollectiveClock(llm.runner.tensor_parallel, ctx.device)
     outs: list[tuple[int, Any]] = []
     gen_s = 0.0
     try:
@@ -218,6 +280,8 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
                 gen_s = time.perf_counter() - t1
             outs = list(zip(idx, got))
         storage = llm.storage
+        weight_bytes = llm.runner.weight_bytes()
+        graphs = llm.runner.graph_capture()  # decode CUDA graphs recorded (the collectives inside them)
         label, reason = llm.backend_label, llm.backend_reason
         table_files = sorted({str(r.file) for r in llm.source.table_refs})
         memory = None
@@ -233,9 +297,12 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
         stats["engram"] = dict(lookup.stats)
     report = {"rank": ctx.rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "device": str(ctx.device),
               "backend": label, "backend_reason": reason, "storage": storage, "stats": stats,
-              "load_s": round(load_s, 3), "generate_s": round(gen_s, 4)}
+              "load_s": round(load_s, 3), "generate_s": round(gen_s, 4), "weight_bytes": weight_bytes,
+              "graphs": graphs}
     if memory is not None:
         report["memory"] = memory
+    if clock is not None:
+        report["collectives"] = clock.summary()
     gathered = _gather_to_rank0(ctx, {"outputs": outs, "report": report})
     if ctx.rank != 0:
         return None
@@ -244,17 +311,53 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
         for i, out in g["outputs"]:
             ordered[i] = out
     return {"outputs": ordered, "sharing": {**sharing.to_json(), "copies": sharing.copies(topo)},
-            "tp": topo.tp, "dp": topo.dp, "ranks": [g["report"] for g in gathered]}
+            "tp": topo.tp, "dp": topo.dp, "ranks": [g["report"] for g in gathered],
+            "weights": weights_report(job.path, kw.get("dtype"), ctx.device,
+                                      [g["report"]["weight_bytes"] for g in gathered])}
+
+
+def weights_report(path: str, dtype: Any, device: Any, per_rank: list[Any]) -> dict[str, Any]:
+    """``{"total_bytes": the whole model's weights at the serving dtype (the checkpoint's
+    figures, as one device would hold them), "bytes_per_rank": [what each rank holds]}``
+    (``total_bytes`` None where a TensorRT engine holds the weights)."""
+    import torch
+
+    from engram_trt.runtime.runner import resolve_dtype
+
+    total = None
+    if all(b is not None for b in per_rank):
+        try:
+            total = model_weight_bytes(path, dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, device))
+        except EngramError as exc:  # an engine folder whose checkpoint moved: the ranks' figures stand alone
+            log.debug("whole-model weight bytes unknown: %s", exc)
+    return {"total_bytes": total, "bytes_per_rank": list(per_rank)}
+
+
+def model_weight_bytes(path: str, dtype: Any) -> int:
+    """The weights' bytes of the model behind ``path`` (a checkpoint, or the one an engine
+    folder names) at ``dtype``, from its headers (``weight_formats``; quantized weights as
+    stored)."""
+    from engram_trt.models.registry import open_checkpoint
+    from engram_trt.runtime.engine_folder import checkpoint_of
+
+    ckpt = open_checkpoint(checkpoint_of(path), allow_unused=True)
+    try:
+        return sum(gpu for _k, _s, gpu in ckpt.architecture.weight_formats(ckpt, dtype).values())
+    finally:
+        ckpt.close()
 
 
 def lockstep_hooks(ctx: RankContext, sharing: Any) -> dict[str, Any]:
-    """The :class:`~engram_trt.llmapi.llm.LLM` hooks of one rank: the sharded lookup over
-    ``sharing.scope`` and the lockstep scheduler, or only the scheduler where the tables
-    are whole (TP followers still run the leader's steps)."""
+    """The :class:`~engram_trt.llmapi.llm.LLM` hooks of one rank: its TP group (the
+    backbone's share), the sharded lookup over ``sharing.scope`` and the lockstep
+    scheduler, or only the scheduler where the tables are whole (TP followers run the
+    leader's steps)."""
     from engram_trt.distributed.lockstep import LockstepScheduler
     from engram_trt.distributed.lookup import ShardedLookup
 
     hooks: dict[str, Any] = {}
+    if ctx.topology.tp > 1:
+        hooks["tensor_parallel"] = ctx.tensor_parallel()  # the backbone sharded over the replica's TP ranks
     if sharing.scope is not None:
         hooks["engram_lookup"] = ShardedLookup.factory(ctx, sharing.scope)
         hooks["scheduler_factory"] = LockstepScheduler.factory(ctx, sharing.scope)
@@ -288,10 +391,14 @@ def run_replicas(job: ReplicaJob, *, device: str | None = None, timeout_s: float
 
     world = job.tp * job.dp
     Topology(job.tp, job.dp)  # refuse bad sizes before anything starts
-    check_parallel_support(job.path, job.tp, job.dp, job.engram_config)  # what the family cannot run, in one line
+    check_parallel_support(job.path, job.tp, job.dp, job.engram_config)  # what the model cannot run, in one line
     if world == 1 and not in_torchrun():
         return generate_replicas(None, job)  # type: ignore[return-value]
     kind = resolve_device_kind(device, world)
+    if kind == "cuda":  # a model larger than this TP's GPUs: said before any rank loads
+        from engram_trt.distributed.support import check_gpu_fit, gpu_memory_bytes
+
+        check_gpu_fit(job.path, job.tp, job.llm_kwargs.get("dtype"), gpu_memory_bytes(0))
     job.llm_kwargs.pop("device", None)
     if in_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:

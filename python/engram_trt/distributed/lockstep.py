@@ -36,6 +36,7 @@ import torch
 from engram_trt.distributed.groups import all_gather_flat
 from engram_trt.errors import EngramError
 from engram_trt.runtime.scheduler import Scheduler
+from engram_trt.storage import atomic
 from engram_trt.models.step import PackedStep
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,7 @@ class LockstepScheduler(Scheduler):
         """Run the leader's step (same tokens, same slots): this rank's share of the
         lookup, and its copy of the backbone, whose KV cache stays in step."""
         resets, ids, seq_lens, past_lens, slots, lookback, cids = broadcast_step(None, self.leader_rank, self.tp_group)
+        atomic.pause_point("lockstep:follow")  # tests: a follower frozen mid-step (then killed)
         for slot in resets:
             self._base_runner.reset_slot(slot)
         step = PackedStep(torch.from_numpy(ids), seq_lens, past_lens, slots, lookback=torch.from_numpy(lookback),

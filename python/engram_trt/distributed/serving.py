@@ -164,10 +164,10 @@ def serving_sharing(path: str, engram_config: Any, tp: int, dp: int, *, backend:
     cfg = facts.engram_config
     wants_shared = cfg.dp_shared_memory or (dp > 1 and cfg.embedding_across_dp)
     problem = shared_store_problem((table_options or {}).get("directory")) if wants_shared else None
-    sharing = choose_serving_sharing(cfg, tp, dp, staged_rows_ok=facts.staged_rows_ok, shared_problem=problem)
-    if not facts.has_tables and sharing.scope == "world":
-        sharing = replace(sharing, scope="tp" if tp > 1 else None)
-    return sharing
+    # with --tp the backbone is sharded: the torch backend, which takes staged rows, serves every rank
+    sharing = choose_serving_sharing(cfg, tp, dp, staged_rows_ok=facts.staged_rows_ok or tp > 1,
+                                     shared_problem=problem)
+    return facts.adjust(sharing, tp)  # no Engram tables: nothing to shard or exchange
 
 
 # -- the leader ------------------------------------------------------------------------------
@@ -268,10 +268,12 @@ def _follower_env() -> dict[str, str]:
     return env
 
 
-def start_serving_group(spec: GroupSpec) -> ServingGroup:
+def start_serving_group(spec: GroupSpec, build: Any = None) -> ServingGroup:
     """Start the followers and build the leader's LLM in this process (see the module
     docstring). Refused in one line when a follower fails to start (its error), and
-    then nothing of the group is left running."""
+    then nothing of the group is left running. ``build(spec, ctx) -> (llm, sharing)``:
+    how the leader's LLM is made (default: :func:`_build_llm`; ``engram_trt.LLM(path,
+    tp=N)`` initializes itself as it)."""
     import datetime
 
     import torch.distributed as dist
@@ -300,7 +302,7 @@ def start_serving_group(spec: GroupSpec) -> ServingGroup:
         ctx = RankContext.create(init_world(0, spec.tp, spec.local_rank(0), kind, None, spec.timeout_s, store=store),
                                  Topology(spec.tp, 1))
         joined = True
-        llm, sharing = _build_llm(spec, ctx)
+        llm, sharing = (build or _build_llm)(spec, ctx)
         _await(store, followers, "ready", deadline, spec)
     except BaseException:
         _kill(followers)
@@ -316,18 +318,27 @@ def start_serving_group(spec: GroupSpec) -> ServingGroup:
     return ServingGroup(spec, llm, sharing, followers, store)
 
 
-def _build_llm(spec: GroupSpec, ctx: Any) -> tuple[Any, TableSharing]:
-    """This rank's LLM with the lockstep hooks; every rank makes the same choice."""
+def rank_llm_kwargs(spec: GroupSpec, ctx: Any) -> tuple[dict[str, Any], TableSharing]:
+    """The keywords of one rank's :class:`~engram_trt.llmapi.llm.LLM` (the group's options,
+    its device, the table sharing's Engram config, the lockstep hooks and its TP group)
+    and the sharing; every rank makes the same choice."""
     from engram_trt.distributed.launch import lockstep_hooks
-    from engram_trt.llmapi.llm import LLM
 
     kw = dict(spec.llm_kwargs)
     kw.pop("device", None)
     kw.setdefault("progress", False)
     sharing = serving_sharing(spec.path, spec.engram_config, spec.tp, spec.dp, backend=kw.get("backend", "auto"),
                               device=ctx.device, table_options=kw.get("table_options"))
-    llm = LLM(spec.path, engram_config=sharing.engram_config, device=ctx.device, **kw, **lockstep_hooks(ctx, sharing))
-    return llm, sharing
+    kw.update(engram_config=sharing.engram_config, device=ctx.device, **lockstep_hooks(ctx, sharing))
+    return kw, sharing
+
+
+def _build_llm(spec: GroupSpec, ctx: Any) -> tuple[Any, TableSharing]:
+    """This rank's LLM with the lockstep hooks; every rank makes the same choice."""
+    from engram_trt.llmapi.llm import LLM
+
+    kw, sharing = rank_llm_kwargs(spec, ctx)
+    return LLM(spec.path, **kw), sharing
 
 
 def _await(store: Any, followers: list[subprocess.Popen], what: str, deadline: float, spec: GroupSpec) -> None:

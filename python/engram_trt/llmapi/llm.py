@@ -45,16 +45,20 @@ class LLM:
     every table's sha256 before serving (reads every byte). ``allow_unused_weights``:
     serve a checkpoint that holds tensors the model does not read (refused otherwise,
     with their names).
-    ``engram_lookup`` / ``scheduler_factory``: hooks for :mod:`engram_trt.distributed`
-    (a sharded Engram lookup in place of the table store, and a scheduler stepping in
-    lockstep with the other ranks); leave them None on one device.
+    ``engram_lookup`` / ``scheduler_factory`` / ``tensor_parallel``: hooks for
+    :mod:`engram_trt.distributed` (a sharded Engram lookup in place of the table store, a
+    scheduler stepping in lockstep with the other ranks, this rank's
+    :class:`~engram_trt.models.parallel.TensorParallel` group the backbone is sharded
+    over); leave them None on one device. ``engram_trt.LLM(path, tp=N)`` starts the group
+    itself (:class:`engram_trt.distributed.llm.LLM`).
     """
 
     def __init__(self, path: str, *, backend: str = "auto", engram_config: Any = None, device: Any = "auto",
                  dtype: Any = None, max_batch_size: int | None = None, max_seq_len: int | None = None,
                  max_num_tokens: int | None = None, verify_tables: bool = False, progress: bool = True,
                  table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
-                 scheduler_factory: Any = None, cuda_graphs: bool = True, allow_unused_weights: bool = False) -> None:
+                 scheduler_factory: Any = None, cuda_graphs: bool = True, allow_unused_weights: bool = False,
+                 tensor_parallel: Any = None) -> None:
         from engram_trt.engram.tokenizer import load_tokenizer
         from engram_trt.llmapi.chat import read_tokenizer_settings
         from engram_trt.runtime.engine_folder import open_model_source
@@ -79,7 +83,8 @@ class LLM:
             self.tokenizer_settings = read_tokenizer_settings([self.source.tokenizer_json.parent, self.source.checkpoint])
         self.runner = ModelRunner(self.source, backend=backend, device=device, dtype=dtype, engram_config=ecfg,
                                   max_batch=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
-                                  progress=progress, table_options=table_options, cuda_graphs=cuda_graphs, engram_lookup=engram_lookup)
+                                  progress=progress, table_options=table_options, cuda_graphs=cuda_graphs,
+                                  engram_lookup=engram_lookup, tensor_parallel=tensor_parallel)
         self.scheduler = (scheduler_factory or Scheduler)(self.runner, self.tokenizer)  # hook: engram_trt.distributed
         self._closed = False
 

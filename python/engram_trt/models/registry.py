@@ -28,7 +28,7 @@ class ModelArchitecture(Protocol):
     model_types: tuple[str, ...]
     contract: FieldContract
     title: str  # the family as messages name it ("DeepSeek-V4")
-    tensor_parallel: bool  # `--tp N` runs (engram-llama: the Engram columns sharded, the backbone replicated)
+    tensor_parallel: bool  # `--tp N` shards the backbone (parallel_plan) and the Engram columns
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True) -> Any:
         """The typed config of a config.json dict, every field honoured or refused (the
@@ -58,6 +58,12 @@ class ModelArchitecture(Protocol):
         weight the model reads (``fp8`` / ``fp4`` / ``float`` / ``int``; scales counted
         with their weight): what ``engram-trt inspect`` sums
         (:func:`engram_trt.models.weight_formats.generic_weight_formats` is the default)."""
+
+    def parallel_plan(self, config: Any, tp: int, rank: int = 0) -> Any:
+        """TP rank ``rank`` of ``tp``'s :class:`~engram_trt.models.parallel.ParallelPlan`: the
+        rank-local config and the split of each stored tensor; a size the model cannot
+        split refused in one line (:class:`~engram_trt.models.base.ArchitectureBase`'s
+        default: not sharded)."""
 
 
 def _registered() -> tuple[ModelArchitecture, ...]:

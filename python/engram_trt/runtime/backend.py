@@ -26,6 +26,7 @@ class Backend(Protocol):
     name: str  # 'torch' | 'tensorrt'
     device: torch.device
     wants_staged_rows: bool  # True: the runtime prefetches rows; False: the engine gathers in place
+    weight_bytes: int | None  # the model's weights this process holds (None: inside an engine)
 
     @property
     def label(self) -> str:
@@ -39,11 +40,25 @@ class Backend(Protocol):
 
 
 def select_backend(requested: str, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
-                   cuda_graphs: bool = True, engram_config: Any = None) -> tuple[Backend, str]:
+                   cuda_graphs: bool = True, engram_config: Any = None,
+                   tensor_parallel: Any = None) -> tuple[Backend, str]:
     """The backend to run and a one-line reason. ``requested`` 'tensorrt' fails with
-    the reason TensorRT cannot run here; 'auto' falls back to torch with it."""
+    the reason TensorRT cannot run here; 'auto' falls back to torch with it.
+    ``tensor_parallel``: this rank's :class:`~engram_trt.models.parallel.TensorParallel`
+    (the backbone sharded: the torch backend, an engine holds the whole model)."""
     if requested not in BACKENDS:
         raise EngramError(f"backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+    reason = "torch backend requested"
+    if tp is not None and requested in ("auto", "tensorrt"):
+        from engram_trt.runtime.trt_backend import tensorrt_unusable_reason
+
+        why = tensorrt_unusable_reason(source, device) or (
+            f"--tp {tp.size} shards the backbone's weights over the ranks, and a TensorRT engine holds the whole model")
+        if requested == "tensorrt":
+            raise EngramError(f"backend 'tensorrt' cannot run here: {why}; use --backend torch (or auto), which "
+                              f"reads each rank's slices from the checkpoint")
+        requested, reason = "torch", f"{why}: torch backend"
     if requested in ("auto", "tensorrt"):
         from engram_trt.runtime.trt_backend import TensorRTBackend, tensorrt_unusable_reason
 
@@ -56,8 +71,7 @@ def select_backend(requested: str, source: Any, tables: Any, device: torch.devic
         if requested == "tensorrt":
             raise EngramError(f"backend 'tensorrt' cannot run here: {why}; use --backend torch (or auto)")
         reason = f"{why}: torch backend"
-    else:
-        reason = "torch backend requested"
     from engram_trt.runtime.torch_backend import TorchBackend
 
-    return TorchBackend(source, tables, device, dtype, cuda_graphs=cuda_graphs, engram_config=engram_config), reason
+    return TorchBackend(source, tables, device, dtype, cuda_graphs=cuda_graphs, engram_config=engram_config,
+                        tensor_parallel=tp), reason

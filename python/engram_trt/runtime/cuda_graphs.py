@@ -116,6 +116,14 @@ def static_arrays(d: torch.Tensor, arange: torch.Tensor, G: int, engram: bool) -
     return arrays
 
 
+def capture_mode(model: Any) -> str:
+    """``thread_local`` for a tensor-parallel model (models.parallel: its collectives' NCCL
+    watchdog runs on another thread during a capture), else ``global``."""
+    from engram_trt.models.parallel import is_parallel
+
+    return "thread_local" if is_parallel(getattr(model, "tp", None)) else "global"
+
+
 class DecodeGraphs:
     """Recorded decode steps of one model and cache (see the module docstring).
     ``scratch_slot``: a KV slot outside the scheduler's range, for padding sequences.
@@ -138,6 +146,9 @@ class DecodeGraphs:
         self.wait_each_layer = wait_each_layer
         self.fork_lookup = fork_lookup
         self.context_free = bool(getattr(model, "decode_context_free", False))
+        # A tensor-parallel model's steps hold NCCL collectives: the process group's watchdog
+        # thread queries its events while this thread captures, which the global mode refuses.
+        self.capture_mode = capture_mode(model)
         layout = model.layout
         self.n_lookback = layout.max_ngram_size - 1 if layout is not None else 0
         G = _bucket(max_batch)
@@ -320,7 +331,7 @@ class DecodeGraphs:
         joins = [torch.cuda.Event() for _ in entry["waits"]]
         fork = torch.cuda.Event()
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode=self.capture_mode):
             origin = torch.cuda.current_stream(self.device)
             fork.record(origin)
             self._side.wait_event(fork)
@@ -396,7 +407,7 @@ class DecodeGraphs:
                 state = None
                 for j in range(len(bounds) - 1):
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=self.pool):
+                    with torch.cuda.graph(g, pool=self.pool, capture_error_mode=self.capture_mode):
                         if j == 0:
                             state = model.step_begin(step, cache, rows, True)
                         model.step_layers(state, cache, bounds[j], bounds[j + 1])

@@ -124,6 +124,18 @@ def peek_model(path: str | Path) -> ModelPeek:
     return ModelPeek(p, "checkpoint", arch, config)
 
 
+def checkpoint_of(path: str | Path) -> Path:
+    """The checkpoint folder behind ``path``: itself, or the one an engine folder's
+    manifest names (where the torch backend reads the weights)."""
+    p = Path(path).expanduser()
+    if not is_engine_folder(p):
+        return p
+    m = _read_manifest(p)
+    if not isinstance(m.get("checkpoint"), str):
+        raise EngramError(f"{p / MANIFEST_NAME} lacks or garbles 'checkpoint'; rebuild the engine folder")
+    return Path(m["checkpoint"])
+
+
 def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = None, verify_tables: bool = False,
                       progress: bool = True, allow_unused_weights: bool = False) -> ModelSource:
     """Read an engine folder or a checkpoint folder (see the module docstring). The

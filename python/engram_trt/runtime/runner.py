@@ -69,7 +69,7 @@ class ModelRunner:
                  engram_config: EngramConfig | None = None, max_batch: int | None = None,
                  max_seq_len: int | None = None, max_num_tokens: int | None = None, progress: bool = True,
                  table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, tensor_parallel: Any = None) -> None:
         from engram_trt.tables.store import open_tables, table_kind_for
 
         self.source = source
@@ -109,8 +109,11 @@ class ModelRunner:
             self.tables = open_tables(source.table_refs, self.table_kind, quant_block=quant_block,
                                       device=self.device, progress=progress, **(table_options or {}))
             self.table_kind = self.tables.kind  # a shared store may fall back to private memory
+        # Hook (engram_trt.distributed): this rank's TensorParallel, the backbone sharded over the replica's TP ranks
+        self.tensor_parallel = tensor_parallel
         self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype,
-                                                            cuda_graphs=cuda_graphs, engram_config=self.engram_config)
+                                                            cuda_graphs=cuda_graphs, engram_config=self.engram_config,
+                                                            tensor_parallel=tensor_parallel)
         log.info("backend: %s (%s)", self.backend.label, self.backend_reason)
         self.cache = self.backend.allocate_cache(self.max_batch, self.max_seq_len)
         self.prefetcher = None
@@ -175,6 +178,10 @@ class ModelRunner:
         if isinstance(chosen, dict) and chosen:
             out["gather_path_by_rows"] = {str(k): v for k, v in sorted(chosen.items())}
         return out
+
+    def weight_bytes(self) -> int | None:
+        """Bytes of the model's weights this process holds (None: inside a TensorRT engine)."""
+        return self.backend.weight_bytes
 
     def storage(self) -> dict[str, Any]:
         if self.engram_lookup is not None:  # hook (engram_trt.distributed)

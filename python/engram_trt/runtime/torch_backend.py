@@ -24,7 +24,7 @@ class TorchBackend:
     wants_staged_rows = True
 
     def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
-                 cuda_graphs: bool = True, engram_config: Any = None) -> None:
+                 cuda_graphs: bool = True, engram_config: Any = None, tensor_parallel: Any = None) -> None:
         from engram_trt.checkpoint.checkpoint import Checkpoint
 
         self.device = device
@@ -37,10 +37,16 @@ class TorchBackend:
         if ckpt.config.to_dict() != source.config.to_dict():
             raise EngramError(f"the checkpoint {source.checkpoint} no longer matches the engine folder's config "
                               f"(config.json changed since the build); rebuild the engine folder")
+        parallel = None
+        if tensor_parallel is not None and tensor_parallel.size > 1:
+            # this rank's share of the backbone (models.parallel): the modules at its sizes, its slices read
+            parallel = arch.parallel_plan(ckpt.config, tensor_parallel.size, tensor_parallel.rank)
+            parallel.check_checkpoint(ckpt)
+            parallel.tp = tensor_parallel
         if hasattr(arch, "load_model"):  # the architecture binds its own tables (Qwen4Exp's PLE)
             # ``tables``: the store the runner opened over the architecture's table refs
             # ``engram_config``: the runner's (its hot_cache_fraction caches the PLE rows)
-            self.model = arch.load_model(ckpt, device=device, dtype=dtype,
+            self.model = arch.load_model(ckpt, device=device, dtype=dtype, parallel=parallel,
                                          engram_config=engram_config or getattr(source, "engram_config", None),
                                          compress_lookup=getattr(source, "compress_lookup", None),
                                          layout=getattr(source, "layout", None),
@@ -48,6 +54,8 @@ class TorchBackend:
             tables = None  # bound above, not staged
             self._ckpt = ckpt  # PLE rows may be read in place from its file maps
         else:
+            if parallel is not None and parallel.sharded:
+                raise EngramError(f"internal: {arch.name} declares a sharded plan but no load_model to read its slices")
             weights = {name: ckpt.get(name) for name in arch.weight_shapes(source.config)}
             self.model = arch.build_model(source.config, weights, tables=None, compress_lookup=source.compress_lookup,
                                           layout=source.layout, device=device, dtype=dtype)
@@ -89,6 +97,13 @@ class TorchBackend:
             step.device_arrays(self.device, self.model.uploader)
             self.phases.mark(UPLOAD)
         return self.model.forward_step(step, cache, engram_rows=rows)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights this process holds (a TP rank: its share)."""
+        from engram_trt.models.parallel import held_bytes
+
+        return held_bytes(self.model)
 
     @property
     def label(self) -> str:

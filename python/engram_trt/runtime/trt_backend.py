@@ -68,6 +68,7 @@ def tensorrt_unusable_reason(source: Any, device: torch.device) -> str | None:
 
 class TensorRTBackend:
     name = "tensorrt"
+    weight_bytes = None  # the engine holds the weights (not counted per tensor)
 
     def __init__(self, source: Any, tables: Any, device: torch.device) -> None:
         from engram_trt.native import trt_compat as tc

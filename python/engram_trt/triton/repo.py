@@ -348,6 +348,11 @@ def resolve_options(opts: RepoOptions) -> RepoOptions:
     engine_dir = check_engine_dir(opts.engine_dir)
     peek = check_parallel_support(engine_dir, opts.tp, opts.dp, opts.engram_config, serving=True)
     opts = resolve_parallel(opts)
+    if opts.tp_groups or opts.gpus:  # a model larger than this TP's GPUs: said before any instance loads
+        from engram_trt.distributed.support import check_gpu_fit, gpu_memory_bytes
+
+        first = opts.tp_groups[0][0] if opts.tp_groups else opts.gpus[0]
+        check_gpu_fit(engine_dir, opts.tp, opts.dtype, gpu_memory_bytes(first), f"GPU {first}")
     if peek is None and opts.total_instances > 1:
         peek = peek_model(engine_dir)
     ecfg = opts.engram_config

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping
 
+from engram_trt.models.base import ArchitectureBase
 from engram_trt.models.deepseek_v4.config import (CONTRACT, V4_ARCH, V4_TYPE, V41_ARCH, V41_TYPE, DeepseekV4Config,
                                                   read_config)
 
@@ -32,13 +33,20 @@ log = logging.getLogger(__name__)
 
 
 
-class DeepseekV4Architecture:
+class DeepseekV4Architecture(ArchitectureBase):
     name = "deepseek-v4"
     architectures = (V4_ARCH, V41_ARCH)
     model_types = (V4_TYPE, V41_TYPE)
     contract = CONTRACT
     title = "DeepSeek-V4"  # the family in messages
-    tensor_parallel = False  # --tp N: not yet (the backbone's tensor parallelism is issue 42)
+    tensor_parallel = True  # --tp N: heads, output groups, indexer heads, experts, vocabulary split (.parallel)
+
+    def parallel_plan(self, config: DeepseekV4Config, tp: int, rank: int = 0) -> Any:
+        """TP rank ``rank`` of ``tp``'s share (:mod:`.parallel`); refused in one line when the
+        heads, output groups, indexer heads or experts do not divide."""
+        from engram_trt.models.deepseek_v4.parallel import parallel_plan
+
+        return parallel_plan(config, tp, rank)
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> DeepseekV4Config:
@@ -197,14 +205,16 @@ class DeepseekV4Architecture:
         load_into(model, source, dev, dtype, KEEP_FLOAT32, names)
         return model.eval()
 
-    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None, **_: Any) -> Any:
+    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
+                   parallel: Any = None, **_: Any) -> Any:
         """The model of an open checkpoint, loaded tensor by tensor (refused first when its
         weights do not fit the GPU); V4.1's table store bound when given (the runtime's:
         decode graphs then gather GPU-readable rows inside the graph, the prefetcher
-        stages the others)."""
+        stages the others). ``parallel``: a tensor-parallel rank's plan (its slices only)."""
         from engram_trt.models.deepseek_v4.model import DeepseekV4Model
 
-        model = DeepseekV4Model.from_checkpoint(ckpt, device=device, dtype=dtype)
+        sharded = parallel if parallel is not None and parallel.sharded else None
+        model = DeepseekV4Model.from_checkpoint(ckpt, device=device, dtype=dtype, parallel=sharded)
         if tables is not None and ckpt.config.engram is not None:
             model.set_tables(tables)
         return model

@@ -256,12 +256,20 @@ class LightningIndexer(PooledCompressor):
         self.heads, self.topk = config.index_n_heads, config.index_topk
         self.q_b_proj = nn.Linear(config.q_lora_rank, self.heads * self.dim, bias=False)
         self.scorer = IndexerScorer(config.hidden_size, self.heads)
+        # A tensor-parallel rank holds heads / tp of the heads (models.parallel): its
+        # queries and weights are all-gathered, the weights scaled by the whole count.
+        self.tp: Any = None
+        self.score_heads = self.heads
 
     def queries(self, q_residual: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotated queries ``[T, heads, dim]`` and float32 head weights ``[T, heads]``."""
+        """Rotated queries ``[T, heads, dim]`` and float32 head weights ``[T, heads]``
+        (every head's: a tensor-parallel rank's gathered from the others)."""
+        from engram_trt.models.parallel import gather_heads
+
         q = self.q_b_proj(q_residual).reshape(x.shape[0], self.heads, self.dim)
-        weights = wide(self.scorer.weights_proj(x)) * self.heads**-0.5
-        return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), weights
+        weights = wide(self.scorer.weights_proj(x)) * self.score_heads**-0.5
+        q = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+        return gather_heads(q, self.tp, 1), gather_heads(weights, self.tp, 1)
 
     def select(self, q: Tensor, weights: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
         """``[n, E]`` bool: the entries each query keeps. ``visible [n]`` is how many

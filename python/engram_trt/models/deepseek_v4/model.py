@@ -36,6 +36,7 @@ from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RM
 from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
 from engram_trt.models.deepseek_v4.state import DeepseekV4State
 from engram_trt.models.deepseek_v4.weights import load_into, named_tensors
+from engram_trt.models.parallel import gather_vocab, reduce
 from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class DeepseekV4Model(_Modules):
         self.engram_ops = None  # the CUDA kernel path of engram-llama's gate (bf16 GPU) is not wired here yet
         self.compress_lookup: torch.Tensor | None = None
         self._graphs_why: str | None = None  # the last reason graphs_unavailable gave (logged once)
+        self.tp: Any = None  # the TP group the backbone is split over (models.parallel; .parallel.shard_modules)
         if config.engram is not None:
             if compress_lookup is None or layout is None:
                 raise EngramError("a DeepSeek-V4.1 model needs the compressed-vocab lookup and the Engram layout "
@@ -160,11 +162,13 @@ class DeepseekV4Model(_Modules):
 
     @classmethod
     def from_checkpoint(cls, ckpt: Any, *, device: Any = "cpu", dtype: torch.dtype | None = None,
-                        compressed_vocab: Any = None) -> "DeepseekV4Model":
+                        compressed_vocab: Any = None, parallel: Any = None) -> "DeepseekV4Model":
         """The model of an open checkpoint: built on the meta device, its FP8 / FP4
         projections swapped for their stored-format modules and its expert stacks
         allocated, then filled tensor by tensor (:mod:`.weights`); refused first when the
-        stored formats contradict the config or the weights do not fit the GPU."""
+        stored formats contradict the config or the weights do not fit the GPU.
+        ``parallel``: a tensor-parallel rank's plan: the modules at its sizes
+        (:func:`.parallel.shard_modules`), only its slices read."""
         from engram_trt.checkpoint.vocab import engram_lookup_and_layout
         from engram_trt.errors import CheckpointError
         from engram_trt.models.deepseek_v4.weights import check_fits, model_formats, prepare_model
@@ -173,7 +177,15 @@ class DeepseekV4Model(_Modules):
         dev = torch.device(device)
         dtype = dtype or torch.float32
         lookup, layout = engram_lookup_and_layout(ckpt, compressed_vocab) if cfg.engram is not None else (None, None)
-        model = cls(cfg, device=dev, dtype=dtype, compress_lookup=lookup, layout=layout)
+        if parallel is not None:
+            from engram_trt.models.deepseek_v4.parallel import shard_modules
+            from engram_trt.models.parallel import ShardedCheckpoint
+
+            model = cls(parallel.local_config, device=dev, dtype=dtype, compress_lookup=lookup, layout=layout)
+            shard_modules(model, parallel)
+            ckpt = ShardedCheckpoint(ckpt, parallel)
+        else:
+            model = cls(cfg, device=dev, dtype=dtype, compress_lookup=lookup, layout=layout)
         formats, problems, names = model_formats(model, cfg.quant, ckpt)
         if problems:
             raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}")
@@ -406,6 +418,7 @@ class DeepseekV4Model(_Modules):
                 rope = state.ropes[attn.rope_label] = attn.rope(state.positions)
             y = attn(x, state.positions, state.seq_starts, state.past_lens, state.slots,
                      cache.layers[i], meta=state.meta, rope=rope, static=state.static)
+            y = reduce(y, self.tp)  # row-parallel wo_b: the ranks' partial sums
             streams = HyperConnection.expand(streams, y, post, comb)
             x, post, comb = layer.ffn_hc.collapse_normed(streams, layer.post_attention_layernorm)
             if state.decode:
@@ -413,6 +426,7 @@ class DeepseekV4Model(_Modules):
                     y = layer.mlp(x, state.ids)
             else:
                 y = layer.mlp(x, state.ids)
+            y = reduce(y, self.tp)  # the ranks' experts and shared-expert channels combined
             streams = HyperConnection.expand(streams, y, post, comb)
         state.streams = streams
 
@@ -424,7 +438,7 @@ class DeepseekV4Model(_Modules):
         streams = state.streams if all_logits else state.streams[state.last]
         hidden = self.model.hc_head.forward_normed(streams, self.model.norm)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, head.to(hidden.dtype)).float()
+        logits = gather_vocab(F.linear(hidden, head.to(hidden.dtype)).float(), self.tp, self.config.vocab_size)
         if not capture:
             self._advance(step, cache, state.cids)
         return logits

@@ -70,6 +70,9 @@ class GroupedSparseMoE(SparseMoE):
     """See the module docstring. ``form``: a class default, settable per module."""
 
     form: str = "auto"
+    # A tensor-parallel rank's routed experts: (first global id, count) of the experts it
+    # holds (.parallel.shard_modules); None: all of them.
+    expert_range: tuple[int, int] | None = None
 
     def __init__(self, config: Any, layer: int) -> None:
         super().__init__(config, layer)
@@ -293,7 +296,9 @@ class GroupedSparseMoE(SparseMoE):
         return "loop"
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.form == "auto":
+        """The routed experts' and the shared expert's sum (a TP rank: its experts' and its
+        shared-expert channels' share; the model all-reduces it)."""
+        if self.form == "auto" and self.expert_range is None:  # the fused kernels take the whole expert set
             from engram_trt.models.deepseek_v4 import fused
 
             if fused.unavailable(x) is None:
@@ -302,6 +307,10 @@ class GroupedSparseMoE(SparseMoE):
                     self.last_form = "fused"
                     return out
         weights, ids = self.gate(x, input_ids)
+        if self.expert_range is not None:
+            from engram_trt.models.parallel import localize_experts
+
+            ids, weights = localize_experts(ids, weights, *self.expert_range)
         form = self.last_form = self.choose_form(x, ids)
         routed = getattr(self, f"experts_{form}")(x, weights, ids)
         return routed + self.shared_experts(x)

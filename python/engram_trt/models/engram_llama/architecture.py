@@ -13,14 +13,23 @@ from typing import Any, Iterable, Mapping
 
 from engram_trt.config.model import ModelConfig
 from engram_trt.models.engram_llama.config import CONTRACT, read_config
+from engram_trt.models.base import ArchitectureBase
 
-class EngramLlamaArchitecture:
+
+class EngramLlamaArchitecture(ArchitectureBase):
     name = "engram-llama"
     architectures = ("EngramLlamaForCausalLM", "LlamaForCausalLM")
     model_types = ("engram_llama", "llama")
     contract = CONTRACT
     title = "engram-llama"  # the family in messages
-    tensor_parallel = True  # --tp N: each rank holds 1/N of the Engram columns (the backbone is replicated)
+    tensor_parallel = True  # --tp N: the backbone's heads / MLP / vocab split (parallel_plan), the Engram columns too
+
+    def parallel_plan(self, config: ModelConfig, tp: int, rank: int = 0) -> Any:
+        """TP rank ``rank`` of ``tp``'s share (:mod:`.parallel`): heads, MLP channels and
+        vocabulary rows split; refused in one line when the heads do not divide."""
+        from engram_trt.models.engram_llama.parallel import parallel_plan
+
+        return parallel_plan(config, tp, rank)
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> ModelConfig:
@@ -79,11 +88,13 @@ class EngramLlamaArchitecture:
         return []
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
-                   compress_lookup: Any = None, layout: Any = None, **_: Any) -> Any:
+                   compress_lookup: Any = None, layout: Any = None, parallel: Any = None, **_: Any) -> Any:
         """The torch module of an open checkpoint, its weights read tensor by tensor from
         their shards (FP8 linears kept in their stored form); ``tables``: a store the
         runtime opened (attached), else none (the runtime stages rows). The compressed
-        vocab and layout are the checkpoint's unless given."""
+        vocab and layout are the checkpoint's unless given. ``parallel``: a sharded
+        :class:`~engram_trt.models.parallel.ParallelPlan` (with its group): the modules
+        built at the rank's sizes, only the rank's slices read."""
         import torch
 
         from engram_trt.checkpoint.checkpoint import require_valid
@@ -94,8 +105,15 @@ class EngramLlamaArchitecture:
         if compress_lookup is None and ckpt.config.engram is not None:
             compress_lookup, layout = engram_lookup_and_layout(ckpt)
         require_valid(ckpt, layout)
-        model = EngramLlama(ckpt.config, lazy_weights(ckpt), compress_lookup=compress_lookup, layout=layout,
-                            device=device, dtype=dtype or torch.float32)
+        config, source = ckpt.config, ckpt
+        if parallel is not None and parallel.sharded:
+            from engram_trt.models.parallel import ShardedCheckpoint
+
+            config, source = parallel.local_config, ShardedCheckpoint(ckpt, parallel)
+        else:
+            parallel = None
+        model = EngramLlama(config, lazy_weights(source), compress_lookup=compress_lookup, layout=layout,
+                            device=device, dtype=dtype or torch.float32, parallel=parallel)
         if tables is not None:
             model.set_tables(tables)
         return model

@@ -53,6 +53,7 @@ from engram_trt.models.engram_llama.kernel_ops import KernelEngramOps, select_ba
 from engram_trt.models.kv_cache import KVCache
 from engram_trt.models.engram_llama.modules import AttentionPlan, Backbone
 from engram_trt.models.engram_llama.weights import lazy_weights, load_weights, model_weight_shapes  # noqa: F401
+from engram_trt.models.parallel import gather_vocab, reduce
 from engram_trt.models.step import PackedStep
 from engram_trt.quant.weight import QuantLinear
 from engram_trt.tables.base import TableStore
@@ -98,7 +99,7 @@ class EngramLlama(UniformBatchAPI, nn.Module):
                  layout: EngramLayout | None = None, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, engram_backend: str = "auto",
                  attention: str | None = None, backbone_backend: str = "auto",
-                 fuse_projections: bool | None = None) -> None:
+                 fuse_projections: bool | None = None, parallel: Any = None) -> None:
         super().__init__()
         self.config = config
         self.engram_ops: KernelEngramOps | None = None
@@ -111,12 +112,21 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         with torch.device("meta"):
             self.model = Backbone(config)
             self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Tensor parallelism (models.parallel): ``config`` is the rank's (local heads and
+        # MLP channels), the vocabulary rows cut here; None: the whole model.
+        self.tp = None if parallel is None else parallel.tp
+        shapes = None
+        if parallel is not None:
+            from engram_trt.models.engram_llama.parallel import local_weight_shapes, shard_modules
+
+            shard_modules(self, parallel)
+            shapes = local_weight_shapes(parallel)
         fuse = dev.type == "cuda" if fuse_projections is None else bool(fuse_projections)
         # The decoder layers' elementwise steps (None: the modules' PyTorch ops). Any
         # object with KernelBackboneOps' methods will do (TorchBackboneOps: the same
         # steps in PyTorch ops, for checks).
         self.backbone_ops: Any = select_backbone_ops(backbone_backend, dev, dtype, fuse)
-        load_weights(self, weights, dev, dtype, fuse)
+        load_weights(self, weights, dev, dtype, fuse, shapes)
         from engram_trt.models.rope import inv_freq_and_scale
 
         # RoPE as transformers' LlamaRotaryEmbedding computes it for config.rope (cos and
@@ -420,9 +430,9 @@ class EngramLlama(UniformBatchAPI, nn.Module):
                 assert block is not None
                 hs = block(hs, state.rows[li].to(self.device), state.live, self.engram_ops)
             a = layer.self_attn(layer.input_layernorm(hs.mean(dim=1)), state.cos, state.sin, state.plan, cache, i)
-            hs = hs + a.unsqueeze(1)
+            hs = hs + reduce(a, self.tp).unsqueeze(1)  # row-parallel o_proj: the ranks' partial sums
             m = layer.mlp(layer.post_attention_layernorm(hs.mean(dim=1)))
-            state.hs = hs + m.unsqueeze(1)
+            state.hs = hs + reduce(m, self.tp).unsqueeze(1)
 
     def _fused_layers(self, state: "StepState", cache: KVCache, begin: int, end: int) -> None:
         """:meth:`step_layers` through ``backbone_ops``: each norm also adds the residual
@@ -441,9 +451,9 @@ class EngramLlama(UniformBatchAPI, nn.Module):
                 assert block is not None
                 hs = block(hs, state.rows[li].to(self.device), state.live, self.engram_ops, ops.linear).contiguous()
             x = ops.norm(hs, state.pending, layer.input_layernorm)
-            a = layer.self_attn(x, state.cos, state.sin, state.plan, cache, i, ops)
+            a = reduce(layer.self_attn(x, state.cos, state.sin, state.plan, cache, i, ops), self.tp)
             x = ops.norm(hs, a, layer.post_attention_layernorm)
-            state.pending = layer.mlp(x, ops)
+            state.pending = reduce(layer.mlp(x, ops), self.tp)
             state.hs = hs
 
     def step_end(self, state: "StepState", step: PackedStep, cache: KVCache, all_logits: bool, capture: bool) -> torch.Tensor:
@@ -465,6 +475,7 @@ class EngramLlama(UniformBatchAPI, nn.Module):
         else:
             head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(out, head).float()
+        logits = gather_vocab(logits, self.tp, self.config.vocab_size)  # a TP rank's head holds its vocabulary rows
         if not capture:
             self._advance(step, cache, state.cids)
         return logits

@@ -203,14 +203,15 @@ def _fuse_fp8(model: nn.Module, module: nn.Module, attr: str, names: list[str], 
 
 
 def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 fuse: bool) -> None:
+                 fuse: bool, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
     """Checks ``weights`` against the config and makes them ``model``'s parameters (on
     ``device`` in ``dtype``; FP8 linears as QuantLinear in their stored form), the
     projections of each layer fused when ``fuse`` (module docstring). Each tensor is read
-    once, when its turn comes."""
+    once, when its turn comes. ``shapes``: the expected shapes where they are not the
+    config's (a tensor-parallel rank's, :func:`.parallel.local_weight_shapes`)."""
     cfg = model.config  # type: ignore[attr-defined]
     quant = getattr(cfg, "quant", None)
-    expected = model_weight_shapes(cfg)
+    expected = dict(shapes) if shapes is not None else model_weight_shapes(cfg)
     for name, want in expected.items():
         if name not in weights:
             raise CheckpointError(f"weights lack tensor '{name}' (expected shape {list(want)})")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
+from engram_trt.models.base import ArchitectureBase
 from engram_trt.models.qwen4_exp.config import CONTRACT, Qwen4ExpConfig, read_config
 
 # The PLE shard dtypes an engine's EngramGather reads (safetensors spelling -> the export's
@@ -24,13 +25,20 @@ def ple_layout(config: Qwen4ExpConfig) -> Any:
     return layout_of(config)
 
 
-class Qwen4ExpArchitecture:
+class Qwen4ExpArchitecture(ArchitectureBase):
     name = "qwen4-exp"
     architectures = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
     model_types = ("qwen4_exp_text", "qwen4_exp")
     contract = CONTRACT
     title = "Qwen4Exp"  # the family in messages
-    tensor_parallel = False  # --tp N: not yet (the backbone's tensor parallelism is issue 42)
+    tensor_parallel = True  # --tp N: (linear-)attention heads, experts and vocabulary split (:mod:`.parallel`)
+
+    def parallel_plan(self, config: Qwen4ExpConfig, tp: int, rank: int = 0) -> Any:
+        """TP rank ``rank`` of ``tp``'s share (:mod:`.parallel`); refused in one line when the
+        heads, the linear-attention heads or the experts do not divide."""
+        from engram_trt.models.qwen4_exp.parallel import parallel_plan
+
+        return parallel_plan(config, tp, rank)
 
     def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
                     enforce_contract: bool = True) -> Qwen4ExpConfig:
@@ -155,13 +163,15 @@ class Qwen4ExpArchitecture:
         return [] if ckpt.config.ple is None else ple_table_refs(ckpt, ckpt.config, ple_layout(ckpt.config))
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, ple_table_kind: str | None = None,
-                   tables: Any = None, engram_config: Any = None, **_: Any) -> Any:
+                   tables: Any = None, engram_config: Any = None, parallel: Any = None, **_: Any) -> Any:
         """The model of an open checkpoint, its PLE tables bound from the checkpoint's
         shards: ``tables``, a table store the runtime opened over :meth:`table_refs`
         (left to it to close), else a store of ``ple_table_kind`` or the kind
         ``engram_config`` (default: the defaults) gives on ``device``
         (:func:`~engram_trt.tables.store.table_kind_for`: the file maps on a CPU); its
-        ``hot_cache_fraction`` puts the hot-row cache in front of the tables."""
+        ``hot_cache_fraction`` puts the hot-row cache in front of the tables. ``parallel``: a
+        tensor-parallel rank's plan (the modules at its sizes, only its slices read; the PLE
+        tables whole)."""
         import torch
 
         from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
@@ -187,6 +197,11 @@ class Qwen4ExpArchitecture:
                                             hot_cache_fraction=ecfg.hot_cache_fraction)
         # each tensor read from its shard when the model takes it (FP8 scales included; the
         # PLE shards are the table store's)
+        if parallel is not None and parallel.sharded:
+            from engram_trt.models.parallel import ShardedCheckpoint
+
+            return Qwen4ExpModel(parallel.local_config, ShardedCheckpoint(ckpt, parallel).lazy(), ple_tables=ple,
+                                 device=dev, dtype=dtype, parallel=parallel)
         weights = ckpt.lazy()
         return Qwen4ExpModel(cfg, weights, ple_tables=ple, device=dev, dtype=dtype)
 

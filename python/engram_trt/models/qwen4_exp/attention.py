@@ -142,14 +142,25 @@ class QSAIndexer(nn.Module):
         self.index_qk_proj = nn.Linear(config.hidden_size, (self.n_heads + 1) * self.head_dim, bias=False)
         self.q_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_layernorm = OffsetRMSNorm(self.head_dim, config.rms_norm_eps)
+        # A tensor-parallel rank projects its share of the query heads (models.parallel):
+        # the queries are all-gathered, so the blocks are scored over every head.
+        self.tp: Any = None
+
+    @property
+    def query_heads(self) -> int:
+        """The query heads a block score sums over (every rank's)."""
+        return self.n_heads * (self.tp.size if self.tp is not None else 1)
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Queries ``[T, n_heads, d]`` (normalized, rotated) and raw keys ``[T, d]``
-        (what the cache keeps: pooling comes before the key norm)."""
+        """Queries ``[T, query_heads, d]`` (normalized, rotated; a tensor-parallel rank's
+        gathered from the others) and raw keys ``[T, d]`` (what the cache keeps: pooling
+        comes before the key norm)."""
+        from engram_trt.models.parallel import gather_heads
+
         qk = self.index_qk_proj(x)
         q, raw_keys = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
         q = self.q_layernorm(q.reshape(x.shape[0], self.n_heads, self.head_dim))
-        return apply_partial_rope(q, cos, sin), raw_keys
+        return gather_heads(apply_partial_rope(q, cos, sin), self.tp, 1), raw_keys
 
     def block_keys(self, config: Any, raw_keys: Tensor) -> Tensor:
         """The pooled key ``[n_blocks, d]`` of every complete block of ``raw_keys [L, d]``:
@@ -318,7 +329,7 @@ class GatedAttention(nn.Module):
             return why
         try:
             qsa.check_fields(self.qsa_fields())
-            qsa.check_shape(self.num_heads, self.num_kv_heads, self.head_dim, self.indexer.n_heads,
+            qsa.check_shape(self.num_heads, self.num_kv_heads, self.head_dim, self.indexer.query_heads,
                             self.indexer.head_dim, rotary_dim(self.config))
         except EngramError as exc:
             return str(exc)

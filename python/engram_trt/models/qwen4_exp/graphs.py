@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from engram_trt.models.parallel import is_parallel
 from engram_trt.models.qwen4_exp.state import decode_context
 from engram_trt.models.step import PackedStep
 
@@ -167,7 +168,9 @@ class Qwen4ExpDecodeGraphs:
             main.wait_stream(warm)
             torch.cuda.synchronize(self.device)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            # a tensor-parallel model's NCCL watchdog queries events from its own thread meanwhile
+            mode = "thread_local" if is_parallel(model.tp) else "global"
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode=mode):
                 entry["logits"] = body()
             entry["graph"] = g
         except Exception as exc:  # noqa: BLE001 - not recordable here: eager decode steps from now on

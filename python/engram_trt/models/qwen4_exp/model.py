@@ -25,6 +25,7 @@ from torch import nn
 from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.models.qwen4_exp.config import Qwen4ExpConfig
 from engram_trt.models.qwen4_exp.modules import GatedResidual, PLEFusion, SparseMoE
+from engram_trt.models.parallel import gather_vocab, reduce
 from engram_trt.models.qwen4_exp.state import MIN_DECODE_CONTEXT, Qwen4ExpState, decode_context  # noqa: F401
 from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
 
@@ -105,9 +106,17 @@ class Qwen4ExpModel(_Modules):
     supports_decode_graphs = True  # decode steps through graphs.Qwen4ExpDecodeGraphs (decode_graphs)
 
     def __init__(self, config: Qwen4ExpConfig, weights: Mapping[str, torch.Tensor], *, ple_tables: Any = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, **_: Any) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, parallel: Any = None,
+                 **_: Any) -> None:
         with torch.device("meta"):
             super().__init__(config)
+        # Tensor parallelism (models.parallel): ``config`` is the rank's (local heads, experts,
+        # shared-expert channels), the routers and the vocabulary rows made the rank's here.
+        self.tp: Any = None
+        if parallel is not None:
+            from engram_trt.models.qwen4_exp.parallel import shard_modules
+
+            shard_modules(self, parallel)
         dev = torch.device(device)
         self.compute_dtype = dtype
         params = self.checkpoint_params()
@@ -332,9 +341,9 @@ class Qwen4ExpModel(_Modules):
                 y = layer.linear_attn(x, starts, past, slots, cache.conv[i], cache.recurrent[i])
             else:
                 y = layer.self_attn(x, positions, starts, past, slots, cache.keys[i], cache.values[i], cache.index_keys[i])
-            streams = GatedResidual.inject(streams, y, w)
+            streams = GatedResidual.inject(streams, reduce(y, self.tp), w)  # row-parallel o_proj / out_proj
             x, w = layer.mlp_hyper_connection.mix(streams)
-            streams = GatedResidual.inject(streams, layer.mlp(x), w)
+            streams = GatedResidual.inject(streams, reduce(layer.mlp(x), self.tp), w)
         if not all_logits:
             streams = streams[step.last_token_index(dev)]
         hidden, _ = self.model.hyper_connection_mixer.mix(streams)
@@ -397,9 +406,9 @@ class Qwen4ExpModel(_Modules):
             else:
                 y = layer.self_attn.forward_decode(x, positions, slots, context, cache.keys[i], cache.values[i],
                                                    cache.index_keys[i], seen_host, meta=meta)
-            streams = GatedResidual.inject(streams, y, w)
+            streams = GatedResidual.inject(streams, reduce(y, self.tp), w)
             x, w = layer.mlp_hyper_connection.mix(streams)
-            streams = GatedResidual.inject(streams, layer.mlp(x, sync_free=sync_free), w)
+            streams = GatedResidual.inject(streams, reduce(layer.mlp(x, sync_free=sync_free), self.tp), w)
         hidden, _ = self.model.hyper_connection_mixer.mix(streams)
         return self.head_logits(hidden)
 
@@ -407,9 +416,11 @@ class Qwen4ExpModel(_Modules):
         """float32 logits of the head's input (the tied embeddings, the head, or an FP8
         head in its stored form)."""
         if self.lm_head is not None and not isinstance(self.lm_head, nn.Linear):
-            return self.lm_head(hidden).float()
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, head).float()
+            logits = self.lm_head(hidden).float()
+        else:
+            head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = torch.nn.functional.linear(hidden, head).float()
+        return gather_vocab(logits, self.tp, self.config.vocab_size)  # a TP rank's head holds its vocabulary rows
 
     def decode_graphs(self, cache: Qwen4ExpState, max_batch: int, scratch_slot: int) -> Any:
         """The torch backend's recorded decode steps over ``cache`` (see :mod:`.graphs`)."""

@@ -100,6 +100,10 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    # A tensor-parallel rank's routed experts: (first global id, count) of the experts it
+    # holds (.parallel.shard_modules); None: all of them.
+    expert_range: tuple[int, int] | None = None
+
     def __init__(self, config) -> None:
         super().__init__()
         D = config.hidden_size
@@ -111,12 +115,17 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(D, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k] in x's dtype, expert ids [T, k])``."""
+        """``(weights [T, k] in x's dtype, expert ids [T, k])`` (a tensor-parallel rank: the
+        ids of its own experts, the other pairs weighted 0)."""
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.expert_range is not None:
+            from engram_trt.models.parallel import localize_experts
+
+            ids, weights = localize_experts(ids, weights, *self.expert_range)
         return weights.to(logits.dtype), ids
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
