@@ -113,6 +113,10 @@ class DeepseekV4Attention(nn.Module):
 
     backend: str = "auto"
 
+    # False on a tensor-parallel rank (models/deepseek_v4/parallel.py): the fused glue computes
+    # the indexer's queries itself, without the ranks' gather the module path does.
+    fused_decode: bool = True
+
     def __init__(self, config: Any, layer_idx: int) -> None:
         super().__init__()
         self.config = config
@@ -235,7 +239,7 @@ class DeepseekV4Attention(nn.Module):
             self._check_step(x, positions, seq_starts, past_lens, slots, state)
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         cos, sin = rope if rope is not None else self.rope(positions)
-        if fused.unavailable(x) is None and attention_kernel.kernel_serves(self, x, state):
+        if self.fused_decode and fused.unavailable(x) is None and attention_kernel.kernel_serves(self, x, state):
             if meta is None:
                 if static:
                     raise EngramError("a recorded decode step needs the step's device metadata (meta)")

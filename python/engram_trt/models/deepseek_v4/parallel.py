@@ -104,8 +104,12 @@ def shard_modules(model: Any, plan: ParallelPlan) -> None:
             mlp.experts = nn.ModuleList(list(mlp.experts)[first:first + count])
             mlp.expert_range = (first, count)
             mlp.shared_experts = ClampedSwiGLU(D, s1 - s0, mlp.shared_experts.limit)
+    from engram_trt.models.deepseek_v4.attention import DeepseekV4Attention
+
     for mod in model.modules():
         if isinstance(mod, LightningIndexer):
             mod.tp = tp
             mod.score_heads = cfg.index_n_heads
+        elif isinstance(mod, DeepseekV4Attention):
+            mod.fused_decode = False  # the module path gathers the indexer's heads across the ranks
     model.tp = tp
