@@ -17,10 +17,18 @@
  * PyTorch's CUDA rsqrt calls).
  *
  * Layout: one warp per row (a row = one head of one token), 4 rows a block, blockIdx.y =
- * the job. Pass 1 sums the row's squares (lane-strided element loads, a warp butterfly);
- * pass 2 writes the leading channels, then the rotated pairs, each lane reading only the
- * elements it writes, so out may be x itself (in place). Rows are tiny (a few hundred
- * elements): the kernel is one launch's latency, not bandwidth.
+ * the job. Rows are tiny (a few hundred elements): the kernel is latency, not bandwidth.
+ *
+ * The row in registers (rows of an even dim <= 64 * P, P the launch's pairs a lane): lane
+ * l holds the pairs (2q, 2q + 1), q = l + 32 i, i < P; every load of the row (x, the norm
+ * weight, the pair's cos / sin) is issued at once, unrolled, before the first sum, so a
+ * row costs one memory round trip (the general form below walked the row in a loop whose
+ * every iteration waited for its load: a 768-wide q_a row took 24 round trips, ~10 us on
+ * the H100). The sum of squares runs pair by pair in a lane, then a warp butterfly;
+ * each lane writes only the pairs it read, so out may be x itself.
+ * The general form (odd dims, wider rows, ENGRAM_TRT_NORM_ROPE_REGS=0): pass 1 sums the
+ * row's squares (lane-strided element loads, a warp butterfly); pass 2 writes the leading
+ * channels, then the rotated pairs, each lane reading only the elements it writes.
  */
 #include "dependentLaunch.cuh"
 #include "engramKernels.h"
@@ -44,6 +52,7 @@ namespace
 
 constexpr int kNormRopeThreads = 128;
 constexpr int kNormRopeRowsPerBlock = kNormRopeThreads / 32;
+constexpr int kNormRopeMaxPairs = 32; // rows of up to 2048 elements in registers
 
 struct NormRopeJobs
 {
@@ -67,7 +76,102 @@ __device__ __forceinline__ float normed(T const* x, int32_t c, EngramNormRopeJob
     return v;
 }
 
+//! The reciprocal RMS of a row from its sum of squares (the I/O-rounded one for the
+//! unweighted norm), 1 without a norm.
 template <typename T>
+__device__ __forceinline__ float reciprocalRms(EngramNormRopeJob const& j, float squares)
+{
+    if (j.norm == ENGRAM_NORM_NONE)
+    {
+        return 1.0F;
+    }
+    // mean (sum / dim) + eps, then rsqrt: three float32 ops of the reference
+    float const r = rsqrtf(__fadd_rn(__fdiv_rn(squares, static_cast<float>(j.dim)), j.eps));
+    return j.norm == ENGRAM_NORM_UNWEIGHTED ? roundTo<T>(r) : r;
+}
+
+//! A normed value (normed() on a value already in a register; w the channel's weight).
+template <typename T>
+__device__ __forceinline__ float normedValue(float v, EngramNormRopeJob const& j, float w, float r)
+{
+    if (j.norm == ENGRAM_NORM_WEIGHTED)
+    {
+        return roundTo<T>(__fmul_rn(w, __fmul_rn(v, r)));
+    }
+    if (j.norm == ENGRAM_NORM_UNWEIGHTED)
+    {
+        return roundTo<T>(__fmul_rn(v, r));
+    }
+    return v;
+}
+
+//! The row in registers (file comment): dim even and <= 64 * P.
+template <typename T, int P>
+__device__ __forceinline__ void normRopeRowInRegisters(
+    EngramNormRopeJob const& j, T const* x, T* out, float const* weight, int64_t token, int lane)
+{
+    int32_t const pairs = j.dim / 2;
+    int32_t const leadPairs = pairs - j.rope_pairs;
+    float const* const cosRow = j.rope_pairs > 0 ? j.cos + token * j.cos_stride : nullptr;
+    float const* const sinRow = j.rope_pairs > 0 ? j.sin + token * j.cos_stride : nullptr;
+    float even[P];
+    float odd[P];
+    float w0[P];
+    float w1[P];
+    float c[P];
+    float s[P];
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+    {
+        int32_t const q = lane + 32 * i;
+        bool const inside = q < pairs;
+        even[i] = inside ? toFloat(x[2 * q]) : 0.0F;
+        odd[i] = inside ? toFloat(x[2 * q + 1]) : 0.0F;
+        bool const weighted = inside && weight != nullptr;
+        w0[i] = weighted ? weight[2 * q] : 0.0F;
+        w1[i] = weighted ? weight[2 * q + 1] : 0.0F;
+        bool const rotated = inside && q >= leadPairs;
+        c[i] = rotated ? cosRow[q - leadPairs] : 0.0F;
+        s[i] = rotated ? sinRow[q - leadPairs] : 0.0F;
+    }
+    float squares = 0.0F;
+    if (j.norm != ENGRAM_NORM_NONE)
+    {
+#pragma unroll
+        for (int i = 0; i < P; ++i)
+        {
+            squares = __fadd_rn(squares, __fmul_rn(even[i], even[i]));
+            squares = __fadd_rn(squares, __fmul_rn(odd[i], odd[i]));
+        }
+        squares = warpSum(squares);
+    }
+    float const r = reciprocalRms<T>(j, squares);
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+    {
+        int32_t const q = lane + 32 * i;
+        if (q < pairs)
+        {
+            float const y0 = normedValue<T>(even[i], j, w0[i], r);
+            float const y1 = normedValue<T>(odd[i], j, w1[i], r);
+            if (q < leadPairs)
+            {
+                out[2 * q] = fromFloat<T>(y0);
+                out[2 * q + 1] = fromFloat<T>(y1);
+            }
+            else
+            {
+                float const cr = roundTo<T>(c[i]); // cos.to(x.dtype), then widened
+                float const sr = roundTo<T>(s[i]) * static_cast<float>(j.rope_sign);
+                out[2 * q] = fromFloat<T>(__fsub_rn(__fmul_rn(y0, cr), __fmul_rn(y1, sr)));
+                out[2 * q + 1] = fromFloat<T>(__fadd_rn(__fmul_rn(y1, cr), __fmul_rn(y0, sr)));
+            }
+        }
+    }
+}
+
+//! P: pairs a lane holds in registers (0: the general form for every job).
+template <typename T, int P>
 __global__ void __launch_bounds__(kNormRopeThreads) normRopeKernel(NormRopeJobs jobs)
 {
     waitForPrimary(); // x comes from the kernel before (dependentLaunch.cuh)
@@ -84,6 +188,11 @@ __global__ void __launch_bounds__(kNormRopeThreads) normRopeKernel(NormRopeJobs 
     T const* const x = static_cast<T const*>(j.x) + token * j.x_stride + head * j.dim;
     T* const out = static_cast<T*>(j.out) + token * j.out_stride + head * j.dim;
     float const* const weight = j.weight == nullptr ? nullptr : j.weight + head * j.weight_stride;
+    if (P > 0 && j.dim % 2 == 0 && j.dim <= 64 * P)
+    {
+        normRopeRowInRegisters<T, (P > 0 ? P : 1)>(j, x, out, weight, token, lane);
+        return;
+    }
 
     float r = 1.0F;
     if (j.norm != ENGRAM_NORM_NONE)
@@ -210,6 +319,48 @@ int checkJob(EngramNormRopeJob const& j, int32_t index, int32_t ioType)
     return 0;
 }
 
+//! The pairs a lane holds for the launch's widest even row of up to 64 * kNormRopeMaxPairs
+//! elements (a power of two, at least 2), 0 when no job's rows fit in registers.
+int pairsPerLane(NormRopeJobs const& jobs, int32_t numJobs)
+{
+    int32_t widest = 0;
+    for (int32_t i = 0; i < numJobs; ++i)
+    {
+        int32_t const dim = jobs.job[i].dim;
+        if (jobs.job[i].rows > 0 && dim % 2 == 0 && dim <= 64 * kNormRopeMaxPairs && dim > widest)
+        {
+            widest = dim;
+        }
+    }
+    if (widest == 0)
+    {
+        return 0;
+    }
+    int pairs = 2;
+    while (64 * pairs < widest)
+    {
+        pairs *= 2;
+    }
+    return pairs;
+}
+
+template <typename T>
+void launchNormRope(int pairs, dim3 grid, cudaStream_t stream, NormRopeJobs const& packed)
+{
+    dim3 const block(kNormRopeThreads);
+    switch (pairs)
+    {
+    case 2: launchDependent(normRopeKernel<T, 2>, grid, block, 0, stream, packed); break;
+    case 4: launchDependent(normRopeKernel<T, 4>, grid, block, 0, stream, packed); break;
+    case 8: launchDependent(normRopeKernel<T, 8>, grid, block, 0, stream, packed); break;
+    case 16: launchDependent(normRopeKernel<T, 16>, grid, block, 0, stream, packed); break;
+    case kNormRopeMaxPairs:
+        launchDependent(normRopeKernel<T, kNormRopeMaxPairs>, grid, block, 0, stream, packed);
+        break;
+    default: launchDependent(normRopeKernel<T, 0>, grid, block, 0, stream, packed); break;
+    }
+}
+
 } // namespace
 
 } // namespace kernels
@@ -249,16 +400,13 @@ extern "C" ENGRAM_API int engram_norm_rope(
     }
     dim3 const grid(static_cast<unsigned>((maxRows + kNormRopeRowsPerBlock - 1) / kNormRopeRowsPerBlock),
         static_cast<unsigned>(numJobs));
+    int const pairs = envSwitch("ENGRAM_TRT_NORM_ROPE_REGS", true) ? pairsPerLane(packed, numJobs) : 0;
     resetLaunchError();
     switch (ioType)
     {
-    case ENGRAM_FLOAT_BF16:
-        launchDependent(normRopeKernel<__nv_bfloat16>, grid, dim3(kNormRopeThreads), 0, stream, packed);
-        break;
-    case ENGRAM_FLOAT_F16:
-        launchDependent(normRopeKernel<__half>, grid, dim3(kNormRopeThreads), 0, stream, packed);
-        break;
-    default: launchDependent(normRopeKernel<float>, grid, dim3(kNormRopeThreads), 0, stream, packed); break;
+    case ENGRAM_FLOAT_BF16: launchNormRope<__nv_bfloat16>(pairs, grid, stream, packed); break;
+    case ENGRAM_FLOAT_F16: launchNormRope<__half>(pairs, grid, stream, packed); break;
+    default: launchNormRope<float>(pairs, grid, stream, packed); break;
     }
     return checkLaunch("engram_norm_rope");
 }

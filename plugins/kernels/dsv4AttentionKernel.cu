@@ -18,10 +18,17 @@
  *                 max and denominator (with the sink), pass 2 the probabilities rounded to
  *                 the I/O type times the keys (K = V), fp32 sums, out rounded once.
  *                 Reads the window ring (positions < past) before step 6 overwrites it.
+ *                 bf16 / fp16 with head_dim % 8 == 0 (ENGRAM_TRT_DSV4_ATTEND_VEC, on unless
+ *                 "0"): 8 warps, each key a 16-byte vector a lane, each warp's loads of
+ *                 kAttendBatch keys issued at once before their dot products (the scalar
+ *                 form waited a memory round trip per key and pass: a 128-key window took
+ *                 ~21 us a layer on the H100, one warp's 32 keys twice in series).
+ *                 A programmatic dependent launch (dependentLaunch.cuh), as is step 6.
  *   6. window     the last W keys of each sequence into its slot's window ring.
  * A sequence whose slot is outside the state, whose past length is negative or which would
  * outgrow the entries writes nothing and gets zero rows.
  */
+#include "dependentLaunch.cuh"
 #include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "seqIndex.cuh"
@@ -575,10 +582,292 @@ __global__ void __launch_bounds__(kAttendThreads)
     }
 }
 
+constexpr int kAttendVecWarps = 8;
+constexpr int kAttendVecThreads = kAttendVecWarps * 32;
+constexpr int kAttendBatch = 8; // keys a warp loads at once
+
+template <typename T>
+struct PairType;
+template <>
+struct PairType<__nv_bfloat16>
+{
+    using type = __nv_bfloat162;
+};
+template <>
+struct PairType<__half>
+{
+    using type = __half2;
+};
+
+//! Raw 16-byte vectors of the batch's keys first + b * kAttendVecWarps (b < kAttendBatch),
+//! the lane's vectors lane + 32 j (j < NV); keys past the last read the last (masked later).
+template <typename T, int NV>
+__device__ __forceinline__ void loadKeyBatch(
+    KeySource<T> const& src, int64_t first, int64_t total, int32_t vectors, int lane, uint4 (&raw)[kAttendBatch][NV])
+{
+#pragma unroll
+    for (int b = 0; b < kAttendBatch; ++b)
+    {
+        int64_t const i = first + b * kAttendVecWarps;
+        T const* const k = src.key(i < total ? i : total - 1);
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+        {
+            int32_t const v = lane + 32 * j;
+            raw[b][j] = v < vectors ? *reinterpret_cast<uint4 const*>(k + 8 * v) : make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+//! The batch's dot products with q (the lane's channels, then a warp butterfly per key).
+template <typename T, int NV>
+__device__ __forceinline__ void batchDots(
+    uint4 const (&raw)[kAttendBatch][NV], float const (&q)[NV][8], float (&dot)[kAttendBatch])
+{
+#pragma unroll
+    for (int b = 0; b < kAttendBatch; ++b)
+    {
+        float acc = 0.0F;
+#pragma unroll
+        for (int j = 0; j < NV; ++j)
+        {
+            float k[8];
+            unpack8Pairs<typename PairType<T>::type>(raw[b][j], k);
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+            {
+                acc += q[j][e] * k[e];
+            }
+        }
+        dot[b] = acc;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+    {
+#pragma unroll
+        for (int b = 0; b < kAttendBatch; ++b)
+        {
+            dot[b] += __shfl_xor_sync(0xffffffffU, dot[b], off);
+        }
+    }
+}
+
+//! attendKernel's math for bf16 / fp16 and head_dim % 8 == 0 (file comment, step 5): NV
+//! 16-byte vectors of a key a lane (head_dim <= 256 * NV).
+template <typename T, int NV>
+__global__ void __launch_bounds__(kAttendVecThreads)
+    attendVecKernel(EngramDsv4Shape sh, EngramDsv4Tensors t, int32_t const* picks)
+{
+    __shared__ float warpMax[kAttendVecWarps];
+    __shared__ float warpSum[kAttendVecWarps];
+    __shared__ float acc[kAttendVecWarps][ENGRAM_DSV4_MAX_HEAD_DIM];
+    waitForPrimary(); // q and kv come from the kernels before (dependentLaunch.cuh)
+    allowDependents();
+    int64_t const tok = blockIdx.x;
+    int32_t const h = blockIdx.y;
+    int32_t const d = sh.head_dim;
+    int32_t const vectors = d / 8;
+    T* out = static_cast<T*>(t.out) + (tok * sh.num_heads + h) * d;
+    TokenView const tv = tokenView(sh, t, tok);
+    if (!tv.valid)
+    {
+        for (int32_t c = threadIdx.x; c < d; c += blockDim.x)
+        {
+            out[c] = fromFloat<T>(0.0F);
+        }
+        return;
+    }
+    int const lane = threadIdx.x & 31;
+    int const warp = threadIdx.x / 32;
+    T const* q = static_cast<T const*>(t.q) + (tok * sh.num_heads + h) * d;
+    float qv[NV][8];
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+    {
+        int32_t const v = lane + 32 * j;
+        if (v < vectors)
+        {
+            load8(q + 8 * v, qv[j]);
+        }
+        else
+        {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+            {
+                qv[j][e] = 0.0F;
+            }
+        }
+    }
+    KeySource<T> src;
+    src.window = static_cast<T const*>(t.window_kv) + tv.slot * sh.window * d;
+    src.fresh = static_cast<T const*>(t.kv);
+    src.entries = static_cast<T const*>(t.entries) + tv.slot * sh.max_entries * d;
+    src.lo = tv.pos - sh.window + 1 > 0 ? tv.pos - sh.window + 1 : 0;
+    src.past = tv.past;
+    src.start = tv.start;
+    src.nWindow = tv.pos - src.lo + 1;
+    src.window_len = sh.window;
+    src.d = d;
+    src.picks = nullptr;
+    int64_t nEntries = 0;
+    if (sh.layer_type != ENGRAM_DSV4_SLIDING)
+    {
+        nEntries = (tv.pos + 1) / sh.compress_rate;
+        if (sh.layer_type == ENGRAM_DSV4_CSA && nEntries > sh.index_topk)
+        {
+            src.picks = picks + tok * sh.index_topk;
+            nEntries = sh.index_topk;
+        }
+    }
+    int64_t const total = src.nWindow + nEntries;
+    constexpr int64_t kStride = static_cast<int64_t>(kAttendVecWarps) * kAttendBatch;
+    // pass 1: the max and the denominator (online, per warp, keys in the scalar form's order)
+    float m = -INFINITY;
+    float l = 0.0F;
+    for (int64_t first = warp; first < total; first += kStride)
+    {
+        uint4 raw[kAttendBatch][NV];
+        loadKeyBatch<T, NV>(src, first, total, vectors, lane, raw);
+        float dot[kAttendBatch];
+        batchDots<T, NV>(raw, qv, dot);
+#pragma unroll
+        for (int b = 0; b < kAttendBatch; ++b)
+        {
+            if (first + b * kAttendVecWarps < total)
+            {
+                float const s = dot[b] * sh.scaling;
+                float const mNew = fmaxf(m, s);
+                l = l * expf(m - mNew) + expf(s - mNew);
+                m = mNew;
+            }
+        }
+    }
+    if (lane == 0)
+    {
+        warpMax[warp] = m;
+        warpSum[warp] = l;
+    }
+    __syncthreads();
+    float const sink = t.sinks[h];
+    float top = sink;
+    for (int w = 0; w < kAttendVecWarps; ++w)
+    {
+        top = fmaxf(top, warpMax[w]);
+    }
+    float denom = expf(sink - top);
+    for (int w = 0; w < kAttendVecWarps; ++w)
+    {
+        denom += warpMax[w] == -INFINITY ? 0.0F : warpSum[w] * expf(warpMax[w] - top);
+    }
+    // pass 2: probabilities rounded to the I/O type, times the keys
+    float part[NV][8];
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+    {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+        {
+            part[j][e] = 0.0F;
+        }
+    }
+    for (int64_t first = warp; first < total; first += kStride)
+    {
+        uint4 raw[kAttendBatch][NV];
+        loadKeyBatch<T, NV>(src, first, total, vectors, lane, raw);
+        float dot[kAttendBatch];
+        batchDots<T, NV>(raw, qv, dot);
+#pragma unroll
+        for (int b = 0; b < kAttendBatch; ++b)
+        {
+            if (first + b * kAttendVecWarps < total)
+            {
+                float const p = roundTo<T>(expf(dot[b] * sh.scaling - top) / denom);
+#pragma unroll
+                for (int j = 0; j < NV; ++j)
+                {
+                    float k[8];
+                    unpack8Pairs<typename PairType<T>::type>(raw[b][j], k);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e)
+                    {
+                        part[j][e] += p * k[e];
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NV; ++j)
+    {
+        int32_t const v = lane + 32 * j;
+        if (v < vectors)
+        {
+#pragma unroll
+            for (int e = 0; e < 8; ++e)
+            {
+                acc[warp][8 * v + e] = part[j][e];
+            }
+        }
+    }
+    __syncthreads();
+    for (int32_t c = threadIdx.x; c < d; c += blockDim.x)
+    {
+        float sum = 0.0F;
+        for (int w = 0; w < kAttendVecWarps; ++w)
+        {
+            sum += acc[w][c];
+        }
+        out[c] = fromFloat<T>(sum);
+    }
+}
+
+//! Whether attendVecKernel takes the step (file comment, step 5).
+template <typename T>
+bool attendVecServes(EngramDsv4Shape const& sh, EngramDsv4Tensors const& t)
+{
+    if (sizeof(T) != 2 || sh.head_dim % 8 != 0 || !envSwitch("ENGRAM_TRT_DSV4_ATTEND_VEC", true))
+    {
+        return false;
+    }
+    void const* used[] = {t.q, t.kv, t.window_kv, t.out, sh.layer_type != ENGRAM_DSV4_SLIDING ? t.entries : t.q};
+    for (void const* p : used)
+    {
+        if (!isAligned(p, 16))
+        {
+            return false;
+        }
+    }
+    return true;
+}
+
+template <typename T>
+void launchAttend(EngramDsv4Shape const& sh, EngramDsv4Tensors const& t, int32_t const* picks, cudaStream_t stream)
+{
+    dim3 const grid(static_cast<unsigned>(sh.num_tokens), static_cast<unsigned>(sh.num_heads));
+    if constexpr (sizeof(T) == 2)
+    {
+        if (attendVecServes<T>(sh, t))
+        {
+            if (sh.head_dim <= 256)
+            {
+                launchDependent(attendVecKernel<T, 1>, grid, dim3(kAttendVecThreads), 0, stream, sh, t, picks);
+            }
+            else
+            {
+                launchDependent(attendVecKernel<T, 2>, grid, dim3(kAttendVecThreads), 0, stream, sh, t, picks);
+            }
+            return;
+        }
+    }
+    attendKernel<T><<<grid, kAttendThreads, 0, stream>>>(sh, t, picks);
+}
+
 //! The last W keys of each sequence into its window ring (after attendKernel read it).
 template <typename T>
 __global__ void windowKernel(EngramDsv4Shape sh, EngramDsv4Tensors t)
 {
+    waitForPrimary(); // the attend kernel reads the ring first (dependentLaunch.cuh)
+    allowDependents();
     SeqView const v = seqView(sh, t, blockIdx.y);
     int64_t const keep = v.count < sh.window ? v.count : sh.window;
     if (!v.valid || blockIdx.x >= keep)
@@ -680,16 +969,15 @@ int launchAll(EngramDsv4Shape const& sh, EngramDsv4Tensors const& t, void* works
         }
     }
     resetLaunchError();
-    attendKernel<T><<<dim3(static_cast<unsigned>(sh.num_tokens), static_cast<unsigned>(sh.num_heads)), kAttendThreads,
-        0, stream>>>(sh, t, picks);
+    launchAttend<T>(sh, t, picks, stream);
     int status = checkLaunch("engram_dsv4_attention (attend)");
     if (status != 0)
     {
         return status;
     }
     resetLaunchError();
-    windowKernel<T>
-        <<<dim3(static_cast<unsigned>(sh.window), static_cast<unsigned>(sh.num_seqs)), 128, 0, stream>>>(sh, t);
+    launchDependent(windowKernel<T>, dim3(static_cast<unsigned>(sh.window), static_cast<unsigned>(sh.num_seqs)),
+        dim3(128), 0, stream, sh, t);
     (void) seqGrid;
     return checkLaunch("engram_dsv4_attention (window)");
 }

@@ -56,6 +56,11 @@ int computeCapabilityMajor();
 //! is not "0" (read at each call): dependentLaunch.cuh's launches may then overlap.
 bool dependentLaunchEnabled();
 
+//! An A/B switch of a kernel's form: false when the environment variable `name` is "0",
+//! true when it is "1", else `fallback` (read at each call: a graph captured after the
+//! change records the other form).
+bool envSwitch(char const* name, bool fallback);
+
 using ::engram_trt::sourceFileName;
 
 //! True when `p` is aligned to `bytes`.

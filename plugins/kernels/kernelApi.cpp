@@ -124,6 +124,20 @@ bool dependentLaunchEnabled()
     return computeCapabilityMajor() >= 9;
 }
 
+bool envSwitch(char const* name, bool fallback)
+{
+    char const* const env = std::getenv(name);
+    if (env != nullptr && std::strcmp(env, "0") == 0)
+    {
+        return false;
+    }
+    if (env != nullptr && std::strcmp(env, "1") == 0)
+    {
+        return true;
+    }
+    return fallback;
+}
+
 } // namespace kernels
 } // namespace engram_trt
 

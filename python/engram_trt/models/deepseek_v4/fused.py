@@ -34,9 +34,11 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 FUSED_ENV = "ENGRAM_TRT_DSV4_FUSED"
+QUANT_STATIC_ENV = "ENGRAM_TRT_DSV4_QUANT_STATIC"
 
 
 def unavailable(x: Tensor) -> str | None:
@@ -61,11 +63,30 @@ def _f32(t: Tensor) -> Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+def _stored_format(x: Tensor, mod: nn.Module) -> Tensor | None:
+    """A bias-free stored-format projection (``QuantLinear``) of ``x`` on the library's
+    kernels with ``weight_static`` (a model's weight: nothing in the step writes it, so the
+    GEMV loads it while the kernel before it runs), or None where the module's own forward
+    must run (its backend, no CUDA kernel for it, ``ENGRAM_TRT_DSV4_QUANT_STATIC=0``)."""
+    from engram_trt.quant.weight import QuantLinear
+
+    if not isinstance(mod, QuantLinear) or mod.bias is not None or mod.backend == "torch" \
+            or os.environ.get(QUANT_STATIC_ENV, "1") == "0":
+        return None
+    from engram_trt.native import quant as native_quant
+
+    qw = mod.qweight
+    if native_quant.unavailable_for(x, qw) is not None:
+        return None
+    return native_quant.linear(x, qw, weight_static=True)
+
+
 def project(x: Tensor, mods: list[nn.Module]) -> list[Tensor]:
     """Each module's output for ``x [T, K]``: the plain bias-free bf16 ``nn.Linear`` ones the
     GEMV takes (a decode step's few rows) in one launch
-    (:func:`engram_trt.native.decode.gemv_segments`, a segment each), the others through
-    their own forward (a prefill chunk, a stored-format weight)."""
+    (:func:`engram_trt.native.decode.gemv_segments`, a segment each), a stored-format one
+    through the library's product with ``weight_static`` (:func:`_stored_format`), the
+    others through their own forward (a prefill chunk)."""
     from engram_trt.native import decode
 
     outs: list[Tensor] = []
@@ -76,7 +97,8 @@ def project(x: Tensor, mods: list[nn.Module]) -> list[Tensor]:
             out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
             segments.append((x, w, out))
         else:
-            out = mod(x)
+            stored = _stored_format(x, mod)
+            out = stored if stored is not None else mod(x)
         outs.append(out)
     for first in range(0, len(segments), decode.MAX_SEGMENTS):
         decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
@@ -197,7 +219,11 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     from engram_trt.native import quant as native_quant
 
     routed = native_quant.experts(x, ids, weights, *stacks, limit=limit)
-    return routed + shared(x)
+    # the shared expert as ClampedSwiGLU.forward, its products through project (stored-format
+    # weights with weight_static; gate and up of bf16 ones in one launch)
+    gate, up = project(x, projections[:2])
+    h = F.silu(gate.clamp(max=shared.limit)) * up.clamp(min=-shared.limit, max=shared.limit)
+    return routed + project(h, projections[2:])[0]
 
 
-__all__ = ["FUSED_ENV", "attention", "moe", "project", "unavailable"]
+__all__ = ["FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project", "unavailable"]
