@@ -340,10 +340,10 @@ def _stack_scales(parts: Sequence[Any], per_row: bool) -> np.ndarray:
     out = []
     for p in parts:
         s = p.scale.detach().to("cpu").contiguous()
+        s = s.view(torch.int8) if s.dtype in (torch.float8_e8m0fnu, torch.uint8) else s.to(torch.float32)
         if per_row:
             s = s.repeat_interleave(int(p.block[0]), dim=-2)[: p.out_features]
-        out.append(s.view(torch.int8).numpy() if s.dtype in (torch.float8_e8m0fnu, torch.uint8)
-                   else s.to(torch.float32).numpy())
+        out.append(s.numpy())
     return np.ascontiguousarray(np.stack(out))
 
 
