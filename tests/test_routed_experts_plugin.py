@@ -35,10 +35,11 @@ def test_creator_is_registered_and_refuses_bad_fields(trt, capfd) -> None:
     creator = m.get_plugin_registry().get_creator("EngramRoutedExperts", "1", NAMESPACE)
     assert creator is not None
     i32, f32 = m.PluginFieldType.INT32, m.PluginFieldType.FLOAT32
-    assert [(f.name, f.type) for f in creator.field_names] == [(n, f32 if n == "swiglu_limit" else i32) for n in FIELDS]
-    good = {"num_experts": ("int32", 8), "top_k": ("int32", 2), "hidden": ("int32", 256), "intermediate": ("int32", 128),
-            "w_type": ("int32", 1), "scale_type": ("int32", 1), "block_n": ("int32", 1), "block_k": ("int32", 32),
-            "swiglu_limit": ("float32", 7.0)}
+    assert [(f.name, f.type) for f in creator.field_names] == [(n, f32 if n == "swiglu_limit" else i32)
+                                                               for n in FIELDS]
+    good = {"num_experts": ("int32", 8), "top_k": ("int32", 2), "hidden": ("int32", 256),
+            "intermediate": ("int32", 128), "w_type": ("int32", 1), "scale_type": ("int32", 1),
+            "block_n": ("int32", 1), "block_k": ("int32", 32), "swiglu_limit": ("float32", 7.0)}
     assert create_plugin(trt, "EngramRoutedExperts", good) is not None
     for change, message in (({"w_type": ("int32", 3)}, "field 'w_type' = 3 is outside [0, 1]"),
                             ({"hidden": ("int32", 200)}, "hidden 200 and intermediate 128 must be multiples of 32"),
@@ -71,9 +72,10 @@ def _graph(path: Path, kind: str, weight_type: int, E: int = 8, k: int = 2, D: i
                             domain=NAMESPACE, plugin_version="1", plugin_namespace=NAMESPACE, num_experts=E, top_k=k,
                             hidden=D, intermediate=I, w_type=1 if fp4 else 0, scale_type=1 if fp4 else 0, block_n=bn,
                             block_k=bk, swiglu_limit=7.0 if fp4 else 0.0)
-    graph = helper.make_graph([node], "experts", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["T", D]),
-                                                  helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", k]),
-                                                  helper.make_tensor_value_info("route_w", TensorProto.FLOAT, ["T", k])],
+    inputs = [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["T", D]),
+              helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", k]),
+              helper.make_tensor_value_info("route_w", TensorProto.FLOAT, ["T", k])]
+    graph = helper.make_graph([node], "experts", inputs,
                               [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["T", D])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(NAMESPACE, 1)])
     model.ir_version = 10
@@ -222,10 +224,12 @@ def test_the_exported_node_is_the_experts_product(case: str) -> None:
                                               helper.make_tensor_value_info("ids", TensorProto.INT64, [T, k]),
                                               helper.make_tensor_value_info("route_w", TensorProto.FLOAT, [T, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, D])], g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(PLUGIN_DOMAIN, 1)])
     inits = {i.name: i for i in graph.initializer}
     assert [inits[n].data_type for n in node.input[3::2]] == [TensorProto.INT8] * 3
-    assert [inits[n].data_type for n in node.input[4::2]] == [TensorProto.FLOAT if fmt == "float" else TensorProto.INT8] * 3
+    scale_type = TensorProto.FLOAT if fmt == "float" else TensorProto.INT8
+    assert [inits[n].data_type for n in node.input[4::2]] == [scale_type] * 3
     fields = {a.name: a for a in node.attribute}
     assert (fields["block_n"].i, fields["block_k"].i) == ((1, 32) if kind == "fp4" else
                                                          ((1, 128) if case.endswith("differ") else (128, 128)))

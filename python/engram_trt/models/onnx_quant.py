@@ -196,8 +196,8 @@ def fp4_weight(src: Mapping[str, Any], name: str) -> Any:
     if found is not None and found[1].dtype == torch.uint8:
         found = (found[0], found[1].view(torch.float8_e8m0fnu))
     shape = (int(data.shape[0]), 2 * int(data.shape[1]))
-    problem = check_quant_tensors(name, "fp4", shape, tuple(data.shape), None if found is None else tuple(found[1].shape),
-                                  (1, FP4_GROUP))
+    scale_shape = None if found is None else tuple(found[1].shape)
+    problem = check_quant_tensors(name, "fp4", shape, tuple(data.shape), scale_shape, (1, FP4_GROUP))
     if problem is not None:
         raise CheckpointError(problem)
     return QuantWeight(data.view(torch.int8), found[1], "fp4", (1, FP4_GROUP))  # type: ignore[index]

@@ -395,8 +395,8 @@ class Blocks(GraphBlocks):
             e = g.op("Cast", [e], f"engram_e{j}_cast", to=self.elem)
         kv = self.fp8_linear(e, names["wkv"], f"engram_kv{j}")
         if kv is None:
-            kv = g.op("MatMul", [e, g.const(names["wkv"] + ".T", np.ascontiguousarray(_np(self.get(names["wkv"]),
-                                                                                       self.np_dt).T))], f"engram_kv{j}")
+            wkv_t = np.ascontiguousarray(_np(self.get(names["wkv"]), self.np_dt).T)
+            kv = g.op("MatMul", [e, g.const(names["wkv"] + ".T", wkv_t)], f"engram_kv{j}")
         gate_elem = DTYPES[gate_dtype][0]
         hid = streams
         if gate_elem != self.elem:
