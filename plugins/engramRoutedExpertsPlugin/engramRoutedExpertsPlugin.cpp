@@ -21,6 +21,8 @@ using nvinfer1::DataType;
 
 namespace routed_experts_detail
 {
+namespace
+{ // the helpers: this file's own (internal linkage)
 constexpr char const* kName = "EngramRoutedExperts";
 constexpr int32_t kX = 0;
 constexpr int32_t kIds = 1;
@@ -236,6 +238,7 @@ void checkStatus(int status)
 {
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
+} // namespace
 } // namespace routed_experts_detail
 
 EngramRoutedExpertsPlugin::EngramRoutedExpertsPlugin(RoutedExpertsConfig const& config, nvinfer1::TensorRTPhase phase)
