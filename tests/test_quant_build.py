@@ -6,7 +6,7 @@ of tiny random engram-llama and Qwen4Exp models (tests/conftest.transformers_fp8
 one laid out by the formats note with partial blocks (dims 320 / 200: not multiples of
 128), and DeepSeek-V4 / V4.1 laid out as the hub ships V4.1-Flash (FP8 linears with ue8m0
 128 x 128 scales, FP4 routed experts, DeepSeek's root names; one under transformers'
-names), partial blocks included.
+names, one with FP8 routed experts, ``expert_dtype: "fp8"``), partial blocks included.
 
 * The exported graph (fp32), run by ONNX's ReferenceEvaluator over a packed prefill of
   three prompts (slots out of order) and two decode steps, equals the reference within
@@ -125,6 +125,8 @@ DS_CASES: dict[str, tuple[dict[str, Any], bool, bool]] = {
                              index_topk=1), False, True),
     # V4.1 (Engram on layers 0 and 2), transformers' names with .weight_scale_inv
     "v41-transformers-names": (dict(moe_intermediate_size=32, index_n_heads=8), True, False),
+    # expert_dtype fp8: the routed experts FP8 too (ue8m0 128 x 128), through the plugin's FP8 path
+    "hub-fp8-experts": (dict(moe_intermediate_size=64, index_n_heads=8), False, True),
 }
 
 
@@ -139,6 +141,8 @@ def deepseek(name: str, root: Path) -> Made:
     folder = root / "q"
     q.quantize_folder(root / "float", folder, hub=hub, scale_suffix=".scale" if hub else ".weight_scale_inv",
                       mtp=hub)
+    if name == "hub-fp8-experts":
+        _fp8_experts(root / "float", folder)
     if not v41:
         q.dequantized_folder(folder, root / "deq")
         return Made(folder, *_hf(q.hf_load(root / "deq")), PROMPTS)
@@ -156,6 +160,26 @@ def deepseek(name: str, root: Path) -> Made:
                                                  for p in prompts], PROMPTS)
 
 
+def _fp8_experts(src: Path, folder: Path) -> None:
+    """The routed experts of a hub-layout folder re-stored FP8 (ue8m0 128 x 128 blocks,
+    ``.scale`` beside each) from the float folder, ``expert_dtype: "fp8"``."""
+    import test_deepseek_v4_quant as q
+    from safetensors.torch import load_file, save_file
+
+    from engram_trt.quant.formats import quantize_fp8
+
+    floats = load_file(str(src / "model.safetensors"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, t in floats.items():
+        hub = q.hub_name(name)
+        if q.ROUTED.search(hub):
+            tensors[hub], tensors[hub[: -len(".weight")] + ".scale"] = quantize_fp8(t, (128, 128), "ue8m0")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    d = json.loads((folder / "config.json").read_text())
+    d["expert_dtype"] = "fp8"
+    (folder / "config.json").write_text(json.dumps(d, indent=1))
+
+
 def _v41_model(folder: Path) -> Any:
     from engram_trt.models.registry import open_checkpoint
     from engram_trt.tables.base import TableStore
@@ -171,7 +195,8 @@ def _v41_model(folder: Path) -> Any:
 MAKERS = {"llama": llama, "qwen4": qwen4, "deepseek": deepseek}
 GRAPH_CASES = [("llama", "tied-ue8m0-partly-float"), ("llama", "partial-blocks"),
                ("qwen4", "ple-fp8-float-scales"), ("qwen4", "experts-i64-straddle"),
-               ("deepseek", "hub-small"), ("deepseek", "hub-partial-160"), ("deepseek", "v41-transformers-names")]
+               ("deepseek", "hub-small"), ("deepseek", "hub-partial-160"), ("deepseek", "v41-transformers-names"),
+               ("deepseek", "hub-fp8-experts")]
 _MADE: dict[tuple[str, str], Made] = {}
 
 
@@ -271,7 +296,8 @@ def test_exported_graph_equals_the_reference(family: str, name: str, tmp_path_fa
         base = n[len("model."):] if n.startswith("model.") else n
         assert not [f for f in floats if base in f], n
     want_routed = {("qwen4", "ple-fp8-float-scales"): 4, ("deepseek", "hub-small"): 3,
-                   ("deepseek", "hub-partial-160"): 3, ("deepseek", "v41-transformers-names"): 3}.get((family, name), 0)
+                   ("deepseek", "hub-partial-160"): 3, ("deepseek", "v41-transformers-names"): 3,
+                   ("deepseek", "hub-fp8-experts"): 3}.get((family, name), 0)
     assert len(routed) == want_routed and in_nodes == 9 * want_routed
     for n in routed:  # the stored bytes as INT8 initializers
         assert all(inits[i].data_type == TensorProto.INT8 for i in n.input[3::2])
@@ -319,7 +345,7 @@ def _build(ck: Path, out: Path, *extra: str) -> dict[str, Any]:
 
 
 ENGINE_CASES = [("llama", "partial-blocks"), ("qwen4", "ple-fp8-float-scales"), ("deepseek", "hub-small"),
-                ("deepseek", "v41-transformers-names")]
+                ("deepseek", "v41-transformers-names"), ("deepseek", "hub-fp8-experts")]
 
 
 @pytest.fixture(scope="module")
