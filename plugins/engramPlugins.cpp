@@ -17,6 +17,7 @@
 #include "engramPleFusionPlugin/engramPleFusionPlugin.h"
 #include "engramPleHashPlugin/engramPleHashPlugin.h"
 #include "engramQsaAttentionPlugin/engramQsaAttentionPlugin.h"
+#include "engramRoutedExpertsPlugin/engramRoutedExpertsPlugin.h"
 #include "kernels/engramKernels.h"
 
 extern "C" ENGRAM_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
@@ -36,9 +37,10 @@ extern "C" ENGRAM_API nvinfer1::IPluginCreatorInterface* const* getCreators(int3
     static engram_trt::plugin::EngramGatedDeltaNetPluginCreator gatedDeltaNetCreator;
     static engram_trt::plugin::EngramQsaAttentionPluginCreator qsaAttentionCreator;
     static engram_trt::plugin::EngramDsv4AttentionPluginCreator dsv4AttentionCreator;
-    static nvinfer1::IPluginCreatorInterface* const creators[]
-        = {&hashCreator, &gatherCreator, &gateCreator, &attentionCreator, &pleHashCreator, &pleFusionCreator,
-            &causalConv1dCreator, &gatedDeltaNetCreator, &qsaAttentionCreator, &dsv4AttentionCreator};
+    static engram_trt::plugin::EngramRoutedExpertsPluginCreator routedExpertsCreator;
+    static nvinfer1::IPluginCreatorInterface* const creators[] = {&hashCreator, &gatherCreator, &gateCreator,
+        &attentionCreator, &pleHashCreator, &pleFusionCreator, &causalConv1dCreator, &gatedDeltaNetCreator,
+        &qsaAttentionCreator, &dsv4AttentionCreator, &routedExpertsCreator};
     nbCreators = static_cast<int32_t>(sizeof(creators) / sizeof(creators[0]));
     return creators;
 }

@@ -243,18 +243,30 @@ def test_fused_fp8_projections_equal_them_apart(case: tuple[str, Path, Any]) -> 
     ckpt.close()
 
 
-def test_inspect_reports_no_problem_and_build_refuses_fp8(case: tuple[str, Path, Any], capsys: Any,
-                                                          tmp_path: Path) -> None:
+def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(case: tuple[str, Path, Any], capsys: Any,
+                                                                       tmp_path: Path) -> None:
+    """build (graph only) writes the FP8 weights as they are stored: each F8_E4M3 tensor a
+    FLOAT8E4M3FN initializer under a DequantizeLinear, the FP8 targets recorded, the
+    checkpoint untouched (the graph against transformers and the engines:
+    tests/test_quant_build.py)."""
+    import onnx
+    from onnx import TensorProto
+
     _name, folder, _ref = case
     capsys.readouterr()
     assert main(["inspect", str(folder), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["problems"] == [] and report["unused_tensors"] == []
     before = sorted(p.name for p in folder.iterdir())
-    assert main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "FP8 checkpoints are not exported yet" in err and "F8_E4M3" in err
-    assert not (tmp_path / "engine").exists() and sorted(p.name for p in folder.iterdir()) == before
+    assert main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"]) == 0
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    assert manifest["build_flags"]["targets"] == ["sm89", "sm120", "sm121"]
+    graph = onnx.load(str(tmp_path / "engine" / "model.onnx")).graph
+    e4m3 = {i.name for i in graph.initializer if i.data_type == TensorProto.FLOAT8E4M3FN}
+    fp8 = {k for k, v in stored(folder).items() if v == "F8_E4M3"}
+    assert e4m3 == {k + ".e4m3" for k in fp8}
+    assert {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear"} == e4m3
+    assert sorted(p.name for p in folder.iterdir()) == before
 
 
 # -- bad input: one line, exit 2, nothing written ------------------------------------------------

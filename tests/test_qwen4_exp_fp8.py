@@ -235,17 +235,35 @@ def test_fp8_experts_stacked_forms_equal_the_per_expert_path(case: tuple[str, Pa
     ckpt.close()
 
 
-def test_inspect_reports_no_problem_and_build_refuses_fp8(case: tuple[str, Path, Any], capsys: Any,
-                                                          tmp_path: Path) -> None:
-    _name, folder, _ref = case
+def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(case: tuple[str, Path, Any], capsys: Any,
+                                                                       tmp_path: Path) -> None:
+    """build (graph only) writes the FP8 weights as they are stored: each F8_E4M3 linear a
+    FLOAT8E4M3FN initializer under a DequantizeLinear, the routed experts the stored bytes
+    of one EngramRoutedExperts node per layer (where a projection was left float:
+    dequantized stacks of the dense form), the FP8 targets recorded (the graph against
+    transformers and the engines: tests/test_quant_build.py)."""
+    import onnx
+    from onnx import TensorProto
+
+    name, folder, _ref = case
     capsys.readouterr()
     assert main(["inspect", str(folder), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["problems"] == [] and report["unused_tensors"] == []
-    assert main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "FP8 checkpoints are not exported yet" in err
-    assert not (tmp_path / "engine").exists()
+    assert main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"]) == 0
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    assert manifest["build_flags"]["targets"] == ["sm89", "sm120", "sm121"]
+    graph = onnx.load(str(tmp_path / "engine" / "model.onnx")).graph
+    e4m3 = {i.name for i in graph.initializer if i.data_type == TensorProto.FLOAT8E4M3FN}
+    fp8 = {k for k, v in stored(folder).items() if v == "F8_E4M3"}
+    linears = {k for k in fp8 if ".mlp.experts." not in k}
+    assert {k + ".e4m3" for k in linears} <= e4m3
+    routed = [n for n in graph.node if n.op_type == "EngramRoutedExperts"]
+    if name == "experts-i64-straddle":  # down_proj left float: the dense form, gate / up stacks dequantized
+        assert not routed and {f"model.layers.{i}.mlp.experts.{p}_stack.e4m3" for i in range(4)
+                               for p in ("gate", "up")} <= e4m3
+    else:
+        assert len(routed) == 4 and e4m3 == {k + ".e4m3" for k in linears}
 
 
 # -- bad input: one line, exit 2, nothing written ------------------------------------------------
@@ -413,7 +431,9 @@ def test_fp8_ple_inspect_and_build(fp8_ple: tuple[str, Path, Any], capsys: Any, 
         assert e["table_scale"] == float(tensors[f"{stem}.weight_scale"][0])
     assert main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "FP8 checkpoints are not exported yet" in err
+    assert len(err.splitlines()) == 1 and "FP8 PLE tables are not built into engines yet" in err
+    assert "is F8_E4M3" in err and "serve the checkpoint folder with the torch backend" in err
+    assert not (tmp_path / "engine").exists()
 
 
 PLE_STEM = "model.layers.0.ple.ple_embedding.ngram_embedding"

@@ -222,6 +222,21 @@ ENGRAM_API int engram_quant_grouped_gemm(const void* a, int64_t lda, const int32
     int64_t ldo, cudaStream_t stream);
 
 /*
+ * A routed step's expert outputs back in token order, weighted by their routing weights
+ * (the combine after the down projection of engram_quant_gemv / the grouped GEMMs over
+ * engram_moe_plan's sorted rows):
+ *   out[t, d] = sum_{j < k, 0 <= ids[t, j] < E} route_w[t, j] * y[pair_row[t * k + j], d]
+ * float32 products summed in j order, rounded once to out_type. y float32 [T * k, ldy >= D]
+ * (the sorted rows), pair_row [T * k] int32 (engram_moe_plan's), ids [T, k] int32 or int64
+ * (ids_is_int64; a pair whose id is outside [0, E) adds nothing, its row never read),
+ * route_w float32 [T, k], out out_type [T, ldo >= D] (EngramFloatType). T = 0 launches
+ * nothing. Added for the EngramRoutedExperts plugin (the torch path sums with torch ops).
+ */
+ENGRAM_API int engram_moe_combine(const float* y, int64_t ldy, const int32_t* pair_row, const void* ids,
+    int32_t ids_is_int64, const float* route_w, int64_t num_tokens, int32_t top_k, int32_t num_experts, int64_t cols,
+    void* out, int32_t out_type, int64_t ldo, cudaStream_t stream);
+
+/*
  * Dequantize a weight into a float buffer (out_type EngramFloatType) [E, N, K]: e4m3 /
  * e2m1 value times its block scale in float32, rounded once to out_type (BF16 weights are
  * copied). The export, the tests and a fallback read it; serving never materializes it.

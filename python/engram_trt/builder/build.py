@@ -321,6 +321,19 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
         max_num_tokens = max(min(DEFAULT_MAX_NUM_TOKENS, max_seq_len), int(max_batch))
     _check_sizes(max_batch, max_seq_len, max_num_tokens, config)
     target_list = tc.parse_targets(targets)
+    fp8_weights = getattr(ckpt.architecture, "engine_fp8_weights", None)
+    fp8 = fp8_weights(ckpt) if fp8_weights is not None else []
+    if fp8:  # FP8 types compile for sm89 and later: those targets, or a --target list without older GPUs
+        older = [t for t in target_list if t not in tc.FP8_TARGETS]
+        if older:
+            ckpt.close()
+            raise EngramError(f"--target {','.join(older)}: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored FP8 "
+                              f"(F8_E4M3), which TensorRT-RTX compiles for {', '.join(tc.FP8_TARGETS)} only; pass "
+                              f"--target {','.join(tc.FP8_TARGETS)} (or leave --target out), or build from the "
+                              f"checkpoint's 16-bit weights for those GPUs")
+        if not target_list and (not tc.available() or tc.load().is_rtx):
+            target_list = tc.FP8_TARGETS
+            log.info("the checkpoint stores FP8 weights: building for %s", ", ".join(target_list))
     if plugin_library is not None and build_engine_if_possible:
         find_plugin_library(plugin_library)  # a wrong --plugin-lib fails before any work
     spec = config.require_model()
@@ -449,7 +462,8 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         atomic.pause_point("build:export")
         opts = ExportOptions(dtype=dtype, max_position=max_seq_len, placement=ecfg.placement,
                              table_dtype=table_dtype, table_rows=table_rows)
-        exported = ckpt.architecture.export_onnx(config, ckpt.get, layout, opts)
+        # the weights read tensor by tensor as the graph takes them (stored FP8 / FP4 bytes as they are)
+        exported = ckpt.architecture.export_onnx(config, ckpt.lazy(), layout, opts)
         _check_no_tables_in_graph(exported, refs)
         files = exported.save(tmp / ONNX_NAME)
     onnx_bytes = sum(f.stat().st_size for f in files)

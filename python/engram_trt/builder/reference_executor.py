@@ -170,7 +170,8 @@ def _reference_ops(registry: TableRegistry) -> list[type]:
             out = engram_attention_reference(q, k, v, key_cache, value_cache, token_slot, token_pos, float(scale))
             return (out.astype(q.dtype), key_cache, value_cache)  # the caches themselves: aliased, in place
 
-    return [EngramHash, EngramGather, EngramGate, EngramAttention, *_qwen4_exp_ops(), *_dsv4_ops()]
+    return [EngramHash, EngramGather, EngramGate, EngramAttention, *_qwen4_exp_ops(), *_dsv4_ops(),
+            *_routed_experts_ops()]
 
 
 def _in_place(state: np.ndarray, new: Any) -> np.ndarray:
@@ -274,6 +275,71 @@ def _dsv4_ops() -> list[type]:
                     *(_in_place(inputs[k], st) for k, st in zip(where, new_states)))
 
     return [EngramDsv4Attention]
+
+
+def _routed_experts_ops() -> list[type]:
+    """The OpRun of EngramRoutedExperts: :func:`routed_experts_reference` (float64)."""
+    from onnx.reference.op_run import OpRun
+
+    class EngramRoutedExperts(OpRun):
+        op_domain = PLUGIN_DOMAIN
+
+        def _run(self, x, ids, route_w, gate_w, gate_s, up_w, up_s, down_w, down_s, **kw):  # noqa: ANN001
+            cache = self.__dict__.setdefault("_dequantized", {})  # the weights are the graph's constants
+            key = tuple(id(a) for a in (gate_w, gate_s, up_w, up_s, down_w, down_s))
+            if key not in cache:
+                cache.clear()
+                cache[key] = [dequantize_stored_experts(w, s_, kw) for w, s_ in ((gate_w, gate_s), (up_w, up_s),
+                                                                                (down_w, down_s))]
+            gate, up, down = cache[key]
+            out = routed_experts_reference(x, ids, route_w, gate, up, down, float(kw["swiglu_limit"]))
+            return (out.astype(x.dtype),)
+
+    return [EngramRoutedExperts]
+
+
+def dequantize_stored_experts(w: np.ndarray, scale: np.ndarray, fields: dict[str, Any]) -> np.ndarray:
+    """One projection's stacked stored weights as EngramRoutedExperts takes them (int8
+    bytes ``[E, N, K]`` e4m3 or ``[E, N, K/2]`` packed e2m1; scales ue8m0 bytes as int8,
+    or float32, in ``block_n x block_k`` blocks) -> float64 ``[E, N, K]``, exactly
+    (:mod:`engram_trt.quant.formats`)."""
+    import torch
+
+    from engram_trt.quant.formats import dequantize_fp4, dequantize_fp8
+
+    data = torch.from_numpy(np.array(w, copy=True)).view(torch.uint8)
+    s = np.ascontiguousarray(scale)
+    st = torch.from_numpy(s.view(np.uint8).copy()).view(torch.float8_e8m0fnu) if s.dtype.itemsize == 1 \
+        else torch.from_numpy(s.astype(np.float32))
+    block = (int(fields["block_n"]), int(fields["block_k"]))
+    if int(fields["w_type"]) == 1:
+        return dequantize_fp4(data, st, block, torch.float64).numpy()
+    return dequantize_fp8(data.view(torch.float8_e4m3fn), st, block, torch.float64).numpy()
+
+
+def routed_experts_reference(x: np.ndarray, ids: np.ndarray, route_w: np.ndarray, gate: np.ndarray, up: np.ndarray,
+                             down: np.ndarray, limit: float) -> np.ndarray:
+    """The EngramRoutedExperts plugin's contract in float64 on dequantized weights (``gate`` /
+    ``up [E, I, D]``, ``down [E, D, I]``): ``out[t] = sum_j route_w[t, j] * down_e(silu(min(g,
+    l)) * clamp(u, -l, l))`` with ``g, u = gate_e x[t], up_e x[t]``, ``e = ids[t, j]``; a pick
+    outside ``[0, E)`` adds nothing; ``limit`` 0: no clamp. The activations are not
+    quantized: this is the stored format's product as transformers computes it on a CPU
+    (the GPU kernels quantize them, docs/quantization.md)."""
+    xf = np.asarray(x, dtype=np.float64)
+    ids = np.asarray(ids, dtype=np.int64)
+    w = np.asarray(route_w, dtype=np.float64)
+    E = gate.shape[0]
+    out = np.zeros_like(xf)
+    for t in range(xf.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < E:
+                continue
+            g, u = gate[e] @ xf[t], up[e] @ xf[t]
+            if limit > 0:
+                g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+            out[t] += w[t, j] * (down[e] @ (g / (1.0 + np.exp(-g)) * u))
+    return out
 
 
 def ple_fusion_reference(streams: np.ndarray, key: np.ndarray, value: np.ndarray, norm_key_w: np.ndarray,

@@ -49,6 +49,10 @@ _RTX_LIB = "libtensorrt_rtx.so"
 _RTX_PARSER_LIB = "libtensorrt_onnxparser_rtx.so"
 # Compute capabilities an RTX engine can be compiled for (TensorRT-RTX 1.7).
 RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
+# The targets TensorRT-RTX compiles FP8 types for (sm89 and later): an engine whose graph
+# holds FP8 weights (DequantizeLinear of FLOAT8E4M3FN) cannot be built for sm75 / sm80 /
+# sm86 ("Cannot compile for target(s) sm80 ... HW-specific datatypes: fp8_e4m3").
+FP8_TARGETS = tuple(t for t in RTX_TARGETS if int(t[2:]) >= 89)
 
 NOT_INSTALLED_REASON = "the tensorrt module is not installed (full TensorRT is not installable on this machine)"
 

@@ -15,8 +15,9 @@ tables are the runtime's (``engram_trt.tables``), checked as engram-llama's are.
 :meth:`DeepseekV4Architecture.weight_formats` tells ``engram-trt inspect`` each weight's
 stored format and the bytes a load takes.
 
-``engram-trt build`` exports the model as one ONNX serving step (:mod:`.onnx_export`)
-and refuses, before any work, what the attention kernel cannot take
+``engram-trt build`` exports the model as one ONNX serving step (:mod:`.onnx_export`),
+its weights in their stored formats from either layout, and refuses, before any work,
+what the attention kernel or the routed-experts plugin cannot take
 (:meth:`DeepseekV4Architecture.engine_problems`).
 """
 
@@ -228,21 +229,31 @@ class DeepseekV4Architecture(ArchitectureBase):
         """What `engram-trt build` refuses before any work beyond :meth:`checkpoint_problems`:
         shapes the EngramDsv4Attention kernel cannot take (one line each; the
         length-dependent ones, a compressed entry count below ``index_topk``, are
-        checked by the export against ``--max-seq-len``)."""
+        checked by the export against ``--max-seq-len``), and FP4 routed experts the
+        EngramRoutedExperts plugin cannot take (FP4 has no dense form in the graph: their
+        dims must be multiples of 32). Quantized weights and DeepSeek's root names are
+        exported as stored (models/onnx_quant.py)."""
         from engram_trt.models.deepseek_v4.onnx_export import engine_limits
-        from engram_trt.models.deepseek_v4.weights import UPSTREAM, layout_of
+        from engram_trt.models.onnx_quant import PLUGIN_MULTIPLE
 
         cfg = ckpt.config
         out = []
-        if cfg.quant is not None:
-            out.append(f"the engine path does not export FP8 / FP4 weights yet ({cfg.quant.describe()}); serve "
-                       f"this checkpoint with `engram-trt run` / `serve` on the torch backend, which computes them "
-                       f"as stored")
-        elif layout_of(ckpt.tensor_names()) == UPSTREAM:
-            out.append("the engine path reads transformers' tensor names (model.layers...), and this checkpoint stores "
-                       "DeepSeek's root names (layers..., embed.weight); serve it on the torch backend, or save it "
-                       "with transformers first")
+        quant = cfg.quant
+        if quant is not None and quant.expert_dtype == "fp4":
+            m = PLUGIN_MULTIPLE["fp4"]
+            D, I = cfg.hidden_size, cfg.moe_intermediate_size
+            if (D % m or I % m) and any(f.kind == "fp4" for f in self.stored_formats(cfg, ckpt)[0].values()):
+                out.append(f"FP4 routed experts with hidden_size={D} and moe_intermediate_size={I}: the engine's "
+                           f"EngramRoutedExperts plugin takes FP4 experts whose two dims are multiples of {m}; serve "
+                           f"this checkpoint with the torch backend (engram-trt run / serve)")
         return out + engine_limits(cfg, int(cfg.max_position_embeddings))
+
+    def engine_fp8_weights(self, ckpt: Any) -> list[str]:
+        """The weights an engine takes as FP8 (DequantizeLinear of their bytes, or the
+        EngramRoutedExperts plugin's for FP8 experts): the ones the checkpoint stores
+        F8_E4M3, by stored name."""
+        formats = self.stored_formats(ckpt.config, ckpt)[0]
+        return [f.name for f in formats.values() if f.kind == "fp8"]
 
     def export_onnx(self, config: DeepseekV4Config, weights: Any, layout: Any, options: Any) -> Any:
         """The ONNX serving step (:mod:`.onnx_export`); ``layout`` is V4.1's Engram layout

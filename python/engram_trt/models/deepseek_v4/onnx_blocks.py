@@ -3,8 +3,10 @@ two RMSNorms, the interleaved partial RoPE on the trailing channels, the mHC
 hyper-connections (Sinkhorn-Knopp unrolled), the attention around its
 EngramDsv4Attention node (low-rank queries, the shared K=V head, the compressors' raw
 projections, the indexer's queries, the inverse rotation and the grouped output
-projection), the MoE (hash or top-k routing, every expert computed densely) and V4.1's
-Engram update (EngramHash -> EngramGather -> wkv -> EngramGate).
+projection), the MoE (hash or top-k routing; stored FP4 / FP8 experts in one
+EngramRoutedExperts node, float ones computed densely) and V4.1's Engram update
+(EngramHash -> EngramGather -> wkv -> EngramGate). Weights stored FP8 enter as
+DequantizeLinear of their bytes (models/onnx_quant.py).
 
 Each block emits the op sequence of its PyTorch module (:mod:`.modules`,
 :mod:`.attention`, :mod:`.compressors`) with the same roundings: weights in the graph's
@@ -69,8 +71,28 @@ class Blocks(GraphBlocks):
         return self.g.const(checkpoint_name(module_name) + (".T" if transpose else "") + (".f32" if wide else ""), arr)
 
     def linear(self, x: str, module: str, hint: str) -> str:
-        """``x @ W^T`` in the graph's dtype (the torch model's ``nn.Linear``)."""
+        """``x @ W^T`` in the graph's dtype (the torch model's ``nn.Linear``); a weight stored
+        FP8 through DequantizeLinear of its bytes (models/onnx_quant.py)."""
+        from engram_trt.models.deepseek_v4.weights import checkpoint_name
+
+        y = self.fp8_linear(x, checkpoint_name(f"{module}.weight"), hint)
+        if y is not None:
+            return y
         return self.g.op("MatMul", [x, self.weight(f"{module}.weight", transpose=True, f32=False)], hint)
+
+    def stored_expert(self, module_name: str) -> Any:
+        """A routed expert's weight as stored: FP4 (``expert_dtype`` fp4: packed bytes and
+        ue8m0 scales) or FP8, as a QuantWeight; None for a float weight."""
+        from engram_trt.models.deepseek_v4.weights import checkpoint_name
+        from engram_trt.models.onnx_quant import fp4_weight
+
+        name = checkpoint_name(module_name)
+        quant = self.config.quant
+        if quant is not None and quant.expert_dtype == "fp4":
+            qw = fp4_weight(self.source(), name)
+            if qw is not None:
+                return qw
+        return self.stored_fp8(name)
 
     # -- norms and RoPE ----------------------------------------------------------------
     def rms_norm(self, x: str, module: str, size: int) -> str:
@@ -209,18 +231,22 @@ class Blocks(GraphBlocks):
         (``sqrtsoftplus`` / ``sigmoid`` of ``x @ gate^T``, the graph's dtype), the experts
         picked by TopK of ``score + e_score_correction_bias`` (float32) or, hash-routed,
         by the frozen ``tid2eid`` table (a Gather of the step's raw ids), their scores
-        renormalized and scaled by ``routed_scaling_factor``; the weights summed into a
-        dense ``[T, E]`` routing matrix (one-hot per pick, so an expert picked twice by
-        a hash row counts twice, as the torch loop's index_add does).
+        renormalized and scaled by ``routed_scaling_factor``; then the routed experts and
+        the shared expert, every SwiGLU with its gate clamped from above and its up
+        clamped both ways at ``swiglu_limit``.
 
-        Cost: EVERY routed expert runs on every token (one stacked gate/up GEMM ``[D,
+        Routed experts stored FP4 (DeepSeek-V4.1-Flash's recipe) or FP8 run in one
+        EngramRoutedExperts node (models/onnx_quant.py): the picked experts' stored bytes
+        only. Float experts (and FP8 ones the plugin cannot take) take the dense form:
+        the weights summed into a ``[T, E]`` routing matrix (one-hot per pick, so an
+        expert picked twice by a hash row counts twice, as the torch loop's index_add
+        does) and EVERY routed expert on every token (one stacked gate/up GEMM ``[D,
         E*I]`` and one down GEMM ``[E*I, D]``, each expert's activations scaled by its
-        routing weight, 0 where not picked): ``E / top_k`` times the picked experts'
-        arithmetic and all experts' weights read every step. That is the price of
-        routing with standard ops (a grouped-GEMM plugin would read only the picked
-        experts); at DeepSeek-V4's 256+ experts it makes the engine a correctness
-        artifact, not a fast one. Plus the shared expert; every SwiGLU with its gate
-        clamped from above and its up clamped both ways at ``swiglu_limit``."""
+        routing weight, 0 where not picked; FP8 stacks dequantized in the graph):
+        ``E / top_k`` times the picked experts' arithmetic and all experts' weights read
+        every step, the price of routing with standard ops."""
+        from engram_trt.models.onnx_quant import routed_experts, routed_experts_unavailable
+
         g, cfg = self.g, self.config
         E, I, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
         m = f"{p}.mlp"
@@ -240,22 +266,27 @@ class Blocks(GraphBlocks):
         total = g.op("Add", [g.op("ReduceSum", [picked, g.ints([-1])], keepdims=1), self.act_scalar(1e-20)])
         weights = g.op("Mul", [g.op("Div", [picked, total]), self.act_scalar(float(cfg.routed_scaling_factor))],
                        "router_weights")
-        experts = g.const(f"c_experts_{E}", np.arange(E, dtype=np.int64))
-        onehot = g.op("Cast", [g.op("Equal", [g.op("Unsqueeze", [ids, g.ints([-1])]), experts])], "router_onehot",
-                      to=self.elem)  # [T, k, E]
-        routing = g.op("ReduceSum", [g.op("Mul", [onehot, g.op("Unsqueeze", [weights, g.ints([-1])])]), g.ints([1])],
-                       "routing", keepdims=0)  # [T, E]
         names = [f"{m}.experts.{e}" for e in range(E)]
-        gate_w = np.concatenate([self._np(f"{n}.gate_proj.weight", self.np_dt) for n in names], axis=0).T  # [D, E*I]
-        up_w = np.concatenate([self._np(f"{n}.up_proj.weight", self.np_dt) for n in names], axis=0).T
-        down_w = np.concatenate([self._np(f"{n}.down_proj.weight", self.np_dt) for n in names], axis=1).T  # [E*I, D]
-        gw = g.const(f"{p}.experts.gate_stack", np.ascontiguousarray(gate_w))
-        uw = g.const(f"{p}.experts.up_stack", np.ascontiguousarray(up_w))
-        dw = g.const(f"{p}.experts.down_stack", np.ascontiguousarray(down_w))
-        h = self._swiglu_hidden(g.op("MatMul", [x, gw], "experts_gate"), g.op("MatMul", [x, uw], "experts_up"))
-        h = g.op("Mul", [g.op("Reshape", [h, g.ints([0, E, I])]), g.op("Unsqueeze", [routing, g.ints([2])])],
-                 "experts_routed")
-        routed = g.op("MatMul", [g.op("Reshape", [h, g.ints([0, E * I])]), dw], "experts_down")
+        stored = {proj: [self.stored_expert(f"{n}.{proj}.weight") for n in names]
+                  for proj in ("gate_proj", "up_proj", "down_proj")}
+        if routed_experts_unavailable(stored["gate_proj"], stored["up_proj"], stored["down_proj"]) is None:
+            routed = routed_experts(g, x, ids, self.f32(weights), f"{p}.experts", stored["gate_proj"],
+                                    stored["up_proj"], stored["down_proj"], top_k=k,
+                                    limit=float(cfg.swiglu_limit))
+        else:
+            experts = g.const(f"c_experts_{E}", np.arange(E, dtype=np.int64))
+            onehot = g.op("Cast", [g.op("Equal", [g.op("Unsqueeze", [ids, g.ints([-1])]), experts])], "router_onehot",
+                          to=self.elem)  # [T, k, E]
+            routing = g.op("ReduceSum", [g.op("Mul", [onehot, g.op("Unsqueeze", [weights, g.ints([-1])])]),
+                                         g.ints([1])], "routing", keepdims=0)  # [T, E]
+
+            def floats(proj: str, axis: int) -> Any:
+                return lambda: np.concatenate([self._np(f"{n}.{proj}.weight", self.np_dt) for n in names], axis=axis).T
+
+            routed = self.dense_experts(
+                x, routing, f"{p}.experts", (stored["gate_proj"], floats("gate_proj", 0)),
+                (stored["up_proj"], floats("up_proj", 0)), (stored["down_proj"], floats("down_proj", 1)),
+                self._swiglu_hidden, E, I)
         s = f"{m}.shared_experts"
         sh = self._swiglu_hidden(self.linear(x, f"{s}.gate_proj", "shared_gate"), self.linear(x, f"{s}.up_proj", "shared_up"))
         return g.op("Add", [routed, self.linear(sh, f"{s}.down_proj", "shared_down")], "moe")
@@ -283,6 +314,7 @@ class Blocks(GraphBlocks):
         RoPE table ``table`` (:class:`~.compressors.RopeTable`)."""
         from engram_trt.models.deepseek_v4.attention import layer_type_of
         from engram_trt.models.deepseek_v4.compressors import compress_rate
+        from engram_trt.models.deepseek_v4.weights import checkpoint_name
 
         g, cfg = self.g, self.config
         a = f"{p}.self_attn"
@@ -324,6 +356,18 @@ class Blocks(GraphBlocks):
         out = self.rope(out, d, rd, cos, nsin)  # the values carried the keys' rotation: undo it at the query's position
         G, R = int(cfg.o_groups), int(cfg.o_lora_rank)
         per = H * d // G
+        wo_a = checkpoint_name(f"{a}.o_a_proj.weight")
+        qw = self.stored_fp8(wo_a)
+        if qw is not None:  # FP8: one DequantizeLinear product per group (its rows of the weight)
+            from engram_trt.models.onnx_quant import quant_matmul, row_slice
+
+            pieces = g.op("Split", [g.op("Reshape", [out, g.ints([0, G, per])], "o_groups"), g.ints([1] * G)],
+                          "o_groups_split", n_out=G, axis=1)
+            pieces = [pieces] if G == 1 else pieces
+            low = g.op("Concat", [quant_matmul(g, g.op("Squeeze", [piece, g.ints([1])], "o_group"), f"{wo_a}.group{i}",
+                                               row_slice(qw, i * R, (i + 1) * R), self.elem, "o_a")
+                                  for i, piece in enumerate(pieces)], "o_a_flat", axis=1)  # [T, G * R]
+            return self.linear(low, f"{a}.o_b_proj", "o_b")
         grouped = g.op("Transpose", [g.op("Reshape", [out, g.ints([0, G, per])], "o_groups")], "o_groups_t",
                        perm=[1, 0, 2])  # [G, T, per]
         w = self._np(f"{a}.o_a_proj.weight", self.np_dt).reshape(G, R, per).transpose(0, 2, 1)  # [G, per, R]
@@ -349,8 +393,10 @@ class Blocks(GraphBlocks):
         e = g.op("Reshape", [rows, g.ints([0, -1])], f"engram_e{j}")
         if DTYPES[GATHER_OUT_DTYPE][0] != self.elem:
             e = g.op("Cast", [e], f"engram_e{j}_cast", to=self.elem)
-        kv = g.op("MatMul", [e, g.const(names["wkv"] + ".T", np.ascontiguousarray(_np(self.get(names["wkv"]), self.np_dt).T))],
-                  f"engram_kv{j}")
+        kv = self.fp8_linear(e, names["wkv"], f"engram_kv{j}")
+        if kv is None:
+            wkv_t = np.ascontiguousarray(_np(self.get(names["wkv"]), self.np_dt).T)
+            kv = g.op("MatMul", [e, g.const(names["wkv"] + ".T", wkv_t)], f"engram_kv{j}")
         gate_elem = DTYPES[gate_dtype][0]
         hid = streams
         if gate_elem != self.elem:

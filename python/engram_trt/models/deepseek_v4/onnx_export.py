@@ -17,10 +17,16 @@ token's sequence and position. Then, for ``hc_mult`` residual streams ``[T, hc, 
   per layer holding the sliding window, the compressors and the CSA indexer's top-k over
   the slots' state in place, then the inverse RoPE and the grouped output projection);
   the streams re-spread; the same around the MoE (hash routing a Gather of the raw ids
-  through the frozen ``tid2eid``, top-k routing a TopK; every expert computed densely:
-  see ``Blocks.moe`` for the cost) with its shared expert;
+  through the frozen ``tid2eid``, top-k routing a TopK; routed experts stored FP4 / FP8
+  in one EngramRoutedExperts node, float ones computed densely: see ``Blocks.moe``) with
+  its shared expert;
 * at each sequence's last token the hyper head, the final norm and the head (tied or
   not) -> ``logits [S, vocab]`` float32.
+
+Weights are read under the model's canonical names from either layout (transformers'
+save spelling or DeepSeek's root names, scales under ``.scale`` or ``.weight_scale_inv``:
+:func:`.weights.resolve_names`); the ones stored FP8 enter as DequantizeLinear of their
+bytes (models/onnx_quant.py).
 
 The multi-token-prediction layers (``mtp.*``, ``num_nextn_predict_layers``) are not in
 the graph: the torch model and transformers do not build them either (the registry
@@ -139,11 +145,15 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     from engram_trt.models.deepseek_v4.attention import layer_type_of
     from engram_trt.models.deepseek_v4.compressors import RopeTable
     from engram_trt.models.deepseek_v4.onnx_blocks import Blocks
-    from engram_trt.models.deepseek_v4.weights import checkpoint_name
-    from engram_trt.models.engram_llama.onnx_export import _get_from, _Graph, plugin_attributes
+    from engram_trt.models.deepseek_v4.model import model_tensor_shapes
+    from engram_trt.models.deepseek_v4.weights import checkpoint_name, resolve_names
+    from engram_trt.models.engram_llama.onnx_export import _Graph, plugin_attributes
+    from engram_trt.models.onnx_quant import ExportTensors, ResolvedTensors, export_source
 
     opts = options or ExportOptions()
-    get = weights if callable(weights) else (lambda n: _get_from(weights, n))  # type: ignore[arg-type]
+    src = export_source(weights)
+    # canonical names -> the checkpoint's (DeepSeek's root spelling, scales under .scale)
+    get = ExportTensors(ResolvedTensors(src, resolve_names(model_tensor_shapes(config), set(src)).stored))
     elem, np_dt, _ = DTYPES[opts.dtype]
     cfg = config
     max_pos = int(opts.max_position or cfg.max_position_embeddings)
@@ -260,9 +270,11 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     # Only each sequence's last token goes on (the head and norm are per token).
     last_streams = g.op("Gather", [streams, last], "last_streams", axis=0)
     hidden = b.rms_norm(b.hyper_head(last_streams, "model.hc_head."), "model.norm", cfg.hidden_size)
-    head = g.op("Transpose", [embed], "lm_head_t", perm=[1, 0]) if cfg.tie_word_embeddings else \
-        b.weight("lm_head.weight", transpose=True, f32=False)
-    g.op("Cast", [g.op("MatMul", [hidden, head], "lm_head")], outputs=["logits"], to=TensorProto.FLOAT)
+    if cfg.tie_word_embeddings:
+        logits = g.op("MatMul", [hidden, g.op("Transpose", [embed], "lm_head_t", perm=[1, 0])], "lm_head")
+    else:
+        logits = b.linear(hidden, "lm_head", "lm_head")
+    g.op("Cast", [logits], outputs=["logits"], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, "deepseek_v4", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],

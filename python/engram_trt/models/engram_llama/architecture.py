@@ -78,14 +78,14 @@ class EngramLlamaArchitecture(ArchitectureBase):
         return validate_checkpoint(ckpt, None)
 
     def engine_problems(self, ckpt: Any) -> list[str]:
-        """What `engram-trt build` refuses before any work: FP8 weights (the ONNX export
-        reads float weights; the engine path for stored FP8 is not written yet)."""
-        fp8 = [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
-        if fp8:
-            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored "
-                    f"F8_E4M3 with block scales; serve the checkpoint folder with the torch backend "
-                    f"(engram-trt run / serve CHECKPOINT), or build from its 16-bit weights"]
+        """What `engram-trt build` refuses before any work: nothing beyond the checkpoint's
+        own problems (FP8 linears are exported as stored: models/onnx_quant.py)."""
         return []
+
+    def engine_fp8_weights(self, ckpt: Any) -> list[str]:
+        """The weights an engine takes as FP8 (DequantizeLinear of their bytes): the ones
+        the checkpoint stores F8_E4M3 (the Engram tables never enter an engine)."""
+        return [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
                    compress_lookup: Any = None, layout: Any = None, parallel: Any = None, **_: Any) -> Any:

@@ -69,8 +69,11 @@ def _np(t: Any, np_dtype: Any) -> np.ndarray:
         t = t.detach().to("cpu")
         if t.dtype == torch.bfloat16:
             arr = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
-            raise EngramError("FP8 tensors are tables; they never enter the exported graph")
+        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) or (
+                t.dtype in (torch.int8, torch.uint8) and not np.issubdtype(np.dtype(np_dtype), np.integer)):
+            # a stored FP8 / FP4 weight goes through models/onnx_quant.py, never into a float initializer
+            raise EngramError(f"internal: a {t.dtype} tensor reached a float initializer (stored-format weights are "
+                              f"exported by models/onnx_quant.py)")
         else:
             arr = t.numpy()
     else:
@@ -198,9 +201,12 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
     import onnx
     from onnx import TensorProto, helper
 
+    from engram_trt.models.onnx_quant import ExportTensors, fp8_weight, quant_matmul
+
     opts = options or ExportOptions()
-    get = weights if callable(weights) else (lambda n: _get_from(weights, n))  # type: ignore[arg-type]
+    get = ExportTensors(weights)
     elem, np_dt, _ = DTYPES[opts.dtype]
+    quant = getattr(config, "quant", None)
     spec = config.engram
     table_dtype = "fp8"
     table_rows: list[int] = []
@@ -255,6 +261,9 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         return g.const(name + (".T" if transpose else ""), arr)
 
     def linear(x: str, name: str, hint: str) -> str:
+        qw = fp8_weight(get.src, name, quant)  # a stored FP8 weight: DequantizeLinear of its bytes
+        if qw is not None:
+            return quant_matmul(g, x, name, qw, elem, hint)
         return g.op("MatMul", [x, w(name, transpose=True)], hint)
 
     def mean_copies(h: str) -> str:
@@ -374,10 +383,9 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
     # Only each sequence's last token goes on (norm and head are per token).
     final = rmsnorm(g.op("Gather", [mean_copies(hs), last], "last_hidden", axis=0), "model.norm.weight")  # [S, D]
     if config.tie_word_embeddings:
-        head = g.op("Transpose", [embed], "lm_head_t", perm=[1, 0])
+        logits = g.op("MatMul", [final, g.op("Transpose", [embed], "lm_head_t", perm=[1, 0])], "lm_head")
     else:
-        head = w("lm_head.weight", transpose=True)
-    logits = g.op("MatMul", [final, head], "lm_head")
+        logits = linear(final, "lm_head.weight", "lm_head")
     g.op("Cast", [logits], outputs=["logits"], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, "engram_llama", inputs, outputs, g.inits)

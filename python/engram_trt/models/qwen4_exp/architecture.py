@@ -218,11 +218,6 @@ class Qwen4ExpArchitecture(ArchitectureBase):
         from engram_trt.models.qwen4_exp.ple_tables import table_shard_names
 
         cfg = ckpt.config
-        fp8 = [n for n in self.weight_shapes(cfg) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
-        if fp8:
-            return [f"FP8 checkpoints are not exported yet: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored "
-                    f"F8_E4M3 with block scales; serve the checkpoint folder with the torch backend "
-                    f"(engram-trt run / serve CHECKPOINT), or build from its 16-bit weights"]
         if cfg.ple is None:
             return []
         seen: dict[str, str] = {}
@@ -232,9 +227,9 @@ class Qwen4ExpArchitecture(ArchitectureBase):
                     continue
                 st = ckpt.st_dtype(name)
                 if st == "F8_E4M3":
-                    return [f"FP8 checkpoints are not exported yet: PLE table shard {name} is F8_E4M3 (an FP8Embedding "
-                            f"scaled per table); serve the checkpoint folder with the torch backend (engram-trt run / "
-                            f"serve CHECKPOINT)"]
+                    return [f"FP8 PLE tables are not built into engines yet: PLE table shard {name} is F8_E4M3 (an "
+                            f"FP8Embedding scaled per table, which the engine's EngramGather does not read); serve the "
+                            f"checkpoint folder with the torch backend (engram-trt run / serve CHECKPOINT)"]
                 if st not in PLE_SHARD_DTYPES:
                     return [f"PLE table shard {name} is {st}: an engine's EngramGather plugin reads "
                             f"{' / '.join(PLE_SHARD_DTYPES)} rows; save the PLE shards in one of those to build, or "
@@ -245,6 +240,12 @@ class Qwen4ExpArchitecture(ArchitectureBase):
             return [f"PLE table shards mix dtypes ({first} is {a}, {other} is {b}): an engine reads every PLE table "
                     f"as one dtype; save all PLE shards as one of {' / '.join(PLE_SHARD_DTYPES)}"]
         return []
+
+    def engine_fp8_weights(self, ckpt: Any) -> list[str]:
+        """The weights an engine takes as FP8 (DequantizeLinear of their bytes, or the
+        EngramRoutedExperts plugin's for the routed experts): the ones the checkpoint stores
+        F8_E4M3 (PLE tables are not weights)."""
+        return [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
 
     def table_dtype(self, refs: Any) -> str:
         """The storage of the PLE tables the engine binds (their shards' one dtype, in the

@@ -52,7 +52,9 @@ class Blocks(GraphBlocks):
         return _np(self.get(name), self.np_dt).astype(np.float32).astype(dtype)
 
     def linear(self, x: str, name: str, hint: str) -> str:
-        return self.g.op("MatMul", [x, self.weight(name, transpose=True)], hint)
+        """``x @ W^T`` in the graph's dtype; a weight stored FP8 through DequantizeLinear of its bytes."""
+        y = self.fp8_linear(x, name, hint)
+        return y if y is not None else self.g.op("MatMul", [x, self.weight(name, transpose=True)], hint)
 
     # -- norms and RoPE ----------------------------------------------------------------
     def offset_norm(self, x: str, name: str, size: int, groups: int | None = None) -> str:
@@ -103,42 +105,72 @@ class Blocks(GraphBlocks):
     # -- sparse MoE -------------------------------------------------------------------------
     def moe(self, x: str, p: str) -> str:
         """:class:`~.modules.SparseMoE`: the router's softmax and top-k in float32 (TopK,
-        renormalized when ``norm_topk_prob``), the weights scattered into a dense ``[T,
-        E]`` routing matrix (ScatterElements; 0 where a token did not pick an expert),
-        and EVERY expert computed on every token (one stacked gate/up GEMM ``[D, E*I]``,
-        each expert's activations scaled by its routing weight, one down GEMM ``[E*I,
-        D]``): correct, with ``E / top_k`` times the picked experts' arithmetic and every
-        expert's weights read each step. That is the price of expressing routing with
-        standard ops (a grouped-GEMM plugin would read only the picked experts); it is the
-        torch model's ``experts_dense`` form. Plus the shared expert scaled by
-        ``sigmoid(shared_expert_gate(x))``."""
+        renormalized when ``norm_topk_prob``), then the routed experts, plus the shared
+        expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+        Experts stored FP8 (an FP8 release: transformers' merged scales) run in one
+        EngramRoutedExperts node (models/onnx_quant.py): only the picked experts' bytes are
+        read. Float experts, and FP8 ones the plugin cannot take (a projection left float,
+        dims not multiples of 16), take the dense form: the weights scattered into a
+        ``[T, E]`` routing matrix (ScatterElements; 0 where a token did not pick an
+        expert) and EVERY expert computed on every token (one stacked gate/up GEMM ``[D,
+        E*I]``, each expert's activations scaled by its routing weight, one down GEMM
+        ``[E*I, D]``; FP8 stacks dequantized in the graph): correct, with ``E / top_k``
+        times the picked experts' arithmetic and every expert's weights read each step
+        (the torch model's ``experts_dense`` form)."""
+        from engram_trt.models.onnx_quant import routed_experts, routed_experts_unavailable
+
         g, cfg = self.g, self.config
         E, I, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        D = cfg.hidden_size
         logits = self.linear(x, f"{p}.mlp.gate.weight", "router")  # [T, E]
         probs = g.op("Softmax", [self.f32(logits)], "router_probs", axis=-1)
         vals, ids = g.op("TopK", [probs, g.ints([k])], "router_topk", n_out=2, axis=-1, largest=1, sorted=1)
         if cfg.norm_topk_prob:
             vals = g.op("Div", [vals, g.op("ReduceSum", [vals, g.ints([-1])], keepdims=1)], "router_norm")
-        zeros = g.op("ConstantOfShape", [g.op("Shape", [logits])], "router_zeros",
-                     value=g.h.make_tensor("value", self.elem, [1], [0]))
-        routing = g.op("ScatterElements", [zeros, ids, self.act(vals)], "routing", axis=1)  # [T, E]
         names = [f"{p}.mlp.experts.{e}" for e in range(E)]
-        gate_w = np.concatenate([self._np(f"{n}.gate_proj.weight") for n in names], axis=0).T  # [D, E*I]
-        up_w = np.concatenate([self._np(f"{n}.up_proj.weight") for n in names], axis=0).T
-        down_w = np.concatenate([self._np(f"{n}.down_proj.weight") for n in names], axis=1).T  # [E*I, D]
-        gw = g.const(f"{p}.mlp.experts.gate_stack", np.ascontiguousarray(gate_w))
-        uw = g.const(f"{p}.mlp.experts.up_stack", np.ascontiguousarray(up_w))
-        dw = g.const(f"{p}.mlp.experts.down_stack", np.ascontiguousarray(down_w))
-        h = g.op("Mul", [self.silu(g.op("MatMul", [x, gw], "experts_gate")), g.op("MatMul", [x, uw], "experts_up")])
-        h = g.op("Mul", [g.op("Reshape", [h, g.ints([0, E, I])]), g.op("Unsqueeze", [routing, g.ints([2])])],
-                 "experts_routed")
-        routed = g.op("MatMul", [g.op("Reshape", [h, g.ints([0, E * I])]), dw], "experts_down")
+        stored = {proj: [self._expert_fp8(f"{n}.{proj}.weight", shape) for n in names]
+                  for proj, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I)))}
+        if routed_experts_unavailable(stored["gate_proj"], stored["up_proj"], stored["down_proj"]) is None:
+            routed = routed_experts(g, x, ids, self.f32(self.act(vals)), f"{p}.mlp.experts", stored["gate_proj"],
+                                    stored["up_proj"], stored["down_proj"], top_k=k, limit=0.0)
+        else:
+            zeros = g.op("ConstantOfShape", [g.op("Shape", [logits])], "router_zeros",
+                         value=g.h.make_tensor("value", self.elem, [1], [0]))
+            routing = g.op("ScatterElements", [zeros, ids, self.act(vals)], "routing", axis=1)  # [T, E]
+
+            def floats(proj: str, axis: int) -> Any:
+                return lambda: np.concatenate([self._np(f"{n}.{proj}.weight") for n in names], axis=axis).T
+
+            routed = self.dense_experts(
+                x, routing, f"{p}.mlp.experts", (stored["gate_proj"], floats("gate_proj", 0)),
+                (stored["up_proj"], floats("up_proj", 0)), (stored["down_proj"], floats("down_proj", 1)),
+                lambda gate, up: g.op("Mul", [self.silu(gate), up]), E, I)
         s = f"{p}.mlp.shared_expert"
         sh = g.op("Mul", [self.silu(self.linear(x, f"{s}.gate_proj.weight", "shared_gate")),
                           self.linear(x, f"{s}.up_proj.weight", "shared_up")])
         sh = self.linear(sh, f"{s}.down_proj.weight", "shared_down")
         sgate = g.op("Sigmoid", [self.linear(x, f"{p}.mlp.shared_expert_gate.weight", "shared_expert_gate")])
         return g.op("Add", [routed, g.op("Mul", [sh, sgate])], "moe")
+
+    def _expert_fp8(self, name: str, shape: tuple[int, int]) -> Any:
+        """A routed expert's weight stored FP8 (its own scale, or its expert's rows of
+        transformers' merged ``gate_up_proj_scale_inv`` / ``down_proj_scale_inv``), else None."""
+        import torch
+
+        from engram_trt.models.onnx_quant import stored_dtype
+        from engram_trt.models.qwen4_exp.weights import ExpertScales, expert_weight_scale
+
+        src = self.source()
+        if stored_dtype(src, name) != torch.float8_e4m3fn:
+            return None
+        if not hasattr(self, "_merged_scales"):
+            self._merged_scales = ExpertScales(src)
+        found = expert_weight_scale(src, name, shape, self.config.quant, self.config, self._merged_scales)
+        if found is None:
+            return self.stored_fp8(name)
+        scale, block = found
+        return self.stored_fp8(name, scale=scale, block=block)
 
     def _np(self, name: str) -> np.ndarray:
         from engram_trt.models.engram_llama.onnx_export import _np

@@ -109,11 +109,13 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     import onnx
     from onnx import TensorProto, helper
 
-    from engram_trt.models.engram_llama.onnx_export import _get_from, _Graph
+    from engram_trt.models.engram_llama.onnx_export import _Graph
     from engram_trt.models.qwen4_exp.onnx_blocks import Blocks
 
+    from engram_trt.models.onnx_quant import ExportTensors
+
     opts = options or ExportOptions()
-    get = weights if callable(weights) else (lambda n: _get_from(weights, n))  # type: ignore[arg-type]
+    get = ExportTensors(weights)
     elem, np_dt, _ = DTYPES[opts.dtype]
     cfg = config
     ple = cfg.ple
@@ -192,9 +194,11 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     # Only each sequence's last token goes on (the mixer and head are per token).
     hidden, _ = b.mix(g.op("Gather", [streams, last], "last_streams", axis=0), f"{prefix}hyper_connection_mixer",
                       inject=False)
-    head = g.op("Transpose", [embed], "lm_head_t", perm=[1, 0]) if cfg.tie_word_embeddings else \
-        b.weight("lm_head.weight", transpose=True)
-    g.op("Cast", [g.op("MatMul", [hidden, head], "lm_head")], outputs=["logits"], to=TensorProto.FLOAT)
+    if cfg.tie_word_embeddings:
+        logits = g.op("MatMul", [hidden, g.op("Transpose", [embed], "lm_head_t", perm=[1, 0])], "lm_head")
+    else:
+        logits = b.linear(hidden, "lm_head.weight", "lm_head")
+    g.op("Cast", [logits], outputs=["logits"], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, "qwen4_exp", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
