@@ -360,321 +360,131 @@ __device__ void sinkhornWarpFixed(float* m, int32_t iters, float eps)
  * row are summed by one warp (its lanes over the splits, then a butterfly). normWeight
  * != NULL: the collapse rounded to the io type is then RMS-normalized in place (the
  * layer's RMSNorm: float32 weight * (c * rsqrt(mean(c^2) + rmsEps)), rounded once).
- *
- * The critical path is a few memory round trips, so for a decode step's few tokens
- * (T <= kMhcSmallTokens; ENGRAM_TRT_MHC_OVERLAP, on unless "0"; the two forms differ only
- * in the order of the norm's sum of squares; the overlapped one holds more registers):
- *   - what no kernel of this call writes is loaded before the wait for the mix kernel
- *     (dependentLaunch.cuh: when this kernel starts, the kernel before the mix has
- *     completed): base, scale, and, when a thread's share fits in registers (at most
- *     kMhcCachedSlots vectors of 8 channels of hc <= kMhcCachedStreams streams), the
- *     token's streams and the norm weight; the collapse then stays in registers for the
- *     norm (no store and reload);
- *   - each warp issues the loads of all its partial rows before it adds any;
- *   - with more than one warp, warp 0 computes pre, publishes it (a named barrier) and goes
- *     on to post / comb / Sinkhorn while the other warps make the collapse and the norm
- *     (Sinkhorn's 2 * iters - 1 serial rounds no longer precede the collapse).
  */
-constexpr int kMhcCachedStreams = 4; // hc <= 4: a thread's share of the streams in registers
-constexpr int kMhcCachedSlots = 2;   // vectors of 8 channels a thread caches
-constexpr int kMhcRowsPerWarp = ((2 + ENGRAM_MHC_MAX_HC) * ENGRAM_MHC_MAX_HC + 1 + kMhcWarps - 1) / kMhcWarps;
-constexpr int kMhcPreBarrier = 1;  // named barrier: pre published (all threads)
-constexpr int kMhcNormBarrier = 2; // named barrier: the collapse warps' sums of squares
-
-__device__ __forceinline__ void namedBarrier(int id, int threads)
-{
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void namedArrive(int id, int threads)
-{
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 template <typename IoT>
-__device__ __forceinline__ void mhcCoefficients(float const* mix, float r, float s0, float s1, float s2, float b0,
-    float b1, float b2, float const* __restrict__ base, int64_t t, int32_t hc, int32_t iters, float hcEps, int32_t head,
-    float* pre, float* matrix, float* stats, float* __restrict__ post, float* __restrict__ comb, bool publishPre,
-    int threads)
-{
-    int const lane = threadIdx.x % 32;
-    if (lane < hc)
-    {
-        pre[lane] = sigmoidOf(mix[lane] * r * s0 + b0) + hcEps;
-    }
-    if (publishPre)
-    {
-        __syncwarp();
-        namedArrive(kMhcPreBarrier, threads);
-    }
-    if (head != 0)
-    {
-        return;
-    }
-    if (lane < hc)
-    {
-        post[t * hc + lane] = 2.0F * sigmoidOf(mix[hc + lane] * r * s1 + b1);
-    }
-    int const entries = hc * hc;
-    for (int e = lane; e < entries; e += 32)
-    {
-        matrix[e] = mix[2 * hc + e] * r * s2 + (e < 32 ? b2 : base[2 * hc + e]);
-    }
-    __syncwarp();
-    if (lane < hc) // row softmax: the row's max and sum of exponentials
-    {
-        float mx = matrix[lane * hc];
-        for (int32_t j = 1; j < hc; ++j)
-        {
-            mx = fmaxf(mx, matrix[lane * hc + j]);
-        }
-        float s = 0.0F;
-        for (int32_t j = 0; j < hc; ++j)
-        {
-            s += expf(matrix[lane * hc + j] - mx);
-        }
-        stats[lane] = mx;
-        stats[ENGRAM_MHC_MAX_HC + lane] = s;
-    }
-    __syncwarp();
-    for (int e = lane; e < entries; e += 32)
-    {
-        int const i = e / hc;
-        matrix[e] = expf(matrix[e] - stats[i]) / stats[ENGRAM_MHC_MAX_HC + i] + hcEps;
-    }
-    __syncwarp();
-    if (hc == 4)
-    {
-        sinkhornWarpFixed<4>(matrix, iters, hcEps);
-    }
-    else if (hc == 2)
-    {
-        sinkhornWarpFixed<2>(matrix, iters, hcEps);
-    }
-    else
-    {
-        sinkhornWarp(matrix, hc, iters, hcEps);
-    }
-    for (int e = lane; e < entries; e += 32)
-    {
-        comb[t * entries + e] = matrix[e];
-    }
-}
-
-template <typename IoT, bool Overlap>
-__global__ void __launch_bounds__(kMhcThreads, Overlap ? 1 : 2)
+__global__ void __launch_bounds__(kMhcThreads)
     mhcFinalizeKernel(IoT const* __restrict__ x, float const* __restrict__ partial, int64_t splits,
         float const* __restrict__ base, float const* __restrict__ scale, int64_t numTokens, int32_t hc, int32_t hidden,
         int32_t iters, float hcEps, float normEps, int32_t head, float const* __restrict__ normWeight, float rmsEps,
         IoT* __restrict__ collapsed, float* __restrict__ post, float* __restrict__ comb)
 {
-    constexpr bool overlap = Overlap;
     __shared__ float mix[(2 + ENGRAM_MHC_MAX_HC) * ENGRAM_MHC_MAX_HC + 1];
     __shared__ float pre[ENGRAM_MHC_MAX_HC];
     __shared__ float matrix[kMhcMaxEntries];
     __shared__ float stats[2 * ENGRAM_MHC_MAX_HC];
     __shared__ float squareParts[kMhcWarps];
+    waitForPrimary(); // the partials come from the mix kernel (dependentLaunch.cuh)
+    allowDependents();
     int64_t const t = blockIdx.x;
     int32_t const rows = head != 0 ? hc : (2 + hc) * hc;
     int const lane = threadIdx.x % 32;
     int const warp = threadIdx.x / 32;
     int const warps = (static_cast<int>(blockDim.x) + 31) / 32;
-    // the collapse's warps: all, or (overlap with more than one warp) all but warp 0
-    int const firstWorker = overlap && warps > 1 ? 1 : 0;
-    int const workerThreads = static_cast<int>(blockDim.x) - 32 * firstWorker;
-    int const worker = static_cast<int>(threadIdx.x) - 32 * firstWorker;
-    int64_t const width = static_cast<int64_t>(hc) * hidden;
-    int32_t const vectors = hidden / 8;
-    IoT const* xt = x + t * width;
-    IoT* ct = collapsed + t * hidden;
-
-    // loads that no kernel of this call writes, before the wait (see above)
-    float s0 = 0.0F;
-    float s1 = 0.0F;
-    float s2 = 0.0F;
-    float baseReg[3] = {0.0F, 0.0F, 0.0F};
-    int32_t const perThread = worker >= 0 ? (vectors - worker + workerThreads - 1) / workerThreads : 0;
-    bool const cached = overlap && worker >= 0 && perThread <= kMhcCachedSlots && hc <= kMhcCachedStreams;
-    float xr[kMhcCachedSlots][kMhcCachedStreams][8];
-    float nw[kMhcCachedSlots][8];
-    if (overlap)
+    for (int e = warp; e <= rows; e += warps)
     {
-        if (warp == 0)
-        {
-            s0 = scale[0];
-            baseReg[0] = lane < hc ? base[lane] : 0.0F;
-            if (head == 0)
-            {
-                s1 = scale[1];
-                s2 = scale[2];
-                baseReg[1] = lane < hc ? base[hc + lane] : 0.0F;
-                baseReg[2] = lane < hc * hc ? base[2 * hc + lane] : 0.0F;
-            }
-        }
-        if (cached)
-        {
-#pragma unroll
-            for (int slot = 0; slot < kMhcCachedSlots; ++slot)
-            {
-                int32_t const v = worker + slot * workerThreads;
-#pragma unroll
-                for (int c = 0; c < kMhcCachedStreams; ++c)
-                {
-                    if (slot < perThread && v < vectors && c < hc)
-                    {
-                        load8(xt + static_cast<int64_t>(c) * hidden + 8 * v, xr[slot][c]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int slot = 0; slot < kMhcCachedSlots; ++slot)
-            {
-                int32_t const v = worker + slot * workerThreads;
-                if (normWeight != nullptr && slot < perThread && v < vectors)
-                {
-                    load8(normWeight + 8 * v, nw[slot]);
-                }
-            }
-        }
-    }
-    waitForPrimary(); // the partials come from the mix kernel (dependentLaunch.cuh)
-    allowDependents();
-    {
-        float sums[kMhcRowsPerWarp];
-#pragma unroll
-        for (int k = 0; k < kMhcRowsPerWarp; ++k)
-        {
-            sums[k] = 0.0F;
-        }
+        float s = 0.0F;
         for (int64_t p = lane; p < splits; p += 32)
         {
-#pragma unroll
-            for (int k = 0; k < kMhcRowsPerWarp; ++k)
-            {
-                int const e = warp + k * warps;
-                if (e <= rows)
-                {
-                    sums[k] += partial[(p * numTokens + t) * (rows + 1) + e];
-                }
-            }
+            s += partial[(p * numTokens + t) * (rows + 1) + e];
         }
-#pragma unroll
-        for (int k = 0; k < kMhcRowsPerWarp; ++k)
+        s = warpSum(s);
+        if (lane == 0)
         {
-            int const e = warp + k * warps;
-            if (e <= rows) // warp-uniform
+            mix[e] = s;
+        }
+    }
+    __syncthreads();
+    int64_t const width = static_cast<int64_t>(hc) * hidden;
+    float const r = rsqrtf(mix[rows] / static_cast<float>(width) + normEps);
+    if (threadIdx.x < 32)
+    {
+        float const s0 = scale[0];
+        if (lane < hc)
+        {
+            pre[lane] = sigmoidOf(mix[lane] * r * s0 + base[lane]) + hcEps;
+        }
+        if (head == 0)
+        {
+            float const s1 = scale[1];
+            float const s2 = scale[2];
+            if (lane < hc)
             {
-                float const s = warpSum(sums[k]);
-                if (lane == 0)
+                post[t * hc + lane] = 2.0F * sigmoidOf(mix[hc + lane] * r * s1 + base[hc + lane]);
+            }
+            int const entries = hc * hc;
+            for (int e = lane; e < entries; e += 32)
+            {
+                matrix[e] = mix[2 * hc + e] * r * s2 + base[2 * hc + e];
+            }
+            __syncwarp();
+            if (lane < hc) // row softmax: the row's max and sum of exponentials
+            {
+                float mx = matrix[lane * hc];
+                for (int32_t j = 1; j < hc; ++j)
                 {
-                    mix[e] = s;
+                    mx = fmaxf(mx, matrix[lane * hc + j]);
                 }
+                float s = 0.0F;
+                for (int32_t j = 0; j < hc; ++j)
+                {
+                    s += expf(matrix[lane * hc + j] - mx);
+                }
+                stats[lane] = mx;
+                stats[ENGRAM_MHC_MAX_HC + lane] = s;
+            }
+            __syncwarp();
+            for (int e = lane; e < entries; e += 32)
+            {
+                int const i = e / hc;
+                matrix[e] = expf(matrix[e] - stats[i]) / stats[ENGRAM_MHC_MAX_HC + i] + hcEps;
+            }
+            __syncwarp();
+            if (hc == 4)
+            {
+                sinkhornWarpFixed<4>(matrix, iters, hcEps);
+            }
+            else if (hc == 2)
+            {
+                sinkhornWarpFixed<2>(matrix, iters, hcEps);
+            }
+            else
+            {
+                sinkhornWarp(matrix, hc, iters, hcEps);
+            }
+            for (int e = lane; e < entries; e += 32)
+            {
+                comb[t * entries + e] = matrix[e];
             }
         }
     }
     __syncthreads();
-    float const r = rsqrtf(mix[rows] / static_cast<float>(width) + normEps);
-    if (!overlap)
-    {
-        if (threadIdx.x < 32)
-        {
-            s0 = scale[0];
-            baseReg[0] = lane < hc ? base[lane] : 0.0F;
-            if (head == 0)
-            {
-                s1 = scale[1];
-                s2 = scale[2];
-                baseReg[1] = lane < hc ? base[hc + lane] : 0.0F;
-                baseReg[2] = lane < hc * hc ? base[2 * hc + lane] : 0.0F;
-            }
-            mhcCoefficients<IoT>(mix, r, s0, s1, s2, baseReg[0], baseReg[1], baseReg[2], base, t, hc, iters, hcEps,
-                head, pre, matrix, stats, post, comb, false, 0);
-        }
-        __syncthreads();
-    }
-    else if (firstWorker == 1)
-    {
-        if (warp == 0)
-        {
-            mhcCoefficients<IoT>(mix, r, s0, s1, s2, baseReg[0], baseReg[1], baseReg[2], base, t, hc, iters, hcEps,
-                head, pre, matrix, stats, post, comb, true, static_cast<int>(blockDim.x));
-            return; // the collapse is the other warps'
-        }
-        namedBarrier(kMhcPreBarrier, static_cast<int>(blockDim.x));
-    }
-    else
-    {
-        if (warp == 0) // one warp: the coefficients, then the collapse
-        {
-            mhcCoefficients<IoT>(mix, r, s0, s1, s2, baseReg[0], baseReg[1], baseReg[2], base, t, hc, iters, hcEps,
-                head, pre, matrix, stats, post, comb, false, 0);
-        }
-        __syncthreads();
-    }
+    IoT const* xt = x + t * width;
+    IoT* ct = collapsed + t * hidden;
     float squares = 0.0F;
-    float col[kMhcCachedSlots][8];
-    if (cached)
+    for (int32_t v = threadIdx.x; v < hidden / 8; v += blockDim.x)
     {
-#pragma unroll
-        for (int slot = 0; slot < kMhcCachedSlots; ++slot)
+        float acc[8] = {0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F};
+        for (int32_t c = 0; c < hc; ++c)
         {
-            int32_t const v = worker + slot * workerThreads;
-            if (slot < perThread && v < vectors)
+            float xv[8];
+            load8(xt + static_cast<int64_t>(c) * hidden + 8 * v, xv);
+            float const p = pre[c];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
             {
-                float acc[8] = {0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F};
-#pragma unroll
-                for (int c = 0; c < kMhcCachedStreams; ++c)
-                {
-                    if (c < hc)
-                    {
-                        float const p = pre[c];
-#pragma unroll
-                        for (int i = 0; i < 8; ++i)
-                        {
-                            acc[i] += p * xr[slot][c][i];
-                        }
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                {
-                    col[slot][i] = roundTo<IoT>(acc[i]); // the collapse as stored
-                    squares += col[slot][i] * col[slot][i];
-                }
-                if (normWeight == nullptr)
-                {
-                    store8(ct + 8 * v, acc);
-                }
+                acc[i] += p * xv[i];
             }
         }
-    }
-    else
-    {
-        for (int32_t v = worker; v < vectors; v += workerThreads)
+        if (normWeight != nullptr)
         {
-            float acc[8] = {0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F};
-            for (int32_t c = 0; c < hc; ++c)
-            {
-                float xv[8];
-                load8(xt + static_cast<int64_t>(c) * hidden + 8 * v, xv);
-                float const p = pre[c];
 #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                {
-                    acc[i] += p * xv[i];
-                }
-            }
-            if (normWeight != nullptr)
+            for (int i = 0; i < 8; ++i)
             {
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                {
-                    float const c = roundTo<IoT>(acc[i]);
-                    squares += c * c;
-                }
+                float const c = roundTo<IoT>(acc[i]);
+                squares += c * c;
             }
-            store8(ct + 8 * v, acc);
         }
+        store8(ct + 8 * v, acc);
     }
     if (normWeight == nullptr)
     {
@@ -685,41 +495,15 @@ __global__ void __launch_bounds__(kMhcThreads, Overlap ? 1 : 2)
     {
         squareParts[warp] = squares;
     }
-    if (firstWorker == 1)
-    {
-        namedBarrier(kMhcNormBarrier, workerThreads);
-    }
-    else
-    {
-        __syncthreads();
-    }
+    __syncthreads();
     float total = 0.0F;
-    for (int w = firstWorker; w < warps; ++w)
+    for (int w = 0; w < warps; ++w)
     {
         total += squareParts[w];
     }
     // RMSNorm: mean (sum / D) + eps, rsqrt; weight * (c * rsqrt), float32 products, one rounding
     float const rn = rsqrtf(__fadd_rn(__fdiv_rn(total, static_cast<float>(hidden)), rmsEps));
-    if (cached)
-    {
-#pragma unroll
-        for (int slot = 0; slot < kMhcCachedSlots; ++slot)
-        {
-            int32_t const v = worker + slot * workerThreads;
-            if (slot < perThread && v < vectors)
-            {
-                float c[8];
-#pragma unroll
-                for (int i = 0; i < 8; ++i)
-                {
-                    c[i] = __fmul_rn(nw[slot][i], __fmul_rn(col[slot][i], rn));
-                }
-                store8(ct + 8 * v, c);
-            }
-        }
-        return;
-    }
-    for (int32_t v = worker; v < vectors; v += workerThreads)
+    for (int32_t v = threadIdx.x; v < hidden / 8; v += blockDim.x)
     {
         float c[8];
         float w[8];
@@ -943,12 +727,9 @@ int launchCollapse(CollapseLaunch const& a)
     int64_t const wanted = (a.hidden / 8 + 31) / 32 * 32;
     unsigned const threads = static_cast<unsigned>(wanted < kMhcThreads ? wanted : kMhcThreads);
     resetLaunchError();
-    // the overlapped finalize for a decode step's few tokens (its registers cost occupancy)
-    bool const overlap = a.numTokens <= kMhcSmallTokens && envSwitch("ENGRAM_TRT_MHC_OVERLAP", true);
-    launchDependent(overlap ? mhcFinalizeKernel<IoT, true> : mhcFinalizeKernel<IoT, false>,
-        dim3(static_cast<unsigned>(a.numTokens)), dim3(threads), 0, a.stream, static_cast<IoT const*>(a.streams),
-        a.partial, plan.splits, a.base, a.scale, a.numTokens, a.hc, a.hidden, a.iters, a.hcEps, a.normEps, a.head,
-        a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
+    launchDependent(mhcFinalizeKernel<IoT>, dim3(static_cast<unsigned>(a.numTokens)), dim3(threads), 0, a.stream,
+        static_cast<IoT const*>(a.streams), a.partial, plan.splits, a.base, a.scale, a.numTokens, a.hc, a.hidden,
+        a.iters, a.hcEps, a.normEps, a.head, a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
     return checkLaunch("engram_mhc (finalize)");
 }
 

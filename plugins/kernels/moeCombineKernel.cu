@@ -43,7 +43,9 @@ __global__ void moeCombineKernel(float const* __restrict__ y, int64_t ldy, int32
             {
                 continue;
             }
-            acc += routeW[pair] * y[static_cast<int64_t>(pairRow[pair]) * ldy + d];
+            // each product rounded, then added (no FMA contraction): the torch path's
+            // (y * w).sum(dim=1) bit for bit where the sum's order is the same (k <= 2)
+            acc = __fadd_rn(acc, __fmul_rn(routeW[pair], y[static_cast<int64_t>(pairRow[pair]) * ldy + d]));
         }
         storeFloatAs(out, outType, t * ldo + d, acc);
     }

@@ -11,14 +11,7 @@ replay):
    ``|a - b| <= (2u + 1e-5) (|b| + t)`` (one ulp of the normed value may flip, then the
    rotation's rounding; t the rotation's terms ``(|y0| + |y1|)(|c| + |s|)``; 4u on t for
    the unweighted norm, whose reciprocal RMS is rounded first; u = 2^-8 bf16, 2^-11 fp16).
-2. ``engram_mhc_pre_norm`` / ``engram_mhc_head_norm`` with the finalize's loads before its
-   wait and Sinkhorn beside the collapse (``ENGRAM_TRT_MHC_OVERLAP``, default) against
-   ``=0``: post and comb bit for bit (the same warp makes them in the same order), the
-   normed output within ``2u |b| + 1e-5 max|b|`` (only the norm's sum of squares is added
-   in another order: one ulp may flip, and the rsqrt moves by float32 round-off); the
-   register path (hc 4, D 2048), the loop path (hc 8, D 2048; hc 3, D 4096) and one warp
-   (hc 2, D 64).
-3. ``engram_dsv4_attention``'s attend with 16-byte key vectors in batches
+2. ``engram_dsv4_attention``'s attend with 16-byte key vectors in batches
    (``ENGRAM_TRT_DSV4_ATTEND_VEC``, default for bf16 / fp16 and head_dim % 8 == 0) against
    the scalar attend (``=0``) at the bench's widths (head_dim 256 and 512, a 128-key window,
    a CSA layer that drops entries, an HCA layer): the states bit for bit (the same kernels
@@ -164,54 +157,6 @@ def test_norm_rope_register_form_equals_the_general_form(rng, dname, T, H, d, pa
         record(f"{name}: register form within one flip of the general form, {tag}", err <= 0 and
                bool(torch.isfinite(a[i]).all()), f"max excess {err:.3g}")
     note(f"norm_rope us ({tag})", times)
-
-
-# --- 2. the mHC finalize ---------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dname", ["bfloat16", "float32"])
-@pytest.mark.parametrize("hc,D,iters,T", [(4, 2048, 20, 1), (4, 2048, 20, 3), (8, 2048, 5, 2), (3, 4096, 4, 1),
-                                         (2, 64, 3, 3)])
-def test_mhc_finalize_overlap_equals_the_serial_form(rng, dname, hc, D, iters, T) -> None:
-    import torch
-
-    from engram_trt.native import mhc
-
-    u = UNIT[dname]
-    n = (2 + hc) * hc
-    fn = _t(rng, (n, hc * D), 2.0 / np.sqrt(hc * D))
-    base, scale = _t(rng, (n,), 0.5), _t(rng, (3,), 0.5)
-    hfn, hbase, hscale = _t(rng, (hc, hc * D), 2.0 / np.sqrt(hc * D)), _t(rng, (hc,), 0.5), _t(rng, (1,), 0.5)
-    weight = _t(rng, (D,), 0.3) + 1.0
-    x = _t(rng, (T, hc, D), 1.5, dname)
-    tag = f"hc {hc} D {D} iters {iters} T {T} {dname}"
-    res: dict[str, Any] = {}
-    times: dict[str, dict[str, float]] = {}
-
-    def pre():
-        return mhc.mhc_pre_norm(x, fn, base, scale, weight, sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6,
-                                rms_eps=1e-6)
-
-    def head():
-        return mhc.mhc_head_norm(x, hfn, hbase, hscale, weight, hc_eps=1e-6, norm_eps=1e-6, rms_eps=1e-6)
-
-    def plain():
-        return mhc.mhc_pre(x, fn, base, scale, sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6)
-
-    for form, value in (("overlap", "1"), ("serial", "0")):
-        with _env("ENGRAM_TRT_MHC_OVERLAP", value), torch.no_grad():
-            res[form] = (pre(), head(), plain())
-            torch.cuda.synchronize()
-            times[form] = {"pre_norm": _graph_us(pre), "head_norm": _graph_us(head)}
-    (a, ap, ac), ah, (ax, axp, axc) = res["overlap"]
-    (b, bp, bc), bh, (bx, bxp, bxc) = res["serial"]
-    record(f"post / comb: overlap = serial bit for bit, {tag}",
-           torch.equal(ap, bp) and torch.equal(ac, bc) and torch.equal(axp, bxp) and torch.equal(axc, bxc))
-    record(f"mhc_pre (no norm): overlap = serial bit for bit, {tag}", torch.equal(ax, bx))
-    for name, g, w in (("pre_norm", a, b), ("head_norm", ah, bh)):
-        err = _excess(g, w, 2 * u * w.double().abs() + 1e-5 * float(w.double().abs().max()))
-        record(f"{name}: overlap within one flip of serial, {tag}", err <= 0 and bool(torch.isfinite(g).all()),
-               f"max excess {err:.3g}")
-    note(f"mhc us ({tag})", times)
 
 
 # --- 3. the attention's attend ---------------------------------------------------------------------------

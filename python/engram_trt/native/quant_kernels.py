@@ -46,6 +46,8 @@ SIGNATURES: dict[str, list[Any]] = {
     "engram_quant_grouped_gemm": [_vp, _i64, _vp, _i64, _vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp, _vp,
                                   _i32, _i64, _vp],
     "engram_quant_dequantize": [_vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp, _i32, _vp],
+    # the EngramRoutedExperts plugin's combine (declared for the ABI check; the torch path sums with torch ops)
+    "engram_moe_combine": [_vp, _i64, _vp, _vp, _i32, _vp, _i64, _i32, _i32, _i64, _vp, _i32, _i64, _vp],
 }
 _ENTRY = EntryPoints(SIGNATURES)
 library = _ENTRY.library
