@@ -9,7 +9,7 @@ Its config fields' contract is :mod:`.config`'s.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from engram_trt.config.model import ModelConfig
 from engram_trt.models.engram_llama.config import CONTRACT, read_config
@@ -63,29 +63,12 @@ class EngramLlamaArchitecture(ArchitectureBase):
                     names.add(t["scale"])
         return names
 
-    def unused_tensors(self, config: ModelConfig, present: Iterable[str]) -> list[str]:
-        """Checkpoint tensors the model does not read (e.g. ``lm_head.weight`` of a tied
-        head, a multi-token-prediction layer)."""
-        from engram_trt.checkpoint.checkpoint import natural_key
-
-        used = self.tensor_names(config)
-        return sorted((n for n in present if n not in used), key=natural_key)
-
-    def checkpoint_problems(self, ckpt: Any) -> list[str]:
-        """One line per missing / misshapen tensor (backbone and Engram tables)."""
+    def checkpoint_problems(self, ckpt: Any, layout: Any = None) -> list[str]:
+        """One line per missing / misshapen tensor (backbone and Engram tables against
+        ``layout``, else the config's)."""
         from engram_trt.checkpoint.checkpoint import validate_checkpoint
 
-        return validate_checkpoint(ckpt, None)
-
-    def engine_problems(self, ckpt: Any) -> list[str]:
-        """What `engram-trt build` refuses before any work: nothing beyond the checkpoint's
-        own problems (FP8 linears are exported as stored: models/onnx_quant.py)."""
-        return []
-
-    def engine_fp8_weights(self, ckpt: Any) -> list[str]:
-        """The weights an engine takes as FP8 (DequantizeLinear of their bytes): the ones
-        the checkpoint stores F8_E4M3 (the Engram tables never enter an engine)."""
-        return [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
+        return validate_checkpoint(ckpt, layout)
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
                    compress_lookup: Any = None, layout: Any = None, parallel: Any = None, **_: Any) -> Any:
@@ -132,14 +115,6 @@ class EngramLlamaArchitecture(ArchitectureBase):
         from engram_trt.models.engram_llama.onnx_export import export_model
 
         return export_model(config, weights, layout, options)
-
-    def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
-        """Stored name -> ``(kind, stored bytes, GPU bytes at dtype)`` of each weight the
-        model reads (``engram-trt inspect``; the generic default of
-        :mod:`engram_trt.models.weight_formats`)."""
-        from engram_trt.models.weight_formats import generic_weight_formats
-
-        return generic_weight_formats(self, ckpt, dtype)
 
 
 ARCHITECTURE = EngramLlamaArchitecture()
