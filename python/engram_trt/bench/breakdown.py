@@ -163,14 +163,15 @@ def _family(model: Any) -> str:
 def _graphs_for(model: Any, cache: Any, backend: Any) -> Any:
     """A recorder of one-sequence decode steps over ``cache`` (slot 1 the scratch), as the
     torch backend makes them; None where the model has none."""
-    if getattr(cache, "num_slots", 0) < 2 or not getattr(model, "supports_decode_graphs", False):
+    if getattr(cache, "num_slots", 0) < 2 or not model.supports_decode_graphs:
         return None
-    if hasattr(model, "decode_graphs"):
-        return model.decode_graphs(cache, 1, scratch_slot=1)
+    own = model.decode_graphs(cache, 1, scratch_slot=1)  # the model's own recorder (Qwen4Exp), else the runtime's
+    if own is not None:
+        return own
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
-    policy = getattr(backend, "lookup_policy", None)
-    return DecodeGraphs(model, cache, 1, scratch_slot=1, tables=getattr(model, "tables", None),
+    policy = backend.lookup_policy
+    return DecodeGraphs(model, cache, 1, scratch_slot=1, tables=model.tables,
                         lookup_policy=(lambda n: policy(n)) if policy else None)
 
 

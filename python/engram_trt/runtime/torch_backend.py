@@ -50,7 +50,7 @@ class TorchBackend:
                                      engram_config=engram_config or source.engram_config,
                                      compress_lookup=source.compress_lookup, layout=source.layout, tables=tables)
         self._ckpt = ckpt  # PLE rows may be read in place from its file maps
-        self.use_graphs = cuda_graphs and device.type == "cuda" and getattr(self.model, "supports_decode_graphs", True)
+        self.use_graphs = cuda_graphs and device.type == "cuda" and self.model.supports_decode_graphs
         self.graphs: Any = None
         self.lookup_policy: Any = None  # the prefetcher's gather choice by row count (set by the runner)
         self.phases: Any = None  # a runtime.phases.StepPhases while a benchmark times the steps
@@ -63,8 +63,8 @@ class TorchBackend:
         from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
         cache = self.model.new_cache(num_slots + 1, max_len)  # + a scratch slot for graph padding
-        if hasattr(self.model, "decode_graphs"):  # a model with its own recorded decode steps (Qwen4Exp)
-            self.graphs = self.model.decode_graphs(cache, num_slots, scratch_slot=num_slots)
+        self.graphs = self.model.decode_graphs(cache, num_slots, scratch_slot=num_slots)  # its own recorder (Qwen4Exp)
+        if self.graphs is not None:
             return cache
         self.graphs = DecodeGraphs(self.model, cache, num_slots, scratch_slot=num_slots, tables=self.model.tables,
                                    lookup_policy=lambda n: self.lookup_policy(n) if self.lookup_policy else "host")

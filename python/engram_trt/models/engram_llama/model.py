@@ -57,6 +57,7 @@ from engram_trt.models.parallel import gather_vocab, reduce
 from engram_trt.models.step import PackedStep
 from engram_trt.quant.weight import QuantLinear
 from engram_trt.tables.base import TableStore
+from engram_trt.models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class StepState:
     pending: torch.Tensor | None = field(default=None)
 
 
-class EngramLlama(UniformBatchAPI, nn.Module):
+class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
     """engram-llama: parameter names equal HF checkpoint names (``model.layers.1.engram.wkv.weight``...).
 
     Build with :meth:`from_checkpoint`, or directly from a config and a weight dict
