@@ -50,7 +50,7 @@ class EngramLlamaArchitecture(ArchitectureBase):
         # beside each weight it leaves in 16 bits, the tied head's included: not read).
         # Known whatever the config says, so that an FP8 weight whose config lost its
         # quantization_config is refused for that, by name (validate_checkpoint).
-        from engram_trt.checkpoint.checkpoint import is_linear_weight
+        from engram_trt.models.engram_llama.checks import is_linear_weight
         from engram_trt.quant.names import scale_candidates
 
         for n in [n for n in names if is_linear_weight(n)] + ["lm_head.weight"]:
@@ -66,7 +66,7 @@ class EngramLlamaArchitecture(ArchitectureBase):
     def checkpoint_problems(self, ckpt: Any, layout: Any = None) -> list[str]:
         """One line per missing / misshapen tensor (backbone and Engram tables against
         ``layout``, else the config's)."""
-        from engram_trt.checkpoint.checkpoint import validate_checkpoint
+        from engram_trt.models.engram_llama.checks import validate_checkpoint
 
         return validate_checkpoint(ckpt, layout)
 
@@ -80,7 +80,7 @@ class EngramLlamaArchitecture(ArchitectureBase):
         built at the rank's sizes, only the rank's slices read."""
         import torch
 
-        from engram_trt.checkpoint.checkpoint import require_valid
+        from engram_trt.models.engram_llama.checks import require_valid
         from engram_trt.checkpoint.vocab import engram_lookup_and_layout
         from engram_trt.models.engram_llama.model import EngramLlama
         from engram_trt.models.engram_llama.weights import lazy_weights

@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, require_valid
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
+from engram_trt.models.engram_llama.checks import require_valid
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.hashing import DEAD, hash_ids_torch
 from engram_trt.engram.layout import EngramLayout
