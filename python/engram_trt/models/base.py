@@ -159,3 +159,10 @@ class ArchitectureBase(ABC):
         """The weights an engine takes as FP8 (the build then compiles for the FP8 targets).
         Default: those of :meth:`weight_shapes` the checkpoint stores F8_E4M3."""
         return [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
+
+    def reference_ops(self) -> list[type]:
+        """The ``onnx.reference`` OpRuns of the plugin nodes only this architecture's export
+        emits (``models/<arch>/reference_ops.py``), bound beside the shared Engram and
+        routed-expert ones by :func:`engram_trt.models.reference_executor.reference_ops`.
+        Default: none."""
+        return []

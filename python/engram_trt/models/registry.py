@@ -32,6 +32,11 @@ def _registered() -> tuple[ModelArchitecture, ...]:
     return (engram_llama, qwen4_exp, deepseek_v4)
 
 
+def registered() -> tuple[ModelArchitecture, ...]:
+    """Every registered architecture, in the registry's order."""
+    return _registered()
+
+
 def supported_architectures() -> list[str]:
     return sorted(a for arch in _registered() for a in arch.architectures)
 

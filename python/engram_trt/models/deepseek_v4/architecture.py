@@ -253,5 +253,11 @@ class DeepseekV4Architecture(ArchitectureBase):
 
         return export_model(config, weights, layout, options)
 
+    def reference_ops(self) -> list[type]:
+        """The ``onnx.reference`` OpRuns of this family's own plugin nodes (:mod:`.reference_ops`)."""
+        from engram_trt.models.deepseek_v4.reference_ops import reference_ops
+
+        return reference_ops()
+
 
 ARCHITECTURE = DeepseekV4Architecture()

@@ -116,5 +116,11 @@ class EngramLlamaArchitecture(ArchitectureBase):
 
         return export_model(config, weights, layout, options)
 
+    def reference_ops(self) -> list[type]:
+        """The ``onnx.reference`` OpRuns of this family's own plugin nodes (:mod:`.reference_ops`)."""
+        from engram_trt.models.engram_llama.reference_ops import reference_ops
+
+        return reference_ops()
+
 
 ARCHITECTURE = EngramLlamaArchitecture()

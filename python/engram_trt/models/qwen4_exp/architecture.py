@@ -243,5 +243,11 @@ class Qwen4ExpArchitecture(ArchitectureBase):
 
         return export_model(config, weights, ple_layout(config) if config.ple is not None else None, options)
 
+    def reference_ops(self) -> list[type]:
+        """The ``onnx.reference`` OpRuns of this family's own plugin nodes (:mod:`.reference_ops`)."""
+        from engram_trt.models.qwen4_exp.reference_ops import reference_ops
+
+        return reference_ops()
+
 
 ARCHITECTURE = Qwen4ExpArchitecture()
