@@ -196,7 +196,7 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
         family = _family(model)
         if family not in ("deepseek-v4", "qwen4-exp"):
             return {"skipped": f"no breakdown for {family} (DeepSeek-V4 and Qwen4Exp only)"}
-        if getattr(model.config, "engram", None) is not None:
+        if model.config.engram is not None:
             return {"skipped": "V4.1's staged rows need the runtime's prefetcher: time a V4 folder"}
         cache = model.new_cache(2, max_len)
         graphs = _graphs_for(model, cache, backend) if model.device.type == "cuda" else None

@@ -94,6 +94,11 @@ class ArchitectureBase(ABC):
         return generic_weight_formats(self, ckpt, dtype)
 
     # -- tables of its own (beside the Engram tables) ------------------------------------
+    def has_own_tables(self, config: Any) -> bool:
+        """Whether ``config`` declares tables of the architecture's own beside its weights
+        (:meth:`table_refs`: Qwen4Exp's PLE layers). Default: none."""
+        return False
+
     def table_refs(self, ckpt: Any) -> list[Any]:
         """Where the bytes of the tables the architecture holds outside its weights are
         (Qwen4Exp's PLE shards): :class:`~engram_trt.tables.source.TableRef` s the runtime

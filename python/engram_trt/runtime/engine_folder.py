@@ -95,7 +95,7 @@ class ModelPeek:
     @property
     def has_tables(self) -> bool:
         """The model reads tables beside its weights (Engram tables, Qwen4Exp's PLE shards)."""
-        return getattr(self.config, "engram", None) is not None or getattr(self.config, "ple", None) is not None
+        return self.config.engram is not None or self.architecture.has_own_tables(self.config)
 
 
 def peek_model(path: str | Path) -> ModelPeek:

@@ -149,6 +149,10 @@ class Qwen4ExpArchitecture(ArchitectureBase):
 
         return Qwen4ExpModel(config, weights, **options)
 
+    def has_own_tables(self, config: Qwen4ExpConfig) -> bool:
+        """The PLE tables (``ple_layer_ids``)."""
+        return config.ple is not None
+
     def table_refs(self, ckpt: Any) -> list[Any]:
         """Where the PLE tables' bytes are: one :class:`~engram_trt.tables.source.TableRef`
         per shard (``part`` in row order), what the runtime opens in the store
