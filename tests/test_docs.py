@@ -65,6 +65,8 @@ SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "node_module
 # Named on purpose though not in the repository: {path as written: why}.
 NOT_IN_REPOSITORY: dict[str, str] = {
     "engram_trt/lib/": "where `pip install` puts the compiled library in the installed package; a build output",
+    "python/openai/openai_frontend/main.py": "Triton's OpenAI frontend, a file of the triton-inference-server/server "
+                                             "repository (docs/serving.md)",
 }
 
 
