@@ -18,7 +18,12 @@ Three checks, each on the text as written (CPU, no import of torch):
      ``/usr/local/cuda``, ``~/.cache/engram-trt`` and transformers'
      ``transformers/models/...`` are not ours;
    - a bare file name in backticks with a source extension (``.py``, ``.cu``, ``.cuh``,
-     ``.h``, ``.cpp``, ``.sh``): ``gatherKernel.cu``.
+     ``.h``, ``.cpp``, ``.sh``): ``gatherKernel.cu``;
+   - a word starting with ``../`` or ``./``: relative to the doc's folder, as a link;
+   - a dotted module name of the package, ``engram_trt.runtime.scheduler.Scheduler``: the
+     packages and module as far as they go must exist, and the first name after the
+     module must occur in that module's source (a word match: defined, imported or
+     assigned there).
 
    A path with a slash exists when it names a file or folder of the repository (from
    its root; or, for the package roots, under ``python/engram_trt/``). ``<name>`` and
@@ -65,6 +70,7 @@ SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "node_module
 # Named on purpose though not in the repository: {path as written: why}.
 NOT_IN_REPOSITORY: dict[str, str] = {
     "engram_trt/lib/": "where `pip install` puts the compiled library in the installed package; a build output",
+    "../elsewhere.safetensors": "docs/reliability.md: a hostile index entry the checkpoint reader refuses (a test input)",
     "python/openai/openai_frontend/main.py": "Triton's OpenAI frontend, a file of the triton-inference-server/server "
                                              "repository (docs/serving.md)",
 }
@@ -101,6 +107,8 @@ def _basenames() -> frozenset[str]:
     return frozenset(p.name for p in _repo_files())
 
 
+_DOTTED = re.compile(r"(?<![\w./])(engram_trt(?:\.\w+)+)")
+_RELATIVE = re.compile(r"(?<![\w/.~$-])(\.\.?/[\w./*<>-]+)")
 _WORD = re.compile(r"(?<![\w/.~$-])((?:\.ci|[A-Za-z_][\w-]*)(?:/[\w.*<>{}-]*)+|[A-Za-z_]\w*\.py)")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _BACKTICK = re.compile(r"`([^`\n]+)`")
@@ -131,6 +139,8 @@ def path_exists(word: str, doc: Path | None = None, link: bool = False) -> bool:
     """Whether a path as a doc writes it names something of the repository (rule: module docstring)."""
     if link:
         return _exists_under(doc.parent if doc else REPO, word) or _exists_under(REPO, word)
+    if word.startswith("engram_trt."):
+        return dotted_exists(word)
     if "/" not in word:
         return word in _basenames()
     first = word.split("/", 1)[0]
@@ -139,6 +149,29 @@ def path_exists(word: str, doc: Path | None = None, link: bool = False) -> bool:
     if first in REPO_ROOTS and _exists_under(REPO, word):
         return True
     return first in _package_roots() and _exists_under(PACKAGE, word)
+
+
+def dotted_exists(name: str) -> bool:
+    """``engram_trt.a.b.attr``: the packages / module as far as they go, then ``attr`` in its source."""
+    parts = name.split(".")
+    path = PACKAGE
+    i = 1
+    while i < len(parts):
+        if (path / parts[i] / "__init__.py").is_file():
+            path = path / parts[i]
+        elif (path / f"{parts[i]}.py").is_file():
+            path = path / f"{parts[i]}.py"
+            i += 1
+            break
+        else:
+            break
+        i += 1
+    if i == len(parts):
+        return True
+    source = (path / "__init__.py" if path.is_dir() else path).read_text()
+    n = re.escape(parts[i])  # bound there: defined, assigned, imported, or a lazy name's key
+    bound = rf"(def|class)\s+{n}\b|^\s*{n}\s*[:=]|^\s*(from\s+\S+\s+)?import\b[^\n]*\b{n}\b|[\"']{n}[\"']\s*:"
+    return re.search(bound, source, re.M) is not None
 
 
 def _is_candidate(word: str) -> bool:
@@ -164,6 +197,10 @@ def named_paths(doc: Path) -> list[tuple[int, str, bool]]:
             span = _clean(span.strip())
             if _BARE.match(span):
                 found.append((lineno, span, False))
+        for word in _RELATIVE.findall(_LINK.sub("]", line)):
+            found.append((lineno, _clean(word), True))
+        for word in _DOTTED.findall(line):
+            found.append((lineno, _clean(word), False))
     return found
 
 
@@ -335,6 +372,12 @@ def test_the_rules_find_what_they_should() -> None:
     assert _holds_code(PACKAGE / "tables" / "__init__.py") and not _holds_code(PACKAGE / "models" / "__init__.py")
     words = [w for _, w, _ in named_paths_of("see `runtime/step.py`, /usr/local/cuda, ~/.cache/x, models/y.py and `gatherKernel.cu`")]
     assert words == ["runtime/step.py", "models/y.py", "gatherKernel.cu"]
+    assert path_exists("engram_trt.runtime.scheduler.Scheduler") and path_exists("engram_trt.LLM")
+    assert path_exists("engram_trt.engram.hashing.hash_batch_packed") and path_exists("engram_trt.native")
+    assert not path_exists("engram_trt.hashing.hash_batch_packed") and not path_exists("engram_trt.runtime.step")
+    assert not path_exists("engram_trt.runtime.scheduler.NoSuchName")
+    words = [w for _, w, _ in named_paths_of("`../bench/uva_probe.py`; engram_trt.hashing.hash_ids.")]
+    assert words == ["../bench/uva_probe.py", "engram_trt.hashing.hash_ids"]
 
 
 def named_paths_of(text: str) -> list[tuple[int, str, bool]]:
