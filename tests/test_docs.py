@@ -1,6 +1,6 @@
 """The docs match the repository: a check that fails when README.md or docs/ drift from the code.
 
-Three checks, each on the text as written (CPU, no import of torch):
+Three checks, each on the text as written (CPU; the CLI's parsers are built without torch):
 
 1. Every repository path the docs name exists. The docs read: README.md, docs/*.md,
    plugins/*/README.md (plugins/kernels/README.md among them), runtime/README.md,
@@ -21,9 +21,11 @@ Three checks, each on the text as written (CPU, no import of torch):
      ``.h``, ``.cpp``, ``.sh``): ``gatherKernel.cu``;
    - a word starting with ``../`` or ``./``: relative to the doc's folder, as a link;
    - a dotted module name of the package, ``engram_trt.runtime.scheduler.Scheduler``: the
-     packages and module as far as they go must exist, and the first name after the
-     module must occur in that module's source (a word match: defined, imported or
-     assigned there).
+     packages and module as far as they go must exist, and the first name after them
+     must be bound in that module (or package ``__init__``): defined, assigned, imported,
+     or a lazy name's key;
+   - a test's name, ``test_NAME`` (a module or a function): a file ``test_NAME.py`` or a
+     ``def test_NAME`` under tests/ (or benchmarks/).
 
    A path with a slash exists when it names a file or folder of the repository (from
    its root; or, for the package roots, under ``python/engram_trt/``). ``<name>`` and
@@ -43,7 +45,10 @@ Three checks, each on the text as written (CPU, no import of torch):
    ``engram-trt bench`` subcommand (``cli/bench.py``'s ``BENCH_COMMANDS``) is named in
    the first column of README.md's command table (``engram-trt NAME ...``; bench
    commands as ``engram-trt bench NAME`` or in a ``bench a\\|b\\|c`` list), and the
-   table names no command that does not exist.
+   table names no command that does not exist. Every command line the docs show (in
+   backticks or a code block: ``engram-trt CMD [SUBCOMMAND] ... --flag``) names a
+   command, subcommand and flags its parser has (``NOT_COMMAND_LINES``: text that starts
+   like one and is not, with its reason).
 
 3. Every module of the package (``python/engram_trt/**/*.py``) is named in
    docs/architecture.md by its path relative to ``python/engram_trt/`` in backticks
@@ -70,7 +75,8 @@ SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "node_module
 # Named on purpose though not in the repository: {path as written: why}.
 NOT_IN_REPOSITORY: dict[str, str] = {
     "engram_trt/lib/": "where `pip install` puts the compiled library in the installed package; a build output",
-    "../elsewhere.safetensors": "docs/reliability.md: a hostile index entry the checkpoint reader refuses (a test input)",
+    "../elsewhere.safetensors": "docs/reliability.md: a hostile index entry the checkpoint reader refuses "
+                                "(a test input)",
     "python/openai/openai_frontend/main.py": "Triton's OpenAI frontend, a file of the triton-inference-server/server "
                                              "repository (docs/serving.md)",
 }
@@ -227,13 +233,30 @@ def _allowed(word: str, doc: Path) -> bool:
     return doc == BENCHMARKS and word.removeprefix("scripts/") in former_scripts()
 
 
-def missing_paths() -> list[str]:
+@lru_cache(maxsize=None)
+def _test_names() -> frozenset[str]:
+    names: set[str] = set()
+    for path in [*(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]:
+        names.add(path.stem)
+        names.update(re.findall(r"def (test_\w+)", path.read_text()))
+    return frozenset(names)
+
+
+def _shown(doc: Path) -> str:
+    return str(doc.relative_to(REPO)) if doc.is_relative_to(REPO) else doc.name
+
+
+def missing_paths(docs: list[Path] | None = None) -> list[str]:
     missing = []
-    for doc in _doc_files():
+    for doc in docs if docs is not None else _doc_files():
         for lineno, word, link in named_paths(doc):
             if _allowed(word, doc) or path_exists(word, doc, link):
                 continue
-            missing.append(f"{doc.relative_to(REPO)}:{lineno}: {word}")
+            missing.append(f"{_shown(doc)}:{lineno}: {word}")
+        for lineno, line in enumerate(doc.read_text().splitlines(), 1):
+            for name in re.findall(r"(?<![\w/.-])(test_\w+)", line):
+                if name not in _test_names():
+                    missing.append(f"{_shown(doc)}:{lineno}: {name} (no such test)")
     return missing
 
 
@@ -258,7 +281,7 @@ def test_former_scripts_are_gone_and_replaced() -> None:
     assert len(former) >= 10, former
     bench = {c.name for c in BENCH_COMMANDS}
     for name, (checks, timing) in former.items():
-        assert not path_exists(name) and not (REPO / "scripts" / name).exists(), f"{name} exists: drop it from the table"
+        assert not path_exists(name) and not (REPO / "scripts" / name).exists(), f"{name} exists: drop its row"
         for check in checks:
             where = REPO / check if "/" in check else REPO / "tests" / "gpu" / check
             assert where.is_file(), f"docs/benchmarks.md: {name} is now {check}, which is not in tests/gpu/"
@@ -315,9 +338,74 @@ def test_every_command_is_in_the_readme_table() -> None:
     named, named_bench = readme_commands()
     actual, actual_bench = cli_commands(), {c.name for c in BENCH_COMMANDS}
     assert actual - named == set(), f"README.md's command table lacks: {sorted(actual - named)}"
-    assert named - actual == set(), f"README.md's command table names commands that do not exist: {sorted(named - actual)}"
-    assert actual_bench - named_bench == set(), f"README.md's command table lacks bench {sorted(actual_bench - named_bench)}"
-    assert named_bench - actual_bench == set(), f"README.md names bench commands that do not exist: {sorted(named_bench - actual_bench)}"
+    assert named - actual == set(), f"README.md's command table names no such commands: {sorted(named - actual)}"
+    lacking, extra = sorted(actual_bench - named_bench), sorted(named_bench - actual_bench)
+    assert not lacking, f"README.md's command table lacks: bench {lacking}"
+    assert not extra, f"README.md names no such bench commands: {extra}"
+
+
+# `engram-trt ...` text that is not a command line: (prefix, why)
+NOT_COMMAND_LINES = {"engram-trt lock pid": "the mark inside a lock file (docs/reliability.md)"}
+NOT_COMMANDS = tuple(NOT_COMMAND_LINES)
+
+
+def _shown_commands(doc: Path) -> list[tuple[int, str]]:
+    """(line, text) of every ``engram-trt ...`` in backticks or a fenced code block."""
+    out: list[tuple[int, str]] = []
+    fenced = False
+    for lineno, line in enumerate(doc.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        spans = [line] if fenced else _BACKTICK.findall(line)
+        for span in spans:
+            out += [(lineno, m) for m in re.findall(r"engram-trt (?:\\\||[^`|;&#\n])*", span)]
+    return out
+
+
+def command_problems() -> list[str]:
+    import argparse
+
+    from engram_trt.cli.main import build_parser
+
+    def flags(p: argparse.ArgumentParser) -> set[str]:
+        return {f for a in p._actions for f in a.option_strings}
+
+    sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command")  # type: ignore[union-attr]
+    problems = []
+    for doc in _doc_files():
+        for lineno, text in _shown_commands(doc):
+            words = text.split()[1:]
+            if not words or words[0].startswith("-"):
+                continue
+            where = f"{doc.relative_to(REPO)}:{lineno}: {text.strip()}"
+            if not re.fullmatch(r"[a-z][a-z0-9-]*", words[0]) or text.startswith(NOT_COMMANDS):
+                continue  # `engram-trt build: ...` in prose, `engram-trt bench ...`
+            if words[0] not in sub.choices:
+                problems.append(f"{where}: no command {words[0]!r}")
+                continue
+            parser = sub.choices[words[0]]
+            rest = words[1:]
+            nested = [a for a in parser._subparsers._group_actions  # type: ignore[union-attr]
+                      if isinstance(a, argparse._SubParsersAction)] if parser._subparsers else []
+            if nested and rest and re.fullmatch(r"[a-z][a-z0-9\\|-]*", rest[0]):
+                names = rest[0].split("\\|")
+                unknown = [n for n in names if n not in nested[0].choices]
+                if unknown:
+                    problems.append(f"{where}: no {words[0]} command {unknown}")
+                    continue
+                parser, rest = nested[0].choices[names[0]], rest[1:]
+            known = flags(parser)
+            for w in rest:
+                m = re.match(r"\[?(--[a-z][\w-]*)", w)
+                if m and m.group(1) not in known and not w.lstrip("[").startswith("--engram-config."):
+                    problems.append(f"{where}: no flag {m.group(1)}")
+    return problems
+
+
+def test_every_command_line_the_docs_show_parses() -> None:
+    problems = command_problems()
+    assert not problems, f"{len(problems)} command lines in the docs name what the CLI lacks:\n" + "\n".join(problems)
 
 
 # --- 3. the modules -------------------------------------------------------------------------------
@@ -370,7 +458,8 @@ def test_the_rules_find_what_they_should() -> None:
     assert path_exists("../README.md", REPO / "docs" / "x.md", link=True)
     assert not path_exists("nothing.md", REPO / "docs" / "x.md", link=True)
     assert _holds_code(PACKAGE / "tables" / "__init__.py") and not _holds_code(PACKAGE / "models" / "__init__.py")
-    words = [w for _, w, _ in named_paths_of("see `runtime/step.py`, /usr/local/cuda, ~/.cache/x, models/y.py and `gatherKernel.cu`")]
+    text = "see `runtime/step.py`, /usr/local/cuda, ~/.cache/x, models/y.py and `gatherKernel.cu`"
+    words = [w for _, w, _ in named_paths_of(text)]
     assert words == ["runtime/step.py", "models/y.py", "gatherKernel.cu"]
     assert path_exists("engram_trt.runtime.scheduler.Scheduler") and path_exists("engram_trt.LLM")
     assert path_exists("engram_trt.engram.hashing.hash_batch_packed") and path_exists("engram_trt.native")
@@ -378,6 +467,27 @@ def test_the_rules_find_what_they_should() -> None:
     assert not path_exists("engram_trt.runtime.scheduler.NoSuchName")
     words = [w for _, w, _ in named_paths_of("`../bench/uva_probe.py`; engram_trt.hashing.hash_ids.")]
     assert words == ["../bench/uva_probe.py", "engram_trt.hashing.hash_ids"]
+
+
+def test_the_command_check_finds_what_it_should(monkeypatch, tmp_path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("`engram-trt shm list --bogus`, `engram-trt bench serve PATH --concurrency 1 --nope`\n"
+                   "```\nengram-trt run PATH --no-such\nengram-trt bench gather\\|nobench\n```\n"
+                   "`engram-trt frobnicate`, `engram-trt build CK -o OUT --dtype fp16`, engram-trt keeps (prose)\n")
+    monkeypatch.setattr(__import__(__name__), "_doc_files", lambda: [doc])
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    found = [p.split(": ", 1)[1].rsplit(": ", 1)[1] for p in command_problems()]
+    assert found == ["no flag --bogus", "no flag --nope", "no flag --no-such", "no bench command ['nobench']",
+                     "no command 'frobnicate'"], found
+
+
+def test_the_path_check_finds_what_it_should(tmp_path) -> None:
+    doc = tmp_path / "x.md"
+    doc.write_text("`runtime/step.py` and `models/step.py`; tests/test_docs.py::test_no_such_check and "
+                   "test_cli.py; [spec](docs/engram-spec.md), [gone](nowhere.md); engram_trt.runtime.step.PackedStep\n")
+    found = [m.split(": ", 1)[1] for m in missing_paths([doc])]
+    assert found == ["nowhere.md", "runtime/step.py", "engram_trt.runtime.step.PackedStep",
+                     "test_no_such_check (no such test)"], found
 
 
 def named_paths_of(text: str) -> list[tuple[int, str, bool]]:

@@ -9,7 +9,8 @@ from engram_trt.cli.argtypes import int_arg, target_list_arg
 from engram_trt.cli.engram_args import add_engram_config_arguments, engram_config_from_args
 from engram_trt.native.trt_compat import RTX_TARGETS
 from engram_trt.config.dtypes import CANONICAL, dtype_arg, metavar, spellings
-from engram_trt.builder.defaults import BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN, PLUGIN_MODES
+from engram_trt.builder.defaults import (BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN,
+                                         PLUGIN_MODES)
 
 
 def add_build_arguments(parser: argparse.ArgumentParser) -> None:
