@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -309,6 +310,36 @@ def test_one_dtype_vocabulary(capsys, tmp_path, tiny_ckpt):
         assert json.loads(out)["dtype"] == want
     with pytest.raises(EngramError, match="--dtype fp32: an engine runs in bf16 or fp16"):
         build(tiny_ckpt, tmp_path / "x", dtype="float32", progress=False)
+
+
+def _offered_dtypes(capsys, command: str) -> tuple[set[str], str]:
+    """The dtypes ``COMMAND --help`` offers for --dtype (its ``{a,b}`` metavar), and the flag's help text."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    offered = re.findall(r"\[--dtype \{([\w,]+)\}\]", text)
+    assert len(offered) == 1, text
+    return set(offered[0].split(",")), text.split(" --dtype {", 2)[-1]
+
+
+def test_help_offers_only_the_dtypes_a_command_accepts(capsys, tmp_path, tiny_ckpt):
+    """`build --help` once offered `--dtype {bf16,fp16,fp32}` though build refuses fp32 (and `run` offered fp16,
+    which it refuses): each command's --help offers exactly the dtypes it then takes, and its help's spellings
+    name no other; every dtype it does not offer is refused in one line naming --dtype."""
+    probes = {"build": lambda d: ["build", str(tiny_ckpt), "-o", str(tmp_path / f"e-{d}"), "--no-engine", "--json",
+                                  "--dtype", d],
+              "run": lambda d: ["run", str(tiny_ckpt), "--prompt", "w1 w2", "--max-new-tokens", "1", "--json",
+                                "--dtype", d]}
+    for command, argv in probes.items():
+        offered, help_text = _offered_dtypes(capsys, command)
+        for dtype in ("bf16", "fp16", "fp32"):
+            code, out, err = run_cli(capsys, *argv(dtype))
+            if dtype in offered:
+                assert code == 0, (command, dtype, err)
+            else:
+                assert code == 2 and err.count("\n") == 1 and f"--dtype {dtype}" in err, (command, dtype, err)
+                assert f"{dtype}|" not in help_text.split(" --", 1)[0], (command, help_text)
+    assert _offered_dtypes(capsys, "demo")[0] == _offered_dtypes(capsys, "run")[0]  # demo takes run's options
 
 
 # ---------------------------------------------------------------- flags as --help shows them

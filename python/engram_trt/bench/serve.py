@@ -116,14 +116,14 @@ def run(opts: ServeOptions) -> int:
             steps = after["steps"] - before["steps"]
             one = one or (tps if n == 1 else None)
             res["levels"][n] = {"tokens_per_s": tps, "steps": steps,
-                                "mean_seqs_per_step": (after["tokens"] - before["tokens"]) / max(steps, 1),
+                                "mean_seqs_per_step": seqs_per_step(n * opts.max_tokens, steps),
                                 "steady_decode_tokens_per_s": steady}
             if phases is not None:
                 res["levels"][n]["host_breakdown"] = phases.summary()
         base = res["levels"].get(1, {}).get("tokens_per_s")
         tp = f", --tp {opts.tp}" if opts.tp > 1 else ""
         print(f"backend: {res['backend']}, tables: {res['storage'].get('kind')}{tp}")
-        print(f"{'concurrent':>10} {'tokens/s':>12} {'x one request':>14} {'tokens/step':>12}")
+        print(f"{'concurrent':>10} {'tokens/s':>12} {'x one request':>14} {'new tok/step':>12}")
         for n, r in res["levels"].items():
             r["ratio_to_one"] = r["tokens_per_s"] / base if base else None
             print(f"{n:>10} {r['tokens_per_s']:>12.1f} {(r['ratio_to_one'] or 0):>13.2f}x {r['mean_seqs_per_step']:>12.1f}")
@@ -131,6 +131,16 @@ def run(opts: ServeOptions) -> int:
             print_breakdown(res["levels"], format_table)
     dump(res, opts.json)
     return 0
+
+
+def seqs_per_step(new_tokens: int, steps: int) -> float:
+    """The tokens the requests generated per scheduler step: how many sequences a step
+    served on average. A step samples one token for each of its sequences whose prompt
+    is done (the prefill's step samples the first), so one stream reads 1.0 and N
+    streams at most N. (The scheduler's ``tokens`` count every token a step computes,
+    the prompt's included: one stream of 32 prompt tokens and 32 new ones, 63 tokens
+    over 32 steps, read 2.0.)"""
+    return new_tokens / max(steps, 1)
 
 
 def steady_rate(outs: list[Any]) -> float | None:

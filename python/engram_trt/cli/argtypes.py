@@ -134,10 +134,10 @@ def check_generation_args(args: argparse.Namespace) -> None:
             raise EngramError("--stop is empty (every output would stop before its first token); give the text "
                               "to stop at")
     check_device_name(args.device)
-    from engram_trt.config.dtypes import require_dtype
+    from engram_trt.config.dtypes import REFERENCE_DTYPES, require_dtype
 
     if args.dtype is not None:
-        args.dtype = require_dtype(args.dtype, ("fp32", "bf16"), "the reference model")
+        args.dtype = require_dtype(args.dtype, REFERENCE_DTYPES, "the reference model")
 
 
 def resolve_device(name: str) -> Any:

@@ -8,8 +8,9 @@ import argparse
 from engram_trt.cli.argtypes import int_arg, target_list_arg
 from engram_trt.cli.engram_args import add_engram_config_arguments, engram_config_from_args
 from engram_trt.native.trt_compat import RTX_TARGETS
-from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
-from engram_trt.builder.defaults import DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN, PLUGIN_MODES
+from engram_trt.config.dtypes import CANONICAL, dtype_arg, metavar, spellings
+from engram_trt.builder.defaults import (BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN,
+                                         PLUGIN_MODES)
 
 
 def add_build_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +26,10 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-tokens", type=int_arg(1, 1 << 24), default=None, metavar="N",
                         help=f"most tokens of one step, all its sequences together (prefill chunks and decode tokens; "
                              f"default: min({DEFAULT_MAX_NUM_TOKENS}, max-seq-len), at least max-batch)")
-    parser.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default="bf16",
+    # every spelling parses (so fp32 is refused by build in its one line naming the fix); --help offers what builds
+    parser.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=metavar(BUILD_DTYPES), default="bf16",
                         help=f"weights and activations of the engine: bf16 (default) or fp16 (norms and softmax use float32); "
-                             f"every subcommand takes the spellings {SPELLINGS}")
+                             f"spellings {spellings(BUILD_DTYPES)}")
     parser.add_argument("--target", default=None, metavar="sm80,sm86,...", type=target_list_arg,
                         help="TensorRT-RTX compute capabilities to compile for (" + ", ".join(RTX_TARGETS) + "); default: the RTX portable set")
     parser.add_argument("--plugin-library", choices=PLUGIN_MODES, default="embed",

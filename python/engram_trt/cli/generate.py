@@ -10,7 +10,7 @@ from typing import Any
 
 from engram_trt.cli.argtypes import INT32_MAX, SEED_MAX, int_arg, resolve_device, sampling_params_from_args
 from engram_trt.cli.output import EXIT_PROBLEMS, print_json
-from engram_trt.config.dtypes import CANONICAL, METAVAR, SPELLINGS, dtype_arg
+from engram_trt.config.dtypes import CANONICAL, REFERENCE_DTYPES, dtype_arg, metavar, spellings
 from engram_trt.errors import EngramError
 
 DEFAULT_PROMPT = "Engram layers look up n-grams in"
@@ -45,9 +45,9 @@ def _add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="'tensorrt' runs the engine, 'torch' the reference model with the project's CUDA kernels on a GPU "
                         "(the reference path on a CPU), 'auto' the first that can run here, saying why (default: %(default)s)")
     p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) (default: %(default)s)")
-    p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=METAVAR, default=None,
+    p.add_argument("--dtype", type=dtype_arg, choices=CANONICAL, metavar=metavar(REFERENCE_DTYPES), default=None,
                    help=f"compute dtype of the torch backend: fp32 or bf16 (default: fp32 on CPU, bf16 on CUDA); "
-                        f"every subcommand takes the spellings {SPELLINGS}")
+                        f"spellings {spellings(REFERENCE_DTYPES)}")
     p.add_argument("--verify-tables", action="store_true",
                    help="check every Engram table's sha256 against the manifest before running (reads every byte)")
     p.add_argument("--allow-unused-weights", action="store_true",

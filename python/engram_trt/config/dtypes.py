@@ -19,6 +19,17 @@ ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"
 TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 METAVAR = "{bf16,fp16,fp32}"
 SPELLINGS = "bf16|bfloat16, fp16|float16|half, fp32|float32|float"
+REFERENCE_DTYPES = ("fp32", "bf16")  # run / demo: the reference model computes in these
+
+
+def metavar(allowed: tuple[str, ...]) -> str:
+    """``--dtype``'s metavar offering only ``allowed`` (what the subcommand accepts): ``{bf16,fp16}``."""
+    return "{" + ",".join(allowed) + "}"
+
+
+def spellings(allowed: tuple[str, ...]) -> str:
+    """Every spelling of ``allowed``: ``bf16|bfloat16, fp16|float16|half``."""
+    return ", ".join("|".join(s for s, c in ALIASES.items() if c == d) for d in allowed)
 
 
 def normalize_dtype(text: str, flag: str = "--dtype") -> str:
