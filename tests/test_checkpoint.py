@@ -15,10 +15,10 @@ from engram_trt.checkpoint.checkpoint import (
     INDEX_NAME,
     Checkpoint,
     engram_tensor_names,
-    validate_checkpoint,
     write_checkpoint,
 )
 from engram_trt.config.model import ModelConfig
+from engram_trt.models.engram_llama.checks import validate_checkpoint
 from engram_trt.models.engram_llama.demo import (
     DEMO_CONFIG,
     DEMO_TABLE_CHUNK_ROWS,

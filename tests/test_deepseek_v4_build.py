@@ -4,7 +4,7 @@ every parameter and buffer drawn at random) become one ONNX serving step and an 
 folder.
 
 * the exported graph, run by ONNX's ReferenceEvaluator (EngramDsv4Attention bound to
-  builder/reference_dsv4_attention.py, the Engram nodes to their NumPy references), over
+  models/deepseek_v4/reference_attention.py, the Engram nodes to their NumPy references), over
   a packed prefill of three prompts (slots out of order) and two decode steps equals
   transformers' fp32 logits within 1e-4 relative: CSA / HCA / sliding layers mixed, hash
   and top-k MoE, hc 2 and 4, tied and untied heads, the CSA indexer dropping entries
@@ -83,7 +83,7 @@ def graph_case(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
 
 
 def test_exported_graph_equals_transformers(graph_case: tuple[str, Path, Any]) -> None:
-    from engram_trt.builder.reference_deepseek_v4 import DeepseekV4ReferenceRunner
+    from engram_trt.models.deepseek_v4.reference_runner import DeepseekV4ReferenceRunner
     from engram_trt.models.registry import open_checkpoint
 
     name, folder, model = graph_case
@@ -141,7 +141,7 @@ def _torch_model(ckpt: Any, dtype: torch.dtype) -> Any:
 
 @pytest.mark.parametrize("placement", ["in_engine", "prefetch"])
 def test_v41_graph_with_real_tables_equals_the_float64_model(v41: Path, placement: str) -> None:
-    from engram_trt.builder.reference_deepseek_v4 import DeepseekV4ReferenceRunner
+    from engram_trt.models.deepseek_v4.reference_runner import DeepseekV4ReferenceRunner
     from engram_trt.checkpoint.vocab import engram_lookup_and_layout
     from engram_trt.models.registry import open_checkpoint
     from engram_trt.models.step import PackedStep

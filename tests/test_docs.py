@@ -68,7 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "python" / "engram_trt"
 
 DOCS = ["README.md", "docs/*.md", "plugins/*/README.md", "runtime/README.md", "benchmarks/kernels/README.md"]
-REPO_ROOTS = ("python", "tests", "plugins", "runtime", "scripts", "docs", "benchmarks", ".ci")
+REPO_ROOTS = ("python", "tests", "plugins", "runtime", "builder", "scripts", "docs", "benchmarks", ".ci")
 SOURCE_EXTENSIONS = (".py", ".cu", ".cuh", ".h", ".cpp", ".sh")
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "node_modules"}
 

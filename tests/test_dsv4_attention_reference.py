@@ -1,4 +1,4 @@
-"""builder/reference_dsv4_attention.py (the EngramDsv4Attention op's float64 reference)
+"""models/deepseek_v4/reference_attention.py (the EngramDsv4Attention op's float64 reference)
 tied to our torch DeepSeek-V4 attention layer (models/deepseek_v4/attention.py, itself
 tied to transformers 5.25 in tests/test_deepseek_v4_attention.py).
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.builder.reference_dsv4_attention import (
+from engram_trt.models.deepseek_v4.reference_attention import (
     CSA as CSA_ID,
     HCA as HCA_ID,
     SLIDING as SLIDING_ID,

@@ -147,7 +147,8 @@ def _reference_gather(table: np.ndarray, code: int, ids: np.ndarray) -> np.ndarr
     from onnx import TensorProto, helper
     from onnx.reference import ReferenceEvaluator
 
-    from engram_trt.builder.reference_executor import TableRegistry, _reference_ops
+    from engram_trt.models.reference_executor import reference_ops as _reference_ops
+    from engram_trt.models.reference_ops import TableRegistry
     from engram_trt.models import export
 
     path_elem = {1: TensorProto.BFLOAT16, 2: TensorProto.FLOAT16, 3: TensorProto.FLOAT}[code]

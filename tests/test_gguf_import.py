@@ -115,7 +115,8 @@ def test_import_result_and_config(smol_import):
 
 
 def test_engram_checkpoint_reader_accepts_it(smol_import):
-    from engram_trt.checkpoint.checkpoint import Checkpoint, validate_checkpoint
+    from engram_trt.checkpoint.checkpoint import Checkpoint
+    from engram_trt.models.engram_llama.checks import validate_checkpoint
     from engram_trt.models.registry import read_model_config
 
     arch, _ = read_model_config(json.loads((smol_import.out / "config.json").read_text()))
@@ -373,7 +374,8 @@ def test_bfloat16_output_and_shards(tiny, tmp_path):
     for name, t in full.items():
         assert half[name].dtype == torch.bfloat16 and torch.equal(half[name], t.to(torch.bfloat16)), name
     assert json.loads((r.out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    from engram_trt.checkpoint.checkpoint import Checkpoint, validate_checkpoint
+    from engram_trt.checkpoint.checkpoint import Checkpoint
+    from engram_trt.models.engram_llama.checks import validate_checkpoint
 
     with Checkpoint.open(r.out) as ckpt:
         assert validate_checkpoint(ckpt) == []

@@ -1,4 +1,4 @@
-"""builder/reference_linear_attention.py (the float64 NumPy references of EngramCausalConv1d
+"""models/qwen4_exp/reference_linear_attention.py (the float64 NumPy references of EngramCausalConv1d
 and EngramGatedDeltaNet) against the torch layer of models/qwen4_exp/linear_attention.py
 with every parameter random: its pieces (``_conv``, ``chunked_delta_rule`` in float64,
 ``recurrent_delta_step``) tightly, and the whole ``GatedDeltaNet.forward`` rebuilt from
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engram_trt.builder import reference_linear_attention as ref
+from engram_trt.models.qwen4_exp import reference_linear_attention as ref
 from engram_trt.errors import EngramError
 from engram_trt.models.qwen4_exp import linear_attention as la
 

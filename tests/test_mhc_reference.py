@@ -1,4 +1,4 @@
-"""The float64 NumPy reference of DeepSeek-V4's mHC (builder/reference_mhc.py, what
+"""The float64 NumPy reference of DeepSeek-V4's mHC (models/deepseek_v4/reference_mhc.py, what
 plugins/kernels/mhcKernel.cu computes) against the torch modules it describes
 (models/deepseek_v4/modules.HyperConnection / HyperHead) on the CPU, with every parameter
 random (transformers initializes base to 0 and scale to 1, which would let a swapped
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from engram_trt.builder import reference_mhc as ref
+from engram_trt.models.deepseek_v4 import reference_mhc as ref
 from engram_trt.errors import EngramError
 from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead
 

@@ -1,5 +1,5 @@
 """The exported serving graph, run on the CPU with the plugin nodes bound to the Python
-references (reference_executor.py), against the PyTorch reference model (EngramLlama).
+references (models/*/reference_ops.py), against the PyTorch reference model (EngramLlama).
 
 Every check runs MIXED packed steps (models.step.PackedStep): sequences prefilling
 chunks while others decode, at different past lengths, in non-contiguous KV slots (one
@@ -31,7 +31,8 @@ import torch
 
 from engram_trt.models.engram_llama.onnx_export import export_model
 from engram_trt.models.export import GATE_IO_DTYPES, PLUGIN_NAMES, ExportOptions
-from engram_trt.builder.reference_executor import ReferenceRunner, engram_attention_reference
+from engram_trt.models.engram_llama.reference_ops import engram_attention_reference
+from engram_trt.models.engram_llama.reference_runner import ReferenceRunner
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
 from engram_trt.models.engram_llama.demo import random_weights
 from engram_trt.config.model import ModelConfig
@@ -428,7 +429,8 @@ def test_reference_gather_honours_the_plugins_share_fields(share: dict) -> None:
     from onnx.reference import ReferenceEvaluator
 
     from engram_trt.models.export import PLUGIN_DOMAIN
-    from engram_trt.builder.reference_executor import TableRegistry, _reference_ops
+    from engram_trt.models.reference_executor import reference_ops as _reference_ops
+    from engram_trt.models.reference_ops import TableRegistry
 
     rng = np.random.default_rng(5)
     T, L, cols, hd, qb, num_rows = 7, 2, 6, 64, 32, 100

@@ -1,4 +1,4 @@
-"""builder/reference_qsa.py (the float64 NumPy reference of EngramQsaAttention) against the
+"""models/qwen4_exp/reference_qsa.py (the float64 NumPy reference of EngramQsaAttention) against the
 torch layer models/qwen4_exp/attention.GatedAttention with every parameter random.
 
 The layer's core (its output before ``* sigmoid(gate)`` and ``o_proj``) is recovered from
@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from engram_trt.builder import reference_qsa as ref
+from engram_trt.models.qwen4_exp import reference_qsa as ref
 from engram_trt.errors import EngramError
 from engram_trt.models.qwen4_exp import attention as att
 

@@ -14,7 +14,7 @@ names, one with FP8 routed experts, ``expert_dtype: "fp8"``), partial blocks inc
   cannot (partial blocks, merged expert scales), the folder dequantized exactly per the
   format; for V4.1 (not a transformers model) our CPU path on the quantized folder. The
   FP8 DequantizeLinear nodes compute the dequantized product exactly; the
-  EngramRoutedExperts nodes run builder/reference_executor's float64 reference.
+  EngramRoutedExperts nodes run models/reference_ops.py's float64 reference.
 * The graph holds every FP8 weight as a FLOAT8E4M3FN initializer under a
   DequantizeLinear (none as a float initializer), FP4 / FP8 routed experts as INT8
   initializers of one EngramRoutedExperts node per MoE layer (Qwen4Exp experts with a
@@ -212,16 +212,16 @@ def _runner(ckpt: Any, exported: Any) -> Any:
     """The architecture's reference runner of the exported graph (tables bound)."""
     arch = ckpt.architecture.name
     if arch == "engram-llama":
-        from engram_trt.builder.reference_executor import ReferenceRunner
+        from engram_trt.models.engram_llama.reference_runner import ReferenceRunner
 
         return ReferenceRunner(exported, ckpt.config, num_slots=4, max_seq_len=MAX_LEN)
     if arch == "qwen4-exp":
-        from engram_trt.builder.reference_qwen4_exp import Qwen4ExpReferenceRunner, ple_tables_of
+        from engram_trt.models.qwen4_exp.reference_runner import Qwen4ExpReferenceRunner, ple_tables_of
 
         return Qwen4ExpReferenceRunner(exported, ckpt.config, ple_tables_of(ckpt), num_slots=4, max_seq_len=MAX_LEN)
     import ml_dtypes
 
-    from engram_trt.builder.reference_deepseek_v4 import DeepseekV4ReferenceRunner
+    from engram_trt.models.deepseek_v4.reference_runner import DeepseekV4ReferenceRunner
     from engram_trt.checkpoint.vocab import engram_lookup_and_layout
 
     cfg = ckpt.config

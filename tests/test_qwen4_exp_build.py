@@ -91,7 +91,7 @@ def graph_case(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
 
 
 def test_exported_graph_equals_transformers(graph_case: tuple[str, Path, Any]) -> None:
-    from engram_trt.builder.reference_qwen4_exp import Qwen4ExpReferenceRunner, ple_tables_of
+    from engram_trt.models.qwen4_exp.reference_runner import Qwen4ExpReferenceRunner, ple_tables_of
     from engram_trt.models.export import ExportOptions
     from engram_trt.models.registry import open_checkpoint
 

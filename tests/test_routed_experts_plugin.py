@@ -10,7 +10,7 @@ their stored FP4 / FP8 format) on a machine without a GPU:
 - through the plugin harness: output shapes / types, the serialized fields, the round
   trip, refused fields and input types (tests/gpu/test_routed_experts_plugin.check_plugin_cpu,
   shared with the GPU suite, where the enqueue is held to native.quant.experts);
-- the exported graph's reference for the node (builder/reference_executor's
+- the exported graph's reference for the node (models/reference_ops.py's
   routed_experts_reference over dequantize_stored_experts) against a float64 loop over
   the experts' QuantWeights dequantized by quant/formats.py, one token and pick at a time.
 """
@@ -147,7 +147,7 @@ def test_the_graph_reference_is_the_stored_formats_product(kind: str, limit: flo
     by quant/formats.py: ids outside [0, E) add nothing, an expert picked twice counts twice."""
     import torch
 
-    from engram_trt.builder.reference_executor import dequantize_stored_experts, routed_experts_reference
+    from engram_trt.models.reference_ops import dequantize_stored_experts, routed_experts_reference
     from engram_trt.quant import formats
     from engram_trt.quant.weight import QuantWeight
 
@@ -192,7 +192,8 @@ def test_the_exported_node_is_the_experts_product(case: str) -> None:
     from onnx import TensorProto, helper
     from onnx.reference import ReferenceEvaluator
 
-    from engram_trt.builder.reference_executor import TableRegistry, _reference_ops
+    from engram_trt.models.reference_executor import reference_ops as _reference_ops
+    from engram_trt.models.reference_ops import TableRegistry
     from engram_trt.models.engram_llama.onnx_export import _Graph
     from engram_trt.models.export import OPSET, PLUGIN_DOMAIN
     from engram_trt.models.onnx_quant import routed_experts, routed_experts_unavailable

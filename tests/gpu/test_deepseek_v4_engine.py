@@ -64,7 +64,7 @@ def folders(tmp_path_factory):
 
 
 def _reference_logits(dtype):
-    from engram_trt.builder.reference_deepseek_v4 import DeepseekV4ReferenceRunner
+    from engram_trt.models.deepseek_v4.reference_runner import DeepseekV4ReferenceRunner
     from engram_trt.models.export import ExportOptions
     from engram_trt.models.registry import open_checkpoint
 

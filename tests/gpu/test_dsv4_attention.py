@@ -1,7 +1,7 @@
 """EngramDsv4Attention on the GPU (plugins/kernels/dsv4AttentionKernel.cu through
 native/dsv4_attention.py, and the plugin's enqueue through the harness):
 
-- the kernel vs the float64 reference (builder/reference_dsv4_attention.py) and vs our
+- the kernel vs the float64 reference (models/deepseek_v4/reference_attention.py) and vs our
   torch DeepseekV4Attention layer (the node's inputs made by the layer's own modules, its
   output turned back into the layer's by the graph's tail), over three packed steps with
   state: two prefills, a chunked prefill continuing + a decode + a fresh sequence on a
@@ -118,7 +118,7 @@ def _steps(torch, gen, hidden):
 
 def run_steps(torch, layer, config, idx, dtype, bound_ref, bound_layer, tag):
     """The three steps through the torch layer (CPU), the reference and the kernel (CUDA)."""
-    from engram_trt.builder.reference_dsv4_attention import dsv4_attention_reference_flat
+    from engram_trt.models.deepseek_v4.reference_attention import dsv4_attention_reference_flat
     from engram_trt.native.dsv4_attention import STATE_INPUTS, dsv4_attention
 
     dev = torch.device("cuda")

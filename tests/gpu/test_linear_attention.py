@@ -4,7 +4,7 @@ EngramGatedDeltaNet) on a GPU.
 
 - pieces: each kernel over a run of packed steps (prompts, prefill chunks continuing from
   the state, decodes, a slot with stale state restarted by past_lens 0, a multi-chunk
-  prompt) against the float64 reference (builder/reference_linear_attention.py) on the
+  prompt) against the float64 reference (models/qwen4_exp/reference_linear_attention.py) on the
   very same inputs: float32 within ``2e-5 max|ref|``; bf16 / fp16 elementwise
   ``u |ref| + 2e-5 max|ref|`` (the output rounded once; u = 2^-8 / 2^-11). States
   compared after every step. dk / dv from 8 to 256, dv not a multiple of the 32-column tile.
@@ -63,7 +63,7 @@ def _rel_or_bound(got, want, u: float, rel: float, eta: float = 0.0) -> tuple[bo
 def test_conv_kernel_matches_reference(rng, dname) -> None:
     import torch
 
-    from engram_trt.builder.reference_linear_attention import causal_conv1d_reference
+    from engram_trt.models.qwen4_exp.reference_linear_attention import causal_conv1d_reference
     from engram_trt.native import linear_attention as la
 
     dev, dtype, u = torch.device("cuda"), getattr(torch, dname), UNIT_ROUNDOFF[dname]
@@ -100,7 +100,7 @@ def _delta_inputs(torch, rng, T, Hk, Hv, dk, dv, dtype, dev):
 def test_delta_kernel_matches_reference(rng, dname, ci) -> None:
     import torch
 
-    from engram_trt.builder.reference_linear_attention import gated_delta_net_reference
+    from engram_trt.models.qwen4_exp.reference_linear_attention import gated_delta_net_reference
     from engram_trt.native import linear_attention as la
 
     dev, dtype, u = torch.device("cuda"), getattr(torch, dname), UNIT_ROUNDOFF[dname]

@@ -1,7 +1,7 @@
 """DeepSeek-V4's mHC kernels (plugins/kernels/mhcKernel.cu through native/mhc.py) on a GPU
 against the PyTorch modules they replace (models/deepseek_v4/modules.HyperConnection /
 HyperHead, backend 'torch', on the same GPU) and the float64 NumPy reference
-(builder/reference_mhc.py, tied to the modules on the CPU by tests/test_mhc_reference.py).
+(models/deepseek_v4/reference_mhc.py, tied to the modules on the CPU by tests/test_mhc_reference.py).
 
 Every parameter random (fn, base, scale: transformers' base 0 / scale 1 would let a
 swapped scale or bias pass), float32 as the model keeps them; streams / sublayer outputs
@@ -79,7 +79,7 @@ def _excess(got, ref, bound) -> float:
 def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
     import torch
 
-    from engram_trt.builder import reference_mhc as ref
+    from engram_trt.models.deepseek_v4 import reference_mhc as ref
     from engram_trt.models.deepseek_v4.modules import HyperConnection
     from engram_trt.native import mhc
 
@@ -125,7 +125,7 @@ def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
 def test_head_matches_the_torch_module(rng, dname, hc, D, T) -> None:
     import torch
 
-    from engram_trt.builder import reference_mhc as ref
+    from engram_trt.models.deepseek_v4 import reference_mhc as ref
     from engram_trt.models.deepseek_v4.modules import HyperHead
     from engram_trt.native import mhc
 

@@ -13,7 +13,7 @@ engram_trt.native.qsa) and its plugin (EngramQsaAttention) on a GPU.
   tie (torch's top-k breaks ties its own way, the kernel's rule is lower index).
 - decode sizes: 16 slots at ~1000 positions of random history, head_dim 256, GQA 8:
   the kernel = the torch layer's decode step (float32), its time noted.
-- the float64 reference (builder/reference_qsa.py) on the same inputs: float32 tight,
+- the float64 reference (models/qwen4_exp/reference_qsa.py) on the same inputs: float32 tight,
   padding tokens (slot / position outside the caches) zero rows and no writes, ties to
   the lower block index (all indexer queries zero).
 - the plugin's enqueue (build phase, runtime after a round trip; caches aliased in place
@@ -114,7 +114,7 @@ def boundary_gaps(fields, iq, raw_cache, w, tslot, tpos) -> np.ndarray:
     """Per token, the gap between its block_topk-th and next best block score over its
     best score, from the float64 reference's selection on these inputs (inf: the token
     drops nothing, so it has no boundary)."""
-    from engram_trt.builder import reference_qsa as ref
+    from engram_trt.models.qwen4_exp import reference_qsa as ref
 
     f = ref.QsaFields(fields.compress_ratio, fields.block_topk, fields.rot_dim, fields.rope_theta, fields.eps,
                       fields.scaling)
@@ -229,11 +229,11 @@ def test_decode_sizes_match_the_torch_decode() -> None:
 
 
 def test_reference_agrees_and_edge_contracts() -> None:
-    """The kernel = builder/reference_qsa.py on the same float32 inputs; padding tokens;
+    """The kernel = models/qwen4_exp/reference_qsa.py on the same float32 inputs; padding tokens;
     ties to the lower block index (index_q all zero: every score 0, blocks 0..k-1 kept)."""
     import torch
 
-    from engram_trt.builder.reference_qsa import qsa_attention_reference
+    from engram_trt.models.qwen4_exp.reference_qsa import qsa_attention_reference
     from engram_trt.native import qsa
 
     rng = np.random.default_rng(7)

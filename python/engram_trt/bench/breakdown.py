@@ -163,14 +163,15 @@ def _family(model: Any) -> str:
 def _graphs_for(model: Any, cache: Any, backend: Any) -> Any:
     """A recorder of one-sequence decode steps over ``cache`` (slot 1 the scratch), as the
     torch backend makes them; None where the model has none."""
-    if getattr(cache, "num_slots", 0) < 2 or not getattr(model, "supports_decode_graphs", False):
+    if getattr(cache, "num_slots", 0) < 2 or not model.supports_decode_graphs:
         return None
-    if hasattr(model, "decode_graphs"):
-        return model.decode_graphs(cache, 1, scratch_slot=1)
+    own = model.decode_graphs(cache, 1, scratch_slot=1)  # the model's own recorder (Qwen4Exp), else the runtime's
+    if own is not None:
+        return own
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
-    policy = getattr(backend, "lookup_policy", None)
-    return DecodeGraphs(model, cache, 1, scratch_slot=1, tables=getattr(model, "tables", None),
+    policy = backend.lookup_policy
+    return DecodeGraphs(model, cache, 1, scratch_slot=1, tables=model.tables,
                         lookup_policy=(lambda n: policy(n)) if policy else None)
 
 
@@ -195,7 +196,7 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
         family = _family(model)
         if family not in ("deepseek-v4", "qwen4-exp"):
             return {"skipped": f"no breakdown for {family} (DeepSeek-V4 and Qwen4Exp only)"}
-        if getattr(model.config, "engram", None) is not None:
+        if model.config.engram is not None:
             return {"skipped": "V4.1's staged rows need the runtime's prefetcher: time a V4 folder"}
         cache = model.new_cache(2, max_len)
         graphs = _graphs_for(model, cache, backend) if model.device.type == "cuda" else None

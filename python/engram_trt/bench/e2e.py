@@ -3,12 +3,13 @@ transformers and against the bytes a decode step must read (issue 41, item 4).
 
 For each ``--shapes`` entry (or the one ``--path`` folder) in one call:
 
-1. the checkpoint: ``dsv4`` (the ~1.63B DeepSeek-V4 of ``bench dsv4-step`` without its
+1. the checkpoint: ``deepseek-v4`` (the ~1.63B DeepSeek-V4 of ``bench dsv4-step`` without its
    Engram layers), ``qwen4`` (a Qwen4Exp that reads ~1.15B weights a decode step), both
    made by transformers 5.25 (the test extra) with its own random weights (the hash
    routing's ``tid2eid`` drawn, which transformers leaves zero) and ``save_pretrained``,
    with a word-level tokenizer; ``demo`` (engram-llama's random demo checkpoint, which
-   transformers does not implement); ``dsv4-tiny`` / ``qwen4-tiny`` for a CPU smoke run;
+   transformers does not implement); ``deepseek-v4-tiny`` / ``qwen4-tiny`` for a CPU smoke run
+   (``dsv4`` / ``dsv4-tiny``, the former spelling, are accepted and named as given);
 2. the floor: the bytes a decode step of one sequence reads (every weight the model
    reads but the embedding table, of which one row, and the routed experts one token
    does not reach: top-k of E; the tied head reads the whole table) over the HBM copy
@@ -42,8 +43,10 @@ from typing import Any
 from engram_trt.bench.options import opt
 from engram_trt.errors import EngramError
 
-SHAPES = ("dsv4", "qwen4", "demo", "dsv4-tiny", "qwen4-tiny")
-TRANSFORMERS_SHAPES = ("dsv4", "qwen4", "dsv4-tiny", "qwen4-tiny")
+# The DeepSeek-V4 shapes under the registry's spelling; the former one still accepted.
+SHAPE_ALIASES = {"dsv4": "deepseek-v4", "dsv4-tiny": "deepseek-v4-tiny"}
+SHAPES = ("deepseek-v4", "qwen4", "demo", "deepseek-v4-tiny", "qwen4-tiny", *SHAPE_ALIASES)
+TRANSFORMERS_SHAPES = ("deepseek-v4", "qwen4", "deepseek-v4-tiny", "qwen4-tiny", *SHAPE_ALIASES)
 QWEN4_TINY = Path(__file__).resolve().parents[3] / "tests" / "data" / "qwen4_exp_tiny" / "config.json"
 _DROP = ("architectures", "model_type", "transformers_version", "dtype")
 TEXT_PROMPT = "Engram layers look up n-grams in"  # the prompt of a folder whose tokenizer is not the made word one
@@ -53,10 +56,10 @@ TEXT_PROMPT = "Engram layers look up n-grams in"  # the prompt of a folder whose
 class E2eOptions:
     """``engram-trt bench e2e``'s flags."""
 
-    shapes: list[str] = opt(["dsv4", "qwen4", "demo"], choices=SHAPES,
-                            help="models to make and run, comma-separated: dsv4 (~1.63B DeepSeek-V4), qwen4 (Qwen4Exp "
-                                 "reading ~1.15B weights a step), demo (engram-llama's demo), dsv4-tiny / qwen4-tiny "
-                                 "(CPU smoke runs) (default: dsv4,qwen4,demo)")
+    shapes: list[str] = opt(["deepseek-v4", "qwen4", "demo"], choices=SHAPES,
+                            help="models to make and run, comma-separated: deepseek-v4 (~1.63B DeepSeek-V4), qwen4 "
+                                 "(Qwen4Exp reading ~1.15B weights a step), demo (engram-llama's demo), deepseek-v4-tiny "
+                                 "/ qwen4-tiny (CPU smoke runs) (default: deepseek-v4,qwen4,demo)")
     path: str | None = opt(None, metavar="FOLDER",
                            help="run this checkpoint folder instead of making the --shapes ones (transformers runs it "
                                 "when it implements its architecture)")
@@ -86,10 +89,11 @@ class E2eOptions:
 # ---------------------------------------------------------------------------- checkpoints
 def transformers_config(shape: str) -> tuple[str, str, dict[str, Any]]:
     """``(model class, config class, config kwargs)`` of a transformers-made shape."""
-    if shape in ("dsv4", "dsv4-tiny"):
+    if SHAPE_ALIASES.get(shape, shape) in ("deepseek-v4", "deepseek-v4-tiny"):
         from engram_trt.bench.dsv4model import bench_config
 
-        d = bench_config("1b" if shape == "dsv4" else "tiny", table_gib=0.01, max_len=4096)
+        d = bench_config("1b" if SHAPE_ALIASES.get(shape, shape) == "deepseek-v4" else "tiny", table_gib=0.01,
+                         max_len=4096)
         kw = {k: v for k, v in d.items() if not k.startswith("engram_") and k not in _DROP}
         return "DeepseekV4ForCausalLM", "DeepseekV4Config", kw
     if shape in ("qwen4", "qwen4-tiny"):
@@ -102,7 +106,8 @@ def transformers_config(shape: str) -> tuple[str, str, dict[str, Any]]:
         else:
             d = json.loads(QWEN4_TINY.read_text())
         return "Qwen4ExpForCausalLM", "Qwen4ExpTextConfig", {k: v for k, v in d.items() if k not in _DROP}
-    raise EngramError(f"--shapes {shape!r}: transformers makes only {', '.join(TRANSFORMERS_SHAPES)}")
+    raise EngramError(f"--shapes {shape!r}: transformers makes only "
+                      f"{', '.join(s for s in TRANSFORMERS_SHAPES if s not in SHAPE_ALIASES)}")
 
 
 def _need_transformers(what: str) -> Any:
@@ -323,7 +328,7 @@ def bench_folder(folder: Path, shape: str, opts: E2eOptions, limits: dict[str, f
     res: dict[str, Any] = {"shape": shape, "folder": str(folder), "family": family, "floor": floor,
                            "prompt_tokens": opts.prompt_tokens, "max_tokens": opts.max_tokens}
     hf = None
-    engram = getattr(source.config, "engram", None) is not None
+    engram = source.config.engram is not None
     skip = ("--no-transformers" if opts.no_transformers else
             f"transformers has no {'engram-llama' if family == 'engram-llama' else family + ' with Engram layers'}"
             if family == "engram-llama" or engram else None)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -49,12 +48,12 @@ from typing import Any, Iterator, Sequence
 
 from engram_trt import __version__
 from engram_trt.storage import atomic
-from engram_trt.checkpoint.checkpoint import Checkpoint, require_valid
+from engram_trt.checkpoint.checkpoint import Checkpoint
 from engram_trt.checkpoint.nonfinite import DEFAULT_SCAN_BYTES, require_finite
 from engram_trt.builder.defaults import BUILD_DTYPES, DEFAULT_MAX_BATCH, DEFAULT_MAX_NUM_TOKENS, DEFAULT_MAX_SEQ_LEN
 from engram_trt.config.dtypes import require_dtype
 from engram_trt.config.engram import EngramConfig
-from engram_trt.errors import CheckpointError, EngramError
+from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, RepackedTables, TableRef, checkpoint_table_refs,
                                          foreign_repack_files, hash_tables, repack_tables, sha256_file,
@@ -159,6 +158,13 @@ def plugin_library_info(path: Path) -> dict[str, Any]:
     except (OSError, AttributeError) as exc:
         log.warning("cannot read the plugin library's version from %s (%s)", path, exc)
     return {"file": path.name, "path": str(path), "version": version, "sha256": sha256_file(path)}
+
+
+def require_valid(ckpt: Checkpoint, layout: Any = None) -> None:
+    """The check phase's validation: the checkpoint's architecture's
+    :meth:`~engram_trt.models.base.ArchitectureBase.validate` (every tensor the model
+    reads, the first problem refused in one line)."""
+    ckpt.architecture.validate(ckpt, layout)
 
 
 def _check_sizes(max_batch: int, max_seq_len: int, max_num_tokens: int, config: Any) -> None:
@@ -303,12 +309,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
         checkpoint = checkpoint.path
     ckpt = open_checkpoint(checkpoint, allow_unused=allow_unused_weights)
     config = ckpt.config
-    why_not = getattr(ckpt.architecture, "no_engine_export", None)
-    if why_not:
-        ckpt.close()
-        raise EngramError(f"checkpoint '{checkpoint}': {why_not}")
-    engine_problems = getattr(ckpt.architecture, "engine_problems", None)  # what the engine cannot take (Qwen4Exp's F32 PLE rows)
-    refused = engine_problems(ckpt) if engine_problems is not None else []
+    refused = ckpt.architecture.engine_problems(ckpt)  # what the engine cannot take (Qwen4Exp's FP8 PLE rows)
     if refused:
         ckpt.close()
         raise EngramError(f"checkpoint '{checkpoint}': {refused[0]}")
@@ -321,8 +322,7 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
         max_num_tokens = max(min(DEFAULT_MAX_NUM_TOKENS, max_seq_len), int(max_batch))
     _check_sizes(max_batch, max_seq_len, max_num_tokens, config)
     target_list = tc.parse_targets(targets)
-    fp8_weights = getattr(ckpt.architecture, "engine_fp8_weights", None)
-    fp8 = fp8_weights(ckpt) if fp8_weights is not None else []
+    fp8 = ckpt.architecture.engine_fp8_weights(ckpt)
     if fp8:  # FP8 types compile for sm89 and later: those targets, or a --target list without older GPUs
         older = [t for t in target_list if t not in tc.FP8_TARGETS]
         if older:
@@ -406,19 +406,10 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         if spec is not None and ckpt.tokenizer_json is None:
             raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)")
         arch = ckpt.architecture
-        own_refs: list[TableRef] = []
-        if spec is None and hasattr(arch, "table_refs"):  # an architecture with tables of its own (Qwen4Exp's PLE)
-            problems = arch.checkpoint_problems(ckpt)
-            if problems:
-                more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)" if len(problems) > 1 else ""
-                raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
-            own_refs = list(arch.table_refs(ckpt))
-            check_table_files(own_refs)
-        else:  # tensors against the config (an architecture's own check where it has one: DeepSeek-V4)
-            validate = getattr(arch, "validate", None)
-            (validate or require_valid)(ckpt)  # shapes do not depend on the pad id
-        if spec is not None:
-            check_table_files(checkpoint_table_refs(ckpt))
+        require_valid(ckpt)  # the tensors against the config (table shapes do not depend on the pad id)
+        # the tables an architecture holds of its own (Qwen4Exp's PLE), else the Engram tables
+        own_refs: list[TableRef] = list(arch.table_refs(ckpt)) if spec is None else []
+        check_table_files(own_refs if spec is None else checkpoint_table_refs(ckpt))
     with phases.phase("vocab"):
         if spec is not None:
             from engram_trt.engram.tokenizer import build_compressed_vocab, check_compressed_size
@@ -428,8 +419,7 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
             if spec.pad_token_id >= vocab.vocab_size:
                 raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
             layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
-            if getattr(arch, "validate", None) is not None:
-                arch.validate(ckpt, layout)  # its tables against the layout (DeepSeek-V4.1)
+            arch.validate(ckpt, layout)  # the tables against the layout (DeepSeek-V4.1's are checked only here)
             vocab.save(tmp / VOCAB_NAME)
         if ckpt.tokenizer_json is not None:
             import shutil

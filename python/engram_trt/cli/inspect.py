@@ -64,7 +64,7 @@ def weights_report(ckpt: Any, arch: Any, dtype: str) -> dict[str, Any]:
 def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
     """The facts ``engram-trt inspect CHECKPOINT`` reports, as a dict (``dtype``: the
     serving dtype the GPU bytes of a load are counted in)."""
-    from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, validate_checkpoint
+    from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.engram.tokenizer import build_compressed_vocab
     from engram_trt.tables.source import checkpoint_table_refs, table_file_problems
@@ -111,8 +111,7 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
                         f"{' ...' if len(unused) > 8 else ''} (run / build / serve refuse them without --allow-unused-weights)")
     if spec is None:
         problems.extend(arch.checkpoint_problems(ckpt))
-        if hasattr(arch, "describe_tables"):  # an architecture's own tables (Qwen4Exp's PLE)
-            report.update(arch.describe_tables(ckpt))
+        report.update(arch.describe_tables(ckpt))  # an architecture's own tables (Qwen4Exp's PLE)
         return report
     pad = 0
     if ckpt.tokenizer_json is None:
@@ -155,10 +154,7 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
         total += layer_bytes
         report["layers"].append(entry)
     report["total_engram_bytes"] = total
-    if hasattr(arch, "table_problems"):  # an architecture checking its own weights and tables (DeepSeek-V4.1)
-        found = arch.checkpoint_problems(ckpt) + arch.table_problems(ckpt, layout)
-    else:
-        found = validate_checkpoint(ckpt, layout)
+    found = arch.checkpoint_problems(ckpt, layout)  # the weights, and the tables against the layout
     problems.extend(found)
     if not found:  # every table is present: check its files hold it (sizes, as every load does)
         problems.extend(table_file_problems(checkpoint_table_refs(ckpt)))

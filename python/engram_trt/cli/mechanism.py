@@ -65,10 +65,9 @@ def engram_spec_of(config_arg: str, command: str) -> Any:
     from engram_trt.models.registry import resolve
 
     arch = resolve(d, src)
-    spec = getattr(arch.read_config(d, src, enforce_contract=False), "engram", None)
+    spec = arch.read_config(d, src, enforce_contract=False).engram
     if spec is None:
-        family = getattr(arch, "title", arch.name)
-        raise ConfigError(f"{src}: this {family} model has no Engram layers (no 'engram_layer_ids'), so `engram-trt "
+        raise ConfigError(f"{src}: this {arch.title} model has no Engram layers (no 'engram_layer_ids'), so `engram-trt "
                           f"{command}` has nothing to compute; `engram-trt inspect {shlex.quote(config_arg)}` "
                           f"describes the model and its tables")
     return spec

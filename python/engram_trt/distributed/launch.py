@@ -220,7 +220,7 @@ def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> Sou
     if not is_engine_folder(p):
         peek = peek_model(p)
         return SourceFacts(engram_config or EngramConfig(), peek.has_tables, True,
-                           getattr(peek.config, "engram", None) is not None)
+                           peek.config.engram is not None)
     src = open_model_source(p, engram_config=engram_config, progress=False)
     ok = backend == "torch" or src.placement == "prefetch" or src.engine_file is None
     if not ok and backend == "auto":

@@ -54,7 +54,7 @@ def check_parallel_support(path: Any, tp: int, dp: int, engram_config: Any = Non
     if tp > 1:
         check_plans(path, peek, tp)
     across = getattr(engram_config, "embedding_across_dp", False)
-    if dp > 1 and across and peek.has_tables and getattr(peek.config, "engram", None) is None:
+    if dp > 1 and across and peek.has_tables and peek.config.engram is None:
         raise EngramError(f"--engram-config.embedding_across_dp: {family}'s own tables (not Engram tables) are not "
                           f"sharded across ranks; drop it (--engram-config.dp_shared_memory true keeps one /dev/shm "
                           f"copy per node for the {dp} replicas)")

@@ -3,7 +3,7 @@ config.json's ``architectures`` and ``model_type`` (as vLLM's registry and
 TensorRT-LLM's ``models/`` key theirs). Runtime, builder and CLI ask the registry and
 never branch on an architecture's name; an architecture declares its config fields, its
 torch module, its weight names, its per-sequence state and its ONNX export
-(:class:`ModelArchitecture`).
+(:class:`~engram_trt.models.base.ArchitectureBase`, every method the callers use).
 
 A config whose ``architectures`` names none of ours, or whose ``model_type`` belongs to
 another family, is refused in one line naming what was found and what is supported.
@@ -12,58 +12,16 @@ another family, is refused in one line naming what was found and what is support
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Sequence
 
 from engram_trt.errors import ConfigError
-from engram_trt.models.contract import FieldContract
+from engram_trt.models.base import ArchitectureBase
+
+# What the registry hands out: an architecture (every method and attribute declared,
+# documented and defaulted by :class:`~engram_trt.models.base.ArchitectureBase`).
+ModelArchitecture = ArchitectureBase
 
 log = logging.getLogger(__name__)
-
-
-class ModelArchitecture(Protocol):
-    """What one architecture declares (``models/<arch>/architecture.py``)."""
-
-    name: str
-    architectures: tuple[str, ...]
-    model_types: tuple[str, ...]
-    contract: FieldContract
-    title: str  # the family as messages name it ("DeepSeek-V4")
-    tensor_parallel: bool  # `--tp N` shards the backbone (parallel_plan) and the Engram columns
-
-    def read_config(self, d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True) -> Any:
-        """The typed config of a config.json dict, every field honoured or refused (the
-        refusal left to the caller with ``enforce_contract=False``)."""
-
-    def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:
-        """Checkpoint tensor name -> shape of every weight the model reads (no tables)."""
-
-    def build_model(self, config: Any, weights: Mapping[str, Any], **options: Any) -> Any:
-        """The torch module that serves a packed step (the torch backend's model)."""
-
-    def allocate_state(self, config: Any, num_slots: int, max_len: int, device: Any, dtype: Any) -> Any:
-        """The per-sequence state of ``num_slots`` sequences (KV cache; recurrent / conv
-        state where the architecture has it)."""
-
-    def export_onnx(self, config: Any, weights: Any, layout: Any, options: Any) -> Any:
-        """The ONNX graph of one packed serving step."""
-
-    def unused_tensors(self, config: Any, present: Any) -> list[str]:
-        """Checkpoint tensors the model does not read."""
-
-    def checkpoint_problems(self, ckpt: Any) -> list[str]:
-        """One line per tensor the model needs that is missing, misshapen or of the wrong dtype."""
-
-    def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
-        """Stored name -> ``(kind, stored bytes, GPU bytes a load takes at dtype)`` of each
-        weight the model reads (``fp8`` / ``fp4`` / ``float`` / ``int``; scales counted
-        with their weight): what ``engram-trt inspect`` sums
-        (:func:`engram_trt.models.weight_formats.generic_weight_formats` is the default)."""
-
-    def parallel_plan(self, config: Any, tp: int, rank: int = 0) -> Any:
-        """TP rank ``rank`` of ``tp``'s :class:`~engram_trt.models.parallel.ParallelPlan`: the
-        rank-local config and the split of each stored tensor; a size the model cannot
-        split refused in one line (:class:`~engram_trt.models.base.ArchitectureBase`'s
-        default: not sharded)."""
 
 
 def _registered() -> tuple[ModelArchitecture, ...]:
@@ -72,6 +30,11 @@ def _registered() -> tuple[ModelArchitecture, ...]:
     from engram_trt.models.qwen4_exp.architecture import ARCHITECTURE as qwen4_exp
 
     return (engram_llama, qwen4_exp, deepseek_v4)
+
+
+def registered() -> tuple[ModelArchitecture, ...]:
+    """Every registered architecture, in the registry's order."""
+    return _registered()
 
 
 def supported_architectures() -> list[str]:

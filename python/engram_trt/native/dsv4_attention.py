@@ -8,7 +8,7 @@ The inputs are the node's, in its order (plugins/engramDsv4AttentionPlugin/READM
 ``q, kv, sinks, seq_starts, past_lens, slots, window_kv``, then for CSA / HCA layers the
 8 compressor inputs ``(kv, gate, bias, norm, inv_freq, entries, ring_kv, ring_gate)`` and
 for CSA the 9 indexer inputs ``(q, w, kv, gate, bias, norm, keys, ring_kv, ring_gate)``.
-builder/reference_dsv4_attention.py is the float64 reference of the same contract. The
+models/deepseek_v4/reference_attention.py is the float64 reference of the same contract. The
 function checks dtypes and shapes before anything reaches the library (an EngramError
 names the bad argument); the library checks the fields (:func:`check_fields` asks it
 without a GPU).

@@ -7,7 +7,7 @@ updating their state in place.
 :func:`causal_conv1d` is ``GatedDeltaNet._conv`` (models/qwen4_exp/linear_attention.py)
 for every sequence of a step at once; :func:`gated_delta_net` is its recurrence
 (``recurrent_delta_step`` / ``chunked_delta_rule``) with the q / k L2 normalization and
-q's scale inside. builder/reference_linear_attention.py is the float64 reference of both.
+q's scale inside. models/qwen4_exp/reference_linear_attention.py is the float64 reference of both.
 The functions check dtypes, then shapes, then devices before anything reaches the
 library (an EngramError names the bad argument); the entry points are declared here, on
 first use, as :mod:`engram_trt.native.ple` declares its own (a library built before these

@@ -6,7 +6,7 @@ writing the step's k / v / raw indexer keys into the slot caches in place first.
 :func:`qsa_attention` is what ``GatedAttention.forward`` (models/qwen4_exp/attention.py)
 computes between the projections and ``* sigmoid(gate)``: its inputs are the normed and
 rotated q, k, the indexer's normed and rotated queries and its raw keys.
-builder/reference_qsa.py is the float64 reference. Arguments are checked (dtypes, then
+models/qwen4_exp/reference_qsa.py is the float64 reference. Arguments are checked (dtypes, then
 shapes, then devices; an EngramError names the bad one) before anything reaches the
 library; the entry points are declared here on first use, as native/linear_attention.py
 declares its own, so a library built before this kernel still serves the rest.

@@ -121,7 +121,7 @@ def capture_mode(model: Any) -> str:
     watchdog runs on another thread during a capture), else ``global``."""
     from engram_trt.models.parallel import is_parallel
 
-    return "thread_local" if is_parallel(getattr(model, "tp", None)) else "global"
+    return "thread_local" if is_parallel(model.tp) else "global"
 
 
 class DecodeGraphs:
@@ -145,7 +145,7 @@ class DecodeGraphs:
         self.lookup_policy = lookup_policy
         self.wait_each_layer = wait_each_layer
         self.fork_lookup = fork_lookup
-        self.context_free = bool(getattr(model, "decode_context_free", False))
+        self.context_free = bool(model.decode_context_free)
         # A tensor-parallel model's steps hold NCCL collectives: the process group's watchdog
         # thread queries its events while this thread captures, which the global mode refuses.
         self.capture_mode = capture_mode(model)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 from engram_trt.config.engram import EngramConfig
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.layout import EngramLayout
-from engram_trt.errors import CheckpointError, EngramError
+from engram_trt.errors import EngramError
 from engram_trt.tables.source import TableRef, check_table_files, verify_table_hashes
 
 log = logging.getLogger(__name__)
@@ -91,12 +90,12 @@ class ModelPeek:
     @property
     def family(self) -> str:
         """The model family in messages (``DeepSeek-V4``, ``Qwen4Exp``, ``engram-llama``)."""
-        return getattr(self.architecture, "title", self.architecture.name)
+        return self.architecture.title
 
     @property
     def has_tables(self) -> bool:
         """The model reads tables beside its weights (Engram tables, Qwen4Exp's PLE shards)."""
-        return getattr(self.config, "engram", None) is not None or getattr(self.config, "ple", None) is not None
+        return self.config.engram is not None or self.architecture.has_own_tables(self.config)
 
 
 def peek_model(path: str | Path) -> ModelPeek:
@@ -246,7 +245,6 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
 
 
 def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_weights: bool) -> ModelSource:
-    from engram_trt.checkpoint.checkpoint import require_valid
     from engram_trt.checkpoint.vocab import engram_lookup_and_layout
     from engram_trt.tables.source import checkpoint_table_refs
 
@@ -256,17 +254,12 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_w
     config = ckpt.config
     lookup, layout = engram_lookup_and_layout(ckpt)
     refs: list[TableRef] = checkpoint_table_refs(ckpt) if layout is not None else []
-    if layout is not None:  # an architecture may check its own weights beside the tables (DeepSeek-V4.1)
-        getattr(ckpt.architecture, "validate", require_valid)(ckpt, layout)
-    else:
-        problems = ckpt.architecture.checkpoint_problems(ckpt)
-        if problems:
-            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(folder))}` lists them)" if len(problems) > 1 else ""
-            raise CheckpointError(f"checkpoint '{folder}': {problems[0]}{more}")
+    # every tensor the model reads (and the Engram tables against the layout); refused in one line
+    ckpt.architecture.validate(ckpt, layout)
+    if layout is None:
         # An architecture with tables of its own (Qwen4Exp's PLE shards) lists them: the
         # runner opens them in the store --engram-config picks, as Engram tables.
-        table_refs = getattr(ckpt.architecture, "table_refs", None)
-        refs = list(table_refs(ckpt)) if table_refs is not None else []
+        refs = list(ckpt.architecture.table_refs(ckpt))
     ecfg = override if override is not None else EngramConfig()
     ecfg.validate_for(config)
     max_seq_len = min(config.max_position_embeddings, 4096)

@@ -43,27 +43,14 @@ class TorchBackend:
             parallel = arch.parallel_plan(ckpt.config, tensor_parallel.size, tensor_parallel.rank)
             parallel.check_checkpoint(ckpt)
             parallel.tp = tensor_parallel
-        if hasattr(arch, "load_model"):  # the architecture binds its own tables (Qwen4Exp's PLE)
-            # ``tables``: the store the runner opened over the architecture's table refs
-            # ``engram_config``: the runner's (its hot_cache_fraction caches the PLE rows)
-            self.model = arch.load_model(ckpt, device=device, dtype=dtype, parallel=parallel,
-                                         engram_config=engram_config or getattr(source, "engram_config", None),
-                                         compress_lookup=getattr(source, "compress_lookup", None),
-                                         layout=getattr(source, "layout", None),
-                                         **({} if tables is None else {"tables": tables}))
-            tables = None  # bound above, not staged
-            self._ckpt = ckpt  # PLE rows may be read in place from its file maps
-        else:
-            if parallel is not None and parallel.sharded:
-                raise EngramError(f"internal: {arch.name} declares a sharded plan but no load_model to read its slices")
-            weights = {name: ckpt.get(name) for name in arch.weight_shapes(source.config)}
-            self.model = arch.build_model(source.config, weights, tables=None, compress_lookup=source.compress_lookup,
-                                          layout=source.layout, device=device, dtype=dtype)
-            ckpt.close()
-            self._ckpt = None
-        if tables is not None:
-            self.model.set_tables(tables)
-        self.use_graphs = cuda_graphs and device.type == "cuda" and getattr(self.model, "supports_decode_graphs", True)
+        # ``tables``: the store the runner opened (the Engram tables, or the architecture's
+        # own: Qwen4Exp's PLE shards), bound to the model; ``engram_config``: the runner's
+        # (its hot_cache_fraction caches the PLE rows)
+        self.model = arch.load_model(ckpt, device=device, dtype=dtype, parallel=parallel,
+                                     engram_config=engram_config or source.engram_config,
+                                     compress_lookup=source.compress_lookup, layout=source.layout, tables=tables)
+        self._ckpt = ckpt  # PLE rows may be read in place from its file maps
+        self.use_graphs = cuda_graphs and device.type == "cuda" and self.model.supports_decode_graphs
         self.graphs: Any = None
         self.lookup_policy: Any = None  # the prefetcher's gather choice by row count (set by the runner)
         self.phases: Any = None  # a runtime.phases.StepPhases while a benchmark times the steps
@@ -76,8 +63,8 @@ class TorchBackend:
         from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
         cache = self.model.new_cache(num_slots + 1, max_len)  # + a scratch slot for graph padding
-        if hasattr(self.model, "decode_graphs"):  # a model with its own recorded decode steps (Qwen4Exp)
-            self.graphs = self.model.decode_graphs(cache, num_slots, scratch_slot=num_slots)
+        self.graphs = self.model.decode_graphs(cache, num_slots, scratch_slot=num_slots)  # its own recorder (Qwen4Exp)
+        if self.graphs is not None:
             return cache
         self.graphs = DecodeGraphs(self.model, cache, num_slots, scratch_slot=num_slots, tables=self.model.tables,
                                    lookup_policy=lambda n: self.lookup_policy(n) if self.lookup_policy else "host")

@@ -33,7 +33,6 @@ from engram_trt.models.deepseek_v4.config import (CONTRACT, V4_ARCH, V4_TYPE, V4
 log = logging.getLogger(__name__)
 
 
-
 class DeepseekV4Architecture(ArchitectureBase):
     name = "deepseek-v4"
     architectures = (V4_ARCH, V41_ARCH)
@@ -99,8 +98,9 @@ class DeepseekV4Architecture(ArchitectureBase):
 
         return model_formats(meta_modules(config), config.quant, ckpt)
 
-    def checkpoint_problems(self, ckpt: Any) -> list[str]:
-        """One line per problem (module docstring), the expert count first."""
+    def checkpoint_problems(self, ckpt: Any, layout: Any = None) -> list[str]:
+        """One line per problem (module docstring), the expert count first; with ``layout``
+        V4.1's Engram tables against it (:meth:`table_problems`)."""
         from engram_trt.models.deepseek_v4.weights import ROUTED_EXPERT
 
         cfg = ckpt.config
@@ -124,7 +124,7 @@ class DeepseekV4Architecture(ArchitectureBase):
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_routed_experts):
                 out.append(f"tensor {f.name} routes to expert {int(t.max()) if int(t.min()) >= 0 else int(t.min())}, "
                            f"outside 0..{cfg.n_routed_experts - 1} (n_routed_experts={cfg.n_routed_experts})")
-        return out
+        return out + self.table_problems(ckpt, layout)
 
     def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
         """Stored name -> ``(kind, stored bytes, GPU bytes at dtype)`` of every weight the
@@ -144,7 +144,8 @@ class DeepseekV4Architecture(ArchitectureBase):
 
     def table_problems(self, ckpt: Any, layout: Any) -> list[str]:
         """V4.1: one line per Engram table that is missing, of the wrong width, dtype or
-        scale shape, or shorter than the layout's rows (the tables stay the runtime's)."""
+        scale shape, or shorter than the layout's rows (the tables stay the runtime's);
+        none without a layout (the weights' check alone)."""
         from engram_trt.checkpoint.checkpoint import engram_tensor_names
         from engram_trt.checkpoint.files import BF16_TABLE_DTYPES, FP8_SCALE_DTYPES, FP8_TABLE_DTYPES
 
@@ -173,16 +174,6 @@ class DeepseekV4Architecture(ArchitectureBase):
                         or ckpt.st_dtype(names["scale"]) not in FP8_SCALE_DTYPES:
                     out.append(f"scale {names['scale']} must be F8_E8M0 of shape {list(want)} beside its FP8 table")
         return out
-
-    def validate(self, ckpt: Any, layout: Any = None) -> None:
-        """Refuse a checkpoint with any problem (weights, then V4.1's tables) in one line."""
-        from engram_trt.errors import CheckpointError
-
-        problems = self.checkpoint_problems(ckpt) + self.table_problems(ckpt, layout)
-        if problems:
-            more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {ckpt.path}` lists them)" \
-                if len(problems) > 1 else ""
-            raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
 
     def build_model(self, config: DeepseekV4Config, weights: Mapping[str, Any], **options: Any) -> Any:
         """A model from a name -> tensor dict (tests, the benchmark; serving loads with
@@ -261,6 +252,12 @@ class DeepseekV4Architecture(ArchitectureBase):
         from engram_trt.models.deepseek_v4.onnx_export import export_model
 
         return export_model(config, weights, layout, options)
+
+    def reference_ops(self) -> list[type]:
+        """The ``onnx.reference`` OpRuns of this family's own plugin nodes (:mod:`.reference_ops`)."""
+        from engram_trt.models.deepseek_v4.reference_ops import reference_ops
+
+        return reference_ops()
 
 
 ARCHITECTURE = DeepseekV4Architecture()

@@ -38,6 +38,7 @@ from engram_trt.models.deepseek_v4.state import DeepseekV4State
 from engram_trt.models.deepseek_v4.weights import load_into, named_tensors
 from engram_trt.models.parallel import gather_vocab, reduce
 from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
+from engram_trt.models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def model_tensor_shapes(config: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, (_m, _a, t) in named_tensors(meta_modules(config)).items()}
 
 
-class DeepseekV4Model(_Modules):
+class DeepseekV4Model(ServedModel, _Modules):
     """See the module docstring. Build with :meth:`from_checkpoint` (tensor by tensor,
     :func:`.weights.load_into`)."""
 

@@ -9,7 +9,7 @@ Its config fields' contract is :mod:`.config`'s.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from engram_trt.config.model import ModelConfig
 from engram_trt.models.engram_llama.config import CONTRACT, read_config
@@ -50,7 +50,7 @@ class EngramLlamaArchitecture(ArchitectureBase):
         # beside each weight it leaves in 16 bits, the tied head's included: not read).
         # Known whatever the config says, so that an FP8 weight whose config lost its
         # quantization_config is refused for that, by name (validate_checkpoint).
-        from engram_trt.checkpoint.checkpoint import is_linear_weight
+        from engram_trt.models.engram_llama.checks import is_linear_weight
         from engram_trt.quant.names import scale_candidates
 
         for n in [n for n in names if is_linear_weight(n)] + ["lm_head.weight"]:
@@ -63,29 +63,12 @@ class EngramLlamaArchitecture(ArchitectureBase):
                     names.add(t["scale"])
         return names
 
-    def unused_tensors(self, config: ModelConfig, present: Iterable[str]) -> list[str]:
-        """Checkpoint tensors the model does not read (e.g. ``lm_head.weight`` of a tied
-        head, a multi-token-prediction layer)."""
-        from engram_trt.checkpoint.checkpoint import natural_key
+    def checkpoint_problems(self, ckpt: Any, layout: Any = None) -> list[str]:
+        """One line per missing / misshapen tensor (backbone and Engram tables against
+        ``layout``, else the config's)."""
+        from engram_trt.models.engram_llama.checks import validate_checkpoint
 
-        used = self.tensor_names(config)
-        return sorted((n for n in present if n not in used), key=natural_key)
-
-    def checkpoint_problems(self, ckpt: Any) -> list[str]:
-        """One line per missing / misshapen tensor (backbone and Engram tables)."""
-        from engram_trt.checkpoint.checkpoint import validate_checkpoint
-
-        return validate_checkpoint(ckpt, None)
-
-    def engine_problems(self, ckpt: Any) -> list[str]:
-        """What `engram-trt build` refuses before any work: nothing beyond the checkpoint's
-        own problems (FP8 linears are exported as stored: models/onnx_quant.py)."""
-        return []
-
-    def engine_fp8_weights(self, ckpt: Any) -> list[str]:
-        """The weights an engine takes as FP8 (DequantizeLinear of their bytes): the ones
-        the checkpoint stores F8_E4M3 (the Engram tables never enter an engine)."""
-        return [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
+        return validate_checkpoint(ckpt, layout)
 
     def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
                    compress_lookup: Any = None, layout: Any = None, parallel: Any = None, **_: Any) -> Any:
@@ -97,7 +80,7 @@ class EngramLlamaArchitecture(ArchitectureBase):
         built at the rank's sizes, only the rank's slices read."""
         import torch
 
-        from engram_trt.checkpoint.checkpoint import require_valid
+        from engram_trt.models.engram_llama.checks import require_valid
         from engram_trt.checkpoint.vocab import engram_lookup_and_layout
         from engram_trt.models.engram_llama.model import EngramLlama
         from engram_trt.models.engram_llama.weights import lazy_weights
@@ -133,13 +116,11 @@ class EngramLlamaArchitecture(ArchitectureBase):
 
         return export_model(config, weights, layout, options)
 
-    def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
-        """Stored name -> ``(kind, stored bytes, GPU bytes at dtype)`` of each weight the
-        model reads (``engram-trt inspect``; the generic default of
-        :mod:`engram_trt.models.weight_formats`)."""
-        from engram_trt.models.weight_formats import generic_weight_formats
+    def reference_ops(self) -> list[type]:
+        """The ``onnx.reference`` OpRuns of this family's own plugin nodes (:mod:`.reference_ops`)."""
+        from engram_trt.models.engram_llama.reference_ops import reference_ops
 
-        return generic_weight_formats(self, ckpt, dtype)
+        return reference_ops()
 
 
 ARCHITECTURE = EngramLlamaArchitecture()

@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from engram_trt.storage import atomic
-from engram_trt.checkpoint.checkpoint import (Checkpoint, backbone_tensor_shapes, engram_tensor_names, is_checkpoint_file_name,
-                                              write_checkpoint)
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, is_checkpoint_file_name, write_checkpoint
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.model import ModelConfig
+from engram_trt.models.engram_llama.checks import backbone_tensor_shapes
 from engram_trt.errors import EngramError
 from engram_trt.paths import cache_root
 from engram_trt.engram.quant import quantize_fp8_rows

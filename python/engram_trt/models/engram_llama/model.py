@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, require_valid
+from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names
+from engram_trt.models.engram_llama.checks import require_valid
 from engram_trt.config.model import ModelConfig
 from engram_trt.engram.hashing import DEAD, hash_ids_torch
 from engram_trt.engram.layout import EngramLayout
@@ -57,6 +58,7 @@ from engram_trt.models.parallel import gather_vocab, reduce
 from engram_trt.models.step import PackedStep
 from engram_trt.quant.weight import QuantLinear
 from engram_trt.tables.base import TableStore
+from engram_trt.models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class StepState:
     pending: torch.Tensor | None = field(default=None)
 
 
-class EngramLlama(UniformBatchAPI, nn.Module):
+class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
     """engram-llama: parameter names equal HF checkpoint names (``model.layers.1.engram.wkv.weight``...).
 
     Build with :meth:`from_checkpoint`, or directly from a config and a weight dict

@@ -3,7 +3,7 @@
 Why ONNX: both TensorRT flavours parse it (the TensorRT-RTX Python network has no
 ``add_plugin_v3``, but its ONNX parser turns an unknown op whose ``op_type`` is a
 plugin name into that plugin), and it can be *executed* on a CPU with
-``onnx.reference.ReferenceEvaluator`` (reference_executor.py), so CI checks the exported
+``onnx.reference.ReferenceEvaluator`` (reference_runner.py), so CI checks the exported
 graph numerically against the PyTorch reference model: the engine is built from exactly
 what was checked.
 

@@ -32,8 +32,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from engram_trt.checkpoint.checkpoint import backbone_tensor_shapes, engram_tensor_names, stored_dtype
+from engram_trt.checkpoint.checkpoint import engram_tensor_names, stored_dtype
 from engram_trt.config.model import ModelConfig
+from engram_trt.models.engram_llama.checks import backbone_tensor_shapes
 from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.quant.names import find_scale
 from engram_trt.quant.weight import QuantLinear, QuantWeight, check_quant_tensors

@@ -8,14 +8,14 @@ Its config fields' contract is :mod:`.config`'s; its PLE tables stay out of the 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-from engram_trt.models.base import ArchitectureBase
+from engram_trt.models.base import FLOAT_TABLE_DTYPES, ArchitectureBase
 from engram_trt.models.qwen4_exp.config import CONTRACT, Qwen4ExpConfig, read_config
 
 # The PLE shard dtypes an engine's EngramGather reads (safetensors spelling -> the export's
-# table_dtype, onnx_export.PLE_TABLE_DTYPES).
-PLE_SHARD_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+# table_dtype, onnx_export.PLE_TABLE_DTYPES): ArchitectureBase.table_dtype's float rows.
+PLE_SHARD_DTYPES = FLOAT_TABLE_DTYPES
 
 
 def ple_layout(config: Qwen4ExpConfig) -> Any:
@@ -84,14 +84,9 @@ class Qwen4ExpArchitecture(ArchitectureBase):
 
         return linear_weight_shapes(config)[1]
 
-    def unused_tensors(self, config: Qwen4ExpConfig, present: Iterable[str]) -> list[str]:
-        from engram_trt.checkpoint.checkpoint import natural_key
-
-        used = self.tensor_names(config)
-        return sorted((n for n in present if n not in used), key=natural_key)
-
-    def checkpoint_problems(self, ckpt: Any) -> list[str]:
-        """One line per missing / misshapen weight and per PLE table problem."""
+    def checkpoint_problems(self, ckpt: Any, layout: Any = None) -> list[str]:
+        """One line per missing / misshapen weight and per PLE table problem (``layout``:
+        unused, the PLE layout is the config's)."""
         from engram_trt.models.qwen4_exp.ple_tables import table_problems
 
         from engram_trt.checkpoint.checkpoint import FP8_WEIGHT_DTYPE, checkpoint_quant
@@ -153,6 +148,10 @@ class Qwen4ExpArchitecture(ArchitectureBase):
         from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
 
         return Qwen4ExpModel(config, weights, **options)
+
+    def has_own_tables(self, config: Qwen4ExpConfig) -> bool:
+        """The PLE tables (``ple_layer_ids``)."""
+        return config.ple is not None
 
     def table_refs(self, ckpt: Any) -> list[Any]:
         """Where the PLE tables' bytes are: one :class:`~engram_trt.tables.source.TableRef`
@@ -241,18 +240,6 @@ class Qwen4ExpArchitecture(ArchitectureBase):
                     f"as one dtype; save all PLE shards as one of {' / '.join(PLE_SHARD_DTYPES)}"]
         return []
 
-    def engine_fp8_weights(self, ckpt: Any) -> list[str]:
-        """The weights an engine takes as FP8 (DequantizeLinear of their bytes, or the
-        EngramRoutedExperts plugin's for the routed experts): the ones the checkpoint stores
-        F8_E4M3 (PLE tables are not weights)."""
-        return [n for n in self.weight_shapes(ckpt.config) if n in ckpt and ckpt.st_dtype(n) == "F8_E4M3"]
-
-    def table_dtype(self, refs: Any) -> str:
-        """The storage of the PLE tables the engine binds (their shards' one dtype, in the
-        export's spelling), ``"unsupported"`` for any other or a mix."""
-        kinds = {PLE_SHARD_DTYPES.get(r.dtype, "unsupported") for r in refs}
-        return kinds.pop() if len(kinds) == 1 else "unsupported"
-
     def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:
         """The ONNX serving step (:mod:`.onnx_export`); the PLE hash layout is the config's
         (``layout``, the builder's Engram layout, is None for this family)."""
@@ -260,13 +247,11 @@ class Qwen4ExpArchitecture(ArchitectureBase):
 
         return export_model(config, weights, ple_layout(config) if config.ple is not None else None, options)
 
-    def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
-        """Stored name -> ``(kind, stored bytes, GPU bytes at dtype)`` of each weight the
-        model reads (``engram-trt inspect``; the generic default of
-        :mod:`engram_trt.models.weight_formats`)."""
-        from engram_trt.models.weight_formats import generic_weight_formats
+    def reference_ops(self) -> list[type]:
+        """The ``onnx.reference`` OpRuns of this family's own plugin nodes (:mod:`.reference_ops`)."""
+        from engram_trt.models.qwen4_exp.reference_ops import reference_ops
 
-        return generic_weight_formats(self, ckpt, dtype)
+        return reference_ops()
 
 
 ARCHITECTURE = Qwen4ExpArchitecture()

@@ -31,7 +31,7 @@ and slot from the step's device metadata. So the step reads the slots' caches up
 query's own position (not a padded context) and a decode graph serves every length.
 The torch decode path (every block of a padded context pooled again each step, about
 forty launches a layer) serves the rest and is the kernel's reference; ties at the
-top-k cut go to the lower block in the kernel (builder/reference_qsa.py), where torch's
+top-k cut go to the lower block in the kernel (models/qwen4_exp/reference_qsa.py), where torch's
 ``topk`` has no rule.
 """
 

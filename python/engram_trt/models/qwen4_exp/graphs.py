@@ -59,7 +59,7 @@ class Qwen4ExpDecodeGraphs:
         kernel = model._ple_kernel_layers()
         self.lookup_in_graph = cfg.ple is None or (all(kernel) and model._native_ple_hash() is not None)
         # every QSA layer's decode core on the kernel: one graph per batch bucket (context = max_len)
-        self.context = cache.max_len if getattr(model, "decode_context_free", False) else 0
+        self.context = cache.max_len if model.decode_context_free else 0
         self.graphs: dict[tuple[int, int], dict[str, Any]] = {}
         self._host: dict[int, torch.Tensor] = {}
         self._dev: dict[int, torch.Tensor] = {}

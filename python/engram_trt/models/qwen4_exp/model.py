@@ -28,6 +28,7 @@ from engram_trt.models.qwen4_exp.modules import GatedResidual, PLEFusion, Sparse
 from engram_trt.models.parallel import gather_vocab, reduce
 from engram_trt.models.qwen4_exp.state import MIN_DECODE_CONTEXT, Qwen4ExpState, decode_context  # noqa: F401
 from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
+from engram_trt.models.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class _Modules(nn.Module):
         return out
 
 
-class Qwen4ExpModel(_Modules):
+class Qwen4ExpModel(ServedModel, _Modules):
     """See the module docstring. ``weights``: checkpoint name -> tensor (every name of
     :func:`model_weight_shapes`); ``ple_tables``: the PLE tables (None for a model
     without PLE)."""

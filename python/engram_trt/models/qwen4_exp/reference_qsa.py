@@ -2,7 +2,7 @@
 states the same contract): Qwen4Exp's gated full attention's core with the QSA block indexer,
 over a packed step whose tokens write into per-slot caches in place.
 
-It is what the ONNX ReferenceEvaluator runs for that node (builder/reference_executor.py)
+It is what the ONNX ReferenceEvaluator runs for that node (reference_ops.py)
 and the independent side of the kernel tests: the per-query definition written out
 plainly (no batching of queries, no padded top-k), in float64, with the few roundings to
 the activation dtype that the torch layer (models/qwen4_exp/attention.GatedAttention)

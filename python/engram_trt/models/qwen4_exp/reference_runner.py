@@ -2,8 +2,8 @@
 what a runtime holds between steps: every per-slot state the graph takes (KV and index
 key caches, the Gated DeltaNet conv and recurrent states, the PLE conv histories) and
 each slot's PLE n-gram context (the last ``ngram_size - 1`` raw ids). The plugin nodes
-run as :func:`~engram_trt.builder.reference_executor._reference_ops` binds them, the PLE
-tables bound by address through a :class:`~engram_trt.builder.reference_executor.TableRegistry`,
+run as :func:`~engram_trt.models.reference_executor.reference_ops` binds them, the PLE
+tables bound by address through a :class:`~engram_trt.models.reference_ops.TableRegistry`,
 so CI checks exactly the graph the engine is built from against transformers.
 """
 
@@ -14,9 +14,10 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from engram_trt.builder.reference_executor import TableRegistry, _reference_ops, packed_step_feeds
 from engram_trt.errors import EngramError
 from engram_trt.models.export import DTYPES, ExportedModel
+from engram_trt.models.reference_executor import reference_ops
+from engram_trt.models.reference_ops import TableRegistry, packed_step_feeds
 
 
 def ple_tables_of(ckpt: Any) -> list[np.ndarray]:
@@ -56,7 +57,7 @@ class Qwen4ExpReferenceRunner:
         self.exported = exported
         self.config = config
         self.registry = TableRegistry()
-        self.evaluator = ReferenceEvaluator(exported.model, new_ops=_reference_ops(self.registry))
+        self.evaluator = ReferenceEvaluator(exported.model, new_ops=reference_ops(self.registry))
         self.np_dtype = DTYPES[exported.dtype][1]
         self.num_slots = int(num_slots)
         self.max_seq_len = int(max_seq_len or exported.io["max_position"])

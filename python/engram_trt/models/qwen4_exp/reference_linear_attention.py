@@ -3,7 +3,7 @@ EngramCausalConv1d and EngramGatedDeltaNet (plugins/engramCausalConv1dPlugin and
 plugins/engramGatedDeltaNetPlugin state the same contracts).
 
 They are what the ONNX ReferenceEvaluator runs for those nodes
-(builder/reference_executor.py), and the independent side of the kernel tests: written
+(reference_ops.py), and the independent side of the kernel tests: written
 as the plain token-by-token definitions (no chunking, no tricks), in float64, so a
 kernel or the torch layer (models/qwen4_exp/linear_attention.py) is compared against the
 math itself rather than against another fast form of it.
@@ -26,8 +26,8 @@ import numpy as np
 
 from engram_trt.errors import EngramError
 
-# The q / k L2 normalization's epsilon (linear_attention.L2_EPS; repeated here so the
-# builder layer imports no torch module, a test ties the two).
+# The q / k L2 normalization's epsilon (linear_attention.L2_EPS; repeated here so this
+# NumPy reference imports no torch module, a test ties the two).
 L2_EPS = 1e-6
 
 ACTIVATION_IDENTITY = 0

@@ -2,9 +2,9 @@
 holding what a runtime holds between steps: every per-slot state the graph takes (each
 layer's sliding window, compressor entries and rings, the CSA indexer's keys and rings)
 and, for V4.1, each slot's Engram lookback (the last N-1 compressed ids). The plugin
-nodes run as :func:`~engram_trt.builder.reference_executor._reference_ops` binds them
-(EngramDsv4Attention through builder/reference_dsv4_attention.py), the Engram tables
-bound by address through a :class:`~engram_trt.builder.reference_executor.TableRegistry`,
+nodes run as :func:`~engram_trt.models.reference_executor.reference_ops` binds them
+(EngramDsv4Attention through models/deepseek_v4/reference_attention.py), the Engram tables
+bound by address through a :class:`~engram_trt.models.reference_ops.TableRegistry`,
 so CI checks exactly the graph the engine is built from against transformers.
 """
 
@@ -14,14 +14,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from engram_trt.builder.reference_executor import TableRegistry, _reference_ops, packed_step_feeds, staged_rows_feeds
 from engram_trt.errors import EngramError
 from engram_trt.models.export import DTYPES, ExportedModel
+from engram_trt.models.reference_executor import reference_ops
+from engram_trt.models.reference_ops import TableRegistry, packed_step_feeds, staged_rows_feeds
 
 
 class DeepseekV4ReferenceRunner:
     """See the module docstring. ``tables``: per Engram layer ``(rows, scales or None)``
-    as :class:`~engram_trt.builder.reference_executor.ReferenceRunner` takes them (bf16
+    as :class:`~engram_trt.models.engram_llama.reference_runner.ReferenceRunner` takes them (bf16
     rows as ml_dtypes or uint16, FP8 rows as uint8 with their ue8m0 scales);
     ``compress_lookup``: raw id -> compressed id (V4.1)."""
 
@@ -34,7 +35,7 @@ class DeepseekV4ReferenceRunner:
         self.exported = exported
         self.config = config
         self.registry = TableRegistry()
-        self.evaluator = ReferenceEvaluator(exported.model, new_ops=_reference_ops(self.registry))
+        self.evaluator = ReferenceEvaluator(exported.model, new_ops=reference_ops(self.registry))
         self.np_dtype = DTYPES[exported.dtype][1]
         self.num_slots = int(num_slots)
         limit = int(exported.io["max_position"])
