@@ -9,11 +9,17 @@ argparse reaches ``bench/``. Adding a subcommand: its module, and one row in the
 
 Importing the bench modules pulls no torch (each ``run`` imports it), so ``--help``
 stays light.
+
+A script under the repository's ``benchmarks/`` is a module of the same form, and
+:func:`run_script` is its command line (the flags derived here the same way, bad input one
+``<script>: error: ...`` line, exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, fields
@@ -23,6 +29,8 @@ from typing import Any, Callable, Sequence
 from engram_trt.bench import (attention, backbone, cache, cacheplan, contention, dsv4step, e2e, gather, gathersweep,
                                gemv, idstreams, kernels, plegather, qwen4step, rowcounts, serve, steady, step)
 from engram_trt.cli.argtypes import int_arg
+from engram_trt.cli.output import EXIT_USAGE
+from engram_trt.errors import EngramError
 
 
 def _paragraph(index: int, plain: bool = True) -> Callable[[str], str]:
@@ -243,3 +251,39 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         sp.set_defaults(func=_runner(cmd))
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p
+
+
+# ---------------------------------------------------------------- benchmarks/ scripts
+class _ScriptParser(argparse.ArgumentParser):
+    """argparse, with a script's usage errors in one line, as the CLI's."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def script_parser(options: type, doc: str, prog: str) -> argparse.ArgumentParser:
+    """The parser of a script under ``benchmarks/``: ``-v`` and the flags of ``options``
+    (:func:`add_option_arguments`), its description the first paragraph of ``doc``."""
+    parser = _ScriptParser(prog=prog, description=_paragraph(0)(doc))
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics on stderr (-vv for debug)")
+    add_option_arguments(parser, options)
+    return parser
+
+
+def run_script(options: type, run: Callable[[Any], int], doc: str, argv: Sequence[str] | None = None,
+               prog: str | None = None) -> int:
+    """A ``benchmarks/`` script's ``main``: parse ``argv`` into ``options``, ``run`` it; a bad
+    input (:class:`EngramError`) or a failed file operation is one line on stderr and exit 2."""
+    prog = prog or Path(sys.argv[0]).name
+    ns = script_parser(options, doc, prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(ns.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(options_from(ns, options))
+    except EngramError as exc:
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"{prog}: error: {exc.filename or ''}{': ' if exc.filename else ''}{exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_USAGE
