@@ -1,7 +1,7 @@
 """The decode projections' GEMV (engram_gemv_bf16) on a machine without a GPU: its C ABI's
 host checks, the binding's argument checks, the fused path's dispatch, and
 tests/gpu/test_gemv.py's CPU stages and verify function. The kernel itself runs on the
-H200 through that module (``pytest -m gpu tests/gpu``); its timing is `engram-trt bench gemv`."""
+H200 through that module (``pytest -m gpu tests/gpu``); its timing is `benchmarks/kernels/bench_gemv.py`."""
 
 from __future__ import annotations
 

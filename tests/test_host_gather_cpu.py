@@ -9,7 +9,7 @@
 - the pool's size from the CPU affinity mask, in a child process pinned to one CPU;
 - the argument checks of the new entry points (one-line reasons, no GPU needed), the raw
   sink's with the scales in HBM among them.
-The pipelined GPU path (copies, dequant) runs on the H200 through `engram-trt bench gather`.
+The pipelined GPU path (copies, dequant) runs on the H200 through `benchmarks/lookup/bench_gather.py`.
 """
 
 from __future__ import annotations

@@ -476,7 +476,7 @@ def check_bf16_cuda_logits_near_fp32_cpu(folder: Path, expected: dict) -> None:
     bf16-vs-fp32 distance of the fp32 CPU model's; a check and a figure per prompt."""
     import torch
 
-    from engram_trt.bench.gpucases import rel_err
+    from .cases import rel_err
     from engram_trt.models.step import PackedStep
 
     ckpt_c, cpu = load_checkpoint(folder, "cpu", torch.float32)

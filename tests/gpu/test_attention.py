@@ -20,7 +20,7 @@ attention``):
              serialize -> createPlugin(kRUNTIME) round trip, enqueue with the cache outputs
              aliased to the inputs (in place) and with separate output buffers (the copy
              fallback: the inputs stay untouched), workspace size, refused fields.
-  timed data the timed shapes of ``engram-trt bench attention`` (decode 1 x 4k, 64 x 256,
+  timed data the timed shapes of ``benchmarks/kernels/bench_attention.py`` (decode 1 x 4k, 64 x 256,
              64 x 4k, 256 x 4k; one 8k prefill chunk; bf16, 32 query / 8 KV heads of 128):
              this kernel against torch SDPA on the same data, relative norm < 1e-2.
 
@@ -38,7 +38,7 @@ import os
 import numpy as np
 import pytest
 
-from engram_trt.bench.gpucases import ATTENTION_CASES
+from .cases import ATTENTION_CASES
 
 from .helpers import Harness, record, say  # noqa: F401  (Harness: the CPU suite binds the harness through this module)
 
@@ -436,17 +436,17 @@ def test_plugin_gpu(rng, harness, dname) -> None:
 
 
 
-# --- the timed shapes (their timing: engram-trt bench attention) -----------------------------
+# --- the timed shapes (their timing: benchmarks/kernels/bench_attention.py) -----------------------------
 
 @pytest.mark.parametrize("label", list(ATTENTION_CASES))
 def test_timed_shape_agrees_with_sdpa(label) -> None:
-    """A case ``engram-trt bench attention`` times (engram_trt.bench.gpucases: ``batch``
+    """A case ``benchmarks/kernels/bench_attention.py`` times (tests/gpu/cases.py: ``batch``
     sequences, each bringing ``new`` tokens at the end of a ``context``-long history in
     its own slot): this kernel against SDPA on the same cache (slot = batch row, the new
     K/V already in it; padded [B, H, S, hd] with enable_gqa)."""
     import torch
 
-    from engram_trt.bench.gpucases import attention_case
+    from .cases import attention_case
     from engram_trt.native import attention as attention_kernels
 
     c = attention_case(*ATTENTION_CASES[label], torch.device("cuda"))

@@ -1,7 +1,7 @@
 """The hot-row cache's fused kernels (plugins/kernels/cacheKernel.cu) on a GPU against the
 policy's torch reference on the CPU, and the cache's delivered rows against the plain
 host gather (formerly scripts/h200_cache_check.py, run by h200_hostgather_check.py; its
-timing is ``engram-trt bench cacheplan``).
+timing is ``benchmarks/lookup/bench_cacheplan.py``).
 
 Policy, per case, step by step: the fused plan on the GPU and the reference plan on the
 CPU of the same ids, the reference given the kernels' miss order (which must be a
@@ -20,7 +20,7 @@ inline, split and hbm-scales fp8 tables (hbm-scales: the values in host memory, 
 array on the GPU, the misses' scale bytes gathered there by the plan's device miss list),
 a bf16 table, warm starts, replacements every 2nd step; a fetch that fails (nothing
 admitted, the slot map restored, the next step exact). Then real skewed ids: both layers
-of n-gram hashed chunks (the token file of `engram-trt bench idstream` where present,
+of n-gram hashed chunks (the token file of `benchmarks/lookup/idstreams.py` where present,
 else a Zipf token stream) with out-of-range ids mixed in, through an hbm-scales cache
 with and without a warm start, several steps with admission, each step against the
 plain host gather in the hbm-scales and the split layout and the NumPy dequant.
@@ -431,7 +431,13 @@ def check_gather_part(dev: Any, record: Record) -> None:
 def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows: int = 4096) -> tuple[Any, Any, str]:
     """(layout, [chunk_tokens, 2, 24] row-id chunks, where the tokens came from): n-gram
     hashed chunks of the bench's token file where it exists, else of a Zipf stream."""
-    from engram_trt.bench import idstreams
+    import sys
+
+    from .helpers import REPO
+
+    if str(REPO / "benchmarks" / "lookup") not in sys.path:  # idstreams.py: benchmarks/lookup's own module
+        sys.path.insert(0, str(REPO / "benchmarks" / "lookup"))
+    import idstreams
 
     path = idstreams.default_tokens_path()
     if path.is_file():

@@ -418,7 +418,7 @@ def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None
 def test_fused_model_decode_within_round_off(mix: str) -> None:
     import torch
 
-    from engram_trt.bench.gpucases import rel_err
+    from .cases import rel_err
     from engram_trt.models.step import PackedStep
 
     from .test_deepseek_v4_graphs import _config, _model, _weights

@@ -14,7 +14,7 @@
              sm_90: each kernel may start before the one before it ends), each output
              against float64 on the input of its own replay.
 
-Timing is `engram-trt bench gemv`.
+Timing is `benchmarks/kernels/bench_gemv.py`.
 
 Bound against float64 on the same bf16 inputs, elementwise, u = 2^-8:
   |out - ref| <= u |ref| + (1 + u) n 2^-24 (1 + 2^-20) sum_k |w x|

@@ -197,7 +197,7 @@ def test_tiny_model_with_mhc_kernels(dname) -> None:
     from engram_trt.models.registry import open_checkpoint
     from engram_trt.models.step import PackedStep
 
-    from engram_trt.bench.gpucases import rel_err
+    from .cases import rel_err
 
     ckpt = open_checkpoint(REPO / "tests" / "data" / "deepseek_v4_tiny")
     model = ckpt.architecture.load_model(ckpt, device="cuda", dtype=getattr(torch, dname))

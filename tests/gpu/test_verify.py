@@ -1,6 +1,6 @@
 """The kernel library and the plugins on a GPU (formerly scripts/h200_verify.py; its NaN,
 bad-row and build-phase cases are test_edge_cases.py, a rank's column range
-test_column_range.py, its timing ``engram-trt bench kernels``):
+test_column_range.py, its timing ``benchmarks/kernels/bench_kernels.py``):
 
   kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
              bf16 tables) / gate through engram_trt.native.kernels, against the Python
@@ -16,7 +16,7 @@ test_column_range.py, its timing ``engram-trt bench kernels``):
              never read before ids[0]; and, each in a child process (a fault there
              cannot end this run): a failed call leaves no stale CUDA error for the
              next one, destroying a host gatherer waits for its gather.
-  timed data the outputs of the timed cases of ``engram-trt bench kernels`` (hash of 8,192
+  timed data the outputs of the timed cases of ``benchmarks/kernels/bench_kernels.py`` (hash of 8,192
              tokens x 2 layers x 24 columns; the host gather against the device gather of
              6,144 and 196,608 rows of a >= 24 GiB table, ``$ENGRAM_TRT_GPU_TABLE_GIB``).
 
@@ -36,7 +36,7 @@ import os
 import numpy as np
 import pytest
 
-from engram_trt.bench.gpucases import GATHER_ROWS, HASH_SEQUENCES
+from .cases import GATHER_ROWS, HASH_SEQUENCES
 
 from .helpers import (DT, PF_CHAR, PF_INT32, PF_INT64, bits, dtype_name, gate_fields, gate_inputs, gate_ok,
                       gather_fields, hash_fields, hash_fields_text, random_fp8_table, record, run_child, say)
@@ -529,15 +529,15 @@ def run_probe(name: str, build_dir) -> dict:
             "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"}
 
 
-# --- the timed cases' outputs (their timing: engram-trt bench kernels) ------------------------
+# --- the timed cases' outputs (their timing: benchmarks/kernels/bench_kernels.py) ------------------------
 
 @pytest.mark.parametrize("S", HASH_SEQUENCES)  # one prefill sequence; 32 packed sequences
 def test_timed_hash_agrees(rng, S) -> None:
-    """The hash ``engram-trt bench kernels`` times (engram_trt.bench.gpucases: 8,192 tokens x
+    """The hash ``benchmarks/kernels/bench_kernels.py`` times (tests/gpu/cases.py: 8,192 tokens x
     2 layers x 24 columns, orders 2..3 x 12 heads) equals hash_batch_packed."""
     import torch
 
-    from engram_trt.bench.gpucases import hash_case, hash_layout
+    from .cases import hash_case, hash_layout
     from engram_trt.native import kernels
 
     layout = hash_layout()
@@ -550,14 +550,14 @@ def test_timed_hash_agrees(rng, S) -> None:
 
 @pytest.fixture(scope="module")
 def big_table():
-    """The timed gathers' table (engram_trt.bench.gpucases.fp8_tables, as ``bench kernels``
+    """The timed gathers' table (tests/gpu/cases.py: fp8_tables, as ``bench_kernels.py``
     builds it): ``$ENGRAM_TRT_GPU_TABLE_GIB`` (default 24) GiB of 256-byte fp8 rows + 8
     scale bytes, in HBM and in pinned host memory (the same bytes)."""
     import time
 
     import torch
 
-    from engram_trt.bench.gpucases import fp8_tables, gather_bytes
+    from .cases import fp8_tables, gather_bytes
 
     t0 = time.time()
     tables = fp8_tables(float(os.environ.get("ENGRAM_TRT_GPU_TABLE_GIB", "24")), torch.device("cuda"))

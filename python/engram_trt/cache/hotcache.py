@@ -59,7 +59,7 @@ them after the fetch).
 The host gather's threads sleep after ``spin_us`` (50 us by default) without work, and a
 step's plan (its one synchronization) takes longer than that, so the transfer is told
 when a plan has been enqueued (:meth:`Transfer.prepare`): the CUDA transfer wakes the
-threads then, and with a ``spin_us`` above the plan's time (``bench cache --spin-us``)
+threads then, and with a ``spin_us`` above the plan's time (``bench_cache.py --spin-us``)
 they are still spinning when the fetch starts instead of paying their wake-up in it.
 """
 

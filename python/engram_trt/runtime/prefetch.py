@@ -15,7 +15,7 @@ layers before it have been enqueued, so the CPU threads gather while the GPU run
 layers. A Python worker thread would have to win the GIL from the engine thread for
 every Python line of the lookup: on the H200 a gather of 6,144 rows took 693 us called
 from a worker thread against 115 us on a thread that runs its own loop, and 15.8 ms with
-another Python thread busy (``engram-trt bench contention``, docs/benchmarks.md).
+another Python thread busy (``benchmarks/lookup/bench_contention.py``, docs/benchmarks.md).
 
 Why staging buffers are persistent: fixed addresses. A captured CUDA graph or a
 TensorRT engine binds the rows' address once; every step writes the same buffers

@@ -1,4 +1,6 @@
-"""``engram-trt bench contention``: why a host gather of 6,144 rows took ~1.1 ms inside the
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""``python benchmarks/lookup/bench_contention.py``: why a host gather of 6,144 rows took ~1.1 ms inside the
 GPU checks and the runtime's start-up calibration but ~140 us alone (docs/benchmarks.md):
 the same gather, one process, timed after each suspect in turn. Each row is the median wall time of
 (wake, gather, synchronize) over fresh id sets, and of the gather call's return alone
@@ -11,29 +13,38 @@ workers busy-waiting for a while after each parallel region, on the same cores a
 gather's pool); many live gatherer pools; a Python thread holding the GIL; the call made
 from a worker thread (as the prefetcher does); a UVA read of the table just before;
 registered (cudaHostRegister) instead of cudaHostAlloc'd memory; and, in a child process
-with OMP_WAIT_POLICY=PASSIVE (``python -m engram_trt.bench.contention REPS``), the
+with OMP_WAIT_POLICY=PASSIVE (``bench_contention.py --child REPS``), the
 after-matmul cases again. One short GPU run.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import subprocess
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from engram_trt.bench.options import opt
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules, then tests/gpu/cases.py (the GPU cases tests/gpu checks):
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+if str(REPO / "tests" / "gpu") not in sys.path:
+    sys.path.append(str(REPO / "tests" / "gpu"))
+
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from engram_trt.bench.options import opt  # noqa: E402
 
 @dataclass(kw_only=True)
 class ContentionOptions:
-    """``engram-trt bench contention``'s flags."""
+    """``python benchmarks/lookup/bench_contention.py``'s flags."""
 
     table_gib: float = opt(4.0, help="GiB of fp8 rows in the pinned table (default: %(default)s)")
     reps: int = opt(12, help="timed id sets per case (median; default: %(default)s)")
@@ -49,7 +60,7 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     import numpy as np
     import torch
 
-    from engram_trt.bench.gpucases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, pinned_fp8_table
+    from cases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, pinned_fp8_table
     from engram_trt.native import kernels
     from engram_trt.native.hostgather import HostGatherer
 
@@ -174,7 +185,7 @@ def child_cases(reps: int) -> dict[str, Any]:
     root = str(Path(engram_trt.__file__).resolve().parents[1])
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
                PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    out = subprocess.run([sys.executable, "-m", "engram_trt.bench.contention", str(reps)], env=env,
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(reps)], env=env,
                          capture_output=True, text=True)
     print("OMP_WAIT_POLICY=PASSIVE child:\n" + out.stdout[-1500:] + out.stderr[-800:], flush=True)
     found = [line for line in out.stdout.splitlines() if line.startswith("CHILD ")]
@@ -203,8 +214,8 @@ def run(opts: ContentionOptions) -> int:
     import torch
 
     from engram_trt.bench.common import dump, measure_limits
-    from engram_trt.bench.gathersweep import link_floor_us
-    from engram_trt.bench.gpucases import GATHER_ROWS, require_cuda
+    from bench_gathersweep import link_floor_us
+    from cases import GATHER_ROWS, require_cuda
     from engram_trt.errors import EngramError
 
     if opts.reps < 2 or opts.table_gib <= 0:
@@ -226,5 +237,16 @@ def run(opts: ContentionOptions) -> int:
     return 1 if "failed" in child else 0
 
 
-if __name__ == "__main__":  # the child: python -m engram_trt.bench.contention REPS
-    print("CHILD " + json.dumps(measure_cases(CHILD_TABLE_GIB, int(sys.argv[1]), child=True)), flush=True)
+OPTIONS = ContentionOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:  # the child: bench_contention.py --child REPS
+    print("CHILD " + json.dumps(measure_cases(CHILD_TABLE_GIB, int(sys.argv[2]), child=True)), flush=True)
+elif __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Where a hot-row cache step's host time goes, call by call (``engram-trt bench cache
+"""Where a hot-row cache step's host time goes, call by call (``bench_cache.py
 --host-trace N``).
 
 Why: on the H200 VM a prefill chunk's cache step holds ~100 us of GPU work beside the

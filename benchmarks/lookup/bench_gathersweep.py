@@ -1,4 +1,6 @@
-"""``engram-trt bench gathersweep``: why the host gather of a decode step is slow in some
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""``python benchmarks/lookup/bench_gathersweep.py``: why the host gather of a decode step is slow in some
 callers. A pinned fp8 table (24 GiB by default, as ``bench kernels``'), uniform ids, the
 gather timed as the runtime sees it (wall time from the call to the stream's completion,
 median over fresh id sets) under several settings of the pool and of torch's own CPU
@@ -10,17 +12,26 @@ run) and to the first variant (the default pool, back to back).
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.options import opt
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules, then tests/gpu/cases.py (the GPU cases tests/gpu checks):
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+if str(REPO / "tests" / "gpu") not in sys.path:
+    sys.path.append(str(REPO / "tests" / "gpu"))
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from engram_trt.bench.options import opt  # noqa: E402
 
 
 @dataclass(kw_only=True)
 class GathersweepOptions:
-    """``engram-trt bench gathersweep``'s flags."""
+    """``python benchmarks/lookup/bench_gathersweep.py``'s flags."""
 
     table_gib: float = opt(24.0, help="GiB of fp8 rows in the pinned table (+ 1/32 of scales; default: %(default)s)")
     reps: int = opt(20, help="timed id sets per case (median; default: %(default)s)")
@@ -42,7 +53,7 @@ VARIANTS = [
 
 def link_floor_us(n_rows: int, h2d_GBps: float) -> float:
     """The link's floor of a gather of ``n_rows`` fp8 rows: its bytes at the H2D rate."""
-    from engram_trt.bench.gpucases import gather_bytes
+    from cases import gather_bytes
 
     return gather_bytes(n_rows) / (h2d_GBps * 1e9) * 1e6
 
@@ -54,7 +65,7 @@ def run(opts: GathersweepOptions) -> int:
     import torch
 
     from engram_trt.bench.common import dump, measure_limits
-    from engram_trt.bench.gpucases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, pinned_fp8_table, require_cuda
+    from cases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, pinned_fp8_table, require_cuda
     from engram_trt.errors import EngramError
     from engram_trt.native.hostgather import HostGatherer
 
@@ -120,3 +131,16 @@ def run(opts: GathersweepOptions) -> int:
           "x default: against the first variant")
     dump(result, opts.json)
     return 0
+
+
+OPTIONS = GathersweepOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""``engram-trt bench kernels``: the kernel library's hash, gather and gate against the
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""``python benchmarks/kernels/bench_kernels.py``: the kernel library's hash, gather and gate against the
 copies that bound them, measured in the same run (the timed cases are built by
 bench/gpucases.py; tests/gpu/test_verify.py checks their outputs).
 
@@ -24,13 +26,22 @@ is fast again and the probe prints what the first calls saw.
 
 from __future__ import annotations
 
-import os
-import statistics
-import time
-from dataclasses import dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.options import opt
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules, then tests/gpu/cases.py (the GPU cases tests/gpu checks):
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+if str(REPO / "tests" / "gpu") not in sys.path:
+    sys.path.append(str(REPO / "tests" / "gpu"))
+
+import os  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from engram_trt.bench.options import opt  # noqa: E402
 
 GATE_TARGET_RATIO = 0.70
 HASH_TARGET_US = 20.0
@@ -38,7 +49,7 @@ HASH_TARGET_US = 20.0
 
 @dataclass(kw_only=True)
 class KernelsOptions:
-    """``engram-trt bench kernels``'s flags."""
+    """``python benchmarks/kernels/bench_kernels.py``'s flags."""
 
     table_gib: float = opt(24.0, help="the gathers' table in GiB of fp8 rows, in HBM and pinned (default: %(default)s)")
     reps: int = opt(10, help="timed id sets per gather path (median; default: %(default)s)")
@@ -87,7 +98,7 @@ def time_gate_and_hash(r: _Run, rng) -> None:
     import torch
 
     from engram_trt.bench.common import eager_seconds, graph_seconds
-    from engram_trt.bench.gpucases import HASH_SEQUENCES, HASH_TOKENS, hash_case, hash_layout
+    from cases import HASH_SEQUENCES, HASH_TOKENS, hash_case, hash_layout
     from engram_trt.native import kernels
 
     dev = torch.device("cuda")
@@ -243,7 +254,7 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
     import torch
 
     from engram_trt.bench.common import graph_seconds
-    from engram_trt.bench.gpucases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, fp8_tables, gather_bytes
+    from cases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, fp8_tables, gather_bytes
     from engram_trt.native import hostgather, kernels
 
     dev = torch.device("cuda")
@@ -380,7 +391,7 @@ def measure(opts: KernelsOptions, device: Any) -> dict[str, Any]:
 def run(opts: KernelsOptions) -> int:
     """Prints the tables (a missed target is printed with its margin, not an error) and
     writes the figures as JSON when ``opts.json`` is set; 1 when timed outputs differ."""
-    from engram_trt.bench.gpucases import require_cuda
+    from cases import require_cuda
     from engram_trt.errors import EngramError
 
     if opts.reps < 1 or opts.table_gib <= 0:
@@ -412,3 +423,16 @@ def print_timing(result: dict[str, Any]) -> None:
                 say(f"{n:>7} | {name:<46} | {v['seconds'] * 1e6:9.1f} | {v['GBps']:6.1f} | {v['ratio_to_h2d']:.2f}")
     for tg in result.get("targets", []):
         say(f"{'TARGET MET   ' if tg['met'] else 'TARGET MISSED'} {tg['name']}: {tg['detail']}")
+
+
+OPTIONS = KernelsOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`engram-trt bench gather --paths split`: one lookup shared by the host gather and the
+"""`bench_gather.py --paths split`: one lookup shared by the host gather and the
 UVA kernel at once.
 
 Why: on the H200 VM the host gather of a prefill chunk is bound by the CPU threads' random
@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Sequence
 
-from engram_trt.bench.lookuputil import HEAD_DIM, QUANT_BLOCK, gbps, median_wall
+from lookuputil import HEAD_DIM, QUANT_BLOCK, gbps, median_wall
 
 
 def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scales_dev: Any, link: float,
@@ -76,7 +76,7 @@ def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scal
 def plot_split(report: dict[str, Any], path: str, target_gbps: dict[int, float]) -> None:
     """GB/s against the UVA share, a line per grid cap, per lookup size; the host gather
     alone (share 0) and the link as horizontal lines."""
-    from engram_trt.bench.lookuputil import require_matplotlib, save_plot
+    from lookuputil import require_matplotlib, save_plot
 
     plt = require_matplotlib()
     sizes = sorted({r["rows"] for r in report["results"] if r["path"] == "split"})

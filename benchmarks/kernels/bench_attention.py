@@ -1,4 +1,6 @@
-"""``engram-trt bench attention``: the packed-attention kernel (engram_attention_step /
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""``python benchmarks/kernels/bench_attention.py``: the packed-attention kernel (engram_attention_step /
 _packed) against torch's scaled_dot_product_attention on the same data and against its
 floor (the K/V read at the HBM rate, or the math at the bf16 matrix rate), both measured
 in the same run (the shapes are ``ATTENTION_CASES`` of bench/gpucases.py;
@@ -14,17 +16,26 @@ matrix rate ("x floor": the longer of the two).
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.gpucases import ATTENTION_CASES
-from engram_trt.bench.options import opt
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules, then tests/gpu/cases.py (the GPU cases tests/gpu checks):
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+if str(REPO / "tests" / "gpu") not in sys.path:
+    sys.path.append(str(REPO / "tests" / "gpu"))
+
+import os  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from cases import ATTENTION_CASES  # noqa: E402
+from engram_trt.bench.options import opt  # noqa: E402
 
 
 @dataclass(kw_only=True)
 class AttentionOptions:
-    """``engram-trt bench attention``'s flags."""
+    """``python benchmarks/kernels/bench_attention.py``'s flags."""
 
     reps: int = opt(20, help="timed calls per case (median; default: %(default)s)")
     cases: list[str] = opt(list(ATTENTION_CASES), choices=list(ATTENTION_CASES),
@@ -48,7 +59,7 @@ def tiled_kernel() -> Any:
 def time_case(label: str, device: Any, reps: int, limits: dict[str, float]) -> dict[str, Any]:
     """One timed case (its buffers are freed on return)."""
     from engram_trt.bench.common import event_seconds
-    from engram_trt.bench.gpucases import attention_case, rel_err
+    from cases import attention_case, rel_err
     from engram_trt.native import attention as attention_kernels
 
     c = attention_case(*ATTENTION_CASES[label], device)
@@ -87,7 +98,7 @@ def run(opts: AttentionOptions) -> int:
     import torch
 
     from engram_trt.bench.common import dump, measure_limits
-    from engram_trt.bench.gpucases import require_cuda
+    from cases import require_cuda
     from engram_trt.errors import EngramError
 
     if opts.reps < 1 or not opts.cases:
@@ -112,3 +123,16 @@ def print_timing(rows: dict[str, Any]) -> None:
             f"{r['ratio_to_tiled']:.2f}")
     say("floor: the K/V bytes the step reads once at the HBM copy rate, or its FLOPs at the bf16 matrix rate, "
         "whichever is longer, both measured in this run (x floor = time / floor)")
+
+
+OPTIONS = AttentionOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

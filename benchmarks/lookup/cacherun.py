@@ -1,4 +1,4 @@
-"""The measured part of `engram-trt bench cache` (:mod:`engram_trt.bench.cache`): each
+"""The measured part of `bench_cache.py`: each
 host layout's caches through the same chunks, on the GPU or (``--dry-run``) the CPU.
 
 Why several layouts in one process: machine starts differ by 10-20% on the H200 VM, more
@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engram_trt.bench.cacheoptions import CacheOptions
-from engram_trt.bench.idstreams import CHUNK_TOKENS
-from engram_trt.bench.lookuputil import GiB, QUANT_BLOCK, anon_hugepages_kib, make_tables, measure_h2d, pages_mode
+from cacheoptions import CacheOptions
+from idstreams import CHUNK_TOKENS
+from lookuputil import GiB, QUANT_BLOCK, anon_hugepages_kib, make_tables, measure_h2d, pages_mode
 
 log = logging.getLogger(__name__)
 # Where a cache's twin reports in the JSON: phase by phase (--ab-phases), the whole
@@ -149,8 +149,8 @@ def run_gpu(opts: CacheOptions, layout: Any, layers: list[int], chunks: list[Any
             offline: dict[int, Any] | None, layouts: list[str]) -> dict[str, Any]:
     import torch
 
-    from engram_trt.bench.cacheprofile import call_costs, phase_timeline, profile_step
-    from engram_trt.bench.cachetrace import host_trace
+    from cacheprofile import call_costs, phase_timeline, profile_step
+    from cachetrace import host_trace
     from engram_trt.bench.stepprofile import host_profile
     from engram_trt.native.hostgather import HostGatherer
     from engram_trt.cache.hotcache import HotRowCache

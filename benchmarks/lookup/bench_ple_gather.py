@@ -1,3 +1,5 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """PLE lookups of a Qwen4Exp-sized table: bf16 rows of width ple_embed_dim / heads (128
 for the published 2048 / 16), ids from the real PLE hash (the kernel library's
 ple_hash_packed over random token streams, published layout: base 20,000,000, 8 heads
@@ -17,7 +19,7 @@ ids (what a cold lookup pays for) is the hash's; the HBM table is smaller still
 ``4k`` (default) is torch's pinned allocator, the table the published figures timed;
 ``thp`` / ``1g`` / ``auto`` an anonymous mapping in transparent huge pages (madvise),
 reserved 1 GiB hugetlbfs pages, or the runtime stores' choice
-(:class:`~engram_trt.bench.lookuputil.HostBuffer`), registered with CUDA so the UVA
+(lookuputil.HostBuffer), registered with CUDA so the UVA
 kernel reads the same table. Why: a random row of a 4 KiB-page table costs the host
 gather's threads a page walk and the GPU's UVA reads an IOMMU / ATS translation; huge
 pages take most of both away, which is what the comparison wants to see.
@@ -25,13 +27,20 @@ pages take most of both away, which is what the comparison wants to see.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.lookuputil import PAGE_CHOICES
-from engram_trt.bench.options import opt
-from engram_trt.errors import EngramError
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules:
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from lookuputil import PAGE_CHOICES  # noqa: E402
+from engram_trt.bench.options import opt  # noqa: E402
+from engram_trt.errors import EngramError  # noqa: E402
 
 GiB = 1 << 30
 PCIE5_X16_GBPS = 64.0  # 32 GT/s x 16 lanes, 128b/130b: ~63 GB/s each way
@@ -160,7 +169,7 @@ def _host_table(torch: Any, rows: int, head_dim: int, pages: str) -> tuple[Any, 
     if pages == "4k":
         return (torch.empty((rows, head_dim), dtype=torch.bfloat16, pin_memory=True), None,
                 "4 KiB pages (torch's pinned allocator)")
-    from engram_trt.bench.lookuputil import HostBuffer, anon_hugepages_kib, pages_mode
+    from lookuputil import HostBuffer, anon_hugepages_kib, pages_mode
 
     before = anon_hugepages_kib()
     buffer = HostBuffer(rows * head_dim * 2, huge_pages=pages_mode(pages))
@@ -174,6 +183,19 @@ def _huge_gib(buffer: Any) -> float | None:
     before = getattr(buffer, "thp_before", -1)
     if buffer is None or before < 0 or "transparent" not in buffer.pages:
         return None
-    from engram_trt.bench.lookuputil import anon_hugepages_kib
+    from lookuputil import anon_hugepages_kib
 
     return (anon_hugepages_kib() - before) / 2**20
+
+
+OPTIONS = PleGatherOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""`engram-trt bench rowcounts`: per-row lookup counts over a range of chunks of the token
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""`python benchmarks/lookup/rowcounts.py`: per-row lookup counts over a range of chunks of the token
 stream, the offline frequencies a hot-row cache warms from (``HotRowCache(initial_counts=)``).
 
 Why: an LFU can only serve rows it has seen, and a bounded admission learns slowly, so a
@@ -15,19 +17,26 @@ first chunk, chunks, chunk tokens).
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
-from dataclasses import dataclass, field
+import sys
 from pathlib import Path
-from typing import Any, Iterable
 
-import numpy as np
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules:
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
 
-from engram_trt.bench.idstreams import DEFAULT_COLUMN_ROWS
-from engram_trt.bench.options import opt
-from engram_trt.errors import EngramError
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterable  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from idstreams import DEFAULT_COLUMN_ROWS  # noqa: E402
+from engram_trt.bench.options import opt  # noqa: E402
+from engram_trt.errors import EngramError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +125,7 @@ def load_row_counts(path: str | Path) -> RowCounts:
     """Read a counts file (dense int32 per layer)."""
     path = Path(path)
     if not path.is_file():
-        raise EngramError(f"{path}: no counts file; make one with `engram-trt bench rowcounts --out {path}`")
+        raise EngramError(f"{path}: no counts file; make one with `python benchmarks/lookup/rowcounts.py --out {path}`")
     with np.load(path) as z:
         meta = json.loads(bytes(z["meta"]).decode())
         if meta.get("format") != COUNTS_FORMAT:
@@ -152,9 +161,9 @@ def check_disjoint(rc: RowCounts, stream: Any, measured: tuple[int, int], layout
 
 @dataclass(kw_only=True)
 class RowcountsOptions:
-    """``engram-trt bench rowcounts``'s flags."""
+    """``python benchmarks/lookup/rowcounts.py``'s flags."""
 
-    tokens: Path | None = opt(None, help="token file from `engram-trt bench idstream` (default: the cache's)")
+    tokens: Path | None = opt(None, help="token file from `idstreams.py` (default: the cache's)")
     column_rows: int = opt(DEFAULT_COLUMN_ROWS, help="rows per column of the spec (default: %(default)s, as bench "
                                                      "cache)")
     first_chunk: int = opt(0, help="first 8k-token chunk to count (default 0)")
@@ -164,8 +173,8 @@ class RowcountsOptions:
 
 
 def run(opts: RowcountsOptions) -> int:
-    from engram_trt.bench.idstreams import layer_list
-    from engram_trt.bench.idstreams import CHUNK_TOKENS, chunk_row_ids, default_tokens_path, load_tokens, make_layout
+    from idstreams import layer_list
+    from idstreams import CHUNK_TOKENS, chunk_row_ids, default_tokens_path, load_tokens, make_layout
 
     if opts.chunks < 1 or opts.first_chunk < 0:
         raise EngramError("--chunks must be >= 1 and --first-chunk >= 0")
@@ -195,3 +204,16 @@ def run(opts: RowcountsOptions) -> int:
               f"({nz / c.size:.1%})")
     print(f"wrote {path}: {rc.describe()}")
     return 0
+
+
+OPTIONS = RowcountsOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

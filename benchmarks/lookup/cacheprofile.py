@@ -1,4 +1,4 @@
-"""One hot-row cache step under the CUDA profiler (``engram-trt bench cache
+"""One hot-row cache step under the CUDA profiler (``bench_cache.py
 --kernel-profile``): when each phase ran on the host and what the GPU ran meanwhile.
 
 Why: the synced phase times (``--breakdown``) say that a prefill chunk's plan, delivery

@@ -1,4 +1,6 @@
-"""``engram-trt bench cacheplan``: the hot-row cache's step on the GPU, timed against a
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""``python benchmarks/lookup/bench_cacheplan.py``: the hot-row cache's step on the GPU, timed against a
 baseline and a bound of the same run (the cache is checked by tests/gpu/test_cache.py).
 
 - plan: a prefill chunk of 196,608 Zipf(1.15) lookups on a 50M-row table with a warm 5%
@@ -17,17 +19,26 @@ the same run).
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.options import opt
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules, then tests/gpu/cases.py (the GPU cases tests/gpu checks):
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+if str(REPO / "tests" / "gpu") not in sys.path:
+    sys.path.append(str(REPO / "tests" / "gpu"))
+
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from engram_trt.bench.options import opt  # noqa: E402
 
 
 @dataclass(kw_only=True)
 class CacheplanOptions:
-    """``engram-trt bench cacheplan``'s flags."""
+    """``python benchmarks/lookup/bench_cacheplan.py``'s flags."""
 
     plan_reps: int = opt(20, help="timed prefill chunks per policy (median; default: %(default)s)")
     fetch_reps: int = opt(15, help="timed fetches per case (median; default: %(default)s)")
@@ -46,7 +57,7 @@ def time_fetch(dev: Any, timings: dict[str, float], reps: int = 15) -> None:
     import torch
 
     from engram_trt.native import hostgather
-    from engram_trt.bench.lookuputil import make_tables
+    from lookuputil import make_tables
 
     rows = 4 << 20
     tables = make_tables(rows, split=True, inline=True, huge_pages="auto", register_split=False, seed=4)
@@ -144,7 +155,7 @@ def run(opts: CacheplanOptions) -> int:
     import torch
 
     from engram_trt.bench.common import dump, measure_limits
-    from engram_trt.bench.gpucases import require_cuda
+    from cases import require_cuda
     from engram_trt.errors import EngramError
 
     if opts.plan_reps < 1 or opts.fetch_reps < 1:
@@ -169,3 +180,16 @@ def run(opts: CacheplanOptions) -> int:
         print(f"| {k} | {v:.2f} |")
     dump({"device": torch.cuda.get_device_name(dev), "limits": limits, "timings": timings, "ratios": got}, opts.json)
     return 0
+
+
+OPTIONS = CacheplanOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,10 @@
-"""`engram-trt bench cache`: prefill chunks of real row ids through de-duplication and the
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""`python benchmarks/lookup/bench_cache.py`: prefill chunks of real row ids through de-duplication and the
 HBM hot-row cache, against the cold host gather of the same ids (issue 11, target 2).
 
 Ids: 8k-token chunks of text hashed by the DeepSeek-V4.1-like spec of
-:mod:`engram_trt.bench.idstreams` (2 layers x 24 columns; 196,608 lookups per layer and
+idstreams.py (2 layers x 24 columns; 196,608 lookups per layer and
 chunk); tables: each layer's host table (random bytes; 24.75 GiB for both layers at the
 default column size). Per layer a :class:`~engram_trt.cache.hotcache.HotRowCache` of
 ``--capacity-fraction`` of the layer's rows (5%) is warmed on ``--warm`` chunks, then
@@ -18,7 +20,7 @@ data) on ids hashed for DeepSeek-V4.1-sized columns (~16M rows, 198 GiB of table
 Two warmings of the cache, reported side by side: "history", the online LFU trained by
 running the ``--warm`` chunks through it; and "offline", a cache that starts from
 per-row counts (``--offline-counts``: by default counted over those same warm-up
-chunks, or a file of ``engram-trt bench rowcounts``), which loads its most frequent rows
+chunks, or a file of ``rowcounts.py``), which loads its most frequent rows
 before the first measured chunk and runs no history. Either way the counts come from
 chunks disjoint from the measured ones (checked, and said in the output). On CUDA the
 cache's plan and admission are the fused kernels (``cacheKernel.cu``) and each step is
@@ -31,7 +33,7 @@ them (default: pinned host memory, which the step uploads).
 Host tables: ``--layouts`` (default: hbm-scales, the runtime's host layout for fp8
 tables: the values in host memory, the scale bytes on the GPU) and ``--pages`` (default
 auto: the runtime's choice of huge pages). Several layouts run in one process, taking
-turns on every measured chunk (:mod:`engram_trt.bench.cacherun`), so they are compared
+turns on every measured chunk (cacherun.py), so they are compared
 on the same machine start; every row of the report names its layout. The host gather's
 threads spin ``--spin-us`` (300 us) before they sleep: a step wakes them when its plan
 is enqueued, and the spin covers the plan's wait, so the fetch does not pay their
@@ -43,16 +45,23 @@ chunks) and checks exactness; its figures are no measurement of the target machi
 
 from __future__ import annotations
 
-import logging
-import time
+import sys
 from pathlib import Path
-from typing import Any
 
-from engram_trt.bench.cacheoptions import DEFAULT_LAYOUT, DEFAULT_SPIN_US, LAYOUTS, CacheOptions
-from engram_trt.bench.cachereport import plot_report, print_report, print_simulation
-from engram_trt.bench.cacherun import run_cpu, run_gpu
-from engram_trt.bench.lookuputil import GiB, ROW_BYTES, write_json
-from engram_trt.bench.idstreams import (
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules:
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+
+import logging  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from cacheoptions import DEFAULT_LAYOUT, DEFAULT_SPIN_US, LAYOUTS, CacheOptions  # noqa: E402
+from cachereport import plot_report, print_report, print_simulation  # noqa: E402
+from cacherun import run_cpu, run_gpu  # noqa: E402
+from lookuputil import GiB, ROW_BYTES, write_json  # noqa: E402
+from idstreams import (  # noqa: E402
     CHUNK_TOKENS,
     DEFAULT_COLUMN_ROWS,
     layer_list,
@@ -64,7 +73,7 @@ from engram_trt.bench.idstreams import (
     prepare_tokens,
     save_tokens,
 )
-from engram_trt.errors import EngramError
+from engram_trt.errors import EngramError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +166,7 @@ def run(opts: CacheOptions) -> int:
 def _offline_counts(opts: CacheOptions, stream: Any, layout: Any, layers: list[int], history: list[Any],
                     measured: tuple[int, int]) -> tuple[dict[int, Any] | None, str | None]:
     """The offline-warmed cache's counts per layer, and what they are (None: no such cache)."""
-    from engram_trt.bench.rowcounts import check_disjoint, count_rows, load_row_counts
+    from rowcounts import check_disjoint, count_rows, load_row_counts
 
     source = str(opts.offline_counts)
     if source == "none":
@@ -183,7 +192,7 @@ def _simulate(opts: CacheOptions, stream: Any, layers: list[int], warm: int, mea
     over the warm-up chunks): hit rates, no data."""
     import torch
 
-    from engram_trt.bench.rowcounts import count_rows
+    from rowcounts import count_rows
     from engram_trt.cache.hotcache import CachePolicy
 
     layout = make_layout(opts.simulate_column_rows, stream.compressed_vocab_size, stream.pad_id)
@@ -237,3 +246,16 @@ def policy_hit_rates(policy: Any, chunks: list[Any], layer: int, warm: int, admi
             lookups += plan.num_lookups
     return {"hit_rate": hits / max(1, unique), "unique_fraction": unique / max(1, lookups),
             "fetch_fraction": (unique - hits) / max(1, lookups)}
+
+
+OPTIONS = CacheOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

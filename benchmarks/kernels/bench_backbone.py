@@ -1,4 +1,6 @@
-"""``engram-trt bench backbone``: decode steps of the 1.15B engram-llama's backbone (the
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""``python benchmarks/kernels/bench_backbone.py``: decode steps of the 1.15B engram-llama's backbone (the
 model of ``bench step --model 1b``, its Engram layers removed) replayed as the runtime's
 DecodeGraphs, the fused decoder-layer path against the unfused one and its variants, each
 as a ratio to the step's weight-read bound (backbone weights + the K/V read once, at the
@@ -13,15 +15,24 @@ over copies of the cache (below IN_PLACE_DECODE_BYTES) or the tiled attention ke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.options import opt
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules, then tests/gpu/cases.py (the GPU cases tests/gpu checks):
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+if str(REPO / "tests" / "gpu") not in sys.path:
+    sys.path.append(str(REPO / "tests" / "gpu"))
+
+from dataclasses import dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from engram_trt.bench.options import opt  # noqa: E402
 
 
 @dataclass(kw_only=True)
 class BackboneOptions:
-    """``engram-trt bench backbone``'s flags."""
+    """``python benchmarks/kernels/bench_backbone.py``'s flags."""
 
     iters: int = opt(20, help="timed decode steps per case (median; default: %(default)s)")
     batches: list[int] = opt([1, 64, 256], help="decode batch sizes (sequences per step; default: 1,64,256)")
@@ -95,7 +106,7 @@ def time_variant(model: Any, cache: Any, step: Any, B: int, past: int, name: str
                  row: dict, last: dict, result: dict) -> None:
     """One variant of a decode step from a CUDA graph: its time, kernels and logits."""
     from engram_trt.bench.common import time_fn
-    from engram_trt.bench.gpucases import decode_step
+    from cases import decode_step
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
     graphs = DecodeGraphs(model, cache, B, scratch_slot=B, tables=None)
@@ -115,7 +126,7 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...], result: dict, 
     import torch
 
     from engram_trt.bench.common import measure_limits
-    from engram_trt.bench.gpucases import decode_case, decode_variants, rel_err, variant_settings
+    from cases import decode_case, decode_variants, rel_err, variant_settings
 
     dev = model.device
     limits = measure_limits(dev)
@@ -173,7 +184,7 @@ def run(opts: BackboneOptions) -> int:
     graph) and ``limits`` as JSON when ``opts.json`` is set; 1 when a variant was not
     replayed from a graph (its time would be the eager step's)."""
     from engram_trt.bench.common import dump
-    from engram_trt.bench.gpucases import build_model, require_cuda
+    from cases import build_model, require_cuda
     from engram_trt.errors import EngramError
 
     if opts.iters < 1 or not opts.batches or min(opts.batches) < 1 or opts.context < 1:
@@ -187,3 +198,16 @@ def run(opts: BackboneOptions) -> int:
     print_table(result["timing"])
     dump(result, opts.json)
     return 0 if all(v is True for v in result["replayed"].values()) else 1
+
+
+OPTIONS = BackboneOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

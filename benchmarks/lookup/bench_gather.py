@@ -1,4 +1,6 @@
-"""`engram-trt bench gather`: cold row lookups from a host table, every path, one run.
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""`python benchmarks/lookup/bench_gather.py`: cold row lookups from a host table, every path, one run.
 
 What it measures (issue 11, target 1): uniform random ids over a host table of >= 24
 GiB (264-byte rows: 256 FP8 values + 8 ue8m0 scale bytes), 6,144 rows (a decode step of
@@ -30,14 +32,21 @@ machines; its figures are no measurement of the target machine.
 
 from __future__ import annotations
 
-import itertools
-import logging
-import time
-from dataclasses import asdict, dataclass
-from typing import Any
+import sys
+from pathlib import Path
 
-from engram_trt.bench.gathersplit import plot_split, time_split
-from engram_trt.bench.lookuputil import (
+REPO = Path(__file__).resolve().parents[2]
+# engram_trt from this checkout and this folder's modules:
+sys.path[:0] = [p for p in (str(REPO / "python"), str(Path(__file__).resolve().parent)) if p not in sys.path]
+
+import itertools  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from typing import Any  # noqa: E402
+
+from gathersplit import plot_split, time_split  # noqa: E402
+from lookuputil import (  # noqa: E402
     GiB,
     HEAD_DIM,
     QUANT_BLOCK,
@@ -53,8 +62,8 @@ from engram_trt.bench.lookuputil import (
     save_plot,
     write_json,
 )
-from engram_trt.bench.options import opt
-from engram_trt.errors import EngramError
+from engram_trt.bench.options import opt  # noqa: E402
+from engram_trt.errors import EngramError  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +114,7 @@ class Result:
 
 @dataclass(kw_only=True)
 class GatherOptions:
-    """``engram-trt bench gather``'s flags."""
+    """``python benchmarks/lookup/bench_gather.py``'s flags."""
 
     table_gib: float | None = opt(None, help="host table size in GiB of 264-byte rows (default: 24.75; --dry-run: 0.25)")
     rows: list[int] = opt([DECODE_ROWS, PREFILL_ROWS], help="rows per lookup, comma-separated (default: 6144,196608)")
@@ -502,3 +511,16 @@ def _plot(report: dict[str, Any], path: str) -> None:
         ax.set_ylabel("GB/s of row bytes delivered")
         ax.legend(fontsize=6)
     save_plot(fig, path)
+
+
+OPTIONS = GatherOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engram_trt.cli.bench import run_script
+
+    return run_script(OPTIONS, run, __doc__ or "", argv, prog=Path(__file__).name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
