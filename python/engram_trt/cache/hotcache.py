@@ -158,8 +158,8 @@ class Transfer(Protocol):
     """Moves row data for :class:`HotRowCache`."""
 
     def prepare(self) -> None:
-        """A step's plan has been enqueued: a fetch may follow shortly (optional: a
-        transfer without it is not told)."""
+        """A step's plan has been enqueued: a fetch may follow shortly (every transfer has
+        it; one with nothing to get ready does nothing)."""
 
     def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any, ids_dev: Any = None) -> None:
         """Raw rows ``ids_cpu`` (CPU int32 [n]) of the host table into dst_rows[:n] /
@@ -403,7 +403,7 @@ class HotRowCache:
         if self._whole_step is not None and phase is None and not policy.decay_due():
             return self._gather_whole(ids, n, out)
         mark = phase or (lambda name: None)
-        plan = policy.plan(ids, self.miss_base, on_enqueued=getattr(self.transfer, "prepare", None))
+        plan = policy.plan(ids, self.miss_base, on_enqueued=self.transfer.prepare)
         mark("plan")
         try:
             if plan.num_miss:

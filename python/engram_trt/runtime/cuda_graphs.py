@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from engram_trt.runtime.phases import UPLOAD
-from engram_trt.models.step import PackedStep
+from engram_trt.models.step import EngramRows, PackedStep
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class DecodeGraphs:
         return got
 
     # -- the step -------------------------------------------------------------------------
-    def run(self, step: PackedStep, rows: Any, phases: Any = None) -> torch.Tensor | None:
+    def run(self, step: PackedStep, rows: EngramRows | None, phases: Any = None) -> torch.Tensor | None:
         """Logits ``[S, V]`` of a decode-only step by graph replay, or None when this step
         cannot be replayed (the caller then runs it eagerly). ``rows``: None (the graphs
         look the rows up, or Engram is off) or the prefetcher's staged rows."""
@@ -226,7 +226,7 @@ class DecodeGraphs:
                 return None
             mode = "lookup"
         else:
-            if getattr(rows, "staging", None) is None:
+            if rows.staging is None:
                 return None
             mode = "staged"
         S = step.num_seqs

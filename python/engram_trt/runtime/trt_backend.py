@@ -30,6 +30,7 @@ import torch
 
 from engram_trt.errors import EngramError
 from engram_trt.models.kv_cache import KVCache
+from engram_trt.runtime.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def tensorrt_unusable_reason(source: Any, device: torch.device) -> str | None:
     return None
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     name = "tensorrt"
     weight_bytes = None  # the engine holds the weights (not counted per tensor)
 

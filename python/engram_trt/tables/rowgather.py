@@ -103,6 +103,11 @@ class StoreGather:
             self._bad = torch.zeros(1, dtype=torch.int64, device=self.device)
         return self._bad
 
+    def stats(self) -> list[dict[str, Any] | None] | None:
+        """Per layer, a hot-row cache's counters: None, this gather has no cache (the
+        cached one, :class:`engram_trt.cache.storecache.CachedStoreGather`, has)."""
+        return None
+
     def check_bad_rows(self) -> None:
         """Raise when any kernel-path gather met an id outside its table (one small
         device-to-host read: a sync, so callers do it every few hundred steps)."""

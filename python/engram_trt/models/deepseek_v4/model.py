@@ -37,7 +37,7 @@ from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
 from engram_trt.models.deepseek_v4.state import DeepseekV4State
 from engram_trt.models.deepseek_v4.weights import load_into, named_tensors
 from engram_trt.models.parallel import gather_vocab, reduce
-from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
+from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens, row_shapes
 from engram_trt.models.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -350,7 +350,7 @@ class DeepseekV4Model(ServedModel, _Modules):
             rows = self.gather_engram_rows(self.engram_hash(cids, step.seq_starts, self.step_lookback(step, cache)))
         else:
             rows = engram_rows
-            shapes = engram_rows.shapes if hasattr(engram_rows, "shapes") else [tuple(r.shape) for r in engram_rows]
+            shapes = row_shapes(engram_rows)
             want = (step.num_tokens, self.layout.n_hash_cols, int(self.config.engram.head_dim))
             if len(shapes) != self.layout.num_layers or any(tuple(s) != want for s in shapes):
                 raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
