@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engram_trt.errors import EngramError
 from engram_trt.native import quant as nq
 from engram_trt.native import quant_decode as qd
@@ -28,8 +27,8 @@ _C_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const int
 
 
 def _header_struct(name: str) -> list[tuple[str, str]]:
-    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
-    body = re.search(r"typedef struct " + name + r"\s*\{(.*?)\}\s*" + name + ";", text, flags=re.S)
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.DOTALL)
+    body = re.search(r"typedef struct " + name + r"\s*\{(.*?)\}\s*" + name + ";", text, flags=re.DOTALL)
     assert body is not None, name
     fields = []
     for line in body.group(1).split(";"):

@@ -31,8 +31,10 @@ import numpy as np
 import pytest
 
 from .helpers import record
-from .test_deepseek_v4_quant import folders  # noqa: F401  (the module-scoped fixture)
-from .test_deepseek_v4_quant import _load
+from .test_deepseek_v4_quant import (
+    _load,
+    folders,  # noqa: F401  (the module-scoped fixture)
+)
 from .test_quant_kernels import _out_u, _weight64, experts_reference, gemv_bound
 
 pytestmark = pytest.mark.gpu
@@ -144,7 +146,6 @@ def _shared_reach(h, Wd) -> Any:
 @pytest.mark.parametrize("T,k,E,limit", [(1, 2, 4, 7.0), (3, 2, 8, 10.0), (4, 6, 8, 7.0), (8, 2, 4, 7.0)])
 def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit: float) -> None:
     import torch.nn.functional as F
-
     from engram_trt.native import quant as nq
     from engram_trt.native import quant_decode as qd
 
@@ -159,8 +160,6 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
     x = (2 * torch.randn(T, D, generator=gen, device=dev)).to(torch.bfloat16)
     rng = np.random.default_rng(T * 31 + k)
     ids = torch.from_numpy(np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)])).to(dev, torch.int32)
-    if T > 2:
-        ids[1, 0] = E  # a pick of no expert adds nothing
     route_w = torch.rand(T, k, generator=gen, device=dev)
     assert qd.moe_reason(x, k, gate, up, down, (sg, su, sd)) is None
     routed = qd.moe(x, ids, route_w, gate, up, down, shared=None, limit=limit)
@@ -192,6 +191,12 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
            f"worst gap / bound {float((gap / bound).max()):.3f}; identical {float((gap == 0).double().mean()):.3f}")
     again = qd.moe(x, ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
     record(f"fused MoE deterministic, {tag}", bool(torch.equal(fused, again)), "")
+    # a pick of no expert (id E) adds nothing: the same bits as that pick at weight 0
+    bad_ids, zero_w = ids.clone(), route_w.clone()
+    bad_ids[0, 0], zero_w[0, 0] = E, 0.0
+    no_pick = qd.moe(x, bad_ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
+    zero_pick = qd.moe(x, ids, zero_w, gate, up, down, shared=(sg, su, sd), limit=limit)
+    record(f"fused MoE: a pick outside [0, E) adds nothing, {tag}", bool(torch.equal(no_pick, zero_pick)), "")
 
 
 @contextmanager
@@ -210,8 +215,8 @@ def _env(name: str, value: str):
 def test_tiny_quantized_model_graphed_decode_equals_eager(dev, folders: dict[str, Path],  # noqa: F811
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     from engram_trt.models.deepseek_v4 import fused
-    from engram_trt.native import quant_decode as qd
     from engram_trt.models.step import PackedStep
+    from engram_trt.native import quant_decode as qd
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
     torch = _t()
@@ -232,7 +237,7 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(dev, folders: dict[str
     for label, env in (("fused", "1"), ("old", "0")):
         with _env(fused.QUANT_FUSED_ENV, env):
             eager, graphed = model.new_cache(slots + 1, max_len), model.new_cache(slots + 1, max_len)
-            step = PackedStep(torch.tensor(sum(prompts, [])), lens, [0] * slots, list(range(slots)))
+            step = PackedStep(torch.tensor([t for p in prompts for t in p]), lens, [0] * slots, list(range(slots)))
             first = None
             for st in (eager, graphed):
                 first = model.forward_step(step, st)
