@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 FUSED_ENV = "ENGRAM_TRT_DSV4_FUSED"
 QUANT_STATIC_ENV = "ENGRAM_TRT_DSV4_QUANT_STATIC"
+QUANT_FUSED_ENV = "ENGRAM_TRT_DSV4_QUANT_FUSED"  # 0: stored-format weights one launch each (the A/B switch)
 
 
 def unavailable(x: Tensor) -> str | None:
@@ -81,14 +82,71 @@ def _stored_format(x: Tensor, mod: nn.Module) -> Tensor | None:
     return native_quant.linear(x, qw, weight_static=True)
 
 
+def _quant_fused() -> Any:
+    """:mod:`engram_trt.native.quant_decode` when the stored-format decode kernels serve
+    (``ENGRAM_TRT_DSV4_QUANT_FUSED`` not 0, the library has them), else None."""
+    if os.environ.get(QUANT_FUSED_ENV, "1") == "0":
+        return None
+    from engram_trt.native import quant_decode
+
+    return quant_decode if quant_decode.unavailable() is None else None
+
+
+def _segment_weight(x: Tensor, mod: nn.Module, qd: Any) -> Any:
+    """The weight :func:`engram_trt.native.quant_decode.gemv_segments` takes for ``mod(x)``
+    (a bias-free QuantLinear's stored weight, or a bias-free bf16 Linear's), or None."""
+    from engram_trt.quant.weight import QuantLinear
+
+    if isinstance(mod, QuantLinear):
+        if mod.bias is not None or mod.backend == "torch":
+            return None
+        w: Any = mod.qweight
+    elif isinstance(mod, nn.Linear) and mod.bias is None:
+        w = mod.weight
+    else:
+        return None
+    return w if qd.segment_reason(x, w) is None else None
+
+
+def _project_stored(x: Tensor, mods: list[nn.Module], qd: Any) -> list[Tensor] | None:
+    """``project`` with the stored-format projections (and the bf16 ones beside them) in
+    one launch of :func:`engram_trt.native.quant_decode.gemv_segments`; None when no
+    stored-format projection fits it (the bf16 GEMV's path)."""
+    from engram_trt.quant.weight import QuantLinear
+
+    weights = [_segment_weight(x, m, qd) for m in mods]
+    if not any(w is not None and isinstance(m, QuantLinear) for m, w in zip(mods, weights)):
+        return None
+    outs: list[Tensor] = []
+    segments = []
+    for mod, w in zip(mods, weights):
+        if w is None:
+            outs.append(mod(x))
+            continue
+        out = torch.empty((x.shape[0], w.out_features if not isinstance(w, Tensor) else w.shape[0]), dtype=x.dtype,
+                          device=x.device)
+        segments.append((x, w, out))
+        outs.append(out)
+    for first in range(0, len(segments), qd.MAX_SEGMENTS):
+        qd.gemv_segments(segments[first:first + qd.MAX_SEGMENTS])
+    return outs
+
+
 def project(x: Tensor, mods: list[nn.Module]) -> list[Tensor]:
-    """Each module's output for ``x [T, K]``: the plain bias-free bf16 ``nn.Linear`` ones the
-    GEMV takes (a decode step's few rows) in one launch
+    """Each module's output for ``x [T, K]``: where a stored-format projection (QuantLinear)
+    is among them and the step is a decode step's few rows, the stored-format and bf16 ones
+    in one launch (:func:`_project_stored`); otherwise the plain bias-free bf16
+    ``nn.Linear`` ones the GEMV takes in one launch
     (:func:`engram_trt.native.decode.gemv_segments`, a segment each), a stored-format one
     through the library's product with ``weight_static`` (:func:`_stored_format`), the
     others through their own forward (a prefill chunk)."""
     from engram_trt.native import decode
 
+    qd = _quant_fused()
+    if qd is not None:
+        stored = _project_stored(x, mods, qd)
+        if stored is not None:
+            return stored
     outs: list[Tensor] = []
     segments = []
     for mod in mods:
@@ -160,6 +218,9 @@ def _grouped_output(attn: Any, flat: Tensor) -> Tensor:
     mod = attn.o_a_proj
     groups = attn.config.o_groups
     per_in = flat.shape[1] // groups
+    stored = _grouped_stored(mod, flat, groups, per_in)
+    if stored is not None:
+        return stored
     w = getattr(mod, "weight", None)  # GroupedLinear's bf16 weight (QuantGroupedLinear's is stored FP8: not taken)
     if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and per_in % 8 == 0:
         rows = w.shape[0] // groups
@@ -171,6 +232,50 @@ def _grouped_output(attn: Any, flat: Tensor) -> Tensor:
                 decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
             return y
     return mod(flat.view(T, groups, per_in)).flatten(1)
+
+
+def _grouped_stored(mod: nn.Module, flat: Tensor, groups: int, per_in: int) -> Tensor | None:
+    """A stored-format grouped ``o_a_proj`` (QuantGroupedLinear) of ``flat [T, groups *
+    per_in]``: its groups as segments of one :func:`engram_trt.native.quant_decode.gemv_segments`
+    launch (each group's rows a QuantWeight view), or None."""
+    group_weights = getattr(mod, "group_weights", None)
+    qd = _quant_fused()
+    if group_weights is None or qd is None or getattr(mod, "backend", "auto") == "torch" \
+            or groups > qd.MAX_SEGMENTS:
+        return None
+    parts = group_weights()
+    if parts is None:
+        return None
+    xs = [flat[:, g * per_in:(g + 1) * per_in] for g in range(groups)]
+    if any(qd.segment_reason(xg, w) is not None for xg, w in zip(xs, parts)):
+        return None
+    rows = parts[0].out_features
+    y = torch.empty((flat.shape[0], rows * groups), dtype=flat.dtype, device=flat.device)
+    qd.gemv_segments([(xs[g], parts[g], y[:, g * rows:(g + 1) * rows]) for g in range(groups)])
+    return y
+
+
+def _moe_stored(mlp: Any, x: Tensor, ids: Tensor, weights: Tensor, stacks: Any, projections: list[Any],
+                limit: Any) -> Tensor | None:
+    """The routed experts and the shared expert through
+    :func:`engram_trt.native.quant_decode.moe` (two launches), or None where it does not take them."""
+    from engram_trt.quant.weight import QuantLinear
+
+    qd = _quant_fused()
+    shared = mlp.shared_experts
+    if qd is None or shared.limit != limit or limit is None or not limit > 0:  # (limit 0: experts() clamps not)
+        return None
+    sw = []
+    for m in projections:
+        if isinstance(m, QuantLinear) and m.bias is None and m.backend != "torch":
+            sw.append(m.qweight)
+        elif type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.bfloat16:
+            sw.append(m.weight)
+        else:
+            return None
+    if qd.moe_reason(x, int(ids.shape[1]), *stacks, tuple(sw)) is not None:
+        return None
+    return qd.moe(x, ids, weights, *stacks, shared=(sw[0], sw[1], sw[2]), limit=limit)
 
 
 def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
@@ -216,6 +321,9 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
                                         tid2eid=router.tid2eid, input_ids=tokens)
     if plain:
         return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(m.weight for m in projections), limit=limit)
+    fused = _moe_stored(mlp, x, ids, weights, stacks, projections, limit)
+    if fused is not None:
+        return fused
     from engram_trt.native import quant as native_quant
 
     routed = native_quant.experts(x, ids, weights, *stacks, limit=limit)
@@ -226,4 +334,4 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     return routed + project(h, projections[2:])[0]
 
 
-__all__ = ["FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project", "unavailable"]
+__all__ = ["FUSED_ENV", "QUANT_FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project", "unavailable"]
