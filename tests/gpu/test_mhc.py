@@ -17,7 +17,9 @@ comb rounded to the dtype (what the kernel documents), ``u |ref| + 1e-5 sum|term
 the torch module (which rounds the product, the matmul and their sum apart) ``4 u
 sum|terms| + 1e-5 max``. Beside: post in place = out of place bit for bit, two calls bit-identical, zero
 tokens, the tiny DeepSeek-V4 checkpoint's logits with the mHC kernels vs the PyTorch mHC,
-and decode / prefill timings (kernel pre + post faster than the torch path).
+and decode / prefill timings (kernel pre + post faster than the torch path). The fold
+(engram_mhc_fold: a sublayer boundary) against mhc_post then mhc_pre / mhc_pre_norm /
+mhc_head_norm over hc 2 / 3 / 4 / 8, partial spans, T 1..300, each dtype.
 """
 
 from __future__ import annotations
