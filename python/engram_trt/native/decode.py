@@ -214,7 +214,7 @@ class GemvPrologue:
     rope_sign: int = 1
 
 
-def _pack_prologue(pro: GemvPrologue, T: int, device: Any) -> _GemvPrologue:
+def _pack_prologue(pro: GemvPrologue, T: int) -> _GemvPrologue:
     torch = _torch()
     cs = 0
     if pro.kind == PROLOGUE_RMSNORM:
@@ -229,7 +229,6 @@ def _pack_prologue(pro: GemvPrologue, T: int, device: Any) -> _GemvPrologue:
                               f"(got {tuple(pro.cos.shape)}, {tuple(pro.sin.shape)})")
     elif pro.kind not in (PROLOGUE_NONE, PROLOGUE_ROPE):
         raise EngramError(f"prologue.kind {pro.kind} is not PROLOGUE_NONE, PROLOGUE_RMSNORM or PROLOGUE_ROPE")
-    _on_device(device, **{"prologue.weight": pro.weight, "prologue.cos": pro.cos, "prologue.sin": pro.sin})
     return _GemvPrologue(pro.kind, pro.dim, pro.rope_pairs, pro.rope_sign, pro.eps, 0, _ptr(pro.weight), _ptr(pro.cos),
                          _ptr(pro.sin), cs)
 
@@ -257,14 +256,19 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         out_rows, os_ = _rows2d(f"segments[{i}].out", out, torch.bfloat16, N)
         if rows != T or out_rows != T:
             raise EngramError(f"segments[{i}]: x and out must have {T} rows (got {rows}, {out_rows})")
-        _on_device(device, **{f"segments[{i}].x": x, f"segments[{i}].weight": w, f"segments[{i}].out": out})
         packed[i] = _GemvSegment(_ptr(x), _ptr(w), _ptr(out), xs, os_, N, K)
+    pro = None if prologue is None else _pack_prologue(prologue, T)  # dtypes and shapes before the devices
+    for i, (x, w, out) in enumerate(segments):
+        _on_device(device, **{f"segments[{i}].x": x, f"segments[{i}].weight": w, f"segments[{i}].out": out})
+    if prologue is not None:
+        _on_device(device, **{"prologue.weight": prologue.weight, "prologue.cos": prologue.cos,
+                              "prologue.sin": prologue.sin})
     flags = GEMV_WEIGHT_STATIC if weight_static else 0
-    if prologue is None and T <= GEMV_MAX_TOKENS:
+    if pro is None and T <= GEMV_MAX_TOKENS:
         with _device_guard(device.index):
             _call("engram_gemv_segments_bf16", packed, len(segments), T, flags, _stream(device))
         return
-    pro = _pack_prologue(prologue or GemvPrologue(PROLOGUE_NONE, 0), T, device)
+    pro = pro or _GemvPrologue(PROLOGUE_NONE, 0, 0, 1, 0.0, 0, None, None, None, 0)
     with _device_guard(device.index):
         _call("engram_gemv_segments_bf16_ex", packed, len(segments), T, flags, ctypes.byref(pro), _stream(device))
 
