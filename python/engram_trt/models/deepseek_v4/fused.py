@@ -10,16 +10,19 @@ Per layer, with the step's tokens ``x [T, D]`` (bf16 on a GPU of compute capabil
   ``post_attention_layernorm``; the final ``norm`` after the hyper head): the norm runs in
   the collapse's last launch (:meth:`~.modules.HyperConnection.collapse_normed`);
 * attention (:func:`attention`): ONE product launch for every projection of x (``q_a``,
-  ``kv``, on CSA / HCA layers the compressor's and the indexer's), ONE element-wise launch
-  for ``q_a_norm`` and ``kv_norm`` + RoPE, one for ``q_b`` (and the indexer's ``q_b``), one
-  for the per-head norm + RoPE of q (and the indexer queries' RoPE), the attention kernel,
-  one for the inverse RoPE of its output, one for the grouped ``o_a`` (its groups as
-  segments of one launch), one for ``o_b``;
+  ``kv``, on CSA / HCA layers the compressor's and the indexer's), one for ``q_b`` (and the
+  indexer's ``q_b``) with ``q_a_norm`` in its prologue, one element-wise launch for the
+  per-head norm + RoPE of q, ``kv_norm`` + RoPE (and the indexer queries' RoPE), the
+  attention kernel, one for the grouped ``o_a`` (its groups as segments of one launch)
+  with the inverse RoPE of the core's output in its prologue, one for ``o_b``: five
+  launches around the core (the prologues' norm and rotation are the element-wise
+  launches' own arithmetic, so the bits are theirs; ``ENGRAM_TRT_DSV4_PROLOGUE=0`` runs
+  them as launches of their own, for A/B);
 * the MoE (:func:`moe`): one launch for the router's logits, one for its picks and
   weights, two for the routed experts with the shared expert (combined in the reference's
   order).
 
-The products take the GEMV for up to ``native.decode.GEMV_MAX_TOKENS`` rows of bf16
+The products take the GEMV for up to ``native.decode.GEMV_EX_MAX_TOKENS`` rows of bf16
 weights; otherwise (a prefill chunk, a stored-format weight) each projection runs as its
 module does, and the element-wise launches stay. Every kernel rounds where the reference
 rounds (engramKernels.h), so this path differs from the PyTorch one by float32 sums'
@@ -40,6 +43,7 @@ from torch import Tensor, nn
 FUSED_ENV = "ENGRAM_TRT_DSV4_FUSED"
 QUANT_STATIC_ENV = "ENGRAM_TRT_DSV4_QUANT_STATIC"
 QUANT_FUSED_ENV = "ENGRAM_TRT_DSV4_QUANT_FUSED"  # 0: stored-format weights one launch each (the A/B switch)
+PROLOGUE_ENV = "ENGRAM_TRT_DSV4_PROLOGUE"  # "0": q_a_norm and the inverse RoPE as their own launches (A/B)
 
 
 def unavailable(x: Tensor) -> str | None:
@@ -181,18 +185,28 @@ def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta:
         mods += [ix.kv_proj, ix.gate_proj, ix.scorer.weights_proj]
     outs = project(x, mods)
     q_a, kv_raw = outs[0], outs[1]
-    q_residual = torch.empty_like(q_a)
     kv = torch.empty_like(kv_raw)
     Job = decode.NormRopeJob
-    decode.norm_rope(
-        Job(q_a, q_residual, dim=q_a.shape[1], norm=decode.NORM_WEIGHTED, weight=_f32(attn.q_a_norm.weight),
-            eps=attn.q_a_norm.eps),
-        Job(kv_raw, kv, dim=d, norm=decode.NORM_WEIGHTED, weight=_f32(attn.kv_norm.weight), eps=attn.kv_norm.eps,
-            rope_pairs=pairs, cos=cos, sin=sin))
-    q_outs = project(q_residual, [attn.q_b_proj] + ([ix.q_b_proj] if ix is not None else []))
+    kv_job = Job(kv_raw, kv, dim=d, norm=decode.NORM_WEIGHTED, weight=_f32(attn.kv_norm.weight), eps=attn.kv_norm.eps,
+                 rope_pairs=pairs, cos=cos, sin=sin)
+    q_mods: list[nn.Module] = [attn.q_b_proj] + ([ix.q_b_proj] if ix is not None else [])
+    q_residual: Tensor | None = None
+    late: list[Any] = []  # jobs for the launch after q_b's
+    if _prologue_serves(q_a, q_mods):
+        # q_a_norm inside q_b's GEMV (its prologue: the norm launch's bits); kv's norm + RoPE join the q heads' launch
+        q_outs = [torch.empty((T, m.weight.shape[0]), dtype=x.dtype, device=x.device) for m in q_mods]
+        decode.gemv_segments([(q_a, m.weight, o) for m, o in zip(q_mods, q_outs)],
+                             prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, int(q_a.shape[1]),
+                                                          weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps))
+        late.append(kv_job)
+    else:
+        q_residual = torch.empty_like(q_a)
+        decode.norm_rope(Job(q_a, q_residual, dim=q_a.shape[1], norm=decode.NORM_WEIGHTED,
+                             weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps), kv_job)
+        q_outs = project(q_residual, q_mods)
     q = torch.empty_like(q_outs[0])
     jobs = [Job(q_outs[0], q, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=attn.eps, rope_pairs=pairs, cos=cos,
-                sin=sin)]
+                sin=sin), *late]
     pre: dict[str, Tensor] = {}
     if comp is not None:
         pre["c_kv"], pre["c_gate"] = outs[2], outs[3]
@@ -202,35 +216,59 @@ def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta:
         pre.update(i_kv=outs[4], i_gate=outs[5], i_q=i_q.view(T, ix.heads, ix.dim),
                    i_w=outs[6].float() * ix.heads**-0.5)
     decode.norm_rope(*jobs)
+    # q_residual (None when q_b took the norm in its prologue) is read by the core only for the indexer's
+    # queries, which pre always holds here
     out = attention_kernel.core(attn, x, q.view(T, H, d), kv, q_residual, cos, sin, n_seqs, meta, state, pre=pre)
-    flat = out.view(T, H * d)
-    decode.norm_rope(Job(flat, flat, dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1))
-    grouped = _grouped_output(attn, flat)
+    grouped = _grouped_output(attn, out.view(T, H * d), cos, sin, pairs)
     return project(grouped, [attn.o_b_proj])[0]
 
 
-def _grouped_output(attn: Any, flat: Tensor) -> Tensor:
-    """``o_a_proj`` of the attention output ``flat [T, H * d]``: its groups as segments of
-    one GEMV launch for a plain bf16 weight, else the module's own forward."""
+def _prologue_serves(x: Tensor, mods: list[nn.Module]) -> bool:
+    """Whether the GEMV takes ``x``'s weighted RMSNorm in its prologue for every module of
+    ``mods`` (plain bias-free bf16 ``nn.Linear`` weights the GEMV fits; an even width of at
+    most 2048, where :func:`~engram_trt.native.decode.norm_rope` keeps the row in registers
+    and the prologue's sum is its own; ``ENGRAM_TRT_DSV4_PROLOGUE`` not ``0``)."""
+    from engram_trt.native import decode
+
+    if os.environ.get(PROLOGUE_ENV, "1") == "0" or x.shape[1] % 2 or x.shape[1] > 2048:
+        return False
+    return all(isinstance(m, nn.Linear) and m.bias is None and decode.gemv_fits(x, m.weight) for m in mods)
+
+
+def _grouped_output(attn: Any, flat: Tensor, cos: Tensor, sin: Tensor, pairs: int) -> Tensor:
+    """``o_a_proj`` of the attention core's output ``flat [T, H * d]`` after its inverse RoPE:
+    for a plain bf16 weight its groups as segments of one GEMV launch, the inverse RoPE in
+    the GEMV's prologue where every group starts at a head (else one norm_rope launch first);
+    else the inverse RoPE launch and the module's own forward."""
     from engram_trt.native import decode
 
     T = flat.shape[0]
+    d = attn.head_dim
     mod = attn.o_a_proj
     groups = attn.config.o_groups
     per_in = flat.shape[1] // groups
-    stored = _grouped_stored(mod, flat, groups, per_in)
-    if stored is not None:
-        return stored
     w = getattr(mod, "weight", None)  # GroupedLinear's bf16 weight (QuantGroupedLinear's is stored FP8: not taken)
-    if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and per_in % 8 == 0:
+    inverse = decode.NormRopeJob(flat, flat, dim=d, heads=flat.shape[1] // d, rope_pairs=pairs, cos=cos, sin=sin,
+                                 rope_sign=-1)
+    if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == flat.dtype and per_in % 8 == 0:
         rows = w.shape[0] // groups
-        if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):
+        if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):  # bf16 alone
+            prologue = None
+            if per_in % d == 0 and d % 8 == 0 and os.environ.get(PROLOGUE_ENV, "1") != "0":
+                prologue = decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin,
+                                               rope_sign=-1)
+            else:
+                decode.norm_rope(inverse)
             y = torch.empty((T, w.shape[0]), dtype=flat.dtype, device=flat.device)
             segments = [(flat[:, g * per_in:(g + 1) * per_in], w[g * rows:(g + 1) * rows],
                          y[:, g * rows:(g + 1) * rows]) for g in range(groups)]
             for first in range(0, groups, decode.MAX_SEGMENTS):
-                decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
+                decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS], prologue=prologue)
             return y
+    decode.norm_rope(inverse)
+    stored = _grouped_stored(mod, flat, groups, per_in)  # a stored-format (FP8) o_a: its groups in one launch
+    if stored is not None:
+        return stored
     return mod(flat.view(T, groups, per_in)).flatten(1)
 
 
@@ -289,7 +327,7 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
 
     router = mlp.gate
     T = x.shape[0]
-    if not 1 <= T <= decode.GEMV_MAX_TOKENS or x.dim() != 2:
+    if not 1 <= T <= decode.GEMV_EX_MAX_TOKENS or x.dim() != 2:
         return None
     scoring = getattr(router, "scoring", None)
     if scoring not in decode.SCORE_FNS or not decode.gemv_fits(x, router.weight):
@@ -334,4 +372,5 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     return routed + project(h, projections[2:])[0]
 
 
-__all__ = ["FUSED_ENV", "QUANT_FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project", "unavailable"]
+__all__ = ["FUSED_ENV", "PROLOGUE_ENV", "QUANT_FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project",
+           "unavailable"]
