@@ -1129,6 +1129,24 @@ ENGRAM_API int engram_mhc_head_norm(const void* streams, int32_t io_type, const 
     const float* norm_weight, float rms_eps, void* workspace, size_t workspace_bytes, void* normed,
     cudaStream_t stream);
 
+/* The expansion after one sublayer folded into the collapse before the next (the decode
+ * step's sublayer boundary in two launches instead of three): new_streams =
+ * engram_mhc_post(streams, out, post, comb) (may be streams itself; the same bits), then
+ * over new_streams engram_mhc_pre (head 0: fn / base / scale of a layer, next_post /
+ * next_comb written) or engram_mhc_head (head 1), with the RMSNorm of norm_weight (fp32
+ * [D], rms_eps) when norm_weight is not NULL: collapsed [T, D] io_type. For up to 8 tokens
+ * the expansion and the collapse's mix are one launch (a block owns a span of channels of
+ * every stream; the mix's partial sums split by channel span, so the collapse differs from
+ * engram_mhc_pre's by the order of fp32 sums only); more tokens take the three launches.
+ * workspace engram_mhc_fold_workspace_size(T, ...) bytes, apart from the rest; collapsed
+ * apart from streams and new_streams. */
+ENGRAM_API int engram_mhc_fold_workspace_size(int64_t num_tokens, int32_t hc_mult, int32_t hidden, size_t* bytes);
+ENGRAM_API int engram_mhc_fold(const void* streams, const void* out, int32_t io_type, const float* post,
+    const float* comb, const float* fn, const float* base, const float* scale, int64_t num_tokens, int32_t hc_mult,
+    int32_t hidden, int32_t sinkhorn_iters, float hc_eps, float norm_eps, int32_t head, const float* norm_weight,
+    float rms_eps, void* workspace, size_t workspace_bytes, void* new_streams, void* collapsed, float* next_post,
+    float* next_comb, cudaStream_t stream);
+
 /* ======================================================================================
  * The decode step's glue around DeepSeek-V4's attention kernel and MoE (decodeNormKernel.cu,
  * decodeGemvKernel.cu, decodeMoeKernel.cu; python/engram_trt/native/decode.py): the
@@ -1200,6 +1218,39 @@ typedef struct EngramGemvSegment
 } EngramGemvSegment;
 ENGRAM_API int engram_gemv_segments_bf16(
     const EngramGemvSegment* segments, int32_t num_segments, int64_t num_tokens, uint32_t flags, cudaStream_t stream);
+
+/* engram_gemv_segments_bf16_ex: engram_gemv_segments_bf16 for up to ENGRAM_GEMV_EX_MAX_TOKENS
+ * rows, each segment's x first taken through *prologue (NULL or kind NONE: none), the
+ * element-wise launch before the product folded into it, rounded as that launch rounds:
+ *   ENGRAM_GEMV_PROLOGUE_RMSNORM: x's rows RMS-normalized as engram_norm_rope's NORM_WEIGHTED
+ *     job of dim = in_features (weight [dim] fp32 16-byte aligned, eps; the same sum of
+ *     squares in the same order as its register form, dim <= 2048): every segment's
+ *     in_features must be dim (several projections of one normalized input);
+ *   ENGRAM_GEMV_PROLOGUE_ROPE: x's heads of dim channels (dim % 8 == 0; a segment's x must
+ *     start at a head, its in_features a multiple of dim) rotated as engram_norm_rope's
+ *     NORM_NONE job with rope_pairs / rope_sign and cos / sin [tokens, >= rope_pairs] fp32
+ *     (cos_stride apart): a grouped projection of the attention's output after its inverse
+ *     RoPE.
+ * Products and limits otherwise engram_gemv_segments_bf16's. */
+#define ENGRAM_GEMV_EX_MAX_TOKENS 8
+#define ENGRAM_GEMV_PROLOGUE_NONE 0
+#define ENGRAM_GEMV_PROLOGUE_RMSNORM 1
+#define ENGRAM_GEMV_PROLOGUE_ROPE 2
+typedef struct EngramGemvPrologue
+{
+    int32_t kind;
+    int32_t dim;
+    int32_t rope_pairs;
+    int32_t rope_sign;
+    float eps;
+    int32_t reserved;
+    const float* weight;
+    const float* cos;
+    const float* sin;
+    int64_t cos_stride;
+} EngramGemvPrologue;
+ENGRAM_API int engram_gemv_segments_bf16_ex(const EngramGemvSegment* segments, int32_t num_segments, int64_t num_tokens,
+    uint32_t flags, const EngramGemvPrologue* prologue, cudaStream_t stream);
 
 /* engram_moe_route: a MoE router's picks from its logits [T, E] (io_type, rows
  * logits_stride apart; transformers' DeepseekV4TopKRouter / HashRouter after F.linear).

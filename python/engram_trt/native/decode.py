@@ -7,8 +7,11 @@ instead of the dozens of small PyTorch kernels of its reference.
   (weighted with a float32 weight, or the per-head unweighted one) then an optional
   interleaved partial RoPE (or its inverse); rounded as the reference's ops round.
 * :func:`gemv_segments`: up to :data:`MAX_SEGMENTS` bf16 products of a decode step's few
-  rows (``<= GEMV_MAX_TOKENS``) in one launch (each segment its own x, weight and out, with
-  row strides: several projections of one input, or the groups of a grouped projection).
+  rows (``<= GEMV_EX_MAX_TOKENS``) in one launch (each segment its own x, weight and out, with
+  row strides: several projections of one input, or the groups of a grouped projection);
+  with a :class:`GemvPrologue`, x first RMS-normalized (``q_a_norm`` before ``q_b``) or
+  its heads rotated back (the inverse RoPE before ``o_a``) inside the product's launch,
+  rounded as :func:`norm_rope` rounds (``engram_gemv_segments_bf16_ex``).
 * :func:`moe_route`: a router's top-k / hash picks and weights from its logits.
 * :func:`moe_experts`: the routed experts of a decode step plus the shared expert, bf16,
   in two launches, combined in the reference's order.
@@ -31,6 +34,8 @@ from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _devic
 MAX_JOBS = 4  # ENGRAM_NORM_ROPE_MAX_JOBS
 MAX_SEGMENTS = 8  # ENGRAM_GEMV_MAX_SEGMENTS
 GEMV_MAX_TOKENS = 4  # ENGRAM_GEMV_MAX_TOKENS
+GEMV_EX_MAX_TOKENS = 8  # ENGRAM_GEMV_EX_MAX_TOKENS: engram_gemv_segments_bf16_ex (gemv_segments above 4 rows)
+PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_ROPE = 0, 1, 2  # ENGRAM_GEMV_PROLOGUE_*
 MOE_MAX_EXPERTS = 1024  # ENGRAM_MOE_MAX_EXPERTS
 MOE_MAX_TOP_K = 16  # ENGRAM_MOE_MAX_TOP_K
 MOE_MAX_TOKENS = 16  # ENGRAM_MOE_DECODE_MAX_TOKENS
@@ -66,10 +71,19 @@ class _MoeExperts(ctypes.Structure):
                 ("reserved", ctypes.c_int32)]
 
 
+class _GemvPrologue(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("dim", ctypes.c_int32), ("rope_pairs", ctypes.c_int32),
+                ("rope_sign", ctypes.c_int32), ("eps", ctypes.c_float), ("reserved", ctypes.c_int32),
+                ("weight", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("cos_stride", ctypes.c_int64)]
+
+
 _i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ENTRY = EntryPoints({
     "engram_norm_rope": [ctypes.POINTER(_NormRopeJob), _i32, _i32, _vp],
     "engram_gemv_segments_bf16": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32, _vp],
+    "engram_gemv_segments_bf16_ex": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32,
+                                     ctypes.POINTER(_GemvPrologue), _vp],
     "engram_moe_route": [_vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _vp],
     "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
     "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
@@ -169,23 +183,64 @@ def norm_rope(*jobs: NormRopeJob) -> None:
 
 def gemv_fits(x: Any, weight: Any) -> bool:
     """Whether :func:`gemv_segments` takes ``F.linear(x, weight)`` as it is: bf16, x ``[T, K]``
-    with ``1 <= T <= GEMV_MAX_TOKENS`` (unit stride in a row, rows 16-byte aligned), weight a
+    with ``1 <= T <= GEMV_EX_MAX_TOKENS`` (unit stride in a row, rows 16-byte aligned), weight a
     contiguous 16-byte aligned ``[N, K]``, K a multiple of 8, one CUDA device of compute
     capability 9.0 or later."""
     torch = _torch()
     return (isinstance(weight, torch.Tensor) and x.dim() == 2 and weight.dim() == 2
-            and 1 <= x.shape[0] <= GEMV_MAX_TOKENS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+            and 1 <= x.shape[0] <= GEMV_EX_MAX_TOKENS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
             and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cuda
             and weight.device == x.device and (x.stride(1) == 1) and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
             and x.data_ptr() % 16 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
             and gemv_capable(x.device))
 
 
-def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True) -> None:
+@dataclass
+class GemvPrologue:
+    """What :func:`gemv_segments` does to every segment's x before the product (engramKernels.h
+    EngramGemvPrologue): ``PROLOGUE_RMSNORM``: the weighted RMSNorm of each row (``weight
+    [dim]`` float32, ``eps``; every segment's K must be ``dim``), :func:`norm_rope`'s
+    NORM_WEIGHTED job; ``PROLOGUE_ROPE``: each head of ``dim`` channels (a segment's x starting
+    at a head) rotated on its trailing ``rope_pairs`` pairs by ``cos`` / ``sin [T, >=
+    rope_pairs]`` float32, ``rope_sign`` -1 the inverse, :func:`norm_rope`'s NORM_NONE job."""
+
+    kind: int
+    dim: int
+    weight: Any = None
+    eps: float = 0.0
+    rope_pairs: int = 0
+    cos: Any = None
+    sin: Any = None
+    rope_sign: int = 1
+
+
+def _pack_prologue(pro: GemvPrologue, T: int) -> _GemvPrologue:
+    torch = _torch()
+    cs = 0
+    if pro.kind == PROLOGUE_RMSNORM:
+        _check_dtype("prologue.weight", pro.weight, (torch.float32,))
+        if pro.weight.dim() != 1 or pro.weight.numel() != pro.dim or not pro.weight.is_contiguous():
+            raise EngramError(f"prologue.weight must be a contiguous [{pro.dim}] (got {tuple(pro.weight.shape)})")
+    elif pro.kind == PROLOGUE_ROPE and pro.rope_pairs:
+        c_rows, cs = _rows2d("prologue.cos", pro.cos, torch.float32, pro.rope_pairs)
+        s_rows, ss = _rows2d("prologue.sin", pro.sin, torch.float32, pro.rope_pairs)
+        if c_rows != T or s_rows != T or ss != cs:
+            raise EngramError(f"prologue.cos / sin must be [{T}, >= {pro.rope_pairs}] with one row stride "
+                              f"(got {tuple(pro.cos.shape)}, {tuple(pro.sin.shape)})")
+    elif pro.kind not in (PROLOGUE_NONE, PROLOGUE_ROPE):
+        raise EngramError(f"prologue.kind {pro.kind} is not PROLOGUE_NONE, PROLOGUE_RMSNORM or PROLOGUE_ROPE")
+    return _GemvPrologue(pro.kind, pro.dim, pro.rope_pairs, pro.rope_sign, pro.eps, 0, _ptr(pro.weight), _ptr(pro.cos),
+                         _ptr(pro.sin), cs)
+
+
+def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True,
+                  prologue: GemvPrologue | None = None) -> None:
     """``out = F.linear(x, weight)`` for each ``(x [T, K], weight [N, K], out [T, N])`` of
     ``segments`` (bf16; x and out may be slices with a row stride), one launch. ``weight_static``:
     the weights are a model's (nothing on the stream writes them), so the kernel may start
-    reading them before the kernel before it completes."""
+    reading them before the kernel before it completes. ``prologue``: x taken through it
+    first (:class:`GemvPrologue`). Up to 4 rows without a prologue: ``engram_gemv_segments_bf16``;
+    otherwise (up to 8) ``engram_gemv_segments_bf16_ex``."""
     torch = _torch()
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise EngramError(f"gemv_segments takes 1..{MAX_SEGMENTS} segments (got {len(segments)})")
@@ -201,11 +256,21 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         out_rows, os_ = _rows2d(f"segments[{i}].out", out, torch.bfloat16, N)
         if rows != T or out_rows != T:
             raise EngramError(f"segments[{i}]: x and out must have {T} rows (got {rows}, {out_rows})")
-        _on_device(device, **{f"segments[{i}].x": x, f"segments[{i}].weight": w, f"segments[{i}].out": out})
         packed[i] = _GemvSegment(_ptr(x), _ptr(w), _ptr(out), xs, os_, N, K)
+    pro = None if prologue is None else _pack_prologue(prologue, T)  # dtypes and shapes before the devices
+    for i, (x, w, out) in enumerate(segments):
+        _on_device(device, **{f"segments[{i}].x": x, f"segments[{i}].weight": w, f"segments[{i}].out": out})
+    if prologue is not None:
+        _on_device(device, **{"prologue.weight": prologue.weight, "prologue.cos": prologue.cos,
+                              "prologue.sin": prologue.sin})
+    flags = GEMV_WEIGHT_STATIC if weight_static else 0
+    if pro is None and T <= GEMV_MAX_TOKENS:
+        with _device_guard(device.index):
+            _call("engram_gemv_segments_bf16", packed, len(segments), T, flags, _stream(device))
+        return
+    pro = pro or _GemvPrologue(PROLOGUE_NONE, 0, 0, 1, 0.0, 0, None, None, None, 0)
     with _device_guard(device.index):
-        _call("engram_gemv_segments_bf16", packed, len(segments), T, GEMV_WEIGHT_STATIC if weight_static else 0,
-              _stream(device))
+        _call("engram_gemv_segments_bf16_ex", packed, len(segments), T, flags, ctypes.byref(pro), _stream(device))
 
 
 def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: Any = None, tid2eid: Any = None,
@@ -296,6 +361,7 @@ def moe_experts(x: Any, ids: Any, weights: Any, gate: Any, up: Any, down: Any, *
     return out
 
 
-__all__ = ["GEMV_MAX_TOKENS", "MAX_JOBS", "MAX_SEGMENTS", "NORM_NONE", "NORM_UNWEIGHTED", "NORM_WEIGHTED",
+__all__ = ["GEMV_EX_MAX_TOKENS", "GEMV_MAX_TOKENS", "GemvPrologue", "MAX_JOBS", "PROLOGUE_NONE", "PROLOGUE_RMSNORM",
+           "PROLOGUE_ROPE", "MAX_SEGMENTS", "NORM_NONE", "NORM_UNWEIGHTED", "NORM_WEIGHTED",
            "NormRopeJob", "SCORE_FNS", "gemv_fits", "gemv_segments", "moe_experts", "moe_route", "norm_rope",
            "unavailable"]

@@ -12,6 +12,9 @@ Sinkhorn-Knopp loop alone).
 * :func:`mhc_pre_norm` / :func:`mhc_head_norm`: the same collapses with the RMSNorm that
   follows them in the model (the layer's ``input_layernorm`` / ``post_attention_layernorm``,
   the final ``norm``) fused into their last launch: the normed input instead of the collapse.
+* :func:`mhc_fold`: a sublayer boundary, :func:`mhc_post` then the next collapse (a layer's
+  ``mhc_pre`` / ``mhc_pre_norm`` or the head's) over the new streams, in two launches for a
+  decode step's few tokens (the expansion and the collapse's mix in one).
 
 fp32 math inside, activations bf16 / fp16 / float32 (one dtype per call), the mHC
 parameters float32 (the model keeps them so, as transformers does). The functions check
@@ -45,6 +48,9 @@ _ENTRY = EntryPoints({
                             ctypes.c_size_t, _vp, _vp, _vp, _vp],
     "engram_mhc_head_norm": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, _f32, _vp, ctypes.c_size_t,
                              _vp, _vp],
+    "engram_mhc_fold_workspace_size": [_i64, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+    "engram_mhc_fold": [_vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp, _i64, _i32, _i32, _i32, _f32, _f32, _i32, _vp, _f32,
+                        _vp, ctypes.c_size_t, _vp, _vp, _vp, _vp, _vp],
 })
 library = _ENTRY.library
 unavailable = _ENTRY.unavailable
@@ -239,3 +245,70 @@ def mhc_head_norm(streams: Any, fn: Any, base: Any, scale: Any, norm_weight: Any
               hc, D, _f32(hc_eps), _f32(norm_eps), _ptr(norm_weight), _f32(rms_eps), _ptr(workspace),
               workspace.numel() * workspace.element_size(), _ptr(normed), _stream(streams.device))
     return normed
+
+
+@functools.lru_cache(maxsize=256)
+def fold_workspace_size(num_tokens: int, hc_mult: int, hidden: int) -> int:
+    """Bytes of fp32 partial sums a :func:`mhc_fold` call of ``num_tokens`` tokens needs (no GPU asked)."""
+    out = ctypes.c_size_t(0)
+    _call("engram_mhc_fold_workspace_size", int(num_tokens), int(hc_mult), int(hidden), ctypes.byref(out))
+    return int(out.value)
+
+
+def mhc_fold(streams: Any, out: Any, post: Any, comb: Any, fn: Any, base: Any, scale: Any, norm_weight: Any = None, *,
+             head: bool = False, sinkhorn_iters: int = 1, hc_eps: float, norm_eps: float, rms_eps: float = 0.0,
+             new_streams: Any = None, workspace: Any = None) -> tuple[Any, Any, Any, Any]:
+    """A sublayer boundary (engram_mhc_fold): ``(new_streams, collapsed, next_post, next_comb)``
+    where ``new_streams`` = :func:`mhc_post` ``(streams, out, post, comb)`` (``new_streams``
+    may be ``streams``: in place) and ``collapsed`` the next collapse of them: a layer's
+    (``fn [(2+hc)*hc, hc*D]``, ``base``, ``scale [3]``; next_post / next_comb as
+    :func:`mhc_pre`'s) or, with ``head``, the hyper head's (``fn [hc, hc*D]``, ``scale [1]``;
+    next_post / next_comb None), RMS-normalized by ``norm_weight [D]`` (float32, ``rms_eps``)
+    when given."""
+    torch = _torch()
+    T, hc, D = _check_streams(streams)
+    _check_dtype("out", out, (streams.dtype,))
+    _check_dtype("post", post, (torch.float32,))
+    _check_dtype("comb", comb, (torch.float32,))
+    if tuple(out.shape) != (T, D):
+        raise EngramError(f"out must be [T, hidden] = {(T, D)} (got {tuple(out.shape)})")
+    if tuple(post.shape) != (T, hc):
+        raise EngramError(f"post must be [T, hc] = {(T, hc)} (got {tuple(post.shape)})")
+    if tuple(comb.shape) != (T, hc, hc):
+        raise EngramError(f"comb must be [T, hc, hc] = {(T, hc, hc)} (got {tuple(comb.shape)})")
+    rows = hc if head else (2 + hc) * hc
+    _check_params(fn, base, scale, rows, hc * D, 1 if head else 3)
+    check_shape(hc, D, 1 if head else sinkhorn_iters, hc_eps, norm_eps)
+    if new_streams is None:
+        new_streams = torch.empty_like(streams)
+    _check_dtype("new_streams", new_streams, (streams.dtype,))
+    if tuple(new_streams.shape) != (T, hc, D):
+        raise EngramError(f"new_streams must be [T, hc, hidden] = {(T, hc, D)} (got {tuple(new_streams.shape)})")
+    if norm_weight is not None:  # dtype and shape before the devices (the house order)
+        _check_dtype("norm_weight", norm_weight, (torch.float32,))
+        if tuple(norm_weight.shape) != (D,):
+            raise EngramError(f"norm_weight must be [{D}] (got {tuple(norm_weight.shape)})")
+    _check_devices(streams, out=out, post=post, comb=comb, fn=fn, base=base, scale=scale, new_streams=new_streams)
+    if norm_weight is not None:
+        _check_norm_weight(norm_weight, D, streams.device)
+    collapsed = torch.empty((T, D), dtype=streams.dtype, device=streams.device)
+    next_post = next_comb = None
+    if not head:
+        coef = torch.empty(T * hc * (1 + hc), dtype=torch.float32, device=streams.device)
+        next_post, next_comb = coef[:T * hc].view(T, hc), coef[T * hc:].view(T, hc, hc)
+    need = fold_workspace_size(T, hc, D)
+    if workspace is None:
+        workspace = torch.empty(max(need // 4, 4), dtype=torch.float32, device=streams.device)
+    _check_dtype("workspace", workspace, (torch.float32, torch.uint8))
+    if workspace.numel() * workspace.element_size() < need:
+        raise EngramError(f"workspace holds {workspace.numel() * workspace.element_size()} bytes, {need} needed for "
+                          f"{T} tokens (fold_workspace_size)")
+    _check("workspace", workspace, (workspace.dtype,))
+    _same_device(streams.device, workspace=workspace)
+    with _device_guard(streams.device.index):
+        _call("engram_mhc_fold", _ptr(streams), _ptr(out), _float_code(streams.dtype), _ptr(post), _ptr(comb), _ptr(fn),
+              _ptr(base), _ptr(scale), T, hc, D, int(sinkhorn_iters) if not head else 1, _f32(hc_eps), _f32(norm_eps),
+              1 if head else 0, _ptr(norm_weight), _f32(rms_eps), _ptr(workspace),
+              workspace.numel() * workspace.element_size(), _ptr(new_streams), _ptr(collapsed), _ptr(next_post),
+              _ptr(next_comb), _stream(streams.device))
+    return new_streams, collapsed, next_post, next_comb
