@@ -10,7 +10,7 @@
 #ifndef ENGRAM_TRT_PLUGIN_TENSORS_H
 #define ENGRAM_TRT_PLUGIN_TENSORS_H
 
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
 
 #include <NvInferRuntime.h>
 #include <cuda_runtime_api.h>
