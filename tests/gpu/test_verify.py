@@ -3,7 +3,7 @@ bad-row and build-phase cases are test_edge_cases.py, a rank's column range
 test_column_range.py, its timing ``engram-trt bench kernels``):
 
   kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
-             bf16 tables) / gate through engram_trt.native.kernels, against the Python
+             bf16 tables) / gate through engram_trt.native (hash, gather, gate), against the Python
              references on fresh random inputs, outputs poisoned first.
   plugins    EngramHash / EngramGather / EngramGate (namespace "engram_trt") through
              their creators, output types and shapes (a harness IExprBuilder),
@@ -90,18 +90,19 @@ def layouts():
 def test_kernel_hash(rng, layouts) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.engram.hashing import hash_batch_packed
 
     dev = torch.device("cuda")
-    say(f"library {kernels.library_path()} version {kernels.version()}")
+    say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
 
     for li, layout in enumerate(layouts):
         for num_seqs, max_len in ((1, 1), (7, 40), (300, 400)):
             ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
             ref = hash_batch_packed(ids, starts, lookback, layout)
             out = torch.full((ids.shape[0], layout.num_layers, layout.n_hash_cols), -12345, dtype=torch.int32, device=dev)
-            kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+            hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
                                 torch.from_numpy(starts.astype(np.int32)).to(dev),
                                 torch.from_numpy(lookback.astype(np.int32)).to(dev), layout, out=out)
             got = out.cpu().numpy().astype(np.int64)
@@ -110,7 +111,7 @@ def test_kernel_hash(rng, layouts) -> None:
         # lookback=None: every sequence fresh
         ids, starts, _ = random_packed(rng, layout, 5, 30)
         ref = hash_batch_packed(ids, starts, None, layout)
-        got = kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+        got = hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
                                   torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
         record(f"kernel hash layout{li} no lookback", np.array_equal(got.cpu().numpy(), ref))
 
@@ -188,11 +189,11 @@ GATE_CASES = [(257, 4, 1024, "bfloat16", "bfloat16", "bool"), (64, 1, 64, "bfloa
 def test_kernel_gate(rng, T, hc, D, io_name, w_name, m_name) -> None:
     import torch
 
-    from engram_trt.native import kernels
     from engram_trt.engram.fusion import engram_gate_reference
+    from engram_trt.native import gate as gate_kernels
 
     io, wdtype, mdtype = (getattr(torch, n) for n in (io_name, w_name, m_name))
-    check_gate(rng, kernels, engram_gate_reference, T, hc, D, wdtype, mdtype, torch.device("cuda"), io=io)
+    check_gate(rng, gate_kernels, engram_gate_reference, T, hc, D, wdtype, mdtype, torch.device("cuda"), io=io)
 
 
 def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev, io=None) -> None:
@@ -439,7 +440,7 @@ def test_hardening(rng, harness, layouts) -> None:
     """Engine inputs nothing validates on the host must not fault or misread (device side)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
     from engram_trt.engram.hashing import hash_batch_packed
     from engram_trt.engram.quant import dequant_fp8_rows
 
@@ -464,7 +465,7 @@ def test_hardening(rng, harness, layouts) -> None:
     ref = hash_batch_packed(ids, starts, fresh, layout)
     buf = torch.full((64 + T,), 7, dtype=torch.int32, device=dev)
     buf[64:] = torch.from_numpy(ids.astype(np.int32)).to(dev)
-    got = kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
+    got = hash_kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
                               torch.from_numpy(lookback.astype(np.int32)).to(dev), layout)
     torch.cuda.synchronize()
     got = got.cpu().numpy()
@@ -538,11 +539,11 @@ def test_timed_hash_agrees(rng, S) -> None:
     import torch
 
     from engram_trt.bench.gpucases import hash_case, hash_layout
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
 
     layout = hash_layout()
     case = hash_case(rng, layout, S, torch.device("cuda"))
-    kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
+    hash_kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
     ok = np.array_equal(case.out.cpu().numpy().astype(np.int64), case.reference(layout))
     record(f"timing outputs agree (hash {case.ids.numel()} tokens x {layout.num_layers} layers x "
            f"{layout.n_hash_cols} columns, S={S})", ok)

@@ -88,7 +88,8 @@ def time_gate_and_hash(r: _Run, rng) -> None:
 
     from engram_trt.bench.common import eager_seconds, graph_seconds
     from engram_trt.bench.gpucases import HASH_SEQUENCES, HASH_TOKENS, hash_case, hash_layout
-    from engram_trt.native import kernels
+    from engram_trt.native import gate as gate_kernels
+    from engram_trt.native import hash as hash_kernels
 
     dev = torch.device("cuda")
     copy = device_copy_GBps()
@@ -107,10 +108,10 @@ def time_gate_and_hash(r: _Run, rng) -> None:
         out = torch.empty_like(hidden)
         esize, wsize = hidden.element_size(), qw.element_size()
         moved = (T * hc * D + T * (hc + 1) * D + T * hc * D) * esize + 2 * hc * D * wsize + T  # hidden, kv, out, weights, mask
-        s = graph_seconds(lambda: kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out))
+        s = graph_seconds(lambda: gate_kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out))
         how = "graph"
         if s is None:
-            s, how = eager_seconds(lambda: kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out)), "eager"
+            s, how = eager_seconds(lambda: gate_kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out)), "eager"
         name = f"io={str(io)[6:]} w={str(wdtype)[6:]}"
         gate_rows[name] = {"seconds": s, "bytes": moved, "GBps": moved / s / 1e9, "ratio_to_copy": moved / s / 1e9 / copy,
                            "timed": how}
@@ -129,7 +130,7 @@ def time_gate_and_hash(r: _Run, rng) -> None:
     for S in HASH_SEQUENCES:
         case = hash_case(rng, layout, S, dev)
         ids, starts, lookback, out = case.ids, case.starts, case.lookback, case.out
-        call = lambda: kernels.hash_packed(ids, starts, lookback, layout, out=out)  # noqa: E731
+        call = lambda: hash_kernels.hash_packed(ids, starts, lookback, layout, out=out)  # noqa: E731
         s = graph_seconds(call, launches=50)
         wall = eager_seconds(call)
         ok = np.array_equal(out.cpu().numpy().astype(np.int64), case.reference(layout))
