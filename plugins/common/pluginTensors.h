@@ -43,6 +43,20 @@ inline int32_t floatTypeCode(nvinfer1::DataType type)
     }
 }
 
+//! Bytes per element of a tensor type (the types the plugins take: float, int, fp8, bool).
+inline size_t elementBytes(nvinfer1::DataType type)
+{
+    switch (type)
+    {
+    case nvinfer1::DataType::kINT64: return 8;
+    case nvinfer1::DataType::kFLOAT:
+    case nvinfer1::DataType::kINT32: return 4;
+    case nvinfer1::DataType::kHALF:
+    case nvinfer1::DataType::kBF16: return 2;
+    default: return 1; // kINT8, kUINT8, kBOOL, kFP8
+    }
+}
+
 //! Bytes per element of a float activation type (4 for float32, else 2).
 inline size_t floatElementBytes(nvinfer1::DataType type)
 {
