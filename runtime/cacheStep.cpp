@@ -14,8 +14,11 @@
  * nothing between them. Each entry point still checks its own arguments, so a bad
  * binding fails with the message that call would give.
  */
-#include "kernels/engramKernels.h"
+#include "kernels/cacheKernels.h"
+#include "kernels/engramKernelsCore.h"
 #include "kernels/engramKernelsInternal.h"
+#include "kernels/gatherKernels.h"
+#include "kernels/hostGatherKernels.h"
 
 #include <cstdint>
 #include <string>

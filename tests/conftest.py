@@ -98,11 +98,11 @@ def plugin_lib(tmp_path_factory):
     import shutil
     import subprocess
 
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.errors import EngramError
 
     try:
-        yield kernels.library_path()
+        yield kernel_library.library_path()
         return
     except EngramError:
         pass
@@ -112,7 +112,7 @@ def plugin_lib(tmp_path_factory):
     subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80"], check=True,
                    capture_output=True)
     subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
-    path = build / kernels.LIBRARY_NAME
+    path = build / kernel_library.LIBRARY_NAME
     with pytest.MonkeyPatch.context() as mp:  # for the session: undone when the session ends
         mp.setenv("ENGRAM_TRT_PLUGIN_LIB", str(path))
         yield path
@@ -135,11 +135,11 @@ HARNESS_NAME = "libengram_plugin_harness.so"
 def harness_path() -> Path:
     """The plugin harness beside the library the tests use (installed package or source
     build), else the source tree's own build."""
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.errors import EngramError
 
     try:
-        lib = kernels.library_path()
+        lib = kernel_library.library_path()
         for cand in (lib.parent / HARNESS_NAME, lib.parent / "plugins" / "tests" / HARNESS_NAME):
             if cand.is_file():
                 return cand
@@ -588,13 +588,13 @@ def assert_bf16_logits_match(folder: Path, model, hf16, want: dict) -> None:
 def engine_skip_reason(plugins: tuple[str, ...]) -> str | None:
     """Why no TensorRT-RTX engine holding ``plugins`` can be built here (None: it can)."""
     from engram_trt.errors import EngramError
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.native import trt_compat as tc
 
     if not tc.available():
         return "no TensorRT builder is installed (tensorrt_rtx / tensorrt_rtx_bindings, or tensorrt)"
     try:
-        lib = kernels.library_path()
+        lib = kernel_library.library_path()
     except EngramError as exc:
         return f"the plugin library is missing: {exc}"
     tc.load_plugin_library(lib)

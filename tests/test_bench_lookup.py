@@ -378,7 +378,7 @@ def test_cache_trace_of_a_cpu_cache_step_names_its_seams_and_restores_them() -> 
     values = torch.from_numpy(rng.integers(0, 0x70, size=(500, 64), dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(118, 130, size=(500, 2), dtype=np.uint8))
     cache = HotRowCache(values, scales, device="cpu", capacity_rows=50, quant_block=32, max_step_rows=4000)
-    before = {"module": (ck._call, hg._call, hg._device_guard), "stream": torch.cuda.current_stream,
+    before = {"module": (ck._call, hg._call, hg.device_guard), "stream": torch.cuda.current_stream,
               "sync": vars(torch.cuda.Stream)["synchronize"]}
     ids = [torch.from_numpy(rng.integers(0, 500, size=(64, 24)).astype(np.int32)) for _ in range(3)]
     out = torch.empty((64, 24, 64), dtype=torch.bfloat16)
@@ -395,7 +395,7 @@ def test_cache_trace_of_a_cpu_cache_step_names_its_seams_and_restores_them() -> 
     assert "policy.plan @" in "\n".join(describe_trace(got))
     # everything restored
     assert "plan" not in vars(cache.policy) and "fetch" not in vars(cache.transfer)
-    assert (ck._call, hg._call, hg._device_guard) == before["module"]
+    assert (ck._call, hg._call, hg.device_guard) == before["module"]
     assert torch.cuda.current_stream is before["stream"] and vars(torch.cuda.Stream)["synchronize"] is before["sync"]
     assert "copy_" not in vars(torch.Tensor)
     traced = out.clone()

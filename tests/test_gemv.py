@@ -64,7 +64,7 @@ def test_gemv_abi_reaches_the_launch(plugin_lib: Path) -> None:
     without a GPU refuses, named after the entry point."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tests/gpu/test_gemv.py launches the kernel for real")
-    lib = backbone_kernels._library()
+    lib = backbone_kernels.library()
     a, b, c = (ctypes.c_void_p(x << 32) for x in (1, 2, 3))  # made-up, disjoint, aligned: never dereferenced
     for tokens in (1, 4):
         for flags in (0, backbone_kernels.GEMV_WEIGHT_STATIC):

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``python benchmarks/kernels/bench_kernels.py``: the kernel library's hash, gather and gate against the
 copies that bound them, measured in the same run (the timed cases are built by
-bench/gpucases.py; tests/gpu/test_verify.py checks their outputs).
+tests/gpu/cases.py; tests/gpu/test_verify.py checks their outputs).
 
 - gate at 8,192 tokens x hc 4 x hidden 4096 (bf16 / fp16 / fp32 I/O) against a
   device-to-device copy, both in bytes moved per second (target >= 0.70 x the copy);
@@ -99,7 +99,8 @@ def time_gate_and_hash(r: _Run, rng) -> None:
 
     from engram_trt.bench.common import eager_seconds, graph_seconds
     from cases import HASH_SEQUENCES, HASH_TOKENS, hash_case, hash_layout
-    from engram_trt.native import kernels
+    from engram_trt.native import gate as gate_kernels
+    from engram_trt.native import hash as hash_kernels
 
     dev = torch.device("cuda")
     copy = device_copy_GBps()
@@ -118,10 +119,10 @@ def time_gate_and_hash(r: _Run, rng) -> None:
         out = torch.empty_like(hidden)
         esize, wsize = hidden.element_size(), qw.element_size()
         moved = (T * hc * D + T * (hc + 1) * D + T * hc * D) * esize + 2 * hc * D * wsize + T  # hidden, kv, out, weights, mask
-        s = graph_seconds(lambda: kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out))
+        s = graph_seconds(lambda: gate_kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out))
         how = "graph"
         if s is None:
-            s, how = eager_seconds(lambda: kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out)), "eager"
+            s, how = eager_seconds(lambda: gate_kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out)), "eager"
         name = f"io={str(io)[6:]} w={str(wdtype)[6:]}"
         gate_rows[name] = {"seconds": s, "bytes": moved, "GBps": moved / s / 1e9, "ratio_to_copy": moved / s / 1e9 / copy,
                            "timed": how}
@@ -140,7 +141,7 @@ def time_gate_and_hash(r: _Run, rng) -> None:
     for S in HASH_SEQUENCES:
         case = hash_case(rng, layout, S, dev)
         ids, starts, lookback, out = case.ids, case.starts, case.lookback, case.out
-        call = lambda: kernels.hash_packed(ids, starts, lookback, layout, out=out)  # noqa: E731
+        call = lambda: hash_kernels.hash_packed(ids, starts, lookback, layout, out=out)  # noqa: E731
         s = graph_seconds(call, launches=50)
         wall = eager_seconds(call)
         ok = np.array_equal(out.cpu().numpy().astype(np.int64), case.reference(layout))
@@ -255,7 +256,9 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
 
     from engram_trt.bench.common import graph_seconds
     from cases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, fp8_tables, gather_bytes
-    from engram_trt.native import hostgather, kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import hostgather
+    from engram_trt.native import library as kernel_library
 
     dev = torch.device("cuda")
     head_dim, cols = HEAD_DIM, COLS
@@ -322,13 +325,13 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
             return statistics.median(ts)
 
         paths = {
-            "UVA kernel, device (HBM) table": lambda i: kernels.gather(id_sets_dev[i], dev_rows, dev_scales, out=out),
-            "UVA kernel, pinned host table": lambda i: kernels.gather(id_sets_dev[i], host_rows, host_scales, out=out),
+            "UVA kernel, device (HBM) table": lambda i: gather_kernels.gather(id_sets_dev[i], dev_rows, dev_scales, out=out),
+            "UVA kernel, pinned host table": lambda i: gather_kernels.gather(id_sets_dev[i], host_rows, host_scales, out=out),
         }
         for name, fn in paths.items():
             s = gpu_time(fn)
             row[name] = {"seconds": s, "GBps": moved / s / 1e9, "ratio_to_h2d": moved / s / 1e9 / h2d}
-        s = graph_seconds(lambda: kernels.gather(id_sets_dev[0], dev_rows, dev_scales, out=out))
+        s = graph_seconds(lambda: gather_kernels.gather(id_sets_dev[0], dev_rows, dev_scales, out=out))
         if s is not None:
             row["UVA kernel, device (HBM) table, kernel only"] = {"seconds": s, "GBps": moved / s / 1e9,
                                                                   "ratio_to_h2d": moved / s / 1e9 / h2d}
@@ -344,7 +347,7 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
             probe_calls = {f"host gather, {g.options()['num_threads']} threads": (lambda i, g=g: (g.wake(), g.gather(
                 id_sets[i % reps], host_rows, host_scales, out=out))) for g in (gatherer, spare)}
             probe_calls["one pinned copy of the same bytes"] = control
-            probe_calls["HBM gather kernel"] = lambda i: kernels.gather(id_sets_dev[i % reps], dev_rows, dev_scales, out=out)
+            probe_calls["HBM gather kernel"] = lambda i: gather_kernels.gather(id_sets_dev[i % reps], dev_rows, dev_scales, out=out)
             r.result["timing"]["6144_first_probe"] = _sched_probe(probe_calls, 8)
             r.result["timing"]["settle"] = _settle(control, moved / (h2d * 1e9))
         s = wall_time(lambda i: (gatherer.wake(), gatherer.gather(id_sets[i], host_rows, host_scales, out=out)))
@@ -359,7 +362,7 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
             row[f"host gather + copy, {threads}-thread pool"] = {"seconds": s2, "GBps": moved / s2 / 1e9,
                                                                  "ratio_to_h2d": moved / s2 / 1e9 / h2d}
         # spot-check the timed outputs of the last id set against the device-table path
-        ref = kernels.gather(id_sets_dev[-1], dev_rows, dev_scales)
+        ref = gather_kernels.gather(id_sets_dev[-1], dev_rows, dev_scales)
         got = gatherer.gather(id_sets[-1], host_rows, host_scales)
         torch.cuda.synchronize()
         r.agree(f"timing outputs agree ({n_rows} rows: host gather == device gather)",

@@ -61,7 +61,8 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     import torch
 
     from cases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, pinned_fp8_table
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.native.hostgather import HostGatherer
 
     HD, QB, SIZES = HEAD_DIM, QUANT_BLOCK, GATHER_ROWS
@@ -155,7 +156,7 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     th.start()
     th.join()
     measure("a UVA gather of the table before each call", g,
-            before=lambda n, i: (kernels.gather(dev_ids[n][i], rows, scales, quant_block=QB, out=outs[n]),
+            before=lambda n, i: (gather_kernels.gather(dev_ids[n][i], rows, scales, quant_block=QB, out=outs[n]),
                                  torch.cuda.synchronize(dev)))
     measure("GPU busy (a 2 ms kernel queued) before each call", g,
             before=lambda n, i: torch.cuda._sleep(2_000_000))
@@ -163,8 +164,8 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     reg_rows = torch.empty((reg_n, HD), dtype=torch.uint8)
     reg_rows.copy_(rows[:reg_n])
     reg_scales = scales[:reg_n].clone()
-    kernels.register_host_memory(reg_rows)
-    kernels.register_host_memory(reg_scales)
+    kernel_library.register_host_memory(reg_rows)
+    kernel_library.register_host_memory(reg_scales)
     for n in SIZES:
         ids[n] = [x % reg_n for x in ids[n]]
     measure("registered 1 GiB table (cudaHostRegister), ids within it", g, table=(reg_rows, reg_scales))

@@ -297,7 +297,7 @@ def _run_gpu(opts: GatherOptions, tables: Any, id_sets: dict[int, list[Any]]) ->
     import torch
 
     from engram_trt.native import hostgather
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda", torch.cuda.current_device())
     sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
@@ -329,9 +329,9 @@ def _run_gpu(opts: GatherOptions, tables: Any, id_sets: dict[int, list[Any]]) ->
 
         if "uva" in opts.paths:
             dev_sets = [s.to(dev) for s in sets]
-            sec, _ = median_wall(lambda i: kernels.gather(dev_sets[i], tables.split_rows, tables.split_scales,
+            sec, _ = median_wall(lambda i: gather_kernels.gather(dev_sets[i], tables.split_rows, tables.split_scales,
                                                           quant_block=QUANT_BLOCK, out=out), opts.reps, sync)
-            kernels.gather(dev_sets[0], tables.split_rows, tables.split_scales, quant_block=QUANT_BLOCK, out=out)
+            gather_kernels.gather(dev_sets[0], tables.split_rows, tables.split_scales, quant_block=QUANT_BLOCK, out=out)
             sync()
             results.append(Result(rows=n, path="uva", layout="split", threads=0, seconds=sec, gbps=gbps(n, sec),
                                   x_link=gbps(n, sec) / link, exact=exact_out()))

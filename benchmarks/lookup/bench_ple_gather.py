@@ -95,7 +95,8 @@ def run(opts: PleGatherOptions) -> int:
     import torch
 
     from engram_trt.bench.common import dump, event_seconds, measure_limits
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.native.hostgather import HostGatherer
 
     if not torch.cuda.is_available():
@@ -103,7 +104,7 @@ def run(opts: PleGatherOptions) -> int:
     if opts.head_dim % 8 or opts.table_gib <= 0 or opts.hbm_gib <= 0:
         raise EngramError("--head-dim must be a multiple of 8 and --table-gib / --hbm-gib positive")
     dev = torch.device("cuda")
-    kernels.load_library()
+    kernel_library.load_library()
     limits = measure_limits(dev)
     h2d = limits["h2d_GBps"]
     print(f"link: H2D {h2d:.1f} GB/s measured (pinned 1 GiB copy) = {h2d / PCIE5_X16_GBPS:.0%} of PCIe 5.0 x16's "
@@ -131,13 +132,13 @@ def run(opts: PleGatherOptions) -> int:
         ids_cpu = ids_host_range.cpu()
         flat = ids_host_range.reshape(-1, 1)
         ref = host[ids_cpu.reshape(-1).to(torch.int64)]
-        got_uva = kernels.gather(flat, host).reshape(-1, opts.head_dim).cpu()
+        got_uva = gather_kernels.gather(flat, host).reshape(-1, opts.head_dim).cpu()
         got_host = gatherer.gather(ids_cpu.reshape(-1, 1), host)[:, 0].cpu()
         if not (torch.equal(got_uva, ref) and torch.equal(got_host, ref)):
             raise EngramError(f"{kind} {n}: a gather path's rows differ from the table's (indexing reference)")
         nbytes = flat.numel() * row_bytes
-        t_uva = event_seconds(lambda: kernels.gather(flat, host), opts.reps)
-        t_hbm = event_seconds(lambda: kernels.gather(ids_hbm.reshape(-1, 1), hbm), opts.reps)
+        t_uva = event_seconds(lambda: gather_kernels.gather(flat, host), opts.reps)
+        t_hbm = event_seconds(lambda: gather_kernels.gather(ids_hbm.reshape(-1, 1), hbm), opts.reps)
         times = []
         for _ in range(opts.reps + 1):  # wall time: the CPU threads' gather + the copies, synchronized
             torch.cuda.synchronize()

@@ -83,12 +83,12 @@ def _patched(tracer: _Tracer, cache: Any) -> Iterator[None]:
         if gatherer is not None:
             patch(gatherer, "gather_raw", "gather_raw")
         for module in (ck, hg):
-            for attr in ("_call", "_library_call"):
+            for attr in ("_call", "gather_call"):
                 if hasattr(module, attr):
                     patch(module, attr, _c_entry)
-            for attr in ("_device_guard", "_stream"):
+            for attr, label in (("device_guard", "device_guard"), ("stream_of", "stream")):
                 if hasattr(module, attr):
-                    patch(module, attr, attr.lstrip("_"))
+                    patch(module, attr, label)
         patch(torch.cuda, "current_stream", "current_stream")
         patch(torch.cuda.Stream, "synchronize", "stream sync")
         patch(torch.Tensor, "copy_", "tensor copy_")

@@ -32,7 +32,7 @@ def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scal
     import torch
 
     from engram_trt.native import hostgather
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     layout = "hbm-scales" if "hbm-scales" in layouts else "split"
     scales = scales_dev if layout == "hbm-scales" else tables.split_scales
@@ -53,7 +53,7 @@ def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scal
                 if k:
                     side.wait_stream(main)  # out's earlier readers are done
                     with torch.cuda.stream(side):
-                        kernels.gather(sets_dev[i][:k], tables.split_rows, scales, quant_block=QUANT_BLOCK,
+                        gather_kernels.gather(sets_dev[i][:k], tables.split_rows, scales, quant_block=QUANT_BLOCK,
                                        out=out[:k], max_blocks=blocks)
                 if k < tokens:
                     bound(sets[i][k:], out[k:], sets_dev[i][k:] if layout == "hbm-scales" else None)

@@ -85,16 +85,16 @@ class HostBuffer:
         self.registered = False
 
     def register(self) -> None:
-        from engram_trt.native import kernels
+        from engram_trt.native import library as kernel_library
 
-        kernels.register_host_memory(self.tensor)
+        kernel_library.register_host_memory(self.tensor)
         self.registered = True
 
     def close(self) -> None:
         if self.registered:
-            from engram_trt.native import kernels
+            from engram_trt.native import library as kernel_library
 
-            kernels.unregister_host_memory(self.tensor)
+            kernel_library.unregister_host_memory(self.tensor)
             self.registered = False
         self.tensor = None
 

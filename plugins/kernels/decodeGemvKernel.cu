@@ -15,9 +15,10 @@
  * operands. With ENGRAM_GEMV_WEIGHT_STATIC the first pass's weight loads go out before
  * the kernel waits for the one before it (dependentLaunch.cuh).
  */
+#include "decodeKernels.h"
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "gemvKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>

@@ -40,8 +40,9 @@
  *                post.to(dtype) / comb.to(dtype) do; the sum is fp32, rounded once.
  */
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
+#include "mhcKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>

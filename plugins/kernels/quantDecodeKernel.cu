@@ -38,10 +38,11 @@
  * wait for the kernel before; routed experts wait first (their ids come from the router).
  */
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "quantDevice.cuh"
 #include "quantInternal.h"
+#include "quantKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>

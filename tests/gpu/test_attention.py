@@ -169,10 +169,10 @@ def test_kernel(rng, dname, case) -> None:
     import torch
 
     from engram_trt.native import attention as attention_kernels
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
 
     dev = torch.device("cuda")
-    say(f"library {kernels.library_path()} version {kernels.version()}")
+    say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
     dtype = getattr(torch, dname)
     label, H, kvh, hd, num_slots, max_len, chunks = case
     slots, pos, _, _ = random_pack(rng, num_slots, max_len, chunks)
@@ -263,10 +263,10 @@ def test_splits(rng, dname) -> None:
     import torch
 
     from engram_trt.native import attention as attention_kernels
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
 
     dev = torch.device("cuda")
-    lib = attention_kernels._library()
+    lib = attention_kernels.library()
     H, kvh, hd, num_slots, max_len = 32, 8, 128, 6, 4096
     dtype = getattr(torch, dname)
     for chunks in ([(4095, 1)], [(3000, 1), (17, 1), (4000, 1)], [(2500, 3), (0, 1)]):
@@ -280,7 +280,7 @@ def test_splits(rng, dname) -> None:
         out = attention_kernels.attention_step(q_d, k.to(dev), v.to(dev), kc_d, vc_d, ts, tp)
         unsplit = torch.full_like(out, float("nan"))
         status = lib.engram_attention_packed(
-            ctypes.c_void_p(q_d.data_ptr()), kernels._float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
+            ctypes.c_void_p(q_d.data_ptr()), kernel_library.float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
             ctypes.c_void_p(vc_d.data_ptr()), ctypes.c_void_p(ts.data_ptr()), ctypes.c_void_p(tp.data_ptr()), T,
             H, kvh, hd, num_slots, max_len, ctypes.c_float(1 / math.sqrt(hd)), None, 0,
             ctypes.c_void_p(unsplit.data_ptr()), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))

@@ -216,8 +216,8 @@ def check_abi() -> None:
     from engram_trt.native import attention as attention_kernels
     from engram_trt.native import backbone as backbone_kernels
 
-    lib = backbone_kernels._library()
-    attention_kernels._library()
+    lib = backbone_kernels.library()
+    attention_kernels.library()
     p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
 
     def last(status: int) -> tuple[int, str]:

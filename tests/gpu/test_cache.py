@@ -385,7 +385,7 @@ def check_gather_part(dev: Any, record: Record) -> None:
     both; ``max_blocks`` 1 and 5 equal a full wave, from device memory and through UVA."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     rng = np.random.default_rng(23)
     N, D, QB = 50_000, 256, 32
@@ -395,13 +395,13 @@ def check_gather_part(dev: Any, record: Record) -> None:
     cut = 20_011
     for name, rows, scales in (("fp8", rows_t, scales_t), ("bf16", bf, None)):
         d_rows, d_scales = rows.to(dev), None if scales is None else scales.to(dev)
-        want = kernels.gather(ids, d_rows, d_scales, quant_block=QB)
+        want = gather_kernels.gather(ids, d_rows, d_scales, quant_block=QB)
         sentinel = torch.full_like(want, 7.0)
         out = sentinel.clone()
-        kernels.gather(ids, d_rows[:cut], None if d_scales is None else d_scales[:cut], quant_block=QB, out=out,
+        gather_kernels.gather(ids, d_rows[:cut], None if d_scales is None else d_scales[:cut], quant_block=QB, out=out,
                        keep_outside=True)
         first = out.clone()
-        kernels.gather(ids, d_rows[cut:], None if d_scales is None else d_scales[cut:], quant_block=QB, out=out,
+        gather_kernels.gather(ids, d_rows[cut:], None if d_scales is None else d_scales[cut:], quant_block=QB, out=out,
                        keep_outside=True, row_offset=cut)
         torch.cuda.synchronize(dev)
         inside = (ids >= 0) & (ids < N)
@@ -409,7 +409,7 @@ def check_gather_part(dev: Any, record: Record) -> None:
         v = lambda t: t.view(torch.int16)  # noqa: E731
         ok_first = torch.equal(v(first[low]), v(want[low])) and torch.equal(v(first[~low]), v(sentinel[~low]))
         ok_both = torch.equal(v(out[inside]), v(want[inside])) and torch.equal(v(out[~inside]), v(sentinel[~inside]))
-        capped = [kernels.gather(ids, src_rows, src_scales, quant_block=QB, max_blocks=b)
+        capped = [gather_kernels.gather(ids, src_rows, src_scales, quant_block=QB, max_blocks=b)
                   for b in (1, 5) for src_rows, src_scales in ((d_rows, d_scales), (rows.pin_memory(), None
                                                                if scales is None else scales.pin_memory()))]
         torch.cuda.synchronize(dev)
@@ -419,13 +419,13 @@ def check_gather_part(dev: Any, record: Record) -> None:
                f"first slice {ok_first}, both {ok_both}, max_blocks 1/5 (HBM, UVA) {ok_capped}")
     for kwargs, words in (({"keep_outside": True}, "pass the out tensor"),
                           ({"max_blocks": -1}, "max_blocks must be an integer >= 0"),
-                          ({"max_blocks": 2, "bad_rows": kernels.new_bad_row_counter(dev)}, "count no bad rows")):
+                          ({"max_blocks": 2, "bad_rows": gather_kernels.new_bad_row_counter(dev)}, "count no bad rows")):
         try:
-            kernels.gather(ids, rows_t.to(dev), scales_t.to(dev), quant_block=QB, **kwargs)
+            gather_kernels.gather(ids, rows_t.to(dev), scales_t.to(dev), quant_block=QB, **kwargs)
             said = ""
         except Exception as exc:  # noqa: BLE001
             said = str(exc)
-        record(f"kernels.gather refuses {sorted(kwargs)} as documented", words in said, said[:90])
+        record(f"gather_kernels.gather refuses {sorted(kwargs)} as documented", words in said, said[:90])
 
 
 def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows: int = 4096) -> tuple[Any, Any, str]:

@@ -41,7 +41,7 @@ def nan_equal(got: np.ndarray, ref: np.ndarray, bound: np.ndarray | None = None)
 def test_gather_nan(rng) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
@@ -56,7 +56,7 @@ def test_gather_nan(rng) -> None:
     ids.reshape(-1)[: nan_rows.size] = nan_rows  # every NaN row is read
     with np.errstate(invalid="ignore"):
         ref = dequant_fp8_rows(fp8[ids.reshape(-1)], scales[ids.reshape(-1)], 32).reshape(T, cols, head_dim)
-    out = kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    out = gather_kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
     got = out.float().cpu().numpy()
     ref_bf16 = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
     ok, detail = nan_equal(got, ref_bf16)
@@ -69,7 +69,7 @@ def test_gate_nan(rng, harness, io_name) -> None:
     through the plugin's enqueue)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gate as gate_kernels
     from engram_trt.engram.fusion import engram_gate, engram_gate_reference
 
     dev = torch.device("cuda")
@@ -92,7 +92,7 @@ def test_gate_nan(rng, harness, io_name) -> None:
         ref = engram_gate_reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(),
                                     kw.float().numpy(), mask_np, 1e-6)
     torch_path = engram_gate(hidden, kv, qw, kw, mask, 1e-6).float().numpy()
-    out = kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
+    out = gate_kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
     got = out.float().cpu().numpy().astype(np.float64)
     live = mask_np
     ok_ref, detail = nan_equal(got[live], ref[live], gate_bound(io, ref)[live])
@@ -120,7 +120,8 @@ def test_nan_end_to_end(rng) -> None:
     """A row with a NaN scale -> gather -> wkv -> gate."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gate as gate_kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda")
     T, hc, D = 32, 2, 256
@@ -132,12 +133,12 @@ def test_nan_end_to_end(rng) -> None:
     elsewhere = set(np.delete(ids.reshape(-1), poisoned_token * 4 + 2).tolist())
     ids[poisoned_token, 2] = next(r for r in range(1000) if r not in elsewhere)
     scales[ids[poisoned_token, 2], 1] = 255
-    e = kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    e = gather_kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
     wkv = (0.02 * torch.randn(4 * 128, (hc + 1) * D, device=dev)).to(torch.bfloat16)
     kv = (e.reshape(T, -1) @ wkv).contiguous()
     hidden = torch.randn(T, hc, D, dtype=torch.bfloat16, device=dev)
     w = torch.ones(hc, D, dtype=torch.bfloat16, device=dev)
-    out = kernels.gate(hidden, kv, w, w, torch.ones(T, dtype=torch.bool, device=dev), eps=1e-6).float().cpu()
+    out = gate_kernels.gate(hidden, kv, w, w, torch.ones(T, dtype=torch.bool, device=dev), eps=1e-6).float().cpu()
     other = torch.cat([out[:poisoned_token], out[poisoned_token + 1:]])
     record("end to end: a NaN scale byte -> gathered row -> wkv -> gate gives NaN for that token only",
            bool(torch.isnan(out[poisoned_token]).all()) and bool(torch.isfinite(other).all()),
@@ -152,7 +153,7 @@ def test_nan_end_to_end(rng) -> None:
 def test_bad_rows(rng, harness) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
@@ -174,9 +175,9 @@ def test_bad_rows(rng, harness) -> None:
                           "pinned host (UVA)": (torch.from_numpy(fp8).pin_memory(),
                                                 torch.from_numpy(scales).pin_memory())}.items():
         counter = torch.zeros(1, dtype=torch.int64, device=dev)
-        out = kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+        out = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
         first = int(counter.item())
-        out2 = kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+        out2 = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
         exact = torch.equal(out.cpu().view(torch.int16), ref_bits) and torch.equal(out2.cpu().view(torch.int16), ref_bits)
         record(f"kernel gather bad_rows counts ids outside the table ({where})",
                first == expected and int(counter.item()) == 2 * expected and exact,
@@ -184,20 +185,20 @@ def test_bad_rows(rng, harness) -> None:
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
     table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
     good = torch.from_numpy(rng.integers(0, rows_n, size=(T, cols)).astype(np.int32)).to(dev)
-    kernels.gather(good, table, bad_rows=counter)
+    gather_kernels.gather(good, table, bad_rows=counter)
     bf16_ids = good.clone()
     bf16_ids[0, :5] = rows_n
-    kernels.gather(bf16_ids, table, bad_rows=counter)
+    gather_kernels.gather(bf16_ids, table, bad_rows=counter)
     record("kernel gather bad_rows: 0 for in-range ids, 5 for 5 bad bf16 ids", int(counter.item()) == 5,
            f"count {int(counter.item())}")
     from engram_trt.errors import EngramError
 
     try:
-        kernels.check_bad_rows(counter, what="bf16 gather")
+        gather_kernels.check_bad_rows(counter, what="bf16 gather")
         raised = ""
     except EngramError as exc:
         raised = str(exc)
-    record("kernels.check_bad_rows raises on the device counter and resets it",
+    record("gather_kernels.check_bad_rows raises on the device counter and resets it",
            raised.startswith("bf16 gather: 5 row(s) read no table") and int(counter.item()) == 0, raised[:120])
 
     # the plugin, counter address as its last input

@@ -77,7 +77,7 @@ def versus_linear(got, want) -> tuple[bool, str]:
 def check_abi() -> None:
     from engram_trt.native import backbone as backbone_kernels
 
-    lib = backbone_kernels._library()
+    lib = backbone_kernels.library()
     p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
 
     def gemv(x=p, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, flags=1, out=ctypes.c_void_p(1 << 41)):

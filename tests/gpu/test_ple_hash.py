@@ -57,11 +57,11 @@ def test_kernel_ple_hash(rng) -> None:
     import torch
 
     from engram_trt.engram import ple_hash as ph
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.native import ple as native_ple
 
     dev = torch.device("cuda")
-    say(f"library {kernels.library_path()} version {kernels.version()}")
+    say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
     for ci, cfg in enumerate(CONFIGS):
         layout = make_layout(cfg)
         layers = sorted({0, layout.num_layers - 1})

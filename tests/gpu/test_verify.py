@@ -3,7 +3,7 @@ bad-row and build-phase cases are test_edge_cases.py, a rank's column range
 test_column_range.py, its timing ``benchmarks/kernels/bench_kernels.py``):
 
   kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
-             bf16 tables) / gate through engram_trt.native.kernels, against the Python
+             bf16 tables) / gate through engram_trt.native (hash, gather, gate), against the Python
              references on fresh random inputs, outputs poisoned first.
   plugins    EngramHash / EngramGather / EngramGate (namespace "engram_trt") through
              their creators, output types and shapes (a harness IExprBuilder),
@@ -90,18 +90,19 @@ def layouts():
 def test_kernel_hash(rng, layouts) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.engram.hashing import hash_batch_packed
 
     dev = torch.device("cuda")
-    say(f"library {kernels.library_path()} version {kernels.version()}")
+    say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
 
     for li, layout in enumerate(layouts):
         for num_seqs, max_len in ((1, 1), (7, 40), (300, 400)):
             ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
             ref = hash_batch_packed(ids, starts, lookback, layout)
             out = torch.full((ids.shape[0], layout.num_layers, layout.n_hash_cols), -12345, dtype=torch.int32, device=dev)
-            kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+            hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
                                 torch.from_numpy(starts.astype(np.int32)).to(dev),
                                 torch.from_numpy(lookback.astype(np.int32)).to(dev), layout, out=out)
             got = out.cpu().numpy().astype(np.int64)
@@ -110,7 +111,7 @@ def test_kernel_hash(rng, layouts) -> None:
         # lookback=None: every sequence fresh
         ids, starts, _ = random_packed(rng, layout, 5, 30)
         ref = hash_batch_packed(ids, starts, None, layout)
-        got = kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+        got = hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
                                   torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
         record(f"kernel hash layout{li} no lookback", np.array_equal(got.cpu().numpy(), ref))
 
@@ -119,7 +120,9 @@ def test_kernel_gather(rng) -> None:
     """fp8 and bf16 tables, every placement."""
     import torch
 
-    from engram_trt.native import hostgather, kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import hostgather
+    from engram_trt.native import library as kernel_library
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
@@ -146,14 +149,14 @@ def test_kernel_gather(rng) -> None:
         "pinned host (UVA)": (fp8_cpu.pin_memory(), scales_cpu.pin_memory()),
     }
     reg_rows, reg_scales = fp8_cpu.clone(), scales_cpu.clone()
-    kernels.register_host_memory(reg_rows)
-    kernels.register_host_memory(reg_scales)
+    kernel_library.register_host_memory(reg_rows)
+    kernel_library.register_host_memory(reg_scales)
     placements["registered host (UVA)"] = (reg_rows, reg_scales)
     for name, (r, s) in placements.items():
-        out = kernels.gather(ids_dev, r, s, layer=layer, out=poisoned())
+        out = gather_kernels.gather(ids_dev, r, s, layer=layer, out=poisoned())
         torch.cuda.synchronize()
         same = torch.equal(out.view(torch.int16).cpu(), ref_bits)
-        record(f"kernel gather fp8 {name}", same, f"kind={kernels.pointer_kind(r)}")
+        record(f"kernel gather fp8 {name}", same, f"kind={kernel_library.pointer_kind(r)}")
     with hostgather.HostGatherer(num_threads=8, chunk_rows=1000, max_head_dim=256) as g:  # several chunks
         out = g.gather(torch.from_numpy(ids), fp8_cpu, scales_cpu, layer=layer, out=poisoned())
         torch.cuda.synchronize()
@@ -166,14 +169,14 @@ def test_kernel_gather(rng) -> None:
         ok = (flat >= 0) & (flat < rows_n)
         ref2[ok] = table_bf16[flat[ok]]
         ref2 = ref2.reshape(T, cols, 128)
-        out = kernels.gather(ids2.to(dev), table_bf16.to(dev),
+        out = gather_kernels.gather(ids2.to(dev), table_bf16.to(dev),
                              out=torch.full((T, cols, 128), float("nan"), dtype=torch.bfloat16, device=dev))
         record("kernel gather bf16 device", torch.equal(out.cpu().view(torch.int16), ref2.view(torch.int16)))
         out = g.gather(ids2, table_bf16, out=torch.full((T, cols, 128), float("nan"), dtype=torch.bfloat16, device=dev))
         torch.cuda.synchronize()
         record("kernel host gather bf16", torch.equal(out.cpu().view(torch.int16), ref2.view(torch.int16)))
-    kernels.unregister_host_memory(reg_rows)
-    kernels.unregister_host_memory(reg_scales)
+    kernel_library.unregister_host_memory(reg_rows)
+    kernel_library.unregister_host_memory(reg_scales)
 
 
 # bf16, fp16 and fp32 I/O, weights bf16 / fp32 / the I/O type: (T, hc, D, io, weights, mask)
@@ -188,11 +191,11 @@ GATE_CASES = [(257, 4, 1024, "bfloat16", "bfloat16", "bool"), (64, 1, 64, "bfloa
 def test_kernel_gate(rng, T, hc, D, io_name, w_name, m_name) -> None:
     import torch
 
-    from engram_trt.native import kernels
     from engram_trt.engram.fusion import engram_gate_reference
+    from engram_trt.native import gate as gate_kernels
 
     io, wdtype, mdtype = (getattr(torch, n) for n in (io_name, w_name, m_name))
-    check_gate(rng, kernels, engram_gate_reference, T, hc, D, wdtype, mdtype, torch.device("cuda"), io=io)
+    check_gate(rng, gate_kernels, engram_gate_reference, T, hc, D, wdtype, mdtype, torch.device("cuda"), io=io)
 
 
 def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev, io=None) -> None:
@@ -439,7 +442,7 @@ def test_hardening(rng, harness, layouts) -> None:
     """Engine inputs nothing validates on the host must not fault or misread (device side)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
     from engram_trt.engram.hashing import hash_batch_packed
     from engram_trt.engram.quant import dequant_fp8_rows
 
@@ -464,7 +467,7 @@ def test_hardening(rng, harness, layouts) -> None:
     ref = hash_batch_packed(ids, starts, fresh, layout)
     buf = torch.full((64 + T,), 7, dtype=torch.int32, device=dev)
     buf[64:] = torch.from_numpy(ids.astype(np.int32)).to(dev)
-    got = kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
+    got = hash_kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
                               torch.from_numpy(lookback.astype(np.int32)).to(dev), layout)
     torch.cuda.synchronize()
     got = got.cpu().numpy()
@@ -538,11 +541,11 @@ def test_timed_hash_agrees(rng, S) -> None:
     import torch
 
     from .cases import hash_case, hash_layout
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
 
     layout = hash_layout()
     case = hash_case(rng, layout, S, torch.device("cuda"))
-    kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
+    hash_kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
     ok = np.array_equal(case.out.cpu().numpy().astype(np.int64), case.reference(layout))
     record(f"timing outputs agree (hash {case.ids.numel()} tokens x {layout.num_layers} layers x "
            f"{layout.n_hash_cols} columns, S={S})", ok)
@@ -574,7 +577,8 @@ def test_timed_gathers_agree(rng, big_table, n_rows) -> None:
     uniform rows of the big pinned table equals the HBM gather kernel's, bit for bit."""
     import torch
 
-    from engram_trt.native import hostgather, kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import hostgather
 
     dev = torch.device("cuda")
     rows_n, dev_rows, dev_scales, host_rows, host_scales = big_table
@@ -583,7 +587,7 @@ def test_timed_gathers_agree(rng, big_table, n_rows) -> None:
     with hostgather.HostGatherer(max_head_dim=512) as gatherer:
         gatherer.wake()
         got = gatherer.gather(ids, host_rows, host_scales)
-        ref = kernels.gather(ids.to(dev), dev_rows, dev_scales)
+        ref = gather_kernels.gather(ids.to(dev), dev_rows, dev_scales)
         torch.cuda.synchronize()
     record(f"timing outputs agree ({n_rows} rows: host gather == device gather)",
            torch.equal(ref.view(torch.int16), got.view(torch.int16)))

@@ -24,14 +24,14 @@ from typing import Any
 
 from engram_trt.errors import EngramError
 from engram_trt.native import quant_kernels as qk
-from engram_trt.native.kernels import (
+from engram_trt.native.library import (
     EntryPoints,
-    _check,
-    _device_guard,
-    _float_code,
-    _ptr,
-    _stream,
-    _torch,
+    check,
+    device_guard,
+    float_code,
+    ptr,
+    stream_of,
+    torch_module,
 )
 
 MAX_SEGMENTS = 8  # ENGRAM_QSEG_MAX_SEGMENTS
@@ -85,7 +85,7 @@ def unavailable(what: str = "stored-format decode kernels") -> str | None:
 
 def _as_weight(name: str, w: Any, stacked: bool) -> qk.Weight:
     """A QuantWeight (fields data / scale / kind / block) or a bf16 tensor as the kernels take it."""
-    torch = _torch()
+    torch = torch_module()
     if isinstance(w, torch.Tensor):
         if w.dtype != torch.bfloat16:
             raise EngramError(f"{name} is a {w.dtype} tensor; the kernels take bfloat16 tensors or QuantWeights")
@@ -120,7 +120,7 @@ def _weight_reason(name: str, w: qk.Weight, device: Any) -> str | None:
 
 
 def _x_reason(x: Any, max_tokens: int = MAX_TOKENS) -> str | None:
-    torch = _torch()
+    torch = torch_module()
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         return "x must be a 2-D tensor"
     if x.dtype != torch.bfloat16 or not x.is_cuda:
@@ -129,7 +129,7 @@ def _x_reason(x: Any, max_tokens: int = MAX_TOKENS) -> str | None:
         return f"x has {x.shape[0]} rows; these kernels take 1..{max_tokens}"
     if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) % 8) or x.data_ptr() % 16:
         return "x's rows must be unit-stride and 16-byte aligned"
-    from engram_trt.native.kernels import capability_major
+    from engram_trt.native.library import capability_major
 
     if capability_major(x.device.index) < MIN_CAPABILITY:
         return "the GPU's compute capability is below 9.0"
@@ -166,7 +166,7 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
     (weight a ``QuantWeight`` [N, K] or a bf16 ``[N, K]`` tensor; x and out may be slices with
     a row stride), in one launch; the activations quantized per the weight's kind.
     ``weight_static``: the weights are a model's (loaded before the wait for the kernel before)."""
-    torch = _torch()
+    torch = torch_module()
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise EngramError(f"gemv_segments takes 1..{MAX_SEGMENTS} segments (got {len(segments)})")
     T = int(segments[0][0].shape[0]) if segments[0][0].dim() == 2 else -1
@@ -195,17 +195,17 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         if why is not None:
             raise EngramError(why)
         group, ue8m0 = ACT_QUANT.get(w.kind, (0, False))
-        packed[i] = _Segment(_ptr(x), _ptr(w.data), _ptr(w.scale), _ptr(out), xs, os_, _float_code(x.dtype),
-                             _float_code(out.dtype), w.w_type, w.scale_type, w.block[0], w.block[1], w.out_features,
+        packed[i] = _Segment(ptr(x), ptr(w.data), ptr(w.scale), ptr(out), xs, os_, float_code(x.dtype),
+                             float_code(out.dtype), w.w_type, w.scale_type, w.block[0], w.block[1], w.out_features,
                              w.in_features, group, int(ue8m0))
-    with _device_guard(device.index):
+    with device_guard(device.index):
         _call("engram_quant_gemv_segments", ctypes.addressof(packed), len(segments), T,
-              qk.QGEMV_WEIGHT_STATIC if weight_static else 0, _stream(device))
+              qk.QGEMV_WEIGHT_STATIC if weight_static else 0, stream_of(device))
 
 
 def _moe_weight(w: qk.Weight) -> _MoeWeight:
     group, ue8m0 = ACT_QUANT.get(w.kind, (0, False))
-    return _MoeWeight(_ptr(w.data), _ptr(w.scale), w.w_type, w.scale_type, w.block[0], w.block[1], group, int(ue8m0))
+    return _MoeWeight(ptr(w.data), ptr(w.scale), w.w_type, w.scale_type, w.block[0], w.block[1], group, int(ue8m0))
 
 
 def _moe_weights(gate: Any, up: Any, down: Any, shared: tuple[Any, Any, Any] | None
@@ -270,11 +270,11 @@ def moe(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, shared
     ``ids`` int32 / ``route_w`` float32 ``[T, k]``, the routed stacks (QuantWeights or bf16
     tensors) ``gate`` / ``up [E, I, D]``, ``down [E, D, I]``, ``shared = (gate [I_s, D], up,
     down [D, I_s])`` or None; ``limit`` the SwiGLU clamp (None or 0: none, as experts())."""
-    torch = _torch()
+    torch = torch_module()
     if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
         raise EngramError(f"x must be a contiguous bfloat16 [T, D] (got {x.dtype} {tuple(x.shape)})")
-    _check("ids", ids, (torch.int32,), 2, where="")  # (devices after the shapes)
-    _check("route_w", route_w, (torch.float32,), 2, where="")
+    check("ids", ids, (torch.int32,), 2, where="")  # (devices after the shapes)
+    check("route_w", route_w, (torch.float32,), 2, where="")
     T, k = int(ids.shape[0]), int(ids.shape[1])
     if int(x.shape[0]) != T or tuple(route_w.shape) != (T, k):
         raise EngramError(f"x [T, D], ids [T, k] and route_w [T, k] disagree: {tuple(x.shape)}, {tuple(ids.shape)}, "
@@ -298,12 +298,12 @@ def moe(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, shared
     out = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
     none = _MoeWeight()
     clamp = limit is not None and limit != 0
-    args = _Moe(_ptr(x), _ptr(ids), _ptr(route_w), _moe_weight(g), _moe_weight(u), _moe_weight(d),
+    args = _Moe(ptr(x), ptr(ids), ptr(route_w), _moe_weight(g), _moe_weight(u), _moe_weight(d),
                 _moe_weight(sw[0]) if sw else none, _moe_weight(sw[1]) if sw else none,
-                _moe_weight(sw[2]) if sw else none, _ptr(workspace), _ptr(out), T, workspace.numel() * 4, D, k, E, I,
+                _moe_weight(sw[2]) if sw else none, ptr(workspace), ptr(out), T, workspace.numel() * 4, D, k, E, I,
                 Is, int(clamp), float(limit) if clamp else 0.0, 0)
-    with _device_guard(x.device.index):
-        _call("engram_quant_moe", ctypes.addressof(args), _stream(x.device))
+    with device_guard(x.device.index):
+        _call("engram_quant_moe", ctypes.addressof(args), stream_of(x.device))
     return out
 
 

@@ -92,15 +92,15 @@ def _driver_supported(device: Any) -> bool:
 def bad_row_checker(device: Any) -> Any:
     """A device int64 counter for the gather kernels and a function that checks it every
     BAD_ROW_CHECK_EVERY calls (each call counts one step)."""
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
-    counter = kernels.new_bad_row_counter(device)
+    counter = gather_kernels.new_bad_row_counter(device)
     state = {"steps": 0}
 
     def check() -> None:
         state["steps"] += 1
         if state["steps"] % max(1, BAD_ROW_CHECK_EVERY) == 0:
-            kernels.check_bad_rows(counter, what="Engram lookup")
+            gather_kernels.check_bad_rows(counter, what="Engram lookup")
 
     return counter, check
 

@@ -82,9 +82,9 @@ class TensorRTBackend(Backend):
         if source.plugin_library is not None and not source.plugin_embedded:
             tc.load_plugin_library(source.plugin_library)
         elif not source.plugin_embedded and source.has_engram:
-            from engram_trt.native import kernels
+            from engram_trt.native import library as kernel_library
 
-            tc.load_plugin_library(kernels.library_path())
+            tc.load_plugin_library(kernel_library.library_path())
         runtime = tc.create_runtime()
         if source.plugin_embedded:
             runtime.engine_host_code_allowed = True  # the engine carries the plugin library

@@ -293,10 +293,10 @@ class Qwen4ExpModel(ServedModel, _Modules):
             return None
         if not hasattr(self, "_ple_hash_fn"):
             try:
-                from engram_trt.native import kernels
+                from engram_trt.native import library as kernel_library
                 from engram_trt.native.ple import ple_hash_packed as native_ple_hash
 
-                kernels.load_library()
+                kernel_library.load_library()
                 self._ple_hash_fn = native_ple_hash
             except Exception as exc:  # no library here: the reference hash, said once
                 log.warning("PLE hash: the kernel library does not load (%s); using the reference hash", exc)
