@@ -125,6 +125,12 @@ class ArchitectureBase(ABC):
         into its report). Default: nothing."""
         return {}
 
+    def table_report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """The lines ``engram-trt inspect`` prints of what :meth:`describe_tables` put in
+        ``report`` (its text form; none: inspect prints the Engram tables' lines instead).
+        Default: none."""
+        return []
+
     # -- the torch model ---------------------------------------------------------------
     @abstractmethod
     def build_model(self, config: Any, weights: Mapping[str, Any], **options: Any) -> Any:
