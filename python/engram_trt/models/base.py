@@ -167,6 +167,14 @@ class ArchitectureBase(ABC):
     def export_onnx(self, config: Any, weights: Any, layout: Any, options: Any) -> Any:
         """The ONNX graph of one packed serving step (:class:`~engram_trt.models.export.ExportedModel`)."""
 
+    def engine_state_inputs(self, config: Any) -> set[str]:
+        """The engine inputs of ``config``'s exported step that carry the architecture's
+        per-sequence state or its own tables (Qwen4Exp's conv / recurrent / QSA states and
+        PLE inputs, DeepSeek-V4's attention states): what the tensorrt backend does not
+        bind yet and refuses at load (it also reads the manifest's ``io.states``). Default:
+        none (engram-llama's KV caches and Engram tables are bound)."""
+        return set()
+
     def engine_problems(self, ckpt: Any) -> list[str]:
         """What ``engram-trt build`` refuses before any work beyond :meth:`checkpoint_problems`
         (shapes or stored formats its plugins cannot take), one line each. Default: nothing."""

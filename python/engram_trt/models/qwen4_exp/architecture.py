@@ -160,6 +160,14 @@ class Qwen4ExpArchitecture(ArchitectureBase):
                          f"{human_bytes(e['bytes'])}")
         return lines
 
+    def engine_state_inputs(self, config: Qwen4ExpConfig) -> set[str]:
+        """The exported step's per-slot states (``onnx_export.state_shapes``: conv,
+        recurrent, KV and QSA index caches, PLE conv states) and its PLE inputs
+        (``ple_context``, ``ple_table_ptrs``)."""
+        from engram_trt.models.qwen4_exp.onnx_export import state_shapes
+
+        return set(state_shapes(config)) | ({"ple_context", "ple_table_ptrs"} if config.ple is not None else set())
+
     def build_model(self, config: Qwen4ExpConfig, weights: Mapping[str, Any], **options: Any) -> Any:
         from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
 
