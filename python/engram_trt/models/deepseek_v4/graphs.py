@@ -58,7 +58,7 @@ def decode_moe_form(chosen: str, tokens: int, experts: int, dense_max: int) -> s
 
 
 @contextlib.contextmanager
-def sync_free_moe(mlp: "GroupedSparseMoE", x: Any) -> Iterator[None]:
+def sync_free_moe(mlp: GroupedSparseMoE, x: Any) -> Iterator[None]:
     """While open, ``mlp`` (a :class:`~.moe.GroupedSparseMoE` with ``form`` ``auto``) takes a
     sync-free form for activations ``x [T, D]`` on CUDA (:func:`decode_moe_form`); an
     explicitly set form, or a CPU step, is left alone."""
