@@ -20,7 +20,7 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import dsv4_attention as dsv4
 
-from conftest import create_plugin, harness_path, harness_scripts
+from helpers.plugins import create_plugin, harness_path, harness_scripts
 from test_linear_attention_plugins import _build, _graph  # (the trt fixture: tests/conftest.py)
 
 HARNESS = harness_path()

@@ -24,8 +24,8 @@ from engram_trt.errors import EngramError
 from engram_trt.native import linear_attention as la
 from engram_trt.native import trt_compat
 
-from conftest import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
-                      serialized_twice)
+from helpers.plugins import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
+                             serialized_twice)
 
 NAMESPACE = "engram_trt"
 HARNESS = harness_path()

@@ -24,7 +24,7 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import ple
 
-from conftest import create_plugin, harness_path, harness_scripts, serialized_twice
+from helpers.plugins import create_plugin, harness_path, harness_scripts, serialized_twice
 
 NAMESPACE = "engram_trt"
 FIELDS = ["hc_count", "hidden", "kernel", "dilation", "eps"]

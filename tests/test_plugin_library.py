@@ -31,7 +31,7 @@ from engram_trt.distributed.sharding import ColumnShard, shard_columns
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
-from conftest import create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config
+from helpers.plugins import create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
@@ -516,7 +516,7 @@ def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: 
 
 # --- field validation through the registry's creators (createPlugin needs no GPU) -------
 
-# (plugin_fields and create_plugin: tests/conftest.py)
+# (plugin_fields and create_plugin: tests/helpers/plugins.py)
 
 def _text(values) -> str:
     return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))

@@ -23,8 +23,8 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import qsa
 
-from conftest import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
-                      serialized_twice)
+from helpers.plugins import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
+                             serialized_twice)
 
 NAME = "EngramQsaAttention"
 NAMESPACE = "engram_trt"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import create_plugin, harness_path, harness_scripts, parse_plugin_graph
+from helpers.plugins import create_plugin, harness_path, harness_scripts, parse_plugin_graph
 
 HARNESS = harness_path()
 NAMESPACE = "engram_trt"
