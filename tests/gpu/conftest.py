@@ -1,9 +1,14 @@
 """The GPU tests' frame: every test under tests/gpu is marked ``gpu`` and skipped with
 the reason "no CUDA device" where torch sees none (CI), and a test marked ``gpus2`` (several
-GPUs of one node) with "needs 2 CUDA devices" where it sees fewer; each ``helpers.record`` call in
-a test is one pytest subtest; each module's checks and figures land in
-``$ENGRAM_TRT_GPU_OUT/<module>.json`` (default: a temporary folder), with
-``summary.json`` beside them (checks passed / failed per module).
+GPUs of one node) with "needs 2 CUDA devices" where it sees fewer. A test's checks are plain
+``assert``s (each case a parametrized test); pass / fail is pytest's own (run_h200.sh's
+summary comes from the JUnit XML: tests/gpu/summary.py). The figures a test notes
+(``helpers.note``) land in ``$ENGRAM_TRT_GPU_OUT/<module>.json`` (default: a temporary
+folder) with each test's outcome, and ``summary.json`` beside them.
+
+Until they are converted, some modules still record their checks through
+``helpers.record``: each such call is one pytest subtest and an entry of the module's JSON
+(checks passed / failed per module in ``summary.json``).
 
 Fixtures: ``build_dir`` (the plugin library: ``$ENGRAM_TRT_PLUGIN_LIB``'s folder, or a
 CMake build for ``$ENGRAM_TRT_CUDA_ARCHS`` (default 90) in ``$ENGRAM_TRT_GPU_BUILD``
@@ -86,9 +91,10 @@ def _module_results(item: pytest.Item) -> dict:
 
 @pytest.fixture(autouse=True)
 def _gpu_checks(request: pytest.FixtureRequest):
-    """Installs the recorder for one test: each check is a subtest (pytest >= 9) and an
-    entry of the module's JSON; without subtests, the test fails at its end listing the
-    failed checks."""
+    """Installs the recorder for one test: ``note`` fills the module's figures; each
+    ``record`` (the modules not yet converted to plain asserts) is a subtest (pytest >= 9)
+    and an entry of the module's JSON; without subtests, the test fails at its end listing
+    the failed checks."""
     if not _is_gpu_item(request.node):
         yield
         return
@@ -154,7 +160,11 @@ def _write_results(config: pytest.Config) -> None:
         n_ok = sum(c["ok"] for c in mod["checks"])
         mod["seed"] = _SEED.get("seed")
         (out / f"{name}.json").write_text(json.dumps(mod, indent=1, default=str))
-        summary["modules"][name] = {"checks": len(mod["checks"]), "passed": n_ok, "failed": len(mod["checks"]) - n_ok,
+        outcomes = list(mod["tests"].values())
+        summary["modules"][name] = {"tests_passed": outcomes.count("passed"),
+                                    "tests_not_passed": sum(o != "passed" and not o.startswith("skipped")
+                                                            for o in outcomes),
+                                    "checks": len(mod["checks"]), "passed": n_ok, "failed": len(mod["checks"]) - n_ok,
                                     "tests": mod["tests"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     config._engram_gpu_summary = (out, summary)
@@ -166,11 +176,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         return
     out, summary = got
     tr = terminalreporter
-    tr.section("GPU checks per module")
+    tr.section("GPU tests per module")
     for name, m in summary["modules"].items():
-        bad = [t for t, o in m["tests"].items() if o != "passed"]
-        tr.line(f"{name:<24} {m['passed']:4d} / {m['checks']:<4d} checks passed"
-                + (f"; tests not passed: {', '.join(t + ' (' + m['tests'][t] + ')' for t in bad)}" if bad else ""))
+        bad = [t for t, o in m["tests"].items() if o != "passed" and not o.startswith("skipped")]
+        recorded = f"; {m['passed']} / {m['checks']} recorded checks passed" if m["checks"] else ""
+        tr.line(f"{name:<28} {m['tests_passed']:4d} tests passed, {m['tests_not_passed']} not{recorded}"
+                + (f"; not passed: {', '.join(t + ' (' + m['tests'][t] + ')' for t in bad)}" if bad else ""))
     tr.line(f"seed {summary['seed']}; JSON in {out}")
 
 

@@ -436,6 +436,11 @@ def within(got, ref, bound) -> tuple[bool, str]:
                                                   f"worst err/bound={ratio:.3f}"
 
 
+def combined(*results: tuple[bool, str]) -> tuple[bool, str]:
+    """Several comparisons (each ``(ok, detail)``) as one: whether all held, their details."""
+    return all(r[0] for r in results), "; ".join(r[1] for r in results)
+
+
 def check(name: str, *results: tuple[bool, str]) -> bool:
     """One check made of several comparisons (each ``(ok, detail)``); returns whether all held."""
     ok = all(r[0] for r in results)
