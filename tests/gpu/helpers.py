@@ -478,7 +478,7 @@ def load_checkpoint(folder: Path, device: Any, dtype: Any) -> tuple[Any, Any]:
 def check_bf16_cuda_logits_near_fp32_cpu(folder: Path, expected: dict) -> None:
     """A tiny committed checkpoint (tests/data, ``expected`` its expected.json): the bf16
     CUDA model's prefill logits of each prompt within 3x transformers' own recorded
-    bf16-vs-fp32 distance of the fp32 CPU model's; a check and a figure per prompt."""
+    bf16-vs-fp32 distance of the fp32 CPU model's; an assert and a figure per prompt."""
     import torch
 
     from engram_trt.bench.gpucases import rel_err
@@ -493,15 +493,15 @@ def check_bf16_cuda_logits_near_fp32_cpu(folder: Path, expected: dict) -> None:
         err = rel_err(got, ref)
         bound = 3 * expected["transformers_bf16_rel_l2"][i]
         note(f"bf16_rel_l2_prompt{i}", err)
-        record(f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU", err <= bound,
-               f"rel L2 {err:.2e}, bound {bound:.2e}")
+        assert err <= bound, (f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU: "
+                              f"rel L2 {err:.2e}, bound {bound:.2e}")
     ckpt_c.close()
     ckpt_g.close()
 
 
 def check_llm_on_cuda_gives_the_recorded_tokens(folder: Path, expected: dict) -> None:
     """A tiny committed checkpoint through ``engram_trt.LLM`` on CUDA (torch backend,
-    fp32, the prompts batched): the recorded greedy tokens; one check."""
+    fp32, the prompts batched): the recorded greedy tokens; one assert."""
     from engram_trt import LLM, SamplingParams
 
     with LLM(str(folder), backend="torch", device="cuda", dtype="fp32") as llm:
@@ -509,4 +509,4 @@ def check_llm_on_cuda_gives_the_recorded_tokens(folder: Path, expected: dict) ->
                                                                   ignore_eos=True))
         label = llm.runner.backend.label
     got = [list(o.outputs[0].token_ids) for o in outs]
-    record("LLM on CUDA: recorded greedy tokens", got == expected["greedy"], f"{got}; backend {label}")
+    assert got == expected["greedy"], f"LLM on CUDA: recorded greedy tokens: {got}; backend {label}"

@@ -30,7 +30,7 @@ import pytest
 from engram_trt.bench.gpucases import rel_err
 
 from .helpers import (REPO, check_bf16_cuda_logits_near_fp32_cpu, check_llm_on_cuda_gives_the_recorded_tokens,
-                      load_checkpoint, note, record)
+                      load_checkpoint, note)
 
 DATA = REPO / "tests" / "data" / "deepseek_v4_tiny"
 
@@ -49,13 +49,13 @@ def test_fp32_cuda_greedy_equals_transformers(expected) -> None:
 
     ckpt, model = _load("cuda", torch.float32)
     off = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type != "cuda"]
-    record("every weight and buffer on CUDA", not off, ", ".join(off[:5]))
+    assert not off, "every weight and buffer on CUDA: " + ", ".join(off[:5])
     state = model.new_cache(2, 64)
     off = [f"layer {i} {k}" for i, layer in enumerate(state.layers) for k, t in layer.items() if t.device.type != "cuda"]
-    record("every state tensor on CUDA", not off and state.lookback.device.type == "cuda", ", ".join(off[:5]))
+    assert not off and state.lookback.device.type == "cuda", "every state tensor on CUDA: " + ", ".join(off[:5])
     for i, prompt in enumerate(expected["prompts"]):
         got = model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
-        record(f"prompt {i}: fp32 CUDA greedy tokens", got == expected["greedy"][i], f"{got} vs {expected['greedy'][i]}")
+        assert got == expected["greedy"][i], f"prompt {i}: fp32 CUDA greedy tokens: {got} vs {expected['greedy'][i]}"
     ckpt.close()
 
 
@@ -99,18 +99,21 @@ def test_kernel_attention_backend_equals_torch_backend(expected, dtype_name) -> 
     ckpt, model = _load("cuda", dtype)
     want, torch_label = _run_backend(torch, model, "torch", expected["prompts"])
     got, label = _run_backend(torch, model, "kernels", expected["prompts"])
-    record(f"{dtype_name}: the kernels backend's label names the kernel on every layer", label == "kernels",
-           f"{label!r} (torch backend: {torch_label!r})")
+    assert label == "kernels", (
+        f"{dtype_name}: the kernels backend's label names the kernel on every layer: {label!r} "
+        f"(torch backend: {torch_label!r})")
     bound = 1e-4 if dtype is torch.float32 else 3 * max(expected["transformers_bf16_rel_l2"])
     for n, (g, w) in enumerate(zip(got, want)):
         err = rel_err(g, w)
         note(f"kernel_vs_torch_{dtype_name}_step{n}", err)
-        record(f"{dtype_name} step {n}: kernel-backend logits vs torch-backend logits (all tokens)",
-               bool(torch.isfinite(g).all()) and err <= bound, f"rel L2 {err:.2e}, bound {bound:.2e}")
+        assert bool(torch.isfinite(g).all()) and err <= bound, (
+            f"{dtype_name} step {n}: kernel-backend logits vs torch-backend logits (all tokens): rel L2 {err:.2e}, "
+            f"bound {bound:.2e}")
         if dtype is torch.float32:
             same = torch.equal(g.argmax(-1), w.argmax(-1))
-            record(f"float32 step {n}: every token's greedy pick equal across the backends", same,
-                   f"{g.argmax(-1).tolist()} vs {w.argmax(-1).tolist()}")
+            assert same, (
+                f"float32 step {n}: every token's greedy pick equal across the backends: {g.argmax(-1).tolist()} vs "
+                f"{w.argmax(-1).tolist()}")
     model.attention_backend = "auto"
     ckpt.close()
 
@@ -122,11 +125,11 @@ def test_kernel_backend_recorded_tokens_and_sync_free_decode(expected) -> None:
 
     ckpt, model = _load("cuda", torch.float32)
     model.attention_backend = "kernels"
-    record("backend_name labels the attention core", "attention kernels" in model.backend_name, model.backend_name)
+    assert "attention kernels" in model.backend_name, f"backend_name labels the attention core: {model.backend_name}"
     for i, prompt in enumerate(expected["prompts"]):
         got = model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
-        record(f"prompt {i}: fp32 CUDA greedy tokens through the attention kernel", got == expected["greedy"][i],
-               f"{got} vs {expected['greedy'][i]}")
+        assert got == expected["greedy"][i], (
+            f"prompt {i}: fp32 CUDA greedy tokens through the attention kernel: {got} vs {expected['greedy'][i]}")
     # a decode step of three slots: no host synchronization inside forward_step
     state = model.new_cache(3, 64)
     prompts = expected["prompts"]
@@ -143,8 +146,9 @@ def test_kernel_backend_recorded_tokens_and_sync_free_decode(expected) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     forms = sorted({layer.mlp.last_form for layer in model.model.layers})
-    record("a decode step (kernel attention, sync-free MoE) runs under sync debug mode 'error'", not err,
-           f"{err or 'no synchronizing call'}; MoE forms {forms}")
+    assert not err, (
+        f"a decode step (kernel attention, sync-free MoE) runs under sync debug mode 'error': "
+        f"{err or 'no synchronizing call'}; MoE forms {forms}")
     model.attention_backend = "auto"
     ckpt.close()
 
@@ -184,6 +188,7 @@ def test_moe_forms_on_cuda_equal_the_loop(dtype_name) -> None:
                 moe.form = "auto"
                 moe(x, ids)
             bound = 1e-5 if dtype is torch.float32 else 2e-2
-            record(f"{dtype_name} MoE layer {layer} ({'hash' if moe.is_hash else 'top-k'}), {tokens} tokens: "
-                   f"sync-free forms vs the loop", max(errs.values()) <= bound,
-                   f"{ {k: f'{v:.1e}' for k, v in errs.items()} }, auto took {moe.last_form}, bound {bound:.0e}")
+            assert max(errs.values()) <= bound, (
+                f"{dtype_name} MoE layer {layer} ({'hash' if moe.is_hash else 'top-k'}), {tokens} tokens: "
+                f"sync-free forms vs the loop: { {k: f'{v:.1e}' for k, v in errs.items()} }, "
+                f"auto took {moe.last_form}, bound {bound:.0e}")

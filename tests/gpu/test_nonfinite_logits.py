@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .helpers import REPO, record
+from .helpers import REPO
 
 DATA = REPO / "tests" / "data" / "deepseek_v4_tiny"
 
@@ -57,20 +57,20 @@ def test_sample_flags_non_finite_rows_on_cuda() -> None:
         picks, finite = Scheduler._sample(None, logits, greedy, list(range(8)))  # type: ignore[arg-type]
     finally:
         torch.Tensor.tolist = real  # type: ignore[method-assign]
-    record("all greedy: the flags equal torch.isfinite of each row", finite == want, f"{finite} vs {want}")
-    record("all greedy: finite rows take the argmax",
-           all(p == int(torch.argmax(host[i])) for i, (p, f) in enumerate(zip(picks, finite)) if f), str(picks))
-    record("all greedy: one device-to-host read for tokens and flags", copies == ["cuda"], str(copies))
+    assert finite == want, f"all greedy: the flags equal torch.isfinite of each row: {finite} vs {want}"
+    assert all(p == int(torch.argmax(host[i])) for i, (p, f) in enumerate(zip(picks, finite)) if f), (
+        f"all greedy: finite rows take the argmax: {picks}")
+    assert copies == ["cuda"], f"all greedy: one device-to-host read for tokens and flags: {copies}"
     rows = [0, 2, 3, 5, 7]
     reqs = [req(k % 2 == 1, 20 + k) for k in range(len(rows))]
     picks, finite = Scheduler._sample(None, logits, reqs, rows)  # type: ignore[arg-type]
-    record("mixed rows: the flags equal torch.isfinite", finite == [want[r] for r in rows], str(finite))
+    assert finite == [want[r] for r in rows], f"mixed rows: the flags equal torch.isfinite: {finite}"
     for k, r in enumerate(rows):
         if not finite[k]:
             continue
         ref = (int(torch.argmax(host[r])) if reqs[k].params.greedy else
                sample_next(host[r], 0.9, 0.95, torch.Generator().manual_seed(20 + k)))
-        record(f"mixed rows: row {r}'s token", picks[k] == ref, f"{picks[k]} vs {ref}")
+        assert picks[k] == ref, f"mixed rows: row {r}'s token: {picks[k]} vs {ref}"
 
 
 def test_nan_request_ends_with_an_error_on_cuda(tmp_path: Path) -> None:
@@ -93,10 +93,11 @@ def test_nan_request_ends_with_an_error_on_cuda(tmp_path: Path) -> None:
         again = llm.generate([prompts[0]], params[0])[0]
     for i, o in enumerate(got):
         if 17 in prompts[i]:
-            record(f"prompt {i} (token 17): finish_reason error, no token, one line",
-                   o.finish_reason == "error" and o.token_ids == [] and o.error is not None and "\n" not in o.error
-                   and "logits are NaN or Inf" in o.error, f"{o.finish_reason} {o.token_ids} {o.error}")
+            assert (o.finish_reason == "error" and o.token_ids == [] and o.error is not None and "\n" not in o.error
+                    and "logits are NaN or Inf" in o.error), (
+                f"prompt {i} (token 17): finish_reason error, no token, one line: {o.finish_reason} {o.token_ids} "
+                f"{o.error}")
         else:
-            record(f"prompt {i}: the clean folder's tokens", o.error is None and o.token_ids == want[i],
-                   f"{o.token_ids} vs {want[i]} ({o.error})")
-    record("a later request: the clean folder's tokens", again.token_ids == want[0], f"{again.token_ids} vs {want[0]}")
+            assert o.error is None and o.token_ids == want[i], (
+                f"prompt {i}: the clean folder's tokens: {o.token_ids} vs {want[i]} ({o.error})")
+    assert again.token_ids == want[0], f"a later request: the clean folder's tokens: {again.token_ids} vs {want[0]}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .helpers import DT, PF_CHAR, PF_INT32, PF_INT64, record, say
+from .helpers import DT, PF_CHAR, PF_INT32, PF_INT64, say
 
 CONFIGS = [  # (vocab, ngram_size, heads_per_ngram, base, divisor, seed, eos, num_layers)
     (97, 2, 1, 50, 16, 1234, 96, 3),
@@ -75,14 +75,15 @@ def test_kernel_ple_hash(rng) -> None:
                 out = torch.full((ids.shape[0], layout.num_heads), -12345, dtype=torch.int32, device=dev)
                 native_ple.ple_hash_packed(ids_d, starts_d, ctx_d, layout, li, out=out)
                 got = out.cpu().numpy().astype(np.int64)
-                record(f"ple hash config{ci} layer {li} S={num_seqs} T={ids.shape[0]}", np.array_equal(got, ref),
-                       f"{int((got != ref).sum())} of {ref.size} ids differ")
+                assert np.array_equal(got, ref), (
+                    f"ple hash config{ci} layer {li} S={num_seqs} T={ids.shape[0]}: "
+                    f"{int((got != ref).sum())} of {ref.size} ids differ")
         # context=None: every sequence fresh (the EOS-filled context)
         ids, starts, _ = random_step(rng, layout, 5, 30)
         ref = ph.ple_hash_packed(ids, starts, ph.fresh_context(5, layout), layout, layers[-1])
         got = native_ple.ple_hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
                                          torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout, layers[-1])
-        record(f"ple hash config{ci} context None = fresh", np.array_equal(got.cpu().numpy(), ref))
+        assert np.array_equal(got.cpu().numpy(), ref), f"ple hash config{ci} context None = fresh"
 
 
 def test_kernel_ple_hash_chunked(rng) -> None:
@@ -109,8 +110,8 @@ def test_kernel_ple_hash_chunked(rng) -> None:
         pieces.append(got.cpu().numpy())
         ctx = ph.next_context(ctx, part, [0, b - a])
     got = np.concatenate(pieces)
-    record("ple hash chunks + decode steps = whole", np.array_equal(got, whole),
-           f"{int((got != whole).sum())} of {whole.size} ids differ")
+    assert np.array_equal(got, whole), (
+        f"ple hash chunks + decode steps = whole: {int((got != whole).sum())} of {whole.size} ids differ")
 
 
 def ple_plugin_fields(layout, layer: int, text: bool = False):
@@ -159,5 +160,6 @@ def test_plugin_ple_hash_enqueue(rng, harness) -> None:
                     same.append(np.array_equal(out.cpu().numpy().astype(np.int64), ref))
                 harness.lib.harness_destroy(h2)
                 harness.lib.harness_destroy(h)
-                record(f"plugin EngramPleHash enqueue config{ci} layer {layer} S={num_seqs} T={ids.shape[0]} ({form})",
-                       all(same) and ws == {0}, f"build / runtime equal: {same}, workspace {sorted(ws)}")
+                assert all(same) and ws == {0}, (
+                    f"plugin EngramPleHash enqueue config{ci} layer {layer} S={num_seqs} T={ids.shape[0]} ({form}): "
+                    f"build / runtime equal: {same}, workspace {sorted(ws)}")

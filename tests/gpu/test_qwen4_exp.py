@@ -19,7 +19,7 @@ import json
 import pytest
 
 from .helpers import (REPO, check_bf16_cuda_logits_near_fp32_cpu, check_llm_on_cuda_gives_the_recorded_tokens,
-                      load_checkpoint, note, record)
+                      load_checkpoint, note)
 
 DATA = REPO / "tests" / "data" / "qwen4_exp_tiny"
 
@@ -37,13 +37,14 @@ def test_fp32_cuda_greedy_equals_transformers(expected) -> None:
     import torch
 
     ckpt, model = _load("cuda", torch.float32)
-    record("PLE hash in the kernel library", model._native_ple_hash() is not None, "")
-    record("Gated DeltaNet layers on the kernel library", "linear attention cuda-kernels" in model.backend_name,
-           model.backend_name)
-    record("PLE tables where GPU kernels read them", model.ple_tables.kind in ("device", "pinned"), model.ple_tables.kind)
+    assert model._native_ple_hash() is not None, "PLE hash in the kernel library"
+    assert "linear attention cuda-kernels" in model.backend_name, (
+        f"Gated DeltaNet layers on the kernel library: {model.backend_name}")
+    assert model.ple_tables.kind in ("device", "pinned"), (
+        f"PLE tables where GPU kernels read them: {model.ple_tables.kind}")
     for i, prompt in enumerate(expected["prompts"]):
         got = model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
-        record(f"prompt {i}: fp32 CUDA greedy tokens", got == expected["greedy"][i], f"{got} vs {expected['greedy'][i]}")
+        assert got == expected["greedy"][i], f"prompt {i}: fp32 CUDA greedy tokens: {got} vs {expected['greedy'][i]}"
     ckpt.close()
 
 
@@ -112,15 +113,16 @@ def test_decode_graphs_equal_eager_steps(expected) -> None:
                       for li in range(len(cfg.ple.layers))]
             model.ple_tables = PLETables.from_tensors(tables)
         te, tg, diff, graphs, se, sg = _decode_both(model, prompts, 12, Qwen4ExpDecodeGraphs)
-        record(f"{name}: decode graphs recorded", graphs.failed is None and graphs.replays == 12,
-               f"failed={graphs.failed}, replays={graphs.replays}, lookup in graph={graphs.lookup_in_graph}")
+        assert graphs.failed is None and graphs.replays == 12, (
+            f"{name}: decode graphs recorded: failed={graphs.failed}, replays={graphs.replays}, "
+            f"lookup in graph={graphs.lookup_in_graph}")
         if dtype == torch.bfloat16:  # rows of 4 values: the reference gather, so the lookup runs before the replay
-            record("bf16: PLE lookup in the graph exactly when every layer takes the gather kernel",
-                   graphs.lookup_in_graph == all(p == "kernel" for p in model.ple_tables.paths),
-                   f"paths {model.ple_tables.paths}, in graph {graphs.lookup_in_graph}")
-        record(f"{name}: graph tokens equal eager tokens", te == tg, f"{te} vs {tg}")
-        record(f"{name}: graph logits equal eager logits", diff <= (1e-5 if dtype == torch.float32 else 5e-2),
-               f"max |diff| {diff:.3e}")
+            assert graphs.lookup_in_graph == all(p == "kernel" for p in model.ple_tables.paths), (
+                f"bf16: PLE lookup in the graph exactly when every layer takes the gather kernel: "
+                f"paths {model.ple_tables.paths}, in graph {graphs.lookup_in_graph}")
+        assert te == tg, f"{name}: graph tokens equal eager tokens: {te} vs {tg}"
+        assert diff <= (1e-5 if dtype == torch.float32 else 5e-2), (
+            f"{name}: graph logits equal eager logits: max |diff| {diff:.3e}")
         note(f"{name}_decode_eager_ms", se * 1e3)
         note(f"{name}_decode_graph_ms", sg * 1e3)
         print(f"qwen4 tiny {name} decode of {len(prompts)}: eager {se * 1e3:.2f} ms/step, graphs {sg * 1e3:.2f} ms/step "
@@ -128,6 +130,6 @@ def test_decode_graphs_equal_eager_steps(expected) -> None:
         if dtype == torch.float32:
             for i, prompt in enumerate(expected["prompts"]):
                 got = model.generate_greedy(prompt, expected["new_tokens"], ignore_eos=True)
-                record(f"prompt {i}: fp32 CUDA decode path tokens", got == expected["greedy"][i],
-                       f"{got} vs {expected['greedy'][i]}")
+                assert got == expected["greedy"][i], (
+                    f"prompt {i}: fp32 CUDA decode path tokens: {got} vs {expected['greedy'][i]}")
         ckpt.close()
