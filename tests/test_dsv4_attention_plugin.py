@@ -131,7 +131,7 @@ def harness():
 
 
 def test_plugin_through_the_harness(harness) -> None:
-    helpers, check, h = harness
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 14 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    _helpers, check, h = harness
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 14
+    assert not results.failed(), results.failed()

@@ -761,10 +761,9 @@ def test_attention_plugin_through_the_harness(attention_harness) -> None:
     types, getAliasedInput (outputs 1 and 2 alias inputs 3 and 4, build capability v2), a
     serialize -> createPlugin(kRUNTIME) round trip and refused fields."""
     check, h = attention_harness
-    (helpers,) = _harness_scripts("helpers")
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 6 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 6
+    assert not results.failed(), results.failed()
 
 
 def test_attention_enqueue_validates_then_launches(attention_harness) -> None:

@@ -111,6 +111,19 @@ class RecordDict(dict):
         record(name, bool(ok))
 
 
+class Checks(dict):
+    """Named checks ``{name: (ok, detail)}`` that one shared check function (e.g. a module's
+    ``check_plugin_cpu``) gathers for several tests: the GPU module runs it once (a
+    module-scoped fixture) and asserts each check in a parametrized test of its own; the CPU
+    suite calls it and asserts them all."""
+
+    def add(self, name: str, ok: bool, detail: str = "") -> None:
+        self[name] = (bool(ok), str(detail))
+
+    def failed(self) -> dict[str, str]:
+        return {name: detail for name, (ok, detail) in self.items() if not ok}
+
+
 def run_child(module: str, *args: str, timeout: float = 300, **kw: Any) -> subprocess.CompletedProcess:
     """``python -m gpu.<module> args`` in a child process (a CUDA fault there cannot end
     the test session), with tests/ and the package on its path."""
