@@ -962,10 +962,10 @@ def test_column_range_fields_through_the_harness(column_range_check) -> None:
     output shape [T, column_end - column_begin, head_dim], the values getFieldsToSerialize
     writes into an engine before and after a round trip, the defaults (every column of the
     whole table) and the refusals (one line, the field named, file:line)."""
-    check, common, h = column_range_check
-    with common.collect() as results:
-        check.check_column_range_cpu(h)
-    assert len(results) == 11 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    check, _common, h = column_range_check
+    results = check.check_column_range_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 11
+    assert not results.failed(), results.failed()
 
 
 def test_rank_share_gather_enqueue_validates_then_launches(column_range_check) -> None:
