@@ -84,13 +84,15 @@ def test_prefill_vs_fp32_reference(models, name) -> None:
         f"prefill {TOKENS} tokens vs fp32 CPU reference: {name} ({paths[name].backend_name}): rel_l2={err:.2e}")
 
 
-def test_kernel_paths_bit_identical(models) -> None:
+KERNEL_PATHS = [n for n in PATHS if n.startswith("kernels")]
+
+
+@pytest.mark.parametrize("n", KERNEL_PATHS[1:])
+def test_kernel_paths_bit_identical(models, n) -> None:
     import torch
 
     _, _, _, logits = models
-    kernel_names = [n for n in PATHS if n.startswith("kernels")]
-    for n in kernel_names[1:]:
-        assert torch.equal(logits[n], logits[kernel_names[0]]), f"bit-identical logits: {n} == {kernel_names[0]}"
+    assert torch.equal(logits[n], logits[KERNEL_PATHS[0]]), f"bit-identical logits: {n} == {KERNEL_PATHS[0]}"
 
 
 def test_greedy_figures(models) -> None:
