@@ -488,38 +488,56 @@ def load_checkpoint(folder: Path, device: Any, dtype: Any) -> tuple[Any, Any]:
     return ckpt, ckpt.architecture.load_model(ckpt, device=device, dtype=dtype)
 
 
-def check_bf16_cuda_logits_near_fp32_cpu(folder: Path, expected: dict) -> None:
-    """A tiny committed checkpoint (tests/data, ``expected`` its expected.json): the bf16
-    CUDA model's prefill logits of each prompt within 3x transformers' own recorded
-    bf16-vs-fp32 distance of the fp32 CPU model's; an assert and a figure per prompt."""
+@contextlib.contextmanager
+def fp32_cpu_and_bf16_cuda(folder: Path) -> Iterator[tuple[Any, Any]]:
+    """A tiny committed checkpoint (tests/data) loaded twice while open: (the fp32 CPU
+    model, the bf16 CUDA model)."""
+    import torch
+
+    ckpt_c, cpu = load_checkpoint(folder, "cpu", torch.float32)
+    ckpt_g, gpu = load_checkpoint(folder, "cuda", torch.bfloat16)
+    try:
+        yield cpu, gpu
+    finally:
+        ckpt_c.close()
+        ckpt_g.close()
+
+
+def check_bf16_cuda_logits_near_fp32_cpu(models: tuple[Any, Any], expected: dict, i: int) -> None:
+    """Prompt ``i`` of a tiny committed checkpoint's expected.json (``models``: from
+    fp32_cpu_and_bf16_cuda): the bf16 CUDA model's prefill logits within 3x transformers'
+    own recorded bf16-vs-fp32 distance of the fp32 CPU model's; an assert and a figure."""
     import torch
 
     from engram_trt.bench.gpucases import rel_err
     from engram_trt.models.step import PackedStep
 
-    ckpt_c, cpu = load_checkpoint(folder, "cpu", torch.float32)
-    ckpt_g, gpu = load_checkpoint(folder, "cuda", torch.bfloat16)
-    for i, prompt in enumerate(expected["prompts"]):
-        step = lambda: PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0])  # noqa: E731
-        ref = cpu.forward_step(step(), cpu.new_cache(1, 64), all_logits=True)
-        got = gpu.forward_step(step(), gpu.new_cache(1, 64), all_logits=True)
-        err = rel_err(got, ref)
-        bound = 3 * expected["transformers_bf16_rel_l2"][i]
-        note(f"bf16_rel_l2_prompt{i}", err)
-        assert err <= bound, (f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU: "
-                              f"rel L2 {err:.2e}, bound {bound:.2e}")
-    ckpt_c.close()
-    ckpt_g.close()
+    cpu, gpu = models
+    prompt = expected["prompts"][i]
+    step = lambda: PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0])  # noqa: E731
+    ref = cpu.forward_step(step(), cpu.new_cache(1, 64), all_logits=True)
+    got = gpu.forward_step(step(), gpu.new_cache(1, 64), all_logits=True)
+    err = rel_err(got, ref)
+    bound = 3 * expected["transformers_bf16_rel_l2"][i]
+    note(f"bf16_rel_l2_prompt{i}", err)
+    assert err <= bound, (f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU: "
+                          f"rel L2 {err:.2e}, bound {bound:.2e}")
 
 
-def check_llm_on_cuda_gives_the_recorded_tokens(folder: Path, expected: dict) -> None:
-    """A tiny committed checkpoint through ``engram_trt.LLM`` on CUDA (torch backend,
-    fp32, the prompts batched): the recorded greedy tokens; one assert."""
+def llm_on_cuda_tokens(folder: Path, expected: dict) -> tuple[list[list[int]], str]:
+    """A tiny committed checkpoint through ``engram_trt.LLM`` on CUDA (torch backend, fp32,
+    the prompts batched): (each prompt's greedy tokens, the backend's label)."""
     from engram_trt import LLM, SamplingParams
 
     with LLM(str(folder), backend="torch", device="cuda", dtype="fp32") as llm:
         outs = llm.generate(expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0,
                                                                   ignore_eos=True))
         label = llm.runner.backend.label
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    assert got == expected["greedy"], f"LLM on CUDA: recorded greedy tokens: {got}; backend {label}"
+    return [list(o.outputs[0].token_ids) for o in outs], label
+
+
+def check_llm_on_cuda_gives_the_recorded_tokens(run: tuple[list[list[int]], str], expected: dict, i: int) -> None:
+    """Prompt ``i`` of the batch ``run`` (llm_on_cuda_tokens) gives the recorded greedy tokens."""
+    got, label = run
+    assert got[i] == expected["greedy"][i], (f"LLM on CUDA: prompt {i}: recorded greedy tokens: {got[i]} vs "
+                                             f"{expected['greedy'][i]}; backend {label}")
