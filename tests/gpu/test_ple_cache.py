@@ -42,7 +42,17 @@ def _plain(torch: Any, table: Any, ids: Any) -> Any:
     return rows
 
 
-def test_cuda_cache_of_float_rows(dev) -> None:
+# (name, dtype, width, pinned, whole step)
+FLOAT_ROW_CASES = [("bf16", "bfloat16", 128, True, True), ("f16", "float16", 128, False, True),
+                   ("f32", "float32", 64, True, True), ("f32", "float32", 64, False, False),
+                   ("f32 narrow", "float32", 4, False, True)]
+
+
+@pytest.mark.parametrize("k", range(len(FLOAT_ROW_CASES)))
+def test_cuda_cache_of_float_rows(dev, k) -> None:
+    """One case's cache: its rows and policy against the host gather and the CPU reference
+    over 8 steps, then 4 small steps bit for bit against torch indexing (consecutive
+    asserts: the one cache's state carries from the first check to the second)."""
     import torch
 
     from engram_trt.cache.hotcache import HotRowCache, as_words
@@ -50,41 +60,39 @@ def test_cuda_cache_of_float_rows(dev) -> None:
     from engram_trt.native.hostgather import HostGatherer
 
     g = HostGatherer(device=dev, max_head_dim=512)
-    rng = np.random.default_rng(5)
-    cases = [("bf16", torch.bfloat16, 128, True, True), ("f16", torch.float16, 128, False, True),
-             ("f32", torch.float32, 64, True, True), ("f32", torch.float32, 64, False, False),
-             ("f32 narrow", torch.float32, 4, False, True)]
-    for k, (name, dtype, width, pinned, whole) in enumerate(cases):
-        table = _table(torch, dtype, width, seed=k)
-        if pinned:
-            table = table.pin_memory()
-        words = as_words(table)
-        kw = dict(capacity_rows=3_000, max_step_rows=40_000, admit_budget=1_000, admit_every=1, seed=k)
-        cache = HotRowCache(table, device=dev, gatherer=g, whole_step=whole, **kw)
-        ref = CachePolicy(N, 3_000, device="cpu", admit_budget=1_000, seed=k, fused=False, max_step_rows=40_000)
-        # big steps (>= 8192 misses) so that a pinned table's whole step reads a share through UVA
-        big = lambda: ((rng.zipf(1.15, size=(1_500, 24)) * 7919) % N).astype(np.int32)  # noqa: E731
-        ok, why, whole_steps, misses = compare_steps(dev, cache, ref, g, (words, None), "split", big, 8, 32)
-        exact = True
-        for _ in range(4):
-            sid = torch.from_numpy(((rng.zipf(1.2, size=(700, 16)) * 7919) % N).astype(np.int32))
-            sid[0, :3] = torch.tensor([-1, N, N + 7], dtype=torch.int32)
-            got = cache.gather(sid.to(dev))
-            torch.cuda.synchronize(dev)
-            want = _plain(torch, table, sid)
-            exact &= got.dtype == dtype and torch.equal(got.reshape(-1, width).cpu().view(torch.int16),
-                                                        want.view(torch.int16))
-        cache.policy.check_invariants()
-        s = cache.stats()
-        label = f"{name} rows [{N}, {width}], {'pinned' if pinned else 'pageable'}, {'whole step' if whole else 'phases'}"
-        assert ok, (f"CUDA cache of {label}: rows == host gather and policy == CPU reference, 8 steps: "
-                    + (why or f"misses per step {misses}, whole steps {whole_steps}, UVA share "
-                              f"{getattr(cache._whole_step, 'uva_share', 0.0)}"))
-        assert exact and s.hits > 0 and s.evicted > 0, (
-            f"CUDA cache of {label}: rows == torch indexing bit for bit, hits and replacements: "
-            f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
-            f"row bytes {s.row_bytes}")
-        cache.close()
+    rng = np.random.default_rng([5, k])
+    name, dtype_name, width, pinned, whole = FLOAT_ROW_CASES[k]
+    dtype = getattr(torch, dtype_name)
+    table = _table(torch, dtype, width, seed=k)
+    if pinned:
+        table = table.pin_memory()
+    words = as_words(table)
+    kw = dict(capacity_rows=3_000, max_step_rows=40_000, admit_budget=1_000, admit_every=1, seed=k)
+    cache = HotRowCache(table, device=dev, gatherer=g, whole_step=whole, **kw)
+    ref = CachePolicy(N, 3_000, device="cpu", admit_budget=1_000, seed=k, fused=False, max_step_rows=40_000)
+    # big steps (>= 8192 misses) so that a pinned table's whole step reads a share through UVA
+    big = lambda: ((rng.zipf(1.15, size=(1_500, 24)) * 7919) % N).astype(np.int32)  # noqa: E731
+    ok, why, whole_steps, misses = compare_steps(dev, cache, ref, g, (words, None), "split", big, 8, 32)
+    exact = True
+    for _ in range(4):
+        sid = torch.from_numpy(((rng.zipf(1.2, size=(700, 16)) * 7919) % N).astype(np.int32))
+        sid[0, :3] = torch.tensor([-1, N, N + 7], dtype=torch.int32)
+        got = cache.gather(sid.to(dev))
+        torch.cuda.synchronize(dev)
+        want = _plain(torch, table, sid)
+        exact &= got.dtype == dtype and torch.equal(got.reshape(-1, width).cpu().view(torch.int16),
+                                                    want.view(torch.int16))
+    cache.policy.check_invariants()
+    s = cache.stats()
+    label = f"{name} rows [{N}, {width}], {'pinned' if pinned else 'pageable'}, {'whole step' if whole else 'phases'}"
+    assert ok, (f"CUDA cache of {label}: rows == host gather and policy == CPU reference, 8 steps: "
+                + (why or f"misses per step {misses}, whole steps {whole_steps}, UVA share "
+                          f"{getattr(cache._whole_step, 'uva_share', 0.0)}"))
+    assert exact and s.hits > 0 and s.evicted > 0, (
+        f"CUDA cache of {label}: rows == torch indexing bit for bit, hits and replacements: "
+        f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
+        f"row bytes {s.row_bytes}")
+    cache.close()
     g.close()
 
 

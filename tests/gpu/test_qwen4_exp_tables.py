@@ -77,20 +77,22 @@ def test_stores_gather_bf16_ple_rows_on_cuda(kind, tmp_path) -> None:
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_f32_rows_take_the_reference_path(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["file", "pinned", "device"])
+def test_f32_rows_take_the_reference_path(tmp_path, kind) -> None:
     import torch
 
     from engram_trt.tables.rowgather import StoreGather
     from engram_trt.tables.store import open_tables
 
     refs, whole = _bf16_refs(tmp_path, "F32")
-    for kind in ("file", "pinned", "device"):
-        store = open_tables(refs, kind, device="cuda", progress=False)
+    store = open_tables(refs, kind, device="cuda", progress=False)
+    try:
         g = StoreGather(store, "cuda")
         ids = torch.randint(0, whole.shape[0], (33, 4))
         got = g.gather(0, ids)
         assert g.paths == ["reference"] and torch.equal(got.cpu(), whole[ids]), (
             f"{kind} f32: reference path, rows equal: {g.paths}")
+    finally:
         store.close()
 
 
