@@ -15,7 +15,6 @@ while the rest of its batch decodes as the clean folder does (decode CUDA graphs
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
