@@ -18,7 +18,7 @@
 #include "engramPleHashPlugin/engramPleHashPlugin.h"
 #include "engramQsaAttentionPlugin/engramQsaAttentionPlugin.h"
 #include "engramRoutedExpertsPlugin/engramRoutedExpertsPlugin.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
 
 extern "C" ENGRAM_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
 {

@@ -10,12 +10,15 @@
  * Why in C++: on the H200 VM a prefill chunk's step holds ~100 us of GPU work beside the
  * host gather's fetch, and the Python between those calls (argument checks, views,
  * stream lookups, ctypes conversions) took ~150 us more, with the GPU waiting for it
- * (`engram-trt bench cache --host-trace`). Here the same calls follow each other with
+ * (`benchmarks/lookup/bench_cache.py --host-trace`). Here the same calls follow each other with
  * nothing between them. Each entry point still checks its own arguments, so a bad
  * binding fails with the message that call would give.
  */
-#include "kernels/engramKernels.h"
+#include "kernels/cacheKernels.h"
+#include "kernels/engramKernelsCore.h"
 #include "kernels/engramKernelsInternal.h"
+#include "kernels/gatherKernels.h"
+#include "kernels/hostGatherKernels.h"
 
 #include <cstdint>
 #include <string>

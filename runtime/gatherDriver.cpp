@@ -28,8 +28,10 @@
  * that another thread captures in the global mode does not make them fail.
  */
 #include "hostGatherInternal.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
 #include "kernels/engramKernelsInternal.h"
+#include "kernels/hashKernels.h"
+#include "kernels/hostGatherKernels.h"
 
 #include <condition_variable>
 #include <cuda.h>

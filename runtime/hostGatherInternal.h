@@ -14,8 +14,8 @@
 #ifndef ENGRAM_TRT_HOST_GATHER_INTERNAL_H
 #define ENGRAM_TRT_HOST_GATHER_INTERNAL_H
 
-#include "kernels/engramKernels.h"
 #include "kernels/engramKernelsInternal.h"
+#include "kernels/hostGatherKernels.h"
 #include "rowGather.h"
 #include "threadPool.h"
 

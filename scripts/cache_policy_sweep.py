@@ -1,13 +1,13 @@
 """Hit rates of the hot-row cache's admission settings on real id streams, on the CPU.
 
 The policy's torch reference (`CachePolicy(fused=False)`, what the GPU checks hold the
-kernels to) runs the chunks of `engram-trt bench cache` (8k tokens of the bench's token
+kernels to) runs the chunks of `benchmarks/lookup/bench_cache.py` (8k tokens of the bench's token
 file, hashed for one layer, 196,608 lookups a chunk) through a cache of 5% of the
 layer's rows. It reports the hit rate on distinct rows over the measured chunks, for each
 replacement cadence and budget given: after `--warm` chunks of history (the online LFU),
 and from offline counts over those same chunks (`--offline`). No row data moves, so
 this says which settings keep more rows in the cache, not what they cost on the GPU:
-`bench cache --admit-every N --admit-budget B` measures that.
+`bench_cache.py --admit-every N --admit-budget B` measures that.
 
     PYTHONPATH=python python3 scripts/cache_policy_sweep.py --settings 4:8192,1:8192,1:32768 --offline
 """
@@ -19,15 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "python"), str(REPO / "benchmarks" / "lookup")]  # engram_trt; bench_cache.py and its modules
 
 
 def main() -> int:
-    from engram_trt.bench import idstreams
-    from engram_trt.bench.cache import policy_hit_rates
-    from engram_trt.bench.rowcounts import count_rows
+    import idstreams
+    from bench_cache import policy_hit_rates
     from engram_trt.cache.policy import CachePolicy
     from engram_trt.errors import EngramError
+    from rowcounts import count_rows
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=Path, default=None, help="token file (default: the bench's)")

@@ -6,13 +6,14 @@
 # Why this order: on a fresh start of the H200 VM only 2 of 26 1 GiB pages could be
 # reserved, and all 26 once a run had touched ~50 GiB of memory and freed it. So the 1 GiB
 # reservation comes after the other two runs, and if it still falls short, after touching
-# 64 GiB once more. Extra flags for `engram-trt bench gather` come as arguments.
+# 64 GiB once more. Extra flags for benchmarks/lookup/bench_gather.py come as arguments.
 set -u
+cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
 G=/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages
 NEED=${GIGA_PAGES:-26}
-python3 -m engram_trt bench gather --pages thp "$@" --json "$OUT/gather_thp.json"
-python3 -m engram_trt bench gather --pages 4k "$@" --json "$OUT/gather_4k.json"
+python3 benchmarks/lookup/bench_gather.py --pages thp "$@" --json "$OUT/gather_thp.json"
+python3 benchmarks/lookup/bench_gather.py --pages 4k "$@" --json "$OUT/gather_4k.json"
 echo "$NEED" > "$G"
 if [ "$(cat "$G")" -lt "$NEED" ]; then
   echo "1 GiB pages reserved: $(cat "$G") of $NEED; touching 64 GiB and trying again"
@@ -21,5 +22,5 @@ if [ "$(cat "$G")" -lt "$NEED" ]; then
   echo "$NEED" > "$G"
 fi
 echo "1 GiB pages reserved: $(cat "$G") of $NEED"
-python3 -m engram_trt bench gather --pages 1g "$@" --json "$OUT/gather_1g.json"
+python3 benchmarks/lookup/bench_gather.py --pages 1g "$@" --json "$OUT/gather_1g.json"
 echo 0 > "$G"

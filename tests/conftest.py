@@ -69,16 +69,16 @@ def demo_dir():
 
 @pytest.fixture(scope="session")
 def plugin_lib(tmp_path_factory):
-    """libengram_trt_plugins.so: the one kernels.library_path() finds, else one built
+    """libengram_trt_plugins.so: the one kernel_library.library_path() finds, else one built
     now (one architecture, to stay quick) and exported through ENGRAM_TRT_PLUGIN_LIB."""
     import shutil
     import subprocess
 
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.errors import EngramError
 
     try:
-        yield kernels.library_path()
+        yield kernel_library.library_path()
         return
     except EngramError:
         pass
@@ -88,7 +88,7 @@ def plugin_lib(tmp_path_factory):
     subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80"], check=True,
                    capture_output=True)
     subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
-    path = build / kernels.LIBRARY_NAME
+    path = build / kernel_library.LIBRARY_NAME
     with pytest.MonkeyPatch.context() as mp:  # for the session: undone when the session ends
         mp.setenv("ENGRAM_TRT_PLUGIN_LIB", str(path))
         yield path

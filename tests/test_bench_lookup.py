@@ -1,7 +1,8 @@
 """The lookup benchmarks' pieces that need no GPU: id streams (chunked hashing equals
 hashing the whole stream, distinct-row statistics, the token file), the table layout
-helpers and the gather-path choice, and `engram-trt bench gather / cache / idstream`
-run end to end in their --dry-run (CPU) form, which checks every output for exactness.
+helpers and the gather-path choice, and `benchmarks/lookup/bench_gather.py`, `bench_cache.py`
+and `idstreams.py` (formerly `bench gather / cache / idstream`) run end to end in their
+--dry-run (CPU) form, which checks every output for exactness.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engram_trt.bench import idstreams
+from benchmark_scripts import script
 from engram_trt.cli.main import main
 from engram_trt.engram.hashing import hash_ids
 from engram_trt.errors import EngramError
 from engram_trt.runtime.gatherpath import HOST_MARGIN, GatherPathChoice, faster_path, inline_table, split_table
 
+idstreams = script("idstream")
+gather_main, cache_main = script("gather").main, script("cache").main
 VOCAB = 99092
 
 
@@ -65,7 +68,7 @@ def test_token_file_round_trip_and_errors(tmp_path: Path) -> None:
     back = idstreams.load_tokens(path)
     np.testing.assert_array_equal(back.ids, stream.ids)
     assert back.meta() == stream.meta() and not list(path.parent.glob(".*tmp*"))
-    with pytest.raises(EngramError, match="no token file; make one with `engram-trt bench idstream --out"):
+    with pytest.raises(EngramError, match="no token file; make one with `python benchmarks/lookup/idstreams.py --out"):
         idstreams.load_tokens(tmp_path / "missing.npz")
 
 
@@ -127,7 +130,7 @@ def test_calibration_takes_the_host_gather_only_by_a_margin() -> None:
 
 def test_bench_gather_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     out = tmp_path / "g.json"
-    rc = main(["bench", "gather", "--dry-run", "--table-gib", "0.01", "--rows", "240,480", "--threads", "1,2",
+    rc = gather_main(["--dry-run", "--table-gib", "0.01", "--rows", "240,480", "--threads", "1,2",
                "--reps", "2", "--stores", "plain,streaming", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -141,22 +144,22 @@ def test_bench_gather_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
 def test_bench_gather_split_path_refusals(capsys) -> None:
     """--paths split (the UVA kernel beside the host gather) names what it needs before
     any table is made: a GPU, a layout with split rows, a share in [0, 1]."""
-    base = ["bench", "gather", "--table-gib", "0.01", "--rows", "240", "--paths", "split"]
+    base = ["--table-gib", "0.01", "--rows", "240", "--paths", "split"]
     for extra, words in ((["--dry-run", "--layouts", "split"], "the dry run has no GPU"),
                          (["--layouts", "inline"], "add split or hbm-scales to --layouts"),
                          (["--layouts", "split", "--uva-share", "0.5,1.5"], "--uva-share must be in [0, 1]"),
                          (["--layouts", "split", "--uva-blocks", "-1"], "--uva-blocks >= 0")):
-        assert main(base + extra) != 0
+        assert gather_main(base + extra) != 0
         assert words in capsys.readouterr().err, extra
     with pytest.raises(SystemExit):
-        main(base + ["--uva-share", "a tenth"])
+        gather_main(base + ["--uva-share", "a tenth"])
     assert "expected comma-separated numbers" in capsys.readouterr().err
 
 
 def test_bench_cache_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 4 + 5), tmp_path / "t.npz")
     out = tmp_path / "c.json"
-    rc = main(["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
+    rc = cache_main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
                "--warm", "2", "--measure", "2", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -179,7 +182,7 @@ def test_bench_cache_dry_run_compares_layouts_in_one_process(plugin_lib: Path, c
     pages the tables got are reported."""
     tokens = idstreams.save_tokens(_stream(8192 * 3 + 5), tmp_path / "t.npz")
     out = tmp_path / "c.json"
-    rc = main(["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
+    rc = cache_main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
                "--warm", "1", "--measure", "2", "--layouts", "inline,hbm-scales", "--pages", "4k",
                "--json", str(out)])
     text = capsys.readouterr().out
@@ -200,24 +203,23 @@ def test_bench_cache_dry_run_compares_layouts_in_one_process(plugin_lib: Path, c
 
 
 def test_bench_cache_layout_defaults_and_refusals(plugin_lib: Path, capsys, tmp_path: Path) -> None:
-    from engram_trt.bench import cache
-
+    cache = script("cache")
     assert cache.DEFAULT_LAYOUT == "hbm-scales"  # the runtime's host layout for fp8 tables (runtime/prefetch.py)
     tokens = idstreams.save_tokens(_stream(8192 * 2 + 5), tmp_path / "t.npz")
-    base = ["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
+    base = ["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
             "--warm", "1", "--measure", "1", "--offline-counts", "none"]
-    assert main(base + ["--layout", "split", "--layouts", "inline"]) != 0
+    assert cache_main(base + ["--layout", "split", "--layouts", "inline"]) != 0
     assert "--layout split and --layouts inline disagree: give one of them" in capsys.readouterr().err
-    assert main(base + ["--layouts", "inline,inline"]) != 0
+    assert cache_main(base + ["--layouts", "inline,inline"]) != 0
     assert "--layouts names a layout twice (inline,inline)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(base + ["--layouts", "inline,packed"])
+        cache_main(base + ["--layouts", "inline,packed"])
     assert "expected a comma-separated list of inline, split, hbm-scales" in capsys.readouterr().err
     for gpu_only in (["--ab-phases"], ["--ab-serial"], ["--ids-on", "device"]):
-        assert main(base + gpu_only) != 0
+        assert cache_main(base + gpu_only) != 0
         assert "the dry run has neither" in capsys.readouterr().err
     out = tmp_path / "c.json"
-    assert main(base + ["--json", str(out)]) == 0
+    assert cache_main(base + ["--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["layouts"] == ["hbm-scales"] and report["layers"][0]["exact"] is True
     assert report["pages"] == "auto" and report["spin_us"] == cache.DEFAULT_SPIN_US
@@ -225,7 +227,7 @@ def test_bench_cache_layout_defaults_and_refusals(plugin_lib: Path, capsys, tmp_
 
 def test_bench_idstream_reads_a_token_file(capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 2), tmp_path / "t.npz")
-    rc = main(["bench", "idstream", "--tokens", str(tokens), "--column-rows", "4096", "--stats-chunks", "2",
+    rc = idstreams.main(["--tokens", str(tokens), "--column-rows", "4096", "--stats-chunks", "2",
                "--json"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
@@ -235,11 +237,13 @@ def test_bench_idstream_reads_a_token_file(capsys, tmp_path: Path) -> None:
 
 def test_bench_usage_errors(capsys) -> None:
     assert main(["bench"]) == 2
-    assert "gather" in capsys.readouterr().out
+    assert "serve" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "gather", "--threads", "four"])
+        gather_main(["--threads", "four"])
     assert exc.value.code == 2
-    assert "argument --threads: expected comma-separated integers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --threads: expected comma-separated integers" in err
+    assert err.startswith("bench_gather.py: error: ") and err.count("\n") == 1
 
 
 def test_union_us_counts_overlapping_spans_once() -> None:
@@ -282,7 +286,7 @@ def test_cache_profile_summary_places_phases_and_gpu_work_on_the_step_clock() ->
     Phases and activities come out relative to the step's start, repeated names are
     summed, the busy time counts the overlap of the two streams once, and the idle split
     covers the whole step."""
-    from engram_trt.bench.cacheprofile import STEP_RANGE, describe, summarize
+    from cacheprofile import STEP_RANGE, describe, summarize
 
     CUDA, CPU = "cuda", "cpu"
 
@@ -322,7 +326,7 @@ def test_cache_profile_of_a_cpu_cache_step_has_its_four_phases_in_order() -> Non
     is the cache's (a plain second step of the same ids gives the same bits)."""
     import torch
 
-    from engram_trt.bench.cacheprofile import PHASES, profile_step
+    from cacheprofile import PHASES, profile_step
     from engram_trt.cache.hotcache import HotRowCache
 
     rng = np.random.default_rng(3)
@@ -345,7 +349,7 @@ def test_cache_trace_own_time_subtracts_the_direct_children_only() -> None:
     do): a parent of 100 us holding two children (20 and 30 us), one of which holds a
     grandchild (10 us), then a later span. Own time is the duration less the direct
     children's; counts and first starts are per name; times come out in us from t0."""
-    from engram_trt.bench.cachetrace import _step_calls
+    from cachetrace import _step_calls
 
     us = 1000  # ns
     spans = [("c", 2, 15 * us, 25 * us),  # grandchild, inside b1
@@ -367,14 +371,14 @@ def test_cache_trace_of_a_cpu_cache_step_names_its_seams_and_restores_them() -> 
 
     import engram_trt.native.cache as ck
     import engram_trt.native.hostgather as hg
-    from engram_trt.bench.cachetrace import describe_trace, host_trace
+    from cachetrace import describe_trace, host_trace
     from engram_trt.cache.hotcache import HotRowCache
 
     rng = np.random.default_rng(5)
     values = torch.from_numpy(rng.integers(0, 0x70, size=(500, 64), dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(118, 130, size=(500, 2), dtype=np.uint8))
     cache = HotRowCache(values, scales, device="cpu", capacity_rows=50, quant_block=32, max_step_rows=4000)
-    before = {"module": (ck._call, hg._call, hg._device_guard), "stream": torch.cuda.current_stream,
+    before = {"module": (ck._call, hg._call, hg.device_guard), "stream": torch.cuda.current_stream,
               "sync": vars(torch.cuda.Stream)["synchronize"]}
     ids = [torch.from_numpy(rng.integers(0, 500, size=(64, 24)).astype(np.int32)) for _ in range(3)]
     out = torch.empty((64, 24, 64), dtype=torch.bfloat16)
@@ -391,7 +395,7 @@ def test_cache_trace_of_a_cpu_cache_step_names_its_seams_and_restores_them() -> 
     assert "policy.plan @" in "\n".join(describe_trace(got))
     # everything restored
     assert "plan" not in vars(cache.policy) and "fetch" not in vars(cache.transfer)
-    assert (ck._call, hg._call, hg._device_guard) == before["module"]
+    assert (ck._call, hg._call, hg.device_guard) == before["module"]
     assert torch.cuda.current_stream is before["stream"] and vars(torch.cuda.Stream)["synchronize"] is before["sync"]
     assert "copy_" not in vars(torch.Tensor)
     traced = out.clone()

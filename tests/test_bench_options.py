@@ -2,7 +2,8 @@
 (engram_trt.bench.options.opt, derived in engram_trt.cli.bench): the parsed defaults are
 the dataclass's own, argparse stays in cli/, and the derivation spells every form a
 flag takes (typed values, lists, choices, store_true, nargs/const, positional, required,
-a cli/argtypes validator, a mutually exclusive group)."""
+a cli/argtypes validator, a mutually exclusive group). The scripts under benchmarks/ (the
+former kernel and lookup commands) take their flags the same way (cli.bench.run_script)."""
 
 from __future__ import annotations
 
@@ -13,26 +14,46 @@ from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import SCRIPTS, script
 from engram_trt.bench.options import opt
-from engram_trt.cli.bench import BENCH_COMMANDS, add_option_arguments, options_from
+from engram_trt.cli.bench import BENCH_COMMANDS, add_option_arguments, options_from, script_parser
 from engram_trt.cli.main import build_parser
 
 BENCH = Path(__file__).resolve().parents[1] / "python" / "engram_trt" / "bench"
 REQUIRED = {"rowcounts": ["--out", "counts.npz"], "serve": ["ENGINE"]}
-GPU_ONLY = ["kernels", "attention", "backbone", "gathersweep", "contention", "cacheplan", "ple-gather", "qwen4-step",
-            "dsv4-step"]  # the former H200 timings
+GPU_ONLY_SCRIPTS = ["kernels", "attention", "backbone", "gathersweep", "contention", "cacheplan", "ple-gather"]
+GPU_ONLY = ["qwen4-step", "dsv4-step"]  # with GPU_ONLY_SCRIPTS: the former H200 timings
+
+
+def _parse(name: str, argv: list[str]):
+    """A former bench command's command line through its script's parser: its options."""
+    mod = script(name)
+    return options_from(script_parser(mod.OPTIONS, mod.__doc__, Path(SCRIPTS[name]).name).parse_args(argv), mod.OPTIONS)
 
 
 def test_every_subcommand_parses_to_its_options_defaults() -> None:
     parser = build_parser()
-    assert [c.name for c in BENCH_COMMANDS] == ["gather", "cache", "idstream", "rowcounts", "step", "serve", "steady", "gemv",
-                                                *GPU_ONLY, "e2e"]
+    assert [c.name for c in BENCH_COMMANDS] == ["step", "serve", "steady", *GPU_ONLY, "e2e"]
     for cmd in BENCH_COMMANDS:
         ns = parser.parse_args(["bench", cmd.name, *REQUIRED.get(cmd.name, [])])
         got = options_from(ns, cmd.options)
         assert isinstance(got, cmd.options) and callable(cmd.module.run)
         want = {"rowcounts": {"out": Path("counts.npz")}, "serve": {"path": "ENGINE"}}.get(cmd.name, {})
         assert asdict(got) == asdict(cmd.options(**want)), cmd.name
+
+
+def test_every_benchmark_script_parses_to_its_options_defaults() -> None:
+    """The former bench commands are scripts now, each parsing to its options' defaults as
+    the command did; none was dropped (the commands and the scripts are the 18 of before)."""
+    assert sorted([*SCRIPTS, *(c.name for c in BENCH_COMMANDS)]) == sorted(
+        ["gather", "cache", "idstream", "rowcounts", "step", "serve", "steady", "gemv", *GPU_ONLY_SCRIPTS, *GPU_ONLY,
+         "e2e"])
+    for name in SCRIPTS:
+        mod = script(name)
+        got = _parse(name, REQUIRED.get(name, []))
+        assert isinstance(got, mod.OPTIONS) and callable(mod.run) and callable(mod.main)
+        want = {"rowcounts": {"out": Path("counts.npz")}}.get(name, {})
+        assert asdict(got) == asdict(mod.OPTIONS(**want)), name
 
 
 def test_bench_holds_no_argparse_and_no_cli_import() -> None:
@@ -44,7 +65,7 @@ def test_bench_holds_no_argparse_and_no_cli_import() -> None:
 
 
 def test_list_defaults_are_not_shared_between_instances() -> None:
-    from engram_trt.bench.gather import GatherOptions
+    GatherOptions = script("gather").GatherOptions
 
     a, b = GatherOptions(), GatherOptions()
     a.threads.append(32)
@@ -115,20 +136,22 @@ def test_a_true_default_flag_is_refused() -> None:
      {"plan_reps": 2, "fetch_reps": 3, "skip_fetch": True, "skip_plans": False}),
 ])
 def test_the_gpu_timings_parse(argv: list[str], want: dict) -> None:
-    cmd = {c.name: c for c in BENCH_COMMANDS}[argv[0]]
-    got = asdict(options_from(build_parser().parse_args(["bench", *argv]), cmd.options))
+    options = script(argv[0]).OPTIONS
+    got = asdict(_parse(argv[0], argv[1:]))
     assert {k: got[k] for k in want} == want
-    assert {k: v for k, v in got.items() if k not in want} == {k: v for k, v in asdict(cmd.options()).items()
+    assert {k: v for k, v in got.items() if k not in want} == {k: v for k, v in asdict(options()).items()
                                                                  if k not in want}
 
 
 def test_an_unknown_attention_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["bench", "attention", "--cases", "decode 2 x 2"])
-    assert exc.value.code == 2 and "expected a comma-separated list of decode 1 x 4k" in capsys.readouterr().err
+        script("attention").main(["--cases", "decode 2 x 2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "expected a comma-separated list of decode 1 x 4k" in err
+    assert err.startswith("bench_attention.py: error: ") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("name", GPU_ONLY)
+@pytest.mark.parametrize("name", GPU_ONLY + GPU_ONLY_SCRIPTS)
 def test_without_cuda_each_gpu_timing_exits_with_one_line(name: str, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     import torch
@@ -136,10 +159,15 @@ def test_without_cuda_each_gpu_timing_exits_with_one_line(name: str, monkeypatch
     from engram_trt.cli.main import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["bench", name]) == 2
+    if name in GPU_ONLY:
+        assert main(["bench", name]) == 2
+        prog = "engram-trt"
+    else:
+        assert script(name).main([]) == 2
+        prog = Path(SCRIPTS[name]).name
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, err
-    assert err.startswith(f"engram-trt: error: bench {name} needs a CUDA GPU") and "none is available here" in err
+    assert err.startswith(f"{prog}: error: bench {name} needs a CUDA GPU") and "none is available here" in err
 
 
 @pytest.mark.parametrize("argv,why", [(["kernels", "--reps", "0"], "--reps must be >= 1"),
@@ -150,8 +178,6 @@ def test_without_cuda_each_gpu_timing_exits_with_one_line(name: str, monkeypatch
                                       (["cacheplan", "--skip-plans", "--skip-fetch"], "leave nothing to time")])
 def test_bad_values_are_one_line_before_any_gpu_work(argv: list[str], why: str,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from engram_trt.cli.main import main
-
-    assert main(["bench", *argv]) == 2
+    assert script(argv[0]).main(argv[1:]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and why in err, err

@@ -297,7 +297,7 @@ def test_cache_abi_refuses_bad_arguments_before_any_cuda_call(plugin_lib: Path) 
     host, with one-line reasons (no GPU needed: nothing is enqueued)."""
     from engram_trt.native import cache as cache_kernels
 
-    lib = cache_kernels._library()
+    lib = cache_kernels.library()
     p = ctypes.c_void_p(64)  # never read: the calls fail on their arguments first
 
     def plan(n=10, rows=100, base=5, plan_ptr=p, host=None, host_ids=0, ids=p):
@@ -385,7 +385,7 @@ def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plu
     from engram_trt.native import cache as ck
 
     ck._check_struct_sizes()
-    lib = ck._library()
+    lib = ck.library()
 
     def step(**fields) -> tuple[int, str, Any]:
         a = ck._StepArgs(max_ids=100, max_host_ids=50, plan_host=64, capacity=10, miss_base=10, work_num_rows=200,
@@ -498,6 +498,6 @@ def test_the_uva_share_a_step_call_binds(plugin_lib: Path) -> None:
                         ((0.2, -1, True, rows, scales, "split"), "uva_blocks must be an integer >= 0")):
         with pytest.raises(EngramError, match=re.escape(words)):
             ck._uva_share_for(*args)
-    header = (Path(__file__).resolve().parents[1] / "plugins" / "kernels" / "engramKernels.h").read_text()
+    header = (Path(__file__).resolve().parents[1] / "plugins" / "kernels" / "cacheKernels.h").read_text()
     assert re.search(rf"#define ENGRAM_CACHE_UVA_MIN_MISSES {ck.UVA_MIN_MISSES}\b", header)  # the library's own
     assert 0.0 < ck.DEFAULT_UVA_SHARE <= 1.0 and ck.DEFAULT_UVA_BLOCKS > 0

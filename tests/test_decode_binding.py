@@ -116,6 +116,73 @@ def test_gemv_segments_limits(plugin_lib: Path) -> None:
     decode._call("engram_gemv_segments_bf16", seg, 1, 0, 1, None)  # no tokens: nothing launched
 
 
+def _prologue(**change) -> decode._GemvPrologue:
+    base = dict(kind=decode.PROLOGUE_RMSNORM, dim=64, rope_pairs=0, rope_sign=1, eps=1e-6, reserved=0,
+                weight=_FAKE * 4, cos=None, sin=None, cos_stride=0)
+    base.update(change)
+    return decode._GemvPrologue(**base)
+
+
+def test_gemv_prologue_struct_is_the_c_layout() -> None:
+    # EngramGemvPrologue: six 4-byte fields, then three pointers and an int64
+    assert ctypes.sizeof(decode._GemvPrologue) == 56
+    assert decode._GemvPrologue.weight.offset == 24 and decode._GemvPrologue.cos_stride.offset == 48
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"kind": 3}, "prologue kind 3 is not NONE (0), RMSNORM (1) or ROPE (2)"),
+    ({"weight": None}, "the RMSNorm prologue needs a 16-byte aligned fp32 weight, a finite eps >= 0 and an even dim "
+                       "(got eps 1e-06, dim 64)"),
+    ({"eps": float("nan")}, "(got eps nan, dim 64)"),
+    ({"dim": 32}, "segment 0: the RMSNorm prologue normalizes whole rows: in_features must be dim 32 (got 64)"),
+    ({"kind": decode.PROLOGUE_ROPE, "dim": 12}, "the RoPE prologue needs dim a positive multiple of 8, 0 <= 2 * "
+                                                "rope_pairs <= dim and rope_sign +-1 (got dim 12, rope_pairs 0, "
+                                                "rope_sign 1)"),
+    ({"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 9}, "(got dim 16, rope_pairs 9, rope_sign 1)"),
+    ({"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 4, "rope_sign": 0}, "(got dim 16, rope_pairs 4, "
+                                                                                 "rope_sign 0)"),
+    ({"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 4, "cos": _FAKE * 5, "sin": _FAKE * 6, "cos_stride": 3},
+     "the RoPE prologue needs cos / sin [tokens, >= rope_pairs] fp32 (got cos_stride 3)"),
+    ({"kind": decode.PROLOGUE_ROPE, "dim": 48}, "segment 0: the RoPE prologue rotates whole heads: in_features must be "
+                                                "a multiple of dim 48 (got 64)"),
+])
+def test_gemv_segments_ex_checks_the_prologue(plugin_lib: Path, change, needle) -> None:
+    seg = (decode._GemvSegment * 1)(_segment())
+    with pytest.raises(EngramError) as exc:
+        decode._call("engram_gemv_segments_bf16_ex", seg, 1, 2, 1, ctypes.byref(_prologue(**change)), None)
+    _one_line(exc, needle)
+
+
+def test_gemv_segments_ex_limits(plugin_lib: Path) -> None:
+    seg = (decode._GemvSegment * 1)(_segment())
+    for tokens, needle in ((9, "engram_gemv_segments_bf16_ex: num_tokens must be in [0, 8] (got 9)"),
+                           (-1, "num_tokens must be in [0, 8] (got -1)")):
+        with pytest.raises(EngramError) as exc:
+            decode._call("engram_gemv_segments_bf16_ex", seg, 1, tokens, 1, None, None)
+        _one_line(exc, needle)
+    decode._call("engram_gemv_segments_bf16_ex", seg, 1, 0, 1, None, None)  # no tokens, no prologue: nothing launched
+    # a prologue is checked even with no tokens (its fields do not depend on them)
+    with pytest.raises(EngramError) as exc:
+        decode._call("engram_gemv_segments_bf16_ex", seg, 1, 0, 1, ctypes.byref(_prologue(kind=7)), None)
+    _one_line(exc, "prologue kind 7")
+
+
+def test_gemv_prologue_binding_names_the_argument() -> None:
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w = torch.zeros(40, 64, dtype=torch.bfloat16)
+    out = torch.zeros(2, 40, dtype=torch.bfloat16)
+    for pro, needle in ((decode.GemvPrologue(decode.PROLOGUE_RMSNORM, 64, weight=torch.ones(64, dtype=torch.float64)),
+                         "prologue.weight must have dtype torch.float32 (got torch.float64)"),
+                        (decode.GemvPrologue(decode.PROLOGUE_RMSNORM, 64, weight=torch.ones(32)),
+                         "prologue.weight must be a contiguous [64] (got (32,))"),
+                        (decode.GemvPrologue(decode.PROLOGUE_ROPE, 16, rope_pairs=4, cos=torch.ones(3, 4),
+                                             sin=torch.ones(3, 4)), "prologue.cos / sin must be [2, >= 4]"),
+                        (decode.GemvPrologue(5, 16), "prologue.kind 5 is not PROLOGUE_NONE")):
+        with pytest.raises(EngramError) as exc:
+            decode.gemv_segments([(x, w, out)], prologue=pro)
+        _one_line(exc, needle)
+
+
 def _route(**change):
     args = dict(logits=_FAKE, io=0, stride=8, bias=_FAKE * 2, tid2eid=None, ids_in=None, vocab=0, T=2, E=8, k=2,
                 score=0, scaling=1.5, ids=_FAKE * 3, weights=_FAKE * 4)

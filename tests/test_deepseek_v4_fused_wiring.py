@@ -57,9 +57,22 @@ def _norm_rope(*jobs: Any) -> None:
         j.out[:, :j.heads * j.dim].copy_(y.reshape(T, -1))
 
 
-def _gemv_segments(segments, *, weight_static: bool = True) -> None:
+def _gemv_segments(segments, *, weight_static: bool = True, prologue: Any = None) -> None:
+    from engram_trt.models.deepseek_v4.compressors import apply_rope, wide
+    from engram_trt.native import decode
+
     for x, w, out in segments:
-        out[:, :w.shape[0]].copy_(F.linear(x[:, :w.shape[1]], w))
+        xin = x[:, :w.shape[1]]
+        if prologue is not None and prologue.kind == decode.PROLOGUE_RMSNORM:  # norm_rope's NORM_WEIGHTED job
+            assert prologue.dim == xin.shape[1]
+            xf = wide(xin)
+            xin = (prologue.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + prologue.eps))).to(x.dtype)
+        elif prologue is not None and prologue.kind == decode.PROLOGUE_ROPE:  # its NORM_NONE job, on whole heads
+            T, p = xin.shape[0], prologue.rope_pairs
+            heads = xin.reshape(T, -1, prologue.dim)
+            c, s = prologue.cos[:, :p].unsqueeze(1), prologue.sin[:, :p].unsqueeze(1)
+            xin = apply_rope(heads, c, s * prologue.rope_sign).reshape(T, -1)
+        out[:, :w.shape[0]].copy_(F.linear(xin, w))
 
 
 def _moe_route(logits, *, top_k, score_fn, scaling, bias=None, tid2eid=None, input_ids=None):
@@ -100,7 +113,13 @@ def _emulate(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
     monkeypatch.setattr(decode, "gemv_fits", lambda x, w: x.dim() == 2 and 1 <= x.shape[0] <= 4 and
                         w.dim() == 2 and x.shape[1] == w.shape[1] and x.dtype == w.dtype)
     monkeypatch.setattr(decode, "norm_rope", counted("norm_rope", _norm_rope))
-    monkeypatch.setattr(decode, "gemv_segments", counted("gemv_segments", _gemv_segments))
+    def gemv_segments(segments, *, weight_static=True, prologue=None):
+        if prologue is not None:
+            key = {decode.PROLOGUE_RMSNORM: "prologue_norm", decode.PROLOGUE_ROPE: "prologue_rope"}[prologue.kind]
+            calls[key] = calls.get(key, 0) + 1
+        return _gemv_segments(segments, weight_static=weight_static, prologue=prologue)
+
+    monkeypatch.setattr(decode, "gemv_segments", counted("gemv_segments", gemv_segments))
     monkeypatch.setattr(decode, "moe_route", counted("moe_route", _moe_route))
     monkeypatch.setattr(decode, "moe_experts", counted("moe_experts", _moe_experts))
     monkeypatch.setattr(modules, "mhc_kernel_serves", lambda *a, **kw: True)
@@ -121,6 +140,17 @@ def _emulate(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
     monkeypatch.setattr(mhc, "mhc_post", lambda streams, out, post, comb: modules.HyperConnection.expand_torch(
         streams, out, post, comb))
 
+    def fold(streams, out, post, comb, fn, base, scale, norm_weight=None, *, head=False, sinkhorn_iters=1, hc_eps,
+             norm_eps, rms_eps=0.0, new_streams=None, workspace=None):
+        new = modules.HyperConnection.expand_torch(streams, out, post, comb)
+        if head:
+            normed = head_norm(new, fn, base, scale, norm_weight, hc_eps=hc_eps, norm_eps=norm_eps, rms_eps=rms_eps)
+            return new, normed, None, None
+        return (new, *pre_norm(new, fn, base, scale, norm_weight, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                               norm_eps=norm_eps, rms_eps=rms_eps))
+
+    monkeypatch.setattr(mhc, "mhc_fold", counted("mhc_fold", fold))
+
     def core(layer, x, q, kv, q_residual, cos, sin, n_seqs, meta, state, *, pre=None):
         calls["core"] = calls.get("core", 0) + 1
         S = n_seqs
@@ -133,6 +163,8 @@ def _emulate(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
             want.update(c_kv=comp.kv_proj(x), c_gate=comp.gate_proj(x))
             ix = getattr(comp, "indexer", None)
             if ix is not None:
+                if q_residual is None:  # q_b took q_a_norm in its GEMV prologue: the module's own q_residual
+                    q_residual = layer.q_a_norm(layer.q_a_proj(x))
                 i_q, i_w = ix.queries(q_residual, x, cos, sin)
                 want.update(i_q=i_q, i_w=i_w, i_kv=ix.kv_proj(x), i_gate=ix.gate_proj(x))
         assert sorted(pre) == sorted(want), (sorted(pre), sorted(want))
@@ -190,7 +222,11 @@ def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix
     assert worst <= 1e-5, worst
     assert states["plain"].lengths == states["fused"].lengths
     n = cfg.num_hidden_layers
-    # per step: 2 collapses a layer, the head's; attention 3 norm_rope launches a layer
-    assert calls["mhc_pre_norm"] == 8 * 2 * n and calls["mhc_head_norm"] == 8
-    assert calls["norm_rope"] == 8 * 3 * n and calls["core"] == 8 * n
+    # per step: the first collapse alone, every later sublayer boundary (expansion + collapse) and the
+    # last expansion with the head folded
+    assert calls["mhc_pre_norm"] == 8 and "mhc_head_norm" not in calls and calls["mhc_fold"] == 8 * 2 * n
+    # attention: a prefill chunk (26 tokens: no GEMV) 3 norm_rope launches a layer (q_a / kv norms, q heads, the
+    # inverse RoPE); a decode step 1 (q_a_norm in q_b's GEMV prologue, the inverse RoPE in o_a's)
+    assert calls["norm_rope"] == (3 + 7) * n and calls["core"] == 8 * n
+    assert calls["prologue_norm"] == 7 * n and calls["prologue_rope"] == 7 * n
     assert calls["moe_route"] == 7 * n and calls["moe_experts"] == 7 * n  # decode steps only (1-3 tokens)

@@ -4,7 +4,8 @@ Three checks, each on the text as written (CPU; the CLI's parsers are built with
 
 1. Every repository path the docs name exists. The docs read: README.md, docs/*.md,
    plugins/*/README.md (plugins/kernels/README.md among them), runtime/README.md,
-   benchmarks/kernels/README.md. In each, a *path* is
+   builder/README.md, builder/recipes/*.md, benchmarks/README.md, benchmarks/kernels/README.md.
+   In each, a *path* is
 
    - a Markdown link's target (``[text](target)``, not ``http(s):`` or ``mailto:``, its
      ``#anchor`` dropped), resolved against the doc's own folder; or
@@ -48,7 +49,11 @@ Three checks, each on the text as written (CPU; the CLI's parsers are built with
    table names no command that does not exist. Every command line the docs show (in
    backticks or a code block: ``engram-trt CMD [SUBCOMMAND] ... --flag``) names a
    command, subcommand and flags its parser has (``NOT_COMMAND_LINES``: text that starts
-   like one and is not, with its reason).
+   like one and is not, with its reason). The kernel microbenchmarks and probes that were
+   ``bench`` commands are scripts under benchmarks/ now: docs/benchmarks.md's table of
+   former commands maps each to its script, and there, and only there, a recorded
+   ``engram-trt bench NAME --flag`` of a former command is checked against its script's
+   flags (the same flags: ``cli.bench.script_parser``).
 
 3. Every module of the package (``python/engram_trt/**/*.py``) is named in
    docs/architecture.md by its path relative to ``python/engram_trt/`` in backticks
@@ -67,7 +72,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "python" / "engram_trt"
 
-DOCS = ["README.md", "docs/*.md", "plugins/*/README.md", "runtime/README.md", "benchmarks/kernels/README.md"]
+DOCS = ["README.md", "docs/*.md", "plugins/*/README.md", "runtime/README.md", "builder/README.md",
+        "builder/recipes/*.md", "benchmarks/README.md", "benchmarks/kernels/README.md"]
 REPO_ROOTS = ("python", "tests", "plugins", "runtime", "builder", "scripts", "docs", "benchmarks", ".ci")
 SOURCE_EXTENSIONS = (".py", ".cu", ".cuh", ".h", ".cpp", ".sh")
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "node_modules"}
@@ -221,10 +227,36 @@ def former_scripts() -> dict[str, tuple[list[str], list[str]]]:
     for line in table.splitlines()[2:]:
         cells = line.split("|")[1:4]
         checks = _BACKTICK.findall(cells[1])
-        timing = [t.split()[1] for t in _BACKTICK.findall(cells[2])]
+        timing = [t.split()[1] if t.startswith("bench ") else t for t in _BACKTICK.findall(cells[2])]
         for name in _BACKTICK.findall(cells[0]):
             out[name] = (checks, timing)
     return out
+
+
+def former_commands(doc: Path | None = None) -> dict[str, str]:
+    """docs/benchmarks.md's table of former bench commands: name -> its script under benchmarks/."""
+    text = (doc or BENCHMARKS).read_text()
+    if "| former command | script now |" not in text:
+        return {}
+    table = text.split("| former command | script now |", 1)[1].split("\n\n", 1)[0]
+    out: dict[str, str] = {}
+    for line in table.splitlines()[2:]:
+        cells = line.split("|")[1:3]
+        (script,) = _BACKTICK.findall(cells[1])
+        for span in _BACKTICK.findall(cells[0]):
+            out[span.split()[1]] = script
+    return out
+
+
+def script_flags(script: str) -> set[str]:
+    """The flags of a script under benchmarks/ (``benchmarks/<folder>/<name>.py``), from its ``OPTIONS``."""
+    from benchmark_scripts import module
+    from engram_trt.cli.bench import script_parser
+
+    folder, name = Path(script).parts[-2], Path(script).stem
+    mod = module(folder, name)
+    parser = script_parser(mod.OPTIONS, mod.__doc__ or "", Path(script).name)
+    return {f for a in parser._actions for f in a.option_strings}
 
 
 def _allowed(word: str, doc: Path) -> bool:
@@ -286,7 +318,25 @@ def test_former_scripts_are_gone_and_replaced() -> None:
             where = REPO / check if "/" in check else REPO / "tests" / "gpu" / check
             assert where.is_file(), f"docs/benchmarks.md: {name} is now {check}, which is not in tests/gpu/"
         for command in timing:
-            assert command in bench, f"docs/benchmarks.md: {name} is now bench {command}, which does not exist"
+            if command.startswith("benchmarks/"):
+                assert (REPO / command).is_file(), f"docs/benchmarks.md: {name} is now {command}, which does not exist"
+            else:
+                assert command in bench, f"docs/benchmarks.md: {name} is now bench {command}, which does not exist"
+
+
+def test_former_commands_are_gone_and_replaced() -> None:
+    """The bench commands that moved to benchmarks/ are no commands; each one's script exists
+    and takes the flags the runs docs/benchmarks.md records passed (checked with the command lines)."""
+    from benchmark_scripts import SCRIPTS
+    from engram_trt.cli.bench import BENCH_COMMANDS
+
+    former = former_commands()
+    assert former == {name: f"benchmarks/{path}" for name, path in SCRIPTS.items()}, former
+    bench = {c.name for c in BENCH_COMMANDS}
+    for name, script in former.items():
+        assert name not in bench, f"bench {name} is a command: drop its row from docs/benchmarks.md"
+        assert (REPO / script).is_file(), f"docs/benchmarks.md: bench {name} is now {script}, which does not exist"
+        assert "--help" in script_flags(script) and len(script_flags(script)) > 2, script  # its OPTIONS' flags
 
 
 def test_architecture_names_modules_by_their_package_path() -> None:
@@ -374,6 +424,7 @@ def command_problems() -> list[str]:
     sub = next(a for a in build_parser()._subparsers._group_actions if a.dest == "command")  # type: ignore[union-attr]
     problems = []
     for doc in _doc_files():
+        former = former_commands() if doc == BENCHMARKS else {}
         for lineno, text in _shown_commands(doc):
             words = text.split()[1:]
             if not words or words[0].startswith("-"):
@@ -390,12 +441,17 @@ def command_problems() -> list[str]:
                       if isinstance(a, argparse._SubParsersAction)] if parser._subparsers else []
             if nested and rest and re.fullmatch(r"[a-z][a-z0-9\\|-]*", rest[0]):
                 names = rest[0].split("\\|")
-                unknown = [n for n in names if n not in nested[0].choices]
+                unknown = [n for n in names if n not in nested[0].choices and n not in former]
                 if unknown:
                     problems.append(f"{where}: no {words[0]} command {unknown}")
                     continue
-                parser, rest = nested[0].choices[names[0]], rest[1:]
-            known = flags(parser)
+                if names[0] in former:  # a recorded run of a command that is a script now
+                    known = script_flags(former[names[0]])
+                else:
+                    known = flags(nested[0].choices[names[0]])
+                rest = rest[1:]
+            else:
+                known = flags(parser)
             for w in rest:
                 m = re.match(r"\[?(--[a-z][\w-]*)", w)
                 if m and m.group(1) not in known and not w.lstrip("[").startswith("--engram-config."):
@@ -472,13 +528,30 @@ def test_the_rules_find_what_they_should() -> None:
 def test_the_command_check_finds_what_it_should(monkeypatch, tmp_path) -> None:
     doc = tmp_path / "x.md"
     doc.write_text("`engram-trt shm list --bogus`, `engram-trt bench serve PATH --concurrency 1 --nope`\n"
-                   "```\nengram-trt run PATH --no-such\nengram-trt bench gather\\|nobench\n```\n"
+                   "```\nengram-trt run PATH --no-such\nengram-trt bench serve\\|nobench\n```\n"
                    "`engram-trt frobnicate`, `engram-trt build CK -o OUT --dtype fp16`, engram-trt keeps (prose)\n")
     monkeypatch.setattr(__import__(__name__), "_doc_files", lambda: [doc])
     monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
     found = [p.split(": ", 1)[1].rsplit(": ", 1)[1] for p in command_problems()]
     assert found == ["no flag --bogus", "no flag --nope", "no flag --no-such", "no bench command ['nobench']",
                      "no command 'frobnicate'"], found
+
+
+def test_a_former_command_is_checked_against_its_script_in_the_benchmarks_doc_only(monkeypatch, tmp_path) -> None:
+    """A recorded run of a command that is a script now parses against the script's flags in
+    docs/benchmarks.md (its table of former commands naming the script); elsewhere it is no command."""
+    bench_doc, other = tmp_path / "benchmarks.md", tmp_path / "x.md"
+    bench_doc.write_text("| former command | script now |\n| --- | --- |\n"
+                         "| `bench gather` | `benchmarks/lookup/bench_gather.py` |\n\n"
+                         "`engram-trt bench gather --threads 4 --dry-run`, `engram-trt bench gather --no-such`\n")
+    other.write_text("`engram-trt bench gather --threads 4`\n")
+    assert former_commands(bench_doc) == {"gather": "benchmarks/lookup/bench_gather.py"}
+    assert {"--threads", "--dry-run", "--json"} <= script_flags("benchmarks/lookup/bench_gather.py")
+    monkeypatch.setattr(__import__(__name__), "_doc_files", lambda: [bench_doc, other])
+    monkeypatch.setattr(__import__(__name__), "BENCHMARKS", bench_doc)
+    monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
+    found = [p.split(": ", 1)[0] + ": " + p.rsplit(": ", 1)[1] for p in command_problems()]
+    assert found == ["benchmarks.md:5: no flag --no-such", "x.md:1: no bench command ['gather']"], found
 
 
 def test_the_path_check_finds_what_it_should(tmp_path) -> None:

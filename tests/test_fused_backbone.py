@@ -199,8 +199,8 @@ def test_checked_arguments_reach_the_launch(plugin_lib: Path) -> None:
     machine without a GPU refuses, named after the entry point)."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tests/gpu/test_backbone.py launches these for real")
-    lib = backbone_kernels._library()
-    attention_kernels._library()
+    lib = backbone_kernels.library()
+    attention_kernels.library()
     a, b, c = (ctypes.c_void_p(x << 32) for x in (1, 2, 3))  # made-up, disjoint, aligned: never dereferenced
     status = lib.engram_hc_rms_norm(a, b, c, 4, 4, 2048, ctypes.c_float(1e-6), ctypes.c_void_p(4 << 32), None)
     assert status != 0 and "engram_hc_rms_norm launch failed" in lib.engram_last_error().decode()

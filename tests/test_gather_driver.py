@@ -83,12 +83,12 @@ def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(plug
     """StepJob checks the tables and outputs when made, not per step; a step beyond the
     buffers or with a misshapen lookback is refused before anything is queued; a step's
     ids are in the step buffers when the C call is made (here it fails: no driver). The
-    output check is kernels._gather_out's (CUDA outputs only): counted here on CPU ones."""
+    output check is gather.gather_out's (CUDA outputs only): counted here on CPU ones."""
     import numpy as np
     from types import SimpleNamespace
 
     out_checks = []
-    monkeypatch.setattr(gatherdriver, "_gather_out", lambda out, T, cols, head_dim, dev: out_checks.append(
+    monkeypatch.setattr(gatherdriver, "gather_out", lambda out, T, cols, head_dim, dev: out_checks.append(
         (tuple(out.shape), T, cols, head_dim)) or out)
     L, cols, n = layout.num_layers, layout.n_hash_cols, layout.max_ngram_size - 1
     gatherer = _Gatherer()

@@ -11,7 +11,7 @@ tests/gpu/test_gather_float_rows.py.
   builds into an engine on the CPU, its output of the table's dtype;
 - the ONNX reference runtime's EngramGather gives torch indexing of the table in its own
   dtype (zero rows outside), and refuses a table whose dtype is not the node's;
-- the binding (``kernels._table``) takes f16 / f32 tables for the GPU gather only.
+- the binding (``gather.table_code``) takes f16 / f32 tables for the GPU gather only.
 """
 
 from __future__ import annotations
@@ -188,13 +188,13 @@ def test_reference_gather_reads_float_rows_in_their_dtype(code: int, width: int)
 
 def test_binding_takes_float16_and_float32_tables_for_the_gpu_gather_only() -> None:
     torch = pytest.importorskip("torch")
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
-    for dt, code in ((torch.bfloat16, kernels.TABLE_BF16), (torch.float16, kernels.TABLE_F16),
-                     (torch.float32, kernels.TABLE_F32)):
-        assert kernels._table(torch.zeros(7, 3, dtype=dt), None, 32, float_rows=True) == (code, 7, 3)
+    for dt, code in ((torch.bfloat16, gather_kernels.TABLE_BF16), (torch.float16, gather_kernels.TABLE_F16),
+                     (torch.float32, gather_kernels.TABLE_F32)):
+        assert gather_kernels.table_code(torch.zeros(7, 3, dtype=dt), None, 32, float_rows=True) == (code, 7, 3)
     with pytest.raises(EngramError, match="rows must have dtype"):
-        kernels._table(torch.zeros(7, 3, dtype=torch.float32), None, 32)  # the host gather's tables
+        gather_kernels.table_code(torch.zeros(7, 3, dtype=torch.float32), None, 32)  # the host gather's tables
     with pytest.raises(EngramError, match="scales must be None for a torch.float32 table"):
-        kernels._table(torch.zeros(7, 3, dtype=torch.float32), torch.zeros(7, 1, dtype=torch.uint8), 32,
+        gather_kernels.table_code(torch.zeros(7, 3, dtype=torch.float32), torch.zeros(7, 1, dtype=torch.uint8), 32,
                        float_rows=True)

@@ -1,7 +1,7 @@
 """The decode projections' GEMV (engram_gemv_bf16) on a machine without a GPU: its C ABI's
 host checks, the binding's argument checks, the fused path's dispatch, and
 tests/gpu/test_gemv.py's CPU stages and verify function. The kernel itself runs on the
-H200 through that module (``pytest -m gpu tests/gpu``); its timing is `engram-trt bench gemv`."""
+H200 through that module (``pytest -m gpu tests/gpu``); its timing is `benchmarks/kernels/bench_gemv.py`."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_gemv_abi_reaches_the_launch(plugin_lib: Path) -> None:
     without a GPU refuses, named after the entry point."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tests/gpu/test_gemv.py launches the kernel for real")
-    lib = backbone_kernels._library()
+    lib = backbone_kernels.library()
     a, b, c = (ctypes.c_void_p(x << 32) for x in (1, 2, 3))  # made-up, disjoint, aligned: never dereferenced
     for tokens in (1, 4):
         for flags in (0, backbone_kernels.GEMV_WEIGHT_STATIC):

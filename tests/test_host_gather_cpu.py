@@ -9,7 +9,7 @@
 - the pool's size from the CPU affinity mask, in a child process pinned to one CPU;
 - the argument checks of the new entry points (one-line reasons, no GPU needed), the raw
   sink's with the scales in HBM among them.
-The pipelined GPU path (copies, dequant) runs on the H200 through `engram-trt bench gather`.
+The pipelined GPU path (copies, dequant) runs on the H200 through `benchmarks/lookup/bench_gather.py`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from engram_trt.native import hostgather
-from engram_trt.native import kernels
+from engram_trt.native import gather as gather_kernels
 from engram_trt.errors import EngramError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,24 +131,24 @@ def test_rows_cpu_argument_checks(plugin_lib: Path) -> None:
     with pytest.raises(EngramError, match=r"^ids must have dtype torch.int32 \(got torch.int64\)$"):
         hostgather.gather_rows_cpu(ids.long(), values, scales)
 
-    lib = kernels.load_library()
+    lib = hostgather.library()
     vp = ctypes.c_void_p
     ptr = vp(values.data_ptr())
-    status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, None, 10, 64, kernels.TABLE_FP8_E4M3,
+    status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, None, 10, 64, gather_kernels.TABLE_FP8_E4M3,
                                              32, 7, ptr, ptr, -1, -1)
     assert status == 1
     assert lib.engram_last_error().decode() == ("engram_host_gather_rows_cpu: table_layout 7 is not split (0), "
                                                 "inline (1) or hbm_scales (2)")
     bf = torch.zeros(10, 64, dtype=torch.bfloat16)
     status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, vp(bf.data_ptr()), None, 10, 64,
-                                             kernels.TABLE_BF16, 32, 2, vp(bf.data_ptr()), None, -1, -1)
+                                             gather_kernels.TABLE_BF16, 32, 2, vp(bf.data_ptr()), None, -1, -1)
     assert status == 1
     assert lib.engram_last_error().decode() == ("engram_host_gather_rows_cpu: hbm_scales (2) is a layout of fp8 "
                                                 "tables only")
-    status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, None, 10, 64, kernels.TABLE_FP8_E4M3,
+    status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, None, 10, 64, gather_kernels.TABLE_FP8_E4M3,
                                              32, 0, ptr, ptr, -1, -1)
     assert status == 1 and "split fp8 table, its scales" in lib.engram_last_error().decode()
-    status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, ptr, 10, 64, kernels.TABLE_FP8_E4M3,
+    status = lib.engram_host_gather_rows_cpu(None, 1, vp(ids.data_ptr()), 4, ptr, ptr, 10, 64, gather_kernels.TABLE_FP8_E4M3,
                                              32, 0, ptr, ptr, 65, -1)
     assert status == 1 and "prefetch_rows must be <= 64" in lib.engram_last_error().decode()
 
@@ -157,7 +157,7 @@ def test_default_thread_count_follows_the_affinity_mask(plugin_lib: Path) -> Non
     # one CPU left to the thread that launches the model, at least one thread
     assert hostgather.default_gather_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
     count = ctypes.c_int32(0)
-    assert kernels.load_library().engram_cpu_affinity_count(ctypes.byref(count)) == 0
+    assert hostgather.library().engram_cpu_affinity_count(ctypes.byref(count)) == 0
     assert count.value == len(os.sched_getaffinity(0))
     cpu = sorted(os.sched_getaffinity(0))[0]
     code = ("import os, sys; os.sched_setaffinity(0, {%d}); sys.path.insert(0, %r); "
@@ -169,7 +169,7 @@ def test_default_thread_count_follows_the_affinity_mask(plugin_lib: Path) -> Non
 
 
 def test_new_entry_points_refuse_null_gatherers(plugin_lib: Path) -> None:
-    lib = kernels.load_library()
+    lib = hostgather.library()
     value = ctypes.c_int64(0)
     assert lib.engram_host_gatherer_set_option(None, 0, 1) == 1
     assert lib.engram_last_error().decode() == "engram_host_gatherer_set_option: gatherer is NULL"
@@ -178,10 +178,10 @@ def test_new_entry_points_refuse_null_gatherers(plugin_lib: Path) -> None:
     assert lib.engram_last_error().decode() == "engram_host_gatherer_wake: gatherer is NULL"
     ids = np.zeros(4, np.int32)
     status = lib.engram_host_gather_raw(None, ids.ctypes.data_as(ctypes.c_void_p), 4, None, None, 0, 64,
-                                        kernels.TABLE_FP8_E4M3, 32, 0, None, None, None)
+                                        gather_kernels.TABLE_FP8_E4M3, 32, 0, None, None, None)
     assert status == 1 and lib.engram_last_error().decode() == "engram_host_gather_raw: gatherer is NULL"
     status = lib.engram_host_gather_dev(None, ids.ctypes.data_as(ctypes.c_void_p), None, 4, 1, 1, None, None, 0, 64,
-                                        kernels.TABLE_FP8_E4M3, 32, 2, None, None)
+                                        gather_kernels.TABLE_FP8_E4M3, 32, 2, None, None)
     assert status == 1 and lib.engram_last_error().decode() == "engram_host_gather: gatherer is NULL"
     handle = ctypes.c_void_p(1)
     status = lib.engram_host_gatherer_create_ex(2, 64, 64, 1, ctypes.byref(handle))
@@ -193,12 +193,12 @@ def test_raw_gather_with_scales_in_hbm_names_its_missing_arguments(plugin_lib: P
     """The raw sink's hbm_scales arguments are checked before the gatherer (no GPU needed):
     the device ids, the device scales, dst_scales, an fp8 table; the entry point without
     device ids names the one that has them. Valid hbm_scales arguments reach the gatherer."""
-    lib = kernels.load_library()
+    lib = hostgather.library()
     vp = ctypes.c_void_p
     ids = np.zeros(4, np.int32)
     buf = np.zeros((10, 64), np.uint8)
     ip, bp = vp(ids.ctypes.data), vp(buf.ctypes.data)
-    fp8, hbm = kernels.TABLE_FP8_E4M3, hostgather.TABLE_LAYOUTS["hbm-scales"]
+    fp8, hbm = gather_kernels.TABLE_FP8_E4M3, hostgather.TABLE_LAYOUTS["hbm-scales"]
 
     def raw_dev(ids_dev, scales, dst_scales, dtype=fp8, num_ids=4):
         status = lib.engram_host_gather_raw_dev(None, ip, ids_dev, num_ids, bp, scales, 10, 64, dtype, 32, hbm, bp,
@@ -212,7 +212,7 @@ def test_raw_gather_with_scales_in_hbm_names_its_missing_arguments(plugin_lib: P
                                         "(scales is NULL)")
     assert raw_dev(ip, bp, None) == (1, f"{fn}: hbm_scales (2) gathers the rows' scale bytes into dst_scales "
                                         "(device memory): it is NULL")
-    assert raw_dev(ip, bp, bp, dtype=kernels.TABLE_BF16) == (1, f"{fn}: hbm_scales (2) is a layout of fp8 tables only")
+    assert raw_dev(ip, bp, bp, dtype=gather_kernels.TABLE_BF16) == (1, f"{fn}: hbm_scales (2) is a layout of fp8 tables only")
     assert raw_dev(ip, bp, bp, num_ids=-2) == (1, f"{fn}: num_ids must be >= 0 (got -2)")
     assert raw_dev(ip, bp, bp) == (1, f"{fn}: gatherer is NULL")  # the arguments pass: the gatherer is next
     assert raw_dev(None, bp, None, num_ids=0) == (1, f"{fn}: gatherer is NULL")  # no ids: none needed
@@ -283,7 +283,7 @@ def test_option_names_match_the_header_enum() -> None:
     value of ENGRAM_HOST_GATHER_<NAME>, and every enum member has a name."""
     from engram_trt.native.hostgather import HOST_GATHER_OPTIONS, HOST_GATHER_READ_ONLY
 
-    header = (REPO / "plugins" / "kernels" / "engramKernels.h").read_text()
+    header = (REPO / "plugins" / "kernels" / "hostGatherKernels.h").read_text()
     body = header[header.index("enum EngramHostGatherOption"):]
     body = body[:body.index("};")]
     enum = {m.group(1).lower(): int(m.group(2)) for m in re.finditer(r"ENGRAM_HOST_GATHER_(\w+) = (\d+)", body)}

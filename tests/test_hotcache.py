@@ -6,7 +6,7 @@ for every host layout (hbm-scales: the values in host memory, the scales a tenso
 cache's device, gathered there by the plan's device miss list); the CUDA path (host
 gather of raw rows, the fused plan / admission kernels, the gather kernel) makes the
 same decisions and runs on the H200 through
-tests/gpu/test_cache.py and `engram-trt bench cache`, which check it against the
+tests/gpu/test_cache.py and `benchmarks/lookup/bench_cache.py`, which check it against the
 reference and its output against the plain host gather (tests/test_cachepolicy.py
 checks the reference against the policy's specification).
 """

@@ -1,7 +1,9 @@
 """The package's import graph, built from the source with ``ast``: no module imports
 itself through others (no circle, lazy imports inside functions included), and no
 subpackage imports one above it in the layer order of docs/architecture.md. The
-package's root holds only ``__init__``, ``__main__``, ``errors`` and ``paths``."""
+package's root holds only ``__init__``, ``__main__``, ``errors`` and ``paths``. The package
+imports nothing of the repository outside it: the scripts under benchmarks/ and the tests'
+modules (tests/gpu/cases.py among them) import the package, never the other way."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "python" / "engram_trt"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "python" / "engram_trt"
 
 # Low to high; a module may import its own subpackage or any subpackage at or below
 # its layer (docs/architecture.md, "Layers"). Subpackages of one layer never import
@@ -117,7 +120,7 @@ def layer_of(module: str) -> int:
 
 def test_the_graph_is_read() -> None:
     edges, files = import_graph()
-    assert "engram_trt.errors" in edges["engram_trt.native.kernels"]
+    assert "engram_trt.errors" in edges["engram_trt.native.library"]
     assert len(files) > 100 and sum(map(len, edges.values())) > 300
 
 
@@ -146,3 +149,23 @@ def test_package_root_holds_only_the_four_modules() -> None:
 def test_every_subpackage_is_layered() -> None:
     for d in sorted(p for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
         assert any(d.name in names for names in LAYERS), f"{d.name} is not in LAYERS"
+
+
+def outside_imports() -> list[str]:
+    """``module -> name`` for each import in the package of a module of benchmarks/ or tests/
+    (their file names, as a script or test that puts its folder on ``sys.path`` imports them)."""
+    outside = {p.stem for d in ("benchmarks", "tests") for p in (REPO / d).rglob("*.py")} - {"__init__"}
+    outside |= {"benchmarks", "tests"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{module_name(path)} -> {n}" for n in names if n.split(".")[0] in outside]
+    return found
+
+
+def test_the_package_imports_neither_benchmarks_nor_tests() -> None:
+    assert "cases" in {p.stem for p in (REPO / "tests" / "gpu").glob("*.py")}  # the GPU cases live with the tests
+    assert not (PACKAGE / "bench" / "gpucases.py").exists()
+    assert outside_imports() == []

@@ -59,6 +59,44 @@ def test_workspace_follows_the_token_count_alone(plugin_lib: Path) -> None:
     _one_line(exc, "num_tokens in [0, 2^31 - 1] (got -1)")
 
 
+def test_fold_workspace_size(plugin_lib: Path) -> None:
+    # a decode step (T <= 8): one split per 8 vectors of 8 channels of a stream (D 2048: 32 splits),
+    # 25 partials each for hc 4; never less than the collapse's own plan (more tokens take it)
+    assert mhc.fold_workspace_size(1, 4, 2048) == 32 * 1 * 25 * 4 == mhc.workspace_size(1, 4, 2048)
+    assert mhc.fold_workspace_size(8, 2, 2048) == 32 * 8 * 9 * 4 > mhc.workspace_size(8, 2, 2048)
+    assert mhc.fold_workspace_size(3, 3, 200) == 4 * 3 * 16 * 4  # 25 vectors a stream: 4 spans, the last partial
+    assert mhc.fold_workspace_size(9, 4, 2048) == mhc.workspace_size(9, 4, 2048)
+    assert mhc.fold_workspace_size(300, 4, 256) == mhc.workspace_size(300, 4, 256)
+    assert mhc.fold_workspace_size(0, 4, 2048) == 0
+    with pytest.raises(EngramError) as exc:
+        mhc.fold_workspace_size(-1, 4, 2048)
+    _one_line(exc, "engram_mhc_fold_workspace_size: need bytes != NULL and num_tokens in [0, 2^31 - 1] (got -1)")
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"out": torch.zeros(3, 8, dtype=torch.bfloat16)}, "out must be [T, hidden] = (3, 16) (got (3, 8))"),
+    ({"post": torch.zeros(3, 3)}, "post must be [T, hc] = (3, 2) (got (3, 3))"),
+    ({"comb": torch.zeros(3, 2, 2, dtype=torch.bfloat16)}, "comb must have dtype torch.float32 (got torch.bfloat16)"),
+    ({"fn": torch.zeros(2, 32)}, "fn must be [8, 32] (got (2, 32))"),
+    ({"scale": torch.ones(1)}, "scale must be [3] (got (1,))"),
+    ({"head": True}, "fn must be [2, 32] (got (8, 32))"),
+    ({"new_streams": torch.zeros(3, 2, 16)}, "new_streams must have dtype torch.bfloat16 (got torch.float32)"),
+    ({"norm_weight": torch.ones(8)}, "norm_weight must be [16] (got (8,))"),
+    ({"norm_weight": torch.ones(16, dtype=torch.float64)}, "norm_weight must have dtype torch.float32 (got "
+                                                           "torch.float64)"),
+    ({}, "streams must be a CUDA tensor (got device cpu)"),
+])
+def test_fold_names_the_bad_argument(plugin_lib: Path, change, needle) -> None:
+    args = dict(streams=torch.zeros(3, 2, 16, dtype=torch.bfloat16), out=torch.zeros(3, 16, dtype=torch.bfloat16),
+                post=torch.zeros(3, 2), comb=torch.zeros(3, 2, 2), fn=torch.zeros(8, 32), base=torch.zeros(8),
+                scale=torch.ones(3))
+    args.update(change)
+    with pytest.raises(EngramError) as exc:
+        mhc.mhc_fold(args.pop("streams"), args.pop("out"), args.pop("post"), args.pop("comb"), args.pop("fn"),
+                     args.pop("base"), args.pop("scale"), **args, sinkhorn_iters=3, hc_eps=1e-6, norm_eps=1e-6)
+    _one_line(exc, needle)
+
+
 def _pre_args(T=3, hc=2, D=16, io=torch.bfloat16):
     n = (2 + hc) * hc
     return dict(streams=torch.zeros(T, hc, D, dtype=io), fn=torch.zeros(n, hc * D), base=torch.zeros(n),

@@ -274,10 +274,10 @@ def test_a_pinned_float_table_gets_the_uva_share(monkeypatch: pytest.MonkeyPatch
     can read the rows (pointer kind stood in: no CUDA driver here), which once asked the
     missing scales for their memory."""
     from engram_trt.native import cache as ck
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
 
     words = torch.zeros(64, 16, dtype=torch.bfloat16)
-    monkeypatch.setattr(kernels, "pointer_kind", lambda t: "host")
+    monkeypatch.setattr(kernel_library, "pointer_kind", lambda t: "host")
     assert ck._uva_share_for(None, 8, True, words, None, "split") == ck.DEFAULT_UVA_SHARE
-    monkeypatch.setattr(kernels, "pointer_kind", lambda t: "unregistered")
+    monkeypatch.setattr(kernel_library, "pointer_kind", lambda t: "unregistered")
     assert ck._uva_share_for(None, 8, True, words, None, "split") == 0.0

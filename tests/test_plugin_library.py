@@ -24,7 +24,11 @@ import numpy as np
 import pytest
 
 from engram_trt.native import attention as attention_kernels
-from engram_trt.native import kernels
+from engram_trt.native import gate as gate_kernels
+from engram_trt.native import gather as gather_kernels
+from engram_trt.native import hash as hash_kernels
+from engram_trt.native import hostgather
+from engram_trt.native import library as kernel_library
 from engram_trt.native import trt_compat
 from engram_trt.config.model import EngramSpec
 from engram_trt.distributed.sharding import ColumnShard, shard_columns
@@ -72,21 +76,21 @@ def test_exported_symbols_are_the_abi_and_nothing_else(plugin_lib: Path) -> None
 
 def test_version_matches_the_header(plugin_lib: Path) -> None:
     declared = re.search(r'#define ENGRAM_TRT_PLUGIN_VERSION "([^"]+)"', HEADER.read_text()).group(1)
-    assert kernels.version() == declared
+    assert kernel_library.version() == declared
 
 
 def test_layout_checks_run_without_gpu(plugin_lib: Path, layout: EngramLayout) -> None:
-    kernels.check_layout(layout)  # the real layout passes
+    hash_kernels.check_layout(layout)  # the real layout passes
 
     too_big = EngramLayout(**{**layout.__dict__, "multipliers": layout.multipliers.copy()})
     too_big.multipliers[1, 2] = np.iinfo(np.int64).max // (layout.compressed_vocab_size - 1) + 1
     with pytest.raises(EngramError, match=r"multiplier\[5\]"):
-        kernels.check_layout(too_big)
+        hash_kernels.check_layout(too_big)
 
     wide = EngramLayout(**{**layout.__dict__, "offsets": layout.offsets.copy()})
     wide.offsets[0, -1] = 2**31 - 2
     with pytest.raises(EngramError, match="fit int32"):
-        kernels.check_layout(wide)
+        hash_kernels.check_layout(wide)
 
 
 def test_bindings_name_the_bad_argument() -> None:
@@ -96,28 +100,28 @@ def test_bindings_name_the_bad_argument() -> None:
         max_ngram_size, num_layers, n_hash_cols = 3, 1, 2
 
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):
-        kernels.hash_packed(torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), None, Lay())
+        hash_kernels.hash_packed(torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), None, Lay())
     with pytest.raises(EngramError, match="^ids must have dtype torch.int32"):
-        kernels.hash_packed(torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), None, Lay())
+        hash_kernels.hash_packed(torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), None, Lay())
     kv, w = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(1, 8)
     with pytest.raises(EngramError, match=r"^hidden must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
                                           r"\(got torch.float64\)$"):
-        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float64), kv, w, w, eps=1e-6)
+        gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float64), kv, w, w, eps=1e-6)
     with pytest.raises(EngramError, match="^hidden, kv and out must share one dtype .*; got hidden torch.float32, "
                                           "kv torch.bfloat16$"):
-        kernels.gate(torch.zeros(2, 1, 8), kv, w, w, eps=1e-6)
+        gate_kernels.gate(torch.zeros(2, 1, 8), kv, w, w, eps=1e-6)
     with pytest.raises(EngramError, match="got hidden torch.float16, kv torch.float16, out torch.bfloat16$"):
-        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w, w, eps=1e-6,
+        gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w, w, eps=1e-6,
                      out=torch.zeros(2, 1, 8, dtype=torch.bfloat16))
     with pytest.raises(EngramError, match=r"^q_weight must have dtype torch.bfloat16 or torch.float32 \(got torch.float16\)"):
-        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.bfloat16), kv, w.half(), w.half(), eps=1e-6)
+        gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.bfloat16), kv, w.half(), w.half(), eps=1e-6)
     with pytest.raises(EngramError, match=r"^k_weight must have dtype torch.float16 \(got torch.float32\)"):
-        kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w.half(), w, eps=1e-6)
+        gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w.half(), w, eps=1e-6)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):  # all three I/O types pass the dtype checks
         with pytest.raises(EngramError, match="^hidden must be a CUDA tensor"):
-            kernels.gate(torch.zeros(2, 1, 8, dtype=dtype), kv.to(dtype), w.to(dtype), w.to(dtype), eps=1e-6)
+            gate_kernels.gate(torch.zeros(2, 1, 8, dtype=dtype), kv.to(dtype), w.to(dtype), w.to(dtype), eps=1e-6)
     with pytest.raises(EngramError, match=r"^ids must be a CUDA tensor"):
-        kernels.gather(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8))
+        gather_kernels.gather(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8))
 
 
 def test_gate_abi_refuses_bad_types_before_any_cuda_call(plugin_lib: Path) -> None:
@@ -125,27 +129,27 @@ def test_gate_abi_refuses_bad_types_before_any_cuda_call(plugin_lib: Path) -> No
     engram_gate's weight check run on the host: no GPU needed, one-line reasons."""
     import ctypes
 
-    lib = kernels.load_library()
+    lib = gate_kernels.library()
     p = ctypes.c_void_p(16)  # never read: the calls fail on their types first
 
     def typed(io_type: int, weight_type: int) -> tuple[int, str]:
-        status = lib.engram_gate_typed(p, p, io_type, p, p, weight_type, None, kernels.MASK_NONE, 4, 2, 64,
+        status = lib.engram_gate_typed(p, p, io_type, p, p, weight_type, None, gate_kernels.MASK_NONE, 4, 2, 64,
                                        ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
         return status, lib.engram_last_error().decode()
 
-    assert typed(3, kernels.FLOAT_BF16) == (1, "engram_gate: io_type 3 is not bf16 (0), fp32 (1) or fp16 (2)")
-    assert typed(kernels.FLOAT_BF16, kernels.FLOAT_F16) == (
+    assert typed(3, kernel_library.FLOAT_BF16) == (1, "engram_gate: io_type 3 is not bf16 (0), fp32 (1) or fp16 (2)")
+    assert typed(kernel_library.FLOAT_BF16, kernel_library.FLOAT_F16) == (
         1, "engram_gate: weight_type 2 is neither bf16 (0), fp32 (1) nor the io_type (0, bf16)")
-    assert typed(kernels.FLOAT_F32, kernels.FLOAT_F16)[0] == 1
-    status = lib.engram_gate(p, p, p, p, kernels.WEIGHT_F16, None, kernels.MASK_NONE, 4, 2, 64,
+    assert typed(kernel_library.FLOAT_F32, kernel_library.FLOAT_F16)[0] == 1
+    status = lib.engram_gate(p, p, p, p, gate_kernels.WEIGHT_F16, None, gate_kernels.MASK_NONE, 4, 2, 64,
                              ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
     assert (status, lib.engram_last_error().decode()) == (
         1, "engram_gate: weight_type 2 is neither bf16 (0) nor fp32 (1)")
     # zero tokens: every type combination is valid and nothing is launched
-    for io_type, weight_types in ((kernels.FLOAT_BF16, (0, 1)), (kernels.FLOAT_F16, (0, 1, 2)),
-                                  (kernels.FLOAT_F32, (0, 1))):
+    for io_type, weight_types in ((kernel_library.FLOAT_BF16, (0, 1)), (kernel_library.FLOAT_F16, (0, 1, 2)),
+                                  (kernel_library.FLOAT_F32, (0, 1))):
         for wt in weight_types:
-            status = lib.engram_gate_typed(p, p, io_type, p, p, wt, None, kernels.MASK_NONE, 0, 2, 64,
+            status = lib.engram_gate_typed(p, p, io_type, p, p, wt, None, gate_kernels.MASK_NONE, 0, 2, 64,
                                            ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
             assert status == 0, lib.engram_last_error().decode()
 
@@ -155,10 +159,10 @@ def test_attention_abi_checks_run_without_gpu(plugin_lib: Path) -> None:
     one-line reasons, before any CUDA call; zero tokens launch nothing."""
     import ctypes
 
-    lib = attention_kernels._library()
+    lib = attention_kernels.library()
     p = ctypes.c_void_p(16)  # never read: the calls fail on their arguments first
 
-    def packed(io_type=kernels.FLOAT_BF16, T=4, H=8, kvh=2, hd=64, slots=4, max_len=32, scale=0.125, q=p):
+    def packed(io_type=kernel_library.FLOAT_BF16, T=4, H=8, kvh=2, hd=64, slots=4, max_len=32, scale=0.125, q=p):
         status = lib.engram_attention_packed(q, io_type, p, p, p, p, T, H, kvh, hd, slots, max_len, ctypes.c_float(scale),
                                              None, 0, p, None)
         return status, lib.engram_last_error().decode()
@@ -173,10 +177,10 @@ def test_attention_abi_checks_run_without_gpu(plugin_lib: Path) -> None:
     assert packed(q=ctypes.c_void_p(24)) == (1, "engram_attention_packed: q, key_cache, value_cache and out must be "
                                                 "16-byte aligned device pointers")
     assert packed(T=0) == (0, "")  # nothing to do, nothing launched
-    status = lib.engram_kv_cache_write(p, p, kernels.FLOAT_F16, None, p, 3, 2, 64, p, p, 4, 32, None)
+    status = lib.engram_kv_cache_write(p, p, kernel_library.FLOAT_F16, None, p, 3, 2, 64, p, p, 4, 32, None)
     assert (status, lib.engram_last_error().decode()) == (
         1, "engram_kv_cache_write: token_slot and token_pos must be int32 device arrays")
-    status = lib.engram_attention_step(p, p, p, kernels.FLOAT_F32, p, p, 0, 8, 2, 64, p, p, 4, 32,
+    status = lib.engram_attention_step(p, p, p, kernel_library.FLOAT_F32, p, p, 0, 8, 2, 64, p, p, 4, 32,
                                        ctypes.c_float(0.125), None, 0, p, None)
     assert status == 0
     attention_kernels.check_attention_shape(32, 8, 128, 128 ** -0.5)
@@ -242,7 +246,7 @@ def test_host_gatherer_create_reports_a_missing_device(plugin_lib: Path) -> None
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the gatherer would be created")
-    lib = kernels.load_library()
+    lib = hostgather.library()
     handle = ctypes.c_void_p(1)
     status = lib.engram_host_gatherer_create(2, 64, 64, ctypes.byref(handle))
     assert status != 0 and handle.value is None
@@ -635,22 +639,23 @@ def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> No
 # --- prepared hash layout, bad-row counter: host-side ABI (no GPU) ---------------------
 
 def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layout: EngramLayout) -> None:
-    """kernels.hash_packed prepares a layout once per EngramLayout (validated and laid out
+    """hash_kernels.hash_packed prepares a layout once per EngramLayout (validated and laid out
     as the kernel's parameter, no GPU needed) and reuses it; a bad layout is refused at
     preparation with the library's reason."""
     import ctypes
 
-    first = kernels.prepared_layout(layout)
-    assert kernels.prepared_layout(layout) is first and first.handle.value
-    assert kernels.prepared_layout(first) is first
+    first = hash_kernels.prepared_layout(layout)
+    assert hash_kernels.prepared_layout(layout) is first and first.handle.value
+    assert hash_kernels.prepared_layout(first) is first
     other = EngramLayout(**layout.__dict__)  # equal content, another object: its own preparation
-    assert kernels.prepared_layout(other) is not first
+    assert hash_kernels.prepared_layout(other) is not first
     bad = EngramLayout(**{**layout.__dict__, "multipliers": layout.multipliers.copy()})
     bad.multipliers[0, 1] = -3
     with pytest.raises(EngramError, match=r"engram_hash_layout_create failed: engram_hash_layout_create: "
                                           r"multiplier\[1\] = -3 is not in"):
-        kernels.PreparedHashLayout(bad)
-    lib = kernels.load_library()
+        hash_kernels.PreparedHashLayout(bad)
+    hash_kernels.library()
+    lib = gather_kernels.library()
     assert lib.engram_hash_prepared(None, None, 4, None, 1, None, None, None) == 1
     assert lib.engram_last_error().decode() == "engram_hash_prepared: layout is NULL"
     # zero tokens: nothing to launch, so success without a GPU
@@ -658,7 +663,7 @@ def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layou
     # the 128-slot layout parameter of CUDA < 12.1 is not the limit of this build: 512 slots still prepare
     wide = EngramSpec(layer_ids=(0, 1, 2, 3), max_ngram_size=3, n_heads=64, vocab_size=1000,
                       compressed_vocab_size=900, pad_token_id=0, head_dim=64)
-    assert kernels.PreparedHashLayout(EngramLayout.from_spec(wide, pad_id=5)).handle.value
+    assert hash_kernels.PreparedHashLayout(EngramLayout.from_spec(wide, pad_id=5)).handle.value
     handle = ctypes.c_void_p(1)
     assert lib.engram_hash_layout_create(None, None, None, 1, 3, 4, 0, 10, ctypes.byref(handle)) == 1
     assert handle.value is None  # no half-made layout on failure
@@ -667,9 +672,9 @@ def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layou
 def test_gather_refuses_a_misaligned_bad_row_counter(plugin_lib: Path) -> None:
     import ctypes
 
-    lib = kernels.load_library()
+    lib = gather_kernels.library()
     p = ctypes.c_void_p(256)  # never read: the call fails on its arguments first
-    status = lib.engram_gather(p, 1, 1, 1, p, p, 10, 64, kernels.TABLE_FP8_E4M3, 32, p, ctypes.c_void_p(260), None)
+    status = lib.engram_gather(p, 1, 1, 1, p, p, 10, 64, gather_kernels.TABLE_FP8_E4M3, 32, p, ctypes.c_void_p(260), None)
     assert (status, lib.engram_last_error().decode()) == (
         1, "engram_gather: bad_rows must be an 8-byte aligned device pointer")
 
@@ -678,14 +683,14 @@ def test_check_bad_rows_raises_one_line_and_resets() -> None:
     import torch
 
     counter = torch.zeros(1, dtype=torch.int64)  # a CPU stand-in: the check only reads and zeroes it
-    kernels.check_bad_rows(counter)  # 0: nothing to report
+    gather_kernels.check_bad_rows(counter)  # 0: nothing to report
     counter += 7
     with pytest.raises(EngramError, match=r"^layer 1 gather: 7 row\(s\) read no table \(ids outside \[0, num_rows\)"):
-        kernels.check_bad_rows(counter, what="layer 1 gather")
+        gather_kernels.check_bad_rows(counter, what="layer 1 gather")
     assert int(counter.item()) == 0
     counter += 2
     with pytest.raises(EngramError, match="2 row"):
-        kernels.check_bad_rows(counter, reset=False)
+        gather_kernels.check_bad_rows(counter, reset=False)
     assert int(counter.item()) == 2
 
 
@@ -694,7 +699,7 @@ def test_gather_binding_checks_the_bad_row_counter() -> None:
 
     ids, table = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8)
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # the device check comes first
-        kernels.gather(ids, table, torch.zeros(10, 2, dtype=torch.uint8), bad_rows=torch.zeros(1, dtype=torch.int64))
+        gather_kernels.gather(ids, table, torch.zeros(10, 2, dtype=torch.uint8), bad_rows=torch.zeros(1, dtype=torch.int64))
 
 
 # --- the plugin harness without a GPU: the build phase reads no table -------------------
@@ -797,7 +802,7 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
     finally:
         h.lib.harness_destroy(plugin)
     assert "engram_kv_cache_write launch failed" in messages[0], messages[0]
-    copy = "copyUnlessAliased(outputs[kKeyCacheOut + i], inputs[kKeyCache + i], cacheBytes, stream) failed"
+    copy = "copyUnlessAliased(outputs[state.output], inputs[state.input], bytes, stream) failed"  # the aliasing base's copy
     assert copy in messages[1], messages[1]
     assert "configurePlugin failed: EngramAttention: k must be [T, 2, 64], got [-1, 1, 64]" in messages[2], messages[2]
     assert "enqueue failed" in messages[3] and "token_pos must be [5], got [4]" in messages[3], messages[3]
@@ -812,18 +817,18 @@ def test_gather_ex_abi_checks_the_row_offset(plugin_lib: Path) -> None:
     one line naming the function; valid arguments with no token launch nothing."""
     import ctypes
 
-    lib = kernels.load_library()
+    lib = gather_kernels.library()
     lib.engram_gather_indirect_ex.restype = ctypes.c_int
     i32, i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.engram_gather_indirect_ex.argtypes = [vp, i64, i32, i64, vp, vp, i64, i64, i32, i32, i32, vp, vp, vp]
     p = ctypes.c_void_p(256)  # never read: the calls fail on their arguments first, or launch nothing
 
     def direct(row_offset: int, ids=p, T: int = 1) -> tuple[int, str]:
-        status = lib.engram_gather_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, kernels.TABLE_FP8_E4M3, 32, p, None, None)
+        status = lib.engram_gather_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, gather_kernels.TABLE_FP8_E4M3, 32, p, None, None)
         return status, lib.engram_last_error().decode()
 
     def indirect(row_offset: int, ids=p, T: int = 1) -> tuple[int, str]:
-        status = lib.engram_gather_indirect_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, kernels.TABLE_BF16, 32, p,
+        status = lib.engram_gather_indirect_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, gather_kernels.TABLE_BF16, 32, p,
                                                None, None)
         return status, lib.engram_last_error().decode()
 
@@ -834,7 +839,7 @@ def test_gather_ex_abi_checks_the_row_offset(plugin_lib: Path) -> None:
         assert call(2**31 - 1, T=0) == (0, "")  # the largest offset is valid; zero tokens launch nothing
         assert call(0, ids=None, T=0) == (0, "")
     # the other checks name the _ex function too
-    status = lib.engram_gather_ex(p, 1, 4, 8, ctypes.c_void_p(264), p, 100, 7, 64, kernels.TABLE_FP8_E4M3, 32, p,
+    status = lib.engram_gather_ex(p, 1, 4, 8, ctypes.c_void_p(264), p, 100, 7, 64, gather_kernels.TABLE_FP8_E4M3, 32, p,
                                   None, None)
     assert (status, lib.engram_last_error().decode()) == (
         1, "engram_gather_ex: table rows must be a 16-byte aligned pointer")
@@ -847,11 +852,11 @@ def test_gather_part_abi_refusals(plugin_lib: Path) -> None:
     checks under its name; valid arguments with no token launch nothing."""
     import ctypes
 
-    lib = kernels.load_library()
+    lib = gather_kernels.library()
     p = ctypes.c_void_p(256)  # never read: the calls fail on their arguments first, or launch nothing
 
     def part(ids=p, keep: int = 1, blocks: int = 0, T: int = 1, rows=p, offset: int = 0) -> tuple[int, str]:
-        status = lib.engram_gather_part(ids, T, 4, 8, rows, p, 100, offset, 64, kernels.TABLE_FP8_E4M3, 32, keep,
+        status = lib.engram_gather_part(ids, T, 4, 8, rows, p, 100, offset, 64, gather_kernels.TABLE_FP8_E4M3, 32, keep,
                                         blocks, p, None)
         return status, lib.engram_last_error().decode()
 
@@ -870,7 +875,7 @@ def test_gather_raw_abi_refusals(plugin_lib: Path) -> None:
     nothing, with no pointer read."""
     import ctypes
 
-    lib = kernels.load_library()
+    lib = gather_kernels.library()
     p, q = ctypes.c_void_p(256), ctypes.c_void_p(264)
 
     def raw(count: int = 3, rows=p, row_bytes: int = 256, scale_bytes: int = 8, scales=p, dst=p, dst_scales=p,
@@ -892,21 +897,21 @@ def test_gather_raw_abi_refusals(plugin_lib: Path) -> None:
 
 
 def test_gather_binding_refuses_partial_gathers_it_cannot_honour() -> None:
-    """kernels.gather(keep_outside=, max_blocks=) name what is wrong before any device
+    """gather_kernels.gather(keep_outside=, max_blocks=) name what is wrong before any device
     check: keep_outside without the out it leaves rows in, a bad grid cap, a bad-row
     counter (engram_gather_part counts nothing)."""
     import torch
 
     ids, table = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.bfloat16)
     with pytest.raises(EngramError, match="^keep_outside leaves rows of out as they are: pass the out tensor"):
-        kernels.gather(ids, table, keep_outside=True)
+        gather_kernels.gather(ids, table, keep_outside=True)
     for blocks in (-1, 1.5, None):
         with pytest.raises(EngramError, match=r"^max_blocks must be an integer >= 0 \(0: one full wave of blocks\)"):
-            kernels.gather(ids, table, max_blocks=blocks)
+            gather_kernels.gather(ids, table, max_blocks=blocks)
     with pytest.raises(EngramError, match="^keep_outside / max_blocks count no bad rows: pass bad_rows=None"):
-        kernels.gather(ids, table, max_blocks=4, bad_rows=torch.zeros(1, dtype=torch.int64))
+        gather_kernels.gather(ids, table, max_blocks=4, bad_rows=torch.zeros(1, dtype=torch.int64))
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # valid: on to the device check
-        kernels.gather(ids, table, keep_outside=True, out=torch.empty(2, 3, 64, dtype=torch.bfloat16), max_blocks=2)
+        gather_kernels.gather(ids, table, keep_outside=True, out=torch.empty(2, 3, 64, dtype=torch.bfloat16), max_blocks=2)
 
 
 def test_cache_overlap_abi(plugin_lib: Path) -> None:
@@ -916,7 +921,7 @@ def test_cache_overlap_abi(plugin_lib: Path) -> None:
 
     from engram_trt.native import cache as cache_kernels
 
-    lib = cache_kernels._library()
+    lib = cache_kernels.library()
     assert lib.engram_cache_overlap_create(None) == 1
     assert lib.engram_last_error().decode() == "engram_cache_overlap_create: overlap (the output) is required"
     assert lib.engram_cache_overlap_destroy(None) == 0
@@ -931,7 +936,7 @@ def test_cache_overlap_abi(plugin_lib: Path) -> None:
 
 
 def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
-    """kernels.gather(columns=, row_offset=) name a bad range or offset before any device
+    """gather_kernels.gather(columns=, row_offset=) name a bad range or offset before any device
     check (so they fail the same with or without a GPU)."""
     import torch
 
@@ -939,14 +944,14 @@ def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
     for columns in ((3, 3), (-1, 4), (2, 9), (5, 2), (1,), "0:4", (0.0, 4), (True, 4)):
         with pytest.raises(EngramError, match=r"^columns must be \(begin, end\) with 0 <= begin < end <= 8 \(the ids' "
                                               r"columns\); got "):
-            kernels.gather(ids, table, layer=1, columns=columns)
+            gather_kernels.gather(ids, table, layer=1, columns=columns)
     for row_offset in (-1, 2**31, 1.0, True, None):
         with pytest.raises(EngramError, match=r"^row_offset must be an integer in \[0, 2\^31 - 1\] .*; got "):
-            kernels.gather(ids, table, layer=1, row_offset=row_offset)
+            gather_kernels.gather(ids, table, layer=1, row_offset=row_offset)
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # a valid share: on to the device check
-        kernels.gather(ids, table, layer=1, columns=(0, 8), row_offset=2**31 - 1)
-    assert kernels._ids_view(ids, 1, "any", (5, 8)) == (2, 3, 24, (8 + 5) * 4)  # [T, 3 columns], stride L * cols
-    assert kernels._ids_view(ids[:, 0].contiguous(), None, "any", (0, 8)) == (2, 8, 8, 0)
+        gather_kernels.gather(ids, table, layer=1, columns=(0, 8), row_offset=2**31 - 1)
+    assert gather_kernels.ids_view(ids, 1, "any", (5, 8)) == (2, 3, 24, (8 + 5) * 4)  # [T, 3 columns], stride L * cols
+    assert gather_kernels.ids_view(ids[:, 0].contiguous(), None, "any", (0, 8)) == (2, 8, 8, 0)
 
 
 @pytest.fixture(scope="module")

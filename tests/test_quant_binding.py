@@ -59,11 +59,15 @@ def _ctype_of(arg: str):
 
 
 def test_declarations_are_the_header_prototypes() -> None:
+    from engram_trt.native import quant_decode as qd
+
     protos = _prototypes()
-    assert len(protos) == 9, sorted(protos)  # the parse found the ABI
-    assert set(protos) == set(qk.SIGNATURES)
+    assert len(protos) == 12, sorted(protos)  # the parse found the ABI
+    signatures = {**qk.SIGNATURES, **qd.SIGNATURES}
+    assert len(signatures) == len(qk.SIGNATURES) + len(qd.SIGNATURES)  # no entry point bound twice
+    assert set(protos) == set(signatures)
     for name, args in protos.items():
-        assert [_ctype_of(a) for a in args] == qk.SIGNATURES[name], name
+        assert [_ctype_of(a) for a in args] == signatures[name], name
 
 
 def test_constants_are_the_headers() -> None:

@@ -1,5 +1,5 @@
-"""Offline row counts (`engram-trt bench rowcounts`) and the cache warmed from them in
-`bench cache`: counts equal np.unique's, the file round-trips, and counts that overlap
+"""Offline row counts (`benchmarks/lookup/rowcounts.py`, formerly `bench rowcounts`) and the
+cache warmed from them in `bench_cache.py`: counts equal np.unique's, the file round-trips, and counts that overlap
 the measured chunks are refused."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engram_trt.bench import idstreams, rowcounts
-from engram_trt.cli.main import main
+from benchmark_scripts import script
 from engram_trt.errors import EngramError
 
+idstreams, rowcounts, bench_cache = script("idstream"), script("rowcounts"), script("cache")
 VOCAB = 5000
 
 
@@ -66,11 +66,11 @@ def test_counts_file_round_trips_and_refuses_overlap(tmp_path: Path) -> None:
 def test_bench_cache_warms_from_a_disjoint_counts_file(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 6 + 5), tmp_path / "t.npz")
     counts = tmp_path / "counts.npz"
-    assert main(["bench", "rowcounts", "--tokens", str(tokens), "--column-rows", "1024", "--first-chunk", "4",
+    assert rowcounts.main(["--tokens", str(tokens), "--column-rows", "1024", "--first-chunk", "4",
                  "--chunks", "2", "--layers", "1", "--out", str(counts)]) == 0
     assert "counts over chunks 4..5 of the token stream" in capsys.readouterr().out
     out = tmp_path / "c.json"
-    rc = main(["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
+    rc = bench_cache.main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
                "--warm", "2", "--measure", "2", "--offline-counts", str(counts), "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -80,7 +80,7 @@ def test_bench_cache_warms_from_a_disjoint_counts_file(plugin_lib: Path, capsys,
     off = layer["offline"]
     assert off["exact"] is True and layer["exact"] is True
     assert off["stats"]["steps"] == 2 and off["stats"]["preloaded"] > 0 and 0.0 < off["stats"]["hit_rate"] < 1.0
-    assert main(["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
+    assert bench_cache.main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
                  "--warm", "4", "--measure", "1", "--offline-counts", str(counts)]) != 0
     err = capsys.readouterr().err
     assert "counts over chunks 4..5 overlap the measured chunks 4..4; count a disjoint range" in err
@@ -89,7 +89,7 @@ def test_bench_cache_warms_from_a_disjoint_counts_file(plugin_lib: Path, capsys,
 def test_bench_cache_without_offline_warming(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 2 + 5), tmp_path / "t.npz")
     out = tmp_path / "c.json"
-    assert main(["bench", "cache", "--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
+    assert bench_cache.main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
                  "--warm", "1", "--measure", "1", "--offline-counts", "none", "--json", str(out)]) == 0
     assert "warming 'offline'" not in capsys.readouterr().out
     report = json.loads(out.read_text())

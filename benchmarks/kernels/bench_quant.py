@@ -61,10 +61,10 @@ L2_ROTATE_BYTES = 256 << 20  # weight copies per shape: at least this many bytes
 
 def ensure_library() -> str:
     from engram_trt.errors import EngramError
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
 
     try:
-        return str(kernels.library_path())
+        return str(kernel_library.library_path())
     except EngramError:
         pass
     major, minor = torch.cuda.get_device_capability()

@@ -10,7 +10,8 @@
  * TensorRT derives from a build-phase plugin (for timing enqueues during the build)
  * knows it serves a build.
  * The build capability is a template parameter: IPluginV3OneBuild for most plugins,
- * IPluginV3OneBuildV2 for a plugin that updates an input in place (aliased I/O).
+ * IPluginV3OneBuildV2 for a plugin that updates an input in place (aliased I/O), whose
+ * base, EngramAliasingPluginBase, holds the aliasing once.
  * A plugin's parameters are one Config struct whose fields are a FieldTable
  * (fieldTable.h): the base holds the Config, serializes it through the table, and
  * clones the plugin by copy; EngramCreator lists the table's fields and parses them
@@ -22,6 +23,7 @@
 #include "checkMacros.h"
 #include "fieldTable.h"
 #include "pluginFields.h"
+#include "pluginTensors.h"
 
 #include <NvInferRuntime.h>
 
@@ -33,6 +35,20 @@ namespace engram_trt
 {
 namespace plugin
 {
+
+//! Product of dims (0 for an empty shape list is never asked for: callers check nbDims).
+inline int64_t volume(nvinfer1::Dims const& dims)
+{
+    int64_t v = 1;
+    for (int32_t i = 0; i < dims.nbDims; ++i)
+    {
+        v *= dims.d[i];
+    }
+    return v;
+}
+
+//! "[a, b, c]" for messages.
+std::string dimsToString(nvinfer1::Dims const& dims);
 
 constexpr char const* kEngramPluginVersion = "1";
 constexpr char const* kEngramPluginNamespace = "engram_trt";
@@ -138,10 +154,71 @@ private:
 template <typename Derived, typename Config>
 using EngramPluginBase = EngramPluginBaseT<Derived, Config, nvinfer1::IPluginV3OneBuild>;
 
-//! The base of a plugin whose outputs alias inputs (getAliasedInput; TensorRT honours it
-//! with PreviewFeature::kALIASED_PLUGIN_IO_10_03).
+//! One read-modify-write state of an aliasing plugin (a KV cache, a conv or recurrent
+//! state): output `output` is input `input`'s memory.
+struct AliasedState
+{
+    int32_t output;
+    int32_t input;
+};
+
+//! A plugin's states: a view of its table (a prefix of it where a field decides how many).
+struct AliasedStates
+{
+    AliasedState const* first;
+    int32_t count;
+
+    AliasedState const* begin() const
+    {
+        return first;
+    }
+    AliasedState const* end() const
+    {
+        return first + count;
+    }
+};
+
+//! The base of a plugin whose outputs alias inputs: the runtime owns the states and each
+//! step updates them in place. `Derived::aliasedStates()` lists them; this base answers
+//! getAliasedInput from that list (TensorRT honours it with
+//! PreviewFeature::kALIASED_PLUGIN_IO_10_03) and copies the states where TensorRT did not
+//! alias them (copyStatesUnlessAliased), the same way for every such plugin.
 template <typename Derived, typename Config>
-using EngramAliasingPluginBase = EngramPluginBaseT<Derived, Config, nvinfer1::IPluginV3OneBuildV2>;
+class EngramAliasingPluginBase : public EngramPluginBaseT<Derived, Config, nvinfer1::IPluginV3OneBuildV2>
+{
+public:
+    using EngramPluginBaseT<Derived, Config, nvinfer1::IPluginV3OneBuildV2>::EngramPluginBaseT;
+
+    //! The input whose memory output `outputIndex` is, -1 for an output of its own.
+    int32_t getAliasedInput(int32_t outputIndex) noexcept override
+    {
+        for (AliasedState const& state : static_cast<Derived const&>(*this).aliasedStates())
+        {
+            if (state.output == outputIndex)
+            {
+                return state.input;
+            }
+        }
+        return -1;
+    }
+
+protected:
+    //! Called by enqueue after its I/O check, before the kernel. With the aliasing honoured
+    //! each state output is its input's memory and nothing moves; without it TensorRT hands
+    //! separate buffers, and the step stays correct by copying each state input over its
+    //! output first (a whole-state copy per step, which the aliasing exists to avoid). The
+    //! bytes are the input's, from its descriptor (dims and type, checked before).
+    void copyStatesUnlessAliased(nvinfer1::PluginTensorDesc const* inputDesc, void const* const* inputs,
+        void* const* outputs, cudaStream_t stream) const
+    {
+        for (AliasedState const& state : static_cast<Derived const&>(*this).aliasedStates())
+        {
+            nvinfer1::PluginTensorDesc const& in = inputDesc[state.input];
+            size_t const bytes = static_cast<size_t>(volume(in.dims)) * elementBytes(in.type);
+            ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(outputs[state.output], inputs[state.input], bytes, stream));
+        }
+    }
+};
 
 //! The creator of `Plugin`, constructed as Plugin(Config, phase) from the fields of a
 //! FieldTable<Config>: name, version, namespace, the field list and createPlugin.
@@ -189,20 +266,6 @@ private:
     FieldTable<Config> mFields;
     FieldNames mFieldNames;
 };
-
-//! Product of dims (0 for an empty shape list is never asked for: callers check nbDims).
-inline int64_t volume(nvinfer1::Dims const& dims)
-{
-    int64_t v = 1;
-    for (int32_t i = 0; i < dims.nbDims; ++i)
-    {
-        v *= dims.d[i];
-    }
-    return v;
-}
-
-//! "[a, b, c]" for messages.
-std::string dimsToString(nvinfer1::Dims const& dims);
 
 } // namespace plugin
 } // namespace engram_trt

@@ -10,7 +10,7 @@
 #ifndef ENGRAM_TRT_PLUGIN_TENSORS_H
 #define ENGRAM_TRT_PLUGIN_TENSORS_H
 
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
 
 #include <NvInferRuntime.h>
 #include <cuda_runtime_api.h>
@@ -40,6 +40,20 @@ inline int32_t floatTypeCode(nvinfer1::DataType type)
     case nvinfer1::DataType::kHALF: return ENGRAM_FLOAT_F16;
     case nvinfer1::DataType::kFLOAT: return ENGRAM_FLOAT_F32;
     default: return -1;
+    }
+}
+
+//! Bytes per element of a tensor type (the types the plugins take: float, int, fp8, bool).
+inline size_t elementBytes(nvinfer1::DataType type)
+{
+    switch (type)
+    {
+    case nvinfer1::DataType::kINT64: return 8;
+    case nvinfer1::DataType::kFLOAT:
+    case nvinfer1::DataType::kINT32: return 4;
+    case nvinfer1::DataType::kHALF:
+    case nvinfer1::DataType::kBF16: return 2;
+    default: return 1; // kINT8, kUINT8, kBOOL, kFP8
     }
 }
 

@@ -4,7 +4,8 @@
 
 #include "common/checkMacros.h"
 #include "common/pluginTensors.h"
-#include "kernels/engramKernels.h"
+#include "kernels/attentionKernels.h"
+#include "kernels/engramKernelsCore.h"
 
 #include <cuda_runtime_api.h>
 
@@ -91,7 +92,7 @@ void checkDims(AttentionConfig const& c, nvinfer1::Dims const* in, nvinfer1::Dim
 } // namespace attention_detail
 
 EngramAttentionPlugin::EngramAttentionPlugin(AttentionConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBaseT(attention_detail::kFields, config, phase)
+    : EngramAliasingPluginBase(attention_detail::kFields, config, phase)
 {
     attention_detail::checkConfig(mConfig);
 }
@@ -209,15 +210,12 @@ size_t EngramAttentionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc
     ENGRAM_PLUGIN_CATCH(attention_detail::kName, 0);
 }
 
-int32_t EngramAttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept
+AliasedStates EngramAttentionPlugin::aliasedStates() const
 {
     // The caches are read-modify-write: each cache output is its cache input's memory.
-    switch (outputIndex)
-    {
-    case attention_detail::kKeyCacheOut: return attention_detail::kKeyCache;
-    case attention_detail::kValueCacheOut: return attention_detail::kValueCache;
-    default: return -1;
-    }
+    using namespace attention_detail;
+    static constexpr AliasedState kStates[] = {{kKeyCacheOut, kKeyCache}, {kValueCacheOut, kValueCache}};
+    return {kStates, 2};
 }
 
 int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -283,16 +281,7 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
             inputDesc[kTokenSlot].type == DataType::kINT32 && inputDesc[kTokenPos].type == DataType::kINT32,
             "token_slot and token_pos must be int32");
 
-        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) each cache
-        // output is its input's memory. Without it TensorRT hands separate buffers: the
-        // step stays correct by copying the caches over first (a whole-cache copy per step,
-        // which the aliasing exists to avoid).
-        size_t const cacheBytes = static_cast<size_t>(numSlots) * kvh * maxSeqLen * hd * floatElementBytes(io);
-        for (int32_t i : {0, 1})
-        {
-            ENGRAM_PLUGIN_CHECK_CUDA(
-                copyUnlessAliased(outputs[kKeyCacheOut + i], inputs[kKeyCache + i], cacheBytes, stream));
-        }
+        copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         size_t workspaceBytes = 0;
         int status = engram_attention_workspace_size(numTokens, h, kvh, hd, maxSeqLen, &workspaceBytes);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());

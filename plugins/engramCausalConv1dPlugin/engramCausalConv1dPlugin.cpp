@@ -4,7 +4,8 @@
 
 #include "common/checkMacros.h"
 #include "common/pluginTensors.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
+#include "kernels/linearAttentionKernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -83,7 +84,7 @@ void checkDims(CausalConv1dConfig const& c, nvinfer1::Dims const* in)
 } // namespace causal_conv_detail
 
 EngramCausalConv1dPlugin::EngramCausalConv1dPlugin(CausalConv1dConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBaseT(causal_conv_detail::kFields, config, phase)
+    : EngramAliasingPluginBase(causal_conv_detail::kFields, config, phase)
 {
     causal_conv_detail::checkShape(1, mConfig);
 }
@@ -176,10 +177,11 @@ int32_t EngramCausalConv1dPlugin::configurePlugin(nvinfer1::DynamicPluginTensorD
     ENGRAM_PLUGIN_CATCH(causal_conv_detail::kName, -1);
 }
 
-int32_t EngramCausalConv1dPlugin::getAliasedInput(int32_t outputIndex) noexcept
+AliasedStates EngramCausalConv1dPlugin::aliasedStates() const
 {
     // The conv state is read-modify-write: its output is its input's memory.
-    return outputIndex == causal_conv_detail::kConvStateOut ? causal_conv_detail::kConvState : -1;
+    static constexpr AliasedState kStates[] = {{causal_conv_detail::kConvStateOut, causal_conv_detail::kConvState}};
+    return {kStates, 1};
 }
 
 int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -214,12 +216,10 @@ int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
         DataType const wt = inputDesc[kWeight].type;
         ENGRAM_PLUGIN_CHECK(isWeightType(wt, io), "weight must be float32 or x's type");
 
-        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) the state
-        // output is its input's memory; without it the step copies the state over first.
         int64_t const numSlots = state.d[0];
         size_t const stateBytes = static_cast<size_t>(volume(state)) * floatElementBytes(io);
         void* history = outputs[kConvStateOut];
-        ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(history, inputs[kConvState], stateBytes, stream));
+        copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         int const status = engram_causal_conv1d(inputs[kX], floatTypeCode(io), inputs[kWeight], floatTypeCode(wt),
             stateBytes > 0 ? history : nullptr, numSlots, static_cast<int32_t const*>(inputs[kSeqStarts]),
             static_cast<int32_t const*>(inputs[kPastLens]), static_cast<int32_t const*>(inputs[kSlots]), numSeqs,

@@ -4,7 +4,8 @@
 
 #include "common/checkMacros.h"
 #include "common/pluginTensors.h"
-#include "kernels/engramKernels.h"
+#include "kernels/dsv4AttentionKernels.h"
+#include "kernels/engramKernelsCore.h"
 
 #include <cuda_runtime_api.h>
 
@@ -71,10 +72,11 @@ int32_t nbStates(int32_t layerType)
     return layerType == ENGRAM_DSV4_SLIDING ? 1 : layerType == ENGRAM_DSV4_HCA ? 4 : 7;
 }
 
+constexpr AliasedState kStates[] = {{1, 6}, {2, 12}, {3, 13}, {4, 14}, {5, 21}, {6, 22}, {7, 23}};
+
 int32_t stateInput(int32_t i)
 {
-    constexpr int32_t kStates[] = {6, 12, 13, 14, 21, 22, 23};
-    return kStates[i];
+    return kStates[i].input;
 }
 
 int64_t times(int64_t a, int64_t k)
@@ -217,7 +219,7 @@ bool typeOk(int32_t pos, DataType type, DataType io)
 } // namespace dsv4_detail
 
 EngramDsv4AttentionPlugin::EngramDsv4AttentionPlugin(Dsv4AttentionConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBaseT(dsv4_detail::kFields, config, phase)
+    : EngramAliasingPluginBase(dsv4_detail::kFields, config, phase)
 {
     dsv4_detail::checkFields(mConfig);
 }
@@ -328,11 +330,11 @@ size_t EngramDsv4AttentionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensor
         + static_cast<size_t>(T) * static_cast<size_t>(mConfig.indexTopk) * sizeof(int32_t) + 256;
 }
 
-int32_t EngramDsv4AttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept
+AliasedStates EngramDsv4AttentionPlugin::aliasedStates() const
 {
-    // Every state is read-modify-write: its output is its input's memory.
-    int32_t const n = dsv4_detail::nbStates(mConfig.layerType);
-    return outputIndex >= 1 && outputIndex <= n ? dsv4_detail::stateInput(outputIndex - 1) : -1;
+    // Every state is read-modify-write: its output is its input's memory (the layer type's
+    // first nbStates of the table).
+    return {dsv4_detail::kStates, dsv4_detail::nbStates(mConfig.layerType)};
 }
 
 int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -355,8 +357,6 @@ int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
         nvinfer1::Dims const& o = outputDesc[0].dims;
         ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == dims[0].d[0] && o.d[1] == dims[0].d[1] && o.d[2] == dims[0].d[2],
             "the output must match q " << dimsToString(dims[0]) << ", got " << dimsToString(o));
-        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) each state
-        // output is its input's memory; without it the step copies the state over first.
         void* state[kMaxInputs] = {};
         for (int32_t i = 0; i < nbStates(mConfig.layerType); ++i)
         {
@@ -365,10 +365,9 @@ int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
             ENGRAM_PLUGIN_CHECK(sameDims(so, dims[in]),
                 "output " << 1 + i << " must match " << kInputs[in].name << " " << dimsToString(dims[in]) << ", got "
                           << dimsToString(so));
-            size_t const bytes = static_cast<size_t>(volume(dims[in])) * floatElementBytes(io);
-            ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(outputs[1 + i], inputs[in], bytes, stream));
-            state[in] = bytes > 0 ? outputs[1 + i] : nullptr;
+            state[in] = volume(dims[in]) > 0 ? outputs[1 + i] : nullptr;
         }
+        copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         EngramDsv4Tensors t{};
         t.q = inputs[0];
         t.kv = inputs[1];

@@ -4,7 +4,8 @@
 
 #include "common/checkMacros.h"
 #include "common/pluginTensors.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
+#include "kernels/linearAttentionKernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -88,7 +89,7 @@ void checkDims(GatedDeltaNetConfig const& c, nvinfer1::Dims const* in)
 } // namespace gated_delta_detail
 
 EngramGatedDeltaNetPlugin::EngramGatedDeltaNetPlugin(GatedDeltaNetConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBaseT(gated_delta_detail::kFields, config, phase)
+    : EngramAliasingPluginBase(gated_delta_detail::kFields, config, phase)
 {
     gated_delta_detail::checkShape(-1, -1, -1, -1, mConfig);
 }
@@ -185,10 +186,11 @@ int32_t EngramGatedDeltaNetPlugin::configurePlugin(nvinfer1::DynamicPluginTensor
     ENGRAM_PLUGIN_CATCH(gated_delta_detail::kName, -1);
 }
 
-int32_t EngramGatedDeltaNetPlugin::getAliasedInput(int32_t outputIndex) noexcept
+AliasedStates EngramGatedDeltaNetPlugin::aliasedStates() const
 {
     // The memory is read-modify-write: its output is its input's memory.
-    return outputIndex == gated_delta_detail::kStateOut ? gated_delta_detail::kState : -1;
+    static constexpr AliasedState kStates[] = {{gated_delta_detail::kStateOut, gated_delta_detail::kState}};
+    return {kStates, 1};
 }
 
 int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -223,12 +225,10 @@ int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
             "float32; q is "
                 << dataTypeName(io));
 
-        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) the state
-        // output is its input's memory; without it the step copies the state over first.
         int64_t const numSlots = state.d[0];
         size_t const stateBytes = static_cast<size_t>(volume(state)) * sizeof(float);
         void* memory = outputs[kStateOut];
-        ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(memory, inputs[kState], stateBytes, stream));
+        copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         int const status = engram_gated_delta_net(inputs[kQ], inputs[kK], inputs[kV], floatTypeCode(io),
             static_cast<float const*>(inputs[kG]), static_cast<float const*>(inputs[kBeta]),
             stateBytes > 0 ? static_cast<float*>(memory) : nullptr, numSlots,

@@ -38,7 +38,8 @@ public:
         int32_t nbOutputs) noexcept override;
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
-    int32_t getAliasedInput(int32_t outputIndex) noexcept override;
+    //! The states (EngramAliasingPluginBase answers getAliasedInput from them).
+    AliasedStates aliasedStates() const;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 };

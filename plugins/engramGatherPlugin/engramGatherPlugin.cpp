@@ -4,7 +4,8 @@
 
 #include "common/checkMacros.h"
 #include "common/pluginTensors.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
+#include "kernels/gatherKernels.h"
 
 #include <climits>
 

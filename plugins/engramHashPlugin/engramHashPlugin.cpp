@@ -3,7 +3,8 @@
 #include "engramHashPlugin.h"
 
 #include "common/checkMacros.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
+#include "kernels/hashKernels.h"
 
 #include <utility>
 

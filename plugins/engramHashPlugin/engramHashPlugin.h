@@ -11,7 +11,7 @@
 #define ENGRAM_TRT_HASH_PLUGIN_H
 
 #include "common/engramPluginBase.h"
-#include "kernels/engramKernels.h"
+#include "kernels/hashKernels.h"
 
 #include <memory>
 #include <vector>

@@ -4,7 +4,8 @@
 
 #include "common/checkMacros.h"
 #include "common/pluginTensors.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
+#include "kernels/pleKernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -109,7 +110,7 @@ void checkDims(PleFusionConfig const& c, nvinfer1::Dims const* in)
 } // namespace ple_fusion_detail
 
 EngramPleFusionPlugin::EngramPleFusionPlugin(PleFusionConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBaseT(ple_fusion_detail::kFields, config, phase)
+    : EngramAliasingPluginBase(ple_fusion_detail::kFields, config, phase)
 {
     ple_fusion_detail::checkConfig(mConfig);
 }
@@ -226,10 +227,11 @@ size_t EngramPleFusionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc
     ENGRAM_PLUGIN_CATCH(ple_fusion_detail::kName, 0);
 }
 
-int32_t EngramPleFusionPlugin::getAliasedInput(int32_t outputIndex) noexcept
+AliasedStates EngramPleFusionPlugin::aliasedStates() const
 {
     // The history is read-modify-write: its output is its input's memory.
-    return outputIndex == ple_fusion_detail::kConvStateOut ? ple_fusion_detail::kConvState : -1;
+    static constexpr AliasedState kStates[] = {{ple_fusion_detail::kConvStateOut, ple_fusion_detail::kConvState}};
+    return {kStates, 1};
 }
 
 int32_t EngramPleFusionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -272,12 +274,10 @@ int32_t EngramPleFusionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
                 && inputDesc[kNormConvWeight].type == wt && inputDesc[kConvWeight].type == wt,
             "the norm and conv weights must all be float32 or all streams' type");
 
-        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) the history
-        // output is its input's memory; without it the step copies the history over first.
         int64_t const numSlots = state.d[0];
         size_t const stateBytes = static_cast<size_t>(volume(state)) * floatElementBytes(io);
         void* history = outputs[kConvStateOut];
-        ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(history, inputs[kConvState], stateBytes, stream));
+        copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         size_t workspaceBytes = 0;
         int status = engram_ple_fusion_workspace_size(
             numTokens, mConfig.hcCount, mConfig.hidden, floatTypeCode(io), &workspaceBytes);

@@ -3,7 +3,8 @@
 #include "engramPleHashPlugin.h"
 
 #include "common/checkMacros.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
+#include "kernels/pleKernels.h"
 
 #include <cstdint>
 #include <limits>

@@ -12,7 +12,7 @@
 #define ENGRAM_TRT_PLE_HASH_PLUGIN_H
 
 #include "common/engramPluginBase.h"
-#include "kernels/engramKernels.h"
+#include "kernels/pleKernels.h"
 
 #include <memory>
 #include <vector>

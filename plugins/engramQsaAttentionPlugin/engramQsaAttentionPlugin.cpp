@@ -4,7 +4,8 @@
 
 #include "common/checkMacros.h"
 #include "common/pluginTensors.h"
-#include "kernels/engramKernels.h"
+#include "kernels/engramKernelsCore.h"
+#include "kernels/qsaKernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -121,7 +122,7 @@ void checkDims(QsaAttentionConfig const& c, nvinfer1::Dims const* in)
 } // namespace qsa_detail
 
 EngramQsaAttentionPlugin::EngramQsaAttentionPlugin(QsaAttentionConfig const& config, nvinfer1::TensorRTPhase phase)
-    : EngramPluginBaseT(qsa_detail::kFields, config, phase)
+    : EngramAliasingPluginBase(qsa_detail::kFields, config, phase)
 {
     qsa_detail::checkConfig(mConfig);
 }
@@ -246,16 +247,13 @@ size_t EngramQsaAttentionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorD
     ENGRAM_PLUGIN_CATCH(qsa_detail::kName, 0);
 }
 
-int32_t EngramQsaAttentionPlugin::getAliasedInput(int32_t outputIndex) noexcept
+AliasedStates EngramQsaAttentionPlugin::aliasedStates() const
 {
     // The caches are read-modify-write: each cache output is its cache input's memory.
-    switch (outputIndex)
-    {
-    case qsa_detail::kKeyCacheOut: return qsa_detail::kKeyCache;
-    case qsa_detail::kValueCacheOut: return qsa_detail::kValueCache;
-    case qsa_detail::kIndexKeyCacheOut: return qsa_detail::kIndexKeyCache;
-    default: return -1;
-    }
+    using namespace qsa_detail;
+    static constexpr AliasedState kStates[]
+        = {{kKeyCacheOut, kKeyCache}, {kValueCacheOut, kValueCache}, {kIndexKeyCacheOut, kIndexKeyCache}};
+    return {kStates, 3};
 }
 
 int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -301,14 +299,7 @@ int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
             inputDesc[kTokenSlot].type == DataType::kINT32 && inputDesc[kTokenPos].type == DataType::kINT32,
             "token_slot and token_pos must be int32");
 
-        // With the aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) each cache
-        // output is its input's memory; without it the step copies the caches over first.
-        for (int32_t i : {kKeyCacheOut, kValueCacheOut, kIndexKeyCacheOut})
-        {
-            int32_t const src = kKeyCache + i - kKeyCacheOut;
-            size_t const bytes = static_cast<size_t>(volume(dims[src])) * floatElementBytes(io);
-            ENGRAM_PLUGIN_CHECK_CUDA(copyUnlessAliased(outputs[i], inputs[src], bytes, stream));
-        }
+        copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         size_t workspaceBytes = 0;
         int status
             = engram_qsa_workspace_size(numTokens, kc.d[2], mConfig.compressRatio, mConfig.blockTopk, &workspaceBytes);

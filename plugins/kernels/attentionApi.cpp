@@ -11,7 +11,8 @@
  * engine builder sizes on one machine is right on every GPU.
  */
 #include "attentionInternal.h"
-#include "engramKernels.h"
+#include "attentionKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 
 #include <climits>

@@ -7,7 +7,7 @@
 #ifndef ENGRAM_TRT_ATTENTION_INTERNAL_H
 #define ENGRAM_TRT_ATTENTION_INTERNAL_H
 
-#include "engramKernels.h"
+#include "attentionKernels.h"
 
 #include <cstddef>
 #include <cstdint>

@@ -41,7 +41,8 @@
  */
 #include "attentionDevice.cuh"
 #include "attentionInternal.h"
-#include "engramKernels.h"
+#include "attentionKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
 

@@ -12,7 +12,7 @@
  * their workspace and the merge are the tiled kernel's (attentionKernel.cu).
  */
 #include "attentionDevice.cuh"
-#include "engramKernels.h"
+#include "attentionKernels.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
 

@@ -15,8 +15,8 @@
  *
  * SiLU * up: a grid-stride loop over 8-element vectors (elements for odd widths).
  */
+#include "backboneKernels.h"
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
 

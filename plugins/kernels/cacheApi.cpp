@@ -9,7 +9,7 @@
  * here, on the host, before anything is enqueued.
  */
 #include "cacheInternal.h"
-#include "engramKernels.h"
+#include "cacheKernels.h"
 #include "engramKernelsInternal.h"
 
 #include <algorithm>

@@ -8,7 +8,7 @@
 #ifndef ENGRAM_TRT_CACHE_INTERNAL_H
 #define ENGRAM_TRT_CACHE_INTERNAL_H
 
-#include "engramKernels.h"
+#include "cacheKernels.h"
 
 #include <cstdint>
 #include <cuda_runtime_api.h>

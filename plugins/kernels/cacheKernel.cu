@@ -29,7 +29,7 @@
  * entry and the result does not depend on their order.
  */
 #include "cacheInternal.h"
-#include "engramKernels.h"
+#include "cacheKernels.h"
 #include "engramKernelsInternal.h"
 
 #include <cstdint>

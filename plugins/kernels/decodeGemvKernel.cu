@@ -15,14 +15,16 @@
  * operands. With ENGRAM_GEMV_WEIGHT_STATIC the first pass's weight loads go out before
  * the kernel waits for the one before it (dependentLaunch.cuh).
  */
+#include "decodeKernels.h"
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "gemvKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
 
 namespace engram_trt
@@ -53,8 +55,83 @@ __device__ __forceinline__ uint4 loadStreamingSeg(uint4 const* p)
 }
 #endif
 
-template <int M>
-__global__ void __launch_bounds__(kSegThreads) gemvSegmentsKernel(Segments const segs, bool weightStatic)
+constexpr int kProNone = 0;
+constexpr int kProNorm = 1;
+constexpr int kProRope = 2;
+
+//! x's 8 values at vector v of token m after the prologue (Pro), as bf16-rounded floats.
+template <int Pro>
+__device__ __forceinline__ void prologueX(
+    uint4 raw, EngramGemvPrologue const& pro, float r, int64_t m, int32_t v, float (&xf)[8])
+{
+    unpack8Pairs<__nv_bfloat162>(raw, xf);
+    if constexpr (Pro == kProNorm)
+    {
+        float w[8];
+        load8(pro.weight + 8 * static_cast<int64_t>(v), w);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            xf[i] = roundTo<__nv_bfloat16>(__fmul_rn(w[i], __fmul_rn(xf[i], r)));
+        }
+    }
+    else if constexpr (Pro == kProRope)
+    {
+        int32_t const pairs = pro.dim / 2;
+        int32_t const lead = pairs - pro.rope_pairs;
+        int32_t const q0 = (8 * v % pro.dim) / 2; // head-local pair of xf[0]
+        if (q0 + 3 >= lead)
+        {
+            float const* const cosRow = pro.cos + m * pro.cos_stride;
+            float const* const sinRow = pro.sin + m * pro.cos_stride;
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+            {
+                int32_t const q = q0 + k;
+                if (q >= lead)
+                {
+                    float const cr = roundTo<__nv_bfloat16>(cosRow[q - lead]);
+                    float const sr = roundTo<__nv_bfloat16>(sinRow[q - lead]) * static_cast<float>(pro.rope_sign);
+                    float const y0 = xf[2 * k];
+                    float const y1 = xf[2 * k + 1];
+                    xf[2 * k] = roundTo<__nv_bfloat16>(__fsub_rn(__fmul_rn(y0, cr), __fmul_rn(y1, sr)));
+                    xf[2 * k + 1] = roundTo<__nv_bfloat16>(__fadd_rn(__fmul_rn(y1, cr), __fmul_rn(y0, sr)));
+                }
+            }
+        }
+    }
+}
+
+//! The reciprocal RMS of token m's row x (in_features values) as engram_norm_rope's
+//! register form makes it: lane l adds pairs l, l + 32, ... (squares rounded, sums
+//! rounded), a butterfly, then rsqrt(sum / dim + eps).
+__device__ __forceinline__ float rowReciprocalRms(__nv_bfloat16 const* x, int32_t dim, float eps, int lane)
+{
+    int32_t const pairs = dim / 2;
+    float squares = 0.0F;
+    for (int32_t base = 0; base < pairs; base += 32 * 4)
+    {
+        float2 pr[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) // the loads of four pairs before their sums
+        {
+            int32_t const q = base + lane + 32 * u;
+            pr[u] = q < pairs ? unpackPair(reinterpret_cast<__nv_bfloat162 const*>(x)[q]) : make_float2(0.0F, 0.0F);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+        {
+            squares = __fadd_rn(squares, __fmul_rn(pr[u].x, pr[u].x));
+            squares = __fadd_rn(squares, __fmul_rn(pr[u].y, pr[u].y));
+        }
+    }
+    squares = warpSum(squares);
+    return rsqrtf(__fadd_rn(__fdiv_rn(squares, static_cast<float>(dim)), eps));
+}
+
+template <int M, int Pro>
+__global__ void __launch_bounds__(kSegThreads)
+    gemvSegmentsKernel(Segments const segs, bool weightStatic, EngramGemvPrologue const pro)
 {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (refused on the host)
     constexpr int U = 4;
@@ -87,10 +164,12 @@ __global__ void __launch_bounds__(kSegThreads) gemvSegmentsKernel(Segments const
     auto const* const xv = reinterpret_cast<uint4 const*>(g.x);
     int64_t const xStrideVectors = g.x_stride / 8;
     float acc[M];
+    float rms[M];
 #pragma unroll
     for (int m = 0; m < M; ++m)
     {
         acc[m] = 0.0F;
+        rms[m] = 1.0F;
     }
     for (int32_t base = 0; base < vectors; base += 32 * U)
     {
@@ -106,6 +185,18 @@ __global__ void __launch_bounds__(kSegThreads) gemvSegmentsKernel(Segments const
             waitForPrimary(); // x (and out) may come from the kernel before
             allowDependents();
         }
+        if constexpr (Pro == kProNorm)
+        {
+            if (base == 0)
+            {
+#pragma unroll
+                for (int m = 0; m < M; ++m)
+                {
+                    rms[m] = rowReciprocalRms(
+                        static_cast<__nv_bfloat16 const*>(g.x) + m * g.x_stride, g.in_features, pro.eps, lane);
+                }
+            }
+        }
 #pragma unroll
         for (int u = 0; u < U; ++u)
         {
@@ -120,7 +211,7 @@ __global__ void __launch_bounds__(kSegThreads) gemvSegmentsKernel(Segments const
             for (int m = 0; m < M; ++m)
             {
                 float xf[8];
-                unpack8Pairs<__nv_bfloat162>(__ldg(xv + m * xStrideVectors + v), xf);
+                prologueX<Pro>(__ldg(xv + m * xStrideVectors + v), pro, rms[m], m, v, xf);
 #pragma unroll
                 for (int i = 0; i < 8; ++i)
                 {
@@ -146,13 +237,30 @@ __global__ void __launch_bounds__(kSegThreads) gemvSegmentsKernel(Segments const
 #endif
 }
 
-template <int M>
-void launchSegments(Segments const& segs, bool weightStatic, cudaStream_t stream)
+template <int M, int Pro = kProNone>
+void launchSegments(Segments const& segs, bool weightStatic, cudaStream_t stream, EngramGemvPrologue const& pro = {})
 {
     int64_t const rows = segs.firstRow[segs.count];
     int64_t const blocks = (rows * 32 + kSegThreads - 1) / kSegThreads; // a warp per row
-    launchDependent(
-        gemvSegmentsKernel<M>, dim3(static_cast<unsigned>(blocks)), dim3(kSegThreads), 0, stream, segs, weightStatic);
+    launchDependent(gemvSegmentsKernel<M, Pro>, dim3(static_cast<unsigned>(blocks)), dim3(kSegThreads), 0, stream, segs,
+        weightStatic, pro);
+}
+
+template <int Pro>
+void launchSegmentsEx(
+    Segments const& segs, int64_t numTokens, bool weightStatic, EngramGemvPrologue const& pro, cudaStream_t stream)
+{
+    switch (numTokens)
+    {
+    case 1: launchSegments<1, Pro>(segs, weightStatic, stream, pro); break;
+    case 2: launchSegments<2, Pro>(segs, weightStatic, stream, pro); break;
+    case 3: launchSegments<3, Pro>(segs, weightStatic, stream, pro); break;
+    case 4: launchSegments<4, Pro>(segs, weightStatic, stream, pro); break;
+    case 5: launchSegments<5, Pro>(segs, weightStatic, stream, pro); break;
+    case 6: launchSegments<6, Pro>(segs, weightStatic, stream, pro); break;
+    case 7: launchSegments<7, Pro>(segs, weightStatic, stream, pro); break;
+    default: launchSegments<8, Pro>(segs, weightStatic, stream, pro); break;
+    }
 }
 
 int checkSegment(EngramGemvSegment const& g, int32_t index, int64_t numTokens)
@@ -255,6 +363,135 @@ extern "C" ENGRAM_API int engram_gemv_segments_bf16(
     case 2: launchSegments<2>(segs, weightStatic, stream); break;
     case 3: launchSegments<3>(segs, weightStatic, stream); break;
     default: launchSegments<4>(segs, weightStatic, stream); break;
+    }
+    return checkLaunch(fn);
+}
+
+namespace
+{
+
+int checkPrologue(char const* fn, EngramGemvPrologue const& pro, Segments const& segs)
+{
+    if (pro.kind == ENGRAM_GEMV_PROLOGUE_NONE)
+    {
+        return 0;
+    }
+    if (pro.kind == ENGRAM_GEMV_PROLOGUE_RMSNORM)
+    {
+        if (pro.weight == nullptr || !isAligned(pro.weight, 16) || !std::isfinite(pro.eps) || pro.eps < 0.0F
+            || pro.dim < 2 || pro.dim % 2 != 0)
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: the RMSNorm prologue needs a 16-byte aligned fp32 weight, a finite eps >= 0 and an even dim "
+                "(got eps %g, dim %d)",
+                fn, static_cast<double>(pro.eps), pro.dim);
+        }
+        for (int32_t i = 0; i < segs.count; ++i)
+        {
+            if (segs.seg[i].in_features != pro.dim)
+            {
+                return fail(cudaErrorInvalidValue,
+                    "%s: segment %d: the RMSNorm prologue normalizes whole rows: in_features must be dim %d (got %d)",
+                    fn, i, pro.dim, segs.seg[i].in_features);
+            }
+        }
+        return 0;
+    }
+    if (pro.kind == ENGRAM_GEMV_PROLOGUE_ROPE)
+    {
+        if (pro.dim < 8 || pro.dim % 8 != 0 || pro.rope_pairs < 0 || 2 * pro.rope_pairs > pro.dim
+            || (pro.rope_sign != 1 && pro.rope_sign != -1))
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: the RoPE prologue needs dim a positive multiple of 8, 0 <= 2 * rope_pairs <= dim and rope_sign "
+                "+-1 (got dim %d, rope_pairs %d, rope_sign %d)",
+                fn, pro.dim, pro.rope_pairs, pro.rope_sign);
+        }
+        if (pro.rope_pairs > 0 && (pro.cos == nullptr || pro.sin == nullptr || pro.cos_stride < pro.rope_pairs))
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: the RoPE prologue needs cos / sin [tokens, >= rope_pairs] fp32 (got cos_stride %lld)", fn,
+                ll(pro.cos_stride));
+        }
+        for (int32_t i = 0; i < segs.count; ++i)
+        {
+            if (segs.seg[i].in_features % pro.dim != 0)
+            {
+                return fail(cudaErrorInvalidValue,
+                    "%s: segment %d: the RoPE prologue rotates whole heads: in_features must be a multiple of dim %d "
+                    "(got %d)",
+                    fn, i, pro.dim, segs.seg[i].in_features);
+            }
+        }
+        return 0;
+    }
+    return fail(cudaErrorInvalidValue, "%s: prologue kind %d is not NONE (0), RMSNORM (1) or ROPE (2)", fn, pro.kind);
+}
+
+} // namespace
+
+extern "C" ENGRAM_API int engram_gemv_segments_bf16_ex(EngramGemvSegment const* segments, int32_t numSegments,
+    int64_t numTokens, uint32_t flags, EngramGemvPrologue const* prologue, cudaStream_t stream)
+{
+    clearError();
+    char const* const fn = "engram_gemv_segments_bf16_ex";
+    if (segments == nullptr || numSegments < 1 || numSegments > ENGRAM_GEMV_MAX_SEGMENTS)
+    {
+        return fail(cudaErrorInvalidValue, "%s: need 1 <= num_segments <= %d (got %d)", fn, ENGRAM_GEMV_MAX_SEGMENTS,
+            numSegments);
+    }
+    if (numTokens < 0 || numTokens > ENGRAM_GEMV_EX_MAX_TOKENS)
+    {
+        return fail(cudaErrorInvalidValue, "%s: num_tokens must be in [0, %d] (got %lld)", fn,
+            ENGRAM_GEMV_EX_MAX_TOKENS, ll(numTokens));
+    }
+    if ((flags & ~static_cast<uint32_t>(ENGRAM_GEMV_WEIGHT_STATIC)) != 0)
+    {
+        return fail(cudaErrorInvalidValue, "%s: unknown flags 0x%x (the one flag is ENGRAM_GEMV_WEIGHT_STATIC = 0x%x)",
+            fn, flags, static_cast<unsigned>(ENGRAM_GEMV_WEIGHT_STATIC));
+    }
+    Segments segs{};
+    segs.count = numSegments;
+    int64_t rows = 0;
+    for (int32_t i = 0; i < numSegments; ++i)
+    {
+        if (numTokens > 0)
+        {
+            int const status = checkSegment(segments[i], i, numTokens);
+            if (status != 0)
+            {
+                return status;
+            }
+        }
+        segs.seg[i] = segments[i];
+        segs.firstRow[i] = static_cast<int32_t>(rows);
+        rows += segments[i].out_features;
+        if (rows > INT32_MAX / 32)
+        {
+            return fail(cudaErrorInvalidValue, "%s: the segments hold more than 2^26 output rows", fn);
+        }
+    }
+    segs.firstRow[numSegments] = static_cast<int32_t>(rows);
+    EngramGemvPrologue const pro = prologue != nullptr ? *prologue : EngramGemvPrologue{};
+    int const status = checkPrologue(fn, pro, segs);
+    if (status != 0 || numTokens == 0)
+    {
+        return status;
+    }
+    int const major = computeCapabilityMajor();
+    if (major >= 0 && major < 9)
+    {
+        return fail(cudaErrorNotSupported,
+            "%s: needs a GPU of compute capability 9.0 or later (this one is %d.x); use the GEMM library (F.linear)",
+            fn, major);
+    }
+    bool const weightStatic = (flags & ENGRAM_GEMV_WEIGHT_STATIC) != 0;
+    resetLaunchError();
+    switch (pro.kind)
+    {
+    case ENGRAM_GEMV_PROLOGUE_RMSNORM: launchSegmentsEx<kProNorm>(segs, numTokens, weightStatic, pro, stream); break;
+    case ENGRAM_GEMV_PROLOGUE_ROPE: launchSegmentsEx<kProRope>(segs, numTokens, weightStatic, pro, stream); break;
+    default: launchSegmentsEx<kProNone>(segs, numTokens, weightStatic, pro, stream); break;
     }
     return checkLaunch(fn);
 }

@@ -25,8 +25,9 @@
  * expert's rows are read once per (token, pick); a decode step's few tokens mostly pick
  * different experts, and a repeat is served from L2.
  */
+#include "decodeKernels.h"
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
 

@@ -30,8 +30,9 @@
  * row's squares (lane-strided element loads, a warp butterfly); pass 2 writes the leading
  * channels, then the rotated pairs, each lane reading only the elements it writes.
  */
+#include "decodeKernels.h"
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
 

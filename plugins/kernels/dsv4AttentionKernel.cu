@@ -29,7 +29,8 @@
  * outgrow the entries writes nothing and gets zero rows.
  */
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
+#include "dsv4AttentionKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "seqIndex.cuh"
 #include "vecLoad.cuh"

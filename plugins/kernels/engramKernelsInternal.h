@@ -6,7 +6,7 @@
 #ifndef ENGRAM_TRT_KERNELS_INTERNAL_H
 #define ENGRAM_TRT_KERNELS_INTERNAL_H
 
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "sourceFileName.h"
 
 #include <cstdint>

@@ -7,10 +7,10 @@
  * weights as stored (e4m3 with 128 x 128 or bn x 128 block scales); one K tile of 128 is
  * one scale block, promoted into the float32 sum with its two scales.
  */
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "quantGemm.cuh"
 #include "quantInternal.h"
+#include "quantKernels.h"
 
 #include <climits>
 #include <cstdint>

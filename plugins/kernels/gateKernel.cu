@@ -16,8 +16,9 @@
  * in (not even a NaN through 0 * value). `out` may alias `hidden` (an in-place update):
  * each thread reads h[j] before it writes out[j], and no other thread touches element j.
  */
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
+#include "gateKernels.h"
 #include "gateMath.h"
 #include "vecLoad.cuh"
 

@@ -6,8 +6,8 @@
  * engram_gather_raw, in the style of kernelApi.cpp; the kernel and its launch are in
  * gatherKernel.cu.
  */
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "gatherKernels.h"
 
 #include <climits>
 #include <cstdint>

@@ -53,8 +53,8 @@
  *
  * The argument checks and the C ABI entry points live in gatherApi.cpp.
  */
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "gatherKernels.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -23,8 +23,8 @@
  * that kernel: a layer's weights never depend on the step.
  */
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "gemvKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>

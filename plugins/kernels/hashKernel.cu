@@ -20,8 +20,8 @@
  * toolkit and the driver): built only with such a toolkit. No device buffer: a layout
  * serves every device and stream, and an engine build needs no GPU.
  */
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "hashKernels.h"
 #include "seqIndex.cuh"
 
 #include <climits>

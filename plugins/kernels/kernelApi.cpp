@@ -5,6 +5,7 @@
  * registration.
  */
 #include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 
 #include <cstdarg>

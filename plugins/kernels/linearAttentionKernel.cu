@@ -23,8 +23,9 @@
  * A third launch zeroes the output rows of tokens outside every sequence.
  */
 #include "convHistory.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
+#include "linearAttentionKernels.h"
 #include "seqIndex.cuh"
 #include "vecLoad.cuh"
 

@@ -40,8 +40,9 @@
  *                post.to(dtype) / comb.to(dtype) do; the sum is fp32, rounded once.
  */
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
+#include "mhcKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
@@ -518,6 +519,35 @@ __global__ void __launch_bounds__(kMhcThreads)
     }
 }
 
+//! new[k] of one vector of 8 channels (engram_mhc_post's sum): post[k] rounded to the io
+//! type times out, then each stream j times comb[j, k] rounded to the io type, in fp32
+//! (stream order); the post kernel and the fold's first phase share it, so both give the
+//! same bits.
+template <typename IoT, int MaxHc>
+__device__ __forceinline__ void expandVector(float const (&s)[MaxHc][8], float const (&o)[8],
+    float const* __restrict__ pt, float const* __restrict__ ct, int32_t hc, int k, float (&acc)[8])
+{
+    float const p = roundTo<IoT>(pt[k]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+    {
+        acc[i] = p * o[i];
+    }
+#pragma unroll
+    for (int j = 0; j < MaxHc; ++j)
+    {
+        if (j < hc)
+        {
+            float const w = roundTo<IoT>(ct[j * hc + k]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                acc[i] += w * s[j][i];
+            }
+        }
+    }
+}
+
 /*
  * Kernel 3: a thread per (token, vector of 8 channels).
  */
@@ -557,27 +587,201 @@ __global__ void __launch_bounds__(kMhcThreads)
     {
         if (k < hc)
         {
-            float const p = roundTo<IoT>(pt[k]);
             float acc[8];
+            expandVector<IoT, ENGRAM_MHC_MAX_HC>(s, o, pt, ct, hc, k, acc);
+            store8(nt + static_cast<int64_t>(k) * hidden, acc);
+        }
+    }
+}
+
+/*
+ * Kernel 1 of a fold (engram_mhc_fold: the expansion after one sublayer and the mix of the
+ * collapse before the next, T <= kMhcSmallTokens): blockIdx.x = t, blockIdx.y = a span of
+ * kFoldVectors vectors of 8 channels, taken in EVERY stream (a block owns its columns of
+ * all hc streams, so the expansion may write the streams in place: the block reads its
+ * columns of every stream before any thread writes one).
+ *   phase 1: thread c * kFoldVectors + v makes stream c's vector v of the new streams
+ *            (expandVector: the post kernel's sum, the same bits), rounded to the io type
+ *            as stored, into the new streams and into shared memory;
+ *   phase 2: the mix kernel's dot products over the block's hc * kFoldVectors vectors of
+ *            the flattened new streams (flat index c * hidden + channel), warp w owning
+ *            fn rows w, w + 8, ..., the lanes the (stream, vector) pairs; warp 0 the sum of
+ *            squares; partial [splits, T, rows + 1] as the mix kernels write it (the
+ *            finalize adds the splits whatever they cover).
+ * fn is a weight: with few rows a warp its loads go out before the wait for the kernel
+ * before (dependentLaunch.cuh); the streams and out only after it.
+ */
+constexpr int kFoldVectors = 8;
+
+template <typename IoT, int RowsPerWarp, int MaxHc>
+__global__ void __launch_bounds__(kMhcThreads) mhcFoldMixKernel(IoT const* streams, IoT const* __restrict__ out,
+    float const* __restrict__ post, float const* __restrict__ comb, float const* __restrict__ fn, int32_t rows,
+    int64_t numTokens, int32_t hc, int32_t hidden, IoT* newStreams, float* __restrict__ partial)
+{
+    constexpr int kSlots = MaxHc * kFoldVectors;      // (stream, vector) pairs a block can hold
+    constexpr int kPairsPerLane = (kSlots + 31) / 32; // of them, a lane's in phase 2
+    constexpr bool kPrefetch = RowsPerWarp * kPairsPerLane <= 4;
+    static_assert(kSlots <= kMhcThreads, "a thread per (stream, vector) in phase 1");
+    __shared__ __align__(16) float fresh[kSlots][8];
+    int const lane = threadIdx.x % 32;
+    int const warp = threadIdx.x / 32;
+    int const tid = static_cast<int>(threadIdx.x);
+    int64_t const t = blockIdx.x;
+    int64_t const split = blockIdx.y;
+    int32_t const vectors = hidden / 8; // of one stream
+    int64_t const width = static_cast<int64_t>(hc) * hidden;
+    int const pairs = hc * kFoldVectors;
+
+    float w[kPrefetch ? RowsPerWarp : 1][kPrefetch ? kPairsPerLane : 1][8];
+    if constexpr (kPrefetch)
+    {
 #pragma unroll
-            for (int i = 0; i < 8; ++i)
-            {
-                acc[i] = p * o[i];
-            }
+        for (int j = 0; j < RowsPerWarp; ++j)
+        {
 #pragma unroll
-            for (int j = 0; j < ENGRAM_MHC_MAX_HC; ++j)
+            for (int q = 0; q < kPairsPerLane; ++q)
             {
-                if (j < hc)
+                int const p = lane + 32 * q;
+                int const r = warp + kMhcWarps * j;
+                int64_t const v = split * kFoldVectors + p % kFoldVectors;
+                if (p < pairs && v < vectors && r < rows)
                 {
-                    float const w = roundTo<IoT>(ct[j * hc + k]);
+                    load8(fn + r * width + static_cast<int64_t>(p / kFoldVectors) * hidden + 8 * v, w[j][q]);
+                }
+                else
+                {
 #pragma unroll
                     for (int i = 0; i < 8; ++i)
                     {
-                        acc[i] += w * s[j][i];
+                        w[j][q][i] = 0.0F;
                     }
                 }
             }
-            store8(nt + static_cast<int64_t>(k) * hidden, acc);
+        }
+    }
+    waitForPrimary(); // the streams and out come from the kernels before (dependentLaunch.cuh)
+    allowDependents();
+
+    // phase 1: the expansion
+    int const c1 = tid / kFoldVectors;
+    int64_t const v1 = split * kFoldVectors + tid % kFoldVectors;
+    bool const mine = tid < pairs && v1 < vectors;
+    float acc[8] = {0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F, 0.0F};
+    if (mine)
+    {
+        IoT const* st = streams + t * width + 8 * v1;
+        float s[MaxHc][8];
+#pragma unroll
+        for (int j = 0; j < MaxHc; ++j)
+        {
+            if (j < hc)
+            {
+                load8(st + static_cast<int64_t>(j) * hidden, s[j]);
+            }
+        }
+        float o[8];
+        load8(out + t * hidden + 8 * v1, o);
+        expandVector<IoT, MaxHc>(s, o, post + t * hc, comb + t * hc * hc, hc, c1, acc);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            acc[i] = roundTo<IoT>(acc[i]); // as stored: the mix reads the stored streams
+        }
+    }
+    __syncthreads(); // every stream's columns of this block read before any is written (in place)
+    if (tid < kSlots)
+    {
+        if (mine)
+        {
+            store8(newStreams + t * width + static_cast<int64_t>(c1) * hidden + 8 * v1, acc);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            fresh[tid][i] = acc[i]; // zeros outside the streams
+        }
+    }
+    __syncthreads();
+
+    // phase 2: the mix of the new streams
+    float xv[kPairsPerLane][8];
+#pragma unroll
+    for (int q = 0; q < kPairsPerLane; ++q)
+    {
+        int const p = lane + 32 * q;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+        {
+            xv[q][i] = p < kSlots ? fresh[p][i] : 0.0F;
+        }
+    }
+    float* const dst = partial + (split * numTokens + t) * (rows + 1);
+#pragma unroll
+    for (int j = 0; j < RowsPerWarp; ++j)
+    {
+        int const r = warp + kMhcWarps * j;
+        if (r >= rows) // warp-uniform
+        {
+            break;
+        }
+        float dot = 0.0F;
+#pragma unroll
+        for (int q = 0; q < kPairsPerLane; ++q)
+        {
+            float wr[8];
+            if constexpr (kPrefetch)
+            {
+#pragma unroll
+                for (int i = 0; i < 8; ++i)
+                {
+                    wr[i] = w[j][q][i];
+                }
+            }
+            else
+            {
+                int const p = lane + 32 * q;
+                int64_t const v = split * kFoldVectors + p % kFoldVectors;
+                if (p < pairs && v < vectors)
+                {
+                    load8(fn + r * width + static_cast<int64_t>(p / kFoldVectors) * hidden + 8 * v, wr);
+                }
+                else
+                {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                    {
+                        wr[i] = 0.0F;
+                    }
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                dot += wr[i] * xv[q][i];
+            }
+        }
+        dot = warpSum(dot);
+        if (lane == 0)
+        {
+            dst[r] = dot;
+        }
+    }
+    if (warp == 0)
+    {
+        float squares = 0.0F;
+#pragma unroll
+        for (int q = 0; q < kPairsPerLane; ++q)
+        {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+            {
+                squares += xv[q][i] * xv[q][i];
+            }
+        }
+        squares = warpSum(squares);
+        if (lane == 0)
+        {
+            dst[rows] = squares;
         }
     }
 }
@@ -714,6 +918,18 @@ struct CollapseLaunch
 };
 
 template <typename IoT>
+int launchFinalize(CollapseLaunch const& a, int64_t splits)
+{
+    int64_t const wanted = (a.hidden / 8 + 31) / 32 * 32;
+    unsigned const threads = static_cast<unsigned>(wanted < kMhcThreads ? wanted : kMhcThreads);
+    resetLaunchError();
+    launchDependent(mhcFinalizeKernel<IoT>, dim3(static_cast<unsigned>(a.numTokens)), dim3(threads), 0, a.stream,
+        static_cast<IoT const*>(a.streams), a.partial, splits, a.base, a.scale, a.numTokens, a.hc, a.hidden, a.iters,
+        a.hcEps, a.normEps, a.head, a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
+    return checkLaunch("engram_mhc (finalize)");
+}
+
+template <typename IoT>
 int launchCollapse(CollapseLaunch const& a)
 {
     int32_t const rows = a.head != 0 ? a.hc : (2 + a.hc) * a.hc;
@@ -724,13 +940,7 @@ int launchCollapse(CollapseLaunch const& a)
     {
         return status;
     }
-    int64_t const wanted = (a.hidden / 8 + 31) / 32 * 32;
-    unsigned const threads = static_cast<unsigned>(wanted < kMhcThreads ? wanted : kMhcThreads);
-    resetLaunchError();
-    launchDependent(mhcFinalizeKernel<IoT>, dim3(static_cast<unsigned>(a.numTokens)), dim3(threads), 0, a.stream,
-        static_cast<IoT const*>(a.streams), a.partial, plan.splits, a.base, a.scale, a.numTokens, a.hc, a.hidden,
-        a.iters, a.hcEps, a.normEps, a.head, a.normWeight, a.rmsEps, static_cast<IoT*>(a.collapsed), a.post, a.comb);
-    return checkLaunch("engram_mhc (finalize)");
+    return launchFinalize<IoT>(a, plan.splits);
 }
 
 int launchCollapseFor(int32_t ioType, CollapseLaunch const& a)
@@ -753,6 +963,80 @@ int launchPost(void const* streams, void const* out, float const* post, float co
         dim3(kMhcThreads), 0, stream, static_cast<IoT const*>(streams), static_cast<IoT const*>(out), post, comb,
         numTokens, hc, hidden, static_cast<IoT*>(newStreams));
     return checkLaunch("engram_mhc_post");
+}
+
+//! Splits of a fold's mix: kFoldVectors vectors of every stream a block.
+int64_t foldSplits(int32_t hidden)
+{
+    return (hidden / 8 + kFoldVectors - 1) / kFoldVectors;
+}
+
+//! Floats of workspace engram_mhc_fold needs: its own mix's partials for a decode step's
+//! few tokens, the collapse's otherwise (more tokens run the post then the collapse).
+int64_t foldWorkspaceFloats(int64_t numTokens, int32_t hc, int32_t hidden)
+{
+    int64_t const general = workspaceFloats(numTokens, hc, hidden);
+    if (numTokens > kMhcSmallTokens)
+    {
+        return general;
+    }
+    int64_t const fold = foldSplits(hidden) * numTokens * ((2 + hc) * hc + 1);
+    return fold > general ? fold : general;
+}
+
+struct FoldLaunch
+{
+    void const* streams; // before the expansion
+    void const* out;     // the sublayer's output
+    float const* post;
+    float const* comb;
+    CollapseLaunch next; // next.streams: the new streams (written by the expansion)
+};
+
+template <typename IoT, int RowsPerWarp, int MaxHc>
+void launchFoldMixAs(FoldLaunch const& f, int32_t rows)
+{
+    CollapseLaunch const& a = f.next;
+    dim3 const grid(static_cast<unsigned>(a.numTokens), static_cast<unsigned>(foldSplits(a.hidden)));
+    launchDependent(mhcFoldMixKernel<IoT, RowsPerWarp, MaxHc>, grid, dim3(kMhcThreads), 0, a.stream,
+        static_cast<IoT const*>(f.streams), static_cast<IoT const*>(f.out), f.post, f.comb, a.fn, rows, a.numTokens,
+        a.hc, a.hidden, static_cast<IoT*>(const_cast<void*>(a.streams)), a.partial);
+}
+
+template <typename IoT>
+int launchFold(FoldLaunch const& f)
+{
+    CollapseLaunch const& a = f.next;
+    if (a.numTokens > kMhcSmallTokens) // a prefill chunk: the expansion, then the collapse
+    {
+        int const status = launchPost<IoT>(
+            f.streams, f.out, f.post, f.comb, a.numTokens, a.hc, a.hidden, const_cast<void*>(a.streams), a.stream);
+        return status != 0 ? status : launchCollapse<IoT>(a);
+    }
+    int32_t const rows = a.head != 0 ? a.hc : (2 + a.hc) * a.hc;
+    resetLaunchError();
+    // RowsPerWarp * kMhcWarps must cover rows (every row of fn summed: the reverted
+    // overlapped finalize of e6a1f7f summed only kMhcRowsPerWarp * warps rows, fewer than
+    // hc 4's 25 with one or two warps, and left the others' mix uninitialized: its NaN)
+    if (a.hc <= 2 && rows <= kMhcWarps)
+    {
+        launchFoldMixAs<IoT, 1, 2>(f, rows);
+    }
+    else if (a.hc <= 4 && rows <= 3 * kMhcWarps)
+    {
+        launchFoldMixAs<IoT, 3, 4>(f, rows);
+    }
+    else if (rows <= kMhcWarps)
+    {
+        launchFoldMixAs<IoT, 1, ENGRAM_MHC_MAX_HC>(f, rows);
+    }
+    else
+    {
+        constexpr int kMaxRows = (2 + ENGRAM_MHC_MAX_HC) * ENGRAM_MHC_MAX_HC;
+        launchFoldMixAs<IoT, (kMaxRows + kMhcWarps - 1) / kMhcWarps, ENGRAM_MHC_MAX_HC>(f, rows);
+    }
+    int const status = checkLaunch("engram_mhc_fold (expand + mix)");
+    return status != 0 ? status : launchFinalize<IoT>(a, foldSplits(a.hidden));
 }
 
 int checkIoType(char const* fn, int32_t ioType)
@@ -1040,5 +1324,117 @@ extern "C" ENGRAM_API int engram_mhc_post(void const* streams, void const* out, 
     case ENGRAM_FLOAT_F16:
         return launchPost<__half>(streams, out, post, comb, numTokens, hcMult, hidden, newStreams, stream);
     default: return launchPost<float>(streams, out, post, comb, numTokens, hcMult, hidden, newStreams, stream);
+    }
+}
+
+extern "C" ENGRAM_API int engram_mhc_fold_workspace_size(
+    int64_t numTokens, int32_t hcMult, int32_t hidden, size_t* bytes)
+{
+    int status = engram_mhc_check_shape(hcMult, hidden, 1, 0.0F, 0.0F);
+    if (status != 0)
+    {
+        return status;
+    }
+    if (bytes == nullptr || numTokens < 0 || numTokens > INT32_MAX)
+    {
+        return fail(cudaErrorInvalidValue,
+            "engram_mhc_fold_workspace_size: need bytes != NULL and num_tokens in [0, 2^31 - 1] (got %lld)",
+            ll(numTokens));
+    }
+    *bytes = static_cast<size_t>(foldWorkspaceFloats(numTokens, hcMult, hidden)) * sizeof(float);
+    return 0;
+}
+
+extern "C" ENGRAM_API int engram_mhc_fold(void const* streams, void const* out, int32_t ioType, float const* post,
+    float const* comb, float const* fn, float const* base, float const* scale, int64_t numTokens, int32_t hcMult,
+    int32_t hidden, int32_t sinkhornIters, float hcEps, float normEps, int32_t head, float const* normWeight,
+    float rmsEps, void* workspace, size_t workspaceBytes, void* newStreams, void* collapsed, float* nextPost,
+    float* nextComb, cudaStream_t stream)
+{
+    char const* const name = "engram_mhc_fold";
+    int status = engram_mhc_check_shape(hcMult, hidden, head != 0 ? 1 : sinkhornIters, hcEps, normEps);
+    if (status != 0)
+    {
+        return status;
+    }
+    status = checkIoType(name, ioType);
+    if (status != 0)
+    {
+        return status;
+    }
+    if (head != 0 && head != 1)
+    {
+        return fail(cudaErrorInvalidValue, "%s: head must be 0 (a layer's collapse) or 1 (the hyper head) (got %d)",
+            name, head);
+    }
+    if (numTokens < 0 || numTokens > INT32_MAX || numTokens * (hidden / 8) > INT32_MAX)
+    {
+        return fail(cudaErrorInvalidValue, "%s: num_tokens * hidden / 8 must be in [0, 2^31 - 1] (got %lld tokens)",
+            name, ll(numTokens));
+    }
+    if (numTokens == 0)
+    {
+        return 0;
+    }
+    void const* aligned[] = {streams, out, newStreams, fn, collapsed};
+    for (void const* p : aligned)
+    {
+        if (p == nullptr || !isAligned(p, 16))
+        {
+            return fail(cudaErrorInvalidValue,
+                "%s: streams, out, new_streams, fn and collapsed must be 16-byte aligned device pointers", name);
+        }
+    }
+    if (post == nullptr || comb == nullptr || base == nullptr || scale == nullptr)
+    {
+        return fail(cudaErrorInvalidValue, "%s: post, comb, base and scale must not be NULL", name);
+    }
+    if (head == 0 && (nextPost == nullptr || nextComb == nullptr))
+    {
+        return fail(cudaErrorInvalidValue, "%s: next_post and next_comb must not be NULL for a layer's collapse", name);
+    }
+    if (normWeight != nullptr)
+    {
+        status = checkNormArgs(name, normWeight, rmsEps);
+        if (status != 0)
+        {
+            return status;
+        }
+    }
+    if (workspace == nullptr || !isAligned(workspace, 4))
+    {
+        return fail(cudaErrorInvalidValue, "%s: workspace must be a 4-byte aligned device pointer", name);
+    }
+    size_t const need = static_cast<size_t>(foldWorkspaceFloats(numTokens, hcMult, hidden)) * sizeof(float);
+    if (workspaceBytes < need)
+    {
+        return fail(cudaErrorInvalidValue, "%s: workspace holds %llu bytes, %llu needed for %lld tokens", name,
+            static_cast<unsigned long long>(workspaceBytes), static_cast<unsigned long long>(need), ll(numTokens));
+    }
+    int64_t const streamBytes = numTokens * hcMult * hidden * ioBytes(ioType);
+    int64_t const rowBytes = numTokens * hidden * ioBytes(ioType);
+    int64_t const wsBytes = static_cast<int64_t>(workspaceBytes);
+    if ((newStreams != streams && overlaps(newStreams, streamBytes, streams, streamBytes))
+        || overlaps(newStreams, streamBytes, out, rowBytes))
+    {
+        return fail(
+            cudaErrorInvalidValue, "%s: new_streams must be streams itself or apart from it, and apart from out", name);
+    }
+    if (overlaps(collapsed, rowBytes, streams, streamBytes) || overlaps(collapsed, rowBytes, newStreams, streamBytes)
+        || overlaps(workspace, wsBytes, streams, streamBytes) || overlaps(workspace, wsBytes, newStreams, streamBytes)
+        || overlaps(workspace, wsBytes, out, rowBytes) || overlaps(workspace, wsBytes, collapsed, rowBytes))
+    {
+        return fail(
+            cudaErrorInvalidValue, "%s: collapsed and workspace must not overlap the streams, out or each other", name);
+    }
+    CollapseLaunch const next{newStreams, fn, base, scale, numTokens, hcMult, hidden, head != 0 ? 1 : sinkhornIters,
+        hcEps, normEps, head, static_cast<float*>(workspace), collapsed, head != 0 ? nullptr : nextPost,
+        head != 0 ? nullptr : nextComb, stream, normWeight, rmsEps};
+    FoldLaunch const f{streams, out, post, comb, next};
+    switch (ioType)
+    {
+    case ENGRAM_FLOAT_BF16: return launchFold<__nv_bfloat16>(f);
+    case ENGRAM_FLOAT_F16: return launchFold<__half>(f);
+    default: return launchFold<float>(f);
     }
 }

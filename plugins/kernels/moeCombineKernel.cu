@@ -6,9 +6,10 @@
  * routing weights, one thread per output value (the k picks of a token summed in order,
  * so the result does not depend on the launch).
  */
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "quantDevice.cuh"
+#include "quantKernels.h"
 
 #include <climits>
 #include <cstdint>

@@ -30,9 +30,10 @@
  *               (ascending, each read ahead of the write that would clobber it).
  */
 #include "convHistory.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "gateMath.h"
+#include "pleKernels.h"
 #include "seqIndex.cuh"
 #include "vecLoad.cuh"
 

@@ -19,8 +19,8 @@
  * each block copies into shared memory. No device buffer: a layout serves every device
  * and stream, and an engine build needs no GPU.
  */
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
+#include "pleKernels.h"
 #include "seqIndex.cuh"
 
 #include <climits>

@@ -25,8 +25,9 @@
  * A query attends at most (block_topk + 1) * compress_ratio - 1 positions, whatever the
  * context, which is what keeps the shared memory bounded and decode cheap.
  */
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
+#include "qsaKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>

@@ -20,9 +20,10 @@
  *                            shared counts hold (32 for 256 experts, 1 for 4096).
  *   engram_quant_dequantize  the weight formats decoded, one thread per value.
  */
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "quantDevice.cuh"
+#include "quantKernels.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -9,7 +9,7 @@
 #ifndef ENGRAM_TRT_QUANT_DEVICE_CUH
 #define ENGRAM_TRT_QUANT_DEVICE_CUH
 
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

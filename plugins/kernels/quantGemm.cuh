@@ -31,10 +31,10 @@
 #ifndef ENGRAM_TRT_QUANT_GEMM_CUH
 #define ENGRAM_TRT_QUANT_GEMM_CUH
 
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "quantDevice.cuh"
 #include "quantInternal.h"
+#include "quantKernels.h"
 
 #include <cuda_bf16.h>
 

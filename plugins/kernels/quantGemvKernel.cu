@@ -55,10 +55,11 @@
  * count without a synchronization).
  */
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
+#include "engramKernelsCore.h"
 #include "engramKernelsInternal.h"
 #include "quantDevice.cuh"
 #include "quantInternal.h"
+#include "quantKernels.h"
 #include "vecLoad.cuh"
 
 #include <cuda_bf16.h>

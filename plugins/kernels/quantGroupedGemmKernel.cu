@@ -7,10 +7,10 @@
  * at a time, to bf16 times their block scale: exact for ue8m0 scales (a power of two
  * times an e2m1 value), so the products are the dequantized weight's.
  */
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "quantGemm.cuh"
 #include "quantInternal.h"
+#include "quantKernels.h"
 
 #include <climits>
 #include <cstdint>

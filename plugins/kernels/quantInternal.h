@@ -8,7 +8,7 @@
 #ifndef ENGRAM_TRT_QUANT_INTERNAL_H
 #define ENGRAM_TRT_QUANT_INTERNAL_H
 
-#include "engramKernels.h"
+#include "quantKernels.h"
 
 #include <cstdint>
 

@@ -246,6 +246,116 @@ ENGRAM_API int engram_quant_dequantize(const void* w, int32_t w_type, const void
     int32_t bn, int32_t bk, int64_t out_features, int64_t in_features, int32_t num_experts, void* out, int32_t out_type,
     cudaStream_t stream);
 
+/*
+ * A decode step's stored-format products in one launch (quantDecodeKernel.cu; the
+ * DeepSeek-V4 fused decode glue, python/engram_trt/models/deepseek_v4/fused.py):
+ * up to ENGRAM_QSEG_MAX_SEGMENTS segments, each
+ *   out_s[m, n] = sum_k a_s[m, k] * W_s[n, k]      m < num_tokens (<= ENGRAM_QSEG_MAX_TOKENS)
+ * with a_s = x_s[m, :] as given (act_group 0) or quantized per act_group (128 / 32) columns
+ * exactly as engram_act_quant (float32 scales, or ue8m0 with act_ue8m0) and taken as its
+ * float32 deq; W_s FP8 / FP4 / BF16 as the formats above (bk a multiple of the 16-byte
+ * vector's values; partial last blocks). x_s bf16 or float32 (x_type), row stride x_stride
+ * (16-byte aligned rows); out_s out_type (EngramFloatType), row stride out_stride. Segments
+ * may share x (several projections of one input: each block quantizes the rows it stages,
+ * so every segment sees the same bits) or read slices of one buffer (a grouped projection).
+ * Each weight byte is read once, in 16-byte vectors; a warp owns 2 weight rows of one
+ * segment, a block 4 warps. Sums as engram_quant_gemv's (a lane's VPV products in a
+ * float32 chain, times the block scale into its accumulator, a 5-level warp butterfly):
+ * every product passes at most VPV + ceil(K / (32 VPV)) + 6 float32 roundings, then the
+ * output's. in_features a multiple of 16 (FP8) / 32 (FP4) / 8 (BF16). The staged rows
+ * (num_tokens x K rounded up to 32 vectors, float32) must fit a block's shared memory:
+ * cudaErrorNotSupported otherwise. flags: ENGRAM_QGEMV_WEIGHT_STATIC (the weights are a
+ * model's: each warp's first weight vectors load before the wait for the kernel before;
+ * programmatic dependent launch on sm_90+). Nothing read back on the host (CUDA-graph
+ * capturable). sm_80 or later.
+ */
+#define ENGRAM_QSEG_MAX_SEGMENTS 8
+#define ENGRAM_QSEG_MAX_TOKENS 8
+typedef struct EngramQuantSegment
+{
+    const void* x;       /* [num_tokens, >= in_features] of x_type, row stride x_stride */
+    const void* w;       /* [out_features, in_features(/2 FP4)] of w_type */
+    const void* w_scale; /* [ceil(N / bn), ceil(K / bk)] of scale_type; NULL for BF16 */
+    void* out;           /* [num_tokens, >= out_features] of out_type, row stride out_stride */
+    int64_t x_stride;
+    int64_t out_stride;
+    int32_t x_type; /* EngramFloatType: BF16 or F32 */
+    int32_t out_type;
+    int32_t w_type;
+    int32_t scale_type;
+    int32_t bn;
+    int32_t bk;
+    int32_t out_features;
+    int32_t in_features;
+    int32_t act_group; /* 0, 32 or 128 */
+    int32_t act_ue8m0;
+} EngramQuantSegment;
+ENGRAM_API int engram_quant_gemv_segments(
+    const EngramQuantSegment* segments, int32_t num_segments, int64_t num_tokens, uint32_t flags, cudaStream_t stream);
+
+/*
+ * A decode step's routed experts and shared expert with stored-format weights in two
+ * launches (quantDecodeKernel.cu): what native/quant.py's experts() followed by the shared
+ * expert's QuantLinear products computes, rounded where they round:
+ *   launch 1, per token t and pick j (e = ids[t, j]) and per intermediate row i:
+ *     g, u = gate_e a(x_t), up_e a(x_t)       (float32; a() the gate's act quantization)
+ *     h[t, j, i] = silu(min(g, l)) * clamp(u, -l, l)  (float32, as engram_swiglu_act_quant)
+ *   and for the shared expert (all tokens at once, its weight read once):
+ *     g, u rounded to bf16 (its products' outputs), clamped, silu rounded to bf16, the
+ *     product rounded to bf16 (F.silu(g.clamp(max=l)) * u.clamp(-l, l) in bf16);
+ *   launch 2, per token t and output channel d: each h row quantized per its down weight's
+ *     act quantization (engram_act_quant's deq in float32), then
+ *     routed = bf16(sum_j (route_w[t, j] * y_j))  (float32 products, summed in j order;
+ *              a pick outside [0, E) adds nothing), y_j = down_e[d] . a(h[t, j]) float32;
+ *     shared = bf16(down_s[d] . a(h_s[t]));  out[t, d] = bf16(routed + shared).
+ * x bf16 [T, D] contiguous, out bf16 [T, D]; ids int32 / route_w float32 [T, k]; the routed
+ * stacks gate / up [E, I, D], down [E, D, I], the shared gate / up [I_s, D], down [D, I_s]
+ * (shared_intermediate 0: none); each weight FP8 / FP4 / BF16 with its own scales and act
+ * quantization (quant/weight.py ACT_QUANT: fp8 128 float32, fp4 32 ue8m0, bf16 none).
+ * workspace float32 of engram_quant_moe_workspace_size bytes. 1 <= num_tokens <=
+ * ENGRAM_QSEG_MAX_TOKENS, top_k <= 16. D, I, I_s multiples of the 16-byte vector's values
+ * of the weights that read them. Sums as engram_quant_gemv_segments'. No host
+ * synchronization (CUDA-graph capturable).
+ */
+typedef struct EngramQuantMoeWeight
+{
+    const void* w; /* stacked [E, N, K(/2)] (routed) or [N, K(/2)] (shared) */
+    const void* scale;
+    int32_t w_type;
+    int32_t scale_type;
+    int32_t bn;
+    int32_t bk;
+    int32_t act_group; /* the activations this weight reads: 0, 32 or 128 */
+    int32_t act_ue8m0;
+} EngramQuantMoeWeight;
+typedef struct EngramQuantMoe
+{
+    const void* x;
+    const int32_t* ids;
+    const float* route_w;
+    EngramQuantMoeWeight gate;
+    EngramQuantMoeWeight up;
+    EngramQuantMoeWeight down;
+    EngramQuantMoeWeight shared_gate;
+    EngramQuantMoeWeight shared_up;
+    EngramQuantMoeWeight shared_down;
+    float* workspace;
+    void* out;
+    int64_t num_tokens;
+    int64_t workspace_bytes;
+    int32_t hidden;
+    int32_t top_k;
+    int32_t num_experts;
+    int32_t intermediate;
+    int32_t shared_intermediate;
+    int32_t clamp;
+    float limit;
+    int32_t reserved;
+} EngramQuantMoe;
+ENGRAM_API int engram_quant_moe_workspace_size(
+    int64_t num_tokens, int32_t top_k, int32_t intermediate, int32_t shared_intermediate, size_t* bytes);
+ENGRAM_API int engram_quant_moe(const EngramQuantMoe* args, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -15,8 +15,8 @@
  * (head_dim % 8 == 0 is the attention's limit, so half a head is whole 4-vectors).
  */
 #include "attentionInternal.h"
+#include "attentionKernels.h"
 #include "dependentLaunch.cuh"
-#include "engramKernels.h"
 #include "engramKernelsInternal.h"
 #include "vecLoad.cuh"
 

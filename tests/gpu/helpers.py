@@ -509,7 +509,7 @@ def check_bf16_cuda_logits_near_fp32_cpu(models: tuple[Any, Any], expected: dict
     own recorded bf16-vs-fp32 distance of the fp32 CPU model's; an assert and a figure."""
     import torch
 
-    from engram_trt.bench.gpucases import rel_err
+    from .cases import rel_err
     from engram_trt.models.step import PackedStep
 
     cpu, gpu = models

@@ -40,11 +40,13 @@ def probe(name: str, build_dir: Path) -> dict:
 
     import torch
 
-    from engram_trt.native import hostgather, kernels
+    from engram_trt.native import gate as gate_kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import hostgather
     from engram_trt.errors import EngramError
 
     dev = torch.device("cuda")
-    lib = kernels.load_library()
+    lib = hostgather.library()
     rng = np.random.default_rng(0)
 
     if name in ("build-phase-garbage", "runtime-phase-garbage-control"):
@@ -63,7 +65,7 @@ def probe(name: str, build_dir: Path) -> dict:
         else:
             dst = 1 << 12  # an unmapped address
         status = lib.engram_host_gather(g._handle, ids.ctypes.data_as(ctypes.c_void_p), 8, 4, 4,
-                                        ctypes.c_void_p(table.data_ptr()), None, 100, 64, kernels.TABLE_BF16, 32,
+                                        ctypes.c_void_p(table.data_ptr()), None, 100, 64, gather_kernels.TABLE_BF16, 32,
                                         ctypes.c_void_p(dst), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
         first = lib.engram_last_error().decode()
         if status == 0:  # not provoked: the caller tries the other destination
@@ -72,11 +74,11 @@ def probe(name: str, build_dir: Path) -> dict:
                               "reported success"}
         try:
             table_dev = table.to(dev)
-            out = kernels.gather(torch.from_numpy(ids).to(dev), table_dev)
+            out = gather_kernels.gather(torch.from_numpy(ids).to(dev), table_dev)
             hidden = torch.randn(4, 2, 64, dtype=torch.bfloat16, device=dev)
             kv = torch.randn(4, 3 * 64, dtype=torch.bfloat16, device=dev)
             w = torch.ones(2, 64, dtype=torch.bfloat16, device=dev)
-            kernels.gate(hidden, kv, w, w, eps=1e-6)
+            gate_kernels.gate(hidden, kv, w, w, eps=1e-6)
             torch.cuda.synchronize()
             ok = torch.equal(out.cpu(), table[torch.from_numpy(ids).long()])
             detail = f"first call failed ({status}: {first[:90]}); gather and gate after it succeeded"
@@ -136,7 +138,7 @@ def probe_build_phase(name: str, harness) -> dict:
     which shows they are unreadable (so the first probe would have failed had it read)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -162,7 +164,7 @@ def probe_build_phase(name: str, harness) -> dict:
         # the context is healthy: a real gather afterwards is exact
         table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
         flat = ids[:, 0, :].contiguous()
-        exact = torch.equal(kernels.gather(flat, table).cpu(), table.cpu()[flat.cpu().long()])
+        exact = torch.equal(gather_kernels.gather(flat, table).cpu(), table.cpu()[flat.cpu().long()])
         return {"name": "plugin EngramGather build phase, unmapped table / counter addresses: no read, zero rows",
                 "ok": zero and exact, "detail": f"zero rows={zero}; next gather in the context exact={exact}"}
     return {"name": "control: the same unmapped addresses in the runtime phase fault (the build-phase probe "

@@ -20,7 +20,7 @@ attention``):
              serialize -> createPlugin(kRUNTIME) round trip, enqueue with the cache outputs
              aliased to the inputs (in place) and with separate output buffers (the copy
              fallback: the inputs stay untouched), workspace size, refused fields.
-  timed data the timed shapes of ``engram-trt bench attention`` (decode 1 x 4k, 64 x 256,
+  timed data the timed shapes of ``benchmarks/kernels/bench_attention.py`` (decode 1 x 4k, 64 x 256,
              64 x 4k, 256 x 4k; one 8k prefill chunk; bf16, 32 query / 8 KV heads of 128):
              this kernel against torch SDPA on the same data, relative norm < 1e-2.
 
@@ -38,7 +38,7 @@ import os
 import numpy as np
 import pytest
 
-from engram_trt.bench.gpucases import ATTENTION_CASES
+from .cases import ATTENTION_CASES
 
 from .helpers import Checks, Harness, say  # noqa: F401  (Harness: the CPU suite binds the harness through this module)
 
@@ -169,10 +169,10 @@ def test_kernel(rng, dname, case) -> None:
     import torch
 
     from engram_trt.native import attention as attention_kernels
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
 
     dev = torch.device("cuda")
-    say(f"library {kernels.library_path()} version {kernels.version()}")
+    say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
     dtype = getattr(torch, dname)
     label, H, kvh, hd, num_slots, max_len, chunks = case
     slots, pos, _, _ = random_pack(rng, num_slots, max_len, chunks)
@@ -265,10 +265,10 @@ def test_splits(rng, dname) -> None:
     import torch
 
     from engram_trt.native import attention as attention_kernels
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
 
     dev = torch.device("cuda")
-    lib = attention_kernels._library()
+    lib = attention_kernels.library()
     H, kvh, hd, num_slots, max_len = 32, 8, 128, 6, 4096
     dtype = getattr(torch, dname)
     for chunks in ([(4095, 1)], [(3000, 1), (17, 1), (4000, 1)], [(2500, 3), (0, 1)]):
@@ -282,7 +282,7 @@ def test_splits(rng, dname) -> None:
         out = attention_kernels.attention_step(q_d, k.to(dev), v.to(dev), kc_d, vc_d, ts, tp)
         unsplit = torch.full_like(out, float("nan"))
         status = lib.engram_attention_packed(
-            ctypes.c_void_p(q_d.data_ptr()), kernels._float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
+            ctypes.c_void_p(q_d.data_ptr()), kernel_library.float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
             ctypes.c_void_p(vc_d.data_ptr()), ctypes.c_void_p(ts.data_ptr()), ctypes.c_void_p(tp.data_ptr()), T,
             H, kvh, hd, num_slots, max_len, ctypes.c_float(1 / math.sqrt(hd)), None, 0,
             ctypes.c_void_p(unsplit.data_ptr()), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
@@ -460,17 +460,17 @@ def test_plugin_gpu(rng, harness, dname, phase_name) -> None:
 
 
 
-# --- the timed shapes (their timing: engram-trt bench attention) -----------------------------
+# --- the timed shapes (their timing: benchmarks/kernels/bench_attention.py) -----------------------------
 
 @pytest.mark.parametrize("label", list(ATTENTION_CASES))
 def test_timed_shape_agrees_with_sdpa(label) -> None:
-    """A case ``engram-trt bench attention`` times (engram_trt.bench.gpucases: ``batch``
+    """A case ``benchmarks/kernels/bench_attention.py`` times (tests/gpu/cases.py: ``batch``
     sequences, each bringing ``new`` tokens at the end of a ``context``-long history in
     its own slot): this kernel against SDPA on the same cache (slot = batch row, the new
     K/V already in it; padded [B, H, S, hd] with enable_gqa)."""
     import torch
 
-    from engram_trt.bench.gpucases import attention_case
+    from .cases import attention_case
     from engram_trt.native import attention as attention_kernels
 
     c = attention_case(*ATTENTION_CASES[label], torch.device("cuda"))

@@ -1,6 +1,6 @@
 """The fused decoder-layer path of the torch backend on a GPU (formerly
-scripts/h200_backbone_check.py and h200_backbone_model.py; its timing is ``engram-trt
-bench backbone``).
+scripts/h200_backbone_check.py and h200_backbone_model.py; its timing is
+``benchmarks/kernels/bench_backbone.py``).
 
 One script, one device call:
   1. build      cmake (sm_90 by default), unless --skip-build.
@@ -51,7 +51,7 @@ from typing import Any
 
 import pytest
 
-from engram_trt.bench.gpucases import (MODEL_OPTIONS, build_model, decode_case, decode_step, decode_variants, rel_err,
+from .cases import (MODEL_OPTIONS, build_model, decode_case, decode_step, decode_variants, rel_err,
                                        variant_settings)
 
 from .helpers import U, combined, note, say, ulp_distance, versus_torch, within  # noqa: F401
@@ -221,8 +221,8 @@ def backbone_abi(entry: str, **args) -> tuple[int, str]:
     from engram_trt.native import attention as attention_kernels
     from engram_trt.native import backbone as backbone_kernels
 
-    lib = backbone_kernels._library()
-    attention_kernels._library()
+    lib = backbone_kernels.library()
+    attention_kernels.library()
 
     def norm(hs=_P, residual=None, weight=_P, T=4, hc=4, D=2048, eps=1e-6, out=_OUT):
         return lib.engram_hc_rms_norm(hs, residual, weight, T, hc, D, ctypes.c_float(eps), out, None)
@@ -437,8 +437,8 @@ def test_graph(gen, rounds: int = 3) -> None:
 
 # --- 5. the 1.15B model -----------------------------------------------------------------------------
 
-# The model, its decode variants and what each changes: engram_trt.bench.gpucases, shared
-# with ``engram-trt bench backbone``, which times the same steps.
+# The model, its decode variants and what each changes: tests/gpu/cases.py, shared
+# with ``benchmarks/kernels/bench_backbone.py``, which times the same steps.
 
 
 @pytest.fixture(scope="module")
@@ -582,7 +582,7 @@ def test_model(model_1b, twin, test_seed: int) -> None:
 
 @pytest.mark.parametrize("B", [1, 64, 256])
 def test_decode_variants(model_1b, twin, B: int) -> None:
-    """The decode steps ``engram-trt bench backbone`` times, checked: B sequences at context
+    """The decode steps ``benchmarks/kernels/bench_backbone.py`` times, checked: B sequences at context
     256, the Engram layers removed (the backbone), each variant (unfused, fused, the GEMM
     library's projections, no dependent launches, SDPA over copies or the tiled attention
     kernel) replayed from a CUDA graph (DecodeGraphs); fused vs unfused logits within 3e-2

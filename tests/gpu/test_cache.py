@@ -1,7 +1,7 @@
 """The hot-row cache's fused kernels (plugins/kernels/cacheKernel.cu) on a GPU against the
 policy's torch reference on the CPU, and the cache's delivered rows against the plain
 host gather (formerly scripts/h200_cache_check.py, run by h200_hostgather_check.py; its
-timing is ``engram-trt bench cacheplan``).
+timing is ``benchmarks/lookup/bench_cacheplan.py``).
 
 Policy, per case, step by step: the fused plan on the GPU and the reference plan on the
 CPU of the same ids, the reference given the kernels' miss order (which must be a
@@ -20,7 +20,7 @@ inline, split and hbm-scales fp8 tables (hbm-scales: the values in host memory, 
 array on the GPU, the misses' scale bytes gathered there by the plan's device miss list),
 a bf16 table, warm starts, replacements every 2nd step; a fetch that fails (nothing
 admitted, the slot map restored, the next step exact). Then real skewed ids: both layers
-of n-gram hashed chunks (the token file of `engram-trt bench idstream` where present,
+of n-gram hashed chunks (the token file of `benchmarks/lookup/idstreams.py` where present,
 else a Zipf token stream) with out-of-range ids mixed in, through an hbm-scales cache
 with and without a warm start, several steps with admission, each step against the
 plain host gather in the hbm-scales and the split layout and the NumPy dequant.
@@ -382,13 +382,13 @@ def test_whole_step(dev) -> None:
 
 
 def test_gather_part(dev) -> None:
-    """``kernels.gather(keep_outside=True)`` (``engram_gather_part``): two gathers with
+    """``gather_kernels.gather(keep_outside=True)`` (``engram_gather_part``): two gathers with
     disjoint row slices of one table fill one output bit-equal to a single gather, rows
     outside a slice keep the sentinel they held, ids outside the table stay untouched by
     both; ``max_blocks`` 1 and 5 equal a full wave, from device memory and through UVA."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     rng = np.random.default_rng(23)
     N, D, QB = 50_000, 256, 32
@@ -398,13 +398,13 @@ def test_gather_part(dev) -> None:
     cut = 20_011
     for name, rows, scales in (("fp8", rows_t, scales_t), ("bf16", bf, None)):
         d_rows, d_scales = rows.to(dev), None if scales is None else scales.to(dev)
-        want = kernels.gather(ids, d_rows, d_scales, quant_block=QB)
+        want = gather_kernels.gather(ids, d_rows, d_scales, quant_block=QB)
         sentinel = torch.full_like(want, 7.0)
         out = sentinel.clone()
-        kernels.gather(ids, d_rows[:cut], None if d_scales is None else d_scales[:cut], quant_block=QB, out=out,
+        gather_kernels.gather(ids, d_rows[:cut], None if d_scales is None else d_scales[:cut], quant_block=QB, out=out,
                        keep_outside=True)
         first = out.clone()
-        kernels.gather(ids, d_rows[cut:], None if d_scales is None else d_scales[cut:], quant_block=QB, out=out,
+        gather_kernels.gather(ids, d_rows[cut:], None if d_scales is None else d_scales[cut:], quant_block=QB, out=out,
                        keep_outside=True, row_offset=cut)
         torch.cuda.synchronize(dev)
         inside = (ids >= 0) & (ids < N)
@@ -412,7 +412,7 @@ def test_gather_part(dev) -> None:
         v = lambda t: t.view(torch.int16)  # noqa: E731
         ok_first = torch.equal(v(first[low]), v(want[low])) and torch.equal(v(first[~low]), v(sentinel[~low]))
         ok_both = torch.equal(v(out[inside]), v(want[inside])) and torch.equal(v(out[~inside]), v(sentinel[~inside]))
-        capped = [kernels.gather(ids, src_rows, src_scales, quant_block=QB, max_blocks=b)
+        capped = [gather_kernels.gather(ids, src_rows, src_scales, quant_block=QB, max_blocks=b)
                   for b in (1, 5) for src_rows, src_scales in ((d_rows, d_scales), (rows.pin_memory(), None
                                                                if scales is None else scales.pin_memory()))]
         torch.cuda.synchronize(dev)
@@ -422,19 +422,25 @@ def test_gather_part(dev) -> None:
             f"first slice {ok_first}, both {ok_both}, max_blocks 1/5 (HBM, UVA) {ok_capped}")
     for kwargs, words in (({"keep_outside": True}, "pass the out tensor"),
                           ({"max_blocks": -1}, "max_blocks must be an integer >= 0"),
-                          ({"max_blocks": 2, "bad_rows": kernels.new_bad_row_counter(dev)}, "count no bad rows")):
+                          ({"max_blocks": 2, "bad_rows": gather_kernels.new_bad_row_counter(dev)}, "count no bad rows")):
         try:
-            kernels.gather(ids, rows_t.to(dev), scales_t.to(dev), quant_block=QB, **kwargs)
+            gather_kernels.gather(ids, rows_t.to(dev), scales_t.to(dev), quant_block=QB, **kwargs)
             said = ""
         except Exception as exc:  # noqa: BLE001
             said = str(exc)
-        assert words in said, f"kernels.gather refuses {sorted(kwargs)} as documented: {said[:90]}"
+        assert words in said, f"gather_kernels.gather refuses {sorted(kwargs)} as documented: {said[:90]}"
 
 
 def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows: int = 4096) -> tuple[Any, Any, str]:
     """(layout, [chunk_tokens, 2, 24] row-id chunks, where the tokens came from): n-gram
     hashed chunks of the bench's token file where it exists, else of a Zipf stream."""
-    from engram_trt.bench import idstreams
+    import sys
+
+    from .helpers import REPO
+
+    if str(REPO / "benchmarks" / "lookup") not in sys.path:  # idstreams.py: benchmarks/lookup's own module
+        sys.path.insert(0, str(REPO / "benchmarks" / "lookup"))
+    import idstreams
 
     path = idstreams.default_tokens_path()
     if path.is_file():

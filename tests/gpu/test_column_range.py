@@ -10,7 +10,7 @@ address), with the global row ids of the hash.
   back from getFieldsToSerialize, before and after a round trip), default to every column
   of the whole table (today's plugin), and out-of-range values are refused with one
   line naming the field and file:line.
-- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through ``kernels.gather(columns=, row_offset=)``
+- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through ``native.gather.gather(columns=, row_offset=)``
   (engram_gather_ex) and the plugin's enqueue (engram_gather_indirect_ex), fp8 and bf16:
   the rows equal, bit for bit, the Python reference and the full-table gather's
   corresponding columns; ids below ``row_offset`` (negative ones, INT32_MIN included) and
@@ -175,7 +175,7 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
     both (the message holds each one that failed)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda")
     T, L, cols = ids.shape
@@ -192,7 +192,7 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
 
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
     out = torch.full((T, e - b, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
-    kernels.gather(ids_dev, rows, scales, layer=layer, columns=(b, e), row_offset=off, bad_rows=counter, out=out)
+    gather_kernels.gather(ids_dev, rows, scales, layer=layer, columns=(b, e), row_offset=off, bad_rows=counter, out=out)
     torch.cuda.synchronize()
     exact, full = matches(out)
     got = int(counter.item())
@@ -238,7 +238,7 @@ RANK_SHARE_PARAMS = [(dtype, ci, place) for dtype in ("fp8", "bf16") for ci in r
 def test_rank_share(rng, harness, dtype, ci, place) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -266,7 +266,7 @@ def test_rank_share(rng, harness, dtype, ci, place) -> None:
     slice_np = (full_rows[off:off + n], None if full_scales is None else full_scales[off:off + n])
     want_bits, want_count = _reference(sel, off, *slice_np, fp8)
     # the full-table gather (offset-free, checked against the reference above) of the same ids
-    full = kernels.gather(torch.from_numpy(np.ascontiguousarray(sel)).to(dev), *full_dev)
+    full = gather_kernels.gather(torch.from_numpy(np.ascontiguousarray(sel)).to(dev), *full_dev)
     torch.cuda.synchronize()
     full_cols = full.cpu().view(torch.int16)
     in_slice = torch.from_numpy((sel >= off) & (sel < off + n))
@@ -305,7 +305,7 @@ def test_explicit_defaults(rng, harness) -> None:
     """The defaults, explicit: the plugin is today's full-table gather, bit for bit."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
@@ -314,7 +314,7 @@ def test_explicit_defaults(rng, harness) -> None:
     r, s = torch.from_numpy(fp8_np).to(dev), torch.from_numpy(scales_np).to(dev)
     ids = rng.integers(0, rows_full, size=(T, L, cols)).astype(np.int32)
     ids_dev = torch.from_numpy(ids).to(dev)
-    ref = kernels.gather(ids_dev, r, s, layer=layer).cpu().view(torch.int16)
+    ref = gather_kernels.gather(ids_dev, r, s, layer=layer).cpu().view(torch.int16)
     outs = []
     for extra in ([], column_range_fields(0, cols, 0)):
         h = harness.create("EngramGather", gather_fields(layer, L, cols, 256, 0, 32, rows_full) + extra, phase=1)
@@ -325,6 +325,6 @@ def test_explicit_defaults(rng, harness) -> None:
         harness.lib.harness_destroy(h)
         outs.append(out.cpu().view(torch.int16))
     assert all(torch.equal(o, ref) for o in outs), (
-        "plugin EngramGather explicit defaults (columns [0, n_cols), row_offset 0) = no fields = kernels.gather")
+        "plugin EngramGather explicit defaults (columns [0, n_cols), row_offset 0) = no fields = gather_kernels.gather")
 
 

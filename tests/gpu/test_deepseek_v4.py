@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engram_trt.bench.gpucases import rel_err
+from .cases import rel_err
 
 from .helpers import (REPO, check_bf16_cuda_logits_near_fp32_cpu, check_llm_on_cuda_gives_the_recorded_tokens,
                       fp32_cpu_and_bf16_cuda, llm_on_cuda_tokens, load_checkpoint, note)

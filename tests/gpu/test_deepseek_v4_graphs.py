@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from engram_trt.bench.gpucases import rel_err
+from .cases import rel_err
 
 from .helpers import REPO, note, record, say
 

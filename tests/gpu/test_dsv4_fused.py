@@ -239,6 +239,81 @@ def test_gemv_segments_equal_the_gemv(rng) -> None:
         record(f"grouped o_a as segments = each group's engram_gemv_bf16, {tag}", torch.equal(y, alone), "")
 
 
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("q_lora,heads,d,pairs,groups", [(768, 16, 256, 32, 4), (200, 4, 40, 8, 2)])
+def test_gemv_prologues_equal_the_launches_they_replace(rng, T, q_lora, heads, d, pairs, groups) -> None:
+    """engram_gemv_segments_bf16_ex: the RMSNorm prologue (q_a_norm before q_b and the
+    indexer's q_b) = norm_rope's NORM_WEIGHTED launch then the GEMV, bit for bit; the RoPE
+    prologue (the inverse RoPE before the grouped o_a) = norm_rope's inverse rotation then
+    the GEMV, bit for bit; 5-8 rows (the _ex entry alone) = each row's own product bit for
+    bit and within float32 sums of float64. The bench's widths and partial ones (q_lora
+    200, head_dim 40: neither a multiple of 128)."""
+    import torch
+
+    from engram_trt.native import decode
+
+    u = UNIT["bfloat16"]
+    tag = f"T {T} q_lora {q_lora} heads {heads}x{d} pairs {pairs} groups {groups}"
+    q_a = _t(rng, (T, q_lora + 24), 1.3, "bfloat16")[:, :q_lora]  # a strided row set, as project's outputs are not
+    norm_w = (1 + 0.3 * _t(rng, (q_lora,))).contiguous()
+    ws = [_t(rng, (n, q_lora), q_lora ** -0.5, "bfloat16") for n in (heads * d, 61)]
+    with torch.no_grad():
+        got = [torch.empty(T, w.shape[0], dtype=torch.bfloat16, device="cuda") for w in ws]
+        decode.gemv_segments([(q_a, w, o) for w, o in zip(ws, got)],
+                             prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, q_lora, weight=norm_w, eps=1e-6))
+        normed = torch.empty(T, q_lora, dtype=torch.bfloat16, device="cuda")
+        decode.norm_rope(decode.NormRopeJob(q_a, normed, dim=q_lora, norm=decode.NORM_WEIGHTED, weight=norm_w,
+                                            eps=1e-6))
+        want = [torch.empty_like(o) for o in got]
+        decode.gemv_segments([(normed, w, o) for w, o in zip(ws, want)])
+    record(f"RMSNorm prologue = norm_rope then the GEMV, bit for bit, {tag}",
+           all(torch.equal(a, b) for a, b in zip(got, want)), "")
+    ref = normed.double() @ ws[0].double().t()
+    bound = u * ref.abs() + q_lora * 2.0 ** -23 * (normed.double().abs() @ ws[0].double().abs().t())
+    err = _excess(got[0], ref, bound)
+    record(f"RMSNorm prologue within float32 sums of float64 (the normed input), {tag}", err <= 0,
+           f"max excess {err:.3g}")
+
+    # the grouped o_a of the core's output after its inverse RoPE
+    per_in = heads * d // groups
+    R = 96
+    flat = _t(rng, (T, heads * d), 1.0, "bfloat16")
+    w = _t(rng, (groups * R, per_in), per_in ** -0.5, "bfloat16")
+    ang = torch.from_numpy(rng.uniform(0, 100, (T, 1)) * 10000.0 ** -(np.arange(pairs) / pairs)).float().cuda()
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    untouched = flat.clone()
+    with torch.no_grad():
+        y = torch.empty(T, groups * R, dtype=torch.bfloat16, device="cuda")
+        decode.gemv_segments([(flat[:, g * per_in:(g + 1) * per_in], w[g * R:(g + 1) * R], y[:, g * R:(g + 1) * R])
+                              for g in range(groups)],
+                             prologue=decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin,
+                                                          rope_sign=-1))
+        rotated = flat.clone()
+        decode.norm_rope(decode.NormRopeJob(rotated, rotated, dim=d, heads=heads, rope_pairs=pairs, cos=cos, sin=sin,
+                                            rope_sign=-1))
+        y2 = torch.empty_like(y)
+        decode.gemv_segments([(rotated[:, g * per_in:(g + 1) * per_in], w[g * R:(g + 1) * R],
+                               y2[:, g * R:(g + 1) * R]) for g in range(groups)])
+    record(f"RoPE prologue = the inverse RoPE launch then the GEMV, bit for bit, {tag}", torch.equal(y, y2), "")
+    record(f"RoPE prologue leaves x as it was, {tag}", torch.equal(flat, untouched), "")
+
+    if T > decode.GEMV_MAX_TOKENS:  # the _ex entry without a prologue: each row's own product
+        x = _t(rng, (T, 2048), 1.0, "bfloat16")
+        wb = _t(rng, (512, 2048), 2048 ** -0.5, "bfloat16")
+        with torch.no_grad():
+            out = torch.empty(T, 512, dtype=torch.bfloat16, device="cuda")
+            decode.gemv_segments([(x, wb, out)])
+            rows = []
+            for m in range(T):
+                o = torch.empty(1, 512, dtype=torch.bfloat16, device="cuda")
+                decode.gemv_segments([(x[m:m + 1], wb, o)])
+                rows.append(o)
+        record(f"{T} rows = each row's own GEMV bit for bit", torch.equal(out, torch.cat(rows)), "")
+        ref = x.double() @ wb.double().t()
+        err = _excess(out, ref, u * ref.abs() + 2048 * 2.0 ** -23 * (x.double().abs() @ wb.double().abs().t()))
+        record(f"{T} rows within float32 sums of float64", err <= 0, f"max excess {err:.3g}")
+
+
 # --- 3. moe_route ------------------------------------------------------------------------------------
 
 def _router(kind: str, E: int, k: int, score: str, D: int, dtype, rng):
@@ -418,7 +493,7 @@ def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None
 def test_fused_model_decode_within_round_off(mix: str) -> None:
     import torch
 
-    from engram_trt.bench.gpucases import rel_err
+    from .cases import rel_err
     from engram_trt.models.step import PackedStep
 
     from .test_deepseek_v4_graphs import _config, _model, _weights

@@ -10,7 +10,7 @@ plugin under TensorRT's build phase.
   to end: a NaN row through gather -> wkv -> gate.
 - bad rows: ids outside the table, an unbound / misaligned table address or a missing
   scale table write zero rows, and each such row adds 1 to the caller's device counter
-  (kernels.gather(bad_rows=...), the EngramGather plugin's optional counter input).
+  (gather_kernels.gather(bad_rows=...), the EngramGather plugin's optional counter input).
 - build phase: an EngramGather made with TensorRTPhase::kBUILD (and its clones) writes
   zero rows without reading any address; the garbage addresses used are shown to fault
   when a runtime-phase plugin does read them (a control in its own child process,
@@ -43,7 +43,7 @@ def nan_equal(got: np.ndarray, ref: np.ndarray, bound: np.ndarray | None = None)
 def test_gather_nan(rng) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
@@ -58,7 +58,7 @@ def test_gather_nan(rng) -> None:
     ids.reshape(-1)[: nan_rows.size] = nan_rows  # every NaN row is read
     with np.errstate(invalid="ignore"):
         ref = dequant_fp8_rows(fp8[ids.reshape(-1)], scales[ids.reshape(-1)], 32).reshape(T, cols, head_dim)
-    out = kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    out = gather_kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
     got = out.float().cpu().numpy()
     ref_bf16 = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
     ok, detail = nan_equal(got, ref_bf16)
@@ -71,7 +71,7 @@ def test_gate_nan(rng, harness, io_name) -> None:
     through the plugin's enqueue)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gate as gate_kernels
     from engram_trt.engram.fusion import engram_gate, engram_gate_reference
 
     dev = torch.device("cuda")
@@ -94,7 +94,7 @@ def test_gate_nan(rng, harness, io_name) -> None:
         ref = engram_gate_reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(),
                                     kw.float().numpy(), mask_np, 1e-6)
     torch_path = engram_gate(hidden, kv, qw, kw, mask, 1e-6).float().numpy()
-    out = kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
+    out = gate_kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
     got = out.float().cpu().numpy().astype(np.float64)
     live = mask_np
     ok_ref, detail = nan_equal(got[live], ref[live], gate_bound(io, ref)[live])
@@ -122,7 +122,8 @@ def test_nan_end_to_end(rng) -> None:
     """A row with a NaN scale -> gather -> wkv -> gate."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gate as gate_kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda")
     T, hc, D = 32, 2, 256
@@ -134,12 +135,12 @@ def test_nan_end_to_end(rng) -> None:
     elsewhere = set(np.delete(ids.reshape(-1), poisoned_token * 4 + 2).tolist())
     ids[poisoned_token, 2] = next(r for r in range(1000) if r not in elsewhere)
     scales[ids[poisoned_token, 2], 1] = 255
-    e = kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    e = gather_kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
     wkv = (0.02 * torch.randn(4 * 128, (hc + 1) * D, device=dev)).to(torch.bfloat16)
     kv = (e.reshape(T, -1) @ wkv).contiguous()
     hidden = torch.randn(T, hc, D, dtype=torch.bfloat16, device=dev)
     w = torch.ones(hc, D, dtype=torch.bfloat16, device=dev)
-    out = kernels.gate(hidden, kv, w, w, torch.ones(T, dtype=torch.bool, device=dev), eps=1e-6).float().cpu()
+    out = gate_kernels.gate(hidden, kv, w, w, torch.ones(T, dtype=torch.bool, device=dev), eps=1e-6).float().cpu()
     other = torch.cat([out[:poisoned_token], out[poisoned_token + 1:]])
     assert bool(torch.isnan(out[poisoned_token]).all()) and bool(torch.isfinite(other).all()), (
         "end to end: a NaN scale byte -> gathered row -> wkv -> gate gives NaN for that token only: "
@@ -180,7 +181,7 @@ def bad_rows_case(rng) -> SimpleNamespace:
 def test_bad_rows_kernel(rng, where) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     c = bad_rows_case(rng)
     dev = torch.device("cuda")
@@ -189,9 +190,9 @@ def test_bad_rows_kernel(rng, where) -> None:
             "pinned host (UVA)": lambda: (torch.from_numpy(fp8).pin_memory(),
                                           torch.from_numpy(scales).pin_memory())}[where]()
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
-    out = kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+    out = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
     first = int(counter.item())
-    out2 = kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+    out2 = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
     exact = torch.equal(out.cpu().view(torch.int16), ref_bits) and torch.equal(out2.cpu().view(torch.int16), ref_bits)
     assert first == expected and int(counter.item()) == 2 * expected and exact, (
         f"kernel gather bad_rows counts ids outside the table ({where}): "
@@ -201,28 +202,28 @@ def test_bad_rows_kernel(rng, where) -> None:
 def test_bad_rows_bf16_and_check(rng) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     dev = torch.device("cuda")
     rows_n, T, cols = 10_000, 200, 24
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
     table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
     good = torch.from_numpy(rng.integers(0, rows_n, size=(T, cols)).astype(np.int32)).to(dev)
-    kernels.gather(good, table, bad_rows=counter)
+    gather_kernels.gather(good, table, bad_rows=counter)
     bf16_ids = good.clone()
     bf16_ids[0, :5] = rows_n
-    kernels.gather(bf16_ids, table, bad_rows=counter)
+    gather_kernels.gather(bf16_ids, table, bad_rows=counter)
     assert int(counter.item()) == 5, f"kernel gather bad_rows: 0 for in-range ids, 5 for 5 bad bf16 ids: " \
                                      f"count {int(counter.item())}"
     from engram_trt.errors import EngramError
 
     try:
-        kernels.check_bad_rows(counter, what="bf16 gather")
+        gather_kernels.check_bad_rows(counter, what="bf16 gather")
         raised = ""
     except EngramError as exc:
         raised = str(exc)
     assert raised.startswith("bf16 gather: 5 row(s) read no table") and int(counter.item()) == 0, (
-        f"kernels.check_bad_rows raises on the device counter and resets it: {raised[:120]}")
+        f"gather_kernels.check_bad_rows raises on the device counter and resets it: {raised[:120]}")
 
 
 # (name, which addresses, the count wanted (None: expected), exact rows (else zero rows))

@@ -188,7 +188,7 @@ class _ActQuantCPU:
 def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
     import torch
 
-    from engram_trt.bench.gpucases import rel_err
+    from .cases import rel_err
     from engram_trt.models.step import greedy_tokens
     from engram_trt.quant.weight import QuantLinear
 

@@ -74,7 +74,7 @@ def _place(table: Any, where: str, dev: Any) -> Any:
 def test_kernel_gathers_float_rows(dev, rng) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     T, L, cols, layer = 37, 3, 5, 1
     for name in DTYPE_CODES:
@@ -87,8 +87,8 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
             for where in ("device", "pinned"):
                 table = _place(host, where, dev)
                 tag = f"{name} width {width} {where}"
-                counter = kernels.new_bad_row_counter(dev)
-                out = kernels.gather(ids_dev, table, layer=layer, bad_rows=counter)
+                counter = gather_kernels.new_bad_row_counter(dev)
+                out = gather_kernels.gather(ids_dev, table, layer=layer, bad_rows=counter)
                 torch.cuda.synchronize()
                 assert _same(torch, out.cpu(), want) and int(counter.item()) == bad, (
                     f"kernel gather {tag}: rows = torch indexing, {bad} outside ids counted: dtype {out.dtype}, count "
@@ -97,7 +97,7 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 odd = _place(_table(torch, dtype, width, seed=width * 7 + len(name), offset=1), where, dev)
                 buf = torch.full((T * cols * width + 1,), float("nan"), dtype=dtype, device=dev)
                 out_odd = buf[1:].view(T, cols, width)
-                kernels.gather(ids_dev, odd, layer=layer, out=out_odd)
+                gather_kernels.gather(ids_dev, odd, layer=layer, out=out_odd)
                 torch.cuda.synchronize()
                 assert _same(torch, out_odd.cpu(), want), (
                     f"kernel gather {tag}: element-aligned table and output (narrow path) = torch indexing: table "
@@ -105,8 +105,8 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 # a rank's share: columns [1, 4) from the slice of global rows [off, off + n)
                 off, n = 1001, 2500
                 part = _place(host[off:off + n].clone(), where, dev)
-                counter = kernels.new_bad_row_counter(dev)
-                out_s = kernels.gather(ids_dev, part, layer=layer, row_offset=off, columns=(1, 4), bad_rows=counter)
+                counter = gather_kernels.new_bad_row_counter(dev)
+                out_s = gather_kernels.gather(ids_dev, part, layer=layer, row_offset=off, columns=(1, 4), bad_rows=counter)
                 torch.cuda.synchronize()
                 want_s, bad_s = _plain(torch, host[off:off + n], torch.from_numpy(ids[:, layer, 1:4]), off)
                 assert _same(torch, out_s.cpu(), want_s) and int(counter.item()) == bad_s, (
@@ -116,8 +116,8 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 split = N // 3
                 lo, hi = _place(host[:split].clone(), where, dev), _place(host[split:].clone(), where, dev)
                 out_p = torch.full((T, cols, width), float("nan"), dtype=dtype, device=dev)
-                kernels.gather(ids_dev, lo, layer=layer, out=out_p, keep_outside=True, max_blocks=2)
-                kernels.gather(ids_dev, hi, layer=layer, out=out_p, row_offset=split, keep_outside=True)
+                gather_kernels.gather(ids_dev, lo, layer=layer, out=out_p, keep_outside=True, max_blocks=2)
+                gather_kernels.gather(ids_dev, hi, layer=layer, out=out_p, row_offset=split, keep_outside=True)
                 torch.cuda.synchronize()
                 inside = torch.from_numpy((ids[:, layer, :] >= 0) & (ids[:, layer, :] < N))
                 got_p = out_p.cpu()

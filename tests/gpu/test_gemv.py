@@ -14,7 +14,7 @@
              sm_90: each kernel may start before the one before it ends), each output
              against float64 on the input of its own replay.
 
-Timing is `engram-trt bench gemv`.
+Timing is `benchmarks/kernels/bench_gemv.py`.
 
 Bound against float64 on the same bf16 inputs, elementwise, u = 2^-8:
   |out - ref| <= u |ref| + (1 + u) n 2^-24 (1 + 2^-20) sum_k |w x|
@@ -105,7 +105,7 @@ def gemv_abi(x=_P, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, flags=1,
     """engram_gemv_bf16 called with these arguments: (status, its last error)."""
     from engram_trt.native import backbone as backbone_kernels
 
-    lib = backbone_kernels._library()
+    lib = backbone_kernels.library()
     status = lib.engram_gemv_bf16(x, w, T, N, K, flags, out, None)
     return status, lib.engram_last_error().decode()
 

@@ -17,7 +17,9 @@ comb rounded to the dtype (what the kernel documents), ``u |ref| + 1e-5 sum|term
 the torch module (which rounds the product, the matmul and their sum apart) ``4 u
 sum|terms| + 1e-5 max``. Beside: post in place = out of place bit for bit, two calls bit-identical, zero
 tokens, the tiny DeepSeek-V4 checkpoint's logits with the mHC kernels vs the PyTorch mHC,
-and decode / prefill timings (kernel pre + post faster than the torch path).
+and decode / prefill timings (kernel pre + post faster than the torch path). The fold
+(engram_mhc_fold: a sublayer boundary) against mhc_post then mhc_pre / mhc_pre_norm /
+mhc_head_norm over hc 2 / 3 / 4 / 8, partial spans, T 1..300, each dtype.
 """
 
 from __future__ import annotations
@@ -144,6 +146,89 @@ def test_head_matches_the_torch_module(rng, dname, hc, D, T) -> None:
     record(f"head = float64 reference, {tag}", err <= 0, f"max excess {err:.3g}")
 
 
+FOLD_CASES = [  # (hc, hidden, sinkhorn iters, tokens): decode fold (T <= 8) and the three-launch form
+    (2, 64, 1, 5),
+    (3, 64, 3, 8),
+    (3, 200, 3, 2),  # 25 vectors a stream: a partial last span
+    (4, 64, 20, 1),  # one or two warps' worth of channels: the rows every warp must cover (the reverted NaN)
+    (4, 256, 20, 7),
+    (4, 2048, 20, 1),
+    (4, 2048, 20, 4),
+    (4, 256, 7, 300),
+    (8, 64, 5, 3),
+    (8, 128, 5, 9),
+]
+
+
+@pytest.mark.parametrize("dname", DTYPES)
+@pytest.mark.parametrize("ci", range(len(FOLD_CASES)))
+def test_fold_equals_post_then_collapse(rng, dname, ci) -> None:
+    """engram_mhc_fold (a sublayer boundary: the expansion, then the next collapse with or
+    without its norm, or the head's): new streams = mhc_post's bit for bit (the same sum in
+    the same order), in place = out of place; the next collapse's post / comb = mhc_pre's
+    of those streams within float32 sums' order (2e-5) and the float64 reference's; the
+    collapse / its norm as mhc_pre / mhc_pre_norm's bounds (test_dsv4_fused); the head's
+    likewise; everything finite."""
+    import torch
+
+    from engram_trt.builder import reference_mhc as ref
+    from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RMSNorm
+    from engram_trt.native import mhc
+
+    hc, D, iters, T = FOLD_CASES[ci]
+    dtype, u = getattr(torch, dname), UNIT_ROUNDOFF[dname]
+    first = _randomize(torch, HyperConnection(_config(hc, D, iters)), rng)
+    nxt = _randomize(torch, HyperConnection(_config(hc, D, iters)), rng)
+    head = _randomize(torch, HyperHead(_config(hc, D, 1)), rng)
+    norm = RMSNorm(D, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy((1 + 0.3 * rng.standard_normal(D)).astype(np.float32)))
+    norm = norm.cuda()
+    x = torch.from_numpy((rng.standard_normal((T, hc, D)) * 1.5).astype(np.float32)).to("cuda", dtype)
+    y = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32)).to("cuda", dtype)
+    tag = f"hc {hc} D {D} iters {iters} T {T} {dname}"
+    kw = dict(sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS)
+    with torch.no_grad():
+        _h, post0, comb0 = mhc.mhc_pre(x, first.fn, first.base, first.scale, **kw)
+        want_new = mhc.mhc_post(x, y, post0, comb0)
+        new, h, post, comb = mhc.mhc_fold(x, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, **kw)
+        new_n, hn, post_n, comb_n = mhc.mhc_fold(x, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, norm.weight,
+                                                 rms_eps=EPS, **kw)
+        inplace = x.clone()
+        got_in = mhc.mhc_fold(inplace, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, norm.weight, rms_eps=EPS,
+                              new_streams=inplace, **kw)
+        h_ref, post_ref, comb_ref = mhc.mhc_pre(want_new, nxt.fn, nxt.base, nxt.scale, **kw)
+        hn_tight = norm(h)  # the norm of the fold's own collapse
+        hn_loose = norm(nxt.collapse_torch(want_new)[0])
+        new_h, head_got, p_none, c_none = mhc.mhc_fold(x, y, post0, comb0, head.hc_fn, head.hc_base, head.hc_scale,
+                                                       norm.weight, head=True, hc_eps=EPS, norm_eps=EPS, rms_eps=EPS)
+        head_tight = norm(mhc.mhc_head(want_new, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=EPS, norm_eps=EPS))
+        head_loose = norm(head.forward_torch(want_new))
+    torch.cuda.synchronize()
+    record(f"fold: new streams = mhc_post bit for bit, {tag}",
+           torch.equal(new, want_new) and torch.equal(new_n, want_new) and torch.equal(new_h, want_new))
+    record(f"fold: in place = out of place bit for bit, {tag}",
+           torch.equal(inplace, want_new) and torch.equal(got_in[1], hn) and torch.equal(got_in[2], post_n))
+    record(f"fold: the norm changes only the collapse, {tag}", torch.equal(post, post_n) and torch.equal(comb, comb_n))
+    e = max(_rel(post, post_ref), _rel(comb, comb_ref))
+    record(f"fold: next post / comb = mhc_pre of the new streams, {tag}", e <= 2e-5, f"max rel {e:.3g}")
+    params = ref.MhcParams.of(nxt.fn.cpu(), nxt.base.cpu(), nxt.scale.cpu())
+    _h64, post64, comb64 = ref.mhc_pre(want_new.double().cpu().numpy(), params, iters=iters, hc_eps=EPS,
+                                       norm_eps=EPS)
+    e64 = max(_rel(post, torch.from_numpy(post64)), _rel(comb, torch.from_numpy(comb64)))
+    record(f"fold: next post / comb = float64 reference, {tag}", e64 <= 2e-5, f"max rel {e64:.3g}")
+    hr = h_ref.double().cpu()
+    err = _excess(h, hr, 2 * u * hr.abs() + 2e-5 * float(hr.abs().max()))
+    record(f"fold: collapse = mhc_pre's, {tag}", err <= 0, f"max excess {err:.3g}")
+    for name, a, t, lo in (("pre_norm", hn, hn_tight, hn_loose), ("head_norm", head_got, head_tight, head_loose)):
+        err = _excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
+        record(f"fold {name} = RMSNorm of the kernel's own collapse, {tag}", err <= 0, f"max excess {err:.3g}")
+        err = _excess(a, lo, 6 * u * lo.double().abs() + 2e-5 * float(lo.double().abs().max()))
+        record(f"fold {name} = torch collapse + RMSNorm, {tag}", err <= 0, f"max excess {err:.3g}")
+    finite = all(bool(torch.isfinite(t).all()) for t in (new, h, post, comb, hn, head_got))
+    record(f"fold: every output finite, {tag}", finite and p_none is None and c_none is None)
+
+
 def test_contracts(rng) -> None:
     """In place = out of place bit for bit; repeated calls bit-identical (no atomics);
     zero tokens; the modules' kernel path = the binding."""
@@ -197,7 +282,7 @@ def test_tiny_model_with_mhc_kernels(dname) -> None:
     from engram_trt.models.registry import open_checkpoint
     from engram_trt.models.step import PackedStep
 
-    from engram_trt.bench.gpucases import rel_err
+    from .cases import rel_err
 
     ckpt = open_checkpoint(REPO / "tests" / "data" / "deepseek_v4_tiny")
     model = ckpt.architecture.load_model(ckpt, device="cuda", dtype=getattr(torch, dname))

@@ -61,11 +61,11 @@ def test_kernel_ple_hash(rng, ci, num_seqs, max_len, which) -> None:
     import torch
 
     from engram_trt.engram import ple_hash as ph
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.native import ple as native_ple
 
     dev = torch.device("cuda")
-    say(f"library {kernels.library_path()} version {kernels.version()}")
+    say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
     layout = make_layout(CONFIGS[ci])
     li = 0 if which == "first" else layout.num_layers - 1
     ids, starts, context = random_step(rng, layout, num_seqs, max_len)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from engram_trt.bench.gpucases import rel_err
+from .cases import rel_err
 
 from .helpers import REPO, load_checkpoint, say
 

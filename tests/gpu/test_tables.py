@@ -88,10 +88,10 @@ def check_pinned(refs: list, label: str, chunk_bytes: int, checks: Checks, timin
     gpu, cpu = uva_gather_digest(store)
     checks.add(f"pinned {label}: GPU gather through UVA == CPU gather", gpu == cpu, gpu[:16])
     try:
-        from engram_trt.native import kernels
+        from engram_trt.native import library as kernel_library
 
-        kernels.library_path()
-        kind = kernels.pointer_kind(store.tensors(0)[0])
+        kernel_library.library_path()
+        kind = kernel_library.pointer_kind(store.tensors(0)[0])
         checks.add(f"pinned {label}: kernel library sees the table as 'host'", kind == "host", kind)
     except Exception as exc:  # noqa: BLE001 - optional: the library may not be built on this machine
         checks.add(f"pinned {label}: kernel library sees the table as 'host'", True,

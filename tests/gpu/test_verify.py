@@ -1,9 +1,9 @@
 """The kernel library and the plugins on a GPU (formerly scripts/h200_verify.py; its NaN,
 bad-row and build-phase cases are test_edge_cases.py, a rank's column range
-test_column_range.py, its timing ``engram-trt bench kernels``):
+test_column_range.py, its timing ``benchmarks/kernels/bench_kernels.py``):
 
   kernels    hash / gather (device, pinned-UVA, registered-UVA, host gather; fp8 and
-             bf16 tables) / gate through engram_trt.native.kernels, against the Python
+             bf16 tables) / gate through engram_trt.native (hash, gather, gate), against the Python
              references on fresh random inputs, outputs poisoned first.
   plugins    EngramHash / EngramGather / EngramGate (namespace "engram_trt") through
              their creators, output types and shapes (a harness IExprBuilder),
@@ -16,7 +16,7 @@ test_column_range.py, its timing ``engram-trt bench kernels``):
              never read before ids[0]; and, each in a child process (a fault there
              cannot end this run): a failed call leaves no stale CUDA error for the
              next one, destroying a host gatherer waits for its gather.
-  timed data the outputs of the timed cases of ``engram-trt bench kernels`` (hash of 8,192
+  timed data the outputs of the timed cases of ``benchmarks/kernels/bench_kernels.py`` (hash of 8,192
              tokens x 2 layers x 24 columns; the host gather against the device gather of
              6,144 and 196,608 rows of a >= 24 GiB table, ``$ENGRAM_TRT_GPU_TABLE_GIB``).
 
@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engram_trt.bench.gpucases import GATHER_ROWS, HASH_SEQUENCES
+from .cases import GATHER_ROWS, HASH_SEQUENCES
 
 from .helpers import (DT, PF_CHAR, PF_INT32, PF_INT64, Checks, bits, dtype_name, gate_fields, gate_inputs,
                       gate_ok, gather_fields, hash_fields, hash_fields_text, random_fp8_table, run_child, say)
@@ -94,16 +94,17 @@ def layouts():
 def test_kernel_hash(rng, layouts, li, num_seqs, max_len) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.engram.hashing import hash_batch_packed
 
     dev = torch.device("cuda")
-    say(f"library {kernels.library_path()} version {kernels.version()}")
+    say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
     layout = layouts[li]
     ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
     ref = hash_batch_packed(ids, starts, lookback, layout)
     out = torch.full((ids.shape[0], layout.num_layers, layout.n_hash_cols), -12345, dtype=torch.int32, device=dev)
-    kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+    hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
                         torch.from_numpy(starts.astype(np.int32)).to(dev),
                         torch.from_numpy(lookback.astype(np.int32)).to(dev), layout, out=out)
     got = out.cpu().numpy().astype(np.int64)
@@ -116,14 +117,14 @@ def test_kernel_hash_no_lookback(rng, layouts, li) -> None:
     """lookback=None: every sequence fresh."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
     from engram_trt.engram.hashing import hash_batch_packed
 
     dev = torch.device("cuda")
     layout = layouts[li]
     ids, starts, _ = random_packed(rng, layout, 5, 30)
     ref = hash_batch_packed(ids, starts, None, layout)
-    got = kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+    got = hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
                               torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
     assert np.array_equal(got.cpu().numpy(), ref), f"kernel hash layout{li} no lookback"
 
@@ -174,7 +175,8 @@ def test_kernel_gather_fp8(gather_case, name) -> None:
     """The fp8 table in every placement."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import library as kernel_library
 
     c, dev = gather_case, torch.device("cuda")
     ids_dev = torch.from_numpy(c.ids).to(dev)
@@ -184,17 +186,17 @@ def test_kernel_gather_fp8(gather_case, name) -> None:
         r, s = c.fp8_cpu.pin_memory(), c.scales_cpu.pin_memory()
     else:
         r, s = c.fp8_cpu.clone(), c.scales_cpu.clone()
-        kernels.register_host_memory(r)
-        kernels.register_host_memory(s)
+        kernel_library.register_host_memory(r)
+        kernel_library.register_host_memory(s)
     try:
-        out = kernels.gather(ids_dev, r, s, layer=c.layer, out=poisoned(c, c.head_dim))
+        out = gather_kernels.gather(ids_dev, r, s, layer=c.layer, out=poisoned(c, c.head_dim))
         torch.cuda.synchronize()
         same = torch.equal(out.view(torch.int16).cpu(), c.ref_bits)
-        assert same, f"kernel gather fp8 {name}: kind={kernels.pointer_kind(r)}"
+        assert same, f"kernel gather fp8 {name}: kind={kernel_library.pointer_kind(r)}"
     finally:
         if name == "registered host (UVA)":
-            kernels.unregister_host_memory(r)
-            kernels.unregister_host_memory(s)
+            kernel_library.unregister_host_memory(r)
+            kernel_library.unregister_host_memory(s)
 
 
 def test_host_gather_fp8(gather_case) -> None:
@@ -212,10 +214,10 @@ def test_host_gather_fp8(gather_case) -> None:
 def test_kernel_gather_bf16_device(gather_case) -> None:
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
     c, dev = gather_case, torch.device("cuda")
-    out = kernels.gather(c.ids2.to(dev), c.table_bf16.to(dev), out=poisoned(c, 128))
+    out = gather_kernels.gather(c.ids2.to(dev), c.table_bf16.to(dev), out=poisoned(c, 128))
     assert torch.equal(out.cpu().view(torch.int16), c.ref2.view(torch.int16)), "kernel gather bf16 device"
 
 
@@ -246,7 +248,7 @@ def test_kernel_gate(rng, T, hc, D, io_name, w_name, m_name, mode) -> None:
     bit the out-of-place output (computed again here)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gate as gate_kernels
     from engram_trt.engram.fusion import engram_gate_reference
 
     io, wdtype, mdtype = (getattr(torch, n) for n in (io_name, w_name, m_name))
@@ -254,14 +256,14 @@ def test_kernel_gate(rng, T, hc, D, io_name, w_name, m_name, mode) -> None:
     hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T, hc, D, wdtype, mdtype, io)
     eps = 1e-6
     out = torch.full((T, hc, D), float("nan"), dtype=hidden.dtype, device=dev)
-    kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=out)
+    gate_kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=out)
     io_name, w_name = dtype_name(hidden.dtype), dtype_name(wdtype)
     if mode == "out of place":
         ok, detail = gate_ok(out, hidden, kv, qw, kw, mask_np, eps, engram_gate_reference)
         assert ok, f"kernel gate io={io_name} T={T} hc={hc} D={D} w={w_name} mask={dtype_name(mdtype)}: {detail}"
     else:
         h_dev = hidden.to(dev)
-        kernels.gate(h_dev, kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=h_dev)
+        gate_kernels.gate(h_dev, kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=h_dev)
         assert torch.equal(bits(h_dev), bits(out)), f"kernel gate io={io_name} in place T={T} hc={hc} D={D}"
 
 
@@ -546,7 +548,7 @@ def test_hardening_hash_negative_start(rng, layouts) -> None:
     lookback for sequence 0)."""
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import hash as hash_kernels
     from engram_trt.engram.hashing import hash_batch_packed
 
     dev = torch.device("cuda")
@@ -564,7 +566,7 @@ def test_hardening_hash_negative_start(rng, layouts) -> None:
     ref = hash_batch_packed(ids, starts, fresh, layout)
     buf = torch.full((64 + T,), 7, dtype=torch.int32, device=dev)
     buf[64:] = torch.from_numpy(ids.astype(np.int32)).to(dev)
-    got = kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
+    got = hash_kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
                               torch.from_numpy(lookback.astype(np.int32)).to(dev), layout)
     torch.cuda.synchronize()
     got = got.cpu().numpy()
@@ -665,20 +667,20 @@ def run_probe(name: str, build_dir) -> dict:
             "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"}
 
 
-# --- the timed cases' outputs (their timing: engram-trt bench kernels) ------------------------
+# --- the timed cases' outputs (their timing: benchmarks/kernels/bench_kernels.py) ------------------------
 
 @pytest.mark.parametrize("S", HASH_SEQUENCES)  # one prefill sequence; 32 packed sequences
 def test_timed_hash_agrees(rng, S) -> None:
-    """The hash ``engram-trt bench kernels`` times (engram_trt.bench.gpucases: 8,192 tokens x
+    """The hash ``benchmarks/kernels/bench_kernels.py`` times (tests/gpu/cases.py: 8,192 tokens x
     2 layers x 24 columns, orders 2..3 x 12 heads) equals hash_batch_packed."""
     import torch
 
-    from engram_trt.bench.gpucases import hash_case, hash_layout
-    from engram_trt.native import kernels
+    from .cases import hash_case, hash_layout
+    from engram_trt.native import hash as hash_kernels
 
     layout = hash_layout()
     case = hash_case(rng, layout, S, torch.device("cuda"))
-    kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
+    hash_kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
     ok = np.array_equal(case.out.cpu().numpy().astype(np.int64), case.reference(layout))
     assert ok, (f"timing outputs agree (hash {case.ids.numel()} tokens x {layout.num_layers} layers x "
                 f"{layout.n_hash_cols} columns, S={S})")
@@ -686,14 +688,14 @@ def test_timed_hash_agrees(rng, S) -> None:
 
 @pytest.fixture(scope="module")
 def big_table():
-    """The timed gathers' table (engram_trt.bench.gpucases.fp8_tables, as ``bench kernels``
+    """The timed gathers' table (tests/gpu/cases.py: fp8_tables, as ``bench_kernels.py``
     builds it): ``$ENGRAM_TRT_GPU_TABLE_GIB`` (default 24) GiB of 256-byte fp8 rows + 8
     scale bytes, in HBM and in pinned host memory (the same bytes)."""
     import time
 
     import torch
 
-    from engram_trt.bench.gpucases import fp8_tables, gather_bytes
+    from .cases import fp8_tables, gather_bytes
 
     t0 = time.time()
     tables = fp8_tables(float(os.environ.get("ENGRAM_TRT_GPU_TABLE_GIB", "24")), torch.device("cuda"))
@@ -710,7 +712,8 @@ def test_timed_gathers_agree(rng, big_table, n_rows) -> None:
     uniform rows of the big pinned table equals the HBM gather kernel's, bit for bit."""
     import torch
 
-    from engram_trt.native import hostgather, kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import hostgather
 
     dev = torch.device("cuda")
     rows_n, dev_rows, dev_scales, host_rows, host_scales = big_table
@@ -719,7 +722,7 @@ def test_timed_gathers_agree(rng, big_table, n_rows) -> None:
     with hostgather.HostGatherer(max_head_dim=512) as gatherer:
         gatherer.wake()
         got = gatherer.gather(ids, host_rows, host_scales)
-        ref = kernels.gather(ids.to(dev), dev_rows, dev_scales)
+        ref = gather_kernels.gather(ids.to(dev), dev_rows, dev_scales)
         torch.cuda.synchronize()
     assert torch.equal(ref.view(torch.int16), got.view(torch.int16)), (
         f"timing outputs agree ({n_rows} rows: host gather == device gather)")

@@ -18,11 +18,11 @@ HARNESS_NAME = "libengram_plugin_harness.so"
 def harness_path() -> Path:
     """The plugin harness beside the library the tests use (installed package or source
     build), else the source tree's own build."""
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.errors import EngramError
 
     try:
-        lib = kernels.library_path()
+        lib = kernel_library.library_path()
         for cand in (lib.parent / HARNESS_NAME, lib.parent / "plugins" / "tests" / HARNESS_NAME):
             if cand.is_file():
                 return cand
@@ -133,13 +133,13 @@ def serialized_twice(harness, name: str, fields: list) -> tuple[list, list]:
 def engine_skip_reason(plugins: tuple[str, ...]) -> str | None:
     """Why no TensorRT-RTX engine holding ``plugins`` can be built here (None: it can)."""
     from engram_trt.errors import EngramError
-    from engram_trt.native import kernels
+    from engram_trt.native import library as kernel_library
     from engram_trt.native import trt_compat as tc
 
     if not tc.available():
         return "no TensorRT builder is installed (tensorrt_rtx / tensorrt_rtx_bindings, or tensorrt)"
     try:
-        lib = kernels.library_path()
+        lib = kernel_library.library_path()
     except EngramError as exc:
         return f"the plugin library is missing: {exc}"
     tc.load_plugin_library(lib)

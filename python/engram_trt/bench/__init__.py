@@ -1,5 +1,6 @@
-"""``engram-trt bench``: benchmarks that print ratios against a limit or a baseline
-measured in the same run (never a bare time), with ``--json`` for scripts.
+"""``engram-trt bench``: the end-to-end measurements a user runs to size a deployment on
+their machine, each printing ratios against a limit or a baseline measured in the same
+run (never a bare time), with ``--json`` for scripts.
 
 Each subcommand is a module with an ``<Name>Options`` dataclass (every flag a typed
 field, its help in the field's metadata: :func:`engram_trt.bench.options.opt`) and
@@ -7,24 +8,19 @@ field, its help in the field's metadata: :func:`engram_trt.bench.options.opt`) a
 from the dataclass and lists the subcommands in one table. No argparse here, and no
 torch at import: each ``run`` imports what it needs when it runs.
 
-- ``bench gather``: cold lookups from a >= 24 GiB host table (UVA kernel, host gather in
-  split / inline layouts, torch.index_select + copy) against the link (gather.py);
-- ``bench cache``: real row-id streams through per-step de-duplication and the HBM
-  hot-row cache against the cold host gather, host layouts side by side in one process
-  (cache.py, its runs cacherun.py, its report cachereport.py);
-- ``bench idstream``: the token file of real text those streams come from (idstreams.py);
-- ``bench rowcounts``: per-row lookup counts of a range of that text, a cache's warm start (rowcounts.py);
-- ``bench step``: step time with Engram (GPU / pinned tables) over the step without it (step.py);
 - ``bench serve``: throughput of N concurrent requests through LLM over one request (serve.py);
-- ``bench gemv``: a decode step's projections, the kernel library's GEMV vs the GEMM library, over HBM (gemv.py);
-- ``bench kernels``: gate vs a device copy, the hash vs its 20 us target, the gather paths on a 24 GiB
-  table vs the host-to-device copy (kernels.py);
-- ``bench attention``: packed attention vs torch SDPA, the tiled kernel and the K/V read at the HBM rate (attention.py);
-- ``bench backbone``: the 1.15B model's decode steps, fused vs unfused and variants, vs the weight-read bound (backbone.py);
-- ``bench gathersweep`` / ``bench contention``: the host gather under pool and thread settings, and after each
-  contention suspect, vs the link's floor (gathersweep.py, contention.py);
-- ``bench cacheplan``: the hot-row cache's fused plan vs its torch reference, the misses' fetch vs the link (cacheplan.py).
+- ``bench steady``: the steady decode rate ``demo`` / ``run`` print beside bench serve's one stream (steady.py);
+- ``bench e2e``: checkpoints transformers made: its generate vs run vs bench serve, vs the weight-read floor
+  (e2e.py; ``--breakdown``: breakdown.py);
+- ``bench step``: an engram-llama step with the Engram tables in HBM / pinned host memory over the step
+  without them (step.py, stepprofile.py);
+- ``bench dsv4-step`` / ``bench qwen4-step``: DeepSeek-V4.1 / Qwen4Exp decode steps at published shapes, the
+  tables pinned vs HBM, the weight formats, vs the step's floor (dsv4step.py with dsv4model.py and
+  dsv4profile.py; qwen4step.py).
 
-The last six need CUDA (they exit with one line without it); the cases they time are
-built by gpucases.py, which tests/gpu imports to check the same cases' outputs.
+The rule (benchmarks/README.md): a whole served model or a whole step of a model under a
+choice the runtime offers is a command here; a kernel microbenchmark or a probe of one
+effect (the gather paths, the hot-row cache, the GEMV, attention, contention, ...) is a
+script under the repository's ``benchmarks/``, outside the wheel, importing this package
+as a library (``common.py``'s limits and timers, ``options.py``'s fields among them).
 """

@@ -15,9 +15,11 @@ Kinds (summed over the layers; per layer in the JSON):
 * DeepSeek-V4: ``embed`` (``step_begin``: the embedding, the step's metadata, the Engram
   inputs), ``engram``, ``mhc.pre+norm`` (each collapse with the RMSNorm after it: one
   kernel chain on the fused bf16 path, :mod:`engram_trt.models.deepseek_v4.fused`),
-  ``mhc.post`` (each expansion), ``attention.sliding`` / ``.csa`` / ``.hca``, ``moe``
-  (router, routed and shared experts), ``head`` (``step_end``: hyper head, final norm, LM
-  head);
+  ``mhc.post`` (each expansion), ``mhc.post+pre+norm`` (a sublayer boundary: the expansion
+  folded into the next collapse, ``engram_mhc_fold`` on the fused bf16 path),
+  ``attention.sliding`` / ``.csa`` / ``.hca``, ``moe`` (router, routed and shared experts),
+  ``head`` (``step_end``: the last expansion folded into the hyper head, the final norm, the
+  LM head);
 * Qwen4Exp: ``ple.lookup`` (the PLE hash and gather inside the graph), ``meta``, ``embed``,
   ``ple``, ``hc.mix``, ``hc.inject``, ``attention.gdn``, ``attention.qsa``, ``moe``,
   ``head.mix`` (the final mixer; the LM head's GEMM is in ``other``).
@@ -113,6 +115,8 @@ def deepseek_regions(clock: RegionClock, model: Any) -> None:
             clock.wrap(layer.engram, "forward", "engram", i)
         clock.wrap(layer.attn_hc, "collapse_normed", "mhc.pre+norm", i)
         clock.wrap(layer.ffn_hc, "collapse_normed", "mhc.pre+norm", i)
+        clock.wrap(layer.attn_hc, "expand_collapse_normed", "mhc.post+pre+norm", i)
+        clock.wrap(layer.ffn_hc, "expand_collapse_normed", "mhc.post+pre+norm", i)
         clock.wrap(layer.self_attn, "forward", _ATTN[layer.self_attn.layer_type], i)
         clock.wrap(layer.mlp, "forward", "moe", i)
     clock.wrap_static(HyperConnection, "expand", "mhc.post")

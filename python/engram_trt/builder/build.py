@@ -140,7 +140,7 @@ def find_plugin_library(explicit: str | Path | None = None) -> Path:
         if not p.is_file():
             raise EngramError(f"--plugin-lib '{p}' is not a file (point it at libengram_trt_plugins.so)")
         return p.resolve()
-    from engram_trt.native.kernels import library_path
+    from engram_trt.native.library import library_path
 
     return library_path()
 

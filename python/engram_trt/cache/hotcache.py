@@ -59,7 +59,7 @@ them after the fetch).
 The host gather's threads sleep after ``spin_us`` (50 us by default) without work, and a
 step's plan (its one synchronization) takes longer than that, so the transfer is told
 when a plan has been enqueued (:meth:`Transfer.prepare`): the CUDA transfer wakes the
-threads then, and with a ``spin_us`` above the plan's time (``bench cache --spin-us``)
+threads then, and with a ``spin_us`` above the plan's time (``bench_cache.py --spin-us``)
 they are still spinning when the fetch starts instead of paying their wake-up in it.
 """
 
@@ -158,8 +158,8 @@ class Transfer(Protocol):
     """Moves row data for :class:`HotRowCache`."""
 
     def prepare(self) -> None:
-        """A step's plan has been enqueued: a fetch may follow shortly (optional: a
-        transfer without it is not told)."""
+        """A step's plan has been enqueued: a fetch may follow shortly (every transfer has
+        it; one with nothing to get ready does nothing)."""
 
     def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any, ids_dev: Any = None) -> None:
         """Raw rows ``ids_cpu`` (CPU int32 [n]) of the host table into dst_rows[:n] /
@@ -289,8 +289,8 @@ class HotRowCache:
                  uva_blocks: int | None = None) -> None:
         import torch
 
-        from engram_trt.native.hostgather import _host_table
-        from engram_trt.native.kernels import TABLE_FP8_E4M3
+        from engram_trt.native.gather import TABLE_FP8_E4M3
+        from engram_trt.native.hostgather import host_table
 
         # float rows: the table's dtype for the output, its bytes carried as bf16 words
         self.row_dtype = rows_host.dtype if rows_host.dtype in float_row_dtypes() else torch.bfloat16
@@ -299,7 +299,7 @@ class HotRowCache:
                 raise EngramError(f"{rows_host.dtype} rows have no scales: pass scales_host=None and layout='split' "
                                   f"(got scales {'given' if scales_host is not None else 'None'}, layout {layout!r})")
             rows_host = as_words(rows_host)
-        dtype, num_rows, head_dim, _ = _host_table(rows_host, scales_host, quant_block, layout)
+        dtype, num_rows, head_dim, _ = host_table(rows_host, scales_host, quant_block, layout)
         self.width = head_dim * 2 // self.row_dtype.itemsize if dtype != TABLE_FP8_E4M3 else head_dim
         if capacity_rows is None:
             if not 0.0 <= capacity_fraction <= 1.0:
@@ -403,7 +403,7 @@ class HotRowCache:
         if self._whole_step is not None and phase is None and not policy.decay_due():
             return self._gather_whole(ids, n, out)
         mark = phase or (lambda name: None)
-        plan = policy.plan(ids, self.miss_base, on_enqueued=getattr(self.transfer, "prepare", None))
+        plan = policy.plan(ids, self.miss_base, on_enqueued=self.transfer.prepare)
         mark("plan")
         try:
             if plan.num_miss:
@@ -454,9 +454,9 @@ class HotRowCache:
         if out is None:
             out = torch.empty((tokens, cols, self.head_dim), dtype=torch.bfloat16, device=self.device)
         elif self._out_checked[0] is not out or self._out_checked[1] != out.shape:
-            from engram_trt.native.kernels import _check
+            from engram_trt.native.library import check
 
-            _check("out", out, (torch.bfloat16,), None)
+            check("out", out, (torch.bfloat16,), None)
             if out.numel() != n * self.head_dim or out.device != self.device:
                 raise EngramError(f"out must be bf16 with {n} x {self.head_dim} elements on {self.device} "
                                   f"(got {tuple(out.shape)} on {out.device})")

@@ -180,7 +180,7 @@ class CachePolicy:
 
     def warm_start(self, counts: Any) -> Any:
         """Seed the LFU with offline lookup counts (``[table_rows]`` non-negative
-        integers, e.g. over a corpus: ``engram-trt bench rowcounts``) and place the most
+        integers, e.g. over a corpus: ``benchmarks/lookup/rowcounts.py``) and place the most
         frequent rows (:func:`top_rows`) in slots 0, 1, ... Returns those rows (CPU int32,
         in slot order): the caller loads their data into the slots. Needs a fresh policy."""
         import torch

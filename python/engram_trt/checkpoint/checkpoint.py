@@ -49,7 +49,7 @@ from engram_trt.checkpoint.files import (BF16_TABLE_DTYPES, FP8_SCALE_DTYPES, FP
                                          ST_DTYPES, TensorInfo, _tensor_infos, checkpoint_boundary, confined_file,
                                          read_safetensors_header)
 from engram_trt.config.jsonfile import read_json_object
-from engram_trt.config.model import ModelConfig, read_config_dict
+from engram_trt.config.model import ArchitectureConfig, ModelConfig, read_config_dict
 from engram_trt.errors import CheckpointError, ConfigError, EngramError
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class Checkpoint:
     :meth:`get_rows` through a read-only ``mmap`` of the shard file.
     """
 
-    def __init__(self, path: Path, config: ModelConfig, config_dict: dict[str, Any],
+    def __init__(self, path: Path, config: ArchitectureConfig, config_dict: dict[str, Any],
                  infos: dict[str, TensorInfo], tokenizer_json: Path | None) -> None:
         self.path = path
         self.config = config
@@ -107,7 +107,8 @@ class Checkpoint:
 
     # -- opening -----------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | Path, config_reader: Callable[[dict[str, Any], str], ModelConfig] | None = None) -> "Checkpoint":
+    def open(cls, path: str | Path,
+             config_reader: Callable[[dict[str, Any], str], ArchitectureConfig] | None = None) -> "Checkpoint":
         """Open a checkpoint folder; refuse an incomplete one with the file and the fix.
 
         ``config_reader`` turns config.json into the typed config; the model registry
@@ -433,7 +434,7 @@ def checkpoint_quant(ckpt: "Checkpoint") -> Any:
     """The checkpoint's :class:`~engram_trt.quant.spec.QuantSpec` (None: float weights):
     its typed config's, or read from config.json when the config was read without an
     architecture's reader (an unserved method: ConfigError)."""
-    quant = getattr(ckpt.config, "quant", None)
+    quant = ckpt.config.quant
     if quant is not None:
         return quant
     from engram_trt.quant.spec import read_quant_spec

@@ -9,20 +9,28 @@ argparse reaches ``bench/``. Adding a subcommand: its module, and one row in the
 
 Importing the bench modules pulls no torch (each ``run`` imports it), so ``--help``
 stays light.
+
+The kernel microbenchmarks and probes are scripts under the repository's ``benchmarks/``
+(benchmarks/README.md says which measurements are commands and which are scripts): each
+script is a module of the same form, and :func:`run_script` is its command line (the
+flags derived here the same way, bad input one ``<script>: error: ...`` line, exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 import types
 import typing
 from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engram_trt.bench import (attention, backbone, cache, cacheplan, contention, dsv4step, e2e, gather, gathersweep,
-                               gemv, idstreams, kernels, plegather, qwen4step, rowcounts, serve, steady, step)
+from engram_trt.bench import dsv4step, e2e, qwen4step, serve, steady, step
 from engram_trt.cli.argtypes import int_arg
+from engram_trt.cli.output import EXIT_USAGE
+from engram_trt.errors import EngramError
 
 
 def _paragraph(index: int, plain: bool = True) -> Callable[[str], str]:
@@ -54,14 +62,6 @@ class BenchCommand:
 
 
 BENCH_COMMANDS: tuple[BenchCommand, ...] = (
-    BenchCommand("gather", gather, gather.GatherOptions,
-                 "cold lookups: UVA kernel vs host gather vs torch.index_select, vs the link"),
-    BenchCommand("cache", cache, cache.CacheOptions,
-                 "real id streams through de-duplication and the HBM hot-row cache"),
-    BenchCommand("idstream", idstreams, idstreams.IdstreamOptions,
-                 "make the token file of real text for `bench cache`; print its statistics"),
-    BenchCommand("rowcounts", rowcounts, rowcounts.RowcountsOptions,
-                 "per-row lookup counts of a range of the token stream (a cache's warm start)"),
     BenchCommand("step", step, step.StepOptions,
                  "step time with Engram tables in GPU / pinned host memory vs the Engram layers removed",
                  _paragraph(1, plain=False)),
@@ -69,23 +69,6 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
                  "throughput of N concurrent requests through LLM, as a ratio to one request", _whole),
     BenchCommand("steady", steady, steady.SteadyOptions,
                  "the steady decode rate demo / run print vs bench serve's one stream, and their ratio"),
-    BenchCommand("gemv", gemv, gemv.GemvOptions,
-                 "decode projections: the kernel library's GEMV vs the GEMM library, over HBM",
-                 _paragraph(0, plain=False)),
-    BenchCommand("kernels", kernels, kernels.KernelsOptions,
-                 "gate, hash and gather kernels vs the device copy and the host-to-device link"),
-    BenchCommand("attention", attention, attention.AttentionOptions,
-                 "packed attention vs torch SDPA, the tiled kernel and the K/V read at the HBM rate"),
-    BenchCommand("backbone", backbone, backbone.BackboneOptions,
-                 "1.15B decode steps, fused vs unfused and variants, vs the weight-read bound"),
-    BenchCommand("gathersweep", gathersweep, gathersweep.GathersweepOptions,
-                 "the host gather under pool / torch-thread settings, vs the link's floor"),
-    BenchCommand("contention", contention, contention.ContentionOptions,
-                 "the host gather after each contention suspect, vs a fresh pool and the link's floor"),
-    BenchCommand("cacheplan", cacheplan, cacheplan.CacheplanOptions,
-                 "the hot-row cache's fused plan vs its torch reference; the misses' fetch vs the link"),
-    BenchCommand("ple-gather", plegather, plegather.PleGatherOptions,
-                 "Qwen4Exp PLE lookups (real hash ids): UVA kernel vs host gather vs HBM, vs the link"),
     BenchCommand("qwen4-step", qwen4step, qwen4step.Qwen4StepOptions,
                  "~1.3B Qwen4Exp decode steps, PLE tables pinned vs HBM, vs the step's floor"),
     BenchCommand("dsv4-step", dsv4step, dsv4step.Dsv4StepOptions,
@@ -243,3 +226,39 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
         sp.set_defaults(func=_runner(cmd))
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p
+
+
+# ---------------------------------------------------------------- benchmarks/ scripts
+class _ScriptParser(argparse.ArgumentParser):
+    """argparse, with a script's usage errors in one line, as the CLI's."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def script_parser(options: type, doc: str, prog: str) -> argparse.ArgumentParser:
+    """The parser of a script under ``benchmarks/``: ``-v`` and the flags of ``options``
+    (:func:`add_option_arguments`), its description the first paragraph of ``doc``."""
+    parser = _ScriptParser(prog=prog, description=_paragraph(0)(doc))
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more diagnostics on stderr (-vv for debug)")
+    add_option_arguments(parser, options)
+    return parser
+
+
+def run_script(options: type, run: Callable[[Any], int], doc: str, argv: Sequence[str] | None = None,
+               prog: str | None = None) -> int:
+    """A ``benchmarks/`` script's ``main``: parse ``argv`` into ``options``, ``run`` it; a bad
+    input (:class:`EngramError`) or a failed file operation is one line on stderr and exit 2."""
+    prog = prog or Path(sys.argv[0]).name
+    ns = script_parser(options, doc, prog).parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(ns.verbose, 2)],
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(options_from(ns, options))
+    except EngramError as exc:
+        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"{prog}: error: {exc.filename or ''}{': ' if exc.filename else ''}{exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_USAGE

@@ -96,7 +96,7 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
         "unused_tensors": unused,
         "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
-        "hc_mult": getattr(cfg, "hc_mult", None) or getattr(cfg, "hc_count", 1),
+        "hc_mult": arch.residual_streams(cfg),
         "engram": spec is not None,
         "layers": [],
         "problems": [],

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from engram_trt.config.model import ArchitectureConfig
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
@@ -137,15 +138,15 @@ class EngramConfig:
         if self.dp_shared_memory and self.embedding_across_dp:
             raise EngramError(f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one")
 
-    def validate_for(self, model_config: Any) -> None:
+    def validate_for(self, model_config: ArchitectureConfig) -> None:
         """Check against the model before any work: a model with neither Engram layers
         nor PLE tables (Qwen4Exp's ``ple_layer_ids``, placed by the same stores) takes no
         Engram options; PLE tables are not sharded across ranks."""
         self.validate()
-        spec = getattr(model_config, "engram", None)
+        spec = model_config.engram
         if spec is None:
             changed = sorted(set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)})
-            if getattr(model_config, "ple", None) is not None:
+            if model_config.ple is not None:
                 if self.embedding_across_dp:
                     raise EngramError(f"{FLAG}: embedding_across_dp shards Engram hash heads across ranks, which this "
                                       f"model's PLE tables do not support; use dp_shared_memory to share one copy, or drop it")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Protocol, Sequence
 
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.rope import RopeSetting, parse_rope
@@ -135,6 +135,34 @@ class EngramSpec:
                 continue
             out[self.field_name(name)] = list(value) if isinstance(value, tuple) else value
         return out
+
+
+
+class ArchitectureConfig(Protocol):
+    """What every architecture's typed config declares (engram-llama's :class:`ModelConfig`,
+    ``models/deepseek_v4/config.py``'s ``DeepseekV4Config``, ``models/qwen4_exp/config.py``'s
+    ``Qwen4ExpConfig``): the fields the layers below the model registry (the checkpoint,
+    the tables, :meth:`engram_trt.config.engram.EngramConfig.validate_for`) and the runtime
+    read, directly. ``engram``: the Engram spec (None: no Engram layers); ``ple``: the spec
+    of tables the architecture holds of its own (Qwen4Exp's PLE; None for the others);
+    ``quant``: the checkpoint's stored weight formats (an ``engram_trt.quant.QuantSpec``;
+    None: float weights, or a config read without an architecture's reader)."""
+
+    vocab_size: int
+    max_position_embeddings: int
+    engram: EngramSpec | None
+    ple: Any
+    quant: Any
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation."""
+
+    def require_model(self) -> EngramSpec | None:
+        """The Engram spec with the fields reading tables needs checked (None: no Engram layers)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json fields it was read from, normalized."""
 
 
 def _where(source: str | None) -> str:
@@ -288,6 +316,7 @@ class ModelConfig:
     # None: float weights. Typed loosely: config/ sits below quant/ in the layer order.
     quant: Any = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    ple: ClassVar[None] = None  # no tables of its own beside the Engram tables (ArchitectureConfig)
 
     @property
     def rope_theta(self) -> float:

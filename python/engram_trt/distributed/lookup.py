@@ -104,9 +104,10 @@ class ShardedLookup:
         self._kernels = None
         self._hostgather = None
         if self.cuda and tables is not None:
-            from engram_trt.native import hostgather, kernels
+            from engram_trt.native import gather as gather_kernels
+            from engram_trt.native import hostgather
 
-            self._kernels = kernels
+            self._kernels = gather_kernels
             self._hostgather = hostgather
 
     # -- construction ------------------------------------------------------------------

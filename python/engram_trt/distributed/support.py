@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 GPU_FILL = 0.9  # the share of a GPU's memory the weights may take (the rest: state, activations, graphs)
 
 
-def check_parallel_support(path: Any, tp: int, dp: int, engram_config: Any = None, *, serving: bool = False) -> Any:
+def check_parallel_support(path: Any, tp: int, dp: int, engram_config: EngramConfig | None = None, *,
+                           serving: bool = False) -> Any:
     """Refuse (one :class:`EngramError` line) a ``--tp`` / ``embedding_across_dp`` the
     model of ``path`` cannot run; returns the folder's
     :class:`~engram_trt.runtime.engine_folder.ModelPeek` (None for one rank, where
@@ -53,12 +55,12 @@ def check_parallel_support(path: Any, tp: int, dp: int, engram_config: Any = Non
         raise EngramError(f"--tp {tp}: {family} backbones are not sharded over tensor-parallel ranks; {then}")
     if tp > 1:
         check_plans(path, peek, tp)
-    across = getattr(engram_config, "embedding_across_dp", False)
+    across = engram_config is not None and engram_config.embedding_across_dp
     if dp > 1 and across and peek.has_tables and peek.config.engram is None:
         raise EngramError(f"--engram-config.embedding_across_dp: {family}'s own tables (not Engram tables) are not "
                           f"sharded across ranks; drop it (--engram-config.dp_shared_memory true keeps one /dev/shm "
                           f"copy per node for the {dp} replicas)")
-    if engram_config is not None and getattr(engram_config, "given", None):
+    if engram_config is not None and engram_config.given:
         engram_config.validate_for(peek.config)  # what each rank would refuse, said once before they start
     return peek
 

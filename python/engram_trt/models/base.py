@@ -46,6 +46,12 @@ class ArchitectureBase(ABC):
         """The typed config of a config.json dict, every field honoured or refused (the
         first refusal left to the caller with ``enforce_contract=False``: inspect lists them)."""
 
+    def residual_streams(self, config: Any) -> int:
+        """How many copies of the hidden state the backbone carries (hyper-connections;
+        ``engram-trt inspect`` reports it as ``hc_mult``). Default: the config's
+        ``hc_mult`` (engram-llama, DeepSeek-V4)."""
+        return int(config.hc_mult)
+
     # -- the checkpoint's tensors -------------------------------------------------------
     @abstractmethod
     def weight_shapes(self, config: Any) -> dict[str, tuple[int, ...]]:

@@ -74,7 +74,7 @@ class GraphBlocks:
         """Checkpoint tensor ``name`` as a QuantWeight when it is stored FP8, else None."""
         from engram_trt.models.onnx_quant import fp8_weight
 
-        return fp8_weight(self.source(), name, getattr(self.config, "quant", None), scale=scale, block=block)
+        return fp8_weight(self.source(), name, self.config.quant, scale=scale, block=block)
 
     def fp8_linear(self, x: str, name: str, hint: str) -> str | None:
         """``x @ W^T`` through DequantizeLinear when ``name`` is stored FP8 (None: it is not)."""

@@ -367,7 +367,7 @@ class ShardedCheckpoint:
         self.plan = plan
         self.path = ckpt.path
         self.config = ckpt.config
-        self.architecture = getattr(ckpt, "architecture", None)
+        self.architecture = ckpt.architecture  # the registry's entry (None: opened without the registry)
         self._global = {plan.local_name(n): n for n in ckpt.tensor_names() if plan.owns(n)}
         self._names = sorted(self._global, key=_natural)
 

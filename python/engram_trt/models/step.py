@@ -23,6 +23,48 @@ import torch
 from engram_trt.errors import EngramError
 
 
+
+class EngramRows:
+    """A step's Engram rows as the runtime stages them (subclassed by
+    :class:`engram_trt.runtime.staged_rows.StagedRows`, which waits for each layer's rows
+    where that layer first reads them): per Engram layer ``[T, cols, head_dim]``, their
+    ``shapes`` known without waiting, ``staging`` the whole fixed buffers a recorded
+    CUDA graph binds (None: no fixed buffers). A model's ``forward_step`` takes these or
+    a plain sequence of tensors (:func:`row_shapes` reads either)."""
+
+    staging: list[torch.Tensor] | None = None
+
+    def __init__(self, views: Sequence[torch.Tensor]) -> None:
+        self._views = list(views)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """Each layer's rows' shape, without waiting for the rows."""
+        return [tuple(v.shape) for v in self._views]
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self._views[i]
+
+    def __iter__(self) -> Any:
+        return (self[i] for i in range(len(self)))
+
+    def finish(self) -> None:
+        """On the host, after the step's layers were launched: the lookup's host work
+        done and its failure raised. Default: nothing to wait for."""
+
+    def wait_layer(self, i: int) -> None:
+        """Make the caller's current stream wait for layer ``i``'s rows. Default: they are there."""
+
+
+def row_shapes(rows: EngramRows | Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """Each Engram layer's rows' shape: staged rows' without waiting for them, a plain
+    sequence's from its tensors."""
+    return rows.shapes if isinstance(rows, EngramRows) else [tuple(r.shape) for r in rows]
+
+
 @dataclass
 class PackedStep:
     """One step's tokens and per-sequence metadata (see the module docstring).

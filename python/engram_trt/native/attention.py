@@ -8,8 +8,8 @@ slot's keys ``0 .. its position``; :func:`rope_kv_cache_write` rotates a fused q
 projection and writes its K/V in one launch. The functions take torch tensors and check dtypes,
 then shapes, then devices before anything reaches the library (an EngramError names the
 bad argument); work is enqueued on the current CUDA stream. The entry points are
-declared here, on first use, so this module and :mod:`engram_trt.native.kernels` (the Engram
-hash, gather and gate) each own their part of the C ABI.
+declared here, on first use, so this module and :mod:`engram_trt.native.hash`,
+:mod:`~engram_trt.native.gather` and :mod:`~engram_trt.native.gate` each own their part of the C ABI.
 """
 
 from __future__ import annotations
@@ -19,8 +19,18 @@ import os
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
-                                _stream, _torch, capability_major)
+from engram_trt.native.library import (
+    EntryPoints,
+    capability_major,
+    check,
+    check_dtype,
+    device_guard,
+    float_code,
+    ptr,
+    same_device,
+    stream_of,
+    torch_module,
+)
 
 # The shapes the warp attention kernel serves (warpKernel() in attentionWarpKernel.cu, which
 # this mirrors): 16-bit I/O, head_dim 128, at most this many query heads per KV head, a
@@ -51,7 +61,7 @@ _SIGS = {
                               ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p],
 }
 _ENTRY = EntryPoints(_SIGS)
-_library = _ENTRY.library
+library = _ENTRY.library
 _call = _ENTRY.call
 
 
@@ -74,9 +84,9 @@ def attention_workspace_size(max_tokens: int, num_heads: int, num_kv_heads: int,
 def _cache_shape(key_cache: Any, value_cache: Any, token_slot: Any, token_pos: Any) -> tuple[int, int, int, int]:
     """(num_slots, kv_heads, max_seq_len, head_dim) of a KV cache pair, after the int32
     check of the step's slots and positions (dtypes are named before shapes)."""
-    torch = _torch()
+    torch = torch_module()
     for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        _check_dtype(name, t, (torch.int32,))
+        check_dtype(name, t, (torch.int32,))
     if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
         raise EngramError(f"key_cache and value_cache must be one shape [slots, kv_heads, max_seq_len, head_dim] "
                           f"(got {tuple(key_cache.shape)} and {tuple(value_cache.shape)})")
@@ -94,13 +104,13 @@ def _attention_args(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, to
                     token_pos: Any) -> tuple[int, int, int, int, int, int]:
     """(T, num_heads, num_kv_heads, head_dim, num_slots, max_seq_len) after the checks:
     dtypes, then shapes, then devices (so a shape error is named on any device)."""
-    torch = _torch()
+    torch = torch_module()
     io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    _check_dtype("key_cache", key_cache, io_dtypes)
+    check_dtype("key_cache", key_cache, io_dtypes)
     dtype = key_cache.dtype
     floats = [(name, t) for name, t in (("q", q), ("k", k), ("v", v), ("value_cache", value_cache)) if t is not None]
     for name, t in floats:
-        _check_dtype(name, t, (dtype,))
+        check_dtype(name, t, (dtype,))
     num_slots, kvh, max_seq_len, hd = _cache_shape(key_cache, value_cache, token_slot, token_pos)
     T = (q if q is not None else k).shape[0]
     H = kvh if q is None else q.shape[1]
@@ -111,17 +121,17 @@ def _attention_args(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, to
             raise EngramError(f"{name} must be [T, num_kv_heads, head_dim] = {(T, kvh, hd)} (got {tuple(t.shape)})")
     _check_slot_shapes(token_slot, token_pos, T)
     for name, t in floats + [("key_cache", key_cache), ("token_slot", token_slot), ("token_pos", token_pos)]:
-        _check(name, t, (t.dtype,))
-    _same_device(key_cache.device, q=q, k=k, v=v, value_cache=value_cache, token_slot=token_slot,
+        check(name, t, (t.dtype,))
+    same_device(key_cache.device, q=q, k=k, v=v, value_cache=value_cache, token_slot=token_slot,
                  token_pos=token_pos)
     return T, H, kvh, hd, num_slots, max_seq_len
 
 
 def _attention_out(out: Any, q: Any) -> Any:
-    torch = _torch()
+    torch = torch_module()
     if out is None:
         return torch.empty_like(q)
-    _check("out", out, (q.dtype,), 3)
+    check("out", out, (q.dtype,), 3)
     if out.shape != q.shape or out.device != q.device:
         raise EngramError(f"out must be [T, num_heads, head_dim] = {tuple(q.shape)} on {q.device} "
                           f"(got {tuple(out.shape)} on {out.device})")
@@ -130,7 +140,7 @@ def _attention_out(out: Any, q: Any) -> Any:
 
 def _workspace(T: int, H: int, kvh: int, hd: int, max_seq_len: int, device: Any) -> Any:
     nbytes = attention_workspace_size(T, H, kvh, hd, max_seq_len)
-    return None if nbytes == 0 else _torch().empty(nbytes, dtype=_torch().uint8, device=device)
+    return None if nbytes == 0 else torch_module().empty(nbytes, dtype=torch_module().uint8, device=device)
 
 
 def kv_cache_write(k: Any, v: Any, key_cache: Any, value_cache: Any, token_slot: Any, token_pos: Any) -> None:
@@ -138,10 +148,10 @@ def kv_cache_write(k: Any, v: Any, key_cache: Any, value_cache: Any, token_slot:
     [slots, kv_heads, max_seq_len, head_dim]`` at ``(token_slot[t], :, token_pos[t])``,
     in place; a slot or position outside the cache writes nothing."""
     T, _, kvh, hd, num_slots, max_seq_len = _attention_args(None, k, v, key_cache, value_cache, token_slot, token_pos)
-    with _torch().cuda.device(key_cache.device):
-        _call("engram_kv_cache_write", _ptr(k), _ptr(v), _float_code(key_cache.dtype), _ptr(token_slot),
-                        _ptr(token_pos), T, kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len,
-                        _stream(key_cache.device))
+    with torch_module().cuda.device(key_cache.device):
+        _call("engram_kv_cache_write", ptr(k), ptr(v), float_code(key_cache.dtype), ptr(token_slot),
+                        ptr(token_pos), T, kvh, hd, ptr(key_cache), ptr(value_cache), num_slots, max_seq_len,
+                        stream_of(key_cache.device))
 
 
 def attention_packed(q: Any, key_cache: Any, value_cache: Any, token_slot: Any, token_pos: Any, *,
@@ -153,11 +163,11 @@ def attention_packed(q: Any, key_cache: Any, value_cache: Any, token_slot: Any, 
                                                             token_pos)
     out = _attention_out(out, q)
     ws = _workspace(T, H, kvh, hd, max_seq_len, q.device)
-    with _torch().cuda.device(q.device):
-        _call("engram_attention_packed", _ptr(q), _float_code(q.dtype), _ptr(key_cache), _ptr(value_cache),
-                        _ptr(token_slot), _ptr(token_pos), T, H, kvh, hd, num_slots, max_seq_len,
-                        ctypes.c_float(hd ** -0.5 if scale is None else scale), _ptr(ws),
-                        0 if ws is None else ws.numel(), _ptr(out), _stream(q.device))
+    with torch_module().cuda.device(q.device):
+        _call("engram_attention_packed", ptr(q), float_code(q.dtype), ptr(key_cache), ptr(value_cache),
+                        ptr(token_slot), ptr(token_pos), T, H, kvh, hd, num_slots, max_seq_len,
+                        ctypes.c_float(hd ** -0.5 if scale is None else scale), ptr(ws),
+                        0 if ws is None else ws.numel(), ptr(out), stream_of(q.device))
     return out
 
 
@@ -168,11 +178,11 @@ def attention_step(q: Any, k: Any, v: Any, key_cache: Any, value_cache: Any, tok
     T, H, kvh, hd, num_slots, max_seq_len = _attention_args(q, k, v, key_cache, value_cache, token_slot, token_pos)
     out = _attention_out(out, q)
     ws = _workspace(T, H, kvh, hd, max_seq_len, q.device)
-    with _torch().cuda.device(q.device):
-        _call("engram_attention_step", _ptr(q), _ptr(k), _ptr(v), _float_code(q.dtype), _ptr(token_slot),
-                        _ptr(token_pos), T, H, kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len,
-                        ctypes.c_float(hd ** -0.5 if scale is None else scale), _ptr(ws),
-                        0 if ws is None else ws.numel(), _ptr(out), _stream(q.device))
+    with torch_module().cuda.device(q.device):
+        _call("engram_attention_step", ptr(q), ptr(k), ptr(v), float_code(q.dtype), ptr(token_slot),
+                        ptr(token_pos), T, H, kvh, hd, ptr(key_cache), ptr(value_cache), num_slots, max_seq_len,
+                        ctypes.c_float(hd ** -0.5 if scale is None else scale), ptr(ws),
+                        0 if ws is None else ws.numel(), ptr(out), stream_of(q.device))
     return out
 
 
@@ -184,10 +194,10 @@ def rope_kv_cache_write(qkv: Any, cos: Any, sin: Any, key_cache: Any, value_cach
     and the v rows go into the caches at ``(token_slot[t], :, token_pos[t])`` as
     :func:`kv_cache_write` writes them. Rounds as the reference's bf16
     ``q * cos + rotate_half(q) * sin`` (engramKernels.h)."""
-    torch = _torch()
+    torch = torch_module()
     for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("key_cache", key_cache),
                     ("value_cache", value_cache)):
-        _check_dtype(name, t, (torch.bfloat16,))
+        check_dtype(name, t, (torch.bfloat16,))
     num_slots, kvh, max_seq_len, hd = _cache_shape(key_cache, value_cache, token_slot, token_pos)
     H = int(num_heads)
     if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * kvh) * hd:
@@ -200,20 +210,20 @@ def rope_kv_cache_write(qkv: Any, cos: Any, sin: Any, key_cache: Any, value_cach
     _check_slot_shapes(token_slot, token_pos, T)
     for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("key_cache", key_cache), ("value_cache", value_cache),
                     ("token_slot", token_slot), ("token_pos", token_pos)):
-        _check(name, t, (t.dtype,))
-    _same_device(key_cache.device, qkv=qkv, cos=cos, sin=sin, value_cache=value_cache, token_slot=token_slot,
+        check(name, t, (t.dtype,))
+    same_device(key_cache.device, qkv=qkv, cos=cos, sin=sin, value_cache=value_cache, token_slot=token_slot,
                  token_pos=token_pos)
     if q_out is None:
         q_out = torch.empty((T, H, hd), dtype=qkv.dtype, device=qkv.device)
     else:
-        _check("q_out", q_out, (torch.bfloat16,), 3)
+        check("q_out", q_out, (torch.bfloat16,), 3)
         if tuple(q_out.shape) != (T, H, hd) or q_out.device != qkv.device:
             raise EngramError(f"q_out must be [T, num_heads, head_dim] = {(T, H, hd)} on {qkv.device} "
                               f"(got {tuple(q_out.shape)} on {q_out.device})")
-    with _device_guard(qkv.device.index):
-        _call("engram_rope_kv_cache_write", _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(token_slot), _ptr(token_pos), T, H,
-              kvh, hd, _ptr(key_cache), _ptr(value_cache), num_slots, max_seq_len, _ptr(q_out),
-              _stream(qkv.device))
+    with device_guard(qkv.device.index):
+        _call("engram_rope_kv_cache_write", ptr(qkv), ptr(cos), ptr(sin), ptr(token_slot), ptr(token_pos), T, H,
+              kvh, hd, ptr(key_cache), ptr(value_cache), num_slots, max_seq_len, ptr(q_out),
+              stream_of(qkv.device))
     return q_out
 
 
@@ -222,7 +232,7 @@ def warp_kernel_serves(q: Any, num_heads: int, num_kv_heads: int) -> bool:
     warp attention kernel (else the tiled one): the same test as the library's, made in
     Python so that a caller can pick a path by it (the decode graphs read small caches in
     place only where this kernel serves)."""
-    torch = _torch()
+    torch = torch_module()
     return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == WARP_KERNEL_HEAD_DIM
             and num_kv_heads > 0 and num_heads // num_kv_heads <= WARP_KERNEL_MAX_GROUP
             and os.environ.get("ENGRAM_TRT_ATTENTION_KERNEL") != "tiled"

@@ -18,9 +18,9 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _device_guard, _gather_out, _ptr, _same_device, _stream, _table,
-                                _torch)
-from engram_trt.native.kernels import _call as _library_call
+from engram_trt.native.gather import call as gather_call
+from engram_trt.native.gather import gather_out, table_code
+from engram_trt.native.library import EntryPoints, check, device_guard, ptr, same_device, stream_of, torch_module
 
 _i32, _i64, _u64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_void_p
 
@@ -64,25 +64,25 @@ _SIGS = {
     "engram_cache_overlap_destroy": [_vp],
 }
 _ENTRY = EntryPoints(_SIGS)
-_library = _ENTRY.library
+library = _ENTRY.library
 _call = _ENTRY.call
 
 
 def _check_plan_buffers(n: int, table_rows: int, slot_of: Any, counts: Any, plan: Any, positions: Any,
                         plan_host: Any, host_ids: int, device: Any) -> None:
     """The plan's buffers, for steps of up to ``n`` lookups on ``device``."""
-    torch = _torch()
+    torch = torch_module()
     for name, t, size in (("slot_of", slot_of, table_rows + 1), ("counts", counts, table_rows + 1),
                           ("plan", plan, 2 + n), ("positions", positions, n)):
         if t is None and name == "counts":
             continue
-        _check(name, t, (torch.int32,), 1)
+        check(name, t, (torch.int32,), 1)
         if (t.shape[0] < size) if name in ("plan", "positions") else (t.shape[0] != size):
             want = f">= {size}" if name in ("plan", "positions") else str(size)
             raise EngramError(f"{name} must hold {want} int32 entries (got {t.shape[0]})")
-    _same_device(device, slot_of=slot_of, counts=counts, plan=plan, positions=positions)
+    same_device(device, slot_of=slot_of, counts=counts, plan=plan, positions=positions)
     if plan_host is not None:
-        _check("plan_host", plan_host, (torch.int32,), 1, where="cpu")
+        check("plan_host", plan_host, (torch.int32,), 1, where="cpu")
         if plan_host.shape[0] < 2 + host_ids:
             raise EngramError(f"plan_host must hold >= {2 + host_ids} int32 entries (got {plan_host.shape[0]})")
 
@@ -95,13 +95,13 @@ def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_bas
     int32 ``[>= n]``; ``plan_host``: None or a pinned CPU int32 tensor ``[>= 2 +
     host_ids]`` that receives the first ``2 + min(host_ids, n)`` entries of ``plan``.
     (:class:`PlanCall`: the same, its buffers checked once for every step.)"""
-    torch = _torch()
-    _check("ids", ids, (torch.int32,), 1)
+    torch = torch_module()
+    check("ids", ids, (torch.int32,), 1)
     n = int(ids.shape[0])
     _check_plan_buffers(n, table_rows, slot_of, counts, plan, positions, plan_host, host_ids, ids.device)
-    with _device_guard(ids.device.index):
-        _call("engram_cache_plan", _ptr(ids), n, int(table_rows), _ptr(slot_of), _ptr(counts), int(miss_base),
-              _ptr(plan), _ptr(positions), _ptr(plan_host), int(host_ids), _stream(ids.device))
+    with device_guard(ids.device.index):
+        _call("engram_cache_plan", ptr(ids), n, int(table_rows), ptr(slot_of), ptr(counts), int(miss_base),
+              ptr(plan), ptr(positions), ptr(plan_host), int(host_ids), stream_of(ids.device))
 
 
 class PlanCall:
@@ -115,7 +115,7 @@ class PlanCall:
 
     def __init__(self, *, table_rows: int, slot_of: Any, counts: Any, plan: Any, positions: Any,
                  plan_host: Any) -> None:
-        _check("slot_of", slot_of, (_torch().int32,), 1)
+        check("slot_of", slot_of, (torch_module().int32,), 1)
         self.device = slot_of.device
         self.max_ids = min(int(plan.shape[0]) - 2, int(positions.shape[0]))
         self.max_host_ids = int(plan_host.shape[0]) - 2 if plan_host is not None else 0
@@ -123,40 +123,40 @@ class PlanCall:
                             self.device)
         self._keep = (slot_of, counts, plan, positions, plan_host)  # the pointers below stay valid
         self._table_rows = int(table_rows)
-        self._ptrs = (_ptr(slot_of), _ptr(counts), _ptr(plan), _ptr(positions), _ptr(plan_host))
+        self._ptrs = (ptr(slot_of), ptr(counts), ptr(plan), ptr(positions), ptr(plan_host))
 
     def __call__(self, ids: Any, *, miss_base: int, host_ids: int) -> None:
-        torch = _torch()
-        _check("ids", ids, (torch.int32,), 1)
+        torch = torch_module()
+        check("ids", ids, (torch.int32,), 1)
         n = int(ids.shape[0])
         if n > self.max_ids or ids.device != self.device or not 0 <= host_ids <= self.max_host_ids:
             raise EngramError(f"a plan of {n} ids on {ids.device}, {host_ids} to the host: this call's buffers take "
                               f"<= {self.max_ids} ids on {self.device}, <= {self.max_host_ids} to the host")
         slot_of, counts, plan, positions, plan_host = self._ptrs
-        with _device_guard(self.device.index):
-            _call("engram_cache_plan", _ptr(ids), n, self._table_rows, slot_of, counts, int(miss_base), plan,
-                  positions, plan_host, int(host_ids), _stream(self.device))
+        with device_guard(self.device.index):
+            _call("engram_cache_plan", ptr(ids), n, self._table_rows, slot_of, counts, int(miss_base), plan,
+                  positions, plan_host, int(host_ids), stream_of(self.device))
 
 
 def _check_admit_buffers(device: Any, slot_of: Any, row_of_slot: Any, counts: Any, work_rows: Any,
                          work_scales: Any, replaced: Any) -> tuple[int, int]:
     """The admission's maps and work table; returns (row bytes, scale bytes) of its rows."""
-    torch = _torch()
+    torch = torch_module()
     for name, t in (("slot_of", slot_of), ("row_of_slot", row_of_slot), ("counts", counts)):
-        _check(name, t, (torch.int32,), 1)
+        check(name, t, (torch.int32,), 1)
     row_bytes = scale_bytes = 0
     if work_rows is not None:
-        _check("work_rows", work_rows, (torch.uint8, torch.bfloat16), 2)
+        check("work_rows", work_rows, (torch.uint8, torch.bfloat16), 2)
         row_bytes = work_rows.shape[1] * work_rows.element_size()
         if work_scales is not None:
-            _check("work_scales", work_scales, (torch.uint8,), 2)
+            check("work_scales", work_scales, (torch.uint8,), 2)
             if work_scales.shape[0] != work_rows.shape[0]:
                 raise EngramError(f"work_scales must have work_rows' {work_rows.shape[0]} rows "
                                   f"(got {work_scales.shape[0]})")
             scale_bytes = work_scales.shape[1]
     if replaced is not None:
-        _check("replaced", replaced, (torch.int64,), 1)
-    _same_device(device, slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
+        check("replaced", replaced, (torch.int64,), 1)
+    same_device(device, slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
                  work_scales=work_scales, replaced=replaced)
     return row_bytes, scale_bytes
 
@@ -170,7 +170,7 @@ def cache_admit(miss_rows: Any, *, num_free: int, filled: int, capacity: int, sl
     ``work_rows`` / ``work_scales``: the work table (2-D, rows copied whole) or None;
     ``replaced``: None or a CUDA int64 ``[1]`` counter of replacements. (:class:`AdmitCall`:
     the same, its maps and work table checked once for every step.)"""
-    _check("miss_rows", miss_rows, (_torch().int32,), 1)  # named first, before the maps
+    check("miss_rows", miss_rows, (torch_module().int32,), 1)  # named first, before the maps
     AdmitCall(slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
               work_scales=work_scales, replaced=replaced, device=getattr(miss_rows, "device", None))(
         miss_rows, num_free=num_free, filled=filled, capacity=capacity, num_candidates=num_candidates,
@@ -186,21 +186,21 @@ class AdmitCall:
 
     def __init__(self, *, slot_of: Any, row_of_slot: Any, counts: Any, work_rows: Any = None, work_scales: Any = None,
                  replaced: Any = None, device: Any = None) -> None:
-        _check("slot_of", slot_of, (_torch().int32,), 1)
+        check("slot_of", slot_of, (torch_module().int32,), 1)
         self.device = slot_of.device if device is None else device
         self._row_bytes, self._scale_bytes = _check_admit_buffers(self.device, slot_of, row_of_slot, counts,
                                                                   work_rows, work_scales, replaced)
         self.work_rows_count = int(work_rows.shape[0]) if work_rows is not None else None
         self.key = table_key(work_rows, work_scales)  # the work table it is bound to
         self._keep = (slot_of, row_of_slot, counts, work_rows, work_scales, replaced)
-        self._ptrs = (_ptr(slot_of), _ptr(row_of_slot), _ptr(counts), _ptr(work_rows), _ptr(work_scales),
-                      _ptr(replaced))
+        self._ptrs = (ptr(slot_of), ptr(row_of_slot), ptr(counts), ptr(work_rows), ptr(work_scales),
+                      ptr(replaced))
 
     def __call__(self, miss_rows: Any, *, num_free: int, filled: int, capacity: int, num_candidates: int = 0,
                  candidate_start: int = 0, candidate_stride: int = 1, sample_first: int = 0, sample_factor: int = 1,
                  miss_base: int) -> None:
-        torch = _torch()
-        _check("miss_rows", miss_rows, (torch.int32,), 1)
+        torch = torch_module()
+        check("miss_rows", miss_rows, (torch.int32,), 1)
         if miss_rows.device != self.device:
             raise EngramError(f"miss_rows is on {miss_rows.device} but the operation runs on {self.device}")
         m = int(miss_rows.shape[0])
@@ -208,39 +208,39 @@ class AdmitCall:
             raise EngramError(f"work_rows must hold miss_base + num_miss = {miss_base + m} rows "
                               f"(got {self.work_rows_count})")
         slot_of, row_of_slot, counts, work_rows, work_scales, replaced = self._ptrs
-        with _device_guard(self.device.index):
-            _call("engram_cache_admit", _ptr(miss_rows), m, int(num_free), int(filled), int(capacity), slot_of,
+        with device_guard(self.device.index):
+            _call("engram_cache_admit", ptr(miss_rows), m, int(num_free), int(filled), int(capacity), slot_of,
                   row_of_slot, counts, int(num_candidates), int(candidate_start), int(candidate_stride),
                   int(sample_first), int(sample_factor), int(miss_base), work_rows, self._row_bytes, work_scales,
-                  self._scale_bytes, replaced, _stream(self.device))
+                  self._scale_bytes, replaced, stream_of(self.device))
 
 
 class DeliverCall:
     """The gather kernel (``engram_gather``) bound to a cache's work table, checked once
     here: each step's delivery passes its positions ``[T, cols]`` (CUDA int32, rows of
     the work table) and ``out`` (bf16 ``[T, cols, head_dim]``, or None for a new one).
-    The same kernel and output as :func:`engram_trt.native.kernels.gather`; bound for the same
+    The same kernel and output as :func:`engram_trt.native.gather.gather`; bound for the same
     reason as :class:`PlanCall` (the delivery is ~45 us of GPU work for a prefill chunk)."""
 
     def __init__(self, work_rows: Any, work_scales: Any, *, quant_block: int) -> None:
-        self.dtype, self.num_rows, self.head_dim = _table(work_rows, work_scales, quant_block)
-        _check("work_rows", work_rows, (work_rows.dtype,), 2)  # on the GPU, contiguous
+        self.dtype, self.num_rows, self.head_dim = table_code(work_rows, work_scales, quant_block)
+        check("work_rows", work_rows, (work_rows.dtype,), 2)  # on the GPU, contiguous
         self.device = work_rows.device
-        _same_device(self.device, work_scales=work_scales)
+        same_device(self.device, work_scales=work_scales)
         self.key = table_key(work_rows, work_scales)
         self._keep = (work_rows, work_scales)
-        self._table = (_ptr(work_rows), _ptr(work_scales), self.num_rows, self.head_dim, self.dtype, int(quant_block))
+        self._table = (ptr(work_rows), ptr(work_scales), self.num_rows, self.head_dim, self.dtype, int(quant_block))
 
     def __call__(self, positions: Any, out: Any = None) -> Any:
-        torch = _torch()
-        _check("positions", positions, (torch.int32,), 2)
+        torch = torch_module()
+        check("positions", positions, (torch.int32,), 2)
         T, cols = (int(x) for x in positions.shape)
         if positions.device != self.device:
             raise EngramError(f"positions is on {positions.device} but the work table on {self.device}")
-        out = _gather_out(out, T, cols, self.head_dim, self.device)
-        with _device_guard(self.device.index):
-            _library_call("engram_gather", _ptr(positions), T, cols, cols, *self._table, _ptr(out), None,
-                          _stream(self.device))
+        out = gather_out(out, T, cols, self.head_dim, self.device)
+        with device_guard(self.device.index):
+            gather_call("engram_gather", ptr(positions), T, cols, cols, *self._table, ptr(out), None,
+                        stream_of(self.device))
         return out
 
 
@@ -283,7 +283,7 @@ UVA_MIN_MISSES = 8192
 
 def _uva_share_for(share: float | None, blocks: int, overlap: bool, rows_host: Any, scales: Any, layout: str) -> float:
     """The UVA share a step call binds: ``share`` checked, or the default where it can run."""
-    from engram_trt.native.kernels import pointer_kind
+    from engram_trt.native.library import pointer_kind
 
     if type(blocks) is not int or blocks < 0:
         raise EngramError(f"uva_blocks must be an integer >= 0 (0: one full wave); got {blocks!r}")
@@ -299,7 +299,7 @@ def _uva_share_for(share: float | None, blocks: int, overlap: bool, rows_host: A
         readable = False
     why = ("it needs the overlap (overlap=True)" if not overlap else
            f"layout {layout!r} keeps rows and scales in one array" if layout not in ("split", "hbm-scales") else
-           "the GPU cannot read the host table: pin it or register it (kernels.register_host_memory)"
+           "the GPU cannot read the host table: pin it or register it (native.library.register_host_memory)"
            if not readable else "")
     if share is None:
         return 0.0 if why else DEFAULT_UVA_SHARE
@@ -375,7 +375,7 @@ class StepCall:
         self._closed = False
         if overlap:
             handle = ctypes.c_void_p()
-            with _device_guard(self.device.index):  # the overlap's stream lives on the cache's device
+            with device_guard(self.device.index):  # the overlap's stream lives on the cache's device
                 _call("engram_cache_overlap_create", ctypes.byref(handle))
             self._overlap = a.overlap = handle.value
         a.uva_share, a.uva_blocks = self.uva_share, int(uva_blocks)
@@ -393,7 +393,7 @@ class StepCall:
         self._args.overlap = None
         self._closed = True
         if handle is not None:
-            with _device_guard(self.device.index):
+            with device_guard(self.device.index):
                 _call("engram_cache_overlap_destroy", handle)
 
     def __del__(self) -> None:
@@ -421,8 +421,8 @@ class StepCall:
         a.out, a.host_ids, a.filled, a.replace, a.step = out.data_ptr(), host_ids, filled, int(replace), step
         error = None
         try:
-            with _device_guard(self.device.index):
-                _call("engram_cache_step", *self._refs, _stream(self.device))
+            with device_guard(self.device.index):
+                _call("engram_cache_step", *self._refs, stream_of(self.device))
         except EngramError as e:  # the result still says how far the step got
             error = str(e)
         r = self._result

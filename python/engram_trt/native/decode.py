@@ -7,8 +7,11 @@ instead of the dozens of small PyTorch kernels of its reference.
   (weighted with a float32 weight, or the per-head unweighted one) then an optional
   interleaved partial RoPE (or its inverse); rounded as the reference's ops round.
 * :func:`gemv_segments`: up to :data:`MAX_SEGMENTS` bf16 products of a decode step's few
-  rows (``<= GEMV_MAX_TOKENS``) in one launch (each segment its own x, weight and out, with
-  row strides: several projections of one input, or the groups of a grouped projection).
+  rows (``<= GEMV_EX_MAX_TOKENS``) in one launch (each segment its own x, weight and out, with
+  row strides: several projections of one input, or the groups of a grouped projection);
+  with a :class:`GemvPrologue`, x first RMS-normalized (``q_a_norm`` before ``q_b``) or
+  its heads rotated back (the inverse RoPE before ``o_a``) inside the product's launch,
+  rounded as :func:`norm_rope` rounds (``engram_gemv_segments_bf16_ex``).
 * :func:`moe_route`: a router's top-k / hash picks and weights from its logits.
 * :func:`moe_experts`: the routed experts of a decode step plus the shared expert, bf16,
   in two launches, combined in the reference's order.
@@ -25,12 +28,24 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr,
-                                       _same_device, _stream, _torch, capability_major)
+from engram_trt.native.library import (
+    EntryPoints,
+    capability_major,
+    check,
+    check_dtype,
+    device_guard,
+    float_code,
+    ptr,
+    same_device,
+    stream_of,
+    torch_module,
+)
 
 MAX_JOBS = 4  # ENGRAM_NORM_ROPE_MAX_JOBS
 MAX_SEGMENTS = 8  # ENGRAM_GEMV_MAX_SEGMENTS
 GEMV_MAX_TOKENS = 4  # ENGRAM_GEMV_MAX_TOKENS
+GEMV_EX_MAX_TOKENS = 8  # ENGRAM_GEMV_EX_MAX_TOKENS: engram_gemv_segments_bf16_ex (gemv_segments above 4 rows)
+PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_ROPE = 0, 1, 2  # ENGRAM_GEMV_PROLOGUE_*
 MOE_MAX_EXPERTS = 1024  # ENGRAM_MOE_MAX_EXPERTS
 MOE_MAX_TOP_K = 16  # ENGRAM_MOE_MAX_TOP_K
 MOE_MAX_TOKENS = 16  # ENGRAM_MOE_DECODE_MAX_TOKENS
@@ -66,10 +81,19 @@ class _MoeExperts(ctypes.Structure):
                 ("reserved", ctypes.c_int32)]
 
 
+class _GemvPrologue(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("dim", ctypes.c_int32), ("rope_pairs", ctypes.c_int32),
+                ("rope_sign", ctypes.c_int32), ("eps", ctypes.c_float), ("reserved", ctypes.c_int32),
+                ("weight", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("cos_stride", ctypes.c_int64)]
+
+
 _i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ENTRY = EntryPoints({
     "engram_norm_rope": [ctypes.POINTER(_NormRopeJob), _i32, _i32, _vp],
     "engram_gemv_segments_bf16": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32, _vp],
+    "engram_gemv_segments_bf16_ex": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32,
+                                     ctypes.POINTER(_GemvPrologue), _vp],
     "engram_moe_route": [_vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _vp],
     "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
     "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
@@ -106,7 +130,7 @@ def _on_device(device: Any, **tensors: Any) -> None:
     for name, t in tensors.items():
         if t is not None and not t.is_cuda:
             raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
-    _same_device(device, **tensors)
+    same_device(device, **tensors)
 
 
 @dataclass
@@ -134,11 +158,11 @@ class NormRopeJob:
 def norm_rope(*jobs: NormRopeJob) -> None:
     """One launch of ``engram_norm_rope`` over ``jobs`` (engramKernels.h): all in one dtype
     (bf16 / fp16 / float32), on one CUDA device."""
-    torch = _torch()
+    torch = torch_module()
     if not 1 <= len(jobs) <= MAX_JOBS:
         raise EngramError(f"norm_rope takes 1..{MAX_JOBS} jobs (got {len(jobs)})")
     dtype, device = jobs[0].x.dtype, jobs[0].x.device
-    _check_dtype("x", jobs[0].x, (torch.bfloat16, torch.float16, torch.float32))
+    check_dtype("x", jobs[0].x, (torch.bfloat16, torch.float16, torch.float32))
     packed = (_NormRopeJob * len(jobs))()
     for i, j in enumerate(jobs):
         width = j.heads * j.dim
@@ -154,46 +178,87 @@ def norm_rope(*jobs: NormRopeJob) -> None:
                 raise EngramError(f"jobs[{i}].cos / sin must be [{rows}, >= {j.rope_pairs}] with one row stride "
                                   f"(got {tuple(j.cos.shape)}, {tuple(j.sin.shape)})")
         if j.weight is not None:
-            _check_dtype(f"jobs[{i}].weight", j.weight, (torch.float32,))
+            check_dtype(f"jobs[{i}].weight", j.weight, (torch.float32,))
             need = j.dim + (j.heads - 1) * j.weight_stride
             if j.weight.dim() != 1 or j.weight.numel() < need or not j.weight.is_contiguous():
                 raise EngramError(f"jobs[{i}].weight must be a contiguous 1-D tensor of at least {need} values "
                                   f"(dim {j.dim}, weight_stride {j.weight_stride}; got {tuple(j.weight.shape)})")
         _on_device(device, **{f"jobs[{i}].x": j.x, f"jobs[{i}].out": j.out, f"jobs[{i}].weight": j.weight,
                               f"jobs[{i}].cos": j.cos, f"jobs[{i}].sin": j.sin})
-        packed[i] = _NormRopeJob(_ptr(j.x), _ptr(j.out), _ptr(j.weight), _ptr(j.cos), _ptr(j.sin), rows * j.heads,
+        packed[i] = _NormRopeJob(ptr(j.x), ptr(j.out), ptr(j.weight), ptr(j.cos), ptr(j.sin), rows * j.heads,
                                  xs, os_, cs, j.weight_stride, j.dim, j.heads, j.norm, j.rope_pairs, j.rope_sign, j.eps)
-    with _device_guard(device.index):
-        _call("engram_norm_rope", packed, len(jobs), _float_code(dtype), _stream(device))
+    with device_guard(device.index):
+        _call("engram_norm_rope", packed, len(jobs), float_code(dtype), stream_of(device))
 
 
 def gemv_fits(x: Any, weight: Any) -> bool:
     """Whether :func:`gemv_segments` takes ``F.linear(x, weight)`` as it is: bf16, x ``[T, K]``
-    with ``1 <= T <= GEMV_MAX_TOKENS`` (unit stride in a row, rows 16-byte aligned), weight a
+    with ``1 <= T <= GEMV_EX_MAX_TOKENS`` (unit stride in a row, rows 16-byte aligned), weight a
     contiguous 16-byte aligned ``[N, K]``, K a multiple of 8, one CUDA device of compute
     capability 9.0 or later."""
-    torch = _torch()
+    torch = torch_module()
     return (isinstance(weight, torch.Tensor) and x.dim() == 2 and weight.dim() == 2
-            and 1 <= x.shape[0] <= GEMV_MAX_TOKENS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+            and 1 <= x.shape[0] <= GEMV_EX_MAX_TOKENS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
             and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cuda
             and weight.device == x.device and (x.stride(1) == 1) and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
-            and x.data_ptr() % 16 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+            and x.dataptr() % 16 == 0 and weight.is_contiguous() and weight.dataptr() % 16 == 0
             and gemv_capable(x.device))
 
 
-def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True) -> None:
+@dataclass
+class GemvPrologue:
+    """What :func:`gemv_segments` does to every segment's x before the product (engramKernels.h
+    EngramGemvPrologue): ``PROLOGUE_RMSNORM``: the weighted RMSNorm of each row (``weight
+    [dim]`` float32, ``eps``; every segment's K must be ``dim``), :func:`norm_rope`'s
+    NORM_WEIGHTED job; ``PROLOGUE_ROPE``: each head of ``dim`` channels (a segment's x starting
+    at a head) rotated on its trailing ``rope_pairs`` pairs by ``cos`` / ``sin [T, >=
+    rope_pairs]`` float32, ``rope_sign`` -1 the inverse, :func:`norm_rope`'s NORM_NONE job."""
+
+    kind: int
+    dim: int
+    weight: Any = None
+    eps: float = 0.0
+    rope_pairs: int = 0
+    cos: Any = None
+    sin: Any = None
+    rope_sign: int = 1
+
+
+def _pack_prologue(pro: GemvPrologue, T: int) -> _GemvPrologue:
+    torch = torch_module()
+    cs = 0
+    if pro.kind == PROLOGUE_RMSNORM:
+        check_dtype("prologue.weight", pro.weight, (torch.float32,))
+        if pro.weight.dim() != 1 or pro.weight.numel() != pro.dim or not pro.weight.is_contiguous():
+            raise EngramError(f"prologue.weight must be a contiguous [{pro.dim}] (got {tuple(pro.weight.shape)})")
+    elif pro.kind == PROLOGUE_ROPE and pro.rope_pairs:
+        c_rows, cs = _rows2d("prologue.cos", pro.cos, torch.float32, pro.rope_pairs)
+        s_rows, ss = _rows2d("prologue.sin", pro.sin, torch.float32, pro.rope_pairs)
+        if c_rows != T or s_rows != T or ss != cs:
+            raise EngramError(f"prologue.cos / sin must be [{T}, >= {pro.rope_pairs}] with one row stride "
+                              f"(got {tuple(pro.cos.shape)}, {tuple(pro.sin.shape)})")
+    elif pro.kind not in (PROLOGUE_NONE, PROLOGUE_ROPE):
+        raise EngramError(f"prologue.kind {pro.kind} is not PROLOGUE_NONE, PROLOGUE_RMSNORM or PROLOGUE_ROPE")
+    return _GemvPrologue(pro.kind, pro.dim, pro.rope_pairs, pro.rope_sign, pro.eps, 0, ptr(pro.weight), ptr(pro.cos),
+                         ptr(pro.sin), cs)
+
+
+def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True,
+                  prologue: GemvPrologue | None = None) -> None:
     """``out = F.linear(x, weight)`` for each ``(x [T, K], weight [N, K], out [T, N])`` of
     ``segments`` (bf16; x and out may be slices with a row stride), one launch. ``weight_static``:
     the weights are a model's (nothing on the stream writes them), so the kernel may start
-    reading them before the kernel before it completes."""
-    torch = _torch()
+    reading them before the kernel before it completes. ``prologue``: x taken through it
+    first (:class:`GemvPrologue`). Up to 4 rows without a prologue: ``engram_gemv_segments_bf16``;
+    otherwise (up to 8) ``engram_gemv_segments_bf16_ex``."""
+    torch = torch_module()
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise EngramError(f"gemv_segments takes 1..{MAX_SEGMENTS} segments (got {len(segments)})")
     T = int(segments[0][0].shape[0])
     device = segments[0][0].device
     packed = (_GemvSegment * len(segments))()
     for i, (x, w, out) in enumerate(segments):
-        _check_dtype(f"segments[{i}].weight", w, (torch.bfloat16,))
+        check_dtype(f"segments[{i}].weight", w, (torch.bfloat16,))
         if w.dim() != 2 or not w.is_contiguous():
             raise EngramError(f"segments[{i}].weight must be a contiguous [N, K] (got shape {tuple(w.shape)})")
         N, K = int(w.shape[0]), int(w.shape[1])
@@ -201,11 +266,21 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         out_rows, os_ = _rows2d(f"segments[{i}].out", out, torch.bfloat16, N)
         if rows != T or out_rows != T:
             raise EngramError(f"segments[{i}]: x and out must have {T} rows (got {rows}, {out_rows})")
+        packed[i] = _GemvSegment(ptr(x), ptr(w), ptr(out), xs, os_, N, K)
+    pro = None if prologue is None else _pack_prologue(prologue, T)  # dtypes and shapes before the devices
+    for i, (x, w, out) in enumerate(segments):
         _on_device(device, **{f"segments[{i}].x": x, f"segments[{i}].weight": w, f"segments[{i}].out": out})
-        packed[i] = _GemvSegment(_ptr(x), _ptr(w), _ptr(out), xs, os_, N, K)
-    with _device_guard(device.index):
-        _call("engram_gemv_segments_bf16", packed, len(segments), T, GEMV_WEIGHT_STATIC if weight_static else 0,
-              _stream(device))
+    if prologue is not None:
+        _on_device(device, **{"prologue.weight": prologue.weight, "prologue.cos": prologue.cos,
+                              "prologue.sin": prologue.sin})
+    flags = GEMV_WEIGHT_STATIC if weight_static else 0
+    if pro is None and T <= GEMV_MAX_TOKENS:
+        with device_guard(device.index):
+            _call("engram_gemv_segments_bf16", packed, len(segments), T, flags, stream_of(device))
+        return
+    pro = pro or _GemvPrologue(PROLOGUE_NONE, 0, 0, 1, 0.0, 0, None, None, None, 0)
+    with device_guard(device.index):
+        _call("engram_gemv_segments_bf16_ex", packed, len(segments), T, flags, ctypes.byref(pro), stream_of(device))
 
 
 def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: Any = None, tid2eid: Any = None,
@@ -213,8 +288,8 @@ def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: A
     """``(ids int32 [T, top_k], weights float32 [T, top_k])`` of a router's ``logits [T, E]``
     (bf16 / fp16 / float32, unit stride in a row): top-k by score + ``bias [E]`` (float32),
     or hash routing by ``tid2eid [vocab, top_k]`` int64 at ``input_ids [T]`` int64."""
-    torch = _torch()
-    _check_dtype("logits", logits, (torch.bfloat16, torch.float16, torch.float32))
+    torch = torch_module()
+    check_dtype("logits", logits, (torch.bfloat16, torch.float16, torch.float32))
     T, E = int(logits.shape[0]), int(logits.shape[1]) if logits.dim() == 2 else -1
     _rows, stride = _rows2d("logits", logits, logits.dtype, max(E, 1))
     if score_fn not in SCORE_FNS:
@@ -223,12 +298,12 @@ def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: A
         raise EngramError("give exactly one of bias (top-k routing) and tid2eid (hash routing)")
     vocab = 0
     if bias is not None:
-        _check_dtype("bias", bias, (torch.float32,))
+        check_dtype("bias", bias, (torch.float32,))
         if tuple(bias.shape) != (E,) or not bias.is_contiguous():
             raise EngramError(f"bias must be a contiguous [{E}] (got {tuple(bias.shape)})")
     else:
-        _check_dtype("tid2eid", tid2eid, (torch.int64,))
-        _check_dtype("input_ids", input_ids, (torch.int64,))
+        check_dtype("tid2eid", tid2eid, (torch.int64,))
+        check_dtype("input_ids", input_ids, (torch.int64,))
         if tid2eid.dim() != 2 or int(tid2eid.shape[1]) != top_k or tuple(input_ids.shape) != (T,) \
                 or not tid2eid.is_contiguous() or not input_ids.is_contiguous():
             raise EngramError(f"tid2eid must be a contiguous [vocab, {top_k}] and input_ids [{T}] (got "
@@ -237,10 +312,10 @@ def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: A
     _on_device(logits.device, logits=logits, bias=bias, tid2eid=tid2eid, input_ids=input_ids)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
-    with _device_guard(logits.device.index):
-        _call("engram_moe_route", _ptr(logits), _float_code(logits.dtype), stride, _ptr(bias), _ptr(tid2eid),
-              _ptr(input_ids), vocab, T, E, int(top_k), SCORE_FNS[score_fn], _f32(scaling), _ptr(ids), _ptr(weights),
-              _stream(logits.device))
+    with device_guard(logits.device.index):
+        _call("engram_moe_route", ptr(logits), float_code(logits.dtype), stride, ptr(bias), ptr(tid2eid),
+              ptr(input_ids), vocab, T, E, int(top_k), SCORE_FNS[score_fn], _f32(scaling), ptr(ids), ptr(weights),
+              stream_of(logits.device))
     return ids, weights
 
 
@@ -258,11 +333,11 @@ def moe_experts(x: Any, ids: Any, weights: Any, gate: Any, up: Any, down: Any, *
     ``gate`` / ``up [E, I, D]``, ``down [E, D, I]`` and ``shared = (gate [I_s, D], up,
     down [D, I_s])`` (or None), all bf16 and contiguous; ``limit`` the SwiGLU clamp (None:
     none)."""
-    torch = _torch()
+    torch = torch_module()
     for name, t in (("x", x), ("gate", gate), ("up", up), ("down", down)):
-        _check(name, t, (torch.bfloat16,))
-    _check("ids", ids, (torch.int32,), 2)
-    _check("weights", weights, (torch.float32,), 2)
+        check(name, t, (torch.bfloat16,))
+    check("ids", ids, (torch.int32,), 2)
+    check("weights", weights, (torch.float32,), 2)
     if x.dim() != 2 or gate.dim() != 3:
         raise EngramError(f"x must be [T, D] and gate [E, I, D] (got {tuple(x.shape)}, {tuple(gate.shape)})")
     T, D = int(x.shape[0]), int(x.shape[1])
@@ -279,23 +354,24 @@ def moe_experts(x: Any, ids: Any, weights: Any, gate: Any, up: Any, down: Any, *
     if shared is not None:
         sg, su, sd = shared
         for name, t in (("shared gate", sg), ("shared up", su), ("shared down", sd)):
-            _check(name, t, (torch.bfloat16,), 2)
+            check(name, t, (torch.bfloat16,), 2)
         Is = int(sg.shape[0])
         if tuple(sg.shape) != (Is, D) or tuple(su.shape) != (Is, D) or tuple(sd.shape) != (D, Is):
             raise EngramError(f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s] (got "
                               f"{tuple(sg.shape)}, {tuple(su.shape)}, {tuple(sd.shape)})")
-    _same_device(x.device, ids=ids, weights=weights, gate=gate, up=up, down=down, sg=sg, su=su, sd=sd)
+    same_device(x.device, ids=ids, weights=weights, gate=gate, up=up, down=down, sg=sg, su=su, sd=sd)
     need = experts_workspace_size(T, k, I, Is)
     workspace = torch.empty(max(need // 2, 8), dtype=torch.bfloat16, device=x.device)
     out = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
-    args = _MoeExperts(_ptr(x), _ptr(ids), _ptr(weights), _ptr(gate), _ptr(up), _ptr(down), _ptr(sg), _ptr(su),
-                       _ptr(sd), _ptr(workspace), _ptr(out), T, workspace.numel() * 2, D, k, E, I, Is,
+    args = _MoeExperts(ptr(x), ptr(ids), ptr(weights), ptr(gate), ptr(up), ptr(down), ptr(sg), ptr(su),
+                       ptr(sd), ptr(workspace), ptr(out), T, workspace.numel() * 2, D, k, E, I, Is,
                        0 if limit is None else 1, 0.0 if limit is None else float(limit), 0)
-    with _device_guard(x.device.index):
-        _call("engram_moe_experts_bf16", ctypes.byref(args), _stream(x.device))
+    with device_guard(x.device.index):
+        _call("engram_moe_experts_bf16", ctypes.byref(args), stream_of(x.device))
     return out
 
 
-__all__ = ["GEMV_MAX_TOKENS", "MAX_JOBS", "MAX_SEGMENTS", "NORM_NONE", "NORM_UNWEIGHTED", "NORM_WEIGHTED",
+__all__ = ["GEMV_EX_MAX_TOKENS", "GEMV_MAX_TOKENS", "GemvPrologue", "MAX_JOBS", "PROLOGUE_NONE", "PROLOGUE_RMSNORM",
+           "PROLOGUE_ROPE", "MAX_SEGMENTS", "NORM_NONE", "NORM_UNWEIGHTED", "NORM_WEIGHTED",
            "NormRopeJob", "SCORE_FNS", "gemv_fits", "gemv_segments", "moe_experts", "moe_route", "norm_rope",
            "unavailable"]

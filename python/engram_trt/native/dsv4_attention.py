@@ -20,8 +20,16 @@ import ctypes
 from typing import Any, Sequence
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
-                                       _stream, _torch)
+from engram_trt.native.library import (
+    EntryPoints,
+    check_dtype,
+    device_guard,
+    float_code,
+    ptr,
+    same_device,
+    stream_of,
+    torch_module,
+)
 
 SLIDING, CSA, HCA = 0, 1, 2
 MAX_HEAD_DIM = 512  # engramKernels.h ENGRAM_DSV4_MAX_HEAD_DIM
@@ -92,17 +100,17 @@ def dsv4_attention(*inputs: Any, layer_type: int, window: int, compress_rate: in
                    workspace: Any = None) -> Any:
     """The node's output ``[T, H, d]`` (before the inverse RoPE) for its inputs in op order
     (7 / 15 / 24 CUDA tensors by ``layer_type``; state tensors updated in place)."""
-    torch = _torch()
+    torch = torch_module()
     layer_type = int(layer_type)
     want_n = N_INPUTS.get(layer_type)
     if want_n is None or len(inputs) != want_n:
         raise EngramError(f"layer_type {layer_type} takes {want_n} inputs (sliding 7, HCA 15, CSA 24), "
                           f"got {len(inputs)}")
     acts = (torch.bfloat16, torch.float16, torch.float32)
-    _check_dtype("q", inputs[0], acts)
+    check_dtype("q", inputs[0], acts)
     io = inputs[0].dtype
     for i, t in enumerate(inputs):
-        _check_dtype(_NAMES[i], t, (torch.float32,) if i in _F32 else (torch.int32,) if i in _I32 else (io,))
+        check_dtype(_NAMES[i], t, (torch.float32,) if i in _F32 else (torch.int32,) if i in _I32 else (io,))
     for i, t in enumerate(inputs):
         if not t.is_cuda:
             raise EngramError(f"{_NAMES[i]} must be a CUDA tensor (got device {t.device})")
@@ -140,23 +148,23 @@ def dsv4_attention(*inputs: Any, layer_type: int, window: int, compress_rate: in
                              (23, (N, 2 * r, 2 * di))):
                 _want(_NAMES[i], inputs[i], shape)
     shape = _shape_struct(layer_type=layer_type, window=window, compress_rate=compress_rate, index_topk=index_topk,
-                          scaling=scaling, eps=eps, rope_scale=rope_scale, io_type=_float_code(io), num_tokens=T,
+                          scaling=scaling, eps=eps, rope_scale=rope_scale, io_type=float_code(io), num_tokens=T,
                           num_seqs=S, num_slots=N, max_entries=E, num_heads=H, head_dim=d, rope_pairs=max(P, 0),
                           index_heads=NI, index_dim=di)
     if out is None:
         out = torch.empty_like(q)
-    _check_dtype("out", out, (io,))
+    check_dtype("out", out, (io,))
     _want("out", out, (T, H, d))
-    _same_device(q.device, out=out, **{_NAMES[i]: t for i, t in enumerate(inputs)})
+    same_device(q.device, out=out, **{_NAMES[i]: t for i, t in enumerate(inputs)})
     need = ctypes.c_size_t(0)
     _call("engram_dsv4_workspace_size", ctypes.byref(shape), ctypes.byref(need))
     if need.value and (workspace is None or workspace.numel() * workspace.element_size() < need.value):
         workspace = torch.empty(need.value, dtype=torch.uint8, device=q.device)
-    ptrs = [_ptr(t if t.numel() else None).value for t in inputs] + [None] * (24 - len(inputs))
-    tensors = Dsv4Tensors(*ptrs, _ptr(out).value)
-    with _device_guard(q.device.index):
+    ptrs = [ptr(t if t.numel() else None).value for t in inputs] + [None] * (24 - len(inputs))
+    tensors = Dsv4Tensors(*ptrs, ptr(out).value)
+    with device_guard(q.device.index):
         _call("engram_dsv4_attention", ctypes.byref(shape), ctypes.byref(tensors),
-              _ptr(workspace if need.value else None), need.value, _stream(q.device))
+              ptr(workspace if need.value else None), need.value, stream_of(q.device))
     return out
 
 

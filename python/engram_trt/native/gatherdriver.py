@@ -22,8 +22,9 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
+from engram_trt.native.gather import gather_out, ids_view
 from engram_trt.native.hostgather import HostGatherer
-from engram_trt.native.kernels import EntryPoints, NativeHandle, _gather_out, _ids_view, _ptr, _torch
+from engram_trt.native.library import EntryPoints, NativeHandle, ptr, torch_module
 
 _vp, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
 _ENTRY = EntryPoints({
@@ -53,7 +54,7 @@ class StepBuffers:
     and, pinned, on the host (the driver copies them back there for the gather)."""
 
     def __init__(self, max_tokens: int, num_layers: int, num_cols: int, lookback_width: int, device: Any) -> None:
-        torch = _torch()
+        torch = torch_module()
         i32 = torch.int32
         self.lookback_width = int(lookback_width)
         self.cids_host = torch.empty(max_tokens, dtype=i32, pin_memory=True)
@@ -72,7 +73,7 @@ class StepBuffers:
 
 def driver_supported(device: Any) -> bool:
     """Whether ``device`` has the 64-bit stream memory operations the driver needs."""
-    torch = _torch()
+    torch = torch_module()
     dev = torch.device(device)
     if dev.type != "cuda" or not torch.cuda.is_available():
         return False
@@ -88,7 +89,7 @@ class GatherDriver(NativeHandle):
     :meth:`finish` raises its message."""
 
     def __init__(self, gatherer: HostGatherer) -> None:
-        torch = _torch()
+        torch = torch_module()
         self.gatherer = gatherer
         self.device = gatherer.device
         self.last_ticket = 0
@@ -109,18 +110,18 @@ class GatherDriver(NativeHandle):
         ``ids_ready``: a torch CUDA event after which ``ids`` hold their values (ids
         copied back from the hash kernel). Returns the job's ticket at once; the
         arguments are checked here, the table's contents on the driver thread."""
-        torch = _torch()
+        torch = torch_module()
         handle = self._require_open()
-        T, cols, stride, byte_offset = _ids_view(ids, layer, "cpu")
+        T, cols, stride, byte_offset = ids_view(ids, layer, "cpu")
         if T and not ids.is_pinned():
             raise EngramError("ids for the gather driver must be in pinned memory (the driver reads them after "
                               "submit returns; pageable memory may be reused)")
         dtype, num_rows, head_dim, layout_code = self.gatherer._check_host_table(rows, scales, quant_block, layout)
-        out = _gather_out(out, T, cols, head_dim, self.device)
+        out = gather_out(out, T, cols, head_dim, self.device)
         ticket = _u64(0)
         with torch.cuda.device(self.device):
             _ENTRY.call("engram_gather_driver_submit", handle, _vp(ids.data_ptr() + byte_offset), T, cols, stride,
-                        _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, _ptr(out),
+                        ptr(rows), ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, ptr(out),
                         _vp(stream.cuda_stream), _vp(0 if ids_ready is None else ids_ready.cuda_event),
                         ctypes.byref(ticket))
         self.last_ticket = int(ticket.value)
@@ -141,7 +142,7 @@ class GatherDriver(NativeHandle):
     def wait_stream(self, ticket: int, stream: Any = None) -> None:
         """Make ``stream`` (default: the device's current stream) wait on the GPU until
         job ``ticket``'s rows are ready; returns at once."""
-        torch = _torch()
+        torch = torch_module()
         s = torch.cuda.current_stream(self.device) if stream is None else stream
         _ENTRY.call("engram_gather_driver_wait_stream", self._require_open(), int(ticket), _vp(s.cuda_stream))
 
@@ -168,7 +169,7 @@ class StepJob:
 
     def __init__(self, driver: GatherDriver, layout: Any, buffers: StepBuffers, tables: list[tuple[Any, Any, int, str]],
                  outs: list[Any]) -> None:
-        from engram_trt.native.kernels import prepared_layout
+        from engram_trt.native.hash import prepared_layout
 
         L, cols = int(layout.num_layers), int(layout.n_hash_cols)
         if len(tables) != L or len(outs) != L:
@@ -181,7 +182,7 @@ class StepJob:
         for li, ((rows, scales, quant_block, table_layout), out) in enumerate(zip(tables, outs)):
             dtype, num_rows, head_dim, layout_code = driver.gatherer._check_host_table(rows, scales, quant_block,
                                                                                         table_layout)
-            _gather_out(out, int(out.shape[0]), cols, head_dim, driver.device)
+            gather_out(out, int(out.shape[0]), cols, head_dim, driver.device)
             self.structs[li] = DriverTable(rows.data_ptr(), 0 if scales is None else scales.data_ptr(), num_rows,
                                            head_dim, dtype, quant_block, layout_code)
             self.ptrs[li] = out.data_ptr()
@@ -189,9 +190,9 @@ class StepJob:
         self._keep = (tables, outs)
         self._prepared = prepared_layout(layout)  # kept: its handle is passed with every job
         b = buffers
-        self._dev = (_ptr(b.cids_dev), _ptr(b.starts_dev), _ptr(b.lookback_dev), _ptr(b.row_ids_dev),
-                     _ptr(b.row_ids_host))
-        self._host = (_ptr(b.cids_host), _ptr(b.starts_host), _ptr(b.lookback_host))
+        self._dev = (ptr(b.cids_dev), ptr(b.starts_dev), ptr(b.lookback_dev), ptr(b.row_ids_dev),
+                     ptr(b.row_ids_host))
+        self._host = (ptr(b.cids_host), ptr(b.starts_host), ptr(b.lookback_host))
 
     def submit(self, cids: Any, seq_starts: Any, lookback: Any, *, stream: Any) -> list[int]:
         """Queue one step (``T = len(cids)`` tokens, ``len(seq_starts) - 1`` sequences) on

@@ -8,7 +8,7 @@ Which path is faster is machine- and size-dependent: :mod:`engram_trt.runtime.ga
 measures it at start-up.
 
 Host tables come in three layouts: ``split`` (rows ``[N, head_dim]`` + scales
-``[N, head_dim / quant_block]``, what :func:`engram_trt.native.kernels.gather` reads),
+``[N, head_dim / quant_block]``, what :func:`engram_trt.native.gather.gather` reads),
 ``inline`` (one ``[N, head_dim + head_dim / quant_block]`` byte array, each row's scale
 bytes after it: one CPU cache and TLB miss per random row instead of two) and
 ``hbm-scales`` (fp8: the split rows in host memory, the scales on the gatherer's GPU).
@@ -29,22 +29,30 @@ import os
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (
-    TABLE_BF16,
-    TABLE_FP8_E4M3,
-    NativeHandle,
-    _call,
-    _check,
-    _device_guard,
-    _gather_out,
-    _ids_view,
-    _ptr,
-    _stream,
-    _table,
-    _torch,
-)
+from engram_trt.native.gather import TABLE_BF16, TABLE_FP8_E4M3, gather_out, ids_view, table_code
+from engram_trt.native.library import EntryPoints, NativeHandle, check, device_guard, ptr, stream_of, torch_module
 
 log = logging.getLogger(__name__)
+
+_i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_ENTRY = EntryPoints({
+    "engram_host_gatherer_create": [_i32, _i64, _i32, ctypes.POINTER(_vp)],
+    "engram_host_gatherer_destroy": [_vp],
+    "engram_host_gather": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _vp, _vp],
+    "engram_cpu_affinity_count": [ctypes.POINTER(_i32)],
+    "engram_host_gather_default_threads": [ctypes.POINTER(_i32)],
+    "engram_host_gatherer_create_ex": [_i32, _i64, _i32, _i32, ctypes.POINTER(_vp)],
+    "engram_host_gatherer_set_option": [_vp, _i32, _i64],
+    "engram_host_gatherer_get_option": [_vp, _i32, ctypes.POINTER(_i64)],
+    "engram_host_gatherer_wake": [_vp],
+    "engram_host_gather_ex": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp],
+    "engram_host_gather_dev": [_vp, _vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp],
+    "engram_host_gather_raw": [_vp, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp],
+    "engram_host_gather_raw_dev": [_vp, _vp, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp],
+    "engram_host_gather_rows_cpu": [_vp, _i32, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _i32, _i32],
+})
+library = _ENTRY.library
+_call = _ENTRY.call
 
 TABLE_LAYOUTS = {"split": 0, "inline": 1, "hbm-scales": 2}  # EngramTableLayout of the host gather
 # EngramHostGatherOption: the host gatherer's knobs (see HOST_GATHER_READ_ONLY)
@@ -59,7 +67,7 @@ DEFAULT_CHUNK_ROWS = 2048
 DEFAULT_SLOTS = 8
 
 
-def _host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
+def host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
     """(table dtype code, num_rows, head_dim, layout code) of a split or inline host table.
 
     An inline table is fp8 ``[num_rows, head_dim + head_dim / quant_block]`` bytes (each
@@ -67,14 +75,14 @@ def _host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[
     if layout not in TABLE_LAYOUTS:
         raise EngramError(f"layout must be one of {', '.join(map(repr, TABLE_LAYOUTS))} (got {layout!r})")
     if layout in ("split", "hbm-scales"):
-        table = _table(rows, scales, quant_block)
+        table = table_code(rows, scales, quant_block)
         if layout == "hbm-scales" and table[0] != TABLE_FP8_E4M3:
             raise EngramError("layout 'hbm-scales' is for fp8 tables (a bf16 table has no scales): use 'split'")
         return (*table, TABLE_LAYOUTS[layout])
-    torch = _torch()
+    torch = torch_module()
     if scales is not None:
         raise EngramError("an inline table keeps its scale bytes in its rows: pass scales=None with layout='inline'")
-    _check("rows", rows, (torch.uint8,), 2, where="any")
+    check("rows", rows, (torch.uint8,), 2, where="any")
     num_rows, width = rows.shape
     head_dim = width * quant_block // (quant_block + 1) if quant_block > 0 else 0
     if quant_block <= 0 or head_dim + head_dim // max(quant_block, 1) != width or head_dim % quant_block:
@@ -84,8 +92,8 @@ def _host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[
 
 
 def _flat_ids_cpu(ids: Any) -> int:
-    torch = _torch()
-    _check("ids", ids, (torch.int32,), 1, where="cpu")
+    torch = torch_module()
+    check("ids", ids, (torch.int32,), 1, where="cpu")
     return int(ids.shape[0])
 
 
@@ -113,9 +121,9 @@ def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int
     ``streaming_stores`` >= 0 override the tuning. Ids outside the table give zero rows
     with scale bytes 127. ``layout='hbm-scales'``: the values alone (what its CPU threads
     copy; ``scales`` may be on the GPU and is not read), so the scales returned are None."""
-    torch = _torch()
+    torch = torch_module()
     n = _flat_ids_cpu(ids)
-    dtype, num_rows, head_dim, layout_code = _host_table(rows, scales, quant_block, layout)
+    dtype, num_rows, head_dim, layout_code = host_table(rows, scales, quant_block, layout)
     hbm = layout == "hbm-scales"
     for name, t in (("rows", rows), ("scales", None if hbm else scales)):
         if t is not None and t.device.type != "cpu":
@@ -130,7 +138,7 @@ def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int
         if t is None:
             t = torch.empty((n, width), dtype=dt)
         else:
-            _check(name, t, (dt,), 2, where="cpu")
+            check(name, t, (dt,), 2, where="cpu")
             if t.shape[0] < n or t.shape[1] != width:
                 raise EngramError(f"{name} must be [>= {n}, {width}] (got {tuple(t.shape)})")
         made.append(t)
@@ -139,9 +147,9 @@ def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int
     handle = None
     if gatherer is not None:
         handle = gatherer._require_open()
-    _call("engram_host_gather_rows_cpu", handle, int(num_threads), _ptr(ids), n, _ptr(rows),
-          _ptr(None if hbm else scales), num_rows,
-          head_dim, dtype, quant_block, layout_code, _ptr(out_rows), _ptr(out_scales), int(prefetch_rows),
+    _call("engram_host_gather_rows_cpu", handle, int(num_threads), ptr(ids), n, ptr(rows),
+          ptr(None if hbm else scales), num_rows,
+          head_dim, dtype, quant_block, layout_code, ptr(out_rows), ptr(out_scales), int(prefetch_rows),
           int(streaming_stores))
     return out_rows[:n], (None if out_scales is None else out_scales[:n])
 
@@ -175,7 +183,7 @@ class HostGatherer(NativeHandle):
 
     def __init__(self, num_threads: int = 0, chunk_rows: int = DEFAULT_CHUNK_ROWS, max_head_dim: int = 512,
                  device: Any = None, num_slots: int = DEFAULT_SLOTS) -> None:
-        torch = _torch()
+        torch = torch_module()
         self.device = torch.device("cuda") if device is None else torch.device(device)
         if self.device.type != "cuda":
             raise EngramError(f"device must be a CUDA device (got {self.device})")
@@ -219,11 +227,12 @@ class HostGatherer(NativeHandle):
         _call("engram_host_gatherer_wake", self._require_open())
 
     def _check_host_table(self, rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[int, int, int, int]:
-        table = _host_table(rows, scales, quant_block, layout)
+        table = host_table(rows, scales, quant_block, layout)
         hbm = layout == "hbm-scales"
         for name, t in (("rows", rows), ("scales", None if hbm else scales)):
             if t is not None and t.device.type != "cpu":
-                raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device}); use kernels.gather")
+                raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device}); "
+                                  f"use engram_trt.native.gather.gather")
         if hbm and scales.device != self.device:
             raise EngramError(f"layout 'hbm-scales' reads the scales on the gatherer's device {self.device} (got them "
                               f"on {scales.device}): copy them there once, e.g. scales.to('{self.device}')")
@@ -233,7 +242,7 @@ class HostGatherer(NativeHandle):
 
     def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
                out: Any = None, layout: str = "split", ids_dev: Any = None) -> Any:
-        """Same contract as :func:`engram_trt.native.kernels.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
+        """Same contract as :func:`engram_trt.native.gather.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
         tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
         is on the gatherer's device. ``layout='inline'``: ``rows`` is an inline fp8 table
         ``[num_rows, head_dim + head_dim / quant_block]`` and ``scales`` None.
@@ -241,25 +250,25 @@ class HostGatherer(NativeHandle):
         ``ids_dev``, a copy of ``ids`` (same shape; ready on the current stream, as the hash
         kernel's output is); without it ``ids`` is copied up first. Returns once every chunk
         is gathered and its copy enqueued on the device's current stream."""
-        torch = _torch()
+        torch = torch_module()
         handle = self._require_open()
-        T, cols, stride, byte_offset = _ids_view(ids, layer, "cpu")
+        T, cols, stride, byte_offset = ids_view(ids, layer, "cpu")
         dtype, num_rows, head_dim, layout_code = self._check_host_table(rows, scales, quant_block, layout)
-        out = _gather_out(out, T, cols, head_dim, self.device)
+        out = gather_out(out, T, cols, head_dim, self.device)
         dev_ptr = None
         if layout == "hbm-scales":
             if ids_dev is None:
                 ids_dev = ids.to(self.device)
-            _check("ids_dev", ids_dev, (torch.int32,), ids.dim())
+            check("ids_dev", ids_dev, (torch.int32,), ids.dim())
             if tuple(ids_dev.shape) != tuple(ids.shape) or ids_dev.stride() != ids.stride() \
                     or ids_dev.device != self.device:
                 raise EngramError(f"ids_dev must be ids {tuple(ids.shape)} with the same strides on {self.device} "
                                   f"(got {tuple(ids_dev.shape)}, strides {ids_dev.stride()}, on {ids_dev.device})")
             dev_ptr = ctypes.c_void_p(ids_dev.data_ptr() + byte_offset)
-        with _device_guard(self.device.index):
+        with device_guard(self.device.index):
             _call("engram_host_gather_dev", handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), dev_ptr, T, cols,
-                  stride, _ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, _ptr(out),
-                  _stream(self.device))
+                  stride, ptr(rows), ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, ptr(out),
+                  stream_of(self.device))
         return out
 
     def bind(self, rows: Any, scales: Any = None, *, quant_block: int = 32, layout: str = "split") -> "BoundHostGather":
@@ -278,19 +287,19 @@ class HostGatherer(NativeHandle):
         array on the gatherer's device and ``ids_dev`` the same ids there (int32 ``[n]``,
         ready on the current stream; without it ``ids`` is copied up first): the CPU
         threads copy the values alone and a kernel gathers the scale bytes in HBM."""
-        torch = _torch()
+        torch = torch_module()
         handle = self._require_open()
         n = _flat_ids_cpu(ids)
         dtype, num_rows, head_dim, layout_code = self._check_host_table(rows, scales, quant_block, layout)
         want = (torch.bfloat16,) if dtype == TABLE_BF16 else (torch.uint8,)
-        _check("dst_rows", dst_rows, want, 2)
+        check("dst_rows", dst_rows, want, 2)
         if dst_rows.shape[0] < n or dst_rows.shape[1] != head_dim or dst_rows.device != self.device:
             raise EngramError(f"dst_rows must be [>= {n}, {head_dim}] on {self.device} "
                               f"(got {tuple(dst_rows.shape)} on {dst_rows.device})")
         if dtype == TABLE_FP8_E4M3:
             if dst_scales is None:
                 raise EngramError("an fp8 table needs dst_scales [>= n, head_dim / quant_block] uint8")
-            _check("dst_scales", dst_scales, (torch.uint8,), 2)
+            check("dst_scales", dst_scales, (torch.uint8,), 2)
             if dst_scales.shape[0] < n or dst_scales.shape[1] != head_dim // quant_block \
                     or dst_scales.device != self.device:
                 raise EngramError(f"dst_scales must be [>= {n}, {head_dim // quant_block}] on {self.device} "
@@ -298,16 +307,16 @@ class HostGatherer(NativeHandle):
         if layout == "hbm-scales":
             if ids_dev is None:
                 ids_dev = ids.to(self.device)
-            _check("ids_dev", ids_dev, (torch.int32,), 1)
+            check("ids_dev", ids_dev, (torch.int32,), 1)
             if ids_dev.shape[0] != n or ids_dev.device != self.device:
                 raise EngramError(f"ids_dev must be the {n} ids on {self.device} "
                                   f"(got {ids_dev.shape[0]} on {ids_dev.device})")
         else:
             ids_dev = None
-        with _device_guard(self.device.index):
-            _call("engram_host_gather_raw_dev", handle, _ptr(ids), _ptr(ids_dev), n, _ptr(rows), _ptr(scales),
-                  num_rows, head_dim, dtype, quant_block, layout_code, _ptr(dst_rows),
-                  _ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None), _stream(self.device))
+        with device_guard(self.device.index):
+            _call("engram_host_gather_raw_dev", handle, ptr(ids), ptr(ids_dev), n, ptr(rows), ptr(scales),
+                  num_rows, head_dim, dtype, quant_block, layout_code, ptr(dst_rows),
+                  ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None), stream_of(self.device))
 
     def _destroy(self, handle: Any) -> None:
         _call("engram_host_gatherer_destroy", handle)
@@ -332,15 +341,15 @@ class BoundHostGather:
         self.gatherer, self.head_dim, self.layout = gatherer, head_dim, layout
         self.device = gatherer.device
         self._keep = (rows, scales)
-        self._table = (_ptr(rows), _ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code)
+        self._table = (ptr(rows), ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code)
         self._out: tuple[Any, Any] = (None, None)  # (out, its shape) last checked
 
     def __call__(self, ids: Any, out: Any, ids_dev: Any = None) -> Any:
-        torch = _torch()
-        _check("ids", ids, (torch.int32,), 2, where="cpu")
+        torch = torch_module()
+        check("ids", ids, (torch.int32,), 2, where="cpu")
         T, cols = int(ids.shape[0]), int(ids.shape[1])
         if self._out[0] is not out or self._out[1] != out.shape:
-            _gather_out(out, T, cols, self.head_dim, self.device)
+            gather_out(out, T, cols, self.head_dim, self.device)
             self._out = (out, out.shape)
         elif out.shape[0] != T or out.shape[1] != cols:
             raise EngramError(f"out must be bf16 [T, cols, head_dim] = {(T, cols, self.head_dim)} "
@@ -351,10 +360,10 @@ class BoundHostGather:
                     or ids_dev.dtype != torch.int32 or not ids_dev.is_contiguous():
                 raise EngramError(f"layout 'hbm-scales' needs ids_dev: the ids {tuple(ids.shape)} as contiguous int32 "
                                   f"on {self.device}")
-            dev_ptr = _ptr(ids_dev)
-        with _device_guard(self.device.index):
-            _call("engram_host_gather_dev", self.gatherer._require_open(), _ptr(ids), dev_ptr, T, cols, cols,
-                  *self._table, _ptr(out), _stream(self.device))
+            dev_ptr = ptr(ids_dev)
+        with device_guard(self.device.index):
+            _call("engram_host_gather_dev", self.gatherer._require_open(), ptr(ids), dev_ptr, T, cols, cols,
+                  *self._table, ptr(out), stream_of(self.device))
         return out
 
 
@@ -385,9 +394,9 @@ def host_gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = 
                 layout: str = "split") -> Any:
     """:meth:`HostGatherer.gather` through ``gatherer`` or the device's default one for
     the table's row width."""
-    torch = _torch()
+    torch = torch_module()
     if gatherer is None:
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        _, _, head_dim, _ = _host_table(rows, scales, quant_block, layout)  # bad tables fail here, named
+        _, _, head_dim, _ = host_table(rows, scales, quant_block, layout)  # bad tables fail here, named
         gatherer = _default_gatherer(dev, head_dim)
     return gatherer.gather(ids, rows, scales, layer=layer, quant_block=quant_block, out=out, layout=layout)

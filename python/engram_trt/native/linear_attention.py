@@ -20,8 +20,17 @@ import ctypes
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr,
-                                       _same_device, _stream, _torch)
+from engram_trt.native.library import (
+    EntryPoints,
+    check,
+    check_dtype,
+    device_guard,
+    float_code,
+    ptr,
+    same_device,
+    stream_of,
+    torch_module,
+)
 
 # engramKernels.h: ENGRAM_CAUSAL_CONV_MAX_KERNEL, ENGRAM_GATED_DELTA_MAX_HEAD_DIM, EngramConvActivation
 MAX_KERNEL = 32
@@ -62,9 +71,9 @@ def check_delta_shape(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_
 
 
 def _step(seq_starts: Any, past_lens: Any, slots: Any) -> int:
-    torch = _torch()
+    torch = torch_module()
     for name, t in (("seq_starts", seq_starts), ("past_lens", past_lens), ("slots", slots)):
-        _check(name, t, (torch.int32,), 1, where="any")
+        check(name, t, (torch.int32,), 1, where="any")
     S = past_lens.shape[0]
     if seq_starts.shape[0] != S + 1 or slots.shape[0] != S:
         raise EngramError(f"seq_starts must be [S+1] and slots [S] with past_lens' S = {S} "
@@ -76,7 +85,7 @@ def _on_cuda(device: Any, **tensors: Any) -> None:
     for name, t in tensors.items():
         if not t.is_cuda:
             raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
-    _same_device(device, **tensors)
+    same_device(device, **tensors)
 
 
 def causal_conv1d(x: Any, weight: Any, conv_state: Any, seq_starts: Any, past_lens: Any, slots: Any, *,
@@ -90,16 +99,16 @@ def causal_conv1d(x: Any, weight: Any, conv_state: Any, seq_starts: Any, past_le
     otherwise), and the slot's row becomes its last K-1 inputs (in place).
     ``activation``: ``"identity"`` / 0 or ``"silu"`` / 1.
     """
-    torch = _torch()
+    torch = torch_module()
     io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    _check_dtype("x", x, io_dtypes)
+    check_dtype("x", x, io_dtypes)
     io = x.dtype
-    _check_dtype("conv_state", conv_state, (io,))
-    _check_dtype("weight", weight, tuple(dict.fromkeys((torch.float32, io))))
+    check_dtype("conv_state", conv_state, (io,))
+    check_dtype("weight", weight, tuple(dict.fromkeys((torch.float32, io))))
     S = _step(seq_starts, past_lens, slots)
-    _check("x", x, io_dtypes, 2, where="any")
+    check("x", x, io_dtypes, 2, where="any")
     T, C = x.shape
-    _check("weight", weight, (weight.dtype,), where="any")
+    check("weight", weight, (weight.dtype,), where="any")
     if weight.dim() == 3 and weight.shape[1] == 1:
         weight = weight.reshape(weight.shape[0], weight.shape[2])
     if weight.dim() != 2 or weight.shape[0] != C:
@@ -107,21 +116,21 @@ def causal_conv1d(x: Any, weight: Any, conv_state: Any, seq_starts: Any, past_le
     K = int(weight.shape[1])
     code = _activation_code(activation)
     check_conv_shape(C, K, code)
-    _check("conv_state", conv_state, (io,), 3, where="any")
+    check("conv_state", conv_state, (io,), 3, where="any")
     if tuple(conv_state.shape[1:]) != (C, K - 1):
         raise EngramError(f"conv_state must be [num_slots, C, K-1] = [num_slots, {C}, {K - 1}] "
                           f"(got {tuple(conv_state.shape)})")
     if out is None:
         out = torch.empty_like(x)
-    _check("out", out, (io,), 2, where="any")
+    check("out", out, (io,), 2, where="any")
     if tuple(out.shape) != (T, C):
         raise EngramError(f"out must be [T, C] = {(T, C)} (got {tuple(out.shape)})")
     _on_cuda(x.device, x=x, weight=weight, conv_state=conv_state, seq_starts=seq_starts, past_lens=past_lens,
              slots=slots, out=out)
-    with _device_guard(x.device.index):
-        _call("engram_causal_conv1d", _ptr(x), _float_code(io), _ptr(weight), _float_code(weight.dtype),
-              _ptr(conv_state if conv_state.numel() else None), int(conv_state.shape[0]), _ptr(seq_starts),
-              _ptr(past_lens), _ptr(slots), S, T, C, K, code, _ptr(out), _stream(x.device))
+    with device_guard(x.device.index):
+        _call("engram_causal_conv1d", ptr(x), float_code(io), ptr(weight), float_code(weight.dtype),
+              ptr(conv_state if conv_state.numel() else None), int(conv_state.shape[0]), ptr(seq_starts),
+              ptr(past_lens), ptr(slots), S, T, C, K, code, ptr(out), stream_of(x.device))
     return out
 
 
@@ -136,44 +145,44 @@ def gated_delta_net(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, seq_s
     ``scale`` multiplies q after that (None: ``dk ** -0.5``, the model's). The step
     arguments as :func:`causal_conv1d`'s.
     """
-    torch = _torch()
+    torch = torch_module()
     io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    _check_dtype("q", q, io_dtypes)
+    check_dtype("q", q, io_dtypes)
     io = q.dtype
     for name, t in (("k", k), ("v", v)):
-        _check_dtype(name, t, (io,))
+        check_dtype(name, t, (io,))
     for name, t in (("g", g), ("beta", beta), ("state", state)):
-        _check_dtype(name, t, (torch.float32,))
+        check_dtype(name, t, (torch.float32,))
     S = _step(seq_starts, past_lens, slots)
-    _check("q", q, io_dtypes, 3, where="any")
+    check("q", q, io_dtypes, 3, where="any")
     T, Hk, dk = q.shape
-    _check("k", k, (io,), 3, where="any")
+    check("k", k, (io,), 3, where="any")
     if tuple(k.shape) != (T, Hk, dk):
         raise EngramError(f"k must be q's shape {(T, Hk, dk)} (got {tuple(k.shape)})")
-    _check("v", v, (io,), 3, where="any")
+    check("v", v, (io,), 3, where="any")
     if v.shape[0] != T:
         raise EngramError(f"v must be [T, Hv, dv] with T = {T} (got {tuple(v.shape)})")
     Hv, dv = int(v.shape[1]), int(v.shape[2])
     scale = float(dk) ** -0.5 if scale is None else float(scale)
     check_delta_shape(Hk, Hv, dk, dv, l2norm_qk, scale)
     for name, t in (("g", g), ("beta", beta)):
-        _check(name, t, (torch.float32,), 2, where="any")
+        check(name, t, (torch.float32,), 2, where="any")
         if tuple(t.shape) != (T, Hv):
             raise EngramError(f"{name} must be [T, Hv] = {(T, Hv)} (got {tuple(t.shape)})")
-    _check("state", state, (torch.float32,), 4, where="any")
+    check("state", state, (torch.float32,), 4, where="any")
     if tuple(state.shape[1:]) != (Hv, dk, dv):
         raise EngramError(f"state must be [num_slots, Hv, dk, dv] = [num_slots, {Hv}, {dk}, {dv}] "
                           f"(got {tuple(state.shape)})")
     if out is None:
         out = torch.empty_like(v)
-    _check("out", out, (io,), 3, where="any")
+    check("out", out, (io,), 3, where="any")
     if tuple(out.shape) != (T, Hv, dv):
         raise EngramError(f"out must be [T, Hv, dv] = {(T, Hv, dv)} (got {tuple(out.shape)})")
     _on_cuda(q.device, q=q, k=k, v=v, g=g, beta=beta, state=state, seq_starts=seq_starts, past_lens=past_lens,
              slots=slots, out=out)
-    with _device_guard(q.device.index):
-        _call("engram_gated_delta_net", _ptr(q), _ptr(k), _ptr(v), _float_code(io), _ptr(g), _ptr(beta),
-              _ptr(state if state.numel() else None), int(state.shape[0]), _ptr(seq_starts), _ptr(past_lens),
-              _ptr(slots), S, T, Hk, Hv, dk, dv, int(bool(l2norm_qk)), ctypes.c_float(scale), _ptr(out),
-              _stream(q.device))
+    with device_guard(q.device.index):
+        _call("engram_gated_delta_net", ptr(q), ptr(k), ptr(v), float_code(io), ptr(g), ptr(beta),
+              ptr(state if state.numel() else None), int(state.shape[0]), ptr(seq_starts), ptr(past_lens),
+              ptr(slots), S, T, Hk, Hv, dk, dv, int(bool(l2norm_qk)), ctypes.c_float(scale), ptr(out),
+              stream_of(q.device))
     return out

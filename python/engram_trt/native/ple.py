@@ -22,8 +22,18 @@ import weakref
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, NativeHandle, _check, _check_dtype, _device_guard, _float_code, _ptr,
-                                       _same_device, _stream, _torch)
+from engram_trt.native.library import (
+    EntryPoints,
+    NativeHandle,
+    check,
+    check_dtype,
+    device_guard,
+    float_code,
+    ptr,
+    same_device,
+    stream_of,
+    torch_module,
+)
 
 # engramKernels.h: ENGRAM_PLE_FUSION_MAX_KERNEL / _MAX_DILATION
 MAX_KERNEL = 32
@@ -106,27 +116,27 @@ def ple_hash_packed(ids: Any, seq_starts: Any, context: Any, layout: Any, layer:
     one) or None (every sequence fresh); all on one CUDA device. ``layout``: a
     ``PLEHashLayout`` (each layer prepared once and cached, :func:`prepared_ple_layout`).
     """
-    torch = _torch()
-    _check("ids", ids, (torch.int32,), 1)
-    _check("seq_starts", seq_starts, (torch.int32,), 1)
+    torch = torch_module()
+    check("ids", ids, (torch.int32,), 1)
+    check("seq_starts", seq_starts, (torch.int32,), 1)
     prepared = prepared_ple_layout(layout, layer)
     S, n = seq_starts.shape[0] - 1, prepared.ngram_size - 1
     if S < 0:
         raise EngramError("seq_starts must hold S+1 >= 1 entries (cu_seqlens starting at 0)")
     if context is not None:
-        _check("context", context, (torch.int32,), 2)
+        check("context", context, (torch.int32,), 2)
         if tuple(context.shape) != (S, n):
             raise EngramError(f"context must be [S, ngram_size-1] = {(S, n)} (got {tuple(context.shape)})")
     T, H = ids.shape[0], prepared.num_heads
     if out is None:
         out = torch.empty((T, H), dtype=torch.int32, device=ids.device)
-    _check("out", out, (torch.int32,), 2)
+    check("out", out, (torch.int32,), 2)
     if tuple(out.shape) != (T, H):
         raise EngramError(f"out must be [T, H] = {(T, H)} (got {tuple(out.shape)})")
-    _same_device(ids.device, seq_starts=seq_starts, context=context, out=out)
-    with _device_guard(ids.device.index):
-        _HASH_ENTRY.call("engram_ple_hash_prepared", prepared.handle, _ptr(ids), T, _ptr(seq_starts), S, _ptr(context),
-                  _ptr(out), _stream(ids.device))
+    same_device(ids.device, seq_starts=seq_starts, context=context, out=out)
+    with device_guard(ids.device.index):
+        _HASH_ENTRY.call("engram_ple_hash_prepared", prepared.handle, ptr(ids), T, ptr(seq_starts), S, ptr(context),
+                  ptr(out), stream_of(ids.device))
     return out
 
 
@@ -141,7 +151,7 @@ def workspace_size(max_tokens: int, hc_count: int, hidden: int, dtype: Any) -> i
     """Bytes of workspace a call of up to ``max_tokens`` tokens needs (the normalized
     gated values in ``dtype`` and one fp32 gate per token and stream); needs no GPU."""
     out = ctypes.c_size_t(0)
-    _call("engram_ple_fusion_workspace_size", int(max_tokens), int(hc_count), int(hidden), _float_code(dtype),
+    _call("engram_ple_fusion_workspace_size", int(max_tokens), int(hc_count), int(hidden), float_code(dtype),
           ctypes.byref(out))
     return int(out.value)
 
@@ -163,45 +173,45 @@ def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_qu
     normalized values. ``workspace``: None (allocated) or a uint8 CUDA tensor of
     :func:`workspace_size` bytes.
     """
-    torch = _torch()
+    torch = torch_module()
     io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    _check_dtype("streams", streams, io_dtypes)
+    check_dtype("streams", streams, io_dtypes)
     io = streams.dtype
     for name, t in (("key", key), ("value", value), ("conv_state", conv_state)):
-        _check_dtype(name, t, (io,))
+        check_dtype(name, t, (io,))
     weight_dtypes = tuple(dict.fromkeys((torch.float32, io)))
-    _check_dtype("norm_key_weight", norm_key_weight, weight_dtypes)
+    check_dtype("norm_key_weight", norm_key_weight, weight_dtypes)
     wt = norm_key_weight.dtype
     for name, t in (("norm_query_weight", norm_query_weight), ("norm_conv_weight", norm_conv_weight),
                     ("conv_weight", conv_weight)):
-        _check_dtype(name, t, (wt,))
+        check_dtype(name, t, (wt,))
     for name, t in (("seq_starts", seq_starts), ("past_lens", past_lens), ("slots", slots)):
-        _check(name, t, (torch.int32,), 1, where="any")
-    _check("streams", streams, io_dtypes, 2, where="any")
+        check(name, t, (torch.int32,), 1, where="any")
+    check("streams", streams, io_dtypes, 2, where="any")
     T, W = streams.shape
     hc = int(hc_count)
     if hc < 1 or W % hc:
         raise EngramError(f"hc_count={hc_count} must divide streams' width {W}")
     D = W // hc
-    _check("key", key, (io,), 2, where="any")
-    _check("value", value, (io,), 2, where="any")
+    check("key", key, (io,), 2, where="any")
+    check("value", value, (io,), 2, where="any")
     if tuple(key.shape) != (T, W):
         raise EngramError(f"key must be [T, W] = {(T, W)} (got {tuple(key.shape)})")
     if tuple(value.shape) != (T, D):
         raise EngramError(f"value must be [T, hidden] = {(T, D)} (got {tuple(value.shape)})")
     for name, t in (("norm_key_weight", norm_key_weight), ("norm_query_weight", norm_query_weight),
                     ("norm_conv_weight", norm_conv_weight)):
-        _check(name, t, (wt,), 1, where="any")
+        check(name, t, (wt,), 1, where="any")
         if t.shape[0] != W:
             raise EngramError(f"{name} must be [W] = ({W},) (got {tuple(t.shape)})")
-    _check("conv_weight", conv_weight, (wt,), where="any")
+    check("conv_weight", conv_weight, (wt,), where="any")
     if conv_weight.dim() == 3 and conv_weight.shape[1] == 1:
         conv_weight = conv_weight.reshape(conv_weight.shape[0], conv_weight.shape[2])
     if conv_weight.dim() != 2 or conv_weight.shape[0] != W:
         raise EngramError(f"conv_weight must be [W, K] or [W, 1, K] with W = {W} (got {tuple(conv_weight.shape)})")
     K = int(conv_weight.shape[1])
     H = (K - 1) * int(dilation)
-    _check("conv_state", conv_state, (io,), 3, where="any")
+    check("conv_state", conv_state, (io,), 3, where="any")
     if tuple(conv_state.shape[1:]) != (W, H):
         raise EngramError(f"conv_state must be [num_slots, W, (K-1)*dilation] = [num_slots, {W}, {H}] "
                           f"(got {tuple(conv_state.shape)})")
@@ -211,19 +221,19 @@ def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_qu
                           f"(got {tuple(seq_starts.shape)}, {tuple(slots.shape)})")
     if out is None:
         out = torch.empty_like(streams)
-    _check("out", out, (io,), 2, where="any")
+    check("out", out, (io,), 2, where="any")
     if tuple(out.shape) != (T, W):
         raise EngramError(f"out must be [T, W] = {(T, W)} (got {tuple(out.shape)})")
     need = workspace_size(T, hc, D, io)
     if workspace is None:
         workspace = torch.empty(max(need, 16), dtype=torch.uint8, device=streams.device)
-    _check("workspace", workspace, (torch.uint8,), 1, where="any")
+    check("workspace", workspace, (torch.uint8,), 1, where="any")
     if workspace.numel() < need:
         raise EngramError(f"workspace holds {workspace.numel()} bytes, {need} needed for {T} tokens")
     for name, t in (("streams", streams), ("seq_starts", seq_starts), ("past_lens", past_lens), ("slots", slots)):
         if not t.is_cuda:
             raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
-    _same_device(streams.device, key=key, value=value, norm_key_weight=norm_key_weight,
+    same_device(streams.device, key=key, value=value, norm_key_weight=norm_key_weight,
                  norm_query_weight=norm_query_weight, norm_conv_weight=norm_conv_weight, conv_weight=conv_weight,
                  conv_state=conv_state, seq_starts=seq_starts, past_lens=past_lens, slots=slots, out=out,
                  workspace=workspace)
@@ -232,10 +242,10 @@ def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_qu
                     ("conv_weight", conv_weight), ("conv_state", conv_state), ("out", out)):
         if not t.is_cuda:
             raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
-    with _device_guard(streams.device.index):
-        _call("engram_ple_fusion", _ptr(streams), _ptr(key), _ptr(value), _float_code(io), _ptr(norm_key_weight),
-              _ptr(norm_query_weight), _ptr(norm_conv_weight), _ptr(conv_weight), _float_code(wt),
-              _ptr(conv_state if conv_state.numel() else None), int(conv_state.shape[0]), _ptr(seq_starts),
-              _ptr(past_lens), _ptr(slots), S, T, hc, D, K, int(dilation), ctypes.c_float(eps), int(bool(add_streams)),
-              _ptr(workspace), workspace.numel(), _ptr(out), _stream(streams.device))
+    with device_guard(streams.device.index):
+        _call("engram_ple_fusion", ptr(streams), ptr(key), ptr(value), float_code(io), ptr(norm_key_weight),
+              ptr(norm_query_weight), ptr(norm_conv_weight), ptr(conv_weight), float_code(wt),
+              ptr(conv_state if conv_state.numel() else None), int(conv_state.shape[0]), ptr(seq_starts),
+              ptr(past_lens), ptr(slots), S, T, hc, D, K, int(dilation), ctypes.c_float(eps), int(bool(add_streams)),
+              ptr(workspace), workspace.numel(), ptr(out), stream_of(streams.device))
     return out

@@ -19,8 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr,
-                                       _same_device, _stream, _torch)
+from engram_trt.native.library import (
+    EntryPoints,
+    check,
+    check_dtype,
+    device_guard,
+    float_code,
+    ptr,
+    same_device,
+    stream_of,
+    torch_module,
+)
 
 # engramKernels.h: ENGRAM_QSA_MAX_HEAD_DIM, ENGRAM_QSA_MAX_INDEX_HEADS, ENGRAM_QSA_MAX_VISIBLE
 MAX_HEAD_DIM = 256
@@ -89,22 +98,22 @@ def qsa_attention(q: Any, k: Any, v: Any, index_q: Any, index_raw: Any, key_cach
     int32; all contiguous on one CUDA device. A token outside the caches writes nothing
     and gets a zero row.
     """
-    torch = _torch()
+    torch = torch_module()
     io_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    _check_dtype("q", q, io_dtypes)
+    check_dtype("q", q, io_dtypes)
     io = q.dtype
     named = (("k", k), ("v", v), ("index_q", index_q), ("index_raw", index_raw), ("key_cache", key_cache),
              ("value_cache", value_cache), ("index_key_cache", index_key_cache))
     for name, t in named:
-        _check_dtype(name, t, (io,))
-    _check_dtype("index_k_norm_weight", index_k_norm_weight, tuple(dict.fromkeys((torch.float32, io))))
+        check_dtype(name, t, (io,))
+    check_dtype("index_k_norm_weight", index_k_norm_weight, tuple(dict.fromkeys((torch.float32, io))))
     for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        _check_dtype(name, t, (torch.int32,))
+        check_dtype(name, t, (torch.int32,))
     ranks = {"q": 3, "k": 3, "v": 3, "index_q": 3, "index_raw": 2, "key_cache": 4, "value_cache": 4,
              "index_key_cache": 3}
     for name, t in (("q", q), *named):
-        _check(name, t, (io,), ranks[name], where="any")
-    _check("index_k_norm_weight", index_k_norm_weight, (index_k_norm_weight.dtype,), 1, where="any")
+        check(name, t, (io,), ranks[name], where="any")
+    check("index_k_norm_weight", index_k_norm_weight, (index_k_norm_weight.dtype,), 1, where="any")
     T, H, hd = q.shape
     num_slots, kvh, max_len, _ = key_cache.shape
     _, ni, di = index_q.shape
@@ -118,14 +127,14 @@ def qsa_attention(q: Any, k: Any, v: Any, index_q: Any, index_raw: Any, key_cach
     if tuple(index_k_norm_weight.shape) != (di,):
         raise EngramError(f"index_k_norm_weight must be [{di}] (got {tuple(index_k_norm_weight.shape)})")
     for name, t in (("token_slot", token_slot), ("token_pos", token_pos)):
-        _check(name, t, (torch.int32,), 1, where="any")
+        check(name, t, (torch.int32,), 1, where="any")
         if t.shape[0] != T:
             raise EngramError(f"{name} must be [{T}] (got {tuple(t.shape)})")
     check_fields(fields)
     check_shape(H, kvh, hd, ni, di, fields.rot_dim)
     if out is None:
         out = torch.empty(T, H * hd, dtype=io, device=q.device)
-    _check("out", out, (io,), 2, where="any")
+    check("out", out, (io,), 2, where="any")
     if tuple(out.shape) != (T, H * hd):
         raise EngramError(f"out must be [{T}, {H * hd}] (got {tuple(out.shape)})")
     tensors = dict(q=q, k=k, v=v, index_q=index_q, index_raw=index_raw, key_cache=key_cache, value_cache=value_cache,
@@ -134,14 +143,14 @@ def qsa_attention(q: Any, k: Any, v: Any, index_q: Any, index_raw: Any, key_cach
     for name, t in tensors.items():
         if not t.is_cuda:
             raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
-    _same_device(q.device, **tensors)
+    same_device(q.device, **tensors)
     ws_bytes = workspace_size(T, max_len, fields.compress_ratio, fields.block_topk)
     workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=q.device) if ws_bytes else None
-    with _device_guard(q.device.index):
-        _call("engram_qsa_attention", _ptr(q), _ptr(k), _ptr(v), _ptr(index_q), _ptr(index_raw), _float_code(io),
-              _ptr(key_cache), _ptr(value_cache), _ptr(index_key_cache), _ptr(index_k_norm_weight),
-              _float_code(index_k_norm_weight.dtype), _ptr(token_slot), _ptr(token_pos), T, H, kvh, hd, ni, di,
+    with device_guard(q.device.index):
+        _call("engram_qsa_attention", ptr(q), ptr(k), ptr(v), ptr(index_q), ptr(index_raw), float_code(io),
+              ptr(key_cache), ptr(value_cache), ptr(index_key_cache), ptr(index_k_norm_weight),
+              float_code(index_k_norm_weight.dtype), ptr(token_slot), ptr(token_pos), T, H, kvh, hd, ni, di,
               num_slots, max_len, int(fields.compress_ratio), int(fields.block_topk), int(fields.rot_dim),
               ctypes.c_float(fields.rope_theta), ctypes.c_float(fields.eps), ctypes.c_float(fields.scaling),
-              _ptr(workspace), ws_bytes, _ptr(out), _stream(q.device))
+              ptr(workspace), ws_bytes, ptr(out), stream_of(q.device))
     return out

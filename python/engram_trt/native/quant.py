@@ -39,7 +39,7 @@ from typing import Any
 
 from engram_trt.errors import EngramError
 from engram_trt.native import quant_kernels as qk
-from engram_trt.native.kernels import _check, _torch
+from engram_trt.native.library import check, torch_module
 
 # The activation quantization per weight kind: (group of columns, ue8m0 scales); the same
 # table as engram_trt.quant.weight.ACT_QUANT (a test ties them; this layer cannot import it).
@@ -83,17 +83,17 @@ def moe_plan(ids: Any, num_experts: int) -> MoePlan:
 
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
-    return tuple(_torch().cuda.get_device_capability(index))  # type: ignore[return-value]
+    return tuple(torch_module().cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
 def _device_index(device: Any) -> int:
-    return device.index if device.index is not None else _torch().cuda.current_device()
+    return device.index if device.index is not None else torch_module().cuda.current_device()
 
 
 def _weight(name: str, w: Any, stacked: bool) -> qk.Weight:
     """A QuantWeight (fields data / scale / kind / block) or, stacked, a bf16 tensor, as the
     kernels take it; EngramError naming what is wrong."""
-    torch = _torch()
+    torch = torch_module()
     if isinstance(w, torch.Tensor):
         if not stacked:
             raise EngramError(f"{name} must be a QuantWeight (got a tensor: use F.linear)")
@@ -165,7 +165,7 @@ def _check_placement(x: Any, w: qk.Weight, name: str) -> None:
 
 def unavailable_for(x: Any, qw: Any) -> str | None:
     """Why :func:`linear` cannot run ``x @ qw^T`` (one line), or None when it can."""
-    torch = _torch()
+    torch = torch_module()
     if not isinstance(x, torch.Tensor):
         return f"x must be a torch.Tensor (got {type(x).__name__})"
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -190,7 +190,7 @@ def _quantized_input(x2: Any, kind: str, route: str) -> dict[str, Any]:
     """The activations of ``x2 [M, K]`` as a ``kind`` weight's product on ``route`` takes
     them: ``a`` (GEMV: float32, or bf16 when exact; bf16 GEMM) or ``q`` / ``scale`` (FP8
     GEMM)."""
-    torch = _torch()
+    torch = torch_module()
     if kind == "bf16":
         if route == "gemv":
             return {"a": x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()}
@@ -207,7 +207,7 @@ def _gemv_quantizes(x2: Any, w: qk.Weight) -> bool:
     """True when the GEMV can quantize ``x2 [M, K]`` itself (ENGRAM_QGEMV_ACT_*: the same
     bits as act_quant's deq, one launch fewer): an fp8 / fp4 weight, float32 / bf16 rows
     16-byte aligned, K <= GEMV_ACT_QUANT_MAX_K."""
-    torch = _torch()
+    torch = torch_module()
     if w.kind not in ACT_QUANT or ACT_QUANT[w.kind] not in qk.QGEMV_ACT_QUANT:
         return False
     if x2.dtype not in (torch.float32, torch.bfloat16) or w.in_features > qk.GEMV_ACT_QUANT_MAX_K:
@@ -229,7 +229,7 @@ def _product(act: dict[str, Any], w: qk.Weight, route: str, out: Any, **rows: An
 def scaled_mm_reason(w: qk.Weight, device: Any, out_dtype: Any = None) -> str | None:
     """Why ``torch._scaled_mm`` (block-wise FP8) cannot take the GEMM rows of ``w`` (None:
     :func:`linear` routes them there): the rule of the module docstring."""
-    torch = _torch()
+    torch = torch_module()
     if os.environ.get(FP8_GEMM_ENV, "auto") == "ours":
         return f"{FP8_GEMM_ENV}=ours"
     if w.kind != "fp8" or w.experts != 1:
@@ -250,7 +250,7 @@ def scaled_mm_reason(w: qk.Weight, device: Any, out_dtype: Any = None) -> str | 
 
 def _weight_scale_f32(w: qk.Weight) -> Any:
     """The weight's scales ``[N/128, K/128]`` as float32 (ue8m0 bytes exactly 2^(b - 127))."""
-    torch = _torch()
+    torch = torch_module()
     s = w.scale.reshape(w.scale.shape[-2], w.scale.shape[-1])
     if s.dtype == torch.float32:
         return s
@@ -264,7 +264,7 @@ def _scaled_mm(q: Any, a_scale: Any, w: qk.Weight, out_dtype: Any) -> Any | None
     ``[M, K/128]`` with stride ``(1, M)``, the weight's ``[K/128, N/128]`` with stride
     ``(1, K/128)`` (the stored ``[N/128, K/128]`` transposed; a torch that pads the K
     blocks to a multiple of 4 gets that layout instead)."""
-    torch = _torch()
+    torch = torch_module()
     key = (_device_index(q.device), w.out_features, w.in_features, str(out_dtype))
     data = w.data if w.data.dtype == torch.float8_e4m3fn else w.data.view(torch.float8_e4m3fn)
     b = data.reshape(w.out_features, w.in_features).t()  # [K, N], column-major: the stored rows
@@ -294,7 +294,7 @@ def linear(x: Any, qw: Any, *, weight_static: bool = False) -> Any:
     """``x @ W^T`` ``[..., N]`` in x's dtype for a stored weight ``qw`` (module docstring).
     ``weight_static``: nothing queued on the stream before this call writes ``qw`` (a
     model's weights): the GEMV may start loading it while the kernel before it runs."""
-    torch = _torch()
+    torch = torch_module()
     why = unavailable_for(x, qw)
     if why is not None:
         raise EngramError(f"quantized linear cannot run on the kernels: {why}")
@@ -341,7 +341,7 @@ def _expert_weights(gate: Any, up: Any, down: Any) -> tuple[qk.Weight, qk.Weight
 
 def unavailable_for_experts(x: Any, ids: Any, gate: Any, up: Any, down: Any) -> str | None:
     """Why :func:`experts` cannot run these weights on ``x [T, D]`` (one line), or None."""
-    torch = _torch()
+    torch = torch_module()
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return "x must be a bfloat16, float16 or float32 tensor"
     try:
@@ -376,14 +376,14 @@ def experts(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, li
     down_e(silu(min(g, l)) * clamp(u, -l, l))`` with ``g, u = gate_e x, up_e x``, e = ids[t, j]
     (module docstring). ``gate`` / ``up`` ``[E, I, D]`` and ``down`` ``[E, D, I]``:
     QuantWeight stacks or bf16 tensors; ``limit`` None or 0: no clamp."""
-    torch = _torch()
+    torch = torch_module()
     why = unavailable_for_experts(x, ids, gate, up, down)
     if why is not None:
         raise EngramError(f"experts cannot run on the kernels: {why}")
     g, u, d = _expert_weights(gate, up, down)
     E, I, D = g.experts, g.out_features, g.in_features
-    _check("ids", ids, (torch.int32, torch.int64), 2)
-    _check("route_w", route_w, (torch.float32,), 2)
+    check("ids", ids, (torch.int32, torch.int64), 2)
+    check("route_w", route_w, (torch.float32,), 2)
     T, k = int(ids.shape[0]), int(ids.shape[1])
     if int(x.shape[0]) != T or tuple(route_w.shape) != (T, k):
         raise EngramError(f"x [T, D], ids [T, k] and route_w [T, k] disagree: {tuple(x.shape)}, {tuple(ids.shape)}, "

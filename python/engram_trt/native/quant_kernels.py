@@ -20,8 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.native.kernels import (EntryPoints, _check, _check_dtype, _device_guard, _float_code, _ptr, _same_device,
-                                       _stream, _torch)
+from engram_trt.native.library import (
+    EntryPoints,
+    check,
+    check_dtype,
+    device_guard,
+    float_code,
+    ptr,
+    same_device,
+    stream_of,
+    torch_module,
+)
 
 # quantKernels.h
 QWEIGHT_FP8, QWEIGHT_FP4, QWEIGHT_BF16 = 0, 1, 2
@@ -81,7 +90,7 @@ class Weight:
 
     @property
     def scale_type(self) -> int:
-        if self.scale is None or self.scale.dtype == _torch().float32:
+        if self.scale is None or self.scale.dtype == torch_module().float32:
             return QSCALE_F32
         return QSCALE_UE8M0
 
@@ -93,11 +102,11 @@ class Weight:
 def make_weight(name: str, data: Any, scale: Any, kind: str, block: tuple[int, int], stacked: bool) -> Weight:
     """A :class:`Weight` from stored tensors, checked: ``stacked`` takes ``[E, N, K(/2)]``,
     else ``[N, K(/2)]`` (E = 1). ``name`` names the weight in the one-line refusals."""
-    torch = _torch()
+    torch = torch_module()
     if kind not in KIND_CODES:
         raise EngramError(f"{name}: weight kind {kind!r} is not one of {sorted(KIND_CODES)}")
     dtypes = {"fp8": (torch.float8_e4m3fn, torch.uint8), "fp4": (torch.int8, torch.uint8), "bf16": (torch.bfloat16,)}
-    _check_dtype(f"{name} data", data, dtypes[kind])
+    check_dtype(f"{name} data", data, dtypes[kind])
     want_dim = 3 if stacked else 2
     if data.dim() != want_dim:
         raise EngramError(f"{name} must be {'[E, N, K]' if stacked else '[N, K]'} (got shape {tuple(data.shape)})")
@@ -109,7 +118,7 @@ def make_weight(name: str, data: Any, scale: Any, kind: str, block: tuple[int, i
     bn, bk = int(block[0]), int(block[1])
     if bn < 1 or bk < 1:
         raise EngramError(f"{name}: block {list(block)} must be two positive sizes")
-    _check_dtype(f"{name} scale", scale, (torch.float32, torch.float8_e8m0fnu, torch.uint8))
+    check_dtype(f"{name} scale", scale, (torch.float32, torch.float8_e8m0fnu, torch.uint8))
     grid = (-(-N // bn), -(-K // bk))
     want = ((E,) if stacked else ()) + grid
     if tuple(scale.shape) != want:
@@ -123,10 +132,10 @@ def _scale_arg(w: Weight) -> Any:
 
 
 def _check_weight_device(w: Weight, name: str, device: Any) -> None:
-    _check(f"{name} data", w.data, (w.data.dtype,))
+    check(f"{name} data", w.data, (w.data.dtype,))
     if w.scale is not None:
-        _check(f"{name} scale", w.scale, (w.scale.dtype,))
-    _same_device(device, **{f"{name} data": w.data, f"{name} scale": w.scale})
+        check(f"{name} scale", w.scale, (w.scale.dtype,))
+    same_device(device, **{f"{name} data": w.data, f"{name} scale": w.scale})
 
 
 def act_quant(x: Any, group: int, ue8m0: bool, *, q: bool = True, scale: bool = True, deq_dtype: Any = None
@@ -134,8 +143,8 @@ def act_quant(x: Any, group: int, ue8m0: bool, *, q: bool = True, scale: bool = 
     """engram_act_quant of ``x [M, K]`` (bf16 / f16 / float32, rows of stride ``x.stride(0)``):
     ``(q float8_e4m3fn [M, K] | None, scale float32 [M, ceil(K/group)] | None, deq [M, K] of
     deq_dtype | None)``, the outputs asked for."""
-    torch = _torch()
-    _check_dtype("x", x, (torch.bfloat16, torch.float16, torch.float32))
+    torch = torch_module()
+    check_dtype("x", x, (torch.bfloat16, torch.float16, torch.float32))
     if x.dim() != 2:
         raise EngramError(f"x must be [M, K] (got shape {tuple(x.shape)})")
     M, K = int(x.shape[0]), int(x.shape[1])
@@ -146,9 +155,9 @@ def act_quant(x: Any, group: int, ue8m0: bool, *, q: bool = True, scale: bool = 
     qt = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device) if q else None
     st = torch.empty((M, -(-K // max(int(group), 1))), dtype=torch.float32, device=x.device) if scale else None
     dt = torch.empty((M, K), dtype=deq_dtype, device=x.device) if deq_dtype is not None else None
-    with _device_guard(x.device.index):
-        _call("engram_act_quant", _ptr(x), _float_code(x.dtype), M, K, max(int(x.stride(0)), K), int(group), int(ue8m0),
-              _ptr(qt), _ptr(st), _ptr(dt), _float_code(deq_dtype) if dt is not None else 0, _stream(x.device))
+    with device_guard(x.device.index):
+        _call("engram_act_quant", ptr(x), float_code(x.dtype), M, K, max(int(x.stride(0)), K), int(group), int(ue8m0),
+              ptr(qt), ptr(st), ptr(dt), float_code(deq_dtype) if dt is not None else 0, stream_of(x.device))
     return qt, st, dt
 
 
@@ -156,8 +165,8 @@ def swiglu_act_quant(gate_up: Any, limit: float | None, group: int, ue8m0: bool,
                      scale: bool = True, deq_dtype: Any = None) -> tuple[Any, Any, Any]:
     """engram_swiglu_act_quant of ``gate_up float32 [P, 2I]``: the clamped SwiGLU ``[P, I]``
     quantized per ``group`` columns (group 0: ``deq`` alone, unquantized)."""
-    torch = _torch()
-    _check("gate_up", gate_up, (torch.float32,), 2)
+    torch = torch_module()
+    check("gate_up", gate_up, (torch.float32,), 2)
     P, I2 = int(gate_up.shape[0]), int(gate_up.shape[1])
     if I2 % 2:
         raise EngramError(f"gate_up must be [P, 2I] (got an odd width {I2})")
@@ -168,9 +177,9 @@ def swiglu_act_quant(gate_up: Any, limit: float | None, group: int, ue8m0: bool,
     qt = torch.empty((P, I), dtype=torch.float8_e4m3fn, device=dev) if q else None
     st = torch.empty((P, -(-I // max(int(group), 1))), dtype=torch.float32, device=dev) if scale else None
     dt = torch.empty((P, I), dtype=deq_dtype, device=dev) if deq_dtype is not None else None
-    with _device_guard(dev.index):
-        _call("engram_swiglu_act_quant", _ptr(gate_up), P, I, I2, _f32(float(limit or 0.0)), int(group), int(ue8m0),
-              _ptr(qt), _ptr(st), _ptr(dt), _float_code(deq_dtype) if dt is not None else 0, _stream(dev))
+    with device_guard(dev.index):
+        _call("engram_swiglu_act_quant", ptr(gate_up), P, I, I2, _f32(float(limit or 0.0)), int(group), int(ue8m0),
+              ptr(qt), ptr(st), ptr(dt), float_code(deq_dtype) if dt is not None else 0, stream_of(dev))
     return qt, st, dt
 
 
@@ -178,8 +187,8 @@ def plan(ids: Any, num_experts: int, num_slots: int | None = None) -> dict[str, 
     """engram_moe_plan of ``ids [T, k]`` (int32 / int64): the device tensors ``offsets [E+1]``,
     ``order``, ``row_token``, ``pair_row [T*k]``, ``slot_expert [num_slots]`` (default
     ``max(1, min(T*k, E))``) and ``error [1]`` (1 when an id is outside ``[0, E)``)."""
-    torch = _torch()
-    _check_dtype("ids", ids, (torch.int32, torch.int64))
+    torch = torch_module()
+    check_dtype("ids", ids, (torch.int32, torch.int64))
     if ids.dim() != 2:
         raise EngramError(f"ids must be [T, k] (got shape {tuple(ids.shape)})")
     T, k = int(ids.shape[0]), int(ids.shape[1])
@@ -188,23 +197,23 @@ def plan(ids: Any, num_experts: int, num_slots: int | None = None) -> dict[str, 
         raise EngramError(f"num_experts must be in [1, {PLAN_MAX_EXPERTS}] (got {E})")
     if k < 1 or T * k > PLAN_MAX_PAIRS:
         raise EngramError(f"ids [T, k] = {[T, k]} needs k >= 1 and T * k <= {PLAN_MAX_PAIRS}")
-    _check("ids", ids, (ids.dtype,), 2)
+    check("ids", ids, (ids.dtype,), 2)
     slots = max(1, min(T * k, E)) if num_slots is None else int(num_slots)
     dev = ids.device
     ints = torch.empty(E + 1 + 3 * T * k + slots, dtype=torch.int32, device=dev)  # one allocation
     out = {"offsets": ints[:E + 1], "order": ints[E + 1:E + 1 + T * k],
            "row_token": ints[E + 1 + T * k:E + 1 + 2 * T * k], "pair_row": ints[E + 1 + 2 * T * k:E + 1 + 3 * T * k],
            "slot_expert": ints[E + 1 + 3 * T * k:], "error": torch.zeros(1, dtype=torch.int32, device=dev)}
-    with _device_guard(dev.index):
-        _call("engram_moe_plan", _ptr(ids), int(ids.dtype == torch.int64), T, k, E, _ptr(out["offsets"]),
-              _ptr(out["order"]), _ptr(out["row_token"]), _ptr(out["pair_row"]), _ptr(out["slot_expert"]), slots,
-              _ptr(out["error"]), _stream(dev))
+    with device_guard(dev.index):
+        _call("engram_moe_plan", ptr(ids), int(ids.dtype == torch.int64), T, k, E, ptr(out["offsets"]),
+              ptr(out["order"]), ptr(out["row_token"]), ptr(out["pair_row"]), ptr(out["slot_expert"]), slots,
+              ptr(out["error"]), stream_of(dev))
     return out
 
 
 def _out_check(out: Any, rows: int, cols: int) -> None:
-    torch = _torch()
-    _check_dtype("out", out, (torch.bfloat16, torch.float16, torch.float32))
+    torch = torch_module()
+    check_dtype("out", out, (torch.bfloat16, torch.float16, torch.float32))
     if out.dim() != 2 or out.stride(1) != 1 or int(out.shape[0]) != rows or int(out.shape[1]) < cols:
         raise EngramError(f"out must be [{rows}, >= {cols}] with contiguous rows (got shape {tuple(out.shape)})")
 
@@ -219,75 +228,75 @@ def gemv(a: Any, w: Weight, out: Any, *, row_index: Any = None, offsets: Any = N
     with ENGRAM_QGEMV_WEIGHT_STATIC). ``act_quant`` ``(group, ue8m0)`` in QGEMV_ACT_QUANT:
     ``a`` is the raw activations, quantized inside the GEMV as :func:`act_quant` would (the
     same bits as act_quant's float32 deq passed as ``a``; K <= GEMV_ACT_QUANT_MAX_K)."""
-    torch = _torch()
+    torch = torch_module()
     flags = QGEMV_WEIGHT_STATIC if weight_static else 0
     if act_quant is not None:
         key = (int(act_quant[0]), bool(act_quant[1]))
         if key not in QGEMV_ACT_QUANT:
             raise EngramError(f"act_quant {act_quant!r}: the GEMV quantizes per (128, float32) or (32, ue8m0) only")
         flags |= QGEMV_ACT_QUANT[key]
-    _check_dtype("a", a, (torch.float32, torch.bfloat16))
+    check_dtype("a", a, (torch.float32, torch.bfloat16))
     if a.dim() != 2 or a.stride(1) != 1 or int(a.shape[1]) != w.in_features:
         raise EngramError(f"a must be [*, {w.in_features}] with contiguous rows (got shape {tuple(a.shape)})")
     P = int(out.shape[0])
     _out_check(out, P, int(o_col0) + w.out_features)
-    _same_device(a.device, out=out, row_index=row_index, offsets=offsets, slot_expert=slot_expert)
+    same_device(a.device, out=out, row_index=row_index, offsets=offsets, slot_expert=slot_expert)
     _check_weight_device(w, "w", a.device)
     slots = 1 if slot_expert is None else int(slot_expert.shape[0])
-    args = (_ptr(a), _float_code(a.dtype), int(a.stride(0)), _ptr(row_index), P, _ptr(w.data), w.w_type,
-            _ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features, w.experts,
-            _ptr(offsets), _ptr(slot_expert), slots, _ptr(out), _float_code(out.dtype), int(out.stride(0)), int(o_col0))
-    with _device_guard(a.device.index):
-        _call("engram_quant_gemv_ex", *args, flags, _stream(a.device))
+    args = (ptr(a), float_code(a.dtype), int(a.stride(0)), ptr(row_index), P, ptr(w.data), w.w_type,
+            ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features, w.experts,
+            ptr(offsets), ptr(slot_expert), slots, ptr(out), float_code(out.dtype), int(out.stride(0)), int(o_col0))
+    with device_guard(a.device.index):
+        _call("engram_quant_gemv_ex", *args, flags, stream_of(a.device))
     return out
 
 
 def fp8_gemm(aq: Any, a_scale: Any, w: Weight, out: Any, *, row_index: Any = None, offsets: Any = None) -> Any:
     """engram_fp8_gemm: ``aq float8_e4m3fn [*, K]`` and ``a_scale float32 [*, ceil(K/128)]``
     (act_quant with group 128) times the FP8 weight(s), into ``out [P, >= N]``."""
-    torch = _torch()
-    _check("aq", aq, (torch.float8_e4m3fn,), 2)
-    _check("a_scale", a_scale, (torch.float32,), 2)
+    torch = torch_module()
+    check("aq", aq, (torch.float8_e4m3fn,), 2)
+    check("a_scale", a_scale, (torch.float32,), 2)
     if w.kind != "fp8" or w.block[1] != GEMM_BLOCK_K:
         raise EngramError(f"fp8_gemm takes an fp8 weight in blocks of bk = {GEMM_BLOCK_K} (got {w.kind} "
                           f"{w.block[0]}x{w.block[1]})")
     P = int(out.shape[0])
     _out_check(out, P, w.out_features)
-    _same_device(aq.device, a_scale=a_scale, out=out, row_index=row_index, offsets=offsets)
+    same_device(aq.device, a_scale=a_scale, out=out, row_index=row_index, offsets=offsets)
     _check_weight_device(w, "w", aq.device)
-    with _device_guard(aq.device.index):
-        _call("engram_fp8_gemm", _ptr(aq), _ptr(a_scale), _ptr(row_index), P, _ptr(w.data), _ptr(w.scale), w.scale_type,
-              w.block[0], w.out_features, w.in_features, w.experts, _ptr(offsets), _ptr(out), _float_code(out.dtype),
-              int(out.stride(0)), _stream(aq.device))
+    with device_guard(aq.device.index):
+        _call("engram_fp8_gemm", ptr(aq), ptr(a_scale), ptr(row_index), P, ptr(w.data), ptr(w.scale), w.scale_type,
+              w.block[0], w.out_features, w.in_features, w.experts, ptr(offsets), ptr(out), float_code(out.dtype),
+              int(out.stride(0)), stream_of(aq.device))
     return out
 
 
 def grouped_gemm(a: Any, w: Weight, out: Any, *, row_index: Any = None, offsets: Any = None) -> Any:
     """engram_quant_grouped_gemm: ``a bf16 [*, K]`` (contiguous rows) times FP4 / BF16
     weight(s), into ``out [P, >= N]``."""
-    torch = _torch()
-    _check_dtype("a", a, (torch.bfloat16,))
+    torch = torch_module()
+    check_dtype("a", a, (torch.bfloat16,))
     if a.dim() != 2 or a.stride(1) != 1 or int(a.shape[1]) != w.in_features:
         raise EngramError(f"a must be [*, {w.in_features}] with contiguous rows (got shape {tuple(a.shape)})")
     P = int(out.shape[0])
     _out_check(out, P, w.out_features)
-    _same_device(a.device, out=out, row_index=row_index, offsets=offsets)
+    same_device(a.device, out=out, row_index=row_index, offsets=offsets)
     _check_weight_device(w, "w", a.device)
-    with _device_guard(a.device.index):
-        _call("engram_quant_grouped_gemm", _ptr(a), int(a.stride(0)), _ptr(row_index), P, _ptr(w.data), w.w_type,
-              _ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features, w.experts,
-              _ptr(offsets), _ptr(out), _float_code(out.dtype), int(out.stride(0)), _stream(a.device))
+    with device_guard(a.device.index):
+        _call("engram_quant_grouped_gemm", ptr(a), int(a.stride(0)), ptr(row_index), P, ptr(w.data), w.w_type,
+              ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features, w.experts,
+              ptr(offsets), ptr(out), float_code(out.dtype), int(out.stride(0)), stream_of(a.device))
     return out
 
 
 def dequantize(w: Weight, dtype: Any = None) -> Any:
     """engram_quant_dequantize: the float weight ``[E, N, K]`` (``dtype`` float32 default,
     bf16 or f16) on the weight's device."""
-    torch = _torch()
+    torch = torch_module()
     dtype = torch.float32 if dtype is None else dtype
     _check_weight_device(w, "w", w.device)
     out = torch.empty((w.experts, w.out_features, w.in_features), dtype=dtype, device=w.device)
-    with _device_guard(w.device.index):
-        _call("engram_quant_dequantize", _ptr(w.data), w.w_type, _ptr(_scale_arg(w)), w.scale_type, w.block[0],
-              w.block[1], w.out_features, w.in_features, w.experts, _ptr(out), _float_code(dtype), _stream(w.device))
+    with device_guard(w.device.index):
+        _call("engram_quant_dequantize", ptr(w.data), w.w_type, ptr(_scale_arg(w)), w.scale_type, w.block[0],
+              w.block[1], w.out_features, w.in_features, w.experts, ptr(out), float_code(dtype), stream_of(w.device))
     return out

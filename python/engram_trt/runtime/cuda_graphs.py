@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from engram_trt.runtime.phases import UPLOAD
-from engram_trt.models.step import PackedStep
+from engram_trt.models.step import EngramRows, PackedStep
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class DecodeGraphs:
         return got
 
     # -- the step -------------------------------------------------------------------------
-    def run(self, step: PackedStep, rows: Any, phases: Any = None) -> torch.Tensor | None:
+    def run(self, step: PackedStep, rows: EngramRows | None, phases: Any = None) -> torch.Tensor | None:
         """Logits ``[S, V]`` of a decode-only step by graph replay, or None when this step
         cannot be replayed (the caller then runs it eagerly). ``rows``: None (the graphs
         look the rows up, or Engram is off) or the prefetcher's staged rows."""
@@ -226,7 +226,7 @@ class DecodeGraphs:
                 return None
             mode = "lookup"
         else:
-            if getattr(rows, "staging", None) is None:
+            if rows.staging is None:
                 return None
             mode = "staged"
         S = step.num_seqs
@@ -299,19 +299,19 @@ class DecodeGraphs:
 
     def _hash(self, G: int) -> torch.Tensor:
         """Row ids of the static step, every Engram layer's (kernels only)."""
-        from engram_trt.native import kernels
+        from engram_trt.native import hash as hash_kernels
 
         d = self._buffers(G)[0]
         cids = d[1, :G].to(torch.int32)
         lookback = d[5:5 + self.n_lookback, :G].t().contiguous().to(torch.int32)
-        return kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
+        return hash_kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
 
     def _gather(self, ids: torch.Tensor, li: int, G: int) -> None:
         """Engram layer ``li``'s rows of the static step into the graphs' own staging."""
-        from engram_trt.native import kernels
+        from engram_trt.native import gather as gather_kernels
 
         rows, scales = self.tables.tensors(li)
-        kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,
+        gather_kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,
                        out=self.staging[li][:G], bad_rows=self._bad_rows)  # type: ignore[index]
 
     def _lookup(self, G: int) -> None:

@@ -130,11 +130,12 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
     """
     import torch
 
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import library as kernel_library
 
     device = gatherer.device
-    if uva_rows is None and layout == "split" and kernels.pointer_kind(rows) == "host" \
-            and (scales is None or kernels.pointer_kind(scales) == "host"):
+    if uva_rows is None and layout == "split" and kernel_library.pointer_kind(rows) == "host" \
+            and (scales is None or kernel_library.pointer_kind(scales) == "host"):
         uva_rows, uva_scales = rows, scales
     num_rows = int(rows.shape[0])
     gen = torch.Generator().manual_seed(seed)
@@ -160,7 +161,7 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
             reps, sync))
         if uva_rows is not None:
             choice.seconds[PATH_UVA].append(_median_wall(
-                lambda i: kernels.gather(dev_ids[i], uva_rows, uva_scales, quant_block=quant_block, out=out),
+                lambda i: gather_kernels.gather(dev_ids[i], uva_rows, uva_scales, quant_block=quant_block, out=out),
                 reps, sync))
         choice.chosen[n] = faster_path(choice.seconds[PATH_HOST][-1],
                                        choice.seconds[PATH_UVA][-1] if uva_rows is not None else None)

@@ -15,7 +15,7 @@ layers before it have been enqueued, so the CPU threads gather while the GPU run
 layers. A Python worker thread would have to win the GIL from the engine thread for
 every Python line of the lookup: on the H200 a gather of 6,144 rows took 693 us called
 from a worker thread against 115 us on a thread that runs its own loop, and 15.8 ms with
-another Python thread busy (``engram-trt bench contention``, docs/benchmarks.md).
+another Python thread busy (``benchmarks/lookup/bench_contention.py``, docs/benchmarks.md).
 
 Why staging buffers are persistent: fixed addresses. A captured CUDA graph or a
 TensorRT engine binds the rows' address once; every step writes the same buffers
@@ -92,15 +92,15 @@ def _driver_supported(device: Any) -> bool:
 def bad_row_checker(device: Any) -> Any:
     """A device int64 counter for the gather kernels and a function that checks it every
     BAD_ROW_CHECK_EVERY calls (each call counts one step)."""
-    from engram_trt.native import kernels
+    from engram_trt.native import gather as gather_kernels
 
-    counter = kernels.new_bad_row_counter(device)
+    counter = gather_kernels.new_bad_row_counter(device)
     state = {"steps": 0}
 
     def check() -> None:
         state["steps"] += 1
         if state["steps"] % max(1, BAD_ROW_CHECK_EVERY) == 0:
-            kernels.check_bad_rows(counter, what="Engram lookup")
+            gather_kernels.check_bad_rows(counter, what="Engram lookup")
 
     return counter, check
 

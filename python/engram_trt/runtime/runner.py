@@ -18,8 +18,9 @@ import torch
 
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
-from engram_trt.runtime.backend import select_backend
+from engram_trt.runtime.backend import Backend
 from engram_trt.runtime.engine_folder import ModelSource
+from engram_trt.runtime.gatherpath import GatherPathChoice
 from engram_trt.runtime.phases import LOOKUP
 from engram_trt.runtime.prefetch import Prefetcher
 from engram_trt.models.step import PackedStep
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+BACKENDS = ("auto", "tensorrt", "torch")
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -59,6 +61,44 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     if d is None:
         raise EngramError(f"dtype {dtype!r} is not one of float32 (fp32), bfloat16 (bf16), float16 (fp16)")
     return d
+
+
+def select_backend(requested: str, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
+                   cuda_graphs: bool = True, engram_config: Any = None,
+                   tensor_parallel: Any = None) -> tuple[Backend, str]:
+    """The backend to run and a one-line reason. ``requested`` 'tensorrt' fails with
+    the reason TensorRT cannot run here; 'auto' falls back to torch with it.
+    ``tensor_parallel``: this rank's :class:`~engram_trt.models.parallel.TensorParallel`
+    (the backbone sharded: the torch backend, an engine holds the whole model)."""
+    if requested not in BACKENDS:
+        raise EngramError(f"backend {requested!r} is not one of {', '.join(BACKENDS)}")
+    tp = tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+    reason = "torch backend requested"
+    if tp is not None and requested in ("auto", "tensorrt"):
+        from engram_trt.runtime.trt_backend import tensorrt_unusable_reason
+
+        why = tensorrt_unusable_reason(source, device) or (
+            f"--tp {tp.size} shards the backbone's weights over the ranks, and a TensorRT engine holds the whole model")
+        if requested == "tensorrt":
+            raise EngramError(f"backend 'tensorrt' cannot run here: {why}; use --backend torch (or auto), which "
+                              f"reads each rank's slices from the checkpoint")
+        requested, reason = "torch", f"{why}: torch backend"
+    if requested in ("auto", "tensorrt"):
+        from engram_trt.runtime.trt_backend import TensorRTBackend, tensorrt_unusable_reason
+
+        why = tensorrt_unusable_reason(source, device)
+        if why is None:
+            try:
+                return TensorRTBackend(source, tables, device), "the engine runs under TensorRT on this GPU"
+            except EngramError as exc:
+                why = str(exc)
+        if requested == "tensorrt":
+            raise EngramError(f"backend 'tensorrt' cannot run here: {why}; use --backend torch (or auto)")
+        reason = f"{why}: torch backend"
+    from engram_trt.runtime.torch_backend import TorchBackend
+
+    return TorchBackend(source, tables, device, dtype, cuda_graphs=cuda_graphs, engram_config=engram_config,
+                        tensor_parallel=tp), reason
 
 
 class ModelRunner:
@@ -117,6 +157,7 @@ class ModelRunner:
         log.info("backend: %s (%s)", self.backend.label, self.backend_reason)
         self.cache = self.backend.allocate_cache(self.max_batch, self.max_seq_len)
         self.prefetcher = None
+        self.gather_calibration: GatherPathChoice | None = None  # the start-up calibration (host tables on a GPU)
         if self.engram_lookup is not None:
             if not self.backend.wants_staged_rows:
                 raise EngramError(f"the {self.backend.name} backend gathers Engram rows inside the engine, so a sharded lookup "
@@ -126,8 +167,7 @@ class ModelRunner:
             # (no Engram layout: the model gathers its own rows from the store in the step)
             self.prefetcher = Prefetcher(source.layout, self.tables, self.device, self.max_num_tokens)
             self.gather_calibration = self.prefetcher.calibrate()
-            if hasattr(self.backend, "lookup_policy"):
-                self.backend.lookup_policy = self.prefetcher.path_for
+            self.backend.lookup_policy = self.prefetcher.path_for  # the decode graphs' lookup path (torch backend)
         self.phases: Any = None  # a runtime.phases.StepPhases while a benchmark times the steps
         self.load_s = time.perf_counter() - t0
 
@@ -147,12 +187,12 @@ class ModelRunner:
         if step.num_tokens > self.max_num_tokens:
             raise EngramError(f"a step of {step.num_tokens} tokens exceeds max_num_tokens={self.max_num_tokens}")
         rows = None
-        if self.prefetcher is not None and not getattr(self.backend, "handles_lookup", lambda s: False)(step):
+        if self.prefetcher is not None and not self.backend.handles_lookup(step):
             rows = self.prefetcher.submit(step, cids, lookback)
         if self.phases is not None:
             self.phases.mark(LOOKUP)
         logits = self.backend.execute(step, self.cache, rows)
-        if rows is not None and hasattr(rows, "finish"):
+        if rows is not None:
             rows.finish()  # the lookup's host work has run; its failure is raised before the logits are used
         return logits
 
@@ -165,17 +205,17 @@ class ModelRunner:
         """CUDA graphs recorded so far for decode steps and the seconds they took
         (captures happen inside the first decode step of each new batch / context shape,
         which is why the steady decode rate leaves those steps out)."""
-        graphs = getattr(self.backend, "graphs", None)
-        out = {"graph_captures": int(getattr(graphs, "captures", 0) or 0),
-               "graph_capture_s": round(float(getattr(graphs, "capture_s", 0.0) or 0.0), 6)}
-        shapes = getattr(graphs, "graphs", None)
-        if isinstance(shapes, dict) and all(isinstance(k, tuple) and len(k) == 3 for k in shapes):
+        graphs = self.backend.graphs
+        out = {"graph_captures": graphs.captures if graphs is not None else 0,
+               "graph_capture_s": round(float(graphs.capture_s), 6) if graphs is not None else 0.0}
+        shapes = graphs.graphs if graphs is not None else {}
+        if shapes and all(len(k) == 3 for k in shapes):  # DecodeGraphs' (sequences, context, mode) keys
             # which decode path each recorded shape took (sequences x context : lookup / staged / none):
             # two processes on one folder that decode at different rates show here whether they
             # took different paths (the gather calibration is timed per process)
             out["graph_shapes"] = [f"{g}x{ctx}:{mode}" for g, ctx, mode in sorted(shapes)]
-        chosen = getattr(getattr(self, "gather_calibration", None), "chosen", None)  # the start-up calibration's pick
-        if isinstance(chosen, dict) and chosen:
+        chosen = self.gather_calibration.chosen if self.gather_calibration is not None else {}  # start-up pick
+        if chosen:
             out["gather_path_by_rows"] = {str(k): v for k, v in sorted(chosen.items())}
         return out
 

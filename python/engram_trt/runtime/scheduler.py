@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -147,11 +147,34 @@ class Request:
                              self.finished, delta_text, list(delta_ids or []), t, self.error)
 
 
+class StepRunner(Protocol):
+    """What the scheduler asks of its runner (:class:`~engram_trt.runtime.runner.ModelRunner`,
+    or a wrapper of one: the distributed leader's): the limits of a step, the model's
+    vocabulary and EOS ids, and the per-step calls. ``backend`` and ``phases`` are read
+    only by :meth:`Scheduler.attach_phases` (benchmarks), ``device`` only while phases are timed."""
+
+    max_batch: int
+    max_num_tokens: int
+    max_seq_len: int
+    lookback_len: int
+    vocab_size: int
+    eos_ids: set[int]
+    device: torch.device
+    backend: Any  # a runtime.backend.Backend
+    phases: Any
+
+    def compress(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def reset_slot(self, slot: int) -> None: ...
+
+    def run(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor: ...
+
+
 class Scheduler:
-    """See the module docstring. ``runner`` runs packed steps (:class:`ModelRunner`);
+    """See the module docstring. ``runner`` runs packed steps (:class:`StepRunner`);
     ``tokenizer`` decodes output text (stop strings are matched on it)."""
 
-    def __init__(self, runner: Any, tokenizer: Any) -> None:
+    def __init__(self, runner: StepRunner, tokenizer: Any) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_slots = runner.max_batch
@@ -230,9 +253,8 @@ class Scheduler:
         """Time each step's host work by phase (:mod:`engram_trt.runtime.phases`) into
         ``phases`` from the next step on, or stop (None). The runner and its backend mark
         the phases inside them."""
-        for obj in (self.runner, getattr(self.runner, "backend", None)):
-            if obj is not None:
-                obj.phases = phases
+        self.runner.phases = phases
+        self.runner.backend.phases = phases
         self.phases = phases
 
     # -- the engine thread -----------------------------------------------------------------
@@ -311,7 +333,7 @@ class Scheduler:
         try:
             if ph is not None:
                 ph.mark(SCHEDULE)
-                ph.gpu_begin(getattr(runner, "device", None))
+                ph.gpu_begin(runner.device)
             logits = runner.run(step, cids, lookback)
             if ph is not None:
                 ph.mark(FORWARD)

@@ -9,8 +9,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from engram_trt.models.step import EngramRows
 
-class StagedRows:
+
+class StagedRows(EngramRows):
     """Per Engram layer, the step's rows ``[T, cols, head_dim]`` bf16: views into the
     staging buffers. Reading ``rows[i]`` the first time makes the caller's current CUDA
     stream wait for the prefetch (the host part first, then an event on the side
@@ -24,7 +26,7 @@ class StagedRows:
     def __init__(self, views: Sequence[torch.Tensor], event: Any = None, info: dict[str, Any] | None = None,
                  staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[int], Any] | None = None,
                  waiter: Callable[[int, Any], None] | None = None, finish: Callable[[], None] | None = None) -> None:
-        self._views = list(views)
+        super().__init__(views)
         self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
         if waiter is not None:  # a layer's wait is enqueued on the reader's stream: the same lazy protocol
             deferred = None
@@ -85,9 +87,6 @@ class StagedRows:
         CUDA graph segment, which reads the staging buffers directly, calls before it."""
         self[i]
 
-    def __len__(self) -> int:
-        return len(self._views)
-
     def __getitem__(self, i: int) -> torch.Tensor:
         if (self._deferred is not None or self._waiter is not None) and not self._ready:
             self._layer(i)
@@ -96,10 +95,3 @@ class StagedRows:
             return self._views[i]
         self.wait()
         return self._views[i]
-
-    def __iter__(self) -> Any:
-        return (self[i] for i in range(len(self)))
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [tuple(v.shape) for v in self._views]

@@ -14,12 +14,13 @@ import torch
 
 from engram_trt.errors import EngramError
 from engram_trt.models.kv_cache import KVCache
+from engram_trt.runtime.backend import Backend, DecodeGraphRecorder
 from engram_trt.runtime.phases import UPLOAD
 
 log = logging.getLogger(__name__)
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     name = "torch"
     wants_staged_rows = True
 
@@ -51,9 +52,9 @@ class TorchBackend:
                                      compress_lookup=source.compress_lookup, layout=source.layout, tables=tables)
         self._ckpt = ckpt  # PLE rows may be read in place from its file maps
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.model.supports_decode_graphs
-        self.graphs: Any = None
-        self.lookup_policy: Any = None  # the prefetcher's gather choice by row count (set by the runner)
-        self.phases: Any = None  # a runtime.phases.StepPhases while a benchmark times the steps
+        self.graphs: DecodeGraphRecorder | None = None
+        self.lookup_policy = None  # the prefetcher's gather choice by row count (set by the runner)
+        self.phases = None  # a runtime.phases.StepPhases while a benchmark times the steps
         log.info("torch backend: weights of %s on %s (%s) in %.1f s", source.checkpoint, device, dtype,
                  time.perf_counter() - t0)
 

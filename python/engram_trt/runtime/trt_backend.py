@@ -30,6 +30,7 @@ import torch
 
 from engram_trt.errors import EngramError
 from engram_trt.models.kv_cache import KVCache
+from engram_trt.runtime.backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def tensorrt_unusable_reason(source: Any, device: torch.device) -> str | None:
     return None
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     name = "tensorrt"
     weight_bytes = None  # the engine holds the weights (not counted per tensor)
 
@@ -81,9 +82,9 @@ class TensorRTBackend:
         if source.plugin_library is not None and not source.plugin_embedded:
             tc.load_plugin_library(source.plugin_library)
         elif not source.plugin_embedded and source.has_engram:
-            from engram_trt.native import kernels
+            from engram_trt.native import library as kernel_library
 
-            tc.load_plugin_library(kernels.library_path())
+            tc.load_plugin_library(kernel_library.library_path())
         runtime = tc.create_runtime()
         if source.plugin_embedded:
             runtime.engine_host_code_allowed = True  # the engine carries the plugin library

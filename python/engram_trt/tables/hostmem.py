@@ -367,9 +367,9 @@ class CudaRegistrar:
                 continue
         if self._torch is None and self._cuda_python is None:
             try:
-                from engram_trt.native import kernels
+                from engram_trt.native import library as kernel_library
 
-                self._kernels = kernels.load_library()
+                self._kernels = kernel_library.load_library()
             except EngramError as exc:
                 raise EngramError(f"no CUDA binding can register host memory (PyTorch has no CUDA, cuda-python is not installed, and {exc})") from None
         if self._cuda_python is None:

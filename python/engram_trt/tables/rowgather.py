@@ -8,7 +8,7 @@ Paths, per layer (chosen once, at bind; :attr:`StoreGather.paths` says which):
   rows no kernel reads (f16 / f32 rows, as a checkpoint saved in those dtypes holds, or
   a width that is not a multiple of 8), and for a device store's tables that are not
   bf16 / FP8.
-* ``kernel``: :func:`engram_trt.native.kernels.gather`, the GPU reading the rows in
+* ``kernel``: :func:`engram_trt.native.gather.gather`, the GPU reading the rows in
   place: GPU memory (``device``) or registered host memory through UVA (``pinned``,
   ``shared`` registered).
 * ``host``: :class:`~engram_trt.native.hostgather.HostGatherer`, CPU threads gathering
@@ -86,12 +86,12 @@ class StoreGather:
         flat = ids.reshape(-1)
         hd = self.store.head_dim(layer_idx)
         if path == "kernel":
-            from engram_trt.native import kernels
+            from engram_trt.native import gather as gather_kernels
 
             if checked or not flat.is_cuda:
                 self._check_ids(layer_idx, flat)
             rows, scales = self.store.tensors(layer_idx)
-            got = kernels.gather(flat.to(self.device, torch.int32).reshape(-1, 1), rows, scales,
+            got = gather_kernels.gather(flat.to(self.device, torch.int32).reshape(-1, 1), rows, scales,
                                  quant_block=self.store.quant_block, out=out, bad_rows=self._bad_counter())
             return got.reshape(*ids.shape, hd)
         self._check_ids(layer_idx, flat)
@@ -102,6 +102,11 @@ class StoreGather:
         if self._bad is None:
             self._bad = torch.zeros(1, dtype=torch.int64, device=self.device)
         return self._bad
+
+    def stats(self) -> list[dict[str, Any] | None] | None:
+        """Per layer, a hot-row cache's counters: None, this gather has no cache (the
+        cached one, :class:`engram_trt.cache.storecache.CachedStoreGather`, has)."""
+        return None
 
     def check_bad_rows(self) -> None:
         """Raise when any kernel-path gather met an id outside its table (one small

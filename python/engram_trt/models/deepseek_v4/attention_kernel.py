@@ -93,12 +93,13 @@ def step_meta(seq_starts: Sequence[int], past_lens: Sequence[int], slots: Sequen
     return torch.tensor([*seq_starts, *past_lens, *slots], dtype=torch.int32).to(device)
 
 
-def core(layer: Any, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor, cos: Tensor, sin: Tensor, n_seqs: int,
-         meta: Tensor, state: dict[str, Tensor], *, pre: dict[str, Tensor] | None = None) -> Tensor:
+def core(layer: Any, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor | None, cos: Tensor, sin: Tensor,
+         n_seqs: int, meta: Tensor, state: dict[str, Tensor], *, pre: dict[str, Tensor] | None = None) -> Tensor:
     """The attention core's output ``[T, H, d]`` (before the inverse RoPE) through one
     library call, ``state`` updated in place. ``meta`` as :func:`step_meta`. ``pre``: the
     compressor's / indexer's inputs already made (:mod:`.fused`: ``c_kv``, ``c_gate``,
-    ``i_q``, ``i_w``, ``i_kv``, ``i_gate``); the rest are made here."""
+    ``i_q``, ``i_w``, ``i_kv``, ``i_gate``); the rest are made here. ``q_residual`` (the
+    normalized q_a) is read only for the indexer's queries, so None where ``pre`` holds them."""
     from engram_trt.native.dsv4_attention import dsv4_attention
 
     pre = pre or {}

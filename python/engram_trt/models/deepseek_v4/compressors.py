@@ -86,19 +86,19 @@ def _rope_params(config: Any, label: str) -> Mapping[str, Any]:
     ``rope_parameters`` when present, else built from the flat fields the way
     ``DeepseekV4Config.__post_init__`` builds it (YaRN only on ``compress``, with its
     attention factor pinned to 1 unless given)."""
-    rp = getattr(config, "rope_parameters", None) or {}
+    rp = config.rope_parameters or {}
     if not isinstance(rp, Mapping):
         rp = dict(rp)
     if isinstance(rp.get(label), Mapping):
         return rp[label]
-    prf = getattr(config, "partial_rotary_factor", None)
+    prf = config.partial_rotary_factor
     if prf is None:
         raise ConfigError("partial_rotary_factor is missing; set it (qk_rope_head_dim / head_dim, 0.125 for V4)")
     if label == "main":
-        theta = getattr(config, "rope_theta", 10000.0)
+        theta = config.rope_theta
         return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": prf}
     d = {k: v for k, v in rp.items() if k not in ("main", "compress")}
-    d.update(rope_theta=getattr(config, "compress_rope_theta", 160000.0), partial_rotary_factor=prf)
+    d.update(rope_theta=config.compress_rope_theta, partial_rotary_factor=prf)
     d.setdefault("rope_type", d.pop("type", "default"))
     if d["rope_type"] == "yarn":
         d.setdefault("attention_factor", 1.0)
@@ -109,7 +109,7 @@ def rope_setting(config: Any, layer_type: str) -> RopeSetting:
     """The resolved :class:`RopeSetting` a layer of ``layer_type`` rotates with."""
     label = rope_label(layer_type)
     return parse_rope({"rope_parameters": dict(_rope_params(config, label))}, source=f"rope_parameters.{label}",
-                      max_position_embeddings=int(getattr(config, "max_position_embeddings", 1 << 20)),
+                      max_position_embeddings=int(config.max_position_embeddings),
                       head_dim=int(config.head_dim), partial_rotary=True)
 
 
@@ -161,7 +161,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ---- compressors ----------------------------------------------------------------
 
 def compress_rate(config: Any, layer_type: str) -> int:
-    rates = getattr(config, "compress_rates", None) or {}
+    rates = config.compress_rates or {}
     rate = rates.get(layer_type) if isinstance(rates, Mapping) else None
     if not isinstance(rate, int) or isinstance(rate, bool) or rate < 1:
         raise ConfigError(f"compress_rates[{layer_type!r}] is {rate!r}; a {layer_type} layer needs a positive integer")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from engram_trt.config.model import EngramSpec, parse_engram_spec
 from engram_trt.errors import ConfigError
@@ -132,6 +132,7 @@ class DeepseekV4Config:
     mlp_bias: bool = False
     attention_dropout: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    ple: ClassVar[None] = None  # no tables of its own beside the Engram tables (config.model.ArchitectureConfig)
 
     # -- the transformers-config view the modules read ---------------------------------
     @property

@@ -10,16 +10,19 @@ Per layer, with the step's tokens ``x [T, D]`` (bf16 on a GPU of compute capabil
   ``post_attention_layernorm``; the final ``norm`` after the hyper head): the norm runs in
   the collapse's last launch (:meth:`~.modules.HyperConnection.collapse_normed`);
 * attention (:func:`attention`): ONE product launch for every projection of x (``q_a``,
-  ``kv``, on CSA / HCA layers the compressor's and the indexer's), ONE element-wise launch
-  for ``q_a_norm`` and ``kv_norm`` + RoPE, one for ``q_b`` (and the indexer's ``q_b``), one
-  for the per-head norm + RoPE of q (and the indexer queries' RoPE), the attention kernel,
-  one for the inverse RoPE of its output, one for the grouped ``o_a`` (its groups as
-  segments of one launch), one for ``o_b``;
+  ``kv``, on CSA / HCA layers the compressor's and the indexer's), one for ``q_b`` (and the
+  indexer's ``q_b``) with ``q_a_norm`` in its prologue, one element-wise launch for the
+  per-head norm + RoPE of q, ``kv_norm`` + RoPE (and the indexer queries' RoPE), the
+  attention kernel, one for the grouped ``o_a`` (its groups as segments of one launch)
+  with the inverse RoPE of the core's output in its prologue, one for ``o_b``: five
+  launches around the core (the prologues' norm and rotation are the element-wise
+  launches' own arithmetic, so the bits are theirs; ``ENGRAM_TRT_DSV4_PROLOGUE=0`` runs
+  them as launches of their own, for A/B);
 * the MoE (:func:`moe`): one launch for the router's logits, one for its picks and
   weights, two for the routed experts with the shared expert (combined in the reference's
   order).
 
-The products take the GEMV for up to ``native.decode.GEMV_MAX_TOKENS`` rows of bf16
+The products take the GEMV for up to ``native.decode.GEMV_EX_MAX_TOKENS`` rows of bf16
 weights; otherwise (a prefill chunk, a stored-format weight) each projection runs as its
 module does, and the element-wise launches stay. Every kernel rounds where the reference
 rounds (engramKernels.h), so this path differs from the PyTorch one by float32 sums'
@@ -39,6 +42,8 @@ from torch import Tensor, nn
 
 FUSED_ENV = "ENGRAM_TRT_DSV4_FUSED"
 QUANT_STATIC_ENV = "ENGRAM_TRT_DSV4_QUANT_STATIC"
+QUANT_FUSED_ENV = "ENGRAM_TRT_DSV4_QUANT_FUSED"  # 0: stored-format weights one launch each (the A/B switch)
+PROLOGUE_ENV = "ENGRAM_TRT_DSV4_PROLOGUE"  # "0": q_a_norm and the inverse RoPE as their own launches (A/B)
 
 
 def unavailable(x: Tensor) -> str | None:
@@ -81,14 +86,71 @@ def _stored_format(x: Tensor, mod: nn.Module) -> Tensor | None:
     return native_quant.linear(x, qw, weight_static=True)
 
 
+def _quant_fused() -> Any:
+    """:mod:`engram_trt.native.quant_decode` when the stored-format decode kernels serve
+    (``ENGRAM_TRT_DSV4_QUANT_FUSED`` not 0, the library has them), else None."""
+    if os.environ.get(QUANT_FUSED_ENV, "1") == "0":
+        return None
+    from engram_trt.native import quant_decode
+
+    return quant_decode if quant_decode.unavailable() is None else None
+
+
+def _segment_weight(x: Tensor, mod: nn.Module, qd: Any) -> Any:
+    """The weight :func:`engram_trt.native.quant_decode.gemv_segments` takes for ``mod(x)``
+    (a bias-free QuantLinear's stored weight, or a bias-free bf16 Linear's), or None."""
+    from engram_trt.quant.weight import QuantLinear
+
+    if isinstance(mod, QuantLinear):
+        if mod.bias is not None or mod.backend == "torch":
+            return None
+        w: Any = mod.qweight
+    elif isinstance(mod, nn.Linear) and mod.bias is None:
+        w = mod.weight
+    else:
+        return None
+    return w if qd.segment_reason(x, w) is None else None
+
+
+def _project_stored(x: Tensor, mods: list[nn.Module], qd: Any) -> list[Tensor] | None:
+    """``project`` with the stored-format projections (and the bf16 ones beside them) in
+    one launch of :func:`engram_trt.native.quant_decode.gemv_segments`; None when no
+    stored-format projection fits it (the bf16 GEMV's path)."""
+    from engram_trt.quant.weight import QuantLinear
+
+    weights = [_segment_weight(x, m, qd) for m in mods]
+    if not any(w is not None and isinstance(m, QuantLinear) for m, w in zip(mods, weights)):
+        return None
+    outs: list[Tensor] = []
+    segments = []
+    for mod, w in zip(mods, weights):
+        if w is None:
+            outs.append(mod(x))
+            continue
+        out = torch.empty((x.shape[0], w.out_features if not isinstance(w, Tensor) else w.shape[0]), dtype=x.dtype,
+                          device=x.device)
+        segments.append((x, w, out))
+        outs.append(out)
+    for first in range(0, len(segments), qd.MAX_SEGMENTS):
+        qd.gemv_segments(segments[first:first + qd.MAX_SEGMENTS])
+    return outs
+
+
 def project(x: Tensor, mods: list[nn.Module]) -> list[Tensor]:
-    """Each module's output for ``x [T, K]``: the plain bias-free bf16 ``nn.Linear`` ones the
-    GEMV takes (a decode step's few rows) in one launch
+    """Each module's output for ``x [T, K]``: where a stored-format projection (QuantLinear)
+    is among them and the step is a decode step's few rows, the stored-format and bf16 ones
+    in one launch (:func:`_project_stored`); otherwise the plain bias-free bf16
+    ``nn.Linear`` ones the GEMV takes in one launch
     (:func:`engram_trt.native.decode.gemv_segments`, a segment each), a stored-format one
     through the library's product with ``weight_static`` (:func:`_stored_format`), the
     others through their own forward (a prefill chunk)."""
     from engram_trt.native import decode
 
+    qd = _quant_fused()
+    if qd is not None:
+        stored = _project_stored(x, mods, qd)
+        if stored is not None:
+            return stored
     outs: list[Tensor] = []
     segments = []
     for mod in mods:
@@ -123,18 +185,28 @@ def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta:
         mods += [ix.kv_proj, ix.gate_proj, ix.scorer.weights_proj]
     outs = project(x, mods)
     q_a, kv_raw = outs[0], outs[1]
-    q_residual = torch.empty_like(q_a)
     kv = torch.empty_like(kv_raw)
     Job = decode.NormRopeJob
-    decode.norm_rope(
-        Job(q_a, q_residual, dim=q_a.shape[1], norm=decode.NORM_WEIGHTED, weight=_f32(attn.q_a_norm.weight),
-            eps=attn.q_a_norm.eps),
-        Job(kv_raw, kv, dim=d, norm=decode.NORM_WEIGHTED, weight=_f32(attn.kv_norm.weight), eps=attn.kv_norm.eps,
-            rope_pairs=pairs, cos=cos, sin=sin))
-    q_outs = project(q_residual, [attn.q_b_proj] + ([ix.q_b_proj] if ix is not None else []))
+    kv_job = Job(kv_raw, kv, dim=d, norm=decode.NORM_WEIGHTED, weight=_f32(attn.kv_norm.weight), eps=attn.kv_norm.eps,
+                 rope_pairs=pairs, cos=cos, sin=sin)
+    q_mods: list[nn.Module] = [attn.q_b_proj] + ([ix.q_b_proj] if ix is not None else [])
+    q_residual: Tensor | None = None
+    late: list[Any] = []  # jobs for the launch after q_b's
+    if _prologue_serves(q_a, q_mods):
+        # q_a_norm inside q_b's GEMV (its prologue: the norm launch's bits); kv's norm + RoPE join the q heads' launch
+        q_outs = [torch.empty((T, m.weight.shape[0]), dtype=x.dtype, device=x.device) for m in q_mods]
+        decode.gemv_segments([(q_a, m.weight, o) for m, o in zip(q_mods, q_outs)],
+                             prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, int(q_a.shape[1]),
+                                                          weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps))
+        late.append(kv_job)
+    else:
+        q_residual = torch.empty_like(q_a)
+        decode.norm_rope(Job(q_a, q_residual, dim=q_a.shape[1], norm=decode.NORM_WEIGHTED,
+                             weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps), kv_job)
+        q_outs = project(q_residual, q_mods)
     q = torch.empty_like(q_outs[0])
     jobs = [Job(q_outs[0], q, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=attn.eps, rope_pairs=pairs, cos=cos,
-                sin=sin)]
+                sin=sin), *late]
     pre: dict[str, Tensor] = {}
     if comp is not None:
         pre["c_kv"], pre["c_gate"] = outs[2], outs[3]
@@ -144,33 +216,104 @@ def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta:
         pre.update(i_kv=outs[4], i_gate=outs[5], i_q=i_q.view(T, ix.heads, ix.dim),
                    i_w=outs[6].float() * ix.heads**-0.5)
     decode.norm_rope(*jobs)
+    # q_residual (None when q_b took the norm in its prologue) is read by the core only for the indexer's
+    # queries, which pre always holds here
     out = attention_kernel.core(attn, x, q.view(T, H, d), kv, q_residual, cos, sin, n_seqs, meta, state, pre=pre)
-    flat = out.view(T, H * d)
-    decode.norm_rope(Job(flat, flat, dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1))
-    grouped = _grouped_output(attn, flat)
+    grouped = _grouped_output(attn, out.view(T, H * d), cos, sin, pairs)
     return project(grouped, [attn.o_b_proj])[0]
 
 
-def _grouped_output(attn: Any, flat: Tensor) -> Tensor:
-    """``o_a_proj`` of the attention output ``flat [T, H * d]``: its groups as segments of
-    one GEMV launch for a plain bf16 weight, else the module's own forward."""
+def _prologue_serves(x: Tensor, mods: list[nn.Module]) -> bool:
+    """Whether the GEMV takes ``x``'s weighted RMSNorm in its prologue for every module of
+    ``mods`` (plain bias-free bf16 ``nn.Linear`` weights the GEMV fits; an even width of at
+    most 2048, where :func:`~engram_trt.native.decode.norm_rope` keeps the row in registers
+    and the prologue's sum is its own; ``ENGRAM_TRT_DSV4_PROLOGUE`` not ``0``)."""
+    from engram_trt.native import decode
+
+    if os.environ.get(PROLOGUE_ENV, "1") == "0" or x.shape[1] % 2 or x.shape[1] > 2048:
+        return False
+    return all(isinstance(m, nn.Linear) and m.bias is None and decode.gemv_fits(x, m.weight) for m in mods)
+
+
+def _grouped_output(attn: Any, flat: Tensor, cos: Tensor, sin: Tensor, pairs: int) -> Tensor:
+    """``o_a_proj`` of the attention core's output ``flat [T, H * d]`` after its inverse RoPE:
+    for a plain bf16 weight its groups as segments of one GEMV launch, the inverse RoPE in
+    the GEMV's prologue where every group starts at a head (else one norm_rope launch first);
+    else the inverse RoPE launch and the module's own forward."""
     from engram_trt.native import decode
 
     T = flat.shape[0]
+    d = attn.head_dim
     mod = attn.o_a_proj
     groups = attn.config.o_groups
     per_in = flat.shape[1] // groups
     w = getattr(mod, "weight", None)  # GroupedLinear's bf16 weight (QuantGroupedLinear's is stored FP8: not taken)
-    if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16 and per_in % 8 == 0:
+    inverse = decode.NormRopeJob(flat, flat, dim=d, heads=flat.shape[1] // d, rope_pairs=pairs, cos=cos, sin=sin,
+                                 rope_sign=-1)
+    if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == flat.dtype and per_in % 8 == 0:
         rows = w.shape[0] // groups
-        if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):
+        if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):  # bf16 alone
+            prologue = None
+            if per_in % d == 0 and d % 8 == 0 and os.environ.get(PROLOGUE_ENV, "1") != "0":
+                prologue = decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin,
+                                               rope_sign=-1)
+            else:
+                decode.norm_rope(inverse)
             y = torch.empty((T, w.shape[0]), dtype=flat.dtype, device=flat.device)
             segments = [(flat[:, g * per_in:(g + 1) * per_in], w[g * rows:(g + 1) * rows],
                          y[:, g * rows:(g + 1) * rows]) for g in range(groups)]
             for first in range(0, groups, decode.MAX_SEGMENTS):
-                decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
+                decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS], prologue=prologue)
             return y
+    decode.norm_rope(inverse)
+    stored = _grouped_stored(mod, flat, groups, per_in)  # a stored-format (FP8) o_a: its groups in one launch
+    if stored is not None:
+        return stored
     return mod(flat.view(T, groups, per_in)).flatten(1)
+
+
+def _grouped_stored(mod: nn.Module, flat: Tensor, groups: int, per_in: int) -> Tensor | None:
+    """A stored-format grouped ``o_a_proj`` (QuantGroupedLinear) of ``flat [T, groups *
+    per_in]``: its groups as segments of one :func:`engram_trt.native.quant_decode.gemv_segments`
+    launch (each group's rows a QuantWeight view), or None."""
+    group_weights = getattr(mod, "group_weights", None)
+    qd = _quant_fused()
+    if group_weights is None or qd is None or getattr(mod, "backend", "auto") == "torch" \
+            or groups > qd.MAX_SEGMENTS:
+        return None
+    parts = group_weights()
+    if parts is None:
+        return None
+    xs = [flat[:, g * per_in:(g + 1) * per_in] for g in range(groups)]
+    if any(qd.segment_reason(xg, w) is not None for xg, w in zip(xs, parts)):
+        return None
+    rows = parts[0].out_features
+    y = torch.empty((flat.shape[0], rows * groups), dtype=flat.dtype, device=flat.device)
+    qd.gemv_segments([(xs[g], parts[g], y[:, g * rows:(g + 1) * rows]) for g in range(groups)])
+    return y
+
+
+def _moe_stored(mlp: Any, x: Tensor, ids: Tensor, weights: Tensor, stacks: Any, projections: list[Any],
+                limit: Any) -> Tensor | None:
+    """The routed experts and the shared expert through
+    :func:`engram_trt.native.quant_decode.moe` (two launches), or None where it does not take them."""
+    from engram_trt.quant.weight import QuantLinear
+
+    qd = _quant_fused()
+    shared = mlp.shared_experts
+    if qd is None or shared.limit != limit or limit is None or not limit > 0:  # (limit 0: experts() clamps not)
+        return None
+    sw = []
+    for m in projections:
+        if isinstance(m, QuantLinear) and m.bias is None and m.backend != "torch":
+            sw.append(m.qweight)
+        elif type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.bfloat16:
+            sw.append(m.weight)
+        else:
+            return None
+    if qd.moe_reason(x, int(ids.shape[1]), *stacks, tuple(sw)) is not None:
+        return None
+    return qd.moe(x, ids, weights, *stacks, shared=(sw[0], sw[1], sw[2]), limit=limit)
 
 
 def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
@@ -184,7 +327,7 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
 
     router = mlp.gate
     T = x.shape[0]
-    if not 1 <= T <= decode.GEMV_MAX_TOKENS or x.dim() != 2:
+    if not 1 <= T <= decode.GEMV_EX_MAX_TOKENS or x.dim() != 2:
         return None
     scoring = getattr(router, "scoring", None)
     if scoring not in decode.SCORE_FNS or not decode.gemv_fits(x, router.weight):
@@ -216,6 +359,9 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
                                         tid2eid=router.tid2eid, input_ids=tokens)
     if plain:
         return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(m.weight for m in projections), limit=limit)
+    fused = _moe_stored(mlp, x, ids, weights, stacks, projections, limit)
+    if fused is not None:
+        return fused
     from engram_trt.native import quant as native_quant
 
     routed = native_quant.experts(x, ids, weights, *stacks, limit=limit)
@@ -226,4 +372,5 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     return routed + project(h, projections[2:])[0]
 
 
-__all__ = ["FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project", "unavailable"]
+__all__ = ["FUSED_ENV", "PROLOGUE_ENV", "QUANT_FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project",
+           "unavailable"]

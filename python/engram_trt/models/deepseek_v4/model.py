@@ -37,7 +37,7 @@ from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
 from engram_trt.models.deepseek_v4.state import DeepseekV4State
 from engram_trt.models.deepseek_v4.weights import load_into, named_tensors
 from engram_trt.models.parallel import gather_vocab, reduce
-from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens
+from engram_trt.models.step import PackedStep, StepUploader, greedy_tokens, row_shapes
 from engram_trt.models.served import ServedModel
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,17 @@ class StepState:
     decode: bool  # every sequence brings one token (the MoE takes a sync-free form on CUDA)
     static: bool  # a recording: the host lists give only the shape
     ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # (cos, sin) per RoPE table
+    # (out, post, comb) of the last sublayer not yet expanded into ``streams``: step_layers
+    # leaves it after the model's last layer and step_end folds it into the hyper head
+    # (read ``streams`` through :meth:`expanded` where it may be set)
+    pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def expanded(self) -> torch.Tensor:
+        """``streams`` with the pending expansion applied (and cleared)."""
+        if self.pending is not None:
+            self.streams = HyperConnection.expand(self.streams, *self.pending)
+            self.pending = None
+        return self.streams
 
 
 class DecoderLayer(nn.Module):
@@ -350,7 +361,7 @@ class DeepseekV4Model(ServedModel, _Modules):
             rows = self.gather_engram_rows(self.engram_hash(cids, step.seq_starts, self.step_lookback(step, cache)))
         else:
             rows = engram_rows
-            shapes = engram_rows.shapes if hasattr(engram_rows, "shapes") else [tuple(r.shape) for r in engram_rows]
+            shapes = row_shapes(engram_rows)
             want = (step.num_tokens, self.layout.n_hash_cols, int(self.config.engram.head_dim))
             if len(shapes) != self.layout.num_layers or any(tuple(s) != want for s in shapes):
                 raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
@@ -407,12 +418,20 @@ class DeepseekV4Model(ServedModel, _Modules):
 
         dev = self._device
         index = self.config.engram_layer_index
-        streams = state.streams
+        layers = self.model.layers
+        streams = state.expanded()
+        pending = None  # (out, post, comb) of the sublayer before: folded into the next collapse
         for i in range(begin, end):
-            layer = self.model.layers[i]
+            layer = layers[i]
             if layer.engram is not None and state.rows is not None:
+                if pending is not None:
+                    streams, pending = HyperConnection.expand(streams, *pending), None
                 streams = layer.engram(streams, state.rows[index[i]].to(dev), state.live)
-            x, post, comb = layer.attn_hc.collapse_normed(streams, layer.input_layernorm)
+            if pending is None:
+                x, post, comb = layer.attn_hc.collapse_normed(streams, layer.input_layernorm)
+            else:
+                streams, x, post, comb = layer.attn_hc.expand_collapse_normed(streams, *pending,
+                                                                              layer.input_layernorm)
             attn = layer.self_attn
             rope = state.ropes.get(attn.rope_label)
             if rope is None:
@@ -420,24 +439,34 @@ class DeepseekV4Model(ServedModel, _Modules):
             y = attn(x, state.positions, state.seq_starts, state.past_lens, state.slots,
                      cache.layers[i], meta=state.meta, rope=rope, static=state.static)
             y = reduce(y, self.tp)  # row-parallel wo_b: the ranks' partial sums
-            streams = HyperConnection.expand(streams, y, post, comb)
-            x, post, comb = layer.ffn_hc.collapse_normed(streams, layer.post_attention_layernorm)
+            streams, x, post, comb = layer.ffn_hc.expand_collapse_normed(streams, y, post, comb,
+                                                                         layer.post_attention_layernorm)
             if state.decode:
                 with sync_free_moe(layer.mlp, x):
                     y = layer.mlp(x, state.ids)
             else:
                 y = layer.mlp(x, state.ids)
             y = reduce(y, self.tp)  # the ranks' experts and shared-expert channels combined
-            streams = HyperConnection.expand(streams, y, post, comb)
+            pending = (y, post, comb)
         state.streams = streams
+        if pending is not None and end == len(layers):
+            state.pending = pending  # step_end folds it into the hyper head
+        elif pending is not None:
+            state.streams = HyperConnection.expand(streams, *pending)
 
     @torch.no_grad()
     def step_end(self, state: "StepState", step: PackedStep, cache: DeepseekV4State, all_logits: bool,
                  capture: bool) -> torch.Tensor:
         """The hyper head, the final norm and the LM head (of each sequence's last token),
         then the host bookkeeping (none in a recording: the caller's)."""
-        streams = state.streams if all_logits else state.streams[state.last]
-        hidden = self.model.hc_head.forward_normed(streams, self.model.norm)
+        if state.pending is not None:
+            y, post, comb = state.pending
+            state.pending = None
+            hidden = self.model.hc_head.expand_forward_normed(state.streams, y, post, comb, self.model.norm,
+                                                              None if all_logits else state.last)
+        else:
+            streams = state.streams if all_logits else state.streams[state.last]
+            hidden = self.model.hc_head.forward_normed(streams, self.model.norm)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = gather_vocab(F.linear(hidden, head.to(hidden.dtype)).float(), self.tp, self.config.vocab_size)
         if not capture:

@@ -85,6 +85,25 @@ def mhc_kernel_serves(owner: str, backend: str, streams: torch.Tensor, *tensors:
     return False
 
 
+MHC_FOLD_ENV = "ENGRAM_TRT_MHC_FOLD"  # "0": a sublayer boundary as expand + collapse (an A/B switch)
+
+
+def fold_serves(backend: str, streams: torch.Tensor, out: torch.Tensor, norm: Any,
+                floats: tuple[torch.Tensor, ...]) -> bool:
+    """Whether a sublayer boundary (the expansion, then the next collapse with its norm)
+    takes ``engram_mhc_fold``: the fused bf16 CUDA decode path (:mod:`.fused`), a float32
+    RMSNorm weight, the mHC kernels serving ``backend`` (``kernels`` refuses with the
+    reason, as :func:`mhc_kernel_serves`), ``ENGRAM_TRT_MHC_FOLD`` not ``0``."""
+    import os
+
+    from engram_trt.models.deepseek_v4 import fused
+
+    if os.environ.get(MHC_FOLD_ENV, "1") == "0" or not isinstance(norm, RMSNorm) \
+            or norm.weight.dtype != torch.float32 or fused.unavailable(streams) is not None:
+        return False
+    return mhc_kernel_serves("HyperConnection", backend, streams, out, floats=floats)
+
+
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(wide(x).square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
@@ -180,6 +199,25 @@ class HyperConnection(nn.Module):
                                        sinkhorn_iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
                                        rms_eps=norm.eps)
 
+    def expand_collapse_normed(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                               norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(new streams, norm(collapse input), post, comb)``: :meth:`expand` of the sublayer
+        before (``out``, its ``post`` / ``comb``) then this connection's
+        :meth:`collapse_normed` of the new streams. On the bf16 CUDA decode path the two are
+        one kernel chain (``engram_mhc_fold``: two launches where they took three; off with
+        ``ENGRAM_TRT_MHC_FOLD=0``); elsewhere they run as they are."""
+        if fold_serves(self.backend, streams, out, norm, (self.fn, self.base, self.scale, post, comb)):
+            from engram_trt.native import mhc as native_mhc
+
+            new, x, p, c = native_mhc.mhc_fold(streams.contiguous(), out.contiguous(), post.contiguous(),
+                                               comb.contiguous(), self.fn, self.base, self.scale, norm.weight,
+                                               sinkhorn_iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
+                                               rms_eps=norm.eps)
+            return new, x, p, c
+        # the class's functions, not an instance's (a profiler's wrappers time this call as one)
+        new = _expand(streams, out, post, comb)
+        return (new, *HyperConnection.collapse_normed(self, new, norm))
+
     def collapse_torch(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The PyTorch :meth:`collapse` (the CPU's, and the kernel's reference)."""
         pre, post, comb = self.weights(streams)
@@ -189,17 +227,22 @@ class HyperConnection(nn.Module):
     def expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The streams after a sublayer: ``post * out + comb^T @ streams`` (a new tensor).
         A static method (bench/dsv4profile times it as one), so the class's ``backend`` decides."""
-        if mhc_kernel_serves("HyperConnection", HyperConnection.backend, streams, out, floats=(post, comb)):
-            from engram_trt.native import mhc as native_mhc
-
-            return native_mhc.mhc_post(streams.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous())
-        return HyperConnection.expand_torch(streams, out, post, comb)
+        return _expand(streams, out, post, comb)
 
     @staticmethod
     def expand_torch(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The PyTorch :meth:`expand` (the CPU's, and the kernel's reference)."""
         dtype = streams.dtype
         return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+def _expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """:meth:`HyperConnection.expand`'s body (the mHC post kernel, else the PyTorch form)."""
+    if mhc_kernel_serves("HyperConnection", HyperConnection.backend, streams, out, floats=(post, comb)):
+        from engram_trt.native import mhc as native_mhc
+
+        return native_mhc.mhc_post(streams.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous())
+    return HyperConnection.expand_torch(streams, out, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -235,6 +278,26 @@ class HyperHead(nn.Module):
                                       floats=(self.hc_fn, self.hc_base, self.hc_scale)):
             return self.forward_fused(streams, norm)
         return norm(self(streams))
+
+    def expand_forward_normed(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                              norm: "RMSNorm", last: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm(self(expanded[last]))`` with ``expanded`` = :meth:`HyperConnection.expand`
+        of the last sublayer (``last`` None: every token): the last expansion folded into
+        the head on the bf16 CUDA decode path (``engram_mhc_fold`` with ``head``, over
+        every token, the rows of ``last`` taken after: the head is per token); elsewhere
+        the expansion, the rows, then :meth:`forward_normed`."""
+        if fold_serves(HyperConnection.backend, streams, out, norm, (post, comb)) and \
+                mhc_kernel_serves("HyperHead", self.backend, streams,
+                                  floats=(self.hc_fn, self.hc_base, self.hc_scale)):
+            from engram_trt.native import mhc as native_mhc
+
+            _new, hidden, _p, _c = native_mhc.mhc_fold(streams.contiguous(), out.contiguous(), post.contiguous(),
+                                                       comb.contiguous(), self.hc_fn, self.hc_base, self.hc_scale,
+                                                       norm.weight, head=True, hc_eps=self.eps,
+                                                       norm_eps=self.norm_eps, rms_eps=norm.eps)
+            return hidden if last is None else hidden[last]
+        new = _expand(streams, out, post, comb)
+        return HyperHead.forward_normed(self, new if last is None else new[last], norm)
 
     def forward_fused(self, streams: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """:meth:`forward_normed`'s kernel form (``engram_mhc_head_norm``)."""

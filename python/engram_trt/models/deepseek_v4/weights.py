@@ -431,11 +431,12 @@ def prepare_model(module: nn.Module, formats: Mapping[str, StoredFormat], device
                   dtype: torch.dtype) -> None:
     """Before :func:`load_into`: the quantized projections swapped in, each MoE's expert
     stacks allocated on ``device`` (``allocate_stacks``; the experts' tensors views)."""
+    from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
+
     quantize_modules(module, formats)
     for mod in module.modules():
-        allocate = getattr(mod, "allocate_stacks", None)
-        if allocate is not None:
-            allocate(device, dtype)
+        if isinstance(mod, GroupedSparseMoE):
+            mod.allocate_stacks(device, dtype)
 
 
 def module_bytes(module: nn.Module) -> int:

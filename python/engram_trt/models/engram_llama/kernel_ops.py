@@ -1,6 +1,7 @@
 """The Engram steps, and the decoder layers' elementwise steps, through the CUDA kernel
 library the TensorRT plugins call (``libengram_trt_plugins.so``, via
-:mod:`engram_trt.native.kernels`): one kernel library, two callers, so the GPU path without
+:mod:`engram_trt.native.hash`, :mod:`~engram_trt.native.gather`, :mod:`~engram_trt.native.gate`):
+one kernel library, two callers, so the GPU path without
 TensorRT runs the plugins' very kernels.
 
 Tables the GPU can read in place (device memory, pinned / registered host memory) go
@@ -28,11 +29,14 @@ class KernelEngramOps:
     name = "cuda-kernels"
 
     def __init__(self, layout: EngramLayout, device: torch.device) -> None:
-        from engram_trt.native import hostgather, kernels
+        from engram_trt.native import gate as gate_kernels
+        from engram_trt.native import gather as gather_kernels
+        from engram_trt.native import hash as hash_kernels
+        from engram_trt.native import hostgather
 
-        kernels.load_library()
-        kernels.check_layout(layout)
-        self.kernels = kernels
+        hash_kernels.library()
+        hash_kernels.check_layout(layout)
+        self.hash_kernels, self.gather_kernels, self.gate_kernels = hash_kernels, gather_kernels, gate_kernels
         self.hostgather = hostgather
         self.layout = layout
         self.device = device
@@ -40,8 +44,9 @@ class KernelEngramOps:
     def hash(self, cids: torch.Tensor, seq_starts: torch.Tensor, lookback: torch.Tensor | None) -> torch.Tensor:
         """int32 ``[T, L, cols]`` row ids of packed compressed ids ``[T]`` (one launch)."""
         lb = None if lookback is None else lookback.to(device=self.device, dtype=torch.int32).contiguous()
-        return self.kernels.hash_packed(cids.to(device=self.device, dtype=torch.int32).contiguous(),
-                                        seq_starts.to(device=self.device, dtype=torch.int32).contiguous(), lb, self.layout)
+        return self.hash_kernels.hash_packed(cids.to(device=self.device, dtype=torch.int32).contiguous(),
+                                             seq_starts.to(device=self.device, dtype=torch.int32).contiguous(), lb,
+                                             self.layout)
 
     def rows(self, tables: Any, layer_idx: int, hash_ids: torch.Tensor) -> torch.Tensor:
         """bf16 ``[T, cols, head_dim]`` rows of one layer from ``hash_ids [T, L, cols]``."""
@@ -49,7 +54,8 @@ class KernelEngramOps:
         flat = hash_ids.to(torch.int32).contiguous()
         rows, scales = tables.tensors(layer_idx)
         if tables.gpu_readable:
-            out = self.kernels.gather(flat.to(self.device), rows, scales, layer=layer_idx, quant_block=tables.quant_block)
+            out = self.gather_kernels.gather(flat.to(self.device), rows, scales, layer=layer_idx,
+                                             quant_block=tables.quant_block)
         else:
             out = self.hostgather.host_gather(flat.cpu(), rows, scales, layer=layer_idx, quant_block=tables.quant_block,
                                            device=self.device)
@@ -57,7 +63,8 @@ class KernelEngramOps:
 
     def gate(self, hidden: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
              live: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.kernels.gate(hidden.contiguous(), kv.contiguous(), q_weight, k_weight, live.contiguous(), eps=eps)
+        return self.gate_kernels.gate(hidden.contiguous(), kv.contiguous(), q_weight, k_weight, live.contiguous(),
+                                      eps=eps)
 
 
 class TorchBackboneOps:
@@ -117,7 +124,7 @@ class KernelBackboneOps:
         from engram_trt.native import backbone as backbone_kernels
 
         backbone_kernels.load()
-        attention_kernels._library()
+        attention_kernels.library()
         self.attention = attention_kernels
         self.backbone = backbone_kernels
 

@@ -55,7 +55,7 @@ from engram_trt.models.kv_cache import KVCache
 from engram_trt.models.engram_llama.modules import AttentionPlan, Backbone
 from engram_trt.models.engram_llama.weights import lazy_weights, load_weights, model_weight_shapes  # noqa: F401
 from engram_trt.models.parallel import gather_vocab, reduce
-from engram_trt.models.step import PackedStep
+from engram_trt.models.step import PackedStep, row_shapes
 from engram_trt.quant.weight import QuantLinear
 from engram_trt.tables.base import TableStore
 from engram_trt.models.served import ServedModel
@@ -406,7 +406,7 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
                 # Staged rows (runtime.prefetch.StagedRows) are read lazily: the wait for
                 # the prefetch sits at the first Engram layer, not here.
                 rows = engram_rows
-                shapes = engram_rows.shapes if hasattr(engram_rows, "shapes") else [tuple(r.shape) for r in engram_rows]
+                shapes = row_shapes(engram_rows)
                 want = (T, self.layout.n_hash_cols, int(cfg.engram.head_dim))  # type: ignore[union-attr]
                 if len(shapes) != self.layout.num_layers or any(s != want for s in shapes):
                     raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")

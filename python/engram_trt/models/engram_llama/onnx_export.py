@@ -206,7 +206,7 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
     opts = options or ExportOptions()
     get = ExportTensors(weights)
     elem, np_dt, _ = DTYPES[opts.dtype]
-    quant = getattr(config, "quant", None)
+    quant = config.quant
     spec = config.engram
     table_dtype = "fp8"
     table_rows: list[int] = []

@@ -211,7 +211,7 @@ def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], device: 
     once, when its turn comes. ``shapes``: the expected shapes where they are not the
     config's (a tensor-parallel rank's, :func:`.parallel.local_weight_shapes`)."""
     cfg = model.config  # type: ignore[attr-defined]
-    quant = getattr(cfg, "quant", None)
+    quant = cfg.quant
     expected = dict(shapes) if shapes is not None else model_weight_shapes(cfg)
     for name, want in expected.items():
         if name not in weights:

@@ -149,6 +149,10 @@ class Qwen4ExpArchitecture(ArchitectureBase):
 
         return Qwen4ExpModel(config, weights, **options)
 
+    def residual_streams(self, config: Qwen4ExpConfig) -> int:
+        """``hc_count`` (its hyper-connection streams)."""
+        return config.hc_count
+
     def has_own_tables(self, config: Qwen4ExpConfig) -> bool:
         """The PLE tables (``ple_layer_ids``)."""
         return config.ple is not None

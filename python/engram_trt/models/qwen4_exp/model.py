@@ -164,8 +164,7 @@ class Qwen4ExpModel(ServedModel, _Modules):
                 seed=p.seed, eos_token_id=config.first_eos, num_layers=len(p.layers))
             if ple_tables is None:
                 raise EngramError("a Qwen4Exp model with PLE layers needs its PLE tables (ple_tables=)")
-            short = [li for li in range(len(p.layers)) if hasattr(ple_tables, "num_rows")
-                     and ple_tables.num_rows(li) < int(self.ple_layout.table_rows[li])]
+            short = [li for li in range(len(p.layers)) if ple_tables.num_rows(li) < int(self.ple_layout.table_rows[li])]
             if short:
                 li = short[0]
                 raise EngramError(f"PLE table {li} has {ple_tables.num_rows(li)} rows but the hash layout needs "
@@ -271,7 +270,7 @@ class Qwen4ExpModel(ServedModel, _Modules):
     def _ple_kernel_layers(self) -> list[bool]:
         """Per PLE layer, whether its rows come from the GPU gather kernel (then the hash
         runs on the GPU too and the step's lookup is device work only)."""
-        paths = getattr(self.ple_tables, "paths", None)
+        paths = self.ple_tables.paths if self.ple_tables is not None else []
         n = len(self.config.ple.layers) if self.config.ple is not None else 0
         return [bool(paths) and paths[li] == "kernel" for li in range(n)]
 
@@ -284,7 +283,7 @@ class Qwen4ExpModel(ServedModel, _Modules):
     def _maybe_check_bad_rows(self) -> None:
         """Every BAD_ROW_CHECK_EVERY steps: did an unchecked gather meet an id outside its table?"""
         self._steps += 1
-        if self._steps % BAD_ROW_CHECK_EVERY == 0 and hasattr(self.ple_tables, "check_bad_rows"):
+        if self._steps % BAD_ROW_CHECK_EVERY == 0 and self.ple_tables is not None:
             self.ple_tables.check_bad_rows()
 
     def _native_ple_hash(self) -> Any:
@@ -294,10 +293,10 @@ class Qwen4ExpModel(ServedModel, _Modules):
             return None
         if not hasattr(self, "_ple_hash_fn"):
             try:
-                from engram_trt.native import kernels
+                from engram_trt.native import library as kernel_library
                 from engram_trt.native.ple import ple_hash_packed as native_ple_hash
 
-                kernels.load_library()
+                kernel_library.load_library()
                 self._ple_hash_fn = native_ple_hash
             except Exception as exc:  # no library here: the reference hash, said once
                 log.warning("PLE hash: the kernel library does not load (%s); using the reference hash", exc)

@@ -112,7 +112,7 @@ def fp8_declared(config: Any, layer: int) -> bool:
     (and that ``modules_to_not_convert`` does not keep) for an ``FP8Embedding``."""
     from engram_trt.checkpoint.checkpoint import listed_not_to_convert
 
-    quant = getattr(config, "quant", None)
+    quant = config.quant
     if quant is None:
         return False
     module = f"{config.weight_prefix}layers.{layer}.ple.ple_embedding.ngram_embedding"
@@ -262,8 +262,8 @@ class PLETables:
         if hot_cache_fraction:
             from engram_trt.cache.storecache import CachedStoreGather
 
-            self._gather: Any = CachedStoreGather(store, device, capacity_fraction=hot_cache_fraction,
-                                                  **(cache_options or {}))
+            self._gather: StoreGather | CachedStoreGather = CachedStoreGather(
+                store, device, capacity_fraction=hot_cache_fraction, **(cache_options or {}))
         else:
             if cache_options:
                 raise EngramError("cache_options need a hot-row cache: pass hot_cache_fraction > 0 too")
@@ -332,8 +332,7 @@ class PLETables:
 
     def cache_stats(self) -> list[dict[str, Any] | None] | None:
         """Per layer, the hot-row cache's counters (None: no cache)."""
-        stats = getattr(self._gather, "stats", None)
-        return stats() if stats is not None else None
+        return self._gather.stats()
 
     def check_bad_rows(self) -> None:
         """Raise when an unchecked gather met an id outside its table (a device sync)."""
