@@ -236,7 +236,7 @@ def test_moe_plan_is_the_stable_sort(dev) -> None:
         for key in ("offsets", "order", "row_token", "pair_row", "slot_expert", "error"):
             _check_equal(f"plan {key}, T {T} k {k} E {E} {dt} bad {bad}", got[key].cpu(), torch.from_numpy(want[key]))
         again = qk.plan(ids_t, E)
-        record(f"plan is the same twice, T {T} k {k} E {E}", all(torch.equal(got[n], again[n]) for n in got), "")
+        assert all(torch.equal(got[n], again[n]) for n in got), f"plan is the same twice, T {T} k {k} E {E}"
 
 
 # --- 3. the GEMV ---------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def test_gemv_one_weight(gen, dev, wi) -> None:
         tag = f"{kind} [{N}, {K}] block {block} {fmt}, {rows} rows, a {adt}, out {odt}"
         _check_within(f"gemv = float64, {tag}", out[:, 20:20 + N], ref, gemv_bound(kind, K, ref, mag, out.dtype))
         outside = torch.cat([out[:, :20], out[:, 20 + N:]], dim=1)
-        record(f"gemv leaves the other columns, {tag}", bool(torch.isnan(outside.float()).all()), "")
+        assert bool(torch.isnan(outside.float()).all()), f"gemv leaves the other columns, {tag}"
 
 
 @pytest.mark.parametrize("kind,fmt", [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "ue8m0"), ("bf16", None)])
@@ -337,7 +337,7 @@ def test_gemv_experts(gen, dev, kind, fmt) -> None:
         mag = torch.einsum("pk,pnk->pn", ad.abs(), Wr.abs())
         tag = f"{kind} {fmt} experts {E} rows {counts}"
         _check_within(f"grouped gemv = float64, {tag}", out[:, N:], ref, gemv_bound(kind, K, ref, mag, out.dtype))
-        record(f"grouped gemv leaves columns 0..N-1, {tag}", bool(torch.isnan(out[:, :N]).all()), "")
+        assert bool(torch.isnan(out[:, :N]).all()), f"grouped gemv leaves columns 0..N-1, {tag}"
 
 
 # --- 4. the GEMMs ----------------------------------------------------------------------------
@@ -443,7 +443,7 @@ def test_fp8_gemm(gen, dev, ci) -> None:
     tag = f"P {P} N {N} K {K} bn {bn} experts {counts} out {odt}"
     bound = fp8_gemm_bound(K, ref, mag, out.dtype, fp8_tensor_core_error(ad, Wr))
     _check_within(f"fp8 gemm = float64, {tag}", out[:, :N], ref, bound)
-    record(f"fp8 gemm leaves columns N.., {tag}", bool(torch.isnan(out[:, N:].float()).all()), "")
+    assert bool(torch.isnan(out[:, N:].float()).all()), f"fp8 gemm leaves columns N.., {tag}"
     note(f"fp8 gemm worst relative error, {tag}", float(((out[:, :N].double() - ref).abs() / (mag + 1e-30)).max()))
 
 
@@ -556,7 +556,7 @@ def test_grouped_gemm(gen, dev, ci) -> None:
     ref, mag = torch.einsum("pk,pnk->pn", ad, Wr), torch.einsum("pk,pnk->pn", ad.abs(), Wr.abs())
     tag = f"{kind} P {P} N {N} K {K} block {block} experts {counts} out {odt}"
     _check_within(f"grouped gemm = float64, {tag}", out[:, :N], ref, bf16_gemm_bound(K, ref, mag, out.dtype))
-    record(f"grouped gemm leaves columns N.., {tag}", bool(torch.isnan(out[:, N:].float()).all()), "")
+    assert bool(torch.isnan(out[:, N:].float()).all()), f"grouped gemm leaves columns N.., {tag}"
 
 
 def test_dequantize_is_formats(gen, dev) -> None:
@@ -618,8 +618,8 @@ def test_linear_end_to_end(gen, dev, kind) -> None:
             bound = fp8_gemm_bound(K, ref, mag, y.dtype, fp8_tensor_core_error(a64, _weight64(qw)[0].cpu()))
         else:
             bound = bf16_gemm_bound(K, ref, mag, y.dtype)
-        record(f"linear shape and dtype, {kind} {list(shape)} {dt}",
-               tuple(y.shape) == (*shape[:-1], N) and y.dtype == x.dtype, f"{tuple(y.shape)} {y.dtype}")
+        assert tuple(y.shape) == (*shape[:-1], N) and y.dtype == x.dtype, (
+            f"linear shape and dtype, {kind} {list(shape)} {dt}: {tuple(y.shape)} {y.dtype}")
         _check_within(f"linear = float64 of the quantized activations, {kind} {list(shape)} {dt} ({route})",
                       y.reshape(rows, N).cpu(), ref, bound.cpu())
 
@@ -789,11 +789,12 @@ def test_experts_end_to_end(gen, dev, ci) -> None:
     inside = (got >= lo_t) & (got <= hi_t)
     width = float(np.median((hi - lo) / (np.abs(hi + lo) / 2 + 1e-30)))
     tag = f"{gk}/{dk} T {T} k {k} E {E} D {D} I {I} limit {limit} ({gu_route}, {d_route})"
-    record(f"experts within the float64 interval, {tag}", bool(inside.all()) and bool(torch.isfinite(got).all()),
-           f"{int((~inside).sum())} outside; median relative interval width {width:.2e}")
+    assert bool(inside.all()) and bool(torch.isfinite(got).all()), (
+        f"experts within the float64 interval, {tag}: {int((~inside).sum())} outside; median relative interval width "
+        f"{width:.2e}")
     note(f"experts median interval width, {tag}", width)
     again = nq.experts(x, ids, route_w, gate, up, down, limit=limit)
-    record(f"experts deterministic, {tag}", bool(torch.equal(y, again)), "")
+    assert bool(torch.equal(y, again)), f"experts deterministic, {tag}"
 
 
 def test_graph_capture_and_no_host_sync(gen, dev) -> None:
@@ -846,7 +847,7 @@ def test_graph_capture_and_no_host_sync(gen, dev) -> None:
     eager = step(new_xs, new_es)
     names = [f"linear {m} rows" for m in rows_cases] + [f"experts {T} tokens" for T in tokens_cases]
     for name, got, want in zip(names, static, eager):
-        record(f"CUDA graph replay = eager, {name}", bool(torch.equal(got, want)), "")
+        assert bool(torch.equal(got, want)), f"CUDA graph replay = eager, {name}"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -856,5 +857,5 @@ def test_graph_capture_and_no_host_sync(gen, dev) -> None:
         ok, detail = False, str(exc).splitlines()[0]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    record("linear and experts never synchronize (sync debug mode 'error')", ok, detail)
+    assert ok, f"linear and experts never synchronize (sync debug mode 'error'): {detail}"
     say("graph / sync checks done")
