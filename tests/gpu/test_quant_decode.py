@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .helpers import record
 from .test_deepseek_v4_quant import (
     _load,
     folders,  # noqa: F401  (the module-scoped fixture)
@@ -187,9 +186,9 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
     out_round = 2 * u * (old.double().abs() + fused.double().abs())
     gap = (fused.double() - old.double()).abs()
     bound = width + reach + sbound + out_round
-    record(f"fused MoE (routed + shared) equals the old path within its reach, {tag}",
-           bool(torch.isfinite(fused).all()) and bool((gap <= bound).all()),
-           f"worst gap / bound {float((gap / bound).max()):.3f}; identical {float((gap == 0).double().mean()):.3f}")
+    assert bool(torch.isfinite(fused).all()) and bool((gap <= bound).all()), (
+        f"fused MoE (routed + shared) equals the old path within its reach, {tag}: "
+        f"worst gap / bound {float((gap / bound).max()):.3f}; identical {float((gap == 0).double().mean()):.3f}")
     again = qd.moe(x, ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
     assert bool(torch.equal(fused, again)), f"fused MoE deterministic, {tag}"
     # a pick of no expert (id E) adds nothing: the same bits as that pick at weight 0
@@ -251,9 +250,8 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(dev, folders: dict[str
                 ids = torch.tensor(toks)
                 want = model.forward_step(PackedStep(ids, [1] * slots, past, list(range(slots))), eager)
                 got = graphs.run(PackedStep(torch.tensor(gt), [1] * slots, past, list(range(slots))), None)
-                if got is None:
-                    assert False, f"{label}: the quantized model's decode step replayed: failed: {graphs.failed}"
-                    return
+                assert got is not None, (
+                    f"{label}: the quantized model's decode step replayed: failed: {graphs.failed}")
                 toks = want.argmax(-1).tolist()
                 gt = got.argmax(-1).tolist()
                 eager_toks.append(toks)
