@@ -1,12 +1,12 @@
 """What the GPU tests share (formerly scripts/h200_common.py and the helpers the check
-scripts lent each other): how a check is recorded, the plugin harness binding, plugin
+scripts lent each other): the log and the figures, the plugin harness binding, plugin
 field builders, random inputs, the gate's tolerances, the fp8 test tables and the
 backbone / GEMV comparisons.
 
-A check is ``record(name, ok, detail)``: inside a test of tests/gpu it becomes one pytest
-subtest (tests/gpu/conftest.py installs the recorder for each test) and one entry of the
-module's JSON; elsewhere (the CPU suite calling a check function) ``collect()`` gathers
-the checks into a list. ``say`` is the log, ``note`` adds a figure to the module's JSON.
+A check is a plain ``assert`` whose message holds the measured value and its bound (each
+case a parametrized test). ``say`` is the log, ``note`` adds a figure to the module's JSON
+(tests/gpu/conftest.py points both at the running test's module for each test); a check
+function the CPU suite shares returns ``Checks`` for the caller to assert.
 """
 
 from __future__ import annotations
@@ -33,19 +33,10 @@ if str(REPO / "python") not in sys.path:  # the working tree's package when it i
 
 HARNESS_NAME = "libengram_plugin_harness.so"
 
-# --- recording ---------------------------------------------------------------------------------
+# --- the log and the figures ----------------------------------------------------------------------
 
-Recorder = Callable[[str, bool, str], None]
-_recorder: Recorder | None = None
 _log: list[str] | None = None
 _data: dict | None = None
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    """One check: a subtest of the running GPU test (or an entry of ``collect()``)."""
-    if _recorder is None:
-        raise RuntimeError(f"record({name!r}) outside a tests/gpu test: wrap the call in helpers.collect()")
-    _recorder(name, bool(ok), str(detail))
 
 
 def say(msg: str) -> None:
@@ -77,38 +68,15 @@ def fatal(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def recording(recorder: Recorder, data: dict | None = None, log: list[str] | None = None) -> Iterator[None]:
-    """While open, ``record`` calls ``recorder`` and ``note`` / ``say`` fill ``data`` / ``log``."""
-    global _recorder, _data, _log
-    saved = _recorder, _data, _log
-    _recorder, _data, _log = recorder, data, log
+def noting(data: dict | None = None, log: list[str] | None = None) -> Iterator[None]:
+    """While open, ``note`` / ``say`` fill ``data`` / ``log`` (a module's figures and log)."""
+    global _data, _log
+    saved = _data, _log
+    _data, _log = data, log
     try:
         yield
     finally:
-        _recorder, _data, _log = saved
-
-
-@contextlib.contextmanager
-def collect() -> Iterator[list[dict]]:
-    """The checks recorded while open, as ``{"name", "ok", "detail"}`` dicts (for callers
-    outside tests/gpu, e.g. the CPU suite running a check function)."""
-    results: list[dict] = []
-
-    def add(name: str, ok: bool, detail: str) -> None:
-        results.append({"name": name, "ok": ok, "detail": detail})
-        say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
-
-    with recording(add, {}, []):
-        yield results
-
-
-class RecordDict(dict):
-    """``checks[name] = ok``: each assignment one check (``record``), for code written
-    against a dict of checks."""
-
-    def __setitem__(self, name: str, ok: bool) -> None:
-        super().__setitem__(name, bool(ok))
-        record(name, bool(ok))
+        _data, _log = saved
 
 
 class Checks(dict):
@@ -452,13 +420,6 @@ def within(got, ref, bound) -> tuple[bool, str]:
 def combined(*results: tuple[bool, str]) -> tuple[bool, str]:
     """Several comparisons (each ``(ok, detail)``) as one: whether all held, their details."""
     return all(r[0] for r in results), "; ".join(r[1] for r in results)
-
-
-def check(name: str, *results: tuple[bool, str]) -> bool:
-    """One check made of several comparisons (each ``(ok, detail)``); returns whether all held."""
-    ok = all(r[0] for r in results)
-    record(name, ok, "; ".join(r[1] for r in results))
-    return ok
 
 
 # --- float tables and the tiny committed checkpoints ---------------------------------------

