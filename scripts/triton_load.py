@@ -49,9 +49,9 @@ PROMPTS = [f"{w} number {i}: Engram layers look up n-grams in huge tables" for i
 
 
 def build_small_engine(where: Path) -> Path:
-    """The test suite's small engine (tests/conftest.py): 3 layers, 2 Engram layers."""
+    """The test suite's small engine (tests/helpers/checkpoints.py): 3 layers, 2 Engram layers."""
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import write_small_checkpoint  # noqa: E402
+    from helpers.checkpoints import write_small_checkpoint  # noqa: E402
 
     from engram_trt.builder.build import build
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO
+from helpers.files import REPO
 from engram_trt.cli.main import main
 
 HASH_CONFIG = {"engram_layer_ids": [0], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_vocab_size": 5000,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conftest import make_tiny_checkpoint
+from helpers.checkpoints import make_tiny_checkpoint
 
 from engram_trt.bench.steady import TARGET, ratio_report
 from engram_trt.cli.main import main

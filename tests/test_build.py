@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import file_sha256
+from helpers.files import file_sha256
 from engram_trt.native import trt_compat
 from engram_trt.builder.build import build
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint

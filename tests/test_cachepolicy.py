@@ -440,12 +440,10 @@ def test_the_gpu_check_harness_runs_here_with_the_reference_for_the_kernels() ->
     import torch
 
     mod = importlib.import_module("gpu.test_cache")
-    results: list[tuple[str, bool, str]] = []
-    mod.compare_policies(torch.device("cpu"), lambda name, ok, detail="": results.append((name, ok, detail)),
-                         fused=False)
+    results = [mod.compare_policy(torch.device("cpu"), ci, fused=False) for ci in range(len(mod.POLICY_CASES))]
     assert len(results) == len(mod.POLICY_CASES)
-    assert all(ok for _, ok, _ in results), [r for r in results if not r[1]]
-    assert callable(mod.test_policies) and callable(mod.check_id_streams_cpu)
+    assert all(ok for ok, _ in results), [detail for ok, detail in results if not ok]
+    assert callable(mod.test_policies) and callable(mod.test_id_streams_cpu)
 
 
 def test_bound_cache_calls_check_their_buffers_once_and_name_the_bad_one() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import file_sha256
+from helpers.files import file_sha256
 from engram_trt.checkpoint.checkpoint import (
     INDEX_NAME,
     Checkpoint,

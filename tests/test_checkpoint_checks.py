@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, tree_digest
+from helpers.files import REPO, tree_digest
 from engram_trt.checkpoint.nonfinite import SAMPLE_BLOCK, Region, scan_regions
 from engram_trt.cli.main import main
 

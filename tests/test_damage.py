@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import file_sha256, make_tiny_checkpoint
+from helpers.checkpoints import make_tiny_checkpoint
+from helpers.files import file_sha256
 from engram_trt.builder.build import build
 from engram_trt.builder.manifest import manifest_table_refs, read_manifest, verify_tables
 from engram_trt.cli.main import main

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import assert_bf16_logits_match, llm_greedy  # noqa: E402
+from helpers.checkpoints import assert_bf16_logits_match, llm_greedy  # noqa: E402
 from test_deepseek_v4_parity import hf_greedy, save_v41  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402

@@ -57,8 +57,9 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import (assert_fp32_logits_match, assert_run_refused, edit_config, llm_greedy, run_json,  # noqa: E402
-                      transformers_greedy, word_tokenizer)
+from helpers.checkpoints import (assert_fp32_logits_match, edit_config, llm_greedy, transformers_greedy,  # noqa: E402
+                                 word_tokenizer)
+from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from test_deepseek_v4_parity import BASE, CSA, HCA, VOCAB  # noqa: E402
 
 from engram_trt.quant.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import dsv4_attention as dsv4
 
-from conftest import create_plugin, harness_path, harness_scripts
+from helpers.plugins import create_plugin, harness_path, harness_scripts
 from test_linear_attention_plugins import _build, _graph  # (the trt fixture: tests/conftest.py)
 
 HARNESS = harness_path()
@@ -131,7 +131,7 @@ def harness():
 
 
 def test_plugin_through_the_harness(harness) -> None:
-    helpers, check, h = harness
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 14 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    _helpers, check, h = harness
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 14
+    assert not results.failed(), results.failed()

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import REPO, tree_digest
+from helpers.files import REPO, tree_digest
 from engram_trt.cli.main import build_parser, main
 
 DATA = REPO / "tests" / "data"

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from conftest import TINY_CONFIG
+from helpers.checkpoints import TINY_CONFIG
 from engram_trt.errors import ConfigError
 from engram_trt.models.registry import _registered, resolve
 
 DATA = Path(__file__).parent / "data"
 # A config each architecture serves: the tiny checkpoints transformers saved, and the
-# engram-llama tiny config of conftest.
+# engram-llama tiny config of helpers.checkpoints.
 CONFIGS: dict[str, Any] = {
     "engram-llama": lambda: dict(TINY_CONFIG),
     "qwen4-exp": lambda: json.loads((DATA / "qwen4_exp_tiny" / "config.json").read_text()),

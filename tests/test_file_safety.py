@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, file_sha256, make_tiny_checkpoint, tree_digest
+from helpers.checkpoints import make_tiny_checkpoint
+from helpers.files import REPO, file_sha256, tree_digest
 from engram_trt.storage import atomic
 from engram_trt.builder.build import build
 from engram_trt.cli.main import main

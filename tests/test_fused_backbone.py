@@ -189,11 +189,9 @@ def test_dispatch_on_a_cpu(caplog) -> None:
 def test_backbone_abi_checks_run_without_gpu(plugin_lib: Path, check) -> None:
     """tests/gpu/test_backbone.py's ABI stage: every bad argument refused on the host
     with its one-line reason, zero tokens launch nothing (it runs the same on the GPU)."""
-    from gpu import helpers
-
-    with helpers.collect() as results:
-        check.check_abi()
-    assert len(results) == 18 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    assert len(check.ABI_CASES) == 18
+    for name, entry, args, want in check.ABI_CASES:
+        check.test_abi(name, entry, args, want)
 
 
 def test_checked_arguments_reach_the_launch(plugin_lib: Path) -> None:
@@ -250,29 +248,22 @@ def test_bindings_name_the_bad_argument() -> None:
 
 @pytest.fixture
 def check():
-    """tests/gpu/test_backbone.py as a module, its checks recorded into a list while the
-    test runs (the checks below record deliberate failures)."""
+    """tests/gpu/test_backbone.py as a module."""
     import importlib
 
-    module = importlib.import_module("gpu.test_backbone")
-    from gpu import helpers
-
-    with helpers.collect():
-        yield module
+    return importlib.import_module("gpu.test_backbone")
 
 
 def test_gpu_check_cpu_stages(plugin_lib: Path, check) -> None:
     """tests/gpu/test_backbone.py's CPU stages: its ABI stage, and its float64 bounds hold
     for the PyTorch bf16 ops the kernels reproduce (so the GPU stage checks the kernels,
     not the bounds' slack)."""
-    from gpu import helpers
-
-    with helpers.collect() as results:
-        check.check_abi()
-        check.check_reference_cpu()
-    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
-    names = [r["name"] for r in results]
-    assert sum(n.startswith("reference ") for n in names) == 7 and sum(n.startswith("abi ") for n in names) >= 18
+    assert len(check.ABI_CASES) >= 18
+    for name, entry, args, want in check.ABI_CASES:
+        check.test_abi(name, entry, args, want)
+    assert len(check.REFERENCE_CASES) == 7
+    for kind, dims in check.REFERENCE_CASES:
+        check.check_reference_cpu(kind, dims)
 
 
 def test_norm_and_silu_checks_are_not_vacuous(check) -> None:
@@ -282,16 +273,16 @@ def test_norm_and_silu_checks_are_not_vacuous(check) -> None:
     inputs = check.norm_inputs(gen, torch.device("cpu"), 16, 4, 256, residual=True)
     hs = inputs["hs"].clone()
     out = TorchBackboneOps().norm(hs, inputs["residual"], check.norm_module(inputs["weight"], check.EPS))
-    assert check.norm_verify("norm as the reference", inputs, out, hs)
+    assert check.norm_verify(inputs, out, hs)[0]  # norm as the reference
     nudged = (out.float() * (1 + 2.0 ** -6)).to(torch.bfloat16)
-    assert not check.norm_verify("norm nudged by 2^-6", inputs, nudged, hs)
+    assert not check.norm_verify(inputs, nudged, hs)[0]  # norm nudged by 2^-6
     hs[0, 0, 0] += 1  # the in-place residual update must be bit for bit
-    assert not check.norm_verify("norm with a wrong residual update", inputs, out, hs)
+    assert not check.norm_verify(inputs, out, hs)[0]  # norm with a wrong residual update
     silu = check.silu_inputs(gen, torch.device("cpu"), 8, 64)
     got = TorchBackboneOps().silu_mul(silu["gate_up"])
-    assert check.silu_verify("silu as the reference", silu, got)
+    assert check.silu_verify(silu, got)[0]  # silu as the reference
     gate, up = silu["gate_up"].chunk(2, dim=-1)
-    assert not check.silu_verify("silu with gate and up swapped", silu, torch.nn.functional.silu(up) * gate)
+    assert not check.silu_verify(silu, torch.nn.functional.silu(up) * gate)[0]  # silu with gate and up swapped
 
 
 def test_rope_check_catches_a_wrong_convention(check) -> None:
@@ -308,15 +299,15 @@ def test_rope_check_catches_a_wrong_convention(check) -> None:
     plan = SimpleNamespace(token_slots=inputs["slots"].long(), positions=inputs["pos"].long())
     keys, values = inputs["keys"].clone(), inputs["values"].clone()
     q_rot = rope_and_write(q, k, v, inputs["cos"], inputs["sin"], plan, keys, values)
-    assert check.rope_verify("rope as the reference", inputs, q_rot, keys, values)
+    assert check.rope_verify(inputs, q_rot, keys, values)[0]  # rope as the reference
     pairs = q.reshape(8, H, hd // 2, 2)
     interleaved = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).reshape(8, H, hd)
     q_gptj = q * inputs["cos"][:, None] + interleaved * inputs["sin"][:, None]
-    assert not check.rope_verify("rope, interleaved pairs", inputs, q_gptj, keys, values)
+    assert not check.rope_verify(inputs, q_gptj, keys, values)[0]  # rope, interleaved pairs
     shifted = SimpleNamespace(token_slots=plan.token_slots, positions=(plan.positions + 1) % 16)
     keys2, values2 = inputs["keys"].clone(), inputs["values"].clone()
     rope_and_write(q, k, v, inputs["cos"], inputs["sin"], shifted, keys2, values2)
-    assert not check.rope_verify("rope, K/V at the next position", inputs, q_rot, keys2, values2)
+    assert not check.rope_verify(inputs, q_rot, keys2, values2)[0]  # rope, K/V at the next position
     np.testing.assert_array_equal(check.ulp_distance(torch.tensor([1.0, -0.0, 1.0], dtype=torch.bfloat16),
                                                      torch.tensor([1.0078125, 0.0, -1.0], dtype=torch.bfloat16)).numpy(),
                                   [1, 0, 2 * 0x3F80])

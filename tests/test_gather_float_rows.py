@@ -24,7 +24,7 @@ import pytest
 from engram_trt.errors import EngramError
 from engram_trt.native import trt_compat
 
-from conftest import harness_path, harness_scripts
+from helpers.plugins import harness_path, harness_scripts
 
 HARNESS = harness_path()
 PF_INT32, PF_INT64 = 5, 10

@@ -21,26 +21,19 @@ from engram_trt.models.engram_llama.kernel_ops import KernelBackboneOps, TorchBa
 
 @pytest.fixture
 def check():
-    """tests/gpu/test_gemv.py as a module, its checks recorded into a list while the test runs."""
-    module = importlib.import_module("gpu.test_gemv")
-    from gpu import helpers
-
-    with helpers.collect():
-        yield module
+    """tests/gpu/test_gemv.py as a module."""
+    return importlib.import_module("gpu.test_gemv")
 
 
 def test_gemv_check_cpu_stages(plugin_lib: Path, check) -> None:
     """The GPU tests' CPU stages: ten ABI refusals with their one-line reasons, and the
     float64 bound holds for the GEMM library's own F.linear (any summation order) on the CPU."""
-    from gpu import helpers
-
-    with helpers.collect() as results:
-        check.check_abi()
-        check.check_reference_cpu()
-    assert all(r["ok"] for r in results), [r for r in results if not r["ok"]]
-    names = [r["name"] for r in results]
-    assert sum(n.startswith("abi gemv: ") for n in names) == 10
-    assert sum(n.startswith("reference F.linear") for n in names) == 3
+    assert len(check.ABI_CASES) == 10
+    for name, args, want in check.ABI_CASES:
+        check.test_abi(name, args, want)
+    assert len(check.REFERENCE_CASES) == 3
+    for T, N, K in check.REFERENCE_CASES:
+        check.check_reference_cpu(T, N, K)
 
 
 def test_gemv_verify_is_not_vacuous(check) -> None:
@@ -51,12 +44,12 @@ def test_gemv_verify_is_not_vacuous(check) -> None:
     inputs = check.gemv_inputs(gen, torch.device("cpu"), 4, 96, 2048)
     x, w = inputs["x"], inputs["w"]
     exact = (x.double() @ w.double().t()).to(torch.bfloat16)
-    assert check.gemv_verify("exactly rounded", inputs, exact)
-    assert not check.gemv_verify("nudged by 2^-6", inputs, (exact.double() * (1 + 2.0 ** -6)).to(torch.bfloat16))
-    assert not check.gemv_verify("rows of x swapped", inputs, exact[[1, 0, 2, 3]])
+    assert check.gemv_verify(inputs, exact)[0]  # exactly rounded
+    assert not check.gemv_verify(inputs, (exact.double() * (1 + 2.0 ** -6)).to(torch.bfloat16))[0]  # nudged by 2^-6
+    assert not check.gemv_verify(inputs, exact[[1, 0, 2, 3]])[0]  # rows of x swapped
     short = w.clone()
     short[:, -1] = 0
-    assert not check.gemv_verify("a weight element dropped", inputs, F.linear(x, short))
+    assert not check.gemv_verify(inputs, F.linear(x, short))[0]  # a weight element dropped
 
 
 def test_gemv_abi_reaches_the_launch(plugin_lib: Path) -> None:

@@ -512,7 +512,7 @@ def test_killed_import_leaves_out_whole_and_next_run_cleans_up(tiny, user_out, t
     import sys
     import time
 
-    from conftest import REPO
+    from helpers.files import REPO
 
     before = _snapshot(user_out)
     flag = tmp_path / "paused"

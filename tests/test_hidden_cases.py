@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, file_sha256, tree_digest
+from helpers.files import REPO, file_sha256, tree_digest
 from engram_trt.cli.main import main
 
 DATA = REPO / "tests" / "data"

@@ -24,7 +24,7 @@ from engram_trt.runtime.phases import PHASES, StepPhases
 from engram_trt.runtime.scheduler import Scheduler
 from engram_trt.models.step import PackedStep
 
-from conftest import word_tokenizer
+from helpers.checkpoints import word_tokenizer
 
 
 @pytest.fixture(scope="module")

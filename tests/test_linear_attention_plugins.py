@@ -24,8 +24,8 @@ from engram_trt.errors import EngramError
 from engram_trt.native import linear_attention as la
 from engram_trt.native import trt_compat
 
-from conftest import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
-                      serialized_twice)
+from helpers.plugins import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
+                             serialized_twice)
 
 NAMESPACE = "engram_trt"
 HARNESS = harness_path()
@@ -253,7 +253,7 @@ def test_serialized_fields_are_pinned(harness) -> None:
 def test_plugins_through_the_harness(harness) -> None:
     """Output shapes and types, refused type mixes, getAliasedInput (build capability v2),
     the round trip, refused fields, for both plugins."""
-    helpers, check, h = harness
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 12 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    _helpers, check, h = harness
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 12
+    assert not results.failed(), results.failed()

@@ -2,7 +2,7 @@
 transformers 5.25 loading the same folder.
 
 Each case is a tiny random ``LlamaForCausalLM`` that transformers saves, then quantizes
-and saves again itself (:func:`conftest.transformers_fp8_save`: its
+and saves again itself (:func:`helpers.checkpoints.transformers_fp8_save`: its
 ``FineGrainedFP8Config``, its ``Fp8Quantize``, its ``save_pretrained``): the linears whose
 two dims divide by the block stored F8_E4M3 with ``weight_scale_inv`` beside them, the rest
 (k / v of one 64-wide head, an MLP of 200, the ``modules_to_not_convert``, the head, the
@@ -35,9 +35,9 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import (_folder_tensors, _save_folder_as, assert_run_refused,  # noqa: E402
-                      dequantized_folder, edit_config, llm_greedy, run_json, transformers_fp8_save,
-                      transformers_greedy, without_stale_scales, word_tokenizer)
+from helpers.checkpoints import (dequantized_folder, edit_config, folder_tensors, llm_greedy, save_folder_as,  # noqa: E402
+                                 transformers_fp8_save, transformers_greedy, without_stale_scales, word_tokenizer)
+from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 256
@@ -70,7 +70,7 @@ def partial_block_folder(float_folder: Path, out: Path) -> Path:
     the last partial, float32 scales as ``weight_scale_inv``), transformers' config keys."""
     from engram_trt.quant.formats import quantize_fp8
 
-    tensors = _folder_tensors(float_folder)
+    tensors = folder_tensors(float_folder)
     for k in list(tensors):
         if k.endswith("_proj.weight"):
             q, s = quantize_fp8(tensors[k], (128, 128), "float")
@@ -80,7 +80,7 @@ def partial_block_folder(float_folder: Path, out: Path) -> Path:
     cfg["quantization_config"] = {"activation_scheme": "dynamic", "dequantize": False, "expert_dtype": "fp8",
                                   "modules_to_convert": None, "modules_to_not_convert": None, "quant_method": "fp8",
                                   "scale_fmt": "float", "weight_block_size": [128, 128]}
-    return _save_folder_as(float_folder, out, tensors, cfg)
+    return save_folder_as(float_folder, out, tensors, cfg)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -132,7 +132,7 @@ def test_the_folders_and_the_reference_dequantization(case: tuple[str, Path, Any
     for k in (k for k in kinds if k.endswith("_proj.weight")):
         assert (kinds[k] == "F32") == any(w in k for w in want_float), k
     if name == "partial-blocks":
-        tensors = _folder_tensors(folder)
+        tensors = folder_tensors(folder)
         assert list(tensors[f"{Q}.weight_scale_inv"].shape) == [3, 3]  # 320 x 320 in 128x128 blocks
         assert list(tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape) == [3, 2]  # 320 x 200
         return
@@ -178,7 +178,7 @@ def test_quantized_modules_hold_the_stored_bytes(case: tuple[str, Path, Any]) ->
     from engram_trt.quant.weight import QuantLinear
 
     name, folder, _ref = case
-    tensors = _folder_tensors(folder)
+    tensors = folder_tensors(folder)
     ours = EngramLlama.from_checkpoint(folder, device="cpu", dtype=torch.float32)
     stored_bytes = held = 0
     for mname, m in ours.named_modules():
@@ -217,7 +217,7 @@ def test_fused_fp8_projections_equal_them_apart(case: tuple[str, Path, Any]) -> 
     plain = EngramLlama(ckpt.config, lazy_weights(ckpt))
     fused = EngramLlama(ckpt.config, lazy_weights(ckpt), fuse_projections=True)
     fused.backbone_ops = TorchBackboneOps()
-    kinds, tensors = stored(folder), _folder_tensors(folder)
+    kinds, tensors = stored(folder), folder_tensors(folder)
     stacks = 0
     for i, layer in enumerate(fused.model.layers):
         for module, parts in ((layer.self_attn, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -275,14 +275,14 @@ Q = "model.layers.0.self_attn.q_proj"
 
 
 def _edit_tensors(folder: Path, change: Any) -> None:
-    tensors = _folder_tensors(folder)
+    tensors = folder_tensors(folder)
     change(tensors)
     for f in folder.glob("*.safetensors"):
         f.unlink()
     idx = folder / "model.safetensors.index.json"
     if idx.exists():
         idx.unlink()
-    _save_folder_as(folder, folder, tensors)
+    save_folder_as(folder, folder, tensors)
 
 
 BAD: dict[str, tuple[Any, str]] = {

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import word_tokenizer  # noqa: E402
+from helpers.checkpoints import word_tokenizer  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 256

@@ -24,7 +24,7 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import ple
 
-from conftest import create_plugin, harness_path, harness_scripts, serialized_twice
+from helpers.plugins import create_plugin, harness_path, harness_scripts, serialized_twice
 
 NAMESPACE = "engram_trt"
 FIELDS = ["hc_count", "hidden", "kernel", "dilation", "eps"]
@@ -203,7 +203,7 @@ def test_serialized_fields_are_pinned(harness) -> None:
 def test_plugin_through_the_harness(harness) -> None:
     """Output shapes and types, refused type mixes, getAliasedInput (the history output is
     conv_state's memory, build capability v2), the round trip, refused fields."""
-    helpers, check, h = harness
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 6 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    _helpers, check, h = harness
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 6
+    assert not results.failed(), results.failed()

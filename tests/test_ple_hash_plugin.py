@@ -28,9 +28,9 @@ from engram_trt.errors import EngramError
 from engram_trt.models import export
 from engram_trt.native import trt_compat
 
-from conftest import (PF_CHAR, PF_FLOAT32, PF_INT8, PF_INT16, PF_INT32, PF_INT64, add_field, drop_field,
-                      harness_path, harness_scripts, parse_plugin_graph, pf_scalar, pf_text, pf_written,
-                      plugin_builder_config, serialized_twice, set_field)
+from helpers.plugins import (PF_CHAR, PF_FLOAT32, PF_INT16, PF_INT32, PF_INT64, PF_INT8, add_field, drop_field,
+                             harness_path, harness_scripts, parse_plugin_graph, pf_scalar, pf_text, pf_written,
+                             plugin_builder_config, serialized_twice, set_field)
 
 NAME = "EngramPleHash"
 NAMESPACE = "engram_trt"

@@ -35,7 +35,7 @@ from engram_trt.distributed.sharding import ColumnShard, shard_columns
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
-from conftest import create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config
+from helpers.plugins import create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
@@ -520,7 +520,7 @@ def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: 
 
 # --- field validation through the registry's creators (createPlugin needs no GPU) -------
 
-# (plugin_fields and create_plugin: tests/conftest.py)
+# (plugin_fields and create_plugin: tests/helpers/plugins.py)
 
 def _text(values) -> str:
     return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))
@@ -766,10 +766,9 @@ def test_attention_plugin_through_the_harness(attention_harness) -> None:
     types, getAliasedInput (outputs 1 and 2 alias inputs 3 and 4, build capability v2), a
     serialize -> createPlugin(kRUNTIME) round trip and refused fields."""
     check, h = attention_harness
-    (helpers,) = _harness_scripts("helpers")
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 6 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 6
+    assert not results.failed(), results.failed()
 
 
 def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
@@ -968,10 +967,10 @@ def test_column_range_fields_through_the_harness(column_range_check) -> None:
     output shape [T, column_end - column_begin, head_dim], the values getFieldsToSerialize
     writes into an engine before and after a round trip, the defaults (every column of the
     whole table) and the refusals (one line, the field named, file:line)."""
-    check, common, h = column_range_check
-    with common.collect() as results:
-        check.check_column_range_cpu(h)
-    assert len(results) == 11 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    check, _common, h = column_range_check
+    results = check.check_column_range_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 11
+    assert not results.failed(), results.failed()
 
 
 def test_rank_share_gather_enqueue_validates_then_launches(column_range_check) -> None:

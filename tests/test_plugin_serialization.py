@@ -16,8 +16,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from conftest import (PF_CHAR, PF_FLOAT32, PF_FLOAT64, PF_INT8, PF_INT16, PF_INT32, PF_INT64, add_field, drop_field,
-                      harness_path, harness_scripts, pf_scalar, pf_text, pf_written, serialized_twice, set_field)
+from helpers.plugins import (PF_CHAR, PF_FLOAT32, PF_FLOAT64, PF_INT16, PF_INT32, PF_INT64, PF_INT8, add_field,
+                             drop_field, harness_path, harness_scripts, pf_scalar, pf_text, pf_written,
+                             serialized_twice, set_field)
 
 HARNESS = harness_path()
 

@@ -23,8 +23,8 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import qsa
 
-from conftest import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
-                      serialized_twice)
+from helpers.plugins import (create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config,
+                             serialized_twice)
 
 NAME = "EngramQsaAttention"
 NAMESPACE = "engram_trt"
@@ -129,10 +129,10 @@ def test_serialized_fields_are_pinned(harness) -> None:
 def test_plugin_through_the_harness(harness) -> None:
     """Output shapes and types, refused type mixes, getAliasedInput (the three caches,
     build capability v2), the round trip, refused fields (one line each)."""
-    helpers, check, h = harness
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 6 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    _helpers, check, h = harness
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 6
+    assert not results.failed(), results.failed()
 
 
 # --- TensorRT-RTX -------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 weights in their stored bytes, for the three architectures.
 
 The folders are the ones the FP8 / FP4 serving tests use: transformers 5.25's own FP8 save
-of tiny random engram-llama and Qwen4Exp models (tests/conftest.transformers_fp8_save),
+of tiny random engram-llama and Qwen4Exp models (tests/helpers/checkpoints.py: transformers_fp8_save),
 one laid out by the formats note with partial blocks (dims 320 / 200: not multiples of
 128), and DeepSeek-V4 / V4.1 laid out as the hub ships V4.1-Flash (FP8 linears with ue8m0
 128 x 128 scales, FP4 routed experts, DeepSeek's root names; one under transformers'
@@ -46,9 +46,11 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import (assert_served_tokens, dequantized_folder, engine_skip_reason, llm_greedy,  # noqa: E402
-                      require_tritonserver, run_json, start_serve, stop_serve, transformers_fp8_save,
-                      transformers_greedy, without_stale_scales, word_tokenizer)
+from helpers.checkpoints import (dequantized_folder, llm_greedy, transformers_fp8_save, transformers_greedy,  # noqa: E402
+                                 without_stale_scales, word_tokenizer)
+from helpers.cli import run_json  # noqa: E402
+from helpers.plugins import engine_skip_reason  # noqa: E402
+from helpers.serving import assert_served_tokens, require_tritonserver, start_serve, stop_serve  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 

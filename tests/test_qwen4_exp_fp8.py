@@ -2,7 +2,7 @@
 against transformers 5.25.
 
 Each case is a tiny random ``Qwen4ExpForCausalLM`` (every parameter drawn at random) that
-transformers saves, quantizes and saves again itself (:func:`conftest.transformers_fp8_save`):
+transformers saves, quantizes and saves again itself (:func:`helpers.checkpoints.transformers_fp8_save`):
 every linear whose dims divide by 128 stored F8_E4M3 with ``weight_scale_inv`` (attention
 q / o, the Gated DeltaNet in_proj_qkv / in_proj_z / out_proj, the hyper-connection mixes,
 the PLE key / value projections, the shared expert), the routed experts one F8_E4M3 tensor
@@ -17,7 +17,7 @@ the gate and up halves (their down_proj left float).
 The reference: transformers 5.25 cannot load its own FP8 Qwen4Exp save on a CPU (it
 reports the merged expert scales as unexpected and leaves the experts as FP8 bytes, which
 its grouped matmul refuses), so transformers loads the folder dequantized exactly per the
-format (:func:`conftest.dequantized_folder`); every weight transformers' own dequantizing
+format (:func:`helpers.checkpoints.dequantized_folder`); every weight transformers' own dequantizing
 load does read equals that dequantization bit for bit (the first test). engram-trt serves
 the FP8 folder through ``LLM`` and ``engram-trt run`` (greedy tokens equal), fp32 logits
 within 1e-4 relative on the CPU.
@@ -25,7 +25,7 @@ within 1e-4 relative on the CPU.
 FP8 PLE tables (transformers' ``FP8Embedding``, declared by ``modules_to_convert``): one
 float32 scale per table, the shards F8_E4M3 as ``torch.chunk`` splits them. transformers
 5.25 loads that layout on a CPU (the reference where the linears stay float) but cannot
-write it, so it is laid out under its names (:func:`conftest.fp8_ple_folder`); the stores
+write it, so it is laid out under its names (:func:`helpers.checkpoints.fp8_ple_folder`); the stores
 hold the FP8 bytes and the rows are dequantized after the gather.
 """
 
@@ -42,9 +42,10 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import (_folder_tensors, _save_folder_as, assert_fp32_logits_match, assert_run_refused,  # noqa: E402
-                      dequantized_folder, edit_config, fp8_ple_folder, llm_greedy, packed_greedy, run_json,
-                      transformers_fp8_save, transformers_greedy, without_stale_scales, word_tokenizer)
+from helpers.checkpoints import (assert_fp32_logits_match, dequantized_folder, edit_config, folder_tensors,  # noqa: E402
+                                 fp8_ple_folder, llm_greedy, packed_greedy, save_folder_as, transformers_fp8_save,
+                                 transformers_greedy, without_stale_scales, word_tokenizer)
+from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from test_qwen4_exp_parity import randomized  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
@@ -134,7 +135,7 @@ def test_folder_layout_and_the_reference_dequantization(case: tuple[str, Path, A
     assert ("model.layers.0.mlp.shared_expert.gate_proj.weight" in fp8) == (name == "ple-fp8-float-scales")
     if name == "ple-fp8-float-scales":
         assert {"model.layers.0.ple.key_proj.weight", "model.layers.0.ple.value_proj.weight"} <= fp8
-    tensors = _folder_tensors(folder)
+    tensors = folder_tensors(folder)
     I, E = (64, 6) if name == "experts-i64-straddle" else (128, 4)
     assert list(tensors["model.layers.0.mlp.experts.gate_up_proj_scale_inv"].shape) == [E, 2 * I // 128, 1]
     stripped = without_stale_scales(folder, tmp_path / "stripped")
@@ -180,7 +181,7 @@ def test_quantized_modules_hold_the_stored_bytes(case: tuple[str, Path, Any]) ->
     from engram_trt.quant.weight import QuantLinear
 
     name, folder, _ref = case
-    tensors = _folder_tensors(folder)
+    tensors = folder_tensors(folder)
     ckpt = open_checkpoint(folder)
     ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
     I = ours.config.moe_intermediate_size
@@ -272,14 +273,14 @@ L0 = "model.layers.0.mlp.experts"
 
 
 def _edit_tensors(folder: Path, change: Any) -> None:
-    tensors = _folder_tensors(folder)
+    tensors = folder_tensors(folder)
     change(tensors)
     for f in folder.glob("*.safetensors"):
         f.unlink()
     idx = folder / "model.safetensors.index.json"
     if idx.exists():
         idx.unlink()
-    _save_folder_as(folder, folder, tensors)
+    save_folder_as(folder, folder, tensors)
 
 
 BAD: dict[str, tuple[Any, str]] = {
@@ -390,7 +391,7 @@ def test_fp8_ple_stores_hold_the_bytes_and_dequantize_gathered_rows(fp8_ple: tup
     from engram_trt.tables.store import open_tables
 
     _variant, folder, _ref = fp8_ple
-    tensors = _folder_tensors(folder)
+    tensors = folder_tensors(folder)
     ckpt = open_checkpoint(folder)
     refs = ckpt.architecture.table_refs(ckpt)
     assert all(r.dtype == "F8_E4M3" and r.table_scale is not None for r in refs)
@@ -424,7 +425,7 @@ def test_fp8_ple_inspect_and_build(fp8_ple: tuple[str, Path, Any], capsys: Any, 
     assert main(["inspect", str(folder), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["problems"] == []
-    tensors = _folder_tensors(folder)
+    tensors = folder_tensors(folder)
     for e in report["ple"]["layers"]:
         stem = f"model.layers.{e['ple_layer_id'] - 1}.ple.ple_embedding.ngram_embedding"
         assert e["dtype"] == "F8_E4M3" and e["bytes"] == e["table_rows"] * e["width"]

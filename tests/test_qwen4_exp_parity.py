@@ -22,8 +22,9 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import (assert_bf16_logits_match, assert_fp32_logits_match, assert_run_refused, edit_config,  # noqa: E402
-                      llm_greedy, packed_greedy, run_json, transformers_greedy, word_tokenizer)
+from helpers.checkpoints import (assert_bf16_logits_match, assert_fp32_logits_match, edit_config, llm_greedy,  # noqa: E402
+                                 packed_greedy, transformers_greedy, word_tokenizer)
+from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 96

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import create_plugin, harness_path, harness_scripts, parse_plugin_graph
+from helpers.plugins import create_plugin, harness_path, harness_scripts, parse_plugin_graph
 
 HARNESS = harness_path()
 NAMESPACE = "engram_trt"
@@ -134,10 +134,10 @@ def harness():
 
 
 def test_plugin_through_the_harness(harness) -> None:
-    helpers, check, h = harness
-    with helpers.collect() as results:
-        check.check_plugin_cpu(h)
-    assert len(results) == 7 and all(r["ok"] for r in results), [r for r in results if not r["ok"]]
+    _helpers, check, h = harness
+    results = check.check_plugin_cpu(h)
+    assert list(results) == check.PLUGIN_CPU_CHECKS and len(results) == 7
+    assert all(ok for ok, _ in results.values()), {n: r for n, r in results.items() if not r[0]}
 
 
 @pytest.mark.parametrize("kind,limit", [("fp4", 7.0), ("fp8", 0.0)])

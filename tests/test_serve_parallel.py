@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from conftest import descendants, segments_mapped_by
+from helpers.serving import descendants, segments_mapped_by
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 

@@ -26,7 +26,7 @@ pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads 
 pytest.importorskip("transformers", reason="'transformers' is the reference tokenizer")
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 
-from conftest import require_tritonserver, start_serve, stop_serve  # noqa: E402
+from helpers.serving import require_tritonserver, start_serve, stop_serve  # noqa: E402
 from test_gguf_import import SMOL, _bpe_vocab, _spm_vocab, write_tiny_gguf  # noqa: E402
 
 from engram_trt.checkpoint.gguf_import import import_gguf  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from conftest import make_tiny_checkpoint
+from helpers.checkpoints import make_tiny_checkpoint
 
 from engram_trt.bench.steady import median_of
 from engram_trt.cli.main import main

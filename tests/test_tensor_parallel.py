@@ -47,7 +47,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from conftest import transformers_fp8_save, transformers_greedy, without_stale_scales, word_tokenizer  # noqa: E402
+from helpers.checkpoints import transformers_fp8_save, transformers_greedy, without_stale_scales, word_tokenizer  # noqa: E402
 
 NEW = 6  # greedy tokens per prompt
 TIMEOUT_S = 180.0
@@ -134,7 +134,7 @@ def _deepseek_quant(root: Path) -> Folder:
 def _deepseek_v41(root: Path) -> Folder:
     import test_deepseek_v4_parity as dp
 
-    from conftest import llm_greedy
+    from helpers.checkpoints import llm_greedy
 
     gen = torch.Generator().manual_seed(16)
     dp.save_v41(root / "dsv41", lambda rows, width: torch.randn(rows, width, generator=gen), seed=16)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import require_tritonserver, segments_mapped_by, start_serve, stop_serve
+from helpers.serving import require_tritonserver, segments_mapped_by, start_serve, stop_serve
 
 from engram_trt.errors import EngramError
 from engram_trt.triton import client as hc
@@ -747,7 +747,7 @@ def test_model_ends_a_request_with_nan_logits_in_one_error_and_serves_the_others
 
     from safetensors.torch import load_file, save_file
 
-    from conftest import REPO
+    from helpers.files import REPO
     from engram_trt import LLM, SamplingParams
     from engram_trt.triton.model import EngramTritonModel
     from engram_trt.triton.repo import model_parameters

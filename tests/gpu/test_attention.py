@@ -40,7 +40,7 @@ import pytest
 
 from .cases import ATTENTION_CASES
 
-from .helpers import Harness, record, say  # noqa: F401  (Harness: the CPU suite binds the harness through this module)
+from .helpers import Checks, Harness, say  # noqa: F401  (Harness: the CPU suite binds the harness through this module)
 
 DTYPES = ["bfloat16", "float16", "float32"]
 
@@ -186,7 +186,7 @@ def test_kernel(rng, dname, case) -> None:
                            torch.from_numpy(pos).to(dev), scale=scale, out=out)
     torch.cuda.synchronize()
     ok, detail = compare(label, out, ref, dname)
-    record(f"kernel step {dname} {label} T={T}", ok, detail)
+    assert ok, f"kernel step {dname} {label} T={T}: {detail}"
     # the write: exactly the rounded k / v rows at (slot, pos), nothing else touched
     want_k = kc.clone()
     want_v = vc.clone()
@@ -194,7 +194,7 @@ def test_kernel(rng, dname, case) -> None:
         want_k[slots[t], :, pos[t]] = k[t]
         want_v[slots[t], :, pos[t]] = v[t]
     same = torch.equal(bits(kc_d), bits(want_k)) and torch.equal(bits(vc_d), bits(want_v))
-    record(f"kernel KV write {dname} {label}: rows bit-exact, the rest untouched", same)
+    assert same, f"kernel KV write {dname} {label}: rows bit-exact, the rest untouched"
     # the two halves alone give the same bits as the step
     kc2, vc2 = kc.to(dev), vc.to(dev)
     ts, tp = torch.from_numpy(slots).to(dev), torch.from_numpy(pos).to(dev)
@@ -208,16 +208,17 @@ def test_kernel(rng, dname, case) -> None:
     ran = launched_kernels(lambda: attention_kernels.attention_packed(qd, kc2, vc2, ts, tp, scale=scale))
     warp = any("warpAttentionKernel" in n for n in ran)
     predicted = attention_kernels.warp_kernel_serves(qd, H, kvh)
-    record(f"kernel choice {dname} {label}: warp_kernel_serves() == the kernel launched", predicted == warp,
-           f"predicted {'warp' if predicted else 'tiled'}, ran {'warp' if warp else 'tiled'}")
+    assert predicted == warp, (
+        f"kernel choice {dname} {label}: warp_kernel_serves() == the kernel launched: "
+        f"predicted {'warp' if predicted else 'tiled'}, ran {'warp' if warp else 'tiled'}")
     with tiled_kernel():
         tiled = attention_kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
     torch.cuda.synchronize()
     ok, detail = compare(label, tiled, ref, dname)
-    record(f"kernel tiled (ENGRAM_TRT_ATTENTION_KERNEL=tiled) {dname} {label} T={T}", ok, detail)
-    record(f"kernel write + packed == step, repeat bit-identical {dname} {label}",
-           torch.equal(bits(out2), bits(out)) and torch.equal(bits(out3), bits(out2))
-           and torch.equal(bits(kc2), bits(kc_d)))
+    assert ok, f"kernel tiled (ENGRAM_TRT_ATTENTION_KERNEL=tiled) {dname} {label} T={T}: {detail}"
+    assert (torch.equal(bits(out2), bits(out)) and torch.equal(bits(out3), bits(out2))
+            and torch.equal(bits(kc2), bits(kc_d))), (
+        f"kernel write + packed == step, repeat bit-identical {dname} {label}")
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -251,9 +252,10 @@ def test_boundaries(rng, dname) -> None:
     untouched = torch.equal(bits(kc_d), bits(want_k)) and torch.equal(bits(vc_d), bits(want_v))
     # token 0 sits at position 0: its output is its own value row (softmax of one key)
     own = torch.equal(bits(out[0]), bits(v[0].repeat_interleave(H // kvh, dim=0)))
-    record(f"kernel bounds {dname}: out-of-cache slots/positions give zero rows and write nothing",
-           zero and ok and untouched and own, f"{detail} zero-rows={zero} cache-as-expected={untouched} "
-                                              f"pos0-is-own-value={own}")
+    assert zero and ok and untouched and own, (
+        f"kernel bounds {dname}: out-of-cache slots/positions give zero rows and write nothing: "
+        f"{detail} zero-rows={zero} cache-as-expected={untouched} "
+        f"pos0-is-own-value={own}")
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -287,8 +289,9 @@ def test_splits(rng, dname) -> None:
         torch.cuda.synchronize()
         ok, detail = compare("split", out, ref, dname)
         ok2, detail2 = compare("unsplit", unsplit, ref, dname)
-        record(f"kernel key splits {dname} {chunks}: split (workspace {ws} B) and unsplit both match",
-               status == 0 and ws > 0 and ok and ok2, f"split {detail}; unsplit {detail2}")
+        assert status == 0 and ws > 0 and ok and ok2, (
+            f"kernel key splits {dname} {chunks}: split (workspace {ws} B) and unsplit both match: "
+            f"split {detail}; unsplit {detail2}")
 
 
 def test_continuation(rng) -> None:
@@ -319,7 +322,7 @@ def test_continuation(rng) -> None:
         ok, detail = compare("continuation", out, ref, "float32")
         ok_all &= ok
         details.append(detail)
-    record("kernel a sequence continuing over three mixed steps", ok_all, " | ".join(details))
+    assert ok_all, "kernel a sequence continuing over three mixed steps: " + " | ".join(details)
 
 
 # --- plugin through the harness -----------------------------------------------------------
@@ -335,29 +338,41 @@ def attention_fields(H, kvh, hd, scale, **override):
     return [(name, ftype, data) for name, (ftype, data) in fields.items()]
 
 
-def check_plugin_cpu(harness: Harness) -> None:
+PLUGIN_CPU_CHECKS = [
+    "plugin EngramAttention getOutputShapes",
+    "plugin EngramAttention getOutputDataTypes: every output q's type",
+    "plugin EngramAttention refuses caches of another type than q",
+    "plugin EngramAttention getAliasedInput: cache outputs alias the cache inputs (build capability v2)",
+    "plugin EngramAttention serialize round trip",
+    "plugin EngramAttention refuses bad fields",
+]
+
+
+def check_plugin_cpu(harness: Harness) -> Checks:
+    """What TensorRT asks of EngramAttention before any enqueue (no GPU needed)."""
+    checks = Checks()
     H, kvh, hd, S, L = 32, 8, 128, 6, 1024
     h = harness.create("EngramAttention", attention_fields(H, kvh, hd, hd ** -0.5))
     in_shapes = [(50, H, hd), (50, kvh, hd), (50, kvh, hd), (S, kvh, L, hd), (S, kvh, L, hd), (50,), (50,)]
     shapes = harness.outputs_shapes(h, in_shapes, 3)
-    record("plugin EngramAttention getOutputShapes", shapes == [(50, H, hd), (S, kvh, L, hd), (S, kvh, L, hd)],
-           str(shapes))
+    checks.add("plugin EngramAttention getOutputShapes", shapes == [(50, H, hd), (S, kvh, L, hd), (S, kvh, L, hd)],
+               str(shapes))
     types = {}
     for io in ("bfloat16", "float16", "float32"):
         types[io] = harness.outputs_types(h, [DT[io]] * 5 + [DT["int32"]] * 2, 3) == [DT[io]] * 3
-    record("plugin EngramAttention getOutputDataTypes: every output q's type", all(types.values()), str(types))
+    checks.add("plugin EngramAttention getOutputDataTypes: every output q's type", all(types.values()), str(types))
     try:
         harness.outputs_types(h, [DT["bfloat16"]] * 3 + [DT["float16"]] * 2 + [DT["int32"]] * 2, 3)
-        record("plugin EngramAttention refuses caches of another type than q", False, "accepted")
+        checks.add("plugin EngramAttention refuses caches of another type than q", False, "accepted")
     except RuntimeError as exc:
-        record("plugin EngramAttention refuses caches of another type than q", "share one type" in str(exc),
-               str(exc)[:160])
+        checks.add("plugin EngramAttention refuses caches of another type than q", "share one type" in str(exc),
+                   str(exc)[:160])
     aliases = [harness.aliased_input(h, o) for o in range(3)]
-    record("plugin EngramAttention getAliasedInput: cache outputs alias the cache inputs (build capability v2)",
-           aliases == [(-1, 2), (3, 2), (4, 2)], str(aliases))
+    checks.add("plugin EngramAttention getAliasedInput: cache outputs alias the cache inputs (build capability v2)",
+               aliases == [(-1, 2), (3, 2), (4, 2)], str(aliases))
     h2 = harness.roundtrip(h)
-    record("plugin EngramAttention serialize round trip",
-           harness.outputs_shapes(h2, in_shapes, 3) == shapes and harness.aliased_input(h2, 1) == (3, 2))
+    checks.add("plugin EngramAttention serialize round trip",
+               harness.outputs_shapes(h2, in_shapes, 3) == shapes and harness.aliased_input(h2, 1) == (3, 2))
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = {}
@@ -376,16 +391,24 @@ def check_plugin_cpu(harness: Harness) -> None:
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = needle in str(exc) or str(exc)[:120]
-    record("plugin EngramAttention refuses bad fields", all(v is True for v in refused.values()), str(refused))
+    checks.add("plugin EngramAttention refuses bad fields", all(v is True for v in refused.values()), str(refused))
+    return checks
 
 
+@pytest.fixture(scope="module")
+def plugin_cpu(harness) -> Checks:
+    return check_plugin_cpu(harness)
 
-def test_plugin_cpu(harness) -> None:
-    check_plugin_cpu(harness)
+
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_plugin_cpu(plugin_cpu, name: str) -> None:
+    ok, detail = plugin_cpu[name]
+    assert ok, f"{name}: {detail}"
 
 
+@pytest.mark.parametrize("phase_name", ["build", "runtime (round trip)"])
 @pytest.mark.parametrize("dname", DTYPES)
-def test_plugin_gpu(rng, harness, dname) -> None:
+def test_plugin_gpu(rng, harness, dname, phase_name) -> None:
     import torch
 
     from engram_trt.native import attention as attention_kernels
@@ -404,35 +427,36 @@ def test_plugin_gpu(rng, harness, dname) -> None:
     in_types = [io] * 5 + [DT["int32"]] * 2
     ts, tp = torch.from_numpy(slots).to(dev), torch.from_numpy(pos).to(dev)
     want_ws = attention_kernels.attention_workspace_size(T, H, kvh, hd, L)
-    for phase_name, make in (("build", lambda h: h), ("runtime (round trip)", harness.roundtrip)):
-        base = harness.create("EngramAttention", attention_fields(H, kvh, hd, scale))
-        h = make(base)
-        # in place: the cache outputs are the cache inputs (what the aliasing gives)
-        kc_d, vc_d = kc.to(dev), vc.to(dev)
-        out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-        ws = harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, ts, tp], in_types, [out, kc_d, vc_d],
-                         [io] * 3, stream)
-        torch.cuda.synchronize()
-        ok, detail = compare("plugin", out, ref, dname)
-        cache_ok = np.array_equal(as64(kc_d), ref_k) and np.array_equal(as64(vc_d), ref_v)
-        record(f"plugin EngramAttention enqueue {dname} {phase_name}, caches aliased (in place)",
-               ok and cache_ok and ws == want_ws, f"{detail} caches-exact={cache_ok} workspace={ws} (want {want_ws})")
-        # separate output buffers: the plugin copies the cache over, the inputs stay untouched
-        kc_in, vc_in = kc.to(dev), vc.to(dev)
-        kc_out = torch.full_like(kc_in, float("nan"))
-        vc_out = torch.full_like(vc_in, float("nan"))
-        out2 = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-        harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_in, vc_in, ts, tp], in_types, [out2, kc_out, vc_out],
-                    [io] * 3, stream)
-        torch.cuda.synchronize()
-        inputs_same = torch.equal(bits(kc_in), bits(kc)) and torch.equal(bits(vc_in), bits(vc))
-        outputs_same = torch.equal(bits(kc_out), bits(kc_d)) and torch.equal(bits(vc_out), bits(vc_d))
-        record(f"plugin EngramAttention enqueue {dname} {phase_name}, separate cache outputs (copy fallback)",
-               torch.equal(bits(out2), bits(out)) and inputs_same and outputs_same,
-               f"inputs-untouched={inputs_same} outputs==in-place={outputs_same}")
-        if h != base:
-            harness.lib.harness_destroy(h)
-        harness.lib.harness_destroy(base)
+    make = {"build": lambda h: h, "runtime (round trip)": harness.roundtrip}[phase_name]
+    base = harness.create("EngramAttention", attention_fields(H, kvh, hd, scale))
+    h = make(base)
+    # in place: the cache outputs are the cache inputs (what the aliasing gives)
+    kc_d, vc_d = kc.to(dev), vc.to(dev)
+    out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
+    ws = harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, ts, tp], in_types, [out, kc_d, vc_d],
+                     [io] * 3, stream)
+    torch.cuda.synchronize()
+    ok, detail = compare("plugin", out, ref, dname)
+    cache_ok = np.array_equal(as64(kc_d), ref_k) and np.array_equal(as64(vc_d), ref_v)
+    assert ok and cache_ok and ws == want_ws, (
+        f"plugin EngramAttention enqueue {dname} {phase_name}, caches aliased (in place): "
+        f"{detail} caches-exact={cache_ok} workspace={ws} (want {want_ws})")
+    # separate output buffers: the plugin copies the cache over, the inputs stay untouched
+    kc_in, vc_in = kc.to(dev), vc.to(dev)
+    kc_out = torch.full_like(kc_in, float("nan"))
+    vc_out = torch.full_like(vc_in, float("nan"))
+    out2 = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
+    harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_in, vc_in, ts, tp], in_types, [out2, kc_out, vc_out],
+                [io] * 3, stream)
+    torch.cuda.synchronize()
+    inputs_same = torch.equal(bits(kc_in), bits(kc)) and torch.equal(bits(vc_in), bits(vc))
+    outputs_same = torch.equal(bits(kc_out), bits(kc_d)) and torch.equal(bits(vc_out), bits(vc_d))
+    assert torch.equal(bits(out2), bits(out)) and inputs_same and outputs_same, (
+        f"plugin EngramAttention enqueue {dname} {phase_name}, separate cache outputs (copy fallback): "
+        f"inputs-untouched={inputs_same} outputs==in-place={outputs_same}")
+    if h != base:
+        harness.lib.harness_destroy(h)
+    harness.lib.harness_destroy(base)
 
 
 
@@ -454,4 +478,6 @@ def test_timed_shape_agrees_with_sdpa(label) -> None:
     want = c.sdpa()
     torch.cuda.synchronize()
     rel = float((got.float() - want.float()).norm() / want.float().norm())
-    record(f"timing outputs agree with SDPA ({label})", rel < 1e-2, f"relative norm difference {rel:.2e}")
+    assert rel < 1e-2, (
+        f"timing outputs agree with SDPA ({label}): "
+        f"relative norm difference {rel:.2e}")

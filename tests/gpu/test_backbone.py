@@ -54,7 +54,7 @@ import pytest
 from .cases import (MODEL_OPTIONS, build_model, decode_case, decode_step, decode_variants, rel_err,
                                        variant_settings)
 
-from .helpers import U, check, note, record, say, ulp_distance, versus_torch, within  # noqa: F401
+from .helpers import U, combined, note, say, ulp_distance, versus_torch, within  # noqa: F401
 
 EPS = 1e-6
 ROPE_THETA = 10000.0
@@ -100,9 +100,9 @@ def norm_inputs(gen, device, T: int, hc: int, D: int, residual: bool) -> dict:
     return {"hs": hs, "residual": r, "weight": (1 + 0.1 * torch.randn(D, generator=gen, device=device)).to(torch.bfloat16)}
 
 
-def norm_verify(name: str, inputs: dict, got_out, got_hs) -> bool:
+def norm_verify(inputs: dict, got_out, got_hs) -> tuple[bool, str]:
     """The kernel's out and hs (after its in-place residual update) against the PyTorch
-    ops on the same inputs and against float64."""
+    ops on the same inputs and against float64: (ok, detail)."""
     import torch
 
     from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
@@ -116,7 +116,7 @@ def norm_verify(name: str, inputs: dict, got_out, got_hs) -> bool:
     if inputs["residual"] is not None:
         ok, detail = versus_torch(got_hs, hs_t, exact=True)
         parts.append((ok, "residual update " + detail.replace("vs torch ops: ", "")))
-    return check(name, *parts)
+    return combined(*parts)
 
 
 def rope_inputs(gen, device, T: int, H: int, kvh: int, hd: int, num_slots: int, max_len: int,
@@ -148,7 +148,7 @@ def rope_inputs(gen, device, T: int, H: int, kvh: int, hd: int, num_slots: int, 
             "values": torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)}
 
 
-def rope_verify(name: str, inputs: dict, got_q, got_keys, got_values) -> bool:
+def rope_verify(inputs: dict, got_q, got_keys, got_values) -> tuple[bool, str]:
     """q and the caches against the PyTorch ops (written cells within 1 ulp, every other
     cell and the V copy bit for bit) and against float64."""
     import torch
@@ -183,10 +183,10 @@ def rope_verify(name: str, inputs: dict, got_q, got_keys, got_values) -> bool:
     # cos/sin are per token ([T, 1, hd]): the tokens inside the cache take their own rows
     k_ref, k_bound = ref64(k[valid], cos[valid], sin[valid])
     k_got = got_keys[slots[valid], :, pos[valid]]
-    return check(name, versus_torch(got_q, q_t), within(got_q, q_ref, q_bound),
-                 (kv_ok, f"keys: written cells max {int(d[written].max()) if written.any() else 0} ulp from torch, "
-                         f"others max {untouched} ulp (must be 0), {int((~valid).sum())} tokens outside the cache"),
-                 (v_ok, "values " + v_detail.replace("vs torch ops: ", "")), within(k_got, k_ref, k_bound))
+    return combined(versus_torch(got_q, q_t), within(got_q, q_ref, q_bound),
+                    (kv_ok, f"keys: written cells max {int(d[written].max()) if written.any() else 0} ulp from torch, "
+                            f"others max {untouched} ulp (must be 0), {int((~valid).sum())} tokens outside the cache"),
+                    (v_ok, "values " + v_detail.replace("vs torch ops: ", "")), within(k_got, k_ref, k_bound))
 
 
 def silu_inputs(gen, device, T: int, I: int) -> dict:
@@ -199,84 +199,97 @@ def silu_inputs(gen, device, T: int, I: int) -> dict:
     return {"gate_up": gu.to(torch.bfloat16)}
 
 
-def silu_verify(name: str, inputs: dict, got) -> bool:
+def silu_verify(inputs: dict, got) -> tuple[bool, str]:
     from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
 
     gu = inputs["gate_up"]
     want = TorchBackboneOps().silu_mul(gu)
     g, u = gu.double().chunk(2, dim=-1)
     ref = g / (1 + (-g).exp()) * u
-    return check(name, versus_torch(got, want), within(got, ref, (2 * U * (1 + U) + 2.0 ** -20) * ref.abs() + 1e-30))
+    return combined(versus_torch(got, want), within(got, ref, (2 * U * (1 + U) + 2.0 ** -20) * ref.abs() + 1e-30))
 
 
 # --- 2. ABI (no GPU) -------------------------------------------------------------------------------
 
-def check_abi() -> None:
-    """The entry points refuse bad arguments on the host before any CUDA call."""
+_P = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
+_OUT = ctypes.c_void_p(1 << 40)
+
+
+def backbone_abi(entry: str, **args) -> tuple[int, str]:
+    """One of the three entry points (``norm``, ``silu``, ``rope``) called with the
+    arguments of a good call but ``args``: (status, its last error)."""
     from engram_trt.native import attention as attention_kernels
     from engram_trt.native import backbone as backbone_kernels
 
     lib = backbone_kernels.library()
     attention_kernels.library()
-    p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
 
-    def last(status: int) -> tuple[int, str]:
-        return status, lib.engram_last_error().decode()
+    def norm(hs=_P, residual=None, weight=_P, T=4, hc=4, D=2048, eps=1e-6, out=_OUT):
+        return lib.engram_hc_rms_norm(hs, residual, weight, T, hc, D, ctypes.c_float(eps), out, None)
 
-    def norm(hs=p, residual=None, weight=p, T=4, hc=4, D=2048, eps=1e-6, out=ctypes.c_void_p(1 << 40)):
-        return last(lib.engram_hc_rms_norm(hs, residual, weight, T, hc, D, ctypes.c_float(eps), out, None))
+    def silu(gu=_P, T=4, I=5632, out=_OUT):
+        return lib.engram_silu_mul(gu, T, I, out, None)
 
-    cases = [
-        ("norm: hc_mult 0", norm(hc=0), (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= 16384 "
-                                            "(got 0, 2048)")),
-        ("norm: hidden 16385", norm(D=16385), (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= "
-                                                  "16384 (got 4, 16385)")),
-        ("norm: eps NaN", norm(eps=float("nan")), (1, "engram_hc_rms_norm: eps must be finite and >= 0 (got nan)")),
-        ("norm: -1 tokens", norm(T=-1), (1, "engram_hc_rms_norm: num_tokens must be in [0, 2^31 - 1] (got -1)")),
-        ("norm: NULL hs", norm(hs=None), (1, "engram_hc_rms_norm: hs, weight and out must be bf16 device pointers")),
-        ("norm: odd residual address", norm(residual=ctypes.c_void_p(17)),
-         (1, "engram_hc_rms_norm: residual must be NULL or a bf16 device pointer")),
-        ("norm: out inside hs", norm(out=ctypes.c_void_p(16 + 2048)),
-         (1, "engram_hc_rms_norm: out, hs and residual must not overlap")),
-        ("norm: zero tokens", norm(T=0, hs=None), (0, "")),
-    ]
-    silu = lambda gu=p, T=4, I=5632, out=ctypes.c_void_p(1 << 40): last(lib.engram_silu_mul(gu, T, I, out, None))  # noqa: E731
-    cases += [
-        ("silu: intermediate 0", silu(I=0), (1, "engram_silu_mul: need num_tokens >= 0 and intermediate_size >= 1 "
-                                               "(got 4, 0)")),
-        ("silu: NULL out", silu(out=None), (1, "engram_silu_mul: gate_up and out must be bf16 device pointers")),
-        ("silu: out inside gate_up", silu(out=ctypes.c_void_p(16 + 4 * 5632)),
-         (1, "engram_silu_mul: out must not overlap gate_up")),
-        ("silu: zero tokens", silu(T=0, gu=None), (0, "")),
-    ]
-    rope_fn = lib.engram_rope_kv_cache_write
+    def rope(T=4, H=16, kvh=8, hd=128, slot=_P, q_out=_OUT):
+        return lib.engram_rope_kv_cache_write(_P, _P, _P, slot, _P, T, H, kvh, hd, _P, _P, 4, 256, q_out, None)
 
-    def rope(T=4, H=16, kvh=8, hd=128, slot=p, q_out=ctypes.c_void_p(1 << 40)):
-        return last(rope_fn(p, p, p, slot, p, T, H, kvh, hd, p, p, 4, 256, q_out, None))
+    status = {"norm": norm, "silu": silu, "rope": rope}[entry](**args)
+    return status, lib.engram_last_error().decode()
 
-    cases += [
-        ("rope: heads 6 / 4", rope(H=6, kvh=4), (1, "engram_rope_kv_cache_write: num_heads must be a positive multiple "
-                                                   "of num_kv_heads (got num_heads 6, num_kv_heads 4)")),
-        ("rope: head_dim 264", rope(hd=264), (1, "engram_rope_kv_cache_write: head_dim must be a multiple of 8 in "
-                                                 "[8, 256] (got 264)")),
-        ("rope: NULL token_slot", rope(slot=None), (1, "engram_rope_kv_cache_write: token_slot and token_pos must be "
-                                                       "int32 device arrays")),
-        ("rope: misaligned q_out", rope(q_out=ctypes.c_void_p(24)),
-         (1, "engram_rope_kv_cache_write: qkv, cos, sin, key_cache, value_cache and q_out must be 16-byte aligned "
-             "device pointers")),
-        ("rope: q_out inside qkv", rope(q_out=ctypes.c_void_p(16 + 4096)),
-         (1, "engram_rope_kv_cache_write: q_out must not overlap qkv")),
-        ("rope: zero tokens", rope(T=0), (0, "")),
-    ]
-    for name, got, want in cases:
-        record(f"abi {name}", got == want, f"got {got}" + ("" if got == want else f", want {want}"))
+
+# (name, entry point, the arguments that differ from a good call, (status, last error) wanted):
+# the entry points refuse bad arguments on the host before any CUDA call.
+ABI_CASES = [
+    ("norm: hc_mult 0", "norm", {"hc": 0}, (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= 16384 "
+                                                "(got 0, 2048)")),
+    ("norm: hidden 16385", "norm", {"D": 16385}, (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= "
+                                                     "16384 (got 4, 16385)")),
+    ("norm: eps NaN", "norm", {"eps": float("nan")}, (1, "engram_hc_rms_norm: eps must be finite and >= 0 (got nan)")),
+    ("norm: -1 tokens", "norm", {"T": -1}, (1, "engram_hc_rms_norm: num_tokens must be in [0, 2^31 - 1] (got -1)")),
+    ("norm: NULL hs", "norm", {"hs": None}, (1, "engram_hc_rms_norm: hs, weight and out must be bf16 device pointers")),
+    ("norm: odd residual address", "norm", {"residual": ctypes.c_void_p(17)},
+     (1, "engram_hc_rms_norm: residual must be NULL or a bf16 device pointer")),
+    ("norm: out inside hs", "norm", {"out": ctypes.c_void_p(16 + 2048)},
+     (1, "engram_hc_rms_norm: out, hs and residual must not overlap")),
+    ("norm: zero tokens", "norm", {"T": 0, "hs": None}, (0, "")),
+    ("silu: intermediate 0", "silu", {"I": 0}, (1, "engram_silu_mul: need num_tokens >= 0 and intermediate_size >= 1 "
+                                                   "(got 4, 0)")),
+    ("silu: NULL out", "silu", {"out": None}, (1, "engram_silu_mul: gate_up and out must be bf16 device pointers")),
+    ("silu: out inside gate_up", "silu", {"out": ctypes.c_void_p(16 + 4 * 5632)},
+     (1, "engram_silu_mul: out must not overlap gate_up")),
+    ("silu: zero tokens", "silu", {"T": 0, "gu": None}, (0, "")),
+    ("rope: heads 6 / 4", "rope", {"H": 6, "kvh": 4},
+     (1, "engram_rope_kv_cache_write: num_heads must be a positive multiple of num_kv_heads (got num_heads 6, "
+         "num_kv_heads 4)")),
+    ("rope: head_dim 264", "rope", {"hd": 264}, (1, "engram_rope_kv_cache_write: head_dim must be a multiple of 8 in "
+                                                    "[8, 256] (got 264)")),
+    ("rope: NULL token_slot", "rope", {"slot": None}, (1, "engram_rope_kv_cache_write: token_slot and token_pos must "
+                                                          "be int32 device arrays")),
+    ("rope: misaligned q_out", "rope", {"q_out": ctypes.c_void_p(24)},
+     (1, "engram_rope_kv_cache_write: qkv, cos, sin, key_cache, value_cache and q_out must be 16-byte aligned "
+         "device pointers")),
+    ("rope: q_out inside qkv", "rope", {"q_out": ctypes.c_void_p(16 + 4096)},
+     (1, "engram_rope_kv_cache_write: q_out must not overlap qkv")),
+    ("rope: zero tokens", "rope", {"T": 0}, (0, "")),
+]
+
+
+@pytest.mark.parametrize("name, entry, args, want", ABI_CASES, ids=[c[0] for c in ABI_CASES])
+def test_abi(name: str, entry: str, args: dict, want: tuple[int, str]) -> None:
+    got = backbone_abi(entry, **args)
+    assert got == want, f"abi {name}: got {got}, want {want}"
 
 
 # --- 3. the reference itself, on the CPU ------------------------------------------------------------
 
-def check_reference_cpu() -> None:
-    """The bounds hold for the PyTorch bf16 ops themselves (CPU), so a kernel that matches
-    those ops within an ulp passes them: T 1 and 64, hc 1 and 4."""
+# The bounds hold for the PyTorch bf16 ops themselves (CPU), so a kernel that matches those
+# ops within an ulp passes them: T 1 and 64, hc 1 and 4.
+REFERENCE_CASES = [("norm", (1, 4, 2048)), ("norm", (64, 4, 256)), ("norm", (64, 1, 1000)),
+                   ("rope", (1, 16, 8, 128)), ("rope", (64, 4, 2, 40)), ("silu", (1, 5632)), ("silu", (64, 13))]
+
+
+def check_reference_cpu(kind: str, dims: tuple) -> None:
+    """One case of REFERENCE_CASES: the PyTorch bf16 op on the CPU within the float64 bound."""
     import torch
 
     from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
@@ -284,21 +297,33 @@ def check_reference_cpu() -> None:
 
     gen = torch.Generator().manual_seed(7)
     cpu = torch.device("cpu")
-    for T, hc, D in ((1, 4, 2048), (64, 4, 256), (64, 1, 1000)):
+    if kind == "norm":
+        T, hc, D = dims
         inputs = norm_inputs(gen, cpu, T, hc, D, residual=True)
         hs = inputs["hs"].clone()
         out = TorchBackboneOps().norm(hs, inputs["residual"], norm_module(inputs["weight"], EPS))
-        norm_verify(f"reference norm T={T} hc={hc} D={D} +residual (cpu)", inputs, out, hs)
-    for T, H, kvh, hd in ((1, 16, 8, 128), (64, 4, 2, 40)):
+        ok, detail = norm_verify(inputs, out, hs)
+        assert ok, f"reference norm T={T} hc={hc} D={D} +residual (cpu): {detail}"
+    elif kind == "rope":
+        T, H, kvh, hd = dims
         inputs = rope_inputs(gen, cpu, T, H, kvh, hd, 8, 64, out_of_cache=False)
         q, k, v = (x.reshape(T, -1, hd) for x in inputs["qkv"].split([H * hd, kvh * hd, kvh * hd], dim=-1))
         keys, values = inputs["keys"].clone(), inputs["values"].clone()
         plan = SimpleNamespace(token_slots=inputs["slots"].long(), positions=inputs["pos"].long())
         got_q = rope_and_write(q, k, v, inputs["cos"], inputs["sin"], plan, keys, values)
-        rope_verify(f"reference rope T={T} heads {H}/{kvh}/{hd} (cpu)", inputs, got_q, keys, values)
-    for T, I in ((1, 5632), (64, 13)):
+        ok, detail = rope_verify(inputs, got_q, keys, values)
+        assert ok, f"reference rope T={T} heads {H}/{kvh}/{hd} (cpu): {detail}"
+    else:
+        T, I = dims
         inputs = silu_inputs(gen, cpu, T, I)
-        silu_verify(f"reference silu T={T} I={I} (cpu)", inputs, TorchBackboneOps().silu_mul(inputs["gate_up"]))
+        ok, detail = silu_verify(inputs, TorchBackboneOps().silu_mul(inputs["gate_up"]))
+        assert ok, f"reference silu T={T} I={I} (cpu): {detail}"
+
+
+@pytest.mark.parametrize("kind, dims", REFERENCE_CASES,
+                         ids=[f"{k}-{'x'.join(map(str, d))}" for k, d in REFERENCE_CASES])
+def test_reference_cpu(kind: str, dims: tuple) -> None:
+    check_reference_cpu(kind, dims)
 
 
 # --- 4. kernels on the GPU ----------------------------------------------------------------------------
@@ -325,35 +350,50 @@ def run_silu(inputs: dict, misaligned: bool = False):
     return backbone_kernels.silu_mul(placed(inputs["gate_up"], misaligned))
 
 
-def check_kernels(gen) -> None:
+# (T, hc, D, residual, misaligned): D 2048 at each T / hc / residual, then odd D (+residual)
+NORM_CASES = [(T, hc, 2048, residual, False) for T in (1, 64, 256, 8192) for hc in (1, 4) for residual in (False, True)]
+NORM_CASES += [(T, hc, D, True, misaligned) for T, hc, D, misaligned in (
+    (64, 4, 2047, False), (64, 4, 1000, False), (64, 4, 3, False), (64, 3, 4096, False), (16, 4, 16384, False),
+    (64, 4, 2048, True), (256, 1, 2047, True))]
+# (T, H, kvh, hd, slots, max_len)
+ROPE_CASES = [(1, 16, 8, 128, 4, 64), (64, 16, 8, 128, 8, 256), (256, 16, 8, 128, 8, 512), (8192, 16, 8, 128, 8, 2048),
+              (64, 32, 8, 128, 4, 64), (64, 4, 4, 64, 4, 64), (64, 16, 8, 256, 4, 64), (64, 8, 2, 40, 4, 64),
+              (16, 2, 1, 8, 2, 32)]
+# (T, I, misaligned)
+SILU_CASES = [(1, 5632, False), (64, 5632, False), (256, 5632, False), (8192, 5632, False), (64, 1000, False),
+              (64, 13, False), (3, 1, False), (64, 5632, True)]
+
+
+@pytest.mark.parametrize("T, hc, D, residual, misaligned", NORM_CASES)
+def test_norm_kernel(gen, T: int, hc: int, D: int, residual: bool, misaligned: bool) -> None:
     import torch
 
-    dev = torch.device("cuda")
-    for T in (1, 64, 256, 8192):
-        for hc in (1, 4):
-            for residual in (False, True):
-                inputs = norm_inputs(gen, dev, T, hc, 2048, residual)
-                out, hs = run_norm(inputs)
-                norm_verify(f"norm T={T} hc={hc} D=2048{' +residual' if residual else ''}", inputs, out, hs)
-    for T, hc, D, misaligned in ((64, 4, 2047, False), (64, 4, 1000, False), (64, 4, 3, False), (64, 3, 4096, False),
-                                 (16, 4, 16384, False), (64, 4, 2048, True), (256, 1, 2047, True)):
-        inputs = norm_inputs(gen, dev, T, hc, D, True)
-        out, hs = run_norm(inputs, misaligned)
-        norm_verify(f"norm T={T} hc={hc} D={D} +residual{' misaligned' if misaligned else ''}", inputs, out, hs)
-
-    for T, H, kvh, hd, slots, max_len in ((1, 16, 8, 128, 4, 64), (64, 16, 8, 128, 8, 256), (256, 16, 8, 128, 8, 512),
-                                          (8192, 16, 8, 128, 8, 2048), (64, 32, 8, 128, 4, 64), (64, 4, 4, 64, 4, 64),
-                                          (64, 16, 8, 256, 4, 64), (64, 8, 2, 40, 4, 64), (16, 2, 1, 8, 2, 32)):
-        inputs = rope_inputs(gen, dev, T, H, kvh, hd, slots, max_len)
-        rope_verify(f"rope+kv T={T} heads {H}/{kvh}/{hd} cache {slots}x{max_len}", inputs, *run_rope(inputs))
-
-    for T, I, misaligned in ((1, 5632, False), (64, 5632, False), (256, 5632, False), (8192, 5632, False),
-                             (64, 1000, False), (64, 13, False), (3, 1, False), (64, 5632, True)):
-        inputs = silu_inputs(gen, dev, T, I)
-        silu_verify(f"silu*up T={T} I={I}{' misaligned' if misaligned else ''}", inputs, run_silu(inputs, misaligned))
+    inputs = norm_inputs(gen, torch.device("cuda"), T, hc, D, residual)
+    out, hs = run_norm(inputs, misaligned)
+    ok, detail = norm_verify(inputs, out, hs)
+    assert ok, f"norm T={T} hc={hc} D={D}{' +residual' if residual else ''}{' misaligned' if misaligned else ''}: " \
+               f"{detail}"
 
 
-def check_graph(gen, rounds: int = 3) -> None:
+@pytest.mark.parametrize("T, H, kvh, hd, slots, max_len", ROPE_CASES)
+def test_rope_kernel(gen, T: int, H: int, kvh: int, hd: int, slots: int, max_len: int) -> None:
+    import torch
+
+    inputs = rope_inputs(gen, torch.device("cuda"), T, H, kvh, hd, slots, max_len)
+    ok, detail = rope_verify(inputs, *run_rope(inputs))
+    assert ok, f"rope+kv T={T} heads {H}/{kvh}/{hd} cache {slots}x{max_len}: {detail}"
+
+
+@pytest.mark.parametrize("T, I, misaligned", SILU_CASES)
+def test_silu_kernel(gen, T: int, I: int, misaligned: bool) -> None:
+    import torch
+
+    inputs = silu_inputs(gen, torch.device("cuda"), T, I)
+    ok, detail = silu_verify(inputs, run_silu(inputs, misaligned))
+    assert ok, f"silu*up T={T} I={I}{' misaligned' if misaligned else ''}: {detail}"
+
+
+def test_graph(gen, rounds: int = 3) -> None:
     """The three kernels captured in one CUDA graph on static buffers, replayed with new
     data, positions and slots each round."""
     import torch
@@ -385,11 +425,14 @@ def check_graph(gen, rounds: int = 3) -> None:
         graph.replay()
         torch.cuda.synchronize()
         out, q, silu = outputs
-        norm_verify(f"graph replay {rnd + 1}: norm T=64 hc=4 D=2048 +residual", fresh["norm"], out, static["norm"]["hs"])
-        rope_verify(f"graph replay {rnd + 1}: rope+kv T=64 heads 16/8/128, new slots and positions", fresh["rope"], q,
-                    static["rope"]["keys"], static["rope"]["values"])
-        silu_verify(f"graph replay {rnd + 1}: silu*up T=64 I=5632", fresh["silu"], silu)
-
+        results = {
+            f"graph replay {rnd + 1}: norm T=64 hc=4 D=2048 +residual":
+                norm_verify(fresh["norm"], out, static["norm"]["hs"]),
+            f"graph replay {rnd + 1}: rope+kv T=64 heads 16/8/128, new slots and positions":
+                rope_verify(fresh["rope"], q, static["rope"]["keys"], static["rope"]["values"]),
+            f"graph replay {rnd + 1}: silu*up T=64 I=5632": silu_verify(fresh["silu"], silu)}
+        failed = {name: detail for name, (ok, detail) in results.items() if not ok}
+        assert not failed, "; ".join(f"{name}: {detail}" for name, detail in failed.items())
 
 
 # --- 5. the 1.15B model -----------------------------------------------------------------------------
@@ -438,14 +481,14 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
     kernels = model.backbone_ops
     fused = all(layer.self_attn.fused_weight() is not None and layer.mlp.fused_weight() is not None
                 for layer in model.model.layers)
-    record("1.15B model: fused projections and the kernel library selected", kernels is not None and fused,
-           model.backend_name)
+    assert kernels is not None and fused, (
+        f"1.15B model: fused projections and the kernel library selected: {model.backend_name}")
     names = [n for n, _ in model.named_parameters()]
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
-    record("1.15B model: parameter names are the checkpoint's, no weight stored twice",
-           sorted(names) == sorted(model_weight_shapes(cfg)) and sum(storages.values()) == info["weight_bytes"],
-           f"{len(names)} parameters in {len(storages)} allocations of {sum(storages.values()) / 2**30:.3f} GiB, "
-           f"the parameters {info['weight_bytes'] / 2**30:.3f} GiB")
+    assert sorted(names) == sorted(model_weight_shapes(cfg)) and sum(storages.values()) == info["weight_bytes"], (
+        "1.15B model: parameter names are the checkpoint's, no weight stored twice: "
+        f"{len(names)} parameters in {len(storages)} allocations of {sum(storages.values()) / 2**30:.3f} GiB, "
+        f"the parameters {info['weight_bytes'] / 2**30:.3f} GiB")
 
     gen = torch.Generator().manual_seed(seed)
     lens = [37, 64, 5, 100]
@@ -484,28 +527,29 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
             model.backbone_ops = ops
             with variant_settings(name):
                 out = graphs[name].run(step, None) if in_graph and k > 0 else None
-            if in_graph and k > 0 and out is None:
-                record(f"{name}: {label} replayed from a graph", False, graphs[name].failed or "not replayed")
+            assert not (in_graph and k > 0 and out is None), (
+                f"{name}: {label} replayed from a graph: {graphs[name].failed or 'not replayed'}")
             logits[name] = (out if out is not None else model.forward_step(step, caches[name])).float().clone()
         model.backbone_ops = kernels
         base = rel_err(logits["unfused eager"], ref)
         if k > 0:
             same = torch.equal(logits["fused graphs"], logits["fused graphs, lookup apart"])
-            record(f"1.15B {label}: the lookup forked in one graph of the step gives the separate lookup graphs' logits",
-                   same and graphs["fused graphs"].handles_lookup(step),
-                   f"bit-identical={same}; GPU lookup in the graphs={graphs['fused graphs'].handles_lookup(step)}")
+            assert same and graphs["fused graphs"].handles_lookup(step), (
+                f"1.15B {label}: the lookup forked in one graph of the step gives the separate lookup graphs' logits: "
+                f"bit-identical={same}; GPU lookup in the graphs={graphs['fused graphs'].handles_lookup(step)}")
         for name in ("fused eager", "fused graphs", "unfused graphs", "fused graphs over copies",
                      "fused graphs, lookup apart"):
             err = rel_err(logits[name], ref)
             worst[name] = max(worst.get(name, 0.0), err)
             ok = err <= 1.5 * base + 2e-3 and bool(torch.isfinite(logits[name]).all())
-            record(f"1.15B {label}: {name} vs float32 twin", ok,
-                   f"rel L2 {err:.3e} (unfused eager {base:.3e}; vs unfused eager "
-                   f"{rel_err(logits[name], logits['unfused eager']):.3e}); argmax agrees with the twin on "
-                   f"{int((logits[name].argmax(-1) == ref.argmax(-1)).sum())}/{S}")
+            assert ok, (
+                f"1.15B {label}: {name} vs float32 twin: "
+                f"rel L2 {err:.3e} (unfused eager {base:.3e}; vs unfused eager "
+                f"{rel_err(logits[name], logits['unfused eager']):.3e}); argmax agrees with the twin on "
+                f"{int((logits[name].argmax(-1) == ref.argmax(-1)).sum())}/{S}")
     for name, g in graphs.items():
-        record(f"1.15B decode graphs recorded and replayed ({name})", g.failed is None and g.replays == steps,
-               g.failed or f"{g.replays} replays")
+        assert g.failed is None and g.replays == steps, (
+            f"1.15B decode graphs recorded and replayed ({name}): {g.failed or f'{g.replays} replays'}")
     note("model", {"worst_rel_l2_vs_float32": worst, "backend": model.backend_name})
     model.backbone_ops = kernels
     del twin_cache, graphs, caches
@@ -527,28 +571,13 @@ def twin_logits(twin: Any, cache: Any, step: Any, B: int, past: int) -> Any:
 
 # --- the tests ---------------------------------------------------------------------------------------
 
-def test_abi() -> None:
-    check_abi()
-
-
-def test_reference_cpu() -> None:
-    check_reference_cpu()
-
-
-def test_kernels(gen) -> None:
-    import torch
-
-    say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    check_kernels(gen)
-
-
-def test_graph(gen) -> None:
-    check_graph(gen)
-
-
 def test_model(model_1b, twin, test_seed: int) -> None:
     model, layout, info = model_1b
-    check_model(model, layout, info, test_seed, twin)
+    kernels = model.backbone_ops
+    try:
+        check_model(model, layout, info, test_seed, twin)
+    finally:  # a failed check leaves the module's model as the next test needs it
+        model.backbone_ops = kernels
 
 
 @pytest.mark.parametrize("B", [1, 64, 256])
@@ -579,18 +608,20 @@ def test_decode_variants(model_1b, twin, B: int) -> None:
                 for _ in range(3):  # the bench's warm-up: the graph recorded, then replayed
                     one()
                 last[name] = one().float().clone()  # a graph's output buffer: the next replay overwrites it
-            record(f"decode {B}: {name} step replayed from a CUDA graph", graphs.failed is None and graphs.replays > 0,
-                   graphs.failed or f"{graphs.replays} replays")
+            assert graphs.failed is None and graphs.replays > 0, (
+                f"decode {B}: {name} step replayed from a CUDA graph: "
+                f"{graphs.failed or f'{graphs.replays} replays'}")
         model.backbone_ops = kernels
         rel = rel_err(last["fused"], last["unfused"])
-        record(f"decode {B}: fused vs unfused logits on the timed step", rel < 3e-2, f"rel L2 {rel:.3e}")
+        assert rel < 3e-2, f"decode {B}: fused vs unfused logits on the timed step: rel L2 {rel:.3e}"
         ref = twin_logits(twin, cache, step, B, past)
         base = rel_err(last["unfused"], ref)
         for name in last:
             if name != "unfused":
                 err = rel_err(last[name], ref)
-                record(f"decode {B}: {name} vs the float32 twin on the timed step", err <= 1.5 * base + 2e-3,
-                       f"rel L2 {err:.3e} (unfused {base:.3e}); vs unfused {rel_err(last[name], last['unfused']):.3e}")
+                assert err <= 1.5 * base + 2e-3, (
+                    f"decode {B}: {name} vs the float32 twin on the timed step: "
+                    f"rel L2 {err:.3e} (unfused {base:.3e}); vs unfused {rel_err(last[name], last['unfused']):.3e}")
     finally:
         model.backbone_ops = kernels
         model.engram_enabled = True

@@ -35,10 +35,9 @@ import itertools
 from typing import Any, Callable
 
 import numpy as np
+import pytest
 
-from .helpers import fp8_table, record
-
-Record = Callable[[str, bool, str], None]
+from .helpers import fp8_table
 
 
 def _ids(rng, kind: str, n: int, rows: int) -> np.ndarray:
@@ -71,49 +70,50 @@ POLICY_CASES = [
 ]
 
 
-def compare_policies(dev: Any, record: Record, *, fused: bool = True, seed: int = 3) -> None:
-    """POLICY_CASES through a policy on ``dev`` (fused kernels, or the reference with
-    ``fused=False``: the harness alone) against the CPU reference, state by state."""
+def compare_policy(dev: Any, ci: int, *, fused: bool = True, seed: int = 3) -> tuple[bool, str]:
+    """POLICY_CASES[ci] through a policy on ``dev`` (fused kernels, or the reference with
+    ``fused=False``: the harness alone) against the CPU reference, state by state: (ok,
+    detail)."""
     import torch
 
     from engram_trt.cache.policy import CachePolicy
 
-    rng = np.random.default_rng(seed)
-    for ci, (name, rows, cap, budget, factor, decay, every, steps) in enumerate(POLICY_CASES):
-        warm = ci == 1  # the full-cache case starts warm: offline counts, top rows preloaded
-        counts = np.bincount(_ids(rng, "zipf", 100_000, rows), minlength=rows) if warm else None
-        kw = dict(admit_budget=budget, sample_factor=factor, decay_every=decay, seed=seed, max_step_rows=196_608,
-                  initial_counts=counts)
-        gpu = CachePolicy(rows, cap, device=dev, fused=fused, **kw)
-        ref = CachePolicy(rows, cap, device="cpu", **kw)
-        ok, why, misses = True, "", 0
-        try:
-            for k, (kind, n) in enumerate(steps):
-                ids = torch.from_numpy(_ids(rng, kind, n, rows))
-                on_dev = k % 2 == 1 and n > 0
-                gp = gpu.plan(ids.to(dev) if on_dev else ids.pin_memory() if dev.type == "cuda" and n else ids)
-                rp = ref.plan(ids, miss_order=gp.miss_rows.cpu())
-                same = (torch.equal(gp.positions.cpu(), rp.positions) and gp.num_unique == rp.num_unique
-                        and gp.num_miss == rp.num_miss and torch.equal(gp.miss_rows_host.clone(), rp.miss_rows_host))
-                replace = (gpu.steps + 1) % every == 0
-                gpu.finish(gp, replace=replace)
-                ref.finish(rp, replace=replace)
-                gs, rs = gpu.state(), ref.state()
-                diff = [key for key in gs if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor)
-                                                  else gs[key] == rs[key])]
-                misses += rp.num_miss
-                if not same or diff:
-                    ok, why = False, f"step {k}: plan equal {same}, state differs in {diff}"
-                    break
-            gpu.check_invariants()
-        except Exception as exc:  # a miss order that is no permutation of the misses, an invariant
-            ok, why = False, f"{type(exc).__name__}: {exc}"
-        detail = why or (f"{len(steps)} steps, {misses} misses, filled {ref.filled}/{cap}, "
-                         f"replaced {ref.evicted}" + (f", warm start of {ref.preloaded} rows" if warm else ""))
-        record(f"cache policy {'fused kernels' if fused else 'reference'} == CPU reference: {name}", ok, detail)
+    rng = np.random.default_rng([seed, ci])
+    name, rows, cap, budget, factor, decay, every, steps = POLICY_CASES[ci]
+    warm = ci == 1  # the full-cache case starts warm: offline counts, top rows preloaded
+    counts = np.bincount(_ids(rng, "zipf", 100_000, rows), minlength=rows) if warm else None
+    kw = dict(admit_budget=budget, sample_factor=factor, decay_every=decay, seed=seed, max_step_rows=196_608,
+              initial_counts=counts)
+    gpu = CachePolicy(rows, cap, device=dev, fused=fused, **kw)
+    ref = CachePolicy(rows, cap, device="cpu", **kw)
+    ok, why, misses = True, "", 0
+    try:
+        for k, (kind, n) in enumerate(steps):
+            ids = torch.from_numpy(_ids(rng, kind, n, rows))
+            on_dev = k % 2 == 1 and n > 0
+            gp = gpu.plan(ids.to(dev) if on_dev else ids.pin_memory() if dev.type == "cuda" and n else ids)
+            rp = ref.plan(ids, miss_order=gp.miss_rows.cpu())
+            same = (torch.equal(gp.positions.cpu(), rp.positions) and gp.num_unique == rp.num_unique
+                    and gp.num_miss == rp.num_miss and torch.equal(gp.miss_rows_host.clone(), rp.miss_rows_host))
+            replace = (gpu.steps + 1) % every == 0
+            gpu.finish(gp, replace=replace)
+            ref.finish(rp, replace=replace)
+            gs, rs = gpu.state(), ref.state()
+            diff = [key for key in gs if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor)
+                                              else gs[key] == rs[key])]
+            misses += rp.num_miss
+            if not same or diff:
+                ok, why = False, f"step {k}: plan equal {same}, state differs in {diff}"
+                break
+        gpu.check_invariants()
+    except Exception as exc:  # a miss order that is no permutation of the misses, an invariant
+        ok, why = False, f"{type(exc).__name__}: {exc}"
+    detail = why or (f"{len(steps)} steps, {misses} misses, filled {ref.filled}/{cap}, "
+                     f"replaced {ref.evicted}" + (f", warm start of {ref.preloaded} rows" if warm else ""))
+    return ok, f"cache policy {'fused kernels' if fused else 'reference'} == CPU reference: {name}: {detail}"
 
 
-def check_cache_data(dev: Any, record: Record) -> None:
+def test_cache_data(dev) -> None:
     """HotRowCache (fused) on CUDA against the plain host gather, bit for bit."""
     import torch
 
@@ -150,10 +150,10 @@ def check_cache_data(dev: Any, record: Record) -> None:
                               want.reshape(-1, want.shape[-1]).view(torch.int16).cpu())
         cache.policy.check_invariants()
         s = cache.stats()
-        record(f"hot-row cache on CUDA (fused) == host gather: {name}, 10 skewed steps",
-               ok and s.hits > 0 and s.evicted > 0,
-               f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
-               f"preloaded {s.preloaded}")
+        assert ok and s.hits > 0 and s.evicted > 0, (
+            f"hot-row cache on CUDA (fused) == host gather: {name}, 10 skewed steps: "
+            f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
+            f"preloaded {s.preloaded}")
 
     class Flaky(TorchTransfer):
         """The CUDA transfer whose first fetch fails."""
@@ -190,8 +190,9 @@ def check_cache_data(dev: Any, record: Record) -> None:
     idx = sid.reshape(-1)
     want = torch.from_numpy(dequant_fp8_rows(values[idx], scales[idx], QB)).to(torch.bfloat16)
     exact = torch.equal(got.reshape(-1, D).view(torch.int16).cpu(), want.view(torch.int16))
-    record("a failed fetch admits nothing, restores the slot map, and the next step is exact",
-           raised and restored and exact, f"raised {raised}, restored {restored}, exact {exact}")
+    assert raised and restored and exact, (
+        "a failed fetch admits nothing, restores the slot map, and the next step is exact: "
+        f"raised {raised}, restored {restored}, exact {exact}")
     g.close()
 
 
@@ -231,7 +232,7 @@ def compare_steps(dev: Any, cache: Any, ref: Any, g: Any, table: tuple[Any, Any]
     return True, "", whole, misses
 
 
-def check_uva_misses(dev: Any, record: Record) -> None:
+def test_uva_misses(dev) -> None:
     """The whole step reading a share of its misses through UVA (``uva_share``) beside the
     host gather: steps of more than ENGRAM_CACHE_UVA_MIN_MISSES misses from a pinned
     table, split (scales pinned too) and hbm-scales, each step's rows bit-equal to the
@@ -258,20 +259,21 @@ def check_uva_misses(dev: Any, record: Record) -> None:
                           sample_factor=kw["sample_factor"], seed=kw["seed"])
         ok, why, whole, misses = compare_steps(dev, cache, ref, g, table, layout, uniform, 4, QB)
         ok = ok and whole == 4 and min(misses) >= UVA_MIN_MISSES and cache._whole_step.uva_share == share
-        record(f"whole step with {share:.0%} of its misses through UVA == host gather, state == CPU reference: {name}",
-               ok, why or f"misses per step {misses}")
+        assert ok, (
+            f"whole step with {share:.0%} of its misses through UVA == host gather, state == CPU reference: {name}: "
+            f"{why or f'misses per step {misses}'}")
     try:
         HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", uva_share=0.2, **kw)
         said = ""
     except Exception as exc:  # noqa: BLE001
         said = str(exc)
     plain = HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", **kw)
-    record("a UVA share on a table the GPU cannot read is refused; by default such a table gets none",
-           "the GPU cannot read the host table" in said and plain._whole_step.uva_share == 0.0, said[:100])
+    assert "the GPU cannot read the host table" in said and plain._whole_step.uva_share == 0.0, (
+        f"a UVA share on a table the GPU cannot read is refused; by default such a table gets none: {said[:100]}")
     g.close()
 
 
-def check_whole_step(dev: Any, record: Record) -> None:
+def test_whole_step(dev) -> None:
     """HotRowCache's whole step (``engram_cache_step``, one library call) on CUDA, step by
     step: the rows bit-equal to the plain host gather, and the policy's whole state equal
     to the CPU reference's given the step's miss order (the plan's list, which the step
@@ -299,10 +301,9 @@ def check_whole_step(dev: Any, record: Record) -> None:
     kw = dict(capacity_rows=3_000, max_step_rows=30_000, admit_budget=1_000, sample_factor=2, decay_every=3, seed=9)
     for (name, table, layout), overlap in itertools.product(configs, (True, False)):
         cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, admit_every=1, overlap=overlap, **kw)
-        if cache._whole_step.overlaps != overlap:
-            record(f"whole-step cache binds its overlap as asked: {name}, overlap {overlap}", False,
-                   f"overlaps {cache._whole_step.overlaps}")
-            continue
+        assert cache._whole_step.overlaps == overlap, (
+            f"whole-step cache binds its overlap as asked: {name}, overlap {overlap}: "
+            f"overlaps {cache._whole_step.overlaps}")
         ref = CachePolicy(N, kw["capacity_rows"], device="cpu", admit_budget=kw["admit_budget"],
                           sample_factor=kw["sample_factor"], decay_every=kw["decay_every"], seed=kw["seed"])
         zipf = lambda: ((rng.zipf(1.2, size=(1_000, 24)) * 7919) % N).astype(np.int32)  # noqa: E731
@@ -310,10 +311,11 @@ def check_whole_step(dev: Any, record: Record) -> None:
         cache.policy.check_invariants()
         s = cache.stats()
         ok = ok and s.evicted > 0 and whole >= 8
-        record(f"whole-step cache (engram_cache_step) == host gather, state == CPU reference: {name}, "
-               f"{'hits delivered during the fetch' if overlap else 'one delivery after the fetch'}", ok,
-               why or f"{whole} whole steps of 12 (the others aged the counts), hit rate {s.hit_rate:.1%}, "
-                      f"evicted {s.evicted}")
+        assert ok, (
+            f"whole-step cache (engram_cache_step) == host gather, state == CPU reference: {name}, "
+            f"{'hits delivered during the fetch' if overlap else 'one delivery after the fetch'}: "
+            + (why or f"{whole} whole steps of 12 (the others aged the counts), hit rate {s.hit_rate:.1%}, "
+                      f"evicted {s.evicted}"))
 
     cache = HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", capacity_rows=2_000,
                         max_step_rows=30_000)
@@ -334,9 +336,9 @@ def check_whole_step(dev: Any, record: Record) -> None:
     want = g.gather(torch.from_numpy(sid), rows_t, scales_t, quant_block=QB, layout="split")
     torch.cuda.synchronize(dev)
     exact = torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu())
-    record("a whole step whose delivery fails raises, admits nothing, restores the slot map; the next step is exact",
-           bool(raised) and "engram_cache_step failed" in raised and restored and exact,
-           f"raised {raised[:90]!r}, restored {restored}, exact {exact}")
+    assert bool(raised) and "engram_cache_step failed" in raised and restored and exact, (
+        "a whole step whose delivery fails raises, admits nothing, restores the slot map; the next step is exact: "
+        f"raised {raised[:90]!r}, restored {restored}, exact {exact}")
     # The same with hits in the step: the hits' call on the overlap's stream refuses out first.
     try:
         cache.gather(torch.from_numpy(sid), misaligned)
@@ -352,16 +354,16 @@ def check_whole_step(dev: Any, record: Record) -> None:
     got = cache.gather(torch.from_numpy(sid))
     torch.cuda.synchronize(dev)
     exact = torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu())
-    record("a whole step with hits whose delivery fails (the overlap's call) raises and admits nothing; next exact",
-           "engram_gather_part" in raised and filled == 2_000 and intact and exact,
-           f"raised {raised[:110]!r}, filled {filled}, invariants {intact}, exact {exact}")
+    assert "engram_gather_part" in raised and filled == 2_000 and intact and exact, (
+        "a whole step with hits whose delivery fails (the overlap's call) raises and admits nothing; next exact: "
+        f"raised {raised[:110]!r}, filled {filled}, invariants {intact}, exact {exact}")
     # An empty step (0 lookups) and a step of out-of-range ids alone, in one call each.
     empty = cache.gather(torch.empty((0, 24), dtype=torch.int32))
     bad = cache.gather(torch.full((4, 24), -5, dtype=torch.int32))
     torch.cuda.synchronize(dev)
-    record("a whole step of 0 lookups, and one of out-of-range ids alone (zero rows)",
-           tuple(empty.shape) == (0, 24, D) and not bool(bad.ne(0).any()),
-           f"shapes {tuple(empty.shape)} / {tuple(bad.shape)}")
+    assert tuple(empty.shape) == (0, 24, D) and not bool(bad.ne(0).any()), (
+        "a whole step of 0 lookups, and one of out-of-range ids alone (zero rows): "
+        f"shapes {tuple(empty.shape)} / {tuple(bad.shape)}")
     step_call = cache._whole_step
     cache.close()
     cache.close()  # idempotent
@@ -373,13 +375,14 @@ def check_whole_step(dev: Any, record: Record) -> None:
     after = cache.gather(torch.from_numpy(sid))  # phase by phase now
     torch.cuda.synchronize(dev)
     same = torch.equal(after.view(torch.int16).cpu(), want.view(torch.int16).cpu())
-    record("a closed cache's step call refuses a step; the cache serves phase by phase after close(), exact",
-           "was closed" in closed and cache._whole_step is None and same, f"{closed[:80]!r}, exact {same}")
+    assert "was closed" in closed and cache._whole_step is None and same, (
+        "a closed cache's step call refuses a step; the cache serves phase by phase after close(), exact: "
+        f"{closed[:80]!r}, exact {same}")
     g.close()
 
 
-def check_gather_part(dev: Any, record: Record) -> None:
-    """``kernels.gather(keep_outside=True)`` (``engram_gather_part``): two gathers with
+def test_gather_part(dev) -> None:
+    """``gather_kernels.gather(keep_outside=True)`` (``engram_gather_part``): two gathers with
     disjoint row slices of one table fill one output bit-equal to a single gather, rows
     outside a slice keep the sentinel they held, ids outside the table stay untouched by
     both; ``max_blocks`` 1 and 5 equal a full wave, from device memory and through UVA."""
@@ -414,9 +417,9 @@ def check_gather_part(dev: Any, record: Record) -> None:
                                                                if scales is None else scales.pin_memory()))]
         torch.cuda.synchronize(dev)
         ok_capped = all(torch.equal(v(c), v(want)) for c in capped)
-        record(f"engram_gather_part: two slices == one gather, outside rows untouched, capped grids exact: {name}",
-               ok_first and ok_both and ok_capped,
-               f"first slice {ok_first}, both {ok_both}, max_blocks 1/5 (HBM, UVA) {ok_capped}")
+        assert ok_first and ok_both and ok_capped, (
+            f"engram_gather_part: two slices == one gather, outside rows untouched, capped grids exact: {name}: "
+            f"first slice {ok_first}, both {ok_both}, max_blocks 1/5 (HBM, UVA) {ok_capped}")
     for kwargs, words in (({"keep_outside": True}, "pass the out tensor"),
                           ({"max_blocks": -1}, "max_blocks must be an integer >= 0"),
                           ({"max_blocks": 2, "bad_rows": gather_kernels.new_bad_row_counter(dev)}, "count no bad rows")):
@@ -425,7 +428,7 @@ def check_gather_part(dev: Any, record: Record) -> None:
             said = ""
         except Exception as exc:  # noqa: BLE001
             said = str(exc)
-        record(f"gather_kernels.gather refuses {sorted(kwargs)} as documented", words in said, said[:90])
+        assert words in said, f"gather_kernels.gather refuses {sorted(kwargs)} as documented: {said[:90]}"
 
 
 def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows: int = 4096) -> tuple[Any, Any, str]:
@@ -453,7 +456,7 @@ def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows:
     return layout, chunks, source
 
 
-def check_hbm_scales_streams(dev: Any, record: Record) -> None:
+def test_hbm_scales_streams(dev) -> None:
     """Both layers of real skewed ids through an hbm-scales cache (history and warm start),
     each step bit-equal to the plain host gather (hbm-scales and split) and the NumPy
     dequant, out-of-range ids included."""
@@ -499,17 +502,18 @@ def check_hbm_scales_streams(dev: Any, record: Record) -> None:
             cache.policy.check_invariants()
             s = cache.stats()
             ok = ok and s.hits > 0 and s.fetched > 0 and (s.evicted > 0 or s.preloaded > 0)
-            record(f"hbm-scales cache == plain host gather (hbm-scales, split) == NumPy: layer {li}, {name}, "
-                   f"real skewed ids", ok,
-                   why or f"{s.steps} steps of {chunks[0].shape[0] * 24:,} lookups from {source}; hit rate "
+            assert ok, (
+                f"hbm-scales cache == plain host gather (hbm-scales, split) == NumPy: layer {li}, {name}, "
+                "real skewed ids: "
+                + (why or f"{s.steps} steps of {chunks[0].shape[0] * 24:,} lookups from {source}; hit rate "
                           f"{s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
-                          f"preloaded {s.preloaded}")
+                          f"preloaded {s.preloaded}"))
             del cache
     g.close()
 
 
 
-def check_id_streams_cpu(record: Record) -> None:
+def test_id_streams_cpu() -> None:
     """The id streams' CPU part (no GPU): both layers of hashed chunks, through the
     hbm-scales cache on CPU tensors, against the NumPy dequant."""
     import torch
@@ -536,36 +540,15 @@ def check_id_streams_cpu(record: Record) -> None:
             ref[~good] = 0
             ok &= torch.equal(got.view(torch.int16), torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16))
         s = cache.stats()
-        record(f"hbm-scales cache (CPU, torch path) == NumPy: layer {li}, hashed ids", ok and s.hits > 0,
-               f"{len(chunks)} chunks from {source}; hit rate {s.hit_rate:.1%}")
+        assert ok and s.hits > 0, (
+            f"hbm-scales cache (CPU, torch path) == NumPy: layer {li}, hashed ids: "
+            f"{len(chunks)} chunks from {source}; hit rate {s.hit_rate:.1%}")
 
 
 
 # --- the tests ---------------------------------------------------------------------------------------
 
-def test_policies(dev) -> None:
-    compare_policies(dev, record)
-
-
-def test_cache_data(dev) -> None:
-    check_cache_data(dev, record)
-
-
-def test_whole_step(dev) -> None:
-    check_whole_step(dev, record)
-
-
-def test_gather_part(dev) -> None:
-    check_gather_part(dev, record)
-
-
-def test_uva_misses(dev) -> None:
-    check_uva_misses(dev, record)
-
-
-def test_hbm_scales_streams(dev) -> None:
-    check_hbm_scales_streams(dev, record)
-
-
-def test_id_streams_cpu() -> None:
-    check_id_streams_cpu(record)
+@pytest.mark.parametrize("ci", range(len(POLICY_CASES)), ids=[c[0] for c in POLICY_CASES])
+def test_policies(dev, ci: int) -> None:
+    ok, detail = compare_policy(dev, ci)
+    assert ok, detail

@@ -10,7 +10,7 @@ address), with the global row ids of the hash.
   back from getFieldsToSerialize, before and after a round trip), default to every column
   of the whole table (today's plugin), and out-of-range values are refused with one
   line naming the field and file:line.
-- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through ``kernels.gather(columns=, row_offset=)``
+- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through ``native.gather.gather(columns=, row_offset=)``
   (engram_gather_ex) and the plugin's enqueue (engram_gather_indirect_ex), fp8 and bf16:
   the rows equal, bit for bit, the Python reference and the full-table gather's
   corresponding columns; ids below ``row_offset`` (negative ones, INT32_MIN included) and
@@ -29,7 +29,7 @@ import re
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_INT32, PF_INT64, column_range_fields, gather_fields, random_fp8_table, record
+from .helpers import DT, PF_INT32, PF_INT64, column_range_fields, gather_fields, random_fp8_table, Checks
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FILE_LINE = re.compile(r"\((engramGatherPlugin|pluginFields)\.cpp:\d+\)")
@@ -41,7 +41,20 @@ def _counted(fields):
 
 # --- CPU: fields, shapes, serialization, refusals -----------------------------------------
 
-def check_column_range_cpu(harness) -> None:
+PLUGIN_CPU_CHECKS = [
+    "plugin EngramGather column range: output [T, column_end - column_begin, head_dim], fields serialized and kept "
+    "through the round trip",
+    "plugin EngramGather column-range defaults: all columns, row_offset 0 (absent or explicit)",
+    "plugin EngramGather column range accepts its edges (last column; row_offset + num_rows = 2^31 - 1)",
+] + [f"plugin EngramGather refuses {what}" for what in (
+    "column_begin -1", "column_begin = n_cols", "column_end past n_cols", "empty range", "column_end 0",
+    "row_offset -3", "slice past int32 ids", "column_begin 2^32 + 5 (int64)")]
+
+
+def check_column_range_cpu(harness) -> Checks:
+    """EngramGather's column range as TensorRT drives it (no GPU needed): the checks of
+    PLUGIN_CPU_CHECKS by name."""
+    checks = Checks()
     L, cols, head_dim, rows = 2, 24, 256, 5000
     base = gather_fields(1, L, cols, head_dim, 0, 32, rows)
     in_shapes = [(50, L, cols), (1,), (1,)]
@@ -57,11 +70,12 @@ def check_column_range_cpu(harness) -> None:
     g2 = harness.roundtrip(g)
     shape2 = harness.output_shapes(g2, [(7, L, cols), (1,), (1,)])[0]
     want = (5, 17, 12345, rows)
-    record("plugin EngramGather column range: output [T, column_end - column_begin, head_dim], fields serialized "
-           "and kept through the round trip",
-           shape == (50, 12, head_dim) and const == (False, True, True) and types_ok and serialized(g) == want
-           and serialized(g2) == want and shape2 == (7, 12, head_dim),
-           f"shape {shape} const={const}, after round trip {shape2}; serialized {serialized(g)} -> {serialized(g2)}")
+    checks.add("plugin EngramGather column range: output [T, column_end - column_begin, head_dim], fields serialized "
+               "and kept through the round trip",
+               shape == (50, 12, head_dim) and const == (False, True, True) and types_ok and serialized(g) == want
+               and serialized(g2) == want and shape2 == (7, 12, head_dim),
+               f"shape {shape} const={const}, after round trip {shape2}; serialized {serialized(g)} -> "
+               f"{serialized(g2)}")
     harness.lib.harness_destroy(g2)
     harness.lib.harness_destroy(g)
 
@@ -75,8 +89,8 @@ def check_column_range_cpu(harness) -> None:
         harness.lib.harness_destroy(h2)
         harness.lib.harness_destroy(h)
     default = ((50, cols, head_dim), (0, cols, 0, rows), (0, cols, 0, rows))
-    record("plugin EngramGather column-range defaults: all columns, row_offset 0 (absent or explicit)",
-           results == [default, default], str(results))
+    checks.add("plugin EngramGather column-range defaults: all columns, row_offset 0 (absent or explicit)",
+               results == [default, default], str(results))
 
     # the edges of the ranges are accepted
     edges = {"last column": column_range_fields(cols - 1, cols, 0),
@@ -88,8 +102,8 @@ def check_column_range_cpu(harness) -> None:
             accepted[what] = True
         except RuntimeError as exc:
             accepted[what] = str(exc)[:160]
-    record("plugin EngramGather column range accepts its edges (last column; row_offset + num_rows = 2^31 - 1)",
-           all(v is True for v in accepted.values()), str(accepted))
+    checks.add("plugin EngramGather column range accepts its edges (last column; row_offset + num_rows = 2^31 - 1)",
+               all(v is True for v in accepted.values()), str(accepted))
 
     # out of range: refused at creation, one line naming the field, with file:line
     def field(name, value, kind=PF_INT32):
@@ -109,15 +123,23 @@ def check_column_range_cpu(harness) -> None:
     for what, extra, needle in bad:
         try:
             harness.lib.harness_destroy(harness.create("EngramGather", base + extra))
-            record(f"plugin EngramGather refuses {what}", False, "accepted")
+            checks.add(f"plugin EngramGather refuses {what}", False, "accepted")
         except RuntimeError as exc:
             msg = str(exc)
-            record(f"plugin EngramGather refuses {what}", needle in msg and bool(FILE_LINE.search(msg))
-                   and "\n" not in msg, msg[-200:])
+            checks.add(f"plugin EngramGather refuses {what}", needle in msg and bool(FILE_LINE.search(msg))
+                       and "\n" not in msg, msg[-200:])
+    return checks
 
 
-def test_column_range_cpu(harness) -> None:
-    check_column_range_cpu(harness)
+@pytest.fixture(scope="module")
+def plugin_cpu(harness) -> Checks:
+    return check_column_range_cpu(harness)
+
+
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_column_range_cpu(plugin_cpu, name: str) -> None:
+    ok, detail = plugin_cpu[name]
+    assert ok, f"{name}: {detail}"
 
 
 # --- GPU: rows and counts, kernel and plugin ----------------------------------------------
@@ -149,7 +171,8 @@ def _reference(ids_sel: np.ndarray, off: int, slice_rows, slice_scales, fp8: boo
 def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, want_bits, want_count,
               full_cols=None, full_valid=None) -> None:
     """The rank's gather through the kernel and the plugin; rows / scales: the slice
-    tensors (on the device or pinned), want_bits / want_count: the reference."""
+    tensors (on the device or pinned), want_bits / want_count: the reference. Asserts
+    both (the message holds each one that failed)."""
     import torch
 
     from engram_trt.native import gather as gather_kernels
@@ -173,8 +196,9 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
     torch.cuda.synchronize()
     exact, full = matches(out)
     got = int(counter.item())
-    record(f"kernel gather rank share {name}", exact and full and got == want_count,
-           f"rows exact={exact}, = full-table gather's columns={full}; bad rows {got}, expected {want_count}")
+    kernel = (exact and full and got == want_count,
+              f"kernel gather rank share {name}: "
+              f"rows exact={exact}, = full-table gather's columns={full}; bad rows {got}, expected {want_count}")
 
     fields = _counted(gather_fields(layer, L, cols, head_dim, 0 if fp8 else 1, 32, n) + column_range_fields(b, e, off))
     addresses = [rows.data_ptr()] + ([scales.data_ptr()] if fp8 else [])
@@ -193,13 +217,25 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
     harness.lib.harness_destroy(h)
     build_zero = int(torch.count_nonzero(outs[0].view(torch.int16))) == 0 and counts[0] == 0
     exact, full = matches(outs[1])
-    record(f"plugin EngramGather rank share {name}", exact and full and counts[1] == want_count and build_zero,
-           f"runtime rows exact={exact}, = full-table gather's columns={full}; bad rows {counts[1]}, expected "
-           f"{want_count}; build phase zero rows, no count={build_zero}")
+    plugin = (exact and full and counts[1] == want_count and build_zero,
+              f"plugin EngramGather rank share {name}: "
+              f"runtime rows exact={exact}, = full-table gather's columns={full}; bad rows {counts[1]}, expected "
+              f"{want_count}; build phase zero rows, no count={build_zero}")
+    assert kernel[0] and plugin[0], "; ".join(detail for ok, detail in (kernel, plugin) if not ok)
 
 
-@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
-def test_rank_share(rng, harness, dtype) -> None:
+RANK_SHARE_CASES = [("columns [5, 17), whole table", 5, 17, 0, 30_000),
+                    ("all columns, rows [7000, 19000)", 0, 24, 7000, 12_000),
+                    ("columns [9, 24), rows [12345, 20000)", 9, 24, 12_345, 7_655),
+                    ("columns [0, 1), rows [29000, 30000)", 0, 1, 29_000, 1_000)]
+PLACES = ["slice view of the device table", "slice copy on the device", "slice copy pinned (UVA)"]
+# (dtype, case, place): the pinned slice copy for fp8 tables
+RANK_SHARE_PARAMS = [(dtype, ci, place) for dtype in ("fp8", "bf16") for ci in range(len(RANK_SHARE_CASES))
+                     for place in (PLACES if dtype == "fp8" else PLACES[:2])]
+
+
+@pytest.mark.parametrize("dtype, ci, place", RANK_SHARE_PARAMS)
+def test_rank_share(rng, harness, dtype, ci, place) -> None:
     import torch
 
     from engram_trt.native import gather as gather_kernels
@@ -215,37 +251,33 @@ def test_rank_share(rng, harness, dtype) -> None:
     else:
         full_rows, full_scales = torch.randn(rows_full, head_dim, dtype=torch.bfloat16), None
         full_dev = (full_rows.to(dev), None)
-    cases = [("columns [5, 17), whole table", 5, 17, 0, rows_full),
-             ("all columns, rows [7000, 19000)", 0, cols, 7000, 12_000),
-             ("columns [9, 24), rows [12345, 20000)", 9, cols, 12_345, 7_655),
-             ("columns [0, 1), rows [29000, 30000)", 0, 1, 29_000, 1_000)]
-    for case, b, e, off, n in cases:
-        ids = rng.integers(off, off + n, size=(T, L, cols)).astype(np.int32)  # a rank's ids lie in its slice
-        share = ids[:, layer, b:e].reshape(-1)
-        bad = _bad_ids(off, n, rows_full)
-        where = rng.choice(share.size, min(share.size // 3, 6 * len(bad)), replace=False)
-        share[where] = np.resize(np.array(bad, dtype=np.int32), where.size)
-        ids[:, layer, b:e] = share.reshape(T, e - b)
-        # columns outside the range hold ids no rank may read: never read, never counted
-        ids[:, layer, :b] = -5
-        ids[:, layer, e:] = INT32_MAX
-        ids[:, 1 - layer] = INT32_MIN
-        sel = ids[:, layer, b:e]
-        slice_np = (full_rows[off:off + n], None if full_scales is None else full_scales[off:off + n])
-        want_bits, want_count = _reference(sel, off, *slice_np, fp8)
-        # the full-table gather (offset-free, checked against the reference above) of the same ids
-        full = gather_kernels.gather(torch.from_numpy(np.ascontiguousarray(sel)).to(dev), *full_dev)
-        torch.cuda.synchronize()
-        full_cols = full.cpu().view(torch.int16)
-        in_slice = torch.from_numpy((sel >= off) & (sel < off + n))
-        placements = {"slice view of the device table": tuple(None if t is None else t[off:off + n] for t in full_dev),
-                      "slice copy on the device": tuple(None if t is None else t[off:off + n].clone() for t in full_dev)}
-        if fp8:
-            placements["slice copy pinned (UVA)"] = tuple(torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
-                                                          for a in slice_np)
-        for place, (r, s) in placements.items():
-            _run_case(harness, stream, f"{dtype} {case}, {place}", ids, layer, b, e, off, n, r, s, want_bits,
-                      want_count, full_cols, in_slice)
+    case, b, e, off, n = RANK_SHARE_CASES[ci]
+    ids = rng.integers(off, off + n, size=(T, L, cols)).astype(np.int32)  # a rank's ids lie in its slice
+    share = ids[:, layer, b:e].reshape(-1)
+    bad = _bad_ids(off, n, rows_full)
+    where = rng.choice(share.size, min(share.size // 3, 6 * len(bad)), replace=False)
+    share[where] = np.resize(np.array(bad, dtype=np.int32), where.size)
+    ids[:, layer, b:e] = share.reshape(T, e - b)
+    # columns outside the range hold ids no rank may read: never read, never counted
+    ids[:, layer, :b] = -5
+    ids[:, layer, e:] = INT32_MAX
+    ids[:, 1 - layer] = INT32_MIN
+    sel = ids[:, layer, b:e]
+    slice_np = (full_rows[off:off + n], None if full_scales is None else full_scales[off:off + n])
+    want_bits, want_count = _reference(sel, off, *slice_np, fp8)
+    # the full-table gather (offset-free, checked against the reference above) of the same ids
+    full = gather_kernels.gather(torch.from_numpy(np.ascontiguousarray(sel)).to(dev), *full_dev)
+    torch.cuda.synchronize()
+    full_cols = full.cpu().view(torch.int16)
+    in_slice = torch.from_numpy((sel >= off) & (sel < off + n))
+    placements = {"slice view of the device table": tuple(None if t is None else t[off:off + n] for t in full_dev),
+                  "slice copy on the device": tuple(None if t is None else t[off:off + n].clone() for t in full_dev)}
+    if fp8:
+        placements["slice copy pinned (UVA)"] = tuple(torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
+                                                      for a in slice_np)
+    r, s = placements[place]
+    _run_case(harness, stream, f"{dtype} {case}, {place}", ids, layer, b, e, off, n, r, s, want_bits,
+              want_count, full_cols, in_slice)
 
 
 def test_rank_share_top_of_int32(rng, harness) -> None:
@@ -292,7 +324,7 @@ def test_explicit_defaults(rng, harness) -> None:
         torch.cuda.synchronize()
         harness.lib.harness_destroy(h)
         outs.append(out.cpu().view(torch.int16))
-    record("plugin EngramGather explicit defaults (columns [0, n_cols), row_offset 0) = no fields = gather_kernels.gather",
-           all(torch.equal(o, ref) for o in outs))
+    assert all(torch.equal(o, ref) for o in outs), (
+        "plugin EngramGather explicit defaults (columns [0, n_cols), row_offset 0) = no fields = gather_kernels.gather")
 
 

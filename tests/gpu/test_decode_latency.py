@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 
-from .helpers import note, record
+from .helpers import note
 
 UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 0.0}
 
@@ -148,14 +148,14 @@ def test_norm_rope_register_form_equals_the_general_form(rng, dname, T, H, d, pa
     for i, (name, dim, heads, kind) in enumerate((("q_a", lora, 1, "w"), ("kv", d, 1, "w"), ("q", d, H, "u"),
                                                   ("inverse rope", d, H, "none"))):
         if kind == "none":
-            record(f"{name}: register form = general form bit for bit, {tag}", torch.equal(a[i], b[i]))
+            assert torch.equal(a[i], b[i]), f"{name}: register form = general form bit for bit, {tag}"
             continue
         rp = 0 if name == "q_a" else pairs
         terms = _rope_terms(b[i], dim, rp, cos, sin, heads)
         tu = (4 * u if kind == "u" else 2 * u) + 1e-5
         err = _excess(a[i], b[i], (2 * u + 1e-5) * b[i].double().abs() + tu * terms + 1e-30)
-        record(f"{name}: register form within one flip of the general form, {tag}", err <= 0 and
-               bool(torch.isfinite(a[i]).all()), f"max excess {err:.3g}")
+        assert err <= 0 and bool(torch.isfinite(a[i]).all()), (
+            f"{name}: register form within one flip of the general form, {tag}: max excess {err:.3g}")
     note(f"norm_rope us ({tag})", times)
 
 
@@ -221,12 +221,12 @@ def test_attend_vectors_equal_the_scalar_attend(rng, dname, kind, d) -> None:
             times[form] = _graph_us(lambda timed=timed: dsv4_attention(*timed, **fields), reps=20)
     a, b = outs["vectors"], outs["scalar"]
     same_states = all(torch.equal(x, y) for x, y in zip(states["vectors"], states["scalar"]))
-    record(f"states: vectors = scalar bit for bit, {tag}", same_states)
+    assert same_states, f"states: vectors = scalar bit for bit, {tag}"
     keys = [inputs[1], inputs[6]] + ([states["scalar"][1]] if layer_type != SLIDING else [])
     kmax = max(float(k.double().abs().max()) for k in keys)
     err = _excess(a, b, 2 * u * b.double().abs() + (2 * u + 1e-4) * (1 + u) * kmax)
-    record(f"out: vectors within one probability flip of scalar, {tag}", err <= 0 and bool(torch.isfinite(a).all()),
-           f"max excess {err:.3g} (max|k| {kmax:.3g})")
+    assert err <= 0 and bool(torch.isfinite(a).all()), (
+        f"out: vectors within one probability flip of scalar, {tag}: max excess {err:.3g} (max|k| {kmax:.3g})")
     note(f"attention us ({tag})", times)
 
 
@@ -245,8 +245,9 @@ def _quant_linear(torch, rng, K: int, N: int, kind: str):
     return mod.cuda()
 
 
+@pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("kind", ["fp8", "fp4"])
-def test_stored_format_projections_equal_the_modules(rng, kind) -> None:
+def test_stored_format_projections_equal_the_modules(rng, kind, T) -> None:
     """fused.project's stored-format path (native.quant.linear with weight_static) against
     each QuantLinear's own forward (the same kernels, the same activation quantization:
     bit for bit), and the quantized MoE branch's shared expert (gate / up / down through
@@ -263,15 +264,14 @@ def test_stored_format_projections_equal_the_modules(rng, kind) -> None:
     shared.gate_proj = _quant_linear(torch, rng, D, I, kind)
     shared.up_proj = _quant_linear(torch, rng, D, I, kind)
     shared.down_proj = _quant_linear(torch, rng, I, D, kind)
-    for T in (1, 3):
-        x = _t(rng, (T, D), 1.0, "bfloat16")
-        with torch.no_grad():
-            gate, up = fused.project(x, [shared.gate_proj, shared.up_proj])
-            same = torch.equal(gate, shared.gate_proj(x)) and torch.equal(up, shared.up_proj(x))
-            h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-            got = fused.project(h, [shared.down_proj])[0]
-            want = shared(x)
-        torch.cuda.synchronize()
-        record(f"{kind} T {T}: project's stored-format outputs = QuantLinear.forward bit for bit", same)
-        record(f"{kind} T {T}: the shared expert through project = ClampedSwiGLU.forward bit for bit",
-               torch.equal(got, want) and bool(torch.isfinite(got).all()))
+    x = _t(rng, (T, D), 1.0, "bfloat16")
+    with torch.no_grad():
+        gate, up = fused.project(x, [shared.gate_proj, shared.up_proj])
+        same = torch.equal(gate, shared.gate_proj(x)) and torch.equal(up, shared.up_proj(x))
+        h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        got = fused.project(h, [shared.down_proj])[0]
+        want = shared(x)
+    torch.cuda.synchronize()
+    assert same, f"{kind} T {T}: project's stored-format outputs = QuantLinear.forward bit for bit"
+    assert torch.equal(got, want) and bool(torch.isfinite(got).all()), (
+        f"{kind} T {T}: the shared expert through project = ClampedSwiGLU.forward bit for bit")

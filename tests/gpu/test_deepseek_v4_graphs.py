@@ -37,7 +37,7 @@ import pytest
 
 from .cases import rel_err
 
-from .helpers import REPO, note, record, say
+from .helpers import REPO, note, say
 
 DATA = REPO / "tests" / "data" / "deepseek_v4_tiny"
 S_, C_, H_ = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -131,9 +131,7 @@ def test_graphed_decode_equals_eager_fp32(mix: str) -> None:
         ids = torch.tensor([toks[s] for s in slots])
         want = model.forward_step(PackedStep(ids, [1] * len(slots), past, slots), eager)
         got = graphs.run(PackedStep(ids, [1] * len(slots), past, slots), None)
-        if got is None:
-            record(f"{mix}: decode step of {len(slots)} replayed", False, f"graphs off: {graphs.failed}")
-            return
+        assert got is not None, f"{mix}: decode step of {len(slots)} replayed: graphs off: {graphs.failed}"
         err = rel_err(got.float().cpu(), want.float().cpu())
         worst = max(worst, err)
         picks = want.argmax(-1).tolist()
@@ -142,17 +140,17 @@ def test_graphed_decode_equals_eager_fp32(mix: str) -> None:
             toks[s] = t
         n += 1
     note(f"graph_vs_eager_fp32_{mix}", worst)
-    record(f"{mix}: fp32 graphed logits within 1e-4 of eager over {n} decode steps", worst <= 1e-4,
-           f"worst rel L2 {worst:.2e}")
-    record(f"{mix}: fp32 graphed greedy tokens equal eager's, every step", same, "")
+    assert worst <= 1e-4, (
+        f"{mix}: fp32 graphed logits within 1e-4 of eager over {n} decode steps: worst rel L2 {worst:.2e}")
+    assert same, f"{mix}: fp32 graphed greedy tokens equal eager's, every step"
     keys = sorted(graphs.graphs)
-    record(f"{mix}: one graph per batch bucket whatever the lengths", keys == [(1, MAX_LEN, "none"), (4, MAX_LEN, "none"),
-                                                                              (8, MAX_LEN, "none")],
-           f"graphs {keys}, replays {graphs.replays}, captures {graphs.captures}")
-    record(f"{mix}: every decode step replayed", graphs.replays == n and graphs.failed is None,
-           f"{graphs.replays} / {n}; failed: {graphs.failed}")
-    record(f"{mix}: graphed and eager slots hold the same lengths", graphed.lengths == eager.lengths,
-           f"{graphed.lengths} vs {eager.lengths}")
+    assert keys == [(1, MAX_LEN, "none"), (4, MAX_LEN, "none"), (8, MAX_LEN, "none")], (
+        f"{mix}: one graph per batch bucket whatever the lengths: graphs {keys}, replays {graphs.replays}, captures "
+        f"{graphs.captures}")
+    assert graphs.replays == n and graphs.failed is None, (
+        f"{mix}: every decode step replayed: {graphs.replays} / {n}; failed: {graphs.failed}")
+    assert graphed.lengths == eager.lengths, (
+        f"{mix}: graphed and eager slots hold the same lengths: {graphed.lengths} vs {eager.lengths}")
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -180,9 +178,7 @@ def test_graphed_decode_bf16_within_round_off(mix: str) -> None:
         want = ref.forward_step(mk(), ref_state).cpu()
         e = model.forward_step(mk(), eager).float().cpu()
         g = graphs.run(mk(), None)
-        if g is None:
-            record(f"{mix}: bf16 decode step replayed", False, f"graphs off: {graphs.failed}")
-            return
+        assert g is not None, f"{mix}: bf16 decode step replayed: graphs off: {graphs.failed}"
         g = g.float().cpu()
         e_err, g_err = rel_err(e, want), rel_err(g, want)
         if not (torch.isfinite(g).all() and g_err <= 2 * e_err + 1e-3):
@@ -193,8 +189,8 @@ def test_graphed_decode_bf16_within_round_off(mix: str) -> None:
         for s, t in zip(slots, picks):
             toks[s] = t
     note(f"bf16_greedy_agreement_{mix}", agree / max(total, 1))
-    record(f"{mix}: bf16 graphed logits' distance from fp32 at most 2x eager bf16's + 1e-3, every step", not bad,
-           "; ".join(bad[:4]) or f"greedy picks equal to eager bf16's: {agree} / {total}")
+    assert not bad, (f"{mix}: bf16 graphed logits' distance from fp32 at most 2x eager bf16's + 1e-3, every step: "
+                     + "; ".join(bad[:4]))
 
 
 def test_replay_and_bf16_eager_decode_under_sync_debug_error() -> None:
@@ -230,10 +226,10 @@ def test_replay_and_bf16_eager_decode_under_sync_debug_error() -> None:
     forms = sorted({layer.mlp.last_form for layer in model.model.layers})
     auto = model.model.layers[1].mlp.choose_form(torch.empty(8, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
                                                  torch.empty(8, 2, dtype=torch.int64, device="cuda"))
-    record("a replayed decode step and an eager bf16 decode step of 8 run under sync debug mode 'error'",
-           first is not None and not errs and graphs.replays == 2,
-           f"{'; '.join(errs) or 'no synchronizing call'}; MoE forms taken {forms}, the module's auto alone: {auto}; "
-           f"replays {graphs.replays}; graphs failed: {graphs.failed}")
+    assert first is not None and not errs and graphs.replays == 2, (
+        "a replayed decode step and an eager bf16 decode step of 8 run under sync debug mode 'error': "
+        f"{'; '.join(errs) or 'no synchronizing call'}; MoE forms taken {forms}, the module's auto alone: {auto}; "
+        f"replays {graphs.replays}; graphs failed: {graphs.failed}")
 
 
 def test_kernel_takes_a_state_shorter_than_index_topk() -> None:
@@ -255,8 +251,9 @@ def test_kernel_takes_a_state_shorter_than_index_topk() -> None:
         outs[backend] = [g.float().cpu() for g in got]
     model.attention_backend = "auto"
     errs = [rel_err(a, b) for a, b in zip(outs["kernels"], outs["torch"])]
-    record("attention kernel with fewer state entries than index_topk equals the torch core (fp32, 1e-4)",
-           max(errs) <= 1e-4, f"rel L2 per step {[f'{e:.1e}' for e in errs]}")
+    assert max(errs) <= 1e-4, (
+        f"attention kernel with fewer state entries than index_topk equals the torch core (fp32, 1e-4): rel L2 per "
+        f"step {[f'{e:.1e}' for e in errs]}")
 
 
 # -- 5. through the runtime ------------------------------------------------------------------
@@ -313,21 +310,20 @@ def test_v41_llm_graphs_equal_eager(tmp_path: Path, tables: str, mode: str) -> N
     want, _, _ = _llm_tokens(folder, V41_PROMPTS, 12, False, ecfg)
     got, info, label = _llm_tokens(folder, V41_PROMPTS, 12, True, ecfg)
     shapes = info.get("graph_shapes", [])
-    record(f"V4.1 ({tables} tables): graphed greedy tokens equal eager's", got == want, f"{got} vs {want}")
-    record(f"V4.1 ({tables} tables): decode steps replayed with the rows {mode}",
-           "decode in CUDA graphs" in label and shapes and all(s.endswith(f":{mode}") for s in shapes),
-           f"label {label!r}; graph shapes {shapes}")
+    assert got == want, f"V4.1 ({tables} tables): graphed greedy tokens equal eager's: {got} vs {want}"
+    assert "decode in CUDA graphs" in label and shapes and all(s.endswith(f":{mode}") for s in shapes), (
+        f"V4.1 ({tables} tables): decode steps replayed with the rows {mode}: label {label!r}; graph shapes {shapes}")
 
 
 def test_v4_llm_graphs_give_the_recorded_tokens() -> None:
     expected = json.loads((DATA / "expected.json").read_text())
     got, info, label = _llm_tokens(DATA, expected["prompts"], expected["new_tokens"], True)
-    record("V4 tiny through LLM with decode graphs: transformers' recorded greedy tokens", got == expected["greedy"],
-           f"{got}")
+    assert got == expected["greedy"], (
+        f"V4 tiny through LLM with decode graphs: transformers' recorded greedy tokens: {got}")
     shapes = info.get("graph_shapes", [])
-    record("V4 tiny: graphs recorded, one per batch bucket (context = max_seq_len)",
-           "decode in CUDA graphs" in label and shapes and len({s.split("x")[0] for s in shapes}) == len(shapes),
-           f"label {label!r}; graph shapes {shapes}")
+    assert "decode in CUDA graphs" in label and shapes and len({s.split("x")[0] for s in shapes}) == len(shapes), (
+        f"V4 tiny: graphs recorded, one per batch bucket (context = max_seq_len): label {label!r}; graph shapes "
+        f"{shapes}")
 
 
 def test_state_larger_than_free_memory_is_refused() -> None:
@@ -346,9 +342,8 @@ def test_state_larger_than_free_memory_is_refused() -> None:
         msg = ""
     except EngramError as exc:
         msg = str(exc)
-    record("a state larger than the free GPU memory is refused in one line, nothing allocated",
-           "bytes" in msg and "\n" not in msg and torch.cuda.memory_allocated() == before,
-           msg or "not refused")
+    assert "bytes" in msg and "\n" not in msg and torch.cuda.memory_allocated() == before, (
+        "a state larger than the free GPU memory is refused in one line, nothing allocated: " + (msg or "not refused"))
 
 
 # -- the breakdown of a graphed decode step (bench e2e --breakdown) ---------------------------
@@ -373,11 +368,12 @@ def test_breakdown_times_every_module_kind_inside_the_graph(which: str) -> None:
     kinds = b.get("kinds", {})
     calls = {k: v["calls"] for k, v in kinds.items() if k != "other" and k != "ple.lookup"}
     named = sum(v["ms"] for k, v in kinds.items() if k != "other")
-    record(f"{which}: breakdown recorded inside the decode graph, every module kind's calls",
-           b.get("mode") == "graph" and calls == want, f"mode {b.get('mode')}; calls {calls}; want {want}")
-    record(f"{which}: the kinds add up to the step's span, which the replay's own span holds",
-           b.get("span_ms", 0) > 0 and named <= 1.01 * b["span_ms"] and b["span_ms"] <= 1.01 * b["step_ms"],
-           f"kinds {named:.4f} ms, span {b.get('span_ms')}, replay {b.get('step_ms')}")
+    assert b.get("mode") == "graph" and calls == want, (
+        f"{which}: breakdown recorded inside the decode graph, every module kind's calls: mode {b.get('mode')}; calls "
+        f"{calls}; want {want}")
+    assert b.get("span_ms", 0) > 0 and named <= 1.01 * b["span_ms"] and b["span_ms"] <= 1.01 * b["step_ms"], (
+        f"{which}: the kinds add up to the step's span, which the replay's own span holds: kinds {named:.4f} ms, span "
+        f"{b.get('span_ms')}, replay {b.get('step_ms')}")
 
 
 # -- 7. the ~1.6B shape against transformers, float32 ------------------------------------------
@@ -404,6 +400,7 @@ def test_dsv4_1p6b_fp32_greedy_128_equals_transformers(tmp_path: Path) -> None:
         label = llm.runner.backend.label
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     say(f"1.6B fp32: backend {label}; first difference at {first}")
-    record("~1.6B DeepSeek-V4 fp32 on CUDA: transformers' 128 greedy tokens (decode graphs)", got == want,
-           f"first difference at token {first}: ours {got[first:first + 4] if first is not None else ''} vs "
-           f"{want[first:first + 4] if first is not None else ''}; backend {label}")
+    assert got == want, (
+        "~1.6B DeepSeek-V4 fp32 on CUDA: transformers' 128 greedy tokens (decode graphs): "
+        f"first difference at token {first}: ours {got[first:first + 4] if first is not None else ''} vs "
+        f"{want[first:first + 4] if first is not None else ''}; backend {label}")

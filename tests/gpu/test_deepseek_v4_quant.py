@@ -34,7 +34,7 @@ import pytest
 
 from .cases import rel_err
 
-from .helpers import note, record
+from .helpers import note
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 CONFIG: dict[str, Any] = dict(
@@ -117,13 +117,14 @@ def test_load_on_cuda_holds_the_stored_bytes(folders: dict[str, Path]) -> None:
     on_gpu = all(t.is_cuda for t in tensors.values())
     slack = 512 * len(tensors)  # the caching allocator rounds each block up to 512 bytes
     biggest = max(t.numel() * t.element_size() for t in tensors.values())
-    record("every weight and scale on the GPU", on_gpu)
-    record("bytes held after the load = inspect's GPU bytes of the load (stored bytes for FP8 / FP4)",
-           want["gpu_bytes"] <= held <= want["gpu_bytes"] + slack,
-           f"held {held}, inspect {want['gpu_bytes']} (+ at most {slack} of rounding); fp8 "
-           f"{want['by_kind']['fp8']['gpu_bytes']}, fp4 {want['by_kind']['fp4']['gpu_bytes']}")
-    record("the load's peak is within one tensor of its end (tensor by tensor, stacks filled in place)",
-           peak <= allocated + biggest + slack, f"peak {peak}, end {allocated}, largest tensor {biggest}")
+    assert on_gpu, "every weight and scale on the GPU"
+    assert want["gpu_bytes"] <= held <= want["gpu_bytes"] + slack, (
+        f"bytes held after the load = inspect's GPU bytes of the load (stored bytes for FP8 / FP4): held {held}, "
+        f"inspect {want['gpu_bytes']} (+ at most {slack} of rounding); fp8 {want['by_kind']['fp8']['gpu_bytes']}, fp4 "
+        f"{want['by_kind']['fp4']['gpu_bytes']}")
+    assert peak <= allocated + biggest + slack, (
+        f"the load's peak is within one tensor of its end (tensor by tensor, stacks filled in place): peak {peak}, end "
+        f"{allocated}, largest tensor {biggest}")
     note("load_bytes", {"held": held, "allocated": allocated, "peak": peak, "inspect": want["gpu_bytes"]})
 
 
@@ -151,7 +152,8 @@ def _dequantize_modules(model: Any) -> Any:
     return model
 
 
-def test_dequantizing_path_on_cuda_equals_the_float_model(folders: dict[str, Path]) -> None:
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_dequantizing_path_on_cuda_equals_the_float_model(folders: dict[str, Path], i: int) -> None:
     """The stored-format modules' dequantizing path on CUDA (``QuantLinear`` backend
     ``torch``, the MoE's ``loop``) against the same model with every stored weight
     dequantized once into a float module, on the same GPU, float64: the same products on
@@ -174,16 +176,16 @@ def test_dequantizing_path_on_cuda_equals_the_float_model(folders: dict[str, Pat
         ref = _dequantize_modules(_load(folders["q"], "cuda", torch.float64))
         for layer in ref.model.layers:
             layer.mlp.form = "loop"
-        for i, p in enumerate(PROMPTS):
-            step = PackedStep(torch.tensor(p), [len(p)], [0], [0])
-            got = gpu.forward_step(step, gpu.new_cache(1, 64), all_logits=True)
-            want = ref.forward_step(step, ref.new_cache(1, 64), all_logits=True)
-            err = float((got - want).abs().max() / want.abs().max())
-            record(f"prompt {i}: float64 CUDA logits, stored formats (dequantizing path) vs their float model",
-                   err <= 1e-12, f"{err:.2e}")
-            a = cpu.generate_greedy(p, 6, chunk=4, ignore_eos=True)
-            b = gpu.generate_greedy(p, 6, chunk=4, ignore_eos=True)
-            record(f"prompt {i}: greedy tokens over chunked prefill + decode equal the CPU's", a == b, f"{b} vs {a}")
+        p = PROMPTS[i]
+        step = PackedStep(torch.tensor(p), [len(p)], [0], [0])
+        got = gpu.forward_step(step, gpu.new_cache(1, 64), all_logits=True)
+        want = ref.forward_step(step, ref.new_cache(1, 64), all_logits=True)
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err <= 1e-12, (
+            f"prompt {i}: float64 CUDA logits, stored formats (dequantizing path) vs their float model: {err:.2e}")
+        a = cpu.generate_greedy(p, 6, chunk=4, ignore_eos=True)
+        b = gpu.generate_greedy(p, 6, chunk=4, ignore_eos=True)
+        assert a == b, f"prompt {i}: greedy tokens over chunked prefill + decode equal the CPU's: {b} vs {a}"
     finally:
         QuantLinear.backend, QuantGroupedLinear.backend = "auto", "auto"
 
@@ -281,26 +283,26 @@ def _moe_reference(moe: Any, x: Any, ids: Any, w: Any) -> tuple[Any, Any]:
 
 @pytest.mark.skipif(not NATIVE_QUANT, reason="no engram_trt.native.quant in this tree (the kernel library's quantized "
                                               "products, issue 40 item 2)")
+@pytest.mark.parametrize("T", [1, 3, 40])
 @pytest.mark.parametrize("which", ["q", "f"])
-def test_moe_kernels_form_on_cuda(folders: dict[str, Path], which: str) -> None:
+def test_moe_kernels_form_on_cuda(folders: dict[str, Path], which: str, T: int) -> None:
     import torch
 
     model = _load(folders[which], "cuda", torch.bfloat16 if which == "f" else torch.float32)
     moe = model.model.layers[1].mlp
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(5 + T)
     dtype = torch.bfloat16 if which == "f" else torch.float32
-    for T in (1, 3, 40):
-        x = (torch.randn(T, CONFIG["hidden_size"], generator=gen) * 0.5).to("cuda", dtype)
-        ids = torch.randint(3, 90, (T,), generator=gen).cuda()
-        w, picks = moe.gate(x, ids)
-        moe.form = "auto"
-        form = moe.choose_form(x, picks)
-        record(f"{which} T={T}: auto takes the kernels form on CUDA", form == "kernels", form)
-        got = moe.experts_kernels(x, w, picks)
-        ref, bound = _moe_reference(moe, x, picks, w)
-        diff = (got.double().cpu() - ref).abs()
-        worst = float((diff - bound).max())
-        note(f"moe_kernels_{which}_T{T}_rel", rel_err(got, ref))
-        record(f"{which} T={T}: routed experts within the float32-sum bound of the activation-quantized float64 "
-               f"reference", bool(torch.isfinite(got).all()) and worst <= 0,
-               f"max excess {worst:.3e}, rel L2 {rel_err(got, ref):.2e}")
+    x = (torch.randn(T, CONFIG["hidden_size"], generator=gen) * 0.5).to("cuda", dtype)
+    ids = torch.randint(3, 90, (T,), generator=gen).cuda()
+    w, picks = moe.gate(x, ids)
+    moe.form = "auto"
+    form = moe.choose_form(x, picks)
+    assert form == "kernels", f"{which} T={T}: auto takes the kernels form on CUDA: {form}"
+    got = moe.experts_kernels(x, w, picks)
+    ref, bound = _moe_reference(moe, x, picks, w)
+    diff = (got.double().cpu() - ref).abs()
+    worst = float((diff - bound).max())
+    note(f"moe_kernels_{which}_T{T}_rel", rel_err(got, ref))
+    assert bool(torch.isfinite(got).all()) and worst <= 0, (
+        f"{which} T={T}: routed experts within the float32-sum bound of the activation-quantized float64 "
+        f"reference: max excess {worst:.3e}, rel L2 {rel_err(got, ref):.2e}")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import RecordDict, note, record
+from .helpers import note
 
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 
@@ -157,6 +157,7 @@ def test_lookup_rows(x2) -> None:
     note("setup", dict(x2.res))
     full = open_tables(src.table_refs, "memory", quant_block=src.config.engram.quant_block, progress=False)
     n = src.layout.max_ngram_size - 1
+    failed = []
     for case, per_rank in zip(cases, lookups):
         topo = Topology(case.tp, case.dp)
         ok = True
@@ -174,7 +175,9 @@ def test_lookup_rows(x2) -> None:
                 ids = torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lb, src.layout))
                 want = torch.stack([full.rows(li, ids[:, li, :]) for li in range(src.layout.num_layers)])
                 ok &= bool(np.array_equal(got["steps"][k], want.view(torch.int16).numpy().view(np.uint16)))
-        record(f"lookup rows bit-exact, {case.scope} scope tp{case.tp} x dp{case.dp} (NCCL)", ok)
+        if not ok:
+            failed.append(f"lookup rows bit-exact, {case.scope} scope tp{case.tp} x dp{case.dp} (NCCL)")
+    assert not failed, "; ".join(failed)  # every case's verdict, not the first alone
 
 
 def tokens(run: dict) -> list:
@@ -199,10 +202,10 @@ def test_greedy_tokens(x2, modes) -> None:
     """2. Greedy tokens of each mode against one GPU's."""
     ref_all = tokens(x2.one[0])
     ref_shares = tokens(x2.one[1]) + tokens(x2.one[2])
-    for name, r in zip(x2.names, x2.served):
-        want = ref_all if name == "TP=2" else ref_shares
-        record(f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU", tokens(r) == want)
     note("modes", modes)
+    failed = [f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU" for name, r in zip(x2.names, x2.served)
+              if tokens(r) != (ref_all if name == "TP=2" else ref_shares)]
+    assert not failed, "; ".join(failed)
 
 
 def test_host_memory(x2, modes) -> None:
@@ -210,7 +213,7 @@ def test_host_memory(x2, modes) -> None:
     one GPU (figures)."""
     np, one, served, names, res, one_copy = x2.np, x2.one, x2.served, x2.names, x2.res, x2.one_copy
     shared_there, pinned_there = x2.shared_there, x2.pinned_there
-    checks = RecordDict()
+    checks: dict[str, bool] = {}
     one_mem = table_host_bytes(one[0]["ranks"][0])
     res["one_gpu_table_host_bytes"] = one_mem
     res["one_gpu_pss_bytes"] = one[0]["ranks"][0]["memory"]["pss_bytes"]
@@ -247,13 +250,16 @@ def test_host_memory(x2, modes) -> None:
         modes[name]["throughput_ratio"] = round(tokens_per_s(r) / base_tps, 3)
     note("modes", modes)
     note("one_gpu", res["one_gpu"])
+    failed = [name for name, ok in checks.items() if not ok]
+    assert not failed, f"{'; '.join(failed)} (table host copies per mode: " \
+                       f"{ {name: m['table_host_copies'] for name, m in modes.items()} })"
 
 
 def test_serving_group(x2) -> None:
     """5. The serving group of `serve --tp 2`: this process is the leader."""
     engine, base_cfg, sp, one, res = x2.engine, x2.base_cfg, x2.sp, x2.one, x2.res
     ref_all = tokens(one[0])
-    checks = RecordDict()
+    checks: dict[str, bool] = {}
     from engram_trt.distributed.serving import GroupSpec, start_serving_group
 
     t1 = time.perf_counter()
@@ -275,3 +281,5 @@ def test_serving_group(x2) -> None:
     checks["serve --tp 2: the group's leader gives the greedy tokens of one GPU"] = [o.token_ids for o in outs] == ref_all
     checks["serve --tp 2: the follower exited 0 after stop()"] = group.followers[0].returncode == 0
     note("serving_group", res["serving_group"])
+    failed = [name for name, ok in checks.items() if not ok]
+    assert not failed, "; ".join(failed)

@@ -24,14 +24,14 @@ from __future__ import annotations
 import ctypes
 import itertools
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .helpers import fatal, note, record
+from .helpers import fatal, note, say
 
 
-def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float], table: Any) -> None:
+def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
     """``table``: the caller's fp8 test table (``values``, ``scales`` as NumPy, ``rows_t``,
     ``scales_t``, ``inline_t`` as CPU tensors, ``N``, ``D``, ``QB``) with its ``ref_fp8(ids)``
     (the NumPy dequant reference, zero rows for ids off the table) and ``same(a, b)``
@@ -43,7 +43,7 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
     from engram_trt.errors import EngramError
 
     ok = gatherdriver.driver_supported(dev)
-    record("gather driver: the device has 64-bit stream memory operations", ok, "")
+    assert ok, "gather driver: the device has 64-bit stream memory operations"
     if not ok:
         return
     rng = np.random.default_rng(5)
@@ -59,8 +59,8 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
         t0 = time.perf_counter()
         while not ev.query():
             if time.perf_counter() - t0 > seconds:
-                record(f"gather driver: {what} completes", False, f"not done after {seconds:.0f} s: a stream waits "
-                       "forever (a hang)")
+                say(f"[FAIL] gather driver: {what} completes: not done after {seconds:.0f} s: a stream waits "
+                    "forever (a hang)")
                 fatal("ending the process, a CUDA stream cannot be released")
             time.sleep(0.0005)
 
@@ -92,9 +92,10 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
         drv.finish()
         good = all(same(copies[li].reshape(-1, D), ref_fp8(ids3[:, li, :].numpy().reshape(-1))) for li in range(L))
         # the reads were enqueued long before the rows existed: the GPU wait held them
-        record(f"gather driver, {layout}: 3 layers queued behind a 1.4M-row job, read on another stream after its "
-               f"GPU wait", good and enqueued < 0.3 * ready,
-               f"tickets {slow}, {tickets}; reads enqueued after {enqueued * 1e3:.2f} ms, ready after {ready * 1e3:.2f} ms")
+        assert good and enqueued < 0.3 * ready, (
+            f"gather driver, {layout}: 3 layers queued behind a 1.4M-row job, read on another stream after its "
+            f"GPU wait: tickets {slow}, {tickets}; reads enqueued after {enqueued * 1e3:.2f} ms, "
+            f"ready after {ready * 1e3:.2f} ms")
 
     # 1b. a whole step as one job: ids hashed on the GPU by the driver, both layers gathered
     def check_step_jobs() -> None:
@@ -134,20 +135,20 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
             ids_ok = np.array_equal(buffers.row_ids_host[:T].numpy(), want.astype(np.int32))
             rows_ok = all(same(copies[li].reshape(-1, D), ref_fp8(want[:, li, :].reshape(-1))) for li in range(Ls))
             cases.append((S, T, fresh, ids_ok, rows_ok, form))
-        record("gather driver, step jobs: the driver's hash == hash_batch_packed and both layers' rows == the dequant "
-               "reference (1 / 64 decode sequences, chunks of up to 700 tokens, fresh sequences, an empty step; "
-               "split tables and scales in HBM)",
-               all(c[3] and c[4] for c in cases),
-               "; ".join(f"S={c[0]} T={c[1]}{' fresh' if c[2] else ''} {c[5]}: ids {'ok' if c[3] else 'DIFFER'}, "
-                         f"rows {'ok' if c[4] else 'DIFFER'}" for c in cases))
+        assert all(c[3] and c[4] for c in cases), (
+            "gather driver, step jobs: the driver's hash == hash_batch_packed and both layers' rows == the dequant "
+            "reference (1 / 64 decode sequences, chunks of up to 700 tokens, fresh sequences, an empty step; "
+            "split tables and scales in HBM): "
+            + "; ".join(f"S={c[0]} T={c[1]}{' fresh' if c[2] else ''} {c[5]}: ids {'ok' if c[3] else 'DIFFER'}, "
+                        f"rows {'ok' if c[4] else 'DIFFER'}" for c in cases))
         try:
             drv.submit(torch.zeros((4, 24), dtype=torch.int32).pin_memory(), rows_t, scales_dev, quant_block=QB,
                        out=torch.empty((4, 24, D), dtype=torch.bfloat16, device=dev), stream=side, layout="hbm-scales")
             refused = "ACCEPTED"
         except EngramError as e:
             refused = str(e)
-        record("gather driver: a plain job with scales in HBM is refused (it has no device ids)",
-               refused != "ACCEPTED", refused)
+        assert refused != "ACCEPTED", (
+            f"gather driver: a plain job with scales in HBM is refused (it has no device ids): {refused}")
 
     check_step_jobs()
 
@@ -168,8 +169,8 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
         got = out.clone()
     done_or_exit(reader, "late-ids read")
     drv.finish()
-    record("gather driver: ids copied back behind ~10 ms of GPU work, the driver waits for their event",
-           same(got.reshape(-1, D), ref_fp8(dev_ids.cpu().numpy().reshape(-1))), "")
+    assert same(got.reshape(-1, D), ref_fp8(dev_ids.cpu().numpy().reshape(-1))), (
+        "gather driver: ids copied back behind ~10 ms of GPU work, the driver waits for their event")
 
     # 3. a job that fails on the driver thread releases its reader and reports its message
     bad_ids = torch.zeros((16, cols), dtype=torch.int32).pin_memory()
@@ -198,9 +199,10 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
     done_or_exit(torch.cuda.current_stream(dev), "the job after a failed one")
     drv.finish()
     torch.cuda.synchronize(dev)
-    record("gather driver: a job failing on its thread releases the reader, finish() raises its message, the next "
-           "job runs", released and "table_dtype 7" in message and "failed" in message
-           and same(out_after.reshape(-1, D), ref_fp8(after.numpy().reshape(-1))), message[:160])
+    assert (released and "table_dtype 7" in message and "failed" in message
+            and same(out_after.reshape(-1, D), ref_fp8(after.numpy().reshape(-1)))), (
+        "gather driver: a job failing on its thread releases the reader, finish() raises its message, the next "
+        f"job runs: {message[:160]}")
 
     # 4. close() with queued jobs runs them first
     outs = [torch.empty((T, cols, D), dtype=torch.bfloat16, device=dev) for _ in range(L)]
@@ -208,8 +210,8 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
         drv.submit(ids3, rows_t, scales_t, layer=li, quant_block=QB, out=outs[li], stream=side)
     drv.close()
     torch.cuda.synchronize(dev)
-    record("gather driver: close() runs the queued jobs first",
-           all(same(outs[li].reshape(-1, D), ref_fp8(ids3[:, li, :].numpy().reshape(-1))) for li in range(L)), "")
+    assert all(same(outs[li].reshape(-1, D), ref_fp8(ids3[:, li, :].numpy().reshape(-1))) for li in range(L)), (
+        "gather driver: close() runs the queued jobs first")
 
     # 5. engine thread free again: the driver vs the engine-thread gather (196,608 rows)
     big = torch.from_numpy(rng.integers(0, N, size=(8192, cols)).astype(np.int32)).pin_memory()
@@ -238,14 +240,15 @@ def check_driver(dev: Any, record: Callable[[str, bool, str], None], timings: di
     timings.update({"driver: engine thread free after (us)": med(free_d), "driver: rows ready after (us)": med(ready_d),
                     "engine-thread gather: free after (us)": med(free_s),
                     "engine-thread gather: rows ready after (us)": med(ready_s)})
-    record("gather driver: the engine thread is free before the rows are ready (196,608 rows)",
-           med(free_d) < 0.25 * med(ready_d), f"free {med(free_d):.0f} us, ready {med(ready_d):.0f} us; "
-           f"engine-thread gather {med(free_s):.0f} / {med(ready_s):.0f} us")
+    assert med(free_d) < 0.25 * med(ready_d), (
+        f"gather driver: the engine thread is free before the rows are ready (196,608 rows): "
+        f"free {med(free_d):.0f} us, "
+        f"ready {med(ready_d):.0f} us; engine-thread gather {med(free_s):.0f} / {med(ready_s):.0f} us")
 
 
 def test_driver(dev, tab) -> None:
     timings: dict[str, float] = {}
     try:
-        check_driver(dev, record, timings, tab)
+        check_driver(dev, timings, tab)
     finally:
         note("timings", timings)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, record
+from .helpers import DT, PF_FLOAT32, PF_INT32, Checks
 
 CSA_T, HCA_T, SWA_T = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 LAYERS = [CSA_T, HCA_T, SWA_T]
@@ -148,9 +148,9 @@ def run_steps(torch, layer, config, idx, dtype, bound_ref, bound_layer, tag):
         e_ref = rel(_np(out), ref[0])
         e_layer = rel(_np(got_layer), _np(want))
         state_errs = {nm: rel(_np(gpu_state[nm]), ref[1 + k]) for k, nm in enumerate(names)}
-        record(f"dsv4 kernel {tag} step {n}: out vs float64 reference, layer output vs torch layer, states",
-               e_ref <= bound_ref and e_layer <= bound_layer and max(state_errs.values()) <= bound_ref,
-               f"ref {e_ref:.2e} layer {e_layer:.2e} states {state_errs}")
+        assert e_ref <= bound_ref and e_layer <= bound_layer and max(state_errs.values()) <= bound_ref, (
+            f"dsv4 kernel {tag} step {n}: out vs float64 reference, layer output vs torch layer, states: "
+            f"ref {e_ref:.2e} layer {e_layer:.2e} states {state_errs} (bounds {bound_ref:g} / {bound_layer:g})")
         for k, nm in enumerate(names):
             ref_state[nm] = torch.from_numpy(np.asarray(ref[1 + k], np.float32)).to(dtype)
 
@@ -216,8 +216,16 @@ def types_of(n_inputs: int, io: int) -> list[int]:
     return [DT["float32"] if i in F32_INPUTS else DT["int32"] if i in I32_INPUTS else io for i in range(n_inputs)]
 
 
-def check_plugin_cpu(harness) -> None:
-    """What TensorRT asks of EngramDsv4Attention before any enqueue (no GPU needed)."""
+PLUGIN_CPU_CHECKS = [f"plugin EngramDsv4Attention layer_type {lt} {what}" for lt in (0, 2, 1) for what in (
+    "getOutputShapes: out q's, states their inputs'", "getOutputDataTypes",
+    "getAliasedInput: each state output its input", "serialize round trip")] + [
+    "plugin EngramDsv4Attention refuses a bf16 c_bias", "plugin EngramDsv4Attention refuses bad fields in one line"]
+
+
+def check_plugin_cpu(harness) -> Checks:
+    """What TensorRT asks of EngramDsv4Attention before any enqueue (no GPU needed): the
+    checks of PLUGIN_CPU_CHECKS by name."""
+    checks = Checks()
     n_in, n_out = {0: 7, 2: 15, 1: 24}, {0: 2, 2: 5, 1: 8}
     states = [6, 12, 13, 14, 21, 22, 23]
     for lt in (0, 2, 1):
@@ -226,18 +234,18 @@ def check_plugin_cpu(harness) -> None:
         in_shapes = shapes_of(lt, r=r)
         shapes = harness.outputs_shapes(h, in_shapes, n_out[lt])
         want = [in_shapes[0]] + [in_shapes[i] for i in states[: n_out[lt] - 1]]
-        record(f"plugin EngramDsv4Attention layer_type {lt} getOutputShapes: out q's, states their inputs'",
-               shapes == want, str(shapes))
+        checks.add(f"plugin EngramDsv4Attention layer_type {lt} getOutputShapes: out q's, states their inputs'",
+                   shapes == want, str(shapes))
         types = {io: harness.outputs_types(h, types_of(n_in[lt], DT[io]), n_out[lt]) == [DT[io]] * n_out[lt]
                  for io in ("bfloat16", "float16", "float32")}
-        record(f"plugin EngramDsv4Attention layer_type {lt} getOutputDataTypes", all(types.values()), str(types))
+        checks.add(f"plugin EngramDsv4Attention layer_type {lt} getOutputDataTypes", all(types.values()), str(types))
         aliases = [harness.aliased_input(h, o) for o in range(n_out[lt])]
-        record(f"plugin EngramDsv4Attention layer_type {lt} getAliasedInput: each state output its input",
-               aliases == [(-1, 2)] + [(i, 2) for i in states[: n_out[lt] - 1]], str(aliases))
+        checks.add(f"plugin EngramDsv4Attention layer_type {lt} getAliasedInput: each state output its input",
+                   aliases == [(-1, 2)] + [(i, 2) for i in states[: n_out[lt] - 1]], str(aliases))
         h2 = harness.roundtrip(h)
-        record(f"plugin EngramDsv4Attention layer_type {lt} serialize round trip",
-               harness.outputs_shapes(h2, in_shapes, n_out[lt]) == shapes
-               and harness.serialized_fields(h2) == harness.serialized_fields(h))
+        checks.add(f"plugin EngramDsv4Attention layer_type {lt} serialize round trip",
+                   harness.outputs_shapes(h2, in_shapes, n_out[lt]) == shapes
+                   and harness.serialized_fields(h2) == harness.serialized_fields(h))
         harness.lib.harness_destroy(h2)
         harness.lib.harness_destroy(h)
     h = harness.create("EngramDsv4Attention", dsv4_fields(layer_type=1))
@@ -248,7 +256,7 @@ def check_plugin_cpu(harness) -> None:
         harness.outputs_types(h, bad_types, 8)
     except RuntimeError as exc:
         refused = "c_bias must be float32" in str(exc)
-    record("plugin EngramDsv4Attention refuses a bf16 c_bias", refused)
+    checks.add("plugin EngramDsv4Attention refuses a bf16 c_bias", refused)
     harness.lib.harness_destroy(h)
     refusals = {}
     for tag, fields, needle in (
@@ -264,17 +272,27 @@ def check_plugin_cpu(harness) -> None:
             refusals[tag] = "accepted"
         except RuntimeError as exc:
             refusals[tag] = needle in str(exc) and "\n" not in str(exc) or str(exc)
-    record("plugin EngramDsv4Attention refuses bad fields in one line", all(v is True for v in refusals.values()),
-           str(refusals))
+    checks.add("plugin EngramDsv4Attention refuses bad fields in one line", all(v is True for v in refusals.values()),
+               str(refusals))
+    return checks
 
 
-def test_plugin_cpu(harness) -> None:
-    check_plugin_cpu(harness)
+@pytest.fixture(scope="module")
+def plugin_cpu(harness) -> Checks:
+    return check_plugin_cpu(harness)
 
 
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_plugin_cpu(plugin_cpu, name: str) -> None:
+    ok, detail = plugin_cpu[name]
+    assert ok, f"{name}: {detail}"
+
+
+@pytest.mark.parametrize("aliased", [True, False], ids=["aliased", "separate"])
+@pytest.mark.parametrize("phase", ["build", "runtime (round trip)"])
 @pytest.mark.parametrize("dname", ["float32", "bfloat16"])
 @pytest.mark.parametrize("idx", [0, 1, 2], ids=LAYERS)
-def test_plugin_enqueue_equals_binding(harness, dname, idx) -> None:
+def test_plugin_enqueue_equals_binding(harness, dname, idx, phase, aliased) -> None:
     import torch
 
     from engram_trt.native.dsv4_attention import STATE_INPUTS, dsv4_attention
@@ -301,22 +319,21 @@ def test_plugin_enqueue_equals_binding(harness, dname, idx) -> None:
                      rope_scale=fields["rope_scale"])
     in_types = types_of(len(inputs), DT[dname])
     stream = torch.cuda.current_stream().cuda_stream
-    for phase, make in (("build", lambda h: h), ("runtime (round trip)", harness.roundtrip)):
-        base = harness.create("EngramDsv4Attention", pf)
-        h = make(base)
-        for aliased in (True, False):
-            args = [t.clone() for t in inputs]
-            out = torch.full_like(want, float("nan"))
-            state_outs = [args[i] if aliased else torch.full_like(args[i], float("nan"))
-                          for i in STATE_INPUTS[:n_states]]
-            harness.run_outputs(h, args, in_types, [out] + state_outs, [DT[dname]] * (1 + n_states), stream)
-            torch.cuda.synchronize()
-            ok = torch.equal(out, want) and all(torch.equal(s, want_inputs[i])
-                                                for s, i in zip(state_outs, STATE_INPUTS))
-            untouched = aliased or all(torch.equal(args[i], inputs[i]) for i in STATE_INPUTS[:n_states])
-            record(f"plugin EngramDsv4Attention {LAYERS[idx]} {dname} enqueue {phase}, "
-                   f"{'aliased' if aliased else 'separate'} states = binding", ok and untouched,
-                   f"out-equal={torch.equal(out, want)}")
-        if h != base:
-            harness.lib.harness_destroy(h)
-        harness.lib.harness_destroy(base)
+    make = {"build": lambda h: h, "runtime (round trip)": harness.roundtrip}[phase]
+    base = harness.create("EngramDsv4Attention", pf)
+    h = make(base)
+    args = [t.clone() for t in inputs]
+    out = torch.full_like(want, float("nan"))
+    state_outs = [args[i] if aliased else torch.full_like(args[i], float("nan"))
+                  for i in STATE_INPUTS[:n_states]]
+    harness.run_outputs(h, args, in_types, [out] + state_outs, [DT[dname]] * (1 + n_states), stream)
+    torch.cuda.synchronize()
+    if h != base:
+        harness.lib.harness_destroy(h)
+    harness.lib.harness_destroy(base)
+    ok = torch.equal(out, want) and all(torch.equal(s, want_inputs[i])
+                                        for s, i in zip(state_outs, STATE_INPUTS))
+    untouched = aliased or all(torch.equal(args[i], inputs[i]) for i in STATE_INPUTS[:n_states])
+    assert ok and untouched, (f"plugin EngramDsv4Attention {LAYERS[idx]} {dname} enqueue {phase}, "
+                              f"{'aliased' if aliased else 'separate'} states = binding: "
+                              f"out-equal={torch.equal(out, want)}, separate inputs untouched={untouched}")

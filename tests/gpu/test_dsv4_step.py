@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from .helpers import note, record
+from .helpers import note
 
 ARGS = ["bench", "dsv4-step", "--device", "cuda", "--model", "tiny", "--batches", "1,4", "--context", "300",
         "--prefill", "64", "--reps", "3", "--profile-reps", "2", "--table-gib", "0.05"]
@@ -42,26 +42,27 @@ def test_prefetched_rows_give_the_models_own_logits(report) -> None:
         for where, paths in (("hbm", ("device",)), ("pinned", ("host", "uva"))):
             e = row[where]
             c = e["check"]
-            record(f"{name} {where}: finite logits", c["finite"], "")
-            record(f"{name} {where}: lookup path", e["lookup_path"] in paths, f"expected one of {paths}")
-            record(f"{name} {where}: prefetched rows = own gather", c["vs_own_gather_rel"] <= REL,
-                   f"max |diff| / max |logit| = {c['vs_own_gather_rel']:.2e}")
+            assert c["finite"], f"{name} {where}: finite logits"
+            assert e["lookup_path"] in paths, f"{name} {where}: lookup path: expected one of {paths}"
+            assert c["vs_own_gather_rel"] <= REL, (
+                f"{name} {where}: prefetched rows = own gather: max |diff| / max |logit| = "
+                f"{c['vs_own_gather_rel']:.2e}")
         rel = row["pinned"]["check"]["vs_first_placement_rel"]
-        record(f"{name}: pinned tables = HBM tables", rel <= REL, f"max |diff| / max |logit| = {rel:.2e}")
+        assert rel <= REL, f"{name}: pinned tables = HBM tables: max |diff| / max |logit| = {rel:.2e}"
 
 
 def test_floors_carry_the_measured_limits(report) -> None:
     lim = report["limits"]
-    record("limits measured", all(lim.get(k, 0) > 0 for k in ("hbm_GBps", "h2d_GBps", "bf16_TFLOPs")), str(lim))
+    assert all(lim.get(k, 0) > 0 for k in ("hbm_GBps", "h2d_GBps", "bf16_TFLOPs")), f"limits measured: {str(lim)}"
     for name, row in report["cases"].items():
         for where in ("hbm", "pinned"):
             e, f = row[where], row[where]["floor"]
-            record(f"{name} {where}: step >= floor", e["step_over_floor"] >= 1.0,
-                   f"step {e['step_ms']:.3f} ms, floor {f['floor_ms']:.4f} ms")
+            assert e["step_over_floor"] >= 1.0, (
+                f"{name} {where}: step >= floor: step {e['step_ms']:.3f} ms, floor {f['floor_ms']:.4f} ms")
         p = row["pinned"]
-        record(f"{name}: pinned lookup no faster than its rows over the link",
-               p["floor"]["link_ms"] > 0 and p["lookup_over_link"] >= 1.0,
-               f"lookup alone {p['lookup_ms']:.3f} ms, link floor {p['floor']['link_ms']:.5f} ms")
+        assert p["floor"]["link_ms"] > 0 and p["lookup_over_link"] >= 1.0, (
+            f"{name}: pinned lookup no faster than its rows over the link: lookup alone {p['lookup_ms']:.3f} ms, link "
+            f"floor {p['floor']['link_ms']:.5f} ms")
 
 
 def test_breakdown_by_cuda_events_adds_up(report) -> None:
@@ -73,10 +74,10 @@ def test_breakdown_by_cuda_events_adds_up(report) -> None:
         for where in ("hbm", "pinned"):
             b = row[where]["breakdown"]
             calls = {c: v["calls"] for c, v in b["classes"].items()}
-            record(f"{name} {where}: calls per class", calls == want and b["clock"] == "cuda events", f"{calls}")
+            assert calls == want and b["clock"] == "cuda events", f"{name} {where}: calls per class: {calls}"
             # medians of 2 steps per class need not add up exactly: 5% of the step
             total = sum(v["gpu_ms"] for v in b["classes"].values())
-            record(f"{name} {where}: classes add up to the step", abs(total - b["total_gpu_ms"]) <= 0.05 * b["total_gpu_ms"],
-                   f"{total:.3f} vs {b['total_gpu_ms']:.3f} ms")
-            record(f"{name} {where}: no class below zero", min(v["gpu_ms"] for v in b["classes"].values()) > -1e-3,
-                   f"{ {c: round(v['gpu_ms'], 4) for c, v in b['classes'].items()} }")
+            assert abs(total - b["total_gpu_ms"]) <= 0.05 * b["total_gpu_ms"], (
+                f"{name} {where}: classes add up to the step: {total:.3f} vs {b['total_gpu_ms']:.3f} ms")
+            assert min(v["gpu_ms"] for v in b["classes"].values()) > -1e-3, (
+                f"{name} {where}: no class below zero: { {c: round(v['gpu_ms'], 4) for c, v in b['classes'].items()} }")

@@ -10,7 +10,7 @@ plugin under TensorRT's build phase.
   to end: a NaN row through gather -> wkv -> gate.
 - bad rows: ids outside the table, an unbound / misaligned table address or a missing
   scale table write zero rows, and each such row adds 1 to the caller's device counter
-  (kernels.gather(bad_rows=...), the EngramGather plugin's optional counter input).
+  (gather_kernels.gather(bad_rows=...), the EngramGather plugin's optional counter input).
 - build phase: an EngramGather made with TensorRTPhase::kBUILD (and its clones) writes
   zero rows without reading any address; the garbage addresses used are shown to fault
   when a runtime-phase plugin does read them (a control in its own child process,
@@ -19,10 +19,12 @@ plugin under TensorRT's build phase.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from .helpers import DT, bits, counted_gather_fields, dtype_name, gate_bound, gate_fields, random_fp8_table, record
+from .helpers import DT, bits, counted_gather_fields, dtype_name, gate_bound, gate_fields, random_fp8_table
 from .test_verify import run_probe
 
 
@@ -60,7 +62,7 @@ def test_gather_nan(rng) -> None:
     got = out.float().cpu().numpy()
     ref_bf16 = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
     ok, detail = nan_equal(got, ref_bf16)
-    record("kernel gather NaN fp8 bytes / scale 255 give NaN exactly where the reference does", ok, detail)
+    assert ok, f"kernel gather NaN fp8 bytes / scale 255 give NaN exactly where the reference does: {detail}"
 
 
 @pytest.mark.parametrize("io_name", ["bfloat16", "float16", "float32"])
@@ -100,9 +102,9 @@ def test_gate_nan(rng, harness, io_name) -> None:
     dead_exact = torch.equal(bits(out)[20], bits(hidden)[20])
     expected_nan = (np.isnan(got[3, 1]).all() and np.isnan(got[7, 2]).all() and np.isnan(got[9, :, 100]).all()
                     and np.isnan(got[12]).all())
-    record(f"kernel gate io={dtype_name(io)} NaN key / hidden / value / row -> NaN output (not gate 0.5)",
-           ok_ref and ok_torch and dead_exact and expected_nan,
-           f"{detail}; NaN as torch path={ok_torch}; dead token == hidden={dead_exact}")
+    assert ok_ref and ok_torch and dead_exact and expected_nan, (
+        f"kernel gate io={dtype_name(io)} NaN key / hidden / value / row -> NaN output (not gate 0.5): "
+        f"{detail}; NaN as torch path={ok_torch}; dead token == hidden={dead_exact}")
     if io == torch.bfloat16:
         # the plugin's enqueue on the same inputs (runtime phase)
         h = harness.create("EngramGate", gate_fields(hc, D, 1e-6), phase=1)
@@ -112,8 +114,8 @@ def test_gate_nan(rng, harness, io_name) -> None:
                     [io_t, io_t, io_t, io_t, DT["bool"]], plugin_out, io_t, stream)
         torch.cuda.synchronize()
         harness.lib.harness_destroy(h)
-        record("plugin EngramGate NaN inputs: output bitwise equal to the kernel's",
-               torch.equal(bits(plugin_out), bits(out)))
+        assert torch.equal(bits(plugin_out), bits(out)), "plugin EngramGate NaN inputs: output bitwise equal to the " \
+                                                         "kernel's"
 
 
 def test_nan_end_to_end(rng) -> None:
@@ -140,24 +142,24 @@ def test_nan_end_to_end(rng) -> None:
     w = torch.ones(hc, D, dtype=torch.bfloat16, device=dev)
     out = gate_kernels.gate(hidden, kv, w, w, torch.ones(T, dtype=torch.bool, device=dev), eps=1e-6).float().cpu()
     other = torch.cat([out[:poisoned_token], out[poisoned_token + 1:]])
-    record("end to end: a NaN scale byte -> gathered row -> wkv -> gate gives NaN for that token only",
-           bool(torch.isnan(out[poisoned_token]).all()) and bool(torch.isfinite(other).all()),
-           f"token {poisoned_token} all NaN={bool(torch.isnan(out[poisoned_token]).all())}, "
-           f"others finite={bool(torch.isfinite(other).all())}")
+    assert bool(torch.isnan(out[poisoned_token]).all()) and bool(torch.isfinite(other).all()), (
+        "end to end: a NaN scale byte -> gathered row -> wkv -> gate gives NaN for that token only: "
+        f"token {poisoned_token} all NaN={bool(torch.isnan(out[poisoned_token]).all())}, "
+        f"others finite={bool(torch.isfinite(other).all())}")
 
 
 
 
 # --- bad-row count ---------------------------------------------------------------------
 
-def test_bad_rows(rng, harness) -> None:
+def bad_rows_case(rng) -> SimpleNamespace:
+    """The bad-row tests' table (fp8, 10,000 rows) and ids (-1 and past-the-end ids among
+    them), the expected count and the reference rows' bits of layer 1."""
     import torch
 
-    from engram_trt.native import gather as gather_kernels
     from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
-    stream = torch.cuda.current_stream().cuda_stream
     rows_n, head_dim, T, L, cols, layer = 10_000, 256, 200, 2, 24, 1
     fp8, scales = random_fp8_table(rng, rows_n, head_dim)
     ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
@@ -171,17 +173,39 @@ def test_bad_rows(rng, harness) -> None:
     ref32[valid] = dequant_fp8_rows(fp8[sel[valid]], scales[sel[valid]], 32)
     ref_bits = torch.from_numpy(ref32).to(torch.bfloat16).view(torch.int16)
     ids_dev = torch.from_numpy(ids).to(dev)
-    for where, (r, s) in {"device": (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
-                          "pinned host (UVA)": (torch.from_numpy(fp8).pin_memory(),
-                                                torch.from_numpy(scales).pin_memory())}.items():
-        counter = torch.zeros(1, dtype=torch.int64, device=dev)
-        out = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
-        first = int(counter.item())
-        out2 = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
-        exact = torch.equal(out.cpu().view(torch.int16), ref_bits) and torch.equal(out2.cpu().view(torch.int16), ref_bits)
-        record(f"kernel gather bad_rows counts ids outside the table ({where})",
-               first == expected and int(counter.item()) == 2 * expected and exact,
-               f"count {first} then {int(counter.item())}, expected {expected} then {2 * expected}; rows exact={exact}")
+    return SimpleNamespace(rows_n=rows_n, head_dim=head_dim, T=T, L=L, cols=cols, layer=layer, fp8=fp8,
+                           scales=scales, ids_dev=ids_dev, expected=expected, ref_bits=ref_bits)
+
+
+@pytest.mark.parametrize("where", ["device", "pinned host (UVA)"])
+def test_bad_rows_kernel(rng, where) -> None:
+    import torch
+
+    from engram_trt.native import gather as gather_kernels
+
+    c = bad_rows_case(rng)
+    dev = torch.device("cuda")
+    fp8, scales, ids_dev, layer, expected, ref_bits = c.fp8, c.scales, c.ids_dev, c.layer, c.expected, c.ref_bits
+    r, s = {"device": lambda: (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
+            "pinned host (UVA)": lambda: (torch.from_numpy(fp8).pin_memory(),
+                                          torch.from_numpy(scales).pin_memory())}[where]()
+    counter = torch.zeros(1, dtype=torch.int64, device=dev)
+    out = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+    first = int(counter.item())
+    out2 = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
+    exact = torch.equal(out.cpu().view(torch.int16), ref_bits) and torch.equal(out2.cpu().view(torch.int16), ref_bits)
+    assert first == expected and int(counter.item()) == 2 * expected and exact, (
+        f"kernel gather bad_rows counts ids outside the table ({where}): "
+        f"count {first} then {int(counter.item())}, expected {expected} then {2 * expected}; rows exact={exact}")
+
+
+def test_bad_rows_bf16_and_check(rng) -> None:
+    import torch
+
+    from engram_trt.native import gather as gather_kernels
+
+    dev = torch.device("cuda")
+    rows_n, T, cols = 10_000, 200, 24
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
     table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
     good = torch.from_numpy(rng.integers(0, rows_n, size=(T, cols)).astype(np.int32)).to(dev)
@@ -189,8 +213,8 @@ def test_bad_rows(rng, harness) -> None:
     bf16_ids = good.clone()
     bf16_ids[0, :5] = rows_n
     gather_kernels.gather(bf16_ids, table, bad_rows=counter)
-    record("kernel gather bad_rows: 0 for in-range ids, 5 for 5 bad bf16 ids", int(counter.item()) == 5,
-           f"count {int(counter.item())}")
+    assert int(counter.item()) == 5, f"kernel gather bad_rows: 0 for in-range ids, 5 for 5 bad bf16 ids: " \
+                                     f"count {int(counter.item())}"
     from engram_trt.errors import EngramError
 
     try:
@@ -198,12 +222,26 @@ def test_bad_rows(rng, harness) -> None:
         raised = ""
     except EngramError as exc:
         raised = str(exc)
-    record("gather_kernels.check_bad_rows raises on the device counter and resets it",
-           raised.startswith("bf16 gather: 5 row(s) read no table") and int(counter.item()) == 0, raised[:120])
+    assert raised.startswith("bf16 gather: 5 row(s) read no table") and int(counter.item()) == 0, (
+        f"gather_kernels.check_bad_rows raises on the device counter and resets it: {raised[:120]}")
 
-    # the plugin, counter address as its last input
-    fp8_dev, scales_dev = torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)
-    fields = counted_gather_fields(layer, L, cols, head_dim, 0, 32, rows_n)
+
+# (name, which addresses, the count wanted (None: expected), exact rows (else zero rows))
+PLUGIN_BAD_ROW_CASES = [("valid table", "good", None, True), ("rows_addr 0", "rows 0", "all", False),
+                        ("rows_addr misaligned (+8)", "rows +8", "all", False),
+                        ("scales_addr 0", "scales 0", "all", False)]
+
+
+def plugin_gather(harness, c: SimpleNamespace):
+    """The EngramGather plugin over the case's ids, counter address as its last input:
+    (run(addresses, counter_address) -> out, the good addresses by kind)."""
+    import torch
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    T, cols, head_dim, ids_dev = c.T, c.cols, c.head_dim, c.ids_dev
+    fp8_dev, scales_dev = torch.from_numpy(c.fp8).to(dev), torch.from_numpy(c.scales).to(dev)
+    fields = counted_gather_fields(c.layer, c.L, cols, head_dim, 0, 32, c.rows_n)
 
     def run(addresses, counter_address):
         h = harness.create("EngramGather", fields, phase=1)
@@ -214,22 +252,38 @@ def test_bad_rows(rng, harness) -> None:
         harness.lib.harness_destroy(h)
         return out
 
-    good_addr = (fp8_dev.data_ptr(), scales_dev.data_ptr())
-    cases = [("valid table", good_addr, expected, True),
-             ("rows_addr 0", (0, scales_dev.data_ptr()), T * cols, False),
-             ("rows_addr misaligned (+8)", (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()), T * cols, False),
-             ("scales_addr 0", (fp8_dev.data_ptr(), 0), T * cols, False)]
-    for name, addresses, want, exact_rows in cases:
-        counter = torch.zeros(1, dtype=torch.int64, device=dev)
-        out = run(addresses, counter.data_ptr())
-        got = int(counter.item())
-        rows_ok = (torch.equal(out.cpu().view(torch.int16), ref_bits) if exact_rows
-                   else int(torch.count_nonzero(out.view(torch.int16))) == 0)
-        record(f"plugin EngramGather bad-row counter input: {name}", got == want and rows_ok,
-               f"count {got}, expected {want}; rows {'exact' if exact_rows else 'zero'}={rows_ok}")
-    out = run(good_addr, 0)
-    record("plugin EngramGather bad-row counter address 0: no count, no fault, rows exact",
-           torch.equal(out.cpu().view(torch.int16), ref_bits))
+    addresses = {"good": (fp8_dev.data_ptr(), scales_dev.data_ptr()), "rows 0": (0, scales_dev.data_ptr()),
+                 "rows +8": (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()), "scales 0": (fp8_dev.data_ptr(), 0)}
+    return run, addresses, (fp8_dev, scales_dev)
+
+
+@pytest.mark.parametrize("name, which, want, exact_rows", PLUGIN_BAD_ROW_CASES,
+                         ids=[c[0] for c in PLUGIN_BAD_ROW_CASES])
+def test_bad_rows_plugin(rng, harness, name, which, want, exact_rows) -> None:
+    import torch
+
+    c = bad_rows_case(rng)
+    dev = torch.device("cuda")
+    run, addresses, _keep = plugin_gather(harness, c)
+    want = c.expected if want is None else c.T * c.cols
+    counter = torch.zeros(1, dtype=torch.int64, device=dev)
+    out = run(addresses[which], counter.data_ptr())
+    got = int(counter.item())
+    rows_ok = (torch.equal(out.cpu().view(torch.int16), c.ref_bits) if exact_rows
+               else int(torch.count_nonzero(out.view(torch.int16))) == 0)
+    assert got == want and rows_ok, (
+        f"plugin EngramGather bad-row counter input: {name}: "
+        f"count {got}, expected {want}; rows {'exact' if exact_rows else 'zero'}={rows_ok}")
+
+
+def test_bad_rows_plugin_counter_address_0(rng, harness) -> None:
+    import torch
+
+    c = bad_rows_case(rng)
+    run, addresses, _keep = plugin_gather(harness, c)
+    out = run(addresses["good"], 0)
+    assert torch.equal(out.cpu().view(torch.int16), c.ref_bits), (
+        "plugin EngramGather bad-row counter address 0: no count, no fault, rows exact")
 
 
 # --- build phase (child processes: tests/gpu/probes.py) --------------------------------
@@ -239,4 +293,4 @@ def test_build_phase_probe(probe, build_dir) -> None:
     """A probe in a child process (tests/gpu/probes.py); each one decides: the build-phase
     probe passes only with zero rows and a healthy context, its control only with a fault."""
     result = run_probe(probe, build_dir)
-    record(result["name"], result["ok"], result["detail"])
+    assert result["ok"], f"{result['name']}: {result['detail']}"

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import load_checkpoint, note, record
+from .helpers import load_checkpoint, note
 
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 7, 60], [2, 2, 3, 44], [11, 12, 13, 14, 2, 16, 17, 18, 19, 20, 21, 22, 23]]
 EOS = 2
@@ -204,19 +204,20 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
                  for m in quant)
     held = sum(m.weight.numel() for m in quant)
     want = sum(t.numel() for k, t in stored.items() if t.dtype == torch.float8_e4m3fn and ".ngram_embedding." not in k)
-    record(f"{arch}: FP8 linears hold the stored bytes on the GPU", on_dev and held == want > 0,
-           f"{len(quant)} QuantLinear, {held} bytes held, {want} stored")
+    assert on_dev and held == want > 0, (
+        f"{arch}: FP8 linears hold the stored bytes on the GPU: {len(quant)} QuantLinear, {held} bytes held, {want} "
+        "stored")
     # 2. the dequantizing path on CUDA: the CPU model's math
     QuantLinear.backend = "torch"
     try:
         for i, p in enumerate(PROMPTS):
             err = rel_err(_prefill_logits(gpu32, p), _prefill_logits(cpu, p))
-            record(f"{arch} prompt {i}: fp32 CUDA (dequantizing) logits within 1e-5 of the CPU's", err <= 1e-5,
-                   f"rel L2 {err:.2e}")
+            assert err <= 1e-5, (
+                f"{arch} prompt {i}: fp32 CUDA (dequantizing) logits within 1e-5 of the CPU's: rel L2 {err:.2e}")
         got = greedy_tokens(gpu32, PROMPTS[0], 8, ignore_eos=True)
         want_tokens = greedy_tokens(cpu, PROMPTS[0], 8, ignore_eos=True)
-        record(f"{arch}: fp32 CUDA (dequantizing) greedy tokens equal the CPU's", got == want_tokens,
-               f"{got} vs {want_tokens}")
+        assert got == want_tokens, (
+            f"{arch}: fp32 CUDA (dequantizing) greedy tokens equal the CPU's: {got} vs {want_tokens}")
         ckpt_b, gpu16 = load_checkpoint(folder, "cuda", torch.bfloat16)
         round_off = [rel_err(_prefill_logits(gpu16, p), _prefill_logits(cpu, p)) for p in PROMPTS]
     finally:
@@ -225,7 +226,7 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
     try:
         from engram_trt.native import quant as native_quant  # noqa: F401
     except ImportError as exc:
-        record(f"{arch}: engram_trt.native.quant importable", False, str(exc))
+        assert False, f"{arch}: engram_trt.native.quant importable: {exc}"
         return
     with _ActQuantCPU():
         refs = [_prefill_logits(cpu, p) for p in PROMPTS]
@@ -233,8 +234,9 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
         err = rel_err(_prefill_logits(gpu16, p), refs[i])
         bound = 3 * round_off[i]
         note(f"{arch}_kernels_rel_l2_prompt{i}", err)
-        record(f"{arch} prompt {i}: bf16 FP8 kernels within 3x the bf16 round-off of the CPU's FP8 formats",
-               err <= bound, f"rel L2 {err:.2e}, bound {bound:.2e}")
+        assert err <= bound, (
+            f"{arch} prompt {i}: bf16 FP8 kernels within 3x the bf16 round-off of the CPU's FP8 formats: "
+            f"rel L2 {err:.2e}, bound {bound:.2e}")
     # 4. decode steps: graphs against eager
     from engram_trt import LLM, SamplingParams
 
@@ -243,13 +245,13 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
         with LLM(str(folder), backend="torch", device="cuda", dtype="bf16", cuda_graphs=graphs) as llm:
             res = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
             outs[graphs] = [list(o.outputs[0].token_ids) for o in res]
-    record(f"{arch}: LLM bf16 decode graphs' tokens equal eager decode's", outs[True] == outs[False],
-           f"{outs[True]} vs {outs[False]}")
+    assert outs[True] == outs[False], (
+        f"{arch}: LLM bf16 decode graphs' tokens equal eager decode's: {outs[True]} vs {outs[False]}")
     if arch == "qwen4-exp":
         ids = torch.randint(0, cpu.ple_tables.num_rows(0), (64,))
         got = gpu16.ple_tables.gather(0, ids.cuda()).cpu()
         want_rows = cpu.ple_tables.gather(0, ids)
-        record("qwen4-exp: FP8 PLE rows dequantized on the GPU equal the CPU's", torch.equal(got, want_rows),
-               f"paths {gpu16.ple_tables.paths}")
+        assert torch.equal(got, want_rows), (
+            f"qwen4-exp: FP8 PLE rows dequantized on the GPU equal the CPU's: paths {gpu16.ple_tables.paths}")
     for c in (ckpt_c, ckpt_g, ckpt_b):
         c.close()

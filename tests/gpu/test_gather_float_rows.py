@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .helpers import DT, PF_INT32, gather_fields, record, special_float_table
+from .helpers import DT, PF_INT32, gather_fields, special_float_table
 
 N = 5000
 WIDTHS = (1, 3, 4, 8, 17, 64)
@@ -90,18 +90,18 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 counter = gather_kernels.new_bad_row_counter(dev)
                 out = gather_kernels.gather(ids_dev, table, layer=layer, bad_rows=counter)
                 torch.cuda.synchronize()
-                record(f"kernel gather {tag}: rows = torch indexing, {bad} outside ids counted",
-                       _same(torch, out.cpu(), want) and int(counter.item()) == bad,
-                       f"dtype {out.dtype}, count {int(counter.item())}")
+                assert _same(torch, out.cpu(), want) and int(counter.item()) == bad, (
+                    f"kernel gather {tag}: rows = torch indexing, {bad} outside ids counted: dtype {out.dtype}, count "
+                    f"{int(counter.item())}")
                 # element-aligned table and output: the narrow word path, the same bits
                 odd = _place(_table(torch, dtype, width, seed=width * 7 + len(name), offset=1), where, dev)
                 buf = torch.full((T * cols * width + 1,), float("nan"), dtype=dtype, device=dev)
                 out_odd = buf[1:].view(T, cols, width)
                 gather_kernels.gather(ids_dev, odd, layer=layer, out=out_odd)
                 torch.cuda.synchronize()
-                record(f"kernel gather {tag}: element-aligned table and output (narrow path) = torch indexing",
-                       _same(torch, out_odd.cpu(), want),
-                       f"table address % 16 = {odd.data_ptr() % 16}, out % 16 = {out_odd.data_ptr() % 16}")
+                assert _same(torch, out_odd.cpu(), want), (
+                    f"kernel gather {tag}: element-aligned table and output (narrow path) = torch indexing: table "
+                    f"address % 16 = {odd.data_ptr() % 16}, out % 16 = {out_odd.data_ptr() % 16}")
                 # a rank's share: columns [1, 4) from the slice of global rows [off, off + n)
                 off, n = 1001, 2500
                 part = _place(host[off:off + n].clone(), where, dev)
@@ -109,9 +109,9 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 out_s = gather_kernels.gather(ids_dev, part, layer=layer, row_offset=off, columns=(1, 4), bad_rows=counter)
                 torch.cuda.synchronize()
                 want_s, bad_s = _plain(torch, host[off:off + n], torch.from_numpy(ids[:, layer, 1:4]), off)
-                record(f"kernel gather_ex {tag}: row slice + columns = torch indexing, outside ids counted",
-                       _same(torch, out_s.cpu(), want_s) and int(counter.item()) == bad_s,
-                       f"count {int(counter.item())} expected {bad_s}")
+                assert _same(torch, out_s.cpu(), want_s) and int(counter.item()) == bad_s, (
+                    f"kernel gather_ex {tag}: row slice + columns = torch indexing, outside ids counted: "
+                    f"count {int(counter.item())} expected {bad_s}")
                 # engram_gather_part: two disjoint slices fill one output, a capped grid
                 split = N // 3
                 lo, hi = _place(host[:split].clone(), where, dev), _place(host[split:].clone(), where, dev)
@@ -121,8 +121,8 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 torch.cuda.synchronize()
                 inside = torch.from_numpy((ids[:, layer, :] >= 0) & (ids[:, layer, :] < N))
                 got_p = out_p.cpu()
-                record(f"kernel gather_part {tag}: two slices write every inside row once, outside rows kept",
-                       _same(torch, got_p[inside], want[inside]) and bool(torch.isnan(got_p[~inside].float()).all()))
+                assert _same(torch, got_p[inside], want[inside]) and bool(torch.isnan(got_p[~inside].float()).all()), (
+                    f"kernel gather_part {tag}: two slices write every inside row once, outside rows kept")
 
 
 def _run_both(harness: Any, fields: list, inputs: list, in_types: list, make_out: Any, out_type: int) -> list:
@@ -160,17 +160,16 @@ def test_plugin_gathers_float_rows(dev, rng, harness) -> None:
             h = harness.create("EngramGather", fields)
             types = harness.output_types(h, [DT["int32"], DT["int64"]])
             harness.lib.harness_destroy(h)
-            record(f"plugin EngramGather {name} width {width}: output type = the table's", types == [DT[name]],
-                   f"{types}")
+            assert types == [DT[name]], f"plugin EngramGather {name} width {width}: output type = the table's: {types}"
             for where in ("device", "pinned"):
                 table = _place(host, where, dev)
                 addr = torch.tensor([table.data_ptr()], dtype=torch.int64, device=dev)
                 build, runtime = _run_both(
                     harness, fields, [ids_dev, addr], [DT["int32"], DT["int64"]],
                     lambda: torch.full((T, cols, width), float("nan"), dtype=dtype, device=dev), DT[name])
-                record(f"plugin EngramGather enqueue {name} width {width} {where} (runtime = torch indexing, "
-                       f"build phase zero rows)",
-                       _same(torch, runtime.cpu(), want) and int(torch.count_nonzero(_bits(torch, build))) == 0)
+                assert _same(torch, runtime.cpu(), want) and int(torch.count_nonzero(_bits(torch, build))) == 0, (
+                    f"plugin EngramGather enqueue {name} width {width} {where} (runtime = torch indexing, "
+                    "build phase zero rows)")
             # the counter input: an element-aligned address is read, an odd one is not
             odd = _table(torch, dtype, width, seed=width * 13 + code, offset=1).to(dev)
             counted = fields + [("bad_rows_input", PF_INT32, np.array([1], np.int32))]
@@ -185,6 +184,6 @@ def test_plugin_gathers_float_rows(dev, rng, harness) -> None:
                                    DT[name])
                 rows_ok = (_same(torch, out.cpu(), want_rows) if want_rows is not None
                            else int(torch.count_nonzero(_bits(torch, out))) == 0)
-                record(f"plugin EngramGather {name} width {width}: {label}",
-                       rows_ok and int(counter.item()) == want_count,
-                       f"count {int(counter.item())} expected {want_count}")
+                assert rows_ok and int(counter.item()) == want_count, (
+                    f"plugin EngramGather {name} width {width}: {label}: count {int(counter.item())} "
+                    f"expected {want_count}")

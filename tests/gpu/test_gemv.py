@@ -29,10 +29,16 @@ import ctypes
 
 import pytest
 
-from .helpers import U, check, record, say, ulp_distance, within
+from .helpers import U, combined, ulp_distance, within
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "wkv": (10240, 6144), "lm_head": (129280, 2048)}
+# (label, T, N, K): the 1B model's shapes at 1..4 tokens (lm_head at 1 and 4), then odd N and K.
+KERNEL_CASES = [(name, T, N, K) for name, (N, K) in SHAPES.items()
+                for T in ((1, 2, 3, 4) if name != "lm_head" else (1, 4))]
+KERNEL_CASES += [("odd", T, N, K) for T, N, K in ((1, 1, 2048), (2, 7, 8), (3, 1001, 40), (4, 3, 5632),
+                                                  (4, 2049, 1032), (3, 1031, 5640), (3, 4099, 2048))]
+REFERENCE_CASES = [(1, 256, 2048), (4, 64, 5632), (8, 33, 40)]
 
 
 def gemv_inputs(gen, device, T: int, N: int, K: int) -> dict:
@@ -45,9 +51,9 @@ def gemv_inputs(gen, device, T: int, N: int, K: int) -> dict:
     return {"x": x.to(torch.bfloat16), "w": w.to(torch.bfloat16)}
 
 
-def gemv_verify(name: str, inputs: dict, got, terms: float | None = None) -> bool:
+def gemv_verify(inputs: dict, got, terms: float | None = None) -> tuple[bool, str]:
     """``got`` against float64 (``terms`` float32 additions: the kernel's by default) and
-    against F.linear on the same device."""
+    against F.linear on the same device: (ok, detail)."""
     import torch.nn.functional as F
 
     x, w = inputs["x"], inputs["w"]
@@ -60,7 +66,7 @@ def gemv_verify(name: str, inputs: dict, got, terms: float | None = None) -> boo
     results = [within(got, ref, bound)]
     if terms is None:
         results.append(versus_linear(got, F.linear(x, w)))
-    return check(name, *results)
+    return combined(*results)
 
 
 def versus_linear(got, want) -> tuple[bool, str]:
@@ -74,78 +80,95 @@ def versus_linear(got, want) -> tuple[bool, str]:
 
 # --- 1. ABI (no GPU) -----------------------------------------------------------------------------
 
-def check_abi() -> None:
+_P = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
+_BAD_SHAPE = "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a multiple of 8 in [8, 2^31 - 1]"
+_ALIGNED = "engram_gemv_bf16: x, weight and out must be 16-byte aligned device pointers"
+# (name, the arguments that differ from a good call, (status, last error) wanted)
+ABI_CASES = [
+    ("5 tokens", {"T": 5}, (1, "engram_gemv_bf16: num_tokens must be in [0, 4] (got 5)")),
+    ("-1 tokens", {"T": -1}, (1, "engram_gemv_bf16: num_tokens must be in [0, 4] (got -1)")),
+    ("in_features 12", {"K": 12}, (1, f"{_BAD_SHAPE} (got 2048, 12)")),
+    ("out_features 0", {"N": 0}, (1, f"{_BAD_SHAPE} (got 0, 2048)")),
+    ("flags 2", {"flags": 2}, (1, "engram_gemv_bf16: unknown flags 0x2 (the one flag is "
+                                  "ENGRAM_GEMV_WEIGHT_STATIC = 0x1)")),
+    ("NULL x", {"x": None}, (1, _ALIGNED)),
+    ("misaligned weight", {"w": ctypes.c_void_p((1 << 40) + 8)}, (1, _ALIGNED)),
+    ("out inside weight", {"out": ctypes.c_void_p((1 << 40) + 4096)},
+     (1, "engram_gemv_bf16: out must not overlap x or weight")),
+    ("out over x", {"out": _P}, (1, "engram_gemv_bf16: out must not overlap x or weight")),
+    ("zero tokens", {"T": 0, "x": None}, (0, "")),
+]
+
+
+def gemv_abi(x=_P, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, flags=1,
+             out=ctypes.c_void_p(1 << 41)) -> tuple[int, str]:
+    """engram_gemv_bf16 called with these arguments: (status, its last error)."""
     from engram_trt.native import backbone as backbone_kernels
 
     lib = backbone_kernels.library()
-    p = ctypes.c_void_p(16)  # never read: every call below fails on its arguments first (or launches nothing)
+    status = lib.engram_gemv_bf16(x, w, T, N, K, flags, out, None)
+    return status, lib.engram_last_error().decode()
 
-    def gemv(x=p, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, flags=1, out=ctypes.c_void_p(1 << 41)):
-        status = lib.engram_gemv_bf16(x, w, T, N, K, flags, out, None)
-        return status, lib.engram_last_error().decode()
 
-    cases = [
-        ("5 tokens", gemv(T=5), (1, "engram_gemv_bf16: num_tokens must be in [0, 4] (got 5)")),
-        ("-1 tokens", gemv(T=-1), (1, "engram_gemv_bf16: num_tokens must be in [0, 4] (got -1)")),
-        ("in_features 12", gemv(K=12), (1, "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a "
-                                           "multiple of 8 in [8, 2^31 - 1] (got 2048, 12)")),
-        ("out_features 0", gemv(N=0), (1, "engram_gemv_bf16: need 1 <= out_features <= 2^31 - 1 and in_features a "
-                                          "multiple of 8 in [8, 2^31 - 1] (got 0, 2048)")),
-        ("flags 2", gemv(flags=2), (1, "engram_gemv_bf16: unknown flags 0x2 (the one flag is "
-                                       "ENGRAM_GEMV_WEIGHT_STATIC = 0x1)")),
-        ("NULL x", gemv(x=None), (1, "engram_gemv_bf16: x, weight and out must be 16-byte aligned device pointers")),
-        ("misaligned weight", gemv(w=ctypes.c_void_p((1 << 40) + 8)),
-         (1, "engram_gemv_bf16: x, weight and out must be 16-byte aligned device pointers")),
-        ("out inside weight", gemv(out=ctypes.c_void_p((1 << 40) + 4096)),
-         (1, "engram_gemv_bf16: out must not overlap x or weight")),
-        ("out over x", gemv(out=p), (1, "engram_gemv_bf16: out must not overlap x or weight")),
-        ("zero tokens", gemv(T=0, x=None), (0, "")),
-    ]
-    for name, got, want in cases:
-        record(f"abi gemv: {name}", got == want, f"got {got}" + ("" if got == want else f", want {want}"))
+@pytest.mark.parametrize("name, args, want", ABI_CASES, ids=[c[0] for c in ABI_CASES])
+def test_abi(name: str, args: dict, want: tuple[int, str]) -> None:
+    got = gemv_abi(**args)
+    assert got == want, f"abi gemv: {name}: got {got}, want {want}"
 
 
 # --- 2. the reference on the CPU --------------------------------------------------------------------
 
-def check_reference_cpu() -> None:
+def check_reference_cpu(T: int, N: int, K: int) -> None:
+    """The float64 bound holds for F.linear on the CPU (any summation order: K terms)."""
     import torch
     import torch.nn.functional as F
 
     gen = torch.Generator().manual_seed(7)
-    for T, N, K in ((1, 256, 2048), (4, 64, 5632), (8, 33, 40)):
-        inputs = gemv_inputs(gen, torch.device("cpu"), T, N, K)
-        gemv_verify(f"reference F.linear T={T} N={N} K={K} (cpu, any summation order)", inputs,
-                    F.linear(inputs["x"], inputs["w"]), terms=K)
+    inputs = gemv_inputs(gen, torch.device("cpu"), T, N, K)
+    ok, detail = gemv_verify(inputs, F.linear(inputs["x"], inputs["w"]), terms=K)
+    assert ok, f"reference F.linear T={T} N={N} K={K} (cpu, any summation order): {detail}"
+
+
+@pytest.mark.parametrize("T, N, K", REFERENCE_CASES)
+def test_reference_cpu(T: int, N: int, K: int) -> None:
+    check_reference_cpu(T, N, K)
 
 
 # --- 3. the kernel on the GPU ------------------------------------------------------------------------
 
-def check_kernels(gen) -> None:
+@pytest.mark.parametrize("label, T, N, K", KERNEL_CASES, ids=[f"{c[0]}-T{c[1]}-N{c[2]}-K{c[3]}"
+                                                              for c in KERNEL_CASES])
+def test_kernels(gen, label: str, T: int, N: int, K: int) -> None:
+    import torch
+
+    from engram_trt.native import backbone as backbone_kernels
+
+    inputs = gemv_inputs(gen, torch.device("cuda"), T, N, K)
+    ok, detail = gemv_verify(inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
+    assert ok, f"gemv {label} T={T} N={N} K={K}: {detail}"
+
+
+def test_weight_static_out_and_zero_tokens(gen) -> None:
+    """T=3 N=4099 K=2048 told its weight is static; into a given out buffer (every element
+    written, the given out returned); zero tokens give an empty [0, N]."""
     import torch
 
     from engram_trt.native import backbone as backbone_kernels
 
     dev = torch.device("cuda")
-    for name, (N, K) in SHAPES.items():
-        for T in (1, 2, 3, 4) if name != "lm_head" else (1, 4):
-            inputs = gemv_inputs(gen, dev, T, N, K)
-            gemv_verify(f"gemv {name} T={T} N={N} K={K}", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
-    for T, N, K in ((1, 1, 2048), (2, 7, 8), (3, 1001, 40), (4, 3, 5632), (4, 2049, 1032), (3, 1031, 5640)):
-        inputs = gemv_inputs(gen, dev, T, N, K)
-        gemv_verify(f"gemv T={T} N={N} K={K}", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
     inputs = gemv_inputs(gen, dev, 3, 4099, 2048)
-    gemv_verify("gemv T=3 N=4099 K=2048", inputs, backbone_kernels.gemv(inputs["x"], inputs["w"]))
-    gemv_verify("gemv T=3 N=4099 K=2048, weight static", inputs,
-                backbone_kernels.gemv(inputs["x"], inputs["w"], weight_static=True))
+    ok, detail = gemv_verify(inputs, backbone_kernels.gemv(inputs["x"], inputs["w"], weight_static=True))
+    assert ok, f"gemv T=3 N=4099 K=2048, weight static: {detail}"
     out = torch.full((3, 4099), float("nan"), device=dev, dtype=torch.bfloat16)
     got = backbone_kernels.gemv(inputs["x"], inputs["w"], out=out)
-    gemv_verify("gemv into a given out (every element written)", inputs, out)
-    record("gemv returns the given out", got.data_ptr() == out.data_ptr(), f"{got.data_ptr():#x}")
+    ok, detail = gemv_verify(inputs, out)
+    assert ok, f"gemv into a given out (every element written): {detail}"
+    assert got.data_ptr() == out.data_ptr(), f"gemv returns the given out: {got.data_ptr():#x}"
     empty = backbone_kernels.gemv(inputs["x"][:0], inputs["w"])
-    record("gemv of zero tokens: an empty [0, N]", tuple(empty.shape) == (0, 4099), str(tuple(empty.shape)))
+    assert tuple(empty.shape) == (0, 4099), f"gemv of zero tokens: an empty [0, N]: {tuple(empty.shape)}"
 
 
-def check_graph(gen, rounds: int = 3) -> None:
+def test_graph(gen, rounds: int = 3) -> None:
     import torch
 
     from engram_trt.native import backbone as backbone_kernels
@@ -159,10 +182,11 @@ def check_graph(gen, rounds: int = 3) -> None:
         static["x"].copy_(fresh["x"]), static["w"].copy_(fresh["w"])
         graph.replay()
         torch.cuda.synchronize()
-        gemv_verify(f"graph replay {rnd + 1}: gemv T=1 N=4096 K=2048, new x and weight", fresh, out)
+        ok, detail = gemv_verify(fresh, out)
+        assert ok, f"graph replay {rnd + 1}: gemv T=1 N=4096 K=2048, new x and weight: {detail}"
 
 
-def check_dependent_chain(gen, rounds: int = 4) -> None:
+def test_dependent_chain(gen, rounds: int = 4) -> None:
     """SiLU * up -> GEMV -> GEMV in one CUDA graph, each GEMV told its weight is static:
     with programmatic dependent launch each kernel may start before the one before it
     ends, so a missing wait would read the last replay's input. Each replay gets new
@@ -190,32 +214,8 @@ def check_dependent_chain(gen, rounds: int = 4) -> None:
         g, u = gate_up.double().chunk(2, dim=-1)
         silu = g / (1 + (-g).exp()) * u
         fresh = bool(((h.double() - silu).abs() <= (2 * U * (1 + U) + 2.0 ** -20) * silu.abs() + 1e-30).all())
-        record(f"dependent chain replay {rnd + 1}: SiLU * up of this replay's input", fresh, "")
-        gemv_verify(f"dependent chain replay {rnd + 1}: GEMV of the SiLU output", {"x": h, "w": w1}, y1)
-        gemv_verify(f"dependent chain replay {rnd + 1}: GEMV of that GEMV's output", {"x": y1, "w": w2}, y2)
-
-
-
-# --- the tests ---------------------------------------------------------------------------------------
-
-def test_abi() -> None:
-    check_abi()
-
-
-def test_reference_cpu() -> None:
-    check_reference_cpu()
-
-
-def test_kernels(gen) -> None:
-    import torch
-
-    say(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    check_kernels(gen)
-
-
-def test_graph(gen) -> None:
-    check_graph(gen)
-
-
-def test_dependent_chain(gen) -> None:
-    check_dependent_chain(gen)
+        assert fresh, f"dependent chain replay {rnd + 1}: SiLU * up of this replay's input"
+        ok, detail = gemv_verify({"x": h, "w": w1}, y1)
+        assert ok, f"dependent chain replay {rnd + 1}: GEMV of the SiLU output: {detail}"
+        ok, detail = gemv_verify({"x": y1, "w": w2}, y2)
+        assert ok, f"dependent chain replay {rnd + 1}: GEMV of that GEMV's output: {detail}"

@@ -27,7 +27,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import record
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +65,8 @@ def test_fp8_layouts(tab, hg, dev) -> None:
             out = torch.full((T, cols, D), float("nan"), dtype=torch.bfloat16, device=dev)
             got = g.gather(torch.from_numpy(ids), *table, quant_block=QB, layout=layout, out=out)
         side.synchronize()
-        record(f"fp8 {layout}: {T * cols} rows in 24 chunks of 1000 through 2 slots, out-of-range ids, side stream",
-               same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))))
+        assert same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))), (
+            f"fp8 {layout}: {T * cols} rows in 24 chunks of 1000 through 2 slots, out-of-range ids, side stream")
 
 
 def test_hbm_scales(tab, hg, dev, rng) -> None:
@@ -86,13 +85,13 @@ def test_hbm_scales(tab, hg, dev, rng) -> None:
         out = torch.full((T, cols, D), float("nan"), dtype=torch.bfloat16, device=dev)
         got = g.gather(ids_t, rows_t, scales_dev, quant_block=QB, layout="hbm-scales", out=out, ids_dev=ids_up)
     side.synchronize()
-    record(f"fp8 hbm-scales: {T * cols} rows in 24 chunks through 2 slots, out-of-range ids, side stream",
-           same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))))
+    assert same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))), (
+        f"fp8 hbm-scales: {T * cols} rows in 24 chunks through 2 slots, out-of-range ids, side stream")
     ids3h = rng.integers(-9, N + 9, size=(400, 3, cols)).astype(np.int32)
     got = g.gather(torch.from_numpy(ids3h), rows_t, scales_dev, layer=2, quant_block=QB, layout="hbm-scales")
     torch.cuda.synchronize()
-    record("fp8 hbm-scales, layer 2 of [T, L, cols] ids, the device ids copied up by the call",
-           same(got.reshape(-1, D), ref_fp8(ids3h[:, 2, :].reshape(-1))))
+    assert same(got.reshape(-1, D), ref_fp8(ids3h[:, 2, :].reshape(-1))), (
+        "fp8 hbm-scales, layer 2 of [T, L, cols] ids, the device ids copied up by the call")
     refusals = []
     for what, call in (
             ("scales on the CPU", lambda: g.gather(ids_t, rows_t, scales_t, quant_block=QB, layout="hbm-scales")),
@@ -112,9 +111,9 @@ def test_hbm_scales(tab, hg, dev, rng) -> None:
             refusals.append(f"{what}: ACCEPTED")
         except EngramError as e:
             refusals.append(f"{what}: {e}")
-    record("hbm-scales refused, each with its reason: scales on the CPU (gather, gather_raw), ids_dev of other "
-           "ids, a bf16 table",
-           all("ACCEPTED" not in r for r in refusals), " | ".join(refusals))
+    assert all("ACCEPTED" not in r for r in refusals), (
+        "hbm-scales refused, each with its reason: scales on the CPU (gather, gather_raw), ids_dev of other "
+        "ids, a bf16 table" + f': {" | ".join(refusals)}')
 
 
 def test_bound_gather(tab, hg, dev, rng) -> None:
@@ -157,9 +156,9 @@ def test_bound_gather(tab, hg, dev, rng) -> None:
             refused.append(f"{what}: ACCEPTED")
         except EngramError as e:
             refused.append(f"{what}: {e}")
-    record("a gather bound to its table == NumPy (" + ", ".join(kinds) + "; 6 steps, two shapes, reused outputs); "
-           "refused: hbm-scales without ids_dev, an out of another shape, ids on the GPU",
-           ok_bound and all("ACCEPTED" not in r for r in refused), " | ".join(refused))
+    assert ok_bound and all("ACCEPTED" not in r for r in refused), (
+        "a gather bound to its table == NumPy (" + ", ".join(kinds) + "; 6 steps, two shapes, reused outputs); "
+        "refused: hbm-scales without ids_dev, an out of another shape, ids on the GPU" + f': {" | ".join(refused)}')
 
 
 def test_strided_ids(tab, hg, rng) -> None:
@@ -174,7 +173,7 @@ def test_strided_ids(tab, hg, rng) -> None:
     ids3 = rng.integers(0, N, size=(500, L, cols)).astype(np.int32)
     got = g.gather(torch.from_numpy(ids3), inline_t, None, layer=1, quant_block=QB, layout="inline")
     torch.cuda.synchronize()
-    record("fp8 inline, layer 1 of [T, L, cols] ids", same(got.reshape(-1, D), ref_fp8(ids3[:, 1, :].reshape(-1))))
+    assert same(got.reshape(-1, D), ref_fp8(ids3[:, 1, :].reshape(-1))), "fp8 inline, layer 1 of [T, L, cols] ids"
 
 
 def test_knobs(tab, hg) -> None:
@@ -195,7 +194,7 @@ def test_knobs(tab, hg) -> None:
         got = g.gather(torch.from_numpy(ids), inline_t, None, quant_block=QB, layout="inline")
         torch.cuda.synchronize()
         ok_all &= same(got.reshape(-1, D), ref_fp8(ids.reshape(-1)))
-    record("tuning knobs set and read back; outputs stay exact under each", ok_all, str(g.options()))
+    assert ok_all, f"tuning knobs set and read back; outputs stay exact under each: {g.options()}"
 
 
 def test_bf16_table_and_raw_rows(tab, hg, dev, rng) -> None:
@@ -214,7 +213,7 @@ def test_bf16_table_and_raw_rows(tab, hg, dev, rng) -> None:
     torch.cuda.synchronize()
     want = bf[torch.from_numpy(np.clip(bid, 0, 49_999)).long()]
     want[torch.from_numpy((bid < 0) | (bid >= 50_000))] = 0
-    record("bf16 table copied into out (out-of-range ids: zero rows)", same(got, want))
+    assert same(got, want), "bf16 table copied into out (out-of-range ids: zero rows)"
 
     # raw rows into device arrays, ordered after earlier work on the stream
     flat = torch.from_numpy(rng.integers(-5, N + 5, size=20_000).astype(np.int32))
@@ -230,8 +229,8 @@ def test_bf16_table_and_raw_rows(tab, hg, dev, rng) -> None:
     ok = (idx >= 0) & (idx < N)
     want_r = np.where(ok[:, None], values[np.where(ok, idx, 0)], 0)
     want_s = np.where(ok[:, None], scales[np.where(ok, idx, 0)], 127)
-    record("raw fp8 rows + scales into device arrays, after the stream's earlier work",
-           np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s))
+    assert np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s), (
+        "raw fp8 rows + scales into device arrays, after the stream's earlier work")
     # the same with the scales in HBM: many chunks of values through 2 slots, the scale
     # bytes gathered on the GPU by the device ids (given, then copied up by the call)
     for given in (True, False):
@@ -242,13 +241,13 @@ def test_bf16_table_and_raw_rows(tab, hg, dev, rng) -> None:
         g.gather_raw(flat, rows_t, scales_dev, dst_rows=dst_r, dst_scales=dst_s, quant_block=QB, layout="hbm-scales",
                      ids_dev=flat.to(dev) if given else None)
         torch.cuda.synchronize()
-        record(f"raw fp8 rows, scales in HBM: values copied alone, scale bytes gathered on the GPU by the device ids "
-               f"({'given' if given else 'copied up by the call'}), out-of-range ids, after the stream's earlier work",
-               np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s))
+        assert np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s), (
+            "raw fp8 rows, scales in HBM: values copied alone, scale bytes gathered on the GPU by the device ids "
+            f"({'given' if given else 'copied up by the call'}), out-of-range ids, after the stream's earlier work")
     dst_b = torch.zeros((777 * 5, 128), dtype=torch.bfloat16, device=dev)
     g.gather_raw(torch.from_numpy(bid.reshape(-1).copy()), bf, dst_rows=dst_b)
     torch.cuda.synchronize()
-    record("raw bf16 rows into a device array", same(dst_b, want.reshape(-1, 128)))
+    assert same(dst_b, want.reshape(-1, 128)), "raw bf16 rows into a device array"
 
 
 def test_pool_of_one(tab, hg) -> None:
@@ -264,8 +263,8 @@ def test_pool_of_one(tab, hg) -> None:
     with hostgather.HostGatherer(num_threads=1, chunk_rows=512, max_head_dim=D) as g1:
         got = g1.gather(torch.from_numpy(ids[:300]), rows_t, scales_t, quant_block=QB)
         torch.cuda.synchronize()
-        record("a pool of 1 thread", same(got.reshape(-1, D), ref_fp8(ids[:300].reshape(-1)))
-               and g1.options()["num_threads"] == 1)
+        assert same(got.reshape(-1, D), ref_fp8(ids[:300].reshape(-1))) and g1.options()["num_threads"] == 1, (
+            "a pool of 1 thread")
 
 
 def test_hot_row_cache(tab, dev, rng) -> None:
@@ -288,8 +287,9 @@ def test_hot_row_cache(tab, dev, rng) -> None:
         ok_all &= same(got.reshape(-1, D), ref_fp8(sid.reshape(-1)))
     cache.policy.check_invariants()
     s = cache.stats()
-    record("hot-row cache on CUDA: 12 skewed steps exact, maps consistent", ok_all and s.hits > 0 and s.evicted > 0,
-           f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}")
+    assert ok_all and s.hits > 0 and s.evicted > 0, (
+        f"hot-row cache on CUDA: 12 skewed steps exact, maps consistent: hit rate {s.hit_rate:.1%}, fetched / lookups "
+        f"{s.fetch_fraction:.1%}, evicted {s.evicted}")
     g.close()
 
 
@@ -303,7 +303,7 @@ def test_calibrate_gather(tab, dev) -> None:
     pinned_rows, pinned_scales = rows_t.pin_memory(), scales_t.pin_memory()
     t0 = time.perf_counter()
     choice = calibrate_gather(pinned_rows, pinned_scales, gatherer=g, sizes=(6144, 98304), reps=3)
-    record("calibrate_gather times both paths and chooses one per size",
-           set(choice.seconds) == {"host", "uva"} and set(choice.chosen.values()) <= {"host", "uva"},
-           f"{choice.describe()} in {time.perf_counter() - t0:.1f} s")
+    assert set(choice.seconds) == {"host", "uva"} and set(choice.chosen.values()) <= {"host", "uva"}, (
+        f"calibrate_gather times both paths and chooses one per size: {choice.describe()} "
+        f"in {time.perf_counter() - t0:.1f} s")
     g.close()

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .helpers import note, record
+from .helpers import note
 
 
-def check_jobstaging(dev: Any, record: Callable[[str, bool, str], None], timings: dict[str, float], table: Any) -> None:
+def check_jobstaging(dev: Any, timings: dict[str, float], table: Any) -> None:
     """``table``: the fp8 test table and its helpers (helpers.fp8_test_table)."""
     import torch
 
@@ -53,8 +53,8 @@ def check_jobstaging(dev: Any, record: Callable[[str, bool, str], None], timings
     T, cols = 3001, 8
     g.set_options(job_staging_bytes=T * cols * per_row)
     back = g.options()["job_staging_bytes"]
-    record("job buffers: set and read back, refused outside [0, 2^40] by name",
-           back == T * cols * per_row and refusals == ["ok", "ok"], f"read {back}; refusals {refusals}")
+    assert back == T * cols * per_row and refusals == ["ok", "ok"], (
+        f"job buffers: set and read back, refused outside [0, 2^40] by name: read {back}; refusals {refusals}")
 
     # 2. exactness in each layout
     ids = rng.integers(-50, N + 50, size=(T, cols)).astype(np.int32)
@@ -70,8 +70,9 @@ def check_jobstaging(dev: Any, record: Callable[[str, bool, str], None], timings
                            ids_dev=ids_t.to(dev) if layout == "hbm-scales" else None)
         side.synchronize()
         ok[layout] = same(got.reshape(-1, D), ref)
-    record(f"job buffers: {T * cols} rows in 24 chunks through 2 slots == NumPy, out-of-range ids, split / inline / "
-           "hbm-scales", all(ok.values()), str(ok))
+    assert all(ok.values()), (
+        f"job buffers: {T * cols} rows in 24 chunks through 2 slots == NumPy, out-of-range ids, split / inline / "
+        f"hbm-scales: {ok}")
 
     # 3. reuse ordering behind a held-back stream
     sets = [rng.integers(0, N, size=(T, cols)).astype(np.int32) for _ in range(3)]
@@ -85,9 +86,9 @@ def check_jobstaging(dev: Any, record: Callable[[str, bool, str], None], timings
         issued_ms = (time.perf_counter() - t0) * 1e3
     side.synchronize()
     exact = [same(o.reshape(-1, D), ref_fp8(s.reshape(-1))) for o, s in zip(outs, sets)]
-    record("job buffers: three calls behind a 50 ms kernel (the third reuses the first's buffer) each == NumPy",
-           all(exact), f"exact {exact}; the three calls returned after {issued_ms:.1f} ms (the third waits for the "
-           "first's dequants)")
+    assert all(exact), (
+        f"job buffers: three calls behind a 50 ms kernel (the third reuses the first's buffer) each == NumPy: "
+        f"exact {exact}; the three calls returned after {issued_ms:.1f} ms (the third waits for the first's dequants)")
 
     # 4. a call larger than the buffers: the ring
     big = rng.integers(0, N, size=(T * 2, cols)).astype(np.int32)
@@ -95,8 +96,8 @@ def check_jobstaging(dev: Any, record: Callable[[str, bool, str], None], timings
     torch.cuda.synchronize()
     g.set_options(job_staging_bytes=0)
     freed = g.options()["job_staging_bytes"] == 0
-    record("job buffers: a call larger than them runs through the ring, exact; 0 frees them",
-           same(got.reshape(-1, D), ref_fp8(big.reshape(-1))) and freed, "")
+    assert same(got.reshape(-1, D), ref_fp8(big.reshape(-1))) and freed, (
+        "job buffers: a call larger than them runs through the ring, exact; 0 frees them")
     g.close()
 
     # 5. timed: a prefill chunk's gather beside long GEMMs, ring against job buffers
@@ -136,13 +137,13 @@ def check_jobstaging(dev: Any, record: Callable[[str, bool, str], None], timings
     med = {k: statistics.median(v) for k, v in cases.items()}
     for k, v in med.items():
         timings[f"host gather, 196,608 rows, hbm-scales, {k} (us)"] = v
-    record("job buffers: a 196,608-row gather beside long GEMMs (timed: ring against job buffers), last output == NumPy",
-           exact, "; ".join(f"{k} {v:,.0f} us" for k, v in med.items()))
+    assert exact, ("job buffers: a 196,608-row gather beside long GEMMs (timed: ring against job buffers), last output "
+                   "== NumPy: " + "; ".join(f"{k} {v:,.0f} us" for k, v in med.items()))
 
 
 def test_jobstaging(dev, tab) -> None:
     timings: dict[str, float] = {}
     try:
-        check_jobstaging(dev, record, timings, tab)
+        check_jobstaging(dev, timings, tab)
     finally:
         note("timings", timings)

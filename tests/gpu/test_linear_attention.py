@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Harness, record  # noqa: F401 (Harness: the CPU suite)
+from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness  # noqa: F401 (Harness: the CPU suite)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -82,8 +82,9 @@ def test_conv_kernel_matches_reference(rng, dname) -> None:
             s_err = float(np.abs(state.double().cpu().numpy() - ref_state).max())  # copies of inputs: exact
             ok_all &= ok and s_err == 0.0
             worst, worst_state = max(worst, err), max(worst_state, s_err)
-        record(f"causal conv {dname} C={C} K={K} act={act} = float64 reference over {len(STEPS)} steps", ok_all,
-               f"max excess over the bound {worst:.3g}, max state diff {worst_state:.3g}")
+        assert ok_all, (
+            f"causal conv {dname} C={C} K={K} act={act} = float64 reference over {len(STEPS)} steps: "
+            f"max excess over the bound {worst:.3g}, max state diff {worst_state:.3g}")
 
 
 def _delta_inputs(torch, rng, T, Hk, Hv, dk, dv, dtype, dev):
@@ -122,8 +123,9 @@ def test_delta_kernel_matches_reference(rng, dname, ci) -> None:
         ok_all &= ok and s_ok
         worst, worst_state = max(worst, err), max(worst_state, s_err)
         ref_state = state.double().cpu().numpy()  # each step judged from the kernel's state
-    record(f"gated delta rule {dname} Hk={Hk} Hv={Hv} dk={dk} dv={dv} = float64 reference over {len(STEPS)} steps",
-           ok_all, f"max excess over the bound: output {worst:.3g}, state {worst_state:.3g}")
+    assert ok_all, (
+        f"gated delta rule {dname} Hk={Hk} Hv={Hv} dk={dk} dv={dv} = float64 reference over {len(STEPS)} steps: "
+        f"max excess over the bound: output {worst:.3g}, state {worst_state:.3g}")
 
 
 def _layer(torch, Hk, Hv, dk, dv, seed):
@@ -197,8 +199,10 @@ def test_layer_on_kernels_matches_torch_layer(rng, dname, ci) -> None:
         else:
             bound = {key: 1.5 * t[key] + 0.01 for key in k}
         ok = finite and all(k[key] <= bound[key] for key in k)
-        record(f"GatedDeltaNet on the kernels {dname} (Hk={Hk} Hv={Hv} dk={dk} dv={dv}) = torch layer (CPU fp32), "
-               f"{what}", ok, f"max rel errors {k}; the torch layer in {dname} on the GPU: {t}; bounds {bound}")
+        assert ok, (
+            f"GatedDeltaNet on the kernels {dname} (Hk={Hk} Hv={Hv} dk={dk} dv={dv}) = torch layer (CPU fp32), "
+            f"{what}: "
+            f"max rel errors {k}; the torch layer in {dname} on the GPU: {t}; bounds {bound}")
 
 
 @pytest.mark.parametrize("dname", ["float32", "bfloat16"])
@@ -239,11 +243,11 @@ def test_chunks_and_decode_equal_one_step(rng, dname) -> None:
             done[s] += m
     y_chunked = torch.cat([torch.cat([p[0] for p in pieces[s]]) for s in range(S)])
     o_chunked = torch.cat([torch.cat([p[1] for p in pieces[s]]) for s in range(S)])
-    record(f"causal conv {dname}: chunks + decode steps = one whole step, bit for bit",
-           torch.equal(y_chunked, y_whole) and torch.equal(conv, conv_w))
-    record(f"gated delta rule {dname}: chunks + decode steps = one whole step, bit for bit",
-           torch.equal(o_chunked, o_whole) and torch.equal(rec, rec_w),
-           f"max diff {float((o_chunked.float() - o_whole.float()).abs().max()):.3g}")
+    assert torch.equal(y_chunked, y_whole) and torch.equal(conv, conv_w), (
+        f"causal conv {dname}: chunks + decode steps = one whole step, bit for bit")
+    assert torch.equal(o_chunked, o_whole) and torch.equal(rec, rec_w), (
+        f"gated delta rule {dname}: chunks + decode steps = one whole step, bit for bit: "
+        f"max diff {float((o_chunked.float() - o_whole.float()).abs().max()):.3g}")
 
 
 def test_edge_contracts(rng) -> None:
@@ -268,21 +272,20 @@ def test_edge_contracts(rng) -> None:
 
     c1, r1 = conv0.clone(), rec0.clone()
     y, o = run([0, 4, 9], [5, 0], [2, 0], c1, r1)  # tokens 9..11 are padding
-    record("linear attention: tokens past seq_starts[S] get zero outputs",
-           bool((y[9:] == 0).all()) and bool((o[9:] == 0).all()) and bool((o[:9] != 0).any()))
+    assert bool((y[9:] == 0).all()) and bool((o[9:] == 0).all()) and bool((o[:9] != 0).any()), (
+        "linear attention: tokens past seq_starts[S] get zero outputs")
     c2, r2 = conv0.clone(), rec0.clone()
     y_pad, o_pad = run([0, 4, 9], [5, 0], [-1, 0], c2, r2)
     c3, r3 = conv0.clone(), rec0.clone()
     y_fresh, o_fresh = run([0, 4, 9], [0, 0], [2, 0], c3, r3)
-    record("linear attention: a slot outside the state reads zeros and keeps nothing",
-           torch.equal(y_pad[:4], y_fresh[:4]) and torch.equal(o_pad[:4], o_fresh[:4])
-           and torch.equal(c2[1:], conv0[1:]) and torch.equal(r2[1:], rec0[1:]) and torch.equal(c2[0], c1[0])
-           and torch.equal(r2[0], r1[0]))
+    assert (torch.equal(y_pad[:4], y_fresh[:4]) and torch.equal(o_pad[:4], o_fresh[:4])
+            and torch.equal(c2[1:], conv0[1:]) and torch.equal(r2[1:], rec0[1:]) and torch.equal(c2[0], c1[0])
+            and torch.equal(r2[0], r1[0])), "linear attention: a slot outside the state reads zeros and keeps nothing"
     c4, r4 = conv0.clone(), rec0.clone()
     y0, o0 = run([0, 0], [0], [1], c4, r4, n=0)
     torch.cuda.synchronize()
-    record("linear attention: T = 0 is a no-op", y0.shape == (0, C) and o0.shape == (0, Hv, dv)
-           and torch.equal(c4, conv0) and torch.equal(r4, rec0))
+    assert (y0.shape == (0, C) and o0.shape == (0, Hv, dv) and torch.equal(c4, conv0)
+            and torch.equal(r4, rec0)), "linear attention: T = 0 is a no-op"
 
 
 # --- the plugins ------------------------------------------------------------------------------
@@ -323,33 +326,50 @@ def _type_refusals(harness: Harness, h: int, cases) -> dict:
     return refused
 
 
-def check_plugin_cpu(harness: Harness) -> None:
+PLUGIN_CPU_CHECKS = [
+    "plugin EngramCausalConv1d getOutputShapes",
+    "plugin EngramCausalConv1d getOutputDataTypes: both outputs x's type",
+    "plugin EngramCausalConv1d getOutputDataTypes refuses mixed types",
+    "plugin EngramCausalConv1d getAliasedInput: the state output aliases conv_state (build capability v2)",
+    "plugin EngramCausalConv1d serialize round trip",
+    "plugin EngramCausalConv1d refuses bad fields",
+    "plugin EngramGatedDeltaNet getOutputShapes",
+    "plugin EngramGatedDeltaNet getOutputDataTypes: o q's type, the state float32",
+    "plugin EngramGatedDeltaNet getOutputDataTypes refuses mixed types",
+    "plugin EngramGatedDeltaNet getAliasedInput: the state output aliases state (build capability v2)",
+    "plugin EngramGatedDeltaNet serialize round trip",
+    "plugin EngramGatedDeltaNet refuses bad fields",
+]
+
+
+def check_plugin_cpu(harness: Harness) -> Checks:
     """What TensorRT asks of the two plugins before any enqueue (no GPU needed)."""
+    checks = Checks()
     i32 = DT["int32"]
     # EngramCausalConv1d
     C, K, S, T = 96, 4, 6, 50
     h = harness.create("EngramCausalConv1d", conv_fields(K, 1))
     in_shapes = [(T, C), (C, 1, K), (S, C, K - 1), (4,), (3,), (3,)]
     shapes = harness.outputs_shapes(h, in_shapes, 2)
-    record("plugin EngramCausalConv1d getOutputShapes", shapes == [(T, C), (S, C, K - 1)], str(shapes))
+    checks.add("plugin EngramCausalConv1d getOutputShapes", shapes == [(T, C), (S, C, K - 1)], str(shapes))
     types = {f"{io}/{wt}": harness.outputs_types(h, [DT[io], DT[wt], DT[io], i32, i32, i32], 2) == [DT[io]] * 2
              for io in ("bfloat16", "float16", "float32") for wt in dict.fromkeys((io, "float32"))}
-    record("plugin EngramCausalConv1d getOutputDataTypes: both outputs x's type", all(types.values()), str(types))
+    checks.add("plugin EngramCausalConv1d getOutputDataTypes: both outputs x's type", all(types.values()), str(types))
     refused = _type_refusals(harness, h, (
         ("conv_state of another type", [DT["bfloat16"], DT["bfloat16"], DT["float32"], i32, i32, i32],
          "x and conv_state must share one type"),
         ("fp16 weight with bf16 x", [DT["bfloat16"], DT["float16"], DT["bfloat16"], i32, i32, i32],
          "weight must be float32 or x's type"),
         ("int64 slots", [DT["float32"]] * 3 + [i32, i32, DT["int64"]], "slots must be int32")))
-    record("plugin EngramCausalConv1d getOutputDataTypes refuses mixed types",
-           all(v is True for v in refused.values()), str(refused))
+    checks.add("plugin EngramCausalConv1d getOutputDataTypes refuses mixed types",
+               all(v is True for v in refused.values()), str(refused))
     aliases = [harness.aliased_input(h, o) for o in range(2)]
-    record("plugin EngramCausalConv1d getAliasedInput: the state output aliases conv_state (build capability v2)",
-           aliases == [(-1, 2), (2, 2)], str(aliases))
+    checks.add("plugin EngramCausalConv1d getAliasedInput: the state output aliases conv_state (build capability v2)",
+               aliases == [(-1, 2), (2, 2)], str(aliases))
     h2 = harness.roundtrip(h)
-    record("plugin EngramCausalConv1d serialize round trip",
-           harness.outputs_shapes(h2, in_shapes, 2) == shapes and harness.aliased_input(h2, 1) == (2, 2)
-           and harness.serialized_fields(h2) == harness.serialized_fields(h))
+    checks.add("plugin EngramCausalConv1d serialize round trip",
+               harness.outputs_shapes(h2, in_shapes, 2) == shapes and harness.aliased_input(h2, 1) == (2, 2)
+               and harness.serialized_fields(h2) == harness.serialized_fields(h))
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = _refusals(harness, "EngramCausalConv1d", (
@@ -361,34 +381,34 @@ def check_plugin_cpu(harness: Harness) -> None:
         ("a missing field", conv_fields(4, 1)[:1], "missing field 'activation'"),
         ("an unknown field", conv_fields(4, 1) + [("bias", PF_INT32, np.array([1], np.int32))],
          "unknown field(s) bias")))
-    record("plugin EngramCausalConv1d refuses bad fields", all(v is True for v in refused.values()), str(refused))
+    checks.add("plugin EngramCausalConv1d refuses bad fields", all(v is True for v in refused.values()), str(refused))
 
     # EngramGatedDeltaNet
     Hk, Hv, dk, dv = 2, 4, 64, 96
     h = harness.create("EngramGatedDeltaNet", delta_fields(1, dk ** -0.5))
     in_shapes = [(T, Hk, dk), (T, Hk, dk), (T, Hv, dv), (T, Hv), (T, Hv), (S, Hv, dk, dv), (4,), (3,), (3,)]
     shapes = harness.outputs_shapes(h, in_shapes, 2)
-    record("plugin EngramGatedDeltaNet getOutputShapes", shapes == [(T, Hv, dv), (S, Hv, dk, dv)], str(shapes))
+    checks.add("plugin EngramGatedDeltaNet getOutputShapes", shapes == [(T, Hv, dv), (S, Hv, dk, dv)], str(shapes))
     f32 = DT["float32"]
     types = {io: harness.outputs_types(h, [DT[io]] * 3 + [f32] * 3 + [i32] * 3, 2) == [DT[io], f32]
              for io in ("bfloat16", "float16", "float32")}
-    record("plugin EngramGatedDeltaNet getOutputDataTypes: o q's type, the state float32", all(types.values()),
-           str(types))
+    checks.add("plugin EngramGatedDeltaNet getOutputDataTypes: o q's type, the state float32", all(types.values()),
+               str(types))
     refused = _type_refusals(harness, h, (
         ("v of another type", [DT["bfloat16"]] * 2 + [DT["float16"]] + [f32] * 3 + [i32] * 3,
          "q, k and v must share one type"),
         ("a bf16 state", [DT["bfloat16"]] * 3 + [f32] * 2 + [DT["bfloat16"]] + [i32] * 3, "state must be float32"),
         ("bf16 g", [DT["bfloat16"]] * 4 + [f32] * 2 + [i32] * 3, "g must be float32"),
         ("int64 past_lens", [f32] * 6 + [i32, DT["int64"], i32], "past_lens must be int32")))
-    record("plugin EngramGatedDeltaNet getOutputDataTypes refuses mixed types",
-           all(v is True for v in refused.values()), str(refused))
+    checks.add("plugin EngramGatedDeltaNet getOutputDataTypes refuses mixed types",
+               all(v is True for v in refused.values()), str(refused))
     aliases = [harness.aliased_input(h, o) for o in range(2)]
-    record("plugin EngramGatedDeltaNet getAliasedInput: the state output aliases state (build capability v2)",
-           aliases == [(-1, 2), (5, 2)], str(aliases))
+    checks.add("plugin EngramGatedDeltaNet getAliasedInput: the state output aliases state (build capability v2)",
+               aliases == [(-1, 2), (5, 2)], str(aliases))
     h2 = harness.roundtrip(h)
-    record("plugin EngramGatedDeltaNet serialize round trip",
-           harness.outputs_shapes(h2, in_shapes, 2) == shapes and harness.aliased_input(h2, 1) == (5, 2)
-           and harness.serialized_fields(h2) == harness.serialized_fields(h))
+    checks.add("plugin EngramGatedDeltaNet serialize round trip",
+               harness.outputs_shapes(h2, in_shapes, 2) == shapes and harness.aliased_input(h2, 1) == (5, 2)
+               and harness.serialized_fields(h2) == harness.serialized_fields(h))
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = _refusals(harness, "EngramGatedDeltaNet", (
@@ -400,47 +420,57 @@ def check_plugin_cpu(harness: Harness) -> None:
         ("a missing field", delta_fields(1, 0.1)[:1], "missing field 'scale'"),
         ("an unknown field", delta_fields(1, 0.1) + [("eps", PF_FLOAT32, np.array([1e-6], np.float32))],
          "unknown field(s) eps")))
-    record("plugin EngramGatedDeltaNet refuses bad fields", all(v is True for v in refused.values()), str(refused))
+    checks.add("plugin EngramGatedDeltaNet refuses bad fields", all(v is True for v in refused.values()), str(refused))
+    return checks
 
 
-def test_plugin_cpu(harness) -> None:
-    check_plugin_cpu(harness)
+@pytest.fixture(scope="module")
+def plugin_cpu(harness) -> Checks:
+    return check_plugin_cpu(harness)
+
+
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_plugin_cpu(plugin_cpu, name: str) -> None:
+    ok, detail = plugin_cpu[name]
+    assert ok, f"{name}: {detail}"
 
 
 def _enqueue_both_ways(torch, harness, name, fields, inputs, in_types, state_index, out_shape, out_dtype, want_out,
-                       want_state, tag) -> None:
-    """Build-phase and round-trip plugins: state aliased (in place) and separate (copied over first)."""
+                       want_state, tag, phase_name: str) -> None:
+    """A build-phase or round-trip plugin (``phase_name``): state aliased (in place) and separate (copied over
+    first)."""
     dev = inputs[0].device
     stream = torch.cuda.current_stream().cuda_stream
     io_out, state_type = in_types[0], in_types[state_index]
-    for phase_name, make in (("build", lambda h: h), ("runtime (round trip)", harness.roundtrip)):
-        base = harness.create(name, fields)
-        h = make(base)
-        args = list(inputs)
-        state = inputs[state_index].clone()
-        args[state_index] = state
-        out = torch.full(out_shape, float("nan"), dtype=out_dtype, device=dev)
-        ws = harness.run_outputs(h, args, in_types, [out, state], [io_out, state_type], stream)
-        torch.cuda.synchronize()
-        record(f"plugin {name} enqueue {tag} {phase_name}, state aliased (in place)",
-               torch.equal(out, want_out) and torch.equal(state, want_state) and ws == 0,
-               f"out-equal={torch.equal(out, want_out)} state-equal={torch.equal(state, want_state)} workspace={ws}")
-        state_in = inputs[state_index].clone()
-        state_out = torch.full_like(state_in, float("nan"))
-        args[state_index] = state_in
-        out2 = torch.full(out_shape, float("nan"), dtype=out_dtype, device=dev)
-        harness.run_outputs(h, args, in_types, [out2, state_out], [io_out, state_type], stream)
-        torch.cuda.synchronize()
-        record(f"plugin {name} enqueue {tag} {phase_name}, separate state output (copy fallback)",
-               torch.equal(out2, want_out) and torch.equal(state_out, want_state)
-               and torch.equal(state_in, inputs[state_index]))
-        if h != base:
-            harness.lib.harness_destroy(h)
-        harness.lib.harness_destroy(base)
+    make = {"build": lambda h: h, "runtime (round trip)": harness.roundtrip}[phase_name]
+    base = harness.create(name, fields)
+    h = make(base)
+    args = list(inputs)
+    state = inputs[state_index].clone()
+    args[state_index] = state
+    out = torch.full(out_shape, float("nan"), dtype=out_dtype, device=dev)
+    ws = harness.run_outputs(h, args, in_types, [out, state], [io_out, state_type], stream)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(state, want_state) and ws == 0, (
+        f"plugin {name} enqueue {tag} {phase_name}, state aliased (in place): "
+        f"out-equal={torch.equal(out, want_out)} state-equal={torch.equal(state, want_state)} workspace={ws}")
+    state_in = inputs[state_index].clone()
+    state_out = torch.full_like(state_in, float("nan"))
+    args[state_index] = state_in
+    out2 = torch.full(out_shape, float("nan"), dtype=out_dtype, device=dev)
+    harness.run_outputs(h, args, in_types, [out2, state_out], [io_out, state_type], stream)
+    torch.cuda.synchronize()
+    assert (torch.equal(out2, want_out) and torch.equal(state_out, want_state)
+            and torch.equal(state_in, inputs[state_index])), (
+        f"plugin {name} enqueue {tag} {phase_name}, separate state output (copy fallback)")
+    if h != base:
+        harness.lib.harness_destroy(h)
+    harness.lib.harness_destroy(base)
 
 
+@pytest.mark.parametrize("phase_name", ["build", "runtime (round trip)"])
 @pytest.mark.parametrize("dname,wname", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32")])
-def test_conv_plugin_gpu(rng, harness, dname, wname) -> None:
+def test_conv_plugin_gpu(rng, harness, dname, wname, phase_name) -> None:
     import torch
 
     from engram_trt.native import linear_attention as la
@@ -457,11 +487,13 @@ def test_conv_plugin_gpu(rng, harness, dname, wname) -> None:
     want = la.causal_conv1d(x, weight, want_state, *meta, activation=1)
     in_types = [DT[dname], DT[wname], DT[dname]] + [DT["int32"]] * 3
     _enqueue_both_ways(torch, harness, "EngramCausalConv1d", conv_fields(K, 1), [x, weight, state0, *meta], in_types,
-                       2, (T, C), dtype, want, want_state, f"{dname}/{wname}")
+                       2, (T, C), dtype, want, want_state, f"{dname}/{wname}",
+                       phase_name)
 
 
+@pytest.mark.parametrize("phase_name", ["build", "runtime (round trip)"])
 @pytest.mark.parametrize("dname", ["bfloat16", "float32"])
-def test_delta_plugin_gpu(rng, harness, dname) -> None:
+def test_delta_plugin_gpu(rng, harness, dname, phase_name) -> None:
     import torch
 
     from engram_trt.native import linear_attention as la
@@ -478,4 +510,5 @@ def test_delta_plugin_gpu(rng, harness, dname) -> None:
     f32 = DT["float32"]
     in_types = [DT[dname]] * 3 + [f32] * 3 + [DT["int32"]] * 3
     _enqueue_both_ways(torch, harness, "EngramGatedDeltaNet", delta_fields(1, dk ** -0.5),
-                       [q, k, v, g, beta, state0, *meta], in_types, 5, (T, Hv, dv), dtype, want, want_state, dname)
+                       [q, k, v, g, beta, state0, *meta], in_types, 5, (T, Hv, dv), dtype, want, want_state, dname,
+                       phase_name)

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import REPO, note, record, say
+from .helpers import REPO, note, say
 
 DTYPES = ["float32", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -97,29 +97,29 @@ def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
         new_k = mhc.mhc_post(x, y, post_k, comb_k)
         new_t = HyperConnection.expand_torch(x, y, post_t, comb_t)
     torch.cuda.synchronize()
-    record(f"post = torch, {tag}", _rel(post_k, post_t) <= 2e-5, f"max rel {_rel(post_k, post_t):.3g}")
-    record(f"comb = torch, {tag}", _rel(comb_k, comb_t) <= 2e-5, f"max rel {_rel(comb_k, comb_t):.3g}")
+    assert _rel(post_k, post_t) <= 2e-5, f"post = torch, {tag}: max rel {_rel(post_k, post_t):.3g}"
+    assert _rel(comb_k, comb_t) <= 2e-5, f"comb = torch, {tag}: max rel {_rel(comb_k, comb_t):.3g}"
     ht = h_t.double().cpu()
     err = _excess(h_k, ht, 2 * u * ht.abs() + 2e-5 * float(ht.abs().max()))  # one rounding flip: 1 ulp <= 2u|x|
-    record(f"collapsed = torch, {tag}", err <= 0 and bool(torch.isfinite(h_k).all()), f"max excess {err:.3g}")
+    assert err <= 0 and bool(torch.isfinite(h_k).all()), f"collapsed = torch, {tag}: max excess {err:.3g}"
 
     # the float64 reference on the same inputs: coefficients, and the post step fed the kernel's own post / comb
     params = ref.MhcParams.of(m.fn.cpu(), m.base.cpu(), m.scale.cpu())
     xs, ys = x.double().cpu().numpy(), y.double().cpu().numpy()
     _h64, post64, comb64 = ref.mhc_pre(xs, params, iters=iters, hc_eps=EPS, norm_eps=EPS)
     e64 = max(_rel(post_k, torch.from_numpy(post64)), _rel(comb_k, torch.from_numpy(comb64)))
-    record(f"post / comb = float64 reference, {tag}", e64 <= 2e-5, f"max rel {e64:.3g}")
+    assert e64 <= 2e-5, f"post / comb = float64 reference, {tag}: max rel {e64:.3g}"
     rounder = None if dname == "float32" else (lambda a: torch.from_numpy(a).to(dtype).double().numpy())
     pk, ck = post_k.double().cpu().numpy(), comb_k.double().cpu().numpy()
     want = torch.from_numpy(ref.mhc_post(xs, ys, pk, ck, round_to=rounder))
     terms = torch.from_numpy(ref.mhc_post(np.abs(xs), np.abs(ys), np.abs(pk), np.abs(ck), round_to=rounder))
     err = _excess(new_k, want, u * want.abs() + 1e-5 * terms)
-    record(f"new streams = float64 reference (kernel's post / comb), {tag}", err <= 0, f"max excess {err:.3g}")
+    assert err <= 0, f"new streams = float64 reference (kernel's post / comb), {tag}: max excess {err:.3g}"
     err = _excess(new_k, new_t, 4 * u * terms + 1e-5 * float(terms.max()))
-    record(f"new streams = torch expand, {tag}", err <= 0 and bool(torch.isfinite(new_k).all()), f"max excess {err:.3g}")
+    assert err <= 0 and bool(torch.isfinite(new_k).all()), f"new streams = torch expand, {tag}: max excess {err:.3g}"
     nontrivial = float((post_k - 1).abs().max()) > 0.05 and float((comb_k - 1.0 / hc).abs().max()) > 1e-3
-    record(f"coefficients far from the trivial ones, {tag}", nontrivial or hc == 1,
-           f"max |post - 1| {float((post_k - 1).abs().max()):.3g}")
+    assert nontrivial or hc == 1, (
+        f"coefficients far from the trivial ones, {tag}: max |post - 1| {float((post_k - 1).abs().max()):.3g}")
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -141,9 +141,9 @@ def test_head_matches_the_torch_module(rng, dname, hc, D, T) -> None:
         m.hc_fn.cpu(), m.hc_base.cpu(), m.hc_scale.cpu()), hc_eps=EPS, norm_eps=EPS))
     tag = f"hc {hc} D {D} T {T} {dname}"
     err = _excess(got, want, 2 * u * want.abs() + 2e-5 * float(want.abs().max()))
-    record(f"head = torch HyperHead, {tag}", err <= 0 and bool(torch.isfinite(got).all()), f"max excess {err:.3g}")
+    assert err <= 0 and bool(torch.isfinite(got).all()), f"head = torch HyperHead, {tag}: max excess {err:.3g}"
     err = _excess(got, want64, u * want64.abs() + 2e-5 * float(want64.abs().max()))
-    record(f"head = float64 reference, {tag}", err <= 0, f"max excess {err:.3g}")
+    assert err <= 0, f"head = float64 reference, {tag}: max excess {err:.3g}"
 
 
 FOLD_CASES = [  # (hc, hidden, sinkhorn iters, tokens): decode fold (T <= 8) and the three-launch form
@@ -205,28 +205,28 @@ def test_fold_equals_post_then_collapse(rng, dname, ci) -> None:
         head_tight = norm(mhc.mhc_head(want_new, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=EPS, norm_eps=EPS))
         head_loose = norm(head.forward_torch(want_new))
     torch.cuda.synchronize()
-    record(f"fold: new streams = mhc_post bit for bit, {tag}",
-           torch.equal(new, want_new) and torch.equal(new_n, want_new) and torch.equal(new_h, want_new))
-    record(f"fold: in place = out of place bit for bit, {tag}",
-           torch.equal(inplace, want_new) and torch.equal(got_in[1], hn) and torch.equal(got_in[2], post_n))
-    record(f"fold: the norm changes only the collapse, {tag}", torch.equal(post, post_n) and torch.equal(comb, comb_n))
+    assert torch.equal(new, want_new) and torch.equal(new_n, want_new) and torch.equal(new_h, want_new), (
+        f"fold: new streams = mhc_post bit for bit, {tag}")
+    assert torch.equal(inplace, want_new) and torch.equal(got_in[1], hn) and torch.equal(got_in[2], post_n), (
+        f"fold: in place = out of place bit for bit, {tag}")
+    assert torch.equal(post, post_n) and torch.equal(comb, comb_n), f"fold: the norm changes only the collapse, {tag}"
     e = max(_rel(post, post_ref), _rel(comb, comb_ref))
-    record(f"fold: next post / comb = mhc_pre of the new streams, {tag}", e <= 2e-5, f"max rel {e:.3g}")
+    assert e <= 2e-5, f"fold: next post / comb = mhc_pre of the new streams, {tag}: max rel {e:.3g}"
     params = ref.MhcParams.of(nxt.fn.cpu(), nxt.base.cpu(), nxt.scale.cpu())
     _h64, post64, comb64 = ref.mhc_pre(want_new.double().cpu().numpy(), params, iters=iters, hc_eps=EPS,
                                        norm_eps=EPS)
     e64 = max(_rel(post, torch.from_numpy(post64)), _rel(comb, torch.from_numpy(comb64)))
-    record(f"fold: next post / comb = float64 reference, {tag}", e64 <= 2e-5, f"max rel {e64:.3g}")
+    assert e64 <= 2e-5, f"fold: next post / comb = float64 reference, {tag}: max rel {e64:.3g}"
     hr = h_ref.double().cpu()
     err = _excess(h, hr, 2 * u * hr.abs() + 2e-5 * float(hr.abs().max()))
-    record(f"fold: collapse = mhc_pre's, {tag}", err <= 0, f"max excess {err:.3g}")
+    assert err <= 0, f"fold: collapse = mhc_pre's, {tag}: max excess {err:.3g}"
     for name, a, t, lo in (("pre_norm", hn, hn_tight, hn_loose), ("head_norm", head_got, head_tight, head_loose)):
         err = _excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
-        record(f"fold {name} = RMSNorm of the kernel's own collapse, {tag}", err <= 0, f"max excess {err:.3g}")
+        assert err <= 0, f"fold {name} = RMSNorm of the kernel's own collapse, {tag}: max excess {err:.3g}"
         err = _excess(a, lo, 6 * u * lo.double().abs() + 2e-5 * float(lo.double().abs().max()))
-        record(f"fold {name} = torch collapse + RMSNorm, {tag}", err <= 0, f"max excess {err:.3g}")
+        assert err <= 0, f"fold {name} = torch collapse + RMSNorm, {tag}: max excess {err:.3g}"
     finite = all(bool(torch.isfinite(t).all()) for t in (new, h, post, comb, hn, head_got))
-    record(f"fold: every output finite, {tag}", finite and p_none is None and c_none is None)
+    assert finite and p_none is None and c_none is None, f"fold: every output finite, {tag}"
 
 
 def test_contracts(rng) -> None:
@@ -244,19 +244,19 @@ def test_contracts(rng) -> None:
     with torch.no_grad():
         a = mhc.mhc_pre(x, m.fn, m.base, m.scale, sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS)
         b = mhc.mhc_pre(x, m.fn, m.base, m.scale, sinkhorn_iters=iters, hc_eps=EPS, norm_eps=EPS)
-        record("pre: two calls bit-identical", all(torch.equal(p, q) for p, q in zip(a, b)))
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), "pre: two calls bit-identical"
         out_of_place = mhc.mhc_post(x, y, a[1], a[2])
         inplace = x.clone()
         mhc.mhc_post(inplace, y, a[1], a[2], new_streams=inplace)
-        record("post in place = out of place, bit for bit", torch.equal(inplace, out_of_place))
+        assert torch.equal(inplace, out_of_place), "post in place = out of place, bit for bit"
         m.backend = "kernels"
         saved = HyperConnection.backend
         HyperConnection.backend = "kernels"
         try:
             c = m.collapse(x)
-            record("HyperConnection.collapse (kernels) = mhc_pre", all(torch.equal(p, q) for p, q in zip(a, c)))
-            record("HyperConnection.expand (kernels) = mhc_post",
-                   torch.equal(HyperConnection.expand(x, y, a[1], a[2]), out_of_place))
+            assert all(torch.equal(p, q) for p, q in zip(a, c)), "HyperConnection.collapse (kernels) = mhc_pre"
+            assert torch.equal(HyperConnection.expand(x, y, a[1], a[2]), out_of_place), (
+                "HyperConnection.expand (kernels) = mhc_post")
         finally:
             HyperConnection.backend = saved
         empty = torch.empty(0, hc, D, dtype=torch.bfloat16, device="cuda")
@@ -266,8 +266,8 @@ def test_contracts(rng) -> None:
         head.backend = "kernels"
         z0 = head(empty)
     torch.cuda.synchronize()
-    record("zero tokens: empty results", tuple(h0.shape) == (0, D) and tuple(c0.shape) == (0, hc, hc)
-           and tuple(n0.shape) == (0, hc, D) and tuple(z0.shape) == (0, D))
+    assert (tuple(h0.shape) == (0, D) and tuple(c0.shape) == (0, hc, hc)
+            and tuple(n0.shape) == (0, hc, D) and tuple(z0.shape) == (0, D)), "zero tokens: empty results"
 
 
 @pytest.mark.parametrize("dname", ["float32", "bfloat16"])
@@ -303,8 +303,8 @@ def test_tiny_model_with_mhc_kernels(dname) -> None:
     err = rel_err(logits["kernels"], logits["torch"])
     bound = 1e-4 if dname == "float32" else 3 * max(expected["transformers_bf16_rel_l2"])
     note(f"tiny_model_{dname}_rel_l2", err)
-    record(f"tiny DeepSeek-V4 {dname}: logits with mHC kernels = PyTorch mHC", err <= bound,
-           f"rel L2 {err:.2e} (bound {bound:g})")
+    assert err <= bound, (
+        f"tiny DeepSeek-V4 {dname}: logits with mHC kernels = PyTorch mHC: rel L2 {err:.2e} (bound {bound:g})")
 
 
 @pytest.mark.parametrize("T", [1, 8, 2048])
@@ -345,5 +345,5 @@ def test_timing_against_the_torch_path(rng, T) -> None:
     note(f"pre_post_T{T}_kernels_us", k_us)
     note(f"pre_post_T{T}_torch_us", t_us)
     say(f"mHC pre + post, T={T}: kernels {k_us:.1f} us, torch {t_us:.1f} us ({t_us / k_us:.1f}x)")
-    record(f"mHC pre + post T={T}: kernels faster than the PyTorch path", k_us < t_us,
-           f"kernels {k_us:.1f} us vs torch {t_us:.1f} us")
+    assert k_us < t_us, (
+        f"mHC pre + post T={T}: kernels faster than the PyTorch path: kernels {k_us:.1f} us vs torch {t_us:.1f} us")

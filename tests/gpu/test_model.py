@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from .helpers import REPO, note, record
+from .helpers import REPO, note
 
 TOKENS = 512  # prefill length of the comparison
 NEW_TOKENS = 64  # greedy tokens generated per path
@@ -80,17 +80,19 @@ def test_prefill_vs_fp32_reference(models, name) -> None:
     _, ref, paths, logits = models
     err = rel_err(logits[name], ref)
     passed = err < 1e-2 and torch.isfinite(logits[name]).all().item()
-    record(f"prefill {TOKENS} tokens vs fp32 CPU reference: {name} ({paths[name].backend_name})", passed,
-           f"rel_l2={err:.2e}")
+    assert passed, (
+        f"prefill {TOKENS} tokens vs fp32 CPU reference: {name} ({paths[name].backend_name}): rel_l2={err:.2e}")
 
 
-def test_kernel_paths_bit_identical(models) -> None:
+KERNEL_PATHS = [n for n in PATHS if n.startswith("kernels")]
+
+
+@pytest.mark.parametrize("n", KERNEL_PATHS[1:])
+def test_kernel_paths_bit_identical(models, n) -> None:
     import torch
 
     _, _, _, logits = models
-    kernel_names = [n for n in PATHS if n.startswith("kernels")]
-    for n in kernel_names[1:]:
-        record(f"bit-identical logits: {n} == {kernel_names[0]}", torch.equal(logits[n], logits[kernel_names[0]]))
+    assert torch.equal(logits[n], logits[KERNEL_PATHS[0]]), f"bit-identical logits: {n} == {KERNEL_PATHS[0]}"
 
 
 def test_greedy_figures(models) -> None:
@@ -117,5 +119,5 @@ def test_demo_cli() -> None:
                           capture_output=True, text=True, env=env, timeout=600)
     output = demo.stdout[-3000:] + demo.stderr[-2000:]
     note("demo_output", output)
-    record("engram-trt demo --device cuda: exit 0, backend 'engram cuda-kernels'",
-           demo.returncode == 0 and "engram cuda-kernels" in demo.stdout, f"rc {demo.returncode}: {output[-300:]}")
+    assert demo.returncode == 0 and "engram cuda-kernels" in demo.stdout, (
+        f"engram-trt demo --device cuda: exit 0, backend 'engram cuda-kernels': rc {demo.returncode}: {output[-300:]}")

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Harness, record, say  # noqa: F401 (Harness: the CPU suite)
+from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness, say  # noqa: F401 (Harness: the CPU suite)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -177,8 +177,12 @@ def test_kernel_matches_torch_reference(rng, dname, ci) -> None:
         worst, worst_state = max(worst, err), max(worst_state, s_err)
     tag = f"config{ci} {dname} ({len(steps)} steps, {sum(lengths)} tokens)"
     what = "max rel error" if dname == "float32" else "max excess over the bound"
-    record(f"ple fusion kernel = torch reference, {tag}", ok_all, f"{what} {worst:.3g}")
-    record(f"ple fusion conv history = torch reference, {tag}", ok_state, f"{what} {worst_state:.3g}")
+    assert ok_all, (
+        f"ple fusion kernel = torch reference, {tag}: "
+        f"{what} {worst:.3g}")
+    assert ok_state, (
+        f"ple fusion conv history = torch reference, {tag}: "
+        f"{what} {worst_state:.3g}")
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -226,8 +230,9 @@ def test_chunks_and_decode_equal_one_step(rng, dname) -> None:
             done[s] += m
     chunked = torch.cat([torch.cat(pieces[s]) for s in range(len(lengths))])
     same = torch.equal(chunked, whole)
-    record(f"ple fusion {dname}: chunks + decode steps = one whole step, bit for bit",
-           same and torch.equal(state, state_whole), f"max diff {float((chunked.float() - whole.float()).abs().max()):.3g}")
+    assert same and torch.equal(state, state_whole), (
+        f"ple fusion {dname}: chunks + decode steps = one whole step, bit for bit: "
+        f"max diff {float((chunked.float() - whole.float()).abs().max()):.3g}")
 
 
 def test_edge_contracts(rng) -> None:
@@ -255,20 +260,20 @@ def test_edge_contracts(rng) -> None:
     meta = (i32([0, 4, 9]), i32([5, 0]), i32([2, 0]))  # tokens 9..11 are padding
     s1 = state0.clone()
     base = ple.ple_fusion(x, key, value, *w16, s1, *meta, hc_count=hc, dilation=n, eps=EPS)
-    record("ple fusion: tokens past seq_starts[S] get a zero update", bool((base[9:] == 0).all()))
+    assert bool((base[9:] == 0).all()), "ple fusion: tokens past seq_starts[S] get a zero update"
     s2 = state0.clone()
     f32 = ple.ple_fusion(x, key, value, *w32, s2, *meta, hc_count=hc, dilation=n, eps=EPS)
-    record("ple fusion: float32 weights holding bf16 values = bf16 weights, bit for bit",
-           torch.equal(f32, base) and torch.equal(s1, s2))
+    assert torch.equal(f32, base) and torch.equal(s1, s2), (
+        "ple fusion: float32 weights holding bf16 values = bf16 weights, bit for bit")
     inplace = x.clone()
     s3 = state0.clone()
     ple.ple_fusion(inplace, key, value, *w16, s3, *meta, hc_count=hc, dilation=n, eps=EPS, add_streams=True,
                    out=inplace)
     want = x.float() + base.float()  # base: the update rounded once; inplace: streams + update rounded once
     err = float(((inplace.float() - want).abs() / (want.abs() + base.float().abs() + 1e-6)).max())
-    record("ple fusion: add_streams in place = streams + update (one rounding)",
-           err <= 2.0 ** -7 and torch.equal(inplace[9:], x[9:]) and torch.equal(s3, s1),
-           f"max |diff| / (|ref| + |update|) {err:.3g}")
+    assert err <= 2.0 ** -7 and torch.equal(inplace[9:], x[9:]) and torch.equal(s3, s1), (
+        "ple fusion: add_streams in place = streams + update (one rounding): "
+        f"max |diff| / (|ref| + |update|) {err:.3g}")
     # a padding slot (-1): reads zeros as a fresh sequence would, keeps nothing
     s4 = state0.clone()
     pad = ple.ple_fusion(x, key, value, *w16, s4, i32([0, 4, 9]), i32([5, 0]), i32([-1, 0]), hc_count=hc,
@@ -276,13 +281,13 @@ def test_edge_contracts(rng) -> None:
     s5 = state0.clone()
     fresh = ple.ple_fusion(x, key, value, *w16, s5, i32([0, 4, 9]), i32([0, 0]), i32([2, 0]), hc_count=hc,
                            dilation=n, eps=EPS)
-    record("ple fusion: a slot outside the state reads zeros and writes nothing",
-           torch.equal(pad[:4], fresh[:4]) and torch.equal(s4[0], s1[0]) and torch.equal(s4[1:], state0[1:]))
+    assert torch.equal(pad[:4], fresh[:4]) and torch.equal(s4[0], s1[0]) and torch.equal(s4[1:], state0[1:]), (
+        "ple fusion: a slot outside the state reads zeros and writes nothing")
     s6 = state0.clone()
     empty = ple.ple_fusion(x[:0], key[:0], value[:0], *w16, s6, i32([0]), i32([]), i32([]), hc_count=hc,
                            dilation=n, eps=EPS)
     torch.cuda.synchronize()
-    record("ple fusion: T = 0 is a no-op", empty.shape == (0, W) and torch.equal(s6, state0))
+    assert empty.shape == (0, W) and torch.equal(s6, state0), "ple fusion: T = 0 is a no-op"
 
 
 def plugin_fields(hc, D, K, n, eps, **override):
@@ -293,20 +298,31 @@ def plugin_fields(hc, D, K, n, eps, **override):
     return [(name, ftype, data) for name, (ftype, data) in fields.items()]
 
 
-def check_plugin_cpu(harness: Harness) -> None:
+PLUGIN_CPU_CHECKS = [
+    "plugin EngramPleFusion getOutputShapes",
+    "plugin EngramPleFusion getOutputDataTypes: both outputs streams' type",
+    "plugin EngramPleFusion getOutputDataTypes refuses mixed types",
+    "plugin EngramPleFusion getAliasedInput: the history output aliases conv_state (build capability v2)",
+    "plugin EngramPleFusion serialize round trip",
+    "plugin EngramPleFusion refuses bad fields",
+]
+
+
+def check_plugin_cpu(harness: Harness) -> Checks:
     """What TensorRT asks of EngramPleFusion before any enqueue (no GPU needed)."""
+    checks = Checks()
     hc, D, K, n, S, T = 4, 128, 4, 3, 6, 50
     W, H = hc * D, (K - 1) * n
     h = harness.create("EngramPleFusion", plugin_fields(hc, D, K, n, 1e-6))
     in_shapes = [(T, W), (T, W), (T, D), (W,), (W,), (W,), (W, 1, K), (S, W, H), (4,), (3,), (3,)]
     shapes = harness.outputs_shapes(h, in_shapes, 2)
-    record("plugin EngramPleFusion getOutputShapes", shapes == [(T, W), (S, W, H)], str(shapes))
+    checks.add("plugin EngramPleFusion getOutputShapes", shapes == [(T, W), (S, W, H)], str(shapes))
     types = {}
     for io in ("bfloat16", "float16", "float32"):
         for wt in dict.fromkeys((io, "float32")):
             types[f"{io}/{wt}"] = harness.outputs_types(h, [DT[io]] * 3 + [DT[wt]] * 4 + [DT[io]] + [DT["int32"]] * 3,
                                                         2) == [DT[io]] * 2
-    record("plugin EngramPleFusion getOutputDataTypes: both outputs streams' type", all(types.values()), str(types))
+    checks.add("plugin EngramPleFusion getOutputDataTypes: both outputs streams' type", all(types.values()), str(types))
     refused = {}
     for what, in_types, needle in (
             ("conv_state of another type", [DT["bfloat16"]] * 3 + [DT["bfloat16"]] * 4 + [DT["float32"]]
@@ -319,15 +335,15 @@ def check_plugin_cpu(harness: Harness) -> None:
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = needle in str(exc) or str(exc)[:160]
-    record("plugin EngramPleFusion getOutputDataTypes refuses mixed types", all(v is True for v in refused.values()),
-           str(refused))
+    checks.add("plugin EngramPleFusion getOutputDataTypes refuses mixed types",
+               all(v is True for v in refused.values()), str(refused))
     aliases = [harness.aliased_input(h, o) for o in range(2)]
-    record("plugin EngramPleFusion getAliasedInput: the history output aliases conv_state (build capability v2)",
-           aliases == [(-1, 2), (7, 2)], str(aliases))
+    checks.add("plugin EngramPleFusion getAliasedInput: the history output aliases conv_state (build capability v2)",
+               aliases == [(-1, 2), (7, 2)], str(aliases))
     h2 = harness.roundtrip(h)
-    record("plugin EngramPleFusion serialize round trip",
-           harness.outputs_shapes(h2, in_shapes, 2) == shapes and harness.aliased_input(h2, 1) == (7, 2)
-           and harness.serialized_fields(h2) == harness.serialized_fields(h))
+    checks.add("plugin EngramPleFusion serialize round trip",
+               harness.outputs_shapes(h2, in_shapes, 2) == shapes and harness.aliased_input(h2, 1) == (7, 2)
+               and harness.serialized_fields(h2) == harness.serialized_fields(h))
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = {}
@@ -349,15 +365,24 @@ def check_plugin_cpu(harness: Harness) -> None:
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = needle in str(exc) or str(exc)[:160]
-    record("plugin EngramPleFusion refuses bad fields", all(v is True for v in refused.values()), str(refused))
+    checks.add("plugin EngramPleFusion refuses bad fields", all(v is True for v in refused.values()), str(refused))
+    return checks
 
 
-def test_plugin_cpu(harness) -> None:
-    check_plugin_cpu(harness)
+@pytest.fixture(scope="module")
+def plugin_cpu(harness) -> Checks:
+    return check_plugin_cpu(harness)
 
 
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_plugin_cpu(plugin_cpu, name: str) -> None:
+    ok, detail = plugin_cpu[name]
+    assert ok, f"{name}: {detail}"
+
+
+@pytest.mark.parametrize("phase_name", ["build", "runtime (round trip)"])
 @pytest.mark.parametrize("dname,wname", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32")])
-def test_plugin_gpu(rng, harness, dname, wname) -> None:
+def test_plugin_gpu(rng, harness, dname, wname, phase_name) -> None:
     """The plugin's enqueue (build phase, and runtime after a round trip) = the binding,
     bit for bit: the history aliased (in place) and in a separate output (copied over
     first, the input left untouched)."""
@@ -386,25 +411,25 @@ def test_plugin_gpu(rng, harness, dname, wname) -> None:
     io, wt = DT[dname], DT[wname]
     in_types = [io] * 3 + [wt] * 4 + [io] + [DT["int32"]] * 3
     want_ws = ple.workspace_size(T, hc, D, dtype)
-    for phase_name, make in (("build", lambda h: h), ("runtime (round trip)", harness.roundtrip)):
-        base = harness.create("EngramPleFusion", plugin_fields(hc, D, K, n, EPS))
-        h = make(base)
-        state = state0.clone()
-        out = torch.full((T, W), float("nan"), dtype=dtype, device=dev)
-        ws = harness.run_outputs(h, [x, key, value, *weights, state, *meta], in_types, [out, state], [io, io], stream)
-        torch.cuda.synchronize()
-        record(f"plugin EngramPleFusion enqueue {dname}/{wname} {phase_name}, history aliased (in place)",
-               torch.equal(out, want) and torch.equal(state, want_state) and ws == want_ws,
-               f"out-equal={torch.equal(out, want)} history-equal={torch.equal(state, want_state)} workspace={ws} "
-               f"(want {want_ws})")
-        state_in = state0.clone()
-        state_out = torch.full_like(state_in, float("nan"))
-        out2 = torch.full((T, W), float("nan"), dtype=dtype, device=dev)
-        harness.run_outputs(h, [x, key, value, *weights, state_in, *meta], in_types, [out2, state_out], [io, io],
-                            stream)
-        torch.cuda.synchronize()
-        record(f"plugin EngramPleFusion enqueue {dname}/{wname} {phase_name}, separate history output (copy fallback)",
-               torch.equal(out2, want) and torch.equal(state_out, want_state) and torch.equal(state_in, state0))
-        if h != base:
-            harness.lib.harness_destroy(h)
-        harness.lib.harness_destroy(base)
+    make = {"build": lambda h: h, "runtime (round trip)": harness.roundtrip}[phase_name]
+    base = harness.create("EngramPleFusion", plugin_fields(hc, D, K, n, EPS))
+    h = make(base)
+    state = state0.clone()
+    out = torch.full((T, W), float("nan"), dtype=dtype, device=dev)
+    ws = harness.run_outputs(h, [x, key, value, *weights, state, *meta], in_types, [out, state], [io, io], stream)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(state, want_state) and ws == want_ws, (
+        f"plugin EngramPleFusion enqueue {dname}/{wname} {phase_name}, history aliased (in place): "
+        f"out-equal={torch.equal(out, want)} history-equal={torch.equal(state, want_state)} workspace={ws} "
+        f"(want {want_ws})")
+    state_in = state0.clone()
+    state_out = torch.full_like(state_in, float("nan"))
+    out2 = torch.full((T, W), float("nan"), dtype=dtype, device=dev)
+    harness.run_outputs(h, [x, key, value, *weights, state_in, *meta], in_types, [out2, state_out], [io, io],
+                        stream)
+    torch.cuda.synchronize()
+    assert torch.equal(out2, want) and torch.equal(state_out, want_state) and torch.equal(state_in, state0), (
+        f"plugin EngramPleFusion enqueue {dname}/{wname} {phase_name}, separate history output (copy fallback)")
+    if h != base:
+        harness.lib.harness_destroy(h)
+    harness.lib.harness_destroy(base)

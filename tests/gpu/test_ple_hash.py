@@ -11,8 +11,9 @@ and decimal-text fields) on the same steps.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from .helpers import DT, PF_CHAR, PF_INT32, PF_INT64, record, say
+from .helpers import DT, PF_CHAR, PF_INT32, PF_INT64, say
 
 CONFIGS = [  # (vocab, ngram_size, heads_per_ngram, base, divisor, seed, eos, num_layers)
     (97, 2, 1, 50, 16, 1234, 96, 3),
@@ -53,7 +54,10 @@ def random_step(rng, layout, num_seqs: int, max_len: int, eos_frac: float = 0.08
     return ids, starts, context
 
 
-def test_kernel_ple_hash(rng) -> None:
+@pytest.mark.parametrize("which", ["first", "last"])  # the layout's first and last PLE layer
+@pytest.mark.parametrize("num_seqs,max_len", [(1, 1), (7, 40), (300, 400)])
+@pytest.mark.parametrize("ci", range(len(CONFIGS)))
+def test_kernel_ple_hash(rng, ci, num_seqs, max_len, which) -> None:
     import torch
 
     from engram_trt.engram import ple_hash as ph
@@ -62,27 +66,37 @@ def test_kernel_ple_hash(rng) -> None:
 
     dev = torch.device("cuda")
     say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
-    for ci, cfg in enumerate(CONFIGS):
-        layout = make_layout(cfg)
-        layers = sorted({0, layout.num_layers - 1})
-        for num_seqs, max_len in ((1, 1), (7, 40), (300, 400)):
-            ids, starts, context = random_step(rng, layout, num_seqs, max_len)
-            ids_d = torch.from_numpy(ids.astype(np.int32)).to(dev)
-            starts_d = torch.from_numpy(starts.astype(np.int32)).to(dev)
-            ctx_d = torch.from_numpy(context.astype(np.int32)).to(dev)
-            for li in layers:
-                ref = ph.ple_hash_packed(ids, starts, context, layout, li)
-                out = torch.full((ids.shape[0], layout.num_heads), -12345, dtype=torch.int32, device=dev)
-                native_ple.ple_hash_packed(ids_d, starts_d, ctx_d, layout, li, out=out)
-                got = out.cpu().numpy().astype(np.int64)
-                record(f"ple hash config{ci} layer {li} S={num_seqs} T={ids.shape[0]}", np.array_equal(got, ref),
-                       f"{int((got != ref).sum())} of {ref.size} ids differ")
-        # context=None: every sequence fresh (the EOS-filled context)
-        ids, starts, _ = random_step(rng, layout, 5, 30)
-        ref = ph.ple_hash_packed(ids, starts, ph.fresh_context(5, layout), layout, layers[-1])
-        got = native_ple.ple_hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
-                                         torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout, layers[-1])
-        record(f"ple hash config{ci} context None = fresh", np.array_equal(got.cpu().numpy(), ref))
+    layout = make_layout(CONFIGS[ci])
+    li = 0 if which == "first" else layout.num_layers - 1
+    ids, starts, context = random_step(rng, layout, num_seqs, max_len)
+    ids_d = torch.from_numpy(ids.astype(np.int32)).to(dev)
+    starts_d = torch.from_numpy(starts.astype(np.int32)).to(dev)
+    ctx_d = torch.from_numpy(context.astype(np.int32)).to(dev)
+    ref = ph.ple_hash_packed(ids, starts, context, layout, li)
+    out = torch.full((ids.shape[0], layout.num_heads), -12345, dtype=torch.int32, device=dev)
+    native_ple.ple_hash_packed(ids_d, starts_d, ctx_d, layout, li, out=out)
+    got = out.cpu().numpy().astype(np.int64)
+    assert np.array_equal(got, ref), (
+        f"ple hash config{ci} layer {li} S={num_seqs} T={ids.shape[0]}: "
+        f"{int((got != ref).sum())} of {ref.size} ids differ")
+
+
+@pytest.mark.parametrize("ci", range(len(CONFIGS)))
+def test_kernel_ple_hash_fresh_context(rng, ci) -> None:
+    """context=None: every sequence fresh (the EOS-filled context)."""
+    import torch
+
+    from engram_trt.engram import ple_hash as ph
+    from engram_trt.native import ple as native_ple
+
+    dev = torch.device("cuda")
+    layout = make_layout(CONFIGS[ci])
+    last = layout.num_layers - 1
+    ids, starts, _ = random_step(rng, layout, 5, 30)
+    ref = ph.ple_hash_packed(ids, starts, ph.fresh_context(5, layout), layout, last)
+    got = native_ple.ple_hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+                                     torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout, last)
+    assert np.array_equal(got.cpu().numpy(), ref), f"ple hash config{ci} context None = fresh"
 
 
 def test_kernel_ple_hash_chunked(rng) -> None:
@@ -109,8 +123,8 @@ def test_kernel_ple_hash_chunked(rng) -> None:
         pieces.append(got.cpu().numpy())
         ctx = ph.next_context(ctx, part, [0, b - a])
     got = np.concatenate(pieces)
-    record("ple hash chunks + decode steps = whole", np.array_equal(got, whole),
-           f"{int((got != whole).sum())} of {whole.size} ids differ")
+    assert np.array_equal(got, whole), (
+        f"ple hash chunks + decode steps = whole: {int((got != whole).sum())} of {whole.size} ids differ")
 
 
 def ple_plugin_fields(layout, layer: int, text: bool = False):
@@ -131,7 +145,10 @@ def ple_plugin_fields(layout, layer: int, text: bool = False):
             ("offsets", *array(layout.head_offsets[layer]))]
 
 
-def test_plugin_ple_hash_enqueue(rng, harness) -> None:
+@pytest.mark.parametrize("form", ["int64", "text"])
+@pytest.mark.parametrize("num_seqs,max_len", [(1, 1), (9, 50), (200, 300)])
+@pytest.mark.parametrize("ci", range(len(CONFIGS)))
+def test_plugin_ple_hash_enqueue(rng, harness, ci, num_seqs, max_len, form) -> None:
     """EngramPleHash's enqueue equals the reference on random packed steps with EOS runs,
     the build-phase plugin and its round-tripped runtime twin alike, from int64 and
     text fields; the output is poisoned first."""
@@ -141,23 +158,21 @@ def test_plugin_ple_hash_enqueue(rng, harness) -> None:
 
     dev = torch.device("cuda")
     stream = torch.cuda.current_stream().cuda_stream
-    for ci, cfg in enumerate(CONFIGS):
-        layout = make_layout(cfg)
-        layer = layout.num_layers - 1
-        for num_seqs, max_len in ((1, 1), (9, 50), (200, 300)):
-            ids, starts, context = random_step(rng, layout, num_seqs, max_len)
-            ref = ph.ple_hash_packed(ids, starts, context, layout, layer)
-            inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, context)]
-            for form in ("int64", "text"):
-                h = harness.create("EngramPleHash", ple_plugin_fields(layout, layer, form == "text"), phase=0)
-                h2 = harness.roundtrip(h)
-                same, ws = [], set()
-                for handle in (h, h2):
-                    out = torch.full((ids.shape[0], layout.num_heads), -777, dtype=torch.int32, device=dev)
-                    ws.add(harness.run(handle, inputs, [DT["int32"]] * 3, out, DT["int32"], stream))
-                    torch.cuda.synchronize()
-                    same.append(np.array_equal(out.cpu().numpy().astype(np.int64), ref))
-                harness.lib.harness_destroy(h2)
-                harness.lib.harness_destroy(h)
-                record(f"plugin EngramPleHash enqueue config{ci} layer {layer} S={num_seqs} T={ids.shape[0]} ({form})",
-                       all(same) and ws == {0}, f"build / runtime equal: {same}, workspace {sorted(ws)}")
+    layout = make_layout(CONFIGS[ci])
+    layer = layout.num_layers - 1
+    ids, starts, context = random_step(rng, layout, num_seqs, max_len)
+    ref = ph.ple_hash_packed(ids, starts, context, layout, layer)
+    inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, context)]
+    h = harness.create("EngramPleHash", ple_plugin_fields(layout, layer, form == "text"), phase=0)
+    h2 = harness.roundtrip(h)
+    same, ws = [], set()
+    for handle in (h, h2):  # the build-phase plugin and its runtime twin, asserted together
+        out = torch.full((ids.shape[0], layout.num_heads), -777, dtype=torch.int32, device=dev)
+        ws.add(harness.run(handle, inputs, [DT["int32"]] * 3, out, DT["int32"], stream))
+        torch.cuda.synchronize()
+        same.append(np.array_equal(out.cpu().numpy().astype(np.int64), ref))
+    harness.lib.harness_destroy(h2)
+    harness.lib.harness_destroy(h)
+    assert all(same) and ws == {0}, (
+        f"plugin EngramPleHash enqueue config{ci} layer {layer} S={num_seqs} T={ids.shape[0]} ({form}): "
+        f"build / runtime equal: {same}, workspace {sorted(ws)}")

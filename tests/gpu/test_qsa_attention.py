@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Harness, note, record, say  # noqa: F401 (Harness: CPU suite)
+from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness, note, say  # noqa: F401 (Harness: CPU suite)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 1e-2}
@@ -172,13 +172,13 @@ def test_kernel_matches_gated_attention(dname, ci) -> None:
         err = (got.float().cpu() - want)[rows].abs().max().item()
         scale = want.abs().max().item()
         same_caches = all(torch.equal(a.cpu(), b) for a, b in zip(dev_caches, caches))
-        record(f"qsa kernel {dname} config {ci} step {n}: = GatedAttention core, caches bit-equal",
-               err <= TOLERANCE[dname] * scale and same_caches,
-               f"max error {err:.3e} scale {scale:.3e} caches-equal={same_caches} rows compared "
-               f"{int(rows.sum())}/{len(rows)}")
-    record(f"qsa kernel {dname} config {ci}: blocks were dropped (rows compared), no float32 top-k boundary tie",
-           compared > dropped // 2 and compared > 0 and (dname != "float32" or worst_gap > 1e-4),
-           f"dropping queries {dropped}, compared {compared}, smallest gap {worst_gap:.3e}")
+        assert err <= TOLERANCE[dname] * scale and same_caches, (
+            f"qsa kernel {dname} config {ci} step {n}: = GatedAttention core, caches bit-equal: "
+            f"max error {err:.3e} scale {scale:.3e} caches-equal={same_caches} rows compared "
+            f"{int(rows.sum())}/{len(rows)}")
+    assert compared > dropped // 2 and compared > 0 and (dname != "float32" or worst_gap > 1e-4), (
+        f"qsa kernel {dname} config {ci}: blocks were dropped (rows compared), no float32 top-k boundary tie: "
+        f"dropping queries {dropped}, compared {compared}, smallest gap {worst_gap:.3e}")
 
 
 def test_decode_sizes_match_the_torch_decode() -> None:
@@ -213,9 +213,9 @@ def test_decode_sizes_match_the_torch_decode() -> None:
     torch.cuda.synchronize()
     err = (got.cpu() - want).abs().max().item()
     scale = want.abs().max().item()
-    record("qsa kernel decode 16 x ~1000 positions: = GatedAttention decode core (float32)",
-           err <= 2e-5 * scale and dropped == G and gap > 1e-4,
-           f"max error {err:.3e} scale {scale:.3e} dropped={dropped} gap={gap:.3e}")
+    assert err <= 2e-5 * scale and dropped == G and gap > 1e-4, (
+        "qsa kernel decode 16 x ~1000 positions: = GatedAttention decode core (float32): "
+        f"max error {err:.3e} scale {scale:.3e} dropped={dropped} gap={gap:.3e}")
     for _ in range(3):
         qsa.qsa_attention(*dev_in, *dev_caches, w.cuda(), *meta, fields, out=got)
     torch.cuda.synchronize()
@@ -253,13 +253,14 @@ def test_reference_agrees_and_edge_contracts() -> None:
         torch.cuda.synchronize()
         err = np.abs(got.cpu().numpy() - want).max()
         caches_ok = all(np.array_equal(d.cpu().numpy(), c) for d, c in zip(dev[5:8], want_caches))
-        record(f"qsa kernel = float64 reference ({case}), padding rows zero, caches as the reference's",
-               err <= 2e-5 * np.abs(want).max() and caches_ok and not got[3:4].any().item()
-               and not got[5:6].any().item(), f"max error {err:.3e} caches-equal={caches_ok}")
+        assert (err <= 2e-5 * np.abs(want).max() and caches_ok and not got[3:4].any().item()
+                and not got[5:6].any().item()), (
+            f"qsa kernel = float64 reference ({case}), padding rows zero, caches as the reference's: "
+            f"max error {err:.3e} caches-equal={caches_ok}")
     empty = qsa.qsa_attention(*[torch.from_numpy(a[:0] if i < 5 else a).cuda() for i, a in enumerate(arrays)],
                               torch.zeros(0, dtype=torch.int32, device="cuda"),
                               torch.zeros(0, dtype=torch.int32, device="cuda"), fields)
-    record("qsa kernel: T = 0 is a no-op", tuple(empty.shape) == (0, H * hd))
+    assert tuple(empty.shape) == (0, H * hd), "qsa kernel: T = 0 is a no-op"
 
 
 # --- the plugin ---------------------------------------------------------------------------------
@@ -278,20 +279,31 @@ def in_types_of(io: str, wt: str) -> list[int]:
     return [DT[io]] * 8 + [DT[wt]] + [DT["int32"]] * 2
 
 
-def check_plugin_cpu(harness: Harness) -> None:
+PLUGIN_CPU_CHECKS = [
+    "plugin EngramQsaAttention getOutputShapes",
+    "plugin EngramQsaAttention getOutputDataTypes: every output q's type",
+    "plugin EngramQsaAttention getOutputDataTypes refuses mixed types",
+    "plugin EngramQsaAttention getAliasedInput: the caches alias inputs 5-7 (build capability v2)",
+    "plugin EngramQsaAttention serialize round trip",
+    "plugin EngramQsaAttention refuses bad fields in one line",
+]
+
+
+def check_plugin_cpu(harness: Harness) -> Checks:
     """What TensorRT asks of EngramQsaAttention before any enqueue (no GPU needed)."""
+    checks = Checks()
     T, H, KVH, hd, NI, di, S, L = 7, 8, 2, 64, 4, 32, 3, 128
     h = harness.create("EngramQsaAttention", plugin_fields())
     in_shapes = [(T, H, hd), (T, KVH, hd), (T, KVH, hd), (T, NI, di), (T, di), (S, KVH, L, hd), (S, KVH, L, hd),
                  (S, L, di), (di,), (T,), (T,)]
     shapes = harness.outputs_shapes(h, in_shapes, 4)
-    record("plugin EngramQsaAttention getOutputShapes",
-           shapes == [(T, H * hd), (S, KVH, L, hd), (S, KVH, L, hd), (S, L, di)], str(shapes))
+    checks.add("plugin EngramQsaAttention getOutputShapes",
+               shapes == [(T, H * hd), (S, KVH, L, hd), (S, KVH, L, hd), (S, L, di)], str(shapes))
     types = {}
     for io in ("bfloat16", "float16", "float32"):
         for wt in dict.fromkeys((io, "float32")):
             types[f"{io}/{wt}"] = harness.outputs_types(h, in_types_of(io, wt), 4) == [DT[io]] * 4
-    record("plugin EngramQsaAttention getOutputDataTypes: every output q's type", all(types.values()), str(types))
+    checks.add("plugin EngramQsaAttention getOutputDataTypes: every output q's type", all(types.values()), str(types))
     refused = {}
     for what, in_types, needle in (
             ("index_key_cache of another type", [DT["bfloat16"]] * 7 + [DT["float32"]] + [DT["float32"]]
@@ -304,15 +316,15 @@ def check_plugin_cpu(harness: Harness) -> None:
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = needle in str(exc) or str(exc)[:160]
-    record("plugin EngramQsaAttention getOutputDataTypes refuses mixed types",
-           all(v is True for v in refused.values()), str(refused))
+    checks.add("plugin EngramQsaAttention getOutputDataTypes refuses mixed types",
+               all(v is True for v in refused.values()), str(refused))
     aliases = [harness.aliased_input(h, o) for o in range(4)]
-    record("plugin EngramQsaAttention getAliasedInput: the caches alias inputs 5-7 (build capability v2)",
-           aliases == [(-1, 2), (5, 2), (6, 2), (7, 2)], str(aliases))
+    checks.add("plugin EngramQsaAttention getAliasedInput: the caches alias inputs 5-7 (build capability v2)",
+               aliases == [(-1, 2), (5, 2), (6, 2), (7, 2)], str(aliases))
     h2 = harness.roundtrip(h)
-    record("plugin EngramQsaAttention serialize round trip",
-           harness.outputs_shapes(h2, in_shapes, 4) == shapes and harness.aliased_input(h2, 3) == (7, 2)
-           and harness.serialized_fields(h2) == harness.serialized_fields(h))
+    checks.add("plugin EngramQsaAttention serialize round trip",
+               harness.outputs_shapes(h2, in_shapes, 4) == shapes and harness.aliased_input(h2, 3) == (7, 2)
+               and harness.serialized_fields(h2) == harness.serialized_fields(h))
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = {}
@@ -335,16 +347,25 @@ def check_plugin_cpu(harness: Harness) -> None:
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = (needle in str(exc) and "\n" not in str(exc)) or str(exc)[:200]
-    record("plugin EngramQsaAttention refuses bad fields in one line", all(v is True for v in refused.values()),
-           str(refused))
+    checks.add("plugin EngramQsaAttention refuses bad fields in one line", all(v is True for v in refused.values()),
+               str(refused))
+    return checks
 
 
-def test_plugin_cpu(harness) -> None:
-    check_plugin_cpu(harness)
+@pytest.fixture(scope="module")
+def plugin_cpu(harness) -> Checks:
+    return check_plugin_cpu(harness)
 
 
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_plugin_cpu(plugin_cpu, name: str) -> None:
+    ok, detail = plugin_cpu[name]
+    assert ok, f"{name}: {detail}"
+
+
+@pytest.mark.parametrize("phase_name", ["build", "runtime (round trip)"])
 @pytest.mark.parametrize("dname,wname", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32")])
-def test_plugin_gpu(harness, dname, wname) -> None:
+def test_plugin_gpu(harness, dname, wname, phase_name) -> None:
     """The plugin's enqueue (build phase, and runtime after a round trip) = the binding,
     bit for bit: the caches aliased (in place) and in separate outputs (copied over first,
     the inputs left untouched); the workspace the binding's."""
@@ -372,26 +393,27 @@ def test_plugin_gpu(harness, dname, wname) -> None:
     want_ws = qsa.workspace_size(T, L, f.compress_ratio, f.block_topk)
     io, wt = DT[dname], DT[wname]
     fields = plugin_fields(f.compress_ratio, f.block_topk, f.rot_dim, f.rope_theta, f.eps, f.scaling)
-    for phase_name, make in (("build", lambda h: h), ("runtime (round trip)", harness.roundtrip)):
-        base = harness.create("EngramQsaAttention", fields)
-        h = make(base)
-        caches = [c.clone() for c in caches0]
-        out = torch.full((T, H * hd), float("nan"), dtype=dtype, device=dev)
-        ws = harness.run_outputs(h, [*acts, *caches, w, *meta], in_types_of(dname, wname), [out, *caches], [io] * 4,
-                                 stream)
-        torch.cuda.synchronize()
-        same = torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip(caches, want_caches))
-        record(f"plugin EngramQsaAttention enqueue {dname}/{wname} {phase_name}, caches aliased (in place)",
-               same and ws == want_ws, f"equal={same} workspace={ws} (want {want_ws})")
-        caches_in = [c.clone() for c in caches0]
-        caches_out = [torch.full_like(c, float("nan")) for c in caches0]
-        out2 = torch.full((T, H * hd), float("nan"), dtype=dtype, device=dev)
-        harness.run_outputs(h, [*acts, *caches_in, w, *meta], in_types_of(dname, wname), [out2, *caches_out],
-                            [io] * 4, stream)
-        torch.cuda.synchronize()
-        same = (torch.equal(out2, want) and all(torch.equal(a, b) for a, b in zip(caches_out, want_caches))
-                and all(torch.equal(a, b) for a, b in zip(caches_in, caches0)))
-        record(f"plugin EngramQsaAttention enqueue {dname}/{wname} {phase_name}, separate cache outputs (copy)", same)
-        if h != base:
-            harness.lib.harness_destroy(h)
-        harness.lib.harness_destroy(base)
+    make = {"build": lambda h: h, "runtime (round trip)": harness.roundtrip}[phase_name]
+    base = harness.create("EngramQsaAttention", fields)
+    h = make(base)
+    caches = [c.clone() for c in caches0]
+    out = torch.full((T, H * hd), float("nan"), dtype=dtype, device=dev)
+    ws = harness.run_outputs(h, [*acts, *caches, w, *meta], in_types_of(dname, wname), [out, *caches], [io] * 4,
+                             stream)
+    torch.cuda.synchronize()
+    same = torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip(caches, want_caches))
+    assert same and ws == want_ws, (
+        f"plugin EngramQsaAttention enqueue {dname}/{wname} {phase_name}, caches aliased (in place): "
+        f"equal={same} workspace={ws} (want {want_ws})")
+    caches_in = [c.clone() for c in caches0]
+    caches_out = [torch.full_like(c, float("nan")) for c in caches0]
+    out2 = torch.full((T, H * hd), float("nan"), dtype=dtype, device=dev)
+    harness.run_outputs(h, [*acts, *caches_in, w, *meta], in_types_of(dname, wname), [out2, *caches_out],
+                        [io] * 4, stream)
+    torch.cuda.synchronize()
+    same = (torch.equal(out2, want) and all(torch.equal(a, b) for a, b in zip(caches_out, want_caches))
+            and all(torch.equal(a, b) for a, b in zip(caches_in, caches0)))
+    assert same, f"plugin EngramQsaAttention enqueue {dname}/{wname} {phase_name}, separate cache outputs (copy)"
+    if h != base:
+        harness.lib.harness_destroy(h)
+    harness.lib.harness_destroy(base)

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from .helpers import record
 from .test_deepseek_v4_quant import (
     _load,
     folders,  # noqa: F401  (the module-scoped fixture)
@@ -120,15 +119,16 @@ def test_segments_against_float64(dev, T: int) -> None:
         bound = gemv_bound(kind, int(x.shape[1]), ref, mag, torch.bfloat16)
         err = (out.double() - ref).abs()
         ok = bool(torch.isfinite(out).all()) and bool((err <= bound).all())
-        record(f"segments T {T}: segment {i} ({kind} {list(ref.shape)}) within the float64 GEMV bound", ok,
-               f"worst err / bound {float((err / bound).max()):.3f}")
+        assert ok, (
+            f"segments T {T}: segment {i} ({kind} {list(ref.shape)}) within the float64 GEMV bound: worst err / bound "
+            f"{float((err / bound).max()):.3f}")
         if kind != "bf16":
             one = nq.linear(x.contiguous(), w)
             gap = (out.double() - one.double()).abs()
-            record(f"segments T {T}: segment {i} equals native.quant.linear within both bounds",
-                   bool((gap <= 2 * bound).all()), f"worst gap / 2 bound {float((gap / (2 * bound)).max()):.3f}")
-    record(f"segments T {T}: the padding column after the grouped outputs untouched",
-           bool((big[:, 272:] == 0).all()), "")
+            assert bool((gap <= 2 * bound).all()), (
+                f"segments T {T}: segment {i} equals native.quant.linear within both bounds: worst gap / 2 bound "
+                f"{float((gap / (2 * bound)).max()):.3f}")
+    assert bool((big[:, 272:] == 0).all()), f"segments T {T}: the padding column after the grouped outputs untouched"
 
 
 def _shared_reach(h, Wd) -> Any:
@@ -170,8 +170,8 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
     got = routed.double().cpu()
     inside = (got >= lo_t) & (got <= hi_t)
     tag = f"T {T} k {k} E {E} limit {limit}"
-    record(f"fused MoE (routed) within the float64 interval, {tag}",
-           bool(inside.all()) and bool(torch.isfinite(got).all()), f"{int((~inside).sum())} outside")
+    assert bool(inside.all()) and bool(torch.isfinite(got).all()), (
+        f"fused MoE (routed) within the float64 interval, {tag}: {int((~inside).sum())} outside")
     fused = qd.moe(x, ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
     # the old path: native.quant.experts + the shared expert as fused.moe's fallback computes it
     old_routed = nq.experts(x, ids, route_w, gate, up, down, limit=limit)
@@ -186,17 +186,17 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
     out_round = 2 * u * (old.double().abs() + fused.double().abs())
     gap = (fused.double() - old.double()).abs()
     bound = width + reach + sbound + out_round
-    record(f"fused MoE (routed + shared) equals the old path within its reach, {tag}",
-           bool(torch.isfinite(fused).all()) and bool((gap <= bound).all()),
-           f"worst gap / bound {float((gap / bound).max()):.3f}; identical {float((gap == 0).double().mean()):.3f}")
+    assert bool(torch.isfinite(fused).all()) and bool((gap <= bound).all()), (
+        f"fused MoE (routed + shared) equals the old path within its reach, {tag}: "
+        f"worst gap / bound {float((gap / bound).max()):.3f}; identical {float((gap == 0).double().mean()):.3f}")
     again = qd.moe(x, ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
-    record(f"fused MoE deterministic, {tag}", bool(torch.equal(fused, again)), "")
+    assert bool(torch.equal(fused, again)), f"fused MoE deterministic, {tag}"
     # a pick of no expert (id E) adds nothing: the same bits as that pick at weight 0
     bad_ids, zero_w = ids.clone(), route_w.clone()
     bad_ids[0, 0], zero_w[0, 0] = E, 0.0
     no_pick = qd.moe(x, bad_ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
     zero_pick = qd.moe(x, ids, zero_w, gate, up, down, shared=(sg, su, sd), limit=limit)
-    record(f"fused MoE: a pick outside [0, E) adds nothing, {tag}", bool(torch.equal(no_pick, zero_pick)), "")
+    assert bool(torch.equal(no_pick, zero_pick)), f"fused MoE: a pick outside [0, E) adds nothing, {tag}"
 
 
 @contextmanager
@@ -250,21 +250,21 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(dev, folders: dict[str
                 ids = torch.tensor(toks)
                 want = model.forward_step(PackedStep(ids, [1] * slots, past, list(range(slots))), eager)
                 got = graphs.run(PackedStep(torch.tensor(gt), [1] * slots, past, list(range(slots))), None)
-                if got is None:
-                    record(f"{label}: the quantized model's decode step replayed", False, f"failed: {graphs.failed}")
-                    return
+                assert got is not None, (
+                    f"{label}: the quantized model's decode step replayed: failed: {graphs.failed}")
                 toks = want.argmax(-1).tolist()
                 gt = got.argmax(-1).tolist()
                 eager_toks.append(toks)
                 graph_toks.append(gt)
                 past = [p + 1 for p in past]
-            record(f"{label}: FP8 / FP4 tiny model graphed greedy tokens equal eager's over {steps} steps",
-                   graph_toks == eager_toks, f"eager {eager_toks[:3]} graphed {graph_toks[:3]}")
+            assert graph_toks == eager_toks, (
+                f"{label}: FP8 / FP4 tiny model graphed greedy tokens equal eager's over {steps} steps: eager "
+                f"{eager_toks[:3]} graphed {graph_toks[:3]}")
             if label == "fused":
                 # per eager decode step: 2 MoE layers (a hash_moe and a moe, both stored FP4 / FP8), and
                 # the attention's q_a + kv, q_b, o_a and o_b of 3 layers at least
-                record("fused: the stored-format kernels served the MoE and the projections",
-                       calls["moe"] >= 2 * steps and calls["gemv_segments"] >= 4 * 3 * steps, f"calls {calls}")
+                assert calls["moe"] >= 2 * steps and calls["gemv_segments"] >= 4 * 3 * steps, (
+                    f"fused: the stored-format kernels served the MoE and the projections: calls {calls}")
                 calls.update(gemv_segments=0, moe=0)
-    record("old: ENGRAM_TRT_DSV4_QUANT_FUSED=0 keeps the stored-format decode kernels out", calls["moe"] == 0
-           and calls["gemv_segments"] == 0, f"calls {calls}")
+    assert calls["moe"] == 0 and calls["gemv_segments"] == 0, (
+        f"old: ENGRAM_TRT_DSV4_QUANT_FUSED=0 keeps the stored-format decode kernels out: calls {calls}")

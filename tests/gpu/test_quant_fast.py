@@ -38,8 +38,8 @@ import os
 import numpy as np
 import pytest
 
-from .helpers import note, record
-from .test_quant_kernels import (U32, _check_within, _expert_of_rows, _grouped_rows, _qweight, _weight64, _weight_case,
+from .helpers import note
+from .test_quant_kernels import (U32, _assert_within, _expert_of_rows, _grouped_rows, _qweight, _weight64, _weight_case,
                                  fp8_gemm_bound, fp8_tensor_core_error, gemv_bound, linear_activations,
                                  linear_reference)
 
@@ -114,14 +114,15 @@ def test_gemv_knobs_and_weight_static(gen, dev, wi) -> None:
                     with _env(env):
                         qk.gemv(a, w, out, row_index=row_index, o_col0=5, weight_static=static)
                     tag = f"{kind} [{N}, {K}] block {block} {fmt}, {rows} rows, a {adt}, {name}, static {static}"
-                    _check_within(f"gemv = float64, {tag}", out[:, 5:5 + N], ref, bound)
+                    _assert_within(f"gemv = float64, {tag}", out[:, 5:5 + N], ref, bound)
                     outside = torch.cat([out[:, :5], out[:, 5 + N:]], dim=1)
-                    record(f"gemv leaves the other columns, {tag}", bool(torch.isnan(outside.float()).all()), "")
+                    assert bool(torch.isnan(outside.float()).all()), f"gemv leaves the other columns, {tag}"
                     outs[(name, static)] = out[:, 5:5 + N]
             base = outs[("default", False)]
             same = all(torch.equal(o, base) for o in outs.values())
-            record(f"gemv: every knob and weight_static give the same bits, {kind} [{N}, {K}] {rows} rows {adt}",
-                   same, "" if same else "the knobs change the grid, not the sums: outputs must be equal")
+            assert same, (
+                f"gemv: every knob and weight_static give the same bits, {kind} [{N}, {K}] {rows} rows {adt}: "
+                "the knobs change the grid, not the sums: outputs must be equal")
 
 
 @pytest.mark.parametrize("kind,fmt", [("fp8", "ue8m0"), ("fp4", "ue8m0"), ("bf16", None)])
@@ -154,10 +155,10 @@ def test_gemv_experts_batch_decode(gen, dev, kind, fmt) -> None:
         out = torch.full((T * k, N), float("nan"), device=dev)
         with _env(env):
             qk.gemv(a, w, out, row_index=row_index, offsets=plan.offsets, slot_expert=plan.slot_expert)
-        _check_within(f"grouped gemv = float64, {kind} {fmt}, {T} tokens x {k} of {E} experts, {name}", out, ref,
+        _assert_within(f"grouped gemv = float64, {kind} {fmt}, {T} tokens x {k} of {E} experts, {name}", out, ref,
                       gemv_bound(kind, K, ref, mag, out.dtype))
         outs.append(out)
-    record(f"grouped gemv: the knobs give the same bits, {kind}", all(torch.equal(o, outs[0]) for o in outs), "")
+    assert all(torch.equal(o, outs[0]) for o in outs), f"grouped gemv: the knobs give the same bits, {kind}"
     # the uneven loads of the kernel tests, with many slots and a slot list longer than the active experts
     counts = [3, 0, 1, 1, 0, 7, 2, 1, 1, 9, 0, 1]
     offs, ri, slot_expert = _grouped_rows(rng, 12, counts)
@@ -175,7 +176,7 @@ def test_gemv_experts_batch_decode(gen, dev, kind, fmt) -> None:
         with _env(env):
             qk.gemv(a2, w2, out, row_index=torch.from_numpy(ri).to(dev), offsets=torch.from_numpy(offs).to(dev),
                     slot_expert=torch.from_numpy(slot_expert).to(dev))
-        _check_within(f"grouped gemv = float64, {kind}, uneven rows {counts}, {name}", out, ref2,
+        _assert_within(f"grouped gemv = float64, {kind}, uneven rows {counts}, {name}", out, ref2,
                       gemv_bound(kind, K, ref2, mag2, out.dtype))
 
 
@@ -213,10 +214,10 @@ def test_gemv_fused_act_quant(gen, dev, ci) -> None:
                 qk.gemv(x, w, got, row_index=row_index, o_col0=3, act_quant=(group, ue8m0), weight_static=static)
                 tag = f"{kind} [{N}, {K}] {fmt}, {rows} rows, x {xdt}, static {static}"
                 same = torch.equal(got[:, 3:3 + N], want[:, 3:3 + N])
-                record(f"gemv quantizing x itself = act_quant then gemv, bit for bit, {tag}", same,
-                       "" if same else f"{int((got[:, 3:3 + N] != want[:, 3:3 + N]).sum())} differ")
+                assert same, (f"gemv quantizing x itself = act_quant then gemv, bit for bit, {tag}: "
+                              f"{int((got[:, 3:3 + N] != want[:, 3:3 + N]).sum())} differ")
                 outside = torch.cat([got[:, :3], got[:, 3 + N:]], dim=1)
-                record(f"gemv quantizing x leaves the other columns, {tag}", bool(torch.isnan(outside).all()), "")
+                assert bool(torch.isnan(outside).all()), f"gemv quantizing x leaves the other columns, {tag}"
 
 
 def test_gemv_fused_act_quant_experts_and_refusal(gen, dev) -> None:
@@ -240,8 +241,7 @@ def test_gemv_fused_act_quant_experts_and_refusal(gen, dev) -> None:
         got = torch.zeros((T * k, N), device=dev)
         qk.gemv(deq, w, want, **rows)
         qk.gemv(x, w, got, act_quant=(group, ue8m0), **rows)
-        record(f"grouped gemv quantizing x itself = act_quant then gemv, bit for bit, {kind}", torch.equal(got, want),
-               "")
+        assert torch.equal(got, want), f"grouped gemv quantizing x itself = act_quant then gemv, bit for bit, {kind}"
     # a row the shared memory cannot stage: refused in one line, nothing launched
     qw = _weight_case(gen, dev, "fp8", (), 16, 65536, (128, 128), "float")
     out = torch.full((1, 16), float("nan"), device=dev)
@@ -250,13 +250,13 @@ def test_gemv_fused_act_quant_experts_and_refusal(gen, dev) -> None:
         ok, detail = False, "no error"
     except EngramError as exc:
         ok, detail = "quantize them first" in str(exc) and "\n" not in str(exc), str(exc)
-    record("gemv quantizing x refuses K = 65536 (one line) and leaves out", ok and bool(torch.isnan(out).all()),
-           detail)
+    assert ok and bool(torch.isnan(out).all()), (
+        f"gemv quantizing x refuses K = 65536 (one line) and leaves out: {detail}")
     # linear on a K that large still runs (act_quant first, then the GEMV)
     x = torch.randn(2, 65536, generator=gen, device=dev)
     y = nq.linear(x, qw)
     ref, mag = linear_reference(x, qw)
-    _check_within("linear with K = 65536 (two launches) = float64", y.cpu(), ref,
+    _assert_within("linear with K = 65536 (two launches) = float64", y.cpu(), ref,
                   (gemv_bound("fp8", 65536, ref, mag, y.dtype) + U32 * mag).cpu())
 
 
@@ -278,8 +278,8 @@ def test_linear_and_experts_fused_equal_two_launches(gen, dev) -> None:
                 deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
                 want = torch.empty((M, N), device=dev, dtype=xdt)
                 qk.gemv(deq, w, want)
-                record(f"linear (fused quantization) = act_quant + gemv, bit for bit, {kind} {M} rows {xdt}",
-                       torch.equal(y, want), "")
+                assert torch.equal(y, want), (
+                    f"linear (fused quantization) = act_quant + gemv, bit for bit, {kind} {M} rows {xdt}: ")
     E, D, I, k, T = 8, 256, 128, 4, 3
     for kind in ("fp8", "fp4"):
         block = (128, 128) if kind == "fp8" else (1, 32)
@@ -301,10 +301,10 @@ def test_linear_and_experts_fused_equal_two_launches(gen, dev) -> None:
         qk.gemv(deq, u, gu[:, I:], **rows)
         dg, dug = (qk.gemv(x, wq, torch.empty((T * k, I), device=dev), act_quant=(group, ue8m0), **rows)
                    for wq in (g, u))
-        record(f"experts gate / up (fused quantization) = act_quant + gemv, bit for bit, {kind}",
-               torch.equal(dg, gu[:, :I]) and torch.equal(dug, gu[:, I:]), "")
+        assert torch.equal(dg, gu[:, :I]) and torch.equal(dug, gu[:, I:]), (
+            f"experts gate / up (fused quantization) = act_quant + gemv, bit for bit, {kind}: ")
         again = nq.experts(x, ids, route_w, gate, up, down, limit=7.0)
-        record(f"experts deterministic with the fused quantization, {kind}", torch.equal(y, again), "")
+        assert torch.equal(y, again), f"experts deterministic with the fused quantization, {kind}"
 
 
 @pytest.mark.parametrize("fmt", ["float", "ue8m0"])
@@ -329,9 +329,9 @@ def test_linear_fp8_gemm_route(gen, dev, fmt) -> None:
             tag = f"[{M}, {K}] x [{N}, {K}]^T {fmt} scales, {dt}, {nq.FP8_GEMM_ENV}={choice} ({route})"
             note(f"linear fp8 gemm route, {tag}", reason or "torch._scaled_mm")
             if choice == "ours":
-                record(f"linear: {nq.FP8_GEMM_ENV}=ours takes engram_fp8_gemm, {tag}", reason is not None, "")
-            record(f"linear shape and dtype, {tag}", tuple(y.shape) == (M, N) and y.dtype == x.dtype, "")
-            _check_within(f"linear fp8 gemm = float64 of the quantized activations, {tag}", y.cpu(), ref, bound.cpu())
+                assert reason is not None, f"linear: {nq.FP8_GEMM_ENV}=ours takes engram_fp8_gemm, {tag}"
+            assert tuple(y.shape) == (M, N) and y.dtype == x.dtype, f"linear shape and dtype, {tag}"
+            _assert_within(f"linear fp8 gemm = float64 of the quantized activations, {tag}", y.cpu(), ref, bound.cpu())
         note(f"linear fp8 gemm worst relative error, [{M}, {K}] x [{N}, {K}] {fmt}",
              float(((y.double().cpu() - ref).abs() / (mag + 1e-30)).max()))
 
@@ -348,9 +348,9 @@ def test_linear_gemv_weight_static_and_graph(gen, dev) -> None:
     x = torch.randn(2, 1024, generator=gen, device=dev).to(torch.bfloat16)
     plain = nq.linear(x, qw8)
     static = nq.linear(x, qw8, weight_static=True)
-    record("linear weight_static = plain, bit for bit", bool(torch.equal(plain, static)), "")
+    assert bool(torch.equal(plain, static)), "linear weight_static = plain, bit for bit"
     ref, mag = linear_reference(x, qw8)
-    _check_within("linear weight_static = float64", static.cpu(), ref,
+    _assert_within("linear weight_static = float64", static.cpu(), ref,
                   (gemv_bound("fp8", 1024, ref, mag, static.dtype) + U32 * mag).cpu())
 
     def step(inp):
@@ -371,4 +371,4 @@ def test_linear_gemv_weight_static_and_graph(gen, dev) -> None:
     static_x.copy_(new)
     graph.replay()
     torch.cuda.synchronize()
-    record("CUDA graph of weight_static GEMVs (a chain) = eager", bool(torch.equal(static_y, step(new))), "")
+    assert bool(torch.equal(static_y, step(new))), "CUDA graph of weight_static GEMVs (a chain) = eager"

@@ -55,7 +55,7 @@ import math
 import numpy as np
 import pytest
 
-from .helpers import note, record, say
+from .helpers import note, say
 
 U32 = 2.0 ** -24
 
@@ -71,23 +71,23 @@ def _out_u(dtype) -> float:
     return {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
 
 
-def _check_within(name: str, got, ref, bound) -> bool:
-    """|got - ref| <= bound everywhere (float64 tensors on any device), finite."""
+def _assert_within(name: str, got, ref, bound) -> None:
+    """|got - ref| <= bound everywhere (float64 tensors on any device), finite: an assert
+    named ``name``."""
     torch = _t()
     g = got.double()
     err = (g - ref).abs()
     ok = bool(torch.isfinite(g).all()) and bool((err <= bound).all())
     ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
-    record(name, ok, f"max|err| {float(err.max()) if err.numel() else 0:.3g}, worst err/bound {ratio:.3f}")
-    return ok
+    assert ok, f"{name}: max|err| {float(err.max()) if err.numel() else 0:.3g}, worst err/bound {ratio:.3f}"
 
 
-def _check_equal(name: str, got, want) -> bool:
+def _assert_equal(name: str, got, want) -> None:
+    """got = want bit for bit (same shape): an assert named ``name``."""
     torch = _t()
     same = got.shape == want.shape and bool(torch.equal(got.cpu(), want.cpu()))
     bad = "" if same else f"{int((got.cpu() != want.cpu()).sum()) if got.shape == want.shape else 'shape'} differ"
-    record(name, same, bad)
-    return same
+    assert same, f"{name}: {bad}"
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -165,11 +165,11 @@ def test_act_quant_is_formats_bit_for_bit(gen, dev, ci) -> None:
     q, s, deq = qk.act_quant(x, group, ue8m0, deq_dtype=ddt)
     rq, rs, rdeq = formats.act_quant(x.cpu(), group, ue8m0)
     tag = f"[{M}, {K}] ldx {K + extra} group {group} ue8m0 {ue8m0} {xd} -> deq {dd}"
-    _check_equal(f"act quant q bytes, {tag}", q.view(torch.uint8), rq.view(torch.uint8))
-    _check_equal(f"act quant scales, {tag}", s, rs)
-    _check_equal(f"act quant deq, {tag}", deq, rdeq.to(ddt))
+    _assert_equal(f"act quant q bytes, {tag}", q.view(torch.uint8), rq.view(torch.uint8))
+    _assert_equal(f"act quant scales, {tag}", s, rs)
+    _assert_equal(f"act quant deq, {tag}", deq, rdeq.to(ddt))
     only_deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=ddt)[2]
-    _check_equal(f"act quant deq alone = with q and scales, {tag}", only_deq, deq)
+    _assert_equal(f"act quant deq alone = with q and scales, {tag}", only_deq, deq)
 
 
 def test_swiglu_act_quant(gen, dev) -> None:
@@ -185,14 +185,14 @@ def test_swiglu_act_quant(gen, dev) -> None:
             g, u = g.clamp(max=limit), u.clamp(-limit, limit)
         ref = g / (1 + torch.exp(-g)) * u
         bound = 8 * U32 * ref.abs() + 8 * U32 * (g * u).abs() + 1e-30
-        _check_within(f"swiglu (group 0) = float64, P {P} I {I} limit {limit}", h, ref, bound)
+        _assert_within(f"swiglu (group 0) = float64, P {P} I {I} limit {limit}", h, ref, bound)
         for group, ue8m0 in ((128, False), (32, True)):
             q, s, deq = qk.swiglu_act_quant(gu, limit, group, ue8m0, deq_dtype=torch.float32)
             rq, rs, rdeq = formats.act_quant(h.cpu(), group, ue8m0)
             tag = f"P {P} I {I} limit {limit} group {group} ue8m0 {ue8m0}"
-            _check_equal(f"swiglu act quant q = act_quant(own h), {tag}", q.view(torch.uint8), rq.view(torch.uint8))
-            _check_equal(f"swiglu act quant scale, {tag}", s, rs)
-            _check_equal(f"swiglu act quant deq, {tag}", deq, rdeq)
+            _assert_equal(f"swiglu act quant q = act_quant(own h), {tag}", q.view(torch.uint8), rq.view(torch.uint8))
+            _assert_equal(f"swiglu act quant scale, {tag}", s, rs)
+            _assert_equal(f"swiglu act quant deq, {tag}", deq, rdeq)
 
 
 # --- 2. the routed step's plan ----------------------------------------------------------------
@@ -234,9 +234,9 @@ def test_moe_plan_is_the_stable_sort(dev) -> None:
         slots = int(got["slot_expert"].shape[0])
         want = plan_reference(ids, E, slots)
         for key in ("offsets", "order", "row_token", "pair_row", "slot_expert", "error"):
-            _check_equal(f"plan {key}, T {T} k {k} E {E} {dt} bad {bad}", got[key].cpu(), torch.from_numpy(want[key]))
+            _assert_equal(f"plan {key}, T {T} k {k} E {E} {dt} bad {bad}", got[key].cpu(), torch.from_numpy(want[key]))
         again = qk.plan(ids_t, E)
-        record(f"plan is the same twice, T {T} k {k} E {E}", all(torch.equal(got[n], again[n]) for n in got), "")
+        assert all(torch.equal(got[n], again[n]) for n in got), f"plan is the same twice, T {T} k {k} E {E}"
 
 
 # --- 3. the GEMV ---------------------------------------------------------------------------
@@ -304,9 +304,9 @@ def test_gemv_one_weight(gen, dev, wi) -> None:
         ad = a.double()[row_index.long()]
         ref, mag = ad @ W.t(), ad.abs() @ W.abs().t()
         tag = f"{kind} [{N}, {K}] block {block} {fmt}, {rows} rows, a {adt}, out {odt}"
-        _check_within(f"gemv = float64, {tag}", out[:, 20:20 + N], ref, gemv_bound(kind, K, ref, mag, out.dtype))
+        _assert_within(f"gemv = float64, {tag}", out[:, 20:20 + N], ref, gemv_bound(kind, K, ref, mag, out.dtype))
         outside = torch.cat([out[:, :20], out[:, 20 + N:]], dim=1)
-        record(f"gemv leaves the other columns, {tag}", bool(torch.isnan(outside.float()).all()), "")
+        assert bool(torch.isnan(outside.float()).all()), f"gemv leaves the other columns, {tag}"
 
 
 @pytest.mark.parametrize("kind,fmt", [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "ue8m0"), ("bf16", None)])
@@ -336,8 +336,8 @@ def test_gemv_experts(gen, dev, kind, fmt) -> None:
         ref = torch.einsum("pk,pnk->pn", ad, Wr)
         mag = torch.einsum("pk,pnk->pn", ad.abs(), Wr.abs())
         tag = f"{kind} {fmt} experts {E} rows {counts}"
-        _check_within(f"grouped gemv = float64, {tag}", out[:, N:], ref, gemv_bound(kind, K, ref, mag, out.dtype))
-        record(f"grouped gemv leaves columns 0..N-1, {tag}", bool(torch.isnan(out[:, :N]).all()), "")
+        _assert_within(f"grouped gemv = float64, {tag}", out[:, N:], ref, gemv_bound(kind, K, ref, mag, out.dtype))
+        assert bool(torch.isnan(out[:, :N]).all()), f"grouped gemv leaves columns 0..N-1, {tag}"
 
 
 # --- 4. the GEMMs ----------------------------------------------------------------------------
@@ -442,8 +442,8 @@ def test_fp8_gemm(gen, dev, ci) -> None:
     mag = torch.einsum("pk,pnk->pn", ad.abs(), Wr.abs()) if counts else ad.abs() @ Wr.abs().t()
     tag = f"P {P} N {N} K {K} bn {bn} experts {counts} out {odt}"
     bound = fp8_gemm_bound(K, ref, mag, out.dtype, fp8_tensor_core_error(ad, Wr))
-    _check_within(f"fp8 gemm = float64, {tag}", out[:, :N], ref, bound)
-    record(f"fp8 gemm leaves columns N.., {tag}", bool(torch.isnan(out[:, N:].float()).all()), "")
+    _assert_within(f"fp8 gemm = float64, {tag}", out[:, :N], ref, bound)
+    assert bool(torch.isnan(out[:, N:].float()).all()), f"fp8 gemm leaves columns N.., {tag}"
     note(f"fp8 gemm worst relative error, {tag}", float(((out[:, :N].double() - ref).abs() / (mag + 1e-30)).max()))
 
 
@@ -485,7 +485,7 @@ def test_gemms_are_exact_on_small_integers(dev) -> None:
             out = torch.empty((Prows, N), device=dev)
             qk.fp8_gemm(aq, a_s, _qweight(qw, counts is not None), out, row_index=row_index, offsets=offsets)
             ref = torch.einsum("pk,pnk->pn", ad, _weight64(qw)[experts])
-            _check_equal(f"fp8 gemm exact on small integers, P {Prows} N {N} K {K} bn {bn} experts {counts}", out,
+            _assert_equal(f"fp8 gemm exact on small integers, P {Prows} N {N} K {K} bn {bn} experts {counts}", out,
                          ref.float())
     for kind, counts in (("fp4", None), ("fp4", [50, 0, 90]), ("bf16", [33, 140])):
         E = 1 if counts is None else len(counts)
@@ -514,7 +514,7 @@ def test_gemms_are_exact_on_small_integers(dev) -> None:
         out = torch.empty((Prows, N), device=dev)
         qk.grouped_gemm(a, w, out, row_index=row_index, offsets=offsets)
         ref = torch.einsum("pk,pnk->pn", ad, _weight64(qw)[experts])
-        _check_equal(f"{kind} grouped gemm exact on small integers, experts {counts}", out, ref.float())
+        _assert_equal(f"{kind} grouped gemm exact on small integers, experts {counts}", out, ref.float())
 
 
 GROUPED_CASES = [  # (kind, rows, N, K, block, counts, out dtype)
@@ -555,8 +555,8 @@ def test_grouped_gemm(gen, dev, ci) -> None:
     Wr = W[experts]
     ref, mag = torch.einsum("pk,pnk->pn", ad, Wr), torch.einsum("pk,pnk->pn", ad.abs(), Wr.abs())
     tag = f"{kind} P {P} N {N} K {K} block {block} experts {counts} out {odt}"
-    _check_within(f"grouped gemm = float64, {tag}", out[:, :N], ref, bf16_gemm_bound(K, ref, mag, out.dtype))
-    record(f"grouped gemm leaves columns N.., {tag}", bool(torch.isnan(out[:, N:].float()).all()), "")
+    _assert_within(f"grouped gemm = float64, {tag}", out[:, :N], ref, bf16_gemm_bound(K, ref, mag, out.dtype))
+    assert bool(torch.isnan(out[:, N:].float()).all()), f"grouped gemm leaves columns N.., {tag}"
 
 
 def test_dequantize_is_formats(gen, dev) -> None:
@@ -568,9 +568,9 @@ def test_dequantize_is_formats(gen, dev) -> None:
                         (_fp4(gen, (2,), 33, 96, dev), True)):
         w = _qweight(qw, stacked)
         want = _weight64(qw)
-        _check_equal(f"dequantize float32 = formats, {qw.kind} {list(want.shape)}", qk.dequantize(w), want.float())
+        _assert_equal(f"dequantize float32 = formats, {qw.kind} {list(want.shape)}", qk.dequantize(w), want.float())
         # the header's rounding: the float32 product, rounded once more to bf16
-        _check_equal(f"dequantize bf16 = formats, {qw.kind}", qk.dequantize(w, torch.bfloat16),
+        _assert_equal(f"dequantize bf16 = formats, {qw.kind}", qk.dequantize(w, torch.bfloat16),
                      want.float().to(torch.bfloat16))
 
 
@@ -618,9 +618,9 @@ def test_linear_end_to_end(gen, dev, kind) -> None:
             bound = fp8_gemm_bound(K, ref, mag, y.dtype, fp8_tensor_core_error(a64, _weight64(qw)[0].cpu()))
         else:
             bound = bf16_gemm_bound(K, ref, mag, y.dtype)
-        record(f"linear shape and dtype, {kind} {list(shape)} {dt}",
-               tuple(y.shape) == (*shape[:-1], N) and y.dtype == x.dtype, f"{tuple(y.shape)} {y.dtype}")
-        _check_within(f"linear = float64 of the quantized activations, {kind} {list(shape)} {dt} ({route})",
+        assert tuple(y.shape) == (*shape[:-1], N) and y.dtype == x.dtype, (
+            f"linear shape and dtype, {kind} {list(shape)} {dt}: {tuple(y.shape)} {y.dtype}")
+        _assert_within(f"linear = float64 of the quantized activations, {kind} {list(shape)} {dt} ({route})",
                       y.reshape(rows, N).cpu(), ref, bound.cpu())
 
 
@@ -789,11 +789,12 @@ def test_experts_end_to_end(gen, dev, ci) -> None:
     inside = (got >= lo_t) & (got <= hi_t)
     width = float(np.median((hi - lo) / (np.abs(hi + lo) / 2 + 1e-30)))
     tag = f"{gk}/{dk} T {T} k {k} E {E} D {D} I {I} limit {limit} ({gu_route}, {d_route})"
-    record(f"experts within the float64 interval, {tag}", bool(inside.all()) and bool(torch.isfinite(got).all()),
-           f"{int((~inside).sum())} outside; median relative interval width {width:.2e}")
+    assert bool(inside.all()) and bool(torch.isfinite(got).all()), (
+        f"experts within the float64 interval, {tag}: {int((~inside).sum())} outside; median relative interval width "
+        f"{width:.2e}")
     note(f"experts median interval width, {tag}", width)
     again = nq.experts(x, ids, route_w, gate, up, down, limit=limit)
-    record(f"experts deterministic, {tag}", bool(torch.equal(y, again)), "")
+    assert bool(torch.equal(y, again)), f"experts deterministic, {tag}"
 
 
 def test_graph_capture_and_no_host_sync(gen, dev) -> None:
@@ -846,7 +847,7 @@ def test_graph_capture_and_no_host_sync(gen, dev) -> None:
     eager = step(new_xs, new_es)
     names = [f"linear {m} rows" for m in rows_cases] + [f"experts {T} tokens" for T in tokens_cases]
     for name, got, want in zip(names, static, eager):
-        record(f"CUDA graph replay = eager, {name}", bool(torch.equal(got, want)), "")
+        assert bool(torch.equal(got, want)), f"CUDA graph replay = eager, {name}"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -856,5 +857,5 @@ def test_graph_capture_and_no_host_sync(gen, dev) -> None:
         ok, detail = False, str(exc).splitlines()[0]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    record("linear and experts never synchronize (sync debug mode 'error')", ok, detail)
+    assert ok, f"linear and experts never synchronize (sync debug mode 'error'): {detail}"
     say("graph / sync checks done")

@@ -15,44 +15,71 @@ transformers) run on CUDA.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from .helpers import (REPO, check_bf16_cuda_logits_near_fp32_cpu, check_llm_on_cuda_gives_the_recorded_tokens,
-                      load_checkpoint, note, record)
+                      fp32_cpu_and_bf16_cuda, llm_on_cuda_tokens, load_checkpoint, note)
 
 DATA = REPO / "tests" / "data" / "qwen4_exp_tiny"
+EXPECTED = json.loads((DATA / "expected.json").read_text())
+PROMPTS = range(len(EXPECTED["prompts"]))
 
 
 @pytest.fixture(scope="module")
 def expected():
-    return json.loads((DATA / "expected.json").read_text())
+    return EXPECTED
 
 
 def _load(device, dtype):
     return load_checkpoint(DATA, device, dtype)
 
 
-def test_fp32_cuda_greedy_equals_transformers(expected) -> None:
+@pytest.fixture(scope="module")
+def fp32_cuda():
     import torch
 
     ckpt, model = _load("cuda", torch.float32)
-    record("PLE hash in the kernel library", model._native_ple_hash() is not None, "")
-    record("Gated DeltaNet layers on the kernel library", "linear attention cuda-kernels" in model.backend_name,
-           model.backend_name)
-    record("PLE tables where GPU kernels read them", model.ple_tables.kind in ("device", "pinned"), model.ple_tables.kind)
-    for i, prompt in enumerate(expected["prompts"]):
-        got = model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
-        record(f"prompt {i}: fp32 CUDA greedy tokens", got == expected["greedy"][i], f"{got} vs {expected['greedy'][i]}")
+    yield model
     ckpt.close()
 
 
-def test_bf16_cuda_logits_near_fp32_cpu(expected) -> None:
-    check_bf16_cuda_logits_near_fp32_cpu(DATA, expected)
+def test_fp32_cuda_runs_on_the_kernels(fp32_cuda) -> None:
+    """Where the fp32 CUDA model's parts run (consecutive asserts over one model's state)."""
+    model = fp32_cuda
+    assert model._native_ple_hash() is not None, "PLE hash in the kernel library"
+    assert "linear attention cuda-kernels" in model.backend_name, (
+        f"Gated DeltaNet layers on the kernel library: {model.backend_name}")
+    assert model.ple_tables.kind in ("device", "pinned"), (
+        f"PLE tables where GPU kernels read them: {model.ple_tables.kind}")
 
 
-def test_llm_on_cuda_batches_to_the_recorded_tokens(expected) -> None:
-    check_llm_on_cuda_gives_the_recorded_tokens(DATA, expected)
+@pytest.mark.parametrize("i", PROMPTS)
+def test_fp32_cuda_greedy_equals_transformers(fp32_cuda, expected, i) -> None:
+    got = fp32_cuda.generate_greedy(expected["prompts"][i], expected["new_tokens"], chunk=4, ignore_eos=True)
+    assert got == expected["greedy"][i], f"prompt {i}: fp32 CUDA greedy tokens: {got} vs {expected['greedy'][i]}"
+
+
+@pytest.fixture(scope="module")
+def cpu_and_bf16():
+    with fp32_cpu_and_bf16_cuda(DATA) as models:
+        yield models
+
+
+@pytest.mark.parametrize("i", PROMPTS)
+def test_bf16_cuda_logits_near_fp32_cpu(cpu_and_bf16, expected, i) -> None:
+    check_bf16_cuda_logits_near_fp32_cpu(cpu_and_bf16, expected, i)
+
+
+@pytest.fixture(scope="module")
+def llm_run(expected):
+    return llm_on_cuda_tokens(DATA, expected)
+
+
+@pytest.mark.parametrize("i", PROMPTS)
+def test_llm_on_cuda_batches_to_the_recorded_tokens(llm_run, expected, i) -> None:
+    check_llm_on_cuda_gives_the_recorded_tokens(llm_run, expected, i)
 
 
 def _decode_both(model, prompts, steps, graphs_cls):
@@ -93,41 +120,58 @@ def _decode_both(model, prompts, steps, graphs_cls):
     return te, tg, float((le - lg).abs().max()), graphs, se, sg
 
 
-def test_decode_graphs_equal_eager_steps(expected) -> None:
-    """Decode steps replayed from the CUDA graphs give the eager steps' tokens (fp32 with
-    the f32 PLE tables, bf16 with bf16 tables in HBM; the tiny rows are gathered before
-    the replay), and the eager decode path's tokens equal the recorded transformers
-    tokens. (`bench qwen4-step` replays graphs with the hash and the gather kernel in them.)"""
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def graph_run(request, expected):
+    """One dtype's model (fp32 with the f32 PLE tables, bf16 with bf16 tables in HBM) and
+    its greedy decode of the prompts, eagerly and through the decode graphs."""
     import torch
 
     from engram_trt.models.qwen4_exp.graphs import Qwen4ExpDecodeGraphs
     from engram_trt.models.qwen4_exp.ple_tables import PLETables, table_shard_names
 
+    name = request.param
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
     prompts = [list(p) for p in expected["prompts"]]
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        ckpt, model = _load("cuda", dtype)
-        if dtype == torch.bfloat16:
-            cfg = model.config
-            tables = [torch.cat([ckpt.get(n) for n in table_shard_names(cfg, li)]).to("cuda", torch.bfloat16)
-                      for li in range(len(cfg.ple.layers))]
-            model.ple_tables = PLETables.from_tensors(tables)
-        te, tg, diff, graphs, se, sg = _decode_both(model, prompts, 12, Qwen4ExpDecodeGraphs)
-        record(f"{name}: decode graphs recorded", graphs.failed is None and graphs.replays == 12,
-               f"failed={graphs.failed}, replays={graphs.replays}, lookup in graph={graphs.lookup_in_graph}")
-        if dtype == torch.bfloat16:  # rows of 4 values: the reference gather, so the lookup runs before the replay
-            record("bf16: PLE lookup in the graph exactly when every layer takes the gather kernel",
-                   graphs.lookup_in_graph == all(p == "kernel" for p in model.ple_tables.paths),
-                   f"paths {model.ple_tables.paths}, in graph {graphs.lookup_in_graph}")
-        record(f"{name}: graph tokens equal eager tokens", te == tg, f"{te} vs {tg}")
-        record(f"{name}: graph logits equal eager logits", diff <= (1e-5 if dtype == torch.float32 else 5e-2),
-               f"max |diff| {diff:.3e}")
-        note(f"{name}_decode_eager_ms", se * 1e3)
-        note(f"{name}_decode_graph_ms", sg * 1e3)
-        print(f"qwen4 tiny {name} decode of {len(prompts)}: eager {se * 1e3:.2f} ms/step, graphs {sg * 1e3:.2f} ms/step "
-              f"({se / sg:.1f}x)")
-        if dtype == torch.float32:
-            for i, prompt in enumerate(expected["prompts"]):
-                got = model.generate_greedy(prompt, expected["new_tokens"], ignore_eos=True)
-                record(f"prompt {i}: fp32 CUDA decode path tokens", got == expected["greedy"][i],
-                       f"{got} vs {expected['greedy'][i]}")
-        ckpt.close()
+    ckpt, model = _load("cuda", dtype)
+    if dtype == torch.bfloat16:
+        cfg = model.config
+        tables = [torch.cat([ckpt.get(n) for n in table_shard_names(cfg, li)]).to("cuda", torch.bfloat16)
+                  for li in range(len(cfg.ple.layers))]
+        model.ple_tables = PLETables.from_tensors(tables)
+    te, tg, diff, graphs, se, sg = _decode_both(model, prompts, 12, Qwen4ExpDecodeGraphs)
+    print(f"qwen4 tiny {name} decode of {len(prompts)}: eager {se * 1e3:.2f} ms/step, graphs {sg * 1e3:.2f} ms/step "
+          f"({se / sg:.1f}x)")
+    yield SimpleNamespace(name=name, dtype=dtype, model=model, te=te, tg=tg, diff=diff, graphs=graphs, se=se, sg=sg)
+    ckpt.close()
+
+
+def test_decode_graphs_equal_eager_steps(graph_run) -> None:
+    """Decode steps replayed from the CUDA graphs give the eager steps' tokens (fp32 with
+    the f32 PLE tables, bf16 with bf16 tables in HBM; the tiny rows are gathered before
+    the replay). (`bench qwen4-step` replays graphs with the hash and the gather kernel in
+    them.) Consecutive asserts over the one run: the graphs recorded, then their output."""
+    import torch
+
+    r = graph_run
+    name, dtype, model, graphs, te, tg, diff = r.name, r.dtype, r.model, r.graphs, r.te, r.tg, r.diff
+    note(f"{name}_decode_eager_ms", r.se * 1e3)
+    note(f"{name}_decode_graph_ms", r.sg * 1e3)
+    assert graphs.failed is None and graphs.replays == 12, (
+        f"{name}: decode graphs recorded: failed={graphs.failed}, replays={graphs.replays}, "
+        f"lookup in graph={graphs.lookup_in_graph}")
+    if dtype == torch.bfloat16:  # rows of 4 values: the reference gather, so the lookup runs before the replay
+        assert graphs.lookup_in_graph == all(p == "kernel" for p in model.ple_tables.paths), (
+            f"bf16: PLE lookup in the graph exactly when every layer takes the gather kernel: "
+            f"paths {model.ple_tables.paths}, in graph {graphs.lookup_in_graph}")
+    assert te == tg, f"{name}: graph tokens equal eager tokens: {te} vs {tg}"
+    assert diff <= (1e-5 if dtype == torch.float32 else 5e-2), (
+        f"{name}: graph logits equal eager logits: max |diff| {diff:.3e}")
+
+
+@pytest.mark.parametrize("graph_run", ["fp32"], indirect=True)
+@pytest.mark.parametrize("i", PROMPTS)
+def test_decode_path_tokens_equal_transformers(graph_run, expected, i) -> None:
+    """After the graph run, the fp32 model's eager decode path gives the recorded
+    transformers tokens."""
+    got = graph_run.model.generate_greedy(expected["prompts"][i], expected["new_tokens"], ignore_eos=True)
+    assert got == expected["greedy"][i], f"prompt {i}: fp32 CUDA decode path tokens: {got} vs {expected['greedy'][i]}"

@@ -18,7 +18,7 @@ import json
 
 from .cases import rel_err
 
-from .helpers import REPO, load_checkpoint, record, say
+from .helpers import REPO, load_checkpoint, say
 
 DATA = REPO / "tests" / "data" / "qwen4_exp_tiny"
 
@@ -67,19 +67,20 @@ def test_qsa_kernel_decode_equals_the_torch_decode_fp32() -> None:
     _set(model, "torch")
     want, _ = _decode(model, prompts, 14)
     _set(model, "kernels")
-    record("the label names the QSA decode core", "QSA decode cuda-kernel" in model.backend_name, model.backend_name)
+    assert "QSA decode cuda-kernel" in model.backend_name, f"the label names the QSA decode core: {model.backend_name}"
     got, _ = _decode(model, prompts, 14)
     errs = [rel_err(g, w) for g, w in zip(got, want)]
     same = all(torch.equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got, want))
-    record("fp32 QSA kernel decode within 1e-4 of the torch decode, every step", max(errs) <= 1e-4,
-           f"rel L2 per step {[f'{e:.1e}' for e in errs]}")
-    record("fp32 QSA kernel decode: the torch decode's greedy picks, every step", same, "")
+    assert max(errs) <= 1e-4, (
+        f"fp32 QSA kernel decode within 1e-4 of the torch decode, every step: "
+        f"rel L2 per step {[f'{e:.1e}' for e in errs]}")
+    assert same, "fp32 QSA kernel decode: the torch decode's greedy picks, every step"
     replay, graphs = _decode(model, prompts, 14, Qwen4ExpDecodeGraphs)
     diff = max(rel_err(r, g) for r, g in zip(replay, got))
     keys = sorted(graphs.graphs)
-    record("decode graphs with the QSA kernel: one graph per bucket (context = max_len), replays = eager kernel steps",
-           graphs.failed is None and keys == [(4, 256)] and diff <= 1e-5,
-           f"graphs {keys}, failed {graphs.failed}, replay vs eager rel L2 {diff:.1e}")
+    assert graphs.failed is None and keys == [(4, 256)] and diff <= 1e-5, (
+        "decode graphs with the QSA kernel: one graph per bucket (context = max_len), replays = eager kernel steps: "
+        f"graphs {keys}, failed {graphs.failed}, replay vs eager rel L2 {diff:.1e}")
     # a replay under sync debug mode 'error'
     from engram_trt.models.step import PackedStep
 
@@ -97,7 +98,7 @@ def test_qsa_kernel_decode_equals_the_torch_decode_fp32() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     if graphs.lookup_in_graph:  # else the PLE rows come from the host gather before the replay (a copy back)
-        record("a Qwen4Exp decode replay with the QSA kernel runs under sync debug mode 'error'", not err, err)
+        assert not err, f"a Qwen4Exp decode replay with the QSA kernel runs under sync debug mode 'error': {err}"
     else:
         say(f"sync debug check not made: the PLE rows are gathered before the replay (paths "
             f"{model.ple_tables.paths}); {err or 'no synchronizing call'}")
@@ -120,7 +121,7 @@ def test_qsa_kernel_decode_bf16_within_round_off() -> None:
     got, _ = _decode(model, prompts, 10)
     bad = [f"step {k}: kernel {rel_err(g, w):.2e} vs torch bf16 {rel_err(e, w):.2e}"
            for k, (g, e, w) in enumerate(zip(got, eager, want)) if not rel_err(g, w) <= 2 * rel_err(e, w) + 1e-3]
-    record("bf16 QSA kernel decode: distance from fp32 at most 2x the torch bf16 path's + 1e-3, every step", not bad,
-           "; ".join(bad[:4]))
+    assert not bad, ("bf16 QSA kernel decode: distance from fp32 at most 2x the torch bf16 path's + 1e-3, every step: "
+                     + "; ".join(bad[:4]))
     _set(model, "auto")
     ckpt.close()

@@ -18,7 +18,7 @@ import struct
 
 import pytest
 
-from .helpers import REPO, record
+from .helpers import REPO
 
 DATA = REPO / "tests" / "data" / "qwen4_exp_tiny"
 WANT_PATH = {"memory": "host", "file": "host", "shared": "kernel", "pinned": "kernel", "device": "kernel"}
@@ -66,31 +66,33 @@ def test_stores_gather_bf16_ple_rows_on_cuda(kind, tmp_path) -> None:
     opts = {"directory": shm} if shm is not None else {}
     store = open_tables(refs, kind, device="cuda", progress=False, **opts)
     g = StoreGather(store, "cuda")
-    record(f"{kind}: gather path", g.paths == [WANT_PATH[kind]], f"{g.paths}")
+    assert g.paths == [WANT_PATH[kind]], f"{kind}: gather path: {g.paths}"
     ids = torch.randint(0, whole.shape[0], (257, 6))
     got = g.gather(0, ids)
-    record(f"{kind}: rows equal the concatenated shards", got.is_cuda and torch.equal(got.cpu(), whole[ids]),
-           f"shape {tuple(got.shape)} on {got.device}")
+    assert got.is_cuda and torch.equal(got.cpu(), whole[ids]), (
+        f"{kind}: rows equal the concatenated shards: shape {tuple(got.shape)} on {got.device}")
     g.close()
     store.close()
     if shm is not None:
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_f32_rows_take_the_reference_path(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["file", "pinned", "device"])
+def test_f32_rows_take_the_reference_path(tmp_path, kind) -> None:
     import torch
 
     from engram_trt.tables.rowgather import StoreGather
     from engram_trt.tables.store import open_tables
 
     refs, whole = _bf16_refs(tmp_path, "F32")
-    for kind in ("file", "pinned", "device"):
-        store = open_tables(refs, kind, device="cuda", progress=False)
+    store = open_tables(refs, kind, device="cuda", progress=False)
+    try:
         g = StoreGather(store, "cuda")
         ids = torch.randint(0, whole.shape[0], (33, 4))
         got = g.gather(0, ids)
-        record(f"{kind} f32: reference path, rows equal", g.paths == ["reference"] and torch.equal(got.cpu(), whole[ids]),
-               f"{g.paths}")
+        assert g.paths == ["reference"] and torch.equal(got.cpu(), whole[ids]), (
+            f"{kind} f32: reference path, rows equal: {g.paths}")
+    finally:
         store.close()
 
 
@@ -104,6 +106,6 @@ def test_llm_on_cuda_in_each_store(ecfg, kind) -> None:
         storage = llm.storage
         outs = llm.generate(want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0,
                                                               ignore_eos=True))
-    record(f"{kind}: the store the config asks for", storage["kind"] == kind, f"{storage}")
+    assert storage["kind"] == kind, f"{kind}: the store the config asks for: {storage}"
     got = [list(o.outputs[0].token_ids) for o in outs]
-    record(f"{kind}: recorded greedy tokens", got == want["greedy"], f"{got} vs {want['greedy']}")
+    assert got == want["greedy"], f"{kind}: recorded greedy tokens: {got} vs {want['greedy']}"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, record
+from .helpers import DT, PF_FLOAT32, PF_INT32
 
 NAME = "EngramRoutedExperts"
 DT_INT8, DT_UINT8 = 2, 5  # nvinfer1::DataType kINT8, kUINT8
@@ -49,27 +49,40 @@ def types_of(io: int, scale: int, ids: int = DT["int32"]) -> list[int]:
     return [io, ids, DT["float32"], DT_INT8, scale, DT_INT8, scale, DT_INT8, scale]
 
 
-def check_plugin_cpu(harness) -> None:
-    """What TensorRT asks of EngramRoutedExperts before any enqueue (no GPU needed)."""
+PLUGIN_CPU_CHECKS = [
+    "plugin EngramRoutedExperts getOutputShapes: x's [T, hidden]",
+    "plugin EngramRoutedExperts getOutputDataTypes: x's type",
+    "plugin EngramRoutedExperts serializes its nine fields in order",
+    "plugin EngramRoutedExperts serialize round trip",
+    "plugin EngramRoutedExperts refuses input types by name",
+    "plugin EngramRoutedExperts fp8 with float32 scales takes float32 scale inputs",
+    "plugin EngramRoutedExperts refuses bad fields in one line",
+]
+
+
+def check_plugin_cpu(harness) -> dict[str, tuple[bool, str]]:
+    """What TensorRT asks of EngramRoutedExperts before any enqueue (no GPU needed): each
+    check of PLUGIN_CPU_CHECKS by name, (ok, detail)."""
+    checks: dict[str, tuple[bool, str]] = {}
     E, k, D, I = 8, 6, 256, 96
     fp4 = routed_fields(E, k, D, I, 1, 1, (1, 32), 7.0)
     h = harness.create(NAME, fp4)
     shapes = harness.outputs_shapes(h, shapes_of(5, k, E, D, I, True, (1, 32)), 1)
-    record("plugin EngramRoutedExperts getOutputShapes: x's [T, hidden]", shapes == [(5, D)], str(shapes))
+    checks["plugin EngramRoutedExperts getOutputShapes: x's [T, hidden]"] = (shapes == [(5, D)], str(shapes))
     types = {io: harness.outputs_types(h, types_of(DT[io], DT_INT8), 1) == [DT[io]]
              for io in ("bfloat16", "float16", "float32")}
     types["int64 ids"] = harness.outputs_types(h, types_of(DT["bfloat16"], DT_INT8, DT["int64"]), 1) == [DT["bfloat16"]]
-    record("plugin EngramRoutedExperts getOutputDataTypes: x's type", all(types.values()), str(types))
+    checks["plugin EngramRoutedExperts getOutputDataTypes: x's type"] = (all(types.values()), str(types))
     written = harness.serialized_fields(h)
-    record("plugin EngramRoutedExperts serializes its nine fields in order",
-           [(f[0], f[1]) for f in written] == [(n, PF_FLOAT32 if n == "swiglu_limit" else PF_INT32)
-                                               for n in FIELD_NAMES]
-           and [int(np.frombuffer(f[3], np.int32)[0]) for f in written[:8]] == [E, k, D, I, 1, 1, 1, 32]
-           and float(np.frombuffer(written[8][3], np.float32)[0]) == 7.0, str(written))
+    checks["plugin EngramRoutedExperts serializes its nine fields in order"] = (
+        [(f[0], f[1]) for f in written] == [(n, PF_FLOAT32 if n == "swiglu_limit" else PF_INT32)
+                                            for n in FIELD_NAMES]
+        and [int(np.frombuffer(f[3], np.int32)[0]) for f in written[:8]] == [E, k, D, I, 1, 1, 1, 32]
+        and float(np.frombuffer(written[8][3], np.float32)[0]) == 7.0, str(written))
     h2 = harness.roundtrip(h)
-    record("plugin EngramRoutedExperts serialize round trip",
-           harness.outputs_shapes(h2, shapes_of(5, k, E, D, I, True, (1, 32)), 1) == shapes
-           and harness.serialized_fields(h2) == written)
+    checks["plugin EngramRoutedExperts serialize round trip"] = (
+        harness.outputs_shapes(h2, shapes_of(5, k, E, D, I, True, (1, 32)), 1) == shapes
+        and harness.serialized_fields(h2) == written, "")
     harness.lib.harness_destroy(h2)
     refused = {}
     for tag, types, needle in (
@@ -86,13 +99,13 @@ def check_plugin_cpu(harness) -> None:
             refused[tag] = "accepted"
         except RuntimeError as exc:
             refused[tag] = needle in str(exc) or str(exc)
-    record("plugin EngramRoutedExperts refuses input types by name", all(v is True for v in refused.values()),
-           str(refused))
+    checks["plugin EngramRoutedExperts refuses input types by name"] = (all(v is True for v in refused.values()),
+                                                                        str(refused))
     harness.lib.harness_destroy(h)
     fp8 = routed_fields(E, k, D, I, 0, 0, (128, 128), 0.0)
     h = harness.create(NAME, fp8)
     ok = harness.outputs_types(h, types_of(DT["float32"], DT["float32"]), 1) == [DT["float32"]]
-    record("plugin EngramRoutedExperts fp8 with float32 scales takes float32 scale inputs", ok)
+    checks["plugin EngramRoutedExperts fp8 with float32 scales takes float32 scale inputs"] = (ok, "")
     harness.lib.harness_destroy(h)
 
     def without(name: str) -> list:
@@ -118,12 +131,20 @@ def check_plugin_cpu(harness) -> None:
             refusals[tag] = "accepted"
         except RuntimeError as exc:
             refusals[tag] = (needle in str(exc) and "\n" not in str(exc)) or str(exc)
-    record("plugin EngramRoutedExperts refuses bad fields in one line", all(v is True for v in refusals.values()),
-           str(refusals))
+    checks["plugin EngramRoutedExperts refuses bad fields in one line"] = (
+        all(v is True for v in refusals.values()), str(refusals))
+    return checks
 
 
-def test_plugin_cpu(harness) -> None:
-    check_plugin_cpu(harness)
+@pytest.fixture(scope="module")
+def plugin_cpu(harness) -> dict[str, tuple[bool, str]]:
+    return check_plugin_cpu(harness)
+
+
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_plugin_cpu(plugin_cpu, name: str) -> None:
+    ok, detail = plugin_cpu[name]
+    assert ok, f"{name}: {detail}"
 
 
 # --- the enqueue against native.quant.experts --------------------------------------------------
@@ -166,8 +187,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("phase", ["build", "runtime (round trip)"])
 @pytest.mark.parametrize("ci", range(len(CASES)))
-def test_plugin_enqueue_equals_native_experts(harness, gen, dev, ci) -> None:
+def test_plugin_enqueue_equals_native_experts(harness, gen, dev, ci, phase) -> None:
     import torch
 
     from engram_trt.native import quant as nq
@@ -200,30 +222,30 @@ def test_plugin_enqueue_equals_native_experts(harness, gen, dev, ci) -> None:
         torch.cuda.synchronize()
         return out
 
-    for phase, make in (("build", lambda h: h), ("runtime (round trip)", harness.roundtrip)):
-        base = harness.create(NAME, fields)
-        h = make(base)
-        got = run(h, ids, route_w)
-        if k <= 2:  # one or two float32 products a token: the combine's sum is order-free
-            same = bool(torch.equal(got, want))
-            diff = float((got.double() - want.double()).abs().max())
-            record(f"plugin EngramRoutedExperts enqueue {phase} = native experts bit for bit, {tag}", same,
-                   f"max |diff| {diff:.3g}")
-        else:
-            single = []
-            for j in range(k):  # each pick's float32 product, alone
-                hj = harness.create(NAME, routed_fields(E, 1, D, I, 1 if kind == "fp4" else 0, scale_type, block,
-                                                        limit))
-                xj = run(hj, ids[:, j:j + 1].contiguous(), route_w[:, j:j + 1].contiguous())
-                single.append(xj.double().abs())
-                harness.lib.harness_destroy(hj)
-            total = torch.stack(single).sum(0)
-            u_out = {"float32": 0.0, "bfloat16": 2.0 ** -8}[io]
-            bound = (k - 1) * U32 * total * 1.01 + u_out * want.double().abs() + 1e-30
-            err = (got.double() - want.double()).abs()
-            ok = bool(torch.isfinite(got).all()) and bool((err <= bound).all())
-            record(f"plugin EngramRoutedExperts enqueue {phase} = native experts up to the combine's order, {tag}",
-                   ok, f"max |diff| {float(err.max()):.3g}, worst diff/bound {float((err / bound).max()):.3f}")
-        if h != base:
-            harness.lib.harness_destroy(h)
-        harness.lib.harness_destroy(base)
+    make = {"build": lambda h: h, "runtime (round trip)": harness.roundtrip}[phase]
+    base = harness.create(NAME, fields)
+    h = make(base)
+    got = run(h, ids, route_w)
+    if h != base:
+        harness.lib.harness_destroy(h)
+    harness.lib.harness_destroy(base)
+    if k <= 2:  # one or two float32 products a token: the combine's sum is order-free
+        same = bool(torch.equal(got, want))
+        diff = float((got.double() - want.double()).abs().max())
+        assert same, f"plugin EngramRoutedExperts enqueue {phase} = native experts bit for bit, {tag}: " \
+                     f"max |diff| {diff:.3g}"
+    else:
+        single = []
+        for j in range(k):  # each pick's float32 product, alone
+            hj = harness.create(NAME, routed_fields(E, 1, D, I, 1 if kind == "fp4" else 0, scale_type, block,
+                                                    limit))
+            xj = run(hj, ids[:, j:j + 1].contiguous(), route_w[:, j:j + 1].contiguous())
+            single.append(xj.double().abs())
+            harness.lib.harness_destroy(hj)
+        total = torch.stack(single).sum(0)
+        u_out = {"float32": 0.0, "bfloat16": 2.0 ** -8}[io]
+        bound = (k - 1) * U32 * total * 1.01 + u_out * want.double().abs() + 1e-30
+        err = (got.double() - want.double()).abs()
+        ok = bool(torch.isfinite(got).all()) and bool((err <= bound).all())
+        assert ok, f"plugin EngramRoutedExperts enqueue {phase} = native experts up to the combine's order, " \
+                   f"{tag}: max |diff| {float(err.max()):.3g}, worst diff/bound {float((err / bound).max()):.3f}"

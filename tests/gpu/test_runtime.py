@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 
-from .helpers import RecordDict, note, record
+from .helpers import note
 
 STORES = {"pinned": None, "device": {"cpu_offload": False}, "shared": {"dp_shared_memory": True},
           "file": {"host_file_gather": True}}
@@ -51,14 +51,14 @@ def test_greedy(demo) -> None:
     from engram_trt.models.engram_llama.model import EngramLlama
 
     ckpt, engine = demo
-    checks, res = RecordDict(), {}
+    res: dict = {}
     try:
-        greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, PROMPT, NEW_TOKENS, checks, res)
+        greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, PROMPT, NEW_TOKENS, res)
     finally:
         note("greedy", res)
 
 
-def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, checks, res) -> None:  # noqa: ANN001
+def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, res) -> None:  # noqa: ANN001
     import torch
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -74,16 +74,16 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, c
             res[f"llm_one_sequence_tokens_per_s_{tag}"] = round(new_tokens / (time.perf_counter() - t0), 1)
             res[f"llm_timings_{tag}"] = again.timings
             res["engram_stats"] = llm.stats().get("engram")
-            checks[f"LLM ({tag}) gives the same tokens twice"] = again.token_ids == tokens[tag]
+            assert again.token_ids == tokens[tag], f"LLM ({tag}) gives the same tokens twice"
             if graphs:
                 res["graph_replays"] = getattr(llm.runner.backend.graphs, "replays", None)
                 res["graph_failed"] = getattr(llm.runner.backend.graphs, "failed", None)
     ref = EngramLlama.from_checkpoint(ckpt, device="cuda", dtype=torch.bfloat16, table_storage="device")
     want = ref.generate(ids, new_tokens, eos=[]).new_ids
-    checks["LLM greedy tokens == reference loop (cuda, bf16, kernels)"] = tokens["eager"] == want
+    assert tokens["eager"] == want, "LLM greedy tokens == reference loop (cuda, bf16, kernels)"
     res["greedy_agree_eager"] = sum(a == b for a, b in zip(tokens["eager"], want))
     res["greedy_agree_graphs"] = sum(a == b for a, b in zip(tokens["graphs"], want))
-    checks["LLM with decode CUDA graphs == reference loop"] = tokens["graphs"] == want
+    assert tokens["graphs"] == want, "LLM with decode CUDA graphs == reference loop"
     # The decode graphs per lookup path, whatever the calibration picked above: "uva" reads
     # the rows in per-Engram-layer lookup graphs on the side stream, "host" stages them
     # through the gather driver, each layer's rows waited on before its graph segment;
@@ -93,9 +93,7 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, c
         path = name.split("-")[0]
         with LLM(str(engine), device="cuda", progress=False, cuda_graphs=True) as llm:
             pf = llm.runner.prefetcher
-            if pf is None or pf.tables.on_device:
-                checks[f"LLM with decode CUDA graphs, {name} path: host tables"] = False
-                continue
+            assert pf is not None and not pf.tables.on_device, f"LLM with decode CUDA graphs, {name} path: host tables"
             pf.gather_policy = lambda n, path=path: path
             graphs = llm.runner.backend.graphs
             graphs.fork_lookup = not name.endswith("-separate")  # before the first decode step records its graphs
@@ -108,8 +106,10 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, c
             # forked: the lookup graphs of the default form; a host path's staged graphs never are
             forked_ok = all(e["forked"] == (mode == "lookup" and not name.endswith("-separate"))
                             for (_, _, mode), e in graphs.graphs.items())
-            checks[f"LLM with decode CUDA graphs, {name} path ({want_mode} graphs) == reference loop"] = forked_ok and (
-                got == want and graphs.failed is None and modes == [want_mode] and graphs.replays >= new_tokens - 1)
+            assert forked_ok and (got == want and graphs.failed is None and modes == [want_mode]
+                                  and graphs.replays >= new_tokens - 1), (
+                f"LLM with decode CUDA graphs, {name} path ({want_mode} graphs) == reference loop: "
+                f"{res[f'graphs_{name}']}")
     del ref
     torch.cuda.empty_cache()
 
@@ -168,4 +168,4 @@ def test_store_logits_bit_identical(logits_of, kind) -> None:
 
     base = logits_of("device")
     got = logits_of(kind)
-    record(f"logits bit-identical: {kind} vs device", all(torch.equal(a, b) for a, b in zip(got, base)))
+    assert all(torch.equal(a, b) for a, b in zip(got, base)), f"logits bit-identical: {kind} vs device"

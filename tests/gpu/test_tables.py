@@ -29,22 +29,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from .helpers import REPO, TESTS, note, record
+from .helpers import REPO, TESTS, Checks, note
 
 GiB = 1 << 30
-
-
-class Checks(list):
-    """``checks.append((name, ok, detail))``: each one check (helpers.record)."""
-
-    def append(self, item: tuple) -> None:
-        super().append(item)
-        record(*item)
+LABELS = ["small fp8", "small bf16", "demo 2.4 GiB"]
+CHUNK_MIB = {"small fp8": 2, "small bf16": 2, "demo 2.4 GiB": 1024}
 
 
 class TimingRegistrar:
@@ -73,7 +69,7 @@ class TimingRegistrar:
         return self.inner.device_pointer(address)
 
 
-def check_pinned(refs: list, label: str, chunk_bytes: int, checks: list, timings: dict) -> str:
+def check_pinned(refs: list, label: str, chunk_bytes: int, checks: Checks, timings: dict) -> str:
     from engram_trt.tables.store import open_tables
 
     from .tables_child import chunk_states, uva_gather_digest
@@ -83,25 +79,27 @@ def check_pinned(refs: list, label: str, chunk_bytes: int, checks: list, timings
     store = open_tables(refs, "pinned", registrar=reg, chunk_bytes=chunk_bytes, progress=False)
     load_s = time.perf_counter() - t0
     want_chunks = math.ceil(store.buffer_bytes / chunk_bytes)
-    checks.append((f"pinned {label}: {len(store.chunks)} chunks of {chunk_bytes >> 20} MiB registered",
-                   len(store.chunks) == want_chunks == reg.calls, f"expected {want_chunks}; through {reg.name}"))
+    checks.add(f"pinned {label}: chunks of {chunk_bytes >> 20} MiB registered",
+               len(store.chunks) == want_chunks == reg.calls,
+               f"{len(store.chunks)} chunks, {reg.calls} registered, expected {want_chunks}; through {reg.name}")
     states = chunk_states(store.chunks)
-    checks.append((f"pinned {label}: every chunk is host memory at device ptr == host ptr (UVA)",
-                   all(k == "host" and same for k, same in states), f"{states[:4]}..."))
+    checks.add(f"pinned {label}: every chunk is host memory at device ptr == host ptr (UVA)",
+               all(k == "host" and same for k, same in states), f"{states[:4]}...")
     gpu, cpu = uva_gather_digest(store)
-    checks.append((f"pinned {label}: GPU gather through UVA == CPU gather", gpu == cpu, gpu[:16]))
+    checks.add(f"pinned {label}: GPU gather through UVA == CPU gather", gpu == cpu, gpu[:16])
     try:
         from engram_trt.native import library as kernel_library
 
         kernel_library.library_path()
         kind = kernel_library.pointer_kind(store.tensors(0)[0])
-        checks.append((f"pinned {label}: kernel library sees the table as 'host'", kind == "host", kind))
+        checks.add(f"pinned {label}: kernel library sees the table as 'host'", kind == "host", kind)
     except Exception as exc:  # noqa: BLE001 - optional: the library may not be built on this machine
-        checks.append((f"pinned {label}: kernel-library pointer check (skipped: library not built)", True, str(exc)[:80]))
+        checks.add(f"pinned {label}: kernel library sees the table as 'host'", True,
+                   f"kernel-library pointer check skipped: library not built: {str(exc)[:80]}")
     chunks = list(store.chunks)
     store.close()
     after = chunk_states(chunks)
-    checks.append((f"pinned {label}: close() unregistered every chunk", all(k != "host" for k, _ in after), f"{after[:2]}"))
+    checks.add(f"pinned {label}: close() unregistered every chunk", all(k != "host" for k, _ in after), f"{after[:2]}")
     gb = store.buffer_bytes / 1e9
     timings[f"pinned {label}"] = {"bytes": store.buffer_bytes, "load_s": round(load_s, 3),
                                   "register_s": round(reg.register_s, 3), "unregister_s": round(reg.unregister_s, 3),
@@ -111,7 +109,7 @@ def check_pinned(refs: list, label: str, chunk_bytes: int, checks: list, timings
     return gpu
 
 
-def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: list, timings: dict) -> None:
+def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: Checks, timings: dict) -> None:
     from engram_trt.tables import segment as seg
 
     shm = Path(tempfile.mkdtemp(prefix="engram-trt-h200-", dir="/dev/shm"))
@@ -134,16 +132,17 @@ def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: 
         err_b = b.stderr.read()
         created = sorted([ra["created"], rb["created"]])
         first = ra if ra["created"] else rb
-        checks.append((f"shared {label}: one process created the segment, the other attached",
-                       created == [False, True] and ra["creator_pid"] == rb["creator_pid"] == first["pid"],
-                       f"A created={ra['created']} B created={rb['created']} creator={ra['creator_pid']}"))
-        checks.append((f"shared {label}: both registered their mapping (UVA, device ptr == host ptr)",
-                       ra["registered_uva"] and rb["registered_uva"] and ra["gpu_readable"] and rb["gpu_readable"],
-                       f"chunks A={ra['chunks']} B={rb['chunks']}"))
-        checks.append((f"shared {label}: both GPU gathers == CPU gather == pinned",
-                       ra["gpu"] == rb["gpu"] == ra["cpu"] == expected_gpu, ra["gpu"][:16]))
-        checks.append((f"shared {label}: both processes map the one segment", mappers == sorted([a.pid, b.pid]), f"{mappers}"))
-        checks.append((f"shared {label}: close() unregistered in both", ua["unregistered"] and ub["unregistered"], ""))
+        checks.add(f"shared {label}: one process created the segment, the other attached",
+                   created == [False, True] and ra["creator_pid"] == rb["creator_pid"] == first["pid"],
+                   f"A created={ra['created']} B created={rb['created']} creator={ra['creator_pid']}")
+        checks.add(f"shared {label}: both registered their mapping (UVA, device ptr == host ptr)",
+                   ra["registered_uva"] and rb["registered_uva"] and ra["gpu_readable"] and rb["gpu_readable"],
+                   f"chunks A={ra['chunks']} B={rb['chunks']}")
+        checks.add(f"shared {label}: both GPU gathers == CPU gather == pinned",
+                   ra["gpu"] == rb["gpu"] == ra["cpu"] == expected_gpu, ra["gpu"][:16])
+        checks.add(f"shared {label}: both processes map the one segment", mappers == sorted([a.pid, b.pid]),
+                   f"{mappers}")
+        checks.add(f"shared {label}: close() unregistered in both", ua["unregistered"] and ub["unregistered"], "")
         mtime = path.stat().st_mtime_ns
         before = hashlib.sha256(path.read_bytes()).hexdigest()
         c = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO))
@@ -152,10 +151,10 @@ def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: 
         # create it. (Pinning a writable shared mapping for UVA may bump the file's mtime
         # without changing a byte, so the mtime is reported, not checked.)
         same = hashlib.sha256(path.read_bytes()).hexdigest() == before
-        checks.append((f"shared {label}: a restarted process re-attaches without writing",
-                       not rc["created"] and rc["gpu"] == expected_gpu and same,
-                       f"attach {rc['open_s']} s, created={rc['created']}, gpu rows equal={rc['gpu'] == expected_gpu}, "
-                       f"bytes unchanged={same}, mtime changed={path.stat().st_mtime_ns != mtime}"))
+        checks.add(f"shared {label}: a restarted process re-attaches without writing",
+                   not rc["created"] and rc["gpu"] == expected_gpu and same,
+                   f"attach {rc['open_s']} s, created={rc['created']}, gpu rows equal={rc['gpu'] == expected_gpu}, "
+                   f"bytes unchanged={same}, mtime changed={path.stat().st_mtime_ns != mtime}")
         timings[f"shared {label}"] = {"bytes": ra["bytes"], "create_s": first["open_s"],
                                       "attach_while_creating_s": (rb if ra["created"] else ra)["open_s"],
                                       "reattach_s": rc["open_s"], "waited": "waiting for" in err_b}
@@ -187,24 +186,43 @@ def small_checkpoint(path: Path, table_dtype: str) -> list:
     return checkpoint_table_refs(Checkpoint.open(path))
 
 
-@pytest.mark.parametrize("label", ["small fp8", "small bf16", "demo 2.4 GiB"])
-def test_tables(label: str, tmp_path: Path) -> None:
+# Each label's checks, in the order the stages run; "{label}" stands for the label.
+TABLE_CHECKS = [
+    "pinned {label}: chunks of {chunk} MiB registered",
+    "pinned {label}: every chunk is host memory at device ptr == host ptr (UVA)",
+    "pinned {label}: GPU gather through UVA == CPU gather",
+    "pinned {label}: kernel library sees the table as 'host'",
+    "pinned {label}: close() unregistered every chunk",
+    "device {label}: same bytes as the pinned UVA gather",
+    "shared {label}: one process created the segment, the other attached",
+    "shared {label}: both registered their mapping (UVA, device ptr == host ptr)",
+    "shared {label}: both GPU gathers == CPU gather == pinned",
+    "shared {label}: both processes map the one segment",
+    "shared {label}: close() unregistered in both",
+    "shared {label}: a restarted process re-attaches without writing",
+]
+
+
+def check_tables(label: str, tmp: Path) -> SimpleNamespace:
+    """One label's stages in turn (pinned -> device -> shared: dependent steps, each
+    later one compares against the pinned store's UVA gather): ``checks`` (a Checks by
+    the names of TABLE_CHECKS), ``timings``, and ``error`` (the traceback of a stage that
+    raised, which leaves the later checks unrecorded) or None."""
     import torch
 
     from engram_trt.checkpoint.checkpoint import Checkpoint
     from engram_trt.tables.source import checkpoint_table_refs
     from engram_trt.tables.store import open_tables
 
-    checks: list = Checks()
+    checks = Checks()
     timings: dict[str, Any] = {}
+    error = None
     try:
         if label.startswith("small"):
             dtype = label.split()[1]
-            path, chunk = tmp_path / dtype, 2 << 20
+            path, chunk = tmp / dtype, 2 << 20
             refs = small_checkpoint(path, dtype)
         else:
-            if os.environ.get("ENGRAM_TRT_GPU_DEMO_TABLES") != "1":
-                pytest.skip("the 2.4 GiB demo tables: set ENGRAM_TRT_GPU_DEMO_TABLES=1")
             from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint
 
             t0 = time.perf_counter()
@@ -220,10 +238,33 @@ def test_tables(label: str, tmp_path: Path) -> None:
             for t in dev.tensors(i):
                 if t is not None:
                     h.update(t.view(torch.uint8).index_select(0, ids).cpu().numpy().tobytes())
-        checks.append((f"device {label}: same bytes as the pinned UVA gather", h.hexdigest() == gpu, h.hexdigest()[:16]))
+        checks.add(f"device {label}: same bytes as the pinned UVA gather", h.hexdigest() == gpu, h.hexdigest()[:16])
         dev.close()
         del dev
         torch.cuda.empty_cache()
         check_shared(path, refs, label, gpu, checks, timings)
-    finally:
-        note(f"timings {label}", timings)
+    except Exception:  # noqa: BLE001 - reported by every check it left unrecorded
+        error = traceback.format_exc()
+    return SimpleNamespace(checks=checks, timings=timings, error=error)
+
+
+@pytest.fixture(scope="module", params=LABELS)
+def tables_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """One label's run of check_tables, shared by its checks' tests."""
+    label = request.param
+    if label == "demo 2.4 GiB" and os.environ.get("ENGRAM_TRT_GPU_DEMO_TABLES") != "1":
+        pytest.skip("the 2.4 GiB demo tables: set ENGRAM_TRT_GPU_DEMO_TABLES=1")
+    run = check_tables(label, tmp_path_factory.mktemp("tables"))
+    run.label = label
+    return run
+
+
+@pytest.mark.parametrize("check", TABLE_CHECKS, ids=[c.replace(" {label}", "").replace(" of {chunk} MiB", "")
+                                                     for c in TABLE_CHECKS])
+def test_tables(tables_run: SimpleNamespace, check: str) -> None:
+    label = tables_run.label
+    note(f"timings {label}", tables_run.timings)
+    name = check.format(label=label, chunk=CHUNK_MIB[label])
+    assert name in tables_run.checks, f"{name}: not reached: {tables_run.error}"
+    ok, detail = tables_run.checks[name]
+    assert ok, f"{name}: {detail}"

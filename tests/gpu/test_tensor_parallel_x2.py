@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from .helpers import note, record
+from .helpers import note
 
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 
@@ -125,11 +125,12 @@ def _tokens(run: dict) -> list[list[int]]:
 def test_tiny_tokens_equal_one_gpu_with_graphs(x2) -> None:
     """1. float32, decode CUDA graphs: --tp 2 gives one GPU's tokens."""
     for name, (one, two) in x2["tiny"].items():
-        record(f"{name}: greedy tokens at --tp 2 equal one GPU's (fp32)", _tokens(two) == _tokens(one),
-               f"{_tokens(two)} vs {_tokens(one)}")
+        assert _tokens(two) == _tokens(one), (
+            f"{name}: greedy tokens at --tp 2 equal one GPU's (fp32): "
+            f"{_tokens(two)} vs {_tokens(one)}")
         graphs = [r["graphs"] for r in two["ranks"]]
         recorded = all(g["graph_captures"] > 0 for g in graphs) and "CUDA graphs" in two["ranks"][0]["backend"]
-        record(f"{name}: every rank recorded decode CUDA graphs (collectives inside)", recorded, str(graphs))
+        assert recorded, f"{name}: every rank recorded decode CUDA graphs (collectives inside): {graphs}"
 
 
 def test_bench_shapes_tokens_and_bytes(x2) -> None:
@@ -138,13 +139,15 @@ def test_bench_shapes_tokens_and_bytes(x2) -> None:
     for shape, d in x2["bench"].items():
         one, two = d["tokens"]
         a, b = _tokens(one), _tokens(two)
-        record(f"{shape} bf16: the first greedy token of each prompt at --tp 2 equals one GPU's",
-               [t[:1] for t in a] == [t[:1] for t in b], f"{b} vs {a}")
+        assert [t[:1] for t in a] == [t[:1] for t in b], (
+            f"{shape} bf16: the first greedy token of each prompt at --tp 2 equals one GPU's: "
+            f"{b} vs {a}")
         same = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / max(sum(len(p) for p in a), 1)
         whole = one["weights"]["bytes_per_rank"][0]
         per_rank = two["weights"]["bytes_per_rank"]
-        record(f"{shape} bf16 --tp 2: each rank holds less than the whole model", max(per_rank) < whole,
-               f"{per_rank} vs {whole}")
+        assert max(per_rank) < whole, (
+            f"{shape} bf16 --tp 2: each rank holds less than the whole model: "
+            f"{per_rank} vs {whole}")
         figures[shape] = {"tokens_equal_fraction": round(same, 4), "one_gpu_weight_bytes": whole,
                           "tp2_weight_bytes_per_rank": per_rank, "tp2_share": round(max(per_rank) / whole, 4)}
     note("bench_shapes", figures)
@@ -157,22 +160,24 @@ def _tokens_per_s(run: dict) -> float:
 
 def test_throughput_against_one_gpu(x2) -> None:
     """3. tokens/s at 1 / 8 / 32 streams, --tp 2 against one GPU (figures)."""
-    figures = {}
+    figures, failed = {}, []
     for shape, d in x2["bench"].items():
         rows = {}
         for n, (one, two) in d["streams"].items():
             ok = all(o.error is None and len(o.token_ids) == BENCH_NEW for o in one["outputs"] + two["outputs"])
-            record(f"{shape} {n} streams: every request finished on one GPU and at --tp 2", ok)
+            if not ok:
+                failed.append(f"{shape} {n} streams: every request finished on one GPU and at --tp 2")
             rows[n] = {"one_gpu_tokens_per_s": round(_tokens_per_s(one), 1),
                        "tp2_tokens_per_s": round(_tokens_per_s(two), 1),
                        "ratio": round(_tokens_per_s(two) / _tokens_per_s(one), 3)}
         figures[shape] = rows
     note("throughput", figures)
+    assert not failed, "; ".join(failed)  # after the figures: they are noted either way
 
 
 def test_collectives_per_step(x2) -> None:
     """4. The all-reduces / all-gathers per decode step, timed by CUDA events (eager)."""
-    figures = {}
+    figures, failed = {}, []
     for shape, d in x2["bench"].items():
         one, two = d["collectives"]
         cfg = d["config"]
@@ -180,8 +185,9 @@ def test_collectives_per_step(x2) -> None:
         steps = leader["stats"]["steps"]
         reduces = leader["collectives"]["all_reduce"]
         gathers = leader["collectives"]["all_gather"]
-        record(f"{shape}: one all-reduce per attention and MLP block plus the embedding's, per step",
-               reduces["calls"] == (2 * cfg["num_hidden_layers"] + 1) * steps, f"{reduces['calls']} in {steps} steps")
+        if reduces["calls"] != (2 * cfg["num_hidden_layers"] + 1) * steps:
+            failed.append(f"{shape}: one all-reduce per attention and MLP block plus the embedding's, per step: "
+                          f"{reduces['calls']} in {steps} steps")
         step_ms = 1000.0 * leader["generate_s"] / max(steps, 1)
         one_ms = 1000.0 * one["ranks"][0]["generate_s"] / max(one["ranks"][0]["stats"]["steps"], 1)
         figures[shape] = {"steps": steps, "all_reduce_ms_per_step": round(reduces["ms"] / steps, 4),
@@ -191,3 +197,4 @@ def test_collectives_per_step(x2) -> None:
                           "tp2_eager_step_ms": round(step_ms, 3), "one_gpu_eager_step_ms": round(one_ms, 3),
                           "collective_share_of_step": round((reduces["ms"] + gathers["ms"]) / steps / step_ms, 4)}
     note("collectives", figures)
+    assert not failed, "; ".join(failed)  # after the figures: they are noted either way

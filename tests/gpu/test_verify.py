@@ -32,14 +32,16 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from .cases import GATHER_ROWS, HASH_SEQUENCES
 
-from .helpers import (DT, PF_CHAR, PF_INT32, PF_INT64, bits, dtype_name, gate_fields, gate_inputs, gate_ok,
-                      gather_fields, hash_fields, hash_fields_text, random_fp8_table, record, run_child, say)
+from .helpers import (DT, PF_CHAR, PF_INT32, PF_INT64, Checks, bits, dtype_name, gate_fields, gate_inputs,
+                      gate_ok, gather_fields, hash_fields, hash_fields_text, random_fp8_table, run_child, say)
 
 
 # --- layouts ---------------------------------------------------------------------------
@@ -87,7 +89,9 @@ def layouts():
 
 # --- kernels ---------------------------------------------------------------------------
 
-def test_kernel_hash(rng, layouts) -> None:
+@pytest.mark.parametrize("num_seqs,max_len", [(1, 1), (7, 40), (300, 400)])
+@pytest.mark.parametrize("li", range(3))
+def test_kernel_hash(rng, layouts, li, num_seqs, max_len) -> None:
     import torch
 
     from engram_trt.native import hash as hash_kernels
@@ -96,37 +100,45 @@ def test_kernel_hash(rng, layouts) -> None:
 
     dev = torch.device("cuda")
     say(f"library {kernel_library.library_path()} version {kernel_library.version()}")
-
-    for li, layout in enumerate(layouts):
-        for num_seqs, max_len in ((1, 1), (7, 40), (300, 400)):
-            ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
-            ref = hash_batch_packed(ids, starts, lookback, layout)
-            out = torch.full((ids.shape[0], layout.num_layers, layout.n_hash_cols), -12345, dtype=torch.int32, device=dev)
-            hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
-                                torch.from_numpy(starts.astype(np.int32)).to(dev),
-                                torch.from_numpy(lookback.astype(np.int32)).to(dev), layout, out=out)
-            got = out.cpu().numpy().astype(np.int64)
-            record(f"kernel hash layout{li} S={num_seqs} T={ids.shape[0]}", np.array_equal(got, ref),
-                   f"{int((got != ref).sum())} of {ref.size} ids differ")
-        # lookback=None: every sequence fresh
-        ids, starts, _ = random_packed(rng, layout, 5, 30)
-        ref = hash_batch_packed(ids, starts, None, layout)
-        got = hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
-                                  torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
-        record(f"kernel hash layout{li} no lookback", np.array_equal(got.cpu().numpy(), ref))
+    layout = layouts[li]
+    ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
+    ref = hash_batch_packed(ids, starts, lookback, layout)
+    out = torch.full((ids.shape[0], layout.num_layers, layout.n_hash_cols), -12345, dtype=torch.int32, device=dev)
+    hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+                        torch.from_numpy(starts.astype(np.int32)).to(dev),
+                        torch.from_numpy(lookback.astype(np.int32)).to(dev), layout, out=out)
+    got = out.cpu().numpy().astype(np.int64)
+    assert np.array_equal(got, ref), (f"kernel hash layout{li} S={num_seqs} T={ids.shape[0]}: "
+                                      f"{int((got != ref).sum())} of {ref.size} ids differ")
 
 
-def test_kernel_gather(rng) -> None:
-    """fp8 and bf16 tables, every placement."""
+@pytest.mark.parametrize("li", range(3))
+def test_kernel_hash_no_lookback(rng, layouts, li) -> None:
+    """lookback=None: every sequence fresh."""
     import torch
 
-    from engram_trt.native import gather as gather_kernels
-    from engram_trt.native import hostgather
-    from engram_trt.native import library as kernel_library
-    from engram_trt.engram.quant import dequant_fp8_rows
+    from engram_trt.native import hash as hash_kernels
+    from engram_trt.engram.hashing import hash_batch_packed
 
     dev = torch.device("cuda")
+    layout = layouts[li]
+    ids, starts, _ = random_packed(rng, layout, 5, 30)
+    ref = hash_batch_packed(ids, starts, None, layout)
+    got = hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
+                              torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
+    assert np.array_equal(got.cpu().numpy(), ref), f"kernel hash layout{li} no lookback"
 
+
+@pytest.fixture(scope="module")
+def gather_case(gpu_seed):
+    """The kernel gather tests' tables and ids (fresh random per run): an fp8 table of
+    50,000 rows (ids with -1 and past-the-end among them, layer 1 of 2) and its float32
+    dequant rounded once to bf16; a bf16 table of 128 columns and its ids / rows."""
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows
+
+    rng = np.random.default_rng([gpu_seed, zlib.crc32(b"test_verify gather_case")])
     rows_n, head_dim, T, L, cols = 50_000, 256, 333, 2, 24
     fp8, scales = random_fp8_table(rng, rows_n, head_dim)
     ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
@@ -138,45 +150,87 @@ def test_kernel_gather(rng) -> None:
     ref32 = np.zeros((sel.size, head_dim), dtype=np.float32)
     ref32[valid] = dequant_fp8_rows(fp8[sel[valid]], scales[sel[valid]], 32)
     ref_bits = torch.from_numpy(ref32).to(torch.bfloat16).view(torch.int16).reshape(T, cols, head_dim)
+    # bf16 table through both paths
+    table_bf16 = torch.randn(rows_n, 128, dtype=torch.bfloat16)
+    ids2 = torch.from_numpy(rng.integers(-2, rows_n + 2, size=(T, cols)).astype(np.int32))
+    ref2 = torch.zeros(T * cols, 128, dtype=torch.bfloat16)
+    flat = ids2.reshape(-1).long()
+    ok = (flat >= 0) & (flat < rows_n)
+    ref2[ok] = table_bf16[flat[ok]]
+    ref2 = ref2.reshape(T, cols, 128)
+    return SimpleNamespace(T=T, cols=cols, head_dim=head_dim, layer=layer, ids=ids, fp8_cpu=torch.from_numpy(fp8),
+                           scales_cpu=torch.from_numpy(scales), ref_bits=ref_bits, table_bf16=table_bf16, ids2=ids2,
+                           ref2=ref2)
 
-    def poisoned():
-        return torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
 
-    ids_dev = torch.from_numpy(ids).to(dev)
-    fp8_cpu, scales_cpu = torch.from_numpy(fp8), torch.from_numpy(scales)
-    placements = {
-        "device": (fp8_cpu.to(dev), scales_cpu.to(dev)),
-        "pinned host (UVA)": (fp8_cpu.pin_memory(), scales_cpu.pin_memory()),
-    }
-    reg_rows, reg_scales = fp8_cpu.clone(), scales_cpu.clone()
-    kernel_library.register_host_memory(reg_rows)
-    kernel_library.register_host_memory(reg_scales)
-    placements["registered host (UVA)"] = (reg_rows, reg_scales)
-    for name, (r, s) in placements.items():
-        out = gather_kernels.gather(ids_dev, r, s, layer=layer, out=poisoned())
+def poisoned(c, width: int):
+    """A NaN-filled bf16 output [T, cols, width] on the GPU (every row must be written)."""
+    import torch
+
+    return torch.full((c.T, c.cols, width), float("nan"), dtype=torch.bfloat16, device=torch.device("cuda"))
+
+
+@pytest.mark.parametrize("name", ["device", "pinned host (UVA)", "registered host (UVA)"])
+def test_kernel_gather_fp8(gather_case, name) -> None:
+    """The fp8 table in every placement."""
+    import torch
+
+    from engram_trt.native import gather as gather_kernels
+    from engram_trt.native import library as kernel_library
+
+    c, dev = gather_case, torch.device("cuda")
+    ids_dev = torch.from_numpy(c.ids).to(dev)
+    if name == "device":
+        r, s = c.fp8_cpu.to(dev), c.scales_cpu.to(dev)
+    elif name == "pinned host (UVA)":
+        r, s = c.fp8_cpu.pin_memory(), c.scales_cpu.pin_memory()
+    else:
+        r, s = c.fp8_cpu.clone(), c.scales_cpu.clone()
+        kernel_library.register_host_memory(r)
+        kernel_library.register_host_memory(s)
+    try:
+        out = gather_kernels.gather(ids_dev, r, s, layer=c.layer, out=poisoned(c, c.head_dim))
         torch.cuda.synchronize()
-        same = torch.equal(out.view(torch.int16).cpu(), ref_bits)
-        record(f"kernel gather fp8 {name}", same, f"kind={kernel_library.pointer_kind(r)}")
+        same = torch.equal(out.view(torch.int16).cpu(), c.ref_bits)
+        assert same, f"kernel gather fp8 {name}: kind={kernel_library.pointer_kind(r)}"
+    finally:
+        if name == "registered host (UVA)":
+            kernel_library.unregister_host_memory(r)
+            kernel_library.unregister_host_memory(s)
+
+
+def test_host_gather_fp8(gather_case) -> None:
+    import torch
+
+    from engram_trt.native import hostgather
+
+    c = gather_case
     with hostgather.HostGatherer(num_threads=8, chunk_rows=1000, max_head_dim=256) as g:  # several chunks
-        out = g.gather(torch.from_numpy(ids), fp8_cpu, scales_cpu, layer=layer, out=poisoned())
+        out = g.gather(torch.from_numpy(c.ids), c.fp8_cpu, c.scales_cpu, layer=c.layer, out=poisoned(c, c.head_dim))
         torch.cuda.synchronize()
-        record("kernel host gather fp8 (heap table, 5 chunks)", torch.equal(out.view(torch.int16).cpu(), ref_bits))
-        # bf16 table through both paths
-        table_bf16 = torch.randn(rows_n, 128, dtype=torch.bfloat16)
-        ids2 = torch.from_numpy(rng.integers(-2, rows_n + 2, size=(T, cols)).astype(np.int32))
-        ref2 = torch.zeros(T * cols, 128, dtype=torch.bfloat16)
-        flat = ids2.reshape(-1).long()
-        ok = (flat >= 0) & (flat < rows_n)
-        ref2[ok] = table_bf16[flat[ok]]
-        ref2 = ref2.reshape(T, cols, 128)
-        out = gather_kernels.gather(ids2.to(dev), table_bf16.to(dev),
-                             out=torch.full((T, cols, 128), float("nan"), dtype=torch.bfloat16, device=dev))
-        record("kernel gather bf16 device", torch.equal(out.cpu().view(torch.int16), ref2.view(torch.int16)))
-        out = g.gather(ids2, table_bf16, out=torch.full((T, cols, 128), float("nan"), dtype=torch.bfloat16, device=dev))
+    assert torch.equal(out.view(torch.int16).cpu(), c.ref_bits), "kernel host gather fp8 (heap table, 5 chunks)"
+
+
+def test_kernel_gather_bf16_device(gather_case) -> None:
+    import torch
+
+    from engram_trt.native import gather as gather_kernels
+
+    c, dev = gather_case, torch.device("cuda")
+    out = gather_kernels.gather(c.ids2.to(dev), c.table_bf16.to(dev), out=poisoned(c, 128))
+    assert torch.equal(out.cpu().view(torch.int16), c.ref2.view(torch.int16)), "kernel gather bf16 device"
+
+
+def test_host_gather_bf16(gather_case) -> None:
+    import torch
+
+    from engram_trt.native import hostgather
+
+    c = gather_case
+    with hostgather.HostGatherer(num_threads=8, chunk_rows=1000, max_head_dim=256) as g:
+        out = g.gather(c.ids2, c.table_bf16, out=poisoned(c, 128))
         torch.cuda.synchronize()
-        record("kernel host gather bf16", torch.equal(out.cpu().view(torch.int16), ref2.view(torch.int16)))
-    kernel_library.unregister_host_memory(reg_rows)
-    kernel_library.unregister_host_memory(reg_scales)
+    assert torch.equal(out.cpu().view(torch.int16), c.ref2.view(torch.int16)), "kernel host gather bf16"
 
 
 # bf16, fp16 and fp32 I/O, weights bf16 / fp32 / the I/O type: (T, hc, D, io, weights, mask)
@@ -187,70 +241,95 @@ GATE_CASES = [(257, 4, 1024, "bfloat16", "bfloat16", "bool"), (64, 1, 64, "bfloa
               (9, 2, 4096, "float32", "float32", "uint8")]
 
 
+@pytest.mark.parametrize("mode", ["out of place", "in place"])
 @pytest.mark.parametrize("T,hc,D,io_name,w_name,m_name", GATE_CASES)
-def test_kernel_gate(rng, T, hc, D, io_name, w_name, m_name) -> None:
+def test_kernel_gate(rng, T, hc, D, io_name, w_name, m_name, mode) -> None:
+    """Out of place: against the float64 reference; in place (out aliases hidden): bit for
+    bit the out-of-place output (computed again here)."""
     import torch
 
-    from engram_trt.engram.fusion import engram_gate_reference
     from engram_trt.native import gate as gate_kernels
+    from engram_trt.engram.fusion import engram_gate_reference
 
     io, wdtype, mdtype = (getattr(torch, n) for n in (io_name, w_name, m_name))
-    check_gate(rng, gate_kernels, engram_gate_reference, T, hc, D, wdtype, mdtype, torch.device("cuda"), io=io)
-
-
-def check_gate(rng, kernels, reference, T, hc, D, wdtype, mdtype, dev, io=None) -> None:
-    import torch
-
+    dev = torch.device("cuda")
     hidden, kv, qw, kw, mask, mask_np = gate_inputs(rng, T, hc, D, wdtype, mdtype, io)
     eps = 1e-6
     out = torch.full((T, hc, D), float("nan"), dtype=hidden.dtype, device=dev)
-    kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=out)
-    ok, detail = gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference)
+    gate_kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=out)
     io_name, w_name = dtype_name(hidden.dtype), dtype_name(wdtype)
-    record(f"kernel gate io={io_name} T={T} hc={hc} D={D} w={w_name} mask={dtype_name(mdtype)}", ok, detail)
-    # in place (out aliases hidden)
-    h_dev = hidden.to(dev)
-    kernels.gate(h_dev, kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=h_dev)
-    record(f"kernel gate io={io_name} in place T={T} hc={hc} D={D}", torch.equal(bits(h_dev), bits(out)))
+    if mode == "out of place":
+        ok, detail = gate_ok(out, hidden, kv, qw, kw, mask_np, eps, engram_gate_reference)
+        assert ok, f"kernel gate io={io_name} T={T} hc={hc} D={D} w={w_name} mask={dtype_name(mdtype)}: {detail}"
+    else:
+        h_dev = hidden.to(dev)
+        gate_kernels.gate(h_dev, kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=eps, out=h_dev)
+        assert torch.equal(bits(h_dev), bits(out)), f"kernel gate io={io_name} in place T={T} hc={hc} D={D}"
 
 
 # --- plugins through the harness -----------------------------------------------------
 
-def test_plugins_cpu(harness, layouts) -> None:
-    """Creation, types, shapes, round trip and field validation: no GPU needed."""
-    layout = layouts[0]
+PLUGIN_CPU_CHECKS = [
+    "plugin EngramHash getOutputShapes",
+    "plugin EngramHash getOutputDataTypes",
+    "plugin EngramHash serialize round trip",
+    "plugin EngramHash rejects overflowing multipliers",
+    "plugin EngramHash refuses int32 multipliers (truncation)",
+    "plugin EngramHash accepts decimal-text int64 fields",
+    "plugin EngramHash rejects unknown fields",
+    "plugin EngramGate refuses hc_mult = 2^32 + 4",
+    "plugin EngramGather refuses num_rows = 2^31",
+    "plugin EngramHash refuses text '12-3' (no separator)",
+    "plugin EngramGather bad_rows_input = 1: 4 inputs, kept through serialization, 3 refused "
+    "(message names file:line)",
+    "plugin EngramGather getOutputShapes",
+    "plugin EngramGather getOutputDataTypes",
+    "plugin EngramGather serialize round trip",
+    "plugin EngramGate getOutputShapes",
+    "plugin EngramGate getOutputDataTypes: output = hidden's type (bf16 / fp16 / fp32 I/O)",
+    "plugin EngramGate getOutputDataTypes refuses mixed types",
+    "plugin EngramGate serialize round trip",
+]
+
+
+def check_plugins_cpu(harness, layout) -> Checks:
+    """Creation, types, shapes, round trip and field validation (no GPU needed): each check
+    of PLUGIN_CPU_CHECKS by name, (ok, detail)."""
+    checks = Checks()
     h = harness.create("EngramHash", hash_fields(layout))
     shape, const = harness.output_shapes(h, [(100,), (4,), (3, layout.max_ngram_size - 1)])
     want = (100, layout.num_layers, layout.n_hash_cols)
-    record("plugin EngramHash getOutputShapes", shape == want and const == (False, True, True), f"{shape} const={const}")
-    record("plugin EngramHash getOutputDataTypes", harness.output_types(h, [DT["int32"]] * 3) == [DT["int32"]])
+    checks.add("plugin EngramHash getOutputShapes", shape == want and const == (False, True, True),
+               f"{shape} const={const}")
+    checks.add("plugin EngramHash getOutputDataTypes", harness.output_types(h, [DT["int32"]] * 3) == [DT["int32"]])
     h2 = harness.roundtrip(h)
-    record("plugin EngramHash serialize round trip", harness.output_shapes(h2, [(7,), (2,), (1, 2)])[0][1:] == want[1:])
+    checks.add("plugin EngramHash serialize round trip",
+               harness.output_shapes(h2, [(7,), (2,), (1, 2)])[0][1:] == want[1:])
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     bad = hash_fields(layout)
     bad[7] = ("multipliers", PF_INT64, np.full(layout.multipliers.size, 2**62, np.int64))
     try:
         harness.create("EngramHash", bad)
-        record("plugin EngramHash rejects overflowing multipliers", False)
+        checks.add("plugin EngramHash rejects overflowing multipliers", False)
     except RuntimeError as exc:
-        record("plugin EngramHash rejects overflowing multipliers", "multiplier" in str(exc), str(exc)[:120])
+        checks.add("plugin EngramHash rejects overflowing multipliers", "multiplier" in str(exc), str(exc)[:120])
     narrow = hash_fields(layout)
     narrow[7] = ("multipliers", PF_INT32, layout.multipliers.reshape(-1).astype(np.int32))
     try:
         harness.create("EngramHash", narrow)
-        record("plugin EngramHash refuses int32 multipliers (truncation)", False)
+        checks.add("plugin EngramHash refuses int32 multipliers (truncation)", False)
     except RuntimeError as exc:
-        record("plugin EngramHash refuses int32 multipliers (truncation)", "64-bit" in str(exc), str(exc)[:120])
+        checks.add("plugin EngramHash refuses int32 multipliers (truncation)", "64-bit" in str(exc), str(exc)[:120])
     h3 = harness.create("EngramHash", hash_fields_text(layout))
-    record("plugin EngramHash accepts decimal-text int64 fields",
-           harness.output_shapes(h3, [(9,), (2,), (1, layout.max_ngram_size - 1)])[0] == (9,) + want[1:])
+    checks.add("plugin EngramHash accepts decimal-text int64 fields",
+               harness.output_shapes(h3, [(9,), (2,), (1, layout.max_ngram_size - 1)])[0] == (9,) + want[1:])
     harness.lib.harness_destroy(h3)
     try:
         harness.create("EngramHash", hash_fields(layout) + [("bogus", PF_INT32, np.array([1], np.int32))])
-        record("plugin EngramHash rejects unknown fields", False)
+        checks.add("plugin EngramHash rejects unknown fields", False)
     except RuntimeError as exc:
-        record("plugin EngramHash rejects unknown fields", "bogus" in str(exc), str(exc)[:120])
+        checks.add("plugin EngramHash rejects unknown fields", "bogus" in str(exc), str(exc)[:120])
     # Values that used to be narrowed to int32 or misparsed (2^32 + 4 read as 4, "12-3" as [12, -3]).
     gate_wide = gate_fields(4, 64, 1e-6)
     gate_wide[0] = ("hc_mult", PF_INT64, np.array([2**32 + 4], np.int64))
@@ -264,9 +343,9 @@ def test_plugins_cpu(harness, layouts) -> None:
                                        ("EngramHash", text, "text '12-3' (no separator)", "not a list of integers")):
         try:
             harness.lib.harness_destroy(harness.create(name, fields))
-            record(f"plugin {name} refuses {what}", False, "accepted")
+            checks.add(f"plugin {name} refuses {what}", False, "accepted")
         except RuntimeError as exc:
-            record(f"plugin {name} refuses {what}", needle in str(exc), str(exc)[:120])
+            checks.add(f"plugin {name} refuses {what}", needle in str(exc), str(exc)[:120])
 
     # the optional bad-row counter input: bad_rows_input = 1 makes it the 4th input, and
     # the field survives serialization (the runtime plugin expects the same inputs)
@@ -280,30 +359,32 @@ def test_plugins_cpu(harness, layouts) -> None:
         refused = False
     except RuntimeError as exc:
         refused = "expects 4 inputs" in str(exc) and "engramGatherPlugin.cpp:" in str(exc)
-    record("plugin EngramGather bad_rows_input = 1: 4 inputs, kept through serialization, 3 refused "
-           "(message names file:line)", accepted and refused)
+    checks.add("plugin EngramGather bad_rows_input = 1: 4 inputs, kept through serialization, 3 refused "
+               "(message names file:line)", accepted and refused)
     harness.lib.harness_destroy(counted2)
     harness.lib.harness_destroy(counted)
 
     g = harness.create("EngramGather", gather_fields(1, 2, 24, 256, 0, 32, 1000))
     shape, const = harness.output_shapes(g, [(50, 2, 24), (1,), (1,)])
-    record("plugin EngramGather getOutputShapes", shape == (50, 24, 256) and const == (False, True, True), str(shape))
-    record("plugin EngramGather getOutputDataTypes",
-           harness.output_types(g, [DT["int32"], DT["int64"], DT["int64"]]) == [DT["bfloat16"]])
+    checks.add("plugin EngramGather getOutputShapes", shape == (50, 24, 256) and const == (False, True, True),
+               str(shape))
+    checks.add("plugin EngramGather getOutputDataTypes",
+               harness.output_types(g, [DT["int32"], DT["int64"], DT["int64"]]) == [DT["bfloat16"]])
     g2 = harness.roundtrip(g)
-    record("plugin EngramGather serialize round trip", harness.output_shapes(g2, [(5, 2, 24), (1,), (1,)])[0] == (5, 24, 256))
+    checks.add("plugin EngramGather serialize round trip",
+               harness.output_shapes(g2, [(5, 2, 24), (1,), (1,)])[0] == (5, 24, 256))
     harness.lib.harness_destroy(g2)
     harness.lib.harness_destroy(g)
 
     t = harness.create("EngramGate", gate_fields(4, 1024, 1e-6))
     shape, const = harness.output_shapes(t, [(33, 4, 1024), (33, 5 * 1024), (4, 1024), (4, 1024), (33,)])
-    record("plugin EngramGate getOutputShapes", shape == (33, 4, 1024) and not const[0], str(shape))
+    checks.add("plugin EngramGate getOutputShapes", shape == (33, 4, 1024) and not const[0], str(shape))
     gate_types = {}
     for io, w in (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "float16"), ("float16", "float32"),
                   ("float16", "bfloat16"), ("float32", "float32"), ("float32", "bfloat16")):
         gate_types[f"{io}/{w}"] = harness.output_types(t, [DT[io], DT[io], DT[w], DT[w], DT["bool"]]) == [DT[io]]
-    record("plugin EngramGate getOutputDataTypes: output = hidden's type (bf16 / fp16 / fp32 I/O)",
-           all(gate_types.values()), str(gate_types))
+    checks.add("plugin EngramGate getOutputDataTypes: output = hidden's type (bf16 / fp16 / fp32 I/O)",
+               all(gate_types.values()), str(gate_types))
     refused = {}
     for what, types, needle in (("kv fp32 with hidden fp16", ("float16", "float32", "float16", "float16"), "hidden and kv"),
                                 ("fp16 weights with bf16 hidden", ("bfloat16", "bfloat16", "float16", "float16"), "q_weight"),
@@ -314,12 +395,24 @@ def test_plugins_cpu(harness, layouts) -> None:
             refused[what] = False
         except RuntimeError as exc:
             refused[what] = needle in str(exc)
-    record("plugin EngramGate getOutputDataTypes refuses mixed types", all(refused.values()), str(refused))
+    checks.add("plugin EngramGate getOutputDataTypes refuses mixed types", all(refused.values()), str(refused))
     t2 = harness.roundtrip(t)
-    record("plugin EngramGate serialize round trip", harness.output_shapes(t2, [(3, 4, 1024), (3, 5120), (4, 1024),
-                                                                                (4, 1024), (3,)])[0] == (3, 4, 1024))
+    checks.add("plugin EngramGate serialize round trip",
+               harness.output_shapes(t2, [(3, 4, 1024), (3, 5120), (4, 1024), (4, 1024), (3,)])[0] == (3, 4, 1024))
     harness.lib.harness_destroy(t2)
     harness.lib.harness_destroy(t)
+    return checks
+
+
+@pytest.fixture(scope="module")
+def plugins_cpu(harness, layouts) -> Checks:
+    return check_plugins_cpu(harness, layouts[0])
+
+
+@pytest.mark.parametrize("name", PLUGIN_CPU_CHECKS)
+def test_plugins_cpu(plugins_cpu, name: str) -> None:
+    ok, detail = plugins_cpu[name]
+    assert ok, f"{name}: {detail}"
 
 
 def run_both(harness, name, fields, inputs, in_types, make_out, out_type):
@@ -340,27 +433,29 @@ def run_both(harness, name, fields, inputs, in_types, make_out, out_type):
     return outs, ws
 
 
-def test_plugin_hash_enqueue(rng, harness, layouts) -> None:
+# int64 fields as the plugin serializes them, and as decimal text (the ONNX form)
+@pytest.mark.parametrize("form", ["int64 fields", "text fields"])
+@pytest.mark.parametrize("li", range(3))
+def test_plugin_hash_enqueue(rng, harness, layouts, li, form) -> None:
     import torch
 
     from engram_trt.engram.hashing import hash_batch_packed
 
     dev = torch.device("cuda")
-
-    for li, layout in enumerate(layouts):
-        ids, starts, lookback = random_packed(rng, layout, 40, 200)
-        ref = hash_batch_packed(ids, starts, lookback, layout)
-        inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, lookback)]
-        # int64 fields as the plugin serializes them, and as decimal text (the ONNX form)
-        for form, fields in (("int64 fields", hash_fields(layout)), ("text fields", hash_fields_text(layout))):
-            (o1, o2), ws = run_both(harness, "EngramHash", fields, inputs, [DT["int32"]] * 3,
-                                    lambda: torch.full(ref.shape, -777, dtype=torch.int32, device=dev), DT["int32"])
-            record(f"plugin EngramHash enqueue layout{li} T={ids.shape[0]} ({form})",
-                   np.array_equal(o1.cpu().numpy(), ref) and np.array_equal(o2.cpu().numpy(), ref), f"workspace={ws}")
+    layout = layouts[li]
+    ids, starts, lookback = random_packed(rng, layout, 40, 200)
+    ref = hash_batch_packed(ids, starts, lookback, layout)
+    inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, lookback)]
+    fields = {"int64 fields": hash_fields, "text fields": hash_fields_text}[form](layout)
+    (o1, o2), ws = run_both(harness, "EngramHash", fields, inputs, [DT["int32"]] * 3,
+                            lambda: torch.full(ref.shape, -777, dtype=torch.int32, device=dev), DT["int32"])
+    assert np.array_equal(o1.cpu().numpy(), ref) and np.array_equal(o2.cpu().numpy(), ref), (
+        f"plugin EngramHash enqueue layout{li} T={ids.shape[0]} ({form}): workspace={ws}")
 
 
 
-def test_plugin_gather_enqueue(rng, harness) -> None:
+@pytest.mark.parametrize("where", ["device", "pinned host"])
+def test_plugin_gather_enqueue_fp8(rng, harness, where) -> None:
     import torch
 
     from engram_trt.engram.quant import dequant_fp8_rows
@@ -372,20 +467,28 @@ def test_plugin_gather_enqueue(rng, harness) -> None:
     ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
     sel = ids[:, layer, :].reshape(-1)
     ref = torch.from_numpy(dequant_fp8_rows(fp8[sel], scales[sel], 32)).to(torch.bfloat16).reshape(T, cols, head_dim)
-    for where, (r, s) in {"device": (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
-                          "pinned host": (torch.from_numpy(fp8).pin_memory(), torch.from_numpy(scales).pin_memory())}.items():
-        addr_r = torch.tensor([r.data_ptr()], dtype=torch.int64, device=dev)
-        addr_s = torch.tensor([s.data_ptr()], dtype=torch.int64, device=dev)
-        (o1, o2), ws = run_both(harness, "EngramGather", gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
-                                [torch.from_numpy(ids).to(dev), addr_r, addr_s], [DT["int32"], DT["int64"], DT["int64"]],
-                                lambda: torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev),
-                                DT["bfloat16"])
-        # o1: the build-phase plugin (TensorRT's timing enqueue): zero rows, the table
-        # untouched; o2: its serialize -> kRUNTIME twin reads the table.
-        same = torch.equal(o2.cpu().view(torch.int16), ref.view(torch.int16))
-        build_zero = int(torch.count_nonzero(o1.view(torch.int16))) == 0
-        record(f"plugin EngramGather enqueue fp8 {where} table (runtime phase exact, build phase zero rows)",
-               same and build_zero, f"runtime-exact={same} build-phase-zero={build_zero} workspace={ws}")
+    r, s = {"device": lambda: (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
+            "pinned host": lambda: (torch.from_numpy(fp8).pin_memory(), torch.from_numpy(scales).pin_memory())}[where]()
+    addr_r = torch.tensor([r.data_ptr()], dtype=torch.int64, device=dev)
+    addr_s = torch.tensor([s.data_ptr()], dtype=torch.int64, device=dev)
+    (o1, o2), ws = run_both(harness, "EngramGather", gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
+                            [torch.from_numpy(ids).to(dev), addr_r, addr_s], [DT["int32"], DT["int64"], DT["int64"]],
+                            lambda: torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev),
+                            DT["bfloat16"])
+    # o1: the build-phase plugin (TensorRT's timing enqueue): zero rows, the table
+    # untouched; o2: its serialize -> kRUNTIME twin reads the table.
+    same = torch.equal(o2.cpu().view(torch.int16), ref.view(torch.int16))
+    build_zero = int(torch.count_nonzero(o1.view(torch.int16))) == 0
+    assert same and build_zero, (
+        f"plugin EngramGather enqueue fp8 {where} table (runtime phase exact, build phase zero rows): "
+        f"runtime-exact={same} build-phase-zero={build_zero} workspace={ws}")
+
+
+def test_plugin_gather_enqueue_bf16(rng, harness) -> None:
+    import torch
+
+    dev = torch.device("cuda")
+    rows_n, T = 20_000, 150
     table = torch.randn(rows_n, 64, dtype=torch.bfloat16)
     ids1 = rng.integers(0, rows_n, size=(T, 1, 8)).astype(np.int32)
     ref1 = table[torch.from_numpy(ids1[:, 0, :].reshape(-1)).long()].reshape(T, 8, 64)
@@ -394,9 +497,9 @@ def test_plugin_gather_enqueue(rng, harness) -> None:
                            [torch.from_numpy(ids1).to(dev), torch.tensor([tdev.data_ptr()], dtype=torch.int64, device=dev)],
                            [DT["int32"], DT["int64"]],
                            lambda: torch.full((T, 8, 64), float("nan"), dtype=torch.bfloat16, device=dev), DT["bfloat16"])
-    record("plugin EngramGather enqueue bf16 device table (runtime phase exact, build phase zero rows)",
-           torch.equal(o2.cpu().view(torch.int16), ref1.view(torch.int16))
-           and int(torch.count_nonzero(o1.view(torch.int16))) == 0)
+    assert (torch.equal(o2.cpu().view(torch.int16), ref1.view(torch.int16))
+            and int(torch.count_nonzero(o1.view(torch.int16))) == 0), (
+        "plugin EngramGather enqueue bf16 device table (runtime phase exact, build phase zero rows)")
 
 
 # (T, hc, D, io, weights, mask)
@@ -430,29 +533,25 @@ def test_plugin_gate_enqueue(rng, harness, T_, hc, D, io_name, w_name, mname) ->
     torch.cuda.synchronize()
     harness.lib.harness_destroy(h)
     inplace_same = torch.equal(bits(in_place), bits(o1))
-    record(f"plugin EngramGate enqueue io={dtype_name(io)} T={T_} hc={hc} D={D} w={dtype_name(wdtype)} mask={mname}",
-           ok1 and same and inplace_same,
-           f"{detail} roundtrip-identical={same} in-place-identical={inplace_same} workspace={ws}")
+    assert ok1 and same and inplace_same, (
+        f"plugin EngramGate enqueue io={dtype_name(io)} T={T_} hc={hc} D={D} w={dtype_name(wdtype)} mask={mname}: "
+        f"{detail} roundtrip-identical={same} in-place-identical={inplace_same} workspace={ws}")
 
 
 
 # --- hardening ----------------------------------------------------------------------
 
-def test_hardening(rng, harness, layouts) -> None:
-    """Engine inputs nothing validates on the host must not fault or misread (device side)."""
+def test_hardening_hash_negative_start(rng, layouts) -> None:
+    """seq_starts[0] < 0: tokens before ids[0] are no token (blocked), never read. The ids
+    sit in a buffer whose preceding elements are a valid id (7), so a read of ids[-1]
+    would change the hash; the result must equal a fresh start (seq_starts[0] = 0, no
+    lookback for sequence 0)."""
     import torch
 
     from engram_trt.native import hash as hash_kernels
     from engram_trt.engram.hashing import hash_batch_packed
-    from engram_trt.engram.quant import dequant_fp8_rows
 
     dev = torch.device("cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-
-    # seq_starts[0] < 0: tokens before ids[0] are no token (blocked), never read. The ids
-    # sit in a buffer whose preceding elements are a valid id (7), so a read of ids[-1]
-    # would change the hash; the result must equal a fresh start (seq_starts[0] = 0, no
-    # lookback for sequence 0).
     layout = layouts[1]
     n = layout.max_ngram_size - 1
     lengths = np.array([9, 0, 14, 5])
@@ -471,10 +570,24 @@ def test_hardening(rng, harness, layouts) -> None:
                               torch.from_numpy(lookback.astype(np.int32)).to(dev), layout)
     torch.cuda.synchronize()
     got = got.cpu().numpy()
-    record("kernel hash seq_starts[0] = -5: no read before ids[0], hashes as a fresh start", np.array_equal(got, ref),
-           f"{int((got != ref).sum())} of {ref.size} ids differ")
+    assert np.array_equal(got, ref), ("kernel hash seq_starts[0] = -5: no read before ids[0], hashes as a fresh start: "
+                                      f"{int((got != ref).sum())} of {ref.size} ids differ")
 
-    # EngramGather with table addresses that cannot be read: zero rows, no fault.
+
+# EngramGather with table addresses that cannot be read: (name, dtype, which addresses)
+BAD_ADDRESS_CASES = [("fp8, rows_addr 0", "fp8", "rows 0"), ("fp8, rows_addr misaligned (+8)", "fp8", "rows +8"),
+                     ("fp8, scales_addr 0", "fp8", "scales 0"), ("bf16, rows_addr 0", "bf16", "rows 0")]
+
+
+def bad_address_case(rng, harness) -> SimpleNamespace:
+    """A 5,000-row fp8 table on the device, ids of layer 0 of 2, the rows' reference and
+    ``gather_plugin(fields, addresses, width)`` (a runtime-phase EngramGather over them)."""
+    import torch
+
+    from engram_trt.engram.quant import dequant_fp8_rows
+
+    dev = torch.device("cuda")
+    stream = torch.cuda.current_stream().cuda_stream
     rows_n, head_dim, T, L, cols, layer = 5_000, 256, 40, 2, 24, 0
     fp8, scales = random_fp8_table(rng, rows_n, head_dim)
     fp8_dev, scales_dev = torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)
@@ -489,20 +602,42 @@ def test_hardening(rng, harness, layouts) -> None:
         harness.lib.harness_destroy(h)
         return out
 
-    fp8_fields = gather_fields(layer, L, cols, head_dim, 0, 32, rows_n)
-    cases = [("fp8, rows_addr 0", fp8_fields, (0, scales_dev.data_ptr()), head_dim),
-             ("fp8, rows_addr misaligned (+8)", fp8_fields, (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()), head_dim),
-             ("fp8, scales_addr 0", fp8_fields, (fp8_dev.data_ptr(), 0), head_dim),
-             ("bf16, rows_addr 0", gather_fields(layer, L, cols, 64, 1, 32, rows_n), (0,), 64)]
-    for name, fields, addresses, width in cases:
-        out = gather_plugin(fields, addresses, width)
-        nonzero = int(torch.count_nonzero(out.view(torch.int16)))
-        record(f"plugin EngramGather {name}: zero rows, no fault", nonzero == 0, f"{nonzero} nonzero elements")
+    fields = {"fp8": gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
+              "bf16": gather_fields(layer, L, cols, 64, 1, 32, rows_n)}
+    addresses = {("fp8", "rows 0"): (0, scales_dev.data_ptr()),
+                 ("fp8", "rows +8"): (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()),
+                 ("fp8", "scales 0"): (fp8_dev.data_ptr(), 0), ("bf16", "rows 0"): (0,),
+                 ("fp8", "good"): (fp8_dev.data_ptr(), scales_dev.data_ptr())}
     sel = ids_dev[:, layer, :].reshape(-1).cpu().numpy()
     ref = torch.from_numpy(dequant_fp8_rows(fp8[sel], scales[sel], 32)).to(torch.bfloat16).reshape(T, cols, head_dim)
-    out = gather_plugin(fp8_fields, (fp8_dev.data_ptr(), scales_dev.data_ptr()), head_dim)
-    record("plugin EngramGather after the bad addresses: context usable, rows exact",
-           torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16)))
+    return SimpleNamespace(gather_plugin=gather_plugin, fields=fields, addresses=addresses, head_dim=head_dim, ref=ref,
+                           keep=(fp8_dev, scales_dev))
+
+
+@pytest.mark.parametrize("name, kind, which", BAD_ADDRESS_CASES, ids=[c[0] for c in BAD_ADDRESS_CASES])
+def test_hardening_gather_bad_address(rng, harness, name, kind, which) -> None:
+    """Engine inputs nothing validates on the host must not fault or misread (device side):
+    zero rows, no fault."""
+    import torch
+
+    c = bad_address_case(rng, harness)
+    out = c.gather_plugin(c.fields[kind], c.addresses[(kind, which)], c.head_dim if kind == "fp8" else 64)
+    nonzero = int(torch.count_nonzero(out.view(torch.int16)))
+    assert nonzero == 0, f"plugin EngramGather {name}: zero rows, no fault: {nonzero} nonzero elements"
+
+
+def test_hardening_gather_after_bad_addresses(rng, harness) -> None:
+    """The bad addresses of BAD_ADDRESS_CASES (each asserted in its own test) gathered in
+    turn, then the good table: the context is still usable and the rows exact (dependent
+    steps: only the last one is this test's check)."""
+    import torch
+
+    c = bad_address_case(rng, harness)
+    for _name, kind, which in BAD_ADDRESS_CASES:
+        c.gather_plugin(c.fields[kind], c.addresses[(kind, which)], c.head_dim if kind == "fp8" else 64)
+    out = c.gather_plugin(c.fields["fp8"], c.addresses[("fp8", "good")], c.head_dim)
+    assert torch.equal(out.cpu().view(torch.int16), c.ref.view(torch.int16)), (
+        "plugin EngramGather after the bad addresses: context usable, rows exact")
 
 
 @pytest.mark.parametrize("probe", ["stale-error", "destroy-during-gather"])
@@ -519,7 +654,7 @@ def test_probe(probe, build_dir) -> None:
             second = {"name": "kernel a failed call leaves no stale CUDA error (next gather / gate succeed)",
                       "ok": False, "detail": f"no provocation failed: {result['detail']}; {second['detail']}"}
         result = second
-    record(result["name"], result["ok"], result["detail"])
+    assert result["ok"], f"{result['name']}: {result['detail']}"
 
 
 def run_probe(name: str, build_dir) -> dict:
@@ -547,8 +682,8 @@ def test_timed_hash_agrees(rng, S) -> None:
     case = hash_case(rng, layout, S, torch.device("cuda"))
     hash_kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
     ok = np.array_equal(case.out.cpu().numpy().astype(np.int64), case.reference(layout))
-    record(f"timing outputs agree (hash {case.ids.numel()} tokens x {layout.num_layers} layers x "
-           f"{layout.n_hash_cols} columns, S={S})", ok)
+    assert ok, (f"timing outputs agree (hash {case.ids.numel()} tokens x {layout.num_layers} layers x "
+                f"{layout.n_hash_cols} columns, S={S})")
 
 
 @pytest.fixture(scope="module")
@@ -589,5 +724,5 @@ def test_timed_gathers_agree(rng, big_table, n_rows) -> None:
         got = gatherer.gather(ids, host_rows, host_scales)
         ref = gather_kernels.gather(ids.to(dev), dev_rows, dev_scales)
         torch.cuda.synchronize()
-    record(f"timing outputs agree ({n_rows} rows: host gather == device gather)",
-           torch.equal(ref.view(torch.int16), got.view(torch.int16)))
+    assert torch.equal(ref.view(torch.int16), got.view(torch.int16)), (
+        f"timing outputs agree ({n_rows} rows: host gather == device gather)")
