@@ -72,7 +72,8 @@ int32_t nbStates(int32_t layerType)
     return layerType == ENGRAM_DSV4_SLIDING ? 1 : layerType == ENGRAM_DSV4_HCA ? 4 : 7;
 }
 
-constexpr AliasedState kStates[] = {{1, 6}, {2, 12}, {3, 13}, {4, 14}, {5, 21}, {6, 22}, {7, 23}};
+constexpr AliasedState kStates[] = {{1, 6, "window_kv"}, {2, 12, "compressed_kv"}, {3, 13, "compressor_kv"},
+    {4, 14, "compressor_gate"}, {5, 21, "index_keys"}, {6, 22, "indexer_kv"}, {7, 23, "indexer_gate"}};
 
 int32_t stateInput(int32_t i)
 {

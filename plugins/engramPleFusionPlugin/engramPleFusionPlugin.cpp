@@ -230,7 +230,8 @@ size_t EngramPleFusionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc
 AliasedStates EngramPleFusionPlugin::aliasedStates() const
 {
     // The history is read-modify-write: its output is its input's memory.
-    static constexpr AliasedState kStates[] = {{ple_fusion_detail::kConvStateOut, ple_fusion_detail::kConvState}};
+    static constexpr AliasedState kStates[]
+        = {{ple_fusion_detail::kConvStateOut, ple_fusion_detail::kConvState, "conv_state"}};
     return {kStates, 1};
 }
 

@@ -251,8 +251,8 @@ AliasedStates EngramQsaAttentionPlugin::aliasedStates() const
 {
     // The caches are read-modify-write: each cache output is its cache input's memory.
     using namespace qsa_detail;
-    static constexpr AliasedState kStates[]
-        = {{kKeyCacheOut, kKeyCache}, {kValueCacheOut, kValueCache}, {kIndexKeyCacheOut, kIndexKeyCache}};
+    static constexpr AliasedState kStates[] = {{kKeyCacheOut, kKeyCache, "key_cache"},
+        {kValueCacheOut, kValueCache, "value_cache"}, {kIndexKeyCacheOut, kIndexKeyCache, "index_key_cache"}};
     return {kStates, 3};
 }
 
