@@ -194,6 +194,26 @@ def test_manifest_records_the_ple_shards_with_their_checksums(built: tuple) -> N
                                             "index_key_cache_3", "ple_conv_state_0"])
 
 
+def test_the_architecture_names_the_engine_inputs_the_tensorrt_backend_refuses(built: tuple) -> None:
+    """ArchitectureBase.engine_state_inputs (what the tensorrt backend refuses at load besides
+    the manifest's io.states): every per-slot state and PLE input of the built graph, and
+    nothing else of it (the step's own inputs stay bound)."""
+    import onnx
+
+    from engram_trt.models.registry import read_model_config
+
+    _ck, engine, _want, _report, _why = built
+    manifest = json.loads((engine / "manifest.json").read_text())
+    arch, cfg = read_model_config(manifest["model"])
+    inputs = {v.name for v in onnx.load(str(engine / "model.onnx"), load_external_data=False).graph.input}
+    named = arch.engine_state_inputs(cfg)
+    states = set(manifest["graph"]["io"]["states"])
+    ple_inputs = {n for n in inputs if n.startswith("ple_")}
+    assert states and ple_inputs - states  # the case has both (ple_context, ple_table_ptrs)
+    assert named == states | ple_inputs and named <= inputs
+    assert "input_ids" in inputs - named
+
+
 def test_tensorrt_rtx_builds_the_engine_with_the_plugins(built: tuple) -> None:
     ck, engine, _want, report, why = built
     if why:

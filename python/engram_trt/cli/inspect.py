@@ -218,6 +218,9 @@ def _print_weights(w: dict[str, Any]) -> None:
 
 
 def _print_checkpoint(report: dict[str, Any]) -> None:
+    from engram_trt.models.registry import registered
+
+    arch = next(a for a in registered() if a.name == report["architecture"])
     print(f"checkpoint   {report['checkpoint']}")
     print(f"architecture {report['architecture']}")
     print(f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}")
@@ -225,13 +228,10 @@ def _print_checkpoint(report: dict[str, Any]) -> None:
         _print_weights(report["weights"])
     if report["ignored_fields"]:
         print(f"ignored      config fields the model does not read (nor does transformers'): {', '.join(report['ignored_fields'])}")
-    ple = report.get("ple")
-    if ple:
-        print(f"PLE          {len(ple['layers'])} layer(s), {ple['heads']} hashed heads of n-grams up to {ple['ngram_size']}, "
-              f"{human_bytes(ple['total_bytes'])} of tables")
-        for e in ple["layers"]:
-            print(f"PLE layer {e['ple_layer_id']:>3}: {e['table_rows']} rows (the config's primes give {e['layout_rows']}) "
-                  f"x {e['width']} {e['dtype']} in {e['shards']} shard(s), {human_bytes(e['bytes'])}")
+    own = arch.table_report_lines(report)  # an architecture's own tables (Qwen4Exp's PLE)
+    if own:
+        for line in own:
+            print(line)
     elif not report["engram"]:
         print("engram       no Engram layers")
     else:

@@ -125,6 +125,12 @@ class ArchitectureBase(ABC):
         into its report). Default: nothing."""
         return {}
 
+    def table_report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """The lines ``engram-trt inspect`` prints of what :meth:`describe_tables` put in
+        ``report`` (its text form; none: inspect prints the Engram tables' lines instead).
+        Default: none."""
+        return []
+
     # -- the torch model ---------------------------------------------------------------
     @abstractmethod
     def build_model(self, config: Any, weights: Mapping[str, Any], **options: Any) -> Any:
@@ -160,6 +166,14 @@ class ArchitectureBase(ABC):
     @abstractmethod
     def export_onnx(self, config: Any, weights: Any, layout: Any, options: Any) -> Any:
         """The ONNX graph of one packed serving step (:class:`~engram_trt.models.export.ExportedModel`)."""
+
+    def engine_state_inputs(self, config: Any) -> set[str]:
+        """The engine inputs of ``config``'s exported step that carry the architecture's
+        per-sequence state or its own tables (Qwen4Exp's conv / recurrent / QSA states and
+        PLE inputs, DeepSeek-V4's attention states): what the tensorrt backend does not
+        bind yet and refuses at load (it also reads the manifest's ``io.states``). Default:
+        none (engram-llama's KV caches and Engram tables are bound)."""
+        return set()
 
     def engine_problems(self, ckpt: Any) -> list[str]:
         """What ``engram-trt build`` refuses before any work beyond :meth:`checkpoint_problems`

@@ -26,14 +26,16 @@ experts. Nothing here materializes a dequantized weight as a float initializer.
   blocks that differ in ``bk``) take the dense form with dequantized stacks instead.
 
 :func:`export_source` turns what an export is handed (a Checkpoint's ``get``, a lazy
-mapping, a dict) into the mapping the stored-format readers need (``in`` and item access);
+mapping, a dict) into the source the stored-format readers need (:class:`StoredTensors`:
+``in``, item access and each tensor's stored dtype);
 :func:`fp8_weight` / :func:`fp4_weight` read one stored weight with its scale as a
 :class:`~engram_trt.quant.weight.QuantWeight`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from types import BuiltinMethodType, MethodType
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import ml_dtypes
 import numpy as np
@@ -51,6 +53,52 @@ PLUGIN_MULTIPLE = {"fp8": 16, "fp4": 32}
 
 
 # ------------------------------------------------------------------------------ sources
+@runtime_checkable
+class StoredTensors(Protocol):
+    """What the stored-format readers read: ``name in src``, ``src[name]`` and
+    ``src.stored_dtype(name)`` (from the shard header where the source knows it, no read).
+    A checkpoint's lazy mapping (:class:`~engram_trt.checkpoint.checkpoint.LazyTensors`)
+    implements it, as do :class:`ResolvedTensors` and the wrappers :func:`export_source`
+    puts around a dict or a callable."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def __getitem__(self, name: str) -> Any: ...
+
+    def stored_dtype(self, name: str) -> Any: ...
+
+
+@runtime_checkable
+class LazySource(Protocol):
+    """A checkpoint that hands its tensors out as a lazy :class:`StoredTensors` mapping
+    (``Checkpoint``, ``ShardedCheckpoint``): an export handed its bound ``get`` reads that."""
+
+    def lazy(self, names: Any = None) -> StoredTensors: ...
+
+
+class _MappingTensors(Mapping[str, Any]):
+    """A plain ``name -> tensor`` mapping (a dict) as :class:`StoredTensors`: a tensor's
+    stored dtype is its own."""
+
+    def __init__(self, src: Mapping[str, Any]) -> None:
+        self._src = src
+
+    def __getitem__(self, name: str) -> Any:
+        return self._src[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._src
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._src)
+
+    def __len__(self) -> int:
+        return len(self._src)
+
+    def stored_dtype(self, name: str) -> Any:
+        return self._src[name].dtype
+
+
 class _CallableTensors(Mapping[str, Any]):
     """A ``name -> tensor`` callable seen as a mapping (``in`` tries the call)."""
 
@@ -76,20 +124,26 @@ class _CallableTensors(Mapping[str, Any]):
     def __len__(self) -> int:
         return 0
 
+    def stored_dtype(self, name: str) -> Any:
+        return self[name].dtype
 
-def export_source(weights: Any) -> Mapping[str, Any]:
-    """The tensors an export reads, as a mapping with ``in``: ``weights`` itself when it is
-    one (a dict, ``Checkpoint.lazy()``), the source of an :class:`ExportTensors`, the
-    checkpoint's lazy mapping for a bound ``Checkpoint.get``, else the callable wrapped."""
-    if isinstance(weights, Mapping):
+
+def export_source(weights: Any) -> StoredTensors:
+    """The tensors an export reads, as :class:`StoredTensors`: ``weights`` itself when it
+    is one (``Checkpoint.lazy()``), the source of an :class:`ExportTensors`, the
+    checkpoint's lazy mapping for a bound ``Checkpoint.get`` (a :class:`LazySource`'s), a
+    mapping (a dict, or the dict of a bound ``dict.get``) wrapped, else the callable wrapped."""
+    if isinstance(weights, StoredTensors):
         return weights
+    if isinstance(weights, Mapping):
+        return _MappingTensors(weights)
     if isinstance(weights, ExportTensors):
         return weights.src
-    owner = getattr(weights, "__self__", None)
-    if owner is not None and callable(getattr(owner, "lazy", None)):
+    owner = weights.__self__ if isinstance(weights, (MethodType, BuiltinMethodType)) else None
+    if isinstance(owner, LazySource):
         return owner.lazy()
     if isinstance(owner, Mapping):
-        return owner
+        return _MappingTensors(owner)
     if callable(weights):
         return _CallableTensors(weights)
     raise EngramError(f"weights must be a mapping or a name -> tensor callable (got {type(weights).__name__})")
@@ -113,10 +167,9 @@ class ExportTensors:
         return name in self.src
 
 
-def stored_dtype(src: Mapping[str, Any], name: str) -> Any:
+def stored_dtype(src: StoredTensors, name: str) -> Any:
     """``src[name]``'s dtype, from the shard header where ``src`` knows it (no read)."""
-    fn = getattr(src, "stored_dtype", None)
-    return fn(name) if fn is not None else src[name].dtype
+    return src.stored_dtype(name)
 
 
 class ResolvedTensors(Mapping[str, Any]):
@@ -124,7 +177,7 @@ class ResolvedTensors(Mapping[str, Any]):
     scale under its canonical ``.weight_scale_inv``) to the name the checkpoint stores
     it under (DeepSeek's root spelling or ``.scale``); other names pass through."""
 
-    def __init__(self, src: Mapping[str, Any], names: Mapping[str, str]) -> None:
+    def __init__(self, src: StoredTensors, names: Mapping[str, str]) -> None:
         self._src = src
         self._names = dict(names)
 
@@ -144,7 +197,7 @@ class ResolvedTensors(Mapping[str, Any]):
         return len(self._names)
 
     def stored_dtype(self, name: str) -> Any:
-        return stored_dtype(self._src, self._stored(name))
+        return self._src.stored_dtype(self._stored(name))
 
 
 # ------------------------------------------------------------------------------ readers

@@ -98,11 +98,12 @@ class TensorRTBackend(Backend):
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             (self.inputs if engine.get_tensor_mode(name) == t.TensorIOMode.INPUT else self.outputs).append(name)
-        own = set(((source.manifest or {}).get("graph") or {}).get("io", {}).get("states") or {})
-        states = [n for n in self.inputs if n in own or n.startswith(("conv_state_", "recurrent_state_",
-                                                                      "index_key_cache_", "ple_"))]
+        io = ((source.manifest or {}).get("graph") or {}).get("io", {})
+        # the manifest's states, and those the architecture names (a manifest without io.states)
+        own = set(io.get("states") or {}) | source.architecture.engine_state_inputs(source.config)
+        states = [n for n in self.inputs if n in own]
         if states:  # a Qwen4Exp / DeepSeek-V4 engine: its per-slot states and PLE inputs are not bound here yet
-            arch = ((source.manifest or {}).get("graph") or {}).get("io", {}).get("architecture") or "Qwen4Exp"
+            arch = io.get("architecture") or source.architecture.title
             raise EngramError(f"the tensorrt backend does not bind a {arch} engine's state inputs yet ({states[0]} and "
                               f"{len(states) - 1} more); serve the engine folder with --backend torch")
         self.wants_staged_rows = any(n.startswith("engram_rows_") for n in self.inputs)

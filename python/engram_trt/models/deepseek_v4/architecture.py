@@ -246,6 +246,13 @@ class DeepseekV4Architecture(ArchitectureBase):
         formats = self.stored_formats(ckpt.config, ckpt)[0]
         return [f.name for f in formats.values() if f.kind == "fp8"]
 
+    def engine_state_inputs(self, config: DeepseekV4Config) -> set[str]:
+        """The exported step's per-slot attention states (``onnx_export.state_shapes``:
+        window, compressor and indexer states per layer)."""
+        from engram_trt.models.deepseek_v4.onnx_export import state_shapes
+
+        return set(state_shapes(config))
+
     def export_onnx(self, config: DeepseekV4Config, weights: Any, layout: Any, options: Any) -> Any:
         """The ONNX serving step (:mod:`.onnx_export`); ``layout`` is V4.1's Engram layout
         (None for V4)."""

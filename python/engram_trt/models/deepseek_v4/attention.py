@@ -36,7 +36,7 @@ over the packed step instead (:mod:`.attention_kernel`, the same state layout).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +92,10 @@ class GroupedLinear(nn.Module):
     """``DeepseekV4GroupedLinear``: a block-diagonal linear. ``weight`` is
     ``[groups * out_per_group, in_per_group]``; group ``g`` of the input meets rows
     ``g * out_per_group ..`` only, which keeps the huge ``heads * head_dim`` output from
-    meeting one dense matrix."""
+    meeting one dense matrix. ``stored_format`` False: a float weight (QuantGroupedLinear,
+    its stored-FP8 twin, declares True)."""
+
+    stored_format: ClassVar[bool] = False
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
         super().__init__()
@@ -196,7 +199,8 @@ class DeepseekV4Attention(nn.Module):
         if len(set(slots)) != n_seq:
             raise EngramError(f"slots {slots} repeat; each sequence of a step owns its own slot")
         capacity = state["compressed_kv"].shape[1] if "compressed_kv" in state else 0
-        want = self.state_shapes(self.config, self.layer_idx, max(capacity * getattr(self.compressor, "rate", 1), 1))
+        rate = self.compressor.rate if self.compressor is not None else 1
+        want = self.state_shapes(self.config, self.layer_idx, max(capacity * rate, 1))
         n_slots = state["window_kv"].shape[0] if "window_kv" in state else 0
         for name, (shape, _) in want.items():
             got = state.get(name)

@@ -63,7 +63,7 @@ def why_not_kernel(layer: Any, x: Tensor, state: dict[str, Tensor] | None) -> st
     if layer.head_dim > _MAX_HEAD_DIM:
         return f"head_dim {layer.head_dim} exceeds the kernel's {_MAX_HEAD_DIM}"
     comp = layer.compressor
-    indexer = getattr(comp, "indexer", None)
+    indexer = comp.indexer if comp is not None else None
     if indexer is not None and indexer.dim > _MAX_INDEX_DIM:
         return f"index_head_dim {indexer.dim} exceeds the kernel's {_MAX_INDEX_DIM}"
     if state is not None:
@@ -113,7 +113,7 @@ def core(layer: Any, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor | None
         inputs += [c_kv, c_gate, comp.position_bias.float().contiguous(),
                    comp.kv_norm.weight.float().contiguous(), layer.rope.inv_freq_on(x.device),
                    state["compressed_kv"], state["compressor_kv"], state["compressor_gate"]]
-        ix = getattr(comp, "indexer", None)
+        ix = comp.indexer
         if ix is not None:
             i_q, i_w = (pre["i_q"], pre["i_w"]) if "i_q" in pre else ix.queries(q_residual, x, cos, sin)
             i_kv = pre["i_kv"] if "i_kv" in pre else ix.kv_proj(x)
@@ -123,7 +123,7 @@ def core(layer: Any, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor | None
                        state["index_keys"], state["indexer_kv"], state["indexer_gate"]]
     return dsv4_attention(*inputs, layer_type=_TYPE_CODE[layer.layer_type], window=layer.window,
                           compress_rate=comp.rate if comp is not None else 0,
-                          index_topk=comp.indexer.topk if getattr(comp, "indexer", None) is not None else 0,
+                          index_topk=comp.indexer.topk if comp is not None and comp.indexer is not None else 0,
                           scaling=layer.scaling, eps=layer.eps, rope_scale=float(layer.rope.scale))
 
 

@@ -295,19 +295,21 @@ class LightningIndexer(PooledCompressor):
 
 class CSACompressor(PooledCompressor):
     """``self_attn.compressor`` of a compressed_sparse_attention layer: an overlapping
-    compressor at ``head_dim`` plus its :class:`LightningIndexer`."""
+    compressor at ``head_dim`` plus its :class:`LightningIndexer` (``indexer``: both
+    layer compressors declare it, so the attention reads ``compressor.indexer`` directly)."""
 
     def __init__(self, config: Any, rate: int) -> None:
         super().__init__(config.hidden_size, config.head_dim, rate, True, config.rms_norm_eps)
-        self.indexer = LightningIndexer(config, rate)
+        self.indexer: LightningIndexer | None = LightningIndexer(config, rate)
 
 
 class HCACompressor(PooledCompressor):
     """``self_attn.compressor`` of a heavily_compressed_attention layer: windows of
-    ``rate`` tokens without overlap; every visible entry is attended (no indexer)."""
+    ``rate`` tokens without overlap; every visible entry is attended (``indexer`` None)."""
 
     def __init__(self, config: Any, rate: int) -> None:
         super().__init__(config.hidden_size, config.head_dim, rate, False, config.rms_norm_eps)
+        self.indexer: LightningIndexer | None = None  # an instance attribute: no parameter, no state_dict entry
 
 
 def check_rope_fits(config: Any, rope_dim: int, layer_type: str) -> None:

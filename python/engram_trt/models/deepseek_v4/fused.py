@@ -177,7 +177,7 @@ def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta:
     T, H, d = x.shape[0], attn.num_heads, attn.head_dim
     pairs = int(cos.shape[-1])
     comp = attn.compressor
-    ix = getattr(comp, "indexer", None)
+    ix = comp.indexer if comp is not None else None
     mods: list[nn.Module] = [attn.q_a_proj, attn.kv_proj]
     if comp is not None:
         mods += [comp.kv_proj, comp.gate_proj]
@@ -247,7 +247,7 @@ def _grouped_output(attn: Any, flat: Tensor, cos: Tensor, sin: Tensor, pairs: in
     mod = attn.o_a_proj
     groups = attn.config.o_groups
     per_in = flat.shape[1] // groups
-    w = getattr(mod, "weight", None)  # GroupedLinear's bf16 weight (QuantGroupedLinear's is stored FP8: not taken)
+    w = None if mod.stored_format else mod.weight  # a QuantGroupedLinear's is stored FP8: not taken here
     inverse = decode.NormRopeJob(flat, flat, dim=d, heads=flat.shape[1] // d, rope_pairs=pairs, cos=cos, sin=sin,
                                  rope_sign=-1)
     if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == flat.dtype and per_in % 8 == 0:
@@ -276,12 +276,12 @@ def _grouped_stored(mod: nn.Module, flat: Tensor, groups: int, per_in: int) -> T
     """A stored-format grouped ``o_a_proj`` (QuantGroupedLinear) of ``flat [T, groups *
     per_in]``: its groups as segments of one :func:`engram_trt.native.quant_decode.gemv_segments`
     launch (each group's rows a QuantWeight view), or None."""
-    group_weights = getattr(mod, "group_weights", None)
-    qd = _quant_fused()
-    if group_weights is None or qd is None or getattr(mod, "backend", "auto") == "torch" \
-            or groups > qd.MAX_SEGMENTS:
+    if not mod.stored_format:  # a GroupedLinear (declared by both grouped kinds)
         return None
-    parts = group_weights()
+    qd = _quant_fused()
+    if qd is None or mod.backend == "torch" or groups > qd.MAX_SEGMENTS:
+        return None
+    parts = mod.group_weights()
     if parts is None:
         return None
     xs = [flat[:, g * per_in:(g + 1) * per_in] for g in range(groups)]
@@ -329,10 +329,10 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     T = x.shape[0]
     if not 1 <= T <= decode.GEMV_EX_MAX_TOKENS or x.dim() != 2:
         return None
-    scoring = getattr(router, "scoring", None)
+    scoring = router.scoring
     if scoring not in decode.SCORE_FNS or not decode.gemv_fits(x, router.weight):
         return None
-    bias = getattr(router, "e_score_correction_bias", None)
+    bias = router.correction_bias()  # a TopKRouter's; None: a HashRouter picks by its tid2eid table
     if bias is not None and bias.dtype != torch.float32:
         return None  # a bf16 bias rounds the keys: the module's path
     if router.top_k > decode.MOE_MAX_TOP_K or router.num_experts > decode.MOE_MAX_EXPERTS:
@@ -341,7 +341,7 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     quantized = any(isinstance(st, QuantWeight) for st in stacks)
     limit = mlp.experts[0].limit
     shared = mlp.shared_experts
-    projections = [getattr(shared, p) for p in ("gate_proj", "up_proj", "down_proj")]
+    projections: list[nn.Module] = [shared.gate_proj, shared.up_proj, shared.down_proj]
     plain = not quantized and all(isinstance(m, nn.Linear) and m.bias is None for m in projections) \
         and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections))) \
         and x.is_contiguous() and shared.limit == limit and stacks[0].shape[1] % 8 == 0 \

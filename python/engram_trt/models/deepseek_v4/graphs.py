@@ -36,7 +36,10 @@ or per sequence).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
 
 # MoE forms that read a value back on the host (GroupedSparseMoE: ``loop`` takes the
 # expert counts with .tolist(); ``grouped`` counts them with torch.bincount, whose CUDA
@@ -55,7 +58,7 @@ def decode_moe_form(chosen: str, tokens: int, experts: int, dense_max: int) -> s
 
 
 @contextlib.contextmanager
-def sync_free_moe(mlp: Any, x: Any) -> Iterator[None]:
+def sync_free_moe(mlp: GroupedSparseMoE, x: Any) -> Iterator[None]:
     """While open, ``mlp`` (a :class:`~.moe.GroupedSparseMoE` with ``form`` ``auto``) takes a
     sync-free form for activations ``x [T, D]`` on CUDA (:func:`decode_moe_form`); an
     explicitly set form, or a CPU step, is left alone."""
@@ -64,7 +67,7 @@ def sync_free_moe(mlp: Any, x: Any) -> Iterator[None]:
     from engram_trt.models.deepseek_v4.moe import DENSE_MAX_TOKEN_EXPERTS
 
     swap = None
-    if x.is_cuda and getattr(mlp, "form", "auto") == "auto" and not getattr(mlp, "quantized_experts", False):
+    if x.is_cuda and mlp.form == "auto" and not mlp.quantized_experts:
         probe = torch.empty((x.shape[0], mlp.gate.top_k), dtype=torch.int64, device="meta")  # choose_form reads its size
         swap = decode_moe_form(mlp.choose_form(x, probe), x.shape[0], len(mlp.experts), DENSE_MAX_TOKEN_EXPERTS)
     if swap is None:
@@ -98,8 +101,8 @@ def graphs_unavailable(model: Any) -> str | None:
         if why is not None:
             return (f"layer {layer.index}'s attention core is not on the CUDA kernel ({why}), and the torch core's "
                     "loop over sequences reads their lengths on the host")
-        form = getattr(layer.mlp, "form", "auto")
-        if getattr(layer.mlp, "quantized_experts", False) and form in ("auto", "kernels"):
+        form = layer.mlp.form  # a GroupedSparseMoE: form and quantized_experts are declared
+        if layer.mlp.quantized_experts and form in ("auto", "kernels"):
             why = layer.mlp.kernels_unavailable(torch.empty((1, model.config.hidden_size), device=model.device,
                                                             dtype=model.compute_dtype))
             if why is not None:  # the float forms cannot take stored-format experts: only the loop would

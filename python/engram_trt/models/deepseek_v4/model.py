@@ -163,12 +163,13 @@ class DeepseekV4Model(ServedModel, _Modules):
 
     def _rebuild_host_tables(self) -> None:
         """The attention's RoPE frequency tables are plain tensors (not parameters), made
-        on the meta device with the rest; they are recomputed on the CPU (a few floats)."""
+        on the meta device with the rest; they are recomputed on the CPU (a few floats).
+        Each attention layer holds one (``DeepseekV4Attention.rope``)."""
+        from engram_trt.models.deepseek_v4.attention import DeepseekV4Attention
         from engram_trt.models.deepseek_v4.compressors import RopeTable
 
         for mod in self.modules():
-            rope = getattr(mod, "rope", None)
-            if isinstance(rope, RopeTable) and rope.inv_freq.is_meta:
+            if isinstance(mod, DeepseekV4Attention) and mod.rope.inv_freq.is_meta:
                 with torch.device("cpu"):
                     mod.rope = RopeTable(self.config, mod.layer_type)
 

@@ -33,7 +33,7 @@ names the checkpoint stores (``hc_attn_fn``, ``ffn.experts.3.w1``, ``ffn.gate.bi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -326,6 +326,7 @@ class QuantGroupedLinear(nn.Module):
     cutting a block) the weight is dequantized for the call, as transformers' CPU path does."""
 
     backend: str = "auto"
+    stored_format: ClassVar[bool] = True  # GroupedLinear's is False: the fused glue tells the two kinds apart
 
     def __init__(self, in_per_group: int, out_features: int, groups: int, kind: str, block: tuple[int, int],
                  scale_fmt: str = "float", device: Any = None) -> None:
@@ -411,6 +412,11 @@ class _Router(nn.Module):
         self.score_fn = _SCORES[config.scoring_func]
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
 
+    def correction_bias(self) -> torch.Tensor | None:
+        """The bias the picks add to the scores (:class:`TopKRouter`'s
+        ``e_score_correction_bias``); None: the picks come from ``tid2eid`` (:class:`HashRouter`)."""
+        return None
+
     def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         w = scores.gather(1, ids)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
@@ -422,6 +428,9 @@ class TopKRouter(_Router):
     def __init__(self, config: Any) -> None:
         super().__init__(config)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts))
+
+    def correction_bias(self) -> torch.Tensor | None:
+        return self.e_score_correction_bias
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = self.score_fn(F.linear(x, self.weight))

@@ -164,11 +164,11 @@ def layout_of(present: Iterable[str]) -> str:
     return TRANSFORMERS
 
 
-def resolve_names(canonical: Iterable[str], present: Any, *, scales: bool = True) -> StoredNames:
-    """Each canonical name's stored name where the checkpoint (``present``: a set of
-    names, or anything with ``in`` and ``tensor_names()``) holds one; with ``scales``, each
-    weight's block scale too where one is stored (under the weight's canonical scale name)."""
-    names = set(present.tensor_names()) if hasattr(present, "tensor_names") else set(present)
+def resolve_names(canonical: Iterable[str], present: Iterable[str], *, scales: bool = True) -> StoredNames:
+    """Each canonical name's stored name where the checkpoint holds one (``present``: the
+    names it stores, ``ckpt.tensor_names()``); with ``scales``, each weight's block scale
+    too where one is stored (under the weight's canonical scale name)."""
+    names = set(present)
     out: dict[str, str] = {}
     for c in canonical:
         for cand in checkpoint_names(c):
@@ -264,7 +264,7 @@ def stored_formats(shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None
     problem, the resolved names)``. ``shapes``: every tensor the model reads (canonical,
     logical shapes); ``linears``: canonical weight name -> the model's module name of each
     projection that may be stored quantized (module docstring)."""
-    names = resolve_names(shapes, ckpt)
+    names = resolve_names(shapes, ckpt.tensor_names())
     formats: dict[str, StoredFormat] = {}
     problems: list[str] = []
     expert_formats: dict[int, dict[tuple[str, str | None], str]] = {}
@@ -482,7 +482,7 @@ def load_into(module: nn.Module, ckpt: Any, device: torch.device, dtype: torch.d
     tensor already allocated (a view of an expert stack) is filled in place. Shapes are
     checked before anything is read."""
     targets = named_tensors(module)
-    names = names if names is not None else resolve_names(targets, ckpt)
+    names = names if names is not None else resolve_names(targets, ckpt.tensor_names())
     missing = [c for c in targets if c not in names.stored]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -144,6 +144,30 @@ class Qwen4ExpArchitecture(ArchitectureBase):
         return {"ple": {"layers": layers, "total_bytes": total, "heads": cfg.ple.n_heads,
                         "ngram_size": cfg.ple.ngram_size}}
 
+    def table_report_lines(self, report: Mapping[str, Any]) -> list[str]:
+        """``inspect``'s lines of :meth:`describe_tables`' PLE report: the totals, then one
+        line per PLE layer (none without PLE layers)."""
+        from engram_trt.errors import human_bytes
+
+        ple = report.get("ple")
+        if not ple:
+            return []
+        lines = [(f"PLE          {len(ple['layers'])} layer(s), {ple['heads']} hashed heads of n-grams up to "
+                  f"{ple['ngram_size']}, {human_bytes(ple['total_bytes'])} of tables")]
+        for e in ple["layers"]:
+            lines.append(f"PLE layer {e['ple_layer_id']:>3}: {e['table_rows']} rows (the config's primes give "
+                         f"{e['layout_rows']}) x {e['width']} {e['dtype']} in {e['shards']} shard(s), "
+                         f"{human_bytes(e['bytes'])}")
+        return lines
+
+    def engine_state_inputs(self, config: Qwen4ExpConfig) -> set[str]:
+        """The exported step's per-slot states (``onnx_export.state_shapes``: conv,
+        recurrent, KV and QSA index caches, PLE conv states) and its PLE inputs
+        (``ple_context``, ``ple_table_ptrs``)."""
+        from engram_trt.models.qwen4_exp.onnx_export import state_shapes
+
+        return set(state_shapes(config)) | ({"ple_context", "ple_table_ptrs"} if config.ple is not None else set())
+
     def build_model(self, config: Qwen4ExpConfig, weights: Mapping[str, Any], **options: Any) -> Any:
         from engram_trt.models.qwen4_exp.model import Qwen4ExpModel
 
