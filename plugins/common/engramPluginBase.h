@@ -155,11 +155,13 @@ template <typename Derived, typename Config>
 using EngramPluginBase = EngramPluginBaseT<Derived, Config, nvinfer1::IPluginV3OneBuild>;
 
 //! One read-modify-write state of an aliasing plugin (a KV cache, a conv or recurrent
-//! state): output `output` is input `input`'s memory.
+//! state): output `output` is input `input`'s memory; `name` is the input's, as the
+//! messages give it.
 struct AliasedState
 {
     int32_t output;
     int32_t input;
+    char const* name;
 };
 
 //! A plugin's states: a view of its table (a prefix of it where a field decides how many).
@@ -178,8 +180,60 @@ struct AliasedStates
     }
 };
 
+//! The view of a plugin's whole table of states.
+template <int32_t N>
+constexpr AliasedStates statesOf(AliasedState const (&states)[N])
+{
+    return {states, N};
+}
+
+//! Whether two build-time shapes can be the same: the same rank, every dim dimMatches.
+inline bool dimsMatch(nvinfer1::Dims const& a, nvinfer1::Dims const& b)
+{
+    if (a.nbDims != b.nbDims)
+    {
+        return false;
+    }
+    for (int32_t k = 0; k < a.nbDims; ++k)
+    {
+        if (!dimMatches(a.d[k], b.d[k]))
+        {
+            return false;
+        }
+    }
+    return true;
+}
+
+//! The part of every aliasing plugin's I/O check (its checkIo) that is the same for all:
+//! each state output has its state input's type and shape (what getOutputDataTypes and
+//! getOutputShapes give it), where the method sees them (PluginIo). The state inputs
+//! themselves are the plugin's to check, before this.
+inline void checkAliasedStates(AliasedStates states, PluginIo const& io)
+{
+    for (AliasedState const& state : states)
+    {
+        if (io.hasOutputTypes)
+        {
+            nvinfer1::DataType const want = io.inTypes[state.input];
+            nvinfer1::DataType const got = io.outTypes[state.output];
+            ENGRAM_PLUGIN_CHECK(got == want,
+                "the " << state.name << " output must be " << state.name << "'s type " << dataTypeName(want) << ", got "
+                       << dataTypeName(got));
+        }
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& want = io.inDims[state.input];
+            nvinfer1::Dims const& got = io.outDims[state.output];
+            ENGRAM_PLUGIN_CHECK(dimsMatch(got, want),
+                "the " << state.name << " output must match " << state.name << " " << dimsToString(want) << ", got "
+                       << dimsToString(got));
+        }
+    }
+}
+
 //! The base of a plugin whose outputs alias inputs: the runtime owns the states and each
-//! step updates them in place. `Derived::aliasedStates()` lists them; this base answers
+//! step updates them in place. `Derived::aliasedStates()` lists them (its checkIo checks
+//! the state outputs against them with checkAliasedStates); this base answers
 //! getAliasedInput from that list (TensorRT honours it with
 //! PreviewFeature::kALIASED_PLUGIN_IO_10_03) and copies the states where TensorRT did not
 //! alias them (copyStatesUnlessAliased), the same way for every such plugin.

@@ -4,8 +4,9 @@
  * The tensor questions every Engram plugin asks the same way: which float types its
  * activations may take and their code in the kernel library, whether a build-time dim
  * (-1 while unknown) can be the one expected, the dims of a descriptor list, the common
- * part of supportsFormatCombination, and the copy a state output needs when TensorRT did
- * not alias it to its input. One definition each, so the plugins refuse alike.
+ * part of supportsFormatCombination, the copy a state output needs when TensorRT did
+ * not alias it to its input, and PluginIo: what one plugin method sees of the I/O, the one
+ * argument of each plugin's checkIo. One definition each, so the plugins refuse alike.
  */
 #ifndef ENGRAM_TRT_PLUGIN_TENSORS_H
 #define ENGRAM_TRT_PLUGIN_TENSORS_H
@@ -17,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <ostream>
 #include <type_traits>
 
 namespace engram_trt
@@ -70,6 +72,36 @@ inline bool dimMatches(int64_t dim, int64_t expected)
     return dim == -1 || expected == -1 || dim == expected;
 }
 
+//! Whether `dim` can be at least `least`: -1 (unknown at build time) can.
+inline bool dimAtLeast(int64_t dim, int64_t least)
+{
+    return dim == -1 || dim >= least;
+}
+
+//! A dim in a message: its value, or its symbol ("T", "S") while it is -1 (unknown at
+//! build time). configurePlugin's "k must be [T, 2, 64]" and enqueue's "k must be [5, 2,
+//! 64]" are one check's one message.
+struct DimText
+{
+    DimText(int64_t dimValue, char const* dimSymbol)
+        : value(dimValue)
+        , symbol(dimSymbol)
+    {
+    }
+
+    int64_t value;
+    char const* symbol;
+};
+
+inline std::ostream& operator<<(std::ostream& os, DimText const& dim)
+{
+    if (dim.value == -1)
+    {
+        return os << dim.symbol;
+    }
+    return os << dim.value;
+}
+
 //! Whether two shapes are the same (rank and every dim).
 inline bool sameDims(nvinfer1::Dims const& a, nvinfer1::Dims const& b)
 {
@@ -114,6 +146,123 @@ inline bool isLinearIoAt(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* i
     return nbInputs == expectedInputs && nbOutputs == expectedOutputs && pos >= 0 && pos < nbInputs + nbOutputs
         && inOut[pos].desc.format == nvinfer1::TensorFormat::kLINEAR;
 }
+
+//! What one plugin method sees of its I/O, for the plugin's one I/O check (checkIo): the
+//! counts always; the input types (getOutputDataTypes, configurePlugin, enqueue); the
+//! input dims (getOutputShapes: its constant expressions, -1 for the others;
+//! configurePlugin: -1 where dynamic; enqueue: concrete); the output types and dims at
+//! enqueue only (at build time they are what getOutputDataTypes / getOutputShapes made
+//! them). dimMatches, dimAtLeast and DimText take the -1 of a build-time dim. The arrays
+//! are filled only when the counts fit them: a count past kMaxIo is refused by the
+//! plugin's count check before anything else is read.
+struct PluginIo
+{
+    static constexpr int32_t kMaxIo = 24;
+
+    int32_t nbInputs{0};
+    int32_t nbOutputs{0};
+    bool hasInputTypes{false};
+    bool hasOutputTypes{false};
+    bool hasInputDims{false};
+    bool hasOutputDims{false};
+    nvinfer1::DataType inTypes[kMaxIo]{};
+    nvinfer1::DataType outTypes[kMaxIo]{};
+    nvinfer1::Dims inDims[kMaxIo]{};
+    nvinfer1::Dims outDims[kMaxIo]{};
+
+    //! Whether the counts are `inputs` and `outputs` (the first question of every checkIo).
+    bool counts(int32_t inputs, int32_t outputs) const
+    {
+        return nbInputs == inputs && nbOutputs == outputs;
+    }
+
+    //! getOutputDataTypes: the input types.
+    static PluginIo ofTypes(nvinfer1::DataType const* inputTypes, int32_t nbInputs, int32_t nbOutputs)
+    {
+        PluginIo io = counted(nbInputs, nbOutputs);
+        if (io.fits())
+        {
+            io.hasInputTypes = true;
+            for (int32_t i = 0; i < nbInputs; ++i)
+            {
+                io.inTypes[i] = inputTypes[i];
+            }
+        }
+        return io;
+    }
+
+    //! getOutputShapes: the input dims, a constant expression's value, -1 for the others.
+    static PluginIo ofShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, int32_t nbOutputs)
+    {
+        PluginIo io = counted(nbInputs, nbOutputs);
+        if (io.fits())
+        {
+            io.hasInputDims = true;
+            for (int32_t i = 0; i < nbInputs; ++i)
+            {
+                io.inDims[i].nbDims = inputs[i].nbDims;
+                for (int32_t k = 0; k < inputs[i].nbDims && k < nvinfer1::Dims::MAX_DIMS; ++k)
+                {
+                    nvinfer1::IDimensionExpr const* d = inputs[i].d[k];
+                    io.inDims[i].d[k] = d != nullptr && d->isConstant() ? d->getConstantValue() : -1;
+                }
+            }
+        }
+        return io;
+    }
+
+    //! configurePlugin: the input types and build-time dims (-1 where dynamic).
+    static PluginIo ofConfigure(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs, int32_t nbOutputs)
+    {
+        PluginIo io = counted(nbInputs, nbOutputs);
+        if (io.fits())
+        {
+            io.hasInputTypes = io.hasInputDims = true;
+            copyDims(in, nbInputs, io.inDims);
+            for (int32_t i = 0; i < nbInputs; ++i)
+            {
+                io.inTypes[i] = in[i].desc.type;
+            }
+        }
+        return io;
+    }
+
+    //! enqueue: the types and concrete dims of every input and output.
+    static PluginIo ofEnqueue(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs)
+    {
+        PluginIo io = counted(nbInputs, nbOutputs);
+        if (io.fits())
+        {
+            io.hasInputTypes = io.hasOutputTypes = io.hasInputDims = io.hasOutputDims = true;
+            copyDims(in, nbInputs, io.inDims);
+            copyDims(out, nbOutputs, io.outDims);
+            for (int32_t i = 0; i < nbInputs; ++i)
+            {
+                io.inTypes[i] = in[i].type;
+            }
+            for (int32_t i = 0; i < nbOutputs; ++i)
+            {
+                io.outTypes[i] = out[i].type;
+            }
+        }
+        return io;
+    }
+
+private:
+    static PluginIo counted(int32_t nbInputs, int32_t nbOutputs)
+    {
+        PluginIo io;
+        io.nbInputs = nbInputs;
+        io.nbOutputs = nbOutputs;
+        return io;
+    }
+
+    bool fits() const
+    {
+        return nbInputs >= 0 && nbOutputs >= 0 && nbInputs <= kMaxIo && nbOutputs <= kMaxIo;
+    }
+};
 
 //! A state output (KV cache, conv or recurrent state) is read-modify-write. With the
 //! aliasing honoured (PreviewFeature::kALIASED_PLUGIN_IO_10_03) it is its input's memory

@@ -51,43 +51,76 @@ constexpr Field<AttentionConfig> kFieldList[] = {
 };
 constexpr FieldTable<AttentionConfig> kFields{kName, kFieldList};
 
-// The names the shape messages give, as the table spells them.
-constexpr char const* kNumHeadsName = kFields.nameOf<&AttentionConfig::numHeads>();
-constexpr char const* kNumKvHeadsName = kFields.nameOf<&AttentionConfig::numKvHeads>();
-constexpr char const* kHeadDimName = kFields.nameOf<&AttentionConfig::headDim>();
+//! The caches are read-modify-write: each cache output is its cache input's memory.
+constexpr AliasedState kStates[]
+    = {{kKeyCacheOut, kKeyCache, "key_cache"}, {kValueCacheOut, kValueCache, "value_cache"}};
 
-//! Build-time shape checks (dims may be -1 = dynamic).
-void checkDims(AttentionConfig const& c, nvinfer1::Dims const* in, nvinfer1::Dims const* out, int32_t nbOutputs)
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T, num_slots
+//! and max_seq_len may be -1 at build time; at enqueue T is q's and every other T equals
+//! it), the cache outputs against the caches (the aliasing base's checkAliasedStates).
+void checkIo(AttentionConfig const& c, PluginIo const& io)
 {
-    nvinfer1::Dims const& q = in[kQ];
-    ENGRAM_PLUGIN_CHECK(q.nbDims == 3 && dimMatches(q.d[1], c.numHeads) && dimMatches(q.d[2], c.headDim),
-        "q must be [T, " << c.numHeads << ", " << c.headDim << "], got " << dimsToString(q));
-    for (int32_t i : {kK, kV})
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, kNbOutputs),
+        "expects 7 inputs (q, k, v, key_cache, value_cache, token_slot, token_pos) and 3 outputs, got "
+            << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
     {
-        nvinfer1::Dims const& x = in[i];
-        ENGRAM_PLUGIN_CHECK(x.nbDims == 3 && dimMatches(x.d[1], c.numKvHeads) && dimMatches(x.d[2], c.headDim),
-            (i == kK ? "k" : "v") << " must be [T, " << c.numKvHeads << ", " << c.headDim << "], got "
-                                  << dimsToString(x));
-    }
-    for (int32_t i : {kKeyCache, kValueCache})
-    {
-        nvinfer1::Dims const& x = in[i];
-        ENGRAM_PLUGIN_CHECK(x.nbDims == 4 && dimMatches(x.d[1], c.numKvHeads) && dimMatches(x.d[3], c.headDim),
-            (i == kKeyCache ? "key_cache" : "value_cache")
-                << " must be [num_slots, " << c.numKvHeads << ", max_seq_len, " << c.headDim << "], got "
-                << dimsToString(x));
-    }
-    for (int32_t i : {kTokenSlot, kTokenPos})
-    {
-        ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1, (i == kTokenSlot ? "token_slot" : "token_pos") << " must be 1-D [T]");
-    }
-    if (out != nullptr && nbOutputs == kNbOutputs)
-    {
+        DataType const* in = io.inTypes;
+        DataType const t = in[kQ];
         ENGRAM_PLUGIN_CHECK(
-            out[kOut].nbDims == 3, "the attention output must be [T, " << kNumHeadsName << ", " << kHeadDimName << "]");
-        ENGRAM_PLUGIN_CHECK(out[kKeyCacheOut].nbDims == 4 && out[kValueCacheOut].nbDims == 4,
-            "the cache outputs must be 4-D like the caches");
+            isFloatIoType(t) && in[kK] == t && in[kV] == t && in[kKeyCache] == t && in[kValueCache] == t,
+            "q, k, v, key_cache and value_cache must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(t) << ", " << dataTypeName(in[kK]) << ", " << dataTypeName(in[kV]) << ", "
+                << dataTypeName(in[kKeyCache]) << " and " << dataTypeName(in[kValueCache]));
+        ENGRAM_PLUGIN_CHECK(in[kTokenSlot] == DataType::kINT32 && in[kTokenPos] == DataType::kINT32,
+            "token_slot and token_pos must be int32, got " << dataTypeName(in[kTokenSlot]) << " and "
+                                                           << dataTypeName(in[kTokenPos]));
     }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[kOut] == io.inTypes[kQ],
+            "q, k, v, the caches and the outputs must share one type (bfloat16, float16 or float32), q is "
+                << dataTypeName(io.inTypes[kQ]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const* in = io.inDims;
+        nvinfer1::Dims const& q = in[kQ];
+        ENGRAM_PLUGIN_CHECK(q.nbDims == 3 && dimMatches(q.d[1], c.numHeads) && dimMatches(q.d[2], c.headDim),
+            "q must be [T, " << c.numHeads << ", " << c.headDim << "], got " << dimsToString(q));
+        DimText const t(q.d[0], "T");
+        for (int32_t i : {kK, kV})
+        {
+            nvinfer1::Dims const& x = in[i];
+            ENGRAM_PLUGIN_CHECK(x.nbDims == 3 && dimMatches(x.d[0], t.value) && dimMatches(x.d[1], c.numKvHeads)
+                    && dimMatches(x.d[2], c.headDim),
+                (i == kK ? "k" : "v") << " must be [" << t << ", " << c.numKvHeads << ", " << c.headDim << "], got "
+                                      << dimsToString(x));
+        }
+        nvinfer1::Dims const& cache = in[kKeyCache];
+        ENGRAM_PLUGIN_CHECK(cache.nbDims == 4 && dimMatches(cache.d[1], c.numKvHeads)
+                && dimMatches(cache.d[3], c.headDim) && dimAtLeast(cache.d[0], 1) && dimAtLeast(cache.d[2], 1),
+            "key_cache must be [num_slots, " << c.numKvHeads << ", max_seq_len, " << c.headDim << "], got "
+                                             << dimsToString(cache));
+        ENGRAM_PLUGIN_CHECK(dimsMatch(in[kValueCache], cache),
+            "value_cache and both cache outputs must match key_cache " << dimsToString(cache) << ", got "
+                                                                       << dimsToString(in[kValueCache]));
+        for (int32_t i : {kTokenSlot, kTokenPos})
+        {
+            nvinfer1::Dims const& x = in[i];
+            ENGRAM_PLUGIN_CHECK(x.nbDims == 1 && dimMatches(x.d[0], t.value),
+                (i == kTokenSlot ? "token_slot" : "token_pos") << " must be [" << t << "], got " << dimsToString(x));
+        }
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& o = io.outDims[kOut];
+            ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && dimMatches(o.d[0], t.value) && dimMatches(o.d[1], c.numHeads)
+                    && dimMatches(o.d[2], c.headDim),
+                "the attention output must be [" << t << ", " << c.numHeads << ", " << c.headDim << "], got "
+                                                 << dimsToString(o));
+        }
+    }
+    checkAliasedStates(statesOf(kStates), io);
 }
 } // namespace attention_detail
 
@@ -108,18 +141,8 @@ int32_t EngramAttentionPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         using namespace attention_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
-            "expects 7 inputs (q, k, v, key_cache, value_cache, token_slot, token_pos) and 3 outputs, got "
-                << nbInputs << " and " << nbOutputs);
+        checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         DataType const io = inputTypes[kQ];
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io
-                && inputTypes[kKeyCache] == io && inputTypes[kValueCache] == io,
-            "q, k, v, key_cache and value_cache must share one type (bfloat16, float16 or float32), got "
-                << dataTypeName(io) << ", " << dataTypeName(inputTypes[kK]) << ", " << dataTypeName(inputTypes[kV])
-                << ", " << dataTypeName(inputTypes[kKeyCache]) << " and " << dataTypeName(inputTypes[kValueCache]));
-        ENGRAM_PLUGIN_CHECK(inputTypes[kTokenSlot] == DataType::kINT32 && inputTypes[kTokenPos] == DataType::kINT32,
-            "token_slot and token_pos must be int32, got " << dataTypeName(inputTypes[kTokenSlot]) << " and "
-                                                           << dataTypeName(inputTypes[kTokenPos]));
         outputTypes[kOut] = io;
         outputTypes[kKeyCacheOut] = io;
         outputTypes[kValueCacheOut] = io;
@@ -135,12 +158,7 @@ int32_t EngramAttentionPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs
     ENGRAM_PLUGIN_TRY
     {
         using namespace attention_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 7 inputs and 3 outputs");
-        ENGRAM_PLUGIN_CHECK(
-            inputs[kQ].nbDims == 3, "q must be 3-D [T, " << kNumHeadsName << ", " << kHeadDimName << "]");
-        ENGRAM_PLUGIN_CHECK(inputs[kKeyCache].nbDims == 4 && inputs[kValueCache].nbDims == 4,
-            "key_cache and value_cache must be 4-D [num_slots, " << kNumKvHeadsName << ", max_seq_len, " << kHeadDimName
-                                                                 << "]");
+        checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[kOut] = inputs[kQ];
         outputs[kKeyCacheOut] = inputs[kKeyCache];
         outputs[kValueCacheOut] = inputs[kValueCache];
@@ -168,23 +186,12 @@ bool EngramAttentionPlugin::supportsFormatCombination(
 }
 
 int32_t EngramAttentionPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
         using namespace attention_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 7 inputs and 3 outputs");
-        nvinfer1::Dims inDims[kNbInputs];
-        nvinfer1::Dims outDims[kNbOutputs];
-        for (int32_t i = 0; i < kNbInputs; ++i)
-        {
-            inDims[i] = in[i].desc.dims;
-        }
-        for (int32_t i = 0; i < kNbOutputs; ++i)
-        {
-            outDims[i] = out[i].desc.dims;
-        }
-        checkDims(mConfig, inDims, outDims, nbOutputs);
+        checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(attention_detail::kName, -1);
@@ -212,10 +219,7 @@ size_t EngramAttentionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc
 
 AliasedStates EngramAttentionPlugin::aliasedStates() const
 {
-    // The caches are read-modify-write: each cache output is its cache input's memory.
-    using namespace attention_detail;
-    static constexpr AliasedState kStates[] = {{kKeyCacheOut, kKeyCache}, {kValueCacheOut, kValueCache}};
-    return {kStates, 2};
+    return statesOf(attention_detail::kStates);
 }
 
 int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -225,61 +229,14 @@ int32_t EngramAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
     ENGRAM_PLUGIN_TRY
     {
         using namespace attention_detail;
+        checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, kNbInputs, outputDesc, kNbOutputs));
         int32_t const h = mConfig.numHeads;
         int32_t const kvh = mConfig.numKvHeads;
         int32_t const hd = mConfig.headDim;
-        nvinfer1::Dims const& q = inputDesc[kQ].dims;
-        ENGRAM_PLUGIN_CHECK(q.nbDims == 3 && q.d[1] == h && q.d[2] == hd,
-            "q must be [T, " << h << ", " << hd << "], got " << dimsToString(q));
-        int64_t const numTokens = q.d[0];
-        for (int32_t i : {kK, kV})
-        {
-            nvinfer1::Dims const& x = inputDesc[i].dims;
-            ENGRAM_PLUGIN_CHECK(x.nbDims == 3 && x.d[0] == numTokens && x.d[1] == kvh && x.d[2] == hd,
-                (i == kK ? "k" : "v") << " must be [" << numTokens << ", " << kvh << ", " << hd << "], got "
-                                      << dimsToString(x));
-        }
-        nvinfer1::Dims const& cache = inputDesc[kKeyCache].dims;
-        ENGRAM_PLUGIN_CHECK(
-            cache.nbDims == 4 && cache.d[1] == kvh && cache.d[3] == hd && cache.d[0] >= 1 && cache.d[2] >= 1,
-            "key_cache must be [num_slots, " << kvh << ", max_seq_len, " << hd << "], got " << dimsToString(cache));
-        int64_t const numSlots = cache.d[0];
-        int64_t const maxSeqLen = cache.d[2];
-        nvinfer1::Dims const* sameAsCache[]
-            = {&inputDesc[kValueCache].dims, &outputDesc[kKeyCacheOut].dims, &outputDesc[kValueCacheOut].dims};
-        for (nvinfer1::Dims const* x : sameAsCache)
-        {
-            ENGRAM_PLUGIN_CHECK(sameDims(*x, cache),
-                "value_cache and both cache outputs must match key_cache " << dimsToString(cache) << ", got "
-                                                                           << dimsToString(*x));
-        }
-        for (int32_t i : {kTokenSlot, kTokenPos})
-        {
-            nvinfer1::Dims const& x = inputDesc[i].dims;
-            ENGRAM_PLUGIN_CHECK(x.nbDims == 1 && x.d[0] == numTokens,
-                (i == kTokenSlot ? "token_slot" : "token_pos")
-                    << " must be [" << numTokens << "], got " << dimsToString(x));
-        }
-        nvinfer1::Dims const& o = outputDesc[kOut].dims;
-        ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == numTokens && o.d[1] == h && o.d[2] == hd,
-            "the attention output must be [" << numTokens << ", " << h << ", " << hd << "], got " << dimsToString(o));
+        int64_t const numTokens = inputDesc[kQ].dims.d[0];
+        int64_t const numSlots = inputDesc[kKeyCache].dims.d[0];
+        int64_t const maxSeqLen = inputDesc[kKeyCache].dims.d[2];
         DataType const io = inputDesc[kQ].type;
-        bool sameType = isFloatIoType(io);
-        for (int32_t i : {kK, kV, kKeyCache, kValueCache})
-        {
-            sameType = sameType && inputDesc[i].type == io;
-        }
-        for (int32_t i = 0; i < kNbOutputs; ++i)
-        {
-            sameType = sameType && outputDesc[i].type == io;
-        }
-        ENGRAM_PLUGIN_CHECK(sameType,
-            "q, k, v, the caches and the outputs must share one type (bfloat16, float16 "
-            "or float32), q is "
-                << dataTypeName(io));
-        ENGRAM_PLUGIN_CHECK(
-            inputDesc[kTokenSlot].type == DataType::kINT32 && inputDesc[kTokenPos].type == DataType::kINT32,
-            "token_slot and token_pos must be int32");
 
         copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         size_t workspaceBytes = 0;

@@ -81,6 +81,57 @@ void checkDims(CausalConv1dConfig const& c, nvinfer1::Dims const* in)
         ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1, kInputNames[i] << " must be 1-D, got " << dimsToString(in[i]));
     }
 }
+
+//! The conv state is read-modify-write: its output is its input's memory.
+constexpr AliasedState kStates[] = {{kConvStateOut, kConvState, "conv_state"}};
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T, S and
+//! num_slots may be -1 at build time), the state output against its input (the aliasing
+//! base's checkAliasedStates).
+void checkIo(CausalConv1dConfig const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, kNbOutputs),
+        "expects 6 inputs (x, weight, conv_state, seq_starts, past_lens, slots) and 2 outputs, got "
+            << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        DataType const* in = io.inTypes;
+        DataType const t = in[kX];
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(t) && in[kConvState] == t,
+            "x and conv_state must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(t) << " and " << dataTypeName(in[kConvState]));
+        ENGRAM_PLUGIN_CHECK(isWeightType(in[kWeight], t),
+            "weight must be float32 or x's type (" << dataTypeName(t) << "), got " << dataTypeName(in[kWeight]));
+        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
+        {
+            ENGRAM_PLUGIN_CHECK(
+                in[i] == DataType::kINT32, kInputNames[i] << " must be int32, got " << dataTypeName(in[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[kOut] == io.inTypes[kX],
+            "x, conv_state and the outputs must share one type (bfloat16, float16 or float32), x is "
+                << dataTypeName(io.inTypes[kX]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const* in = io.inDims;
+        checkDims(c, in);
+        int64_t const numSeqs = in[kPastLens].d[0];
+        ENGRAM_PLUGIN_CHECK(
+            dimMatches(in[kSeqStarts].d[0], numSeqs == -1 ? -1 : numSeqs + 1) && dimMatches(in[kSlots].d[0], numSeqs),
+            "seq_starts must be [S + 1] and slots [S] with past_lens' S = " << DimText(numSeqs,
+                "S") << ", got " << dimsToString(in[kSeqStarts]) << " and " << dimsToString(in[kSlots]));
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& o = io.outDims[kOut];
+            ENGRAM_PLUGIN_CHECK(dimsMatch(o, in[kX]),
+                "the output must match x " << dimsToString(in[kX]) << ", got " << dimsToString(o));
+        }
+    }
+    checkAliasedStates(statesOf(kStates), io);
+}
 } // namespace causal_conv_detail
 
 EngramCausalConv1dPlugin::EngramCausalConv1dPlugin(CausalConv1dConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -100,21 +151,8 @@ int32_t EngramCausalConv1dPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         using namespace causal_conv_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
-            "expects 6 inputs (x, weight, conv_state, seq_starts, past_lens, slots) and 2 outputs, got "
-                << nbInputs << " and " << nbOutputs);
+        checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         DataType const io = inputTypes[kX];
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[kConvState] == io,
-            "x and conv_state must share one type (bfloat16, float16 or float32), got "
-                << dataTypeName(io) << " and " << dataTypeName(inputTypes[kConvState]));
-        ENGRAM_PLUGIN_CHECK(isWeightType(inputTypes[kWeight], io),
-            "weight must be float32 or x's type (" << dataTypeName(io) << "), got "
-                                                   << dataTypeName(inputTypes[kWeight]));
-        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
-                kInputNames[i] << " must be int32, got " << dataTypeName(inputTypes[i]));
-        }
         outputTypes[kOut] = io;
         outputTypes[kConvStateOut] = io;
         return 0;
@@ -129,9 +167,7 @@ int32_t EngramCausalConv1dPlugin::getOutputShapes(nvinfer1::DimsExprs const* inp
     ENGRAM_PLUGIN_TRY
     {
         using namespace causal_conv_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 6 inputs and 2 outputs");
-        ENGRAM_PLUGIN_CHECK(inputs[kX].nbDims == 2, "x must be 2-D [T, C]");
-        ENGRAM_PLUGIN_CHECK(inputs[kConvState].nbDims == 3, "conv_state must be 3-D [num_slots, C, kernel - 1]");
+        checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[kOut] = inputs[kX];
         outputs[kConvStateOut] = inputs[kConvState];
         return 0;
@@ -161,17 +197,12 @@ bool EngramCausalConv1dPlugin::supportsFormatCombination(
 }
 
 int32_t EngramCausalConv1dPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
         using namespace causal_conv_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 6 inputs and 2 outputs");
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(in, kNbInputs, dims);
-        checkDims(mConfig, dims);
-        ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kConvStateOut].desc.dims.nbDims == 3,
-            "the outputs must be [T, C] and conv_state's shape");
+        checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(causal_conv_detail::kName, -1);
@@ -179,9 +210,7 @@ int32_t EngramCausalConv1dPlugin::configurePlugin(nvinfer1::DynamicPluginTensorD
 
 AliasedStates EngramCausalConv1dPlugin::aliasedStates() const
 {
-    // The conv state is read-modify-write: its output is its input's memory.
-    static constexpr AliasedState kStates[] = {{causal_conv_detail::kConvStateOut, causal_conv_detail::kConvState}};
-    return {kStates, 1};
+    return statesOf(causal_conv_detail::kStates);
 }
 
 int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -191,31 +220,14 @@ int32_t EngramCausalConv1dPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
     ENGRAM_PLUGIN_TRY
     {
         using namespace causal_conv_detail;
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(inputDesc, kNbInputs, dims);
-        checkDims(mConfig, dims);
-        int64_t const numTokens = dims[kX].d[0];
-        int64_t const channels = dims[kX].d[1];
-        int64_t const numSeqs = dims[kPastLens].d[0];
-        ENGRAM_PLUGIN_CHECK(dims[kSeqStarts].d[0] == numSeqs + 1 && dims[kSlots].d[0] == numSeqs,
-            "seq_starts must be [S + 1] and slots [S] with past_lens' S = "
-                << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
-        nvinfer1::Dims const& state = dims[kConvState];
-        nvinfer1::Dims const& stateOut = outputDesc[kConvStateOut].dims;
-        ENGRAM_PLUGIN_CHECK(sameDims(stateOut, state),
-            "the conv_state output must match conv_state " << dimsToString(state) << ", got "
-                                                           << dimsToString(stateOut));
-        nvinfer1::Dims const& o = outputDesc[kOut].dims;
-        ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == channels,
-            "the output must match x " << dimsToString(dims[kX]) << ", got " << dimsToString(o));
+        checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, kNbInputs, outputDesc, kNbOutputs));
+        nvinfer1::Dims const& x = inputDesc[kX].dims;
+        int64_t const numTokens = x.d[0];
+        int64_t const channels = x.d[1];
+        int64_t const numSeqs = inputDesc[kPastLens].dims.d[0];
+        nvinfer1::Dims const& state = inputDesc[kConvState].dims;
         DataType const io = inputDesc[kX].type;
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputDesc[kConvState].type == io && outputDesc[kOut].type == io
-                && outputDesc[kConvStateOut].type == io,
-            "x, conv_state and the outputs must share one type (bfloat16, float16 or float32), x is "
-                << dataTypeName(io));
         DataType const wt = inputDesc[kWeight].type;
-        ENGRAM_PLUGIN_CHECK(isWeightType(wt, io), "weight must be float32 or x's type");
-
         int64_t const numSlots = state.d[0];
         size_t const stateBytes = static_cast<size_t>(volume(state)) * floatElementBytes(io);
         void* history = outputs[kConvStateOut];

@@ -72,7 +72,8 @@ int32_t nbStates(int32_t layerType)
     return layerType == ENGRAM_DSV4_SLIDING ? 1 : layerType == ENGRAM_DSV4_HCA ? 4 : 7;
 }
 
-constexpr AliasedState kStates[] = {{1, 6}, {2, 12}, {3, 13}, {4, 14}, {5, 21}, {6, 22}, {7, 23}};
+constexpr AliasedState kStates[] = {{1, 6, "window_kv"}, {2, 12, "compressed_kv"}, {3, 13, "compressor_kv"},
+    {4, 14, "compressor_gate"}, {5, 21, "index_keys"}, {6, 22, "indexer_kv"}, {7, 23, "indexer_gate"}};
 
 int32_t stateInput(int32_t i)
 {
@@ -111,13 +112,26 @@ void expectDims(nvinfer1::Dims const* in, int32_t i, std::initializer_list<int64
     }
 }
 
-//! The kernel's shape from the input dims (dims may be -1 at build time: those stay -1),
-//! every input's shape checked against the others.
-EngramDsv4Shape shapeOf(Dsv4AttentionConfig const& c, nvinfer1::Dims const* in, int32_t nbInputs, DataType io)
+//! A layer type's states: the first nbStates of the table.
+AliasedStates statesOfLayer(int32_t layerType)
 {
-    ENGRAM_PLUGIN_CHECK(nbInputs == nbInputsOf(c.layerType),
-        "layer_type " << c.layerType << " takes " << nbInputsOf(c.layerType)
-                      << " inputs (sliding 7, HCA 15, CSA 24), got " << nbInputs);
+    return {kStates, nbStates(layerType)};
+}
+
+bool typeOk(int32_t pos, DataType type, DataType io)
+{
+    switch (kInputs[pos].kind)
+    {
+    case kAct: return pos == 0 ? isFloatIoType(type) : type == io;
+    case kF32: return type == DataType::kFLOAT;
+    default: return type == DataType::kINT32;
+    }
+}
+
+//! The input dims every layer type shares and those of its compressor / indexer, each
+//! against the others (dims may be -1 at build time: those match anything).
+void checkDims(Dsv4AttentionConfig const& c, nvinfer1::Dims const* in, int32_t nbInputs)
+{
     for (int32_t i = 0; i < nbInputs; ++i)
     {
         ENGRAM_PLUGIN_CHECK(in[i].nbDims == kInputs[i].rank,
@@ -134,23 +148,9 @@ EngramDsv4Shape shapeOf(Dsv4AttentionConfig const& c, nvinfer1::Dims const* in, 
     expectDims(in, 3, {plus(S, 1)});
     expectDims(in, 5, {S});
     expectDims(in, kWindowKv, {N, c.window, d});
-    EngramDsv4Shape s{};
-    s.num_tokens = T;
-    s.num_seqs = S;
-    s.num_slots = N;
-    s.layer_type = c.layerType;
-    s.window = c.window;
-    s.compress_rate = c.compressRate;
-    s.index_topk = c.indexTopk;
-    s.io_type = floatTypeCode(io);
-    s.num_heads = static_cast<int32_t>(H);
-    s.head_dim = static_cast<int32_t>(d);
-    s.scaling = c.scaling;
-    s.eps = c.eps;
-    s.rope_scale = c.ropeScale;
     if (c.layerType == ENGRAM_DSV4_SLIDING)
     {
-        return s;
+        return;
     }
     int64_t const r = c.compressRate;
     int64_t const w = csa ? times(d, 2) : d;
@@ -163,11 +163,9 @@ EngramDsv4Shape shapeOf(Dsv4AttentionConfig const& c, nvinfer1::Dims const* in, 
     expectDims(in, 12, {N, E, d});
     expectDims(in, 13, {N, R, w});
     expectDims(in, 14, {N, R, w});
-    s.max_entries = E;
-    s.rope_pairs = static_cast<int32_t>(in[11].d[0]);
     if (!csa)
     {
-        return s;
+        return;
     }
     int64_t const NI = in[15].d[1];
     int64_t const di = in[15].d[2];
@@ -180,8 +178,80 @@ EngramDsv4Shape shapeOf(Dsv4AttentionConfig const& c, nvinfer1::Dims const* in, 
     expectDims(in, 21, {N, E, di});
     expectDims(in, 22, {N, 2 * r, times(di, 2)});
     expectDims(in, 23, {N, 2 * r, times(di, 2)});
-    s.index_heads = static_cast<int32_t>(NI);
-    s.index_dim = static_cast<int32_t>(di);
+}
+
+//! The one check of the I/O every method sees (PluginIo): the layer type's counts, the
+//! types, the dims (T, S, N, E may be -1 at build time), the output q's shape and the
+//! state outputs against their inputs (the aliasing base's checkAliasedStates over the
+//! layer type's prefix of kStates).
+void checkIo(Dsv4AttentionConfig const& c, PluginIo const& io)
+{
+    int32_t const nbInputs = nbInputsOf(c.layerType);
+    int32_t const nbOutputs = 1 + nbStates(c.layerType);
+    ENGRAM_PLUGIN_CHECK(io.counts(nbInputs, nbOutputs),
+        "layer_type " << c.layerType << " takes " << nbInputs << " inputs and gives " << nbOutputs << " outputs, got "
+                      << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        DataType const t = io.inTypes[0];
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(t), "q must be bfloat16, float16 or float32, got " << dataTypeName(t));
+        for (int32_t i = 1; i < nbInputs; ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(typeOk(i, io.inTypes[i], t),
+                kInputs[i].name << " must be "
+                                << (kInputs[i].kind == kAct          ? dataTypeName(t)
+                                           : kInputs[i].kind == kF32 ? "float32"
+                                                                     : "int32")
+                                << ", got " << dataTypeName(io.inTypes[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[0] == io.inTypes[0],
+            "the output must be q's type " << dataTypeName(io.inTypes[0]) << ", got " << dataTypeName(io.outTypes[0]));
+    }
+    if (io.hasInputDims)
+    {
+        checkDims(c, io.inDims, nbInputs);
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& q = io.inDims[0];
+            nvinfer1::Dims const& o = io.outDims[0];
+            ENGRAM_PLUGIN_CHECK(
+                dimsMatch(o, q), "the output must match q " << dimsToString(q) << ", got " << dimsToString(o));
+        }
+    }
+    checkAliasedStates(statesOfLayer(c.layerType), io);
+}
+
+//! The kernel's shape from the input dims checkIo passed.
+EngramDsv4Shape shapeOf(Dsv4AttentionConfig const& c, nvinfer1::Dims const* in, DataType io)
+{
+    EngramDsv4Shape s{};
+    s.num_tokens = in[0].d[0];
+    s.num_seqs = in[4].d[0];
+    s.num_slots = in[kWindowKv].d[0];
+    s.layer_type = c.layerType;
+    s.window = c.window;
+    s.compress_rate = c.compressRate;
+    s.index_topk = c.indexTopk;
+    s.io_type = floatTypeCode(io);
+    s.num_heads = static_cast<int32_t>(in[0].d[1]);
+    s.head_dim = static_cast<int32_t>(in[0].d[2]);
+    s.scaling = c.scaling;
+    s.eps = c.eps;
+    s.rope_scale = c.ropeScale;
+    if (c.layerType == ENGRAM_DSV4_SLIDING)
+    {
+        return s;
+    }
+    s.max_entries = in[12].d[1];
+    s.rope_pairs = static_cast<int32_t>(in[11].d[0]);
+    if (c.layerType == ENGRAM_DSV4_CSA)
+    {
+        s.index_heads = static_cast<int32_t>(in[15].d[1]);
+        s.index_dim = static_cast<int32_t>(in[15].d[2]);
+    }
     return s;
 }
 
@@ -206,16 +276,6 @@ void checkFields(Dsv4AttentionConfig const& c)
     int const status = engram_dsv4_check(&s);
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
-
-bool typeOk(int32_t pos, DataType type, DataType io)
-{
-    switch (kInputs[pos].kind)
-    {
-    case kAct: return pos == 0 ? isFloatIoType(type) : type == io;
-    case kF32: return type == DataType::kFLOAT;
-    default: return type == DataType::kINT32;
-    }
-}
 } // namespace dsv4_detail
 
 EngramDsv4AttentionPlugin::EngramDsv4AttentionPlugin(Dsv4AttentionConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -235,23 +295,10 @@ int32_t EngramDsv4AttentionPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         using namespace dsv4_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == nbInputsOf(mConfig.layerType) && nbOutputs == getNbOutputs(),
-            "layer_type " << mConfig.layerType << " takes " << nbInputsOf(mConfig.layerType) << " inputs and gives "
-                          << getNbOutputs() << " outputs, got " << nbInputs << " and " << nbOutputs);
-        DataType const io = inputTypes[0];
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io), "q must be bfloat16, float16 or float32, got " << dataTypeName(io));
-        for (int32_t i = 1; i < nbInputs; ++i)
-        {
-            ENGRAM_PLUGIN_CHECK(typeOk(i, inputTypes[i], io),
-                kInputs[i].name << " must be "
-                                << (kInputs[i].kind == kAct          ? dataTypeName(io)
-                                           : kInputs[i].kind == kF32 ? "float32"
-                                                                     : "int32")
-                                << ", got " << dataTypeName(inputTypes[i]));
-        }
+        checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         for (int32_t o = 0; o < nbOutputs; ++o)
         {
-            outputTypes[o] = io;
+            outputTypes[o] = inputTypes[0]; // q's type: the output and every state
         }
         return 0;
     }
@@ -265,9 +312,7 @@ int32_t EngramDsv4AttentionPlugin::getOutputShapes(nvinfer1::DimsExprs const* in
     ENGRAM_PLUGIN_TRY
     {
         using namespace dsv4_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == nbInputsOf(mConfig.layerType) && nbOutputs == getNbOutputs(),
-            "layer_type " << mConfig.layerType << " takes " << nbInputsOf(mConfig.layerType) << " inputs");
-        ENGRAM_PLUGIN_CHECK(inputs[0].nbDims == 3, "q must be 3-D [T, H, head_dim]");
+        checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[0] = inputs[0];
         for (int32_t i = 0; i + 1 < nbOutputs; ++i)
         {
@@ -300,12 +345,7 @@ int32_t EngramDsv4AttentionPlugin::configurePlugin(nvinfer1::DynamicPluginTensor
 {
     ENGRAM_PLUGIN_TRY
     {
-        using namespace dsv4_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == nbInputsOf(mConfig.layerType) && nbOutputs == getNbOutputs(),
-            "layer_type " << mConfig.layerType << " takes " << nbInputsOf(mConfig.layerType) << " inputs");
-        nvinfer1::Dims dims[kMaxInputs];
-        copyDims(in, nbInputs, dims);
-        shapeOf(mConfig, dims, nbInputs, in[0].desc.type);
+        dsv4_detail::checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(dsv4_detail::kName, -1);
@@ -334,7 +374,7 @@ AliasedStates EngramDsv4AttentionPlugin::aliasedStates() const
 {
     // Every state is read-modify-write: its output is its input's memory (the layer type's
     // first nbStates of the table).
-    return {dsv4_detail::kStates, dsv4_detail::nbStates(mConfig.layerType)};
+    return dsv4_detail::statesOfLayer(mConfig.layerType);
 }
 
 int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -345,26 +385,15 @@ int32_t EngramDsv4AttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
     {
         using namespace dsv4_detail;
         int32_t const nbInputs = nbInputsOf(mConfig.layerType);
+        checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, nbInputs, outputDesc, getNbOutputs()));
         nvinfer1::Dims dims[kMaxInputs];
         copyDims(inputDesc, nbInputs, dims);
         DataType const io = inputDesc[0].type;
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io), "q must be bfloat16, float16 or float32");
-        for (int32_t i = 1; i < nbInputs; ++i)
-        {
-            ENGRAM_PLUGIN_CHECK(typeOk(i, inputDesc[i].type, io), kInputs[i].name << " has the wrong type");
-        }
-        EngramDsv4Shape const shape = shapeOf(mConfig, dims, nbInputs, io);
-        nvinfer1::Dims const& o = outputDesc[0].dims;
-        ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == dims[0].d[0] && o.d[1] == dims[0].d[1] && o.d[2] == dims[0].d[2],
-            "the output must match q " << dimsToString(dims[0]) << ", got " << dimsToString(o));
+        EngramDsv4Shape const shape = shapeOf(mConfig, dims, io);
         void* state[kMaxInputs] = {};
         for (int32_t i = 0; i < nbStates(mConfig.layerType); ++i)
         {
             int32_t const in = stateInput(i);
-            nvinfer1::Dims const& so = outputDesc[1 + i].dims;
-            ENGRAM_PLUGIN_CHECK(sameDims(so, dims[in]),
-                "output " << 1 + i << " must match " << kInputs[in].name << " " << dimsToString(dims[in]) << ", got "
-                          << dimsToString(so));
             state[in] = volume(dims[in]) > 0 ? outputs[1 + i] : nullptr;
         }
         copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);

@@ -65,6 +65,63 @@ void checkConfig(GateConfig const& c)
             << " " << c.hcMult << ", " << kHiddenSizeName << " " << c.hiddenSize << ")");
     ENGRAM_PLUGIN_CHECK(std::isfinite(c.eps) && c.eps >= 0.0F, kEpsName << " must be finite and >= 0");
 }
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T may be -1
+//! at build time; at enqueue it is hidden's and every other T must equal it).
+void checkIo(GateConfig const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, 1),
+        "expects 5 inputs (hidden, kv, q_weight, k_weight, mask) and 1 output, got " << io.nbInputs << " and "
+                                                                                     << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        DataType const* in = io.inTypes;
+        DataType const t = in[kHidden];
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(t) && in[kKv] == t,
+            "hidden and kv must be both bfloat16, both float16 or both float32, got " << dataTypeName(t) << " and "
+                                                                                      << dataTypeName(in[kKv]));
+        ENGRAM_PLUGIN_CHECK(isWeightType(in[kQWeight], t) && in[kKWeight] == in[kQWeight],
+            "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type ("
+                << dataTypeName(t) << "), got " << dataTypeName(in[kQWeight]) << " and " << dataTypeName(in[kKWeight]));
+        ENGRAM_PLUGIN_CHECK(isMaskType(in[kMask]), "mask must be bool or int32, got " << dataTypeName(in[kMask]));
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[0] == io.inTypes[kHidden],
+            "hidden, kv and output must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(io.inTypes[kHidden]) << ", " << dataTypeName(io.inTypes[kKv]) << " and "
+                << dataTypeName(io.outTypes[0]));
+    }
+    if (io.hasInputDims)
+    {
+        int32_t const hc = c.hcMult;
+        int32_t const d = c.hiddenSize;
+        nvinfer1::Dims const& hidden = io.inDims[kHidden];
+        ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && dimMatches(hidden.d[1], hc) && dimMatches(hidden.d[2], d),
+            "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
+        DimText const t{hidden.d[0], "T"};
+        nvinfer1::Dims const& kv = io.inDims[kKv];
+        int64_t const kvWidth = (static_cast<int64_t>(hc) + 1) * d;
+        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && dimMatches(kv.d[0], t.value) && dimMatches(kv.d[1], kvWidth),
+            "kv must be [" << t << ", " << kvWidth << "], got " << dimsToString(kv));
+        for (int32_t i : {kQWeight, kKWeight})
+        {
+            nvinfer1::Dims const& w = io.inDims[i];
+            ENGRAM_PLUGIN_CHECK(w.nbDims == 2 && dimMatches(w.d[0], hc) && dimMatches(w.d[1], d),
+                "q_weight / k_weight must be [" << hc << ", " << d << "], got " << dimsToString(w));
+        }
+        nvinfer1::Dims const& mask = io.inDims[kMask];
+        ENGRAM_PLUGIN_CHECK(mask.nbDims == 1 && dimMatches(mask.d[0], t.value),
+            "mask must be [" << t << "], got " << dimsToString(mask));
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& out = io.outDims[0];
+            ENGRAM_PLUGIN_CHECK(
+                out.nbDims == 3 && dimMatches(out.d[0], t.value) && dimMatches(out.d[1], hc) && dimMatches(out.d[2], d),
+                "output must be [T, " << kHcMultName << ", D], got " << dimsToString(out));
+        }
+    }
+}
 } // namespace gate_detail
 
 EngramGatePlugin::EngramGatePlugin(GateConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -78,21 +135,8 @@ int32_t EngramGatePlugin::getOutputDataTypes(
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1,
-            "expects 5 inputs (hidden, kv, q_weight, k_weight, mask) and 1 output, got " << nbInputs << " and "
-                                                                                         << nbOutputs);
-        DataType const io = inputTypes[gate_detail::kHidden];
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[gate_detail::kKv] == io,
-            "hidden and kv must be both bfloat16, both float16 or both float32, got "
-                << dataTypeName(io) << " and " << dataTypeName(inputTypes[gate_detail::kKv]));
-        ENGRAM_PLUGIN_CHECK(gate_detail::isWeightType(inputTypes[gate_detail::kQWeight], io)
-                && inputTypes[gate_detail::kKWeight] == inputTypes[gate_detail::kQWeight],
-            "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type ("
-                << dataTypeName(io) << "), got " << dataTypeName(inputTypes[gate_detail::kQWeight]) << " and "
-                << dataTypeName(inputTypes[gate_detail::kKWeight]));
-        ENGRAM_PLUGIN_CHECK(gate_detail::isMaskType(inputTypes[gate_detail::kMask]),
-            "mask must be bool or int32, got " << dataTypeName(inputTypes[gate_detail::kMask]));
-        outputTypes[0] = io; // the output is hidden's type (the update may be in place)
+        gate_detail::checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
+        outputTypes[0] = inputTypes[gate_detail::kHidden]; // hidden's type (the update may be in place)
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
@@ -104,9 +148,7 @@ int32_t EngramGatePlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1, "expects 5 inputs and 1 output");
-        ENGRAM_PLUGIN_CHECK(
-            inputs[gate_detail::kHidden].nbDims == 3, "hidden must be 3-D [T, " << gate_detail::kHcMultName << ", D]");
+        gate_detail::checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[0] = inputs[gate_detail::kHidden];
         return 0;
     }
@@ -137,23 +179,7 @@ int32_t EngramGatePlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc cons
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == gate_detail::kNbInputs && nbOutputs == 1, "expects 5 inputs and 1 output");
-        int32_t const hc = mConfig.hcMult;
-        int32_t const d = mConfig.hiddenSize;
-        nvinfer1::Dims const& hidden = in[gate_detail::kHidden].desc.dims;
-        nvinfer1::Dims const& kv = in[gate_detail::kKv].desc.dims;
-        ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && dimMatches(hidden.d[1], hc) && dimMatches(hidden.d[2], d),
-            "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
-        int64_t const kvWidth = (static_cast<int64_t>(hc) + 1) * d;
-        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && dimMatches(kv.d[1], kvWidth),
-            "kv must be [T, " << kvWidth << "], got " << dimsToString(kv));
-        for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
-        {
-            nvinfer1::Dims const& w = in[i].desc.dims;
-            ENGRAM_PLUGIN_CHECK(w.nbDims == 2 && dimMatches(w.d[0], hc) && dimMatches(w.d[1], d),
-                "q_weight / k_weight must be [" << hc << ", " << d << "], got " << dimsToString(w));
-        }
-        ENGRAM_PLUGIN_CHECK(in[gate_detail::kMask].desc.dims.nbDims == 1, "mask must be 1-D [T]");
+        gate_detail::checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gate_detail::kName, -1);
@@ -165,37 +191,12 @@ int32_t EngramGatePlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
 {
     ENGRAM_PLUGIN_TRY
     {
+        gate_detail::checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, gate_detail::kNbInputs, outputDesc, 1));
         int32_t const hc = mConfig.hcMult;
         int32_t const d = mConfig.hiddenSize;
-        nvinfer1::Dims const& hidden = inputDesc[gate_detail::kHidden].dims;
-        int64_t const numTokens = hidden.d[0];
-        ENGRAM_PLUGIN_CHECK(hidden.nbDims == 3 && hidden.d[1] == hc && hidden.d[2] == d,
-            "hidden must be [T, " << hc << ", " << d << "], got " << dimsToString(hidden));
-        nvinfer1::Dims const& kv = inputDesc[gate_detail::kKv].dims;
-        int64_t const kvWidth = (static_cast<int64_t>(hc) + 1) * d;
-        ENGRAM_PLUGIN_CHECK(kv.nbDims == 2 && kv.d[0] == numTokens && kv.d[1] == kvWidth,
-            "kv must be [" << numTokens << ", " << kvWidth << "], got " << dimsToString(kv));
-        for (int32_t i : {gate_detail::kQWeight, gate_detail::kKWeight})
-        {
-            nvinfer1::Dims const& w = inputDesc[i].dims;
-            ENGRAM_PLUGIN_CHECK(w.nbDims == 2 && w.d[0] == hc && w.d[1] == d,
-                "q_weight / k_weight must be [" << hc << ", " << d << "], got " << dimsToString(w));
-        }
-        nvinfer1::Dims const& mask = inputDesc[gate_detail::kMask].dims;
-        ENGRAM_PLUGIN_CHECK(mask.nbDims == 1 && mask.d[0] == numTokens,
-            "mask must be [" << numTokens << "], got " << dimsToString(mask));
-        nvinfer1::Dims const& out = outputDesc[0].dims;
-        ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == hc && out.d[2] == d,
-            "output must be [T, " << gate_detail::kHcMultName << ", D], got " << dimsToString(out));
-
+        int64_t const numTokens = inputDesc[gate_detail::kHidden].dims.d[0];
         DataType const io = inputDesc[gate_detail::kHidden].type;
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputDesc[gate_detail::kKv].type == io && outputDesc[0].type == io,
-            "hidden, kv and output must share one type (bfloat16, float16 or float32), got "
-                << dataTypeName(io) << ", " << dataTypeName(inputDesc[gate_detail::kKv].type) << " and "
-                << dataTypeName(outputDesc[0].type));
         DataType const wt = inputDesc[gate_detail::kQWeight].type;
-        ENGRAM_PLUGIN_CHECK(gate_detail::isWeightType(wt, io) && inputDesc[gate_detail::kKWeight].type == wt,
-            "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type");
         int32_t const maskType
             = inputDesc[gate_detail::kMask].type == DataType::kINT32 ? ENGRAM_MASK_I32 : ENGRAM_MASK_U8;
         int const status = engram_gate_typed(inputs[gate_detail::kHidden], inputs[gate_detail::kKv], floatTypeCode(io),

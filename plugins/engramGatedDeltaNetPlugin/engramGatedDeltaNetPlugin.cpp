@@ -86,6 +86,61 @@ void checkDims(GatedDeltaNetConfig const& c, nvinfer1::Dims const* in)
         ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1, kInputNames[i] << " must be 1-D, got " << dimsToString(in[i]));
     }
 }
+
+//! The recurrent state is read-modify-write: its output is its input's memory.
+constexpr AliasedState kStates[] = {{kStateOut, kState, "state"}};
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T, S and
+//! num_slots may be -1 at build time), the state output against its input (the aliasing
+//! base's checkAliasedStates).
+void checkIo(GatedDeltaNetConfig const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, kNbOutputs),
+        "expects 9 inputs (q, k, v, g, beta, state, seq_starts, past_lens, slots) and 2 outputs, got "
+            << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        DataType const* in = io.inTypes;
+        DataType const t = in[kQ];
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(t) && in[kK] == t && in[kV] == t,
+            "q, k and v must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(t) << ", " << dataTypeName(in[kK]) << " and " << dataTypeName(in[kV]));
+        for (int32_t i : {kG, kBeta, kState})
+        {
+            ENGRAM_PLUGIN_CHECK(
+                in[i] == DataType::kFLOAT, kInputNames[i] << " must be float32, got " << dataTypeName(in[i]));
+        }
+        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
+        {
+            ENGRAM_PLUGIN_CHECK(
+                in[i] == DataType::kINT32, kInputNames[i] << " must be int32, got " << dataTypeName(in[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[kOut] == io.inTypes[kQ],
+            "q, k, v and the output must share one type (bfloat16, float16 or float32), g, beta and the states "
+            "float32; q is "
+                << dataTypeName(io.inTypes[kQ]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const* in = io.inDims;
+        checkDims(c, in);
+        int64_t const numSeqs = in[kPastLens].d[0];
+        ENGRAM_PLUGIN_CHECK(
+            dimMatches(in[kSeqStarts].d[0], numSeqs == -1 ? -1 : numSeqs + 1) && dimMatches(in[kSlots].d[0], numSeqs),
+            "seq_starts must be [S + 1] and slots [S] with past_lens' S = " << DimText(numSeqs,
+                "S") << ", got " << dimsToString(in[kSeqStarts]) << " and " << dimsToString(in[kSlots]));
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& o = io.outDims[kOut];
+            ENGRAM_PLUGIN_CHECK(dimsMatch(o, in[kV]),
+                "the output must match v " << dimsToString(in[kV]) << ", got " << dimsToString(o));
+        }
+    }
+    checkAliasedStates(statesOf(kStates), io);
+}
 } // namespace gated_delta_detail
 
 EngramGatedDeltaNetPlugin::EngramGatedDeltaNetPlugin(GatedDeltaNetConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -105,23 +160,8 @@ int32_t EngramGatedDeltaNetPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         using namespace gated_delta_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
-            "expects 9 inputs (q, k, v, g, beta, state, seq_starts, past_lens, slots) and 2 outputs, got "
-                << nbInputs << " and " << nbOutputs);
+        checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         DataType const io = inputTypes[kQ];
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputTypes[kK] == io && inputTypes[kV] == io,
-            "q, k and v must share one type (bfloat16, float16 or float32), got "
-                << dataTypeName(io) << ", " << dataTypeName(inputTypes[kK]) << " and " << dataTypeName(inputTypes[kV]));
-        for (int32_t i : {kG, kBeta, kState})
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kFLOAT,
-                kInputNames[i] << " must be float32, got " << dataTypeName(inputTypes[i]));
-        }
-        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
-                kInputNames[i] << " must be int32, got " << dataTypeName(inputTypes[i]));
-        }
         outputTypes[kOut] = io;
         outputTypes[kStateOut] = DataType::kFLOAT;
         return 0;
@@ -136,9 +176,7 @@ int32_t EngramGatedDeltaNetPlugin::getOutputShapes(nvinfer1::DimsExprs const* in
     ENGRAM_PLUGIN_TRY
     {
         using namespace gated_delta_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 9 inputs and 2 outputs");
-        ENGRAM_PLUGIN_CHECK(inputs[kV].nbDims == 3, "v must be 3-D [T, Hv, dv]");
-        ENGRAM_PLUGIN_CHECK(inputs[kState].nbDims == 4, "state must be 4-D [num_slots, Hv, dk, dv]");
+        checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[kOut] = inputs[kV];
         outputs[kStateOut] = inputs[kState];
         return 0;
@@ -170,17 +208,12 @@ bool EngramGatedDeltaNetPlugin::supportsFormatCombination(
 }
 
 int32_t EngramGatedDeltaNetPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
         using namespace gated_delta_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 9 inputs and 2 outputs");
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(in, kNbInputs, dims);
-        checkDims(mConfig, dims);
-        ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 3 && out[kStateOut].desc.dims.nbDims == 4,
-            "the outputs must be v's and state's shapes");
+        checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gated_delta_detail::kName, -1);
@@ -188,9 +221,7 @@ int32_t EngramGatedDeltaNetPlugin::configurePlugin(nvinfer1::DynamicPluginTensor
 
 AliasedStates EngramGatedDeltaNetPlugin::aliasedStates() const
 {
-    // The memory is read-modify-write: its output is its input's memory.
-    static constexpr AliasedState kStates[] = {{gated_delta_detail::kStateOut, gated_delta_detail::kState}};
-    return {kStates, 1};
+    return statesOf(gated_delta_detail::kStates);
 }
 
 int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -200,31 +231,13 @@ int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
     ENGRAM_PLUGIN_TRY
     {
         using namespace gated_delta_detail;
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(inputDesc, kNbInputs, dims);
-        checkDims(mConfig, dims);
-        int64_t const numTokens = dims[kQ].d[0];
-        int64_t const numSeqs = dims[kPastLens].d[0];
-        ENGRAM_PLUGIN_CHECK(dims[kSeqStarts].d[0] == numSeqs + 1 && dims[kSlots].d[0] == numSeqs,
-            "seq_starts must be [S + 1] and slots [S] with past_lens' S = "
-                << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
-        nvinfer1::Dims const& state = dims[kState];
-        nvinfer1::Dims const& stateOut = outputDesc[kStateOut].dims;
-        ENGRAM_PLUGIN_CHECK(sameDims(stateOut, state),
-            "the state output must match state " << dimsToString(state) << ", got " << dimsToString(stateOut));
-        nvinfer1::Dims const& v = dims[kV];
-        nvinfer1::Dims const& o = outputDesc[kOut].dims;
-        ENGRAM_PLUGIN_CHECK(o.nbDims == 3 && o.d[0] == v.d[0] && o.d[1] == v.d[1] && o.d[2] == v.d[2],
-            "the output must match v " << dimsToString(v) << ", got " << dimsToString(o));
+        checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, kNbInputs, outputDesc, kNbOutputs));
+        nvinfer1::Dims const& q = inputDesc[kQ].dims;
+        nvinfer1::Dims const& v = inputDesc[kV].dims;
+        int64_t const numTokens = q.d[0];
+        int64_t const numSeqs = inputDesc[kPastLens].dims.d[0];
+        nvinfer1::Dims const& state = inputDesc[kState].dims;
         DataType const io = inputDesc[kQ].type;
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && inputDesc[kK].type == io && inputDesc[kV].type == io
-                && outputDesc[kOut].type == io && inputDesc[kG].type == DataType::kFLOAT
-                && inputDesc[kBeta].type == DataType::kFLOAT && inputDesc[kState].type == DataType::kFLOAT
-                && outputDesc[kStateOut].type == DataType::kFLOAT,
-            "q, k, v and the output must share one type (bfloat16, float16 or float32), g, beta and the states "
-            "float32; q is "
-                << dataTypeName(io));
-
         int64_t const numSlots = state.d[0];
         size_t const stateBytes = static_cast<size_t>(volume(state)) * sizeof(float);
         void* memory = outputs[kStateOut];
@@ -233,9 +246,9 @@ int32_t EngramGatedDeltaNetPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
             static_cast<float const*>(inputs[kG]), static_cast<float const*>(inputs[kBeta]),
             stateBytes > 0 ? static_cast<float*>(memory) : nullptr, numSlots,
             static_cast<int32_t const*>(inputs[kSeqStarts]), static_cast<int32_t const*>(inputs[kPastLens]),
-            static_cast<int32_t const*>(inputs[kSlots]), numSeqs, numTokens, static_cast<int32_t>(dims[kQ].d[1]),
-            static_cast<int32_t>(v.d[1]), static_cast<int32_t>(dims[kQ].d[2]), static_cast<int32_t>(v.d[2]),
-            mConfig.l2normQk, mConfig.scale, outputs[kOut], stream);
+            static_cast<int32_t const*>(inputs[kSlots]), numSeqs, numTokens, static_cast<int32_t>(q.d[1]),
+            static_cast<int32_t>(v.d[1]), static_cast<int32_t>(q.d[2]), static_cast<int32_t>(v.d[2]), mConfig.l2normQk,
+            mConfig.scale, outputs[kOut], stream);
         ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
         return 0;
     }

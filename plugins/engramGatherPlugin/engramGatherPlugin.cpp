@@ -23,10 +23,10 @@ constexpr int32_t kIds = 0;
 constexpr int32_t kRowsAddr = 1;
 constexpr int32_t kScalesAddr = 2;
 
-//! A table address input: int64 holding one value ([] or [1]).
+//! A table address input: int64 holding one value ([] or [1]; [-1] at build time).
 bool isAddressShape(nvinfer1::Dims const& dims)
 {
-    return dims.nbDims == 0 || (dims.nbDims == 1 && (dims.d[0] == 1 || dims.d[0] == -1));
+    return dims.nbDims == 0 || (dims.nbDims == 1 && dimMatches(dims.d[0], 1));
 }
 
 //! column_end's default: every column.
@@ -83,6 +83,49 @@ void checkConfig(GatherConfig const& c)
     int const status = engram_gather_check_table(c.headDim, c.tableDtype, c.quantBlock);
     ENGRAM_PLUGIN_CHECK(status == 0, engram_last_error());
 }
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T may be -1
+//! at build time, an address input's length too).
+void checkIo(GatherConfig const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(c.numInputs(), 1),
+        "expects " << c.numInputs() << " inputs (ids, rows address" << (c.fp8() ? ", scales address" : "")
+                   << (c.badRowsInput ? ", bad-row counter address" : "") << ") and 1 output, got " << io.nbInputs
+                   << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(
+            io.inTypes[kIds] == DataType::kINT32, "ids must be int32, got " << dataTypeName(io.inTypes[kIds]));
+        for (int32_t i = kRowsAddr; i < io.nbInputs; ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(io.inTypes[i] == DataType::kINT64,
+                "address input " << i << " must be int64, got " << dataTypeName(io.inTypes[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[0] == c.outType(),
+            "output must be " << dataTypeName(c.outType()) << ", got " << dataTypeName(io.outTypes[0]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const& ids = io.inDims[kIds];
+        ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && dimMatches(ids.d[1], c.numLayers) && dimMatches(ids.d[2], c.numCols),
+            "ids must be [T, " << c.numLayers << ", " << c.numCols << "], got " << dimsToString(ids));
+        for (int32_t i = kRowsAddr; i < io.nbInputs; ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(isAddressShape(io.inDims[i]),
+                "address input " << i << " must hold one int64, got " << dimsToString(io.inDims[i]));
+        }
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& out = io.outDims[0];
+            ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && dimMatches(out.d[0], ids.d[0]) && dimMatches(out.d[1], c.outCols())
+                    && dimMatches(out.d[2], c.headDim),
+                "output must be [T, " << c.outCols() << ", " << c.headDim << "], got " << dimsToString(out));
+        }
+    }
+}
 } // namespace gather_detail
 
 bool GatherConfig::fp8() const
@@ -116,18 +159,7 @@ int32_t EngramGatherPlugin::getOutputDataTypes(
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
-            "expects " << mConfig.numInputs() << " inputs (ids, rows address"
-                       << (mConfig.fp8() ? ", scales address" : "")
-                       << (mConfig.badRowsInput ? ", bad-row counter address" : "") << ") and 1 output, got "
-                       << nbInputs << " and " << nbOutputs);
-        ENGRAM_PLUGIN_CHECK(inputTypes[gather_detail::kIds] == DataType::kINT32,
-            "ids must be int32, got " << dataTypeName(inputTypes[gather_detail::kIds]));
-        for (int32_t i = gather_detail::kRowsAddr; i < nbInputs; ++i)
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT64,
-                "address input " << i << " must be int64, got " << dataTypeName(inputTypes[i]));
-        }
+        gather_detail::checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         outputTypes[0] = mConfig.outType();
         return 0;
     }
@@ -140,9 +172,7 @@ int32_t EngramGatherPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, i
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
-            "expects " << mConfig.numInputs() << " inputs and 1 output, got " << nbInputs << " and " << nbOutputs);
-        ENGRAM_PLUGIN_CHECK(inputs[gather_detail::kIds].nbDims == 3, "ids must be 3-D [T, L, cols]");
+        gather_detail::checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[0].nbDims = 3;
         outputs[0].d[0] = inputs[gather_detail::kIds].d[0];
         outputs[0].d[1] = exprBuilder.constant(mConfig.outCols());
@@ -176,17 +206,7 @@ int32_t EngramGatherPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc co
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == mConfig.numInputs() && nbOutputs == 1,
-            "expects " << mConfig.numInputs() << " inputs and 1 output, got " << nbInputs << " and " << nbOutputs);
-        nvinfer1::Dims const& ids = in[gather_detail::kIds].desc.dims;
-        ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && (ids.d[1] == -1 || ids.d[1] == mConfig.numLayers)
-                && (ids.d[2] == -1 || ids.d[2] == mConfig.numCols),
-            "ids must be [T, " << mConfig.numLayers << ", " << mConfig.numCols << "], got " << dimsToString(ids));
-        for (int32_t i = gather_detail::kRowsAddr; i < nbInputs; ++i)
-        {
-            ENGRAM_PLUGIN_CHECK(gather_detail::isAddressShape(in[i].desc.dims),
-                "address input " << i << " must hold one int64, got " << dimsToString(in[i].desc.dims));
-        }
+        gather_detail::checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(gather_detail::kName, -1);
@@ -198,13 +218,9 @@ int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
 {
     ENGRAM_PLUGIN_TRY
     {
+        gather_detail::checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, mConfig.numInputs(), outputDesc, 1));
         nvinfer1::Dims const& ids = inputDesc[gather_detail::kIds].dims;
         nvinfer1::Dims const& out = outputDesc[0].dims;
-        ENGRAM_PLUGIN_CHECK(ids.nbDims == 3 && ids.d[1] == mConfig.numLayers && ids.d[2] == mConfig.numCols,
-            "ids must be [T, " << mConfig.numLayers << ", " << mConfig.numCols << "], got " << dimsToString(ids));
-        ENGRAM_PLUGIN_CHECK(
-            out.nbDims == 3 && out.d[0] == ids.d[0] && out.d[1] == mConfig.outCols() && out.d[2] == mConfig.headDim,
-            "output must be [T, " << mConfig.outCols() << ", " << mConfig.headDim << "], got " << dimsToString(out));
         if (mPhase == nvinfer1::TensorRTPhase::kBUILD)
         {
             // TensorRT runs this enqueue to time the plugin on inputs it made up: the
@@ -215,10 +231,6 @@ int32_t EngramGatherPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
                 ENGRAM_PLUGIN_CHECK_CUDA(cudaMemsetAsync(outputs[0], 0, bytes, stream));
             }
             return 0;
-        }
-        for (int32_t i = gather_detail::kRowsAddr; i < mConfig.numInputs(); ++i)
-        {
-            ENGRAM_PLUGIN_CHECK(volume(inputDesc[i].dims) == 1, "address input " << i << " must hold one int64");
         }
         // The rank's columns are a view of the hash output: from column column_begin of
         // the layer, outCols() per token, the token stride of the whole [T, L, cols].

@@ -3,6 +3,7 @@
 #include "engramHashPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernelsCore.h"
 #include "kernels/hashKernels.h"
 
@@ -72,6 +73,48 @@ std::shared_ptr<EngramHashLayout const> prepareLayout(HashLayout const& layout)
     return std::shared_ptr<EngramHashLayout const>(
         prepared, [](EngramHashLayout const* p) { engram_hash_layout_destroy(const_cast<EngramHashLayout*>(p)); });
 }
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T and S may
+//! be -1 at build time; at enqueue S is seq_starts' length - 1 and lookback's rows are S).
+void checkIo(HashLayout const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, 1),
+        "expects 3 inputs (ids, seq_starts, lookback) and 1 output, got " << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        for (int32_t i = 0; i < io.nbInputs; ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(io.inTypes[i] == DataType::kINT32,
+                "input " << i << " must be int32, got " << dataTypeName(io.inTypes[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(
+            io.outTypes[0] == DataType::kINT32, "output must be int32, got " << dataTypeName(io.outTypes[0]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const& ids = io.inDims[kIds];
+        nvinfer1::Dims const& seqStarts = io.inDims[kSeqStarts];
+        nvinfer1::Dims const& lookback = io.inDims[kLookback];
+        ENGRAM_PLUGIN_CHECK(ids.nbDims == 1, "ids must be 1-D [T]");
+        ENGRAM_PLUGIN_CHECK(seqStarts.nbDims == 1, "seq_starts must be 1-D [S+1]");
+        ENGRAM_PLUGIN_CHECK(dimAtLeast(seqStarts.d[0], 1), "seq_starts must hold S+1 >= 1 entries");
+        int64_t const numSeqs = seqStarts.d[0] == -1 ? -1 : seqStarts.d[0] - 1;
+        ENGRAM_PLUGIN_CHECK(
+            lookback.nbDims == 2 && dimMatches(lookback.d[0], numSeqs) && dimMatches(lookback.d[1], c.maxNgram - 1),
+            "lookback must be [" << DimText(numSeqs, "S") << ", " << c.maxNgram - 1 << "], got "
+                                 << dimsToString(lookback));
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& out = io.outDims[0];
+            ENGRAM_PLUGIN_CHECK(out.nbDims == 3 && dimMatches(out.d[0], ids.d[0]) && dimMatches(out.d[1], c.numLayers)
+                    && dimMatches(out.d[2], c.numCols()),
+                "output must be [T, L, cols], got " << dimsToString(out));
+        }
+    }
+}
 } // namespace hash_detail
 
 EngramHashPlugin::EngramHashPlugin(HashLayout layout, nvinfer1::TensorRTPhase phase)
@@ -85,13 +128,7 @@ int32_t EngramHashPlugin::getOutputDataTypes(
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == hash_detail::kNbInputs && nbOutputs == 1,
-            "expects 3 inputs (ids, seq_starts, lookback) and 1 output, got " << nbInputs << " and " << nbOutputs);
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
-                "input " << i << " must be int32, got " << dataTypeName(inputTypes[i]));
-        }
+        hash_detail::checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         outputTypes[0] = DataType::kINT32;
         return 0;
     }
@@ -104,8 +141,7 @@ int32_t EngramHashPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, int
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == hash_detail::kNbInputs && nbOutputs == 1, "expects 3 inputs and 1 output");
-        ENGRAM_PLUGIN_CHECK(inputs[hash_detail::kIds].nbDims == 1, "ids must be 1-D [T]");
+        hash_detail::checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[0].nbDims = 3;
         outputs[0].d[0] = inputs[hash_detail::kIds].d[0];
         outputs[0].d[1] = exprBuilder.constant(mConfig.numLayers);
@@ -130,12 +166,7 @@ int32_t EngramHashPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc cons
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == hash_detail::kNbInputs && nbOutputs == 1, "expects 3 inputs and 1 output");
-        ENGRAM_PLUGIN_CHECK(in[hash_detail::kIds].desc.dims.nbDims == 1, "ids must be 1-D [T]");
-        ENGRAM_PLUGIN_CHECK(in[hash_detail::kSeqStarts].desc.dims.nbDims == 1, "seq_starts must be 1-D [S+1]");
-        nvinfer1::Dims const& lookback = in[hash_detail::kLookback].desc.dims;
-        ENGRAM_PLUGIN_CHECK(lookback.nbDims == 2 && (lookback.d[1] == -1 || lookback.d[1] == mConfig.maxNgram - 1),
-            "lookback must be [S, " << mConfig.maxNgram - 1 << "], got " << dimsToString(lookback));
+        hash_detail::checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(hash_detail::kName, -1);
@@ -153,18 +184,9 @@ int32_t EngramHashPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
 {
     ENGRAM_PLUGIN_TRY
     {
-        nvinfer1::Dims const& ids = inputDesc[hash_detail::kIds].dims;
-        nvinfer1::Dims const& seqStarts = inputDesc[hash_detail::kSeqStarts].dims;
-        nvinfer1::Dims const& lookback = inputDesc[hash_detail::kLookback].dims;
-        nvinfer1::Dims const& out = outputDesc[0].dims;
-        int64_t const numTokens = ids.d[0];
-        int64_t const numSeqs = seqStarts.d[0] - 1;
-        ENGRAM_PLUGIN_CHECK(numSeqs >= 0, "seq_starts must hold S+1 >= 1 entries");
-        ENGRAM_PLUGIN_CHECK(lookback.d[0] == numSeqs && lookback.d[1] == mConfig.maxNgram - 1,
-            "lookback must be [" << numSeqs << ", " << mConfig.maxNgram - 1 << "], got " << dimsToString(lookback));
-        ENGRAM_PLUGIN_CHECK(
-            out.nbDims == 3 && out.d[0] == numTokens && out.d[1] == mConfig.numLayers && out.d[2] == mConfig.numCols(),
-            "output must be [T, L, cols], got " << dimsToString(out));
+        hash_detail::checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, hash_detail::kNbInputs, outputDesc, 1));
+        int64_t const numTokens = inputDesc[hash_detail::kIds].dims.d[0];
+        int64_t const numSeqs = inputDesc[hash_detail::kSeqStarts].dims.d[0] - 1;
         int const status = engram_hash_prepared(mPrepared.get(), static_cast<int32_t const*>(inputs[hash_detail::kIds]),
             numTokens, static_cast<int32_t const*>(inputs[hash_detail::kSeqStarts]), numSeqs,
             static_cast<int32_t const*>(inputs[hash_detail::kLookback]), static_cast<int32_t*>(outputs[0]), stream);

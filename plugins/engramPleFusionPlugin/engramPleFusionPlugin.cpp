@@ -107,6 +107,70 @@ void checkDims(PleFusionConfig const& c, nvinfer1::Dims const* in)
         ENGRAM_PLUGIN_CHECK(in[i].nbDims == 1, kInputNames[i] << " must be 1-D, got " << dimsToString(in[i]));
     }
 }
+
+//! The history is read-modify-write: its output is its input's memory.
+constexpr AliasedState kStates[] = {{kConvStateOut, kConvState, "conv_state"}};
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T, S and
+//! num_slots may be -1 at build time; key and value take streams' T, seq_starts and slots
+//! past_lens' S wherever known), the output against streams and the conv_state output
+//! against conv_state (the aliasing base's checkAliasedStates).
+void checkIo(PleFusionConfig const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, kNbOutputs),
+        "expects 11 inputs (streams, key, value, norm_key_weight, norm_query_weight, norm_conv_weight, "
+        "conv_weight, conv_state, seq_starts, past_lens, slots) and 2 outputs, got "
+            << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        DataType const* in = io.inTypes;
+        DataType const t = in[kStreams];
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(t) && in[kKey] == t && in[kValue] == t && in[kConvState] == t,
+            "streams, key, value and conv_state must share one type (bfloat16, float16 or float32), got "
+                << dataTypeName(t) << ", " << dataTypeName(in[kKey]) << ", " << dataTypeName(in[kValue]) << " and "
+                << dataTypeName(in[kConvState]));
+        DataType const wt = in[kNormKeyWeight];
+        ENGRAM_PLUGIN_CHECK(
+            isWeightType(wt, t) && in[kNormQueryWeight] == wt && in[kNormConvWeight] == wt && in[kConvWeight] == wt,
+            "the norm and conv weights must all be float32 or all streams' type (" << dataTypeName(t) << "), got "
+                                                                                   << dataTypeName(wt) << " first");
+        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
+        {
+            ENGRAM_PLUGIN_CHECK(
+                in[i] == DataType::kINT32, kInputNames[i] << " must be int32, got " << dataTypeName(in[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[kOut] == io.inTypes[kStreams],
+            "streams, key, value, conv_state and the outputs must share one type (bfloat16, float16 or float32), "
+            "streams is "
+                << dataTypeName(io.inTypes[kStreams]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const* in = io.inDims;
+        checkDims(c, in);
+        DimText const t(in[kStreams].d[0], "T");
+        for (int32_t i : {kKey, kValue})
+        {
+            ENGRAM_PLUGIN_CHECK(dimMatches(in[i].d[0], t.value),
+                kInputNames[i] << " must have streams' " << t << " tokens, got " << dimsToString(in[i]));
+        }
+        int64_t const numSeqs = in[kPastLens].d[0];
+        ENGRAM_PLUGIN_CHECK(
+            dimMatches(in[kSeqStarts].d[0], numSeqs == -1 ? -1 : numSeqs + 1) && dimMatches(in[kSlots].d[0], numSeqs),
+            "seq_starts must be [S + 1] and slots [S] with past_lens' S = " << DimText(numSeqs,
+                "S") << ", got " << dimsToString(in[kSeqStarts]) << " and " << dimsToString(in[kSlots]));
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& o = io.outDims[kOut];
+            ENGRAM_PLUGIN_CHECK(dimsMatch(o, in[kStreams]),
+                "the output must match streams " << dimsToString(in[kStreams]) << ", got " << dimsToString(o));
+        }
+    }
+    checkAliasedStates(statesOf(kStates), io);
+}
 } // namespace ple_fusion_detail
 
 EngramPleFusionPlugin::EngramPleFusionPlugin(PleFusionConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -126,26 +190,8 @@ int32_t EngramPleFusionPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         using namespace ple_fusion_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
-            "expects 11 inputs (streams, key, value, norm_key_weight, norm_query_weight, norm_conv_weight, "
-            "conv_weight, conv_state, seq_starts, past_lens, slots) and 2 outputs, got "
-                << nbInputs << " and " << nbOutputs);
+        checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         DataType const io = inputTypes[kStreams];
-        ENGRAM_PLUGIN_CHECK(
-            isFloatIoType(io) && inputTypes[kKey] == io && inputTypes[kValue] == io && inputTypes[kConvState] == io,
-            "streams, key, value and conv_state must share one type (bfloat16, float16 or float32), got "
-                << dataTypeName(io) << ", " << dataTypeName(inputTypes[kKey]) << ", "
-                << dataTypeName(inputTypes[kValue]) << " and " << dataTypeName(inputTypes[kConvState]));
-        DataType const wt = inputTypes[kNormKeyWeight];
-        ENGRAM_PLUGIN_CHECK(isWeightType(wt, io) && inputTypes[kNormQueryWeight] == wt
-                && inputTypes[kNormConvWeight] == wt && inputTypes[kConvWeight] == wt,
-            "the norm and conv weights must all be float32 or all streams' type (" << dataTypeName(io) << "), got "
-                                                                                   << dataTypeName(wt) << " first");
-        for (int32_t i : {kSeqStarts, kPastLens, kSlots})
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
-                kInputNames[i] << " must be int32, got " << dataTypeName(inputTypes[i]));
-        }
         outputTypes[kOut] = io;
         outputTypes[kConvStateOut] = io;
         return 0;
@@ -160,9 +206,7 @@ int32_t EngramPleFusionPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs
     ENGRAM_PLUGIN_TRY
     {
         using namespace ple_fusion_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 2 outputs");
-        ENGRAM_PLUGIN_CHECK(inputs[kStreams].nbDims == 2, "streams must be 2-D [T, hc_count * hidden]");
-        ENGRAM_PLUGIN_CHECK(inputs[kConvState].nbDims == 3, "conv_state must be 3-D [num_slots, W, history]");
+        checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[kOut] = inputs[kStreams];
         outputs[kConvStateOut] = inputs[kConvState];
         return 0;
@@ -195,17 +239,11 @@ bool EngramPleFusionPlugin::supportsFormatCombination(
 }
 
 int32_t EngramPleFusionPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
-        using namespace ple_fusion_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 2 outputs");
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(in, kNbInputs, dims);
-        checkDims(mConfig, dims);
-        ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kConvStateOut].desc.dims.nbDims == 3,
-            "the outputs must be [T, W] and conv_state's shape");
+        ple_fusion_detail::checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(ple_fusion_detail::kName, -1);
@@ -229,9 +267,7 @@ size_t EngramPleFusionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc
 
 AliasedStates EngramPleFusionPlugin::aliasedStates() const
 {
-    // The history is read-modify-write: its output is its input's memory.
-    static constexpr AliasedState kStates[] = {{ple_fusion_detail::kConvStateOut, ple_fusion_detail::kConvState}};
-    return {kStates, 1};
+    return statesOf(ple_fusion_detail::kStates);
 }
 
 int32_t EngramPleFusionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -241,38 +277,12 @@ int32_t EngramPleFusionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
     ENGRAM_PLUGIN_TRY
     {
         using namespace ple_fusion_detail;
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(inputDesc, kNbInputs, dims);
-        checkDims(mConfig, dims);
-        int64_t const numTokens = dims[kStreams].d[0];
-        for (int32_t i : {kKey, kValue})
-        {
-            ENGRAM_PLUGIN_CHECK(dims[i].d[0] == numTokens,
-                kInputNames[i] << " must have streams' " << numTokens << " tokens, got " << dimsToString(dims[i]));
-        }
-        int64_t const numSeqs = dims[kPastLens].d[0];
-        ENGRAM_PLUGIN_CHECK(dims[kSeqStarts].d[0] == numSeqs + 1 && dims[kSlots].d[0] == numSeqs,
-            "seq_starts must be [S + 1] and slots [S] with past_lens' S = "
-                << numSeqs << ", got " << dimsToString(dims[kSeqStarts]) << " and " << dimsToString(dims[kSlots]));
-        nvinfer1::Dims const& state = dims[kConvState];
-        nvinfer1::Dims const& stateOut = outputDesc[kConvStateOut].dims;
-        ENGRAM_PLUGIN_CHECK(sameDims(stateOut, state),
-            "the conv_state output must match conv_state " << dimsToString(state) << ", got "
-                                                           << dimsToString(stateOut));
-        nvinfer1::Dims const& o = outputDesc[kOut].dims;
-        ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == dims[kStreams].d[1],
-            "the output must match streams " << dimsToString(dims[kStreams]) << ", got " << dimsToString(o));
+        checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, kNbInputs, outputDesc, kNbOutputs));
+        int64_t const numTokens = inputDesc[kStreams].dims.d[0];
+        int64_t const numSeqs = inputDesc[kPastLens].dims.d[0];
+        nvinfer1::Dims const& state = inputDesc[kConvState].dims;
         DataType const io = inputDesc[kStreams].type;
-        bool sameType = isFloatIoType(io) && inputDesc[kKey].type == io && inputDesc[kValue].type == io
-            && inputDesc[kConvState].type == io && outputDesc[kOut].type == io && outputDesc[kConvStateOut].type == io;
-        ENGRAM_PLUGIN_CHECK(sameType,
-            "streams, key, value, conv_state and the outputs must share one type (bfloat16, float16 or float32), "
-            "streams is "
-                << dataTypeName(io));
         DataType const wt = inputDesc[kNormKeyWeight].type;
-        ENGRAM_PLUGIN_CHECK(isWeightType(wt, io) && inputDesc[kNormQueryWeight].type == wt
-                && inputDesc[kNormConvWeight].type == wt && inputDesc[kConvWeight].type == wt,
-            "the norm and conv weights must all be float32 or all streams' type");
 
         int64_t const numSlots = state.d[0];
         size_t const stateBytes = static_cast<size_t>(volume(state)) * floatElementBytes(io);

@@ -3,6 +3,7 @@
 #include "engramPleHashPlugin.h"
 
 #include "common/checkMacros.h"
+#include "common/pluginTensors.h"
 #include "kernels/engramKernelsCore.h"
 #include "kernels/pleKernels.h"
 
@@ -77,6 +78,48 @@ std::shared_ptr<EngramPleHashLayout const> prepareLayout(PleHashLayout const& la
     return std::shared_ptr<EngramPleHashLayout const>(prepared,
         [](EngramPleHashLayout const* p) { engram_ple_hash_layout_destroy(const_cast<EngramPleHashLayout*>(p)); });
 }
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T and S may
+//! be -1 at build time; at enqueue S is seq_starts' length - 1 and context's rows are S).
+void checkIo(PleHashLayout const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, 1),
+        "expects 3 inputs (ids, seq_starts, context) and 1 output, got " << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        for (int32_t i = 0; i < io.nbInputs; ++i)
+        {
+            ENGRAM_PLUGIN_CHECK(io.inTypes[i] == DataType::kINT32,
+                "input " << i << " must be int32, got " << dataTypeName(io.inTypes[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(
+            io.outTypes[0] == DataType::kINT32, "output must be int32, got " << dataTypeName(io.outTypes[0]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const& ids = io.inDims[kIds];
+        nvinfer1::Dims const& seqStarts = io.inDims[kSeqStarts];
+        nvinfer1::Dims const& context = io.inDims[kContext];
+        ENGRAM_PLUGIN_CHECK(ids.nbDims == 1, "ids must be 1-D [T]");
+        ENGRAM_PLUGIN_CHECK(seqStarts.nbDims == 1, "seq_starts must be 1-D [S+1]");
+        ENGRAM_PLUGIN_CHECK(dimAtLeast(seqStarts.d[0], 1), "seq_starts must hold S+1 >= 1 entries");
+        int64_t const numSeqs = seqStarts.d[0] == -1 ? -1 : seqStarts.d[0] - 1;
+        ENGRAM_PLUGIN_CHECK(
+            context.nbDims == 2 && dimMatches(context.d[0], numSeqs) && dimMatches(context.d[1], c.ngramSize - 1),
+            "context must be [" << DimText(numSeqs, "S") << ", " << c.ngramSize - 1 << "], got "
+                                << dimsToString(context));
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& out = io.outDims[0];
+            ENGRAM_PLUGIN_CHECK(out.nbDims == 2 && dimMatches(out.d[0], ids.d[0]) && dimMatches(out.d[1], c.numHeads()),
+                "output must be [T, H] = [" << DimText(ids.d[0], "T") << ", " << c.numHeads() << "], got "
+                                            << dimsToString(out));
+        }
+    }
+}
 } // namespace ple_hash_detail
 
 EngramPleHashPlugin::EngramPleHashPlugin(PleHashLayout layout, nvinfer1::TensorRTPhase phase)
@@ -90,13 +133,7 @@ int32_t EngramPleHashPlugin::getOutputDataTypes(
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == ple_hash_detail::kNbInputs && nbOutputs == 1,
-            "expects 3 inputs (ids, seq_starts, context) and 1 output, got " << nbInputs << " and " << nbOutputs);
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
-                "input " << i << " must be int32, got " << dataTypeName(inputTypes[i]));
-        }
+        ple_hash_detail::checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         outputTypes[0] = DataType::kINT32;
         return 0;
     }
@@ -109,8 +146,7 @@ int32_t EngramPleHashPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs, 
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == ple_hash_detail::kNbInputs && nbOutputs == 1, "expects 3 inputs and 1 output");
-        ENGRAM_PLUGIN_CHECK(inputs[ple_hash_detail::kIds].nbDims == 1, "ids must be 1-D [T]");
+        ple_hash_detail::checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[0].nbDims = 2;
         outputs[0].d[0] = inputs[ple_hash_detail::kIds].d[0];
         outputs[0].d[1] = exprBuilder.constant(mConfig.numHeads());
@@ -134,12 +170,7 @@ int32_t EngramPleHashPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc c
 {
     ENGRAM_PLUGIN_TRY
     {
-        ENGRAM_PLUGIN_CHECK(nbInputs == ple_hash_detail::kNbInputs && nbOutputs == 1, "expects 3 inputs and 1 output");
-        ENGRAM_PLUGIN_CHECK(in[ple_hash_detail::kIds].desc.dims.nbDims == 1, "ids must be 1-D [T]");
-        ENGRAM_PLUGIN_CHECK(in[ple_hash_detail::kSeqStarts].desc.dims.nbDims == 1, "seq_starts must be 1-D [S+1]");
-        nvinfer1::Dims const& context = in[ple_hash_detail::kContext].desc.dims;
-        ENGRAM_PLUGIN_CHECK(context.nbDims == 2 && (context.d[1] == -1 || context.d[1] == mConfig.ngramSize - 1),
-            "context must be [S, " << mConfig.ngramSize - 1 << "], got " << dimsToString(context));
+        ple_hash_detail::checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(ple_hash_detail::kName, -1);
@@ -157,17 +188,9 @@ int32_t EngramPleHashPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc
 {
     ENGRAM_PLUGIN_TRY
     {
-        nvinfer1::Dims const& ids = inputDesc[ple_hash_detail::kIds].dims;
-        nvinfer1::Dims const& seqStarts = inputDesc[ple_hash_detail::kSeqStarts].dims;
-        nvinfer1::Dims const& context = inputDesc[ple_hash_detail::kContext].dims;
-        nvinfer1::Dims const& out = outputDesc[0].dims;
-        int64_t const numTokens = ids.d[0];
-        int64_t const numSeqs = seqStarts.d[0] - 1;
-        ENGRAM_PLUGIN_CHECK(numSeqs >= 0, "seq_starts must hold S+1 >= 1 entries");
-        ENGRAM_PLUGIN_CHECK(context.nbDims == 2 && context.d[0] == numSeqs && context.d[1] == mConfig.ngramSize - 1,
-            "context must be [" << numSeqs << ", " << mConfig.ngramSize - 1 << "], got " << dimsToString(context));
-        ENGRAM_PLUGIN_CHECK(out.nbDims == 2 && out.d[0] == numTokens && out.d[1] == mConfig.numHeads(),
-            "output must be [T, H] = [" << numTokens << ", " << mConfig.numHeads() << "], got " << dimsToString(out));
+        ple_hash_detail::checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, ple_hash_detail::kNbInputs, outputDesc, 1));
+        int64_t const numTokens = inputDesc[ple_hash_detail::kIds].dims.d[0];
+        int64_t const numSeqs = inputDesc[ple_hash_detail::kSeqStarts].dims.d[0] - 1;
         int const status = engram_ple_hash_prepared(mPrepared.get(),
             static_cast<int32_t const*>(inputs[ple_hash_detail::kIds]), numTokens,
             static_cast<int32_t const*>(inputs[ple_hash_detail::kSeqStarts]), numSeqs,

@@ -119,6 +119,61 @@ void checkDims(QsaAttentionConfig const& c, nvinfer1::Dims const* in)
     }
 }
 
+//! The caches are read-modify-write: each cache output is its cache input's memory.
+constexpr AliasedState kStates[] = {{kKeyCacheOut, kKeyCache, "key_cache"},
+    {kValueCacheOut, kValueCache, "value_cache"}, {kIndexKeyCacheOut, kIndexKeyCache, "index_key_cache"}};
+
+//! The one check of the I/O every method sees (PluginIo): counts, types, dims (T, the
+//! head counts and the cache's dims may be -1 at build time), the output's shape and the
+//! cache outputs against the caches (the aliasing base's checkAliasedStates).
+void checkIo(QsaAttentionConfig const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, kNbOutputs),
+        "expects 11 inputs (q, k, v, index_q, index_raw, key_cache, value_cache, index_key_cache, "
+        "index_k_norm_weight, token_slot, token_pos) and 4 outputs, got "
+            << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        DataType const* in = io.inTypes;
+        DataType const t = in[kQ];
+        ENGRAM_PLUGIN_CHECK(isFloatIoType(t), "q must be bfloat16, float16 or float32, got " << dataTypeName(t));
+        for (int32_t i : {kK, kV, kIndexQ, kIndexRaw, kKeyCache, kValueCache, kIndexKeyCache})
+        {
+            ENGRAM_PLUGIN_CHECK(in[i] == t,
+                kInputNames[i] << " must be q's type " << dataTypeName(t) << ", got " << dataTypeName(in[i]));
+        }
+        DataType const wt = in[kNormWeight];
+        ENGRAM_PLUGIN_CHECK(wt == DataType::kFLOAT || wt == t,
+            "index_k_norm_weight must be float32 or q's type " << dataTypeName(t) << ", got " << dataTypeName(wt));
+        for (int32_t i : {kTokenSlot, kTokenPos})
+        {
+            ENGRAM_PLUGIN_CHECK(
+                in[i] == DataType::kINT32, kInputNames[i] << " must be int32, got " << dataTypeName(in[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[kOut] == io.inTypes[kQ],
+            "the activations, the caches and the outputs must share one type (bfloat16, float16 or float32), q is "
+                << dataTypeName(io.inTypes[kQ]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const* in = io.inDims;
+        checkDims(c, in);
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& q = in[kQ];
+            int64_t const width = q.d[1] == -1 || q.d[2] == -1 ? -1 : q.d[1] * q.d[2];
+            nvinfer1::Dims const& o = io.outDims[kOut];
+            ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && dimMatches(o.d[0], q.d[0]) && dimMatches(o.d[1], width),
+                "the output must be [" << DimText(q.d[0], "T") << ", " << DimText(width, "num_heads * head_dim")
+                                       << "], got " << dimsToString(o));
+        }
+    }
+    checkAliasedStates(statesOf(kStates), io);
+}
+
 } // namespace qsa_detail
 
 EngramQsaAttentionPlugin::EngramQsaAttentionPlugin(QsaAttentionConfig const& config, nvinfer1::TensorRTPhase phase)
@@ -138,25 +193,8 @@ int32_t EngramQsaAttentionPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         using namespace qsa_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
-            "expects 11 inputs (q, k, v, index_q, index_raw, key_cache, value_cache, index_key_cache, "
-            "index_k_norm_weight, token_slot, token_pos) and 4 outputs, got "
-                << nbInputs << " and " << nbOutputs);
+        checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         DataType const io = inputTypes[kQ];
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io), "q must be bfloat16, float16 or float32, got " << dataTypeName(io));
-        for (int32_t i : {kK, kV, kIndexQ, kIndexRaw, kKeyCache, kValueCache, kIndexKeyCache})
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == io,
-                kInputNames[i] << " must be q's type " << dataTypeName(io) << ", got " << dataTypeName(inputTypes[i]));
-        }
-        DataType const wt = inputTypes[kNormWeight];
-        ENGRAM_PLUGIN_CHECK(wt == DataType::kFLOAT || wt == io,
-            "index_k_norm_weight must be float32 or q's type " << dataTypeName(io) << ", got " << dataTypeName(wt));
-        for (int32_t i : {kTokenSlot, kTokenPos})
-        {
-            ENGRAM_PLUGIN_CHECK(inputTypes[i] == DataType::kINT32,
-                kInputNames[i] << " must be int32, got " << dataTypeName(inputTypes[i]));
-        }
         for (int32_t i = 0; i < kNbOutputs; ++i)
         {
             outputTypes[i] = io;
@@ -173,12 +211,7 @@ int32_t EngramQsaAttentionPlugin::getOutputShapes(nvinfer1::DimsExprs const* inp
     ENGRAM_PLUGIN_TRY
     {
         using namespace qsa_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 4 outputs");
-        ENGRAM_PLUGIN_CHECK(inputs[kQ].nbDims == 3, "q must be 3-D [T, num_heads, head_dim]");
-        ENGRAM_PLUGIN_CHECK(inputs[kKeyCache].nbDims == 4 && inputs[kValueCache].nbDims == 4,
-            "key_cache and value_cache must be 4-D [num_slots, num_kv_heads, max_len, head_dim]");
-        ENGRAM_PLUGIN_CHECK(
-            inputs[kIndexKeyCache].nbDims == 3, "index_key_cache must be 3-D [num_slots, max_len, index_dim]");
+        checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[kOut].nbDims = 2;
         outputs[kOut].d[0] = inputs[kQ].d[0];
         outputs[kOut].d[1]
@@ -212,18 +245,11 @@ bool EngramQsaAttentionPlugin::supportsFormatCombination(
 }
 
 int32_t EngramQsaAttentionPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
-        using namespace qsa_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 11 inputs and 4 outputs");
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(in, kNbInputs, dims);
-        checkDims(mConfig, dims);
-        ENGRAM_PLUGIN_CHECK(out[kOut].desc.dims.nbDims == 2 && out[kKeyCacheOut].desc.dims.nbDims == 4
-                && out[kValueCacheOut].desc.dims.nbDims == 4 && out[kIndexKeyCacheOut].desc.dims.nbDims == 3,
-            "the outputs must be [T, num_heads * head_dim] and the caches' shapes");
+        qsa_detail::checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(qsa_detail::kName, -1);
@@ -249,11 +275,7 @@ size_t EngramQsaAttentionPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorD
 
 AliasedStates EngramQsaAttentionPlugin::aliasedStates() const
 {
-    // The caches are read-modify-write: each cache output is its cache input's memory.
-    using namespace qsa_detail;
-    static constexpr AliasedState kStates[]
-        = {{kKeyCacheOut, kKeyCache}, {kValueCacheOut, kValueCache}, {kIndexKeyCacheOut, kIndexKeyCache}};
-    return {kStates, 3};
+    return statesOf(qsa_detail::kStates);
 }
 
 int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
@@ -263,41 +285,14 @@ int32_t EngramQsaAttentionPlugin::enqueue(nvinfer1::PluginTensorDesc const* inpu
     ENGRAM_PLUGIN_TRY
     {
         using namespace qsa_detail;
+        checkIo(mConfig, PluginIo::ofEnqueue(inputDesc, kNbInputs, outputDesc, kNbOutputs));
         nvinfer1::Dims dims[kNbInputs];
         copyDims(inputDesc, kNbInputs, dims);
-        checkDims(mConfig, dims);
         nvinfer1::Dims const& q = dims[kQ];
         nvinfer1::Dims const& kc = dims[kKeyCache];
         int64_t const numTokens = q.d[0];
-        nvinfer1::Dims const& o = outputDesc[kOut].dims;
-        ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == q.d[1] * q.d[2],
-            "the output must be [" << numTokens << ", " << q.d[1] * q.d[2] << "], got " << dimsToString(o));
-        for (int32_t i : {kKeyCacheOut, kValueCacheOut, kIndexKeyCacheOut})
-        {
-            nvinfer1::Dims const& src = dims[kKeyCache + i - kKeyCacheOut];
-            ENGRAM_PLUGIN_CHECK(sameDims(outputDesc[i].dims, src),
-                "cache output " << i << " must match its cache " << dimsToString(src) << ", got "
-                                << dimsToString(outputDesc[i].dims));
-        }
         DataType const io = inputDesc[kQ].type;
-        bool sameType = isFloatIoType(io);
-        for (int32_t i : {kK, kV, kIndexQ, kIndexRaw, kKeyCache, kValueCache, kIndexKeyCache})
-        {
-            sameType = sameType && inputDesc[i].type == io;
-        }
-        for (int32_t i = 0; i < kNbOutputs; ++i)
-        {
-            sameType = sameType && outputDesc[i].type == io;
-        }
-        ENGRAM_PLUGIN_CHECK(sameType,
-            "the activations, the caches and the outputs must share one type (bfloat16, float16 or float32), q is "
-                << dataTypeName(io));
         DataType const wt = inputDesc[kNormWeight].type;
-        ENGRAM_PLUGIN_CHECK(
-            wt == DataType::kFLOAT || wt == io, "index_k_norm_weight must be float32 or q's type " << dataTypeName(io));
-        ENGRAM_PLUGIN_CHECK(
-            inputDesc[kTokenSlot].type == DataType::kINT32 && inputDesc[kTokenPos].type == DataType::kINT32,
-            "token_slot and token_pos must be int32");
 
         copyStatesUnlessAliased(inputDesc, inputs, outputs, stream);
         size_t workspaceBytes = 0;

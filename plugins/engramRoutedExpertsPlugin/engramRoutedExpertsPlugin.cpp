@@ -162,6 +162,62 @@ bool isScaleType(DataType type, RoutedExpertsConfig const& c)
     return type == DataType::kINT8 || type == DataType::kUINT8;
 }
 
+//! The one check of the I/O every method sees (PluginIo): counts, types (the weights as
+//! stored bytes, the scales as scale_type says), dims (T may be -1 at build time; ids and
+//! route_w take x's T wherever known), the step's (token, expert) pairs once T is known
+//! and the output against x.
+void checkIo(RoutedExpertsConfig const& c, PluginIo const& io)
+{
+    ENGRAM_PLUGIN_CHECK(io.counts(kNbInputs, kNbOutputs),
+        "expects 9 inputs (x, ids, route_w, gate_w, gate_scale, up_w, up_scale, down_w, down_scale) and 1 "
+        "output, got "
+            << io.nbInputs << " and " << io.nbOutputs);
+    if (io.hasInputTypes)
+    {
+        DataType const* in = io.inTypes;
+        ENGRAM_PLUGIN_CHECK(
+            isFloatIoType(in[kX]), "x must be bfloat16, float16 or float32, got " << dataTypeName(in[kX]));
+        ENGRAM_PLUGIN_CHECK(in[kIds] == DataType::kINT32 || in[kIds] == DataType::kINT64,
+            "ids must be int32 or int64, got " << dataTypeName(in[kIds]));
+        ENGRAM_PLUGIN_CHECK(
+            in[kRouteW] == DataType::kFLOAT, "route_w must be float32, got " << dataTypeName(in[kRouteW]));
+        for (int32_t i : {kGateW, kUpW, kDownW})
+        {
+            ENGRAM_PLUGIN_CHECK(isWeightType(in[i]) && in[i] == in[kGateW],
+                kInputNames[i] << " must be int8 or uint8 bytes (the stored weight), as gate_w, got "
+                               << dataTypeName(in[i]));
+        }
+        for (int32_t i : {kGateScale, kUpScale, kDownScale})
+        {
+            ENGRAM_PLUGIN_CHECK(isScaleType(in[i], c),
+                kInputNames[i] << " must be "
+                               << (c.scaleType == ENGRAM_QSCALE_F32 ? "float32" : "int8 or uint8 (ue8m0 bytes)")
+                               << " for " << kScaleTypeName << " " << c.scaleType << ", got " << dataTypeName(in[i]));
+        }
+    }
+    if (io.hasOutputTypes)
+    {
+        ENGRAM_PLUGIN_CHECK(io.outTypes[0] == io.inTypes[kX],
+            "x and the output must share one type (bfloat16, float16 or float32), x is "
+                << dataTypeName(io.inTypes[kX]));
+    }
+    if (io.hasInputDims)
+    {
+        nvinfer1::Dims const* in = io.inDims;
+        checkDims(c, in);
+        int64_t const numTokens = in[kX].d[0];
+        int64_t const pairs = numTokens * c.topK;
+        ENGRAM_PLUGIN_CHECK(numTokens == -1 || pairs <= kMaxPairs,
+            "a step of " << numTokens << " tokens makes " << pairs << " pairs (at most " << kMaxPairs << ")");
+        if (io.hasOutputDims)
+        {
+            nvinfer1::Dims const& o = io.outDims[0];
+            ENGRAM_PLUGIN_CHECK(dimsMatch(o, in[kX]),
+                "the output must match x " << dimsToString(in[kX]) << ", got " << dimsToString(o));
+        }
+    }
+}
+
 //! Where each buffer of a step of `tokens` tokens lies in the workspace (byte offsets,
 //! each kAlign-aligned) and its size.
 struct Layout
@@ -254,30 +310,7 @@ int32_t EngramRoutedExpertsPlugin::getOutputDataTypes(
     ENGRAM_PLUGIN_TRY
     {
         using namespace routed_experts_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs,
-            "expects 9 inputs (x, ids, route_w, gate_w, gate_scale, up_w, up_scale, down_w, down_scale) and 1 "
-            "output, got "
-                << nbInputs << " and " << nbOutputs);
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(inputTypes[kX]),
-            "x must be bfloat16, float16 or float32, got " << dataTypeName(inputTypes[kX]));
-        ENGRAM_PLUGIN_CHECK(inputTypes[kIds] == DataType::kINT32 || inputTypes[kIds] == DataType::kINT64,
-            "ids must be int32 or int64, got " << dataTypeName(inputTypes[kIds]));
-        ENGRAM_PLUGIN_CHECK(inputTypes[kRouteW] == DataType::kFLOAT,
-            "route_w must be float32, got " << dataTypeName(inputTypes[kRouteW]));
-        for (int32_t i : {kGateW, kUpW, kDownW})
-        {
-            ENGRAM_PLUGIN_CHECK(isWeightType(inputTypes[i]) && inputTypes[i] == inputTypes[kGateW],
-                kInputNames[i] << " must be int8 or uint8 bytes (the stored weight), as gate_w, got "
-                               << dataTypeName(inputTypes[i]));
-        }
-        for (int32_t i : {kGateScale, kUpScale, kDownScale})
-        {
-            ENGRAM_PLUGIN_CHECK(isScaleType(inputTypes[i], mConfig),
-                kInputNames[i] << " must be "
-                               << (mConfig.scaleType == ENGRAM_QSCALE_F32 ? "float32" : "int8 or uint8 (ue8m0 bytes)")
-                               << " for " << kScaleTypeName << " " << mConfig.scaleType << ", got "
-                               << dataTypeName(inputTypes[i]));
-        }
+        checkIo(mConfig, PluginIo::ofTypes(inputTypes, nbInputs, nbOutputs));
         outputTypes[0] = inputTypes[kX];
         return 0;
     }
@@ -291,8 +324,7 @@ int32_t EngramRoutedExpertsPlugin::getOutputShapes(nvinfer1::DimsExprs const* in
     ENGRAM_PLUGIN_TRY
     {
         using namespace routed_experts_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 9 inputs and 1 output");
-        ENGRAM_PLUGIN_CHECK(inputs[kX].nbDims == 2, "x must be 2-D [T, hidden]");
+        checkIo(mConfig, PluginIo::ofShapes(inputs, nbInputs, nbOutputs));
         outputs[0] = inputs[kX];
         return 0;
     }
@@ -324,20 +356,17 @@ bool EngramRoutedExpertsPlugin::supportsFormatCombination(
 }
 
 int32_t EngramRoutedExpertsPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+    nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
     ENGRAM_PLUGIN_TRY
     {
         using namespace routed_experts_detail;
-        ENGRAM_PLUGIN_CHECK(nbInputs == kNbInputs && nbOutputs == kNbOutputs, "expects 9 inputs and 1 output");
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(in, kNbInputs, dims);
-        checkDims(mConfig, dims);
+        checkIo(mConfig, PluginIo::ofConfigure(in, nbInputs, nbOutputs));
+        // The profile's largest step (not a dim of the I/O: TensorRT's max of T).
         int64_t const maxTokens = in[kX].max.d[0];
         ENGRAM_PLUGIN_CHECK(maxTokens < 0 || maxTokens * mConfig.topK <= kMaxPairs,
             "a step of up to " << maxTokens << " tokens makes " << maxTokens * mConfig.topK
                                << " (token, expert) pairs; the plan takes at most " << kMaxPairs);
-        ENGRAM_PLUGIN_CHECK(out[0].desc.dims.nbDims == 2, "the output must be [T, hidden]");
         return 0;
     }
     ENGRAM_PLUGIN_CATCH(routed_experts_detail::kName, -1);
@@ -363,30 +392,11 @@ int32_t EngramRoutedExpertsPlugin::enqueue(nvinfer1::PluginTensorDesc const* inp
     {
         using namespace routed_experts_detail;
         RoutedExpertsConfig const& c = mConfig;
-        nvinfer1::Dims dims[kNbInputs];
-        copyDims(inputDesc, kNbInputs, dims);
-        checkDims(c, dims);
-        int64_t const numTokens = dims[kX].d[0];
-        nvinfer1::Dims const& o = outputDesc[0].dims;
-        ENGRAM_PLUGIN_CHECK(o.nbDims == 2 && o.d[0] == numTokens && o.d[1] == c.hidden,
-            "the output must match x " << dimsToString(dims[kX]) << ", got " << dimsToString(o));
+        checkIo(c, PluginIo::ofEnqueue(inputDesc, kNbInputs, outputDesc, kNbOutputs));
+        int64_t const numTokens = inputDesc[kX].dims.d[0];
         DataType const io = inputDesc[kX].type;
-        ENGRAM_PLUGIN_CHECK(isFloatIoType(io) && outputDesc[0].type == io,
-            "x and the output must share one type (bfloat16, float16 or float32), x is " << dataTypeName(io));
-        ENGRAM_PLUGIN_CHECK(inputDesc[kRouteW].type == DataType::kFLOAT, "route_w must be float32");
         DataType const idsType = inputDesc[kIds].type;
-        ENGRAM_PLUGIN_CHECK(idsType == DataType::kINT32 || idsType == DataType::kINT64, "ids must be int32 or int64");
-        for (int32_t i : {kGateW, kUpW, kDownW})
-        {
-            ENGRAM_PLUGIN_CHECK(isWeightType(inputDesc[i].type), kInputNames[i] << " must be int8 or uint8 bytes");
-        }
-        for (int32_t i : {kGateScale, kUpScale, kDownScale})
-        {
-            ENGRAM_PLUGIN_CHECK(isScaleType(inputDesc[i].type, c), kInputNames[i] << " has the wrong scale type");
-        }
         int64_t const pairs = numTokens * c.topK;
-        ENGRAM_PLUGIN_CHECK(pairs <= kMaxPairs,
-            "a step of " << numTokens << " tokens makes " << pairs << " pairs (at most " << kMaxPairs << ")");
         if (numTokens == 0)
         {
             return 0;
