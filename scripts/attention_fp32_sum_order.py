@@ -34,7 +34,7 @@ def emulate(q: np.ndarray, keys: np.ndarray, values: np.ndarray, per_tile: bool)
     acc = np.zeros(hd, np.float32)
     run_max, run_sum = np.float32(-np.inf), np.float32(0.0)
     for k0 in range(0, keys.shape[0], TILE):
-        s = scores[k0:k0 + TILE]
+        s = scores[k0 : k0 + TILE]
         new_max = np.float32(max(run_max, s.max()))
         corr = np.float32(0.0) if run_max == -np.inf else np.float32(np.exp2(run_max - new_max))
         prob = np.exp2(s - new_max).astype(np.float32)

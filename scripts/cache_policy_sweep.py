@@ -35,8 +35,12 @@ def main() -> int:
     p.add_argument("--layer", type=int, default=0, help="Engram layer whose ids to run (default 0)")
     p.add_argument("--warm", type=int, default=448, help="chunks of history before the measured ones (default 448)")
     p.add_argument("--measure", type=int, default=24, help="measured chunks (default 24, as bench cache)")
-    p.add_argument("--settings", default="4:8192,1:8192,1:32768", metavar="EVERY:BUDGET,...",
-                   help="replacement cadences and budgets to compare (default 4:8192,1:8192,1:32768)")
+    p.add_argument(
+        "--settings",
+        default="4:8192,1:8192,1:32768",
+        metavar="EVERY:BUDGET,...",
+        help="replacement cadences and budgets to compare (default 4:8192,1:8192,1:32768)",
+    )
     p.add_argument("--capacity-fraction", type=float, default=0.05)
     p.add_argument("--sample-factor", type=int, default=4)
     p.add_argument("--offline", action="store_true", help="also a cache warmed from offline counts of the warm chunks")
@@ -57,21 +61,35 @@ def main() -> int:
     if len(chunks) < args.warm + args.measure:
         raise SystemExit(f"the token file holds {len(chunks)} chunks, fewer than --warm + --measure")
     rows = int(layout.table_rows[args.layer])
-    counts = count_rows(chunks[: args.warm], [int(r) for r in layout.table_rows], [args.layer])[args.layer] \
-        if args.offline else None
-    print(f"{path}: layer {args.layer}, {rows:,} rows, a cache of {args.capacity_fraction:.0%}; {args.warm} chunks of "
-          f"history, {args.measure} measured")
+    counts = (
+        count_rows(chunks[: args.warm], [int(r) for r in layout.table_rows], [args.layer])[args.layer]
+        if args.offline
+        else None
+    )
+    print(
+        f"{path}: layer {args.layer}, {rows:,} rows, a cache of {args.capacity_fraction:.0%}; {args.warm} chunks of "
+        f"history, {args.measure} measured"
+    )
     print("| warming | replace every | budget | hit rate (distinct rows) | fetched / lookups | seconds |")
     print("| --- | --- | --- | --- | --- | --- |")
     for every, budget in settings:
         for warming in ("history", "offline") if args.offline else ("history",):
             t0 = time.perf_counter()
-            policy = CachePolicy(rows, int(args.capacity_fraction * rows), device="cpu", admit_budget=budget,
-                                 sample_factor=args.sample_factor, max_step_rows=chunks[0][:, 0, :].size,
-                                 initial_counts=counts if warming == "offline" else None)
+            policy = CachePolicy(
+                rows,
+                int(args.capacity_fraction * rows),
+                device="cpu",
+                admit_budget=budget,
+                sample_factor=args.sample_factor,
+                max_step_rows=chunks[0][:, 0, :].size,
+                initial_counts=counts if warming == "offline" else None,
+            )
             got = policy_hit_rates(policy, chunks, args.layer, args.warm, every, history=warming == "history")
-            print(f"| {warming} | {every} | {budget} | {got['hit_rate']:.1%} | {got['fetch_fraction']:.1%} | "
-                  f"{time.perf_counter() - t0:.0f} |", flush=True)
+            print(
+                f"| {warming} | {every} | {budget} | {got['hit_rate']:.1%} | {got['fetch_fraction']:.1%} | "
+                f"{time.perf_counter() - t0:.0f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -43,9 +43,13 @@ sys.path.insert(0, str(REPO / "python"))
 
 from engram_trt.triton import client as hc  # noqa: E402
 
-PROMPTS = [f"{w} number {i}: Engram layers look up n-grams in huge tables" for i, w in enumerate(
-    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi "
-    "omega one two three four five six seven eight".split())]
+PROMPTS = [
+    f"{w} number {i}: Engram layers look up n-grams in huge tables"
+    for i, w in enumerate(
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi "
+        "omega one two three four five six seven eight".split()
+    )
+]
 
 
 def build_small_engine(where: Path) -> Path:
@@ -94,7 +98,9 @@ def metrics(url: str) -> dict[str, float]:
         if m:
             phase = re.search(r'phase="(\w+)"', m.group(2) or "")
             key, v = m.group(1) + (f"[{phase.group(1)}]" if phase else ""), float(m.group(3))
-            out[key] = max(out.get(key, v), v) if key.endswith("_max") else out.get(key, 0.0) + v  # summed over instances
+            out[key] = (
+                max(out.get(key, v), v) if key.endswith("_max") else out.get(key, 0.0) + v
+            )  # summed over instances
     return out
 
 
@@ -109,8 +115,16 @@ class Stats:
         self.latency: list[float] = []
         self.by_transport = {"http": 0, "grpc": 0}
 
-    def record(self, transport: str, prompt: str, ids: list[int] | None, error: str | None, want: list[int],
-               ttft: float, total: float) -> None:
+    def record(
+        self,
+        transport: str,
+        prompt: str,
+        ids: list[int] | None,
+        error: str | None,
+        want: list[int],
+        ttft: float,
+        total: float,
+    ) -> None:
         with self.lock:
             self.requests += 1
             self.by_transport[transport] += 1
@@ -165,10 +179,12 @@ def grpc_client(idx: int, url: str, lone: dict[str, list[int]], params: dict, de
         while time.monotonic() < deadline:
             prompt = PROMPTS[k % len(PROMPTS)]
             k += 1
-            ins = [tensor("text_input", np.array([[prompt.encode()]], dtype=np.object_)),
-                   tensor("stream", np.array([[True]])),
-                   tensor("max_tokens", np.array([[params["max_tokens"]]], np.int32)),
-                   tensor("ignore_eos", np.array([[params["ignore_eos"]]]))]
+            ins = [
+                tensor("text_input", np.array([[prompt.encode()]], dtype=np.object_)),
+                tensor("stream", np.array([[True]])),
+                tensor("max_tokens", np.array([[params["max_tokens"]]], np.int32)),
+                tensor("ignore_eos", np.array([[params["ignore_eos"]]])),
+            ]
             t0 = time.perf_counter()
             ttft = 0.0
             ids: list[int] = []
@@ -201,11 +217,35 @@ def grpc_client(idx: int, url: str, lone: dict[str, list[int]], params: dict, de
 
 
 def start_server(engine: Path, clients: int, log: Path) -> tuple[subprocess.Popen, dict]:
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(engine), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log),
-           "--max-batch-size", str(clients), "--max-num-tokens", "128"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+    cmd = [
+        sys.executable,
+        "-m",
+        "engram_trt",
+        "serve",
+        str(engine),
+        "--address",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--json",
+        "--log-file",
+        str(log),
+        "--max-batch-size",
+        str(clients),
+        "--max-num-tokens",
+        "128",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO / "python")},
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 300)
     line = proc.stdout.readline() if ready else ""
     if not line:
@@ -218,10 +258,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=120.0, help="length of the load phase (default: %(default)s)")
     ap.add_argument("--clients", type=int, default=32, help="concurrent streaming clients (default: %(default)s)")
-    ap.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the reference RSS is taken (default: %(default)s)")
-    ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request (greedy, ignore_eos) (default: %(default)s)")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=15.0,
+        help="seconds of load before the reference RSS is taken (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens per request (greedy, ignore_eos) (default: %(default)s)"
+    )
     ap.add_argument("--engine", default=None, help="engine folder to serve (default: the small test engine, built now)")
-    ap.add_argument("--rss-tolerance", type=float, default=0.10, help="allowed RSS growth after warm-up (default: %(default)s)")
+    ap.add_argument(
+        "--rss-tolerance", type=float, default=0.10, help="allowed RSS growth after warm-up (default: %(default)s)"
+    )
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="engram-trt-load-"))
@@ -250,9 +299,13 @@ def main() -> int:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         rss_before = process_tree_rss(server_pid)
-        threads = [threading.Thread(target=(http_client if i % 2 == 0 else grpc_client),
-                                    args=(i, info["http"] if i % 2 == 0 else info["grpc"], lone, params, deadline, st))
-                   for i in range(args.clients)]
+        threads = [
+            threading.Thread(
+                target=(http_client if i % 2 == 0 else grpc_client),
+                args=(i, info["http"] if i % 2 == 0 else info["grpc"], lone, params, deadline, st),
+            )
+            for i in range(args.clients)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -272,24 +325,40 @@ def main() -> int:
     rss_end = int(statistics.median([r for _, r in rss[-3:]])) if rss else rss_before
     growth = (rss_end - rss_warm) / rss_warm
     steps = m1.get("engram_steps_total", 0) - m0.get("engram_steps_total", 0)
-    toks = sum(m1.get(f"engram_tokens_total[{ph}]", 0) - m0.get(f"engram_tokens_total[{ph}]", 0) for ph in ("prefill", "decode"))
+    toks = sum(
+        m1.get(f"engram_tokens_total[{ph}]", 0) - m0.get(f"engram_tokens_total[{ph}]", 0)
+        for ph in ("prefill", "decode")
+    )
     res = {
-        "clients": args.clients, "seconds": round(elapsed, 1), "requests": st.requests, "by_transport": st.by_transport,
-        "failed": len(st.failures), "mismatched": len(st.mismatches), "generated_tokens": st.tokens,
-        "tokens_per_s": round(st.tokens / elapsed, 1), "requests_per_s": round(st.requests / elapsed, 2),
+        "clients": args.clients,
+        "seconds": round(elapsed, 1),
+        "requests": st.requests,
+        "by_transport": st.by_transport,
+        "failed": len(st.failures),
+        "mismatched": len(st.mismatches),
+        "generated_tokens": st.tokens,
+        "tokens_per_s": round(st.tokens / elapsed, 1),
+        "requests_per_s": round(st.requests / elapsed, 2),
         "ttft_s_p50": round(statistics.median(st.ttft), 3) if st.ttft else None,
         "latency_s_p50": round(statistics.median(st.latency), 3) if st.latency else None,
         "latency_s_p99": round(sorted(st.latency)[int(0.99 * (len(st.latency) - 1))], 3) if st.latency else None,
-        "rss_before_load_mib": round(rss_before / 2**20, 1), "rss_after_warmup_mib": round(rss_warm / 2**20, 1),
-        "rss_end_mib": round(rss_end / 2**20, 1), "rss_max_mib": round(max(r for _, r in rss) / 2**20, 1) if rss else None,
+        "rss_before_load_mib": round(rss_before / 2**20, 1),
+        "rss_after_warmup_mib": round(rss_warm / 2**20, 1),
+        "rss_end_mib": round(rss_end / 2**20, 1),
+        "rss_max_mib": round(max(r for _, r in rss) / 2**20, 1) if rss else None,
         "rss_growth_after_warmup": round(growth, 4),
         "rss_timeline_mib": {f"{t:.0f}s": round(r / 2**20, 1) for t, r in rss[9::10]},
-        "scheduler_steps": int(steps), "tokens_per_step": round(toks / steps, 2) if steps else None,
-        "max_sequences_per_step": m1.get("engram_step_sequences_max"), "server_exit_code": rc,
+        "scheduler_steps": int(steps),
+        "tokens_per_step": round(toks / steps, 2) if steps else None,
+        "max_sequences_per_step": m1.get("engram_step_sequences_max"),
+        "server_exit_code": rc,
     }
-    checks = [("no failed request", not st.failures), ("every output equals the lone request's", not st.mismatches),
-              (f"RSS end within {args.rss_tolerance:.0%} of after warm-up", growth <= args.rss_tolerance),
-              ("server stopped cleanly", rc == 0)]
+    checks = [
+        ("no failed request", not st.failures),
+        ("every output equals the lone request's", not st.mismatches),
+        (f"RSS end within {args.rss_tolerance:.0%} of after warm-up", growth <= args.rss_tolerance),
+        ("server stopped cleanly", rc == 0),
+    ]
     print(f"\n{'figure':<34} value")
     for k, v in res.items():
         print(f"{k:<34} {v}")

@@ -85,8 +85,9 @@ def plugin_lib(tmp_path_factory):
     if shutil.which("cmake") is None or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
         pytest.skip("no built libengram_trt_plugins.so and no cmake / nvcc to build it")
     build = tmp_path_factory.mktemp("plugin-build")
-    subprocess.run(["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["cmake", "-S", str(REPO), "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=80"], check=True, capture_output=True
+    )
     subprocess.run(["cmake", "--build", str(build), "-j2"], check=True, capture_output=True)
     path = build / kernel_library.LIBRARY_NAME
     with pytest.MonkeyPatch.context() as mp:  # for the session: undone when the session ends
@@ -100,8 +101,15 @@ def layout():
     from engram_trt.config.model import EngramSpec
     from engram_trt.engram.layout import EngramLayout
 
-    spec = EngramSpec(layer_ids=(1, 3), max_ngram_size=3, n_heads=4, vocab_size=1000, compressed_vocab_size=900,
-                      pad_token_id=0, head_dim=64)
+    spec = EngramSpec(
+        layer_ids=(1, 3),
+        max_ngram_size=3,
+        n_heads=4,
+        vocab_size=1000,
+        compressed_vocab_size=900,
+        pad_token_id=0,
+        head_dim=64,
+    )
     return EngramLayout.from_spec(spec, pad_id=5)
 
 
@@ -123,8 +131,9 @@ def small_engine(small_ckpt, tmp_path_factory) -> Path:
     from engram_trt.builder.build import build
 
     out = tmp_path_factory.mktemp("small-engine") / "engine"
-    build(small_ckpt, out, build_engine_if_possible=False, progress=False, max_batch=8, max_seq_len=512,
-          max_num_tokens=64)
+    build(
+        small_ckpt, out, build_engine_if_possible=False, progress=False, max_batch=8, max_seq_len=512, max_num_tokens=64
+    )
     return out
 
 

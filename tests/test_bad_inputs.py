@@ -19,14 +19,23 @@ import pytest
 from helpers.files import REPO
 from engram_trt.cli.main import main
 
-HASH_CONFIG = {"engram_layer_ids": [0], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_vocab_size": 5000,
-               "engram_compressed_vocab_size": 512, "engram_pad_token_id": 1}
+HASH_CONFIG = {
+    "engram_layer_ids": [0],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_vocab_size": 5000,
+    "engram_compressed_vocab_size": 512,
+    "engram_pad_token_id": 1,
+}
 
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
     """(size, mtime_ns, inode) of everything under ``folder``: any write shows."""
-    return {str(p.relative_to(folder)): (st.st_size, st.st_mtime_ns, st.st_ino)
-            for p in sorted(folder.rglob("*")) for st in [p.lstat()]}
+    return {
+        str(p.relative_to(folder)): (st.st_size, st.st_mtime_ns, st.st_ino)
+        for p in sorted(folder.rglob("*"))
+        for st in [p.lstat()]
+    }
 
 
 def _header_file(path: Path, header: Any, data: bytes = b"", raw: bytes | None = None) -> None:
@@ -67,6 +76,7 @@ def _index_edit(entry: str):
         name = next(iter(idx["weight_map"]))
         idx["weight_map"][name] = entry
         (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+
     return edit
 
 
@@ -76,6 +86,7 @@ def _symlinked_shard(ws: Path):
         outside = ws / "elsewhere.safetensors"
         shutil.move(shard, outside)
         shard.symlink_to(outside)
+
     return edit
 
 
@@ -114,29 +125,54 @@ SETUP = {
     "cfg_nan": lambda ws: _config(ws, "nan.json", _cfg()[:-1] + ', "rope_theta": NaN}'),
     "cfg_slots": lambda ws: _config(ws, "slots.json", _cfg(engram_layer_ids=list(range(20)), engram_n_heads=16)),
     "ck": lambda ws: str(ws / "ck"),
-    "ck_cfg_utf8": lambda ws: _edited(ws, "ck-cfg-utf8", lambda ck: (ck / "config.json").write_bytes(
-        (ck / "config.json").read_bytes().replace(b'"hidden_size"', b'"hidden\xc3\x28size"'))),
-    "ck_hidden_huge": lambda ws: _edited(ws, "ck-hidden", lambda ck: (ck / "config.json").write_text(
-        (ck / "config.json").read_text().replace('"hidden_size": 32', '"hidden_size": 100000000000'))),
-    "ck_index_utf8": lambda ws: _edited(ws, "ck-index-utf8", lambda ck: (ck / "model.safetensors.index.json").write_bytes(
-        b"\xff" + (ck / "model.safetensors.index.json").read_bytes())),
+    "ck_cfg_utf8": lambda ws: _edited(
+        ws,
+        "ck-cfg-utf8",
+        lambda ck: (ck / "config.json").write_bytes(
+            (ck / "config.json").read_bytes().replace(b'"hidden_size"', b'"hidden\xc3\x28size"')
+        ),
+    ),
+    "ck_hidden_huge": lambda ws: _edited(
+        ws,
+        "ck-hidden",
+        lambda ck: (ck / "config.json").write_text(
+            (ck / "config.json").read_text().replace('"hidden_size": 32', '"hidden_size": 100000000000')
+        ),
+    ),
+    "ck_index_utf8": lambda ws: _edited(
+        ws,
+        "ck-index-utf8",
+        lambda ck: (ck / "model.safetensors.index.json").write_bytes(
+            b"\xff" + (ck / "model.safetensors.index.json").read_bytes()
+        ),
+    ),
     "ck_index_up": lambda ws: _edited(ws, "ck-index-up", _index_edit("../elsewhere.safetensors")),
     "ck_index_abs": lambda ws: _edited(ws, "ck-index-abs", _index_edit("/etc/passwd")),
     "ck_symlink": lambda ws: _edited(ws, "ck-symlink", _symlinked_shard(ws)),
-    "ck_tok_cut": lambda ws: _edited(ws, "ck-tok", lambda ck: (ck / "tokenizer.json").write_bytes(
-        (ck / "tokenizer.json").read_bytes()[:200])),
-    "st_gap": lambda ws: _with_shard(ws, "st-gap", lambda p: _header_file(
-        p, {"a": _tensor(0, 8), "b": _tensor(16, 8)}, bytes(24))),
+    "ck_tok_cut": lambda ws: _edited(
+        ws, "ck-tok", lambda ck: (ck / "tokenizer.json").write_bytes((ck / "tokenizer.json").read_bytes()[:200])
+    ),
+    "st_gap": lambda ws: _with_shard(
+        ws, "st-gap", lambda p: _header_file(p, {"a": _tensor(0, 8), "b": _tensor(16, 8)}, bytes(24))
+    ),
     "st_tail": lambda ws: _with_shard(ws, "st-tail", lambda p: _header_file(p, {"a": _tensor(0, 8)}, bytes(8 + 5))),
-    "st_surrogate": lambda ws: _with_shard(ws, "st-sur", lambda p: _header_file(
-        p, None, bytes(8), raw=b'{"\\ud800": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}')),
-    "st_overflow": lambda ws: _with_shard(ws, "st-ovf", lambda p: _header_file(
-        p, {"a": {"dtype": "U8", "shape": [2**40, 2**40], "data_offsets": [0, 0]}})),
+    "st_surrogate": lambda ws: _with_shard(
+        ws,
+        "st-sur",
+        lambda p: _header_file(
+            p, None, bytes(8), raw=b'{"\\ud800": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}}'
+        ),
+    ),
+    "st_overflow": lambda ws: _with_shard(
+        ws, "st-ovf", lambda p: _header_file(p, {"a": {"dtype": "U8", "shape": [2**40, 2**40], "data_offsets": [0, 0]}})
+    ),
     "st_bigheader": lambda ws: _with_shard(ws, "st-big", _sparse_big),
-    "st_extra_key": lambda ws: _with_shard(ws, "st-key", lambda p: _header_file(
-        p, {"a": dict(_tensor(0, 8), extra=[[[1]]])}, bytes(8))),
-    "st_utf16": lambda ws: _with_shard(ws, "st-u16", lambda p: _header_file(
-        p, None, bytes(8), raw=json.dumps({"a": _tensor(0, 8)}).encode("utf-16"))),
+    "st_extra_key": lambda ws: _with_shard(
+        ws, "st-key", lambda p: _header_file(p, {"a": dict(_tensor(0, 8), extra=[[[1]]])}, bytes(8))
+    ),
+    "st_utf16": lambda ws: _with_shard(
+        ws, "st-u16", lambda p: _header_file(p, None, bytes(8), raw=json.dumps({"a": _tensor(0, 8)}).encode("utf-16"))
+    ),
     "file": lambda ws: _config(ws, "plain-file.bin", b"x"),
     "foreign": lambda ws: _foreign(ws),
     "ec_utf8": lambda ws: _config(ws, "ec.json", b'{"cpu_offload": "\xff"}'),
@@ -278,8 +314,15 @@ def test_there_are_enough_cases() -> None:
 
 
 @pytest.mark.parametrize("case_id, argv, needles", CASES, ids=[c[0] for c in CASES])
-def test_bad_input(case_id: str, argv: list[str], needles: tuple[str, ...], workspace: Path, tmp_path: Path,
-                   monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_bad_input(
+    case_id: str,
+    argv: list[str],
+    needles: tuple[str, ...],
+    workspace: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
     monkeypatch.setenv("ENGRAM_TRT_CACHE", str(cache))
@@ -324,8 +367,9 @@ def test_undecodable_argv_bytes_through_a_real_process(workspace: Path, tmp_path
     odd.unlink()
 
 
-def test_the_guard_turns_any_error_into_one_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
-                                                 tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_guard_turns_any_error_into_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """What no check anticipated still ends in one line naming the subcommand and the
     error (exit 2); -vv logs the traceback for a developer."""
     from engram_trt.cli import mechanism
@@ -342,14 +386,22 @@ def test_the_guard_turns_any_error_into_one_line(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(cli_main, "cmd_layout", boom)
     assert main(["layout", str(cfg)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "layout failed unexpectedly (ZeroDivisionError: an unforeseen bug)" in err and "-vv" in err
+    assert (
+        err.count("\n") == 1
+        and "layout failed unexpectedly (ZeroDivisionError: an unforeseen bug)" in err
+        and "-vv" in err
+    )
     caplog.clear()
     with caplog.at_level("DEBUG", logger="engram_trt"):
         assert main(["-vv", "layout", str(cfg)]) == 2
     assert any(r.exc_info and r.exc_info[0] is ZeroDivisionError for r in caplog.records)
     capsys.readouterr()
-    for exc, needle in ((MemoryError(), "ran out of memory"), (RecursionError(), "nested too deeply"),
-                        (OSError(28, "No space left on device", "/data/x"), "/data/x: No space left on device (the disk is full")):
+    for exc, needle in (
+        (MemoryError(), "ran out of memory"),
+        (RecursionError(), "nested too deeply"),
+        (OSError(28, "No space left on device", "/data/x"), "/data/x: No space left on device (the disk is full"),
+    ):
+
         def raise_it(args: Any, exc: BaseException = exc) -> int:
             raise exc
 
@@ -359,7 +411,9 @@ def test_the_guard_turns_any_error_into_one_line(monkeypatch: pytest.MonkeyPatch
         assert err.count("\n") == 1 and needle in err, err
 
 
-def test_unusual_but_valid_values_work(capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unusual_but_valid_values_work(
+    capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """-0.0 and subnormal temperatures are greedy; dtype spellings are one vocabulary."""
     import argparse
 
@@ -367,8 +421,11 @@ def test_unusual_but_valid_values_work(capsys: pytest.CaptureFixture, tmp_path: 
     from engram_trt.config.dtypes import normalize_dtype
 
     for t in (-0.0, 5e-324, 1e-6):
-        ns = argparse.Namespace(max_new_tokens=1, temperature=t, top_p=1.0, seed=0, prompt="x", device="cpu", dtype="bfloat16")
+        ns = argparse.Namespace(
+            max_new_tokens=1, temperature=t, top_p=1.0, seed=0, prompt="x", device="cpu", dtype="bfloat16"
+        )
         check_generation_args(ns)
         assert ns.temperature == 0.0 and str(ns.temperature) == "0.0" and ns.dtype == "bf16"
-    assert [normalize_dtype(s) for s in ("BF16", "bfloat16", "fp16", "Float16", "half", "fp32", "float32", "float")] == \
-           ["bf16", "bf16", "fp16", "fp16", "fp16", "fp32", "fp32", "fp32"]
+    assert [
+        normalize_dtype(s) for s in ("BF16", "bfloat16", "fp16", "Float16", "half", "fp32", "float32", "float")
+    ] == ["bf16", "bf16", "fp16", "fp16", "fp16", "fp32", "fp32", "fp32"]

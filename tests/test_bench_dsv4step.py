@@ -17,8 +17,26 @@ import torch
 from engram_trt.bench.dsv4model import CSA, HCA, PRESETS, bench_config, build_model
 
 CONTEXT, PREFILL, TABLE_GIB = 40, 12, 0.005
-ARGS = ["bench", "dsv4-step", "--device", "cpu", "--model", "tiny", "--batches", "1,2", "--context", str(CONTEXT),
-        "--prefill", str(PREFILL), "--reps", "1", "--profile-reps", "1", "--table-gib", str(TABLE_GIB)]
+ARGS = [
+    "bench",
+    "dsv4-step",
+    "--device",
+    "cpu",
+    "--model",
+    "tiny",
+    "--batches",
+    "1,2",
+    "--context",
+    str(CONTEXT),
+    "--prefill",
+    str(PREFILL),
+    "--reps",
+    "1",
+    "--profile-reps",
+    "1",
+    "--table-gib",
+    str(TABLE_GIB),
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +77,18 @@ def test_the_floor_bytes_equal_the_configs_sums(report: dict[str, Any]) -> None:
     D, hd, W = p["hidden_size"], p["head_dim"], p["sliding_window"]
     cols = (p["engram_max_ngram_size"] - 1) * p["engram_n_heads"]
     ehd = p["engram_head_dim"]
-    assert report["model"]["weight_bytes"] == 4 * sum(math.prod(s) for n, s in shapes.items() if not n.endswith("tid2eid"))
+    assert report["model"]["weight_bytes"] == 4 * sum(
+        math.prod(s) for n, s in shapes.items() if not n.endswith("tid2eid")
+    )
     for name, row in report["cases"].items():
         T, S = row["tokens"], row["seqs"]
         touched = 1 - (1 - k / E) ** T
         experts = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
-        other = sum(math.prod(s) for n, s in shapes.items()
-                    if ".experts." not in n and not n.endswith(("tid2eid", "embed_tokens.weight")))
+        other = sum(
+            math.prod(s)
+            for n, s in shapes.items()
+            if ".experts." not in n and not n.endswith(("tid2eid", "embed_tokens.weight"))
+        )
         want_weights = 4 * (other + experts * touched + T * D)
         decode = name.startswith("decode")
         L = CONTEXT + 1
@@ -90,8 +113,18 @@ def test_the_floor_bytes_equal_the_configs_sums(report: dict[str, Any]) -> None:
 def test_the_breakdown_counts_each_class_and_adds_up_to_the_step(report: dict[str, Any]) -> None:
     cfg = _cfg()
     n = cfg.num_hidden_layers
-    want = {"attention.sliding": cfg.layer_types.count("sliding_attention"), "attention.csa": 1, "attention.hca": 1,
-            "moe": n, "mhc": 4 * n + 1, "engram": 2, "engram.wait": 2, "norm": 2 * n + 1, "embed": 1, "other": 0}
+    want = {
+        "attention.sliding": cfg.layer_types.count("sliding_attention"),
+        "attention.csa": 1,
+        "attention.hca": 1,
+        "moe": n,
+        "mhc": 4 * n + 1,
+        "engram": 2,
+        "engram.wait": 2,
+        "norm": 2 * n + 1,
+        "embed": 1,
+        "other": 0,
+    }
     for name, row in report["cases"].items():
         for where in ("hbm", "pinned"):
             b = row[where]["breakdown"]
@@ -110,8 +143,13 @@ def test_the_clock_changes_no_logit_and_puts_every_wrapper_back() -> None:
     from engram_trt.models.deepseek_v4 import modules
 
     bm = build_model(bench_config("tiny", table_gib=TABLE_GIB, max_len=CONTEXT + 2), torch.device("cpu"), torch.float32)
-    bm.model.set_tables(table_store(build_tables(bm.layout, bm.config.engram.head_dim, "pinned", "cpu"), "pinned",
-                                    list(bm.config.engram.layer_ids)))
+    bm.model.set_tables(
+        table_store(
+            build_tables(bm.layout, bm.config.engram.head_dim, "pinned", "cpu"),
+            "pinned",
+            list(bm.config.engram.layer_ids),
+        )
+    )
     cache = bm.model.new_cache(2, CONTEXT + 2)
     step, _cids, _lb = _make_step(bm, [1, 1], CONTEXT, seed=3)
 
@@ -132,9 +170,14 @@ def test_the_clock_changes_no_logit_and_puts_every_wrapper_back() -> None:
     assert torch.equal(once(), plain)
 
 
-@pytest.mark.parametrize("argv,why", [(["--prefill", "-1"], "--prefill must be >= 0"),
-                                      (["--batches", "0"], "--batches must be >= 1"),
-                                      (["--table-gib", "0"], "--table-gib must be > 0")])
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--prefill", "-1"], "--prefill must be >= 0"),
+        (["--batches", "0"], "--batches must be >= 1"),
+        (["--table-gib", "0"], "--table-gib must be > 0"),
+    ],
+)
 def test_bad_values_are_one_line(argv: list[str], why: str, capsys: pytest.CaptureFixture[str]) -> None:
     from engram_trt.cli.main import main
 
@@ -179,8 +222,10 @@ def test_fp8_weights_floor_counts_the_stored_bytes(both_weights: dict[str, Any])
 
     r = both_weights
     assert list(r["runs"]) == ["bf16", "fp8"] and r["cases"] == r["runs"]["bf16"]["cases"]
-    fp8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|"
-                     r"\.shared_experts\.w[123]\.weight$")
+    fp8 = re.compile(
+        r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|"
+        r"\.shared_experts\.w[123]\.weight$"
+    )
     fp4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
     cfg = _cfg()
     p = PRESETS["tiny"]
@@ -196,13 +241,19 @@ def test_fp8_weights_floor_counts_the_stored_bytes(both_weights: dict[str, Any])
 
     shapes = {n: s for n, s in model_tensor_shapes(cfg).items() if not n.endswith("tid2eid")}
     assert any(fp8.search(n) for n in shapes) and any(fp4.search(n) for n in shapes)
-    assert r["runs"]["fp8"]["model"]["weight_bytes"] == sum(stored(n, s) if len(s) == 2 else 4 * math.prod(s)
-                                                            for n, s in shapes.items())
-    assert r["runs"]["fp8"]["model"]["quantization"] == \
-        "fp8 e4m3 (128x128 blocks, ue8m0 scales, dynamic activations), experts fp4"
+    assert r["runs"]["fp8"]["model"]["weight_bytes"] == sum(
+        stored(n, s) if len(s) == 2 else 4 * math.prod(s) for n, s in shapes.items()
+    )
+    assert (
+        r["runs"]["fp8"]["model"]["quantization"]
+        == "fp8 e4m3 (128x128 blocks, ue8m0 scales, dynamic activations), experts fp4"
+    )
     experts = sum(stored(n, s) for n, s in shapes.items() if ".experts." in n and ".shared_experts." not in n)
-    other = sum(stored(n, s) if len(s) == 2 else 4 * math.prod(s) for n, s in shapes.items()
-                if (".experts." not in n or ".shared_experts." in n) and n != "model.embed_tokens.weight")
+    other = sum(
+        stored(n, s) if len(s) == 2 else 4 * math.prod(s)
+        for n, s in shapes.items()
+        if (".experts." not in n or ".shared_experts." in n) and n != "model.embed_tokens.weight"
+    )
     for name, row in r["runs"]["fp8"]["cases"].items():
         T = row["tokens"]
         touched = 1 - (1 - k / E) ** T
@@ -210,6 +261,7 @@ def test_fp8_weights_floor_counts_the_stored_bytes(both_weights: dict[str, Any])
         assert f["weight_bytes"] == pytest.approx(other + experts * touched + 4 * T * D, abs=1), name
         assert row["hbm"]["check"]["finite"] and r["runs"]["bf16"]["cases"][name]["hbm"]["check"]["finite"]
         c = r["weights_comparison"][name]
-        assert c["floor_ratio"] == pytest.approx(r["runs"]["bf16"]["cases"][name]["hbm"]["floor"]["hbm_bytes"]
-                                                 / f["hbm_bytes"])
+        assert c["floor_ratio"] == pytest.approx(
+            r["runs"]["bf16"]["cases"][name]["hbm"]["floor"]["hbm_bytes"] / f["hbm_bytes"]
+        )
         assert c["speedup"] == pytest.approx(c["bf16_step_ms"] / c["fp8_step_ms"]) and c["floor_ratio"] > 1

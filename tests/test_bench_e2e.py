@@ -36,9 +36,31 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     root = tmp_path_factory.mktemp("e2e")
     out = root / "e2e.json"
-    code = main(["bench", "e2e", "--shapes", "dsv4-tiny,qwen4-tiny", "--device", "cpu", "--dtype", "fp32",
-                 "--max-tokens", str(MAX_TOKENS), "--prompt-tokens", "5", "--concurrency", "1,2", "--breakdown",
-                 "--work-dir", str(root / "work"), "--json", str(out), "--plot", str(root / "serve.svg")])
+    code = main(
+        [
+            "bench",
+            "e2e",
+            "--shapes",
+            "dsv4-tiny,qwen4-tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--prompt-tokens",
+            "5",
+            "--concurrency",
+            "1,2",
+            "--breakdown",
+            "--work-dir",
+            str(root / "work"),
+            "--json",
+            str(out),
+            "--plot",
+            str(root / "serve.svg"),
+        ]
+    )
     assert code == 0
     got = json.loads(out.read_text())
     got["svg"] = (root / "serve.svg").read_text()
@@ -54,7 +76,8 @@ def test_every_run_reports_and_the_tokens_equal_transformers(report: dict[str, A
         assert r["tokens_equal_until"] == MAX_TOKENS
         assert run["steady_decode_tokens_per_s"] > 0 and hf["steady_decode_tokens_per_s"] > 0
         assert r["ratios"]["run"]["over_transformers"] == pytest.approx(
-            run["steady_decode_tokens_per_s"] / hf["steady_decode_tokens_per_s"], rel=1e-2)
+            run["steady_decode_tokens_per_s"] / hf["steady_decode_tokens_per_s"], rel=1e-2
+        )
         assert r["ratios"]["run"]["over_floor"] is None  # no HBM rate on a CPU
         levels = r["serve"]["levels"]
         assert sorted(int(n) for n in levels) == [1, 2] and all(v["tokens_per_s"] > 0 for v in levels.values())

@@ -28,8 +28,16 @@ VOCAB = 99092
 def _stream(num_tokens: int, seed: int = 0) -> idstreams.TokenStream:
     rng = np.random.default_rng(seed)
     ids = (rng.zipf(1.3, size=num_tokens) % VOCAB).astype(np.int32)
-    return idstreams.TokenStream(ids=ids, compressed_vocab_size=VOCAB, pad_id=1, text_bytes=4 * num_tokens,
-                                 num_files=1, python="3.x", tokenizer_sha256="-", files_sha256="-")
+    return idstreams.TokenStream(
+        ids=ids,
+        compressed_vocab_size=VOCAB,
+        pad_id=1,
+        text_bytes=4 * num_tokens,
+        num_files=1,
+        python="3.x",
+        tokenizer_sha256="-",
+        files_sha256="-",
+    )
 
 
 def test_spec_is_the_documented_one() -> None:
@@ -49,7 +57,7 @@ def test_chunked_hashing_equals_hashing_the_whole_stream() -> None:
     whole = hash_ids(stream.ids[: 5 * 64], layout).astype(np.int32)
     np.testing.assert_array_equal(np.concatenate(chunks), whole)
     later = list(idstreams.chunk_row_ids(stream, layout, chunk_tokens=64, first_chunk=3, num_chunks=1))
-    np.testing.assert_array_equal(later[0], whole[3 * 64:4 * 64])
+    np.testing.assert_array_equal(later[0], whole[3 * 64 : 4 * 64])
     with pytest.raises(EngramError, match="holds 5 chunks of 64 tokens"):
         list(idstreams.chunk_row_ids(stream, layout, chunk_tokens=64, first_chunk=5, num_chunks=1))
 
@@ -91,7 +99,7 @@ def test_prepare_tokens_through_the_deepseek_tokenizer(tmp_path: Path) -> None:
     assert stream.compressed_vocab_size == VOCAB and stream.num_files == 1
     assert 0 < stream.ids.min() and stream.ids.max() < VOCAB and stream.ids.size > 100
     period = stream.ids.size // 50
-    np.testing.assert_array_equal(stream.ids[period:2 * period], stream.ids[2 * period:3 * period])
+    np.testing.assert_array_equal(stream.ids[period : 2 * period], stream.ids[2 * period : 3 * period])
 
 
 def test_table_layout_helpers() -> None:
@@ -108,8 +116,9 @@ def test_table_layout_helpers() -> None:
 
 
 def test_gather_path_choice_takes_the_nearest_calibrated_size() -> None:
-    choice = GatherPathChoice(sizes=(6144, 196608), seconds={"host": [1e-4, 2e-3], "uva": [5e-5, 1e-2]},
-                              chosen={6144: "uva", 196608: "host"})
+    choice = GatherPathChoice(
+        sizes=(6144, 196608), seconds={"host": [1e-4, 2e-3], "uva": [5e-5, 1e-2]}, chosen={6144: "uva", 196608: "host"}
+    )
     assert choice.path_for(1) == "uva" and choice.path_for(30000) == "uva" and choice.path_for(40000) == "host"
     assert choice.path_for(10**7) == "host"
     assert json.loads(json.dumps(choice.to_dict()))["chosen"] == {"6144": "uva", "196608": "host"}
@@ -130,8 +139,23 @@ def test_calibration_takes_the_host_gather_only_by_a_margin() -> None:
 
 def test_bench_gather_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     out = tmp_path / "g.json"
-    rc = gather_main(["--dry-run", "--table-gib", "0.01", "--rows", "240,480", "--threads", "1,2",
-               "--reps", "2", "--stores", "plain,streaming", "--json", str(out)])
+    rc = gather_main(
+        [
+            "--dry-run",
+            "--table-gib",
+            "0.01",
+            "--rows",
+            "240,480",
+            "--threads",
+            "1,2",
+            "--reps",
+            "2",
+            "--stores",
+            "plain,streaming",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "DRY RUN" in text and "| NO" not in text
@@ -145,10 +169,12 @@ def test_bench_gather_split_path_refusals(capsys) -> None:
     """--paths split (the UVA kernel beside the host gather) names what it needs before
     any table is made: a GPU, a layout with split rows, a share in [0, 1]."""
     base = ["--table-gib", "0.01", "--rows", "240", "--paths", "split"]
-    for extra, words in ((["--dry-run", "--layouts", "split"], "the dry run has no GPU"),
-                         (["--layouts", "inline"], "add split or hbm-scales to --layouts"),
-                         (["--layouts", "split", "--uva-share", "0.5,1.5"], "--uva-share must be in [0, 1]"),
-                         (["--layouts", "split", "--uva-blocks", "-1"], "--uva-blocks >= 0")):
+    for extra, words in (
+        (["--dry-run", "--layouts", "split"], "the dry run has no GPU"),
+        (["--layouts", "inline"], "add split or hbm-scales to --layouts"),
+        (["--layouts", "split", "--uva-share", "0.5,1.5"], "--uva-share must be in [0, 1]"),
+        (["--layouts", "split", "--uva-blocks", "-1"], "--uva-blocks >= 0"),
+    ):
         assert gather_main(base + extra) != 0
         assert words in capsys.readouterr().err, extra
     with pytest.raises(SystemExit):
@@ -159,8 +185,23 @@ def test_bench_gather_split_path_refusals(capsys) -> None:
 def test_bench_cache_dry_run(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 4 + 5), tmp_path / "t.npz")
     out = tmp_path / "c.json"
-    rc = cache_main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
-               "--warm", "2", "--measure", "2", "--json", str(out)])
+    rc = cache_main(
+        [
+            "--dry-run",
+            "--tokens",
+            str(tokens),
+            "--column-rows",
+            "1024",
+            "--layers",
+            "1",
+            "--warm",
+            "2",
+            "--measure",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out.read_text())
@@ -182,9 +223,27 @@ def test_bench_cache_dry_run_compares_layouts_in_one_process(plugin_lib: Path, c
     pages the tables got are reported."""
     tokens = idstreams.save_tokens(_stream(8192 * 3 + 5), tmp_path / "t.npz")
     out = tmp_path / "c.json"
-    rc = cache_main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
-               "--warm", "1", "--measure", "2", "--layouts", "inline,hbm-scales", "--pages", "4k",
-               "--json", str(out)])
+    rc = cache_main(
+        [
+            "--dry-run",
+            "--tokens",
+            str(tokens),
+            "--column-rows",
+            "1024",
+            "--layers",
+            "0",
+            "--warm",
+            "1",
+            "--measure",
+            "2",
+            "--layouts",
+            "inline,hbm-scales",
+            "--pages",
+            "4k",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads(out.read_text())
@@ -206,8 +265,21 @@ def test_bench_cache_layout_defaults_and_refusals(plugin_lib: Path, capsys, tmp_
     cache = script("cache")
     assert cache.DEFAULT_LAYOUT == "hbm-scales"  # the runtime's host layout for fp8 tables (runtime/prefetch.py)
     tokens = idstreams.save_tokens(_stream(8192 * 2 + 5), tmp_path / "t.npz")
-    base = ["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
-            "--warm", "1", "--measure", "1", "--offline-counts", "none"]
+    base = [
+        "--dry-run",
+        "--tokens",
+        str(tokens),
+        "--column-rows",
+        "1024",
+        "--layers",
+        "0",
+        "--warm",
+        "1",
+        "--measure",
+        "1",
+        "--offline-counts",
+        "none",
+    ]
     assert cache_main(base + ["--layout", "split", "--layouts", "inline"]) != 0
     assert "--layout split and --layouts inline disagree: give one of them" in capsys.readouterr().err
     assert cache_main(base + ["--layouts", "inline,inline"]) != 0
@@ -227,8 +299,7 @@ def test_bench_cache_layout_defaults_and_refusals(plugin_lib: Path, capsys, tmp_
 
 def test_bench_idstream_reads_a_token_file(capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 2), tmp_path / "t.npz")
-    rc = idstreams.main(["--tokens", str(tokens), "--column-rows", "4096", "--stats-chunks", "2",
-               "--json"])
+    rc = idstreams.main(["--tokens", str(tokens), "--column-rows", "4096", "--stats-chunks", "2", "--json"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["chunks"] == 2 and set(result["distinct_per_order"]) == {"2", "3", "4"}
@@ -264,17 +335,24 @@ def test_idle_gaps_splits_a_step_into_lead_gaps_and_tail() -> None:
     on either side (the last one to end before, the first to start after)."""
     from engram_trt.bench.common import idle_gaps
 
-    spans = [(170.0, 190.0, "argmax"), (110.0, 115.0, "Memcpy HtoD"), (120.0, 140.0, "gemv"),
-             (130.0, 150.0, "attention")]
+    spans = [
+        (170.0, 190.0, "argmax"),
+        (110.0, 115.0, "Memcpy HtoD"),
+        (120.0, 140.0, "gemv"),
+        (130.0, 150.0, "attention"),
+    ]
     got = idle_gaps(spans, 100.0, 200.0)
     assert (got["lead_us"], got["gaps_us"], got["tail_us"], got["busy_us"]) == (10.0, 25.0, 10.0, 55.0)
     assert got["lead_us"] + got["gaps_us"] + got["tail_us"] + got["busy_us"] == 100.0
-    assert got["largest"] == [{"us": 20.0, "after": "attention", "before": "argmax"},
-                              {"us": 5.0, "after": "Memcpy HtoD", "before": "gemv"}]
+    assert got["largest"] == [
+        {"us": 20.0, "after": "attention", "before": "argmax"},
+        {"us": 5.0, "after": "Memcpy HtoD", "before": "gemv"},
+    ]
     assert idle_gaps(spans, 100.0, 200.0, top=1)["largest"] == got["largest"][:1]
     # a nested span does not end its group early: "b" ends inside "a", so "a" is last
     assert idle_gaps([(0.0, 10.0, "a"), (2.0, 3.0, "b"), (12.0, 13.0, "c")], 0.0, 13.0)["largest"] == [
-        {"us": 2.0, "after": "a", "before": "c"}]
+        {"us": 2.0, "after": "a", "before": "c"}
+    ]
     nothing = idle_gaps([], 0.0, 7.0)
     assert (nothing["lead_us"], nothing["busy_us"], nothing["largest"]) == (7.0, 0.0, [])
 
@@ -291,22 +369,39 @@ def test_cache_profile_summary_places_phases_and_gpu_work_on_the_step_clock() ->
     CUDA, CPU = "cuda", "cpu"
 
     def ev(name: str, a: float, b: float, kind: str = CPU, stream: int = 0) -> SimpleNamespace:
-        return SimpleNamespace(name=name, device_type=kind, device_resource_id=stream,
-                               time_range=SimpleNamespace(start=a, end=b))
+        return SimpleNamespace(
+            name=name, device_type=kind, device_resource_id=stream, time_range=SimpleNamespace(start=a, end=b)
+        )
 
-    events = [ev(STEP_RANGE, 100.0, 400.0), ev(STEP_RANGE + ".plan", 100.0, 180.0),
-              ev(STEP_RANGE + ".fetch", 180.0, 300.0), ev(STEP_RANGE + ".deliver", 300.0, 320.0),
-              ev(STEP_RANGE + ".admit", 320.0, 330.0), ev("aten::copy_", 101.0, 102.0),
-              ev("cachePlanMarkKernel", 130.0, 140.0, CUDA, 7), ev("Memcpy HtoD", 200.0, 230.0, CUDA, 9),
-              ev("Memcpy HtoD", 240.0, 270.0, CUDA, 9), ev("gatherKernel", 260.0, 290.0, CUDA, 7),
-              ev("cacheAdmitMissesKernel", 340.0, 345.0, CUDA, 7),
-              ev(STEP_RANGE + ".fetch", 150.0, 395.0, CUDA, 9)]  # the profiler's GPU copy of a range: not work
+    events = [
+        ev(STEP_RANGE, 100.0, 400.0),
+        ev(STEP_RANGE + ".plan", 100.0, 180.0),
+        ev(STEP_RANGE + ".fetch", 180.0, 300.0),
+        ev(STEP_RANGE + ".deliver", 300.0, 320.0),
+        ev(STEP_RANGE + ".admit", 320.0, 330.0),
+        ev("aten::copy_", 101.0, 102.0),
+        ev("cachePlanMarkKernel", 130.0, 140.0, CUDA, 7),
+        ev("Memcpy HtoD", 200.0, 230.0, CUDA, 9),
+        ev("Memcpy HtoD", 240.0, 270.0, CUDA, 9),
+        ev("gatherKernel", 260.0, 290.0, CUDA, 7),
+        ev("cacheAdmitMissesKernel", 340.0, 345.0, CUDA, 7),
+        ev(STEP_RANGE + ".fetch", 150.0, 395.0, CUDA, 9),
+    ]  # the profiler's GPU copy of a range: not work
     got = summarize(events, CUDA)
     assert got["step_us"] == 300.0
-    assert got["phases"] == {"plan": (0.0, 80.0), "fetch": (80.0, 200.0), "deliver": (200.0, 220.0),
-                             "admit": (220.0, 230.0)}
-    assert [a["name"] for a in got["activities"]] == ["cachePlanMarkKernel", "Memcpy HtoD", "Memcpy HtoD",
-                                                      "gatherKernel", "cacheAdmitMissesKernel"]
+    assert got["phases"] == {
+        "plan": (0.0, 80.0),
+        "fetch": (80.0, 200.0),
+        "deliver": (200.0, 220.0),
+        "admit": (220.0, 230.0),
+    }
+    assert [a["name"] for a in got["activities"]] == [
+        "cachePlanMarkKernel",
+        "Memcpy HtoD",
+        "Memcpy HtoD",
+        "gatherKernel",
+        "cacheAdmitMissesKernel",
+    ]
     assert got["activities"][0] == {"name": "cachePlanMarkKernel", "stream": 7, "start_us": 30.0, "us": 10.0}
     assert got["by_name"]["Memcpy HtoD"] == {"count": 2, "us": 60.0, "first_us": 100.0, "last_us": 170.0}
     assert got["gpu_busy_us"] == 10.0 + 30.0 + 50.0 + 5.0  # 240-290 once, over both streams
@@ -352,9 +447,13 @@ def test_cache_trace_own_time_subtracts_the_direct_children_only() -> None:
     from cachetrace import _step_calls
 
     us = 1000  # ns
-    spans = [("c", 2, 15 * us, 25 * us),  # grandchild, inside b1
-             ("b", 1, 10 * us, 30 * us), ("b", 1, 40 * us, 70 * us),
-             ("a", 0, 5 * us, 105 * us), ("d", 0, 110 * us, 112 * us)]
+    spans = [
+        ("c", 2, 15 * us, 25 * us),  # grandchild, inside b1
+        ("b", 1, 10 * us, 30 * us),
+        ("b", 1, 40 * us, 70 * us),
+        ("a", 0, 5 * us, 105 * us),
+        ("d", 0, 110 * us, 112 * us),
+    ]
     got = _step_calls(spans, 0)
     assert got["a"] == (1, 5.0, 100.0, 50.0)
     assert got["b"] == (2, 10.0, 50.0, 40.0)
@@ -378,14 +477,20 @@ def test_cache_trace_of_a_cpu_cache_step_names_its_seams_and_restores_them() -> 
     values = torch.from_numpy(rng.integers(0, 0x70, size=(500, 64), dtype=np.uint8))
     scales = torch.from_numpy(rng.integers(118, 130, size=(500, 2), dtype=np.uint8))
     cache = HotRowCache(values, scales, device="cpu", capacity_rows=50, quant_block=32, max_step_rows=4000)
-    before = {"module": (ck._call, hg._call, hg.device_guard), "stream": torch.cuda.current_stream,
-              "sync": vars(torch.cuda.Stream)["synchronize"]}
+    before = {
+        "module": (ck._call, hg._call, hg.device_guard),
+        "stream": torch.cuda.current_stream,
+        "sync": vars(torch.cuda.Stream)["synchronize"],
+    }
     ids = [torch.from_numpy(rng.integers(0, 500, size=(64, 24)).astype(np.int32)) for _ in range(3)]
     out = torch.empty((64, 24, 64), dtype=torch.bfloat16)
     got = host_trace(cache, ids, out, torch.device("cpu"), steps=4)
     calls = {r["name"]: r for r in got["calls"]}
-    order = [r["name"] for r in got["calls"] if r["name"] in
-             ("policy.plan", "transfer.fetch", "transfer.deliver", "policy.finish")]
+    order = [
+        r["name"]
+        for r in got["calls"]
+        if r["name"] in ("policy.plan", "transfer.fetch", "transfer.deliver", "policy.finish")
+    ]
     assert order == ["policy.plan", "transfer.fetch", "transfer.deliver", "policy.finish"]
     assert all(calls[n]["count"] == 1 for n in order)
     assert calls["admission draws"]["start_us"] >= calls["policy.finish"]["start_us"]
@@ -410,8 +515,10 @@ def test_bench_step_pairs_each_ab_variant_with_its_base_round_by_round() -> None
     from engram_trt.bench.step import pair_ab
 
     modes = ["none", "device", "device-separate", "pinned-uva-separate", "pinned-host", "pinned-host-onecut"]
-    row = {m: {"round_ms": r} for m, r in zip(modes, ([1.0, 1.0], [2.0, 4.0], [1.5, 5.0], [3.0, 3.0], [1.0, 2.0],
-                                                      [1.1, 1.8]))}
+    row = {
+        m: {"round_ms": r}
+        for m, r in zip(modes, ([1.0, 1.0], [2.0, 4.0], [1.5, 5.0], [3.0, 3.0], [1.0, 2.0], [1.1, 1.8]))
+    }
     pair_ab(row, modes)
     assert row["device-separate"]["ab_base"] == "device"
     assert row["device-separate"]["ab_round_ratios"] == [0.75, 1.25]
@@ -429,6 +536,12 @@ def test_bench_step_modes_record_the_runtime_graphs_but_for_the_older_forms() ->
     assert all(graph_form(m) == (True, True) for m in DEFAULT_MODES)
     assert graph_form("device-separate") == graph_form("pinned-uva-separate") == (True, False)
     assert graph_form("pinned-uva-onecut") == graph_form("pinned-host-onecut") == (False, False)
-    assert set(MODES) - set(DEFAULT_MODES) == {"device-separate", "pinned-uva-separate", "pinned-host-onecut",
-                                               "pinned-uva-onecut", "pinned-auto-ring", "pinned-host-ring"}
+    assert set(MODES) - set(DEFAULT_MODES) == {
+        "device-separate",
+        "pinned-uva-separate",
+        "pinned-host-onecut",
+        "pinned-uva-onecut",
+        "pinned-auto-ring",
+        "pinned-host-ring",
+    }
     assert graph_form("pinned-auto-ring") == graph_form("pinned-host-ring") == (True, True)

@@ -46,8 +46,20 @@ def test_every_benchmark_script_parses_to_its_options_defaults() -> None:
     """The former bench commands are scripts now, each parsing to its options' defaults as
     the command did; none was dropped (the commands and the scripts are the 18 of before)."""
     assert sorted([*SCRIPTS, *(c.name for c in BENCH_COMMANDS)]) == sorted(
-        ["gather", "cache", "idstream", "rowcounts", "step", "serve", "steady", "gemv", *GPU_ONLY_SCRIPTS, *GPU_ONLY,
-         "e2e"])
+        [
+            "gather",
+            "cache",
+            "idstream",
+            "rowcounts",
+            "step",
+            "serve",
+            "steady",
+            "gemv",
+            *GPU_ONLY_SCRIPTS,
+            *GPU_ONLY,
+            "e2e",
+        ]
+    )
     for name in SCRIPTS:
         mod = script(name)
         got = _parse(name, REQUIRED.get(name, []))
@@ -59,8 +71,13 @@ def test_every_benchmark_script_parses_to_its_options_defaults() -> None:
 def test_bench_holds_no_argparse_and_no_cli_import() -> None:
     for path in sorted(BENCH.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n == "argparse" or n.startswith("engram_trt.cli") for n in names), (path.name, names)
 
 
@@ -99,16 +116,53 @@ def test_the_derivation_spells_every_form_of_flag() -> None:
     add_option_arguments(p, _Demo)
     o = options_from(p.parse_args(["in", "--where", "w"]), _Demo)
     assert o == _Demo(src="in", where=Path("w"))
-    o = options_from(p.parse_args(["in", "--where", "w", "--count", "5", "--ratio", "0.5", "--sizes", "4,8",
-                                   "--parts", "b,a", "--mode", "y", "--no-thing", "--json", "--seed", "9",
-                                   "--fast", "-l", "7"]), _Demo)
+    o = options_from(
+        p.parse_args(
+            [
+                "in",
+                "--where",
+                "w",
+                "--count",
+                "5",
+                "--ratio",
+                "0.5",
+                "--sizes",
+                "4,8",
+                "--parts",
+                "b,a",
+                "--mode",
+                "y",
+                "--no-thing",
+                "--json",
+                "--seed",
+                "9",
+                "--fast",
+                "-l",
+                "7",
+            ]
+        ),
+        _Demo,
+    )
     assert (o.count, o.ratio, o.sizes, o.parts, o.mode, o.no_thing, o.json, o.seed, o.fast, o.level) == (
-        5, 0.5, [4, 8], ["b", "a"], "y", True, "-", 9, True, 7)
-    for bad, why in ((["in"], "required: --where"), (["in", "--where", "w", "--sizes", "x"], "comma-separated integers"),
-                     (["in", "--where", "w", "--parts", "c"], "list of a, b"), (["in", "--where", "w", "--mode", "z"],
-                                                                               "invalid choice"),
-                     (["in", "--where", "w", "--seed", "10"], "outside 0..9"),
-                     (["in", "--where", "w", "--fast", "--slow"], "not allowed with")):
+        5,
+        0.5,
+        [4, 8],
+        ["b", "a"],
+        "y",
+        True,
+        "-",
+        9,
+        True,
+        7,
+    )
+    for bad, why in (
+        (["in"], "required: --where"),
+        (["in", "--where", "w", "--sizes", "x"], "comma-separated integers"),
+        (["in", "--where", "w", "--parts", "c"], "list of a, b"),
+        (["in", "--where", "w", "--mode", "z"], "invalid choice"),
+        (["in", "--where", "w", "--seed", "10"], "outside 0..9"),
+        (["in", "--where", "w", "--fast", "--slow"], "not allowed with"),
+    ):
         with pytest.raises(ValueError, match=why):
             p.parse_args(bad)
     text = p.format_help()
@@ -124,23 +178,36 @@ def test_a_true_default_flag_is_refused() -> None:
         add_option_arguments(argparse.ArgumentParser(), Bad)
 
 
-@pytest.mark.parametrize("argv,want", [
-    (["kernels", "--table-gib", "0.5", "--reps", "3", "--no-gathers", "--seed", "7", "--json", "k.json"],
-     {"table_gib": 0.5, "reps": 3, "no_gathers": True, "seed": 7, "json": "k.json"}),
-    (["attention", "--reps", "5", "--cases", "decode 64 x 256,prefill 1 x 8k chunk"],
-     {"reps": 5, "cases": ["decode 64 x 256", "prefill 1 x 8k chunk"]}),
-    (["backbone", "--iters", "4", "--batches", "1,8", "--context", "512"], {"iters": 4, "batches": [1, 8], "context": 512}),
-    (["gathersweep", "--table-gib", "2", "--reps", "9"], {"table_gib": 2.0, "reps": 9}),
-    (["contention", "--table-gib", "1.5", "--reps", "4"], {"table_gib": 1.5, "reps": 4}),
-    (["cacheplan", "--plan-reps", "2", "--fetch-reps", "3", "--skip-fetch"],
-     {"plan_reps": 2, "fetch_reps": 3, "skip_fetch": True, "skip_plans": False}),
-])
+@pytest.mark.parametrize(
+    "argv,want",
+    [
+        (
+            ["kernels", "--table-gib", "0.5", "--reps", "3", "--no-gathers", "--seed", "7", "--json", "k.json"],
+            {"table_gib": 0.5, "reps": 3, "no_gathers": True, "seed": 7, "json": "k.json"},
+        ),
+        (
+            ["attention", "--reps", "5", "--cases", "decode 64 x 256,prefill 1 x 8k chunk"],
+            {"reps": 5, "cases": ["decode 64 x 256", "prefill 1 x 8k chunk"]},
+        ),
+        (
+            ["backbone", "--iters", "4", "--batches", "1,8", "--context", "512"],
+            {"iters": 4, "batches": [1, 8], "context": 512},
+        ),
+        (["gathersweep", "--table-gib", "2", "--reps", "9"], {"table_gib": 2.0, "reps": 9}),
+        (["contention", "--table-gib", "1.5", "--reps", "4"], {"table_gib": 1.5, "reps": 4}),
+        (
+            ["cacheplan", "--plan-reps", "2", "--fetch-reps", "3", "--skip-fetch"],
+            {"plan_reps": 2, "fetch_reps": 3, "skip_fetch": True, "skip_plans": False},
+        ),
+    ],
+)
 def test_the_gpu_timings_parse(argv: list[str], want: dict) -> None:
     options = script(argv[0]).OPTIONS
     got = asdict(_parse(argv[0], argv[1:]))
     assert {k: got[k] for k in want} == want
-    assert {k: v for k, v in got.items() if k not in want} == {k: v for k, v in asdict(options()).items()
-                                                                 if k not in want}
+    assert {k: v for k, v in got.items() if k not in want} == {
+        k: v for k, v in asdict(options()).items() if k not in want
+    }
 
 
 def test_an_unknown_attention_case_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -152,8 +219,9 @@ def test_an_unknown_attention_case_is_a_usage_error(capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize("name", GPU_ONLY + GPU_ONLY_SCRIPTS)
-def test_without_cuda_each_gpu_timing_exits_with_one_line(name: str, monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_cuda_each_gpu_timing_exits_with_one_line(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
 
     from engram_trt.cli.main import main
@@ -170,14 +238,20 @@ def test_without_cuda_each_gpu_timing_exits_with_one_line(name: str, monkeypatch
     assert err.startswith(f"{prog}: error: bench {name} needs a CUDA GPU") and "none is available here" in err
 
 
-@pytest.mark.parametrize("argv,why", [(["kernels", "--reps", "0"], "--reps must be >= 1"),
-                                      (["attention", "--reps", "0"], "--reps must be >= 1"),
-                                      (["backbone", "--batches", "0,4"], "must be >= 1"),
-                                      (["gathersweep", "--reps", "2"], "--reps must be >= 3"),
-                                      (["contention", "--table-gib", "0"], "--table-gib > 0"),
-                                      (["cacheplan", "--skip-plans", "--skip-fetch"], "leave nothing to time")])
-def test_bad_values_are_one_line_before_any_gpu_work(argv: list[str], why: str,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["kernels", "--reps", "0"], "--reps must be >= 1"),
+        (["attention", "--reps", "0"], "--reps must be >= 1"),
+        (["backbone", "--batches", "0,4"], "must be >= 1"),
+        (["gathersweep", "--reps", "2"], "--reps must be >= 3"),
+        (["contention", "--table-gib", "0"], "--table-gib > 0"),
+        (["cacheplan", "--skip-plans", "--skip-fetch"], "leave nothing to time"),
+    ],
+)
+def test_bad_values_are_one_line_before_any_gpu_work(
+    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert script(argv[0]).main(argv[1:]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and why in err, err

@@ -13,8 +13,22 @@ from engram_trt.cli.main import main
 
 def _serve(capsys, tmp_path: Path, ckpt: Path, *extra: str) -> tuple[dict, str]:
     out = tmp_path / "serve.json"
-    code = main(["bench", "serve", str(ckpt), "--device", "cpu", "--prompt-tokens", "8", "--max-tokens", "5",
-                 "--json", str(out), *extra])
+    code = main(
+        [
+            "bench",
+            "serve",
+            str(ckpt),
+            "--device",
+            "cpu",
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "5",
+            "--json",
+            str(out),
+            *extra,
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     return json.loads(out.read_text()), printed

@@ -20,8 +20,24 @@ def test_steady_rate_beside_bench_serve_on_a_tiny_checkpoint(tmp_path: Path, mon
     monkeypatch.setenv("ENGRAM_TRT_CACHE", str(tmp_path / "cache"))
     ck = make_tiny_checkpoint(tmp_path / "ck")
     n = 14  # 11 steady steps: enough for the p10 / p90 spread
-    code = main(["bench", "steady", "--path", str(ck), "--max-tokens", str(n), "--repeat", "1", "--rounds", "2",
-                 "--device", "cpu", "--json", str(tmp_path / "s.json")])
+    code = main(
+        [
+            "bench",
+            "steady",
+            "--path",
+            str(ck),
+            "--max-tokens",
+            str(n),
+            "--repeat",
+            "1",
+            "--rounds",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+            str(tmp_path / "s.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     res = json.loads((tmp_path / "s.json").read_text())
@@ -43,8 +59,11 @@ def test_steady_rate_beside_bench_serve_on_a_tiny_checkpoint(tmp_path: Path, mon
     assert run["steady_decode_tokens_per_s"] == min(rates) and serve["one_stream_tokens_per_s"] == min(serves)
     r = serve["one_stream_tokens_per_s"] / run["steady_decode_tokens_per_s"]
     q = serve["one_stream_steady_decode_tokens_per_s"] / run["steady_decode_tokens_per_s"]
-    assert res["ratios"]["run"] == {"serve_over_steady": round(r, 4), "within_target": max(r, 1 / r) <= TARGET,
-                                    "serve_steady_over_steady": round(q, 4)}
+    assert res["ratios"]["run"] == {
+        "serve_over_steady": round(r, 4),
+        "within_target": max(r, 1 / r) <= TARGET,
+        "serve_steady_over_steady": round(q, 4),
+    }
     assert res["rounds_within_target"]["run"] == sum(rnd["ratios"]["run"]["within_target"] for rnd in rounds)
     assert [c.split()[1] for c in res["commands"]] == ["run", "bench"]
     assert f"bench serve / run = {round(r, 4)}" in out and "round 2: run " in out

@@ -56,8 +56,9 @@ def test_graph_only_build_manifest(demo_dir: Path, tmp_path: Path) -> None:
 def test_engram_options_fail_before_work(tmp_path: Path, demo_dir: Path) -> None:
     cfg = {k: v for k, v in json.loads((demo_dir / "config.json").read_text()).items() if not k.startswith("engram")}
     plain = ModelConfig.from_dict(cfg)
-    write_checkpoint(tmp_path / "plain", cfg, random_weights(plain, torch.Generator().manual_seed(0)), None,
-                     max_shard_bytes=1 << 30)
+    write_checkpoint(
+        tmp_path / "plain", cfg, random_weights(plain, torch.Generator().manual_seed(0)), None, max_shard_bytes=1 << 30
+    )
     out = tmp_path / "out"
     with pytest.raises(EngramError, match="no Engram layers"):
         build(tmp_path / "plain", out, '{"cpu_offload": false}', progress=False)
@@ -69,15 +70,32 @@ def test_engram_options_fail_before_work(tmp_path: Path, demo_dir: Path) -> None
 
 def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
     cfg = json.loads((demo_dir / "config.json").read_text())
-    cfg.update(vocab_size=129280, hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-               head_dim=16, num_hidden_layers=2, engram_layer_ids=[1], engram_num_embeddings=None, engram_table_dtype="bf16",
-               engram_n_heads=4, engram_head_dim=64, engram_vocab_size=40000)
+    cfg.update(
+        vocab_size=129280,
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_hidden_layers=2,
+        engram_layer_ids=[1],
+        engram_num_embeddings=None,
+        engram_table_dtype="bf16",
+        engram_n_heads=4,
+        engram_head_dim=64,
+        engram_vocab_size=40000,
+    )
     mc = ModelConfig.from_dict(cfg)
     rows = [int(r) for r in EngramLayout.from_spec(mc.engram, 0).table_rows]
     w = random_weights(mc, torch.Generator().manual_seed(0), table_rows=rows)
     write_checkpoint(tmp_path / "ck", cfg, w, demo_dir / "tokenizer.json", max_shard_bytes=1 << 30)
-    r = build(tmp_path / "ck", tmp_path / "eng", repack_tables_dir=tmp_path / "packed", build_engine_if_possible=False,
-              progress=False)
+    r = build(
+        tmp_path / "ck",
+        tmp_path / "eng",
+        repack_tables_dir=tmp_path / "packed",
+        build_engine_if_possible=False,
+        progress=False,
+    )
     m = json.loads(r.manifest_path.read_text())
     assert m["table_dtype"] == "fp8" and m["repacked"] is True
     assert {t["role"] for t in m["tables"]} == {"rows", "scales"}
@@ -85,6 +103,7 @@ def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
     from safetensors import safe_open
 
     from engram_trt.engram.quant import dequant_fp8_rows
+
     names = engram_tensor_names(1)
     with safe_open(m["tables"][0]["file"], framework="pt") as f:
         q = f.get_tensor(names["table"]).view(torch.uint8).numpy()
@@ -97,7 +116,9 @@ def test_repack_bf16_tables_to_fp8(tmp_path: Path, demo_dir: Path) -> None:
 
 
 @pytest.mark.skipif(not trt_compat.module_available("tensorrt"), reason=trt_compat.NOT_INSTALLED_REASON)
-def test_full_tensorrt_builds_demo(demo_dir: Path, plugin_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_tensorrt_builds_demo(
+    demo_dir: Path, plugin_lib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ENGRAM_TRT_FLAVOUR", "tensorrt")
     r = build(demo_dir, tmp_path / "eng", plugin_library=plugin_lib, progress=False)
     assert r.trt["flavour"] == "tensorrt" and r.engine_path is not None
@@ -112,8 +133,9 @@ def _plugin_counts(layers: list[str]) -> dict[str, int]:
 
 
 @needs_rtx
-def test_demo_builds_rtx_engine_with_four_plugins(demo_dir: Path, plugin_lib: Path, tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_demo_builds_rtx_engine_with_four_plugins(
+    demo_dir: Path, plugin_lib: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The packed serving graph: one EngramAttention per layer (its KV caches aliased in
     place, which the builder accepts only with the preview feature build_engine enables),
     the Engram hash once and a gather and gate per Engram layer. Every plugin node names
@@ -126,27 +148,39 @@ def test_demo_builds_rtx_engine_with_four_plugins(demo_dir: Path, plugin_lib: Pa
     assert r.trt["flavour"] == "tensorrt_rtx"
     ckpt = Checkpoint.open(demo_dir)
     layer_ids = ckpt.config.engram.layer_ids
-    assert _plugin_counts(r.plugin_layers) == {"EngramHash": 1, "EngramGather": len(layer_ids), "EngramGate": len(layer_ids),
-                                               "EngramAttention": ckpt.config.num_hidden_layers}
+    assert _plugin_counts(r.plugin_layers) == {
+        "EngramHash": 1,
+        "EngramGather": len(layer_ids),
+        "EngramGate": len(layer_ids),
+        "EngramAttention": ckpt.config.num_hidden_layers,
+    }
     # The tables stay outside: the demo engine (backbone, kernels, the embedded plugin
     # library) is orders of magnitude smaller than the tables it leaves in the checkpoint.
-    tables_on_disk = sum(ckpt.locate(n)[2] for lid in layer_ids for k, n in engram_tensor_names(lid).items()
-                         if k in ("table", "scale"))
+    tables_on_disk = sum(
+        ckpt.locate(n)[2] for lid in layer_ids for k, n in engram_tensor_names(lid).items() if k in ("table", "scale")
+    )
     assert r.tables_bytes == tables_on_disk
     assert r.tables_bytes >= 100 * r.engine_bytes, (r.tables_bytes, r.engine_bytes)
     m = json.loads(r.manifest_path.read_text())
     assert m["plugins"]["embedded"] is True and m["tensorrt"]["flavour"] == "tensorrt_rtx"
     assert m["plugins"]["names"] == ["EngramAttention", "EngramGate", "EngramGather", "EngramHash"]
     layers = ckpt.config.num_hidden_layers
-    assert m["graph"]["io"]["kv_cache"]["aliases"] == {f"{kind}_cache_out_{i}": f"{kind}_cache_{i}"
-                                                       for i in range(layers) for kind in ("key", "value")}
+    assert m["graph"]["io"]["kv_cache"]["aliases"] == {
+        f"{kind}_cache_out_{i}": f"{kind}_cache_{i}" for i in range(layers) for kind in ("key", "value")
+    }
     assert m["graph"]["inputs"][:4] == ["input_ids", "seq_starts", "past_lens", "slots"]
     # A rebuild with the same inputs gives the same manifest.
     r2 = build(demo_dir, tmp_path / "eng2", plugin_library=plugin_lib, progress=False)
     assert r2.manifest_path.read_bytes() == r.manifest_path.read_bytes()
     # --target sm86, plugin library referenced rather than embedded: a smaller engine.
-    r3 = build(demo_dir, tmp_path / "eng3", plugin_library=plugin_lib, targets="sm86", embed_plugin_library=False,
-               progress=False)
+    r3 = build(
+        demo_dir,
+        tmp_path / "eng3",
+        plugin_library=plugin_lib,
+        targets="sm86",
+        embed_plugin_library=False,
+        progress=False,
+    )
     m3 = json.loads(r3.manifest_path.read_text())
     assert m3["build_flags"]["targets"] == ["sm86"] and m3["plugins"]["library"]["path"] == str(plugin_lib)
     assert r3.engine_bytes < r.engine_bytes
@@ -170,10 +204,25 @@ def test_engine_is_orders_of_magnitude_smaller_than_tables(plugin_lib: Path, tmp
     the tables have, i.e. it holds none of their bytes."""
     tok = _word_tokenizer(tmp_path / "tokenizer.json", 512)
     compressed = build_compressed_vocab(tok).size
-    base = dict(architectures=["EngramLlamaForCausalLM"], hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                num_hidden_layers=2, vocab_size=512, hc_mult=2, tie_word_embeddings=True, max_position_embeddings=256,
-                engram_layer_ids=[0, 1], engram_max_ngram_size=3, engram_n_heads=4, engram_head_dim=128,
-                engram_compressed_vocab_size=compressed, engram_pad_token_id=0)
+    base = dict(
+        architectures=["EngramLlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_hidden_layers=2,
+        vocab_size=512,
+        hc_mult=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        engram_layer_ids=[0, 1],
+        engram_max_ngram_size=3,
+        engram_n_heads=4,
+        engram_head_dim=128,
+        engram_compressed_vocab_size=compressed,
+        engram_pad_token_id=0,
+    )
     results = []
     for vocab in (20_000, 400_000):
         cfg = dict(base, engram_vocab_size=vocab)
@@ -186,8 +235,18 @@ def test_engine_is_orders_of_magnitude_smaller_than_tables(plugin_lib: Path, tmp
             w[names["scale"]] = torch.full((n, 4), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
         ck = write_checkpoint(tmp_path / f"ck{vocab}", cfg, w, tok, max_shard_bytes=1 << 30)
         del w
-        results.append(build(ck, tmp_path / f"eng{vocab}", plugin_library=plugin_lib, embed_plugin_library=False, targets="sm86",
-                             max_seq_len=256, max_num_tokens=64, progress=False))
+        results.append(
+            build(
+                ck,
+                tmp_path / f"eng{vocab}",
+                plugin_library=plugin_lib,
+                embed_plugin_library=False,
+                targets="sm86",
+                max_seq_len=256,
+                max_num_tokens=64,
+                progress=False,
+            )
+        )
     small, large = results
     assert large.tables_bytes >= 15 * small.tables_bytes
     assert large.tables_bytes >= 100 * large.engine_bytes, (large.tables_bytes, large.engine_bytes)
@@ -208,11 +267,17 @@ def test_rtx_parser_link_through_cache(tmp_path: Path) -> None:
     for name in ("libtensorrt_rtx.so.1", "libtensorrt_onnxparser_rtx.so.1"):
         (site / "tensorrt_rtx_libs" / name).symlink_to(libs / name)
     (site / "tensorrt_rtx_bindings").symlink_to(bindings)
-    code = ("from engram_trt.native import trt_compat as tc\n"
-            "b = tc.create_builder(); n = tc.create_network(b); p = tc.onnx_parser(n)\n"
-            "print('OK', tc.describe()['module'], tc.ensure_rtx_parser_link())\n")
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO / 'python'}", ENGRAM_TRT_RTX_LINK_IN_CACHE="1",
-               ENGRAM_TRT_CACHE=str(tmp_path / "cache"))
+    code = (
+        "from engram_trt.native import trt_compat as tc\n"
+        "b = tc.create_builder(); n = tc.create_network(b); p = tc.onnx_parser(n)\n"
+        "print('OK', tc.describe()['module'], tc.ensure_rtx_parser_link())\n"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{site}{os.pathsep}{REPO / 'python'}",
+        ENGRAM_TRT_RTX_LINK_IN_CACHE="1",
+        ENGRAM_TRT_CACHE=str(tmp_path / "cache"),
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "OK tensorrt_rtx_bindings" in out.stdout

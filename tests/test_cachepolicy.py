@@ -114,14 +114,17 @@ def _steps(rng, rows: int, kind: str, n: int) -> list[int]:
     return [int(v) for v in ids]
 
 
-@pytest.mark.parametrize("capacity,budget,factor,decay,kind", [
-    (0, 0, 4, 0, "skewed"),  # de-duplication alone
-    (40, 8, 1, 0, "skewed"),  # small cache: fills in step 1, then replacements every step
-    (40, 8, 4, 3, "skewed"),  # sampled victims and aging counts
-    (25, 25, 2, 0, "uniform"),  # budget = capacity: factor falls to 1
-    (60, 5, 3, 0, "repeating"),  # rows repeated within a step
-    (300, 50, 4, 0, "skewed"),  # a cache that takes several steps to fill
-])
+@pytest.mark.parametrize(
+    "capacity,budget,factor,decay,kind",
+    [
+        (0, 0, 4, 0, "skewed"),  # de-duplication alone
+        (40, 8, 1, 0, "skewed"),  # small cache: fills in step 1, then replacements every step
+        (40, 8, 4, 3, "skewed"),  # sampled victims and aging counts
+        (25, 25, 2, 0, "uniform"),  # budget = capacity: factor falls to 1
+        (60, 5, 3, 0, "repeating"),  # rows repeated within a step
+        (300, 50, 4, 0, "skewed"),  # a cache that takes several steps to fill
+    ],
+)
 def test_reference_policy_equals_the_specification(capacity, budget, factor, decay, kind) -> None:
     import torch
 
@@ -132,7 +135,9 @@ def test_reference_policy_equals_the_specification(capacity, budget, factor, dec
     for step in range(30):
         ids = _steps(rng, rows, kind, int(rng.integers(0, 400)) if step != 4 else 0)  # step 4: no lookups
         replace = step % 3 != 1
-        plan = policy.plan(torch.tensor(ids, dtype=torch.int32).view(-1, 1) if ids else torch.zeros(0, dtype=torch.int32))
+        plan = policy.plan(
+            torch.tensor(ids, dtype=torch.int32).view(-1, 1) if ids else torch.zeros(0, dtype=torch.int32)
+        )
         positions, misses, distinct = py.step(ids, replace=replace)
         assert plan.positions.tolist() == positions, step
         assert plan.miss_rows.tolist() == misses and plan.miss_rows_host.tolist() == misses
@@ -249,8 +254,15 @@ def test_a_warm_cache_serves_exact_rows_from_its_first_step() -> None:
     scales = rng.integers(110, 140, size=(1000, 2), dtype=np.uint8)
     ids = ((rng.zipf(1.2, size=(50, 24)) * 7919) % 1000).astype(np.int32)
     counts = np.bincount(ids.reshape(-1), minlength=1000)
-    cache = HotRowCache(torch.from_numpy(values), torch.from_numpy(scales), device="cpu", capacity_rows=100,
-                        quant_block=32, max_step_rows=2000, initial_counts=counts)
+    cache = HotRowCache(
+        torch.from_numpy(values),
+        torch.from_numpy(scales),
+        device="cpu",
+        capacity_rows=100,
+        quant_block=32,
+        max_step_rows=2000,
+        initial_counts=counts,
+    )
     got = cache.gather(torch.from_numpy(ids))
     want = torch.from_numpy(dequant_fp8_rows(values[ids.reshape(-1)], scales[ids.reshape(-1)], 32)).to(torch.bfloat16)
     assert torch.equal(got.reshape(-1, 64).view(torch.int16), want.view(torch.int16))
@@ -279,8 +291,15 @@ def test_a_failed_fetch_admits_nothing_and_the_next_step_is_exact() -> None:
                 raise OSError("host gather failed")
             super().fetch(ids_cpu, dst_rows, dst_scales)
 
-    cache = HotRowCache(rows_t, scales_t, device="cpu", capacity_rows=20, quant_block=32, max_step_rows=100,
-                        transfer=Flaky(rows_t, scales_t, quant_block=32, layout="split", head_dim=32))
+    cache = HotRowCache(
+        rows_t,
+        scales_t,
+        device="cpu",
+        capacity_rows=20,
+        quant_block=32,
+        max_step_rows=100,
+        transfer=Flaky(rows_t, scales_t, quant_block=32, layout="split", head_dim=32),
+    )
     ids = torch.arange(0, 30, dtype=torch.int32)
     with pytest.raises(OSError, match="host gather failed"):
         cache.gather(ids)
@@ -307,23 +326,65 @@ def test_cache_abi_refuses_bad_arguments_before_any_cuda_call(plugin_lib: Path) 
     assert plan(n=-1) == (1, "engram_cache_plan: num_ids must be in [0, 2^30] (got -1)")
     assert plan(rows=0)[1].startswith("engram_cache_plan: table_num_rows must be in [1, 2^31 - 2]")
     assert plan(rows=2**31 - 1)[0] == 1
-    assert plan(base=2**30) == (1, "engram_cache_plan: miss_base must be in [0, 2^30) and miss_base + num_ids <= "
-                                   "2^31 - 1 (got 1073741824, 10)")
+    assert plan(base=2**30) == (
+        1,
+        "engram_cache_plan: miss_base must be in [0, 2^30) and miss_base + num_ids <= 2^31 - 1 (got 1073741824, 10)",
+    )
     assert plan(plan_ptr=None) == (1, "engram_cache_plan: plan must be a 4-byte aligned device pointer")
     assert plan(host=ctypes.c_void_p(66))[0] == 1
-    assert plan(ids=ctypes.c_void_p(65))[1] == ("engram_cache_plan: ids, slot_of and positions (and counts, if given) "
-                                                "must be 4-byte aligned device pointers")
+    assert plan(ids=ctypes.c_void_p(65))[1] == (
+        "engram_cache_plan: ids, slot_of and positions (and counts, if given) must be 4-byte aligned device pointers"
+    )
 
-    def admit(m=10, free=0, filled=4, cap=4, cand=2, start=0, stride=3, first=0, factor=2, base=4, rows=p,
-              row_bytes=0, scales=None, scale_bytes=0, replaced=None):
-        status = lib.engram_cache_admit(p, m, free, filled, cap, p, p, p, cand, start, stride, first, factor, base,
-                                        rows, row_bytes, scales, scale_bytes, replaced, None)
+    def admit(
+        m=10,
+        free=0,
+        filled=4,
+        cap=4,
+        cand=2,
+        start=0,
+        stride=3,
+        first=0,
+        factor=2,
+        base=4,
+        rows=p,
+        row_bytes=0,
+        scales=None,
+        scale_bytes=0,
+        replaced=None,
+    ):
+        status = lib.engram_cache_admit(
+            p,
+            m,
+            free,
+            filled,
+            cap,
+            p,
+            p,
+            p,
+            cand,
+            start,
+            stride,
+            first,
+            factor,
+            base,
+            rows,
+            row_bytes,
+            scales,
+            scale_bytes,
+            replaced,
+            None,
+        )
         return status, lib.engram_last_error().decode()
 
     ok = dict(rows=None)
-    assert admit(free=11, **ok)[1].startswith("engram_cache_admit: need 0 <= capacity < 2^30, 0 <= num_free <= num_miss")
-    assert admit(filled=3, **ok) == (1, "engram_cache_admit: replacements need a full cache (filled 3 + num_free 0 != "
-                                        "capacity 4)")
+    assert admit(free=11, **ok)[1].startswith(
+        "engram_cache_admit: need 0 <= capacity < 2^30, 0 <= num_free <= num_miss"
+    )
+    assert admit(filled=3, **ok) == (
+        1,
+        "engram_cache_admit: replacements need a full cache (filled 3 + num_free 0 != capacity 4)",
+    )
     assert admit(stride=6, **ok)[1].startswith("engram_cache_admit: candidates must be distinct misses")
     assert admit(start=10, **ok)[1].startswith("engram_cache_admit: candidates must be distinct misses")
     assert admit(factor=3, **ok)[1].startswith("engram_cache_admit: victim windows must be disjoint slots")
@@ -332,7 +393,9 @@ def test_cache_abi_refuses_bad_arguments_before_any_cuda_call(plugin_lib: Path) 
     assert admit(row_bytes=24)[1].startswith("engram_cache_admit: work_rows must be 16-byte aligned with row_bytes")
     assert admit(row_bytes=256, scale_bytes=8)[0] == 1  # scale bytes without work_scales
     assert admit(replaced=ctypes.c_void_p(68), **ok) == (
-        1, "engram_cache_admit: replaced must be an 8-byte aligned device pointer")
+        1,
+        "engram_cache_admit: replaced must be an 8-byte aligned device pointer",
+    )
     assert admit(cand=-1, **ok) == (1, "engram_cache_admit: num_candidates must be >= 0 (got -1)")
 
 
@@ -357,22 +420,48 @@ def test_the_library_admission_equals_the_policy_reference(plugin_lib: Path) -> 
     from engram_trt.cache.policy import Admission
 
     rng = np.random.default_rng(12)
-    cases = [(0, 0, 0, 5, 4, True), (7, 0, 10, 5, 4, True), (7, 3, 10, 5, 4, True), (30, 10, 10, 5, 4, True),
-             (30, 10, 10, 5, 4, False), (30, 10, 10, 0, 4, True), (13, 9, 10, 100, 3, True), (1, 10, 10, 5, 2, True)]
-    cases += [(int(rng.integers(0, 5000)), None, int(rng.integers(1, 3000)), int(rng.integers(0, 4000)),
-               int(rng.integers(1, 9)), bool(rng.integers(0, 2))) for _ in range(300)]
+    cases = [
+        (0, 0, 0, 5, 4, True),
+        (7, 0, 10, 5, 4, True),
+        (7, 3, 10, 5, 4, True),
+        (30, 10, 10, 5, 4, True),
+        (30, 10, 10, 5, 4, False),
+        (30, 10, 10, 0, 4, True),
+        (13, 9, 10, 100, 3, True),
+        (1, 10, 10, 5, 2, True),
+    ]
+    cases += [
+        (
+            int(rng.integers(0, 5000)),
+            None,
+            int(rng.integers(1, 3000)),
+            int(rng.integers(0, 4000)),
+            int(rng.integers(1, 9)),
+            bool(rng.integers(0, 2)),
+        )
+        for _ in range(300)
+    ]
     for m, filled, cap, budget, factor, replace in cases:
         filled = int(rng.integers(0, cap + 1)) if filled is None else filled
         seed, step = int(rng.integers(0, 2**62)), int(rng.integers(1, 10**6))
         policy = CachePolicy(max(cap, 1) * 2, cap, admit_budget=budget, sample_factor=factor, seed=seed)
         policy.filled, policy.steps = filled, step
         want = policy._admission(m, replace)
-        got = cache_kernels.cache_admission(m, filled=filled, capacity=cap, admit_budget=budget, sample_factor=factor,
-                                            replace=replace, seed=seed, step=step)
+        got = cache_kernels.cache_admission(
+            m,
+            filled=filled,
+            capacity=cap,
+            admit_budget=budget,
+            sample_factor=factor,
+            replace=replace,
+            seed=seed,
+            step=step,
+        )
         assert Admission(**got) == want, (m, filled, cap, budget, factor, replace)
     with pytest.raises(EngramError, match="engram_cache_admission: need num_miss >= 0, 0 <= filled <= capacity"):
-        cache_kernels.cache_admission(5, filled=11, capacity=10, admit_budget=1, sample_factor=1, replace=True,
-                                      seed=0, step=1)
+        cache_kernels.cache_admission(
+            5, filled=11, capacity=10, admit_budget=1, sample_factor=1, replace=True, seed=0, step=1
+        )
 
 
 def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plugin_lib: Path) -> None:
@@ -388,8 +477,19 @@ def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plu
     lib = ck.library()
 
     def step(**fields) -> tuple[int, str, Any]:
-        a = ck._StepArgs(max_ids=100, max_host_ids=50, plan_host=64, capacity=10, miss_base=10, work_num_rows=200,
-                         deliver_tokens=4, deliver_cols=3, num_ids=12, gatherer=64, work_rows=64)
+        a = ck._StepArgs(
+            max_ids=100,
+            max_host_ids=50,
+            plan_host=64,
+            capacity=10,
+            miss_base=10,
+            work_num_rows=200,
+            deliver_tokens=4,
+            deliver_cols=3,
+            num_ids=12,
+            gatherer=64,
+            work_rows=64,
+        )
         for k, v in fields.items():
             setattr(a, k, v)
         r = ck._StepResult(hits=-7, num_miss=-7, num_free=-7, aborted=3)
@@ -397,16 +497,20 @@ def test_the_whole_step_call_reads_its_arguments_where_the_library_puts_them(plu
         return status, lib.engram_last_error().decode(), r
 
     status, why, r = step(num_ids=13)
-    assert status == 1 and why == ("engram_cache_step: num_ids 13 must be deliver_tokens 4 x deliver_cols 3 and at "
-                                   "most max_ids 100")
+    assert status == 1 and why == (
+        "engram_cache_step: num_ids 13 must be deliver_tokens 4 x deliver_cols 3 and at most max_ids 100"
+    )
     assert (r.hits, r.num_miss, r.num_free, r.aborted) == (0, 0, 0, 0)  # cleared before any check
     assert step(num_ids=120, deliver_tokens=40)[1].endswith("and at most max_ids 100")
     assert step(host_ids=51)[1] == "engram_cache_step: plan_host is required and host_ids must be in [0, 50] (got 51)"
     assert step(plan_host=None)[1].startswith("engram_cache_step: plan_host is required")
-    assert step(max_host_ids=11, host_ids=5)[1] == ("engram_cache_step: plan_host holds 11 miss ids, fewer than the "
-                                                    "step's 12 lookups")
-    assert step(work_num_rows=21)[1] == ("engram_cache_step: the work table's 21 rows must hold the 10 cache slots and "
-                                         "a miss area of num_ids = 12 rows from miss_base 10")
+    assert step(max_host_ids=11, host_ids=5)[1] == (
+        "engram_cache_step: plan_host holds 11 miss ids, fewer than the step's 12 lookups"
+    )
+    assert step(work_num_rows=21)[1] == (
+        "engram_cache_step: the work table's 21 rows must hold the 10 cache slots and "
+        "a miss area of num_ids = 12 rows from miss_base 10"
+    )
     assert step(miss_base=9)[1].startswith("engram_cache_step: the work table's 200 rows must hold the 10 cache slots")
     assert step(ids_host=64)[1] == "engram_cache_step: ids_host needs ids_staging (device, max_ids int32)"
     assert step(gatherer=None)[1] == "engram_cache_step: the gatherer and the work table are required"
@@ -425,11 +529,26 @@ def test_cache_bindings_name_the_bad_argument() -> None:
     from engram_trt.native import cache as cache_kernels
 
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):
-        cache_kernels.cache_plan(torch.zeros(4, dtype=torch.int32), table_rows=10, slot_of=None, counts=None,
-                                 miss_base=0, plan=None, positions=None)
+        cache_kernels.cache_plan(
+            torch.zeros(4, dtype=torch.int32),
+            table_rows=10,
+            slot_of=None,
+            counts=None,
+            miss_base=0,
+            plan=None,
+            positions=None,
+        )
     with pytest.raises(EngramError, match="^miss_rows must have dtype torch.int32"):
-        cache_kernels.cache_admit(torch.zeros(4, dtype=torch.int64), num_free=0, filled=0, capacity=0, slot_of=None,
-                                  row_of_slot=None, counts=None, miss_base=0)
+        cache_kernels.cache_admit(
+            torch.zeros(4, dtype=torch.int64),
+            num_free=0,
+            filled=0,
+            capacity=0,
+            slot_of=None,
+            row_of_slot=None,
+            counts=None,
+            miss_base=0,
+        )
 
 
 def test_the_gpu_check_harness_runs_here_with_the_reference_for_the_kernels() -> None:
@@ -456,16 +575,17 @@ def test_bound_cache_calls_check_their_buffers_once_and_name_the_bad_one() -> No
 
     cpu32 = torch.zeros(11, dtype=torch.int32)
     with pytest.raises(EngramError, match="^slot_of must be a CUDA tensor"):
-        cache_kernels.PlanCall(table_rows=10, slot_of=cpu32, counts=cpu32, plan=cpu32, positions=cpu32,
-                               plan_host=None)
+        cache_kernels.PlanCall(table_rows=10, slot_of=cpu32, counts=cpu32, plan=cpu32, positions=cpu32, plan_host=None)
     with pytest.raises(EngramError, match="^slot_of must have dtype torch.int32"):
-        cache_kernels.PlanCall(table_rows=10, slot_of=cpu32.long(), counts=None, plan=cpu32, positions=cpu32,
-                               plan_host=None)
+        cache_kernels.PlanCall(
+            table_rows=10, slot_of=cpu32.long(), counts=None, plan=cpu32, positions=cpu32, plan_host=None
+        )
     with pytest.raises(EngramError, match="^slot_of must be a CUDA tensor"):
         cache_kernels.AdmitCall(slot_of=cpu32, row_of_slot=cpu32, counts=cpu32)
     with pytest.raises(EngramError, match="^miss_rows must be a CUDA tensor"):
-        cache_kernels.cache_admit(cpu32, num_free=0, filled=0, capacity=0, slot_of=cpu32, row_of_slot=cpu32,
-                                  counts=cpu32, miss_base=0)
+        cache_kernels.cache_admit(
+            cpu32, num_free=0, filled=0, capacity=0, slot_of=cpu32, row_of_slot=cpu32, counts=cpu32, miss_base=0
+        )
     rows = torch.zeros((8, 64), dtype=torch.uint8)
     with pytest.raises(EngramError, match="^an fp8 table needs scales"):
         cache_kernels.DeliverCall(rows, None, quant_block=32)
@@ -491,11 +611,13 @@ def test_the_uva_share_a_step_call_binds(plugin_lib: Path) -> None:
     rows, scales = torch.zeros(64, 256, dtype=torch.uint8), torch.zeros(64, 8, dtype=torch.uint8)
     assert ck._uva_share_for(None, 8, True, rows, scales, "split") == 0.0  # plain memory: no UVA by default
     assert ck._uva_share_for(0.0, 8, True, rows, scales, "split") == 0.0
-    for args, words in (((0.2, 8, True, rows, scales, "split"), "the GPU cannot read the host table: pin it"),
-                        ((0.2, 8, False, rows, scales, "split"), "it needs the overlap (overlap=True)"),
-                        ((0.2, 8, True, rows, None, "inline"), "layout 'inline' keeps rows and scales in one array"),
-                        ((1.5, 8, True, rows, scales, "split"), "uva_share must be a number in [0, 1]; got 1.5"),
-                        ((0.2, -1, True, rows, scales, "split"), "uva_blocks must be an integer >= 0")):
+    for args, words in (
+        ((0.2, 8, True, rows, scales, "split"), "the GPU cannot read the host table: pin it"),
+        ((0.2, 8, False, rows, scales, "split"), "it needs the overlap (overlap=True)"),
+        ((0.2, 8, True, rows, None, "inline"), "layout 'inline' keeps rows and scales in one array"),
+        ((1.5, 8, True, rows, scales, "split"), "uva_share must be a number in [0, 1]; got 1.5"),
+        ((0.2, -1, True, rows, scales, "split"), "uva_blocks must be an integer >= 0"),
+    ):
         with pytest.raises(EngramError, match=re.escape(words)):
             ck._uva_share_for(*args)
     header = (Path(__file__).resolve().parents[1] / "plugins" / "kernels" / "cacheKernels.h").read_text()

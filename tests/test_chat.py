@@ -29,8 +29,11 @@ from engram_trt.llmapi.chat import read_tokenizer_settings, render_chat  # noqa:
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of Italy?"}],
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Ünïcödé 日本語 🙂 and a \"quote\" <b>tag</b>"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Ünïcödé 日本語 🙂 and a \"quote\" <b>tag</b>"},
+    ],
 ]
 TEXTS = ["Hello world", "hello the world", "  leading spaces\n\ttabs", "this is hello"]
 
@@ -82,18 +85,23 @@ def test_template_semantics_as_transformers(folders):
     ref = AutoTokenizer.from_pretrained(folders["spm"])
     settings = read_tokenizer_settings([folders["spm"]])
     assert settings.special_tokens["bos_token"] == "<s>" and settings.special_tokens["eos_token"] == "</s>"
-    template = ("{{ bos_token }}{% for m in messages %}\n  {% if loop.index > 2 %}{% break %}{% endif %}\n"
-                "[{{ m['role'] | upper }}] {{ m | tojson }}{{ eos_token }}\n{% endfor %}"
-                "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}\n  {% if loop.index > 2 %}{% break %}{% endif %}\n"
+        "[{{ m['role'] | upper }}] {{ m | tojson }}{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[ASSISTANT]{% endif %}"
+    )
     conv = CONVERSATIONS[2]
     want = ref.apply_chat_template(conv, chat_template=template, add_generation_prompt=True, tokenize=False)
     got = render_chat(template, conv, special_tokens=settings.special_tokens, add_generation_prompt=True)
     assert got == want and "Ünïcödé" not in got  # message 3 was cut by {% break %}
-    assert render_chat(template, CONVERSATIONS[0], special_tokens=settings.special_tokens) == \
-        ref.apply_chat_template(CONVERSATIONS[0], chat_template=template, add_generation_prompt=True, tokenize=False)
+    assert render_chat(template, CONVERSATIONS[0], special_tokens=settings.special_tokens) == ref.apply_chat_template(
+        CONVERSATIONS[0], chat_template=template, add_generation_prompt=True, tokenize=False
+    )
     with pytest.raises(EngramError, match="refused the conversation.*no system messages") as exc:
-        render_chat("{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}",
-                    CONVERSATIONS[1])
+        render_chat(
+            "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}",
+            CONVERSATIONS[1],
+        )
     assert "\n" not in str(exc.value)
 
 
@@ -121,8 +129,13 @@ def test_no_template_and_bad_messages_refused(folders, smol_llm):
     with LLM(str(folders["spm"]), backend="torch", device="cpu", progress=False) as llm:
         assert llm.chat_template is not None  # the tiny GGUFs carry a template
     tmpl = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    for bad, match in [([], "non-empty list"), ("hi", "non-empty list"), ([{"content": "x"}], "message 0 has no 'role'"),
-                       (["hi"], "message 0 is a str"), ([{"role": "user", "content": 3}], "'content' must be text")]:
+    for bad, match in [
+        ([], "non-empty list"),
+        ("hi", "non-empty list"),
+        ([{"content": "x"}], "message 0 has no 'role'"),
+        (["hi"], "message 0 is a str"),
+        ([{"role": "user", "content": 3}], "'content' must be text"),
+    ]:
         with pytest.raises(EngramError, match=match):
             render_chat(tmpl, bad)
     with pytest.raises(EngramError, match="has no chat template"):

@@ -148,8 +148,12 @@ def test_get_rows_equals_slicing(small_ckpt: tuple[Path, dict[str, torch.Tensor]
 def test_locate_gives_the_tensor_bytes(small_ckpt: tuple[Path, dict[str, torch.Tensor]]) -> None:
     path, tensors = small_ckpt
     ck = Checkpoint.open(path)
-    for name in (engram_tensor_names(0)["table"], engram_tensor_names(0)["scale"], "model.embed_tokens.weight",
-                 "lm_head.weight"):
+    for name in (
+        engram_tensor_names(0)["table"],
+        engram_tensor_names(0)["scale"],
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ):
         file, offset, nbytes = ck.locate(name)
         t = tensors[name]
         assert nbytes == t.numel() * t.element_size()
@@ -261,8 +265,10 @@ def test_backbone_weights_must_be_floats(tmp_path: Path) -> None:
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)  # a float dtype reads
     write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None)
     problems = validate_checkpoint(Checkpoint.open(tmp_path / "ck"))
-    assert problems == [f"tensor {name} is I8, not a float weight (expected one of F32, BF16, F16, F64); "
-                        f"dequantize the checkpoint first"]
+    assert problems == [
+        f"tensor {name} is I8, not a float weight (expected one of F32, BF16, F16, F64); "
+        f"dequantize the checkpoint first"
+    ]
 
 
 def test_demo_config_matches_layout() -> None:
@@ -301,8 +307,8 @@ def test_demo_checkpoint_is_deterministic(tmp_path: Path, demo_dir: Path) -> Non
         for chunk in (0, last):
             n = min(step, rows - chunk * step)
             q, s = demo_fp8_table_chunk(0, li, chunk, n, spec.head_dim, spec.quant_block)
-            assert np.array_equal(table[chunk * step:chunk * step + n].numpy(), q)
-            assert np.array_equal(scale[chunk * step:chunk * step + n].numpy(), s)
+            assert np.array_equal(table[chunk * step : chunk * step + n].numpy(), q)
+            assert np.array_equal(scale[chunk * step : chunk * step + n].numpy(), s)
             q1, s1 = demo_fp8_table_chunk(1, li, chunk, n, spec.head_dim, spec.quant_block)
             assert (q1 != q).mean() > 0.9 and (s1 != s).mean() > 0.5
     # Rows decode to O(1) values with all three block scales in use, no NaN.
@@ -323,14 +329,19 @@ def test_demo_table_bytes_do_not_depend_on_threads() -> None:
     rows = 2 * DEMO_TABLE_CHUNK_ROWS + 123
     q1, s1 = demo_fp8_table(7, 1, rows, 64, threads=1)
     q3, s3 = demo_fp8_table(7, 1, rows, 64, threads=3)
-    assert torch.equal(q1.view(torch.uint8), q3.view(torch.uint8)) and torch.equal(s1.view(torch.uint8), s3.view(torch.uint8))
+    assert torch.equal(q1.view(torch.uint8), q3.view(torch.uint8)) and torch.equal(
+        s1.view(torch.uint8), s3.view(torch.uint8)
+    )
     q, s = demo_fp8_table_chunk(7, 1, 2, 123, 64)
-    assert np.array_equal(q1.view(torch.uint8)[-123:].numpy(), q) and np.array_equal(s1.view(torch.uint8)[-123:].numpy(), s)
+    assert np.array_equal(q1.view(torch.uint8)[-123:].numpy(), q) and np.array_equal(
+        s1.view(torch.uint8)[-123:].numpy(), s
+    )
     assert not np.array_equal(demo_fp8_table_chunk(7, 0, 2, 123, 64)[0], q)  # layers draw apart
 
 
-def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, demo_dir: Path,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_ensure_demo_checkpoint_reuses_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, demo_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import os
     import shutil
 
@@ -356,8 +367,10 @@ def test_ensure_demo_checkpoint_reuses_cache(tmp_path: Path, monkeypatch: pytest
     (target / "tokenizer.json").write_bytes(tok_bytes[:1000])
     with caplog.at_level(logging.WARNING, logger="engram_trt"):
         assert ensure_demo_checkpoint() == target
-    assert any("is damaged" in r.getMessage() and shard.name in r.getMessage() and "rebuilding" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert any(
+        "is damaged" in r.getMessage() and shard.name in r.getMessage() and "rebuilding" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
     Checkpoint.open(target)
     for name in (shard.name, "tokenizer.json", "config.json"):
         assert file_sha256(target / name) == file_sha256(demo_dir / name), name

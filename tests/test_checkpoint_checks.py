@@ -29,8 +29,15 @@ DATA = REPO / "tests" / "data"
 GEN = ["--max-new-tokens", "3", "--device", "cpu", "--prompt", "w1 w2 w3"]
 
 # safetensors dtype -> torch dtype the reference decodes with
-FORMATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "F8_E5M2": torch.float8_e5m2, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
+FORMATS = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -66,8 +73,12 @@ def test_scan_counts_nan_and_inf_of_every_format_as_torch_decodes_them(tmp_path:
         raw = rng.integers(0, 256, size=4099 * item, dtype=np.uint8)
         if item >= 2:  # make non-finite patterns common: set the exponent bits of every 7th element
             words = raw.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[item])
-            top = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
-                   torch.float64: 0x7FF0000000000000}[dt]
+            top = {
+                torch.float16: 0x7C00,
+                torch.bfloat16: 0x7F80,
+                torch.float32: 0x7F800000,
+                torch.float64: 0x7FF0000000000000,
+            }[dt]
             words[::7] |= np.array(top, dtype=words.dtype)
         tensors[st] = torch.from_numpy(raw.copy()).view(dt)
     tensors["ints"] = torch.from_numpy(rng.integers(0, 256, size=512, dtype=np.uint8).copy()).view(torch.int8)
@@ -95,15 +106,17 @@ def test_sampled_scan_stays_within_its_budget_and_reads_what_it_says(tmp_path: P
     found), the blocks read are exactly the NaNs found, and never more than the budget."""
     big = torch.zeros(1 << 20, dtype=torch.float32)
     per_block = SAMPLE_BLOCK // 4
-    big[per_block // 2::per_block] = float("nan")
+    big[per_block // 2 :: per_block] = float("nan")
     small = {f"norm{i}": torch.ones(64) for i in range(5)}
     for t in small.values():
         t[3] = float("inf")
     save_file({"big": big, **small}, str(tmp_path / "m.safetensors"))
     from engram_trt.checkpoint.files import _tensor_infos
 
-    regions = [Region(n, i.file, i.data_offset, i.nbytes, i.st_dtype)
-               for n, i in _tensor_infos(tmp_path / "m.safetensors").items()]
+    regions = [
+        Region(n, i.file, i.data_offset, i.nbytes, i.st_dtype)
+        for n, i in _tensor_infos(tmp_path / "m.safetensors").items()
+    ]
     small_bytes = sum(r.nbytes for r in regions if r.name != "big")
     seen = set()
     for seed in range(6):
@@ -257,11 +270,13 @@ def test_a_request_with_nan_logits_ends_with_an_error_and_the_others_go_on(tmp_p
     ck = _copy(DATA / "deepseek_v4_tiny", tmp_path / "ck")
     _edit(ck, lambda d: d["model.embed_tokens.weight"][17].fill_(float("nan")))
     prompts = [[5, 6, 7], [5, 17, 7], [9, 10], [17], [11, 12, 13, 14]]
-    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=4, temperature=0.8, seed=5, ignore_eos=True),
-              SamplingParams(max_tokens=4, temperature=0.8, seed=6, ignore_eos=True),
-              SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.8, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.8, seed=6, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    ]
     with LLM(str(DATA / "deepseek_v4_tiny"), backend="torch", device="cpu", dtype="fp32") as clean:
         want = [o.token_ids for o in clean.generate(prompts, params)]
     with LLM(str(ck), backend="torch", device="cpu", dtype="fp32") as llm:
@@ -281,8 +296,9 @@ def test_prompts_file_lists_each_failed_prompt_and_exits_1(tmp_path: Path, capsy
     _edit(ck, lambda d: d["model.embed_tokens.weight"][17].fill_(float("nan")))
     f = tmp_path / "prompts.txt"
     f.write_text("w5 w6\nw5 w17\n")
-    code, out, _ = _cli(capsys, "run", str(ck), "--prompts-file", str(f), "--max-new-tokens", "2", "--device", "cpu",
-                        "--json")
+    code, out, _ = _cli(
+        capsys, "run", str(ck), "--prompts-file", str(f), "--max-new-tokens", "2", "--device", "cpu", "--json"
+    )
     res = json.loads(out)["results"]
     assert code == 1
     assert res[0]["error"] is None and len(res[0]["token_ids"]) == 2
@@ -291,8 +307,9 @@ def test_prompts_file_lists_each_failed_prompt_and_exits_1(tmp_path: Path, capsy
 
 
 # ---------------------------------------------------------------- the tokenizer
-def test_build_refuses_a_missing_or_broken_tokenizer_unless_token_ids_only(tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture) -> None:
+def test_build_refuses_a_missing_or_broken_tokenizer_unless_token_ids_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     ck = _copy(DATA / "deepseek_v4_tiny", tmp_path / "ck")
     tok = (ck / "tokenizer.json").read_bytes()
     (ck / "tokenizer.json").write_bytes(tok[:300])  # truncated
@@ -312,8 +329,9 @@ def test_build_refuses_a_missing_or_broken_tokenizer_unless_token_ids_only(tmp_p
     _one_line(err)
     assert not (tmp_path / "e").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     # --token-ids-only: built, recorded, served token ids; text refused in one line
-    code, _, err = _cli(capsys, "build", str(ck), "-o", str(tmp_path / "e"), "--no-engine", "--max-batch", "2",
-                        "--token-ids-only")
+    code, _, err = _cli(
+        capsys, "build", str(ck), "-o", str(tmp_path / "e"), "--no-engine", "--max-batch", "2", "--token-ids-only"
+    )
     assert code == 0, err
     m = json.loads((tmp_path / "e" / "manifest.json").read_text())
     assert m["token_ids_only"] is True and m["tokenizer"] is None
@@ -330,8 +348,9 @@ def test_build_refuses_a_missing_or_broken_tokenizer_unless_token_ids_only(tmp_p
     assert got.token_ids == want.token_ids and len(got.token_ids) == 3 and got.text == ""
 
 
-def test_an_engram_model_needs_its_tokenizer_even_with_token_ids_only(tmp_path: Path, tiny_ckpt: Path,
-                                                                      capsys: pytest.CaptureFixture) -> None:
+def test_an_engram_model_needs_its_tokenizer_even_with_token_ids_only(
+    tmp_path: Path, tiny_ckpt: Path, capsys: pytest.CaptureFixture
+) -> None:
     ck = _copy(tiny_ckpt, tmp_path / "ck")
     (ck / "tokenizer.json").unlink()
     code, _, err = _cli(capsys, "build", str(ck), "-o", str(tmp_path / "e"), "--no-engine", "--token-ids-only")

@@ -28,7 +28,9 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def run_subprocess(*argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "engram_trt", *argv], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engram_trt", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 @pytest.fixture
@@ -56,8 +58,16 @@ def test_layout_json_matches_golden(capsys, golden_hash, tmp_path):
 def test_hash_compressed_matches_golden(capsys, golden_config):
     path, case = golden_config
     for seq, expected in zip(case["sequences"], case["hash_ids"]):
-        code, out, _ = run_cli(capsys, "hash", str(path), "--compressed", "--pad-id", str(case["pad_compressed_id"]),
-                               "--ids", ",".join(map(str, seq)))
+        code, out, _ = run_cli(
+            capsys,
+            "hash",
+            str(path),
+            "--compressed",
+            "--pad-id",
+            str(case["pad_compressed_id"]),
+            "--ids",
+            ",".join(map(str, seq)),
+        )
         assert code == 0
         assert json.loads(out) == {"hash_ids": expected}
 
@@ -65,8 +75,14 @@ def test_hash_compressed_matches_golden(capsys, golden_config):
 def _deepseek_config_dir(tmp_path: Path, compressed: int) -> Path:
     d = tmp_path / f"ck{compressed}"
     d.mkdir()
-    cfg = {"engram_layer_ids": [0], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_vocab_size": 5000,
-           "engram_compressed_vocab_size": compressed, "engram_pad_token_id": 1}
+    cfg = {
+        "engram_layer_ids": [0],
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 2,
+        "engram_vocab_size": 5000,
+        "engram_compressed_vocab_size": compressed,
+        "engram_pad_token_id": 1,
+    }
     (d / "config.json").write_text(json.dumps(cfg))
     shutil.copy(default_tokenizer_json(), d / "tokenizer.json")
     return d
@@ -94,26 +110,33 @@ def test_compressed_vocab_mismatch_fails(capsys, tmp_path):
     assert "compresses to 99092" in err and "99000" in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,x,3"], "'x' is not an integer"),
-    (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,700"], "compressed id 700"),
-    (["hash", "{cfg}", "--compressed", "--ids", "5"], "--pad-id"),
-    (["hash", "{cfg}", "--compressed", "--pad-id", "9999", "--ids", "5"], "pad id 9999"),
-    (["layout", "{plain}"], "no Engram fields"),
-    (["layout", "{missing}"], "no config file"),
-    (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,,3"], "empty item"),
-    (["hash", "{cfg}", "--pad-id", "426", "--ids", "5"], "--pad-id only applies with --compressed"),
-    (["hash", "{cfg}"], "the following arguments are required: --ids"),
-    (["run", "{cfg}", "--max-new-tokens", "abc"], "argument --max-new-tokens: 'abc' is not an integer"),
-    (["run", "{cfg}", "--temperature", "nan"], "--temperature must be a number >= 0"),
-    (["demo-checkpoint", "{under_file}"], "is a file, not a folder"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,x,3"], "'x' is not an integer"),
+        (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,700"], "compressed id 700"),
+        (["hash", "{cfg}", "--compressed", "--ids", "5"], "--pad-id"),
+        (["hash", "{cfg}", "--compressed", "--pad-id", "9999", "--ids", "5"], "pad id 9999"),
+        (["layout", "{plain}"], "no Engram fields"),
+        (["layout", "{missing}"], "no config file"),
+        (["hash", "{cfg}", "--compressed", "--pad-id", "426", "--ids", "5,,3"], "empty item"),
+        (["hash", "{cfg}", "--pad-id", "426", "--ids", "5"], "--pad-id only applies with --compressed"),
+        (["hash", "{cfg}"], "the following arguments are required: --ids"),
+        (["run", "{cfg}", "--max-new-tokens", "abc"], "argument --max-new-tokens: 'abc' is not an integer"),
+        (["run", "{cfg}", "--temperature", "nan"], "--temperature must be a number >= 0"),
+        (["demo-checkpoint", "{under_file}"], "is a file, not a folder"),
+    ],
+)
 def test_bad_input_is_one_line_without_traceback(tmp_path, golden_config, argv, needle):
     path, _ = golden_config
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps({"hidden_size": 8}))
-    subst = {"{cfg}": str(path), "{plain}": str(plain), "{missing}": str(tmp_path / "nope"),
-             "{under_file}": str(path / "sub")}
+    subst = {
+        "{cfg}": str(path),
+        "{plain}": str(plain),
+        "{missing}": str(tmp_path / "nope"),
+        "{under_file}": str(path / "sub"),
+    }
     proc = run_subprocess(*[subst.get(a, a) for a in argv])
     assert proc.returncode == 2
     assert needle in proc.stderr
@@ -132,10 +155,21 @@ def test_every_subcommand_has_help(capsys):
 
 # ---------------------------------------------------------------- checkpoints
 SMALL = {
-    "architectures": ["EngramLlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 129280, "hc_mult": 2,
-    "tie_word_embeddings": True, "engram_layer_ids": [1], "engram_max_ngram_size": 3, "engram_n_heads": 2,
-    "engram_head_dim": 32, "engram_vocab_size": 3000, "engram_compressed_vocab_size": 99092,
+    "architectures": ["EngramLlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 129280,
+    "hc_mult": 2,
+    "tie_word_embeddings": True,
+    "engram_layer_ids": [1],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 3000,
+    "engram_compressed_vocab_size": 99092,
     "engram_pad_token_id": 1,
 }
 
@@ -165,7 +199,10 @@ def test_inspect_reports_tables(capsys, tmp_path):
 
     c = Checkpoint.open(ck)
     (layer,) = rep["layers"]
-    assert layer["layer_id"] == 1 and layer["table_rows"] == layer["layout_rows"] == c.shape("model.layers.1.engram.embed.weight")[0]
+    assert (
+        layer["layer_id"] == 1
+        and layer["table_rows"] == layer["layout_rows"] == c.shape("model.layers.1.engram.embed.weight")[0]
+    )
     want = c.nbytes("model.layers.1.engram.embed.weight") + c.nbytes("model.layers.1.engram.embed.weight_scale_inv")
     assert layer["bytes"] == rep["total_engram_bytes"] == want == layer["table_rows"] * (32 + 1)
 
@@ -194,7 +231,9 @@ def test_missing_shard_is_one_line(tmp_path):
 
 
 def test_run_prints_text_speed_and_backend(capsys, demo_dir):
-    code, out, err = run_cli(capsys, "run", str(demo_dir), "--prompt", "hello engram", "--max-new-tokens", "4", "--json")
+    code, out, err = run_cli(
+        capsys, "run", str(demo_dir), "--prompt", "hello engram", "--max-new-tokens", "4", "--json"
+    )
     assert code == 0, err
     res = json.loads(out)
     assert res["backend"] == "torch" and res["device"] == "cpu"
@@ -232,11 +271,13 @@ def test_declared_rows_must_match_tables(capsys, tmp_path):
 
 def test_build_refuses_bad_sizes_before_work(tmp_path):
     ck = _small_checkpoint(tmp_path / "ck")
-    for argv, needle in ((["--max-seq-len", "0"], "argument --max-seq-len: 0 is outside 1.."),
-                         (["--max-num-tokens", "0"], "argument --max-num-tokens: 0 is outside 1.."),
-                         (["--max-seq-len", "100000"], "exceeds the model's max_position_embeddings"),
-                         (["--plugin-lib", str(tmp_path / "nope.so")], "is not a file"),
-                         (["--engram-config.bogus", "1"], "unknown field 'bogus'")):
+    for argv, needle in (
+        (["--max-seq-len", "0"], "argument --max-seq-len: 0 is outside 1.."),
+        (["--max-num-tokens", "0"], "argument --max-num-tokens: 0 is outside 1.."),
+        (["--max-seq-len", "100000"], "exceeds the model's max_position_embeddings"),
+        (["--plugin-lib", str(tmp_path / "nope.so")], "is not a file"),
+        (["--engram-config.bogus", "1"], "unknown field 'bogus'"),
+    ):
         out = tmp_path / "eng"
         proc = run_subprocess("build", str(ck), "--output", str(out), *argv)
         assert proc.returncode == 2 and needle in proc.stderr, (argv, proc.stderr)
@@ -256,7 +297,11 @@ def test_demo_end_to_end_json(demo_dir):
 
     if trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt"):
         assert eng["engine_bytes"] > 0 and sorted({p.split("/")[0] for p in eng["plugin_layers"]}) == [
-            "EngramAttention", "EngramGate", "EngramGather", "EngramHash"]
+            "EngramAttention",
+            "EngramGate",
+            "EngramGather",
+            "EngramHash",
+        ]
         assert eng["tables_to_engine_ratio"] == eng["tables_bytes"] / eng["engine_bytes"] >= 100
     else:
         assert "no TensorRT builder" in res["engine_note"]
@@ -299,13 +344,23 @@ def test_one_dtype_vocabulary(capsys, tmp_path, tiny_ckpt):
     from engram_trt.builder.build import build
 
     for spelling, want in (("bfloat16", "bf16"), ("float16", "fp16"), ("BF16", "bf16")):
-        code, out, err = run_cli(capsys, "build", str(tiny_ckpt), "-o", str(tmp_path / f"e-{spelling}"), "--no-engine",
-                                 "--dtype", spelling, "--json")
+        code, out, err = run_cli(
+            capsys,
+            "build",
+            str(tiny_ckpt),
+            "-o",
+            str(tmp_path / f"e-{spelling}"),
+            "--no-engine",
+            "--dtype",
+            spelling,
+            "--json",
+        )
         assert code == 0, err
         assert json.loads((tmp_path / f"e-{spelling}" / "manifest.json").read_text())["dtype"] == want
     for spelling, want in (("bf16", "bfloat16"), ("fp32", "float32"), ("float32", "float32")):
-        code, out, err = run_cli(capsys, "run", str(tiny_ckpt), "--prompt", "w1 w2", "--max-new-tokens", "1",
-                                 "--dtype", spelling, "--json")
+        code, out, err = run_cli(
+            capsys, "run", str(tiny_ckpt), "--prompt", "w1 w2", "--max-new-tokens", "1", "--dtype", spelling, "--json"
+        )
         assert code == 0, err
         assert json.loads(out)["dtype"] == want
     with pytest.raises(EngramError, match="--dtype fp32: an engine runs in bf16 or fp16"):
@@ -326,10 +381,19 @@ def test_help_offers_only_the_dtypes_a_command_accepts(capsys, tmp_path, tiny_ck
     """`build --help` once offered `--dtype {bf16,fp16,fp32}` though build refuses fp32 (and `run` offered fp16,
     which it refuses): each command's --help offers exactly the dtypes it then takes, and its help's spellings
     name no other; every dtype it does not offer is refused in one line naming --dtype."""
-    probes = {"build": lambda d: ["build", str(tiny_ckpt), "-o", str(tmp_path / f"e-{d}"), "--no-engine", "--json",
-                                  "--dtype", d],
-              "run": lambda d: ["run", str(tiny_ckpt), "--prompt", "w1 w2", "--max-new-tokens", "1", "--json",
-                                "--dtype", d]}
+    probes = {
+        "build": lambda d: [
+            "build",
+            str(tiny_ckpt),
+            "-o",
+            str(tmp_path / f"e-{d}"),
+            "--no-engine",
+            "--json",
+            "--dtype",
+            d,
+        ],
+        "run": lambda d: ["run", str(tiny_ckpt), "--prompt", "w1 w2", "--max-new-tokens", "1", "--json", "--dtype", d],
+    }
     for command, argv in probes.items():
         offered, help_text = _offered_dtypes(capsys, command)
         for dtype in ("bf16", "fp16", "fp32"):
@@ -397,7 +461,9 @@ def test_serve_allow_unused_weights_reaches_the_model(tmp_path):
     save_file(tensors, st, metadata={"format": "pt"})
 
     def params(*extra: str) -> ModelParams:
-        args = build_parser().parse_args(["serve", str(tmp_path / "ck"), "--device", "cpu", "--backend", "torch", *extra])
+        args = build_parser().parse_args(
+            ["serve", str(tmp_path / "ck"), "--device", "cpu", "--backend", "torch", *extra]
+        )
         opts = resolve_options(options_from_args(args))
         raw = model_parameters(opts)
         return ModelParams.from_model_config({"parameters": {k: {"string_value": v} for k, v in raw.items()}})
@@ -410,16 +476,28 @@ def test_serve_allow_unused_weights_reaches_the_model(tmp_path):
     assert allowed.llm_kwargs()["allow_unused_weights"] is True
     with LLM(allowed.engine_dir, device="cpu", **allowed.llm_kwargs()) as llm:
         assert len(llm.generate("w5 w6", {"max_tokens": 2, "ignore_eos": True})[0].token_ids) == 2
-    args = build_parser().parse_args(["triton-repo", str(tmp_path / "ck"), "--out", str(tmp_path / "repo"),
-                                      "--allow-unused-weights"])
+    args = build_parser().parse_args(
+        ["triton-repo", str(tmp_path / "ck"), "--out", str(tmp_path / "repo"), "--allow-unused-weights"]
+    )
     assert args.allow_unused_weights is True
 
 
 def test_run_reports_steady_decode_apart_from_warmup(capsys, tiny_ckpt):
     """`run --json`: prefill, warm-up steps, graph capture and the steady decode rate as
     separate fields (positive where something was timed; no graphs on a CPU)."""
-    argv = ["run", str(tiny_ckpt), "--prompt", "w5 w6 w7", "--max-new-tokens", "8", "--ignore-eos", "--device", "cpu",
-            "--backend", "torch"]
+    argv = [
+        "run",
+        str(tiny_ckpt),
+        "--prompt",
+        "w5 w6 w7",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+    ]
     code, out, err = run_cli(capsys, *argv, "--json")
     assert code == 0, err
     tm = json.loads(out)["timings"]
@@ -447,7 +525,9 @@ def test_steady_decode_takes_the_median_after_warmup():
     times = [0.0, 1.0, 1.5] + list(1.5 + np.cumsum(gaps))
     d = steady_decode(times, warmup=2)
     assert d["steady_decode_steps"] == 10
-    assert d["steady_decode_p10_step_us"] == pytest.approx(1900.0) and d["steady_decode_p90_step_us"] == pytest.approx(9100.0)
+    assert d["steady_decode_p10_step_us"] == pytest.approx(1900.0) and d["steady_decode_p90_step_us"] == pytest.approx(
+        9100.0
+    )
     assert d["steady_decode_tokens_per_s"] == pytest.approx(1 / 0.0055, abs=0.01)
 
 
@@ -490,6 +570,6 @@ def test_printed_next_step_commands_quote_paths_with_spaces(capsys, tmp_path):
     code, out, err = run_cli(capsys, "triton-repo", str(src), "--out", str(repo))
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("serve it:"))
-    first, second = line[len("serve it:"):].split("(or:")
+    first, second = line[len("serve it:") :].split("(or:")
     assert shlex.split(first) == ["tritonserver", "--model-repository", str(repo)]
     assert shlex.split(second.rstrip(")")) == ["engram-trt", "serve", str(src)]

@@ -11,19 +11,32 @@ from engram_trt.errors import ConfigError
 from engram_trt.engram.layout import EngramLayout
 
 BASE = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "vocab_size": 1000, "hc_mult": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "hc_mult": 2,
 }
 ENGRAM = {
-    "engram_layer_ids": [1, 2], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
-    "engram_vocab_size": 500, "engram_compressed_vocab_size": 700, "engram_pad_token_id": 1,
+    "engram_layer_ids": [1, 2],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 500,
+    "engram_compressed_vocab_size": 700,
+    "engram_pad_token_id": 1,
 }
 
 
 def test_retired_ple_twins_are_refused_with_the_real_fields():
     """The ple_* twins of the engram_* fields were never a published format: a config
     carrying them gets one line naming Qwen4Exp's real PLE fields."""
-    with pytest.raises(ConfigError, match=r"'ple_max_ngram_size' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids'.*ngram_size.*heads_per_ngram"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'ple_max_ngram_size' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids'.*ngram_size.*heads_per_ngram",
+    ):
         ModelConfig.from_dict(BASE | {k.replace("engram_", "ple_"): v for k, v in ENGRAM.items()})
     # Qwen4Exp's own fields in an engram-llama config: PLE is not served silently dropped.
     with pytest.raises(ConfigError, match=r"'ple_layer_ids' declares Qwen4Exp's PLE.*Qwen4ExpForCausalLM"):
@@ -45,25 +58,28 @@ def test_to_dict_round_trip():
     assert again == cfg
 
 
-@pytest.mark.parametrize("patch, field", [
-    ({"engram_max_ngram_size": 1}, "engram_max_ngram_size"),
-    ({"engram_n_heads": "4"}, "engram_n_heads"),
-    ({"engram_layer_ids": [1, 1]}, "engram_layer_ids"),
-    ({"engram_layer_ids": [1, 9]}, "engram_layer_ids"),
-    ({"engram_compressed_vocab_size": None}, "engram_compressed_vocab_size"),
-    ({"engram_head_dim": 48}, "engram_head_dim"),
-    ({"engram_vocab_size": [500, 600, 700]}, "engram_vocab_size"),
-    ({"engram_num_embeddings": [10, 10, 10]}, "engram_num_embeddings"),
-    ({"engram_table_dtype": "int4"}, "engram_table_dtype"),
-    ({"engram_pad_token_id": 5000}, "engram_pad_token_id"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads"),
-    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
-    ({"eos_token_id": "x"}, "eos_token_id"),
-    ({"bos_token_id": -1}, "bos_token_id"),
-    ({"rope_theta": float("inf")}, "rope_theta"),
-    ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
-    ({"torch_dtype": 16}, "torch_dtype"),
-])
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"engram_max_ngram_size": 1}, "engram_max_ngram_size"),
+        ({"engram_n_heads": "4"}, "engram_n_heads"),
+        ({"engram_layer_ids": [1, 1]}, "engram_layer_ids"),
+        ({"engram_layer_ids": [1, 9]}, "engram_layer_ids"),
+        ({"engram_compressed_vocab_size": None}, "engram_compressed_vocab_size"),
+        ({"engram_head_dim": 48}, "engram_head_dim"),
+        ({"engram_vocab_size": [500, 600, 700]}, "engram_vocab_size"),
+        ({"engram_num_embeddings": [10, 10, 10]}, "engram_num_embeddings"),
+        ({"engram_table_dtype": "int4"}, "engram_table_dtype"),
+        ({"engram_pad_token_id": 5000}, "engram_pad_token_id"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+        ({"eos_token_id": "x"}, "eos_token_id"),
+        ({"bos_token_id": -1}, "bos_token_id"),
+        ({"rope_theta": float("inf")}, "rope_theta"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+        ({"torch_dtype": 16}, "torch_dtype"),
+    ],
+)
 def test_bad_fields_are_named(patch, field):
     with pytest.raises(ConfigError) as exc:
         ModelConfig.from_dict(BASE | ENGRAM | patch)

@@ -37,8 +37,22 @@ TOPS = ("plugins", "runtime")
 INCLUDE_DIRS = ("plugins", "runtime")  # CMakeLists.txt: target_include_directories(engram_trt_plugins ...)
 SOURCES = {".cpp", ".cu"}
 HEADERS = {".h", ".cuh"}
-KEYWORDS = {"if", "for", "while", "switch", "catch", "return", "sizeof", "decltype", "alignof", "static_assert",
-            "alignas", "noexcept", "defined", "__launch_bounds__"}
+KEYWORDS = {
+    "if",
+    "for",
+    "while",
+    "switch",
+    "catch",
+    "return",
+    "sizeof",
+    "decltype",
+    "alignof",
+    "static_assert",
+    "alignas",
+    "noexcept",
+    "defined",
+    "__launch_bounds__",
+}
 IDENT = re.compile(r"[A-Za-z_]\w*")
 USE = re.compile(r"(?<![\w.])(?<!->)(?<!std::)(?<!std :: )([A-Za-z_]\w*)")
 
@@ -46,6 +60,7 @@ Graph = dict[str, set[str]]
 
 
 # --- reading the sources ---------------------------------------------------------------------------
+
 
 def strip(text: str) -> str:
     """The code without comments and literals (each string / char literal becomes an empty
@@ -95,7 +110,7 @@ def function_name(head: str) -> str | None:
             depth += {"<": 1, ">": -1}.get(h[k], 0)
             if depth == 0:
                 break
-        h = h[k + 1:].strip()
+        h = h[k + 1 :].strip()
     if re.match(r"(class|struct|union|enum)\b", h):
         return None
     depth = 0
@@ -104,7 +119,7 @@ def function_name(head: str) -> str | None:
             depth += 1
         elif ch in ">]":
             depth -= 1
-        elif ch == "=" and depth <= 0 and h[k - 1:k + 1] not in ("==", "!=", "<=", ">=") and "operator" not in h[:k]:
+        elif ch == "=" and depth <= 0 and h[k - 1 : k + 1] not in ("==", "!=", "<=", ">=") and "operator" not in h[:k]:
             return None  # an initializer: `auto f = [] (...) {`, `T table[] = {`
         elif ch == "(" and depth <= 0:
             m = re.search(r"((?:\w+\s*::\s*)*~?\w+)\s*$", h[:k])
@@ -126,8 +141,8 @@ class Unit:
         self.macros = macros_of(raw)
         self.idents = set(IDENT.findall(self.text)) | {i for body in self.macros.values() for i in IDENT.findall(body)}
         self.functions: set[str] = set()  # free functions defined here with external linkage
-        self.classes: set[str] = set()    # classes whose members are defined here out of line
-        self.own: set[str] = set()        # every name defined here (external or internal)
+        self.classes: set[str] = set()  # classes whose members are defined here out of line
+        self.own: set[str] = set()  # every name defined here (external or internal)
         if Path(rel).suffix in SOURCES:
             self._definitions()
 
@@ -194,6 +209,7 @@ def repo_files(repo: Path = REPO) -> dict[str, str]:
 
 
 # --- the graphs --------------------------------------------------------------------------------------
+
 
 def _resolve(rel: str, inc: str, units: dict[str, Unit]) -> str | None:
     for base in (str(Path(rel).parent), *INCLUDE_DIRS):
@@ -292,6 +308,7 @@ def cycles(g: dict[str, set[str]] | dict[str, dict[str, set[str]]]) -> list[list
 
 # --- the layers ---------------------------------------------------------------------------------------
 
+
 def component(rel: str) -> str:
     """The layer a file belongs to (see the module's text)."""
     parts = rel.split("/")
@@ -322,6 +339,7 @@ def violations(g: dict[str, set[str]] | dict[str, dict[str, set[str]]]) -> list[
 
 
 # --- the tests ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tree():
@@ -370,6 +388,7 @@ def test_layers(tree) -> None:
 
 # --- the checker itself, on synthetic inputs -----------------------------------------------------------
 
+
 def test_cycle_finder_on_synthetic_graphs() -> None:
     g = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"d"}}
     assert cycles(g) == [["a", "b", "c"], ["e"]]
@@ -384,16 +403,16 @@ def test_the_former_host_gather_cycle_is_found() -> None:
     gatherer whose destructor the API file defines, the API file calls the pipeline."""
     files = {
         "runtime/internal.h": "#pragma once\nstruct Gatherer { ~Gatherer(); int n; };\n"
-                              "namespace k { int hostGather(Gatherer* g); }\n#define CHECK(x) k::fail(x)\n"
-                              "namespace k { int fail(int); }\n",
+        "namespace k { int hostGather(Gatherer* g); }\n#define CHECK(x) k::fail(x)\n"
+        "namespace k { int fail(int); }\n",
         "runtime/pipeline.cpp": '#include "internal.h"\nnamespace k {\nint hostGather(Gatherer* g) {\n'
-                                "  Gatherer tmp; return g->n; }\n}\n",
+        "  Gatherer tmp; return g->n; }\n}\n",
         "runtime/api.cpp": '#include "internal.h"\n// hostGather( in a comment is no use\n'
-                           "Gatherer::~Gatherer() { }\nextern \"C\" int engram_gather(Gatherer* g) {\n"
-                           "  return k::hostGather(g); }\n",
+        "Gatherer::~Gatherer() { }\nextern \"C\" int engram_gather(Gatherer* g) {\n"
+        "  return k::hostGather(g); }\n",
         "plugins/kernels/fail.cpp": '#include "../../runtime/internal.h"\nnamespace k { int fail(int x) { return x; } }\n',
         "plugins/kernels/user.cpp": '#include "internal.h"\nstatic int hostGather(int) { return 0; }\n'
-                                    "int use() { return CHECK(1) + hostGather(2); }\n",
+        "int use() { return CHECK(1) + hostGather(2); }\n",
     }
     units = read_tree(files)
     includes = include_graph(units)
@@ -405,8 +424,10 @@ def test_the_former_host_gather_cycle_is_found() -> None:
     assert cycles(tus) == [["runtime/api.cpp", "runtime/pipeline.cpp"]]
     # the macro's call is a use; a static function of the same name is the file's own
     assert dict(tus["plugins/kernels/user.cpp"]) == {"plugins/kernels/fail.cpp": {"fail"}}
-    assert violations(includes) == ["plugins/kernels/fail.cpp -> runtime/internal.h",
-                                    "plugins/kernels/user.cpp -> runtime/internal.h"]
+    assert violations(includes) == [
+        "plugins/kernels/fail.cpp -> runtime/internal.h",
+        "plugins/kernels/user.cpp -> runtime/internal.h",
+    ]
     # the fix: the destructor in a file of its own breaks the cycle
     files["runtime/gatherer.cpp"] = '#include "internal.h"\nGatherer::~Gatherer() { }\n'
     files["runtime/api.cpp"] = files["runtime/api.cpp"].replace("Gatherer::~Gatherer() { }\n", "")
@@ -415,18 +436,26 @@ def test_the_former_host_gather_cycle_is_found() -> None:
 
 
 def test_an_include_cycle_and_layer_breaks_are_found() -> None:
-    files = {"plugins/kernels/a.h": '#include "b.h"\n', "plugins/kernels/b.h": '#include "a.h"\n',
-             "plugins/kernels/k.cu": '#include "common/base.h"\n', "plugins/common/base.h": '#include "kernels/a.h"\n',
-             "plugins/engramGatePlugin/g.cpp": '#include "engramGatherPlugin/x.h"\n#include "common/base.h"\n',
-             "plugins/engramGatherPlugin/x.h": "", "runtime/r.cpp": '#include "engramGatePlugin/g.h"\n',
-             "plugins/engramGatePlugin/g.h": "", "plugins/engramPlugins.cpp": '#include "engramGatePlugin/g.h"\n',
-             "plugins/tests/t.cpp": '#include "engramGatePlugin/g.h"\n#include "../../runtime/r.h"\n',
-             "runtime/r.h": ""}
+    files = {
+        "plugins/kernels/a.h": '#include "b.h"\n',
+        "plugins/kernels/b.h": '#include "a.h"\n',
+        "plugins/kernels/k.cu": '#include "common/base.h"\n',
+        "plugins/common/base.h": '#include "kernels/a.h"\n',
+        "plugins/engramGatePlugin/g.cpp": '#include "engramGatherPlugin/x.h"\n#include "common/base.h"\n',
+        "plugins/engramGatherPlugin/x.h": "",
+        "runtime/r.cpp": '#include "engramGatePlugin/g.h"\n',
+        "plugins/engramGatePlugin/g.h": "",
+        "plugins/engramPlugins.cpp": '#include "engramGatePlugin/g.h"\n',
+        "plugins/tests/t.cpp": '#include "engramGatePlugin/g.h"\n#include "../../runtime/r.h"\n',
+        "runtime/r.h": "",
+    }
     includes = include_graph(read_tree(files))
     assert cycles(includes) == [["plugins/kernels/a.h", "plugins/kernels/b.h"]]
-    assert violations(includes) == ["plugins/engramGatePlugin/g.cpp -> plugins/engramGatherPlugin/x.h",
-                                    "plugins/kernels/k.cu -> plugins/common/base.h",
-                                    "runtime/r.cpp -> plugins/engramGatePlugin/g.h"]
+    assert violations(includes) == [
+        "plugins/engramGatePlugin/g.cpp -> plugins/engramGatherPlugin/x.h",
+        "plugins/kernels/k.cu -> plugins/common/base.h",
+        "runtime/r.cpp -> plugins/engramGatePlugin/g.h",
+    ]
 
 
 def test_strip_and_function_heads() -> None:
@@ -436,6 +465,13 @@ def test_strip_and_function_heads() -> None:
     assert function_name("template <typename T, int N> __global__ void kern(T* p)") == "kern"
     assert function_name("Gatherer::~Gatherer()") == "Gatherer::~Gatherer"
     assert function_name("cudaError_t k :: launch (int)") == "k::launch"
-    for not_a_function in ("struct Foo", "class Bar : public Baz", "auto f = [](int x)", "if (x)", "int table[] =",
-                           "namespace x", "bool operator==(const A& o)"):
+    for not_a_function in (
+        "struct Foo",
+        "class Bar : public Baz",
+        "auto f = [](int x)",
+        "if (x)",
+        "int table[] =",
+        "namespace x",
+        "bool operator==(const A& o)",
+    ):
         assert function_name(not_a_function) is None, not_a_function

@@ -61,8 +61,9 @@ def test_manifest_records_block_hashes(built: tuple[Path, Path]) -> None:
         TableRef.from_json(dict(m["tables"][0], block_hashes=["zz"] * len(m["tables"][0]["block_hashes"])))
 
 
-def test_damaged_table_found_by_full_and_sampled_checks(built: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture) -> None:
+def test_damaged_table_found_by_full_and_sampled_checks(
+    built: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     _, eng = built
     ref = _rows_ref(eng)
     refs = manifest_table_refs(read_manifest(eng), eng)
@@ -81,7 +82,9 @@ def test_damaged_table_found_by_full_and_sampled_checks(built: tuple[Path, Path]
     # draws of 8 blocks, every draw that includes the victim reports it, no other does.
     reads: list[tuple[int, int]] = []
     real = source.sha256_file_region
-    monkeypatch.setattr(source, "sha256_file_region", lambda f, off, n, p=None: reads.append((off, n)) or real(f, off, n))
+    monkeypatch.setattr(
+        source, "sha256_file_region", lambda f, off, n, p=None: reads.append((off, n)) or real(f, off, n)
+    )
     found = missed = 0
     for seed in range(40):
         reads.clear()
@@ -102,8 +105,9 @@ def test_damaged_table_found_by_full_and_sampled_checks(built: tuple[Path, Path]
     assert rep["table_check"] == "sampled" and len(rep["problems"]) == 1 and ref.tensor in rep["problems"][0]
 
 
-def test_short_or_missing_table_file_is_found_at_load(built: tuple[Path, Path], tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture) -> None:
+def test_short_or_missing_table_file_is_found_at_load(
+    built: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     ck, eng = built
     refs = manifest_table_refs(read_manifest(eng), eng)
     shard = refs[0].file
@@ -130,8 +134,11 @@ def test_short_or_missing_table_file_is_found_at_load(built: tuple[Path, Path], 
 def test_damaged_manifest_is_one_line(built: tuple[Path, Path], capsys: pytest.CaptureFixture) -> None:
     _, eng = built
     text = (eng / "manifest.json").read_text()
-    for damaged, needle in ((text[: len(text) // 2], "not valid JSON"), ("\xff\xfe" + text, "not valid JSON"),
-                            (text.replace('"manifest_version": 1', '"manifest_version": 7'), "manifest version 7")):
+    for damaged, needle in (
+        (text[: len(text) // 2], "not valid JSON"),
+        ("\xff\xfe" + text, "not valid JSON"),
+        (text.replace('"manifest_version": 1', '"manifest_version": 7'), "manifest version 7"),
+    ):
         (eng / "manifest.json").write_text(damaged, encoding="utf-8", errors="surrogateescape")
         assert main(["inspect", str(eng)]) == 2
         err = capsys.readouterr().err
@@ -154,14 +161,19 @@ def _fake_demo(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return ck
 
 
-@pytest.mark.parametrize("damage, needle", [
-    ("config", "config.json changed since it was written"),
-    ("tokenizer", "tokenizer.json holds"),
-    ("table", "sampled block"),
-    ("shard", "is missing"),
-    ("stamp", "stamp is unreadable"),
-])
-def test_damaged_demo_cache_is_noticed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str, needle: str) -> None:
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("config", "config.json changed since it was written"),
+        ("tokenizer", "tokenizer.json holds"),
+        ("table", "sampled block"),
+        ("shard", "is missing"),
+        ("stamp", "stamp is unreadable"),
+    ],
+)
+def test_damaged_demo_cache_is_noticed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str, needle: str
+) -> None:
     from engram_trt.models.engram_llama import demo
 
     ck = _fake_demo(tmp_path / "demo", monkeypatch)

@@ -35,9 +35,24 @@ _FAKE = 1 << 20  # a 16-byte aligned address the checks accept (nothing is launc
 
 
 def _job(**change) -> decode._NormRopeJob:
-    base = dict(x=_FAKE, out=_FAKE * 2, weight=_FAKE * 3, cos=_FAKE * 4, sin=_FAKE * 5, rows=4, x_stride=64,
-                out_stride=64, cos_stride=8, weight_stride=0, dim=32, heads=2, norm=decode.NORM_WEIGHTED, rope_pairs=8,
-                rope_sign=1, eps=1e-6)
+    base = dict(
+        x=_FAKE,
+        out=_FAKE * 2,
+        weight=_FAKE * 3,
+        cos=_FAKE * 4,
+        sin=_FAKE * 5,
+        rows=4,
+        x_stride=64,
+        out_stride=64,
+        cos_stride=8,
+        weight_stride=0,
+        dim=32,
+        heads=2,
+        norm=decode.NORM_WEIGHTED,
+        rope_pairs=8,
+        rope_sign=1,
+        eps=1e-6,
+    )
     base.update(change)
     return decode._NormRopeJob(**base)
 
@@ -47,24 +62,33 @@ def _norm_rope(*jobs, io=0):
     decode._call("engram_norm_rope", packed, len(jobs), io, None)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"rows": -1}, "job 1: rows must be in [0, 2^31 - 1] (got -1)"),
-    ({"dim": 0}, "job 1: need dim >= 1, heads >= 1 and 0 <= 2 * rope_pairs <= dim (got dim 0, heads 2, rope_pairs 8)"),
-    ({"heads": 0}, "(got dim 32, heads 0, rope_pairs 8)"),
-    ({"rope_pairs": 17}, "(got dim 32, heads 2, rope_pairs 17)"),
-    ({"norm": 3}, "job 1: norm 3 is not NONE (0), WEIGHTED (1) or UNWEIGHTED (2)"),
-    ({"eps": -1.0}, "job 1: eps must be finite and >= 0 (got -1)"),
-    ({"x_stride": 63}, "job 1: x_stride and out_stride must be at least heads * dim = 64 elements (got 63, 64)"),
-    ({"out_stride": 40}, "(got 64, 40)"),
-    ({"weight_stride": -32}, "job 1: weight_stride must be >= 0 (got -32)"),
-    ({"weight": None}, "job 1: weight must be given for the WEIGHTED norm and only then"),
-    ({"norm": decode.NORM_NONE}, "job 1: weight must be given for the WEIGHTED norm and only then"),
-    ({"cos_stride": 7}, "job 1: a RoPE job needs cos and sin [tokens, cos_stride >= rope_pairs] (got cos_stride 7)"),
-    ({"sin": None}, "a RoPE job needs cos and sin"),
-    ({"rope_sign": 2}, "job 1: rope_sign must be 1 or -1 (got 2)"),
-    ({"out": _FAKE + 64}, "job 1: out must be x itself (same stride) or apart from it"),
-    ({"x": _FAKE + 1}, "job 1: x and out must be device pointers aligned to an element"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"rows": -1}, "job 1: rows must be in [0, 2^31 - 1] (got -1)"),
+        (
+            {"dim": 0},
+            "job 1: need dim >= 1, heads >= 1 and 0 <= 2 * rope_pairs <= dim (got dim 0, heads 2, rope_pairs 8)",
+        ),
+        ({"heads": 0}, "(got dim 32, heads 0, rope_pairs 8)"),
+        ({"rope_pairs": 17}, "(got dim 32, heads 2, rope_pairs 17)"),
+        ({"norm": 3}, "job 1: norm 3 is not NONE (0), WEIGHTED (1) or UNWEIGHTED (2)"),
+        ({"eps": -1.0}, "job 1: eps must be finite and >= 0 (got -1)"),
+        ({"x_stride": 63}, "job 1: x_stride and out_stride must be at least heads * dim = 64 elements (got 63, 64)"),
+        ({"out_stride": 40}, "(got 64, 40)"),
+        ({"weight_stride": -32}, "job 1: weight_stride must be >= 0 (got -32)"),
+        ({"weight": None}, "job 1: weight must be given for the WEIGHTED norm and only then"),
+        ({"norm": decode.NORM_NONE}, "job 1: weight must be given for the WEIGHTED norm and only then"),
+        (
+            {"cos_stride": 7},
+            "job 1: a RoPE job needs cos and sin [tokens, cos_stride >= rope_pairs] (got cos_stride 7)",
+        ),
+        ({"sin": None}, "a RoPE job needs cos and sin"),
+        ({"rope_sign": 2}, "job 1: rope_sign must be 1 or -1 (got 2)"),
+        ({"out": _FAKE + 64}, "job 1: out must be x itself (same stride) or apart from it"),
+        ({"x": _FAKE + 1}, "job 1: x and out must be device pointers aligned to an element"),
+    ],
+)
 def test_norm_rope_checks_name_the_field(plugin_lib: Path, change, needle) -> None:
     with pytest.raises(EngramError) as exc:
         _norm_rope(_job(x=_FAKE * 8, out=_FAKE * 9), _job(**change))
@@ -88,15 +112,20 @@ def _segment(**change) -> decode._GemvSegment:
     return decode._GemvSegment(**base)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"out_features": 0}, "segment 1: need out_features >= 1 and in_features a positive multiple of 8 (got 0, 64)"),
-    ({"in_features": 12}, "(got 40, 12)"),
-    ({"x_stride": 60}, "segment 1: x_stride must be a multiple of 8 and >= in_features, out_stride >= out_features "
-                       "(got 60, 48)"),
-    ({"out_stride": 39}, "(got 64, 39)"),
-    ({"x": _FAKE + 8}, "segment 1: x and weight must be 16-byte aligned device pointers, out a bf16 one"),
-    ({"out": _FAKE + 2}, "segment 1: out must not overlap x or weight"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"out_features": 0}, "segment 1: need out_features >= 1 and in_features a positive multiple of 8 (got 0, 64)"),
+        ({"in_features": 12}, "(got 40, 12)"),
+        (
+            {"x_stride": 60},
+            "segment 1: x_stride must be a multiple of 8 and >= in_features, out_stride >= out_features (got 60, 48)",
+        ),
+        ({"out_stride": 39}, "(got 64, 39)"),
+        ({"x": _FAKE + 8}, "segment 1: x and weight must be 16-byte aligned device pointers, out a bf16 one"),
+        ({"out": _FAKE + 2}, "segment 1: out must not overlap x or weight"),
+    ],
+)
 def test_gemv_segments_checks_name_the_field(plugin_lib: Path, change, needle) -> None:
     segs = (decode._GemvSegment * 2)(_segment(x=_FAKE * 8, weight=_FAKE * 9, out=_FAKE * 10), _segment(**change))
     with pytest.raises(EngramError) as exc:
@@ -106,10 +135,12 @@ def test_gemv_segments_checks_name_the_field(plugin_lib: Path, change, needle) -
 
 def test_gemv_segments_limits(plugin_lib: Path) -> None:
     seg = (decode._GemvSegment * 9)(*[_segment()] * 9)
-    for count, tokens, flags, needle in ((9, 1, 1, "need 1 <= num_segments <= 8 (got 9)"),
-                                         (0, 1, 1, "need 1 <= num_segments <= 8 (got 0)"),
-                                         (1, 5, 1, "num_tokens must be in [0, 4] (got 5)"),
-                                         (1, 1, 2, "unknown flags 0x2")):
+    for count, tokens, flags, needle in (
+        (9, 1, 1, "need 1 <= num_segments <= 8 (got 9)"),
+        (0, 1, 1, "need 1 <= num_segments <= 8 (got 0)"),
+        (1, 5, 1, "num_tokens must be in [0, 4] (got 5)"),
+        (1, 1, 2, "unknown flags 0x2"),
+    ):
         with pytest.raises(EngramError) as exc:
             decode._call("engram_gemv_segments_bf16", seg, count, tokens, flags, None)
         _one_line(exc, needle)
@@ -117,8 +148,18 @@ def test_gemv_segments_limits(plugin_lib: Path) -> None:
 
 
 def _prologue(**change) -> decode._GemvPrologue:
-    base = dict(kind=decode.PROLOGUE_RMSNORM, dim=64, rope_pairs=0, rope_sign=1, eps=1e-6, reserved=0,
-                weight=_FAKE * 4, cos=None, sin=None, cos_stride=0)
+    base = dict(
+        kind=decode.PROLOGUE_RMSNORM,
+        dim=64,
+        rope_pairs=0,
+        rope_sign=1,
+        eps=1e-6,
+        reserved=0,
+        weight=_FAKE * 4,
+        cos=None,
+        sin=None,
+        cos_stride=0,
+    )
     base.update(change)
     return decode._GemvPrologue(**base)
 
@@ -129,23 +170,45 @@ def test_gemv_prologue_struct_is_the_c_layout() -> None:
     assert decode._GemvPrologue.weight.offset == 24 and decode._GemvPrologue.cos_stride.offset == 48
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"kind": 3}, "prologue kind 3 is not NONE (0), RMSNORM (1) or ROPE (2)"),
-    ({"weight": None}, "the RMSNorm prologue needs a 16-byte aligned fp32 weight, a finite eps >= 0 and an even dim "
-                       "(got eps 1e-06, dim 64)"),
-    ({"eps": float("nan")}, "(got eps nan, dim 64)"),
-    ({"dim": 32}, "segment 0: the RMSNorm prologue normalizes whole rows: in_features must be dim 32 (got 64)"),
-    ({"kind": decode.PROLOGUE_ROPE, "dim": 12}, "the RoPE prologue needs dim a positive multiple of 8, 0 <= 2 * "
-                                                "rope_pairs <= dim and rope_sign +-1 (got dim 12, rope_pairs 0, "
-                                                "rope_sign 1)"),
-    ({"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 9}, "(got dim 16, rope_pairs 9, rope_sign 1)"),
-    ({"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 4, "rope_sign": 0}, "(got dim 16, rope_pairs 4, "
-                                                                                 "rope_sign 0)"),
-    ({"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 4, "cos": _FAKE * 5, "sin": _FAKE * 6, "cos_stride": 3},
-     "the RoPE prologue needs cos / sin [tokens, >= rope_pairs] fp32 (got cos_stride 3)"),
-    ({"kind": decode.PROLOGUE_ROPE, "dim": 48}, "segment 0: the RoPE prologue rotates whole heads: in_features must be "
-                                                "a multiple of dim 48 (got 64)"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"kind": 3}, "prologue kind 3 is not NONE (0), RMSNORM (1) or ROPE (2)"),
+        (
+            {"weight": None},
+            "the RMSNorm prologue needs a 16-byte aligned fp32 weight, a finite eps >= 0 and an even dim "
+            "(got eps 1e-06, dim 64)",
+        ),
+        ({"eps": float("nan")}, "(got eps nan, dim 64)"),
+        ({"dim": 32}, "segment 0: the RMSNorm prologue normalizes whole rows: in_features must be dim 32 (got 64)"),
+        (
+            {"kind": decode.PROLOGUE_ROPE, "dim": 12},
+            "the RoPE prologue needs dim a positive multiple of 8, 0 <= 2 * "
+            "rope_pairs <= dim and rope_sign +-1 (got dim 12, rope_pairs 0, "
+            "rope_sign 1)",
+        ),
+        ({"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 9}, "(got dim 16, rope_pairs 9, rope_sign 1)"),
+        (
+            {"kind": decode.PROLOGUE_ROPE, "dim": 16, "rope_pairs": 4, "rope_sign": 0},
+            "(got dim 16, rope_pairs 4, rope_sign 0)",
+        ),
+        (
+            {
+                "kind": decode.PROLOGUE_ROPE,
+                "dim": 16,
+                "rope_pairs": 4,
+                "cos": _FAKE * 5,
+                "sin": _FAKE * 6,
+                "cos_stride": 3,
+            },
+            "the RoPE prologue needs cos / sin [tokens, >= rope_pairs] fp32 (got cos_stride 3)",
+        ),
+        (
+            {"kind": decode.PROLOGUE_ROPE, "dim": 48},
+            "segment 0: the RoPE prologue rotates whole heads: in_features must be a multiple of dim 48 (got 64)",
+        ),
+    ],
+)
 def test_gemv_segments_ex_checks_the_prologue(plugin_lib: Path, change, needle) -> None:
     seg = (decode._GemvSegment * 1)(_segment())
     with pytest.raises(EngramError) as exc:
@@ -155,8 +218,10 @@ def test_gemv_segments_ex_checks_the_prologue(plugin_lib: Path, change, needle) 
 
 def test_gemv_segments_ex_limits(plugin_lib: Path) -> None:
     seg = (decode._GemvSegment * 1)(_segment())
-    for tokens, needle in ((9, "engram_gemv_segments_bf16_ex: num_tokens must be in [0, 8] (got 9)"),
-                           (-1, "num_tokens must be in [0, 8] (got -1)")):
+    for tokens, needle in (
+        (9, "engram_gemv_segments_bf16_ex: num_tokens must be in [0, 8] (got 9)"),
+        (-1, "num_tokens must be in [0, 8] (got -1)"),
+    ):
         with pytest.raises(EngramError) as exc:
             decode._call("engram_gemv_segments_bf16_ex", seg, 1, tokens, 1, None, None)
         _one_line(exc, needle)
@@ -171,42 +236,74 @@ def test_gemv_prologue_binding_names_the_argument() -> None:
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     w = torch.zeros(40, 64, dtype=torch.bfloat16)
     out = torch.zeros(2, 40, dtype=torch.bfloat16)
-    for pro, needle in ((decode.GemvPrologue(decode.PROLOGUE_RMSNORM, 64, weight=torch.ones(64, dtype=torch.float64)),
-                         "prologue.weight must have dtype torch.float32 (got torch.float64)"),
-                        (decode.GemvPrologue(decode.PROLOGUE_RMSNORM, 64, weight=torch.ones(32)),
-                         "prologue.weight must be a contiguous [64] (got (32,))"),
-                        (decode.GemvPrologue(decode.PROLOGUE_ROPE, 16, rope_pairs=4, cos=torch.ones(3, 4),
-                                             sin=torch.ones(3, 4)), "prologue.cos / sin must be [2, >= 4]"),
-                        (decode.GemvPrologue(5, 16), "prologue.kind 5 is not PROLOGUE_NONE")):
+    for pro, needle in (
+        (
+            decode.GemvPrologue(decode.PROLOGUE_RMSNORM, 64, weight=torch.ones(64, dtype=torch.float64)),
+            "prologue.weight must have dtype torch.float32 (got torch.float64)",
+        ),
+        (
+            decode.GemvPrologue(decode.PROLOGUE_RMSNORM, 64, weight=torch.ones(32)),
+            "prologue.weight must be a contiguous [64] (got (32,))",
+        ),
+        (
+            decode.GemvPrologue(decode.PROLOGUE_ROPE, 16, rope_pairs=4, cos=torch.ones(3, 4), sin=torch.ones(3, 4)),
+            "prologue.cos / sin must be [2, >= 4]",
+        ),
+        (decode.GemvPrologue(5, 16), "prologue.kind 5 is not PROLOGUE_NONE"),
+    ):
         with pytest.raises(EngramError) as exc:
             decode.gemv_segments([(x, w, out)], prologue=pro)
         _one_line(exc, needle)
 
 
 def _route(**change):
-    args = dict(logits=_FAKE, io=0, stride=8, bias=_FAKE * 2, tid2eid=None, ids_in=None, vocab=0, T=2, E=8, k=2,
-                score=0, scaling=1.5, ids=_FAKE * 3, weights=_FAKE * 4)
+    args = dict(
+        logits=_FAKE,
+        io=0,
+        stride=8,
+        bias=_FAKE * 2,
+        tid2eid=None,
+        ids_in=None,
+        vocab=0,
+        T=2,
+        E=8,
+        k=2,
+        score=0,
+        scaling=1.5,
+        ids=_FAKE * 3,
+        weights=_FAKE * 4,
+    )
     args.update(change)
-    decode._call("engram_moe_route", *[args[k] for k in ("logits", "io", "stride", "bias", "tid2eid", "ids_in", "vocab",
-                                                         "T", "E", "k", "score")],
-                 ctypes.c_float(args["scaling"]), args["ids"], args["weights"], None)
+    decode._call(
+        "engram_moe_route",
+        *[args[k] for k in ("logits", "io", "stride", "bias", "tid2eid", "ids_in", "vocab", "T", "E", "k", "score")],
+        ctypes.c_float(args["scaling"]),
+        args["ids"],
+        args["weights"],
+        None,
+    )
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"io": 5}, "io_type 5 is not bf16 (0), fp32 (1) or fp16 (2)"),
-    ({"E": 1025}, "need 1 <= num_experts <= 1024 and 1 <= top_k <= min(num_experts, 16) (got 1025, 2)"),
-    ({"k": 9}, "(got 8, 9)"),
-    ({"k": 17, "E": 32, "stride": 32}, "(got 32, 17)"),
-    ({"score": 2}, "score_fn 2 is not sqrtsoftplus (0) or sigmoid (1)"),
-    ({"bias": None}, "give exactly one of bias (top-k routing) and tid2eid (hash routing, with input_ids and "
-                     "vocab_size)"),
-    ({"tid2eid": _FAKE * 5}, "give exactly one of bias"),
-    ({"bias": None, "tid2eid": _FAKE * 5, "ids_in": _FAKE * 6}, "give exactly one of bias"),
-    ({"stride": 7}, "need num_tokens in [0, 2^31 - 1] and logits_stride >= num_experts (got 2, 7)"),
-    ({"T": -3}, "(got -3, 8)"),
-    ({"scaling": float("inf")}, "scaling must be finite (got inf)"),
-    ({"ids": None}, "logits, ids and weights must be device pointers"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"io": 5}, "io_type 5 is not bf16 (0), fp32 (1) or fp16 (2)"),
+        ({"E": 1025}, "need 1 <= num_experts <= 1024 and 1 <= top_k <= min(num_experts, 16) (got 1025, 2)"),
+        ({"k": 9}, "(got 8, 9)"),
+        ({"k": 17, "E": 32, "stride": 32}, "(got 32, 17)"),
+        ({"score": 2}, "score_fn 2 is not sqrtsoftplus (0) or sigmoid (1)"),
+        (
+            {"bias": None},
+            "give exactly one of bias (top-k routing) and tid2eid (hash routing, with input_ids and vocab_size)",
+        ),
+        ({"tid2eid": _FAKE * 5}, "give exactly one of bias"),
+        ({"bias": None, "tid2eid": _FAKE * 5, "ids_in": _FAKE * 6}, "give exactly one of bias"),
+        ({"stride": 7}, "need num_tokens in [0, 2^31 - 1] and logits_stride >= num_experts (got 2, 7)"),
+        ({"T": -3}, "(got -3, 8)"),
+        ({"scaling": float("inf")}, "scaling must be finite (got inf)"),
+        ({"ids": None}, "logits, ids and weights must be device pointers"),
+    ],
+)
 def test_moe_route_checks_name_the_argument(plugin_lib: Path, change, needle) -> None:
     with pytest.raises(EngramError) as exc:
         _route(**change)
@@ -221,38 +318,70 @@ def test_experts_workspace_size(plugin_lib: Path) -> None:
     assert decode.experts_workspace_size(4, 6, 256, 512) == 4 * 7 * 512 * 2
     assert decode.experts_workspace_size(3, 2, 64, 0) == 3 * 3 * 64 * 2
     assert decode.experts_workspace_size(0, 2, 64, 0) == 0
-    for args, needle in (((17, 2, 64, 64), "0 <= num_tokens <= 16"), ((1, 0, 64, 64), "1 <= top_k <= 16"),
-                         ((1, 2, 4, 64), "intermediate >= 8"), ((1, 2, 64, -8), "(got 1, 2, 64, -8)")):
+    for args, needle in (
+        ((17, 2, 64, 64), "0 <= num_tokens <= 16"),
+        ((1, 0, 64, 64), "1 <= top_k <= 16"),
+        ((1, 2, 4, 64), "intermediate >= 8"),
+        ((1, 2, 64, -8), "(got 1, 2, 64, -8)"),
+    ):
         with pytest.raises(EngramError) as exc:
             decode.experts_workspace_size(*args)
         _one_line(exc, needle)
 
 
 def _experts(**change) -> decode._MoeExperts:
-    base = dict(x=_FAKE, ids=_FAKE * 2, weights=_FAKE * 3, gate=_FAKE * 4, up=_FAKE * 5, down=_FAKE * 6,
-                shared_gate=_FAKE * 7, shared_up=_FAKE * 8, shared_down=_FAKE * 9, workspace=_FAKE * 10,
-                out=_FAKE * 11, num_tokens=2, workspace_bytes=2 * 3 * 64 * 2, hidden=32, top_k=2, num_experts=4,
-                intermediate=64, shared_intermediate=64, clamp=1, limit=7.0, reserved=0)
+    base = dict(
+        x=_FAKE,
+        ids=_FAKE * 2,
+        weights=_FAKE * 3,
+        gate=_FAKE * 4,
+        up=_FAKE * 5,
+        down=_FAKE * 6,
+        shared_gate=_FAKE * 7,
+        shared_up=_FAKE * 8,
+        shared_down=_FAKE * 9,
+        workspace=_FAKE * 10,
+        out=_FAKE * 11,
+        num_tokens=2,
+        workspace_bytes=2 * 3 * 64 * 2,
+        hidden=32,
+        top_k=2,
+        num_experts=4,
+        intermediate=64,
+        shared_intermediate=64,
+        clamp=1,
+        limit=7.0,
+        reserved=0,
+    )
     base.update(change)
     return decode._MoeExperts(**base)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"num_tokens": 17}, "num_tokens must be in [0, 16] (a decode step; got 17)"),
-    ({"hidden": 30}, "hidden and intermediate must be positive multiples of 8, shared_intermediate a multiple of 8 "
-                     "(got 30, 64, 64)"),
-    ({"intermediate": 60}, "(got 32, 60, 64)"),
-    ({"shared_intermediate": 12}, "(got 32, 64, 12)"),
-    ({"num_experts": 0}, "need 1 <= num_experts <= 1024 and 1 <= top_k <= 16 (got 0, 2)"),
-    ({"top_k": 17}, "(got 4, 17)"),
-    ({"limit": -1.0}, "limit must be >= 0 when clamp is set (got -1)"),
-    ({"workspace_bytes": 767}, "workspace holds 767 bytes, 768 needed"),
-    ({"down": _FAKE * 6 + 4}, "x, gate, up, down and workspace must be 16-byte aligned device pointers"),
-    ({"shared_up": None}, "shared_gate, shared_up and shared_down must be 16-byte aligned device pointers when "
-                          "shared_intermediate > 0"),
-    ({"weights": None}, "ids, weights and out must be device pointers"),
-    ({"out": _FAKE + 64}, "out, x and workspace must not overlap"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"num_tokens": 17}, "num_tokens must be in [0, 16] (a decode step; got 17)"),
+        (
+            {"hidden": 30},
+            "hidden and intermediate must be positive multiples of 8, shared_intermediate a multiple of 8 "
+            "(got 30, 64, 64)",
+        ),
+        ({"intermediate": 60}, "(got 32, 60, 64)"),
+        ({"shared_intermediate": 12}, "(got 32, 64, 12)"),
+        ({"num_experts": 0}, "need 1 <= num_experts <= 1024 and 1 <= top_k <= 16 (got 0, 2)"),
+        ({"top_k": 17}, "(got 4, 17)"),
+        ({"limit": -1.0}, "limit must be >= 0 when clamp is set (got -1)"),
+        ({"workspace_bytes": 767}, "workspace holds 767 bytes, 768 needed"),
+        ({"down": _FAKE * 6 + 4}, "x, gate, up, down and workspace must be 16-byte aligned device pointers"),
+        (
+            {"shared_up": None},
+            "shared_gate, shared_up and shared_down must be 16-byte aligned device pointers when "
+            "shared_intermediate > 0",
+        ),
+        ({"weights": None}, "ids, weights and out must be device pointers"),
+        ({"out": _FAKE + 64}, "out, x and workspace must not overlap"),
+    ],
+)
 def test_moe_experts_checks_name_the_field(plugin_lib: Path, change, needle) -> None:
     with pytest.raises(EngramError) as exc:
         decode._call("engram_moe_experts_bf16", ctypes.byref(_experts(**change)), None)
@@ -266,16 +395,41 @@ def test_mhc_norm_entry_points_check_the_norm_arguments(plugin_lib: Path) -> Non
     T, hc, D = 1, 2, 16
     need = mhc.workspace_size(T, hc, D)
     common = [_FAKE, 0, _FAKE * 2, _FAKE * 3, _FAKE * 4, T, hc, D]
-    for weight, eps, needle in ((None, 1e-6, "norm_weight must be a 16-byte aligned device pointer (fp32 [hidden])"),
-                                (_FAKE * 5 + 4, 1e-6, "norm_weight must be a 16-byte aligned device pointer"),
-                                (_FAKE * 5, float("nan"), "rms_eps must be finite and >= 0 (got nan)")):
+    for weight, eps, needle in (
+        (None, 1e-6, "norm_weight must be a 16-byte aligned device pointer (fp32 [hidden])"),
+        (_FAKE * 5 + 4, 1e-6, "norm_weight must be a 16-byte aligned device pointer"),
+        (_FAKE * 5, float("nan"), "rms_eps must be finite and >= 0 (got nan)"),
+    ):
         with pytest.raises(EngramError) as exc:
-            mhc._call("engram_mhc_pre_norm", *common, 20, ctypes.c_float(1e-6), ctypes.c_float(1e-6), weight,
-                      ctypes.c_float(eps), _FAKE * 6, need, _FAKE * 7, _FAKE * 8, _FAKE * 9, None)
+            mhc._call(
+                "engram_mhc_pre_norm",
+                *common,
+                20,
+                ctypes.c_float(1e-6),
+                ctypes.c_float(1e-6),
+                weight,
+                ctypes.c_float(eps),
+                _FAKE * 6,
+                need,
+                _FAKE * 7,
+                _FAKE * 8,
+                _FAKE * 9,
+                None,
+            )
         _one_line(exc, "engram_mhc_pre_norm: " + needle)
         with pytest.raises(EngramError) as exc:
-            mhc._call("engram_mhc_head_norm", *common, ctypes.c_float(1e-6), ctypes.c_float(1e-6), weight,
-                      ctypes.c_float(eps), _FAKE * 6, need, _FAKE * 7, None)
+            mhc._call(
+                "engram_mhc_head_norm",
+                *common,
+                ctypes.c_float(1e-6),
+                ctypes.c_float(1e-6),
+                weight,
+                ctypes.c_float(eps),
+                _FAKE * 6,
+                need,
+                _FAKE * 7,
+                None,
+            )
         _one_line(exc, "engram_mhc_head_norm: " + needle)
 
 
@@ -291,6 +445,7 @@ def test_mhc_decode_workspace_is_the_general_plan_for_a_few_tokens(plugin_lib: P
 
 
 # --- the bindings' own checks ----------------------------------------------------------------------
+
 
 def test_bindings_name_the_bad_argument(plugin_lib: Path) -> None:
     bf = torch.bfloat16
@@ -321,8 +476,14 @@ def test_bindings_name_the_bad_argument(plugin_lib: Path) -> None:
         decode.moe_route(torch.zeros(2, 8), top_k=2, score_fn="sigmoid", scaling=1.0, bias=torch.zeros(7))
     _one_line(exc, "bias must be a contiguous [8] (got (7,))")
     with pytest.raises(EngramError) as exc:
-        decode.moe_route(torch.zeros(2, 8), top_k=2, score_fn="sigmoid", scaling=1.0,
-                         tid2eid=torch.zeros(9, 3, dtype=torch.int64), input_ids=torch.zeros(2, dtype=torch.int64))
+        decode.moe_route(
+            torch.zeros(2, 8),
+            top_k=2,
+            score_fn="sigmoid",
+            scaling=1.0,
+            tid2eid=torch.zeros(9, 3, dtype=torch.int64),
+            input_ids=torch.zeros(2, dtype=torch.int64),
+        )
     _one_line(exc, "tid2eid must be a contiguous [vocab, 2] and input_ids [2] (got (9, 3), (2,))")
     with pytest.raises(EngramError) as exc:
         decode.moe_route(torch.zeros(2, 8), top_k=2, score_fn="sigmoid", scaling=1.0, bias=torch.zeros(8))
@@ -331,6 +492,7 @@ def test_bindings_name_the_bad_argument(plugin_lib: Path) -> None:
 
 
 # --- the model's choice of path ---------------------------------------------------------------------
+
 
 def test_fused_path_says_why_not_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from engram_trt.models.deepseek_v4 import fused

@@ -60,8 +60,11 @@ def _model(ckpt: Any, dtype: torch.dtype) -> Any:
     from engram_trt.tables.base import TableStore
 
     model = ckpt.architecture.load_model(ckpt, device="cpu", dtype=dtype)
-    model.set_tables(TableStore.from_tensors([ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in LAYERS],
-                                             [None] * len(LAYERS), 32, LAYERS))
+    model.set_tables(
+        TableStore.from_tensors(
+            [ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in LAYERS], [None] * len(LAYERS), 32, LAYERS
+        )
+    )
     return model
 
 
@@ -102,9 +105,14 @@ def test_each_engram_layer_equals_the_float64_reference(v41: Any) -> None:
     kw = [f64(f"model.layers.{lid}.engram.k_weight") for lid in LAYERS]
 
     seen: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = [[] for _ in LAYERS]
-    hooks = [model.model.layers[lid].engram.register_forward_hook(
-        lambda _m, args, out, li=li: seen[li].append((args[0].clone(), args[1].clone(), args[2].clone(), out.clone())))
-        for li, lid in enumerate(LAYERS)]
+    hooks = [
+        model.model.layers[lid].engram.register_forward_hook(
+            lambda _m, args, out, li=li: seen[li].append(
+                (args[0].clone(), args[1].clone(), args[2].clone(), out.clone())
+            )
+        )
+        for li, lid in enumerate(LAYERS)
+    ]
     history: dict[int, list[int]] = {0: [], 1: []}  # compressed ids per slot, kept here
     n = layout.max_ngram_size - 1
     state = model.new_cache(2, 64)
@@ -119,7 +127,7 @@ def test_each_engram_layer_equals_the_float64_reference(v41: Any) -> None:
             lookback = np.array([([DEAD] * n + history[slot])[-n:] for slot in step.slots], dtype=np.int64)
             hid = hash_batch_packed(cids, step.seq_starts, lookback, layout)  # [T, L, cols]
             for s, slot in enumerate(step.slots):
-                history[slot] += cids[step.seq_starts[s]:step.seq_starts[s + 1]].tolist()
+                history[slot] += cids[step.seq_starts[s] : step.seq_starts[s + 1]].tolist()
             for li in range(len(LAYERS)):
                 h_in, rows, live, out = seen[li][steps]
                 want_rows = tables[li][hid[:, li, :]]  # [T, cols, head_dim]
@@ -141,8 +149,10 @@ def test_each_engram_layer_equals_the_float64_reference(v41: Any) -> None:
     assert saw_pad and saw_eos
     # The lookback mattered: the decode steps' row ids differ from those of the same
     # tokens hashed with no lookback.
-    assert not np.array_equal(hash_batch_packed(cids, step.seq_starts, lookback, layout),
-                              hash_batch_packed(cids, step.seq_starts, None, layout))
+    assert not np.array_equal(
+        hash_batch_packed(cids, step.seq_starts, lookback, layout),
+        hash_batch_packed(cids, step.seq_starts, None, layout),
+    )
     assert state.lookback.tolist() == [history[slot][-n:] for slot in (0, 1)]
 
 

@@ -28,20 +28,49 @@ LAYERS = [CSA, HCA, SWA]
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8, "beta_slow": 1}
 CONFIGS = {  # 8 indexer heads by default: a score of exactly 0 (every head's relu 0) ties, see assert_no_tie_at_cut
     "csa4_hca8_w6": dict(),
-    "csa2_hca4_w4_yarn": dict(hidden=48, heads=4, head_dim=16, factor=0.5, csa=2, hca=4, window=4, topk=3,
-                              index_heads=8, rope=YARN),
+    "csa2_hca4_w4_yarn": dict(
+        hidden=48, heads=4, head_dim=16, factor=0.5, csa=2, hca=4, window=4, topk=3, index_heads=8, rope=YARN
+    ),
 }
 
 
-def make_config(hidden=32, heads=2, head_dim=32, factor=0.25, csa=4, hca=8, window=6, topk=2, index_heads=8,
-                rope=None, layer_types=LAYERS) -> DeepseekV4Config:
+def make_config(
+    hidden=32,
+    heads=2,
+    head_dim=32,
+    factor=0.25,
+    csa=4,
+    hca=8,
+    window=6,
+    topk=2,
+    index_heads=8,
+    rope=None,
+    layer_types=LAYERS,
+) -> DeepseekV4Config:
     return DeepseekV4Config(
-        vocab_size=64, hidden_size=hidden, moe_intermediate_size=8, num_hidden_layers=len(layer_types),
-        num_attention_heads=heads, head_dim=head_dim, q_lora_rank=16, num_experts_per_tok=1, n_routed_experts=2,
-        layer_types=list(layer_types), mlp_layer_types=["moe"] * len(layer_types),
-        compress_rates={CSA: csa, HCA: hca}, hc_mult=2, sliding_window=window, o_groups=2, o_lora_rank=16,
-        index_n_heads=index_heads, index_head_dim=16, index_topk=topk, partial_rotary_factor=factor,
-        rope_parameters=rope, max_position_embeddings=256, attn_implementation="eager",
+        vocab_size=64,
+        hidden_size=hidden,
+        moe_intermediate_size=8,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        q_lora_rank=16,
+        num_experts_per_tok=1,
+        n_routed_experts=2,
+        layer_types=list(layer_types),
+        mlp_layer_types=["moe"] * len(layer_types),
+        compress_rates={CSA: csa, HCA: hca},
+        hc_mult=2,
+        sliding_window=window,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=index_heads,
+        index_head_dim=16,
+        index_topk=topk,
+        partial_rotary_factor=factor,
+        rope_parameters=rope,
+        max_position_embeddings=256,
+        attn_implementation="eager",
     )
 
 
@@ -51,8 +80,9 @@ def randomize(module: torch.nn.Module, gen: torch.Generator, scale: float = 0.3)
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
-def new_state(config, layer_idx: int, n_slots: int, max_len: int, fill: float = float("nan"),
-              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def new_state(
+    config, layer_idx: int, n_slots: int, max_len: int, fill: float = float("nan"), dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     shapes = DeepseekV4Attention.state_shapes(config, layer_idx, max_len)
     return {k: torch.full((n_slots, *shape), fill, dtype=dtype) for k, (shape, _) in shapes.items()}
 
@@ -86,19 +116,23 @@ def hf_trace(config, gen, calls: list[int]):
         def hook(_module, args, kwargs, out):
             hidden = args[0] if args else kwargs["hidden_states"]
             records[i].append((hidden[0].clone(), out[0][0].clone()))
+
         return hook
 
     handles = [model.layers[i].self_attn.register_forward_hook(hook_for(i), with_kwargs=True) for i in records]
     scores: list[torch.Tensor] = []  # the CSA indexer's raw scores [n, entries] per call
     for i, layer in enumerate(model.layers):
         if config.layer_types[i] == CSA:
-            handles.append(layer.self_attn.compressor.indexer.scorer.register_forward_hook(
-                lambda _m, _a, out: scores.append(out[0].clone())))
+            handles.append(
+                layer.self_attn.compressor.indexer.scorer.register_forward_hook(
+                    lambda _m, _a, out: scores.append(out[0].clone())
+                )
+            )
     ids = torch.randint(0, config.vocab_size, (1, sum(calls)), generator=gen)
     cached, cache, start = [], None, 0
     with torch.no_grad():
         for n in calls:
-            out = model(input_ids=ids[:, start:start + n], cache=cache, use_cache=True)
+            out = model(input_ids=ids[:, start : start + n], cache=cache, use_cache=True)
             cache, start = out.cache, start + n
             cached.append(out.last_hidden_state)
         for h in handles:
@@ -171,6 +205,7 @@ def test_rope_tables_match_transformers():
 
 # ---- packed steps --------------------------------------------------------------
 
+
 def assert_untied(layer, x, state, slot):
     """For a CSA layer that just ran x [L, D] from position 0 in ``slot``: no tie at
     any query's top-k cut (see assert_no_tie_at_cut), so any chunking selects alike."""
@@ -203,7 +238,7 @@ def test_chunked_prefill_equals_whole(idx):
     state = new_state(config, idx, 2, 40)
     outs, past = [], 0
     for n in (5, 1, 3, 11, 1, 1, 8, 7):  # chunks cross windows and compress blocks anywhere
-        outs.append(run(layer, state, [(x[past:past + n], past, 1)]))
+        outs.append(run(layer, state, [(x[past : past + n], past, 1)]))
         past += n
     assert_rel(torch.cat(outs), whole, 1e-5)
 
@@ -264,6 +299,7 @@ def test_bad_input_is_refused():
 
 # ---- float64 reference, from the formulas ------------------------------------------
 
+
 def _rms(v, w=None, eps=1e-6):
     out = v / math.sqrt(float((v * v).mean()) + eps)
     return out if w is None else out * w
@@ -311,27 +347,50 @@ def reference_layer(layer, x):
     L = x.shape[0]
     cos, sin = (t.double() for t in rope_tables(cfg, torch.arange(L), layer.layer_type))
     q_res = [_rms(x[t] @ sd["q_a_proj.weight"].T, sd["q_a_norm.weight"], eps) for t in range(L)]
-    kv = torch.stack([_rot(_rms(x[t] @ sd["kv_proj.weight"].T, sd["kv_norm.weight"], eps), cos[t], sin[t])
-                      for t in range(L)])
+    kv = torch.stack(
+        [_rot(_rms(x[t] @ sd["kv_proj.weight"].T, sd["kv_norm.weight"], eps), cos[t], sin[t]) for t in range(L)]
+    )
     entries, selected = None, None
     if layer.layer_type != SWA:
         r = cfg.compress_rates[layer.layer_type]
         ov = layer.layer_type == CSA
-        entries = _pool(x @ sd["compressor.kv_proj.weight"].T, x @ sd["compressor.gate_proj.weight"].T,
-                        sd["compressor.position_bias"], r, d, ov, sd["compressor.kv_norm.weight"], cos, sin, eps)
+        entries = _pool(
+            x @ sd["compressor.kv_proj.weight"].T,
+            x @ sd["compressor.gate_proj.weight"].T,
+            sd["compressor.position_bias"],
+            r,
+            d,
+            ov,
+            sd["compressor.kv_norm.weight"],
+            cos,
+            sin,
+            eps,
+        )
         if ov:
             p = "compressor.indexer."
             di, hi = cfg.index_head_dim, cfg.index_n_heads
-            keys = _pool(x @ sd[p + "kv_proj.weight"].T, x @ sd[p + "gate_proj.weight"].T, sd[p + "position_bias"],
-                         r, di, True, sd[p + "kv_norm.weight"], cos, sin, eps)
+            keys = _pool(
+                x @ sd[p + "kv_proj.weight"].T,
+                x @ sd[p + "gate_proj.weight"].T,
+                sd[p + "position_bias"],
+                r,
+                di,
+                True,
+                sd[p + "kv_norm.weight"],
+                cos,
+                sin,
+                eps,
+            )
             selected = []
             for t in range(L):
                 qi = (q_res[t] @ sd[p + "q_b_proj.weight"].T).reshape(hi, di)
                 qi = torch.stack([_rot(qi[j], cos[t], sin[t]) for j in range(hi)])
                 wts = (x[t] @ sd[p + "scorer.weights_proj.weight"].T) / math.sqrt(hi)
                 visible = (t + 1) // r
-                score = [sum(wts[j] * max(float(qi[j] @ keys[e]), 0.0) / math.sqrt(di) for j in range(hi))
-                         for e in range(visible)]
+                score = [
+                    sum(wts[j] * max(float(qi[j] @ keys[e]), 0.0) / math.sqrt(di) for j in range(hi))
+                    for e in range(visible)
+                ]
                 order = sorted(range(visible), key=lambda e: -score[e])
                 k = min(cfg.index_topk, visible)
                 if k < visible:  # ties are left to topk: the reference needs data without one at the cut
@@ -371,7 +430,7 @@ def test_matches_float64_formulas(idx):
     state = new_state(config, idx, 2, 32, dtype=torch.float64)
     outs, past = [], 0
     for n in (11, 1, 9, 1, 1, 3):
-        outs.append(run(layer, state, [(x[past:past + n], past, 1)]))
+        outs.append(run(layer, state, [(x[past : past + n], past, 1)]))
         past += n
     assert_rel(torch.cat(outs), want, 1e-10)
 

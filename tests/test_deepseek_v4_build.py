@@ -50,8 +50,9 @@ V41_PLUGINS = ("EngramDsv4Attention", "EngramGate", "EngramGather", "EngramHash"
 GRAPH_CASES: dict[str, dict[str, Any]] = {
     "hc2-hca-csa-hash1": dict(CASES["hc2-hca-csa-hash1"], index_n_heads=8),
     "hc4-csa-first-hash2-sigmoid": dict(CASES["hc4-csa-first-hash2-sigmoid"], index_n_heads=8),
-    "hc2-tied-sliding-csa-hca": dict(CASES["hc2-tied-all-moe-window3"], layer_types=[SLIDING, CSA, HCA],
-                                     index_n_heads=8, index_topk=2),
+    "hc2-tied-sliding-csa-hca": dict(
+        CASES["hc2-tied-all-moe-window3"], layer_types=[SLIDING, CSA, HCA], index_n_heads=8, index_topk=2
+    ),
 }
 EXTRA = [[7, 8], [9, 2], [2, 12]]  # the two decode steps' tokens of each prompt
 MAX_LEN = 64
@@ -61,8 +62,9 @@ V41_LAYERS = (0, 2)  # save_v41's engram_layer_ids
 def _export(ckpt: Any, layout: Any = None, **options: Any) -> Any:
     from engram_trt.models.export import ExportOptions
 
-    return ckpt.architecture.export_onnx(ckpt.config, ckpt.get, layout,
-                                         ExportOptions(dtype="fp32", max_position=MAX_LEN, **options))
+    return ckpt.architecture.export_onnx(
+        ckpt.config, ckpt.get, layout, ExportOptions(dtype="fp32", max_position=MAX_LEN, **options)
+    )
 
 
 def _schedule() -> list[tuple[list[int], list[int], list[int], list[int]]]:
@@ -127,16 +129,24 @@ def v41(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def _v41_tables(ckpt: Any) -> list[tuple[np.ndarray, None]]:
     import ml_dtypes
 
-    return [(ckpt.get(f"model.layers.{lid}.engram.embed.weight").view(torch.int16).numpy().view(ml_dtypes.bfloat16),
-             None) for lid in V41_LAYERS]
+    return [
+        (ckpt.get(f"model.layers.{lid}.engram.embed.weight").view(torch.int16).numpy().view(ml_dtypes.bfloat16), None)
+        for lid in V41_LAYERS
+    ]
 
 
 def _torch_model(ckpt: Any, dtype: torch.dtype) -> Any:
     from engram_trt.tables.base import TableStore
 
     model = ckpt.architecture.load_model(ckpt, device="cpu", dtype=dtype)
-    model.set_tables(TableStore.from_tensors([ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in V41_LAYERS],
-                                             [None] * len(V41_LAYERS), 32, V41_LAYERS))
+    model.set_tables(
+        TableStore.from_tensors(
+            [ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in V41_LAYERS],
+            [None] * len(V41_LAYERS),
+            32,
+            V41_LAYERS,
+        )
+    )
     return model
 
 
@@ -155,7 +165,9 @@ def test_v41_graph_with_real_tables_equals_the_float64_model(v41: Path, placemen
     gates = [n for n in exported.model.graph.node if n.op_type == "EngramGate"]
     assert len(gates) == len(V41_LAYERS)
     assert not [i.name for i in exported.model.graph.initializer if ".engram.embed" in i.name]  # tables stay out
-    runner = DeepseekV4ReferenceRunner(exported, ckpt.config, _v41_tables(ckpt), lookup, num_slots=4, max_seq_len=MAX_LEN)
+    runner = DeepseekV4ReferenceRunner(
+        exported, ckpt.config, _v41_tables(ckpt), lookup, num_slots=4, max_seq_len=MAX_LEN
+    )
     m64, m32 = _torch_model(ckpt, torch.float64), _torch_model(ckpt, torch.float32)
     s64 = m64.new_cache(4, MAX_LEN)
     for ids, starts, past, slots in _schedule():
@@ -176,8 +188,10 @@ def test_exported_graph_is_deterministic(v41: Path) -> None:
 
     ckpt = open_checkpoint(v41)
     _lookup, layout = engram_lookup_and_layout(ckpt)
-    a, b = (ckpt.architecture.export_onnx(ckpt.config, ckpt.get, layout, ExportOptions(dtype="bf16", max_position=MAX_LEN))
-            for _ in range(2))
+    a, b = (
+        ckpt.architecture.export_onnx(ckpt.config, ckpt.get, layout, ExportOptions(dtype="bf16", max_position=MAX_LEN))
+        for _ in range(2)
+    )
     assert a.model.SerializeToString(deterministic=True) == b.model.SerializeToString(deterministic=True)
     states = a.io["states"]
     assert states["compressed_kv_0"]["shape"] == ["num_slots", "max_seq_len//4", 16]  # HCA rate 4
@@ -188,10 +202,23 @@ def test_exported_graph_is_deterministic(v41: Path) -> None:
 
 # -- the engine folder ---------------------------------------------------------------------
 
+
 def _build(ck: Path, out: Path, *extra: str) -> dict[str, Any]:
     buf = io.StringIO()
-    argv = ["build", str(ck), "--output", str(out), "--json", "--max-batch", "4", "--max-seq-len", str(MAX_LEN),
-            "--max-num-tokens", str(MAX_LEN), *extra]
+    argv = [
+        "build",
+        str(ck),
+        "--output",
+        str(out),
+        "--json",
+        "--max-batch",
+        "4",
+        "--max-seq-len",
+        str(MAX_LEN),
+        "--max-num-tokens",
+        str(MAX_LEN),
+        *extra,
+    ]
     with contextlib.redirect_stdout(buf):
         assert main(argv) == 0
     return json.loads(buf.getvalue())
@@ -210,11 +237,17 @@ def built(tmp_path_factory: pytest.TempPathFactory, v41: Path) -> dict[str, Any]
     ours = _torch_model(ckpt, torch.float32)
     want41 = [ours.generate_greedy(p, NEW_TOKENS, ignore_eos=True) for p in PROMPTS]
     ckpt.close()
-    return {"why": why, "v4": root / "v4", "v41": v41,
-            "want": [hf_greedy(model, p) for p in PROMPTS], "want41": want41,
-            "report": _build(root / "v4", root / "engine", *no_engine),
-            "report41": _build(v41, root / "engine41", *no_engine), "engine": root / "engine",
-            "engine41": root / "engine41"}
+    return {
+        "why": why,
+        "v4": root / "v4",
+        "v41": v41,
+        "want": [hf_greedy(model, p) for p in PROMPTS],
+        "want41": want41,
+        "report": _build(root / "v4", root / "engine", *no_engine),
+        "report41": _build(v41, root / "engine41", *no_engine),
+        "engine": root / "engine",
+        "engine41": root / "engine41",
+    }
 
 
 def test_manifest_records_the_engram_tables_with_their_checksums(built: dict[str, Any]) -> None:
@@ -223,19 +256,36 @@ def test_manifest_records_the_engram_tables_with_their_checksums(built: dict[str
     assert [t["tensor"] for t in tables] == [f"model.layers.{lid}.engram.embed.weight" for lid in V41_LAYERS]
     data = (built["v41"] / "model.safetensors").read_bytes()
     for t in tables:
-        region = data[t["offset"]:t["offset"] + t["nbytes"]]
+        region = data[t["offset"] : t["offset"] + t["nbytes"]]
         assert t["dtype"] == "BF16" and len(region) == t["nbytes"]
         assert t["sha256"] == hashlib.sha256(region).hexdigest()
-        assert t["block_hashes"] == [hashlib.sha256(region[i:i + t["block_bytes"]]).hexdigest()
-                                     for i in range(0, t["nbytes"], t["block_bytes"])]
+        assert t["block_hashes"] == [
+            hashlib.sha256(region[i : i + t["block_bytes"]]).hexdigest()
+            for i in range(0, t["nbytes"], t["block_bytes"])
+        ]
     assert manifest["table_dtype"] == "bf16" and built["report41"]["tables_bytes"] == sum(t["nbytes"] for t in tables)
     io_ = manifest["graph"]["io"]
     assert io_["placement"] == "in_engine" and io_["table_rows"] == [t["shape"][0] for t in tables]
     assert manifest["compressed_vocab"] is not None and manifest["layout"] is not None
-    assert sorted(io_["states"]) == sorted(f"{n}_{i}" for i, names in enumerate(
-        [("window_kv", "compressed_kv", "compressor_kv", "compressor_gate"),
-         ("window_kv", "compressed_kv", "compressor_kv", "compressor_gate", "index_keys", "indexer_kv", "indexer_gate"),
-         ("window_kv", "compressed_kv", "compressor_kv", "compressor_gate")]) for n in names)
+    assert sorted(io_["states"]) == sorted(
+        f"{n}_{i}"
+        for i, names in enumerate(
+            [
+                ("window_kv", "compressed_kv", "compressor_kv", "compressor_gate"),
+                (
+                    "window_kv",
+                    "compressed_kv",
+                    "compressor_kv",
+                    "compressor_gate",
+                    "index_keys",
+                    "indexer_kv",
+                    "indexer_gate",
+                ),
+                ("window_kv", "compressed_kv", "compressor_kv", "compressor_gate"),
+            ]
+        )
+        for n in names
+    )
     v4 = json.loads((built["engine"] / "manifest.json").read_text())
     assert v4["tables"] == [] and v4["graph"]["io"]["plugins"] == ["EngramDsv4Attention"]
 
@@ -243,8 +293,10 @@ def test_manifest_records_the_engram_tables_with_their_checksums(built: dict[str
 def test_tensorrt_rtx_builds_the_engines_with_the_plugins(built: dict[str, Any]) -> None:
     if built["why"]:
         pytest.skip(built["why"])
-    for key, folder, plugins, count in (("report", built["engine"], ["EngramDsv4Attention"], 3),
-                                        ("report41", built["engine41"], sorted(V41_PLUGINS), 3 + 1 + 2 + 2)):
+    for key, folder, plugins, count in (
+        ("report", built["engine"], ["EngramDsv4Attention"], 3),
+        ("report41", built["engine41"], sorted(V41_PLUGINS), 3 + 1 + 2 + 2),
+    ):
         report = built[key]
         assert report["engine_skipped"] is None
         blob = (folder / "model.engine").read_bytes()
@@ -255,7 +307,7 @@ def test_tensorrt_rtx_builds_the_engines_with_the_plugins(built: dict[str, Any])
     data = (built["v41"] / "model.safetensors").read_bytes()
     blob = (built["engine41"] / "model.engine").read_bytes()
     for t in manifest["tables"]:  # the tables stay outside the engine
-        assert data[t["offset"]:t["offset"] + t["nbytes"]] not in blob
+        assert data[t["offset"] : t["offset"] + t["nbytes"]] not in blob
 
 
 def test_engine_folders_give_the_reference_tokens(built: dict[str, Any], capsys: Any) -> None:
@@ -274,8 +326,16 @@ def test_engine_folders_give_the_reference_tokens(built: dict[str, Any], capsys:
 def test_served_engine_folder_gives_transformers_tokens(built: dict[str, Any]) -> None:
     require_tritonserver()
     engine = built["engine"]
-    proc, info = start_serve(engine, engine.parent / "tritonserver.log", "--device", "cpu", "--max-batch-size", "4",
-                             "--max-num-tokens", str(MAX_LEN))
+    proc, info = start_serve(
+        engine,
+        engine.parent / "tritonserver.log",
+        "--device",
+        "cpu",
+        "--max-batch-size",
+        "4",
+        "--max-num-tokens",
+        str(MAX_LEN),
+    )
     try:
         assert_served_tokens(info["http"], PROMPTS[:1], built["want"][:1], NEW_TOKENS)
     finally:
@@ -284,6 +344,7 @@ def test_served_engine_folder_gives_transformers_tokens(built: dict[str, Any]) -
 
 
 # -- bad input: one line, exit 2, nothing written -------------------------------------------
+
 
 @pytest.mark.parametrize("bad", ["head-dim", "max-seq-len"])
 def test_what_the_kernel_cannot_take_is_refused_in_one_line(tmp_path: Path, capsys: Any, bad: str) -> None:

@@ -40,8 +40,9 @@ def v41_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("which", ["v4", "v41"])
-def test_build_writes_the_graph_and_leaves_the_checkpoint_alone(which: str, v41_folder: Path, tmp_path: Path,
-                                                                capsys: Any) -> None:
+def test_build_writes_the_graph_and_leaves_the_checkpoint_alone(
+    which: str, v41_folder: Path, tmp_path: Path, capsys: Any
+) -> None:
     """The build exports the serving step (tests/test_deepseek_v4_build.py checks its
     numbers): exit 0, the graph's io names the architecture and every attention
     layer's state, V4.1's two tables are recorded with their hashes, the checkpoint
@@ -49,8 +50,20 @@ def test_build_writes_the_graph_and_leaves_the_checkpoint_alone(which: str, v41_
     folder = TINY if which == "v4" else v41_folder
     before = sorted(p.name for p in folder.iterdir())
     capsys.readouterr()
-    code = main(["build", str(folder), "--output", str(tmp_path / "engine"), "--no-engine", "--max-seq-len", "64",
-                 "--max-num-tokens", "64", "--json"])
+    code = main(
+        [
+            "build",
+            str(folder),
+            "--output",
+            str(tmp_path / "engine"),
+            "--no-engine",
+            "--max-seq-len",
+            "64",
+            "--max-num-tokens",
+            "64",
+            "--json",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
     io = manifest["graph"]["io"]
@@ -58,8 +71,9 @@ def test_build_writes_the_graph_and_leaves_the_checkpoint_alone(which: str, v41_
     assert "EngramDsv4Attention" in io["plugins"] and ("EngramGate" in io["plugins"]) == (which == "v41")
     assert {n.rsplit("_", 1)[0] for n in io["states"]} >= {"window_kv", "compressed_kv"}
     tables = manifest["tables"]
-    assert [t["tensor"] for t in tables] == ([] if which == "v4" else
-                                             [f"model.layers.{i}.engram.embed.weight" for i in (0, 2)])
+    assert [t["tensor"] for t in tables] == (
+        [] if which == "v4" else [f"model.layers.{i}.engram.embed.weight" for i in (0, 2)]
+    )
     assert all(t["sha256"] and t["block_hashes"] for t in tables)
     assert sorted(p.name for p in folder.iterdir()) == before
 

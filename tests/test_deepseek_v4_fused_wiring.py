@@ -19,25 +19,62 @@ import torch.nn.functional as F
 
 S_, C_, H_ = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 BASE: dict[str, Any] = dict(
-    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=96, hidden_size=64,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=40, o_groups=2, o_lora_rank=16,
-    moe_intermediate_size=24, n_shared_experts=1, index_n_heads=4, index_head_dim=16, index_topk=3,
-    sliding_window=8, compress_rates={C_: 4, H_: 8}, hc_mult=2, hc_sinkhorn_iters=3, partial_rotary_factor=0.5,
-    num_nextn_predict_layers=0, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-    tie_word_embeddings=False)
+    architectures=["DeepseekV4ForCausalLM"],
+    model_type="deepseek_v4",
+    vocab_size=96,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=40,
+    o_groups=2,
+    o_lora_rank=16,
+    moe_intermediate_size=24,
+    n_shared_experts=1,
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=3,
+    sliding_window=8,
+    compress_rates={C_: 4, H_: 8},
+    hc_mult=2,
+    hc_sinkhorn_iters=3,
+    partial_rotary_factor=0.5,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=1,
+    tie_word_embeddings=False,
+)
 MIXES: dict[str, dict[str, Any]] = {
-    "SCHS-hash1-e8k2": dict(num_hidden_layers=4, layer_types=[S_, C_, H_, S_],
-                            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8,
-                            num_experts_per_tok=2),
-    "CC-topk-e6k3": dict(num_hidden_layers=2, layer_types=[C_, C_], mlp_layer_types=["moe", "moe"], n_routed_experts=6,
-                         num_experts_per_tok=3, index_topk=2),
-    "HSH-hash2-hc4-sigmoid": dict(num_hidden_layers=3, layer_types=[H_, S_, H_],
-                                  mlp_layer_types=["hash_moe", "hash_moe", "moe"], n_routed_experts=4,
-                                  num_experts_per_tok=2, hc_mult=4, scoring_func="sigmoid"),
+    "SCHS-hash1-e8k2": dict(
+        num_hidden_layers=4,
+        layer_types=[S_, C_, H_, S_],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "CC-topk-e6k3": dict(
+        num_hidden_layers=2,
+        layer_types=[C_, C_],
+        mlp_layer_types=["moe", "moe"],
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        index_topk=2,
+    ),
+    "HSH-hash2-hc4-sigmoid": dict(
+        num_hidden_layers=3,
+        layer_types=[H_, S_, H_],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        hc_mult=4,
+        scoring_func="sigmoid",
+    ),
 }
 
 
 # --- PyTorch emulations of the kernels' contracts ------------------------------------------------------
+
 
 def _norm_rope(*jobs: Any) -> None:
     from engram_trt.models.deepseek_v4.compressors import apply_rope, unweighted_rms_norm, wide
@@ -45,16 +82,16 @@ def _norm_rope(*jobs: Any) -> None:
 
     for j in jobs:
         T = j.x.shape[0]
-        y = j.x[:, :j.heads * j.dim].reshape(T, j.heads, j.dim)
+        y = j.x[:, : j.heads * j.dim].reshape(T, j.heads, j.dim)
         if j.norm == decode.NORM_WEIGHTED:
             xf = wide(y)
             y = (j.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + j.eps))).to(y.dtype)
         elif j.norm == decode.NORM_UNWEIGHTED:
             y = unweighted_rms_norm(y, j.eps)
         if j.rope_pairs:
-            c, s = j.cos[:, :j.rope_pairs].unsqueeze(1), j.sin[:, :j.rope_pairs].unsqueeze(1)
+            c, s = j.cos[:, : j.rope_pairs].unsqueeze(1), j.sin[:, : j.rope_pairs].unsqueeze(1)
             y = apply_rope(y, c, s * j.rope_sign)
-        j.out[:, :j.heads * j.dim].copy_(y.reshape(T, -1))
+        j.out[:, : j.heads * j.dim].copy_(y.reshape(T, -1))
 
 
 def _gemv_segments(segments, *, weight_static: bool = True, prologue: Any = None) -> None:
@@ -62,7 +99,7 @@ def _gemv_segments(segments, *, weight_static: bool = True, prologue: Any = None
     from engram_trt.native import decode
 
     for x, w, out in segments:
-        xin = x[:, :w.shape[1]]
+        xin = x[:, : w.shape[1]]
         if prologue is not None and prologue.kind == decode.PROLOGUE_RMSNORM:  # norm_rope's NORM_WEIGHTED job
             assert prologue.dim == xin.shape[1]
             xf = wide(xin)
@@ -72,7 +109,7 @@ def _gemv_segments(segments, *, weight_static: bool = True, prologue: Any = None
             heads = xin.reshape(T, -1, prologue.dim)
             c, s = prologue.cos[:, :p].unsqueeze(1), prologue.sin[:, :p].unsqueeze(1)
             xin = apply_rope(heads, c, s * prologue.rope_sign).reshape(T, -1)
-        out[:, :w.shape[0]].copy_(F.linear(xin, w))
+        out[:, : w.shape[0]].copy_(F.linear(xin, w))
 
 
 def _moe_route(logits, *, top_k, score_fn, scaling, bias=None, tid2eid=None, input_ids=None):
@@ -107,12 +144,19 @@ def _emulate(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
         def call(*a, **kw):
             calls[name] = calls.get(name, 0) + 1
             return fn(*a, **kw)
+
         return call
 
     monkeypatch.setattr(fused, "unavailable", lambda x: None)
-    monkeypatch.setattr(decode, "gemv_fits", lambda x, w: x.dim() == 2 and 1 <= x.shape[0] <= 4 and
-                        w.dim() == 2 and x.shape[1] == w.shape[1] and x.dtype == w.dtype)
+    monkeypatch.setattr(
+        decode,
+        "gemv_fits",
+        lambda x, w: (
+            x.dim() == 2 and 1 <= x.shape[0] <= 4 and w.dim() == 2 and x.shape[1] == w.shape[1] and x.dtype == w.dtype
+        ),
+    )
     monkeypatch.setattr(decode, "norm_rope", counted("norm_rope", _norm_rope))
+
     def gemv_segments(segments, *, weight_static=True, prologue=None):
         if prologue is not None:
             key = {decode.PROLOGUE_RMSNORM: "prologue_norm", decode.PROLOGUE_ROPE: "prologue_rope"}[prologue.kind]
@@ -137,17 +181,46 @@ def _emulate(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
 
     monkeypatch.setattr(mhc, "mhc_pre_norm", counted("mhc_pre_norm", pre_norm))
     monkeypatch.setattr(mhc, "mhc_head_norm", counted("mhc_head_norm", head_norm))
-    monkeypatch.setattr(mhc, "mhc_post", lambda streams, out, post, comb: modules.HyperConnection.expand_torch(
-        streams, out, post, comb))
+    monkeypatch.setattr(
+        mhc, "mhc_post", lambda streams, out, post, comb: modules.HyperConnection.expand_torch(streams, out, post, comb)
+    )
 
-    def fold(streams, out, post, comb, fn, base, scale, norm_weight=None, *, head=False, sinkhorn_iters=1, hc_eps,
-             norm_eps, rms_eps=0.0, new_streams=None, workspace=None):
+    def fold(
+        streams,
+        out,
+        post,
+        comb,
+        fn,
+        base,
+        scale,
+        norm_weight=None,
+        *,
+        head=False,
+        sinkhorn_iters=1,
+        hc_eps,
+        norm_eps,
+        rms_eps=0.0,
+        new_streams=None,
+        workspace=None,
+    ):
         new = modules.HyperConnection.expand_torch(streams, out, post, comb)
         if head:
             normed = head_norm(new, fn, base, scale, norm_weight, hc_eps=hc_eps, norm_eps=norm_eps, rms_eps=rms_eps)
             return new, normed, None, None
-        return (new, *pre_norm(new, fn, base, scale, norm_weight, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                               norm_eps=norm_eps, rms_eps=rms_eps))
+        return (
+            new,
+            *pre_norm(
+                new,
+                fn,
+                base,
+                scale,
+                norm_weight,
+                sinkhorn_iters=sinkhorn_iters,
+                hc_eps=hc_eps,
+                norm_eps=norm_eps,
+                rms_eps=rms_eps,
+            ),
+        )
 
     monkeypatch.setattr(mhc, "mhc_fold", counted("mhc_fold", fold))
 
@@ -155,7 +228,7 @@ def _emulate(monkeypatch: pytest.MonkeyPatch, calls: dict[str, int]) -> None:
         calls["core"] = calls.get("core", 0) + 1
         S = n_seqs
         m = meta.tolist()
-        starts, past, slots = m[:S + 1], m[S + 1:2 * S + 1], m[2 * S + 1:3 * S + 1]
+        starts, past, slots = m[: S + 1], m[S + 1 : 2 * S + 1], m[2 * S + 1 : 3 * S + 1]
         comp = layer.compressor
         pre = pre or {}
         want = {}
@@ -190,8 +263,9 @@ def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix
     d = dict(BASE)
     d.update(MIXES[mix])
     cfg = read_config(d, f"wiring {mix}")
-    model = ARCHITECTURE.build_model(cfg, random_weights(cfg, "cpu", torch.float32, 3), device="cpu",
-                                     dtype=torch.float32)
+    model = ARCHITECTURE.build_model(
+        cfg, random_weights(cfg, "cpu", torch.float32, 3), device="cpu", dtype=torch.float32
+    )
     for layer in model.model.layers:
         _conn_of[layer.attn_hc.fn.data_ptr()] = layer.attn_hc
         _conn_of[layer.ffn_hc.fn.data_ptr()] = layer.ffn_hc
@@ -207,8 +281,14 @@ def test_fused_wiring_gives_the_module_path(monkeypatch: pytest.MonkeyPatch, mix
         steps = [("prefill", PackedStep(torch.tensor(sum(prompts, [])), lens, [0, 0, 0], [0, 1, 2]))]
         for k in range(7):
             slots = [0, 1, 2][: 1 + k % 3]
-            steps.append(("decode", PackedStep(torch.tensor([toks[s] for s in slots]), [1] * len(slots),
-                                               [lens[s] for s in slots], slots)))
+            steps.append(
+                (
+                    "decode",
+                    PackedStep(
+                        torch.tensor([toks[s] for s in slots]), [1] * len(slots), [lens[s] for s in slots], slots
+                    ),
+                )
+            )
             for s in slots:
                 lens[s] += 1
         for kind, step in steps:

@@ -43,16 +43,18 @@ def _v41() -> Any:
     from engram_trt.bench.dsv4model import bench_config, build_model, build_tables, table_store
 
     bm = build_model(bench_config("tiny", table_gib=0.002, max_len=64), "cpu", torch.float32, seed=3)
-    store = table_store(build_tables(bm.layout, bm.config.engram.head_dim, "pinned", "cpu"), "pinned",
-                        list(bm.layout.layer_ids))
+    store = table_store(
+        build_tables(bm.layout, bm.config.engram.head_dim, "pinned", "cpu"), "pinned", list(bm.layout.layer_ids)
+    )
     bm.model.set_tables(store)
     return bm.model
 
 
 def _prefill(model: Any, state: Any) -> list[int]:
     prompts = [[5, 17, 33, 2, 90, 41, 7, 7, 60, 12, 13], [3, 44, 45, 9, 9], [11 + i for i in range(14)]]
-    model.forward_step(PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts], [0, 0, 0], [2, 0, 1]),
-                       state)
+    model.forward_step(
+        PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts], [0, 0, 0], [2, 0, 1]), state
+    )
     return [len(p) for p in prompts]
 
 
@@ -90,15 +92,23 @@ def test_a_buckets_buffer_gives_the_eager_steps_device_arrays() -> None:
     step = PackedStep(torch.tensor([11, 12, 13]), [1, 1, 1], [5, 0, 17], [2, 0, 7], lookback=lookback)
     h = np.full((5 + n_lb, G), 77, dtype=np.int64)
     fill_columns(h, step, S, G, scratch, lookup)
-    assert h[:, :S].tolist() == [[11, 12, 13], [32, 35, 38], [5, 0, 17], [2, 0, 7], [6, 1, 18], [4, -1, 7],
-                                 [5, 6, 8]]
+    assert h[:, :S].tolist() == [[11, 12, 13], [32, 35, 38], [5, 0, 17], [2, 0, 7], [6, 1, 18], [4, -1, 7], [5, 6, 8]]
     assert h[:, S:].reshape(-1).tolist() == [0, 0, 0, scratch, 1, -1, -1]  # the padding sequence
     got = static_arrays(torch.from_numpy(h), torch.arange(G + 1), G, True)
     want = step.device_arrays("cpu")
-    for name in ("input_ids", "positions", "token_slots", "last", "decode_rows", "decode_slots", "decode_lens",
-                 "past_lens", "slots"):
+    for name in (
+        "input_ids",
+        "positions",
+        "token_slots",
+        "last",
+        "decode_rows",
+        "decode_slots",
+        "decode_lens",
+        "past_lens",
+        "slots",
+    ):
         assert got[name][:S].tolist() == want[name].tolist(), name
-    assert got["seq_starts"][:S + 1].tolist() == want["seq_starts"].tolist()
+    assert got["seq_starts"][: S + 1].tolist() == want["seq_starts"].tolist()
     assert got["engram_ids"][:S].tolist() == lookup[[11, 12, 13]].tolist()
     assert got["seq_starts"].tolist() == list(range(G + 1)) and got["last"].numel() == G
     # a padded column set once is kept when S is unchanged (pad=False), the real columns rewritten
@@ -106,7 +116,9 @@ def test_a_buckets_buffer_gives_the_eager_steps_device_arrays() -> None:
     fill_columns(h, step, S, G, scratch, lookup, pad=False)
     assert (h[:, S:] == 55).all() and h[0, :S].tolist() == [11, 12, 13]
     # an explicit engram_ids override wins over the lookup
-    step2 = PackedStep(torch.tensor([11, 12, 13]), [1, 1, 1], [5, 0, 17], [2, 0, 7], engram_ids=torch.tensor([-1, 4, 2]))
+    step2 = PackedStep(
+        torch.tensor([11, 12, 13]), [1, 1, 1], [5, 0, 17], [2, 0, 7], engram_ids=torch.tensor([-1, 4, 2])
+    )
     fill_columns(h, step2, S, G, scratch, lookup)
     assert h[1, :S].tolist() == [-1, 4, 2]
 
@@ -133,7 +145,9 @@ def test_a_recorded_attention_step_refuses_the_torch_core() -> None:
     attn = model.model.layers[0].self_attn
     state = model.new_cache(2, 32).layers[0]
     x = torch.randn(2, model.config.hidden_size)
-    with pytest.raises(EngramError, match="layer 0's attention core is not on the CUDA kernel .* a recorded decode step"):
+    with pytest.raises(
+        EngramError, match="layer 0's attention core is not on the CUDA kernel .* a recorded decode step"
+    ):
         attn(x, torch.tensor([3, 4]), [0, 1, 2], [3, 4], [0, 1], state, static=True)
 
 
@@ -191,4 +205,3 @@ def test_a_state_larger_than_the_free_gpu_memory_is_refused_before_allocating(mo
     assert "\n" not in msg
     assert f"9 slots x 256 tokens needs {need} bytes" in msg and f"only {need - 1} bytes" in msg
     assert "lower --max-batch-size or --max-seq-len" in msg
-

@@ -23,13 +23,37 @@ from engram_trt.errors import EngramError  # noqa: E402
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 BASE: dict[str, Any] = dict(
-    architectures=["DeepseekV4ForCausalLM"], vocab_size=64, hidden_size=32, moe_intermediate_size=24,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=24,
-    num_experts_per_tok=2, n_routed_experts=6, n_shared_experts=1, layer_types=[CSA, HCA],
-    compress_rates={CSA: 2, HCA: 4}, hc_mult=2, hc_sinkhorn_iters=3, mlp_layer_types=["hash_moe", "moe"],
-    sliding_window=6, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=8, index_topk=3,
-    num_nextn_predict_layers=0, partial_rotary_factor=0.5, max_position_embeddings=256, eos_token_id=2,
-    bos_token_id=1, swiglu_limit=0.8, routed_scaling_factor=1.7)
+    architectures=["DeepseekV4ForCausalLM"],
+    vocab_size=64,
+    hidden_size=32,
+    moe_intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    q_lora_rank=24,
+    num_experts_per_tok=2,
+    n_routed_experts=6,
+    n_shared_experts=1,
+    layer_types=[CSA, HCA],
+    compress_rates={CSA: 2, HCA: 4},
+    hc_mult=2,
+    hc_sinkhorn_iters=3,
+    mlp_layer_types=["hash_moe", "moe"],
+    sliding_window=6,
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=3,
+    num_nextn_predict_layers=0,
+    partial_rotary_factor=0.5,
+    max_position_embeddings=256,
+    eos_token_id=2,
+    bos_token_id=1,
+    swiglu_limit=0.8,
+    routed_scaling_factor=1.7,
+)
 
 
 def _config():
@@ -132,8 +156,11 @@ def test_attention_backend_choice_on_cpu() -> None:
     assert model.attention_label() == "torch: backend torch"
     torch.testing.assert_close(model.forward_step(step(), model.new_cache(1, 16)), want, rtol=0, atol=0)
     model.attention_backend = "kernels"
-    with pytest.raises(EngramError, match=r"^attention backend 'kernels' cannot run layer 0: the activations are on "
-                                          r"cpu, not a CUDA device; use backend 'auto' or 'torch'$"):
+    with pytest.raises(
+        EngramError,
+        match=r"^attention backend 'kernels' cannot run layer 0: the activations are on "
+        r"cpu, not a CUDA device; use backend 'auto' or 'torch'$",
+    ):
         model.forward_step(step(), model.new_cache(1, 16))
     with pytest.raises(EngramError, match="attention backend 'fast' is not one of"):
         model.attention_backend = "fast"

@@ -23,8 +23,14 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (assert_fp32_logits_match, edit_config, llm_greedy, packed_greedy,  # noqa: E402
-                                 transformers_greedy, word_tokenizer)
+from helpers.checkpoints import (
+    assert_fp32_logits_match,
+    edit_config,
+    llm_greedy,
+    packed_greedy,  # noqa: E402
+    transformers_greedy,
+    word_tokenizer,
+)
 from helpers.cli import assert_run_refused, run_json  # noqa: E402
 
 VOCAB = 96
@@ -33,25 +39,67 @@ CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 7, 60, 12, 13, 14, 15], [3, 44, 45, 9], [11 + i for i in range(21)]]
 
 BASE: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=16, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
-    layer_types=[HCA, CSA, HCA], compress_rates={CSA: 2, HCA: 4}, hc_mult=2, hc_sinkhorn_iters=5,
-    mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=6, o_groups=2, o_lora_rank=8, index_n_heads=2,
-    index_head_dim=8, index_topk=3, num_nextn_predict_layers=0, partial_rotary_factor=0.5, max_position_embeddings=256,
-    eos_token_id=2, bos_token_id=1,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    q_lora_rank=24,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    layer_types=[HCA, CSA, HCA],
+    compress_rates={CSA: 2, HCA: 4},
+    hc_mult=2,
+    hc_sinkhorn_iters=5,
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    sliding_window=6,
+    o_groups=2,
+    o_lora_rank=8,
+    index_n_heads=2,
+    index_head_dim=8,
+    index_topk=3,
+    num_nextn_predict_layers=0,
+    partial_rotary_factor=0.5,
+    max_position_embeddings=256,
+    eos_token_id=2,
+    bos_token_id=1,
 )
 
 # name -> DeepseekV4Config overrides; each a configuration the published model runs.
 CASES: dict[str, dict[str, Any]] = {
     "hc2-hca-csa-hash1": {},
     "hc4-csa-first-hash2-sigmoid": dict(
-        hc_mult=4, num_hidden_layers=4, layer_types=[CSA, HCA, CSA, CSA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-        compress_rates={CSA: 4, HCA: 3}, scoring_func="sigmoid", sliding_window=5, index_topk=2, o_groups=4,
-        n_routed_experts=6, num_experts_per_tok=3, routed_scaling_factor=2.5, swiglu_limit=0.7, hc_sinkhorn_iters=8,
-        rope_theta=5000.0, compress_rope_theta=40000.0),
+        hc_mult=4,
+        num_hidden_layers=4,
+        layer_types=[CSA, HCA, CSA, CSA],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+        compress_rates={CSA: 4, HCA: 3},
+        scoring_func="sigmoid",
+        sliding_window=5,
+        index_topk=2,
+        o_groups=4,
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        routed_scaling_factor=2.5,
+        swiglu_limit=0.7,
+        hc_sinkhorn_iters=8,
+        rope_theta=5000.0,
+        compress_rope_theta=40000.0,
+    ),
     "hc2-tied-all-moe-window3": dict(
-        tie_word_embeddings=True, layer_types=[CSA, CSA, HCA], mlp_layer_types=["moe", "moe", "moe"], sliding_window=3,
-        compress_rates={CSA: 3, HCA: 2}, index_n_heads=3, index_topk=1, partial_rotary_factor=0.25, hc_eps=1e-3),
+        tie_word_embeddings=True,
+        layer_types=[CSA, CSA, HCA],
+        mlp_layer_types=["moe", "moe", "moe"],
+        sliding_window=3,
+        compress_rates={CSA: 3, HCA: 2},
+        index_n_heads=3,
+        index_topk=1,
+        partial_rotary_factor=0.25,
+        hc_eps=1e-3,
+    ),
 }
 
 
@@ -108,8 +156,12 @@ def test_checkpoint_names_are_transformers_names_read_back(case: tuple[str, Path
     _name, folder, model = case
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         saved = set(f.keys())
-    theirs = {checkpoint_name(k) for k in model.state_dict() if not re.search(r"\.experts\.(gate_up|down)_proj$", k)
-              and not (k == "lm_head.weight" and model.config.tie_word_embeddings)}  # a tied head is not saved
+    theirs = {
+        checkpoint_name(k)
+        for k in model.state_dict()
+        if not re.search(r"\.experts\.(gate_up|down)_proj$", k)
+        and not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    }  # a tied head is not saved
     assert theirs <= saved
     ckpt = open_checkpoint(folder)
     assert set(ckpt.architecture.tensor_names(ckpt.config)) == saved
@@ -144,6 +196,7 @@ def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: A
 
 
 # -- the pieces against transformers' own modules -------------------------------------------
+
 
 def test_hyper_connection_and_moe_equal_transformers_modules() -> None:
     """mHC (Sinkhorn-Knopp), the hyper head and both MoE routings with the same random
@@ -205,6 +258,7 @@ def test_hyper_connection_and_moe_equal_transformers_modules() -> None:
 
 # -- bad input: one line, exit 2 ------------------------------------------------------------
 
+
 def _retensor(folder: Path, name: str, value: Any) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -215,18 +269,33 @@ def _retensor(folder: Path, name: str, value: Any) -> None:
 
 
 BAD = {
-    "layer-type": (lambda f: edit_config(f, layer_types=[HCA, "mamba_attention", HCA]),
-                   "layer_types holds 'mamba_attention', not a DeepSeek-V4 type"),
-    "compress-rate-0": (lambda f: edit_config(f, compress_rates={CSA: 0, HCA: 4}), r"compress_rates\['compressed_sparse_attention'\]=0"),
-    "more-experts-than-weights": (lambda f: edit_config(f, n_routed_experts=5),
-                                  "layer 0 holds 4 routed experts .* n_routed_experts=5"),
+    "layer-type": (
+        lambda f: edit_config(f, layer_types=[HCA, "mamba_attention", HCA]),
+        "layer_types holds 'mamba_attention', not a DeepSeek-V4 type",
+    ),
+    "compress-rate-0": (
+        lambda f: edit_config(f, compress_rates={CSA: 0, HCA: 4}),
+        r"compress_rates\['compressed_sparse_attention'\]=0",
+    ),
+    "more-experts-than-weights": (
+        lambda f: edit_config(f, n_routed_experts=5),
+        "layer 0 holds 4 routed experts .* n_routed_experts=5",
+    ),
     "fewer-experts-than-weights": (lambda f: edit_config(f, n_routed_experts=3), r"experts\.3\.w1\.weight"),
-    "tid2eid-out-of-range": (lambda f: _retensor(f, "model.layers.0.ffn.gate.tid2eid", lambda t: t + 4),
-                             "routes to expert .* outside 0..3"),
-    "mlp-type": (lambda f: edit_config(f, mlp_layer_types=["hash_moe", "dense", "moe"]), "mlp_layer_types holds 'dense'"),
+    "tid2eid-out-of-range": (
+        lambda f: _retensor(f, "model.layers.0.ffn.gate.tid2eid", lambda t: t + 4),
+        "routes to expert .* outside 0..3",
+    ),
+    "mlp-type": (
+        lambda f: edit_config(f, mlp_layer_types=["hash_moe", "dense", "moe"]),
+        "mlp_layer_types holds 'dense'",
+    ),
     "shared-experts": (lambda f: edit_config(f, n_shared_experts=2), "'n_shared_experts'=2 is not implemented"),
     "scoring": (lambda f: edit_config(f, scoring_func="softmax"), "scoring_func='softmax' is not implemented"),
-    "engram-on-v4": (lambda f: edit_config(f, engram_layer_ids=[1]), "names DeepseekV4ForCausalLM, which has no Engram"),
+    "engram-on-v4": (
+        lambda f: edit_config(f, engram_layer_ids=[1]),
+        "names DeepseekV4ForCausalLM, which has no Engram",
+    ),
 }
 
 
@@ -246,12 +315,15 @@ def test_model_larger_than_the_gpu_is_refused_before_loading(monkeypatch: Any) -
     from engram_trt.models.deepseek_v4 import weights
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
-    with pytest.raises(EngramError, match=r"needs 5.00 GiB of weights on cuda:0 but only 3.00 GiB of 80.00 GiB is free"):
+    with pytest.raises(
+        EngramError, match=r"needs 5.00 GiB of weights on cuda:0 but only 3.00 GiB of 80.00 GiB is free"
+    ):
         weights.check_fits(5 << 30, torch.device("cuda:0"), "the model")
     weights.check_fits(5 << 30, torch.device("cpu"), "the model")  # no check on a CPU
 
 
 # -- V4.1: the V4 backbone with Engram layers on engram_layer_ids ---------------------------
+
 
 def save_v41(folder: Path, table: Any, seed: int = 3) -> Any:
     """A saved V4 turned V4.1: Engram fields, random wkv / q / k, and bf16 tables
@@ -263,9 +335,18 @@ def save_v41(folder: Path, table: Any, seed: int = 3) -> Any:
 
     model = save_v4(folder, seed=seed)
     d = json.loads((folder / "config.json").read_text())
-    d.update(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", engram_layer_ids=[0, 2],
-             engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=8, engram_vocab_size=37,
-             engram_compressed_vocab_size=VOCAB, engram_pad_token_id=0, engram_table_dtype="bf16")
+    d.update(
+        architectures=["DeepseekV41ForCausalLM"],
+        model_type="deepseek_v41",
+        engram_layer_ids=[0, 2],
+        engram_max_ngram_size=3,
+        engram_n_heads=2,
+        engram_head_dim=8,
+        engram_vocab_size=37,
+        engram_compressed_vocab_size=VOCAB,
+        engram_pad_token_id=0,
+        engram_table_dtype="bf16",
+    )
     (folder / "config.json").write_text(json.dumps(d))
     cfg = read_config(d)
     layout = EngramLayout.from_spec(cfg.engram, pad_id=0)
@@ -304,12 +385,16 @@ def test_v41_runtime_prefetch_equals_the_models_own_gather(tmp_path: Path) -> No
     model = save_v41(folder, lambda rows, width: torch.randn(rows, width, generator=gen))
     ckpt = open_checkpoint(folder)
     ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
-    ours.set_tables(TableStore.from_tensors([ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in (0, 2)],
-                                            [None, None], 32, (0, 2)))
+    ours.set_tables(
+        TableStore.from_tensors(
+            [ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in (0, 2)], [None, None], 32, (0, 2)
+        )
+    )
     want = [ours.generate_greedy(p, NEW_TOKENS, chunk=4, ignore_eos=True) for p in PROMPTS]
     prompt = PROMPTS[2]
-    got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), ours.new_cache(1, 64),
-                            all_logits=True)
+    got = ours.forward_step(
+        PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), ours.new_cache(1, 64), all_logits=True
+    )
     with torch.no_grad():
         v4 = model(torch.tensor([prompt])).logits[0]
     assert (got - v4).abs().max().item() > 1e-2 * v4.abs().max().item()

@@ -57,8 +57,13 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (assert_fp32_logits_match, edit_config, llm_greedy, transformers_greedy,  # noqa: E402
-                                 word_tokenizer)
+from helpers.checkpoints import (
+    assert_fp32_logits_match,
+    edit_config,
+    llm_greedy,
+    transformers_greedy,  # noqa: E402
+    word_tokenizer,
+)
 from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from test_deepseek_v4_parity import BASE, CSA, HCA, VOCAB  # noqa: E402
 
@@ -66,41 +71,127 @@ from engram_trt.quant.formats import dequantize_fp4, dequantize_fp8, quantize_fp
 
 NEW_TOKENS = 8
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 7, 60, 12, 13, 14, 15], [3, 44, 45, 9], [11 + i for i in range(19)]]
-QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                "weight_block_size": [128, 128]}
-FP8_LINEAR = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|"
-                        r"\.shared_experts\.w[123]\.weight$")
+QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
+FP8_LINEAR = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|"
+    r"\.shared_experts\.w[123]\.weight$"
+)
 ROUTED = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
-BF16_2D = re.compile(r"\.(compressor\.wkv|compressor\.wgate|indexer\.weights_proj|gate)\.weight$|"
-                     r"^(embed|head)\.weight$")
-_ROOT = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-         "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
-         "model.hc_head.hc_scale": "hc_head_scale"}
+BF16_2D = re.compile(
+    r"\.(compressor\.wkv|compressor\.wgate|indexer\.weights_proj|gate)\.weight$|"
+    r"^(embed|head)\.weight$"
+)
+_ROOT = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
 
 # name -> (transformers DeepseekV4Config overrides, V4.1?, partial blocks?)
 CASES: dict[str, tuple[dict[str, Any], bool, bool]] = {
     # every FP8 dim 128 (one block each); three layers HCA / CSA / HCA, one hash layer
-    "v4-128-hash1": (dict(hidden_size=128, num_attention_heads=2, head_dim=128, q_lora_rank=128, o_groups=2,
-                          o_lora_rank=128, moe_intermediate_size=128, index_n_heads=2, index_head_dim=64),
-                     False, False),
+    "v4-128-hash1": (
+        dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            head_dim=128,
+            q_lora_rank=128,
+            o_groups=2,
+            o_lora_rank=128,
+            moe_intermediate_size=128,
+            index_n_heads=2,
+            index_head_dim=64,
+        ),
+        False,
+        False,
+    ),
     # grids of 2x2 blocks (256 = two blocks), hc 4, CSA first, two hash layers, sigmoid, 6 experts top 3
-    "v4-256-hc4-hash2": (dict(hidden_size=256, num_attention_heads=2, head_dim=128, q_lora_rank=256, o_groups=2,
-                              o_lora_rank=128, moe_intermediate_size=64, index_n_heads=4, index_head_dim=64,
-                              hc_mult=4, num_hidden_layers=4, layer_types=[CSA, HCA, CSA, CSA],
-                              mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 3},
-                              scoring_func="sigmoid", n_routed_experts=6, num_experts_per_tok=3, swiglu_limit=0.7,
-                              sliding_window=5, index_topk=2), False, False),
+    "v4-256-hc4-hash2": (
+        dict(
+            hidden_size=256,
+            num_attention_heads=2,
+            head_dim=128,
+            q_lora_rank=256,
+            o_groups=2,
+            o_lora_rank=128,
+            moe_intermediate_size=64,
+            index_n_heads=4,
+            index_head_dim=64,
+            hc_mult=4,
+            num_hidden_layers=4,
+            layer_types=[CSA, HCA, CSA, CSA],
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+            compress_rates={CSA: 4, HCA: 3},
+            scoring_func="sigmoid",
+            n_routed_experts=6,
+            num_experts_per_tok=3,
+            swiglu_limit=0.7,
+            sliding_window=5,
+            index_topk=2,
+        ),
+        False,
+        False,
+    ),
     # partial blocks everywhere: 160 = 128 + 32, 200 = 128 + 72, 144, 192 ...; tied off, all top-k
-    "v4-partial-160": (dict(hidden_size=160, num_attention_heads=2, head_dim=96, q_lora_rank=200, o_groups=2,
-                            o_lora_rank=72, moe_intermediate_size=96, index_n_heads=3, index_head_dim=48,
-                            layer_types=[CSA, CSA, HCA], mlp_layer_types=["moe", "moe", "moe"],
-                            compress_rates={CSA: 3, HCA: 2}, index_topk=1), False, True),
+    "v4-partial-160": (
+        dict(
+            hidden_size=160,
+            num_attention_heads=2,
+            head_dim=96,
+            q_lora_rank=200,
+            o_groups=2,
+            o_lora_rank=72,
+            moe_intermediate_size=96,
+            index_n_heads=3,
+            index_head_dim=48,
+            layer_types=[CSA, CSA, HCA],
+            mlp_layer_types=["moe", "moe", "moe"],
+            compress_rates={CSA: 3, HCA: 2},
+            index_topk=1,
+        ),
+        False,
+        True,
+    ),
     # V4.1: Engram on layers 0 and 2, partial blocks, one hash layer
-    "v41-partial-160": (dict(hidden_size=160, num_attention_heads=2, head_dim=96, q_lora_rank=200, o_groups=2,
-                             o_lora_rank=72, moe_intermediate_size=96, index_n_heads=3, index_head_dim=48), True, True),
+    "v41-partial-160": (
+        dict(
+            hidden_size=160,
+            num_attention_heads=2,
+            head_dim=96,
+            q_lora_rank=200,
+            o_groups=2,
+            o_lora_rank=72,
+            moe_intermediate_size=96,
+            index_n_heads=3,
+            index_head_dim=48,
+        ),
+        True,
+        True,
+    ),
     # V4.1 with 128-aligned dims
-    "v41-128": (dict(hidden_size=128, num_attention_heads=2, head_dim=128, q_lora_rank=128, o_groups=2,
-                     o_lora_rank=128, moe_intermediate_size=128, index_n_heads=2, index_head_dim=64), True, False),
+    "v41-128": (
+        dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            head_dim=128,
+            q_lora_rank=128,
+            o_groups=2,
+            o_lora_rank=128,
+            moe_intermediate_size=128,
+            index_n_heads=2,
+            index_head_dim=64,
+        ),
+        True,
+        False,
+    ),
 }
 
 
@@ -135,9 +226,18 @@ def add_engram(folder: Path, seed: int) -> None:
     from engram_trt.models.deepseek_v4.config import read_config
 
     d = json.loads((folder / "config.json").read_text())
-    d.update(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", engram_layer_ids=[0, 2],
-             engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=8, engram_vocab_size=37,
-             engram_compressed_vocab_size=VOCAB, engram_pad_token_id=0, engram_table_dtype="bf16")
+    d.update(
+        architectures=["DeepseekV41ForCausalLM"],
+        model_type="deepseek_v41",
+        engram_layer_ids=[0, 2],
+        engram_max_ngram_size=3,
+        engram_n_heads=2,
+        engram_head_dim=8,
+        engram_vocab_size=37,
+        engram_compressed_vocab_size=VOCAB,
+        engram_pad_token_id=0,
+        engram_table_dtype="bf16",
+    )
     (folder / "config.json").write_text(json.dumps(d))
     cfg = read_config(d)
     layout = EngramLayout.from_spec(cfg.engram, pad_id=0)
@@ -159,7 +259,7 @@ def hub_name(name: str) -> str:
         return name
     if name in _ROOT:
         return _ROOT[name]
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 def quantize_folder(src: Path, out: Path, *, hub: bool = True, scale_suffix: str = ".scale", mtp: bool = True) -> None:
@@ -210,8 +310,9 @@ def dequantized_folder(qfolder: Path, out: Path) -> None:
     for name in stored:
         if name.startswith("mtp.") or name.endswith(".scale"):
             continue
-        canonical = "model." + name if name.startswith("layers.") else next(
-            (k for k, v in _ROOT.items() if v == name), name)
+        canonical = (
+            "model." + name if name.startswith("layers.") else next((k for k, v in _ROOT.items() if v == name), name)
+        )
         assert name in checkpoint_names(canonical)
         upstream_to_canonical[name] = canonical
     tensors = {}
@@ -239,8 +340,9 @@ def hf_load(folder: Path) -> Any:
     part in an FP8 folder's load, which dequantizes)."""
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, use_kernels=False,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, use_kernels=False, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -257,8 +359,9 @@ def _load(folder: Path, dtype: torch.dtype = torch.float32) -> Any:
 def _logits(model: Any, prompt: list[int]) -> torch.Tensor:
     from engram_trt.models.step import PackedStep
 
-    return model.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), model.new_cache(1, 64),
-                              all_logits=True).double()
+    return model.forward_step(
+        PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), model.new_cache(1, 64), all_logits=True
+    ).double()
 
 
 class Case:
@@ -320,8 +423,15 @@ def test_config_carries_the_quant_spec_and_the_formats_are_the_stored_ones(case:
     tables = {n for n in stored if n.endswith(".engram.embed.weight")}  # V4.1's tables: the runtime's, not weights
     assert set(formats) | scales | tables == {n for n in stored if not n.startswith("mtp.")}
     for name, (kind, nbytes, gpu) in formats.items():
-        want = "fp8" if FP8_LINEAR.search(name) else "fp4" if ROUTED.search(name) else \
-            "int" if name.endswith("tid2eid") else "float"
+        want = (
+            "fp8"
+            if FP8_LINEAR.search(name)
+            else "fp4"
+            if ROUTED.search(name)
+            else "int"
+            if name.endswith("tid2eid")
+            else "float"
+        )
         assert kind == want, name
         if kind in ("fp8", "fp4"):
             scale = name[: -len(".weight")] + ".scale"
@@ -350,8 +460,11 @@ def test_fp32_logits_within_1e4_of_the_reference(case: Case) -> None:
 
         ckpt = open_checkpoint(folder)
         ids = m.config.engram.layer_ids
-        m.set_tables(TableStore.from_tensors([ckpt.get(f"model.layers.{i}.engram.embed.weight") for i in ids],
-                                             [None] * len(ids), 32, ids))
+        m.set_tables(
+            TableStore.from_tensors(
+                [ckpt.get(f"model.layers.{i}.engram.embed.weight") for i in ids], [None] * len(ids), 32, ids
+            )
+        )
         ckpt.close()
     for p in PROMPTS:
         want, got = _logits(ref, p), _logits(ours, p)
@@ -395,10 +508,12 @@ def test_quantized_modules_hold_the_stored_bytes(case: Case) -> None:
         for i, e in enumerate(moe.experts):
             assert e.gate_proj.weight.data_ptr() == gate.data[i].data_ptr()
             assert e.down_proj.weight_scale_inv.data_ptr() == down.scale[i].data_ptr()
-    float_bytes = sum(t.numel() * 4 for n, t in model.state_dict().items() if t.is_floating_point()
-                      and t.dtype == torch.float32)
+    float_bytes = sum(
+        t.numel() * 4 for n, t in model.state_dict().items() if t.is_floating_point() and t.dtype == torch.float32
+    )
     assert module_bytes(model) == quant_bytes + float_bytes + sum(
-        t.numel() * 8 for n, t in model.state_dict().items() if t.dtype == torch.int64)
+        t.numel() * 8 for n, t in model.state_dict().items() if t.dtype == torch.int64
+    )
     ckpt.close()
 
 
@@ -410,8 +525,11 @@ def test_the_loop_moe_dequantizes_one_expert_at_a_time(monkeypatch: Any, small: 
     model = _load(small.q)
     seen: list[tuple[int, ...]] = []
     real = QuantWeight.dequantize
-    monkeypatch.setattr(QuantWeight, "dequantize", lambda self, dtype=torch.float32: seen.append(
-        tuple(self.data.shape)) or real(self, dtype))
+    monkeypatch.setattr(
+        QuantWeight,
+        "dequantize",
+        lambda self, dtype=torch.float32: seen.append(tuple(self.data.shape)) or real(self, dtype),
+    )
     model.model.layers[1].mlp(torch.randn(5, 128), torch.tensor([5, 6, 7, 8, 9]))
     assert seen and all(len(s) == 2 for s in seen)  # [N, K(/2)] of one expert, never [E, ...]
 
@@ -436,8 +554,9 @@ def test_transformers_own_fp8_save_of_this_family_loads(small: Case, tmp_path: P
     from transformers import AutoModelForCausalLM
     from transformers.quantizers import quantizer_finegrained_fp8
 
-    monkeypatch.setattr(quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer, "validate_environment",
-                        lambda self, *a, **k: None)
+    monkeypatch.setattr(
+        quantizer_finegrained_fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *a, **k: None
+    )
     model = AutoModelForCausalLM.from_pretrained(str(small.q), use_kernels=False)
     saved = tmp_path / "saved"
     model.save_pretrained(saved)
@@ -480,8 +599,17 @@ def fake_native_quant(monkeypatch: Any) -> list[dict[str, Any]]:
     def unavailable_for_experts(x: torch.Tensor, ids: Any, gate: Any, up: Any, down: Any) -> str | None:
         return None
 
-    def experts(x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, gate: Any, up: Any, down: Any, *,
-                limit: float | None, plan: Any = None) -> torch.Tensor:
+    def experts(
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        route_w: torch.Tensor,
+        gate: Any,
+        up: Any,
+        down: Any,
+        *,
+        limit: float | None,
+        plan: Any = None,
+    ) -> torch.Tensor:
         calls.append(dict(gate=gate, up=up, down=down, route_w=route_w, ids=ids, limit=limit, plan=plan))
         deq = [w.double() if isinstance(w, torch.Tensor) else w.dequantize(torch.float64) for w in (gate, up, down)]
         out = torch.zeros(x.shape, dtype=torch.float64)
@@ -504,8 +632,9 @@ def fake_native_quant(monkeypatch: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("which", ["fp4", "float"])
-def test_kernels_form_hands_the_stored_stacks_to_native_experts(which: str, small: Case,
-                                                               fake_native_quant: list[dict[str, Any]]) -> None:
+def test_kernels_form_hands_the_stored_stacks_to_native_experts(
+    which: str, small: Case, fake_native_quant: list[dict[str, Any]]
+) -> None:
     """Form ``kernels`` calls native.quant.experts with the layer's stacks as stored
     (QuantWeights whose bytes are the experts' own, or the float stacks), float32 routing
     weights and the SwiGLU limit, and equals the loop; auto keeps the loop on a CPU."""
@@ -536,8 +665,9 @@ def test_float_forms_refuse_quantized_experts(small: Case) -> None:
 
     moe = _load(small.q).model.layers[1].mlp
     moe.form = "dense"
-    with pytest.raises(EngramError, match="form 'dense' reads float expert weights, but layer 1's experts are "
-                                          "stored fp4"):
+    with pytest.raises(
+        EngramError, match="form 'dense' reads float expert weights, but layer 1's experts are stored fp4"
+    ):
         moe(torch.randn(2, 128), torch.tensor([5, 6]))
 
 
@@ -561,6 +691,7 @@ def _set(name: str, value: Any) -> Any:
             del t[name]
         else:
             t[name] = value(t[name])
+
     return change
 
 
@@ -569,47 +700,70 @@ def _quant(**changes: Any) -> Any:
         d = json.loads((folder / "config.json").read_text())
         d["quantization_config"].update(changes)
         (folder / "config.json").write_text(json.dumps(d))
+
     return edit
 
 
 WQA = "layers.0.attn.wq_a"
 W1 = "layers.1.ffn.experts.2.w1"
 BAD: dict[str, tuple[Any, str]] = {
-    "missing-scale": (lambda f: _retensor(f, _set(f"{WQA}.scale", None)),
-                      rf"scale of {WQA}\.weight is missing: an FP8 weight needs its block scales"),
-    "fp8-scale-shape": (lambda f: _retensor(f, _set(f"{WQA}.scale", lambda s: s.repeat(2, 1))),
-                        rf"scale of {WQA}\.weight has shape \[2, 1\] but a \[128, 128\] FP8 weight in 128x128 blocks "
-                        r"needs \[1, 1\]"),
-    "fp4-scale-shape": (lambda f: _retensor(f, _set(f"{W1}.scale", lambda s: s[:, :2].contiguous())),
-                        rf"scale of {W1}\.weight has shape \[128, 2\] but a \[128, 128\] FP4 weight in 1x32 blocks "
-                        r"needs \[128, 4\]"),
-    "scale-dtype": (lambda f: _retensor(f, _set(f"{WQA}.scale", lambda s: s.float())),
-                    rf"scale {WQA}\.scale is F32 but quantization_config\.scale_fmt is 'ue8m0': expected F8_E8M0 "
-                    r"or U8"),
+    "missing-scale": (
+        lambda f: _retensor(f, _set(f"{WQA}.scale", None)),
+        rf"scale of {WQA}\.weight is missing: an FP8 weight needs its block scales",
+    ),
+    "fp8-scale-shape": (
+        lambda f: _retensor(f, _set(f"{WQA}.scale", lambda s: s.repeat(2, 1))),
+        rf"scale of {WQA}\.weight has shape \[2, 1\] but a \[128, 128\] FP8 weight in 128x128 blocks "
+        r"needs \[1, 1\]",
+    ),
+    "fp4-scale-shape": (
+        lambda f: _retensor(f, _set(f"{W1}.scale", lambda s: s[:, :2].contiguous())),
+        rf"scale of {W1}\.weight has shape \[128, 2\] but a \[128, 128\] FP4 weight in 1x32 blocks "
+        r"needs \[128, 4\]",
+    ),
+    "scale-dtype": (
+        lambda f: _retensor(f, _set(f"{WQA}.scale", lambda s: s.float())),
+        rf"scale {WQA}\.scale is F32 but quantization_config\.scale_fmt is 'ue8m0': expected F8_E8M0 "
+        r"or U8",
+    ),
     "fp8-without-quantization-config": (
         lambda f: edit_config(f, quantization_config=None, expert_dtype=None),
-        rf"tensor {WQA}\.weight is F8_E4M3 but config.json declares no quantization_config"),
-    "fp8-in-modules-to-not-convert": (_quant(modules_to_not_convert=["wq_a"]),
-                                      rf"tensor {WQA}\.weight is F8_E4M3 but quantization_config\."
-                                      r"modules_to_not_convert lists its module"),
-    "fp8-embedding": (lambda f: _retensor(f, _set("embed.weight", lambda t: t.to(torch.float8_e4m3fn))),
-                      r"tensor embed\.weight is F8_E4M3 but engram-trt serves FP8 / FP4 only for the linear "
-                      r"projections"),
-    "fp4-without-expert-dtype": (lambda f: edit_config(f, expert_dtype=None),
-                                 r"tensor layers\.0\.ffn\.experts\.0\.w1\.weight is I8 \(packed FP4\) but the config's "
-                                 r"expert_dtype is 'fp8'"),
-    "expert-dtype-contradiction": (lambda f: (edit_config(f, expert_dtype="fp8"), _quant(expert_dtype="fp4")(f)),
-                                   r"'expert_dtype'='fp8' at the top level contradicts "
-                                   r"'quantization_config\.expert_dtype'"),
-    **{f"quant-method-{m}": (_quant(quant_method=m),
-                             rf"field 'quantization_config\.quant_method'='{m}' is not served by engram-trt")
-       for m in ("awq", "gptq", "bitsandbytes", "compressed-tensors", "mxfp4")},
+        rf"tensor {WQA}\.weight is F8_E4M3 but config.json declares no quantization_config",
+    ),
+    "fp8-in-modules-to-not-convert": (
+        _quant(modules_to_not_convert=["wq_a"]),
+        rf"tensor {WQA}\.weight is F8_E4M3 but quantization_config\."
+        r"modules_to_not_convert lists its module",
+    ),
+    "fp8-embedding": (
+        lambda f: _retensor(f, _set("embed.weight", lambda t: t.to(torch.float8_e4m3fn))),
+        r"tensor embed\.weight is F8_E4M3 but engram-trt serves FP8 / FP4 only for the linear "
+        r"projections",
+    ),
+    "fp4-without-expert-dtype": (
+        lambda f: edit_config(f, expert_dtype=None),
+        r"tensor layers\.0\.ffn\.experts\.0\.w1\.weight is I8 \(packed FP4\) but the config's "
+        r"expert_dtype is 'fp8'",
+    ),
+    "expert-dtype-contradiction": (
+        lambda f: (edit_config(f, expert_dtype="fp8"), _quant(expert_dtype="fp4")(f)),
+        r"'expert_dtype'='fp8' at the top level contradicts "
+        r"'quantization_config\.expert_dtype'",
+    ),
+    **{
+        f"quant-method-{m}": (
+            _quant(quant_method=m),
+            rf"field 'quantization_config\.quant_method'='{m}' is not served by engram-trt",
+        )
+        for m in ("awq", "gptq", "bitsandbytes", "compressed-tensors", "mxfp4")
+    },
 }
 
 
 @pytest.mark.parametrize("bad", sorted(BAD))
-def test_bad_quantized_checkpoints_refused_in_one_line(bad: str, good_q: Path, tmp_path: Path, capsys: Any,
-                                                       monkeypatch: Any) -> None:
+def test_bad_quantized_checkpoints_refused_in_one_line(
+    bad: str, good_q: Path, tmp_path: Path, capsys: Any, monkeypatch: Any
+) -> None:
     """``engram-trt run``: exit 2, one line naming the tensor or field, nothing written
     into the folder and nothing loaded (the loader is never reached)."""
     import engram_trt.models.deepseek_v4.model as dsv4_model
@@ -632,13 +786,15 @@ def test_fp4_weight_with_an_odd_inner_size_is_refused(tmp_path: Path, capsys: An
     save_float_v4(tmp_path / "float", seed=9, **dict(CASES["v4-128-hash1"][0], moe_intermediate_size=33))
     src = load_file(str(tmp_path / "float" / "model.safetensors"))
     routed_w2 = re.compile(r"\.experts\.\d+\.w2\.weight$")
-    fixed = {n: (t[..., :32].contiguous() if routed_w2.search(n) else t)
-             for n, t in src.items()}  # quantize_fp4 packs whole groups of 32
+    fixed = {
+        n: (t[..., :32].contiguous() if routed_w2.search(n) else t) for n, t in src.items()
+    }  # quantize_fp4 packs whole groups of 32
     save_file(fixed, str(tmp_path / "float" / "model.safetensors"), metadata={"format": "pt"})
     quantize_folder(tmp_path / "float", tmp_path / "q")
     folder = tmp_path / "q"
-    assert_run_refused(folder, r"tensor layers\.0\.ffn\.experts\.0\.w2\.weight is FP4 with an odd inner size 33",
-                       capsys)
+    assert_run_refused(
+        folder, r"tensor layers\.0\.ffn\.experts\.0\.w2\.weight is FP4 with an odd inner size 33", capsys
+    )
 
 
 # ------------------------------------------------------------------------------ inspect
@@ -676,10 +832,15 @@ def test_inspect_reports_stored_bytes_quantization_and_the_load(small: Case, dty
     model = _load(small.q, torch.float32 if dtype == "fp32" else torch.bfloat16)
     assert load["dtype"] == dtype and load["gpu_bytes"] == module_bytes(model)
     stored = _header_bytes(small.q)
-    mtp = sum(t.numel() * t.element_size() for n, t in _mtp_tensors(small.q).items()
-              if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8))
-    assert load["by_kind"]["fp8"]["gpu_bytes"] + load["by_kind"]["fp4"]["gpu_bytes"] == \
-        stored["F8_E4M3"] + stored["I8"] + stored["F8_E8M0"] - mtp
+    mtp = sum(
+        t.numel() * t.element_size()
+        for n, t in _mtp_tensors(small.q).items()
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
+    )
+    assert (
+        load["by_kind"]["fp8"]["gpu_bytes"] + load["by_kind"]["fp4"]["gpu_bytes"]
+        == stored["F8_E4M3"] + stored["I8"] + stored["F8_E8M0"] - mtp
+    )
     assert main(["inspect", str(small.q), "--dtype", dtype]) == 0
     text = capsys.readouterr().out
     assert "quantization fp8 e4m3 (128x128 blocks, ue8m0 scales, dynamic activations), experts fp4" in text
@@ -714,5 +875,7 @@ def test_inspect_float_folder_counts_the_serving_dtype(small: Case, capsys: Any)
                 for d in f.get_slice(k).get_shape():
                     n *= d
                 quant_values += n
-    assert rep["load"]["gpu_bytes"] - q["gpu_bytes"] == \
-        2 * quant_values - q["by_kind"]["fp8"]["gpu_bytes"] - q["by_kind"]["fp4"]["gpu_bytes"]
+    assert (
+        rep["load"]["gpu_bytes"] - q["gpu_bytes"]
+        == 2 * quant_values - q["by_kind"]["fp8"]["gpu_bytes"] - q["by_kind"]["fp4"]["gpu_bytes"]
+    )

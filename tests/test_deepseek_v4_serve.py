@@ -38,15 +38,20 @@ def _v41_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
 
     ckpt = open_checkpoint(folder)
     ours = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
-    ours.set_tables(TableStore.from_tensors([ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in (0, 2)],
-                                            [None, None], 32, (0, 2)))
+    ours.set_tables(
+        TableStore.from_tensors(
+            [ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in (0, 2)], [None, None], 32, (0, 2)
+        )
+    )
     want = [ours.generate_greedy(p, NEW, chunk=3, ignore_eos=True) for p in prompts]
     ckpt.close()
     return want
 
 
 @pytest.fixture(scope="module", params=["v4", "v41"])
-def served(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict, list[list[int]], list[list[int]]]]:
+def served(
+    request: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict, list[list[int]], list[list[int]]]]:
     require_tritonserver()
     root = tmp_path_factory.mktemp(f"dsv4serve-{request.param}")
     folder = root / "ck"
@@ -60,8 +65,9 @@ def served(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
         prompts = PROMPTS_V41
         want = _v41_greedy(folder, prompts)
     log = root / "tritonserver.log"
-    proc, info = start_serve(folder, log, "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "4",
-                             "--max-num-tokens", "64")
+    proc, info = start_serve(
+        folder, log, "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "4", "--max-num-tokens", "64"
+    )
     yield info, prompts, want
     stop_serve(proc)
 

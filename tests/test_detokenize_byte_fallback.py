@@ -24,8 +24,9 @@ def _spm_tokenizer() -> tokenizers.Tokenizer:
     for p in PIECES:
         vocab[p] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tok.add_special_tokens([AddedToken("<s>", special=True)])
     return tok
 
@@ -56,11 +57,23 @@ def test_an_ascii_byte_is_held_until_its_run_ends() -> None:
     ids: list[int] = []
     det = IncrementalText(tok, ids, byte_ids=byte_fallback_ids(tok))
     seen = []
-    for t in ("\u2581hello", "<0x41>", "<0xFF>", "\u2581world", "<0xE2>", "<0x82>", "<0xAC>", "a", "<0x20>", "<0xE7>",
-              "<0x2A>", "b"):
+    for t in (
+        "\u2581hello",
+        "<0x41>",
+        "<0xFF>",
+        "\u2581world",
+        "<0xE2>",
+        "<0x82>",
+        "<0xAC>",
+        "a",
+        "<0x20>",
+        "<0xE7>",
+        "<0x2A>",
+        "b",
+    ):
         ids.extend(_ids(tok, t))
         det.update()
-        seen.append((det.text, det.text[:det.settled_len]))
+        seen.append((det.text, det.text[: det.settled_len]))
     assert seen == [
         ("hello", "hello"),
         ("helloA", "hello"),  # <0x41> alone is "A", but the run is still open ...
@@ -103,10 +116,10 @@ def test_settled_text_is_a_prefix_of_every_later_text(skip: bool) -> None:
         settled, k = [], 0
         while k < len(seq):
             step = 1 if rng.random() < 0.7 else int(rng.integers(2, 5))
-            ids.extend(seq[k:k + step])
+            ids.extend(seq[k : k + step])
             k += step
             assert det.update() == tok.decode(ids, skip_special_tokens=skip)
-            settled.append(det.text[:det.settled_len])
+            settled.append(det.text[: det.settled_len])
             assert all(det.text.startswith(s) for s in settled), (seq, ids, settled, det.text)
             visible = [i for i in ids if not (skip and i in special)]
             if visible and visible[-1] not in byte_ids:

@@ -123,11 +123,13 @@ def test_row_remap_lands_in_the_slice_and_inverts(source):
                 for k, c in enumerate(range(s.col_begin, s.col_end)):
                     lo = int(L.offsets[li, c]) - s.row_begin[li]
                     assert (loc[:, li, k] >= lo).all() and (loc[:, li, k] < lo + int(L.col_primes[li, c])).all()
-            assert np.array_equal(global_row_ids(loc, s), glob[..., s.col_begin:s.col_end])
+            assert np.array_equal(global_row_ids(loc, s), glob[..., s.col_begin : s.col_end])
 
 
-@pytest.mark.parametrize("n,cap,want", [(0, 64, 0), (1, 64, 1), (2, 64, 2), (3, 64, 4), (17, 64, 32), (33, 64, 64),
-                                        (64, 64, 64), (40, 48, 48)])
+@pytest.mark.parametrize(
+    "n,cap,want",
+    [(0, 64, 0), (1, 64, 1), (2, 64, 2), (3, 64, 4), (17, 64, 32), (33, 64, 64), (64, 64, 64), (40, 48, 48)],
+)
 def test_pad_token_count_buckets(n, cap, want):
     assert pad_token_count(n, cap) == want
 
@@ -162,7 +164,12 @@ def test_exchange_plans():
     w = exchange_plan(t, 3, "world", 4)
     assert w.members == (0, 1, 2, 3) and w.me == 3 and w.exchanges_ids
     assert w.requesters == (0, 2) and w.replica_of == (0, 0, 1, 1) and w.send_order() == [0, 0, 1, 1]
-    assert w.col_ranges == ((0, 1), (1, 2), (2, 3), (3, 4)) and w.assemble_order() == [(0, 0, 1), (1, 1, 2), (2, 2, 3), (3, 3, 4)]
+    assert w.col_ranges == ((0, 1), (1, 2), (2, 3), (3, 4)) and w.assemble_order() == [
+        (0, 0, 1),
+        (1, 1, 2),
+        (2, 2, 3),
+        (3, 3, 4),
+    ]
     p = exchange_plan(t, 3, "tp", 4)
     assert p.members == (2, 3) and p.me == 1 and not p.exchanges_ids and p.col_ranges == ((0, 2), (2, 4))
     assert exchange_plan(Topology(1, 3), 1, "world", 4).col_ranges == ((0, 2), (2, 3), (3, 4))
@@ -204,11 +211,17 @@ def test_exchange_order_simulated_in_one_process(source, full_tables):
         for r in range(topo.world):
             plan = exchange_plan(topo, r, "world", L.n_hash_cols)
             s = shard_columns(L, plan.me, plan.size)
-            with open_tables(slice_table_refs(source.table_refs, s), "memory", quant_block=full_tables.quant_block,
-                             progress=False) as part:
+            with open_tables(
+                slice_table_refs(source.table_refs, s), "memory", quant_block=full_tables.quant_block, progress=False
+            ) as part:
                 local = local_row_ids(padded, s)  # [R, P, L, nc]
-                rows = torch.stack([part.rows(li, torch.from_numpy(local[:, :, li, :].astype(np.int64)))
-                                    for li in range(L.num_layers)], 1)  # [R, L, P, nc, D]
+                rows = torch.stack(
+                    [
+                        part.rows(li, torch.from_numpy(local[:, :, li, :].astype(np.int64)))
+                        for li in range(L.num_layers)
+                    ],
+                    1,
+                )  # [R, L, P, nc, D]
             for d, rep in enumerate(plan.send_order()):
                 sent[(r, d)] = rows[rep]
         for d in range(topo.world):
@@ -216,14 +229,22 @@ def test_exchange_order_simulated_in_one_process(source, full_tables):
             out = torch.empty((L.num_layers, 7, L.n_hash_cols, full_tables.head_dim(0)), dtype=torch.bfloat16)
             for src_rank, b, e in plan.assemble_order():
                 out[:, :, b:e] = sent[(src_rank, d)][:, :7]
-            want = torch.stack([full_tables.rows(li, torch.from_numpy(ids[topo.replica_of(d)][:, li, :]))
-                                for li in range(L.num_layers)])
+            want = torch.stack(
+                [
+                    full_tables.rows(li, torch.from_numpy(ids[topo.replica_of(d)][:, li, :]))
+                    for li in range(L.num_layers)
+                ]
+            )
             assert torch.equal(out, want)
 
 
 # -- the mode choice -----------------------------------------------------------------
 def test_table_sharing_choices_and_fallbacks():
-    across, shared, private = EngramConfig(embedding_across_dp=True), EngramConfig(dp_shared_memory=True), EngramConfig()
+    across, shared, private = (
+        EngramConfig(embedding_across_dp=True),
+        EngramConfig(dp_shared_memory=True),
+        EngramConfig(),
+    )
     s = choose_table_sharing(across, Topology(2, 2))
     assert (s.scope, s.dp_mode, s.copies(Topology(2, 2)), s.warnings) == ("world", "embedding_across_dp", 1, ())
     s = choose_table_sharing(across, Topology(2, 1))
@@ -242,7 +263,9 @@ def test_table_sharing_choices_and_fallbacks():
     assert s.dp_mode == "private" and "private copy" in s.warnings[0]
     s = choose_table_sharing(across, Topology(1, 2), staged_rows_ok=False)
     assert s.dp_mode == "dp_shared_memory" and s.scope is None and "in_engine" in s.warnings[0]
-    s = choose_table_sharing(EngramConfig(embedding_across_dp=True, cpu_offload=False), Topology(1, 2), staged_rows_ok=False)
+    s = choose_table_sharing(
+        EngramConfig(embedding_across_dp=True, cpu_offload=False), Topology(1, 2), staged_rows_ok=False
+    )
     assert s.dp_mode == "private"  # a shared copy needs host tables
     s = choose_table_sharing(across, Topology(1, 1))
     assert s.dp_mode == "single" and s.scope is None and "single rank" in s.warnings[0]
@@ -265,8 +288,10 @@ def test_shared_store_problem_names_what_is_missing(tmp_path):
 def _random_steps(seed: int, dp: int, shapes) -> tuple:
     """``shapes[k][replica]``: sequence lengths of that replica in step k ([] = idle)."""
     rng = np.random.default_rng(seed)
-    return tuple(tuple(tuple(tuple(int(x) for x in rng.integers(0, 120000, size=n)) for n in shapes[k][d])
-                       for d in range(dp)) for k in range(len(shapes)))
+    return tuple(
+        tuple(tuple(tuple(int(x) for x in rng.integers(0, 120000, size=n)) for n in shapes[k][d]) for d in range(dp))
+        for k in range(len(shapes))
+    )
 
 
 def _lookup_cases(world: int) -> list[LookupCase]:
@@ -277,7 +302,9 @@ def _lookup_cases(world: int) -> list[LookupCase]:
         ]
     return [
         LookupCase(4, 1, "tp", _random_steps(3, 1, [[[2, 5]], [[1]]]), 3),
-        LookupCase(1, 4, "world", _random_steps(4, 4, [[[3], [1, 1], [], [9]], [[], [], [2], []], [[1], [40], [1], [1]]]), 4),
+        LookupCase(
+            1, 4, "world", _random_steps(4, 4, [[[3], [1, 1], [], [9]], [[], [], [2], []], [[1], [40], [1], [1]]]), 4
+        ),
         LookupCase(2, 2, "world", _random_steps(5, 2, [[[6], [1, 2]], [[], [33]]]), 5),
         LookupCase(2, 2, "tp", _random_steps(6, 2, [[[4], [1]], [[2, 2], [7]]]), 6),
     ]
@@ -293,7 +320,11 @@ def _check_lookup_results(source, full_tables, cases, results) -> None:
             rep = topo.replica_of(rank)
             plan = exchange_plan(topo, rank, case.scope, L.n_hash_cols)
             assert got["shard"] == shard_columns(L, plan.me, plan.size).to_json()
-            assert got["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+            assert got["env"] == {
+                "NCCL_NVLS_ENABLE": "0",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1",
+            }
             for k, step in enumerate(case.steps):
                 seqs = step[rep]
                 if not seqs:
@@ -302,22 +333,29 @@ def _check_lookup_results(source, full_tables, cases, results) -> None:
                 lb = case_lookback(case, k, rep, len(seqs), n, L.compressed_vocab_size)
                 want = reference_rows(source, full_tables, seqs, lb)
                 assert want.any()  # real rows, not zeros
-                assert got["steps"][k].shape == want.shape and np.array_equal(got["steps"][k], want), \
+                assert got["steps"][k].shape == want.shape and np.array_equal(got["steps"][k], want), (
                     f"{case.scope} tp{case.tp} dp{case.dp} rank {rank} step {k}"
+                )
             if case.scope == "world" and any(not step[rep] for step in case.steps):
                 assert got["stats"]["idle_steps"] >= 1
 
 
-PROMPTS = ["Engram layers look up n-grams in", "The quick brown fox jumps over the lazy dog",
-           " ".join(["Tables of hashed n-grams sit outside the engine, sharded by columns over the ranks."] * 6)]
+PROMPTS = [
+    "Engram layers look up n-grams in",
+    "The quick brown fox jumps over the lazy dog",
+    " ".join(["Tables of hashed n-grams sit outside the engine, sharded by columns over the ranks."] * 6),
+]
 
 
 def _params():
     from engram_trt.runtime.sampling_params import SamplingParams
 
     # Different lengths: the replicas finish at different steps, so one idles while the other steps.
-    return [SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True),
-            SamplingParams(max_tokens=9, ignore_eos=True)]
+    return [
+        SamplingParams(max_tokens=5, ignore_eos=True),
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        SamplingParams(max_tokens=9, ignore_eos=True),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -341,20 +379,47 @@ def test_two_ranks_lookup_and_greedy_tokens(small_engine, source, full_tables, r
     kw = {"backend": "torch", "progress": False}
     shm = tmp_path / "shm"
     shm.mkdir()
-    jobs = [ReplicaJob(str(small_engine), 2, 1, PROMPTS, _params(), None, dict(kw)),
-            ReplicaJob(str(small_engine), 1, 2, PROMPTS, _params(), EngramConfig(embedding_across_dp=True), dict(kw),
-                       measure_memory=True),
-            ReplicaJob(str(small_engine), 1, 2, PROMPTS, _params(), EngramConfig(dp_shared_memory=True),
-                       dict(kw, table_options={"directory": str(shm)})),
-            ReplicaJob(str(small_engine), 1, 2, PROMPTS, _params(), None, dict(kw))]
-    lookups, served = spawn(2, run_sequence, [(lookup_check, (str(small_engine), cases)), (replica_jobs, (jobs,))],
-                            device_kind="cpu", timeout_s=180)
+    jobs = [
+        ReplicaJob(str(small_engine), 2, 1, PROMPTS, _params(), None, dict(kw)),
+        ReplicaJob(
+            str(small_engine),
+            1,
+            2,
+            PROMPTS,
+            _params(),
+            EngramConfig(embedding_across_dp=True),
+            dict(kw),
+            measure_memory=True,
+        ),
+        ReplicaJob(
+            str(small_engine),
+            1,
+            2,
+            PROMPTS,
+            _params(),
+            EngramConfig(dp_shared_memory=True),
+            dict(kw, table_options={"directory": str(shm)}),
+        ),
+        ReplicaJob(str(small_engine), 1, 2, PROMPTS, _params(), None, dict(kw)),
+    ]
+    lookups, served = spawn(
+        2,
+        run_sequence,
+        [(lookup_check, (str(small_engine), cases)), (replica_jobs, (jobs,))],
+        device_kind="cpu",
+        timeout_s=180,
+    )
     _check_lookup_results(source, full_tables, cases, lookups)
     modes = [r["sharing"]["dp_mode"] for r in served]
     import importlib.util
 
     shared_there = importlib.util.find_spec("engram_trt.tables.shared") is not None
-    assert modes == ["single", "embedding_across_dp", "dp_shared_memory" if shared_there else "embedding_across_dp", "private"]
+    assert modes == [
+        "single",
+        "embedding_across_dp",
+        "dp_shared_memory" if shared_there else "embedding_across_dp",
+        "private",
+    ]
     if not shared_there:
         assert "not part of this installation" in served[2]["sharing"]["warnings"][0]
     for job, res in zip(jobs, served):
@@ -369,7 +434,9 @@ def test_two_ranks_lookup_and_greedy_tokens(small_engine, source, full_tables, r
     assert sum(half) == sum(r.nbytes for r in source.table_refs)  # one copy over the two ranks
     assert max(r["stats"]["idle_steps"] for r in across["ranks"]) >= 1  # a replica with no work took part
     assert sum(r["stats"]["engram"]["idle_steps"] for r in across["ranks"]) >= 1
-    assert len({r["memory"]["pid"] for r in across["ranks"]}) == 2 and all(r["memory"]["pss_bytes"] > 0 for r in across["ranks"])
+    assert len({r["memory"]["pid"] for r in across["ranks"]}) == 2 and all(
+        r["memory"]["pss_bytes"] > 0 for r in across["ranks"]
+    )
     private = served[3]
     assert all(r["storage"]["table_bytes"] == sum(x.nbytes for x in source.table_refs) for r in private["ranks"])
 
@@ -391,17 +458,34 @@ def test_cli_prompts_file_one_rank(small_engine, reference_tokens, tmp_path, cap
 
     f = tmp_path / "prompts.json"
     f.write_text(json.dumps(PROMPTS[:2]))
-    code = main(["run", str(small_engine), "--prompts-file", str(f), "--backend", "torch", "--device", "cpu",
-                 "--max-new-tokens", "3", "--ignore-eos", "--json"])
+    code = main(
+        [
+            "run",
+            str(small_engine),
+            "--prompts-file",
+            str(f),
+            "--backend",
+            "torch",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "3",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
     res = json.loads(capsys.readouterr().out)
     assert code == 0 and (res["tp"], res["dp"], res["tables"]["dp_mode"]) == (1, 1, "single")
     assert [r["token_ids"] for r in res["results"]] == [t[:3] for t in reference_tokens[:2]]
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["--tp", "0"], "--tp must be >= 1"),
-    (["--dp", "2", "--device", "cuda:1"], "each rank takes its own GPU"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["--tp", "0"], "--tp must be >= 1"),
+        (["--dp", "2", "--device", "cuda:1"], "each rank takes its own GPU"),
+    ],
+)
 def test_cli_refuses_bad_rank_options(small_engine, capsys, argv, msg):
     from engram_trt.cli.main import main
 
@@ -424,8 +508,11 @@ def test_disable_multicast_overrides_a_set_value():
 
     env = {"NCCL_NVLS_ENABLE": "1"}
     disable_multicast(env)
-    assert env == NO_MULTICAST_ENV == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                                       "NVSHMEM_DISABLE_NVLS": "1"}
+    assert (
+        env
+        == NO_MULTICAST_ENV
+        == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    )
 
 
 def test_gpu_distributed_check_imports():

@@ -72,8 +72,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "python" / "engram_trt"
 
-DOCS = ["README.md", "docs/*.md", "plugins/*/README.md", "runtime/README.md", "builder/README.md",
-        "builder/recipes/*.md", "benchmarks/README.md", "benchmarks/kernels/README.md"]
+DOCS = [
+    "README.md",
+    "docs/*.md",
+    "plugins/*/README.md",
+    "runtime/README.md",
+    "builder/README.md",
+    "builder/recipes/*.md",
+    "benchmarks/README.md",
+    "benchmarks/kernels/README.md",
+]
 REPO_ROOTS = ("python", "tests", "plugins", "runtime", "builder", "scripts", "docs", "benchmarks", ".ci")
 SOURCE_EXTENSIONS = (".py", ".cu", ".cuh", ".h", ".cpp", ".sh")
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "node_modules"}
@@ -82,9 +90,9 @@ SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "node_module
 NOT_IN_REPOSITORY: dict[str, str] = {
     "engram_trt/lib/": "where `pip install` puts the compiled library in the installed package; a build output",
     "../elsewhere.safetensors": "docs/reliability.md: a hostile index entry the checkpoint reader refuses "
-                                "(a test input)",
+    "(a test input)",
     "python/openai/openai_frontend/main.py": "Triton's OpenAI frontend, a file of the triton-inference-server/server "
-                                             "repository (docs/serving.md)",
+    "repository (docs/serving.md)",
 }
 
 
@@ -98,8 +106,9 @@ def _doc_files() -> list[Path]:
 @lru_cache(maxsize=None)
 def _package_roots() -> tuple[str, ...]:
     """The package's folders and root modules: the first part of an abbreviated path."""
-    return tuple(sorted(p.name for p in PACKAGE.iterdir()
-                        if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"))
+    return tuple(
+        sorted(p.name for p in PACKAGE.iterdir() if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py")
+    )
 
 
 @lru_cache(maxsize=None)
@@ -341,8 +350,10 @@ def test_former_commands_are_gone_and_replaced() -> None:
 
 def test_architecture_names_modules_by_their_package_path() -> None:
     text = (REPO / "docs" / "architecture.md").read_text()
-    bare = sorted({s for s in _BACKTICK.findall(text) if re.fullmatch(r"\w+\.py", s.strip())}
-                  - {"__init__.py", "__main__.py", "errors.py", "paths.py"})
+    bare = sorted(
+        {s for s in _BACKTICK.findall(text) if re.fullmatch(r"\w+\.py", s.strip())}
+        - {"__init__.py", "__main__.py", "errors.py", "paths.py"}
+    )
     assert not bare, f"docs/architecture.md names modules by a bare file name (write e.g. `models/x.py`): {bare}"
 
 
@@ -437,8 +448,15 @@ def command_problems() -> list[str]:
                 continue
             parser = sub.choices[words[0]]
             rest = words[1:]
-            nested = [a for a in parser._subparsers._group_actions  # type: ignore[union-attr]
-                      if isinstance(a, argparse._SubParsersAction)] if parser._subparsers else []
+            nested = (
+                [
+                    a
+                    for a in parser._subparsers._group_actions  # type: ignore[union-attr]
+                    if isinstance(a, argparse._SubParsersAction)
+                ]
+                if parser._subparsers
+                else []
+            )
             if nested and rest and re.fullmatch(r"[a-z][a-z0-9\\|-]*", rest[0]):
                 names = rest[0].split("\\|")
                 unknown = [n for n in names if n not in nested[0].choices and n not in former]
@@ -527,23 +545,32 @@ def test_the_rules_find_what_they_should() -> None:
 
 def test_the_command_check_finds_what_it_should(monkeypatch, tmp_path) -> None:
     doc = tmp_path / "x.md"
-    doc.write_text("`engram-trt shm list --bogus`, `engram-trt bench serve PATH --concurrency 1 --nope`\n"
-                   "```\nengram-trt run PATH --no-such\nengram-trt bench serve\\|nobench\n```\n"
-                   "`engram-trt frobnicate`, `engram-trt build CK -o OUT --dtype fp16`, engram-trt keeps (prose)\n")
+    doc.write_text(
+        "`engram-trt shm list --bogus`, `engram-trt bench serve PATH --concurrency 1 --nope`\n"
+        "```\nengram-trt run PATH --no-such\nengram-trt bench serve\\|nobench\n```\n"
+        "`engram-trt frobnicate`, `engram-trt build CK -o OUT --dtype fp16`, engram-trt keeps (prose)\n"
+    )
     monkeypatch.setattr(__import__(__name__), "_doc_files", lambda: [doc])
     monkeypatch.setattr(__import__(__name__), "REPO", tmp_path)
     found = [p.split(": ", 1)[1].rsplit(": ", 1)[1] for p in command_problems()]
-    assert found == ["no flag --bogus", "no flag --nope", "no flag --no-such", "no bench command ['nobench']",
-                     "no command 'frobnicate'"], found
+    assert found == [
+        "no flag --bogus",
+        "no flag --nope",
+        "no flag --no-such",
+        "no bench command ['nobench']",
+        "no command 'frobnicate'",
+    ], found
 
 
 def test_a_former_command_is_checked_against_its_script_in_the_benchmarks_doc_only(monkeypatch, tmp_path) -> None:
     """A recorded run of a command that is a script now parses against the script's flags in
     docs/benchmarks.md (its table of former commands naming the script); elsewhere it is no command."""
     bench_doc, other = tmp_path / "benchmarks.md", tmp_path / "x.md"
-    bench_doc.write_text("| former command | script now |\n| --- | --- |\n"
-                         "| `bench gather` | `benchmarks/lookup/bench_gather.py` |\n\n"
-                         "`engram-trt bench gather --threads 4 --dry-run`, `engram-trt bench gather --no-such`\n")
+    bench_doc.write_text(
+        "| former command | script now |\n| --- | --- |\n"
+        "| `bench gather` | `benchmarks/lookup/bench_gather.py` |\n\n"
+        "`engram-trt bench gather --threads 4 --dry-run`, `engram-trt bench gather --no-such`\n"
+    )
     other.write_text("`engram-trt bench gather --threads 4`\n")
     assert former_commands(bench_doc) == {"gather": "benchmarks/lookup/bench_gather.py"}
     assert {"--threads", "--dry-run", "--json"} <= script_flags("benchmarks/lookup/bench_gather.py")
@@ -556,11 +583,17 @@ def test_a_former_command_is_checked_against_its_script_in_the_benchmarks_doc_on
 
 def test_the_path_check_finds_what_it_should(tmp_path) -> None:
     doc = tmp_path / "x.md"
-    doc.write_text("`runtime/step.py` and `models/step.py`; tests/test_docs.py::test_no_such_check and "
-                   "test_cli.py; [spec](docs/engram-spec.md), [gone](nowhere.md); engram_trt.runtime.step.PackedStep\n")
+    doc.write_text(
+        "`runtime/step.py` and `models/step.py`; tests/test_docs.py::test_no_such_check and "
+        "test_cli.py; [spec](docs/engram-spec.md), [gone](nowhere.md); engram_trt.runtime.step.PackedStep\n"
+    )
     found = [m.split(": ", 1)[1] for m in missing_paths([doc])]
-    assert found == ["nowhere.md", "runtime/step.py", "engram_trt.runtime.step.PackedStep",
-                     "test_no_such_check (no such test)"], found
+    assert found == [
+        "nowhere.md",
+        "runtime/step.py",
+        "engram_trt.runtime.step.PackedStep",
+        "test_no_such_check (no such test)",
+    ], found
 
 
 def named_paths_of(text: str) -> list[tuple[int, str, bool]]:

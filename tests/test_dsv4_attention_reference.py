@@ -35,18 +35,43 @@ from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 LAYERS = [CSA, HCA, SWA]
 TYPE_ID = {CSA: CSA_ID, HCA: HCA_ID, SWA: SLIDING_ID}
-STATE_ORDER = ["window_kv", "compressed_kv", "compressor_kv", "compressor_gate", "index_keys", "indexer_kv",
-               "indexer_gate"]
+STATE_ORDER = [
+    "window_kv",
+    "compressed_kv",
+    "compressor_kv",
+    "compressor_gate",
+    "index_keys",
+    "indexer_kv",
+    "indexer_gate",
+]
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8, "beta_slow": 1}
 
 
 def make_config(topk: int = 2, rope=None) -> DeepseekV4Config:
     return DeepseekV4Config(
-        vocab_size=64, hidden_size=32, moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=4,
-        head_dim=16, q_lora_rank=16, num_experts_per_tok=1, n_routed_experts=2, layer_types=list(LAYERS),
-        mlp_layer_types=["moe"] * 3, compress_rates={CSA: 4, HCA: 8}, hc_mult=2, sliding_window=6, o_groups=2,
-        o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=topk, partial_rotary_factor=0.5,
-        rope_parameters=rope, max_position_embeddings=256, attn_implementation="eager",
+        vocab_size=64,
+        hidden_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        head_dim=16,
+        q_lora_rank=16,
+        num_experts_per_tok=1,
+        n_routed_experts=2,
+        layer_types=list(LAYERS),
+        mlp_layer_types=["moe"] * 3,
+        compress_rates={CSA: 4, HCA: 8},
+        hc_mult=2,
+        sliding_window=6,
+        o_groups=2,
+        o_lora_rank=16,
+        index_n_heads=8,
+        index_head_dim=16,
+        index_topk=topk,
+        partial_rotary_factor=0.5,
+        rope_parameters=rope,
+        max_position_embeddings=256,
+        attn_implementation="eager",
     )
 
 
@@ -64,26 +89,51 @@ def new_state(config, idx: int, n_slots: int, max_len: int, dtype=torch.float32)
     return {k: torch.full((n_slots, *s), float("nan"), dtype=dtype) for k, (s, _) in shapes.items()}
 
 
-def node_inputs(layer: DeepseekV4Attention, x: torch.Tensor, positions: torch.Tensor, starts, pasts, slots,
-                state: dict[str, torch.Tensor]) -> list:
+def node_inputs(
+    layer: DeepseekV4Attention,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    starts,
+    pasts,
+    slots,
+    state: dict[str, torch.Tensor],
+) -> list:
     """What the graph feeds the node, from the layer's own modules (op input order)."""
     t, h, d = x.shape[0], layer.num_heads, layer.head_dim
     cos, sin = layer.rope(positions)
     q_res = layer.q_a_norm(layer.q_a_proj(x))
-    q = apply_rope(unweighted_rms_norm(layer.q_b_proj(q_res).reshape(t, h, d), layer.eps), cos.unsqueeze(1),
-                   sin.unsqueeze(1))
+    q = apply_rope(
+        unweighted_rms_norm(layer.q_b_proj(q_res).reshape(t, h, d), layer.eps), cos.unsqueeze(1), sin.unsqueeze(1)
+    )
     kv = apply_rope(layer.kv_norm(layer.kv_proj(x)), cos, sin)
     i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
     inputs = [q, kv, layer.sinks, i32(starts), i32(pasts), i32(slots), state["window_kv"]]
     comp = layer.compressor
     if comp is not None:
-        inputs += [comp.kv_proj(x), comp.gate_proj(x), comp.position_bias, comp.kv_norm.weight,
-                   layer.rope.inv_freq, state["compressed_kv"], state["compressor_kv"], state["compressor_gate"]]
+        inputs += [
+            comp.kv_proj(x),
+            comp.gate_proj(x),
+            comp.position_bias,
+            comp.kv_norm.weight,
+            layer.rope.inv_freq,
+            state["compressed_kv"],
+            state["compressor_kv"],
+            state["compressor_gate"],
+        ]
     if layer.layer_type == CSA:
         ix = comp.indexer
         iq, iw = ix.queries(q_res, x, cos, sin)
-        inputs += [iq, iw, ix.kv_proj(x), ix.gate_proj(x), ix.position_bias, ix.kv_norm.weight,
-                   state["index_keys"], state["indexer_kv"], state["indexer_gate"]]
+        inputs += [
+            iq,
+            iw,
+            ix.kv_proj(x),
+            ix.gate_proj(x),
+            ix.position_bias,
+            ix.kv_norm.weight,
+            state["index_keys"],
+            state["indexer_kv"],
+            state["indexer_gate"],
+        ]
     return inputs
 
 
@@ -96,10 +146,15 @@ def graph_tail(layer: DeepseekV4Attention, out: torch.Tensor, positions: torch.T
 
 def fields_of(layer: DeepseekV4Attention) -> dict:
     comp = layer.compressor
-    return dict(layer_type=TYPE_ID[layer.layer_type], window=layer.window,
-                compress_rate=comp.rate if comp is not None else 0,
-                index_topk=layer.config.index_topk if layer.layer_type == CSA else 0,
-                scaling=layer.scaling, eps=layer.eps, rope_scale=float(layer.rope.scale))
+    return dict(
+        layer_type=TYPE_ID[layer.layer_type],
+        window=layer.window,
+        compress_rate=comp.rate if comp is not None else 0,
+        index_topk=layer.config.index_topk if layer.layer_type == CSA else 0,
+        scaling=layer.scaling,
+        eps=layer.eps,
+        rope_scale=float(layer.rope.scale),
+    )
 
 
 def assert_no_tie_at_cut(layer, inputs, positions, starts) -> None:
@@ -163,8 +218,7 @@ def three_steps(layer, gen, config, idx, dtype=torch.float32, rel=2e-5):
         for t in st.values():
             t[1] = torch.randn(t[1].shape, generator=torch.Generator().manual_seed(5)) * 3
     step(layer, ref_state, torch_state, [(x[2][13:29], 13, 2), (x[0][5:6], 5, 0), (x[1][:11], 0, 1)], dtype, rel)
-    step(layer, ref_state, torch_state, [(x[0][6:7], 6, 0), (x[1][11:12], 11, 1), (x[2][29:30], 29, 2)], dtype,
-         rel)
+    step(layer, ref_state, torch_state, [(x[0][6:7], 6, 0), (x[1][11:12], 11, 1), (x[2][29:30], 29, 2)], dtype, rel)
     return torch_state
 
 

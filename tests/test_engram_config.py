@@ -8,15 +8,34 @@ import json
 import pytest
 
 from engram_trt.config.model import ModelConfig
-from engram_trt.cli.engram_args import (add_engram_config_arguments, engram_config_from_args, reject_unknown_args,
-                                        split_dotted)
+from engram_trt.cli.engram_args import (
+    add_engram_config_arguments,
+    engram_config_from_args,
+    reject_unknown_args,
+    split_dotted,
+)
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
-BACKBONE = dict(architectures=["EngramLlamaForCausalLM"], hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, vocab_size=100)
-ENGRAM = dict(engram_layer_ids=[1], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
-              engram_vocab_size=50, engram_compressed_vocab_size=80, engram_pad_token_id=0)
+BACKBONE = dict(
+    architectures=["EngramLlamaForCausalLM"],
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=100,
+)
+ENGRAM = dict(
+    engram_layer_ids=[1],
+    engram_max_ngram_size=3,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_vocab_size=50,
+    engram_compressed_vocab_size=80,
+    engram_pad_token_id=0,
+)
 
 
 def test_defaults_are_the_peers() -> None:
@@ -36,15 +55,18 @@ def test_json_text_file_and_dotted_overrides(tmp_path) -> None:
     assert c.cpu_offload is False and c.table_placement == "prefetch"
 
 
-@pytest.mark.parametrize("text, needle", [
-    ('{"cpu_ofload": true}', "unknown field 'cpu_ofload'"),
-    ('{"cpu_offload": "yes"}', "must be true or false"),
-    ('{"cpu_offload": 1}', "must be true or false"),
-    ('{"table_placement": "gpu"}', "table_placement"),
-    ('[1, 2]', "expected a JSON object"),
-    ('{"cpu_offload": tru}', "not valid JSON"),
-    ('no-such-file.json', "neither a JSON object nor an existing file"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('{"cpu_ofload": true}', "unknown field 'cpu_ofload'"),
+        ('{"cpu_offload": "yes"}', "must be true or false"),
+        ('{"cpu_offload": 1}', "must be true or false"),
+        ('{"table_placement": "gpu"}', "table_placement"),
+        ('[1, 2]', "expected a JSON object"),
+        ('{"cpu_offload": tru}', "not valid JSON"),
+        ('no-such-file.json', "neither a JSON object nor an existing file"),
+    ],
+)
 def test_bad_input_is_one_line(text: str, needle: str) -> None:
     with pytest.raises(EngramError) as e:
         EngramConfig.parse(text)
@@ -85,13 +107,25 @@ def test_host_file_gather_serves_engram_checkpoints() -> None:
         cfg.validate_for(plain)
 
 
-@pytest.mark.parametrize("fields, needle", [
-    ({"host_file_gather": True, "cpu_offload": False}, "host_file_gather reads rows .* contradicts cpu_offload=false"),
-    ({"host_file_gather": True, "dp_shared_memory": True}, "host_file_gather and dp_shared_memory .* pick one"),
-    ({"dp_shared_memory": True, "cpu_offload": False}, "dp_shared_memory shares .* contradicts cpu_offload=false"),
-    ({"dp_shared_memory": True, "embedding_across_dp": True}, "dp_shared_memory .* embedding_across_dp .* pick one"),
-    ({"host_file_gather": True, "table_placement": "in_engine"}, "cannot run in the engine; use table_placement 'prefetch'"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (
+            {"host_file_gather": True, "cpu_offload": False},
+            "host_file_gather reads rows .* contradicts cpu_offload=false",
+        ),
+        ({"host_file_gather": True, "dp_shared_memory": True}, "host_file_gather and dp_shared_memory .* pick one"),
+        ({"dp_shared_memory": True, "cpu_offload": False}, "dp_shared_memory shares .* contradicts cpu_offload=false"),
+        (
+            {"dp_shared_memory": True, "embedding_across_dp": True},
+            "dp_shared_memory .* embedding_across_dp .* pick one",
+        ),
+        (
+            {"host_file_gather": True, "table_placement": "in_engine"},
+            "cannot run in the engine; use table_placement 'prefetch'",
+        ),
+    ],
+)
 def test_contradictions_refused(fields: dict, needle: str) -> None:
     with pytest.raises(EngramError, match=needle):
         EngramConfig.from_dict(fields).validate()
@@ -100,8 +134,15 @@ def test_contradictions_refused(fields: dict, needle: str) -> None:
 def test_argparse_flags() -> None:
     p = argparse.ArgumentParser()
     add_engram_config_arguments(p)
-    args = p.parse_args(["--engram-config", '{"cpu_offload": true}', "--engram-config.cpu_offload", "false",
-                         "--engram-config.embedding_across_dp=true"])
+    args = p.parse_args(
+        [
+            "--engram-config",
+            '{"cpu_offload": true}',
+            "--engram-config.cpu_offload",
+            "false",
+            "--engram-config.embedding_across_dp=true",
+        ]
+    )
     c = engram_config_from_args(args)
     assert c.cpu_offload is False and c.embedding_across_dp is True
     # a misspelled dotted flag: parse_known_args leaves it, reject_unknown_args names it

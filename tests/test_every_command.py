@@ -35,8 +35,11 @@ OK = "ok"
 # Each case: (id, argv with {ckpt} / {engine} / {tmp} / {foreign} / {prompts}, per family: OK or the needles
 # of its refusal)
 ALL_OK = {f: OK for f in FAMILIES}
-NO_ENGRAM = {"deepseek-v4": ("DeepSeek-V4 model has no Engram layers", "engram-trt inspect"),
-             "qwen4-exp": ("Qwen4Exp model has no Engram layers", "engram-trt inspect"), "engram-llama": OK}
+NO_ENGRAM = {
+    "deepseek-v4": ("DeepSeek-V4 model has no Engram layers", "engram-trt inspect"),
+    "qwen4-exp": ("Qwen4Exp model has no Engram layers", "engram-trt inspect"),
+    "engram-llama": OK,
+}
 NEW_FAMILIES_OK = {"deepseek-v4": OK, "qwen4-exp": OK}
 CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     ("layout", ["layout", "{ckpt}"], NO_ENGRAM),
@@ -50,11 +53,18 @@ CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     # against transformers: tests/test_tensor_parallel.py)
     ("run-dp-2", ["run", "{ckpt}", "--dp", "2", "--prompts-file", "{prompts}", *GEN], NEW_FAMILIES_OK),
     ("run-tp-2", ["run", "{ckpt}", "--tp", "2", *GEN], NEW_FAMILIES_OK),
-    ("run-dp-2-embedding-across-dp",
-     ["run", "{ckpt}", "--dp", "2", "--engram-config.embedding_across_dp", "true", *GEN],
-     {"deepseek-v4": ("--engram-config sets embedding_across_dp", "no Engram layers"),
-      "qwen4-exp": ("embedding_across_dp", "Qwen4Exp's own tables (not Engram tables) are not sharded across ranks",
-                    "dp_shared_memory")}),
+    (
+        "run-dp-2-embedding-across-dp",
+        ["run", "{ckpt}", "--dp", "2", "--engram-config.embedding_across_dp", "true", *GEN],
+        {
+            "deepseek-v4": ("--engram-config sets embedding_across_dp", "no Engram layers"),
+            "qwen4-exp": (
+                "embedding_across_dp",
+                "Qwen4Exp's own tables (not Engram tables) are not sharded across ranks",
+                "dp_shared_memory",
+            ),
+        },
+    ),
     ("build", ["build", "{ckpt}", "-o", "{engine}", "--no-engine", "--max-batch", "2", "--json"], ALL_OK),
     ("inspect-engine", ["inspect", "{engine}", "--verify-tables"], ALL_OK),
     ("run-engine", ["run", "{engine}", *GEN], ALL_OK),
@@ -62,15 +72,39 @@ CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     ("triton-repo", ["triton-repo", "{engine}", "--out", "{tmp}/repo"], ALL_OK),
     ("triton-repo-tp-2", ["triton-repo", "{ckpt}", "--out", "{tmp}/repo", "--tp", "2", "--device", "cpu"], ALL_OK),
     # serve reads the folder through the registry (--dp 2) before it writes --repo, which is refused here
-    ("serve", ["serve", "{ckpt}", "--dp", "2", "--device", "cpu", "--repo", "{foreign}"],
-     {f: ("--repo", "foreign", "is not empty") for f in FAMILIES}),
-    ("serve-tp-2", ["serve", "{engine}", "--tp", "2", "--device", "cpu", "--repo", "{foreign}"],
-     {f: ("--repo", "foreign", "is not empty") for f in FAMILIES}),
-    ("bench-serve", ["bench", "serve", "{ckpt}", "--concurrency", "1,2", "--prompt-tokens", "4", "--max-tokens", "2",
-                     "--device", "cpu"], ALL_OK),
+    (
+        "serve",
+        ["serve", "{ckpt}", "--dp", "2", "--device", "cpu", "--repo", "{foreign}"],
+        {f: ("--repo", "foreign", "is not empty") for f in FAMILIES},
+    ),
+    (
+        "serve-tp-2",
+        ["serve", "{engine}", "--tp", "2", "--device", "cpu", "--repo", "{foreign}"],
+        {f: ("--repo", "foreign", "is not empty") for f in FAMILIES},
+    ),
+    (
+        "bench-serve",
+        [
+            "bench",
+            "serve",
+            "{ckpt}",
+            "--concurrency",
+            "1,2",
+            "--prompt-tokens",
+            "4",
+            "--max-tokens",
+            "2",
+            "--device",
+            "cpu",
+        ],
+        ALL_OK,
+    ),
     ("demo-checkpoint", ["demo-checkpoint", "{ckpt}"], {f: ("is not empty", "--force") for f in FAMILIES}),
-    ("import-gguf", ["import-gguf", "{ckpt}/config.json", "{tmp}/imported"],
-     {f: ("config.json", "GGUF") for f in FAMILIES}),
+    (
+        "import-gguf",
+        ["import-gguf", "{ckpt}/config.json", "{tmp}/imported"],
+        {f: ("config.json", "GGUF") for f in FAMILIES},
+    ),
     ("shm", ["shm", "list", "--dir", "{tmp}"], ALL_OK),
 ]
 
@@ -92,13 +126,21 @@ def folders(tmp_path_factory: pytest.TempPathFactory, tiny_ckpt: Path) -> dict[s
     foreign.mkdir()
     (foreign / "notes.txt").write_text("the user's\n")
     out: dict[str, dict[str, Path]] = {}
-    for fam, src in (("deepseek-v4", DATA / "deepseek_v4_tiny"), ("qwen4-exp", DATA / "qwen4_exp_tiny"),
-                     ("engram-llama", tiny_ckpt)):
+    for fam, src in (
+        ("deepseek-v4", DATA / "deepseek_v4_tiny"),
+        ("qwen4-exp", DATA / "qwen4_exp_tiny"),
+        ("engram-llama", tiny_ckpt),
+    ):
         d = root / fam
         d.mkdir()
         shutil.copytree(src, d / "ckpt")
-        out[fam] = {"ckpt": d / "ckpt", "engine": d / "engine", "tmp": d / "tmp", "foreign": foreign,
-                    "prompts": prompts}
+        out[fam] = {
+            "ckpt": d / "ckpt",
+            "engine": d / "engine",
+            "tmp": d / "tmp",
+            "foreign": foreign,
+            "prompts": prompts,
+        }
         (d / "tmp").mkdir()
     return out
 
@@ -112,11 +154,20 @@ def _argv(argv: list[str], paths: dict[str, Path]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("family, case_id, argv, want", [(f, *c) for c in CASES for f in FAMILIES if f in c[2]],
-                         ids=[f"{c[0]}-{f}" for c in CASES for f in FAMILIES if f in c[2]])
-def test_subcommand_on_each_family(family: str, case_id: str, argv: list[str], want: dict[str, Any],
-                                   folders: dict[str, dict[str, Path]], capsys: pytest.CaptureFixture,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "family, case_id, argv, want",
+    [(f, *c) for c in CASES for f in FAMILIES if f in c[2]],
+    ids=[f"{c[0]}-{f}" for c in CASES for f in FAMILIES if f in c[2]],
+)
+def test_subcommand_on_each_family(
+    family: str,
+    case_id: str,
+    argv: list[str],
+    want: dict[str, Any],
+    folders: dict[str, dict[str, Path]],
+    capsys: pytest.CaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     paths = folders[family]
     if "{engine}" in " ".join(argv) and case_id != "build" and not (paths["engine"] / "manifest.json").is_file():
         assert main(_argv(CASES[[c[0] for c in CASES].index("build")][1], paths)) == 0  # the engine folder first

@@ -23,21 +23,32 @@ from engram_trt.errors import EngramError
 
 
 def env_for_subprocess(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               ENGRAM_TRT_NO_PROGRESS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        ENGRAM_TRT_NO_PROGRESS="1",
+    )
     env.update(extra)
     return env
 
 
 def cli(*argv: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engram_trt", *argv], capture_output=True, text=True,
-                          env=env_for_subprocess(**env), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engram_trt", *argv],
+        capture_output=True,
+        text=True,
+        env=env_for_subprocess(**env),
+        timeout=300,
+    )
 
 
 def temps_beside(target: Path) -> list[str]:
     """Temporaries and markers of ``target`` (lock files are not temporaries)."""
-    return sorted(p.name for p in target.parent.iterdir()
-                  if p.name.startswith(f".{target.name}.") and not p.name.endswith(atomic.LOCK_SUFFIX))
+    return sorted(
+        p.name
+        for p in target.parent.iterdir()
+        if p.name.startswith(f".{target.name}.") and not p.name.endswith(atomic.LOCK_SUFFIX)
+    )
 
 
 @pytest.fixture
@@ -95,8 +106,9 @@ def test_demo_checkpoint_force_keeps_other_files(tmp_path: Path, monkeypatch: py
 
 
 # ---------------------------------------------------------------- builds
-def test_failed_builds_leave_the_previous_folder_whole(engine: Path, tiny_ckpt: Path, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_builds_leave_the_previous_folder_whole(
+    engine: Path, tiny_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     before = tree_digest(engine)
     # Refused before any work: --repack-tables naming a file.
     a_file = tmp_path / "tables.bin"
@@ -157,21 +169,35 @@ def test_output_inside_the_checkpoint_is_refused(tmp_path: Path, tiny_ckpt: Path
     ck = tmp_path / "ck"
     shutil.copytree(tiny_ckpt, ck)
     before = tree_digest(ck)
-    for out, needle in ((ck, "inside the checkpoint folder"), (ck / "engine", "inside the checkpoint folder"),
-                        (tmp_path, "lies inside --output")):
+    for out, needle in (
+        (ck, "inside the checkpoint folder"),
+        (ck / "engine", "inside the checkpoint folder"),
+        (tmp_path, "lies inside --output"),
+    ):
         with pytest.raises(EngramError, match=needle):
             build(ck, out, build_engine_if_possible=False, progress=False)
     with pytest.raises(EngramError, match="--repack-tables .* is inside the checkpoint"):
         build(ck, tmp_path / "eng", repack_tables_dir=ck / "packed", build_engine_if_possible=False, progress=False)
     with pytest.raises(EngramError, match="--repack-tables .* is inside --output"):
-        build(ck, tmp_path / "eng", repack_tables_dir=tmp_path / "eng" / "packed", build_engine_if_possible=False, progress=False)
+        build(
+            ck,
+            tmp_path / "eng",
+            repack_tables_dir=tmp_path / "eng" / "packed",
+            build_engine_if_possible=False,
+            progress=False,
+        )
     assert tree_digest(ck) == before and not (tmp_path / "eng").exists()
 
 
 def _start_paused_build(ck: Path, out: Path, point: str, flag: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = env_for_subprocess(**{atomic.PAUSE_ENV: point, atomic.PAUSE_FLAG_ENV: str(flag)})
-    return subprocess.Popen([sys.executable, "-m", "engram_trt", "build", str(ck), "-o", str(out), "--no-engine", *extra],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "engram_trt", "build", str(ck), "-o", str(out), "--no-engine", *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(flag: Path, procs: list[subprocess.Popen], timeout: float = 120) -> None:
@@ -234,13 +260,16 @@ def test_build_killed_at_each_point_leaves_a_whole_folder(tmp_path: Path, tiny_c
         if point == "swap:exchanged":
             # The new folder is in place: the same inputs give the same files (the
             # report's timings aside), the user's note carried over.
-            assert {k: v for k, v in now.items() if k != "build_report.json"} == \
-                   {k: v for k, v in good.items() if k != "build_report.json"}, point
+            assert {k: v for k, v in now.items() if k != "build_report.json"} == {
+                k: v for k, v in good.items() if k != "build_report.json"
+            }, point
         else:
             assert now == good, point
         r = build(tiny_ckpt, out, build_engine_if_possible=False, progress=False)
         assert temps_beside(out) == [], point
-        assert (out / "NOTES.txt").read_text() == "mine\n" and r.manifest_path.read_bytes() == (first / "manifest.json").read_bytes()
+        assert (out / "NOTES.txt").read_text() == "mine\n" and r.manifest_path.read_bytes() == (
+            first / "manifest.json"
+        ).read_bytes()
 
 
 def test_two_concurrent_builds_into_one_folder_both_succeed(tmp_path: Path, tiny_ckpt: Path) -> None:
@@ -251,8 +280,13 @@ def test_two_concurrent_builds_into_one_folder_both_succeed(tmp_path: Path, tiny
     first = _start_paused_build(tiny_ckpt, out, "build:export", flag)
     try:
         _wait_for(flag, [first])
-        second = subprocess.Popen([sys.executable, "-m", "engram_trt", "build", str(tiny_ckpt), "-o", str(out), "--no-engine"],
-                                  env=env_for_subprocess(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        second = subprocess.Popen(
+            [sys.executable, "-m", "engram_trt", "build", str(tiny_ckpt), "-o", str(out), "--no-engine"],
+            env=env_for_subprocess(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         t0 = time.monotonic()
         waiting = ""
         while "waiting for another build" not in waiting and time.monotonic() - t0 < 120 and second.poll() is None:
@@ -272,14 +306,23 @@ def test_two_concurrent_builds_into_one_folder_both_succeed(tmp_path: Path, tiny
     assert second.wait(timeout=300) == 0, second.stderr.read()[-2000:]
     assert temps_beside(out) == []
     # And two unpaused builds at once: both succeed, one after the other.
-    procs = [subprocess.Popen([sys.executable, "-m", "engram_trt", "build", str(tiny_ckpt), "-o", str(out), "--no-engine"],
-                              env=env_for_subprocess(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engram_trt", "build", str(tiny_ckpt), "-o", str(out), "--no-engine"],
+            env=env_for_subprocess(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     for p in procs:
         assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
     assert temps_beside(out) == []
     m = json.loads((out / "manifest.json").read_text())
-    assert m["tables"][0]["sha256"] == file_sha256(m["tables"][0]["file"], m["tables"][0]["offset"], m["tables"][0]["nbytes"])
+    assert m["tables"][0]["sha256"] == file_sha256(
+        m["tables"][0]["file"], m["tables"][0]["offset"], m["tables"][0]["nbytes"]
+    )
 
 
 def test_build_past_the_file_size_limit_is_one_line_and_leaves_no_trace(engine: Path, tiny_ckpt: Path) -> None:
@@ -294,8 +337,14 @@ def test_build_past_the_file_size_limit_is_one_line_and_leaves_no_trace(engine: 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # ignored: the write fails with EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
-    proc = subprocess.run([sys.executable, "-m", "engram_trt", "build", str(tiny_ckpt), "-o", str(engine), "--no-engine"],
-                          capture_output=True, text=True, env=env_for_subprocess(), timeout=300, preexec_fn=limit)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engram_trt", "build", str(tiny_ckpt), "-o", str(engine), "--no-engine"],
+        capture_output=True,
+        text=True,
+        env=env_for_subprocess(),
+        timeout=300,
+        preexec_fn=limit,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("engram-trt: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "File too large" in proc.stderr and "nothing half-written was kept" in proc.stderr
@@ -327,7 +376,9 @@ def test_swap_without_exchange_restores_after_a_crash(tmp_path: Path, monkeypatc
     # A temporary whose marker names a live process, or with no marker, is left alone.
     live = target.parent / f".{target.name}.build-{os.getpid()}-0badf00d"
     live.mkdir()
-    Path(str(live) + atomic.OWNER_SUFFIX).write_text(json.dumps({"pid": os.getpid(), "start_time": atomic.process_start_time(os.getpid())}))
+    Path(str(live) + atomic.OWNER_SUFFIX).write_text(
+        json.dumps({"pid": os.getpid(), "start_time": atomic.process_start_time(os.getpid())})
+    )
     stranger = target.parent / f".{target.name}.build-{dead.pid}-feedf00d"
     stranger.mkdir()
     atomic.clean_dead_temps(target)
@@ -343,10 +394,18 @@ def test_killed_demo_leaves_no_temporary_after_the_next_run(tmp_path: Path, demo
     cache = tmp_path / "cache"
     cache.mkdir()
     flag = tmp_path / "paused"
-    proc = subprocess.Popen([sys.executable, "-c", "from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint; ensure_demo_checkpoint()"],
-                            env=env_for_subprocess(ENGRAM_TRT_CACHE=str(cache), **{atomic.PAUSE_ENV: "demo:tmp-made",
-                                                                                     atomic.PAUSE_FLAG_ENV: str(flag)}),
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from engram_trt.models.engram_llama.demo import ensure_demo_checkpoint; ensure_demo_checkpoint()",
+        ],
+        env=env_for_subprocess(
+            ENGRAM_TRT_CACHE=str(cache), **{atomic.PAUSE_ENV: "demo:tmp-made", atomic.PAUSE_FLAG_ENV: str(flag)}
+        ),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     legacy = cache / f".demo-checkpoint.tmp-{dead.pid}"
@@ -368,13 +427,27 @@ def test_killed_demo_leaves_no_temporary_after_the_next_run(tmp_path: Path, demo
 def _namespaces_work() -> bool:
     if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
-                            "mount -t tmpfs -o size=64k tmpfs /tmp"], capture_output=True, timeout=30)
+    probe = subprocess.run(
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || mount -t tmpfs -o size=64k tmpfs /tmp",
+        ],
+        capture_output=True,
+        timeout=30,
+    )
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(not _namespaces_work(), reason="user and mount namespaces (unshare -rm, to mount a small tmpfs) are not available here")
-def test_full_disk_mid_build_is_one_line_and_leaves_the_old_folder(engine: Path, tiny_ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not _namespaces_work(),
+    reason="user and mount namespaces (unshare -rm, to mount a small tmpfs) are not available here",
+)
+def test_full_disk_mid_build_is_one_line_and_leaves_the_old_folder(
+    engine: Path, tiny_ckpt: Path, tmp_path: Path
+) -> None:
     """A real full disk: the engine folder on a 192 KiB tmpfs (in a private mount
     namespace) that holds the old build but not a second one. The build fails with
     ENOSPC in one line; the old folder is whole and no temporary is left."""
@@ -393,8 +466,9 @@ echo $? > {out}/rc.txt
 (cd {mnt}/eng && sha256sum * > {out}/after.txt)
 ls -A {mnt} > {out}/listing.txt
 """
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env_for_subprocess(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], env=env_for_subprocess(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     err = (out / "stderr.txt").read_text()
     assert (out / "rc.txt").read_text().strip() == "2", err
@@ -405,8 +479,9 @@ ls -A {mnt} > {out}/listing.txt
 
 
 # ---------------------------------------------------------------- locks and links
-def test_locks_are_never_left_and_never_a_users_file(engine: Path, tiny_ckpt: Path, tmp_path: Path, capsys,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_locks_are_never_left_and_never_a_users_file(
+    engine: Path, tiny_ckpt: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The lock of a write is .NAME.engram-trt.lock, removed by its holder: none is left
     after a finished or a failed build, a user's file of the old name (.NAME.lock) is
     never touched, a user's file of the lock's own name is refused (unchanged), and a
@@ -474,8 +549,9 @@ def test_lock_holders_never_overlap_while_lock_files_come_and_go(tmp_path: Path)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_output_that_is_a_symbolic_link_is_written_through(engine: Path, tiny_ckpt: Path, tmp_path: Path,
-                                                             capsys) -> None:
+def test_an_output_that_is_a_symbolic_link_is_written_through(
+    engine: Path, tiny_ckpt: Path, tmp_path: Path, capsys
+) -> None:
     """build -o LINK and triton-repo --out LINK rebuild the folder the link names; the link
     stays a link to it. A link to nothing is refused before any work."""
     link = tmp_path / "link"
@@ -505,7 +581,10 @@ def test_an_output_that_is_a_symbolic_link_is_written_through(engine: Path, tiny
     assert dangling.is_symlink() and not (tmp_path / "nowhere").exists()
 
 
-@pytest.mark.skipif(not _namespaces_work(), reason="user and mount namespaces (unshare -rm, to mount a small tmpfs) are not available here")
+@pytest.mark.skipif(
+    not _namespaces_work(),
+    reason="user and mount namespaces (unshare -rm, to mount a small tmpfs) are not available here",
+)
 def test_a_mount_point_output_is_refused_before_any_work(tiny_ckpt: Path, tmp_path: Path) -> None:
     """build -o MOUNTPOINT: the new folder could never be swapped in (EBUSY after the whole
     build); refused first, naming the path and a folder inside it."""
@@ -520,8 +599,9 @@ mount -t tmpfs -o size=1m tmpfs {mnt}
 echo $? > {out}/rc.txt
 ls -A {mnt} > {out}/listing.txt
 """
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=env_for_subprocess(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], env=env_for_subprocess(), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     err = (out / "stderr.txt").read_text()
     assert (out / "rc.txt").read_text().strip() == "2", err

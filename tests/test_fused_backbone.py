@@ -50,7 +50,13 @@ def test_fused_weights_are_views_of_one_stack(cfg_dict: dict) -> None:
     ref, cfg, weights, lookup = build(cfg_dict)
     model = fused_twin(ref, weights, lookup)
     assert sorted(n for n, _ in model.named_parameters()) == sorted(model_weight_shapes(cfg))
-    D, H, kvh, hd, I = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size
+    D, H, kvh, hd, I = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    )
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
@@ -58,7 +64,11 @@ def test_fused_weights_are_views_of_one_stack(cfg_dict: dict) -> None:
         assert tuple(mlp.gate_up_weight.shape) == (2 * I, D)
         assert attn.fused_weight() is attn.qkv_weight and mlp.fused_weight() is mlp.gate_up_weight
         row = D * attn.qkv_weight.element_size()
-        for w, rows_before in ((attn.q_proj.weight, 0), (attn.k_proj.weight, H * hd), (attn.v_proj.weight, (H + kvh) * hd)):
+        for w, rows_before in (
+            (attn.q_proj.weight, 0),
+            (attn.k_proj.weight, H * hd),
+            (attn.v_proj.weight, (H + kvh) * hd),
+        ):
             assert w.data_ptr() == attn.qkv_weight.data_ptr() + rows_before * row
             assert w.untyped_storage().data_ptr() == attn.qkv_weight.untyped_storage().data_ptr()
         assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr() + I * row
@@ -103,10 +113,18 @@ def test_fused_path_matches_the_oracle_and_the_reference(cfg_dict: dict) -> None
     for name, m in (("fused", model), ("ref", ref)):
         c = m.new_cache(4, 32)
         m.forward_step(PackedStep(torch.tensor(IDS[:9] + IDS[:4]), [9, 4], [0, 0], [3, 1]), c)
-        caches[name] = (m.forward_step(PackedStep(torch.tensor(IDS[9:12] + IDS[4:5] + IDS[:2]), [3, 1, 2], [9, 4, 0],
-                                                  [3, 1, 0]), c, all_logits=True), c)
+        caches[name] = (
+            m.forward_step(
+                PackedStep(torch.tensor(IDS[9:12] + IDS[4:5] + IDS[:2]), [3, 1, 2], [9, 4, 0], [3, 1, 0]),
+                c,
+                all_logits=True,
+            ),
+            c,
+        )
     close(caches["fused"][0], caches["ref"][0], rel=1e-5)
-    for a, b in zip(caches["fused"][1].keys + caches["fused"][1].values, caches["ref"][1].keys + caches["ref"][1].values):
+    for a, b in zip(
+        caches["fused"][1].keys + caches["fused"][1].values, caches["ref"][1].keys + caches["ref"][1].values
+    ):
         close(a, b, rel=1e-5)
 
 
@@ -143,8 +161,13 @@ def test_fused_path_reaches_the_ops_once_per_step_piece() -> None:
     model = fused_twin(ref, weights, lookup, ops)
     separate = []
     for layer in model.model.layers:
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
-                     layer.mlp.up_proj):
+        for proj in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+        ):
             proj.register_forward_hook(lambda *a: separate.append(1))
     model(IDS)
     L = cfg.num_hidden_layers
@@ -158,7 +181,9 @@ def test_a_replaced_weight_runs_its_projection_apart() -> None:
     the separate projections (with the new weight), the others stay fused."""
     ref, cfg, weights, lookup = build(MODEL_CONFIG)
     model = fused_twin(ref, weights, lookup, TorchBackboneOps())
-    new = torch.randn(weights["model.layers.1.self_attn.k_proj.weight"].shape, generator=torch.Generator().manual_seed(3))
+    new = torch.randn(
+        weights["model.layers.1.self_attn.k_proj.weight"].shape, generator=torch.Generator().manual_seed(3)
+    )
     for m in (model, ref):
         m.model.layers[1].self_attn.k_proj.weight = torch.nn.Parameter(new.clone(), requires_grad=False)
     assert model.model.layers[1].self_attn.fused_weight() is None
@@ -174,13 +199,19 @@ def test_dispatch_on_a_cpu(caplog) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             model = EngramLlama(cfg, weights, compress_lookup=lookup, dtype=dtype)
             assert model.backbone_ops is None and model.backend_name == "torch"
-            assert all(layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None
-                       for layer in model.model.layers)
-    assert [r.getMessage() for r in caplog.records if r.name == "engram_trt.models.engram_llama.kernel_ops"] == ["decoder layers: PyTorch ops (cpu, torch.float32)",
-                                                        "decoder layers: PyTorch ops (cpu, torch.bfloat16)"]
-    with pytest.raises(EngramError, match=r"^backbone_backend 'kernels' runs on a CUDA device in bfloat16 with fused "
-                                          r"projections \(got cpu, torch.bfloat16, fuse_projections=False\); use "
-                                          r"'torch' or 'auto'$"):
+            assert all(
+                layer.self_attn.qkv_weight is None and layer.mlp.gate_up_weight is None for layer in model.model.layers
+            )
+    assert [r.getMessage() for r in caplog.records if r.name == "engram_trt.models.engram_llama.kernel_ops"] == [
+        "decoder layers: PyTorch ops (cpu, torch.float32)",
+        "decoder layers: PyTorch ops (cpu, torch.bfloat16)",
+    ]
+    with pytest.raises(
+        EngramError,
+        match=r"^backbone_backend 'kernels' runs on a CUDA device in bfloat16 with fused "
+        r"projections \(got cpu, torch.bfloat16, fuse_projections=False\); use "
+        r"'torch' or 'auto'$",
+    ):
         EngramLlama(cfg, weights, compress_lookup=lookup, dtype=torch.bfloat16, backbone_backend="kernels")
     with pytest.raises(EngramError, match=r"^backbone_backend 'fast' is not one of \['auto', 'torch', 'kernels'\]$"):
         EngramLlama(cfg, weights, compress_lookup=lookup, backbone_backend="fast")
@@ -233,8 +264,11 @@ def test_bindings_name_the_bad_argument() -> None:
     cs = torch.zeros(3, 64, dtype=torch.bfloat16)
     cache = torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16)
     idx = torch.zeros(3, dtype=torch.int32)
-    with pytest.raises(EngramError, match=r"^qkv must be \[T, \(num_heads \+ 2 \* kv_heads\) \* head_dim\] = \[T, 768\] "
-                                          r"\(got \(3, 640\)\)$"):
+    with pytest.raises(
+        EngramError,
+        match=r"^qkv must be \[T, \(num_heads \+ 2 \* kv_heads\) \* head_dim\] = \[T, 768\] "
+        r"\(got \(3, 640\)\)$",
+    ):
         attention_kernels.rope_kv_cache_write(qkv[:, :640], cs, cs, cache, cache, idx, idx, 8)
     with pytest.raises(EngramError, match=r"^sin must be \[T, head_dim\] = \(3, 64\) \(got \(3, 32\)\)$"):
         attention_kernels.rope_kv_cache_write(qkv, cs, cs[:, :32], cache, cache, idx, idx, 8)
@@ -274,7 +308,7 @@ def test_norm_and_silu_checks_are_not_vacuous(check) -> None:
     hs = inputs["hs"].clone()
     out = TorchBackboneOps().norm(hs, inputs["residual"], check.norm_module(inputs["weight"], check.EPS))
     assert check.norm_verify(inputs, out, hs)[0]  # norm as the reference
-    nudged = (out.float() * (1 + 2.0 ** -6)).to(torch.bfloat16)
+    nudged = (out.float() * (1 + 2.0**-6)).to(torch.bfloat16)
     assert not check.norm_verify(inputs, nudged, hs)[0]  # norm nudged by 2^-6
     hs[0, 0, 0] += 1  # the in-place residual update must be bit for bit
     assert not check.norm_verify(inputs, out, hs)[0]  # norm with a wrong residual update
@@ -308,9 +342,13 @@ def test_rope_check_catches_a_wrong_convention(check) -> None:
     keys2, values2 = inputs["keys"].clone(), inputs["values"].clone()
     rope_and_write(q, k, v, inputs["cos"], inputs["sin"], shifted, keys2, values2)
     assert not check.rope_verify(inputs, q_rot, keys2, values2)[0]  # rope, K/V at the next position
-    np.testing.assert_array_equal(check.ulp_distance(torch.tensor([1.0, -0.0, 1.0], dtype=torch.bfloat16),
-                                                     torch.tensor([1.0078125, 0.0, -1.0], dtype=torch.bfloat16)).numpy(),
-                                  [1, 0, 2 * 0x3F80])
+    np.testing.assert_array_equal(
+        check.ulp_distance(
+            torch.tensor([1.0, -0.0, 1.0], dtype=torch.bfloat16),
+            torch.tensor([1.0078125, 0.0, -1.0], dtype=torch.bfloat16),
+        ).numpy(),
+        [1, 0, 2 * 0x3F80],
+    )
 
 
 def test_warp_kernel_serves_what_the_library_picks_it_for(monkeypatch: pytest.MonkeyPatch) -> None:

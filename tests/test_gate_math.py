@@ -30,13 +30,27 @@ def gate_math(tmp_path_factory) -> Path:
     if compiler is None:
         pytest.skip("no C++ compiler (c++ / g++) to build plugins/tests/gateMathTest.cpp")
     exe = tmp_path_factory.mktemp("gate-math") / "gateMathTest"
-    subprocess.run([compiler, "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{REPO / 'plugins' / 'kernels'}",
-                    str(REPO / "plugins" / "tests" / "gateMathTest.cpp"), "-o", str(exe)], check=True)
+    subprocess.run(
+        [
+            compiler,
+            "-std=c++17",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            f"-I{REPO / 'plugins' / 'kernels'}",
+            str(REPO / "plugins" / "tests" / "gateMathTest.cpp"),
+            "-o",
+            str(exe),
+        ],
+        check=True,
+    )
     return exe
 
 
-def run_gate(exe: Path, hidden: np.ndarray, kv: np.ndarray, qw: np.ndarray, kw: np.ndarray,
-             mask: np.ndarray) -> np.ndarray:
+def run_gate(
+    exe: Path, hidden: np.ndarray, kv: np.ndarray, qw: np.ndarray, kw: np.ndarray, mask: np.ndarray
+) -> np.ndarray:
     T, hc, D = hidden.shape
     parts = [f"{T} {hc} {D} {EPS!r} {GATE_CLAMP!r}"]
     for a in (hidden, kv, qw, kw, mask.astype(np.float32)):
@@ -62,7 +76,8 @@ def reference(hidden, kv, qw, kw, mask) -> np.ndarray:
 def assert_matches(got: np.ndarray, ref: np.ndarray) -> None:
     """Same NaN positions; finite values within fp32 rounding of the float64 reference."""
     assert np.array_equal(np.isnan(got), np.isnan(ref)), (
-        f"NaN at {np.argwhere(np.isnan(got)).tolist()[:8]} vs reference {np.argwhere(np.isnan(ref)).tolist()[:8]}")
+        f"NaN at {np.argwhere(np.isnan(got)).tolist()[:8]} vs reference {np.argwhere(np.isnan(ref)).tolist()[:8]}"
+    )
     finite = ~np.isnan(ref)
     err = np.abs(got[finite] - ref[finite])
     assert np.all(err <= 1e-5 * np.abs(ref[finite]) + 1e-6), float(err.max())
@@ -88,7 +103,7 @@ def test_nan_key_gives_a_nan_stream_not_gate_one_half(gate_math: Path) -> None:
     assert_matches(got, ref)
     # What the old kernel did (fmaxf(NaN, clamp) = clamp, sign test 0: gate 0.5) is a
     # finite row, and the comparison above would have failed on it.
-    old = hidden[2, 1].astype(np.float64) + 0.5 * kv[2, hc * D:].astype(np.float64)
+    old = hidden[2, 1].astype(np.float64) + 0.5 * kv[2, hc * D :].astype(np.float64)
     assert np.isfinite(old).all()
 
 
@@ -109,12 +124,12 @@ def test_zero_score_infinite_key_and_the_clamp(gate_math: Path) -> None:
     hidden, kv, qw, kw, mask = inputs(3)
     hc, D = hidden.shape[1:]
     kv[0, 0:D] = 0.0  # token 0, stream 0: dot = 0
-    kv[1, D:2 * D] = 0.0
+    kv[1, D : 2 * D] = 0.0
     kv[1, D + 4] = np.inf  # token 1, stream 1
-    kv[3, 2 * D:3 * D] = 1e-30  # token 3, stream 2: |score| far below the clamp
+    kv[3, 2 * D : 3 * D] = 1e-30  # token 3, stream 2: |score| far below the clamp
     got = run_gate(gate_math, hidden, kv, qw, kw, mask)
     ref = reference(hidden, kv, qw, kw, mask)
-    value = kv[0, hc * D:].astype(np.float64)
+    value = kv[0, hc * D :].astype(np.float64)
     assert np.allclose(got[0, 0], hidden[0, 0] + 0.5 * value, rtol=1e-6, atol=1e-6)
     assert np.isnan(got[1, 1]).all()
     assert_matches(got, ref)
@@ -127,7 +142,7 @@ def test_dead_tokens_copy_hidden_even_with_nan_rows(gate_math: Path) -> None:
     hc, D = hidden.shape[1:]
     mask[[1, 5]] = False
     kv[1, :] = np.nan
-    kv[5, hc * D:] = np.inf
+    kv[5, hc * D :] = np.inf
     got = run_gate(gate_math, hidden, kv, qw, kw, mask)
     assert np.array_equal(got[[1, 5]].astype(np.float32).view(np.int32), hidden[[1, 5]].view(np.int32))
     live = mask

@@ -26,8 +26,11 @@ def test_no_gpu_means_unsupported(plugin_lib) -> None:  # noqa: ANN001
 
 def test_create_without_a_device_fails_naming_why(plugin_lib) -> None:  # noqa: ANN001
     handle = ctypes.c_void_p()
-    with pytest.raises(EngramError, match=r"engram_gather_driver_create failed: engram_gather_driver_create: "
-                                          r"(cudaGetDevice failed|device 0 (does not support|cannot be asked about))"):
+    with pytest.raises(
+        EngramError,
+        match=r"engram_gather_driver_create failed: engram_gather_driver_create: "
+        r"(cudaGetDevice failed|device 0 (does not support|cannot be asked about))",
+    ):
         gatherdriver._ENTRY.call("engram_gather_driver_create", ctypes.c_void_p(1), ctypes.byref(handle))
     with pytest.raises(EngramError, match="gatherer and driver are required"):
         gatherdriver._ENTRY.call("engram_gather_driver_create", None, ctypes.byref(handle))
@@ -36,12 +39,49 @@ def test_create_without_a_device_fails_naming_why(plugin_lib) -> None:  # noqa: 
 def test_missing_arguments_are_named(plugin_lib) -> None:  # noqa: ANN001
     ticket = ctypes.c_uint64(0)
     with pytest.raises(EngramError, match="driver and ticket are required"):
-        gatherdriver._ENTRY.call("engram_gather_driver_submit", None, None, 0, 1, 1, None, None, 0, 256, 0, 32, 0,
-                                 None, None, None, ctypes.byref(ticket))
+        gatherdriver._ENTRY.call(
+            "engram_gather_driver_submit",
+            None,
+            None,
+            0,
+            1,
+            1,
+            None,
+            None,
+            0,
+            256,
+            0,
+            32,
+            0,
+            None,
+            None,
+            None,
+            ctypes.byref(ticket),
+        )
     first = ctypes.c_uint64(0)
     with pytest.raises(EngramError, match="driver and first_ticket are required"):
-        gatherdriver._ENTRY.call("engram_gather_driver_submit_step", None, None, None, 0, None, 0, None, 2, 8, None,
-                                 None, None, None, None, 2, None, None, None, ctypes.byref(first))
+        gatherdriver._ENTRY.call(
+            "engram_gather_driver_submit_step",
+            None,
+            None,
+            None,
+            0,
+            None,
+            0,
+            None,
+            2,
+            8,
+            None,
+            None,
+            None,
+            None,
+            None,
+            2,
+            None,
+            None,
+            None,
+            ctypes.byref(first),
+        )
     with pytest.raises(EngramError, match="engram_gather_driver_wait_stream: driver is NULL"):
         gatherdriver._ENTRY.call("engram_gather_driver_wait_stream", None, 1, None)
     with pytest.raises(EngramError, match="engram_gather_driver_finish: driver is NULL"):
@@ -68,18 +108,24 @@ def _step_buffers(max_tokens: int, layers: int, cols: int, width: int):  # noqa:
     from types import SimpleNamespace
 
     i32 = torch.int32
-    b = SimpleNamespace(lookback_width=width, cids_host=torch.zeros(max_tokens, dtype=i32),
-                        starts_host=torch.zeros(max_tokens + 1, dtype=i32),
-                        lookback_host=torch.zeros((max_tokens, max(1, width)), dtype=i32),
-                        row_ids_host=torch.zeros((max_tokens, layers, cols), dtype=i32))
+    b = SimpleNamespace(
+        lookback_width=width,
+        cids_host=torch.zeros(max_tokens, dtype=i32),
+        starts_host=torch.zeros(max_tokens + 1, dtype=i32),
+        lookback_host=torch.zeros((max_tokens, max(1, width)), dtype=i32),
+        row_ids_host=torch.zeros((max_tokens, layers, cols), dtype=i32),
+    )
     b.cids_dev, b.starts_dev = torch.zeros_like(b.cids_host), torch.zeros_like(b.starts_host)
     b.lookback_dev, b.row_ids_dev = torch.zeros_like(b.lookback_host), torch.zeros_like(b.row_ids_host)
     b.cids_np, b.starts_np, b.lookback_np = b.cids_host.numpy(), b.starts_host.numpy(), b.lookback_host.numpy()
     return b
 
 
-def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(plugin_lib, layout,  # noqa: ANN001
-                                                                             monkeypatch) -> None:
+def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(
+    plugin_lib,
+    layout,  # noqa: ANN001
+    monkeypatch,
+) -> None:
     """StepJob checks the tables and outputs when made, not per step; a step beyond the
     buffers or with a misshapen lookback is refused before anything is queued; a step's
     ids are in the step buffers when the C call is made (here it fails: no driver). The
@@ -88,8 +134,11 @@ def test_step_job_checks_its_tables_once_and_each_step_against_its_capacity(plug
     from types import SimpleNamespace
 
     out_checks = []
-    monkeypatch.setattr(gatherdriver, "gather_out", lambda out, T, cols, head_dim, dev: out_checks.append(
-        (tuple(out.shape), T, cols, head_dim)) or out)
+    monkeypatch.setattr(
+        gatherdriver,
+        "gather_out",
+        lambda out, T, cols, head_dim, dev: out_checks.append((tuple(out.shape), T, cols, head_dim)) or out,
+    )
     L, cols, n = layout.num_layers, layout.n_hash_cols, layout.max_ngram_size - 1
     gatherer = _Gatherer()
     drv = SimpleNamespace(gatherer=gatherer, device=torch.device("cpu"), last_ticket=0, _require_open=lambda: None)

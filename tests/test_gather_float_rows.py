@@ -35,10 +35,15 @@ WIDTHS = (1, 3, 4, 17)
 
 
 def _fields(dtype_code: int, head_dim: int, rows: int = 1000) -> list:
-    return [("layer_index", PF_INT32, np.array([0], np.int32)), ("n_layers", PF_INT32, np.array([1], np.int32)),
-            ("n_cols", PF_INT32, np.array([4], np.int32)), ("head_dim", PF_INT32, np.array([head_dim], np.int32)),
-            ("table_dtype", PF_INT32, np.array([dtype_code], np.int32)),
-            ("quant_block", PF_INT32, np.array([32], np.int32)), ("num_rows", PF_INT64, np.array([rows], np.int64))]
+    return [
+        ("layer_index", PF_INT32, np.array([0], np.int32)),
+        ("n_layers", PF_INT32, np.array([1], np.int32)),
+        ("n_cols", PF_INT32, np.array([4], np.int32)),
+        ("head_dim", PF_INT32, np.array([head_dim], np.int32)),
+        ("table_dtype", PF_INT32, np.array([dtype_code], np.int32)),
+        ("quant_block", PF_INT32, np.array([32], np.int32)),
+        ("num_rows", PF_INT64, np.array([rows], np.int64)),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +88,7 @@ def test_fp8_output_stays_bf16_and_keeps_its_limits(harness) -> None:
 
 # --- TensorRT-RTX ------------------------------------------------------------------------
 
+
 @pytest.fixture
 def trt(plugin_lib: Path, monkeypatch: pytest.MonkeyPatch):
     if not trt_compat.module_available("tensorrt_rtx_bindings") and not trt_compat.module_available("tensorrt_rtx"):
@@ -100,17 +106,33 @@ def _gather_graph(path: Path, code: int, width: int, out_elem: int) -> None:
 
     from engram_trt.models import export
 
-    attrs = dict(plugin_version="1", plugin_namespace=export.PLUGIN_NAMESPACE, layer_index=0, n_layers=1, n_cols=4,
-                 head_dim=width, table_dtype=code, quant_block=32, num_rows=1000, bad_rows_input=0, column_begin=0,
-                 column_end=4, row_offset=0)
-    node = helper.make_node("EngramGather", ["ids", "rows_addr"], ["rows"], name="gather", domain=export.PLUGIN_DOMAIN,
-                            **attrs)
-    inputs = [helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", 1, 4]),
-              helper.make_tensor_value_info("rows_addr", TensorProto.INT64, [1])]
+    attrs = dict(
+        plugin_version="1",
+        plugin_namespace=export.PLUGIN_NAMESPACE,
+        layer_index=0,
+        n_layers=1,
+        n_cols=4,
+        head_dim=width,
+        table_dtype=code,
+        quant_block=32,
+        num_rows=1000,
+        bad_rows_input=0,
+        column_begin=0,
+        column_end=4,
+        row_offset=0,
+    )
+    node = helper.make_node(
+        "EngramGather", ["ids", "rows_addr"], ["rows"], name="gather", domain=export.PLUGIN_DOMAIN, **attrs
+    )
+    inputs = [
+        helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", 1, 4]),
+        helper.make_tensor_value_info("rows_addr", TensorProto.INT64, [1]),
+    ]
     outputs = [helper.make_tensor_value_info("rows", out_elem, ["T", 4, width])]
     graph = helper.make_graph([node], "gather", inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(export.PLUGIN_DOMAIN, 1)])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(export.PLUGIN_DOMAIN, 1)]
+    )
     onnx.save(model, str(path))
 
 
@@ -140,6 +162,7 @@ def test_onnx_graph_with_one_float_gather_builds_an_engine(trt, tmp_path: Path, 
 
 # --- the reference runtime and the binding ---------------------------------------------------
 
+
 def _reference_gather(table: np.ndarray, code: int, ids: np.ndarray) -> np.ndarray:
     """One EngramGather node of ``table_dtype`` ``code`` run by ONNX's ReferenceEvaluator
     with the builder's OpRuns, the table bound by address."""
@@ -153,14 +176,31 @@ def _reference_gather(table: np.ndarray, code: int, ids: np.ndarray) -> np.ndarr
 
     path_elem = {1: TensorProto.BFLOAT16, 2: TensorProto.FLOAT16, 3: TensorProto.FLOAT}[code]
 
-    node = helper.make_node("EngramGather", ["ids", "rows_addr"], ["rows"], domain=export.PLUGIN_DOMAIN,
-                            layer_index=0, n_layers=1, n_cols=ids.shape[2], head_dim=table.shape[1], table_dtype=code,
-                            quant_block=32, num_rows=table.shape[0])
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT32, None),
-                                            helper.make_tensor_value_info("rows_addr", TensorProto.INT64, None)],
-                              [helper.make_tensor_value_info("rows", path_elem, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(export.PLUGIN_DOMAIN, 1)])
+    node = helper.make_node(
+        "EngramGather",
+        ["ids", "rows_addr"],
+        ["rows"],
+        domain=export.PLUGIN_DOMAIN,
+        layer_index=0,
+        n_layers=1,
+        n_cols=ids.shape[2],
+        head_dim=table.shape[1],
+        table_dtype=code,
+        quant_block=32,
+        num_rows=table.shape[0],
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT32, None),
+            helper.make_tensor_value_info("rows_addr", TensorProto.INT64, None),
+        ],
+        [helper.make_tensor_value_info("rows", path_elem, None)],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(export.PLUGIN_DOMAIN, 1)]
+    )
     registry = TableRegistry()
     addr = registry.register(table)
     sess = ReferenceEvaluator(model, new_ops=_reference_ops(registry))
@@ -190,11 +230,15 @@ def test_binding_takes_float16_and_float32_tables_for_the_gpu_gather_only() -> N
     torch = pytest.importorskip("torch")
     from engram_trt.native import gather as gather_kernels
 
-    for dt, code in ((torch.bfloat16, gather_kernels.TABLE_BF16), (torch.float16, gather_kernels.TABLE_F16),
-                     (torch.float32, gather_kernels.TABLE_F32)):
+    for dt, code in (
+        (torch.bfloat16, gather_kernels.TABLE_BF16),
+        (torch.float16, gather_kernels.TABLE_F16),
+        (torch.float32, gather_kernels.TABLE_F32),
+    ):
         assert gather_kernels.table_code(torch.zeros(7, 3, dtype=dt), None, 32, float_rows=True) == (code, 7, 3)
     with pytest.raises(EngramError, match="rows must have dtype"):
         gather_kernels.table_code(torch.zeros(7, 3, dtype=torch.float32), None, 32)  # the host gather's tables
     with pytest.raises(EngramError, match="scales must be None for a torch.float32 table"):
-        gather_kernels.table_code(torch.zeros(7, 3, dtype=torch.float32), torch.zeros(7, 1, dtype=torch.uint8), 32,
-                       float_rows=True)
+        gather_kernels.table_code(
+            torch.zeros(7, 3, dtype=torch.float32), torch.zeros(7, 1, dtype=torch.uint8), 32, float_rows=True
+        )

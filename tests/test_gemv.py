@@ -18,7 +18,6 @@ from engram_trt.errors import EngramError
 from engram_trt.models.engram_llama.kernel_ops import KernelBackboneOps, TorchBackboneOps
 
 
-
 @pytest.fixture
 def check():
     """tests/gpu/test_gemv.py as a module."""
@@ -45,7 +44,7 @@ def test_gemv_verify_is_not_vacuous(check) -> None:
     x, w = inputs["x"], inputs["w"]
     exact = (x.double() @ w.double().t()).to(torch.bfloat16)
     assert check.gemv_verify(inputs, exact)[0]  # exactly rounded
-    assert not check.gemv_verify(inputs, (exact.double() * (1 + 2.0 ** -6)).to(torch.bfloat16))[0]  # nudged by 2^-6
+    assert not check.gemv_verify(inputs, (exact.double() * (1 + 2.0**-6)).to(torch.bfloat16))[0]  # nudged by 2^-6
     assert not check.gemv_verify(inputs, exact[[1, 0, 2, 3]])[0]  # rows of x swapped
     short = w.clone()
     short[:, -1] = 0
@@ -70,8 +69,11 @@ def test_gemv_binding_names_the_bad_argument() -> None:
     w = torch.zeros(32, 64, dtype=torch.bfloat16)
     with pytest.raises(EngramError, match=r"^x must have dtype torch.bfloat16 \(got torch.float32\)$"):
         backbone_kernels.gemv(x.float(), w)
-    with pytest.raises(EngramError, match=r"^x must be \[T, K\] and weight \[N, K\] \(got shapes \(2, 64\) and "
-                                          r"\(32, 48\)\)$"):
+    with pytest.raises(
+        EngramError,
+        match=r"^x must be \[T, K\] and weight \[N, K\] \(got shapes \(2, 64\) and "
+        r"\(32, 48\)\)$",
+    ):
         backbone_kernels.gemv(x, w[:, :48])
     with pytest.raises(EngramError, match=r"^gemv takes at most 4 tokens \(got 5\); use F.linear$"):
         backbone_kernels.gemv(torch.zeros(5, 64, dtype=torch.bfloat16), w)

@@ -25,8 +25,12 @@ transformers = pytest.importorskip("transformers", reason="'transformers' is the
 
 import torch  # noqa: E402
 
-from engram_trt.checkpoint.gguf_import import (ImportResult, import_gguf, is_import_file_name,  # noqa: E402
-                                               unpermute_rope_rows)
+from engram_trt.checkpoint.gguf_import import (
+    ImportResult,
+    import_gguf,
+    is_import_file_name,  # noqa: E402
+    unpermute_rope_rows,
+)
 from engram_trt.errors import CheckpointError, EngramError  # noqa: E402
 from engram_trt.models.engram_llama.smollm2_demo import smollm2_gguf  # noqa: E402
 
@@ -76,15 +80,18 @@ def hf_pair(smol_import):
 
 
 def _prompts(tok) -> list[str]:
-    return ["The capital of France is", "def fibonacci(n):",
-            tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)]
+    return [
+        "The capital of France is",
+        "def fibonacci(n):",
+        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+    ]
 
 
 def _greedy(model, tok, prompt: str, n: int = 12) -> list[int]:
     ids = tok(prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=n, do_sample=False)
-    return out[0, ids["input_ids"].shape[1]:].tolist()
+    return out[0, ids["input_ids"].shape[1] :].tolist()
 
 
 # ---------------------------------------------------------------- the SmolLM2 import
@@ -94,8 +101,11 @@ def test_import_result_and_config(smol_import):
     assert r.n_tensors == 272 == 30 * 9 + 2  # 9 per layer, embedding, final norm (tied: no lm_head)
     assert r.tensor_types == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
     names = sorted(p.name for p in r.out.iterdir())
-    assert names == sorted(r.files) == ["config.json", "generation_config.json", "model.safetensors",
-                                        "tokenizer.json", "tokenizer_config.json"]
+    assert (
+        names
+        == sorted(r.files)
+        == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    )
     assert r.bytes_written == sum((r.out / n).stat().st_size for n in names)
     left = [p.name for p in r.out.parent.iterdir() if p.name.startswith(".")]
     assert left == []  # no temporaries, markers or lock files left
@@ -140,13 +150,17 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(hf_pair):
         assert mine_tok(text)["input_ids"] == ref_tok(text)["input_ids"], text
         ids = mine_tok(text)["input_ids"]
         assert mine_tok.decode(ids) == ref_tok.decode(ids)
-    assert mine_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == \
-        ref_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert mine_tok.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False
+    ) == ref_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     a = mine_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
     b = ref_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
     assert a["input_ids"] == b["input_ids"]
-    assert (mine_tok.bos_token, mine_tok.eos_token, mine_tok.pad_token) == (ref_tok.bos_token, ref_tok.eos_token,
-                                                                            ref_tok.pad_token)
+    assert (mine_tok.bos_token, mine_tok.eos_token, mine_tok.pad_token) == (
+        ref_tok.bos_token,
+        ref_tok.eos_token,
+        ref_tok.pad_token,
+    )
     # The raw tokenizers library reads tokenizer.json alike (engram-trt's runtime does).
     from tokenizers import Tokenizer
 
@@ -172,18 +186,31 @@ def test_greedy_tokens_equal(hf_pair, smol_import):
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     for p, o, w in zip(prompts, outs, want):
         assert o.prompt_token_ids == ref_tok(p)["input_ids"]
-        assert o.token_ids[:len(w)] == w, p
+        assert o.token_ids[: len(w)] == w, p
 
 
 # ---------------------------------------------------------------- tiny GGUFs written here
 D, I, H, KV, HD, LAYERS = 64, 128, 4, 2, 16, 2
 GGML = gguf.GGMLQuantizationType
 # layer 0 mixes every supported type; layer 1 is all float32 (exact round trip).
-LAYER0_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "BF16",
-                "ffn_gate": "F16", "ffn_up": "Q4_0", "ffn_down": "Q4_1"}
-HF_LEAF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-           "ffn_down": "mlp.down_proj"}
+LAYER0_TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "BF16",
+    "ffn_gate": "F16",
+    "ffn_up": "Q4_0",
+    "ffn_down": "Q4_1",
+}
+HF_LEAF = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
 def _byte_chars() -> list[str]:
@@ -200,15 +227,49 @@ def _bpe_vocab() -> dict:
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "e l", "el l", "ell o"]
     merged = [m.replace(" ", "") for m in merges]
     tokens = specials + _byte_chars() + merged
-    return {"model": "gpt2", "pre": "default", "tokens": tokens, "merges": merges,
-            "types": [3] * len(specials) + [1] * (len(tokens) - len(specials)),
-            "bos": 1, "eos": 2, "pad": 2, "add_bos": False}
+    return {
+        "model": "gpt2",
+        "pre": "default",
+        "tokens": tokens,
+        "merges": merges,
+        "types": [3] * len(specials) + [1] * (len(tokens) - len(specials)),
+        "bos": 1,
+        "eos": 2,
+        "pad": 2,
+        "add_bos": False,
+    }
 
 
 def _spm_vocab() -> dict:
-    pieces = ["\u2581", "h", "e", "l", "o", "w", "r", "d", "t", "i", "s", "\u2581h", "he", "ll", "llo", "\u2581he",
-              "\u2581hello", "\u2581w", "or", "\u2581wor", "\u2581world", "\u2581t", "\u2581th", "is", "\u2581this",
-              "\u2581is", "<think>"]
+    pieces = [
+        "\u2581",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "t",
+        "i",
+        "s",
+        "\u2581h",
+        "he",
+        "ll",
+        "llo",
+        "\u2581he",
+        "\u2581hello",
+        "\u2581w",
+        "or",
+        "\u2581wor",
+        "\u2581world",
+        "\u2581t",
+        "\u2581th",
+        "is",
+        "\u2581this",
+        "\u2581is",
+        "<think>",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 1) + [4]
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
@@ -230,9 +291,17 @@ def _add(writer, name: str, values: np.ndarray, qtype: str) -> None:
         writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=getattr(GGML, qtype))
 
 
-def write_tiny_gguf(path: Path, *, arch: str = "llama", vocab: dict | None = None, untied: bool = True,
-                    extra_tensors: dict | None = None, raw_tensors: dict | None = None, meta: dict | None = None,
-                    seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    vocab: dict | None = None,
+    untied: bool = True,
+    extra_tensors: dict | None = None,
+    raw_tensors: dict | None = None,
+    meta: dict | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
     """A two-layer Llama GGUF; returns the float32 HF-layout weights it was made from.
     ``raw_tensors``: GGUF name -> (bytes array, GGML type) stored in place of that tensor;
     ``extra_tensors``: more float32 tensors; ``meta``: key -> (writer kind, value)."""
@@ -267,7 +336,9 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", vocab: dict | None = Non
         w.add_unk_token_id(vocab["unk"])
     if "add_bos" in vocab:
         w.add_add_bos_token(vocab["add_bos"])
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
     for key, (kind, value) in (meta or {}).items():
         getattr(w, f"add_{kind}")(key, value)
 
@@ -284,8 +355,15 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", vocab: dict | None = Non
 
     tensor("token_embd.weight", "model.embed_tokens.weight", (V, D), "Q8_0")
     for i in range(LAYERS):
-        shapes = {"attn_q": (H * HD, D), "attn_k": (KV * HD, D), "attn_v": (KV * HD, D), "attn_output": (D, H * HD),
-                  "ffn_gate": (I, D), "ffn_up": (I, D), "ffn_down": (D, I)}
+        shapes = {
+            "attn_q": (H * HD, D),
+            "attn_k": (KV * HD, D),
+            "attn_v": (KV * HD, D),
+            "attn_output": (D, H * HD),
+            "ffn_gate": (I, D),
+            "ffn_up": (I, D),
+            "ffn_down": (D, I),
+        }
         for leaf, shape in shapes.items():
             qtype = LAYER0_TYPES[leaf] if i == 0 else "F32"
             permute = H if leaf == "attn_q" else KV if leaf == "attn_k" else 0
@@ -314,8 +392,11 @@ def _st_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -339,13 +420,21 @@ def test_tiny_every_type_equals_transformers(tiny):
     for name in ref:
         assert mine[name].dtype == torch.float32 and torch.equal(ref[name], mine[name]), name
     # Float32 tensors come back bit for bit, in transformers' row order (q/k un-permuted).
-    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-                 "model.layers.1.mlp.down_proj.weight", "model.norm.weight"):
+    for name in (
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ):
         assert torch.equal(mine[name], torch.from_numpy(hf[name])), name
     # Quantized ones within their type's error.
-    for name, tol in (("model.layers.0.self_attn.q_proj.weight", 0.25), ("model.layers.0.self_attn.k_proj.weight", 0.25),
-                      ("model.layers.0.self_attn.v_proj.weight", 0.02), ("model.layers.0.self_attn.o_proj.weight", 0.02),
-                      ("lm_head.weight", 0.002)):
+    for name, tol in (
+        ("model.layers.0.self_attn.q_proj.weight", 0.25),
+        ("model.layers.0.self_attn.k_proj.weight", 0.25),
+        ("model.layers.0.self_attn.v_proj.weight", 0.02),
+        ("model.layers.0.self_attn.o_proj.weight", 0.02),
+        ("lm_head.weight", 0.002),
+    ):
         assert float((mine[name] - torch.from_numpy(hf[name])).abs().max()) < tol, name
     m = AutoModelForCausalLM.from_pretrained(res.out, **HF_KW)
     assert m.config.tie_word_embeddings is False
@@ -468,19 +557,26 @@ def test_refuses_unknown_tensor_and_rope_scaling(tmp_path, user_out):
     assert "token_embd" in msg
     write_tiny_gguf(tmp_path / "r.gguf", extra_tensors={"rope_freqs.weight": np.ones(HD // 2, np.float32)})
     _refused(tmp_path / "r.gguf", user_out, r"'rope_freqs\.weight' holds per-frequency RoPE factors", force=True)
-    write_tiny_gguf(tmp_path / "y.gguf", meta={"llama.rope.scaling.type": ("string", "yarn"),
-                                               "llama.rope.scaling.factor": ("float32", 4.0)})
+    write_tiny_gguf(
+        tmp_path / "y.gguf",
+        meta={"llama.rope.scaling.type": ("string", "yarn"), "llama.rope.scaling.factor": ("float32", 4.0)},
+    )
     _refused(tmp_path / "y.gguf", user_out, r"'llama\.rope\.scaling\.type' = 'yarn' is not translated", force=True)
     write_tiny_gguf(tmp_path / "m.gguf", meta={"llama.expert_count": ("uint32", 8)})
     _refused(tmp_path / "m.gguf", user_out, "mixture-of-experts", force=True)
 
 
 def test_linear_rope_scaling_is_translated(tmp_path):
-    write_tiny_gguf(tmp_path / "l.gguf", meta={"llama.rope.scaling.type": ("string", "linear"),
-                                               "llama.rope.scaling.factor": ("float32", 2.0)})
+    write_tiny_gguf(
+        tmp_path / "l.gguf",
+        meta={"llama.rope.scaling.type": ("string", "linear"), "llama.rope.scaling.factor": ("float32", 2.0)},
+    )
     r = import_gguf(tmp_path / "l.gguf", tmp_path / "out", progress=False)
-    assert json.loads((r.out / "config.json").read_text())["rope_parameters"] == \
-        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    assert json.loads((r.out / "config.json").read_text())["rope_parameters"] == {
+        "rope_type": "linear",
+        "rope_theta": 10000.0,
+        "factor": 2.0,
+    }
 
 
 def test_non_empty_out_needs_force_and_force_keeps_other_files(tiny, user_out):
@@ -516,10 +612,16 @@ def test_killed_import_leaves_out_whole_and_next_run_cleans_up(tiny, user_out, t
 
     before = _snapshot(user_out)
     flag = tmp_path / "paused"
-    code = ("import sys; from engram_trt.checkpoint.gguf_import import import_gguf; "
-            "import_gguf(sys.argv[1], sys.argv[2], force=True, progress=False)")
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), ENGRAM_TRT_TEST_PAUSE_AT="import-gguf:written",
-               ENGRAM_TRT_TEST_PAUSE_FLAG=str(flag))
+    code = (
+        "import sys; from engram_trt.checkpoint.gguf_import import import_gguf; "
+        "import_gguf(sys.argv[1], sys.argv[2], force=True, progress=False)"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO / "python"),
+        ENGRAM_TRT_TEST_PAUSE_AT="import-gguf:written",
+        ENGRAM_TRT_TEST_PAUSE_FLAG=str(flag),
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tiny[0] / "tiny.gguf"), str(user_out)], env=env)
     try:
         deadline = time.monotonic() + 120
@@ -561,16 +663,36 @@ def test_cli_import_then_run_greedy_equals_transformers(hf_pair, tmp_path, capsy
     want = _greedy(ref, ref_tok, prompt, n=8)
     assert main(["run", str(out), "--prompt", prompt, "--max-new-tokens", "8", "--ignore-eos", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["token_ids"][:len(want)] == want and res["prompt_tokens"] == len(ref_tok(prompt)["input_ids"])
+    assert res["token_ids"][: len(want)] == want and res["prompt_tokens"] == len(ref_tok(prompt)["input_ids"])
 
-    chat_ids = ref_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    chat_ids = ref_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     with torch.no_grad():
-        gen = ref.generate(torch.tensor([chat_ids]), attention_mask=torch.ones(1, len(chat_ids), dtype=torch.long),
-                           max_new_tokens=8, do_sample=False)
-    want = gen[0, len(chat_ids):].tolist()
-    assert main(["run", str(out), "--chat", "--prompt", MESSAGES[0]["content"], "--max-new-tokens", "8",
-                 "--ignore-eos", "--json"]) == 0
+        gen = ref.generate(
+            torch.tensor([chat_ids]),
+            attention_mask=torch.ones(1, len(chat_ids), dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+        )
+    want = gen[0, len(chat_ids) :].tolist()
+    assert (
+        main(
+            [
+                "run",
+                str(out),
+                "--chat",
+                "--prompt",
+                MESSAGES[0]["content"],
+                "--max-new-tokens",
+                "8",
+                "--ignore-eos",
+                "--json",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert res["chat"] is True and res["prompt_tokens"] == len(chat_ids)
     assert res["chat_prompt"] == ref_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    assert res["token_ids"][:len(want)] == want
+    assert res["token_ids"][: len(want)] == want

@@ -113,7 +113,9 @@ def test_fp8_quantize_roundtrip_error_is_fp8_sized():
 
 def test_gate_reference_matches_golden(golden_fusion):
     g = golden_fusion["gate"]
-    out = engram_gate_reference(g["hidden"], g["kv"], g["q_weight"], g["k_weight"], g["token_mask"], g["eps"], g["clamp"])
+    out = engram_gate_reference(
+        g["hidden"], g["kv"], g["q_weight"], g["k_weight"], g["token_mask"], g["eps"], g["clamp"]
+    )
     np.testing.assert_allclose(out, np.asarray(g["output"]), rtol=1e-12, atol=1e-12)
     # masked tokens pass through unchanged
     for t, m in enumerate(g["token_mask"]):

@@ -50,6 +50,7 @@ def _config_edit(src: Path, **patch: Any) -> Callable[[Path, str], str]:
                 cfg[k] = v
         (ck / "config.json").write_text(json.dumps(cfg))
         return str(ck)
+
     return make
 
 
@@ -60,6 +61,7 @@ def _tensor_edit(src: Path, edit: Callable[[dict], None]) -> Callable[[Path, str
         edit(d)
         save_file(d, str(ck / "model.safetensors"), metadata={"format": "pt"})
         return str(ck)
+
     return make
 
 
@@ -68,6 +70,7 @@ def _file_edit(src: Path, fname: str, edit: Callable[[Path], None]) -> Callable[
         ck = _copy(ws, src, name)
         edit(ck / fname)
         return str(ck)
+
     return make
 
 
@@ -76,6 +79,7 @@ def _write(text: bytes | str) -> Callable[[Path, str], str]:
         p = ws / name
         p.write_bytes(text if isinstance(text, bytes) else text.encode())
         return str(p)
+
     return make
 
 
@@ -86,6 +90,7 @@ def _dir(files: dict[str, str]) -> Callable[[Path, str], str]:
         for f, t in files.items():
             (d / f).write_text(t)
         return str(d)
+
     return make
 
 
@@ -93,16 +98,19 @@ def _link(to: str) -> Callable[[Path, str], str]:
     def make(ws: Path, name: str) -> str:
         (ws / name).symlink_to(ws / to)
         return str(ws / name)
+
     return make
 
 
 def _with_user_lock(out_name: str, content: str) -> Callable[[Path, str], str]:
     """A folder OUT to write, beside which the user keeps a file named like our lock."""
+
     def make(ws: Path, name: str) -> str:
         d = ws / name
         d.mkdir()
         (d / f".{out_name}.engram-trt.lock").write_text(content)
         return str(d / out_name)
+
     return make
 
 
@@ -113,6 +121,7 @@ def _tiny_gguf(raw: dict | None = None) -> Callable[[Path, str], str]:
 
         write_tiny_gguf(ws / name, raw_tensors=raw)
         return str(ws / name)
+
     return make
 
 
@@ -133,6 +142,7 @@ def _nan_gguf(ws: Path, name: str) -> str:
 def _set(name: str, index: Any, value: Any) -> Callable[[dict], None]:
     def edit(d: dict) -> None:
         d[name][index] = value
+
     return edit
 
 
@@ -143,12 +153,14 @@ def _drop(name: str) -> Callable[[dict], None]:
 def _put(name: str, tensor: torch.Tensor) -> Callable[[dict], None]:
     def edit(d: dict) -> None:
         d[name] = tensor
+
     return edit
 
 
 def _cast(name: str, dtype: torch.dtype) -> Callable[[dict], None]:
     def edit(d: dict) -> None:
         d[name] = d[name].to(dtype)
+
     return edit
 
 
@@ -162,8 +174,9 @@ SETUP: dict[str, Callable[[Path, str], str]] = {
     "ds_gelu": _config_edit(DS, hidden_act="gelu"),
     "ds_kv2": _config_edit(DS, num_key_value_heads=2),
     "ds_types_short": _config_edit(DS, layer_types=["heavily_compressed_attention"]),
-    "ds_type_bogus": _config_edit(DS, layer_types=["heavily_compressed_attention", "bogus_attention",
-                                                   "heavily_compressed_attention"]),
+    "ds_type_bogus": _config_edit(
+        DS, layer_types=["heavily_compressed_attention", "bogus_attention", "heavily_compressed_attention"]
+    ),
     "ds_experts8": _config_edit(DS, n_routed_experts=8),
     "ds_model_type_llama": _config_edit(DS, model_type="llama"),
     "ds_arch_unknown": _config_edit(DS, architectures=["FooForCausalLM"], model_type=None),
@@ -178,8 +191,9 @@ SETUP: dict[str, Callable[[Path, str], str]] = {
     "ds_tokenizer_cut": _file_edit(DS, "tokenizer.json", _truncate(200)),
     "ds_shard_cut": _file_edit(DS, "model.safetensors", _truncate(5000)),
     "ds_config_utf16": _file_edit(DS, "config.json", lambda p: p.write_bytes(p.read_text().encode("utf-16"))),
-    "qw_types_bogus": _config_edit(QW, layer_types=["linear_attention", "bogus", "linear_attention",
-                                                    "indexed_attention"]),
+    "qw_types_bogus": _config_edit(
+        QW, layer_types=["linear_attention", "bogus", "linear_attention", "indexed_attention"]
+    ),
     "qw_no_shard1": _tensor_edit(QW, _drop(PLE1)),
     "qw_shard0_rows": _tensor_edit(QW, _put(PLE0, torch.zeros(100, 4))),
     "qw_shard_f64": _tensor_edit(QW, lambda d: d.update({PLE0: d[PLE0].double(), PLE1: d[PLE1].double()})),
@@ -359,8 +373,15 @@ def _state(paths: list[str], ws: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("case_id, argv, needles", CASES, ids=[c[0] for c in CASES])
-def test_hidden_case(case_id: str, argv: list[str], needles: tuple[str, ...], workspace: Path, tmp_path: Path,
-                     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_hidden_case(
+    case_id: str,
+    argv: list[str],
+    needles: tuple[str, ...],
+    workspace: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
     monkeypatch.setenv("ENGRAM_TRT_CACHE", str(cache))

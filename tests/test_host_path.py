@@ -54,7 +54,7 @@ def _check_incremental(tok: Any, seqs: list[list[int]]) -> None:
                 ids.append(t)
                 want = tok.decode(ids, skip_special_tokens=skip)
                 assert inc.update() == want, (skip, ids)
-                assert inc.text[:inc.stable_len] == want[:inc.stable_len]
+                assert inc.text[: inc.stable_len] == want[: inc.stable_len]
 
 
 def test_incremental_text_equals_whole_decode_byte_level(ds_tok: Any) -> None:
@@ -86,7 +86,9 @@ def test_incremental_text_equals_whole_decode_context_decoders(tmp_path: Path) -
         t.add_tokens(["<plain>"])
     assert sorted(i for i, a in meta.get_added_tokens_decoder().items() if a.special) == [6, 7]
     assert meta.decode([6, 2, 7, 0], skip_special_tokens=True) == "b a"  # skipped first: the next leads
-    _check_incremental(plain, [[rng.choice([*range(64), 64, 65, 66]) for _ in range(rng.randrange(1, 20))] for _ in range(60)])
+    _check_incremental(
+        plain, [[rng.choice([*range(64), 64, 65, 66]) for _ in range(rng.randrange(1, 20))] for _ in range(60)]
+    )
     _check_incremental(meta, [[rng.randrange(9) for _ in range(rng.randrange(1, 20))] for _ in range(150)])
 
 
@@ -100,21 +102,37 @@ def _by_hand(seq_lens: list[int], past: list[int], slots: list[int]) -> dict[str
         positions += list(range(p, p + n))
         token_slots += [s] * n
     dec = [i for i, n in enumerate(seq_lens) if n == 1]
-    return {"positions": positions, "token_slots": token_slots, "last": [b - 1 for b in starts[1:]],
-            "decode_rows": [starts[i] for i in dec], "decode_slots": [slots[i] for i in dec],
-            "decode_lens": [past[i] + 1 for i in dec], "seq_starts": starts, "past_lens": past, "slots": slots}
+    return {
+        "positions": positions,
+        "token_slots": token_slots,
+        "last": [b - 1 for b in starts[1:]],
+        "decode_rows": [starts[i] for i in dec],
+        "decode_slots": [slots[i] for i in dec],
+        "decode_lens": [past[i] + 1 for i in dec],
+        "seq_starts": starts,
+        "past_lens": past,
+        "slots": slots,
+    }
 
 
-@pytest.mark.parametrize("seq_lens,past,slots", [([3, 1, 2], [0, 7, 2], [2, 0, 1]), ([1] * 5, [4, 0, 9, 1, 3], [4, 3, 2, 1, 0]),
-                                                 ([6], [0], [3]), ([1, 4, 1, 1], [10, 0, 3, 5], [0, 1, 2, 5])])
+@pytest.mark.parametrize(
+    "seq_lens,past,slots",
+    [
+        ([3, 1, 2], [0, 7, 2], [2, 0, 1]),
+        ([1] * 5, [4, 0, 9, 1, 3], [4, 3, 2, 1, 0]),
+        ([6], [0], [3]),
+        ([1, 4, 1, 1], [10, 0, 3, 5], [0, 1, 2, 5]),
+    ],
+)
 def test_step_metadata_equals_the_lists_by_hand(seq_lens: list[int], past: list[int], slots: list[int]) -> None:
     rng = np.random.default_rng(sum(seq_lens))
     T, S = sum(seq_lens), len(seq_lens)
     ids = rng.integers(0, 1000, T)
     cids = rng.integers(-1, 500, T)
     lb = rng.integers(-1, 500, (S, 2))
-    step = PackedStep(torch.from_numpy(ids), seq_lens, past, slots, lookback=torch.from_numpy(lb),
-                      engram_ids=torch.from_numpy(cids))
+    step = PackedStep(
+        torch.from_numpy(ids), seq_lens, past, slots, lookback=torch.from_numpy(lb), engram_ids=torch.from_numpy(cids)
+    )
     got = step.device_arrays("cpu")
     want = _by_hand(seq_lens, past, slots)
     assert got["input_ids"].tolist() == ids.tolist() and got["engram_ids"].tolist() == cids.tolist()
@@ -167,7 +185,7 @@ class ScriptedRunner:
 
 def _naive(tok: Any, script: list[int], p: SamplingParams) -> tuple[list[int], str, str, Any]:
     ids: list[int] = []
-    for t in script[:p.max_tokens]:
+    for t in script[: p.max_tokens]:
         ids.append(t)
         text = tok.decode(ids, skip_special_tokens=p.skip_special_tokens)
         if t in p.stop_token_ids:
@@ -190,9 +208,14 @@ def test_scheduler_outputs_equal_a_naive_scheduler(ds_tok: Any) -> None:
     assert specials
     cases = []
     for i in range(24):
-        script = _multibyte_ids(ds_tok, rng, 20) if i % 3 == 0 else \
-            ds_tok.encode(" ".join(rng.choice(["alpha", "beta", "γάμμα", "δ", "end", "stop", "日本"]) for _ in range(30)),
-                          add_special_tokens=False).ids
+        script = (
+            _multibyte_ids(ds_tok, rng, 20)
+            if i % 3 == 0
+            else ds_tok.encode(
+                " ".join(rng.choice(["alpha", "beta", "γάμμα", "δ", "end", "stop", "日本"]) for _ in range(30)),
+                add_special_tokens=False,
+            ).ids
+        )
         script = script[:40]
         if i % 4 == 1:  # special tokens in the output: skipped from the text (or kept, every 8th case)
             for _ in range(3):
@@ -202,11 +225,22 @@ def test_scheduler_outputs_equal_a_naive_scheduler(ds_tok: Any) -> None:
         stop: tuple[str, ...] = ()
         if i % 2 and len(text) > 8:  # a stop string taken from somewhere in the text, plus one that never comes
             a = rng.randrange(1, len(text) - 3)
-            stop = (text[a:a + rng.randrange(1, 4)], "never-in-this-text")
+            stop = (text[a : a + rng.randrange(1, 4)], "never-in-this-text")
         stop_ids = (script[rng.randrange(len(script))],) if i % 5 == 4 else ()
-        cases.append((1000 + i, rng.randrange(1, 20), script,
-                      SamplingParams(max_tokens=rng.randrange(5, 40), stop=stop, stop_token_ids=stop_ids, ignore_eos=True,
-                                     skip_special_tokens=skip)))
+        cases.append(
+            (
+                1000 + i,
+                rng.randrange(1, 20),
+                script,
+                SamplingParams(
+                    max_tokens=rng.randrange(5, 40),
+                    stop=stop,
+                    stop_token_ids=stop_ids,
+                    ignore_eos=True,
+                    skip_special_tokens=skip,
+                ),
+            )
+        )
     runner = ScriptedRunner(V, {first: (plen, script) for first, plen, script, _ in cases})
     sched = Scheduler(runner, ds_tok)
     streams: dict[int, list[Any]] = {}
@@ -217,7 +251,7 @@ def test_scheduler_outputs_equal_a_naive_scheduler(ds_tok: Any) -> None:
             prompt = [first] + [5 + (first * 7 + j) % 900 for j in range(plen - 1)]
             if i % 2 == 0:  # half streamed (text kept per token), half not (text decoded at the end)
                 streams[i] = []
-                sink = (lambda out, i=i: (lock.acquire(), streams[i].append(out), lock.release()))
+                sink = lambda out, i=i: (lock.acquire(), streams[i].append(out), lock.release())
             else:
                 sink = None
             handles.append(sched.submit(prompt, p, sink=sink))
@@ -257,8 +291,16 @@ def test_bench_serve_host_breakdown(small_engine: Path, tmp_path: Path, capsys: 
     from engram_trt.bench import serve
 
     out = tmp_path / "serve.json"
-    opts = serve.ServeOptions(path=str(small_engine), concurrency="1,3", prompt_tokens=5, max_tokens=6, device="cpu",
-                              backend="torch", json=str(out), host_breakdown=True)
+    opts = serve.ServeOptions(
+        path=str(small_engine),
+        concurrency="1,3",
+        prompt_tokens=5,
+        max_tokens=6,
+        device="cpu",
+        backend="torch",
+        json=str(out),
+        host_breakdown=True,
+    )
     assert serve.run(opts) == 0
     res = json.loads(out.read_text())
     printed = capsys.readouterr().out
@@ -284,8 +326,17 @@ def test_bench_serve_null_model_leaves_the_host_path(small_engine: Path, tmp_pat
         (o,) = llm.generate([11, 12, 13], SamplingParams(max_tokens=6, ignore_eos=True))
         assert o.token_ids == [7] * 6 and llm.runner.prefetcher is None
     out = tmp_path / "null.json"
-    opts = serve.ServeOptions(path=str(small_engine), concurrency="1,4", prompt_tokens=5, max_tokens=8, device="cpu",
-                              backend="torch", json=str(out), host_breakdown=True, null_model=True)
+    opts = serve.ServeOptions(
+        path=str(small_engine),
+        concurrency="1,4",
+        prompt_tokens=5,
+        max_tokens=8,
+        device="cpu",
+        backend="torch",
+        json=str(out),
+        host_breakdown=True,
+        null_model=True,
+    )
     assert serve.run(opts) == 0
     res = json.loads(out.read_text())
     assert res["backend"].endswith("(null model)") and res["levels"]["1"]["host_breakdown"]["decode"]["steps"] == 7

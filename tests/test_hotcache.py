@@ -90,8 +90,9 @@ def test_cache_output_equals_a_plain_gather(table, layout: str) -> None:
 
     values, scales = table
     host = _host(table, layout)
-    cache = HotRowCache(*host, device="cpu", capacity_rows=200, quant_block=QB, layout=layout, max_step_rows=3000,
-                        admit_budget=50)
+    cache = HotRowCache(
+        *host, device="cpu", capacity_rows=200, quant_block=QB, layout=layout, max_step_rows=3000, admit_budget=50
+    )
     rng = np.random.default_rng(1)
     for step in range(25):
         ids = _zipf_ids(rng, (120, 24))
@@ -202,8 +203,17 @@ def test_replacements_wait_for_admit_every(table) -> None:
     import torch
 
     values, scales = table
-    cache = HotRowCache(values, scales, device="cpu", capacity_rows=10, quant_block=QB, max_step_rows=100,
-                        admit_every=3, admit_budget=10, sample_factor=1)
+    cache = HotRowCache(
+        values,
+        scales,
+        device="cpu",
+        capacity_rows=10,
+        quant_block=QB,
+        max_step_rows=100,
+        admit_every=3,
+        admit_budget=10,
+        sample_factor=1,
+    )
     cache.gather(torch.arange(10, dtype=torch.int32))  # step 1 fills the cache (free slots: every step)
     hot = torch.arange(500, 510, dtype=torch.int32).repeat(5)
     cache.gather(hot)  # step 2: no replacement try (2 % 3 != 0)
@@ -223,8 +233,16 @@ def test_a_warm_start_serves_its_rows_exactly(table, layout: str) -> None:
     values, scales = table
     rng = np.random.default_rng(5)
     counts = np.bincount(_zipf_ids(rng, 20_000), minlength=N)
-    cache = HotRowCache(*_host(table, layout), device="cpu", capacity_rows=150, quant_block=QB, layout=layout,
-                        max_step_rows=3000, admit_budget=40, initial_counts=counts)
+    cache = HotRowCache(
+        *_host(table, layout),
+        device="cpu",
+        capacity_rows=150,
+        quant_block=QB,
+        layout=layout,
+        max_step_rows=3000,
+        admit_budget=40,
+        initial_counts=counts,
+    )
     assert cache.stats().preloaded == 150
     hot = np.argsort(-counts, kind="stable")[:150]
     assert torch.equal(cache.work_rows[:150], values[torch.from_numpy(hot).long()])  # the slots hold the raw bytes
@@ -272,16 +290,30 @@ def test_hbm_scales_needs_host_rows_and_scales_on_the_cache_device(table) -> Non
     import torch
 
     values, scales = table
-    with pytest.raises(EngramError, match=r"^layout 'hbm-scales' keeps the rows in host memory and the scales on the "
-                                          r"cache's device cpu \(got rows on cpu, scales on meta\)"):
-        HotRowCache(values, torch.empty(scales.shape, dtype=torch.uint8, device="meta"), device="cpu",
-                    capacity_rows=10, quant_block=QB, layout="hbm-scales")
+    with pytest.raises(
+        EngramError,
+        match=r"^layout 'hbm-scales' keeps the rows in host memory and the scales on the "
+        r"cache's device cpu \(got rows on cpu, scales on meta\)",
+    ):
+        HotRowCache(
+            values,
+            torch.empty(scales.shape, dtype=torch.uint8, device="meta"),
+            device="cpu",
+            capacity_rows=10,
+            quant_block=QB,
+            layout="hbm-scales",
+        )
     with pytest.raises(EngramError, match=r"^layout 'hbm-scales' keeps the rows in host memory .*\(got rows on meta"):
-        HotRowCache(torch.empty(values.shape, dtype=torch.uint8, device="meta"), scales, device="cpu",
-                    capacity_rows=10, quant_block=QB, layout="hbm-scales")
+        HotRowCache(
+            torch.empty(values.shape, dtype=torch.uint8, device="meta"),
+            scales,
+            device="cpu",
+            capacity_rows=10,
+            quant_block=QB,
+            layout="hbm-scales",
+        )
     with pytest.raises(EngramError, match=r"^layout 'hbm-scales' is for fp8 tables"):
-        HotRowCache(torch.zeros(10, 64, dtype=torch.bfloat16), None, device="cpu", capacity_rows=1,
-                    layout="hbm-scales")
+        HotRowCache(torch.zeros(10, 64, dtype=torch.bfloat16), None, device="cpu", capacity_rows=1, layout="hbm-scales")
 
 
 def test_delivery_shape_keeps_2d_ids_and_flattens_the_others() -> None:

@@ -115,7 +115,9 @@ def layer_of(module: str) -> int:
     for i, names in enumerate(LAYERS):
         if top in names:
             return i
-    raise AssertionError(f"{module}: subpackage '{top}' is not in the layer order; add it to LAYERS and docs/architecture.md")
+    raise AssertionError(
+        f"{module}: subpackage '{top}' is not in the layer order; add it to LAYERS and docs/architecture.md"
+    )
 
 
 def test_the_graph_is_read() -> None:
@@ -135,9 +137,18 @@ def test_circle_finder_finds_a_circle() -> None:
 
 def test_no_import_from_a_higher_layer() -> None:
     edges, _ = import_graph()
-    upward = sorted(f"{a} -> {b}" for a, bs in edges.items() for b in bs
-                    if layer_of(b) > layer_of(a) or (layer_of(b) == layer_of(a) and a.split(".")[1:2] != b.split(".")[1:2]
-                                                     and len(b.split(".")) > 1 and layer_of(a) > 0))
+    upward = sorted(
+        f"{a} -> {b}"
+        for a, bs in edges.items()
+        for b in bs
+        if layer_of(b) > layer_of(a)
+        or (
+            layer_of(b) == layer_of(a)
+            and a.split(".")[1:2] != b.split(".")[1:2]
+            and len(b.split(".")) > 1
+            and layer_of(a) > 0
+        )
+    )
     assert upward == []
 
 
@@ -159,8 +170,13 @@ def outside_imports() -> list[str]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             found += [f"{module_name(path)} -> {n}" for n in names if n.split(".")[0] in outside]
     return found
 

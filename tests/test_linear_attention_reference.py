@@ -23,9 +23,17 @@ NUM_SLOTS = 5
 
 
 def make_config(**overrides) -> SimpleNamespace:
-    fields = dict(hidden_size=24, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                  linear_value_head_dim=12, linear_conv_kernel_dim=4, hidden_act="silu", output_gate_type="silu",
-                  rms_norm_eps=1e-6)
+    fields = dict(
+        hidden_size=24,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        hidden_act="silu",
+        output_gate_type="silu",
+        rms_norm_eps=1e-6,
+    )
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -65,7 +73,7 @@ def test_conv_matches_layer_conv_per_sequence(kernel):
     x = gen.standard_normal((9, C))
     state = gen.standard_normal((NUM_SLOTS, C, kernel - 1))
     seq_starts, past_lens, slots = [0, 4, 5, 9], [3, 0, 1], [2, 0, 4]
-    w = layer.conv1d.weight.detach().numpy()                              # [C, 1, K]
+    w = layer.conv1d.weight.detach().numpy()  # [C, 1, K]
     for act, fn in ((1, F.silu), (0, lambda t: t)):
         y, new = ref.causal_conv1d_reference(x, w, state, seq_starts, past_lens, slots, act)
         layer.conv_activation = fn
@@ -98,7 +106,7 @@ def test_delta_rule_matches_chunked_form_float64():
     Hk, Hv, dk, dv = 2, 4, 8, 6
     seq_starts, past_lens, slots = [0, 70, 71, 151], [5, 2, 0], [1, 3, 4]
     q, k, v, g, beta, state = _gdn_inputs(151, Hk, Hv, dk, dv)
-    scale = dk ** -0.5
+    scale = dk**-0.5
     o, new = ref.gated_delta_net_reference(q, k, v, g, beta, state, seq_starts, past_lens, slots, 1, scale)
     rep = Hv // Hk
     for s in range(3):
@@ -106,9 +114,14 @@ def test_delta_rule_matches_chunked_form_float64():
         qn = la.l2_normalize(torch.from_numpy(q[a:b])).repeat_interleave(rep, 1) * scale
         kn = la.l2_normalize(torch.from_numpy(k[a:b])).repeat_interleave(rep, 1)
         s0 = torch.from_numpy(state[slot]) if past_lens[s] else None
-        want_o, want_s = la.chunked_delta_rule(qn.transpose(0, 1), kn.transpose(0, 1),
-                                               torch.from_numpy(v[a:b]).transpose(0, 1), torch.from_numpy(g[a:b]).T,
-                                               torch.from_numpy(beta[a:b]).T, s0)
+        want_o, want_s = la.chunked_delta_rule(
+            qn.transpose(0, 1),
+            kn.transpose(0, 1),
+            torch.from_numpy(v[a:b]).transpose(0, 1),
+            torch.from_numpy(g[a:b]).T,
+            torch.from_numpy(beta[a:b]).T,
+            s0,
+        )
         assert want_o.dtype == torch.float64
         assert_rel(o[a:b], want_o.transpose(0, 1).numpy(), 1e-10)
         assert_rel(new[slot], want_s.numpy(), 1e-10)
@@ -124,30 +137,44 @@ def test_delta_rule_without_norm_matches_recurrent_step():
     slots = [4, 0, 2]
     o, new = ref.gated_delta_net_reference(q, k, v, g, beta, state, [0, 1, 2, 3], [7, 1, 9], slots, 0, 0.7)
     t = lambda a: torch.from_numpy(a).float()  # noqa: E731
-    want_o, want_s = la.recurrent_delta_step(t(q).repeat_interleave(2, 1) * 0.7, t(k).repeat_interleave(2, 1), t(v),
-                                             t(g), t(beta), t(state[slots]))
+    want_o, want_s = la.recurrent_delta_step(
+        t(q).repeat_interleave(2, 1) * 0.7, t(k).repeat_interleave(2, 1), t(v), t(g), t(beta), t(state[slots])
+    )
     assert_rel(o, want_o.numpy(), 2e-6)
     assert_rel(new[slots], want_s.numpy(), 2e-6)
 
 
-def _layer_from_references(layer: la.GatedDeltaNet, x: torch.Tensor, seq_starts, past_lens, slots,
-                           conv_state: np.ndarray, rec_state: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _layer_from_references(
+    layer: la.GatedDeltaNet,
+    x: torch.Tensor,
+    seq_starts,
+    past_lens,
+    slots,
+    conv_state: np.ndarray,
+    rec_state: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """GatedDeltaNet.forward with its conv and recurrence replaced by the two references
     (what the exported graph does around the two plugin nodes)."""
     with torch.no_grad():
         cols = layer.in_proj_qkv(x).double().numpy()
         z = layer.in_proj_z(x)
         beta = torch.sigmoid(layer.in_proj_b(x)).double().numpy()
-        g = (-layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias.float())).double().numpy()
-        mixed, conv_new = ref.causal_conv1d_reference(cols, layer.conv1d.weight.detach().numpy(), conv_state, seq_starts,
-                                                      past_lens, slots, ref.ACTIVATION_SILU)
+        g = (
+            (-layer.A_log.float().exp() * F.softplus(layer.in_proj_a(x).float() + layer.dt_bias.float()))
+            .double()
+            .numpy()
+        )
+        mixed, conv_new = ref.causal_conv1d_reference(
+            cols, layer.conv1d.weight.detach().numpy(), conv_state, seq_starts, past_lens, slots, ref.ACTIVATION_SILU
+        )
         T = x.shape[0]
         kd, Hk, Hv, dk, dv = layer.key_dim, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
         q = mixed[:, :kd].reshape(T, Hk, dk)
-        k = mixed[:, kd:2 * kd].reshape(T, Hk, dk)
-        v = mixed[:, 2 * kd:].reshape(T, Hv, dv)
-        core, rec_new = ref.gated_delta_net_reference(q, k, v, g, beta, rec_state, seq_starts, past_lens, slots, 1,
-                                                      dk ** -0.5)
+        k = mixed[:, kd : 2 * kd].reshape(T, Hk, dk)
+        v = mixed[:, 2 * kd :].reshape(T, Hv, dv)
+        core, rec_new = ref.gated_delta_net_reference(
+            q, k, v, g, beta, rec_state, seq_starts, past_lens, slots, 1, dk**-0.5
+        )
         core_t = torch.from_numpy(core).float().reshape(-1, dv)
         out = layer.out_proj(layer.norm(core_t, z.reshape(-1, dv)).reshape(T, -1))
     return out.double().numpy(), conv_new, rec_new
@@ -163,10 +190,10 @@ def test_layer_rebuilt_from_references_over_packed_steps():
     rec = torch.randn(NUM_SLOTS, *shapes["recurrent"], generator=gen)
     conv_np, rec_np = conv.double().numpy().copy(), rec.double().numpy().copy()
     steps = [
-        ([0, 6, 8], [0, 0], [0, 2]),                   # two prompts (one of 2 tokens < K-1 + 1)
-        ([0, 5, 6, 9], [6, 2, 0], [0, 2, 3]),          # prefill chunk from a state, a decode, a new prompt
-        ([0, 1, 2, 3], [11, 3, 3], [0, 2, 3]),         # decodes only
-        ([0, 70, 71], [0, 12], [2, 0]),                # slot 2 restarted (past 0) with a multi-chunk prompt
+        ([0, 6, 8], [0, 0], [0, 2]),  # two prompts (one of 2 tokens < K-1 + 1)
+        ([0, 5, 6, 9], [6, 2, 0], [0, 2, 3]),  # prefill chunk from a state, a decode, a new prompt
+        ([0, 1, 2, 3], [11, 3, 3], [0, 2, 3]),  # decodes only
+        ([0, 70, 71], [0, 12], [2, 0]),  # slot 2 restarted (past 0) with a multi-chunk prompt
     ]
     for i, (seq_starts, past_lens, slots) in enumerate(steps):
         x = torch.randn(seq_starts[-1], cfg.hidden_size, generator=gen)
@@ -196,21 +223,51 @@ def test_padding_conventions():
     np.testing.assert_array_equal(cnew, np.ones((2, 2, 2)))
 
 
-@pytest.mark.parametrize("call,needle", [
-    (lambda: ref.causal_conv1d_reference(np.ones((3, 4)), np.ones((5, 2)), np.ones((1, 4, 1)), [0, 3], [0], [0], 1),
-     "weight"),
-    (lambda: ref.causal_conv1d_reference(np.ones((3, 4)), np.ones((4, 2)), np.ones((1, 4, 2)), [0, 3], [0], [0], 1),
-     "conv_state"),
-    (lambda: ref.causal_conv1d_reference(np.ones((3, 4)), np.ones((4, 2)), np.ones((1, 4, 1)), [0, 3], [0], [0], 2),
-     "activation"),
-    (lambda: ref.causal_conv1d_reference(np.ones((3, 4)), np.ones((4, 2)), np.ones((1, 4, 1)), [0, 4], [0], [0], 1),
-     "seq_starts"),
-    (lambda: ref.gated_delta_net_reference(*_gdn_inputs(2, 2, 3, 4, 4)[:5], np.ones((1, 3, 4, 4)), [0, 2], [0], [0],
-                                           1, 1.0), "multiple"),
-    (lambda: ref.gated_delta_net_reference(*_gdn_inputs(2, 1, 2, 4, 4)[:5], np.ones((1, 2, 4, 5)), [0, 2], [0], [0],
-                                           1, 1.0), "state"),
-    (lambda: ref.gated_delta_net_reference(*_gdn_inputs(2, 1, 2, 4, 4)[:6], [0, 2], [0, 0], [0], 1, 1.0), "past_lens"),
-])
+@pytest.mark.parametrize(
+    "call,needle",
+    [
+        (
+            lambda: ref.causal_conv1d_reference(
+                np.ones((3, 4)), np.ones((5, 2)), np.ones((1, 4, 1)), [0, 3], [0], [0], 1
+            ),
+            "weight",
+        ),
+        (
+            lambda: ref.causal_conv1d_reference(
+                np.ones((3, 4)), np.ones((4, 2)), np.ones((1, 4, 2)), [0, 3], [0], [0], 1
+            ),
+            "conv_state",
+        ),
+        (
+            lambda: ref.causal_conv1d_reference(
+                np.ones((3, 4)), np.ones((4, 2)), np.ones((1, 4, 1)), [0, 3], [0], [0], 2
+            ),
+            "activation",
+        ),
+        (
+            lambda: ref.causal_conv1d_reference(
+                np.ones((3, 4)), np.ones((4, 2)), np.ones((1, 4, 1)), [0, 4], [0], [0], 1
+            ),
+            "seq_starts",
+        ),
+        (
+            lambda: ref.gated_delta_net_reference(
+                *_gdn_inputs(2, 2, 3, 4, 4)[:5], np.ones((1, 3, 4, 4)), [0, 2], [0], [0], 1, 1.0
+            ),
+            "multiple",
+        ),
+        (
+            lambda: ref.gated_delta_net_reference(
+                *_gdn_inputs(2, 1, 2, 4, 4)[:5], np.ones((1, 2, 4, 5)), [0, 2], [0], [0], 1, 1.0
+            ),
+            "state",
+        ),
+        (
+            lambda: ref.gated_delta_net_reference(*_gdn_inputs(2, 1, 2, 4, 4)[:6], [0, 2], [0, 0], [0], 1, 1.0),
+            "past_lens",
+        ),
+    ],
+)
 def test_bad_inputs_one_line(call, needle):
     with pytest.raises(EngramError) as info:
         call()

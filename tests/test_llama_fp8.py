@@ -35,18 +35,37 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (dequantized_folder, edit_config, folder_tensors, llm_greedy, save_folder_as,  # noqa: E402
-                                 transformers_fp8_save, transformers_greedy, without_stale_scales, word_tokenizer)
+from helpers.checkpoints import (
+    dequantized_folder,
+    edit_config,
+    folder_tensors,
+    llm_greedy,
+    save_folder_as,  # noqa: E402
+    transformers_fp8_save,
+    transformers_greedy,
+    without_stale_scales,
+    word_tokenizer,
+)
 from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 256
 NEW_TOKENS = 8
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-BASE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                            rms_norm_eps=1e-5, initializer_range=0.08, bos_token_id=1, eos_token_id=2,
-                            tie_word_embeddings=False)
+BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    initializer_range=0.08,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 # name -> (LlamaConfig overrides, FineGrainedFP8Config arguments; None: laid out by the
 # formats note with partial blocks)
@@ -54,14 +73,20 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
     # every projection FP8 (dims 256 / 128 / 384), float32 scales, the head float
     "all-fp8-float-scales": ({}, dict(weight_block_size=[128, 128])),
     # tied head, ue8m0 scales; k / v (one 64-wide head) and the MLP (200) left float
-    "tied-ue8m0-partly-float": (dict(tie_word_embeddings=True, intermediate_size=200, num_key_value_heads=1),
-                                dict(weight_block_size=[128, 128], scale_fmt="ue8m0")),
+    "tied-ue8m0-partly-float": (
+        dict(tie_word_embeddings=True, intermediate_size=200, num_key_value_heads=1),
+        dict(weight_block_size=[128, 128], scale_fmt="ue8m0"),
+    ),
     # hidden 384 in 6 heads; o_proj and the head kept in 16 bits by modules_to_not_convert
-    "not-converted-o-proj": (dict(hidden_size=384, num_attention_heads=6, intermediate_size=512),
-                             dict(weight_block_size=[128, 128], modules_to_not_convert=["o_proj", "lm_head"])),
+    "not-converted-o-proj": (
+        dict(hidden_size=384, num_attention_heads=6, intermediate_size=512),
+        dict(weight_block_size=[128, 128], modules_to_not_convert=["o_proj", "lm_head"]),
+    ),
     # dims 320 / 64 / 200 in 128x128 blocks, the last ones partial; every projection FP8
-    "partial-blocks": (dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1, intermediate_size=200),
-                       None),
+    "partial-blocks": (
+        dict(hidden_size=320, num_attention_heads=5, num_key_value_heads=1, intermediate_size=200),
+        None,
+    ),
 }
 
 
@@ -77,9 +102,16 @@ def partial_block_folder(float_folder: Path, out: Path) -> Path:
             tensors[k] = q
             tensors[k[: -len(".weight")] + ".weight_scale_inv"] = s
     cfg = json.loads((float_folder / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "dequantize": False, "expert_dtype": "fp8",
-                                  "modules_to_convert": None, "modules_to_not_convert": None, "quant_method": "fp8",
-                                  "scale_fmt": "float", "weight_block_size": [128, 128]}
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "dequantize": False,
+        "expert_dtype": "fp8",
+        "modules_to_convert": None,
+        "modules_to_not_convert": None,
+        "quant_method": "fp8",
+        "scale_fmt": "float",
+        "weight_block_size": [128, 128],
+    }
     return save_folder_as(float_folder, out, tensors, cfg)
 
 
@@ -127,8 +159,12 @@ def test_the_folders_and_the_reference_dequantization(case: tuple[str, Path, Any
     fp8 = sorted(k for k, v in kinds.items() if v == "F8_E4M3")
     assert fp8 and all(k.endswith("_proj.weight") for k in fp8)
     assert kinds["model.embed_tokens.weight"] == "F32" and kinds.get("lm_head.weight", "F32") == "F32"
-    want_float = {"tied-ue8m0-partly-float": ("k_proj", "v_proj", "mlp."), "not-converted-o-proj": ("o_proj",),
-                  "all-fp8-float-scales": (), "partial-blocks": ()}[name]
+    want_float = {
+        "tied-ue8m0-partly-float": ("k_proj", "v_proj", "mlp."),
+        "not-converted-o-proj": ("o_proj",),
+        "all-fp8-float-scales": (),
+        "partial-blocks": (),
+    }[name]
     for k in (k for k in kinds if k.endswith("_proj.weight")):
         assert (kinds[k] == "F32") == any(w in k for w in want_float), k
     if name == "partial-blocks":
@@ -136,8 +172,9 @@ def test_the_folders_and_the_reference_dequantization(case: tuple[str, Path, Any
         assert list(tensors[f"{Q}.weight_scale_inv"].shape) == [3, 3]  # 320 x 320 in 128x128 blocks
         assert list(tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape) == [3, 2]  # 320 x 200
         return
-    ours = LlamaForCausalLM.from_pretrained(dequantized_folder(folder, tmp_path / "deq"), dtype=torch.float32,
-                                            use_kernels=False)
+    ours = LlamaForCausalLM.from_pretrained(
+        dequantized_folder(folder, tmp_path / "deq"), dtype=torch.float32, use_kernels=False
+    )
     theirs = dict(ref.named_parameters())
     for k, p in ours.named_parameters():
         assert torch.equal(p, theirs[k]), k
@@ -189,8 +226,9 @@ def test_quantized_modules_hold_the_stored_bytes(case: tuple[str, Path, Any]) ->
             s = tensors[f"{mname}.weight_scale_inv"]
             assert isinstance(m, QuantLinear) and m.weight.dtype == torch.float8_e4m3fn
             assert torch.equal(m.weight.view(torch.uint8), w.view(torch.uint8))
-            assert m.weight_scale_inv.dtype == s.dtype and torch.equal(m.weight_scale_inv.view(torch.uint8),
-                                                                      s.view(torch.uint8))
+            assert m.weight_scale_inv.dtype == s.dtype and torch.equal(
+                m.weight_scale_inv.view(torch.uint8), s.view(torch.uint8)
+            )
             assert s.dtype == (torch.float8_e8m0fnu if "ue8m0" in name else torch.float32)
             stored_bytes += w.numel() + s.numel() * s.element_size()
             held += sum(b.numel() * b.element_size() for b in m.buffers())
@@ -220,8 +258,10 @@ def test_fused_fp8_projections_equal_them_apart(case: tuple[str, Path, Any]) -> 
     kinds, tensors = stored(folder), folder_tensors(folder)
     stacks = 0
     for i, layer in enumerate(fused.model.layers):
-        for module, parts in ((layer.self_attn, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                              (layer.mlp, ("mlp.gate_proj", "mlp.up_proj"))):
+        for module, parts in (
+            (layer.self_attn, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            (layer.mlp, ("mlp.gate_proj", "mlp.up_proj")),
+        ):
             fp8 = [kinds[f"model.layers.{i}.{p}.weight"] == "F8_E4M3" for p in parts]
             aligned = all(tensors[f"model.layers.{i}.{p}.weight"].shape[0] % 128 == 0 for p in parts[:-1])
             stack = module.fused_weight()
@@ -235,16 +275,21 @@ def test_fused_fp8_projections_equal_them_apart(case: tuple[str, Path, Any]) -> 
                 assert stack is None  # FP8 and float parts, or a part ending inside a block row: run apart
             else:
                 assert isinstance(stack, torch.Tensor)
-    assert stacks == {"all-fp8-float-scales": 4, "tied-ue8m0-partly-float": 0, "not-converted-o-proj": 4,
-                      "partial-blocks": 0}[name]
+    assert (
+        stacks
+        == {"all-fp8-float-scales": 4, "tied-ue8m0-partly-float": 0, "not-converted-o-proj": 4, "partial-blocks": 0}[
+            name
+        ]
+    )
     ids = torch.tensor(PROMPTS[2])
     got, want = fused(ids), plain(ids)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     ckpt.close()
 
 
-def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(case: tuple[str, Path, Any], capsys: Any,
-                                                                       tmp_path: Path) -> None:
+def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(
+    case: tuple[str, Path, Any], capsys: Any, tmp_path: Path
+) -> None:
     """build (graph only) writes the FP8 weights as they are stored: each F8_E4M3 tensor a
     FLOAT8E4M3FN initializer under a DequantizeLinear, the FP8 targets recorded, the
     checkpoint untouched (the graph against transformers and the engines:
@@ -286,28 +331,54 @@ def _edit_tensors(folder: Path, change: Any) -> None:
 
 
 BAD: dict[str, tuple[Any, str]] = {
-    "scale-missing": (lambda f: _edit_tensors(f, lambda t: t.pop(f"{Q}.weight_scale_inv")),
-                      rf"scale of {Q}\.weight is missing"),
-    "scale-mis-shaped": (lambda f: _edit_tensors(f, lambda t: t.update({f"{Q}.weight_scale_inv": torch.ones(1, 2)})),
-                         rf"scale of {Q}\.weight has shape \[1, 2\] but a \[256, 256\] FP8 weight in 128x128 blocks "
-                         rf"needs \[2, 2\]"),
-    "scale-wrong-dtype": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {f"{Q}.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)})),
-        rf"scale {Q}\.weight_scale_inv of {Q}\.weight is I32"),
-    "no-quantization-config": (lambda f: edit_config(f, quantization_config=None),
-                               rf"tensor \S+_proj\.weight is F8_E4M3 but config\.json declares no quantization_config"),
-    "listed-not-to-convert": (lambda f: edit_config(f, quantization_config={
-        "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["q_proj"]}),
-                              rf"{Q}\.weight is F8_E4M3 but quantization_config\.modules_to_not_convert lists {Q}"),
-    "fp8-embedding": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {"model.embed_tokens.weight": t["model.embed_tokens.weight"].to(torch.float8_e4m3fn)})),
-                      r"model\.embed_tokens\.weight is F8_E4M3, but only linear weights are served in FP8"),
-    "static-activations": (lambda f: edit_config(f, quantization_config={"quant_method": "fp8", "activation_scheme":
-                                                                         "static", "weight_block_size": [128, 128]}),
-                           r"'quantization_config\.activation_scheme'='static' is not served"),
-    **{f"method-{m}": ((lambda m: lambda f: edit_config(f, quantization_config={"quant_method": m, "bits": 4}))(m),
-                       rf"'quantization_config\.quant_method'='{m}' is not served .*\"fp8\"")
-       for m in ("gptq", "awq", "bitsandbytes", "compressed-tensors", "mxfp4")},
+    "scale-missing": (
+        lambda f: _edit_tensors(f, lambda t: t.pop(f"{Q}.weight_scale_inv")),
+        rf"scale of {Q}\.weight is missing",
+    ),
+    "scale-mis-shaped": (
+        lambda f: _edit_tensors(f, lambda t: t.update({f"{Q}.weight_scale_inv": torch.ones(1, 2)})),
+        rf"scale of {Q}\.weight has shape \[1, 2\] but a \[256, 256\] FP8 weight in 128x128 blocks "
+        rf"needs \[2, 2\]",
+    ),
+    "scale-wrong-dtype": (
+        lambda f: _edit_tensors(f, lambda t: t.update({f"{Q}.weight_scale_inv": torch.ones(2, 2, dtype=torch.int32)})),
+        rf"scale {Q}\.weight_scale_inv of {Q}\.weight is I32",
+    ),
+    "no-quantization-config": (
+        lambda f: edit_config(f, quantization_config=None),
+        rf"tensor \S+_proj\.weight is F8_E4M3 but config\.json declares no quantization_config",
+    ),
+    "listed-not-to-convert": (
+        lambda f: edit_config(
+            f,
+            quantization_config={
+                "quant_method": "fp8",
+                "weight_block_size": [128, 128],
+                "modules_to_not_convert": ["q_proj"],
+            },
+        ),
+        rf"{Q}\.weight is F8_E4M3 but quantization_config\.modules_to_not_convert lists {Q}",
+    ),
+    "fp8-embedding": (
+        lambda f: _edit_tensors(
+            f, lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].to(torch.float8_e4m3fn)})
+        ),
+        r"model\.embed_tokens\.weight is F8_E4M3, but only linear weights are served in FP8",
+    ),
+    "static-activations": (
+        lambda f: edit_config(
+            f,
+            quantization_config={"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+        ),
+        r"'quantization_config\.activation_scheme'='static' is not served",
+    ),
+    **{
+        f"method-{m}": (
+            (lambda m: lambda f: edit_config(f, quantization_config={"quant_method": m, "bits": 4}))(m),
+            rf"'quantization_config\.quant_method'='{m}' is not served .*\"fp8\"",
+        )
+        for m in ("gptq", "awq", "bitsandbytes", "compressed-tensors", "mxfp4")
+    },
 }
 
 
@@ -338,5 +409,6 @@ def test_inspect_lists_a_bad_scale(good_fp8: Path, tmp_path: Path, capsys: Any) 
     capsys.readouterr()
     assert main(["inspect", str(folder), "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
-    assert problems == [f"scale of {Q}.weight has shape [1, 2] but a [256, 256] FP8 weight in 128x128 blocks "
-                        f"needs [2, 2]"]
+    assert problems == [
+        f"scale of {Q}.weight has shape [1, 2] but a [256, 256] FP8 weight in 128x128 blocks needs [2, 2]"
+    ]

@@ -28,10 +28,20 @@ VOCAB = 256
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [200, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 NEW_TOKENS = 12
 
-BASE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                            rms_norm_eps=1e-5, initializer_range=0.08, bos_token_id=1, eos_token_id=2,
-                            tie_word_embeddings=False)
+BASE: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    initializer_range=0.08,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 # name -> LlamaConfig overrides (transformers 5 spelling); every value here is one the
 # model implements, so it must serve the transformers model token for token.
@@ -41,15 +51,37 @@ SUPPORTED: dict[str, dict[str, Any]] = {
     "tied-head": {"tie_word_embeddings": True},
     "mha-wide-head": {"num_key_value_heads": 4, "head_dim": 32},
     "one-kv-head": {"num_key_value_heads": 1, "rms_norm_eps": 1e-6},
-    "llama3": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+    "llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    },
     "linear": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
     "dynamic": {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
-    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                 "original_max_position_embeddings": 32}},
-    "yarn-attention-factor": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                                                  "attention_factor": 0.8, "beta_fast": 16.0, "beta_slow": 2.0,
-                                                  "original_max_position_embeddings": 64}},
+    "yarn": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    },
+    "yarn-attention-factor": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "attention_factor": 0.8,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
     "neutral-fields": {"attention_dropout": 0.1, "pad_token_id": 0, "pretraining_tp": 2},
 }
 
@@ -67,9 +99,14 @@ def save_llama(folder: Path, seed: int = 0, **overrides: Any) -> Any:
 
 def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def edit_config(folder: Path, **changes: Any) -> None:
@@ -115,9 +152,18 @@ def test_transformers4_rope_spelling_serves_the_same_model(tmp_path: Path) -> No
     from engram_trt import LLM, SamplingParams
 
     save_llama(tmp_path / "ck", seed=5)
-    edit_config(tmp_path / "ck", rope_parameters=..., rope_theta=50000.0,
-                rope_scaling={"type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 32})
+    edit_config(
+        tmp_path / "ck",
+        rope_parameters=...,
+        rope_theta=50000.0,
+        rope_scaling={
+            "type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
     model = LlamaForCausalLM.from_pretrained(tmp_path / "ck", use_kernels=False).eval()  # no hub kernels offline
     assert model.config.rope_parameters["rope_type"] == "llama3"
     assert model.config.rope_parameters["rope_theta"] == 50000.0
@@ -132,8 +178,22 @@ def test_run_command_matches_transformers(tmp_path: Path, capsys: Any) -> None:
     prompt = PROMPTS[0]
     want = hf_greedy(model, prompt)
     text = " ".join(f"w{i}" for i in prompt)
-    code = main(["run", str(tmp_path / "ck"), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-                 "--device", "cpu", "--dtype", "fp32", "--json"])
+    code = main(
+        [
+            "run",
+            str(tmp_path / "ck"),
+            "--prompt",
+            text,
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--ignore-eos",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert json.loads(out)["token_ids"] == want
@@ -145,12 +205,22 @@ REFUSED: dict[str, tuple[Any, tuple[str, ...]]] = {
     "hidden_act": ("gelu", ("'hidden_act'", "gelu", "silu")),
     "attention_bias": (True, ("'attention_bias'", "true", "false")),
     "mlp_bias": (True, ("'mlp_bias'", "true", "false")),
-    "quantization_config": ({"quant_method": "gptq", "bits": 4}, ("'quantization_config.quant_method'='gptq'",
-                                                                  "is not served", '"fp8"')),
+    "quantization_config": (
+        {"quant_method": "gptq", "bits": 4},
+        ("'quantization_config.quant_method'='gptq'", "is not served", '"fp8"'),
+    ),
     "model_type": ("mistral", ("model_type 'mistral'", "LlamaForCausalLM")),
     "architectures": (["MistralForCausalLM"], ("MistralForCausalLM", "supported architectures", "LlamaForCausalLM")),
-    "rope_parameters": ({"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                         "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}, ("longrope",)),
+    "rope_parameters": (
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 32,
+        },
+        ("longrope",),
+    ),
 }
 
 
@@ -170,8 +240,10 @@ def test_unimplemented_field_values_are_refused(tmp_path: Path, capsys: Any, sav
     shutil.copytree(saved_llama, ck)
     edit_config(ck, **{field: value})
     before = sorted(p.name for p in tmp_path.rglob("*"))
-    for argv in (["run", str(ck), "--prompt", "w1 w2", "--max-new-tokens", "2", "--device", "cpu"],
-                 ["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine"]):
+    for argv in (
+        ["run", str(ck), "--prompt", "w1 w2", "--max-new-tokens", "2", "--device", "cpu"],
+        ["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine"],
+    ):
         code = main(argv)
         err = capsys.readouterr().err
         assert code == 2, (argv, err)
@@ -183,8 +255,9 @@ def test_unimplemented_field_values_are_refused(tmp_path: Path, capsys: Any, sav
 
 
 @pytest.mark.parametrize("field", ["hidden_act", "attention_bias", "mlp_bias"])
-def test_inspect_lists_unimplemented_fields_as_problems(tmp_path: Path, capsys: Any, saved_llama: Path,
-                                                        field: str) -> None:
+def test_inspect_lists_unimplemented_fields_as_problems(
+    tmp_path: Path, capsys: Any, saved_llama: Path, field: str
+) -> None:
     import shutil
 
     ck = tmp_path / "ck"
@@ -196,16 +269,30 @@ def test_inspect_lists_unimplemented_fields_as_problems(tmp_path: Path, capsys: 
     assert any(f"'{field}'" in p for p in report["problems"])
 
 
-def test_model_without_engram_inspects_clean_and_its_engine_folder_runs(tmp_path: Path, capsys: Any,
-                                                                        saved_llama: Path) -> None:
+def test_model_without_engram_inspects_clean_and_its_engine_folder_runs(
+    tmp_path: Path, capsys: Any, saved_llama: Path
+) -> None:
     code = main(["inspect", str(saved_llama)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "no Engram layers" in out and "problems     none" in out
     assert main(["build", str(saved_llama), "--output", str(tmp_path / "engine"), "--no-engine", "--json"]) == 0
     capsys.readouterr()
-    code = main(["run", str(tmp_path / "engine"), "--prompt", "w5 w6 w7", "--max-new-tokens", "3", "--device", "cpu",
-                 "--backend", "torch", "--json"])
+    code = main(
+        [
+            "run",
+            str(tmp_path / "engine"),
+            "--prompt",
+            "w5 w6 w7",
+            "--max-new-tokens",
+            "3",
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--json",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert len(json.loads(captured.out)["token_ids"]) == 3
@@ -221,8 +308,20 @@ def test_tensors_the_model_does_not_read_are_listed_and_refused(tmp_path: Path, 
     tensors = load_file(st)
     tensors["model.mtp.0.proj.weight"] = torch.zeros(4, 4)
     save_file(tensors, st, metadata={"format": "pt"})
-    argv = ["run", str(tmp_path / "ck"), "--prompt", "w5 w17 w33", "--max-new-tokens", "4", "--ignore-eos",
-            "--device", "cpu", "--dtype", "fp32", "--json"]
+    argv = [
+        "run",
+        str(tmp_path / "ck"),
+        "--prompt",
+        "w5 w17 w33",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--json",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "model.mtp.0.proj.weight" in err and "--allow-unused-weights" in err

@@ -23,7 +23,6 @@ from test_llama_parity import NEW_TOKENS, PROMPTS, SUPPORTED, hf_greedy, save_ll
 from engram_trt.cli.main import main  # noqa: E402
 
 
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]], dict[str, Any]]:
     """(checkpoint, engine folder, transformers' greedy tokens per prompt, build report)."""
@@ -68,11 +67,24 @@ def test_engine_folder_gives_transformers_tokens_and_no_tables(built: tuple[Path
     assert not [n for n in started if "prefetch" in n.lower() or "gather" in n.lower()], started
 
 
-def test_engram_options_on_the_engine_folder_are_refused(built: tuple[Path, Path, list[list[int]], dict],
-                                                         capsys: Any) -> None:
+def test_engram_options_on_the_engine_folder_are_refused(
+    built: tuple[Path, Path, list[list[int]], dict], capsys: Any
+) -> None:
     _ck, engine, _want, _report = built
-    code = main(["run", str(engine), "--prompt", "w5 w6", "--max-new-tokens", "2", "--device", "cpu",
-                 "--engram-config", '{"cpu_offload": false}'])
+    code = main(
+        [
+            "run",
+            str(engine),
+            "--prompt",
+            "w5 w6",
+            "--max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+            "--engram-config",
+            '{"cpu_offload": false}',
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "no Engram layers" in err[0] and "cpu_offload" in err[0]
@@ -83,8 +95,9 @@ def served(built: tuple[Path, Path, list[list[int]], dict]):
     require_tritonserver()
     _ck, engine, want, _report = built
     log = engine.parent / "tritonserver.log"
-    proc, info = start_serve(engine, log, "--device", "cpu", "--backend", "torch", "--max-batch-size", "4",
-                             "--max-num-tokens", "64")
+    proc, info = start_serve(
+        engine, log, "--device", "cpu", "--backend", "torch", "--max-batch-size", "4", "--max-num-tokens", "64"
+    )
     yield info, want
     stop_serve(proc)
 
@@ -94,7 +107,8 @@ def test_served_engine_folder_gives_transformers_tokens(served: tuple[dict, list
 
     info, want = served
     assert_served_tokens(info["http"], PROMPTS, want, NEW_TOKENS)
-    events = hc.generate_stream(info["http"], {"text_input": words(PROMPTS[1]),
-                                               "max_tokens": NEW_TOKENS, "ignore_eos": True})
+    events = hc.generate_stream(
+        info["http"], {"text_input": words(PROMPTS[1]), "max_tokens": NEW_TOKENS, "ignore_eos": True}
+    )
     _text, ids, _finish, error = hc.collect(events)
     assert error is None and ids == want[1]

@@ -59,8 +59,9 @@ def test_pre_and_post_equal_the_float64_module(hc: int, D: int, iters: int) -> N
     np.testing.assert_allclose(post.numpy(), want_post, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(comb.numpy(), want_comb, rtol=1e-12, atol=1e-12)
     new = HyperConnection.expand(x, out, post, comb)
-    np.testing.assert_allclose(new.numpy(), ref.mhc_post(x.numpy(), out.numpy(), want_post, want_comb),
-                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        new.numpy(), ref.mhc_post(x.numpy(), out.numpy(), want_post, want_comb), rtol=1e-12, atol=1e-12
+    )
     assert float(np.abs(want_h).max()) > 0.1 and float(np.abs(want_post - 1.0).max()) > 0.05  # not a trivial case
 
 
@@ -96,12 +97,12 @@ def test_bf16_module_rounds_post_and_comb_as_the_reference_can() -> None:
     out = _streams(8, 1, D, 7, torch.bfloat16)[:, 0]
     h, post, comb = m.collapse(x)
     want_h, want_post, want_comb = ref.mhc_pre(x.double().numpy(), _params(m), iters=20, hc_eps=1e-6, norm_eps=1e-6)
-    np.testing.assert_allclose(h.double().numpy(), want_h, rtol=2 ** -8, atol=2 ** -8 * np.abs(want_h).max())
+    np.testing.assert_allclose(h.double().numpy(), want_h, rtol=2**-8, atol=2**-8 * np.abs(want_h).max())
     bf16 = lambda a: torch.from_numpy(a).to(torch.bfloat16).double().numpy()  # noqa: E731
     want = ref.mhc_post(x.double().numpy(), out.double().numpy(), want_post, want_comb, round_to=bf16)
     got = HyperConnection.expand(x, out, post, comb).double().numpy()
     scale = np.abs(x.double().numpy()).max() + np.abs(out.double().numpy()).max() * 2
-    assert np.abs(got - want).max() <= 3 * 2 ** -8 * scale
+    assert np.abs(got - want).max() <= 3 * 2**-8 * scale
 
 
 def test_sinkhorn_is_nearly_doubly_stochastic_and_its_transpose_is_used() -> None:

@@ -59,7 +59,10 @@ MODEL_CONFIG: dict[str, Any] = {
     "engram_compressed_vocab_size": CVOCAB,
     "engram_pad_token_id": 1,
 }
-PLAIN_CONFIG = {k: v for k, v in MODEL_CONFIG.items() if not k.startswith("engram_")} | {"hc_mult": 1, "tie_word_embeddings": True}
+PLAIN_CONFIG = {k: v for k, v in MODEL_CONFIG.items() if not k.startswith("engram_")} | {
+    "hc_mult": 1,
+    "tie_word_embeddings": True,
+}
 IDS = [5, 17, 250, 3, 17, 250, 3, 99, 42, 7, 7, 180, 64]
 
 
@@ -68,8 +71,9 @@ def make_lookup(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, CVOCAB, (MODEL_CONFIG["vocab_size"],), generator=gen, dtype=torch.int64)
 
 
-def build(cfg_dict: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
-          ) -> tuple[EngramLlama, ModelConfig, dict[str, torch.Tensor], torch.Tensor | None]:
+def build(
+    cfg_dict: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[EngramLlama, ModelConfig, dict[str, torch.Tensor], torch.Tensor | None]:
     cfg = ModelConfig.from_dict(cfg_dict)
     lookup = make_lookup() if cfg.engram is not None else None
     rows = None
@@ -108,16 +112,24 @@ def np_table_rows(weights: dict[str, torch.Tensor], name: dict[str, str], ids: n
     return f64(table)[ids]
 
 
-def np_engram(cfg: ModelConfig, weights: dict[str, torch.Tensor], layout: EngramLayout, li: int,
-              hidden: np.ndarray, cids: np.ndarray, lookback: np.ndarray | None) -> np.ndarray:
+def np_engram(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    layout: EngramLayout,
+    li: int,
+    hidden: np.ndarray,
+    cids: np.ndarray,
+    lookback: np.ndarray | None,
+) -> np.ndarray:
     spec = cfg.engram
     assert spec is not None
     names = engram_tensor_names(layout.layer_ids[li], spec.prefix)
     hid = hash_ids(cids, layout, lookback)[:, li, :]  # [T, cols]
     rows = np_table_rows(weights, names, hid, spec.quant_block)  # [T, cols, hd]
     kv = rows.reshape(rows.shape[0], -1) @ f64(weights[names["wkv"]]).T
-    return engram_gate_reference(hidden, kv, f64(weights[names["q_weight"]]), f64(weights[names["k_weight"]]),
-                                 cids >= 0, cfg.rms_norm_eps)
+    return engram_gate_reference(
+        hidden, kv, f64(weights[names["q_weight"]]), f64(weights[names["k_weight"]]), cids >= 0, cfg.rms_norm_eps
+    )
 
 
 def np_rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -129,12 +141,17 @@ def np_rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
     inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     ang = pos[:, None] * inv[None]
     emb = np.concatenate([ang, ang], -1)[:, None, :]
-    rot = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+    rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
     return x * np.cos(emb) + rot * np.sin(emb)
 
 
-def np_forward(cfg: ModelConfig, weights: dict[str, torch.Tensor], lookup: torch.Tensor | None,
-               ids: list[int], engram_ids: np.ndarray | None = None) -> np.ndarray:
+def np_forward(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    lookup: torch.Tensor | None,
+    ids: list[int],
+    engram_ids: np.ndarray | None = None,
+) -> np.ndarray:
     W = lambda n: f64(weights[n])  # noqa: E731
     T, hc = len(ids), cfg.hc_mult
     nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim

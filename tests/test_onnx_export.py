@@ -41,10 +41,25 @@ from engram_trt.errors import EngramError
 from engram_trt.models.engram_llama.model import EngramLlama
 from engram_trt.models.step import PackedStep
 
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, vocab_size=500, hc_mult=2, tie_word_embeddings=False, max_position_embeddings=128,
-             engram_layer_ids=[0, 2], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
-             engram_vocab_size=300, engram_compressed_vocab_size=400, engram_pad_token_id=3)
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=500,
+    hc_mult=2,
+    tie_word_embeddings=False,
+    max_position_embeddings=128,
+    engram_layer_ids=[0, 2],
+    engram_max_ngram_size=3,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_vocab_size=300,
+    engram_compressed_vocab_size=400,
+    engram_pad_token_id=3,
+)
 DEAD_TOKEN = 7  # a raw id with no compressed id: dead for Engram
 
 
@@ -85,8 +100,14 @@ SCHEDULE = [
 ]
 
 
-def _run_schedule(runner: ReferenceRunner, ref: EngramLlama, seed: int, schedule=SCHEDULE, prefetch: bool = False,
-                  lookup: np.ndarray | None = None) -> float:
+def _run_schedule(
+    runner: ReferenceRunner,
+    ref: EngramLlama,
+    seed: int,
+    schedule=SCHEDULE,
+    prefetch: bool = False,
+    lookup: np.ndarray | None = None,
+) -> float:
     """Runs the schedule through the graph, one PackedStep per step. After every step each
     sequence's logits must equal (a) that sequence alone through the reference model (a
     prefill of all its tokens so far) and (b) the reference model's own packed step
@@ -112,7 +133,7 @@ def _run_schedule(runner: ReferenceRunner, ref: EngramLlama, seed: int, schedule
             if prefetch:
                 assert lookup is not None
                 before = [-1] * n1 + [int(lookup[t]) for t in seq.ids]
-                lb = torch.as_tensor([before[len(before) - n1:]], dtype=torch.int64)
+                lb = torch.as_tensor([before[len(before) - n1 :]], dtype=torch.int64)
                 rows.append([r[0] for r in ref.prepare_engram(torch.as_tensor([new]), lookback=lb)])
             seq.ids += new
             chunks.append(new)
@@ -131,8 +152,14 @@ def _run_schedule(runner: ReferenceRunner, ref: EngramLlama, seed: int, schedule
 
 def _runner(cfg, lookup, layout, weights, opts: ExportOptions, tables=None, num_slots: int = 6, max_seq_len: int = 40):
     ex = export_model(cfg, weights, layout, opts)
-    return ex, ReferenceRunner(ex, cfg, _tables(cfg, weights) if tables is None else tables, lookup,
-                               num_slots=num_slots, max_seq_len=max_seq_len)
+    return ex, ReferenceRunner(
+        ex,
+        cfg,
+        _tables(cfg, weights) if tables is None else tables,
+        lookup,
+        num_slots=num_slots,
+        max_seq_len=max_seq_len,
+    )
 
 
 @pytest.mark.parametrize("table_dtype, hc", [("fp8", 2), ("bf16", 1), ("fp8", 4)])
@@ -149,8 +176,9 @@ def test_caches_are_updated_in_place() -> None:
     fed (aliased outputs, no copy), at (slot, position) of each token and nowhere else."""
     cfg, lookup, layout, weights = _small()
     ex, runner = _runner(cfg, lookup, layout, weights, ExportOptions(dtype="fp32"))
-    assert ex.io["kv_cache"]["aliases"] == {f"{kind}_cache_out_{i}": f"{kind}_cache_{i}"
-                                            for i in range(cfg.num_hidden_layers) for kind in ("key", "value")}
+    assert ex.io["kv_cache"]["aliases"] == {
+        f"{kind}_cache_out_{i}": f"{kind}_cache_{i}" for i in range(cfg.num_hidden_layers) for kind in ("key", "value")
+    }
     before = [(k, v) for k, v in zip(runner.key_cache, runner.value_cache)]
     runner.step(np.arange(12) + 20, [0, 9, 12], [0, 0], [4, 1])
     runner.step(np.arange(3) + 40, [0, 2, 3], [9, 3], [4, 1])
@@ -177,7 +205,7 @@ def test_engram_attention_reference_against_sdpa() -> None:
     want_k, want_v = kc.copy(), vc.copy()
     for t in np.nonzero(~bad)[0]:
         want_k[slots[t], :, pos[t]], want_v[slots[t], :, pos[t]] = k[t], v[t]
-    out = engram_attention_reference(q, k, v, kc, vc, slots, pos, hd ** -0.5)
+    out = engram_attention_reference(q, k, v, kc, vc, slots, pos, hd**-0.5)
     assert np.array_equal(kc, want_k) and np.array_equal(vc, want_v)
     assert np.all(out[bad] == 0)
     for t in np.nonzero(~bad)[0]:
@@ -194,8 +222,11 @@ def _gate_neighbours(model) -> list[tuple[str, str, str]]:
     for n in model.graph.node:
         for i in n.input:
             consumers.setdefault(i, n)
-    return [(producers[n.input[0]].op_type, producers[n.input[1]].op_type, consumers[n.output[0]].op_type)
-            for n in model.graph.node if n.op_type == "EngramGate"]
+    return [
+        (producers[n.input[0]].op_type, producers[n.input[1]].op_type, consumers[n.output[0]].op_type)
+        for n in model.graph.node
+        if n.op_type == "EngramGate"
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
@@ -263,13 +294,24 @@ def test_serving_graph_io() -> None:
     ex = export_model(cfg, weights, layout, ExportOptions(dtype="bf16"))
     L, n1 = cfg.num_hidden_layers, layout.max_ngram_size - 1
     caches = [f"{kind}_cache_{i}" for i in range(L) for kind in ("key", "value")]
-    assert ex.input_names == ["input_ids", "seq_starts", "past_lens", "slots", "engram_ids", "engram_lookback",
-                              "engram_table_ptrs", "engram_scale_ptrs", *caches]
+    assert ex.input_names == [
+        "input_ids",
+        "seq_starts",
+        "past_lens",
+        "slots",
+        "engram_ids",
+        "engram_lookback",
+        "engram_table_ptrs",
+        "engram_scale_ptrs",
+        *caches,
+    ]
     assert ex.output_names == ["logits", *[c.replace("_cache_", "_cache_out_") for c in caches]]
 
     def info(values):
-        return {v.name: (v.type.tensor_type.elem_type, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
-                for v in values}
+        return {
+            v.name: (v.type.tensor_type.elem_type, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+            for v in values
+        }
 
     ins, outs = info(ex.model.graph.input), info(ex.model.graph.output)
     i32, bf16 = TensorProto.INT32, TensorProto.BFLOAT16
@@ -277,7 +319,9 @@ def test_serving_graph_io() -> None:
     assert ins["seq_starts"] == (i32, ["seqs_plus_1"]) and ins["past_lens"] == ins["slots"] == (i32, ["seqs"])
     assert ins["engram_lookback"] == (i32, ["seqs", n1])
     cache = (bf16, ["num_slots", cfg.num_key_value_heads, "max_seq_len", cfg.head_dim])
-    assert all(ins[c] == cache for c in caches) and all(outs[c.replace("_cache_", "_cache_out_")] == cache for c in caches)
+    assert all(ins[c] == cache for c in caches) and all(
+        outs[c.replace("_cache_", "_cache_out_")] == cache for c in caches
+    )
     assert outs["logits"] == (TensorProto.FLOAT, ["seqs", cfg.vocab_size])
     attn = [nd for nd in ex.model.graph.node if nd.op_type == "EngramAttention"]
     assert len(attn) == L
@@ -295,14 +339,16 @@ def test_runner_refuses_bad_steps() -> None:
     cfg, lookup, layout, weights = _small()
     _, runner = _runner(cfg, lookup, layout, weights, ExportOptions(dtype="fp32"), num_slots=4, max_seq_len=16)
     ids = np.arange(5) + 10
-    for args, needle in (((ids, [0, 3, 4], [0, 0], [1, 2]), "seq_starts must rise from 0 to the step's 5 tokens"),
-                         ((ids, [0, 3, 3, 5], [0, 0, 0], [1, 2, 3]), "each sequence >= 1 token"),
-                         ((ids, [0, 3, 5], [0, 0], [1, 1]), "must be distinct"),
-                         ((ids, [0, 3, 5], [0, 0], [1, 4]), "in [0, 4)"),
-                         ((ids, [0, 3, 5], [14, 0], [1, 2]), "must stay within max_seq_len 16"),
-                         ((ids, [0, 3, 5], [0], [1, 2]), "past_lens and slots must be [S] = (2,)"),
-                         ((ids + 1000, [0, 3, 5], [0, 0], [1, 2]), "token ids in [0, 500)"),
-                         ((ids.astype(float), [0, 3, 5], [0, 0], [1, 2]), "input_ids must hold integers")):
+    for args, needle in (
+        ((ids, [0, 3, 4], [0, 0], [1, 2]), "seq_starts must rise from 0 to the step's 5 tokens"),
+        ((ids, [0, 3, 3, 5], [0, 0, 0], [1, 2, 3]), "each sequence >= 1 token"),
+        ((ids, [0, 3, 5], [0, 0], [1, 1]), "must be distinct"),
+        ((ids, [0, 3, 5], [0, 0], [1, 4]), "in [0, 4)"),
+        ((ids, [0, 3, 5], [14, 0], [1, 2]), "must stay within max_seq_len 16"),
+        ((ids, [0, 3, 5], [0], [1, 2]), "past_lens and slots must be [S] = (2,)"),
+        ((ids + 1000, [0, 3, 5], [0, 0], [1, 2]), "token ids in [0, 500)"),
+        ((ids.astype(float), [0, 3, 5], [0, 0], [1, 2]), "input_ids must hold integers"),
+    ):
         with pytest.raises(EngramError, match=needle.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             runner.step(*args)
     with pytest.raises(EngramError, match=r"lookback must be \[S, N-1\] = \(2, 2\)"):
@@ -375,8 +421,9 @@ def test_multipliers_travel_as_exact_decimal_text() -> None:
     assert np.array_equal(mx.decode_multipliers(attr.s), layout.multipliers.reshape(-1))
 
 
-def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugin_lib: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(
+    tmp_path: Path, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An fp16 export (no casts around the gate) parses and builds into a TensorRT-RTX
     engine: the EngramGate layers take and return float16, and every EngramAttention
     layer takes and returns float16 caches."""
@@ -393,16 +440,26 @@ def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugi
     assert all("Cast" not in n for n in _gate_neighbours(ex.model))
     path = tmp_path / "model.onnx"
     ex.save(path)
-    nbytes, plugins = build_engine(path, ex, cfg, engine_path=tmp_path / "model.engine", max_batch=2, max_seq_len=32,
-                                   max_num_tokens=64, targets=("sm80",), plugin_library=lib,
-                                   embed_plugin_library=False)
+    nbytes, plugins = build_engine(
+        path,
+        ex,
+        cfg,
+        engine_path=tmp_path / "model.engine",
+        max_batch=2,
+        max_seq_len=32,
+        max_num_tokens=64,
+        targets=("sm80",),
+        plugin_library=lib,
+        embed_plugin_library=False,
+    )
     assert nbytes > 10_000 and plugins.count("EngramGate/1") == len(cfg.engram.layer_ids)
     assert plugins.count("EngramAttention/1") == cfg.num_hidden_layers
     # the plugins' types in the parsed network
     network = trt_compat.create_network(trt_compat.create_builder())
     trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
-    layers = [network.get_layer(i) for i in range(network.num_layers)
-              if network.get_layer(i).type == t.LayerType.PLUGIN_V3]
+    layers = [
+        network.get_layer(i) for i in range(network.num_layers) if network.get_layer(i).type == t.LayerType.PLUGIN_V3
+    ]
     gates = [layer for layer in layers if layer.num_inputs == 5]
     attention = [layer for layer in layers if layer.num_inputs == 7]
     assert len(gates) == len(cfg.engram.layer_ids) and len(attention) == cfg.num_hidden_layers
@@ -415,9 +472,11 @@ def test_fp16_graph_builds_an_rtx_engine_with_an_fp16_gate(tmp_path: Path, plugi
         assert layer.get_output(1).is_network_output and layer.get_output(2).is_network_output
 
 
-@pytest.mark.parametrize("share", [{}, {"column_begin": 0, "column_end": 6, "row_offset": 0},
-                                   {"column_begin": 2, "column_end": 5, "row_offset": 40}],
-                         ids=["fields left out", "the whole table named", "a rank's share"])
+@pytest.mark.parametrize(
+    "share",
+    [{}, {"column_begin": 0, "column_end": 6, "row_offset": 0}, {"column_begin": 2, "column_end": 5, "row_offset": 40}],
+    ids=["fields left out", "the whole table named", "a rank's share"],
+)
 def test_reference_gather_honours_the_plugins_share_fields(share: dict) -> None:
     """The reference executor's EngramGather reads what the plugin reads: columns
     [column_begin, column_end) of the layer's ids, global row ids looked up in a table
@@ -440,17 +499,40 @@ def test_reference_gather_honours_the_plugins_share_fields(share: dict) -> None:
     scales = rng.integers(120, 134, size=(num_rows, hd // qb), dtype=np.uint8)
     ids = rng.integers(0, 200, size=(T, L, cols)).astype(np.int32)
     registry = TableRegistry()
-    node = helper.make_node("EngramGather", ["ids", "rows", "scales"], ["out"], domain=PLUGIN_DOMAIN, layer_index=1,
-                            n_layers=L, n_cols=cols, head_dim=hd, table_dtype=0, quant_block=qb, num_rows=num_rows,
-                            **share)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT32, [T, L, cols]),
-                                            helper.make_tensor_value_info("rows", TensorProto.INT64, [1]),
-                                            helper.make_tensor_value_info("scales", TensorProto.INT64, [1])],
-                              [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, None)])
+    node = helper.make_node(
+        "EngramGather",
+        ["ids", "rows", "scales"],
+        ["out"],
+        domain=PLUGIN_DOMAIN,
+        layer_index=1,
+        n_layers=L,
+        n_cols=cols,
+        head_dim=hd,
+        table_dtype=0,
+        quant_block=qb,
+        num_rows=num_rows,
+        **share,
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT32, [T, L, cols]),
+            helper.make_tensor_value_info("rows", TensorProto.INT64, [1]),
+            helper.make_tensor_value_info("scales", TensorProto.INT64, [1]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, None)],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PLUGIN_DOMAIN, 1)])
     ev = ReferenceEvaluator(model, new_ops=_reference_ops(registry))
-    (got,) = ev.run(None, {"ids": ids, "rows": np.array([registry.register(codes)], dtype=np.int64),
-                           "scales": np.array([registry.register(scales)], dtype=np.int64)})
+    (got,) = ev.run(
+        None,
+        {
+            "ids": ids,
+            "rows": np.array([registry.register(codes)], dtype=np.int64),
+            "scales": np.array([registry.register(scales)], dtype=np.int64),
+        },
+    )
     values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     want = np.zeros((T, end - begin, hd))
     for t in range(T):

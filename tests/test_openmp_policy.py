@@ -16,8 +16,13 @@ def _policy(code: str, **env: str) -> str:
     e = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     e.update(env)
     e["PYTHONPATH"] = PY + os.pathsep + e.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", code + "; import os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"],
-                         env=e, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code + "; import os; print(os.environ.get('OMP_WAIT_POLICY', 'unset'))"],
+        env=e,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 

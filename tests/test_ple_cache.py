@@ -102,8 +102,10 @@ def test_the_policy_does_not_depend_on_the_rows_dtype() -> None:
     """bf16, f16, f32 and FP8 caches (one seed, one capacity) fed the same ids end every
     step in the same state: the same slots, counts and replacements."""
     rng = np.random.default_rng(2)
-    fp8 = (torch.from_numpy(rng.integers(0, 120, size=(N, 32), dtype=np.uint8)),
-           torch.from_numpy(rng.integers(120, 130, size=(N, 1), dtype=np.uint8)))
+    fp8 = (
+        torch.from_numpy(rng.integers(0, 120, size=(N, 32), dtype=np.uint8)),
+        torch.from_numpy(rng.integers(120, 130, size=(N, 1), dtype=np.uint8)),
+    )
     kw = dict(device="cpu", capacity_rows=120, max_step_rows=1024, admit_budget=30, seed=9)
     caches = [HotRowCache(_table(d), **kw) for d in DTYPES.values()] + [HotRowCache(*fp8, **kw)]
     for ids in _steps(4):
@@ -232,8 +234,9 @@ def test_tiny_qwen4_exp_with_the_cache_gives_the_recorded_tokens() -> None:
 
     want = _expected()
     ckpt = open_checkpoint(TINY)
-    model = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32,
-                                         engram_config=EngramConfig(hot_cache_fraction=0.3))
+    model = ckpt.architecture.load_model(
+        ckpt, device="cpu", dtype=torch.float32, engram_config=EngramConfig(hot_cache_fraction=0.3)
+    )
     plain = StoreGather(model.ple_tables.store, "cpu")
     served: list[tuple[torch.Tensor, torch.Tensor]] = []
     gather = model.ple_tables.gather
@@ -260,10 +263,10 @@ def test_llm_with_hot_cache_fraction_gives_the_recorded_tokens() -> None:
     from engram_trt import LLM, SamplingParams
 
     want = _expected()
-    with LLM(str(TINY), backend="torch", device="cpu", dtype="fp32",
-             engram_config={"hot_cache_fraction": 0.1}) as llm:
-        outs = llm.generate(want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0,
-                                                            ignore_eos=True))
+    with LLM(str(TINY), backend="torch", device="cpu", dtype="fp32", engram_config={"hot_cache_fraction": 0.1}) as llm:
+        outs = llm.generate(
+            want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0, ignore_eos=True)
+        )
         ple = llm.runner.backend.model.ple_tables
         assert ple.paths == ["cache"] and ple.cache_stats()[0]["steps"] > 0
     assert [list(o.outputs[0].token_ids) for o in outs] == want["greedy"]

@@ -36,16 +36,30 @@ CONFIGS = [
 
 def make_layout(cfg) -> ph.PLEHashLayout:
     vocab, n, hpn, base, div, seed, eos, L = cfg
-    return ph.PLEHashLayout.from_config(vocab_size=vocab, ngram_size=n, heads_per_ngram=hpn,
-                                        ngram_vocab_size_base=base, make_ngram_vocab_size_divisible_by=div,
-                                        seed=seed, eos_token_id=eos, num_layers=L)
+    return ph.PLEHashLayout.from_config(
+        vocab_size=vocab,
+        ngram_size=n,
+        heads_per_ngram=hpn,
+        ngram_vocab_size_base=base,
+        make_ngram_vocab_size_divisible_by=div,
+        seed=seed,
+        eos_token_id=eos,
+        num_layers=L,
+    )
 
 
 def hf_module(cfg, layer: int):
     """transformers' module for PLE layer ``layer`` and the list its hook fills."""
     vocab, n, hpn, base, div, seed, eos, _ = cfg
-    config = types.SimpleNamespace(ngram_size=n, heads_per_ngram=hpn, vocab_size=vocab, ngram_vocab_size_base=base,
-                                   seed=seed, eos_token_id=[eos], make_ngram_vocab_size_divisible_by=div)
+    config = types.SimpleNamespace(
+        ngram_size=n,
+        heads_per_ngram=hpn,
+        vocab_size=vocab,
+        ngram_vocab_size_base=base,
+        seed=seed,
+        eos_token_id=[eos],
+        make_ngram_vocab_size_divisible_by=div,
+    )
     H = (n - 1) * hpn
     module = qmod.Qwen4ExpTextNGramEmbedding(config, 2 * H, layer_idx=layer, ple_layer_index=layer)
     captured: list = []
@@ -80,7 +94,7 @@ def random_ids(rng, vocab: int, eos: int, length: int) -> np.ndarray:
     ids[-1] = eos
     for _ in range(max(1, length // 12)):
         at = int(rng.integers(0, length))
-        ids[at: at + int(rng.integers(1, 5))] = eos
+        ids[at : at + int(rng.integers(1, 5))] = eos
     return ids
 
 
@@ -136,15 +150,17 @@ def test_whole_sequences_equal_transformers(cfg) -> None:
         np.testing.assert_array_equal(all_layers[:, li], want)
         assert np.all(got < layout.table_rows[li]) and np.all(got >= 0)
         # the torch path: same ids, as a tensor
-        got_t = ph.ple_hash_packed(torch.from_numpy(ids), torch.from_numpy(starts), torch.from_numpy(context),
-                                   layout, li)
+        got_t = ph.ple_hash_packed(
+            torch.from_numpy(ids), torch.from_numpy(starts), torch.from_numpy(context), layout, li
+        )
         assert isinstance(got_t, torch.Tensor) and got_t.dtype == torch.int64
         np.testing.assert_array_equal(got_t.numpy(), want)
     # the hash must see the EOS: the same ids without EOS runs hash differently somewhere
     no_eos = ids.copy()
     no_eos[no_eos == eos] = (eos + 1) % vocab
-    assert not np.array_equal(ph.ple_hash_packed(no_eos, starts, context, layout, 0),
-                              ph.ple_hash_packed(ids, starts, context, layout, 0))
+    assert not np.array_equal(
+        ph.ple_hash_packed(no_eos, starts, context, layout, 0), ph.ple_hash_packed(ids, starts, context, layout, 0)
+    )
 
 
 @pytest.mark.parametrize("cfg", CONFIGS[:3], ids=[f"N{c[1]}-h{c[2]}" for c in CONFIGS[:3]])
@@ -175,7 +191,7 @@ def test_chunks_and_decode_steps_equal_whole(cfg) -> None:
         ctx = contexts[live]
         out = ph.ple_hash_packed(ids, starts, ctx, layout, layer)
         for j, i in enumerate(live):
-            got[i].append(out[starts[j]:starts[j + 1]])
+            got[i].append(out[starts[j] : starts[j + 1]])
         contexts[live] = ph.next_context(ctx, ids, starts)
         step += 1
     for i, s in enumerate(seqs):
@@ -211,9 +227,16 @@ def test_real_config_layout_is_fast_and_exact() -> None:
     40 PLE layers: 640 primes in well under 10 s; first and last prime, and every
     layer's multipliers, equal transformers' own functions."""
     t0 = time.perf_counter()
-    layout = ph.PLEHashLayout.from_config(vocab_size=248_320, ngram_size=3, heads_per_ngram=8,
-                                          ngram_vocab_size_base=20_000_000, make_ngram_vocab_size_divisible_by=128,
-                                          seed=1234, eos_token_id=[248_044, 248_046], num_layers=40)
+    layout = ph.PLEHashLayout.from_config(
+        vocab_size=248_320,
+        ngram_size=3,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=20_000_000,
+        make_ngram_vocab_size_divisible_by=128,
+        seed=1234,
+        eos_token_id=[248_044, 248_046],
+        num_layers=40,
+    )
     elapsed = time.perf_counter() - t0
     assert elapsed < 10.0, f"from_config took {elapsed:.1f} s"
     primes = layout.head_vocab_sizes.reshape(-1)
@@ -236,21 +259,32 @@ def test_primes_from_matches_miller_rabin() -> None:
         assert got.tolist() == want
 
 
-@pytest.mark.parametrize("field, value, needle", [
-    ("ngram_size", 1, "ngram_size=1"),
-    ("ngram_size", 17, "ngram_size=17"),
-    ("heads_per_ngram", 0, "heads_per_ngram=0"),
-    ("ngram_vocab_size_base", 1, "ngram_vocab_size_base=1"),
-    ("make_ngram_vocab_size_divisible_by", 0, "make_ngram_vocab_size_divisible_by=0"),
-    ("eos_token_id", 97, "eos_token_id=97"),
-    ("eos_token_id", None, "eos_token_id"),
-    ("eos_token_id", [], "eos_token_id"),
-    ("num_layers", 0, "num_layers"),
-    ("vocab_size", 2.5, "vocab_size must be an integer"),
-])
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("ngram_size", 1, "ngram_size=1"),
+        ("ngram_size", 17, "ngram_size=17"),
+        ("heads_per_ngram", 0, "heads_per_ngram=0"),
+        ("ngram_vocab_size_base", 1, "ngram_vocab_size_base=1"),
+        ("make_ngram_vocab_size_divisible_by", 0, "make_ngram_vocab_size_divisible_by=0"),
+        ("eos_token_id", 97, "eos_token_id=97"),
+        ("eos_token_id", None, "eos_token_id"),
+        ("eos_token_id", [], "eos_token_id"),
+        ("num_layers", 0, "num_layers"),
+        ("vocab_size", 2.5, "vocab_size must be an integer"),
+    ],
+)
 def test_bad_config_fields(field, value, needle) -> None:
-    kwargs = dict(vocab_size=97, ngram_size=2, heads_per_ngram=1, ngram_vocab_size_base=50,
-                  make_ngram_vocab_size_divisible_by=16, seed=1, eos_token_id=96, num_layers=2)
+    kwargs = dict(
+        vocab_size=97,
+        ngram_size=2,
+        heads_per_ngram=1,
+        ngram_vocab_size_base=50,
+        make_ngram_vocab_size_divisible_by=16,
+        seed=1,
+        eos_token_id=96,
+        num_layers=2,
+    )
     kwargs[field] = value
     with pytest.raises(ConfigError, match=needle) as info:
         ph.PLEHashLayout.from_config(**kwargs)
@@ -281,9 +315,16 @@ def test_kernel_layout_checks_on_the_host(plugin_lib) -> None:
     the vocabulary and a multiplier that would overflow are refused in one line."""
     from engram_trt.native import ple as native_ple
 
-    layout = ph.PLEHashLayout.from_config(vocab_size=248_320, ngram_size=3, heads_per_ngram=8,
-                                          ngram_vocab_size_base=20_000_000, make_ngram_vocab_size_divisible_by=128,
-                                          seed=1234, eos_token_id=248_044, num_layers=4)
+    layout = ph.PLEHashLayout.from_config(
+        vocab_size=248_320,
+        ngram_size=3,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=20_000_000,
+        make_ngram_vocab_size_divisible_by=128,
+        seed=1234,
+        eos_token_id=248_044,
+        num_layers=4,
+    )
     for li in range(4):
         assert native_ple.prepared_ple_layout(layout, li).num_heads == 16
     assert native_ple.prepared_ple_layout(layout, 1) is native_ple.prepared_ple_layout(layout, 1)

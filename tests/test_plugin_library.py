@@ -41,14 +41,41 @@ REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
 HEADER = REPO / "plugins" / "kernels" / "engramKernels.h"
 PLUGINS = {
-    "EngramHash": ["n_layers", "max_ngram_size", "n_heads", "pad_id", "compressed_vocab_size", "primes", "offsets",
-                   "multipliers"],
-    "EngramGather": ["layer_index", "n_layers", "n_cols", "head_dim", "table_dtype", "quant_block", "num_rows",
-                     "bad_rows_input", "column_begin", "column_end", "row_offset"],
+    "EngramHash": [
+        "n_layers",
+        "max_ngram_size",
+        "n_heads",
+        "pad_id",
+        "compressed_vocab_size",
+        "primes",
+        "offsets",
+        "multipliers",
+    ],
+    "EngramGather": [
+        "layer_index",
+        "n_layers",
+        "n_cols",
+        "head_dim",
+        "table_dtype",
+        "quant_block",
+        "num_rows",
+        "bad_rows_input",
+        "column_begin",
+        "column_end",
+        "row_offset",
+    ],
     "EngramGate": ["hc_mult", "hidden_size", "eps"],
     "EngramAttention": ["num_heads", "num_kv_heads", "head_dim", "scale"],
-    "EngramPleHash": ["ngram_size", "heads_per_ngram", "eos_id", "vocab_size", "table_rows", "multipliers", "primes",
-                      "offsets"],
+    "EngramPleHash": [
+        "ngram_size",
+        "heads_per_ngram",
+        "eos_id",
+        "vocab_size",
+        "table_rows",
+        "multipliers",
+        "primes",
+        "offsets",
+    ],
 }
 
 
@@ -64,13 +91,19 @@ def _abi_names() -> set[str]:
 def test_exported_symbols_are_the_abi_and_nothing_else(plugin_lib: Path) -> None:
     if shutil.which("nm") is None:
         pytest.skip("nm (binutils) is not installed")
-    out = subprocess.run(["nm", "-D", "--defined-only", str(plugin_lib)], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", str(plugin_lib)], check=True, capture_output=True, text=True
+    ).stdout
     exported = {line.split()[-1] for line in out.splitlines() if line.strip()}
     expected = {"getCreators", "setLoggerFinder"} | _abi_names()
     assert "engram_gather" in expected and "engram_host_gather" in expected  # the header parse found the ABI
     assert exported == expected, f"unexpected: {sorted(exported - expected)}, missing: {sorted(expected - exported)}"
     # no libnvinfer / libcudart dependency: the library must load where only TensorRT-RTX exists
-    needed = subprocess.run(["readelf", "-d", str(plugin_lib)], capture_output=True, text=True).stdout if shutil.which("readelf") else ""
+    needed = (
+        subprocess.run(["readelf", "-d", str(plugin_lib)], capture_output=True, text=True).stdout
+        if shutil.which("readelf")
+        else ""
+    )
     assert "libnvinfer" not in needed and "libcudart" not in needed
 
 
@@ -104,16 +137,28 @@ def test_bindings_name_the_bad_argument() -> None:
     with pytest.raises(EngramError, match="^ids must have dtype torch.int32"):
         hash_kernels.hash_packed(torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int32), None, Lay())
     kv, w = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(1, 8)
-    with pytest.raises(EngramError, match=r"^hidden must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
-                                          r"\(got torch.float64\)$"):
+    with pytest.raises(
+        EngramError,
+        match=r"^hidden must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
+        r"\(got torch.float64\)$",
+    ):
         gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float64), kv, w, w, eps=1e-6)
-    with pytest.raises(EngramError, match="^hidden, kv and out must share one dtype .*; got hidden torch.float32, "
-                                          "kv torch.bfloat16$"):
+    with pytest.raises(
+        EngramError, match="^hidden, kv and out must share one dtype .*; got hidden torch.float32, kv torch.bfloat16$"
+    ):
         gate_kernels.gate(torch.zeros(2, 1, 8), kv, w, w, eps=1e-6)
     with pytest.raises(EngramError, match="got hidden torch.float16, kv torch.float16, out torch.bfloat16$"):
-        gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w, w, eps=1e-6,
-                     out=torch.zeros(2, 1, 8, dtype=torch.bfloat16))
-    with pytest.raises(EngramError, match=r"^q_weight must have dtype torch.bfloat16 or torch.float32 \(got torch.float16\)"):
+        gate_kernels.gate(
+            torch.zeros(2, 1, 8, dtype=torch.float16),
+            kv.half(),
+            w,
+            w,
+            eps=1e-6,
+            out=torch.zeros(2, 1, 8, dtype=torch.bfloat16),
+        )
+    with pytest.raises(
+        EngramError, match=r"^q_weight must have dtype torch.bfloat16 or torch.float32 \(got torch.float16\)"
+    ):
         gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.bfloat16), kv, w.half(), w.half(), eps=1e-6)
     with pytest.raises(EngramError, match=r"^k_weight must have dtype torch.float16 \(got torch.float32\)"):
         gate_kernels.gate(torch.zeros(2, 1, 8, dtype=torch.float16), kv.half(), w.half(), w, eps=1e-6)
@@ -133,24 +178,75 @@ def test_gate_abi_refuses_bad_types_before_any_cuda_call(plugin_lib: Path) -> No
     p = ctypes.c_void_p(16)  # never read: the calls fail on their types first
 
     def typed(io_type: int, weight_type: int) -> tuple[int, str]:
-        status = lib.engram_gate_typed(p, p, io_type, p, p, weight_type, None, gate_kernels.MASK_NONE, 4, 2, 64,
-                                       ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
+        status = lib.engram_gate_typed(
+            p,
+            p,
+            io_type,
+            p,
+            p,
+            weight_type,
+            None,
+            gate_kernels.MASK_NONE,
+            4,
+            2,
+            64,
+            ctypes.c_float(1e-6),
+            ctypes.c_float(1e-6),
+            p,
+            None,
+        )
         return status, lib.engram_last_error().decode()
 
     assert typed(3, kernel_library.FLOAT_BF16) == (1, "engram_gate: io_type 3 is not bf16 (0), fp32 (1) or fp16 (2)")
     assert typed(kernel_library.FLOAT_BF16, kernel_library.FLOAT_F16) == (
-        1, "engram_gate: weight_type 2 is neither bf16 (0), fp32 (1) nor the io_type (0, bf16)")
+        1,
+        "engram_gate: weight_type 2 is neither bf16 (0), fp32 (1) nor the io_type (0, bf16)",
+    )
     assert typed(kernel_library.FLOAT_F32, kernel_library.FLOAT_F16)[0] == 1
-    status = lib.engram_gate(p, p, p, p, gate_kernels.WEIGHT_F16, None, gate_kernels.MASK_NONE, 4, 2, 64,
-                             ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
+    status = lib.engram_gate(
+        p,
+        p,
+        p,
+        p,
+        gate_kernels.WEIGHT_F16,
+        None,
+        gate_kernels.MASK_NONE,
+        4,
+        2,
+        64,
+        ctypes.c_float(1e-6),
+        ctypes.c_float(1e-6),
+        p,
+        None,
+    )
     assert (status, lib.engram_last_error().decode()) == (
-        1, "engram_gate: weight_type 2 is neither bf16 (0) nor fp32 (1)")
+        1,
+        "engram_gate: weight_type 2 is neither bf16 (0) nor fp32 (1)",
+    )
     # zero tokens: every type combination is valid and nothing is launched
-    for io_type, weight_types in ((kernel_library.FLOAT_BF16, (0, 1)), (kernel_library.FLOAT_F16, (0, 1, 2)),
-                                  (kernel_library.FLOAT_F32, (0, 1))):
+    for io_type, weight_types in (
+        (kernel_library.FLOAT_BF16, (0, 1)),
+        (kernel_library.FLOAT_F16, (0, 1, 2)),
+        (kernel_library.FLOAT_F32, (0, 1)),
+    ):
         for wt in weight_types:
-            status = lib.engram_gate_typed(p, p, io_type, p, p, wt, None, gate_kernels.MASK_NONE, 0, 2, 64,
-                                           ctypes.c_float(1e-6), ctypes.c_float(1e-6), p, None)
+            status = lib.engram_gate_typed(
+                p,
+                p,
+                io_type,
+                p,
+                p,
+                wt,
+                None,
+                gate_kernels.MASK_NONE,
+                0,
+                2,
+                64,
+                ctypes.c_float(1e-6),
+                ctypes.c_float(1e-6),
+                p,
+                None,
+            )
             assert status == 0, lib.engram_last_error().decode()
 
 
@@ -163,28 +259,39 @@ def test_attention_abi_checks_run_without_gpu(plugin_lib: Path) -> None:
     p = ctypes.c_void_p(16)  # never read: the calls fail on their arguments first
 
     def packed(io_type=kernel_library.FLOAT_BF16, T=4, H=8, kvh=2, hd=64, slots=4, max_len=32, scale=0.125, q=p):
-        status = lib.engram_attention_packed(q, io_type, p, p, p, p, T, H, kvh, hd, slots, max_len, ctypes.c_float(scale),
-                                             None, 0, p, None)
+        status = lib.engram_attention_packed(
+            q, io_type, p, p, p, p, T, H, kvh, hd, slots, max_len, ctypes.c_float(scale), None, 0, p, None
+        )
         return status, lib.engram_last_error().decode()
 
-    assert packed(H=6, kvh=4) == (1, "engram_attention_packed: num_heads must be a positive multiple of num_kv_heads "
-                                     "(got num_heads 6, num_kv_heads 4)")
+    assert packed(H=6, kvh=4) == (
+        1,
+        "engram_attention_packed: num_heads must be a positive multiple of num_kv_heads "
+        "(got num_heads 6, num_kv_heads 4)",
+    )
     assert packed(hd=264) == (1, "engram_attention_packed: head_dim must be a multiple of 8 in [8, 256] (got 264)")
     assert packed(scale=float("nan"))[1] == "engram_attention_packed: scale must be finite and > 0 (got nan)"
     assert packed(io_type=3) == (1, "engram_attention_packed: io_type 3 is not bf16 (0), fp32 (1) or fp16 (2)")
     assert packed(T=-1)[1].startswith("engram_attention_packed: num_tokens must be in [0, 2^31 - 1]")
     assert packed(slots=0)[1].startswith("engram_attention_packed: num_slots and max_seq_len must be in [1, 2^31 - 1]")
-    assert packed(q=ctypes.c_void_p(24)) == (1, "engram_attention_packed: q, key_cache, value_cache and out must be "
-                                                "16-byte aligned device pointers")
+    assert packed(q=ctypes.c_void_p(24)) == (
+        1,
+        "engram_attention_packed: q, key_cache, value_cache and out must be 16-byte aligned device pointers",
+    )
     assert packed(T=0) == (0, "")  # nothing to do, nothing launched
     status = lib.engram_kv_cache_write(p, p, kernel_library.FLOAT_F16, None, p, 3, 2, 64, p, p, 4, 32, None)
     assert (status, lib.engram_last_error().decode()) == (
-        1, "engram_kv_cache_write: token_slot and token_pos must be int32 device arrays")
-    status = lib.engram_attention_step(p, p, p, kernel_library.FLOAT_F32, p, p, 0, 8, 2, 64, p, p, 4, 32,
-                                       ctypes.c_float(0.125), None, 0, p, None)
+        1,
+        "engram_kv_cache_write: token_slot and token_pos must be int32 device arrays",
+    )
+    status = lib.engram_attention_step(
+        p, p, p, kernel_library.FLOAT_F32, p, p, 0, 8, 2, 64, p, p, 4, 32, ctypes.c_float(0.125), None, 0, p, None
+    )
     assert status == 0
-    attention_kernels.check_attention_shape(32, 8, 128, 128 ** -0.5)
-    with pytest.raises(EngramError, match="num_kv_heads \\* ceil\\(num_heads / num_kv_heads / 8\\) = 65536 exceeds 65535"):
+    attention_kernels.check_attention_shape(32, 8, 128, 128**-0.5)
+    with pytest.raises(
+        EngramError, match="num_kv_heads \\* ceil\\(num_heads / num_kv_heads / 8\\) = 65536 exceeds 65535"
+    ):
         attention_kernels.check_attention_shape(65536 * 8, 65536, 64, 0.1)
 
 
@@ -193,6 +300,7 @@ def test_attention_workspace_covers_the_key_splits(plugin_lib: Path) -> None:
     32 splits, until a step has 1024 blocks) and need T * heads * splits * (head_dim + 2)
     floats of workspace; a step with enough blocks, or a short cache, needs none. The size
     for up to max_tokens is the largest of any step up to that many tokens."""
+
     def expected(T: int, H: int, kvh: int, hd: int, max_len: int) -> int:
         blocks = T * kvh * -(-(H // kvh) // 8)
         splits = 1
@@ -219,13 +327,19 @@ def test_attention_bindings_name_the_bad_argument() -> None:
     kv = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
     cache = torch.zeros(4, 2, 32, 64, dtype=torch.bfloat16)
     idx = torch.zeros(3, dtype=torch.int32)
-    with pytest.raises(EngramError, match=r"^key_cache must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
-                                          r"\(got torch.float64\)$"):
+    with pytest.raises(
+        EngramError,
+        match=r"^key_cache must have dtype torch.bfloat16 or torch.float16 or torch.float32 "
+        r"\(got torch.float64\)$",
+    ):
         attention_kernels.attention_step(q, kv, kv, cache.double(), cache, idx, idx)
     with pytest.raises(EngramError, match=r"^q must have dtype torch.bfloat16 \(got torch.float16\)$"):
         attention_kernels.attention_step(q.half(), kv, kv, cache, cache, idx, idx)
-    with pytest.raises(EngramError, match=r"^key_cache and value_cache must be one shape .* \(got \(4, 2, 32, 64\) "
-                                          r"and \(4, 2, 16, 64\)\)$"):
+    with pytest.raises(
+        EngramError,
+        match=r"^key_cache and value_cache must be one shape .* \(got \(4, 2, 32, 64\) "
+        r"and \(4, 2, 16, 64\)\)$",
+    ):
         attention_kernels.attention_step(q, kv, kv, cache, cache[:, :, :16], idx, idx)
     with pytest.raises(EngramError, match=r"^token_pos must have dtype torch.int32 \(got torch.int64\)$"):
         attention_kernels.attention_step(q, kv, kv, cache, cache, idx, idx.long())
@@ -257,21 +371,30 @@ def test_host_gatherer_create_reports_a_missing_device(plugin_lib: Path) -> None
 
 # (the trt fixture: tests/conftest.py)
 
+
 def test_creators_are_registered_with_their_fields(trt) -> None:
     registry = trt.module.get_plugin_registry()
     found = {}
     for creator in registry.all_creators:
         if creator.name in PLUGINS:
-            found[creator.name] = (creator.plugin_version, creator.plugin_namespace,
-                                   [f.name for f in creator.field_names])
+            found[creator.name] = (
+                creator.plugin_version,
+                creator.plugin_namespace,
+                [f.name for f in creator.field_names],
+            )
     assert set(found) == set(PLUGINS)
     for name, fields in PLUGINS.items():
         assert found[name] == ("1", NAMESPACE, fields)
     # the type and length each field is declared with (what the ONNX parser converts an
     # attribute to; 0: an array whose length follows from other fields)
-    i32, i64, f32 = trt.module.PluginFieldType.INT32, trt.module.PluginFieldType.INT64, trt.module.PluginFieldType.FLOAT32
-    declared = {name: [(f.type, f.size) for f in registry.get_creator(name, "1", NAMESPACE).field_names]
-                for name in PLUGINS}
+    i32, i64, f32 = (
+        trt.module.PluginFieldType.INT32,
+        trt.module.PluginFieldType.INT64,
+        trt.module.PluginFieldType.FLOAT32,
+    )
+    declared = {
+        name: [(f.type, f.size) for f in registry.get_creator(name, "1", NAMESPACE).field_names] for name in PLUGINS
+    }
     assert declared == {
         "EngramHash": [(i32, 1)] * 3 + [(i64, 1)] * 2 + [(i64, 0)] * 3,
         "EngramGather": [(i32, 1)] * 6 + [(i64, 1)] + [(i32, 1)] * 3 + [(i64, 1)],
@@ -284,8 +407,15 @@ def test_creators_are_registered_with_their_fields(trt) -> None:
     assert all(trt.module.get_plugin_registry().get_creator(name, "1", "") is None for name in PLUGINS)
 
 
-def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int = 2, hidden: int = 128,
-                  bad_rows_input: bool = False, shard: ColumnShard | None = None) -> None:
+def _engram_graph(
+    layout: EngramLayout,
+    path: Path,
+    head_dim: int = 64,
+    hc: int = 2,
+    hidden: int = 128,
+    bad_rows_input: bool = False,
+    shard: ColumnShard | None = None,
+) -> None:
     """ids -> EngramHash -> EngramGather (layer 1, fp8 table by address) -> wkv -> EngramGate.
     ``bad_rows_input``: the gather takes the bad-row counter's address too. ``shard``: a
     tensor-parallel rank's engine, whose gather reads only the shard's columns from its row
@@ -295,8 +425,11 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
 
     n = layout.max_ngram_size - 1
     cols = layout.n_hash_cols if shard is None else shard.num_cols  # the gather's output columns
-    share = {} if shard is None else {"column_begin": shard.col_begin, "column_end": shard.col_end,
-                                      "row_offset": shard.row_begin[1]}
+    share = (
+        {}
+        if shard is None
+        else {"column_begin": shard.col_begin, "column_end": shard.col_end, "row_offset": shard.row_begin[1]}
+    )
     num_rows = int(layout.table_rows[1]) if shard is None else shard.num_rows(1)
     rng = np.random.default_rng(0)
 
@@ -314,21 +447,55 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
     ns = {"plugin_namespace": NAMESPACE}
     counter = {"bad_rows_input": 1} if bad_rows_input else {}
     nodes = [
-        helper.make_node("EngramHash", ["ids", "seq_starts", "lookback"], ["hash_ids"], name="hash",
-                         domain="engram_trt", plugin_version="1", **ns, n_layers=layout.num_layers,
-                         max_ngram_size=layout.max_ngram_size, n_heads=layout.n_heads, pad_id=layout.pad_id,
-                         compressed_vocab_size=layout.compressed_vocab_size,
-                         primes=i64("primes", layout.primes), offsets=i64("offsets", layout.offsets),
-                         multipliers=i64("multipliers", layout.multipliers)),
-        helper.make_node("EngramGather", ["hash_ids", "rows_addr", "scales_addr"] + (["bad_rows_addr"] if bad_rows_input else []),
-                         ["rows"], name="gather",
-                         domain="engram_trt", plugin_version="1", **ns, layer_index=1, n_layers=layout.num_layers,
-                         n_cols=layout.n_hash_cols, head_dim=head_dim, table_dtype=0, quant_block=32,
-                         num_rows=num_rows, **counter, **share),
+        helper.make_node(
+            "EngramHash",
+            ["ids", "seq_starts", "lookback"],
+            ["hash_ids"],
+            name="hash",
+            domain="engram_trt",
+            plugin_version="1",
+            **ns,
+            n_layers=layout.num_layers,
+            max_ngram_size=layout.max_ngram_size,
+            n_heads=layout.n_heads,
+            pad_id=layout.pad_id,
+            compressed_vocab_size=layout.compressed_vocab_size,
+            primes=i64("primes", layout.primes),
+            offsets=i64("offsets", layout.offsets),
+            multipliers=i64("multipliers", layout.multipliers),
+        ),
+        helper.make_node(
+            "EngramGather",
+            ["hash_ids", "rows_addr", "scales_addr"] + (["bad_rows_addr"] if bad_rows_input else []),
+            ["rows"],
+            name="gather",
+            domain="engram_trt",
+            plugin_version="1",
+            **ns,
+            layer_index=1,
+            n_layers=layout.num_layers,
+            n_cols=layout.n_hash_cols,
+            head_dim=head_dim,
+            table_dtype=0,
+            quant_block=32,
+            num_rows=num_rows,
+            **counter,
+            **share,
+        ),
         helper.make_node("Reshape", ["rows", "flat_shape"], ["rows_flat"], name="flatten"),
         helper.make_node("MatMul", ["rows_flat", "wkv"], ["kv"], name="wkv"),
-        helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
-                         domain="engram_trt", plugin_version="1", **ns, hc_mult=hc, hidden_size=hidden, eps=1e-6),
+        helper.make_node(
+            "EngramGate",
+            ["hidden", "kv", "q_weight", "k_weight", "mask"],
+            ["out"],
+            name="gate",
+            domain="engram_trt",
+            plugin_version="1",
+            **ns,
+            hc_mult=hc,
+            hidden_size=hidden,
+            eps=1e-6,
+        ),
     ]
     inputs = [
         helper.make_tensor_value_info("ids", TensorProto.INT32, ["T"]),
@@ -340,19 +507,27 @@ def _engram_graph(layout: EngramLayout, path: Path, head_dim: int = 64, hc: int 
         helper.make_tensor_value_info("hidden", TensorProto.BFLOAT16, ["T", hc, hidden]),
         helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"]),
     ]
-    inits = [numpy_helper.from_array(np.array([-1, cols * head_dim], dtype=np.int64), "flat_shape"),
-             bf16_init("wkv", [cols * head_dim, (hc + 1) * hidden]), bf16_init("q_weight", [hc, hidden]),
-             bf16_init("k_weight", [hc, hidden])]
-    graph = helper.make_graph(nodes, "engram", inputs,
-                              [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, ["T", hc, hidden])], inits)
+    inits = [
+        numpy_helper.from_array(np.array([-1, cols * head_dim], dtype=np.int64), "flat_shape"),
+        bf16_init("wkv", [cols * head_dim, (hc + 1) * hidden]),
+        bf16_init("q_weight", [hc, hidden]),
+        bf16_init("k_weight", [hc, hidden]),
+    ]
+    graph = helper.make_graph(
+        nodes, "engram", inputs, [helper.make_tensor_value_info("out", TensorProto.BFLOAT16, ["T", hc, hidden])], inits
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("engram_trt", 1)])
     onnx.save(model, str(path))
 
 
-@pytest.mark.parametrize("bad_rows_input, rank", [(False, None), (True, None), (True, 1)],
-                         ids=["tables only", "with bad-row counter", "rank 1 of 2: its columns and row slice"])
-def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramLayout, tmp_path: Path,
-                                                            bad_rows_input: bool, rank: int | None) -> None:
+@pytest.mark.parametrize(
+    "bad_rows_input, rank",
+    [(False, None), (True, None), (True, 1)],
+    ids=["tables only", "with bad-row counter", "rank 1 of 2: its columns and row slice"],
+)
+def test_onnx_graph_with_the_three_plugins_builds_an_engine(
+    trt, layout: EngramLayout, tmp_path: Path, bad_rows_input: bool, rank: int | None
+) -> None:
     path = tmp_path / "engram.onnx"
     shard = None if rank is None else shard_columns(layout, rank, 2)
     _engram_graph(layout, path, bad_rows_input=bad_rows_input, shard=shard)
@@ -360,8 +535,11 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     network = trt_compat.create_network(builder)
     trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
 
-    plugin_layers = [network.get_layer(i) for i in range(network.num_layers)
-                     if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    plugin_layers = [
+        network.get_layer(i)
+        for i in range(network.num_layers)
+        if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3
+    ]
     assert sorted(layer.name for layer in plugin_layers) == ["gate", "gather", "hash"]
     for layer in plugin_layers:  # the nodes' plugin_namespace names the creators' namespace
         layer.__class__ = trt.module.IPluginV3Layer
@@ -376,9 +554,13 @@ def test_onnx_graph_with_the_three_plugins_builds_an_engine(trt, layout: EngramL
     config = plugin_builder_config(trt, builder, aliased=False)
     profile = builder.create_optimization_profile()
     n = layout.max_ngram_size - 1
-    for name, lo, opt, hi in (("ids", (1,), (64,), (512,)), ("seq_starts", (2,), (3,), (9,)),
-                              ("lookback", (1, n), (2, n), (8, n)), ("hidden", (1, 2, 128), (64, 2, 128), (512, 2, 128)),
-                              ("mask", (1,), (64,), (512,))):
+    for name, lo, opt, hi in (
+        ("ids", (1,), (64,), (512,)),
+        ("seq_starts", (2,), (3,), (9,)),
+        ("lookback", (1, n), (2, n), (8, n)),
+        ("hidden", (1, 2, 128), (64, 2, 128), (512, 2, 128)),
+        ("mask", (1,), (64,), (512,)),
+    ):
         profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(profile)
     engine = builder.build_serialized_network(network, config)
@@ -393,18 +575,33 @@ def _attention_graph(path: Path, io: str = "bf16", H: int = 8, kvh: int = 2, hd:
 
     elem = {"bf16": TensorProto.BFLOAT16, "fp16": TensorProto.FLOAT16, "fp32": TensorProto.FLOAT}[io]
     cache = ["slots", kvh, "max_len", hd]
-    node = helper.make_node("EngramAttention", ["q", "k", "v", "key_cache", "value_cache", "token_slot", "token_pos"],
-                            ["out", "key_cache_out", "value_cache_out"], name="attention", domain="engram_trt",
-                            plugin_version="1", plugin_namespace=NAMESPACE, num_heads=H, num_kv_heads=kvh, head_dim=hd,
-                            scale=hd ** -0.5)
-    inputs = [helper.make_tensor_value_info("q", elem, ["T", H, hd]), helper.make_tensor_value_info("k", elem, ["T", kvh, hd]),
-              helper.make_tensor_value_info("v", elem, ["T", kvh, hd]),
-              helper.make_tensor_value_info("key_cache", elem, cache), helper.make_tensor_value_info("value_cache", elem, cache),
-              helper.make_tensor_value_info("token_slot", TensorProto.INT32, ["T"]),
-              helper.make_tensor_value_info("token_pos", TensorProto.INT32, ["T"])]
-    outputs = [helper.make_tensor_value_info("out", elem, ["T", H, hd]),
-               helper.make_tensor_value_info("key_cache_out", elem, cache),
-               helper.make_tensor_value_info("value_cache_out", elem, cache)]
+    node = helper.make_node(
+        "EngramAttention",
+        ["q", "k", "v", "key_cache", "value_cache", "token_slot", "token_pos"],
+        ["out", "key_cache_out", "value_cache_out"],
+        name="attention",
+        domain="engram_trt",
+        plugin_version="1",
+        plugin_namespace=NAMESPACE,
+        num_heads=H,
+        num_kv_heads=kvh,
+        head_dim=hd,
+        scale=hd**-0.5,
+    )
+    inputs = [
+        helper.make_tensor_value_info("q", elem, ["T", H, hd]),
+        helper.make_tensor_value_info("k", elem, ["T", kvh, hd]),
+        helper.make_tensor_value_info("v", elem, ["T", kvh, hd]),
+        helper.make_tensor_value_info("key_cache", elem, cache),
+        helper.make_tensor_value_info("value_cache", elem, cache),
+        helper.make_tensor_value_info("token_slot", TensorProto.INT32, ["T"]),
+        helper.make_tensor_value_info("token_pos", TensorProto.INT32, ["T"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("out", elem, ["T", H, hd]),
+        helper.make_tensor_value_info("key_cache_out", elem, cache),
+        helper.make_tensor_value_info("value_cache_out", elem, cache),
+    ]
     graph = helper.make_graph([node], "attention", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("engram_trt", 1)])
     onnx.save(model, str(path))
@@ -441,7 +638,10 @@ def test_attention_graph_builds_only_with_aliased_caches(trt, tmp_path: Path, ca
     assert engines[True] is not None and engines[True].nbytes > 5_000
     assert engines[False] is None
     if trt.is_rtx:  # the reason as TensorRT-RTX 1.7.1 gives it
-        assert "Aliased I/O used by plugin attention but PreviewFeature::kALIASED_PLUGIN_IO_10_03 not enabled" in caplog.text
+        assert (
+            "Aliased I/O used by plugin attention but PreviewFeature::kALIASED_PLUGIN_IO_10_03 not enabled"
+            in caplog.text
+        )
 
 
 def _gate_graph(path: Path, io: str, weights: str, kv_io: str | None = None, hc: int = 2, hidden: int = 128) -> None:
@@ -460,13 +660,30 @@ def _gate_graph(path: Path, io: str, weights: str, kv_io: str | None = None, hc:
         raw = t.view(torch.int16).numpy().tobytes() if dtype != "fp32" else t.numpy().tobytes()
         return helper.make_tensor(name, elem[dtype], shape, raw, raw=True)
 
-    node = helper.make_node("EngramGate", ["hidden", "kv", "q_weight", "k_weight", "mask"], ["out"], name="gate",
-                            domain="engram_trt", plugin_version="1", plugin_namespace=NAMESPACE, hc_mult=hc, hidden_size=hidden, eps=1e-6)
-    inputs = [helper.make_tensor_value_info("hidden", elem[io], ["T", hc, hidden]),
-              helper.make_tensor_value_info("kv", elem[kv_io or io], ["T", (hc + 1) * hidden]),
-              helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"])]
-    graph = helper.make_graph([node], "gate", inputs, [helper.make_tensor_value_info("out", elem[io], ["T", hc, hidden])],
-                              [init("q_weight", [hc, hidden], weights), init("k_weight", [hc, hidden], weights)])
+    node = helper.make_node(
+        "EngramGate",
+        ["hidden", "kv", "q_weight", "k_weight", "mask"],
+        ["out"],
+        name="gate",
+        domain="engram_trt",
+        plugin_version="1",
+        plugin_namespace=NAMESPACE,
+        hc_mult=hc,
+        hidden_size=hidden,
+        eps=1e-6,
+    )
+    inputs = [
+        helper.make_tensor_value_info("hidden", elem[io], ["T", hc, hidden]),
+        helper.make_tensor_value_info("kv", elem[kv_io or io], ["T", (hc + 1) * hidden]),
+        helper.make_tensor_value_info("mask", TensorProto.BOOL, ["T"]),
+    ]
+    graph = helper.make_graph(
+        [node],
+        "gate",
+        inputs,
+        [helper.make_tensor_value_info("out", elem[io], ["T", hc, hidden])],
+        [init("q_weight", [hc, hidden], weights), init("k_weight", [hc, hidden], weights)],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("engram_trt", 1)])
     onnx.save(model, str(path))
 
@@ -477,15 +694,20 @@ def _build_gate(trt, path: Path, hc: int = 2, hidden: int = 128):
     trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
     config = plugin_builder_config(trt, builder, aliased=False)
     profile = builder.create_optimization_profile()
-    for name, dims in (("hidden", lambda t: (t, hc, hidden)), ("kv", lambda t: (t, (hc + 1) * hidden)),
-                       ("mask", lambda t: (t,))):
+    for name, dims in (
+        ("hidden", lambda t: (t, hc, hidden)),
+        ("kv", lambda t: (t, (hc + 1) * hidden)),
+        ("mask", lambda t: (t,)),
+    ):
         profile.set_shape(name, dims(1), dims(64), dims(512))
     config.add_optimization_profile(profile)
     return network, builder.build_serialized_network(network, config)
 
 
-@pytest.mark.parametrize("io, weights", [("fp16", "fp16"), ("fp16", "fp32"), ("fp16", "bf16"), ("fp32", "fp32"),
-                                         ("fp32", "bf16"), ("bf16", "bf16")])
+@pytest.mark.parametrize(
+    "io, weights",
+    [("fp16", "fp16"), ("fp16", "fp32"), ("fp16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16"), ("bf16", "bf16")],
+)
 def test_gate_graph_of_each_io_dtype_builds_an_engine(trt, tmp_path: Path, io: str, weights: str) -> None:
     """The gate takes hidden / kv in bf16, fp16 or fp32 (weights bf16, fp32 or hidden's
     type); the output has hidden's type, so an fp16 graph needs no casts around it."""
@@ -493,18 +715,41 @@ def test_gate_graph_of_each_io_dtype_builds_an_engine(trt, tmp_path: Path, io: s
     _gate_graph(path, io, weights)
     network, engine = _build_gate(trt, path)
     want = {"bf16": trt.module.bfloat16, "fp16": trt.module.float16, "fp32": trt.module.float32}[io]
-    (layer,) = [network.get_layer(i) for i in range(network.num_layers)
-                if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    (layer,) = [
+        network.get_layer(i)
+        for i in range(network.num_layers)
+        if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3
+    ]
     assert layer.get_output(0).dtype == want
     assert engine is not None and engine.nbytes > 5_000
 
 
-@pytest.mark.parametrize("io, weights, kv_io, reason", [
-    ("fp16", "fp16", "fp32", "hidden and kv must be both bfloat16, both float16 or both float32, got float16 and float32"),
-    ("fp32", "fp16", None, "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type (float32)"),
-    ("bf16", "fp16", None, "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type (bfloat16)")])
-def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: str, weights: str,
-                                                kv_io: str | None, reason: str) -> None:
+@pytest.mark.parametrize(
+    "io, weights, kv_io, reason",
+    [
+        (
+            "fp16",
+            "fp16",
+            "fp32",
+            "hidden and kv must be both bfloat16, both float16 or both float32, got float16 and float32",
+        ),
+        (
+            "fp32",
+            "fp16",
+            None,
+            "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type (float32)",
+        ),
+        (
+            "bf16",
+            "fp16",
+            None,
+            "q_weight and k_weight must both be bfloat16, both float32 or both hidden's type (bfloat16)",
+        ),
+    ],
+)
+def test_gate_graph_with_mixed_types_is_refused(
+    trt, tmp_path: Path, capfd, io: str, weights: str, kv_io: str | None, reason: str
+) -> None:
     """hidden and kv of different types, or fp16 weights with non-fp16 hidden: no engine,
     and the plugin's reason reaches the log."""
     path = tmp_path / "gate.onnx"
@@ -522,24 +767,40 @@ def test_gate_graph_with_mixed_types_is_refused(trt, tmp_path: Path, capfd, io: 
 
 # (plugin_fields and create_plugin: tests/helpers/plugins.py)
 
+
 def _text(values) -> str:
     return ",".join(str(int(v)) for v in np.asarray(values).reshape(-1))
 
 
 def _hash_fields(layout: EngramLayout) -> dict[str, tuple[str, object]]:
-    return {"n_layers": ("int32", layout.num_layers), "max_ngram_size": ("int32", layout.max_ngram_size),
-            "n_heads": ("int32", layout.n_heads), "pad_id": ("int64", layout.pad_id),
-            "compressed_vocab_size": ("int64", layout.compressed_vocab_size),
-            "primes": ("text", _text(layout.primes)), "offsets": ("text", _text(layout.offsets)),
-            "multipliers": ("text", _text(layout.multipliers))}
+    return {
+        "n_layers": ("int32", layout.num_layers),
+        "max_ngram_size": ("int32", layout.max_ngram_size),
+        "n_heads": ("int32", layout.n_heads),
+        "pad_id": ("int64", layout.pad_id),
+        "compressed_vocab_size": ("int64", layout.compressed_vocab_size),
+        "primes": ("text", _text(layout.primes)),
+        "offsets": ("text", _text(layout.offsets)),
+        "multipliers": ("text", _text(layout.multipliers)),
+    }
 
 
-GATHER_FIELDS = {"layer_index": ("int32", 1), "n_layers": ("int32", 2), "n_cols": ("int32", 8),
-                 "head_dim": ("int32", 64), "table_dtype": ("int32", 0), "quant_block": ("int32", 32),
-                 "num_rows": ("int64", 1000)}
+GATHER_FIELDS = {
+    "layer_index": ("int32", 1),
+    "n_layers": ("int32", 2),
+    "n_cols": ("int32", 8),
+    "head_dim": ("int32", 64),
+    "table_dtype": ("int32", 0),
+    "quant_block": ("int32", 32),
+    "num_rows": ("int64", 1000),
+}
 GATE_FIELDS = {"hc_mult": ("int32", 4), "hidden_size": ("int32", 64), "eps": ("float32", 1e-6)}
-ATTENTION_FIELDS = {"num_heads": ("int32", 32), "num_kv_heads": ("int32", 8), "head_dim": ("int32", 128),
-                    "scale": ("float32", 128 ** -0.5)}
+ATTENTION_FIELDS = {
+    "num_heads": ("int32", 32),
+    "num_kv_heads": ("int32", 8),
+    "head_dim": ("int32", 128),
+    "scale": ("float32", 128**-0.5),
+}
 
 # (plugin, fields changed, what the refusal must say). Each value would have been narrowed
 # to int32 or accepted before: 2^32 + 4 became 4, "p0+p1" read as [p0, p1], "12-3" as [12, -3].
@@ -547,8 +808,11 @@ BAD_FIELDS = [
     ("EngramGate", {"hc_mult": ("int64", 2**32 + 4)}, "field 'hc_mult' = 4294967300 is outside [1, 65535]"),
     ("EngramGate", {"hc_mult": ("int32", 65536)}, "field 'hc_mult' = 65536 is outside [1, 65535]"),
     ("EngramGate", {"hidden_size": ("int64", 2**32 + 64)}, "field 'hidden_size' = 4294967360 is outside"),
-    ("EngramGate", {"hc_mult": ("int32", 65535), "hidden_size": ("int32", 32768)},
-     "(hc_mult + 1) * hidden_size = 2147483648 exceeds 2^31 - 1"),
+    (
+        "EngramGate",
+        {"hc_mult": ("int32", 65535), "hidden_size": ("int32", 32768)},
+        "(hc_mult + 1) * hidden_size = 2147483648 exceeds 2^31 - 1",
+    ),
     ("EngramHash", {"n_heads": ("int64", 2**32 + 4)}, "field 'n_heads' = 4294967300 is outside [1, 512]"),
     ("EngramHash", {"n_layers": ("int64", 2**32 + 2)}, "field 'n_layers' = 4294967298 is outside"),
     ("EngramHash", {"max_ngram_size": ("int64", 2**32 + 3)}, "field 'max_ngram_size' = 4294967299 is outside [2, 16]"),
@@ -566,13 +830,22 @@ BAD_FIELDS = [
     ("EngramGather", {"column_begin": ("int32", 8)}, "column_begin must be in [0, n_cols 8), got 8"),
     ("EngramGather", {"column_begin": ("int64", 2**32 + 2)}, "field 'column_begin' = 4294967298 is outside"),
     ("EngramGather", {"column_end": ("int32", 9)}, "column_end must be in [column_begin + 1, n_cols] = [1, 8], got 9"),
-    ("EngramGather", {"column_begin": ("int32", 3), "column_end": ("int32", 3)},
-     "column_end must be in [column_begin + 1, n_cols] = [4, 8], got 3"),
-    ("EngramGather", {"column_begin": ("int32", 5), "column_end": ("int64", 2)},
-     "column_end must be in [column_begin + 1, n_cols] = [6, 8], got 2"),
+    (
+        "EngramGather",
+        {"column_begin": ("int32", 3), "column_end": ("int32", 3)},
+        "column_end must be in [column_begin + 1, n_cols] = [4, 8], got 3",
+    ),
+    (
+        "EngramGather",
+        {"column_begin": ("int32", 5), "column_end": ("int64", 2)},
+        "column_end must be in [column_begin + 1, n_cols] = [6, 8], got 2",
+    ),
     ("EngramGather", {"row_offset": ("int64", -1)}, "row_offset must be >= 0, got -1"),
-    ("EngramGather", {"row_offset": ("int64", 2**31 - 1000)},
-     "row_offset 2147482648 + num_rows 1000 exceeds 2^31 - 1 (row ids are int32)"),
+    (
+        "EngramGather",
+        {"row_offset": ("int64", 2**31 - 1000)},
+        "row_offset 2147482648 + num_rows 1000 exceeds 2^31 - 1 (row ids are int32)",
+    ),
     ("EngramGather", {"row_offset": ("int64", 2**63 - 1)}, "row_offset 9223372036854775807 + num_rows 1000 exceeds"),
     ("EngramAttention", {"num_heads": ("int64", 2**32 + 32)}, "field 'num_heads' = 4294967328 is outside"),
     ("EngramAttention", {"num_kv_heads": ("int32", 0)}, "field 'num_kv_heads' = 0 is outside"),
@@ -581,8 +854,11 @@ BAD_FIELDS = [
     ("EngramAttention", {"head_dim": ("int64", 2**32 + 128)}, "field 'head_dim' = 4294967424 is outside [8, 256]"),
     ("EngramAttention", {"scale": ("float32", 0.0)}, "scale must be finite and > 0"),
     ("EngramAttention", {"scale": ("float32", float("inf"))}, "scale must be finite and > 0"),
-    ("EngramAttention", {"num_heads": ("int32", 65536 * 8), "num_kv_heads": ("int32", 65536)},
-     "num_kv_heads * ceil(num_heads / num_kv_heads / 8) = 65536 exceeds 65535"),
+    (
+        "EngramAttention",
+        {"num_heads": ("int32", 65536 * 8), "num_kv_heads": ("int32", 65536)},
+        "num_kv_heads * ceil(num_heads / num_kv_heads / 8) = 65536 exceeds 65535",
+    ),
     ("EngramAttention", {"window": ("int32", 4)}, "unknown field(s) window for plugin EngramAttention"),
     # a field left out (None) or of the wrong kind
     ("EngramGate", {"eps": None}, "missing field 'eps'"),
@@ -590,14 +866,22 @@ BAD_FIELDS = [
     ("EngramAttention", {"scale": ("int32", 1)}, "field 'scale' must be a float"),
     ("EngramGather", {"num_rows": None}, "missing field 'num_rows'"),
     ("EngramHash", {"multipliers": None}, "missing field 'multipliers'"),
-    ("EngramHash", {"primes": ("float32", [2.0] * 16)}, "field 'primes' must be integers (got PluginFieldType 1, length 16)"),
+    (
+        "EngramHash",
+        {"primes": ("float32", [2.0] * 16)},
+        "field 'primes' must be integers (got PluginFieldType 1, length 16)",
+    ),
 ]
 
 
 @pytest.mark.parametrize("plugin,change,message", BAD_FIELDS, ids=[f"{p}-{m[:40]}" for p, _, m in BAD_FIELDS])
 def test_creators_refuse_out_of_range_fields(trt, layout: EngramLayout, capfd, plugin, change, message) -> None:
-    base = {"EngramGate": GATE_FIELDS, "EngramGather": GATHER_FIELDS, "EngramHash": _hash_fields(layout),
-            "EngramAttention": ATTENTION_FIELDS}[plugin]
+    base = {
+        "EngramGate": GATE_FIELDS,
+        "EngramGather": GATHER_FIELDS,
+        "EngramHash": _hash_fields(layout),
+        "EngramAttention": ATTENTION_FIELDS,
+    }[plugin]
     fields = dict(base)
     if isinstance(change, str):  # "<field>:<char>": the first separator of a text array replaced
         name, char = change.split(":")
@@ -616,7 +900,9 @@ def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> No
     assert create_plugin(trt, "EngramGate", GATE_FIELDS) is not None
     widest = {"hc_mult": ("int64", 65535), "hidden_size": ("int32", 8)}
     assert create_plugin(trt, "EngramGate", {**GATE_FIELDS, **widest}) is not None
-    assert create_plugin(trt, "EngramGate", {**GATE_FIELDS, "hidden_size": ("int32", 429_496_728)}) is not None  # 5 D = 2^31 - 8
+    assert (
+        create_plugin(trt, "EngramGate", {**GATE_FIELDS, "hidden_size": ("int32", 429_496_728)}) is not None
+    )  # 5 D = 2^31 - 8
     assert create_plugin(trt, "EngramHash", _hash_fields(layout)) is not None
     spaced = {**_hash_fields(layout), "primes": ("text", _text(layout.primes).replace(",", ", "))}
     assert create_plugin(trt, "EngramHash", spaced) is not None
@@ -625,18 +911,27 @@ def test_creators_accept_the_edge_of_each_range(trt, layout: EngramLayout) -> No
     bf16 = {"table_dtype": ("int64", 1), "quant_block": ("int32", 0)}  # quant_block is ignored for bf16
     assert create_plugin(trt, "EngramGather", {**GATHER_FIELDS, **bf16}) is not None
     assert create_plugin(trt, "EngramAttention", ATTENTION_FIELDS) is not None
-    for edge in ({"head_dim": ("int64", 256)}, {"head_dim": ("int32", 8)}, {"num_kv_heads": ("int32", 1)},
-                 {"num_kv_heads": ("int32", 32)}, {"num_heads": ("int32", 65535 * 8), "num_kv_heads": ("int32", 65535)}):
+    for edge in (
+        {"head_dim": ("int64", 256)},
+        {"head_dim": ("int32", 8)},
+        {"num_kv_heads": ("int32", 1)},
+        {"num_kv_heads": ("int32", 32)},
+        {"num_heads": ("int32", 65535 * 8), "num_kv_heads": ("int32", 65535)},
+    ):
         assert create_plugin(trt, "EngramAttention", {**ATTENTION_FIELDS, **edge}) is not None, edge
     for flag in (0, 1):  # the optional bad-row counter input
         assert create_plugin(trt, "EngramGather", {**GATHER_FIELDS, "bad_rows_input": ("int32", flag)}) is not None
-    for share in ({"column_begin": ("int32", 7)}, {"column_end": ("int32", 1)},  # the first and last column alone
-                  {"column_begin": ("int64", 2), "column_end": ("int64", 6), "row_offset": ("int32", 0)},
-                  {"row_offset": ("int64", 2**31 - 1 - 1000)}):  # the slice ends at the last int32 row id
+    for share in (
+        {"column_begin": ("int32", 7)},
+        {"column_end": ("int32", 1)},  # the first and last column alone
+        {"column_begin": ("int64", 2), "column_end": ("int64", 6), "row_offset": ("int32", 0)},
+        {"row_offset": ("int64", 2**31 - 1 - 1000)},
+    ):  # the slice ends at the last int32 row id
         assert create_plugin(trt, "EngramGather", {**GATHER_FIELDS, **share}) is not None, share
 
 
 # --- prepared hash layout, bad-row counter: host-side ABI (no GPU) ---------------------
+
 
 def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layout: EngramLayout) -> None:
     """hash_kernels.hash_packed prepares a layout once per EngramLayout (validated and laid out
@@ -651,8 +946,11 @@ def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layou
     assert hash_kernels.prepared_layout(other) is not first
     bad = EngramLayout(**{**layout.__dict__, "multipliers": layout.multipliers.copy()})
     bad.multipliers[0, 1] = -3
-    with pytest.raises(EngramError, match=r"engram_hash_layout_create failed: engram_hash_layout_create: "
-                                          r"multiplier\[1\] = -3 is not in"):
+    with pytest.raises(
+        EngramError,
+        match=r"engram_hash_layout_create failed: engram_hash_layout_create: "
+        r"multiplier\[1\] = -3 is not in",
+    ):
         hash_kernels.PreparedHashLayout(bad)
     hash_kernels.library()
     lib = gather_kernels.library()
@@ -661,8 +959,15 @@ def test_prepared_hash_layout_is_made_once_and_validated(plugin_lib: Path, layou
     # zero tokens: nothing to launch, so success without a GPU
     assert lib.engram_hash_prepared(first.handle, None, 0, None, 0, None, None, None) == 0
     # the 128-slot layout parameter of CUDA < 12.1 is not the limit of this build: 512 slots still prepare
-    wide = EngramSpec(layer_ids=(0, 1, 2, 3), max_ngram_size=3, n_heads=64, vocab_size=1000,
-                      compressed_vocab_size=900, pad_token_id=0, head_dim=64)
+    wide = EngramSpec(
+        layer_ids=(0, 1, 2, 3),
+        max_ngram_size=3,
+        n_heads=64,
+        vocab_size=1000,
+        compressed_vocab_size=900,
+        pad_token_id=0,
+        head_dim=64,
+    )
     assert hash_kernels.PreparedHashLayout(EngramLayout.from_spec(wide, pad_id=5)).handle.value
     handle = ctypes.c_void_p(1)
     assert lib.engram_hash_layout_create(None, None, None, 1, 3, 4, 0, 10, ctypes.byref(handle)) == 1
@@ -674,9 +979,13 @@ def test_gather_refuses_a_misaligned_bad_row_counter(plugin_lib: Path) -> None:
 
     lib = gather_kernels.library()
     p = ctypes.c_void_p(256)  # never read: the call fails on its arguments first
-    status = lib.engram_gather(p, 1, 1, 1, p, p, 10, 64, gather_kernels.TABLE_FP8_E4M3, 32, p, ctypes.c_void_p(260), None)
+    status = lib.engram_gather(
+        p, 1, 1, 1, p, p, 10, 64, gather_kernels.TABLE_FP8_E4M3, 32, p, ctypes.c_void_p(260), None
+    )
     assert (status, lib.engram_last_error().decode()) == (
-        1, "engram_gather: bad_rows must be an 8-byte aligned device pointer")
+        1,
+        "engram_gather: bad_rows must be an 8-byte aligned device pointer",
+    )
 
 
 def test_check_bad_rows_raises_one_line_and_resets() -> None:
@@ -699,7 +1008,9 @@ def test_gather_binding_checks_the_bad_row_counter() -> None:
 
     ids, table = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.uint8)
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # the device check comes first
-        gather_kernels.gather(ids, table, torch.zeros(10, 2, dtype=torch.uint8), bad_rows=torch.zeros(1, dtype=torch.int64))
+        gather_kernels.gather(
+            ids, table, torch.zeros(10, 2, dtype=torch.uint8), bad_rows=torch.zeros(1, dtype=torch.int64)
+        )
 
 
 # --- the plugin harness without a GPU: the build phase reads no table -------------------
@@ -732,8 +1043,9 @@ def test_build_phase_gather_enqueue_takes_the_no_read_path(harness) -> None:
     import torch
 
     common, h = harness
-    fields = common.gather_fields(0, 2, 8, 64, 0, 32, 1000) + [("bad_rows_input", common.PF_INT32,
-                                                               np.array([1], np.int32))]
+    fields = common.gather_fields(0, 2, 8, 64, 0, 32, 1000) + [
+        ("bad_rows_input", common.PF_INT32, np.array([1], np.int32))
+    ]
     ids = torch.zeros(4, 2, 8, dtype=torch.int32)
     garbage = [torch.tensor([0x5EAD_BEE0_0000 + 16 * i]) for i in range(3)]  # rows, scales, counter
     out = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
@@ -788,7 +1100,7 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
     slot, pos = torch.zeros(T, dtype=torch.int32), torch.arange(T, dtype=torch.int32)
     io, i32 = check.DT["bfloat16"], check.DT["int32"]
     types = [io] * 5 + [i32] * 2
-    plugin = h.create("EngramAttention", check.attention_fields(H, kvh, hd, hd ** -0.5))
+    plugin = h.create("EngramAttention", check.attention_fields(H, kvh, hd, hd**-0.5))
     try:
         messages = []
         for outputs in ([q.clone(), kc, vc], [q.clone(), kc.clone(), vc.clone()]):
@@ -811,6 +1123,7 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
 
 # --- a tensor-parallel rank's gather: its columns of its row slice ----------------------
 
+
 def test_gather_ex_abi_checks_the_row_offset(plugin_lib: Path) -> None:
     """engram_gather_ex / engram_gather_indirect_ex take a row slice's first global row id:
     refused outside [0, 2^31 - 1] (ids are int32) and for the identity gather, on the host,
@@ -824,12 +1137,15 @@ def test_gather_ex_abi_checks_the_row_offset(plugin_lib: Path) -> None:
     p = ctypes.c_void_p(256)  # never read: the calls fail on their arguments first, or launch nothing
 
     def direct(row_offset: int, ids=p, T: int = 1) -> tuple[int, str]:
-        status = lib.engram_gather_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, gather_kernels.TABLE_FP8_E4M3, 32, p, None, None)
+        status = lib.engram_gather_ex(
+            ids, T, 4, 8, p, p, 100, row_offset, 64, gather_kernels.TABLE_FP8_E4M3, 32, p, None, None
+        )
         return status, lib.engram_last_error().decode()
 
     def indirect(row_offset: int, ids=p, T: int = 1) -> tuple[int, str]:
-        status = lib.engram_gather_indirect_ex(ids, T, 4, 8, p, p, 100, row_offset, 64, gather_kernels.TABLE_BF16, 32, p,
-                                               None, None)
+        status = lib.engram_gather_indirect_ex(
+            ids, T, 4, 8, p, p, 100, row_offset, 64, gather_kernels.TABLE_BF16, 32, p, None, None
+        )
         return status, lib.engram_last_error().decode()
 
     for fn, call in (("engram_gather_ex", direct), ("engram_gather_indirect_ex", indirect)):
@@ -839,10 +1155,13 @@ def test_gather_ex_abi_checks_the_row_offset(plugin_lib: Path) -> None:
         assert call(2**31 - 1, T=0) == (0, "")  # the largest offset is valid; zero tokens launch nothing
         assert call(0, ids=None, T=0) == (0, "")
     # the other checks name the _ex function too
-    status = lib.engram_gather_ex(p, 1, 4, 8, ctypes.c_void_p(264), p, 100, 7, 64, gather_kernels.TABLE_FP8_E4M3, 32, p,
-                                  None, None)
+    status = lib.engram_gather_ex(
+        p, 1, 4, 8, ctypes.c_void_p(264), p, 100, 7, 64, gather_kernels.TABLE_FP8_E4M3, 32, p, None, None
+    )
     assert (status, lib.engram_last_error().decode()) == (
-        1, "engram_gather_ex: table rows must be a 16-byte aligned pointer")
+        1,
+        "engram_gather_ex: table rows must be a 16-byte aligned pointer",
+    )
 
 
 def test_gather_part_abi_refusals(plugin_lib: Path) -> None:
@@ -856,8 +1175,9 @@ def test_gather_part_abi_refusals(plugin_lib: Path) -> None:
     p = ctypes.c_void_p(256)  # never read: the calls fail on their arguments first, or launch nothing
 
     def part(ids=p, keep: int = 1, blocks: int = 0, T: int = 1, rows=p, offset: int = 0) -> tuple[int, str]:
-        status = lib.engram_gather_part(ids, T, 4, 8, rows, p, 100, offset, 64, gather_kernels.TABLE_FP8_E4M3, 32, keep,
-                                        blocks, p, None)
+        status = lib.engram_gather_part(
+            ids, T, 4, 8, rows, p, 100, offset, 64, gather_kernels.TABLE_FP8_E4M3, 32, keep, blocks, p, None
+        )
         return status, lib.engram_last_error().decode()
 
     fn = "engram_gather_part"
@@ -878,15 +1198,27 @@ def test_gather_raw_abi_refusals(plugin_lib: Path) -> None:
     lib = gather_kernels.library()
     p, q = ctypes.c_void_p(256), ctypes.c_void_p(264)
 
-    def raw(count: int = 3, rows=p, row_bytes: int = 256, scale_bytes: int = 8, scales=p, dst=p, dst_scales=p,
-            blocks: int = 0, ids=p) -> tuple[int, str]:
-        status = lib.engram_gather_raw(ids, count, rows, scales, 100, row_bytes, scale_bytes, dst, dst_scales, blocks,
-                                       None)
+    def raw(
+        count: int = 3,
+        rows=p,
+        row_bytes: int = 256,
+        scale_bytes: int = 8,
+        scales=p,
+        dst=p,
+        dst_scales=p,
+        blocks: int = 0,
+        ids=p,
+    ) -> tuple[int, str]:
+        status = lib.engram_gather_raw(
+            ids, count, rows, scales, 100, row_bytes, scale_bytes, dst, dst_scales, blocks, None
+        )
         return status, lib.engram_last_error().decode()
 
     fn = "engram_gather_raw"
-    shape = (f"{fn}: need count >= 0, table_num_rows >= 0, row_bytes a positive multiple of 16, scale_bytes >= 0, "
-             f"max_blocks >= 0")
+    shape = (
+        f"{fn}: need count >= 0, table_num_rows >= 0, row_bytes a positive multiple of 16, scale_bytes >= 0, "
+        f"max_blocks >= 0"
+    )
     assert raw(count=-1) == (1, f"{shape} (got -1, 100, 256, 8, 0)")
     assert raw(row_bytes=264) == (1, f"{shape} (got 3, 100, 264, 8, 0)")
     assert raw(blocks=-2) == (1, f"{shape} (got 3, 100, 256, 8, -2)")
@@ -911,7 +1243,9 @@ def test_gather_binding_refuses_partial_gathers_it_cannot_honour() -> None:
     with pytest.raises(EngramError, match="^keep_outside / max_blocks count no bad rows: pass bad_rows=None"):
         gather_kernels.gather(ids, table, max_blocks=4, bad_rows=torch.zeros(1, dtype=torch.int64))
     with pytest.raises(EngramError, match="^ids must be a CUDA tensor"):  # valid: on to the device check
-        gather_kernels.gather(ids, table, keep_outside=True, out=torch.empty(2, 3, 64, dtype=torch.bfloat16), max_blocks=2)
+        gather_kernels.gather(
+            ids, table, keep_outside=True, out=torch.empty(2, 3, 64, dtype=torch.bfloat16), max_blocks=2
+        )
 
 
 def test_cache_overlap_abi(plugin_lib: Path) -> None:
@@ -931,8 +1265,11 @@ def test_cache_overlap_abi(plugin_lib: Path) -> None:
         assert handle.value and lib.engram_cache_overlap_destroy(handle) == 0
     else:
         assert handle.value is None
-        assert lib.engram_last_error().decode().startswith(
-            "engram_cache_overlap_create: creating its stream and event failed (cacheStep.cpp:")
+        assert (
+            lib.engram_last_error()
+            .decode()
+            .startswith("engram_cache_overlap_create: creating its stream and event failed (cacheStep.cpp:")
+        )
 
 
 def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
@@ -942,8 +1279,11 @@ def test_gather_binding_checks_the_column_range_and_row_offset() -> None:
 
     ids, table = torch.zeros(2, 3, 8, dtype=torch.int32), torch.zeros(10, 64, dtype=torch.bfloat16)
     for columns in ((3, 3), (-1, 4), (2, 9), (5, 2), (1,), "0:4", (0.0, 4), (True, 4)):
-        with pytest.raises(EngramError, match=r"^columns must be \(begin, end\) with 0 <= begin < end <= 8 \(the ids' "
-                                              r"columns\); got "):
+        with pytest.raises(
+            EngramError,
+            match=r"^columns must be \(begin, end\) with 0 <= begin < end <= 8 \(the ids' "
+            r"columns\); got ",
+        ):
             gather_kernels.gather(ids, table, layer=1, columns=columns)
     for row_offset in (-1, 2**31, 1.0, True, None):
         with pytest.raises(EngramError, match=r"^row_offset must be an integer in \[0, 2\^31 - 1\] .*; got "):
@@ -985,8 +1325,11 @@ def test_rank_share_gather_enqueue_validates_then_launches(column_range_check) -
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: tests/gpu/test_column_range.py runs these enqueues for real")
     _, common, h = column_range_check
-    fields = (common.gather_fields(1, 2, 8, 64, 0, 32, 300) + common.column_range_fields(2, 5, 700)
-              + [("bad_rows_input", common.PF_INT32, np.array([1], np.int32))])
+    fields = (
+        common.gather_fields(1, 2, 8, 64, 0, 32, 300)
+        + common.column_range_fields(2, 5, 700)
+        + [("bad_rows_input", common.PF_INT32, np.array([1], np.int32))]
+    )
     ids = torch.zeros(4, 2, 8, dtype=torch.int32)
     addresses = [torch.tensor([0x5EAD_BEE0_0000 + 16 * i]) for i in range(3)]  # rows, scales, counter
     types = [common.DT["int32"]] + [common.DT["int64"]] * 3
@@ -995,8 +1338,14 @@ def test_rank_share_gather_enqueue_validates_then_launches(column_range_check) -
         plugin = h.create("EngramGather", fields, phase=phase)
         try:
             with pytest.raises(RuntimeError) as failure:
-                h.run(plugin, [ids, *addresses], types, torch.zeros(4, width, 64, dtype=torch.bfloat16),
-                      common.DT["bfloat16"], 0)
+                h.run(
+                    plugin,
+                    [ids, *addresses],
+                    types,
+                    torch.zeros(4, width, 64, dtype=torch.bfloat16),
+                    common.DT["bfloat16"],
+                    0,
+                )
             messages.append(str(failure.value))
         finally:
             h.lib.harness_destroy(plugin)

@@ -22,28 +22,66 @@ from engram_trt.engram.hashing import hash_ids
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.errors import CheckpointError, ConfigError, EngramError
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                             HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
 # ---------------------------------------------------------------- config parsing
-BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 1000, "hc_mult": 2, "engram_layer_ids": [1, 2],
-        "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32, "engram_vocab_size": 500,
-        "engram_compressed_vocab_size": 700, "engram_pad_token_id": 1}
+BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "hc_mult": 2,
+    "engram_layer_ids": [1, 2],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 500,
+    "engram_compressed_vocab_size": 700,
+    "engram_pad_token_id": 1,
+}
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
-json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
-                           max_leaves=8)
-interesting_ints = st.one_of(st.integers(-3, 40), st.sampled_from([0, 1, 2, 15, 16, 17, 511, 512, 513, 2**31 - 1, 2**31, 2**63, 10**30]))
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+interesting_ints = st.one_of(
+    st.integers(-3, 40), st.sampled_from([0, 1, 2, 15, 16, 17, 511, 512, 513, 2**31 - 1, 2**31, 2**63, 10**30])
+)
 
 
 @SETTINGS
-@given(patch=st.dictionaries(st.sampled_from(sorted(BASE) + ["engram_num_embeddings", "engram_quant_block", "engram_table_dtype",
-                                                             "rope_theta", "rms_norm_eps", "eos_token_id", "head_dim",
-                                                             "max_position_embeddings", "tie_word_embeddings"]),
-                             st.one_of(interesting_ints, json_values, st.lists(interesting_ints, min_size=1, max_size=5)),
-                             max_size=4))
+@given(
+    patch=st.dictionaries(
+        st.sampled_from(
+            sorted(BASE)
+            + [
+                "engram_num_embeddings",
+                "engram_quant_block",
+                "engram_table_dtype",
+                "rope_theta",
+                "rms_norm_eps",
+                "eos_token_id",
+                "head_dim",
+                "max_position_embeddings",
+                "tie_word_embeddings",
+            ]
+        ),
+        st.one_of(interesting_ints, json_values, st.lists(interesting_ints, min_size=1, max_size=5)),
+        max_size=4,
+    )
+)
 @example(patch={"engram_layer_ids": None})  # the other Engram fields stray: refused naming the source file
 def test_config_parsing_accepts_only_bounded_values(patch: dict[str, Any]) -> None:
     """Any mutation of a good config either parses into values within every bound (and
@@ -55,12 +93,24 @@ def test_config_parsing_accepts_only_bounded_values(patch: dict[str, Any]) -> No
     except ConfigError as exc:
         assert "\n" not in str(exc) and str(exc).startswith("config.json: ") and len(str(exc)) < 600
         return
-    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "vocab_size", "max_position_embeddings", "hc_mult"):
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "hc_mult",
+    ):
         assert 1 <= getattr(cfg, name) <= LIMITS[name], name
     spec = cfg.engram
     assert spec is not None
-    assert 2 <= spec.max_ngram_size <= 16 and 1 <= spec.n_heads and len(spec.layer_ids) * (spec.max_ngram_size - 1) * spec.n_heads <= 512
+    assert (
+        2 <= spec.max_ngram_size <= 16
+        and 1 <= spec.n_heads
+        and len(spec.layer_ids) * (spec.max_ngram_size - 1) * spec.n_heads <= 512
+    )
     assert all(0 <= lid < cfg.num_hidden_layers for lid in spec.layer_ids)
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     try:
@@ -101,8 +151,14 @@ def headers(draw: Any) -> tuple[bytes, bytes, bool]:
     dtypes, shapes and orders, then a random defect (a gap, an overlap, extra bytes, a
     wrong span, an unknown dtype, bad metadata, a float in a shape, ...) or none."""
     n = draw(st.integers(0, 4))
-    names = draw(st.lists(st.text(st.characters(codec="utf-8", exclude_characters='"\\'), min_size=1, max_size=6),
-                          min_size=n, max_size=n, unique=True))
+    names = draw(
+        st.lists(
+            st.text(st.characters(codec="utf-8", exclude_characters='"\\'), min_size=1, max_size=6),
+            min_size=n,
+            max_size=n,
+            unique=True,
+        )
+    )
     names = [x for x in names if x != "__metadata__"]
     tensors = []
     off = 0
@@ -119,8 +175,28 @@ def headers(draw: Any) -> tuple[bytes, bytes, bool]:
         header["__metadata__"] = {"format": "pt"}
     for i in order:
         header[tensors[i][0]] = tensors[i][1]
-    defect = draw(st.sampled_from(["none", "none", "none", "gap", "overlap", "tail", "short", "span", "dtype", "meta",
-                                   "float-shape", "neg", "not-object", "bad-utf8", "lead-space", "huge-dim"]))
+    defect = draw(
+        st.sampled_from(
+            [
+                "none",
+                "none",
+                "none",
+                "gap",
+                "overlap",
+                "tail",
+                "short",
+                "span",
+                "dtype",
+                "meta",
+                "float-shape",
+                "neg",
+                "not-object",
+                "bad-utf8",
+                "lead-space",
+                "huge-dim",
+            ]
+        )
+    )
     entries = [v for k, v in header.items() if k != "__metadata__"]
     if defect == "gap" and entries:
         entries[-1]["data_offsets"] = [x + 8 for x in entries[-1]["data_offsets"]]
@@ -156,9 +232,13 @@ def headers(draw: Any) -> tuple[bytes, bytes, bool]:
     return raw, bytes(data_len), defect == "none"
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(case=headers())
-def test_header_reader_agrees_with_the_safetensors_library(case: tuple[bytes, bytes, bool], tmp_path_factory: Any) -> None:
+def test_header_reader_agrees_with_the_safetensors_library(
+    case: tuple[bytes, bytes, bool], tmp_path_factory: Any
+) -> None:
     """What our reader accepts, the library opens with the same names, dtypes, shapes and
     bytes; on well-formed headers of dtypes we read, the two accept the same files."""
     from safetensors import safe_open
@@ -189,8 +269,11 @@ def test_header_reader_agrees_with_the_safetensors_library(case: tuple[bytes, by
 
 # ---------------------------------------------------------------- --ids
 @SETTINGS
-@given(ids=st.lists(st.integers(-1, INT32_MAX), min_size=1, max_size=30), spaces=st.lists(st.sampled_from(["", " ", "  ", "\t"]), min_size=2, max_size=2),
-       trailing=st.booleans())
+@given(
+    ids=st.lists(st.integers(-1, INT32_MAX), min_size=1, max_size=30),
+    spaces=st.lists(st.sampled_from(["", " ", "  ", "\t"]), min_size=2, max_size=2),
+    trailing=st.booleans(),
+)
 def test_ids_round_trip(ids: list[int], spaces: list[str], trailing: bool) -> None:
     text = ",".join(f"{spaces[0]}{i}{spaces[1]}" for i in ids) + ("," if trailing else "")
     assert _parse_ids(text) == ids
@@ -205,7 +288,11 @@ def test_ids_parse_or_refuse_in_one_line(text: str) -> None:
         assert str(exc).startswith("--ids: ") and "\n" not in str(exc)
         return
     assert ids and all(-1 <= i <= INT32_MAX for i in ids)
-    assert all(part.strip().lstrip("-").isascii() and part.strip().lstrip("-").isdigit() for part in text.split(",") if part.strip())
+    assert all(
+        part.strip().lstrip("-").isascii() and part.strip().lstrip("-").isdigit()
+        for part in text.split(",")
+        if part.strip()
+    )
 
 
 # ---------------------------------------------------------------- the hash
@@ -243,9 +330,16 @@ def hash_cases(draw: Any) -> tuple[EngramLayout, list[int], list[int] | None]:
     layers = draw(st.lists(st.integers(0, 60), min_size=1, max_size=3, unique=True))
     cvocab = draw(st.sampled_from([2, 3, 97, 1000, 99092, 2**31 - 1]))
     vocab: Any = draw(st.one_of(st.integers(2, 5000), st.lists(st.integers(2, 5000), min_size=n - 1, max_size=n - 1)))
-    spec = parse_engram_spec({"engram_layer_ids": layers, "engram_max_ngram_size": n, "engram_n_heads": heads,
-                              "engram_vocab_size": vocab, "engram_compressed_vocab_size": cvocab,
-                              "engram_pad_token_id": 0})
+    spec = parse_engram_spec(
+        {
+            "engram_layer_ids": layers,
+            "engram_max_ngram_size": n,
+            "engram_n_heads": heads,
+            "engram_vocab_size": vocab,
+            "engram_compressed_vocab_size": cvocab,
+            "engram_pad_token_id": 0,
+        }
+    )
     assert spec is not None
     layout = EngramLayout.from_spec(spec, draw(st.integers(0, cvocab - 1)))
     tok = st.one_of(st.just(-1), st.integers(0, cvocab - 1))
@@ -265,7 +359,9 @@ def test_hash_equals_an_independent_loop(case: tuple[EngramLayout, list[int], li
 
 @SETTINGS
 @given(case=hash_cases(), cut=st.integers(0, 12))
-def test_hash_of_a_chunk_with_its_lookback_equals_the_whole(case: tuple[EngramLayout, list[int], list[int] | None], cut: int) -> None:
+def test_hash_of_a_chunk_with_its_lookback_equals_the_whole(
+    case: tuple[EngramLayout, list[int], list[int] | None], cut: int
+) -> None:
     """Chunked prefill: hashing ids[cut:] with the N-1 ids before it gives the rows of
     hashing the whole sequence (what the runtime relies on between chunks)."""
     layout, ids, lookback = case
@@ -273,4 +369,4 @@ def test_hash_of_a_chunk_with_its_lookback_equals_the_whole(case: tuple[EngramLa
     n = layout.max_ngram_size
     whole = hash_ids(ids, layout, lookback)
     prev = (lookback if lookback is not None else [-1] * (n - 1)) + ids[:cut]
-    assert hash_ids(ids[cut:], layout, prev[len(prev) - (n - 1):]).tolist() == whole[cut:].tolist()
+    assert hash_ids(ids[cut:], layout, prev[len(prev) - (n - 1) :]).tolist() == whole[cut:].tolist()

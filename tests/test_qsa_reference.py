@@ -30,10 +30,20 @@ MAX_LEN = 48
 
 
 def make_config(**overrides) -> SimpleNamespace:
-    fields = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-                  indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-                  indexer_compress_ratio=4, attention_bias=False)
+    fields = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        indexer_n_heads=4,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        attention_bias=False,
+    )
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -48,9 +58,14 @@ def random_layer(cfg: SimpleNamespace, seed: int) -> att.GatedAttention:
 
 
 def fields_of(cfg: SimpleNamespace) -> dict:
-    return dict(compress_ratio=cfg.indexer_compress_ratio, block_topk=cfg.indexer_budget // cfg.indexer_compress_ratio,
-                rot_dim=att.rotary_dim(cfg), rope_theta=cfg.rope_parameters["rope_theta"], eps=cfg.rms_norm_eps,
-                scaling=cfg.head_dim ** -0.5)
+    return dict(
+        compress_ratio=cfg.indexer_compress_ratio,
+        block_topk=cfg.indexer_budget // cfg.indexer_compress_ratio,
+        rot_dim=att.rotary_dim(cfg),
+        rope_theta=cfg.rope_parameters["rope_theta"],
+        eps=cfg.rms_norm_eps,
+        scaling=cfg.head_dim**-0.5,
+    )
 
 
 @torch.no_grad()
@@ -116,8 +131,11 @@ def test_reference_matches_gated_attention_core(budget, expect_drop):
     fields = fields_of(cfg)
     gen = torch.Generator().manual_seed(100 + budget)
     kvh, hd, di = cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_head_dim
-    caches = (torch.zeros(NUM_SLOTS, kvh, MAX_LEN, hd), torch.zeros(NUM_SLOTS, kvh, MAX_LEN, hd),
-              torch.zeros(NUM_SLOTS, MAX_LEN, di))
+    caches = (
+        torch.zeros(NUM_SLOTS, kvh, MAX_LEN, hd),
+        torch.zeros(NUM_SLOTS, kvh, MAX_LEN, hd),
+        torch.zeros(NUM_SLOTS, MAX_LEN, di),
+    )
     # The reference carries its own caches: stale random contents a fresh sequence must ignore.
     np_caches = tuple(np.random.default_rng(7).standard_normal(c.shape).astype(np.float32) for c in caches)
     with torch.no_grad():
@@ -132,18 +150,30 @@ def test_reference_matches_gated_attention_core(budget, expect_drop):
         pr = projections(layer, x, positions)
         expected = torch_core(layer, x, positions, seq_starts, past_lens, slots, caches).numpy()
         out, *np_caches = ref.qsa_attention_reference(
-            pr["q"].numpy(), pr["k"].numpy(), pr["v"].numpy(), pr["index_q"].numpy(), pr["index_raw"].numpy(),
-            *np_caches, w, tslot, tpos, **fields)
+            pr["q"].numpy(),
+            pr["k"].numpy(),
+            pr["v"].numpy(),
+            pr["index_q"].numpy(),
+            pr["index_raw"].numpy(),
+            *np_caches,
+            w,
+            tslot,
+            tpos,
+            **fields,
+        )
         for got, want in zip(np_caches, caches):  # every written position equals the layer's cache
             for s, p in zip(tslot, tpos):
-                np.testing.assert_array_equal(got[s, ..., p, :] if got.ndim == 4 else got[s, p],
-                                              (want[s, :, p] if want.dim() == 4 else want[s, p]).numpy())
+                np.testing.assert_array_equal(
+                    got[s, ..., p, :] if got.ndim == 4 else got[s, p],
+                    (want[s, :, p] if want.dim() == 4 else want[s, p]).numpy(),
+                )
         for t, (s, p) in enumerate(zip(tslot, tpos)):
             raw = np_caches[2][s].astype(np.float64)
             iq = pr["index_q"][t].double().numpy()
             assert boundary_margin(fields, raw, iq, w, int(p)) > 1e-4, "a top-k boundary tie: pick another seed"
-            dropped += int(not ref.visible_positions(int(p), raw, iq, w, ref.QsaFields(**fields),
-                                                     np.dtype(np.float32)).all())
+            dropped += int(
+                not ref.visible_positions(int(p), raw, iq, w, ref.QsaFields(**fields), np.dtype(np.float32)).all()
+            )
         scale = np.abs(expected).max()
         assert scale > 0.05
         np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5 * scale)
@@ -171,14 +201,15 @@ def test_selection_equals_selection_mask(budget):
         assert boundary_margin(fields, raw.double().numpy(), iq[p].double().numpy(), w, p) > 1e-4
         vis = ref.visible_positions(p, raw.double().numpy(), iq[p].double().numpy(), w, f, np.dtype(np.float32))
         np.testing.assert_array_equal(vis, mask[i, : p + 1])
-        assert not mask[i, p + 1:].any()
+        assert not mask[i, p + 1 :].any()
         n_dropped += int((~vis).sum())
     assert n_dropped > 0
 
 
 def test_ties_go_to_the_lower_block():
-    np.testing.assert_array_equal(ref.select_blocks(np.array([1.0, 3.0, 3.0, 0.0, 3.0]), 2),
-                                  [False, True, True, False, False])
+    np.testing.assert_array_equal(
+        ref.select_blocks(np.array([1.0, 3.0, 3.0, 0.0, 3.0]), 2), [False, True, True, False, False]
+    )
     np.testing.assert_array_equal(ref.select_blocks(np.array([0.0, 0.0, 0.5, 0.0]), 2), [True, False, True, False])
     np.testing.assert_array_equal(ref.select_blocks(np.array([2.0, 1.0]), 1), [True, False])
     # All indexer queries zero: every score ties at 0, the first block_topk blocks are kept.
@@ -197,12 +228,24 @@ def test_out_of_range_tokens_write_nothing_and_get_zeros():
     T, H, kvh, hd, di = 3, 2, 1, 8, 8
     kc = rng.standard_normal((2, kvh, 6, hd)).astype(np.float32)
     vc, ikc = kc.copy(), rng.standard_normal((2, 6, di)).astype(np.float32)
-    args = [rng.standard_normal(s).astype(np.float32) for s in ((T, H, hd), (T, kvh, hd), (T, kvh, hd), (T, 2, di),
-                                                                  (T, di))]
-    out, kc2, vc2, ikc2 = ref.qsa_attention_reference(*args, kc, vc, ikc, np.zeros(di, np.float32),
-                                                      np.array([0, 2, 1], np.int32), np.array([0, 0, 6], np.int32),
-                                                      compress_ratio=2, block_topk=1, rot_dim=4, rope_theta=1e4,
-                                                      eps=1e-6, scaling=hd ** -0.5)
+    args = [
+        rng.standard_normal(s).astype(np.float32) for s in ((T, H, hd), (T, kvh, hd), (T, kvh, hd), (T, 2, di), (T, di))
+    ]
+    out, kc2, vc2, ikc2 = ref.qsa_attention_reference(
+        *args,
+        kc,
+        vc,
+        ikc,
+        np.zeros(di, np.float32),
+        np.array([0, 2, 1], np.int32),
+        np.array([0, 0, 6], np.int32),
+        compress_ratio=2,
+        block_topk=1,
+        rot_dim=4,
+        rope_theta=1e4,
+        eps=1e-6,
+        scaling=hd**-0.5,
+    )
     assert np.abs(out[1:]).max() == 0 and np.abs(out[0]).max() > 0
     np.testing.assert_array_equal(kc2[1], kc[1])
     np.testing.assert_array_equal(kc2[0, :, 1:], kc[0, :, 1:])
@@ -210,11 +253,19 @@ def test_out_of_range_tokens_write_nothing_and_get_zeros():
     assert kc is not kc2 and not np.shares_memory(kc, kc2)
 
 
-@pytest.mark.parametrize("change,needle", [
-    (dict(compress_ratio=0), "compress_ratio"), (dict(block_topk=0), "block_topk"), (dict(rot_dim=3), "rot_dim"),
-    (dict(rot_dim=10), "rot_dim"), (dict(scaling=0.0), "scaling"), (dict(rope_theta=-1.0), "rope_theta"),
-    (dict(index_raw_dim=4), "index_raw"), (dict(kv_heads=3), "key heads"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(compress_ratio=0), "compress_ratio"),
+        (dict(block_topk=0), "block_topk"),
+        (dict(rot_dim=3), "rot_dim"),
+        (dict(rot_dim=10), "rot_dim"),
+        (dict(scaling=0.0), "scaling"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+        (dict(index_raw_dim=4), "index_raw"),
+        (dict(kv_heads=3), "key heads"),
+    ],
+)
 def test_bad_inputs_refused_in_one_line(change, needle):
     rng = np.random.default_rng(2)
     T, H, hd, di = 2, 4, 8, 8
@@ -223,8 +274,18 @@ def test_bad_inputs_refused_in_one_line(change, needle):
     f = dict(compress_ratio=2, block_topk=1, rot_dim=4, rope_theta=1e4, eps=1e-6, scaling=0.3)
     f.update(change)
     with pytest.raises(EngramError) as err:
-        ref.qsa_attention_reference(rng.standard_normal((T, H, hd)), rng.standard_normal((T, kvh, hd)),
-                                    rng.standard_normal((T, kvh, hd)), rng.standard_normal((T, 2, di)),
-                                    rng.standard_normal((T, raw_dim)), np.zeros((2, kvh, 4, hd)),
-                                    np.zeros((2, kvh, 4, hd)), np.zeros((2, 4, di)), np.zeros(di), [0, 1], [0, 0], **f)
+        ref.qsa_attention_reference(
+            rng.standard_normal((T, H, hd)),
+            rng.standard_normal((T, kvh, hd)),
+            rng.standard_normal((T, kvh, hd)),
+            rng.standard_normal((T, 2, di)),
+            rng.standard_normal((T, raw_dim)),
+            np.zeros((2, kvh, 4, hd)),
+            np.zeros((2, kvh, 4, hd)),
+            np.zeros((2, 4, di)),
+            np.zeros(di),
+            [0, 1],
+            [0, 0],
+            **f,
+        )
     assert needle in str(err.value) and "\n" not in str(err.value)

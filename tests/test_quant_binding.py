@@ -42,6 +42,7 @@ def _one_line(exc: pytest.ExceptionInfo | str, needle: str) -> None:
 
 # --- the ABI as declared ------------------------------------------------------------------
 
+
 def _prototypes() -> dict[str, list[str]]:
     text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
     protos = {}
@@ -54,8 +55,9 @@ def _ctype_of(arg: str):
     if "*" in arg or arg.startswith("cudaStream_t"):
         return ctypes.c_void_p
     kind = arg.split()[0]
-    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32,
-            "float": ctypes.c_float}[kind]
+    return {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "uint32_t": ctypes.c_uint32, "float": ctypes.c_float}[
+        kind
+    ]
 
 
 def test_declarations_are_the_header_prototypes() -> None:
@@ -73,14 +75,18 @@ def test_declarations_are_the_header_prototypes() -> None:
 def test_constants_are_the_headers() -> None:
     text = HEADER.read_text()
     enum = dict(re.findall(r"(ENGRAM_Q(?:WEIGHT|SCALE)_\w+)\s*=\s*(\d+)", text))
-    assert (int(enum["ENGRAM_QWEIGHT_FP8_E4M3"]), int(enum["ENGRAM_QWEIGHT_FP4_E2M1"]),
-            int(enum["ENGRAM_QWEIGHT_BF16"])) == (qk.QWEIGHT_FP8, qk.QWEIGHT_FP4, qk.QWEIGHT_BF16)
+    assert (
+        int(enum["ENGRAM_QWEIGHT_FP8_E4M3"]),
+        int(enum["ENGRAM_QWEIGHT_FP4_E2M1"]),
+        int(enum["ENGRAM_QWEIGHT_BF16"]),
+    ) == (qk.QWEIGHT_FP8, qk.QWEIGHT_FP4, qk.QWEIGHT_BF16)
     assert (int(enum["ENGRAM_QSCALE_F32"]), int(enum["ENGRAM_QSCALE_UE8M0"])) == (qk.QSCALE_F32, qk.QSCALE_UE8M0)
     assert int(re.search(r"#define ENGRAM_QGEMV_MAX_ROWS (\d+)", text).group(1)) == qk.GEMV_MAX_ROWS
     assert nq.ACT_QUANT == ACT_QUANT  # native/ cannot import quant/: the two tables must agree
 
 
 # --- the C ABI's refusals (no CUDA call reached) ------------------------------------------
+
 
 def _refused(fn: str, *args) -> str:
     lib = qk.library()
@@ -137,9 +143,30 @@ def test_moe_plan_abi_refusals(plugin_lib: Path) -> None:
 
 
 def _gemv_args(**change):
-    args = dict(a=P16, a_type=1, lda=256, row_index=None, rows=2, w=P16, w_type=0, w_scale=P16, scale_type=0, bn=128,
-                bk=128, n=100, k=256, experts=1, offsets=None, slot_expert=None, slots=1, out=P16, out_type=1, ldo=100,
-                o_col0=0, stream=None)
+    args = dict(
+        a=P16,
+        a_type=1,
+        lda=256,
+        row_index=None,
+        rows=2,
+        w=P16,
+        w_type=0,
+        w_scale=P16,
+        scale_type=0,
+        bn=128,
+        bk=128,
+        n=100,
+        k=256,
+        experts=1,
+        offsets=None,
+        slot_expert=None,
+        slots=1,
+        out=P16,
+        out_type=1,
+        ldo=100,
+        o_col0=0,
+        stream=None,
+    )
     args.update(change)
     return tuple(args.values())
 
@@ -182,19 +209,26 @@ def test_gemv_ex_flags(plugin_lib: Path) -> None:
     both activation quantizations refused by name; the known flags pass the checks."""
     base = _gemv_args()
     with_flags = lambda flags, **change: _gemv_args(**change)[:-1] + (flags, None)  # noqa: E731
-    _one_line(_refused("engram_quant_gemv_ex", *with_flags(8)),
-              "unknown flags 0x8 (known: ENGRAM_QGEMV_WEIGHT_STATIC 0x1, ENGRAM_QGEMV_ACT_Q128_F32 0x2, "
-              "ENGRAM_QGEMV_ACT_Q32_UE8M0 0x4)")
-    _one_line(_refused("engram_quant_gemv_ex", *with_flags(6)),
-              "flags ENGRAM_QGEMV_ACT_Q128_F32 and ENGRAM_QGEMV_ACT_Q32_UE8M0 exclude each other")
+    _one_line(
+        _refused("engram_quant_gemv_ex", *with_flags(8)),
+        "unknown flags 0x8 (known: ENGRAM_QGEMV_WEIGHT_STATIC 0x1, ENGRAM_QGEMV_ACT_Q128_F32 0x2, "
+        "ENGRAM_QGEMV_ACT_Q32_UE8M0 0x4)",
+    )
+    _one_line(
+        _refused("engram_quant_gemv_ex", *with_flags(6)),
+        "flags ENGRAM_QGEMV_ACT_Q128_F32 and ENGRAM_QGEMV_ACT_Q32_UE8M0 exclude each other",
+    )
     _one_line(_refused("engram_quant_gemv_ex", *with_flags(1, w_type=3)), "w_type must be 0 (fp8 e4m3)")
     for flags in (1, 2, 4, 3, 5):
         assert qk.library().engram_quant_gemv_ex(*with_flags(flags, rows=0, a=None)) == 0  # 0 rows launch nothing
     assert len(base) + 1 == len(qk.SIGNATURES["engram_quant_gemv_ex"])
     assert qk.QGEMV_ACT_QUANT == {(128, False): 2, (32, True): 4}
     text = HEADER.read_text()
-    for name, value in (("ENGRAM_QGEMV_WEIGHT_STATIC", qk.QGEMV_WEIGHT_STATIC), ("ENGRAM_QGEMV_ACT_Q128_F32", 2),
-                        ("ENGRAM_QGEMV_ACT_Q32_UE8M0", 4)):
+    for name, value in (
+        ("ENGRAM_QGEMV_WEIGHT_STATIC", qk.QGEMV_WEIGHT_STATIC),
+        ("ENGRAM_QGEMV_ACT_Q128_F32", 2),
+        ("ENGRAM_QGEMV_ACT_Q32_UE8M0", 4),
+    ):
         assert re.search(rf"#define {name} {value}u", text), name
 
 
@@ -206,14 +240,36 @@ def test_gemv_act_quant_groups_are_native_quants(plugin_lib: Path) -> None:
     for kind, key in nq.ACT_QUANT.items():
         assert key in qk.QGEMV_ACT_QUANT, kind
     with pytest.raises(EngramError, match="the GEMV quantizes per"):
-        w = qk.make_weight("w", torch.zeros((4, 32), dtype=torch.float8_e4m3fn),
-                           torch.ones((1, 1), dtype=torch.float32), "fp8", (128, 128), False)
+        w = qk.make_weight(
+            "w",
+            torch.zeros((4, 32), dtype=torch.float8_e4m3fn),
+            torch.ones((1, 1), dtype=torch.float32),
+            "fp8",
+            (128, 128),
+            False,
+        )
         qk.gemv(torch.zeros((1, 32)), w, torch.zeros((1, 4)), act_quant=(64, False))
 
 
 def _gemm_args(**change):
-    args = dict(aq=P16, a_scale=P16, row_index=None, rows=300, w=P16, w_scale=P16, scale_type=1, bn=128, n=200, k=256,
-                experts=1, offsets=None, out=P16, out_type=0, ldo=200, stream=None)
+    args = dict(
+        aq=P16,
+        a_scale=P16,
+        row_index=None,
+        rows=300,
+        w=P16,
+        w_scale=P16,
+        scale_type=1,
+        bn=128,
+        n=200,
+        k=256,
+        experts=1,
+        offsets=None,
+        out=P16,
+        out_type=0,
+        ldo=200,
+        stream=None,
+    )
     args.update(change)
     return tuple(args.values())
 
@@ -235,8 +291,26 @@ def test_fp8_gemm_abi_refusals(plugin_lib: Path) -> None:
 
 
 def _grouped_args(**change):
-    args = dict(a=P16, lda=256, row_index=None, rows=300, w=P16, w_type=1, w_scale=P16, scale_type=1, bn=1, bk=32,
-                n=200, k=256, experts=1, offsets=None, out=P16, out_type=0, ldo=200, stream=None)
+    args = dict(
+        a=P16,
+        lda=256,
+        row_index=None,
+        rows=300,
+        w=P16,
+        w_type=1,
+        w_scale=P16,
+        scale_type=1,
+        bn=1,
+        bk=32,
+        n=200,
+        k=256,
+        experts=1,
+        offsets=None,
+        out=P16,
+        out_type=0,
+        ldo=200,
+        stream=None,
+    )
     args.update(change)
     return tuple(args.values())
 
@@ -256,20 +330,24 @@ def test_grouped_gemm_abi_refusals(plugin_lib: Path) -> None:
 
 
 def test_dequantize_abi_refusals(plugin_lib: Path) -> None:
-    base = dict(w=P16, w_type=1, w_scale=P16, scale_type=1, bn=1, bk=32, n=4, k=64, experts=1, out=P16, out_type=1,
-                stream=None)
-    cases = [({"w_type": 5}, "w_type must be 0 (fp8 e4m3), 1 (fp4 e2m1) or 2 (bf16) (got 5)"),
-             ({"k": 63}, "an FP4 weight needs an even in_features (got 63)"),
-             ({"out_type": 3}, "out_type must be an EngramFloatType"),
-             ({"bk": 0}, "block sizes bn, bk must be >= 1"),
-             ({"w_scale": None}, "w_scale for fp8 / fp4"),
-             ({"experts": 0}, "num_experts >= 1")]
+    base = dict(
+        w=P16, w_type=1, w_scale=P16, scale_type=1, bn=1, bk=32, n=4, k=64, experts=1, out=P16, out_type=1, stream=None
+    )
+    cases = [
+        ({"w_type": 5}, "w_type must be 0 (fp8 e4m3), 1 (fp4 e2m1) or 2 (bf16) (got 5)"),
+        ({"k": 63}, "an FP4 weight needs an even in_features (got 63)"),
+        ({"out_type": 3}, "out_type must be an EngramFloatType"),
+        ({"bk": 0}, "block sizes bn, bk must be >= 1"),
+        ({"w_scale": None}, "w_scale for fp8 / fp4"),
+        ({"experts": 0}, "num_experts >= 1"),
+    ]
     for change, needle in cases:
         args = dict(base, **change)
         _one_line(_refused("engram_quant_dequantize", *args.values()), needle)
 
 
 # --- the Python layer --------------------------------------------------------------------
+
 
 def _fp8_weight(N=200, K=256, block=(128, 128), fmt="float") -> QuantWeight:
     q, s = formats.quantize_fp8(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), block, fmt)
@@ -284,14 +362,23 @@ def _fp4_weight(N=64, K=128, lead=()) -> QuantWeight:
 def test_make_weight_names_the_bad_tensor() -> None:
     qw = _fp8_weight()
     cases = [
-        (lambda: qk.make_weight("gate", qw.data, qw.scale, "fp6", (128, 128), False), "weight kind 'fp6' is not one of"),
-        (lambda: qk.make_weight("gate", qw.data.view(torch.int8), qw.scale, "fp8", (128, 128), False),
-         "gate data must have dtype torch.float8_e4m3fn or torch.uint8 (got torch.int8)"),
+        (
+            lambda: qk.make_weight("gate", qw.data, qw.scale, "fp6", (128, 128), False),
+            "weight kind 'fp6' is not one of",
+        ),
+        (
+            lambda: qk.make_weight("gate", qw.data.view(torch.int8), qw.scale, "fp8", (128, 128), False),
+            "gate data must have dtype torch.float8_e4m3fn or torch.uint8 (got torch.int8)",
+        ),
         (lambda: qk.make_weight("gate", qw.data, qw.scale, "fp8", (128, 128), True), "gate must be [E, N, K]"),
-        (lambda: qk.make_weight("gate", qw.data, qw.scale[:, :1], "fp8", (128, 128), False),
-         "gate scale has shape [2, 1] but a [200, 256] fp8 weight in 128x128 blocks needs [2, 2]"),
-        (lambda: qk.make_weight("gate", qw.data, qw.scale.double(), "fp8", (128, 128), False),
-         "gate scale must have dtype torch.float32 or torch.float8_e8m0fnu or torch.uint8"),
+        (
+            lambda: qk.make_weight("gate", qw.data, qw.scale[:, :1], "fp8", (128, 128), False),
+            "gate scale has shape [2, 1] but a [200, 256] fp8 weight in 128x128 blocks needs [2, 2]",
+        ),
+        (
+            lambda: qk.make_weight("gate", qw.data, qw.scale.double(), "fp8", (128, 128), False),
+            "gate scale must have dtype torch.float32 or torch.float8_e8m0fnu or torch.uint8",
+        ),
         (lambda: qk.make_weight("gate", qw.data, qw.scale, "fp8", (0, 128), False), "must be two positive sizes"),
     ]
     for make, needle in cases:
@@ -332,43 +419,52 @@ def test_experts_refusals_name_the_tensor() -> None:
     ids = torch.zeros(2, 2, dtype=torch.int32)
     assert nq.unavailable_for_experts(x, ids, gate, up, down) == "x is on cpu, not a CUDA device"
     _one_line(nq.unavailable_for_experts(torch.randn(2, D + 1), ids, gate, up, down), "x must be [T, 96]")
-    _one_line(nq.unavailable_for_experts(x, ids, gate, up, _fp4_weight(D, 2 * I, (E,))),
-              "down must be [E, D, I] = [4, 96, 64] (got [4, 96, 128])")
+    _one_line(
+        nq.unavailable_for_experts(x, ids, gate, up, _fp4_weight(D, 2 * I, (E,))),
+        "down must be [E, D, I] = [4, 96, 64] (got [4, 96, 128])",
+    )
     _one_line(nq.unavailable_for_experts(x, ids, gate, _fp4_weight(I + 1, D, (E,)), down), "up is [4, 65, 96]")
     fp8_up = QuantWeight(*formats.quantize_fp8(torch.randn(E, I, D), (128, 128)), "fp8", (128, 128))
     _one_line(nq.unavailable_for_experts(x, ids, gate, fp8_up, down), "gate and up must share a kind and block")
-    _one_line(nq.unavailable_for_experts(x, ids, gate.dequantize(), gate.dequantize(), down.dequantize()),
-              "gate is a torch.float32 tensor stack; the expert kernels take bfloat16 stacks")
+    _one_line(
+        nq.unavailable_for_experts(x, ids, gate.dequantize(), gate.dequantize(), down.dequantize()),
+        "gate is a torch.float32 tensor stack; the expert kernels take bfloat16 stacks",
+    )
     with pytest.raises(EngramError) as exc:
         nq.experts(x, ids, torch.ones(2, 2), gate, up, down, limit=None)
     _one_line(exc, "experts cannot run on the kernels: x is on cpu")
 
 
 def test_plan_binding_refusals() -> None:
-    for ids, E, needle in ((torch.zeros(4, 2, dtype=torch.int16), 8, "ids must have dtype torch.int32 or torch.int64"),
-                           (torch.zeros(8, dtype=torch.int32), 8, "ids must be [T, k] (got shape (8,))"),
-                           (torch.zeros(4, 2, dtype=torch.int32), 5000, "num_experts must be in [1, 4096] (got 5000)"),
-                           (torch.zeros(4, 0, dtype=torch.int32), 8, "needs k >= 1"),
-                           (torch.zeros(4, 2, dtype=torch.int32), 8, "ids must be a CUDA tensor (got device cpu)")):
+    for ids, E, needle in (
+        (torch.zeros(4, 2, dtype=torch.int16), 8, "ids must have dtype torch.int32 or torch.int64"),
+        (torch.zeros(8, dtype=torch.int32), 8, "ids must be [T, k] (got shape (8,))"),
+        (torch.zeros(4, 2, dtype=torch.int32), 5000, "num_experts must be in [1, 4096] (got 5000)"),
+        (torch.zeros(4, 0, dtype=torch.int32), 8, "needs k >= 1"),
+        (torch.zeros(4, 2, dtype=torch.int32), 8, "ids must be a CUDA tensor (got device cpu)"),
+    ):
         with pytest.raises(EngramError) as exc:
             nq.moe_plan(ids, E)
         _one_line(exc, needle)
 
 
-@pytest.mark.parametrize("capability,kind,block,rows,want", [
-    ((9, 0), "fp8", (128, 128), 1, "gemv"),
-    ((9, 0), "fp8", (128, 128), 8, "gemv"),
-    ((9, 0), "fp8", (128, 128), 9, "gemm"),
-    ((9, 0), "fp8", (128, 64), 9, "gemv"),        # bk != 128: the GEMV in passes
-    ((9, 0), "fp8", (128, 64), 65, "the FP8 GEMM needs weight blocks of bk = 128 (got 128x64)"),
-    ((8, 0), "fp8", (128, 128), 64, "gemv"),      # no FP8 tensor cores before sm_89
-    ((8, 0), "fp8", (128, 128), 65, "the FP8 tensor cores need compute capability 8.9+ (this GPU is 8.0)"),
-    ((8, 9), "fp8", (128, 128), 4096, "gemm"),
-    ((9, 0), "fp8", (128, 8), 1, "the GEMV needs the block's bk a multiple of 16"),
-    ((9, 0), "fp4", (1, 32), 2, "gemv"),
-    ((9, 0), "fp4", (1, 32), 100, "gemm"),
-    ((7, 5), "fp4", (1, 32), 100, "the bf16 tensor cores need compute capability 8.0+"),
-])
+@pytest.mark.parametrize(
+    "capability,kind,block,rows,want",
+    [
+        ((9, 0), "fp8", (128, 128), 1, "gemv"),
+        ((9, 0), "fp8", (128, 128), 8, "gemv"),
+        ((9, 0), "fp8", (128, 128), 9, "gemm"),
+        ((9, 0), "fp8", (128, 64), 9, "gemv"),  # bk != 128: the GEMV in passes
+        ((9, 0), "fp8", (128, 64), 65, "the FP8 GEMM needs weight blocks of bk = 128 (got 128x64)"),
+        ((8, 0), "fp8", (128, 128), 64, "gemv"),  # no FP8 tensor cores before sm_89
+        ((8, 0), "fp8", (128, 128), 65, "the FP8 tensor cores need compute capability 8.9+ (this GPU is 8.0)"),
+        ((8, 9), "fp8", (128, 128), 4096, "gemm"),
+        ((9, 0), "fp8", (128, 8), 1, "the GEMV needs the block's bk a multiple of 16"),
+        ((9, 0), "fp4", (1, 32), 2, "gemv"),
+        ((9, 0), "fp4", (1, 32), 100, "gemm"),
+        ((7, 5), "fp4", (1, 32), 100, "the bf16 tensor cores need compute capability 8.0+"),
+    ],
+)
 def test_rows_go_to_the_gemv_or_the_gemm(monkeypatch, capability, kind, block, rows, want) -> None:
     monkeypatch.setattr(nq, "_capability", lambda index: capability)
     monkeypatch.setattr(nq, "_device_index", lambda device: 0)
@@ -398,6 +494,7 @@ def test_fp4_gemm_wants_ue8m0_scales(monkeypatch) -> None:
 
 # --- the references themselves -----------------------------------------------------------
 
+
 def test_e4m3_decode_of_every_code_is_ml_dtypes() -> None:
     codes = np.arange(256, dtype=np.uint8)
     want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -426,7 +523,7 @@ def test_e8m0_decode_of_every_code_is_ml_dtypes() -> None:
     want = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
     got = formats.e8m0_to_float(torch.from_numpy(codes), torch.float64).numpy()
     assert np.isnan(got[255]) and np.isnan(want[255])
-    assert np.array_equal(got[:255], want[:255]) and got[127] == 1.0 and got[0] == 2.0 ** -127
+    assert np.array_equal(got[:255], want[:255]) and got[127] == 1.0 and got[0] == 2.0**-127
 
 
 def _finite_e4m3(rng, shape) -> np.ndarray:
@@ -434,8 +531,15 @@ def _finite_e4m3(rng, shape) -> np.ndarray:
     return np.where((codes & 0x7F) == 0x7F, codes - 1, codes).astype(np.uint8)  # no NaN codes
 
 
-@pytest.mark.parametrize("N,K,block,fmt", [(200, 300, (128, 128), "float"), (129, 257, (128, 128), "ue8m0"),
-                                           (7, 40, (3, 16), "float"), (64, 128, (128, 128), "ue8m0")])
+@pytest.mark.parametrize(
+    "N,K,block,fmt",
+    [
+        (200, 300, (128, 128), "float"),
+        (129, 257, (128, 128), "ue8m0"),
+        (7, 40, (3, 16), "float"),
+        (64, 128, (128, 128), "ue8m0"),
+    ],
+)
 def test_fp8_dequantize_with_partial_blocks_is_the_float64_loop(N, K, block, fmt) -> None:
     rng = np.random.default_rng(N * K)
     codes = _finite_e4m3(rng, (N, K))
@@ -497,12 +601,14 @@ def _act_quant_restated(x: np.ndarray, group: int, ue8m0: bool):
     return q, s, deq
 
 
-@pytest.mark.parametrize("M,K,group,ue8m0", [(3, 300, 128, False), (4, 300, 128, True), (2, 96, 32, True),
-                                             (5, 20, 8, False), (1, 7, 16, True)])
+@pytest.mark.parametrize(
+    "M,K,group,ue8m0",
+    [(3, 300, 128, False), (4, 300, 128, True), (2, 96, 32, True), (5, 20, 8, False), (1, 7, 16, True)],
+)
 def test_act_quant_reference_is_its_restatement(M, K, group, ue8m0) -> None:
     rng = np.random.default_rng(M * K + group)
     x = (rng.standard_normal((M, K)) * np.exp(rng.uniform(-8, 8, size=(M, 1)))).astype(np.float32)
-    x[0, :min(K, 3)] = [0.0, -0.0, 1e-7][:min(K, 3)]  # tiny values: the amax floor
+    x[0, : min(K, 3)] = [0.0, -0.0, 1e-7][: min(K, 3)]  # tiny values: the amax floor
     if M > 1:
         x[1, :] = 0.0  # an all-zero row: s = 1e-4 / 448
     q, s, deq = formats.act_quant(torch.from_numpy(x), group, ue8m0)
@@ -513,7 +619,7 @@ def test_act_quant_reference_is_its_restatement(M, K, group, ue8m0) -> None:
     # and what they mean: the scale covers the group's amax, the codes are the nearest e4m3 values
     xs = x.astype(np.float64)
     sf = np.repeat(s2.astype(np.float64), group, axis=1)[:, :K]
-    assert np.all(np.abs(xs) <= 448.0 * sf * (1 + 2.0 ** -22))
+    assert np.all(np.abs(xs) <= 448.0 * sf * (1 + 2.0**-22))
     if ue8m0:
         assert all(math.frexp(float(v))[0] == 0.5 for v in s2.ravel())
     grid = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -526,5 +632,5 @@ def test_act_quant_reference_is_its_restatement(M, K, group, ue8m0) -> None:
 
 def test_pow2_ceil_is_exact_just_above_a_power_of_two() -> None:
     # float32 log2 rounds 2^-9 (1 + 2^-23) to -9: exp2(ceil(log2)) gave 2^-9, below the value
-    x = torch.tensor([2.0 ** -9 * (1 + 2.0 ** -23), 2.0 ** -9, 3.0, 0.75, 2.0 ** 100 * 1.5], dtype=torch.float32)
-    assert formats._pow2_ceil(x).tolist() == [2.0 ** -8, 2.0 ** -9, 4.0, 1.0, 2.0 ** 101]
+    x = torch.tensor([2.0**-9 * (1 + 2.0**-23), 2.0**-9, 3.0, 0.75, 2.0**100 * 1.5], dtype=torch.float32)
+    assert formats._pow2_ceil(x).tolist() == [2.0**-8, 2.0**-9, 4.0, 1.0, 2.0**101]

@@ -46,8 +46,14 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (dequantized_folder, llm_greedy, transformers_fp8_save, transformers_greedy,  # noqa: E402
-                                 without_stale_scales, word_tokenizer)
+from helpers.checkpoints import (
+    dequantized_folder,
+    llm_greedy,
+    transformers_fp8_save,
+    transformers_greedy,  # noqa: E402
+    without_stale_scales,
+    word_tokenizer,
+)
 from helpers.cli import run_json  # noqa: E402
 from helpers.plugins import engine_skip_reason  # noqa: E402
 from helpers.serving import assert_served_tokens, require_tritonserver, start_serve, stop_serve  # noqa: E402
@@ -66,8 +72,13 @@ class Made:
     """One quantized folder: ``folder``, the reference's full-sequence fp32 logits
     (``logits(ids) -> [L, V]`` float64) and greedy tokens (``greedy(prompts)``), the prompts."""
 
-    def __init__(self, folder: Path, logits: Callable[[list[int]], np.ndarray],
-                 greedy: Callable[[list[list[int]]], list[list[int]]], prompts: list[list[int]]) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        logits: Callable[[list[int]], np.ndarray],
+        greedy: Callable[[list[list[int]]], list[list[int]]],
+        prompts: list[list[int]],
+    ) -> None:
         self.folder, self.logits, self.greedy, self.prompts = folder, logits, greedy, prompts
 
 
@@ -119,12 +130,25 @@ DS_CASES: dict[str, tuple[dict[str, Any], bool, bool]] = {
     # every FP8 dim under 128 (one partial block each), FP4 experts 32 x 32, root names + .scale
     "hub-small": (dict(moe_intermediate_size=32, index_n_heads=8), False, True),
     # 160 = 128 + 32, 200 = 128 + 72, o_lora 72 (wo_a's groups start inside a block row)
-    "hub-partial-160": (dict(hidden_size=160, num_attention_heads=2, head_dim=96, q_lora_rank=200, o_groups=2,
-                             o_lora_rank=72, moe_intermediate_size=96, index_n_heads=8, index_head_dim=48,
-                             layer_types=["compressed_sparse_attention", "compressed_sparse_attention",
-                                          "heavily_compressed_attention"], mlp_layer_types=["moe", "hash_moe", "moe"],
-                             compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 2},
-                             index_topk=1), False, True),
+    "hub-partial-160": (
+        dict(
+            hidden_size=160,
+            num_attention_heads=2,
+            head_dim=96,
+            q_lora_rank=200,
+            o_groups=2,
+            o_lora_rank=72,
+            moe_intermediate_size=96,
+            index_n_heads=8,
+            index_head_dim=48,
+            layer_types=["compressed_sparse_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["moe", "hash_moe", "moe"],
+            compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 2},
+            index_topk=1,
+        ),
+        False,
+        True,
+    ),
     # V4.1 (Engram on layers 0 and 2), transformers' names with .weight_scale_inv
     "v41-transformers-names": (dict(moe_intermediate_size=32, index_n_heads=8), True, False),
     # expert_dtype fp8: the routed experts FP8 too (ue8m0 128 x 128), through the plugin's FP8 path
@@ -141,8 +165,7 @@ def deepseek(name: str, root: Path) -> Made:
     if v41:
         q.add_engram(root / "float", seed=len(name))
     folder = root / "q"
-    q.quantize_folder(root / "float", folder, hub=hub, scale_suffix=".scale" if hub else ".weight_scale_inv",
-                      mtp=hub)
+    q.quantize_folder(root / "float", folder, hub=hub, scale_suffix=".scale" if hub else ".weight_scale_inv", mtp=hub)
     if name == "hub-fp8-experts":
         _fp8_experts(root / "float", folder)
     if not v41:
@@ -155,11 +178,17 @@ def deepseek(name: str, root: Path) -> Made:
         from engram_trt.models.step import PackedStep
 
         with torch.no_grad():
-            return ours.forward_step(PackedStep(torch.tensor(ids), [len(ids)], [0], [0]), ours.new_cache(1, MAX_LEN),
-                                     all_logits=True).double().numpy()
+            return (
+                ours.forward_step(
+                    PackedStep(torch.tensor(ids), [len(ids)], [0], [0]), ours.new_cache(1, MAX_LEN), all_logits=True
+                )
+                .double()
+                .numpy()
+            )
 
-    return Made(folder, logits, lambda prompts: [ours.generate_greedy(p, NEW_TOKENS, ignore_eos=True)
-                                                 for p in prompts], PROMPTS)
+    return Made(
+        folder, logits, lambda prompts: [ours.generate_greedy(p, NEW_TOKENS, ignore_eos=True) for p in prompts], PROMPTS
+    )
 
 
 def _fp8_experts(src: Path, folder: Path) -> None:
@@ -189,16 +218,25 @@ def _v41_model(folder: Path) -> Any:
     ckpt = open_checkpoint(folder)
     model = ckpt.architecture.load_model(ckpt, device="cpu", dtype=torch.float32)
     lids = ckpt.config.engram.layer_ids
-    model.set_tables(TableStore.from_tensors([ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in lids],
-                                             [None] * len(lids), 32, lids))
+    model.set_tables(
+        TableStore.from_tensors(
+            [ckpt.get(f"model.layers.{lid}.engram.embed.weight") for lid in lids], [None] * len(lids), 32, lids
+        )
+    )
     return model
 
 
 MAKERS = {"llama": llama, "qwen4": qwen4, "deepseek": deepseek}
-GRAPH_CASES = [("llama", "tied-ue8m0-partly-float"), ("llama", "partial-blocks"),
-               ("qwen4", "ple-fp8-float-scales"), ("qwen4", "experts-i64-straddle"),
-               ("deepseek", "hub-small"), ("deepseek", "hub-partial-160"), ("deepseek", "v41-transformers-names"),
-               ("deepseek", "hub-fp8-experts")]
+GRAPH_CASES = [
+    ("llama", "tied-ue8m0-partly-float"),
+    ("llama", "partial-blocks"),
+    ("qwen4", "ple-fp8-float-scales"),
+    ("qwen4", "experts-i64-straddle"),
+    ("deepseek", "hub-small"),
+    ("deepseek", "hub-partial-160"),
+    ("deepseek", "v41-transformers-names"),
+    ("deepseek", "hub-fp8-experts"),
+]
 _MADE: dict[tuple[str, str], Made] = {}
 
 
@@ -230,8 +268,13 @@ def _runner(ckpt: Any, exported: Any) -> Any:
     tables, lookup = [], None
     if cfg.engram is not None:
         lookup, _layout = engram_lookup_and_layout(ckpt)
-        tables = [(ckpt.get(f"model.layers.{lid}.engram.embed.weight").view(torch.int16).numpy()
-                   .view(ml_dtypes.bfloat16), None) for lid in cfg.engram.layer_ids]
+        tables = [
+            (
+                ckpt.get(f"model.layers.{lid}.engram.embed.weight").view(torch.int16).numpy().view(ml_dtypes.bfloat16),
+                None,
+            )
+            for lid in cfg.engram.layer_ids
+        ]
     return DeepseekV4ReferenceRunner(exported, cfg, tables, lookup, num_slots=4, max_seq_len=MAX_LEN)
 
 
@@ -246,8 +289,9 @@ def export(ckpt: Any, dtype: str = "fp32") -> Any:
         _lookup, layout = engram_lookup_and_layout(ckpt)
     if getattr(cfg, "ple", None) is not None:
         table_dtype = ckpt.architecture.table_dtype(list(ckpt.architecture.table_refs(ckpt)))
-    return ckpt.architecture.export_onnx(cfg, ckpt.lazy(), layout,
-                                         ExportOptions(dtype=dtype, max_position=MAX_LEN, table_dtype=table_dtype))
+    return ckpt.architecture.export_onnx(
+        cfg, ckpt.lazy(), layout, ExportOptions(dtype=dtype, max_position=MAX_LEN, table_dtype=table_dtype)
+    )
 
 
 def stored_fp8_weights(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -292,21 +336,32 @@ def test_exported_graph_equals_the_reference(family: str, name: str, tmp_path_fa
     routed = [n for n in graph.node if n.op_type == ROUTED]
     in_nodes = sum(len(n.input) for n in routed)
     # no float initializer made of an FP8 weight (nothing dequantized into the graph)
-    floats = [i.name for i in graph.initializer if i.data_type in (TensorProto.FLOAT, TensorProto.BFLOAT16,
-                                                                      TensorProto.FLOAT16) and s_not(i.name)]
+    floats = [
+        i.name
+        for i in graph.initializer
+        if i.data_type in (TensorProto.FLOAT, TensorProto.BFLOAT16, TensorProto.FLOAT16) and s_not(i.name)
+    ]
     for n in fp8:
-        base = n[len("model."):] if n.startswith("model.") else n
+        base = n[len("model.") :] if n.startswith("model.") else n
         assert not [f for f in floats if base in f], n
-    want_routed = {("qwen4", "ple-fp8-float-scales"): 4, ("deepseek", "hub-small"): 3,
-                   ("deepseek", "hub-partial-160"): 3, ("deepseek", "v41-transformers-names"): 3,
-                   ("deepseek", "hub-fp8-experts"): 3}.get((family, name), 0)
+    want_routed = {
+        ("qwen4", "ple-fp8-float-scales"): 4,
+        ("deepseek", "hub-small"): 3,
+        ("deepseek", "hub-partial-160"): 3,
+        ("deepseek", "v41-transformers-names"): 3,
+        ("deepseek", "hub-fp8-experts"): 3,
+    }.get((family, name), 0)
     assert len(routed) == want_routed and in_nodes == 9 * want_routed
     for n in routed:  # the stored bytes as INT8 initializers
         assert all(inits[i].data_type == TensorProto.INT8 for i in n.input[3::2])
     # every stored FP8 byte is in the graph once (an FP4 expert's bytes are the routed nodes')
     e4m3_bytes = sum(int(np.prod(i.dims)) for i in e4m3)
-    routed_fp8 = sum(int(np.prod(inits[i].dims)) for n in routed for i in n.input[3::2]
-                     if any(a.name == "w_type" and a.i == 0 for a in n.attribute))
+    routed_fp8 = sum(
+        int(np.prod(inits[i].dims))
+        for n in routed
+        for i in n.input[3::2]
+        if any(a.name == "w_type" and a.i == 0 for a in n.attribute)
+    )
     assert e4m3_bytes + routed_fp8 >= sum(int(np.prod(s)) for s in fp8.values())  # (+ partial blocks' zero columns)
     runner = _runner(ckpt, exported)
     refs = [m.logits(p + e) for p, e in zip(m.prompts, EXTRA)]
@@ -339,15 +394,32 @@ def test_exported_quantized_graph_is_deterministic(tmp_path_factory: Any) -> Non
 # ------------------------------------------------------------------------------ the engines
 def _build(ck: Path, out: Path, *extra: str) -> dict[str, Any]:
     buf = io.StringIO()
-    argv = ["build", str(ck), "--output", str(out), "--json", "--max-batch", "4", "--max-seq-len", str(MAX_LEN),
-            "--max-num-tokens", str(MAX_LEN), *extra]
+    argv = [
+        "build",
+        str(ck),
+        "--output",
+        str(out),
+        "--json",
+        "--max-batch",
+        "4",
+        "--max-seq-len",
+        str(MAX_LEN),
+        "--max-num-tokens",
+        str(MAX_LEN),
+        *extra,
+    ]
     with contextlib.redirect_stdout(buf):
         assert main(argv) == 0
     return json.loads(buf.getvalue())
 
 
-ENGINE_CASES = [("llama", "partial-blocks"), ("qwen4", "ple-fp8-float-scales"), ("deepseek", "hub-small"),
-                ("deepseek", "v41-transformers-names"), ("deepseek", "hub-fp8-experts")]
+ENGINE_CASES = [
+    ("llama", "partial-blocks"),
+    ("qwen4", "ple-fp8-float-scales"),
+    ("deepseek", "hub-small"),
+    ("deepseek", "v41-transformers-names"),
+    ("deepseek", "hub-fp8-experts"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -390,8 +462,16 @@ def test_served_fp4_engine_folder_gives_the_reference_tokens(built: dict[str, An
     require_tritonserver()
     m, engine, _report = built[("deepseek", "hub-small")]
     want = m.greedy(m.prompts[:2])
-    proc, info = start_serve(engine, engine.parent / "tritonserver.log", "--device", "cpu", "--max-batch-size", "4",
-                             "--max-num-tokens", str(MAX_LEN))
+    proc, info = start_serve(
+        engine,
+        engine.parent / "tritonserver.log",
+        "--device",
+        "cpu",
+        "--max-batch-size",
+        "4",
+        "--max-num-tokens",
+        str(MAX_LEN),
+    )
     try:
         assert_served_tokens(info["http"], m.prompts[:2], want, NEW_TOKENS)
     finally:
@@ -423,8 +503,9 @@ def test_fp8_engine_holds_the_stored_bytes(tmp_path: Path) -> None:
         fp8 = t.partial_block_folder(tmp_path / f"float{inter}", tmp_path / f"fp8-{inter}")
         values[inter] = sum(int(np.prod(s)) for s in stored_fp8_weights(fp8).values())
         assert values[inter] == 2 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * inter)
-        sizes[inter] = _build(fp8, tmp_path / f"e8-{inter}", "--plugin-library", "reference", "--target",
-                              "sm89")["engine_bytes"]
+        sizes[inter] = _build(fp8, tmp_path / f"e8-{inter}", "--plugin-library", "reference", "--target", "sm89")[
+            "engine_bytes"
+        ]
     slope = (sizes[2048] - sizes[1024]) / (values[2048] - values[1024])
     assert 0.95 <= slope <= 1.15, (sizes, values)
     deq = dequantized_folder(tmp_path / "fp8-2048", tmp_path / "deq")
@@ -436,14 +517,16 @@ def test_fp8_engine_holds_the_stored_bytes(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("targets", ["sm80", "sm89,sm86", "75,sm120"])
-def test_fp8_with_an_older_target_is_refused_in_one_line(targets: str, tmp_path_factory: Any, tmp_path: Path,
-                                                         capsys: Any) -> None:
+def test_fp8_with_an_older_target_is_refused_in_one_line(
+    targets: str, tmp_path_factory: Any, tmp_path: Path, capsys: Any
+) -> None:
     m = made("deepseek", "hub-small", tmp_path_factory)
     capsys.readouterr()
     code = main(["build", str(m.folder), "--output", str(tmp_path / "engine"), "--target", targets, "--no-engine"])
     err = capsys.readouterr().err.strip()
-    older = ",".join(t if t.startswith("sm") else "sm" + t for t in targets.split(",") if t.lstrip("sm") in
-                     ("75", "80", "86"))
+    older = ",".join(
+        t if t.startswith("sm") else "sm" + t for t in targets.split(",") if t.lstrip("sm") in ("75", "80", "86")
+    )
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"--target {older}: tensor " in err and "is stored FP8 (F8_E4M3)" in err
     assert "pass --target sm89,sm120,sm121 (or leave --target out)" in err
@@ -465,7 +548,8 @@ def test_fp4_experts_the_plugin_cannot_take_are_refused_in_one_line(tmp_path: Pa
         N, K = tensors[name].shape
         tensors[name] = pack_fp4(torch.randint(0, 16, (N, K), generator=gen)).view(torch.int8)
         tensors[name[: -len(".weight")] + ".weight_scale_inv"] = torch.randint(
-            120, 130, (N, -(-K // 32)), generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+            120, 130, (N, -(-K // 32)), generator=gen, dtype=torch.uint8
+        ).view(torch.float8_e8m0fnu)
     save_file(tensors, str(tmp_path / "float" / "model.safetensors"), metadata={"format": "pt"})
     d = json.loads((tmp_path / "float" / "config.json").read_text())
     d["quantization_config"] = dict(q.QUANT_CONFIG)

@@ -21,9 +21,16 @@ from engram_trt.quant.weight import QuantWeight
 
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "plugins" / "kernels" / "quantKernels.h"
-_C_TYPES = {"const void*": ctypes.c_void_p, "void*": ctypes.c_void_p, "const int32_t*": ctypes.c_void_p,
-            "const float*": ctypes.c_void_p, "float*": ctypes.c_void_p, "int64_t": ctypes.c_int64,
-            "int32_t": ctypes.c_int32, "float": ctypes.c_float}
+_C_TYPES = {
+    "const void*": ctypes.c_void_p,
+    "void*": ctypes.c_void_p,
+    "const int32_t*": ctypes.c_void_p,
+    "const float*": ctypes.c_void_p,
+    "float*": ctypes.c_void_p,
+    "int64_t": ctypes.c_int64,
+    "int32_t": ctypes.c_int32,
+    "float": ctypes.c_float,
+}
 
 
 def _header_struct(name: str) -> list[tuple[str, str]]:
@@ -63,8 +70,24 @@ P16 = 256  # an aligned stand-in device pointer: the checks never dereference it
 
 
 def _segment(**change) -> qd._Segment:
-    f = dict(x=P16, w=P16, w_scale=P16, out=P16, x_stride=256, out_stride=256, x_type=0, out_type=0, w_type=0,
-             scale_type=1, bn=128, bk=128, out_features=200, in_features=256, act_group=128, act_ue8m0=0)
+    f = dict(
+        x=P16,
+        w=P16,
+        w_scale=P16,
+        out=P16,
+        x_stride=256,
+        out_stride=256,
+        x_type=0,
+        out_type=0,
+        w_type=0,
+        scale_type=1,
+        bn=128,
+        bk=128,
+        out_features=200,
+        in_features=256,
+        act_group=128,
+        act_ue8m0=0,
+    )
     f.update(change)
     return qd._Segment(*[f[name] for name, _t in qd._Segment._fields_])
 
@@ -101,10 +124,14 @@ def test_segments_abi_refusals(plugin_lib: Path) -> None:
         msg = _refused("engram_quant_gemv_segments", ctypes.addressof(segs), 2, 1, 1, None)
         _one_line(msg.replace("segment 1", "segment 0"), needle)
     one = (qd._Segment * 1)(_segment())
-    _one_line(_refused("engram_quant_gemv_segments", ctypes.addressof(one), 9, 1, 1, None),
-              "need 1 <= num_segments <= 8 (got 9)")
-    _one_line(_refused("engram_quant_gemv_segments", ctypes.addressof(one), 1, 9, 1, None),
-              "num_tokens must be in [0, 8] (got 9)")
+    _one_line(
+        _refused("engram_quant_gemv_segments", ctypes.addressof(one), 9, 1, 1, None),
+        "need 1 <= num_segments <= 8 (got 9)",
+    )
+    _one_line(
+        _refused("engram_quant_gemv_segments", ctypes.addressof(one), 1, 9, 1, None),
+        "num_tokens must be in [0, 8] (got 9)",
+    )
     _one_line(_refused("engram_quant_gemv_segments", ctypes.addressof(one), 1, 1, 8, None), "unknown flags 0x8")
     assert qd.library().engram_quant_gemv_segments(ctypes.addressof(one), 1, 0, 1, None) == 0  # 0 rows: nothing
 
@@ -119,8 +146,23 @@ def _moe_args(**change) -> qd._Moe:
             name, field = key.split(".")
             weights[name][field] = value
             del change[key]
-    f = dict(x=P16, ids=P16, route_w=P16, workspace=P16, out=P16, num_tokens=2, workspace_bytes=1 << 20, hidden=256,
-             top_k=2, num_experts=4, intermediate=128, shared_intermediate=128, clamp=1, limit=7.0, reserved=0)
+    f = dict(
+        x=P16,
+        ids=P16,
+        route_w=P16,
+        workspace=P16,
+        out=P16,
+        num_tokens=2,
+        workspace_bytes=1 << 20,
+        hidden=256,
+        top_k=2,
+        num_experts=4,
+        intermediate=128,
+        shared_intermediate=128,
+        clamp=1,
+        limit=7.0,
+        reserved=0,
+    )
     f.update(change)
     for name, fields in weights.items():
         f[name] = qd._MoeWeight(*[fields[n] for n, _t in qd._MoeWeight._fields_])
@@ -152,6 +194,7 @@ def test_moe_abi_refusals(plugin_lib: Path) -> None:
 
 
 # --- the Python bindings' refusals --------------------------------------------------------
+
 
 def _qw(kind: str, N: int, K: int) -> QuantWeight:
     w = torch.randn(N, K)

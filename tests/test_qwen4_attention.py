@@ -86,9 +86,7 @@ def run(layer, caches, chunks):
         starts.append(starts[-1] + x.shape[0])
         positions.append(torch.arange(past, past + x.shape[0]))
     with torch.no_grad():
-        return layer(
-            xs, torch.cat(positions), starts, [c[1] for c in chunks], [c[2] for c in chunks], *caches
-        )
+        return layer(xs, torch.cat(positions), starts, [c[1] for c in chunks], [c[2] for c in chunks], *caches)
 
 
 def assert_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
@@ -288,9 +286,20 @@ def test_reused_slot_ignores_stale_cache():
 def loose_config(**changes) -> SimpleNamespace:
     """The fields the layer reads, outside transformers' own validation, with changes."""
     config = make_config()
-    names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-             "rope_parameters", "attention_bias", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim",
-             "indexer_budget", "indexer_compress_ratio")
+    names = (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_parameters",
+        "attention_bias",
+        "indexer_n_heads",
+        "indexer_kv_heads",
+        "indexer_head_dim",
+        "indexer_budget",
+        "indexer_compress_ratio",
+    )
     return SimpleNamespace(**{**{n: getattr(config, n) for n in names}, **changes})
 
 

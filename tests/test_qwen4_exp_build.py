@@ -41,12 +41,23 @@ from test_qwen4_exp_parity import CASES, EOS, NEW_TOKENS, PROMPTS, hf_greedy, sa
 
 from engram_trt.cli.main import main  # noqa: E402
 
-QWEN4_PLUGINS = ("EngramCausalConv1d", "EngramGatedDeltaNet", "EngramGather", "EngramPleFusion", "EngramPleHash",
-                 "EngramQsaAttention")
+QWEN4_PLUGINS = (
+    "EngramCausalConv1d",
+    "EngramGatedDeltaNet",
+    "EngramGather",
+    "EngramPleFusion",
+    "EngramPleHash",
+    "EngramQsaAttention",
+)
 # (config, PLE shard storage): F32 is what save_pretrained writes. Rows: 16 / 4 heads = 4
 # wide, 24 / 3 = 8, 12 / 3 = 4.
-GRAPH_CASES = (("hc2-ple1-qsa", "F32"), ("hc4-ple2-interval2", "BF16"), ("no-ple-tied-sigmoid", "F32"),
-               ("ngram4-three-layers", "F16"), ("ngram4-chunk13", "F32"))
+GRAPH_CASES = (
+    ("hc2-ple1-qsa", "F32"),
+    ("hc4-ple2-interval2", "BF16"),
+    ("no-ple-tied-sigmoid", "F32"),
+    ("ngram4-three-layers", "F16"),
+    ("ngram4-chunk13", "F32"),
+)
 EXTRA = [[7, 8], [9, EOS], [EOS, 12]]  # the two decode steps' tokens of each prompt
 # The parity config as transformers saves it: F32 PLE shards, rows 4 wide (16 / 4 heads).
 BUILD_CASE = CASES["hc2-ple1-qsa"]
@@ -80,7 +91,7 @@ def _shard_dtypes(folder: Path) -> set[str]:
     import struct
 
     raw = (folder / "model.safetensors").read_bytes()
-    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
     return {v["dtype"] for k, v in header.items() if ".ngram_embedding.shard_" in k}
 
 
@@ -101,18 +112,23 @@ def test_exported_graph_equals_transformers(graph_case: tuple[str, Path, Any]) -
     cfg = ckpt.config
     assert ckpt.architecture.engine_problems(ckpt) == []
     table_dtype = ckpt.architecture.table_dtype(list(ckpt.architecture.table_refs(ckpt))) if cfg.ple else None
-    exported = ckpt.architecture.export_onnx(cfg, ckpt.get, None,
-                                             ExportOptions(dtype="fp32", max_position=64, table_dtype=table_dtype))
+    exported = ckpt.architecture.export_onnx(
+        cfg, ckpt.get, None, ExportOptions(dtype="fp32", max_position=64, table_dtype=table_dtype)
+    )
     plugins = set(exported.io["plugins"])
     want_plugins = {"EngramQsaAttention", "EngramCausalConv1d", "EngramGatedDeltaNet"}
     if cfg.ple is not None:
         want_plugins |= {"EngramPleHash", "EngramGather", "EngramPleFusion"}
         # the gather reads the shards' own dtype, rows narrower than 8, and its output is cast
         storage = _shard_dtypes(folder)
-        assert len(storage) == 1 and exported.io["ple"]["table_dtype"] == {"F32": "fp32", "BF16": "bf16",
-                                                                            "F16": "fp16"}[storage.pop()]
-        assert cfg.ple.head_dim == {"hc2-ple1-qsa": 4, "hc4-ple2-interval2": 8, "ngram4-three-layers": 4,
-                                    "ngram4-chunk13": 4}[name]
+        assert (
+            len(storage) == 1
+            and exported.io["ple"]["table_dtype"] == {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}[storage.pop()]
+        )
+        assert (
+            cfg.ple.head_dim
+            == {"hc2-ple1-qsa": 4, "hc4-ple2-interval2": 8, "ngram4-three-layers": 4, "ngram4-chunk13": 4}[name]
+        )
         gathers = [n for n in exported.model.graph.node if n.op_type == "EngramGather"]
         codes = {a.i for n in gathers for a in n.attribute if a.name == "table_dtype"}
         assert codes == {{"bf16": 1, "fp16": 2, "fp32": 3}[table_dtype]}
@@ -145,8 +161,10 @@ def test_exported_graph_is_deterministic(tmp_path: Path) -> None:
 
     save_qwen4(tmp_path / "ck", seed=5, **CASES["hc2-ple1-qsa"])
     ckpt = open_checkpoint(tmp_path / "ck")
-    a, b = (ckpt.architecture.export_onnx(ckpt.config, ckpt.get, None, ExportOptions(dtype="bf16", max_position=64))
-            for _ in range(2))
+    a, b = (
+        ckpt.architecture.export_onnx(ckpt.config, ckpt.get, None, ExportOptions(dtype="bf16", max_position=64))
+        for _ in range(2)
+    )
     assert a.model.SerializeToString(deterministic=True) == b.model.SerializeToString(deterministic=True)
     names = {i.name for i in a.model.graph.initializer}
     assert not [n for n in names if "ngram_embedding" in n]  # tables never enter the graph
@@ -154,6 +172,7 @@ def test_exported_graph_is_deterministic(tmp_path: Path) -> None:
 
 
 # -- the engine folder ---------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]], dict[str, Any], str | None]:
@@ -163,8 +182,19 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[li
     want = [hf_greedy(model, p) for p in PROMPTS]
     why = engine_skip_reason(QWEN4_PLUGINS)
     out = io.StringIO()
-    argv = ["build", str(root / "ck"), "--output", str(root / "engine"), "--json", "--max-batch", "4",
-            "--max-seq-len", "64", "--max-num-tokens", "64"]
+    argv = [
+        "build",
+        str(root / "ck"),
+        "--output",
+        str(root / "engine"),
+        "--json",
+        "--max-batch",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--max-num-tokens",
+        "64",
+    ]
     with contextlib.redirect_stdout(out):
         code = main(argv + (["--no-engine"] if why else []))
     assert code == 0
@@ -176,23 +206,37 @@ def test_manifest_records_the_ple_shards_with_their_checksums(built: tuple) -> N
     manifest = json.loads((engine / "manifest.json").read_text())
     tables = manifest["tables"]
     spec = BUILD_CASE
-    assert [t["tensor"] for t in tables] == [f"model.layers.0.ple.ple_embedding.ngram_embedding.shard_{i}.weight"
-                                              for i in range(spec["split_ngram_parts"])]
+    assert [t["tensor"] for t in tables] == [
+        f"model.layers.0.ple.ple_embedding.ngram_embedding.shard_{i}.weight" for i in range(spec["split_ngram_parts"])
+    ]
     assert [t.get("part", 0) for t in tables] == list(range(spec["split_ngram_parts"]))
     data = (ck / "model.safetensors").read_bytes()
     for t in tables:
-        region = data[t["offset"]:t["offset"] + t["nbytes"]]
+        region = data[t["offset"] : t["offset"] + t["nbytes"]]
         assert t["dtype"] == "F32" and len(region) == t["nbytes"]
         assert t["sha256"] == hashlib.sha256(region).hexdigest()
-        assert t["block_hashes"] == [hashlib.sha256(region[i:i + t["block_bytes"]]).hexdigest()
-                                     for i in range(0, t["nbytes"], t["block_bytes"])]
+        assert t["block_hashes"] == [
+            hashlib.sha256(region[i : i + t["block_bytes"]]).hexdigest()
+            for i in range(0, t["nbytes"], t["block_bytes"])
+        ]
     assert report["tables_bytes"] == sum(t["nbytes"] for t in tables) and manifest["table_dtype"] == "fp32"
     io_ = manifest["graph"]["io"]
     assert io_["ple"]["table_dtype"] == "fp32" and io_["ple"]["head_dim"] == 4  # F32 rows 4 wide, as saved
     assert io_["ple"]["table_rows"] == [sum(t["shape"][0] for t in tables)]
-    assert sorted(io_["states"]) == sorted(["conv_state_0", "conv_state_1", "conv_state_2", "recurrent_state_0",
-                                            "recurrent_state_1", "recurrent_state_2", "key_cache_3", "value_cache_3",
-                                            "index_key_cache_3", "ple_conv_state_0"])
+    assert sorted(io_["states"]) == sorted(
+        [
+            "conv_state_0",
+            "conv_state_1",
+            "conv_state_2",
+            "recurrent_state_0",
+            "recurrent_state_1",
+            "recurrent_state_2",
+            "key_cache_3",
+            "value_cache_3",
+            "index_key_cache_3",
+            "ple_conv_state_0",
+        ]
+    )
 
 
 def test_the_architecture_names_the_engine_inputs_the_tensorrt_backend_refuses(built: tuple) -> None:
@@ -229,7 +273,7 @@ def test_tensorrt_rtx_builds_the_engine_with_the_plugins(built: tuple) -> None:
     manifest = json.loads((engine / "manifest.json").read_text())
     data = (ck / "model.safetensors").read_bytes()
     for t in manifest["tables"]:  # the tables stay outside the engine
-        assert data[t["offset"]:t["offset"] + t["nbytes"]] not in blob
+        assert data[t["offset"] : t["offset"] + t["nbytes"]] not in blob
 
 
 def test_engine_folder_gives_transformers_tokens(built: tuple, capsys: Any) -> None:
@@ -258,6 +302,7 @@ def test_served_engine_folder_gives_transformers_tokens(built: tuple) -> None:
 
 # -- PLE rows that do not divide by split_ngram_parts ---------------------------------------
 
+
 @pytest.fixture(scope="module")
 def built_uneven(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[list[int]], str | None]:
     """hc4-ple2-chunk64 as transformers saves it: 224 and 272 PLE rows in 64 parts, so 56
@@ -267,8 +312,19 @@ def built_uneven(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, 
     model = save_qwen4(root / "ck", seed=33, **CASES["hc4-ple2-chunk64"])
     want = [hf_greedy(model, p) for p in PROMPTS]
     why = engine_skip_reason(QWEN4_PLUGINS)
-    argv = ["build", str(root / "ck"), "--output", str(root / "engine"), "--json", "--max-batch", "4",
-            "--max-seq-len", "64", "--max-num-tokens", "64"]
+    argv = [
+        "build",
+        str(root / "ck"),
+        "--output",
+        str(root / "engine"),
+        "--json",
+        "--max-batch",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--max-num-tokens",
+        "64",
+    ]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(argv + (["--no-engine"] if why else [])) == 0
     return root / "ck", root / "engine", want, why
@@ -290,7 +346,7 @@ def test_uneven_ple_shards_build_and_serve_transformers_tokens(built_uneven: tup
         assert [t.get("part", 0) for t in mine] == list(range(n))
         assert [t["shape"][0] for t in mine] == [rows] * (n - 1) + [last]
         for t in mine:
-            assert t["sha256"] == hashlib.sha256(data[t["offset"]:t["offset"] + t["nbytes"]]).hexdigest()
+            assert t["sha256"] == hashlib.sha256(data[t["offset"] : t["offset"] + t["nbytes"]]).hexdigest()
     assert manifest["graph"]["io"]["ple"]["table_rows"] == [224, 272]
     if not why:
         assert (engine / "model.engine").stat().st_size > 0
@@ -302,6 +358,7 @@ def test_uneven_ple_shards_build_and_serve_transformers_tokens(built_uneven: tup
 
 
 # -- bad input ---------------------------------------------------------------------------------
+
 
 def test_tampered_ple_shard_refused_in_one_line(tmp_path: Path, capsys: Any) -> None:
     ck = tmp_path / "ck"
@@ -339,8 +396,10 @@ def test_ple_shards_the_gather_cannot_read_refused_before_any_work(tmp_path: Pat
     width build (the tests above)."""
     ck = tmp_path / "ck"
     save_qwen4(ck, seed=8, **BUILD_CASE)
-    _restore_ple_shards(ck, (lambda k, t: t.double()) if kind == "f64" else
-                        (lambda k, t: t.half() if k.endswith("shard_1.weight") else t))
+    _restore_ple_shards(
+        ck,
+        (lambda k, t: t.double()) if kind == "f64" else (lambda k, t: t.half() if k.endswith("shard_1.weight") else t),
+    )
     capsys.readouterr()
     code = main(["build", str(ck), "--output", str(tmp_path / "engine"), "--no-engine"])
     err = capsys.readouterr().err.strip()

@@ -42,9 +42,20 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (assert_fp32_logits_match, dequantized_folder, edit_config, folder_tensors,  # noqa: E402
-                                 fp8_ple_folder, llm_greedy, packed_greedy, save_folder_as, transformers_fp8_save,
-                                 transformers_greedy, without_stale_scales, word_tokenizer)
+from helpers.checkpoints import (
+    assert_fp32_logits_match,
+    dequantized_folder,
+    edit_config,
+    folder_tensors,  # noqa: E402
+    fp8_ple_folder,
+    llm_greedy,
+    packed_greedy,
+    save_folder_as,
+    transformers_fp8_save,
+    transformers_greedy,
+    without_stale_scales,
+    word_tokenizer,
+)
 from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from test_qwen4_exp_parity import randomized  # noqa: E402
 
@@ -56,32 +67,79 @@ NEW_TOKENS = 8
 PROMPTS = [[5, 17, 33, EOS, 90, 41, 7, 7, 60], [EOS, EOS, 3, 44], [11, 12, 13, 14, EOS, 16, 17, 18, 19, 20, 21]]
 
 BASE: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-    linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_conv_kernel_dim=4, moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4,
-    num_experts_per_tok=2, hc_count=2, hc_lowrank=128, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
+    vocab_size=VOCAB,
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+    hc_count=2,
+    hc_lowrank=128,
+    max_position_embeddings=256,
+    eos_token_id=EOS,
+    bos_token_id=1,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=4, indexer_compress_ratio=2,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=64,
+    indexer_budget=4,
+    indexer_compress_ratio=2,
 )
 
 # name -> (Qwen4ExpTextConfig overrides, FineGrainedFP8Config arguments)
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # PLE (key / value projections FP8) with 240 rows in 100 parts: 80 shards of 3
-    "ple-fp8-float-scales": (dict(ple_layer_ids=[1], ple_embed_dim=128, ngram_size=3, heads_per_ngram=2,
-                                  ngram_vocab_size_base=50, make_ngram_vocab_size_divisible_by=8,
-                                  split_ngram_parts=100),
-                             dict(weight_block_size=[128, 128])),
-    "tied-ue8m0-shared-expert-float": (dict(tie_word_embeddings=True, output_gate_type="sigmoid", norm_topk_prob=False,
-                                            layer_types=["linear_attention", "full_attention", "linear_attention",
-                                                         "full_attention"]),
-                                       # transformers' rule: a regex from the name's start, or a suffix
-                                       dict(weight_block_size=[128, 128], scale_fmt="ue8m0",
-                                            modules_to_not_convert=["model.layers.*.mlp.shared_expert", "lm_head"])),
+    "ple-fp8-float-scales": (
+        dict(
+            ple_layer_ids=[1],
+            ple_embed_dim=128,
+            ngram_size=3,
+            heads_per_ngram=2,
+            ngram_vocab_size_base=50,
+            make_ngram_vocab_size_divisible_by=8,
+            split_ngram_parts=100,
+        ),
+        dict(weight_block_size=[128, 128]),
+    ),
+    "tied-ue8m0-shared-expert-float": (
+        dict(
+            tie_word_embeddings=True,
+            output_gate_type="sigmoid",
+            norm_topk_prob=False,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        ),
+        # transformers' rule: a regex from the name's start, or a suffix
+        dict(
+            weight_block_size=[128, 128],
+            scale_fmt="ue8m0",
+            modules_to_not_convert=["model.layers.*.mlp.shared_expert", "lm_head"],
+        ),
+    ),
     # I = 64: the experts' gate_up [128, 128] quantized as one block row over both halves
-    "experts-i64-straddle": (dict(moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=6,
-                                  ple_layer_ids=[2], ple_embed_dim=64, ngram_size=2, heads_per_ngram=4,
-                                  ngram_vocab_size_base=40, make_ngram_vocab_size_divisible_by=4, split_ngram_parts=7),
-                             dict(weight_block_size=[128, 128])),
+    "experts-i64-straddle": (
+        dict(
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            num_experts=6,
+            ple_layer_ids=[2],
+            ple_embed_dim=64,
+            ngram_size=2,
+            heads_per_ngram=4,
+            ngram_vocab_size_base=40,
+            make_ngram_vocab_size_divisible_by=4,
+            split_ngram_parts=7,
+        ),
+        dict(weight_block_size=[128, 128]),
+    ),
 }
 
 
@@ -122,14 +180,23 @@ def test_folder_layout_and_the_reference_dequantization(case: tuple[str, Path, A
     name, folder, ref = case
     kinds = stored(folder)
     fp8 = {k for k, v in kinds.items() if v == "F8_E4M3"}
-    for must in ("layers.0.linear_attn.in_proj_qkv.weight", "layers.0.linear_attn.out_proj.weight",
-                 "layers.3.self_attn.q_proj.weight", "layers.3.self_attn.o_proj.weight",
-                 "layers.0.attn_hyper_connection.input_mix_weight_down.weight",
-                 "layers.0.mlp.experts.0.gate_proj.weight",
-                 "layers.0.mlp.experts.0.up_proj.weight"):
+    for must in (
+        "layers.0.linear_attn.in_proj_qkv.weight",
+        "layers.0.linear_attn.out_proj.weight",
+        "layers.3.self_attn.q_proj.weight",
+        "layers.3.self_attn.o_proj.weight",
+        "layers.0.attn_hyper_connection.input_mix_weight_down.weight",
+        "layers.0.mlp.experts.0.gate_proj.weight",
+        "layers.0.mlp.experts.0.up_proj.weight",
+    ):
         assert f"model.{must}" in fp8, must
-    for never in ("layers.3.self_attn.k_proj.weight", "layers.3.self_attn.indexer.index_qk_proj.weight",
-                  "layers.0.linear_attn.in_proj_a.weight", "layers.0.mlp.gate.weight", "embed_tokens.weight"):
+    for never in (
+        "layers.3.self_attn.k_proj.weight",
+        "layers.3.self_attn.indexer.index_qk_proj.weight",
+        "layers.0.linear_attn.in_proj_a.weight",
+        "layers.0.mlp.gate.weight",
+        "embed_tokens.weight",
+    ):
         assert f"model.{never}" not in fp8, never
     assert ("model.layers.0.mlp.experts.0.down_proj.weight" in fp8) == (name != "experts-i64-straddle")
     assert ("model.layers.0.mlp.shared_expert.gate_proj.weight" in fp8) == (name == "ple-fp8-float-scales")
@@ -200,8 +267,13 @@ def test_quantized_modules_hold_the_stored_bytes(case: tuple[str, Path, Any]) ->
             base, e, proj = mname.rsplit(".", 2)
             merged = tensors[f"{base}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}_scale_inv"][int(e)]
             lo = 0 if proj != "up_proj" else I
-            scale = merged if proj == "down_proj" else merged[(torch.arange(I) + lo) // 128] if I % 128 \
-                else merged[lo // 128:(lo + I) // 128]
+            scale = (
+                merged
+                if proj == "down_proj"
+                else merged[(torch.arange(I) + lo) // 128]
+                if I % 128
+                else merged[lo // 128 : (lo + I) // 128]
+            )
         assert m.weight_scale_inv.dtype == scale.dtype == (torch.float8_e8m0fnu if "ue8m0" in name else torch.float32)
         assert torch.equal(m.weight_scale_inv.view(torch.uint8), scale.contiguous().view(torch.uint8)), mname
     assert quantized == sum(1 for t in tensors.values() if t.dtype == torch.float8_e4m3fn)
@@ -236,8 +308,9 @@ def test_fp8_experts_stacked_forms_equal_the_per_expert_path(case: tuple[str, Pa
     ckpt.close()
 
 
-def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(case: tuple[str, Path, Any], capsys: Any,
-                                                                       tmp_path: Path) -> None:
+def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(
+    case: tuple[str, Path, Any], capsys: Any, tmp_path: Path
+) -> None:
     """build (graph only) writes the FP8 weights as they are stored: each F8_E4M3 linear a
     FLOAT8E4M3FN initializer under a DequantizeLinear, the routed experts the stored bytes
     of one EngramRoutedExperts node per layer (where a projection was left float:
@@ -261,8 +334,10 @@ def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(case: tup
     assert {k + ".e4m3" for k in linears} <= e4m3
     routed = [n for n in graph.node if n.op_type == "EngramRoutedExperts"]
     if name == "experts-i64-straddle":  # down_proj left float: the dense form, gate / up stacks dequantized
-        assert not routed and {f"model.layers.{i}.mlp.experts.{p}_stack.e4m3" for i in range(4)
-                               for p in ("gate", "up")} <= e4m3
+        assert (
+            not routed
+            and {f"model.layers.{i}.mlp.experts.{p}_stack.e4m3" for i in range(4) for p in ("gate", "up")} <= e4m3
+        )
     else:
         assert len(routed) == 4 and e4m3 == {k + ".e4m3" for k in linears}
 
@@ -284,31 +359,54 @@ def _edit_tensors(folder: Path, change: Any) -> None:
 
 
 BAD: dict[str, tuple[Any, str]] = {
-    "merged-scale-mis-shaped": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {f"{L0}.gate_up_proj_scale_inv": torch.ones(4, 1, 1)})),
-        rf"scale {L0}\.gate_up_proj_scale_inv has shape \[4, 1, 1\] but 4 experts in 128x128 blocks need \[4, 2, 1\]"),
-    "merged-scale-missing": (lambda f: _edit_tensors(f, lambda t: t.pop(f"{L0}.down_proj_scale_inv")),
-                             rf"scale of {L0}\.0\.down_proj\.weight is missing"),
-    "merged-scale-wrong-dtype": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {f"{L0}.gate_up_proj_scale_inv": torch.ones(4, 2, 1, dtype=torch.int64)})),
-        rf"scale {L0}\.gate_up_proj_scale_inv of {L0}\.0\.gate_proj\.weight is I64"),
-    "one-expert-float": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {f"{L0}.2.up_proj.weight": t[f"{L0}.2.up_proj.weight"].float()})),
-        rf"{L0}\.2\.up_proj\.weight is F32\): one projection of a layer's experts is FP8 for all of them or for none"),
-    "linear-scale-mis-shaped": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {"model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv": torch.ones(1, 1)})),
+    "merged-scale-mis-shaped": (
+        lambda f: _edit_tensors(f, lambda t: t.update({f"{L0}.gate_up_proj_scale_inv": torch.ones(4, 1, 1)})),
+        rf"scale {L0}\.gate_up_proj_scale_inv has shape \[4, 1, 1\] but 4 experts in 128x128 blocks need \[4, 2, 1\]",
+    ),
+    "merged-scale-missing": (
+        lambda f: _edit_tensors(f, lambda t: t.pop(f"{L0}.down_proj_scale_inv")),
+        rf"scale of {L0}\.0\.down_proj\.weight is missing",
+    ),
+    "merged-scale-wrong-dtype": (
+        lambda f: _edit_tensors(
+            f, lambda t: t.update({f"{L0}.gate_up_proj_scale_inv": torch.ones(4, 2, 1, dtype=torch.int64)})
+        ),
+        rf"scale {L0}\.gate_up_proj_scale_inv of {L0}\.0\.gate_proj\.weight is I64",
+    ),
+    "one-expert-float": (
+        lambda f: _edit_tensors(f, lambda t: t.update({f"{L0}.2.up_proj.weight": t[f"{L0}.2.up_proj.weight"].float()})),
+        rf"{L0}\.2\.up_proj\.weight is F32\): one projection of a layer's experts is FP8 for all of them or for none",
+    ),
+    "linear-scale-mis-shaped": (
+        lambda f: _edit_tensors(
+            f, lambda t: t.update({"model.layers.0.linear_attn.in_proj_qkv.weight_scale_inv": torch.ones(1, 1)})
+        ),
         r"scale of model\.layers\.0\.linear_attn\.in_proj_qkv\.weight has shape \[1, 1\] but a \[256, 128\] FP8 weight "
-        r"in 128x128 blocks needs \[2, 1\]"),
-    "fp8-router": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {"model.layers.0.mlp.gate.weight": t["model.layers.0.mlp.gate.weight"].to(torch.float8_e4m3fn)})),
-        r"model\.layers\.0\.mlp\.gate\.weight is F8_E4M3, but only linear weights are served in FP8"),
-    "fp4-experts": (lambda f: edit_config(f, quantization_config={
-        "quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}),
-                    r"'quantization_config\.expert_dtype'='fp4' is not served for qwen4-exp"),
-    "no-quantization-config": (lambda f: edit_config(f, quantization_config=None),
-                               r"is F8_E4M3 but config\.json declares no quantization_config"),
-    "method-compressed-tensors": (lambda f: edit_config(f, quantization_config={"quant_method": "compressed-tensors"}),
-                                  r"'quantization_config\.quant_method'='compressed-tensors' is not served"),
+        r"in 128x128 blocks needs \[2, 1\]",
+    ),
+    "fp8-router": (
+        lambda f: _edit_tensors(
+            f,
+            lambda t: t.update(
+                {"model.layers.0.mlp.gate.weight": t["model.layers.0.mlp.gate.weight"].to(torch.float8_e4m3fn)}
+            ),
+        ),
+        r"model\.layers\.0\.mlp\.gate\.weight is F8_E4M3, but only linear weights are served in FP8",
+    ),
+    "fp4-experts": (
+        lambda f: edit_config(
+            f, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}
+        ),
+        r"'quantization_config\.expert_dtype'='fp4' is not served for qwen4-exp",
+    ),
+    "no-quantization-config": (
+        lambda f: edit_config(f, quantization_config=None),
+        r"is F8_E4M3 but config\.json declares no quantization_config",
+    ),
+    "method-compressed-tensors": (
+        lambda f: edit_config(f, quantization_config={"quant_method": "compressed-tensors"}),
+        r"'quantization_config\.quant_method'='compressed-tensors' is not served",
+    ),
 }
 
 
@@ -334,9 +432,16 @@ def test_bad_fp8_checkpoints_refused_in_one_line(good_fp8: Path, tmp_path: Path,
 
 # -- FP8 PLE tables (FP8Embedding) ------------------------------------------------------------
 
-PLE_CASE = dict(ple_layer_ids=[1, 3], ple_embed_dim=128, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
-                make_ngram_vocab_size_divisible_by=8, split_ngram_parts=100,
-                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+PLE_CASE = dict(
+    ple_layer_ids=[1, 3],
+    ple_embed_dim=128,
+    ngram_size=3,
+    heads_per_ngram=2,
+    ngram_vocab_size_base=50,
+    make_ngram_vocab_size_divisible_by=8,
+    split_ngram_parts=100,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+)
 
 
 @pytest.fixture(scope="module", params=["linears-float", "linears-fp8"])
@@ -356,14 +461,16 @@ def fp8_ple(request: Any, tmp_path_factory: Any) -> tuple[str, Path, Any]:
     if variant == "linears-fp8":
         src = transformers_fp8_save(Qwen4ExpForCausalLM, src, root / "fp8", weight_block_size=[128, 128])
     folder = fp8_ple_folder(src, root / "ple8")
-    ref_folder = (folder if variant == "linears-float"
-                  else dequantized_folder(folder, root / "ref", moe_intermediate=128))
+    ref_folder = (
+        folder if variant == "linears-float" else dequantized_folder(folder, root / "ref", moe_intermediate=128)
+    )
     ref = Qwen4ExpForCausalLM.from_pretrained(ref_folder, dtype=torch.float32, use_kernels=False).eval()
     return variant, folder, ref
 
 
-def test_fp8_ple_tables_greedy_tokens_and_logits_equal_transformers(fp8_ple: tuple[str, Path, Any],
-                                                                     capsys: Any) -> None:
+def test_fp8_ple_tables_greedy_tokens_and_logits_equal_transformers(
+    fp8_ple: tuple[str, Path, Any], capsys: Any
+) -> None:
     from engram_trt.models.registry import open_checkpoint
 
     variant, folder, ref = fp8_ple
@@ -380,8 +487,9 @@ def test_fp8_ple_tables_greedy_tokens_and_logits_equal_transformers(fp8_ple: tup
 
 
 @pytest.mark.parametrize("kind", ["memory", "file", "shared", "pinned"])
-def test_fp8_ple_stores_hold_the_bytes_and_dequantize_gathered_rows(fp8_ple: tuple[str, Path, Any], tmp_path: Path,
-                                                                    kind: str) -> None:
+def test_fp8_ple_stores_hold_the_bytes_and_dequantize_gathered_rows(
+    fp8_ple: tuple[str, Path, Any], tmp_path: Path, kind: str
+) -> None:
     """Each store holds the FP8 bytes (one per value, float8_e4m3fn); the gather gives
     the rows times the table's scale, as transformers' FP8Embedding does."""
     from test_tables import FakeRegistrar
@@ -439,24 +547,33 @@ def test_fp8_ple_inspect_and_build(fp8_ple: tuple[str, Path, Any], capsys: Any, 
 
 PLE_STEM = "model.layers.0.ple.ple_embedding.ngram_embedding"
 BAD_PLE: dict[str, tuple[Any, str]] = {
-    "undeclared": (lambda f: edit_config(f, quantization_config={"quant_method": "fp8",
-                                                                 "weight_block_size": [128, 128]}),
-                   rf"{PLE_STEM}\.shard_0\.weight is F8_E4M3 \(expected BF16, F16 or F32 rows\) "
-                   rf"\(an FP8 table is declared"),
-    "scale-missing": (lambda f: _edit_tensors(f, lambda t: t.pop(f"{PLE_STEM}.weight_scale")),
-                      rf"scale {PLE_STEM}\.weight_scale of layer 1's FP8 PLE table is missing"),
-    "scale-per-row": (lambda f: _edit_tensors(f, lambda t: t.update({f"{PLE_STEM}.weight_scale": torch.ones(3, 1)})),
-                      rf"scale {PLE_STEM}\.weight_scale is F32 \[3, 1\] \(expected one float32 for the table"),
-    "float-shard": (lambda f: _edit_tensors(f, lambda t: t.update(
-        {f"{PLE_STEM}.shard_1.weight": t[f"{PLE_STEM}.shard_1.weight"].float()})),
-        rf"{PLE_STEM}\.shard_1\.weight is F32 but quantization_config\.modules_to_convert declares"),
+    "undeclared": (
+        lambda f: edit_config(f, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+        rf"{PLE_STEM}\.shard_0\.weight is F8_E4M3 \(expected BF16, F16 or F32 rows\) "
+        rf"\(an FP8 table is declared",
+    ),
+    "scale-missing": (
+        lambda f: _edit_tensors(f, lambda t: t.pop(f"{PLE_STEM}.weight_scale")),
+        rf"scale {PLE_STEM}\.weight_scale of layer 1's FP8 PLE table is missing",
+    ),
+    "scale-per-row": (
+        lambda f: _edit_tensors(f, lambda t: t.update({f"{PLE_STEM}.weight_scale": torch.ones(3, 1)})),
+        rf"scale {PLE_STEM}\.weight_scale is F32 \[3, 1\] \(expected one float32 for the table",
+    ),
+    "float-shard": (
+        lambda f: _edit_tensors(
+            f, lambda t: t.update({f"{PLE_STEM}.shard_1.weight": t[f"{PLE_STEM}.shard_1.weight"].float()})
+        ),
+        rf"{PLE_STEM}\.shard_1\.weight is F32 but quantization_config\.modules_to_convert declares",
+    ),
 }
 
 
 @pytest.mark.parametrize("fp8_ple", ["linears-float"], indirect=True)  # the refusals concern the table alone
 @pytest.mark.parametrize("bad", sorted(BAD_PLE))
-def test_bad_fp8_ple_tables_refused_in_one_line(fp8_ple: tuple[str, Path, Any], tmp_path: Path, capsys: Any,
-                                                bad: str) -> None:
+def test_bad_fp8_ple_tables_refused_in_one_line(
+    fp8_ple: tuple[str, Path, Any], tmp_path: Path, capsys: Any, bad: str
+) -> None:
     _variant, src, _ref = fp8_ple
     folder = tmp_path / "ck"
     shutil.copytree(src, folder)

@@ -22,54 +22,134 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (assert_bf16_logits_match, assert_fp32_logits_match, edit_config, llm_greedy,  # noqa: E402
-                                 packed_greedy, transformers_greedy, word_tokenizer)
+from helpers.checkpoints import (
+    assert_bf16_logits_match,
+    assert_fp32_logits_match,
+    edit_config,
+    llm_greedy,  # noqa: E402
+    packed_greedy,
+    transformers_greedy,
+    word_tokenizer,
+)
 from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
 VOCAB = 96
 EOS = 2
 NEW_TOKENS = 10
-PROMPTS = [[5, 17, 33, EOS, 90, 41, 7, 7, 60], [EOS, EOS, 3, 44], [11, 12, 13, 14, EOS, 16, 17, 18, 19, 20, 21, 22, 23, 24]]
+PROMPTS = [
+    [5, 17, 33, EOS, 90, 41, 7, 7, 60],
+    [EOS, EOS, 3, 44],
+    [11, 12, 13, 14, EOS, 16, 17, 18, 19, 20, 21, 22, 23, 24],
+]
 
 BASE: dict[str, Any] = dict(
-    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_conv_kernel_dim=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=6,
-    num_experts_per_tok=2, hc_count=2, hc_lowrank=8, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_conv_kernel_dim=4,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    num_experts=6,
+    num_experts_per_tok=2,
+    hc_count=2,
+    hc_lowrank=8,
+    max_position_embeddings=256,
+    eos_token_id=EOS,
+    bos_token_id=1,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4, indexer_compress_ratio=2,
+    indexer_n_heads=2,
+    indexer_kv_heads=1,
+    indexer_head_dim=16,
+    indexer_budget=4,
+    indexer_compress_ratio=2,
 )
 
 # name -> Qwen4ExpTextConfig overrides; each is a configuration the published model runs.
 CASES: dict[str, dict[str, Any]] = {
-    "hc2-ple1-qsa": dict(ple_layer_ids=[1], ple_embed_dim=16, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
-                         make_ngram_vocab_size_divisible_by=8, split_ngram_parts=2),
-    "hc4-ple2-interval2": dict(hc_count=4, full_attention_interval=2, ple_layer_ids=[1, 3], ple_embed_dim=24, ngram_size=2,
-                               heads_per_ngram=3, ngram_vocab_size_base=70, make_ngram_vocab_size_divisible_by=16,
-                               split_ngram_parts=3, indexer_budget=8, indexer_compress_ratio=4,
-                               rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 1.0}),
-    "no-ple-tied-sigmoid": dict(tie_word_embeddings=True, output_gate_type="sigmoid", norm_topk_prob=False,
-                                layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    "hc2-ple1-qsa": dict(
+        ple_layer_ids=[1],
+        ple_embed_dim=16,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=50,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=2,
+    ),
+    "hc4-ple2-interval2": dict(
+        hc_count=4,
+        full_attention_interval=2,
+        ple_layer_ids=[1, 3],
+        ple_embed_dim=24,
+        ngram_size=2,
+        heads_per_ngram=3,
+        ngram_vocab_size_base=70,
+        make_ngram_vocab_size_divisible_by=16,
+        split_ngram_parts=3,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 1.0},
+    ),
+    "no-ple-tied-sigmoid": dict(
+        tie_word_embeddings=True,
+        output_gate_type="sigmoid",
+        norm_topk_prob=False,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    ),
     # (an all-linear model does not generate in transformers 5.25: its cache has no attention layer to size masks by)
-    "ngram4-three-layers": dict(layer_types=["linear_attention", "linear_attention", "full_attention"], num_hidden_layers=3,
-                              ple_layer_ids=[2],
-                              ple_embed_dim=12, ngram_size=4, heads_per_ngram=1, ngram_vocab_size_base=40,
-                              make_ngram_vocab_size_divisible_by=4, split_ngram_parts=1, eos_token_id=[EOS, 3],
-                              ple_conv_kernel_size=3, hc_count=3),
+    "ngram4-three-layers": dict(
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        num_hidden_layers=3,
+        ple_layer_ids=[2],
+        ple_embed_dim=12,
+        ngram_size=4,
+        heads_per_ngram=1,
+        ngram_vocab_size_base=40,
+        make_ngram_vocab_size_divisible_by=4,
+        split_ngram_parts=1,
+        eos_token_id=[EOS, 3],
+        ple_conv_kernel_size=3,
+        hc_count=3,
+    ),
     # PLE rows that do not divide by split_ngram_parts: transformers' save writes what
     # torch.chunk gives, ceil(rows / chunk) shards of chunk = ceil(rows / parts) rows, fewer
     # than split_ngram_parts. 224 rows in 64 parts: 56 shards of 4; 272 rows: 55 shards of 5,
     # the last of 2.
-    "hc4-ple2-chunk64": dict(hc_count=4, full_attention_interval=2, ple_layer_ids=[1, 3], ple_embed_dim=24,
-                             ngram_size=2, heads_per_ngram=3, ngram_vocab_size_base=70,
-                             make_ngram_vocab_size_divisible_by=16, split_ngram_parts=64, indexer_budget=8,
-                             indexer_compress_ratio=4),
+    "hc4-ple2-chunk64": dict(
+        hc_count=4,
+        full_attention_interval=2,
+        ple_layer_ids=[1, 3],
+        ple_embed_dim=24,
+        ngram_size=2,
+        heads_per_ngram=3,
+        ngram_vocab_size_base=70,
+        make_ngram_vocab_size_divisible_by=16,
+        split_ngram_parts=64,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+    ),
     # 132 rows in 13 parts: 12 shards of 11 rows.
-    "ngram4-chunk13": dict(layer_types=["linear_attention", "linear_attention", "full_attention"], num_hidden_layers=3,
-                           ple_layer_ids=[2], ple_embed_dim=12, ngram_size=4, heads_per_ngram=1,
-                           ngram_vocab_size_base=40, make_ngram_vocab_size_divisible_by=4, split_ngram_parts=13,
-                           eos_token_id=[EOS, 3], ple_conv_kernel_size=3, hc_count=3),
+    "ngram4-chunk13": dict(
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        num_hidden_layers=3,
+        ple_layer_ids=[2],
+        ple_embed_dim=12,
+        ngram_size=4,
+        heads_per_ngram=1,
+        ngram_vocab_size_base=40,
+        make_ngram_vocab_size_divisible_by=4,
+        split_ngram_parts=13,
+        eos_token_id=[EOS, 3],
+        ple_conv_kernel_size=3,
+        hc_count=3,
+    ),
 }
 
 
@@ -153,6 +233,7 @@ def test_run_command_matches_transformers(case: tuple[str, Path, Any], capsys: A
 
 # -- bad input: one line, exit 2 ------------------------------------------------------------
 
+
 def _resave_without(folder: Path, drop: str | None = None, shorten: str | None = None) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -166,18 +247,32 @@ def _resave_without(folder: Path, drop: str | None = None, shorten: str | None =
 
 
 BAD = {
-    "shard-missing": (lambda f: _resave_without(f, drop="model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight"),
-                      "shard_1.weight is missing"),
-    "shard-short": (lambda f: _resave_without(f, shorten="model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"),
-                    "rows in its 2 shards but the config's primes"),
+    "shard-missing": (
+        lambda f: _resave_without(f, drop="model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight"),
+        "shard_1.weight is missing",
+    ),
+    "shard-short": (
+        lambda f: _resave_without(f, shorten="model.layers.0.ple.ple_embedding.ngram_embedding.shard_0.weight"),
+        "rows in its 2 shards but the config's primes",
+    ),
     "prime-mismatch": (lambda f: edit_config(f, ngram_vocab_size_base=60), "give|differs from"),
-    "ple-on-full-attention": (lambda f: edit_config(f, ple_layer_ids=[4]), "ple_layer_ids holds 4, a indexed_attention layer"),
-    "retired-twins": (lambda f: edit_config(f, ple_max_ngram_size=3), "not a Qwen4Exp field|not implemented|ple_max_ngram_size"),
+    "ple-on-full-attention": (
+        lambda f: edit_config(f, ple_layer_ids=[4]),
+        "ple_layer_ids holds 4, a indexed_attention layer",
+    ),
+    "retired-twins": (
+        lambda f: edit_config(f, ple_max_ngram_size=3),
+        "not a Qwen4Exp field|not implemented|ple_max_ngram_size",
+    ),
     "qsa-partial": (lambda f: edit_config(f, indexer_budget=None), "QSA indexer fields are all or none"),
-    "rope-type": (lambda f: edit_config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
-                  "rope_type='yarn' is not implemented"),
-    "layer-type": (lambda f: edit_config(f, layer_types=["linear_attention", "linear_attention", "linear_attention", "mamba"]),
-                   "'mamba', not a Qwen4Exp layer type"),
+    "rope-type": (
+        lambda f: edit_config(f, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
+        "rope_type='yarn' is not implemented",
+    ),
+    "layer-type": (
+        lambda f: edit_config(f, layer_types=["linear_attention", "linear_attention", "linear_attention", "mamba"]),
+        "'mamba', not a Qwen4Exp layer type",
+    ),
 }
 
 
@@ -214,8 +309,10 @@ def test_ple_shards_torch_chunk_would_not_write_refused(tmp_path: Path, capsys: 
     assert shard_rows_saved(folder) == {1: [11] * 12}
     sizes, needle = {
         "one-shard-more": ([11] * 11 + [6, 5], r"shard torch\.chunk does not write: \S+shard_12\.weight"),
-        "other-sizes": ([10, 12] + [11] * 10,
-                        r"shard_0\.weight has 10 rows but torch\.chunk.* writes 12 shard\(s\) of 11 rows"),
+        "other-sizes": (
+            [10, 12] + [11] * 10,
+            r"shard_0\.weight has 10 rows but torch\.chunk.* writes 12 shard\(s\) of 11 rows",
+        ),
         "fewer-shards": ([12] * 11, r"shard_11\.weight is missing \(torch\.chunk.* writes 12 shard"),
     }[layout]
     _resplit_ple(folder, sizes)
@@ -302,8 +399,17 @@ def test_conditional_generation_serves_its_text_model(tmp_path: Path, capsys: An
     generate."""
     from transformers import Qwen4ExpConfig, Qwen4ExpForConditionalGeneration
 
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=4,
+        temporal_patch_size=1,
+        spatial_merge_size=1,
+        num_position_embeddings=16,
+    )
     torch.manual_seed(4)
     cfg = Qwen4ExpConfig(text_config=dict(BASE, **CASES["hc2-ple1-qsa"]), vision_config=vision)
     model = randomized(Qwen4ExpForConditionalGeneration(cfg).eval(), 4)
@@ -313,8 +419,20 @@ def test_conditional_generation_serves_its_text_model(tmp_path: Path, capsys: An
     want = hf_greedy(model, PROMPTS[0])
     capsys.readouterr()
     text = " ".join(f"w{i}" for i in PROMPTS[0])
-    argv = ["run", str(folder), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--device", "cpu",
-            "--dtype", "fp32", "--json"]
+    argv = [
+        "run",
+        str(folder),
+        "--prompt",
+        text,
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--json",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "model.visual." in err and "--allow-unused-weights" in err

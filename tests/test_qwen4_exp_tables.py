@@ -88,8 +88,10 @@ def _whole_tables(folder: Path) -> list[torch.Tensor]:
         tensors.update(load_file(str(f)))
     out = []
     for layer in CASES[CASE]["ple_layer_ids"]:
-        names = [f"model.layers.{layer - 1}.ple.ple_embedding.ngram_embedding.shard_{i}.weight"
-                 for i in range(CASES[CASE]["split_ngram_parts"])]
+        names = [
+            f"model.layers.{layer - 1}.ple.ple_embedding.ngram_embedding.shard_{i}.weight"
+            for i in range(CASES[CASE]["split_ngram_parts"])
+        ]
         out.append(torch.cat([tensors[n] for n in names]))
     return out
 
@@ -189,8 +191,9 @@ def test_greedy_tokens_from_each_store_equal_transformers(ckpt_folder: Any, tmp_
         ckpt.close()
 
 
-@pytest.mark.parametrize("ecfg, kind", [(None, "file"), ({"host_file_gather": True}, "file"),
-                                        ({"cpu_offload": True}, "file")])
+@pytest.mark.parametrize(
+    "ecfg, kind", [(None, "file"), ({"host_file_gather": True}, "file"), ({"cpu_offload": True}, "file")]
+)
 def test_llm_takes_the_store_engram_config_picks(ckpt_folder: Any, ecfg: Any, kind: str) -> None:
     from engram_trt import LLM, SamplingParams
 
@@ -211,8 +214,14 @@ def test_llm_shared_store_in_a_directory(ckpt_folder: Any, tmp_path: Path) -> No
 
     folder, model, _hf = ckpt_folder
     want = [hf_tokens(model, p) for p in PROMPTS[:1]]
-    with LLM(str(folder), backend="torch", device="cpu", dtype="fp32", engram_config={"dp_shared_memory": True},
-             table_options={"directory": str(tmp_path)}) as llm:
+    with LLM(
+        str(folder),
+        backend="torch",
+        device="cpu",
+        dtype="fp32",
+        engram_config={"dp_shared_memory": True},
+        table_options={"directory": str(tmp_path)},
+    ) as llm:
         storage = llm.storage
         outs = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert storage["kind"] == "shared" and str(tmp_path) in storage["where"]
@@ -224,8 +233,21 @@ def test_run_reports_where_the_ple_tables_live(ckpt_folder: Any, capsys: Any) ->
     folder, model, _hf = ckpt_folder
     prompt = PROMPTS[0]
     text = " ".join(f"w{i}" for i in prompt)
-    args = ["run", str(folder), "--prompt", text, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--device", "cpu",
-            "--dtype", "fp32", "--engram-config", '{"host_file_gather": true}']
+    args = [
+        "run",
+        str(folder),
+        "--prompt",
+        text,
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--ignore-eos",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--engram-config",
+        '{"host_file_gather": true}',
+    ]
     capsys.readouterr()
     assert main(args + ["--json"]) == 0
     res = json.loads(capsys.readouterr().out)
@@ -283,7 +305,7 @@ def test_damaged_shard_byte_caught_by_sampled_and_full_checks(ckpt_folder: Any, 
     with pytest.raises(EngramError, match="shard_1.weight"):
         from engram_trt.tables.source import check_table_files
 
-        short = [r if r is not victim else TableRef(**{**vars(r), "nbytes": r.nbytes + 10 ** 9}) for r in back]
+        short = [r if r is not victim else TableRef(**{**vars(r), "nbytes": r.nbytes + 10**9}) for r in back]
         check_table_files(short)
 
 
@@ -304,11 +326,13 @@ def test_file_store_maps_name_ordered_shards_as_one_region(tmp_path: Path) -> No
     save_file({f"x.shard_{i}.weight": t for i, t in enumerate(shards)} | {"x.other": torch.zeros(3)}, str(f))
     raw = f.read_bytes()
     (hlen,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + hlen])
+    header = json.loads(raw[8 : 8 + hlen])
     refs = []
     for i, t in enumerate(shards):
         lo, hi = header[f"x.shard_{i}.weight"]["data_offsets"]
-        refs.append(TableRef(0, 0, "rows", f"x.shard_{i}.weight", f, 8 + hlen + lo, hi - lo, tuple(t.shape), "BF16", part=i))
+        refs.append(
+            TableRef(0, 0, "rows", f"x.shard_{i}.weight", f, 8 + hlen + lo, hi - lo, tuple(t.shape), "BF16", part=i)
+        )
     offsets = [r.offset for r in refs]
     assert offsets != sorted(offsets)  # the file is not in row order
     whole = torch.cat(shards)

@@ -24,9 +24,17 @@ NUM_SLOTS = 5
 
 
 def make_config(**overrides) -> Qwen4ExpTextConfig:
-    fields = dict(hidden_size=HIDDEN, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                  linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
-                  layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    fields = dict(
+        hidden_size=HIDDEN,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        rms_norm_eps=1e-6,
+    )
     fields.update(overrides)
     return Qwen4ExpTextConfig(**fields)
 
@@ -89,7 +97,7 @@ def test_matches_transformers_prefill_and_cache_steps():
     conv, rec = new_states(cfg, fill=1.0)
     past = 0
     for n in [9, 6] + [1] * 8:
-        piece = x[past:past + n]
+        piece = x[past : past + n]
         expected = ref(piece[None], cache=cache)[0]
         got = run_alone(ours, piece, past, 3, conv, rec)
         assert_rel(got, expected, 1e-5)
@@ -118,7 +126,7 @@ def test_chunked_prefill_equals_one_call():
     conv2, rec2 = new_states(cfg, fill=1.0)
     outs, past = [], 0
     for n in [3, 5, 1, 66, 2, 1, 2]:
-        outs.append(run_alone(ours, x[past:past + n], past, 1, conv2, rec2))
+        outs.append(run_alone(ours, x[past : past + n], past, 1, conv2, rec2))
         past += n
     assert past == 80
     assert_rel(torch.cat(outs), whole, 1e-5)
@@ -133,11 +141,14 @@ def _advance(layer, x, past, slot, conv, rec) -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("lens_pasts", [
-    [(6, 0), (1, 4), (3, 5)],     # a prompt, a decode token, a prefill chunk from a state
-    [(1, 7), (1, 2), (1, 9)],     # decode only: the vectorized recurrent step
-    [(1, 0), (1, 3), (4, 2)],     # a one-token prompt beside decode and a chunk
-])
+@pytest.mark.parametrize(
+    "lens_pasts",
+    [
+        [(6, 0), (1, 4), (3, 5)],  # a prompt, a decode token, a prefill chunk from a state
+        [(1, 7), (1, 2), (1, 9)],  # decode only: the vectorized recurrent step
+        [(1, 0), (1, 3), (4, 2)],  # a one-token prompt beside decode and a chunk
+    ],
+)
 def test_packed_step_equals_each_alone(lens_pasts):
     cfg = make_config()
     ours, _ = randomized_pair(cfg, seed=7)
@@ -149,14 +160,14 @@ def test_packed_step_equals_each_alone(lens_pasts):
     conv_alone, rec_alone = conv.clone(), rec.clone()
     bystanders = (conv[[1, 4]].clone(), rec[[1, 4]].clone())
 
-    pieces = [x[past:past + n] for (n, past), x in zip(lens_pasts, xs)]
+    pieces = [x[past : past + n] for (n, past), x in zip(lens_pasts, xs)]
     starts = np.cumsum([0] + [n for n, _ in lens_pasts]).tolist()
     packed = ours(torch.cat(pieces), starts, [p for _, p in lens_pasts], slots, conv, rec)
 
     for i, ((n, past), slot) in enumerate(zip(lens_pasts, slots)):
         alone = run_alone(ours, pieces[i], past, slot, conv_alone, rec_alone)
         # the projections' GEMMs round by batch size (~5e-7 at their output), hence 1e-5
-        assert_rel(packed[starts[i]:starts[i + 1]], alone, 1e-5)
+        assert_rel(packed[starts[i] : starts[i + 1]], alone, 1e-5)
         assert_rel(rec[slot], rec_alone[slot], 1e-5)
         assert_rel(conv[slot], conv_alone[slot], 1e-6)
     assert torch.equal(conv[[1, 4]], bystanders[0]) and torch.equal(rec[[1, 4]], bystanders[1])
@@ -184,7 +195,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
 def test_chunked_form_against_float64_recurrence(chunk_size):
     rng = np.random.default_rng(11)
     H, L, dk, dv = 3, 70, 8, 6
-    q = _unit(rng.standard_normal((H, L, dk))) * dk ** -0.5
+    q = _unit(rng.standard_normal((H, L, dk))) * dk**-0.5
     k = _unit(rng.standard_normal((H, L, dk)))
     v = rng.standard_normal((H, L, dv))
     g = -np.exp(rng.uniform(-3, 1, (H, L)))
@@ -193,7 +204,7 @@ def test_chunked_form_against_float64_recurrence(chunk_size):
     want_o, want_s = naive_delta_rule(q, k, v, g, beta, state)
 
     args = [torch.from_numpy(a) for a in (q, k, v, g, beta, state)]
-    got_o, got_s = chunked_delta_rule(*args, chunk_size=chunk_size)          # float64 in, float64 math
+    got_o, got_s = chunked_delta_rule(*args, chunk_size=chunk_size)  # float64 in, float64 math
     np.testing.assert_allclose(got_o.numpy(), want_o, rtol=0, atol=1e-6 * np.abs(want_o).max())
     np.testing.assert_allclose(got_s.numpy(), want_s, rtol=0, atol=1e-6 * np.abs(want_s).max())
     got_o32, got_s32 = chunked_delta_rule(*[a.float() for a in args], chunk_size=chunk_size)
@@ -205,14 +216,15 @@ def test_chunked_form_against_float64_recurrence(chunk_size):
 def test_recurrent_step_against_float64_recurrence():
     rng = np.random.default_rng(12)
     B, H, dk, dv = 3, 2, 8, 6
-    q = _unit(rng.standard_normal((B, H, 1, dk))) * dk ** -0.5
+    q = _unit(rng.standard_normal((B, H, 1, dk))) * dk**-0.5
     k = _unit(rng.standard_normal((B, H, 1, dk)))
     v = rng.standard_normal((B, H, 1, dv))
     g = -np.exp(rng.uniform(-3, 1, (B, H, 1)))
     beta = 1 / (1 + np.exp(-rng.standard_normal((B, H, 1))))
     state = rng.standard_normal((B, H, dk, dv))
-    got_o, got_s = recurrent_delta_step(*[torch.from_numpy(a[:, :, 0]) for a in (q, k, v, g, beta)],
-                                        torch.from_numpy(state).float())
+    got_o, got_s = recurrent_delta_step(
+        *[torch.from_numpy(a[:, :, 0]) for a in (q, k, v, g, beta)], torch.from_numpy(state).float()
+    )
     for b in range(B):
         want_o, want_s = naive_delta_rule(q[b], k[b], v[b], g[b], beta[b], state[b])
         assert_rel(got_o[b], torch.from_numpy(want_o[:, 0]), 1e-6)
@@ -231,7 +243,7 @@ def test_bf16_matches_transformers_in_bf16():
     cache = DynamicCache(config=cfg)
     past = 0
     for n in [7, 1, 1, 1]:
-        piece = x[past:past + n]
+        piece = x[past : past + n]
         assert_rel(run_alone(ours, piece, past, 0, conv, rec), ref(piece[None], cache=cache)[0], 2e-2)
         past += n
 
@@ -243,21 +255,22 @@ def naive_layer(layer: GatedDeltaNet, x: np.ndarray) -> np.ndarray:
     Hk, Hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
     cols = x @ p["in_proj_qkv.weight"].T
     padded = np.concatenate([np.zeros((K - 1, cols.shape[1])), cols])
-    w = p["conv1d.weight"][:, 0, :]                                      # [C, K]
-    conv = np.stack([(padded[t:t + K] * w.T).sum(0) for t in range(T)])
-    conv = conv / (1 + np.exp(-conv))                                    # silu
+    w = p["conv1d.weight"][:, 0, :]  # [C, K]
+    conv = np.stack([(padded[t : t + K] * w.T).sum(0) for t in range(T)])
+    conv = conv / (1 + np.exp(-conv))  # silu
     kd = Hk * dk
-    q = _unit(conv[:, :kd].reshape(T, Hk, dk)) * dk ** -0.5
-    k = _unit(conv[:, kd:2 * kd].reshape(T, Hk, dk))
-    v = conv[:, 2 * kd:].reshape(T, Hv, dv)
+    q = _unit(conv[:, :kd].reshape(T, Hk, dk)) * dk**-0.5
+    k = _unit(conv[:, kd : 2 * kd].reshape(T, Hk, dk))
+    v = conv[:, 2 * kd :].reshape(T, Hv, dv)
     rep = Hv // Hk
-    q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)        # value head h reads key head h // rep
+    q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)  # value head h reads key head h // rep
     beta = 1 / (1 + np.exp(-(x @ p["in_proj_b.weight"].T)))
     a = x @ p["in_proj_a.weight"].T + p["dt_bias"]
     g = -np.exp(p["A_log"]) * np.log1p(np.exp(a))
-    o, _ = naive_delta_rule(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2), g.T, beta.T,
-                            np.zeros((Hv, dk, dv)))
-    o = o.transpose(1, 0, 2)                                             # [T, Hv, dv]
+    o, _ = naive_delta_rule(
+        q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2), g.T, beta.T, np.zeros((Hv, dk, dv))
+    )
+    o = o.transpose(1, 0, 2)  # [T, Hv, dv]
     z = (x @ p["in_proj_z.weight"].T).reshape(T, Hv, dv)
     normed = o / np.sqrt((o * o).mean(-1, keepdims=True) + 1e-6) * p["norm.weight"]
     gated = normed * z / (1 + np.exp(-z))
@@ -294,10 +307,10 @@ def test_bad_steps_are_refused_in_one_line():
     conv, rec = new_states(cfg)
     x = tokens(4)
     bad = [
-        dict(seq_starts=[0, 3], past_lens=[0], slots=[0]),              # does not cover the tokens
+        dict(seq_starts=[0, 3], past_lens=[0], slots=[0]),  # does not cover the tokens
         dict(seq_starts=[0, 2, 2, 4], past_lens=[0, 0, 0], slots=[0, 1, 2]),  # an empty sequence
-        dict(seq_starts=[0, 2, 4], past_lens=[0, 0], slots=[1, 1]),     # a shared slot
-        dict(seq_starts=[0, 4], past_lens=[0], slots=[NUM_SLOTS]),      # no such slot
+        dict(seq_starts=[0, 2, 4], past_lens=[0, 0], slots=[1, 1]),  # a shared slot
+        dict(seq_starts=[0, 4], past_lens=[0], slots=[NUM_SLOTS]),  # no such slot
         dict(seq_starts=[0, 4], past_lens=[-1], slots=[0]),
     ]
     for kw in bad:

@@ -31,7 +31,9 @@ def test_backends_on_a_cpu() -> None:
     assert attn.why_not_kernel(x) == "the activations are on cpu, not a CUDA device"
     assert model.decode_context_free is False and model.backend_name.endswith(", QSA decode torch)")
     attn.backend = "kernels"
-    with pytest.raises(EngramError, match=r"attention backend 'kernels' cannot run layer \d+: the activations are on cpu"):
+    with pytest.raises(
+        EngramError, match=r"attention backend 'kernels' cannot run layer \d+: the activations are on cpu"
+    ):
         attn.kernel_serves(x)
     attn.backend = "torch"
     assert attn.why_not_kernel(x) == "backend torch"
@@ -59,12 +61,15 @@ def test_the_decode_with_metadata_takes_the_torch_path_on_a_cpu() -> None:
     meta = torch.cat([torch.arange(3), pos, slots]).to(torch.int32)
     with torch.no_grad():
         want = attn.forward_decode(x, pos, slots, 32, cache_a.keys[i], cache_a.values[i], cache_a.index_keys[i])
-        got = attn.forward_decode(x, pos, slots, 32, cache_b.keys[i], cache_b.values[i], cache_b.index_keys[i],
-                                  meta=meta)
+        got = attn.forward_decode(
+            x, pos, slots, 32, cache_b.keys[i], cache_b.values[i], cache_b.index_keys[i], meta=meta
+        )
     assert torch.equal(got, want)
     f = attn.qsa_fields()
-    assert (f.compress_ratio, f.block_topk, f.rot_dim) == (cfg.indexer_compress_ratio,
-                                                            cfg.indexer_budget // cfg.indexer_compress_ratio,
-                                                            rotary_dim(cfg))
-    assert f.scaling == pytest.approx(cfg.head_dim ** -0.5) and f.eps == pytest.approx(cfg.rms_norm_eps)
+    assert (f.compress_ratio, f.block_topk, f.rot_dim) == (
+        cfg.indexer_compress_ratio,
+        cfg.indexer_budget // cfg.indexer_compress_ratio,
+        rotary_dim(cfg),
+    )
+    assert f.scaling == pytest.approx(cfg.head_dim**-0.5) and f.eps == pytest.approx(cfg.rms_norm_eps)
     ckpt.close()

@@ -18,5 +18,9 @@ def _readme_commands() -> list[str]:
 def test_ci_runs_the_readmes_test_command() -> None:
     setup, tests = _readme_commands()
     assert setup.endswith("engram-trt demo") and tests.endswith("python3 -m pytest -q")
-    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd ", "export "))]
+    ci = [
+        line
+        for line in (REPO / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd ", "export "))
+    ]
     assert ci == [tests]

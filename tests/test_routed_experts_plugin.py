@@ -26,8 +26,17 @@ from helpers.plugins import create_plugin, harness_path, harness_scripts, parse_
 
 HARNESS = harness_path()
 NAMESPACE = "engram_trt"
-FIELDS = ["num_experts", "top_k", "hidden", "intermediate", "w_type", "scale_type", "block_n", "block_k",
-          "swiglu_limit"]
+FIELDS = [
+    "num_experts",
+    "top_k",
+    "hidden",
+    "intermediate",
+    "w_type",
+    "scale_type",
+    "block_n",
+    "block_k",
+    "swiglu_limit",
+]
 
 
 def test_creator_is_registered_and_refuses_bad_fields(trt, capfd) -> None:
@@ -35,15 +44,24 @@ def test_creator_is_registered_and_refuses_bad_fields(trt, capfd) -> None:
     creator = m.get_plugin_registry().get_creator("EngramRoutedExperts", "1", NAMESPACE)
     assert creator is not None
     i32, f32 = m.PluginFieldType.INT32, m.PluginFieldType.FLOAT32
-    assert [(f.name, f.type) for f in creator.field_names] == [(n, f32 if n == "swiglu_limit" else i32)
-                                                               for n in FIELDS]
-    good = {"num_experts": ("int32", 8), "top_k": ("int32", 2), "hidden": ("int32", 256),
-            "intermediate": ("int32", 128), "w_type": ("int32", 1), "scale_type": ("int32", 1),
-            "block_n": ("int32", 1), "block_k": ("int32", 32), "swiglu_limit": ("float32", 7.0)}
+    assert [(f.name, f.type) for f in creator.field_names] == [(n, f32 if n == "swiglu_limit" else i32) for n in FIELDS]
+    good = {
+        "num_experts": ("int32", 8),
+        "top_k": ("int32", 2),
+        "hidden": ("int32", 256),
+        "intermediate": ("int32", 128),
+        "w_type": ("int32", 1),
+        "scale_type": ("int32", 1),
+        "block_n": ("int32", 1),
+        "block_k": ("int32", 32),
+        "swiglu_limit": ("float32", 7.0),
+    }
     assert create_plugin(trt, "EngramRoutedExperts", good) is not None
-    for change, message in (({"w_type": ("int32", 3)}, "field 'w_type' = 3 is outside [0, 1]"),
-                            ({"hidden": ("int32", 200)}, "hidden 200 and intermediate 128 must be multiples of 32"),
-                            ({"scale_type": ("int32", 0)}, "scale_type must be 1 (ue8m0) for fp4 weights")):
+    for change, message in (
+        ({"w_type": ("int32", 3)}, "field 'w_type' = 3 is outside [0, 1]"),
+        ({"hidden": ("int32", 200)}, "hidden 200 and intermediate 128 must be multiples of 32"),
+        ({"scale_type": ("int32", 0)}, "scale_type must be 1 (ue8m0) for fp4 weights"),
+    ):
         capfd.readouterr()
         assert create_plugin(trt, "EngramRoutedExperts", {**good, **change}) is None
         assert any(message in line for line in capfd.readouterr().err.splitlines())
@@ -64,19 +82,39 @@ def _graph(path: Path, kind: str, weight_type: int, E: int = 8, k: int = 2, D: i
     for proj, (N, K) in (("gate", (I, D)), ("up", (I, D)), ("down", (D, I))):
         w = rng.integers(0, 256, size=(E, N, K // (2 if fp4 else 1)), dtype=np.uint8).view(npw)
         grid = (E, -(-N // bn), -(-K // bk))
-        s = rng.integers(118, 136, size=grid, dtype=np.uint8).view(npw) if fp4 else \
-            (2.0 ** rng.integers(-8, 0, size=grid)).astype(np.float32)
+        s = (
+            rng.integers(118, 136, size=grid, dtype=np.uint8).view(npw)
+            if fp4
+            else (2.0 ** rng.integers(-8, 0, size=grid)).astype(np.float32)
+        )
         inits += [numpy_helper.from_array(w, f"{proj}_w"), numpy_helper.from_array(s, f"{proj}_s")]
         names += [f"{proj}_w", f"{proj}_s"]
-    node = helper.make_node("EngramRoutedExperts", ["x", "ids", "route_w", *names], ["y"], name="experts",
-                            domain=NAMESPACE, plugin_version="1", plugin_namespace=NAMESPACE, num_experts=E, top_k=k,
-                            hidden=D, intermediate=I, w_type=1 if fp4 else 0, scale_type=1 if fp4 else 0, block_n=bn,
-                            block_k=bk, swiglu_limit=7.0 if fp4 else 0.0)
-    inputs = [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["T", D]),
-              helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", k]),
-              helper.make_tensor_value_info("route_w", TensorProto.FLOAT, ["T", k])]
-    graph = helper.make_graph([node], "experts", inputs,
-                              [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["T", D])], inits)
+    node = helper.make_node(
+        "EngramRoutedExperts",
+        ["x", "ids", "route_w", *names],
+        ["y"],
+        name="experts",
+        domain=NAMESPACE,
+        plugin_version="1",
+        plugin_namespace=NAMESPACE,
+        num_experts=E,
+        top_k=k,
+        hidden=D,
+        intermediate=I,
+        w_type=1 if fp4 else 0,
+        scale_type=1 if fp4 else 0,
+        block_n=bn,
+        block_k=bk,
+        swiglu_limit=7.0 if fp4 else 0.0,
+    )
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["T", D]),
+        helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", k]),
+        helper.make_tensor_value_info("route_w", TensorProto.FLOAT, ["T", k]),
+    ]
+    graph = helper.make_graph(
+        [node], "experts", inputs, [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["T", D])], inits
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(NAMESPACE, 1)])
     model.ir_version = 10
     onnx.save(model, str(path))
@@ -109,8 +147,7 @@ def test_onnx_graph_with_the_node_builds_an_engine_holding_the_stored_bytes(trt,
     assert stored <= engine.nbytes <= stored + 64 * 1024, (stored, engine.nbytes)
 
 
-def test_uint8_initializers_are_widened_by_the_parser_and_refused_by_name(trt, tmp_path: Path, capfd,
-                                                                         caplog) -> None:
+def test_uint8_initializers_are_widened_by_the_parser_and_refused_by_name(trt, tmp_path: Path, capfd, caplog) -> None:
     from onnx import TensorProto
 
     from engram_trt.errors import EngramError
@@ -162,8 +199,10 @@ def test_the_graph_reference_is_the_stored_formats_product(kind: str, limit: flo
 
     gate, up, down = stack(I, D), stack(I, D), stack(D, I)
     fields = {"w_type": 1 if kind == "fp4" else 0, "block_n": block[0], "block_k": block[1]}
-    deq = [dequantize_stored_experts(w.data.view(torch.int8).numpy(), w.scale.view(torch.int8).numpy(), fields)
-           for w in (gate, up, down)]
+    deq = [
+        dequantize_stored_experts(w.data.view(torch.int8).numpy(), w.scale.view(torch.int8).numpy(), fields)
+        for w in (gate, up, down)
+    ]
     x = torch.randn(5, D, generator=gen).numpy()
     ids = np.array([[0, 3], [2, 2], [4, 1], [-1, 0], [3, 1]])
     route_w = torch.rand(5, 2, generator=gen).numpy().astype(np.float32)
@@ -217,28 +256,39 @@ def test_the_exported_node_is_the_experts_product(case: str) -> None:
     down = [expert(D, I, (128, 128)) for _ in range(E)]
     assert routed_experts_unavailable(gate, up, down) is None
     g = _Graph()
-    routed_experts(g, "x", "ids", "route_w", "experts", gate, up, down, top_k=k, limit=0.5 if kind == "fp4" else 0.0,
-                   hint="y")
+    routed_experts(
+        g, "x", "ids", "route_w", "experts", gate, up, down, top_k=k, limit=0.5 if kind == "fp4" else 0.0, hint="y"
+    )
     node = g.nodes[-1]
     node.output[0] = "y"
-    graph = helper.make_graph(g.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, D]),
-                                              helper.make_tensor_value_info("ids", TensorProto.INT64, [T, k]),
-                                              helper.make_tensor_value_info("route_w", TensorProto.FLOAT, [T, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, D])], g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
-                                                    helper.make_opsetid(PLUGIN_DOMAIN, 1)])
+    graph = helper.make_graph(
+        g.nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [T, D]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [T, k]),
+            helper.make_tensor_value_info("route_w", TensorProto.FLOAT, [T, k]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [T, D])],
+        g.inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)]
+    )
     inits = {i.name: i for i in graph.initializer}
     assert [inits[n].data_type for n in node.input[3::2]] == [TensorProto.INT8] * 3
     scale_type = TensorProto.FLOAT if fmt == "float" else TensorProto.INT8
     assert [inits[n].data_type for n in node.input[4::2]] == [scale_type] * 3
     fields = {a.name: a for a in node.attribute}
-    assert (fields["block_n"].i, fields["block_k"].i) == ((1, 32) if kind == "fp4" else
-                                                         ((1, 128) if case.endswith("differ") else (128, 128)))
+    assert (fields["block_n"].i, fields["block_k"].i) == (
+        (1, 32) if kind == "fp4" else ((1, 128) if case.endswith("differ") else (128, 128))
+    )
     x = torch.randn(T, D, generator=gen).numpy()
     ids = np.array([[0, 2], [1, 1], [2, 0], [1, -1]])
     route_w = torch.rand(T, k, generator=gen).numpy()
-    (got,) = ReferenceEvaluator(model, new_ops=_reference_ops(TableRegistry())).run(None, {
-        "x": x, "ids": ids, "route_w": route_w})
+    (got,) = ReferenceEvaluator(model, new_ops=_reference_ops(TableRegistry())).run(
+        None, {"x": x, "ids": ids, "route_w": route_w}
+    )
     limit = 0.5 if kind == "fp4" else 0.0
     want = np.zeros((T, D))
     for t in range(T):

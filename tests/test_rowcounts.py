@@ -20,8 +20,16 @@ VOCAB = 5000
 def _stream(num_tokens: int, seed: int = 0) -> idstreams.TokenStream:
     rng = np.random.default_rng(seed)
     ids = (rng.zipf(1.3, size=num_tokens) % VOCAB).astype(np.int32)
-    return idstreams.TokenStream(ids=ids, compressed_vocab_size=VOCAB, pad_id=1, text_bytes=4 * num_tokens,
-                                 num_files=1, python="3.x", tokenizer_sha256="-", files_sha256="-")
+    return idstreams.TokenStream(
+        ids=ids,
+        compressed_vocab_size=VOCAB,
+        pad_id=1,
+        text_bytes=4 * num_tokens,
+        num_files=1,
+        python="3.x",
+        tokenizer_sha256="-",
+        files_sha256="-",
+    )
 
 
 def test_counts_are_the_lookups_per_row(monkeypatch) -> None:
@@ -44,8 +52,15 @@ def test_counts_file_round_trips_and_refuses_overlap(tmp_path: Path) -> None:
     rows = [int(r) for r in layout.table_rows]
     c = np.zeros(rows[0], dtype=np.int32)
     c[[3, 9, 100]] = [7, 2, 7]
-    rc = rowcounts.RowCounts(counts={0: c}, column_rows=1024, table_rows=rows, first_chunk=2, num_chunks=3,
-                             chunk_tokens=8192, stream=rowcounts.stream_fingerprint(stream))
+    rc = rowcounts.RowCounts(
+        counts={0: c},
+        column_rows=1024,
+        table_rows=rows,
+        first_chunk=2,
+        num_chunks=3,
+        chunk_tokens=8192,
+        stream=rowcounts.stream_fingerprint(stream),
+    )
     path = rowcounts.save_row_counts(rc, tmp_path / "c.npz")
     with np.load(path) as z:
         assert z["rows_0"].tolist() == [3, 100, 9] and z["counts_0"].tolist() == [7, 7, 2]  # sparse, by count
@@ -66,12 +81,46 @@ def test_counts_file_round_trips_and_refuses_overlap(tmp_path: Path) -> None:
 def test_bench_cache_warms_from_a_disjoint_counts_file(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 6 + 5), tmp_path / "t.npz")
     counts = tmp_path / "counts.npz"
-    assert rowcounts.main(["--tokens", str(tokens), "--column-rows", "1024", "--first-chunk", "4",
-                 "--chunks", "2", "--layers", "1", "--out", str(counts)]) == 0
+    assert (
+        rowcounts.main(
+            [
+                "--tokens",
+                str(tokens),
+                "--column-rows",
+                "1024",
+                "--first-chunk",
+                "4",
+                "--chunks",
+                "2",
+                "--layers",
+                "1",
+                "--out",
+                str(counts),
+            ]
+        )
+        == 0
+    )
     assert "counts over chunks 4..5 of the token stream" in capsys.readouterr().out
     out = tmp_path / "c.json"
-    rc = bench_cache.main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
-               "--warm", "2", "--measure", "2", "--offline-counts", str(counts), "--json", str(out)])
+    rc = bench_cache.main(
+        [
+            "--dry-run",
+            "--tokens",
+            str(tokens),
+            "--column-rows",
+            "1024",
+            "--layers",
+            "1",
+            "--warm",
+            "2",
+            "--measure",
+            "2",
+            "--offline-counts",
+            str(counts),
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "warming 'offline': the most frequent rows loaded at start-up from counts over chunks 4..5" in text
@@ -80,8 +129,26 @@ def test_bench_cache_warms_from_a_disjoint_counts_file(plugin_lib: Path, capsys,
     off = layer["offline"]
     assert off["exact"] is True and layer["exact"] is True
     assert off["stats"]["steps"] == 2 and off["stats"]["preloaded"] > 0 and 0.0 < off["stats"]["hit_rate"] < 1.0
-    assert bench_cache.main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "1",
-                 "--warm", "4", "--measure", "1", "--offline-counts", str(counts)]) != 0
+    assert (
+        bench_cache.main(
+            [
+                "--dry-run",
+                "--tokens",
+                str(tokens),
+                "--column-rows",
+                "1024",
+                "--layers",
+                "1",
+                "--warm",
+                "4",
+                "--measure",
+                "1",
+                "--offline-counts",
+                str(counts),
+            ]
+        )
+        != 0
+    )
     err = capsys.readouterr().err
     assert "counts over chunks 4..5 overlap the measured chunks 4..4; count a disjoint range" in err
 
@@ -89,8 +156,28 @@ def test_bench_cache_warms_from_a_disjoint_counts_file(plugin_lib: Path, capsys,
 def test_bench_cache_without_offline_warming(plugin_lib: Path, capsys, tmp_path: Path) -> None:
     tokens = idstreams.save_tokens(_stream(8192 * 2 + 5), tmp_path / "t.npz")
     out = tmp_path / "c.json"
-    assert bench_cache.main(["--dry-run", "--tokens", str(tokens), "--column-rows", "1024", "--layers", "0",
-                 "--warm", "1", "--measure", "1", "--offline-counts", "none", "--json", str(out)]) == 0
+    assert (
+        bench_cache.main(
+            [
+                "--dry-run",
+                "--tokens",
+                str(tokens),
+                "--column-rows",
+                "1024",
+                "--layers",
+                "0",
+                "--warm",
+                "1",
+                "--measure",
+                "1",
+                "--offline-counts",
+                "none",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "warming 'offline'" not in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["offline_counts"] is None and "offline" not in report["layers"][0]

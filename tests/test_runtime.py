@@ -22,8 +22,16 @@ from engram_trt.errors import EngramError
 from engram_trt.models.engram_llama.model import EngramLlama
 from engram_trt.models.step import PackedStep
 
-PROMPTS = ["Engram", "Engram layers look up n-grams in huge tables.", "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2,
-           "Hello, world", "The quick brown fox jumps over the lazy dog", "1 2 3 4 5 6 7 8 9 10", "def f(x): return x", "∑ ∫ √ π"]
+PROMPTS = [
+    "Engram",
+    "Engram layers look up n-grams in huge tables.",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2,
+    "Hello, world",
+    "The quick brown fox jumps over the lazy dog",
+    "1 2 3 4 5 6 7 8 9 10",
+    "def f(x): return x",
+    "∑ ∫ √ π",
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +63,20 @@ def test_packed_mixed_step_equals_each_sequence_alone(ref: EngramLlama) -> None:
     torch.manual_seed(0)
     seqs = [torch.randint(2, 129280, (n,)).tolist() for n in (9, 4, 6, 3)]
     past = [5, 0, 5, 2]  # tokens already in each sequence's cache
-    new = [4, 4, 1, 1]   # tokens each brings to the step
+    new = [4, 4, 1, 1]  # tokens each brings to the step
     slots = [3, 0, 5, 1]
     cache = ref.new_cache(6, 32)
     for s, slot in enumerate(slots):  # fill each slot with its sequence's past, alone
         if past[s]:
-            ref.forward_step(PackedStep.from_sequences([seqs[s][:past[s]]], slots=[slot]), cache)
-    step = PackedStep.from_sequences([seqs[s][past[s]:past[s] + new[s]] for s in range(4)], past_lens=past, slots=slots)
+            ref.forward_step(PackedStep.from_sequences([seqs[s][: past[s]]], slots=[slot]), cache)
+    step = PackedStep.from_sequences(
+        [seqs[s][past[s] : past[s] + new[s]] for s in range(4)], past_lens=past, slots=slots
+    )
     got = ref.forward_step(step, cache, all_logits=True)
     a = 0
     for s in range(4):
-        alone = ref.forward(seqs[s][:past[s] + new[s]])  # a fresh full forward: [T, V]
-        torch.testing.assert_close(got[a:a + new[s]], alone[past[s]:], rtol=1e-4, atol=1e-4)
+        alone = ref.forward(seqs[s][: past[s] + new[s]])  # a fresh full forward: [T, V]
+        torch.testing.assert_close(got[a : a + new[s]], alone[past[s] :], rtol=1e-4, atol=1e-4)
         a += new[s]
         assert cache.lengths[slots[s]] == past[s] + new[s]
 
@@ -82,8 +92,13 @@ def test_sdpa_attention_equals_the_loop_reference(small_ckpt: Path) -> None:
     for m in (loop, fused):
         cache = m.new_cache(3, 32)
         m.forward_step(PackedStep.from_sequences([seqs[0][:4], seqs[1][:5], seqs[2][:6]]), cache)
-        outs.append(m.forward_step(PackedStep.from_sequences([seqs[0][4:], [seqs[1][4]], seqs[2][6:7]],
-                                                             past_lens=[4, 5, 6]), cache, all_logits=True))
+        outs.append(
+            m.forward_step(
+                PackedStep.from_sequences([seqs[0][4:], [seqs[1][4]], seqs[2][6:7]], past_lens=[4, 5, 6]),
+                cache,
+                all_logits=True,
+            )
+        )
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
@@ -170,12 +185,16 @@ def test_eight_threads_batched_equal_alone_and_reference(llm: LLM, ref: EngramLl
 
 
 def test_seeded_sampling_alone_in_a_crowd_and_reference(llm: LLM, ref: EngramLlama) -> None:
-    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=100 + i, ignore_eos=True) for i in range(6)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=100 + i, ignore_eos=True) for i in range(6)
+    ]
     crowd = llm.generate(PROMPTS[:6], params)
     for i, (p, o) in enumerate(zip(PROMPTS[:6], crowd)):
         assert o.token_ids == llm.generate(p, params[i])[0].token_ids
         assert o.token_ids == ref_tokens(ref, ids_of(llm, p), 10, temperature=0.9, top_p=0.8, seed=100 + i)
-    other_seed = llm.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True))
+    other_seed = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True)
+    )
     assert other_seed[0].token_ids != crowd[0].token_ids  # the seed matters (this pair differs)
 
 
@@ -205,15 +224,18 @@ def test_stop_ids_strings_and_eos(llm: LLM) -> None:
     stop_id = base.token_ids[3]
     first = base.token_ids.index(stop_id)
     o = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, stop_token_ids=[stop_id], ignore_eos=True))[0]
-    assert o.finish_reason == "stop" and o.stop_reason == stop_id and o.token_ids == base.token_ids[:first + 1]
+    assert o.finish_reason == "stop" and o.stop_reason == stop_id and o.token_ids == base.token_ids[: first + 1]
     o = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, stop_token_ids=[stop_id]))[0]
-    assert o.token_ids == base.token_ids[:first + 1]
+    assert o.token_ids == base.token_ids[: first + 1]
     piece = llm.tokenizer.decode(base.token_ids[4:6], skip_special_tokens=True)
     if piece.strip():
         o = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, stop=[piece], ignore_eos=True))[0]
         assert o.finish_reason == "stop" and o.stop_reason == piece and piece not in o.text
         assert base.text.startswith(o.text)
-        streamed = "".join(ev.delta_text for ev in llm.generate_stream(PROMPTS[1], SamplingParams(max_tokens=10, stop=[piece], ignore_eos=True)))
+        streamed = "".join(
+            ev.delta_text
+            for ev in llm.generate_stream(PROMPTS[1], SamplingParams(max_tokens=10, stop=[piece], ignore_eos=True))
+        )
         assert streamed == o.text  # nothing of the stop string was streamed
     # EOS: the model's end-of-sequence ids stop a request unless ignore_eos (here the
     # stop id above plays the model's EOS for a moment).
@@ -221,7 +243,7 @@ def test_stop_ids_strings_and_eos(llm: LLM) -> None:
     llm.runner.eos_ids = {stop_id}
     try:
         o = llm.generate(PROMPTS[1], SamplingParams(max_tokens=10))[0]
-        assert o.finish_reason == "eos" and o.token_ids == base.token_ids[:first + 1]
+        assert o.finish_reason == "eos" and o.token_ids == base.token_ids[: first + 1]
         assert llm.generate(PROMPTS[1], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids == base.token_ids
     finally:
         llm.runner.eos_ids = saved
@@ -256,13 +278,20 @@ def test_light_commands_import_neither_torch_nor_onnx(small_ckpt: Path) -> None:
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    code = ("import runpy, sys; sys.argv = ['engram-trt'] + sys.argv[1:]\n"
-            "try:\n    runpy.run_module('engram_trt', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx'))\n"
-            "print('HEAVY', bad[:3])")
+    code = (
+        "import runpy, sys; sys.argv = ['engram-trt'] + sys.argv[1:]\n"
+        "try:\n    runpy.run_module('engram_trt', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx'))\n"
+        "print('HEAVY', bad[:3])"
+    )
     for argv in (["--help"], ["layout", str(small_ckpt)], ["hash", str(small_ckpt), "--ids", "5,17,3"]):
-        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
-                              env={"PYTHONPATH": str(repo / "python"), "PATH": "/usr/bin:/bin"})
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"PYTHONPATH": str(repo / "python"), "PATH": "/usr/bin:/bin"},
+        )
         assert "HEAVY []" in proc.stdout, (argv, proc.stdout[-300:], proc.stderr[-300:])
 
 
@@ -272,9 +301,25 @@ def test_run_json_names_backend_storage_and_timings(small_engine: Path, ref: Eng
     import sys
 
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "engram_trt", "run", str(small_engine), "--prompt", PROMPTS[1],
-                           "--max-new-tokens", "5", "--ignore-eos", "--json"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(repo / "python")})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "engram_trt",
+            "run",
+            str(small_engine),
+            "--prompt",
+            PROMPTS[1],
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(repo / "python")},
+    )
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     assert res["backend"] == "torch" and "torch backend" in res["backend_reason"] and res["source"] == "engine"
@@ -282,8 +327,13 @@ def test_run_json_names_backend_storage_and_timings(small_engine: Path, ref: Eng
     assert set(res["timings"]) >= {"load_s", "time_to_first_token_s", "total_s"}
     from engram_trt.engram.tokenizer import load_tokenizer
 
-    ids = load_tokenizer(small_engine / "tokenizer.json" if (small_engine / "tokenizer.json").is_file()
-                         else res_ckpt(small_engine)).encode(PROMPTS[1], add_special_tokens=False).ids
+    ids = (
+        load_tokenizer(
+            small_engine / "tokenizer.json" if (small_engine / "tokenizer.json").is_file() else res_ckpt(small_engine)
+        )
+        .encode(PROMPTS[1], add_special_tokens=False)
+        .ids
+    )
     assert res["token_ids"] == ref_tokens(ref, ids, 5)
 
 

@@ -29,8 +29,11 @@ from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["Engram layers look up n-grams in", "The quick brown fox jumps over the lazy dog",
-           " ".join(["Tables of hashed n-grams sit outside the engine, sharded by columns over the ranks."] * 4)]
+PROMPTS = [
+    "Engram layers look up n-grams in",
+    "The quick brown fox jumps over the lazy dog",
+    " ".join(["Tables of hashed n-grams sit outside the engine, sharded by columns over the ranks."] * 4),
+]
 LENGTHS = (6, 3, 9)  # different lengths: requests finish at different steps while the group steps on
 
 
@@ -92,8 +95,17 @@ def test_tp2_group_leader_gives_one_process_tokens_and_stops_clean(small_engine:
     from engram_trt.distributed.sharding import shard_columns, slice_table_refs
     from engram_trt.runtime.engine_folder import open_model_source
 
-    g = start_serving_group(GroupSpec(str(small_engine), 2, ("cpu", "cpu"), llm_kwargs={"backend": "torch"},
-                                      name="test/tp2", timeout_s=120, start_timeout_s=120))
+    g = start_serving_group(
+        GroupSpec(
+            str(small_engine),
+            2,
+            ("cpu", "cpu"),
+            llm_kwargs={"backend": "torch"},
+            name="test/tp2",
+            timeout_s=120,
+            start_timeout_s=120,
+        )
+    )
     try:
         (pid,) = g.follower_pids()
         assert _alive(pid) and _followers_of(os.getpid()) == [pid]
@@ -103,7 +115,9 @@ def test_tp2_group_leader_gives_one_process_tokens_and_stops_clean(small_engine:
         st = g.llm.storage
         src = open_model_source(small_engine, progress=False)
         assert st["sharded"] and st["shard"]["columns"] == [0, src.layout.n_hash_cols // 2]
-        assert st["table_bytes"] == sum(r.nbytes for r in slice_table_refs(src.table_refs, shard_columns(src.layout, 0, 2)))
+        assert st["table_bytes"] == sum(
+            r.nbytes for r in slice_table_refs(src.table_refs, shard_columns(src.layout, 0, 2))
+        )
         assert g.stats() == {"name": "test/tp2", "ranks": 2, "ranks_alive": 2, "broken": None} and g.problem() is None
         assert (g.sharing.dp_mode, g.sharing.scope) == ("single", "tp")
     finally:
@@ -126,8 +140,13 @@ time.sleep(600)
 def test_a_killed_leaders_followers_exit(small_engine: Path) -> None:
     """SIGKILL on a leader (no finalize, no close): its follower is gone within 5 s."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")}
-    leader = subprocess.Popen([sys.executable, "-c", LEADER_SCRIPT, str(small_engine)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=env)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER_SCRIPT, str(small_engine)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         ready, _, _ = select.select([leader.stdout], [], [], 120)
         line = leader.stdout.readline() if ready else ""
@@ -155,8 +174,9 @@ def test_the_parent_watch_ends_a_follower_that_waits_on_nothing_else() -> None:
     """The watch alone (no collective to fail, unlike a follower's): a process sleeping
     under it is gone within 1.5 s of its parent's SIGKILL."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")}
-    parent = subprocess.Popen([sys.executable, "-c", WATCHED_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True, env=env)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", WATCHED_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 60)
         child = int(parent.stdout.readline()) if ready else 0
@@ -175,8 +195,17 @@ def test_a_group_that_cannot_load_leaves_no_follower(small_engine: Path) -> None
     from engram_trt.distributed.serving import GroupSpec, start_serving_group
 
     with pytest.raises(EngramError, match="max_batch_size"):
-        start_serving_group(GroupSpec(str(small_engine), 2, ("cpu", "cpu"), llm_kwargs={"backend": "torch", "max_batch_size": 0},
-                                      name="bad/tp2", timeout_s=60, start_timeout_s=60))
+        start_serving_group(
+            GroupSpec(
+                str(small_engine),
+                2,
+                ("cpu", "cpu"),
+                llm_kwargs={"backend": "torch", "max_batch_size": 0},
+                name="bad/tp2",
+                timeout_s=60,
+                start_timeout_s=60,
+            )
+        )
     assert _followers_of(os.getpid()) == [] and not dist.is_initialized()
 
 
@@ -188,7 +217,9 @@ def test_group_spec_refuses_mixed_devices() -> None:
     for devices in (("cpu", "cuda:1"), ("cuda:1", "cuda:1"), ("cuda", "cuda")):
         with pytest.raises(EngramError, match="must be all 'cpu' or one distinct 'cuda:G' each"):
             GroupSpec("x", 2, devices, name="g").device_kind
-    spec = GroupSpec("x", 2, ("cpu", "cpu"), dp=3, engram_config={"dp_shared_memory": True}, llm_kwargs={"max_batch_size": 4})
+    spec = GroupSpec(
+        "x", 2, ("cpu", "cpu"), dp=3, engram_config={"dp_shared_memory": True}, llm_kwargs={"max_batch_size": 4}
+    )
     assert GroupSpec.from_json(spec.to_json()) == spec
 
 
@@ -207,8 +238,10 @@ def test_serving_sharing_choices_and_fallbacks() -> None:
     s = choose_serving_sharing(EngramConfig(embedding_across_dp=True), 2, 2)
     assert (s.scope, s.dp_mode) == ("tp", "dp_shared_memory")
     assert not s.engram_config.embedding_across_dp and s.engram_config.dp_shared_memory
-    assert s.warnings == ("embedding_across_dp: it shards the columns over replicas that step in lockstep, but the 2 serving "
-                          "instances step independently; using dp_shared_memory instead (one /dev/shm copy per node)",)
+    assert s.warnings == (
+        "embedding_across_dp: it shards the columns over replicas that step in lockstep, but the 2 serving "
+        "instances step independently; using dp_shared_memory instead (one /dev/shm copy per node)",
+    )
     # ... and on to private copies where the shared store cannot run.
     s = choose_serving_sharing(EngramConfig(embedding_across_dp=True), 2, 2, shared_problem="/x does not exist")
     assert s.dp_mode == "private" and not s.engram_config.dp_shared_memory and len(s.warnings) == 2
@@ -241,7 +274,9 @@ def _repo(capsys, tmp_path: Path, engine: Path, *argv: str) -> tuple[int, str, s
 def _groups_and_params(text: str) -> tuple[list[str], dict[str, str]]:
     block = re.search(r"^instance_group \[\n(.*?)\n\]$", text, re.S | re.M)
     assert block, text
-    params = dict(re.findall(r'^parameters \{ key: "(\w+)" value: \{ string_value: "((?:[^"\\]|\\.)*)" \} \}$', text, re.M))
+    params = dict(
+        re.findall(r'^parameters \{ key: "(\w+)" value: \{ string_value: "((?:[^"\\]|\\.)*)" \} \}$', text, re.M)
+    )
     return block.group(1).split(",\n"), params
 
 
@@ -249,7 +284,13 @@ def test_triton_repo_tp2_dp2_on_gpus(small_engine: Path, tmp_path: Path, capsys)
     code, out, err = _repo(capsys, tmp_path, small_engine, "--tp", "2", "--dp", "2", "--gpus", "4,5,6,7", "--json")
     assert code == 0, err
     info = json.loads(out)
-    assert (info["instances"], info["tp"], info["dp"], info["tp_groups"], info["instance_kind"]) == (2, 2, 2, [[4, 5], [6, 7]], "KIND_GPU")
+    assert (info["instances"], info["tp"], info["dp"], info["tp_groups"], info["instance_kind"]) == (
+        2,
+        2,
+        2,
+        [[4, 5], [6, 7]],
+        "KIND_GPU",
+    )
     groups, params = _groups_and_params((tmp_path / "repo/engram_llm/config.pbtxt").read_text())
     assert groups == ["  { count: 1 kind: KIND_GPU gpus: [ 4 ] }", "  { count: 1 kind: KIND_GPU gpus: [ 6 ] }"]
     assert (params["tp"], params["dp"], params["tp_gpus"]) == ("2", "2", "4,5;6,7")
@@ -266,22 +307,36 @@ def test_triton_repo_tp2_dp2_on_cpu_and_the_model_reads_it_back(small_engine: Pa
     groups, params = _groups_and_params(text)
     assert groups == ["  { count: 2 kind: KIND_CPU }"]
     assert (params["tp"], params["dp"], params["tp_gpus"], params["device"]) == ("2", "2", "", "cpu")
-    mp = ModelParams.from_model_config({"parameters": {k: {"string_value": json.loads(f'"{v}"')} for k, v in params.items()}})
+    mp = ModelParams.from_model_config(
+        {"parameters": {k: {"string_value": json.loads(f'"{v}"')} for k, v in params.items()}}
+    )
     assert (mp.tp, mp.dp, mp.tp_gpus, mp.engram_config) == (2, 2, (), {"dp_shared_memory": True})
     assert group_devices(mp, None) == ("cpu", "cpu")
     gpu = ModelParams("e", tp=2, dp=2, tp_gpus=((0, 1), (2, 3)))
     assert group_devices(gpu, "cuda:2") == ("cuda:2", "cuda:3")
-    with pytest.raises(EngramError, match="runs on GPU 1, which leads no group of the 'tp_gpus' parameter \\(0,1;2,3\\)"):
+    with pytest.raises(
+        EngramError, match="runs on GPU 1, which leads no group of the 'tp_gpus' parameter \\(0,1;2,3\\)"
+    ):
         group_devices(gpu, "cuda:1")
-    with pytest.raises(EngramError, match="KIND_CPU instance with tp 2 runs its group on CPU, but the 'device' parameter is 'auto'"):
+    with pytest.raises(
+        EngramError, match="KIND_CPU instance with tp 2 runs its group on CPU, but the 'device' parameter is 'auto'"
+    ):
         group_devices(ModelParams("e", tp=2), None)
     with pytest.raises(EngramError, match="'tp_gpus' '0,1;2' must list 2 GPUs"):
-        ModelParams.from_model_config({"parameters": {"engine_dir": {"string_value": "e"}, "tp": {"string_value": "2"},
-                                                      "tp_gpus": {"string_value": "0,1;2"}}})
+        ModelParams.from_model_config(
+            {
+                "parameters": {
+                    "engine_dir": {"string_value": "e"},
+                    "tp": {"string_value": "2"},
+                    "tp_gpus": {"string_value": "0,1;2"},
+                }
+            }
+        )
 
 
-def test_triton_repo_places_groups_on_this_machines_gpus(small_engine: Path, tmp_path: Path, capsys,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_repo_places_groups_on_this_machines_gpus(
+    small_engine: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without --gpus, the machine's GPUs 0..N*M-1 (a machine of 4 GPUs stood in for)."""
     from engram_trt.triton import repo
 
@@ -293,26 +348,42 @@ def test_triton_repo_places_groups_on_this_machines_gpus(small_engine: Path, tmp
     assert params["tp_gpus"] == "0,1;2,3" and "on GPUs [0,1] [2,3]" in out
     monkeypatch.setattr(repo, "cuda_device_count", lambda: 3)
     code, out, err = _repo(capsys, tmp_path, small_engine, "--tp", "2", "--dp", "2", "--force")
-    assert code == 2 and err == ("engram-trt: error: --tp 2 x --dp 2 needs 4 GPU(s), one per rank, but this machine has 3 "
-                                 "CUDA device(s); lower --tp/--dp, pass --gpus to write a repository for another machine, "
-                                 "or --device cpu\n")
+    assert code == 2 and err == (
+        "engram-trt: error: --tp 2 x --dp 2 needs 4 GPU(s), one per rank, but this machine has 3 "
+        "CUDA device(s); lower --tp/--dp, pass --gpus to write a repository for another machine, "
+        "or --device cpu\n"
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--tp", "0"], "--tp must be >= 1 (got 0)"),
-    (["--dp", "0", "--device", "cpu"], "--dp must be >= 1 (got 0)"),
-    (["--tp", "2", "--dp", "2", "--gpus", "0,1,2"],
-     "--tp 2 x --dp 2 needs 4 GPU(s), one per rank, but --gpus lists 3 (0,1,2); list 4 GPU ids or lower --tp/--dp"),
-    (["--tp", "2", "--dp", "2", "--device", "cpu", "--engram-config.embedding_across_dp", "true"],
-     "--engram-config embedding_across_dp shards the tables over replicas that step in lockstep, but the --dp 2 Triton "
-     "instances step independently; drop it (dp_shared_memory, the default with --dp > 1, keeps one /dev/shm copy per node) "
-     "or serve --dp 1"),
-    (["--tp", "2", "--instances", "2", "--device", "cpu"],
-     "--instances 2 cannot be combined with --tp/--dp: there --dp M sets the instances (each leading --tp N ranks); pass --dp 2 instead"),
-    (["--dp", "2", "--device", "cuda:1"],
-     "--device cuda:1: with --tp/--dp every rank takes its own GPU; pass --device cuda (or auto), or --gpus to choose them"),
-], ids=["tp-0", "dp-0", "too-few-gpus", "embedding-across-dp", "instances-and-dp", "one-cuda-device"])
-def test_triton_repo_refuses_bad_layouts(small_engine: Path, tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tp", "0"], "--tp must be >= 1 (got 0)"),
+        (["--dp", "0", "--device", "cpu"], "--dp must be >= 1 (got 0)"),
+        (
+            ["--tp", "2", "--dp", "2", "--gpus", "0,1,2"],
+            "--tp 2 x --dp 2 needs 4 GPU(s), one per rank, but --gpus lists 3 (0,1,2); list 4 GPU ids or lower --tp/--dp",
+        ),
+        (
+            ["--tp", "2", "--dp", "2", "--device", "cpu", "--engram-config.embedding_across_dp", "true"],
+            "--engram-config embedding_across_dp shards the tables over replicas that step in lockstep, but the --dp 2 Triton "
+            "instances step independently; drop it (dp_shared_memory, the default with --dp > 1, keeps one /dev/shm copy per node) "
+            "or serve --dp 1",
+        ),
+        (
+            ["--tp", "2", "--instances", "2", "--device", "cpu"],
+            "--instances 2 cannot be combined with --tp/--dp: there --dp M sets the instances (each leading --tp N ranks); pass --dp 2 instead",
+        ),
+        (
+            ["--dp", "2", "--device", "cuda:1"],
+            "--device cuda:1: with --tp/--dp every rank takes its own GPU; pass --device cuda (or auto), or --gpus to choose them",
+        ),
+    ],
+    ids=["tp-0", "dp-0", "too-few-gpus", "embedding-across-dp", "instances-and-dp", "one-cuda-device"],
+)
+def test_triton_repo_refuses_bad_layouts(
+    small_engine: Path, tmp_path: Path, capsys, argv: list[str], message: str
+) -> None:
     code, out, err = _repo(capsys, tmp_path, small_engine, *argv)
     assert code == 2 and err == f"engram-trt: error: {message}\n" and not (tmp_path / "repo").exists()
 
@@ -339,8 +410,11 @@ def _burst(http: str) -> dict[tuple[int, int], Any]:
 
     def client(i: int, k: int) -> None:
         barrier.wait()
-        got[(i, k)] = hc.collect(hc.generate_stream(http, {"text_input": PROMPTS[i], "max_tokens": LENGTHS[i],
-                                                           "ignore_eos": True, "stream": True}))[1]
+        got[(i, k)] = hc.collect(
+            hc.generate_stream(
+                http, {"text_input": PROMPTS[i], "max_tokens": LENGTHS[i], "ignore_eos": True, "stream": True}
+            )
+        )[1]
 
     threads = [threading.Thread(target=client, args=job) for job in jobs]
     for t in threads:
@@ -355,7 +429,9 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
     ranks, TP slice t of both in one shared segment; concurrent requests over both get
     one process's tokens; the metrics name each group; SIGTERM stops the server (exit
     0) and every follower."""
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
+    pytest.importorskip(
+        "tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')"
+    )
     from engram_trt.triton.server import find_tritonserver
 
     try:
@@ -363,12 +439,42 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
     except EngramError as exc:
         pytest.skip(f"nvidia-pytriton is not installed and no tritonserver is on PATH: {exc}")
     log = tmp_path / "tritonserver.log"
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(small_engine), "--tp", "2", "--dp", "2", "--device", "cpu",
-           "--backend", "torch", "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-           "--json", "--exit-timeout", "10", "--log-file", str(log)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engram_trt",
+        "serve",
+        str(small_engine),
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--address",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--json",
+        "--exit-timeout",
+        "10",
+        "--log-file",
+        str(log),
+    ]
     segments_before = {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+    )
     made: set[str] = set()
     followers: list[int] = []
     try:
@@ -379,12 +485,16 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
         assert (info["instances"], info["tp"], info["dp"]) == (2, 2, 2)
         # New segments this server maps (another process may make its own meanwhile;
         # only ours are counted and, at the end, cleaned).
-        made = ({p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before) \
-            & segments_mapped_by(proc.pid)
+        made = ({p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before) & segments_mapped_by(
+            proc.pid
+        )
         followers = _followers_of(proc.pid)
         assert len(followers) == 2
-        finished_re = re.compile(r'^engram_requests_finished_total\{instance="(\w+)",model="engram_llm",tp_group="[\w/]+",'
-                                 r'version="1"\} (\S+)$', re.M)
+        finished_re = re.compile(
+            r'^engram_requests_finished_total\{instance="(\w+)",model="engram_llm",tp_group="[\w/]+",'
+            r'version="1"\} (\S+)$',
+            re.M,
+        )
         sent = 0
         for _ in range(3):  # bursts of concurrent requests until both instances (groups) have served some
             got = _burst(info["http"])
@@ -401,11 +511,21 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
             if len(finished) == 2 and min(finished.values()) > 0:
                 break
         assert sorted(finished) == ["engram_llm_0_0", "engram_llm_0_1"] and min(finished.values()) > 0, finished
-        alive = re.findall(r'^engram_tp_ranks_alive\{instance="(\w+)",model="engram_llm",tp_group="([\w/]+)",version="1"\} (\S+)$',
-                           text, re.M)
-        assert sorted(alive) == [("engram_llm_0_0", "engram_llm_0_0/tp2", "2"), ("engram_llm_0_1", "engram_llm_0_1/tp2", "2")]
-        storage = re.findall(r'^engram_table_bytes\{instance="(\w+)",model="engram_llm",storage="(\w+)",tp_group="[\w/]+",'
-                             r'version="1"\} \S+$', text, re.M)
+        alive = re.findall(
+            r'^engram_tp_ranks_alive\{instance="(\w+)",model="engram_llm",tp_group="([\w/]+)",version="1"\} (\S+)$',
+            text,
+            re.M,
+        )
+        assert sorted(alive) == [
+            ("engram_llm_0_0", "engram_llm_0_0/tp2", "2"),
+            ("engram_llm_0_1", "engram_llm_0_1/tp2", "2"),
+        ]
+        storage = re.findall(
+            r'^engram_table_bytes\{instance="(\w+)",model="engram_llm",storage="(\w+)",tp_group="[\w/]+",'
+            r'version="1"\} \S+$',
+            text,
+            re.M,
+        )
         assert sorted(storage) == [("engram_llm_0_0", "shared"), ("engram_llm_0_1", "shared")]
         assert len(made) == 2  # one segment per TP slice, shared by both instances
         logged = log.read_text()
@@ -416,8 +536,12 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
         rc = proc.wait(90)
         _wait_gone(followers, 10.0)
         if made:  # this test made them; freed with the project's own tool
-            r = subprocess.run([sys.executable, "-m", "engram_trt", "shm", "clean", *sorted(made)], capture_output=True,
-                               text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+            r = subprocess.run(
+                [sys.executable, "-m", "engram_trt", "shm", "clean", *sorted(made)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+            )
             assert r.returncode == 0, r.stderr
     assert rc == 0, proc.stderr.read()[-2000:]
     assert "the leader closed the group; exiting" in log.read_text()

@@ -44,7 +44,7 @@ def test_demo_smollm2_tokens_equal_transformers_gguf(tmp_path: Path, monkeypatch
     ids = tok(text, return_tensors="pt")
     with torch.no_grad():
         out = ref.generate(**ids, max_new_tokens=NEW, do_sample=False)
-    want = out[0, ids["input_ids"].shape[1]:].tolist()
+    want = out[0, ids["input_ids"].shape[1] :].tolist()
 
     assert res["chat"] is True and res["chat_prompt"] == text
     assert res["prompt_tokens"] == ids["input_ids"].shape[1]
@@ -69,11 +69,21 @@ def test_zero_tables_give_exactly_zero_update_and_nonzero_ones_do_not() -> None:
     from engram_trt.engram.fusion import engram_gate
     from engram_trt.models.engram_llama.smollm2_demo import ENGRAM_FIELDS, engram_tensors
 
-    fields = dict(ENGRAM_FIELDS, engram_compressed_vocab_size=100, engram_pad_token_id=2,
-                  engram_num_embeddings=[70000, 70000])
-    cfg = {"hidden_size": 576, "intermediate_size": 64, "num_hidden_layers": 16, "num_attention_heads": 9,
-           "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 200, "max_position_embeddings": 64,
-           "hc_mult": 1, **fields}
+    fields = dict(
+        ENGRAM_FIELDS, engram_compressed_vocab_size=100, engram_pad_token_id=2, engram_num_embeddings=[70000, 70000]
+    )
+    cfg = {
+        "hidden_size": 576,
+        "intermediate_size": 64,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 200,
+        "max_position_embeddings": 64,
+        "hc_mult": 1,
+        **fields,
+    }
     t = engram_tensors(cfg)
     base = "model.layers.15.engram"
     table, wkv = t[f"{base}.embed.weight"], t[f"{base}.wkv.weight"]
@@ -82,7 +92,7 @@ def test_zero_tables_give_exactly_zero_update_and_nonzero_ones_do_not() -> None:
     torch.manual_seed(0)
     h = torch.randn(5, 1, 576)
     cols = (ENGRAM_FIELDS["engram_max_ngram_size"] - 1) * ENGRAM_FIELDS["engram_n_heads"]
-    e = table[:5 * cols].float().reshape(5, cols * 64)  # a step's concatenated (zero) rows
+    e = table[: 5 * cols].float().reshape(5, cols * 64)  # a step's concatenated (zero) rows
     got = engram_gate(h, e @ wkv.T, t[f"{base}.q_weight"], t[f"{base}.k_weight"])
     assert torch.equal(got, h)
     ones = torch.ones_like(e)

@@ -99,8 +99,10 @@ def test_special_tokens_amid_sampled_text_decode_as_transformers(folders: dict[s
     seeds = range(16)
     with LLM(str(folders[name]), backend="torch", device="cpu", dtype="fp32", progress=False) as llm:
         for skip in (True, False):
-            params = [SamplingParams(max_tokens=60, temperature=8.0, seed=s, ignore_eos=True, skip_special_tokens=skip)
-                      for s in seeds]
+            params = [
+                SamplingParams(max_tokens=60, temperature=8.0, seed=s, ignore_eos=True, skip_special_tokens=skip)
+                for s in seeds
+            ]
             outs = llm.generate(["hello world"] * len(params), params)
             with_special = 0
             for o in outs:
@@ -122,8 +124,20 @@ def test_run_chat_prints_the_answer_without_the_end_token(folders: dict[str, Pat
     from engram_trt.cli.main import main
 
     ref = AutoTokenizer.from_pretrained(folders["smollm2"])
-    base = ["run", str(folders["smollm2"]), "--chat", "--prompt", DEFAULT_CHAT_PROMPT, "--max-new-tokens", str(NEW),
-            "--device", "cpu", "--dtype", "fp32", "--json"]
+    base = [
+        "run",
+        str(folders["smollm2"]),
+        "--chat",
+        "--prompt",
+        DEFAULT_CHAT_PROMPT,
+        "--max-new-tokens",
+        str(NEW),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--json",
+    ]
     texts = {}
     for keep in (False, True):
         assert main(base + (["--keep-special-tokens"] if keep else [])) == 0
@@ -160,8 +174,9 @@ def test_sampling_params_and_triton_input_carry_the_choice() -> None:
 def served(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     require_tritonserver()
     log = tmp_path_factory.mktemp("special-serve") / "tritonserver.log"
-    proc, info = start_serve(folders["smollm2"], log, "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "2",
-                             "--max-num-tokens", "64")
+    proc, info = start_serve(
+        folders["smollm2"], log, "--device", "cpu", "--dtype", "fp32", "--max-batch-size", "2", "--max-num-tokens", "64"
+    )
     yield info
     stop_serve(proc)
 

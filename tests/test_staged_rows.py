@@ -125,4 +125,3 @@ def test_wait_layer_waits_as_a_read_does(fake_stream: object) -> None:
     rows.wait_layer(1)
     rows.wait_layer(0)
     assert calls == [(1, fake_stream), (0, fake_stream)]
-

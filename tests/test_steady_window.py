@@ -88,8 +88,26 @@ def test_run_does_the_host_work_per_token_bench_serve_does(tmp_path: Path, monke
     for k in counts:
         counts[k] = 0
     out = tmp_path / "serve.json"
-    assert main(["bench", "serve", str(ck), "--concurrency", "1", "--max-tokens", str(n), "--repeat", "2",
-                 "--device", "cpu", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve",
+                str(ck),
+                "--concurrency",
+                "1",
+                "--max-tokens",
+                str(n),
+                "--repeat",
+                "2",
+                "--device",
+                "cpu",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     one = json.loads(out.read_text())["levels"]["1"]
     # a warm-up request and two timed ones: the same per request as run's one
     assert counts == {k: 3 * v for k, v in run_counts.items()}

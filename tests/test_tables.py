@@ -39,7 +39,14 @@ from engram_trt.engram.layout import EngramLayout
 from engram_trt.engram.quant import dequant_fp8_rows
 from engram_trt.errors import EngramError
 from engram_trt.tables import segment as seg
-from engram_trt.tables.hostmem import PAGE, HostRegistration, allocate_anonymous, chunk_ranges, hugetlb_free_bytes, plan_layout
+from engram_trt.tables.hostmem import (
+    PAGE,
+    HostRegistration,
+    allocate_anonymous,
+    chunk_ranges,
+    hugetlb_free_bytes,
+    plan_layout,
+)
 from engram_trt.tables.pinned import PinnedTables
 from engram_trt.tables.shared import TEST_PAUSE_ENV, SharedTables, expected_header
 from engram_trt.tables.source import checkpoint_table_refs
@@ -77,7 +84,9 @@ class Checkpointed:
             return t.float().numpy().astype(np.float64)[ids]
         s = self.scales[layer]
         assert s is not None
-        return dequant_fp8_rows(t.view(torch.uint8).numpy()[ids], s.view(torch.uint8).numpy()[ids], 32).astype(np.float64)
+        return dequant_fp8_rows(t.view(torch.uint8).numpy()[ids], s.view(torch.uint8).numpy()[ids], 32).astype(
+            np.float64
+        )
 
     def digest(self) -> str:
         """sha256 over every table's bytes in layout order (what the child processes report)."""
@@ -115,7 +124,11 @@ def shm_dir(tmp_path: Path) -> Iterator[Path]:
     """A private segment directory: under /dev/shm when writable (tmpfs, as in
     production), else under the test's tmp dir. Always removed afterwards."""
     base = Path("/dev/shm")
-    d = Path(tempfile.mkdtemp(prefix="engram-trt-test-", dir=base)) if base.is_dir() and os.access(base, os.W_OK) else tmp_path / "shm"
+    d = (
+        Path(tempfile.mkdtemp(prefix="engram-trt-test-", dir=base))
+        if base.is_dir() and os.access(base, os.W_OK)
+        else tmp_path / "shm"
+    )
     d.mkdir(exist_ok=True)
     try:
         yield d
@@ -204,7 +217,7 @@ def test_shared_segment_header_layout_and_permissions(ck: Checkpointed, shm_dir:
         assert entry["offset"] % (2 << 20) == 0 and entry["offset"] >= seg.HEADER.size
         with open(ref.file, "rb") as f:
             f.seek(ref.offset)
-            assert raw[entry["offset"]:entry["offset"] + entry["nbytes"]] == f.read(ref.nbytes)
+            assert raw[entry["offset"] : entry["offset"] + entry["nbytes"]] == f.read(ref.nbytes)
     assert {e["tensor"] for e in hdr.tables} == {r.tensor for r in ck.refs}
     store.close()
     # The segment outlives its store: a new open attaches and writes nothing.
@@ -255,14 +268,22 @@ class Child:
         if pause is not None:
             env[TEST_PAUSE_ENV] = pause
         code = CHILD.format(python_dir=str(PYTHON_DIR), ck=str(ck.path), shm=str(shm), hold=hold)
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.pid = self.proc.pid
         self.out: queue.Queue[str] = queue.Queue()
         self.err: queue.Queue[str] = queue.Queue()
         self.err_lines: list[str] = []
-        self._threads = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.out, None), daemon=True),
-                         threading.Thread(target=self._pump, args=(self.proc.stderr, self.err, self.err_lines), daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._pump, args=(self.proc.stdout, self.out, None), daemon=True),
+            threading.Thread(target=self._pump, args=(self.proc.stderr, self.err, self.err_lines), daemon=True),
+        ]
         for t in self._threads:
             t.start()
         LIVE_CHILDREN.append(self)
@@ -279,7 +300,9 @@ class Child:
         try:
             return q.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"child {self.pid} printed nothing for {timeout} s; its stderr: {''.join(self.err_lines)}") from None
+            raise AssertionError(
+                f"child {self.pid} printed nothing for {timeout} s; its stderr: {''.join(self.err_lines)}"
+            ) from None
 
     def result(self, timeout: float = 90.0) -> dict[str, Any]:
         line = self._next(self.out, timeout)
@@ -372,7 +395,9 @@ def test_two_processes_share_one_segment(ck8: Checkpointed, shm_dir: Path) -> No
     assert path.stat().st_mtime_ns == mtime
 
 
-def test_creator_killed_mid_write_is_rebuilt(ck8: Checkpointed, shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_creator_killed_mid_write_is_rebuilt(
+    ck8: Checkpointed, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     a = Child(ck8, shm_dir, pause="1")  # stops after the first table, until killed
     line = a.wait_for("test hook: paused")
     name = seg.segment_name(seg.layout_hash(ck8.refs))
@@ -396,7 +421,9 @@ def test_creator_killed_mid_write_is_rebuilt(ck8: Checkpointed, shm_dir: Path, c
     store.close()
 
 
-def test_final_segment_without_ready_flag_is_rebuilt(ck8: Checkpointed, shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_final_segment_without_ready_flag_is_rebuilt(
+    ck8: Checkpointed, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = SharedTables.open(ck8.refs, directory=shm_dir, progress=False)
     path = store.path
     store.close()
@@ -443,7 +470,9 @@ def test_incompatible_segment_is_refused(ck8: Checkpointed, shm_dir: Path, damag
     assert path.read_bytes() == before  # refused, not rewritten
 
 
-def test_too_little_shm_falls_back_to_private_memory(ck: Checkpointed, shm_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_too_little_shm_falls_back_to_private_memory(
+    ck: Checkpointed, shm_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     asked: list[Path] = []
 
     def tiny(d: Path) -> int:
@@ -457,15 +486,19 @@ def test_too_little_shm_falls_back_to_private_memory(ck: Checkpointed, shm_dir: 
     msg = " ".join(r.getMessage() for r in caplog.records)
     _, _, total = expected_header(ck.refs, seg.layout_hash(ck.refs))
     assert total == (1 + len(ck.refs)) * (2 << 20)  # the header's 2 MiB, then one 2 MiB-aligned slot per table
-    assert f"{shm_dir} has 4.0 KiB free but the tables need {total / 2**20:.1f} MiB" in msg and "private host memory" in msg
+    assert (
+        f"{shm_dir} has 4.0 KiB free but the tables need {total / 2**20:.1f} MiB" in msg
+        and "private host memory" in msg
+    )
     assert_same_tables(store, ck)
     assert not any(p.suffix in (".tables", ".tmp") for p in shm_dir.iterdir())
     # With a GPU the fallback is private pinned memory, registered like the pinned store.
     fake = FakeRegistrar()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="engram_trt.tables.shared"):
-        pinned = SharedTables.open(ck.refs, directory=shm_dir, free_space=tiny, register=True, registrar=fake,
-                                   progress=False)
+        pinned = SharedTables.open(
+            ck.refs, directory=shm_dir, free_space=tiny, register=True, registrar=fake, progress=False
+        )
     assert isinstance(pinned, PinnedTables) and fake.live and "private pinned memory" in caplog.text
     assert_same_tables(pinned, ck)
     pinned.close()
@@ -474,8 +507,9 @@ def test_too_little_shm_falls_back_to_private_memory(ck: Checkpointed, shm_dir: 
 
 def test_shared_store_registers_its_mapping_in_chunks(ck8: Checkpointed, shm_dir: Path) -> None:
     fake = FakeRegistrar()
-    store = SharedTables.open(ck8.refs, directory=shm_dir, register=True, registrar=fake, chunk_bytes=2 << 20,
-                              progress=False)
+    store = SharedTables.open(
+        ck8.refs, directory=shm_dir, register=True, registrar=fake, chunk_bytes=2 << 20, progress=False
+    )
     assert isinstance(store, SharedTables) and store.gpu_readable
     total = store.header.total_size
     starts = sorted(fake.registered)
@@ -489,8 +523,9 @@ def test_shared_store_registers_its_mapping_in_chunks(ck8: Checkpointed, shm_dir
 
 # ------------------------------------------------------------------ engram-trt shm
 def shm_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engram_trt", "shm", *args], cwd=PYTHON_DIR, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "engram_trt", "shm", *args], cwd=PYTHON_DIR, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_shm_list_and_clean(ck8: Checkpointed, shm_dir: Path) -> None:
@@ -559,12 +594,14 @@ def test_shm_clean_default_removes_only_leftovers_and_force(ck8: Checkpointed, s
 
 
 def test_shm_cli_bad_input(shm_dir: Path) -> None:
-    for args, needle in [(["clean", "x.tables", "--dir", str(shm_dir)], "not an engram-trt segment name"),
-                         (["clean", "engram-trt-0123456789abcdef.tables", "--dir", str(shm_dir)], "no segment"),
-                         (["clean", "engram-trt-0123456789abcdef.tables", "--all", "--dir", str(shm_dir)], "not both"),
-                         (["list", "--dir", str(shm_dir / "missing")], "does not exist"),
-                         (["frobnicate"], "invalid choice"),
-                         ([], "needs an action")]:
+    for args, needle in [
+        (["clean", "x.tables", "--dir", str(shm_dir)], "not an engram-trt segment name"),
+        (["clean", "engram-trt-0123456789abcdef.tables", "--dir", str(shm_dir)], "no segment"),
+        (["clean", "engram-trt-0123456789abcdef.tables", "--all", "--dir", str(shm_dir)], "not both"),
+        (["list", "--dir", str(shm_dir / "missing")], "does not exist"),
+        (["frobnicate"], "invalid choice"),
+        ([], "needs an action"),
+    ]:
         r = shm_cli(*args)
         assert r.returncode == 2, (args, r.stderr)
         assert needle in r.stderr and r.stderr.count("\n") == 1, (args, r.stderr)
@@ -582,7 +619,7 @@ def test_chunk_ranges_cover_exactly_once() -> None:
         covered = np.zeros(total // PAGE, dtype=np.int64)
         for off, n in pieces:
             assert 0 < n <= chunk and off % PAGE == 0
-            covered[off // PAGE:(off + n) // PAGE] += 1
+            covered[off // PAGE : (off + n) // PAGE] += 1
         assert (covered == 1).all() and sum(n for _, n in pieces) == total
         assert all(n == chunk for _, n in pieces[:-1])
     assert len(chunk_ranges((5 << 30) + PAGE, 1 << 30)) == 6
@@ -623,7 +660,10 @@ def test_pinned_load_path_with_fake_registrar(ck: Checkpointed) -> None:
     for i in range(store.num_layers):  # the tensors lie inside the registered range
         for t in store.tensors(i):
             if t is not None:
-                assert store.address <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= store.address + store.buffer_bytes
+                assert (
+                    store.address <= t.data_ptr()
+                    and t.data_ptr() + t.numel() * t.element_size() <= store.address + store.buffer_bytes
+                )
     assert_same_tables(store, ck)
     assert store.describe()["registered_chunks"] == len(chunks) and "fake registrar" in store.where()
     store.close()
@@ -669,8 +709,8 @@ def test_allocate_anonymous_huge_page_modes() -> None:
     assert len(buf.mm) >= buf.base + buf.nbytes and buf.nbytes == 3 << 20
     if "transparent" in buf.pages:
         assert buf.address % (2 << 20) == 0
-    buf.mm[buf.base:buf.base + 4] = b"abcd"
-    assert bytes(buf.mm[buf.base:buf.base + 4]) == b"abcd"
+    buf.mm[buf.base : buf.base + 4] = b"abcd"
+    assert bytes(buf.mm[buf.base : buf.base + 4]) == b"abcd"
     buf.mm.close()
     free, _ = hugetlb_free_bytes()
     if free >= 4 << 20:
@@ -716,7 +756,9 @@ def test_giga_pages_refused_with_the_reservation_to_make(monkeypatch) -> None:
     from engram_trt.tables import hostmem
 
     monkeypatch.setattr(hostmem, "giga_pages_free", lambda: 2)
-    with pytest.raises(EngramError, match=r"1 GiB huge pages: 3 needed, 2 free; reserve them \(echo 3 > .*nr_hugepages"):
+    with pytest.raises(
+        EngramError, match=r"1 GiB huge pages: 3 needed, 2 free; reserve them \(echo 3 > .*nr_hugepages"
+    ):
         hostmem.allocate_anonymous(2 * hostmem.GIGA_PAGE + 1, huge_pages="hugetlbfs-1g")
 
 

@@ -58,8 +58,9 @@ class Folder:
     """One checkpoint, its prompts and its reference tokens; ``family`` selects the
     test's own classification of its tensors (:func:`expected_bytes`)."""
 
-    def __init__(self, name: str, family: str, path: Path, prompts: list[list[int]], want: list[list[int]],
-                 sizes: dict[str, int]) -> None:
+    def __init__(
+        self, name: str, family: str, path: Path, prompts: list[list[int]], want: list[list[int]], sizes: dict[str, int]
+    ) -> None:
         self.name, self.family, self.path, self.prompts = name, family, path, prompts
         self.want, self.sizes = want, sizes
 
@@ -69,8 +70,14 @@ def _llama(root: Path) -> Folder:
 
     model = lp.save_llama(root / "llama", seed=11)
     prompts = lp.PROMPTS[:2]
-    return Folder("llama", "llama", root / "llama", prompts, [transformers_greedy(model, p, NEW) for p in prompts],
-                  {"kv": lp.BASE["num_key_value_heads"]})
+    return Folder(
+        "llama",
+        "llama",
+        root / "llama",
+        prompts,
+        [transformers_greedy(model, p, NEW) for p in prompts],
+        {"kv": lp.BASE["num_key_value_heads"]},
+    )
 
 
 DS_TP4 = dict(o_groups=4, index_n_heads=4, n_routed_experts=8)  # heads 4, groups 4, indexer heads 4, experts 8
@@ -81,8 +88,9 @@ def _deepseek(root: Path) -> Folder:
 
     model = dp.save_v4(root / "dsv4", seed=12, **DS_TP4)
     prompts = dp.PROMPTS[:2]
-    return Folder("deepseek-v4", "deepseek", root / "dsv4", prompts,
-                  [transformers_greedy(model, p, NEW) for p in prompts], {})
+    return Folder(
+        "deepseek-v4", "deepseek", root / "dsv4", prompts, [transformers_greedy(model, p, NEW) for p in prompts], {}
+    )
 
 
 QWEN_TP4 = dict(num_attention_heads=4, indexer_n_heads=4, num_experts=8)  # kv 1, linear k heads 2 / v heads 4
@@ -94,8 +102,14 @@ def _qwen(root: Path) -> Folder:
     kw = dict(qp.CASES["hc2-ple1-qsa"], **QWEN_TP4)
     model = qp.save_qwen4(root / "qwen", seed=13, **kw)
     prompts = qp.PROMPTS[:2]
-    return Folder("qwen4-exp", "qwen", root / "qwen", prompts, [transformers_greedy(model, p, NEW) for p in prompts],
-                  {"kv": qp.BASE["num_key_value_heads"], "linear_k": qp.BASE["linear_num_key_heads"]})
+    return Folder(
+        "qwen4-exp",
+        "qwen",
+        root / "qwen",
+        prompts,
+        [transformers_greedy(model, p, NEW) for p in prompts],
+        {"kv": qp.BASE["num_key_value_heads"], "linear_k": qp.BASE["linear_num_key_heads"]},
+    )
 
 
 def _llama_fp8(root: Path) -> Folder:
@@ -110,11 +124,11 @@ def _llama_fp8(root: Path) -> Folder:
     LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(root / "fp8-float")
     word_tokenizer(root / "fp8-float" / "tokenizer.json", lf.VOCAB)
     folder = transformers_fp8_save(LlamaForCausalLM, root / "fp8-float", root / "fp8", weight_block_size=[128, 128])
-    ref = LlamaForCausalLM.from_pretrained(without_stale_scales(folder, root / "fp8-ref"), dtype=torch.float32,
-                                           use_kernels=False).eval()
+    ref = LlamaForCausalLM.from_pretrained(
+        without_stale_scales(folder, root / "fp8-ref"), dtype=torch.float32, use_kernels=False
+    ).eval()
     prompts = lf.PROMPTS[:2]
-    return Folder("llama-fp8", "llama", folder, prompts, [transformers_greedy(ref, p, NEW) for p in prompts],
-                  {"kv": 4})
+    return Folder("llama-fp8", "llama", folder, prompts, [transformers_greedy(ref, p, NEW) for p in prompts], {"kv": 4})
 
 
 def _deepseek_quant(root: Path) -> Folder:
@@ -127,8 +141,9 @@ def _deepseek_quant(root: Path) -> Folder:
     dq.quantize_folder(root / "dsq-float", root / "dsq")
     hf = dq.hf_load(root / "dsq")
     prompts = dq.PROMPTS[:2]
-    return Folder("deepseek-v4-fp8-fp4", "deepseek", root / "dsq", prompts,
-                  [transformers_greedy(hf, p, NEW) for p in prompts], {})
+    return Folder(
+        "deepseek-v4-fp8-fp4", "deepseek", root / "dsq", prompts, [transformers_greedy(hf, p, NEW) for p in prompts], {}
+    )
 
 
 def _deepseek_v41(root: Path) -> Folder:
@@ -153,8 +168,16 @@ def _job(f: Folder, tp: int, dp: int = 1) -> Any:
     from engram_trt.distributed.launch import ReplicaJob
     from engram_trt.runtime.sampling_params import SamplingParams
 
-    return ReplicaJob(str(f.path), tp, dp, f.prompts, SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                      None, {"backend": "torch", "dtype": "fp32", "progress": False}, time_collectives=True)
+    return ReplicaJob(
+        str(f.path),
+        tp,
+        dp,
+        f.prompts,
+        SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True),
+        None,
+        {"backend": "torch", "dtype": "fp32", "progress": False},
+        time_collectives=True,
+    )
 
 
 TP2 = ["llama", "deepseek-v4", "qwen4-exp", "llama-fp8", "deepseek-v4-fp8-fp4", "deepseek-v4.1"]
@@ -193,14 +216,20 @@ def _held(st: str, shape: list[int]) -> int:
 
 SHARDED = {
     "llama": re.compile(r"self_attn\.(q|o)_proj\.|mlp\.(gate|up|down)_proj\.|^(model\.embed_tokens|lm_head)\."),
-    "deepseek": re.compile(r"attn\.(wq_b|wo_a|wo_b)\.|attn\.attn_sink$|indexer\.(wq_b|weights_proj)\.|"
-                           r"ffn\.(experts\.\d+|shared_experts)\.|(^|\.)(embed|embed_tokens|head)\.weight$"),
-    "qwen": re.compile(r"self_attn\.(q|o)_proj\.|linear_attn\.(in_proj_[zab]|out_proj)\.|linear_attn\.(dt_bias|A_log)$|"
-                       r"mlp\.(experts\.|shared_expert\.)|embed_tokens\.|^lm_head\."),
+    "deepseek": re.compile(
+        r"attn\.(wq_b|wo_a|wo_b)\.|attn\.attn_sink$|indexer\.(wq_b|weights_proj)\.|"
+        r"ffn\.(experts\.\d+|shared_experts)\.|(^|\.)(embed|embed_tokens|head)\.weight$"
+    ),
+    "qwen": re.compile(
+        r"self_attn\.(q|o)_proj\.|linear_attn\.(in_proj_[zab]|out_proj)\.|linear_attn\.(dt_bias|A_log)$|"
+        r"mlp\.(experts\.|shared_expert\.)|embed_tokens\.|^lm_head\."
+    ),
 }
 # key heads: sharded when --tp divides them, else held by several ranks (counted replicated)
-KEY_HEADS = {"llama": re.compile(r"self_attn\.[kv]_proj\."),
-             "qwen": re.compile(r"self_attn\.[kv]_proj\.|linear_attn\.(in_proj_qkv|conv1d)\.")}
+KEY_HEADS = {
+    "llama": re.compile(r"self_attn\.[kv]_proj\."),
+    "qwen": re.compile(r"self_attn\.[kv]_proj\.|linear_attn\.(in_proj_qkv|conv1d)\."),
+}
 # held in part (the indexer's query heads split, its key head whole): counted replicated
 PARTIAL = {"qwen": re.compile(r"indexer\.index_qk_proj\.")}
 
@@ -276,11 +305,14 @@ def test_two_replicas_of_two_ranks(folders, served) -> None:
 # per step: one all-reduce after each attention block and each MLP / MoE block, one for the
 # vocab-parallel embedding; one all-gather of the head's logits, and per indexed layer its
 # indexer's queries (DeepSeek's CSA layers: queries and head weights)
-COLLECTIVES = {"llama": lambda c: (2 * c["num_hidden_layers"] + 1, 1),
-               "deepseek-v4": lambda c: (2 * c["num_hidden_layers"] + 1,
-                                         1 + 2 * c["layer_types"].count("compressed_sparse_attention")),
-               "qwen4-exp": lambda c: (2 * c["num_hidden_layers"] + 1,
-                                       1 + sum(t != "linear_attention" for t in c["layer_types"]))}
+COLLECTIVES = {
+    "llama": lambda c: (2 * c["num_hidden_layers"] + 1, 1),
+    "deepseek-v4": lambda c: (
+        2 * c["num_hidden_layers"] + 1,
+        1 + 2 * c["layer_types"].count("compressed_sparse_attention"),
+    ),
+    "qwen4-exp": lambda c: (2 * c["num_hidden_layers"] + 1, 1 + sum(t != "linear_attention" for t in c["layer_types"])),
+}
 
 
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
@@ -350,16 +382,29 @@ def _refused(capsys: Any, monkeypatch: Any, argv: list[str]) -> str:
     return err.strip()
 
 
-@pytest.mark.parametrize("name,tp,needle", [
-    ("llama", 8, "--tp 8: engram-llama's num_attention_heads=4 do not divide over 8 ranks; use a --tp that divides 4"),
-    ("llama", 3, "--tp 3: engram-llama's num_attention_heads=4 do not divide over 3 ranks"),
-    ("deepseek-v4", 3, "--tp 3: DeepSeek-V4's num_attention_heads=4 do not divide over 3 ranks"),
-    ("qwen4-exp", 8, "--tp 8: Qwen4Exp's num_attention_heads=4 do not divide over 8 ranks"),
-    ("llama-fp8", 4, "--tp 4: tensor model.layers.0.self_attn.k_proj.weight is stored FP8 in 128x128 blocks, and "
-                     "rank 0's rows 0..64 of 256 do not start and end on block boundaries (multiples of 128)"),
-], ids=["llama-tp8", "llama-tp3", "deepseek-tp3", "qwen-tp8", "llama-fp8-tp4"])
-def test_sizes_the_model_cannot_split_are_refused_before_any_rank(folders, capsys, monkeypatch, name: str, tp: int,
-                                                                  needle: str) -> None:
+@pytest.mark.parametrize(
+    "name,tp,needle",
+    [
+        (
+            "llama",
+            8,
+            "--tp 8: engram-llama's num_attention_heads=4 do not divide over 8 ranks; use a --tp that divides 4",
+        ),
+        ("llama", 3, "--tp 3: engram-llama's num_attention_heads=4 do not divide over 3 ranks"),
+        ("deepseek-v4", 3, "--tp 3: DeepSeek-V4's num_attention_heads=4 do not divide over 3 ranks"),
+        ("qwen4-exp", 8, "--tp 8: Qwen4Exp's num_attention_heads=4 do not divide over 8 ranks"),
+        (
+            "llama-fp8",
+            4,
+            "--tp 4: tensor model.layers.0.self_attn.k_proj.weight is stored FP8 in 128x128 blocks, and "
+            "rank 0's rows 0..64 of 256 do not start and end on block boundaries (multiples of 128)",
+        ),
+    ],
+    ids=["llama-tp8", "llama-tp3", "deepseek-tp3", "qwen-tp8", "llama-fp8-tp4"],
+)
+def test_sizes_the_model_cannot_split_are_refused_before_any_rank(
+    folders, capsys, monkeypatch, name: str, tp: int, needle: str
+) -> None:
     err = _refused(capsys, monkeypatch, [str(folders[name].path), "--prompt", "a b", "--tp", str(tp)])
     assert err.startswith("engram-trt: error: ") and needle in err
 
@@ -371,8 +416,10 @@ def test_experts_that_do_not_divide_are_refused(folders, tmp_path, capsys, monke
     d["n_routed_experts"] = 6  # 4 heads, 4 groups, 4 indexer heads divide by 4; 6 experts do not
     (tmp_path / "ck" / "config.json").write_text(json.dumps(d))
     err = _refused(capsys, monkeypatch, [str(tmp_path / "ck"), "--prompt", "a", "--tp", "4"])
-    assert "--tp 4: DeepSeek-V4's n_routed_experts=6 do not divide over 4 ranks; use a --tp that divides 6 (2, 3, 6)" \
+    assert (
+        "--tp 4: DeepSeek-V4's n_routed_experts=6 do not divide over 4 ranks; use a --tp that divides 6 (2, 3, 6)"
         in err
+    )
 
 
 def test_a_rank_that_dies_mid_step_ends_the_run_in_one_line(folders, tmp_path, capsys, monkeypatch) -> None:
@@ -399,15 +446,31 @@ def test_a_rank_that_dies_mid_step_ends_the_run_in_one_line(folders, tmp_path, c
     th = threading.Thread(target=killer, daemon=True)
     th.start()
     t0 = time.monotonic()
-    code = main(["run", str(folders["llama"].path), "--prompt", "a b c", "--tp", "2", "--device", "cpu",
-                 "--backend", "torch", "--max-new-tokens", "3"])
+    code = main(
+        [
+            "run",
+            str(folders["llama"].path),
+            "--prompt",
+            "a b c",
+            "--tp",
+            "2",
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--max-new-tokens",
+            "3",
+        ]
+    )
     took = time.monotonic() - t0
     th.join(1)
     err = capsys.readouterr().err
     assert killed and code == 2 and took < 120
     assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"engram-trt: error: rank 1 (pid {killed[0]}) was killed by SIGKILL while the ranks were "
-                          f"running; the other ranks were stopped")
+    assert err.startswith(
+        f"engram-trt: error: rank 1 (pid {killed[0]}) was killed by SIGKILL while the ranks were "
+        f"running; the other ranks were stopped"
+    )
 
 
 def test_rank_failure_names_the_dead_rank() -> None:
@@ -446,8 +509,11 @@ def test_a_model_larger_than_the_gpus_says_how_many_it_needs(folders, served) ->
     res = served[("llama", 2)]
     whole, share = res["weights"]["total_bytes"], max(res["weights"]["bytes_per_rank"])
     gpu = int((share + whole) / 2 / GPU_FILL)  # holds a --tp 2 share, not the whole model
-    with pytest.raises(EngramError, match=r"at --tp 1 a rank holds .* GiB, more than 90% of a GPU here .*: it needs 2 "
-                                          r"GPUs of this size; pass --tp 2$"):
+    with pytest.raises(
+        EngramError,
+        match=r"at --tp 1 a rank holds .* GiB, more than 90% of a GPU here .*: it needs 2 "
+        r"GPUs of this size; pass --tp 2$",
+    ):
         check_gpu_fit(f.path, 1, "fp32", gpu)
     check_gpu_fit(f.path, 2, "fp32", gpu)
     with pytest.raises(EngramError, match="no --tp this model splits into fits such GPUs"):

@@ -87,8 +87,11 @@ def test_damaged_cache_entries_are_rebuilt_with_a_warning(tmp_path, monkeypatch,
         "swapped entries": lambda: _rewrite_entry(cached, swapped, recorded),
         "all-zero file": lambda: cached.write_bytes(bytes(cached.stat().st_size)),
         "truncated file": lambda: cached.write_bytes(cached.read_bytes()[: cached.stat().st_size // 2]),
-        "out of order": lambda: _rewrite_entry(cached, np.array([1, 0, 0, 2, 3, 3]),
-                                               __import__("hashlib").sha256(np.array([1, 0, 0, 2, 3, 3], "<i4").tobytes()).hexdigest()),
+        "out of order": lambda: _rewrite_entry(
+            cached,
+            np.array([1, 0, 0, 2, 3, 3]),
+            __import__("hashlib").sha256(np.array([1, 0, 0, 2, 3, 3], "<i4").tobytes()).hexdigest(),
+        ),
     }
     for what, damage in damages.items():
         damage()

@@ -40,51 +40,85 @@ from engram_trt.triton.tensors import INPUTS, OUTPUTS, parse_request
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_LIMITS = {"max_batch_size": 16, "max_num_tokens": 64}
-PROMPTS = ["Engram layers look up n-grams", "Hello, world", "The quick brown fox jumps over the lazy dog",
-           "1 2 3 4 5 6 7 8 9 10", "def f(x): return x", "∑ ∫ √ π", "a b c d e f g h i j k l m n o p",
-           "Tables live outside the engine", "Triton streams tokens", "Lorem ipsum dolor sit amet",
-           "import numpy as np", "Once upon a time", "Zürich, Köln, Malmö", "GPU memory is HBM",
-           "pinned host memory", "What is an n-gram?"]
+PROMPTS = [
+    "Engram layers look up n-grams",
+    "Hello, world",
+    "The quick brown fox jumps over the lazy dog",
+    "1 2 3 4 5 6 7 8 9 10",
+    "def f(x): return x",
+    "∑ ∫ √ π",
+    "a b c d e f g h i j k l m n o p",
+    "Tables live outside the engine",
+    "Triton streams tokens",
+    "Lorem ipsum dolor sit amet",
+    "import numpy as np",
+    "Once upon a time",
+    "Zürich, Köln, Malmö",
+    "GPU memory is HBM",
+    "pinned host memory",
+    "What is an n-gram?",
+]
 
 
 # ---------------------------------------------------------------- request parsing (no server)
 def _getter(**inputs: Any):
-    arrays = {k: v if isinstance(v, np.ndarray) else np.array([[v]], dtype=object if isinstance(v, (bytes, str)) else None)
-              for k, v in inputs.items()}
+    arrays = {
+        k: v if isinstance(v, np.ndarray) else np.array([[v]], dtype=object if isinstance(v, (bytes, str)) else None)
+        for k, v in inputs.items()
+    }
     return lambda name: arrays.get(name)
 
 
 def test_parse_request_defaults_and_fields() -> None:
     r = parse_request(_getter(text_input=b"hi"), default_max_tokens=7)
-    assert (r.prompt, r.stream, r.params.max_tokens, r.params.temperature, r.params.top_p, r.params.seed) == ("hi", False, 7, 0.0, 1.0, None)
-    r = parse_request(_getter(text_input="héllo".encode(), max_tokens=np.array([[5]], np.int32),
-                              temperature=np.array([[0.5]], np.float32), top_p=np.array([[0.0]], np.float32),
-                              random_seed=np.array([[2**63 - 1]], np.uint64), stream=np.array([[True]]),
-                              stop_words=np.array([[b"", b"END"]], dtype=object), ignore_eos=np.array([[True]])))
+    assert (r.prompt, r.stream, r.params.max_tokens, r.params.temperature, r.params.top_p, r.params.seed) == (
+        "hi",
+        False,
+        7,
+        0.0,
+        1.0,
+        None,
+    )
+    r = parse_request(
+        _getter(
+            text_input="héllo".encode(),
+            max_tokens=np.array([[5]], np.int32),
+            temperature=np.array([[0.5]], np.float32),
+            top_p=np.array([[0.0]], np.float32),
+            random_seed=np.array([[2**63 - 1]], np.uint64),
+            stream=np.array([[True]]),
+            stop_words=np.array([[b"", b"END"]], dtype=object),
+            ignore_eos=np.array([[True]]),
+        )
+    )
     assert r.prompt == "héllo" and r.stream and r.params.max_tokens == 5 and r.params.temperature == 0.5
     assert r.params.top_p == 1.0  # 0 = no cut, as TensorRT-LLM
     assert r.params.seed == 2**63 - 1 and r.params.stop == ("END",) and r.params.ignore_eos
-    assert parse_request(_getter(text_input=b"x", top_k=np.array([[1]], np.int32),
-                                 temperature=np.array([[0.9]], np.float32))).params.greedy
+    assert parse_request(
+        _getter(text_input=b"x", top_k=np.array([[1]], np.int32), temperature=np.array([[0.9]], np.float32))
+    ).params.greedy
 
 
-@pytest.mark.parametrize("inputs, message", [
-    ({}, "no 'text_input'"),
-    ({"text_input": b""}, "'text_input' is empty"),
-    ({"text_input": b"h\xff\xfei"}, r"'text_input' is not valid UTF-8 \(byte 0xff at offset 1\)"),
-    ({"text_input": np.array([[b"a", b"b"]], dtype=object)}, "one value per request"),
-    ({"text_input": b"x", "max_tokens": np.array([[0]], np.int32)}, r"'max_tokens' must be >= 1 \(got 0\)"),
-    ({"text_input": b"x", "max_tokens": np.array([[-3]], np.int32)}, r"'max_tokens' must be >= 1 \(got -3\)"),
-    ({"text_input": b"x", "max_tokens": np.array([[2.0]], np.float32)}, "'max_tokens' must be an integer"),
-    ({"text_input": b"x", "temperature": np.array([[-1.0]], np.float32)}, "'temperature' must be >= 0"),
-    ({"text_input": b"x", "temperature": np.array([[np.nan]], np.float32)}, "'temperature' must be a finite"),
-    ({"text_input": b"x", "top_p": np.array([[1.5]], np.float32)}, r"'top_p' must be in \(0, 1\]"),
-    ({"text_input": b"x", "random_seed": np.array([[2**63]], np.uint64)}, "'random_seed' must be in 0..2"),
-    ({"text_input": b"x", "stream": np.array([[1]], np.int32)}, "'stream' must be BOOL"),
-    ({"text_input": b"x", "stop_words": np.array([[b"\xc3"]], dtype=object)}, "'stop_words' is not valid UTF-8"),
-    ({"text_input": b"x", "bad_words": np.array([[b"no"]], dtype=object)}, "'bad_words' is not supported"),
-    ({"text_input": b"x", "top_k": np.array([[40]], np.int32)}, "'top_k' 40 is not supported"),
-])
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ({}, "no 'text_input'"),
+        ({"text_input": b""}, "'text_input' is empty"),
+        ({"text_input": b"h\xff\xfei"}, r"'text_input' is not valid UTF-8 \(byte 0xff at offset 1\)"),
+        ({"text_input": np.array([[b"a", b"b"]], dtype=object)}, "one value per request"),
+        ({"text_input": b"x", "max_tokens": np.array([[0]], np.int32)}, r"'max_tokens' must be >= 1 \(got 0\)"),
+        ({"text_input": b"x", "max_tokens": np.array([[-3]], np.int32)}, r"'max_tokens' must be >= 1 \(got -3\)"),
+        ({"text_input": b"x", "max_tokens": np.array([[2.0]], np.float32)}, "'max_tokens' must be an integer"),
+        ({"text_input": b"x", "temperature": np.array([[-1.0]], np.float32)}, "'temperature' must be >= 0"),
+        ({"text_input": b"x", "temperature": np.array([[np.nan]], np.float32)}, "'temperature' must be a finite"),
+        ({"text_input": b"x", "top_p": np.array([[1.5]], np.float32)}, r"'top_p' must be in \(0, 1\]"),
+        ({"text_input": b"x", "random_seed": np.array([[2**63]], np.uint64)}, "'random_seed' must be in 0..2"),
+        ({"text_input": b"x", "stream": np.array([[1]], np.int32)}, "'stream' must be BOOL"),
+        ({"text_input": b"x", "stop_words": np.array([[b"\xc3"]], dtype=object)}, "'stop_words' is not valid UTF-8"),
+        ({"text_input": b"x", "bad_words": np.array([[b"no"]], dtype=object)}, "'bad_words' is not supported"),
+        ({"text_input": b"x", "top_k": np.array([[40]], np.int32)}, "'top_k' 40 is not supported"),
+    ],
+)
 def test_parse_request_refusals_name_the_input(inputs: dict, message: str) -> None:
     with pytest.raises(EngramError, match=message):
         parse_request(_getter(**inputs))
@@ -126,28 +160,53 @@ class _FakePb:
 
 def test_metrics_export_counters_as_increases_and_gauges_as_values() -> None:
     _FakeFamily.made = {}
-    stats: dict[str, Any] = {"running": 3, "waiting": 1, "kv_slots_in_use": 3, "kv_slots": 8, "steps": 10, "tokens": 40,
-                             "prefill_tokens": 30, "decode_tokens": 10, "requests_finished": 2, "max_step_seqs": 4,
-                             "last_step_seqs": 2, "last_step_tokens": 2, "tokens_per_step": 4.0, "step_s": 0.5,
-                             "engram": {"steps": 10, "rows": 960, "bytes_from_host": 0, "lookup_s": 0.01, "paths": {"reference": 10}}}
+    stats: dict[str, Any] = {
+        "running": 3,
+        "waiting": 1,
+        "kv_slots_in_use": 3,
+        "kv_slots": 8,
+        "steps": 10,
+        "tokens": 40,
+        "prefill_tokens": 30,
+        "decode_tokens": 10,
+        "requests_finished": 2,
+        "max_step_seqs": 4,
+        "last_step_seqs": 2,
+        "last_step_tokens": 2,
+        "tokens_per_step": 4.0,
+        "step_s": 0.5,
+        "engram": {"steps": 10, "rows": 960, "bytes_from_host": 0, "lookup_s": 0.01, "paths": {"reference": 10}},
+    }
     exp = MetricsExporter(_FakePb, lambda: stats, {"model": "engram_llm", "instance": "i0"})
     exp.update()
     stats.update(running=0, steps=15, decode_tokens=15, requests_finished=2)
-    stats["engram"] = {**stats["engram"], "rows": 1200, "paths": {"reference": 14, "host": 1},
-                       "hot_cache": {"hits": 7, "capacity_rows": 100}}
+    stats["engram"] = {
+        **stats["engram"],
+        "rows": 1200,
+        "paths": {"reference": 14, "host": 1},
+        "hot_cache": {"hits": 7, "capacity_rows": 100},
+    }
     stats["storage"] = {"kind": "shared", "table_bytes": 4096, "resident_bytes": 4096, "where": "/dev/shm/x"}
     exp.update()
     fam = _FakeFamily.made
     assert fam["engram_requests_running"].kind == "GAUGE" and fam["engram_requests_running"].metrics[0].value == 0
-    assert fam["engram_steps_total"].kind == "COUNTER" and fam["engram_steps_total"].metrics[0].calls == [("inc", 10), ("inc", 5)]
+    assert fam["engram_steps_total"].kind == "COUNTER" and fam["engram_steps_total"].metrics[0].calls == [
+        ("inc", 10),
+        ("inc", 5),
+    ]
     assert fam["engram_requests_finished_total"].metrics[0].calls == [("inc", 2)]  # no increase: no call
     assert fam["engram_lookup_rows_total"].metrics[0].value == 1200
     by_phase = {m.labels["phase"]: m.value for m in fam["engram_tokens_total"].metrics}
     assert by_phase == {"prefill": 30, "decode": 15}
     by_path = {m.labels["path"]: m.value for m in fam["engram_lookup_path_steps_total"].metrics}
     assert by_path == {"reference": 14, "host": 1}
-    assert fam["engram_hot_cache_hits_total"].metrics[0].value == 7 and fam["engram_hot_cache_capacity_rows"].kind == "GAUGE"
-    assert all(m.labels["model"] == "engram_llm" and m.labels["instance"] == "i0" for f in fam.values() for m in f.metrics)
+    assert (
+        fam["engram_hot_cache_hits_total"].metrics[0].value == 7
+        and fam["engram_hot_cache_capacity_rows"].kind == "GAUGE"
+    )
+    assert all(
+        m.labels["model"] == "engram_llm" and m.labels["instance"] == "i0" for f in fam.values() for m in f.metrics
+    )
     assert ("engram_step_sequences_max", ()) in flatten_stats(stats)
     (tb,) = fam["engram_table_bytes"].metrics
     assert tb.labels["storage"] == "shared" and tb.value == 4096 and fam["engram_table_bytes"].kind == "GAUGE"
@@ -156,7 +215,9 @@ def test_metrics_export_counters_as_increases_and_gauges_as_values() -> None:
 # ---------------------------------------------------------------- the repository (no server)
 def _parse_config(text: str) -> Any:
     """config.pbtxt through Triton's own ModelConfig schema (shipped with tritonclient)."""
-    mc = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient is not installed (pip install 'tritonclient[grpc]')")
+    mc = pytest.importorskip(
+        "tritonclient.grpc.model_config_pb2", reason="tritonclient is not installed (pip install 'tritonclient[grpc]')"
+    )
     from google.protobuf import text_format
 
     return text_format.Parse(text, mc.ModelConfig())
@@ -232,7 +293,9 @@ def test_repo_writer_never_clobbers_a_users_folder(small_engine: Path, tmp_path:
 
 def _cli(*argv: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     e = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "engram_trt", *argv], capture_output=True, text=True, env=e, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "engram_trt", *argv], capture_output=True, text=True, env=e, timeout=timeout
+    )
 
 
 def test_cli_triton_repo_and_bad_input(small_engine: Path, tmp_path: Path) -> None:
@@ -242,10 +305,16 @@ def test_cli_triton_repo_and_bad_input(small_engine: Path, tmp_path: Path) -> No
     assert info["instances"] == 2 and info["engram_config"] == {"dp_shared_memory": True}
     assert (tmp_path / "r/engram_llm/config.pbtxt").is_file()
     for argv, msg in [
-        (("triton-repo", str(tmp_path / "missing"), "--out", str(tmp_path / "x")), "engine folder '.*missing' does not exist"),
+        (
+            ("triton-repo", str(tmp_path / "missing"), "--out", str(tmp_path / "x")),
+            "engine folder '.*missing' does not exist",
+        ),
         (("triton-repo", str(small_engine), "--out", str(tmp_path / "r")), "exists and is not empty"),
         (("triton-repo", str(small_engine), "--out", str(tmp_path / "y"), "--gpus", "0,x"), "--gpus '0,x'"),
-        (("triton-repo", str(small_engine), "--out", str(tmp_path / "y"), "--instances", "0"), "--instances must be >= 1"),
+        (
+            ("triton-repo", str(small_engine), "--out", str(tmp_path / "y"), "--instances", "0"),
+            "--instances must be >= 1",
+        ),
         (("serve", str(tmp_path / "missing")), "engine folder '.*missing' does not exist"),
     ]:
         r = _cli(*argv)
@@ -259,10 +328,22 @@ def test_cli_serve_refuses_a_port_in_use(small_engine: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = _cli("serve", str(small_engine), "--address", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
-                 "--metrics-port", "0")
+        r = _cli(
+            "serve",
+            str(small_engine),
+            "--address",
+            "127.0.0.1",
+            "--http-port",
+            str(port),
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+        )
     assert r.returncode == 2, r.stderr
-    assert re.fullmatch(rf"engram-trt: error: --http-port {port}: the port is in use on 127\.0\.0\.1; .*\n", r.stderr), r.stderr
+    assert re.fullmatch(
+        rf"engram-trt: error: --http-port {port}: the port is in use on 127\.0\.0\.1; .*\n", r.stderr
+    ), r.stderr
 
 
 def test_cli_serve_reports_why_the_model_did_not_load(small_engine: Path, tmp_path: Path) -> None:
@@ -283,11 +364,27 @@ def test_cli_serve_reports_why_the_model_did_not_load(small_engine: Path, tmp_pa
     manifest["manifest_version"] = -1
     (bad / "manifest.json").write_text(json.dumps(manifest))
     before = set(Path(tempfile.gettempdir()).glob("engram-trt-serve-*"))
-    r = _cli("serve", str(bad), "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-             "--log-file", str(tmp_path / "triton.log"), timeout=240)
+    r = _cli(
+        "serve",
+        str(bad),
+        "--address",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--log-file",
+        str(tmp_path / "triton.log"),
+        timeout=240,
+    )
     assert r.returncode == 2, r.stderr
-    assert re.fullmatch(r"engram-trt: error: tritonserver exited \(1\) before engram_llm was ready: the model failed to "
-                        r"load: EngramError: .*manifest version -1 is not \d+; rebuild the engine folder.*\n", r.stderr), r.stderr
+    assert re.fullmatch(
+        r"engram-trt: error: tritonserver exited \(1\) before engram_llm was ready: the model failed to "
+        r"load: EngramError: .*manifest version -1 is not \d+; rebuild the engine folder.*\n",
+        r.stderr,
+    ), r.stderr
     assert set(Path(tempfile.gettempdir()).glob("engram-trt-serve-*")) <= before  # its temp folder is gone
 
 
@@ -334,8 +431,14 @@ def server(small_engine: Path, tmp_path_factory: pytest.TempPathFactory):
     at the end, which must exit 0 and remove the temp repository."""
     require_tritonserver()
     log = tmp_path_factory.mktemp("triton") / "tritonserver.log"
-    proc, info = start_serve(small_engine, log, "--max-batch-size", str(SERVER_LIMITS["max_batch_size"]),
-                             "--max-num-tokens", str(SERVER_LIMITS["max_num_tokens"]))
+    proc, info = start_serve(
+        small_engine,
+        log,
+        "--max-batch-size",
+        str(SERVER_LIMITS["max_batch_size"]),
+        "--max-num-tokens",
+        str(SERVER_LIMITS["max_num_tokens"]),
+    )
     info["log"] = log
     info["proc"] = proc
     yield info
@@ -350,7 +453,11 @@ def _metrics(server: dict) -> dict[str, float]:
     for line in text.splitlines():
         m = re.match(r"^(\w+)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$", line)
         if m:
-            labels = ",".join(kv for kv in (m.group(2) or "{}")[1:-1].split(",") if kv and not kv.startswith(("instance=", "version=")))
+            labels = ",".join(
+                kv
+                for kv in (m.group(2) or "{}")[1:-1].split(",")
+                if kv and not kv.startswith(("instance=", "version="))
+            )
             out[f"{m.group(1)}{{{labels}}}"] = float(m.group(3))
     return out
 
@@ -379,8 +486,10 @@ def _grpc_stream(server: dict, prompt: Any, *, stream: bool = True, **inputs: An
         t.set_data_from_numpy(arr)
         return t
 
-    ins = [tensor("text_input", np.array([[prompt.encode() if isinstance(prompt, str) else prompt]], dtype=np.object_)),
-           tensor("stream", np.array([[stream]], dtype=bool))]
+    ins = [
+        tensor("text_input", np.array([[prompt.encode() if isinstance(prompt, str) else prompt]], dtype=np.object_)),
+        tensor("stream", np.array([[stream]], dtype=bool)),
+    ]
     for name, arr in inputs.items():
         ins.append(tensor(name, arr))
     q: queue.Queue = queue.Queue()
@@ -402,7 +511,9 @@ def _grpc_stream(server: dict, prompt: Any, *, stream: bool = True, **inputs: An
 
 
 def _grpc_ids(responses: list[Any]) -> list[int]:
-    return [int(i) for r in responses if r.as_numpy("output_ids") is not None for i in r.as_numpy("output_ids").reshape(-1)]
+    return [
+        int(i) for r in responses if r.as_numpy("output_ids") is not None for i in r.as_numpy("output_ids").reshape(-1)
+    ]
 
 
 GREEDY = {"max_tokens": 12, "ignore_eos": True}
@@ -410,8 +521,13 @@ SEEDED = {"max_tokens": 12, "ignore_eos": True, "temperature": 0.9, "top_p": 0.8
 
 
 def _params(inputs: dict) -> dict:
-    return {"max_tokens": inputs["max_tokens"], "ignore_eos": inputs.get("ignore_eos", False),
-            "temperature": inputs.get("temperature", 0.0), "top_p": inputs.get("top_p", 1.0), "seed": inputs.get("random_seed")}
+    return {
+        "max_tokens": inputs["max_tokens"],
+        "ignore_eos": inputs.get("ignore_eos", False),
+        "temperature": inputs.get("temperature", 0.0),
+        "top_p": inputs.get("top_p", 1.0),
+        "seed": inputs.get("random_seed"),
+    }
 
 
 @pytest.mark.parametrize("inputs", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -437,9 +553,11 @@ def test_grpc_stream_gives_the_tokens_of_llm_generate(server: dict, llm: Any, in
     want = _alone(llm, PROMPTS[2], **_params(inputs))
     arrays = {"max_tokens": np.array([[inputs["max_tokens"]]], np.int32), "ignore_eos": np.array([[True]])}
     if "temperature" in inputs:
-        arrays.update(temperature=np.array([[inputs["temperature"]]], np.float32),
-                      top_p=np.array([[inputs["top_p"]]], np.float32),
-                      random_seed=np.array([[inputs["random_seed"]]], np.uint64))
+        arrays.update(
+            temperature=np.array([[inputs["temperature"]]], np.float32),
+            top_p=np.array([[inputs["top_p"]]], np.float32),
+            random_seed=np.array([[inputs["random_seed"]]], np.uint64),
+        )
     responses, error = _grpc_stream(server, PROMPTS[2], **arrays)
     assert error is None, error
     assert _grpc_ids(responses) == want.token_ids
@@ -465,7 +583,9 @@ def test_sixteen_concurrent_streams_are_batched_and_equal_alone(server: dict, ll
         responses, error = _grpc_stream(server, p, **arrays)
         got[p] = error if error is not None else _grpc_ids(responses)
 
-    threads = [threading.Thread(target=http_client if i % 2 == 0 else grpc_client, args=(p,)) for i, p in enumerate(PROMPTS)]
+    threads = [
+        threading.Thread(target=http_client if i % 2 == 0 else grpc_client, args=(p,)) for i, p in enumerate(PROMPTS)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -474,7 +594,9 @@ def test_sixteen_concurrent_streams_are_batched_and_equal_alone(server: dict, ll
         assert got.get(p) == alone[p], p
     m = _settled_metrics(server, lambda m: m.get("engram_requests_running{model=\"engram_llm\"}") == 0)
     assert m['engram_step_sequences_max{model="engram_llm"}'] >= 8, m  # batched together, not one at a time
-    assert m['engram_requests_running{model="engram_llm"}'] == 0 and m['engram_kv_slots_in_use{model="engram_llm"}'] == 0
+    assert (
+        m['engram_requests_running{model="engram_llm"}'] == 0 and m['engram_kv_slots_in_use{model="engram_llm"}'] == 0
+    )
     assert m['engram_kv_slots{model="engram_llm"}'] == SERVER_LIMITS["max_batch_size"]
 
 
@@ -504,22 +626,38 @@ def test_metrics_count_the_lookups_of_a_request(server: dict, llm: Any) -> None:
 GOOD = {"text_input": PROMPTS[4], "max_tokens": 6, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("body, status, message", [
-    ({"max_tokens": 4}, 400, "no 'text_input'"),
-    ({"text_input": "", "max_tokens": 4}, 400, "'text_input' is empty"),
-    ({"text_input": "hi", "max_tokens": 0}, 400, r"'max_tokens' must be >= 1 \(got 0\)"),
-    ({"text_input": "hi", "max_tokens": -2}, 400, r"'max_tokens' must be >= 1 \(got -2\)"),
-    ({"text_input": "word " * 600, "max_tokens": 4}, 400, "exceed the runtime's max_seq_len 512"),
-    ({"text_input": "hi", "max_tokens": 600}, 400, "exceed the runtime's max_seq_len 512"),
-    (b'{"text_input": "h\xff\xfei", "max_tokens": 4}', 400, r"'text_input' is not valid UTF-8 \(byte 0xff"),
-    ({"text_input": "hi", "temperature": -1.0}, 400, "'temperature' must be >= 0"),
-    ({"text_input": "hi", "top_p": 2.0}, 400, r"'top_p' must be in \(0, 1\]"),
-    ({"text_input": "hi", "max_tokens": "ten"}, None, "Unable to parse"),  # Triton's own type check
-    ({"text_input": ["a", "b"], "max_tokens": 4}, None, "."),  # two prompts in one request
-], ids=["no-prompt", "empty-prompt", "max-tokens-0", "max-tokens-negative", "prompt-too-long", "prompt-plus-output-too-long",
-        "invalid-utf8", "temperature", "top-p", "wrong-type", "two-prompts"])
-def test_malformed_request_gets_an_error_and_the_server_keeps_serving(server: dict, llm: Any, body: Any, status: int | None,
-                                                                       message: str) -> None:
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"max_tokens": 4}, 400, "no 'text_input'"),
+        ({"text_input": "", "max_tokens": 4}, 400, "'text_input' is empty"),
+        ({"text_input": "hi", "max_tokens": 0}, 400, r"'max_tokens' must be >= 1 \(got 0\)"),
+        ({"text_input": "hi", "max_tokens": -2}, 400, r"'max_tokens' must be >= 1 \(got -2\)"),
+        ({"text_input": "word " * 600, "max_tokens": 4}, 400, "exceed the runtime's max_seq_len 512"),
+        ({"text_input": "hi", "max_tokens": 600}, 400, "exceed the runtime's max_seq_len 512"),
+        (b'{"text_input": "h\xff\xfei", "max_tokens": 4}', 400, r"'text_input' is not valid UTF-8 \(byte 0xff"),
+        ({"text_input": "hi", "temperature": -1.0}, 400, "'temperature' must be >= 0"),
+        ({"text_input": "hi", "top_p": 2.0}, 400, r"'top_p' must be in \(0, 1\]"),
+        ({"text_input": "hi", "max_tokens": "ten"}, None, "Unable to parse"),  # Triton's own type check
+        ({"text_input": ["a", "b"], "max_tokens": 4}, None, "."),  # two prompts in one request
+    ],
+    ids=[
+        "no-prompt",
+        "empty-prompt",
+        "max-tokens-0",
+        "max-tokens-negative",
+        "prompt-too-long",
+        "prompt-plus-output-too-long",
+        "invalid-utf8",
+        "temperature",
+        "top-p",
+        "wrong-type",
+        "two-prompts",
+    ],
+)
+def test_malformed_request_gets_an_error_and_the_server_keeps_serving(
+    server: dict, llm: Any, body: Any, status: int | None, message: str
+) -> None:
     got_status, got = hc.generate(server["http"], body)
     assert got_status >= 400 and (status is None or got_status == status), (got_status, got)
     assert set(got) == {"error"} and re.search(message, got["error"]), got
@@ -532,15 +670,22 @@ def test_malformed_request_gets_an_error_and_the_server_keeps_serving(server: di
 
 def test_malformed_grpc_requests_name_the_problem(server: dict, llm: Any) -> None:
     want = _alone(llm, GOOD["text_input"], max_tokens=6, ignore_eos=True)
-    cases = [(b"h\xff", {}, r"'text_input' is not valid UTF-8"),
-             ("hi", {"max_tokens": np.array([[4.0]], np.float32)}, r"'max_tokens' data-type is 'FP32', but model 'engram_llm' expects 'INT32'"),
-             ("hi", {"max_tokens": np.array([[0]], np.int32)}, r"'max_tokens' must be >= 1"),
-             ("hi", {"random_seed": np.array([[2**64 - 1]], np.uint64)}, r"'random_seed' must be in 0..2\^63-1")]
+    cases = [
+        (b"h\xff", {}, r"'text_input' is not valid UTF-8"),
+        (
+            "hi",
+            {"max_tokens": np.array([[4.0]], np.float32)},
+            r"'max_tokens' data-type is 'FP32', but model 'engram_llm' expects 'INT32'",
+        ),
+        ("hi", {"max_tokens": np.array([[0]], np.int32)}, r"'max_tokens' must be >= 1"),
+        ("hi", {"random_seed": np.array([[2**64 - 1]], np.uint64)}, r"'random_seed' must be in 0..2\^63-1"),
+    ]
     for prompt, arrays, message in cases:
         responses, error = _grpc_stream(server, prompt, **arrays)
         assert error is not None and re.search(message, str(error)), (prompt, arrays, error)
-        responses, error = _grpc_stream(server, GOOD["text_input"], max_tokens=np.array([[6]], np.int32),
-                                        ignore_eos=np.array([[True]]))
+        responses, error = _grpc_stream(
+            server, GOOD["text_input"], max_tokens=np.array([[6]], np.int32), ignore_eos=np.array([[True]])
+        )
         assert error is None and _grpc_ids(responses) == want.token_ids
 
 
@@ -548,9 +693,14 @@ def test_a_client_that_goes_away_is_cancelled(server: dict) -> None:
     """Dropping the connection after 3 of 450 tokens stops the request well before its
     end and frees its KV slot."""
     running, slots = 'engram_requests_running{model="engram_llm"}', 'engram_kv_slots_in_use{model="engram_llm"}'
-    finished, decode = 'engram_requests_finished_total{model="engram_llm"}', 'engram_tokens_total{model="engram_llm",phase="decode"}'
+    finished, decode = (
+        'engram_requests_finished_total{model="engram_llm"}',
+        'engram_tokens_total{model="engram_llm",phase="decode"}',
+    )
     before = _settled_metrics(server, lambda m: m.get(running) == 0)
-    stream = hc.EventStream(server["http"], {"text_input": PROMPTS[5], "max_tokens": 450, "ignore_eos": True, "stream": True})
+    stream = hc.EventStream(
+        server["http"], {"text_input": PROMPTS[5], "max_tokens": 450, "ignore_eos": True, "stream": True}
+    )
     events = iter(stream)
     first = [next(events) for _ in range(3)]
     assert all("text_output" in e for e in first)
@@ -636,19 +786,37 @@ def model(small_engine: Path):
     from engram_trt.triton.repo import model_parameters
 
     _FakeFamily.made = {}
-    opts = resolve_options(RepoOptions(small_engine, max_batch_size=SERVER_LIMITS["max_batch_size"],
-                                       max_num_tokens=SERVER_LIMITS["max_num_tokens"]))
-    config = {"model_transaction_policy": {"decoupled": True},
-              "parameters": {k: {"string_value": v} for k, v in model_parameters(opts).items()}}
-    m = EngramTritonModel(_Pb, {"model_config": json.dumps(config), "model_name": "engram_llm", "model_version": "1",
-                                "model_instance_name": "engram_llm_0_0", "model_instance_kind": "CPU"})
+    opts = resolve_options(
+        RepoOptions(
+            small_engine, max_batch_size=SERVER_LIMITS["max_batch_size"], max_num_tokens=SERVER_LIMITS["max_num_tokens"]
+        )
+    )
+    config = {
+        "model_transaction_policy": {"decoupled": True},
+        "parameters": {k: {"string_value": v} for k, v in model_parameters(opts).items()},
+    }
+    m = EngramTritonModel(
+        _Pb,
+        {
+            "model_config": json.dumps(config),
+            "model_name": "engram_llm",
+            "model_version": "1",
+            "model_instance_name": "engram_llm_0_0",
+            "model_instance_kind": "CPU",
+        },
+    )
     yield m
     m.finalize()
 
 
 def _req(prompt: str, n: int, stream: bool, sender: _Sender | None = None) -> _Request:
-    return _Request(sender or _Sender(), text_input=np.array([[prompt.encode()]], dtype=object),
-                    max_tokens=np.array([[n]], np.int32), stream=np.array([[stream]]), ignore_eos=np.array([[True]]))
+    return _Request(
+        sender or _Sender(),
+        text_input=np.array([[prompt.encode()]], dtype=object),
+        max_tokens=np.array([[n]], np.int32),
+        stream=np.array([[stream]]),
+        ignore_eos=np.array([[True]]),
+    )
 
 
 def test_model_streams_deltas_and_ends_with_one_final_response(model: Any, llm: Any) -> None:
@@ -682,7 +850,9 @@ def test_model_cancels_a_request_whose_client_is_gone(model: Any) -> None:
     while model.llm.stats()["requests_finished"] == before["requests_finished"] and time.monotonic() < deadline:
         time.sleep(0.02)
     st = model.llm.stats()
-    assert st["requests_finished"] == before["requests_finished"] + 1 and st["running"] == 0 and st["kv_slots_in_use"] == 0
+    assert (
+        st["requests_finished"] == before["requests_finished"] + 1 and st["running"] == 0 and st["kv_slots_in_use"] == 0
+    )
     assert len(gone.sender.sent) == 2 and st["decode_tokens"] - before["decode_tokens"] < 399  # stopped early
 
 
@@ -691,13 +861,40 @@ def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any
     attach the one shared table store; concurrent requests spread over both and each
     gets the tokens LLM.generate gives."""
     require_tritonserver()
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(small_engine), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--instances", "2", "--exit-timeout", "10",
-           "--log-file", str(tmp_path / "tritonserver.log"),
-           "--max-batch-size", str(SERVER_LIMITS["max_batch_size"]), "--max-num-tokens", str(SERVER_LIMITS["max_num_tokens"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engram_trt",
+        "serve",
+        str(small_engine),
+        "--address",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--json",
+        "--instances",
+        "2",
+        "--exit-timeout",
+        "10",
+        "--log-file",
+        str(tmp_path / "tritonserver.log"),
+        "--max-batch-size",
+        str(SERVER_LIMITS["max_batch_size"]),
+        "--max-num-tokens",
+        str(SERVER_LIMITS["max_num_tokens"]),
+    ]
     segments_before = {p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 240)
         line = proc.stdout.readline() if ready else ""
@@ -705,16 +902,20 @@ def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any
         info = json.loads(line)
         assert info["instances"] == 2
         # Only the segments this server maps (a test or server beside it may make its own).
-        made = ({p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before) \
-            & segments_mapped_by(proc.pid)
+        made = ({p.name for p in Path("/dev/shm").glob("engram-trt-*.tables")} - segments_before) & segments_mapped_by(
+            proc.pid
+        )
         want = {p: _alone(llm, p, max_tokens=10, ignore_eos=True).token_ids for p in PROMPTS[:8]}
         got: dict[str, list[int]] = {}
         barrier = threading.Barrier(8)
 
         def client(p: str) -> None:
             barrier.wait()
-            got[p] = hc.collect(hc.generate_stream(info["http"], {"text_input": p, "max_tokens": 10, "ignore_eos": True,
-                                                                  "stream": True}))[1]
+            got[p] = hc.collect(
+                hc.generate_stream(
+                    info["http"], {"text_input": p, "max_tokens": 10, "ignore_eos": True, "stream": True}
+                )
+            )[1]
 
         threads = [threading.Thread(target=client, args=(p,)) for p in want]
         for t in threads:
@@ -723,10 +924,13 @@ def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any
             t.join(120)
         assert got == want
         text = urllib.request.urlopen(info["metrics"], timeout=10).read().decode()
-        storage = re.findall(r'^engram_table_bytes\{instance="(\w+)",model="engram_llm",storage="(\w+)",version="1"\} (\S+)$',
-                             text, re.M)
+        storage = re.findall(
+            r'^engram_table_bytes\{instance="(\w+)",model="engram_llm",storage="(\w+)",version="1"\} (\S+)$', text, re.M
+        )
         assert sorted((i, kind, float(v)) for i, kind, v in storage) == [
-            ("engram_llm_0_0", "shared", llm.storage["table_bytes"]), ("engram_llm_0_1", "shared", llm.storage["table_bytes"])]
+            ("engram_llm_0_0", "shared", llm.storage["table_bytes"]),
+            ("engram_llm_0_1", "shared", llm.storage["table_bytes"]),
+        ]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0
@@ -760,14 +964,28 @@ def test_model_ends_a_request_with_nan_logits_in_one_error_and_serves_the_others
     save_file(d, str(ck / "model.safetensors"), metadata={"format": "pt"})
     prompts = ["w5 w6 w7", "w5 w17 w7", "w9 w10"]
     with LLM(str(clean), backend="torch", device="cpu", dtype="fp32") as ref:
-        want = {p: o.token_ids for p, o in zip(prompts, ref.generate(
-            prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))}
+        want = {
+            p: o.token_ids
+            for p, o in zip(
+                prompts, ref.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            )
+        }
     _FakeFamily.made = {}
     opts = resolve_options(RepoOptions(ck, device="cpu", dtype="fp32", max_batch_size=4, max_num_tokens=32))
-    config = {"model_transaction_policy": {"decoupled": True},
-              "parameters": {k: {"string_value": v} for k, v in model_parameters(opts).items()}}
-    m = EngramTritonModel(_Pb, {"model_config": json.dumps(config), "model_name": "engram_llm", "model_version": "1",
-                                "model_instance_name": "engram_llm_0_0", "model_instance_kind": "CPU"})
+    config = {
+        "model_transaction_policy": {"decoupled": True},
+        "parameters": {k: {"string_value": v} for k, v in model_parameters(opts).items()},
+    }
+    m = EngramTritonModel(
+        _Pb,
+        {
+            "model_config": json.dumps(config),
+            "model_name": "engram_llm",
+            "model_version": "1",
+            "model_instance_name": "engram_llm_0_0",
+            "model_instance_kind": "CPU",
+        },
+    )
     try:
         reqs = [_req(p, 4, False) for p in prompts]
         m.execute(reqs)
@@ -782,7 +1000,11 @@ def test_model_ends_a_request_with_nan_logits_in_one_error_and_serves_the_others
         ((resp, flags),) = r.sender.sent
         assert flags == 1
         if "w17" in p:
-            assert resp.error is not None and "logits are NaN or Inf" in resp.error.message and "\n" not in resp.error.message
+            assert (
+                resp.error is not None
+                and "logits are NaN or Inf" in resp.error.message
+                and "\n" not in resp.error.message
+            )
         else:
             assert resp.error is None and resp.tensors["output_ids"].reshape(-1).tolist() == want[p]
     assert [int(i) for resp, _ in later.sender.sent for i in resp.tensors["output_ids"].reshape(-1)] == want[prompts[2]]

@@ -38,8 +38,11 @@ class AttentionOptions:
     """``python benchmarks/kernels/bench_attention.py``'s flags."""
 
     reps: int = opt(20, help="timed calls per case (median; default: %(default)s)")
-    cases: list[str] = opt(list(ATTENTION_CASES), choices=list(ATTENTION_CASES),
-                           help=f"cases to time, of {', '.join(ATTENTION_CASES)} (default: all)")
+    cases: list[str] = opt(
+        list(ATTENTION_CASES),
+        choices=list(ATTENTION_CASES),
+        help=f"cases to time, of {', '.join(ATTENTION_CASES)} (default: all)",
+    )
     json: str | None = opt(None, metavar="FILE", help="write all figures as JSON to FILE")
 
 
@@ -64,8 +67,10 @@ def time_case(label: str, device: Any, reps: int, limits: dict[str, float]) -> d
 
     c = attention_case(*ATTENTION_CASES[label], device)
     out = c.q.new_empty(c.q.shape)
-    ours = event_seconds(lambda: attention_kernels.attention_step(c.q, c.k, c.v, c.kc, c.vc, c.slots, c.pos,
-                                                                  scale=c.scale, out=out), reps)
+    ours = event_seconds(
+        lambda: attention_kernels.attention_step(c.q, c.k, c.v, c.kc, c.vc, c.slots, c.pos, scale=c.scale, out=out),
+        reps,
+    )
 
     def packed() -> Any:
         return attention_kernels.attention_packed(c.q, c.kc, c.vc, c.slots, c.pos, scale=c.scale, out=out)
@@ -75,19 +80,33 @@ def time_case(label: str, device: Any, reps: int, limits: dict[str, float]) -> d
         tiled = event_seconds(packed, reps)
     theirs = event_seconds(c.sdpa, reps)
     # agreement on the timed data (the reference here is SDPA itself)
-    rel = rel_err(attention_kernels.attention_packed(c.q, c.kc, c.vc, c.slots, c.pos, scale=c.scale).float(),
-                  c.sdpa().float())
+    rel = rel_err(
+        attention_kernels.attention_packed(c.q, c.kc, c.vc, c.slots, c.pos, scale=c.scale).float(), c.sdpa().float()
+    )
     # the floor: the K/V read once at the HBM rate, or the math at the bf16 matrix rate
     # (a prefill chunk's bound), whichever is longer
     floor = max(c.kv_bytes / (limits["hbm_GBps"] * 1e9), c.flops / (limits["bf16_TFLOPs"] * 1e12))
-    row = {"engram_step_s": ours, "engram_attention_s": ours_attn, "sdpa_s": theirs, "tiled_attention_s": tiled,
-           "kv_floor_s": floor, "ratio_to_floor": ours_attn / floor, "ratio_to_tiled": ours_attn / tiled,
-           "tiled_GBps": c.kv_bytes / tiled / 1e9, "ratio_to_sdpa": ours_attn / theirs,
-           "engram_GBps": c.kv_bytes / ours_attn / 1e9, "engram_TFLOPs": c.flops / ours_attn / 1e12,
-           "sdpa_TFLOPs": c.flops / theirs / 1e12, "rel_diff_vs_sdpa": rel, "agree_with_sdpa": rel < 1e-2}
-    say(f"  {label:<22} step {ours * 1e6:9.1f} us  attention {ours_attn * 1e6:9.1f} us  SDPA {theirs * 1e6:9.1f} us"
+    row = {
+        "engram_step_s": ours,
+        "engram_attention_s": ours_attn,
+        "sdpa_s": theirs,
+        "tiled_attention_s": tiled,
+        "kv_floor_s": floor,
+        "ratio_to_floor": ours_attn / floor,
+        "ratio_to_tiled": ours_attn / tiled,
+        "tiled_GBps": c.kv_bytes / tiled / 1e9,
+        "ratio_to_sdpa": ours_attn / theirs,
+        "engram_GBps": c.kv_bytes / ours_attn / 1e9,
+        "engram_TFLOPs": c.flops / ours_attn / 1e12,
+        "sdpa_TFLOPs": c.flops / theirs / 1e12,
+        "rel_diff_vs_sdpa": rel,
+        "agree_with_sdpa": rel < 1e-2,
+    }
+    say(
+        f"  {label:<22} step {ours * 1e6:9.1f} us  attention {ours_attn * 1e6:9.1f} us  SDPA {theirs * 1e6:9.1f} us"
         f"  ({ours_attn / theirs:.2f} x SDPA, {ours_attn / floor:.2f} x floor, {row['engram_TFLOPs']:.1f} TFLOP/s)"
-        f"  tiled kernel {tiled * 1e6:9.1f} us")
+        f"  tiled kernel {tiled * 1e6:9.1f} us"
+    )
     return row
 
 
@@ -105,8 +124,10 @@ def run(opts: AttentionOptions) -> int:
         raise EngramError(f"--reps must be >= 1 and --cases name at least one case (got {opts.reps}, {opts.cases})")
     device = require_cuda("attention")
     limits = measure_limits(device)
-    say(f"timing: bf16, 32 query / 8 KV heads of 128; SDPA on padded [B, H, S, hd] with enable_gqa; "
-        f"HBM copy {limits['hbm_GBps']:.0f} GB/s, bf16 matrix rate {limits['bf16_TFLOPs']:.0f} TFLOP/s (the floor's rates)")
+    say(
+        f"timing: bf16, 32 query / 8 KV heads of 128; SDPA on padded [B, H, S, hd] with enable_gqa; "
+        f"HBM copy {limits['hbm_GBps']:.0f} GB/s, bf16 matrix rate {limits['bf16_TFLOPs']:.0f} TFLOP/s (the floor's rates)"
+    )
     rows = {label: time_case(label, device, opts.reps, limits) for label in opts.cases}
     print_timing(rows)
     dump({"device": torch.cuda.get_device_name(device), "reps": opts.reps, "limits": limits, "cases": rows}, opts.json)
@@ -114,15 +135,21 @@ def run(opts: AttentionOptions) -> int:
 
 
 def print_timing(rows: dict[str, Any]) -> None:
-    say(f"{'case':<22} | {'step us':>9} | {'attn us':>9} | {'SDPA us':>9} | x SDPA | x floor | TFLOP/s | "
-        f"{'tiled us':>9} | x tiled")
+    say(
+        f"{'case':<22} | {'step us':>9} | {'attn us':>9} | {'SDPA us':>9} | x SDPA | x floor | TFLOP/s | "
+        f"{'tiled us':>9} | x tiled"
+    )
     for label, r in rows.items():
-        say(f"{label:<22} | {r['engram_step_s'] * 1e6:9.1f} | {r['engram_attention_s'] * 1e6:9.1f} | "
+        say(
+            f"{label:<22} | {r['engram_step_s'] * 1e6:9.1f} | {r['engram_attention_s'] * 1e6:9.1f} | "
             f"{r['sdpa_s'] * 1e6:9.1f} | {r['ratio_to_sdpa']:6.2f} | {r['ratio_to_floor']:7.2f} | "
             f"{r['engram_TFLOPs']:.1f} (SDPA {r['sdpa_TFLOPs']:.1f}) | {r['tiled_attention_s'] * 1e6:9.1f} | "
-            f"{r['ratio_to_tiled']:.2f}")
-    say("floor: the K/V bytes the step reads once at the HBM copy rate, or its FLOPs at the bf16 matrix rate, "
-        "whichever is longer, both measured in this run (x floor = time / floor)")
+            f"{r['ratio_to_tiled']:.2f}"
+        )
+    say(
+        "floor: the K/V bytes the step reads once at the HBM copy rate, or its FLOPs at the bf16 matrix rate, "
+        "whichever is longer, both measured in this run (x floor = time / floor)"
+    )
 
 
 OPTIONS = AttentionOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)

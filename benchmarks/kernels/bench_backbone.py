@@ -47,8 +47,12 @@ def say(msg: str) -> None:
 def backbone_weight_bytes(model: Any) -> int:
     """Bytes of every parameter but the Engram layers' (wkv, q / k weights): what a decode
     step of the backbone reads once."""
-    engram = {id(p) for layer in model.model.layers if layer.engram_module is not None
-              for p in layer.engram_module.parameters()}
+    engram = {
+        id(p)
+        for layer in model.model.layers
+        if layer.engram_module is not None
+        for p in layer.engram_module.parameters()
+    }
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in engram)
 
 
@@ -66,8 +70,11 @@ def count_kernels(fn: Any, breakdown: dict | None = None) -> int | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                  and not e.name.lower().startswith(("memcpy", "memset"))]
+        events = [
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.lower().startswith(("memcpy", "memset"))
+        ]
         if breakdown is not None:
             for e in events:
                 entry = breakdown.setdefault(e.name, [0, 0.0])
@@ -88,22 +95,37 @@ def say_breakdown(label: str, step_ms: float, breakdown: dict, top: int = 10) ->
     kernels = {k: v for k, v in breakdown.items() if k != UNION}
     summed = sum(v[1] for v in kernels.values())
     busy = breakdown.get(UNION, [0, summed])[1]
-    say(f"  {label}: some kernel running {busy / 1e3:.3f} ms of the {step_ms:.3f} ms step (gaps and launch latency: "
+    say(
+        f"  {label}: some kernel running {busy / 1e3:.3f} ms of the {step_ms:.3f} ms step (gaps and launch latency: "
         f"{max(0.0, step_ms - busy / 1e3):.3f} ms; kernel spans summed {summed / 1e3:.3f} ms, more when they overlap); "
-        "top kernels by GPU time:")
+        "top kernels by GPU time:"
+    )
     for name, (n, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
         say(f"    {us:8.1f} us  {n:4d} x {us / n:6.1f} us  {name[:110]}")
 
 
 # How the summary line names each variant beside the default fused step, in its order.
-VARIANT_WORDS = {"fused, SDPA over copies": "with SDPA over copies of the cache",
-                 "fused, GEMM library": "with the GEMM library's projections",
-                 "fused, no PDL": "without dependent launches",
-                 "fused, tiled attention": "with the tiled attention kernel"}
+VARIANT_WORDS = {
+    "fused, SDPA over copies": "with SDPA over copies of the cache",
+    "fused, GEMM library": "with the GEMM library's projections",
+    "fused, no PDL": "without dependent launches",
+    "fused, tiled attention": "with the tiled attention kernel",
+}
 
 
-def time_variant(model: Any, cache: Any, step: Any, B: int, past: int, name: str, iters: int, bound_ms: float,
-                 row: dict, last: dict, result: dict) -> None:
+def time_variant(
+    model: Any,
+    cache: Any,
+    step: Any,
+    B: int,
+    past: int,
+    name: str,
+    iters: int,
+    bound_ms: float,
+    row: dict,
+    last: dict,
+    result: dict,
+) -> None:
     """One variant of a decode step from a CUDA graph: its time, kernels and logits."""
     from engram_trt.bench.common import time_fn
     from cases import decode_step
@@ -115,8 +137,12 @@ def time_variant(model: Any, cache: Any, step: Any, B: int, past: int, name: str
     last[name] = one().float().clone()  # a graph's output buffer: the next replay overwrites it
     result["replayed"][f"decode {B}: {name}"] = graphs.failed or graphs.replays > 0
     breakdown: dict = {}
-    row[name] = {"step_ms": t["median_s"] * 1e3, "ratio_to_bound": t["median_s"] * 1e3 / bound_ms,
-                 "kernels": count_kernels(one, breakdown), "kernel_us": breakdown}
+    row[name] = {
+        "step_ms": t["median_s"] * 1e3,
+        "ratio_to_bound": t["median_s"] * 1e3 / bound_ms,
+        "kernels": count_kernels(one, breakdown),
+        "kernel_us": breakdown,
+    }
     if name.startswith("fused"):
         say_breakdown(f"decode {B} {name}", row[name]["step_ms"], breakdown)
 
@@ -136,8 +162,10 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...], result: dict, 
     weight_bytes = backbone_weight_bytes(model)
     past = context
     rng = np.random.default_rng(1)
-    say(f"timing: decode at context {past}, Engram layers removed; backbone weights {weight_bytes / 2**30:.2f} GiB, "
-        f"HBM copy {limits['hbm_GBps']:.0f} GB/s")
+    say(
+        f"timing: decode at context {past}, Engram layers removed; backbone weights {weight_bytes / 2**30:.2f} GiB, "
+        f"HBM copy {limits['hbm_GBps']:.0f} GB/s"
+    )
     try:
         for B in batches:
             cache, step = decode_case(model, B, past, rng)
@@ -153,11 +181,16 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...], result: dict, 
             row["fused_vs_unfused_rel_l2"] = rel_err(last["fused"], last["unfused"])
             row["speedup"] = row["unfused"]["step_ms"] / row["fused"]["step_ms"]
             result["timing"][f"decode {B}"] = row
-            say(f"  decode {B}: unfused {row['unfused']['step_ms']:.3f} ms ({row['unfused']['ratio_to_bound']:.2f}x "
+            say(
+                f"  decode {B}: unfused {row['unfused']['step_ms']:.3f} ms ({row['unfused']['ratio_to_bound']:.2f}x "
                 f"bound), fused {row['fused']['step_ms']:.3f} ms ({row['fused']['ratio_to_bound']:.2f}x), bound "
                 f"{bound_ms:.3f} ms"
-                + "".join(f"; fused {what} {row[name]['step_ms']:.3f} ms ({row[name]['ratio_to_bound']:.2f}x)"
-                          for name, what in VARIANT_WORDS.items() if name in row))
+                + "".join(
+                    f"; fused {what} {row[name]['step_ms']:.3f} ms ({row[name]['ratio_to_bound']:.2f}x)"
+                    for name, what in VARIANT_WORDS.items()
+                    if name in row
+                )
+            )
             cache = None
             torch.cuda.empty_cache()
     finally:
@@ -167,14 +200,17 @@ def time_decode(model: Any, iters: int, batches: tuple[int, ...], result: dict, 
 
 
 def print_table(timing: dict) -> None:
-    say(f"{'case':<11} | {'bound ms':>8} | {'unfused ms':>10} | {'x bound':>7} | {'fused ms':>8} | {'x bound':>7} | "
-        f"{'speedup':>7} | kernels unfused -> fused")
+    say(
+        f"{'case':<11} | {'bound ms':>8} | {'unfused ms':>10} | {'x bound':>7} | {'fused ms':>8} | {'x bound':>7} | "
+        f"{'speedup':>7} | kernels unfused -> fused"
+    )
     for label, r in timing.items():
         u, f = r["unfused"], r["fused"]
-        say(f"{label:<11} | {r['bound_ms']:8.3f} | {u['step_ms']:10.3f} | {u['ratio_to_bound']:7.2f} | "
-            f"{f['step_ms']:8.3f} | {f['ratio_to_bound']:7.2f} | {r['speedup']:7.2f} | {u['kernels']} -> {f['kernels']}")
+        say(
+            f"{label:<11} | {r['bound_ms']:8.3f} | {u['step_ms']:10.3f} | {u['ratio_to_bound']:7.2f} | "
+            f"{f['step_ms']:8.3f} | {f['ratio_to_bound']:7.2f} | {r['speedup']:7.2f} | {u['kernels']} -> {f['kernels']}"
+        )
     say("bound: backbone weights + K/V read once at the HBM copy rate measured in this run; target <= 3x at batch 1")
-
 
 
 def run(opts: BackboneOptions) -> int:
@@ -188,8 +224,9 @@ def run(opts: BackboneOptions) -> int:
     from engram_trt.errors import EngramError
 
     if opts.iters < 1 or not opts.batches or min(opts.batches) < 1 or opts.context < 1:
-        raise EngramError(f"--iters, --batches and --context must be >= 1 (got {opts.iters}, {opts.batches}, "
-                          f"{opts.context})")
+        raise EngramError(
+            f"--iters, --batches and --context must be >= 1 (got {opts.iters}, {opts.batches}, {opts.context})"
+        )
     device = require_cuda("backbone")
     result: dict[str, Any] = {"timing": {}, "replayed": {}}
     model, _, _ = build_model(device)

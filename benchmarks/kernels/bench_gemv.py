@@ -29,8 +29,14 @@ from engram_trt.bench.options import opt  # noqa: E402
 log = logging.getLogger(__name__)
 
 # The 1B model's decode projections (bench step --model 1b): [N, K] of nn.Linear.
-SHAPES: dict[str, tuple[int, int]] = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048),
-                                      "down": (2048, 5632), "wkv": (10240, 6144), "lm_head": (129280, 2048)}
+SHAPES: dict[str, tuple[int, int]] = {
+    "qkv": (4096, 2048),
+    "o": (2048, 2048),
+    "gate_up": (11264, 2048),
+    "down": (2048, 5632),
+    "wkv": (10240, 6144),
+    "lm_head": (129280, 2048),
+}
 ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 5x the H200's 50 MB L2
 
 
@@ -38,8 +44,11 @@ ROTATE_BYTES = 256 << 20  # weights cycled per graph: > 5x the H200's 50 MB L2
 class GemvOptions:
     """``python benchmarks/kernels/bench_gemv.py``'s flags."""
 
-    shapes: list[str] = opt(list(SHAPES), choices=list(SHAPES),
-                            help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)")
+    shapes: list[str] = opt(
+        list(SHAPES),
+        choices=list(SHAPES),
+        help=f"projections to time, of {','.join(SHAPES)} (default: all; the 1B model's)",
+    )
     tokens: list[int] = opt([1, 2, 4], help="tokens per step (x's rows), each <= 4 (default: 1,2,4)")
     calls: int = opt(32, help="calls per graph replay (default: %(default)s)")
     iters: int = opt(20, help="timed replays per case (median; default: %(default)s)")
@@ -72,17 +81,23 @@ def run(opts: GemvOptions) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     major, minor = torch.cuda.get_device_capability(device)
     if major < backbone_kernels.GEMV_MIN_CAPABILITY:
-        raise EngramError(f"bench gemv times the kernel library's GEMV, built for compute capability "
-                          f"{backbone_kernels.GEMV_MIN_CAPABILITY}.0 and later; this GPU is {major}.{minor}")
+        raise EngramError(
+            f"bench gemv times the kernel library's GEMV, built for compute capability "
+            f"{backbone_kernels.GEMV_MIN_CAPABILITY}.0 and later; this GPU is {major}.{minor}"
+        )
     backbone_kernels.load()
     limits = measure_limits(device)
     hbm = limits["hbm_GBps"]
-    print(f"device {torch.cuda.get_device_name(device)}; HBM copy {hbm:.0f} GB/s (read + written; the floor below); "
-          f"{opts.calls} calls per graph, weights rotated over >= {ROTATE_BYTES >> 20} MiB")
+    print(
+        f"device {torch.cuda.get_device_name(device)}; HBM copy {hbm:.0f} GB/s (read + written; the floor below); "
+        f"{opts.calls} calls per graph, weights rotated over >= {ROTATE_BYTES >> 20} MiB"
+    )
     gen = torch.Generator(device=device).manual_seed(0)
     rows: list[dict[str, Any]] = []
-    print(f"{'shape':<8} {'N x K':>13} {'T':>2} | {'floor us':>8} | {'GEMM lib us':>11} {'x floor':>7} | "
-          f"{'GEMV us':>9} {'x floor':>7} | {'static us':>9} {'x floor':>7} | GEMV / GEMM lib | static / GEMM lib")
+    print(
+        f"{'shape':<8} {'N x K':>13} {'T':>2} | {'floor us':>8} | {'GEMM lib us':>11} {'x floor':>7} | "
+        f"{'GEMV us':>9} {'x floor':>7} | {'static us':>9} {'x floor':>7} | GEMV / GEMM lib | static / GEMM lib"
+    )
     for name in shapes:
         N, K = SHAPES[name]
         copies = max(1, min(opts.calls, -(-ROTATE_BYTES // (N * K * 2))))
@@ -91,27 +106,50 @@ def run(opts: GemvOptions) -> int:
         for T in tokens:
             x = torch.randn(T, K, device=device, dtype=torch.bfloat16, generator=gen)
             out = torch.empty(T, N, device=device, dtype=torch.bfloat16)
-            row: dict[str, Any] = {"shape": name, "N": N, "K": K, "tokens": T, "floor_us": floor_us, "weight_copies": copies}
-            row["gemm_library_us"] = time_graph(lambda i: torch.matmul(x, weights[i % copies].t(), out=out), opts.calls,
-                                                opts.iters, device) * 1e6
-            row["gemv_us"] = time_graph(lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out), opts.calls,
-                                        opts.iters, device) * 1e6
+            row: dict[str, Any] = {
+                "shape": name,
+                "N": N,
+                "K": K,
+                "tokens": T,
+                "floor_us": floor_us,
+                "weight_copies": copies,
+            }
+            row["gemm_library_us"] = (
+                time_graph(lambda i: torch.matmul(x, weights[i % copies].t(), out=out), opts.calls, opts.iters, device)
+                * 1e6
+            )
+            row["gemv_us"] = (
+                time_graph(
+                    lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out), opts.calls, opts.iters, device
+                )
+                * 1e6
+            )
             # With weight_static each call may load its weight while the call before it
             # still runs (programmatic dependent launch).
-            row["gemv_weight_static_us"] = time_graph(
-                lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out, weight_static=True), opts.calls,
-                opts.iters, device) * 1e6
+            row["gemv_weight_static_us"] = (
+                time_graph(
+                    lambda i: backbone_kernels.gemv(x, weights[i % copies], out=out, weight_static=True),
+                    opts.calls,
+                    opts.iters,
+                    device,
+                )
+                * 1e6
+            )
             want = F.linear(x, weights[0])
             got = backbone_kernels.gemv(x, weights[0])
             row["max_abs_diff_vs_gemm_library"] = float((got.float() - want.float()).abs().max())
             rows.append(row)
             lib, gv, st = row["gemm_library_us"], row["gemv_us"], row["gemv_weight_static_us"]
-            print(f"{name:<8} {N:>6} x {K:<5} {T:>2} | {floor_us:8.2f} | {lib:11.2f} {lib / floor_us:7.2f} | "
-                  f"{gv:9.2f} {gv / floor_us:7.2f} | {st:9.2f} {st / floor_us:7.2f} | {gv / lib:15.2f} | {st / lib:17.2f}")
+            print(
+                f"{name:<8} {N:>6} x {K:<5} {T:>2} | {floor_us:8.2f} | {lib:11.2f} {lib / floor_us:7.2f} | "
+                f"{gv:9.2f} {gv / floor_us:7.2f} | {st:9.2f} {st / floor_us:7.2f} | {gv / lib:15.2f} | {st / lib:17.2f}"
+            )
         weights = []
         torch.cuda.empty_cache()
-    print("floor: the weight's bytes read once at the HBM copy rate measured above; x floor = time / floor; "
-          "static: the GEMV told its weight is static (it may load it while the call before it runs)")
+    print(
+        "floor: the weight's bytes read once at the HBM copy rate measured above; x floor = time / floor; "
+        "static: the GEMV told its weight is static (it may load it while the call before it runs)"
+    )
     dump({"limits": limits, "rows": rows, "calls": opts.calls, "iters": opts.iters}, opts.json)
     return 0
 

@@ -92,7 +92,6 @@ def device_copy_GBps(n_bytes: int = 2 << 30) -> float:
     return 2 * n_bytes / s / 1e9
 
 
-
 def time_gate_and_hash(r: _Run, rng) -> None:
     import numpy as np
     import torch
@@ -109,8 +108,12 @@ def time_gate_and_hash(r: _Run, rng) -> None:
 
     T, hc, D = 8192, 4, 4096
     gate_rows = {}
-    for io, wdtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
-                       (torch.float32, torch.float32)):
+    for io, wdtype in (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+    ):
         hidden = torch.randn(T, hc, D, dtype=io, device=dev)
         kv = torch.randn(T, (hc + 1) * D, dtype=io, device=dev)
         qw = (1 + 0.1 * torch.randn(hc, D, device=dev)).to(wdtype)
@@ -118,22 +121,33 @@ def time_gate_and_hash(r: _Run, rng) -> None:
         mask = torch.ones(T, dtype=torch.bool, device=dev)
         out = torch.empty_like(hidden)
         esize, wsize = hidden.element_size(), qw.element_size()
-        moved = (T * hc * D + T * (hc + 1) * D + T * hc * D) * esize + 2 * hc * D * wsize + T  # hidden, kv, out, weights, mask
+        moved = (
+            (T * hc * D + T * (hc + 1) * D + T * hc * D) * esize + 2 * hc * D * wsize + T
+        )  # hidden, kv, out, weights, mask
         s = graph_seconds(lambda: gate_kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out))
         how = "graph"
         if s is None:
             s, how = eager_seconds(lambda: gate_kernels.gate(hidden, kv, qw, kw, mask, eps=1e-6, out=out)), "eager"
         name = f"io={str(io)[6:]} w={str(wdtype)[6:]}"
-        gate_rows[name] = {"seconds": s, "bytes": moved, "GBps": moved / s / 1e9, "ratio_to_copy": moved / s / 1e9 / copy,
-                           "timed": how}
-        say(f"  gate T={T} hc={hc} D={D} {name}: {s * 1e6:8.1f} us  {moved / s / 1e9:6.0f} GB/s  "
-            f"{moved / s / 1e9 / copy:.2f} x copy ({how})")
+        gate_rows[name] = {
+            "seconds": s,
+            "bytes": moved,
+            "GBps": moved / s / 1e9,
+            "ratio_to_copy": moved / s / 1e9 / copy,
+            "timed": how,
+        }
+        say(
+            f"  gate T={T} hc={hc} D={D} {name}: {s * 1e6:8.1f} us  {moved / s / 1e9:6.0f} GB/s  "
+            f"{moved / s / 1e9 / copy:.2f} x copy ({how})"
+        )
     r.result["timing"]["gate"] = gate_rows
     bf16 = gate_rows["io=bfloat16 w=bfloat16"]
-    r.target(f"gate bf16 at {T} tokens, hc_mult {hc}, hidden {D} >= {GATE_TARGET_RATIO:.0%} of the device copy",
-           bf16["ratio_to_copy"] >= GATE_TARGET_RATIO,
-           f"{bf16['GBps']:.0f} GB/s = {bf16['ratio_to_copy']:.2f} x the copy's {copy:.0f} GB/s "
-           f"({(bf16['ratio_to_copy'] - GATE_TARGET_RATIO) * 100:+.0f} points vs the target)")
+    r.target(
+        f"gate bf16 at {T} tokens, hc_mult {hc}, hidden {D} >= {GATE_TARGET_RATIO:.0%} of the device copy",
+        bf16["ratio_to_copy"] >= GATE_TARGET_RATIO,
+        f"{bf16['GBps']:.0f} GB/s = {bf16['ratio_to_copy']:.2f} x the copy's {copy:.0f} GB/s "
+        f"({(bf16['ratio_to_copy'] - GATE_TARGET_RATIO) * 100:+.0f} points vs the target)",
+    )
 
     # hash: 8,192 tokens x 2 layers x 24 columns (orders 2..3 x 12 heads)
     layout = hash_layout()
@@ -145,15 +159,23 @@ def time_gate_and_hash(r: _Run, rng) -> None:
         s = graph_seconds(call, launches=50)
         wall = eager_seconds(call)
         ok = np.array_equal(out.cpu().numpy().astype(np.int64), case.reference(layout))
-        r.agree(f"timing outputs agree (hash {HASH_TOKENS} tokens x {layout.num_layers} layers x {layout.n_hash_cols} columns, S={S})", ok)
+        r.agree(
+            f"timing outputs agree (hash {HASH_TOKENS} tokens x {layout.num_layers} layers x {layout.n_hash_cols} columns, S={S})",
+            ok,
+        )
         hash_rows[f"S={S}"] = {"gpu_seconds": s, "eager_wall_seconds": wall}
-        say(f"  hash T={HASH_TOKENS} L={layout.num_layers} cols={layout.n_hash_cols} S={S}: "
+        say(
+            f"  hash T={HASH_TOKENS} L={layout.num_layers} cols={layout.n_hash_cols} S={S}: "
             f"{'n/a' if s is None else f'{s * 1e6:.1f} us'} on the GPU (graph), {wall * 1e6:.1f} us per eager call "
-            f"(Python checks + launch + sync)")
+            f"(Python checks + launch + sync)"
+        )
     r.result["timing"]["hash"] = hash_rows
     worst = max((v["gpu_seconds"] or v["eager_wall_seconds"]) for v in hash_rows.values())
-    r.target(f"hash of {HASH_TOKENS} tokens x 2 layers x 24 columns <= {HASH_TARGET_US:.0f} us", worst * 1e6 <= HASH_TARGET_US,
-           f"worst {worst * 1e6:.1f} us on the GPU ({worst * 1e6 - HASH_TARGET_US:+.1f} us vs the target)")
+    r.target(
+        f"hash of {HASH_TOKENS} tokens x 2 layers x 24 columns <= {HASH_TARGET_US:.0f} us",
+        worst * 1e6 <= HASH_TARGET_US,
+        f"worst {worst * 1e6:.1f} us on the GPU ({worst * 1e6 - HASH_TARGET_US:+.1f} us vs the target)",
+    )
 
 
 def _gpu_link(smi: bool = True) -> str:
@@ -168,16 +190,19 @@ def _gpu_link(smi: bool = True) -> str:
         try:
             if open(f"{dev}/vendor").read().strip() != "0x10de" or not open(f"{dev}/class").read().startswith("0x03"):
                 continue
-            parts.append(f"sysfs {open(f'{dev}/current_link_speed').read().strip()} x"
-                         f"{open(f'{dev}/current_link_width').read().strip()}")
+            parts.append(
+                f"sysfs {open(f'{dev}/current_link_speed').read().strip()} x"
+                f"{open(f'{dev}/current_link_width').read().strip()}"
+            )
         except OSError:
             continue
     if not smi:
         return "; ".join(parts) or "no link information in sysfs"
     try:
         q = "pcie.link.gen.gpucurrent,pcie.link.width.current,clocks.sm,clocks.mem,pstate,power.draw"
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         parts.append(f"nvidia-smi gen,width,sm,mem,pstate,power = {out}")
     except (OSError, subprocess.SubprocessError) as exc:
         parts.append(f"nvidia-smi: {type(exc).__name__}")
@@ -204,8 +229,10 @@ def _settle(control, ideal_s: float, limit_s: float = 5.0) -> dict:
         time.sleep(0.002)
     took = time.perf_counter() - t0
     settled = len(walls) >= 5 and max(walls[-5:]) <= bound
-    say(f"  settle: the control copy took {walls[0] * 1e6:.0f} us at first; {'back' if settled else 'NOT back'} under "
-        f"{bound * 1e6:.0f} us after {took * 1e3:.0f} ms ({len(walls)} calls)")
+    say(
+        f"  settle: the control copy took {walls[0] * 1e6:.0f} us at first; {'back' if settled else 'NOT back'} under "
+        f"{bound * 1e6:.0f} us after {took * 1e3:.0f} ms ({len(walls)} calls)"
+    )
     return {"settled": settled, "ms": took * 1e3, "bound_us": bound * 1e6, "walls_us": [w * 1e6 for w in walls]}
 
 
@@ -242,11 +269,15 @@ def _sched_probe(calls: dict, n: int) -> dict:
     say(f"  probe: GPU link after: {link_after}")
     summary.update(link_before=link_before, link_after=link_after)
     for name, runs in per.items():
-        say(f"  probe [{name}] return / GPU span / wall (us): "
-            + " ".join(f"{x['return_us']:.0f}/{x['gpu_span_us']:.0f}/{x['wall_us']:.0f}" for x in runs))
-    say(f"  probe over {span * 1e3:.1f} ms: this process's threads waited {summary['our_wait_ms']:.2f} ms on run queues "
+        say(
+            f"  probe [{name}] return / GPU span / wall (us): "
+            + " ".join(f"{x['return_us']:.0f}/{x['gpu_span_us']:.0f}/{x['wall_us']:.0f}" for x in runs)
+        )
+    say(
+        f"  probe over {span * 1e3:.1f} ms: this process's threads waited {summary['our_wait_ms']:.2f} ms on run queues "
         f"(the most, one thread: {summary['our_max_wait_ms']:.2f} ms); busiest threads: "
-        + ", ".join(f"{x['name']}{'*' if x['ours'] else ''} {x['run_ms']:.1f} ms" for x in summary["busiest"]))
+        + ", ".join(f"{x['name']}{'*' if x['ours'] else ''} {x['run_ms']:.1f} ms" for x in summary["busiest"])
+    )
     return {"calls": per, "span_ms": span * 1e3, **summary}
 
 
@@ -266,8 +297,10 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
     tables = fp8_tables(table_gib, dev)
     rows_n, dev_rows, dev_scales = tables.rows_n, tables.dev_rows, tables.dev_scales
     host_rows, host_scales = tables.host_rows, tables.host_scales
-    say(f"timing: table {rows_n:,} rows x {head_dim} B fp8 + {head_dim // QUANT_BLOCK} B scales = "
-        f"{gather_bytes(rows_n) / 2**30:.2f} GiB, in HBM and in pinned host memory, ready in {time.time() - t0:.1f} s")
+    say(
+        f"timing: table {rows_n:,} rows x {head_dim} B fp8 + {head_dim // QUANT_BLOCK} B scales = "
+        f"{gather_bytes(rows_n) / 2**30:.2f} GiB, in HBM and in pinned host memory, ready in {time.time() - t0:.1f} s"
+    )
 
     # sequential host-to-device copy, the link's ceiling in this run
     n_bytes = 2 * 2**30
@@ -325,16 +358,23 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
             return statistics.median(ts)
 
         paths = {
-            "UVA kernel, device (HBM) table": lambda i: gather_kernels.gather(id_sets_dev[i], dev_rows, dev_scales, out=out),
-            "UVA kernel, pinned host table": lambda i: gather_kernels.gather(id_sets_dev[i], host_rows, host_scales, out=out),
+            "UVA kernel, device (HBM) table": lambda i: gather_kernels.gather(
+                id_sets_dev[i], dev_rows, dev_scales, out=out
+            ),
+            "UVA kernel, pinned host table": lambda i: gather_kernels.gather(
+                id_sets_dev[i], host_rows, host_scales, out=out
+            ),
         }
         for name, fn in paths.items():
             s = gpu_time(fn)
             row[name] = {"seconds": s, "GBps": moved / s / 1e9, "ratio_to_h2d": moved / s / 1e9 / h2d}
         s = graph_seconds(lambda: gather_kernels.gather(id_sets_dev[0], dev_rows, dev_scales, out=out))
         if s is not None:
-            row["UVA kernel, device (HBM) table, kernel only"] = {"seconds": s, "GBps": moved / s / 1e9,
-                                                                  "ratio_to_h2d": moved / s / 1e9 / h2d}
+            row["UVA kernel, device (HBM) table, kernel only"] = {
+                "seconds": s,
+                "GBps": moved / s / 1e9,
+                "ratio_to_h2d": moved / s / 1e9 / h2d,
+            }
         # The control: one pinned copy of the same bytes (the copy engine alone, no gather).
         staged = torch.empty(moved, dtype=torch.uint8, pin_memory=True)
         landing = torch.empty(moved, dtype=torch.uint8, device=dev)
@@ -344,36 +384,54 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
             # completed ~1 ms late for a while (0.1-0.5 s): the host gather, a plain pinned
             # copy and the HBM gather kernel alike (docs/benchmarks.md). The probe shows it
             # each run; the timings below start once the control copy is fast again.
-            probe_calls = {f"host gather, {g.options()['num_threads']} threads": (lambda i, g=g: (g.wake(), g.gather(
-                id_sets[i % reps], host_rows, host_scales, out=out))) for g in (gatherer, spare)}
+            probe_calls = {
+                f"host gather, {g.options()['num_threads']} threads": (
+                    lambda i, g=g: (g.wake(), g.gather(id_sets[i % reps], host_rows, host_scales, out=out))
+                )
+                for g in (gatherer, spare)
+            }
             probe_calls["one pinned copy of the same bytes"] = control
-            probe_calls["HBM gather kernel"] = lambda i: gather_kernels.gather(id_sets_dev[i % reps], dev_rows, dev_scales, out=out)
+            probe_calls["HBM gather kernel"] = lambda i: gather_kernels.gather(
+                id_sets_dev[i % reps], dev_rows, dev_scales, out=out
+            )
             r.result["timing"]["6144_first_probe"] = _sched_probe(probe_calls, 8)
             r.result["timing"]["settle"] = _settle(control, moved / (h2d * 1e9))
         s = wall_time(lambda i: (gatherer.wake(), gatherer.gather(id_sets[i], host_rows, host_scales, out=out)))
-        row["host gather + copy (pinned host table)"] = {"seconds": s, "GBps": moved / s / 1e9,
-                                                          "ratio_to_h2d": moved / s / 1e9 / h2d}
+        row["host gather + copy (pinned host table)"] = {
+            "seconds": s,
+            "GBps": moved / s / 1e9,
+            "ratio_to_h2d": moved / s / 1e9 / h2d,
+        }
         c = wall_time(control)
-        row["control: one pinned copy of the same bytes"] = {"seconds": c, "GBps": moved / c / 1e9,
-                                                              "ratio_to_h2d": moved / c / 1e9 / h2d}
+        row["control: one pinned copy of the same bytes"] = {
+            "seconds": c,
+            "GBps": moved / c / 1e9,
+            "ratio_to_h2d": moved / c / 1e9 / h2d,
+        }
         for threads in (os.cpu_count() - 1, os.cpu_count() - 2):
             with hostgather.HostGatherer(num_threads=threads, max_head_dim=max(512, head_dim)) as g2:
                 s2 = wall_time(lambda i: (g2.wake(), g2.gather(id_sets[i], host_rows, host_scales, out=out)))
-            row[f"host gather + copy, {threads}-thread pool"] = {"seconds": s2, "GBps": moved / s2 / 1e9,
-                                                                 "ratio_to_h2d": moved / s2 / 1e9 / h2d}
+            row[f"host gather + copy, {threads}-thread pool"] = {
+                "seconds": s2,
+                "GBps": moved / s2 / 1e9,
+                "ratio_to_h2d": moved / s2 / 1e9 / h2d,
+            }
         # spot-check the timed outputs of the last id set against the device-table path
         ref = gather_kernels.gather(id_sets_dev[-1], dev_rows, dev_scales)
         got = gatherer.gather(id_sets[-1], host_rows, host_scales)
         torch.cuda.synchronize()
-        r.agree(f"timing outputs agree ({n_rows} rows: host gather == device gather)",
-               torch.equal(ref.view(torch.int16), got.view(torch.int16)))
+        r.agree(
+            f"timing outputs agree ({n_rows} rows: host gather == device gather)",
+            torch.equal(ref.view(torch.int16), got.view(torch.int16)),
+        )
         r.result["timing"][str(n_rows)] = row
         for name, v in row.items():
-            say(f"  {n_rows:>7} rows  {name:<40} {v['seconds'] * 1e6:>9.1f} us  {v['GBps']:6.1f} GB/s  "
-                f"{v['ratio_to_h2d']:.2f} x H2D")
+            say(
+                f"  {n_rows:>7} rows  {name:<40} {v['seconds'] * 1e6:>9.1f} us  {v['GBps']:6.1f} GB/s  "
+                f"{v['ratio_to_h2d']:.2f} x H2D"
+            )
     gatherer.close()
     spare.close()
-
 
 
 def measure(opts: KernelsOptions, device: Any) -> dict[str, Any]:

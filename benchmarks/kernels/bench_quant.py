@@ -70,11 +70,24 @@ def ensure_library() -> str:
     major, minor = torch.cuda.get_device_capability()
     build = REPO / "build-bench"
     t0 = time.time()
-    for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_CUDA_ARCHITECTURES={major}{minor}",
-                 "-DCMAKE_BUILD_TYPE=Release", "-DENGRAM_TRT_BUILD_HARNESS=OFF"]
-                + ([f"-DTENSORRT_INCLUDE_DIR={REPO / '.device' / 'trt_include'}"]
-                   if (REPO / ".device" / "trt_include" / "NvInferRuntime.h").is_file() else []),
-                ["cmake", "--build", str(build), f"-j{os.cpu_count() or 2}"]):
+    for cmd in (
+        [
+            "cmake",
+            "-S",
+            str(REPO),
+            "-B",
+            str(build),
+            f"-DCMAKE_CUDA_ARCHITECTURES={major}{minor}",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DENGRAM_TRT_BUILD_HARNESS=OFF",
+        ]
+        + (
+            [f"-DTENSORRT_INCLUDE_DIR={REPO / '.device' / 'trt_include'}"]
+            if (REPO / ".device" / "trt_include" / "NvInferRuntime.h").is_file()
+            else []
+        ),
+        ["cmake", "--build", str(build), f"-j{os.cpu_count() or 2}"],
+    ):
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     lib = build / "libengram_trt_plugins.so"
     os.environ["ENGRAM_TRT_PLUGIN_LIB"] = str(lib)
@@ -136,6 +149,7 @@ def copy_rate() -> float:
 
 # --- weights -----------------------------------------------------------------------------------
 
+
 def make_weight(kind: str, lead: tuple, N: int, K: int) -> Any:
     """Random stored bytes of a ``kind`` weight (FP8: 128x128 float scales; FP4: 1x32 ue8m0;
     BF16) as a QuantWeight or a bf16 tensor; values need no meaning for timing."""
@@ -170,6 +184,7 @@ def kernel_weight(w: Any, stacked: bool):
 
 # --- GEMV --------------------------------------------------------------------------------------
 
+
 def bench_gemv(rate: float, shapes, rows_list, kinds) -> list[dict]:
     from engram_trt.native import backbone
     from engram_trt.native import quant_kernels as qk
@@ -186,24 +201,39 @@ def bench_gemv(rate: float, shapes, rows_list, kinds) -> list[dict]:
                 a = torch.randn(rows, K, device="cuda").to(adt)
                 y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
                 us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y), calls=2 * len(ws))
-                us_static = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True),
-                                          calls=2 * len(ws))
+                us_static = graph_time_us(
+                    lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True), calls=2 * len(ws)
+                )
                 floor = nbytes / rate * 1e6
-                entry = {"kind": kind, "N": N, "K": K, "rows": rows, "bytes": nbytes, "us": round(us, 2),
-                         "GBps": round(nbytes / us / 1e3, 1), "floor_us": round(floor, 2),
-                         "x_floor": round(us / floor, 3), "static_us": round(us_static, 2),
-                         "static_GBps": round(nbytes / us_static / 1e3, 1),
-                         "static_x_floor": round(us_static / floor, 3)}
+                entry = {
+                    "kind": kind,
+                    "N": N,
+                    "K": K,
+                    "rows": rows,
+                    "bytes": nbytes,
+                    "us": round(us, 2),
+                    "GBps": round(nbytes / us / 1e3, 1),
+                    "floor_us": round(floor, 2),
+                    "x_floor": round(us / floor, 3),
+                    "static_us": round(us_static, 2),
+                    "static_GBps": round(nbytes / us_static / 1e3, 1),
+                    "static_x_floor": round(us_static / floor, 3),
+                }
                 if kind == "bf16":
                     xs = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-                    t_us = graph_time_us(lambda i: torch.nn.functional.linear(xs, copies[i % len(copies)]),
-                                         calls=2 * len(copies))
+                    t_us = graph_time_us(
+                        lambda i: torch.nn.functional.linear(xs, copies[i % len(copies)]), calls=2 * len(copies)
+                    )
                     entry["torch_linear_us"] = round(t_us, 2)
                     if rows <= backbone.GEMV_MAX_TOKENS:
                         for name, static in (("gemv_bf16_us", False), ("gemv_bf16_static_us", True)):
-                            entry[name] = round(graph_time_us(
-                                lambda i: backbone.gemv(xs, copies[i % len(copies)], out=y, weight_static=static),
-                                calls=2 * len(copies)), 2)
+                            entry[name] = round(
+                                graph_time_us(
+                                    lambda i: backbone.gemv(xs, copies[i % len(copies)], out=y, weight_static=static),
+                                    calls=2 * len(copies),
+                                ),
+                                2,
+                            )
                 out.append(entry)
                 print(json.dumps(entry), flush=True)
             del copies, ws
@@ -242,8 +272,7 @@ def bench_variants(rate: float, N: int, K: int, rows_list, kinds) -> list[dict]:
                 saved = {k_: os.environ.get(k_) for k_ in env}
                 os.environ.update(env)
                 try:
-                    us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True),
-                                       calls=2 * len(ws))
+                    us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True), calls=2 * len(ws))
                 finally:
                     for k_, v_ in saved.items():
                         if v_ is None:
@@ -274,17 +303,26 @@ def bench_linear_decode(rate: float, N: int, K: int, rows_list, kinds) -> list[d
         for rows in rows_list:
             x = torch.randn(rows, K, device="cuda").to(torch.bfloat16)
             y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-            fused = graph_time_us(lambda i: nq.linear(x, copies[i % len(copies)], weight_static=True),
-                                  calls=2 * len(copies))
+            fused = graph_time_us(
+                lambda i: nq.linear(x, copies[i % len(copies)], weight_static=True), calls=2 * len(copies)
+            )
 
             def two(i):
                 deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
                 qk.gemv(deq, ws[i % len(ws)], y, weight_static=True)
 
             two_us = graph_time_us(two, calls=2 * len(copies))
-            entry = {"kind": kind, "N": N, "K": K, "rows": rows, "floor_us": round(floor, 2),
-                     "linear_us": round(fused, 2), "linear_x_floor": round(fused / floor, 3),
-                     "act_quant_then_gemv_us": round(two_us, 2), "two_launch_x_floor": round(two_us / floor, 3)}
+            entry = {
+                "kind": kind,
+                "N": N,
+                "K": K,
+                "rows": rows,
+                "floor_us": round(floor, 2),
+                "linear_us": round(fused, 2),
+                "linear_x_floor": round(fused / floor, 3),
+                "act_quant_then_gemv_us": round(two_us, 2),
+                "two_launch_x_floor": round(two_us / floor, 3),
+            }
             out.append(entry)
             print(json.dumps(entry), flush=True)
         del copies, ws
@@ -320,10 +358,21 @@ def bench_experts(rate: float, kinds, E: int = 256, N: int = 2048, K: int = 7168
             rows_per_expert = tokens * k / statistics.mean(distinct)
             nbytes = statistics.mean(distinct) * per_expert
             floor = nbytes / rate * 1e6
-            entry = {"kind": kind, "experts": E, "N": N, "K": K, "tokens": tokens, "top_k": k,
-                     "active_experts": statistics.mean(distinct), "rows_per_expert": round(rows_per_expert, 2),
-                     "bytes": int(nbytes), "us": round(us, 2),
-                     "GBps": round(nbytes / us / 1e3, 1), "floor_us": round(floor, 2), "x_floor": round(us / floor, 3)}
+            entry = {
+                "kind": kind,
+                "experts": E,
+                "N": N,
+                "K": K,
+                "tokens": tokens,
+                "top_k": k,
+                "active_experts": statistics.mean(distinct),
+                "rows_per_expert": round(rows_per_expert, 2),
+                "bytes": int(nbytes),
+                "us": round(us, 2),
+                "GBps": round(nbytes / us / 1e3, 1),
+                "floor_us": round(floor, 2),
+                "x_floor": round(us / floor, 3),
+            }
             out.append(entry)
             print(json.dumps(entry), flush=True)
         del stack, w
@@ -332,6 +381,7 @@ def bench_experts(rate: float, kinds, E: int = 256, N: int = 2048, K: int = 7168
 
 
 # --- GEMM --------------------------------------------------------------------------------------
+
 
 def scaled_mm_variants(M: int, N: int, K: int) -> dict[str, Callable[[], Any] | str]:
     """torch._scaled_mm forms this torch takes on these shapes (or why not)."""
@@ -351,8 +401,7 @@ def scaled_mm_variants(M: int, N: int, K: int) -> dict[str, Callable[[], Any] | 
     for name, sa_, sb_ in (("outer-major", sa.t().contiguous().t(), sb.t().contiguous().t()), ("row-major", sa, sb)):
         try:
             torch._scaled_mm(a, b, sa_, sb_, out_dtype=torch.bfloat16)
-            out["scaled_mm_blockwise"] = (lambda s1=sa_, s2=sb_: torch._scaled_mm(a, b, s1, s2,
-                                                                                   out_dtype=torch.bfloat16))
+            out["scaled_mm_blockwise"] = lambda s1=sa_, s2=sb_: torch._scaled_mm(a, b, s1, s2, out_dtype=torch.bfloat16)
             break
         except Exception as exc:  # noqa: BLE001
             tried.append(f"{name}: {str(exc).splitlines()[0][:120]}")
@@ -378,10 +427,12 @@ def bench_gemm(Ms, shapes, quick: bool) -> list[dict]:
             xb = x.to(torch.bfloat16)
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             iters = 5 if quick else 10
-            t = {"fp8_gemm": event_time_us(lambda: qk.fp8_gemm(q, s, fp8w, y), iters),
-                 "fp4_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, fp4w, y), iters),
-                 "bf16_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, bfk, y), iters),
-                 "torch_bf16_matmul": event_time_us(lambda: torch.matmul(xb, bfw.t()), iters)}
+            t = {
+                "fp8_gemm": event_time_us(lambda: qk.fp8_gemm(q, s, fp8w, y), iters),
+                "fp4_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, fp4w, y), iters),
+                "bf16_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, bfk, y), iters),
+                "torch_bf16_matmul": event_time_us(lambda: torch.matmul(xb, bfw.t()), iters),
+            }
             extra = {}
             for name, fn in scaled_mm_variants(M, N, K).items():
                 if callable(fn):
@@ -389,13 +440,18 @@ def bench_gemm(Ms, shapes, quick: bool) -> list[dict]:
                 else:
                     extra[name] = fn
             bf16_rate = flops / (t["torch_bf16_matmul"] * 1e-6)
-            entry = {"M": M, "N": N, "K": K, "GFLOP": round(flops / 1e9, 2),
-                     "us": {k_: round(v, 1) for k_, v in t.items()},
-                     "TFLOPs": {k_: round(flops / (v * 1e-6) / 1e12, 1) for k_, v in t.items()},
-                     # time / floor: the bf16 floor is torch's bf16 matmul here; the FP8 floor twice its rate
-                     "x_bf16_floor": {k_: round(v / t["torch_bf16_matmul"], 3) for k_, v in t.items()},
-                     "x_fp8_floor": {k_: round(v / (flops / (2 * bf16_rate) * 1e6), 3) for k_, v in t.items()},
-                     **extra}
+            entry = {
+                "M": M,
+                "N": N,
+                "K": K,
+                "GFLOP": round(flops / 1e9, 2),
+                "us": {k_: round(v, 1) for k_, v in t.items()},
+                "TFLOPs": {k_: round(flops / (v * 1e-6) / 1e12, 1) for k_, v in t.items()},
+                # time / floor: the bf16 floor is torch's bf16 matmul here; the FP8 floor twice its rate
+                "x_bf16_floor": {k_: round(v / t["torch_bf16_matmul"], 3) for k_, v in t.items()},
+                "x_fp8_floor": {k_: round(v / (flops / (2 * bf16_rate) * 1e6), 3) for k_, v in t.items()},
+                **extra,
+            }
             # a sanity check of the FP8 GEMM against torch on the dequantized operands
             ref = (q.float() * s.repeat_interleave(128, 1)[:, :K]) @ qk.dequantize(fp8w)[0].t()
             qk.fp8_gemm(q, s, fp8w, y)
@@ -423,7 +479,9 @@ def bench_gemm(Ms, shapes, quick: bool) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="Microbenchmark of the FP8 / FP4 / BF16 stored-format kernels (quantKernels.h).")
+    ap = argparse.ArgumentParser(
+        description="Microbenchmark of the FP8 / FP4 / BF16 stored-format kernels (quantKernels.h)."
+    )
     ap.add_argument("--json", type=Path, help="write the summary here")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (about a minute)")
     args = ap.parse_args()
@@ -441,8 +499,11 @@ def main() -> int:
     if args.quick:
         shapes, gemm_shapes, Ms = shapes[:2], gemm_shapes[:1], [512, 4096]
     summary: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "capability": f"{cap[0]}.{cap[1]}", "torch": torch.__version__,
-        "library": lib, "copy_GBps": round(rate / 1e9, 1),
+        "device": torch.cuda.get_device_name(),
+        "capability": f"{cap[0]}.{cap[1]}",
+        "torch": torch.__version__,
+        "library": lib,
+        "copy_GBps": round(rate / 1e9, 1),
         "gemv": bench_gemv(rate, shapes, [1, 2, 4, 8], ["bf16", "fp8", "fp4"]),
         "variants": bench_variants(rate, *shapes[0], [1, 4], ["bf16", "fp8", "fp4"]),
         "linear_decode": bench_linear_decode(rate, *shapes[0], [1, 2, 4], ["fp8", "fp4"]),

@@ -79,6 +79,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CacheOptions", "DEFAULT_LAYOUT", "DEFAULT_SPIN_US", "LAYOUTS", "policy_hit_rates", "run"]
 
+
 def _token_stream(opts: CacheOptions) -> Any:
     path = opts.tokens or default_tokens_path()
     if Path(path).is_file():
@@ -115,14 +116,17 @@ def run(opts: CacheOptions) -> int:
         raise EngramError("--measure must be >= 1 and --warm >= 0")
     layouts = _host_layouts(opts)
     if opts.dry_run and (opts.ab_phases or opts.ab_serial or opts.ab_uva or opts.ids_on == "device"):
-        raise EngramError("--ab-phases, --ab-serial, --ab-uva and --ids-on device compare the GPU's whole step and its "
-                          "device ids: the dry run has neither (it runs the torch path on the CPU); drop them or run "
-                          "on a GPU")
+        raise EngramError(
+            "--ab-phases, --ab-serial, --ab-uva and --ids-on device compare the GPU's whole step and its "
+            "device ids: the dry run has neither (it runs the torch path on the CPU); drop them or run "
+            "on a GPU"
+        )
     if opts.ab_phases + opts.ab_serial + opts.ab_uva > 1:
         raise EngramError("--ab-phases, --ab-serial and --ab-uva each run one twin per cache: pick one (or run twice)")
     if opts.uva_share is not None and not 0.0 <= opts.uva_share <= 1.0 or (opts.uva_blocks or 0) < 0:
-        raise EngramError(f"--uva-share must be in [0, 1] and --uva-blocks >= 0 (got {opts.uva_share}, "
-                          f"{opts.uva_blocks})")
+        raise EngramError(
+            f"--uva-share must be in [0, 1] and --uva-blocks >= 0 (got {opts.uva_share}, {opts.uva_blocks})"
+        )
     if opts.spin_us < 0:
         raise EngramError(f"--spin-us must be >= 0 (got {opts.spin_us})")
     stream = _token_stream(opts)
@@ -131,18 +135,30 @@ def run(opts: CacheOptions) -> int:
     t0 = time.perf_counter()
     chunks = list(chunk_row_ids(stream, layout, first_chunk=opts.first_chunk, num_chunks=warm + measure))
     if len(chunks) < warm + measure:
-        raise EngramError(f"the token stream holds {len(chunks)} chunks from --first-chunk {opts.first_chunk}, "
-                          f"fewer than --warm + --measure = {warm + measure}; use more text (--text-mb)")
+        raise EngramError(
+            f"the token stream holds {len(chunks)} chunks from --first-chunk {opts.first_chunk}, "
+            f"fewer than --warm + --measure = {warm + measure}; use more text (--text-mb)"
+        )
     log.info("hashed %d chunks of %d tokens in %.1f s", len(chunks), CHUNK_TOKENS, time.perf_counter() - t0)
     measured = (opts.first_chunk + warm, opts.first_chunk + warm + measure)
     offline, offline_text = _offline_counts(opts, stream, layout, layers, chunks[:warm], measured)
     report: dict[str, Any] = {
-        "tokens": stream.meta(), "column_rows": column_rows, "table_rows": [int(r) for r in layout.table_rows],
-        "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB, "layout": ",".join(layouts),
-        "layouts": layouts, "pages": opts.pages, "spin_us": opts.spin_us,
-        "capacity_fraction": opts.capacity_fraction, "warm_chunks": warm, "measured_chunks": measure,
-        "measured_range": list(measured), "offline_counts": offline_text,
-        "stream_stats": chunk_stats(chunks[warm:], layout), "dry_run": opts.dry_run}
+        "tokens": stream.meta(),
+        "column_rows": column_rows,
+        "table_rows": [int(r) for r in layout.table_rows],
+        "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB,
+        "layout": ",".join(layouts),
+        "layouts": layouts,
+        "pages": opts.pages,
+        "spin_us": opts.spin_us,
+        "capacity_fraction": opts.capacity_fraction,
+        "warm_chunks": warm,
+        "measured_chunks": measure,
+        "measured_range": list(measured),
+        "offline_counts": offline_text,
+        "stream_stats": chunk_stats(chunks[warm:], layout),
+        "dry_run": opts.dry_run,
+    }
     if opts.dry_run:
         report.update(run_cpu(opts, layout, layers, chunks, warm, offline, layouts))
         report["link_GBps"] = None
@@ -163,8 +179,9 @@ def run(opts: CacheOptions) -> int:
     return 0
 
 
-def _offline_counts(opts: CacheOptions, stream: Any, layout: Any, layers: list[int], history: list[Any],
-                    measured: tuple[int, int]) -> tuple[dict[int, Any] | None, str | None]:
+def _offline_counts(
+    opts: CacheOptions, stream: Any, layout: Any, layers: list[int], history: list[Any], measured: tuple[int, int]
+) -> tuple[dict[int, Any] | None, str | None]:
     """The offline-warmed cache's counts per layer, and what they are (None: no such cache)."""
     from rowcounts import check_disjoint, count_rows, load_row_counts
 
@@ -180,8 +197,10 @@ def _offline_counts(opts: CacheOptions, stream: Any, layout: Any, layers: list[i
         counts = count_rows(history, table_rows, layers)
         log.info("counted the warm-up chunks' rows in %.1f s", time.perf_counter() - t0)
         first = opts.first_chunk
-        return counts, (f"counts over the warm-up chunks {first}..{first + len(history) - 1} of the token stream, "
-                        f"disjoint from the measured chunks {a}..{b - 1}")
+        return counts, (
+            f"counts over the warm-up chunks {first}..{first + len(history) - 1} of the token stream, "
+            f"disjoint from the measured chunks {a}..{b - 1}"
+        )
     rc = load_row_counts(source)
     text = check_disjoint(rc, stream, measured, layout, layers)
     return {li: rc.counts[li] for li in layers}, text
@@ -209,11 +228,20 @@ def _simulate(opts: CacheOptions, stream: Any, layers: list[int], warm: int, mea
         for name in ("history", "offline"):
             if name == "offline" and offline is None:
                 continue
-            policy = CachePolicy(rows, int(opts.capacity_fraction * rows), device=dev, admit_budget=opts.admit_budget,
-                                 sample_factor=opts.sample_factor, seed=opts.seed, max_step_rows=step_rows,
-                                 initial_counts=offline[li] if name == "offline" else None)
-            part = {"capacity_rows": policy.capacity,
-                    **policy_hit_rates(policy, chunks, li, warm, opts.admit_every, history=name == "history")}
+            policy = CachePolicy(
+                rows,
+                int(opts.capacity_fraction * rows),
+                device=dev,
+                admit_budget=opts.admit_budget,
+                sample_factor=opts.sample_factor,
+                seed=opts.seed,
+                max_step_rows=step_rows,
+                initial_counts=offline[li] if name == "offline" else None,
+            )
+            part = {
+                "capacity_rows": policy.capacity,
+                **policy_hit_rates(policy, chunks, li, warm, opts.admit_every, history=name == "history"),
+            }
             if name == "history":
                 entry.update(part)
             else:
@@ -221,12 +249,16 @@ def _simulate(opts: CacheOptions, stream: Any, layers: list[int], warm: int, mea
             del policy
             torch.cuda.empty_cache()
         out.append(entry)
-    return {"column_rows": opts.simulate_column_rows, "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB,
-            "layers": out}
+    return {
+        "column_rows": opts.simulate_column_rows,
+        "table_gib": float(layout.table_rows.sum()) * ROW_BYTES / GiB,
+        "layers": out,
+    }
 
 
-def policy_hit_rates(policy: Any, chunks: list[Any], layer: int, warm: int, admit_every: int, *,
-                     history: bool) -> dict[str, float]:
+def policy_hit_rates(
+    policy: Any, chunks: list[Any], layer: int, warm: int, admit_every: int, *, history: bool
+) -> dict[str, float]:
     """A cache policy alone (no data) through ``chunks`` of one layer's ids, replacing
     every ``admit_every`` steps as HotRowCache does: its ``hit_rate`` (distinct rows),
     ``unique_fraction`` and ``fetch_fraction`` (per lookup) over the chunks after the
@@ -244,8 +276,11 @@ def policy_hit_rates(policy: Any, chunks: list[Any], layer: int, warm: int, admi
             unique += plan.num_unique
             hits += plan.num_unique - plan.num_miss
             lookups += plan.num_lookups
-    return {"hit_rate": hits / max(1, unique), "unique_fraction": unique / max(1, lookups),
-            "fetch_fraction": (unique - hits) / max(1, lookups)}
+    return {
+        "hit_rate": hits / max(1, unique),
+        "unique_fraction": unique / max(1, lookups),
+        "fetch_fraction": (unique - hits) / max(1, lookups),
+    }
 
 
 OPTIONS = CacheOptions  # the script's flags, derived as an `engram-trt bench` command's (engram_trt.cli.bench)

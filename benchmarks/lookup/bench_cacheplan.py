@@ -72,7 +72,7 @@ def time_fetch(dev: Any, timings: dict[str, float], reps: int = 15) -> None:
             got: dict[str, list[float]] = {}
             for i in range(reps + 1):
                 for pool in ("woken", "asleep"):
-                    for layout, table in (forms.items() if i % 2 else reversed(forms.items())):
+                    for layout, table in forms.items() if i % 2 else reversed(forms.items()):
                         # fresh rows each call: a repeat would find them in the host's L3
                         ids = torch.from_numpy(rng.integers(0, rows, size=n).astype(np.int32)).pin_memory()
                         ids_dev = ids.to(dev)
@@ -85,12 +85,19 @@ def time_fetch(dev: Any, timings: dict[str, float], reps: int = 15) -> None:
                             g.set_options(spin_us=50)
                             time.sleep(1e-3)
                         t0 = time.perf_counter()
-                        g.gather_raw(ids, *table, dst_rows=dst_r, dst_scales=dst_s, layout=layout,
-                                     ids_dev=ids_dev if layout == "hbm-scales" else None)
+                        g.gather_raw(
+                            ids,
+                            *table,
+                            dst_rows=dst_r,
+                            dst_scales=dst_s,
+                            layout=layout,
+                            ids_dev=ids_dev if layout == "hbm-scales" else None,
+                        )
                         torch.cuda.synchronize(dev)
                         if i:
                             got.setdefault(f"raw fetch {n:,} rows, {layout}, pool {pool} (us)", []).append(
-                                (time.perf_counter() - t0) * 1e6)
+                                (time.perf_counter() - t0) * 1e6
+                            )
             timings.update({k: statistics.median(v) for k, v in got.items()})
     finally:
         g.close()
@@ -107,8 +114,10 @@ def time_plans(dev: Any, timings: dict[str, float], reps: int = 20) -> None:
     rng = np.random.default_rng(5)
     rows, n = 50_331_648, 196_608
     counts = np.bincount(((rng.zipf(1.15, size=8_000_000) * 7919) % rows), minlength=rows)
-    steps = [torch.from_numpy(((rng.zipf(1.15, size=n) * 7919) % rows).astype(np.int32)).pin_memory()
-             for _ in range(reps + 3)]
+    steps = [
+        torch.from_numpy(((rng.zipf(1.15, size=n) * 7919) % rows).astype(np.int32)).pin_memory()
+        for _ in range(reps + 3)
+    ]
     for fused in (True, False):
         policy = CachePolicy(rows, rows // 20, device=dev, fused=fused, initial_counts=counts)
         plan_t, all_t = [], []

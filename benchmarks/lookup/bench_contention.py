@@ -42,6 +42,7 @@ from typing import Any  # noqa: E402
 
 from engram_trt.bench.options import opt  # noqa: E402
 
+
 @dataclass(kw_only=True)
 class ContentionOptions:
     """``python benchmarks/lookup/bench_contention.py``'s flags."""
@@ -70,12 +71,16 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     rows_n = int(table_gib * 2**30) // HD
     t0 = time.perf_counter()
     rows, scales = pinned_fp8_table(rows_n)
-    print(f"table {rows_n:,} rows ready in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}, "
-          f"affinity {len(os.sched_getaffinity(0))} CPUs, torch parallel info: {torch.__config__.parallel_info().splitlines()[:4]}",
-          flush=True)
+    print(
+        f"table {rows_n:,} rows ready in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}, "
+        f"affinity {len(os.sched_getaffinity(0))} CPUs, torch parallel info: {torch.__config__.parallel_info().splitlines()[:4]}",
+        flush=True,
+    )
     rng = np.random.default_rng(0)
-    ids = {n: [torch.from_numpy(rng.integers(0, rows_n, size=(n // COLS, COLS)).astype(np.int32)) for _ in range(reps)]
-           for n in SIZES}
+    ids = {
+        n: [torch.from_numpy(rng.integers(0, rows_n, size=(n // COLS, COLS)).astype(np.int32)) for _ in range(reps)]
+        for n in SIZES
+    }
     dev_ids = {n: [x.to(dev) for x in v] for n, v in ids.items()}
     outs = {n: torch.empty((n // COLS, COLS, HD), dtype=torch.bfloat16, device=dev) for n in SIZES}
     a64 = torch.randn(768, 768, dtype=torch.float64)
@@ -84,6 +89,7 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     def measure(label: str, g: HostGatherer, before=None, call=None, table=(rows, scales)) -> None:
         res = {}
         for n in SIZES:
+
             def one(i: int) -> float:
                 if before is not None:
                     before(n, i)
@@ -103,8 +109,11 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
             res[f"{n}_us"] = statistics.median(t[0] for t in ts) * 1e6
             res[f"{n}_return_us"] = statistics.median(t[1] for t in ts) * 1e6
         results[label] = res
-        print(f"{label:<58} {res['6144_us']:9.0f} us ({res['6144_return_us']:7.0f}) {res['196608_us']:9.0f} us "
-              f"({res['196608_return_us']:7.0f})", flush=True)
+        print(
+            f"{label:<58} {res['6144_us']:9.0f} us ({res['6144_return_us']:7.0f}) {res['196608_us']:9.0f} us "
+            f"({res['196608_return_us']:7.0f})",
+            flush=True,
+        )
 
     print(f"{'case':<58} {'6144 rows (call returns)':>26} {'196608 rows (call returns)':>28}")
     g = HostGatherer(device=dev, max_head_dim=512)
@@ -155,11 +164,15 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     th = threading.Thread(target=in_thread)
     th.start()
     th.join()
-    measure("a UVA gather of the table before each call", g,
-            before=lambda n, i: (gather_kernels.gather(dev_ids[n][i], rows, scales, quant_block=QB, out=outs[n]),
-                                 torch.cuda.synchronize(dev)))
-    measure("GPU busy (a 2 ms kernel queued) before each call", g,
-            before=lambda n, i: torch.cuda._sleep(2_000_000))
+    measure(
+        "a UVA gather of the table before each call",
+        g,
+        before=lambda n, i: (
+            gather_kernels.gather(dev_ids[n][i], rows, scales, quant_block=QB, out=outs[n]),
+            torch.cuda.synchronize(dev),
+        ),
+    )
+    measure("GPU busy (a 2 ms kernel queued) before each call", g, before=lambda n, i: torch.cuda._sleep(2_000_000))
     reg_n = min(rows_n, (1 << 30) // HD)
     reg_rows = torch.empty((reg_n, HD), dtype=torch.uint8)
     reg_rows.copy_(rows[:reg_n])
@@ -184,10 +197,14 @@ def child_cases(reps: int) -> dict[str, Any]:
     import engram_trt
 
     root = str(Path(engram_trt.__file__).resolve().parents[1])
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE",
-               PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(reps)], env=env,
-                         capture_output=True, text=True)
+    env = dict(
+        os.environ,
+        OMP_WAIT_POLICY="PASSIVE",
+        PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])),
+    )
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", str(reps)], env=env, capture_output=True, text=True
+    )
     print("OMP_WAIT_POLICY=PASSIVE child:\n" + out.stdout[-1500:] + out.stderr[-800:], flush=True)
     found = [line for line in out.stdout.splitlines() if line.startswith("CHILD ")]
     if out.returncode or not found:
@@ -230,11 +247,23 @@ def run(opts: ContentionOptions) -> int:
         child = with_ratios(child, floor)
     print(f"{'case':<58} " + " ".join(f"{f'{n} rows: x first, x floor':>28}" for n in GATHER_ROWS))
     for label, row in cases.items():
-        print(f"{label:<58} " + " ".join(f"{row[f'{n}_x_first']:19.2f} {row[f'{n}_x_floor']:8.2f}" for n in GATHER_ROWS))
-    print(f"floor: the gather's bytes at the H2D copy rate measured in this run ({limits['h2d_GBps']:.1f} GB/s); "
-          "x first: against the first case")
-    dump({"device": torch.cuda.get_device_name(dev), "limits": limits, "floor_us": floor, "cases": cases,
-          "child (OMP_WAIT_POLICY=PASSIVE, 1 GiB table)": child}, opts.json)
+        print(
+            f"{label:<58} " + " ".join(f"{row[f'{n}_x_first']:19.2f} {row[f'{n}_x_floor']:8.2f}" for n in GATHER_ROWS)
+        )
+    print(
+        f"floor: the gather's bytes at the H2D copy rate measured in this run ({limits['h2d_GBps']:.1f} GB/s); "
+        "x first: against the first case"
+    )
+    dump(
+        {
+            "device": torch.cuda.get_device_name(dev),
+            "limits": limits,
+            "floor_us": floor,
+            "cases": cases,
+            "child (OMP_WAIT_POLICY=PASSIVE, 1 GiB table)": child,
+        },
+        opts.json,
+    )
     return 1 if "failed" in child else 0
 
 

@@ -76,11 +76,16 @@ def run(opts: GathersweepOptions) -> int:
     num_rows = int(opts.table_gib * 2**30) // HEAD_DIM
     t0 = time.perf_counter()
     rows, scales = pinned_fp8_table(num_rows)
-    print(f"table of {num_rows:,} rows ready in {time.perf_counter() - t0:.1f} s; H2D copy {limits['h2d_GBps']:.1f} GB/s "
-          f"(the floor's rate)", flush=True)
+    print(
+        f"table of {num_rows:,} rows ready in {time.perf_counter() - t0:.1f} s; H2D copy {limits['h2d_GBps']:.1f} GB/s "
+        f"(the floor's rate)",
+        flush=True,
+    )
     gen = torch.Generator().manual_seed(0)
-    ids = {n: [torch.randint(0, num_rows, (n // COLS, COLS), generator=gen, dtype=torch.int32) for _ in range(opts.reps)]
-           for n in GATHER_ROWS}
+    ids = {
+        n: [torch.randint(0, num_rows, (n // COLS, COLS), generator=gen, dtype=torch.int32) for _ in range(opts.reps)]
+        for n in GATHER_ROWS
+    }
     outs = {n: torch.empty((n // COLS, COLS, HEAD_DIM), dtype=torch.bfloat16, device=dev) for n in ids}
     floor = {n: link_floor_us(n, limits["h2d_GBps"]) for n in GATHER_ROWS}
 
@@ -100,8 +105,13 @@ def run(opts: GathersweepOptions) -> int:
             ts.append(time.perf_counter() - t)
         return statistics.median(ts) * 1e6
 
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(dev), "table_rows": num_rows, "limits": limits,
-                              "floor_us": floor, "variants": {}}
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev),
+        "table_rows": num_rows,
+        "limits": limits,
+        "floor_us": floor,
+        "variants": {},
+    }
     print(f"{'variant':48s} " + " ".join(f"{f'{n} rows: us, x floor, x default':>34s}" for n in GATHER_ROWS))
     threads_before = torch.get_num_threads()
     default: dict[int, float] = {}
@@ -120,15 +130,23 @@ def run(opts: GathersweepOptions) -> int:
                 default.setdefault(n, us)
                 row.update({f"{n}_us": us, f"{n}_x_floor": us / floor[n], f"{n}_x_default": us / default[n]})
             result["variants"][name] = row
-            print(f"{name:48s} " + " ".join(f"{row[f'{n}_us']:14.0f} us {row[f'{n}_x_floor']:7.2f} "
-                                            f"{row[f'{n}_x_default']:9.2f}" for n in GATHER_ROWS)
-                  + f"   options {row['options']}", flush=True)
+            print(
+                f"{name:48s} "
+                + " ".join(
+                    f"{row[f'{n}_us']:14.0f} us {row[f'{n}_x_floor']:7.2f} {row[f'{n}_x_default']:9.2f}"
+                    for n in GATHER_ROWS
+                )
+                + f"   options {row['options']}",
+                flush=True,
+            )
             g.close()
             torch.set_num_threads(threads_before)
     finally:
         torch.set_num_threads(threads_before)
-    print("floor: the gather's bytes (rows + scales) at the H2D copy rate measured in this run; "
-          "x default: against the first variant")
+    print(
+        "floor: the gather's bytes (rows + scales) at the H2D copy rate measured in this run; "
+        "x default: against the first variant"
+    )
     dump(result, opts.json)
     return 0
 

@@ -55,19 +55,30 @@ class PleGatherOptions:
     prefill: list[int] = opt([8192], help="prefill steps: tokens of one sequence (default: 8192)")
     reps: int = opt(20, argtype=("int_arg", 1, 10000), help="timed repetitions per case (default: %(default)s)")
     seed: int = opt(0, help="token stream seed (default: %(default)s)")
-    pages: str = opt("4k", choices=PAGE_CHOICES,
-                     help="host table pages: 4k (torch's pinned allocator; default), thp (transparent huge pages, "
-                          "madvise), 1g (reserved 1 GiB hugetlbfs pages: reserve them first in "
-                          "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages) or auto (the runtime stores' "
-                          "choice); huge-page tables are registered with CUDA for the UVA kernel")
+    pages: str = opt(
+        "4k",
+        choices=PAGE_CHOICES,
+        help="host table pages: 4k (torch's pinned allocator; default), thp (transparent huge pages, "
+        "madvise), 1g (reserved 1 GiB hugetlbfs pages: reserve them first in "
+        "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages) or auto (the runtime stores' "
+        "choice); huge-page tables are registered with CUDA for the UVA kernel",
+    )
     json: str | None = opt(None, help="write the figures as JSON to this file")
 
 
 def _layout() -> Any:
     from engram_trt.engram.ple_hash import PLEHashLayout
 
-    return PLEHashLayout.from_config(vocab_size=248320, ngram_size=3, heads_per_ngram=8, ngram_vocab_size_base=20_000_000,
-                                     make_ngram_vocab_size_divisible_by=128, seed=0, eos_token_id=248044, num_layers=1)
+    return PLEHashLayout.from_config(
+        vocab_size=248320,
+        ngram_size=3,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=20_000_000,
+        make_ngram_vocab_size_divisible_by=128,
+        seed=0,
+        eos_token_id=248044,
+        num_layers=1,
+    )
 
 
 def _ids(torch: Any, layout: Any, tokens: int, decode: bool, num_rows: int, gen: Any) -> Any:
@@ -107,8 +118,11 @@ def run(opts: PleGatherOptions) -> int:
     kernel_library.load_library()
     limits = measure_limits(dev)
     h2d = limits["h2d_GBps"]
-    print(f"link: H2D {h2d:.1f} GB/s measured (pinned 1 GiB copy) = {h2d / PCIE5_X16_GBPS:.0%} of PCIe 5.0 x16's "
-          f"{PCIE5_X16_GBPS:.0f} GB/s; HBM copy {limits['hbm_GBps']:.0f} GB/s", flush=True)
+    print(
+        f"link: H2D {h2d:.1f} GB/s measured (pinned 1 GiB copy) = {h2d / PCIE5_X16_GBPS:.0%} of PCIe 5.0 x16's "
+        f"{PCIE5_X16_GBPS:.0f} GB/s; HBM copy {limits['hbm_GBps']:.0f} GB/s",
+        flush=True,
+    )
     row_bytes = opts.head_dim * 2
     t0 = time.perf_counter()
     host, buffer, pages = _host_table(torch, int(opts.table_gib * GiB) // row_bytes, opts.head_dim, opts.pages)
@@ -116,16 +130,22 @@ def run(opts: PleGatherOptions) -> int:
     hbm = torch.empty((int(opts.hbm_gib * GiB) // row_bytes, opts.head_dim), dtype=torch.bfloat16, device=dev)
     _fill(torch, hbm, dev)
     huge_gib = _huge_gib(buffer)
-    print(f"tables: pinned host {opts.table_gib:g} GiB ({host.shape[0]} rows of {row_bytes} B) in {pages}"
-          + (f" ({huge_gib:.1f} GiB of transparent huge pages)" if huge_gib is not None else "")
-          + f", HBM {opts.hbm_gib:g} GiB, made in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"tables: pinned host {opts.table_gib:g} GiB ({host.shape[0]} rows of {row_bytes} B) in {pages}"
+        + (f" ({huge_gib:.1f} GiB of transparent huge pages)" if huge_gib is not None else "")
+        + f", HBM {opts.hbm_gib:g} GiB, made in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     layout = _layout()
     gen = torch.Generator().manual_seed(opts.seed)
     gatherer = HostGatherer(device=dev, max_head_dim=max(512, opts.head_dim))
     cases = [("decode", n) for n in opts.decode] + [("prefill", n) for n in opts.prefill]
     results = {"limits": limits, "pages": opts.pages, "pages_got": pages, "thp_gib": huge_gib, "cases": []}
-    print(f"{'step':>8} {'tokens':>6} {'rows':>7} {'MB':>7} | {'UVA GB/s':>8} {'/link':>6} | {'host GB/s':>9} {'/link':>6}"
-          f" | {'HBM GB/s':>8} {'/link':>6} | UVA/host", flush=True)
+    print(
+        f"{'step':>8} {'tokens':>6} {'rows':>7} {'MB':>7} | {'UVA GB/s':>8} {'/link':>6} | {'host GB/s':>9} {'/link':>6}"
+        f" | {'HBM GB/s':>8} {'/link':>6} | UVA/host",
+        flush=True,
+    )
     for kind, n in cases:
         ids_host_range = _ids(torch, layout, n, kind == "decode", host.shape[0], gen)
         ids_hbm = (ids_host_range.to(torch.int64) % hbm.shape[0]).to(torch.int32)
@@ -153,9 +173,12 @@ def run(opts: PleGatherOptions) -> int:
             row[f"{name}_GBps"] = nbytes / t / 1e9
             row[f"{name}_of_link"] = nbytes / t / 1e9 / h2d
         results["cases"].append(row)
-        print(f"{kind:>8} {n:>6} {flat.numel():>7} {nbytes / 1e6:>7.2f} | {row['uva_GBps']:>8.1f} {row['uva_of_link']:>6.2f} | "
-              f"{row['host_GBps']:>9.1f} {row['host_of_link']:>6.2f} | {row['hbm_GBps']:>8.1f} {row['hbm_of_link']:>6.2f} | "
-              f"{t_host / t_uva:>6.2f}x", flush=True)
+        print(
+            f"{kind:>8} {n:>6} {flat.numel():>7} {nbytes / 1e6:>7.2f} | {row['uva_GBps']:>8.1f} {row['uva_of_link']:>6.2f} | "
+            f"{row['host_GBps']:>9.1f} {row['host_of_link']:>6.2f} | {row['hbm_GBps']:>8.1f} {row['hbm_of_link']:>6.2f} | "
+            f"{t_host / t_uva:>6.2f}x",
+            flush=True,
+        )
     gatherer.close()
     if buffer is not None:
         del host
@@ -168,8 +191,11 @@ def _host_table(torch: Any, rows: int, head_dim: int, pages: str) -> tuple[Any, 
     """(bf16 ``[rows, head_dim]`` host table the GPU can read, its HostBuffer or None,
     its pages in words) for a ``--pages`` choice (module docstring)."""
     if pages == "4k":
-        return (torch.empty((rows, head_dim), dtype=torch.bfloat16, pin_memory=True), None,
-                "4 KiB pages (torch's pinned allocator)")
+        return (
+            torch.empty((rows, head_dim), dtype=torch.bfloat16, pin_memory=True),
+            None,
+            "4 KiB pages (torch's pinned allocator)",
+        )
     from lookuputil import HostBuffer, anon_hugepages_kib, pages_mode
 
     before = anon_hugepages_kib()

@@ -72,7 +72,7 @@ def summarize(events: Any, cuda_type: Any) -> dict[str, Any]:
         elif e.name == STEP_RANGE:
             step = (a, b)
         elif e.name.startswith(STEP_RANGE + "."):
-            spans[e.name[len(STEP_RANGE) + 1:]] = (a, b)
+            spans[e.name[len(STEP_RANGE) + 1 :]] = (a, b)
     if step is None:
         raise RuntimeError(f"the profile holds no '{STEP_RANGE}' range")
     t0 = step[0]
@@ -83,24 +83,35 @@ def summarize(events: Any, cuda_type: Any) -> dict[str, Any]:
         s["count"] += 1
         s["us"] += b - a
         s["last_us"] = max(s["last_us"], b - t0)
-    return {"step_us": step[1] - step[0],
-            "phases": {p: (spans[p][0] - t0, spans[p][1] - t0) for p in PHASES if p in spans},
-            "activities": [{"name": n[:80], "stream": s, "start_us": a - t0, "us": b - a} for a, b, n, s in acts],
-            "by_name": by_name, "gpu_busy_us": union_us([(a, b) for a, b, _, _ in acts]),
-            "idle": idle_gaps([(a, b, n) for a, b, n, _ in acts], *step)}
+    return {
+        "step_us": step[1] - step[0],
+        "phases": {p: (spans[p][0] - t0, spans[p][1] - t0) for p in PHASES if p in spans},
+        "activities": [{"name": n[:80], "stream": s, "start_us": a - t0, "us": b - a} for a, b, n, s in acts],
+        "by_name": by_name,
+        "gpu_busy_us": union_us([(a, b) for a, b, _, _ in acts]),
+        "idle": idle_gaps([(a, b, n) for a, b, n, _ in acts], *step),
+    }
 
 
 def describe(p: dict[str, Any]) -> list[str]:
     """The profile in a few lines: the phases' host spans, then the GPU's work by name."""
-    lines = [f"profiled step {p['step_us']:.0f} us, GPU busy {p['gpu_busy_us']:.0f} us (any stream); host spans: "
-             + ", ".join(f"{k} {a:.0f}-{b:.0f}" for k, (a, b) in p["phases"].items())]
+    lines = [
+        f"profiled step {p['step_us']:.0f} us, GPU busy {p['gpu_busy_us']:.0f} us (any stream); host spans: "
+        + ", ".join(f"{k} {a:.0f}-{b:.0f}" for k, (a, b) in p["phases"].items())
+    ]
     idle = p["idle"]
-    lines.append(f"GPU idle {idle['lead_us']:.0f} us before its first work, {idle['gaps_us']:.0f} us between, "
-                 f"{idle['tail_us']:.0f} us after its last; largest gaps: " + "; ".join(
-                     f"{g['us']:.0f} us before {g['before'][:32]}" for g in idle["largest"][:3]))
+    lines.append(
+        f"GPU idle {idle['lead_us']:.0f} us before its first work, {idle['gaps_us']:.0f} us between, "
+        f"{idle['tail_us']:.0f} us after its last; largest gaps: "
+        + "; ".join(f"{g['us']:.0f} us before {g['before'][:32]}" for g in idle["largest"][:3])
+    )
     parts = sorted(p["by_name"].items(), key=lambda kv: kv[1]["first_us"])
-    lines.append("GPU work: " + "; ".join(
-        f"{name[:40]} x{s['count']} {s['us']:.0f} us ({s['first_us']:.0f}-{s['last_us']:.0f})" for name, s in parts))
+    lines.append(
+        "GPU work: "
+        + "; ".join(
+            f"{name[:40]} x{s['count']} {s['us']:.0f} us ({s['first_us']:.0f}-{s['last_us']:.0f})" for name, s in parts
+        )
+    )
     return lines
 
 
@@ -140,15 +151,22 @@ def phase_timeline(cache: Any, ids: list[Any], out: Any, device: Any) -> dict[st
         for phase, t, ev in marks:
             host[phase].append((t - t0) * 1e6)
             gpu[phase].append(start.elapsed_time(ev) * 1e3)
-    return {"host_us": {p: statistics.median(v) for p, v in host.items() if v},
-            "gpu_us": {p: statistics.median(v) for p, v in gpu.items() if v}, "end_us": statistics.median(ends),
-            "steps": len(ids)}
+    return {
+        "host_us": {p: statistics.median(v) for p, v in host.items() if v},
+        "gpu_us": {p: statistics.median(v) for p, v in gpu.items() if v},
+        "end_us": statistics.median(ends),
+        "steps": len(ids),
+    }
 
 
 def describe_timeline(t: dict[str, Any]) -> str:
-    return (f"unsynced, medians of {t['steps']} steps (us from the call): host issued " + ", ".join(
-        f"{p} {v:.0f}" for p, v in t["host_us"].items()) + "; GPU reached " + ", ".join(
-        f"{p} {v:.0f}" for p, v in t["gpu_us"].items()) + f"; done {t['end_us']:.0f}")
+    return (
+        f"unsynced, medians of {t['steps']} steps (us from the call): host issued "
+        + ", ".join(f"{p} {v:.0f}" for p, v in t["host_us"].items())
+        + "; GPU reached "
+        + ", ".join(f"{p} {v:.0f}" for p, v in t["gpu_us"].items())
+        + f"; done {t['end_us']:.0f}"
+    )
 
 
 def call_costs(cache: Any, ids: Any, out: Any, device: Any, reps: int = 50) -> dict[str, float]:
@@ -177,9 +195,12 @@ def call_costs(cache: Any, ids: Any, out: Any, device: Any, reps: int = 50) -> d
     pinned = ids.reshape(-1).pin_memory() if not ids.is_pinned() else ids.reshape(-1)
     ev = torch.cuda.Event()
     stream = torch.cuda.current_stream(device)
-    calls = {"deliver_us": lambda: cache.transfer.deliver(positions, cache.work_rows, cache.work_scales, out_view),
-             "event_record_us": ev.record, "idle_sync_us": stream.synchronize,
-             "ids_upload_us": lambda: staged.copy_(pinned, non_blocking=True)}
+    calls = {
+        "deliver_us": lambda: cache.transfer.deliver(positions, cache.work_rows, cache.work_scales, out_view),
+        "event_record_us": ev.record,
+        "idle_sync_us": stream.synchronize,
+        "ids_upload_us": lambda: staged.copy_(pinned, non_blocking=True),
+    }
     got: dict[str, float] = {}
     for name, fn in calls.items():
         times = []
@@ -195,4 +216,5 @@ def call_costs(cache: Any, ids: Any, out: Any, device: Any, reps: int = 50) -> d
 
 def describe_costs(c: dict[str, float]) -> str:
     return "host call costs here (us, medians, GPU idle): " + ", ".join(
-        f"{k[:-3].replace('_', ' ')} {v:.1f}" for k, v in c.items())
+        f"{k[:-3].replace('_', ' ')} {v:.1f}" for k, v in c.items()
+    )

@@ -145,9 +145,17 @@ def host_trace(cache: Any, ids: list[Any], out: Any, device: Any, steps: int) ->
             d["start"].append(start)
             d["us"].append(total)
             d["own"].append(own)
-    rows = [{"name": n, "count": statistics.median(d["count"]), "start_us": statistics.median(d["start"]),
-             "us": statistics.median(d["us"]), "own_us": statistics.median(d["own"]), "in_steps": len(d["count"])}
-            for n, d in names.items()]
+    rows = [
+        {
+            "name": n,
+            "count": statistics.median(d["count"]),
+            "start_us": statistics.median(d["start"]),
+            "us": statistics.median(d["us"]),
+            "own_us": statistics.median(d["own"]),
+            "in_steps": len(d["count"]),
+        }
+        for n, d in names.items()
+    ]
     rows.sort(key=lambda r: r["start_us"])
     return {"steps": steps, "step_us": statistics.median(step_us), "calls": rows, "wrapper_ns": _wrapper_cost_ns()}
 
@@ -173,12 +181,16 @@ def _step_calls(spans: list[tuple[str, int, int, int]], t0: int) -> dict[str, tu
 
 def describe_trace(t: dict[str, Any]) -> list[str]:
     """The trace in a few lines: the step, then each call (start, duration, own time)."""
-    lines = [f"host trace, {t['steps']} steps, step {t['step_us']:.0f} us (each traced call adds "
-             f"~{t['wrapper_ns'] / 1e3:.1f} us); calls by first start (us from the call: start +duration [own]):"]
-    parts = [f"{r['name']}{'' if r['count'] == 1 else ' x%g' % r['count']} @{r['start_us']:.0f} "
-             f"+{r['us']:.0f} [{r['own_us']:.0f}]"
-             + ("" if r.get("in_steps", t["steps"]) == t["steps"] else f" (in {r['in_steps']} of {t['steps']} steps)")
-             for r in t["calls"]]
+    lines = [
+        f"host trace, {t['steps']} steps, step {t['step_us']:.0f} us (each traced call adds "
+        f"~{t['wrapper_ns'] / 1e3:.1f} us); calls by first start (us from the call: start +duration [own]):"
+    ]
+    parts = [
+        f"{r['name']}{'' if r['count'] == 1 else ' x%g' % r['count']} @{r['start_us']:.0f} "
+        f"+{r['us']:.0f} [{r['own_us']:.0f}]"
+        + ("" if r.get("in_steps", t["steps"]) == t["steps"] else f" (in {r['in_steps']} of {t['steps']} steps)")
+        for r in t["calls"]
+    ]
     for k in range(0, len(parts), 4):
-        lines.append("  " + "; ".join(parts[k:k + 4]))
+        lines.append("  " + "; ".join(parts[k : k + 4]))
     return lines

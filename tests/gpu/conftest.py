@@ -135,10 +135,11 @@ def _write_results(config: pytest.Config) -> None:
         mod["seed"] = _SEED.get("seed")
         (out / f"{name}.json").write_text(json.dumps(mod, indent=1, default=str))
         outcomes = list(mod["tests"].values())
-        summary["modules"][name] = {"tests_passed": outcomes.count("passed"),
-                                    "tests_not_passed": sum(o != "passed" and not o.startswith("skipped")
-                                                            for o in outcomes),
-                                    "tests": mod["tests"]}
+        summary["modules"][name] = {
+            "tests_passed": outcomes.count("passed"),
+            "tests_not_passed": sum(o != "passed" and not o.startswith("skipped") for o in outcomes),
+            "tests": mod["tests"],
+        }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     config._engram_gpu_summary = (out, summary)
 
@@ -152,8 +153,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     tr.section("GPU tests per module")
     for name, m in summary["modules"].items():
         bad = [t for t, o in m["tests"].items() if o != "passed" and not o.startswith("skipped")]
-        tr.line(f"{name:<28} {m['tests_passed']:4d} tests passed, {m['tests_not_passed']} not"
-                + (f"; not passed: {', '.join(t + ' (' + m['tests'][t] + ')' for t in bad)}" if bad else ""))
+        tr.line(
+            f"{name:<28} {m['tests_passed']:4d} tests passed, {m['tests_not_passed']} not"
+            + (f"; not passed: {', '.join(t + ' (' + m['tests'][t] + ')' for t in bad)}" if bad else "")
+        )
     tr.line(f"seed {summary['seed']}; JSON in {out}")
 
 
@@ -245,9 +248,16 @@ def build_dir(request: pytest.FixtureRequest, trt_include: Path | None) -> Path:
     build = Path(os.environ.get("ENGRAM_TRT_GPU_BUILD", REPO / "build-h200")).resolve()
     lib = build / "libengram_trt_plugins.so"
     if not lib.is_file() or not helpers.harness_path(build).is_file():
-        cmd = ["cmake", "-S", str(REPO), "-B", str(build),
-               f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('ENGRAM_TRT_CUDA_ARCHS', '90')}",
-               "-DENGRAM_TRT_BUILD_HARNESS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+        cmd = [
+            "cmake",
+            "-S",
+            str(REPO),
+            "-B",
+            str(build),
+            f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('ENGRAM_TRT_CUDA_ARCHS', '90')}",
+            "-DENGRAM_TRT_BUILD_HARNESS=ON",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
         if trt_include is not None:
             cmd.append(f"-DTENSORRT_INCLUDE_DIR={trt_include}")
         t0 = time.time()

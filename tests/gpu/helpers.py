@@ -96,13 +96,22 @@ def run_child(module: str, *args: str, timeout: float = 300, **kw: Any) -> subpr
     """``python -m gpu.<module> args`` in a child process (a CUDA fault there cannot end
     the test session), with tests/ and the package on its path."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO / "python")] + (
-        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return subprocess.run([sys.executable, "-m", f"gpu.{module}", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(REPO), **kw)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), str(REPO / "python")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    return subprocess.run(
+        [sys.executable, "-m", f"gpu.{module}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=str(REPO),
+        **kw,
+    )
 
 
 # --- random inputs, the gate's tolerances ------------------------------------------------------
+
 
 def random_fp8_table(rng, rows: int, head_dim: int, block: int = 32):
     fp8 = rng.integers(0, 256, size=(rows, head_dim), dtype=np.uint8)
@@ -136,9 +145,9 @@ def gate_bound(io, ref):
     import torch
 
     if io == torch.bfloat16:
-        return 2.0 ** -8 * np.abs(ref) + 1e-5
+        return 2.0**-8 * np.abs(ref) + 1e-5
     if io == torch.float16:
-        return 2.0 ** -10 * np.abs(ref) + 1e-4
+        return 2.0**-10 * np.abs(ref) + 1e-4
     return np.full(ref.shape, 1e-5 * float(np.nanmax(np.abs(ref))))  # NaN cases: the finite maximum
 
 
@@ -153,7 +162,10 @@ def gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference) -> tuple[bool, str
     dead = ~torch.from_numpy(mask_np)
     masked_exact = out.dtype == hidden.dtype and torch.equal(bits(out)[dead], bits(hidden)[dead])
     ok = bool(np.all(err <= bound)) and np.isfinite(got).all() and masked_exact
-    return ok, f"max|err|={err.max():.3g} rel-norm={rel:.3g} worst err/bound={float((err / bound).max()):.3f} masked-exact={masked_exact}"
+    return (
+        ok,
+        f"max|err|={err.max():.3g} rel-norm={rel:.3g} worst err/bound={float((err / bound).max()):.3f} masked-exact={masked_exact}",
+    )
 
 
 def dtype_name(dtype) -> str:
@@ -176,22 +188,56 @@ class Harness:
         vp, i32 = ctypes.c_void_p, ctypes.c_int32
         self.lib.harness_last_error.restype = ctypes.c_char_p
         self.lib.harness_create.restype = vp
-        self.lib.harness_create.argtypes = [ctypes.c_char_p, i32, ctypes.POINTER(ctypes.c_char_p),
-                                            ctypes.POINTER(i32), ctypes.POINTER(i32), ctypes.POINTER(vp), i32]
+        self.lib.harness_create.argtypes = [
+            ctypes.c_char_p,
+            i32,
+            ctypes.POINTER(ctypes.c_char_p),
+            ctypes.POINTER(i32),
+            ctypes.POINTER(i32),
+            ctypes.POINTER(vp),
+            i32,
+        ]
         self.lib.harness_roundtrip.restype = vp
         self.lib.harness_roundtrip.argtypes = [vp]
         self.lib.harness_destroy.argtypes = [vp]
         self.lib.harness_serialized_int.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)]
-        self.lib.harness_serialized_field.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_char_p),
-                                                      ctypes.POINTER(i32), ctypes.POINTER(i32), vp, ctypes.c_uint64,
-                                                      ctypes.POINTER(ctypes.c_uint64)]
+        self.lib.harness_serialized_field.argtypes = [
+            vp,
+            i32,
+            ctypes.POINTER(i32),
+            ctypes.POINTER(ctypes.c_char_p),
+            ctypes.POINTER(i32),
+            ctypes.POINTER(i32),
+            vp,
+            ctypes.c_uint64,
+            ctypes.POINTER(ctypes.c_uint64),
+        ]
         self.lib.harness_output_types.argtypes = [vp, i32, ctypes.POINTER(i32), i32, ctypes.POINTER(i32)]
-        self.lib.harness_output_shapes.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), i32,
-                                                   ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(i32)]
-        self.lib.harness_run.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32),
-                                         ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), i32, ctypes.POINTER(i32),
-                                         ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(vp), vp,
-                                         ctypes.POINTER(ctypes.c_uint64)]
+        self.lib.harness_output_shapes.argtypes = [
+            vp,
+            i32,
+            ctypes.POINTER(i32),
+            ctypes.POINTER(ctypes.c_int64),
+            i32,
+            ctypes.POINTER(i32),
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(i32),
+        ]
+        self.lib.harness_run.argtypes = [
+            vp,
+            i32,
+            ctypes.POINTER(i32),
+            ctypes.POINTER(i32),
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(vp),
+            i32,
+            ctypes.POINTER(i32),
+            ctypes.POINTER(i32),
+            ctypes.POINTER(ctypes.c_int64),
+            ctypes.POINTER(vp),
+            vp,
+            ctypes.POINTER(ctypes.c_uint64),
+        ]
         self.lib.harness_aliased_input.argtypes = [vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)]
 
     def error(self) -> str:
@@ -228,11 +274,23 @@ class Harness:
         while index < count.value:
             name, ftype, length = ctypes.c_char_p(), ctypes.c_int32(), ctypes.c_int32()
             buf, size = ctypes.create_string_buffer(1 << 16), ctypes.c_uint64(0)
-            if self.lib.harness_serialized_field(h, index, ctypes.byref(count), ctypes.byref(name), ctypes.byref(ftype),
-                                                 ctypes.byref(length), buf, len(buf), ctypes.byref(size)) != 0:
+            if (
+                self.lib.harness_serialized_field(
+                    h,
+                    index,
+                    ctypes.byref(count),
+                    ctypes.byref(name),
+                    ctypes.byref(ftype),
+                    ctypes.byref(length),
+                    buf,
+                    len(buf),
+                    ctypes.byref(size),
+                )
+                != 0
+            ):
                 raise RuntimeError(f"serialized_fields: {self.error()}")
             if index < count.value:
-                fields.append((name.value.decode(), ftype.value, length.value, buf.raw[:size.value]))
+                fields.append((name.value.decode(), ftype.value, length.value, buf.raw[: size.value]))
             index += 1
         return fields
 
@@ -241,7 +299,10 @@ class Harness:
 
     def outputs_types(self, h: int, in_types: list[int], n_out: int) -> list[int]:
         out = (ctypes.c_int32 * n_out)()
-        if self.lib.harness_output_types(h, len(in_types), (ctypes.c_int32 * len(in_types))(*in_types), n_out, out) != 0:
+        if (
+            self.lib.harness_output_types(h, len(in_types), (ctypes.c_int32 * len(in_types))(*in_types), n_out, out)
+            != 0
+        ):
             raise RuntimeError(f"output_types: {self.error()}")
         return list(out)
 
@@ -257,11 +318,17 @@ class Harness:
     def _shapes(self, h: int, in_shapes: list[tuple], n_out: int) -> list[tuple[tuple, tuple]]:
         """Per output (its dims, which of them are build-time constants)."""
         nb, flat = self._dims(in_shapes)
-        onb, odims, oconst = (ctypes.c_int32 * n_out)(), (ctypes.c_int64 * (8 * n_out))(), (ctypes.c_int32 * (8 * n_out))()
+        onb, odims, oconst = (
+            (ctypes.c_int32 * n_out)(),
+            (ctypes.c_int64 * (8 * n_out))(),
+            (ctypes.c_int32 * (8 * n_out))(),
+        )
         if self.lib.harness_output_shapes(h, len(in_shapes), nb, flat, n_out, onb, odims, oconst) != 0:
             raise RuntimeError(f"output_shapes: {self.error()}")
-        return [(tuple(odims[8 * o + k] for k in range(onb[o])), tuple(bool(oconst[8 * o + k]) for k in range(onb[o])))
-                for o in range(n_out)]
+        return [
+            (tuple(odims[8 * o + k] for k in range(onb[o])), tuple(bool(oconst[8 * o + k]) for k in range(onb[o])))
+            for o in range(n_out)
+        ]
 
     def output_shapes(self, h: int, in_shapes: list[tuple]) -> tuple[tuple, tuple]:
         return self._shapes(h, in_shapes, 1)[0]
@@ -279,67 +346,95 @@ class Harness:
     def run(self, h: int, inputs: list, in_types: list[int], out, out_type: int, stream: int) -> int:
         return self.run_outputs(h, inputs, in_types, [out], [out_type], stream)
 
-    def run_outputs(self, h: int, inputs: list, in_types: list[int], outputs: list, out_types: list[int],
-                    stream: int) -> int:
+    def run_outputs(
+        self, h: int, inputs: list, in_types: list[int], outputs: list, out_types: list[int], stream: int
+    ) -> int:
         nb, flat = self._dims([tuple(t.shape) for t in inputs])
         onb, oflat = self._dims([tuple(t.shape) for t in outputs])
         ptrs = (ctypes.c_void_p * len(inputs))(*[t.data_ptr() for t in inputs])
         optrs = (ctypes.c_void_p * len(outputs))(*[t.data_ptr() for t in outputs])
         ws = ctypes.c_uint64(0)
-        status = self.lib.harness_run(h, len(inputs), (ctypes.c_int32 * len(inputs))(*in_types), nb, flat, ptrs,
-                                      len(outputs), (ctypes.c_int32 * len(outputs))(*out_types), onb, oflat, optrs,
-                                      ctypes.c_void_p(stream), ctypes.byref(ws))
+        status = self.lib.harness_run(
+            h,
+            len(inputs),
+            (ctypes.c_int32 * len(inputs))(*in_types),
+            nb,
+            flat,
+            ptrs,
+            len(outputs),
+            (ctypes.c_int32 * len(outputs))(*out_types),
+            onb,
+            oflat,
+            optrs,
+            ctypes.c_void_p(stream),
+            ctypes.byref(ws),
+        )
         if status != 0:
             raise RuntimeError(f"harness_run: {self.error()}")
         return ws.value
 
 
 def hash_fields(layout):
-    return [("n_layers", PF_INT32, np.array([layout.num_layers], np.int32)),
-            ("max_ngram_size", PF_INT32, np.array([layout.max_ngram_size], np.int32)),
-            ("n_heads", PF_INT32, np.array([layout.n_heads], np.int32)),
-            ("pad_id", PF_INT64, np.array([layout.pad_id], np.int64)),
-            ("compressed_vocab_size", PF_INT64, np.array([layout.compressed_vocab_size], np.int64)),
-            ("primes", PF_INT64, np.ascontiguousarray(layout.primes.reshape(-1), np.int64)),
-            ("offsets", PF_INT64, np.ascontiguousarray(layout.offsets.reshape(-1), np.int64)),
-            ("multipliers", PF_INT64, np.ascontiguousarray(layout.multipliers.reshape(-1), np.int64))]
+    return [
+        ("n_layers", PF_INT32, np.array([layout.num_layers], np.int32)),
+        ("max_ngram_size", PF_INT32, np.array([layout.max_ngram_size], np.int32)),
+        ("n_heads", PF_INT32, np.array([layout.n_heads], np.int32)),
+        ("pad_id", PF_INT64, np.array([layout.pad_id], np.int64)),
+        ("compressed_vocab_size", PF_INT64, np.array([layout.compressed_vocab_size], np.int64)),
+        ("primes", PF_INT64, np.ascontiguousarray(layout.primes.reshape(-1), np.int64)),
+        ("offsets", PF_INT64, np.ascontiguousarray(layout.offsets.reshape(-1), np.int64)),
+        ("multipliers", PF_INT64, np.ascontiguousarray(layout.multipliers.reshape(-1), np.int64)),
+    ]
 
 
 def hash_fields_text(layout):
     """The ONNX form: int64 arrays as comma-separated decimal text (kCHAR)."""
-    text = {name: np.frombuffer(",".join(str(int(v)) for v in arr.reshape(-1)).encode(), dtype=np.uint8)
-            for name, arr in (("primes", layout.primes), ("offsets", layout.offsets),
-                              ("multipliers", layout.multipliers))}
+    text = {
+        name: np.frombuffer(",".join(str(int(v)) for v in arr.reshape(-1)).encode(), dtype=np.uint8)
+        for name, arr in (("primes", layout.primes), ("offsets", layout.offsets), ("multipliers", layout.multipliers))
+    }
     return [f if f[0] not in text else (f[0], PF_CHAR, text[f[0]]) for f in hash_fields(layout)]
 
 
 def gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
-    return [("layer_index", PF_INT32, np.array([layer], np.int32)), ("n_layers", PF_INT32, np.array([L], np.int32)),
-            ("n_cols", PF_INT32, np.array([cols], np.int32)), ("head_dim", PF_INT32, np.array([head_dim], np.int32)),
-            ("table_dtype", PF_INT32, np.array([dtype_code], np.int32)),
-            ("quant_block", PF_INT32, np.array([block], np.int32)), ("num_rows", PF_INT64, np.array([rows], np.int64))]
+    return [
+        ("layer_index", PF_INT32, np.array([layer], np.int32)),
+        ("n_layers", PF_INT32, np.array([L], np.int32)),
+        ("n_cols", PF_INT32, np.array([cols], np.int32)),
+        ("head_dim", PF_INT32, np.array([head_dim], np.int32)),
+        ("table_dtype", PF_INT32, np.array([dtype_code], np.int32)),
+        ("quant_block", PF_INT32, np.array([block], np.int32)),
+        ("num_rows", PF_INT64, np.array([rows], np.int64)),
+    ]
 
 
 def column_range_fields(column_begin, column_end, row_offset):
     """EngramGather's optional fields of a tensor-parallel rank: its columns and the global
     row id of its table slice's first row."""
-    return [("column_begin", PF_INT32, np.array([column_begin], np.int32)),
-            ("column_end", PF_INT32, np.array([column_end], np.int32)),
-            ("row_offset", PF_INT64, np.array([row_offset], np.int64))]
+    return [
+        ("column_begin", PF_INT32, np.array([column_begin], np.int32)),
+        ("column_end", PF_INT32, np.array([column_end], np.int32)),
+        ("row_offset", PF_INT64, np.array([row_offset], np.int64)),
+    ]
 
 
 def counted_gather_fields(layer, L, cols, head_dim, dtype_code, block, rows):
     """EngramGather fields with the optional bad-row counter input enabled."""
     return gather_fields(layer, L, cols, head_dim, dtype_code, block, rows) + [
-        ("bad_rows_input", PF_INT32, np.array([1], np.int32))]
+        ("bad_rows_input", PF_INT32, np.array([1], np.int32))
+    ]
 
 
 def gate_fields(hc, D, eps):
-    return [("hc_mult", PF_INT32, np.array([hc], np.int32)), ("hidden_size", PF_INT32, np.array([D], np.int32)),
-            ("eps", PF_FLOAT32, np.array([eps], np.float32))]
+    return [
+        ("hc_mult", PF_INT32, np.array([hc], np.int32)),
+        ("hidden_size", PF_INT32, np.array([D], np.int32)),
+        ("eps", PF_FLOAT32, np.array([eps], np.float32)),
+    ]
 
 
 # --- fp8 test tables (host gather, cache, driver, job buffers) ----------------------------------
+
 
 def fp8_table(rng: Any, rows: int, head_dim: int = 256, quant_block: int = 32) -> tuple[Any, Any, Any, Any]:
     """A random fp8 table: (values, scales) as NumPy and as CPU tensors. No value byte is
@@ -374,13 +469,23 @@ def fp8_test_table(rng: np.random.Generator, N: int = 200_000, D: int = 256, QB:
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape and torch.equal(a.cpu().view(torch.int16), b.cpu().view(torch.int16))
 
-    return SimpleNamespace(values=values, scales=scales, rows_t=rows_t, scales_t=scales_t,
-                           inline_t=inline_table(rows_t, scales_t), N=N, D=D, QB=QB, ref_fp8=ref_fp8, same=same)
+    return SimpleNamespace(
+        values=values,
+        scales=scales,
+        rows_t=rows_t,
+        scales_t=scales_t,
+        inline_t=inline_table(rows_t, scales_t),
+        N=N,
+        D=D,
+        QB=QB,
+        ref_fp8=ref_fp8,
+        same=same,
+    )
 
 
 # --- bf16 comparisons (backbone kernels, GEMV) --------------------------------------------------
 
-U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits, round to nearest even)
+U = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest even)
 
 
 def ulp_distance(a, b):
@@ -413,8 +518,9 @@ def within(got, ref, bound) -> tuple[bool, str]:
     err = (g - ref).abs()
     finite = bool(torch.isfinite(g).all())
     ratio = float((err / bound.clamp_min(1e-300)).max()) if err.numel() else 0.0
-    return finite and bool((err <= bound).all()), f"vs float64: max|err|={float(err.max()) if err.numel() else 0:.3g} " \
-                                                  f"worst err/bound={ratio:.3f}"
+    return finite and bool(
+        (err <= bound).all()
+    ), f"vs float64: max|err|={float(err.max()) if err.numel() else 0:.3g} worst err/bound={ratio:.3f}"
 
 
 def combined(*results: tuple[bool, str]) -> tuple[bool, str]:
@@ -423,6 +529,7 @@ def combined(*results: tuple[bool, str]) -> tuple[bool, str]:
 
 
 # --- float tables and the tiny committed checkpoints ---------------------------------------
+
 
 def special_float_table(torch: Any, dtype: Any, rows: int, width: int, seed: int, inf_column: int) -> Any:
     """[rows, width] random rows of ``dtype`` holding special values, for bit-exact gathers:
@@ -481,8 +588,10 @@ def check_bf16_cuda_logits_near_fp32_cpu(models: tuple[Any, Any], expected: dict
     err = rel_err(got, ref)
     bound = 3 * expected["transformers_bf16_rel_l2"][i]
     note(f"bf16_rel_l2_prompt{i}", err)
-    assert err <= bound, (f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU: "
-                          f"rel L2 {err:.2e}, bound {bound:.2e}")
+    assert err <= bound, (
+        f"prompt {i}: bf16 CUDA logits within 3x transformers' bf16 round-off of fp32 CPU: "
+        f"rel L2 {err:.2e}, bound {bound:.2e}"
+    )
 
 
 def llm_on_cuda_tokens(folder: Path, expected: dict) -> tuple[list[list[int]], str]:
@@ -491,8 +600,9 @@ def llm_on_cuda_tokens(folder: Path, expected: dict) -> tuple[list[list[int]], s
     from engram_trt import LLM, SamplingParams
 
     with LLM(str(folder), backend="torch", device="cuda", dtype="fp32") as llm:
-        outs = llm.generate(expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0,
-                                                                  ignore_eos=True))
+        outs = llm.generate(
+            expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0, ignore_eos=True)
+        )
         label = llm.runner.backend.label
     return [list(o.outputs[0].token_ids) for o in outs], label
 
@@ -500,5 +610,6 @@ def llm_on_cuda_tokens(folder: Path, expected: dict) -> tuple[list[list[int]], s
 def check_llm_on_cuda_gives_the_recorded_tokens(run: tuple[list[list[int]], str], expected: dict, i: int) -> None:
     """Prompt ``i`` of the batch ``run`` (llm_on_cuda_tokens) gives the recorded greedy tokens."""
     got, label = run
-    assert got[i] == expected["greedy"][i], (f"LLM on CUDA: prompt {i}: recorded greedy tokens: {got[i]} vs "
-                                             f"{expected['greedy'][i]}; backend {label}")
+    assert got[i] == expected["greedy"][i], (
+        f"LLM on CUDA: prompt {i}: recorded greedy tokens: {got[i]} vs {expected['greedy'][i]}; backend {label}"
+    )

@@ -64,14 +64,30 @@ def probe(name: str, build_dir: Path) -> dict:
             dst = host_out.ctypes.data + (-host_out.ctypes.data) % 16
         else:
             dst = 1 << 12  # an unmapped address
-        status = lib.engram_host_gather(g._handle, ids.ctypes.data_as(ctypes.c_void_p), 8, 4, 4,
-                                        ctypes.c_void_p(table.data_ptr()), None, 100, 64, gather_kernels.TABLE_BF16, 32,
-                                        ctypes.c_void_p(dst), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        status = lib.engram_host_gather(
+            g._handle,
+            ids.ctypes.data_as(ctypes.c_void_p),
+            8,
+            4,
+            4,
+            ctypes.c_void_p(table.data_ptr()),
+            None,
+            100,
+            64,
+            gather_kernels.TABLE_BF16,
+            32,
+            ctypes.c_void_p(dst),
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+        )
         first = lib.engram_last_error().decode()
         if status == 0:  # not provoked: the caller tries the other destination
-            return {"name": f"probe {name}", "provoked": False, "ok": False,
-                    "detail": f"the host gather into {'pageable host memory' if name == 'stale-error' else 'address 0x1000'} "
-                              "reported success"}
+            return {
+                "name": f"probe {name}",
+                "provoked": False,
+                "ok": False,
+                "detail": f"the host gather into {'pageable host memory' if name == 'stale-error' else 'address 0x1000'} "
+                "reported success",
+            }
         try:
             table_dev = table.to(dev)
             out = gather_kernels.gather(torch.from_numpy(ids).to(dev), table_dev)
@@ -84,8 +100,11 @@ def probe(name: str, build_dir: Path) -> dict:
             detail = f"first call failed ({status}: {first[:90]}); gather and gate after it succeeded"
         except EngramError as exc:
             ok, detail = False, f"first call failed ({status}: {first[:90]}); then: {exc}"[:300]
-        return {"name": "kernel a failed call leaves no stale CUDA error (next gather / gate succeed)", "ok": ok,
-                "detail": detail}
+        return {
+            "name": "kernel a failed call leaves no stale CUDA error (next gather / gate succeed)",
+            "ok": ok,
+            "detail": detail,
+        }
 
     if name == "destroy-during-gather":
         # destroy from a second thread while the gather runs: it must wait for the gather
@@ -122,12 +141,16 @@ def probe(name: str, build_dir: Path) -> dict:
             attempts.append(f"{T} x {cols} rows: {ms} ms")
             del out
             if times["gather_start"] < times["destroy_start"] < times["gather_end"]:
-                return {"name": "kernel host gatherer destroy during a gather waits for it",
-                        "ok": same,
-                        "detail": f"rows exact={same}; ms since gather start: {ms} (attempt {attempt + 1})"}
-        return {"name": "kernel host gatherer destroy during a gather waits for it", "ok": False,
-                "detail": "the destroy never started during the gather, so the wait was not tested: "
-                          + "; ".join(attempts)}
+                return {
+                    "name": "kernel host gatherer destroy during a gather waits for it",
+                    "ok": same,
+                    "detail": f"rows exact={same}; ms since gather start: {ms} (attempt {attempt + 1})",
+                }
+        return {
+            "name": "kernel host gatherer destroy during a gather waits for it",
+            "ok": False,
+            "detail": "the destroy never started during the gather, so the wait was not tested: " + "; ".join(attempts),
+        }
     raise SystemExit(f"unknown probe {name}")
 
 
@@ -148,8 +171,9 @@ def probe_build_phase(name: str, harness) -> dict:
     phase = 0 if name == "build-phase-garbage" else 1
     h = harness.create("EngramGather", counted_gather_fields(0, L, cols, head_dim, 0, 32, rows_n), phase=phase)
     out = torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
-    inputs = [ids] + [torch.tensor([a], dtype=torch.int64, device=dev)
-                      for a in (GARBAGE_ROWS, GARBAGE_SCALES, GARBAGE_COUNTER)]
+    inputs = [ids] + [
+        torch.tensor([a], dtype=torch.int64, device=dev) for a in (GARBAGE_ROWS, GARBAGE_SCALES, GARBAGE_COUNTER)
+    ]
     try:
         harness.run(h, inputs, [DT["int32"]] + [DT["int64"]] * 3, out, DT["bfloat16"], stream)
         torch.cuda.synchronize()
@@ -158,18 +182,27 @@ def probe_build_phase(name: str, harness) -> dict:
         error = f"{type(exc).__name__}: {str(exc)[:160]}"
     if name == "build-phase-garbage":
         if error is not None:
-            return {"name": "plugin EngramGather build phase, unmapped addresses: no read, zero rows", "ok": False,
-                    "detail": error}
+            return {
+                "name": "plugin EngramGather build phase, unmapped addresses: no read, zero rows",
+                "ok": False,
+                "detail": error,
+            }
         zero = int(torch.count_nonzero(out.view(torch.int16))) == 0
         # the context is healthy: a real gather afterwards is exact
         table = torch.randn(rows_n, 64, dtype=torch.bfloat16, device=dev)
         flat = ids[:, 0, :].contiguous()
         exact = torch.equal(gather_kernels.gather(flat, table).cpu(), table.cpu()[flat.cpu().long()])
-        return {"name": "plugin EngramGather build phase, unmapped table / counter addresses: no read, zero rows",
-                "ok": zero and exact, "detail": f"zero rows={zero}; next gather in the context exact={exact}"}
-    return {"name": "control: the same unmapped addresses in the runtime phase fault (the build-phase probe "
-                    "would have seen a read)", "ok": error is not None,
-            "detail": error or "no fault: the addresses were readable, the build-phase probe proves nothing"}
+        return {
+            "name": "plugin EngramGather build phase, unmapped table / counter addresses: no read, zero rows",
+            "ok": zero and exact,
+            "detail": f"zero rows={zero}; next gather in the context exact={exact}",
+        }
+    return {
+        "name": "control: the same unmapped addresses in the runtime phase fault (the build-phase probe "
+        "would have seen a read)",
+        "ok": error is not None,
+        "detail": error or "no fault: the addresses were readable, the build-phase probe proves nothing",
+    }
 
 
 def main(argv: list[str]) -> int:

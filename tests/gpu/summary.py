@@ -34,8 +34,7 @@ def summarize(xml_path: str | Path) -> dict[str, dict]:
     """{module: {"passed": n, "failed": n, "error": n, "skipped": n, "not_passed": [ids]}}."""
     out: dict[str, dict] = {}
     for case in ET.parse(str(xml_path)).getroot().iter("testcase"):
-        mod = out.setdefault(module_of(case.get("classname", "")),
-                             {**{o: 0 for o in OUTCOMES}, "not_passed": []})
+        mod = out.setdefault(module_of(case.get("classname", "")), {**{o: 0 for o in OUTCOMES}, "not_passed": []})
         outcome = outcome_of(case)
         mod[outcome] += 1
         if outcome in ("failed", "error"):

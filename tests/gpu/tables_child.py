@@ -31,8 +31,12 @@ def pointer_attributes(address: int) -> tuple[str, int]:
     err, attr = rt.cudaPointerGetAttributes(address)
     if err != rt.cudaError_t.cudaSuccess:
         return f"error {int(err)}", 0
-    kinds = {int(rt.cudaMemoryType.cudaMemoryTypeUnregistered): "unregistered", int(rt.cudaMemoryType.cudaMemoryTypeHost): "host",
-             int(rt.cudaMemoryType.cudaMemoryTypeDevice): "device", int(rt.cudaMemoryType.cudaMemoryTypeManaged): "managed"}
+    kinds = {
+        int(rt.cudaMemoryType.cudaMemoryTypeUnregistered): "unregistered",
+        int(rt.cudaMemoryType.cudaMemoryTypeHost): "host",
+        int(rt.cudaMemoryType.cudaMemoryTypeDevice): "device",
+        int(rt.cudaMemoryType.cudaMemoryTypeManaged): "managed",
+    }
     return kinds.get(int(attr.type), str(attr.type)), int(attr.devicePointer or 0)
 
 
@@ -41,8 +45,13 @@ class _HostBytes:
 
     def __init__(self, t: torch.Tensor) -> None:
         b = t.view(torch.uint8)
-        self.__cuda_array_interface__ = {"shape": tuple(b.shape), "typestr": "|u1", "data": (b.data_ptr(), False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": tuple(b.shape),
+            "typestr": "|u1",
+            "data": (b.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def uva_gather_digest(store: Any, seed: int = 0, n: int = 4096) -> tuple[str, str]:
@@ -73,7 +82,6 @@ def chunk_states(chunks: list[tuple[int, int]]) -> list[tuple[str, bool]]:
     return out
 
 
-
 def child_main(ckpt: str, shm: str, hold: bool) -> int:
     """One process of the shared check: open, verify registration, gather on the GPU."""
     import logging
@@ -85,11 +93,25 @@ def child_main(ckpt: str, shm: str, hold: bool) -> int:
     open_s = time.perf_counter() - t0
     states = chunk_states(store.chunks)
     gpu, cpu = uva_gather_digest(store)
-    print(json.dumps({"pid": os.getpid(), "kind": store.kind, "created": store.created,
-                      "creator_pid": store.header.creator_pid, "path": str(store.path), "chunks": len(store.chunks),
-                      "registered_uva": all(k == "host" and same for k, same in states), "gpu": gpu, "cpu": cpu,
-                      "open_s": round(open_s, 3), "bytes": store.header.total_size, "gpu_readable": store.gpu_readable}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "kind": store.kind,
+                "created": store.created,
+                "creator_pid": store.header.creator_pid,
+                "path": str(store.path),
+                "chunks": len(store.chunks),
+                "registered_uva": all(k == "host" and same for k, same in states),
+                "gpu": gpu,
+                "cpu": cpu,
+                "open_s": round(open_s, 3),
+                "bytes": store.header.total_size,
+                "gpu_readable": store.gpu_readable,
+            }
+        ),
+        flush=True,
+    )
     if hold:
         sys.stdin.readline()
     chunks = list(store.chunks)

@@ -47,6 +47,7 @@ DTYPES = ["bfloat16", "float16", "float32"]
 
 # --- float64 reference -------------------------------------------------------------------
 
+
 def reference_step(q, k, v, key_cache, value_cache, slots, positions, scale):
     """(out [T, H, hd] float64, new key cache, new value cache) of one step, in float64 on
     the given (already rounded) values; out-of-cache tokens write nothing, output zero."""
@@ -74,9 +75,9 @@ def reference_step(q, k, v, key_cache, value_cache, slots, positions, scale):
 def bound(dtype_name: str, ref: np.ndarray) -> np.ndarray:
     scale = float(np.abs(ref).max()) if ref.size else 0.0
     if dtype_name == "bfloat16":
-        return 2.0 ** -8 * np.abs(ref) + 2.0 ** -12 * scale
+        return 2.0**-8 * np.abs(ref) + 2.0**-12 * scale
     if dtype_name == "float16":
-        return 2.0 ** -10 * np.abs(ref) + 2.0 ** -14 * scale
+        return 2.0**-10 * np.abs(ref) + 2.0**-14 * scale
     return 2e-6 * scale + 2e-6 * np.abs(ref)
 
 
@@ -88,10 +89,14 @@ def compare(name: str, out, ref: np.ndarray, dtype_name: str) -> tuple[bool, str
     b = bound(dtype_name, ref)
     finite = bool(np.isfinite(got).all())
     ok = finite and bool(np.all(err <= b))
-    return ok, f"max|err|={err.max():.3g} worst err/bound={float((err / np.maximum(b, 1e-30)).max()):.3f} finite={finite}"
+    return (
+        ok,
+        f"max|err|={err.max():.3g} worst err/bound={float((err / np.maximum(b, 1e-30)).max()):.3f} finite={finite}",
+    )
 
 
 # --- random packs ------------------------------------------------------------------------
+
 
 def random_pack(rng, num_slots: int, max_len: int, chunks: list[tuple[int, int]], slots=None):
     """Token slots / positions of sequences given as (past, new tokens), back to back, in
@@ -127,6 +132,7 @@ def bits(t):
 
 # --- 2. kernel ------------------------------------------------------------------------------
 
+
 def launched_kernels(fn) -> list[str]:
     """Names of the GPU kernels one call of ``fn`` launched (the profiler)."""
     import torch
@@ -136,7 +142,6 @@ def launched_kernels(fn) -> list[str]:
         fn()
         torch.cuda.synchronize()
     return [e.key for e in prof.key_averages()]
-
 
 
 def tiled_kernel():
@@ -182,8 +187,17 @@ def test_kernel(rng, dname, case) -> None:
     ref, ref_k, ref_v = reference_step(as64(q), as64(k), as64(v), as64(kc), as64(vc), slots, pos, scale)
     kc_d, vc_d = kc.to(dev), vc.to(dev)
     out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-    attention_kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
-                           torch.from_numpy(pos).to(dev), scale=scale, out=out)
+    attention_kernels.attention_step(
+        q.to(dev),
+        k.to(dev),
+        v.to(dev),
+        kc_d,
+        vc_d,
+        torch.from_numpy(slots).to(dev),
+        torch.from_numpy(pos).to(dev),
+        scale=scale,
+        out=out,
+    )
     torch.cuda.synchronize()
     ok, detail = compare(label, out, ref, dname)
     assert ok, f"kernel step {dname} {label} T={T}: {detail}"
@@ -210,15 +224,18 @@ def test_kernel(rng, dname, case) -> None:
     predicted = attention_kernels.warp_kernel_serves(qd, H, kvh)
     assert predicted == warp, (
         f"kernel choice {dname} {label}: warp_kernel_serves() == the kernel launched: "
-        f"predicted {'warp' if predicted else 'tiled'}, ran {'warp' if warp else 'tiled'}")
+        f"predicted {'warp' if predicted else 'tiled'}, ran {'warp' if warp else 'tiled'}"
+    )
     with tiled_kernel():
         tiled = attention_kernels.attention_packed(q.to(dev), kc2, vc2, ts, tp, scale=scale)
     torch.cuda.synchronize()
     ok, detail = compare(label, tiled, ref, dname)
     assert ok, f"kernel tiled (ENGRAM_TRT_ATTENTION_KERNEL=tiled) {dname} {label} T={T}: {detail}"
-    assert (torch.equal(bits(out2), bits(out)) and torch.equal(bits(out3), bits(out2))
-            and torch.equal(bits(kc2), bits(kc_d))), (
-        f"kernel write + packed == step, repeat bit-identical {dname} {label}")
+    assert (
+        torch.equal(bits(out2), bits(out))
+        and torch.equal(bits(out3), bits(out2))
+        and torch.equal(bits(kc2), bits(kc_d))
+    ), f"kernel write + packed == step, repeat bit-identical {dname} {label}"
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -240,8 +257,16 @@ def test_boundaries(rng, dname) -> None:
     ref, _, _ = reference_step(as64(q), as64(k), as64(v), as64(kc), as64(vc), slots, pos, 1 / math.sqrt(hd))
     kc_d, vc_d = kc.to(dev), vc.to(dev)
     out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-    attention_kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
-                           torch.from_numpy(pos).to(dev), out=out)
+    attention_kernels.attention_step(
+        q.to(dev),
+        k.to(dev),
+        v.to(dev),
+        kc_d,
+        vc_d,
+        torch.from_numpy(slots).to(dev),
+        torch.from_numpy(pos).to(dev),
+        out=out,
+    )
     torch.cuda.synchronize()  # raises on a fault
     zero = int(torch.count_nonzero(out[torch.from_numpy(bad).to(dev)]).item()) == 0
     ok, detail = compare("bounds", out, ref, dname)
@@ -255,7 +280,8 @@ def test_boundaries(rng, dname) -> None:
     assert zero and ok and untouched and own, (
         f"kernel bounds {dname}: out-of-cache slots/positions give zero rows and write nothing: "
         f"{detail} zero-rows={zero} cache-as-expected={untouched} "
-        f"pos0-is-own-value={own}")
+        f"pos0-is-own-value={own}"
+    )
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -282,16 +308,31 @@ def test_splits(rng, dname) -> None:
         out = attention_kernels.attention_step(q_d, k.to(dev), v.to(dev), kc_d, vc_d, ts, tp)
         unsplit = torch.full_like(out, float("nan"))
         status = lib.engram_attention_packed(
-            ctypes.c_void_p(q_d.data_ptr()), kernel_library.float_code(dtype), ctypes.c_void_p(kc_d.data_ptr()),
-            ctypes.c_void_p(vc_d.data_ptr()), ctypes.c_void_p(ts.data_ptr()), ctypes.c_void_p(tp.data_ptr()), T,
-            H, kvh, hd, num_slots, max_len, ctypes.c_float(1 / math.sqrt(hd)), None, 0,
-            ctypes.c_void_p(unsplit.data_ptr()), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            ctypes.c_void_p(q_d.data_ptr()),
+            kernel_library.float_code(dtype),
+            ctypes.c_void_p(kc_d.data_ptr()),
+            ctypes.c_void_p(vc_d.data_ptr()),
+            ctypes.c_void_p(ts.data_ptr()),
+            ctypes.c_void_p(tp.data_ptr()),
+            T,
+            H,
+            kvh,
+            hd,
+            num_slots,
+            max_len,
+            ctypes.c_float(1 / math.sqrt(hd)),
+            None,
+            0,
+            ctypes.c_void_p(unsplit.data_ptr()),
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+        )
         torch.cuda.synchronize()
         ok, detail = compare("split", out, ref, dname)
         ok2, detail2 = compare("unsplit", unsplit, ref, dname)
         assert status == 0 and ws > 0 and ok and ok2, (
             f"kernel key splits {dname} {chunks}: split (workspace {ws} B) and unsplit both match: "
-            f"split {detail}; unsplit {detail2}")
+            f"split {detail}; unsplit {detail2}"
+        )
 
 
 def test_continuation(rng) -> None:
@@ -316,8 +357,9 @@ def test_continuation(rng) -> None:
         T = slots.shape[0]
         q, k, v, _, _ = tensors(rng, torch, dtype, T, H, kvh, hd, 1, 1, dev)
         ref, kc_ref, vc_ref = reference_step(as64(q), as64(k), as64(v), kc_ref, vc_ref, slots, pos, 1 / math.sqrt(hd))
-        out = attention_kernels.attention_step(q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev),
-                                     torch.from_numpy(pos).to(dev))
+        out = attention_kernels.attention_step(
+            q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, torch.from_numpy(slots).to(dev), torch.from_numpy(pos).to(dev)
+        )
         torch.cuda.synchronize()
         ok, detail = compare("continuation", out, ref, "float32")
         ok_all &= ok
@@ -332,8 +374,12 @@ DT = {"float32": 0, "float16": 1, "int32": 3, "bool": 4, "bfloat16": 7, "int64":
 
 
 def attention_fields(H, kvh, hd, scale, **override):
-    fields = {"num_heads": (PF_INT32, np.array([H], np.int32)), "num_kv_heads": (PF_INT32, np.array([kvh], np.int32)),
-              "head_dim": (PF_INT32, np.array([hd], np.int32)), "scale": (PF_FLOAT32, np.array([scale], np.float32))}
+    fields = {
+        "num_heads": (PF_INT32, np.array([H], np.int32)),
+        "num_kv_heads": (PF_INT32, np.array([kvh], np.int32)),
+        "head_dim": (PF_INT32, np.array([hd], np.int32)),
+        "scale": (PF_FLOAT32, np.array([scale], np.float32)),
+    }
     fields.update(override)
     return [(name, ftype, data) for name, (ftype, data) in fields.items()]
 
@@ -352,11 +398,12 @@ def check_plugin_cpu(harness: Harness) -> Checks:
     """What TensorRT asks of EngramAttention before any enqueue (no GPU needed)."""
     checks = Checks()
     H, kvh, hd, S, L = 32, 8, 128, 6, 1024
-    h = harness.create("EngramAttention", attention_fields(H, kvh, hd, hd ** -0.5))
+    h = harness.create("EngramAttention", attention_fields(H, kvh, hd, hd**-0.5))
     in_shapes = [(50, H, hd), (50, kvh, hd), (50, kvh, hd), (S, kvh, L, hd), (S, kvh, L, hd), (50,), (50,)]
     shapes = harness.outputs_shapes(h, in_shapes, 3)
-    checks.add("plugin EngramAttention getOutputShapes", shapes == [(50, H, hd), (S, kvh, L, hd), (S, kvh, L, hd)],
-               str(shapes))
+    checks.add(
+        "plugin EngramAttention getOutputShapes", shapes == [(50, H, hd), (S, kvh, L, hd), (S, kvh, L, hd)], str(shapes)
+    )
     types = {}
     for io in ("bfloat16", "float16", "float32"):
         types[io] = harness.outputs_types(h, [DT[io]] * 5 + [DT["int32"]] * 2, 3) == [DT[io]] * 3
@@ -365,27 +412,40 @@ def check_plugin_cpu(harness: Harness) -> Checks:
         harness.outputs_types(h, [DT["bfloat16"]] * 3 + [DT["float16"]] * 2 + [DT["int32"]] * 2, 3)
         checks.add("plugin EngramAttention refuses caches of another type than q", False, "accepted")
     except RuntimeError as exc:
-        checks.add("plugin EngramAttention refuses caches of another type than q", "share one type" in str(exc),
-                   str(exc)[:160])
+        checks.add(
+            "plugin EngramAttention refuses caches of another type than q", "share one type" in str(exc), str(exc)[:160]
+        )
     aliases = [harness.aliased_input(h, o) for o in range(3)]
-    checks.add("plugin EngramAttention getAliasedInput: cache outputs alias the cache inputs (build capability v2)",
-               aliases == [(-1, 2), (3, 2), (4, 2)], str(aliases))
+    checks.add(
+        "plugin EngramAttention getAliasedInput: cache outputs alias the cache inputs (build capability v2)",
+        aliases == [(-1, 2), (3, 2), (4, 2)],
+        str(aliases),
+    )
     h2 = harness.roundtrip(h)
-    checks.add("plugin EngramAttention serialize round trip",
-               harness.outputs_shapes(h2, in_shapes, 3) == shapes and harness.aliased_input(h2, 1) == (3, 2))
+    checks.add(
+        "plugin EngramAttention serialize round trip",
+        harness.outputs_shapes(h2, in_shapes, 3) == shapes and harness.aliased_input(h2, 1) == (3, 2),
+    )
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = {}
     for what, fields, needle in (
-            ("num_heads % num_kv_heads != 0", attention_fields(6, 4, 64, 0.1), "positive multiple of num_kv_heads"),
-            ("head_dim 12", attention_fields(8, 4, 12, 0.1), "multiple of 8"),
-            ("head_dim 512", attention_fields(8, 4, 512, 0.1), "'head_dim' = 512 is outside [8, 256]"),
-            ("scale 0", attention_fields(8, 4, 64, 0.0), "scale must be finite and > 0"),
-            ("scale NaN", attention_fields(8, 4, 64, float("nan")), "scale must be finite and > 0"),
-            ("num_heads 2^32 + 8 (int64)", attention_fields(8, 4, 64, 0.1, num_heads=(PF_INT64, np.array([2**32 + 8], np.int64))),
-             "'num_heads' = 4294967304 is outside"),
-            ("an unknown field", attention_fields(8, 4, 64, 0.1) + [("window", PF_INT32, np.array([4], np.int32))],
-             "unknown field(s) window")):
+        ("num_heads % num_kv_heads != 0", attention_fields(6, 4, 64, 0.1), "positive multiple of num_kv_heads"),
+        ("head_dim 12", attention_fields(8, 4, 12, 0.1), "multiple of 8"),
+        ("head_dim 512", attention_fields(8, 4, 512, 0.1), "'head_dim' = 512 is outside [8, 256]"),
+        ("scale 0", attention_fields(8, 4, 64, 0.0), "scale must be finite and > 0"),
+        ("scale NaN", attention_fields(8, 4, 64, float("nan")), "scale must be finite and > 0"),
+        (
+            "num_heads 2^32 + 8 (int64)",
+            attention_fields(8, 4, 64, 0.1, num_heads=(PF_INT64, np.array([2**32 + 8], np.int64))),
+            "'num_heads' = 4294967304 is outside",
+        ),
+        (
+            "an unknown field",
+            attention_fields(8, 4, 64, 0.1) + [("window", PF_INT32, np.array([4], np.int32))],
+            "unknown field(s) window",
+        ),
+    ):
         try:
             harness.lib.harness_destroy(harness.create("EngramAttention", fields))
             refused[what] = "accepted"
@@ -421,7 +481,7 @@ def test_plugin_gpu(rng, harness, dname, phase_name) -> None:
     slots, pos, _, _ = random_pack(rng, S, L, chunks)
     T = slots.shape[0]
     q, k, v, kc, vc = tensors(rng, torch, dtype, T, H, kvh, hd, S, L, dev)
-    scale = hd ** -0.5
+    scale = hd**-0.5
     ref, ref_k, ref_v = reference_step(as64(q), as64(k), as64(v), as64(kc), as64(vc), slots, pos, scale)
     io = DT[dname]
     in_types = [io] * 5 + [DT["int32"]] * 2
@@ -433,34 +493,38 @@ def test_plugin_gpu(rng, harness, dname, phase_name) -> None:
     # in place: the cache outputs are the cache inputs (what the aliasing gives)
     kc_d, vc_d = kc.to(dev), vc.to(dev)
     out = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-    ws = harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, ts, tp], in_types, [out, kc_d, vc_d],
-                     [io] * 3, stream)
+    ws = harness.run_outputs(
+        h, [q.to(dev), k.to(dev), v.to(dev), kc_d, vc_d, ts, tp], in_types, [out, kc_d, vc_d], [io] * 3, stream
+    )
     torch.cuda.synchronize()
     ok, detail = compare("plugin", out, ref, dname)
     cache_ok = np.array_equal(as64(kc_d), ref_k) and np.array_equal(as64(vc_d), ref_v)
     assert ok and cache_ok and ws == want_ws, (
         f"plugin EngramAttention enqueue {dname} {phase_name}, caches aliased (in place): "
-        f"{detail} caches-exact={cache_ok} workspace={ws} (want {want_ws})")
+        f"{detail} caches-exact={cache_ok} workspace={ws} (want {want_ws})"
+    )
     # separate output buffers: the plugin copies the cache over, the inputs stay untouched
     kc_in, vc_in = kc.to(dev), vc.to(dev)
     kc_out = torch.full_like(kc_in, float("nan"))
     vc_out = torch.full_like(vc_in, float("nan"))
     out2 = torch.full((T, H, hd), float("nan"), dtype=dtype, device=dev)
-    harness.run_outputs(h, [q.to(dev), k.to(dev), v.to(dev), kc_in, vc_in, ts, tp], in_types, [out2, kc_out, vc_out],
-                [io] * 3, stream)
+    harness.run_outputs(
+        h, [q.to(dev), k.to(dev), v.to(dev), kc_in, vc_in, ts, tp], in_types, [out2, kc_out, vc_out], [io] * 3, stream
+    )
     torch.cuda.synchronize()
     inputs_same = torch.equal(bits(kc_in), bits(kc)) and torch.equal(bits(vc_in), bits(vc))
     outputs_same = torch.equal(bits(kc_out), bits(kc_d)) and torch.equal(bits(vc_out), bits(vc_d))
     assert torch.equal(bits(out2), bits(out)) and inputs_same and outputs_same, (
         f"plugin EngramAttention enqueue {dname} {phase_name}, separate cache outputs (copy fallback): "
-        f"inputs-untouched={inputs_same} outputs==in-place={outputs_same}")
+        f"inputs-untouched={inputs_same} outputs==in-place={outputs_same}"
+    )
     if h != base:
         harness.lib.harness_destroy(h)
     harness.lib.harness_destroy(base)
 
 
-
 # --- the timed shapes (their timing: benchmarks/kernels/bench_attention.py) -----------------------------
+
 
 @pytest.mark.parametrize("label", list(ATTENTION_CASES))
 def test_timed_shape_agrees_with_sdpa(label) -> None:
@@ -478,6 +542,4 @@ def test_timed_shape_agrees_with_sdpa(label) -> None:
     want = c.sdpa()
     torch.cuda.synchronize()
     rel = float((got.float() - want.float()).norm() / want.float().norm())
-    assert rel < 1e-2, (
-        f"timing outputs agree with SDPA ({label}): "
-        f"relative norm difference {rel:.2e}")
+    assert rel < 1e-2, f"timing outputs agree with SDPA ({label}): relative norm difference {rel:.2e}"

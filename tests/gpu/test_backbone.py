@@ -51,8 +51,7 @@ from typing import Any
 
 import pytest
 
-from .cases import (MODEL_OPTIONS, build_model, decode_case, decode_step, decode_variants, rel_err,
-                                       variant_settings)
+from .cases import MODEL_OPTIONS, build_model, decode_case, decode_step, decode_variants, rel_err, variant_settings
 
 from .helpers import U, combined, note, say, ulp_distance, versus_torch, within  # noqa: F401
 
@@ -73,6 +72,7 @@ def placed(t, misaligned: bool):
 
 
 # --- float64 references and the PyTorch ops ------------------------------------------------------
+
 
 def norm_module(weight, eps: float):
     """The model's RMSNorm holding ``weight``."""
@@ -97,7 +97,11 @@ def norm_inputs(gen, device, T: int, hc: int, D: int, residual: bool) -> dict:
         hs[1] = 0  # an all-zero token: its norm is eps alone
         if r is not None:
             r[1] = 0
-    return {"hs": hs, "residual": r, "weight": (1 + 0.1 * torch.randn(D, generator=gen, device=device)).to(torch.bfloat16)}
+    return {
+        "hs": hs,
+        "residual": r,
+        "weight": (1 + 0.1 * torch.randn(D, generator=gen, device=device)).to(torch.bfloat16),
+    }
 
 
 def norm_verify(inputs: dict, got_out, got_hs) -> tuple[bool, str]:
@@ -111,7 +115,7 @@ def norm_verify(inputs: dict, got_out, got_hs) -> tuple[bool, str]:
     want = TorchBackboneOps().norm(hs_t, inputs["residual"], norm_module(inputs["weight"], EPS))
     m = hs_t.double().mean(dim=1)
     ref = m * torch.rsqrt(m.pow(2).mean(-1, keepdim=True) + EPS) * inputs["weight"].double()
-    bound = 3 * U * (1 + 2 * U) * ref.abs() + 2.0 ** -20 * float(ref.abs().max())
+    bound = 3 * U * (1 + 2 * U) * ref.abs() + 2.0**-20 * float(ref.abs().max())
     parts = [versus_torch(got_out, want), within(got_out, ref, bound)]
     if inputs["residual"] is not None:
         ok, detail = versus_torch(got_hs, hs_t, exact=True)
@@ -119,8 +123,9 @@ def norm_verify(inputs: dict, got_out, got_hs) -> tuple[bool, str]:
     return combined(*parts)
 
 
-def rope_inputs(gen, device, T: int, H: int, kvh: int, hd: int, num_slots: int, max_len: int,
-                out_of_cache: bool = True) -> dict:
+def rope_inputs(
+    gen, device, T: int, H: int, kvh: int, hd: int, num_slots: int, max_len: int, out_of_cache: bool = True
+) -> dict:
     import torch
 
     qkv = torch.randn(T, (H + 2 * kvh) * hd, generator=gen, device=device).to(torch.bfloat16)
@@ -128,7 +133,7 @@ def rope_inputs(gen, device, T: int, H: int, kvh: int, hd: int, num_slots: int, 
     cells = torch.randperm(num_slots * max_len, generator=gen, device=device)[:T]  # distinct (slot, position)
     slots, pos = cells // max_len, cells % max_len
     if out_of_cache and T >= 4:
-        bad = torch.randperm(T, generator=gen, device=device)[:max(1, T // 16)]
+        bad = torch.randperm(T, generator=gen, device=device)[: max(1, T // 16)]
         for i, t in enumerate(bad.tolist()):
             if i % 4 == 0:
                 slots[t] = -1
@@ -142,10 +147,18 @@ def rope_inputs(gen, device, T: int, H: int, kvh: int, hd: int, num_slots: int, 
     freqs = pos.clamp_min(0).to(torch.float32)[:, None] * inv_freq[None, :]  # the model's cos / sin
     emb = torch.cat((freqs, freqs), dim=-1)
     shape = (num_slots, kvh, max_len, hd)
-    return {"qkv": qkv, "cos": emb.cos().to(torch.bfloat16), "sin": emb.sin().to(torch.bfloat16),
-            "slots": slots.to(torch.int32), "pos": pos.to(torch.int32), "H": H, "kvh": kvh, "hd": hd,
-            "keys": torch.randn(shape, generator=gen, device=device).to(torch.bfloat16),
-            "values": torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)}
+    return {
+        "qkv": qkv,
+        "cos": emb.cos().to(torch.bfloat16),
+        "sin": emb.sin().to(torch.bfloat16),
+        "slots": slots.to(torch.int32),
+        "pos": pos.to(torch.int32),
+        "H": H,
+        "kvh": kvh,
+        "hd": hd,
+        "keys": torch.randn(shape, generator=gen, device=device).to(torch.bfloat16),
+        "values": torch.randn(shape, generator=gen, device=device).to(torch.bfloat16),
+    }
 
 
 def rope_verify(inputs: dict, got_q, got_keys, got_values) -> tuple[bool, str]:
@@ -177,16 +190,23 @@ def rope_verify(inputs: dict, got_q, got_keys, got_values) -> tuple[bool, str]:
 
     def ref64(x, c, s):
         x, c, s = x.double(), c.double(), s.double()
-        return x * c + rotate_half(x) * s, (2 * U * (1 + U) + 2.0 ** -20) * ((x * c).abs() + (rotate_half(x) * s).abs())
+        return x * c + rotate_half(x) * s, (2 * U * (1 + U) + 2.0**-20) * ((x * c).abs() + (rotate_half(x) * s).abs())
 
     q_ref, q_bound = ref64(q, cos, sin)
     # cos/sin are per token ([T, 1, hd]): the tokens inside the cache take their own rows
     k_ref, k_bound = ref64(k[valid], cos[valid], sin[valid])
     k_got = got_keys[slots[valid], :, pos[valid]]
-    return combined(versus_torch(got_q, q_t), within(got_q, q_ref, q_bound),
-                    (kv_ok, f"keys: written cells max {int(d[written].max()) if written.any() else 0} ulp from torch, "
-                            f"others max {untouched} ulp (must be 0), {int((~valid).sum())} tokens outside the cache"),
-                    (v_ok, "values " + v_detail.replace("vs torch ops: ", "")), within(k_got, k_ref, k_bound))
+    return combined(
+        versus_torch(got_q, q_t),
+        within(got_q, q_ref, q_bound),
+        (
+            kv_ok,
+            f"keys: written cells max {int(d[written].max()) if written.any() else 0} ulp from torch, "
+            f"others max {untouched} ulp (must be 0), {int((~valid).sum())} tokens outside the cache",
+        ),
+        (v_ok, "values " + v_detail.replace("vs torch ops: ", "")),
+        within(k_got, k_ref, k_bound),
+    )
 
 
 def silu_inputs(gen, device, T: int, I: int) -> dict:
@@ -206,7 +226,7 @@ def silu_verify(inputs: dict, got) -> tuple[bool, str]:
     want = TorchBackboneOps().silu_mul(gu)
     g, u = gu.double().chunk(2, dim=-1)
     ref = g / (1 + (-g).exp()) * u
-    return combined(versus_torch(got, want), within(got, ref, (2 * U * (1 + U) + 2.0 ** -20) * ref.abs() + 1e-30))
+    return combined(versus_torch(got, want), within(got, ref, (2 * U * (1 + U) + 2.0**-20) * ref.abs() + 1e-30))
 
 
 # --- 2. ABI (no GPU) -------------------------------------------------------------------------------
@@ -240,36 +260,86 @@ def backbone_abi(entry: str, **args) -> tuple[int, str]:
 # (name, entry point, the arguments that differ from a good call, (status, last error) wanted):
 # the entry points refuse bad arguments on the host before any CUDA call.
 ABI_CASES = [
-    ("norm: hc_mult 0", "norm", {"hc": 0}, (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= 16384 "
-                                                "(got 0, 2048)")),
-    ("norm: hidden 16385", "norm", {"D": 16385}, (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= "
-                                                     "16384 (got 4, 16385)")),
+    (
+        "norm: hc_mult 0",
+        "norm",
+        {"hc": 0},
+        (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= 16384 (got 0, 2048)"),
+    ),
+    (
+        "norm: hidden 16385",
+        "norm",
+        {"D": 16385},
+        (1, "engram_hc_rms_norm: need hc_mult >= 1 and 1 <= hidden_size <= 16384 (got 4, 16385)"),
+    ),
     ("norm: eps NaN", "norm", {"eps": float("nan")}, (1, "engram_hc_rms_norm: eps must be finite and >= 0 (got nan)")),
     ("norm: -1 tokens", "norm", {"T": -1}, (1, "engram_hc_rms_norm: num_tokens must be in [0, 2^31 - 1] (got -1)")),
     ("norm: NULL hs", "norm", {"hs": None}, (1, "engram_hc_rms_norm: hs, weight and out must be bf16 device pointers")),
-    ("norm: odd residual address", "norm", {"residual": ctypes.c_void_p(17)},
-     (1, "engram_hc_rms_norm: residual must be NULL or a bf16 device pointer")),
-    ("norm: out inside hs", "norm", {"out": ctypes.c_void_p(16 + 2048)},
-     (1, "engram_hc_rms_norm: out, hs and residual must not overlap")),
+    (
+        "norm: odd residual address",
+        "norm",
+        {"residual": ctypes.c_void_p(17)},
+        (1, "engram_hc_rms_norm: residual must be NULL or a bf16 device pointer"),
+    ),
+    (
+        "norm: out inside hs",
+        "norm",
+        {"out": ctypes.c_void_p(16 + 2048)},
+        (1, "engram_hc_rms_norm: out, hs and residual must not overlap"),
+    ),
     ("norm: zero tokens", "norm", {"T": 0, "hs": None}, (0, "")),
-    ("silu: intermediate 0", "silu", {"I": 0}, (1, "engram_silu_mul: need num_tokens >= 0 and intermediate_size >= 1 "
-                                                   "(got 4, 0)")),
+    (
+        "silu: intermediate 0",
+        "silu",
+        {"I": 0},
+        (1, "engram_silu_mul: need num_tokens >= 0 and intermediate_size >= 1 (got 4, 0)"),
+    ),
     ("silu: NULL out", "silu", {"out": None}, (1, "engram_silu_mul: gate_up and out must be bf16 device pointers")),
-    ("silu: out inside gate_up", "silu", {"out": ctypes.c_void_p(16 + 4 * 5632)},
-     (1, "engram_silu_mul: out must not overlap gate_up")),
+    (
+        "silu: out inside gate_up",
+        "silu",
+        {"out": ctypes.c_void_p(16 + 4 * 5632)},
+        (1, "engram_silu_mul: out must not overlap gate_up"),
+    ),
     ("silu: zero tokens", "silu", {"T": 0, "gu": None}, (0, "")),
-    ("rope: heads 6 / 4", "rope", {"H": 6, "kvh": 4},
-     (1, "engram_rope_kv_cache_write: num_heads must be a positive multiple of num_kv_heads (got num_heads 6, "
-         "num_kv_heads 4)")),
-    ("rope: head_dim 264", "rope", {"hd": 264}, (1, "engram_rope_kv_cache_write: head_dim must be a multiple of 8 in "
-                                                    "[8, 256] (got 264)")),
-    ("rope: NULL token_slot", "rope", {"slot": None}, (1, "engram_rope_kv_cache_write: token_slot and token_pos must "
-                                                          "be int32 device arrays")),
-    ("rope: misaligned q_out", "rope", {"q_out": ctypes.c_void_p(24)},
-     (1, "engram_rope_kv_cache_write: qkv, cos, sin, key_cache, value_cache and q_out must be 16-byte aligned "
-         "device pointers")),
-    ("rope: q_out inside qkv", "rope", {"q_out": ctypes.c_void_p(16 + 4096)},
-     (1, "engram_rope_kv_cache_write: q_out must not overlap qkv")),
+    (
+        "rope: heads 6 / 4",
+        "rope",
+        {"H": 6, "kvh": 4},
+        (
+            1,
+            "engram_rope_kv_cache_write: num_heads must be a positive multiple of num_kv_heads (got num_heads 6, "
+            "num_kv_heads 4)",
+        ),
+    ),
+    (
+        "rope: head_dim 264",
+        "rope",
+        {"hd": 264},
+        (1, "engram_rope_kv_cache_write: head_dim must be a multiple of 8 in [8, 256] (got 264)"),
+    ),
+    (
+        "rope: NULL token_slot",
+        "rope",
+        {"slot": None},
+        (1, "engram_rope_kv_cache_write: token_slot and token_pos must be int32 device arrays"),
+    ),
+    (
+        "rope: misaligned q_out",
+        "rope",
+        {"q_out": ctypes.c_void_p(24)},
+        (
+            1,
+            "engram_rope_kv_cache_write: qkv, cos, sin, key_cache, value_cache and q_out must be 16-byte aligned "
+            "device pointers",
+        ),
+    ),
+    (
+        "rope: q_out inside qkv",
+        "rope",
+        {"q_out": ctypes.c_void_p(16 + 4096)},
+        (1, "engram_rope_kv_cache_write: q_out must not overlap qkv"),
+    ),
     ("rope: zero tokens", "rope", {"T": 0}, (0, "")),
 ]
 
@@ -284,8 +354,15 @@ def test_abi(name: str, entry: str, args: dict, want: tuple[int, str]) -> None:
 
 # The bounds hold for the PyTorch bf16 ops themselves (CPU), so a kernel that matches those
 # ops within an ulp passes them: T 1 and 64, hc 1 and 4.
-REFERENCE_CASES = [("norm", (1, 4, 2048)), ("norm", (64, 4, 256)), ("norm", (64, 1, 1000)),
-                   ("rope", (1, 16, 8, 128)), ("rope", (64, 4, 2, 40)), ("silu", (1, 5632)), ("silu", (64, 13))]
+REFERENCE_CASES = [
+    ("norm", (1, 4, 2048)),
+    ("norm", (64, 4, 256)),
+    ("norm", (64, 1, 1000)),
+    ("rope", (1, 16, 8, 128)),
+    ("rope", (64, 4, 2, 40)),
+    ("silu", (1, 5632)),
+    ("silu", (64, 13)),
+]
 
 
 def check_reference_cpu(kind: str, dims: tuple) -> None:
@@ -320,13 +397,15 @@ def check_reference_cpu(kind: str, dims: tuple) -> None:
         assert ok, f"reference silu T={T} I={I} (cpu): {detail}"
 
 
-@pytest.mark.parametrize("kind, dims", REFERENCE_CASES,
-                         ids=[f"{k}-{'x'.join(map(str, d))}" for k, d in REFERENCE_CASES])
+@pytest.mark.parametrize(
+    "kind, dims", REFERENCE_CASES, ids=[f"{k}-{'x'.join(map(str, d))}" for k, d in REFERENCE_CASES]
+)
 def test_reference_cpu(kind: str, dims: tuple) -> None:
     check_reference_cpu(kind, dims)
 
 
 # --- 4. kernels on the GPU ----------------------------------------------------------------------------
+
 
 def run_norm(inputs: dict, misaligned: bool = False):
     from engram_trt.native import backbone as backbone_kernels
@@ -339,8 +418,9 @@ def run_rope(inputs: dict):
     from engram_trt.native import attention as attention_kernels
 
     keys, values = inputs["keys"].clone(), inputs["values"].clone()
-    q = attention_kernels.rope_kv_cache_write(inputs["qkv"], inputs["cos"], inputs["sin"], keys, values,
-                                              inputs["slots"], inputs["pos"], inputs["H"])
+    q = attention_kernels.rope_kv_cache_write(
+        inputs["qkv"], inputs["cos"], inputs["sin"], keys, values, inputs["slots"], inputs["pos"], inputs["H"]
+    )
     return q, keys, values
 
 
@@ -352,16 +432,41 @@ def run_silu(inputs: dict, misaligned: bool = False):
 
 # (T, hc, D, residual, misaligned): D 2048 at each T / hc / residual, then odd D (+residual)
 NORM_CASES = [(T, hc, 2048, residual, False) for T in (1, 64, 256, 8192) for hc in (1, 4) for residual in (False, True)]
-NORM_CASES += [(T, hc, D, True, misaligned) for T, hc, D, misaligned in (
-    (64, 4, 2047, False), (64, 4, 1000, False), (64, 4, 3, False), (64, 3, 4096, False), (16, 4, 16384, False),
-    (64, 4, 2048, True), (256, 1, 2047, True))]
+NORM_CASES += [
+    (T, hc, D, True, misaligned)
+    for T, hc, D, misaligned in (
+        (64, 4, 2047, False),
+        (64, 4, 1000, False),
+        (64, 4, 3, False),
+        (64, 3, 4096, False),
+        (16, 4, 16384, False),
+        (64, 4, 2048, True),
+        (256, 1, 2047, True),
+    )
+]
 # (T, H, kvh, hd, slots, max_len)
-ROPE_CASES = [(1, 16, 8, 128, 4, 64), (64, 16, 8, 128, 8, 256), (256, 16, 8, 128, 8, 512), (8192, 16, 8, 128, 8, 2048),
-              (64, 32, 8, 128, 4, 64), (64, 4, 4, 64, 4, 64), (64, 16, 8, 256, 4, 64), (64, 8, 2, 40, 4, 64),
-              (16, 2, 1, 8, 2, 32)]
+ROPE_CASES = [
+    (1, 16, 8, 128, 4, 64),
+    (64, 16, 8, 128, 8, 256),
+    (256, 16, 8, 128, 8, 512),
+    (8192, 16, 8, 128, 8, 2048),
+    (64, 32, 8, 128, 4, 64),
+    (64, 4, 4, 64, 4, 64),
+    (64, 16, 8, 256, 4, 64),
+    (64, 8, 2, 40, 4, 64),
+    (16, 2, 1, 8, 2, 32),
+]
 # (T, I, misaligned)
-SILU_CASES = [(1, 5632, False), (64, 5632, False), (256, 5632, False), (8192, 5632, False), (64, 1000, False),
-              (64, 13, False), (3, 1, False), (64, 5632, True)]
+SILU_CASES = [
+    (1, 5632, False),
+    (64, 5632, False),
+    (256, 5632, False),
+    (8192, 5632, False),
+    (64, 1000, False),
+    (64, 13, False),
+    (3, 1, False),
+    (64, 5632, True),
+]
 
 
 @pytest.mark.parametrize("T, hc, D, residual, misaligned", NORM_CASES)
@@ -371,8 +476,9 @@ def test_norm_kernel(gen, T: int, hc: int, D: int, residual: bool, misaligned: b
     inputs = norm_inputs(gen, torch.device("cuda"), T, hc, D, residual)
     out, hs = run_norm(inputs, misaligned)
     ok, detail = norm_verify(inputs, out, hs)
-    assert ok, f"norm T={T} hc={hc} D={D}{' +residual' if residual else ''}{' misaligned' if misaligned else ''}: " \
-               f"{detail}"
+    assert ok, (
+        f"norm T={T} hc={hc} D={D}{' +residual' if residual else ''}{' misaligned' if misaligned else ''}: {detail}"
+    )
 
 
 @pytest.mark.parametrize("T, H, kvh, hd, slots, max_len", ROPE_CASES)
@@ -399,9 +505,11 @@ def test_graph(gen, rounds: int = 3) -> None:
     import torch
 
     dev = torch.device("cuda")
-    make = {"norm": lambda: norm_inputs(gen, dev, 64, 4, 2048, True),
-            "rope": lambda: rope_inputs(gen, dev, 64, 16, 8, 128, 8, 256),
-            "silu": lambda: silu_inputs(gen, dev, 64, 5632)}
+    make = {
+        "norm": lambda: norm_inputs(gen, dev, 64, 4, 2048, True),
+        "rope": lambda: rope_inputs(gen, dev, 64, 16, 8, 128, 8, 256),
+        "silu": lambda: silu_inputs(gen, dev, 64, 5632),
+    }
     static = {k: f() for k, f in make.items()}
     from engram_trt.native import attention as attention_kernels
     from engram_trt.native import backbone as backbone_kernels
@@ -409,8 +517,9 @@ def test_graph(gen, rounds: int = 3) -> None:
     def body() -> tuple:
         n, r, s = static["norm"], static["rope"], static["silu"]
         out = backbone_kernels.hc_rms_norm(n["hs"], n["weight"], EPS, n["residual"])
-        q = attention_kernels.rope_kv_cache_write(r["qkv"], r["cos"], r["sin"], r["keys"], r["values"], r["slots"],
-                                                  r["pos"], r["H"])
+        q = attention_kernels.rope_kv_cache_write(
+            r["qkv"], r["cos"], r["sin"], r["keys"], r["values"], r["slots"], r["pos"], r["H"]
+        )
         return out, q, backbone_kernels.silu_mul(s["gate_up"])
 
     from engram_trt.bench.common import capture_graph
@@ -426,11 +535,14 @@ def test_graph(gen, rounds: int = 3) -> None:
         torch.cuda.synchronize()
         out, q, silu = outputs
         results = {
-            f"graph replay {rnd + 1}: norm T=64 hc=4 D=2048 +residual":
-                norm_verify(fresh["norm"], out, static["norm"]["hs"]),
-            f"graph replay {rnd + 1}: rope+kv T=64 heads 16/8/128, new slots and positions":
-                rope_verify(fresh["rope"], q, static["rope"]["keys"], static["rope"]["values"]),
-            f"graph replay {rnd + 1}: silu*up T=64 I=5632": silu_verify(fresh["silu"], silu)}
+            f"graph replay {rnd + 1}: norm T=64 hc=4 D=2048 +residual": norm_verify(
+                fresh["norm"], out, static["norm"]["hs"]
+            ),
+            f"graph replay {rnd + 1}: rope+kv T=64 heads 16/8/128, new slots and positions": rope_verify(
+                fresh["rope"], q, static["rope"]["keys"], static["rope"]["values"]
+            ),
+            f"graph replay {rnd + 1}: silu*up T=64 I=5632": silu_verify(fresh["silu"], silu),
+        }
         failed = {name: detail for name, (ok, detail) in results.items() if not ok}
         assert not failed, "; ".join(f"{name}: {detail}" for name, detail in failed.items())
 
@@ -461,9 +573,15 @@ def twin(model_1b):
     from engram_trt.models.engram_llama.model import EngramLlama
 
     model, layout, _ = model_1b
-    t = EngramLlama(model.config, {n: p.detach().float() for n, p in model.named_parameters()},
-                    compress_lookup=model.compress_lookup, layout=layout, device=model.device, dtype=torch.float32,
-                    fuse_projections=False)
+    t = EngramLlama(
+        model.config,
+        {n: p.detach().float() for n, p in model.named_parameters()},
+        compress_lookup=model.compress_lookup,
+        layout=layout,
+        device=model.device,
+        dtype=torch.float32,
+        fuse_projections=False,
+    )
     t.set_tables(model.tables)
     return t
 
@@ -479,16 +597,20 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
 
     cfg = model.config
     kernels = model.backbone_ops
-    fused = all(layer.self_attn.fused_weight() is not None and layer.mlp.fused_weight() is not None
-                for layer in model.model.layers)
+    fused = all(
+        layer.self_attn.fused_weight() is not None and layer.mlp.fused_weight() is not None
+        for layer in model.model.layers
+    )
     assert kernels is not None and fused, (
-        f"1.15B model: fused projections and the kernel library selected: {model.backend_name}")
+        f"1.15B model: fused projections and the kernel library selected: {model.backend_name}"
+    )
     names = [n for n, _ in model.named_parameters()]
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
     assert sorted(names) == sorted(model_weight_shapes(cfg)) and sum(storages.values()) == info["weight_bytes"], (
         "1.15B model: parameter names are the checkpoint's, no weight stored twice: "
         f"{len(names)} parameters in {len(storages)} allocations of {sum(storages.values()) / 2**30:.3f} GiB, "
-        f"the parameters {info['weight_bytes'] / 2**30:.3f} GiB")
+        f"the parameters {info['weight_bytes'] / 2**30:.3f} GiB"
+    )
 
     gen = torch.Generator().manual_seed(seed)
     lens = [37, 64, 5, 100]
@@ -500,13 +622,27 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
     # "fused graphs, lookup apart": the GPU lookup replayed in graphs of its own beside the
     # step's segments, where by default it is forked onto the side stream inside one graph of
     # the step (the same kernels).
-    paths = {"unfused eager": (None, False), "fused eager": (kernels, False), "fused graphs": (kernels, True),
-             "unfused graphs": (None, True), "fused graphs over copies": (kernels, True),
-             "fused graphs, lookup apart": (kernels, True)}
+    paths = {
+        "unfused eager": (None, False),
+        "fused eager": (kernels, False),
+        "fused graphs": (kernels, True),
+        "unfused graphs": (None, True),
+        "fused graphs over copies": (kernels, True),
+        "fused graphs, lookup apart": (kernels, True),
+    }
     caches = {name: model.new_cache(S + 1, max_len) for name in paths}  # + the graphs' scratch slot
-    graphs = {name: DecodeGraphs(model, caches[name], S, scratch_slot=S, tables=model.tables,
-                                 fork_lookup=name != "fused graphs, lookup apart")
-              for name, (_, g) in paths.items() if g}
+    graphs = {
+        name: DecodeGraphs(
+            model,
+            caches[name],
+            S,
+            scratch_slot=S,
+            tables=model.tables,
+            fork_lookup=name != "fused graphs, lookup apart",
+        )
+        for name, (_, g) in paths.items()
+        if g
+    }
     twin_cache = twin.new_cache(S + 1, max_len)
     lut = model.compress_lookup.cpu()
     n_back = layout.max_ngram_size - 1
@@ -518,7 +654,7 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
         else:
             past = [n + k - 1 for n in lens]
             ids = torch.stack([h[p] for h, p in zip(history, past)])
-            lookback = torch.stack([lut[h[p - n_back:p]] for h, p in zip(history, past)])
+            lookback = torch.stack([lut[h[p - n_back : p]] for h, p in zip(history, past)])
             step = PackedStep(ids, [1] * S, past, list(range(S)), lookback=lookback)
             label = f"decode step {k} of {S} sequences"
         ref = twin.forward_step(step, twin_cache).float()
@@ -528,7 +664,8 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
             with variant_settings(name):
                 out = graphs[name].run(step, None) if in_graph and k > 0 else None
             assert not (in_graph and k > 0 and out is None), (
-                f"{name}: {label} replayed from a graph: {graphs[name].failed or 'not replayed'}")
+                f"{name}: {label} replayed from a graph: {graphs[name].failed or 'not replayed'}"
+            )
             logits[name] = (out if out is not None else model.forward_step(step, caches[name])).float().clone()
         model.backbone_ops = kernels
         base = rel_err(logits["unfused eager"], ref)
@@ -536,9 +673,15 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
             same = torch.equal(logits["fused graphs"], logits["fused graphs, lookup apart"])
             assert same and graphs["fused graphs"].handles_lookup(step), (
                 f"1.15B {label}: the lookup forked in one graph of the step gives the separate lookup graphs' logits: "
-                f"bit-identical={same}; GPU lookup in the graphs={graphs['fused graphs'].handles_lookup(step)}")
-        for name in ("fused eager", "fused graphs", "unfused graphs", "fused graphs over copies",
-                     "fused graphs, lookup apart"):
+                f"bit-identical={same}; GPU lookup in the graphs={graphs['fused graphs'].handles_lookup(step)}"
+            )
+        for name in (
+            "fused eager",
+            "fused graphs",
+            "unfused graphs",
+            "fused graphs over copies",
+            "fused graphs, lookup apart",
+        ):
             err = rel_err(logits[name], ref)
             worst[name] = max(worst.get(name, 0.0), err)
             ok = err <= 1.5 * base + 2e-3 and bool(torch.isfinite(logits[name]).all())
@@ -546,10 +689,12 @@ def check_model(model: Any, layout: Any, info: dict, seed: int, twin: Any) -> No
                 f"1.15B {label}: {name} vs float32 twin: "
                 f"rel L2 {err:.3e} (unfused eager {base:.3e}; vs unfused eager "
                 f"{rel_err(logits[name], logits['unfused eager']):.3e}); argmax agrees with the twin on "
-                f"{int((logits[name].argmax(-1) == ref.argmax(-1)).sum())}/{S}")
+                f"{int((logits[name].argmax(-1) == ref.argmax(-1)).sum())}/{S}"
+            )
     for name, g in graphs.items():
         assert g.failed is None and g.replays == steps, (
-            f"1.15B decode graphs recorded and replayed ({name}): {g.failed or f'{g.replays} replays'}")
+            f"1.15B decode graphs recorded and replayed ({name}): {g.failed or f'{g.replays} replays'}"
+        )
     note("model", {"worst_rel_l2_vs_float32": worst, "backend": model.backend_name})
     model.backbone_ops = kernels
     del twin_cache, graphs, caches
@@ -568,8 +713,8 @@ def twin_logits(twin: Any, cache: Any, step: Any, B: int, past: int) -> Any:
     return twin.forward_step(step, twin_cache).float()
 
 
-
 # --- the tests ---------------------------------------------------------------------------------------
+
 
 def test_model(model_1b, twin, test_seed: int) -> None:
     model, layout, info = model_1b
@@ -609,8 +754,8 @@ def test_decode_variants(model_1b, twin, B: int) -> None:
                     one()
                 last[name] = one().float().clone()  # a graph's output buffer: the next replay overwrites it
             assert graphs.failed is None and graphs.replays > 0, (
-                f"decode {B}: {name} step replayed from a CUDA graph: "
-                f"{graphs.failed or f'{graphs.replays} replays'}")
+                f"decode {B}: {name} step replayed from a CUDA graph: {graphs.failed or f'{graphs.replays} replays'}"
+            )
         model.backbone_ops = kernels
         rel = rel_err(last["fused"], last["unfused"])
         assert rel < 3e-2, f"decode {B}: fused vs unfused logits on the timed step: rel L2 {rel:.3e}"
@@ -621,7 +766,8 @@ def test_decode_variants(model_1b, twin, B: int) -> None:
                 err = rel_err(last[name], ref)
                 assert err <= 1.5 * base + 2e-3, (
                     f"decode {B}: {name} vs the float32 twin on the timed step: "
-                    f"rel L2 {err:.3e} (unfused {base:.3e}); vs unfused {rel_err(last[name], last['unfused']):.3e}")
+                    f"rel L2 {err:.3e} (unfused {base:.3e}); vs unfused {rel_err(last[name], last['unfused']):.3e}"
+                )
     finally:
         model.backbone_ops = kernels
         model.engram_enabled = True

@@ -54,19 +54,33 @@ def _ids(rng, kind: str, n: int, rows: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-
 # (name, rows, capacity, budget, factor, decay, admit_every, [(kind, lookups), ...] per step)
 POLICY_CASES = [
     ("uniform ids, the cache filling over steps", 200_000, 20_000, 2_000, 4, 0, 1, [("uniform", 8_000)] * 6),
     ("zipf ids, a full cache, replacements every step", 200_000, 3_000, 1_500, 2, 0, 1, [("zipf", 40_000)] * 10),
     ("few rows repeated thousands of times within a step", 50_000, 1_000, 200, 4, 0, 1, [("repeat", 60_000)] * 4),
-    ("one row and out-of-range ids only; an empty step", 1_000, 10, 10, 1, 0, 1,
-     [("one", 30_000), ("one", 0), ("uniform", 5_000), ("one", 9)]),
-    ("more misses than the first copy carries (second copy)", 500_000, 100, 100, 1, 0, 1,
-     [("one", 1_000), ("uniform", 150_000), ("zipf", 196_608)]),
+    (
+        "one row and out-of-range ids only; an empty step",
+        1_000,
+        10,
+        10,
+        1,
+        0,
+        1,
+        [("one", 30_000), ("one", 0), ("uniform", 5_000), ("one", 9)],
+    ),
+    (
+        "more misses than the first copy carries (second copy)",
+        500_000,
+        100,
+        100,
+        1,
+        0,
+        1,
+        [("one", 1_000), ("uniform", 150_000), ("zipf", 196_608)],
+    ),
     ("a cache of 0 rows (de-duplication alone)", 100_000, 0, 0, 4, 0, 1, [("zipf", 50_000)] * 3),
-    ("budget = capacity, aging counts, replacements every 2nd step", 20_000, 500, 500, 3, 2, 2,
-     [("zipf", 20_000)] * 8),
+    ("budget = capacity, aging counts, replacements every 2nd step", 20_000, 500, 500, 3, 2, 2, [("zipf", 20_000)] * 8),
 ]
 
 
@@ -82,8 +96,14 @@ def compare_policy(dev: Any, ci: int, *, fused: bool = True, seed: int = 3) -> t
     name, rows, cap, budget, factor, decay, every, steps = POLICY_CASES[ci]
     warm = ci == 1  # the full-cache case starts warm: offline counts, top rows preloaded
     counts = np.bincount(_ids(rng, "zipf", 100_000, rows), minlength=rows) if warm else None
-    kw = dict(admit_budget=budget, sample_factor=factor, decay_every=decay, seed=seed, max_step_rows=196_608,
-              initial_counts=counts)
+    kw = dict(
+        admit_budget=budget,
+        sample_factor=factor,
+        decay_every=decay,
+        seed=seed,
+        max_step_rows=196_608,
+        initial_counts=counts,
+    )
     gpu = CachePolicy(rows, cap, device=dev, fused=fused, **kw)
     ref = CachePolicy(rows, cap, device="cpu", **kw)
     ok, why, misses = True, "", 0
@@ -93,14 +113,21 @@ def compare_policy(dev: Any, ci: int, *, fused: bool = True, seed: int = 3) -> t
             on_dev = k % 2 == 1 and n > 0
             gp = gpu.plan(ids.to(dev) if on_dev else ids.pin_memory() if dev.type == "cuda" and n else ids)
             rp = ref.plan(ids, miss_order=gp.miss_rows.cpu())
-            same = (torch.equal(gp.positions.cpu(), rp.positions) and gp.num_unique == rp.num_unique
-                    and gp.num_miss == rp.num_miss and torch.equal(gp.miss_rows_host.clone(), rp.miss_rows_host))
+            same = (
+                torch.equal(gp.positions.cpu(), rp.positions)
+                and gp.num_unique == rp.num_unique
+                and gp.num_miss == rp.num_miss
+                and torch.equal(gp.miss_rows_host.clone(), rp.miss_rows_host)
+            )
             replace = (gpu.steps + 1) % every == 0
             gpu.finish(gp, replace=replace)
             ref.finish(rp, replace=replace)
             gs, rs = gpu.state(), ref.state()
-            diff = [key for key in gs if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor)
-                                              else gs[key] == rs[key])]
+            diff = [
+                key
+                for key in gs
+                if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor) else gs[key] == rs[key])
+            ]
             misses += rp.num_miss
             if not same or diff:
                 ok, why = False, f"step {k}: plan equal {same}, state differs in {diff}"
@@ -108,8 +135,10 @@ def compare_policy(dev: Any, ci: int, *, fused: bool = True, seed: int = 3) -> t
         gpu.check_invariants()
     except Exception as exc:  # a miss order that is no permutation of the misses, an invariant
         ok, why = False, f"{type(exc).__name__}: {exc}"
-    detail = why or (f"{len(steps)} steps, {misses} misses, filled {ref.filled}/{cap}, "
-                     f"replaced {ref.evicted}" + (f", warm start of {ref.preloaded} rows" if warm else ""))
+    detail = why or (
+        f"{len(steps)} steps, {misses} misses, filled {ref.filled}/{cap}, "
+        f"replaced {ref.evicted}" + (f", warm start of {ref.preloaded} rows" if warm else "")
+    )
     return ok, f"cache policy {'fused kernels' if fused else 'reference'} == CPU reference: {name}: {detail}"
 
 
@@ -129,16 +158,26 @@ def test_cache_data(dev) -> None:
     g = hostgather.HostGatherer(device=dev)
     warm_counts = np.bincount(((rng.zipf(1.2, size=200_000) * 7919) % N), minlength=N)
     scales_dev = scales_t.to(dev)
-    configs = [("inline fp8", (inline_table(rows_t, scales_t), None), "inline", {}),
-               ("split fp8", (rows_t, scales_t), "split", {}),
-               ("hbm-scales fp8", (rows_t, scales_dev), "hbm-scales", {}),
-               ("bf16", (bf, None), "split", {}),
-               ("inline fp8, warm start", (inline_table(rows_t, scales_t), None), "inline",
-                {"initial_counts": warm_counts}),
-               ("hbm-scales fp8, warm start", (rows_t, scales_dev), "hbm-scales", {"initial_counts": warm_counts})]
+    configs = [
+        ("inline fp8", (inline_table(rows_t, scales_t), None), "inline", {}),
+        ("split fp8", (rows_t, scales_t), "split", {}),
+        ("hbm-scales fp8", (rows_t, scales_dev), "hbm-scales", {}),
+        ("bf16", (bf, None), "split", {}),
+        ("inline fp8, warm start", (inline_table(rows_t, scales_t), None), "inline", {"initial_counts": warm_counts}),
+        ("hbm-scales fp8, warm start", (rows_t, scales_dev), "hbm-scales", {"initial_counts": warm_counts}),
+    ]
     for name, table, layout, extra in configs:
-        cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, capacity_rows=4_000, max_step_rows=40_000,
-                            admit_budget=1_500, admit_every=2, **extra)
+        cache = HotRowCache(
+            *table,
+            device=dev,
+            gatherer=g,
+            layout=layout,
+            capacity_rows=4_000,
+            max_step_rows=40_000,
+            admit_budget=1_500,
+            admit_every=2,
+            **extra,
+        )
         ok = True
         for _ in range(10):
             sid = ((rng.zipf(1.2, size=(1_000, 24)) * 7919) % N).astype(np.int32)
@@ -146,14 +185,17 @@ def test_cache_data(dev) -> None:
             got = cache.gather(torch.from_numpy(sid))
             want = g.gather(torch.from_numpy(sid), *table, quant_block=QB, layout=layout)
             torch.cuda.synchronize(dev)
-            ok &= torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16).cpu(),
-                              want.reshape(-1, want.shape[-1]).view(torch.int16).cpu())
+            ok &= torch.equal(
+                got.reshape(-1, got.shape[-1]).view(torch.int16).cpu(),
+                want.reshape(-1, want.shape[-1]).view(torch.int16).cpu(),
+            )
         cache.policy.check_invariants()
         s = cache.stats()
         assert ok and s.hits > 0 and s.evicted > 0, (
             f"hot-row cache on CUDA (fused) == host gather: {name}, 10 skewed steps: "
             f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
-            f"preloaded {s.preloaded}")
+            f"preloaded {s.preloaded}"
+        )
 
     class Flaky(TorchTransfer):
         """The CUDA transfer whose first fetch fails."""
@@ -192,12 +234,22 @@ def test_cache_data(dev) -> None:
     exact = torch.equal(got.reshape(-1, D).view(torch.int16).cpu(), want.view(torch.int16))
     assert raised and restored and exact, (
         "a failed fetch admits nothing, restores the slot map, and the next step is exact: "
-        f"raised {raised}, restored {restored}, exact {exact}")
+        f"raised {raised}, restored {restored}, exact {exact}"
+    )
     g.close()
 
 
-def compare_steps(dev: Any, cache: Any, ref: Any, g: Any, table: tuple[Any, Any], layout: str,
-                  make_ids: Callable[[], Any], steps: int, qb: int) -> tuple[bool, str, int, list[int]]:
+def compare_steps(
+    dev: Any,
+    cache: Any,
+    ref: Any,
+    g: Any,
+    table: tuple[Any, Any],
+    layout: str,
+    make_ids: Callable[[], Any],
+    steps: int,
+    qb: int,
+) -> tuple[bool, str, int, list[int]]:
     """``steps`` steps of ``cache`` (ids from ``make_ids``, with three out-of-range ids,
     on the host and on the device in turns), each against the plain host gather's rows
     and the CPU reference policy's whole state given the step's miss order; returns (ok,
@@ -218,17 +270,26 @@ def compare_steps(dev: Any, cache: Any, ref: Any, g: Any, table: tuple[Any, Any]
         m = cache.stats().fetched - before.fetched
         misses.append(m)
         whole += not decay
-        order = cache.policy._plan[2: 2 + m].cpu()
+        order = cache.policy._plan[2 : 2 + m].cpu()
         rp = ref.plan(ids, miss_order=order)
         ref.finish(rp, replace=True)
         gs, rs = cache.policy.state(), ref.state()
-        diff = [key for key in gs if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor)
-                                          else gs[key] == rs[key])]
-        exact = torch.equal(got.reshape(-1, got.shape[-1]).view(torch.int16).cpu(),
-                            want.reshape(-1, want.shape[-1]).view(torch.int16).cpu())
+        diff = [
+            key
+            for key in gs
+            if not (torch.equal(gs[key], rs[key]) if isinstance(gs[key], torch.Tensor) else gs[key] == rs[key])
+        ]
+        exact = torch.equal(
+            got.reshape(-1, got.shape[-1]).view(torch.int16).cpu(),
+            want.reshape(-1, want.shape[-1]).view(torch.int16).cpu(),
+        )
         if not exact or diff or rp.num_miss != m:
-            return False, f"step {k}: rows exact {exact}, misses {m} vs {rp.num_miss}, state differs in {diff}", \
-                whole, misses
+            return (
+                False,
+                f"step {k}: rows exact {exact}, misses {m} vs {rp.num_miss}, state differs in {diff}",
+                whole,
+                misses,
+            )
     return True, "", whole, misses
 
 
@@ -252,16 +313,23 @@ def test_uva_misses(dev) -> None:
     kw = dict(capacity_rows=5_000, max_step_rows=48_000, admit_budget=2_000, sample_factor=2, seed=4)
     uniform = lambda: rng.integers(0, N, size=(2_000, 24)).astype(np.int32)  # noqa: E731
     for (name, table, layout), share in itertools.product(
-            [("split", (rows_p, scales_p), "split"), ("hbm-scales", (rows_p, scales_t.to(dev)), "hbm-scales")],
-            (0.3, 1.0)):
+        [("split", (rows_p, scales_p), "split"), ("hbm-scales", (rows_p, scales_t.to(dev)), "hbm-scales")], (0.3, 1.0)
+    ):
         cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, uva_share=share, uva_blocks=4, **kw)
-        ref = CachePolicy(N, kw["capacity_rows"], device="cpu", admit_budget=kw["admit_budget"],
-                          sample_factor=kw["sample_factor"], seed=kw["seed"])
+        ref = CachePolicy(
+            N,
+            kw["capacity_rows"],
+            device="cpu",
+            admit_budget=kw["admit_budget"],
+            sample_factor=kw["sample_factor"],
+            seed=kw["seed"],
+        )
         ok, why, whole, misses = compare_steps(dev, cache, ref, g, table, layout, uniform, 4, QB)
         ok = ok and whole == 4 and min(misses) >= UVA_MIN_MISSES and cache._whole_step.uva_share == share
         assert ok, (
             f"whole step with {share:.0%} of its misses through UVA == host gather, state == CPU reference: {name}: "
-            f"{why or f'misses per step {misses}'}")
+            f"{why or f'misses per step {misses}'}"
+        )
     try:
         HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", uva_share=0.2, **kw)
         said = ""
@@ -269,7 +337,8 @@ def test_uva_misses(dev) -> None:
         said = str(exc)
     plain = HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", **kw)
     assert "the GPU cannot read the host table" in said and plain._whole_step.uva_share == 0.0, (
-        f"a UVA share on a table the GPU cannot read is refused; by default such a table gets none: {said[:100]}")
+        f"a UVA share on a table the GPU cannot read is refused; by default such a table gets none: {said[:100]}"
+    )
     g.close()
 
 
@@ -294,18 +363,28 @@ def test_whole_step(dev) -> None:
     _, _, rows_t, scales_t = fp8_table(rng, N, D, QB)
     bf = torch.randn(N, 128, dtype=torch.bfloat16)
     g = hostgather.HostGatherer(device=dev)
-    configs = [("inline fp8", (inline_table(rows_t, scales_t), None), "inline"),
-               ("split fp8", (rows_t, scales_t), "split"),
-               ("hbm-scales fp8", (rows_t, scales_t.to(dev)), "hbm-scales"),
-               ("bf16", (bf, None), "split")]
+    configs = [
+        ("inline fp8", (inline_table(rows_t, scales_t), None), "inline"),
+        ("split fp8", (rows_t, scales_t), "split"),
+        ("hbm-scales fp8", (rows_t, scales_t.to(dev)), "hbm-scales"),
+        ("bf16", (bf, None), "split"),
+    ]
     kw = dict(capacity_rows=3_000, max_step_rows=30_000, admit_budget=1_000, sample_factor=2, decay_every=3, seed=9)
     for (name, table, layout), overlap in itertools.product(configs, (True, False)):
         cache = HotRowCache(*table, device=dev, gatherer=g, layout=layout, admit_every=1, overlap=overlap, **kw)
         assert cache._whole_step.overlaps == overlap, (
             f"whole-step cache binds its overlap as asked: {name}, overlap {overlap}: "
-            f"overlaps {cache._whole_step.overlaps}")
-        ref = CachePolicy(N, kw["capacity_rows"], device="cpu", admit_budget=kw["admit_budget"],
-                          sample_factor=kw["sample_factor"], decay_every=kw["decay_every"], seed=kw["seed"])
+            f"overlaps {cache._whole_step.overlaps}"
+        )
+        ref = CachePolicy(
+            N,
+            kw["capacity_rows"],
+            device="cpu",
+            admit_budget=kw["admit_budget"],
+            sample_factor=kw["sample_factor"],
+            decay_every=kw["decay_every"],
+            seed=kw["seed"],
+        )
         zipf = lambda: ((rng.zipf(1.2, size=(1_000, 24)) * 7919) % N).astype(np.int32)  # noqa: E731
         ok, why, whole, _ = compare_steps(dev, cache, ref, g, table, layout, zipf, 12, QB)
         cache.policy.check_invariants()
@@ -314,11 +393,16 @@ def test_whole_step(dev) -> None:
         assert ok, (
             f"whole-step cache (engram_cache_step) == host gather, state == CPU reference: {name}, "
             f"{'hits delivered during the fetch' if overlap else 'one delivery after the fetch'}: "
-            + (why or f"{whole} whole steps of 12 (the others aged the counts), hit rate {s.hit_rate:.1%}, "
-                      f"evicted {s.evicted}"))
+            + (
+                why
+                or f"{whole} whole steps of 12 (the others aged the counts), hit rate {s.hit_rate:.1%}, "
+                f"evicted {s.evicted}"
+            )
+        )
 
-    cache = HotRowCache(rows_t, scales_t, device=dev, gatherer=g, layout="split", capacity_rows=2_000,
-                        max_step_rows=30_000)
+    cache = HotRowCache(
+        rows_t, scales_t, device=dev, gatherer=g, layout="split", capacity_rows=2_000, max_step_rows=30_000
+    )
     sid = rng.integers(0, N, size=(1_000, 24)).astype(np.int32)
     buf = torch.empty(1_000 * 24 * D + 1, dtype=torch.bfloat16, device=dev)
     misaligned = buf[1:].view(1_000, 24, D)  # contiguous, 2 bytes past a 16-byte boundary: the gather refuses it
@@ -338,7 +422,8 @@ def test_whole_step(dev) -> None:
     exact = torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu())
     assert bool(raised) and "engram_cache_step failed" in raised and restored and exact, (
         "a whole step whose delivery fails raises, admits nothing, restores the slot map; the next step is exact: "
-        f"raised {raised[:90]!r}, restored {restored}, exact {exact}")
+        f"raised {raised[:90]!r}, restored {restored}, exact {exact}"
+    )
     # The same with hits in the step: the hits' call on the overlap's stream refuses out first.
     try:
         cache.gather(torch.from_numpy(sid), misaligned)
@@ -356,14 +441,16 @@ def test_whole_step(dev) -> None:
     exact = torch.equal(got.view(torch.int16).cpu(), want.view(torch.int16).cpu())
     assert "engram_gather_part" in raised and filled == 2_000 and intact and exact, (
         "a whole step with hits whose delivery fails (the overlap's call) raises and admits nothing; next exact: "
-        f"raised {raised[:110]!r}, filled {filled}, invariants {intact}, exact {exact}")
+        f"raised {raised[:110]!r}, filled {filled}, invariants {intact}, exact {exact}"
+    )
     # An empty step (0 lookups) and a step of out-of-range ids alone, in one call each.
     empty = cache.gather(torch.empty((0, 24), dtype=torch.int32))
     bad = cache.gather(torch.full((4, 24), -5, dtype=torch.int32))
     torch.cuda.synchronize(dev)
     assert tuple(empty.shape) == (0, 24, D) and not bool(bad.ne(0).any()), (
         "a whole step of 0 lookups, and one of out-of-range ids alone (zero rows): "
-        f"shapes {tuple(empty.shape)} / {tuple(bad.shape)}")
+        f"shapes {tuple(empty.shape)} / {tuple(bad.shape)}"
+    )
     step_call = cache._whole_step
     cache.close()
     cache.close()  # idempotent
@@ -377,7 +464,8 @@ def test_whole_step(dev) -> None:
     same = torch.equal(after.view(torch.int16).cpu(), want.view(torch.int16).cpu())
     assert "was closed" in closed and cache._whole_step is None and same, (
         "a closed cache's step call refuses a step; the cache serves phase by phase after close(), exact: "
-        f"{closed[:80]!r}, exact {same}")
+        f"{closed[:80]!r}, exact {same}"
+    )
     g.close()
 
 
@@ -401,28 +489,44 @@ def test_gather_part(dev) -> None:
         want = gather_kernels.gather(ids, d_rows, d_scales, quant_block=QB)
         sentinel = torch.full_like(want, 7.0)
         out = sentinel.clone()
-        gather_kernels.gather(ids, d_rows[:cut], None if d_scales is None else d_scales[:cut], quant_block=QB, out=out,
-                       keep_outside=True)
+        gather_kernels.gather(
+            ids, d_rows[:cut], None if d_scales is None else d_scales[:cut], quant_block=QB, out=out, keep_outside=True
+        )
         first = out.clone()
-        gather_kernels.gather(ids, d_rows[cut:], None if d_scales is None else d_scales[cut:], quant_block=QB, out=out,
-                       keep_outside=True, row_offset=cut)
+        gather_kernels.gather(
+            ids,
+            d_rows[cut:],
+            None if d_scales is None else d_scales[cut:],
+            quant_block=QB,
+            out=out,
+            keep_outside=True,
+            row_offset=cut,
+        )
         torch.cuda.synchronize(dev)
         inside = (ids >= 0) & (ids < N)
         low = (ids >= 0) & (ids < cut)
         v = lambda t: t.view(torch.int16)  # noqa: E731
         ok_first = torch.equal(v(first[low]), v(want[low])) and torch.equal(v(first[~low]), v(sentinel[~low]))
         ok_both = torch.equal(v(out[inside]), v(want[inside])) and torch.equal(v(out[~inside]), v(sentinel[~inside]))
-        capped = [gather_kernels.gather(ids, src_rows, src_scales, quant_block=QB, max_blocks=b)
-                  for b in (1, 5) for src_rows, src_scales in ((d_rows, d_scales), (rows.pin_memory(), None
-                                                               if scales is None else scales.pin_memory()))]
+        capped = [
+            gather_kernels.gather(ids, src_rows, src_scales, quant_block=QB, max_blocks=b)
+            for b in (1, 5)
+            for src_rows, src_scales in (
+                (d_rows, d_scales),
+                (rows.pin_memory(), None if scales is None else scales.pin_memory()),
+            )
+        ]
         torch.cuda.synchronize(dev)
         ok_capped = all(torch.equal(v(c), v(want)) for c in capped)
         assert ok_first and ok_both and ok_capped, (
             f"engram_gather_part: two slices == one gather, outside rows untouched, capped grids exact: {name}: "
-            f"first slice {ok_first}, both {ok_both}, max_blocks 1/5 (HBM, UVA) {ok_capped}")
-    for kwargs, words in (({"keep_outside": True}, "pass the out tensor"),
-                          ({"max_blocks": -1}, "max_blocks must be an integer >= 0"),
-                          ({"max_blocks": 2, "bad_rows": gather_kernels.new_bad_row_counter(dev)}, "count no bad rows")):
+            f"first slice {ok_first}, both {ok_both}, max_blocks 1/5 (HBM, UVA) {ok_capped}"
+        )
+    for kwargs, words in (
+        ({"keep_outside": True}, "pass the out tensor"),
+        ({"max_blocks": -1}, "max_blocks must be an integer >= 0"),
+        ({"max_blocks": 2, "bad_rows": gather_kernels.new_bad_row_counter(dev)}, "count no bad rows"),
+    ):
         try:
             gather_kernels.gather(ids, rows_t.to(dev), scales_t.to(dev), quant_block=QB, **kwargs)
             said = ""
@@ -448,8 +552,16 @@ def id_stream_chunks(num_chunks: int = 8, chunk_tokens: int = 2048, column_rows:
     else:
         vocab = 50_000
         tok = (np.random.default_rng(21).zipf(1.3, size=chunk_tokens * num_chunks + 5) % vocab).astype(np.int32)
-        stream = idstreams.TokenStream(ids=tok, compressed_vocab_size=vocab, pad_id=1, text_bytes=4 * tok.size,
-                                       num_files=1, python="-", tokenizer_sha256="-", files_sha256="-")
+        stream = idstreams.TokenStream(
+            ids=tok,
+            compressed_vocab_size=vocab,
+            pad_id=1,
+            text_bytes=4 * tok.size,
+            num_files=1,
+            python="-",
+            tokenizer_sha256="-",
+            files_sha256="-",
+        )
         source = "a Zipf(1.3) token stream (no token file)"
     layout = idstreams.make_layout(column_rows, stream.compressed_vocab_size, stream.pad_id)
     chunks = list(idstreams.chunk_row_ids(stream, layout, chunk_tokens=chunk_tokens, num_chunks=num_chunks))
@@ -476,9 +588,18 @@ def test_hbm_scales_streams(dev) -> None:
         scales_dev = scales_t.to(dev)
         counts = np.bincount(np.concatenate([c[:, li, :].reshape(-1) for c in chunks[:warm]]), minlength=N)
         for name, extra in (("history", {}), ("warm start", {"initial_counts": counts})):
-            cache = HotRowCache(rows_t, scales_dev, device=dev, gatherer=g, layout="hbm-scales",
-                                capacity_rows=N // 20, max_step_rows=chunks[0].shape[0] * chunks[0].shape[2],
-                                admit_budget=2_000, admit_every=2, **extra)
+            cache = HotRowCache(
+                rows_t,
+                scales_dev,
+                device=dev,
+                gatherer=g,
+                layout="hbm-scales",
+                capacity_rows=N // 20,
+                max_step_rows=chunks[0].shape[0] * chunks[0].shape[2],
+                admit_budget=2_000,
+                admit_every=2,
+                **extra,
+            )
             ok, why = True, ""
             for k, chunk in enumerate(chunks if name == "history" else chunks[warm:]):
                 sid = chunk[:, li, :].copy()
@@ -494,9 +615,11 @@ def test_hbm_scales_streams(dev) -> None:
                 ref[~good] = 0
                 ref_t = torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16)
                 g16 = got.reshape(-1, D).view(torch.int16).cpu()
-                if not (torch.equal(g16, want.reshape(-1, D).view(torch.int16).cpu())
-                        and torch.equal(g16, want_split.reshape(-1, D).view(torch.int16).cpu())
-                        and torch.equal(g16, ref_t)):
+                if not (
+                    torch.equal(g16, want.reshape(-1, D).view(torch.int16).cpu())
+                    and torch.equal(g16, want_split.reshape(-1, D).view(torch.int16).cpu())
+                    and torch.equal(g16, ref_t)
+                ):
                     ok, why = False, f"step {k} differs"
                     break
             cache.policy.check_invariants()
@@ -505,12 +628,15 @@ def test_hbm_scales_streams(dev) -> None:
             assert ok, (
                 f"hbm-scales cache == plain host gather (hbm-scales, split) == NumPy: layer {li}, {name}, "
                 "real skewed ids: "
-                + (why or f"{s.steps} steps of {chunks[0].shape[0] * 24:,} lookups from {source}; hit rate "
-                          f"{s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
-                          f"preloaded {s.preloaded}"))
+                + (
+                    why
+                    or f"{s.steps} steps of {chunks[0].shape[0] * 24:,} lookups from {source}; hit rate "
+                    f"{s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
+                    f"preloaded {s.preloaded}"
+                )
+            )
             del cache
     g.close()
-
 
 
 def test_id_streams_cpu() -> None:
@@ -527,8 +653,15 @@ def test_id_streams_cpu() -> None:
         N = int(layout.table_rows[li])
         values = rng.integers(0, 0x70, size=(N, 256), dtype=np.uint8)
         scales = rng.integers(110, 140, size=(N, 8), dtype=np.uint8)
-        cache = HotRowCache(torch.from_numpy(values), torch.from_numpy(scales), device="cpu", layout="hbm-scales",
-                            capacity_rows=N // 20, max_step_rows=chunks[0].shape[0] * 24, admit_budget=500)
+        cache = HotRowCache(
+            torch.from_numpy(values),
+            torch.from_numpy(scales),
+            device="cpu",
+            layout="hbm-scales",
+            capacity_rows=N // 20,
+            max_step_rows=chunks[0].shape[0] * 24,
+            admit_budget=500,
+        )
         ok = True
         for chunk in chunks:
             sid = chunk[:, li, :].copy()
@@ -542,11 +675,12 @@ def test_id_streams_cpu() -> None:
         s = cache.stats()
         assert ok and s.hits > 0, (
             f"hbm-scales cache (CPU, torch path) == NumPy: layer {li}, hashed ids: "
-            f"{len(chunks)} chunks from {source}; hit rate {s.hit_rate:.1%}")
-
+            f"{len(chunks)} chunks from {source}; hit rate {s.hit_rate:.1%}"
+        )
 
 
 # --- the tests ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("ci", range(len(POLICY_CASES)), ids=[c[0] for c in POLICY_CASES])
 def test_policies(dev, ci: int) -> None:

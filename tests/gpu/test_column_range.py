@@ -46,9 +46,19 @@ PLUGIN_CPU_CHECKS = [
     "through the round trip",
     "plugin EngramGather column-range defaults: all columns, row_offset 0 (absent or explicit)",
     "plugin EngramGather column range accepts its edges (last column; row_offset + num_rows = 2^31 - 1)",
-] + [f"plugin EngramGather refuses {what}" for what in (
-    "column_begin -1", "column_begin = n_cols", "column_end past n_cols", "empty range", "column_end 0",
-    "row_offset -3", "slice past int32 ids", "column_begin 2^32 + 5 (int64)")]
+] + [
+    f"plugin EngramGather refuses {what}"
+    for what in (
+        "column_begin -1",
+        "column_begin = n_cols",
+        "column_end past n_cols",
+        "empty range",
+        "column_end 0",
+        "row_offset -3",
+        "slice past int32 ids",
+        "column_begin 2^32 + 5 (int64)",
+    )
+]
 
 
 def check_column_range_cpu(harness) -> Checks:
@@ -70,12 +80,17 @@ def check_column_range_cpu(harness) -> Checks:
     g2 = harness.roundtrip(g)
     shape2 = harness.output_shapes(g2, [(7, L, cols), (1,), (1,)])[0]
     want = (5, 17, 12345, rows)
-    checks.add("plugin EngramGather column range: output [T, column_end - column_begin, head_dim], fields serialized "
-               "and kept through the round trip",
-               shape == (50, 12, head_dim) and const == (False, True, True) and types_ok and serialized(g) == want
-               and serialized(g2) == want and shape2 == (7, 12, head_dim),
-               f"shape {shape} const={const}, after round trip {shape2}; serialized {serialized(g)} -> "
-               f"{serialized(g2)}")
+    checks.add(
+        "plugin EngramGather column range: output [T, column_end - column_begin, head_dim], fields serialized "
+        "and kept through the round trip",
+        shape == (50, 12, head_dim)
+        and const == (False, True, True)
+        and types_ok
+        and serialized(g) == want
+        and serialized(g2) == want
+        and shape2 == (7, 12, head_dim),
+        f"shape {shape} const={const}, after round trip {shape2}; serialized {serialized(g)} -> {serialized(g2)}",
+    )
     harness.lib.harness_destroy(g2)
     harness.lib.harness_destroy(g)
 
@@ -89,12 +104,17 @@ def check_column_range_cpu(harness) -> Checks:
         harness.lib.harness_destroy(h2)
         harness.lib.harness_destroy(h)
     default = ((50, cols, head_dim), (0, cols, 0, rows), (0, cols, 0, rows))
-    checks.add("plugin EngramGather column-range defaults: all columns, row_offset 0 (absent or explicit)",
-               results == [default, default], str(results))
+    checks.add(
+        "plugin EngramGather column-range defaults: all columns, row_offset 0 (absent or explicit)",
+        results == [default, default],
+        str(results),
+    )
 
     # the edges of the ranges are accepted
-    edges = {"last column": column_range_fields(cols - 1, cols, 0),
-             "highest slice": column_range_fields(0, cols, INT32_MAX - rows)}
+    edges = {
+        "last column": column_range_fields(cols - 1, cols, 0),
+        "highest slice": column_range_fields(0, cols, INT32_MAX - rows),
+    }
     accepted = {}
     for what, extra in edges.items():
         try:
@@ -102,32 +122,53 @@ def check_column_range_cpu(harness) -> Checks:
             accepted[what] = True
         except RuntimeError as exc:
             accepted[what] = str(exc)[:160]
-    checks.add("plugin EngramGather column range accepts its edges (last column; row_offset + num_rows = 2^31 - 1)",
-               all(v is True for v in accepted.values()), str(accepted))
+    checks.add(
+        "plugin EngramGather column range accepts its edges (last column; row_offset + num_rows = 2^31 - 1)",
+        all(v is True for v in accepted.values()),
+        str(accepted),
+    )
 
     # out of range: refused at creation, one line naming the field, with file:line
     def field(name, value, kind=PF_INT32):
         return [(name, kind, np.array([value], np.int32 if kind == PF_INT32 else np.int64))]
 
-    bad = [("column_begin -1", field("column_begin", -1), "column_begin must be in [0, n_cols 24), got -1"),
-           ("column_begin = n_cols", field("column_begin", cols), "column_begin must be in [0, n_cols 24), got 24"),
-           ("column_end past n_cols", column_range_fields(5, cols + 1, 0),
-            "column_end must be in [column_begin + 1, n_cols] = [6, 24], got 25"),
-           ("empty range", column_range_fields(5, 5, 0), "column_end must be in [column_begin + 1, n_cols] = [6, 24], got 5"),
-           ("column_end 0", field("column_end", 0), "column_end must be in [column_begin + 1, n_cols] = [1, 24], got 0"),
-           ("row_offset -3", field("row_offset", -3, PF_INT64), "row_offset must be >= 0, got -3"),
-           ("slice past int32 ids", field("row_offset", INT32_MAX - rows + 1, PF_INT64),
-            f"row_offset {INT32_MAX - rows + 1} + num_rows {rows} exceeds 2^31 - 1 (row ids are int32)"),
-           ("column_begin 2^32 + 5 (int64)", field("column_begin", 2**32 + 5, PF_INT64),
-            "field 'column_begin' = 4294967301 is outside")]
+    bad = [
+        ("column_begin -1", field("column_begin", -1), "column_begin must be in [0, n_cols 24), got -1"),
+        ("column_begin = n_cols", field("column_begin", cols), "column_begin must be in [0, n_cols 24), got 24"),
+        (
+            "column_end past n_cols",
+            column_range_fields(5, cols + 1, 0),
+            "column_end must be in [column_begin + 1, n_cols] = [6, 24], got 25",
+        ),
+        (
+            "empty range",
+            column_range_fields(5, 5, 0),
+            "column_end must be in [column_begin + 1, n_cols] = [6, 24], got 5",
+        ),
+        ("column_end 0", field("column_end", 0), "column_end must be in [column_begin + 1, n_cols] = [1, 24], got 0"),
+        ("row_offset -3", field("row_offset", -3, PF_INT64), "row_offset must be >= 0, got -3"),
+        (
+            "slice past int32 ids",
+            field("row_offset", INT32_MAX - rows + 1, PF_INT64),
+            f"row_offset {INT32_MAX - rows + 1} + num_rows {rows} exceeds 2^31 - 1 (row ids are int32)",
+        ),
+        (
+            "column_begin 2^32 + 5 (int64)",
+            field("column_begin", 2**32 + 5, PF_INT64),
+            "field 'column_begin' = 4294967301 is outside",
+        ),
+    ]
     for what, extra, needle in bad:
         try:
             harness.lib.harness_destroy(harness.create("EngramGather", base + extra))
             checks.add(f"plugin EngramGather refuses {what}", False, "accepted")
         except RuntimeError as exc:
             msg = str(exc)
-            checks.add(f"plugin EngramGather refuses {what}", needle in msg and bool(FILE_LINE.search(msg))
-                       and "\n" not in msg, msg[-200:])
+            checks.add(
+                f"plugin EngramGather refuses {what}",
+                needle in msg and bool(FILE_LINE.search(msg)) and "\n" not in msg,
+                msg[-200:],
+            )
     return checks
 
 
@@ -143,6 +184,7 @@ def test_column_range_cpu(plugin_cpu, name: str) -> None:
 
 
 # --- GPU: rows and counts, kernel and plugin ----------------------------------------------
+
 
 def _bad_ids(off: int, n: int, rows_full: int) -> list[int]:
     """Global ids outside the slice [off, off + n): below it (negative ones too), past it."""
@@ -162,14 +204,30 @@ def _reference(ids_sel: np.ndarray, off: int, slice_rows, slice_scales, fp8: boo
     ref = torch.zeros(ids_sel.shape + (head_dim,), dtype=torch.bfloat16)
     if fp8:
         ref[torch.from_numpy(valid)] = torch.from_numpy(
-            dequant_fp8_rows(slice_rows[local[valid]], slice_scales[local[valid]], 32)).to(torch.bfloat16)
+            dequant_fp8_rows(slice_rows[local[valid]], slice_scales[local[valid]], 32)
+        ).to(torch.bfloat16)
     else:
         ref[torch.from_numpy(valid)] = slice_rows[torch.from_numpy(local[valid])]
     return ref.view(torch.int16), int((~valid).sum())
 
 
-def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, want_bits, want_count,
-              full_cols=None, full_valid=None) -> None:
+def _run_case(
+    harness,
+    stream,
+    name,
+    ids,
+    layer,
+    b,
+    e,
+    off,
+    n,
+    rows,
+    scales,
+    want_bits,
+    want_count,
+    full_cols=None,
+    full_valid=None,
+) -> None:
     """The rank's gather through the kernel and the plugin; rows / scales: the slice
     tensors (on the device or pinned), want_bits / want_count: the reference. Asserts
     both (the message holds each one that failed)."""
@@ -196,9 +254,11 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
     torch.cuda.synchronize()
     exact, full = matches(out)
     got = int(counter.item())
-    kernel = (exact and full and got == want_count,
-              f"kernel gather rank share {name}: "
-              f"rows exact={exact}, = full-table gather's columns={full}; bad rows {got}, expected {want_count}")
+    kernel = (
+        exact and full and got == want_count,
+        f"kernel gather rank share {name}: "
+        f"rows exact={exact}, = full-table gather's columns={full}; bad rows {got}, expected {want_count}",
+    )
 
     fields = _counted(gather_fields(layer, L, cols, head_dim, 0 if fp8 else 1, 32, n) + column_range_fields(b, e, off))
     addresses = [rows.data_ptr()] + ([scales.data_ptr()] if fp8 else [])
@@ -207,7 +267,9 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
     outs, counts = [], []
     for handle in (h, h2):
         counter = torch.zeros(1, dtype=torch.int64, device=dev)
-        inputs = [ids_dev] + [torch.tensor([a], dtype=torch.int64, device=dev) for a in addresses + [counter.data_ptr()]]
+        inputs = [ids_dev] + [
+            torch.tensor([a], dtype=torch.int64, device=dev) for a in addresses + [counter.data_ptr()]
+        ]
         out = torch.full((T, e - b, head_dim), float("nan"), dtype=torch.bfloat16, device=dev)
         harness.run(handle, inputs, [DT["int32"]] + [DT["int64"]] * (len(inputs) - 1), out, DT["bfloat16"], stream)
         torch.cuda.synchronize()
@@ -217,21 +279,29 @@ def _run_case(harness, stream, name, ids, layer, b, e, off, n, rows, scales, wan
     harness.lib.harness_destroy(h)
     build_zero = int(torch.count_nonzero(outs[0].view(torch.int16))) == 0 and counts[0] == 0
     exact, full = matches(outs[1])
-    plugin = (exact and full and counts[1] == want_count and build_zero,
-              f"plugin EngramGather rank share {name}: "
-              f"runtime rows exact={exact}, = full-table gather's columns={full}; bad rows {counts[1]}, expected "
-              f"{want_count}; build phase zero rows, no count={build_zero}")
+    plugin = (
+        exact and full and counts[1] == want_count and build_zero,
+        f"plugin EngramGather rank share {name}: "
+        f"runtime rows exact={exact}, = full-table gather's columns={full}; bad rows {counts[1]}, expected "
+        f"{want_count}; build phase zero rows, no count={build_zero}",
+    )
     assert kernel[0] and plugin[0], "; ".join(detail for ok, detail in (kernel, plugin) if not ok)
 
 
-RANK_SHARE_CASES = [("columns [5, 17), whole table", 5, 17, 0, 30_000),
-                    ("all columns, rows [7000, 19000)", 0, 24, 7000, 12_000),
-                    ("columns [9, 24), rows [12345, 20000)", 9, 24, 12_345, 7_655),
-                    ("columns [0, 1), rows [29000, 30000)", 0, 1, 29_000, 1_000)]
+RANK_SHARE_CASES = [
+    ("columns [5, 17), whole table", 5, 17, 0, 30_000),
+    ("all columns, rows [7000, 19000)", 0, 24, 7000, 12_000),
+    ("columns [9, 24), rows [12345, 20000)", 9, 24, 12_345, 7_655),
+    ("columns [0, 1), rows [29000, 30000)", 0, 1, 29_000, 1_000),
+]
 PLACES = ["slice view of the device table", "slice copy on the device", "slice copy pinned (UVA)"]
 # (dtype, case, place): the pinned slice copy for fp8 tables
-RANK_SHARE_PARAMS = [(dtype, ci, place) for dtype in ("fp8", "bf16") for ci in range(len(RANK_SHARE_CASES))
-                     for place in (PLACES if dtype == "fp8" else PLACES[:2])]
+RANK_SHARE_PARAMS = [
+    (dtype, ci, place)
+    for dtype in ("fp8", "bf16")
+    for ci in range(len(RANK_SHARE_CASES))
+    for place in (PLACES if dtype == "fp8" else PLACES[:2])
+]
 
 
 @pytest.mark.parametrize("dtype, ci, place", RANK_SHARE_PARAMS)
@@ -263,21 +333,39 @@ def test_rank_share(rng, harness, dtype, ci, place) -> None:
     ids[:, layer, e:] = INT32_MAX
     ids[:, 1 - layer] = INT32_MIN
     sel = ids[:, layer, b:e]
-    slice_np = (full_rows[off:off + n], None if full_scales is None else full_scales[off:off + n])
+    slice_np = (full_rows[off : off + n], None if full_scales is None else full_scales[off : off + n])
     want_bits, want_count = _reference(sel, off, *slice_np, fp8)
     # the full-table gather (offset-free, checked against the reference above) of the same ids
     full = gather_kernels.gather(torch.from_numpy(np.ascontiguousarray(sel)).to(dev), *full_dev)
     torch.cuda.synchronize()
     full_cols = full.cpu().view(torch.int16)
     in_slice = torch.from_numpy((sel >= off) & (sel < off + n))
-    placements = {"slice view of the device table": tuple(None if t is None else t[off:off + n] for t in full_dev),
-                  "slice copy on the device": tuple(None if t is None else t[off:off + n].clone() for t in full_dev)}
+    placements = {
+        "slice view of the device table": tuple(None if t is None else t[off : off + n] for t in full_dev),
+        "slice copy on the device": tuple(None if t is None else t[off : off + n].clone() for t in full_dev),
+    }
     if fp8:
-        placements["slice copy pinned (UVA)"] = tuple(torch.from_numpy(np.ascontiguousarray(a)).pin_memory()
-                                                      for a in slice_np)
+        placements["slice copy pinned (UVA)"] = tuple(
+            torch.from_numpy(np.ascontiguousarray(a)).pin_memory() for a in slice_np
+        )
     r, s = placements[place]
-    _run_case(harness, stream, f"{dtype} {case}, {place}", ids, layer, b, e, off, n, r, s, want_bits,
-              want_count, full_cols, in_slice)
+    _run_case(
+        harness,
+        stream,
+        f"{dtype} {case}, {place}",
+        ids,
+        layer,
+        b,
+        e,
+        off,
+        n,
+        r,
+        s,
+        want_bits,
+        want_count,
+        full_cols,
+        in_slice,
+    )
 
 
 def test_rank_share_top_of_int32(rng, harness) -> None:
@@ -296,9 +384,21 @@ def test_rank_share_top_of_int32(rng, harness) -> None:
     share[rng.choice(share.size, 64, replace=False)] = np.resize(bad, 64)
     ids[:, 0, 3:11] = share.reshape(T, 8)
     want_bits, want_count = _reference(ids[:, 0, 3:11], off, rows_np, scales_np, True)
-    _run_case(harness, stream, f"fp8 columns [3, 11), rows [2^31 - 1 - {n}, 2^31 - 1): ids INT32_MIN .. INT32_MAX",
-              ids, 0, 3, 11, off, n, torch.from_numpy(rows_np).to(dev), torch.from_numpy(scales_np).to(dev),
-              want_bits, want_count)
+    _run_case(
+        harness,
+        stream,
+        f"fp8 columns [3, 11), rows [2^31 - 1 - {n}, 2^31 - 1): ids INT32_MIN .. INT32_MAX",
+        ids,
+        0,
+        3,
+        11,
+        off,
+        n,
+        torch.from_numpy(rows_np).to(dev),
+        torch.from_numpy(scales_np).to(dev),
+        want_bits,
+        want_count,
+    )
 
 
 def test_explicit_defaults(rng, harness) -> None:
@@ -325,6 +425,5 @@ def test_explicit_defaults(rng, harness) -> None:
         harness.lib.harness_destroy(h)
         outs.append(out.cpu().view(torch.int16))
     assert all(torch.equal(o, ref) for o in outs), (
-        "plugin EngramGather explicit defaults (columns [0, n_cols), row_offset 0) = no fields = gather_kernels.gather")
-
-
+        "plugin EngramGather explicit defaults (columns [0, n_cols), row_offset 0) = no fields = gather_kernels.gather"
+    )

@@ -33,7 +33,7 @@ import pytest
 
 from .helpers import note
 
-UNIT = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 0.0}
+UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 0.0}
 
 
 @contextlib.contextmanager
@@ -85,6 +85,7 @@ def _graph_us(fn: Callable[[], Any], reps: int = 50) -> float:
 
 # --- 1. norm_rope ----------------------------------------------------------------------------------------
 
+
 def _norm_jobs(rng, dname: str, T: int, H: int, d: int, pairs: int, lora: int):
     """The attention's three norm_rope launches at one width: (name, jobs, outs, unit-bound kinds)."""
     import torch
@@ -99,14 +100,46 @@ def _norm_jobs(rng, dname: str, T: int, H: int, d: int, pairs: int, lora: int):
     q = _t(rng, (T, H * d), 3.0, dname)
     o = _t(rng, (T, H * d), 1.0, dname)
     w1, w2 = _t(rng, (lora,), 0.3) + 1.0, _t(rng, (d,), 0.3) + 1.0
-    outs = [torch.empty(T, lora, dtype=dtype, device="cuda"), torch.empty(T, d, dtype=dtype, device="cuda"),
-            torch.empty_like(q), torch.empty_like(o)]
+    outs = [
+        torch.empty(T, lora, dtype=dtype, device="cuda"),
+        torch.empty(T, d, dtype=dtype, device="cuda"),
+        torch.empty_like(q),
+        torch.empty_like(o),
+    ]
     launches = [
-        ("q_a + kv", [Job(x, outs[0], dim=lora, norm=decode.NORM_WEIGHTED, weight=w1, eps=1e-6),
-                      Job(kv, outs[1], dim=d, norm=decode.NORM_WEIGHTED, weight=w2, eps=1e-6, rope_pairs=pairs,
-                          cos=cos, sin=sin)]),
-        ("q heads", [Job(q, outs[2], dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=1e-6, rope_pairs=pairs,
-                         cos=cos, sin=sin)]),
+        (
+            "q_a + kv",
+            [
+                Job(x, outs[0], dim=lora, norm=decode.NORM_WEIGHTED, weight=w1, eps=1e-6),
+                Job(
+                    kv,
+                    outs[1],
+                    dim=d,
+                    norm=decode.NORM_WEIGHTED,
+                    weight=w2,
+                    eps=1e-6,
+                    rope_pairs=pairs,
+                    cos=cos,
+                    sin=sin,
+                ),
+            ],
+        ),
+        (
+            "q heads",
+            [
+                Job(
+                    q,
+                    outs[2],
+                    dim=d,
+                    heads=H,
+                    norm=decode.NORM_UNWEIGHTED,
+                    eps=1e-6,
+                    rope_pairs=pairs,
+                    cos=cos,
+                    sin=sin,
+                )
+            ],
+        ),
         ("inverse rope", [Job(o, outs[3], dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1)]),
     ]
     return launches, outs, cos, sin
@@ -118,15 +151,16 @@ def _rope_terms(y, d: int, pairs: int, cos, sin, heads: int):
     v = y.double().abs().view(T, heads, d).clone()
     if pairs:
         cs = (cos.to(y.dtype).double().abs() + sin.to(y.dtype).double().abs()).unsqueeze(1)
-        rot = v[..., d - 2 * pairs:]
+        rot = v[..., d - 2 * pairs :]
         pair = (rot[..., 0::2] + rot[..., 1::2]) * cs
-        v[..., d - 2 * pairs:] = pair.repeat_interleave(2, dim=-1)
+        v[..., d - 2 * pairs :] = pair.repeat_interleave(2, dim=-1)
     return v.view(T, heads * d)
 
 
 @pytest.mark.parametrize("dname", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("T,H,d,pairs,lora", [(1, 16, 256, 32, 768), (3, 3, 130, 5, 2048), (2, 2, 66, 4, 2050),
-                                              (2, 5, 27, 6, 31)])
+@pytest.mark.parametrize(
+    "T,H,d,pairs,lora", [(1, 16, 256, 32, 768), (3, 3, 130, 5, 2048), (2, 2, 66, 4, 2050), (2, 5, 27, 6, 31)]
+)
 def test_norm_rope_register_form_equals_the_general_form(rng, dname, T, H, d, pairs, lora) -> None:
     import torch
 
@@ -145,8 +179,9 @@ def test_norm_rope_register_form_equals_the_general_form(rng, dname, T, H, d, pa
             got[form] = [o.clone() for o in outs]
             times[form] = {name: _graph_us(lambda jobs=jobs: decode.norm_rope(*jobs)) for name, jobs in launches}
     a, b = got["registers"], got["general"]
-    for i, (name, dim, heads, kind) in enumerate((("q_a", lora, 1, "w"), ("kv", d, 1, "w"), ("q", d, H, "u"),
-                                                  ("inverse rope", d, H, "none"))):
+    for i, (name, dim, heads, kind) in enumerate(
+        (("q_a", lora, 1, "w"), ("kv", d, 1, "w"), ("q", d, H, "u"), ("inverse rope", d, H, "none"))
+    ):
         if kind == "none":
             assert torch.equal(a[i], b[i]), f"{name}: register form = general form bit for bit, {tag}"
             continue
@@ -155,14 +190,17 @@ def test_norm_rope_register_form_equals_the_general_form(rng, dname, T, H, d, pa
         tu = (4 * u if kind == "u" else 2 * u) + 1e-5
         err = _excess(a[i], b[i], (2 * u + 1e-5) * b[i].double().abs() + tu * terms + 1e-30)
         assert err <= 0 and bool(torch.isfinite(a[i]).all()), (
-            f"{name}: register form within one flip of the general form, {tag}: max excess {err:.3g}")
+            f"{name}: register form within one flip of the general form, {tag}: max excess {err:.3g}"
+        )
     note(f"norm_rope us ({tag})", times)
 
 
 # --- 3. the attention's attend ---------------------------------------------------------------------------
 
-def _attention_inputs(torch, rng, layer_type: int, dname: str, d: int, H: int, W: int, r: int, topk: int,
-                      pasts: list[int]) -> tuple[list[Any], dict[str, Any]]:
+
+def _attention_inputs(
+    torch, rng, layer_type: int, dname: str, d: int, H: int, W: int, r: int, topk: int, pasts: list[int]
+) -> tuple[list[Any], dict[str, Any]]:
     """Random inputs of a decode step (one token a sequence, past lengths ``pasts``) in op order."""
     from engram_trt.native.dsv4_attention import CSA, SLIDING
 
@@ -182,14 +220,38 @@ def _attention_inputs(torch, rng, layer_type: int, dname: str, d: int, H: int, W
         w, R = (2 * d, 2 * r) if csa else (d, r)
         P = 16
         inv = cuda(torch.from_numpy((10000.0 ** (-np.arange(P) / P)).astype(np.float32)))
-        inputs += [io((T, w)), io((T, w)), f32((r, w), 0.1), f32((d,), 0.3) + 1.0, inv, io((N, E, d)),
-                   io((N, R, w)), io((N, R, w))]
+        inputs += [
+            io((T, w)),
+            io((T, w)),
+            f32((r, w), 0.1),
+            f32((d,), 0.3) + 1.0,
+            inv,
+            io((N, E, d)),
+            io((N, R, w)),
+            io((N, R, w)),
+        ]
         if csa:
             NI, di = 8, 64
-            inputs += [io((T, NI, di)), f32((T, NI), 0.2), io((T, 2 * di)), io((T, 2 * di)), f32((r, 2 * di), 0.1),
-                       f32((di,), 0.3) + 1.0, io((N, E, di)), io((N, 2 * r, 2 * di)), io((N, 2 * r, 2 * di))]
-    fields = dict(layer_type=layer_type, window=W, compress_rate=r if layer_type != SLIDING else 0,
-                  index_topk=topk if layer_type == CSA else 0, scaling=d ** -0.5, eps=1e-6, rope_scale=1.0)
+            inputs += [
+                io((T, NI, di)),
+                f32((T, NI), 0.2),
+                io((T, 2 * di)),
+                io((T, 2 * di)),
+                f32((r, 2 * di), 0.1),
+                f32((di,), 0.3) + 1.0,
+                io((N, E, di)),
+                io((N, 2 * r, 2 * di)),
+                io((N, 2 * r, 2 * di)),
+            ]
+    fields = dict(
+        layer_type=layer_type,
+        window=W,
+        compress_rate=r if layer_type != SLIDING else 0,
+        index_topk=topk if layer_type == CSA else 0,
+        scaling=d**-0.5,
+        eps=1e-6,
+        rope_scale=1.0,
+    )
     return inputs, fields
 
 
@@ -226,11 +288,13 @@ def test_attend_vectors_equal_the_scalar_attend(rng, dname, kind, d) -> None:
     kmax = max(float(k.double().abs().max()) for k in keys)
     err = _excess(a, b, 2 * u * b.double().abs() + (2 * u + 1e-4) * (1 + u) * kmax)
     assert err <= 0 and bool(torch.isfinite(a).all()), (
-        f"out: vectors within one probability flip of scalar, {tag}: max excess {err:.3g} (max|k| {kmax:.3g})")
+        f"out: vectors within one probability flip of scalar, {tag}: max excess {err:.3g} (max|k| {kmax:.3g})"
+    )
     note(f"attention us ({tag})", times)
 
 
 # --- 4. stored-format projections of the fused glue ------------------------------------------------------
+
 
 def _quant_linear(torch, rng, K: int, N: int, kind: str):
     from engram_trt.quant.formats import quantize_fp4, quantize_fp8
@@ -274,4 +338,5 @@ def test_stored_format_projections_equal_the_modules(rng, kind, T) -> None:
     torch.cuda.synchronize()
     assert same, f"{kind} T {T}: project's stored-format outputs = QuantLinear.forward bit for bit"
     assert torch.equal(got, want) and bool(torch.isfinite(got).all()), (
-        f"{kind} T {T}: the shared expert through project = ClampedSwiGLU.forward bit for bit")
+        f"{kind} T {T}: the shared expert through project = ClampedSwiGLU.forward bit for bit"
+    )

@@ -30,8 +30,15 @@ import pytest
 
 from .cases import rel_err
 
-from .helpers import (REPO, check_bf16_cuda_logits_near_fp32_cpu, check_llm_on_cuda_gives_the_recorded_tokens,
-                      fp32_cpu_and_bf16_cuda, llm_on_cuda_tokens, load_checkpoint, note)
+from .helpers import (
+    REPO,
+    check_bf16_cuda_logits_near_fp32_cpu,
+    check_llm_on_cuda_gives_the_recorded_tokens,
+    fp32_cpu_and_bf16_cuda,
+    llm_on_cuda_tokens,
+    load_checkpoint,
+    note,
+)
 
 DATA = REPO / "tests" / "data" / "deepseek_v4_tiny"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -64,7 +71,9 @@ def test_fp32_cuda_everything_on_the_gpu(fp32_cuda) -> None:
 
 def test_fp32_cuda_state_on_the_gpu(fp32_cuda) -> None:
     state = fp32_cuda.new_cache(2, 64)
-    off = [f"layer {i} {k}" for i, layer in enumerate(state.layers) for k, t in layer.items() if t.device.type != "cuda"]
+    off = [
+        f"layer {i} {k}" for i, layer in enumerate(state.layers) for k, t in layer.items() if t.device.type != "cuda"
+    ]
     assert not off and state.lookback.device.type == "cuda", "every state tensor on CUDA: " + ", ".join(off[:5])
 
 
@@ -97,6 +106,7 @@ def test_llm_on_cuda_batches_to_the_recorded_tokens(llm_run, expected, i) -> Non
 
 # -- 4. the attention kernel backend vs the torch backend -------------------------------------
 
+
 def _packed_steps(torch, prompts):
     """Three packed steps over three slots: two prefills; a chunk continuing slot 2 + a
     decode of slot 0 + a fresh prefill of slot 1; then decodes of all three (the decode
@@ -105,9 +115,11 @@ def _packed_steps(torch, prompts):
 
     a, b, c = prompts[0], prompts[1], prompts[2]
     cut = len(c) // 2
-    steps = [([c[:cut], a], [0, 0], [2, 0]),
-             ([c[cut:], [7], b], [cut, len(a), 0], [2, 0, 1]),
-             ([[9], [11], [13]], [len(a) + 1, len(b), len(c)], [0, 1, 2])]
+    steps = [
+        ([c[:cut], a], [0, 0], [2, 0]),
+        ([c[cut:], [7], b], [cut, len(a), 0], [2, 0, 1]),
+        ([[9], [11], [13]], [len(a) + 1, len(b), len(c)], [0, 1, 2]),
+    ]
     for parts, past, slots in steps:
         yield PackedStep(torch.tensor([t for p in parts for t in p]), [len(p) for p in parts], past, slots)
 
@@ -115,8 +127,9 @@ def _packed_steps(torch, prompts):
 def _run_backend(torch, model, backend, prompts, all_logits=True):
     model.attention_backend = backend
     state = model.new_cache(3, 64)
-    return [model.forward_step(step, state, all_logits=all_logits).float().cpu()
-            for step in _packed_steps(torch, prompts)], model.attention_label()
+    return [
+        model.forward_step(step, state, all_logits=all_logits).float().cpu() for step in _packed_steps(torch, prompts)
+    ], model.attention_label()
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -133,15 +146,15 @@ def backends(request, expected):
     got, label = _run_backend(torch, model, "kernels", expected["prompts"])
     model.attention_backend = "auto"
     ckpt.close()
-    return SimpleNamespace(dtype_name=dtype_name, dtype=dtype, want=want, torch_label=torch_label, got=got,
-                           label=label)
+    return SimpleNamespace(dtype_name=dtype_name, dtype=dtype, want=want, torch_label=torch_label, got=got, label=label)
 
 
 def test_kernel_attention_backend_label(backends) -> None:
     label, torch_label = backends.label, backends.torch_label
     assert label == "kernels", (
         f"{backends.dtype_name}: the kernels backend's label names the kernel on every layer: {label!r} "
-        f"(torch backend: {torch_label!r})")
+        f"(torch backend: {torch_label!r})"
+    )
 
 
 @pytest.mark.parametrize("n", range(3))  # the packed steps of _packed_steps
@@ -156,12 +169,14 @@ def test_kernel_attention_backend_equals_torch_backend(backends, expected, n) ->
     note(f"kernel_vs_torch_{dtype_name}_step{n}", err)
     assert bool(torch.isfinite(g).all()) and err <= bound, (
         f"{dtype_name} step {n}: kernel-backend logits vs torch-backend logits (all tokens): rel L2 {err:.2e}, "
-        f"bound {bound:.2e}")
+        f"bound {bound:.2e}"
+    )
     if dtype is torch.float32:
         same = torch.equal(g.argmax(-1), w.argmax(-1))
         assert same, (
             f"float32 step {n}: every token's greedy pick equal across the backends: {g.argmax(-1).tolist()} vs "
-            f"{w.argmax(-1).tolist()}")
+            f"{w.argmax(-1).tolist()}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +188,10 @@ def kernel_model(expected):
     ckpt, model = _load("cuda", torch.float32)
     model.attention_backend = "kernels"
     model.label_before = model.backend_name
-    model.greedy = [model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
-                    for prompt in expected["prompts"]]
+    model.greedy = [
+        model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
+        for prompt in expected["prompts"]
+    ]
     yield model
     model.attention_backend = "auto"
     ckpt.close()
@@ -182,14 +199,16 @@ def kernel_model(expected):
 
 def test_kernel_backend_label(kernel_model) -> None:
     assert "attention kernels" in kernel_model.label_before, (
-        f"backend_name labels the attention core: {kernel_model.label_before}")
+        f"backend_name labels the attention core: {kernel_model.label_before}"
+    )
 
 
 @pytest.mark.parametrize("i", PROMPTS)
 def test_kernel_backend_recorded_tokens(kernel_model, expected, i) -> None:
     got = kernel_model.greedy[i]
     assert got == expected["greedy"][i], (
-        f"prompt {i}: fp32 CUDA greedy tokens through the attention kernel: {got} vs {expected['greedy'][i]}")
+        f"prompt {i}: fp32 CUDA greedy tokens through the attention kernel: {got} vs {expected['greedy'][i]}"
+    )
 
 
 def test_kernel_backend_sync_free_decode(kernel_model, expected) -> None:
@@ -201,8 +220,10 @@ def test_kernel_backend_sync_free_decode(kernel_model, expected) -> None:
     # a decode step of three slots: no host synchronization inside forward_step
     state = model.new_cache(3, 64)
     prompts = expected["prompts"]
-    model.forward_step(PackedStep(torch.tensor([t for p in prompts for t in p]), [len(p) for p in prompts],
-                                  [0, 0, 0], [0, 1, 2]), state)
+    model.forward_step(
+        PackedStep(torch.tensor([t for p in prompts for t in p]), [len(p) for p in prompts], [0, 0, 0], [0, 1, 2]),
+        state,
+    )
     torch.cuda.synchronize()
     decode = PackedStep(torch.tensor([5, 6, 7]), [1, 1, 1], [len(p) for p in prompts], [0, 1, 2])
     err = ""
@@ -216,7 +237,8 @@ def test_kernel_backend_sync_free_decode(kernel_model, expected) -> None:
     forms = sorted({layer.mlp.last_form for layer in model.model.layers})
     assert not err, (
         f"a decode step (kernel attention, sync-free MoE) runs under sync debug mode 'error': "
-        f"{err or 'no synchronizing call'}; MoE forms {forms}")
+        f"{err or 'no synchronizing call'}; MoE forms {forms}"
+    )
 
 
 # -- 5. the MoE forms on CUDA ----------------------------------------------------------------
@@ -227,8 +249,9 @@ MOE_LAYERS = range(json.loads((DATA / "config.json").read_text())["num_hidden_la
 def _moe_config():
     from engram_trt.models.deepseek_v4.config import read_config
 
-    return read_config(json.loads((DATA / "config.json").read_text()) | {"moe_intermediate_size": 64,
-                                                                        "n_routed_experts": 8})
+    return read_config(
+        json.loads((DATA / "config.json").read_text()) | {"moe_intermediate_size": 64, "n_routed_experts": 8}
+    )
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
@@ -250,8 +273,9 @@ def moes(request):
             for p in moe.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
             if moe.is_hash:
-                moe.gate.tid2eid.copy_(torch.stack([torch.randperm(8, generator=gen)[:2]
-                                                    for _ in range(cfg.vocab_size)]))
+                moe.gate.tid2eid.copy_(
+                    torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(cfg.vocab_size)])
+                )
         layers.append(moe.to("cuda", dtype))
     return dtype_name, dtype, cfg, layers
 
@@ -264,9 +288,9 @@ def test_moe_forms_on_cuda_equal_the_loop(moes, layer, tokens) -> None:
     dtype_name, dtype, cfg, layers = moes
     moe = layers[layer]
     gen = torch.Generator().manual_seed(21 + 100 * layer + tokens)
-    forms = ["gathered", "dense"] + (["grouped"] if moe.grouped_serves(torch.empty(1, cfg.hidden_size,
-                                                                                  device="cuda", dtype=dtype))
-                                     else [])
+    forms = ["gathered", "dense"] + (
+        ["grouped"] if moe.grouped_serves(torch.empty(1, cfg.hidden_size, device="cuda", dtype=dtype)) else []
+    )
     x = (torch.randn(tokens, cfg.hidden_size, generator=gen)).to("cuda", dtype)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen).cuda()
     with torch.no_grad():
@@ -279,4 +303,5 @@ def test_moe_forms_on_cuda_equal_the_loop(moes, layer, tokens) -> None:
     assert max(errs.values()) <= bound, (
         f"{dtype_name} MoE layer {layer} ({'hash' if moe.is_hash else 'top-k'}), {tokens} tokens: "
         f"sync-free forms vs the loop: { {k: f'{v:.1e}' for k, v in errs.items()} }, "
-        f"auto took {moe.last_form}, bound {bound:.0e}")
+        f"auto took {moe.last_form}, bound {bound:.0e}"
+    )

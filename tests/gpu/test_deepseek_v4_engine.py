@@ -51,13 +51,16 @@ def folders(tmp_path_factory):
     if importlib.util.find_spec("tensorrt") is None:
         # TensorRT-RTX builds this graph on a CPU (tests/test_deepseek_v4_build.py) but has
         # no sm_90 target, so only full TensorRT can build and run an engine on an H200.
-        pytest.skip("needs the tensorrt module (full TensorRT) to build and run an engine on this GPU; "
-                    "it is not installed here, and TensorRT-RTX has no sm_90 target")
+        pytest.skip(
+            "needs the tensorrt module (full TensorRT) to build and run an engine on this GPU; "
+            "it is not installed here, and TensorRT-RTX has no sm_90 target"
+        )
     root = tmp_path_factory.mktemp("dsv4engine")
     out = {}
     for dtype in ("fp16", "bf16"):
-        res = build(DATA, root / dtype, dtype=dtype, max_batch=4, max_seq_len=MAX_LEN, max_num_tokens=MAX_LEN,
-                    progress=False)
+        res = build(
+            DATA, root / dtype, dtype=dtype, max_batch=4, max_seq_len=MAX_LEN, max_num_tokens=MAX_LEN, progress=False
+        )
         assert res.engine_path is not None, res.engine_skipped
         out[dtype] = root / dtype
     return out
@@ -69,7 +72,9 @@ def _reference_logits(dtype):
     from engram_trt.models.registry import open_checkpoint
 
     ckpt = open_checkpoint(DATA)
-    exported = ckpt.architecture.export_onnx(ckpt.config, ckpt.get, None, ExportOptions(dtype=dtype, max_position=MAX_LEN))
+    exported = ckpt.architecture.export_onnx(
+        ckpt.config, ckpt.get, None, ExportOptions(dtype=dtype, max_position=MAX_LEN)
+    )
     runner = DeepseekV4ReferenceRunner(exported, ckpt.config, num_slots=4, max_seq_len=MAX_LEN)
     got = [runner.step(np.array(ids), starts, past, SLOTS).astype(np.float64) for ids, starts, past in _schedule()]
     ckpt.close()
@@ -149,6 +154,7 @@ def test_runtime_refuses_the_states_under_tensorrt_and_auto_serves_torch(folders
     except EngramError as exc:
         msg = str(exc)
         assert "state inputs" in msg and "window_kv" in msg and len(msg.splitlines()) == 1, (
-            f"--backend tensorrt refuses a DeepSeek engine in one line naming a state input: {msg}")
+            f"--backend tensorrt refuses a DeepSeek engine in one line naming a state input: {msg}"
+        )
     with LLM(str(folders["fp16"]), device="cuda", progress=False) as llm:
         assert "torch" in llm.backend_label, f"auto serves the engine folder with torch: {llm.backend_label}"

@@ -42,20 +42,57 @@ from .helpers import REPO, note, say
 DATA = REPO / "tests" / "data" / "deepseek_v4_tiny"
 S_, C_, H_ = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 BASE: dict[str, Any] = dict(
-    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=128, hidden_size=64,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
-    moe_intermediate_size=32, n_shared_experts=1, index_n_heads=4, index_head_dim=16, index_topk=4,
-    sliding_window=8, compress_rates={C_: 4, H_: 8}, hc_mult=2, hc_sinkhorn_iters=3, partial_rotary_factor=0.5,
-    num_nextn_predict_layers=0, max_position_embeddings=512, eos_token_id=2, bos_token_id=1,
-    tie_word_embeddings=False)
+    architectures=["DeepseekV4ForCausalLM"],
+    model_type="deepseek_v4",
+    vocab_size=128,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=32,
+    o_groups=2,
+    o_lora_rank=16,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=4,
+    sliding_window=8,
+    compress_rates={C_: 4, H_: 8},
+    hc_mult=2,
+    hc_sinkhorn_iters=3,
+    partial_rotary_factor=0.5,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=1,
+    tie_word_embeddings=False,
+)
 MIXES: dict[str, dict[str, Any]] = {
-    "SCHS-hash1-e8k2": dict(num_hidden_layers=4, layer_types=[S_, C_, H_, S_],
-                            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8, num_experts_per_tok=2),
-    "CC-topk-e6k3": dict(num_hidden_layers=2, layer_types=[C_, C_], mlp_layer_types=["moe", "moe"], n_routed_experts=6,
-                         num_experts_per_tok=3, index_topk=2),
-    "HSH-hash2-hc4-sigmoid": dict(num_hidden_layers=3, layer_types=[H_, S_, H_],
-                                  mlp_layer_types=["hash_moe", "hash_moe", "moe"], n_routed_experts=4,
-                                  num_experts_per_tok=2, hc_mult=4, scoring_func="sigmoid"),
+    "SCHS-hash1-e8k2": dict(
+        num_hidden_layers=4,
+        layer_types=[S_, C_, H_, S_],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+    ),
+    "CC-topk-e6k3": dict(
+        num_hidden_layers=2,
+        layer_types=[C_, C_],
+        mlp_layer_types=["moe", "moe"],
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        index_topk=2,
+    ),
+    "HSH-hash2-hc4-sigmoid": dict(
+        num_hidden_layers=3,
+        layer_types=[H_, S_, H_],
+        mlp_layer_types=["hash_moe", "hash_moe", "moe"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        hc_mult=4,
+        scoring_func="sigmoid",
+    ),
 }
 MAX_LEN, SLOTS = 128, 8
 PROMPT_LENS = [3, 9, 17, 30, 6, 1, 12, 22]  # one per slot: the decode lengths stay apart
@@ -141,16 +178,20 @@ def test_graphed_decode_equals_eager_fp32(mix: str) -> None:
         n += 1
     note(f"graph_vs_eager_fp32_{mix}", worst)
     assert worst <= 1e-4, (
-        f"{mix}: fp32 graphed logits within 1e-4 of eager over {n} decode steps: worst rel L2 {worst:.2e}")
+        f"{mix}: fp32 graphed logits within 1e-4 of eager over {n} decode steps: worst rel L2 {worst:.2e}"
+    )
     assert same, f"{mix}: fp32 graphed greedy tokens equal eager's, every step"
     keys = sorted(graphs.graphs)
     assert keys == [(1, MAX_LEN, "none"), (4, MAX_LEN, "none"), (8, MAX_LEN, "none")], (
         f"{mix}: one graph per batch bucket whatever the lengths: graphs {keys}, replays {graphs.replays}, captures "
-        f"{graphs.captures}")
+        f"{graphs.captures}"
+    )
     assert graphs.replays == n and graphs.failed is None, (
-        f"{mix}: every decode step replayed: {graphs.replays} / {n}; failed: {graphs.failed}")
+        f"{mix}: every decode step replayed: {graphs.replays} / {n}; failed: {graphs.failed}"
+    )
     assert graphed.lengths == eager.lengths, (
-        f"{mix}: graphed and eager slots hold the same lengths: {graphed.lengths} vs {eager.lengths}")
+        f"{mix}: graphed and eager slots hold the same lengths: {graphed.lengths} vs {eager.lengths}"
+    )
 
 
 @pytest.mark.parametrize("mix", sorted(MIXES))
@@ -189,8 +230,10 @@ def test_graphed_decode_bf16_within_round_off(mix: str) -> None:
         for s, t in zip(slots, picks):
             toks[s] = t
     note(f"bf16_greedy_agreement_{mix}", agree / max(total, 1))
-    assert not bad, (f"{mix}: bf16 graphed logits' distance from fp32 at most 2x eager bf16's + 1e-3, every step: "
-                     + "; ".join(bad[:4]))
+    assert not bad, (
+        f"{mix}: bf16 graphed logits' distance from fp32 at most 2x eager bf16's + 1e-3, every step: "
+        + "; ".join(bad[:4])
+    )
 
 
 def test_replay_and_bf16_eager_decode_under_sync_debug_error() -> None:
@@ -215,8 +258,10 @@ def test_replay_and_bf16_eager_decode_under_sync_debug_error() -> None:
     errs = []
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for what, fn in (("replay", lambda: graphs.run(step(ids, lens), None)),
-                         ("eager", lambda: model.forward_step(step(ids, lens), eager))):
+        for what, fn in (
+            ("replay", lambda: graphs.run(step(ids, lens), None)),
+            ("eager", lambda: model.forward_step(step(ids, lens), eager)),
+        ):
             try:
                 fn()
             except RuntimeError as exc:
@@ -224,12 +269,15 @@ def test_replay_and_bf16_eager_decode_under_sync_debug_error() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     forms = sorted({layer.mlp.last_form for layer in model.model.layers})
-    auto = model.model.layers[1].mlp.choose_form(torch.empty(8, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
-                                                 torch.empty(8, 2, dtype=torch.int64, device="cuda"))
+    auto = model.model.layers[1].mlp.choose_form(
+        torch.empty(8, cfg.hidden_size, device="cuda", dtype=torch.bfloat16),
+        torch.empty(8, 2, dtype=torch.int64, device="cuda"),
+    )
     assert first is not None and not errs and graphs.replays == 2, (
         "a replayed decode step and an eager bf16 decode step of 8 run under sync debug mode 'error': "
         f"{'; '.join(errs) or 'no synchronizing call'}; MoE forms taken {forms}, the module's auto alone: {auto}; "
-        f"replays {graphs.replays}; graphs failed: {graphs.failed}")
+        f"replays {graphs.replays}; graphs failed: {graphs.failed}"
+    )
 
 
 def test_kernel_takes_a_state_shorter_than_index_topk() -> None:
@@ -246,17 +294,20 @@ def test_kernel_takes_a_state_shorter_than_index_topk() -> None:
         state = model.new_cache(2, max_len)
         got = [model.forward_step(PackedStep(torch.arange(3, 17), [9, 5], [0, 0], [1, 0]), state, all_logits=True)]
         for k in range(5):
-            got.append(model.forward_step(PackedStep(torch.tensor([20 + k, 40 + k]), [1, 1], [9 + k, 5 + k], [1, 0]),
-                                          state))
+            got.append(
+                model.forward_step(PackedStep(torch.tensor([20 + k, 40 + k]), [1, 1], [9 + k, 5 + k], [1, 0]), state)
+            )
         outs[backend] = [g.float().cpu() for g in got]
     model.attention_backend = "auto"
     errs = [rel_err(a, b) for a, b in zip(outs["kernels"], outs["torch"])]
     assert max(errs) <= 1e-4, (
         f"attention kernel with fewer state entries than index_topk equals the torch core (fp32, 1e-4): rel L2 per "
-        f"step {[f'{e:.1e}' for e in errs]}")
+        f"step {[f'{e:.1e}' for e in errs]}"
+    )
 
 
 # -- 5. through the runtime ------------------------------------------------------------------
+
 
 def _v41_folder(root: Path) -> Path:
     """tests/data/deepseek_v4_tiny turned V4.1 (as tests/test_deepseek_v4_parity.save_v41 does,
@@ -271,9 +322,18 @@ def _v41_folder(root: Path) -> Path:
     shutil.copytree(DATA, folder)
     (folder / "expected.json").unlink()
     d = json.loads((folder / "config.json").read_text())
-    d.update(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", engram_layer_ids=[0, 2],
-             engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=8, engram_vocab_size=37,
-             engram_compressed_vocab_size=96, engram_pad_token_id=0, engram_table_dtype="bf16")
+    d.update(
+        architectures=["DeepseekV41ForCausalLM"],
+        model_type="deepseek_v41",
+        engram_layer_ids=[0, 2],
+        engram_max_ngram_size=3,
+        engram_n_heads=2,
+        engram_head_dim=8,
+        engram_vocab_size=37,
+        engram_compressed_vocab_size=96,
+        engram_pad_token_id=0,
+        engram_table_dtype="bf16",
+    )
     (folder / "config.json").write_text(json.dumps(d))
     cfg = read_config(d)
     layout = EngramLayout.from_spec(cfg.engram, pad_id=0)
@@ -292,8 +352,15 @@ def _v41_folder(root: Path) -> Path:
 def _llm_tokens(folder: Path, prompts: list, n: int, graphs: bool, engram_config: Any = None) -> tuple[list, dict, str]:
     from engram_trt import LLM, SamplingParams
 
-    with LLM(str(folder), backend="torch", device="cuda", dtype="fp32", cuda_graphs=graphs, max_batch_size=4,
-             engram_config=engram_config) as llm:
+    with LLM(
+        str(folder),
+        backend="torch",
+        device="cuda",
+        dtype="fp32",
+        cuda_graphs=graphs,
+        max_batch_size=4,
+        engram_config=engram_config,
+    ) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         info, label = llm.runner.graph_capture(), llm.runner.backend.label
     return [list(o.outputs[0].token_ids) for o in outs], info, label
@@ -312,18 +379,21 @@ def test_v41_llm_graphs_equal_eager(tmp_path: Path, tables: str, mode: str) -> N
     shapes = info.get("graph_shapes", [])
     assert got == want, f"V4.1 ({tables} tables): graphed greedy tokens equal eager's: {got} vs {want}"
     assert "decode in CUDA graphs" in label and shapes and all(s.endswith(f":{mode}") for s in shapes), (
-        f"V4.1 ({tables} tables): decode steps replayed with the rows {mode}: label {label!r}; graph shapes {shapes}")
+        f"V4.1 ({tables} tables): decode steps replayed with the rows {mode}: label {label!r}; graph shapes {shapes}"
+    )
 
 
 def test_v4_llm_graphs_give_the_recorded_tokens() -> None:
     expected = json.loads((DATA / "expected.json").read_text())
     got, info, label = _llm_tokens(DATA, expected["prompts"], expected["new_tokens"], True)
     assert got == expected["greedy"], (
-        f"V4 tiny through LLM with decode graphs: transformers' recorded greedy tokens: {got}")
+        f"V4 tiny through LLM with decode graphs: transformers' recorded greedy tokens: {got}"
+    )
     shapes = info.get("graph_shapes", [])
     assert "decode in CUDA graphs" in label and shapes and len({s.split("x")[0] for s in shapes}) == len(shapes), (
         f"V4 tiny: graphs recorded, one per batch bucket (context = max_seq_len): label {label!r}; graph shapes "
-        f"{shapes}")
+        f"{shapes}"
+    )
 
 
 def test_state_larger_than_free_memory_is_refused() -> None:
@@ -343,10 +413,12 @@ def test_state_larger_than_free_memory_is_refused() -> None:
     except EngramError as exc:
         msg = str(exc)
     assert "bytes" in msg and "\n" not in msg and torch.cuda.memory_allocated() == before, (
-        "a state larger than the free GPU memory is refused in one line, nothing allocated: " + (msg or "not refused"))
+        "a state larger than the free GPU memory is refused in one line, nothing allocated: " + (msg or "not refused")
+    )
 
 
 # -- the breakdown of a graphed decode step (bench e2e --breakdown) ---------------------------
+
 
 @pytest.mark.parametrize("which", ["deepseek_v4_tiny", "qwen4_exp_tiny"])
 def test_breakdown_times_every_module_kind_inside_the_graph(which: str) -> None:
@@ -358,25 +430,43 @@ def test_breakdown_times_every_module_kind_inside_the_graph(which: str) -> None:
     b = decode_breakdown(folder, device="cuda", dtype="bf16", prompt_tokens=8, reps=3)
     if which == "deepseek_v4_tiny":
         types = cfg["layer_types"]
-        want = {"embed": 1, "head": 1, "mhc.pre+norm": 2 * n, "mhc.post": 2 * n, "moe": n,
-                "attention.csa": types.count(C_), "attention.hca": types.count(H_)}
+        want = {
+            "embed": 1,
+            "head": 1,
+            "mhc.pre+norm": 2 * n,
+            "mhc.post": 2 * n,
+            "moe": n,
+            "attention.csa": types.count(C_),
+            "attention.hca": types.count(H_),
+        }
     else:
         types = cfg["layer_types"]
-        want = {"meta": 1, "embed": 1, "hc.mix": 2 * n, "hc.inject": 2 * n, "moe": n, "head.mix": 1,
-                "attention.gdn": types.count("linear_attention"), "ple": len(cfg["ple_layer_ids"]),
-                "attention.qsa": n - types.count("linear_attention")}
+        want = {
+            "meta": 1,
+            "embed": 1,
+            "hc.mix": 2 * n,
+            "hc.inject": 2 * n,
+            "moe": n,
+            "head.mix": 1,
+            "attention.gdn": types.count("linear_attention"),
+            "ple": len(cfg["ple_layer_ids"]),
+            "attention.qsa": n - types.count("linear_attention"),
+        }
     kinds = b.get("kinds", {})
     calls = {k: v["calls"] for k, v in kinds.items() if k != "other" and k != "ple.lookup"}
     named = sum(v["ms"] for k, v in kinds.items() if k != "other")
     assert b.get("mode") == "graph" and calls == want, (
         f"{which}: breakdown recorded inside the decode graph, every module kind's calls: mode {b.get('mode')}; calls "
-        f"{calls}; want {want}")
+        f"{calls}; want {want}"
+    )
     assert b.get("span_ms", 0) > 0 and named <= 1.01 * b["span_ms"] and b["span_ms"] <= 1.01 * b["step_ms"], (
         f"{which}: the kinds add up to the step's span, which the replay's own span holds: kinds {named:.4f} ms, span "
-        f"{b.get('span_ms')}, replay {b.get('step_ms')}")
+        f"{b.get('span_ms')}, replay {b.get('step_ms')}"
+    )
 
 
 # -- 7. the ~1.6B shape against transformers, float32 ------------------------------------------
+
 
 def test_dsv4_1p6b_fp32_greedy_128_equals_transformers(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="transformers is not installed (the test extra)")
@@ -389,18 +479,28 @@ def test_dsv4_1p6b_fp32_greedy_128_equals_transformers(tmp_path: Path) -> None:
     hf = make_checkpoint("dsv4", folder, device="cuda", dtype="fp32", keep_model=True)  # random weights, saved
     prompt = [(17 * i + 5) % 1000 + 3 for i in range(32)]
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=128, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, use_cache=True)
-    want = out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=128,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            use_cache=True,
+        )
+    want = out[0, len(prompt) :].tolist()
     del hf, out
     torch.cuda.empty_cache()
     with LLM(str(folder), backend="torch", device="cuda", dtype="fp32") as llm:
-        got = list(llm.generate([prompt], SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True))[0]
-                   .outputs[0].token_ids)
+        got = list(
+            llm.generate([prompt], SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True))[0]
+            .outputs[0]
+            .token_ids
+        )
         label = llm.runner.backend.label
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     say(f"1.6B fp32: backend {label}; first difference at {first}")
     assert got == want, (
         "~1.6B DeepSeek-V4 fp32 on CUDA: transformers' 128 greedy tokens (decode graphs): "
-        f"first difference at token {first}: ours {got[first:first + 4] if first is not None else ''} vs "
-        f"{want[first:first + 4] if first is not None else ''}; backend {label}")
+        f"first difference at token {first}: ours {got[first : first + 4] if first is not None else ''} vs "
+        f"{want[first : first + 4] if first is not None else ''}; backend {label}"
+    )

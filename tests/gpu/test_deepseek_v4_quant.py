@@ -38,15 +38,47 @@ from .helpers import note
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 CONFIG: dict[str, Any] = dict(
-    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=96, hidden_size=256,
-    moe_intermediate_size=128, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-    q_lora_rank=256, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, layer_types=[HCA, CSA, HCA],
-    compress_rates={CSA: 2, HCA: 4}, hc_mult=2, hc_sinkhorn_iters=5, mlp_layer_types=["hash_moe", "moe", "moe"],
-    sliding_window=6, o_groups=2, o_lora_rank=128, index_n_heads=2, index_head_dim=64, index_topk=3,
-    num_nextn_predict_layers=0, partial_rotary_factor=0.5, max_position_embeddings=256, eos_token_id=2,
-    bos_token_id=1, tie_word_embeddings=False)
-QUANT = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                 "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}, "expert_dtype": "fp4"}
+    architectures=["DeepseekV4ForCausalLM"],
+    model_type="deepseek_v4",
+    vocab_size=96,
+    hidden_size=256,
+    moe_intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=128,
+    q_lora_rank=256,
+    num_experts_per_tok=2,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    layer_types=[HCA, CSA, HCA],
+    compress_rates={CSA: 2, HCA: 4},
+    hc_mult=2,
+    hc_sinkhorn_iters=5,
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    sliding_window=6,
+    o_groups=2,
+    o_lora_rank=128,
+    index_n_heads=2,
+    index_head_dim=64,
+    index_topk=3,
+    num_nextn_predict_layers=0,
+    partial_rotary_factor=0.5,
+    max_position_embeddings=256,
+    eos_token_id=2,
+    bos_token_id=1,
+    tie_word_embeddings=False,
+)
+QUANT = {
+    "quantization_config": {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "expert_dtype": "fp4",
+}
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 7, 60, 12, 13, 14, 15], [3, 44, 45, 9], [11 + i for i in range(19)]]
 NATIVE_QUANT = importlib.util.find_spec("engram_trt.native.quant") is not None
 
@@ -69,11 +101,18 @@ def _write(folder: Path, quantized: bool) -> None:
             weights[name] = torch.randn(shape, generator=gen) * (1.0 if "embed" in name else 0.3)
     if quantized:
         weights = quantize_weights(weights)
-        weights = {n: (t.to(torch.bfloat16) if t.dtype == torch.float32 and t.dim() == 2 and "hc_" not in n
-                       and not n.endswith(".ape") else t) for n, t in weights.items()}
+        weights = {
+            n: (
+                t.to(torch.bfloat16)
+                if t.dtype == torch.float32 and t.dim() == 2 and "hc_" not in n and not n.endswith(".ape")
+                else t
+            )
+            for n, t in weights.items()
+        }
     folder.mkdir(parents=True)
-    save_file({n: t.contiguous() for n, t in weights.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in weights.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
     (folder / "config.json").write_text(json.dumps(dict(CONFIG, **(QUANT if quantized else {}))))
 
 
@@ -121,10 +160,12 @@ def test_load_on_cuda_holds_the_stored_bytes(folders: dict[str, Path]) -> None:
     assert want["gpu_bytes"] <= held <= want["gpu_bytes"] + slack, (
         f"bytes held after the load = inspect's GPU bytes of the load (stored bytes for FP8 / FP4): held {held}, "
         f"inspect {want['gpu_bytes']} (+ at most {slack} of rounding); fp8 {want['by_kind']['fp8']['gpu_bytes']}, fp4 "
-        f"{want['by_kind']['fp4']['gpu_bytes']}")
+        f"{want['by_kind']['fp4']['gpu_bytes']}"
+    )
     assert peak <= allocated + biggest + slack, (
         f"the load's peak is within one tensor of its end (tensor by tensor, stacks filled in place): peak {peak}, end "
-        f"{allocated}, largest tensor {biggest}")
+        f"{allocated}, largest tensor {biggest}"
+    )
     note("load_bytes", {"held": held, "allocated": allocated, "peak": peak, "inspect": want["gpu_bytes"]})
 
 
@@ -182,7 +223,8 @@ def test_dequantizing_path_on_cuda_equals_the_float_model(folders: dict[str, Pat
         want = ref.forward_step(step, ref.new_cache(1, 64), all_logits=True)
         err = float((got - want).abs().max() / want.abs().max())
         assert err <= 1e-12, (
-            f"prompt {i}: float64 CUDA logits, stored formats (dequantizing path) vs their float model: {err:.2e}")
+            f"prompt {i}: float64 CUDA logits, stored formats (dequantizing path) vs their float model: {err:.2e}"
+        )
         a = cpu.generate_greedy(p, 6, chunk=4, ignore_eos=True)
         b = gpu.generate_greedy(p, 6, chunk=4, ignore_eos=True)
         assert a == b, f"prompt {i}: greedy tokens over chunked prefill + decode equal the CPU's: {b} vs {a}"
@@ -270,8 +312,10 @@ def _moe_reference(moe: Any, x: Any, ids: Any, w: Any) -> tuple[Any, Any]:
                 group = ACT_QUANT[kinds[2]][0]
                 room = _flip_room(h / sh, dh / sh) * sh
                 amax = h.abs().reshape(-1, group).amax(-1)
-                edge = (torch.log2(torch.clamp(amax, min=1e-4) / FP8_MAX) - torch.round(torch.log2(
-                    torch.clamp(amax, min=1e-4) / FP8_MAX))).abs() < 2.0**-20 + (dh.reshape(-1, group).amax(-1) / amax)
+                edge = (
+                    torch.log2(torch.clamp(amax, min=1e-4) / FP8_MAX)
+                    - torch.round(torch.log2(torch.clamp(amax, min=1e-4) / FP8_MAX))
+                ).abs() < 2.0**-20 + (dh.reshape(-1, group).amax(-1) / amax)
                 room = torch.where(edge.repeat_interleave(group), 2.0**-3 * h.abs() + sh, room)  # the scale may differ
             I = hq.shape[0]
             ref[t] += r * (deq[2][e] @ hq)
@@ -281,8 +325,10 @@ def _moe_reference(moe: Any, x: Any, ids: Any, w: Any) -> tuple[Any, Any]:
     return ref, 1.05 * bound
 
 
-@pytest.mark.skipif(not NATIVE_QUANT, reason="no engram_trt.native.quant in this tree (the kernel library's quantized "
-                                              "products, issue 40 item 2)")
+@pytest.mark.skipif(
+    not NATIVE_QUANT,
+    reason="no engram_trt.native.quant in this tree (the kernel library's quantized products, issue 40 item 2)",
+)
 @pytest.mark.parametrize("T", [1, 3, 40])
 @pytest.mark.parametrize("which", ["q", "f"])
 def test_moe_kernels_form_on_cuda(folders: dict[str, Path], which: str, T: int) -> None:
@@ -305,4 +351,5 @@ def test_moe_kernels_form_on_cuda(folders: dict[str, Path], which: str, T: int) 
     note(f"moe_kernels_{which}_T{T}_rel", rel_err(got, ref))
     assert bool(torch.isfinite(got).all()) and worst <= 0, (
         f"{which} T={T}: routed experts within the float32-sum bound of the activation-quantized float64 "
-        f"reference: max excess {worst:.3e}, rel L2 {rel_err(got, ref):.2e}")
+        f"reference: max excess {worst:.3e}, rel L2 {rel_err(got, ref):.2e}"
+    )

@@ -93,7 +93,9 @@ def x2():
     if not pinned_there:
         res["notes"].append("the pinned store is not installed: one-GPU and private runs keep the tables in GPU memory")
     if not shared_there:
-        res["notes"].append("the shared store is not installed: dp_shared_memory falls back (its one-copy check is not run)")
+        res["notes"].append(
+            "the shared store is not installed: dp_shared_memory falls back (its one-copy check is not run)"
+        )
 
     t0 = time.perf_counter()
     ckpt = ensure_demo_checkpoint()
@@ -118,31 +120,75 @@ def x2():
         rng = np.random.default_rng(0)
 
         def steps(dp: int, shapes: list) -> tuple:
-            return tuple(tuple(tuple(tuple(int(x) for x in rng.integers(0, 120000, size=n)) for n in shapes[k][d])
-                               for d in range(dp)) for k in range(len(shapes)))
+            return tuple(
+                tuple(
+                    tuple(tuple(int(x) for x in rng.integers(0, 120000, size=n)) for n in shapes[k][d])
+                    for d in range(dp)
+                )
+                for k in range(len(shapes))
+            )
 
-        cases = [LookupCase(2, 1, "tp", steps(1, [[[7, 1]], [[1] * 16], [[512]]]), 11),
-                 LookupCase(1, 2, "world", steps(2, [[[9, 1], [1]], [[1] * 8, []], [[], [300]], [[64], [1]]]), 12)]
+        cases = [
+            LookupCase(2, 1, "tp", steps(1, [[[7, 1]], [[1] * 16], [[512]]]), 11),
+            LookupCase(1, 2, "world", steps(2, [[[9, 1], [1]], [[1] * 8, []], [[], [300]], [[64], [1]]]), 12),
+        ]
         dist_jobs = [
             ReplicaJob(str(engine), 2, 1, PROMPTS, sp, base_cfg, dict(kw), measure_memory=True, repeat=2),
-            ReplicaJob(str(engine), 1, 2, PROMPTS, sp, EngramConfig(embedding_across_dp=True), dict(kw),
-                       measure_memory=True, repeat=2),
-            ReplicaJob(str(engine), 1, 2, PROMPTS, sp, EngramConfig(dp_shared_memory=True),
-                       dict(kw, table_options={"directory": str(shm_dir)}), measure_memory=True, repeat=2),
+            ReplicaJob(
+                str(engine),
+                1,
+                2,
+                PROMPTS,
+                sp,
+                EngramConfig(embedding_across_dp=True),
+                dict(kw),
+                measure_memory=True,
+                repeat=2,
+            ),
+            ReplicaJob(
+                str(engine),
+                1,
+                2,
+                PROMPTS,
+                sp,
+                EngramConfig(dp_shared_memory=True),
+                dict(kw, table_options={"directory": str(shm_dir)}),
+                measure_memory=True,
+                repeat=2,
+            ),
             ReplicaJob(str(engine), 1, 2, PROMPTS, sp, base_cfg, dict(kw), measure_memory=True, repeat=2),
         ]
         shm_before = shm_used()
-        lookups, served = spawn(2, run_sequence, [(lookup_check, (str(engine), cases, 512)), (replica_jobs, (dist_jobs,))],
-                                device_kind="cuda", timeout_s=TIMEOUT_S)
+        lookups, served = spawn(
+            2,
+            run_sequence,
+            [(lookup_check, (str(engine), cases, 512)), (replica_jobs, (dist_jobs,))],
+            device_kind="cuda",
+            timeout_s=TIMEOUT_S,
+        )
         res["shm_used_before_bytes"] = shm_before
     finally:
         shm_files = sorted(shm_dir.iterdir()) if shm_dir.is_dir() else []
         res["shm_segment_bytes"] = sum(f.stat().st_size for f in shm_files if f.is_file())
         shutil.rmtree(shm_dir, ignore_errors=True)  # this run's own segment folder
     names = ["TP=2", "DP=2 embedding_across_dp", "DP=2 dp_shared_memory", "DP=2 private copies"]
-    return SimpleNamespace(res=res, one=one, lookups=lookups, served=served, cases=cases, src=src, engine=engine,
-                           one_copy=one_copy, pinned_there=pinned_there, shared_there=shared_there, base_cfg=base_cfg,
-                           sp=sp, names=names, np=np, torch=torch)
+    return SimpleNamespace(
+        res=res,
+        one=one,
+        lookups=lookups,
+        served=served,
+        cases=cases,
+        src=src,
+        engine=engine,
+        one_copy=one_copy,
+        pinned_there=pinned_there,
+        shared_there=shared_there,
+        base_cfg=base_cfg,
+        sp=sp,
+        names=names,
+        np=np,
+        torch=torch,
+    )
 
 
 def test_lookup_rows(x2) -> None:
@@ -190,12 +236,22 @@ def modes(x2) -> dict:
     GPU's tokens for all prompts, each rank's figures), built here so that every test that
     reports on the modes has it whichever tests run; test_host_memory adds its figures."""
     ref_all = tokens(x2.one[0])
-    return {name: {"sharing": r["sharing"], "equals_one_gpu_all_prompts": tokens(r) == ref_all,
-                   "ranks": [{k: x[k] for k in ("rank", "device", "backend", "load_s", "generate_s", "memory")}
-                             | {"storage": {k: x["storage"].get(k) for k in ("kind", "where", "table_bytes", "resident_bytes")},
-                                "stats": {k: x["stats"].get(k) for k in ("steps", "idle_steps", "follower_steps", "step_s")},
-                                "engram": x["stats"].get("engram")} for x in r["ranks"]]}
-            for name, r in zip(x2.names, x2.served)}
+    return {
+        name: {
+            "sharing": r["sharing"],
+            "equals_one_gpu_all_prompts": tokens(r) == ref_all,
+            "ranks": [
+                {k: x[k] for k in ("rank", "device", "backend", "load_s", "generate_s", "memory")}
+                | {
+                    "storage": {k: x["storage"].get(k) for k in ("kind", "where", "table_bytes", "resident_bytes")},
+                    "stats": {k: x["stats"].get(k) for k in ("steps", "idle_steps", "follower_steps", "step_s")},
+                    "engram": x["stats"].get("engram"),
+                }
+                for x in r["ranks"]
+            ],
+        }
+        for name, r in zip(x2.names, x2.served)
+    }
 
 
 def test_greedy_tokens(x2, modes) -> None:
@@ -203,8 +259,11 @@ def test_greedy_tokens(x2, modes) -> None:
     ref_all = tokens(x2.one[0])
     ref_shares = tokens(x2.one[1]) + tokens(x2.one[2])
     note("modes", modes)
-    failed = [f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU" for name, r in zip(x2.names, x2.served)
-              if tokens(r) != (ref_all if name == "TP=2" else ref_shares)]
+    failed = [
+        f"{name} ({r['sharing']['dp_mode']}): greedy tokens of one GPU"
+        for name, r in zip(x2.names, x2.served)
+        if tokens(r) != (ref_all if name == "TP=2" else ref_shares)
+    ]
     assert not failed, "; ".join(failed)
 
 
@@ -227,13 +286,19 @@ def test_host_memory(x2, modes) -> None:
         m["pss_bytes_per_rank"] = pss
         m["pss_minus_nontable_copies"] = round((sum(pss) - len(pss) * nontable) / one_copy, 3)
         m["shm_used_bytes"] = max(x["memory"]["shm_used_bytes"] for x in r["ranks"]) - res["shm_used_before_bytes"]
-    checks["DP=2 embedding_across_dp: tables take one host copy (PSS)"] = abs(modes[names[1]]["table_host_copies"] - 1) < 0.1
+    checks["DP=2 embedding_across_dp: tables take one host copy (PSS)"] = (
+        abs(modes[names[1]]["table_host_copies"] - 1) < 0.1
+    )
     if shared_there and served[2]["sharing"]["dp_mode"] == "dp_shared_memory":
         m = modes[names[2]]
-        checks["DP=2 dp_shared_memory: tables take one host copy (PSS of the segment)"] = abs(m["table_host_copies"] - 1) < 0.1
+        checks["DP=2 dp_shared_memory: tables take one host copy (PSS of the segment)"] = (
+            abs(m["table_host_copies"] - 1) < 0.1
+        )
         checks["DP=2 dp_shared_memory: /dev/shm holds one copy"] = abs(res["shm_segment_bytes"] / one_copy - 1) < 0.1
     if pinned_there:
-        checks["DP=2 private copies: two host copies (the contrast)"] = abs(modes[names[3]]["table_host_copies"] - 2) < 0.2
+        checks["DP=2 private copies: two host copies (the contrast)"] = (
+            abs(modes[names[3]]["table_host_copies"] - 2) < 0.2
+        )
 
     # 4. step time and throughput as a ratio to one GPU
     def step_time(r: dict) -> float:
@@ -251,8 +316,10 @@ def test_host_memory(x2, modes) -> None:
     note("modes", modes)
     note("one_gpu", res["one_gpu"])
     failed = [name for name, ok in checks.items() if not ok]
-    assert not failed, f"{'; '.join(failed)} (table host copies per mode: " \
-                       f"{ {name: m['table_host_copies'] for name, m in modes.items()} })"
+    assert not failed, (
+        f"{'; '.join(failed)} (table host copies per mode: "
+        f"{ {name: m['table_host_copies'] for name, m in modes.items()} })"
+    )
 
 
 def test_serving_group(x2) -> None:
@@ -263,22 +330,36 @@ def test_serving_group(x2) -> None:
     from engram_trt.distributed.serving import GroupSpec, start_serving_group
 
     t1 = time.perf_counter()
-    group = start_serving_group(GroupSpec(str(engine), 2, ("cuda:0", "cuda:1"),
-                                          engram_config=None if base_cfg is None else {"cpu_offload": False},
-                                          llm_kwargs={"backend": "torch"}, name="check/tp2", timeout_s=TIMEOUT_S,
-                                          start_timeout_s=TIMEOUT_S))
+    group = start_serving_group(
+        GroupSpec(
+            str(engine),
+            2,
+            ("cuda:0", "cuda:1"),
+            engram_config=None if base_cfg is None else {"cpu_offload": False},
+            llm_kwargs={"backend": "torch"},
+            name="check/tp2",
+            timeout_s=TIMEOUT_S,
+            start_timeout_s=TIMEOUT_S,
+        )
+    )
     start_s = time.perf_counter() - t1
     try:
         t1 = time.perf_counter()
         outs = group.llm.generate(PROMPTS, sp)
         gen_s = time.perf_counter() - t1
-        res["serving_group"] = {"start_s": round(start_s, 2), "generate_s": round(gen_s, 3),
-                                "tokens_per_s": sum(len(o.token_ids) for o in outs) / gen_s, "sharing": group.sharing.to_json(),
-                                "storage": {k: group.llm.storage.get(k) for k in ("kind", "where", "table_bytes")},
-                                "stats": group.stats()}
+        res["serving_group"] = {
+            "start_s": round(start_s, 2),
+            "generate_s": round(gen_s, 3),
+            "tokens_per_s": sum(len(o.token_ids) for o in outs) / gen_s,
+            "sharing": group.sharing.to_json(),
+            "storage": {k: group.llm.storage.get(k) for k in ("kind", "where", "table_bytes")},
+            "stats": group.stats(),
+        }
     finally:
         group.stop()
-    checks["serve --tp 2: the group's leader gives the greedy tokens of one GPU"] = [o.token_ids for o in outs] == ref_all
+    checks["serve --tp 2: the group's leader gives the greedy tokens of one GPU"] = [
+        o.token_ids for o in outs
+    ] == ref_all
     checks["serve --tp 2: the follower exited 0 after stop()"] = group.followers[0].returncode == 0
     note("serving_group", res["serving_group"])
     failed = [name for name, ok in checks.items() if not ok]

@@ -59,8 +59,10 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
         t0 = time.perf_counter()
         while not ev.query():
             if time.perf_counter() - t0 > seconds:
-                say(f"[FAIL] gather driver: {what} completes: not done after {seconds:.0f} s: a stream waits "
-                    "forever (a hang)")
+                say(
+                    f"[FAIL] gather driver: {what} completes: not done after {seconds:.0f} s: a stream waits "
+                    "forever (a hang)"
+                )
                 fatal("ending the process, a CUDA stream cannot be released")
             time.sleep(0.0005)
 
@@ -79,8 +81,10 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
         side.wait_stream(torch.cuda.current_stream(dev))  # the NaN fills come first
         t0 = time.perf_counter()
         slow = drv.submit(slow_ids, *table, quant_block=QB, out=slow_out, stream=side, layout=layout)
-        tickets = [drv.submit(ids3, *table, layer=li, quant_block=QB, out=outs[li], stream=side, layout=layout)
-                   for li in range(L)]
+        tickets = [
+            drv.submit(ids3, *table, layer=li, quant_block=QB, out=outs[li], stream=side, layout=layout)
+            for li in range(L)
+        ]
         copies = []
         with torch.cuda.stream(reader):
             for li in range(L):
@@ -95,7 +99,8 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
         assert good and enqueued < 0.3 * ready, (
             f"gather driver, {layout}: 3 layers queued behind a 1.4M-row job, read on another stream after its "
             f"GPU wait: tickets {slow}, {tickets}; reads enqueued after {enqueued * 1e3:.2f} ms, "
-            f"ready after {ready * 1e3:.2f} ms")
+            f"ready after {ready * 1e3:.2f} ms"
+        )
 
     # 1b. a whole step as one job: ids hashed on the GPU by the driver, both layers gathered
     def check_step_jobs() -> None:
@@ -104,16 +109,23 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
         from engram_trt.engram.hashing import hash_batch_packed
         from engram_trt.engram.layout import EngramLayout
 
-        spec = EngramSpec(layer_ids=(1, 2), max_ngram_size=3, n_heads=4, vocab_size=18000, compressed_vocab_size=17000,
-                          pad_token_id=0, head_dim=D)
+        spec = EngramSpec(
+            layer_ids=(1, 2),
+            max_ngram_size=3,
+            n_heads=4,
+            vocab_size=18000,
+            compressed_vocab_size=17000,
+            pad_token_id=0,
+            head_dim=D,
+        )
         layout = EngramLayout.from_spec(spec, pad_id=3)
         Ls, cols_s, n = layout.num_layers, layout.n_hash_cols, layout.max_ngram_size - 1
         buffers = gatherdriver.StepBuffers(4096, Ls, cols_s, n, dev)
         cases = []
         scales_dev = scales_t.to(dev)
         for (S, max_len, fresh), form in itertools.product(
-                ((1, 1, False), (64, 1, False), (5, 700, False), (9, 300, True), (3, 0, False)),
-                ("split", "hbm-scales")):
+            ((1, 1, False), (64, 1, False), (5, 700, False), (9, 300, True), (3, 0, False)), ("split", "hbm-scales")
+        ):
             lens = rng.integers(0 if max_len == 0 else 1, max_len + 1, size=S)
             T = int(lens.sum())
             starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
@@ -139,16 +151,28 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
             "gather driver, step jobs: the driver's hash == hash_batch_packed and both layers' rows == the dequant "
             "reference (1 / 64 decode sequences, chunks of up to 700 tokens, fresh sequences, an empty step; "
             "split tables and scales in HBM): "
-            + "; ".join(f"S={c[0]} T={c[1]}{' fresh' if c[2] else ''} {c[5]}: ids {'ok' if c[3] else 'DIFFER'}, "
-                        f"rows {'ok' if c[4] else 'DIFFER'}" for c in cases))
+            + "; ".join(
+                f"S={c[0]} T={c[1]}{' fresh' if c[2] else ''} {c[5]}: ids {'ok' if c[3] else 'DIFFER'}, "
+                f"rows {'ok' if c[4] else 'DIFFER'}"
+                for c in cases
+            )
+        )
         try:
-            drv.submit(torch.zeros((4, 24), dtype=torch.int32).pin_memory(), rows_t, scales_dev, quant_block=QB,
-                       out=torch.empty((4, 24, D), dtype=torch.bfloat16, device=dev), stream=side, layout="hbm-scales")
+            drv.submit(
+                torch.zeros((4, 24), dtype=torch.int32).pin_memory(),
+                rows_t,
+                scales_dev,
+                quant_block=QB,
+                out=torch.empty((4, 24, D), dtype=torch.bfloat16, device=dev),
+                stream=side,
+                layout="hbm-scales",
+            )
             refused = "ACCEPTED"
         except EngramError as e:
             refused = str(e)
         assert refused != "ACCEPTED", (
-            f"gather driver: a plain job with scales in HBM is refused (it has no device ids): {refused}")
+            f"gather driver: a plain job with scales in HBM is refused (it has no device ids): {refused}"
+        )
 
     check_step_jobs()
 
@@ -170,16 +194,32 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
     done_or_exit(reader, "late-ids read")
     drv.finish()
     assert same(got.reshape(-1, D), ref_fp8(dev_ids.cpu().numpy().reshape(-1))), (
-        "gather driver: ids copied back behind ~10 ms of GPU work, the driver waits for their event")
+        "gather driver: ids copied back behind ~10 ms of GPU work, the driver waits for their event"
+    )
 
     # 3. a job that fails on the driver thread releases its reader and reports its message
     bad_ids = torch.zeros((16, cols), dtype=torch.int32).pin_memory()
     out = torch.empty((16, cols, D), dtype=torch.bfloat16, device=dev)
     ticket = ctypes.c_uint64(0)
-    gatherdriver._ENTRY.call("engram_gather_driver_submit", drv._handle, ctypes.c_void_p(bad_ids.data_ptr()), 16, cols,
-                             cols, ctypes.c_void_p(rows_t.data_ptr()), ctypes.c_void_p(scales_t.data_ptr()), N, D, 7,
-                             QB, 0, ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(side.cuda_stream), None,
-                             ctypes.byref(ticket))
+    gatherdriver._ENTRY.call(
+        "engram_gather_driver_submit",
+        drv._handle,
+        ctypes.c_void_p(bad_ids.data_ptr()),
+        16,
+        cols,
+        cols,
+        ctypes.c_void_p(rows_t.data_ptr()),
+        ctypes.c_void_p(scales_t.data_ptr()),
+        N,
+        D,
+        7,
+        QB,
+        0,
+        ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_void_p(side.cuda_stream),
+        None,
+        ctypes.byref(ticket),
+    )
     drv.last_ticket = int(ticket.value)
     drv.wait_stream(int(ticket.value), reader)
     done = torch.cuda.Event()
@@ -199,10 +239,15 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
     done_or_exit(torch.cuda.current_stream(dev), "the job after a failed one")
     drv.finish()
     torch.cuda.synchronize(dev)
-    assert (released and "table_dtype 7" in message and "failed" in message
-            and same(out_after.reshape(-1, D), ref_fp8(after.numpy().reshape(-1)))), (
+    assert (
+        released
+        and "table_dtype 7" in message
+        and "failed" in message
+        and same(out_after.reshape(-1, D), ref_fp8(after.numpy().reshape(-1)))
+    ), (
         "gather driver: a job failing on its thread releases the reader, finish() raises its message, the next "
-        f"job runs: {message[:160]}")
+        f"job runs: {message[:160]}"
+    )
 
     # 4. close() with queued jobs runs them first
     outs = [torch.empty((T, cols, D), dtype=torch.bfloat16, device=dev) for _ in range(L)]
@@ -211,7 +256,8 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
     drv.close()
     torch.cuda.synchronize(dev)
     assert all(same(outs[li].reshape(-1, D), ref_fp8(ids3[:, li, :].numpy().reshape(-1))) for li in range(L)), (
-        "gather driver: close() runs the queued jobs first")
+        "gather driver: close() runs the queued jobs first"
+    )
 
     # 5. engine thread free again: the driver vs the engine-thread gather (196,608 rows)
     big = torch.from_numpy(rng.integers(0, N, size=(8192, cols)).astype(np.int32)).pin_memory()
@@ -237,13 +283,19 @@ def check_driver(dev: Any, timings: dict[str, float], table: Any) -> None:
     drv.close()
     g.close()
     med = lambda xs: float(np.median(xs[2:])) * 1e6  # noqa: E731
-    timings.update({"driver: engine thread free after (us)": med(free_d), "driver: rows ready after (us)": med(ready_d),
-                    "engine-thread gather: free after (us)": med(free_s),
-                    "engine-thread gather: rows ready after (us)": med(ready_s)})
+    timings.update(
+        {
+            "driver: engine thread free after (us)": med(free_d),
+            "driver: rows ready after (us)": med(ready_d),
+            "engine-thread gather: free after (us)": med(free_s),
+            "engine-thread gather: rows ready after (us)": med(ready_s),
+        }
+    )
     assert med(free_d) < 0.25 * med(ready_d), (
         f"gather driver: the engine thread is free before the rows are ready (196,608 rows): "
         f"free {med(free_d):.0f} us, "
-        f"ready {med(ready_d):.0f} us; engine-thread gather {med(free_s):.0f} / {med(ready_s):.0f} us")
+        f"ready {med(ready_d):.0f} us; engine-thread gather {med(free_s):.0f} / {med(ready_s):.0f} us"
+    )
 
 
 def test_driver(dev, tab) -> None:

@@ -47,7 +47,7 @@ import pytest
 
 from .helpers import note, say
 
-UNIT = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+UNIT = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
@@ -78,6 +78,7 @@ def _fused(on: bool):
 
 # --- 1. norm_rope ------------------------------------------------------------------------------------
 
+
 def _rope_ref(y, cos, sin):
     """(rotated, terms) of the PyTorch apply_rope over y [T, H, d] and its bound's terms."""
     from engram_trt.models.deepseek_v4.compressors import apply_rope
@@ -85,11 +86,11 @@ def _rope_ref(y, cos, sin):
     half = cos.shape[-1]
     out = apply_rope(y, cos.unsqueeze(1), sin.unsqueeze(1))
     d = y.shape[-1]
-    yr = y[..., d - 2 * half:].double().abs()
+    yr = y[..., d - 2 * half :].double().abs()
     cs = (cos.to(y.dtype).double().abs() + sin.to(y.dtype).double().abs()).unsqueeze(1)
     pair = (yr[..., 0::2] + yr[..., 1::2]) * cs
     terms = y.double().abs().clone()
-    terms[..., d - 2 * half:] = pair.repeat_interleave(2, dim=-1)
+    terms[..., d - 2 * half :] = pair.repeat_interleave(2, dim=-1)
     return out, terms
 
 
@@ -111,7 +112,7 @@ def test_norm_rope_matches_the_torch_modules(rng, dname, T, H, d, pairs, lora) -
     with torch.no_grad():
         # weighted norm of a strided slice (q_a), no rope
         wide = _t(rng, (T, lora + 24), 2.0, dname)
-        x = wide[:, 8:8 + lora]
+        x = wide[:, 8 : 8 + lora]
         norm = RMSNorm(lora, 1e-6).to("cuda")
         norm.weight.copy_(_t(rng, (lora,), 0.3) + 1.0)
         got = torch.empty(T, lora, dtype=dtype, device="cuda")
@@ -126,8 +127,19 @@ def test_norm_rope_matches_the_torch_modules(rng, dname, T, H, d, pairs, lora) -
         y = knorm(kv)
         ref, terms = _rope_ref(y.view(T, 1, d), cos, sin)
         got = kv.clone()
-        decode.norm_rope(Job(got, got, dim=d, norm=decode.NORM_WEIGHTED, weight=knorm.weight, eps=1e-6,
-                             rope_pairs=pairs, cos=cos, sin=sin))
+        decode.norm_rope(
+            Job(
+                got,
+                got,
+                dim=d,
+                norm=decode.NORM_WEIGHTED,
+                weight=knorm.weight,
+                eps=1e-6,
+                rope_pairs=pairs,
+                cos=cos,
+                sin=sin,
+            )
+        )
         err = _excess(got.view(T, 1, d), ref, (2 * u + 1e-5) * (ref.double().abs() + terms) + 1e-30)
         assert err <= 0, f"kv norm + RoPE in place = kv_norm + apply_rope, {tag}: max excess {err:.3g}"
         # per-head unweighted norm + rope (q)
@@ -135,8 +147,9 @@ def test_norm_rope_matches_the_torch_modules(rng, dname, T, H, d, pairs, lora) -
         y = unweighted_rms_norm(q.view(T, H, d), 1e-6)
         ref, terms = _rope_ref(y, cos, sin)
         got = torch.empty_like(q)
-        decode.norm_rope(Job(q, got, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=1e-6, rope_pairs=pairs,
-                             cos=cos, sin=sin))
+        decode.norm_rope(
+            Job(q, got, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=1e-6, rope_pairs=pairs, cos=cos, sin=sin)
+        )
         # the reciprocal RMS is rounded to the dtype first: a flip of it moves every value of the head
         err = _excess(got.view(T, H, d), ref, (2 * u + 1e-5) * ref.double().abs() + (4 * u + 1e-5) * terms + 1e-30)
         assert err <= 0, f"q per-head norm + RoPE = unweighted_rms_norm + apply_rope, {tag}: max excess {err:.3g}"
@@ -147,28 +160,43 @@ def test_norm_rope_matches_the_torch_modules(rng, dname, T, H, d, pairs, lora) -
         same = torch.equal(fwd.view(T, H, d), apply_rope(o.view(T, H, d), cos.unsqueeze(1), sin.unsqueeze(1)))
         inv = o.clone()
         decode.norm_rope(Job(inv, inv, dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1))
-        same_inv = torch.equal(inv.view(T, H, d),
-                               apply_rope(o.view(T, H, d), cos.unsqueeze(1), -sin.unsqueeze(1)))
+        same_inv = torch.equal(inv.view(T, H, d), apply_rope(o.view(T, H, d), cos.unsqueeze(1), -sin.unsqueeze(1)))
         assert same and same_inv, f"RoPE and its inverse (in place) = apply_rope bit for bit, {tag}"
         # the four jobs in one launch = each alone
-        outs = [torch.empty(T, lora, dtype=dtype, device="cuda"), torch.empty(T, d, dtype=dtype, device="cuda"),
-                torch.empty_like(q), torch.empty_like(o)]
-        jobs = [Job(x, outs[0], dim=lora, norm=decode.NORM_WEIGHTED, weight=norm.weight, eps=1e-6),
-                Job(kv, outs[1], dim=d, norm=decode.NORM_WEIGHTED, weight=knorm.weight, eps=1e-6,
-                    rope_pairs=pairs, cos=cos, sin=sin),
-                Job(q, outs[2], dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=1e-6, rope_pairs=pairs, cos=cos,
-                    sin=sin),
-                Job(o, outs[3], dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1)]
+        outs = [
+            torch.empty(T, lora, dtype=dtype, device="cuda"),
+            torch.empty(T, d, dtype=dtype, device="cuda"),
+            torch.empty_like(q),
+            torch.empty_like(o),
+        ]
+        jobs = [
+            Job(x, outs[0], dim=lora, norm=decode.NORM_WEIGHTED, weight=norm.weight, eps=1e-6),
+            Job(
+                kv,
+                outs[1],
+                dim=d,
+                norm=decode.NORM_WEIGHTED,
+                weight=knorm.weight,
+                eps=1e-6,
+                rope_pairs=pairs,
+                cos=cos,
+                sin=sin,
+            ),
+            Job(q, outs[2], dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=1e-6, rope_pairs=pairs, cos=cos, sin=sin),
+            Job(o, outs[3], dim=d, heads=H, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1),
+        ]
         decode.norm_rope(*jobs)
         alone = []
         for j in jobs:
             one = torch.empty_like(j.out)
-            decode.norm_rope(Job(j.x, one, j.dim, j.heads, j.norm, j.weight, j.eps, j.rope_pairs, j.cos, j.sin,
-                                 j.rope_sign))
+            decode.norm_rope(
+                Job(j.x, one, j.dim, j.heads, j.norm, j.weight, j.eps, j.rope_pairs, j.cos, j.sin, j.rope_sign)
+            )
             alone.append(one)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(outs, alone)), (
-        f"four jobs in one launch = each alone, bit for bit, {tag}: ")
+        f"four jobs in one launch = each alone, bit for bit, {tag}: "
+    )
 
 
 def _offset_norm(rng, group):
@@ -204,7 +232,8 @@ def test_offset_norm_kernel_matches_offset_rms_norm(rng, group, T) -> None:
         err = _excess(got, ref, (2 * u + 1e-5) * ref.double().abs() + 1e-30)
         again = norm(x)
     assert err <= 0 and torch.equal(got, again), (
-        f"OffsetRMSNorm kernel = offset_rms_norm, size {size} group {group} T {T}: max excess {err:.3g}")
+        f"OffsetRMSNorm kernel = offset_rms_norm, size {size} group {group} T {T}: max excess {err:.3g}"
+    )
 
 
 @pytest.mark.parametrize("group", [None, 64, 2048])
@@ -220,13 +249,18 @@ def test_offset_norm_kernel_follows_a_changed_weight(rng, group) -> None:
         norm.forward_kernel(_t(rng, (1, size), 2.0, "bfloat16"))  # the made weight, as a first call leaves it
         norm.weight.add_(0.5)
         x = _t(rng, (2, size), 1.0, "bfloat16")
-        err = _excess(norm(x), offset_rms_norm(x, norm.weight, 1e-6, group),
-                      (2 * u + 1e-5) * offset_rms_norm(x, norm.weight, 1e-6, group).double().abs() + 1e-30)
+        err = _excess(
+            norm(x),
+            offset_rms_norm(x, norm.weight, 1e-6, group),
+            (2 * u + 1e-5) * offset_rms_norm(x, norm.weight, 1e-6, group).double().abs() + 1e-30,
+        )
         assert err <= 0, (
-            f"OffsetRMSNorm kernel follows a changed weight, size {size} group {group}: max excess {err:.3g}")
+            f"OffsetRMSNorm kernel follows a changed weight, size {size} group {group}: max excess {err:.3g}"
+        )
 
 
 # --- 2. gemv_segments --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("T", [1, 2, 3, 4])
 def test_gemv_segments_equal_the_gemv(rng, T) -> None:
@@ -238,7 +272,7 @@ def test_gemv_segments_equal_the_gemv(rng, T) -> None:
     tag = f"T {T}"
     wide = _t(rng, (T, 2048 + 64), 1.0, "bfloat16")
     x = wide[:, :2048]  # rows 2112 apart: a strided x
-    ws = [_t(rng, (n, 2048), 2048 ** -0.5, "bfloat16") for n in (768, 256, 61, 512)]
+    ws = [_t(rng, (n, 2048), 2048**-0.5, "bfloat16") for n in (768, 256, 61, 512)]
     outs = [torch.empty(T, w.shape[0], dtype=torch.bfloat16, device="cuda") for w in ws]
     with torch.no_grad():
         decode.gemv_segments([(x, w, o) for w, o in zip(ws, outs)])
@@ -248,20 +282,29 @@ def test_gemv_segments_equal_the_gemv(rng, T) -> None:
     worst = 0.0
     for w, o in zip(ws, outs):
         ref = xc.double() @ w.double().t()
-        bound = u * ref.abs() + 2048 * 2.0 ** -23 * (xc.double().abs() @ w.double().abs().t())
+        bound = u * ref.abs() + 2048 * 2.0**-23 * (xc.double().abs() @ w.double().abs().t())
         worst = max(worst, _excess(o, ref, bound))
     assert same, f"segments (q_a, kv, N 61, N 512 of one strided x) = engram_gemv_bf16 bit for bit, {tag}"
     assert worst <= 0, f"segments within float32 sums of float64, {tag}: max excess {worst:.3g}"
     # the grouped output projection: group g of x against rows g * R ..
     G, per_in, R = 4, 1024, 512
     flat = _t(rng, (T, G * per_in), 1.0, "bfloat16")
-    w = _t(rng, (G * R, per_in), per_in ** -0.5, "bfloat16")
+    w = _t(rng, (G * R, per_in), per_in**-0.5, "bfloat16")
     y = torch.empty(T, G * R, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
-        decode.gemv_segments([(flat[:, g * per_in:(g + 1) * per_in], w[g * R:(g + 1) * R], y[:, g * R:(g + 1) * R])
-                              for g in range(G)])
-        alone = torch.cat([backbone.gemv(flat[:, g * per_in:(g + 1) * per_in].contiguous(), w[g * R:(g + 1) * R])
-                           for g in range(G)], dim=1)
+        decode.gemv_segments(
+            [
+                (flat[:, g * per_in : (g + 1) * per_in], w[g * R : (g + 1) * R], y[:, g * R : (g + 1) * R])
+                for g in range(G)
+            ]
+        )
+        alone = torch.cat(
+            [
+                backbone.gemv(flat[:, g * per_in : (g + 1) * per_in].contiguous(), w[g * R : (g + 1) * R])
+                for g in range(G)
+            ],
+            dim=1,
+        )
     assert torch.equal(y, alone), f"grouped o_a as segments = each group's engram_gemv_bf16, {tag}"
 
 
@@ -282,20 +325,24 @@ def test_gemv_prologues_equal_the_launches_they_replace(rng, T, q_lora, heads, d
     tag = f"T {T} q_lora {q_lora} heads {heads}x{d} pairs {pairs} groups {groups}"
     q_a = _t(rng, (T, q_lora + 24), 1.3, "bfloat16")[:, :q_lora]  # a strided row set, as project's outputs are not
     norm_w = (1 + 0.3 * _t(rng, (q_lora,))).contiguous()
-    ws = [_t(rng, (n, q_lora), q_lora ** -0.5, "bfloat16") for n in (heads * d, 61)]
+    ws = [_t(rng, (n, q_lora), q_lora**-0.5, "bfloat16") for n in (heads * d, 61)]
     with torch.no_grad():
         got = [torch.empty(T, w.shape[0], dtype=torch.bfloat16, device="cuda") for w in ws]
-        decode.gemv_segments([(q_a, w, o) for w, o in zip(ws, got)],
-                             prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, q_lora, weight=norm_w, eps=1e-6))
+        decode.gemv_segments(
+            [(q_a, w, o) for w, o in zip(ws, got)],
+            prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, q_lora, weight=norm_w, eps=1e-6),
+        )
         normed = torch.empty(T, q_lora, dtype=torch.bfloat16, device="cuda")
-        decode.norm_rope(decode.NormRopeJob(q_a, normed, dim=q_lora, norm=decode.NORM_WEIGHTED, weight=norm_w,
-                                            eps=1e-6))
+        decode.norm_rope(
+            decode.NormRopeJob(q_a, normed, dim=q_lora, norm=decode.NORM_WEIGHTED, weight=norm_w, eps=1e-6)
+        )
         want = [torch.empty_like(o) for o in got]
         decode.gemv_segments([(normed, w, o) for w, o in zip(ws, want)])
     assert all(torch.equal(a, b) for a, b in zip(got, want)), (
-        f"RMSNorm prologue = norm_rope then the GEMV, bit for bit, {tag}: ")
+        f"RMSNorm prologue = norm_rope then the GEMV, bit for bit, {tag}: "
+    )
     ref = normed.double() @ ws[0].double().t()
-    bound = u * ref.abs() + q_lora * 2.0 ** -23 * (normed.double().abs() @ ws[0].double().abs().t())
+    bound = u * ref.abs() + q_lora * 2.0**-23 * (normed.double().abs() @ ws[0].double().abs().t())
     err = _excess(got[0], ref, bound)
     assert err <= 0, f"RMSNorm prologue within float32 sums of float64 (the normed input), {tag}: max excess {err:.3g}"
 
@@ -303,54 +350,69 @@ def test_gemv_prologues_equal_the_launches_they_replace(rng, T, q_lora, heads, d
     per_in = heads * d // groups
     R = 96
     flat = _t(rng, (T, heads * d), 1.0, "bfloat16")
-    w = _t(rng, (groups * R, per_in), per_in ** -0.5, "bfloat16")
+    w = _t(rng, (groups * R, per_in), per_in**-0.5, "bfloat16")
     ang = torch.from_numpy(rng.uniform(0, 100, (T, 1)) * 10000.0 ** -(np.arange(pairs) / pairs)).float().cuda()
     cos, sin = torch.cos(ang), torch.sin(ang)
     untouched = flat.clone()
     with torch.no_grad():
         y = torch.empty(T, groups * R, dtype=torch.bfloat16, device="cuda")
-        decode.gemv_segments([(flat[:, g * per_in:(g + 1) * per_in], w[g * R:(g + 1) * R], y[:, g * R:(g + 1) * R])
-                              for g in range(groups)],
-                             prologue=decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin,
-                                                          rope_sign=-1))
+        decode.gemv_segments(
+            [
+                (flat[:, g * per_in : (g + 1) * per_in], w[g * R : (g + 1) * R], y[:, g * R : (g + 1) * R])
+                for g in range(groups)
+            ],
+            prologue=decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1),
+        )
         rotated = flat.clone()
-        decode.norm_rope(decode.NormRopeJob(rotated, rotated, dim=d, heads=heads, rope_pairs=pairs, cos=cos, sin=sin,
-                                            rope_sign=-1))
+        decode.norm_rope(
+            decode.NormRopeJob(rotated, rotated, dim=d, heads=heads, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1)
+        )
         y2 = torch.empty_like(y)
-        decode.gemv_segments([(rotated[:, g * per_in:(g + 1) * per_in], w[g * R:(g + 1) * R],
-                               y2[:, g * R:(g + 1) * R]) for g in range(groups)])
+        decode.gemv_segments(
+            [
+                (rotated[:, g * per_in : (g + 1) * per_in], w[g * R : (g + 1) * R], y2[:, g * R : (g + 1) * R])
+                for g in range(groups)
+            ]
+        )
     assert torch.equal(y, y2), f"RoPE prologue = the inverse RoPE launch then the GEMV, bit for bit, {tag}"
     assert torch.equal(flat, untouched), f"RoPE prologue leaves x as it was, {tag}"
 
     if T > decode.GEMV_MAX_TOKENS:  # the _ex entry without a prologue: each row's own product
         x = _t(rng, (T, 2048), 1.0, "bfloat16")
-        wb = _t(rng, (512, 2048), 2048 ** -0.5, "bfloat16")
+        wb = _t(rng, (512, 2048), 2048**-0.5, "bfloat16")
         with torch.no_grad():
             out = torch.empty(T, 512, dtype=torch.bfloat16, device="cuda")
             decode.gemv_segments([(x, wb, out)])
             rows = []
             for m in range(T):
                 o = torch.empty(1, 512, dtype=torch.bfloat16, device="cuda")
-                decode.gemv_segments([(x[m:m + 1], wb, o)])
+                decode.gemv_segments([(x[m : m + 1], wb, o)])
                 rows.append(o)
         assert torch.equal(out, torch.cat(rows)), f"{T} rows = each row's own GEMV bit for bit"
         ref = x.double() @ wb.double().t()
-        err = _excess(out, ref, u * ref.abs() + 2048 * 2.0 ** -23 * (x.double().abs() @ wb.double().abs().t()))
+        err = _excess(out, ref, u * ref.abs() + 2048 * 2.0**-23 * (x.double().abs() @ wb.double().abs().t()))
         assert err <= 0, f"{T} rows within float32 sums of float64: max excess {err:.3g}"
 
 
 # --- 3. moe_route ------------------------------------------------------------------------------------
+
 
 def _router(kind: str, E: int, k: int, score: str, D: int, dtype, rng):
     import torch
 
     from engram_trt.models.deepseek_v4.modules import HashRouter, TopKRouter
 
-    cfg = SimpleNamespace(num_experts_per_tok=k, n_routed_experts=E, routed_scaling_factor=1.5, scoring_func=score,
-                          hidden_size=D, vocab_size=97)
+    cfg = SimpleNamespace(
+        num_experts_per_tok=k,
+        n_routed_experts=E,
+        routed_scaling_factor=1.5,
+        scoring_func=score,
+        hidden_size=D,
+        vocab_size=97,
+    )
     r = (TopKRouter if kind == "topk" else HashRouter)(cfg)
     with torch.no_grad():
-        r.weight.copy_(torch.from_numpy(rng.standard_normal((E, D)).astype(np.float32) * D ** -0.5))
+        r.weight.copy_(torch.from_numpy(rng.standard_normal((E, D)).astype(np.float32) * D**-0.5))
         if kind == "topk":
             r.e_score_correction_bias.copy_(torch.from_numpy(rng.standard_normal(E).astype(np.float32) * 0.1))
         else:
@@ -361,8 +423,14 @@ def _router(kind: str, E: int, k: int, score: str, D: int, dtype, rng):
     return r
 
 
-ROUTE_CASES = [("topk", 8, 2, "sqrtsoftplus", 1), ("topk", 8, 2, "sigmoid", 4), ("hash", 8, 2, "sqrtsoftplus", 3),
-               ("topk", 64, 6, "sqrtsoftplus", 16), ("topk", 256, 8, "sigmoid", 2), ("hash", 16, 4, "sigmoid", 5)]
+ROUTE_CASES = [
+    ("topk", 8, 2, "sqrtsoftplus", 1),
+    ("topk", 8, 2, "sigmoid", 4),
+    ("hash", 8, 2, "sqrtsoftplus", 3),
+    ("topk", 64, 6, "sqrtsoftplus", 16),
+    ("topk", 256, 8, "sigmoid", 2),
+    ("hash", 16, 4, "sigmoid", 5),
+]
 
 
 @pytest.mark.parametrize("kind,E,k,score,T", ROUTE_CASES)
@@ -382,11 +450,13 @@ def test_moe_route_equals_the_routers(rng, dname, kind, E, k, score, T) -> None:
         want_w, want_ids = r(x, ids_in)
         logits = F.linear(x, r.weight)
         if kind == "topk":
-            ids, w = decode.moe_route(logits, top_k=k, score_fn=score, scaling=r.scaling,
-                                      bias=r.e_score_correction_bias)
+            ids, w = decode.moe_route(
+                logits, top_k=k, score_fn=score, scaling=r.scaling, bias=r.e_score_correction_bias
+            )
         else:
-            ids, w = decode.moe_route(logits, top_k=k, score_fn=score, scaling=r.scaling, tid2eid=r.tid2eid,
-                                      input_ids=ids_in)
+            ids, w = decode.moe_route(
+                logits, top_k=k, score_fn=score, scaling=r.scaling, tid2eid=r.tid2eid, input_ids=ids_in
+            )
     torch.cuda.synchronize()
     same_ids = torch.equal(ids.long().cpu(), want_ids.long().cpu())
     assert same_ids, f"picks = the module's, {tag}: {ids.tolist()[:2]} vs {want_ids.tolist()[:2]}"
@@ -399,7 +469,8 @@ def test_moe_route_equals_the_routers(rng, dname, kind, E, k, score, T) -> None:
     exact = bool(torch.equal(w.cpu(), want_w.float().cpu()))
     note(f"route_weights_bit_exact_{kind}_{E}_{k}_{score}_{dname}", exact)
     assert ok, (
-        f"weights = the module's within (k + 1) eps (bit for bit: {exact}), {tag}: max diff {float(diff.max()):.3g}")
+        f"weights = the module's within (k + 1) eps (bit for bit: {exact}), {tag}: max diff {float(diff.max()):.3g}"
+    )
 
 
 @pytest.mark.parametrize("dname", ["bfloat16", "float32"])
@@ -411,28 +482,42 @@ def test_moe_route_equal_keys_pick_the_lowest_ids(dname) -> None:
 
     dtype = getattr(torch, dname)
     logits = torch.zeros(3, 16, dtype=dtype, device="cuda")
-    ids, w = decode.moe_route(logits, top_k=4, score_fn="sigmoid", scaling=1.0,
-                              bias=torch.zeros(16, device="cuda"))
+    ids, w = decode.moe_route(logits, top_k=4, score_fn="sigmoid", scaling=1.0, bias=torch.zeros(16, device="cuda"))
     oracle = np.tile(np.argsort(np.zeros(16), kind="stable")[:4], (3, 1))
     assert np.array_equal(ids.cpu().numpy(), oracle) and bool((w.cpu() == 0.25).all()), (
-        f"equal keys pick the lowest ids, {dname}: {ids.tolist()}")
+        f"equal keys pick the lowest ids, {dname}: {ids.tolist()}"
+    )
 
 
 # --- 4. moe_experts ----------------------------------------------------------------------------------
+
 
 def _moe_module(D: int, I: int, E: int, k: int, rng):
     import torch
 
     from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
 
-    cfg = SimpleNamespace(num_experts_per_tok=k, n_routed_experts=E, routed_scaling_factor=1.5,
-                          scoring_func="sqrtsoftplus", hidden_size=D, vocab_size=97, moe_intermediate_size=I,
-                          swiglu_limit=3.0, mlp_layer_types=["moe"])
+    cfg = SimpleNamespace(
+        num_experts_per_tok=k,
+        n_routed_experts=E,
+        routed_scaling_factor=1.5,
+        scoring_func="sqrtsoftplus",
+        hidden_size=D,
+        vocab_size=97,
+        moe_intermediate_size=I,
+        swiglu_limit=3.0,
+        mlp_layer_types=["moe"],
+    )
     m = GroupedSparseMoE(cfg, 0)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape)).astype(np.float32) * p.shape[-1] ** -0.5
-                                     * (3.0 if "gate_proj" in name or "up_proj" in name else 1.0)))
+            p.copy_(
+                torch.from_numpy(
+                    rng.standard_normal(tuple(p.shape)).astype(np.float32)
+                    * p.shape[-1] ** -0.5
+                    * (3.0 if "gate_proj" in name or "up_proj" in name else 1.0)
+                )
+            )
     return m.to("cuda", torch.bfloat16)
 
 
@@ -452,8 +537,9 @@ def test_moe_experts_equal_the_loop_and_the_shared_expert(rng, D, I, E, k, T) ->
     ids = torch.from_numpy(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)).cuda()
     w = torch.from_numpy(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32)).cuda().to(torch.bfloat16).float()
     with torch.no_grad():
-        got = decode.moe_experts(x, ids, w, gate, up, down, shared=(sh.gate_proj.weight, sh.up_proj.weight,
-                                                                    sh.down_proj.weight), limit=3.0)
+        got = decode.moe_experts(
+            x, ids, w, gate, up, down, shared=(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight), limit=3.0
+        )
         ref = m.experts_loop(x, w, ids.long()) + sh(x)
     # float64 magnitudes of the chain for the bound
     xd = x.double()
@@ -476,14 +562,17 @@ def test_moe_experts_equal_the_loop_and_the_shared_expert(rng, D, I, E, k, T) ->
     bound += ys + ts + ref.double().abs()
     err = _excess(got, ref, 4 * u * bound + 1e-6)
     assert err <= 0 and bool(torch.isfinite(got).all()), (
-        f"routed + shared experts = the loop form + shared expert, {tag}: max excess {err:.3g}")
+        f"routed + shared experts = the loop form + shared expert, {tag}: max excess {err:.3g}"
+    )
 
 
 # --- 5. the fused mHC norms ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dname", DTYPES)
-@pytest.mark.parametrize("hc,D,iters,T", [(4, 2048, 20, 1), (4, 2048, 20, 8), (2, 64, 3, 3), (8, 128, 5, 2),
-                                         (4, 256, 7, 300)])
+@pytest.mark.parametrize(
+    "hc,D,iters,T", [(4, 2048, 20, 1), (4, 2048, 20, 8), (2, 64, 3, 3), (8, 128, 5, 2), (4, 256, 7, 300)]
+)
 def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None:
     import torch
 
@@ -502,28 +591,42 @@ def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None
     x = _t(rng, (T, hc, D), 1.5, dname)
     tag = f"hc {hc} D {D} iters {iters} T {T} {dname}"
     with torch.no_grad():
-        got, post, comb = mhc.mhc_pre_norm(x, conn.fn, conn.base, conn.scale, norm.weight, sinkhorn_iters=iters,
-                                           hc_eps=1e-6, norm_eps=1e-6, rms_eps=1e-6)
-        h, post0, comb0 = mhc.mhc_pre(x, conn.fn, conn.base, conn.scale, sinkhorn_iters=iters, hc_eps=1e-6,
-                                      norm_eps=1e-6)
+        got, post, comb = mhc.mhc_pre_norm(
+            x,
+            conn.fn,
+            conn.base,
+            conn.scale,
+            norm.weight,
+            sinkhorn_iters=iters,
+            hc_eps=1e-6,
+            norm_eps=1e-6,
+            rms_eps=1e-6,
+        )
+        h, post0, comb0 = mhc.mhc_pre(
+            x, conn.fn, conn.base, conn.scale, sinkhorn_iters=iters, hc_eps=1e-6, norm_eps=1e-6
+        )
         tight = norm(h)
         loose = norm(conn.collapse_torch(x)[0])
-        hgot = mhc.mhc_head_norm(x, head.hc_fn, head.hc_base, head.hc_scale, norm.weight, hc_eps=1e-6, norm_eps=1e-6,
-                                 rms_eps=1e-6)
+        hgot = mhc.mhc_head_norm(
+            x, head.hc_fn, head.hc_base, head.hc_scale, norm.weight, hc_eps=1e-6, norm_eps=1e-6, rms_eps=1e-6
+        )
         htight = norm(mhc.mhc_head(x, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=1e-6, norm_eps=1e-6))
         hloose = norm(head.forward_torch(x))
     torch.cuda.synchronize()
     assert torch.equal(post, post0) and torch.equal(comb, comb0), (
-        f"pre_norm's post / comb = mhc_pre's bit for bit, {tag}")
+        f"pre_norm's post / comb = mhc_pre's bit for bit, {tag}"
+    )
     for name, a, t, lo in (("pre", got, tight, loose), ("head", hgot, htight, hloose)):
         err = _excess(a, t, 2 * u * t.double().abs() + 1e-5 * float(t.double().abs().max()))
         assert err <= 0, f"{name}_norm = RMSNorm of the kernel's own collapse, {tag}: max excess {err:.3g}"
         err = _excess(a, lo, 6 * u * lo.double().abs() + 2e-5 * float(lo.double().abs().max()))
         assert err <= 0 and bool(torch.isfinite(a).all()), (
-            f"{name}_norm = torch collapse + RMSNorm, {tag}: max excess {err:.3g}")
+            f"{name}_norm = torch collapse + RMSNorm, {tag}: max excess {err:.3g}"
+        )
 
 
 # --- 6. whole models -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("mix", ["SCHS-hash1-e8k2", "CC-topk-e6k3", "HSH-hash2-hc4-sigmoid"])
 def test_fused_model_decode_within_round_off(mix: str) -> None:
@@ -573,7 +676,8 @@ def test_fused_model_decode_within_round_off(mix: str) -> None:
     assert not bad and fm <= 2 * pm + 1e-3, (
         f"{mix}: bf16 fused decode within 2x the unfused bf16 distance from fp32 + 1e-3 (median of 12 steps): median "
         f"fused {fm:.2e} vs unfused {pm:.2e}; per step fused {[f'{e:.1e}' for e in fes]} unfused "
-        f"{[f'{e:.1e}' for e in pes]}; {'; '.join(bad[:4])}")
+        f"{[f'{e:.1e}' for e in pes]}; {'; '.join(bad[:4])}"
+    )
     assert forms == {"fused"}, f"{mix}: the decode MoE took the fused form: forms {sorted(forms)}"
 
 
@@ -599,6 +703,7 @@ def _count_launches(model: Any, run) -> dict[str, int]:
                 out = fn(*a, **kw)
                 torch.cuda._sleep(0)
                 return out
+
             return call
 
     with Marks() as clock:
@@ -639,8 +744,9 @@ def test_launches_per_module_kind_at_the_bench_width() -> None:
     d = {k: v for k, v in d.items() if not k.startswith("engram_")}
     d.update(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4")
     cfg = read_config(d, "bench dsv4 width")
-    model = ARCHITECTURE.build_model(cfg, random_weights(cfg, "cuda", torch.bfloat16, 1), device="cuda",
-                                     dtype=torch.bfloat16)
+    model = ARCHITECTURE.build_model(
+        cfg, random_weights(cfg, "cuda", torch.bfloat16, 1), device="cuda", dtype=torch.bfloat16
+    )
     state = model.new_cache(1, 256)
     prompt = list(range(3, 40))
     model.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state)
@@ -663,7 +769,8 @@ def test_launches_per_module_kind_at_the_bench_width() -> None:
         assert marks == want, f"bench width, {k}: every marker kernel seen in the profile: {marks} / {want}"
     assert 0 < totals["fused"] < totals["unfused"] / 2, (
         f"bench width: the fused decode step launches fewer than half the unfused step's kernels: fused "
-        f"{totals['fused']}, unfused {totals['unfused']}")
+        f"{totals['fused']}, unfused {totals['unfused']}"
+    )
 
 
 def test_breakdown_detail_names_the_fused_launches_inside_the_graph() -> None:
@@ -684,7 +791,9 @@ def test_breakdown_detail_names_the_fused_launches_inside_the_graph() -> None:
     want = {"gemv": 5 * n, "norm_rope": 3 * n, "attention.core": n, "moe.route": n, "moe.experts": n}
     assert b.get("mode") == "graph" and detail == want, (
         f"tiny DeepSeek-V4: the recorded decode step's fused launches, per layer: mode {b.get('mode')}; detail "
-        f"{detail}; want {want}")
+        f"{detail}; want {want}"
+    )
     kinds = {k: v["calls"] for k, v in b.get("kinds", {}).items() if k != "other"}
     assert kinds.get("mhc.pre+norm") == 2 * n and kinds.get("moe") == n and "detail:gemv" not in kinds, (
-        f"tiny DeepSeek-V4: with detail, the kinds' calls unchanged: {kinds}")
+        f"tiny DeepSeek-V4: with detail, the kinds' calls unchanged: {kinds}"
+    )

@@ -20,8 +20,26 @@ import pytest
 
 from .helpers import note
 
-ARGS = ["bench", "dsv4-step", "--device", "cuda", "--model", "tiny", "--batches", "1,4", "--context", "300",
-        "--prefill", "64", "--reps", "3", "--profile-reps", "2", "--table-gib", "0.05"]
+ARGS = [
+    "bench",
+    "dsv4-step",
+    "--device",
+    "cuda",
+    "--model",
+    "tiny",
+    "--batches",
+    "1,4",
+    "--context",
+    "300",
+    "--prefill",
+    "64",
+    "--reps",
+    "3",
+    "--profile-reps",
+    "2",
+    "--table-gib",
+    "0.05",
+]
 REL = 2e-2  # bf16 logits: the MoE's index_add sums two experts per token in no fixed order
 
 
@@ -45,8 +63,8 @@ def test_prefetched_rows_give_the_models_own_logits(report) -> None:
             assert c["finite"], f"{name} {where}: finite logits"
             assert e["lookup_path"] in paths, f"{name} {where}: lookup path: expected one of {paths}"
             assert c["vs_own_gather_rel"] <= REL, (
-                f"{name} {where}: prefetched rows = own gather: max |diff| / max |logit| = "
-                f"{c['vs_own_gather_rel']:.2e}")
+                f"{name} {where}: prefetched rows = own gather: max |diff| / max |logit| = {c['vs_own_gather_rel']:.2e}"
+            )
         rel = row["pinned"]["check"]["vs_first_placement_rel"]
         assert rel <= REL, f"{name}: pinned tables = HBM tables: max |diff| / max |logit| = {rel:.2e}"
 
@@ -58,18 +76,30 @@ def test_floors_carry_the_measured_limits(report) -> None:
         for where in ("hbm", "pinned"):
             e, f = row[where], row[where]["floor"]
             assert e["step_over_floor"] >= 1.0, (
-                f"{name} {where}: step >= floor: step {e['step_ms']:.3f} ms, floor {f['floor_ms']:.4f} ms")
+                f"{name} {where}: step >= floor: step {e['step_ms']:.3f} ms, floor {f['floor_ms']:.4f} ms"
+            )
         p = row["pinned"]
         assert p["floor"]["link_ms"] > 0 and p["lookup_over_link"] >= 1.0, (
             f"{name}: pinned lookup no faster than its rows over the link: lookup alone {p['lookup_ms']:.3f} ms, link "
-            f"floor {p['floor']['link_ms']:.5f} ms")
+            f"floor {p['floor']['link_ms']:.5f} ms"
+        )
 
 
 def test_breakdown_by_cuda_events_adds_up(report) -> None:
     types = report["model"]["layer_types"]
     n = len(types)
-    want = {"attention.sliding": types.count("sliding_attention"), "attention.csa": 1, "attention.hca": 1, "moe": n,
-            "mhc": 4 * n + 1, "engram": 2, "engram.wait": 2, "norm": 2 * n + 1, "embed": 1, "other": 0}
+    want = {
+        "attention.sliding": types.count("sliding_attention"),
+        "attention.csa": 1,
+        "attention.hca": 1,
+        "moe": n,
+        "mhc": 4 * n + 1,
+        "engram": 2,
+        "engram.wait": 2,
+        "norm": 2 * n + 1,
+        "embed": 1,
+        "other": 0,
+    }
     for name, row in report["cases"].items():
         for where in ("hbm", "pinned"):
             b = row[where]["breakdown"]
@@ -78,6 +108,8 @@ def test_breakdown_by_cuda_events_adds_up(report) -> None:
             # medians of 2 steps per class need not add up exactly: 5% of the step
             total = sum(v["gpu_ms"] for v in b["classes"].values())
             assert abs(total - b["total_gpu_ms"]) <= 0.05 * b["total_gpu_ms"], (
-                f"{name} {where}: classes add up to the step: {total:.3f} vs {b['total_gpu_ms']:.3f} ms")
+                f"{name} {where}: classes add up to the step: {total:.3f} vs {b['total_gpu_ms']:.3f} ms"
+            )
             assert min(v["gpu_ms"] for v in b["classes"].values()) > -1e-3, (
-                f"{name} {where}: no class below zero: { {c: round(v['gpu_ms'], 4) for c, v in b['classes'].items()} }")
+                f"{name} {where}: no class below zero: { {c: round(v['gpu_ms'], 4) for c, v in b['classes'].items()} }"
+            )

@@ -34,11 +34,13 @@ def nan_equal(got: np.ndarray, ref: np.ndarray, bound: np.ndarray | None = None)
     finite = ~np.isnan(ref)
     err = np.abs(got[finite] - ref[finite])
     within = bool(np.all(err <= (bound[finite] if bound is not None else 0.0)))
-    return same_nan and within, (f"NaN positions equal={same_nan} ({int(np.isnan(got).sum())} NaN), "
-                                 f"finite within bound={within}")
+    return same_nan and within, (
+        f"NaN positions equal={same_nan} ({int(np.isnan(got).sum())} NaN), finite within bound={within}"
+    )
 
 
 # --- NaN -------------------------------------------------------------------------------
+
 
 def test_gather_nan(rng) -> None:
     import torch
@@ -58,7 +60,9 @@ def test_gather_nan(rng) -> None:
     ids.reshape(-1)[: nan_rows.size] = nan_rows  # every NaN row is read
     with np.errstate(invalid="ignore"):
         ref = dequant_fp8_rows(fp8[ids.reshape(-1)], scales[ids.reshape(-1)], 32).reshape(T, cols, head_dim)
-    out = gather_kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    out = gather_kernels.gather(
+        torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)
+    )
     got = out.float().cpu().numpy()
     ref_bf16 = torch.from_numpy(ref).to(torch.bfloat16).float().numpy()
     ok, detail = nan_equal(got, ref_bf16)
@@ -91,8 +95,9 @@ def test_gate_nan(rng, harness, io_name) -> None:
     mask_np[20] = False  # ... on a dead token
     mask = torch.from_numpy(mask_np)
     with np.errstate(invalid="ignore"):
-        ref = engram_gate_reference(hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(),
-                                    kw.float().numpy(), mask_np, 1e-6)
+        ref = engram_gate_reference(
+            hidden.float().numpy(), kv.float().numpy(), qw.float().numpy(), kw.float().numpy(), mask_np, 1e-6
+        )
     torch_path = engram_gate(hidden, kv, qw, kw, mask, 1e-6).float().numpy()
     out = gate_kernels.gate(hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev), eps=1e-6)
     got = out.float().cpu().numpy().astype(np.float64)
@@ -100,22 +105,34 @@ def test_gate_nan(rng, harness, io_name) -> None:
     ok_ref, detail = nan_equal(got[live], ref[live], gate_bound(io, ref)[live])
     ok_torch = np.array_equal(np.isnan(got[live]), np.isnan(torch_path[live]))
     dead_exact = torch.equal(bits(out)[20], bits(hidden)[20])
-    expected_nan = (np.isnan(got[3, 1]).all() and np.isnan(got[7, 2]).all() and np.isnan(got[9, :, 100]).all()
-                    and np.isnan(got[12]).all())
+    expected_nan = (
+        np.isnan(got[3, 1]).all()
+        and np.isnan(got[7, 2]).all()
+        and np.isnan(got[9, :, 100]).all()
+        and np.isnan(got[12]).all()
+    )
     assert ok_ref and ok_torch and dead_exact and expected_nan, (
         f"kernel gate io={dtype_name(io)} NaN key / hidden / value / row -> NaN output (not gate 0.5): "
-        f"{detail}; NaN as torch path={ok_torch}; dead token == hidden={dead_exact}")
+        f"{detail}; NaN as torch path={ok_torch}; dead token == hidden={dead_exact}"
+    )
     if io == torch.bfloat16:
         # the plugin's enqueue on the same inputs (runtime phase)
         h = harness.create("EngramGate", gate_fields(hc, D, 1e-6), phase=1)
         plugin_out = torch.full((T, hc, D), 7.0, dtype=io, device=dev)
         io_t = DT["bfloat16"]
-        harness.run(h, [hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev)],
-                    [io_t, io_t, io_t, io_t, DT["bool"]], plugin_out, io_t, stream)
+        harness.run(
+            h,
+            [hidden.to(dev), kv.to(dev), qw.to(dev), kw.to(dev), mask.to(dev)],
+            [io_t, io_t, io_t, io_t, DT["bool"]],
+            plugin_out,
+            io_t,
+            stream,
+        )
         torch.cuda.synchronize()
         harness.lib.harness_destroy(h)
-        assert torch.equal(bits(plugin_out), bits(out)), "plugin EngramGate NaN inputs: output bitwise equal to the " \
-                                                         "kernel's"
+        assert torch.equal(bits(plugin_out), bits(out)), (
+            "plugin EngramGate NaN inputs: output bitwise equal to the kernel's"
+        )
 
 
 def test_nan_end_to_end(rng) -> None:
@@ -135,22 +152,24 @@ def test_nan_end_to_end(rng) -> None:
     elsewhere = set(np.delete(ids.reshape(-1), poisoned_token * 4 + 2).tolist())
     ids[poisoned_token, 2] = next(r for r in range(1000) if r not in elsewhere)
     scales[ids[poisoned_token, 2], 1] = 255
-    e = gather_kernels.gather(torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev))
+    e = gather_kernels.gather(
+        torch.from_numpy(ids).to(dev), torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)
+    )
     wkv = (0.02 * torch.randn(4 * 128, (hc + 1) * D, device=dev)).to(torch.bfloat16)
     kv = (e.reshape(T, -1) @ wkv).contiguous()
     hidden = torch.randn(T, hc, D, dtype=torch.bfloat16, device=dev)
     w = torch.ones(hc, D, dtype=torch.bfloat16, device=dev)
     out = gate_kernels.gate(hidden, kv, w, w, torch.ones(T, dtype=torch.bool, device=dev), eps=1e-6).float().cpu()
-    other = torch.cat([out[:poisoned_token], out[poisoned_token + 1:]])
+    other = torch.cat([out[:poisoned_token], out[poisoned_token + 1 :]])
     assert bool(torch.isnan(out[poisoned_token]).all()) and bool(torch.isfinite(other).all()), (
         "end to end: a NaN scale byte -> gathered row -> wkv -> gate gives NaN for that token only: "
         f"token {poisoned_token} all NaN={bool(torch.isnan(out[poisoned_token]).all())}, "
-        f"others finite={bool(torch.isfinite(other).all())}")
-
-
+        f"others finite={bool(torch.isfinite(other).all())}"
+    )
 
 
 # --- bad-row count ---------------------------------------------------------------------
+
 
 def bad_rows_case(rng) -> SimpleNamespace:
     """The bad-row tests' table (fp8, 10,000 rows) and ids (-1 and past-the-end ids among
@@ -173,8 +192,19 @@ def bad_rows_case(rng) -> SimpleNamespace:
     ref32[valid] = dequant_fp8_rows(fp8[sel[valid]], scales[sel[valid]], 32)
     ref_bits = torch.from_numpy(ref32).to(torch.bfloat16).view(torch.int16)
     ids_dev = torch.from_numpy(ids).to(dev)
-    return SimpleNamespace(rows_n=rows_n, head_dim=head_dim, T=T, L=L, cols=cols, layer=layer, fp8=fp8,
-                           scales=scales, ids_dev=ids_dev, expected=expected, ref_bits=ref_bits)
+    return SimpleNamespace(
+        rows_n=rows_n,
+        head_dim=head_dim,
+        T=T,
+        L=L,
+        cols=cols,
+        layer=layer,
+        fp8=fp8,
+        scales=scales,
+        ids_dev=ids_dev,
+        expected=expected,
+        ref_bits=ref_bits,
+    )
 
 
 @pytest.mark.parametrize("where", ["device", "pinned host (UVA)"])
@@ -186,9 +216,10 @@ def test_bad_rows_kernel(rng, where) -> None:
     c = bad_rows_case(rng)
     dev = torch.device("cuda")
     fp8, scales, ids_dev, layer, expected, ref_bits = c.fp8, c.scales, c.ids_dev, c.layer, c.expected, c.ref_bits
-    r, s = {"device": lambda: (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
-            "pinned host (UVA)": lambda: (torch.from_numpy(fp8).pin_memory(),
-                                          torch.from_numpy(scales).pin_memory())}[where]()
+    r, s = {
+        "device": lambda: (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
+        "pinned host (UVA)": lambda: (torch.from_numpy(fp8).pin_memory(), torch.from_numpy(scales).pin_memory()),
+    }[where]()
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
     out = gather_kernels.gather(ids_dev, r, s, layer=layer, bad_rows=counter)
     first = int(counter.item())
@@ -196,7 +227,8 @@ def test_bad_rows_kernel(rng, where) -> None:
     exact = torch.equal(out.cpu().view(torch.int16), ref_bits) and torch.equal(out2.cpu().view(torch.int16), ref_bits)
     assert first == expected and int(counter.item()) == 2 * expected and exact, (
         f"kernel gather bad_rows counts ids outside the table ({where}): "
-        f"count {first} then {int(counter.item())}, expected {expected} then {2 * expected}; rows exact={exact}")
+        f"count {first} then {int(counter.item())}, expected {expected} then {2 * expected}; rows exact={exact}"
+    )
 
 
 def test_bad_rows_bf16_and_check(rng) -> None:
@@ -213,8 +245,9 @@ def test_bad_rows_bf16_and_check(rng) -> None:
     bf16_ids = good.clone()
     bf16_ids[0, :5] = rows_n
     gather_kernels.gather(bf16_ids, table, bad_rows=counter)
-    assert int(counter.item()) == 5, f"kernel gather bad_rows: 0 for in-range ids, 5 for 5 bad bf16 ids: " \
-                                     f"count {int(counter.item())}"
+    assert int(counter.item()) == 5, (
+        f"kernel gather bad_rows: 0 for in-range ids, 5 for 5 bad bf16 ids: count {int(counter.item())}"
+    )
     from engram_trt.errors import EngramError
 
     try:
@@ -223,13 +256,17 @@ def test_bad_rows_bf16_and_check(rng) -> None:
     except EngramError as exc:
         raised = str(exc)
     assert raised.startswith("bf16 gather: 5 row(s) read no table") and int(counter.item()) == 0, (
-        f"gather_kernels.check_bad_rows raises on the device counter and resets it: {raised[:120]}")
+        f"gather_kernels.check_bad_rows raises on the device counter and resets it: {raised[:120]}"
+    )
 
 
 # (name, which addresses, the count wanted (None: expected), exact rows (else zero rows))
-PLUGIN_BAD_ROW_CASES = [("valid table", "good", None, True), ("rows_addr 0", "rows 0", "all", False),
-                        ("rows_addr misaligned (+8)", "rows +8", "all", False),
-                        ("scales_addr 0", "scales 0", "all", False)]
+PLUGIN_BAD_ROW_CASES = [
+    ("valid table", "good", None, True),
+    ("rows_addr 0", "rows 0", "all", False),
+    ("rows_addr misaligned (+8)", "rows +8", "all", False),
+    ("scales_addr 0", "scales 0", "all", False),
+]
 
 
 def plugin_gather(harness, c: SimpleNamespace):
@@ -252,13 +289,18 @@ def plugin_gather(harness, c: SimpleNamespace):
         harness.lib.harness_destroy(h)
         return out
 
-    addresses = {"good": (fp8_dev.data_ptr(), scales_dev.data_ptr()), "rows 0": (0, scales_dev.data_ptr()),
-                 "rows +8": (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()), "scales 0": (fp8_dev.data_ptr(), 0)}
+    addresses = {
+        "good": (fp8_dev.data_ptr(), scales_dev.data_ptr()),
+        "rows 0": (0, scales_dev.data_ptr()),
+        "rows +8": (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()),
+        "scales 0": (fp8_dev.data_ptr(), 0),
+    }
     return run, addresses, (fp8_dev, scales_dev)
 
 
-@pytest.mark.parametrize("name, which, want, exact_rows", PLUGIN_BAD_ROW_CASES,
-                         ids=[c[0] for c in PLUGIN_BAD_ROW_CASES])
+@pytest.mark.parametrize(
+    "name, which, want, exact_rows", PLUGIN_BAD_ROW_CASES, ids=[c[0] for c in PLUGIN_BAD_ROW_CASES]
+)
 def test_bad_rows_plugin(rng, harness, name, which, want, exact_rows) -> None:
     import torch
 
@@ -269,11 +311,15 @@ def test_bad_rows_plugin(rng, harness, name, which, want, exact_rows) -> None:
     counter = torch.zeros(1, dtype=torch.int64, device=dev)
     out = run(addresses[which], counter.data_ptr())
     got = int(counter.item())
-    rows_ok = (torch.equal(out.cpu().view(torch.int16), c.ref_bits) if exact_rows
-               else int(torch.count_nonzero(out.view(torch.int16))) == 0)
+    rows_ok = (
+        torch.equal(out.cpu().view(torch.int16), c.ref_bits)
+        if exact_rows
+        else int(torch.count_nonzero(out.view(torch.int16))) == 0
+    )
     assert got == want and rows_ok, (
         f"plugin EngramGather bad-row counter input: {name}: "
-        f"count {got}, expected {want}; rows {'exact' if exact_rows else 'zero'}={rows_ok}")
+        f"count {got}, expected {want}; rows {'exact' if exact_rows else 'zero'}={rows_ok}"
+    )
 
 
 def test_bad_rows_plugin_counter_address_0(rng, harness) -> None:
@@ -283,10 +329,12 @@ def test_bad_rows_plugin_counter_address_0(rng, harness) -> None:
     run, addresses, _keep = plugin_gather(harness, c)
     out = run(addresses["good"], 0)
     assert torch.equal(out.cpu().view(torch.int16), c.ref_bits), (
-        "plugin EngramGather bad-row counter address 0: no count, no fault, rows exact")
+        "plugin EngramGather bad-row counter address 0: no count, no fault, rows exact"
+    )
 
 
 # --- build phase (child processes: tests/gpu/probes.py) --------------------------------
+
 
 @pytest.mark.parametrize("probe", ["build-phase-garbage", "runtime-phase-garbage-control"])
 def test_build_phase_probe(probe, build_dir) -> None:

@@ -58,8 +58,9 @@ def _write(folder: Path, cfg: dict, tensors: dict) -> Path:
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg["vocab_size"])}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
     return folder
 
 
@@ -74,13 +75,27 @@ def llama_fp8_folder(root: Path) -> Path:
     from engram_trt.config.model import ModelConfig
     from engram_trt.models.engram_llama.weights import model_weight_shapes
 
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=256, hidden_size=256,
-               intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOS,
-               tie_word_embeddings=False, quantization_config=QC)
+    cfg = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+        quantization_config=QC,
+    )
     gen = torch.Generator().manual_seed(11)
-    tensors = {n: (torch.randn(s, generator=gen) * (0.08 if len(s) == 2 else 0.1) + (1.0 if len(s) == 1 else 0.0))
-               for n, s in model_weight_shapes(ModelConfig.from_dict(cfg)).items()}
+    tensors = {
+        n: (torch.randn(s, generator=gen) * (0.08 if len(s) == 2 else 0.1) + (1.0 if len(s) == 1 else 0.0))
+        for n, s in model_weight_shapes(ModelConfig.from_dict(cfg)).items()
+    }
     tensors = _quantize_linears(tensors, [n for n in tensors if n.endswith("_proj.weight")])
     return _write(root / "llama-fp8", cfg, tensors)
 
@@ -96,16 +111,44 @@ def qwen4_fp8_folder(root: Path) -> Path:
     from engram_trt.models.qwen4_exp.ple_tables import chunk_rows, ple_layout
     from engram_trt.models.registry import resolve
 
-    cfg = dict(architectures=["Qwen4ExpForCausalLM"], model_type="qwen4_exp_text", vocab_size=96, hidden_size=128,
-               num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64, linear_key_head_dim=32,
-               linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
-               moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-               hc_count=2, hc_lowrank=128, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
-               rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-               indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=64, indexer_budget=4, indexer_compress_ratio=2,
-               ple_layer_ids=[1], ple_embed_dim=128, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
-               make_ngram_vocab_size_divisible_by=8, split_ngram_parts=100,
-               quantization_config=dict(QC, modules_to_convert=["ngram_embedding"]))
+    cfg = dict(
+        architectures=["Qwen4ExpForCausalLM"],
+        model_type="qwen4_exp_text",
+        vocab_size=96,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hc_count=2,
+        hc_lowrank=128,
+        max_position_embeddings=256,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=64,
+        indexer_budget=4,
+        indexer_compress_ratio=2,
+        ple_layer_ids=[1],
+        ple_embed_dim=128,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=50,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=100,
+        quantization_config=dict(QC, modules_to_convert=["ngram_embedding"]),
+    )
     config = read_config(cfg)
     gen = torch.Generator().manual_seed(12)
     tensors = {}
@@ -154,8 +197,9 @@ def _prefill_logits(model: Any, prompt: list[int]) -> Any:
 
     from engram_trt.models.step import PackedStep
 
-    return model.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), model.new_cache(1, 64),
-                              all_logits=True)
+    return model.forward_step(
+        PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), model.new_cache(1, 64), all_logits=True
+    )
 
 
 class _ActQuantCPU:
@@ -200,24 +244,28 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
     # 1. the stored bytes on the device
     ckpt_g, gpu32 = load_checkpoint(folder, "cuda", torch.float32)
     quant = [m for m in gpu32.modules() if isinstance(m, QuantLinear)]
-    on_dev = all(m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv.is_cuda
-                 for m in quant)
+    on_dev = all(
+        m.weight.is_cuda and m.weight.dtype == torch.float8_e4m3fn and m.weight_scale_inv.is_cuda for m in quant
+    )
     held = sum(m.weight.numel() for m in quant)
     want = sum(t.numel() for k, t in stored.items() if t.dtype == torch.float8_e4m3fn and ".ngram_embedding." not in k)
     assert on_dev and held == want > 0, (
         f"{arch}: FP8 linears hold the stored bytes on the GPU: {len(quant)} QuantLinear, {held} bytes held, {want} "
-        "stored")
+        "stored"
+    )
     # 2. the dequantizing path on CUDA: the CPU model's math
     QuantLinear.backend = "torch"
     try:
         for i, p in enumerate(PROMPTS):
             err = rel_err(_prefill_logits(gpu32, p), _prefill_logits(cpu, p))
             assert err <= 1e-5, (
-                f"{arch} prompt {i}: fp32 CUDA (dequantizing) logits within 1e-5 of the CPU's: rel L2 {err:.2e}")
+                f"{arch} prompt {i}: fp32 CUDA (dequantizing) logits within 1e-5 of the CPU's: rel L2 {err:.2e}"
+            )
         got = greedy_tokens(gpu32, PROMPTS[0], 8, ignore_eos=True)
         want_tokens = greedy_tokens(cpu, PROMPTS[0], 8, ignore_eos=True)
         assert got == want_tokens, (
-            f"{arch}: fp32 CUDA (dequantizing) greedy tokens equal the CPU's: {got} vs {want_tokens}")
+            f"{arch}: fp32 CUDA (dequantizing) greedy tokens equal the CPU's: {got} vs {want_tokens}"
+        )
         ckpt_b, gpu16 = load_checkpoint(folder, "cuda", torch.bfloat16)
         round_off = [rel_err(_prefill_logits(gpu16, p), _prefill_logits(cpu, p)) for p in PROMPTS]
     finally:
@@ -236,7 +284,8 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
         note(f"{arch}_kernels_rel_l2_prompt{i}", err)
         assert err <= bound, (
             f"{arch} prompt {i}: bf16 FP8 kernels within 3x the bf16 round-off of the CPU's FP8 formats: "
-            f"rel L2 {err:.2e}, bound {bound:.2e}")
+            f"rel L2 {err:.2e}, bound {bound:.2e}"
+        )
     # 4. decode steps: graphs against eager
     from engram_trt import LLM, SamplingParams
 
@@ -246,12 +295,14 @@ def test_fp8_model_on_cuda(folders: dict[str, Path], arch: str) -> None:
             res = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
             outs[graphs] = [list(o.outputs[0].token_ids) for o in res]
     assert outs[True] == outs[False], (
-        f"{arch}: LLM bf16 decode graphs' tokens equal eager decode's: {outs[True]} vs {outs[False]}")
+        f"{arch}: LLM bf16 decode graphs' tokens equal eager decode's: {outs[True]} vs {outs[False]}"
+    )
     if arch == "qwen4-exp":
         ids = torch.randint(0, cpu.ple_tables.num_rows(0), (64,))
         got = gpu16.ple_tables.gather(0, ids.cuda()).cpu()
         want_rows = cpu.ple_tables.gather(0, ids)
         assert torch.equal(got, want_rows), (
-            f"qwen4-exp: FP8 PLE rows dequantized on the GPU equal the CPU's: paths {gpu16.ple_tables.paths}")
+            f"qwen4-exp: FP8 PLE rows dequantized on the GPU equal the CPU's: paths {gpu16.ple_tables.paths}"
+        )
     for c in (ckpt_c, ckpt_g, ckpt_b):
         c.close()

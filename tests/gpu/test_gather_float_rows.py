@@ -63,8 +63,11 @@ def _bits(torch: Any, t: Any) -> Any:
 
 
 def _same(torch: Any, got: Any, want: Any) -> bool:
-    return got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(_bits(torch, got),
-                                                                                             _bits(torch, want))
+    return (
+        got.dtype == want.dtype
+        and tuple(got.shape) == tuple(want.shape)
+        and torch.equal(_bits(torch, got), _bits(torch, want))
+    )
 
 
 def _place(table: Any, where: str, dev: Any) -> Any:
@@ -92,7 +95,8 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 torch.cuda.synchronize()
                 assert _same(torch, out.cpu(), want) and int(counter.item()) == bad, (
                     f"kernel gather {tag}: rows = torch indexing, {bad} outside ids counted: dtype {out.dtype}, count "
-                    f"{int(counter.item())}")
+                    f"{int(counter.item())}"
+                )
                 # element-aligned table and output: the narrow word path, the same bits
                 odd = _place(_table(torch, dtype, width, seed=width * 7 + len(name), offset=1), where, dev)
                 buf = torch.full((T * cols * width + 1,), float("nan"), dtype=dtype, device=dev)
@@ -101,17 +105,21 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 torch.cuda.synchronize()
                 assert _same(torch, out_odd.cpu(), want), (
                     f"kernel gather {tag}: element-aligned table and output (narrow path) = torch indexing: table "
-                    f"address % 16 = {odd.data_ptr() % 16}, out % 16 = {out_odd.data_ptr() % 16}")
+                    f"address % 16 = {odd.data_ptr() % 16}, out % 16 = {out_odd.data_ptr() % 16}"
+                )
                 # a rank's share: columns [1, 4) from the slice of global rows [off, off + n)
                 off, n = 1001, 2500
-                part = _place(host[off:off + n].clone(), where, dev)
+                part = _place(host[off : off + n].clone(), where, dev)
                 counter = gather_kernels.new_bad_row_counter(dev)
-                out_s = gather_kernels.gather(ids_dev, part, layer=layer, row_offset=off, columns=(1, 4), bad_rows=counter)
+                out_s = gather_kernels.gather(
+                    ids_dev, part, layer=layer, row_offset=off, columns=(1, 4), bad_rows=counter
+                )
                 torch.cuda.synchronize()
-                want_s, bad_s = _plain(torch, host[off:off + n], torch.from_numpy(ids[:, layer, 1:4]), off)
+                want_s, bad_s = _plain(torch, host[off : off + n], torch.from_numpy(ids[:, layer, 1:4]), off)
                 assert _same(torch, out_s.cpu(), want_s) and int(counter.item()) == bad_s, (
                     f"kernel gather_ex {tag}: row slice + columns = torch indexing, outside ids counted: "
-                    f"count {int(counter.item())} expected {bad_s}")
+                    f"count {int(counter.item())} expected {bad_s}"
+                )
                 # engram_gather_part: two disjoint slices fill one output, a capped grid
                 split = N // 3
                 lo, hi = _place(host[:split].clone(), where, dev), _place(host[split:].clone(), where, dev)
@@ -122,7 +130,8 @@ def test_kernel_gathers_float_rows(dev, rng) -> None:
                 inside = torch.from_numpy((ids[:, layer, :] >= 0) & (ids[:, layer, :] < N))
                 got_p = out_p.cpu()
                 assert _same(torch, got_p[inside], want[inside]) and bool(torch.isnan(got_p[~inside].float()).all()), (
-                    f"kernel gather_part {tag}: two slices write every inside row once, outside rows kept")
+                    f"kernel gather_part {tag}: two slices write every inside row once, outside rows kept"
+                )
 
 
 def _run_both(harness: Any, fields: list, inputs: list, in_types: list, make_out: Any, out_type: int) -> list:
@@ -165,25 +174,44 @@ def test_plugin_gathers_float_rows(dev, rng, harness) -> None:
                 table = _place(host, where, dev)
                 addr = torch.tensor([table.data_ptr()], dtype=torch.int64, device=dev)
                 build, runtime = _run_both(
-                    harness, fields, [ids_dev, addr], [DT["int32"], DT["int64"]],
-                    lambda: torch.full((T, cols, width), float("nan"), dtype=dtype, device=dev), DT[name])
+                    harness,
+                    fields,
+                    [ids_dev, addr],
+                    [DT["int32"], DT["int64"]],
+                    lambda: torch.full((T, cols, width), float("nan"), dtype=dtype, device=dev),
+                    DT[name],
+                )
                 assert _same(torch, runtime.cpu(), want) and int(torch.count_nonzero(_bits(torch, build))) == 0, (
                     f"plugin EngramGather enqueue {name} width {width} {where} (runtime = torch indexing, "
-                    "build phase zero rows)")
+                    "build phase zero rows)"
+                )
             # the counter input: an element-aligned address is read, an odd one is not
             odd = _table(torch, dtype, width, seed=width * 13 + code, offset=1).to(dev)
             counted = fields + [("bad_rows_input", PF_INT32, np.array([1], np.int32))]
             for label, address, want_rows, want_count in (
-                    ("element-aligned table address read", odd.data_ptr(), want, bad),
-                    ("odd table address: zero rows, all counted", odd.data_ptr() + 1, None, T * cols)):
+                ("element-aligned table address read", odd.data_ptr(), want, bad),
+                ("odd table address: zero rows, all counted", odd.data_ptr() + 1, None, T * cols),
+            ):
                 counter = torch.zeros(1, dtype=torch.int64, device=dev)
-                inputs = [ids_dev, torch.tensor([address], dtype=torch.int64, device=dev),
-                          torch.tensor([counter.data_ptr()], dtype=torch.int64, device=dev)]
-                _, out = _run_both(harness, counted, inputs, [DT["int32"], DT["int64"], DT["int64"]],
-                                   lambda: torch.full((T, cols, width), float("nan"), dtype=dtype, device=dev),
-                                   DT[name])
-                rows_ok = (_same(torch, out.cpu(), want_rows) if want_rows is not None
-                           else int(torch.count_nonzero(_bits(torch, out))) == 0)
+                inputs = [
+                    ids_dev,
+                    torch.tensor([address], dtype=torch.int64, device=dev),
+                    torch.tensor([counter.data_ptr()], dtype=torch.int64, device=dev),
+                ]
+                _, out = _run_both(
+                    harness,
+                    counted,
+                    inputs,
+                    [DT["int32"], DT["int64"], DT["int64"]],
+                    lambda: torch.full((T, cols, width), float("nan"), dtype=dtype, device=dev),
+                    DT[name],
+                )
+                rows_ok = (
+                    _same(torch, out.cpu(), want_rows)
+                    if want_rows is not None
+                    else int(torch.count_nonzero(_bits(torch, out))) == 0
+                )
                 assert rows_ok and int(counter.item()) == want_count, (
                     f"plugin EngramGather {name} width {width}: {label}: count {int(counter.item())} "
-                    f"expected {want_count}")
+                    f"expected {want_count}"
+                )

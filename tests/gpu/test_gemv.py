@@ -31,13 +31,30 @@ import pytest
 
 from .helpers import U, combined, ulp_distance, within
 
-SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
-          "wkv": (10240, 6144), "lm_head": (129280, 2048)}
+SHAPES = {
+    "qkv": (4096, 2048),
+    "o": (2048, 2048),
+    "gate_up": (11264, 2048),
+    "down": (2048, 5632),
+    "wkv": (10240, 6144),
+    "lm_head": (129280, 2048),
+}
 # (label, T, N, K): the 1B model's shapes at 1..4 tokens (lm_head at 1 and 4), then odd N and K.
-KERNEL_CASES = [(name, T, N, K) for name, (N, K) in SHAPES.items()
-                for T in ((1, 2, 3, 4) if name != "lm_head" else (1, 4))]
-KERNEL_CASES += [("odd", T, N, K) for T, N, K in ((1, 1, 2048), (2, 7, 8), (3, 1001, 40), (4, 3, 5632),
-                                                  (4, 2049, 1032), (3, 1031, 5640), (3, 4099, 2048))]
+KERNEL_CASES = [
+    (name, T, N, K) for name, (N, K) in SHAPES.items() for T in ((1, 2, 3, 4) if name != "lm_head" else (1, 4))
+]
+KERNEL_CASES += [
+    ("odd", T, N, K)
+    for T, N, K in (
+        (1, 1, 2048),
+        (2, 7, 8),
+        (3, 1001, 40),
+        (4, 3, 5632),
+        (4, 2049, 1032),
+        (3, 1031, 5640),
+        (3, 4099, 2048),
+    )
+]
 REFERENCE_CASES = [(1, 256, 2048), (4, 64, 5632), (8, 33, 40)]
 
 
@@ -62,7 +79,7 @@ def gemv_verify(inputs: dict, got, terms: float | None = None) -> tuple[bool, st
     xd, wd = x.double(), w.double()
     ref = xd @ wd.t()
     mag = xd.abs() @ wd.abs().t()
-    bound = U * ref.abs() + (1 + U) * n * 2.0 ** -24 * (1 + 2.0 ** -20) * mag + 1e-30
+    bound = U * ref.abs() + (1 + U) * n * 2.0**-24 * (1 + 2.0**-20) * mag + 1e-30
     results = [within(got, ref, bound)]
     if terms is None:
         results.append(versus_linear(got, F.linear(x, w)))
@@ -75,7 +92,10 @@ def versus_linear(got, want) -> tuple[bool, str]:
     judges."""
     d = ulp_distance(got, want)
     differing = float((d > 0).float().mean()) if d.numel() else 0.0
-    return differing <= 0.01, f"vs F.linear: {differing:.2e} of elements differ (max {int(d.max()) if d.numel() else 0} ulp)"
+    return (
+        differing <= 0.01,
+        f"vs F.linear: {differing:.2e} of elements differ (max {int(d.max()) if d.numel() else 0} ulp)",
+    )
 
 
 # --- 1. ABI (no GPU) -----------------------------------------------------------------------------
@@ -89,19 +109,26 @@ ABI_CASES = [
     ("-1 tokens", {"T": -1}, (1, "engram_gemv_bf16: num_tokens must be in [0, 4] (got -1)")),
     ("in_features 12", {"K": 12}, (1, f"{_BAD_SHAPE} (got 2048, 12)")),
     ("out_features 0", {"N": 0}, (1, f"{_BAD_SHAPE} (got 0, 2048)")),
-    ("flags 2", {"flags": 2}, (1, "engram_gemv_bf16: unknown flags 0x2 (the one flag is "
-                                  "ENGRAM_GEMV_WEIGHT_STATIC = 0x1)")),
+    (
+        "flags 2",
+        {"flags": 2},
+        (1, "engram_gemv_bf16: unknown flags 0x2 (the one flag is ENGRAM_GEMV_WEIGHT_STATIC = 0x1)"),
+    ),
     ("NULL x", {"x": None}, (1, _ALIGNED)),
     ("misaligned weight", {"w": ctypes.c_void_p((1 << 40) + 8)}, (1, _ALIGNED)),
-    ("out inside weight", {"out": ctypes.c_void_p((1 << 40) + 4096)},
-     (1, "engram_gemv_bf16: out must not overlap x or weight")),
+    (
+        "out inside weight",
+        {"out": ctypes.c_void_p((1 << 40) + 4096)},
+        (1, "engram_gemv_bf16: out must not overlap x or weight"),
+    ),
     ("out over x", {"out": _P}, (1, "engram_gemv_bf16: out must not overlap x or weight")),
     ("zero tokens", {"T": 0, "x": None}, (0, "")),
 ]
 
 
-def gemv_abi(x=_P, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, flags=1,
-             out=ctypes.c_void_p(1 << 41)) -> tuple[int, str]:
+def gemv_abi(
+    x=_P, w=ctypes.c_void_p(1 << 40), T=1, N=2048, K=2048, flags=1, out=ctypes.c_void_p(1 << 41)
+) -> tuple[int, str]:
     """engram_gemv_bf16 called with these arguments: (status, its last error)."""
     from engram_trt.native import backbone as backbone_kernels
 
@@ -117,6 +144,7 @@ def test_abi(name: str, args: dict, want: tuple[int, str]) -> None:
 
 
 # --- 2. the reference on the CPU --------------------------------------------------------------------
+
 
 def check_reference_cpu(T: int, N: int, K: int) -> None:
     """The float64 bound holds for F.linear on the CPU (any summation order: K terms)."""
@@ -136,8 +164,8 @@ def test_reference_cpu(T: int, N: int, K: int) -> None:
 
 # --- 3. the kernel on the GPU ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("label, T, N, K", KERNEL_CASES, ids=[f"{c[0]}-T{c[1]}-N{c[2]}-K{c[3]}"
-                                                              for c in KERNEL_CASES])
+
+@pytest.mark.parametrize("label, T, N, K", KERNEL_CASES, ids=[f"{c[0]}-T{c[1]}-N{c[2]}-K{c[3]}" for c in KERNEL_CASES])
 def test_kernels(gen, label: str, T: int, N: int, K: int) -> None:
     import torch
 
@@ -213,7 +241,7 @@ def test_dependent_chain(gen, rounds: int = 4) -> None:
         torch.cuda.synchronize()
         g, u = gate_up.double().chunk(2, dim=-1)
         silu = g / (1 + (-g).exp()) * u
-        fresh = bool(((h.double() - silu).abs() <= (2 * U * (1 + U) + 2.0 ** -20) * silu.abs() + 1e-30).all())
+        fresh = bool(((h.double() - silu).abs() <= (2 * U * (1 + U) + 2.0**-20) * silu.abs() + 1e-30).all())
         assert fresh, f"dependent chain replay {rnd + 1}: SiLU * up of this replay's input"
         ok, detail = gemv_verify({"x": h, "w": w1}, y1)
         assert ok, f"dependent chain replay {rnd + 1}: GEMV of the SiLU output: {detail}"

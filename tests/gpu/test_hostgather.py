@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def hg(tab, gpu_seed: int):
     """The gatherer the first tests share, and their ids: [3001, 8] with out-of-range ids."""
@@ -66,7 +65,8 @@ def test_fp8_layouts(tab, hg, dev) -> None:
             got = g.gather(torch.from_numpy(ids), *table, quant_block=QB, layout=layout, out=out)
         side.synchronize()
         assert same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))), (
-            f"fp8 {layout}: {T * cols} rows in 24 chunks of 1000 through 2 slots, out-of-range ids, side stream")
+            f"fp8 {layout}: {T * cols} rows in 24 chunks of 1000 through 2 slots, out-of-range ids, side stream"
+        )
 
 
 def test_hbm_scales(tab, hg, dev, rng) -> None:
@@ -86,26 +86,47 @@ def test_hbm_scales(tab, hg, dev, rng) -> None:
         got = g.gather(ids_t, rows_t, scales_dev, quant_block=QB, layout="hbm-scales", out=out, ids_dev=ids_up)
     side.synchronize()
     assert same(got.reshape(-1, D), ref_fp8(ids.reshape(-1))), (
-        f"fp8 hbm-scales: {T * cols} rows in 24 chunks through 2 slots, out-of-range ids, side stream")
+        f"fp8 hbm-scales: {T * cols} rows in 24 chunks through 2 slots, out-of-range ids, side stream"
+    )
     ids3h = rng.integers(-9, N + 9, size=(400, 3, cols)).astype(np.int32)
     got = g.gather(torch.from_numpy(ids3h), rows_t, scales_dev, layer=2, quant_block=QB, layout="hbm-scales")
     torch.cuda.synchronize()
     assert same(got.reshape(-1, D), ref_fp8(ids3h[:, 2, :].reshape(-1))), (
-        "fp8 hbm-scales, layer 2 of [T, L, cols] ids, the device ids copied up by the call")
+        "fp8 hbm-scales, layer 2 of [T, L, cols] ids, the device ids copied up by the call"
+    )
     refusals = []
     for what, call in (
-            ("scales on the CPU", lambda: g.gather(ids_t, rows_t, scales_t, quant_block=QB, layout="hbm-scales")),
-            ("gather_raw, scales on the CPU", lambda: g.gather_raw(
-                ids_t.reshape(-1), rows_t, scales_t, quant_block=QB, layout="hbm-scales",
+        ("scales on the CPU", lambda: g.gather(ids_t, rows_t, scales_t, quant_block=QB, layout="hbm-scales")),
+        (
+            "gather_raw, scales on the CPU",
+            lambda: g.gather_raw(
+                ids_t.reshape(-1),
+                rows_t,
+                scales_t,
+                quant_block=QB,
+                layout="hbm-scales",
                 dst_rows=torch.empty((T * cols, D), dtype=torch.uint8, device=dev),
-                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8, device=dev))),
-            ("gather_raw, ids_dev of other ids", lambda: g.gather_raw(
-                ids_t.reshape(-1), rows_t, scales_dev, quant_block=QB, layout="hbm-scales",
+                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8, device=dev),
+            ),
+        ),
+        (
+            "gather_raw, ids_dev of other ids",
+            lambda: g.gather_raw(
+                ids_t.reshape(-1),
+                rows_t,
+                scales_dev,
+                quant_block=QB,
+                layout="hbm-scales",
                 ids_dev=ids_up.reshape(-1)[:5],
                 dst_rows=torch.empty((T * cols, D), dtype=torch.uint8, device=dev),
-                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8, device=dev))),
-            ("a bf16 table", lambda: g.gather(ids_t, torch.zeros((10, 128), dtype=torch.bfloat16), None,
-                                              layout="hbm-scales"))):
+                dst_scales=torch.empty((T * cols, D // QB), dtype=torch.uint8, device=dev),
+            ),
+        ),
+        (
+            "a bf16 table",
+            lambda: g.gather(ids_t, torch.zeros((10, 128), dtype=torch.bfloat16), None, layout="hbm-scales"),
+        ),
+    ):
         try:
             call()
             refusals.append(f"{what}: ACCEPTED")
@@ -113,7 +134,8 @@ def test_hbm_scales(tab, hg, dev, rng) -> None:
             refusals.append(f"{what}: {e}")
     assert all("ACCEPTED" not in r for r in refusals), (
         "hbm-scales refused, each with its reason: scales on the CPU (gather, gather_raw), ids_dev of other "
-        "ids, a bf16 table" + f': {" | ".join(refusals)}')
+        "ids, a bf16 table" + f': {" | ".join(refusals)}'
+    )
 
 
 def test_bound_gather(tab, hg, dev, rng) -> None:
@@ -129,8 +151,11 @@ def test_bound_gather(tab, hg, dev, rng) -> None:
     scales_dev = hg.scales_dev
 
     ok_bound, kinds = True, []
-    for layout, table in (("split", (rows_t, scales_t)), ("inline", (inline_t, None)),
-                          ("hbm-scales", (rows_t, scales_dev))):
+    for layout, table in (
+        ("split", (rows_t, scales_t)),
+        ("inline", (inline_t, None)),
+        ("hbm-scales", (rows_t, scales_dev)),
+    ):
         bound = g.bind(*table, quant_block=QB, layout=layout)
         outs = {n: torch.empty((n, cols, D), dtype=torch.bfloat16, device=dev) for n in (256, 777)}
         for step in range(6):
@@ -148,9 +173,11 @@ def test_bound_gather(tab, hg, dev, rng) -> None:
     def empty(n: int) -> torch.Tensor:
         return torch.empty((n, cols, D), dtype=torch.bfloat16, device=dev)
 
-    for what, call in (("hbm-scales without ids_dev", lambda: bound(small, empty(16))),
-                       ("an out of another shape", lambda: bound(small, empty(17), small.to(dev))),
-                       ("ids on the GPU", lambda: bound(small.to(dev), empty(16), small.to(dev)))):
+    for what, call in (
+        ("hbm-scales without ids_dev", lambda: bound(small, empty(16))),
+        ("an out of another shape", lambda: bound(small, empty(17), small.to(dev))),
+        ("ids on the GPU", lambda: bound(small.to(dev), empty(16), small.to(dev))),
+    ):
         try:
             call()
             refused.append(f"{what}: ACCEPTED")
@@ -158,7 +185,8 @@ def test_bound_gather(tab, hg, dev, rng) -> None:
             refused.append(f"{what}: {e}")
     assert ok_bound and all("ACCEPTED" not in r for r in refused), (
         "a gather bound to its table == NumPy (" + ", ".join(kinds) + "; 6 steps, two shapes, reused outputs); "
-        "refused: hbm-scales without ids_dev, an out of another shape, ids on the GPU" + f': {" | ".join(refused)}')
+        "refused: hbm-scales without ids_dev, an out of another shape, ids on the GPU" + f': {" | ".join(refused)}'
+    )
 
 
 def test_strided_ids(tab, hg, rng) -> None:
@@ -185,9 +213,11 @@ def test_knobs(tab, hg) -> None:
     g, ids = hg.g, hg.ids
 
     ok_all = True
-    for knobs in ({"prefetch_rows": 0, "streaming_stores": 1}, {"prefetch_rows": 64, "prefetch_far_rows": 48,
-                                                                 "prefetch_locality": 1, "task_rows": 7},
-                  {"chunk_rows": 257, "min_chunks": 16, "spin_us": 0}):
+    for knobs in (
+        {"prefetch_rows": 0, "streaming_stores": 1},
+        {"prefetch_rows": 64, "prefetch_far_rows": 48, "prefetch_locality": 1, "task_rows": 7},
+        {"chunk_rows": 257, "min_chunks": 16, "spin_us": 0},
+    ):
         g.set_options(**knobs)
         opts = g.options()
         ok_all &= all(opts[k] == v for k, v in knobs.items())
@@ -230,7 +260,8 @@ def test_bf16_table_and_raw_rows(tab, hg, dev, rng) -> None:
     want_r = np.where(ok[:, None], values[np.where(ok, idx, 0)], 0)
     want_s = np.where(ok[:, None], scales[np.where(ok, idx, 0)], 127)
     assert np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s), (
-        "raw fp8 rows + scales into device arrays, after the stream's earlier work")
+        "raw fp8 rows + scales into device arrays, after the stream's earlier work"
+    )
     # the same with the scales in HBM: many chunks of values through 2 slots, the scale
     # bytes gathered on the GPU by the device ids (given, then copied up by the call)
     for given in (True, False):
@@ -238,12 +269,21 @@ def test_bf16_table_and_raw_rows(tab, hg, dev, rng) -> None:
             busy.mul_(1.0001)
         dst_r.fill_(0xAB)
         dst_s.fill_(0xCD)
-        g.gather_raw(flat, rows_t, scales_dev, dst_rows=dst_r, dst_scales=dst_s, quant_block=QB, layout="hbm-scales",
-                     ids_dev=flat.to(dev) if given else None)
+        g.gather_raw(
+            flat,
+            rows_t,
+            scales_dev,
+            dst_rows=dst_r,
+            dst_scales=dst_s,
+            quant_block=QB,
+            layout="hbm-scales",
+            ids_dev=flat.to(dev) if given else None,
+        )
         torch.cuda.synchronize()
         assert np.array_equal(dst_r.cpu().numpy(), want_r) and np.array_equal(dst_s.cpu().numpy(), want_s), (
             "raw fp8 rows, scales in HBM: values copied alone, scale bytes gathered on the GPU by the device ids "
-            f"({'given' if given else 'copied up by the call'}), out-of-range ids, after the stream's earlier work")
+            f"({'given' if given else 'copied up by the call'}), out-of-range ids, after the stream's earlier work"
+        )
     dst_b = torch.zeros((777 * 5, 128), dtype=torch.bfloat16, device=dev)
     g.gather_raw(torch.from_numpy(bid.reshape(-1).copy()), bf, dst_rows=dst_b)
     torch.cuda.synchronize()
@@ -264,7 +304,8 @@ def test_pool_of_one(tab, hg) -> None:
         got = g1.gather(torch.from_numpy(ids[:300]), rows_t, scales_t, quant_block=QB)
         torch.cuda.synchronize()
         assert same(got.reshape(-1, D), ref_fp8(ids[:300].reshape(-1))) and g1.options()["num_threads"] == 1, (
-            "a pool of 1 thread")
+            "a pool of 1 thread"
+        )
 
 
 def test_hot_row_cache(tab, dev, rng) -> None:
@@ -276,8 +317,17 @@ def test_hot_row_cache(tab, dev, rng) -> None:
 
     N, D, ref_fp8, same, inline_t = tab.N, tab.D, tab.ref_fp8, tab.same, tab.inline_t
     g = hostgather.HostGatherer(device=dev)
-    cache = HotRowCache(inline_t, None, device=dev, gatherer=g, layout="inline", capacity_rows=5_000,
-                        max_step_rows=40_000, admit_budget=2_000, admit_every=2)
+    cache = HotRowCache(
+        inline_t,
+        None,
+        device=dev,
+        gatherer=g,
+        layout="inline",
+        capacity_rows=5_000,
+        max_step_rows=40_000,
+        admit_budget=2_000,
+        admit_every=2,
+    )
     ok_all = True
     for step in range(12):
         sid = ((rng.zipf(1.2, size=(1000, 24)) * 7919) % N).astype(np.int32)
@@ -289,7 +339,8 @@ def test_hot_row_cache(tab, dev, rng) -> None:
     s = cache.stats()
     assert ok_all and s.hits > 0 and s.evicted > 0, (
         f"hot-row cache on CUDA: 12 skewed steps exact, maps consistent: hit rate {s.hit_rate:.1%}, fetched / lookups "
-        f"{s.fetch_fraction:.1%}, evicted {s.evicted}")
+        f"{s.fetch_fraction:.1%}, evicted {s.evicted}"
+    )
     g.close()
 
 
@@ -305,5 +356,6 @@ def test_calibrate_gather(tab, dev) -> None:
     choice = calibrate_gather(pinned_rows, pinned_scales, gatherer=g, sizes=(6144, 98304), reps=3)
     assert set(choice.seconds) == {"host", "uva"} and set(choice.chosen.values()) <= {"host", "uva"}, (
         f"calibrate_gather times both paths and chooses one per size: {choice.describe()} "
-        f"in {time.perf_counter() - t0:.1f} s")
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
     g.close()

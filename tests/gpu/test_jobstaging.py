@@ -54,7 +54,8 @@ def check_jobstaging(dev: Any, timings: dict[str, float], table: Any) -> None:
     g.set_options(job_staging_bytes=T * cols * per_row)
     back = g.options()["job_staging_bytes"]
     assert back == T * cols * per_row and refusals == ["ok", "ok"], (
-        f"job buffers: set and read back, refused outside [0, 2^40] by name: read {back}; refusals {refusals}")
+        f"job buffers: set and read back, refused outside [0, 2^40] by name: read {back}; refusals {refusals}"
+    )
 
     # 2. exactness in each layout
     ids = rng.integers(-50, N + 50, size=(T, cols)).astype(np.int32)
@@ -62,17 +63,28 @@ def check_jobstaging(dev: Any, timings: dict[str, float], table: Any) -> None:
     ref = ref_fp8(ids.reshape(-1))
     side = torch.cuda.Stream(priority=-1)
     ok = {}
-    for layout, rows, scales in (("split", rows_t, scales_t), ("inline", inline_t, None),
-                                 ("hbm-scales", rows_t, scales_dev)):
+    for layout, rows, scales in (
+        ("split", rows_t, scales_t),
+        ("inline", inline_t, None),
+        ("hbm-scales", rows_t, scales_dev),
+    ):
         with torch.cuda.stream(side):
             out = torch.full((T, cols, D), float("nan"), dtype=torch.bfloat16, device=dev)
-            got = g.gather(ids_t, rows, scales, quant_block=QB, layout=layout, out=out,
-                           ids_dev=ids_t.to(dev) if layout == "hbm-scales" else None)
+            got = g.gather(
+                ids_t,
+                rows,
+                scales,
+                quant_block=QB,
+                layout=layout,
+                out=out,
+                ids_dev=ids_t.to(dev) if layout == "hbm-scales" else None,
+            )
         side.synchronize()
         ok[layout] = same(got.reshape(-1, D), ref)
     assert all(ok.values()), (
         f"job buffers: {T * cols} rows in 24 chunks through 2 slots == NumPy, out-of-range ids, split / inline / "
-        f"hbm-scales: {ok}")
+        f"hbm-scales: {ok}"
+    )
 
     # 3. reuse ordering behind a held-back stream
     sets = [rng.integers(0, N, size=(T, cols)).astype(np.int32) for _ in range(3)]
@@ -88,7 +100,8 @@ def check_jobstaging(dev: Any, timings: dict[str, float], table: Any) -> None:
     exact = [same(o.reshape(-1, D), ref_fp8(s.reshape(-1))) for o, s in zip(outs, sets)]
     assert all(exact), (
         f"job buffers: three calls behind a 50 ms kernel (the third reuses the first's buffer) each == NumPy: "
-        f"exact {exact}; the three calls returned after {issued_ms:.1f} ms (the third waits for the first's dequants)")
+        f"exact {exact}; the three calls returned after {issued_ms:.1f} ms (the third waits for the first's dequants)"
+    )
 
     # 4. a call larger than the buffers: the ring
     big = rng.integers(0, N, size=(T * 2, cols)).astype(np.int32)
@@ -97,7 +110,8 @@ def check_jobstaging(dev: Any, timings: dict[str, float], table: Any) -> None:
     g.set_options(job_staging_bytes=0)
     freed = g.options()["job_staging_bytes"] == 0
     assert same(got.reshape(-1, D), ref_fp8(big.reshape(-1))) and freed, (
-        "job buffers: a call larger than them runs through the ring, exact; 0 frees them")
+        "job buffers: a call larger than them runs through the ring, exact; 0 frees them"
+    )
     g.close()
 
     # 5. timed: a prefill chunk's gather beside long GEMMs, ring against job buffers
@@ -124,8 +138,15 @@ def check_jobstaging(dev: Any, timings: dict[str, float], table: Any) -> None:
                 with torch.cuda.stream(side):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record(side)
-                    gp.gather(pids[rep], rows_t, scales_dev, quant_block=QB, layout="hbm-scales", out=out,
-                              ids_dev=pids_dev[rep])
+                    gp.gather(
+                        pids[rep],
+                        rows_t,
+                        scales_dev,
+                        quant_block=QB,
+                        layout="hbm-scales",
+                        out=out,
+                        ids_dev=pids_dev[rep],
+                    )
                     end.record(side)
                 end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3)
@@ -137,8 +158,10 @@ def check_jobstaging(dev: Any, timings: dict[str, float], table: Any) -> None:
     med = {k: statistics.median(v) for k, v in cases.items()}
     for k, v in med.items():
         timings[f"host gather, 196,608 rows, hbm-scales, {k} (us)"] = v
-    assert exact, ("job buffers: a 196,608-row gather beside long GEMMs (timed: ring against job buffers), last output "
-                   "== NumPy: " + "; ".join(f"{k} {v:,.0f} us" for k, v in med.items()))
+    assert exact, (
+        "job buffers: a 196,608-row gather beside long GEMMs (timed: ring against job buffers), last output "
+        "== NumPy: " + "; ".join(f"{k} {v:,.0f} us" for k, v in med.items())
+    )
 
 
 def test_jobstaging(dev, tab) -> None:

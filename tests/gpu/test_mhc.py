@@ -33,7 +33,7 @@ import pytest
 from .helpers import REPO, note, say
 
 DTYPES = ["float32", "bfloat16", "float16"]
-UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 CASES = [  # (hc, hidden, sinkhorn iters, tokens)
     (2, 64, 1, 5),
     (2, 128, 20, 17),
@@ -119,7 +119,8 @@ def test_pre_and_post_match_the_torch_module(rng, dname, ci) -> None:
     assert err <= 0 and bool(torch.isfinite(new_k).all()), f"new streams = torch expand, {tag}: max excess {err:.3g}"
     nontrivial = float((post_k - 1).abs().max()) > 0.05 and float((comb_k - 1.0 / hc).abs().max()) > 1e-3
     assert nontrivial or hc == 1, (
-        f"coefficients far from the trivial ones, {tag}: max |post - 1| {float((post_k - 1).abs().max()):.3g}")
+        f"coefficients far from the trivial ones, {tag}: max |post - 1| {float((post_k - 1).abs().max()):.3g}"
+    )
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -137,8 +138,14 @@ def test_head_matches_the_torch_module(rng, dname, hc, D, T) -> None:
     with torch.no_grad():
         got = mhc.mhc_head(x, m.hc_fn, m.hc_base, m.hc_scale, hc_eps=EPS, norm_eps=EPS)
         want = m.forward_torch(x).double().cpu()
-    want64 = torch.from_numpy(ref.mhc_head(x.double().cpu().numpy(), ref.MhcParams.of(
-        m.hc_fn.cpu(), m.hc_base.cpu(), m.hc_scale.cpu()), hc_eps=EPS, norm_eps=EPS))
+    want64 = torch.from_numpy(
+        ref.mhc_head(
+            x.double().cpu().numpy(),
+            ref.MhcParams.of(m.hc_fn.cpu(), m.hc_base.cpu(), m.hc_scale.cpu()),
+            hc_eps=EPS,
+            norm_eps=EPS,
+        )
+    )
     tag = f"hc {hc} D {D} T {T} {dname}"
     err = _excess(got, want, 2 * u * want.abs() + 2e-5 * float(want.abs().max()))
     assert err <= 0 and bool(torch.isfinite(got).all()), f"head = torch HyperHead, {tag}: max excess {err:.3g}"
@@ -192,29 +199,44 @@ def test_fold_equals_post_then_collapse(rng, dname, ci) -> None:
         _h, post0, comb0 = mhc.mhc_pre(x, first.fn, first.base, first.scale, **kw)
         want_new = mhc.mhc_post(x, y, post0, comb0)
         new, h, post, comb = mhc.mhc_fold(x, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, **kw)
-        new_n, hn, post_n, comb_n = mhc.mhc_fold(x, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, norm.weight,
-                                                 rms_eps=EPS, **kw)
+        new_n, hn, post_n, comb_n = mhc.mhc_fold(
+            x, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, norm.weight, rms_eps=EPS, **kw
+        )
         inplace = x.clone()
-        got_in = mhc.mhc_fold(inplace, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, norm.weight, rms_eps=EPS,
-                              new_streams=inplace, **kw)
+        got_in = mhc.mhc_fold(
+            inplace, y, post0, comb0, nxt.fn, nxt.base, nxt.scale, norm.weight, rms_eps=EPS, new_streams=inplace, **kw
+        )
         h_ref, post_ref, comb_ref = mhc.mhc_pre(want_new, nxt.fn, nxt.base, nxt.scale, **kw)
         hn_tight = norm(h)  # the norm of the fold's own collapse
         hn_loose = norm(nxt.collapse_torch(want_new)[0])
-        new_h, head_got, p_none, c_none = mhc.mhc_fold(x, y, post0, comb0, head.hc_fn, head.hc_base, head.hc_scale,
-                                                       norm.weight, head=True, hc_eps=EPS, norm_eps=EPS, rms_eps=EPS)
+        new_h, head_got, p_none, c_none = mhc.mhc_fold(
+            x,
+            y,
+            post0,
+            comb0,
+            head.hc_fn,
+            head.hc_base,
+            head.hc_scale,
+            norm.weight,
+            head=True,
+            hc_eps=EPS,
+            norm_eps=EPS,
+            rms_eps=EPS,
+        )
         head_tight = norm(mhc.mhc_head(want_new, head.hc_fn, head.hc_base, head.hc_scale, hc_eps=EPS, norm_eps=EPS))
         head_loose = norm(head.forward_torch(want_new))
     torch.cuda.synchronize()
     assert torch.equal(new, want_new) and torch.equal(new_n, want_new) and torch.equal(new_h, want_new), (
-        f"fold: new streams = mhc_post bit for bit, {tag}")
+        f"fold: new streams = mhc_post bit for bit, {tag}"
+    )
     assert torch.equal(inplace, want_new) and torch.equal(got_in[1], hn) and torch.equal(got_in[2], post_n), (
-        f"fold: in place = out of place bit for bit, {tag}")
+        f"fold: in place = out of place bit for bit, {tag}"
+    )
     assert torch.equal(post, post_n) and torch.equal(comb, comb_n), f"fold: the norm changes only the collapse, {tag}"
     e = max(_rel(post, post_ref), _rel(comb, comb_ref))
     assert e <= 2e-5, f"fold: next post / comb = mhc_pre of the new streams, {tag}: max rel {e:.3g}"
     params = ref.MhcParams.of(nxt.fn.cpu(), nxt.base.cpu(), nxt.scale.cpu())
-    _h64, post64, comb64 = ref.mhc_pre(want_new.double().cpu().numpy(), params, iters=iters, hc_eps=EPS,
-                                       norm_eps=EPS)
+    _h64, post64, comb64 = ref.mhc_pre(want_new.double().cpu().numpy(), params, iters=iters, hc_eps=EPS, norm_eps=EPS)
     e64 = max(_rel(post, torch.from_numpy(post64)), _rel(comb, torch.from_numpy(comb64)))
     assert e64 <= 2e-5, f"fold: next post / comb = float64 reference, {tag}: max rel {e64:.3g}"
     hr = h_ref.double().cpu()
@@ -256,7 +278,8 @@ def test_contracts(rng) -> None:
             c = m.collapse(x)
             assert all(torch.equal(p, q) for p, q in zip(a, c)), "HyperConnection.collapse (kernels) = mhc_pre"
             assert torch.equal(HyperConnection.expand(x, y, a[1], a[2]), out_of_place), (
-                "HyperConnection.expand (kernels) = mhc_post")
+                "HyperConnection.expand (kernels) = mhc_post"
+            )
         finally:
             HyperConnection.backend = saved
         empty = torch.empty(0, hc, D, dtype=torch.bfloat16, device="cuda")
@@ -266,8 +289,12 @@ def test_contracts(rng) -> None:
         head.backend = "kernels"
         z0 = head(empty)
     torch.cuda.synchronize()
-    assert (tuple(h0.shape) == (0, D) and tuple(c0.shape) == (0, hc, hc)
-            and tuple(n0.shape) == (0, hc, D) and tuple(z0.shape) == (0, D)), "zero tokens: empty results"
+    assert (
+        tuple(h0.shape) == (0, D)
+        and tuple(c0.shape) == (0, hc, hc)
+        and tuple(n0.shape) == (0, hc, D)
+        and tuple(z0.shape) == (0, D)
+    ), "zero tokens: empty results"
 
 
 @pytest.mark.parametrize("dname", ["float32", "bfloat16"])
@@ -304,7 +331,8 @@ def test_tiny_model_with_mhc_kernels(dname) -> None:
     bound = 1e-4 if dname == "float32" else 3 * max(expected["transformers_bf16_rel_l2"])
     note(f"tiny_model_{dname}_rel_l2", err)
     assert err <= bound, (
-        f"tiny DeepSeek-V4 {dname}: logits with mHC kernels = PyTorch mHC: rel L2 {err:.2e} (bound {bound:g})")
+        f"tiny DeepSeek-V4 {dname}: logits with mHC kernels = PyTorch mHC: rel L2 {err:.2e} (bound {bound:g})"
+    )
 
 
 @pytest.mark.parametrize("T", [1, 8, 2048])
@@ -346,4 +374,5 @@ def test_timing_against_the_torch_path(rng, T) -> None:
     note(f"pre_post_T{T}_torch_us", t_us)
     say(f"mHC pre + post, T={T}: kernels {k_us:.1f} us, torch {t_us:.1f} us ({t_us / k_us:.1f}x)")
     assert k_us < t_us, (
-        f"mHC pre + post T={T}: kernels faster than the PyTorch path: kernels {k_us:.1f} us vs torch {t_us:.1f} us")
+        f"mHC pre + post T={T}: kernels faster than the PyTorch path: kernels {k_us:.1f} us vs torch {t_us:.1f} us"
+    )

@@ -25,8 +25,12 @@ from .helpers import REPO, note
 
 TOKENS = 512  # prefill length of the comparison
 NEW_TOKENS = 64  # greedy tokens generated per path
-PATHS = ["torch (cuda, bf16)", "kernels, tables in HBM", "kernels, tables pinned host (UVA)",
-         "kernels, tables file-mapped (host gather)"]
+PATHS = [
+    "torch (cuda, bf16)",
+    "kernels, tables in HBM",
+    "kernels, tables pinned host (UVA)",
+    "kernels, tables file-mapped (host gather)",
+]
 
 
 def rel_err(a, ref) -> float:
@@ -49,8 +53,9 @@ def models(test_seed_module):
     cuda = torch.device("cuda")
 
     def load(device, dtype, backend: str, storage: str = "memory") -> EngramLlama:
-        return EngramLlama.from_checkpoint(ckpt, device=device, dtype=dtype, table_storage=storage,
-                                           compressed_vocab=vocab, engram_backend=backend)
+        return EngramLlama.from_checkpoint(
+            ckpt, device=device, dtype=dtype, table_storage=storage, compressed_vocab=vocab, engram_backend=backend
+        )
 
     gen = torch.Generator().manual_seed(test_seed_module)
     ids = torch.randint(0, ckpt.config.vocab_size, (TOKENS,), generator=gen)
@@ -81,7 +86,8 @@ def test_prefill_vs_fp32_reference(models, name) -> None:
     err = rel_err(logits[name], ref)
     passed = err < 1e-2 and torch.isfinite(logits[name]).all().item()
     assert passed, (
-        f"prefill {TOKENS} tokens vs fp32 CPU reference: {name} ({paths[name].backend_name}): rel_l2={err:.2e}")
+        f"prefill {TOKENS} tokens vs fp32 CPU reference: {name} ({paths[name].backend_name}): rel_l2={err:.2e}"
+    )
 
 
 KERNEL_PATHS = [n for n in PATHS if n.startswith("kernels")]
@@ -115,9 +121,15 @@ def test_greedy_figures(models) -> None:
 def test_demo_cli() -> None:
     """``engram-trt demo --device cuda`` end to end: exit 0, the kernel library's backend named."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    demo = subprocess.run([sys.executable, "-m", "engram_trt", "demo", "--device", "cuda", "--max-new-tokens", "16"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    demo = subprocess.run(
+        [sys.executable, "-m", "engram_trt", "demo", "--device", "cuda", "--max-new-tokens", "16"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     output = demo.stdout[-3000:] + demo.stderr[-2000:]
     note("demo_output", output)
     assert demo.returncode == 0 and "engram cuda-kernels" in demo.stdout, (
-        f"engram-trt demo --device cuda: exit 0, backend 'engram cuda-kernels': rc {demo.returncode}: {output[-300:]}")
+        f"engram-trt demo --device cuda: exit 0, backend 'engram cuda-kernels': rc {demo.returncode}: {output[-300:]}"
+    )

@@ -65,8 +65,16 @@ def sampled() -> SimpleNamespace:
         torch.Tensor.tolist = real  # type: ignore[method-assign]
     reqs = [req(k % 2 == 1, 20 + k) for k in range(len(MIXED_ROWS))]
     mixed_picks, mixed_finite = Scheduler._sample(None, logits, reqs, MIXED_ROWS)  # type: ignore[arg-type]
-    return SimpleNamespace(host=host, want=want, picks=picks, finite=finite, copies=copies, reqs=reqs,
-                           mixed_picks=mixed_picks, mixed_finite=mixed_finite)
+    return SimpleNamespace(
+        host=host,
+        want=want,
+        picks=picks,
+        finite=finite,
+        copies=copies,
+        reqs=reqs,
+        mixed_picks=mixed_picks,
+        mixed_finite=mixed_finite,
+    )
 
 
 def test_sample_all_greedy_on_cuda(sampled) -> None:
@@ -75,7 +83,8 @@ def test_sample_all_greedy_on_cuda(sampled) -> None:
     host, want, picks, finite = sampled.host, sampled.want, sampled.picks, sampled.finite
     assert finite == want, f"all greedy: the flags equal torch.isfinite of each row: {finite} vs {want}"
     assert all(p == int(torch.argmax(host[i])) for i, (p, f) in enumerate(zip(picks, finite)) if f), (
-        f"all greedy: finite rows take the argmax: {picks}")
+        f"all greedy: finite rows take the argmax: {picks}"
+    )
     assert sampled.copies == ["cuda"], f"all greedy: one device-to-host read for tokens and flags: {sampled.copies}"
 
 
@@ -91,8 +100,11 @@ def test_sample_mixed_row_token_on_cuda(sampled, k) -> None:
     r, host, reqs = MIXED_ROWS[k], sampled.host, sampled.reqs
     if not sampled.mixed_finite[k]:
         return  # a row flagged non-finite takes no token (the flags: test_sample_mixed_flags_on_cuda)
-    ref = (int(torch.argmax(host[r])) if reqs[k].params.greedy else
-           sample_next(host[r], 0.9, 0.95, torch.Generator().manual_seed(20 + k)))
+    ref = (
+        int(torch.argmax(host[r]))
+        if reqs[k].params.greedy
+        else sample_next(host[r], 0.9, 0.95, torch.Generator().manual_seed(20 + k))
+    )
     assert sampled.mixed_picks[k] == ref, f"mixed rows: row {r}'s token: {sampled.mixed_picks[k]} vs {ref}"
 
 
@@ -112,8 +124,10 @@ def nan_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     d = load_file(str(ck / "model.safetensors"))
     d["model.embed_tokens.weight"][17] = float("nan")
     save_file(d, str(ck / "model.safetensors"), metadata={"format": "pt"})
-    params = [SamplingParams(max_tokens=8, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0 if i % 2 == 0 else 0.8, seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     with LLM(str(DATA), backend="torch", device="cuda", dtype="fp32") as clean:
         want = [o.token_ids for o in clean.generate(PROMPTS, params)]
     with LLM(str(ck), backend="torch", device="cuda", dtype="fp32") as llm:
@@ -126,13 +140,17 @@ def nan_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
 def test_nan_request_ends_with_an_error_on_cuda(nan_run, i) -> None:
     o, want = nan_run.got[i], nan_run.want
     if 17 in PROMPTS[i]:
-        assert (o.finish_reason == "error" and o.token_ids == [] and o.error is not None and "\n" not in o.error
-                and "logits are NaN or Inf" in o.error), (
-            f"prompt {i} (token 17): finish_reason error, no token, one line: {o.finish_reason} {o.token_ids} "
-            f"{o.error}")
+        assert (
+            o.finish_reason == "error"
+            and o.token_ids == []
+            and o.error is not None
+            and "\n" not in o.error
+            and "logits are NaN or Inf" in o.error
+        ), f"prompt {i} (token 17): finish_reason error, no token, one line: {o.finish_reason} {o.token_ids} {o.error}"
     else:
         assert o.error is None and o.token_ids == want[i], (
-            f"prompt {i}: the clean folder's tokens: {o.token_ids} vs {want[i]} ({o.error})")
+            f"prompt {i}: the clean folder's tokens: {o.token_ids} vs {want[i]} ({o.error})"
+        )
 
 
 def test_nan_folder_keeps_serving_on_cuda(nan_run) -> None:

@@ -43,9 +43,13 @@ def _plain(torch: Any, table: Any, ids: Any) -> Any:
 
 
 # (name, dtype, width, pinned, whole step)
-FLOAT_ROW_CASES = [("bf16", "bfloat16", 128, True, True), ("f16", "float16", 128, False, True),
-                   ("f32", "float32", 64, True, True), ("f32", "float32", 64, False, False),
-                   ("f32 narrow", "float32", 4, False, True)]
+FLOAT_ROW_CASES = [
+    ("bf16", "bfloat16", 128, True, True),
+    ("f16", "float16", 128, False, True),
+    ("f32", "float32", 64, True, True),
+    ("f32", "float32", 64, False, False),
+    ("f32 narrow", "float32", 4, False, True),
+]
 
 
 @pytest.mark.parametrize("k", range(len(FLOAT_ROW_CASES)))
@@ -80,18 +84,22 @@ def test_cuda_cache_of_float_rows(dev, k) -> None:
         got = cache.gather(sid.to(dev))
         torch.cuda.synchronize(dev)
         want = _plain(torch, table, sid)
-        exact &= got.dtype == dtype and torch.equal(got.reshape(-1, width).cpu().view(torch.int16),
-                                                    want.view(torch.int16))
+        exact &= got.dtype == dtype and torch.equal(
+            got.reshape(-1, width).cpu().view(torch.int16), want.view(torch.int16)
+        )
     cache.policy.check_invariants()
     s = cache.stats()
     label = f"{name} rows [{N}, {width}], {'pinned' if pinned else 'pageable'}, {'whole step' if whole else 'phases'}"
-    assert ok, (f"CUDA cache of {label}: rows == host gather and policy == CPU reference, 8 steps: "
-                + (why or f"misses per step {misses}, whole steps {whole_steps}, UVA share "
-                          f"{getattr(cache._whole_step, 'uva_share', 0.0)}"))
+    assert ok, f"CUDA cache of {label}: rows == host gather and policy == CPU reference, 8 steps: " + (
+        why
+        or f"misses per step {misses}, whole steps {whole_steps}, UVA share "
+        f"{getattr(cache._whole_step, 'uva_share', 0.0)}"
+    )
     assert exact and s.hits > 0 and s.evicted > 0, (
         f"CUDA cache of {label}: rows == torch indexing bit for bit, hits and replacements: "
         f"hit rate {s.hit_rate:.1%}, fetched / lookups {s.fetch_fraction:.1%}, evicted {s.evicted}, "
-        f"row bytes {s.row_bytes}")
+        f"row bytes {s.row_bytes}"
+    )
     cache.close()
     g.close()
 
@@ -105,11 +113,15 @@ def test_store_cache_on_cuda(dev) -> None:
 
     t32 = _table(torch, torch.float32, 32, seed=11)
     t16 = _table(torch, torch.bfloat16, 64, seed=12)
-    parted = TableStore([([t32[:20_000].clone(), t32[20_000:45_000].clone(), t32[45_000:].clone()], None),
-                         (t16.clone(), None)])
+    parted = TableStore(
+        [([t32[:20_000].clone(), t32[20_000:45_000].clone(), t32[45_000:].clone()], None), (t16.clone(), None)]
+    )
     pinned = TableStore([(t16.pin_memory(), None)])
     rng = np.random.default_rng(9)
-    for label, store in (("memory store, a layer in 3 regions + a bf16 layer", parted), ("a bf16 table in pinned memory", pinned)):
+    for label, store in (
+        ("memory store, a layer in 3 regions + a bf16 layer", parted),
+        ("a bf16 table in pinned memory", pinned),
+    ):
         plain = StoreGather(store, dev)
         cached = CachedStoreGather(store, dev, capacity_fraction=0.05, max_step_rows=8_192)
         ok = cached.paths == ["cache"] * store.num_layers
@@ -123,7 +135,8 @@ def test_store_cache_on_cuda(dev) -> None:
         stats = cached.stats()
         assert ok and all(s["hits"] > 0 for s in stats), (
             f"CachedStoreGather on CUDA == StoreGather: {label}: paths {cached.paths} (plain {plain.paths}); hit rates "
-            f"{[round(s['hit_rate'], 3) for s in stats]}")
+            f"{[round(s['hit_rate'], 3) for s in stats]}"
+        )
         bad = torch.tensor([3, N + 1], dtype=torch.int32, device=dev)
         cached.gather(0, bad, checked=False)
         try:
@@ -132,7 +145,8 @@ def test_store_cache_on_cuda(dev) -> None:
         except Exception as exc:  # noqa: BLE001 - the message is the check
             raised = str(exc)
         assert "1 gathered row id(s) were outside table 0" in raised, (
-            f"unchecked GPU ids: a bad id is counted and check_bad_rows raises ({label}): {raised}")
+            f"unchecked GPU ids: a bad id is counted and check_bad_rows raises ({label}): {raised}"
+        )
         cached.close()
         plain.close()
 
@@ -150,27 +164,33 @@ def test_tiny_qwen4_exp_with_the_cache_on_cuda(expected) -> None:
     from engram_trt.models.registry import open_checkpoint
 
     ckpt = open_checkpoint(DATA)
-    model = ckpt.architecture.load_model(ckpt, device="cuda", dtype=torch.float32,
-                                         engram_config=EngramConfig(hot_cache_fraction=0.3))
+    model = ckpt.architecture.load_model(
+        ckpt, device="cuda", dtype=torch.float32, engram_config=EngramConfig(hot_cache_fraction=0.3)
+    )
     assert model.ple_tables.paths == ["cache"], (
         f"tiny Qwen4Exp on CUDA with hot_cache_fraction: the PLE layer is cached: paths {model.ple_tables.paths}, "
-        f"store {model.ple_tables.kind}")
+        f"store {model.ple_tables.kind}"
+    )
     for i, prompt in enumerate(expected["prompts"]):
         got = model.generate_greedy(prompt, expected["new_tokens"], chunk=4, ignore_eos=True)
         assert got == expected["greedy"][i], (
-            f"prompt {i}: fp32 CUDA greedy tokens through the cache: {got} vs {expected['greedy'][i]}")
+            f"prompt {i}: fp32 CUDA greedy tokens through the cache: {got} vs {expected['greedy'][i]}"
+        )
     (stats,) = model.ple_tables.cache_stats()
-    assert stats["hits"] > 0, "the cache served hits: " + json.dumps({k: stats[k] for k in ("steps", "hits",
-                                                                                              "fetched")})
+    assert stats["hits"] > 0, "the cache served hits: " + json.dumps(
+        {k: stats[k] for k in ("steps", "hits", "fetched")}
+    )
     model.ple_tables.close()
     ckpt.close()
     with LLM(str(DATA), backend="torch", device="cuda", dtype="fp32", engram_config={"hot_cache_fraction": 0.2}) as llm:
-        outs = llm.generate(expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0,
-                                                                  ignore_eos=True))
+        outs = llm.generate(
+            expected["prompts"], SamplingParams(max_tokens=expected["new_tokens"], temperature=0.0, ignore_eos=True)
+        )
         ple = llm.runner.backend.model.ple_tables
         paths, graphs = ple.paths, llm.runner.backend.graphs
         replays = getattr(graphs, "replays", 0)
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == expected["greedy"] and paths == ["cache"], (
         f"LLM on CUDA with hot_cache_fraction: recorded greedy tokens: {got}; paths {paths}; decode graph replays "
-        f"{replays}")
+        f"{replays}"
+    )

@@ -28,7 +28,7 @@ import pytest
 from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness, say  # noqa: F401 (Harness: the CPU suite)
 
 DTYPES = ["float32", "bfloat16", "float16"]
-UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 CONFIGS = [  # (hc, hidden, embed_dim, kernel, dilation = ngram_size)
     (2, 64, 16, 4, 3),
     (4, 128, 24, 3, 2),
@@ -38,8 +38,9 @@ EPS = 1e-6
 
 
 def make_config(hc: int, D: int, E: int, K: int, n: int):
-    return SimpleNamespace(hc_count=hc, hidden_size=D, rms_norm_eps=EPS,
-                           ple=SimpleNamespace(ngram_size=n, conv_kernel_size=K, embed_dim=E))
+    return SimpleNamespace(
+        hc_count=hc, hidden_size=D, rms_norm_eps=EPS, ple=SimpleNamespace(ngram_size=n, conv_kernel_size=K, embed_dim=E)
+    )
 
 
 def random_module(torch, config, seed: int):
@@ -49,8 +50,8 @@ def random_module(torch, config, seed: int):
     m = PLEFusion(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        m.key_proj.weight.copy_(torch.randn(m.key_proj.weight.shape, generator=g) * config.ple.embed_dim ** -0.5)
-        m.value_proj.weight.copy_(torch.randn(m.value_proj.weight.shape, generator=g) * config.ple.embed_dim ** -0.5)
+        m.key_proj.weight.copy_(torch.randn(m.key_proj.weight.shape, generator=g) * config.ple.embed_dim**-0.5)
+        m.value_proj.weight.copy_(torch.randn(m.value_proj.weight.shape, generator=g) * config.ple.embed_dim**-0.5)
         for norm in (m.norm_key, m.norm_query, m.norm_conv):
             norm.weight.copy_(torch.randn(norm.weight.shape, generator=g) * 0.3)
         m.conv1d.weight.copy_(torch.randn(m.conv1d.weight.shape, generator=g) * 0.4)
@@ -110,7 +111,7 @@ def pack(step, per_seq):
 
     parts, starts = [], [0]
     for s, _, done, n in step:
-        parts.append(per_seq[s][done:done + n])
+        parts.append(per_seq[s][done : done + n])
         starts.append(starts[-1] + n)
     return torch.cat(parts), starts, [e[2] for e in step], [e[1] for e in step]
 
@@ -177,12 +178,8 @@ def test_kernel_matches_torch_reference(rng, dname, ci) -> None:
         worst, worst_state = max(worst, err), max(worst_state, s_err)
     tag = f"config{ci} {dname} ({len(steps)} steps, {sum(lengths)} tokens)"
     what = "max rel error" if dname == "float32" else "max excess over the bound"
-    assert ok_all, (
-        f"ple fusion kernel = torch reference, {tag}: "
-        f"{what} {worst:.3g}")
-    assert ok_state, (
-        f"ple fusion conv history = torch reference, {tag}: "
-        f"{what} {worst_state:.3g}")
+    assert ok_all, f"ple fusion kernel = torch reference, {tag}: {what} {worst:.3g}"
+    assert ok_state, f"ple fusion conv history = torch reference, {tag}: {what} {worst_state:.3g}"
 
 
 @pytest.mark.parametrize("dname", DTYPES)
@@ -211,8 +208,19 @@ def test_chunks_and_decode_equal_one_step(rng, dname) -> None:
         return torch.tensor(list(values), dtype=torch.int32, device=dev)
 
     def call(rows, seq_starts, past, slots, state):
-        return ple.ple_fusion(x[rows], key[rows], value[rows], *weights, state, i32(seq_starts), i32(past), i32(slots),
-                              hc_count=hc, dilation=n, eps=EPS)
+        return ple.ple_fusion(
+            x[rows],
+            key[rows],
+            value[rows],
+            *weights,
+            state,
+            i32(seq_starts),
+            i32(past),
+            i32(slots),
+            hc_count=hc,
+            dilation=n,
+            eps=EPS,
+        )
 
     state_whole = torch.zeros(len(lengths), W, H, dtype=dtype, device=dev)
     whole = call(torch.arange(T, device=dev), starts, [0] * len(lengths), range(len(lengths)), state_whole)
@@ -220,19 +228,23 @@ def test_chunks_and_decode_equal_one_step(rng, dname) -> None:
     pieces = {s: [] for s in range(len(lengths))}
     done = [0] * len(lengths)
     while any(done[s] < lengths[s] for s in range(len(lengths))):
-        step = [(s, min(int(rng.choice([1, 2, H, H + 2, 11])), lengths[s] - done[s]))
-                for s in range(len(lengths)) if done[s] < lengths[s]]
+        step = [
+            (s, min(int(rng.choice([1, 2, H, H + 2, 11])), lengths[s] - done[s]))
+            for s in range(len(lengths))
+            if done[s] < lengths[s]
+        ]
         idx = torch.cat([torch.arange(int(starts[s]) + done[s], int(starts[s]) + done[s] + m) for s, m in step]).to(dev)
         st = np.concatenate([[0], np.cumsum([m for _, m in step])])
         out = call(idx, st, [done[s] for s, _ in step], [s for s, _ in step], state)
         for j, (s, m) in enumerate(step):
-            pieces[s].append(out[int(st[j]):int(st[j + 1])])
+            pieces[s].append(out[int(st[j]) : int(st[j + 1])])
             done[s] += m
     chunked = torch.cat([torch.cat(pieces[s]) for s in range(len(lengths))])
     same = torch.equal(chunked, whole)
     assert same and torch.equal(state, state_whole), (
         f"ple fusion {dname}: chunks + decode steps = one whole step, bit for bit: "
-        f"max diff {float((chunked.float() - whole.float()).abs().max()):.3g}")
+        f"max diff {float((chunked.float() - whole.float()).abs().max()):.3g}"
+    )
 
 
 def test_edge_contracts(rng) -> None:
@@ -264,36 +276,46 @@ def test_edge_contracts(rng) -> None:
     s2 = state0.clone()
     f32 = ple.ple_fusion(x, key, value, *w32, s2, *meta, hc_count=hc, dilation=n, eps=EPS)
     assert torch.equal(f32, base) and torch.equal(s1, s2), (
-        "ple fusion: float32 weights holding bf16 values = bf16 weights, bit for bit")
+        "ple fusion: float32 weights holding bf16 values = bf16 weights, bit for bit"
+    )
     inplace = x.clone()
     s3 = state0.clone()
-    ple.ple_fusion(inplace, key, value, *w16, s3, *meta, hc_count=hc, dilation=n, eps=EPS, add_streams=True,
-                   out=inplace)
+    ple.ple_fusion(
+        inplace, key, value, *w16, s3, *meta, hc_count=hc, dilation=n, eps=EPS, add_streams=True, out=inplace
+    )
     want = x.float() + base.float()  # base: the update rounded once; inplace: streams + update rounded once
     err = float(((inplace.float() - want).abs() / (want.abs() + base.float().abs() + 1e-6)).max())
-    assert err <= 2.0 ** -7 and torch.equal(inplace[9:], x[9:]) and torch.equal(s3, s1), (
-        "ple fusion: add_streams in place = streams + update (one rounding): "
-        f"max |diff| / (|ref| + |update|) {err:.3g}")
+    assert err <= 2.0**-7 and torch.equal(inplace[9:], x[9:]) and torch.equal(s3, s1), (
+        f"ple fusion: add_streams in place = streams + update (one rounding): max |diff| / (|ref| + |update|) {err:.3g}"
+    )
     # a padding slot (-1): reads zeros as a fresh sequence would, keeps nothing
     s4 = state0.clone()
-    pad = ple.ple_fusion(x, key, value, *w16, s4, i32([0, 4, 9]), i32([5, 0]), i32([-1, 0]), hc_count=hc,
-                         dilation=n, eps=EPS)
+    pad = ple.ple_fusion(
+        x, key, value, *w16, s4, i32([0, 4, 9]), i32([5, 0]), i32([-1, 0]), hc_count=hc, dilation=n, eps=EPS
+    )
     s5 = state0.clone()
-    fresh = ple.ple_fusion(x, key, value, *w16, s5, i32([0, 4, 9]), i32([0, 0]), i32([2, 0]), hc_count=hc,
-                           dilation=n, eps=EPS)
+    fresh = ple.ple_fusion(
+        x, key, value, *w16, s5, i32([0, 4, 9]), i32([0, 0]), i32([2, 0]), hc_count=hc, dilation=n, eps=EPS
+    )
     assert torch.equal(pad[:4], fresh[:4]) and torch.equal(s4[0], s1[0]) and torch.equal(s4[1:], state0[1:]), (
-        "ple fusion: a slot outside the state reads zeros and writes nothing")
+        "ple fusion: a slot outside the state reads zeros and writes nothing"
+    )
     s6 = state0.clone()
-    empty = ple.ple_fusion(x[:0], key[:0], value[:0], *w16, s6, i32([0]), i32([]), i32([]), hc_count=hc,
-                           dilation=n, eps=EPS)
+    empty = ple.ple_fusion(
+        x[:0], key[:0], value[:0], *w16, s6, i32([0]), i32([]), i32([]), hc_count=hc, dilation=n, eps=EPS
+    )
     torch.cuda.synchronize()
     assert empty.shape == (0, W) and torch.equal(s6, state0), "ple fusion: T = 0 is a no-op"
 
 
 def plugin_fields(hc, D, K, n, eps, **override):
-    fields = {"hc_count": (PF_INT32, np.array([hc], np.int32)), "hidden": (PF_INT32, np.array([D], np.int32)),
-              "kernel": (PF_INT32, np.array([K], np.int32)), "dilation": (PF_INT32, np.array([n], np.int32)),
-              "eps": (PF_FLOAT32, np.array([eps], np.float32))}
+    fields = {
+        "hc_count": (PF_INT32, np.array([hc], np.int32)),
+        "hidden": (PF_INT32, np.array([D], np.int32)),
+        "kernel": (PF_INT32, np.array([K], np.int32)),
+        "dilation": (PF_INT32, np.array([n], np.int32)),
+        "eps": (PF_FLOAT32, np.array([eps], np.float32)),
+    }
     fields.update(override)
     return [(name, ftype, data) for name, (ftype, data) in fields.items()]
 
@@ -320,46 +342,69 @@ def check_plugin_cpu(harness: Harness) -> Checks:
     types = {}
     for io in ("bfloat16", "float16", "float32"):
         for wt in dict.fromkeys((io, "float32")):
-            types[f"{io}/{wt}"] = harness.outputs_types(h, [DT[io]] * 3 + [DT[wt]] * 4 + [DT[io]] + [DT["int32"]] * 3,
-                                                        2) == [DT[io]] * 2
+            types[f"{io}/{wt}"] = (
+                harness.outputs_types(h, [DT[io]] * 3 + [DT[wt]] * 4 + [DT[io]] + [DT["int32"]] * 3, 2) == [DT[io]] * 2
+            )
     checks.add("plugin EngramPleFusion getOutputDataTypes: both outputs streams' type", all(types.values()), str(types))
     refused = {}
     for what, in_types, needle in (
-            ("conv_state of another type", [DT["bfloat16"]] * 3 + [DT["bfloat16"]] * 4 + [DT["float32"]]
-             + [DT["int32"]] * 3, "must share one type"),
-            ("fp16 weights with bf16 streams", [DT["bfloat16"]] * 3 + [DT["float16"]] * 4 + [DT["bfloat16"]]
-             + [DT["int32"]] * 3, "must all be float32 or all streams' type"),
-            ("int64 slots", [DT["float32"]] * 8 + [DT["int32"]] * 2 + [DT["int64"]], "slots must be int32")):
+        (
+            "conv_state of another type",
+            [DT["bfloat16"]] * 3 + [DT["bfloat16"]] * 4 + [DT["float32"]] + [DT["int32"]] * 3,
+            "must share one type",
+        ),
+        (
+            "fp16 weights with bf16 streams",
+            [DT["bfloat16"]] * 3 + [DT["float16"]] * 4 + [DT["bfloat16"]] + [DT["int32"]] * 3,
+            "must all be float32 or all streams' type",
+        ),
+        ("int64 slots", [DT["float32"]] * 8 + [DT["int32"]] * 2 + [DT["int64"]], "slots must be int32"),
+    ):
         try:
             harness.outputs_types(h, in_types, 2)
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = needle in str(exc) or str(exc)[:160]
-    checks.add("plugin EngramPleFusion getOutputDataTypes refuses mixed types",
-               all(v is True for v in refused.values()), str(refused))
+    checks.add(
+        "plugin EngramPleFusion getOutputDataTypes refuses mixed types",
+        all(v is True for v in refused.values()),
+        str(refused),
+    )
     aliases = [harness.aliased_input(h, o) for o in range(2)]
-    checks.add("plugin EngramPleFusion getAliasedInput: the history output aliases conv_state (build capability v2)",
-               aliases == [(-1, 2), (7, 2)], str(aliases))
+    checks.add(
+        "plugin EngramPleFusion getAliasedInput: the history output aliases conv_state (build capability v2)",
+        aliases == [(-1, 2), (7, 2)],
+        str(aliases),
+    )
     h2 = harness.roundtrip(h)
-    checks.add("plugin EngramPleFusion serialize round trip",
-               harness.outputs_shapes(h2, in_shapes, 2) == shapes and harness.aliased_input(h2, 1) == (7, 2)
-               and harness.serialized_fields(h2) == harness.serialized_fields(h))
+    checks.add(
+        "plugin EngramPleFusion serialize round trip",
+        harness.outputs_shapes(h2, in_shapes, 2) == shapes
+        and harness.aliased_input(h2, 1) == (7, 2)
+        and harness.serialized_fields(h2) == harness.serialized_fields(h),
+    )
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = {}
     for what, fields, needle in (
-            ("hidden 60", plugin_fields(2, 60, 4, 3, 1e-6), "hidden a positive multiple of 8"),
-            ("kernel 0", plugin_fields(2, 64, 0, 3, 1e-6), "'kernel' = 0 is outside [1, 32]"),
-            ("kernel 33", plugin_fields(2, 64, 33, 3, 1e-6), "'kernel' = 33 is outside [1, 32]"),
-            ("dilation 0", plugin_fields(2, 64, 4, 0, 1e-6), "'dilation' = 0 is outside [1, 256]"),
-            ("eps -1", plugin_fields(2, 64, 4, 3, -1.0), "eps must be finite and >= 0"),
-            ("eps NaN", plugin_fields(2, 64, 4, 3, float("nan")), "eps must be finite and >= 0"),
-            ("hc_count 2^32 + 2 (int64)", plugin_fields(2, 64, 4, 3, 1e-6,
-                                                         hc_count=(PF_INT64, np.array([2**32 + 2], np.int64))),
-             "'hc_count' = 4294967298 is outside"),
-            ("hc_count * hidden >= 2^31", plugin_fields(65536, 32768, 4, 3, 1e-6), "exceeds 2^31 - 1"),
-            ("an unknown field", plugin_fields(2, 64, 4, 3, 1e-6) + [("bias", PF_INT32, np.array([1], np.int32))],
-             "unknown field(s) bias")):
+        ("hidden 60", plugin_fields(2, 60, 4, 3, 1e-6), "hidden a positive multiple of 8"),
+        ("kernel 0", plugin_fields(2, 64, 0, 3, 1e-6), "'kernel' = 0 is outside [1, 32]"),
+        ("kernel 33", plugin_fields(2, 64, 33, 3, 1e-6), "'kernel' = 33 is outside [1, 32]"),
+        ("dilation 0", plugin_fields(2, 64, 4, 0, 1e-6), "'dilation' = 0 is outside [1, 256]"),
+        ("eps -1", plugin_fields(2, 64, 4, 3, -1.0), "eps must be finite and >= 0"),
+        ("eps NaN", plugin_fields(2, 64, 4, 3, float("nan")), "eps must be finite and >= 0"),
+        (
+            "hc_count 2^32 + 2 (int64)",
+            plugin_fields(2, 64, 4, 3, 1e-6, hc_count=(PF_INT64, np.array([2**32 + 2], np.int64))),
+            "'hc_count' = 4294967298 is outside",
+        ),
+        ("hc_count * hidden >= 2^31", plugin_fields(65536, 32768, 4, 3, 1e-6), "exceeds 2^31 - 1"),
+        (
+            "an unknown field",
+            plugin_fields(2, 64, 4, 3, 1e-6) + [("bias", PF_INT32, np.array([1], np.int32))],
+            "unknown field(s) bias",
+        ),
+    ):
         try:
             harness.lib.harness_destroy(harness.create("EngramPleFusion", fields))
             refused[what] = "accepted"
@@ -396,16 +441,20 @@ def test_plugin_gpu(rng, harness, dname, wname, phase_name) -> None:
     hc, D, E, K, n = CONFIGS[0]
     W, H, S, slots_n = hc * D, (K - 1) * n, 3, 5
     km = random_module(torch, make_config(hc, D, E, K, n), seed=5)
-    weights = [w.detach().to(dev, dtype).to(wdtype).contiguous() for w in
-               (km.norm_key.weight, km.norm_query.weight, km.norm_conv.weight, km.conv1d.weight.reshape(W, K))]
+    weights = [
+        w.detach().to(dev, dtype).to(wdtype).contiguous()
+        for w in (km.norm_key.weight, km.norm_query.weight, km.norm_conv.weight, km.conv1d.weight.reshape(W, K))
+    ]
     lengths, past, slots = [7, 1, 12], [0, 9, 3], [4, 0, 2]
     T = sum(lengths)
     x = torch.from_numpy(rng.standard_normal((T, W)).astype(np.float32)).to(dev, dtype)
     key = torch.from_numpy(rng.standard_normal((T, W)).astype(np.float32)).to(dev, dtype)
     value = torch.from_numpy(rng.standard_normal((T, D)).astype(np.float32)).to(dev, dtype)
     state0 = torch.from_numpy(rng.standard_normal((slots_n, W, H)).astype(np.float32)).to(dev, dtype)
-    meta = [torch.tensor(v, dtype=torch.int32, device=dev) for v in
-            (np.concatenate([[0], np.cumsum(lengths)]).tolist(), past, slots)]
+    meta = [
+        torch.tensor(v, dtype=torch.int32, device=dev)
+        for v in (np.concatenate([[0], np.cumsum(lengths)]).tolist(), past, slots)
+    ]
     want_state = state0.clone()
     want = ple.ple_fusion(x, key, value, *weights, want_state, *meta, hc_count=hc, dilation=n, eps=EPS)
     io, wt = DT[dname], DT[wname]
@@ -421,15 +470,16 @@ def test_plugin_gpu(rng, harness, dname, wname, phase_name) -> None:
     assert torch.equal(out, want) and torch.equal(state, want_state) and ws == want_ws, (
         f"plugin EngramPleFusion enqueue {dname}/{wname} {phase_name}, history aliased (in place): "
         f"out-equal={torch.equal(out, want)} history-equal={torch.equal(state, want_state)} workspace={ws} "
-        f"(want {want_ws})")
+        f"(want {want_ws})"
+    )
     state_in = state0.clone()
     state_out = torch.full_like(state_in, float("nan"))
     out2 = torch.full((T, W), float("nan"), dtype=dtype, device=dev)
-    harness.run_outputs(h, [x, key, value, *weights, state_in, *meta], in_types, [out2, state_out], [io, io],
-                        stream)
+    harness.run_outputs(h, [x, key, value, *weights, state_in, *meta], in_types, [out2, state_out], [io, io], stream)
     torch.cuda.synchronize()
     assert torch.equal(out2, want) and torch.equal(state_out, want_state) and torch.equal(state_in, state0), (
-        f"plugin EngramPleFusion enqueue {dname}/{wname} {phase_name}, separate history output (copy fallback)")
+        f"plugin EngramPleFusion enqueue {dname}/{wname} {phase_name}, separate history output (copy fallback)"
+    )
     if h != base:
         harness.lib.harness_destroy(h)
     harness.lib.harness_destroy(base)

@@ -28,9 +28,16 @@ def make_layout(cfg):
     from engram_trt.engram.ple_hash import PLEHashLayout
 
     vocab, n, hpn, base, div, seed, eos, L = cfg
-    return PLEHashLayout.from_config(vocab_size=vocab, ngram_size=n, heads_per_ngram=hpn, ngram_vocab_size_base=base,
-                                     make_ngram_vocab_size_divisible_by=div, seed=seed, eos_token_id=eos,
-                                     num_layers=L)
+    return PLEHashLayout.from_config(
+        vocab_size=vocab,
+        ngram_size=n,
+        heads_per_ngram=hpn,
+        ngram_vocab_size_base=base,
+        make_ngram_vocab_size_divisible_by=div,
+        seed=seed,
+        eos_token_id=eos,
+        num_layers=L,
+    )
 
 
 def random_step(rng, layout, num_seqs: int, max_len: int, eos_frac: float = 0.08):
@@ -43,7 +50,7 @@ def random_step(rng, layout, num_seqs: int, max_len: int, eos_frac: float = 0.08
     for _ in range(max(1, int(T * eos_frac / 2))):
         if T:
             at = int(rng.integers(0, T))
-            ids[at: at + int(rng.integers(1, 4))] = layout.eos_id
+            ids[at : at + int(rng.integers(1, 4))] = layout.eos_id
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     starts[1:] = np.cumsum(lengths)
     ids[starts[:-1][lengths > 0][rng.random(int((lengths > 0).sum())) < 0.2]] = layout.eos_id  # EOS first
@@ -78,7 +85,8 @@ def test_kernel_ple_hash(rng, ci, num_seqs, max_len, which) -> None:
     got = out.cpu().numpy().astype(np.int64)
     assert np.array_equal(got, ref), (
         f"ple hash config{ci} layer {li} S={num_seqs} T={ids.shape[0]}: "
-        f"{int((got != ref).sum())} of {ref.size} ids differ")
+        f"{int((got != ref).sum())} of {ref.size} ids differ"
+    )
 
 
 @pytest.mark.parametrize("ci", range(len(CONFIGS)))
@@ -94,8 +102,13 @@ def test_kernel_ple_hash_fresh_context(rng, ci) -> None:
     last = layout.num_layers - 1
     ids, starts, _ = random_step(rng, layout, 5, 30)
     ref = ph.ple_hash_packed(ids, starts, ph.fresh_context(5, layout), layout, last)
-    got = native_ple.ple_hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
-                                     torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout, last)
+    got = native_ple.ple_hash_packed(
+        torch.from_numpy(ids.astype(np.int32)).to(dev),
+        torch.from_numpy(starts.astype(np.int32)).to(dev),
+        None,
+        layout,
+        last,
+    )
     assert np.array_equal(got.cpu().numpy(), ref), f"ple hash config{ci} context None = fresh"
 
 
@@ -117,32 +130,40 @@ def test_kernel_ple_hash_chunked(rng) -> None:
     pieces = []
     for a, b in zip(cuts[:-1], cuts[1:]):
         part = seq[a:b]
-        got = native_ple.ple_hash_packed(torch.from_numpy(part.astype(np.int32)).to(dev),
-                                         torch.tensor([0, b - a], dtype=torch.int32, device=dev),
-                                         torch.from_numpy(ctx.astype(np.int32)).to(dev), layout, 1)
+        got = native_ple.ple_hash_packed(
+            torch.from_numpy(part.astype(np.int32)).to(dev),
+            torch.tensor([0, b - a], dtype=torch.int32, device=dev),
+            torch.from_numpy(ctx.astype(np.int32)).to(dev),
+            layout,
+            1,
+        )
         pieces.append(got.cpu().numpy())
         ctx = ph.next_context(ctx, part, [0, b - a])
     got = np.concatenate(pieces)
     assert np.array_equal(got, whole), (
-        f"ple hash chunks + decode steps = whole: {int((got != whole).sum())} of {whole.size} ids differ")
+        f"ple hash chunks + decode steps = whole: {int((got != whole).sum())} of {whole.size} ids differ"
+    )
 
 
 def ple_plugin_fields(layout, layer: int, text: bool = False):
     """EngramPleHash's fields for one PLE layer: int64 arrays, or decimal text (the ONNX form)."""
+
     def array(values):
         values = np.ascontiguousarray(values, np.int64)
         if not text:
             return PF_INT64, values
         return PF_CHAR, np.frombuffer(",".join(str(int(v)) for v in values).encode(), np.uint8)
 
-    return [("ngram_size", PF_INT32, np.array([layout.ngram_size], np.int32)),
-            ("heads_per_ngram", PF_INT32, np.array([layout.heads_per_ngram], np.int32)),
-            ("eos_id", PF_INT64, np.array([layout.eos_id], np.int64)),
-            ("vocab_size", PF_INT64, np.array([layout.vocab_size], np.int64)),
-            ("table_rows", PF_INT64, np.array([layout.table_rows[layer]], np.int64)),
-            ("multipliers", *array(layout.multipliers[layer])),
-            ("primes", *array(layout.head_vocab_sizes[layer])),
-            ("offsets", *array(layout.head_offsets[layer]))]
+    return [
+        ("ngram_size", PF_INT32, np.array([layout.ngram_size], np.int32)),
+        ("heads_per_ngram", PF_INT32, np.array([layout.heads_per_ngram], np.int32)),
+        ("eos_id", PF_INT64, np.array([layout.eos_id], np.int64)),
+        ("vocab_size", PF_INT64, np.array([layout.vocab_size], np.int64)),
+        ("table_rows", PF_INT64, np.array([layout.table_rows[layer]], np.int64)),
+        ("multipliers", *array(layout.multipliers[layer])),
+        ("primes", *array(layout.head_vocab_sizes[layer])),
+        ("offsets", *array(layout.head_offsets[layer])),
+    ]
 
 
 @pytest.mark.parametrize("form", ["int64", "text"])
@@ -175,4 +196,5 @@ def test_plugin_ple_hash_enqueue(rng, harness, ci, num_seqs, max_len, form) -> N
     harness.lib.harness_destroy(h)
     assert all(same) and ws == {0}, (
         f"plugin EngramPleHash enqueue config{ci} layer {layer} S={num_seqs} T={ids.shape[0]} ({form}): "
-        f"build / runtime equal: {same}, workspace {sorted(ws)}")
+        f"build / runtime equal: {same}, workspace {sorted(ws)}"
+    )

@@ -44,12 +44,20 @@ STEPS = {  # (slot, past_len, new tokens) per sequence, per step
 
 
 def make_config(hidden, H, KVH, hd, factor, NI, di, budget, ratio):
-    return SimpleNamespace(hidden_size=hidden, num_attention_heads=H, num_key_value_heads=KVH, head_dim=hd,
-                           rms_norm_eps=1e-6, attention_bias=False,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                            "partial_rotary_factor": factor},
-                           indexer_n_heads=NI, indexer_kv_heads=1, indexer_head_dim=di, indexer_budget=budget,
-                           indexer_compress_ratio=ratio)
+    return SimpleNamespace(
+        hidden_size=hidden,
+        num_attention_heads=H,
+        num_key_value_heads=KVH,
+        head_dim=hd,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor},
+        indexer_n_heads=NI,
+        indexer_kv_heads=1,
+        indexer_head_dim=di,
+        indexer_budget=budget,
+        indexer_compress_ratio=ratio,
+    )
 
 
 def random_layer(torch, cfg, seed: int):
@@ -68,8 +76,14 @@ def fields_of(cfg):
     from engram_trt.native.qsa import QsaFields
 
     r = cfg.indexer_compress_ratio
-    return QsaFields(r, cfg.indexer_budget // r, rotary_dim(cfg), cfg.rope_parameters["rope_theta"], cfg.rms_norm_eps,
-                     cfg.head_dim ** -0.5)
+    return QsaFields(
+        r,
+        cfg.indexer_budget // r,
+        rotary_dim(cfg),
+        cfg.rope_parameters["rope_theta"],
+        cfg.rms_norm_eps,
+        cfg.head_dim**-0.5,
+    )
 
 
 def projections(torch, layer, x, positions):
@@ -116,8 +130,9 @@ def boundary_gaps(fields, iq, raw_cache, w, tslot, tpos) -> np.ndarray:
     drops nothing, so it has no boundary)."""
     from engram_trt.models.qwen4_exp import reference_qsa as ref
 
-    f = ref.QsaFields(fields.compress_ratio, fields.block_topk, fields.rot_dim, fields.rope_theta, fields.eps,
-                      fields.scaling)
+    f = ref.QsaFields(
+        fields.compress_ratio, fields.block_topk, fields.rot_dim, fields.rope_theta, fields.eps, fields.scaling
+    )
     gaps = np.full(len(tslot), np.inf)
     for t, (s, p) in enumerate(zip(tslot.tolist(), tpos.tolist())):
         if (p + 1) // f.compress_ratio <= f.block_topk:
@@ -160,14 +175,21 @@ def test_kernel_matches_gated_attention(dname, ci) -> None:
             inputs = projections(torch, layer, x, positions)
             with ungated(torch, layer):
                 want = layer(x, positions, starts, past, slots, *caches).float()
-        gaps = boundary_gaps(fields, inputs[3].double().numpy(), caches[2].double().numpy(), w.double().numpy(), tslot,
-                             tpos)
+        gaps = boundary_gaps(
+            fields, inputs[3].double().numpy(), caches[2].double().numpy(), w.double().numpy(), tslot, tpos
+        )
         rows = torch.from_numpy(gaps > (NEAR_TIE_16BIT if dname != "float32" else 0.0))
         dropped += int(np.isfinite(gaps).sum())
         compared += int((np.isfinite(gaps) & rows.numpy()).sum())
         worst_gap = min(worst_gap, float(gaps.min()))
-        got = qsa.qsa_attention(*[t.contiguous().cuda() for t in inputs], *dev_caches, w_dev,
-                                torch.from_numpy(tslot).cuda(), torch.from_numpy(tpos).cuda(), fields)
+        got = qsa.qsa_attention(
+            *[t.contiguous().cuda() for t in inputs],
+            *dev_caches,
+            w_dev,
+            torch.from_numpy(tslot).cuda(),
+            torch.from_numpy(tpos).cuda(),
+            fields,
+        )
         torch.cuda.synchronize()
         err = (got.float().cpu() - want)[rows].abs().max().item()
         scale = want.abs().max().item()
@@ -175,10 +197,12 @@ def test_kernel_matches_gated_attention(dname, ci) -> None:
         assert err <= TOLERANCE[dname] * scale and same_caches, (
             f"qsa kernel {dname} config {ci} step {n}: = GatedAttention core, caches bit-equal: "
             f"max error {err:.3e} scale {scale:.3e} caches-equal={same_caches} rows compared "
-            f"{int(rows.sum())}/{len(rows)}")
+            f"{int(rows.sum())}/{len(rows)}"
+        )
     assert compared > dropped // 2 and compared > 0 and (dname != "float32" or worst_gap > 1e-4), (
         f"qsa kernel {dname} config {ci}: blocks were dropped (rows compared), no float32 top-k boundary tie: "
-        f"dropping queries {dropped}, compared {compared}, smallest gap {worst_gap:.3e}")
+        f"dropping queries {dropped}, compared {compared}, smallest gap {worst_gap:.3e}"
+    )
 
 
 def test_decode_sizes_match_the_torch_decode() -> None:
@@ -204,8 +228,9 @@ def test_decode_sizes_match_the_torch_decode() -> None:
         with ungated(torch, layer):
             want = layer(x, positions, starts, past, slots, *caches)
     w = layer.indexer.k_layernorm.weight.detach()
-    gaps = boundary_gaps(fields, inputs[3].double().numpy(), caches[2].double().numpy(), w.double().numpy(), tslot,
-                         tpos)
+    gaps = boundary_gaps(
+        fields, inputs[3].double().numpy(), caches[2].double().numpy(), w.double().numpy(), tslot, tpos
+    )
     dropped, gap = int(np.isfinite(gaps).sum()), float(gaps.min())
     dev_in = [t.contiguous().cuda() for t in inputs]
     meta = [torch.from_numpy(tslot).cuda(), torch.from_numpy(tpos).cuda()]
@@ -215,7 +240,8 @@ def test_decode_sizes_match_the_torch_decode() -> None:
     scale = want.abs().max().item()
     assert err <= 2e-5 * scale and dropped == G and gap > 1e-4, (
         "qsa kernel decode 16 x ~1000 positions: = GatedAttention decode core (float32): "
-        f"max error {err:.3e} scale {scale:.3e} dropped={dropped} gap={gap:.3e}")
+        f"max error {err:.3e} scale {scale:.3e} dropped={dropped} gap={gap:.3e}"
+    )
     for _ in range(3):
         qsa.qsa_attention(*dev_in, *dev_caches, w.cuda(), *meta, fields, out=got)
     torch.cuda.synchronize()
@@ -238,10 +264,21 @@ def test_reference_agrees_and_edge_contracts() -> None:
 
     rng = np.random.default_rng(7)
     T, H, KVH, hd, NI, di, S, L = 6, 4, 2, 32, 2, 32, 3, 48
-    fields = qsa.QsaFields(4, 2, 16, 10000.0, 1e-6, hd ** -0.5)
-    arrays = [rng.standard_normal(s).astype(np.float32) * 0.5 for s in
-              ((T, H, hd), (T, KVH, hd), (T, KVH, hd), (T, NI, di), (T, di), (S, KVH, L, hd), (S, KVH, L, hd),
-               (S, L, di), (di,))]
+    fields = qsa.QsaFields(4, 2, 16, 10000.0, 1e-6, hd**-0.5)
+    arrays = [
+        rng.standard_normal(s).astype(np.float32) * 0.5
+        for s in (
+            (T, H, hd),
+            (T, KVH, hd),
+            (T, KVH, hd),
+            (T, NI, di),
+            (T, di),
+            (S, KVH, L, hd),
+            (S, KVH, L, hd),
+            (S, L, di),
+            (di,),
+        )
+    ]
     tslot = np.array([0, 0, 1, -1, 2, 5], np.int32)  # token 3: no slot; token 5: slot past the caches
     tpos = np.array([40, 41, 30, 3, 47, 2], np.int32)
     for case in ("random", "ties"):
@@ -253,24 +290,33 @@ def test_reference_agrees_and_edge_contracts() -> None:
         torch.cuda.synchronize()
         err = np.abs(got.cpu().numpy() - want).max()
         caches_ok = all(np.array_equal(d.cpu().numpy(), c) for d, c in zip(dev[5:8], want_caches))
-        assert (err <= 2e-5 * np.abs(want).max() and caches_ok and not got[3:4].any().item()
-                and not got[5:6].any().item()), (
+        assert (
+            err <= 2e-5 * np.abs(want).max() and caches_ok and not got[3:4].any().item() and not got[5:6].any().item()
+        ), (
             f"qsa kernel = float64 reference ({case}), padding rows zero, caches as the reference's: "
-            f"max error {err:.3e} caches-equal={caches_ok}")
-    empty = qsa.qsa_attention(*[torch.from_numpy(a[:0] if i < 5 else a).cuda() for i, a in enumerate(arrays)],
-                              torch.zeros(0, dtype=torch.int32, device="cuda"),
-                              torch.zeros(0, dtype=torch.int32, device="cuda"), fields)
+            f"max error {err:.3e} caches-equal={caches_ok}"
+        )
+    empty = qsa.qsa_attention(
+        *[torch.from_numpy(a[:0] if i < 5 else a).cuda() for i, a in enumerate(arrays)],
+        torch.zeros(0, dtype=torch.int32, device="cuda"),
+        torch.zeros(0, dtype=torch.int32, device="cuda"),
+        fields,
+    )
     assert tuple(empty.shape) == (0, H * hd), "qsa kernel: T = 0 is a no-op"
 
 
 # --- the plugin ---------------------------------------------------------------------------------
 
+
 def plugin_fields(ratio=4, topk=2, rot=16, theta=10000.0, eps=1e-6, scaling=0.125, drop=(), **override):
-    fields = {"compress_ratio": (PF_INT32, np.array([ratio], np.int32)),
-              "block_topk": (PF_INT32, np.array([topk], np.int32)), "rot_dim": (PF_INT32, np.array([rot], np.int32)),
-              "rope_theta": (PF_FLOAT32, np.array([theta], np.float32)),
-              "eps": (PF_FLOAT32, np.array([eps], np.float32)),
-              "scaling": (PF_FLOAT32, np.array([scaling], np.float32))}
+    fields = {
+        "compress_ratio": (PF_INT32, np.array([ratio], np.int32)),
+        "block_topk": (PF_INT32, np.array([topk], np.int32)),
+        "rot_dim": (PF_INT32, np.array([rot], np.int32)),
+        "rope_theta": (PF_FLOAT32, np.array([theta], np.float32)),
+        "eps": (PF_FLOAT32, np.array([eps], np.float32)),
+        "scaling": (PF_FLOAT32, np.array([scaling], np.float32)),
+    }
     fields.update(override)
     return [(name, ftype, data) for name, (ftype, data) in fields.items() if name not in drop]
 
@@ -294,11 +340,25 @@ def check_plugin_cpu(harness: Harness) -> Checks:
     checks = Checks()
     T, H, KVH, hd, NI, di, S, L = 7, 8, 2, 64, 4, 32, 3, 128
     h = harness.create("EngramQsaAttention", plugin_fields())
-    in_shapes = [(T, H, hd), (T, KVH, hd), (T, KVH, hd), (T, NI, di), (T, di), (S, KVH, L, hd), (S, KVH, L, hd),
-                 (S, L, di), (di,), (T,), (T,)]
+    in_shapes = [
+        (T, H, hd),
+        (T, KVH, hd),
+        (T, KVH, hd),
+        (T, NI, di),
+        (T, di),
+        (S, KVH, L, hd),
+        (S, KVH, L, hd),
+        (S, L, di),
+        (di,),
+        (T,),
+        (T,),
+    ]
     shapes = harness.outputs_shapes(h, in_shapes, 4)
-    checks.add("plugin EngramQsaAttention getOutputShapes",
-               shapes == [(T, H * hd), (S, KVH, L, hd), (S, KVH, L, hd), (S, L, di)], str(shapes))
+    checks.add(
+        "plugin EngramQsaAttention getOutputShapes",
+        shapes == [(T, H * hd), (S, KVH, L, hd), (S, KVH, L, hd), (S, L, di)],
+        str(shapes),
+    )
     types = {}
     for io in ("bfloat16", "float16", "float32"):
         for wt in dict.fromkeys((io, "float32")):
@@ -306,49 +366,72 @@ def check_plugin_cpu(harness: Harness) -> Checks:
     checks.add("plugin EngramQsaAttention getOutputDataTypes: every output q's type", all(types.values()), str(types))
     refused = {}
     for what, in_types, needle in (
-            ("index_key_cache of another type", [DT["bfloat16"]] * 7 + [DT["float32"]] + [DT["float32"]]
-             + [DT["int32"]] * 2, "index_key_cache must be q's type"),
-            ("fp16 weight with bf16 q", in_types_of("bfloat16", "float16"), "must be float32 or q's type"),
-            ("int64 token_pos", in_types_of("float32", "float32")[:-1] + [DT["int64"]], "token_pos must be int32"),
-            ("int32 q", [DT["int32"]] * 8 + [DT["float32"]] + [DT["int32"]] * 2, "q must be bfloat16")):
+        (
+            "index_key_cache of another type",
+            [DT["bfloat16"]] * 7 + [DT["float32"]] + [DT["float32"]] + [DT["int32"]] * 2,
+            "index_key_cache must be q's type",
+        ),
+        ("fp16 weight with bf16 q", in_types_of("bfloat16", "float16"), "must be float32 or q's type"),
+        ("int64 token_pos", in_types_of("float32", "float32")[:-1] + [DT["int64"]], "token_pos must be int32"),
+        ("int32 q", [DT["int32"]] * 8 + [DT["float32"]] + [DT["int32"]] * 2, "q must be bfloat16"),
+    ):
         try:
             harness.outputs_types(h, in_types, 4)
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = needle in str(exc) or str(exc)[:160]
-    checks.add("plugin EngramQsaAttention getOutputDataTypes refuses mixed types",
-               all(v is True for v in refused.values()), str(refused))
+    checks.add(
+        "plugin EngramQsaAttention getOutputDataTypes refuses mixed types",
+        all(v is True for v in refused.values()),
+        str(refused),
+    )
     aliases = [harness.aliased_input(h, o) for o in range(4)]
-    checks.add("plugin EngramQsaAttention getAliasedInput: the caches alias inputs 5-7 (build capability v2)",
-               aliases == [(-1, 2), (5, 2), (6, 2), (7, 2)], str(aliases))
+    checks.add(
+        "plugin EngramQsaAttention getAliasedInput: the caches alias inputs 5-7 (build capability v2)",
+        aliases == [(-1, 2), (5, 2), (6, 2), (7, 2)],
+        str(aliases),
+    )
     h2 = harness.roundtrip(h)
-    checks.add("plugin EngramQsaAttention serialize round trip",
-               harness.outputs_shapes(h2, in_shapes, 4) == shapes and harness.aliased_input(h2, 3) == (7, 2)
-               and harness.serialized_fields(h2) == harness.serialized_fields(h))
+    checks.add(
+        "plugin EngramQsaAttention serialize round trip",
+        harness.outputs_shapes(h2, in_shapes, 4) == shapes
+        and harness.aliased_input(h2, 3) == (7, 2)
+        and harness.serialized_fields(h2) == harness.serialized_fields(h),
+    )
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     refused = {}
     for what, fields, needle in (
-            ("compress_ratio 0", plugin_fields(ratio=0), "field 'compress_ratio' = 0 is outside [1, 16384]"),
-            ("block_topk 0", plugin_fields(topk=0), "field 'block_topk' = 0 is outside [1, 16384]"),
-            ("(topk + 1) * ratio too many", plugin_fields(ratio=64, topk=256), "(block_topk + 1) * compress_ratio"),
-            ("rot_dim odd", plugin_fields(rot=15), "rot_dim must be even"),
-            ("rot_dim 258", plugin_fields(rot=258), "field 'rot_dim' = 258 is outside [0, 256]"),
-            ("rope_theta 0", plugin_fields(theta=0.0), "rope_theta must be finite and > 0"),
-            ("eps NaN", plugin_fields(eps=float("nan")), "eps must be finite and >= 0"),
-            ("scaling -1", plugin_fields(scaling=-1.0), "scaling must be finite and > 0"),
-            ("scaling missing", plugin_fields(drop=("scaling",)), "missing field 'scaling'"),
-            ("block_topk 2^32 + 2 (int64)", plugin_fields(block_topk=(PF_INT64, np.array([2**32 + 2], np.int64))),
-             "'block_topk' = 4294967298 is outside"),
-            ("an unknown field", plugin_fields() + [("num_heads", PF_INT32, np.array([8], np.int32))],
-             "unknown field(s) num_heads")):
+        ("compress_ratio 0", plugin_fields(ratio=0), "field 'compress_ratio' = 0 is outside [1, 16384]"),
+        ("block_topk 0", plugin_fields(topk=0), "field 'block_topk' = 0 is outside [1, 16384]"),
+        ("(topk + 1) * ratio too many", plugin_fields(ratio=64, topk=256), "(block_topk + 1) * compress_ratio"),
+        ("rot_dim odd", plugin_fields(rot=15), "rot_dim must be even"),
+        ("rot_dim 258", plugin_fields(rot=258), "field 'rot_dim' = 258 is outside [0, 256]"),
+        ("rope_theta 0", plugin_fields(theta=0.0), "rope_theta must be finite and > 0"),
+        ("eps NaN", plugin_fields(eps=float("nan")), "eps must be finite and >= 0"),
+        ("scaling -1", plugin_fields(scaling=-1.0), "scaling must be finite and > 0"),
+        ("scaling missing", plugin_fields(drop=("scaling",)), "missing field 'scaling'"),
+        (
+            "block_topk 2^32 + 2 (int64)",
+            plugin_fields(block_topk=(PF_INT64, np.array([2**32 + 2], np.int64))),
+            "'block_topk' = 4294967298 is outside",
+        ),
+        (
+            "an unknown field",
+            plugin_fields() + [("num_heads", PF_INT32, np.array([8], np.int32))],
+            "unknown field(s) num_heads",
+        ),
+    ):
         try:
             harness.lib.harness_destroy(harness.create("EngramQsaAttention", fields))
             refused[what] = "accepted"
         except RuntimeError as exc:
             refused[what] = (needle in str(exc) and "\n" not in str(exc)) or str(exc)[:200]
-    checks.add("plugin EngramQsaAttention refuses bad fields in one line", all(v is True for v in refused.values()),
-               str(refused))
+    checks.add(
+        "plugin EngramQsaAttention refuses bad fields in one line",
+        all(v is True for v in refused.values()),
+        str(refused),
+    )
     return checks
 
 
@@ -382,10 +465,14 @@ def test_plugin_gpu(harness, dname, wname, phase_name) -> None:
     gen = torch.Generator().manual_seed(21)
     starts, past, slots, tslot, tpos = packed([(0, 20, 9), (1, 0, 6), (3, 33, 1)])
     T = starts[-1]
-    acts = [(torch.randn(s, generator=gen) * 0.5).to(dev, dtype) for s in
-            ((T, H, hd), (T, KVH, hd), (T, KVH, hd), (T, NI, di), (T, di))]
-    caches0 = [(torch.randn(s, generator=gen) * 0.5).to(dev, dtype) for s in
-               ((NUM_SLOTS, KVH, L, hd), (NUM_SLOTS, KVH, L, hd), (NUM_SLOTS, L, di))]
+    acts = [
+        (torch.randn(s, generator=gen) * 0.5).to(dev, dtype)
+        for s in ((T, H, hd), (T, KVH, hd), (T, KVH, hd), (T, NI, di), (T, di))
+    ]
+    caches0 = [
+        (torch.randn(s, generator=gen) * 0.5).to(dev, dtype)
+        for s in ((NUM_SLOTS, KVH, L, hd), (NUM_SLOTS, KVH, L, hd), (NUM_SLOTS, L, di))
+    ]
     w = (torch.randn(di, generator=gen) * 0.3).to(dev, dtype).to(wdtype)
     meta = [torch.from_numpy(tslot).to(dev), torch.from_numpy(tpos).to(dev)]
     want_caches = [c.clone() for c in caches0]
@@ -398,21 +485,25 @@ def test_plugin_gpu(harness, dname, wname, phase_name) -> None:
     h = make(base)
     caches = [c.clone() for c in caches0]
     out = torch.full((T, H * hd), float("nan"), dtype=dtype, device=dev)
-    ws = harness.run_outputs(h, [*acts, *caches, w, *meta], in_types_of(dname, wname), [out, *caches], [io] * 4,
-                             stream)
+    ws = harness.run_outputs(h, [*acts, *caches, w, *meta], in_types_of(dname, wname), [out, *caches], [io] * 4, stream)
     torch.cuda.synchronize()
     same = torch.equal(out, want) and all(torch.equal(a, b) for a, b in zip(caches, want_caches))
     assert same and ws == want_ws, (
         f"plugin EngramQsaAttention enqueue {dname}/{wname} {phase_name}, caches aliased (in place): "
-        f"equal={same} workspace={ws} (want {want_ws})")
+        f"equal={same} workspace={ws} (want {want_ws})"
+    )
     caches_in = [c.clone() for c in caches0]
     caches_out = [torch.full_like(c, float("nan")) for c in caches0]
     out2 = torch.full((T, H * hd), float("nan"), dtype=dtype, device=dev)
-    harness.run_outputs(h, [*acts, *caches_in, w, *meta], in_types_of(dname, wname), [out2, *caches_out],
-                        [io] * 4, stream)
+    harness.run_outputs(
+        h, [*acts, *caches_in, w, *meta], in_types_of(dname, wname), [out2, *caches_out], [io] * 4, stream
+    )
     torch.cuda.synchronize()
-    same = (torch.equal(out2, want) and all(torch.equal(a, b) for a, b in zip(caches_out, want_caches))
-            and all(torch.equal(a, b) for a, b in zip(caches_in, caches0)))
+    same = (
+        torch.equal(out2, want)
+        and all(torch.equal(a, b) for a, b in zip(caches_out, want_caches))
+        and all(torch.equal(a, b) for a, b in zip(caches_in, caches0))
+    )
     assert same, f"plugin EngramQsaAttention enqueue {dname}/{wname} {phase_name}, separate cache outputs (copy)"
     if h != base:
         harness.lib.harness_destroy(h)

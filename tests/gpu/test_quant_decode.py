@@ -63,7 +63,7 @@ def _qweight(gen, dev, kind: str, N: int, K: int, fmt: str = "ue8m0", lead: tupl
     from engram_trt.quant.weight import QuantWeight
 
     torch = _t()
-    w = torch.randn(*lead, N, K, generator=gen, device=dev) / K ** 0.5
+    w = torch.randn(*lead, N, K, generator=gen, device=dev) / K**0.5
     if kind == "bf16":
         return w.to(torch.bfloat16)
     if kind == "fp8":
@@ -102,13 +102,21 @@ def test_segments_against_float64(dev, T: int) -> None:
     x2 = torch.randn(T, 224, generator=gen, device=dev).to(torch.bfloat16)
     grouped = torch.randn(T, 2 * 272, generator=gen, device=dev).to(torch.bfloat16)  # two groups of K = 272
     x1[0, :128] *= 50.0  # a group far larger than its neighbours: per-group scales matter
-    weights = [(x1, _qweight(gen, dev, "fp8", 200, 320, "float")), (x1, _qweight(gen, dev, "fp8", 130, 320, "ue8m0")),
-               (x2, _qweight(gen, dev, "fp4", 96, 224)), (x1, _qweight(gen, dev, "bf16", 72, 320)),
-               (grouped[:, :272], _qweight(gen, dev, "fp8", 136, 272, "ue8m0")),
-               (grouped[:, 272:], _qweight(gen, dev, "fp8", 136, 272, "ue8m0"))]
+    weights = [
+        (x1, _qweight(gen, dev, "fp8", 200, 320, "float")),
+        (x1, _qweight(gen, dev, "fp8", 130, 320, "ue8m0")),
+        (x2, _qweight(gen, dev, "fp4", 96, 224)),
+        (x1, _qweight(gen, dev, "bf16", 72, 320)),
+        (grouped[:, :272], _qweight(gen, dev, "fp8", 136, 272, "ue8m0")),
+        (grouped[:, 272:], _qweight(gen, dev, "fp8", 136, 272, "ue8m0")),
+    ]
     big = torch.zeros(T, 2 * 136 + 8, dtype=torch.bfloat16, device=dev)  # the grouped outputs: slices of one buffer
-    outs = [torch.full((T, w.shape[0] if _kind(w) == "bf16" else w.out_features), float("nan"), dtype=torch.bfloat16,
-                       device=dev) for _x, w in weights[:4]] + [big[:, :136], big[:, 136:272]]
+    outs = [
+        torch.full(
+            (T, w.shape[0] if _kind(w) == "bf16" else w.out_features), float("nan"), dtype=torch.bfloat16, device=dev
+        )
+        for _x, w in weights[:4]
+    ] + [big[:, :136], big[:, 136:272]]
     for (x, w), out in zip(weights, outs):
         assert qd.segment_reason(x, w) is None, qd.segment_reason(x, w)
     qd.gemv_segments([(x, w, out) for (x, w), out in zip(weights, outs)])
@@ -121,13 +129,15 @@ def test_segments_against_float64(dev, T: int) -> None:
         ok = bool(torch.isfinite(out).all()) and bool((err <= bound).all())
         assert ok, (
             f"segments T {T}: segment {i} ({kind} {list(ref.shape)}) within the float64 GEMV bound: worst err / bound "
-            f"{float((err / bound).max()):.3f}")
+            f"{float((err / bound).max()):.3f}"
+        )
         if kind != "bf16":
             one = nq.linear(x.contiguous(), w)
             gap = (out.double() - one.double()).abs()
             assert bool((gap <= 2 * bound).all()), (
                 f"segments T {T}: segment {i} equals native.quant.linear within both bounds: worst gap / 2 bound "
-                f"{float((gap / (2 * bound)).max()):.3f}")
+                f"{float((gap / (2 * bound)).max()):.3f}"
+            )
     assert bool((big[:, 272:] == 0).all()), f"segments T {T}: the padding column after the grouped outputs untouched"
 
 
@@ -139,7 +149,7 @@ def _shared_reach(h, Wd) -> Any:
     group scale moving) on top: |delta h_q| <= (3 2^-8 + 2^-3 + 2^-3 2^-8 3) |h| elementwise;
     the down product of that, plus both sums' GEMV bounds, plus two bf16 roundings of the
     output (the shared value's and the sum's) of the result."""
-    rel = 3 * 2.0 ** -8 + 2.0 ** -3 + 3 * 2.0 ** -11
+    rel = 3 * 2.0**-8 + 2.0**-3 + 3 * 2.0**-11
     return rel * (h.abs() @ Wd.abs().T)
 
 
@@ -171,7 +181,8 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
     inside = (got >= lo_t) & (got <= hi_t)
     tag = f"T {T} k {k} E {E} limit {limit}"
     assert bool(inside.all()) and bool(torch.isfinite(got).all()), (
-        f"fused MoE (routed) within the float64 interval, {tag}: {int((~inside).sum())} outside")
+        f"fused MoE (routed) within the float64 interval, {tag}: {int((~inside).sum())} outside"
+    )
     fused = qd.moe(x, ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
     # the old path: native.quant.experts + the shared expert as fused.moe's fallback computes it
     old_routed = nq.experts(x, ids, route_w, gate, up, down, limit=limit)
@@ -188,7 +199,8 @@ def test_moe_against_float64_and_the_old_path(dev, T: int, k: int, E: int, limit
     bound = width + reach + sbound + out_round
     assert bool(torch.isfinite(fused).all()) and bool((gap <= bound).all()), (
         f"fused MoE (routed + shared) equals the old path within its reach, {tag}: "
-        f"worst gap / bound {float((gap / bound).max()):.3f}; identical {float((gap == 0).double().mean()):.3f}")
+        f"worst gap / bound {float((gap / bound).max()):.3f}; identical {float((gap == 0).double().mean()):.3f}"
+    )
     again = qd.moe(x, ids, route_w, gate, up, down, shared=(sg, su, sd), limit=limit)
     assert bool(torch.equal(fused, again)), f"fused MoE deterministic, {tag}"
     # a pick of no expert (id E) adds nothing: the same bits as that pick at weight 0
@@ -212,8 +224,11 @@ def _env(name: str, value: str):
             os.environ[name] = old
 
 
-def test_tiny_quantized_model_graphed_decode_equals_eager(dev, folders: dict[str, Path],  # noqa: F811
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_quantized_model_graphed_decode_equals_eager(
+    dev,
+    folders: dict[str, Path],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from engram_trt.models.deepseek_v4 import fused
     from engram_trt.models.step import PackedStep
     from engram_trt.native import quant_decode as qd
@@ -250,8 +265,7 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(dev, folders: dict[str
                 ids = torch.tensor(toks)
                 want = model.forward_step(PackedStep(ids, [1] * slots, past, list(range(slots))), eager)
                 got = graphs.run(PackedStep(torch.tensor(gt), [1] * slots, past, list(range(slots))), None)
-                assert got is not None, (
-                    f"{label}: the quantized model's decode step replayed: failed: {graphs.failed}")
+                assert got is not None, f"{label}: the quantized model's decode step replayed: failed: {graphs.failed}"
                 toks = want.argmax(-1).tolist()
                 gt = got.argmax(-1).tolist()
                 eager_toks.append(toks)
@@ -259,12 +273,15 @@ def test_tiny_quantized_model_graphed_decode_equals_eager(dev, folders: dict[str
                 past = [p + 1 for p in past]
             assert graph_toks == eager_toks, (
                 f"{label}: FP8 / FP4 tiny model graphed greedy tokens equal eager's over {steps} steps: eager "
-                f"{eager_toks[:3]} graphed {graph_toks[:3]}")
+                f"{eager_toks[:3]} graphed {graph_toks[:3]}"
+            )
             if label == "fused":
                 # per eager decode step: 2 MoE layers (a hash_moe and a moe, both stored FP4 / FP8), and
                 # the attention's q_a + kv, q_b, o_a and o_b of 3 layers at least
                 assert calls["moe"] >= 2 * steps and calls["gemv_segments"] >= 4 * 3 * steps, (
-                    f"fused: the stored-format kernels served the MoE and the projections: calls {calls}")
+                    f"fused: the stored-format kernels served the MoE and the projections: calls {calls}"
+                )
                 calls.update(gemv_segments=0, moe=0)
     assert calls["moe"] == 0 and calls["gemv_segments"] == 0, (
-        f"old: ENGRAM_TRT_DSV4_QUANT_FUSED=0 keeps the stored-format decode kernels out: calls {calls}")
+        f"old: ENGRAM_TRT_DSV4_QUANT_FUSED=0 keeps the stored-format decode kernels out: calls {calls}"
+    )

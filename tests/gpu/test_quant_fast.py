@@ -39,9 +39,20 @@ import numpy as np
 import pytest
 
 from .helpers import note
-from .test_quant_kernels import (U32, _assert_within, _expert_of_rows, _grouped_rows, _qweight, _weight64, _weight_case,
-                                 fp8_gemm_bound, fp8_tensor_core_error, gemv_bound, linear_activations,
-                                 linear_reference)
+from .test_quant_kernels import (
+    U32,
+    _assert_within,
+    _expert_of_rows,
+    _grouped_rows,
+    _qweight,
+    _weight64,
+    _weight_case,
+    fp8_gemm_bound,
+    fp8_tensor_core_error,
+    gemv_bound,
+    linear_activations,
+    linear_reference,
+)
 
 KNOBS = [  # (name, environment) the library reads at each launch
     ("default", {}),
@@ -79,9 +90,9 @@ class _env:
 
 FAST_GEMV_WEIGHTS = [  # (kind, N, K, block, scale fmt, rows)
     ("fp8", 300, 2048, (128, 128), "float", (1, 2, 3, 5, 8, 13)),
-    ("fp8", 77, 4800, (96, 48), "ue8m0", (1, 4)),           # divisors not powers of two, several steps
-    ("fp8", 40, 65536, (128, 128), "ue8m0", (1, 3)),        # one row does not fit the shared memory
-    ("fp8", 24, 16384, (128, 128), "float", (8,)),          # 8 rows do not: passes of fewer
+    ("fp8", 77, 4800, (96, 48), "ue8m0", (1, 4)),  # divisors not powers of two, several steps
+    ("fp8", 40, 65536, (128, 128), "ue8m0", (1, 3)),  # one row does not fit the shared memory
+    ("fp8", 24, 16384, (128, 128), "float", (8,)),  # 8 rows do not: passes of fewer
     ("fp4", 257, 7168, (1, 32), "ue8m0", (1, 2, 4, 8)),
     ("fp4", 33, 1024, (64, 64), "ue8m0", (1, 6)),
     ("bf16", 129, 2056, None, None, (1, 2, 4, 8)),
@@ -114,15 +125,16 @@ def test_gemv_knobs_and_weight_static(gen, dev, wi) -> None:
                     with _env(env):
                         qk.gemv(a, w, out, row_index=row_index, o_col0=5, weight_static=static)
                     tag = f"{kind} [{N}, {K}] block {block} {fmt}, {rows} rows, a {adt}, {name}, static {static}"
-                    _assert_within(f"gemv = float64, {tag}", out[:, 5:5 + N], ref, bound)
-                    outside = torch.cat([out[:, :5], out[:, 5 + N:]], dim=1)
+                    _assert_within(f"gemv = float64, {tag}", out[:, 5 : 5 + N], ref, bound)
+                    outside = torch.cat([out[:, :5], out[:, 5 + N :]], dim=1)
                     assert bool(torch.isnan(outside.float()).all()), f"gemv leaves the other columns, {tag}"
-                    outs[(name, static)] = out[:, 5:5 + N]
+                    outs[(name, static)] = out[:, 5 : 5 + N]
             base = outs[("default", False)]
             same = all(torch.equal(o, base) for o in outs.values())
             assert same, (
                 f"gemv: every knob and weight_static give the same bits, {kind} [{N}, {K}] {rows} rows {adt}: "
-                "the knobs change the grid, not the sums: outputs must be equal")
+                "the knobs change the grid, not the sums: outputs must be equal"
+            )
 
 
 @pytest.mark.parametrize("kind,fmt", [("fp8", "ue8m0"), ("fp4", "ue8m0"), ("bf16", None)])
@@ -148,15 +160,21 @@ def test_gemv_experts_batch_decode(gen, dev, kind, fmt) -> None:
     ref = torch.einsum("pk,pnk->pn", ad, Wr)
     mag = torch.einsum("pk,pnk->pn", ad.abs(), Wr.abs())
     counts = np.diff(offsets)
-    note(f"batch decode {kind}: experts with 1 / 2 / 3+ rows",
-         [int((counts == 1).sum()), int((counts == 2).sum()), int((counts >= 3).sum())])
+    note(
+        f"batch decode {kind}: experts with 1 / 2 / 3+ rows",
+        [int((counts == 1).sum()), int((counts == 2).sum()), int((counts >= 3).sum())],
+    )
     outs = []
     for name, env in KNOBS[:3]:
         out = torch.full((T * k, N), float("nan"), device=dev)
         with _env(env):
             qk.gemv(a, w, out, row_index=row_index, offsets=plan.offsets, slot_expert=plan.slot_expert)
-        _assert_within(f"grouped gemv = float64, {kind} {fmt}, {T} tokens x {k} of {E} experts, {name}", out, ref,
-                      gemv_bound(kind, K, ref, mag, out.dtype))
+        _assert_within(
+            f"grouped gemv = float64, {kind} {fmt}, {T} tokens x {k} of {E} experts, {name}",
+            out,
+            ref,
+            gemv_bound(kind, K, ref, mag, out.dtype),
+        )
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs), f"grouped gemv: the knobs give the same bits, {kind}"
     # the uneven loads of the kernel tests, with many slots and a slot list longer than the active experts
@@ -174,17 +192,27 @@ def test_gemv_experts_batch_decode(gen, dev, kind, fmt) -> None:
     for name, env in KNOBS[:3]:
         out = torch.full((P, N), float("nan"), device=dev)
         with _env(env):
-            qk.gemv(a2, w2, out, row_index=torch.from_numpy(ri).to(dev), offsets=torch.from_numpy(offs).to(dev),
-                    slot_expert=torch.from_numpy(slot_expert).to(dev))
-        _assert_within(f"grouped gemv = float64, {kind}, uneven rows {counts}, {name}", out, ref2,
-                      gemv_bound(kind, K, ref2, mag2, out.dtype))
+            qk.gemv(
+                a2,
+                w2,
+                out,
+                row_index=torch.from_numpy(ri).to(dev),
+                offsets=torch.from_numpy(offs).to(dev),
+                slot_expert=torch.from_numpy(slot_expert).to(dev),
+            )
+        _assert_within(
+            f"grouped gemv = float64, {kind}, uneven rows {counts}, {name}",
+            out,
+            ref2,
+            gemv_bound(kind, K, ref2, mag2, out.dtype),
+        )
 
 
 FUSED_CASES = [  # (kind, N, K, block, scale fmt, rows)
-    ("fp8", 200, 336, (128, 128), "float", (1, 3, 8)),    # a partial last group of 80 columns
+    ("fp8", 200, 336, (128, 128), "float", (1, 3, 8)),  # a partial last group of 80 columns
     ("fp8", 300, 7168, (128, 128), "ue8m0", (1, 2, 5)),
     ("fp4", 257, 2048, (1, 32), "ue8m0", (1, 4, 8)),
-    ("fp4", 64, 16384, (1, 32), "ue8m0", (1, 3)),         # the largest K the fused path promises
+    ("fp4", 64, 16384, (1, 32), "ue8m0", (1, 3)),  # the largest K the fused path promises
 ]
 
 
@@ -201,7 +229,8 @@ def test_gemv_fused_act_quant(gen, dev, ci) -> None:
     for rows in rows_list:
         for xdt in ("float32", "bfloat16"):
             base = torch.randn(rows + 3, K, generator=gen, device=dev) * torch.exp(
-                2 * torch.randn(rows + 3, 1, generator=gen, device=dev))
+                2 * torch.randn(rows + 3, 1, generator=gen, device=dev)
+            )
             if rows > 2:
                 base[1] = 0.0  # the amax floor
             x = base.to(getattr(torch, xdt))
@@ -213,10 +242,12 @@ def test_gemv_fused_act_quant(gen, dev, ci) -> None:
                 got = torch.full((rows, N + 6), float("nan"), device=dev)
                 qk.gemv(x, w, got, row_index=row_index, o_col0=3, act_quant=(group, ue8m0), weight_static=static)
                 tag = f"{kind} [{N}, {K}] {fmt}, {rows} rows, x {xdt}, static {static}"
-                same = torch.equal(got[:, 3:3 + N], want[:, 3:3 + N])
-                assert same, (f"gemv quantizing x itself = act_quant then gemv, bit for bit, {tag}: "
-                              f"{int((got[:, 3:3 + N] != want[:, 3:3 + N]).sum())} differ")
-                outside = torch.cat([got[:, :3], got[:, 3 + N:]], dim=1)
+                same = torch.equal(got[:, 3 : 3 + N], want[:, 3 : 3 + N])
+                assert same, (
+                    f"gemv quantizing x itself = act_quant then gemv, bit for bit, {tag}: "
+                    f"{int((got[:, 3 : 3 + N] != want[:, 3 : 3 + N]).sum())} differ"
+                )
+                outside = torch.cat([got[:, :3], got[:, 3 + N :]], dim=1)
                 assert bool(torch.isnan(outside).all()), f"gemv quantizing x leaves the other columns, {tag}"
 
 
@@ -251,13 +282,18 @@ def test_gemv_fused_act_quant_experts_and_refusal(gen, dev) -> None:
     except EngramError as exc:
         ok, detail = "quantize them first" in str(exc) and "\n" not in str(exc), str(exc)
     assert ok and bool(torch.isnan(out).all()), (
-        f"gemv quantizing x refuses K = 65536 (one line) and leaves out: {detail}")
+        f"gemv quantizing x refuses K = 65536 (one line) and leaves out: {detail}"
+    )
     # linear on a K that large still runs (act_quant first, then the GEMV)
     x = torch.randn(2, 65536, generator=gen, device=dev)
     y = nq.linear(x, qw)
     ref, mag = linear_reference(x, qw)
-    _assert_within("linear with K = 65536 (two launches) = float64", y.cpu(), ref,
-                  (gemv_bound("fp8", 65536, ref, mag, y.dtype) + U32 * mag).cpu())
+    _assert_within(
+        "linear with K = 65536 (two launches) = float64",
+        y.cpu(),
+        ref,
+        (gemv_bound("fp8", 65536, ref, mag, y.dtype) + U32 * mag).cpu(),
+    )
 
 
 def test_linear_and_experts_fused_equal_two_launches(gen, dev) -> None:
@@ -279,7 +315,8 @@ def test_linear_and_experts_fused_equal_two_launches(gen, dev) -> None:
                 want = torch.empty((M, N), device=dev, dtype=xdt)
                 qk.gemv(deq, w, want)
                 assert torch.equal(y, want), (
-                    f"linear (fused quantization) = act_quant + gemv, bit for bit, {kind} {M} rows {xdt}: ")
+                    f"linear (fused quantization) = act_quant + gemv, bit for bit, {kind} {M} rows {xdt}: "
+                )
     E, D, I, k, T = 8, 256, 128, 4, 3
     for kind in ("fp8", "fp4"):
         block = (128, 128) if kind == "fp8" else (1, 32)
@@ -293,16 +330,19 @@ def test_linear_and_experts_fused_equal_two_launches(gen, dev) -> None:
         plan = nq.moe_plan(ids, E)
         g, u = _qweight(gate, True), _qweight(up, True)
         group, ue8m0 = nq.ACT_QUANT[kind]
-        deq = qk.act_quant(x, group, ue8m0, q=False, scale=False,
-                           deq_dtype=torch.float32 if kind == "fp8" else torch.bfloat16)[2]
+        deq = qk.act_quant(
+            x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32 if kind == "fp8" else torch.bfloat16
+        )[2]
         gu = torch.empty((T * k, 2 * I), device=dev)
         rows = {"row_index": plan.row_token, "offsets": plan.offsets, "slot_expert": plan.slot_expert}
         qk.gemv(deq, g, gu[:, :I], **rows)
         qk.gemv(deq, u, gu[:, I:], **rows)
-        dg, dug = (qk.gemv(x, wq, torch.empty((T * k, I), device=dev), act_quant=(group, ue8m0), **rows)
-                   for wq in (g, u))
+        dg, dug = (
+            qk.gemv(x, wq, torch.empty((T * k, I), device=dev), act_quant=(group, ue8m0), **rows) for wq in (g, u)
+        )
         assert torch.equal(dg, gu[:, :I]) and torch.equal(dug, gu[:, I:]), (
-            f"experts gate / up (fused quantization) = act_quant + gemv, bit for bit, {kind}: ")
+            f"experts gate / up (fused quantization) = act_quant + gemv, bit for bit, {kind}: "
+        )
         again = nq.experts(x, ids, route_w, gate, up, down, limit=7.0)
         assert torch.equal(y, again), f"experts deterministic with the fused quantization, {kind}"
 
@@ -332,8 +372,10 @@ def test_linear_fp8_gemm_route(gen, dev, fmt) -> None:
                 assert reason is not None, f"linear: {nq.FP8_GEMM_ENV}=ours takes engram_fp8_gemm, {tag}"
             assert tuple(y.shape) == (M, N) and y.dtype == x.dtype, f"linear shape and dtype, {tag}"
             _assert_within(f"linear fp8 gemm = float64 of the quantized activations, {tag}", y.cpu(), ref, bound.cpu())
-        note(f"linear fp8 gemm worst relative error, [{M}, {K}] x [{N}, {K}] {fmt}",
-             float(((y.double().cpu() - ref).abs() / (mag + 1e-30)).max()))
+        note(
+            f"linear fp8 gemm worst relative error, [{M}, {K}] x [{N}, {K}] {fmt}",
+            float(((y.double().cpu() - ref).abs() / (mag + 1e-30)).max()),
+        )
 
 
 def test_linear_gemv_weight_static_and_graph(gen, dev) -> None:
@@ -350,8 +392,12 @@ def test_linear_gemv_weight_static_and_graph(gen, dev) -> None:
     static = nq.linear(x, qw8, weight_static=True)
     assert bool(torch.equal(plain, static)), "linear weight_static = plain, bit for bit"
     ref, mag = linear_reference(x, qw8)
-    _assert_within("linear weight_static = float64", static.cpu(), ref,
-                  (gemv_bound("fp8", 1024, ref, mag, static.dtype) + U32 * mag).cpu())
+    _assert_within(
+        "linear weight_static = float64",
+        static.cpu(),
+        ref,
+        (gemv_bound("fp8", 1024, ref, mag, static.dtype) + U32 * mag).cpu(),
+    )
 
     def step(inp):
         h = nq.linear(inp, qw8, weight_static=True)  # [2, 512]: the next call's activations

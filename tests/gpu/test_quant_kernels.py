@@ -57,7 +57,7 @@ import pytest
 
 from .helpers import note, say
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 
 
 def _t():
@@ -68,7 +68,7 @@ def _t():
 
 def _out_u(dtype) -> float:
     torch = _t()
-    return {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    return {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
 
 
 def _assert_within(name: str, got, ref, bound) -> None:
@@ -92,13 +92,15 @@ def _assert_equal(name: str, got, want) -> None:
 
 # --- weights ----------------------------------------------------------------------------------
 
+
 def _fp8(gen, lead, N, K, block, fmt, device):
     from engram_trt.quant import formats
     from engram_trt.quant.weight import QuantWeight
 
     torch = _t()
     w = torch.randn(*lead, N, K, generator=gen, device=gen.device) * torch.exp(
-        torch.randn(*lead, N, 1, generator=gen, device=gen.device))
+        torch.randn(*lead, N, 1, generator=gen, device=gen.device)
+    )
     q, s = formats.quantize_fp8(w, block, fmt)
     return QuantWeight(q.to(device), s.to(device), "fp8", block)
 
@@ -109,7 +111,8 @@ def _fp4(gen, lead, N, K, device, block=(1, 32)):
 
     torch = _t()
     w = torch.randn(*lead, N, K, generator=gen, device=gen.device) * torch.exp(
-        0.5 * torch.randn(*lead, N, 1, generator=gen, device=gen.device))
+        0.5 * torch.randn(*lead, N, 1, generator=gen, device=gen.device)
+    )
     q, s = formats.quantize_fp4(w, block[1])
     if block[0] > 1:  # a coarser row block: one scale per bn rows (the largest of the rows')
         gn = -(-N // block[0])
@@ -156,8 +159,9 @@ def test_act_quant_is_formats_bit_for_bit(gen, dev, ci) -> None:
     torch = _t()
     M, K, extra, group, ue8m0, xd, dd = ACT_CASES[ci]
     xdt, ddt = getattr(torch, xd), getattr(torch, dd)
-    base = torch.randn(M, K + extra, generator=gen, device=dev) * torch.exp(3 * torch.randn(M, 1, generator=gen,
-                                                                                            device=dev))
+    base = torch.randn(M, K + extra, generator=gen, device=dev) * torch.exp(
+        3 * torch.randn(M, 1, generator=gen, device=dev)
+    )
     if M > 2:
         base[1] = 0.0  # the amax floor
         base[2, :8] = torch.tensor([448.0, -448.0, 464.0, 1e-30, -0.0, 240.0, 0.001, -3.0e4], device=dev)
@@ -197,6 +201,7 @@ def test_swiglu_act_quant(gen, dev) -> None:
 
 # --- 2. the routed step's plan ----------------------------------------------------------------
 
+
 def plan_reference(ids: np.ndarray, E: int, slots: int) -> dict[str, np.ndarray]:
     """engram_moe_plan restated: a stable sort of the pairs by expert, pairs of no expert last."""
     T, k = ids.shape
@@ -208,11 +213,17 @@ def plan_reference(ids: np.ndarray, E: int, slots: int) -> dict[str, np.ndarray]
     offsets = np.concatenate([[0], np.cumsum(counts[:E])]).astype(np.int32)
     active = np.nonzero(counts[:E])[0].astype(np.int32)
     slot = np.full(slots, -1, dtype=np.int32)
-    slot[:len(active)] = active
+    slot[: len(active)] = active
     pair_row = np.empty_like(order)
     pair_row[order] = np.arange(len(order), dtype=np.int32)
-    return {"offsets": offsets, "order": order, "row_token": (order // k).astype(np.int32), "pair_row": pair_row,
-            "slot_expert": slot, "error": np.array([0 if valid.all() else 1], dtype=np.int32)}
+    return {
+        "offsets": offsets,
+        "order": order,
+        "row_token": (order // k).astype(np.int32),
+        "pair_row": pair_row,
+        "slot_expert": slot,
+        "error": np.array([0 if valid.all() else 1], dtype=np.int32),
+    }
 
 
 def test_moe_plan_is_the_stable_sort(dev) -> None:
@@ -220,9 +231,15 @@ def test_moe_plan_is_the_stable_sort(dev) -> None:
 
     torch = _t()
     rng = np.random.default_rng(5)
-    cases = [(1, 6, 256, "int32", 0.0), (37, 8, 256, "int64", 0.02), (5000, 8, 256, "int32", 0.0),
-             (300, 4, 4096, "int64", 0.01), (50, 2, 1, "int32", 0.1), (0, 6, 64, "int32", 0.0),
-             (2000, 6, 700, "int32", 0.0)]
+    cases = [
+        (1, 6, 256, "int32", 0.0),
+        (37, 8, 256, "int64", 0.02),
+        (5000, 8, 256, "int32", 0.0),
+        (300, 4, 4096, "int64", 0.01),
+        (50, 2, 1, "int32", 0.1),
+        (0, 6, 64, "int32", 0.0),
+        (2000, 6, 700, "int32", 0.0),
+    ]
     for T, k, E, dt, bad in cases:
         probs = rng.dirichlet(np.full(E, 0.3))  # uneven loads, some experts empty
         ids = rng.choice(E, size=(T, k), p=probs)
@@ -241,6 +258,7 @@ def test_moe_plan_is_the_stable_sort(dev) -> None:
 
 # --- 3. the GEMV ---------------------------------------------------------------------------
 
+
 def gemv_bound(kind: str, K: int, ref, mag, out_dtype):
     vpv = {"fp8": 16, "fp4": 32, "bf16": 8}[kind]
     n = vpv + -(-K // (32 * vpv)) + 7
@@ -256,7 +274,7 @@ def _grouped_rows(rng, T, counts):
     active = [e for e in range(E) if counts[e]]
     slots = max(1, min(int(offsets[-1]), E))
     slot_expert = np.full(slots, -1, dtype=np.int32)
-    slot_expert[:len(active)] = active
+    slot_expert[: len(active)] = active
     return offsets, row_index, slot_expert
 
 
@@ -293,8 +311,14 @@ def test_gemv_one_weight(gen, dev, wi) -> None:
     qw = _weight_case(gen, dev, kind, (), N, K, block, fmt)
     w = _qweight(qw, False) if kind != "bf16" else qk.make_weight("w", qw, None, "bf16", (1, 1), False)
     W = _weight64(qw)[0]
-    for rows, adt, odt in ((1, "float32", "float32"), (2, "bfloat16", "bfloat16"), (3, "float32", "float16"),
-                           (5, "float32", "float32"), (8, "bfloat16", "float32"), (13, "float32", "bfloat16")):
+    for rows, adt, odt in (
+        (1, "float32", "float32"),
+        (2, "bfloat16", "bfloat16"),
+        (3, "float32", "float16"),
+        (5, "float32", "float32"),
+        (8, "bfloat16", "float32"),
+        (13, "float32", "bfloat16"),
+    ):
         if K >= 4096 and rows not in (1, 8):
             continue
         a = (torch.randn(rows + 4, K, generator=gen, device=dev) * 2).to(getattr(torch, adt))
@@ -304,8 +328,8 @@ def test_gemv_one_weight(gen, dev, wi) -> None:
         ad = a.double()[row_index.long()]
         ref, mag = ad @ W.t(), ad.abs() @ W.abs().t()
         tag = f"{kind} [{N}, {K}] block {block} {fmt}, {rows} rows, a {adt}, out {odt}"
-        _assert_within(f"gemv = float64, {tag}", out[:, 20:20 + N], ref, gemv_bound(kind, K, ref, mag, out.dtype))
-        outside = torch.cat([out[:, :20], out[:, 20 + N:]], dim=1)
+        _assert_within(f"gemv = float64, {tag}", out[:, 20 : 20 + N], ref, gemv_bound(kind, K, ref, mag, out.dtype))
+        outside = torch.cat([out[:, :20], out[:, 20 + N :]], dim=1)
         assert bool(torch.isnan(outside.float()).all()), f"gemv leaves the other columns, {tag}"
 
 
@@ -316,20 +340,28 @@ def test_gemv_experts(gen, dev, kind, fmt) -> None:
     torch = _t()
     rng = np.random.default_rng(17)
     N, K = (192, 256) if kind != "bf16" else (96, 136)
-    for T, counts in ((6, [1, 0, 2, 0, 0, 1, 1, 0]),      # decode: one or two rows an expert
-                      (20, [13, 0, 9, 2, 0, 16, 1, 0]),   # more rows than a pass, empty experts
-                      (4, [0, 0, 0, 0, 0, 0, 0, 3])):     # one active expert, the last
+    for T, counts in (
+        (6, [1, 0, 2, 0, 0, 1, 1, 0]),  # decode: one or two rows an expert
+        (20, [13, 0, 9, 2, 0, 16, 1, 0]),  # more rows than a pass, empty experts
+        (4, [0, 0, 0, 0, 0, 0, 0, 3]),
+    ):  # one active expert, the last
         E = len(counts)
         qw = _weight_case(gen, dev, kind, (E,), N, K, None, fmt)
-        w = (_qweight(qw, True) if kind != "bf16" else qk.make_weight("w", qw, None, "bf16", (1, 1), True))
+        w = _qweight(qw, True) if kind != "bf16" else qk.make_weight("w", qw, None, "bf16", (1, 1), True)
         W = _weight64(qw)
         offsets, row_index, slot_expert = _grouped_rows(rng, T, counts)
         P = int(offsets[-1])
         a = torch.randn(T, K, generator=gen, device=dev) * 3
         out = torch.full((P, 2 * N), float("nan"), device=dev)
-        qk.gemv(a, w, out, row_index=torch.from_numpy(row_index).to(dev),
-                offsets=torch.from_numpy(offsets).to(dev), slot_expert=torch.from_numpy(slot_expert).to(dev),
-                o_col0=N)
+        qk.gemv(
+            a,
+            w,
+            out,
+            row_index=torch.from_numpy(row_index).to(dev),
+            offsets=torch.from_numpy(offsets).to(dev),
+            slot_expert=torch.from_numpy(slot_expert).to(dev),
+            o_col0=N,
+        )
         experts = torch.from_numpy(_expert_of_rows(offsets)).to(dev)
         ad = a.double()[torch.from_numpy(row_index).long().to(dev)]
         Wr = W[experts]
@@ -368,7 +400,7 @@ def fp8_tensor_core_error(ad, W, ad_radius=None):
                 pmax = pmax + pr
                 cr = cr + pr.sum(-1)
             top = torch.maximum(c.abs() + cr + e, pmax.amax(-1))
-            e = e + 33 * 2.0 ** -TC_FP8_BITS * top
+            e = e + 33 * 2.0**-TC_FP8_BITS * top
             c = c + prod.sum(-1)
         total += e
     return total
@@ -383,7 +415,7 @@ def fp8_gemm_bound(K: int, ref, mag, out_dtype, tc_error):
 
 
 def bf16_gemm_bound(K: int, ref, mag, out_dtype):
-    acc = (K + -(-K // 16)) * 2.0 ** -23 * mag
+    acc = (K + -(-K // 16)) * 2.0**-23 * mag
     return _out_u(out_dtype) * (ref.abs() + acc) + acc + 1e-30
 
 
@@ -485,8 +517,9 @@ def test_gemms_are_exact_on_small_integers(dev) -> None:
             out = torch.empty((Prows, N), device=dev)
             qk.fp8_gemm(aq, a_s, _qweight(qw, counts is not None), out, row_index=row_index, offsets=offsets)
             ref = torch.einsum("pk,pnk->pn", ad, _weight64(qw)[experts])
-            _assert_equal(f"fp8 gemm exact on small integers, P {Prows} N {N} K {K} bn {bn} experts {counts}", out,
-                         ref.float())
+            _assert_equal(
+                f"fp8 gemm exact on small integers, P {Prows} N {N} K {K} bn {bn} experts {counts}", out, ref.float()
+            )
     for kind, counts in (("fp4", None), ("fp4", [50, 0, 90]), ("bf16", [33, 140])):
         E = 1 if counts is None else len(counts)
         lead = (E,) if counts else ()
@@ -494,8 +527,9 @@ def test_gemms_are_exact_on_small_integers(dev) -> None:
         if kind == "fp4":
             codes = torch.from_numpy(rng.integers(0, 16, size=(*lead, N, K)))
             sb = torch.from_numpy(rng.integers(124, 129, size=(*lead, N, K // 32)).astype(np.uint8))
-            qw = QuantWeight(formats.pack_fp4(codes).view(torch.int8).to(dev), sb.to(dev).view(torch.float8_e8m0fnu),
-                             "fp4", (1, 32))
+            qw = QuantWeight(
+                formats.pack_fp4(codes).view(torch.int8).to(dev), sb.to(dev).view(torch.float8_e8m0fnu), "fp4", (1, 32)
+            )
             w = _qweight(qw, counts is not None)
         else:
             qw = torch.from_numpy(rng.integers(-4, 5, size=(*lead, N, K)).astype(np.float32)).to(dev, torch.bfloat16)
@@ -537,13 +571,22 @@ def test_grouped_gemm(gen, dev, ci) -> None:
     E = 1 if counts is None else len(counts)
     lead = (E,) if counts else ()
     qw = _weight_case(gen, dev, kind, lead, N, K, block, "ue8m0")
-    w = _qweight(qw, counts is not None) if kind != "bf16" else qk.make_weight("w", qw, None, "bf16", (1, 1),
-                                                                                 counts is not None)
+    w = (
+        _qweight(qw, counts is not None)
+        if kind != "bf16"
+        else qk.make_weight("w", qw, None, "bf16", (1, 1), counts is not None)
+    )
     W = _weight64(qw)
     T = rows if counts is None else 150
     a = (torch.randn(T, K, generator=gen, device=dev) * 2).to(torch.bfloat16)
     if counts is None:
-        P, row_index, offsets, experts, ad = rows, None, None, torch.zeros(rows, dtype=torch.long, device=dev), a.double()
+        P, row_index, offsets, experts, ad = (
+            rows,
+            None,
+            None,
+            torch.zeros(rows, dtype=torch.long, device=dev),
+            a.double(),
+        )
     else:
         offs, ri, _ = _grouped_rows(rng, T, counts)
         P = int(offs[-1])
@@ -563,18 +606,22 @@ def test_dequantize_is_formats(gen, dev) -> None:
     from engram_trt.native import quant_kernels as qk
 
     torch = _t()
-    for qw, stacked in ((_fp8(gen, (), 200, 336, (128, 128), "float", dev), False),
-                        (_fp8(gen, (3,), 70, 160, (64, 32), "ue8m0", dev), True),
-                        (_fp4(gen, (2,), 33, 96, dev), True)):
+    for qw, stacked in (
+        (_fp8(gen, (), 200, 336, (128, 128), "float", dev), False),
+        (_fp8(gen, (3,), 70, 160, (64, 32), "ue8m0", dev), True),
+        (_fp4(gen, (2,), 33, 96, dev), True),
+    ):
         w = _qweight(qw, stacked)
         want = _weight64(qw)
         _assert_equal(f"dequantize float32 = formats, {qw.kind} {list(want.shape)}", qk.dequantize(w), want.float())
         # the header's rounding: the float32 product, rounded once more to bf16
-        _assert_equal(f"dequantize bf16 = formats, {qw.kind}", qk.dequantize(w, torch.bfloat16),
-                     want.float().to(torch.bfloat16))
+        _assert_equal(
+            f"dequantize bf16 = formats, {qw.kind}", qk.dequantize(w, torch.bfloat16), want.float().to(torch.bfloat16)
+        )
 
 
 # --- 5. end to end: native.quant.linear / experts ------------------------------------------
+
 
 def linear_activations(x, qw):
     """x ``[M, K]`` quantized as linear() does (formats.act_quant on the CPU: the kernel's
@@ -586,8 +633,9 @@ def linear_activations(x, qw):
     group, ue8m0 = nq.ACT_QUANT[qw.kind]
     x2 = x.reshape(-1, x.shape[-1]).float().cpu()
     q, s, _ = formats.act_quant(x2, group, ue8m0)
-    return formats.e4m3_to_float(q, torch.float64) * formats.expand_blocks(s.double(), x2.shape[0], x2.shape[1], 1,
-                                                                            group)
+    return formats.e4m3_to_float(q, torch.float64) * formats.expand_blocks(
+        s.double(), x2.shape[0], x2.shape[1], 1, group
+    )
 
 
 def linear_reference(x, qw):
@@ -604,8 +652,13 @@ def test_linear_end_to_end(gen, dev, kind) -> None:
     torch = _t()
     N, K = (300, 512) if kind == "fp8" else (256, 640)
     qw = _weight_case(gen, dev, kind, (), N, K, (128, 128) if kind == "fp8" else (1, 32), "float")
-    for shape, dt in (((1, K), "bfloat16"), ((2, 2, K), "float32"), ((8, K), "bfloat16"), ((9, K), "float32"),
-                      ((3, 100, K), "bfloat16")):
+    for shape, dt in (
+        ((1, K), "bfloat16"),
+        ((2, 2, K), "float32"),
+        ((8, K), "bfloat16"),
+        ((9, K), "float32"),
+        ((3, 100, K), "bfloat16"),
+    ):
         x = (torch.randn(*shape, generator=gen, device=dev) * 2).to(getattr(torch, dt))
         rows = x.numel() // K
         route = nq._route(rows, _qweight(qw, False), x.device, nq.LINEAR_GEMV_MAX_ROWS)
@@ -619,9 +672,14 @@ def test_linear_end_to_end(gen, dev, kind) -> None:
         else:
             bound = bf16_gemm_bound(K, ref, mag, y.dtype)
         assert tuple(y.shape) == (*shape[:-1], N) and y.dtype == x.dtype, (
-            f"linear shape and dtype, {kind} {list(shape)} {dt}: {tuple(y.shape)} {y.dtype}")
-        _assert_within(f"linear = float64 of the quantized activations, {kind} {list(shape)} {dt} ({route})",
-                      y.reshape(rows, N).cpu(), ref, bound.cpu())
+            f"linear shape and dtype, {kind} {list(shape)} {dt}: {tuple(y.shape)} {y.dtype}"
+        )
+        _assert_within(
+            f"linear = float64 of the quantized activations, {kind} {list(shape)} {dt} ({route})",
+            y.reshape(rows, N).cpu(),
+            ref,
+            bound.cpu(),
+        )
 
 
 def _silu64(g):
@@ -659,7 +717,9 @@ def _quant_interval(lo, hi, group, ue8m0):
     lo_p = np.pad(lo, ((0, 0), (0, pad)))
     hi_p = np.pad(hi, ((0, 0), (0, pad)))
     absmax = np.maximum(np.abs(lo_p), np.abs(hi_p)).reshape(P, G, group).max(-1)
-    absmin = np.where((lo_p <= 0) & (hi_p >= 0), 0.0, np.minimum(np.abs(lo_p), np.abs(hi_p))).reshape(P, G, group).max(-1)
+    absmin = (
+        np.where((lo_p <= 0) & (hi_p >= 0), 0.0, np.minimum(np.abs(lo_p), np.abs(hi_p))).reshape(P, G, group).max(-1)
+    )
     s_lo = np.maximum(absmin, 1e-4) / 448 * (1 - 2 * U32)
     s_hi = np.maximum(absmax, 1e-4) / 448 * (1 + 2 * U32)
     cands = [(s_lo, s_hi)] if not ue8m0 else [(_pow2_ceil(s_lo),) * 2, (_pow2_ceil(s_hi),) * 2]
@@ -709,7 +769,7 @@ def experts_reference(x, ids, route_w, gate, up, down, limit, gu_route, d_route)
             return (vpv + -(-K // (32 * vpv)) + 8) * U32 * (1 + 1e-3)
         if w_kind == "fp8":
             return (-(-K // 128) + 2) * U32  # + the tensor cores' own, added apart
-        return (K + -(-K // 16)) * 2.0 ** -23
+        return (K + -(-K // 16)) * 2.0**-23
 
     def tensor_cores(a, a_radius, W):
         t = lambda v: None if v is None else torch.from_numpy(np.ascontiguousarray(v))  # noqa: E731
@@ -791,7 +851,8 @@ def test_experts_end_to_end(gen, dev, ci) -> None:
     tag = f"{gk}/{dk} T {T} k {k} E {E} D {D} I {I} limit {limit} ({gu_route}, {d_route})"
     assert bool(inside.all()) and bool(torch.isfinite(got).all()), (
         f"experts within the float64 interval, {tag}: {int((~inside).sum())} outside; median relative interval width "
-        f"{width:.2e}")
+        f"{width:.2e}"
+    )
     note(f"experts median interval width, {tag}", width)
     again = nq.experts(x, ids, route_w, gate, up, down, limit=limit)
     assert bool(torch.equal(y, again)), f"experts deterministic, {tag}"
@@ -813,8 +874,11 @@ def test_graph_capture_and_no_host_sync(gen, dev) -> None:
     def inputs(T, seed):
         g = torch.Generator(device=dev).manual_seed(seed)
         ids = torch.stack([torch.randperm(E, generator=g, device=dev)[:k] for _ in range(T)]).to(torch.int32)
-        return (torch.randn(T, D, generator=g, device=dev).to(torch.bfloat16), ids,
-                torch.rand(T, k, generator=g, device=dev))
+        return (
+            torch.randn(T, D, generator=g, device=dev).to(torch.bfloat16),
+            ids,
+            torch.rand(T, k, generator=g, device=dev),
+        )
 
     rows_cases = [2, 64] if fp8_ok else [2]
     tokens_cases = [3, 24]

@@ -19,8 +19,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from .helpers import (REPO, check_bf16_cuda_logits_near_fp32_cpu, check_llm_on_cuda_gives_the_recorded_tokens,
-                      fp32_cpu_and_bf16_cuda, llm_on_cuda_tokens, load_checkpoint, note)
+from .helpers import (
+    REPO,
+    check_bf16_cuda_logits_near_fp32_cpu,
+    check_llm_on_cuda_gives_the_recorded_tokens,
+    fp32_cpu_and_bf16_cuda,
+    llm_on_cuda_tokens,
+    load_checkpoint,
+    note,
+)
 
 DATA = REPO / "tests" / "data" / "qwen4_exp_tiny"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -50,9 +57,11 @@ def test_fp32_cuda_runs_on_the_kernels(fp32_cuda) -> None:
     model = fp32_cuda
     assert model._native_ple_hash() is not None, "PLE hash in the kernel library"
     assert "linear attention cuda-kernels" in model.backend_name, (
-        f"Gated DeltaNet layers on the kernel library: {model.backend_name}")
+        f"Gated DeltaNet layers on the kernel library: {model.backend_name}"
+    )
     assert model.ple_tables.kind in ("device", "pinned"), (
-        f"PLE tables where GPU kernels read them: {model.ple_tables.kind}")
+        f"PLE tables where GPU kernels read them: {model.ple_tables.kind}"
+    )
 
 
 @pytest.mark.parametrize("i", PROMPTS)
@@ -98,8 +107,9 @@ def _decode_both(model, prompts, steps, graphs_cls):
     for use_graphs in (False, True):
         cache = model.new_cache(S + 1, 256)
         slots = list(range(S))[::-1]
-        logits = model.forward_step(PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts],
-                                               [0] * S, slots), cache)
+        logits = model.forward_step(
+            PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts], [0] * S, slots), cache
+        )
         if use_graphs:
             graphs = graphs_cls(model, cache, S, scratch_slot=S)
         lens = [len(p) for p in prompts]
@@ -135,12 +145,16 @@ def graph_run(request, expected):
     ckpt, model = _load("cuda", dtype)
     if dtype == torch.bfloat16:
         cfg = model.config
-        tables = [torch.cat([ckpt.get(n) for n in table_shard_names(cfg, li)]).to("cuda", torch.bfloat16)
-                  for li in range(len(cfg.ple.layers))]
+        tables = [
+            torch.cat([ckpt.get(n) for n in table_shard_names(cfg, li)]).to("cuda", torch.bfloat16)
+            for li in range(len(cfg.ple.layers))
+        ]
         model.ple_tables = PLETables.from_tensors(tables)
     te, tg, diff, graphs, se, sg = _decode_both(model, prompts, 12, Qwen4ExpDecodeGraphs)
-    print(f"qwen4 tiny {name} decode of {len(prompts)}: eager {se * 1e3:.2f} ms/step, graphs {sg * 1e3:.2f} ms/step "
-          f"({se / sg:.1f}x)")
+    print(
+        f"qwen4 tiny {name} decode of {len(prompts)}: eager {se * 1e3:.2f} ms/step, graphs {sg * 1e3:.2f} ms/step "
+        f"({se / sg:.1f}x)"
+    )
     yield SimpleNamespace(name=name, dtype=dtype, model=model, te=te, tg=tg, diff=diff, graphs=graphs, se=se, sg=sg)
     ckpt.close()
 
@@ -158,14 +172,17 @@ def test_decode_graphs_equal_eager_steps(graph_run) -> None:
     note(f"{name}_decode_graph_ms", r.sg * 1e3)
     assert graphs.failed is None and graphs.replays == 12, (
         f"{name}: decode graphs recorded: failed={graphs.failed}, replays={graphs.replays}, "
-        f"lookup in graph={graphs.lookup_in_graph}")
+        f"lookup in graph={graphs.lookup_in_graph}"
+    )
     if dtype == torch.bfloat16:  # rows of 4 values: the reference gather, so the lookup runs before the replay
         assert graphs.lookup_in_graph == all(p == "kernel" for p in model.ple_tables.paths), (
             f"bf16: PLE lookup in the graph exactly when every layer takes the gather kernel: "
-            f"paths {model.ple_tables.paths}, in graph {graphs.lookup_in_graph}")
+            f"paths {model.ple_tables.paths}, in graph {graphs.lookup_in_graph}"
+        )
     assert te == tg, f"{name}: graph tokens equal eager tokens: {te} vs {tg}"
     assert diff <= (1e-5 if dtype == torch.float32 else 5e-2), (
-        f"{name}: graph logits equal eager logits: max |diff| {diff:.3e}")
+        f"{name}: graph logits equal eager logits: max |diff| {diff:.3e}"
+    )
 
 
 @pytest.mark.parametrize("graph_run", ["fp32"], indirect=True)

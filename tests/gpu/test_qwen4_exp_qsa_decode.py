@@ -38,8 +38,9 @@ def _decode(model, prompts, steps, graphs_cls=None, max_len=256):
     S = len(prompts)
     cache = model.new_cache(S + 1, max_len)
     slots = list(range(S))[::-1]
-    logits = model.forward_step(PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts], [0] * S, slots),
-                                cache)
+    logits = model.forward_step(
+        PackedStep(torch.tensor(sum(prompts, [])), [len(p) for p in prompts], [0] * S, slots), cache
+    )
     graphs = graphs_cls(model, cache, S, scratch_slot=S) if graphs_cls is not None else None
     lens = [len(p) for p in prompts]
     out = []
@@ -73,14 +74,16 @@ def test_qsa_kernel_decode_equals_the_torch_decode_fp32() -> None:
     same = all(torch.equal(g.argmax(-1), w.argmax(-1)) for g, w in zip(got, want))
     assert max(errs) <= 1e-4, (
         f"fp32 QSA kernel decode within 1e-4 of the torch decode, every step: "
-        f"rel L2 per step {[f'{e:.1e}' for e in errs]}")
+        f"rel L2 per step {[f'{e:.1e}' for e in errs]}"
+    )
     assert same, "fp32 QSA kernel decode: the torch decode's greedy picks, every step"
     replay, graphs = _decode(model, prompts, 14, Qwen4ExpDecodeGraphs)
     diff = max(rel_err(r, g) for r, g in zip(replay, got))
     keys = sorted(graphs.graphs)
     assert graphs.failed is None and keys == [(4, 256)] and diff <= 1e-5, (
         "decode graphs with the QSA kernel: one graph per bucket (context = max_len), replays = eager kernel steps: "
-        f"graphs {keys}, failed {graphs.failed}, replay vs eager rel L2 {diff:.1e}")
+        f"graphs {keys}, failed {graphs.failed}, replay vs eager rel L2 {diff:.1e}"
+    )
     # a replay under sync debug mode 'error'
     from engram_trt.models.step import PackedStep
 
@@ -100,8 +103,10 @@ def test_qsa_kernel_decode_equals_the_torch_decode_fp32() -> None:
     if graphs.lookup_in_graph:  # else the PLE rows come from the host gather before the replay (a copy back)
         assert not err, f"a Qwen4Exp decode replay with the QSA kernel runs under sync debug mode 'error': {err}"
     else:
-        say(f"sync debug check not made: the PLE rows are gathered before the replay (paths "
-            f"{model.ple_tables.paths}); {err or 'no synchronizing call'}")
+        say(
+            f"sync debug check not made: the PLE rows are gathered before the replay (paths "
+            f"{model.ple_tables.paths}); {err or 'no synchronizing call'}"
+        )
     _set(model, "auto")
     ckpt.close()
 
@@ -119,9 +124,14 @@ def test_qsa_kernel_decode_bf16_within_round_off() -> None:
     eager, _ = _decode(model, prompts, 10)
     _set(model, "kernels")
     got, _ = _decode(model, prompts, 10)
-    bad = [f"step {k}: kernel {rel_err(g, w):.2e} vs torch bf16 {rel_err(e, w):.2e}"
-           for k, (g, e, w) in enumerate(zip(got, eager, want)) if not rel_err(g, w) <= 2 * rel_err(e, w) + 1e-3]
-    assert not bad, ("bf16 QSA kernel decode: distance from fp32 at most 2x the torch bf16 path's + 1e-3, every step: "
-                     + "; ".join(bad[:4]))
+    bad = [
+        f"step {k}: kernel {rel_err(g, w):.2e} vs torch bf16 {rel_err(e, w):.2e}"
+        for k, (g, e, w) in enumerate(zip(got, eager, want))
+        if not rel_err(g, w) <= 2 * rel_err(e, w) + 1e-3
+    ]
+    assert not bad, (
+        "bf16 QSA kernel decode: distance from fp32 at most 2x the torch bf16 path's + 1e-3, every step: "
+        + "; ".join(bad[:4])
+    )
     _set(model, "auto")
     ckpt.close()

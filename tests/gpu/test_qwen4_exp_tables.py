@@ -1,13 +1,13 @@
 """Qwen4Exp's PLE tables in every table store on a GPU (issue 30 item 3).
 
-  1. bf16 shards (12 per table, in two safetensors files, name order in each file) opened
-     in each store (memory, file, shared in a temporary directory, pinned, device): the
-     rows gathered onto the GPU equal the concatenated shards, through the path each
-     store allows (host gather for memory / file, the UVA or HBM gather kernel for
-     shared / pinned / device); f32 rows go through the reference path.
-  2. The tiny checkpoint (tests/data/qwen4_exp_tiny) through ``engram_trt.LLM`` on CUDA
-     with each ``--engram-config`` placement (default: pinned; cpu_offload false: device;
-     host_file_gather: file): the recorded greedy tokens, the store the config asks for.
+1. bf16 shards (12 per table, in two safetensors files, name order in each file) opened
+   in each store (memory, file, shared in a temporary directory, pinned, device): the
+   rows gathered onto the GPU equal the concatenated shards, through the path each
+   store allows (host gather for memory / file, the UVA or HBM gather kernel for
+   shared / pinned / device); f32 rows go through the reference path.
+2. The tiny checkpoint (tests/data/qwen4_exp_tiny) through ``engram_trt.LLM`` on CUDA
+   with each ``--engram-config`` placement (default: pinned; cpu_offload false: device;
+   host_file_gather: file): the recorded greedy tokens, the store the config asks for.
 """
 
 from __future__ import annotations
@@ -40,12 +40,24 @@ def _bf16_refs(folder, dtype_name="BF16"):
     for k, f in enumerate(files):
         raw = f.read_bytes()
         (hlen,) = struct.unpack("<Q", raw[:8])
-        header = json.loads(raw[8:8 + hlen])
+        header = json.loads(raw[8 : 8 + hlen])
         for i, t in enumerate(shards):
             if i % 2 == k:
                 lo, hi = header[f"x.shard_{i}.weight"]["data_offsets"]
-                refs.append(TableRef(0, 0, "rows", f"x.shard_{i}.weight", f, 8 + hlen + lo, hi - lo, tuple(t.shape),
-                                     dtype_name, part=i))
+                refs.append(
+                    TableRef(
+                        0,
+                        0,
+                        "rows",
+                        f"x.shard_{i}.weight",
+                        f,
+                        8 + hlen + lo,
+                        hi - lo,
+                        tuple(t.shape),
+                        dtype_name,
+                        part=i,
+                    )
+                )
     return refs, torch.cat(shards)
 
 
@@ -70,7 +82,8 @@ def test_stores_gather_bf16_ple_rows_on_cuda(kind, tmp_path) -> None:
     ids = torch.randint(0, whole.shape[0], (257, 6))
     got = g.gather(0, ids)
     assert got.is_cuda and torch.equal(got.cpu(), whole[ids]), (
-        f"{kind}: rows equal the concatenated shards: shape {tuple(got.shape)} on {got.device}")
+        f"{kind}: rows equal the concatenated shards: shape {tuple(got.shape)} on {got.device}"
+    )
     g.close()
     store.close()
     if shm is not None:
@@ -91,21 +104,24 @@ def test_f32_rows_take_the_reference_path(tmp_path, kind) -> None:
         ids = torch.randint(0, whole.shape[0], (33, 4))
         got = g.gather(0, ids)
         assert g.paths == ["reference"] and torch.equal(got.cpu(), whole[ids]), (
-            f"{kind} f32: reference path, rows equal: {g.paths}")
+            f"{kind} f32: reference path, rows equal: {g.paths}"
+        )
     finally:
         store.close()
 
 
-@pytest.mark.parametrize("ecfg, kind", [(None, "pinned"), ({"cpu_offload": False}, "device"),
-                                        ({"host_file_gather": True}, "file")])
+@pytest.mark.parametrize(
+    "ecfg, kind", [(None, "pinned"), ({"cpu_offload": False}, "device"), ({"host_file_gather": True}, "file")]
+)
 def test_llm_on_cuda_in_each_store(ecfg, kind) -> None:
     from engram_trt import LLM, SamplingParams
 
     want = json.loads((DATA / "expected.json").read_text())
     with LLM(str(DATA), backend="torch", device="cuda", dtype="fp32", engram_config=ecfg) as llm:
         storage = llm.storage
-        outs = llm.generate(want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0,
-                                                              ignore_eos=True))
+        outs = llm.generate(
+            want["prompts"], SamplingParams(max_tokens=want["new_tokens"], temperature=0.0, ignore_eos=True)
+        )
     assert storage["kind"] == kind, f"{kind}: the store the config asks for: {storage}"
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == want["greedy"], f"{kind}: recorded greedy tokens: {got} vs {want['greedy']}"

@@ -24,25 +24,53 @@ from .helpers import DT, PF_FLOAT32, PF_INT32
 
 NAME = "EngramRoutedExperts"
 DT_INT8, DT_UINT8 = 2, 5  # nvinfer1::DataType kINT8, kUINT8
-U32 = 2.0 ** -24
-FIELD_NAMES = ["num_experts", "top_k", "hidden", "intermediate", "w_type", "scale_type", "block_n", "block_k",
-               "swiglu_limit"]
+U32 = 2.0**-24
+FIELD_NAMES = [
+    "num_experts",
+    "top_k",
+    "hidden",
+    "intermediate",
+    "w_type",
+    "scale_type",
+    "block_n",
+    "block_k",
+    "swiglu_limit",
+]
 
 
-def routed_fields(E: int, k: int, D: int, I: int, w_type: int, scale_type: int, block: tuple[int, int],
-                  limit: float) -> list[tuple[str, int, np.ndarray]]:
-    ints = dict(num_experts=E, top_k=k, hidden=D, intermediate=I, w_type=w_type, scale_type=scale_type,
-                block_n=block[0], block_k=block[1])
-    return [(n, PF_INT32, np.array([v], np.int32)) for n, v in ints.items()] + \
-        [("swiglu_limit", PF_FLOAT32, np.array([limit], np.float32))]
+def routed_fields(
+    E: int, k: int, D: int, I: int, w_type: int, scale_type: int, block: tuple[int, int], limit: float
+) -> list[tuple[str, int, np.ndarray]]:
+    ints = dict(
+        num_experts=E,
+        top_k=k,
+        hidden=D,
+        intermediate=I,
+        w_type=w_type,
+        scale_type=scale_type,
+        block_n=block[0],
+        block_k=block[1],
+    )
+    return [(n, PF_INT32, np.array([v], np.int32)) for n, v in ints.items()] + [
+        ("swiglu_limit", PF_FLOAT32, np.array([limit], np.float32))
+    ]
 
 
 def shapes_of(T: int, k: int, E: int, D: int, I: int, fp4: bool, block: tuple[int, int]) -> list[tuple]:
     div = 2 if fp4 else 1
     bn, bk = block
     cd = lambda a, b: -(-a // b)  # noqa: E731
-    return [(T, D), (T, k), (T, k), (E, I, D // div), (E, cd(I, bn), cd(D, bk)), (E, I, D // div),
-            (E, cd(I, bn), cd(D, bk)), (E, D, I // div), (E, cd(D, bn), cd(I, bk))]
+    return [
+        (T, D),
+        (T, k),
+        (T, k),
+        (E, I, D // div),
+        (E, cd(I, bn), cd(D, bk)),
+        (E, I, D // div),
+        (E, cd(I, bn), cd(D, bk)),
+        (E, D, I // div),
+        (E, cd(D, bn), cd(I, bk)),
+    ]
 
 
 def types_of(io: int, scale: int, ids: int = DT["int32"]) -> list[int]:
@@ -69,38 +97,60 @@ def check_plugin_cpu(harness) -> dict[str, tuple[bool, str]]:
     h = harness.create(NAME, fp4)
     shapes = harness.outputs_shapes(h, shapes_of(5, k, E, D, I, True, (1, 32)), 1)
     checks["plugin EngramRoutedExperts getOutputShapes: x's [T, hidden]"] = (shapes == [(5, D)], str(shapes))
-    types = {io: harness.outputs_types(h, types_of(DT[io], DT_INT8), 1) == [DT[io]]
-             for io in ("bfloat16", "float16", "float32")}
+    types = {
+        io: harness.outputs_types(h, types_of(DT[io], DT_INT8), 1) == [DT[io]]
+        for io in ("bfloat16", "float16", "float32")
+    }
     types["int64 ids"] = harness.outputs_types(h, types_of(DT["bfloat16"], DT_INT8, DT["int64"]), 1) == [DT["bfloat16"]]
     checks["plugin EngramRoutedExperts getOutputDataTypes: x's type"] = (all(types.values()), str(types))
     written = harness.serialized_fields(h)
     checks["plugin EngramRoutedExperts serializes its nine fields in order"] = (
-        [(f[0], f[1]) for f in written] == [(n, PF_FLOAT32 if n == "swiglu_limit" else PF_INT32)
-                                            for n in FIELD_NAMES]
+        [(f[0], f[1]) for f in written] == [(n, PF_FLOAT32 if n == "swiglu_limit" else PF_INT32) for n in FIELD_NAMES]
         and [int(np.frombuffer(f[3], np.int32)[0]) for f in written[:8]] == [E, k, D, I, 1, 1, 1, 32]
-        and float(np.frombuffer(written[8][3], np.float32)[0]) == 7.0, str(written))
+        and float(np.frombuffer(written[8][3], np.float32)[0]) == 7.0,
+        str(written),
+    )
     h2 = harness.roundtrip(h)
     checks["plugin EngramRoutedExperts serialize round trip"] = (
         harness.outputs_shapes(h2, shapes_of(5, k, E, D, I, True, (1, 32)), 1) == shapes
-        and harness.serialized_fields(h2) == written, "")
+        and harness.serialized_fields(h2) == written,
+        "",
+    )
     harness.lib.harness_destroy(h2)
     refused = {}
     for tag, types, needle in (
-            ("float32 scales for ue8m0", types_of(DT["bfloat16"], DT["float32"]), "gate_scale must be int8 or uint8"),
-            ("int32 weights", [DT["bfloat16"], DT["int32"], DT["float32"], DT["int32"], DT_INT8, DT["int32"], DT_INT8,
-                               DT["int32"], DT_INT8], "gate_w must be int8 or uint8 bytes"),
-            ("up_w of another type", [DT["bfloat16"], DT["int32"], DT["float32"], DT_INT8, DT_INT8, DT_UINT8, DT_INT8,
-                                      DT_INT8, DT_INT8], "up_w must be int8 or uint8 bytes (the stored weight), as "
-                                                          "gate_w"),
-            ("bf16 route_w", [DT["bfloat16"], DT["int32"], DT["bfloat16"]] + [DT_INT8] * 6,
-             "route_w must be float32")):
+        ("float32 scales for ue8m0", types_of(DT["bfloat16"], DT["float32"]), "gate_scale must be int8 or uint8"),
+        (
+            "int32 weights",
+            [
+                DT["bfloat16"],
+                DT["int32"],
+                DT["float32"],
+                DT["int32"],
+                DT_INT8,
+                DT["int32"],
+                DT_INT8,
+                DT["int32"],
+                DT_INT8,
+            ],
+            "gate_w must be int8 or uint8 bytes",
+        ),
+        (
+            "up_w of another type",
+            [DT["bfloat16"], DT["int32"], DT["float32"], DT_INT8, DT_INT8, DT_UINT8, DT_INT8, DT_INT8, DT_INT8],
+            "up_w must be int8 or uint8 bytes (the stored weight), as gate_w",
+        ),
+        ("bf16 route_w", [DT["bfloat16"], DT["int32"], DT["bfloat16"]] + [DT_INT8] * 6, "route_w must be float32"),
+    ):
         try:
             harness.outputs_types(h, types, 1)
             refused[tag] = "accepted"
         except RuntimeError as exc:
             refused[tag] = needle in str(exc) or str(exc)
-    checks["plugin EngramRoutedExperts refuses input types by name"] = (all(v is True for v in refused.values()),
-                                                                        str(refused))
+    checks["plugin EngramRoutedExperts refuses input types by name"] = (
+        all(v is True for v in refused.values()),
+        str(refused),
+    )
     harness.lib.harness_destroy(h)
     fp8 = routed_fields(E, k, D, I, 0, 0, (128, 128), 0.0)
     h = harness.create(NAME, fp8)
@@ -116,23 +166,29 @@ def check_plugin_cpu(harness) -> dict[str, tuple[bool, str]]:
 
     refusals = {}
     for tag, fields, needle in (
-            ("w_type 2", with_value("w_type", 2), "field 'w_type' = 2 is outside [0, 1]"),
-            ("fp4 with float32 scales", with_value("scale_type", 0), "scale_type must be 1 (ue8m0) for fp4 weights"),
-            ("fp4 hidden 240", with_value("hidden", 240), "hidden 240 and intermediate 96 must be multiples of 32"),
-            ("fp4 block_k 48", with_value("block_k", 48), "block_k 48 must be a multiple of 32"),
-            ("fp8 intermediate 40", routed_fields(E, k, D, 40, 0, 0, (128, 128), 0.0),
-             "hidden 256 and intermediate 40 must be multiples of 16"),
-            ("num_experts 5000", with_value("num_experts", 5000), "field 'num_experts' = 5000 is outside [1, 4096]"),
-            ("negative limit", with_value("swiglu_limit", -1.0), "swiglu_limit -1 must be a finite number >= 0"),
-            ("missing top_k", without("top_k"), "missing field 'top_k'"),
-            ("unknown field", fp4 + [("experts", PF_INT32, np.array([4], np.int32))], "unknown field(s) experts")):
+        ("w_type 2", with_value("w_type", 2), "field 'w_type' = 2 is outside [0, 1]"),
+        ("fp4 with float32 scales", with_value("scale_type", 0), "scale_type must be 1 (ue8m0) for fp4 weights"),
+        ("fp4 hidden 240", with_value("hidden", 240), "hidden 240 and intermediate 96 must be multiples of 32"),
+        ("fp4 block_k 48", with_value("block_k", 48), "block_k 48 must be a multiple of 32"),
+        (
+            "fp8 intermediate 40",
+            routed_fields(E, k, D, 40, 0, 0, (128, 128), 0.0),
+            "hidden 256 and intermediate 40 must be multiples of 16",
+        ),
+        ("num_experts 5000", with_value("num_experts", 5000), "field 'num_experts' = 5000 is outside [1, 4096]"),
+        ("negative limit", with_value("swiglu_limit", -1.0), "swiglu_limit -1 must be a finite number >= 0"),
+        ("missing top_k", without("top_k"), "missing field 'top_k'"),
+        ("unknown field", fp4 + [("experts", PF_INT32, np.array([4], np.int32))], "unknown field(s) experts"),
+    ):
         try:
             harness.lib.harness_destroy(harness.create(NAME, fields))
             refusals[tag] = "accepted"
         except RuntimeError as exc:
             refusals[tag] = (needle in str(exc) and "\n" not in str(exc)) or str(exc)
     checks["plugin EngramRoutedExperts refuses bad fields in one line"] = (
-        all(v is True for v in refusals.values()), str(refusals))
+        all(v is True for v in refusals.values()),
+        str(refusals),
+    )
     return checks
 
 
@@ -149,6 +205,7 @@ def test_plugin_cpu(plugin_cpu, name: str) -> None:
 
 # --- the enqueue against native.quant.experts --------------------------------------------------
 
+
 def _stack(gen, kind: str, E: int, N: int, K: int, fmt: str, dev):
     """Random experts [E, N, K] quantized by the formats' own quantizers."""
     import torch
@@ -157,7 +214,8 @@ def _stack(gen, kind: str, E: int, N: int, K: int, fmt: str, dev):
     from engram_trt.quant.weight import QuantWeight
 
     w = torch.randn(E, N, K, generator=gen, device=gen.device) * torch.exp(
-        0.5 * torch.randn(E, N, 1, generator=gen, device=gen.device))
+        0.5 * torch.randn(E, N, 1, generator=gen, device=gen.device)
+    )
     if kind == "fp4":
         q, s = formats.quantize_fp4(w, 32)
         return QuantWeight(q.to(dev), s.to(dev), "fp4", (1, 32))
@@ -177,12 +235,12 @@ def _plugin_inputs(x, ids, route_w, stacks):
 
 # (kind, scale fmt, T, k, E, D, I, io, ids dtype, limit)
 CASES = [
-    ("fp4", "ue8m0", 3, 2, 8, 256, 128, "bfloat16", "int32", 7.0),      # decode: grouped GEMV
-    ("fp4", "ue8m0", 40, 2, 8, 256, 128, "bfloat16", "int64", 7.0),     # prefill: grouped GEMM
-    ("fp4", "ue8m0", 5, 1, 1, 128, 64, "float32", "int32", 0.0),        # one expert
-    ("fp8", "float", 4, 2, 6, 256, 192, "bfloat16", "int64", 0.0),      # FP8 GEMV
-    ("fp8", "ue8m0", 33, 2, 6, 384, 256, "float32", "int32", 5.0),      # FP8 tensor-core GEMM
-    ("fp4", "ue8m0", 7, 6, 16, 256, 128, "float32", "int32", 7.0),      # six picks: order-dependent sums
+    ("fp4", "ue8m0", 3, 2, 8, 256, 128, "bfloat16", "int32", 7.0),  # decode: grouped GEMV
+    ("fp4", "ue8m0", 40, 2, 8, 256, 128, "bfloat16", "int64", 7.0),  # prefill: grouped GEMM
+    ("fp4", "ue8m0", 5, 1, 1, 128, 64, "float32", "int32", 0.0),  # one expert
+    ("fp8", "float", 4, 2, 6, 256, 192, "bfloat16", "int64", 0.0),  # FP8 GEMV
+    ("fp8", "ue8m0", 33, 2, 6, 384, 256, "float32", "int32", 5.0),  # FP8 tensor-core GEMM
+    ("fp4", "ue8m0", 7, 6, 16, 256, 128, "float32", "int32", 7.0),  # six picks: order-dependent sums
     ("fp8", "float", 24, 6, 16, 256, 128, "bfloat16", "int64", 0.0),
 ]
 
@@ -232,20 +290,22 @@ def test_plugin_enqueue_equals_native_experts(harness, gen, dev, ci, phase) -> N
     if k <= 2:  # one or two float32 products a token: the combine's sum is order-free
         same = bool(torch.equal(got, want))
         diff = float((got.double() - want.double()).abs().max())
-        assert same, f"plugin EngramRoutedExperts enqueue {phase} = native experts bit for bit, {tag}: " \
-                     f"max |diff| {diff:.3g}"
+        assert same, (
+            f"plugin EngramRoutedExperts enqueue {phase} = native experts bit for bit, {tag}: max |diff| {diff:.3g}"
+        )
     else:
         single = []
         for j in range(k):  # each pick's float32 product, alone
-            hj = harness.create(NAME, routed_fields(E, 1, D, I, 1 if kind == "fp4" else 0, scale_type, block,
-                                                    limit))
-            xj = run(hj, ids[:, j:j + 1].contiguous(), route_w[:, j:j + 1].contiguous())
+            hj = harness.create(NAME, routed_fields(E, 1, D, I, 1 if kind == "fp4" else 0, scale_type, block, limit))
+            xj = run(hj, ids[:, j : j + 1].contiguous(), route_w[:, j : j + 1].contiguous())
             single.append(xj.double().abs())
             harness.lib.harness_destroy(hj)
         total = torch.stack(single).sum(0)
-        u_out = {"float32": 0.0, "bfloat16": 2.0 ** -8}[io]
+        u_out = {"float32": 0.0, "bfloat16": 2.0**-8}[io]
         bound = (k - 1) * U32 * total * 1.01 + u_out * want.double().abs() + 1e-30
         err = (got.double() - want.double()).abs()
         ok = bool(torch.isfinite(got).all()) and bool((err <= bound).all())
-        assert ok, f"plugin EngramRoutedExperts enqueue {phase} = native experts up to the combine's order, " \
-                   f"{tag}: max |diff| {float(err.max()):.3g}, worst diff/bound {float((err / bound).max()):.3f}"
+        assert ok, (
+            f"plugin EngramRoutedExperts enqueue {phase} = native experts up to the combine's order, "
+            f"{tag}: max |diff| {float(err.max()):.3g}, worst diff/bound {float((err / bound).max()):.3f}"
+        )

@@ -25,8 +25,12 @@ import pytest
 
 from .helpers import note
 
-STORES = {"pinned": None, "device": {"cpu_offload": False}, "shared": {"dp_shared_memory": True},
-          "file": {"host_file_gather": True}}
+STORES = {
+    "pinned": None,
+    "device": {"cpu_offload": False},
+    "shared": {"dp_shared_memory": True},
+    "file": {"host_file_gather": True},
+}
 NEW_TOKENS = 64  # greedy tokens per generation
 PROMPT = "Engram layers look up n-grams in huge static tables, gated into the hidden state."
 
@@ -66,7 +70,11 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, r
     for graphs in (False, True):
         with LLM(str(engine), device="cuda", progress=False, cuda_graphs=graphs) as llm:
             tag = "graphs" if graphs else "eager"
-            res[f"backend_{tag}"], res["backend_reason"], res["storage"] = llm.backend_label, llm.backend_reason, llm.storage
+            res[f"backend_{tag}"], res["backend_reason"], res["storage"] = (
+                llm.backend_label,
+                llm.backend_reason,
+                llm.storage,
+            )
             ids = llm.tokenizer.encode(prompt, add_special_tokens=False).ids
             tokens[tag] = llm.generate(prompt, params)[0].token_ids
             t0 = time.perf_counter()
@@ -99,17 +107,25 @@ def greedy(LLM, SamplingParams, EngramLlama, engine, ckpt, prompt, new_tokens, r
             graphs.fork_lookup = not name.endswith("-separate")  # before the first decode step records its graphs
             got = llm.generate(prompt, params)[0].token_ids
             modes = sorted({mode for (_, _, mode) in graphs.graphs})
-            res[f"graphs_{name}"] = {"modes": modes, "replays": graphs.replays, "failed": graphs.failed,
-                                     "agree": sum(a == b for a, b in zip(got, want)),
-                                     "forked": sorted(e["forked"] for e in graphs.graphs.values())}
+            res[f"graphs_{name}"] = {
+                "modes": modes,
+                "replays": graphs.replays,
+                "failed": graphs.failed,
+                "agree": sum(a == b for a, b in zip(got, want)),
+                "forked": sorted(e["forked"] for e in graphs.graphs.values()),
+            }
             want_mode = "lookup" if path == "uva" else "staged"
             # forked: the lookup graphs of the default form; a host path's staged graphs never are
-            forked_ok = all(e["forked"] == (mode == "lookup" and not name.endswith("-separate"))
-                            for (_, _, mode), e in graphs.graphs.items())
-            assert forked_ok and (got == want and graphs.failed is None and modes == [want_mode]
-                                  and graphs.replays >= new_tokens - 1), (
+            forked_ok = all(
+                e["forked"] == (mode == "lookup" and not name.endswith("-separate"))
+                for (_, _, mode), e in graphs.graphs.items()
+            )
+            assert forked_ok and (
+                got == want and graphs.failed is None and modes == [want_mode] and graphs.replays >= new_tokens - 1
+            ), (
                 f"LLM with decode CUDA graphs, {name} path ({want_mode} graphs) == reference loop: "
-                f"{res[f'graphs_{name}']}")
+                f"{res[f'graphs_{name}']}"
+            )
     del ref
     torch.cuda.empty_cache()
 
@@ -129,7 +145,7 @@ def store_logits(LLM, PackedStep, engine, kind, cfg, res) -> list:  # noqa: ANN0
         for step, past in ((first, None), (None, [len(s) - 1 for s in seqs])):
             if step is None:
                 step = PackedStep.from_sequences([s[-1:] for s in seqs], past_lens=past, slots=[0, 1, 2])
-                lb = np.stack([r.compress(np.asarray(s[-4:-1]))[-r.lookback_len:] for s in seqs])
+                lb = np.stack([r.compress(np.asarray(s[-4:-1]))[-r.lookback_len :] for s in seqs])
             ids = step.input_ids.numpy()
             cids = r.compress(ids)
             step.engram_ids, step.lookback = torch.from_numpy(cids), torch.from_numpy(lb)

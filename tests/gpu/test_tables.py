@@ -79,12 +79,17 @@ def check_pinned(refs: list, label: str, chunk_bytes: int, checks: Checks, timin
     store = open_tables(refs, "pinned", registrar=reg, chunk_bytes=chunk_bytes, progress=False)
     load_s = time.perf_counter() - t0
     want_chunks = math.ceil(store.buffer_bytes / chunk_bytes)
-    checks.add(f"pinned {label}: chunks of {chunk_bytes >> 20} MiB registered",
-               len(store.chunks) == want_chunks == reg.calls,
-               f"{len(store.chunks)} chunks, {reg.calls} registered, expected {want_chunks}; through {reg.name}")
+    checks.add(
+        f"pinned {label}: chunks of {chunk_bytes >> 20} MiB registered",
+        len(store.chunks) == want_chunks == reg.calls,
+        f"{len(store.chunks)} chunks, {reg.calls} registered, expected {want_chunks}; through {reg.name}",
+    )
     states = chunk_states(store.chunks)
-    checks.add(f"pinned {label}: every chunk is host memory at device ptr == host ptr (UVA)",
-               all(k == "host" and same for k, same in states), f"{states[:4]}...")
+    checks.add(
+        f"pinned {label}: every chunk is host memory at device ptr == host ptr (UVA)",
+        all(k == "host" and same for k, same in states),
+        f"{states[:4]}...",
+    )
     gpu, cpu = uva_gather_digest(store)
     checks.add(f"pinned {label}: GPU gather through UVA == CPU gather", gpu == cpu, gpu[:16])
     try:
@@ -94,18 +99,25 @@ def check_pinned(refs: list, label: str, chunk_bytes: int, checks: Checks, timin
         kind = kernel_library.pointer_kind(store.tensors(0)[0])
         checks.add(f"pinned {label}: kernel library sees the table as 'host'", kind == "host", kind)
     except Exception as exc:  # noqa: BLE001 - optional: the library may not be built on this machine
-        checks.add(f"pinned {label}: kernel library sees the table as 'host'", True,
-                   f"kernel-library pointer check skipped: library not built: {str(exc)[:80]}")
+        checks.add(
+            f"pinned {label}: kernel library sees the table as 'host'",
+            True,
+            f"kernel-library pointer check skipped: library not built: {str(exc)[:80]}",
+        )
     chunks = list(store.chunks)
     store.close()
     after = chunk_states(chunks)
     checks.add(f"pinned {label}: close() unregistered every chunk", all(k != "host" for k, _ in after), f"{after[:2]}")
     gb = store.buffer_bytes / 1e9
-    timings[f"pinned {label}"] = {"bytes": store.buffer_bytes, "load_s": round(load_s, 3),
-                                  "register_s": round(reg.register_s, 3), "unregister_s": round(reg.unregister_s, 3),
-                                  "load_GBps": round(gb / load_s, 2) if load_s else None,
-                                  "register_GBps": round(gb / reg.register_s, 2) if reg.register_s else None,
-                                  "pages": store.pages}
+    timings[f"pinned {label}"] = {
+        "bytes": store.buffer_bytes,
+        "load_s": round(load_s, 3),
+        "register_s": round(reg.register_s, 3),
+        "unregister_s": round(reg.unregister_s, 3),
+        "load_GBps": round(gb / load_s, 2) if load_s else None,
+        "register_GBps": round(gb / reg.register_s, 2) if reg.register_s else None,
+        "pages": store.pages,
+    }
     return gpu
 
 
@@ -114,14 +126,32 @@ def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: 
 
     shm = Path(tempfile.mkdtemp(prefix="engram-trt-h200-", dir="/dev/shm"))
     cmd = [sys.executable, "-m", "gpu.tables_child", str(ckpt), str(shm)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(REPO / "python")]
-                                                      + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(TESTS), str(REPO / "python")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+        ),
+    )
     try:
-        a = subprocess.Popen(cmd + ["--hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env, cwd=str(REPO))
+        a = subprocess.Popen(
+            cmd + ["--hold"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(REPO),
+        )
         time.sleep(0.5)  # B starts while A is (for the demo tables) still writing
-        b = subprocess.Popen(cmd + ["--hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env, cwd=str(REPO))
+        b = subprocess.Popen(
+            cmd + ["--hold"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(REPO),
+        )
         ra, rb = json.loads(a.stdout.readline()), json.loads(b.stdout.readline())
         path = Path(ra["path"])
         mappers = sorted(seg.mapped_by([path])[path])
@@ -132,16 +162,24 @@ def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: 
         err_b = b.stderr.read()
         created = sorted([ra["created"], rb["created"]])
         first = ra if ra["created"] else rb
-        checks.add(f"shared {label}: one process created the segment, the other attached",
-                   created == [False, True] and ra["creator_pid"] == rb["creator_pid"] == first["pid"],
-                   f"A created={ra['created']} B created={rb['created']} creator={ra['creator_pid']}")
-        checks.add(f"shared {label}: both registered their mapping (UVA, device ptr == host ptr)",
-                   ra["registered_uva"] and rb["registered_uva"] and ra["gpu_readable"] and rb["gpu_readable"],
-                   f"chunks A={ra['chunks']} B={rb['chunks']}")
-        checks.add(f"shared {label}: both GPU gathers == CPU gather == pinned",
-                   ra["gpu"] == rb["gpu"] == ra["cpu"] == expected_gpu, ra["gpu"][:16])
-        checks.add(f"shared {label}: both processes map the one segment", mappers == sorted([a.pid, b.pid]),
-                   f"{mappers}")
+        checks.add(
+            f"shared {label}: one process created the segment, the other attached",
+            created == [False, True] and ra["creator_pid"] == rb["creator_pid"] == first["pid"],
+            f"A created={ra['created']} B created={rb['created']} creator={ra['creator_pid']}",
+        )
+        checks.add(
+            f"shared {label}: both registered their mapping (UVA, device ptr == host ptr)",
+            ra["registered_uva"] and rb["registered_uva"] and ra["gpu_readable"] and rb["gpu_readable"],
+            f"chunks A={ra['chunks']} B={rb['chunks']}",
+        )
+        checks.add(
+            f"shared {label}: both GPU gathers == CPU gather == pinned",
+            ra["gpu"] == rb["gpu"] == ra["cpu"] == expected_gpu,
+            ra["gpu"][:16],
+        )
+        checks.add(
+            f"shared {label}: both processes map the one segment", mappers == sorted([a.pid, b.pid]), f"{mappers}"
+        )
         checks.add(f"shared {label}: close() unregistered in both", ua["unregistered"] and ub["unregistered"], "")
         mtime = path.stat().st_mtime_ns
         before = hashlib.sha256(path.read_bytes()).hexdigest()
@@ -151,13 +189,19 @@ def check_shared(ckpt: Path, refs: list, label: str, expected_gpu: str, checks: 
         # create it. (Pinning a writable shared mapping for UVA may bump the file's mtime
         # without changing a byte, so the mtime is reported, not checked.)
         same = hashlib.sha256(path.read_bytes()).hexdigest() == before
-        checks.add(f"shared {label}: a restarted process re-attaches without writing",
-                   not rc["created"] and rc["gpu"] == expected_gpu and same,
-                   f"attach {rc['open_s']} s, created={rc['created']}, gpu rows equal={rc['gpu'] == expected_gpu}, "
-                   f"bytes unchanged={same}, mtime changed={path.stat().st_mtime_ns != mtime}")
-        timings[f"shared {label}"] = {"bytes": ra["bytes"], "create_s": first["open_s"],
-                                      "attach_while_creating_s": (rb if ra["created"] else ra)["open_s"],
-                                      "reattach_s": rc["open_s"], "waited": "waiting for" in err_b}
+        checks.add(
+            f"shared {label}: a restarted process re-attaches without writing",
+            not rc["created"] and rc["gpu"] == expected_gpu and same,
+            f"attach {rc['open_s']} s, created={rc['created']}, gpu rows equal={rc['gpu'] == expected_gpu}, "
+            f"bytes unchanged={same}, mtime changed={path.stat().st_mtime_ns != mtime}",
+        )
+        timings[f"shared {label}"] = {
+            "bytes": ra["bytes"],
+            "create_s": first["open_s"],
+            "attach_while_creating_s": (rb if ra["created"] else ra)["open_s"],
+            "reattach_s": rc["open_s"],
+            "waited": "waiting for" in err_b,
+        }
     finally:
         seg.clean(shm, all_=True, force=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -174,15 +218,30 @@ def small_checkpoint(path: Path, table_dtype: str) -> list:
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.tables.source import checkpoint_table_refs
 
-    cfg = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 97, "hc_mult": 2, "tie_word_embeddings": False,
-           "engram_layer_ids": [0, 2], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 64,
-           "engram_vocab_size": 40000, "engram_compressed_vocab_size": 60, "engram_pad_token_id": 1,
-           "engram_table_dtype": table_dtype}
+    cfg = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "vocab_size": 97,
+        "hc_mult": 2,
+        "tie_word_embeddings": False,
+        "engram_layer_ids": [0, 2],
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 2,
+        "engram_head_dim": 64,
+        "engram_vocab_size": 40000,
+        "engram_compressed_vocab_size": 60,
+        "engram_pad_token_id": 1,
+        "engram_table_dtype": table_dtype,
+    }
     mc = ModelConfig.from_dict(cfg)
     rows = [int(r) for r in EngramLayout.from_spec(mc.engram, pad_id=1).table_rows]
-    write_checkpoint(path, cfg, random_weights(mc, torch.Generator().manual_seed(0), table_rows=rows), None,
-                     max_shard_bytes=4 << 20)
+    write_checkpoint(
+        path, cfg, random_weights(mc, torch.Generator().manual_seed(0), table_rows=rows), None, max_shard_bytes=4 << 20
+    )
     return checkpoint_table_refs(Checkpoint.open(path))
 
 
@@ -259,8 +318,9 @@ def tables_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return run
 
 
-@pytest.mark.parametrize("check", TABLE_CHECKS, ids=[c.replace(" {label}", "").replace(" of {chunk} MiB", "")
-                                                     for c in TABLE_CHECKS])
+@pytest.mark.parametrize(
+    "check", TABLE_CHECKS, ids=[c.replace(" {label}", "").replace(" of {chunk} MiB", "") for c in TABLE_CHECKS]
+)
 def test_tables(tables_run: SimpleNamespace, check: str) -> None:
     label = tables_run.label
     note(f"timings {label}", tables_run.timings)

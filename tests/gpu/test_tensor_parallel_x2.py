@@ -60,8 +60,11 @@ def _tiny(root: Path) -> dict[str, tuple[Path, list[list[int]]]]:
     gen = torch.Generator().manual_seed(22)
     dp.save_v41(root / "dsv41", lambda rows, width: torch.randn(rows, width, generator=gen), seed=22)
     qp.save_qwen4(root / "qwen", seed=23, **dict(qp.CASES["hc2-ple1-qsa"], **QWEN_TP4))
-    return {"engram-llama": (root / "llama", lp.PROMPTS[:2]), "deepseek-v4.1": (root / "dsv41", dp.PROMPTS[:2]),
-            "qwen4-exp": (root / "qwen", qp.PROMPTS[:2])}
+    return {
+        "engram-llama": (root / "llama", lp.PROMPTS[:2]),
+        "deepseek-v4.1": (root / "dsv41", dp.PROMPTS[:2]),
+        "qwen4-exp": (root / "qwen", qp.PROMPTS[:2]),
+    }
 
 
 def _jobs(folders: dict[str, tuple[Path, list[list[int]]]], bench: dict[str, Path], tp: int) -> list[Any]:
@@ -69,17 +72,25 @@ def _jobs(folders: dict[str, tuple[Path, list[list[int]]]], bench: dict[str, Pat
     from engram_trt.runtime.sampling_params import SamplingParams
 
     greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    jobs = [ReplicaJob(str(p), tp, 1, prompts, greedy, None, {"backend": "torch", "dtype": "fp32", "progress": False})
-            for p, prompts in folders.values()]
+    jobs = [
+        ReplicaJob(str(p), tp, 1, prompts, greedy, None, {"backend": "torch", "dtype": "fp32", "progress": False})
+        for p, prompts in folders.values()
+    ]
     long = SamplingParams(max_tokens=BENCH_NEW, temperature=0.0, ignore_eos=True)
-    kw = {"backend": "torch", "dtype": "bf16", "progress": False, "max_batch_size": max(STREAMS),
-          "max_seq_len": BENCH_PROMPT + BENCH_NEW + 8}
+    kw = {
+        "backend": "torch",
+        "dtype": "bf16",
+        "progress": False,
+        "max_batch_size": max(STREAMS),
+        "max_seq_len": BENCH_PROMPT + BENCH_NEW + 8,
+    }
     for path in bench.values():
         prompts = [[(7 + 13 * i + 31 * j) % 1000 + 2 for j in range(BENCH_PROMPT)] for i in range(max(STREAMS))]
         jobs.append(ReplicaJob(str(path), tp, 1, prompts[:2], greedy, None, dict(kw)))
         jobs += [ReplicaJob(str(path), tp, 1, prompts[:n], long, None, dict(kw), repeat=2) for n in STREAMS]
-        jobs.append(ReplicaJob(str(path), tp, 1, prompts[:8], long, None, dict(kw, cuda_graphs=False),
-                               time_collectives=True))
+        jobs.append(
+            ReplicaJob(str(path), tp, 1, prompts[:8], long, None, dict(kw, cuda_graphs=False), time_collectives=True)
+        )
     return jobs
 
 
@@ -111,10 +122,12 @@ def x2(tmp_path_factory: Any) -> dict[str, Any]:
     out = {"tiny": {n: (one[i], two[i]) for i, n in enumerate(names)}, "bench": {}}
     for k, shape in enumerate(bench):
         at = len(names) + k * per_shape
-        out["bench"][shape] = {"tokens": (one[at], two[at]),
-                               "streams": {n: (one[at + 1 + j], two[at + 1 + j]) for j, n in enumerate(STREAMS)},
-                               "collectives": (one[at + 1 + len(STREAMS)], two[at + 1 + len(STREAMS)]),
-                               "config": json.loads((bench[shape] / "config.json").read_text())}
+        out["bench"][shape] = {
+            "tokens": (one[at], two[at]),
+            "streams": {n: (one[at + 1 + j], two[at + 1 + j]) for j, n in enumerate(STREAMS)},
+            "collectives": (one[at + 1 + len(STREAMS)], two[at + 1 + len(STREAMS)]),
+            "config": json.loads((bench[shape] / "config.json").read_text()),
+        }
     return out
 
 
@@ -126,8 +139,8 @@ def test_tiny_tokens_equal_one_gpu_with_graphs(x2) -> None:
     """1. float32, decode CUDA graphs: --tp 2 gives one GPU's tokens."""
     for name, (one, two) in x2["tiny"].items():
         assert _tokens(two) == _tokens(one), (
-            f"{name}: greedy tokens at --tp 2 equal one GPU's (fp32): "
-            f"{_tokens(two)} vs {_tokens(one)}")
+            f"{name}: greedy tokens at --tp 2 equal one GPU's (fp32): {_tokens(two)} vs {_tokens(one)}"
+        )
         graphs = [r["graphs"] for r in two["ranks"]]
         recorded = all(g["graph_captures"] > 0 for g in graphs) and "CUDA graphs" in two["ranks"][0]["backend"]
         assert recorded, f"{name}: every rank recorded decode CUDA graphs (collectives inside): {graphs}"
@@ -140,16 +153,20 @@ def test_bench_shapes_tokens_and_bytes(x2) -> None:
         one, two = d["tokens"]
         a, b = _tokens(one), _tokens(two)
         assert [t[:1] for t in a] == [t[:1] for t in b], (
-            f"{shape} bf16: the first greedy token of each prompt at --tp 2 equals one GPU's: "
-            f"{b} vs {a}")
+            f"{shape} bf16: the first greedy token of each prompt at --tp 2 equals one GPU's: {b} vs {a}"
+        )
         same = sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / max(sum(len(p) for p in a), 1)
         whole = one["weights"]["bytes_per_rank"][0]
         per_rank = two["weights"]["bytes_per_rank"]
         assert max(per_rank) < whole, (
-            f"{shape} bf16 --tp 2: each rank holds less than the whole model: "
-            f"{per_rank} vs {whole}")
-        figures[shape] = {"tokens_equal_fraction": round(same, 4), "one_gpu_weight_bytes": whole,
-                          "tp2_weight_bytes_per_rank": per_rank, "tp2_share": round(max(per_rank) / whole, 4)}
+            f"{shape} bf16 --tp 2: each rank holds less than the whole model: {per_rank} vs {whole}"
+        )
+        figures[shape] = {
+            "tokens_equal_fraction": round(same, 4),
+            "one_gpu_weight_bytes": whole,
+            "tp2_weight_bytes_per_rank": per_rank,
+            "tp2_share": round(max(per_rank) / whole, 4),
+        }
     note("bench_shapes", figures)
 
 
@@ -167,9 +184,11 @@ def test_throughput_against_one_gpu(x2) -> None:
             ok = all(o.error is None and len(o.token_ids) == BENCH_NEW for o in one["outputs"] + two["outputs"])
             if not ok:
                 failed.append(f"{shape} {n} streams: every request finished on one GPU and at --tp 2")
-            rows[n] = {"one_gpu_tokens_per_s": round(_tokens_per_s(one), 1),
-                       "tp2_tokens_per_s": round(_tokens_per_s(two), 1),
-                       "ratio": round(_tokens_per_s(two) / _tokens_per_s(one), 3)}
+            rows[n] = {
+                "one_gpu_tokens_per_s": round(_tokens_per_s(one), 1),
+                "tp2_tokens_per_s": round(_tokens_per_s(two), 1),
+                "ratio": round(_tokens_per_s(two) / _tokens_per_s(one), 3),
+            }
         figures[shape] = rows
     note("throughput", figures)
     assert not failed, "; ".join(failed)  # after the figures: they are noted either way
@@ -186,15 +205,21 @@ def test_collectives_per_step(x2) -> None:
         reduces = leader["collectives"]["all_reduce"]
         gathers = leader["collectives"]["all_gather"]
         if reduces["calls"] != (2 * cfg["num_hidden_layers"] + 1) * steps:
-            failed.append(f"{shape}: one all-reduce per attention and MLP block plus the embedding's, per step: "
-                          f"{reduces['calls']} in {steps} steps")
+            failed.append(
+                f"{shape}: one all-reduce per attention and MLP block plus the embedding's, per step: "
+                f"{reduces['calls']} in {steps} steps"
+            )
         step_ms = 1000.0 * leader["generate_s"] / max(steps, 1)
         one_ms = 1000.0 * one["ranks"][0]["generate_s"] / max(one["ranks"][0]["stats"]["steps"], 1)
-        figures[shape] = {"steps": steps, "all_reduce_ms_per_step": round(reduces["ms"] / steps, 4),
-                          "all_gather_ms_per_step": round(gathers["ms"] / steps, 4),
-                          "all_reduce_calls_per_step": reduces["calls"] / steps,
-                          "all_gather_calls_per_step": gathers["calls"] / steps,
-                          "tp2_eager_step_ms": round(step_ms, 3), "one_gpu_eager_step_ms": round(one_ms, 3),
-                          "collective_share_of_step": round((reduces["ms"] + gathers["ms"]) / steps / step_ms, 4)}
+        figures[shape] = {
+            "steps": steps,
+            "all_reduce_ms_per_step": round(reduces["ms"] / steps, 4),
+            "all_gather_ms_per_step": round(gathers["ms"] / steps, 4),
+            "all_reduce_calls_per_step": reduces["calls"] / steps,
+            "all_gather_calls_per_step": gathers["calls"] / steps,
+            "tp2_eager_step_ms": round(step_ms, 3),
+            "one_gpu_eager_step_ms": round(one_ms, 3),
+            "collective_share_of_step": round((reduces["ms"] + gathers["ms"]) / steps / step_ms, 4),
+        }
     note("collectives", figures)
     assert not failed, "; ".join(failed)  # after the figures: they are noted either way

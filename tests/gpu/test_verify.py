@@ -40,11 +40,28 @@ import pytest
 
 from .cases import GATHER_ROWS, HASH_SEQUENCES
 
-from .helpers import (DT, PF_CHAR, PF_INT32, PF_INT64, Checks, bits, dtype_name, gate_fields, gate_inputs,
-                      gate_ok, gather_fields, hash_fields, hash_fields_text, random_fp8_table, run_child, say)
+from .helpers import (
+    DT,
+    PF_CHAR,
+    PF_INT32,
+    PF_INT64,
+    Checks,
+    bits,
+    dtype_name,
+    gate_fields,
+    gate_inputs,
+    gate_ok,
+    gather_fields,
+    hash_fields,
+    hash_fields_text,
+    random_fp8_table,
+    run_child,
+    say,
+)
 
 
 # --- layouts ---------------------------------------------------------------------------
+
 
 def make_layouts():
     from engram_trt.config.model import EngramSpec
@@ -53,13 +70,38 @@ def make_layouts():
     # Three shapes: 2 layers of orders 2..3 x 8 heads (DeepSeek-V4 vocabulary sizes),
     # 3 layers of orders 2..4 x 4 heads, and 4 layers of orders 2..3 x 20 heads (160
     # slots: the hash kernel's large parameter, over 4 KiB).
-    a = EngramSpec(layer_ids=(2, 15), max_ngram_size=3, n_heads=8, vocab_size=129280,
-                   compressed_vocab_size=99092, pad_token_id=0, head_dim=256)
-    b = EngramSpec(layer_ids=(1, 6, 11), max_ngram_size=4, n_heads=4, vocab_size=50000,
-                   compressed_vocab_size=41234, pad_token_id=0, head_dim=128)
-    c = EngramSpec(layer_ids=(0, 1, 4, 9), max_ngram_size=3, n_heads=20, vocab_size=20000,
-                   compressed_vocab_size=17000, pad_token_id=0, head_dim=64)
-    return [EngramLayout.from_spec(a, pad_id=17), EngramLayout.from_spec(b, pad_id=3), EngramLayout.from_spec(c, pad_id=9)]
+    a = EngramSpec(
+        layer_ids=(2, 15),
+        max_ngram_size=3,
+        n_heads=8,
+        vocab_size=129280,
+        compressed_vocab_size=99092,
+        pad_token_id=0,
+        head_dim=256,
+    )
+    b = EngramSpec(
+        layer_ids=(1, 6, 11),
+        max_ngram_size=4,
+        n_heads=4,
+        vocab_size=50000,
+        compressed_vocab_size=41234,
+        pad_token_id=0,
+        head_dim=128,
+    )
+    c = EngramSpec(
+        layer_ids=(0, 1, 4, 9),
+        max_ngram_size=3,
+        n_heads=20,
+        vocab_size=20000,
+        compressed_vocab_size=17000,
+        pad_token_id=0,
+        head_dim=64,
+    )
+    return [
+        EngramLayout.from_spec(a, pad_id=17),
+        EngramLayout.from_spec(b, pad_id=3),
+        EngramLayout.from_spec(c, pad_id=9),
+    ]
 
 
 def random_packed(rng, layout, num_seqs: int, max_len: int, dead_frac: float = 0.05):
@@ -89,6 +131,7 @@ def layouts():
 
 # --- kernels ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("num_seqs,max_len", [(1, 1), (7, 40), (300, 400)])
 @pytest.mark.parametrize("li", range(3))
 def test_kernel_hash(rng, layouts, li, num_seqs, max_len) -> None:
@@ -104,12 +147,17 @@ def test_kernel_hash(rng, layouts, li, num_seqs, max_len) -> None:
     ids, starts, lookback = random_packed(rng, layout, num_seqs, max_len)
     ref = hash_batch_packed(ids, starts, lookback, layout)
     out = torch.full((ids.shape[0], layout.num_layers, layout.n_hash_cols), -12345, dtype=torch.int32, device=dev)
-    hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
-                        torch.from_numpy(starts.astype(np.int32)).to(dev),
-                        torch.from_numpy(lookback.astype(np.int32)).to(dev), layout, out=out)
+    hash_kernels.hash_packed(
+        torch.from_numpy(ids.astype(np.int32)).to(dev),
+        torch.from_numpy(starts.astype(np.int32)).to(dev),
+        torch.from_numpy(lookback.astype(np.int32)).to(dev),
+        layout,
+        out=out,
+    )
     got = out.cpu().numpy().astype(np.int64)
-    assert np.array_equal(got, ref), (f"kernel hash layout{li} S={num_seqs} T={ids.shape[0]}: "
-                                      f"{int((got != ref).sum())} of {ref.size} ids differ")
+    assert np.array_equal(got, ref), (
+        f"kernel hash layout{li} S={num_seqs} T={ids.shape[0]}: {int((got != ref).sum())} of {ref.size} ids differ"
+    )
 
 
 @pytest.mark.parametrize("li", range(3))
@@ -124,8 +172,9 @@ def test_kernel_hash_no_lookback(rng, layouts, li) -> None:
     layout = layouts[li]
     ids, starts, _ = random_packed(rng, layout, 5, 30)
     ref = hash_batch_packed(ids, starts, None, layout)
-    got = hash_kernels.hash_packed(torch.from_numpy(ids.astype(np.int32)).to(dev),
-                              torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout)
+    got = hash_kernels.hash_packed(
+        torch.from_numpy(ids.astype(np.int32)).to(dev), torch.from_numpy(starts.astype(np.int32)).to(dev), None, layout
+    )
     assert np.array_equal(got.cpu().numpy(), ref), f"kernel hash layout{li} no lookback"
 
 
@@ -158,9 +207,19 @@ def gather_case(gpu_seed):
     ok = (flat >= 0) & (flat < rows_n)
     ref2[ok] = table_bf16[flat[ok]]
     ref2 = ref2.reshape(T, cols, 128)
-    return SimpleNamespace(T=T, cols=cols, head_dim=head_dim, layer=layer, ids=ids, fp8_cpu=torch.from_numpy(fp8),
-                           scales_cpu=torch.from_numpy(scales), ref_bits=ref_bits, table_bf16=table_bf16, ids2=ids2,
-                           ref2=ref2)
+    return SimpleNamespace(
+        T=T,
+        cols=cols,
+        head_dim=head_dim,
+        layer=layer,
+        ids=ids,
+        fp8_cpu=torch.from_numpy(fp8),
+        scales_cpu=torch.from_numpy(scales),
+        ref_bits=ref_bits,
+        table_bf16=table_bf16,
+        ids2=ids2,
+        ref2=ref2,
+    )
 
 
 def poisoned(c, width: int):
@@ -234,11 +293,17 @@ def test_host_gather_bf16(gather_case) -> None:
 
 
 # bf16, fp16 and fp32 I/O, weights bf16 / fp32 / the I/O type: (T, hc, D, io, weights, mask)
-GATE_CASES = [(257, 4, 1024, "bfloat16", "bfloat16", "bool"), (64, 1, 64, "bfloat16", "float32", "int32"),
-              (9, 2, 4096, "bfloat16", "bfloat16", "uint8"), (257, 4, 1024, "float16", "float16", "bool"),
-              (64, 2, 256, "float16", "float32", "int32"), (9, 2, 4096, "float16", "bfloat16", "uint8"),
-              (257, 4, 1024, "float32", "float32", "bool"), (33, 3, 512, "float32", "bfloat16", "int32"),
-              (9, 2, 4096, "float32", "float32", "uint8")]
+GATE_CASES = [
+    (257, 4, 1024, "bfloat16", "bfloat16", "bool"),
+    (64, 1, 64, "bfloat16", "float32", "int32"),
+    (9, 2, 4096, "bfloat16", "bfloat16", "uint8"),
+    (257, 4, 1024, "float16", "float16", "bool"),
+    (64, 2, 256, "float16", "float32", "int32"),
+    (9, 2, 4096, "float16", "bfloat16", "uint8"),
+    (257, 4, 1024, "float32", "float32", "bool"),
+    (33, 3, 512, "float32", "bfloat16", "int32"),
+    (9, 2, 4096, "float32", "float32", "uint8"),
+]
 
 
 @pytest.mark.parametrize("mode", ["out of place", "in place"])
@@ -280,8 +345,7 @@ PLUGIN_CPU_CHECKS = [
     "plugin EngramGate refuses hc_mult = 2^32 + 4",
     "plugin EngramGather refuses num_rows = 2^31",
     "plugin EngramHash refuses text '12-3' (no separator)",
-    "plugin EngramGather bad_rows_input = 1: 4 inputs, kept through serialization, 3 refused "
-    "(message names file:line)",
+    "plugin EngramGather bad_rows_input = 1: 4 inputs, kept through serialization, 3 refused (message names file:line)",
     "plugin EngramGather getOutputShapes",
     "plugin EngramGather getOutputDataTypes",
     "plugin EngramGather serialize round trip",
@@ -299,12 +363,14 @@ def check_plugins_cpu(harness, layout) -> Checks:
     h = harness.create("EngramHash", hash_fields(layout))
     shape, const = harness.output_shapes(h, [(100,), (4,), (3, layout.max_ngram_size - 1)])
     want = (100, layout.num_layers, layout.n_hash_cols)
-    checks.add("plugin EngramHash getOutputShapes", shape == want and const == (False, True, True),
-               f"{shape} const={const}")
+    checks.add(
+        "plugin EngramHash getOutputShapes", shape == want and const == (False, True, True), f"{shape} const={const}"
+    )
     checks.add("plugin EngramHash getOutputDataTypes", harness.output_types(h, [DT["int32"]] * 3) == [DT["int32"]])
     h2 = harness.roundtrip(h)
-    checks.add("plugin EngramHash serialize round trip",
-               harness.output_shapes(h2, [(7,), (2,), (1, 2)])[0][1:] == want[1:])
+    checks.add(
+        "plugin EngramHash serialize round trip", harness.output_shapes(h2, [(7,), (2,), (1, 2)])[0][1:] == want[1:]
+    )
     harness.lib.harness_destroy(h2)
     harness.lib.harness_destroy(h)
     bad = hash_fields(layout)
@@ -322,8 +388,10 @@ def check_plugins_cpu(harness, layout) -> Checks:
     except RuntimeError as exc:
         checks.add("plugin EngramHash refuses int32 multipliers (truncation)", "64-bit" in str(exc), str(exc)[:120])
     h3 = harness.create("EngramHash", hash_fields_text(layout))
-    checks.add("plugin EngramHash accepts decimal-text int64 fields",
-               harness.output_shapes(h3, [(9,), (2,), (1, layout.max_ngram_size - 1)])[0] == (9,) + want[1:])
+    checks.add(
+        "plugin EngramHash accepts decimal-text int64 fields",
+        harness.output_shapes(h3, [(9,), (2,), (1, layout.max_ngram_size - 1)])[0] == (9,) + want[1:],
+    )
     harness.lib.harness_destroy(h3)
     try:
         harness.create("EngramHash", hash_fields(layout) + [("bogus", PF_INT32, np.array([1], np.int32))])
@@ -338,9 +406,11 @@ def check_plugins_cpu(harness, layout) -> Checks:
     text = hash_fields_text(layout)
     primes_text = bytes(text[5][2]).decode().replace(",", "-", 1)
     text[5] = ("primes", PF_CHAR, np.frombuffer(primes_text.encode(), dtype=np.uint8))
-    for name, fields, what, needle in (("EngramGate", gate_wide, "hc_mult = 2^32 + 4", "'hc_mult' = 4294967300"),
-                                       ("EngramGather", gather_wide, "num_rows = 2^31", "num_rows must be in"),
-                                       ("EngramHash", text, "text '12-3' (no separator)", "not a list of integers")):
+    for name, fields, what, needle in (
+        ("EngramGate", gate_wide, "hc_mult = 2^32 + 4", "'hc_mult' = 4294967300"),
+        ("EngramGather", gather_wide, "num_rows = 2^31", "num_rows must be in"),
+        ("EngramHash", text, "text '12-3' (no separator)", "not a list of integers"),
+    ):
         try:
             harness.lib.harness_destroy(harness.create(name, fields))
             checks.add(f"plugin {name} refuses {what}", False, "accepted")
@@ -349,8 +419,10 @@ def check_plugins_cpu(harness, layout) -> Checks:
 
     # the optional bad-row counter input: bad_rows_input = 1 makes it the 4th input, and
     # the field survives serialization (the runtime plugin expects the same inputs)
-    counted = harness.create("EngramGather", gather_fields(1, 2, 24, 256, 0, 32, 1000)
-                             + [("bad_rows_input", PF_INT32, np.array([1], np.int32))])
+    counted = harness.create(
+        "EngramGather",
+        gather_fields(1, 2, 24, 256, 0, 32, 1000) + [("bad_rows_input", PF_INT32, np.array([1], np.int32))],
+    )
     counted2 = harness.roundtrip(counted)
     four = [DT["int32"], DT["int64"], DT["int64"], DT["int64"]]
     accepted = all(harness.output_types(h, four) == [DT["bfloat16"]] for h in (counted, counted2))
@@ -359,20 +431,28 @@ def check_plugins_cpu(harness, layout) -> Checks:
         refused = False
     except RuntimeError as exc:
         refused = "expects 4 inputs" in str(exc) and "engramGatherPlugin.cpp:" in str(exc)
-    checks.add("plugin EngramGather bad_rows_input = 1: 4 inputs, kept through serialization, 3 refused "
-               "(message names file:line)", accepted and refused)
+    checks.add(
+        "plugin EngramGather bad_rows_input = 1: 4 inputs, kept through serialization, 3 refused "
+        "(message names file:line)",
+        accepted and refused,
+    )
     harness.lib.harness_destroy(counted2)
     harness.lib.harness_destroy(counted)
 
     g = harness.create("EngramGather", gather_fields(1, 2, 24, 256, 0, 32, 1000))
     shape, const = harness.output_shapes(g, [(50, 2, 24), (1,), (1,)])
-    checks.add("plugin EngramGather getOutputShapes", shape == (50, 24, 256) and const == (False, True, True),
-               str(shape))
-    checks.add("plugin EngramGather getOutputDataTypes",
-               harness.output_types(g, [DT["int32"], DT["int64"], DT["int64"]]) == [DT["bfloat16"]])
+    checks.add(
+        "plugin EngramGather getOutputShapes", shape == (50, 24, 256) and const == (False, True, True), str(shape)
+    )
+    checks.add(
+        "plugin EngramGather getOutputDataTypes",
+        harness.output_types(g, [DT["int32"], DT["int64"], DT["int64"]]) == [DT["bfloat16"]],
+    )
     g2 = harness.roundtrip(g)
-    checks.add("plugin EngramGather serialize round trip",
-               harness.output_shapes(g2, [(5, 2, 24), (1,), (1,)])[0] == (5, 24, 256))
+    checks.add(
+        "plugin EngramGather serialize round trip",
+        harness.output_shapes(g2, [(5, 2, 24), (1,), (1,)])[0] == (5, 24, 256),
+    )
     harness.lib.harness_destroy(g2)
     harness.lib.harness_destroy(g)
 
@@ -380,16 +460,28 @@ def check_plugins_cpu(harness, layout) -> Checks:
     shape, const = harness.output_shapes(t, [(33, 4, 1024), (33, 5 * 1024), (4, 1024), (4, 1024), (33,)])
     checks.add("plugin EngramGate getOutputShapes", shape == (33, 4, 1024) and not const[0], str(shape))
     gate_types = {}
-    for io, w in (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float16", "float16"), ("float16", "float32"),
-                  ("float16", "bfloat16"), ("float32", "float32"), ("float32", "bfloat16")):
+    for io, w in (
+        ("bfloat16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("float16", "float16"),
+        ("float16", "float32"),
+        ("float16", "bfloat16"),
+        ("float32", "float32"),
+        ("float32", "bfloat16"),
+    ):
         gate_types[f"{io}/{w}"] = harness.output_types(t, [DT[io], DT[io], DT[w], DT[w], DT["bool"]]) == [DT[io]]
-    checks.add("plugin EngramGate getOutputDataTypes: output = hidden's type (bf16 / fp16 / fp32 I/O)",
-               all(gate_types.values()), str(gate_types))
+    checks.add(
+        "plugin EngramGate getOutputDataTypes: output = hidden's type (bf16 / fp16 / fp32 I/O)",
+        all(gate_types.values()),
+        str(gate_types),
+    )
     refused = {}
-    for what, types, needle in (("kv fp32 with hidden fp16", ("float16", "float32", "float16", "float16"), "hidden and kv"),
-                                ("fp16 weights with bf16 hidden", ("bfloat16", "bfloat16", "float16", "float16"), "q_weight"),
-                                ("fp16 weights with fp32 hidden", ("float32", "float32", "float16", "float16"), "q_weight"),
-                                ("q fp32 with k bf16", ("float16", "float16", "float32", "bfloat16"), "q_weight")):
+    for what, types, needle in (
+        ("kv fp32 with hidden fp16", ("float16", "float32", "float16", "float16"), "hidden and kv"),
+        ("fp16 weights with bf16 hidden", ("bfloat16", "bfloat16", "float16", "float16"), "q_weight"),
+        ("fp16 weights with fp32 hidden", ("float32", "float32", "float16", "float16"), "q_weight"),
+        ("q fp32 with k bf16", ("float16", "float16", "float32", "bfloat16"), "q_weight"),
+    ):
         try:
             harness.output_types(t, [DT[x] for x in types] + [DT["bool"]])
             refused[what] = False
@@ -397,8 +489,10 @@ def check_plugins_cpu(harness, layout) -> Checks:
             refused[what] = needle in str(exc)
     checks.add("plugin EngramGate getOutputDataTypes refuses mixed types", all(refused.values()), str(refused))
     t2 = harness.roundtrip(t)
-    checks.add("plugin EngramGate serialize round trip",
-               harness.output_shapes(t2, [(3, 4, 1024), (3, 5120), (4, 1024), (4, 1024), (3,)])[0] == (3, 4, 1024))
+    checks.add(
+        "plugin EngramGate serialize round trip",
+        harness.output_shapes(t2, [(3, 4, 1024), (3, 5120), (4, 1024), (4, 1024), (3,)])[0] == (3, 4, 1024),
+    )
     harness.lib.harness_destroy(t2)
     harness.lib.harness_destroy(t)
     return checks
@@ -447,11 +541,18 @@ def test_plugin_hash_enqueue(rng, harness, layouts, li, form) -> None:
     ref = hash_batch_packed(ids, starts, lookback, layout)
     inputs = [torch.from_numpy(a.astype(np.int32)).to(dev) for a in (ids, starts, lookback)]
     fields = {"int64 fields": hash_fields, "text fields": hash_fields_text}[form](layout)
-    (o1, o2), ws = run_both(harness, "EngramHash", fields, inputs, [DT["int32"]] * 3,
-                            lambda: torch.full(ref.shape, -777, dtype=torch.int32, device=dev), DT["int32"])
+    (o1, o2), ws = run_both(
+        harness,
+        "EngramHash",
+        fields,
+        inputs,
+        [DT["int32"]] * 3,
+        lambda: torch.full(ref.shape, -777, dtype=torch.int32, device=dev),
+        DT["int32"],
+    )
     assert np.array_equal(o1.cpu().numpy(), ref) and np.array_equal(o2.cpu().numpy(), ref), (
-        f"plugin EngramHash enqueue layout{li} T={ids.shape[0]} ({form}): workspace={ws}")
-
+        f"plugin EngramHash enqueue layout{li} T={ids.shape[0]} ({form}): workspace={ws}"
+    )
 
 
 @pytest.mark.parametrize("where", ["device", "pinned host"])
@@ -467,21 +568,29 @@ def test_plugin_gather_enqueue_fp8(rng, harness, where) -> None:
     ids = rng.integers(0, rows_n, size=(T, L, cols)).astype(np.int32)
     sel = ids[:, layer, :].reshape(-1)
     ref = torch.from_numpy(dequant_fp8_rows(fp8[sel], scales[sel], 32)).to(torch.bfloat16).reshape(T, cols, head_dim)
-    r, s = {"device": lambda: (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
-            "pinned host": lambda: (torch.from_numpy(fp8).pin_memory(), torch.from_numpy(scales).pin_memory())}[where]()
+    r, s = {
+        "device": lambda: (torch.from_numpy(fp8).to(dev), torch.from_numpy(scales).to(dev)),
+        "pinned host": lambda: (torch.from_numpy(fp8).pin_memory(), torch.from_numpy(scales).pin_memory()),
+    }[where]()
     addr_r = torch.tensor([r.data_ptr()], dtype=torch.int64, device=dev)
     addr_s = torch.tensor([s.data_ptr()], dtype=torch.int64, device=dev)
-    (o1, o2), ws = run_both(harness, "EngramGather", gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
-                            [torch.from_numpy(ids).to(dev), addr_r, addr_s], [DT["int32"], DT["int64"], DT["int64"]],
-                            lambda: torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev),
-                            DT["bfloat16"])
+    (o1, o2), ws = run_both(
+        harness,
+        "EngramGather",
+        gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
+        [torch.from_numpy(ids).to(dev), addr_r, addr_s],
+        [DT["int32"], DT["int64"], DT["int64"]],
+        lambda: torch.full((T, cols, head_dim), float("nan"), dtype=torch.bfloat16, device=dev),
+        DT["bfloat16"],
+    )
     # o1: the build-phase plugin (TensorRT's timing enqueue): zero rows, the table
     # untouched; o2: its serialize -> kRUNTIME twin reads the table.
     same = torch.equal(o2.cpu().view(torch.int16), ref.view(torch.int16))
     build_zero = int(torch.count_nonzero(o1.view(torch.int16))) == 0
     assert same and build_zero, (
         f"plugin EngramGather enqueue fp8 {where} table (runtime phase exact, build phase zero rows): "
-        f"runtime-exact={same} build-phase-zero={build_zero} workspace={ws}")
+        f"runtime-exact={same} build-phase-zero={build_zero} workspace={ws}"
+    )
 
 
 def test_plugin_gather_enqueue_bf16(rng, harness) -> None:
@@ -493,19 +602,30 @@ def test_plugin_gather_enqueue_bf16(rng, harness) -> None:
     ids1 = rng.integers(0, rows_n, size=(T, 1, 8)).astype(np.int32)
     ref1 = table[torch.from_numpy(ids1[:, 0, :].reshape(-1)).long()].reshape(T, 8, 64)
     tdev = table.to(dev)
-    (o1, o2), _ = run_both(harness, "EngramGather", gather_fields(0, 1, 8, 64, 1, 32, rows_n),
-                           [torch.from_numpy(ids1).to(dev), torch.tensor([tdev.data_ptr()], dtype=torch.int64, device=dev)],
-                           [DT["int32"], DT["int64"]],
-                           lambda: torch.full((T, 8, 64), float("nan"), dtype=torch.bfloat16, device=dev), DT["bfloat16"])
-    assert (torch.equal(o2.cpu().view(torch.int16), ref1.view(torch.int16))
-            and int(torch.count_nonzero(o1.view(torch.int16))) == 0), (
-        "plugin EngramGather enqueue bf16 device table (runtime phase exact, build phase zero rows)")
+    (o1, o2), _ = run_both(
+        harness,
+        "EngramGather",
+        gather_fields(0, 1, 8, 64, 1, 32, rows_n),
+        [torch.from_numpy(ids1).to(dev), torch.tensor([tdev.data_ptr()], dtype=torch.int64, device=dev)],
+        [DT["int32"], DT["int64"]],
+        lambda: torch.full((T, 8, 64), float("nan"), dtype=torch.bfloat16, device=dev),
+        DT["bfloat16"],
+    )
+    assert (
+        torch.equal(o2.cpu().view(torch.int16), ref1.view(torch.int16))
+        and int(torch.count_nonzero(o1.view(torch.int16))) == 0
+    ), "plugin EngramGather enqueue bf16 device table (runtime phase exact, build phase zero rows)"
 
 
 # (T, hc, D, io, weights, mask)
-PLUGIN_GATE_CASES = [(200, 4, 1024, "bfloat16", "bfloat16", "bool"), (31, 2, 256, "bfloat16", "float32", "int32"),
-                     (200, 4, 1024, "float16", "float16", "bool"), (31, 2, 256, "float16", "float32", "int32"),
-                     (200, 4, 1024, "float32", "float32", "bool"), (31, 2, 256, "float32", "bfloat16", "int32")]
+PLUGIN_GATE_CASES = [
+    (200, 4, 1024, "bfloat16", "bfloat16", "bool"),
+    (31, 2, 256, "bfloat16", "float32", "int32"),
+    (200, 4, 1024, "float16", "float16", "bool"),
+    (31, 2, 256, "float16", "float32", "int32"),
+    (200, 4, 1024, "float32", "float32", "bool"),
+    (31, 2, 256, "float32", "bfloat16", "int32"),
+]
 
 
 @pytest.mark.parametrize("T_,hc,D,io_name,w_name,mname", PLUGIN_GATE_CASES)
@@ -522,8 +642,15 @@ def test_plugin_gate_enqueue(rng, harness, T_, hc, D, io_name, w_name, mname) ->
     io_t, wt = DT[dtype_name(io)], DT[dtype_name(wdtype)]
     in_types = [io_t, io_t, wt, wt, DT[mname]]
     dev_inputs = [t.to(dev) for t in (hidden, kv, qw, kw, mask)]
-    (o1, o2), ws = run_both(harness, "EngramGate", gate_fields(hc, D, eps), dev_inputs, in_types,
-                            lambda: torch.full((T_, hc, D), float("nan"), dtype=io, device=dev), io_t)
+    (o1, o2), ws = run_both(
+        harness,
+        "EngramGate",
+        gate_fields(hc, D, eps),
+        dev_inputs,
+        in_types,
+        lambda: torch.full((T_, hc, D), float("nan"), dtype=io, device=dev),
+        io_t,
+    )
     ok1, detail = gate_ok(o1, hidden, kv, qw, kw, mask_np, eps, engram_gate_reference)
     same = torch.equal(bits(o1), bits(o2))
     # in place through enqueue: the output buffer is hidden's
@@ -535,11 +662,12 @@ def test_plugin_gate_enqueue(rng, harness, T_, hc, D, io_name, w_name, mname) ->
     inplace_same = torch.equal(bits(in_place), bits(o1))
     assert ok1 and same and inplace_same, (
         f"plugin EngramGate enqueue io={dtype_name(io)} T={T_} hc={hc} D={D} w={dtype_name(wdtype)} mask={mname}: "
-        f"{detail} roundtrip-identical={same} in-place-identical={inplace_same} workspace={ws}")
-
+        f"{detail} roundtrip-identical={same} in-place-identical={inplace_same} workspace={ws}"
+    )
 
 
 # --- hardening ----------------------------------------------------------------------
+
 
 def test_hardening_hash_negative_start(rng, layouts) -> None:
     """seq_starts[0] < 0: tokens before ids[0] are no token (blocked), never read. The ids
@@ -566,17 +694,27 @@ def test_hardening_hash_negative_start(rng, layouts) -> None:
     ref = hash_batch_packed(ids, starts, fresh, layout)
     buf = torch.full((64 + T,), 7, dtype=torch.int32, device=dev)
     buf[64:] = torch.from_numpy(ids.astype(np.int32)).to(dev)
-    got = hash_kernels.hash_packed(buf[64:], torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
-                              torch.from_numpy(lookback.astype(np.int32)).to(dev), layout)
+    got = hash_kernels.hash_packed(
+        buf[64:],
+        torch.from_numpy(bad_starts.astype(np.int32)).to(dev),
+        torch.from_numpy(lookback.astype(np.int32)).to(dev),
+        layout,
+    )
     torch.cuda.synchronize()
     got = got.cpu().numpy()
-    assert np.array_equal(got, ref), ("kernel hash seq_starts[0] = -5: no read before ids[0], hashes as a fresh start: "
-                                      f"{int((got != ref).sum())} of {ref.size} ids differ")
+    assert np.array_equal(got, ref), (
+        "kernel hash seq_starts[0] = -5: no read before ids[0], hashes as a fresh start: "
+        f"{int((got != ref).sum())} of {ref.size} ids differ"
+    )
 
 
 # EngramGather with table addresses that cannot be read: (name, dtype, which addresses)
-BAD_ADDRESS_CASES = [("fp8, rows_addr 0", "fp8", "rows 0"), ("fp8, rows_addr misaligned (+8)", "fp8", "rows +8"),
-                     ("fp8, scales_addr 0", "fp8", "scales 0"), ("bf16, rows_addr 0", "bf16", "rows 0")]
+BAD_ADDRESS_CASES = [
+    ("fp8, rows_addr 0", "fp8", "rows 0"),
+    ("fp8, rows_addr misaligned (+8)", "fp8", "rows +8"),
+    ("fp8, scales_addr 0", "fp8", "scales 0"),
+    ("bf16, rows_addr 0", "bf16", "rows 0"),
+]
 
 
 def bad_address_case(rng, harness) -> SimpleNamespace:
@@ -602,16 +740,27 @@ def bad_address_case(rng, harness) -> SimpleNamespace:
         harness.lib.harness_destroy(h)
         return out
 
-    fields = {"fp8": gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
-              "bf16": gather_fields(layer, L, cols, 64, 1, 32, rows_n)}
-    addresses = {("fp8", "rows 0"): (0, scales_dev.data_ptr()),
-                 ("fp8", "rows +8"): (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()),
-                 ("fp8", "scales 0"): (fp8_dev.data_ptr(), 0), ("bf16", "rows 0"): (0,),
-                 ("fp8", "good"): (fp8_dev.data_ptr(), scales_dev.data_ptr())}
+    fields = {
+        "fp8": gather_fields(layer, L, cols, head_dim, 0, 32, rows_n),
+        "bf16": gather_fields(layer, L, cols, 64, 1, 32, rows_n),
+    }
+    addresses = {
+        ("fp8", "rows 0"): (0, scales_dev.data_ptr()),
+        ("fp8", "rows +8"): (fp8_dev.data_ptr() + 8, scales_dev.data_ptr()),
+        ("fp8", "scales 0"): (fp8_dev.data_ptr(), 0),
+        ("bf16", "rows 0"): (0,),
+        ("fp8", "good"): (fp8_dev.data_ptr(), scales_dev.data_ptr()),
+    }
     sel = ids_dev[:, layer, :].reshape(-1).cpu().numpy()
     ref = torch.from_numpy(dequant_fp8_rows(fp8[sel], scales[sel], 32)).to(torch.bfloat16).reshape(T, cols, head_dim)
-    return SimpleNamespace(gather_plugin=gather_plugin, fields=fields, addresses=addresses, head_dim=head_dim, ref=ref,
-                           keep=(fp8_dev, scales_dev))
+    return SimpleNamespace(
+        gather_plugin=gather_plugin,
+        fields=fields,
+        addresses=addresses,
+        head_dim=head_dim,
+        ref=ref,
+        keep=(fp8_dev, scales_dev),
+    )
 
 
 @pytest.mark.parametrize("name, kind, which", BAD_ADDRESS_CASES, ids=[c[0] for c in BAD_ADDRESS_CASES])
@@ -637,7 +786,8 @@ def test_hardening_gather_after_bad_addresses(rng, harness) -> None:
         c.gather_plugin(c.fields[kind], c.addresses[(kind, which)], c.head_dim if kind == "fp8" else 64)
     out = c.gather_plugin(c.fields["fp8"], c.addresses[("fp8", "good")], c.head_dim)
     assert torch.equal(out.cpu().view(torch.int16), c.ref.view(torch.int16)), (
-        "plugin EngramGather after the bad addresses: context usable, rows exact")
+        "plugin EngramGather after the bad addresses: context usable, rows exact"
+    )
 
 
 @pytest.mark.parametrize("probe", ["stale-error", "destroy-during-gather"])
@@ -651,8 +801,11 @@ def test_probe(probe, build_dir) -> None:
         say(f"note: {result['detail']}; trying an unmapped destination")
         second = run_probe("stale-error-unmapped", build_dir)
         if second.get("provoked") is False:
-            second = {"name": "kernel a failed call leaves no stale CUDA error (next gather / gate succeed)",
-                      "ok": False, "detail": f"no provocation failed: {result['detail']}; {second['detail']}"}
+            second = {
+                "name": "kernel a failed call leaves no stale CUDA error (next gather / gate succeed)",
+                "ok": False,
+                "detail": f"no provocation failed: {result['detail']}; {second['detail']}",
+            }
         result = second
     assert result["ok"], f"{result['name']}: {result['detail']}"
 
@@ -663,11 +816,15 @@ def run_probe(name: str, build_dir) -> dict:
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("PROBE "):
             return json.loads(line[6:])
-    return {"name": f"probe {name}", "ok": False,
-            "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}"}
+    return {
+        "name": f"probe {name}",
+        "ok": False,
+        "detail": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-600:]}",
+    }
 
 
 # --- the timed cases' outputs (their timing: benchmarks/kernels/bench_kernels.py) ------------------------
+
 
 @pytest.mark.parametrize("S", HASH_SEQUENCES)  # one prefill sequence; 32 packed sequences
 def test_timed_hash_agrees(rng, S) -> None:
@@ -682,8 +839,10 @@ def test_timed_hash_agrees(rng, S) -> None:
     case = hash_case(rng, layout, S, torch.device("cuda"))
     hash_kernels.hash_packed(case.ids, case.starts, case.lookback, layout, out=case.out)
     ok = np.array_equal(case.out.cpu().numpy().astype(np.int64), case.reference(layout))
-    assert ok, (f"timing outputs agree (hash {case.ids.numel()} tokens x {layout.num_layers} layers x "
-                f"{layout.n_hash_cols} columns, S={S})")
+    assert ok, (
+        f"timing outputs agree (hash {case.ids.numel()} tokens x {layout.num_layers} layers x "
+        f"{layout.n_hash_cols} columns, S={S})"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -699,8 +858,10 @@ def big_table():
 
     t0 = time.time()
     tables = fp8_tables(float(os.environ.get("ENGRAM_TRT_GPU_TABLE_GIB", "24")), torch.device("cuda"))
-    say(f"table {tables.rows_n:,} rows x 256 B fp8 + 8 B scales = {gather_bytes(tables.rows_n) / 2**30:.2f} GiB, "
-        f"in HBM and pinned, ready in {time.time() - t0:.1f} s")
+    say(
+        f"table {tables.rows_n:,} rows x 256 B fp8 + 8 B scales = {gather_bytes(tables.rows_n) / 2**30:.2f} GiB, "
+        f"in HBM and pinned, ready in {time.time() - t0:.1f} s"
+    )
     yield tables.rows_n, tables.dev_rows, tables.dev_scales, tables.host_rows, tables.host_scales
     del tables
     torch.cuda.empty_cache()
@@ -725,4 +886,5 @@ def test_timed_gathers_agree(rng, big_table, n_rows) -> None:
         ref = gather_kernels.gather(ids.to(dev), dev_rows, dev_scales)
         torch.cuda.synchronize()
     assert torch.equal(ref.view(torch.int16), got.view(torch.int16)), (
-        f"timing outputs agree ({n_rows} rows: host gather == device gather)")
+        f"timing outputs agree ({n_rows} rows: host gather == device gather)"
+    )

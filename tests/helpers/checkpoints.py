@@ -25,10 +25,24 @@ def words(ids: list[int]) -> str:
 
 
 TINY_CONFIG = dict(
-    architectures=["EngramLlamaForCausalLM"], hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-    num_hidden_layers=2, vocab_size=512, hc_mult=2, tie_word_embeddings=True, max_position_embeddings=256,
-    engram_layer_ids=[1], engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32,
-    engram_vocab_size=3000, engram_compressed_vocab_size=512, engram_pad_token_id=0,
+    architectures=["EngramLlamaForCausalLM"],
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    num_hidden_layers=2,
+    vocab_size=512,
+    hc_mult=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    engram_layer_ids=[1],
+    engram_max_ngram_size=3,
+    engram_n_heads=2,
+    engram_head_dim=32,
+    engram_vocab_size=3000,
+    engram_compressed_vocab_size=512,
+    engram_pad_token_id=0,
 )
 
 
@@ -56,11 +70,25 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
 # A small engram-llama with the DeepSeek-V4 tokenizer (real text in, real tokens out),
 # Engram on two of three layers, small tables: quick to write, load and run on a CPU.
 SMALL_CONFIG = {
-    "architectures": ["EngramLlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 129280, "hc_mult": 2,
-    "max_position_embeddings": 512, "tie_word_embeddings": True, "eos_token_id": 1,
-    "engram_layer_ids": [0, 2], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
-    "engram_vocab_size": 3000, "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 1,
+    "architectures": ["EngramLlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 129280,
+    "hc_mult": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "eos_token_id": 1,
+    "engram_layer_ids": [0, 2],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_vocab_size": 3000,
+    "engram_compressed_vocab_size": 99092,
+    "engram_pad_token_id": 1,
 }
 
 
@@ -85,9 +113,10 @@ def transformers_greedy(model, prompt: list[int], n: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, use_cache=True)
-    got = out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True
+        )
+    got = out[0, len(prompt) :].tolist()
     assert len(got) == n
     return got
 
@@ -113,7 +142,9 @@ def assert_fp32_logits_match(model, ours, prompts: list[list[int]]) -> None:
         with torch.no_grad():
             ref = model(torch.tensor([prompt])).logits[0].double()
         state = ours.new_cache(1, 64)
-        got = ours.forward_step(PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state, all_logits=True).double()
+        got = ours.forward_step(
+            PackedStep(torch.tensor(prompt), [len(prompt)], [0], [0]), state, all_logits=True
+        ).double()
         assert got.shape == ref.shape
         assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
@@ -165,8 +196,9 @@ def assert_bf16_logits_match(folder: Path, model, hf16, want: dict) -> None:
         with torch.no_grad():
             r32 = model(torch.tensor([p])).logits[0].double()
             r16 = hf16(torch.tensor([p])).logits[0].double()
-        g16 = ours16.forward_step(PackedStep(torch.tensor(p), [len(p)], [0], [0]), ours16.new_cache(1, 64),
-                                  all_logits=True).double()
+        g16 = ours16.forward_step(
+            PackedStep(torch.tensor(p), [len(p)], [0], [0]), ours16.new_cache(1, 64), all_logits=True
+        ).double()
         assert float((g16 - r16).norm() / r16.norm()) < 1e-2
         assert abs(float((r16 - r32).norm() / r32.norm()) - want["transformers_bf16_rel_l2"][i]) < 1e-4
     ckpt.close()
@@ -189,10 +221,13 @@ def transformers_fp8_save(model_cls, float_folder: Path, out: Path, **fp8_config
     import torch
     from transformers import FineGrainedFP8Config
 
-    with mock.patch("torch.cuda.is_available", return_value=True), \
-            mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-        model = model_cls.from_pretrained(float_folder, quantization_config=FineGrainedFP8Config(**fp8_config),
-                                          dtype=torch.float32, use_kernels=False)
+    with (
+        mock.patch("torch.cuda.is_available", return_value=True),
+        mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)),
+    ):
+        model = model_cls.from_pretrained(
+            float_folder, quantization_config=FineGrainedFP8Config(**fp8_config), dtype=torch.float32, use_kernels=False
+        )
         model.save_pretrained(out)
     tok = Path(float_folder) / "tokenizer.json"
     if tok.is_file():
@@ -221,8 +256,9 @@ def save_folder_as(src: Path, out: Path, tensors: dict, config: dict | None = No
             shutil.copyfile(Path(src) / name, out / name)
     if config is not None:
         (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     return out
 
 
@@ -233,10 +269,16 @@ def without_stale_scales(folder: Path, out: Path) -> Path:
     import torch
 
     t = folder_tensors(folder)
-    keep = {k: v for k, v in t.items()
-            if not (k.endswith(".weight_scale_inv") and k[: -len("_scale_inv")] in t
-                    and t[k[: -len("_scale_inv")]].dtype != torch.float8_e4m3fn)
-            and not (k == "lm_head.weight_scale_inv" and "lm_head.weight" not in t)}
+    keep = {
+        k: v
+        for k, v in t.items()
+        if not (
+            k.endswith(".weight_scale_inv")
+            and k[: -len("_scale_inv")] in t
+            and t[k[: -len("_scale_inv")]].dtype != torch.float8_e4m3fn
+        )
+        and not (k == "lm_head.weight_scale_inv" and "lm_head.weight" not in t)
+    }
     return save_folder_as(folder, out, keep)
 
 
@@ -298,8 +340,10 @@ def fp8_ple_folder(folder: Path, out: Path) -> Path:
     text = cfg.get("text_config", cfg)
     stems = sorted({k.split(".shard_")[0] for k in t if ".ngram_embedding.shard_" in k})
     for stem in stems:
-        names = sorted((k for k in t if k.startswith(stem + ".shard_")),
-                       key=lambda k: int(k.rsplit("shard_", 1)[1][: -len(".weight")]))
+        names = sorted(
+            (k for k in t if k.startswith(stem + ".shard_")),
+            key=lambda k: int(k.rsplit("shard_", 1)[1][: -len(".weight")]),
+        )
         table = torch.cat([t[k] for k in names]).float()
         scale = (table.abs().max() / 448.0).reshape(1)
         q = (table / scale).to(torch.float8_e4m3fn)
@@ -308,8 +352,12 @@ def fp8_ple_folder(folder: Path, out: Path) -> Path:
         for i, part in enumerate(torch.chunk(q, text["split_ngram_parts"])):
             t[f"{stem}.shard_{i}.weight"] = part.contiguous()
         t[f"{stem}.weight_scale"] = scale.float()
-    qc = cfg.get("quantization_config") or {"activation_scheme": "dynamic", "quant_method": "fp8",
-                                             "weight_block_size": [128, 128], "scale_fmt": "float"}
+    qc = cfg.get("quantization_config") or {
+        "activation_scheme": "dynamic",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "scale_fmt": "float",
+    }
     qc["modules_to_convert"] = ["ngram_embedding"]
     cfg["quantization_config"] = qc
     return save_folder_as(folder, out, t, cfg)

@@ -16,8 +16,22 @@ def run_json(folder: Path, prompt: list[int], n: int, capsys) -> dict:
     from engram_trt.cli.main import main
 
     capsys.readouterr()
-    code = main(["run", str(folder), "--prompt", words(prompt), "--max-new-tokens", str(n), "--ignore-eos",
-                 "--device", "cpu", "--dtype", "fp32", "--json"])
+    code = main(
+        [
+            "run",
+            str(folder),
+            "--prompt",
+            words(prompt),
+            "--max-new-tokens",
+            str(n),
+            "--ignore-eos",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     return json.loads(out)

@@ -49,8 +49,9 @@ def require_trt_module(module: str) -> None:
     installed; the skip names which one is missing."""
     from engram_trt.native import trt_compat
 
-    if not trt_compat.module_available(module if module != "tensorrt_rtx" else "tensorrt_rtx_bindings") \
-            and not trt_compat.module_available(module):
+    if not trt_compat.module_available(
+        module if module != "tensorrt_rtx" else "tensorrt_rtx_bindings"
+    ) and not trt_compat.module_available(module):
         pytest.skip(trt_compat.NOT_INSTALLED_REASON if module == "tensorrt" else "tensorrt_rtx not installed")
 
 
@@ -68,8 +69,11 @@ def plugin_fields(trt, fields: dict[str, tuple[str, object]]):
             data = np.frombuffer(str(value).encode(), dtype=np.int8).copy()
             ftype = m.PluginFieldType.CHAR
         else:
-            ftype = {"int32": m.PluginFieldType.INT32, "int64": m.PluginFieldType.INT64,
-                     "float32": m.PluginFieldType.FLOAT32}[kind]
+            ftype = {
+                "int32": m.PluginFieldType.INT32,
+                "int64": m.PluginFieldType.INT64,
+                "float32": m.PluginFieldType.FLOAT32,
+            }[kind]
             data = np.atleast_1d(np.asarray(value, dtype=kind))
         arrays.append(data)
         out.append(m.PluginField(name, data, ftype))
@@ -95,8 +99,11 @@ def parse_plugin_graph(trt, path: Path):
     builder = trt_compat.create_builder()
     network = trt_compat.create_network(builder)
     trt_compat.parse_onnx_file(trt_compat.onnx_parser(network), path)
-    (layer,) = [network.get_layer(i) for i in range(network.num_layers)
-                if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3]
+    (layer,) = [
+        network.get_layer(i)
+        for i in range(network.num_layers)
+        if network.get_layer(i).type == trt.module.LayerType.PLUGIN_V3
+    ]
     return builder, network, layer
 
 
@@ -161,8 +168,14 @@ def pf_scalar(ftype: int, value):
     """``value`` as a one-element array of field type ``ftype``'s numpy type."""
     import numpy as np
 
-    dtype = {PF_FLOAT32: np.float32, PF_FLOAT64: np.float64, PF_INT8: np.int8, PF_INT16: np.int16,
-             PF_INT32: np.int32, PF_INT64: np.int64}[ftype]
+    dtype = {
+        PF_FLOAT32: np.float32,
+        PF_FLOAT64: np.float64,
+        PF_INT8: np.int8,
+        PF_INT16: np.int16,
+        PF_INT32: np.int32,
+        PF_INT64: np.int64,
+    }[ftype]
     return np.array([value], dtype)
 
 

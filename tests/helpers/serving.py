@@ -17,7 +17,9 @@ from helpers.files import REPO
 def require_tritonserver() -> None:
     """Skip unless what the serve tests need is here: tritonclient and a tritonserver
     (nvidia-pytriton's or one on PATH); the skip names the missing one."""
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')")
+    pytest.importorskip(
+        "tritonclient.grpc", reason="tritonclient is not installed (pip install 'tritonclient[http,grpc]')"
+    )
     from engram_trt.errors import EngramError
     from engram_trt.triton.server import find_tritonserver
 
@@ -35,10 +37,34 @@ def start_serve(folder: Path, log: Path, *flags: str):
     import select
     import subprocess
 
-    cmd = [sys.executable, "-m", "engram_trt", "serve", str(folder), "--address", "127.0.0.1", "--http-port", "0",
-           "--grpc-port", "0", "--metrics-port", "0", "--json", "--log-file", str(log), "--exit-timeout", "10", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+    cmd = [
+        sys.executable,
+        "-m",
+        "engram_trt",
+        "serve",
+        str(folder),
+        "--address",
+        "127.0.0.1",
+        "--http-port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--json",
+        "--log-file",
+        str(log),
+        "--exit-timeout",
+        "10",
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO / "python")},
+    )
     ready, _, _ = select.select([proc.stdout], [], [], 240)
     line = proc.stdout.readline() if ready else ""
     if not line:

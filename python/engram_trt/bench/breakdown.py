@@ -37,8 +37,11 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable
 
-_ATTN = {"sliding_attention": "attention.sliding", "compressed_sparse_attention": "attention.csa",
-         "heavily_compressed_attention": "attention.hca"}
+_ATTN = {
+    "sliding_attention": "attention.sliding",
+    "compressed_sparse_attention": "attention.csa",
+    "heavily_compressed_attention": "attention.hca",
+}
 
 
 class RegionClock:
@@ -175,12 +178,21 @@ def _graphs_for(model: Any, cache: Any, backend: Any) -> Any:
     from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
     policy = backend.lookup_policy
-    return DecodeGraphs(model, cache, 1, scratch_slot=1, tables=model.tables,
-                        lookup_policy=(lambda n: policy(n)) if policy else None)
+    return DecodeGraphs(
+        model, cache, 1, scratch_slot=1, tables=model.tables, lookup_policy=(lambda n: policy(n)) if policy else None
+    )
 
 
-def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int, reps: int,
-                     max_seq_len: int | None = None, detail: bool = False) -> dict[str, Any]:
+def decode_breakdown(
+    folder: Any,
+    *,
+    device: str,
+    dtype: str,
+    prompt_tokens: int,
+    reps: int,
+    max_seq_len: int | None = None,
+    detail: bool = False,
+) -> dict[str, Any]:
     """The breakdown of ``reps`` decode steps of one sequence after a prompt of
     ``prompt_tokens`` (module docstring): medians per kind, ``mode`` graph or eager.
     ``detail`` (DeepSeek-V4): also the spans of :func:`deepseek_details` (more event nodes
@@ -193,8 +205,9 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
     if torch.device(device).type != "cuda":
         return {"skipped": "no CUDA device (the breakdown times CUDA events)"}
     max_len = max_seq_len or prompt_tokens + reps + 8
-    with LLM(str(folder), backend="torch", device=device, dtype=dtype, max_batch_size=1, max_seq_len=max_len,
-             progress=False) as llm:
+    with LLM(
+        str(folder), backend="torch", device=device, dtype=dtype, max_batch_size=1, max_seq_len=max_len, progress=False
+    ) as llm:
         backend = llm.runner.backend
         model = backend.model
         family = _family(model)
@@ -247,12 +260,20 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
         return {"skipped": "no decode step was timed", "family": family}
     med = statistics.median
     labels = list(dict.fromkeys(k for s in samples for k in s["kinds"]))
-    kinds = {k: {"ms": med(s["kinds"].get(k, {"ms": 0.0})["ms"] for s in samples),
-                 "calls": samples[0]["kinds"].get(k, {"calls": 0})["calls"],
-                 "per_layer_ms": {str(i): med(s["kinds"][k]["layers"].get(i, 0.0) for s in samples)
-                                  for i in samples[0]["kinds"].get(k, {"layers": {}})["layers"]}} for k in labels}
-    details = {k[len("detail:"):]: {"ms": v["ms"], "calls": v["calls"]} for k, v in kinds.items()
-               if k.startswith("detail:")}
+    kinds = {
+        k: {
+            "ms": med(s["kinds"].get(k, {"ms": 0.0})["ms"] for s in samples),
+            "calls": samples[0]["kinds"].get(k, {"calls": 0})["calls"],
+            "per_layer_ms": {
+                str(i): med(s["kinds"][k]["layers"].get(i, 0.0) for s in samples)
+                for i in samples[0]["kinds"].get(k, {"layers": {}})["layers"]
+            },
+        }
+        for k in labels
+    }
+    details = {
+        k[len("detail:") :]: {"ms": v["ms"], "calls": v["calls"]} for k, v in kinds.items() if k.startswith("detail:")
+    }
     kinds = {k: v for k, v in kinds.items() if not k.startswith("detail:")}
     span = med(s["span_ms"] for s in samples)
     step = med(totals) if totals else span
@@ -260,8 +281,15 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
     kinds["other"] = {"ms": max(whole - sum(v["ms"] for v in kinds.values()), 0.0), "calls": 0, "per_layer_ms": {}}
     for v in kinds.values():
         v["share"] = v["ms"] / whole if whole > 0 else 0.0
-    out = {"family": family, "mode": mode, "steps": len(samples), "step_ms": step, "span_ms": span, "kinds": kinds,
-           "order": sorted(kinds, key=lambda k: -kinds[k]["ms"])}
+    out = {
+        "family": family,
+        "mode": mode,
+        "steps": len(samples),
+        "step_ms": step,
+        "span_ms": span,
+        "kinds": kinds,
+        "order": sorted(kinds, key=lambda k: -kinds[k]["ms"]),
+    }
     if details:
         out["detail"] = details
     return out
@@ -270,8 +298,10 @@ def decode_breakdown(folder: Any, *, device: str, dtype: str, prompt_tokens: int
 def format_breakdown(b: dict[str, Any]) -> list[str]:
     if "skipped" in b:
         return [f"breakdown: skipped ({b['skipped']})"]
-    lines = [f"breakdown of one decode step ({b['mode']}, median of {b['steps']}): step {b['step_ms']:.3f} ms on the "
-             f"GPU, {b['span_ms']:.3f} ms from the first module to the last"]
+    lines = [
+        f"breakdown of one decode step ({b['mode']}, median of {b['steps']}): step {b['step_ms']:.3f} ms on the "
+        f"GPU, {b['span_ms']:.3f} ms from the first module to the last"
+    ]
     for k in b["order"]:
         v = b["kinds"][k]
         lines.append(f"  {k:18} {v['ms']:8.3f} ms {100 * v['share']:5.1f}%  ({v['calls']} calls)")
@@ -282,5 +312,11 @@ def format_breakdown(b: dict[str, Any]) -> list[str]:
     return lines
 
 
-__all__ = ["RegionClock", "decode_breakdown", "deepseek_details", "deepseek_regions", "format_breakdown",
-           "qwen4_regions"]
+__all__ = [
+    "RegionClock",
+    "decode_breakdown",
+    "deepseek_details",
+    "deepseek_regions",
+    "format_breakdown",
+    "qwen4_regions",
+]

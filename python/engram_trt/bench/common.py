@@ -65,9 +65,13 @@ def idle_gaps(activity: list[tuple[float, float, str]], start: float, end: float
     if not merged:
         return {"lead_us": float(end - start), "gaps_us": 0.0, "tail_us": 0.0, "busy_us": 0.0, "largest": []}
     gaps = [{"us": float(nxt[0] - cur[1]), "after": cur[3], "before": nxt[2]} for cur, nxt in zip(merged, merged[1:])]
-    return {"lead_us": float(max(0.0, merged[0][0] - start)), "gaps_us": float(sum(g["us"] for g in gaps)),
-            "tail_us": float(max(0.0, end - merged[-1][1])), "busy_us": float(sum(b - a for a, b, _, _ in merged)),
-            "largest": sorted(gaps, key=lambda g: -g["us"])[:top]}
+    return {
+        "lead_us": float(max(0.0, merged[0][0] - start)),
+        "gaps_us": float(sum(g["us"] for g in gaps)),
+        "tail_us": float(max(0.0, end - merged[-1][1])),
+        "busy_us": float(sum(b - a for a, b, _, _ in merged)),
+        "largest": sorted(gaps, key=lambda g: -g["us"])[:top],
+    }
 
 
 def event_seconds(fn: Callable[[], Any], reps: int) -> float:
@@ -198,6 +202,10 @@ def schedstat_summary(before: dict, after: dict, top: int = 6) -> dict[str, Any]
     delta = {k: tuple(y - x for x, y in zip(before.get(k, (0, 0, 0)), v)) for k, v in after.items()}
     ours = [v for k, v in delta.items() if k[0] == me]
     busiest = sorted(delta.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"our_wait_ms": sum(v[1] for v in ours) / 1e6, "our_max_wait_ms": max((v[1] for v in ours), default=0) / 1e6,
-            "busiest": [{"name": k[2], "ours": k[0] == me, "run_ms": v[0] / 1e6, "wait_ms": v[1] / 1e6}
-                        for k, v in busiest]}
+    return {
+        "our_wait_ms": sum(v[1] for v in ours) / 1e6,
+        "our_max_wait_ms": max((v[1] for v in ours), default=0) / 1e6,
+        "busiest": [
+            {"name": k[2], "ours": k[0] == me, "run_ms": v[0] / 1e6, "wait_ms": v[1] / 1e6} for k, v in busiest
+        ],
+    }

@@ -39,26 +39,75 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 
 # Shape of each preset; "1b" (~1.76B parameters) is the benchmark, "tiny" the CPU smoke test's.
 PRESETS: dict[str, dict[str, Any]] = {
-    "1b": {"vocab_size": 129280, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "head_dim": 256,
-           "q_lora_rank": 768, "o_groups": 4, "o_lora_rank": 512, "n_routed_experts": 8, "num_experts_per_tok": 2,
-           "moe_intermediate_size": 1024, "index_n_heads": 16, "index_head_dim": 128, "index_topk": 512,
-           "sliding_window": 128, "compress_rates": {CSA: 4, HCA: 128}, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-           "engram_layer_ids": [1, 2], "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,
-           "engram_compressed_vocab_size": 99092, "csa_layer": 7, "hca_layer": 14, "hash_layers": 3},
-    "tiny": {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 32,
-             "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
-             "moe_intermediate_size": 32, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4,
-             "sliding_window": 8, "compress_rates": {CSA: 4, HCA: 16}, "hc_mult": 2, "hc_sinkhorn_iters": 3,
-             "engram_layer_ids": [1, 2], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 32,
-             "engram_compressed_vocab_size": 400, "csa_layer": 1, "hca_layer": 2, "hash_layers": 1},
+    "1b": {
+        "vocab_size": 129280,
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "head_dim": 256,
+        "q_lora_rank": 768,
+        "o_groups": 4,
+        "o_lora_rank": 512,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 1024,
+        "index_n_heads": 16,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "sliding_window": 128,
+        "compress_rates": {CSA: 4, HCA: 128},
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "engram_layer_ids": [1, 2],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_compressed_vocab_size": 99092,
+        "csa_layer": 7,
+        "hca_layer": 14,
+        "hash_layers": 3,
+    },
+    "tiny": {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "index_n_heads": 4,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "sliding_window": 8,
+        "compress_rates": {CSA: 4, HCA: 16},
+        "hc_mult": 2,
+        "hc_sinkhorn_iters": 3,
+        "engram_layer_ids": [1, 2],
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 2,
+        "engram_head_dim": 32,
+        "engram_compressed_vocab_size": 400,
+        "csa_layer": 1,
+        "hca_layer": 2,
+        "hash_layers": 1,
+    },
 }
 PAD = 1  # the pad token's raw and compressed id
 WEIGHT_FORMATS = ("bf16", "fp8")
 # DeepSeek-V4.1-Flash's recipe (canonical names): FP8 projections, FP4 routed experts.
 FP8_WEIGHTS = r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|\.shared_experts\.w[123]\.weight$"
 FP4_WEIGHTS = r"\.ffn\.experts\.\d+\.w[123]\.weight$"
-QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                "weight_block_size": [128, 128]}
+QUANT_CONFIG = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [128, 128],
+}
 ROTARY_DIMS = 64  # DeepSeek-V4's rope dims (head_dim x partial_rotary_factor), fewer when the head is narrower
 NAN_CODE = 0x7F  # FP8 E4M3's NaN code (low seven bits all set): never stored in a table
 
@@ -79,11 +128,22 @@ def bench_config(preset: str, *, table_gib: float, max_len: int, weights: str = 
     cols = (p["engram_max_ngram_size"] - 1) * p["engram_n_heads"]
     row_bytes = p["engram_head_dim"] + p["engram_head_dim"] // 32
     rows_per_col = max(64, int(table_gib * 2**30 / (row_bytes * len(p["engram_layer_ids"]) * cols)))
-    p.update(architectures=["DeepseekV41ForCausalLM"], model_type="deepseek_v41", num_hidden_layers=n, layer_types=types,
-             mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (n - n_hash),
-             partial_rotary_factor=min(ROTARY_DIMS, p["head_dim"] // 4) / p["head_dim"], num_nextn_predict_layers=0,
-             max_position_embeddings=max(65536, max_len), eos_token_id=2, bos_token_id=0, tie_word_embeddings=False,
-             engram_vocab_size=rows_per_col, engram_pad_token_id=PAD, engram_table_dtype="fp8")
+    p.update(
+        architectures=["DeepseekV41ForCausalLM"],
+        model_type="deepseek_v41",
+        num_hidden_layers=n,
+        layer_types=types,
+        mlp_layer_types=["hash_moe"] * n_hash + ["moe"] * (n - n_hash),
+        partial_rotary_factor=min(ROTARY_DIMS, p["head_dim"] // 4) / p["head_dim"],
+        num_nextn_predict_layers=0,
+        max_position_embeddings=max(65536, max_len),
+        eos_token_id=2,
+        bos_token_id=0,
+        tie_word_embeddings=False,
+        engram_vocab_size=rows_per_col,
+        engram_pad_token_id=PAD,
+        engram_table_dtype="fp8",
+    )
     if weights == "fp8":
         p.update(quantization_config=dict(QUANT_CONFIG), expert_dtype="fp4")
     return p
@@ -187,8 +247,15 @@ def build_model(cfg_dict: dict[str, Any], device: Any, dtype: Any, seed: int = 0
     model = ARCHITECTURE.build_model(cfg, weights, device=device, dtype=dtype, compress_lookup=lookup, layout=layout)
     del weights
     held = weight_tensors(model)
-    return BenchModel(model, cfg, layout, lookup, sum(b for _n, b, _v in held), sum(v for _n, _b, v in held),
-                      "bf16" if cfg.quant is None else "fp8")
+    return BenchModel(
+        model,
+        cfg,
+        layout,
+        lookup,
+        sum(b for _n, b, _v in held),
+        sum(v for _n, _b, v in held),
+        "bf16" if cfg.quant is None else "fp8",
+    )
 
 
 def build_tables(layout: Any, head_dim: int, where: str, device: Any, seed: int = 1) -> list[tuple[Any, Any]]:
@@ -214,7 +281,7 @@ def build_tables(layout: Any, head_dim: int, where: str, device: Any, seed: int 
         flat = rows.view(-1)
         for a in range(0, flat.numel(), src.numel()):
             n = min(src.numel(), flat.numel() - a)
-            flat[a:a + n].copy_(src[:n])
+            flat[a : a + n].copy_(src[:n])
         scales = torch.randint(124, 130, (R, head_dim // 32), dtype=torch.uint8, generator=gen)
         scales = scales.to(device) if where == "hbm" else (scales.pin_memory() if cuda else scales)
         out.append((rows, scales))
@@ -291,9 +358,14 @@ def floor(bm: BenchModel, seq_lens: list[int], past: int, placement: str, limits
     states = sum(state_bytes(cfg, past + n, itemsize) for n in seq_lens) if decode else 0
     table, staged = engram_row_bytes(cfg, bm.layout, T)
     hbm_bytes = weights + states + staged + (table if placement == "hbm" else 0)
-    out: dict[str, Any] = {"weight_bytes": int(weights), "state_bytes": int(states), "engram_table_bytes": table,
-                           "engram_staged_bytes": staged, "hbm_bytes": int(hbm_bytes),
-                           "flops": int(2 * active * T + _attention_flops(cfg, seq_lens, past))}
+    out: dict[str, Any] = {
+        "weight_bytes": int(weights),
+        "state_bytes": int(states),
+        "engram_table_bytes": table,
+        "engram_staged_bytes": staged,
+        "hbm_bytes": int(hbm_bytes),
+        "flops": int(2 * active * T + _attention_flops(cfg, seq_lens, past)),
+    }
     if limits:
         out["hbm_ms"] = hbm_bytes / (limits["hbm_GBps"] * 1e9) * 1e3
         out["link_ms"] = table / (limits["h2d_GBps"] * 1e9) * 1e3 if placement == "pinned" else 0.0

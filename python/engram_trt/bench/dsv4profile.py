@@ -33,9 +33,22 @@ import statistics
 import time
 from typing import Any, Callable
 
-CLASSES = ("attention.sliding", "attention.csa", "attention.hca", "moe", "mhc", "engram", "engram.wait", "norm", "embed")
-_ATTENTION = {"sliding_attention": "attention.sliding", "compressed_sparse_attention": "attention.csa",
-              "heavily_compressed_attention": "attention.hca"}
+CLASSES = (
+    "attention.sliding",
+    "attention.csa",
+    "attention.hca",
+    "moe",
+    "mhc",
+    "engram",
+    "engram.wait",
+    "norm",
+    "embed",
+)
+_ATTENTION = {
+    "sliding_attention": "attention.sliding",
+    "compressed_sparse_attention": "attention.csa",
+    "heavily_compressed_attention": "attention.hca",
+}
 
 
 class ModuleClock:
@@ -139,8 +152,11 @@ class ModuleClock:
             by[cls]["gpu_ms"] += self._span(a, b)
             by[cls]["host_ms"] += h * 1e3
             by[cls]["calls"] += 1
-        by["other"] = {"gpu_ms": total - sum(v["gpu_ms"] for v in by.values()),
-                       "host_ms": host * 1e3 - sum(v["host_ms"] for v in by.values()), "calls": 0}
+        by["other"] = {
+            "gpu_ms": total - sum(v["gpu_ms"] for v in by.values()),
+            "host_ms": host * 1e3 - sum(v["host_ms"] for v in by.values()),
+            "calls": 0,
+        }
         self._steps.append({"total_gpu_ms": total, "total_host_ms": host * 1e3, "classes": by})
 
     def _span(self, a: Any, b: Any) -> float:
@@ -157,9 +173,17 @@ class ModuleClock:
         classes = {}
         for c in self._steps[0]["classes"]:
             g = med(s["classes"][c]["gpu_ms"] for s in self._steps)
-            classes[c] = {"gpu_ms": g, "host_ms": med(s["classes"][c]["host_ms"] for s in self._steps),
-                          "calls": self._steps[0]["classes"][c]["calls"], "share": g / total if total > 0 else 0.0}
-        return {"steps": len(self._steps), "total_gpu_ms": total,
-                "total_host_ms": med(s["total_host_ms"] for s in self._steps), "classes": classes,
-                "order": sorted(classes, key=lambda c: -classes[c]["gpu_ms"]),
-                "clock": "cuda events" if self.cuda else "wall clock (CPU)"}
+            classes[c] = {
+                "gpu_ms": g,
+                "host_ms": med(s["classes"][c]["host_ms"] for s in self._steps),
+                "calls": self._steps[0]["classes"][c]["calls"],
+                "share": g / total if total > 0 else 0.0,
+            }
+        return {
+            "steps": len(self._steps),
+            "total_gpu_ms": total,
+            "total_host_ms": med(s["total_host_ms"] for s in self._steps),
+            "classes": classes,
+            "order": sorted(classes, key=lambda c: -classes[c]["gpu_ms"]),
+            "clock": "cuda events" if self.cuda else "wall clock (CPU)",
+        }

@@ -42,40 +42,71 @@ from engram_trt.bench.options import opt
 from engram_trt.errors import EngramError
 
 PLACEMENTS = ("hbm", "pinned")
-_SHORT = {"attention.sliding": "slide", "attention.csa": "csa", "attention.hca": "hca", "moe": "moe", "mhc": "mhc",
-          "engram": "engram", "engram.wait": "wait", "norm": "norm", "embed": "embed", "other": "other"}
+_SHORT = {
+    "attention.sliding": "slide",
+    "attention.csa": "csa",
+    "attention.hca": "hca",
+    "moe": "moe",
+    "mhc": "mhc",
+    "engram": "engram",
+    "engram.wait": "wait",
+    "norm": "norm",
+    "embed": "embed",
+    "other": "other",
+}
 
 
 @dataclass(kw_only=True)
 class Dsv4StepOptions:
     """``engram-trt bench dsv4-step``'s flags."""
 
-    model: str = opt("1b", choices=sorted(PRESETS),
-                     help="model shape: 1b (~1.8B parameters, hidden 2048, 16 layers) or tiny (hidden 64, 4 layers: the "
-                          "CPU smoke test's) (default: %(default)s)")
-    device: str = opt("cuda", choices=("cuda", "cpu"),
-                      help="where the model runs: cuda (bf16, the benchmark) or cpu (fp32, a smoke run of the whole "
-                           "path; tables in plain memory) (default: %(default)s)")
+    model: str = opt(
+        "1b",
+        choices=sorted(PRESETS),
+        help="model shape: 1b (~1.8B parameters, hidden 2048, 16 layers) or tiny (hidden 64, 4 layers: the "
+        "CPU smoke test's) (default: %(default)s)",
+    )
+    device: str = opt(
+        "cuda",
+        choices=("cuda", "cpu"),
+        help="where the model runs: cuda (bf16, the benchmark) or cpu (fp32, a smoke run of the whole "
+        "path; tables in plain memory) (default: %(default)s)",
+    )
     batches: list[int] = opt([1, 8], help="decode batch sizes, comma-separated (default: 1,8)")
     context: int = opt(4096, help="tokens already cached per decode sequence (default: %(default)s)")
-    prefill: int = opt(2048, help="tokens of the prefill chunk (one sequence from position 0); 0 skips it "
-                                  "(default: %(default)s)")
-    table_gib: float = opt(16.0, help="Engram table size in GiB over both Engram layers, FP8 rows + scales "
-                                      "(default: %(default)s)")
-    placements: list[str] = opt(list(PLACEMENTS), choices=PLACEMENTS,
-                                help="where the tables live: hbm (GPU memory, the gather kernel), pinned (page-locked "
-                                     "host memory, the calibrated host gather or UVA kernel) (default: hbm,pinned)")
-    reps: int = opt(10, argtype=("int_arg", 1, 10000), help="timed steps per case (median reported; default: %(default)s)")
-    profile_reps: int = opt(3, argtype=("int_arg", 0, 1000),
-                            help="steps of the per-module-class breakdown per case and placement; 0 skips it "
-                                 "(default: %(default)s)")
-    weights: list[str] = opt(["bf16"], choices=WEIGHT_FORMATS,
-                             help="weight formats, comma-separated, each built and timed in turn: bf16 (every "
-                                  "weight in the compute dtype) or fp8 (FP8 E4M3 linears with ue8m0 128x128 scales + "
-                                  "FP4 routed experts, DeepSeek-V4.1-Flash's recipe) (default: bf16)")
-    attention: str = opt("auto", choices=("auto", "kernels", "torch"),
-                         help="the attention core: auto (the CUDA kernel where it serves, else torch), kernels (the "
-                              "kernel or an error), torch (the per-sequence PyTorch path) (default: %(default)s)")
+    prefill: int = opt(
+        2048, help="tokens of the prefill chunk (one sequence from position 0); 0 skips it (default: %(default)s)"
+    )
+    table_gib: float = opt(
+        16.0, help="Engram table size in GiB over both Engram layers, FP8 rows + scales (default: %(default)s)"
+    )
+    placements: list[str] = opt(
+        list(PLACEMENTS),
+        choices=PLACEMENTS,
+        help="where the tables live: hbm (GPU memory, the gather kernel), pinned (page-locked "
+        "host memory, the calibrated host gather or UVA kernel) (default: hbm,pinned)",
+    )
+    reps: int = opt(
+        10, argtype=("int_arg", 1, 10000), help="timed steps per case (median reported; default: %(default)s)"
+    )
+    profile_reps: int = opt(
+        3,
+        argtype=("int_arg", 0, 1000),
+        help="steps of the per-module-class breakdown per case and placement; 0 skips it (default: %(default)s)",
+    )
+    weights: list[str] = opt(
+        ["bf16"],
+        choices=WEIGHT_FORMATS,
+        help="weight formats, comma-separated, each built and timed in turn: bf16 (every "
+        "weight in the compute dtype) or fp8 (FP8 E4M3 linears with ue8m0 128x128 scales + "
+        "FP4 routed experts, DeepSeek-V4.1-Flash's recipe) (default: bf16)",
+    )
+    attention: str = opt(
+        "auto",
+        choices=("auto", "kernels", "torch"),
+        help="the attention core: auto (the CUDA kernel where it serves, else torch), kernels (the "
+        "kernel or an error), torch (the per-sequence PyTorch path) (default: %(default)s)",
+    )
     json: str | None = opt(None, metavar="FILE", help="write every figure as JSON to FILE")
 
 
@@ -83,8 +114,10 @@ def _check(opts: Dsv4StepOptions) -> None:
     import torch
 
     if opts.device == "cuda" and not torch.cuda.is_available():
-        raise EngramError("bench dsv4-step needs a CUDA GPU; none is available here (--device cpu --model tiny runs "
-                          "the path on the CPU)")
+        raise EngramError(
+            "bench dsv4-step needs a CUDA GPU; none is available here (--device cpu --model tiny runs "
+            "the path on the CPU)"
+        )
     if opts.context < 1 or not opts.batches or min(opts.batches) < 1:
         raise EngramError(f"--context and --batches must be >= 1 (got {opts.context}, {opts.batches})")
     if opts.prefill < 0:
@@ -92,8 +125,9 @@ def _check(opts: Dsv4StepOptions) -> None:
     if not opts.table_gib > 0:
         raise EngramError(f"--table-gib must be > 0 (got {opts.table_gib})")
     if not opts.weights or len(set(opts.weights)) != len(opts.weights):
-        raise EngramError(f"--weights must name each format once (got {opts.weights}; choose from "
-                          f"{', '.join(WEIGHT_FORMATS)})")
+        raise EngramError(
+            f"--weights must name each format once (got {opts.weights}; choose from {', '.join(WEIGHT_FORMATS)})"
+        )
 
 
 def cases(opts: Dsv4StepOptions) -> list[tuple[str, list[int], int]]:
@@ -114,8 +148,11 @@ def run(opts: Dsv4StepOptions) -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     limits = measure_limits(dev)
-    results: dict[str, Any] = {"limits": limits,
-                               "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "runs": {}}
+    results: dict[str, Any] = {
+        "limits": limits,
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "runs": {},
+    }
     for weights in opts.weights:
         results["runs"][weights] = _run_weights(opts, weights, dev, dtype, limits)
         if dev.type == "cuda":
@@ -143,17 +180,32 @@ def _run_weights(opts: Dsv4StepOptions, weights: str, dev: Any, dtype: Any, limi
     bm.model.attention_backend = opts.attention
     cfg = bm.config
     out: dict[str, Any] = {
-        "model": {"preset": opts.model, "weights": weights, "params": bm.params, "weight_bytes": bm.weight_bytes,
-                  "dtype": str(dtype), "quantization": None if cfg.quant is None else cfg.quant.describe(),
-                  "layer_types": list(cfg.layer_types), "mlp_layer_types": list(cfg.mlp_layer_types),
-                  "experts": cfg.n_routed_experts, "top_k": cfg.num_experts_per_tok, "hc_mult": cfg.hc_mult,
-                  "engram_layers": list(cfg.engram.layer_ids), "engram_cols": bm.layout.n_hash_cols,
-                  "table_rows": [int(r) for r in bm.layout.table_rows], "backend": bm.model.backend_name},
-        "cases": {}}
+        "model": {
+            "preset": opts.model,
+            "weights": weights,
+            "params": bm.params,
+            "weight_bytes": bm.weight_bytes,
+            "dtype": str(dtype),
+            "quantization": None if cfg.quant is None else cfg.quant.describe(),
+            "layer_types": list(cfg.layer_types),
+            "mlp_layer_types": list(cfg.mlp_layer_types),
+            "experts": cfg.n_routed_experts,
+            "top_k": cfg.num_experts_per_tok,
+            "hc_mult": cfg.hc_mult,
+            "engram_layers": list(cfg.engram.layer_ids),
+            "engram_cols": bm.layout.n_hash_cols,
+            "table_rows": [int(r) for r in bm.layout.table_rows],
+            "backend": bm.model.backend_name,
+        },
+        "cases": {},
+    }
     fmt = "" if cfg.quant is None else f", {cfg.quant.describe()}"
-    print(f"model ({weights} weights{fmt}): {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB "
-          f"held, compute {dtype}), layers {_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on "
-          f"{dev.type} in {time.perf_counter() - t0:.0f} s\nbackend: {bm.model.backend_name}", flush=True)
+    print(
+        f"model ({weights} weights{fmt}): {bm.params / 1e9:.2f}B parameters ({bm.weight_bytes / 2**30:.2f} GiB "
+        f"held, compute {dtype}), layers {_layer_line(cfg)}, Engram on {list(cfg.engram.layer_ids)}; built on "
+        f"{dev.type} in {time.perf_counter() - t0:.0f} s\nbackend: {bm.model.backend_name}",
+        flush=True,
+    )
     logits: dict[str, Any] = {}
     for where in opts.placements:
         t1 = time.perf_counter()
@@ -162,8 +214,10 @@ def _run_weights(opts: Dsv4StepOptions, weights: str, dev: Any, dtype: Any, limi
         bm.model.set_tables(store)
         gib = sum(r.numel() + s.numel() for r, s in tables) / 2**30
         out.setdefault("tables", {})[where] = {"gib": gib, "kind": store.kind, "where": store.where()}
-        print(f"{where}: tables {gib:.2f} GiB in {store.where()} ({store.kind}), made in {time.perf_counter() - t1:.0f} s",
-              flush=True)
+        print(
+            f"{where}: tables {gib:.2f} GiB in {store.where()} ({store.kind}), made in {time.perf_counter() - t1:.0f} s",
+            flush=True,
+        )
         calibrated: dict[str, Any] = {}
         for name, lens, past in cases(opts):
             entry = _time_case(opts, bm, store, where, lens, past, dev, limits, calibrated, logits, name)
@@ -190,11 +244,17 @@ def _compare_weights(results: dict[str, Any], opts: Dsv4StepOptions) -> None:
     table: dict[str, Any] = {}
     for name, row in runs["bf16"]["cases"].items():
         b, f = row[where], runs["fp8"]["cases"][name][where]
-        entry = {"placement": where, "bf16_mode": b.get("mode", "eager"), "fp8_mode": f.get("mode", "eager"),
-                 "bf16_step_ms": b["step_ms"], "fp8_step_ms": f["step_ms"],
-                 "speedup": b["step_ms"] / f["step_ms"], "bf16_floor_bytes": b["floor"]["hbm_bytes"],
-                 "fp8_floor_bytes": f["floor"]["hbm_bytes"],
-                 "floor_ratio": b["floor"]["hbm_bytes"] / f["floor"]["hbm_bytes"]}
+        entry = {
+            "placement": where,
+            "bf16_mode": b.get("mode", "eager"),
+            "fp8_mode": f.get("mode", "eager"),
+            "bf16_step_ms": b["step_ms"],
+            "fp8_step_ms": f["step_ms"],
+            "speedup": b["step_ms"] / f["step_ms"],
+            "bf16_floor_bytes": b["floor"]["hbm_bytes"],
+            "fp8_floor_bytes": f["floor"]["hbm_bytes"],
+            "floor_ratio": b["floor"]["hbm_bytes"] / f["floor"]["hbm_bytes"],
+        }
         entry["speedup_over_floor_ratio"] = entry["speedup"] / entry["floor_ratio"]
         table[name] = entry
     results["weights_comparison"] = table
@@ -217,16 +277,36 @@ def _make_step(bm: Any, lens: list[int], past: int, seed: int) -> tuple[Any, Any
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, bm.config.vocab_size, size=sum(lens))
     n = bm.layout.max_ngram_size - 1
-    lb = (bm.compress_lookup[rng.integers(3, bm.config.vocab_size, size=(len(lens), n))] if past
-          else np.full((len(lens), n), DEAD, dtype=np.int64))
+    lb = (
+        bm.compress_lookup[rng.integers(3, bm.config.vocab_size, size=(len(lens), n))]
+        if past
+        else np.full((len(lens), n), DEAD, dtype=np.int64)
+    )
     cids = bm.compress_lookup[ids]
-    step = PackedStep(torch.from_numpy(ids), lens, [past] * len(lens), list(range(len(lens))),
-                      lookback=torch.from_numpy(lb), engram_ids=torch.from_numpy(cids))
+    step = PackedStep(
+        torch.from_numpy(ids),
+        lens,
+        [past] * len(lens),
+        list(range(len(lens))),
+        lookback=torch.from_numpy(lb),
+        engram_ids=torch.from_numpy(cids),
+    )
     return step, cids, lb
 
 
-def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: list[int], past: int, dev: Any,
-               limits: dict[str, float], calibrated: dict[str, Any], logits: dict[str, Any], name: str) -> dict[str, Any]:
+def _time_case(
+    opts: Dsv4StepOptions,
+    bm: Any,
+    store: Any,
+    where: str,
+    lens: list[int],
+    past: int,
+    dev: Any,
+    limits: dict[str, float],
+    calibrated: dict[str, Any],
+    logits: dict[str, Any],
+    name: str,
+) -> dict[str, Any]:
     import torch
 
     from engram_trt.bench.common import time_fn
@@ -278,8 +358,12 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
         out["step_ms"] = time_fn(one, dev, 2, opts.reps)["median_s"] * 1e3
         out["mode"] = "graph" if graphs is not None and graphs.replays and graphs.failed is None else "eager"
         if graphs is not None:
-            out["graphs"] = {"replays": graphs.replays, "captures": graphs.captures, "failed": graphs.failed,
-                             "shapes": [f"{g}x{ctx}:{mode}" for g, ctx, mode in sorted(graphs.graphs)]}
+            out["graphs"] = {
+                "replays": graphs.replays,
+                "captures": graphs.captures,
+                "failed": graphs.failed,
+                "shapes": [f"{g}x{ctx}:{mode}" for g, ctx, mode in sorted(graphs.graphs)],
+            }
             out["eager_step_ms"] = time_fn(lambda: one(eager=True), dev, 2, opts.reps)["median_s"] * 1e3
         out["lookup_ms"] = time_fn(lookup, dev, 2, opts.reps)["median_s"] * 1e3
         mine = one().float()
@@ -287,8 +371,10 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
             cache.lengths[s] = past
         own = model.forward_step(step, cache).float()  # eager, the model's own gather, no prefetch
         scale = float(mine.abs().max()) or 1.0
-        out["check"] = {"finite": bool(torch.isfinite(mine).all()),
-                        "vs_own_gather_rel": float((mine - own).abs().max()) / scale}
+        out["check"] = {
+            "finite": bool(torch.isfinite(mine).all()),
+            "vs_own_gather_rel": float((mine - own).abs().max()) / scale,
+        }
         if name in logits:
             out["check"]["vs_first_placement_rel"] = float((mine - logits[name]).abs().max()) / scale
         else:
@@ -308,10 +394,13 @@ def _time_case(opts: Dsv4StepOptions, bm: Any, store: Any, where: str, lens: lis
         if where == "pinned" and fl["link_ms"] > 0:
             out["lookup_over_link"] = out["lookup_ms"] / fl["link_ms"]
     graph_note = f" ({out['mode']}; eager {out['eager_step_ms']:.3f} ms)" if "eager_step_ms" in out else ""
-    print(f"  {where} {name}: step {out['step_ms']:.3f} ms{graph_note}, lookup alone {out['lookup_ms']:.3f} ms "
-          f"({out['lookup_path']}), floor reads {fl['hbm_bytes'] / 2**20:.1f} MiB"
-          + (f" = {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else "")
-          + f", MoE {'/'.join(out['moe_forms'])}", flush=True)
+    print(
+        f"  {where} {name}: step {out['step_ms']:.3f} ms{graph_note}, lookup alone {out['lookup_ms']:.3f} ms "
+        f"({out['lookup_path']}), floor reads {fl['hbm_bytes'] / 2**20:.1f} MiB"
+        + (f" = {fl['floor_ms']:.4f} ms" if "floor_ms" in fl else "")
+        + f", MoE {'/'.join(out['moe_forms'])}",
+        flush=True,
+    )
     return out
 
 
@@ -330,37 +419,51 @@ def _ratios(results: dict[str, Any]) -> None:
 def _print(results: dict[str, Any], opts: Dsv4StepOptions, lim: dict[str, float], weights: str | None) -> None:
     """One weight format's tables (``weights`` names it when several ran)."""
     if lim and weights in (None, opts.weights[0]):
-        print(f"\nlimits measured now: HBM copy {lim['hbm_GBps']:.0f} GB/s, bf16 matmul {lim['bf16_TFLOPs']:.0f} TFLOP/s, "
-              f"pinned H2D {lim['h2d_GBps']:.1f} GB/s")
+        print(
+            f"\nlimits measured now: HBM copy {lim['hbm_GBps']:.0f} GB/s, bf16 matmul {lim['bf16_TFLOPs']:.0f} TFLOP/s, "
+            f"pinned H2D {lim['h2d_GBps']:.1f} GB/s"
+        )
     if weights is not None:
         what = results["model"]["quantization"] or "every weight " + results["model"]["dtype"]
         print(f"\n== {weights} weights ({what})")
     for where, c in results.get("calibration", {}).items():
         print(f"{where}: start-up calibration {c}")
-    print(f"\n{'case':<14} {'place':<7} {'mode':<5} {'step ms':>9} {'eager ms':>9} {'floor MiB':>9} {'floor ms':>9} "
-          f"{'step/floor':>10} {'lookup ms':>9} {'link ms':>8} {'lookup/link':>11} {'pinned/HBM':>10}")
+    print(
+        f"\n{'case':<14} {'place':<7} {'mode':<5} {'step ms':>9} {'eager ms':>9} {'floor MiB':>9} {'floor ms':>9} "
+        f"{'step/floor':>10} {'lookup ms':>9} {'link ms':>8} {'lookup/link':>11} {'pinned/HBM':>10}"
+    )
     for name, row in results["cases"].items():
         for where in opts.placements:
             e = row[where]
             fl = e["floor"]
-            ratio = f"{row['pinned_over_hbm']:>10.3f}" if where == "pinned" and "pinned_over_hbm" in row else f"{'':>10}"
-            print(f"{name:<14} {where:<7} {e.get('mode', 'eager'):<5} {e['step_ms']:>9.3f} "
-                  f"{e.get('eager_step_ms', e['step_ms']):>9.3f} {fl['hbm_bytes'] / 2**20:>9.1f} "
-                  f"{fl.get('floor_ms', float('nan')):>9.4f} {e.get('step_over_floor', float('nan')):>10.1f} "
-                  f"{e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} "
-                  f"{e.get('lookup_over_link', float('nan')):>11.1f} {ratio}")
+            ratio = (
+                f"{row['pinned_over_hbm']:>10.3f}" if where == "pinned" and "pinned_over_hbm" in row else f"{'':>10}"
+            )
+            print(
+                f"{name:<14} {where:<7} {e.get('mode', 'eager'):<5} {e['step_ms']:>9.3f} "
+                f"{e.get('eager_step_ms', e['step_ms']):>9.3f} {fl['hbm_bytes'] / 2**20:>9.1f} "
+                f"{fl.get('floor_ms', float('nan')):>9.4f} {e.get('step_over_floor', float('nan')):>10.1f} "
+                f"{e['lookup_ms']:>9.3f} {fl.get('link_ms', 0.0):>8.5f} "
+                f"{e.get('lookup_over_link', float('nan')):>11.1f} {ratio}"
+            )
     shown = [*CLASSES, "other"]
     if any(row[w].get("breakdown") for row in results["cases"].values() for w in opts.placements):
-        clock = next(row[w]["breakdown"]["clock"] for row in results["cases"].values() for w in opts.placements
-                     if row[w].get("breakdown"))
+        clock = next(
+            row[w]["breakdown"]["clock"]
+            for row in results["cases"].values()
+            for w in opts.placements
+            if row[w].get("breakdown")
+        )
         print(f"\nwhere a step's time goes, ms per module class ({clock}; median of the profiled steps):")
         print(f"{'case':<14} {'place':<7} {'step':>8} " + " ".join(f"{_SHORT[c]:>8}" for c in shown))
         for name, row in results["cases"].items():
             for where in opts.placements:
                 b = row[where].get("breakdown")
                 if b:
-                    print(f"{name:<14} {where:<7} {b['total_gpu_ms']:>8.3f} "
-                          + " ".join(f"{b['classes'][c]['gpu_ms']:>8.3f}" for c in shown))
+                    print(
+                        f"{name:<14} {where:<7} {b['total_gpu_ms']:>8.3f} "
+                        + " ".join(f"{b['classes'][c]['gpu_ms']:>8.3f}" for c in shown)
+                    )
         print("(" + ", ".join(f"{_SHORT[c]}: {c}" for c in shown) + "; host-side times and call counts in the JSON)")
 
 
@@ -369,11 +472,17 @@ def _print_weights(results: dict[str, Any]) -> None:
     if not table:
         return
     where = next(iter(table.values()))["placement"]
-    print(f"\nfp8 (FP8 linears + FP4 experts) vs bf16 weights, {where} tables: the step's speed-up against the "
-          f"ratio of the bytes each step reads (decode steps replayed as CUDA graphs where the mode says graph)")
-    print(f"{'case':<14} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>9} {'bf16 MiB':>9} {'fp8 MiB':>9} "
-          f"{'bytes ratio':>11} {'speed-up/ratio':>14}")
+    print(
+        f"\nfp8 (FP8 linears + FP4 experts) vs bf16 weights, {where} tables: the step's speed-up against the "
+        f"ratio of the bytes each step reads (decode steps replayed as CUDA graphs where the mode says graph)"
+    )
+    print(
+        f"{'case':<14} {'bf16 ms':>9} {'fp8 ms':>9} {'speed-up':>9} {'bf16 MiB':>9} {'fp8 MiB':>9} "
+        f"{'bytes ratio':>11} {'speed-up/ratio':>14}"
+    )
     for name, e in table.items():
-        print(f"{name:<14} {e['bf16_step_ms']:>9.3f} {e['fp8_step_ms']:>9.3f} {e['speedup']:>9.2f} "
-              f"{e['bf16_floor_bytes'] / 2**20:>9.1f} {e['fp8_floor_bytes'] / 2**20:>9.1f} {e['floor_ratio']:>11.2f} "
-              f"{e['speedup_over_floor_ratio']:>14.2f}")
+        print(
+            f"{name:<14} {e['bf16_step_ms']:>9.3f} {e['fp8_step_ms']:>9.3f} {e['speedup']:>9.2f} "
+            f"{e['bf16_floor_bytes'] / 2**20:>9.1f} {e['fp8_floor_bytes'] / 2**20:>9.1f} {e['floor_ratio']:>11.2f} "
+            f"{e['speedup_over_floor_ratio']:>14.2f}"
+        )

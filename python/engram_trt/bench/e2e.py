@@ -56,34 +56,53 @@ TEXT_PROMPT = "Engram layers look up n-grams in"  # the prompt of a folder whose
 class E2eOptions:
     """``engram-trt bench e2e``'s flags."""
 
-    shapes: list[str] = opt(["deepseek-v4", "qwen4", "demo"], choices=SHAPES,
-                            help="models to make and run, comma-separated: deepseek-v4 (~1.63B DeepSeek-V4), qwen4 "
-                                 "(Qwen4Exp reading ~1.15B weights a step), demo (engram-llama's demo), deepseek-v4-tiny "
-                                 "/ qwen4-tiny (CPU smoke runs) (default: deepseek-v4,qwen4,demo)")
-    path: str | None = opt(None, metavar="FOLDER",
-                           help="run this checkpoint folder instead of making the --shapes ones (transformers runs it "
-                                "when it implements its architecture)")
-    work_dir: str | None = opt(None, metavar="DIR",
-                               help="where the made checkpoints go, kept (default: a temporary folder, removed after)")
+    shapes: list[str] = opt(
+        ["deepseek-v4", "qwen4", "demo"],
+        choices=SHAPES,
+        help="models to make and run, comma-separated: deepseek-v4 (~1.63B DeepSeek-V4), qwen4 "
+        "(Qwen4Exp reading ~1.15B weights a step), demo (engram-llama's demo), deepseek-v4-tiny "
+        "/ qwen4-tiny (CPU smoke runs) (default: deepseek-v4,qwen4,demo)",
+    )
+    path: str | None = opt(
+        None,
+        metavar="FOLDER",
+        help="run this checkpoint folder instead of making the --shapes ones (transformers runs it "
+        "when it implements its architecture)",
+    )
+    work_dir: str | None = opt(
+        None, metavar="DIR", help="where the made checkpoints go, kept (default: a temporary folder, removed after)"
+    )
     device: str = opt("cuda", choices=("cuda", "cpu"), help="where everything runs (default: %(default)s)")
-    dtype: str = opt("bf16", choices=("bf16", "fp32"), help="the checkpoints' and every run's dtype (default: %(default)s)")
-    backend: str = opt("auto", choices=("auto", "tensorrt", "torch"),
-                       help="engram-trt's runtime backend for run and bench serve (default: %(default)s)")
+    dtype: str = opt(
+        "bf16", choices=("bf16", "fp32"), help="the checkpoints' and every run's dtype (default: %(default)s)"
+    )
+    backend: str = opt(
+        "auto",
+        choices=("auto", "tensorrt", "torch"),
+        help="engram-trt's runtime backend for run and bench serve (default: %(default)s)",
+    )
     prompt_tokens: int = opt(32, argtype=("int_arg", 1, 4096), help="prompt length (default: %(default)s)")
-    max_tokens: int = opt(128, argtype=("int_arg", 4, 4096),
-                          help="new tokens per request in every run (default: %(default)s)")
+    max_tokens: int = opt(
+        128, argtype=("int_arg", 4, 4096), help="new tokens per request in every run (default: %(default)s)"
+    )
     concurrency: list[int] = opt([1, 8, 32, 64], help="bench serve's stream counts (default: 1,8,32,64)")
-    serve_repeat: int = opt(1, argtype=("int_arg", 1, 20), help="bench serve's runs per level, the fastest counts "
-                                                                 "(default: %(default)s)")
+    serve_repeat: int = opt(
+        1, argtype=("int_arg", 1, 20), help="bench serve's runs per level, the fastest counts (default: %(default)s)"
+    )
     no_transformers: bool = opt(False, help="skip transformers' generate")
     breakdown: bool = opt(False, help="also time one graphed decode step by module kind (CUDA events in the graph)")
-    breakdown_detail: bool = opt(False, help="with --breakdown (DeepSeek-V4): also the spans inside the kinds (the "
-                                             "fused glue's launches by kernel, the attention core), reported apart")
-    breakdown_reps: int = opt(5, argtype=("int_arg", 1, 1000), help="replays the breakdown's medians take "
-                                                                   "(default: %(default)s)")
+    breakdown_detail: bool = opt(
+        False,
+        help="with --breakdown (DeepSeek-V4): also the spans inside the kinds (the "
+        "fused glue's launches by kernel, the attention core), reported apart",
+    )
+    breakdown_reps: int = opt(
+        5, argtype=("int_arg", 1, 1000), help="replays the breakdown's medians take (default: %(default)s)"
+    )
     json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
-    plot: str | None = opt(None, metavar="FILE", help="write bench serve's tokens/s against streams, one line per "
-                                                     "model, as an SVG to FILE")
+    plot: str | None = opt(
+        None, metavar="FILE", help="write bench serve's tokens/s against streams, one line per model, as an SVG to FILE"
+    )
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -92,8 +111,9 @@ def transformers_config(shape: str) -> tuple[str, str, dict[str, Any]]:
     if SHAPE_ALIASES.get(shape, shape) in ("deepseek-v4", "deepseek-v4-tiny"):
         from engram_trt.bench.dsv4model import bench_config
 
-        d = bench_config("1b" if SHAPE_ALIASES.get(shape, shape) == "deepseek-v4" else "tiny", table_gib=0.01,
-                         max_len=4096)
+        d = bench_config(
+            "1b" if SHAPE_ALIASES.get(shape, shape) == "deepseek-v4" else "tiny", table_gib=0.01, max_len=4096
+        )
         kw = {k: v for k, v in d.items() if not k.startswith("engram_") and k not in _DROP}
         return "DeepseekV4ForCausalLM", "DeepseekV4Config", kw
     if shape in ("qwen4", "qwen4-tiny"):
@@ -106,16 +126,20 @@ def transformers_config(shape: str) -> tuple[str, str, dict[str, Any]]:
         else:
             d = json.loads(QWEN4_TINY.read_text())
         return "Qwen4ExpForCausalLM", "Qwen4ExpTextConfig", {k: v for k, v in d.items() if k not in _DROP}
-    raise EngramError(f"--shapes {shape!r}: transformers makes only "
-                      f"{', '.join(s for s in TRANSFORMERS_SHAPES if s not in SHAPE_ALIASES)}")
+    raise EngramError(
+        f"--shapes {shape!r}: transformers makes only "
+        f"{', '.join(s for s in TRANSFORMERS_SHAPES if s not in SHAPE_ALIASES)}"
+    )
 
 
 def _need_transformers(what: str) -> Any:
     try:
         import transformers
     except ImportError:
-        raise EngramError(f"{what} needs transformers (the test extra: pip install 'engram-trt[test]'), which is not "
-                          "installed; install it, or pass --path FOLDER (and --no-transformers)") from None
+        raise EngramError(
+            f"{what} needs transformers (the test extra: pip install 'engram-trt[test]'), which is not "
+            "installed; install it, or pass --path FOLDER (and --no-transformers)"
+        ) from None
     return transformers
 
 
@@ -129,8 +153,9 @@ def word_tokenizer(path: Path, words: int) -> Path:
     return path
 
 
-def make_checkpoint(shape: str, folder: Path, *, device: Any = "cpu", dtype: str = "bf16", seed: int = 0,
-                    keep_model: bool = False) -> Any:
+def make_checkpoint(
+    shape: str, folder: Path, *, device: Any = "cpu", dtype: str = "bf16", seed: int = 0, keep_model: bool = False
+) -> Any:
     """Save a transformers model of ``shape`` with random weights (its own initialization,
     the hash routing tables drawn: a token's ``top_k`` distinct experts) into ``folder``
     in ``dtype``, with a word tokenizer. Returns the model (on ``device``) when
@@ -197,8 +222,12 @@ def decode_bytes(source: Any, itemsize: int, batch: int = 1) -> dict[str, Any]:
             read += n * touched
         else:
             read += n
-    return {"weight_bytes": round(read) * itemsize, "params_read": round(read), "params": int(total),
-            "experts_touched_share": touched}
+    return {
+        "weight_bytes": round(read) * itemsize,
+        "params_read": round(read),
+        "params": int(total),
+        "experts_touched_share": touched,
+    }
 
 
 # ---------------------------------------------------------------------------- the runs
@@ -236,8 +265,13 @@ def transformers_generate(folder: Path, prompt: list[int], max_tokens: int, devi
     t0 = time.perf_counter()
     # use_kernels=False: transformers' own PyTorch modules (by default it asks the `kernels` package for hub
     # kernels, and refuses to load without it)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], use_kernels=False).to(dev).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], use_kernels=False
+        )
+        .to(dev)
+        .eval()
+    )
     load_s = time.perf_counter() - t0
     ids = torch.tensor([prompt], device=dev)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
@@ -247,12 +281,17 @@ def transformers_generate(folder: Path, prompt: list[int], max_tokens: int, devi
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=max_tokens, streamer=clock, **kw)
         total = time.perf_counter() - t0
-    tokens = out[0, len(prompt):].tolist()
+    tokens = out[0, len(prompt) :].tolist()
     del model, out
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    res = {"token_ids": tokens, "load_s": round(load_s, 3), "generate_s": round(total, 4),
-           "tokens_per_s": round(len(tokens) / total, 2), **steady_decode(clock.times)}
+    res = {
+        "token_ids": tokens,
+        "load_s": round(load_s, 3),
+        "generate_s": round(total, 4),
+        "tokens_per_s": round(len(tokens) / total, 2),
+        **steady_decode(clock.times),
+    }
     return res
 
 
@@ -268,12 +307,29 @@ def engram_run(folder: Path, prompt: list[int], opts: E2eOptions, words: bool) -
     from engram_trt.bench.steady import _generation_figures
 
     text = " ".join(f"w{i}" for i in prompt) if words else TEXT_PROMPT
-    args = ["run", str(folder), "--max-new-tokens", str(opts.max_tokens), "--ignore-eos", "--json", "--device",
-            opts.device, "--dtype", opts.dtype, "--backend", opts.backend, "--prompt", text]
+    args = [
+        "run",
+        str(folder),
+        "--max-new-tokens",
+        str(opts.max_tokens),
+        "--ignore-eos",
+        "--json",
+        "--device",
+        opts.device,
+        "--dtype",
+        opts.dtype,
+        "--backend",
+        opts.backend,
+        "--prompt",
+        text,
+    ]
     res, dt = _cli_json(args, "run")
     out = _generation_figures(res, dt)
-    out.update(token_ids=res.get("token_ids"), prompt_tokens=res.get("prompt_tokens"),
-               command="engram-trt " + " ".join(a if " " not in a else repr(a) for a in args))
+    out.update(
+        token_ids=res.get("token_ids"),
+        prompt_tokens=res.get("prompt_tokens"),
+        command="engram-trt " + " ".join(a if " " not in a else repr(a) for a in args),
+    )
     return out
 
 
@@ -281,27 +337,55 @@ def engram_serve(folder: Path, opts: E2eOptions) -> dict[str, Any]:
     """``engram-trt bench serve FOLDER`` at ``--concurrency`` in a fresh process."""
     with tempfile.TemporaryDirectory(prefix="engram-e2e-") as tmp:
         figures = Path(tmp) / "serve.json"
-        args = ["bench", "serve", str(folder), "--concurrency", ",".join(map(str, opts.concurrency)),
-                "--max-tokens", str(opts.max_tokens), "--prompt-tokens", str(opts.prompt_tokens), "--repeat",
-                str(opts.serve_repeat), "--device", opts.device, "--backend", opts.backend, "--json", str(figures)]
+        args = [
+            "bench",
+            "serve",
+            str(folder),
+            "--concurrency",
+            ",".join(map(str, opts.concurrency)),
+            "--max-tokens",
+            str(opts.max_tokens),
+            "--prompt-tokens",
+            str(opts.prompt_tokens),
+            "--repeat",
+            str(opts.serve_repeat),
+            "--device",
+            opts.device,
+            "--backend",
+            opts.backend,
+            "--json",
+            str(figures),
+        ]
         from engram_trt.bench.steady import _cli
 
         _out, dt = _cli(args, "bench serve")
         serve = json.loads(figures.read_text())
-    levels = {int(n): {"tokens_per_s": r.get("tokens_per_s"), "ratio_to_one": r.get("ratio_to_one"),
-                       "steady_decode_tokens_per_s": r.get("steady_decode_tokens_per_s"),
-                       "mean_seqs_per_step": r.get("mean_seqs_per_step")} for n, r in (serve.get("levels") or {}).items()}
-    return {"backend": serve.get("backend"), "levels": levels, "command_s": round(dt, 2),
-            "command": "engram-trt " + " ".join(args[:-2])}
+    levels = {
+        int(n): {
+            "tokens_per_s": r.get("tokens_per_s"),
+            "ratio_to_one": r.get("ratio_to_one"),
+            "steady_decode_tokens_per_s": r.get("steady_decode_tokens_per_s"),
+            "mean_seqs_per_step": r.get("mean_seqs_per_step"),
+        }
+        for n, r in (serve.get("levels") or {}).items()
+    }
+    return {
+        "backend": serve.get("backend"),
+        "levels": levels,
+        "command_s": round(dt, 2),
+        "command": "engram-trt " + " ".join(args[:-2]),
+    }
 
 
 def ratios(floor_ms: float | None, ours_tps: float | None, hf_tps: float | None) -> dict[str, Any]:
     """``over_floor``: our decode step over the floor (how many floors a step takes);
     ``over_transformers``: our tokens/s over transformers'."""
     step_ms = 1e3 / ours_tps if ours_tps else None
-    return {"ms_per_step": round(step_ms, 4) if step_ms else None,
-            "over_floor": round(step_ms / floor_ms, 2) if step_ms and floor_ms else None,
-            "over_transformers": round(ours_tps / hf_tps, 2) if ours_tps and hf_tps else None}
+    return {
+        "ms_per_step": round(step_ms, 4) if step_ms else None,
+        "over_floor": round(step_ms / floor_ms, 2) if step_ms and floor_ms else None,
+        "over_transformers": round(ours_tps / hf_tps, 2) if ours_tps and hf_tps else None,
+    }
 
 
 def _family(source: Any) -> str:
@@ -325,13 +409,23 @@ def bench_folder(folder: Path, shape: str, opts: E2eOptions, limits: dict[str, f
     vocab = int(source.config.vocab_size)
     words = _is_word_tokenizer(folder / "tokenizer.json")  # the made checkpoints' (a prompt of ids as words)
     prompt = prompt_ids(opts.prompt_tokens, vocab) if words else _encode(folder)
-    res: dict[str, Any] = {"shape": shape, "folder": str(folder), "family": family, "floor": floor,
-                           "prompt_tokens": opts.prompt_tokens, "max_tokens": opts.max_tokens}
+    res: dict[str, Any] = {
+        "shape": shape,
+        "folder": str(folder),
+        "family": family,
+        "floor": floor,
+        "prompt_tokens": opts.prompt_tokens,
+        "max_tokens": opts.max_tokens,
+    }
     hf = None
     engram = source.config.engram is not None
-    skip = ("--no-transformers" if opts.no_transformers else
-            f"transformers has no {'engram-llama' if family == 'engram-llama' else family + ' with Engram layers'}"
-            if family == "engram-llama" or engram else None)
+    skip = (
+        "--no-transformers"
+        if opts.no_transformers
+        else f"transformers has no {'engram-llama' if family == 'engram-llama' else family + ' with Engram layers'}"
+        if family == "engram-llama" or engram
+        else None
+    )
     if skip is None:
         hf = res["transformers"] = transformers_generate(folder, prompt, opts.max_tokens, opts.device, opts.dtype)
     else:
@@ -346,14 +440,22 @@ def bench_folder(folder: Path, shape: str, opts: E2eOptions, limits: dict[str, f
     res["ratios"] = {"run": ratios(floor.get("floor_ms"), run.get("steady_decode_tokens_per_s"), hf_tps)}
     lv = res["serve"]["levels"]
     if 1 in lv and max(lv) > 1:
-        res["serve_scaling"] = {n: round(r["tokens_per_s"] / lv[1]["tokens_per_s"], 2) for n, r in lv.items()
-                                if r.get("tokens_per_s") and lv[1].get("tokens_per_s")}
+        res["serve_scaling"] = {
+            n: round(r["tokens_per_s"] / lv[1]["tokens_per_s"], 2)
+            for n, r in lv.items()
+            if r.get("tokens_per_s") and lv[1].get("tokens_per_s")
+        }
     if opts.breakdown:
         from engram_trt.bench.breakdown import decode_breakdown
 
-        res["breakdown"] = decode_breakdown(folder, device=opts.device, dtype=opts.dtype,
-                                            prompt_tokens=opts.prompt_tokens, reps=opts.breakdown_reps,
-                                            detail=opts.breakdown_detail)
+        res["breakdown"] = decode_breakdown(
+            folder,
+            device=opts.device,
+            dtype=opts.dtype,
+            prompt_tokens=opts.prompt_tokens,
+            reps=opts.breakdown_reps,
+            detail=opts.breakdown_detail,
+        )
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res
@@ -386,30 +488,42 @@ def _fmt(v: Any, spec: str = ".1f") -> str:
 def report(res: dict[str, Any]) -> list[str]:
     """The printed table of one folder."""
     fl = res["floor"]
-    lines = [f"{res['shape']} ({res['family']}, {_count(fl['params'])} parameters, {_count(fl['params_read'])} read a "
-             f"decode step): {res['folder']}"]
+    lines = [
+        f"{res['shape']} ({res['family']}, {_count(fl['params'])} parameters, {_count(fl['params_read'])} read a "
+        f"decode step): {res['folder']}"
+    ]
     if "floor_ms" in fl:
-        lines.append(f"  floor: {fl['weight_bytes'] / 1e9:.3f} GB / {fl['hbm_GBps']:.0f} GB/s (HBM copy, measured now) "
-                     f"= {fl['floor_ms']:.3f} ms a decode step")
+        lines.append(
+            f"  floor: {fl['weight_bytes'] / 1e9:.3f} GB / {fl['hbm_GBps']:.0f} GB/s (HBM copy, measured now) "
+            f"= {fl['floor_ms']:.3f} ms a decode step"
+        )
     hf, run = res["transformers"], res["run"]
     r = res["ratios"]["run"]
     lines.append(f"  {'':24} {'tokens/s':>10} {'ms/step':>9} {'x floor':>8} {'x transformers':>15}")
     if "skipped" not in hf:
         hms = 1e3 / hf["steady_decode_tokens_per_s"] if hf.get("steady_decode_tokens_per_s") else None
         over = hms / fl["floor_ms"] if hms and fl.get("floor_ms") else None
-        lines.append(f"  {'transformers generate':24} {_fmt(hf.get('steady_decode_tokens_per_s')):>10} "
-                     f"{_fmt(hms, '.3f'):>9} {_fmt(over):>8} {'1.00':>15}")
+        lines.append(
+            f"  {'transformers generate':24} {_fmt(hf.get('steady_decode_tokens_per_s')):>10} "
+            f"{_fmt(hms, '.3f'):>9} {_fmt(over):>8} {'1.00':>15}"
+        )
     else:
         lines.append(f"  transformers generate: skipped ({hf['skipped']})")
-    lines.append(f"  {'engram-trt run':24} {_fmt(run.get('steady_decode_tokens_per_s')):>10} "
-                 f"{_fmt(r['ms_per_step'], '.3f'):>9} {_fmt(r['over_floor']):>8} {_fmt(r['over_transformers'], '.2f'):>15}")
+    lines.append(
+        f"  {'engram-trt run':24} {_fmt(run.get('steady_decode_tokens_per_s')):>10} "
+        f"{_fmt(r['ms_per_step'], '.3f'):>9} {_fmt(r['over_floor']):>8} {_fmt(r['over_transformers'], '.2f'):>15}"
+    )
     if "tokens_equal_until" in res:
-        lines.append(f"  greedy tokens equal to transformers' for the first {res['tokens_equal_until']} of "
-                     f"{len(run.get('token_ids') or [])}")
+        lines.append(
+            f"  greedy tokens equal to transformers' for the first {res['tokens_equal_until']} of "
+            f"{len(run.get('token_ids') or [])}"
+        )
     lines.append(f"  bench serve ({res['serve']['backend']}):")
     for n, lvl in sorted(res["serve"]["levels"].items()):
-        lines.append(f"    {n:>3} streams {_fmt(lvl.get('tokens_per_s')):>10} tokens/s  x{_fmt(lvl.get('ratio_to_one'), '.2f')} "
-                     f"one stream")
+        lines.append(
+            f"    {n:>3} streams {_fmt(lvl.get('tokens_per_s')):>10} tokens/s  x{_fmt(lvl.get('ratio_to_one'), '.2f')} "
+            f"one stream"
+        )
     if "breakdown" in res:
         from engram_trt.bench.breakdown import format_breakdown
 
@@ -423,8 +537,13 @@ def svg_plot(results: list[dict[str, Any]], title: str) -> str:
     import math
 
     W, H, L, B, R, T = 640, 400, 70, 50, 150, 40
-    series = [(r["shape"], sorted((int(n), v["tokens_per_s"]) for n, v in r["serve"]["levels"].items()
-                                  if v.get("tokens_per_s"))) for r in results]
+    series = [
+        (
+            r["shape"],
+            sorted((int(n), v["tokens_per_s"]) for n, v in r["serve"]["levels"].items() if v.get("tokens_per_s")),
+        )
+        for r in results
+    ]
     pts = [p for _, s in series for p in s]
     if not pts:
         return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><text x="10" y="20">no figures</text></svg>'
@@ -434,26 +553,34 @@ def svg_plot(results: list[dict[str, Any]], title: str) -> str:
     y0, y1 = math.floor(min(ys)), math.ceil(max(max(ys), min(ys) + 1))
 
     def at(n: float, v: float) -> tuple[float, float]:
-        return (L + (math.log2(n) - x0) / (x1 - x0) * (W - L - R), H - B - (math.log2(v) - y0) / (y1 - y0) * (H - B - T))
+        return (
+            L + (math.log2(n) - x0) / (x1 - x0) * (W - L - R),
+            H - B - (math.log2(v) - y0) / (y1 - y0) * (H - B - T),
+        )
 
     colors = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
-           f'<text x="{L}" y="20">{title}</text>',
-           f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
-           f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
-           f'<text x="{(W - R + L) / 2 - 20}" y="{H - 12}">streams</text>',
-           f'<text x="8" y="{T - 8}">tokens/s</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+        f'<text x="{L}" y="20">{title}</text>',
+        f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
+        f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
+        f'<text x="{(W - R + L) / 2 - 20}" y="{H - 12}">streams</text>',
+        f'<text x="8" y="{T - 8}">tokens/s</text>',
+    ]
     for n in sorted({n for n, _ in pts}):
-        x, _ = at(n, 2 ** y0)
+        x, _ = at(n, 2**y0)
         out.append(f'<text x="{x - 6:.1f}" y="{H - B + 16}">{n}</text>')
     for e in range(int(y0), int(y1) + 1):
-        _, y = at(2 ** x0, 2 ** e)
-        out.append(f'<text x="{L - 60}" y="{y + 4:.1f}">{2 ** e:,}</text>')
+        _, y = at(2**x0, 2**e)
+        out.append(f'<text x="{L - 60}" y="{y + 4:.1f}">{2**e:,}</text>')
     for i, (name, s) in enumerate(series):
         c = colors[i % len(colors)]
         xy = [at(n, v) for n, v in s]
-        out.append(f'<polyline fill="none" stroke="{c}" stroke-width="2" points="'
-                   + " ".join(f"{x:.1f},{y:.1f}" for x, y in xy) + '"/>')
+        out.append(
+            f'<polyline fill="none" stroke="{c}" stroke-width="2" points="'
+            + " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+            + '"/>'
+        )
         out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{c}"/>' for x, y in xy]
         out.append(f'<text x="{W - R + 10}" y="{T + 18 * i + 10}" fill="{c}">{name}</text>')
     out.append("</svg>")
@@ -477,16 +604,23 @@ def run(opts: E2eOptions) -> int:
     dev = torch.device(opts.device)
     t0 = time.perf_counter()
     limits = measure_limits(dev)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                           "dtype": opts.dtype, "limits": limits, "results": []}
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": opts.dtype,
+        "limits": limits,
+        "results": [],
+    }
     if limits:
-        print(f"{out['device']}: HBM copy {limits['hbm_GBps']:.0f} GB/s, bf16 {limits['bf16_TFLOPs']:.0f} TFLOP/s, "
-              f"pinned H2D {limits['h2d_GBps']:.1f} GB/s (measured now)", flush=True)
+        print(
+            f"{out['device']}: HBM copy {limits['hbm_GBps']:.0f} GB/s, bf16 {limits['bf16_TFLOPs']:.0f} TFLOP/s, "
+            f"pinned H2D {limits['h2d_GBps']:.1f} GB/s (measured now)",
+            flush=True,
+        )
     tmp = None
     root = Path(opts.work_dir) if opts.work_dir else Path(tmp := tempfile.mkdtemp(prefix="engram-e2e-"))
     try:
         jobs = [(Path(opts.path), "path")] if opts.path else []
-        for shape in ([] if opts.path else opts.shapes):
+        for shape in [] if opts.path else opts.shapes:
             if shape == "demo":
                 jobs.append((demo_checkpoint(), shape))
                 continue
@@ -494,8 +628,10 @@ def run(opts: E2eOptions) -> int:
             if not (folder / "config.json").is_file():
                 t1 = time.perf_counter()
                 make_checkpoint(shape, folder, device=opts.device, dtype=opts.dtype)
-                print(f"{shape}: checkpoint made by transformers in {time.perf_counter() - t1:.1f} s: {folder}",
-                      flush=True)
+                print(
+                    f"{shape}: checkpoint made by transformers in {time.perf_counter() - t1:.1f} s: {folder}",
+                    flush=True,
+                )
             jobs.append((folder, shape))
         for folder, shape in jobs:
             res = bench_folder(folder, shape, opts, limits)
@@ -512,5 +648,15 @@ def run(opts: E2eOptions) -> int:
     return 0
 
 
-__all__ = ["E2eOptions", "SHAPES", "decode_bytes", "make_checkpoint", "prompt_ids", "ratios", "run", "svg_plot",
-           "transformers_config", "word_tokenizer"]
+__all__ = [
+    "E2eOptions",
+    "SHAPES",
+    "decode_bytes",
+    "make_checkpoint",
+    "prompt_ids",
+    "ratios",
+    "run",
+    "svg_plot",
+    "transformers_config",
+    "word_tokenizer",
+]

@@ -21,15 +21,32 @@ from dataclasses import MISSING, field
 from typing import Any, Sequence
 
 
-def opt(default: Any = MISSING, *, help: str | None = None, metavar: str | None = None,
-        choices: Sequence[str] | None = None, nargs: str | int | None = None, const: Any = None,
-        positional: bool = False, flags: Sequence[str] | None = None, argtype: str | tuple[Any, ...] | None = None,
-        exclusive: str | None = None) -> Any:
+def opt(
+    default: Any = MISSING,
+    *,
+    help: str | None = None,
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+    nargs: str | int | None = None,
+    const: Any = None,
+    positional: bool = False,
+    flags: Sequence[str] | None = None,
+    argtype: str | tuple[Any, ...] | None = None,
+    exclusive: str | None = None,
+) -> Any:
     """A dataclass field of a bench subcommand's options (see the module's text); a list
     default is copied for each instance."""
-    metadata = {"help": help, "metavar": metavar, "choices": choices, "nargs": nargs, "const": const,
-                "positional": positional, "flags": tuple(flags) if flags else None, "argtype": argtype,
-                "exclusive": exclusive}
+    metadata = {
+        "help": help,
+        "metavar": metavar,
+        "choices": choices,
+        "nargs": nargs,
+        "const": const,
+        "positional": positional,
+        "flags": tuple(flags) if flags else None,
+        "argtype": argtype,
+        "exclusive": exclusive,
+    }
     if isinstance(default, list):
         frozen = tuple(default)
         return field(default_factory=lambda: list(frozen), metadata=metadata)

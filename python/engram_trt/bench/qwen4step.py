@@ -38,12 +38,18 @@ class Qwen4StepOptions:
     ple_base: int = opt(2_000_000, help="ngram_vocab_size_base of the PLE hash (default: %(default)s)")
     reps: int = opt(20, argtype=("int_arg", 1, 10000), help="timed steps per case (default: %(default)s)")
     eager: bool = opt(False, help="also time eager decode steps (no graphs)")
-    linear_attention: str = opt("auto", choices=("auto", "kernels", "torch", "both"),
-                                help="the Gated DeltaNet core's backend; 'both' times torch and kernels side by "
-                                     "side on the HBM tables (default: %(default)s)")
-    prefill_tokens: int = opt(256, argtype=("int_arg", 0, 65536),
-                              help="with --linear-attention both: also time a prefill step of this many tokens per "
-                                   "sequence, 0 to skip (default: %(default)s)")
+    linear_attention: str = opt(
+        "auto",
+        choices=("auto", "kernels", "torch", "both"),
+        help="the Gated DeltaNet core's backend; 'both' times torch and kernels side by "
+        "side on the HBM tables (default: %(default)s)",
+    )
+    prefill_tokens: int = opt(
+        256,
+        argtype=("int_arg", 0, 65536),
+        help="with --linear-attention both: also time a prefill step of this many tokens per "
+        "sequence, 0 to skip (default: %(default)s)",
+    )
     json: str | None = opt(None, help="write the figures as JSON to this file")
 
 
@@ -52,13 +58,37 @@ def bench_config(opts: Qwen4StepOptions) -> dict[str, Any]:
     d = json.loads(TINY.read_text())
     n = opts.layers
     types = ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
-    d.update(vocab_size=32000, hidden_size=2048, num_hidden_layers=n, layer_types=types, num_attention_heads=16,
-             num_key_value_heads=2, head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
-             linear_key_head_dim=128, linear_value_head_dim=128, num_experts=opts.experts, num_experts_per_tok=2,
-             moe_intermediate_size=512, shared_expert_intermediate_size=1024, hc_count=4, hc_lowrank=320,
-             ple_layer_ids=[1, 5], ple_embed_dim=2048, heads_per_ngram=8, ngram_vocab_size_base=opts.ple_base,
-             make_ngram_vocab_size_divisible_by=128, split_ngram_parts=1, indexer_n_heads=8, indexer_head_dim=128,
-             indexer_budget=512, indexer_compress_ratio=16, max_position_embeddings=32768, dtype="bfloat16")
+    d.update(
+        vocab_size=32000,
+        hidden_size=2048,
+        num_hidden_layers=n,
+        layer_types=types,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=opts.experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=1024,
+        hc_count=4,
+        hc_lowrank=320,
+        ple_layer_ids=[1, 5],
+        ple_embed_dim=2048,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=opts.ple_base,
+        make_ngram_vocab_size_divisible_by=128,
+        split_ngram_parts=1,
+        indexer_n_heads=8,
+        indexer_head_dim=128,
+        indexer_budget=512,
+        indexer_compress_ratio=16,
+        max_position_embeddings=32768,
+        dtype="bfloat16",
+    )
     return d
 
 
@@ -91,29 +121,47 @@ def run(opts: Qwen4StepOptions) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     weights = {}
     for name, shape in model_weight_shapes(cfg).items():
-        weights[name] = (torch.randn(shape, generator=gen, device=dev) * (0.5 / max(1, shape[-1]) ** 0.5)).to(torch.bfloat16)
+        weights[name] = (torch.randn(shape, generator=gen, device=dev) * (0.5 / max(1, shape[-1]) ** 0.5)).to(
+            torch.bfloat16
+        )
     n_params = sum(t.numel() for t in weights.values())
     t0 = time.perf_counter()
     layout = None
-    results: dict[str, Any] = {"limits": limits, "params": n_params, "cases": [],
-                               "linear_attention": opts.linear_attention}
+    results: dict[str, Any] = {
+        "limits": limits,
+        "params": n_params,
+        "cases": [],
+        "linear_attention": opts.linear_attention,
+    }
     both = opts.linear_attention == "both"
-    runs = [("hbm", "torch"), ("hbm", "kernels")] if both else [("hbm", opts.linear_attention),
-                                                                ("pinned", opts.linear_attention)]
+    runs = (
+        [("hbm", "torch"), ("hbm", "kernels")]
+        if both
+        else [("hbm", opts.linear_attention), ("pinned", opts.linear_attention)]
+    )
     for where, backend in runs:
         if layout is None:
             from engram_trt.engram.ple_hash import PLEHashLayout
 
             p = cfg.ple
-            layout = PLEHashLayout.from_config(vocab_size=cfg.vocab_size, ngram_size=p.ngram_size,
-                                               heads_per_ngram=p.heads_per_ngram, ngram_vocab_size_base=p.vocab_size_base,
-                                               make_ngram_vocab_size_divisible_by=p.divisible_by, seed=p.seed,
-                                               eos_token_id=cfg.first_eos, num_layers=len(p.layers))
+            layout = PLEHashLayout.from_config(
+                vocab_size=cfg.vocab_size,
+                ngram_size=p.ngram_size,
+                heads_per_ngram=p.heads_per_ngram,
+                ngram_vocab_size_base=p.vocab_size_base,
+                make_ngram_vocab_size_divisible_by=p.divisible_by,
+                seed=p.seed,
+                eos_token_id=cfg.first_eos,
+                num_layers=len(p.layers),
+            )
         tables = []
         for li in range(len(cfg.ple.layers)):
             rows = int(layout.table_rows[li])
-            t = torch.empty((rows, cfg.ple.head_dim), dtype=torch.bfloat16,
-                            **({"device": dev} if where == "hbm" else {"pin_memory": True}))
+            t = torch.empty(
+                (rows, cfg.ple.head_dim),
+                dtype=torch.bfloat16,
+                **({"device": dev} if where == "hbm" else {"pin_memory": True}),
+            )
             chunk = torch.randn(1 << 22, cfg.ple.head_dim, device=dev, dtype=torch.bfloat16)
             for a in range(0, rows, chunk.shape[0]):
                 b = min(rows, a + chunk.shape[0])
@@ -123,16 +171,22 @@ def run(opts: Qwen4StepOptions) -> int:
         model = Qwen4ExpModel(cfg, weights, ple_tables=PLETables(store, dev), device=dev, dtype=torch.bfloat16)
         _set_linear_attention(model, backend)
         table_gib = sum(t.numel() * 2 for t in tables) / (1 << 30)
-        print(f"{where}: {n_params / 1e9:.2f}B parameters, PLE tables {table_gib:.1f} GiB ({model.ple_tables.paths}), "
-              f"ready in {time.perf_counter() - t0:.0f} s; backend {model.backend_name}", flush=True)
+        print(
+            f"{where}: {n_params / 1e9:.2f}B parameters, PLE tables {table_gib:.1f} GiB ({model.ple_tables.paths}), "
+            f"ready in {time.perf_counter() - t0:.0f} s; backend {model.backend_name}",
+            flush=True,
+        )
         for B in opts.batches:
-            case = _time_batch(torch, model, cfg, B, opts, where, limits, Qwen4ExpDecodeGraphs, decode_context,
-                               PackedStep)
+            case = _time_batch(
+                torch, model, cfg, B, opts, where, limits, Qwen4ExpDecodeGraphs, decode_context, PackedStep
+            )
             case["linear_attention"] = backend
             if both and opts.prefill_tokens:
                 case["prefill_ms"] = _time_prefill(torch, model, cfg, B, opts.prefill_tokens, opts.reps, PackedStep)
-                print(f"  {backend} batch {B}: prefill of {opts.prefill_tokens} tokens each {case['prefill_ms']:.3f} ms",
-                      flush=True)
+                print(
+                    f"  {backend} batch {B}: prefill of {opts.prefill_tokens} tokens each {case['prefill_ms']:.3f} ms",
+                    flush=True,
+                )
             results["cases"].append(case)
         model.ple_tables.close()
         del model, tables, store
@@ -142,12 +196,16 @@ def run(opts: Qwen4StepOptions) -> int:
         dump(results, opts.json)
         return 0
     by = {(c["tables"], c["batch"]): c for c in results["cases"]}
-    print(f"\n{'batch':>5} | {'HBM ms':>7} {'pinned ms':>9} {'pinned/HBM':>10} | {'floor ms':>8} {'HBM/floor':>9}"
-          + (f" | {'eager HBM ms':>12} {'eager/graph':>11}" if opts.eager else ""))
+    print(
+        f"\n{'batch':>5} | {'HBM ms':>7} {'pinned ms':>9} {'pinned/HBM':>10} | {'floor ms':>8} {'HBM/floor':>9}"
+        + (f" | {'eager HBM ms':>12} {'eager/graph':>11}" if opts.eager else "")
+    )
     for B in opts.batches:
         h, p = by[("hbm", B)], by[("pinned", B)]
-        line = (f"{B:>5} | {h['graph_ms']:>7.3f} {p['graph_ms']:>9.3f} {p['graph_ms'] / h['graph_ms']:>10.3f} | "
-                f"{h['floor_ms']:>8.3f} {h['graph_ms'] / h['floor_ms']:>9.2f}")
+        line = (
+            f"{B:>5} | {h['graph_ms']:>7.3f} {p['graph_ms']:>9.3f} {p['graph_ms'] / h['graph_ms']:>10.3f} | "
+            f"{h['floor_ms']:>8.3f} {h['graph_ms'] / h['floor_ms']:>9.2f}"
+        )
         if opts.eager:
             line += f" | {h['eager_ms']:>12.3f} {h['eager_ms'] / h['graph_ms']:>11.1f}"
         print(line)
@@ -186,14 +244,18 @@ def _time_prefill(torch: Any, model: Any, cfg: Any, B: int, P: int, reps: int, P
 def _print_backends(cases: list[dict[str, Any]], opts: Qwen4StepOptions) -> None:
     by = {(c["linear_attention"], c["batch"]): c for c in cases}
     pre = bool(opts.prefill_tokens)
-    print(f"\nGated DeltaNet core, torch vs kernels (HBM tables; ratio = torch / kernels)\n{'batch':>5} | "
-          f"{'graph torch':>11} {'kernels':>8} {'ratio':>6} | {'floor ms':>8}"
-          + (f" | {'eager torch':>11} {'kernels':>8} {'ratio':>6}" if opts.eager else "")
-          + (f" | {'prefill torch':>13} {'kernels':>8} {'ratio':>6}" if pre else ""))
+    print(
+        f"\nGated DeltaNet core, torch vs kernels (HBM tables; ratio = torch / kernels)\n{'batch':>5} | "
+        f"{'graph torch':>11} {'kernels':>8} {'ratio':>6} | {'floor ms':>8}"
+        + (f" | {'eager torch':>11} {'kernels':>8} {'ratio':>6}" if opts.eager else "")
+        + (f" | {'prefill torch':>13} {'kernels':>8} {'ratio':>6}" if pre else "")
+    )
     for B in opts.batches:
         t, k = by[("torch", B)], by[("kernels", B)]
-        line = (f"{B:>5} | {t['graph_ms']:>11.3f} {k['graph_ms']:>8.3f} {t['graph_ms'] / k['graph_ms']:>6.2f} | "
-                f"{k['floor_ms']:>8.3f}")
+        line = (
+            f"{B:>5} | {t['graph_ms']:>11.3f} {k['graph_ms']:>8.3f} {t['graph_ms'] / k['graph_ms']:>6.2f} | "
+            f"{k['floor_ms']:>8.3f}"
+        )
         if opts.eager:
             line += f" | {t['eager_ms']:>11.3f} {k['eager_ms']:>8.3f} {t['eager_ms'] / k['eager_ms']:>6.2f}"
         if pre:
@@ -235,8 +297,18 @@ def _floor_bytes(model: Any, cfg: Any, B: int, L: int) -> int:
     return int(total)
 
 
-def _time_batch(torch: Any, model: Any, cfg: Any, B: int, opts: Qwen4StepOptions, where: str, limits: dict[str, float],
-                graphs_cls: Any, decode_context: Any, PackedStep: Any) -> dict[str, Any]:  # noqa: N803
+def _time_batch(
+    torch: Any,
+    model: Any,
+    cfg: Any,
+    B: int,
+    opts: Qwen4StepOptions,
+    where: str,
+    limits: dict[str, float],
+    graphs_cls: Any,
+    decode_context: Any,
+    PackedStep: Any,
+) -> dict[str, Any]:  # noqa: N803
     ctx = opts.context
     cache = model.new_cache(B + 1, ctx + 64)
     graphs = graphs_cls(model, cache, B, scratch_slot=B)
@@ -270,7 +342,10 @@ def _time_batch(torch: Any, model: Any, cfg: Any, B: int, opts: Qwen4StepOptions
     L = decode_context(ctx + 1, cache.max_len)
     out["floor_bytes"] = _floor_bytes(model, cfg, B, L)
     out["floor_ms"] = out["floor_bytes"] / (limits["hbm_GBps"] * 1e9) * 1e3
-    print(f"  {where} batch {B}: graph {out['graph_ms']:.3f} ms" + (f", eager {out['eager_ms']:.3f} ms" if opts.eager else "")
-          + f", floor {out['floor_ms']:.3f} ms ({out['floor_bytes'] / 1e9:.2f} GB at {limits['hbm_GBps']:.0f} GB/s)",
-          flush=True)
+    print(
+        f"  {where} batch {B}: graph {out['graph_ms']:.3f} ms"
+        + (f", eager {out['eager_ms']:.3f} ms" if opts.eager else "")
+        + f", floor {out['floor_ms']:.3f} ms ({out['floor_bytes'] / 1e9:.2f} GB at {limits['hbm_GBps']:.0f} GB/s)",
+        flush=True,
+    )
     return out

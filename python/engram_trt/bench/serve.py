@@ -32,14 +32,19 @@ class ServeOptions:
     max_num_tokens: int | None = opt(None, help="token budget of one step (default: the engine's)")
     json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
     engram_config: str | None = opt(None, metavar="JSON", help="--engram-config for the tables")
-    host_breakdown: bool = opt(False, help="time each step's host work by phase and print microseconds per decode "
-                                           "step")
+    host_breakdown: bool = opt(False, help="time each step's host work by phase and print microseconds per decode step")
     no_cuda_graphs: bool = opt(False, help="run decode steps eagerly (the torch backend on a GPU)")
-    null_model: bool = opt(False, help="the backend returns fixed logits at once and no Engram rows are staged: the "
-                                       "runtime's host path around the model alone")
+    null_model: bool = opt(
+        False,
+        help="the backend returns fixed logits at once and no Engram rows are staged: the "
+        "runtime's host path around the model alone",
+    )
     repeat: int = opt(1, help="runs per concurrency; the fastest counts (default: %(default)s)")
-    tp: int = opt(1, help="tensor-parallel ranks: this process leads a group of N ranks (one GPU each, GPUs 0..N-1; "
-                          "gloo processes with --device cpu), the backbone sharded over them (default: %(default)s)")
+    tp: int = opt(
+        1,
+        help="tensor-parallel ranks: this process leads a group of N ranks (one GPU each, GPUs 0..N-1; "
+        "gloo processes with --device cpu), the backbone sharded over them (default: %(default)s)",
+    )
 
 
 def run(opts: ServeOptions) -> int:
@@ -63,16 +68,28 @@ def run(opts: ServeOptions) -> int:
         raise EngramError(f"--tp must be >= 1 (got {opts.tp})")
     if opts.tp > 1 and opts.null_model:
         raise EngramError("--null-model replaces the model of one process; drop it or --tp")
-    with LLM(opts.path, tp=opts.tp, backend=opts.backend, device=opts.device, max_batch_size=max(levels),
-             max_seq_len=opts.prompt_tokens + opts.max_tokens + 1, max_num_tokens=opts.max_num_tokens,
-             engram_config=opts.engram_config, progress=False,
-             cuda_graphs=not opts.no_cuda_graphs) as llm:
+    with LLM(
+        opts.path,
+        tp=opts.tp,
+        backend=opts.backend,
+        device=opts.device,
+        max_batch_size=max(levels),
+        max_seq_len=opts.prompt_tokens + opts.max_tokens + 1,
+        max_num_tokens=opts.max_num_tokens,
+        engram_config=opts.engram_config,
+        progress=False,
+        cuda_graphs=not opts.no_cuda_graphs,
+    ) as llm:
         vocab = llm.runner.vocab_size
         if opts.null_model:
             null_model(llm.runner)
         params = SamplingParams(max_tokens=opts.max_tokens, ignore_eos=True)
-        res: dict[str, Any] = {"backend": llm.backend_label + (" (null model)" if opts.null_model else ""),
-                               "storage": llm.storage, "levels": {}, "tp": opts.tp}
+        res: dict[str, Any] = {
+            "backend": llm.backend_label + (" (null model)" if opts.null_model else ""),
+            "storage": llm.storage,
+            "levels": {},
+            "tp": opts.tp,
+        }
 
         def batch(n: int) -> float:
             prompts = [[(7 + 13 * i + 31 * j) % (vocab - 2) + 2 for j in range(opts.prompt_tokens)] for i in range(n)]
@@ -115,9 +132,12 @@ def run(opts: ServeOptions) -> int:
             tps, (before, after), phases, steady = best  # type: ignore[misc]
             steps = after["steps"] - before["steps"]
             one = one or (tps if n == 1 else None)
-            res["levels"][n] = {"tokens_per_s": tps, "steps": steps,
-                                "mean_seqs_per_step": seqs_per_step(n * opts.max_tokens, steps),
-                                "steady_decode_tokens_per_s": steady}
+            res["levels"][n] = {
+                "tokens_per_s": tps,
+                "steps": steps,
+                "mean_seqs_per_step": seqs_per_step(n * opts.max_tokens, steps),
+                "steady_decode_tokens_per_s": steady,
+            }
             if phases is not None:
                 res["levels"][n]["host_breakdown"] = phases.summary()
         base = res["levels"].get(1, {}).get("tokens_per_s")
@@ -126,7 +146,9 @@ def run(opts: ServeOptions) -> int:
         print(f"{'concurrent':>10} {'tokens/s':>12} {'x one request':>14} {'new tok/step':>12}")
         for n, r in res["levels"].items():
             r["ratio_to_one"] = r["tokens_per_s"] / base if base else None
-            print(f"{n:>10} {r['tokens_per_s']:>12.1f} {(r['ratio_to_one'] or 0):>13.2f}x {r['mean_seqs_per_step']:>12.1f}")
+            print(
+                f"{n:>10} {r['tokens_per_s']:>12.1f} {(r['ratio_to_one'] or 0):>13.2f}x {r['mean_seqs_per_step']:>12.1f}"
+            )
         if breakdown:
             print_breakdown(res["levels"], format_table)
     dump(res, opts.json)
@@ -170,7 +192,7 @@ def null_model(runner: Any) -> None:
     def execute(step: Any, cache: Any, rows: Any) -> Any:
         for slot, n in zip(step.slots, step.total_lens):
             cache.lengths[slot] = n
-        return logits[:step.num_seqs]
+        return logits[: step.num_seqs]
 
     runner.backend.execute = execute
 
@@ -183,12 +205,27 @@ def print_breakdown(levels: dict[int, Any], format_table: Any) -> None:
 
     for n, r in levels.items():
         print(f"\n{n} concurrent: " + format_table(r["host_breakdown"], "decode"))
-    print(f"\n{'concurrent':>10} {'us/decode step':>15} {'host no fwd':>12} {'gpu_us':>8} {'us/token':>9} {'host no fwd':>12}")
+    print(
+        f"\n{'concurrent':>10} {'us/decode step':>15} {'host no fwd':>12} {'gpu_us':>8} {'us/token':>9} {'host no fwd':>12}"
+    )
     for n, r in levels.items():
         d = r["host_breakdown"]["decode"]
         per = max(d["tokens"], 1) / max(d["steps"], 1)
-        print(f"{n:>10} {d['total_us']:>15.1f} {d['host_us_without_forward']:>12.1f} {d['gpu_us']:>8.1f} "
-              f"{d['total_us'] / per:>9.1f} {d['host_us_without_forward'] / per:>12.1f}")
-    print(json.dumps({str(n): {k: {**{p: round(v, 1) for p, v in r["host_breakdown"][k]["us_per_step"].items()},
-                                   "gpu_us": round(r["host_breakdown"][k]["gpu_us"], 1)}
-                              for k in ("decode", "prefill")} for n, r in levels.items()}))
+        print(
+            f"{n:>10} {d['total_us']:>15.1f} {d['host_us_without_forward']:>12.1f} {d['gpu_us']:>8.1f} "
+            f"{d['total_us'] / per:>9.1f} {d['host_us_without_forward'] / per:>12.1f}"
+        )
+    print(
+        json.dumps(
+            {
+                str(n): {
+                    k: {
+                        **{p: round(v, 1) for p, v in r["host_breakdown"][k]["us_per_step"].items()},
+                        "gpu_us": round(r["host_breakdown"][k]["gpu_us"], 1),
+                    }
+                    for k in ("decode", "prefill")
+                }
+                for n, r in levels.items()
+            }
+        )
+    )

@@ -48,21 +48,38 @@ TARGET = 1.2  # issue 32, item 5: steady rate within this factor of bench serve'
 class SteadyOptions:
     """``engram-trt bench steady``'s flags."""
 
-    path: str | None = opt(None, metavar="PATH", help="compare `run PATH` with `bench serve PATH` and skip the demo "
-                                                     "(default: build and run `engram-trt demo`, then use its engine folder)")
+    path: str | None = opt(
+        None,
+        metavar="PATH",
+        help="compare `run PATH` with `bench serve PATH` and skip the demo "
+        "(default: build and run `engram-trt demo`, then use its engine folder)",
+    )
     model: str = opt("random", choices=("random", "smollm2"), help="the demo's --model (default: %(default)s)")
     engine_dir: str | None = opt(None, metavar="DIR", help="the demo's --engine-dir (default: the demo's own)")
-    max_tokens: int = opt(256, argtype=("int_arg", 4, 4096),
-                          help="new tokens per request in all three (default: %(default)s; at least 4, so steady steps exist; "
-                               "a few hundred, so the steady window is more than ~0.1 s on a GPU)")
-    prompt_tokens: int = opt(32, argtype=("int_arg", 1, 4096), help="bench serve's prompt tokens (default: %(default)s)")
-    repeat: int = opt(3, argtype=("int_arg", 1, 100), help="bench serve's runs; the fastest counts (default: %(default)s)")
-    rounds: int = opt(3, argtype=("int_arg", 1, 20), flags=("--rounds", "--runs"),
-                      help="rounds of demo, run and bench serve, each command a fresh process, back to back; the "
-                           "median figures over the rounds count, every round's ratios are kept (default: %(default)s; "
-                           "--runs is the old spelling)")
+    max_tokens: int = opt(
+        256,
+        argtype=("int_arg", 4, 4096),
+        help="new tokens per request in all three (default: %(default)s; at least 4, so steady steps exist; "
+        "a few hundred, so the steady window is more than ~0.1 s on a GPU)",
+    )
+    prompt_tokens: int = opt(
+        32, argtype=("int_arg", 1, 4096), help="bench serve's prompt tokens (default: %(default)s)"
+    )
+    repeat: int = opt(
+        3, argtype=("int_arg", 1, 100), help="bench serve's runs; the fastest counts (default: %(default)s)"
+    )
+    rounds: int = opt(
+        3,
+        argtype=("int_arg", 1, 20),
+        flags=("--rounds", "--runs"),
+        help="rounds of demo, run and bench serve, each command a fresh process, back to back; the "
+        "median figures over the rounds count, every round's ratios are kept (default: %(default)s; "
+        "--runs is the old spelling)",
+    )
     device: str = opt("auto", help="cpu, cuda, cuda:N or auto, for all three (default: %(default)s)")
-    backend: str = opt("auto", choices=("auto", "tensorrt", "torch"), help="runtime backend for all three (default: %(default)s)")
+    backend: str = opt(
+        "auto", choices=("auto", "tensorrt", "torch"), help="runtime backend for all three (default: %(default)s)"
+    )
     json: str | None = opt(None, metavar="FILE", help="write the figures as JSON to FILE")
 
 
@@ -83,12 +100,31 @@ def _cli(args: list[str], what: str) -> tuple[str, float]:
 
 def _generation_figures(res: dict[str, Any], seconds: float) -> dict[str, Any]:
     tm = res.get("timings", {})
-    keep = ("steady_decode_tokens_per_s", "steady_decode_steps", "decode_warmup_s", "decode_tokens_per_s", "prefill_s",
-            "load_s", "graph_capture_s", "graph_captures", "steady_decode_first_half_tokens_per_s",
-            "steady_decode_second_half_tokens_per_s", "steady_decode_p10_step_us", "steady_decode_p90_step_us", "graph_shapes", "gather_path_by_rows")
-    return {"backend": res.get("backend"), "device": res.get("device"), "dtype": res.get("dtype"),
-            "new_tokens": res.get("new_tokens"), "finish_reason": res.get("finish_reason"),
-            **{k: tm[k] for k in keep if k in tm}, "command_s": round(seconds, 2)}
+    keep = (
+        "steady_decode_tokens_per_s",
+        "steady_decode_steps",
+        "decode_warmup_s",
+        "decode_tokens_per_s",
+        "prefill_s",
+        "load_s",
+        "graph_capture_s",
+        "graph_captures",
+        "steady_decode_first_half_tokens_per_s",
+        "steady_decode_second_half_tokens_per_s",
+        "steady_decode_p10_step_us",
+        "steady_decode_p90_step_us",
+        "graph_shapes",
+        "gather_path_by_rows",
+    )
+    return {
+        "backend": res.get("backend"),
+        "device": res.get("device"),
+        "dtype": res.get("dtype"),
+        "new_tokens": res.get("new_tokens"),
+        "finish_reason": res.get("finish_reason"),
+        **{k: tm[k] for k in keep if k in tm},
+        "command_s": round(seconds, 2),
+    }
 
 
 def ratio_report(steady: float | None, serve_one: float | None, target: float = TARGET) -> dict[str, Any]:
@@ -115,23 +151,44 @@ def _ratios(res: dict[str, Any]) -> dict[str, Any]:
     for name in ("demo", "run"):
         if name in res:
             steady = res[name].get("steady_decode_tokens_per_s")
-            out[name] = {**ratio_report(steady, serve.get("one_stream_tokens_per_s")),
-                         "serve_steady_over_steady": ratio_report(
-                             steady, serve.get("one_stream_steady_decode_tokens_per_s"))["serve_over_steady"]}
+            out[name] = {
+                **ratio_report(steady, serve.get("one_stream_tokens_per_s")),
+                "serve_steady_over_steady": ratio_report(steady, serve.get("one_stream_steady_decode_tokens_per_s"))[
+                    "serve_over_steady"
+                ],
+            }
     return out
 
 
 def _bench_serve(path: str, opts: SteadyOptions, common: list[str]) -> tuple[list[str], dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="engram-steady-") as tmp:
         figures = Path(tmp) / "serve.json"
-        args = ["bench", "serve", path, "--concurrency", "1", "--max-tokens", str(opts.max_tokens),
-                "--prompt-tokens", str(opts.prompt_tokens), "--repeat", str(opts.repeat), "--json", str(figures), *common]
+        args = [
+            "bench",
+            "serve",
+            path,
+            "--concurrency",
+            "1",
+            "--max-tokens",
+            str(opts.max_tokens),
+            "--prompt-tokens",
+            str(opts.prompt_tokens),
+            "--repeat",
+            str(opts.repeat),
+            "--json",
+            str(figures),
+            *common,
+        ]
         _out, dt = _cli(args, "bench serve")
         serve = json.loads(figures.read_text())
     one = (serve.get("levels") or {}).get("1") or {}
-    return args, {"backend": serve.get("backend"), "one_stream_tokens_per_s": one.get("tokens_per_s"),
-                  "one_stream_steady_decode_tokens_per_s": one.get("steady_decode_tokens_per_s"),
-                  "steps": one.get("steps"), "command_s": round(dt, 2)}
+    return args, {
+        "backend": serve.get("backend"),
+        "one_stream_tokens_per_s": one.get("tokens_per_s"),
+        "one_stream_steady_decode_tokens_per_s": one.get("steady_decode_tokens_per_s"),
+        "steps": one.get("steps"),
+        "command_s": round(dt, 2),
+    }
 
 
 def run(opts: SteadyOptions) -> int:
@@ -146,7 +203,9 @@ def run(opts: SteadyOptions) -> int:
     for _ in range(opts.rounds):
         rnd: dict[str, Any] = {}
         if opts.path is None:
-            args = ["demo", "--model", opts.model, *gen] + (["--engine-dir", opts.engine_dir] if opts.engine_dir else [])
+            args = ["demo", "--model", opts.model, *gen] + (
+                ["--engine-dir", opts.engine_dir] if opts.engine_dir else []
+            )
             out, dt = _cli(args, "the demo")
             demo = json.loads(out)
             built = (demo.get("engine") or {}).get("output_dir")
@@ -173,25 +232,41 @@ def run(opts: SteadyOptions) -> int:
             res[name] = median_of([r[name] for r in rounds], "steady_decode_tokens_per_s")
     res["bench_serve"] = median_of([r["bench_serve"] for r in rounds], "one_stream_tokens_per_s")
     res["ratios"] = _ratios(res)  # the medians over the rounds: the verdict
-    res["rounds_within_target"] = {name: sum(bool(r["ratios"][name]["within_target"]) for r in rounds)
-                                   for name in res["ratios"]}
+    res["rounds_within_target"] = {
+        name: sum(bool(r["ratios"][name]["within_target"]) for r in rounds) for name in res["ratios"]
+    }
     serve_one = res["bench_serve"].get("one_stream_tokens_per_s")
     print(f"engine folder: {path}")
     for name in ("demo", "run"):
         if name in res:
             r, q = res[name], res["ratios"][name]
-            print(f"{name:>5}: {r.get('steady_decode_tokens_per_s')} tokens/s steady ({r.get('backend')}, {r.get('device')}, "
-                  f"{r.get('dtype')}; warm-up {r.get('decode_warmup_s')} s, capture {r.get('graph_capture_s', 0)} s); "
-                  f"bench serve / {name} = {q['serve_over_steady']} (within {TARGET}x: {q['within_target']})")
-    print(f"bench serve, one stream: {serve_one:.1f} tokens/s, steady "
-          f"{res['bench_serve'].get('one_stream_steady_decode_tokens_per_s')} tokens/s ({res['bench_serve'].get('backend')})"
-          if serve_one else "bench serve, one stream: no figure")
+            print(
+                f"{name:>5}: {r.get('steady_decode_tokens_per_s')} tokens/s steady ({r.get('backend')}, {r.get('device')}, "
+                f"{r.get('dtype')}; warm-up {r.get('decode_warmup_s')} s, capture {r.get('graph_capture_s', 0)} s); "
+                f"bench serve / {name} = {q['serve_over_steady']} (within {TARGET}x: {q['within_target']})"
+            )
+    print(
+        f"bench serve, one stream: {serve_one:.1f} tokens/s, steady "
+        f"{res['bench_serve'].get('one_stream_steady_decode_tokens_per_s')} tokens/s ({res['bench_serve'].get('backend')})"
+        if serve_one
+        else "bench serve, one stream: no figure"
+    )
     if len(rounds) > 1:
         print(f"{len(rounds)} rounds (demo, run, bench serve back to back in each; the medians above count):")
         for i, rnd in enumerate(rounds):
-            cells = [f"{name} {rnd[name].get('steady_decode_tokens_per_s')} (x{rnd['ratios'][name]['serve_over_steady']})"
-                     for name in ("demo", "run") if name in rnd]
-            print(f"  round {i + 1}: " + ", ".join(cells) + f"; bench serve {(rnd['bench_serve'].get('one_stream_tokens_per_s') or 0):.1f}")
-        print("  rounds within target: " + ", ".join(f"{k} {v}/{len(rounds)}" for k, v in res["rounds_within_target"].items()))
+            cells = [
+                f"{name} {rnd[name].get('steady_decode_tokens_per_s')} (x{rnd['ratios'][name]['serve_over_steady']})"
+                for name in ("demo", "run")
+                if name in rnd
+            ]
+            print(
+                f"  round {i + 1}: "
+                + ", ".join(cells)
+                + f"; bench serve {(rnd['bench_serve'].get('one_stream_tokens_per_s') or 0):.1f}"
+            )
+        print(
+            "  rounds within target: "
+            + ", ".join(f"{k} {v}/{len(rounds)}" for k, v in res["rounds_within_target"].items())
+        )
     dump(res, opts.json)
     return 0

@@ -29,17 +29,47 @@ from engram_trt.bench.options import opt
 log = logging.getLogger(__name__)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
-           "head_dim": 128, "intermediate_size": 5632, "hc_mult": 4, "engram_layer_ids": [1, 2],
-           "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256},
+    "1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 5632,
+        "hc_mult": 4,
+        "engram_layer_ids": [1, 2],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+    },
     # Llama-3-8B's backbone with the same Engram layers: the size of the Engram paper's
     # dense baselines, where the two layers' wkv (126M parameters each) is ~3% of the weights.
-    "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 128, "intermediate_size": 14336, "hc_mult": 4, "engram_layer_ids": [1, 2],
-           "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256},
-    "small": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "head_dim": 64, "intermediate_size": 512, "hc_mult": 2, "engram_layer_ids": [1, 2],
-              "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256},
+    "8b": {
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 14336,
+        "hc_mult": 4,
+        "engram_layer_ids": [1, 2],
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+    },
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 512,
+        "hc_mult": 2,
+        "engram_layer_ids": [1, 2],
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 2,
+        "engram_head_dim": 256,
+    },
 }
 # pinned-auto is the runtime as served (the start-up calibration's path per size, host
 # gathers on the gather driver, the scale bytes read on the GPU); pinned-auto-nodriver runs
@@ -50,8 +80,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 # for every layer's rows (the runtime's graphs wait for each layer's rows at that layer);
 # the -separate modes replay the GPU lookup in graphs of its own beside the step's
 # segments (the runtime captures it on a side stream forked inside one graph of the step).
-MODES = ("none", "device", "pinned-host", "pinned-uva", "pinned-auto", "pinned-auto-nodriver", "pinned-auto-hostscales",
-         "pinned-auto-ring", "pinned-host-ring", "pinned-host-onecut", "pinned-uva-onecut", "device-separate", "pinned-uva-separate")
+MODES = (
+    "none",
+    "device",
+    "pinned-host",
+    "pinned-uva",
+    "pinned-auto",
+    "pinned-auto-nodriver",
+    "pinned-auto-hostscales",
+    "pinned-auto-ring",
+    "pinned-host-ring",
+    "pinned-host-onecut",
+    "pinned-uva-onecut",
+    "device-separate",
+    "pinned-uva-separate",
+)
 AB_SUFFIXES = ("-onecut", "-separate", "-ring")  # the older forms of the graphs, for A/B runs; left out by default
 DEFAULT_MODES = tuple(m for m in MODES if not m.endswith(AB_SUFFIXES))
 
@@ -60,42 +103,66 @@ DEFAULT_MODES = tuple(m for m in MODES if not m.endswith(AB_SUFFIXES))
 class StepOptions:
     """``engram-trt bench step``'s flags."""
 
-    model: str = opt("1b", choices=sorted(PRESETS),
-                     help="model shape: 1b (16 layers, hidden 2048), 8b (32 layers, hidden 4096), small (4 layers, "
-                          "hidden 256, for a quick look); all with Engram on layers 1 and 2 (default: %(default)s)")
+    model: str = opt(
+        "1b",
+        choices=sorted(PRESETS),
+        help="model shape: 1b (16 layers, hidden 2048), 8b (32 layers, hidden 4096), small (4 layers, "
+        "hidden 256, for a quick look); all with Engram on layers 1 and 2 (default: %(default)s)",
+    )
     table_gib: float = opt(24.0, help="host table size in GiB over all Engram layers (default: %(default)s)")
     decode_batches: str = opt("1,64,256", help="decode batch sizes (default: %(default)s)")
     context: int = opt(256, help="tokens already in each decode sequence's cache (default: %(default)s)")
     prefill: int = opt(8192, help="prefill chunk tokens, 0 to skip (default: %(default)s)")
-    modes: str = opt(",".join(DEFAULT_MODES),
-                     help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut and "
-                          "-separate ones)")
+    modes: str = opt(
+        ",".join(DEFAULT_MODES),
+        help=f"table placements to time, of {','.join(MODES)} (default: all but the -onecut and -separate ones)",
+    )
     iters: int = opt(10, help="timed steps per case and round (median reported; default: %(default)s)")
-    rounds: int = opt(1, help="rounds of timing: every mode of a case is prepared first, then the modes take turns, "
-                              "--iters steps each, in an order reversed every other round; each round's median is "
-                              "reported beside the median of all steps, and an A/B pair's ratio per round (default: "
-                              "%(default)s)")
+    rounds: int = opt(
+        1,
+        help="rounds of timing: every mode of a case is prepared first, then the modes take turns, "
+        "--iters steps each, in an order reversed every other round; each round's median is "
+        "reported beside the median of all steps, and an A/B pair's ratio per round (default: "
+        "%(default)s)",
+    )
     timeline: bool = opt(False, help="record when the lookup ran vs when the first Engram layer needed it")
-    no_graphs: bool = opt(False, help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend "
-                                      "serves them)")
+    no_graphs: bool = opt(
+        False, help="run decode steps eagerly (default: replayed CUDA graphs, as the torch backend serves them)"
+    )
     trace: str | None = opt(None, metavar="FILE", help="write a torch-profiler Chrome trace of one pinned decode step")
-    stream_profile: bool = opt(False, help="after timing each case and mode, profile one more step on the GPU and "
-                                           "report each stream's kernel and copy time: with host tables, whether the "
-                                           "side streams' work slows the main stream's kernels (their time against "
-                                           "the same kernels with HBM tables); and where the main stream sat idle "
-                                           "within the step: before its first kernel (host work), between kernels, "
-                                           "after its last, with the largest gaps named by the kernels around them")
-    host_profile: int = opt(0, metavar="N", help="after timing each case and mode, profile N more steps' host work "
-                                                 "(cProfile) and print the functions that take most of it, per step "
-                                                 "(default: 0, off)")
+    stream_profile: bool = opt(
+        False,
+        help="after timing each case and mode, profile one more step on the GPU and "
+        "report each stream's kernel and copy time: with host tables, whether the "
+        "side streams' work slows the main stream's kernels (their time against "
+        "the same kernels with HBM tables); and where the main stream sat idle "
+        "within the step: before its first kernel (host work), between kernels, "
+        "after its last, with the largest gaps named by the kernels around them",
+    )
+    host_profile: int = opt(
+        0,
+        metavar="N",
+        help="after timing each case and mode, profile N more steps' host work "
+        "(cProfile) and print the functions that take most of it, per step "
+        "(default: 0, off)",
+    )
     json: str | None = opt(None, metavar="FILE", help="write all figures as JSON to FILE")
 
 
 def _config(opts: StepOptions, rows_per_col: int) -> dict[str, Any]:
     d = dict(PRESETS[opts.model])
-    d.update({"architectures": ["EngramLlamaForCausalLM"], "vocab_size": 129280, "tie_word_embeddings": True,
-              "max_position_embeddings": max(16384, opts.prefill + 16, opts.context + 16), "eos_token_id": 1,
-              "engram_vocab_size": rows_per_col, "engram_compressed_vocab_size": 99092, "engram_pad_token_id": 1})
+    d.update(
+        {
+            "architectures": ["EngramLlamaForCausalLM"],
+            "vocab_size": 129280,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": max(16384, opts.prefill + 16, opts.context + 16),
+            "eos_token_id": 1,
+            "engram_vocab_size": rows_per_col,
+            "engram_compressed_vocab_size": 99092,
+            "engram_pad_token_id": 1,
+        }
+    )
     return d
 
 
@@ -120,7 +187,7 @@ def build(opts: StepOptions, device: Any) -> tuple[Any, Any, Any, dict[str, Any]
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape, device=device, dtype=torch.bfloat16)
         else:
-            weights[name] = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02)
+            weights[name] = torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     lookup = np.random.default_rng(0).integers(0, 99092, size=cfg.vocab_size, dtype=np.int64)
     lookup[1] = 1
     layout = EngramLayout.from_spec(cfg.engram, pad_id=1)
@@ -137,18 +204,22 @@ def build(opts: StepOptions, device: Any) -> tuple[Any, Any, Any, dict[str, Any]
         flat = rows.view(-1)
         for a in range(0, flat.numel(), block.numel()):
             n = min(block.numel(), flat.numel() - a)
-            flat[a:a + n].copy_(block[:n])
+            flat[a : a + n].copy_(block[:n])
         scales = torch.randint(118, 130, (R, cfg.engram.head_dim // 32), dtype=torch.uint8).pin_memory()
         tables.append((rows, scales))
     engram_params = [p for n, p in model.named_parameters() if f".{cfg.engram.prefix}." in n]
-    info = {"params": sum(p.numel() for p in model.parameters()),
-            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            # The Engram layers' own weights (wkv, the gate's norms): the no-Engram step
-            # reads none of them, so its floor must not count them.
-            "engram_params": sum(p.numel() for p in engram_params),
-            "engram_weight_bytes": sum(p.numel() * p.element_size() for p in engram_params),
-            "table_bytes": sum(r.numel() + s.numel() for r, s in tables), "table_rows": [int(r) for r in layout.table_rows],
-            "row_bytes": row_bytes, "cols": cols}
+    info = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        # The Engram layers' own weights (wkv, the gate's norms): the no-Engram step
+        # reads none of them, so its floor must not count them.
+        "engram_params": sum(p.numel() for p in engram_params),
+        "engram_weight_bytes": sum(p.numel() * p.element_size() for p in engram_params),
+        "table_bytes": sum(r.numel() + s.numel() for r, s in tables),
+        "table_rows": [int(r) for r in layout.table_rows],
+        "row_bytes": row_bytes,
+        "cols": cols,
+    }
     return model, layout, tables, info
 
 
@@ -205,14 +276,23 @@ def run(opts: StepOptions) -> int:
         for k, v in zip(cache.keys, cache.values):  # random, not zeros: realistic attention inputs
             k.normal_(0, 1), v.normal_(0, 1)
         ids = rng.integers(2, cfg.vocab_size, size=T)
-        step = PackedStep(torch.from_numpy(ids), lens, [past] * S, list(range(S)),
-                          lookback=torch.from_numpy(model.compress_lookup.cpu().numpy()[rng.integers(2, 1000, size=(S, 3))]),
-                          engram_ids=torch.from_numpy(model.compress_lookup.cpu().numpy()[ids]))
+        step = PackedStep(
+            torch.from_numpy(ids),
+            lens,
+            [past] * S,
+            list(range(S)),
+            lookback=torch.from_numpy(model.compress_lookup.cpu().numpy()[rng.integers(2, 1000, size=(S, 3))]),
+            engram_ids=torch.from_numpy(model.compress_lookup.cpu().numpy()[ids]),
+        )
         cids = step.engram_ids.numpy()
         lb = step.lookback.numpy()
         row: dict[str, Any] = {"tokens": T, "seqs": S}
-        prepared = {mode: _prepare(mode, opts, model, layout, stores, device, cache, step, cids, lb, past, calibrated,
-                                   results, row) for mode in modes}
+        prepared = {
+            mode: _prepare(
+                mode, opts, model, layout, stores, device, cache, step, cids, lb, past, calibrated, results, row
+            )
+            for mode in modes
+        }
         times: dict[str, list[list[float]]] = {mode: [] for mode in modes}
         for r in range(opts.rounds):
             # The modes take turns, their order reversed every other round, so a drift of
@@ -224,9 +304,12 @@ def run(opts: StepOptions) -> int:
             m = prepared[mode]
             m.activate()
             flat = [x for rt in times[mode] for x in rt]
-            entry = {"step_ms": statistics.median(flat) * 1e3, "times_ms": [x * 1e3 for x in flat],
-                     "round_ms": [statistics.median(rt) * 1e3 for rt in times[mode]],
-                     "graphs": None if m.graphs is None else (m.graphs.failed or f"{m.graphs.replays} replays")}
+            entry = {
+                "step_ms": statistics.median(flat) * 1e3,
+                "times_ms": [x * 1e3 for x in flat],
+                "round_ms": [statistics.median(rt) * 1e3 for rt in times[mode]],
+                "graphs": None if m.graphs is None else (m.graphs.failed or f"{m.graphs.replays} replays"),
+            }
             if m.pf is not None and opts.timeline and not (m.graphs is not None and m.graphs.handles_lookup(step)):
                 entry["timeline"] = stepprofile.timeline(m.pf, m.one, device)
             if opts.host_profile:
@@ -302,9 +385,22 @@ class _Mode:
         self.pf = self.graphs = None
 
 
-def _prepare(mode: str, opts: StepOptions, model: Any, layout: Any, stores: dict[str, Any], device: Any,
-             cache: Any, step: Any, cids: Any, lb: Any, past: int, calibrated: dict[str, Any],
-             results: dict[str, Any], row: dict[str, Any]) -> _Mode:
+def _prepare(
+    mode: str,
+    opts: StepOptions,
+    model: Any,
+    layout: Any,
+    stores: dict[str, Any],
+    device: Any,
+    cache: Any,
+    step: Any,
+    cids: Any,
+    lb: Any,
+    past: int,
+    calibrated: dict[str, Any],
+    results: dict[str, Any],
+    row: dict[str, Any],
+) -> _Mode:
     """A mode's prefetcher and decode graphs for one case, and its step as a callable.
     ``activate`` puts the model in the mode's state (its tables, Engram on or off): the
     modes of a case are all prepared first and then timed in turns, and the eager path
@@ -328,10 +424,16 @@ def _prepare(mode: str, opts: StepOptions, model: Any, layout: Any, stores: dict
     if store is not None:
         auto = mode.startswith("pinned-auto")
         policy = None if on_device or auto else (lambda n, m=mode: "host" if m.startswith("pinned-host") else "uva")
-        pf = Prefetcher(layout, store, device, T, gather_policy=policy,
-                        gather_driver=False if mode.endswith("-nodriver") else None,
-                        hbm_scales=False if mode.endswith("-hostscales") else None,
-                        job_staging=False if mode.endswith("-ring") else None)
+        pf = Prefetcher(
+            layout,
+            store,
+            device,
+            T,
+            gather_policy=policy,
+            gather_driver=False if mode.endswith("-nodriver") else None,
+            hbm_scales=False if mode.endswith("-hostscales") else None,
+            job_staging=False if mode.endswith("-ring") else None,
+        )
         results.setdefault("host_layouts", {})[mode] = pf.host_layout
         if auto:  # what a served runtime does: the start-up calibration's choice per size
             if "choice" not in calibrated:
@@ -345,9 +447,16 @@ def _prepare(mode: str, opts: StepOptions, model: Any, layout: Any, stores: dict
         from engram_trt.runtime.cuda_graphs import DecodeGraphs
 
         wait_each_layer, fork_lookup = graph_form(mode)
-        graphs = DecodeGraphs(model, cache, S, scratch_slot=S, tables=model.tables if store is not None else None,
-                              lookup_policy=pf.path_for if pf is not None else None,
-                              wait_each_layer=wait_each_layer, fork_lookup=fork_lookup)
+        graphs = DecodeGraphs(
+            model,
+            cache,
+            S,
+            scratch_slot=S,
+            tables=model.tables if store is not None else None,
+            lookup_policy=pf.path_for if pf is not None else None,
+            wait_each_layer=wait_each_layer,
+            fork_lookup=fork_lookup,
+        )
 
     def one() -> None:
         for s in range(S):
@@ -364,8 +473,9 @@ def _prepare(mode: str, opts: StepOptions, model: Any, layout: Any, stores: dict
     return _Mode(one=one, activate=activate, pf=pf, graphs=graphs)
 
 
-def _bound_ms(info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: list[int], past: int,
-              engram: bool = False) -> float | None:
+def _bound_ms(
+    info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: list[int], past: int, engram: bool = False
+) -> float | None:
     """The step's floor: decode reads every weight once (plus the KV cache it attends
     over); prefill does 2 x params x tokens FLOPs plus causal attention. Without
     ``engram`` the Engram layers' weights are left out (the step that removes them);
@@ -389,15 +499,21 @@ def _bound_ms(info: dict[str, Any], limits: dict[str, float], cfg: Any, lens: li
 
 def _print(results: dict[str, Any], modes: list[str]) -> None:
     lim, info = results["limits"], results["model"]
-    print(f"limits measured now: HBM copy {lim.get('hbm_GBps', 0):.0f} GB/s, bf16 matmul {lim.get('bf16_TFLOPs', 0):.0f} TFLOP/s, "
-          f"pinned H2D {lim.get('h2d_GBps', 0):.1f} GB/s")
+    print(
+        f"limits measured now: HBM copy {lim.get('hbm_GBps', 0):.0f} GB/s, bf16 matmul {lim.get('bf16_TFLOPs', 0):.0f} TFLOP/s, "
+        f"pinned H2D {lim.get('h2d_GBps', 0):.1f} GB/s"
+    )
     if results.get("calibration"):
         print(f"pinned-auto: start-up calibration {results['calibration']}")
     if results.get("host_layouts"):
-        print("host gather's table layout (hbm-scales: the scale bytes read on the GPU): " + ", ".join(
-            f"{m} {v}" for m, v in results["host_layouts"].items() if not m.startswith("device")))
-    print(f"model: {info['params'] / 1e9:.2f}B params ({info['weight_bytes'] / 2**30:.2f} GiB bf16), tables "
-          f"{info['table_bytes'] / 2**30:.2f} GiB ({info['cols']} cols x {info['row_bytes']} B rows per Engram layer)")
+        print(
+            "host gather's table layout (hbm-scales: the scale bytes read on the GPU): "
+            + ", ".join(f"{m} {v}" for m, v in results["host_layouts"].items() if not m.startswith("device"))
+        )
+    print(
+        f"model: {info['params'] / 1e9:.2f}B params ({info['weight_bytes'] / 2**30:.2f} GiB bf16), tables "
+        f"{info['table_bytes'] / 2**30:.2f} GiB ({info['cols']} cols x {info['row_bytes']} B rows per Engram layer)"
+    )
     head = f"{'case':<14}" + "".join(f"{m:>22}" for m in modes) + f"{'baseline/bound':>16}{'floor ratio':>13}"
     print(head)
     for name, row in results["cases"].items():
@@ -408,56 +524,93 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
             cells.append(f"{e['step_ms']:9.3f} ms" + (f" ({r:5.3f}x)" if r is not None else "        "))
         eff = row.get("baseline_efficiency")
         floor = row.get("engram_floor_ratio")
-        print(f"{name:<14}" + "".join(f"{c:>22}" for c in cells) + (f"{1 / eff:>14.2f}x" if eff else f"{'':>16}")
-              + (f"{floor:>12.3f}x" if floor else ""))
+        print(
+            f"{name:<14}"
+            + "".join(f"{c:>22}" for c in cells)
+            + (f"{1 / eff:>14.2f}x" if eff else f"{'':>16}")
+            + (f"{floor:>12.3f}x" if floor else "")
+        )
         if len(row[modes[0]]["round_ms"]) > 1:
-            print("  medians of each round (ms): " + "; ".join(
-                f"{m} " + " ".join(f"{x:.3f}" for x in row[m]["round_ms"]) for m in modes))
+            print(
+                "  medians of each round (ms): "
+                + "; ".join(f"{m} " + " ".join(f"{x:.3f}" for x in row[m]["round_ms"]) for m in modes)
+            )
         for m in modes:
             if row[m].get("ab_round_ratios"):
                 rr = row[m]["ab_round_ratios"]
-                print(f"  A/B {m} / {row[m]['ab_base']} by round: " + " ".join(f"{x:.3f}" for x in rr)
-                      + f" (better in {sum(x < 1 for x in rr)} of {len(rr)}; all steps {row[m]['step_ms'] / row[row[m]['ab_base']]['step_ms']:.3f})")
+                print(
+                    f"  A/B {m} / {row[m]['ab_base']} by round: "
+                    + " ".join(f"{x:.3f}" for x in rr)
+                    + f" (better in {sum(x < 1 for x in rr)} of {len(rr)}; all steps {row[m]['step_ms'] / row[row[m]['ab_base']]['step_ms']:.3f})"
+                )
         host = [f"{m} {row[m]['ratio_to_device']:.3f}x" for m in modes if row[m].get("ratio_to_device")]
         if host:
-            print("  host tables over HBM tables: " + ", ".join(host)
-                  + (f" (pinned-auto took the {row['auto_path']} path)" if row.get("auto_path") else ""))
+            print(
+                "  host tables over HBM tables: "
+                + ", ".join(host)
+                + (f" (pinned-auto took the {row['auto_path']} path)" if row.get("auto_path") else "")
+            )
         for m in modes:
             tl = row[m].get("timeline")
             if tl and tl.get("lookup_ms") is not None:
-                print(f"  {m}: lookup {tl['lookup_ms']:.3f} ms on the side stream, first Engram layer at "
-                      f"{tl['first_engram_layer_ms']:.3f} ms, exposed {tl['exposed_ms']:.3f} ms")
+                print(
+                    f"  {m}: lookup {tl['lookup_ms']:.3f} ms on the side stream, first Engram layer at "
+                    f"{tl['first_engram_layer_ms']:.3f} ms, exposed {tl['exposed_ms']:.3f} ms"
+                )
             if tl and tl.get("submit_us"):
                 su = tl["submit_us"]
-                print(f"    submit on the engine thread: {sum(su.values()):.0f} us (" + ", ".join(
-                    f"{k} {v:.0f}" for k, v in su.items()) + ")")
+                print(
+                    f"    submit on the engine thread: {sum(su.values()):.0f} us ("
+                    + ", ".join(f"{k} {v:.0f}" for k, v in su.items())
+                    + ")"
+                )
             if tl and tl.get("sched"):
                 sc = tl["sched"]
-                print(f"    the step's threads waited {sc['our_wait_ms']:.2f} ms on run queues (one thread at most "
-                      f"{sc['our_max_wait_ms']:.2f} ms); busiest: " + ", ".join(
-                          f"{x['name']}{'*' if x['ours'] else ''} {x['run_ms']:.1f} ms" for x in sc["busiest"][:4]))
+                print(
+                    f"    the step's threads waited {sc['our_wait_ms']:.2f} ms on run queues (one thread at most "
+                    f"{sc['our_max_wait_ms']:.2f} ms); busiest: "
+                    + ", ".join(
+                        f"{x['name']}{'*' if x['ours'] else ''} {x['run_ms']:.1f} ms" for x in sc["busiest"][:4]
+                    )
+                )
             for li, layer in enumerate((tl or {}).get("layers", [])):
                 host = layer["host_gather_ms"]
-                print(f"    layer {li}: main stream at its read {layer['read_ms']:.3f} ms, rows ready {layer['ready_ms']:.3f} ms "
-                      f"(GPU clock)" + ("" if host is None else f"; host gather call {host[0]:.3f}-{host[1]:.3f} ms after submit"))
+                print(
+                    f"    layer {li}: main stream at its read {layer['read_ms']:.3f} ms, rows ready {layer['ready_ms']:.3f} ms "
+                    f"(GPU clock)"
+                    + ("" if host is None else f"; host gather call {host[0]:.3f}-{host[1]:.3f} ms after submit")
+                )
             sp = row[m].get("streams")
             if sp and sp["by_stream"]:
                 main, *side = sp["by_stream"]
-                print(f"  {m}: main stream {main['kernels']} kernels, {main['kernel_busy_us'] / 1e3:.3f} ms busy "
-                      f"({main['kernel_sum_us'] / 1e3:.3f} ms summed), {main['copies']} copies {main['copy_us']:.0f} us"
-                      + "".join(f"; stream {x['stream']}: {x['kernels']} kernels {x['kernel_busy_us']:.0f} us, "
-                                f"{x['copies']} copies {x['copy_us']:.0f} us" for x in side))
+                print(
+                    f"  {m}: main stream {main['kernels']} kernels, {main['kernel_busy_us'] / 1e3:.3f} ms busy "
+                    f"({main['kernel_sum_us'] / 1e3:.3f} ms summed), {main['copies']} copies {main['copy_us']:.0f} us"
+                    + "".join(
+                        f"; stream {x['stream']}: {x['kernels']} kernels {x['kernel_busy_us']:.0f} us, "
+                        f"{x['copies']} copies {x['copy_us']:.0f} us"
+                        for x in side
+                    )
+                )
                 idle = sp.get("main_idle")
                 if idle:
-                    print(f"  {m}: main stream idle within the step ({sp['profiled_step_us']:.0f} us under the profiler): "
-                          f"{idle['lead_us']:.0f} us before its first kernel, {idle['gaps_us']:.0f} us between kernels, "
-                          f"{idle['tail_us']:.0f} us after its last; largest gaps: " + "; ".join(
-                              f"{g['us']:.0f} us after {g['after'][:40]} before {g['before'][:40]}"
-                              for g in idle["largest"][:3]))
+                    print(
+                        f"  {m}: main stream idle within the step ({sp['profiled_step_us']:.0f} us under the profiler): "
+                        f"{idle['lead_us']:.0f} us before its first kernel, {idle['gaps_us']:.0f} us between kernels, "
+                        f"{idle['tail_us']:.0f} us after its last; largest gaps: "
+                        + "; ".join(
+                            f"{g['us']:.0f} us after {g['after'][:40]} before {g['before'][:40]}"
+                            for g in idle["largest"][:3]
+                        )
+                    )
             hp = row[m].get("host_profile")
             if hp:
-                print(f"  {m}: host profile, {hp['wall_us_per_step']:.0f} us a step under cProfile; own time per step: "
-                      + "; ".join(f"{r['function']} {r['own_us']:.0f} us ({r['calls_per_step']:g}x)" for r in hp["top"]))
-    print("ratios: step time / step time with the Engram layers removed; baseline/bound: the no-Engram step over its floor "
-          "(backbone weights + KV read for decode, FLOPs for prefill); floor ratio: the Engram step's floor (its wkv and gate "
-          "weights and staged rows read, or their FLOPs) over the backbone's, the least Engram can cost")
+                print(
+                    f"  {m}: host profile, {hp['wall_us_per_step']:.0f} us a step under cProfile; own time per step: "
+                    + "; ".join(f"{r['function']} {r['own_us']:.0f} us ({r['calls_per_step']:g}x)" for r in hp["top"])
+                )
+    print(
+        "ratios: step time / step time with the Engram layers removed; baseline/bound: the no-Engram step over its floor "
+        "(backbone weights + KV read for decode, FLOPs for prefill); floor ratio: the Engram step's floor (its wkv and gate "
+        "weights and staged rows read, or their FLOPs) over the backbone's, the least Engram can cost"
+    )

@@ -38,8 +38,10 @@ def stream_profile(one: Any, device: Any) -> dict[str, Any]:
             if e.name == STEP_RANGE:
                 step_span = (float(e.time_range.start), float(e.time_range.end))
             continue
-        s = streams.setdefault(int(e.device_resource_id or 0),
-                               {"kernels": 0, "kernel_spans": [], "copy_us": 0.0, "copies": 0, "activity": []})
+        s = streams.setdefault(
+            int(e.device_resource_id or 0),
+            {"kernels": 0, "kernel_spans": [], "copy_us": 0.0, "copies": 0, "activity": []},
+        )
         span = (float(e.time_range.start), float(e.time_range.end))
         s["activity"].append((*span, e.name[:80]))
         if e.name.lower().startswith(("memcpy", "memset")):
@@ -55,7 +57,9 @@ def stream_profile(one: Any, device: Any) -> dict[str, Any]:
         if not out and step_span is not None:  # the main stream
             result["main_idle"] = idle_gaps(activity, *step_span)
             result["profiled_step_us"] = step_span[1] - step_span[0]
-        out.append({"stream": sid, **s, "kernel_busy_us": union_us(spans), "kernel_sum_us": sum(b - a for a, b in spans)})
+        out.append(
+            {"stream": sid, **s, "kernel_busy_us": union_us(spans), "kernel_sum_us": sum(b - a for a, b in spans)}
+        )
     return result
 
 
@@ -80,8 +84,14 @@ def host_profile(one: Any, device: Any, steps: int, top: int = 12) -> dict[str, 
     rows = []
     for (path, line, name), (_, calls, own, cum, _) in stats.items():
         where = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if line else name
-        rows.append({"function": where, "calls_per_step": calls / steps, "own_us": own / steps * 1e6,
-                     "cumulative_us": cum / steps * 1e6})
+        rows.append(
+            {
+                "function": where,
+                "calls_per_step": calls / steps,
+                "own_us": own / steps * 1e6,
+                "cumulative_us": cum / steps * 1e6,
+            }
+        )
     rows.sort(key=lambda r: -r["own_us"])
     return {"steps": steps, "wall_us_per_step": wall / steps * 1e6, "top": rows[:top]}
 
@@ -111,7 +121,11 @@ def timeline(pf: Any, one: Any, device: Any) -> dict[str, float]:
     pf.submit, pf.timing = orig, False
     sched = schedstat_summary(before, thread_schedstats())
     t = {k: start.elapsed_time(captured[k]) for k in ("start_event", "done_event", "wait_event") if k in captured}
-    out = {"lookup_start_ms": t.get("start_event"), "lookup_end_ms": t.get("done_event"), "first_engram_layer_ms": t.get("wait_event")}
+    out = {
+        "lookup_start_ms": t.get("start_event"),
+        "lookup_end_ms": t.get("done_event"),
+        "first_engram_layer_ms": t.get("wait_event"),
+    }
     if None not in out.values():
         out["lookup_ms"] = out["lookup_end_ms"] - out["lookup_start_ms"]
         out["exposed_ms"] = max(0.0, out["lookup_end_ms"] - out["first_engram_layer_ms"])
@@ -125,9 +139,14 @@ def timeline(pf: Any, one: Any, device: Any) -> dict[str, float]:
         # (With the gather driver the host times are the driver thread's, not recorded;
         # "ready" is then when the main stream got past its wait.)
         host = captured.get("layer_host") or [None] * len(captured["layer_done"])
-        out["layers"] = [{"read_ms": start.elapsed_time(w), "ready_ms": start.elapsed_time(d),
-                          "host_gather_ms": None if h is None else [h[0] * 1e3, h[1] * 1e3]}
-                         for w, d, h in zip(captured["layer_waits"], captured["layer_done"], host)]
+        out["layers"] = [
+            {
+                "read_ms": start.elapsed_time(w),
+                "ready_ms": start.elapsed_time(d),
+                "host_gather_ms": None if h is None else [h[0] * 1e3, h[1] * 1e3],
+            }
+            for w, d, h in zip(captured["layer_waits"], captured["layer_done"], host)
+        ]
         # What the main stream waited: each layer's rows past the point where it needed them.
         out["exposed_ms"] = sum(max(0.0, x["ready_ms"] - x["read_ms"]) for x in out["layers"])
     return out
@@ -146,8 +165,14 @@ def trace(model: Any, store: Any, layout: Any, device: Any, path: str, rng: Any)
     cache = model.new_cache(S, past + 2)
     ids = rng.integers(2, model.config.vocab_size, size=S)
     lut = model.compress_lookup.cpu().numpy()
-    step = PackedStep(torch.from_numpy(ids), [1] * S, [past] * S, list(range(S)),
-                      lookback=torch.from_numpy(lut[rng.integers(2, 1000, size=(S, 3))]), engram_ids=torch.from_numpy(lut[ids]))
+    step = PackedStep(
+        torch.from_numpy(ids),
+        [1] * S,
+        [past] * S,
+        list(range(S)),
+        lookback=torch.from_numpy(lut[rng.integers(2, 1000, size=(S, 3))]),
+        engram_ids=torch.from_numpy(lut[ids]),
+    )
     pf = Prefetcher(layout, store, device, S)
     for i in range(4):
         for s in range(S):

@@ -55,12 +55,29 @@ from engram_trt.config.dtypes import require_dtype
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
-from engram_trt.builder.manifest import (MANIFEST_NAME, MANIFEST_VERSION, RepackedTables, TableRef, checkpoint_table_refs,
-                                         foreign_repack_files, hash_tables, repack_tables, sha256_file,
-                                         write_manifest)
+from engram_trt.builder.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    RepackedTables,
+    TableRef,
+    checkpoint_table_refs,
+    foreign_repack_files,
+    hash_tables,
+    repack_tables,
+    sha256_file,
+    write_manifest,
+)
 from engram_trt.models.export import PLUGIN_NAMES, ExportOptions
-from engram_trt.builder.output import (ENGINE_NAME, ONNX_NAME, OUTPUT_NAMES, REPORT_NAME, TOKENIZER_FILE, VOCAB_NAME,
-                                       check_output_is_ours, output_paths)
+from engram_trt.builder.output import (
+    ENGINE_NAME,
+    ONNX_NAME,
+    OUTPUT_NAMES,
+    REPORT_NAME,
+    TOKENIZER_FILE,
+    VOCAB_NAME,
+    check_output_is_ours,
+    output_paths,
+)
 from engram_trt.tables.source import BLOCK_BYTES, check_table_files
 
 log = logging.getLogger(__name__)
@@ -99,14 +116,20 @@ class BuildResult:
         mb = 1024 * 1024
         lines = [f"engine folder: {self.output_dir}"]
         if self.engine_path is not None:
-            lines.append(f"engine: {self.engine_path.name} {self.engine_bytes / mb:.1f} MiB ({self.trt['flavour'] if self.trt else '?'} {self.trt['version'] if self.trt else ''}), "
-                         f"plugin layers: {len(self.plugin_layers)}")
+            lines.append(
+                f"engine: {self.engine_path.name} {self.engine_bytes / mb:.1f} MiB ({self.trt['flavour'] if self.trt else '?'} {self.trt['version'] if self.trt else ''}), "
+                f"plugin layers: {len(self.plugin_layers)}"
+            )
         else:
             lines.append(f"engine: not built ({self.engine_skipped})")
         lines.append(f"graph: {self.onnx_path.name} {self.onnx_bytes / mb:.1f} MiB")
         ratio = f", {self.tables_bytes / self.engine_bytes:.0f}x the engine" if self.engine_bytes else ""
         lines.append(f"tables (outside the engine): {self.tables_bytes / mb:.1f} MiB{ratio}")
-        lines.append(f"build time: {self.build_seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.phase_seconds.items()) + ")")
+        lines.append(
+            f"build time: {self.build_seconds:.1f} s ("
+            + ", ".join(f"{k} {v:.1f} s" for k, v in self.phase_seconds.items())
+            + ")"
+        )
         return "\n".join(lines)
 
 
@@ -174,13 +197,18 @@ def _check_sizes(max_batch: int, max_seq_len: int, max_num_tokens: int, config: 
     if max_batch > MAX_BATCH_LIMIT:
         raise EngramError(f"--max-batch {max_batch} is larger than an engine serves (at most {MAX_BATCH_LIMIT})")
     if max_num_tokens > MAX_TOKENS_PER_STEP:
-        raise EngramError(f"--max-num-tokens {max_num_tokens} exceeds 2^31-1 tokens per step (token counts are int32 in the plugins)")
+        raise EngramError(
+            f"--max-num-tokens {max_num_tokens} exceeds 2^31-1 tokens per step (token counts are int32 in the plugins)"
+        )
     if max_seq_len > config.max_position_embeddings:
-        raise EngramError(f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
+        raise EngramError(
+            f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings={config.max_position_embeddings}"
+        )
 
 
-def optimization_profile_shapes(exported: Any, config: Any, max_batch: int, max_seq_len: int,
-                                max_num_tokens: int) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+def optimization_profile_shapes(
+    exported: Any, config: Any, max_batch: int, max_seq_len: int, max_num_tokens: int
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
     """(min, opt, max) per input of the serving graph: a step packs T in 1..max_num_tokens
     tokens of S in 1..max_batch sequences; the KV caches are fixed, one slot per sequence
     the engine serves at once: [max_batch, kv_heads, max_seq_len, head_dim]. opt is a
@@ -236,9 +264,19 @@ def _plugin_name(t: Any, layer: Any) -> str:
     return f"{core.plugin_name}/{core.plugin_version}"
 
 
-def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Path, max_batch: int, max_seq_len: int,
-                 max_num_tokens: int, targets: Sequence[str], plugin_library: Path | None,
-                 embed_plugin_library: bool) -> tuple[int, list[str]]:
+def build_engine(
+    onnx_path: Path,
+    exported: Any,
+    config: Any,
+    *,
+    engine_path: Path,
+    max_batch: int,
+    max_seq_len: int,
+    max_num_tokens: int,
+    targets: Sequence[str],
+    plugin_library: Path | None,
+    embed_plugin_library: bool,
+) -> tuple[int, list[str]]:
     """Parse ``model.onnx`` into a strongly typed network and build the serialized engine.
     Returns (engine bytes, plugin names of the network's plugin layers)."""
     from engram_trt.native import trt_compat as tc
@@ -250,7 +288,9 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
         registered = {name for name, _ in tc.plugin_creator_names()}
         missing = [n for n in exported.io.get("plugins", PLUGIN_NAMES) if n not in registered]
         if missing:
-            raise EngramError(f"the plugin library '{plugin_library}' registers no creator for {', '.join(missing)}; rebuild it from this source tree (cmake --build build)")
+            raise EngramError(
+                f"the plugin library '{plugin_library}' registers no creator for {', '.join(missing)}; rebuild it from this source tree (cmake --build build)"
+            )
     network = tc.create_network(builder)
     parser = tc.onnx_parser(network)
     tc.parse_onnx_file(parser, onnx_path)
@@ -262,7 +302,9 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
     cfg = builder.create_builder_config()
     tc.enable_aliased_plugin_io(cfg)  # EngramAttention updates the KV caches in place
     profile = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in optimization_profile_shapes(exported, config, max_batch, max_seq_len, max_num_tokens).items():
+    for name, (lo, opt, hi) in optimization_profile_shapes(
+        exported, config, max_batch, max_seq_len, max_num_tokens
+    ).items():
         profile.set_shape(name, lo, opt, hi)
     cfg.add_optimization_profile(profile)
     tc.set_targets(cfg, targets)
@@ -279,13 +321,27 @@ def build_engine(onnx_path: Path, exported: Any, config: Any, *, engine_path: Pa
     return len(data), plugin_layers
 
 
-def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_config: EngramConfig | str | dict | None = None, *,
-          max_batch: int = DEFAULT_MAX_BATCH, max_seq_len: int | None = None, max_num_tokens: int | None = None,
-          dtype: str = "bf16", targets: str | Sequence[str] | None = None, embed_plugin_library: bool = True,
-          plugin_library: str | Path | None = None, repack_tables_dir: str | Path | None = None,
-          build_engine_if_possible: bool = True, progress: bool = True, force: bool = False,
-          table_block_bytes: int = BLOCK_BYTES, allow_unused_weights: bool = False,
-          token_ids_only: bool = False, nonfinite_scan_bytes: int | None = DEFAULT_SCAN_BYTES) -> BuildResult:
+def build(
+    checkpoint: str | Path | Checkpoint,
+    output_dir: str | Path,
+    engram_config: EngramConfig | str | dict | None = None,
+    *,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    max_seq_len: int | None = None,
+    max_num_tokens: int | None = None,
+    dtype: str = "bf16",
+    targets: str | Sequence[str] | None = None,
+    embed_plugin_library: bool = True,
+    plugin_library: str | Path | None = None,
+    repack_tables_dir: str | Path | None = None,
+    build_engine_if_possible: bool = True,
+    progress: bool = True,
+    force: bool = False,
+    table_block_bytes: int = BLOCK_BYTES,
+    allow_unused_weights: bool = False,
+    token_ids_only: bool = False,
+    nonfinite_scan_bytes: int | None = DEFAULT_SCAN_BYTES,
+) -> BuildResult:
     """Build an engine folder from a checkpoint (see the module docstring for the phases
     and for what happens to the files around it).
 
@@ -327,10 +383,12 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
         older = [t for t in target_list if t not in tc.FP8_TARGETS]
         if older:
             ckpt.close()
-            raise EngramError(f"--target {','.join(older)}: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored FP8 "
-                              f"(F8_E4M3), which TensorRT-RTX compiles for {', '.join(tc.FP8_TARGETS)} only; pass "
-                              f"--target {','.join(tc.FP8_TARGETS)} (or leave --target out), or build from the "
-                              f"checkpoint's 16-bit weights for those GPUs")
+            raise EngramError(
+                f"--target {','.join(older)}: tensor {fp8[0]} (and {len(fp8) - 1} more) is stored FP8 "
+                f"(F8_E4M3), which TensorRT-RTX compiles for {', '.join(tc.FP8_TARGETS)} only; pass "
+                f"--target {','.join(tc.FP8_TARGETS)} (or leave --target out), or build from the "
+                f"checkpoint's 16-bit weights for those GPUs"
+            )
         if not target_list and (not tc.available() or tc.load().is_rtx):
             target_list = tc.FP8_TARGETS
             log.info("the checkpoint stores FP8 weights: building for %s", ", ".join(target_list))
@@ -359,19 +417,38 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
         if repack_dir is not None:
             foreign = foreign_repack_files(ckpt, repack_dir)
             if foreign and not force:
-                raise EngramError(f"--repack-tables: '{foreign[0]}' exists and was not written by a re-pack; move it away, choose another folder, or pass --force to replace it")
+                raise EngramError(
+                    f"--repack-tables: '{foreign[0]}' exists and was not written by a re-pack; move it away, choose another folder, or pass --force to replace it"
+                )
         tmp = atomic.temp_sibling(out, "build")
         repacked: list[RepackedTables] = []  # filled by _build_into, committed or discarded here
         phases = _Phases(["check", "vocab", "tables", "export", "engine"], progress)
         try:
-            result = _build_into(tmp, out, ckpt, ecfg, phases, t_start, repacked, dtype=dtype, max_batch=max_batch,
-                                           max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, target_list=target_list,
-                                           embed_plugin_library=embed_plugin_library, plugin_library=plugin_library,
-                                           repack_dir=repack_dir, build_engine_if_possible=build_engine_if_possible,
-                                           progress=progress, table_block_bytes=table_block_bytes)
+            result = _build_into(
+                tmp,
+                out,
+                ckpt,
+                ecfg,
+                phases,
+                t_start,
+                repacked,
+                dtype=dtype,
+                max_batch=max_batch,
+                max_seq_len=max_seq_len,
+                max_num_tokens=max_num_tokens,
+                target_list=target_list,
+                embed_plugin_library=embed_plugin_library,
+                plugin_library=plugin_library,
+                repack_dir=repack_dir,
+                build_engine_if_possible=build_engine_if_possible,
+                progress=progress,
+                table_block_bytes=table_block_bytes,
+            )
             carried = atomic.carry_over(out, tmp, lambda n: n not in replaced and n not in OUTPUT_NAMES)
             if carried:
-                log.info("kept %d file(s) of %s that the build does not write: %s", len(carried), out, ", ".join(carried))
+                log.info(
+                    "kept %d file(s) of %s that the build does not write: %s", len(carried), out, ", ".join(carried)
+                )
             atomic.pause_point("build:commit")
             for r in repacked:
                 r.commit()
@@ -383,15 +460,37 @@ def build(checkpoint: str | Path | Checkpoint, output_dir: str | Path, engram_co
             raise
         finally:
             phases.close()
-    log.info("built %s: engine %s bytes, tables %s bytes outside it, %.1f s", out, result.engine_bytes, result.tables_bytes,
-             result.build_seconds)
+    log.info(
+        "built %s: engine %s bytes, tables %s bytes outside it, %.1f s",
+        out,
+        result.engine_bytes,
+        result.tables_bytes,
+        result.build_seconds,
+    )
     return result
 
 
-def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phases: _Phases, t_start: float,
-                repacked: list[RepackedTables], *, dtype: str, max_batch: int, max_seq_len: int, max_num_tokens: int,
-                target_list: Sequence[str], embed_plugin_library: bool, plugin_library: str | Path | None,
-                repack_dir: Path | None, build_engine_if_possible: bool, progress: bool, table_block_bytes: int) -> BuildResult:
+def _build_into(
+    tmp: Path,
+    out: Path,
+    ckpt: Checkpoint,
+    ecfg: EngramConfig,
+    phases: _Phases,
+    t_start: float,
+    repacked: list[RepackedTables],
+    *,
+    dtype: str,
+    max_batch: int,
+    max_seq_len: int,
+    max_num_tokens: int,
+    target_list: Sequence[str],
+    embed_plugin_library: bool,
+    plugin_library: str | Path | None,
+    repack_dir: Path | None,
+    build_engine_if_possible: bool,
+    progress: bool,
+    table_block_bytes: int,
+) -> BuildResult:
     """The phases, writing every file into ``tmp``; paths in the results name ``out``,
     where ``tmp`` will be swapped in. Re-packed tables (still under temporary names) are
     appended to ``repacked`` for the caller to commit or discard."""
@@ -404,7 +503,9 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
     with phases.phase("check"):
         atomic.pause_point("build:check")
         if spec is not None and ckpt.tokenizer_json is None:
-            raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)")
+            raise EngramError(
+                f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)"
+            )
         arch = ckpt.architecture
         require_valid(ckpt)  # the tensors against the config (table shapes do not depend on the pad id)
         # the tables an architecture holds of its own (Qwen4Exp's PLE), else the Engram tables
@@ -417,7 +518,9 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
             vocab = build_compressed_vocab(ckpt.tokenizer_json)
             check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
             if spec.pad_token_id >= vocab.vocab_size:
-                raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
+                raise EngramError(
+                    f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})"
+                )
             layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
             arch.validate(ckpt, layout)  # the tables against the layout (DeepSeek-V4.1's are checked only here)
             vocab.save(tmp / VOCAB_NAME)
@@ -450,8 +553,13 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         table_rows = tuple(per_layer[i] for i in sorted(per_layer))
     with phases.phase("export"):
         atomic.pause_point("build:export")
-        opts = ExportOptions(dtype=dtype, max_position=max_seq_len, placement=ecfg.placement,
-                             table_dtype=table_dtype, table_rows=table_rows)
+        opts = ExportOptions(
+            dtype=dtype,
+            max_position=max_seq_len,
+            placement=ecfg.placement,
+            table_dtype=table_dtype,
+            table_rows=table_rows,
+        )
         # the weights read tensor by tensor as the graph takes them (stored FP8 / FP4 bytes as they are)
         exported = ckpt.architecture.export_onnx(config, ckpt.lazy(), layout, opts)
         _check_no_tables_in_graph(exported, refs)
@@ -485,9 +593,17 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
             trt_info = tc.describe()
             lib = Path(plugin_info["path"])
             engine_bytes, plugin_layers = build_engine(
-                tmp / ONNX_NAME, exported, config, engine_path=tmp / ENGINE_NAME, max_batch=int(max_batch),
-                max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, targets=target_list, plugin_library=lib,
-                embed_plugin_library=embed_plugin_library)
+                tmp / ONNX_NAME,
+                exported,
+                config,
+                engine_path=tmp / ENGINE_NAME,
+                max_batch=int(max_batch),
+                max_seq_len=max_seq_len,
+                max_num_tokens=max_num_tokens,
+                targets=target_list,
+                plugin_library=lib,
+                embed_plugin_library=embed_plugin_library,
+            )
             _check_engine_size(engine_bytes, tables_bytes, exported, plugin_info if embed_plugin_library else None)
             engine_path = out / ENGINE_NAME
             engine_sha = sha256_file(tmp / ENGINE_NAME)
@@ -497,41 +613,73 @@ def _build_into(tmp: Path, out: Path, ckpt: Checkpoint, ecfg: EngramConfig, phas
         "checkpoint": str(ckpt.path.resolve()),
         "model": config.to_dict(),
         "dtype": dtype,
-        "graph": {"file": ONNX_NAME, "sha256": sha256_file(tmp / ONNX_NAME), "inputs": exported.input_names,
-                  "outputs": exported.output_names, "io": exported.io,
-                  "external_data": [f.name for f in files[1:]]},
+        "graph": {
+            "file": ONNX_NAME,
+            "sha256": sha256_file(tmp / ONNX_NAME),
+            "inputs": exported.input_names,
+            "outputs": exported.output_names,
+            "io": exported.io,
+            "external_data": [f.name for f in files[1:]],
+        },
         "engine": None if engine_path is None else {"file": ENGINE_NAME},
         "shapes": {"max_batch": int(max_batch), "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens},
         "layout": None if layout is None else layout.to_json_dict(),
-        "tokenizer": None if ckpt.tokenizer_json is None else {"file": TOKENIZER_FILE,
-                                                                 "sha256": sha256_file(tmp / TOKENIZER_FILE)},
-        "compressed_vocab": None if vocab is None else {"file": VOCAB_NAME, "size": vocab.size,
-                                                        "tokenizer_sha256": vocab.source_sha256,
-                                                        "sha256": sha256_file(tmp / VOCAB_NAME)},
+        "tokenizer": None
+        if ckpt.tokenizer_json is None
+        else {"file": TOKENIZER_FILE, "sha256": sha256_file(tmp / TOKENIZER_FILE)},
+        "compressed_vocab": None
+        if vocab is None
+        else {
+            "file": VOCAB_NAME,
+            "size": vocab.size,
+            "tokenizer_sha256": vocab.source_sha256,
+            "sha256": sha256_file(tmp / VOCAB_NAME),
+        },
         "token_ids_only": ckpt.tokenizer_json is None,
         "tables": [r.to_json() for r in refs],
         "tables_bytes": tables_bytes,
         "table_dtype": table_dtype,
         "repacked": repack_dir is not None,
-        "plugins": None if plugin_info is None else {
-            "names": list(exported.io["plugins"]), "plugin_version": "1",
-            "library": {"file": plugin_info["file"], "version": plugin_info["version"], "sha256": plugin_info["sha256"],
-                        "path": None if embed_plugin_library else plugin_info["path"]},
+        "plugins": None
+        if plugin_info is None
+        else {
+            "names": list(exported.io["plugins"]),
+            "plugin_version": "1",
+            "library": {
+                "file": plugin_info["file"],
+                "version": plugin_info["version"],
+                "sha256": plugin_info["sha256"],
+                "path": None if embed_plugin_library else plugin_info["path"],
+            },
             "embedded": bool(embed_plugin_library and engine_path is not None),
         },
         "tensorrt": trt_info,
-        "build_flags": {"dtype": dtype, "max_batch": int(max_batch), "max_seq_len": max_seq_len,
-                        "max_num_tokens": max_num_tokens, "targets": list(target_list),
-                        "plugin_library": "embed" if embed_plugin_library else "reference",
-                        "repack_tables": str(repack_dir.resolve()) if repack_dir is not None else None},
+        "build_flags": {
+            "dtype": dtype,
+            "max_batch": int(max_batch),
+            "max_seq_len": max_seq_len,
+            "max_num_tokens": max_num_tokens,
+            "targets": list(target_list),
+            "plugin_library": "embed" if embed_plugin_library else "reference",
+            "repack_tables": str(repack_dir.resolve()) if repack_dir is not None else None,
+        },
         "engram_config": ecfg.to_dict(),
     }
     write_manifest(tmp / MANIFEST_NAME, manifest)
     result = BuildResult(
-        output_dir=out, manifest_path=out / MANIFEST_NAME, onnx_path=out / ONNX_NAME, engine_path=engine_path,
-        engine_bytes=engine_bytes, tables_bytes=tables_bytes, onnx_bytes=onnx_bytes,
-        build_seconds=round(time.perf_counter() - t_start, 3), phase_seconds=dict(phases.seconds), trt=trt_info,
-        plugin_layers=plugin_layers, engine_skipped=skipped)
+        output_dir=out,
+        manifest_path=out / MANIFEST_NAME,
+        onnx_path=out / ONNX_NAME,
+        engine_path=engine_path,
+        engine_bytes=engine_bytes,
+        tables_bytes=tables_bytes,
+        onnx_bytes=onnx_bytes,
+        build_seconds=round(time.perf_counter() - t_start, 3),
+        phase_seconds=dict(phases.seconds),
+        trt=trt_info,
+        plugin_layers=plugin_layers,
+        engine_skipped=skipped,
+    )
     report = result.to_json()
     if engine_sha is not None:
         report["engine_sha256"] = engine_sha
@@ -549,12 +697,16 @@ def _check_tokenizer(ckpt: Checkpoint, token_ids_only: bool) -> None:
         load_tokenizer(ckpt.tokenizer_json)  # one line naming it when it cannot be read
         return
     if ckpt.config.engram is not None:
-        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab "
-                          f"(copy the model's tokenizer.json into it)")
+        raise EngramError(
+            f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab "
+            f"(copy the model's tokenizer.json into it)"
+        )
     if not token_ids_only:
-        raise EngramError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which turns text into tokens: copy "
-                          f"the model's tokenizer.json into it, or pass --token-ids-only to build an engine that is "
-                          f"sent token ids only")
+        raise EngramError(
+            f"checkpoint '{ckpt.path}' has no tokenizer.json, which turns text into tokens: copy "
+            f"the model's tokenizer.json into it, or pass --token-ids-only to build an engine that is "
+            f"sent token ids only"
+        )
 
 
 def _check_no_tables_in_graph(exported: Any, refs: Sequence[TableRef]) -> None:
@@ -579,4 +731,6 @@ def _check_engine_size(engine_bytes: int, tables_bytes: int, exported: Any, plug
     lib = Path(plugin_info["path"]).stat().st_size if plugin_info else 0
     allowance = 2 * exported.initializer_bytes + lib + 64 * 1024 * 1024
     if tables_bytes and engine_bytes > allowance + tables_bytes // 2:
-        raise EngramError(f"internal: the engine ({engine_bytes} bytes) is larger than its backbone, kernels and plugins allow ({allowance} bytes): table bytes may have entered it")
+        raise EngramError(
+            f"internal: the engine ({engine_bytes} bytes) is larger than its backbone, kernels and plugins allow ({allowance} bytes): table bytes may have entered it"
+        )

@@ -26,10 +26,17 @@ from engram_trt.storage import atomic
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, read_safetensors_header
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.errors import EngramError
+
 # The table references and their hashing live with the stores that read them; the
 # builder records what they check.
-from engram_trt.tables.source import (TableRef, checkpoint_table_refs, hash_tables, sha256_file,  # noqa: F401
-                                      sha256_file_region, verify_table_hashes)
+from engram_trt.tables.source import (
+    TableRef,
+    checkpoint_table_refs,
+    hash_tables,
+    sha256_file,  # noqa: F401
+    sha256_file_region,
+    verify_table_hashes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +46,9 @@ REPACK_PRODUCER = "engram-trt repack"
 
 
 # -- re-packing ---------------------------------------------------------------------------
-def _write_safetensors_streamed(path: Path, tensors: Sequence[tuple[str, str, tuple[int, ...], int, Any]]) -> dict[str, tuple[int, int]]:
+def _write_safetensors_streamed(
+    path: Path, tensors: Sequence[tuple[str, str, tuple[int, ...], int, Any]]
+) -> dict[str, tuple[int, int]]:
     """Write a safetensors file whose tensors are produced in chunks (at ``path``: the
     caller's temporary name, renamed into place once the whole build holds).
 
@@ -113,7 +122,10 @@ def foreign_repack_files(ckpt: Checkpoint, out_dir: Path) -> list[Path]:
             continue
         try:
             header, _ = read_safetensors_header(f)
-            ours = isinstance(header.get("__metadata__"), dict) and header["__metadata__"].get("producer") == REPACK_PRODUCER
+            ours = (
+                isinstance(header.get("__metadata__"), dict)
+                and header["__metadata__"].get("producer") == REPACK_PRODUCER
+            )
         except EngramError:
             ours = False
         if not ours:
@@ -121,8 +133,13 @@ def foreign_repack_files(ckpt: Checkpoint, out_dir: Path) -> list[Path]:
     return out
 
 
-def repack_tables(ckpt: Checkpoint, out_dir: str | Path, quant_block: int | None = None, chunk_rows: int = 1 << 16,
-                  progress: bool = True) -> RepackedTables:
+def repack_tables(
+    ckpt: Checkpoint,
+    out_dir: str | Path,
+    quant_block: int | None = None,
+    chunk_rows: int = 1 << 16,
+    progress: bool = True,
+) -> RepackedTables:
     """Write each Engram layer's table for ``out_dir/engram-layer{L}.safetensors`` as FP8
     e4m3 rows + ue8m0 scales (quantizing bf16 tables, copying FP8 ones), streamed in
     chunks of ``chunk_rows`` rows, under temporary names (see :class:`RepackedTables`)."""
@@ -145,14 +162,16 @@ def repack_tables(ckpt: Checkpoint, out_dir: str | Path, quant_block: int | None
             info = ckpt.info(names["table"])
             rows, hd = info.shape
             if hd % block:
-                raise EngramError(f"table {names['table']} rows of width {hd} are not a multiple of the FP8 block {block}")
+                raise EngramError(
+                    f"table {names['table']} rows of width {hd} are not a multiple of the FP8 block {block}"
+                )
             view = ckpt.raw_rows_view(names["table"])
             fp8 = info.itemsize == 1
             scale_view = ckpt.raw_rows_view(names["scale"]) if fp8 else None
 
             def rows_chunks(view: Any = view, fp8: bool = fp8) -> Any:
                 for a in range(0, rows, chunk_rows):
-                    piece = view[a:a + chunk_rows]
+                    piece = view[a : a + chunk_rows]
                     bar.update(piece.nbytes)
                     if fp8:
                         yield piece
@@ -163,17 +182,21 @@ def repack_tables(ckpt: Checkpoint, out_dir: str | Path, quant_block: int | None
             def scale_chunks(view: Any = view, scale_view: Any = scale_view, fp8: bool = fp8) -> Any:
                 for a in range(0, rows, chunk_rows):
                     if fp8:
-                        yield scale_view[a:a + chunk_rows]
+                        yield scale_view[a : a + chunk_rows]
                     else:
-                        _, s = quantize_fp8_rows(torch.from_numpy(view[a:a + chunk_rows].copy()).view(torch.bfloat16).float(), block)
+                        _, s = quantize_fp8_rows(
+                            torch.from_numpy(view[a : a + chunk_rows].copy()).view(torch.bfloat16).float(), block
+                        )
                         yield s.numpy()
 
             final = (out / repacked_name(lid)).resolve()
             atomic.clean_dead_temps(final)
             tmp = atomic.temp_sibling(final, "repack", make_dir=False)
             result.pending.append((tmp, final))
-            specs = [(names["table"], "F8_E4M3", (rows, hd), rows * hd, rows_chunks()),
-                     (names["scale"], "F8_E8M0", (rows, hd // block), rows * (hd // block), scale_chunks())]
+            specs = [
+                (names["table"], "F8_E4M3", (rows, hd), rows * hd, rows_chunks()),
+                (names["scale"], "F8_E8M0", (rows, hd // block), rows * (hd // block), scale_chunks()),
+            ]
             # Scales of a bf16 table come from the same quantization as its rows: compute
             # them in a second pass (cheap next to the I/O) rather than hold them all.
             where = _write_safetensors_streamed(tmp, specs)
@@ -197,13 +220,17 @@ def write_manifest(path: str | Path, manifest: dict[str, Any]) -> Path:
 def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
     p = Path(engine_dir) / MANIFEST_NAME
     if not p.is_file():
-        raise EngramError(f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output {shlex.quote(str(engine_dir))}`)")
+        raise EngramError(
+            f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output {shlex.quote(str(engine_dir))}`)"
+        )
     try:
         data = read_json_object(p, MANIFEST_NAME)
     except EngramError as exc:
         raise EngramError(f"{exc} (the engine folder is damaged; rebuild it)") from None
     if data.get("manifest_version") != MANIFEST_VERSION:
-        raise EngramError(f"{p}: manifest version {str(data.get('manifest_version'))[:20]} is not {MANIFEST_VERSION}; rebuild the engine folder")
+        raise EngramError(
+            f"{p}: manifest version {str(data.get('manifest_version'))[:20]} is not {MANIFEST_VERSION}; rebuild the engine folder"
+        )
     return data
 
 

@@ -33,7 +33,9 @@ TOKENIZER_FILE = "tokenizer.json"  # a copy of the checkpoint's: the engine fold
 OUTPUT_NAMES = (ONNX_NAME, EXTERNAL_DATA_NAME, ENGINE_NAME, VOCAB_NAME, TOKENIZER_FILE, MANIFEST_NAME, REPORT_NAME)
 
 
-def output_paths(output_dir: str | Path, ckpt: Checkpoint, repack_tables_dir: str | Path | None) -> tuple[Path, Path | None]:
+def output_paths(
+    output_dir: str | Path, ckpt: Checkpoint, repack_tables_dir: str | Path | None
+) -> tuple[Path, Path | None]:
     """The output folder and the re-pack folder as absolute paths, refused where a build
     would mix its files with the model's or replace the checkpoint itself."""
     atomic.check_parents(Path(os.path.abspath(Path(output_dir).expanduser())), "--output")
@@ -42,19 +44,29 @@ def output_paths(output_dir: str | Path, ckpt: Checkpoint, repack_tables_dir: st
         raise EngramError(f"--output '{out}' exists and is not a folder; choose a folder path")
     home = checkpoint_boundary(ckpt.path)
     if atomic.is_within(out, home):
-        raise EngramError(f"--output '{out}' is inside the checkpoint folder '{home}': the build's files would mix with the model's; choose a folder outside it")
+        raise EngramError(
+            f"--output '{out}' is inside the checkpoint folder '{home}': the build's files would mix with the model's; choose a folder outside it"
+        )
     if atomic.is_within(home, out):
-        raise EngramError(f"the checkpoint '{home}' lies inside --output '{out}': rebuilding the output folder would move it; choose another --output")
+        raise EngramError(
+            f"the checkpoint '{home}' lies inside --output '{out}': rebuilding the output folder would move it; choose another --output"
+        )
     repack: Path | None = None
     if repack_tables_dir is not None:
         atomic.check_parents(Path(os.path.abspath(Path(repack_tables_dir).expanduser())), "--repack-tables")
         repack = atomic.writable_output(repack_tables_dir, "--repack-tables")
         if repack.exists() and not repack.is_dir():
-            raise EngramError(f"--repack-tables '{repack}' exists and is not a folder; pass a folder for the re-packed tables")
+            raise EngramError(
+                f"--repack-tables '{repack}' exists and is not a folder; pass a folder for the re-packed tables"
+            )
         if atomic.is_within(repack, home):
-            raise EngramError(f"--repack-tables '{repack}' is inside the checkpoint folder '{home}'; choose a folder outside it")
+            raise EngramError(
+                f"--repack-tables '{repack}' is inside the checkpoint folder '{home}'; choose a folder outside it"
+            )
         if atomic.is_within(repack, out):
-            raise EngramError(f"--repack-tables '{repack}' is inside --output '{out}', which a rebuild replaces whole; choose a folder beside it")
+            raise EngramError(
+                f"--repack-tables '{repack}' is inside --output '{out}', which a rebuild replaces whole; choose a folder beside it"
+            )
     return out, repack
 
 
@@ -92,16 +104,22 @@ def check_output_is_ours(out: Path, force: bool, warn: bool = True) -> set[str]:
     if not names:
         return set()
     before = previous_outputs(out)
-    fix = (f"choose a new or empty folder, or pass --force (then {', '.join(OUTPUT_NAMES)} there are replaced "
-           f"and every other file is kept)")
+    fix = (
+        f"choose a new or empty folder, or pass --force (then {', '.join(OUTPUT_NAMES)} there are replaced "
+        f"and every other file is kept)"
+    )
     if before is None:
         if not force:
-            raise EngramError(f"--output '{out}' holds files engram-trt did not write (e.g. {names[0]}) and no manifest of an earlier build; {fix}")
+            raise EngramError(
+                f"--output '{out}' holds files engram-trt did not write (e.g. {names[0]}) and no manifest of an earlier build; {fix}"
+            )
     else:
         clash = [n for n in names if n in OUTPUT_NAMES and n not in before]
         if clash and not force:
-            raise EngramError(f"--output '{out}': {clash[0]} there was not written by the earlier build, and this build writes that name; "
-                              f"move it away, or {fix}")
+            raise EngramError(
+                f"--output '{out}': {clash[0]} there was not written by the earlier build, and this build writes that name; "
+                f"move it away, or {fix}"
+            )
     replaced = [n for n in names if n in OUTPUT_NAMES]
     if force and replaced and warn:
         log.warning("--force: replacing %s in %s", ", ".join(replaced), out)

@@ -81,8 +81,21 @@ from engram_trt.cache.policy import (
 from engram_trt.errors import EngramError
 
 # The policy's names stay importable from here, where they were defined before.
-__all__ = ["DEFAULT_ADMIT_BUDGET", "DEFAULT_CAPACITY_FRACTION", "MAX_STEP_ROWS", "Admission", "CachePolicy",
-           "CacheStats", "CudaTransfer", "HotRowCache", "RowCopy", "StepPlan", "TorchTransfer", "Transfer", "top_rows"]
+__all__ = [
+    "DEFAULT_ADMIT_BUDGET",
+    "DEFAULT_CAPACITY_FRACTION",
+    "MAX_STEP_ROWS",
+    "Admission",
+    "CachePolicy",
+    "CacheStats",
+    "CudaTransfer",
+    "HotRowCache",
+    "RowCopy",
+    "StepPlan",
+    "TorchTransfer",
+    "Transfer",
+    "top_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +117,10 @@ def as_words(rows: Any) -> Any:
     if rows.dtype == torch.bfloat16:
         return rows
     if rows.dtype not in float_row_dtypes() or rows.dim() != 2 or rows.stride(-1) != 1:
-        raise EngramError(f"float cache rows must be 2-D bf16 / f16 / f32 with contiguous rows "
-                          f"(got {rows.dtype} {tuple(rows.shape)} with strides {rows.stride()})")
+        raise EngramError(
+            f"float cache rows must be 2-D bf16 / f16 / f32 with contiguous rows "
+            f"(got {rows.dtype} {tuple(rows.shape)} with strides {rows.stride()})"
+        )
     return rows.view(torch.bfloat16)
 
 
@@ -149,8 +164,13 @@ class CacheStats:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(hit_rate=self.hit_rate, unique_fraction=self.unique_fraction, fetch_fraction=self.fetch_fraction,
-                 bytes_looked_up=self.bytes_looked_up, bytes_fetched=self.bytes_fetched)
+        d.update(
+            hit_rate=self.hit_rate,
+            unique_fraction=self.unique_fraction,
+            fetch_fraction=self.fetch_fraction,
+            bytes_looked_up=self.bytes_looked_up,
+            bytes_fetched=self.bytes_fetched,
+        )
         return d
 
 
@@ -183,9 +203,16 @@ class CudaTransfer:
         self.gatherer.wake()  # the plan's wait follows: the pool wakes beside it, not in the fetch
 
     def fetch(self, ids_cpu: Any, dst_rows: Any, dst_scales: Any, ids_dev: Any = None) -> None:
-        self.gatherer.gather_raw(ids_cpu, self.rows, self.scales, dst_rows=dst_rows, dst_scales=dst_scales,
-                                 quant_block=self.quant_block, layout=self.layout,
-                                 ids_dev=ids_dev if self.layout == "hbm-scales" else None)
+        self.gatherer.gather_raw(
+            ids_cpu,
+            self.rows,
+            self.scales,
+            dst_rows=dst_rows,
+            dst_scales=dst_scales,
+            quant_block=self.quant_block,
+            layout=self.layout,
+            ids_dev=ids_dev if self.layout == "hbm-scales" else None,
+        )
 
     def deliver(self, positions: Any, work_rows: Any, work_scales: Any, out: Any) -> Any:
         from engram_trt.native.cache import DeliverCall, table_key
@@ -215,7 +242,7 @@ class TorchTransfer:
         scales = None
         if self.layout == "inline":
             picked = self.rows[safe]
-            values, scales = picked[:, : self.head_dim], picked[:, self.head_dim:]
+            values, scales = picked[:, : self.head_dim], picked[:, self.head_dim :]
         else:
             values = self.rows[safe]
             if self.layout == "split" and self.scales is not None:
@@ -280,13 +307,31 @@ class HotRowCache:
     :class:`~engram_trt.native.cache.StepCall`). Either gives the same bytes.
     """
 
-    def __init__(self, rows_host: Any, scales_host: Any = None, *, device: Any, capacity_rows: int | None = None,
-                 capacity_fraction: float = DEFAULT_CAPACITY_FRACTION, quant_block: int = 32, gatherer: Any = None,
-                 layout: str = "split", max_step_rows: int = MAX_STEP_ROWS, admit_budget: int | None = None,
-                 sample_factor: int = 4, decay_every: int = 0, admit_every: int = 1, transfer: Transfer | None = None,
-                 seed: int = 0, initial_counts: Any = None, fused: bool | None = None,
-                 whole_step: bool = True, overlap: bool = True, uva_share: float | None = None,
-                 uva_blocks: int | None = None) -> None:
+    def __init__(
+        self,
+        rows_host: Any,
+        scales_host: Any = None,
+        *,
+        device: Any,
+        capacity_rows: int | None = None,
+        capacity_fraction: float = DEFAULT_CAPACITY_FRACTION,
+        quant_block: int = 32,
+        gatherer: Any = None,
+        layout: str = "split",
+        max_step_rows: int = MAX_STEP_ROWS,
+        admit_budget: int | None = None,
+        sample_factor: int = 4,
+        decay_every: int = 0,
+        admit_every: int = 1,
+        transfer: Transfer | None = None,
+        seed: int = 0,
+        initial_counts: Any = None,
+        fused: bool | None = None,
+        whole_step: bool = True,
+        overlap: bool = True,
+        uva_share: float | None = None,
+        uva_blocks: int | None = None,
+    ) -> None:
         import torch
 
         from engram_trt.native.gather import TABLE_FP8_E4M3
@@ -296,8 +341,10 @@ class HotRowCache:
         self.row_dtype = rows_host.dtype if rows_host.dtype in float_row_dtypes() else torch.bfloat16
         if rows_host.dtype in (torch.float16, torch.float32):
             if scales_host is not None or layout != "split":
-                raise EngramError(f"{rows_host.dtype} rows have no scales: pass scales_host=None and layout='split' "
-                                  f"(got scales {'given' if scales_host is not None else 'None'}, layout {layout!r})")
+                raise EngramError(
+                    f"{rows_host.dtype} rows have no scales: pass scales_host=None and layout='split' "
+                    f"(got scales {'given' if scales_host is not None else 'None'}, layout {layout!r})"
+                )
             rows_host = as_words(rows_host)
         dtype, num_rows, head_dim, _ = host_table(rows_host, scales_host, quant_block, layout)
         self.width = head_dim * 2 // self.row_dtype.itemsize if dtype != TABLE_FP8_E4M3 else head_dim
@@ -314,15 +361,25 @@ class HotRowCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if layout == "hbm-scales" and (rows_host.device.type != "cpu" or scales_host.device != self.device):
-            raise EngramError(f"layout 'hbm-scales' keeps the rows in host memory and the scales on the cache's device "
-                              f"{self.device} (got rows on {rows_host.device}, scales on {scales_host.device}): copy "
-                              f"the scales there once, e.g. scales.to('{self.device}')")
+            raise EngramError(
+                f"layout 'hbm-scales' keeps the rows in host memory and the scales on the cache's device "
+                f"{self.device} (got rows on {rows_host.device}, scales on {scales_host.device}): copy "
+                f"the scales there once, e.g. scales.to('{self.device}')"
+            )
         self.head_dim, self.quant_block, self.layout = head_dim, quant_block, layout
         self.fp8 = dtype == TABLE_FP8_E4M3
         self.max_step_rows = int(max_step_rows)
-        self.policy = CachePolicy(num_rows, int(capacity_rows), device=self.device, admit_budget=admit_budget,
-                                  sample_factor=sample_factor, decay_every=decay_every, seed=seed, fused=fused,
-                                  max_step_rows=self.max_step_rows)
+        self.policy = CachePolicy(
+            num_rows,
+            int(capacity_rows),
+            device=self.device,
+            admit_budget=admit_budget,
+            sample_factor=sample_factor,
+            decay_every=decay_every,
+            seed=seed,
+            fused=fused,
+            max_step_rows=self.max_step_rows,
+        )
         capacity = self.policy.capacity
         work = capacity + self.max_step_rows
         self.miss_base = capacity
@@ -336,18 +393,28 @@ class HotRowCache:
             if self.device.type == "cuda":
                 transfer = CudaTransfer(gatherer, rows_host, scales_host, quant_block=quant_block, layout=layout)
             else:
-                transfer = TorchTransfer(rows_host, scales_host, quant_block=quant_block, layout=layout,
-                                         head_dim=head_dim)
+                transfer = TorchTransfer(
+                    rows_host, scales_host, quant_block=quant_block, layout=layout, head_dim=head_dim
+                )
         self.transfer = transfer
         self._whole_step: Any = None  # cache_kernels.StepCall
         if whole_step and self.policy.fused and isinstance(transfer, CudaTransfer):
             from engram_trt.native.cache import StepCall
 
-            self._whole_step = StepCall(policy=self.policy, work_rows=self.work_rows, work_scales=self.work_scales,
-                                        miss_base=self.miss_base, gatherer=transfer.gatherer, rows_host=rows_host,
-                                        scales=scales_host, quant_block=quant_block, layout=layout,
-                                        overlap=overlap, uva_share=uva_share,
-                                        **({} if uva_blocks is None else {"uva_blocks": uva_blocks}))
+            self._whole_step = StepCall(
+                policy=self.policy,
+                work_rows=self.work_rows,
+                work_scales=self.work_scales,
+                miss_base=self.miss_base,
+                gatherer=transfer.gatherer,
+                rows_host=rows_host,
+                scales=scales_host,
+                quant_block=quant_block,
+                layout=layout,
+                overlap=overlap,
+                uva_share=uva_share,
+                **({} if uva_blocks is None else {"uva_blocks": uva_blocks}),
+            )
         self._out_checked: tuple[Any, Any] = (None, None)  # (out, its shape) last checked by the whole step
         row_bytes = head_dim + head_dim // quant_block if self.fp8 else 2 * head_dim
         self._stats = CacheStats(row_bytes=row_bytes)
@@ -361,8 +428,9 @@ class HotRowCache:
         k = int(rows.numel())
         if k:
             extra = {"ids_dev": rows.to(self.device)} if self.layout == "hbm-scales" else {}
-            self.transfer.fetch(rows, self.work_rows[:k], None if self.work_scales is None else self.work_scales[:k],
-                                **extra)
+            self.transfer.fetch(
+                rows, self.work_rows[:k], None if self.work_scales is None else self.work_scales[:k], **extra
+            )
         self._stats.preloaded = k
         return k
 
@@ -383,8 +451,10 @@ class HotRowCache:
             return self._gather_words(ids, out, phase)
         if out is not None:
             if out.dtype != self.row_dtype or out.dim() == 0 or out.stride(-1) != 1:
-                raise EngramError(f"out must be {self.row_dtype} with contiguous rows, as the table "
-                                  f"(got {out.dtype} {tuple(out.shape)})")
+                raise EngramError(
+                    f"out must be {self.row_dtype} with contiguous rows, as the table "
+                    f"(got {out.dtype} {tuple(out.shape)})"
+                )
             out = out.view(torch.bfloat16)
         return self._gather_words(ids, out, phase).view(self.row_dtype)
 
@@ -395,8 +465,10 @@ class HotRowCache:
 
         n = int(ids.numel())
         if n > self.max_step_rows:
-            raise EngramError(f"a step of {n} lookups exceeds this cache's max_step_rows={self.max_step_rows}; "
-                              f"create it with a larger max_step_rows or split the step")
+            raise EngramError(
+                f"a step of {n} lookups exceeds this cache's max_step_rows={self.max_step_rows}; "
+                f"create it with a larger max_step_rows or split the step"
+            )
         if ids.dtype != torch.int32:
             raise EngramError(f"ids must be int32 (got {ids.dtype})")
         policy = self.policy
@@ -410,9 +482,12 @@ class HotRowCache:
                 end = self.miss_base + plan.num_miss
                 # hbm-scales: the miss ids on the device too (the plan's list, ready on the stream)
                 extra = {"ids_dev": plan.miss_rows} if self.layout == "hbm-scales" else {}
-                self.transfer.fetch(plan.miss_rows_host, self.work_rows[self.miss_base:end],
-                                    None if self.work_scales is None else self.work_scales[self.miss_base:end],
-                                    **extra)
+                self.transfer.fetch(
+                    plan.miss_rows_host,
+                    self.work_rows[self.miss_base : end],
+                    None if self.work_scales is None else self.work_scales[self.miss_base : end],
+                    **extra,
+                )
             mark("fetch")
             shape = delivery_shape(ids)
             positions = plan.positions.view(shape)
@@ -458,12 +533,21 @@ class HotRowCache:
 
             check("out", out, (torch.bfloat16,), None)
             if out.numel() != n * self.head_dim or out.device != self.device:
-                raise EngramError(f"out must be bf16 with {n} x {self.head_dim} elements on {self.device} "
-                                  f"(got {tuple(out.shape)} on {out.device})")
+                raise EngramError(
+                    f"out must be bf16 with {n} x {self.head_dim} elements on {self.device} "
+                    f"(got {tuple(out.shape)} on {out.device})"
+                )
             self._out_checked = (out, out.shape)
         hits, num_miss, num_free, aborted, error = self._whole_step(
-            flat, tokens, cols, out, host_ids=policy.host_ids_wanted(n), filled=policy.filled,
-            replace=(policy.steps + 1) % self.admit_every == 0, step=policy.steps + 1)
+            flat,
+            tokens,
+            cols,
+            out,
+            host_ids=policy.host_ids_wanted(n),
+            filled=policy.filled,
+            replace=(policy.steps + 1) % self.admit_every == 0,
+            step=policy.steps + 1,
+        )
         if error is not None:
             if aborted:
                 policy.end_whole_step(num_miss, 0, aborted=True)  # as abort(): counted, nothing admitted

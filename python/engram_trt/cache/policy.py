@@ -103,16 +103,29 @@ class CachePolicy:
     no stamp array: its per-step marks live in the slot map (``cacheKernel.cu``).
     """
 
-    def __init__(self, table_rows: int, capacity_rows: int, *, device: Any = "cpu", admit_budget: int | None = None,
-                 sample_factor: int = 4, decay_every: int = 0, seed: int = 0, fused: bool | None = None,
-                 max_step_rows: int = MAX_STEP_ROWS, initial_counts: Any = None) -> None:
+    def __init__(
+        self,
+        table_rows: int,
+        capacity_rows: int,
+        *,
+        device: Any = "cpu",
+        admit_budget: int | None = None,
+        sample_factor: int = 4,
+        decay_every: int = 0,
+        seed: int = 0,
+        fused: bool | None = None,
+        max_step_rows: int = MAX_STEP_ROWS,
+        initial_counts: Any = None,
+    ) -> None:
         import torch
 
         if table_rows < 1 or not 0 <= capacity_rows <= table_rows:
             raise EngramError(f"cache capacity must be in [0, table_rows={table_rows}] rows (got {capacity_rows})")
         if table_rows >= INT32_MAX or capacity_rows > MAX_SLOTS:
-            raise EngramError(f"table_rows must be below 2^31 - 1 and the capacity at most 2^30 - 1 rows "
-                              f"(got {table_rows}, {capacity_rows})")
+            raise EngramError(
+                f"table_rows must be below 2^31 - 1 and the capacity at most 2^30 - 1 rows "
+                f"(got {table_rows}, {capacity_rows})"
+            )
         if sample_factor < 1 or decay_every < 0:
             raise EngramError(f"sample_factor must be >= 1 and decay_every >= 0 (got {sample_factor}, {decay_every})")
         if max_step_rows < 1:
@@ -157,8 +170,14 @@ class CachePolicy:
             from engram_trt.native.cache import PlanCall
 
             # The plan and admission calls bound to these buffers: checked once, not every step.
-            self._plan_call = PlanCall(table_rows=self.table_rows, slot_of=self.slot_of, counts=self.counts,
-                                       plan=self._plan, positions=self._positions, plan_host=self._plan_host)
+            self._plan_call = PlanCall(
+                table_rows=self.table_rows,
+                slot_of=self.slot_of,
+                counts=self.counts,
+                plan=self._plan,
+                positions=self._positions,
+                plan_host=self._plan_host,
+            )
             self._admit_call: Any = None
             self._views: dict[int, tuple[Any, Any]] = {}  # step size -> (staged ids, positions): views made once
         if initial_counts is not None:
@@ -189,8 +208,9 @@ class CachePolicy:
             raise EngramError("warm_start needs a fresh cache (no step served, no slot filled)")
         c = counts.cpu().numpy() if isinstance(counts, torch.Tensor) else np.asarray(counts)
         if c.shape != (self.table_rows,) or c.dtype.kind not in "iu":
-            raise EngramError(f"initial counts must be integers [table_rows] = [{self.table_rows}] "
-                              f"(got {c.dtype} {c.shape})")
+            raise EngramError(
+                f"initial counts must be integers [table_rows] = [{self.table_rows}] (got {c.dtype} {c.shape})"
+            )
         if c.size and int(c.min()) < 0:
             raise EngramError("initial counts must be >= 0")
         c32 = np.minimum(c, INT32_MAX).astype(np.int32)
@@ -206,8 +226,14 @@ class CachePolicy:
 
     # --- a step ----------------------------------------------------------------------
 
-    def plan(self, ids: Any, miss_base: int | None = None, *, miss_order: Any = None,
-             on_enqueued: Callable[[], Any] | None = None) -> StepPlan:
+    def plan(
+        self,
+        ids: Any,
+        miss_base: int | None = None,
+        *,
+        miss_order: Any = None,
+        on_enqueued: Callable[[], Any] | None = None,
+    ) -> StepPlan:
         """De-duplicate a step's int32 ids (any shape; CPU or the policy's device), count
         their lookups, resolve the distinct rows against the slot map and place the
         misses at work-table rows ``miss_base`` (default: the capacity) onward.
@@ -244,8 +270,15 @@ class CachePolicy:
         if self._pending is not None:
             raise EngramError("the previous step's plan is not finished: call finish() (or abort()) first")
 
-    def finish(self, plan: StepPlan, *, replace: bool = True, work_rows: Any = None, work_scales: Any = None,
-               admit: bool = True) -> list[RowCopy]:
+    def finish(
+        self,
+        plan: StepPlan,
+        *,
+        replace: bool = True,
+        work_rows: Any = None,
+        work_scales: Any = None,
+        admit: bool = True,
+    ) -> list[RowCopy]:
         """End a step (after its rows were delivered from the work table): age the counts
         every ``decay_every`` steps, then admit: misses fill free slots, and with
         ``replace`` up to ``admit_budget`` of them try to replace colder rows. With
@@ -293,8 +326,14 @@ class CachePolicy:
         # window of budget * factor slots from a random offset).
         factor = max(1, min(self.sample_factor, self.capacity // budget))
         first = admission_draw(self.seed, self.steps, 1) % self.capacity
-        return Admission(num_free=free, num_candidates=budget, candidate_start=start, candidate_stride=left // budget,
-                         sample_first=first, sample_factor=factor)
+        return Admission(
+            num_free=free,
+            num_candidates=budget,
+            candidate_start=start,
+            candidate_stride=left // budget,
+            sample_first=first,
+            sample_factor=factor,
+        )
 
     # --- fused (CUDA kernels) ----------------------------------------------------------
 
@@ -350,12 +389,18 @@ class CachePolicy:
         stream.synchronize()  # the step's one wait: hit and miss counts, and (usually) every miss id
         hits, num_miss = int(self._plan_host_np[0]), int(self._plan_host_np[1])
         if num_miss > want:  # more misses than expected: fetch the rest of the list
-            self._plan_host[2 + want: 2 + num_miss].copy_(self._plan[2 + want: 2 + num_miss], non_blocking=True)
+            self._plan_host[2 + want : 2 + num_miss].copy_(self._plan[2 + want : 2 + num_miss], non_blocking=True)
             stream.synchronize()
         self._expect(num_miss)
-        return StepPlan(positions=positions, miss_rows=self._plan[2: 2 + num_miss],
-                        miss_rows_host=self._plan_host[2: 2 + num_miss], miss_base=miss_base, num_lookups=n,
-                        num_unique=hits + num_miss, num_miss=num_miss)
+        return StepPlan(
+            positions=positions,
+            miss_rows=self._plan[2 : 2 + num_miss],
+            miss_rows_host=self._plan_host[2 : 2 + num_miss],
+            miss_base=miss_base,
+            num_lookups=n,
+            num_unique=hits + num_miss,
+            num_miss=num_miss,
+        )
 
     def _finish_fused(self, plan: StepPlan, adm: Admission, work_rows: Any, work_scales: Any) -> None:
         from engram_trt.native.cache import AdmitCall, table_key
@@ -363,19 +408,39 @@ class CachePolicy:
         if plan.num_miss == 0:
             return  # nothing was marked that the admission would restore
         if self._admit_call is None or self._admit_call.key != table_key(work_rows, work_scales):  # once per table
-            self._admit_call = AdmitCall(slot_of=self.slot_of, row_of_slot=self.row_of_slot, counts=self.counts,
-                                         work_rows=work_rows, work_scales=work_scales, replaced=self._replaced)
-        self._admit_call(plan.miss_rows, num_free=adm.num_free, filled=self.filled, capacity=self.capacity,
-                         num_candidates=adm.num_candidates, candidate_start=adm.candidate_start,
-                         candidate_stride=adm.candidate_stride, sample_first=adm.sample_first,
-                         sample_factor=adm.sample_factor, miss_base=plan.miss_base)
+            self._admit_call = AdmitCall(
+                slot_of=self.slot_of,
+                row_of_slot=self.row_of_slot,
+                counts=self.counts,
+                work_rows=work_rows,
+                work_scales=work_scales,
+                replaced=self._replaced,
+            )
+        self._admit_call(
+            plan.miss_rows,
+            num_free=adm.num_free,
+            filled=self.filled,
+            capacity=self.capacity,
+            num_candidates=adm.num_candidates,
+            candidate_start=adm.candidate_start,
+            candidate_stride=adm.candidate_stride,
+            sample_first=adm.sample_first,
+            sample_factor=adm.sample_factor,
+            miss_base=plan.miss_base,
+        )
 
     # --- checks ------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
         """The policy's state on the CPU (for comparisons; syncs)."""
-        return {"slot_of": self.slot_of.cpu(), "row_of_slot": self.row_of_slot.cpu(), "counts": self.counts.cpu(),
-                "filled": self.filled, "evicted": self.evicted, "steps": self.steps}
+        return {
+            "slot_of": self.slot_of.cpu(),
+            "row_of_slot": self.row_of_slot.cpu(),
+            "counts": self.counts.cpu(),
+            "filled": self.filled,
+            "evicted": self.evicted,
+            "steps": self.steps,
+        }
 
     def check_invariants(self) -> None:
         """Slot map and slot table agree, and no step is half done (for tests; syncs)."""
@@ -389,8 +454,9 @@ class CachePolicy:
         filled = self.row_of_slot[: self.filled].to(torch.int64)
         if self.filled and not bool((filled >= 0).all()):
             raise AssertionError("a filled slot holds no row")
-        if self.filled and not torch.equal(self.slot_of[filled].to(torch.int64),
-                                           torch.arange(self.filled, device=self.device)):
+        if self.filled and not torch.equal(
+            self.slot_of[filled].to(torch.int64), torch.arange(self.filled, device=self.device)
+        ):
             raise AssertionError("slot_of[row_of_slot[s]] != s")
         if int((self.slot_of >= 0).sum()) != self.filled:
             raise AssertionError("rows mapped to slots != filled slots")

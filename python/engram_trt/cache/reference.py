@@ -37,8 +37,15 @@ def plan_reference(policy: Any, ids: Any, miss_base: int, miss_order: Any = None
         miss_index = order_misses(policy, uniq, slot, num_miss, miss_order)
     slot[miss_index] = torch.arange(miss_base, miss_base + num_miss, dtype=torch.int32, device=policy.device)
     miss_rows = uniq[miss_index].to(torch.int32)
-    return StepPlan(positions=slot[inverse].to(torch.int32), miss_rows=miss_rows, miss_rows_host=miss_rows.cpu(),
-                    miss_base=miss_base, num_lookups=n, num_unique=int(uniq.numel()), num_miss=num_miss)
+    return StepPlan(
+        positions=slot[inverse].to(torch.int32),
+        miss_rows=miss_rows,
+        miss_rows_host=miss_rows.cpu(),
+        miss_base=miss_base,
+        num_lookups=n,
+        num_unique=int(uniq.numel()),
+        num_miss=num_miss,
+    )
 
 
 def order_misses(policy: Any, uniq: Any, slot: Any, num_miss: int, miss_order: Any) -> Any:
@@ -48,12 +55,19 @@ def order_misses(policy: Any, uniq: Any, slot: Any, num_miss: int, miss_order: A
 
     order = torch.as_tensor(miss_order).reshape(-1).to(device=policy.device, dtype=torch.int64)
     at = torch.searchsorted(uniq, order).clamp(max=max(int(uniq.numel()) - 1, 0))
-    ok = int(order.numel()) == num_miss and (num_miss == 0 or (
-        bool((uniq[at] == order).all()) and bool((slot[at] < 0).all())
-        and int(torch.unique(order).numel()) == num_miss))
+    ok = int(order.numel()) == num_miss and (
+        num_miss == 0
+        or (
+            bool((uniq[at] == order).all())
+            and bool((slot[at] < 0).all())
+            and int(torch.unique(order).numel()) == num_miss
+        )
+    )
     if not ok:
-        raise EngramError(f"miss_order must be a permutation of the step's {num_miss} misses "
-                          f"(got {int(order.numel())} rows that are not)")
+        raise EngramError(
+            f"miss_order must be a permutation of the step's {num_miss} misses "
+            f"(got {int(order.numel())} rows that are not)"
+        )
     return at
 
 

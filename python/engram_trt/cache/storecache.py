@@ -56,7 +56,9 @@ def cache_skip_reason(store: TableStore, layer_idx: int, device: torch.device) -
         return f"its rows are {dtype} (the cache serves bf16 / f16 / f32 rows, or FP8 with scales)"
     row_bytes = store.head_dim(layer_idx) * (1 if fp8 else dtype.itemsize)
     if device.type == "cuda" and row_bytes % 16:
-        return f"its {row_bytes}-byte rows are not whole 16-byte vectors (what the host gather and the gather kernel copy)"
+        return (
+            f"its {row_bytes}-byte rows are not whole 16-byte vectors (what the host gather and the gather kernel copy)"
+        )
     return None
 
 
@@ -97,14 +99,22 @@ class CachedStoreGather:
     ``cache_options``: further :class:`HotRowCache` arguments (``admit_budget``,
     ``sample_factor``, ``admit_every``, ``seed``, ``fused``, ``whole_step``, ...)."""
 
-    def __init__(self, store: TableStore, device: Any = "cpu", *,
-                 capacity_fraction: float = DEFAULT_CAPACITY_FRACTION, max_step_rows: int = DEFAULT_STEP_ROWS,
-                 **cache_options: Any) -> None:
+    def __init__(
+        self,
+        store: TableStore,
+        device: Any = "cpu",
+        *,
+        capacity_fraction: float = DEFAULT_CAPACITY_FRACTION,
+        max_step_rows: int = DEFAULT_STEP_ROWS,
+        **cache_options: Any,
+    ) -> None:
         if not 0.0 <= capacity_fraction <= 1.0:
             raise EngramError(f"capacity_fraction must be in [0, 1] (got {capacity_fraction})")
         if cache_options.get("decay_every"):
-            raise EngramError("decay_every is not offered for a store's cache: halving the counts could hide the "
-                              "bad-id count check_bad_rows reads; leave it 0")
+            raise EngramError(
+                "decay_every is not offered for a store's cache: halving the counts could hide the "
+                "bad-id count check_bad_rows reads; leave it 0"
+            )
         for key in ("transfer", "gatherer", "layout", "quant_block", "device", "capacity_rows"):
             if key in cache_options:
                 raise EngramError(f"{key} is set by the store's cache itself; drop it from the cache options")
@@ -129,8 +139,13 @@ class CachedStoreGather:
 
     def _cache_for(self, layer_idx: int, fraction: float, options: dict[str, Any]) -> HotRowCache:
         store = self.store
-        common = dict(device=self.device, capacity_rows=int(fraction * store.num_rows(layer_idx)),
-                      quant_block=store.quant_block, max_step_rows=self.max_step_rows, **options)
+        common = dict(
+            device=self.device,
+            capacity_rows=int(fraction * store.num_rows(layer_idx)),
+            quant_block=store.quant_block,
+            max_step_rows=self.max_step_rows,
+            **options,
+        )
         if len(store.regions(layer_idx)) > 1:
             return self._parted_cache(layer_idx, common)
         rows, scales = store.tensors(layer_idx)
@@ -158,7 +173,9 @@ class CachedStoreGather:
         return self._gatherer
 
     # -- the StoreGather interface ---------------------------------------------------
-    def gather(self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows ``ids`` (int, any shape) of layer ``layer_idx``: ``[*ids.shape, head_dim]``
         on this gather's device, in the stored dtype (FP8 dequantized to bf16), the same
         bytes as :meth:`StoreGather.gather`. ``checked`` as there (False: a bad id reads
@@ -175,8 +192,10 @@ class CachedStoreGather:
         if out is None:
             out = torch.empty((n, width), dtype=cache.row_dtype, device=self.device)
         elif out.numel() != n * width or out.dtype != cache.row_dtype or out.device != self.device:
-            raise EngramError(f"out must hold {n} x {width} {cache.row_dtype} on {self.device} "
-                              f"(got {out.dtype} {tuple(out.shape)} on {out.device})")
+            raise EngramError(
+                f"out must hold {n} x {width} {cache.row_dtype} on {self.device} "
+                f"(got {out.dtype} {tuple(out.shape)} on {out.device})"
+            )
         rows = out.view(n, width)
         for a in range(0, n, self.max_step_rows):
             b = min(n, a + self.max_step_rows)
@@ -192,8 +211,10 @@ class CachedStoreGather:
                 continue
             bad = int(cache.policy.counts[cache.policy.sentinel])
             if bad:
-                raise EngramError(f"{bad} gathered row id(s) were outside table {i}: the table does not cover the "
-                                  f"hash layout (rows read as zeros)")
+                raise EngramError(
+                    f"{bad} gathered row id(s) were outside table {i}: the table does not cover the "
+                    f"hash layout (rows read as zeros)"
+                )
 
     def stats(self) -> list[dict[str, Any] | None]:
         """Per layer, its cache's counters (:class:`~.hotcache.CacheStats` as a dict), or None."""

@@ -45,9 +45,18 @@ import numpy as np
 import torch
 
 # Re-exported: callers import the file-level pieces from here too.
-from engram_trt.checkpoint.files import (BF16_TABLE_DTYPES, FP8_SCALE_DTYPES, FP8_TABLE_DTYPES, MAX_HEADER_BYTES,  # noqa: F401
-                                         ST_DTYPES, TensorInfo, _tensor_infos, checkpoint_boundary, confined_file,
-                                         read_safetensors_header)
+from engram_trt.checkpoint.files import (
+    BF16_TABLE_DTYPES,
+    FP8_SCALE_DTYPES,
+    FP8_TABLE_DTYPES,
+    MAX_HEADER_BYTES,  # noqa: F401
+    ST_DTYPES,
+    TensorInfo,
+    _tensor_infos,
+    checkpoint_boundary,
+    confined_file,
+    read_safetensors_header,
+)
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.model import ArchitectureConfig, ModelConfig, read_config_dict
 from engram_trt.errors import CheckpointError, ConfigError, EngramError
@@ -94,8 +103,14 @@ class Checkpoint:
     :meth:`get_rows` through a read-only ``mmap`` of the shard file.
     """
 
-    def __init__(self, path: Path, config: ArchitectureConfig, config_dict: dict[str, Any],
-                 infos: dict[str, TensorInfo], tokenizer_json: Path | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: ArchitectureConfig,
+        config_dict: dict[str, Any],
+        infos: dict[str, TensorInfo],
+        tokenizer_json: Path | None,
+    ) -> None:
         self.path = path
         self.config = config
         self.architecture: Any = None  # the registry's entry, set by models.registry.open_checkpoint
@@ -107,8 +122,9 @@ class Checkpoint:
 
     # -- opening -----------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | Path,
-             config_reader: Callable[[dict[str, Any], str], ArchitectureConfig] | None = None) -> "Checkpoint":
+    def open(
+        cls, path: str | Path, config_reader: Callable[[dict[str, Any], str], ArchitectureConfig] | None = None
+    ) -> "Checkpoint":
         """Open a checkpoint folder; refuse an incomplete one with the file and the fix.
 
         ``config_reader`` turns config.json into the typed config; the model registry
@@ -117,13 +133,18 @@ class Checkpoint:
         engram-llama's, unchecked against an architecture: for tools below the registry."""
         root = Path(path).expanduser()
         if root.exists() and not root.is_dir():
-            raise CheckpointError(f"'{root}' is a file, not a checkpoint folder (pass the folder holding config.json and "
-                                  f"*.safetensors)")
+            raise CheckpointError(
+                f"'{root}' is a file, not a checkpoint folder (pass the folder holding config.json and *.safetensors)"
+            )
         if not root.is_dir():
-            raise CheckpointError(f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, or make one with `engram-trt demo-checkpoint OUT`)")
+            raise CheckpointError(
+                f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, or make one with `engram-trt demo-checkpoint OUT`)"
+            )
         cfg_file = root / CONFIG_NAME
         if not cfg_file.is_file():
-            raise CheckpointError(f"checkpoint '{root}' has no {CONFIG_NAME} (copy the model's config.json into the folder)")
+            raise CheckpointError(
+                f"checkpoint '{root}' has no {CONFIG_NAME} (copy the model's config.json into the folder)"
+            )
         confined_file(root, CONFIG_NAME, CONFIG_NAME)
         config_dict, src = read_config_dict(cfg_file)
         config = (config_reader or ModelConfig.from_dict)(config_dict, src)
@@ -134,11 +155,15 @@ class Checkpoint:
             if expected is not None:
                 missing = sorted(set(expected) - set(found), key=natural_key)
                 if missing:
-                    raise CheckpointError(f"shard '{shard}' lacks tensor '{missing[0]}' that {INDEX_NAME} assigns to it ({len(missing)} missing): the shard is stale or the index is wrong; re-copy the checkpoint")
+                    raise CheckpointError(
+                        f"shard '{shard}' lacks tensor '{missing[0]}' that {INDEX_NAME} assigns to it ({len(missing)} missing): the shard is stale or the index is wrong; re-copy the checkpoint"
+                    )
                 found = {k: v for k, v in found.items() if k in expected}
             for name, info in found.items():
                 if name in infos:
-                    raise CheckpointError(f"tensor '{name}' appears in both '{infos[name].file.name}' and '{shard.name}' (keep one copy; fix {INDEX_NAME})")
+                    raise CheckpointError(
+                        f"tensor '{name}' appears in both '{infos[name].file.name}' and '{shard.name}' (keep one copy; fix {INDEX_NAME})"
+                    )
                 infos[name] = info
         tok = root / TOKENIZER_NAME
         if tok.is_file():
@@ -158,7 +183,9 @@ class Checkpoint:
                 raise CheckpointError(f"{exc} (re-copy {INDEX_NAME})") from None
             weight_map = data.get("weight_map")
             if not isinstance(weight_map, dict):
-                raise CheckpointError(f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object); re-copy it")
+                raise CheckpointError(
+                    f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' object); re-copy it"
+                )
             if not weight_map:
                 raise CheckpointError(f"{index}: 'weight_map' is empty (expected tensor name -> shard file)")
             by_file: dict[Path, set[str]] = {}
@@ -166,15 +193,21 @@ class Checkpoint:
                 by_file.setdefault(confined_file(root, fname, f"{index.name} entry for '{name[:80]}'"), set()).add(name)
             for f in sorted(by_file, key=lambda p: natural_key(p.name)):
                 if not f.is_file():
-                    raise CheckpointError(f"checkpoint '{root}' is missing shard '{f.name}' named in {INDEX_NAME} ({len(by_file[f])} tensors live there): copy the missing file into the folder or re-download the checkpoint")
+                    raise CheckpointError(
+                        f"checkpoint '{root}' is missing shard '{f.name}' named in {INDEX_NAME} ({len(by_file[f])} tensors live there): copy the missing file into the folder or re-download the checkpoint"
+                    )
             return dict(by_file)
         single = root / SINGLE_NAME
         if single.is_file():
             return {confined_file(root, SINGLE_NAME, SINGLE_NAME): None}
         stray = sorted(root.glob("*.safetensors"))
         if stray:
-            raise CheckpointError(f"checkpoint '{root}' has {stray[0].name} but no {INDEX_NAME} (add the index that maps tensor names to shards)")
-        raise CheckpointError(f"checkpoint '{root}' holds no weights (expected {INDEX_NAME} with its shards, or {SINGLE_NAME})")
+            raise CheckpointError(
+                f"checkpoint '{root}' has {stray[0].name} but no {INDEX_NAME} (add the index that maps tensor names to shards)"
+            )
+        raise CheckpointError(
+            f"checkpoint '{root}' holds no weights (expected {INDEX_NAME} with its shards, or {SINGLE_NAME})"
+        )
 
     # -- metadata (lazy) ---------------------------------------------------------
     def tensor_names(self) -> list[str]:
@@ -187,7 +220,9 @@ class Checkpoint:
         try:
             return self._infos[name]
         except KeyError:
-            raise CheckpointError(f"checkpoint '{self.path}' has no tensor '{name}' (the checkpoint does not match its config.json)") from None
+            raise CheckpointError(
+                f"checkpoint '{self.path}' has no tensor '{name}' (the checkpoint does not match its config.json)"
+            ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the shard header (``safe_open(...).get_slice``): no data is read."""
@@ -220,7 +255,9 @@ class Checkpoint:
             try:
                 h = safe_open(str(file), framework="pt", device="cpu")
             except Exception as exc:  # the library's own refusal (SafetensorError, OSError)
-                raise CheckpointError(f"{file}: the safetensors library cannot open it ({str(exc).splitlines()[0][:200]}); the file is damaged, re-copy it") from None
+                raise CheckpointError(
+                    f"{file}: the safetensors library cannot open it ({str(exc).splitlines()[0][:200]}); the file is damaged, re-copy it"
+                ) from None
             self._handles[file] = h
         return h
 
@@ -262,11 +299,13 @@ class Checkpoint:
         file-backed map (the page cache serves it; nothing is copied)."""
         info = self.info(name)
         if len(info.shape) < 1 or info.shape[0] == 0:
-            raise CheckpointError(f"tensor '{name}' has shape {list(info.shape)}: rows can only be read from a tensor with a leading row dimension")
+            raise CheckpointError(
+                f"tensor '{name}' has shape {list(info.shape)}: rows can only be read from a tensor with a leading row dimension"
+            )
         rows = info.shape[0]
         row_bytes = info.nbytes // rows
         buf = self._file_bytes(info.file)
-        return buf[info.data_offset:info.data_offset + info.nbytes].reshape(rows, row_bytes)
+        return buf[info.data_offset : info.data_offset + info.nbytes].reshape(rows, row_bytes)
 
     def get_rows(self, name: str, row_ids: Any) -> torch.Tensor:
         """Rows ``row_ids`` (any int shape) of a tensor: ``[*row_ids.shape, *shape[1:]]``
@@ -278,7 +317,9 @@ class Checkpoint:
         if ids.size:
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= view.shape[0]:
-                raise EngramError(f"row id {lo if lo < 0 else hi} is outside tensor '{name}' (rows 0..{view.shape[0] - 1})")
+                raise EngramError(
+                    f"row id {lo if lo < 0 else hi} is outside tensor '{name}' (rows 0..{view.shape[0] - 1})"
+                )
         picked = np.take(view, ids.reshape(-1), axis=0)  # copies only the rows asked for
         t = torch.from_numpy(picked)
         if info.torch_dtype != torch.uint8:
@@ -358,9 +399,14 @@ def is_checkpoint_file_name(name: str) -> bool:
     return name in CHECKPOINT_FILE_NAMES or bool(SHARD_RE.match(name))
 
 
-def write_checkpoint(out_dir: str | Path, config_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                     tokenizer_json: str | Path | None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                     overwrite: bool = False) -> Path:
+def write_checkpoint(
+    out_dir: str | Path,
+    config_dict: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    tokenizer_json: str | Path | None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
     """Write an HF-style checkpoint folder; the same inputs give byte-identical files.
 
     Tensors are ordered by :func:`natural_key` and packed greedily into shards of at
@@ -382,7 +428,9 @@ def write_checkpoint(out_dir: str | Path, config_dict: Mapping[str, Any], tensor
     if out.is_dir() and not overwrite:
         present = sorted(p.name for p in out.iterdir() if is_checkpoint_file_name(p.name))
         if present:
-            raise CheckpointError(f"'{out}' already holds a checkpoint ({present[0]}, ...): writing into it would replace its files; choose an empty folder (or pass overwrite=True)")
+            raise CheckpointError(
+                f"'{out}' already holds a checkpoint ({present[0]}, ...): writing into it would replace its files; choose an empty folder (or pass overwrite=True)"
+            )
     out.mkdir(parents=True, exist_ok=True)
     ModelConfig.from_dict(dict(config_dict), source="config to write")  # refuse a bad config before writing
     names = sorted(tensors, key=natural_key)
@@ -453,8 +501,14 @@ def module_of(weight_name: str) -> str:
     return weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
 
 
-def fp8_weight_problem(ckpt: Any, name: str, shape: tuple[int, ...], quant: Any, scale_name: str | None = None,
-                       scale_shape: tuple[int, ...] | None = None) -> str | None:
+def fp8_weight_problem(
+    ckpt: Any,
+    name: str,
+    shape: tuple[int, ...],
+    quant: Any,
+    scale_name: str | None = None,
+    scale_shape: tuple[int, ...] | None = None,
+) -> str | None:
     """The problem (one line naming the tensor; None if none) of a linear weight ``name``
     stored F8_E4M3 whose logical shape is ``shape`` ``[..., N, K]``: the config must declare
     FP8 (``quant``), must not list the module in ``modules_to_not_convert``, and its block
@@ -467,21 +521,27 @@ def fp8_weight_problem(ckpt: Any, name: str, shape: tuple[int, ...], quant: Any,
 
     st = ckpt.st_dtype(name)
     if quant is None:
-        return (f"tensor {name} is {st} but config.json declares no quantization_config (an FP8 checkpoint's config "
-                f"carries quantization_config with quant_method \"fp8\" and its weight_block_size); restore it, or "
-                f"serve the 16-bit weights")
+        return (
+            f"tensor {name} is {st} but config.json declares no quantization_config (an FP8 checkpoint's config "
+            f"carries quantization_config with quant_method \"fp8\" and its weight_block_size); restore it, or "
+            f"serve the 16-bit weights"
+        )
     module = module_of(name)
     listed = listed_not_to_convert(module, quant)
     if listed is not None:
-        return (f"tensor {name} is {st} but quantization_config.modules_to_not_convert lists {module} (as "
-                f"{listed!r}: kept in 16 bits): the checkpoint and its config disagree; fix the list or the tensor")
+        return (
+            f"tensor {name} is {st} but quantization_config.modules_to_not_convert lists {module} (as "
+            f"{listed!r}: kept in 16 bits): the checkpoint and its config disagree; fix the list or the tensor"
+        )
     if scale_name is None:
         scale_name = find_scale(name, ckpt)
     if scale_name is None or scale_name not in ckpt:
         return check_quant_tensors(name, "fp8", shape, ckpt.shape(name), None, quant.block_for(shape))
     sst = ckpt.st_dtype(scale_name)
     if sst not in SCALE_DTYPES:
-        return (f"scale {scale_name} of {name} is {sst} (expected F32 float scales, or F8_E8M0 ue8m0 bytes, one "
-                f"per {'x'.join(map(str, quant.block_for(shape)))} block)")
+        return (
+            f"scale {scale_name} of {name} is {sst} (expected F32 float scales, or F8_E8M0 ue8m0 bytes, one "
+            f"per {'x'.join(map(str, quant.block_for(shape)))} block)"
+        )
     got_scale = ckpt.shape(scale_name) if scale_shape is None else scale_shape
     return check_quant_tensors(name, "fp8", shape, ckpt.shape(name), tuple(got_scale), quant.block_for(shape))

@@ -48,6 +48,7 @@ ST_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
 }
 
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lives, read from its shard's header (no data touched)."""
@@ -86,16 +87,22 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
                 raise CheckpointError(f"{path}: too short to be a safetensors file (re-write the checkpoint)")
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
-                raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}: the file is truncated or not safetensors (re-copy it)")
+                raise CheckpointError(
+                    f"{path}: header length {n} exceeds the file size {size}: the file is truncated or not safetensors (re-copy it)"
+                )
             if n > MAX_HEADER_BYTES:
-                raise CheckpointError(f"{path}: header of {n} bytes is larger than safetensors allows ({MAX_HEADER_BYTES}); the file is damaged or not safetensors (re-copy it)")
+                raise CheckpointError(
+                    f"{path}: header of {n} bytes is larger than safetensors allows ({MAX_HEADER_BYTES}); the file is damaged or not safetensors (re-copy it)"
+                )
             raw = f.read(n)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror}); check the file's permissions") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise CheckpointError(f"{path}: the safetensors header is not UTF-8 (the file is damaged; re-copy it)") from None
+        raise CheckpointError(
+            f"{path}: the safetensors header is not UTF-8 (the file is damaged; re-copy it)"
+        ) from None
     if not text.startswith("{"):
         raise CheckpointError(damaged)
 
@@ -129,7 +136,9 @@ def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
     size = path.stat().st_size
     meta = header.get("__metadata__")
     if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
-        raise CheckpointError(f"{path}: the header's __metadata__ must map names to strings (the file is damaged; re-copy it)")
+        raise CheckpointError(
+            f"{path}: the header's __metadata__ must map names to strings (the file is damaged; re-copy it)"
+        )
     out: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     for name, meta in header.items():
@@ -140,15 +149,23 @@ def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
-            raise CheckpointError(f"{path}: a tensor name in the header is not valid UTF-8 (the file is damaged; re-copy it)") from None
+            raise CheckpointError(
+                f"{path}: a tensor name in the header is not valid UTF-8 (the file is damaged; re-copy it)"
+            ) from None
         if not isinstance(meta, dict) or set(meta) != {"dtype", "shape", "data_offsets"}:
             raise CheckpointError(damaged)
         st_dtype = meta.get("dtype")
         if st_dtype not in ST_DTYPES:
-            raise CheckpointError(f"{path}: tensor '{shown}' has dtype {str(st_dtype)[:40]!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})")
+            raise CheckpointError(
+                f"{path}: tensor '{shown}' has dtype {str(st_dtype)[:40]!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})"
+            )
         offsets, shape_list = meta.get("data_offsets"), meta.get("shape")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not isinstance(shape_list, list)
-                or not all(_is_u64(x) for x in offsets + shape_list)):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not isinstance(shape_list, list)
+            or not all(_is_u64(x) for x in offsets + shape_list)
+        ):
             raise CheckpointError(damaged)
         begin, end = offsets
         shape = tuple(shape_list)
@@ -161,22 +178,32 @@ def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
         overflow |= count * ST_DTYPES[st_dtype][1] * 8 >= _U64
         want = count * ST_DTYPES[st_dtype][1]
         if overflow:
-            raise CheckpointError(f"{path}: tensor '{shown}' declares shape {list(shape)}, more bytes than a file can hold (the file is damaged; re-copy it)")
+            raise CheckpointError(
+                f"{path}: tensor '{shown}' declares shape {list(shape)}, more bytes than a file can hold (the file is damaged; re-copy it)"
+            )
         if end < begin or end - begin != want:
-            raise CheckpointError(f"{path}: tensor '{shown}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)")
+            raise CheckpointError(
+                f"{path}: tensor '{shown}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)"
+            )
         if base + end > size:
-            raise CheckpointError(f"{path}: tensor '{shown}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)")
+            raise CheckpointError(
+                f"{path}: tensor '{shown}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)"
+            )
         out[name] = TensorInfo(name, path, st_dtype, shape, base + begin, end - begin)
         spans.append((begin, end, shown))
     at = 0
     for begin, end, shown in sorted(spans):
         if begin != at:
-            raise CheckpointError(f"{path}: tensor '{shown}' starts at data byte {begin}, not {at} where the previous tensor ends "
-                                  f"(safetensors tensors tile the data with no gap or overlap; the file is damaged, re-copy it)")
+            raise CheckpointError(
+                f"{path}: tensor '{shown}' starts at data byte {begin}, not {at} where the previous tensor ends "
+                f"(safetensors tensors tile the data with no gap or overlap; the file is damaged, re-copy it)"
+            )
         at = end
     if base + at != size:
-        raise CheckpointError(f"{path}: the tensors end at byte {base + at} but the file has {size} bytes (safetensors files end with "
-                              f"their last tensor; the file is damaged or was appended to, re-copy it)")
+        raise CheckpointError(
+            f"{path}: the tensors end at byte {base + at} but the file has {size} bytes (safetensors files end with "
+            f"their last tensor; the file is damaged or was appended to, re-copy it)"
+        )
     return out
 
 
@@ -195,16 +222,24 @@ def confined_file(root: Path, rel: Any, what: str) -> Path:
     absolute, climbs out (``..``), or the file is a link that leads out of the folder:
     a checkpoint reads only its own files."""
     if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel:
-        raise CheckpointError(f"{what}: {str(rel)[:80]!r} is not a file name inside the checkpoint folder (fix the entry)")
+        raise CheckpointError(
+            f"{what}: {str(rel)[:80]!r} is not a file name inside the checkpoint folder (fix the entry)"
+        )
     pr = PurePosixPath(rel)
     if pr.is_absolute() or ".." in pr.parts or rel.startswith("~"):
-        raise CheckpointError(f"{what}: '{rel[:120]}' points outside the checkpoint folder '{root}' (entries must be file names inside it; fix the entry)")
+        raise CheckpointError(
+            f"{what}: '{rel[:120]}' points outside the checkpoint folder '{root}' (entries must be file names inside it; fix the entry)"
+        )
     p = Path(root) / rel
     boundary = checkpoint_boundary(root)
     try:
         real = p.resolve()
     except (OSError, RuntimeError):  # a link loop
-        raise CheckpointError(f"{what}: '{p}' is a link that cannot be resolved (a loop?); replace it with the file") from None
+        raise CheckpointError(
+            f"{what}: '{p}' is a link that cannot be resolved (a loop?); replace it with the file"
+        ) from None
     if real != boundary and boundary not in real.parents:
-        raise CheckpointError(f"{what}: '{p}' is a link that leads out of the checkpoint folder (to '{real}'); copy the file into the folder, or open the folder it lives in")
+        raise CheckpointError(
+            f"{what}: '{p}' is a link that leads out of the checkpoint folder (to '{real}'); copy the file into the folder, or open the folder it lives in"
+        )
     return p

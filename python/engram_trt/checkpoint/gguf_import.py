@@ -53,8 +53,14 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32")
 OUT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16",
-                  "half": "float16"}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+}
 _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
 
 CONFIG_NAME = "config.json"
@@ -87,10 +93,14 @@ _LAYER_NAMES = {
 _KNOWN_UNSUPPORTED = {
     "rope_freqs.weight": "per-frequency RoPE factors (Llama 3.1-style RoPE scaling)",
     "attn_rot_embd.weight": "precomputed rotary tables",
-    "attn_q.bias": "a q_proj bias", "attn_k.bias": "a k_proj bias", "attn_v.bias": "a v_proj bias",
+    "attn_q.bias": "a q_proj bias",
+    "attn_k.bias": "a k_proj bias",
+    "attn_v.bias": "a v_proj bias",
     "attn_output.bias": "an o_proj bias",
-    "ffn_gate_inp.weight": "a mixture-of-experts router", "ffn_gate_exps.weight": "mixture-of-experts weights",
-    "ffn_up_exps.weight": "mixture-of-experts weights", "ffn_down_exps.weight": "mixture-of-experts weights",
+    "ffn_gate_inp.weight": "a mixture-of-experts router",
+    "ffn_gate_exps.weight": "mixture-of-experts weights",
+    "ffn_up_exps.weight": "mixture-of-experts weights",
+    "ffn_down_exps.weight": "mixture-of-experts weights",
 }
 _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -131,13 +141,16 @@ def _open_reader(path: Path) -> Any:
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise CheckpointError(f"'{path}' is not a GGUF file (it does not start with the GGUF magic bytes); pass a "
-                              f"llama.cpp .gguf file")
+        raise CheckpointError(
+            f"'{path}' is not a GGUF file (it does not start with the GGUF magic bytes); pass a llama.cpp .gguf file"
+        )
     try:
         return gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # the reader's errors on a damaged file are ValueError, IndexError, struct.error ...
-        raise CheckpointError(f"{_where(path)} is truncated or damaged ({type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())[:160]}); re-download the file") from None
+        raise CheckpointError(
+            f"{_where(path)} is truncated or damaged ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:160]}); re-download the file"
+        ) from None
 
 
 class _Meta:
@@ -161,14 +174,18 @@ class _Meta:
             self._cache[key] = value = f.contents()
             return value
         except Exception as exc:
-            raise CheckpointError(f"{_where(self.path)}: metadata '{key}' cannot be read ({type(exc).__name__}: {exc}); "
-                                  f"the file is damaged, re-download it") from None
+            raise CheckpointError(
+                f"{_where(self.path)}: metadata '{key}' cannot be read ({type(exc).__name__}: {exc}); "
+                f"the file is damaged, re-download it"
+            ) from None
 
     def require(self, key: str) -> Any:
         v = self.get(key)
         if v is None:
-            raise CheckpointError(f"{_where(self.path)} lacks metadata '{key}', which a Llama config needs; the file "
-                                  f"is incomplete (re-convert it with llama.cpp's convert_hf_to_gguf.py)")
+            raise CheckpointError(
+                f"{_where(self.path)} lacks metadata '{key}', which a Llama config needs; the file "
+                f"is incomplete (re-convert it with llama.cpp's convert_hf_to_gguf.py)"
+            )
         return v
 
     def integer(self, key: str, *, default: Any = None, low: int = 1) -> int:
@@ -177,16 +194,22 @@ class _Meta:
             if v and all(x == v[0] for x in v):
                 v = v[0]
             else:
-                raise CheckpointError(f"{_where(self.path)}: metadata '{key}' varies per layer ({v[:8]}...); this importer "
-                                      f"translates Llama models whose layers are all alike")
+                raise CheckpointError(
+                    f"{_where(self.path)}: metadata '{key}' varies per layer ({v[:8]}...); this importer "
+                    f"translates Llama models whose layers are all alike"
+                )
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < low:
             raise CheckpointError(f"{_where(self.path)}: metadata '{key}' must be an integer >= {low} (got {v!r:.60})")
         return int(v)
 
     def number(self, key: str, *, default: float | None = None) -> float:
         v = self.get(key, default) if default is not None else self.require(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) or not math.isfinite(float(v)) \
-                or float(v) <= 0:
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float, np.floating, np.integer))
+            or not math.isfinite(float(v))
+            or float(v) <= 0
+        ):
             raise CheckpointError(f"{_where(self.path)}: metadata '{key}' must be a positive number (got {v!r:.60})")
         return _f32_value(float(v))
 
@@ -204,29 +227,39 @@ def _config_from_meta(meta: _Meta, arch: str, tensors: Mapping[str, Any], out_dt
     for key in (f"{p}expert_count", f"{p}expert_used_count"):
         n = meta.get(key)
         if n not in (None, 0):
-            raise CheckpointError(f"{_where(path)} is a mixture-of-experts model ('{key}' = {n}); this importer "
-                                  f"translates dense Llama models only")
+            raise CheckpointError(
+                f"{_where(path)} is a mixture-of-experts model ('{key}' = {n}); this importer "
+                f"translates dense Llama models only"
+            )
     hidden = meta.integer(f"{p}embedding_length")
     layers = meta.integer(f"{p}block_count")
     inter = meta.integer(f"{p}feed_forward_length")
     heads = meta.integer(f"{p}attention.head_count")
     kv_heads = meta.integer(f"{p}attention.head_count_kv", default=heads)
     if heads % kv_heads:
-        raise CheckpointError(f"{_where(path)}: {heads} attention heads are not a multiple of {kv_heads} key/value heads")
+        raise CheckpointError(
+            f"{_where(path)}: {heads} attention heads are not a multiple of {kv_heads} key/value heads"
+        )
     if meta.get(f"{p}attention.key_length") is None and hidden % heads:
-        raise CheckpointError(f"{_where(path)}: hidden size {hidden} is not a multiple of {heads} heads and the file "
-                              f"has no '{p}attention.key_length' naming the head dimension; the file is inconsistent")
+        raise CheckpointError(
+            f"{_where(path)}: hidden size {hidden} is not a multiple of {heads} heads and the file "
+            f"has no '{p}attention.key_length' naming the head dimension; the file is inconsistent"
+        )
     head_dim = meta.integer(f"{p}attention.key_length", default=hidden // heads)
     value_len = meta.integer(f"{p}attention.value_length", default=head_dim)
     if value_len != head_dim:
-        raise CheckpointError(f"{_where(path)}: 'attention.value_length' {value_len} differs from 'attention.key_length' "
-                              f"{head_dim}; a Llama config has one head_dim")
+        raise CheckpointError(
+            f"{_where(path)}: 'attention.value_length' {value_len} differs from 'attention.key_length' "
+            f"{head_dim}; a Llama config has one head_dim"
+        )
     if head_dim % 2:
         raise CheckpointError(f"{_where(path)}: head dimension {head_dim} is odd; RoPE needs an even head_dim")
     rot = meta.integer(f"{p}rope.dimension_count", default=head_dim)
     if rot != head_dim:
-        raise CheckpointError(f"{_where(path)}: 'rope.dimension_count' {rot} is not the head dimension {head_dim} "
-                              f"(partial rotary embeddings); this importer translates full-head RoPE only")
+        raise CheckpointError(
+            f"{_where(path)}: 'rope.dimension_count' {rot} is not the head dimension {head_dim} "
+            f"(partial rotary embeddings); this importer translates full-head RoPE only"
+        )
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.number(f"{p}rope.freq_base", default=10000.0)}
     rope.update(_rope_scaling(meta, p))
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -235,8 +268,10 @@ def _config_from_meta(meta: _Meta, arch: str, tensors: Mapping[str, Any], out_dt
     elif tokens:
         vocab = len(tokens)
     else:
-        raise CheckpointError(f"{_where(path)} has neither '{p}vocab_size' nor 'tokenizer.ggml.tokens'; the vocabulary "
-                              f"size cannot be known (use a GGUF converted with its vocabulary)")
+        raise CheckpointError(
+            f"{_where(path)} has neither '{p}vocab_size' nor 'tokenizer.ggml.tokens'; the vocabulary "
+            f"size cannot be known (use a GGUF converted with its vocabulary)"
+        )
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -266,8 +301,9 @@ def _config_from_meta(meta: _Meta, arch: str, tensors: Mapping[str, Any], out_dt
 
 def _token_id(meta: _Meta, key: str, tid: Any, vocab: int) -> int:
     if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= int(tid) < vocab:
-        raise CheckpointError(f"{_where(meta.path)}: metadata '{key}' = {tid!r:.40} is not a token id below the "
-                              f"vocabulary size {vocab}")
+        raise CheckpointError(
+            f"{_where(meta.path)}: metadata '{key}' = {tid!r:.40} is not a token id below the vocabulary size {vocab}"
+        )
     return int(tid)
 
 
@@ -280,22 +316,38 @@ def _rope_scaling(meta: _Meta, p: str) -> dict[str, Any]:
     if kind is None and legacy is not None:
         kind, factor = "linear", legacy
     if kind in (None, "none"):
-        others = [k for k in meta.keys() if k.startswith(f"{p}rope.scaling.") and k != f"{p}rope.scaling.type"
-                  and not (k == f"{p}rope.scaling.factor" and factor in (None, 1, 1.0))]
+        others = [
+            k
+            for k in meta.keys()
+            if k.startswith(f"{p}rope.scaling.")
+            and k != f"{p}rope.scaling.type"
+            and not (k == f"{p}rope.scaling.factor" and factor in (None, 1, 1.0))
+        ]
         if others:
-            raise CheckpointError(f"{_where(path)}: RoPE scaling metadata '{others[0]}' without a scaling type; this "
-                                  f"importer translates linear RoPE scaling only")
+            raise CheckpointError(
+                f"{_where(path)}: RoPE scaling metadata '{others[0]}' without a scaling type; this "
+                f"importer translates linear RoPE scaling only"
+            )
         return {}
     if kind != "linear":
-        raise CheckpointError(f"{_where(path)}: RoPE scaling '{p}rope.scaling.type' = '{kind}' is not translated "
-                              f"(this importer translates linear RoPE scaling only)")
-    extra = [k for k in meta.keys() if k.startswith(f"{p}rope.scaling.")
-             and k not in (f"{p}rope.scaling.type", f"{p}rope.scaling.factor")]
+        raise CheckpointError(
+            f"{_where(path)}: RoPE scaling '{p}rope.scaling.type' = '{kind}' is not translated "
+            f"(this importer translates linear RoPE scaling only)"
+        )
+    extra = [
+        k
+        for k in meta.keys()
+        if k.startswith(f"{p}rope.scaling.") and k not in (f"{p}rope.scaling.type", f"{p}rope.scaling.factor")
+    ]
     if extra:
-        raise CheckpointError(f"{_where(path)}: RoPE scaling metadata '{extra[0]}' is not translated (linear scaling "
-                              f"takes only '{p}rope.scaling.factor')")
+        raise CheckpointError(
+            f"{_where(path)}: RoPE scaling metadata '{extra[0]}' is not translated (linear scaling "
+            f"takes only '{p}rope.scaling.factor')"
+        )
     if factor is None or isinstance(factor, bool) or not isinstance(factor, (int, float)) or not float(factor) >= 1.0:
-        raise CheckpointError(f"{_where(path)}: linear RoPE scaling needs '{p}rope.scaling.factor' >= 1 (got {factor!r:.40})")
+        raise CheckpointError(
+            f"{_where(path)}: linear RoPE scaling needs '{p}rope.scaling.factor' >= 1 (got {factor!r:.40})"
+        )
     if float(factor) == 1.0:
         return {}
     return {"rope_type": "linear", "factor": _f32_value(float(factor))}
@@ -319,12 +371,19 @@ def _expected_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (V, D)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (KV * hd, D),
-            p + "self_attn.v_proj.weight": (KV * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
-            p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D), p + "mlp.down_proj.weight": (D, I),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+                p + "self_attn.q_proj.weight": (H * hd, D),
+                p + "self_attn.k_proj.weight": (KV * hd, D),
+                p + "self_attn.v_proj.weight": (KV * hd, D),
+                p + "self_attn.o_proj.weight": (D, H * hd),
+                p + "mlp.gate_proj.weight": (I, D),
+                p + "mlp.up_proj.weight": (I, D),
+                p + "mlp.down_proj.weight": (D, I),
+            }
+        )
     return shapes
 
 
@@ -340,27 +399,37 @@ def _plan_tensors(reader: Any, path: Path, cfg: Mapping[str, Any]) -> list[_Tens
             m = _BLK_RE.match(name)
             leaf = m.group(2) if m else name
             if leaf in _KNOWN_UNSUPPORTED:
-                raise CheckpointError(f"{_where(path)}: tensor '{name}' holds {_KNOWN_UNSUPPORTED[leaf]}, which this "
-                                      f"importer does not translate (it imports plain Llama models)")
+                raise CheckpointError(
+                    f"{_where(path)}: tensor '{name}' holds {_KNOWN_UNSUPPORTED[leaf]}, which this "
+                    f"importer does not translate (it imports plain Llama models)"
+                )
             if m and leaf in _LAYER_NAMES:
-                raise CheckpointError(f"{_where(path)}: tensor '{name}' is for layer {m.group(1)} but the file's "
-                                      f"'block_count' is {layers}; the file is inconsistent, re-convert it")
-            raise CheckpointError(f"{_where(path)}: unknown tensor '{name}' (this importer knows llama.cpp's Llama "
-                                  f"names: token_embd, output_norm, output, blk.N.{{attn_norm, attn_q, attn_k, attn_v, "
-                                  f"attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}}.weight)")
+                raise CheckpointError(
+                    f"{_where(path)}: tensor '{name}' is for layer {m.group(1)} but the file's "
+                    f"'block_count' is {layers}; the file is inconsistent, re-convert it"
+                )
+            raise CheckpointError(
+                f"{_where(path)}: unknown tensor '{name}' (this importer knows llama.cpp's Llama "
+                f"names: token_embd, output_norm, output, blk.N.{{attn_norm, attn_q, attn_k, attn_v, "
+                f"attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}}.weight)"
+            )
         if hf in seen:
             raise CheckpointError(f"{_where(path)}: tensor '{name}' appears twice; the file is damaged")
         seen.add(hf)
         ggml = t.tensor_type.name
         if ggml not in SUPPORTED_TYPES:
-            raise CheckpointError(f"{_where(path)}: tensor '{name}' is quantized as GGML type {ggml}, which this "
-                                  f"importer does not dequantize (supported: {', '.join(SUPPORTED_TYPES)}); use the "
-                                  f"model's GGUF of one of those types (its Q8_0 or F16 file, say)")
+            raise CheckpointError(
+                f"{_where(path)}: tensor '{name}' is quantized as GGML type {ggml}, which this "
+                f"importer does not dequantize (supported: {', '.join(SUPPORTED_TYPES)}); use the "
+                f"model's GGUF of one of those types (its Q8_0 or F16 file, say)"
+            )
         shape = tuple(int(x) for x in reversed(list(t.shape)))
         want = expected.get(hf)
         if shape != want:
-            raise CheckpointError(f"{_where(path)}: tensor '{name}' has shape {list(shape)} but the file's metadata "
-                                  f"makes {hf} {list(want or ())}; the file is inconsistent, re-convert it")
+            raise CheckpointError(
+                f"{_where(path)}: tensor '{name}' has shape {list(shape)} but the file's metadata "
+                f"makes {hf} {list(want or ())}; the file is inconsistent, re-convert it"
+            )
         heads = 0
         if hf.endswith("self_attn.q_proj.weight"):
             heads = cfg["num_attention_heads"]
@@ -372,8 +441,10 @@ def _plan_tensors(reader: Any, path: Path, cfg: Mapping[str, Any]) -> list[_Tens
         from engram_trt.checkpoint.checkpoint import natural_key
 
         missing.sort(key=natural_key)
-        raise CheckpointError(f"{_where(path)} lacks the tensor for {missing[0]} ({len(missing)} missing); the file "
-                              f"is incomplete, re-download or re-convert it")
+        raise CheckpointError(
+            f"{_where(path)} lacks the tensor for {missing[0]} ({len(missing)} missing); the file "
+            f"is incomplete, re-download or re-convert it"
+        )
     return plans
 
 
@@ -399,8 +470,10 @@ def _refuse_nonfinite(plans: list[_TensorPlan], path: Path) -> None:
         found = count_nonfinite(np.ascontiguousarray(data), st, p.gguf_name)
         if found.nan or found.inf:
             kinds = " and ".join(f"{n} {k}" for n, k in ((found.nan, "NaN"), (found.inf, "Inf")) if n)
-            raise CheckpointError(f"{_where(path)}: tensor '{p.gguf_name}' ({p.hf_name}) holds {kinds} {what}: "
-                                  f"the model would compute NaN from it; re-convert or re-download the GGUF")
+            raise CheckpointError(
+                f"{_where(path)}: tensor '{p.gguf_name}' ({p.hf_name}) holds {kinds} {what}: "
+                f"the model would compute NaN from it; re-convert or re-download the GGUF"
+            )
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -434,8 +507,9 @@ def _encode(values: np.ndarray, st_dtype: str) -> bytes | memoryview:
     return memoryview(bf.view(torch.int16).numpy().astype("<i2", copy=False)).cast("B")
 
 
-def _write_safetensors(out: Path, plans: list[_TensorPlan], st_dtype: str, max_shard_bytes: int,
-                       bar: Any) -> tuple[list[str], int]:
+def _write_safetensors(
+    out: Path, plans: list[_TensorPlan], st_dtype: str, max_shard_bytes: int, bar: Any
+) -> tuple[list[str], int]:
     """Stream the tensors into ``model.safetensors`` (or shards and an index when they
     exceed ``max_shard_bytes``): one tensor in memory at a time. Returns (files, bytes)."""
     from engram_trt.checkpoint.checkpoint import natural_key
@@ -473,7 +547,9 @@ def _write_safetensors(out: Path, plans: list[_TensorPlan], st_dtype: str, max_s
             for p in group:
                 data = _encode(_tensor_values(p), st_dtype)
                 if len(data) != nbytes(p):  # cannot happen: shapes were checked against the header
-                    raise CheckpointError(f"tensor '{p.gguf_name}' dequantized to {len(data)} bytes, expected {nbytes(p)}")
+                    raise CheckpointError(
+                        f"tensor '{p.gguf_name}' dequantized to {len(data)} bytes, expected {nbytes(p)}"
+                    )
                 f.write(data)
                 bar.update(1)
             f.flush()
@@ -502,15 +578,23 @@ def _write_text(path: Path, text: str) -> int:
 def is_import_file_name(name: str) -> bool:
     """A name :func:`import_gguf` writes (with ``force`` these are replaced in OUT; every
     other file there is kept)."""
-    return name in (CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME, SINGLE_NAME, INDEX_NAME) \
-        or bool(_SHARD_RE.match(name))
+    return name in (
+        CONFIG_NAME,
+        GENERATION_CONFIG_NAME,
+        TOKENIZER_NAME,
+        TOKENIZER_CONFIG_NAME,
+        SINGLE_NAME,
+        INDEX_NAME,
+    ) or bool(_SHARD_RE.match(name))
 
 
 def _norm_dtype(dtype: Any) -> str:
     name = str(dtype).removeprefix("torch.").lower()
     name = _DTYPE_ALIASES.get(name, name)
     if name not in OUT_DTYPES:
-        raise EngramError(f"--dtype '{dtype}' is not a dtype import-gguf writes (choose one of: {', '.join(OUT_DTYPES)})")
+        raise EngramError(
+            f"--dtype '{dtype}' is not a dtype import-gguf writes (choose one of: {', '.join(OUT_DTYPES)})"
+        )
     return name
 
 
@@ -519,17 +603,27 @@ def _generation_config(cfg: Mapping[str, Any], meta: _Meta) -> dict[str, Any]:
     stops = [cfg["eos_token_id"]] if "eos_token_id" in cfg else []
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         tid = meta.get(key)
-        if isinstance(tid, (int, np.integer)) and not isinstance(tid, bool) and 0 <= int(tid) < cfg["vocab_size"] \
-                and int(tid) not in stops:
+        if (
+            isinstance(tid, (int, np.integer))
+            and not isinstance(tid, bool)
+            and 0 <= int(tid) < cfg["vocab_size"]
+            and int(tid) not in stops
+        ):
             stops.append(int(tid))
     if len(stops) > 1:
         gen["eos_token_id"] = stops
     return gen
 
 
-def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, force: bool = False,
-                progress: bool = True, dtype: Any = "float32",
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ImportResult:
+def import_gguf(
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    force: bool = False,
+    progress: bool = True,
+    dtype: Any = "float32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> ImportResult:
     """Turn the Llama-family GGUF ``gguf_path`` into the checkpoint folder ``out_dir``
     (see the module docstring). ``dtype``: ``float32`` (default: the dequantized values
     exactly), ``bfloat16`` or ``float16`` (rounded to nearest even). Weights over
@@ -551,8 +645,10 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     meta = _Meta(reader, src)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{_where(src)} is a '{arch}' model (general.architecture); import-gguf translates only "
-                              f"the llama architecture (Llama, Mistral-style and SmolLM models)")
+        raise CheckpointError(
+            f"{_where(src)} is a '{arch}' model (general.architecture); import-gguf translates only "
+            f"the llama architecture (Llama, Mistral-style and SmolLM models)"
+        )
     tensor_infos = {str(t.name): t for t in reader.tensors}
     config = _config_from_meta(meta, arch, tensor_infos, out_dtype)
     plans = _plan_tensors(reader, src, config)
@@ -565,8 +661,14 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
     except EngramError as exc:
         raise CheckpointError(f"{_where(src)}: the config it makes is not one engram-trt serves ({exc})") from None
     types = dict(sorted(Counter(p.ggml_type for p in plans).items()))
-    log.info("importing %s: %s, %d tensors (%s) -> %s", src, arch, len(plans),
-             ", ".join(f"{n} {k}" for k, n in types.items()), out)
+    log.info(
+        "importing %s: %s, %d tensors (%s) -> %s",
+        src,
+        arch,
+        len(plans),
+        ", ".join(f"{n} {k}" for k, n in types.items()),
+        out,
+    )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     from tqdm.auto import tqdm
@@ -581,10 +683,13 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
             with tqdm(total=len(plans), desc="import-gguf", unit="tensor", disable=not progress, leave=False) as bar:
                 files, written = _write_safetensors(tmp, plans, OUT_DTYPES[out_dtype], max_shard_bytes, bar)
             written += _write_text(tmp / CONFIG_NAME, json.dumps(config, indent=2) + "\n")
-            written += _write_text(tmp / GENERATION_CONFIG_NAME,
-                                   json.dumps(_generation_config(config, meta), indent=2) + "\n")
+            written += _write_text(
+                tmp / GENERATION_CONFIG_NAME, json.dumps(_generation_config(config, meta), indent=2) + "\n"
+            )
             written += _write_text(tmp / TOKENIZER_NAME, tokenizer_json + "\n")
-            written += _write_text(tmp / TOKENIZER_CONFIG_NAME, json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+            written += _write_text(
+                tmp / TOKENIZER_CONFIG_NAME, json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n"
+            )
             files += [CONFIG_NAME, GENERATION_CONFIG_NAME, TOKENIZER_NAME, TOKENIZER_CONFIG_NAME]
             atomic.pause_point("import-gguf:written")
             if out.is_dir():
@@ -594,17 +699,26 @@ def import_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[st
             atomic.remove_temp(tmp)
             raise
     log.info("imported %s -> %s: %d tensors, %s", src.name, out, len(plans), human_bytes(written))
-    return ImportResult(out=out, architecture=arch, n_tensors=len(plans), tensor_types=types, bytes_written=written,
-                        dtype=out_dtype, files=tuple(files))
+    return ImportResult(
+        out=out,
+        architecture=arch,
+        n_tensors=len(plans),
+        tensor_types=types,
+        bytes_written=written,
+        dtype=out_dtype,
+        files=tuple(files),
+    )
 
 
 def _refuse_non_empty(out: Path, force: bool) -> None:
     if out.is_dir() and not force:
         entries = sorted(p.name for p in out.iterdir())
         if entries:
-            raise EngramError(f"OUT '{out}' is not empty (it holds {entries[0]}{', ...' if len(entries) > 1 else ''}); "
-                              f"choose a new or empty folder, or pass --force to replace its checkpoint files (other "
-                              f"files are kept)")
+            raise EngramError(
+                f"OUT '{out}' is not empty (it holds {entries[0]}{', ...' if len(entries) > 1 else ''}); "
+                f"choose a new or empty folder, or pass --force to replace its checkpoint files (other "
+                f"files are kept)"
+            )
 
 
 def _check_free_space(parent: Path, plans: Iterable[_TensorPlan], st_dtype: str) -> None:
@@ -615,5 +729,7 @@ def _check_free_space(parent: Path, plans: Iterable[_TensorPlan], st_dtype: str)
         return
     free = st.f_bavail * st.f_frsize
     if need > free:
-        raise EngramError(f"the import needs {human_bytes(need)} beside OUT but '{parent}' has {human_bytes(free)} free; "
-                          f"free space or choose OUT on a larger disk (--dtype bfloat16 halves it)")
+        raise EngramError(
+            f"the import needs {human_bytes(need)} beside OUT but '{parent}' has {human_bytes(free)} free; "
+            f"free space or choose OUT on a larger disk (--dtype bfloat16 halves it)"
+        )

@@ -33,11 +33,15 @@ _GPT2_PRES = ("default", "gpt-2", "gpt2")
 _LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")
 _SMOLLM_PRES = ("smollm",)
 _TEKKEN_PRES = ("tekken",)
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SUPPORTED_PRE_TOKENIZERS = _GPT2_PRES + _LLAMA3_PRES + _SMOLLM_PRES + _TEKKEN_PRES
 
 
@@ -77,8 +81,10 @@ def _special_token(meta: GGUFMetadata, tokens: list[str], name: str) -> str | No
     if tid is None:
         return None
     if isinstance(tid, bool) or not isinstance(tid, (int, np.integer)) or not 0 <= int(tid) < len(tokens):
-        raise CheckpointError(f"{where(meta.path)}: metadata 'tokenizer.ggml.{name}_token_id' = {tid!r:.40} is not an "
-                              f"id of its {len(tokens)} tokens")
+        raise CheckpointError(
+            f"{where(meta.path)}: metadata 'tokenizer.ggml.{name}_token_id' = {tid!r:.40} is not an "
+            f"id of its {len(tokens)} tokens"
+        )
     return tokens[int(tid)]
 
 
@@ -91,8 +97,10 @@ def _merges(meta: GGUFMetadata, byte_level: bool) -> list[tuple[str, str]] | Non
         parts = m.split(" ")
         if len(parts) != 2 or not all(parts):
             if byte_level:
-                raise CheckpointError(f"{where(meta.path)}: merge {m!r:.40} in 'tokenizer.ggml.merges' is not two tokens "
-                                      f"separated by one space; the file is damaged")
+                raise CheckpointError(
+                    f"{where(meta.path)}: merge {m!r:.40} in 'tokenizer.ggml.merges' is not two tokens "
+                    f"separated by one space; the file is damaged"
+                )
             parts = m.split(" ", 1)
         out.append((parts[0], parts[1]))
     return out
@@ -132,45 +140,79 @@ def build_tokenizer(meta: GGUFMetadata, vocab_size: int, max_length: int) -> tup
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
     if kind is None or tokens is None:
-        raise CheckpointError(f"{where(path)} has no tokenizer ('tokenizer.ggml.model' / 'tokenizer.ggml.tokens' missing); "
-                              f"use a GGUF converted with its vocabulary")
+        raise CheckpointError(
+            f"{where(path)} has no tokenizer ('tokenizer.ggml.model' / 'tokenizer.ggml.tokens' missing); "
+            f"use a GGUF converted with its vocabulary"
+        )
     tokens = [str(t) for t in tokens]
     if len(tokens) != vocab_size:
-        raise CheckpointError(f"{where(path)}: the tokenizer lists {len(tokens)} tokens but the model's vocabulary has "
-                              f"{vocab_size} rows; the file is inconsistent")
+        raise CheckpointError(
+            f"{where(path)}: the tokenizer lists {len(tokens)} tokens but the model's vocabulary has "
+            f"{vocab_size} rows; the file is inconsistent"
+        )
     types = meta.get("tokenizer.ggml.token_type") or [_TT_NORMAL] * len(tokens)
     if len(types) != len(tokens):
-        raise CheckpointError(f"{where(path)}: 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} tokens")
+        raise CheckpointError(
+            f"{where(path)}: 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} tokens"
+        )
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     add_eos = meta.get("tokenizer.ggml.add_eos_token")
-    specials = {name: _special_token(meta, tokens, key) for name, key in
-                (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
+    specials = {
+        name: _special_token(meta, tokens, key)
+        for name, key in (
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        )
+    }
 
     added: list[Any] = []
     if kind == "gpt2":
         pre = meta.get("tokenizer.ggml.pre") or "default"
         if pre not in SUPPORTED_PRE_TOKENIZERS:
-            raise CheckpointError(f"{where(path)}: pre-tokenizer 'tokenizer.ggml.pre' = '{pre}' is not one this importer "
-                                  f"rebuilds (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})")
+            raise CheckpointError(
+                f"{where(path)}: pre-tokenizer 'tokenizer.ggml.pre' = '{pre}' is not one this importer "
+                f"rebuilds (supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)})"
+            )
         alphabet = _byte_alphabet()
         chars = set(alphabet.values())
         spelled = [t if set(t) <= chars else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
         vocab = {t: i for i, t in enumerate(spelled)}
         merges = _merges(meta, byte_level=True)
         if merges is None:
-            raise CheckpointError(f"{where(path)}: a byte-level BPE vocabulary ('gpt2') without 'tokenizer.ggml.merges'; "
-                                  f"the file is incomplete")
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                   end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+            raise CheckpointError(
+                f"{where(path)}: a byte-level BPE vocabulary ('gpt2') without 'tokenizer.ggml.merges'; "
+                f"the file is incomplete"
+            )
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+                byte_fallback=False,
+            )
+        )
         if pre in _GPT2_PRES:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         elif pre in _SMOLLM_PRES:  # llama.cpp: every digit alone, then GPT-2's split
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Digits(individual_digits=True),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                ]
+            )
         else:
             split = _LLAMA3_SPLIT if pre in _LLAMA3_PRES else _TEKKEN_SPLIT
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         tok.decoder = decoders.ByteLevel()
         for t, tt in zip(tokens, types):
             # A control token spelled outside the byte alphabet is a mislabelled normal token:
@@ -186,16 +228,27 @@ def build_tokenizer(meta: GGUFMetadata, vocab_size: int, max_length: int) -> tup
         merges = _merges(meta, byte_level=False)
         if merges is None:
             if scores is None or len(scores) != len(tokens):
-                raise CheckpointError(f"{where(path)}: a sentencepiece vocabulary ('llama') needs 'tokenizer.ggml.scores' "
-                                      f"(one per token) or 'tokenizer.ggml.merges'; the file is incomplete")
+                raise CheckpointError(
+                    f"{where(path)}: a sentencepiece vocabulary ('llama') needs 'tokenizer.ggml.scores' "
+                    f"(one per token) or 'tokenizer.ggml.merges'; the file is incomplete"
+                )
             merges = _merges_from_scores(tokens, [float(s) for s in scores], vocab)
         prefix = meta.get("tokenizer.ggml.add_space_prefix")
         prefix = True if prefix is None else bool(prefix)
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=specials["unk_token"],
-                                   fuse_unk=True, byte_fallback=True))
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                unk_token=specials["unk_token"],
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        )
         tok.normalizer = None
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False
+        )
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         if prefix:
             steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -207,8 +260,10 @@ def build_tokenizer(meta: GGUFMetadata, vocab_size: int, max_length: int) -> tup
                 added.append(AddedToken(t, normalized=False, special=False))
         add_bos = True if add_bos is None else bool(add_bos)  # llama.cpp's default for sentencepiece vocabularies
     else:
-        raise CheckpointError(f"{where(path)}: tokenizer 'tokenizer.ggml.model' = '{kind}' is not translated (supported: "
-                              f"gpt2 (byte-level BPE), llama (sentencepiece))")
+        raise CheckpointError(
+            f"{where(path)}: tokenizer 'tokenizer.ggml.model' = '{kind}' is not translated (supported: "
+            f"gpt2 (byte-level BPE), llama (sentencepiece))"
+        )
     special_added = [a for a in added if a.special]
     plain_added = [a for a in added if not a.special]
     if special_added:
@@ -216,8 +271,10 @@ def build_tokenizer(meta: GGUFMetadata, vocab_size: int, max_length: int) -> tup
     if plain_added:
         tok.add_tokens(plain_added)
     if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise CheckpointError(f"{where(path)}: the rebuilt tokenizer has {tok.get_vocab_size(with_added_tokens=True)} "
-                              f"tokens, not the file's {len(tokens)} (duplicate token spellings); the file is damaged")
+        raise CheckpointError(
+            f"{where(path)}: the rebuilt tokenizer has {tok.get_vocab_size(with_added_tokens=True)} "
+            f"tokens, not the file's {len(tokens)} (duplicate token spellings); the file is damaged"
+        )
     add_eos = bool(add_eos) if add_eos is not None else False
     bos, eos = specials["bos_token"], specials["eos_token"]
     add_bos = add_bos and bos is not None
@@ -229,8 +286,9 @@ def build_tokenizer(meta: GGUFMetadata, vocab_size: int, max_length: int) -> tup
         special_ids[bos] = int(meta.get("tokenizer.ggml.bos_token_id"))
     if add_eos:
         special_ids[eos] = int(meta.get("tokenizer.ggml.eos_token_id"))
-    tok.post_processor = processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
-                                                       special_tokens=list(special_ids.items()))
+    tok.post_processor = processors.TemplateProcessing(
+        single=" ".join(single), pair=" ".join(pair), special_tokens=list(special_ids.items())
+    )
 
     tcfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -241,10 +299,13 @@ def build_tokenizer(meta: GGUFMetadata, vocab_size: int, max_length: int) -> tup
     }
     tcfg.update({k: v for k, v in specials.items() if v is not None})
     template = meta.get("tokenizer.chat_template")
-    named = sorted(k[len("tokenizer.chat_template."):] for k in meta.keys() if k.startswith("tokenizer.chat_template."))
+    named = sorted(
+        k[len("tokenizer.chat_template.") :] for k in meta.keys() if k.startswith("tokenizer.chat_template.")
+    )
     if named:
-        entries = ([{"name": "default", "template": str(template)}] if template is not None else []) + \
-                  [{"name": n, "template": str(meta.get(f"tokenizer.chat_template.{n}"))} for n in named]
+        entries = ([{"name": "default", "template": str(template)}] if template is not None else []) + [
+            {"name": n, "template": str(meta.get(f"tokenizer.chat_template.{n}"))} for n in named
+        ]
         tcfg["chat_template"] = entries
     elif template is not None:
         tcfg["chat_template"] = str(template)

@@ -77,8 +77,10 @@ class Finding:
     def line(self, sampled: bool) -> str:
         what = " and ".join(f"{n} {k}" for n, k in ((self.nan, "NaN"), (self.inf, "Inf")) if n)
         seen = " in the bytes the sampled scan read" if sampled else ""
-        return (f"tensor {self.name} holds {what}{seen} (first at element {self.first}): the model would compute "
-                f"NaN from it; re-convert or re-download the checkpoint (or fix that tensor)")
+        return (
+            f"tensor {self.name} holds {what}{seen} (first at element {self.first}): the model would compute "
+            f"NaN from it; re-convert or re-download the checkpoint (or fix that tensor)"
+        )
 
 
 @dataclass
@@ -100,14 +102,22 @@ class ScanResult:
         from engram_trt.errors import human_bytes
 
         pct = 100.0 * self.bytes_read / self.bytes_total if self.bytes_total else 100.0
-        how = ("every byte" if self.full else
-               f"sampled {human_bytes(self.bytes_read)} of {human_bytes(self.bytes_total)} ({pct:.1f}%)")
+        how = (
+            "every byte"
+            if self.full
+            else f"sampled {human_bytes(self.bytes_read)} of {human_bytes(self.bytes_total)} ({pct:.1f}%)"
+        )
         return f"{how} of {self.tensors} float tensor(s) read in {self.seconds:.2f} s"
 
     def to_json(self) -> dict[str, Any]:
-        return {"full": self.full, "bytes_read": self.bytes_read, "bytes_total": self.bytes_total,
-                "tensors": self.tensors, "seconds": round(self.seconds, 3),
-                "findings": [{"tensor": f.name, "nan": f.nan, "inf": f.inf, "first": f.first} for f in self.findings]}
+        return {
+            "full": self.full,
+            "bytes_read": self.bytes_read,
+            "bytes_total": self.bytes_total,
+            "tensors": self.tensors,
+            "seconds": round(self.seconds, 3),
+            "findings": [{"tensor": f.name, "nan": f.nan, "inf": f.inf, "first": f.first} for f in self.findings],
+        }
 
 
 def _check(buf: bytes | memoryview, region: Region, element0: int, finding: Finding) -> None:
@@ -147,8 +157,9 @@ def _read(f: Any, offset: int, n: int) -> bytes:
     return data
 
 
-def scan_regions(regions: Iterable[Region], budget_bytes: int | None = DEFAULT_SCAN_BYTES,
-                 seed: int | None = None) -> ScanResult:
+def scan_regions(
+    regions: Iterable[Region], budget_bytes: int | None = DEFAULT_SCAN_BYTES, seed: int | None = None
+) -> ScanResult:
     """Look for NaN / Inf in ``regions`` (see the module docstring): every byte when
     ``budget_bytes`` is None, else a sampled scan reading at most about that much."""
     t0 = time.perf_counter()
@@ -241,8 +252,11 @@ def require_finite(ckpt: Any, budget_bytes: int | None = DEFAULT_SCAN_BYTES) -> 
 
     res = scan_checkpoint(ckpt, budget_bytes)
     if res.findings:
-        more = (f" (and {len(res.findings) - 1} more tensor(s); `engram-trt inspect "
-                f"{shlex.quote(str(ckpt.path))}` lists them)"
-                if len(res.findings) > 1 else "")
+        more = (
+            f" (and {len(res.findings) - 1} more tensor(s); `engram-trt inspect "
+            f"{shlex.quote(str(ckpt.path))}` lists them)"
+            if len(res.findings) > 1
+            else ""
+        )
         raise CheckpointError(f"checkpoint '{ckpt.path}': {res.problems()[0]}{more}")
     return res

@@ -24,10 +24,14 @@ def engram_lookup_and_layout(ckpt: Any, compressed_vocab: Any = None) -> tuple[n
         return None, None
     if compressed_vocab is None:
         if ckpt.tokenizer_json is None:
-            raise CheckpointError(f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)")
+            raise CheckpointError(
+                f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)"
+            )
         compressed_vocab = build_compressed_vocab(ckpt.tokenizer_json)
     check_compressed_size(compressed_vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
     lookup = np.asarray(compressed_vocab.lookup, dtype=np.int64)
     if spec.pad_token_id >= lookup.shape[0]:
-        raise CheckpointError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not in the tokenizer (vocab {lookup.shape[0]})")
+        raise CheckpointError(
+            f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not in the tokenizer (vocab {lookup.shape[0]})"
+        )
     return lookup, EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))

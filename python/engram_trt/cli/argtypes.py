@@ -83,8 +83,10 @@ def target_list_arg(text: str) -> str:
     least one compute capability (an empty list would silently mean the default set).
     The names themselves are checked by the builder (native.trt_compat.parse_targets)."""
     if not any(t.strip() for t in str(text).split(",")):
-        raise argparse.ArgumentTypeError(f"{text!r} names no compute capability; give a list such as sm80,sm86, or "
-                                         f"leave --target out for the portable set")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no compute capability; give a list such as sm80,sm86, or "
+            f"leave --target out for the portable set"
+        )
     return text
 
 
@@ -94,7 +96,9 @@ def check_text(value: str, flag: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise EngramError(f"{flag}: not UTF-8 text (character {exc.start} stands for an undecodable byte); pass UTF-8 text") from None
+        raise EngramError(
+            f"{flag}: not UTF-8 text (character {exc.start} stands for an undecodable byte); pass UTF-8 text"
+        ) from None
     return value
 
 
@@ -117,7 +121,9 @@ def check_generation_args(args: argparse.Namespace) -> None:
     if not (isinstance(t, float) and math.isfinite(t) and t >= 0):
         raise EngramError(f"--temperature must be a number >= 0 (got {t})")
     if t > MAX_TEMPERATURE:
-        raise EngramError(f"--temperature {t} is larger than any useful value (at most {MAX_TEMPERATURE:g}; 1 samples the model's distribution)")
+        raise EngramError(
+            f"--temperature {t} is larger than any useful value (at most {MAX_TEMPERATURE:g}; 1 samples the model's distribution)"
+        )
     if t < GREEDY_BELOW:
         args.temperature = 0.0  # -0.0 and subnormals: greedy
     p = args.top_p
@@ -131,8 +137,9 @@ def check_generation_args(args: argparse.Namespace) -> None:
     for stop in getattr(args, "stop", None) or ():
         check_text(stop, "--stop")  # as --prompt: text the output is matched against
         if not stop:
-            raise EngramError("--stop is empty (every output would stop before its first token); give the text "
-                              "to stop at")
+            raise EngramError(
+                "--stop is empty (every output would stop before its first token); give the text to stop at"
+            )
     check_device_name(args.device)
     from engram_trt.config.dtypes import REFERENCE_DTYPES, require_dtype
 
@@ -152,7 +159,9 @@ def resolve_device(name: str) -> Any:
         if not torch.cuda.is_available():
             raise EngramError(f"--device {name}: no CUDA device is available here; use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise EngramError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+            raise EngramError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})"
+            )
     return dev
 
 
@@ -162,6 +171,12 @@ def sampling_params_from_args(args: argparse.Namespace) -> Any:
     from engram_trt.runtime.sampling_params import SamplingParams
 
     check_generation_args(args)
-    return SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                          stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos,
-                          skip_special_tokens=not getattr(args, "keep_special_tokens", False))
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+        skip_special_tokens=not getattr(args, "keep_special_tokens", False),
+    )

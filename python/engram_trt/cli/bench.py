@@ -62,19 +62,44 @@ class BenchCommand:
 
 
 BENCH_COMMANDS: tuple[BenchCommand, ...] = (
-    BenchCommand("step", step, step.StepOptions,
-                 "step time with Engram tables in GPU / pinned host memory vs the Engram layers removed",
-                 _paragraph(1, plain=False)),
-    BenchCommand("serve", serve, serve.ServeOptions,
-                 "throughput of N concurrent requests through LLM, as a ratio to one request", _whole),
-    BenchCommand("steady", steady, steady.SteadyOptions,
-                 "the steady decode rate demo / run print vs bench serve's one stream, and their ratio"),
-    BenchCommand("qwen4-step", qwen4step, qwen4step.Qwen4StepOptions,
-                 "~1.3B Qwen4Exp decode steps, PLE tables pinned vs HBM, vs the step's floor"),
-    BenchCommand("dsv4-step", dsv4step, dsv4step.Dsv4StepOptions,
-                 "~1.8B DeepSeek-V4.1 steps, Engram tables pinned vs HBM, vs floors; time per module class"),
-    BenchCommand("e2e", e2e, e2e.E2eOptions,
-                 "transformers-made checkpoints: generate vs run vs bench serve, vs the weight-read floor"),
+    BenchCommand(
+        "step",
+        step,
+        step.StepOptions,
+        "step time with Engram tables in GPU / pinned host memory vs the Engram layers removed",
+        _paragraph(1, plain=False),
+    ),
+    BenchCommand(
+        "serve",
+        serve,
+        serve.ServeOptions,
+        "throughput of N concurrent requests through LLM, as a ratio to one request",
+        _whole,
+    ),
+    BenchCommand(
+        "steady",
+        steady,
+        steady.SteadyOptions,
+        "the steady decode rate demo / run print vs bench serve's one stream, and their ratio",
+    ),
+    BenchCommand(
+        "qwen4-step",
+        qwen4step,
+        qwen4step.Qwen4StepOptions,
+        "~1.3B Qwen4Exp decode steps, PLE tables pinned vs HBM, vs the step's floor",
+    ),
+    BenchCommand(
+        "dsv4-step",
+        dsv4step,
+        dsv4step.Dsv4StepOptions,
+        "~1.8B DeepSeek-V4.1 steps, Engram tables pinned vs HBM, vs floors; time per module class",
+    ),
+    BenchCommand(
+        "e2e",
+        e2e,
+        e2e.E2eOptions,
+        "transformers-made checkpoints: generate vs run vs bench serve, vs the weight-read floor",
+    ),
 )
 
 
@@ -102,6 +127,7 @@ def float_list(text: str) -> list[float]:
 
 def str_list(choices: Sequence[str] | None) -> Callable[[str], list[str]]:
     """argparse type: a comma-separated subset of ``choices`` (any strings if None)."""
+
     def parse(text: str) -> list[str]:
         values = [v.strip() for v in text.split(",") if v.strip()]
         if not values or (choices is not None and any(v not in choices for v in values)):
@@ -216,9 +242,12 @@ def _runner(cmd: BenchCommand) -> Callable[[argparse.Namespace], int]:
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``bench`` and the subcommands of :data:`BENCH_COMMANDS` on the CLI's subparsers."""
-    p = sub.add_parser("bench", help="benchmarks on this machine (ratios against limits measured in the same run)",
-                       description="Benchmarks. Each prints ratios against a limit or a baseline measured in the same "
-                                   "run, and how far that baseline is from its own bound.")
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks on this machine (ratios against limits measured in the same run)",
+        description="Benchmarks. Each prints ratios against a limit or a baseline measured in the same "
+        "run, and how far that baseline is from its own bound.",
+    )
     bsub = p.add_subparsers(dest="bench", metavar="BENCH", parser_class=type(p))
     for cmd in BENCH_COMMANDS:
         sp = bsub.add_parser(cmd.name, help=cmd.help, description=cmd.description(cmd.module.__doc__ or ""))
@@ -245,20 +274,24 @@ def script_parser(options: type, doc: str, prog: str) -> argparse.ArgumentParser
     return parser
 
 
-def run_script(options: type, run: Callable[[Any], int], doc: str, argv: Sequence[str] | None = None,
-               prog: str | None = None) -> int:
+def run_script(
+    options: type, run: Callable[[Any], int], doc: str, argv: Sequence[str] | None = None, prog: str | None = None
+) -> int:
     """A ``benchmarks/`` script's ``main``: parse ``argv`` into ``options``, ``run`` it; a bad
     input (:class:`EngramError`) or a failed file operation is one line on stderr and exit 2."""
     prog = prog or Path(sys.argv[0]).name
     ns = script_parser(options, doc, prog).parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(ns.verbose, 2)],
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(ns.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         return run(options_from(ns, options))
     except EngramError as exc:
         print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"{prog}: error: {exc.filename or ''}{': ' if exc.filename else ''}{exc.strerror or exc}",
-              file=sys.stderr)
+        print(
+            f"{prog}: error: {exc.filename or ''}{': ' if exc.filename else ''}{exc.strerror or exc}", file=sys.stderr
+        )
         return EXIT_USAGE

@@ -19,9 +19,17 @@ def add_engram_config_arguments(parser: argparse.ArgumentParser) -> None:
     parses them as JSON scalars.
     """
     group = parser.add_argument_group("Engram table storage (the peers' --engram-config)")
-    group.add_argument(FLAG, dest="engram_config", metavar="JSON", default=None,
-                       help="JSON object or path to a JSON file with the fields: " + ", ".join(EngramConfig.field_names())
-                       + " (defaults: " + EngramConfig().to_json() + ")")
+    group.add_argument(
+        FLAG,
+        dest="engram_config",
+        metavar="JSON",
+        default=None,
+        help="JSON object or path to a JSON file with the fields: "
+        + ", ".join(EngramConfig.field_names())
+        + " (defaults: "
+        + EngramConfig().to_json()
+        + ")",
+    )
     helps = {
         "cpu_offload": "true: tables in pinned host memory read through UVA (default); false: tables in GPU memory",
         "host_file_gather": "true: read rows straight from the checkpoint files through the page cache (no table copy)",
@@ -30,14 +38,22 @@ def add_engram_config_arguments(parser: argparse.ArgumentParser) -> None:
         "table_placement": "auto (default), in_engine (gather plugin reads tables through UVA) or prefetch (runtime gathers rows before the step)",
     }
     for name in EngramConfig.field_names():
-        group.add_argument(f"{FLAG}.{name}", dest=f"engram_config__{name}", metavar="VALUE", default=None,
-                           help=helps.get(name, f"override field {name}"))
+        group.add_argument(
+            f"{FLAG}.{name}",
+            dest=f"engram_config__{name}",
+            metavar="VALUE",
+            default=None,
+            help=helps.get(name, f"override field {name}"),
+        )
 
 
 def engram_config_from_args(args: argparse.Namespace) -> EngramConfig:
     """The :class:`EngramConfig` of parsed arguments (JSON first, dotted flags override)."""
-    overrides = [(name, getattr(args, f"engram_config__{name}"))
-                 for name in EngramConfig.field_names() if getattr(args, f"engram_config__{name}", None) is not None]
+    overrides = [
+        (name, getattr(args, f"engram_config__{name}"))
+        for name in EngramConfig.field_names()
+        if getattr(args, f"engram_config__{name}", None) is not None
+    ]
     return EngramConfig.parse(getattr(args, "engram_config", None), overrides)
 
 
@@ -52,7 +68,7 @@ def split_dotted(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     while i < len(argv):
         a = argv[i]
         if a.startswith(FLAG + "."):
-            key, eq, val = a[len(FLAG) + 1:].partition("=")
+            key, eq, val = a[len(FLAG) + 1 :].partition("=")
             if key not in valid:
                 raise EngramError(f"{FLAG}: unknown field '{key}' (valid fields: {', '.join(valid)})")
             if not eq:
@@ -75,6 +91,6 @@ def reject_unknown_args(extra: Sequence[str]) -> None:
         return
     for a in extra:
         if a.startswith(FLAG + "."):
-            key = a[len(FLAG) + 1:].partition("=")[0]
+            key = a[len(FLAG) + 1 :].partition("=")[0]
             raise EngramError(f"{FLAG}: unknown field '{key}' (valid fields: {', '.join(EngramConfig.field_names())})")
     raise EngramError(f"unrecognized arguments: {' '.join(extra)} (see --help)")

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 
-def add_folder_checks(report: dict[str, Any], path: str, engine: bool, full: bool,
-                      token_ids_only: bool = False) -> None:
+def add_folder_checks(
+    report: dict[str, Any], path: str, engine: bool, full: bool, token_ids_only: bool = False
+) -> None:
     """Scan the folder's tensors for NaN / Inf and check its tokenizer; the results go
     into ``report["nonfinite"]`` and ``report["problems"]``."""
     from engram_trt.checkpoint.nonfinite import DEFAULT_SCAN_BYTES, Region, scan_regions
@@ -31,13 +32,18 @@ def add_folder_checks(report: dict[str, Any], path: str, engine: bool, full: boo
         folder = Path(path)
         m = read_manifest(folder)
         parts = [p for r in manifest_table_refs(m, folder) for p in r.parts]
-        regions = [Region(p.tensor, Path(p.file), p.offset, p.nbytes, p.dtype)
-                   for p in parts if _holds(Path(p.file), p.offset + p.nbytes)]
+        regions = [
+            Region(p.tensor, Path(p.file), p.offset, p.nbytes, p.dtype)
+            for p in parts
+            if _holds(Path(p.file), p.offset + p.nbytes)
+        ]
         scan = scan_regions(regions, budget)
         tok = (m.get("tokenizer") or {}).get("file")
         if not m.get("token_ids_only") and tok and not (folder / str(tok)).is_file():
-            problems.append(f"the engine folder's {tok} is missing: run and serve turn text into tokens with it "
-                            f"(rebuild the engine folder)")
+            problems.append(
+                f"the engine folder's {tok} is missing: run and serve turn text into tokens with it "
+                f"(rebuild the engine folder)"
+            )
     else:
         from engram_trt.checkpoint.checkpoint import Checkpoint
         from engram_trt.checkpoint.nonfinite import scan_checkpoint
@@ -67,9 +73,11 @@ def tokenizer_problem(ckpt: Any, token_ids_only: bool) -> str | None:
     if ckpt.tokenizer_json is None:
         if token_ids_only:
             return None
-        return (f"checkpoint has no tokenizer.json, which run and serve need to turn text into tokens: copy the "
-                f"model's tokenizer.json into '{ckpt.path}' (or build with --token-ids-only for an engine sent "
-                f"token ids)")
+        return (
+            f"checkpoint has no tokenizer.json, which run and serve need to turn text into tokens: copy the "
+            f"model's tokenizer.json into '{ckpt.path}' (or build with --token-ids-only for an engine sent "
+            f"token ids)"
+        )
     try:
         load_tokenizer(ckpt.tokenizer_json)
     except EngramError as exc:
@@ -81,5 +89,7 @@ def print_folder_checks(report: dict[str, Any]) -> None:
     scan = report.get("nonfinite")
     if scan is not None:
         found = len(scan["findings"])
-        print(f"NaN / Inf    {'none' if not found else f'in {found} tensor(s)'} ({scan['cost']}"
-              f"{'' if scan['full'] else '; --verify-tables reads every byte'})")
+        print(
+            f"NaN / Inf    {'none' if not found else f'in {found} tensor(s)'} ({scan['cost']}"
+            f"{'' if scan['full'] else '; --verify-tables reads every byte'})"
+        )

@@ -35,8 +35,12 @@ def weights_report(ckpt: Any, arch: Any, dtype: str) -> dict[str, Any]:
     for name in ckpt.tensor_names():
         st = ckpt.st_dtype(name)
         by_dtype[st] = by_dtype.get(st, 0) + int(ckpt.nbytes(name))
-    out: dict[str, Any] = {"stored_bytes": dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])), "quantization": None,
-                           "load": None, "problems": []}
+    out: dict[str, Any] = {
+        "stored_bytes": dict(sorted(by_dtype.items(), key=lambda kv: -kv[1])),
+        "quantization": None,
+        "load": None,
+        "problems": [],
+    }
     try:
         spec = read_quant_spec(ckpt.config_dict, str(ckpt.path / "config.json"))
     except ConfigError as exc:
@@ -55,9 +59,13 @@ def weights_report(ckpt: Any, arch: Any, dtype: str) -> dict[str, Any]:
         k["tensors"] += 1
         k["stored_bytes"] += stored
         k["gpu_bytes"] += gpu
-    out["load"] = {"dtype": dtype, "tensors": len(formats),
-                   "stored_bytes": sum(k["stored_bytes"] for k in kinds.values()),
-                   "gpu_bytes": sum(k["gpu_bytes"] for k in kinds.values()), "by_kind": kinds}
+    out["load"] = {
+        "dtype": dtype,
+        "tensors": len(formats),
+        "stored_bytes": sum(k["stored_bytes"] for k in kinds.values()),
+        "gpu_bytes": sum(k["gpu_bytes"] for k in kinds.values()),
+        "by_kind": kinds,
+    }
     return out
 
 
@@ -107,15 +115,19 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
     problems.extend(weights.pop("problems"))
     report["weights"] = weights
     if unused:
-        problems.append(f"{len(unused)} tensor(s) the {arch.name} model does not read: {', '.join(unused[:8])}"
-                        f"{' ...' if len(unused) > 8 else ''} (run / build / serve refuse them without --allow-unused-weights)")
+        problems.append(
+            f"{len(unused)} tensor(s) the {arch.name} model does not read: {', '.join(unused[:8])}"
+            f"{' ...' if len(unused) > 8 else ''} (run / build / serve refuse them without --allow-unused-weights)"
+        )
     if spec is None:
         problems.extend(arch.checkpoint_problems(ckpt))
         report.update(arch.describe_tables(ckpt))  # an architecture's own tables (Qwen4Exp's PLE)
         return report
     pad = 0
     if ckpt.tokenizer_json is None:
-        problems.append(f"checkpoint has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into '{ckpt.path}')")
+        problems.append(
+            f"checkpoint has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into '{ckpt.path}')"
+        )
         report["compressed_vocab"] = {"built": None, "declared": spec.compressed_vocab_size}
     else:
         try:
@@ -126,11 +138,15 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
         else:
             report["compressed_vocab"] = {"built": vocab.size, "declared": spec.compressed_vocab_size}
             if vocab.size != spec.compressed_vocab_size:
-                problems.append(f"tokenizer compresses to {vocab.size} ids but {spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}")
+                problems.append(
+                    f"tokenizer compresses to {vocab.size} ids but {spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}"
+                )
             if spec.pad_token_id < vocab.vocab_size:
                 pad = int(vocab.compress([spec.pad_token_id])[0]) % spec.compressed_vocab_size
             else:
-                problems.append(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})")
+                problems.append(
+                    f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})"
+                )
     try:
         layout = EngramLayout.from_spec(spec, pad)
     except EngramError as exc:
@@ -145,8 +161,12 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
             name = names[role]
             if name in ckpt:
                 nbytes = int(ckpt.nbytes(name))
-                entry["tensors"][role] = {"name": name, "shape": list(ckpt.shape(name)),
-                                          "dtype": ckpt.st_dtype(name), "bytes": nbytes}
+                entry["tensors"][role] = {
+                    "name": name,
+                    "shape": list(ckpt.shape(name)),
+                    "dtype": ckpt.st_dtype(name),
+                    "bytes": nbytes,
+                }
                 layer_bytes += nbytes
         if "table" in entry["tensors"]:
             entry["table_rows"] = entry["tensors"]["table"]["shape"][0]
@@ -176,13 +196,18 @@ def inspect_engine_folder(path: str, verify_tables: bool = False, sample_bytes: 
         "engine": (m.get("engine") or {}).get("file"),
         "dtype": m.get("dtype"),
         "shapes": m.get("shapes"),
-        "tables": [{"tensor": r.tensor, "file": str(r.file), "bytes": r.nbytes, "blocks": len(r.block_hashes or ())} for r in refs],
+        "tables": [
+            {"tensor": r.tensor, "file": str(r.file), "bytes": r.nbytes, "blocks": len(r.block_hashes or ())}
+            for r in refs
+        ],
         "total_engram_bytes": sum(r.nbytes for r in refs),
         "table_check": "full" if verify_tables else "sampled",
         "problems": [],
     }
     problems: list[str] = report["problems"]
-    for name in ([m["engine"]["file"]] if isinstance(m.get("engine"), dict) else []) + [m.get("graph", {}).get("file", "model.onnx")]:
+    for name in ([m["engine"]["file"]] if isinstance(m.get("engine"), dict) else []) + [
+        m.get("graph", {}).get("file", "model.onnx")
+    ]:
         if not (folder / str(name)).is_file():
             problems.append(f"{name} is missing from the engine folder (rebuild it)")
     problems.extend(table_file_problems(refs))
@@ -211,10 +236,13 @@ def _print_weights(w: dict[str, Any]) -> None:
     load = w.get("load")
     if load:
         how = {"fp8": " as stored", "fp4": " as stored", "float": f" in {load['dtype']}"}
-        parts = ", ".join(f"{kind} {human_bytes(k['gpu_bytes'])}{how.get(kind, '')}"
-                          for kind, k in sorted(load["by_kind"].items()))
-        print(f"GPU weights  {human_bytes(load['gpu_bytes'])} at --dtype {load['dtype']} ({parts}; "
-              f"{human_bytes(load['stored_bytes'])} stored)")
+        parts = ", ".join(
+            f"{kind} {human_bytes(k['gpu_bytes'])}{how.get(kind, '')}" for kind, k in sorted(load["by_kind"].items())
+        )
+        print(
+            f"GPU weights  {human_bytes(load['gpu_bytes'])} at --dtype {load['dtype']} ({parts}; "
+            f"{human_bytes(load['stored_bytes'])} stored)"
+        )
 
 
 def _print_checkpoint(report: dict[str, Any]) -> None:
@@ -223,11 +251,15 @@ def _print_checkpoint(report: dict[str, Any]) -> None:
     arch = next(a for a in registered() if a.name == report["architecture"])
     print(f"checkpoint   {report['checkpoint']}")
     print(f"architecture {report['architecture']}")
-    print(f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}")
+    print(
+        f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}"
+    )
     if report.get("weights"):
         _print_weights(report["weights"])
     if report["ignored_fields"]:
-        print(f"ignored      config fields the model does not read (nor does transformers'): {', '.join(report['ignored_fields'])}")
+        print(
+            f"ignored      config fields the model does not read (nor does transformers'): {', '.join(report['ignored_fields'])}"
+        )
     own = arch.table_report_lines(report)  # an architecture's own tables (Qwen4Exp's PLE)
     if own:
         for line in own:
@@ -239,7 +271,9 @@ def _print_checkpoint(report: dict[str, Any]) -> None:
         print(f"compressed vocab  built {cv.get('built')}, declared {cv.get('declared')}")
         for e in report["layers"]:
             rows = e.get("table_rows", "missing")
-            print(f"engram layer {e['layer_id']:>3}: table rows {rows} (layout needs {e['layout_rows']}), {human_bytes(e['bytes'])}")
+            print(
+                f"engram layer {e['layer_id']:>3}: table rows {rows} (layout needs {e['layout_rows']}), {human_bytes(e['bytes'])}"
+            )
         if "total_engram_bytes" in report:
             print(f"total Engram bytes  {report['total_engram_bytes']} ({human_bytes(report['total_engram_bytes'])})")
 
@@ -247,7 +281,9 @@ def _print_checkpoint(report: dict[str, Any]) -> None:
 def _print_engine(report: dict[str, Any]) -> None:
     print(f"engine folder  {report['engine_folder']}")
     print(f"checkpoint     {report['checkpoint']}")
-    print(f"engine         {report['engine'] or 'none (graph only)'}, dtype {report['dtype']}, shapes {report['shapes']}")
+    print(
+        f"engine         {report['engine'] or 'none (graph only)'}, dtype {report['dtype']}, shapes {report['shapes']}"
+    )
     for t in report["tables"]:
         print(f"table {t['tensor']}: {human_bytes(t['bytes'])} in {t['file']}")
     print(f"tables checked  {report['table_check']}")
@@ -259,8 +295,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from engram_trt.cli.folder_checks import add_folder_checks, print_folder_checks
 
     engine = (Path(args.checkpoint) / MANIFEST_NAME).is_file()
-    report = inspect_engine_folder(args.checkpoint, args.verify_tables) if engine else \
-        inspect_checkpoint(args.checkpoint, getattr(args, "dtype", None) or "bf16")
+    report = (
+        inspect_engine_folder(args.checkpoint, args.verify_tables)
+        if engine
+        else inspect_checkpoint(args.checkpoint, getattr(args, "dtype", None) or "bf16")
+    )
     add_folder_checks(report, args.checkpoint, engine, args.verify_tables, args.token_ids_only)  # NaN / Inf, tokenizer
     if args.json:
         print_json(report)

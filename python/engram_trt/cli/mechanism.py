@@ -67,9 +67,11 @@ def engram_spec_of(config_arg: str, command: str) -> Any:
     arch = resolve(d, src)
     spec = arch.read_config(d, src, enforce_contract=False).engram
     if spec is None:
-        raise ConfigError(f"{src}: this {arch.title} model has no Engram layers (no 'engram_layer_ids'), so `engram-trt "
-                          f"{command}` has nothing to compute; `engram-trt inspect {shlex.quote(config_arg)}` "
-                          f"describes the model and its tables")
+        raise ConfigError(
+            f"{src}: this {arch.title} model has no Engram layers (no 'engram_layer_ids'), so `engram-trt "
+            f"{command}` has nothing to compute; `engram-trt inspect {shlex.quote(config_arg)}` "
+            f"describes the model and its tables"
+        )
     return spec
 
 
@@ -80,8 +82,10 @@ def cmd_layout(args: argparse.Namespace) -> int:
     pad = args.pad_id if args.pad_id is not None else _compressed_pad_or_zero(args.config, spec)
     layout = EngramLayout.from_spec(spec, pad)
     d = layout.to_json_dict()
-    print_json({k: d[k] for k in ("layer_ids", "primes", "offsets", "multipliers", "n_hash_cols", "table_rows")}
-                | {"pad_id": d["pad_id"], "max_ngram_size": d["max_ngram_size"], "n_heads": d["n_heads"]})
+    print_json(
+        {k: d[k] for k in ("layer_ids", "primes", "offsets", "multipliers", "n_hash_cols", "table_rows")}
+        | {"pad_id": d["pad_id"], "max_ngram_size": d["max_ngram_size"], "n_heads": d["n_heads"]}
+    )
     return 0
 
 
@@ -119,7 +123,9 @@ def cmd_hash(args: argparse.Namespace) -> int:
     ids = _parse_ids(args.ids)
     if args.compressed:
         if args.pad_id is None:
-            raise EngramError("--compressed needs --pad-id N, the compressed id of the pad token (engram-trt hash without --compressed derives it from the tokenizer)")
+            raise EngramError(
+                "--compressed needs --pad-id N, the compressed id of the pad token (engram-trt hash without --compressed derives it from the tokenizer)"
+            )
         compressed = np.asarray(ids, dtype=np.int64)
         pad = args.pad_id
     else:
@@ -127,7 +133,9 @@ def cmd_hash(args: argparse.Namespace) -> int:
             raise EngramError("--pad-id only applies with --compressed (raw ids take the pad id from the tokenizer)")
         tok = _tokenizer_beside(args.config)
         if tok is None:
-            raise EngramError(f"no tokenizer.json beside {args.config}: raw token ids need the checkpoint's tokenizer; pass a checkpoint folder, or --compressed --pad-id N for compressed ids")
+            raise EngramError(
+                f"no tokenizer.json beside {args.config}: raw token ids need the checkpoint's tokenizer; pass a checkpoint folder, or --compressed --pad-id N for compressed ids"
+            )
         vocab = _checked_vocab(tok, spec)
         raw = np.asarray(ids, dtype=np.int64)
         dead = raw == -1
@@ -136,5 +144,3 @@ def cmd_hash(args: argparse.Namespace) -> int:
     layout = EngramLayout.from_spec(spec, pad)
     print_json({"hash_ids": hash_ids(compressed, layout).tolist()})
     return 0
-
-

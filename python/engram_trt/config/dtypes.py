@@ -14,8 +14,16 @@ import argparse
 from engram_trt.errors import EngramError
 
 CANONICAL = ("bf16", "fp16", "fp32")
-ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
-           "fp32": "fp32", "float32": "fp32", "float": "fp32"}
+ALIASES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+}
 TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 METAVAR = "{bf16,fp16,fp32}"
 SPELLINGS = "bf16|bfloat16, fp16|float16|half, fp32|float32|float"

@@ -73,11 +73,17 @@ class EngramConfig:
     def from_dict(cls, d: Mapping[str, Any], source: str = FLAG) -> "EngramConfig":
         """Build from a mapping; unknown fields and wrong types are refused."""
         if not isinstance(d, Mapping):
-            raise EngramError(f"{source}: expected a JSON object of fields (got {type(d).__name__}); valid fields: {', '.join(cls.field_names())}")
+            raise EngramError(
+                f"{source}: expected a JSON object of fields (got {type(d).__name__}); valid fields: {', '.join(cls.field_names())}"
+            )
         return cls().with_overrides(d, source)
 
     @classmethod
-    def parse(cls, text: str | Path | Mapping[str, Any] | None, overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None) -> "EngramConfig":
+    def parse(
+        cls,
+        text: str | Path | Mapping[str, Any] | None,
+        overrides: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+    ) -> "EngramConfig":
         """From inline JSON, a JSON file path, a mapping or None (defaults), then dotted
         overrides (``{"cpu_offload": "false"}``: string values are read as JSON scalars)."""
         if text is None or (isinstance(text, str) and not text.strip()):
@@ -126,17 +132,29 @@ class EngramConfig:
     def validate(self) -> None:
         """Refuse combinations that contradict each other (model-independent)."""
         if self.host_file_gather and not self.cpu_offload:
-            raise EngramError(f"{FLAG}: host_file_gather reads rows from the checkpoint files on the host, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true or drop host_file_gather")
+            raise EngramError(
+                f"{FLAG}: host_file_gather reads rows from the checkpoint files on the host, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true or drop host_file_gather"
+            )
         if self.host_file_gather and self.dp_shared_memory:
-            raise EngramError(f"{FLAG}: host_file_gather and dp_shared_memory both choose where the one host copy lives (the page cache of the checkpoint files vs /dev/shm); pick one")
+            raise EngramError(
+                f"{FLAG}: host_file_gather and dp_shared_memory both choose where the one host copy lives (the page cache of the checkpoint files vs /dev/shm); pick one"
+            )
         if self.host_file_gather and self.table_placement == "in_engine":
-            raise EngramError(f"{FLAG}: host_file_gather gathers rows on the host, so the lookup cannot run in the engine; use table_placement 'prefetch'")
+            raise EngramError(
+                f"{FLAG}: host_file_gather gathers rows on the host, so the lookup cannot run in the engine; use table_placement 'prefetch'"
+            )
         if self.dp_shared_memory and not self.cpu_offload:
-            raise EngramError(f"{FLAG}: dp_shared_memory shares a host copy of the tables in /dev/shm, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true")
+            raise EngramError(
+                f"{FLAG}: dp_shared_memory shares a host copy of the tables in /dev/shm, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true"
+            )
         if self.hot_cache_fraction and not self.cpu_offload:
-            raise EngramError(f"{FLAG}: hot_cache_fraction caches host-table rows in GPU memory, but cpu_offload=false puts the whole tables there already; drop hot_cache_fraction or set cpu_offload true")
+            raise EngramError(
+                f"{FLAG}: hot_cache_fraction caches host-table rows in GPU memory, but cpu_offload=false puts the whole tables there already; drop hot_cache_fraction or set cpu_offload true"
+            )
         if self.dp_shared_memory and self.embedding_across_dp:
-            raise EngramError(f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one")
+            raise EngramError(
+                f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one"
+            )
 
     def validate_for(self, model_config: ArchitectureConfig) -> None:
         """Check against the model before any work: a model with neither Engram layers
@@ -145,19 +163,27 @@ class EngramConfig:
         self.validate()
         spec = model_config.engram
         if spec is None:
-            changed = sorted(set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)})
+            changed = sorted(
+                set(self.given) | {k for k, v in self.to_dict().items() if v != getattr(EngramConfig(), k)}
+            )
             if model_config.ple is not None:
                 if self.embedding_across_dp:
-                    raise EngramError(f"{FLAG}: embedding_across_dp shards Engram hash heads across ranks, which this "
-                                      f"model's PLE tables do not support; use dp_shared_memory to share one copy, or drop it")
+                    raise EngramError(
+                        f"{FLAG}: embedding_across_dp shards Engram hash heads across ranks, which this "
+                        f"model's PLE tables do not support; use dp_shared_memory to share one copy, or drop it"
+                    )
                 return
             if self.given or not self.is_default():
-                raise EngramError(f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' "
-                                  f"in config.json) and no PLE tables (no 'ple_layer_ids'); drop {FLAG}")
+                raise EngramError(
+                    f"{FLAG} sets {', '.join(changed)} but the model has no Engram layers (no 'engram_layer_ids' "
+                    f"in config.json) and no PLE tables (no 'ple_layer_ids'); drop {FLAG}"
+                )
             return
         if self.hot_cache_fraction:
-            raise EngramError(f"{FLAG}: hot_cache_fraction serves tables a model gathers in its step (Qwen4Exp's PLE "
-                              f"tables); this model's Engram rows are gathered by the engine or the prefetcher; drop it")
+            raise EngramError(
+                f"{FLAG}: hot_cache_fraction serves tables a model gathers in its step (Qwen4Exp's PLE "
+                f"tables); this model's Engram rows are gathered by the engine or the prefetcher; drop it"
+            )
 
 
 def _load_json_object(text: str | Path) -> Any:
@@ -174,7 +200,9 @@ def _load_json_object(text: str | Path) -> Any:
         is_file = False
     if not is_file:
         shown = s if len(s) <= 80 else s[:77] + "..."
-        raise EngramError(f"{FLAG}: '{shown}' is neither a JSON object nor an existing file (pass '{{\"cpu_offload\": false}}' or a path to a .json file)")
+        raise EngramError(
+            f"{FLAG}: '{shown}' is neither a JSON object nor an existing file (pass '{{\"cpu_offload\": false}}' or a path to a .json file)"
+        )
     return read_json_file(p, f"{FLAG} file", max_bytes=1024 * 1024)
 
 
@@ -207,10 +235,14 @@ def _check_type(key: str, value: Any, source: str) -> Any:
         return value
     if key == "hot_cache_fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-            raise EngramError(f"{source}: field 'hot_cache_fraction' must be a number in [0, 1] (the share of each table's rows cached in GPU memory; 0 = off), got {_shown(value)}")
+            raise EngramError(
+                f"{source}: field 'hot_cache_fraction' must be a number in [0, 1] (the share of each table's rows cached in GPU memory; 0 = off), got {_shown(value)}"
+            )
         return float(value)
     if key == "table_placement":
         if value not in TABLE_PLACEMENTS:
-            raise EngramError(f"{source}: field 'table_placement' must be one of {', '.join(TABLE_PLACEMENTS)} (got {_shown(value)})")
+            raise EngramError(
+                f"{source}: field 'table_placement' must be one of {', '.join(TABLE_PLACEMENTS)} (got {_shown(value)})"
+            )
         return value
     return value  # pragma: no cover - every field is covered above

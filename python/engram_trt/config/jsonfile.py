@@ -56,20 +56,26 @@ def parse_json_text(text: str | bytes, where: str, *, max_depth: int = MAX_DEPTH
         try:
             text = text.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start} is 0x{text[exc.start]:02x}); save the file as UTF-8") from None
+            raise ConfigError(
+                f"{where}: not UTF-8 text (byte {exc.start} is 0x{text[exc.start]:02x}); save the file as UTF-8"
+            ) from None
     else:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             # A str holding lone surrogates: bytes that were not UTF-8 (a file name or argv).
-            raise ConfigError(f"{where}: not UTF-8 text (character {exc.start} is an undecodable byte); pass UTF-8 text") from None
+            raise ConfigError(
+                f"{where}: not UTF-8 text (character {exc.start} is an undecodable byte); pass UTF-8 text"
+            ) from None
         text = text.removeprefix("\ufeff")
     try:
         value = json.loads(text, object_pairs_hook=_no_duplicates(where), parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
     except RecursionError:
-        raise ConfigError(f"{where}: JSON nested too deeply (more than {max_depth} levels); this is not a config file") from None
+        raise ConfigError(
+            f"{where}: JSON nested too deeply (more than {max_depth} levels); this is not a config file"
+        ) from None
     except ValueError as exc:  # NaN/Infinity, an integer of thousands of digits
         reason = "an integer of thousands of digits" if "digits" in str(exc) else str(exc).splitlines()[0]
         raise ConfigError(f"{where}: not valid JSON ({reason})") from None
@@ -78,8 +84,9 @@ def parse_json_text(text: str | bytes, where: str, *, max_depth: int = MAX_DEPTH
     return value
 
 
-def read_json_file(path: str | Path, what: str = "JSON file", *, max_bytes: int = MAX_JSON_BYTES,
-                   max_depth: int = MAX_DEPTH) -> Any:
+def read_json_file(
+    path: str | Path, what: str = "JSON file", *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_DEPTH
+) -> Any:
     """Read and parse a JSON file of at most ``max_bytes``; errors name the file."""
     p = Path(path)
     try:

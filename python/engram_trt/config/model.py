@@ -28,8 +28,17 @@ from engram_trt.errors import ConfigError
 
 ENGRAM_PREFIXES = ("engram",)
 # The engram_* twins once read under a ple_ prefix; no published model writes them.
-RETIRED_PLE_TWINS = ("ple_max_ngram_size", "ple_n_heads", "ple_head_dim", "ple_vocab_size", "ple_compressed_vocab_size",
-                     "ple_pad_token_id", "ple_num_embeddings", "ple_quant_block", "ple_table_dtype")
+RETIRED_PLE_TWINS = (
+    "ple_max_ngram_size",
+    "ple_n_heads",
+    "ple_head_dim",
+    "ple_vocab_size",
+    "ple_compressed_vocab_size",
+    "ple_pad_token_id",
+    "ple_num_embeddings",
+    "ple_quant_block",
+    "ple_table_dtype",
+)
 # The RoPE types the engram-llama model computes exactly as transformers' Llama: its
 # positions stop at max_position_embeddings, where dynamic NTK is still plain RoPE.
 # longrope switches its factors with each call's length (keys already cached were
@@ -137,7 +146,6 @@ class EngramSpec:
         return out
 
 
-
 class ArchitectureConfig(Protocol):
     """What every architecture's typed config declares (engram-llama's :class:`ModelConfig`,
     ``models/deepseek_v4/config.py``'s ``DeepseekV4Config``, ``models/qwen4_exp/config.py``'s
@@ -179,8 +187,16 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _int_field(d: Mapping[str, Any], key: str, source: str | None, *, minimum: int | None = None,
-               maximum: int | None = None, default: Any = ..., expected: str | None = None) -> Any:
+def _int_field(
+    d: Mapping[str, Any],
+    key: str,
+    source: str | None,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    default: Any = ...,
+    expected: str | None = None,
+) -> Any:
     if key not in d or d[key] is None:
         if default is ...:
             raise ConfigError(f"{_where(source)}missing field '{key}' (expected {expected or 'an integer'})")
@@ -191,24 +207,33 @@ def _int_field(d: Mapping[str, Any], key: str, source: str | None, *, minimum: i
     if minimum is not None and value < minimum:
         raise ConfigError(f"{_where(source)}field '{key}' must be an integer >= {minimum} (got {_short(value)})")
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{_where(source)}field '{key}'={_short(value)} is larger than engram-trt supports (at most {maximum}); check the value")
+        raise ConfigError(
+            f"{_where(source)}field '{key}'={_short(value)} is larger than engram-trt supports (at most {maximum}); check the value"
+        )
     return value
 
 
-def _int_list(d: Mapping[str, Any], key: str, source: str | None, *, minimum: int = 0,
-              maximum: int = INT32_MAX) -> tuple[int, ...]:
+def _int_list(
+    d: Mapping[str, Any], key: str, source: str | None, *, minimum: int = 0, maximum: int = INT32_MAX
+) -> tuple[int, ...]:
     value = d.get(key)
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
     if not isinstance(value, Sequence) or isinstance(value, str) or len(value) == 0:
         raise ConfigError(f"{_where(source)}field '{key}' must be a non-empty list of integers (got {_short(value)})")
     if len(value) > MAX_LIST_LEN:
-        raise ConfigError(f"{_where(source)}field '{key}' lists {len(value)} values, more than engram-trt supports ({MAX_LIST_LEN})")
+        raise ConfigError(
+            f"{_where(source)}field '{key}' lists {len(value)} values, more than engram-trt supports ({MAX_LIST_LEN})"
+        )
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ConfigError(f"{_where(source)}field '{key}' must hold integers >= {minimum} (got {_short(v)} in {_short(list(value))})")
+            raise ConfigError(
+                f"{_where(source)}field '{key}' must hold integers >= {minimum} (got {_short(v)} in {_short(list(value))})"
+            )
         if v > maximum:
-            raise ConfigError(f"{_where(source)}field '{key}' holds {_short(v)}, larger than engram-trt supports (at most {maximum}); check the value")
+            raise ConfigError(
+                f"{_where(source)}field '{key}' holds {_short(v)}, larger than engram-trt supports (at most {maximum}); check the value"
+            )
     return tuple(value)
 
 
@@ -216,23 +241,29 @@ def engram_prefix(d: Mapping[str, Any], source: str | None = None) -> str | None
     """'engram' when the config declares Engram layers, None when it has none."""
     twins = [k for k in RETIRED_PLE_TWINS if k in d]
     if twins:
-        raise ConfigError(f"{_where(source)}field '{twins[0]}' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids' "
-                          f"(one-indexed, on linear-attention layers) with 'ple_embed_dim', 'ple_conv_kernel_size', 'ngram_size', "
-                          f"'heads_per_ngram', 'ngram_vocab_size_base', 'make_ngram_vocab_size_divisible_by', 'seed' and "
-                          f"'split_ngram_parts' under architectures [\"Qwen4ExpForCausalLM\"]; an Engram model spells its "
-                          f"fields engram_* (engram_max_ngram_size, engram_n_heads, ...)")
+        raise ConfigError(
+            f"{_where(source)}field '{twins[0]}' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids' "
+            f"(one-indexed, on linear-attention layers) with 'ple_embed_dim', 'ple_conv_kernel_size', 'ngram_size', "
+            f"'heads_per_ngram', 'ngram_vocab_size_base', 'make_ngram_vocab_size_divisible_by', 'seed' and "
+            f"'split_ngram_parts' under architectures [\"Qwen4ExpForCausalLM\"]; an Engram model spells its "
+            f"fields engram_* (engram_max_ngram_size, engram_n_heads, ...)"
+        )
     ple = sorted(k for k in d if k.startswith("ple_") and d[k] not in (None, []))
     if ple:
-        raise ConfigError(f"{_where(source)}field '{ple[0]}' declares Qwen4Exp's PLE, which the engram-llama architecture does "
-                          f"not have; a Qwen4Exp checkpoint names architectures [\"Qwen4ExpForCausalLM\"] (model_type "
-                          f"\"qwen4_exp_text\"), and engram-trt serves it as that model")
+        raise ConfigError(
+            f"{_where(source)}field '{ple[0]}' declares Qwen4Exp's PLE, which the engram-llama architecture does "
+            f"not have; a Qwen4Exp checkpoint names architectures [\"Qwen4ExpForCausalLM\"] (model_type "
+            f"\"qwen4_exp_text\"), and engram-trt serves it as that model"
+        )
     found = [p for p in ENGRAM_PREFIXES if f"{p}_layer_ids" in d and d[f"{p}_layer_ids"] not in (None, [])]
     if found:
         return found[0]
     stray = sorted(k for k in d if any(k.startswith(p + "_") for p in ENGRAM_PREFIXES))
     if stray:
         p = stray[0].split("_", 1)[0]
-        raise ConfigError(f"{_where(source)}'{stray[0]}' is set but '{p}_layer_ids' is missing or empty (expected a non-empty list of layer indices)")
+        raise ConfigError(
+            f"{_where(source)}'{stray[0]}' is set but '{p}_layer_ids' is missing or empty (expected a non-empty list of layer indices)"
+        )
     return None
 
 
@@ -244,30 +275,48 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
     k = lambda name: f"{prefix}_{name}"  # noqa: E731
     layer_ids = _int_list(d, k("layer_ids"), source, maximum=LIMITS["layer_ids"])
     if len(set(layer_ids)) != len(layer_ids):
-        raise ConfigError(f"{_where(source)}field '{k('layer_ids')}' has repeated layers {_short(list(layer_ids))} (expected distinct layer indices)")
-    n = _int_field(d, k("max_ngram_size"), source, minimum=2, maximum=HASH_MAX_NGRAM,
-                   expected="an integer >= 2 (n-grams of order 2..N)")
+        raise ConfigError(
+            f"{_where(source)}field '{k('layer_ids')}' has repeated layers {_short(list(layer_ids))} (expected distinct layer indices)"
+        )
+    n = _int_field(
+        d,
+        k("max_ngram_size"),
+        source,
+        minimum=2,
+        maximum=HASH_MAX_NGRAM,
+        expected="an integer >= 2 (n-grams of order 2..N)",
+    )
     heads = _int_field(d, k("n_heads"), source, minimum=1, maximum=LIMITS["n_heads"])
     slots = len(layer_ids) * (n - 1) * heads
     if slots > HASH_MAX_SLOTS:
-        raise ConfigError(f"{_where(source)}{len(layer_ids)} Engram layers x {n - 1} n-gram orders x {heads} heads = {slots} hash columns, "
-                          f"more than the hash kernel's {HASH_MAX_SLOTS} (ENGRAM_HASH_MAX_SLOTS); lower {k('n_heads')} or {k('max_ngram_size')}")
+        raise ConfigError(
+            f"{_where(source)}{len(layer_ids)} Engram layers x {n - 1} n-gram orders x {heads} heads = {slots} hash columns, "
+            f"more than the hash kernel's {HASH_MAX_SLOTS} (ENGRAM_HASH_MAX_SLOTS); lower {k('n_heads')} or {k('max_ngram_size')}"
+        )
     if len(layer_ids) * n > HASH_MAX_MULTIPLIERS:
-        raise ConfigError(f"{_where(source)}{len(layer_ids)} Engram layers x {k('max_ngram_size')}={n} = {len(layer_ids) * n} multipliers, "
-                          f"more than the hash kernel's {HASH_MAX_MULTIPLIERS} (ENGRAM_HASH_MAX_MULTIPLIERS); use fewer layers or a smaller N")
+        raise ConfigError(
+            f"{_where(source)}{len(layer_ids)} Engram layers x {k('max_ngram_size')}={n} = {len(layer_ids) * n} multipliers, "
+            f"more than the hash kernel's {HASH_MAX_MULTIPLIERS} (ENGRAM_HASH_MAX_MULTIPLIERS); use fewer layers or a smaller N"
+        )
     raw_vocab = d.get(k("vocab_size"))
     if isinstance(raw_vocab, (list, tuple)):
-        vocab: int | tuple[int, ...] = _int_list(d, k("vocab_size"), source, minimum=2, maximum=LIMITS["engram_vocab_size"])
+        vocab: int | tuple[int, ...] = _int_list(
+            d, k("vocab_size"), source, minimum=2, maximum=LIMITS["engram_vocab_size"]
+        )
         if len(vocab) != n - 1:
-            raise ConfigError(f"{_where(source)}field '{k('vocab_size')}' lists {len(vocab)} values but {k('max_ngram_size')}={n} needs {n - 1} (one per n-gram order 2..{n}) or a single integer")
+            raise ConfigError(
+                f"{_where(source)}field '{k('vocab_size')}' lists {len(vocab)} values but {k('max_ngram_size')}={n} needs {n - 1} (one per n-gram order 2..{n}) or a single integer"
+            )
     else:
         vocab = _int_field(d, k("vocab_size"), source, minimum=2, maximum=LIMITS["engram_vocab_size"])
     # Each head's prime is at least its order's vocab size, so a layer's table has at
     # least this many rows: refuse before the prime search what cannot fit int32 row ids.
     least_rows = heads * (sum(vocab) if isinstance(vocab, tuple) else vocab * (n - 1))
     if least_rows > INT32_MAX:
-        raise ConfigError(f"{_where(source)}field '{k('vocab_size')}' with {k('n_heads')}={heads} and {k('max_ngram_size')}={n} needs tables of "
-                          f"at least {least_rows} rows, over 2^31-1 (row ids are int32 on the GPU); lower {k('vocab_size')} or {k('n_heads')}")
+        raise ConfigError(
+            f"{_where(source)}field '{k('vocab_size')}' with {k('n_heads')}={heads} and {k('max_ngram_size')}={n} needs tables of "
+            f"at least {least_rows} rows, over 2^31-1 (row ids are int32 on the GPU); lower {k('vocab_size')} or {k('n_heads')}"
+        )
     cvocab = _int_field(d, k("compressed_vocab_size"), source, minimum=1, maximum=LIMITS["compressed_vocab_size"])
     pad = _int_field(d, k("pad_token_id"), source, minimum=0, maximum=LIMITS["pad_token_id"])
     head_dim = _int_field(d, k("head_dim"), source, minimum=1, maximum=LIMITS["engram_head_dim"], default=None)
@@ -278,16 +327,30 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
         if len(num_emb) == 1 and len(layer_ids) > 1:
             num_emb = num_emb * len(layer_ids)
         if len(num_emb) != len(layer_ids):
-            raise ConfigError(f"{_where(source)}field '{k('num_embeddings')}' lists {len(num_emb)} values for {len(layer_ids)} layers in '{k('layer_ids')}' (expected one per layer or a single integer)")
+            raise ConfigError(
+                f"{_where(source)}field '{k('num_embeddings')}' lists {len(num_emb)} values for {len(layer_ids)} layers in '{k('layer_ids')}' (expected one per layer or a single integer)"
+            )
     table_dtype = d.get(k("table_dtype"), "fp8")
     if not isinstance(table_dtype, str) or table_dtype not in TABLE_DTYPES:
-        raise ConfigError(f"{_where(source)}field '{k('table_dtype')}' must be one of {list(TABLE_DTYPES)} (got {_short(table_dtype)})")
+        raise ConfigError(
+            f"{_where(source)}field '{k('table_dtype')}' must be one of {list(TABLE_DTYPES)} (got {_short(table_dtype)})"
+        )
     if table_dtype == "fp8" and head_dim is not None and head_dim % quant_block:
-        raise ConfigError(f"{_where(source)}field '{k('head_dim')}'={head_dim} must be a multiple of {k('quant_block')}={quant_block} for FP8 tables (one ue8m0 scale per block)")
+        raise ConfigError(
+            f"{_where(source)}field '{k('head_dim')}'={head_dim} must be a multiple of {k('quant_block')}={quant_block} for FP8 tables (one ue8m0 scale per block)"
+        )
     return EngramSpec(
-        layer_ids=layer_ids, max_ngram_size=n, n_heads=heads, vocab_size=vocab,
-        compressed_vocab_size=cvocab, pad_token_id=pad, head_dim=head_dim,
-        num_embeddings=num_emb, quant_block=quant_block, table_dtype=table_dtype, prefix=prefix,
+        layer_ids=layer_ids,
+        max_ngram_size=n,
+        n_heads=heads,
+        vocab_size=vocab,
+        compressed_vocab_size=cvocab,
+        pad_token_id=pad,
+        head_dim=head_dim,
+        num_embeddings=num_emb,
+        quant_block=quant_block,
+        table_dtype=table_dtype,
+        prefix=prefix,
     )
 
 
@@ -342,16 +405,24 @@ class ModelConfig:
             raise ConfigError(f"{_where(source)}expected a JSON object (got {type(d).__name__})")
         hidden = _int_field(d, "hidden_size", source, minimum=1, maximum=LIMITS["hidden_size"])
         heads = _int_field(d, "num_attention_heads", source, minimum=1, maximum=LIMITS["num_attention_heads"])
-        kv_heads = _int_field(d, "num_key_value_heads", source, minimum=1, maximum=LIMITS["num_key_value_heads"], default=heads)
+        kv_heads = _int_field(
+            d, "num_key_value_heads", source, minimum=1, maximum=LIMITS["num_key_value_heads"], default=heads
+        )
         if heads % kv_heads:
-            raise ConfigError(f"{_where(source)}field 'num_key_value_heads'={kv_heads} must divide num_attention_heads={heads}")
+            raise ConfigError(
+                f"{_where(source)}field 'num_key_value_heads'={kv_heads} must divide num_attention_heads={heads}"
+            )
         head_dim = _int_field(d, "head_dim", source, minimum=2, maximum=LIMITS["head_dim"], default=None)
         if head_dim is None:
             if hidden % heads:
-                raise ConfigError(f"{_where(source)}hidden_size={hidden} is not a multiple of num_attention_heads={heads}; set 'head_dim'")
+                raise ConfigError(
+                    f"{_where(source)}hidden_size={hidden} is not a multiple of num_attention_heads={heads}; set 'head_dim'"
+                )
             head_dim = hidden // heads
         if head_dim % 2:
-            raise ConfigError(f"{_where(source)}field 'head_dim'={head_dim} must be even (rotary embedding rotates pairs)")
+            raise ConfigError(
+                f"{_where(source)}field 'head_dim'={head_dim} must be even (rotary embedding rotates pairs)"
+            )
         layers = _int_field(d, "num_hidden_layers", source, minimum=1, maximum=LIMITS["num_hidden_layers"])
         eps = d.get("rms_norm_eps", 1e-6)
         if not _is_number(eps) or not (0 < eps < 1):
@@ -361,20 +432,35 @@ class ModelConfig:
             raise ConfigError(f"{_where(source)}field 'tie_word_embeddings' must be true or false (got {_short(tie)})")
         torch_dtype = d.get("torch_dtype", "bfloat16")
         if not isinstance(torch_dtype, str) or len(torch_dtype) > 64:
-            raise ConfigError(f"{_where(source)}field 'torch_dtype' must be a string such as \"bfloat16\" (got {_short(torch_dtype)})")
+            raise ConfigError(
+                f"{_where(source)}field 'torch_dtype' must be a string such as \"bfloat16\" (got {_short(torch_dtype)})"
+            )
         bos = _int_field(d, "bos_token_id", source, minimum=0, maximum=LIMITS["bos_token_id"], default=None)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = _int_list(d, "eos_token_id", source, maximum=LIMITS["eos_token_id"]) if eos else None
         else:
-            eos = _int_field(d, "eos_token_id", source, minimum=0, maximum=LIMITS["eos_token_id"], default=None,
-                             expected="a token id or a list of token ids")
+            eos = _int_field(
+                d,
+                "eos_token_id",
+                source,
+                minimum=0,
+                maximum=LIMITS["eos_token_id"],
+                default=None,
+                expected="a token id or a list of token ids",
+            )
         spec = parse_engram_spec(d, source)
-        max_pos = _int_field(d, "max_position_embeddings", source, minimum=1, maximum=LIMITS["max_position_embeddings"], default=4096)
-        rope = parse_rope(d, source=source, max_position_embeddings=max_pos, head_dim=head_dim, supported=LLAMA_ROPE_TYPES)
+        max_pos = _int_field(
+            d, "max_position_embeddings", source, minimum=1, maximum=LIMITS["max_position_embeddings"], default=4096
+        )
+        rope = parse_rope(
+            d, source=source, max_position_embeddings=max_pos, head_dim=head_dim, supported=LLAMA_ROPE_TYPES
+        )
         cfg = cls(
             hidden_size=hidden,
-            intermediate_size=_int_field(d, "intermediate_size", source, minimum=1, maximum=LIMITS["intermediate_size"]),
+            intermediate_size=_int_field(
+                d, "intermediate_size", source, minimum=1, maximum=LIMITS["intermediate_size"]
+            ),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
@@ -394,9 +480,13 @@ class ModelConfig:
         if spec is not None:
             bad = [lid for lid in spec.layer_ids if lid >= layers]
             if bad:
-                raise ConfigError(f"{_where(source)}field '{spec.field_name('layer_ids')}' names layers {_short(bad)} but num_hidden_layers={layers} (expected ids in 0..{layers - 1})")
+                raise ConfigError(
+                    f"{_where(source)}field '{spec.field_name('layer_ids')}' names layers {_short(bad)} but num_hidden_layers={layers} (expected ids in 0..{layers - 1})"
+                )
             if spec.pad_token_id >= cfg.vocab_size:
-                raise ConfigError(f"{_where(source)}field '{spec.field_name('pad_token_id')}'={spec.pad_token_id} is not a token id (vocab_size={cfg.vocab_size})")
+                raise ConfigError(
+                    f"{_where(source)}field '{spec.field_name('pad_token_id')}'={spec.pad_token_id} is not a token id (vocab_size={cfg.vocab_size})"
+                )
         return cfg
 
     def require_engram(self, what: str = "this operation") -> EngramSpec:
@@ -409,7 +499,9 @@ class ModelConfig:
         """Check the fields that reading tables needs (head_dim); returns the spec."""
         spec = self.engram
         if spec is not None and spec.head_dim is None:
-            raise ConfigError(f"config: missing field '{spec.field_name('head_dim')}' (expected the table row width, a multiple of {spec.quant_block})")
+            raise ConfigError(
+                f"config: missing field '{spec.field_name('head_dim')}' (expected the table row width, a multiple of {spec.quant_block})"
+            )
         return spec
 
     def to_dict(self) -> dict[str, Any]:
@@ -467,4 +559,3 @@ def load_engram_spec(path: str | Path) -> EngramSpec:
     if spec is None:
         raise ConfigError(f"{src}: no Engram fields (expected 'engram_layer_ids' with the other engram_* fields)")
     return spec
-

@@ -71,8 +71,10 @@ _TYPE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "default": ((), ()),
     "linear": (("factor",), ()),
     "dynamic": (("factor",), ()),
-    "yarn": (("factor", "original_max_position_embeddings"),
-             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+    "yarn": (
+        ("factor", "original_max_position_embeddings"),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
     "llama3": (("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"), ()),
     "longrope": (("short_factor", "long_factor", "original_max_position_embeddings"), ("factor", "attention_factor")),
 }
@@ -167,30 +169,40 @@ class _Reader:
         value = self.d.get(key)
         if value is None:
             if default is ...:
-                raise self.fail(f"missing field '{self.name(key)}' (rope_type {self.rope_type!r} needs a number "
-                            f"{'>' if low_open else '>='} {low:g})")
+                raise self.fail(
+                    f"missing field '{self.name(key)}' (rope_type {self.rope_type!r} needs a number "
+                    f"{'>' if low_open else '>='} {low:g})"
+                )
             return default
         ok = _is_number(value) and (value > low if low_open else value >= low) and value <= high
         if not ok:
-            raise self.fail(f"field '{self.name(key)}' must be a number {'>' if low_open else '>='} {low:g} "
-                            f"and <= {high:g} (got {_short(value)})")
+            raise self.fail(
+                f"field '{self.name(key)}' must be a number {'>' if low_open else '>='} {low:g} "
+                f"and <= {high:g} (got {_short(value)})"
+            )
         return float(value)
 
 
 def _positive_int(value: Any, name: str, source: str | None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_POSITIONS:
-        raise ConfigError(f"{_where(source)}field '{name}' must be an integer in [1, {MAX_POSITIONS}] (got {_short(value)})")
+        raise ConfigError(
+            f"{_where(source)}field '{name}' must be an integer in [1, {MAX_POSITIONS}] (got {_short(value)})"
+        )
     return value
 
 
 def _factor_list(r: _Reader, key: str, pairs: int) -> tuple[float, ...]:
     value = r.d.get(key)
     if value is None:
-        raise r.fail(f"missing field '{r.name(key)}' (rope_type 'longrope' needs a list of {pairs} positive numbers, one per rotated pair)")
+        raise r.fail(
+            f"missing field '{r.name(key)}' (rope_type 'longrope' needs a list of {pairs} positive numbers, one per rotated pair)"
+        )
     if not isinstance(value, (list, tuple)) or not all(_is_number(v) and v > 0 for v in value):
         raise r.fail(f"field '{r.name(key)}' must be a list of positive numbers (got {_short(value)})")
     if len(value) != pairs:
-        raise r.fail(f"field '{r.name(key)}' lists {len(value)} values but the rotary width needs {pairs} (rotary_dim / 2)")
+        raise r.fail(
+            f"field '{r.name(key)}' lists {len(value)} values but the rotary width needs {pairs} (rotary_dim / 2)"
+        )
     return tuple(float(v) for v in value)
 
 
@@ -203,19 +215,31 @@ def _unnest(d: Mapping[str, Any], field: str, source: str | None) -> Mapping[str
     entries = list(d.values())
     if all(isinstance(v, Mapping) for v in entries) and all(dict(v) == dict(entries[0]) for v in entries):
         return entries[0]
-    raise ConfigError(f"{_where(source)}field '{field}' is keyed per layer type ({', '.join(map(str, d))}) with different "
-                      f"RoPE per layer (or none on some); engram-trt serves one RoPE for every layer")
+    raise ConfigError(
+        f"{_where(source)}field '{field}' is keyed per layer type ({', '.join(map(str, d))}) with different "
+        f"RoPE per layer (or none on some); engram-trt serves one RoPE for every layer"
+    )
 
 
 def _agree(name_a: str, a: Any, name_b: str, b: Any, source: str | None) -> Any:
     if a is not None and b is not None and a != b:
-        raise ConfigError(f"{_where(source)}fields '{name_a}'={_short(a)} and '{name_b}'={_short(b)} disagree; keep one")
+        raise ConfigError(
+            f"{_where(source)}fields '{name_a}'={_short(a)} and '{name_b}'={_short(b)} disagree; keep one"
+        )
     return a if a is not None else b
 
 
-def _parse_one(d: Mapping[str, Any], field: str | None, top: Mapping[str, Any], *, source: str | None,
-               max_position_embeddings: int, head_dim: int, supported: Collection[str],
-               partial_rotary: bool) -> RopeSetting:
+def _parse_one(
+    d: Mapping[str, Any],
+    field: str | None,
+    top: Mapping[str, Any],
+    *,
+    source: str | None,
+    max_position_embeddings: int,
+    head_dim: int,
+    supported: Collection[str],
+    partial_rotary: bool,
+) -> RopeSetting:
     if field is not None and not isinstance(d, Mapping):
         raise ConfigError(f"{_where(source)}field '{field}' must be a JSON object or null (got {_short(d)})")
     if field == "rope_parameters":
@@ -225,17 +249,23 @@ def _parse_one(d: Mapping[str, Any], field: str | None, top: Mapping[str, Any], 
     # the type: 'rope_type', or 'type' as transformers 4 first wrote it
     rt, legacy = d.get("rope_type"), d.get("type")
     if rt is not None and legacy is not None and rt != legacy:
-        raise r.fail(f"fields '{r.name('rope_type')}'={_short(rt)} and '{r.name('type')}'={_short(legacy)} disagree; keep one")
+        raise r.fail(
+            f"fields '{r.name('rope_type')}'={_short(rt)} and '{r.name('type')}'={_short(legacy)} disagree; keep one"
+        )
     rope_type = rt if rt is not None else legacy if legacy is not None else "default"
     if not isinstance(rope_type, str):
         raise r.fail(f"field '{r.name('rope_type')}' must be a string such as \"llama3\" (got {_short(rope_type)})")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         why = f": {_REFUSED_TYPES[rope_type]}" if rope_type in _REFUSED_TYPES else ""
-        raise r.fail(f"field '{r.name('rope_type')}'={rope_type!r} is not a RoPE type engram-trt implements{why} "
-                     f"(supported: {', '.join(s for s in SUPPORTED_ROPE_TYPES if s in supported)})")
+        raise r.fail(
+            f"field '{r.name('rope_type')}'={rope_type!r} is not a RoPE type engram-trt implements{why} "
+            f"(supported: {', '.join(s for s in SUPPORTED_ROPE_TYPES if s in supported)})"
+        )
     if rope_type not in supported:
-        raise r.fail(f"field '{r.name('rope_type')}'={rope_type!r} is not supported by this architecture "
-                     f"(supported: {', '.join(s for s in SUPPORTED_ROPE_TYPES if s in supported)})")
+        raise r.fail(
+            f"field '{r.name('rope_type')}'={rope_type!r} is not supported by this architecture "
+            f"(supported: {', '.join(s for s in SUPPORTED_ROPE_TYPES if s in supported)})"
+        )
 
     r.rope_type = rope_type
     required, optional = _TYPE_KEYS[rope_type]
@@ -243,7 +273,11 @@ def _parse_one(d: Mapping[str, Any], field: str | None, top: Mapping[str, Any], 
     for key in d:
         if key in _COMMON_KEYS or key in required or key in optional or d[key] is None:
             continue
-        what = "is not a RoPE parameter engram-trt knows" if key not in _KNOWN_KEYS else f"does not apply to rope_type {rope_type!r}"
+        what = (
+            "is not a RoPE parameter engram-trt knows"
+            if key not in _KNOWN_KEYS
+            else f"does not apply to rope_type {rope_type!r}"
+        )
         raise r.fail(f"field '{r.name(key)}' {what} (rope_type {rope_type!r} takes: {', '.join(takes)}); remove it")
 
     # theta and the rotated width: in the dict (v5) or at the top level (v4); both must agree
@@ -258,11 +292,15 @@ def _parse_one(d: Mapping[str, Any], field: str | None, top: Mapping[str, Any], 
     prf_name = r.name("partial_rotary_factor") if prf_here is not None else "partial_rotary_factor"
     rotary_dim = int(head_dim * prf)
     if prf != 1.0 and not partial_rotary:
-        raise r.fail(f"field '{prf_name}'={prf:g} asks to rotate part of the head, but this architecture rotates the "
-                     f"whole head (supported: 1.0)")
+        raise r.fail(
+            f"field '{prf_name}'={prf:g} asks to rotate part of the head, but this architecture rotates the "
+            f"whole head (supported: 1.0)"
+        )
     if rotary_dim < 2 or rotary_dim % 2:
-        raise r.fail(f"field '{prf_name}'={prf:g} gives a rotary width of {rotary_dim} channels of head_dim={head_dim} "
-                     f"(expected an even width >= 2)")
+        raise r.fail(
+            f"field '{prf_name}'={prf:g} gives a rotary width of {rotary_dim} channels of head_dim={head_dim} "
+            f"(expected an even width >= 2)"
+        )
 
     kw: dict[str, Any] = {}
     if rope_type in ("yarn", "llama3", "longrope"):
@@ -270,47 +308,68 @@ def _parse_one(d: Mapping[str, Any], field: str | None, top: Mapping[str, Any], 
         here = None if here is None else _positive_int(here, r.name("original_max_position_embeddings"), source)
         above = top.get("original_max_position_embeddings")
         above = None if above is None else _positive_int(above, "original_max_position_embeddings", source)
-        orig = _agree(r.name("original_max_position_embeddings"), here, "original_max_position_embeddings", above, source)
+        orig = _agree(
+            r.name("original_max_position_embeddings"), here, "original_max_position_embeddings", above, source
+        )
         if orig is None:
-            raise r.fail(f"missing field '{r.name('original_max_position_embeddings')}' (rope_type {rope_type!r} needs the "
-                         f"pre-training context length, an integer)")
+            raise r.fail(
+                f"missing field '{r.name('original_max_position_embeddings')}' (rope_type {rope_type!r} needs the "
+                f"pre-training context length, an integer)"
+            )
         kw["original_max_position_embeddings"] = orig
 
     if rope_type in ("linear", "dynamic", "llama3"):
         kw["factor"] = r.number("factor", low=1.0, high=MAX_FACTOR)
     elif rope_type == "yarn":
         if "factor" not in d:
-            raise r.fail(f"missing field '{r.name('factor')}' (rope_type 'yarn' needs a number >= 1, or null for "
-                         f"max_position_embeddings / original_max_position_embeddings)")
+            raise r.fail(
+                f"missing field '{r.name('factor')}' (rope_type 'yarn' needs a number >= 1, or null for "
+                f"max_position_embeddings / original_max_position_embeddings)"
+            )
         factor = r.number("factor", low=1.0, high=MAX_FACTOR, default=None)
         if factor is None:
             factor = max_position_embeddings / kw["original_max_position_embeddings"]
             if not 1.0 <= factor <= MAX_FACTOR:
-                raise r.fail(f"field '{r.name('factor')}' is null and max_position_embeddings / original_max_position_embeddings"
-                             f" = {factor:g} (expected >= 1)")
+                raise r.fail(
+                    f"field '{r.name('factor')}' is null and max_position_embeddings / original_max_position_embeddings"
+                    f" = {factor:g} (expected >= 1)"
+                )
         kw["factor"] = factor
         mscale = r.number("mscale", low=0.0, high=MAX_FACTOR, default=None)
         mscale_all = r.number("mscale_all_dim", low=0.0, high=MAX_FACTOR, default=None)
         att = r.number("attention_factor", low=0.0, high=MAX_FACTOR, low_open=True, default=None)
         if att is None:
-            att = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)) if (mscale and mscale_all) \
+            att = (
+                (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+                if (mscale and mscale_all)
                 else _yarn_mscale(factor, 1.0)
+            )
         beta_fast = r.number("beta_fast", low=0.0, high=MAX_FACTOR, low_open=True, default=YARN_BETA_FAST)
         beta_slow = r.number("beta_slow", low=0.0, high=MAX_FACTOR, low_open=True, default=YARN_BETA_SLOW)
         if beta_fast < beta_slow:
-            raise r.fail(f"field '{r.name('beta_fast')}'={beta_fast:g} must be >= '{r.name('beta_slow')}'={beta_slow:g}")
+            raise r.fail(
+                f"field '{r.name('beta_fast')}'={beta_fast:g} must be >= '{r.name('beta_slow')}'={beta_slow:g}"
+            )
         truncate = d.get("truncate", True)
         truncate = True if truncate is None else truncate
         if not isinstance(truncate, bool):
             raise r.fail(f"field '{r.name('truncate')}' must be true or false (got {_short(truncate)})")
-        kw.update(attention_factor=float(att), mscale=mscale, mscale_all_dim=mscale_all, beta_fast=beta_fast,
-                  beta_slow=beta_slow, truncate=truncate)
+        kw.update(
+            attention_factor=float(att),
+            mscale=mscale,
+            mscale_all_dim=mscale_all,
+            beta_fast=beta_fast,
+            beta_slow=beta_slow,
+            truncate=truncate,
+        )
     if rope_type == "llama3":
         low = r.number("low_freq_factor", low=0.0, high=MAX_FACTOR, low_open=True)
         high = r.number("high_freq_factor", low=0.0, high=MAX_FACTOR, low_open=True)
         if high <= low:
-            raise r.fail(f"field '{r.name('high_freq_factor')}'={high:g} must be greater than "
-                         f"'{r.name('low_freq_factor')}'={low:g}")
+            raise r.fail(
+                f"field '{r.name('high_freq_factor')}'={high:g} must be greater than "
+                f"'{r.name('low_freq_factor')}'={low:g}"
+            )
         kw.update(low_freq_factor=low, high_freq_factor=high)
     elif rope_type == "longrope":
         kw["short_factor"] = _factor_list(r, "short_factor", rotary_dim // 2)
@@ -320,19 +379,33 @@ def _parse_one(d: Mapping[str, Any], field: str | None, top: Mapping[str, Any], 
         if factor is None:
             factor = max_position_embeddings / orig
             if factor < 1.0:
-                raise r.fail(f"field '{r.name('factor')}' is absent and max_position_embeddings={max_position_embeddings} is "
-                             f"below original_max_position_embeddings={orig} (expected a factor >= 1)")
+                raise r.fail(
+                    f"field '{r.name('factor')}' is absent and max_position_embeddings={max_position_embeddings} is "
+                    f"below original_max_position_embeddings={orig} (expected a factor >= 1)"
+                )
         att = r.number("attention_factor", low=0.0, high=MAX_FACTOR, low_open=True, default=None)
         if att is None:
             att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         kw.update(factor=factor, attention_factor=float(att))
 
-    return RopeSetting(rope_type=rope_type, theta=theta, partial_rotary_factor=prf,
-                       max_position_embeddings=max_position_embeddings, **kw)
+    return RopeSetting(
+        rope_type=rope_type,
+        theta=theta,
+        partial_rotary_factor=prf,
+        max_position_embeddings=max_position_embeddings,
+        **kw,
+    )
 
 
-def parse_rope(config: Mapping[str, Any], *, source: str | None = None, max_position_embeddings: int, head_dim: int,
-               supported: Collection[str] = SUPPORTED_ROPE_TYPES, partial_rotary: bool = False) -> RopeSetting:
+def parse_rope(
+    config: Mapping[str, Any],
+    *,
+    source: str | None = None,
+    max_position_embeddings: int,
+    head_dim: int,
+    supported: Collection[str] = SUPPORTED_ROPE_TYPES,
+    partial_rotary: bool = False,
+) -> RopeSetting:
     """The RoPE of a ``config.json`` mapping, in either transformers spelling.
 
     ``rope_parameters`` (v5) and ``rope_theta`` + ``rope_scaling`` (v4; ``rope_scaling:
@@ -348,12 +421,25 @@ def parse_rope(config: Mapping[str, Any], *, source: str | None = None, max_posi
     spellings = [(k, config[k]) for k in ("rope_parameters", "rope_scaling") if config.get(k) not in (None, {})]
     if not spellings:
         spellings = [(None, {})]
-    settings = [_parse_one(d, f, config, source=source, max_position_embeddings=max_position_embeddings,
-                           head_dim=head_dim, supported=supported, partial_rotary=partial_rotary) for f, d in spellings]
+    settings = [
+        _parse_one(
+            d,
+            f,
+            config,
+            source=source,
+            max_position_embeddings=max_position_embeddings,
+            head_dim=head_dim,
+            supported=supported,
+            partial_rotary=partial_rotary,
+        )
+        for f, d in spellings
+    ]
     if len(settings) == 2 and settings[0] != settings[1]:
-        raise ConfigError(f"{_where(source)}fields 'rope_parameters' ({settings[0].rope_type}) and 'rope_scaling' "
-                          f"({settings[1].rope_type}) describe different RoPE: {_short(settings[0].to_dict(), 120)} vs "
-                          f"{_short(settings[1].to_dict(), 120)}; keep one")
+        raise ConfigError(
+            f"{_where(source)}fields 'rope_parameters' ({settings[0].rope_type}) and 'rope_scaling' "
+            f"({settings[1].rope_type}) describe different RoPE: {_short(settings[0].to_dict(), 120)} vs "
+            f"{_short(settings[1].to_dict(), 120)}; keep one"
+        )
     return settings[0]
 
 

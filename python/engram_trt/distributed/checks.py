@@ -57,8 +57,15 @@ def lookup_check(world_ctx: Any, path: str, cases: list[LookupCase], max_num_tok
     results = []
     for case in cases:
         ctx = RankContext.create(world_ctx, Topology(case.tp, case.dp))
-        lk = ShardedLookup.open(ctx, case.scope, src, device=ctx.device, max_num_tokens=max_num_tokens,
-                                engram_config=EngramConfig(), progress=False)
+        lk = ShardedLookup.open(
+            ctx,
+            case.scope,
+            src,
+            device=ctx.device,
+            max_num_tokens=max_num_tokens,
+            engram_config=EngramConfig(),
+            progress=False,
+        )
         per_step = []
         try:
             for k, step_seqs in enumerate(case.steps):
@@ -79,8 +86,12 @@ def lookup_check(world_ctx: Any, path: str, cases: list[LookupCase], max_num_tok
             lk.close()
         box: list[Any] = [None] * ctx.world if ctx.rank == 0 else []
         env = {k: os.environ.get(k) for k in NO_MULTICAST_ENV}
-        dist.gather_object({"steps": per_step, "shard": shard, "stats": dict(lk.stats), "env": env},
-                           box if ctx.rank == 0 else None, dst=0, group=world_ctx.side_group)
+        dist.gather_object(
+            {"steps": per_step, "shard": shard, "stats": dict(lk.stats), "env": env},
+            box if ctx.rank == 0 else None,
+            dst=0,
+            group=world_ctx.side_group,
+        )
         results.append(box)
     return results if world_ctx.rank == 0 else None  # type: ignore[return-value]
 
@@ -97,4 +108,3 @@ def run_sequence(world_ctx: Any, calls: list[tuple[Any, tuple]]) -> list[Any]:
     """``fn(world_ctx, *args)`` for each ``(fn, args)`` in order, on one set of ranks
     (module-level functions: the spawned ranks import them)."""
     return [fn(world_ctx, *args) for fn, args in calls]
-

@@ -64,8 +64,15 @@ class WorldContext:
         return self.world > 1 or self.cpu_group is not None
 
 
-def init_world(rank: int, world: int, local_rank: int, device_kind: str, init_method: str | None,
-               timeout_s: float = DEFAULT_TIMEOUT_S, store: Any = None) -> WorldContext:
+def init_world(
+    rank: int,
+    world: int,
+    local_rank: int,
+    device_kind: str,
+    init_method: str | None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    store: Any = None,
+) -> WorldContext:
     """Join the process group: NCCL on ``cuda`` (one GPU per local rank), gloo on ``cpu``.
     ``store``: a ``torch.distributed`` store to rendezvous through instead of
     ``init_method`` (a serving group's leader watches its followers' start through it)."""
@@ -74,10 +81,14 @@ def init_world(rank: int, world: int, local_rank: int, device_kind: str, init_me
     disable_multicast()
     if device_kind == "cuda":
         if not torch.cuda.is_available():
-            raise EngramError("the ranks were asked to run on CUDA but no CUDA device is available here; use --device cpu")
+            raise EngramError(
+                "the ranks were asked to run on CUDA but no CUDA device is available here; use --device cpu"
+            )
         if local_rank >= torch.cuda.device_count():
-            raise EngramError(f"rank {rank} needs GPU {local_rank} but this machine has {torch.cuda.device_count()} CUDA device(s); "
-                              f"lower --tp x --dp to {torch.cuda.device_count()} or use --device cpu")
+            raise EngramError(
+                f"rank {rank} needs GPU {local_rank} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                f"lower --tp x --dp to {torch.cuda.device_count()} or use --device cpu"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -89,7 +100,9 @@ def init_world(rank: int, world: int, local_rank: int, device_kind: str, init_me
     kw: dict[str, Any] = {"device_id": device} if backend == "nccl" else {}
     kw.update({"store": store} if store is not None else {"init_method": init_method})
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kw)
-    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    cpu_group = (
+        dist.group.WORLD if backend == "gloo" else dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
+    )
     # A second CPU group, so that the main thread's collectives (a barrier, the results'
     # gather) never interleave with the step loop's on the scheduler thread.
     side_group = dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
@@ -119,7 +132,9 @@ class RankContext:
         import torch.distributed as dist
 
         if topology.world != world_ctx.world:
-            raise EngramError(f"--tp {topology.tp} x --dp {topology.dp} = {topology.world} ranks, but {world_ctx.world} were started")
+            raise EngramError(
+                f"--tp {topology.tp} x --dp {topology.dp} = {topology.world} ranks, but {world_ctx.world} were started"
+            )
         me = topology.replica_of(world_ctx.rank)
         tp_cpu = tp_data = None
         if topology.tp == topology.world:

@@ -24,7 +24,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from engram_trt.distributed.groups import DEFAULT_TIMEOUT_S, RankContext, WorldContext, close_world, disable_multicast, free_port, init_world
+from engram_trt.distributed.groups import (
+    DEFAULT_TIMEOUT_S,
+    RankContext,
+    WorldContext,
+    close_world,
+    disable_multicast,
+    free_port,
+    init_world,
+)
 from engram_trt.distributed.sharding import Topology
 from engram_trt.errors import EngramError
 
@@ -41,7 +49,9 @@ def resolve_device_kind(device: str | None, world: int) -> str:
     d = (device or "auto").lower()
     if d.startswith("cuda"):
         if d not in ("cuda",):
-            raise EngramError(f"--device {device}: with several ranks each rank takes its own GPU (cuda:LOCAL_RANK); pass --device cuda or auto")
+            raise EngramError(
+                f"--device {device}: with several ranks each rank takes its own GPU (cuda:LOCAL_RANK); pass --device cuda or auto"
+            )
         kind = "cuda"
     elif d == "cpu":
         kind = "cpu"
@@ -55,14 +65,25 @@ def resolve_device_kind(device: str | None, world: int) -> str:
         n = torch.cuda.device_count()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if local > n:
-            raise EngramError(f"{local} ranks on this machine need {local} GPUs (one each) but it has {n}; lower --tp x --dp to {n}, "
-                              "or use --device cpu")
+            raise EngramError(
+                f"{local} ranks on this machine need {local} GPUs (one each) but it has {n}; lower --tp x --dp to {n}, "
+                "or use --device cpu"
+            )
     return kind
 
 
 # -- starting ranks ---------------------------------------------------------------------
-def _rank_entry(local_rank: int, world: int, port: int, device_kind: str, fn: Callable[..., Any], args: tuple,
-                result_path: str, timeout_s: float, log_level: int) -> None:
+def _rank_entry(
+    local_rank: int,
+    world: int,
+    port: int,
+    device_kind: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    result_path: str,
+    timeout_s: float,
+    log_level: int,
+) -> None:
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{local_rank} %(name)s: %(message)s")
     ctx = init_world(local_rank, world, local_rank, device_kind, f"tcp://127.0.0.1:{port}", timeout_s)
     try:
@@ -80,8 +101,9 @@ def _rank_entry(local_rank: int, world: int, port: int, device_kind: str, fn: Ca
         close_world()
 
 
-def spawn(world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cpu",
-          timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+def spawn(
+    world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Any:
     """Run ``fn(world_ctx, *args)`` on ``world`` new processes (rank = local rank, one
     node); returns rank 0's result. ``fn`` must be a module-level function (spawned
     processes import it). A rank that refuses its input fails the call with its one
@@ -99,8 +121,16 @@ def spawn(world: int, fn: Callable[..., Any], *args: Any, device_kind: str = "cp
         try:
             if log.getEffectiveLevel() > logging.DEBUG:
                 spawn_log.setLevel(logging.ERROR)
-            entry_args = (world, free_port(), device_kind, fn, args, result, timeout_s,
-                          logging.getLogger().getEffectiveLevel())
+            entry_args = (
+                world,
+                free_port(),
+                device_kind,
+                fn,
+                args,
+                result,
+                timeout_s,
+                logging.getLogger().getEffectiveLevel(),
+            )
             context = mp.start_processes(_rank_entry, args=entry_args, nprocs=world, join=False, start_method="spawn")
             while not context.join():
                 pass
@@ -142,13 +172,17 @@ def rank_failure(exc: BaseException, exits: list[tuple[int | None, int | None]])
     killed = [r for r, (_pid, code) in enumerate(exits) if code is not None and code < 0 and -code != signal.SIGTERM]
     if killed:
         rank = first if first in killed else killed[0]
-        return (f"{died(rank)} while the ranks were running; the other ranks were stopped (a rank cannot be replaced "
-                f"mid-run: rerun the command)")
+        return (
+            f"{died(rank)} while the ranks were running; the other ranks were stopped (a rank cannot be replaced "
+            f"mid-run: rerun the command)"
+        )
     if first is not None:
         text = str(exc).strip().splitlines()
         cause = next((line.strip() for line in reversed(text) if line.strip()), "")
-        return (f"{died(first)} while the ranks were running: {cause[:300]}; the other ranks were stopped (rerun with "
-                f"-vv for its traceback)")
+        return (
+            f"{died(first)} while the ranks were running: {cause[:300]}; the other ranks were stopped (rerun with "
+            f"-vv for its traceback)"
+        )
     return f"the ranks failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
 
 
@@ -156,8 +190,9 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def under_torchrun(fn: Callable[..., Any], *args: Any, device_kind: str = "cpu",
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+def under_torchrun(
+    fn: Callable[..., Any], *args: Any, device_kind: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Any:
     """Join the ranks ``torchrun`` started (its ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
     ``MASTER_*`` variables); returns ``fn``'s result on rank 0, None elsewhere."""
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -204,8 +239,9 @@ class SourceFacts:
         if not self.has_tables:
             return replace(sharing, scope=None, reason="the model has no tables")
         across = sharing.reason.split("; ", 1)[1] if sharing.reason.startswith("hash columns") else sharing.reason
-        return replace(sharing, scope=None, reason=f"the model's own tables (not Engram tables) whole on each rank; "
-                                                   f"{across}")
+        return replace(
+            sharing, scope=None, reason=f"the model's own tables (not Engram tables) whole on each rank; {across}"
+        )
 
 
 def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> SourceFacts:
@@ -219,8 +255,7 @@ def peek_source(path: str, engram_config: Any, backend: str, device: Any) -> Sou
     p = Path(path).expanduser()
     if not is_engine_folder(p):
         peek = peek_model(p)
-        return SourceFacts(engram_config or EngramConfig(), peek.has_tables, True,
-                           peek.config.engram is not None)
+        return SourceFacts(engram_config or EngramConfig(), peek.has_tables, True, peek.config.engram is not None)
     src = open_model_source(p, engram_config=engram_config, progress=False)
     ok = backend == "torch" or src.placement == "prefetch" or src.engine_file is None
     if not ok and backend == "auto":
@@ -254,8 +289,12 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     facts = peek_source(job.path, user_cfg, kw.get("backend", "auto"), ctx.device)
     shm_dir = (kw.get("table_options") or {}).get("directory")
     cfg = facts.engram_config
-    sharing = choose_table_sharing(cfg, topo, staged_rows_ok=facts.staged_rows_ok or topo.tp > 1,
-                                   shared_problem=shared_store_problem(shm_dir) if cfg.dp_shared_memory else None)
+    sharing = choose_table_sharing(
+        cfg,
+        topo,
+        staged_rows_ok=facts.staged_rows_ok or topo.tp > 1,
+        shared_problem=shared_store_problem(shm_dir) if cfg.dp_shared_memory else None,
+    )
     sharing = facts.adjust(sharing, topo.tp)  # no Engram tables: nothing to shard or exchange
     log_choice(sharing, topo, ctx.rank)
     hooks = lockstep_hooks(ctx, sharing)
@@ -295,10 +334,20 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     stats = llm.scheduler.snapshot()  # after close: a follower's steps are all counted
     if lookup is not None:
         stats["engram"] = dict(lookup.stats)
-    report = {"rank": ctx.rank, "dp_rank": ctx.dp_rank, "tp_rank": ctx.tp_rank, "device": str(ctx.device),
-              "backend": label, "backend_reason": reason, "storage": storage, "stats": stats,
-              "load_s": round(load_s, 3), "generate_s": round(gen_s, 4), "weight_bytes": weight_bytes,
-              "graphs": graphs}
+    report = {
+        "rank": ctx.rank,
+        "dp_rank": ctx.dp_rank,
+        "tp_rank": ctx.tp_rank,
+        "device": str(ctx.device),
+        "backend": label,
+        "backend_reason": reason,
+        "storage": storage,
+        "stats": stats,
+        "load_s": round(load_s, 3),
+        "generate_s": round(gen_s, 4),
+        "weight_bytes": weight_bytes,
+        "graphs": graphs,
+    }
     if memory is not None:
         report["memory"] = memory
     if clock is not None:
@@ -310,10 +359,16 @@ def generate_replicas(world_ctx: WorldContext | None, job: ReplicaJob) -> dict[s
     for g in gathered:
         for i, out in g["outputs"]:
             ordered[i] = out
-    return {"outputs": ordered, "sharing": {**sharing.to_json(), "copies": sharing.copies(topo)},
-            "tp": topo.tp, "dp": topo.dp, "ranks": [g["report"] for g in gathered],
-            "weights": weights_report(job.path, kw.get("dtype"), ctx.device,
-                                      [g["report"]["weight_bytes"] for g in gathered])}
+    return {
+        "outputs": ordered,
+        "sharing": {**sharing.to_json(), "copies": sharing.copies(topo)},
+        "tp": topo.tp,
+        "dp": topo.dp,
+        "ranks": [g["report"] for g in gathered],
+        "weights": weights_report(
+            job.path, kw.get("dtype"), ctx.device, [g["report"]["weight_bytes"] for g in gathered]
+        ),
+    }
 
 
 def weights_report(path: str, dtype: Any, device: Any, per_rank: list[Any]) -> dict[str, Any]:
@@ -402,8 +457,10 @@ def run_replicas(job: ReplicaJob, *, device: str | None = None, timeout_s: float
     job.llm_kwargs.pop("device", None)
     if in_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise EngramError(f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp {job.tp} x --dp {job.dp} = {world}; "
-                              f"pass --nproc-per-node {world}")
+            raise EngramError(
+                f"torchrun started {os.environ['WORLD_SIZE']} ranks but --tp {job.tp} x --dp {job.dp} = {world}; "
+                f"pass --nproc-per-node {world}"
+            )
         return under_torchrun(generate_replicas, job, device_kind=kind, timeout_s=timeout_s)
     return spawn(world, generate_replicas, job, device_kind=kind, timeout_s=timeout_s)
 
@@ -414,8 +471,10 @@ def prompts_from_file(path: str) -> list[str]:
 
     p = Path(path).expanduser()
     if p.is_dir():
-        raise EngramError(f"--prompts-file {path}: is a folder, not a file; pass a file of prompts (a JSON list of strings "
-                          f"or one per line)")
+        raise EngramError(
+            f"--prompts-file {path}: is a folder, not a file; pass a file of prompts (a JSON list of strings "
+            f"or one per line)"
+        )
     if not p.exists():
         raise EngramError(f"--prompts-file {path}: no such file")
     try:

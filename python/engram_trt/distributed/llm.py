@@ -28,8 +28,16 @@ class LLM(_LLM):
     timeout (a rank that died ends the others within it). Every other keyword is
     :class:`engram_trt.llmapi.llm.LLM`'s."""
 
-    def __init__(self, path: str, *, tp: int = 1, device: Any = "auto", gpus: Sequence[int] | None = None,
-                 group_timeout_s: float = 600.0, **kw: Any) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        tp: int = 1,
+        device: Any = "auto",
+        gpus: Sequence[int] | None = None,
+        group_timeout_s: float = 600.0,
+        **kw: Any,
+    ) -> None:
         self._group: Any = None
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise EngramError(f"tp must be an integer >= 1 (got {tp!r})")
@@ -38,8 +46,10 @@ class LLM(_LLM):
             return
         given = [k for k in _HOOKS if kw.get(k) is not None]
         if given:
-            raise EngramError(f"LLM(tp={tp}) starts its own group; drop {', '.join(given)} (the hooks of a rank "
-                              f"engram_trt.distributed builds)")
+            raise EngramError(
+                f"LLM(tp={tp}) starts its own group; drop {', '.join(given)} (the hooks of a rank "
+                f"engram_trt.distributed builds)"
+            )
         from engram_trt.config.engram import EngramConfig
         from engram_trt.distributed.serving import GroupSpec, start_serving_group
         from engram_trt.distributed.support import check_parallel_support
@@ -54,9 +64,17 @@ class LLM(_LLM):
 
             first = int(devices[0].split(":")[1])
             check_gpu_fit(path, tp, kw.get("dtype"), gpu_memory_bytes(first), f"GPU {first}")
-        spec = GroupSpec(str(path), tp, devices, 1, engram_config=None if ecfg is None else ecfg.to_dict(),
-                         llm_kwargs=_json_kwargs(kw), name=f"llm-tp{tp}", timeout_s=group_timeout_s,
-                         start_timeout_s=group_timeout_s)
+        spec = GroupSpec(
+            str(path),
+            tp,
+            devices,
+            1,
+            engram_config=None if ecfg is None else ecfg.to_dict(),
+            llm_kwargs=_json_kwargs(kw),
+            name=f"llm-tp{tp}",
+            timeout_s=group_timeout_s,
+            start_timeout_s=group_timeout_s,
+        )
         self._group = start_serving_group(spec, build=self._init_leader)
 
     def _init_leader(self, spec: Any, ctx: Any) -> tuple[Any, Any]:
@@ -94,12 +112,15 @@ def group_devices(device: Any, tp: int, gpus: Sequence[int] | None) -> tuple[str
     if d == "cpu" or (d == "auto" and not torch.cuda.is_available()):
         return ("cpu",) * tp
     if d not in ("cuda", "auto"):
-        raise EngramError(f"device {device!r}: with tp={tp} each rank takes its own GPU; pass device='cuda' (GPUs "
-                          f"0..{tp - 1}), gpus=[...], or device='cpu'")
+        raise EngramError(
+            f"device {device!r}: with tp={tp} each rank takes its own GPU; pass device='cuda' (GPUs "
+            f"0..{tp - 1}), gpus=[...], or device='cpu'"
+        )
     n = torch.cuda.device_count()
     if n < tp:
-        raise EngramError(f"tp={tp} needs {tp} GPUs, one per rank, but this machine has {n}; lower tp or pass "
-                          f"device='cpu'")
+        raise EngramError(
+            f"tp={tp} needs {tp} GPUs, one per rank, but this machine has {n}; lower tp or pass device='cpu'"
+        )
     return tuple(f"cuda:{i}" for i in range(tp))
 
 
@@ -114,8 +135,9 @@ def _json_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
     try:
         json.dumps(out)
     except TypeError as exc:
-        raise EngramError(f"LLM(tp=...): the options reach the follower ranks as JSON, and one is not ({exc}); pass "
-                          f"plain values") from None
+        raise EngramError(
+            f"LLM(tp=...): the options reach the follower ranks as JSON, and one is not ({exc}); pass plain values"
+        ) from None
     return out
 
 

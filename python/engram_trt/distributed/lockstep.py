@@ -62,8 +62,15 @@ class _LeaderRunner:
 
     def run(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
         if self._has_followers:
-            payload = (self.resets, step.input_ids.numpy(), step.seq_lens, step.past_lens, step.slots,
-                       np.asarray(lookback), np.asarray(cids))
+            payload = (
+                self.resets,
+                step.input_ids.numpy(),
+                step.seq_lens,
+                step.past_lens,
+                step.slots,
+                np.asarray(lookback),
+                np.asarray(cids),
+            )
             broadcast_step(payload, self._leader_rank, self._tp_group)
             self.resets = []
         return self._runner.run(step, cids, lookback)
@@ -83,9 +90,21 @@ class LockstepScheduler(Scheduler):
     replica's TP group (CPU) and its leader's global rank; ``lookup``: this rank's
     :class:`~engram_trt.distributed.lookup.ShardedLookup` (for idle steps)."""
 
-    def __init__(self, runner: Any, tokenizer: Any, *, control_group: Any, members: list[int], rank: int,
-                 leader_rank: int, tp_group: Any, tp_size: int, lookup: Any, poll_s: float = 0.001,
-                 max_poll_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        runner: Any,
+        tokenizer: Any,
+        *,
+        control_group: Any,
+        members: list[int],
+        rank: int,
+        leader_rank: int,
+        tp_group: Any,
+        tp_size: int,
+        lookup: Any,
+        poll_s: float = 0.001,
+        max_poll_s: float = 0.02,
+    ) -> None:
         self.is_leader = rank == leader_rank
         self.members = list(members)
         self.me = self.members.index(rank)
@@ -113,8 +132,18 @@ class LockstepScheduler(Scheduler):
         leader = ctx.topology.leader_of(ctx.rank)
 
         def make(runner: Any, tokenizer: Any) -> "LockstepScheduler":
-            return cls(runner, tokenizer, control_group=control, members=members, rank=ctx.rank, leader_rank=leader,
-                       tp_group=ctx.tp_cpu_group, tp_size=ctx.topology.tp, lookup=runner.engram_lookup, **kw)
+            return cls(
+                runner,
+                tokenizer,
+                control_group=control,
+                members=members,
+                rank=ctx.rank,
+                leader_rank=leader,
+                tp_group=ctx.tp_cpu_group,
+                tp_size=ctx.topology.tp,
+                lookup=runner.engram_lookup,
+                **kw,
+            )
 
         return make
 
@@ -190,11 +219,19 @@ class LockstepScheduler(Scheduler):
         atomic.pause_point("lockstep:follow")  # tests: a follower frozen mid-step (then killed)
         for slot in resets:
             self._base_runner.reset_slot(slot)
-        step = PackedStep(torch.from_numpy(ids), seq_lens, past_lens, slots, lookback=torch.from_numpy(lookback),
-                          engram_ids=torch.from_numpy(cids))
+        step = PackedStep(
+            torch.from_numpy(ids),
+            seq_lens,
+            past_lens,
+            slots,
+            lookback=torch.from_numpy(lookback),
+            engram_ids=torch.from_numpy(cids),
+        )
         try:
             self._base_runner.run(step, cids, lookback)
         except Exception as exc:  # as the leader's _run: its step fails the same way and its requests carry the error
-            log.error("follower step of %d sequences failed: %s", step.num_seqs, exc, exc_info=log.isEnabledFor(logging.DEBUG))
+            log.error(
+                "follower step of %d sequences failed: %s", step.num_seqs, exc, exc_info=log.isEnabledFor(logging.DEBUG)
+            )
         self.stats["follower_steps"] += 1
         self.stats["steps"] += 1

@@ -62,7 +62,11 @@ def usable_table_kind(kind: str) -> str:
 
     module = {"pinned": "engram_trt.tables.pinned", "shared": "engram_trt.tables.shared"}.get(kind)
     if module is not None and importlib.util.find_spec(module) is None:
-        log.warning("the %s table store (%s) is not part of this installation: this rank's table slice goes to private host memory", kind, module)
+        log.warning(
+            "the %s table store (%s) is not part of this installation: this rank's table slice goes to private host memory",
+            kind,
+            module,
+        )
         return "memory"
     return kind
 
@@ -72,9 +76,19 @@ class ShardedLookup:
     rank owns no columns); ``control_group`` carries counts and row ids (gloo, CPU
     tensors), ``data_group`` the rows (on ``device``)."""
 
-    def __init__(self, layout: EngramLayout, plan: ExchangePlan, tables: TableStore | None, *, device: Any,
-                 max_tokens: int, head_dim: int, control_group: Any, data_group: Any,
-                 full_table_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        layout: EngramLayout,
+        plan: ExchangePlan,
+        tables: TableStore | None,
+        *,
+        device: Any,
+        max_tokens: int,
+        head_dim: int,
+        control_group: Any,
+        data_group: Any,
+        full_table_bytes: int = 0,
+    ) -> None:
         self.layout = layout
         self.plan = plan
         self.shard = shard_columns(layout, plan.me, plan.size)
@@ -88,19 +102,34 @@ class ShardedLookup:
         self.full_table_bytes = int(full_table_bytes)
         self.cuda = self.device.type == "cuda"
         if (tables is None) != self.shard.is_empty:
-            raise EngramError(f"internal: rank {plan.me} owns columns {self.shard.col_begin}..{self.shard.col_end} but its table slice is {tables!r}")
+            raise EngramError(
+                f"internal: rank {plan.me} owns columns {self.shard.col_begin}..{self.shard.col_end} but its table slice is {tables!r}"
+            )
         if tables is not None:
             for li in range(layout.num_layers):
                 if tables.num_rows(li) != self.shard.num_rows(li) or tables.head_dim(li) != self.head_dim:
-                    raise EngramError(f"internal: the table slice of layer {li} is {tables.num_rows(li)} x {tables.head_dim(li)}, "
-                                      f"the shard needs {self.shard.num_rows(li)} x {self.head_dim}")
+                    raise EngramError(
+                        f"internal: the table slice of layer {li} is {tables.num_rows(li)} x {tables.head_dim(li)}, "
+                        f"the shard needs {self.shard.num_rows(li)} x {self.head_dim}"
+                    )
         L = layout.num_layers
-        self.staging = torch.empty((L, self.max_tokens, self.cols, self.head_dim), dtype=torch.bfloat16, device=self.device)
+        self.staging = torch.empty(
+            (L, self.max_tokens, self.cols, self.head_dim), dtype=torch.bfloat16, device=self.device
+        )
         self.path = self._gather_path()
         self.table_kind = "none" if tables is None else tables.kind
         self.timing = False  # the Prefetcher's flag; no side-stream events here
-        self.stats: dict[str, Any] = {"steps": 0, "idle_steps": 0, "rows": 0, "bytes_from_host": 0, "lookup_s": 0.0,
-                                      "exchange_s": 0.0, "exchange_bytes": 0, "pad_tokens": 0, "paths": {}}
+        self.stats: dict[str, Any] = {
+            "steps": 0,
+            "idle_steps": 0,
+            "rows": 0,
+            "bytes_from_host": 0,
+            "lookup_s": 0.0,
+            "exchange_s": 0.0,
+            "exchange_bytes": 0,
+            "pad_tokens": 0,
+            "paths": {},
+        }
         self._kernels = None
         self._hostgather = None
         if self.cuda and tables is not None:
@@ -117,16 +146,41 @@ class ShardedLookup:
         opens this rank's slice of the source's tables (only its byte range of each file)
         in the store ``--engram-config`` picks, and builds the lookup over it."""
 
-        def make(*, source: Any, device: Any, max_num_tokens: int, engram_config: Any, progress: bool = True,
-                 table_options: dict[str, Any] | None = None) -> "ShardedLookup":
-            return cls.open(ctx, scope, source, device=device, max_num_tokens=max_num_tokens,
-                            engram_config=engram_config, progress=progress, table_options=table_options)
+        def make(
+            *,
+            source: Any,
+            device: Any,
+            max_num_tokens: int,
+            engram_config: Any,
+            progress: bool = True,
+            table_options: dict[str, Any] | None = None,
+        ) -> "ShardedLookup":
+            return cls.open(
+                ctx,
+                scope,
+                source,
+                device=device,
+                max_num_tokens=max_num_tokens,
+                engram_config=engram_config,
+                progress=progress,
+                table_options=table_options,
+            )
 
         return make
 
     @classmethod
-    def open(cls, ctx: RankContext, scope: str, source: Any, *, device: Any, max_num_tokens: int, engram_config: Any,
-             progress: bool = True, table_options: dict[str, Any] | None = None) -> "ShardedLookup":
+    def open(
+        cls,
+        ctx: RankContext,
+        scope: str,
+        source: Any,
+        *,
+        device: Any,
+        max_num_tokens: int,
+        engram_config: Any,
+        progress: bool = True,
+        table_options: dict[str, Any] | None = None,
+    ) -> "ShardedLookup":
         from engram_trt.tables.store import open_tables, table_kind_for
 
         layout = source.layout
@@ -138,18 +192,41 @@ class ShardedLookup:
         tables = None
         if not shard.is_empty:
             refs = slice_table_refs(source.table_refs, shard)
-            tables = open_tables(refs, kind, quant_block=spec.quant_block, device=device, progress=progress,
-                                 **(table_options or {}))
+            tables = open_tables(
+                refs, kind, quant_block=spec.quant_block, device=device, progress=progress, **(table_options or {})
+            )
         else:
-            log.warning("rank %d owns no hash columns (%d columns over %d ranks): it holds no table rows", ctx.rank,
-                        layout.n_hash_cols, plan.size)
+            log.warning(
+                "rank %d owns no hash columns (%d columns over %d ranks): it holds no table rows",
+                ctx.rank,
+                layout.n_hash_cols,
+                plan.size,
+            )
         control, data = ctx.groups(scope)
         full = sum(r.nbytes for r in source.table_refs)
-        lookup = cls(layout, plan, tables, device=device, max_tokens=max_num_tokens, head_dim=spec.head_dim,
-                     control_group=control, data_group=data, full_table_bytes=full)
-        log.info("rank %d: Engram columns %d..%d of %d (%s scope, %d ranks), %.1f MiB of %.1f MiB of tables in %s",
-                 ctx.rank, shard.col_begin, shard.col_end, layout.n_hash_cols, scope, plan.size,
-                 (0 if tables is None else tables.table_bytes()) / 2**20, full / 2**20, lookup.table_kind)
+        lookup = cls(
+            layout,
+            plan,
+            tables,
+            device=device,
+            max_tokens=max_num_tokens,
+            head_dim=spec.head_dim,
+            control_group=control,
+            data_group=data,
+            full_table_bytes=full,
+        )
+        log.info(
+            "rank %d: Engram columns %d..%d of %d (%s scope, %d ranks), %.1f MiB of %.1f MiB of tables in %s",
+            ctx.rank,
+            shard.col_begin,
+            shard.col_end,
+            layout.n_hash_cols,
+            scope,
+            plan.size,
+            (0 if tables is None else tables.table_bytes()) / 2**20,
+            full / 2**20,
+            lookup.table_kind,
+        )
         return lookup
 
     def _gather_path(self) -> str:
@@ -165,7 +242,9 @@ class ShardedLookup:
         group; every member must call this (or :meth:`idle`) for the same step."""
         T = step.num_tokens
         if T > self.max_tokens:
-            raise EngramError(f"a step of {T} tokens exceeds the staging buffers' {self.max_tokens} tokens (max_num_tokens)")
+            raise EngramError(
+                f"a step of {T} tokens exceeds the staging buffers' {self.max_tokens} tokens (max_num_tokens)"
+            )
         ids = hash_batch_packed(cids, step.seq_starts, lookback, self.layout)
         info = self._exchange(ids, T)
         return StagedRows([self.staging[li, :T] for li in range(self.layout.num_layers)], info=info)
@@ -211,10 +290,15 @@ class ShardedLookup:
             all_gather_flat(recv.view(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8), self.data_group)
         recv = recv.view(plan.size, L, P, chunk, self.head_dim)
         for s, b, e in plan.assemble_order():
-            self.staging[:, :T, b:e].copy_(recv[s, :, :T, :e - b])
+            self.staging[:, :T, b:e].copy_(recv[s, :, :T, : e - b])
         t3 = time.perf_counter()
         gathered = int(req.shape[0]) * P * self.shard.num_cols * L
-        info = {"path": self.path, "rows": gathered, "pad_tokens": P - T, "exchange": "all_to_all" if plan.exchanges_ids else "all_gather"}
+        info = {
+            "path": self.path,
+            "rows": gathered,
+            "pad_tokens": P - T,
+            "exchange": "all_to_all" if plan.exchanges_ids else "all_gather",
+        }
         st = self.stats
         st["steps"] += 1
         st["rows"] += gathered
@@ -244,10 +328,13 @@ class ShardedLookup:
                 qb = self.tables.quant_block
                 assert self._kernels is not None
                 if self.path == "device":
-                    got = self._kernels.gather(ids.to(torch.int32).to(self.device, non_blocking=True), rows, scales,
-                                               quant_block=qb)
+                    got = self._kernels.gather(
+                        ids.to(torch.int32).to(self.device, non_blocking=True), rows, scales, quant_block=qb
+                    )
                 else:
-                    got = self._hostgather.host_gather(ids.to(torch.int32), rows, scales, quant_block=qb, device=self.device)
+                    got = self._hostgather.host_gather(
+                        ids.to(torch.int32), rows, scales, quant_block=qb, device=self.device
+                    )
             out[:, li, :, :nc].copy_(got.view(R, P, nc, self.head_dim))
         return out
 
@@ -260,12 +347,28 @@ class ShardedLookup:
     def describe(self) -> dict[str, Any]:
         """Where this rank's slice lives (the runner's ``storage()``)."""
         t = self.tables
-        base = t.describe() if t is not None else {"kind": "none", "where": "no rows (this rank owns no columns)",
-                                                    "gpu_readable": False, "table_bytes": 0, "resident_bytes": 0}
+        base = (
+            t.describe()
+            if t is not None
+            else {
+                "kind": "none",
+                "where": "no rows (this rank owns no columns)",
+                "gpu_readable": False,
+                "table_bytes": 0,
+                "resident_bytes": 0,
+            }
+        )
         base.pop("layers", None)
-        base["where"] = f"{base['where']}; columns {self.shard.col_begin}..{self.shard.col_end} of {self.cols} (rank {self.plan.me} of {self.plan.size})"
-        base.update(sharded=True, scope="world" if self.plan.exchanges_ids else "tp", shard=self.shard.to_json(),
-                    full_table_bytes=self.full_table_bytes, gather_path=self.path)
+        base["where"] = (
+            f"{base['where']}; columns {self.shard.col_begin}..{self.shard.col_end} of {self.cols} (rank {self.plan.me} of {self.plan.size})"
+        )
+        base.update(
+            sharded=True,
+            scope="world" if self.plan.exchanges_ids else "tp",
+            shard=self.shard.to_json(),
+            full_table_bytes=self.full_table_bytes,
+            gather_path=self.path,
+        )
         return base
 
     def close(self) -> None:

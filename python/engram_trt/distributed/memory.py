@@ -61,5 +61,10 @@ def shm_used(directory: str | Path = "/dev/shm") -> int:
 def process_memory(table_files: Iterable[str] = (), shm_dir: str = "/dev/shm") -> dict[str, Any]:
     """This process's PSS, the PSS of its table mappings, and ``/dev/shm`` in use."""
     files = sorted({str(f) for f in table_files})
-    return {"pid": os.getpid(), "pss_bytes": smaps_rollup_pss(), "shm_pss_bytes": mapped_pss([shm_dir.rstrip("/") + "/"]),
-            "table_file_pss_bytes": mapped_pss(files), "shm_used_bytes": shm_used(shm_dir)}
+    return {
+        "pid": os.getpid(),
+        "pss_bytes": smaps_rollup_pss(),
+        "shm_pss_bytes": mapped_pss([shm_dir.rstrip("/") + "/"]),
+        "table_file_pss_bytes": mapped_pss(files),
+        "shm_used_bytes": shm_used(shm_dir),
+    }

@@ -74,35 +74,46 @@ def shared_store_problem(directory: str | Path | None = None) -> str | None:
     return None
 
 
-def choose_table_sharing(cfg: EngramConfig, topology: Topology, *, staged_rows_ok: bool = True,
-                         shared_problem: str | None = None) -> TableSharing:
+def choose_table_sharing(
+    cfg: EngramConfig, topology: Topology, *, staged_rows_ok: bool = True, shared_problem: str | None = None
+) -> TableSharing:
     """See the module docstring. ``staged_rows_ok``: the backend takes rows staged by
     the runtime (torch, or an engine built with ``table_placement prefetch``);
     ``shared_problem``: :func:`shared_store_problem`'s answer."""
     tp, dp, world = topology.tp, topology.dp, topology.world
     warns: list[str] = []
     if tp > 1 and not staged_rows_ok:
-        raise EngramError(f"--tp {tp} shards the Engram lookup over the TP ranks, but this engine gathers the rows inside itself "
-                          "from whole tables (table_placement in_engine); use --backend torch, or build the engine with "
-                          "--engram-config.table_placement prefetch")
+        raise EngramError(
+            f"--tp {tp} shards the Engram lookup over the TP ranks, but this engine gathers the rows inside itself "
+            "from whole tables (table_placement in_engine); use --backend torch, or build the engine with "
+            "--engram-config.table_placement prefetch"
+        )
     if world == 1:
         if cfg.embedding_across_dp:
-            warns.append("embedding_across_dp: a single rank has no other rank to shard the tables with; it holds them whole")
+            warns.append(
+                "embedding_across_dp: a single rank has no other rank to shard the tables with; it holds them whole"
+            )
         return _finish(TableSharing(None, "single", replace(cfg, embedding_across_dp=False), "one rank", tuple(warns)))
 
-    want = "embedding_across_dp" if cfg.embedding_across_dp else "dp_shared_memory" if cfg.dp_shared_memory else "private"
+    want = (
+        "embedding_across_dp" if cfg.embedding_across_dp else "dp_shared_memory" if cfg.dp_shared_memory else "private"
+    )
     mode = want
     if mode == "embedding_across_dp" and not staged_rows_ok:
         shared_ok = shared_problem is None and cfg.cpu_offload  # a shared copy lives in host memory
         alt = "dp_shared_memory" if shared_ok else "private copies"
-        warns.append("embedding_across_dp: this engine gathers the rows inside itself from whole tables (table_placement "
-                     f"in_engine), so the columns cannot be sharded across ranks; using {alt} instead (build the engine "
-                     "with --engram-config.table_placement prefetch to shard)")
+        warns.append(
+            "embedding_across_dp: this engine gathers the rows inside itself from whole tables (table_placement "
+            f"in_engine), so the columns cannot be sharded across ranks; using {alt} instead (build the engine "
+            "with --engram-config.table_placement prefetch to shard)"
+        )
         mode = "dp_shared_memory" if shared_ok else "private"
     if mode == "dp_shared_memory" and shared_problem is not None:
         if staged_rows_ok:
-            warns.append(f"dp_shared_memory: {shared_problem}; sharding the columns across all {world} ranks instead "
-                         "(embedding_across_dp: still one table copy, at one exchange per step)")
+            warns.append(
+                f"dp_shared_memory: {shared_problem}; sharding the columns across all {world} ranks instead "
+                "(embedding_across_dp: still one table copy, at one exchange per step)"
+            )
             mode = "embedding_across_dp"
         else:
             warns.append(f"dp_shared_memory: {shared_problem}; each of the {dp} replicas holds a private copy instead")
@@ -111,21 +122,31 @@ def choose_table_sharing(cfg: EngramConfig, topology: Topology, *, staged_rows_o
     if mode == "embedding_across_dp":
         ecfg = replace(cfg, embedding_across_dp=True, dp_shared_memory=False)
         scope = "world" if dp > 1 else "tp"
-        reason = (f"hash columns sharded over all {world} ranks (tp {tp} x dp {dp}): one table copy in total, row ids "
-                  "all-gathered and rows sent back all-to-all each step" if dp > 1 else
-                  f"hash columns sharded over the {tp} TP ranks: one table copy in total")
+        reason = (
+            f"hash columns sharded over all {world} ranks (tp {tp} x dp {dp}): one table copy in total, row ids "
+            "all-gathered and rows sent back all-to-all each step"
+            if dp > 1
+            else f"hash columns sharded over the {tp} TP ranks: one table copy in total"
+        )
         mode_out = "embedding_across_dp" if dp > 1 else "single"
     elif mode == "dp_shared_memory":
         ecfg = replace(cfg, dp_shared_memory=True, embedding_across_dp=False)
         scope = "tp" if tp > 1 else None
-        reason = (f"the {dp} replicas attach one /dev/shm copy per node" + (f" (one segment per TP column slice, {tp} slices)" if tp > 1 else "")
-                  + "; no per-step collective across replicas")
+        reason = (
+            f"the {dp} replicas attach one /dev/shm copy per node"
+            + (f" (one segment per TP column slice, {tp} slices)" if tp > 1 else "")
+            + "; no per-step collective across replicas"
+        )
         mode_out = "dp_shared_memory" if dp > 1 else "single"
     else:
         ecfg = replace(cfg, dp_shared_memory=False, embedding_across_dp=False)
         scope = "tp" if tp > 1 else None
-        reason = (f"each of the {dp} replicas holds a private copy ({dp} copies); --engram-config.embedding_across_dp true "
-                  "or dp_shared_memory true keeps one" if dp > 1 else "one replica")
+        reason = (
+            f"each of the {dp} replicas holds a private copy ({dp} copies); --engram-config.embedding_across_dp true "
+            "or dp_shared_memory true keeps one"
+            if dp > 1
+            else "one replica"
+        )
         mode_out = "private" if dp > 1 else "single"
     if tp > 1 and mode != "embedding_across_dp":
         reason = f"hash columns sharded over the {tp} TP ranks of each replica; " + reason

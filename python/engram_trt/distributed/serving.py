@@ -98,14 +98,18 @@ class GroupSpec:
     def device_kind(self) -> str:
         """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank); refused when mixed."""
         if len(self.devices) != self.tp:
-            raise EngramError(f"internal: a TP group of {self.tp} ranks got {len(self.devices)} devices {list(self.devices)}")
+            raise EngramError(
+                f"internal: a TP group of {self.tp} ranks got {len(self.devices)} devices {list(self.devices)}"
+            )
         kinds = {d.split(":")[0] for d in self.devices}
         if kinds == {"cpu"}:
             return "cpu"
         if kinds == {"cuda"} and all(":" in d for d in self.devices) and len(set(self.devices)) == self.tp:
             return "cuda"
-        raise EngramError(f"{self.name}: the TP ranks' devices {', '.join(self.devices)} must be all 'cpu' or one distinct "
-                          "'cuda:G' each")
+        raise EngramError(
+            f"{self.name}: the TP ranks' devices {', '.join(self.devices)} must be all 'cpu' or one distinct "
+            "'cuda:G' each"
+        )
 
     def local_rank(self, rank: int) -> int:
         """The GPU index of ``rank`` on CUDA (what :func:`~.groups.init_world` binds), else the rank."""
@@ -114,8 +118,9 @@ class GroupSpec:
 
 
 # -- the table sharing of a serving replica --------------------------------------------
-def choose_serving_sharing(cfg: EngramConfig, tp: int, dp: int, *, staged_rows_ok: bool = True,
-                           shared_problem: str | None = None) -> TableSharing:
+def choose_serving_sharing(
+    cfg: EngramConfig, tp: int, dp: int, *, staged_rows_ok: bool = True, shared_problem: str | None = None
+) -> TableSharing:
     """The table sharing of one of ``dp`` independent replicas of ``tp`` ranks each.
     Within the replica, :func:`~.modes.choose_table_sharing` over ``tp x 1``; across
     replicas, ``dp_shared_memory`` or private copies (see the module docstring for why
@@ -127,28 +132,48 @@ def choose_serving_sharing(cfg: EngramConfig, tp: int, dp: int, *, staged_rows_o
     if dp > 1 and cfg.embedding_across_dp:
         shareable = cfg.cpu_offload and not cfg.host_file_gather  # what dp_shared_memory needs
         alt = "dp_shared_memory" if shareable else "private copies"
-        warns.append(f"embedding_across_dp: it shards the columns over replicas that step in lockstep, but the {dp} serving "
-                     f"instances step independently; using {alt} instead"
-                     + (" (one /dev/shm copy per node)" if shareable else " (cpu_offload false or host_file_gather rule out a shared copy)"))
+        warns.append(
+            f"embedding_across_dp: it shards the columns over replicas that step in lockstep, but the {dp} serving "
+            f"instances step independently; using {alt} instead"
+            + (
+                " (one /dev/shm copy per node)"
+                if shareable
+                else " (cpu_offload false or host_file_gather rule out a shared copy)"
+            )
+        )
         cfg = replace(cfg, embedding_across_dp=False, dp_shared_memory=shareable)
     if cfg.dp_shared_memory and shared_problem is not None:
         warns.append(f"dp_shared_memory: {shared_problem}; each of the {dp} instances holds its own copy instead")
         cfg = replace(cfg, dp_shared_memory=False)
     inner = choose_table_sharing(cfg, Topology(tp, 1), staged_rows_ok=staged_rows_ok)
     warns.extend(inner.warnings)
-    within = f"hash columns sharded over the {tp} TP ranks of each instance" if tp > 1 else "each instance holds whole tables"
+    within = (
+        f"hash columns sharded over the {tp} TP ranks of each instance"
+        if tp > 1
+        else "each instance holds whole tables"
+    )
     if dp == 1:
         mode, across = "single", "one instance"
     elif inner.engram_config.dp_shared_memory:
         mode = "dp_shared_memory"
-        across = f"the {dp} instances attach one /dev/shm copy per node" + (f" (one segment per TP slice, {tp} slices)" if tp > 1 else "")
+        across = f"the {dp} instances attach one /dev/shm copy per node" + (
+            f" (one segment per TP slice, {tp} slices)" if tp > 1 else ""
+        )
     else:
         mode, across = "private", f"each of the {dp} instances holds a private copy ({dp} copies)"
     return replace(inner, dp_mode=mode, reason=f"{within}; {across}", warnings=tuple(warns))
 
 
-def serving_sharing(path: str, engram_config: Any, tp: int, dp: int, *, backend: str = "auto", device: Any = "auto",
-                    table_options: dict[str, Any] | None = None) -> TableSharing:
+def serving_sharing(
+    path: str,
+    engram_config: Any,
+    tp: int,
+    dp: int,
+    *,
+    backend: str = "auto",
+    device: Any = "auto",
+    table_options: dict[str, Any] | None = None,
+) -> TableSharing:
     """:func:`choose_serving_sharing` for a model folder and the user's
     ``engram_config`` (an :class:`EngramConfig`, a dict of fields or None), reading what
     the choice needs without loading weights or tables."""
@@ -157,7 +182,11 @@ def serving_sharing(path: str, engram_config: Any, tp: int, dp: int, *, backend:
     from engram_trt.distributed.support import check_parallel_support
     from engram_trt.runtime.runner import resolve_device
 
-    user = engram_config if isinstance(engram_config, EngramConfig) or engram_config is None else EngramConfig.parse(engram_config)
+    user = (
+        engram_config
+        if isinstance(engram_config, EngramConfig) or engram_config is None
+        else EngramConfig.parse(engram_config)
+    )
     check_parallel_support(path, tp, dp, user, serving=True)  # what the family cannot run, in one line
     dev = resolve_device(device)
     facts = peek_source(path, user, backend, dev)
@@ -165,8 +194,7 @@ def serving_sharing(path: str, engram_config: Any, tp: int, dp: int, *, backend:
     wants_shared = cfg.dp_shared_memory or (dp > 1 and cfg.embedding_across_dp)
     problem = shared_store_problem((table_options or {}).get("directory")) if wants_shared else None
     # with --tp the backbone is sharded: the torch backend, which takes staged rows, serves every rank
-    sharing = choose_serving_sharing(cfg, tp, dp, staged_rows_ok=facts.staged_rows_ok or tp > 1,
-                                     shared_problem=problem)
+    sharing = choose_serving_sharing(cfg, tp, dp, staged_rows_ok=facts.staged_rows_ok or tp > 1, shared_problem=problem)
     return facts.adjust(sharing, tp)  # no Engram tables: nothing to shard or exchange
 
 
@@ -200,10 +228,16 @@ class ServingGroup:
         for rank, p in enumerate(self.followers, start=1):
             rc = p.poll()
             if rc is not None:
-                return (f"{self.name}: TP rank {rank} (pid {p.pid}) exited ({rc}), so the group cannot step on; reload the "
-                        "model or restart the server")
+                return (
+                    f"{self.name}: TP rank {rank} (pid {p.pid}) exited ({rc}), so the group cannot step on; reload the "
+                    "model or restart the server"
+                )
         broken = getattr(self.llm.scheduler, "broken", None)
-        return f"{self.name}: the group's step loop stopped ({broken}); reload the model or restart the server" if broken else None
+        return (
+            f"{self.name}: the group's step loop stopped ({broken}); reload the model or restart the server"
+            if broken
+            else None
+        )
 
     def stats(self) -> dict[str, Any]:
         """What a front end exports about the group (the ``tp_group`` entry of the
@@ -229,8 +263,12 @@ class ServingGroup:
                 try:
                     rc = p.wait(timeout_s)
                 except subprocess.TimeoutExpired:
-                    log.warning("%s: follower pid %d did not exit within %.0f s of the leader's close; killing it",
-                                self.name, p.pid, timeout_s)
+                    log.warning(
+                        "%s: follower pid %d did not exit within %.0f s of the leader's close; killing it",
+                        self.name,
+                        p.pid,
+                        timeout_s,
+                    )
                     p.kill()
                     rc = p.wait()
                 if rc != 0:
@@ -253,8 +291,10 @@ def follower_python() -> str:
             return str(cand)
     found = shutil.which(ver) or shutil.which("python3")
     if found is None:
-        raise EngramError(f"cannot find a {ver} interpreter to start the TP followers with (sys.executable is "
-                          f"{sys.executable!r}); put {ver} on PATH")
+        raise EngramError(
+            f"cannot find a {ver} interpreter to start the TP followers with (sys.executable is "
+            f"{sys.executable!r}); put {ver} on PATH"
+        )
     return found
 
 
@@ -284,10 +324,17 @@ def start_serving_group(spec: GroupSpec, build: Any = None) -> ServingGroup:
         raise EngramError(f"internal: a serving group needs --tp >= 2 (got {spec.tp}); one rank serves alone")
     kind = spec.device_kind
     disable_multicast()
-    store = dist.TCPStore("127.0.0.1", 0, spec.tp, True, timeout=datetime.timedelta(seconds=spec.timeout_s),
-                          wait_for_workers=False)
-    cmd = [follower_python(), "-c", f"import sys; from {FOLLOWER_MARK}; sys.exit(follower_main(sys.argv[1:]))",
-           spec.to_json(), str(store.port), str(os.getpid())]
+    store = dist.TCPStore(
+        "127.0.0.1", 0, spec.tp, True, timeout=datetime.timedelta(seconds=spec.timeout_s), wait_for_workers=False
+    )
+    cmd = [
+        follower_python(),
+        "-c",
+        f"import sys; from {FOLLOWER_MARK}; sys.exit(follower_main(sys.argv[1:]))",
+        spec.to_json(),
+        str(store.port),
+        str(os.getpid()),
+    ]
     env = _follower_env()
     followers: list[subprocess.Popen] = []
     llm = None
@@ -296,11 +343,17 @@ def start_serving_group(spec: GroupSpec, build: Any = None) -> ServingGroup:
     try:
         for rank in range(1, spec.tp):
             followers.append(subprocess.Popen(cmd + [str(rank)], env=env, stdin=subprocess.DEVNULL))
-        log.info("%s: started %d follower(s), pids %s (%s)", spec.name, len(followers), [p.pid for p in followers],
-                 ", ".join(spec.devices))
+        log.info(
+            "%s: started %d follower(s), pids %s (%s)",
+            spec.name,
+            len(followers),
+            [p.pid for p in followers],
+            ", ".join(spec.devices),
+        )
         _await(store, followers, "joined", deadline, spec)
-        ctx = RankContext.create(init_world(0, spec.tp, spec.local_rank(0), kind, None, spec.timeout_s, store=store),
-                                 Topology(spec.tp, 1))
+        ctx = RankContext.create(
+            init_world(0, spec.tp, spec.local_rank(0), kind, None, spec.timeout_s, store=store), Topology(spec.tp, 1)
+        )
         joined = True
         llm, sharing = (build or _build_llm)(spec, ctx)
         _await(store, followers, "ready", deadline, spec)
@@ -313,8 +366,14 @@ def start_serving_group(spec: GroupSpec, build: Any = None) -> ServingGroup:
         raise
     for w in sharing.warnings:
         log.warning("%s: %s", spec.name, w)
-    log.info("%s: %d ranks ready on %s; tables: %s (%s)", spec.name, spec.tp, ", ".join(spec.devices), sharing.dp_mode,
-             sharing.reason)
+    log.info(
+        "%s: %d ranks ready on %s; tables: %s (%s)",
+        spec.name,
+        spec.tp,
+        ", ".join(spec.devices),
+        sharing.dp_mode,
+        sharing.reason,
+    )
     return ServingGroup(spec, llm, sharing, followers, store)
 
 
@@ -327,8 +386,15 @@ def rank_llm_kwargs(spec: GroupSpec, ctx: Any) -> tuple[dict[str, Any], TableSha
     kw = dict(spec.llm_kwargs)
     kw.pop("device", None)
     kw.setdefault("progress", False)
-    sharing = serving_sharing(spec.path, spec.engram_config, spec.tp, spec.dp, backend=kw.get("backend", "auto"),
-                              device=ctx.device, table_options=kw.get("table_options"))
+    sharing = serving_sharing(
+        spec.path,
+        spec.engram_config,
+        spec.tp,
+        spec.dp,
+        backend=kw.get("backend", "auto"),
+        device=ctx.device,
+        table_options=kw.get("table_options"),
+    )
     kw.update(engram_config=sharing.engram_config, device=ctx.device, **lockstep_hooks(ctx, sharing))
     return kw, sharing
 
@@ -347,15 +413,19 @@ def _await(store: Any, followers: list[subprocess.Popen], what: str, deadline: f
     while left:
         for rank in sorted(left):
             if store.check([f"error/{rank}"]):
-                raise EngramError(f"{spec.name}: TP rank {rank} on {spec.devices[rank]} failed to start: "
-                                  f"{store.get(f'error/{rank}').decode(errors='replace')}")
+                raise EngramError(
+                    f"{spec.name}: TP rank {rank} on {spec.devices[rank]} failed to start: "
+                    f"{store.get(f'error/{rank}').decode(errors='replace')}"
+                )
             if store.check([f"{what}/{rank}"]):
                 left.discard(rank)
                 continue
             rc = followers[rank - 1].poll()
             if rc is not None:
-                raise EngramError(f"{spec.name}: TP rank {rank} (pid {followers[rank - 1].pid}) exited ({rc}) before it was "
-                                  f"{what}; its log is in the server's output")
+                raise EngramError(
+                    f"{spec.name}: TP rank {rank} (pid {followers[rank - 1].pid}) exited ({rc}) before it was "
+                    f"{what}; its log is in the server's output"
+                )
         if left and time.monotonic() > deadline:
             raise EngramError(f"{spec.name}: TP rank(s) {sorted(left)} not {what} within {spec.start_timeout_s:.0f} s")
         if left:
@@ -410,13 +480,17 @@ def follower_main(argv: list[str]) -> int:
     spec_json, port, leader_pid, rank_s = argv
     spec = GroupSpec.from_json(spec_json)
     rank = int(rank_s)
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s {spec.name} rank {rank}/{spec.tp} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(levelname)s {spec.name} rank {rank}/{spec.tp} %(name)s: %(message)s"
+    )
     _watch_parent(int(leader_pid), spec.name)
     store = dist.TCPStore("127.0.0.1", int(port), spec.tp, False, timeout=datetime.timedelta(seconds=spec.timeout_s))
     try:
         store.set(f"joined/{rank}", str(os.getpid()))
-        ctx = RankContext.create(init_world(rank, spec.tp, spec.local_rank(rank), spec.device_kind, None, spec.timeout_s,
-                                            store=store), Topology(spec.tp, 1))
+        ctx = RankContext.create(
+            init_world(rank, spec.tp, spec.local_rank(rank), spec.device_kind, None, spec.timeout_s, store=store),
+            Topology(spec.tp, 1),
+        )
         llm, _ = _build_llm(spec, ctx)
     except BaseException as exc:
         msg = str(exc) if isinstance(exc, EngramError) else f"{type(exc).__name__}: {exc}"

@@ -92,8 +92,12 @@ class ColumnShard:
         return self.num_cols == 0
 
     def to_json(self) -> dict[str, object]:
-        return {"rank": self.rank, "world": self.world, "columns": [self.col_begin, self.col_end],
-                "rows": [[b, e] for b, e in zip(self.row_begin, self.row_end)]}
+        return {
+            "rank": self.rank,
+            "world": self.world,
+            "columns": [self.col_begin, self.col_end],
+            "rows": [[b, e] for b, e in zip(self.row_begin, self.row_end)],
+        }
 
 
 def shard_columns(layout: EngramLayout, rank: int, world: int) -> ColumnShard:
@@ -125,7 +129,7 @@ def local_row_ids(global_ids: np.ndarray, shard: ColumnShard) -> np.ndarray:
     if ids.ndim < 2 or ids.shape[-2] != shard.num_layers:
         raise EngramError(f"row ids must be [..., L={shard.num_layers}, cols] (got {ids.shape})")
     begin = np.asarray(shard.row_begin, dtype=ids.dtype).reshape(shard.num_layers, 1)
-    return ids[..., shard.col_begin:shard.col_end] - begin
+    return ids[..., shard.col_begin : shard.col_end] - begin
 
 
 def global_row_ids(local_ids: np.ndarray, shard: ColumnShard) -> np.ndarray:
@@ -268,8 +272,14 @@ def exchange_plan(topology: Topology, rank: int, scope: str, num_cols: int) -> E
         members = tuple(range(topology.world))
         replica_of = tuple(topology.replica_of(r) for r in members)
         requesters = tuple(members.index(topology.rank(d, 0)) for d in range(topology.dp))
-    return ExchangePlan(members, members.index(rank), replica_of, requesters,
-                        tuple(column_ranges(num_cols, len(members))), len(requesters) > 1)
+    return ExchangePlan(
+        members,
+        members.index(rank),
+        replica_of,
+        requesters,
+        tuple(column_ranges(num_cols, len(members))),
+        len(requesters) > 1,
+    )
 
 
 # -- the table slice -----------------------------------------------------------------
@@ -283,10 +293,20 @@ def slice_table_refs(refs: Sequence["TableRef"], shard: ColumnShard) -> list["Ta
     for r in refs:
         b, e = shard.row_begin[r.layer_index], shard.row_end[r.layer_index]
         if e > r.shape[0]:
-            raise EngramError(f"table {r.tensor} has {r.shape[0]} rows, fewer than the layout's {e}: the table does not cover the layout")
+            raise EngramError(
+                f"table {r.tensor} has {r.shape[0]} rows, fewer than the layout's {e}: the table does not cover the layout"
+            )
         if e == b:
             raise EngramError(f"internal: rank {shard.rank} owns no rows of {r.tensor}; an empty shard opens no tables")
         rb = r.row_bytes
-        out.append(replace(r, offset=r.offset + b * rb, nbytes=(e - b) * rb, shape=(e - b, r.shape[1]), sha256=None,
-                           tensor=f"{r.tensor}[rows {b}:{e}]"))
+        out.append(
+            replace(
+                r,
+                offset=r.offset + b * rb,
+                nbytes=(e - b) * rb,
+                shape=(e - b, r.shape[1]),
+                sha256=None,
+                tensor=f"{r.tensor}[rows {b}:{e}]",
+            )
+        )
     return out

@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 GPU_FILL = 0.9  # the share of a GPU's memory the weights may take (the rest: state, activations, graphs)
 
 
-def check_parallel_support(path: Any, tp: int, dp: int, engram_config: EngramConfig | None = None, *,
-                           serving: bool = False) -> Any:
+def check_parallel_support(
+    path: Any, tp: int, dp: int, engram_config: EngramConfig | None = None, *, serving: bool = False
+) -> Any:
     """Refuse (one :class:`EngramError` line) a ``--tp`` / ``embedding_across_dp`` the
     model of ``path`` cannot run; returns the folder's
     :class:`~engram_trt.runtime.engine_folder.ModelPeek` (None for one rank, where
@@ -50,16 +51,21 @@ def check_parallel_support(path: Any, tp: int, dp: int, engram_config: EngramCon
     arch = peek.architecture
     family = peek.family
     if tp > 1 and not arch.tensor_parallel:
-        then = ("serve --tp 1 (--dp M serves M whole instances)" if serving else
-                "run with --tp 1 (--dp M runs M whole replicas)")
+        then = (
+            "serve --tp 1 (--dp M serves M whole instances)"
+            if serving
+            else "run with --tp 1 (--dp M runs M whole replicas)"
+        )
         raise EngramError(f"--tp {tp}: {family} backbones are not sharded over tensor-parallel ranks; {then}")
     if tp > 1:
         check_plans(path, peek, tp)
     across = engram_config is not None and engram_config.embedding_across_dp
     if dp > 1 and across and peek.has_tables and peek.config.engram is None:
-        raise EngramError(f"--engram-config.embedding_across_dp: {family}'s own tables (not Engram tables) are not "
-                          f"sharded across ranks; drop it (--engram-config.dp_shared_memory true keeps one /dev/shm "
-                          f"copy per node for the {dp} replicas)")
+        raise EngramError(
+            f"--engram-config.embedding_across_dp: {family}'s own tables (not Engram tables) are not "
+            f"sharded across ranks; drop it (--engram-config.dp_shared_memory true keeps one /dev/shm "
+            f"copy per node for the {dp} replicas)"
+        )
     if engram_config is not None and engram_config.given:
         engram_config.validate_for(peek.config)  # what each rank would refuse, said once before they start
     return peek
@@ -87,8 +93,9 @@ def _open(path: Any) -> Any:
     return open_checkpoint(checkpoint_of(path), allow_unused=True)
 
 
-def rank_weight_bytes(arch: Any, config: Any, formats: dict[str, tuple[str, int, int]],
-                      shapes: dict[str, tuple[int, ...]], tp: int) -> int | None:
+def rank_weight_bytes(
+    arch: Any, config: Any, formats: dict[str, tuple[str, int, int]], shapes: dict[str, tuple[int, ...]], tp: int
+) -> int | None:
     """The most bytes one rank places at ``--tp tp`` (None: the model cannot split so)."""
     from engram_trt.models.parallel import rank_bytes
 
@@ -103,8 +110,15 @@ def rank_weight_bytes(arch: Any, config: Any, formats: dict[str, tuple[str, int,
     return max(rank_bytes(p, formats, shapes) for p in plans)
 
 
-def gpus_needed(arch: Any, config: Any, formats: dict[str, tuple[str, int, int]], shapes: dict[str, tuple[int, ...]],
-                tp: int, gpu_bytes: int, largest: int = 64) -> tuple[int, int | None]:
+def gpus_needed(
+    arch: Any,
+    config: Any,
+    formats: dict[str, tuple[str, int, int]],
+    shapes: dict[str, tuple[int, ...]],
+    tp: int,
+    gpu_bytes: int,
+    largest: int = 64,
+) -> tuple[int, int | None]:
     """``(bytes per rank at --tp tp, the smallest --tp >= tp at which every rank's share
     fits GPU_FILL of gpu_bytes)``, None when no --tp up to ``largest`` fits."""
     now = rank_weight_bytes(arch, config, formats, shapes, tp)
@@ -148,11 +162,14 @@ def check_gpu_fit(path: Any, tp: int, dtype: Any, gpu_bytes: int | None, what: s
     if fits == tp:
         return
     gib = 2**30
-    head = (f"{path}: the weights take {total / gib:.2f} GiB; at --tp {tp} a rank holds {now / gib:.2f} GiB, more than "
-            f"{GPU_FILL:.0%} of {what} ({gpu_bytes / gib:.2f} GiB)")
+    head = (
+        f"{path}: the weights take {total / gib:.2f} GiB; at --tp {tp} a rank holds {now / gib:.2f} GiB, more than "
+        f"{GPU_FILL:.0%} of {what} ({gpu_bytes / gib:.2f} GiB)"
+    )
     if fits is None:
-        raise EngramError(f"{head}, and no --tp this model splits into fits such GPUs; use larger GPUs (or quantized "
-                          f"weights)")
+        raise EngramError(
+            f"{head}, and no --tp this model splits into fits such GPUs; use larger GPUs (or quantized weights)"
+        )
     raise EngramError(f"{head}: it needs {fits} GPUs of this size; pass --tp {fits}")
 
 

@@ -20,8 +20,13 @@ from engram_trt.errors import EngramError
 GATE_CLAMP = 1e-6
 
 
-def _check(hidden_shape: tuple[int, ...], kv_shape: tuple[int, ...], qw_shape: tuple[int, ...],
-           kw_shape: tuple[int, ...], mask_shape: tuple[int, ...] | None) -> tuple[int, int, int]:
+def _check(
+    hidden_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    qw_shape: tuple[int, ...],
+    kw_shape: tuple[int, ...],
+    mask_shape: tuple[int, ...] | None,
+) -> tuple[int, int, int]:
     if len(hidden_shape) != 3:
         raise EngramError(f"hidden must be [T, hc_mult, D] (got {hidden_shape})")
     T, hc, D = hidden_shape
@@ -35,8 +40,15 @@ def _check(hidden_shape: tuple[int, ...], kv_shape: tuple[int, ...], qw_shape: t
     return T, hc, D
 
 
-def engram_gate_reference(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, token_mask: Any = None,
-                          eps: float = 1e-6, clamp: float = GATE_CLAMP) -> np.ndarray:
+def engram_gate_reference(
+    hidden: Any,
+    kv: Any,
+    q_weight: Any,
+    k_weight: Any,
+    token_mask: Any = None,
+    eps: float = 1e-6,
+    clamp: float = GATE_CLAMP,
+) -> np.ndarray:
     """Float64 NumPy oracle of the gated update; returns ``[T, hc, D]`` float64."""
     h = np.asarray(hidden, dtype=np.float64)
     kv = np.asarray(kv, dtype=np.float64)
@@ -44,7 +56,7 @@ def engram_gate_reference(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, to
     kw = np.asarray(k_weight, dtype=np.float64)
     T, hc, D = _check(h.shape, kv.shape, qw.shape, kw.shape, None if token_mask is None else np.shape(token_mask))
     keys = kv[:, : hc * D].reshape(T, hc, D)
-    value = kv[:, hc * D:]
+    value = kv[:, hc * D :]
     dot = (h * qw[None] * kw[None] * keys).sum(-1)
     dot = dot / np.sqrt((h * h).mean(-1) + eps) / np.sqrt((keys * keys).mean(-1) + eps) / np.sqrt(D)
     gate = 1.0 / (1.0 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), clamp))))
@@ -53,19 +65,31 @@ def engram_gate_reference(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, to
     return h + gate[..., None] * value[:, None, :]
 
 
-def engram_gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, token_mask: Any = None,
-                eps: float = 1e-6, clamp: float = GATE_CLAMP) -> Any:
+def engram_gate(
+    hidden: Any,
+    kv: Any,
+    q_weight: Any,
+    k_weight: Any,
+    token_mask: Any = None,
+    eps: float = 1e-6,
+    clamp: float = GATE_CLAMP,
+) -> Any:
     """Torch version (float32 math, output in ``hidden``'s dtype): the CPU backend's path."""
     import torch
 
-    T, hc, D = _check(tuple(hidden.shape), tuple(kv.shape), tuple(q_weight.shape), tuple(k_weight.shape),
-                      None if token_mask is None else tuple(token_mask.shape))
+    T, hc, D = _check(
+        tuple(hidden.shape),
+        tuple(kv.shape),
+        tuple(q_weight.shape),
+        tuple(k_weight.shape),
+        None if token_mask is None else tuple(token_mask.shape),
+    )
     h = hidden.float()
     kvf = kv.float()
     keys = kvf[:, : hc * D].reshape(T, hc, D)
-    value = kvf[:, hc * D:]
+    value = kvf[:, hc * D :]
     dot = (h * (q_weight.float() * k_weight.float())[None] * keys).sum(-1)
-    dot = dot * torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(keys.pow(2).mean(-1) + eps) / (D ** 0.5)
+    dot = dot * torch.rsqrt(h.pow(2).mean(-1) + eps) * torch.rsqrt(keys.pow(2).mean(-1) + eps) / (D**0.5)
     gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(clamp)))
     if token_mask is not None:
         gate = gate * token_mask.to(device=gate.device, dtype=torch.bool)[:, None].to(gate.dtype)

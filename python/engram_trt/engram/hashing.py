@@ -33,7 +33,8 @@ def _check_ids(ids: Any, layout: EngramLayout, what: str) -> None:
             bad = hi if hi >= layout.compressed_vocab_size else lo
             raise EngramError(
                 f"{what} holds compressed id {bad}, outside -1..{layout.compressed_vocab_size - 1} "
-                f"(-1 marks a dead token; compressed_vocab_size={layout.compressed_vocab_size})")
+                f"(-1 marks a dead token; compressed_vocab_size={layout.compressed_vocab_size})"
+            )
 
 
 def _hash(xp: Any, ext: Any, T: int, layout: EngramLayout, lead: int, like: Any, index: Any = None) -> Any:
@@ -54,7 +55,7 @@ def _hash(xp: Any, ext: Any, T: int, layout: EngramLayout, lead: int, like: Any,
     for s in range(N):
         if index is None:
             start = lead - s
-            tok = ext[start:start + T]  # token at p - s, for every p
+            tok = ext[start : start + T]  # token at p - s, for every p
         else:
             tok = ext[index - s]
         dead = tok < 0
@@ -63,8 +64,11 @@ def _hash(xp: Any, ext: Any, T: int, layout: EngramLayout, lead: int, like: Any,
         term = v[:, None] * mult[None, :, s]  # [T, L]
         rolling = term if rolling is None else (rolling ^ term)
         if s >= 1:
-            cols.append(rolling[:, :, None].expand(-1, -1, H) if xp is not np else
-                        np.broadcast_to(rolling[:, :, None], (T, L, H)))
+            cols.append(
+                rolling[:, :, None].expand(-1, -1, H)
+                if xp is not np
+                else np.broadcast_to(rolling[:, :, None], (T, L, H))
+            )
     stacked = xp.concatenate(cols, axis=2) if xp is np else xp.cat(cols, dim=2)  # [T, L, cols]
     return stacked % primes[None] + offsets[None]
 
@@ -74,7 +78,9 @@ def _prepare_lookback(lookback: Any, n: int, xp: Any, like: Any) -> Any:
         return like(np.full(n, DEAD, dtype=np.int64))
     lb = lookback if xp is not np else np.asarray(lookback, dtype=np.int64)
     if tuple(lb.shape) != (n,):
-        raise EngramError(f"lookback must hold the N-1={n} compressed ids before the chunk (got shape {tuple(lb.shape)}); use -1 where there is no earlier token")
+        raise EngramError(
+            f"lookback must hold the N-1={n} compressed ids before the chunk (got shape {tuple(lb.shape)}); use -1 where there is no earlier token"
+        )
     return lb
 
 
@@ -85,8 +91,7 @@ def hash_ids(ids: Any, layout: EngramLayout, lookback: Any = None) -> np.ndarray
     lb = _prepare_lookback(lookback, layout.max_ngram_size - 1, np, np.asarray)
     _check_ids(lb, layout, "lookback")
     ext = np.concatenate([lb, arr])
-    return _hash(np, ext, arr.shape[0], layout, layout.max_ngram_size - 1,
-                 lambda a: np.asarray(a, dtype=np.int64))
+    return _hash(np, ext, arr.shape[0], layout, layout.max_ngram_size - 1, lambda a: np.asarray(a, dtype=np.int64))
 
 
 def hash_ids_torch(ids: Any, layout: EngramLayout, lookback: Any = None) -> Any:
@@ -96,8 +101,12 @@ def hash_ids_torch(ids: Any, layout: EngramLayout, lookback: Any = None) -> Any:
     ids = ids.to(torch.int64)
     _check_ids(ids, layout, "ids")
     like = lambda a: torch.as_tensor(a, dtype=torch.int64, device=ids.device)  # noqa: E731
-    lb = _prepare_lookback(None if lookback is None else lookback.to(torch.int64, copy=False).to(ids.device),
-                           layout.max_ngram_size - 1, torch, like)
+    lb = _prepare_lookback(
+        None if lookback is None else lookback.to(torch.int64, copy=False).to(ids.device),
+        layout.max_ngram_size - 1,
+        torch,
+        like,
+    )
     _check_ids(lb, layout, "lookback")
     ext = torch.cat([lb, ids])
     return _hash(torch, ext, ids.shape[0], layout, layout.max_ngram_size - 1, like)
@@ -112,13 +121,21 @@ def hash_batch_packed(ids: Any, seq_starts: Any, lookback: Any, layout: EngramLa
     """
     ids = np.asarray(ids, dtype=np.int64)
     starts = np.asarray(seq_starts, dtype=np.int64)
-    if starts.ndim != 1 or starts.size < 1 or starts[0] != 0 or starts[-1] != ids.shape[0] or np.any(np.diff(starts) < 0):
+    if (
+        starts.ndim != 1
+        or starts.size < 1
+        or starts[0] != 0
+        or starts[-1] != ids.shape[0]
+        or np.any(np.diff(starts) < 0)
+    ):
         raise EngramError(f"seq_starts must rise from 0 to len(ids)={ids.shape[0]} (got {starts.tolist()})")
     S = starts.size - 1
     if lookback is not None:
         lookback = np.asarray(lookback, dtype=np.int64)
         if lookback.shape != (S, layout.max_ngram_size - 1):
-            raise EngramError(f"lookback must be [num_sequences={S}, N-1={layout.max_ngram_size - 1}] (got {lookback.shape})")
+            raise EngramError(
+                f"lookback must be [num_sequences={S}, N-1={layout.max_ngram_size - 1}] (got {lookback.shape})"
+            )
     n = layout.max_ngram_size - 1
     lb = np.full((S, n), DEAD, dtype=np.int64) if lookback is None else lookback
     _check_ids(ids, layout, "ids")
@@ -144,4 +161,4 @@ def next_lookback(previous: Any, ids: Any, n: int) -> np.ndarray:
     keeps between chunks and decode steps."""
     prev = np.full(n, DEAD, dtype=np.int64) if previous is None else np.asarray(previous, dtype=np.int64)
     ext = np.concatenate([prev, np.asarray(ids, dtype=np.int64).reshape(-1)])
-    return ext[ext.shape[0] - n:].copy()
+    return ext[ext.shape[0] - n :].copy()

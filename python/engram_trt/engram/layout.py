@@ -111,7 +111,8 @@ class EngramLayout:
         if not 0 <= pad_id < spec.compressed_vocab_size:
             raise ConfigError(
                 f"compressed pad id {pad_id} is outside 0..{spec.compressed_vocab_size - 1} "
-                f"({spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size})")
+                f"({spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size})"
+            )
         primes = find_primes(spec)
         col_primes = primes.reshape(spec.num_layers, -1)
         offsets = np.zeros_like(col_primes)
@@ -120,19 +121,29 @@ class EngramLayout:
         if table_rows.max() >= 2**31:
             raise ConfigError(
                 f"a layer's table needs {int(table_rows.max())} rows, over 2^31-1: row ids are int32 on the GPU; "
-                f"lower {spec.field_name('vocab_size')} or {spec.field_name('n_heads')}")
+                f"lower {spec.field_name('vocab_size')} or {spec.field_name('n_heads')}"
+            )
         if spec.num_embeddings is not None:
             for li, (need, have) in enumerate(zip(table_rows, spec.num_embeddings)):
                 if have < need:
                     raise ConfigError(
                         f"{spec.field_name('num_embeddings')}[{li}]={have} does not cover the layout of layer "
-                        f"{spec.layer_ids[li]}: its primes need {int(need)} rows (expected >= {int(need)})")
-        mult = np.stack([layer_multipliers(lid, spec.compressed_vocab_size, spec.max_ngram_size)
-                         for lid in spec.layer_ids])
+                        f"{spec.layer_ids[li]}: its primes need {int(need)} rows (expected >= {int(need)})"
+                    )
+        mult = np.stack(
+            [layer_multipliers(lid, spec.compressed_vocab_size, spec.max_ngram_size) for lid in spec.layer_ids]
+        )
         return cls(
-            layer_ids=spec.layer_ids, max_ngram_size=spec.max_ngram_size, n_heads=spec.n_heads,
-            compressed_vocab_size=spec.compressed_vocab_size, pad_id=int(pad_id), primes=primes,
-            offsets=offsets, multipliers=mult, table_rows=table_rows, head_dim=spec.head_dim,
+            layer_ids=spec.layer_ids,
+            max_ngram_size=spec.max_ngram_size,
+            n_heads=spec.n_heads,
+            compressed_vocab_size=spec.compressed_vocab_size,
+            pad_id=int(pad_id),
+            primes=primes,
+            offsets=offsets,
+            multipliers=mult,
+            table_rows=table_rows,
+            head_dim=spec.head_dim,
         )
 
     def to_json_dict(self) -> dict[str, Any]:

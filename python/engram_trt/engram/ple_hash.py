@@ -62,8 +62,9 @@ def layer_multipliers(vocab_size: int, ngram_size: int, ple_layer_index: int, se
     vocabulary: the same value in NumPy, torch and CUDA."""
     half_bound = max(1, (INT64_MAX // max(vocab_size, 1)) // 2)
     base_seed = seed + LAYER_SEED_STRIDE * ple_layer_index
-    values = [2 * (splitmix64((base_seed + SPLITMIX_GAMMA * (i + 1)) & MASK64) % half_bound) + 1
-              for i in range(ngram_size)]
+    values = [
+        2 * (splitmix64((base_seed + SPLITMIX_GAMMA * (i + 1)) & MASK64) % half_bound) + 1 for i in range(ngram_size)
+    ]
     return np.array(values, dtype=np.int64)
 
 
@@ -83,12 +84,12 @@ def primes_from(start: int, count: int) -> np.ndarray:
         small[:2] = False
         for p in range(2, int(np.sqrt(limit)) + 1):
             if small[p]:
-                small[p * p::p] = False
+                small[p * p :: p] = False
         window = np.ones(hi - lo, dtype=bool)
         for p in np.flatnonzero(small):
             p = int(p)
             first = max(p * p, (lo + p - 1) // p * p)
-            window[first - lo::p] = False
+            window[first - lo :: p] = False
         if lo < 2:
             window[: 2 - lo] = False
         primes = lo + np.flatnonzero(window).astype(np.int64)
@@ -128,9 +129,18 @@ class PLEHashLayout:
         return (self.ngram_size - 1) * self.heads_per_ngram
 
     @classmethod
-    def from_config(cls, *, vocab_size: int, ngram_size: int, heads_per_ngram: int, ngram_vocab_size_base: int,
-                    make_ngram_vocab_size_divisible_by: int, seed: int, eos_token_id: int | Sequence[int],
-                    num_layers: int) -> "PLEHashLayout":
+    def from_config(
+        cls,
+        *,
+        vocab_size: int,
+        ngram_size: int,
+        heads_per_ngram: int,
+        ngram_vocab_size_base: int,
+        make_ngram_vocab_size_divisible_by: int,
+        seed: int,
+        eos_token_id: int | Sequence[int],
+        num_layers: int,
+    ) -> "PLEHashLayout":
         """The layout of a Qwen4-Exp config's PLE layers (``num_layers`` =
         ``len(ple_layer_ids)``). ``eos_token_id`` may be a list: its first entry is the
         one the hash uses, as in transformers."""
@@ -155,12 +165,21 @@ class PLEHashLayout:
         totals = primes.sum(axis=1)
         table_rows = (totals + divisor - 1) // divisor * divisor
         multipliers = np.stack([layer_multipliers(vocab, n, li, seed) for li in range(L)])
-        return cls(num_layers=L, ngram_size=n, heads_per_ngram=hpn, eos_id=eos, vocab_size=vocab,
-                   multipliers=multipliers, head_vocab_sizes=primes, head_offsets=offsets,
-                   table_rows=table_rows.astype(np.int64))
+        return cls(
+            num_layers=L,
+            ngram_size=n,
+            heads_per_ngram=hpn,
+            eos_id=eos,
+            vocab_size=vocab,
+            multipliers=multipliers,
+            head_vocab_sizes=primes,
+            head_offsets=offsets,
+            table_rows=table_rows.astype(np.int64),
+        )
 
 
 # --- the hash ---------------------------------------------------------------------------
+
 
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch")
@@ -179,18 +198,24 @@ def _check_packed(input_ids: Any, seq_starts: Any, context: Any, layout: PLEHash
     starts = np.asarray(_to_numpy(seq_starts), dtype=np.int64).reshape(-1)
     T = int(ids.shape[0])
     if starts.size < 1 or starts[0] != 0 or starts[-1] != T or np.any(np.diff(starts) < 0):
-        raise EngramError(f"seq_starts must be cu_seqlens rising from 0 to len(input_ids)={T} "
-                          f"(got {starts.tolist()[:8]}{'...' if starts.size > 8 else ''})")
+        raise EngramError(
+            f"seq_starts must be cu_seqlens rising from 0 to len(input_ids)={T} "
+            f"(got {starts.tolist()[:8]}{'...' if starts.size > 8 else ''})"
+        )
     S, n = starts.size - 1, layout.ngram_size - 1
     if tuple(ctx.shape) != (S, n):
-        raise EngramError(f"context must be [num_sequences={S}, ngram_size-1={n}] (got {tuple(ctx.shape)}); "
-                          f"use fresh_context(S, layout) for sequences that start in this step")
+        raise EngramError(
+            f"context must be [num_sequences={S}, ngram_size-1={n}] (got {tuple(ctx.shape)}); "
+            f"use fresh_context(S, layout) for sequences that start in this step"
+        )
     for name, a in (("input_ids", ids), ("context", ctx)):
         if a.numel() if xp is not np else a.size:
             lo, hi = int(a.min()), int(a.max())
             if lo < 0 or hi >= layout.vocab_size:
-                raise EngramError(f"{name} holds ids in [{lo}, {hi}], outside [0, vocab_size={layout.vocab_size}); "
-                                  f"pass raw token ids of the model's vocabulary")
+                raise EngramError(
+                    f"{name} holds ids in [{lo}, {hi}], outside [0, vocab_size={layout.vocab_size}); "
+                    f"pass raw token ids of the model's vocabulary"
+                )
     return ids, starts, ctx, xp
 
 
@@ -235,7 +260,7 @@ def _windows(ids: Any, starts: np.ndarray, ctx: Any, layout: PLEHashLayout, xp: 
         w = history[dev(back)]
     # blocked[:, k]: an EOS among the tokens 1..k-1 back (the token k back, if EOS, stands
     # for itself: the same value).
-    is_eos = (w[:, 1:-1] == layout.eos_id)
+    is_eos = w[:, 1:-1] == layout.eos_id
     if xp is np:
         blocked = np.concatenate([np.zeros((T, 2), dtype=bool), np.cumsum(is_eos, axis=1) > 0], axis=1)
         return np.where(blocked, np.int64(layout.eos_id), w)
@@ -291,15 +316,22 @@ def next_context(context: Any, input_ids: Any, seq_starts: Any) -> Any:
     ctx = np.asarray(_to_numpy(context), dtype=np.int64)
     ids = np.asarray(_to_numpy(input_ids), dtype=np.int64).reshape(-1)
     starts = np.asarray(_to_numpy(seq_starts), dtype=np.int64).reshape(-1)
-    if ctx.ndim != 2 or starts.size != ctx.shape[0] + 1 or starts[0] != 0 or starts[-1] != ids.size \
-            or np.any(np.diff(starts) < 0):
-        raise EngramError(f"next_context needs context [S, N-1] and seq_starts [S+1] rising from 0 to "
-                          f"len(input_ids)={ids.size} (got {ctx.shape}, {starts.size} starts)")
+    if (
+        ctx.ndim != 2
+        or starts.size != ctx.shape[0] + 1
+        or starts[0] != 0
+        or starts[-1] != ids.size
+        or np.any(np.diff(starts) < 0)
+    ):
+        raise EngramError(
+            f"next_context needs context [S, N-1] and seq_starts [S+1] rising from 0 to "
+            f"len(input_ids)={ids.size} (got {ctx.shape}, {starts.size} starts)"
+        )
     n = ctx.shape[1]
     out = np.empty_like(ctx)
     for s in range(ctx.shape[0]):
-        joined = np.concatenate([ctx[s], ids[starts[s]:starts[s + 1]]])
-        out[s] = joined[joined.size - n:]
+        joined = np.concatenate([ctx[s], ids[starts[s] : starts[s + 1]]])
+        out[s] = joined[joined.size - n :]
     if torch_in:
         import torch
 

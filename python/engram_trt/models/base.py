@@ -85,8 +85,14 @@ class ArchitectureBase(ABC):
 
         problems = self.checkpoint_problems(ckpt, layout)
         if problems:
-            more = (f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` "
-                    f"lists them)") if len(problems) > 1 else ""
+            more = (
+                (
+                    f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` "
+                    f"lists them)"
+                )
+                if len(problems) > 1
+                else ""
+            )
             raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")
 
     def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
@@ -137,9 +143,19 @@ class ArchitectureBase(ABC):
         """The torch module of a ``name -> tensor`` mapping (tests, benchmarks)."""
 
     @abstractmethod
-    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
-                   engram_config: Any = None, compress_lookup: Any = None, layout: Any = None, parallel: Any = None,
-                   **options: Any) -> Any:
+    def load_model(
+        self,
+        ckpt: Any,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        tables: Any = None,
+        engram_config: Any = None,
+        compress_lookup: Any = None,
+        layout: Any = None,
+        parallel: Any = None,
+        **options: Any,
+    ) -> Any:
         """The torch backend's model (a :class:`~engram_trt.models.served.ServedModel`) of an
         open checkpoint, read tensor by tensor. ``tables``: the store the runtime opened
         (the Engram tables, or :meth:`table_refs`' own ones), bound to the model; None: the

@@ -20,20 +20,71 @@ from engram_trt.errors import ConfigError
 
 # Fields every Hugging Face config may carry that no model's numerics depend on at
 # inference (PreTrainedConfig's bookkeeping, generation and training switches).
-GENERIC_NEUTRAL_FIELDS = frozenset({
-    "architectures", "model_type", "transformers_version", "_name_or_path", "name_or_path", "use_cache",
-    "initializer_range", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
-    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "id2label", "label2id",
-    "num_labels", "problem_type", "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id",
-    "task_specific_params", "finetuning_task", "_attn_implementation", "attn_implementation",
-    "_attn_implementation_autoset", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "tie_encoder_decoder",
-    "cross_attention_hidden_size", "early_stopping", "max_length", "min_length", "do_sample", "num_beams",
-    "temperature", "top_k", "top_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
-    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
-    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
-    "begin_suppress_tokens", "typical_p", "diversity_penalty", "num_beam_groups", "encoder_no_repeat_ngram_size",
-    "epsilon_cutoff", "eta_cutoff", "generation_config",
-})
+GENERIC_NEUTRAL_FIELDS = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "_name_or_path",
+        "name_or_path",
+        "use_cache",
+        "initializer_range",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "torchscript",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "is_decoder",
+        "add_cross_attention",
+        "id2label",
+        "label2id",
+        "num_labels",
+        "problem_type",
+        "tokenizer_class",
+        "prefix",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "task_specific_params",
+        "finetuning_task",
+        "_attn_implementation",
+        "attn_implementation",
+        "_attn_implementation_autoset",
+        "use_bfloat16",
+        "tf_legacy_loss",
+        "pruned_heads",
+        "tie_encoder_decoder",
+        "cross_attention_hidden_size",
+        "early_stopping",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "num_beams",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "bad_words_ids",
+        "num_return_sequences",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "typical_p",
+        "diversity_penalty",
+        "num_beam_groups",
+        "encoder_no_repeat_ngram_size",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "generation_config",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -59,8 +110,13 @@ class FieldContract:
     honoured_prefixes: tuple[str, ...] = ()
 
     def is_known(self, name: str) -> bool:
-        return (name in self.honoured or name in self.pinned or name in self.neutral
-                or name in GENERIC_NEUTRAL_FIELDS or name.startswith(self.honoured_prefixes))
+        return (
+            name in self.honoured
+            or name in self.pinned
+            or name in self.neutral
+            or name in GENERIC_NEUTRAL_FIELDS
+            or name.startswith(self.honoured_prefixes)
+        )
 
     def problems(self, d: Mapping[str, Any], source: str | None = None) -> list[str]:
         """One line for each pinned field whose value the implementation does not support."""
@@ -75,8 +131,10 @@ class FieldContract:
             if not any(_same(value, v) for v in rule.values):
                 supported = " or ".join(json.dumps(v) for v in rule.values)
                 note = f" ({rule.why})" if rule.why else ""
-                out.append(f"{where}field '{name}'={_shown(value)} is not implemented by engram-trt's {self.architecture} "
-                           f"(supported: {supported}{note}); serving it would give a different model than the checkpoint declares")
+                out.append(
+                    f"{where}field '{name}'={_shown(value)} is not implemented by engram-trt's {self.architecture} "
+                    f"(supported: {supported}{note}); serving it would give a different model than the checkpoint declares"
+                )
         return out
 
     def check(self, d: Mapping[str, Any], source: str | None = None) -> None:

@@ -80,8 +80,10 @@ class ExportOptions:
         if self.gate_dtype is not None:
             object.__setattr__(self, "gate_dtype", normalize_dtype(self.gate_dtype))
             if self.gate_dtype not in GATE_IO_DTYPES:
-                raise EngramError(f"gate dtype {self.gate_dtype!r} is not one the EngramGate plugin takes "
-                                  f"({', '.join(GATE_IO_DTYPES)})")
+                raise EngramError(
+                    f"gate dtype {self.gate_dtype!r} is not one the EngramGate plugin takes "
+                    f"({', '.join(GATE_IO_DTYPES)})"
+                )
         if self.placement not in PLACEMENTS:
             raise EngramError(f"Engram placement {self.placement!r} is not one of {', '.join(PLACEMENTS)}")
 
@@ -110,8 +112,14 @@ class ExportedModel:
         if data.exists():
             data.unlink()
         if self.initializer_bytes > EXTERNAL_DATA_THRESHOLD:
-            onnx.save_model(self.model, str(p), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=EXTERNAL_DATA_NAME, size_threshold=1024)
+            onnx.save_model(
+                self.model,
+                str(p),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=EXTERNAL_DATA_NAME,
+                size_threshold=1024,
+            )
             return [p, data]
         p.write_bytes(self.model.SerializeToString(deterministic=True))
         return [p]
@@ -149,9 +157,15 @@ def ple_hash_plugin_attributes(layout: Any, layer: int) -> dict[str, Any]:
     < 2^31)."""
     if not 0 <= int(layer) < layout.num_layers:
         raise EngramError(f"PLE layer {layer} is outside [0, {layout.num_layers}): pass an index into ple_layer_ids")
-    return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE,
-            "ngram_size": int(layout.ngram_size), "heads_per_ngram": int(layout.heads_per_ngram),
-            "eos_id": int(layout.eos_id), "vocab_size": int(layout.vocab_size),
-            "table_rows": int(layout.table_rows[layer]), **encode_multipliers(layout.multipliers[layer]),
-            "primes": [int(v) for v in layout.head_vocab_sizes[layer]],
-            "offsets": [int(v) for v in layout.head_offsets[layer]]}
+    return {
+        "plugin_version": PLUGIN_VERSION,
+        "plugin_namespace": PLUGIN_NAMESPACE,
+        "ngram_size": int(layout.ngram_size),
+        "heads_per_ngram": int(layout.heads_per_ngram),
+        "eos_id": int(layout.eos_id),
+        "vocab_size": int(layout.vocab_size),
+        "table_rows": int(layout.table_rows[layer]),
+        **encode_multipliers(layout.multipliers[layer]),
+        "primes": [int(v) for v in layout.head_vocab_sizes[layer]],
+        "offsets": [int(v) for v in layout.head_offsets[layer]],
+    }

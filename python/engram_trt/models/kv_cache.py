@@ -32,8 +32,9 @@ class KVCache:
     lengths: list[int]
 
     @classmethod
-    def allocate(cls, config: ModelConfig, num_slots: int, max_len: int, device: Any = "cpu",
-                 dtype: torch.dtype = torch.float32) -> "KVCache":
+    def allocate(
+        cls, config: ModelConfig, num_slots: int, max_len: int, device: Any = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "KVCache":
         if num_slots < 1 or max_len < 1:
             raise EngramError(f"a KV cache needs num_slots >= 1 and max_len >= 1 (got {num_slots}, {max_len})")
         shape = (num_slots, config.num_key_value_heads, max_len, config.head_dim)

@@ -59,8 +59,9 @@ class GraphBlocks:
     def rms(self, xf: str, size: int) -> str:
         """``x * rsqrt(mean(x^2) + eps)`` over the last axis, float32 in and out."""
         ones = self.g.const(f"c_ones_{size}", np.ones(size, dtype=np.float32))
-        return self.g.op("RMSNormalization", [xf, ones], "rms", axis=-1, epsilon=float(self.config.rms_norm_eps),
-                         stash_type=1)
+        return self.g.op(
+            "RMSNormalization", [xf, ones], "rms", axis=-1, epsilon=float(self.config.rms_norm_eps), stash_type=1
+        )
 
     # -- weights in their stored format (models/onnx_quant.py) -------------------------
     def source(self) -> Mapping[str, Any]:
@@ -83,8 +84,9 @@ class GraphBlocks:
         qw = self.stored_fp8(name)
         return None if qw is None else quant_matmul(self.g, x, name, qw, self.elem, hint)
 
-    def expert_stack(self, key: str, parts: Sequence[Any], floats: Callable[[], np.ndarray], along: str
-                     ) -> tuple[str, int]:
+    def expert_stack(
+        self, key: str, parts: Sequence[Any], floats: Callable[[], np.ndarray], along: str
+    ) -> tuple[str, int]:
         """One projection of every expert as the dense MoE's right operand: ``(tensor, its
         rows K)``. ``parts``: each expert's stored weight (QuantWeight) or None (float);
         ``along`` ``rows`` (gate / up: experts' outputs side by side, ``[Dp, E*I]``) or
@@ -101,10 +103,18 @@ class GraphBlocks:
         arr = np.ascontiguousarray(floats())
         return self.g.const(key, arr), int(arr.shape[0])
 
-    def dense_experts(self, x: str, routing: str, key: str, gate: tuple[Sequence[Any], Callable[[], np.ndarray]],
-                      up: tuple[Sequence[Any], Callable[[], np.ndarray]],
-                      down: tuple[Sequence[Any], Callable[[], np.ndarray]], hidden_fn: Callable[[str, str], str],
-                      experts: int, intermediate: int) -> str:
+    def dense_experts(
+        self,
+        x: str,
+        routing: str,
+        key: str,
+        gate: tuple[Sequence[Any], Callable[[], np.ndarray]],
+        up: tuple[Sequence[Any], Callable[[], np.ndarray]],
+        down: tuple[Sequence[Any], Callable[[], np.ndarray]],
+        hidden_fn: Callable[[str, str], str],
+        experts: int,
+        intermediate: int,
+    ) -> str:
         """Every expert on every token (``x [T, D]``), weighted by the dense ``routing [T, E]``
         (0 where a token did not pick the expert): one stacked gate / up GEMM, each
         expert's activations ``hidden_fn(gate, up)`` scaled by its routing weight, one down
@@ -117,9 +127,14 @@ class GraphBlocks:
         gw, gk = self.expert_stack(f"{key}.gate_stack", gate[0], gate[1], "rows")
         uw, uk = self.expert_stack(f"{key}.up_stack", up[0], up[1], "rows")
         dw, dk = self.expert_stack(f"{key}.down_stack", down[0], down[1], "cols")
-        h = hidden_fn(g.op("MatMul", [pad_columns(g, x, gk - D), gw], "experts_gate"),
-                      g.op("MatMul", [pad_columns(g, x, uk - D), uw], "experts_up"))
-        h = g.op("Mul", [g.op("Reshape", [h, g.ints([0, E, I])]), g.op("Unsqueeze", [routing, g.ints([2])])],
-                 "experts_routed")  # [T, E, I]
+        h = hidden_fn(
+            g.op("MatMul", [pad_columns(g, x, gk - D), gw], "experts_gate"),
+            g.op("MatMul", [pad_columns(g, x, uk - D), uw], "experts_up"),
+        )
+        h = g.op(
+            "Mul",
+            [g.op("Reshape", [h, g.ints([0, E, I])]), g.op("Unsqueeze", [routing, g.ints([2])])],
+            "experts_routed",
+        )  # [T, E, I]
         h = pad_columns(g, h, dk // E - I, "pad_experts_k", rank=3)
         return g.op("MatMul", [g.op("Reshape", [h, g.ints([0, dk])]), dw], "experts_down")

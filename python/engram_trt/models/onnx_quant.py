@@ -209,8 +209,14 @@ def _scale_of(src: Mapping[str, Any], name: str) -> tuple[str, Any] | None:
     return None if scale_name is None else (scale_name, stored_scale(src, scale_name))
 
 
-def fp8_weight(src: Mapping[str, Any], name: str, quant: Any, *, scale: tuple[str, Any] | None = None,
-               block: tuple[int, int] | None = None) -> Any:
+def fp8_weight(
+    src: Mapping[str, Any],
+    name: str,
+    quant: Any,
+    *,
+    scale: tuple[str, Any] | None = None,
+    block: tuple[int, int] | None = None,
+) -> Any:
     """The stored FP8 weight ``name`` with its block scales as a QuantWeight (its own
     ``.weight_scale_inv`` / ``.scale``, or ``scale`` = (name, tensor) in ``block`` where an
     architecture keeps them elsewhere), None when ``name`` is stored in a float dtype.
@@ -381,8 +387,9 @@ def routed_experts_unavailable(gate: Sequence[Any], up: Sequence[Any], down: Seq
 def _stack_int8(parts: Sequence[Any]) -> np.ndarray:
     import torch
 
-    return np.ascontiguousarray(np.stack([p.data.detach().to("cpu").contiguous().view(torch.int8).numpy()
-                                          for p in parts]))
+    return np.ascontiguousarray(
+        np.stack([p.data.detach().to("cpu").contiguous().view(torch.int8).numpy() for p in parts])
+    )
 
 
 def _stack_scales(parts: Sequence[Any], per_row: bool) -> np.ndarray:
@@ -400,8 +407,20 @@ def _stack_scales(parts: Sequence[Any], per_row: bool) -> np.ndarray:
     return np.ascontiguousarray(np.stack(out))
 
 
-def routed_experts(g: Any, x: str, ids: str, route_w: str, key: str, gate: Sequence[Any], up: Sequence[Any],
-                   down: Sequence[Any], *, top_k: int, limit: float, hint: str = "routed_experts") -> str:
+def routed_experts(
+    g: Any,
+    x: str,
+    ids: str,
+    route_w: str,
+    key: str,
+    gate: Sequence[Any],
+    up: Sequence[Any],
+    down: Sequence[Any],
+    *,
+    top_k: int,
+    limit: float,
+    hint: str = "routed_experts",
+) -> str:
     """One EngramRoutedExperts node: ``x [T, D]`` (the graph's dtype), ``ids [T, k]`` int32 /
     int64, ``route_w [T, k]`` float32, and the experts' stored weights
     (:func:`routed_experts_unavailable` says None) -> ``[T, D]`` in x's dtype:
@@ -421,8 +440,17 @@ def routed_experts(g: Any, x: str, ids: str, route_w: str, key: str, gate: Seque
     for proj, parts in (("gate", gate), ("up", up), ("down", down)):
         inputs.append(g.const(f"{key}.{proj}.stored", _stack_int8(parts)))
         inputs.append(g.const(f"{key}.{proj}.stored_scale", _stack_scales(parts, per_row)))
-    fields = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE, "num_experts": len(gate),
-              "top_k": int(top_k), "hidden": int(first.in_features), "intermediate": int(first.out_features),
-              "w_type": W_TYPE_CODES[first.kind], "scale_type": SCALE_TYPE_UE8M0 if ue8m0 else SCALE_TYPE_F32,
-              "block_n": int(bn), "block_k": int(bk), "swiglu_limit": float(limit)}
+    fields = {
+        "plugin_version": PLUGIN_VERSION,
+        "plugin_namespace": PLUGIN_NAMESPACE,
+        "num_experts": len(gate),
+        "top_k": int(top_k),
+        "hidden": int(first.in_features),
+        "intermediate": int(first.out_features),
+        "w_type": W_TYPE_CODES[first.kind],
+        "scale_type": SCALE_TYPE_UE8M0 if ue8m0 else SCALE_TYPE_F32,
+        "block_n": int(bn),
+        "block_k": int(bk),
+        "swiglu_limit": float(limit),
+    }
     return g.op(ROUTED_EXPERTS_PLUGIN, inputs, hint, domain=PLUGIN_DOMAIN, **fields)

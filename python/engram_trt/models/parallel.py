@@ -85,7 +85,7 @@ class TensorParallel:
         if d == 0:
             return out
         out = out.view(self.size, *x.shape)
-        return out.movedim(0, d).reshape(*x.shape[:d], self.size * x.shape[d], *x.shape[d + 1:])
+        return out.movedim(0, d).reshape(*x.shape[:d], self.size * x.shape[d], *x.shape[d + 1 :])
 
 
 def is_parallel(tp: TensorParallel | None) -> bool:
@@ -128,7 +128,7 @@ def gather_vocab(logits: Any, tp: TensorParallel | None, vocab: int) -> Any:
     full = tp.all_gather(logits, -1)
     if all(b - a == width for a, b in ranges):
         return full
-    return torch.cat([full[..., r * width:r * width + (b - a)] for r, (a, b) in enumerate(ranges)], dim=-1)
+    return torch.cat([full[..., r * width : r * width + (b - a)] for r, (a, b) in enumerate(ranges)], dim=-1)
 
 
 def localize_experts(ids: Any, weights: Any, first: int, count: int) -> tuple[Any, Any]:
@@ -289,9 +289,11 @@ class ParallelPlan:
             packed = quantized and ckpt.st_dtype(name) in ("I8", "U8") and split.dim == len(shape) - 1
             logical = (shape[split.dim] * (2 if packed else 1)) if split.dim < len(shape) else 0
             if max(b for _a, b in split.ranges) > logical:
-                raise EngramError(f"--tp {self.size}: tensor {name} has shape {list(shape)}, too small for the "
-                                  f"{self.family} config's split over {self.size} ranks; the config does not describe "
-                                  f"this checkpoint")
+                raise EngramError(
+                    f"--tp {self.size}: tensor {name} has shape {list(shape)}, too small for the "
+                    f"{self.family} config's split over {self.size} ranks; the config does not describe "
+                    f"this checkpoint"
+                )
             if not quantized or self.block_of is None or split.dim < len(shape) - 2:
                 continue
             block = self.block_of(name, ckpt.st_dtype(name), shape)
@@ -302,10 +304,12 @@ class ParallelPlan:
             for a, e in split.ranges:
                 if a % b or (e % b and e != logical):
                     kind = "FP4" if ckpt.st_dtype(name) in ("I8", "U8") else "FP8"
-                    raise EngramError(f"--tp {self.size}: tensor {name} is stored {kind} in {block[0]}x{block[1]} "
-                                      f"blocks, and rank {self.rank}'s {'rows' if rows else 'columns'} {a}..{e} of "
-                                      f"{logical} do not start and end on block boundaries (multiples of {b}); serve "
-                                      f"it with a --tp whose shards hold whole blocks")
+                    raise EngramError(
+                        f"--tp {self.size}: tensor {name} is stored {kind} in {block[0]}x{block[1]} "
+                        f"blocks, and rank {self.rank}'s {'rows' if rows else 'columns'} {a}..{e} of "
+                        f"{logical} do not start and end on block boundaries (multiples of {b}); serve "
+                        f"it with a --tp whose shards hold whole blocks"
+                    )
 
 
 def quantized_weight(ckpt: Any, name: str) -> bool:
@@ -329,8 +333,10 @@ def not_sharded(family: str, config: Any, size: int, rank: int = 0) -> ParallelP
 def head_range(count: int, tp: int, rank: int, what: str, family: str) -> tuple[int, int]:
     """The rank's heads ``[first, first + count / tp)``; refused unless ``tp`` divides them."""
     if count % tp:
-        raise EngramError(f"--tp {tp}: {family}'s {what}={count} do not divide over {tp} ranks; use a --tp that "
-                          f"divides {count} ({', '.join(str(d) for d in divisors(count) if d > 1) or 'none but 1'})")
+        raise EngramError(
+            f"--tp {tp}: {family}'s {what}={count} do not divide over {tp} ranks; use a --tp that "
+            f"divides {count} ({', '.join(str(d) for d in divisors(count) if d > 1) or 'none but 1'})"
+        )
     n = count // tp
     return rank * n, rank * n + n
 
@@ -345,9 +351,11 @@ def kv_head_range(kv: int, heads: int, tp: int, rank: int, what: str, family: st
     if tp % kv == 0 and heads % tp == 0:
         h = rank * kv // tp
         return h, h + 1
-    raise EngramError(f"--tp {tp}: {family}'s {what}={kv} neither divide over {tp} ranks nor divide {tp} (each rank "
-                      f"would read key heads another rank also holds in part); use a --tp that divides {kv} or that "
-                      f"{kv} divides")
+    raise EngramError(
+        f"--tp {tp}: {family}'s {what}={kv} neither divide over {tp} ranks nor divide {tp} (each rank "
+        f"would read key heads another rank also holds in part); use a --tp that divides {kv} or that "
+        f"{kv} divides"
+    )
 
 
 def divisors(n: int) -> list[int]:
@@ -384,8 +392,10 @@ class ShardedCheckpoint:
         except KeyError:
             from engram_trt.errors import CheckpointError
 
-            raise CheckpointError(f"checkpoint '{self.path}' has no tensor '{local}' for TP rank {self.plan.rank} "
-                                  f"(the checkpoint does not match its config.json)") from None
+            raise CheckpointError(
+                f"checkpoint '{self.path}' has no tensor '{local}' for TP rank {self.plan.rank} "
+                f"(the checkpoint does not match its config.json)"
+            ) from None
 
     # -- what is read -------------------------------------------------------------------
     def _weight_of_scale(self, stored: str) -> str | None:
@@ -407,8 +417,11 @@ class ShardedCheckpoint:
             if split is None:
                 return None
             shape = self.ckpt.shape(stored)
-            if split.dim == len(shape) - 1 and self.ckpt.st_dtype(stored) in ("I8", "U8") \
-                    and quantized_weight(self.ckpt, stored):
+            if (
+                split.dim == len(shape) - 1
+                and self.ckpt.st_dtype(stored) in ("I8", "U8")
+                and quantized_weight(self.ckpt, stored)
+            ):
                 return Split(split.kind, split.dim, tuple((a // 2, b // 2) for a, b in split.ranges))
             return split
         split = plan.split_of(weight)
@@ -474,8 +487,9 @@ def held_bytes(module: Any) -> int:
     the bytes it covers, not the whole map)."""
     spans: dict[tuple[Any, int], list[tuple[int, int]]] = {}
     for mod in module.modules():
-        tensors = list(mod._parameters.values()) + [t for k, t in mod._buffers.items()
-                                                    if k not in mod._non_persistent_buffers_set]
+        tensors = list(mod._parameters.values()) + [
+            t for k, t in mod._buffers.items() if k not in mod._non_persistent_buffers_set
+        ]
         for t in tensors:
             if t is None or t.is_meta or t.numel() == 0:
                 continue
@@ -495,8 +509,7 @@ def held_bytes(module: Any) -> int:
     return total
 
 
-def rank_bytes(plan: ParallelPlan, formats: dict[str, tuple[str, int, int]], shapes: dict[str, tuple[int, ...]]
-               ) -> int:
+def rank_bytes(plan: ParallelPlan, formats: dict[str, tuple[str, int, int]], shapes: dict[str, tuple[int, ...]]) -> int:
     """The bytes rank ``plan.rank`` places of a model whose weights take ``formats`` (stored
     name -> ``(kind, stored bytes, bytes placed)``, the architecture's ``weight_formats``),
     ``shapes`` the stored shapes: each tensor's share by its split."""
@@ -513,7 +526,25 @@ def rank_bytes(plan: ParallelPlan, formats: dict[str, tuple[str, int, int]], sha
     return total
 
 
-__all__ = ["ParallelPlan", "Rule", "ShardedCheckpoint", "Split", "TensorParallel", "cols_split", "divisors",
-           "gather_heads", "gather_vocab", "head_range", "held_bytes", "is_parallel", "kv_head_range",
-           "localize_experts", "not_sharded", "rank_bytes", "reduce", "rows_split", "split_ranges",
-           "vocab_parallel_embedding"]
+__all__ = [
+    "ParallelPlan",
+    "Rule",
+    "ShardedCheckpoint",
+    "Split",
+    "TensorParallel",
+    "cols_split",
+    "divisors",
+    "gather_heads",
+    "gather_vocab",
+    "head_range",
+    "held_bytes",
+    "is_parallel",
+    "kv_head_range",
+    "localize_experts",
+    "not_sharded",
+    "rank_bytes",
+    "reduce",
+    "rows_split",
+    "split_ranges",
+    "vocab_parallel_embedding",
+]

@@ -50,29 +50,42 @@ def resolve(d: Mapping[str, Any], source: str | None = None) -> ModelArchitectur
     archs = d.get("architectures")
     model_type = d.get("model_type")
     supported = ", ".join(supported_architectures())
-    if archs is not None and (not isinstance(archs, Sequence) or isinstance(archs, str)
-                              or not all(isinstance(a, str) for a in archs)):
-        raise ConfigError(f"{_where(source)}field 'architectures' must be a list of class names such as [\"LlamaForCausalLM\"] (got {archs!r:.80})")
+    if archs is not None and (
+        not isinstance(archs, Sequence) or isinstance(archs, str) or not all(isinstance(a, str) for a in archs)
+    ):
+        raise ConfigError(
+            f"{_where(source)}field 'architectures' must be a list of class names such as [\"LlamaForCausalLM\"] (got {archs!r:.80})"
+        )
     if model_type is not None and not isinstance(model_type, str):
-        raise ConfigError(f"{_where(source)}field 'model_type' must be a string such as \"llama\" (got {model_type!r:.80})")
+        raise ConfigError(
+            f"{_where(source)}field 'model_type' must be a string such as \"llama\" (got {model_type!r:.80})"
+        )
     found: ModelArchitecture | None = None
     if archs:
         found = next((arch for a in archs for arch in _registered() if a in arch.architectures), None)
         if found is None:
-            raise ConfigError(f"{_where(source)}architectures {list(archs)} is not a model engram-trt serves "
-                              f"(supported architectures: {supported})")
+            raise ConfigError(
+                f"{_where(source)}architectures {list(archs)} is not a model engram-trt serves "
+                f"(supported architectures: {supported})"
+            )
     elif model_type is not None:
         found = next((arch for arch in _registered() if model_type in arch.model_types), None)
         if found is None:
             types = ", ".join(sorted(t for arch in _registered() for t in arch.model_types))
-            raise ConfigError(f"{_where(source)}model_type '{model_type}' is not a model engram-trt serves (supported model types: {types})")
+            raise ConfigError(
+                f"{_where(source)}model_type '{model_type}' is not a model engram-trt serves (supported model types: {types})"
+            )
     else:
-        raise ConfigError(f"{_where(source)}config.json names neither 'architectures' nor 'model_type', so engram-trt cannot "
-                          f"tell which model it is (supported architectures: {supported}); add the field the model was saved with")
+        raise ConfigError(
+            f"{_where(source)}config.json names neither 'architectures' nor 'model_type', so engram-trt cannot "
+            f"tell which model it is (supported architectures: {supported}); add the field the model was saved with"
+        )
     if model_type is not None and model_type not in found.model_types:
-        raise ConfigError(f"{_where(source)}model_type '{model_type}' does not belong to architectures {list(archs or [])} "
-                          f"(engram-trt's {found.name} expects model_type {' or '.join(repr(t) for t in found.model_types)}); "
-                          f"the config describes another model family")
+        raise ConfigError(
+            f"{_where(source)}model_type '{model_type}' does not belong to architectures {list(archs or [])} "
+            f"(engram-trt's {found.name} expects model_type {' or '.join(repr(t) for t in found.model_types)}); "
+            f"the config describes another model family"
+        )
     return found
 
 
@@ -101,10 +114,16 @@ def open_checkpoint(path: Any, allow_unused: bool = False) -> Any:
     if unused and not allow_unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         ckpt.close()
-        raise CheckpointError(f"checkpoint '{ckpt.path}' holds {len(unused)} tensor(s) the {ckpt.architecture.name} model does not "
-                              f"read: {shown}; a model that ignored them might not be the one the checkpoint declares "
-                              f"(pass --allow-unused-weights to serve it without them)")
+        raise CheckpointError(
+            f"checkpoint '{ckpt.path}' holds {len(unused)} tensor(s) the {ckpt.architecture.name} model does not "
+            f"read: {shown}; a model that ignored them might not be the one the checkpoint declares "
+            f"(pass --allow-unused-weights to serve it without them)"
+        )
     if unused:
-        log.warning("checkpoint %s: %d tensor(s) the model does not read, accepted: %s", ckpt.path, len(unused),
-                    ", ".join(unused[:8]))
+        log.warning(
+            "checkpoint %s: %d tensor(s) the model does not read, accepted: %s",
+            ckpt.path,
+            len(unused),
+            ", ".join(unused[:8]),
+        )
     return ckpt

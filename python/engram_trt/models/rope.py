@@ -62,13 +62,21 @@ def _longrope(s: RopeSetting, dim: int, long: bool) -> torch.Tensor:
 
 def _dynamic(s: RopeSetting, dim: int, seq_len: int) -> torch.Tensor:
     # transformers computes the new base in float32 tensors from seq_len = max(position_ids) + 1
-    n = torch.maximum(torch.tensor(seq_len, dtype=torch.int64), torch.tensor(s.max_position_embeddings, dtype=torch.int64))
+    n = torch.maximum(
+        torch.tensor(seq_len, dtype=torch.int64), torch.tensor(s.max_position_embeddings, dtype=torch.int64)
+    )
     base = s.theta * ((s.factor * n / s.max_position_embeddings) - (s.factor - 1)) ** (dim / (dim - 2))
     return 1.0 / (base ** _exponents(dim))
 
 
-def inv_freq_and_scale(setting: RopeSetting, head_dim: int, device: Any = None, dtype: torch.dtype = torch.float32,
-                       *, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def inv_freq_and_scale(
+    setting: RopeSetting,
+    head_dim: int,
+    device: Any = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    seq_len: int | None = None,
+) -> tuple[torch.Tensor, float]:
     """``(inv_freq [rotary_dim / 2], attention_scaling)`` as transformers computes them.
 
     ``seq_len=None``: the values a transformers rotary embedding holds after init (for
@@ -79,8 +87,10 @@ def inv_freq_and_scale(setting: RopeSetting, head_dim: int, device: Any = None, 
     Computed in float32 on the CPU, then moved to ``device`` and cast to ``dtype``."""
     dim = setting.rotary_dim(head_dim)
     if setting.short_factor is not None and len(setting.short_factor) != dim // 2:
-        raise ValueError(f"this setting's longrope factors are for a rotary width of {2 * len(setting.short_factor)}, "
-                         f"not {dim} (head_dim={head_dim})")
+        raise ValueError(
+            f"this setting's longrope factors are for a rotary width of {2 * len(setting.short_factor)}, "
+            f"not {dim} (head_dim={head_dim})"
+        )
     t = setting.rope_type
     if t == "default":
         inv = _plain(setting.theta, dim)
@@ -111,8 +121,9 @@ def dynamic_inv_freq(setting: RopeSetting, head_dim: int, seq_len: int) -> torch
     return inv_freq_and_scale(setting, head_dim, seq_len=seq_len)[0]
 
 
-def cos_sin(setting: RopeSetting, head_dim: int, positions: torch.Tensor, *,
-            seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    setting: RopeSetting, head_dim: int, positions: torch.Tensor, *, seq_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)`` of shape ``positions.shape + (rotary_dim,)``, float32, on
     ``positions.device``, as transformers' ``LlamaRotaryEmbedding.forward`` returns them:
     the two halves repeat the per-pair angles (``rotate_half`` layout) and both are

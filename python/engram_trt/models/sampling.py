@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | None) -> int:
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """One token from ``logits [V]``: greedy when ``temperature == 0``, else
     temperature-scaled nucleus sampling (the smallest set of most likely tokens whose
     probability reaches ``top_p``; the most likely token is always kept, so a tiny

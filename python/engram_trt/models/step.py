@@ -23,7 +23,6 @@ import torch
 from engram_trt.errors import EngramError
 
 
-
 class EngramRows:
     """A step's Engram rows as the runtime stages them (subclassed by
     :class:`engram_trt.runtime.staged_rows.StagedRows`, which waits for each layer's rows
@@ -94,13 +93,17 @@ class PackedStep:
         if S == 0:
             raise EngramError("a step needs at least one sequence")
         if len(self.past_lens) != S or len(self.slots) != S:
-            raise EngramError(f"a step of {S} sequences needs {S} past lengths and {S} slots (got {len(self.past_lens)} and {len(self.slots)})")
+            raise EngramError(
+                f"a step of {S} sequences needs {S} past lengths and {S} slots (got {len(self.past_lens)} and {len(self.slots)})"
+            )
         if min(self.seq_lens) < 1:
             raise EngramError(f"every sequence in a step brings at least one token (seq_lens {self.seq_lens})")
         if min(self.past_lens) < 0:
             raise EngramError(f"past lengths must be >= 0 (got {self.past_lens})")
         if sum(self.seq_lens) != self.input_ids.numel():
-            raise EngramError(f"seq_lens sum to {sum(self.seq_lens)} but the step holds {self.input_ids.numel()} tokens")
+            raise EngramError(
+                f"seq_lens sum to {sum(self.seq_lens)} but the step holds {self.input_ids.numel()} tokens"
+            )
         if len(set(self.slots)) != S:
             raise EngramError(f"two sequences of one step share a KV-cache slot (slots {self.slots})")
         if self.engram_ids is not None:
@@ -171,8 +174,11 @@ class PackedStep:
         if decode is None:
             parts += [("decode_rows", starts[:-1]), ("decode_slots", slots), ("decode_lens", past + 1)]
         else:
-            parts += [("decode_rows", starts[:-1][decode]), ("decode_slots", slots[decode]),
-                      ("decode_lens", (past + lens)[decode])]
+            parts += [
+                ("decode_rows", starts[:-1][decode]),
+                ("decode_slots", slots[decode]),
+                ("decode_lens", (past + lens)[decode]),
+            ]
         parts += [("seq_starts", starts), ("past_lens", past), ("slots", slots)]
         if self.lookback is not None:
             lb = self.lookback if isinstance(self.lookback, torch.Tensor) else torch.as_tensor(self.lookback)
@@ -203,8 +209,10 @@ class PackedStep:
             base = uploader.upload_flat(flat)
         else:
             base = torch.from_numpy(flat).to(dev)
-        got = {name: (t if len(shape) == 1 else t.view(shape))
-               for (name, _, shape), t in zip(spans, base.split([n for _, n, _ in spans]))}
+        got = {
+            name: (t if len(shape) == 1 else t.view(shape))
+            for (name, _, shape), t in zip(spans, base.split([n for _, n, _ in spans]))
+        }
         self._derived[key] = got
         return got
 
@@ -234,13 +242,23 @@ class PackedStep:
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def from_sequences(cls, chunks: Sequence[Sequence[int]], past_lens: Sequence[int] | None = None,
-                       slots: Sequence[int] | None = None, **kw: Any) -> "PackedStep":
+    def from_sequences(
+        cls,
+        chunks: Sequence[Sequence[int]],
+        past_lens: Sequence[int] | None = None,
+        slots: Sequence[int] | None = None,
+        **kw: Any,
+    ) -> "PackedStep":
         """A step from per-sequence token lists (slots 0..S-1 and empty caches by default)."""
         S = len(chunks)
         ids = torch.tensor([int(t) for c in chunks for t in c], dtype=torch.int64)
-        return cls(ids, [len(c) for c in chunks], list(past_lens) if past_lens is not None else [0] * S,
-                   list(slots) if slots is not None else list(range(S)), **kw)
+        return cls(
+            ids,
+            [len(c) for c in chunks],
+            list(past_lens) if past_lens is not None else [0] * S,
+            list(slots) if slots is not None else list(range(S)),
+            **kw,
+        )
 
 
 class StepUploader:
@@ -274,20 +292,30 @@ class StepUploader:
 
     def upload(self, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Several host tensors in one copy (views of the device buffer, same shapes)."""
-        flat = np.concatenate([a.reshape(-1).cpu().numpy().astype(np.int64, copy=False) for a in arrays.values()]) \
-            if arrays else np.zeros(0, np.int64)
+        flat = (
+            np.concatenate([a.reshape(-1).cpu().numpy().astype(np.int64, copy=False) for a in arrays.values()])
+            if arrays
+            else np.zeros(0, np.int64)
+        )
         dev = self.upload_flat(flat)
         out: dict[str, torch.Tensor] = {}
         pos = 0
         for k, a in arrays.items():
             m = int(a.numel())
-            out[k] = dev[pos:pos + m].view(a.shape)
+            out[k] = dev[pos : pos + m].view(a.shape)
             pos += m
         return out
 
 
-def greedy_tokens(model: Any, prompt: Sequence[int], max_new_tokens: int, *, chunk: int | None = None,
-                  max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
+def greedy_tokens(
+    model: Any,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    chunk: int | None = None,
+    max_len: int | None = None,
+    ignore_eos: bool = False,
+) -> list[int]:
     """Greedy tokens of one sequence through ``model.forward_step`` in slot 0 of a fresh
     ``model.new_cache``: the prompt in chunks of ``chunk`` tokens (default: whole), then
     one token per step, stopping at the config's EOS ids unless ``ignore_eos``. The
@@ -300,7 +328,7 @@ def greedy_tokens(model: Any, prompt: Sequence[int], max_new_tokens: int, *, chu
     logits = None
     step_len = chunk or len(ids)
     while done < len(ids):
-        part = ids[done:done + step_len]
+        part = ids[done : done + step_len]
         logits = model.forward_step(PackedStep(torch.tensor(part), [len(part)], [done], [0]), state)
         done += len(part)
     out: list[int] = []

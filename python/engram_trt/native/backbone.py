@@ -36,11 +36,28 @@ GEMV_MIN_CAPABILITY = 9  # compute capability major the GEMV is built for (and m
 GEMV_WEIGHT_STATIC = 1  # ENGRAM_GEMV_WEIGHT_STATIC
 
 _SIGS = {
-    "engram_hc_rms_norm": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
-                           ctypes.c_int32, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p],
+    "engram_hc_rms_norm": [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int32,
+        ctypes.c_int32,
+        ctypes.c_float,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ],
     "engram_silu_mul": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p],
-    "engram_gemv_bf16": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                         ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p],
+    "engram_gemv_bf16": [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_uint32,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ],
 }
 _ENTRY = EntryPoints(_SIGS)
 library = _ENTRY.library
@@ -89,8 +106,18 @@ def hc_rms_norm(hs: Any, weight: Any, eps: float, residual: Any = None, *, out: 
     same_device(hs.device, weight=weight, residual=residual, out=out)
     out = _bf16_out(out, "[T, D]", (T, D), hs.device)
     with device_guard(hs.device.index):
-        _call("engram_hc_rms_norm", ptr(hs), ptr(residual), ptr(weight), T, hc, D, ctypes.c_float(eps), ptr(out),
-              stream_of(hs.device))
+        _call(
+            "engram_hc_rms_norm",
+            ptr(hs),
+            ptr(residual),
+            ptr(weight),
+            T,
+            hc,
+            D,
+            ctypes.c_float(eps),
+            ptr(out),
+            stream_of(hs.device),
+        )
     return out
 
 
@@ -108,8 +135,10 @@ def silu_mul(gate_up: Any, *, out: Any = None) -> Any:
     else:
         check("out", out, (torch.bfloat16,), 2)
         if tuple(out.shape) != (T, I) or out.device != gate_up.device:
-            raise EngramError(f"out must be [T, intermediate_size] = {(T, I)} on {gate_up.device} "
-                              f"(got {tuple(out.shape)} on {out.device})")
+            raise EngramError(
+                f"out must be [T, intermediate_size] = {(T, I)} on {gate_up.device} "
+                f"(got {tuple(out.shape)} on {out.device})"
+            )
     with device_guard(gate_up.device.index):
         _call("engram_silu_mul", ptr(gate_up), T, I, ptr(out), stream_of(gate_up.device))
     return out
@@ -121,11 +150,22 @@ def gemv_fits(x: Any, weight: Any) -> bool:
     ``[N, K]``, K a multiple of 8, both contiguous and 16-byte aligned. Anything else is
     the GEMM library's."""
     torch = torch_module()
-    return (x.dim() == 2 and weight.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_TOKENS
-            and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0 and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16 and x.is_cuda and weight.device == x.device and x.is_contiguous()
-            and weight.is_contiguous() and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
-            and capability_major(x.device.index) >= GEMV_MIN_CAPABILITY)
+    return (
+        x.dim() == 2
+        and weight.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_MAX_TOKENS
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % 8 == 0
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.is_cuda
+        and weight.device == x.device
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+        and capability_major(x.device.index) >= GEMV_MIN_CAPABILITY
+    )
 
 
 def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False) -> Any:
@@ -152,9 +192,20 @@ def gemv(x: Any, weight: Any, *, out: Any = None, weight_static: bool = False) -
     out = _bf16_out(out, "[T, N]", (T, N), x.device)
     for name, t in (("x", x), ("weight", weight), ("out", out)):
         if t.data_ptr() % 16:
-            raise EngramError(f"{name} must start on a 16-byte boundary (got address {t.data_ptr():#x}); "
-                              "pass a .clone() or use F.linear")
+            raise EngramError(
+                f"{name} must start on a 16-byte boundary (got address {t.data_ptr():#x}); "
+                "pass a .clone() or use F.linear"
+            )
     with device_guard(x.device.index):
-        _call("engram_gemv_bf16", ptr(x), ptr(weight), T, N, K, GEMV_WEIGHT_STATIC if weight_static else 0,
-              ptr(out), stream_of(x.device))
+        _call(
+            "engram_gemv_bf16",
+            ptr(x),
+            ptr(weight),
+            T,
+            N,
+            K,
+            GEMV_WEIGHT_STATIC if weight_static else 0,
+            ptr(out),
+            stream_of(x.device),
+        )
     return out

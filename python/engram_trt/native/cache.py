@@ -28,23 +28,62 @@ _i32, _i64, _u64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.
 class _Admission(ctypes.Structure):
     """EngramCacheAdmission (engramKernels.h), field for field."""
 
-    _fields_ = [("num_free", _i64), ("num_candidates", _i64), ("candidate_start", _i64), ("candidate_stride", _i64),
-                ("sample_first", _i64), ("sample_factor", _i32)]
+    _fields_ = [
+        ("num_free", _i64),
+        ("num_candidates", _i64),
+        ("candidate_start", _i64),
+        ("candidate_stride", _i64),
+        ("sample_first", _i64),
+        ("sample_factor", _i32),
+    ]
 
 
 class _StepArgs(ctypes.Structure):
     """EngramCacheStepArgs (engramKernels.h), field for field."""
 
-    _fields_ = [("table_num_rows", _i64), ("slot_of", _vp), ("counts", _vp), ("row_of_slot", _vp), ("capacity", _i64),
-                ("admit_budget", _i64), ("sample_factor", _i32), ("seed", _u64), ("plan", _vp), ("positions", _vp),
-                ("plan_host", _vp), ("max_ids", _i64), ("max_host_ids", _i64), ("work_rows", _vp),
-                ("work_scales", _vp), ("work_num_rows", _i64), ("row_bytes", _i64), ("scale_bytes", _i64),
-                ("miss_base", _i64), ("head_dim", _i32), ("table_dtype", _i32), ("quant_block", _i32),
-                ("table_layout", _i32), ("gatherer", _vp), ("rows_host", _vp), ("scales", _vp), ("replaced", _vp),
-                ("overlap", _vp), ("uva_share", ctypes.c_float), ("uva_blocks", _i32),
-                ("ids", _vp), ("ids_host", _vp), ("ids_staging", _vp), ("num_ids", _i64), ("deliver_tokens", _i64),
-                ("deliver_cols", _i32), ("out", _vp),
-                ("host_ids", _i64), ("filled", _i64), ("replace", _i32), ("step", _i64)]
+    _fields_ = [
+        ("table_num_rows", _i64),
+        ("slot_of", _vp),
+        ("counts", _vp),
+        ("row_of_slot", _vp),
+        ("capacity", _i64),
+        ("admit_budget", _i64),
+        ("sample_factor", _i32),
+        ("seed", _u64),
+        ("plan", _vp),
+        ("positions", _vp),
+        ("plan_host", _vp),
+        ("max_ids", _i64),
+        ("max_host_ids", _i64),
+        ("work_rows", _vp),
+        ("work_scales", _vp),
+        ("work_num_rows", _i64),
+        ("row_bytes", _i64),
+        ("scale_bytes", _i64),
+        ("miss_base", _i64),
+        ("head_dim", _i32),
+        ("table_dtype", _i32),
+        ("quant_block", _i32),
+        ("table_layout", _i32),
+        ("gatherer", _vp),
+        ("rows_host", _vp),
+        ("scales", _vp),
+        ("replaced", _vp),
+        ("overlap", _vp),
+        ("uva_share", ctypes.c_float),
+        ("uva_blocks", _i32),
+        ("ids", _vp),
+        ("ids_host", _vp),
+        ("ids_staging", _vp),
+        ("num_ids", _i64),
+        ("deliver_tokens", _i64),
+        ("deliver_cols", _i32),
+        ("out", _vp),
+        ("host_ids", _i64),
+        ("filled", _i64),
+        ("replace", _i32),
+        ("step", _i64),
+    ]
 
 
 class _StepResult(ctypes.Structure):
@@ -55,8 +94,28 @@ class _StepResult(ctypes.Structure):
 
 _SIGS = {
     "engram_cache_plan": [_vp, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _vp],
-    "engram_cache_admit": [_vp, _i64, _i64, _i64, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i64, _i32, _i64, _vp, _i64,
-                           _vp, _i64, _vp, _vp],
+    "engram_cache_admit": [
+        _vp,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _vp,
+        _vp,
+        _vp,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i32,
+        _i64,
+        _vp,
+        _i64,
+        _vp,
+        _i64,
+        _vp,
+        _vp,
+    ],
     "engram_cache_admission": [_i64, _i64, _i64, _i64, _i32, _i32, _u64, _i64, ctypes.POINTER(_Admission)],
     "engram_cache_step": [ctypes.POINTER(_StepArgs), ctypes.POINTER(_StepResult), _vp],
     "engram_cache_step_sizes": [ctypes.POINTER(_i64), ctypes.POINTER(_i64), ctypes.POINTER(_i64)],
@@ -68,12 +127,25 @@ library = _ENTRY.library
 _call = _ENTRY.call
 
 
-def _check_plan_buffers(n: int, table_rows: int, slot_of: Any, counts: Any, plan: Any, positions: Any,
-                        plan_host: Any, host_ids: int, device: Any) -> None:
+def _check_plan_buffers(
+    n: int,
+    table_rows: int,
+    slot_of: Any,
+    counts: Any,
+    plan: Any,
+    positions: Any,
+    plan_host: Any,
+    host_ids: int,
+    device: Any,
+) -> None:
     """The plan's buffers, for steps of up to ``n`` lookups on ``device``."""
     torch = torch_module()
-    for name, t, size in (("slot_of", slot_of, table_rows + 1), ("counts", counts, table_rows + 1),
-                          ("plan", plan, 2 + n), ("positions", positions, n)):
+    for name, t, size in (
+        ("slot_of", slot_of, table_rows + 1),
+        ("counts", counts, table_rows + 1),
+        ("plan", plan, 2 + n),
+        ("positions", positions, n),
+    ):
         if t is None and name == "counts":
             continue
         check(name, t, (torch.int32,), 1)
@@ -87,8 +159,18 @@ def _check_plan_buffers(n: int, table_rows: int, slot_of: Any, counts: Any, plan
             raise EngramError(f"plan_host must hold >= {2 + host_ids} int32 entries (got {plan_host.shape[0]})")
 
 
-def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_base: int, plan: Any, positions: Any,
-               plan_host: Any = None, host_ids: int = 0) -> None:
+def cache_plan(
+    ids: Any,
+    *,
+    table_rows: int,
+    slot_of: Any,
+    counts: Any,
+    miss_base: int,
+    plan: Any,
+    positions: Any,
+    plan_host: Any = None,
+    host_ids: int = 0,
+) -> None:
     """Enqueue a step's plan (``engram_cache_plan``): ``ids`` CUDA int32 ``[n]``;
     ``slot_of`` / ``counts`` int32 ``[table_rows + 1]`` (counts may be None);
     ``plan`` int32 ``[>= 2 + n]``: hits, misses, then the miss rows; ``positions``
@@ -100,8 +182,20 @@ def cache_plan(ids: Any, *, table_rows: int, slot_of: Any, counts: Any, miss_bas
     n = int(ids.shape[0])
     _check_plan_buffers(n, table_rows, slot_of, counts, plan, positions, plan_host, host_ids, ids.device)
     with device_guard(ids.device.index):
-        _call("engram_cache_plan", ptr(ids), n, int(table_rows), ptr(slot_of), ptr(counts), int(miss_base),
-              ptr(plan), ptr(positions), ptr(plan_host), int(host_ids), stream_of(ids.device))
+        _call(
+            "engram_cache_plan",
+            ptr(ids),
+            n,
+            int(table_rows),
+            ptr(slot_of),
+            ptr(counts),
+            int(miss_base),
+            ptr(plan),
+            ptr(positions),
+            ptr(plan_host),
+            int(host_ids),
+            stream_of(ids.device),
+        )
 
 
 class PlanCall:
@@ -113,14 +207,16 @@ class PlanCall:
     of microseconds more on the cache's critical path, every step, for buffers that never
     change (``bench cache --breakdown``'s unsynced timeline; docs/benchmarks.md)."""
 
-    def __init__(self, *, table_rows: int, slot_of: Any, counts: Any, plan: Any, positions: Any,
-                 plan_host: Any) -> None:
+    def __init__(
+        self, *, table_rows: int, slot_of: Any, counts: Any, plan: Any, positions: Any, plan_host: Any
+    ) -> None:
         check("slot_of", slot_of, (torch_module().int32,), 1)
         self.device = slot_of.device
         self.max_ids = min(int(plan.shape[0]) - 2, int(positions.shape[0]))
         self.max_host_ids = int(plan_host.shape[0]) - 2 if plan_host is not None else 0
-        _check_plan_buffers(self.max_ids, table_rows, slot_of, counts, plan, positions, plan_host, self.max_host_ids,
-                            self.device)
+        _check_plan_buffers(
+            self.max_ids, table_rows, slot_of, counts, plan, positions, plan_host, self.max_host_ids, self.device
+        )
         self._keep = (slot_of, counts, plan, positions, plan_host)  # the pointers below stay valid
         self._table_rows = int(table_rows)
         self._ptrs = (ptr(slot_of), ptr(counts), ptr(plan), ptr(positions), ptr(plan_host))
@@ -130,16 +226,31 @@ class PlanCall:
         check("ids", ids, (torch.int32,), 1)
         n = int(ids.shape[0])
         if n > self.max_ids or ids.device != self.device or not 0 <= host_ids <= self.max_host_ids:
-            raise EngramError(f"a plan of {n} ids on {ids.device}, {host_ids} to the host: this call's buffers take "
-                              f"<= {self.max_ids} ids on {self.device}, <= {self.max_host_ids} to the host")
+            raise EngramError(
+                f"a plan of {n} ids on {ids.device}, {host_ids} to the host: this call's buffers take "
+                f"<= {self.max_ids} ids on {self.device}, <= {self.max_host_ids} to the host"
+            )
         slot_of, counts, plan, positions, plan_host = self._ptrs
         with device_guard(self.device.index):
-            _call("engram_cache_plan", ptr(ids), n, self._table_rows, slot_of, counts, int(miss_base), plan,
-                  positions, plan_host, int(host_ids), stream_of(self.device))
+            _call(
+                "engram_cache_plan",
+                ptr(ids),
+                n,
+                self._table_rows,
+                slot_of,
+                counts,
+                int(miss_base),
+                plan,
+                positions,
+                plan_host,
+                int(host_ids),
+                stream_of(self.device),
+            )
 
 
-def _check_admit_buffers(device: Any, slot_of: Any, row_of_slot: Any, counts: Any, work_rows: Any,
-                         work_scales: Any, replaced: Any) -> tuple[int, int]:
+def _check_admit_buffers(
+    device: Any, slot_of: Any, row_of_slot: Any, counts: Any, work_rows: Any, work_scales: Any, replaced: Any
+) -> tuple[int, int]:
     """The admission's maps and work table; returns (row bytes, scale bytes) of its rows."""
     torch = torch_module()
     for name, t in (("slot_of", slot_of), ("row_of_slot", row_of_slot), ("counts", counts)):
@@ -151,31 +262,69 @@ def _check_admit_buffers(device: Any, slot_of: Any, row_of_slot: Any, counts: An
         if work_scales is not None:
             check("work_scales", work_scales, (torch.uint8,), 2)
             if work_scales.shape[0] != work_rows.shape[0]:
-                raise EngramError(f"work_scales must have work_rows' {work_rows.shape[0]} rows "
-                                  f"(got {work_scales.shape[0]})")
+                raise EngramError(
+                    f"work_scales must have work_rows' {work_rows.shape[0]} rows (got {work_scales.shape[0]})"
+                )
             scale_bytes = work_scales.shape[1]
     if replaced is not None:
         check("replaced", replaced, (torch.int64,), 1)
-    same_device(device, slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
-                 work_scales=work_scales, replaced=replaced)
+    same_device(
+        device,
+        slot_of=slot_of,
+        row_of_slot=row_of_slot,
+        counts=counts,
+        work_rows=work_rows,
+        work_scales=work_scales,
+        replaced=replaced,
+    )
     return row_bytes, scale_bytes
 
 
-def cache_admit(miss_rows: Any, *, num_free: int, filled: int, capacity: int, slot_of: Any, row_of_slot: Any,
-                counts: Any, num_candidates: int = 0, candidate_start: int = 0, candidate_stride: int = 1,
-                sample_first: int = 0, sample_factor: int = 1, miss_base: int, work_rows: Any = None,
-                work_scales: Any = None, replaced: Any = None) -> None:
+def cache_admit(
+    miss_rows: Any,
+    *,
+    num_free: int,
+    filled: int,
+    capacity: int,
+    slot_of: Any,
+    row_of_slot: Any,
+    counts: Any,
+    num_candidates: int = 0,
+    candidate_start: int = 0,
+    candidate_stride: int = 1,
+    sample_first: int = 0,
+    sample_factor: int = 1,
+    miss_base: int,
+    work_rows: Any = None,
+    work_scales: Any = None,
+    replaced: Any = None,
+) -> None:
     """Enqueue a step's admission (``engram_cache_admit``; the arguments' meaning is in
     ``engramKernels.h``): ``miss_rows`` CUDA int32 ``[M]`` (the plan's miss list);
     ``work_rows`` / ``work_scales``: the work table (2-D, rows copied whole) or None;
     ``replaced``: None or a CUDA int64 ``[1]`` counter of replacements. (:class:`AdmitCall`:
     the same, its maps and work table checked once for every step.)"""
     check("miss_rows", miss_rows, (torch_module().int32,), 1)  # named first, before the maps
-    AdmitCall(slot_of=slot_of, row_of_slot=row_of_slot, counts=counts, work_rows=work_rows,
-              work_scales=work_scales, replaced=replaced, device=getattr(miss_rows, "device", None))(
-        miss_rows, num_free=num_free, filled=filled, capacity=capacity, num_candidates=num_candidates,
-        candidate_start=candidate_start, candidate_stride=candidate_stride, sample_first=sample_first,
-        sample_factor=sample_factor, miss_base=miss_base)
+    AdmitCall(
+        slot_of=slot_of,
+        row_of_slot=row_of_slot,
+        counts=counts,
+        work_rows=work_rows,
+        work_scales=work_scales,
+        replaced=replaced,
+        device=getattr(miss_rows, "device", None),
+    )(
+        miss_rows,
+        num_free=num_free,
+        filled=filled,
+        capacity=capacity,
+        num_candidates=num_candidates,
+        candidate_start=candidate_start,
+        candidate_stride=candidate_stride,
+        sample_first=sample_first,
+        sample_factor=sample_factor,
+        miss_base=miss_base,
+    )
 
 
 class AdmitCall:
@@ -184,35 +333,75 @@ class AdmitCall:
     and the admission's numbers alone. ``device``: where the maps must be (default: the
     slot map's)."""
 
-    def __init__(self, *, slot_of: Any, row_of_slot: Any, counts: Any, work_rows: Any = None, work_scales: Any = None,
-                 replaced: Any = None, device: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        slot_of: Any,
+        row_of_slot: Any,
+        counts: Any,
+        work_rows: Any = None,
+        work_scales: Any = None,
+        replaced: Any = None,
+        device: Any = None,
+    ) -> None:
         check("slot_of", slot_of, (torch_module().int32,), 1)
         self.device = slot_of.device if device is None else device
-        self._row_bytes, self._scale_bytes = _check_admit_buffers(self.device, slot_of, row_of_slot, counts,
-                                                                  work_rows, work_scales, replaced)
+        self._row_bytes, self._scale_bytes = _check_admit_buffers(
+            self.device, slot_of, row_of_slot, counts, work_rows, work_scales, replaced
+        )
         self.work_rows_count = int(work_rows.shape[0]) if work_rows is not None else None
         self.key = table_key(work_rows, work_scales)  # the work table it is bound to
         self._keep = (slot_of, row_of_slot, counts, work_rows, work_scales, replaced)
-        self._ptrs = (ptr(slot_of), ptr(row_of_slot), ptr(counts), ptr(work_rows), ptr(work_scales),
-                      ptr(replaced))
+        self._ptrs = (ptr(slot_of), ptr(row_of_slot), ptr(counts), ptr(work_rows), ptr(work_scales), ptr(replaced))
 
-    def __call__(self, miss_rows: Any, *, num_free: int, filled: int, capacity: int, num_candidates: int = 0,
-                 candidate_start: int = 0, candidate_stride: int = 1, sample_first: int = 0, sample_factor: int = 1,
-                 miss_base: int) -> None:
+    def __call__(
+        self,
+        miss_rows: Any,
+        *,
+        num_free: int,
+        filled: int,
+        capacity: int,
+        num_candidates: int = 0,
+        candidate_start: int = 0,
+        candidate_stride: int = 1,
+        sample_first: int = 0,
+        sample_factor: int = 1,
+        miss_base: int,
+    ) -> None:
         torch = torch_module()
         check("miss_rows", miss_rows, (torch.int32,), 1)
         if miss_rows.device != self.device:
             raise EngramError(f"miss_rows is on {miss_rows.device} but the operation runs on {self.device}")
         m = int(miss_rows.shape[0])
         if self.work_rows_count is not None and self.work_rows_count < miss_base + m:
-            raise EngramError(f"work_rows must hold miss_base + num_miss = {miss_base + m} rows "
-                              f"(got {self.work_rows_count})")
+            raise EngramError(
+                f"work_rows must hold miss_base + num_miss = {miss_base + m} rows (got {self.work_rows_count})"
+            )
         slot_of, row_of_slot, counts, work_rows, work_scales, replaced = self._ptrs
         with device_guard(self.device.index):
-            _call("engram_cache_admit", ptr(miss_rows), m, int(num_free), int(filled), int(capacity), slot_of,
-                  row_of_slot, counts, int(num_candidates), int(candidate_start), int(candidate_stride),
-                  int(sample_first), int(sample_factor), int(miss_base), work_rows, self._row_bytes, work_scales,
-                  self._scale_bytes, replaced, stream_of(self.device))
+            _call(
+                "engram_cache_admit",
+                ptr(miss_rows),
+                m,
+                int(num_free),
+                int(filled),
+                int(capacity),
+                slot_of,
+                row_of_slot,
+                counts,
+                int(num_candidates),
+                int(candidate_start),
+                int(candidate_stride),
+                int(sample_first),
+                int(sample_factor),
+                int(miss_base),
+                work_rows,
+                self._row_bytes,
+                work_scales,
+                self._scale_bytes,
+                replaced,
+                stream_of(self.device),
+            )
 
 
 class DeliverCall:
@@ -239,8 +428,9 @@ class DeliverCall:
             raise EngramError(f"positions is on {positions.device} but the work table on {self.device}")
         out = gather_out(out, T, cols, self.head_dim, self.device)
         with device_guard(self.device.index):
-            gather_call("engram_gather", ptr(positions), T, cols, cols, *self._table, ptr(out), None,
-                        stream_of(self.device))
+            gather_call(
+                "engram_gather", ptr(positions), T, cols, cols, *self._table, ptr(out), None, stream_of(self.device)
+            )
         return out
 
 
@@ -250,14 +440,33 @@ def table_key(*tensors: Any) -> tuple:
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors)
 
 
-def cache_admission(num_miss: int, *, filled: int, capacity: int, admit_budget: int, sample_factor: int, replace: bool,
-                    seed: int, step: int) -> dict[str, int]:
+def cache_admission(
+    num_miss: int,
+    *,
+    filled: int,
+    capacity: int,
+    admit_budget: int,
+    sample_factor: int,
+    replace: bool,
+    seed: int,
+    step: int,
+) -> dict[str, int]:
     """The library's admission numbers of a step (``engram_cache_admission``: what
     :meth:`engram_trt.cache.policy.CachePolicy._admission` computes in Python, and what
     :class:`StepCall` admits by), as a dict of the Admission's fields."""
     got = _Admission()
-    _call("engram_cache_admission", int(num_miss), int(filled), int(capacity), int(admit_budget), int(sample_factor),
-          int(bool(replace)), int(seed), int(step), ctypes.byref(got))
+    _call(
+        "engram_cache_admission",
+        int(num_miss),
+        int(filled),
+        int(capacity),
+        int(admit_budget),
+        int(sample_factor),
+        int(bool(replace)),
+        int(seed),
+        int(step),
+        ctypes.byref(got),
+    )
     return {name: int(getattr(got, name)) for name, _ in _Admission._fields_}
 
 
@@ -269,8 +478,10 @@ def _check_struct_sizes() -> None:
     mine = (ctypes.sizeof(_StepArgs), ctypes.sizeof(_StepResult), ctypes.sizeof(_Admission))
     theirs = tuple(int(v.value) for v in sizes)
     if mine != theirs:
-        raise EngramError(f"the library's cache step structs are {theirs} bytes (args, result, admission), these "
-                          f"bindings' {mine}: the package and libengram_trt_plugins.so are of different versions")
+        raise EngramError(
+            f"the library's cache step structs are {theirs} bytes (args, result, admission), these "
+            f"bindings' {mine}: the package and libengram_trt_plugins.so are of different versions"
+        )
 
 
 # A share of a large step's misses read through UVA beside the host gather (StepCall), and
@@ -297,10 +508,15 @@ def _uva_share_for(share: float | None, blocks: int, overlap: bool, rows_host: A
         readable = all(t.device.type == "cpu" and pointer_kind(t) == "host" for t in tables)
     except EngramError:  # no CUDA driver to ask: nothing the GPU could read either
         readable = False
-    why = ("it needs the overlap (overlap=True)" if not overlap else
-           f"layout {layout!r} keeps rows and scales in one array" if layout not in ("split", "hbm-scales") else
-           "the GPU cannot read the host table: pin it or register it (native.library.register_host_memory)"
-           if not readable else "")
+    why = (
+        "it needs the overlap (overlap=True)"
+        if not overlap
+        else f"layout {layout!r} keeps rows and scales in one array"
+        if layout not in ("split", "hbm-scales")
+        else "the GPU cannot read the host table: pin it or register it (native.library.register_host_memory)"
+        if not readable
+        else ""
+    )
     if share is None:
         return 0.0 if why else DEFAULT_UVA_SHARE
     if why:
@@ -342,19 +558,44 @@ class StepCall:
     ``DEFAULT_UVA_SHARE`` where the GPU can read the host table (pinned or registered),
     else 0; a share asked for explicitly on a table the GPU cannot read is refused."""
 
-    def __init__(self, *, policy: Any, work_rows: Any, work_scales: Any, miss_base: int, gatherer: Any,
-                 rows_host: Any, scales: Any, quant_block: int, layout: str, overlap: bool = True,
-                 uva_share: float | None = None, uva_blocks: int = DEFAULT_UVA_BLOCKS) -> None:
+    def __init__(
+        self,
+        *,
+        policy: Any,
+        work_rows: Any,
+        work_scales: Any,
+        miss_base: int,
+        gatherer: Any,
+        rows_host: Any,
+        scales: Any,
+        quant_block: int,
+        layout: str,
+        overlap: bool = True,
+        uva_share: float | None = None,
+        uva_blocks: int = DEFAULT_UVA_BLOCKS,
+    ) -> None:
         _check_struct_sizes()
         self.uva_share = _uva_share_for(uva_share, uva_blocks, overlap, rows_host, scales, layout)
         dtype, num_rows, head_dim, layout_code = gatherer._check_host_table(rows_host, scales, quant_block, layout)
         if num_rows != policy.table_rows:
             raise EngramError(f"the host table has {num_rows} rows, the cache's policy {policy.table_rows}")
-        row_bytes, scale_bytes = _check_admit_buffers(policy.device, policy.slot_of, policy.row_of_slot, policy.counts,
-                                                      work_rows, work_scales, policy._replaced)
+        row_bytes, scale_bytes = _check_admit_buffers(
+            policy.device, policy.slot_of, policy.row_of_slot, policy.counts, work_rows, work_scales, policy._replaced
+        )
         self.device, self.gatherer = policy.device, gatherer
-        self._keep = (policy.slot_of, policy.counts, policy.row_of_slot, policy._plan, policy._positions,
-                      policy._plan_host, work_rows, work_scales, rows_host, scales, policy._replaced)
+        self._keep = (
+            policy.slot_of,
+            policy.counts,
+            policy.row_of_slot,
+            policy._plan,
+            policy._positions,
+            policy._plan_host,
+            work_rows,
+            work_scales,
+            rows_host,
+            scales,
+            policy._replaced,
+        )
         a = self._args = _StepArgs()
         a.table_num_rows, a.capacity = policy.table_rows, policy.capacity
         a.slot_of, a.counts, a.row_of_slot = (t.data_ptr() for t in (policy.slot_of, policy.counts, policy.row_of_slot))
@@ -404,8 +645,9 @@ class StepCall:
         except Exception:  # interpreter shutdown or a dead device: nothing left to order
             pass
 
-    def __call__(self, ids: Any, tokens: int, cols: int, out: Any, *, host_ids: int, filled: int, replace: bool,
-                 step: int) -> tuple[int, int, int, bool, str | None]:
+    def __call__(
+        self, ids: Any, tokens: int, cols: int, out: Any, *, host_ids: int, filled: int, replace: bool, step: int
+    ) -> tuple[int, int, int, bool, str | None]:
         """Run one step; returns (hits, num_miss, num_free, aborted, error): ``error`` is
         the library's reason when the step failed (the caller raises it after its own
         bookkeeping; ``aborted``: the step was ended with nothing admitted)."""

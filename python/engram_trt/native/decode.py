@@ -56,48 +56,97 @@ GEMV_WEIGHT_STATIC = 1
 
 
 class _NormRopeJob(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("weight", ctypes.c_void_p),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("rows", ctypes.c_int64),
-                ("x_stride", ctypes.c_int64), ("out_stride", ctypes.c_int64), ("cos_stride", ctypes.c_int64),
-                ("weight_stride", ctypes.c_int64), ("dim", ctypes.c_int32), ("heads", ctypes.c_int32),
-                ("norm", ctypes.c_int32),
-                ("rope_pairs", ctypes.c_int32), ("rope_sign", ctypes.c_int32), ("eps", ctypes.c_float)]
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("rows", ctypes.c_int64),
+        ("x_stride", ctypes.c_int64),
+        ("out_stride", ctypes.c_int64),
+        ("cos_stride", ctypes.c_int64),
+        ("weight_stride", ctypes.c_int64),
+        ("dim", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("norm", ctypes.c_int32),
+        ("rope_pairs", ctypes.c_int32),
+        ("rope_sign", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+    ]
 
 
 class _GemvSegment(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("x_stride", ctypes.c_int64), ("out_stride", ctypes.c_int64), ("out_features", ctypes.c_int32),
-                ("in_features", ctypes.c_int32)]
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("x_stride", ctypes.c_int64),
+        ("out_stride", ctypes.c_int64),
+        ("out_features", ctypes.c_int32),
+        ("in_features", ctypes.c_int32),
+    ]
 
 
 class _MoeExperts(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("weights", ctypes.c_void_p),
-                ("gate", ctypes.c_void_p), ("up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("shared_gate", ctypes.c_void_p), ("shared_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p),
-                ("workspace", ctypes.c_void_p), ("out", ctypes.c_void_p), ("num_tokens", ctypes.c_int64),
-                ("workspace_bytes", ctypes.c_int64), ("hidden", ctypes.c_int32), ("top_k", ctypes.c_int32),
-                ("num_experts", ctypes.c_int32), ("intermediate", ctypes.c_int32),
-                ("shared_intermediate", ctypes.c_int32), ("clamp", ctypes.c_int32), ("limit", ctypes.c_float),
-                ("reserved", ctypes.c_int32)]
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("ids", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+        ("gate", ctypes.c_void_p),
+        ("up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("shared_gate", ctypes.c_void_p),
+        ("shared_up", ctypes.c_void_p),
+        ("shared_down", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int64),
+        ("workspace_bytes", ctypes.c_int64),
+        ("hidden", ctypes.c_int32),
+        ("top_k", ctypes.c_int32),
+        ("num_experts", ctypes.c_int32),
+        ("intermediate", ctypes.c_int32),
+        ("shared_intermediate", ctypes.c_int32),
+        ("clamp", ctypes.c_int32),
+        ("limit", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+    ]
 
 
 class _GemvPrologue(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("dim", ctypes.c_int32), ("rope_pairs", ctypes.c_int32),
-                ("rope_sign", ctypes.c_int32), ("eps", ctypes.c_float), ("reserved", ctypes.c_int32),
-                ("weight", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("cos_stride", ctypes.c_int64)]
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("dim", ctypes.c_int32),
+        ("rope_pairs", ctypes.c_int32),
+        ("rope_sign", ctypes.c_int32),
+        ("eps", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("weight", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("cos_stride", ctypes.c_int64),
+    ]
 
 
 _i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ENTRY = EntryPoints({
-    "engram_norm_rope": [ctypes.POINTER(_NormRopeJob), _i32, _i32, _vp],
-    "engram_gemv_segments_bf16": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32, _vp],
-    "engram_gemv_segments_bf16_ex": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32,
-                                     ctypes.POINTER(_GemvPrologue), _vp],
-    "engram_moe_route": [_vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _vp],
-    "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
-    "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_norm_rope": [ctypes.POINTER(_NormRopeJob), _i32, _i32, _vp],
+        "engram_gemv_segments_bf16": [ctypes.POINTER(_GemvSegment), _i32, _i64, ctypes.c_uint32, _vp],
+        "engram_gemv_segments_bf16_ex": [
+            ctypes.POINTER(_GemvSegment),
+            _i32,
+            _i64,
+            ctypes.c_uint32,
+            ctypes.POINTER(_GemvPrologue),
+            _vp,
+        ],
+        "engram_moe_route": [_vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _vp],
+        "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+        "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
+    }
+)
 library = _ENTRY.library
 _call = _ENTRY.call
 
@@ -175,18 +224,46 @@ def norm_rope(*jobs: NormRopeJob) -> None:
             c_rows, cs = _rows2d(f"jobs[{i}].cos", j.cos, torch.float32, j.rope_pairs)
             s_rows, ss = _rows2d(f"jobs[{i}].sin", j.sin, torch.float32, j.rope_pairs)
             if c_rows != rows or s_rows != rows or ss != cs:
-                raise EngramError(f"jobs[{i}].cos / sin must be [{rows}, >= {j.rope_pairs}] with one row stride "
-                                  f"(got {tuple(j.cos.shape)}, {tuple(j.sin.shape)})")
+                raise EngramError(
+                    f"jobs[{i}].cos / sin must be [{rows}, >= {j.rope_pairs}] with one row stride "
+                    f"(got {tuple(j.cos.shape)}, {tuple(j.sin.shape)})"
+                )
         if j.weight is not None:
             check_dtype(f"jobs[{i}].weight", j.weight, (torch.float32,))
             need = j.dim + (j.heads - 1) * j.weight_stride
             if j.weight.dim() != 1 or j.weight.numel() < need or not j.weight.is_contiguous():
-                raise EngramError(f"jobs[{i}].weight must be a contiguous 1-D tensor of at least {need} values "
-                                  f"(dim {j.dim}, weight_stride {j.weight_stride}; got {tuple(j.weight.shape)})")
-        _on_device(device, **{f"jobs[{i}].x": j.x, f"jobs[{i}].out": j.out, f"jobs[{i}].weight": j.weight,
-                              f"jobs[{i}].cos": j.cos, f"jobs[{i}].sin": j.sin})
-        packed[i] = _NormRopeJob(ptr(j.x), ptr(j.out), ptr(j.weight), ptr(j.cos), ptr(j.sin), rows * j.heads,
-                                 xs, os_, cs, j.weight_stride, j.dim, j.heads, j.norm, j.rope_pairs, j.rope_sign, j.eps)
+                raise EngramError(
+                    f"jobs[{i}].weight must be a contiguous 1-D tensor of at least {need} values "
+                    f"(dim {j.dim}, weight_stride {j.weight_stride}; got {tuple(j.weight.shape)})"
+                )
+        _on_device(
+            device,
+            **{
+                f"jobs[{i}].x": j.x,
+                f"jobs[{i}].out": j.out,
+                f"jobs[{i}].weight": j.weight,
+                f"jobs[{i}].cos": j.cos,
+                f"jobs[{i}].sin": j.sin,
+            },
+        )
+        packed[i] = _NormRopeJob(
+            ptr(j.x),
+            ptr(j.out),
+            ptr(j.weight),
+            ptr(j.cos),
+            ptr(j.sin),
+            rows * j.heads,
+            xs,
+            os_,
+            cs,
+            j.weight_stride,
+            j.dim,
+            j.heads,
+            j.norm,
+            j.rope_pairs,
+            j.rope_sign,
+            j.eps,
+        )
     with device_guard(device.index):
         _call("engram_norm_rope", packed, len(jobs), float_code(dtype), stream_of(device))
 
@@ -197,12 +274,24 @@ def gemv_fits(x: Any, weight: Any) -> bool:
     contiguous 16-byte aligned ``[N, K]``, K a multiple of 8, one CUDA device of compute
     capability 9.0 or later."""
     torch = torch_module()
-    return (isinstance(weight, torch.Tensor) and x.dim() == 2 and weight.dim() == 2
-            and 1 <= x.shape[0] <= GEMV_EX_MAX_TOKENS and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
-            and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.is_cuda
-            and weight.device == x.device and (x.stride(1) == 1) and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
-            and x.dataptr() % 16 == 0 and weight.is_contiguous() and weight.dataptr() % 16 == 0
-            and gemv_capable(x.device))
+    return (
+        isinstance(weight, torch.Tensor)
+        and x.dim() == 2
+        and weight.dim() == 2
+        and 1 <= x.shape[0] <= GEMV_EX_MAX_TOKENS
+        and x.shape[1] == weight.shape[1]
+        and x.shape[1] % 8 == 0
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.is_cuda
+        and weight.device == x.device
+        and (x.stride(1) == 1)
+        and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
+        and x.dataptr() % 16 == 0
+        and weight.is_contiguous()
+        and weight.dataptr() % 16 == 0
+        and gemv_capable(x.device)
+    )
 
 
 @dataclass
@@ -235,16 +324,20 @@ def _pack_prologue(pro: GemvPrologue, T: int) -> _GemvPrologue:
         c_rows, cs = _rows2d("prologue.cos", pro.cos, torch.float32, pro.rope_pairs)
         s_rows, ss = _rows2d("prologue.sin", pro.sin, torch.float32, pro.rope_pairs)
         if c_rows != T or s_rows != T or ss != cs:
-            raise EngramError(f"prologue.cos / sin must be [{T}, >= {pro.rope_pairs}] with one row stride "
-                              f"(got {tuple(pro.cos.shape)}, {tuple(pro.sin.shape)})")
+            raise EngramError(
+                f"prologue.cos / sin must be [{T}, >= {pro.rope_pairs}] with one row stride "
+                f"(got {tuple(pro.cos.shape)}, {tuple(pro.sin.shape)})"
+            )
     elif pro.kind not in (PROLOGUE_NONE, PROLOGUE_ROPE):
         raise EngramError(f"prologue.kind {pro.kind} is not PROLOGUE_NONE, PROLOGUE_RMSNORM or PROLOGUE_ROPE")
-    return _GemvPrologue(pro.kind, pro.dim, pro.rope_pairs, pro.rope_sign, pro.eps, 0, ptr(pro.weight), ptr(pro.cos),
-                         ptr(pro.sin), cs)
+    return _GemvPrologue(
+        pro.kind, pro.dim, pro.rope_pairs, pro.rope_sign, pro.eps, 0, ptr(pro.weight), ptr(pro.cos), ptr(pro.sin), cs
+    )
 
 
-def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True,
-                  prologue: GemvPrologue | None = None) -> None:
+def gemv_segments(
+    segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bool = True, prologue: GemvPrologue | None = None
+) -> None:
     """``out = F.linear(x, weight)`` for each ``(x [T, K], weight [N, K], out [T, N])`` of
     ``segments`` (bf16; x and out may be slices with a row stride), one launch. ``weight_static``:
     the weights are a model's (nothing on the stream writes them), so the kernel may start
@@ -271,8 +364,9 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
     for i, (x, w, out) in enumerate(segments):
         _on_device(device, **{f"segments[{i}].x": x, f"segments[{i}].weight": w, f"segments[{i}].out": out})
     if prologue is not None:
-        _on_device(device, **{"prologue.weight": prologue.weight, "prologue.cos": prologue.cos,
-                              "prologue.sin": prologue.sin})
+        _on_device(
+            device, **{"prologue.weight": prologue.weight, "prologue.cos": prologue.cos, "prologue.sin": prologue.sin}
+        )
     flags = GEMV_WEIGHT_STATIC if weight_static else 0
     if pro is None and T <= GEMV_MAX_TOKENS:
         with device_guard(device.index):
@@ -283,8 +377,16 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         _call("engram_gemv_segments_bf16_ex", packed, len(segments), T, flags, ctypes.byref(pro), stream_of(device))
 
 
-def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: Any = None, tid2eid: Any = None,
-              input_ids: Any = None) -> tuple[Any, Any]:
+def moe_route(
+    logits: Any,
+    *,
+    top_k: int,
+    score_fn: str,
+    scaling: float,
+    bias: Any = None,
+    tid2eid: Any = None,
+    input_ids: Any = None,
+) -> tuple[Any, Any]:
     """``(ids int32 [T, top_k], weights float32 [T, top_k])`` of a router's ``logits [T, E]``
     (bf16 / fp16 / float32, unit stride in a row): top-k by score + ``bias [E]`` (float32),
     or hash routing by ``tid2eid [vocab, top_k]`` int64 at ``input_ids [T]`` int64."""
@@ -304,30 +406,67 @@ def moe_route(logits: Any, *, top_k: int, score_fn: str, scaling: float, bias: A
     else:
         check_dtype("tid2eid", tid2eid, (torch.int64,))
         check_dtype("input_ids", input_ids, (torch.int64,))
-        if tid2eid.dim() != 2 or int(tid2eid.shape[1]) != top_k or tuple(input_ids.shape) != (T,) \
-                or not tid2eid.is_contiguous() or not input_ids.is_contiguous():
-            raise EngramError(f"tid2eid must be a contiguous [vocab, {top_k}] and input_ids [{T}] (got "
-                              f"{tuple(tid2eid.shape)}, {tuple(input_ids.shape)})")
+        if (
+            tid2eid.dim() != 2
+            or int(tid2eid.shape[1]) != top_k
+            or tuple(input_ids.shape) != (T,)
+            or not tid2eid.is_contiguous()
+            or not input_ids.is_contiguous()
+        ):
+            raise EngramError(
+                f"tid2eid must be a contiguous [vocab, {top_k}] and input_ids [{T}] (got "
+                f"{tuple(tid2eid.shape)}, {tuple(input_ids.shape)})"
+            )
         vocab = int(tid2eid.shape[0])
     _on_device(logits.device, logits=logits, bias=bias, tid2eid=tid2eid, input_ids=input_ids)
     ids = torch.empty((T, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
     with device_guard(logits.device.index):
-        _call("engram_moe_route", ptr(logits), float_code(logits.dtype), stride, ptr(bias), ptr(tid2eid),
-              ptr(input_ids), vocab, T, E, int(top_k), SCORE_FNS[score_fn], _f32(scaling), ptr(ids), ptr(weights),
-              stream_of(logits.device))
+        _call(
+            "engram_moe_route",
+            ptr(logits),
+            float_code(logits.dtype),
+            stride,
+            ptr(bias),
+            ptr(tid2eid),
+            ptr(input_ids),
+            vocab,
+            T,
+            E,
+            int(top_k),
+            SCORE_FNS[score_fn],
+            _f32(scaling),
+            ptr(ids),
+            ptr(weights),
+            stream_of(logits.device),
+        )
     return ids, weights
 
 
 def experts_workspace_size(tokens: int, top_k: int, intermediate: int, shared_intermediate: int) -> int:
     out = ctypes.c_size_t(0)
-    _call("engram_moe_experts_workspace_size", int(tokens), int(top_k), int(intermediate), int(shared_intermediate),
-          ctypes.byref(out))
+    _call(
+        "engram_moe_experts_workspace_size",
+        int(tokens),
+        int(top_k),
+        int(intermediate),
+        int(shared_intermediate),
+        ctypes.byref(out),
+    )
     return int(out.value)
 
 
-def moe_experts(x: Any, ids: Any, weights: Any, gate: Any, up: Any, down: Any, *, shared: tuple[Any, Any, Any] | None,
-                limit: float | None) -> Any:
+def moe_experts(
+    x: Any,
+    ids: Any,
+    weights: Any,
+    gate: Any,
+    up: Any,
+    down: Any,
+    *,
+    shared: tuple[Any, Any, Any] | None,
+    limit: float | None,
+) -> Any:
     """A decode step's MoE output ``[T, D]`` bf16 (engram_moe_experts_bf16): ``x [T, D]``,
     ``ids`` int32 / ``weights`` float32 ``[T, k]`` (:func:`moe_route`), the routed stacks
     ``gate`` / ``up [E, I, D]``, ``down [E, D, I]`` and ``shared = (gate [I_s, D], up,
@@ -344,11 +483,14 @@ def moe_experts(x: Any, ids: Any, weights: Any, gate: Any, up: Any, down: Any, *
     E, I = int(gate.shape[0]), int(gate.shape[1])
     k = int(ids.shape[1])
     if tuple(up.shape) != (E, I, D) or tuple(down.shape) != (E, D, I) or tuple(gate.shape) != (E, I, D):
-        raise EngramError(f"gate / up must be [E, I, D] and down [E, D, I] = {(E, I, D)}, {(E, D, I)} (got "
-                          f"{tuple(gate.shape)}, {tuple(up.shape)}, {tuple(down.shape)})")
+        raise EngramError(
+            f"gate / up must be [E, I, D] and down [E, D, I] = {(E, I, D)}, {(E, D, I)} (got "
+            f"{tuple(gate.shape)}, {tuple(up.shape)}, {tuple(down.shape)})"
+        )
     if tuple(ids.shape) != (T, k) or tuple(weights.shape) != (T, k):
-        raise EngramError(f"ids and weights must be [T, k] = [{T}, {k}] (got {tuple(ids.shape)}, "
-                          f"{tuple(weights.shape)})")
+        raise EngramError(
+            f"ids and weights must be [T, k] = [{T}, {k}] (got {tuple(ids.shape)}, {tuple(weights.shape)})"
+        )
     Is = 0
     sg = su = sd = None
     if shared is not None:
@@ -357,21 +499,60 @@ def moe_experts(x: Any, ids: Any, weights: Any, gate: Any, up: Any, down: Any, *
             check(name, t, (torch.bfloat16,), 2)
         Is = int(sg.shape[0])
         if tuple(sg.shape) != (Is, D) or tuple(su.shape) != (Is, D) or tuple(sd.shape) != (D, Is):
-            raise EngramError(f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s] (got "
-                              f"{tuple(sg.shape)}, {tuple(su.shape)}, {tuple(sd.shape)})")
+            raise EngramError(
+                f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s] (got "
+                f"{tuple(sg.shape)}, {tuple(su.shape)}, {tuple(sd.shape)})"
+            )
     same_device(x.device, ids=ids, weights=weights, gate=gate, up=up, down=down, sg=sg, su=su, sd=sd)
     need = experts_workspace_size(T, k, I, Is)
     workspace = torch.empty(max(need // 2, 8), dtype=torch.bfloat16, device=x.device)
     out = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
-    args = _MoeExperts(ptr(x), ptr(ids), ptr(weights), ptr(gate), ptr(up), ptr(down), ptr(sg), ptr(su),
-                       ptr(sd), ptr(workspace), ptr(out), T, workspace.numel() * 2, D, k, E, I, Is,
-                       0 if limit is None else 1, 0.0 if limit is None else float(limit), 0)
+    args = _MoeExperts(
+        ptr(x),
+        ptr(ids),
+        ptr(weights),
+        ptr(gate),
+        ptr(up),
+        ptr(down),
+        ptr(sg),
+        ptr(su),
+        ptr(sd),
+        ptr(workspace),
+        ptr(out),
+        T,
+        workspace.numel() * 2,
+        D,
+        k,
+        E,
+        I,
+        Is,
+        0 if limit is None else 1,
+        0.0 if limit is None else float(limit),
+        0,
+    )
     with device_guard(x.device.index):
         _call("engram_moe_experts_bf16", ctypes.byref(args), stream_of(x.device))
     return out
 
 
-__all__ = ["GEMV_EX_MAX_TOKENS", "GEMV_MAX_TOKENS", "GemvPrologue", "MAX_JOBS", "PROLOGUE_NONE", "PROLOGUE_RMSNORM",
-           "PROLOGUE_ROPE", "MAX_SEGMENTS", "NORM_NONE", "NORM_UNWEIGHTED", "NORM_WEIGHTED",
-           "NormRopeJob", "SCORE_FNS", "gemv_fits", "gemv_segments", "moe_experts", "moe_route", "norm_rope",
-           "unavailable"]
+__all__ = [
+    "GEMV_EX_MAX_TOKENS",
+    "GEMV_MAX_TOKENS",
+    "GemvPrologue",
+    "MAX_JOBS",
+    "PROLOGUE_NONE",
+    "PROLOGUE_RMSNORM",
+    "PROLOGUE_ROPE",
+    "MAX_SEGMENTS",
+    "NORM_NONE",
+    "NORM_UNWEIGHTED",
+    "NORM_WEIGHTED",
+    "NormRopeJob",
+    "SCORE_FNS",
+    "gemv_fits",
+    "gemv_segments",
+    "moe_experts",
+    "moe_route",
+    "norm_rope",
+    "unavailable",
+]

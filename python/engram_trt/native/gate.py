@@ -29,16 +29,27 @@ WEIGHT_BF16, WEIGHT_F32, WEIGHT_F16 = FLOAT_BF16, FLOAT_F32, FLOAT_F16  # Engram
 GATE_CLAMP = 1e-6
 
 _i32, _i64, _f32, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_ENTRY = EntryPoints({
-    "engram_gate": [_vp, _vp, _vp, _vp, _i32, _vp, _i32, _i64, _i32, _i32, _f32, _f32, _vp, _vp],
-    "engram_gate_typed": [_vp, _vp, _i32, _vp, _vp, _i32, _vp, _i32, _i64, _i32, _i32, _f32, _f32, _vp, _vp],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_gate": [_vp, _vp, _vp, _vp, _i32, _vp, _i32, _i64, _i32, _i32, _f32, _f32, _vp, _vp],
+        "engram_gate_typed": [_vp, _vp, _i32, _vp, _vp, _i32, _vp, _i32, _i64, _i32, _i32, _f32, _f32, _vp, _vp],
+    }
+)
 library = _ENTRY.library
 _call = _ENTRY.call
 
 
-def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *, eps: float,
-         clamp: float = GATE_CLAMP, out: Any = None) -> Any:
+def gate(
+    hidden: Any,
+    kv: Any,
+    q_weight: Any,
+    k_weight: Any,
+    mask: Any = None,
+    *,
+    eps: float,
+    clamp: float = GATE_CLAMP,
+    out: Any = None,
+) -> Any:
     """The fused Engram gate (engram-spec.md "Fusion"): ``[T, hc, D]`` in hidden's dtype.
 
     ``hidden [T, hc, D]``, ``kv [T, (hc+1)*D]`` and ``out`` share one dtype: bf16,
@@ -53,8 +64,10 @@ def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *
     # one I/O dtype per call: refuse a mix before anything else (no silent conversion)
     io = {name: t.dtype for name, t in (("hidden", hidden), ("kv", kv), ("out", out)) if isinstance(t, torch.Tensor)}
     if len(set(io.values())) > 1:
-        raise EngramError("hidden, kv and out must share one dtype (bfloat16, float16 or float32); got "
-                          + ", ".join(f"{name} {dtype}" for name, dtype in io.items()))
+        raise EngramError(
+            "hidden, kv and out must share one dtype (bfloat16, float16 or float32); got "
+            + ", ".join(f"{name} {dtype}" for name, dtype in io.items())
+        )
     weight_dtypes = tuple(dict.fromkeys((torch.bfloat16, torch.float32, hidden.dtype)))
     check_dtype("q_weight", q_weight, weight_dtypes)
     check_dtype("k_weight", k_weight, (q_weight.dtype,))
@@ -81,7 +94,22 @@ def gate(hidden: Any, kv: Any, q_weight: Any, k_weight: Any, mask: Any = None, *
         raise EngramError(f"out must be [T, hc_mult, D] = {tuple(hidden.shape)} (got {tuple(out.shape)})")
     same_device(hidden.device, kv=kv, q_weight=q_weight, k_weight=k_weight, mask=mask, out=out)
     with device_guard(hidden.device.index):
-        _call("engram_gate_typed", ptr(hidden), ptr(kv), float_code(hidden.dtype), ptr(q_weight), ptr(k_weight),
-              float_code(q_weight.dtype), ptr(mask), mask_type, T, hc, D, ctypes.c_float(eps), ctypes.c_float(clamp),
-              ptr(out), stream_of(hidden.device))
+        _call(
+            "engram_gate_typed",
+            ptr(hidden),
+            ptr(kv),
+            float_code(hidden.dtype),
+            ptr(q_weight),
+            ptr(k_weight),
+            float_code(q_weight.dtype),
+            ptr(mask),
+            mask_type,
+            T,
+            hc,
+            D,
+            ctypes.c_float(eps),
+            ctypes.c_float(clamp),
+            ptr(out),
+            stream_of(hidden.device),
+        )
     return out

@@ -36,13 +36,15 @@ TABLE_F16 = 2  # f16 / f32 rows: the GPU gather (gather, EngramGather) only, not
 TABLE_F32 = 3
 
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-_ENTRY = EntryPoints({
-    "engram_gather_check_table": [_i32, _i32, _i32],
-    "engram_gather": [_vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _vp, _vp, _vp],
-    "engram_gather_ex": [_vp, _i64, _i32, _i64, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _vp, _vp, _vp],
-    "engram_gather_part": [_vp, _i64, _i32, _i64, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _i32, _i32, _vp, _vp],
-    "engram_gather_raw": [_vp, _i64, _vp, _vp, _i64, _i64, _i32, _vp, _vp, _i32, _vp],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_gather_check_table": [_i32, _i32, _i32],
+        "engram_gather": [_vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _vp, _vp, _vp],
+        "engram_gather_ex": [_vp, _i64, _i32, _i64, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _vp, _vp, _vp],
+        "engram_gather_part": [_vp, _i64, _i32, _i64, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _i32, _i32, _vp, _vp],
+        "engram_gather_raw": [_vp, _i64, _vp, _vp, _i64, _i64, _i32, _vp, _vp, _i32, _vp],
+    }
+)
 library = _ENTRY.library
 call = _ENTRY.call  # one of this family's entry points (the hot-row cache's work-table gather)
 
@@ -67,17 +69,24 @@ def table_code(rows: Any, scales: Any, quant_block: int, float_rows: bool = Fals
         raise EngramError("an fp8 table needs scales [rows, head_dim / quant_block] (ue8m0 bytes)")
     check("scales", scales, scale_types, 2, where="any")
     if quant_block <= 0 or head_dim % quant_block or tuple(scales.shape) != (num_rows, head_dim // quant_block):
-        raise EngramError(f"scales must be [rows, head_dim / quant_block] = {(num_rows, head_dim // max(quant_block, 1))} "
-                          f"(got {tuple(scales.shape)}, quant_block {quant_block})")
+        raise EngramError(
+            f"scales must be [rows, head_dim / quant_block] = {(num_rows, head_dim // max(quant_block, 1))} "
+            f"(got {tuple(scales.shape)}, quant_block {quant_block})"
+        )
     return TABLE_FP8_E4M3, num_rows, head_dim
 
 
 def column_range(columns: Any, cols: int) -> int:
     """The first column of a ``columns = (begin, end)`` argument, checked against ``cols``."""
-    if not (isinstance(columns, (tuple, list)) and len(columns) == 2 and all(type(c) is int for c in columns)
-            and 0 <= columns[0] < columns[1] <= cols):
-        raise EngramError(f"columns must be (begin, end) with 0 <= begin < end <= {cols} (the ids' columns); "
-                          f"got {columns!r}")
+    if not (
+        isinstance(columns, (tuple, list))
+        and len(columns) == 2
+        and all(type(c) is int for c in columns)
+        and 0 <= columns[0] < columns[1] <= cols
+    ):
+        raise EngramError(
+            f"columns must be (begin, end) with 0 <= begin < end <= {cols} (the ids' columns); got {columns!r}"
+        )
     return columns[0]
 
 
@@ -114,14 +123,27 @@ def gather_out(out: Any, T: int, cols: int, head_dim: int, device: Any, dtype: A
         return torch.empty((T, cols, head_dim), dtype=dtype, device=device)
     check("out", out, (dtype,), 3)
     if tuple(out.shape) != (T, cols, head_dim) or out.device != device:
-        raise EngramError(f"out must be {dtype} [T, cols, head_dim] = {(T, cols, head_dim)} on {device} "
-                          f"(got {tuple(out.shape)} on {out.device})")
+        raise EngramError(
+            f"out must be {dtype} [T, cols, head_dim] = {(T, cols, head_dim)} on {device} "
+            f"(got {tuple(out.shape)} on {out.device})"
+        )
     return out
 
 
-def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-           out: Any = None, bad_rows: Any = None, row_offset: int = 0,
-           columns: tuple[int, int] | None = None, keep_outside: bool = False, max_blocks: int = 0) -> Any:
+def gather(
+    ids: Any,
+    rows: Any,
+    scales: Any = None,
+    *,
+    layer: int | None = None,
+    quant_block: int = 32,
+    out: Any = None,
+    bad_rows: Any = None,
+    row_offset: int = 0,
+    columns: tuple[int, int] | None = None,
+    keep_outside: bool = False,
+    max_blocks: int = 0,
+) -> Any:
     """Rows ``[T, cols, head_dim]`` read on the GPU: bf16 for an fp8 table (dequantized),
     the table's dtype for a bf16 / f16 / f32 table (its rows as they are, any head_dim).
 
@@ -161,8 +183,10 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
     if keep_outside and out is None:
         raise EngramError("keep_outside leaves rows of out as they are: pass the out tensor the other gather fills")
     if type(row_offset) is not int or not 0 <= row_offset <= 2**31 - 1:
-        raise EngramError(f"row_offset must be an integer in [0, 2^31 - 1] (the global row id of the table's first "
-                          f"row; row ids are int32); got {row_offset!r}")
+        raise EngramError(
+            f"row_offset must be an integer in [0, 2^31 - 1] (the global row id of the table's first "
+            f"row; row ids are int32); got {row_offset!r}"
+        )
     T, cols, stride, byte_offset = ids_view(ids, layer, "cuda", columns)
     dtype, num_rows, head_dim = table_code(rows, scales, quant_block, float_rows=True)
     device = ids.device
@@ -172,8 +196,10 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
         if t.is_cuda:
             same_device(device, **{name: t})
         elif pointer_kind(t) != "host":
-            raise EngramError(f"{name} is in plain host memory the GPU cannot read; pin it "
-                              f"(tensor.pin_memory()) or register it (native.library.register_host_memory)")
+            raise EngramError(
+                f"{name} is in plain host memory the GPU cannot read; pin it "
+                f"(tensor.pin_memory()) or register it (native.library.register_host_memory)"
+            )
     out = gather_out(out, T, cols, head_dim, device, None if dtype == TABLE_FP8_E4M3 else rows.dtype)
     if bad_rows is not None:
         torch = torch_module()
@@ -184,14 +210,59 @@ def gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None,
     ids_ptr = ctypes.c_void_p(ids.data_ptr() + byte_offset)
     with device_guard(device.index):
         if partial:
-            call("engram_gather_part", ids_ptr, T, cols, stride, ptr(rows), ptr(scales), num_rows, row_offset,
-                  head_dim, dtype, quant_block, int(bool(keep_outside)), max_blocks, ptr(out), stream_of(device))
+            call(
+                "engram_gather_part",
+                ids_ptr,
+                T,
+                cols,
+                stride,
+                ptr(rows),
+                ptr(scales),
+                num_rows,
+                row_offset,
+                head_dim,
+                dtype,
+                quant_block,
+                int(bool(keep_outside)),
+                max_blocks,
+                ptr(out),
+                stream_of(device),
+            )
         elif row_offset == 0:  # the form every library version has
-            call("engram_gather", ids_ptr, T, cols, stride, ptr(rows), ptr(scales), num_rows, head_dim, dtype,
-                  quant_block, ptr(out), ptr(bad_rows), stream_of(device))
+            call(
+                "engram_gather",
+                ids_ptr,
+                T,
+                cols,
+                stride,
+                ptr(rows),
+                ptr(scales),
+                num_rows,
+                head_dim,
+                dtype,
+                quant_block,
+                ptr(out),
+                ptr(bad_rows),
+                stream_of(device),
+            )
         else:
-            call("engram_gather_ex", ids_ptr, T, cols, stride, ptr(rows), ptr(scales), num_rows, row_offset,
-                  head_dim, dtype, quant_block, ptr(out), ptr(bad_rows), stream_of(device))
+            call(
+                "engram_gather_ex",
+                ids_ptr,
+                T,
+                cols,
+                stride,
+                ptr(rows),
+                ptr(scales),
+                num_rows,
+                row_offset,
+                head_dim,
+                dtype,
+                quant_block,
+                ptr(out),
+                ptr(bad_rows),
+                stream_of(device),
+            )
     return out
 
 
@@ -209,7 +280,8 @@ def check_bad_rows(counter: Any, *, what: str = "Engram gather", reset: bool = T
     if n:
         if reset:
             counter.zero_()
-        raise EngramError(f"{what}: {n} row(s) read no table (ids outside [0, num_rows), or a table address that is "
-                          f"0 / misaligned / an fp8 table without scales) and came back as zero rows; check the table "
-                          f"bindings and that the tables match the engine's layout")
-
+        raise EngramError(
+            f"{what}: {n} row(s) read no table (ids outside [0, num_rows), or a table address that is "
+            f"0 / misaligned / an fp8 table without scales) and came back as zero rows; check the table "
+            f"bindings and that the tables match the engine's layout"
+        )

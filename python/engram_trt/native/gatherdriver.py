@@ -27,24 +27,68 @@ from engram_trt.native.hostgather import HostGatherer
 from engram_trt.native.library import EntryPoints, NativeHandle, ptr, torch_module
 
 _vp, _i32, _i64, _u64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64
-_ENTRY = EntryPoints({
-    "engram_gather_driver_supported": [_i32, ctypes.POINTER(_i32)],
-    "engram_gather_driver_create": [_vp, ctypes.POINTER(_vp)],
-    "engram_gather_driver_destroy": [_vp],
-    "engram_gather_driver_submit": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp,
-                                    ctypes.POINTER(_u64)],
-    "engram_gather_driver_submit_step": [_vp, _vp, _vp, _i64, _vp, _i64, _vp, _i32, _i32, _vp, _vp, _vp, _vp, _vp,
-                                         _i32, _vp, _vp, _vp, ctypes.POINTER(_u64)],
-    "engram_gather_driver_wait_stream": [_vp, _u64, _vp],
-    "engram_gather_driver_finish": [_vp, _u64],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_gather_driver_supported": [_i32, ctypes.POINTER(_i32)],
+        "engram_gather_driver_create": [_vp, ctypes.POINTER(_vp)],
+        "engram_gather_driver_destroy": [_vp],
+        "engram_gather_driver_submit": [
+            _vp,
+            _vp,
+            _i64,
+            _i32,
+            _i64,
+            _vp,
+            _vp,
+            _i64,
+            _i32,
+            _i32,
+            _i32,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            ctypes.POINTER(_u64),
+        ],
+        "engram_gather_driver_submit_step": [
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _vp,
+            _i64,
+            _vp,
+            _i32,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            ctypes.POINTER(_u64),
+        ],
+        "engram_gather_driver_wait_stream": [_vp, _u64, _vp],
+        "engram_gather_driver_finish": [_vp, _u64],
+    }
+)
 
 
 class DriverTable(ctypes.Structure):
     """EngramDriverTable: one layer's host table for a step job."""
 
-    _fields_ = [("rows_host", _vp), ("scales_host", _vp), ("num_rows", _i64), ("head_dim", _i32),
-                ("table_dtype", _i32), ("quant_block", _i32), ("table_layout", _i32)]
+    _fields_ = [
+        ("rows_host", _vp),
+        ("scales_host", _vp),
+        ("num_rows", _i64),
+        ("head_dim", _i32),
+        ("table_dtype", _i32),
+        ("quant_block", _i32),
+        ("table_layout", _i32),
+    ]
 
 
 class StepBuffers:
@@ -103,8 +147,19 @@ class GatherDriver(NativeHandle):
             raise EngramError("this GatherDriver is closed")
         return self._handle
 
-    def submit(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-               out: Any, stream: Any, ids_ready: Any = None, layout: str = "split") -> int:
+    def submit(
+        self,
+        ids: Any,
+        rows: Any,
+        scales: Any = None,
+        *,
+        layer: int | None = None,
+        quant_block: int = 32,
+        out: Any,
+        stream: Any,
+        ids_ready: Any = None,
+        layout: str = "split",
+    ) -> int:
         """Queue :meth:`HostGatherer.gather` of ``ids`` (pinned CPU int32 ``[T, cols]`` or
         ``[T, L, cols]`` with ``layer``) into ``out`` on ``stream`` (a torch CUDA stream);
         ``ids_ready``: a torch CUDA event after which ``ids`` hold their values (ids
@@ -114,21 +169,48 @@ class GatherDriver(NativeHandle):
         handle = self._require_open()
         T, cols, stride, byte_offset = ids_view(ids, layer, "cpu")
         if T and not ids.is_pinned():
-            raise EngramError("ids for the gather driver must be in pinned memory (the driver reads them after "
-                              "submit returns; pageable memory may be reused)")
+            raise EngramError(
+                "ids for the gather driver must be in pinned memory (the driver reads them after "
+                "submit returns; pageable memory may be reused)"
+            )
         dtype, num_rows, head_dim, layout_code = self.gatherer._check_host_table(rows, scales, quant_block, layout)
         out = gather_out(out, T, cols, head_dim, self.device)
         ticket = _u64(0)
         with torch.cuda.device(self.device):
-            _ENTRY.call("engram_gather_driver_submit", handle, _vp(ids.data_ptr() + byte_offset), T, cols, stride,
-                        ptr(rows), ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, ptr(out),
-                        _vp(stream.cuda_stream), _vp(0 if ids_ready is None else ids_ready.cuda_event),
-                        ctypes.byref(ticket))
+            _ENTRY.call(
+                "engram_gather_driver_submit",
+                handle,
+                _vp(ids.data_ptr() + byte_offset),
+                T,
+                cols,
+                stride,
+                ptr(rows),
+                ptr(scales),
+                num_rows,
+                head_dim,
+                dtype,
+                quant_block,
+                layout_code,
+                ptr(out),
+                _vp(stream.cuda_stream),
+                _vp(0 if ids_ready is None else ids_ready.cuda_event),
+                ctypes.byref(ticket),
+            )
         self.last_ticket = int(ticket.value)
         return self.last_ticket
 
-    def submit_step(self, layout: Any, cids: Any, seq_starts: Any, lookback: Any, buffers: StepBuffers,
-                    tables: list[tuple[Any, Any, int, str]], outs: list[Any], *, stream: Any) -> list[int]:
+    def submit_step(
+        self,
+        layout: Any,
+        cids: Any,
+        seq_starts: Any,
+        lookback: Any,
+        buffers: StepBuffers,
+        tables: list[tuple[Any, Any, int, str]],
+        outs: list[Any],
+        *,
+        stream: Any,
+    ) -> list[int]:
         """Queue a whole step's lookup as one job (see the module docstring): ``cids [T]``,
         ``seq_starts [S+1]`` and ``lookback [S, N-1]`` (or None) as integer NumPy arrays
         are copied into ``buffers`` here; the driver hashes them on ``stream`` with the
@@ -167,31 +249,45 @@ class StepJob:
     the H200 (docs/benchmarks.md), and none of it changes between steps (the staging
     buffers are persistent: stable addresses)."""
 
-    def __init__(self, driver: GatherDriver, layout: Any, buffers: StepBuffers, tables: list[tuple[Any, Any, int, str]],
-                 outs: list[Any]) -> None:
+    def __init__(
+        self,
+        driver: GatherDriver,
+        layout: Any,
+        buffers: StepBuffers,
+        tables: list[tuple[Any, Any, int, str]],
+        outs: list[Any],
+    ) -> None:
         from engram_trt.native.hash import prepared_layout
 
         L, cols = int(layout.num_layers), int(layout.n_hash_cols)
         if len(tables) != L or len(outs) != L:
-            raise EngramError(f"a step job needs one table and one output per Engram layer ({L}); got "
-                              f"{len(tables)} and {len(outs)}")
+            raise EngramError(
+                f"a step job needs one table and one output per Engram layer ({L}); got {len(tables)} and {len(outs)}"
+            )
         self.driver, self.buffers, self.num_layers, self.cols = driver, buffers, L, cols
         self.max_tokens = min(buffers.cids_np.shape[0], *(int(o.shape[0]) for o in outs))
         self.structs = (DriverTable * L)()
         self.ptrs = (_vp * L)()
         for li, ((rows, scales, quant_block, table_layout), out) in enumerate(zip(tables, outs)):
-            dtype, num_rows, head_dim, layout_code = driver.gatherer._check_host_table(rows, scales, quant_block,
-                                                                                        table_layout)
+            dtype, num_rows, head_dim, layout_code = driver.gatherer._check_host_table(
+                rows, scales, quant_block, table_layout
+            )
             gather_out(out, int(out.shape[0]), cols, head_dim, driver.device)
-            self.structs[li] = DriverTable(rows.data_ptr(), 0 if scales is None else scales.data_ptr(), num_rows,
-                                           head_dim, dtype, quant_block, layout_code)
+            self.structs[li] = DriverTable(
+                rows.data_ptr(),
+                0 if scales is None else scales.data_ptr(),
+                num_rows,
+                head_dim,
+                dtype,
+                quant_block,
+                layout_code,
+            )
             self.ptrs[li] = out.data_ptr()
         # The tables and outputs must outlive the jobs that read and write them.
         self._keep = (tables, outs)
         self._prepared = prepared_layout(layout)  # kept: its handle is passed with every job
         b = buffers
-        self._dev = (ptr(b.cids_dev), ptr(b.starts_dev), ptr(b.lookback_dev), ptr(b.row_ids_dev),
-                     ptr(b.row_ids_host))
+        self._dev = (ptr(b.cids_dev), ptr(b.starts_dev), ptr(b.lookback_dev), ptr(b.row_ids_dev), ptr(b.row_ids_host))
         self._host = (ptr(b.cids_host), ptr(b.starts_host), ptr(b.lookback_host))
 
     def submit(self, cids: Any, seq_starts: Any, lookback: Any, *, stream: Any) -> list[int]:
@@ -204,20 +300,37 @@ class StepJob:
         handle = drv._require_open()
         T, S = int(cids.shape[0]), int(len(seq_starts)) - 1
         if T > self.max_tokens or S > b.lookback_np.shape[0]:
-            raise EngramError(f"a step of {T} tokens / {S} sequences exceeds the step job's {self.max_tokens} "
-                              f"tokens (its step buffers and outputs)")
+            raise EngramError(
+                f"a step of {T} tokens / {S} sequences exceeds the step job's {self.max_tokens} "
+                f"tokens (its step buffers and outputs)"
+            )
         n = b.lookback_width
         if lookback is not None and tuple(lookback.shape) != (S, n):
             raise EngramError(f"lookback must be [num_sequences={S}, N-1={n}] (got {tuple(lookback.shape)})")
         b.cids_np[:T] = cids
-        b.starts_np[:S + 1] = seq_starts
+        b.starts_np[: S + 1] = seq_starts
         with_lookback = lookback is not None and n > 0
         if with_lookback:
             b.lookback_np[:S, :n] = lookback
         first = _u64(0)
-        _ENTRY.call("engram_gather_driver_submit_step", handle, self._prepared.handle, self._host[0], T, self._host[1], S,
-                    self._host[2] if with_lookback else None, n, self.cols, *self._dev, self.num_layers, self.structs,
-                    self.ptrs, _vp(stream.cuda_stream), ctypes.byref(first))
+        _ENTRY.call(
+            "engram_gather_driver_submit_step",
+            handle,
+            self._prepared.handle,
+            self._host[0],
+            T,
+            self._host[1],
+            S,
+            self._host[2] if with_lookback else None,
+            n,
+            self.cols,
+            *self._dev,
+            self.num_layers,
+            self.structs,
+            self.ptrs,
+            _vp(stream.cuda_stream),
+            ctypes.byref(first),
+        )
         tickets = [int(first.value) + li for li in range(self.num_layers)]
         drv.last_ticket = tickets[-1]
         return tickets

@@ -14,13 +14,15 @@ from engram_trt.errors import EngramError
 from engram_trt.native.library import EntryPoints, check, device_guard, ptr, same_device, stream_of, torch_module
 
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-_ENTRY = EntryPoints({
-    "engram_hash_check_layout": [_vp, _vp, _vp, _i32, _i32, _i32, _i64, _i64],
-    "engram_hash": [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _i32, _i32, _i32, _i64, _i64, _vp, _vp],
-    "engram_hash_layout_create": [_vp, _vp, _vp, _i32, _i32, _i32, _i64, _i64, ctypes.POINTER(_vp)],
-    "engram_hash_layout_destroy": [_vp],
-    "engram_hash_prepared": [_vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_hash_check_layout": [_vp, _vp, _vp, _i32, _i32, _i32, _i64, _i64],
+        "engram_hash": [_vp, _i64, _vp, _i64, _vp, _vp, _vp, _vp, _i32, _i32, _i32, _i64, _i64, _vp, _vp],
+        "engram_hash_layout_create": [_vp, _vp, _vp, _i32, _i32, _i32, _i64, _i64, ctypes.POINTER(_vp)],
+        "engram_hash_layout_destroy": [_vp],
+        "engram_hash_prepared": [_vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
+    }
+)
 library = _ENTRY.library
 _call = _ENTRY.call
 
@@ -35,10 +37,19 @@ def _layout_args(layout: Any) -> tuple:
     if primes.shape != (L, N - 1, H) or offsets.shape != (L, (N - 1) * H) or mult.shape != (L, N):
         raise EngramError(
             f"layout arrays must be primes [L, N-1, H], offsets [L, cols], multipliers [L, N] = "
-            f"{(L, N - 1, H)}, {(L, (N - 1) * H)}, {(L, N)} (got {primes.shape}, {offsets.shape}, {mult.shape})")
+            f"{(L, N - 1, H)}, {(L, (N - 1) * H)}, {(L, N)} (got {primes.shape}, {offsets.shape}, {mult.shape})"
+        )
     keep = (primes, offsets, mult)  # the caller holds these while the C call reads them
-    args = (primes.ctypes.data_as(ctypes.c_void_p), offsets.ctypes.data_as(ctypes.c_void_p),
-            mult.ctypes.data_as(ctypes.c_void_p), L, N, H, int(layout.pad_id), int(layout.compressed_vocab_size))
+    args = (
+        primes.ctypes.data_as(ctypes.c_void_p),
+        offsets.ctypes.data_as(ctypes.c_void_p),
+        mult.ctypes.data_as(ctypes.c_void_p),
+        L,
+        N,
+        H,
+        int(layout.pad_id),
+        int(layout.compressed_vocab_size),
+    )
     return keep, args
 
 
@@ -48,7 +59,6 @@ def check_layout(layout: Any) -> None:
     keep, args = _layout_args(layout)
     _call("engram_hash_check_layout", *args)
     del keep
-
 
 
 class PreparedHashLayout:
@@ -135,7 +145,15 @@ def hash_packed(ids: Any, seq_starts: Any, lookback: Any, layout: Any, *, out: A
     same_device(ids.device, seq_starts=seq_starts, lookback=lookback, out=out)
     prepared = prepared_layout(layout)
     with device_guard(ids.device.index):
-        _call("engram_hash_prepared", prepared.handle, ptr(ids), T, ptr(seq_starts), S, ptr(lookback),
-              ptr(out), stream_of(ids.device))
+        _call(
+            "engram_hash_prepared",
+            prepared.handle,
+            ptr(ids),
+            T,
+            ptr(seq_starts),
+            S,
+            ptr(lookback),
+            ptr(out),
+            stream_of(ids.device),
+        )
     return out
-

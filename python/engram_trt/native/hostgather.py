@@ -35,30 +35,59 @@ from engram_trt.native.library import EntryPoints, NativeHandle, check, device_g
 log = logging.getLogger(__name__)
 
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-_ENTRY = EntryPoints({
-    "engram_host_gatherer_create": [_i32, _i64, _i32, ctypes.POINTER(_vp)],
-    "engram_host_gatherer_destroy": [_vp],
-    "engram_host_gather": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _vp, _vp],
-    "engram_cpu_affinity_count": [ctypes.POINTER(_i32)],
-    "engram_host_gather_default_threads": [ctypes.POINTER(_i32)],
-    "engram_host_gatherer_create_ex": [_i32, _i64, _i32, _i32, ctypes.POINTER(_vp)],
-    "engram_host_gatherer_set_option": [_vp, _i32, _i64],
-    "engram_host_gatherer_get_option": [_vp, _i32, ctypes.POINTER(_i64)],
-    "engram_host_gatherer_wake": [_vp],
-    "engram_host_gather_ex": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp],
-    "engram_host_gather_dev": [_vp, _vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp],
-    "engram_host_gather_raw": [_vp, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp],
-    "engram_host_gather_raw_dev": [_vp, _vp, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp],
-    "engram_host_gather_rows_cpu": [_vp, _i32, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _i32, _i32],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_host_gatherer_create": [_i32, _i64, _i32, ctypes.POINTER(_vp)],
+        "engram_host_gatherer_destroy": [_vp],
+        "engram_host_gather": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _vp, _vp],
+        "engram_cpu_affinity_count": [ctypes.POINTER(_i32)],
+        "engram_host_gather_default_threads": [ctypes.POINTER(_i32)],
+        "engram_host_gatherer_create_ex": [_i32, _i64, _i32, _i32, ctypes.POINTER(_vp)],
+        "engram_host_gatherer_set_option": [_vp, _i32, _i64],
+        "engram_host_gatherer_get_option": [_vp, _i32, ctypes.POINTER(_i64)],
+        "engram_host_gatherer_wake": [_vp],
+        "engram_host_gather_ex": [_vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp],
+        "engram_host_gather_dev": [_vp, _vp, _vp, _i64, _i32, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp],
+        "engram_host_gather_raw": [_vp, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp],
+        "engram_host_gather_raw_dev": [_vp, _vp, _vp, _i64, _vp, _vp, _i64, _i32, _i32, _i32, _i32, _vp, _vp, _vp],
+        "engram_host_gather_rows_cpu": [
+            _vp,
+            _i32,
+            _vp,
+            _i64,
+            _vp,
+            _vp,
+            _i64,
+            _i32,
+            _i32,
+            _i32,
+            _i32,
+            _vp,
+            _vp,
+            _i32,
+            _i32,
+        ],
+    }
+)
 library = _ENTRY.library
 _call = _ENTRY.call
 
 TABLE_LAYOUTS = {"split": 0, "inline": 1, "hbm-scales": 2}  # EngramTableLayout of the host gather
 # EngramHostGatherOption: the host gatherer's knobs (see HOST_GATHER_READ_ONLY)
-HOST_GATHER_OPTIONS = {"chunk_rows": 0, "min_chunks": 1, "task_rows": 2, "prefetch_rows": 3, "streaming_stores": 4,
-                       "spin_us": 5, "num_threads": 6, "num_slots": 7, "slot_bytes": 8, "prefetch_far_rows": 9,
-                       "prefetch_locality": 10, "job_staging_bytes": 11}
+HOST_GATHER_OPTIONS = {
+    "chunk_rows": 0,
+    "min_chunks": 1,
+    "task_rows": 2,
+    "prefetch_rows": 3,
+    "streaming_stores": 4,
+    "spin_us": 5,
+    "num_threads": 6,
+    "num_slots": 7,
+    "slot_bytes": 8,
+    "prefetch_far_rows": 9,
+    "prefetch_locality": 10,
+    "job_staging_bytes": 11,
+}
 HOST_GATHER_READ_ONLY = ("num_threads", "num_slots", "slot_bytes")
 # Defaults from the H200 VM (docs/benchmarks.md, `engram-trt bench gather` sweeps): with
 # 2048-row chunks and 8 slots an 8k-token prefill chunk overlapped its copies best and a
@@ -86,8 +115,10 @@ def host_table(rows: Any, scales: Any, quant_block: int, layout: str) -> tuple[i
     num_rows, width = rows.shape
     head_dim = width * quant_block // (quant_block + 1) if quant_block > 0 else 0
     if quant_block <= 0 or head_dim + head_dim // max(quant_block, 1) != width or head_dim % quant_block:
-        raise EngramError(f"an inline fp8 table is [rows, head_dim + head_dim / quant_block] bytes; width {width} "
-                          f"fits no head_dim for quant_block {quant_block}")
+        raise EngramError(
+            f"an inline fp8 table is [rows, head_dim + head_dim / quant_block] bytes; width {width} "
+            f"fits no head_dim for quant_block {quant_block}"
+        )
     return TABLE_FP8_E4M3, num_rows, head_dim, TABLE_LAYOUTS["inline"]
 
 
@@ -108,10 +139,20 @@ def default_gather_threads() -> int:
     return int(count.value)
 
 
-def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int = 32, layout: str = "split",
-                    num_threads: int = 0, prefetch_rows: int = -1, streaming_stores: int = -1,
-                    gatherer: "HostGatherer | None" = None, out_rows: Any = None,
-                    out_scales: Any = None) -> tuple[Any, Any]:
+def gather_rows_cpu(
+    ids: Any,
+    rows: Any,
+    scales: Any = None,
+    *,
+    quant_block: int = 32,
+    layout: str = "split",
+    num_threads: int = 0,
+    prefetch_rows: int = -1,
+    streaming_stores: int = -1,
+    gatherer: "HostGatherer | None" = None,
+    out_rows: Any = None,
+    out_scales: Any = None,
+) -> tuple[Any, Any]:
     """The host gather's CPU part alone (no GPU): ``(rows, scales)`` of ``ids`` (CPU int32
     ``[n]``) in the split form, as CPU tensors (fp8: uint8 ``[n, head_dim]`` and
     ``[n, head_dim / quant_block]``; bf16: bf16 ``[n, head_dim]`` and None), written into
@@ -147,10 +188,24 @@ def gather_rows_cpu(ids: Any, rows: Any, scales: Any = None, *, quant_block: int
     handle = None
     if gatherer is not None:
         handle = gatherer._require_open()
-    _call("engram_host_gather_rows_cpu", handle, int(num_threads), ptr(ids), n, ptr(rows),
-          ptr(None if hbm else scales), num_rows,
-          head_dim, dtype, quant_block, layout_code, ptr(out_rows), ptr(out_scales), int(prefetch_rows),
-          int(streaming_stores))
+    _call(
+        "engram_host_gather_rows_cpu",
+        handle,
+        int(num_threads),
+        ptr(ids),
+        n,
+        ptr(rows),
+        ptr(None if hbm else scales),
+        num_rows,
+        head_dim,
+        dtype,
+        quant_block,
+        layout_code,
+        ptr(out_rows),
+        ptr(out_scales),
+        int(prefetch_rows),
+        int(streaming_stores),
+    )
     return out_rows[:n], (None if out_scales is None else out_scales[:n])
 
 
@@ -164,9 +219,12 @@ def _warn_openmp_policy() -> None:
     if _OPENMP_WARNED or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
         return
     _OPENMP_WARNED = True
-    log.warning("OMP_WAIT_POLICY is %r: torch's OpenMP workers busy-wait after each parallel CPU operation and slow "
-                "the host gather up to 50x (docs/benchmarks.md); set OMP_WAIT_POLICY=PASSIVE before torch is imported, "
-                "or import engram_trt first", os.environ.get("OMP_WAIT_POLICY", "unset"))
+    log.warning(
+        "OMP_WAIT_POLICY is %r: torch's OpenMP workers busy-wait after each parallel CPU operation and slow "
+        "the host gather up to 50x (docs/benchmarks.md); set OMP_WAIT_POLICY=PASSIVE before torch is imported, "
+        "or import engram_trt first",
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
+    )
 
 
 class HostGatherer(NativeHandle):
@@ -181,8 +239,14 @@ class HostGatherer(NativeHandle):
     (``HOST_GATHER_OPTIONS``; runtime/README.md says what each knob does).
     """
 
-    def __init__(self, num_threads: int = 0, chunk_rows: int = DEFAULT_CHUNK_ROWS, max_head_dim: int = 512,
-                 device: Any = None, num_slots: int = DEFAULT_SLOTS) -> None:
+    def __init__(
+        self,
+        num_threads: int = 0,
+        chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        max_head_dim: int = 512,
+        device: Any = None,
+        num_slots: int = DEFAULT_SLOTS,
+    ) -> None:
         torch = torch_module()
         self.device = torch.device("cuda") if device is None else torch.device(device)
         if self.device.type != "cuda":
@@ -192,8 +256,14 @@ class HostGatherer(NativeHandle):
         self.max_head_dim = int(max_head_dim)
         handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):
-            _call("engram_host_gatherer_create_ex", int(num_threads), int(chunk_rows), self.max_head_dim,
-                  int(num_slots), ctypes.byref(handle))
+            _call(
+                "engram_host_gatherer_create_ex",
+                int(num_threads),
+                int(chunk_rows),
+                self.max_head_dim,
+                int(num_slots),
+                ctypes.byref(handle),
+            )
         self._handle: ctypes.c_void_p | None = handle
         _warn_openmp_policy()
 
@@ -231,17 +301,31 @@ class HostGatherer(NativeHandle):
         hbm = layout == "hbm-scales"
         for name, t in (("rows", rows), ("scales", None if hbm else scales)):
             if t is not None and t.device.type != "cpu":
-                raise EngramError(f"{name} must be a CPU tensor for the host gather (got {t.device}); "
-                                  f"use engram_trt.native.gather.gather")
+                raise EngramError(
+                    f"{name} must be a CPU tensor for the host gather (got {t.device}); "
+                    f"use engram_trt.native.gather.gather"
+                )
         if hbm and scales.device != self.device:
-            raise EngramError(f"layout 'hbm-scales' reads the scales on the gatherer's device {self.device} (got them "
-                              f"on {scales.device}): copy them there once, e.g. scales.to('{self.device}')")
+            raise EngramError(
+                f"layout 'hbm-scales' reads the scales on the gatherer's device {self.device} (got them "
+                f"on {scales.device}): copy them there once, e.g. scales.to('{self.device}')"
+            )
         if table[2] > self.max_head_dim:
             raise EngramError(f"head_dim {table[2]} exceeds this gatherer's max_head_dim {self.max_head_dim}")
         return table
 
-    def gather(self, ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-               out: Any = None, layout: str = "split", ids_dev: Any = None) -> Any:
+    def gather(
+        self,
+        ids: Any,
+        rows: Any,
+        scales: Any = None,
+        *,
+        layer: int | None = None,
+        quant_block: int = 32,
+        out: Any = None,
+        layout: str = "split",
+        ids_dev: Any = None,
+    ) -> Any:
         """Same contract as :func:`engram_trt.native.gather.gather`, but ``ids``, ``rows`` and ``scales`` are CPU
         tensors (any host memory: pinned, registered, heap or a file mapping) and ``out``
         is on the gatherer's device. ``layout='inline'``: ``rows`` is an inline fp8 table
@@ -260,15 +344,35 @@ class HostGatherer(NativeHandle):
             if ids_dev is None:
                 ids_dev = ids.to(self.device)
             check("ids_dev", ids_dev, (torch.int32,), ids.dim())
-            if tuple(ids_dev.shape) != tuple(ids.shape) or ids_dev.stride() != ids.stride() \
-                    or ids_dev.device != self.device:
-                raise EngramError(f"ids_dev must be ids {tuple(ids.shape)} with the same strides on {self.device} "
-                                  f"(got {tuple(ids_dev.shape)}, strides {ids_dev.stride()}, on {ids_dev.device})")
+            if (
+                tuple(ids_dev.shape) != tuple(ids.shape)
+                or ids_dev.stride() != ids.stride()
+                or ids_dev.device != self.device
+            ):
+                raise EngramError(
+                    f"ids_dev must be ids {tuple(ids.shape)} with the same strides on {self.device} "
+                    f"(got {tuple(ids_dev.shape)}, strides {ids_dev.stride()}, on {ids_dev.device})"
+                )
             dev_ptr = ctypes.c_void_p(ids_dev.data_ptr() + byte_offset)
         with device_guard(self.device.index):
-            _call("engram_host_gather_dev", handle, ctypes.c_void_p(ids.data_ptr() + byte_offset), dev_ptr, T, cols,
-                  stride, ptr(rows), ptr(scales), num_rows, head_dim, dtype, quant_block, layout_code, ptr(out),
-                  stream_of(self.device))
+            _call(
+                "engram_host_gather_dev",
+                handle,
+                ctypes.c_void_p(ids.data_ptr() + byte_offset),
+                dev_ptr,
+                T,
+                cols,
+                stride,
+                ptr(rows),
+                ptr(scales),
+                num_rows,
+                head_dim,
+                dtype,
+                quant_block,
+                layout_code,
+                ptr(out),
+                stream_of(self.device),
+            )
         return out
 
     def bind(self, rows: Any, scales: Any = None, *, quant_block: int = 32, layout: str = "split") -> "BoundHostGather":
@@ -276,8 +380,18 @@ class HostGatherer(NativeHandle):
         (:class:`BoundHostGather`)."""
         return BoundHostGather(self, rows, scales, quant_block=quant_block, layout=layout)
 
-    def gather_raw(self, ids: Any, rows: Any, scales: Any = None, *, dst_rows: Any, dst_scales: Any = None,
-                   quant_block: int = 32, layout: str = "split", ids_dev: Any = None) -> None:
+    def gather_raw(
+        self,
+        ids: Any,
+        rows: Any,
+        scales: Any = None,
+        *,
+        dst_rows: Any,
+        dst_scales: Any = None,
+        quant_block: int = 32,
+        layout: str = "split",
+        ids_dev: Any = None,
+    ) -> None:
         """Rows ``ids`` (CPU int32 ``[n]``) of a host table in their stored form into device
         arrays: ``dst_rows`` uint8 ``[>= n, head_dim]`` (bf16 tables: bf16) and, for fp8,
         ``dst_scales`` uint8 ``[>= n, head_dim / quant_block]`` (the split form
@@ -294,29 +408,51 @@ class HostGatherer(NativeHandle):
         want = (torch.bfloat16,) if dtype == TABLE_BF16 else (torch.uint8,)
         check("dst_rows", dst_rows, want, 2)
         if dst_rows.shape[0] < n or dst_rows.shape[1] != head_dim or dst_rows.device != self.device:
-            raise EngramError(f"dst_rows must be [>= {n}, {head_dim}] on {self.device} "
-                              f"(got {tuple(dst_rows.shape)} on {dst_rows.device})")
+            raise EngramError(
+                f"dst_rows must be [>= {n}, {head_dim}] on {self.device} "
+                f"(got {tuple(dst_rows.shape)} on {dst_rows.device})"
+            )
         if dtype == TABLE_FP8_E4M3:
             if dst_scales is None:
                 raise EngramError("an fp8 table needs dst_scales [>= n, head_dim / quant_block] uint8")
             check("dst_scales", dst_scales, (torch.uint8,), 2)
-            if dst_scales.shape[0] < n or dst_scales.shape[1] != head_dim // quant_block \
-                    or dst_scales.device != self.device:
-                raise EngramError(f"dst_scales must be [>= {n}, {head_dim // quant_block}] on {self.device} "
-                                  f"(got {tuple(dst_scales.shape)} on {dst_scales.device})")
+            if (
+                dst_scales.shape[0] < n
+                or dst_scales.shape[1] != head_dim // quant_block
+                or dst_scales.device != self.device
+            ):
+                raise EngramError(
+                    f"dst_scales must be [>= {n}, {head_dim // quant_block}] on {self.device} "
+                    f"(got {tuple(dst_scales.shape)} on {dst_scales.device})"
+                )
         if layout == "hbm-scales":
             if ids_dev is None:
                 ids_dev = ids.to(self.device)
             check("ids_dev", ids_dev, (torch.int32,), 1)
             if ids_dev.shape[0] != n or ids_dev.device != self.device:
-                raise EngramError(f"ids_dev must be the {n} ids on {self.device} "
-                                  f"(got {ids_dev.shape[0]} on {ids_dev.device})")
+                raise EngramError(
+                    f"ids_dev must be the {n} ids on {self.device} (got {ids_dev.shape[0]} on {ids_dev.device})"
+                )
         else:
             ids_dev = None
         with device_guard(self.device.index):
-            _call("engram_host_gather_raw_dev", handle, ptr(ids), ptr(ids_dev), n, ptr(rows), ptr(scales),
-                  num_rows, head_dim, dtype, quant_block, layout_code, ptr(dst_rows),
-                  ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None), stream_of(self.device))
+            _call(
+                "engram_host_gather_raw_dev",
+                handle,
+                ptr(ids),
+                ptr(ids_dev),
+                n,
+                ptr(rows),
+                ptr(scales),
+                num_rows,
+                head_dim,
+                dtype,
+                quant_block,
+                layout_code,
+                ptr(dst_rows),
+                ptr(dst_scales if dtype == TABLE_FP8_E4M3 else None),
+                stream_of(self.device),
+            )
 
     def _destroy(self, handle: Any) -> None:
         _call("engram_host_gatherer_destroy", handle)
@@ -335,8 +471,9 @@ class BoundHostGather:
     (``bench gather --call``). The runtime's own host path makes the library call from the
     gather driver's thread, with no Python per step."""
 
-    def __init__(self, gatherer: HostGatherer, rows: Any, scales: Any = None, *, quant_block: int = 32,
-                 layout: str = "split") -> None:
+    def __init__(
+        self, gatherer: HostGatherer, rows: Any, scales: Any = None, *, quant_block: int = 32, layout: str = "split"
+    ) -> None:
         dtype, num_rows, head_dim, layout_code = gatherer._check_host_table(rows, scales, quant_block, layout)
         self.gatherer, self.head_dim, self.layout = gatherer, head_dim, layout
         self.device = gatherer.device
@@ -352,18 +489,36 @@ class BoundHostGather:
             gather_out(out, T, cols, self.head_dim, self.device)
             self._out = (out, out.shape)
         elif out.shape[0] != T or out.shape[1] != cols:
-            raise EngramError(f"out must be bf16 [T, cols, head_dim] = {(T, cols, self.head_dim)} "
-                              f"(got {tuple(out.shape)})")
+            raise EngramError(
+                f"out must be bf16 [T, cols, head_dim] = {(T, cols, self.head_dim)} (got {tuple(out.shape)})"
+            )
         dev_ptr = None
         if self.layout == "hbm-scales":
-            if ids_dev is None or ids_dev.device != self.device or ids_dev.shape != ids.shape \
-                    or ids_dev.dtype != torch.int32 or not ids_dev.is_contiguous():
-                raise EngramError(f"layout 'hbm-scales' needs ids_dev: the ids {tuple(ids.shape)} as contiguous int32 "
-                                  f"on {self.device}")
+            if (
+                ids_dev is None
+                or ids_dev.device != self.device
+                or ids_dev.shape != ids.shape
+                or ids_dev.dtype != torch.int32
+                or not ids_dev.is_contiguous()
+            ):
+                raise EngramError(
+                    f"layout 'hbm-scales' needs ids_dev: the ids {tuple(ids.shape)} as contiguous int32 "
+                    f"on {self.device}"
+                )
             dev_ptr = ptr(ids_dev)
         with device_guard(self.device.index):
-            _call("engram_host_gather_dev", self.gatherer._require_open(), ptr(ids), dev_ptr, T, cols, cols,
-                  *self._table, ptr(out), stream_of(self.device))
+            _call(
+                "engram_host_gather_dev",
+                self.gatherer._require_open(),
+                ptr(ids),
+                dev_ptr,
+                T,
+                cols,
+                cols,
+                *self._table,
+                ptr(out),
+                stream_of(self.device),
+            )
         return out
 
 
@@ -384,14 +539,24 @@ def _default_gatherer(device: Any, head_dim: int) -> HostGatherer:
     key = (device, width)
     g = _default_gatherers.get(key)
     if g is None:
-        g = _default_gatherers[key] = HostGatherer(device=device, max_head_dim=width,
-                                                   chunk_rows=max(256, _DEFAULT_SLOT_ELEMS // width))
+        g = _default_gatherers[key] = HostGatherer(
+            device=device, max_head_dim=width, chunk_rows=max(256, _DEFAULT_SLOT_ELEMS // width)
+        )
     return g
 
 
-def host_gather(ids: Any, rows: Any, scales: Any = None, *, layer: int | None = None, quant_block: int = 32,
-                out: Any = None, device: Any = None, gatherer: HostGatherer | None = None,
-                layout: str = "split") -> Any:
+def host_gather(
+    ids: Any,
+    rows: Any,
+    scales: Any = None,
+    *,
+    layer: int | None = None,
+    quant_block: int = 32,
+    out: Any = None,
+    device: Any = None,
+    gatherer: HostGatherer | None = None,
+    layout: str = "split",
+) -> Any:
     """:meth:`HostGatherer.gather` through ``gatherer`` or the device's default one for
     the table's row width."""
     torch = torch_module()

@@ -64,8 +64,8 @@ def library_path() -> Path:
             return c.resolve()
     raise EngramError(
         f"{LIBRARY_NAME} not found (looked in {', '.join(str(c) for c in candidates)}); "
-        f"build it with `cmake -S . -B build && cmake --build build -j2` or set ENGRAM_TRT_PLUGIN_LIB")
-
+        f"build it with `cmake -S . -B build && cmake --build build -j2` or set ENGRAM_TRT_PLUGIN_LIB"
+    )
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -111,7 +111,6 @@ def call(fn_name: str, *args: Any) -> None:
     if status != 0:
         reason = lib.engram_last_error().decode() or f"CUDA error {status}"
         raise EngramError(f"{fn_name} failed: {reason}")
-
 
 
 class EntryPoints:
@@ -181,8 +180,8 @@ class NativeHandle:
             pass
 
 
-
 # --- argument checks ------------------------------------------------------------------
+
 
 def torch_module() -> Any:
     """torch, imported on first use (importing a binding module stays light)."""
@@ -253,12 +252,10 @@ def ptr(t: Any) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
-
 def float_code(dtype: Any) -> int:
     """The EngramFloatType code of a torch float dtype (bf16, fp16, fp32)."""
     torch = torch_module()
     return {torch.bfloat16: FLOAT_BF16, torch.float16: FLOAT_F16, torch.float32: FLOAT_F32}[dtype]
-
 
 
 def pointer_kind(t: Any) -> str:

@@ -38,13 +38,53 @@ MAX_HEAD_DIM = 256
 ACTIVATIONS = {"identity": 0, "silu": 1}
 
 _i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ENTRY = EntryPoints({
-    "engram_causal_conv1d_check_shape": [_i64, _i32, _i32],
-    "engram_gated_delta_net_check_shape": [_i32, _i32, _i32, _i32, _i32, _f32],
-    "engram_causal_conv1d": [_vp, _i32, _vp, _i32, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i64, _i32, _i32, _vp, _vp],
-    "engram_gated_delta_net": [_vp, _vp, _vp, _i32, _vp, _vp, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32,
-                               _i32, _i32, _f32, _vp, _vp],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_causal_conv1d_check_shape": [_i64, _i32, _i32],
+        "engram_gated_delta_net_check_shape": [_i32, _i32, _i32, _i32, _i32, _f32],
+        "engram_causal_conv1d": [
+            _vp,
+            _i32,
+            _vp,
+            _i32,
+            _vp,
+            _i64,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _i64,
+            _i64,
+            _i32,
+            _i32,
+            _vp,
+            _vp,
+        ],
+        "engram_gated_delta_net": [
+            _vp,
+            _vp,
+            _vp,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _i64,
+            _i32,
+            _i32,
+            _i32,
+            _i32,
+            _i32,
+            _f32,
+            _vp,
+            _vp,
+        ],
+    }
+)
 library = _ENTRY.library
 _call = _ENTRY.call
 unavailable = _ENTRY.unavailable
@@ -63,11 +103,19 @@ def check_conv_shape(channels: int, kernel: int, activation: int | str) -> None:
     _call("engram_causal_conv1d_check_shape", int(channels), int(kernel), _activation_code(activation))
 
 
-def check_delta_shape(num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, l2norm_qk: bool,
-                      scale: float) -> None:
+def check_delta_shape(
+    num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, l2norm_qk: bool, scale: float
+) -> None:
     """The recurrence's limits (Hv % Hk, dk / dv in [1, MAX_HEAD_DIM], scale finite); no GPU."""
-    _call("engram_gated_delta_net_check_shape", int(num_k_heads), int(num_v_heads), int(head_k_dim), int(head_v_dim),
-          int(bool(l2norm_qk)), ctypes.c_float(scale))
+    _call(
+        "engram_gated_delta_net_check_shape",
+        int(num_k_heads),
+        int(num_v_heads),
+        int(head_k_dim),
+        int(head_v_dim),
+        int(bool(l2norm_qk)),
+        ctypes.c_float(scale),
+    )
 
 
 def _step(seq_starts: Any, past_lens: Any, slots: Any) -> int:
@@ -76,8 +124,10 @@ def _step(seq_starts: Any, past_lens: Any, slots: Any) -> int:
         check(name, t, (torch.int32,), 1, where="any")
     S = past_lens.shape[0]
     if seq_starts.shape[0] != S + 1 or slots.shape[0] != S:
-        raise EngramError(f"seq_starts must be [S+1] and slots [S] with past_lens' S = {S} "
-                          f"(got {tuple(seq_starts.shape)}, {tuple(slots.shape)})")
+        raise EngramError(
+            f"seq_starts must be [S+1] and slots [S] with past_lens' S = {S} "
+            f"(got {tuple(seq_starts.shape)}, {tuple(slots.shape)})"
+        )
     return S
 
 
@@ -88,8 +138,17 @@ def _on_cuda(device: Any, **tensors: Any) -> None:
     same_device(device, **tensors)
 
 
-def causal_conv1d(x: Any, weight: Any, conv_state: Any, seq_starts: Any, past_lens: Any, slots: Any, *,
-                  activation: int | str = "silu", out: Any = None) -> Any:
+def causal_conv1d(
+    x: Any,
+    weight: Any,
+    conv_state: Any,
+    seq_starts: Any,
+    past_lens: Any,
+    slots: Any,
+    *,
+    activation: int | str = "silu",
+    out: Any = None,
+) -> Any:
     """The causal depthwise conv ``[T, C]`` of a packed step (fp32 sums, rounded once).
 
     ``x [T, C]`` and ``conv_state [num_slots, C, K-1]`` share one dtype (bf16, fp16,
@@ -118,24 +177,62 @@ def causal_conv1d(x: Any, weight: Any, conv_state: Any, seq_starts: Any, past_le
     check_conv_shape(C, K, code)
     check("conv_state", conv_state, (io,), 3, where="any")
     if tuple(conv_state.shape[1:]) != (C, K - 1):
-        raise EngramError(f"conv_state must be [num_slots, C, K-1] = [num_slots, {C}, {K - 1}] "
-                          f"(got {tuple(conv_state.shape)})")
+        raise EngramError(
+            f"conv_state must be [num_slots, C, K-1] = [num_slots, {C}, {K - 1}] (got {tuple(conv_state.shape)})"
+        )
     if out is None:
         out = torch.empty_like(x)
     check("out", out, (io,), 2, where="any")
     if tuple(out.shape) != (T, C):
         raise EngramError(f"out must be [T, C] = {(T, C)} (got {tuple(out.shape)})")
-    _on_cuda(x.device, x=x, weight=weight, conv_state=conv_state, seq_starts=seq_starts, past_lens=past_lens,
-             slots=slots, out=out)
+    _on_cuda(
+        x.device,
+        x=x,
+        weight=weight,
+        conv_state=conv_state,
+        seq_starts=seq_starts,
+        past_lens=past_lens,
+        slots=slots,
+        out=out,
+    )
     with device_guard(x.device.index):
-        _call("engram_causal_conv1d", ptr(x), float_code(io), ptr(weight), float_code(weight.dtype),
-              ptr(conv_state if conv_state.numel() else None), int(conv_state.shape[0]), ptr(seq_starts),
-              ptr(past_lens), ptr(slots), S, T, C, K, code, ptr(out), stream_of(x.device))
+        _call(
+            "engram_causal_conv1d",
+            ptr(x),
+            float_code(io),
+            ptr(weight),
+            float_code(weight.dtype),
+            ptr(conv_state if conv_state.numel() else None),
+            int(conv_state.shape[0]),
+            ptr(seq_starts),
+            ptr(past_lens),
+            ptr(slots),
+            S,
+            T,
+            C,
+            K,
+            code,
+            ptr(out),
+            stream_of(x.device),
+        )
     return out
 
 
-def gated_delta_net(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, seq_starts: Any, past_lens: Any,
-                    slots: Any, *, l2norm_qk: bool = True, scale: float | None = None, out: Any = None) -> Any:
+def gated_delta_net(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    seq_starts: Any,
+    past_lens: Any,
+    slots: Any,
+    *,
+    l2norm_qk: bool = True,
+    scale: float | None = None,
+    out: Any = None,
+) -> Any:
     """The gated delta rule's output ``o [T, Hv, dv]`` of a packed step (fp32 inside,
     rounded once); ``state`` updated in place.
 
@@ -171,18 +268,50 @@ def gated_delta_net(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, seq_s
             raise EngramError(f"{name} must be [T, Hv] = {(T, Hv)} (got {tuple(t.shape)})")
     check("state", state, (torch.float32,), 4, where="any")
     if tuple(state.shape[1:]) != (Hv, dk, dv):
-        raise EngramError(f"state must be [num_slots, Hv, dk, dv] = [num_slots, {Hv}, {dk}, {dv}] "
-                          f"(got {tuple(state.shape)})")
+        raise EngramError(
+            f"state must be [num_slots, Hv, dk, dv] = [num_slots, {Hv}, {dk}, {dv}] (got {tuple(state.shape)})"
+        )
     if out is None:
         out = torch.empty_like(v)
     check("out", out, (io,), 3, where="any")
     if tuple(out.shape) != (T, Hv, dv):
         raise EngramError(f"out must be [T, Hv, dv] = {(T, Hv, dv)} (got {tuple(out.shape)})")
-    _on_cuda(q.device, q=q, k=k, v=v, g=g, beta=beta, state=state, seq_starts=seq_starts, past_lens=past_lens,
-             slots=slots, out=out)
+    _on_cuda(
+        q.device,
+        q=q,
+        k=k,
+        v=v,
+        g=g,
+        beta=beta,
+        state=state,
+        seq_starts=seq_starts,
+        past_lens=past_lens,
+        slots=slots,
+        out=out,
+    )
     with device_guard(q.device.index):
-        _call("engram_gated_delta_net", ptr(q), ptr(k), ptr(v), float_code(io), ptr(g), ptr(beta),
-              ptr(state if state.numel() else None), int(state.shape[0]), ptr(seq_starts), ptr(past_lens),
-              ptr(slots), S, T, Hk, Hv, dk, dv, int(bool(l2norm_qk)), ctypes.c_float(scale), ptr(out),
-              stream_of(q.device))
+        _call(
+            "engram_gated_delta_net",
+            ptr(q),
+            ptr(k),
+            ptr(v),
+            float_code(io),
+            ptr(g),
+            ptr(beta),
+            ptr(state if state.numel() else None),
+            int(state.shape[0]),
+            ptr(seq_starts),
+            ptr(past_lens),
+            ptr(slots),
+            S,
+            T,
+            Hk,
+            Hv,
+            dk,
+            dv,
+            int(bool(l2norm_qk)),
+            ctypes.c_float(scale),
+            ptr(out),
+            stream_of(q.device),
+        )
     return out

@@ -46,21 +46,99 @@ MAX_HC = 8
 MAX_SINKHORN_ITERS = 1000
 
 _i32, _i64, _vp, _f32 = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ENTRY = EntryPoints({
-    "engram_mhc_check_shape": [_i32, _i32, _i32, _f32, _f32],
-    "engram_mhc_workspace_size": [_i64, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
-    "engram_mhc_pre": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _i32, _f32, _f32, _vp, ctypes.c_size_t, _vp, _vp,
-                       _vp, _vp],
-    "engram_mhc_post": [_vp, _vp, _i32, _vp, _vp, _i64, _i32, _i32, _vp, _vp],
-    "engram_mhc_head": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, ctypes.c_size_t, _vp, _vp],
-    "engram_mhc_pre_norm": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _i32, _f32, _f32, _vp, _f32, _vp,
-                            ctypes.c_size_t, _vp, _vp, _vp, _vp],
-    "engram_mhc_head_norm": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, _f32, _vp, ctypes.c_size_t,
-                             _vp, _vp],
-    "engram_mhc_fold_workspace_size": [_i64, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
-    "engram_mhc_fold": [_vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp, _i64, _i32, _i32, _i32, _f32, _f32, _i32, _vp, _f32,
-                        _vp, ctypes.c_size_t, _vp, _vp, _vp, _vp, _vp],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_mhc_check_shape": [_i32, _i32, _i32, _f32, _f32],
+        "engram_mhc_workspace_size": [_i64, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+        "engram_mhc_pre": [
+            _vp,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _i32,
+            _i32,
+            _i32,
+            _f32,
+            _f32,
+            _vp,
+            ctypes.c_size_t,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+        ],
+        "engram_mhc_post": [_vp, _vp, _i32, _vp, _vp, _i64, _i32, _i32, _vp, _vp],
+        "engram_mhc_head": [_vp, _i32, _vp, _vp, _vp, _i64, _i32, _i32, _f32, _f32, _vp, ctypes.c_size_t, _vp, _vp],
+        "engram_mhc_pre_norm": [
+            _vp,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _i32,
+            _i32,
+            _i32,
+            _f32,
+            _f32,
+            _vp,
+            _f32,
+            _vp,
+            ctypes.c_size_t,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+        ],
+        "engram_mhc_head_norm": [
+            _vp,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _i32,
+            _i32,
+            _f32,
+            _f32,
+            _vp,
+            _f32,
+            _vp,
+            ctypes.c_size_t,
+            _vp,
+            _vp,
+        ],
+        "engram_mhc_fold_workspace_size": [_i64, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+        "engram_mhc_fold": [
+            _vp,
+            _vp,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _i32,
+            _i32,
+            _i32,
+            _f32,
+            _f32,
+            _i32,
+            _vp,
+            _f32,
+            _vp,
+            ctypes.c_size_t,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+        ],
+    }
+)
 library = _ENTRY.library
 unavailable = _ENTRY.unavailable
 _call = _ENTRY.call
@@ -118,13 +196,25 @@ def _workspace(workspace: Any, T: int, hc: int, D: int, device: Any) -> Any:
         return torch.empty(max(need // 4, 4), dtype=torch.float32, device=device)
     check_dtype("workspace", workspace, (torch.float32, torch.uint8))
     if workspace.numel() * workspace.element_size() < need:
-        raise EngramError(f"workspace holds {workspace.numel() * workspace.element_size()} bytes, {need} needed for "
-                          f"{T} tokens (workspace_size)")
+        raise EngramError(
+            f"workspace holds {workspace.numel() * workspace.element_size()} bytes, {need} needed for "
+            f"{T} tokens (workspace_size)"
+        )
     return workspace
 
 
-def mhc_pre(streams: Any, fn: Any, base: Any, scale: Any, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-            collapsed: Any = None, workspace: Any = None) -> tuple[Any, Any, Any]:
+def mhc_pre(
+    streams: Any,
+    fn: Any,
+    base: Any,
+    scale: Any,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    collapsed: Any = None,
+    workspace: Any = None,
+) -> tuple[Any, Any, Any]:
     """``(collapsed [T, D] in streams' dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)``:
     HyperConnection.collapse of ``streams [T, hc, D]`` with ``fn [(2+hc)*hc, hc*D]``,
     ``base [(2+hc)*hc]``, ``scale [3]`` (float32, on streams' CUDA device)."""
@@ -141,15 +231,31 @@ def mhc_pre(streams: Any, fn: Any, base: Any, scale: Any, *, sinkhorn_iters: int
     _check_devices(streams, fn=fn, base=base, scale=scale, collapsed=collapsed)
     # post and comb share one allocation (one allocator call fewer per sublayer)
     coef = torch.empty(T * hc * (1 + hc), dtype=torch.float32, device=streams.device)
-    post, comb = coef[:T * hc].view(T, hc), coef[T * hc:].view(T, hc, hc)
+    post, comb = coef[: T * hc].view(T, hc), coef[T * hc :].view(T, hc, hc)
     workspace = _workspace(workspace, T, hc, D, streams.device)
     check("workspace", workspace, (workspace.dtype,))
     same_device(streams.device, workspace=workspace)
     with device_guard(streams.device.index):
-        _call("engram_mhc_pre", ptr(streams), float_code(streams.dtype), ptr(fn), ptr(base), ptr(scale), T, hc, D,
-              int(sinkhorn_iters), _f32(hc_eps), _f32(norm_eps), ptr(workspace),
-              workspace.numel() * workspace.element_size(), ptr(collapsed), ptr(post), ptr(comb),
-              stream_of(streams.device))
+        _call(
+            "engram_mhc_pre",
+            ptr(streams),
+            float_code(streams.dtype),
+            ptr(fn),
+            ptr(base),
+            ptr(scale),
+            T,
+            hc,
+            D,
+            int(sinkhorn_iters),
+            _f32(hc_eps),
+            _f32(norm_eps),
+            ptr(workspace),
+            workspace.numel() * workspace.element_size(),
+            ptr(collapsed),
+            ptr(post),
+            ptr(comb),
+            stream_of(streams.device),
+        )
     return collapsed, post, comb
 
 
@@ -176,13 +282,33 @@ def mhc_post(streams: Any, out: Any, post: Any, comb: Any, *, new_streams: Any =
         raise EngramError(f"new_streams must be [T, hc, hidden] = {(T, hc, D)} (got {tuple(new_streams.shape)})")
     _check_devices(streams, out=out, post=post, comb=comb, new_streams=new_streams)
     with device_guard(streams.device.index):
-        _call("engram_mhc_post", ptr(streams), ptr(out), float_code(streams.dtype), ptr(post), ptr(comb), T, hc, D,
-              ptr(new_streams), stream_of(streams.device))
+        _call(
+            "engram_mhc_post",
+            ptr(streams),
+            ptr(out),
+            float_code(streams.dtype),
+            ptr(post),
+            ptr(comb),
+            T,
+            hc,
+            D,
+            ptr(new_streams),
+            stream_of(streams.device),
+        )
     return new_streams
 
 
-def mhc_head(streams: Any, fn: Any, base: Any, scale: Any, *, hc_eps: float, norm_eps: float, collapsed: Any = None,
-             workspace: Any = None) -> Any:
+def mhc_head(
+    streams: Any,
+    fn: Any,
+    base: Any,
+    scale: Any,
+    *,
+    hc_eps: float,
+    norm_eps: float,
+    collapsed: Any = None,
+    workspace: Any = None,
+) -> Any:
     """HyperHead: ``collapsed [T, D]`` in streams' dtype of ``streams [T, hc, D]`` with
     ``fn [hc, hc*D]``, ``base [hc]``, ``scale [1]`` (float32)."""
     torch = torch_module()
@@ -199,9 +325,23 @@ def mhc_head(streams: Any, fn: Any, base: Any, scale: Any, *, hc_eps: float, nor
     check("workspace", workspace, (workspace.dtype,))
     same_device(streams.device, workspace=workspace)
     with device_guard(streams.device.index):
-        _call("engram_mhc_head", ptr(streams), float_code(streams.dtype), ptr(fn), ptr(base), ptr(scale), T, hc, D,
-              _f32(hc_eps), _f32(norm_eps), ptr(workspace), workspace.numel() * workspace.element_size(),
-              ptr(collapsed), stream_of(streams.device))
+        _call(
+            "engram_mhc_head",
+            ptr(streams),
+            float_code(streams.dtype),
+            ptr(fn),
+            ptr(base),
+            ptr(scale),
+            T,
+            hc,
+            D,
+            _f32(hc_eps),
+            _f32(norm_eps),
+            ptr(workspace),
+            workspace.numel() * workspace.element_size(),
+            ptr(collapsed),
+            stream_of(streams.device),
+        )
     return collapsed
 
 
@@ -214,8 +354,19 @@ def _check_norm_weight(norm_weight: Any, D: int, device: Any) -> None:
     same_device(device, norm_weight=norm_weight)
 
 
-def mhc_pre_norm(streams: Any, fn: Any, base: Any, scale: Any, norm_weight: Any, *, sinkhorn_iters: int, hc_eps: float,
-                 norm_eps: float, rms_eps: float, workspace: Any = None) -> tuple[Any, Any, Any]:
+def mhc_pre_norm(
+    streams: Any,
+    fn: Any,
+    base: Any,
+    scale: Any,
+    norm_weight: Any,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float,
+    workspace: Any = None,
+) -> tuple[Any, Any, Any]:
     """``(normed [T, D], post, comb)``: :func:`mhc_pre` whose collapse (rounded to streams'
     dtype) then takes the RMSNorm of ``norm_weight [D]`` (float32, ``rms_eps``), in the same
     launches (engram_mhc_pre_norm)."""
@@ -227,18 +378,46 @@ def mhc_pre_norm(streams: Any, fn: Any, base: Any, scale: Any, norm_weight: Any,
     _check_norm_weight(norm_weight, D, streams.device)
     normed = torch.empty((T, D), dtype=streams.dtype, device=streams.device)
     coef = torch.empty(T * hc * (1 + hc), dtype=torch.float32, device=streams.device)
-    post, comb = coef[:T * hc].view(T, hc), coef[T * hc:].view(T, hc, hc)
+    post, comb = coef[: T * hc].view(T, hc), coef[T * hc :].view(T, hc, hc)
     workspace = _workspace(workspace, T, hc, D, streams.device)
     with device_guard(streams.device.index):
-        _call("engram_mhc_pre_norm", ptr(streams), float_code(streams.dtype), ptr(fn), ptr(base), ptr(scale), T,
-              hc, D, int(sinkhorn_iters), _f32(hc_eps), _f32(norm_eps), ptr(norm_weight), _f32(rms_eps),
-              ptr(workspace), workspace.numel() * workspace.element_size(), ptr(normed), ptr(post), ptr(comb),
-              stream_of(streams.device))
+        _call(
+            "engram_mhc_pre_norm",
+            ptr(streams),
+            float_code(streams.dtype),
+            ptr(fn),
+            ptr(base),
+            ptr(scale),
+            T,
+            hc,
+            D,
+            int(sinkhorn_iters),
+            _f32(hc_eps),
+            _f32(norm_eps),
+            ptr(norm_weight),
+            _f32(rms_eps),
+            ptr(workspace),
+            workspace.numel() * workspace.element_size(),
+            ptr(normed),
+            ptr(post),
+            ptr(comb),
+            stream_of(streams.device),
+        )
     return normed, post, comb
 
 
-def mhc_head_norm(streams: Any, fn: Any, base: Any, scale: Any, norm_weight: Any, *, hc_eps: float, norm_eps: float,
-                  rms_eps: float, workspace: Any = None) -> Any:
+def mhc_head_norm(
+    streams: Any,
+    fn: Any,
+    base: Any,
+    scale: Any,
+    norm_weight: Any,
+    *,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float,
+    workspace: Any = None,
+) -> Any:
     """:func:`mhc_head` followed by the final RMSNorm of ``norm_weight [D]`` (float32), fused
     (engram_mhc_head_norm): ``normed [T, D]`` in streams' dtype."""
     torch = torch_module()
@@ -250,9 +429,25 @@ def mhc_head_norm(streams: Any, fn: Any, base: Any, scale: Any, norm_weight: Any
     normed = torch.empty((T, D), dtype=streams.dtype, device=streams.device)
     workspace = _workspace(workspace, T, hc, D, streams.device)
     with device_guard(streams.device.index):
-        _call("engram_mhc_head_norm", ptr(streams), float_code(streams.dtype), ptr(fn), ptr(base), ptr(scale), T,
-              hc, D, _f32(hc_eps), _f32(norm_eps), ptr(norm_weight), _f32(rms_eps), ptr(workspace),
-              workspace.numel() * workspace.element_size(), ptr(normed), stream_of(streams.device))
+        _call(
+            "engram_mhc_head_norm",
+            ptr(streams),
+            float_code(streams.dtype),
+            ptr(fn),
+            ptr(base),
+            ptr(scale),
+            T,
+            hc,
+            D,
+            _f32(hc_eps),
+            _f32(norm_eps),
+            ptr(norm_weight),
+            _f32(rms_eps),
+            ptr(workspace),
+            workspace.numel() * workspace.element_size(),
+            ptr(normed),
+            stream_of(streams.device),
+        )
     return normed
 
 
@@ -264,9 +459,24 @@ def fold_workspace_size(num_tokens: int, hc_mult: int, hidden: int) -> int:
     return int(out.value)
 
 
-def mhc_fold(streams: Any, out: Any, post: Any, comb: Any, fn: Any, base: Any, scale: Any, norm_weight: Any = None, *,
-             head: bool = False, sinkhorn_iters: int = 1, hc_eps: float, norm_eps: float, rms_eps: float = 0.0,
-             new_streams: Any = None, workspace: Any = None) -> tuple[Any, Any, Any, Any]:
+def mhc_fold(
+    streams: Any,
+    out: Any,
+    post: Any,
+    comb: Any,
+    fn: Any,
+    base: Any,
+    scale: Any,
+    norm_weight: Any = None,
+    *,
+    head: bool = False,
+    sinkhorn_iters: int = 1,
+    hc_eps: float,
+    norm_eps: float,
+    rms_eps: float = 0.0,
+    new_streams: Any = None,
+    workspace: Any = None,
+) -> tuple[Any, Any, Any, Any]:
     """A sublayer boundary (engram_mhc_fold): ``(new_streams, collapsed, next_post, next_comb)``
     where ``new_streams`` = :func:`mhc_post` ``(streams, out, post, comb)`` (``new_streams``
     may be ``streams``: in place) and ``collapsed`` the next collapse of them: a layer's
@@ -304,20 +514,44 @@ def mhc_fold(streams: Any, out: Any, post: Any, comb: Any, fn: Any, base: Any, s
     next_post = next_comb = None
     if not head:
         coef = torch.empty(T * hc * (1 + hc), dtype=torch.float32, device=streams.device)
-        next_post, next_comb = coef[:T * hc].view(T, hc), coef[T * hc:].view(T, hc, hc)
+        next_post, next_comb = coef[: T * hc].view(T, hc), coef[T * hc :].view(T, hc, hc)
     need = fold_workspace_size(T, hc, D)
     if workspace is None:
         workspace = torch.empty(max(need // 4, 4), dtype=torch.float32, device=streams.device)
     check_dtype("workspace", workspace, (torch.float32, torch.uint8))
     if workspace.numel() * workspace.element_size() < need:
-        raise EngramError(f"workspace holds {workspace.numel() * workspace.element_size()} bytes, {need} needed for "
-                          f"{T} tokens (fold_workspace_size)")
+        raise EngramError(
+            f"workspace holds {workspace.numel() * workspace.element_size()} bytes, {need} needed for "
+            f"{T} tokens (fold_workspace_size)"
+        )
     check("workspace", workspace, (workspace.dtype,))
     same_device(streams.device, workspace=workspace)
     with device_guard(streams.device.index):
-        _call("engram_mhc_fold", ptr(streams), ptr(out), float_code(streams.dtype), ptr(post), ptr(comb), ptr(fn),
-              ptr(base), ptr(scale), T, hc, D, int(sinkhorn_iters) if not head else 1, _f32(hc_eps), _f32(norm_eps),
-              1 if head else 0, ptr(norm_weight), _f32(rms_eps), ptr(workspace),
-              workspace.numel() * workspace.element_size(), ptr(new_streams), ptr(collapsed), ptr(next_post),
-              ptr(next_comb), stream_of(streams.device))
+        _call(
+            "engram_mhc_fold",
+            ptr(streams),
+            ptr(out),
+            float_code(streams.dtype),
+            ptr(post),
+            ptr(comb),
+            ptr(fn),
+            ptr(base),
+            ptr(scale),
+            T,
+            hc,
+            D,
+            int(sinkhorn_iters) if not head else 1,
+            _f32(hc_eps),
+            _f32(norm_eps),
+            1 if head else 0,
+            ptr(norm_weight),
+            _f32(rms_eps),
+            ptr(workspace),
+            workspace.numel() * workspace.element_size(),
+            ptr(new_streams),
+            ptr(collapsed),
+            ptr(next_post),
+            ptr(next_comb),
+            stream_of(streams.device),
+        )
     return new_streams, collapsed, next_post, next_comb

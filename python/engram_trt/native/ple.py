@@ -40,12 +40,40 @@ MAX_KERNEL = 32
 MAX_DILATION = 256
 
 _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-_ENTRY = EntryPoints({
-    "engram_ple_fusion_check_shape": [_i32, _i32, _i32, _i32, ctypes.c_float],
-    "engram_ple_fusion_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
-    "engram_ple_fusion": [_vp, _vp, _vp, _i32, _vp, _vp, _vp, _vp, _i32, _vp, _i64, _vp, _vp, _vp, _i64, _i64, _i32,
-                          _i32, _i32, _i32, ctypes.c_float, _i32, _vp, ctypes.c_size_t, _vp, _vp],
-})
+_ENTRY = EntryPoints(
+    {
+        "engram_ple_fusion_check_shape": [_i32, _i32, _i32, _i32, ctypes.c_float],
+        "engram_ple_fusion_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
+        "engram_ple_fusion": [
+            _vp,
+            _vp,
+            _vp,
+            _i32,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _i32,
+            _vp,
+            _i64,
+            _vp,
+            _vp,
+            _vp,
+            _i64,
+            _i64,
+            _i32,
+            _i32,
+            _i32,
+            _i32,
+            ctypes.c_float,
+            _i32,
+            _vp,
+            ctypes.c_size_t,
+            _vp,
+            _vp,
+        ],
+    }
+)
 library = _ENTRY.library
 unavailable = _ENTRY.unavailable
 _call = _ENTRY.call
@@ -55,13 +83,24 @@ _call = _ENTRY.call
 
 # Declared apart from the fusion's entry points: a library built before the fusion
 # kernels still serves the hash.
-_HASH_ENTRY = EntryPoints({
-    "engram_ple_hash_check_layout": [_vp, _vp, _vp, ctypes.c_int32, ctypes.c_int32, _i64, _i64, _i64],
-    "engram_ple_hash_layout_create": [_vp, _vp, _vp, ctypes.c_int32, ctypes.c_int32, _i64, _i64, _i64,
-                                      ctypes.POINTER(_vp)],
-    "engram_ple_hash_layout_destroy": [_vp],
-    "engram_ple_hash_prepared": [_vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
-})
+_HASH_ENTRY = EntryPoints(
+    {
+        "engram_ple_hash_check_layout": [_vp, _vp, _vp, ctypes.c_int32, ctypes.c_int32, _i64, _i64, _i64],
+        "engram_ple_hash_layout_create": [
+            _vp,
+            _vp,
+            _vp,
+            ctypes.c_int32,
+            ctypes.c_int32,
+            _i64,
+            _i64,
+            _i64,
+            ctypes.POINTER(_vp),
+        ],
+        "engram_ple_hash_layout_destroy": [_vp],
+        "engram_ple_hash_prepared": [_vp, _vp, _i64, _vp, _i64, _vp, _vp, _vp],
+    }
+)
 
 
 class PreparedPleHashLayout(NativeHandle):
@@ -74,12 +113,21 @@ class PreparedPleHashLayout(NativeHandle):
 
         if not 0 <= int(layer) < int(layout.num_layers):
             raise EngramError(f"layer={layer} must be a PLE layer index in [0, {layout.num_layers})")
-        arrays = [np.ascontiguousarray(a[int(layer)], dtype=np.int64)
-                  for a in (layout.multipliers, layout.head_vocab_sizes, layout.head_offsets)]
+        arrays = [
+            np.ascontiguousarray(a[int(layer)], dtype=np.int64)
+            for a in (layout.multipliers, layout.head_vocab_sizes, layout.head_offsets)
+        ]
         handle = ctypes.c_void_p()
-        _HASH_ENTRY.call("engram_ple_hash_layout_create", *(a.ctypes.data_as(ctypes.c_void_p) for a in arrays),
-                  int(layout.ngram_size), int(layout.heads_per_ngram), int(layout.eos_id), int(layout.vocab_size),
-                  int(layout.table_rows[int(layer)]), ctypes.byref(handle))
+        _HASH_ENTRY.call(
+            "engram_ple_hash_layout_create",
+            *(a.ctypes.data_as(ctypes.c_void_p) for a in arrays),
+            int(layout.ngram_size),
+            int(layout.heads_per_ngram),
+            int(layout.eos_id),
+            int(layout.vocab_size),
+            int(layout.table_rows[int(layer)]),
+            ctypes.byref(handle),
+        )
         self._handle = handle
         self.ngram_size, self.num_heads = int(layout.ngram_size), int(layout.num_heads)
 
@@ -135,12 +183,22 @@ def ple_hash_packed(ids: Any, seq_starts: Any, context: Any, layout: Any, layer:
         raise EngramError(f"out must be [T, H] = {(T, H)} (got {tuple(out.shape)})")
     same_device(ids.device, seq_starts=seq_starts, context=context, out=out)
     with device_guard(ids.device.index):
-        _HASH_ENTRY.call("engram_ple_hash_prepared", prepared.handle, ptr(ids), T, ptr(seq_starts), S, ptr(context),
-                  ptr(out), stream_of(ids.device))
+        _HASH_ENTRY.call(
+            "engram_ple_hash_prepared",
+            prepared.handle,
+            ptr(ids),
+            T,
+            ptr(seq_starts),
+            S,
+            ptr(context),
+            ptr(out),
+            stream_of(ids.device),
+        )
     return out
 
 
 # --- PLE fusion --------------------------------------------------------------------
+
 
 def check_shape(hc_count: int, hidden: int, kernel: int, dilation: int, eps: float) -> None:
     """The kernel's limits (hidden % 8, kernel / dilation ranges, eps); needs no GPU."""
@@ -151,15 +209,37 @@ def workspace_size(max_tokens: int, hc_count: int, hidden: int, dtype: Any) -> i
     """Bytes of workspace a call of up to ``max_tokens`` tokens needs (the normalized
     gated values in ``dtype`` and one fp32 gate per token and stream); needs no GPU."""
     out = ctypes.c_size_t(0)
-    _call("engram_ple_fusion_workspace_size", int(max_tokens), int(hc_count), int(hidden), float_code(dtype),
-          ctypes.byref(out))
+    _call(
+        "engram_ple_fusion_workspace_size",
+        int(max_tokens),
+        int(hc_count),
+        int(hidden),
+        float_code(dtype),
+        ctypes.byref(out),
+    )
     return int(out.value)
 
 
-def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_query_weight: Any,
-               norm_conv_weight: Any, conv_weight: Any, conv_state: Any, seq_starts: Any, past_lens: Any, slots: Any,
-               *, hc_count: int, dilation: int, eps: float, add_streams: bool = False, out: Any = None,
-               workspace: Any = None) -> Any:
+def ple_fusion(
+    streams: Any,
+    key: Any,
+    value: Any,
+    norm_key_weight: Any,
+    norm_query_weight: Any,
+    norm_conv_weight: Any,
+    conv_weight: Any,
+    conv_state: Any,
+    seq_starts: Any,
+    past_lens: Any,
+    slots: Any,
+    *,
+    hc_count: int,
+    dilation: int,
+    eps: float,
+    add_streams: bool = False,
+    out: Any = None,
+    workspace: Any = None,
+) -> Any:
     """PLEFusion's update ``[T, hc * D]`` (``add_streams``: ``streams + update``; ``out``
     may then be ``streams``, an in-place residual add).
 
@@ -182,8 +262,11 @@ def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_qu
     weight_dtypes = tuple(dict.fromkeys((torch.float32, io)))
     check_dtype("norm_key_weight", norm_key_weight, weight_dtypes)
     wt = norm_key_weight.dtype
-    for name, t in (("norm_query_weight", norm_query_weight), ("norm_conv_weight", norm_conv_weight),
-                    ("conv_weight", conv_weight)):
+    for name, t in (
+        ("norm_query_weight", norm_query_weight),
+        ("norm_conv_weight", norm_conv_weight),
+        ("conv_weight", conv_weight),
+    ):
         check_dtype(name, t, (wt,))
     for name, t in (("seq_starts", seq_starts), ("past_lens", past_lens), ("slots", slots)):
         check(name, t, (torch.int32,), 1, where="any")
@@ -199,8 +282,11 @@ def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_qu
         raise EngramError(f"key must be [T, W] = {(T, W)} (got {tuple(key.shape)})")
     if tuple(value.shape) != (T, D):
         raise EngramError(f"value must be [T, hidden] = {(T, D)} (got {tuple(value.shape)})")
-    for name, t in (("norm_key_weight", norm_key_weight), ("norm_query_weight", norm_query_weight),
-                    ("norm_conv_weight", norm_conv_weight)):
+    for name, t in (
+        ("norm_key_weight", norm_key_weight),
+        ("norm_query_weight", norm_query_weight),
+        ("norm_conv_weight", norm_conv_weight),
+    ):
         check(name, t, (wt,), 1, where="any")
         if t.shape[0] != W:
             raise EngramError(f"{name} must be [W] = ({W},) (got {tuple(t.shape)})")
@@ -213,12 +299,15 @@ def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_qu
     H = (K - 1) * int(dilation)
     check("conv_state", conv_state, (io,), 3, where="any")
     if tuple(conv_state.shape[1:]) != (W, H):
-        raise EngramError(f"conv_state must be [num_slots, W, (K-1)*dilation] = [num_slots, {W}, {H}] "
-                          f"(got {tuple(conv_state.shape)})")
+        raise EngramError(
+            f"conv_state must be [num_slots, W, (K-1)*dilation] = [num_slots, {W}, {H}] (got {tuple(conv_state.shape)})"
+        )
     S = past_lens.shape[0]
     if seq_starts.shape[0] != S + 1 or slots.shape[0] != S:
-        raise EngramError(f"seq_starts must be [S+1] and slots [S] with past_lens' S = {S} "
-                          f"(got {tuple(seq_starts.shape)}, {tuple(slots.shape)})")
+        raise EngramError(
+            f"seq_starts must be [S+1] and slots [S] with past_lens' S = {S} "
+            f"(got {tuple(seq_starts.shape)}, {tuple(slots.shape)})"
+        )
     if out is None:
         out = torch.empty_like(streams)
     check("out", out, (io,), 2, where="any")
@@ -233,19 +322,61 @@ def ple_fusion(streams: Any, key: Any, value: Any, norm_key_weight: Any, norm_qu
     for name, t in (("streams", streams), ("seq_starts", seq_starts), ("past_lens", past_lens), ("slots", slots)):
         if not t.is_cuda:
             raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
-    same_device(streams.device, key=key, value=value, norm_key_weight=norm_key_weight,
-                 norm_query_weight=norm_query_weight, norm_conv_weight=norm_conv_weight, conv_weight=conv_weight,
-                 conv_state=conv_state, seq_starts=seq_starts, past_lens=past_lens, slots=slots, out=out,
-                 workspace=workspace)
-    for name, t in (("key", key), ("value", value), ("norm_key_weight", norm_key_weight),
-                    ("norm_query_weight", norm_query_weight), ("norm_conv_weight", norm_conv_weight),
-                    ("conv_weight", conv_weight), ("conv_state", conv_state), ("out", out)):
+    same_device(
+        streams.device,
+        key=key,
+        value=value,
+        norm_key_weight=norm_key_weight,
+        norm_query_weight=norm_query_weight,
+        norm_conv_weight=norm_conv_weight,
+        conv_weight=conv_weight,
+        conv_state=conv_state,
+        seq_starts=seq_starts,
+        past_lens=past_lens,
+        slots=slots,
+        out=out,
+        workspace=workspace,
+    )
+    for name, t in (
+        ("key", key),
+        ("value", value),
+        ("norm_key_weight", norm_key_weight),
+        ("norm_query_weight", norm_query_weight),
+        ("norm_conv_weight", norm_conv_weight),
+        ("conv_weight", conv_weight),
+        ("conv_state", conv_state),
+        ("out", out),
+    ):
         if not t.is_cuda:
             raise EngramError(f"{name} must be a CUDA tensor (got device {t.device})")
     with device_guard(streams.device.index):
-        _call("engram_ple_fusion", ptr(streams), ptr(key), ptr(value), float_code(io), ptr(norm_key_weight),
-              ptr(norm_query_weight), ptr(norm_conv_weight), ptr(conv_weight), float_code(wt),
-              ptr(conv_state if conv_state.numel() else None), int(conv_state.shape[0]), ptr(seq_starts),
-              ptr(past_lens), ptr(slots), S, T, hc, D, K, int(dilation), ctypes.c_float(eps), int(bool(add_streams)),
-              ptr(workspace), workspace.numel(), ptr(out), stream_of(streams.device))
+        _call(
+            "engram_ple_fusion",
+            ptr(streams),
+            ptr(key),
+            ptr(value),
+            float_code(io),
+            ptr(norm_key_weight),
+            ptr(norm_query_weight),
+            ptr(norm_conv_weight),
+            ptr(conv_weight),
+            float_code(wt),
+            ptr(conv_state if conv_state.numel() else None),
+            int(conv_state.shape[0]),
+            ptr(seq_starts),
+            ptr(past_lens),
+            ptr(slots),
+            S,
+            T,
+            hc,
+            D,
+            K,
+            int(dilation),
+            ctypes.c_float(eps),
+            int(bool(add_streams)),
+            ptr(workspace),
+            workspace.numel(),
+            ptr(out),
+            stream_of(streams.device),
+        )
     return out

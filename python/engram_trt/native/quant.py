@@ -77,8 +77,17 @@ class MoePlan:
 def moe_plan(ids: Any, num_experts: int) -> MoePlan:
     """The plan of ``ids [T, k]`` (int32 / int64, CUDA) over ``num_experts`` experts."""
     p = qk.plan(ids, num_experts)
-    return MoePlan(p["offsets"], p["order"], p["row_token"], p["pair_row"], p["slot_expert"], p["error"],
-                   int(num_experts), int(ids.shape[0]), int(ids.shape[1]))
+    return MoePlan(
+        p["offsets"],
+        p["order"],
+        p["row_token"],
+        p["pair_row"],
+        p["slot_expert"],
+        p["error"],
+        int(num_experts),
+        int(ids.shape[0]),
+        int(ids.shape[1]),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,8 +107,10 @@ def _weight(name: str, w: Any, stacked: bool) -> qk.Weight:
         if not stacked:
             raise EngramError(f"{name} must be a QuantWeight (got a tensor: use F.linear)")
         if w.dtype != torch.bfloat16:
-            raise EngramError(f"{name} is a {w.dtype} tensor stack; the expert kernels take bfloat16 stacks or "
-                              f"QuantWeights (fp8 / fp4)")
+            raise EngramError(
+                f"{name} is a {w.dtype} tensor stack; the expert kernels take bfloat16 stacks or "
+                f"QuantWeights (fp8 / fp4)"
+            )
         return qk.make_weight(name, w, None, "bf16", (1, 1), True)
     for field in ("data", "scale", "kind", "block"):
         if not hasattr(w, field):
@@ -237,8 +248,10 @@ def scaled_mm_reason(w: qk.Weight, device: Any, out_dtype: Any = None) -> str | 
     if tuple(w.block) != (128, 128):
         return f"torch._scaled_mm's block-wise scales are 128x128 (got {w.block[0]}x{w.block[1]})"
     if w.out_features % 128 or w.in_features % 128:
-        return (f"torch._scaled_mm's block-wise route is taken for N and K multiples of 128 (got "
-                f"{w.out_features}, {w.in_features})")
+        return (
+            f"torch._scaled_mm's block-wise route is taken for N and K multiples of 128 (got "
+            f"{w.out_features}, {w.in_features})"
+        )
     if not hasattr(torch, "_scaled_mm"):
         return "this torch has no _scaled_mm"
     major, minor = _capability(_device_index(device))
@@ -285,8 +298,13 @@ def _scaled_mm(q: Any, a_scale: Any, w: qk.Weight, out_dtype: Any) -> Any | None
     with _SCALED_MM_LOCK:
         if key not in _SCALED_MM_REFUSED:
             _SCALED_MM_REFUSED[key] = "torch._scaled_mm refused it: " + "; ".join(errors)
-            log.info("FP8 GEMM [%d, %d] %s: %s; using engram_fp8_gemm", w.out_features, w.in_features, out_dtype,
-                     _SCALED_MM_REFUSED[key])
+            log.info(
+                "FP8 GEMM [%d, %d] %s: %s; using engram_fp8_gemm",
+                w.out_features,
+                w.in_features,
+                out_dtype,
+                _SCALED_MM_REFUSED[key],
+            )
     return None
 
 
@@ -328,14 +346,19 @@ def linear(x: Any, qw: Any, *, weight_static: bool = False) -> Any:
 def _expert_weights(gate: Any, up: Any, down: Any) -> tuple[qk.Weight, qk.Weight, qk.Weight]:
     g, u, d = _weight("gate", gate, True), _weight("up", up, True), _weight("down", down, True)
     if g.kind != u.kind or g.block != u.block:
-        raise EngramError(f"gate and up must share a kind and block (got {g.kind} {list(g.block)}, {u.kind} "
-                          f"{list(u.block)})")
+        raise EngramError(
+            f"gate and up must share a kind and block (got {g.kind} {list(g.block)}, {u.kind} {list(u.block)})"
+        )
     if (u.experts, u.out_features, u.in_features) != (g.experts, g.out_features, g.in_features):
-        raise EngramError(f"up is [{u.experts}, {u.out_features}, {u.in_features}] but gate is "
-                          f"[{g.experts}, {g.out_features}, {g.in_features}]")
+        raise EngramError(
+            f"up is [{u.experts}, {u.out_features}, {u.in_features}] but gate is "
+            f"[{g.experts}, {g.out_features}, {g.in_features}]"
+        )
     if (d.experts, d.out_features, d.in_features) != (g.experts, g.in_features, g.out_features):
-        raise EngramError(f"down must be [E, D, I] = [{g.experts}, {g.in_features}, {g.out_features}] (got "
-                          f"[{d.experts}, {d.out_features}, {d.in_features}])")
+        raise EngramError(
+            f"down must be [E, D, I] = [{g.experts}, {g.in_features}, {g.out_features}] (got "
+            f"[{d.experts}, {d.out_features}, {d.in_features}])"
+        )
     return g, u, d
 
 
@@ -370,8 +393,9 @@ def _experts_gemv_rows(tokens: int, pairs: int) -> int:
     return pairs if tokens <= EXPERTS_GEMV_MAX_TOKENS else 0
 
 
-def experts(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, limit: float | None,
-            plan: MoePlan | None = None) -> Any:
+def experts(
+    x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, limit: float | None, plan: MoePlan | None = None
+) -> Any:
     """The routed experts' output ``[T, D]`` in x's dtype: ``sum_j route_w[t, j] *
     down_e(silu(min(g, l)) * clamp(u, -l, l))`` with ``g, u = gate_e x, up_e x``, e = ids[t, j]
     (module docstring). ``gate`` / ``up`` ``[E, I, D]`` and ``down`` ``[E, D, I]``:
@@ -386,13 +410,17 @@ def experts(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, li
     check("route_w", route_w, (torch.float32,), 2)
     T, k = int(ids.shape[0]), int(ids.shape[1])
     if int(x.shape[0]) != T or tuple(route_w.shape) != (T, k):
-        raise EngramError(f"x [T, D], ids [T, k] and route_w [T, k] disagree: {tuple(x.shape)}, {tuple(ids.shape)}, "
-                          f"{tuple(route_w.shape)}")
+        raise EngramError(
+            f"x [T, D], ids [T, k] and route_w [T, k] disagree: {tuple(x.shape)}, {tuple(ids.shape)}, "
+            f"{tuple(route_w.shape)}"
+        )
     if plan is None:
         plan = moe_plan(ids, E)
     elif (plan.num_experts, plan.num_tokens, plan.top_k) != (E, T, k):
-        raise EngramError(f"plan is for [{plan.num_tokens}, {plan.top_k}] ids over {plan.num_experts} experts, not "
-                          f"[{T}, {k}] over {E}")
+        raise EngramError(
+            f"plan is for [{plan.num_tokens}, {plan.top_k}] ids over {plan.num_experts} experts, not "
+            f"[{T}, {k}] over {E}"
+        )
     P = T * k
     if P == 0:
         return torch.zeros((T, D), dtype=x.dtype, device=x.device)

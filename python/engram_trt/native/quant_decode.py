@@ -47,24 +47,63 @@ _i32, _i64, _vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 
 
 class _Segment(ctypes.Structure):
-    _fields_ = [("x", _vp), ("w", _vp), ("w_scale", _vp), ("out", _vp), ("x_stride", _i64), ("out_stride", _i64),
-                ("x_type", _i32), ("out_type", _i32), ("w_type", _i32), ("scale_type", _i32), ("bn", _i32),
-                ("bk", _i32), ("out_features", _i32), ("in_features", _i32), ("act_group", _i32),
-                ("act_ue8m0", _i32)]
+    _fields_ = [
+        ("x", _vp),
+        ("w", _vp),
+        ("w_scale", _vp),
+        ("out", _vp),
+        ("x_stride", _i64),
+        ("out_stride", _i64),
+        ("x_type", _i32),
+        ("out_type", _i32),
+        ("w_type", _i32),
+        ("scale_type", _i32),
+        ("bn", _i32),
+        ("bk", _i32),
+        ("out_features", _i32),
+        ("in_features", _i32),
+        ("act_group", _i32),
+        ("act_ue8m0", _i32),
+    ]
 
 
 class _MoeWeight(ctypes.Structure):
-    _fields_ = [("w", _vp), ("scale", _vp), ("w_type", _i32), ("scale_type", _i32), ("bn", _i32), ("bk", _i32),
-                ("act_group", _i32), ("act_ue8m0", _i32)]
+    _fields_ = [
+        ("w", _vp),
+        ("scale", _vp),
+        ("w_type", _i32),
+        ("scale_type", _i32),
+        ("bn", _i32),
+        ("bk", _i32),
+        ("act_group", _i32),
+        ("act_ue8m0", _i32),
+    ]
 
 
 class _Moe(ctypes.Structure):
-    _fields_ = [("x", _vp), ("ids", _vp), ("route_w", _vp), ("gate", _MoeWeight), ("up", _MoeWeight),
-                ("down", _MoeWeight), ("shared_gate", _MoeWeight), ("shared_up", _MoeWeight),
-                ("shared_down", _MoeWeight), ("workspace", _vp), ("out", _vp), ("num_tokens", _i64),
-                ("workspace_bytes", _i64), ("hidden", _i32), ("top_k", _i32), ("num_experts", _i32),
-                ("intermediate", _i32), ("shared_intermediate", _i32), ("clamp", _i32), ("limit", ctypes.c_float),
-                ("reserved", _i32)]
+    _fields_ = [
+        ("x", _vp),
+        ("ids", _vp),
+        ("route_w", _vp),
+        ("gate", _MoeWeight),
+        ("up", _MoeWeight),
+        ("down", _MoeWeight),
+        ("shared_gate", _MoeWeight),
+        ("shared_up", _MoeWeight),
+        ("shared_down", _MoeWeight),
+        ("workspace", _vp),
+        ("out", _vp),
+        ("num_tokens", _i64),
+        ("workspace_bytes", _i64),
+        ("hidden", _i32),
+        ("top_k", _i32),
+        ("num_experts", _i32),
+        ("intermediate", _i32),
+        ("shared_intermediate", _i32),
+        ("clamp", _i32),
+        ("limit", ctypes.c_float),
+        ("reserved", _i32),
+    ]
 
 
 SIGNATURES: dict[str, list[Any]] = {
@@ -154,8 +193,10 @@ def segment_reason(x: Any, weight: Any) -> str | None:
 
 def _rows(name: str, t: Any, dtype: Any, width: int) -> tuple[int, int]:
     if t.dim() != 2 or t.shape[1] < width or t.stride(1) != 1:
-        raise EngramError(f"{name} must be [tokens, >= {width}] with unit stride in a row (got shape "
-                          f"{tuple(t.shape)}, strides {t.stride()})")
+        raise EngramError(
+            f"{name} must be [tokens, >= {width}] with unit stride in a row (got shape "
+            f"{tuple(t.shape)}, strides {t.stride()})"
+        )
     if t.dtype != dtype:
         raise EngramError(f"{name} must have dtype {dtype} (got {t.dtype})")
     return int(t.shape[0]), int(t.stride(0)) if t.shape[0] > 1 else max(int(t.stride(0)), width)
@@ -171,8 +212,9 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         raise EngramError(f"gemv_segments takes 1..{MAX_SEGMENTS} segments (got {len(segments)})")
     T = int(segments[0][0].shape[0]) if segments[0][0].dim() == 2 else -1
     if not 1 <= T <= MAX_TOKENS:
-        raise EngramError(f"segments[0].x must be [T, K] with 1 <= T <= {MAX_TOKENS} (got shape "
-                          f"{tuple(segments[0][0].shape)})")
+        raise EngramError(
+            f"segments[0].x must be [T, K] with 1 <= T <= {MAX_TOKENS} (got shape {tuple(segments[0][0].shape)})"
+        )
     device = segments[0][0].device
     packed = (_Segment * len(segments))()
     checked = []
@@ -195,12 +237,33 @@ def gemv_segments(segments: Sequence[tuple[Any, Any, Any]], *, weight_static: bo
         if why is not None:
             raise EngramError(why)
         group, ue8m0 = ACT_QUANT.get(w.kind, (0, False))
-        packed[i] = _Segment(ptr(x), ptr(w.data), ptr(w.scale), ptr(out), xs, os_, float_code(x.dtype),
-                             float_code(out.dtype), w.w_type, w.scale_type, w.block[0], w.block[1], w.out_features,
-                             w.in_features, group, int(ue8m0))
+        packed[i] = _Segment(
+            ptr(x),
+            ptr(w.data),
+            ptr(w.scale),
+            ptr(out),
+            xs,
+            os_,
+            float_code(x.dtype),
+            float_code(out.dtype),
+            w.w_type,
+            w.scale_type,
+            w.block[0],
+            w.block[1],
+            w.out_features,
+            w.in_features,
+            group,
+            int(ue8m0),
+        )
     with device_guard(device.index):
-        _call("engram_quant_gemv_segments", ctypes.addressof(packed), len(segments), T,
-              qk.QGEMV_WEIGHT_STATIC if weight_static else 0, stream_of(device))
+        _call(
+            "engram_quant_gemv_segments",
+            ctypes.addressof(packed),
+            len(segments),
+            T,
+            qk.QGEMV_WEIGHT_STATIC if weight_static else 0,
+            stream_of(device),
+        )
 
 
 def _moe_weight(w: qk.Weight) -> _MoeWeight:
@@ -208,30 +271,44 @@ def _moe_weight(w: qk.Weight) -> _MoeWeight:
     return _MoeWeight(ptr(w.data), ptr(w.scale), w.w_type, w.scale_type, w.block[0], w.block[1], group, int(ue8m0))
 
 
-def _moe_weights(gate: Any, up: Any, down: Any, shared: tuple[Any, Any, Any] | None
-                 ) -> tuple[list[qk.Weight], list[qk.Weight] | None]:
+def _moe_weights(
+    gate: Any, up: Any, down: Any, shared: tuple[Any, Any, Any] | None
+) -> tuple[list[qk.Weight], list[qk.Weight] | None]:
     routed = [_as_weight("gate", gate, True), _as_weight("up", up, True), _as_weight("down", down, True)]
     g, u, d = routed
     if (g.kind, g.block, g.scale_type) != (u.kind, u.block, u.scale_type):
-        raise EngramError(f"gate and up must share a kind, block and scale format (got {g.kind} {list(g.block)}, "
-                          f"{u.kind} {list(u.block)})")
+        raise EngramError(
+            f"gate and up must share a kind, block and scale format (got {g.kind} {list(g.block)}, "
+            f"{u.kind} {list(u.block)})"
+        )
     E, I, D = g.experts, g.out_features, g.in_features
-    if (u.experts, u.out_features, u.in_features) != (E, I, D) or (d.experts, d.out_features, d.in_features) != (E, D, I):
-        raise EngramError(f"gate / up must be [E, I, D] and down [E, D, I] = {[E, I, D]}, {[E, D, I]} (got up "
-                          f"{[u.experts, u.out_features, u.in_features]}, down "
-                          f"{[d.experts, d.out_features, d.in_features]})")
+    if (u.experts, u.out_features, u.in_features) != (E, I, D) or (d.experts, d.out_features, d.in_features) != (
+        E,
+        D,
+        I,
+    ):
+        raise EngramError(
+            f"gate / up must be [E, I, D] and down [E, D, I] = {[E, I, D]}, {[E, D, I]} (got up "
+            f"{[u.experts, u.out_features, u.in_features]}, down "
+            f"{[d.experts, d.out_features, d.in_features]})"
+        )
     if shared is None:
         return routed, None
-    sw = [_as_weight("shared gate", shared[0], False), _as_weight("shared up", shared[1], False),
-          _as_weight("shared down", shared[2], False)]
+    sw = [
+        _as_weight("shared gate", shared[0], False),
+        _as_weight("shared up", shared[1], False),
+        _as_weight("shared down", shared[2], False),
+    ]
     sg, su, sd = sw
     Is = sg.out_features
     if (sg.kind, sg.block, sg.scale_type) != (su.kind, su.block, su.scale_type):
         raise EngramError("shared gate and shared up must share a kind, block and scale format")
     if (sg.in_features, su.out_features, su.in_features, sd.out_features, sd.in_features) != (D, Is, D, D, Is):
-        raise EngramError(f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s] (got "
-                          f"{[sg.out_features, sg.in_features]}, {[su.out_features, su.in_features]}, "
-                          f"{[sd.out_features, sd.in_features]})")
+        raise EngramError(
+            f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s] (got "
+            f"{[sg.out_features, sg.in_features]}, {[su.out_features, su.in_features]}, "
+            f"{[sd.out_features, sd.in_features]})"
+        )
     return routed, sw
 
 
@@ -257,15 +334,25 @@ def moe_reason(x: Any, top_k: int, gate: Any, up: Any, down: Any, shared: tuple[
             return why
     T = int(x.shape[0])
     first = max(_staged_bytes(g.in_features, g.kind, 1), _staged_bytes(g.in_features, sw[0].kind, T) if sw else 0)
-    second = top_k * _staged_bytes(d.in_features, d.kind, 1) + (_staged_bytes(sw[2].in_features, sw[2].kind, 1)
-                                                                if sw else 0)
+    second = top_k * _staged_bytes(d.in_features, d.kind, 1) + (
+        _staged_bytes(sw[2].in_features, sw[2].kind, 1) if sw else 0
+    )
     if max(first, second) > STAGED_MAX_BYTES:
         return f"the staged activations take {max(first, second)} bytes (at most {STAGED_MAX_BYTES})"
     return None
 
 
-def moe(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, shared: tuple[Any, Any, Any] | None,
-        limit: float | None) -> Any:
+def moe(
+    x: Any,
+    ids: Any,
+    route_w: Any,
+    gate: Any,
+    up: Any,
+    down: Any,
+    *,
+    shared: tuple[Any, Any, Any] | None,
+    limit: float | None,
+) -> Any:
     """A decode step's MoE output ``[T, D]`` bf16 (engram_quant_moe): ``x [T, D]`` bf16,
     ``ids`` int32 / ``route_w`` float32 ``[T, k]``, the routed stacks (QuantWeights or bf16
     tensors) ``gate`` / ``up [E, I, D]``, ``down [E, D, I]``, ``shared = (gate [I_s, D], up,
@@ -277,8 +364,10 @@ def moe(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, shared
     check("route_w", route_w, (torch.float32,), 2, where="")
     T, k = int(ids.shape[0]), int(ids.shape[1])
     if int(x.shape[0]) != T or tuple(route_w.shape) != (T, k):
-        raise EngramError(f"x [T, D], ids [T, k] and route_w [T, k] disagree: {tuple(x.shape)}, {tuple(ids.shape)}, "
-                          f"{tuple(route_w.shape)}")
+        raise EngramError(
+            f"x [T, D], ids [T, k] and route_w [T, k] disagree: {tuple(x.shape)}, {tuple(ids.shape)}, "
+            f"{tuple(route_w.shape)}"
+        )
     routed, sw = _moe_weights(gate, up, down, shared)
     g, u, d = routed
     E, I, D = g.experts, g.out_features, g.in_features
@@ -298,14 +387,43 @@ def moe(x: Any, ids: Any, route_w: Any, gate: Any, up: Any, down: Any, *, shared
     out = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
     none = _MoeWeight()
     clamp = limit is not None and limit != 0
-    args = _Moe(ptr(x), ptr(ids), ptr(route_w), _moe_weight(g), _moe_weight(u), _moe_weight(d),
-                _moe_weight(sw[0]) if sw else none, _moe_weight(sw[1]) if sw else none,
-                _moe_weight(sw[2]) if sw else none, ptr(workspace), ptr(out), T, workspace.numel() * 4, D, k, E, I,
-                Is, int(clamp), float(limit) if clamp else 0.0, 0)
+    args = _Moe(
+        ptr(x),
+        ptr(ids),
+        ptr(route_w),
+        _moe_weight(g),
+        _moe_weight(u),
+        _moe_weight(d),
+        _moe_weight(sw[0]) if sw else none,
+        _moe_weight(sw[1]) if sw else none,
+        _moe_weight(sw[2]) if sw else none,
+        ptr(workspace),
+        ptr(out),
+        T,
+        workspace.numel() * 4,
+        D,
+        k,
+        E,
+        I,
+        Is,
+        int(clamp),
+        float(limit) if clamp else 0.0,
+        0,
+    )
     with device_guard(x.device.index):
         _call("engram_quant_moe", ctypes.addressof(args), stream_of(x.device))
     return out
 
 
-__all__ = ["ACT_QUANT", "MAX_SEGMENTS", "MAX_TOKENS", "SIGNATURES", "STRUCTS", "gemv_segments", "moe", "moe_reason",
-           "segment_reason", "unavailable"]
+__all__ = [
+    "ACT_QUANT",
+    "MAX_SEGMENTS",
+    "MAX_TOKENS",
+    "SIGNATURES",
+    "STRUCTS",
+    "gemv_segments",
+    "moe",
+    "moe_reason",
+    "segment_reason",
+    "unavailable",
+]

@@ -47,13 +47,76 @@ SIGNATURES: dict[str, list[Any]] = {
     "engram_act_quant": [_vp, _i32, _i64, _i64, _i64, _i32, _i32, _vp, _vp, _vp, _i32, _vp],
     "engram_swiglu_act_quant": [_vp, _i64, _i64, _i64, _f32, _i32, _i32, _vp, _vp, _vp, _i32, _vp],
     "engram_moe_plan": [_vp, _i32, _i64, _i32, _i32, _vp, _vp, _vp, _vp, _vp, _i32, _vp, _vp],
-    "engram_quant_gemv": [_vp, _i32, _i64, _vp, _i64, _vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp, _vp,
-                          _i32, _vp, _i32, _i64, _i64, _vp],
-    "engram_quant_gemv_ex": [_vp, _i32, _i64, _vp, _i64, _vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp,
-                             _vp, _i32, _vp, _i32, _i64, _i64, ctypes.c_uint32, _vp],
+    "engram_quant_gemv": [
+        _vp,
+        _i32,
+        _i64,
+        _vp,
+        _i64,
+        _vp,
+        _i32,
+        _vp,
+        _i32,
+        _i32,
+        _i32,
+        _i64,
+        _i64,
+        _i32,
+        _vp,
+        _vp,
+        _i32,
+        _vp,
+        _i32,
+        _i64,
+        _i64,
+        _vp,
+    ],
+    "engram_quant_gemv_ex": [
+        _vp,
+        _i32,
+        _i64,
+        _vp,
+        _i64,
+        _vp,
+        _i32,
+        _vp,
+        _i32,
+        _i32,
+        _i32,
+        _i64,
+        _i64,
+        _i32,
+        _vp,
+        _vp,
+        _i32,
+        _vp,
+        _i32,
+        _i64,
+        _i64,
+        ctypes.c_uint32,
+        _vp,
+    ],
     "engram_fp8_gemm": [_vp, _vp, _vp, _i64, _vp, _vp, _i32, _i32, _i64, _i64, _i32, _vp, _vp, _i32, _i64, _vp],
-    "engram_quant_grouped_gemm": [_vp, _i64, _vp, _i64, _vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp, _vp,
-                                  _i32, _i64, _vp],
+    "engram_quant_grouped_gemm": [
+        _vp,
+        _i64,
+        _vp,
+        _i64,
+        _vp,
+        _i32,
+        _vp,
+        _i32,
+        _i32,
+        _i32,
+        _i64,
+        _i64,
+        _i32,
+        _vp,
+        _vp,
+        _i32,
+        _i64,
+        _vp,
+    ],
     "engram_quant_dequantize": [_vp, _i32, _vp, _i32, _i32, _i32, _i64, _i64, _i32, _vp, _i32, _vp],
     # the EngramRoutedExperts plugin's combine (declared for the ABI check; the torch path sums with torch ops)
     "engram_moe_combine": [_vp, _i64, _vp, _vp, _i32, _vp, _i64, _i32, _i32, _i64, _vp, _i32, _i64, _vp],
@@ -122,8 +185,10 @@ def make_weight(name: str, data: Any, scale: Any, kind: str, block: tuple[int, i
     grid = (-(-N // bn), -(-K // bk))
     want = ((E,) if stacked else ()) + grid
     if tuple(scale.shape) != want:
-        raise EngramError(f"{name} scale has shape {list(scale.shape)} but a [{N}, {K}] {kind} weight in {bn}x{bk} "
-                          f"blocks needs {list(want)}")
+        raise EngramError(
+            f"{name} scale has shape {list(scale.shape)} but a [{N}, {K}] {kind} weight in {bn}x{bk} "
+            f"blocks needs {list(want)}"
+        )
     return Weight(data, scale, kind, (bn, bk), E, N, K)
 
 
@@ -138,8 +203,9 @@ def _check_weight_device(w: Weight, name: str, device: Any) -> None:
     same_device(device, **{f"{name} data": w.data, f"{name} scale": w.scale})
 
 
-def act_quant(x: Any, group: int, ue8m0: bool, *, q: bool = True, scale: bool = True, deq_dtype: Any = None
-              ) -> tuple[Any, Any, Any]:
+def act_quant(
+    x: Any, group: int, ue8m0: bool, *, q: bool = True, scale: bool = True, deq_dtype: Any = None
+) -> tuple[Any, Any, Any]:
     """engram_act_quant of ``x [M, K]`` (bf16 / f16 / float32, rows of stride ``x.stride(0)``):
     ``(q float8_e4m3fn [M, K] | None, scale float32 [M, ceil(K/group)] | None, deq [M, K] of
     deq_dtype | None)``, the outputs asked for."""
@@ -156,13 +222,34 @@ def act_quant(x: Any, group: int, ue8m0: bool, *, q: bool = True, scale: bool = 
     st = torch.empty((M, -(-K // max(int(group), 1))), dtype=torch.float32, device=x.device) if scale else None
     dt = torch.empty((M, K), dtype=deq_dtype, device=x.device) if deq_dtype is not None else None
     with device_guard(x.device.index):
-        _call("engram_act_quant", ptr(x), float_code(x.dtype), M, K, max(int(x.stride(0)), K), int(group), int(ue8m0),
-              ptr(qt), ptr(st), ptr(dt), float_code(deq_dtype) if dt is not None else 0, stream_of(x.device))
+        _call(
+            "engram_act_quant",
+            ptr(x),
+            float_code(x.dtype),
+            M,
+            K,
+            max(int(x.stride(0)), K),
+            int(group),
+            int(ue8m0),
+            ptr(qt),
+            ptr(st),
+            ptr(dt),
+            float_code(deq_dtype) if dt is not None else 0,
+            stream_of(x.device),
+        )
     return qt, st, dt
 
 
-def swiglu_act_quant(gate_up: Any, limit: float | None, group: int, ue8m0: bool, *, q: bool = True,
-                     scale: bool = True, deq_dtype: Any = None) -> tuple[Any, Any, Any]:
+def swiglu_act_quant(
+    gate_up: Any,
+    limit: float | None,
+    group: int,
+    ue8m0: bool,
+    *,
+    q: bool = True,
+    scale: bool = True,
+    deq_dtype: Any = None,
+) -> tuple[Any, Any, Any]:
     """engram_swiglu_act_quant of ``gate_up float32 [P, 2I]``: the clamped SwiGLU ``[P, I]``
     quantized per ``group`` columns (group 0: ``deq`` alone, unquantized)."""
     torch = torch_module()
@@ -178,8 +265,21 @@ def swiglu_act_quant(gate_up: Any, limit: float | None, group: int, ue8m0: bool,
     st = torch.empty((P, -(-I // max(int(group), 1))), dtype=torch.float32, device=dev) if scale else None
     dt = torch.empty((P, I), dtype=deq_dtype, device=dev) if deq_dtype is not None else None
     with device_guard(dev.index):
-        _call("engram_swiglu_act_quant", ptr(gate_up), P, I, I2, _f32(float(limit or 0.0)), int(group), int(ue8m0),
-              ptr(qt), ptr(st), ptr(dt), float_code(deq_dtype) if dt is not None else 0, stream_of(dev))
+        _call(
+            "engram_swiglu_act_quant",
+            ptr(gate_up),
+            P,
+            I,
+            I2,
+            _f32(float(limit or 0.0)),
+            int(group),
+            int(ue8m0),
+            ptr(qt),
+            ptr(st),
+            ptr(dt),
+            float_code(deq_dtype) if dt is not None else 0,
+            stream_of(dev),
+        )
     return qt, st, dt
 
 
@@ -201,13 +301,31 @@ def plan(ids: Any, num_experts: int, num_slots: int | None = None) -> dict[str, 
     slots = max(1, min(T * k, E)) if num_slots is None else int(num_slots)
     dev = ids.device
     ints = torch.empty(E + 1 + 3 * T * k + slots, dtype=torch.int32, device=dev)  # one allocation
-    out = {"offsets": ints[:E + 1], "order": ints[E + 1:E + 1 + T * k],
-           "row_token": ints[E + 1 + T * k:E + 1 + 2 * T * k], "pair_row": ints[E + 1 + 2 * T * k:E + 1 + 3 * T * k],
-           "slot_expert": ints[E + 1 + 3 * T * k:], "error": torch.zeros(1, dtype=torch.int32, device=dev)}
+    out = {
+        "offsets": ints[: E + 1],
+        "order": ints[E + 1 : E + 1 + T * k],
+        "row_token": ints[E + 1 + T * k : E + 1 + 2 * T * k],
+        "pair_row": ints[E + 1 + 2 * T * k : E + 1 + 3 * T * k],
+        "slot_expert": ints[E + 1 + 3 * T * k :],
+        "error": torch.zeros(1, dtype=torch.int32, device=dev),
+    }
     with device_guard(dev.index):
-        _call("engram_moe_plan", ptr(ids), int(ids.dtype == torch.int64), T, k, E, ptr(out["offsets"]),
-              ptr(out["order"]), ptr(out["row_token"]), ptr(out["pair_row"]), ptr(out["slot_expert"]), slots,
-              ptr(out["error"]), stream_of(dev))
+        _call(
+            "engram_moe_plan",
+            ptr(ids),
+            int(ids.dtype == torch.int64),
+            T,
+            k,
+            E,
+            ptr(out["offsets"]),
+            ptr(out["order"]),
+            ptr(out["row_token"]),
+            ptr(out["pair_row"]),
+            ptr(out["slot_expert"]),
+            slots,
+            ptr(out["error"]),
+            stream_of(dev),
+        )
     return out
 
 
@@ -218,8 +336,18 @@ def _out_check(out: Any, rows: int, cols: int) -> None:
         raise EngramError(f"out must be [{rows}, >= {cols}] with contiguous rows (got shape {tuple(out.shape)})")
 
 
-def gemv(a: Any, w: Weight, out: Any, *, row_index: Any = None, offsets: Any = None, slot_expert: Any = None,
-         o_col0: int = 0, weight_static: bool = False, act_quant: tuple[int, bool] | None = None) -> Any:
+def gemv(
+    a: Any,
+    w: Weight,
+    out: Any,
+    *,
+    row_index: Any = None,
+    offsets: Any = None,
+    slot_expert: Any = None,
+    o_col0: int = 0,
+    weight_static: bool = False,
+    act_quant: tuple[int, bool] | None = None,
+) -> Any:
     """engram_quant_gemv: ``out[p, o_col0 + n] = a[row_index[p]] . W_e[n]`` (``a`` float32 /
     bf16 ``[*, K]`` with contiguous rows; ``out [P, ldo]`` bf16 / f16 / float32, P its rows;
     experts: ``offsets`` / ``slot_expert`` of :func:`plan`). ``weight_static``: nothing queued
@@ -243,9 +371,29 @@ def gemv(a: Any, w: Weight, out: Any, *, row_index: Any = None, offsets: Any = N
     same_device(a.device, out=out, row_index=row_index, offsets=offsets, slot_expert=slot_expert)
     _check_weight_device(w, "w", a.device)
     slots = 1 if slot_expert is None else int(slot_expert.shape[0])
-    args = (ptr(a), float_code(a.dtype), int(a.stride(0)), ptr(row_index), P, ptr(w.data), w.w_type,
-            ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features, w.experts,
-            ptr(offsets), ptr(slot_expert), slots, ptr(out), float_code(out.dtype), int(out.stride(0)), int(o_col0))
+    args = (
+        ptr(a),
+        float_code(a.dtype),
+        int(a.stride(0)),
+        ptr(row_index),
+        P,
+        ptr(w.data),
+        w.w_type,
+        ptr(_scale_arg(w)),
+        w.scale_type,
+        w.block[0],
+        w.block[1],
+        w.out_features,
+        w.in_features,
+        w.experts,
+        ptr(offsets),
+        ptr(slot_expert),
+        slots,
+        ptr(out),
+        float_code(out.dtype),
+        int(out.stride(0)),
+        int(o_col0),
+    )
     with device_guard(a.device.index):
         _call("engram_quant_gemv_ex", *args, flags, stream_of(a.device))
     return out
@@ -258,16 +406,33 @@ def fp8_gemm(aq: Any, a_scale: Any, w: Weight, out: Any, *, row_index: Any = Non
     check("aq", aq, (torch.float8_e4m3fn,), 2)
     check("a_scale", a_scale, (torch.float32,), 2)
     if w.kind != "fp8" or w.block[1] != GEMM_BLOCK_K:
-        raise EngramError(f"fp8_gemm takes an fp8 weight in blocks of bk = {GEMM_BLOCK_K} (got {w.kind} "
-                          f"{w.block[0]}x{w.block[1]})")
+        raise EngramError(
+            f"fp8_gemm takes an fp8 weight in blocks of bk = {GEMM_BLOCK_K} (got {w.kind} {w.block[0]}x{w.block[1]})"
+        )
     P = int(out.shape[0])
     _out_check(out, P, w.out_features)
     same_device(aq.device, a_scale=a_scale, out=out, row_index=row_index, offsets=offsets)
     _check_weight_device(w, "w", aq.device)
     with device_guard(aq.device.index):
-        _call("engram_fp8_gemm", ptr(aq), ptr(a_scale), ptr(row_index), P, ptr(w.data), ptr(w.scale), w.scale_type,
-              w.block[0], w.out_features, w.in_features, w.experts, ptr(offsets), ptr(out), float_code(out.dtype),
-              int(out.stride(0)), stream_of(aq.device))
+        _call(
+            "engram_fp8_gemm",
+            ptr(aq),
+            ptr(a_scale),
+            ptr(row_index),
+            P,
+            ptr(w.data),
+            ptr(w.scale),
+            w.scale_type,
+            w.block[0],
+            w.out_features,
+            w.in_features,
+            w.experts,
+            ptr(offsets),
+            ptr(out),
+            float_code(out.dtype),
+            int(out.stride(0)),
+            stream_of(aq.device),
+        )
     return out
 
 
@@ -283,9 +448,27 @@ def grouped_gemm(a: Any, w: Weight, out: Any, *, row_index: Any = None, offsets:
     same_device(a.device, out=out, row_index=row_index, offsets=offsets)
     _check_weight_device(w, "w", a.device)
     with device_guard(a.device.index):
-        _call("engram_quant_grouped_gemm", ptr(a), int(a.stride(0)), ptr(row_index), P, ptr(w.data), w.w_type,
-              ptr(_scale_arg(w)), w.scale_type, w.block[0], w.block[1], w.out_features, w.in_features, w.experts,
-              ptr(offsets), ptr(out), float_code(out.dtype), int(out.stride(0)), stream_of(a.device))
+        _call(
+            "engram_quant_grouped_gemm",
+            ptr(a),
+            int(a.stride(0)),
+            ptr(row_index),
+            P,
+            ptr(w.data),
+            w.w_type,
+            ptr(_scale_arg(w)),
+            w.scale_type,
+            w.block[0],
+            w.block[1],
+            w.out_features,
+            w.in_features,
+            w.experts,
+            ptr(offsets),
+            ptr(out),
+            float_code(out.dtype),
+            int(out.stride(0)),
+            stream_of(a.device),
+        )
     return out
 
 
@@ -297,6 +480,19 @@ def dequantize(w: Weight, dtype: Any = None) -> Any:
     _check_weight_device(w, "w", w.device)
     out = torch.empty((w.experts, w.out_features, w.in_features), dtype=dtype, device=w.device)
     with device_guard(w.device.index):
-        _call("engram_quant_dequantize", ptr(w.data), w.w_type, ptr(_scale_arg(w)), w.scale_type, w.block[0],
-              w.block[1], w.out_features, w.in_features, w.experts, ptr(out), float_code(dtype), stream_of(w.device))
+        _call(
+            "engram_quant_dequantize",
+            ptr(w.data),
+            w.w_type,
+            ptr(_scale_arg(w)),
+            w.scale_type,
+            w.block[0],
+            w.block[1],
+            w.out_features,
+            w.in_features,
+            w.experts,
+            ptr(out),
+            float_code(dtype),
+            stream_of(w.device),
+        )
     return out

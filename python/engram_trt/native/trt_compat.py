@@ -121,7 +121,9 @@ def ensure_rtx_parser_link(force_cache: bool | None = None) -> Path | None:
         return None
     real = libs / f"{_RTX_LIB}.1"
     if not real.is_file():
-        raise TensorRTUnavailable(f"the TensorRT-RTX libs package at '{libs}' has no {real.name}; reinstall it: pip install --force-reinstall tensorrt-rtx-cu13-libs")
+        raise TensorRTUnavailable(
+            f"the TensorRT-RTX libs package at '{libs}' has no {real.name}; reinstall it: pip install --force-reinstall tensorrt-rtx-cu13-libs"
+        )
     beside = libs / _RTX_LIB
     if force_cache is None:
         force_cache = os.environ.get("ENGRAM_TRT_RTX_LINK_IN_CACHE", "") not in ("", "0")
@@ -146,13 +148,15 @@ def ensure_rtx_parser_link(force_cache: bool | None = None) -> Path | None:
     except OSError as exc:
         raise TensorRTUnavailable(
             f"the TensorRT-RTX ONNX parser needs '{_RTX_LIB}' beside '{real}', and neither '{libs}' nor the cache "
-            f"folder '{cache}' is writable ({exc.strerror}); run once: ln -s {real.name} {beside}") from None
+            f"folder '{cache}' is writable ({exc.strerror}); run once: ln -s {real.name} {beside}"
+        ) from None
     if _RTX_LIBS_PACKAGE in sys.modules or any(m in sys.modules for m in _MODULE_NAMES["tensorrt_rtx"]):
         # Already loaded from the package folder: $ORIGIN of the parser is that folder, so the
         # cache link would not be seen and the parser would abort the process.
         raise TensorRTUnavailable(
             f"TensorRT-RTX was imported before engram_trt could link '{_RTX_LIB}', and '{libs}' is not writable; "
-            f"import engram_trt.native.trt_compat first, or run once: ln -s {real.name} {beside}")
+            f"import engram_trt.native.trt_compat first, or run once: ln -s {real.name} {beside}"
+        )
     mode = getattr(os, "RTLD_GLOBAL", 0)
     # Load through the cache folder: the loader records that folder as the libraries'
     # $ORIGIN, and the parser's later dlopen("libtensorrt_rtx.so") searches it.
@@ -177,7 +181,9 @@ def _import(flavour: str) -> TRT | None:
             continue
         return TRT(module=mod, flavour=flavour, module_name=name, version=str(getattr(mod, "__version__", "unknown")))
     if last is not None:
-        raise TensorRTUnavailable(f"the {flavour} module is installed but fails to import ({type(last).__name__}: {last}); reinstall it")
+        raise TensorRTUnavailable(
+            f"the {flavour} module is installed but fails to import ({type(last).__name__}: {last}); reinstall it"
+        )
     return None
 
 
@@ -190,10 +196,12 @@ def load(flavour: str | None = None) -> TRT:
     global _loaded
     want = flavour or os.environ.get("ENGRAM_TRT_FLAVOUR") or None
     if want is not None and want not in FLAVOURS:
-        raise EngramError(f"unknown TensorRT flavour {want!r} (expected one of {list(FLAVOURS)}; check ENGRAM_TRT_FLAVOUR)")
+        raise EngramError(
+            f"unknown TensorRT flavour {want!r} (expected one of {list(FLAVOURS)}; check ENGRAM_TRT_FLAVOUR)"
+        )
     if _loaded is not None and (want is None or _loaded.flavour == want):
         return _loaded
-    for f in ((want,) if want else FLAVOURS):
+    for f in (want,) if want else FLAVOURS:
         got = _import(f)
         if got is not None:
             _loaded = got
@@ -203,7 +211,8 @@ def load(flavour: str | None = None) -> TRT:
     raise TensorRTUnavailable(
         f"no TensorRT builder is importable ({which}); install TensorRT-RTX with "
         f"`pip install tensorrt-rtx-cu13-bindings tensorrt-rtx-cu13-libs` or full TensorRT, "
-        f"or stop after the exported graph (model.onnx) and build it elsewhere")
+        f"or stop after the exported graph (model.onnx) and build it elsewhere"
+    )
 
 
 def available(flavour: str | None = None) -> bool:
@@ -231,8 +240,13 @@ def logger(severity: str = "WARNING") -> Any:
     t = load().module
     if _logger is None:
         sev = t.Logger.Severity
-        levels = {sev.INTERNAL_ERROR: logging.CRITICAL, sev.ERROR: logging.ERROR, sev.WARNING: logging.WARNING,
-                  sev.INFO: logging.INFO, sev.VERBOSE: logging.DEBUG}
+        levels = {
+            sev.INTERNAL_ERROR: logging.CRITICAL,
+            sev.ERROR: logging.ERROR,
+            sev.WARNING: logging.WARNING,
+            sev.INFO: logging.INFO,
+            sev.VERBOSE: logging.DEBUG,
+        }
         trt_log = logging.getLogger("engram_trt.tensorrt")
 
         class _Logger(t.ILogger):
@@ -271,13 +285,17 @@ def load_plugin_library(path: str | Path) -> Any:
     if key in _loaded_plugin_libs:
         return _loaded_plugin_libs[key]
     if not p.is_file():
-        raise EngramError(f"plugin library '{p}' does not exist (build it with `cmake -S . -B build && cmake --build build`, or set ENGRAM_TRT_PLUGIN_LIB)")
+        raise EngramError(
+            f"plugin library '{p}' does not exist (build it with `cmake -S . -B build && cmake --build build`, or set ENGRAM_TRT_PLUGIN_LIB)"
+        )
     if not _builders:
         create_builder()
     t = load().module
     handle = t.get_plugin_registry().load_library(key)
     if handle is None:
-        raise EngramError(f"TensorRT could not load the plugin library '{p}' (see the TensorRT log above; it must export getCreators and setLoggerFinder)")
+        raise EngramError(
+            f"TensorRT could not load the plugin library '{p}' (see the TensorRT log above; it must export getCreators and setLoggerFinder)"
+        )
     _loaded_plugin_libs[key] = handle
     return handle
 
@@ -317,7 +335,9 @@ def parse_onnx_file(parser: Any, path: str | Path) -> None:
     if not ok:
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         first = errors[0].splitlines()[0] if errors else "no error reported"
-        raise EngramError(f"the TensorRT ONNX parser refused '{path}': {first} ({len(errors)} error(s); if a custom op is unknown, the plugin library is not loaded)")
+        raise EngramError(
+            f"the TensorRT ONNX parser refused '{path}': {first} ({len(errors)} error(s); if a custom op is unknown, the plugin library is not loaded)"
+        )
 
 
 def parse_targets(text: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -333,7 +353,9 @@ def parse_targets(text: str | Sequence[str] | None) -> tuple[str, ...]:
         if t.isdigit():
             t = "sm" + t
         if t not in RTX_TARGETS:
-            raise EngramError(f"--target {raw.strip()!r} is not a TensorRT-RTX compute capability (expected a comma-separated list of {', '.join(RTX_TARGETS)})")
+            raise EngramError(
+                f"--target {raw.strip()!r} is not a TensorRT-RTX compute capability (expected a comma-separated list of {', '.join(RTX_TARGETS)})"
+            )
         if t not in out:
             out.append(t)
     return tuple(out)
@@ -350,7 +372,9 @@ def set_targets(config: Any, targets: Sequence[str]) -> None:
         return
     trt_ = load()
     if not trt_.is_rtx:
-        raise EngramError("--target is a TensorRT-RTX option; full TensorRT builds for the GPU it runs on (drop --target, or build with tensorrt_rtx)")
+        raise EngramError(
+            "--target is a TensorRT-RTX option; full TensorRT builds for the GPU it runs on (drop --target, or build with tensorrt_rtx)"
+        )
     cc = trt_.module.ComputeCapability
     config.num_compute_capabilities = len(targets)
     for i, t in enumerate(targets):
@@ -365,8 +389,10 @@ def enable_aliased_plugin_io(config: Any) -> None:
     t = load()
     feature = getattr(getattr(t.module, "PreviewFeature", None), "ALIASED_PLUGIN_IO_10_03", None)
     if feature is None:
-        raise EngramError(f"{t.flavour} {t.version} has no PreviewFeature.ALIASED_PLUGIN_IO_10_03, which the in-place "
-                          f"KV cache needs; install TensorRT 10.3 or newer, or a TensorRT-RTX that has it (1.7.1 does)")
+        raise EngramError(
+            f"{t.flavour} {t.version} has no PreviewFeature.ALIASED_PLUGIN_IO_10_03, which the in-place "
+            f"KV cache needs; install TensorRT 10.3 or newer, or a TensorRT-RTX that has it (1.7.1 does)"
+        )
     config.set_preview_feature(feature, True)
 
 

@@ -70,8 +70,9 @@ def scale_grid(rows: int, cols: int, bn: int, bk: int) -> tuple[int, int]:
     return -(-rows // bn), -(-cols // bk)
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``W = e4m3(q) * scale[block]`` of an FP8 weight ``[..., N, K]`` (float32 math, float64
     when ``dtype`` is float64; exact there), cast to ``dtype``."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -80,8 +81,9 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
     return w.to(dtype)
 
 
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (1, 32),
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (1, 32), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """``W = e2m1 * scale[block]`` of an FP4 weight stored ``[..., N, K/2]`` -> ``[..., N, K]``."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     v = unpack_fp4(packed, work)
@@ -98,7 +100,9 @@ def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     return torch.where(m == 0.5, x, torch.ldexp(torch.ones_like(x), e))
 
 
-def act_quant(x: torch.Tensor, group: int = 128, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def act_quant(
+    x: torch.Tensor, group: int = 128, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization per row and ``group`` columns (quantKernels.h's
     engram_act_quant): ``(q float8_e4m3fn [M, K], scale float32 [M, ceil(K/group)],
     deq float32 [M, K])`` with ``s = max(amax, 1e-4) / 448`` (a power of two rounded up
@@ -119,8 +123,9 @@ def act_quant(x: torch.Tensor, group: int = 128, ue8m0: bool = False) -> tuple[t
     return q, s, deq
 
 
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = (128, 128), scale_fmt: str = "float"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128), scale_fmt: str = "float"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a float weight ``[..., N, K]`` into (e4m3 ``float8_e4m3fn``, scales
     ``[..., ceil(N/bn), ceil(K/bk)]``): float32 ``amax / 448`` per block, or with ``ue8m0``
     the power of two at or above it (stored as ``float8_e8m0fnu``). Partial last blocks are
@@ -167,13 +172,27 @@ def quantize_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.
 
 def fp8_rel_step() -> float:
     """The relative rounding step of E4M3 (3 mantissa bits): a value rounds within half of it."""
-    return 2.0 ** -3
+    return 2.0**-3
 
 
 def log2_ceil(x: float) -> int:
     return int(math.ceil(math.log2(x)))
 
 
-__all__ = ["ACT_AMAX_FLOOR", "E2M1_VALUES", "FP8_MAX", "act_quant", "dequantize_fp4", "dequantize_fp8",
-           "e4m3_to_float", "e8m0_to_float", "expand_blocks", "pack_fp4", "quantize_fp4", "quantize_fp8",
-           "scale_grid", "scale_to_float", "unpack_fp4"]
+__all__ = [
+    "ACT_AMAX_FLOOR",
+    "E2M1_VALUES",
+    "FP8_MAX",
+    "act_quant",
+    "dequantize_fp4",
+    "dequantize_fp8",
+    "e4m3_to_float",
+    "e8m0_to_float",
+    "expand_blocks",
+    "pack_fp4",
+    "quantize_fp4",
+    "quantize_fp8",
+    "scale_grid",
+    "scale_to_float",
+    "unpack_fp4",
+]

@@ -43,5 +43,13 @@ def stored_kind(st_dtype: str, expert: bool, expert_dtype: str) -> str | None:
     return None
 
 
-__all__ = ["FLOAT_DTYPES", "FP4_WEIGHT_DTYPES", "FP8_WEIGHT_DTYPES", "SCALE_DTYPES", "SCALE_SUFFIXES", "find_scale",
-           "scale_candidates", "stored_kind"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "FP4_WEIGHT_DTYPES",
+    "FP8_WEIGHT_DTYPES",
+    "SCALE_DTYPES",
+    "SCALE_SUFFIXES",
+    "find_scale",
+    "scale_candidates",
+    "stored_kind",
+]

@@ -77,8 +77,14 @@ class QuantWeight:
         return dequantize_fp4(self.data, self.scale, self.block, dtype)
 
 
-def check_quant_tensors(name: str, kind: str, shape: tuple[int, ...], data_shape: tuple[int, ...],
-                        scale_shape: tuple[int, ...] | None, block: tuple[int, int]) -> str | None:
+def check_quant_tensors(
+    name: str,
+    kind: str,
+    shape: tuple[int, ...],
+    data_shape: tuple[int, ...],
+    scale_shape: tuple[int, ...] | None,
+    block: tuple[int, int],
+) -> str | None:
     """The problem (one line, None if none) of a stored weight ``name`` whose logical shape
     is ``shape`` ``[..., N, K]``: its bytes' shape and its scale's."""
     N, K = shape[-2], shape[-1]
@@ -96,12 +102,16 @@ def check_quant_tensors(name: str, kind: str, shape: tuple[int, ...], data_shape
         return f"scale of {name} is missing: an {kind.upper()} weight needs its block scales (<name>.weight_scale_inv or <name>.scale)"
     want_s = lead + scale_grid(N, K, *block)
     if tuple(scale_shape) != want_s:
-        return (f"scale of {name} has shape {list(scale_shape)} but a [{N}, {K}] {kind.upper()} weight in "
-                f"{block[0]}x{block[1]} blocks needs {list(want_s)}")
+        return (
+            f"scale of {name} has shape {list(scale_shape)} but a [{N}, {K}] {kind.upper()} weight in "
+            f"{block[0]}x{block[1]} blocks needs {list(want_s)}"
+        )
     return None
 
 
-def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+def quant_linear(
+    x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, backend: str = "auto"
+) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for a stored weight (module docstring); ``backend``: ``auto``
     (the kernels on a CUDA device when the library serves the call, else the CPU path),
     ``kernels`` (or an EngramError naming why not) or ``torch`` (dequantize + F.linear)."""
@@ -128,8 +138,16 @@ class QuantLinear(nn.Module):
 
     backend: str = "auto"
 
-    def __init__(self, in_features: int, out_features: int, kind: str, block: tuple[int, int],
-                 scale_fmt: str = "float", bias: bool = False, device: Any = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kind: str,
+        block: tuple[int, int],
+        scale_fmt: str = "float",
+        bias: bool = False,
+        device: Any = None,
+    ) -> None:
         super().__init__()
         if kind not in KINDS:
             raise EngramError(f"QuantLinear kind {kind!r} is not one of {list(KINDS)}")
@@ -141,15 +159,24 @@ class QuantLinear(nn.Module):
         data_dtype = torch.int8 if kind == "fp4" else torch.float8_e4m3fn
         scale_dtype = torch.float8_e8m0fnu if scale_fmt == "ue8m0" else torch.float32
         self.register_buffer("weight", torch.empty(data_shape, dtype=data_dtype, device=device))
-        self.register_buffer("weight_scale_inv", torch.empty(scale_grid(out_features, in_features, *self.block),
-                                                             dtype=scale_dtype, device=device))
+        self.register_buffer(
+            "weight_scale_inv",
+            torch.empty(scale_grid(out_features, in_features, *self.block), dtype=scale_dtype, device=device),
+        )
         self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
 
     @classmethod
     def like(cls, linear: nn.Linear, kind: str, block: tuple[int, int], scale_fmt: str) -> "QuantLinear":
         """A QuantLinear of ``linear``'s shape (built on ``linear``'s device, e.g. meta)."""
-        return cls(linear.in_features, linear.out_features, kind, block, scale_fmt, bias=linear.bias is not None,
-                   device=linear.weight.device)
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            kind,
+            block,
+            scale_fmt,
+            bias=linear.bias is not None,
+            device=linear.weight.device,
+        )
 
     @property
     def qweight(self) -> QuantWeight:
@@ -159,8 +186,10 @@ class QuantLinear(nn.Module):
         return quant_linear(x, self.qweight, self.bias, self.backend)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, "
-                f"block={self.block[0]}x{self.block[1]}, scales={self.qweight.scale_fmt}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, "
+            f"block={self.block[0]}x{self.block[1]}, scales={self.qweight.scale_fmt}"
+        )
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor | QuantWeight:
@@ -171,5 +200,13 @@ def linear_weight(module: nn.Module) -> torch.Tensor | QuantWeight:
     return module.weight
 
 
-__all__ = ["ACT_QUANT", "KINDS", "QUANT_BACKENDS", "QuantLinear", "QuantWeight", "check_quant_tensors",
-           "linear_weight", "quant_linear"]
+__all__ = [
+    "ACT_QUANT",
+    "KINDS",
+    "QUANT_BACKENDS",
+    "QuantLinear",
+    "QuantWeight",
+    "check_quant_tensors",
+    "linear_weight",
+    "quant_linear",
+]

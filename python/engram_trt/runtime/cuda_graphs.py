@@ -78,8 +78,9 @@ def context_bucket(longest: int, max_len: int, context_free: bool = False) -> in
     return min(_bucket(longest, MIN_CONTEXT_BUCKET), max_len)
 
 
-def fill_columns(h: np.ndarray, step: PackedStep, S: int, G: int, scratch: int, lookup: np.ndarray | None,
-                 pad: bool = True) -> None:
+def fill_columns(
+    h: np.ndarray, step: PackedStep, S: int, G: int, scratch: int, lookup: np.ndarray | None, pad: bool = True
+) -> None:
     """A decode step's values into a bucket's host buffer ``h [5 + N-1, >= G]`` (the
     layout :meth:`DecodeGraphs._buffers` names), one column per sequence: token id,
     compressed id, position (its past length), slot, length after the step, the N-1
@@ -108,9 +109,18 @@ def static_arrays(d: torch.Tensor, arange: torch.Tensor, G: int, engram: bool) -
     """A recorded step's device arrays (the names of :meth:`PackedStep.device_arrays`) as
     views of the bucket's static buffer ``d`` (:func:`fill_columns`' layout) and of
     ``arange`` (0, 1, 2, ...): what the graphs read at every replay."""
-    arrays = {"input_ids": d[0, :G], "positions": d[2, :G], "token_slots": d[3, :G], "last": arange[:G],
-              "decode_rows": arange[:G], "decode_slots": d[3, :G], "decode_lens": d[4, :G],
-              "seq_starts": arange[:G + 1], "past_lens": d[2, :G], "slots": d[3, :G]}
+    arrays = {
+        "input_ids": d[0, :G],
+        "positions": d[2, :G],
+        "token_slots": d[3, :G],
+        "last": arange[:G],
+        "decode_rows": arange[:G],
+        "decode_slots": d[3, :G],
+        "decode_lens": d[4, :G],
+        "seq_starts": arange[: G + 1],
+        "past_lens": d[2, :G],
+        "slots": d[3, :G],
+    }
     if engram:
         arrays["engram_ids"] = d[1, :G]
     return arrays
@@ -132,9 +142,17 @@ class DecodeGraphs:
     a wait per Engram layer (default), else one at the first. ``fork_lookup``: GPU
     lookups forked inside one graph of the step (default), else in graphs of their own."""
 
-    def __init__(self, model: Any, cache: Any, max_batch: int, scratch_slot: int, tables: Any = None,
-                 lookup_policy: Callable[[int], str] | None = None, wait_each_layer: bool = True,
-                 fork_lookup: bool = True) -> None:
+    def __init__(
+        self,
+        model: Any,
+        cache: Any,
+        max_batch: int,
+        scratch_slot: int,
+        tables: Any = None,
+        lookup_policy: Callable[[int], str] | None = None,
+        wait_each_layer: bool = True,
+        fork_lookup: bool = True,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -159,8 +177,10 @@ class DecodeGraphs:
         self._starts32 = torch.arange(G + 1, dtype=torch.int32, device=self.device)  # decode: one token each
         self.staging: list[torch.Tensor] | None = None
         if layout is not None and tables is not None:
-            self.staging = [torch.zeros((G, layout.n_hash_cols, tables.head_dim(i)), dtype=torch.bfloat16,
-                                        device=self.device) for i in range(layout.num_layers)]
+            self.staging = [
+                torch.zeros((G, layout.n_hash_cols, tables.head_dim(i)), dtype=torch.bfloat16, device=self.device)
+                for i in range(layout.num_layers)
+            ]
         self._lookup_np = None if model.compress_lookup is None else model.compress_lookup.cpu().numpy()
         self._lookup_by_seqs: dict[int, bool] = {}
         self._event = torch.cuda.Event()  # the last copy out of a pinned buffer (one event, re-recorded)
@@ -205,8 +225,15 @@ class DecodeGraphs:
             if not self.tables.gpu_readable:
                 got = False
             else:
-                path = "device" if self.tables.on_device else (
-                    self.lookup_policy(step.num_seqs * self.model.layout.n_hash_cols) if self.lookup_policy is not None else "host")
+                path = (
+                    "device"
+                    if self.tables.on_device
+                    else (
+                        self.lookup_policy(step.num_seqs * self.model.layout.n_hash_cols)
+                        if self.lookup_policy is not None
+                        else "host"
+                    )
+                )
                 got = path in GPU_GATHERS
             self._lookup_by_seqs[step.num_seqs] = got
         return got
@@ -255,7 +282,9 @@ class DecodeGraphs:
                     rows.wait_layer(li)
                 segments[j + 1].replay()
         else:
-            self._filled.record(main)  # the static buffers are filled (one event, re-recorded: wait_stream makes one per call)
+            self._filled.record(
+                main
+            )  # the static buffers are filled (one event, re-recorded: wait_stream makes one per call)
             self._side.wait_event(self._filled)
             with torch.cuda.stream(self._side):
                 for graph, done in zip(entry["lookup"], self._lookup_done):  # one event per Engram layer
@@ -303,24 +332,32 @@ class DecodeGraphs:
 
         d = self._buffers(G)[0]
         cids = d[1, :G].to(torch.int32)
-        lookback = d[5:5 + self.n_lookback, :G].t().contiguous().to(torch.int32)
-        return hash_kernels.hash_packed(cids, self._starts32[:G + 1], lookback, self.model.layout)
+        lookback = d[5 : 5 + self.n_lookback, :G].t().contiguous().to(torch.int32)
+        return hash_kernels.hash_packed(cids, self._starts32[: G + 1], lookback, self.model.layout)
 
     def _gather(self, ids: torch.Tensor, li: int, G: int) -> None:
         """Engram layer ``li``'s rows of the static step into the graphs' own staging."""
         from engram_trt.native import gather as gather_kernels
 
         rows, scales = self.tables.tensors(li)
-        gather_kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block,
-                       out=self.staging[li][:G], bad_rows=self._bad_rows)  # type: ignore[index]
+        gather_kernels.gather(
+            ids,
+            rows,
+            scales,
+            layer=li,
+            quant_block=self.tables.quant_block,
+            out=self.staging[li][:G],
+            bad_rows=self._bad_rows,
+        )  # type: ignore[index]
 
     def _lookup(self, G: int) -> None:
         ids = self._hash(G)
         for _, li in self.model.engram_layers:
             self._gather(ids, li, G)
 
-    def _record_forked(self, entry: dict[str, Any], step: PackedStep, rows: list[torch.Tensor], G: int,
-                       bounds: list[int]) -> torch.cuda.CUDAGraph:
+    def _record_forked(
+        self, entry: dict[str, Any], step: PackedStep, rows: list[torch.Tensor], G: int, bounds: list[int]
+    ) -> torch.cuda.CUDAGraph:
         """One graph of the whole step with its GPU lookup forked onto the side stream:
         the hash and the gathers in the order of ``entry["waits"]``, each group's last
         gather followed by an event that the main stream waits on before the decoder
@@ -422,6 +459,12 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             return None
         self.graphs[(G, L, mode)] = entry
-        log.info("recorded decode CUDA graphs for %d sequences, context %d (%s rows, %s at layers %s)", G, L, mode,
-                 "joined" if forked else "cut", cuts)
+        log.info(
+            "recorded decode CUDA graphs for %d sequences, context %d (%s rows, %s at layers %s)",
+            G,
+            L,
+            mode,
+            "joined" if forked else "cut",
+            cuts,
+        )
         return entry

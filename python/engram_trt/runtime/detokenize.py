@@ -94,14 +94,34 @@ class IncrementalText:
     default :func:`byte_fallback_ids` of the tokenizer (a caller with many requests
     asks once and passes the set, empty for other decoders)."""
 
-    __slots__ = ("_tok", "ids", "text", "_stable", "_prefix", "_read", "_prefix_text", "_skip", "_flag", "_vis", "_seen",
-                 "_bytes")
+    __slots__ = (
+        "_tok",
+        "ids",
+        "text",
+        "_stable",
+        "_prefix",
+        "_read",
+        "_prefix_text",
+        "_skip",
+        "_flag",
+        "_vis",
+        "_seen",
+        "_bytes",
+    )
 
-    def __init__(self, tokenizer: Any, ids: list[int], skip_special_tokens: bool = True,
-                 special_ids: frozenset[int] | None = None, byte_ids: frozenset[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        ids: list[int],
+        skip_special_tokens: bool = True,
+        special_ids: frozenset[int] | None = None,
+        byte_ids: frozenset[int] | None = None,
+    ) -> None:
         self._tok = tokenizer
         self.ids = ids
-        skip = (special_ids if special_ids is not None else special_token_ids(tokenizer)) if skip_special_tokens else None
+        skip = (
+            (special_ids if special_ids is not None else special_token_ids(tokenizer)) if skip_special_tokens else None
+        )
         # Filtered here (skip non-empty): the window sees only visible ids. Unknown
         # (None with skip_special_tokens): the decoder's own flag does the skipping.
         self._skip = skip or None
@@ -113,7 +133,9 @@ class IncrementalText:
         self._prefix = 0  # the window starts here, at the complete point before _read ...
         self._read = 0  # ... and the text of ids[_prefix:_read] is _prefix_text
         self._prefix_text = ""
-        self._bytes = (byte_ids if byte_ids is not None else byte_fallback_ids(tokenizer)) or None  # no commit point inside a byte run (see settled_len)
+        self._bytes = (
+            byte_ids if byte_ids is not None else byte_fallback_ids(tokenizer)
+        ) or None  # no commit point inside a byte run (see settled_len)
 
     @property
     def settled_len(self) -> int:
@@ -137,19 +159,19 @@ class IncrementalText:
     def update(self) -> str:
         """Take the ids appended since the last call; returns the whole text."""
         if self._skip:
-            new = [i for i in self.ids[self._seen:] if i not in self._skip]
+            new = [i for i in self.ids[self._seen :] if i not in self._skip]
             self._seen = len(self.ids)
             if not new:  # only skipped tokens came: the text is what it was
                 return self.text
             self._vis.extend(new)
         ids = self._vis
         n = len(ids)
-        window = self._decode(ids[self._prefix:])
+        window = self._decode(ids[self._prefix :])
         if not window.startswith(self._prefix_text):  # the decoder rewrote its context: decode all, once
             self.text = self._decode(ids)
             self._commit(n, self.text)
             return self.text
-        pending = window[len(self._prefix_text):]
+        pending = window[len(self._prefix_text) :]
         self.text = self._stable + pending
         if pending and not pending.endswith(REPLACEMENT_CHAR):
             self._commit(n, self.text)
@@ -164,7 +186,7 @@ class IncrementalText:
             return  # an open byte run: the next byte token may rewrite it, context included
         self._stable = text
         self._prefix, self._read = self._read, n
-        self._prefix_text = self._decode(self._vis[self._prefix:n])
+        self._prefix_text = self._decode(self._vis[self._prefix : n])
 
 
 class TokenIdsOnly:
@@ -174,9 +196,11 @@ class TokenIdsOnly:
     def encode(self, text: str, add_special_tokens: bool = True) -> Any:
         from engram_trt.errors import EngramError
 
-        raise EngramError("this engine was built with --token-ids-only (its checkpoint had no tokenizer.json): "
-                          "send token ids, not text, or rebuild it from a checkpoint holding the model's "
-                          "tokenizer.json")
+        raise EngramError(
+            "this engine was built with --token-ids-only (its checkpoint had no tokenizer.json): "
+            "send token ids, not text, or rebuild it from a checkpoint holding the model's "
+            "tokenizer.json"
+        )
 
     def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
         return ""

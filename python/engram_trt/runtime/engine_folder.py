@@ -65,10 +65,17 @@ class ModelSource:
         return self.config.engram is not None
 
     def describe(self) -> dict[str, Any]:
-        return {"path": str(self.path), "kind": self.kind, "checkpoint": str(self.checkpoint),
-                "engine": None if self.engine_file is None else str(self.engine_file),
-                "tensorrt": self.trt, "placement": self.placement,
-                "max_batch": self.max_batch, "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens}
+        return {
+            "path": str(self.path),
+            "kind": self.kind,
+            "checkpoint": str(self.checkpoint),
+            "engine": None if self.engine_file is None else str(self.engine_file),
+            "tensorrt": self.trt,
+            "placement": self.placement,
+            "max_batch": self.max_batch,
+            "max_seq_len": self.max_seq_len,
+            "max_num_tokens": self.max_num_tokens,
+        }
 
 
 def is_engine_folder(path: Path) -> bool:
@@ -107,10 +114,14 @@ def peek_model(path: str | Path) -> ModelPeek:
 
     p = Path(path).expanduser()
     if not p.exists():
-        raise EngramError(f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder "
-                          f"(make one with `engram-trt demo-checkpoint OUT`)")
+        raise EngramError(
+            f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder "
+            f"(make one with `engram-trt demo-checkpoint OUT`)"
+        )
     if not p.is_dir():
-        raise EngramError(f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
+        raise EngramError(
+            f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder"
+        )
     if is_engine_folder(p):
         m = _read_manifest(p)
         if not isinstance(m.get("model"), dict):
@@ -118,7 +129,9 @@ def peek_model(path: str | Path) -> ModelPeek:
         arch, config = read_model_config(m["model"], source=str(p / MANIFEST_NAME))
         return ModelPeek(p, "engine", arch, config, m)
     if not (p / "config.json").is_file():
-        raise EngramError(f"'{p}' is neither an engine folder nor a checkpoint folder (no manifest.json or config.json)")
+        raise EngramError(
+            f"'{p}' is neither an engine folder nor a checkpoint folder (no manifest.json or config.json)"
+        )
     arch, config = read_model_config(*read_config_dict(p))
     return ModelPeek(p, "checkpoint", arch, config)
 
@@ -135,20 +148,33 @@ def checkpoint_of(path: str | Path) -> Path:
     return Path(m["checkpoint"])
 
 
-def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = None, verify_tables: bool = False,
-                      progress: bool = True, allow_unused_weights: bool = False) -> ModelSource:
+def open_model_source(
+    path: str | Path,
+    *,
+    engram_config: EngramConfig | None = None,
+    verify_tables: bool = False,
+    progress: bool = True,
+    allow_unused_weights: bool = False,
+) -> ModelSource:
     """Read an engine folder or a checkpoint folder (see the module docstring). The
     model's architecture comes from the registry, which honours or refuses every field
     of its config; a checkpoint's tensors the model does not read are refused unless
     ``allow_unused_weights``."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise EngramError(f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder "
-                          f"(make one with `engram-trt demo-checkpoint OUT`)")
+        raise EngramError(
+            f"'{p}' does not exist: pass an engine folder (from `engram-trt build`) or a checkpoint folder "
+            f"(make one with `engram-trt demo-checkpoint OUT`)"
+        )
     if not p.is_dir():
-        raise EngramError(f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder")
-    src = (_from_engine_folder(p, engram_config) if is_engine_folder(p)
-           else _from_checkpoint(p, engram_config, allow_unused_weights))
+        raise EngramError(
+            f"'{p}' is not a folder: pass an engine folder (from `engram-trt build`) or a checkpoint folder"
+        )
+    src = (
+        _from_engine_folder(p, engram_config)
+        if is_engine_folder(p)
+        else _from_checkpoint(p, engram_config, allow_unused_weights)
+    )
     if src.table_refs:
         check_table_files(src.table_refs)
         if not verify_tables:
@@ -158,12 +184,18 @@ def open_model_source(path: str | Path, *, engram_config: EngramConfig | None = 
 
             problems = sampled_check(src.table_refs)
             if problems:
-                raise EngramError("Engram tables damaged: " + "; ".join(problems) + " (restore the table files, or rebuild "
-                                  "the engine folder; engram-trt inspect ENGINE_DIR --verify-tables checks every byte)")
+                raise EngramError(
+                    "Engram tables damaged: " + "; ".join(problems) + " (restore the table files, or rebuild "
+                    "the engine folder; engram-trt inspect ENGINE_DIR --verify-tables checks every byte)"
+                )
         if verify_tables:
             problems = verify_table_hashes(src.table_refs, progress=progress)
             if problems:
-                raise EngramError("--verify-tables: " + "; ".join(problems) + " (restore the table files, or rebuild the engine folder)")
+                raise EngramError(
+                    "--verify-tables: "
+                    + "; ".join(problems)
+                    + " (restore the table files, or rebuild the engine folder)"
+                )
             log.info("verified the sha256 of %d table tensors", len(src.table_refs))
     return src
 
@@ -175,20 +207,26 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise EngramError(f"{p} is not UTF-8 text; rebuild the engine folder") from None
     except json.JSONDecodeError as exc:
-        raise EngramError(f"{p} is not valid JSON ({exc.msg} at line {exc.lineno}); rebuild the engine folder") from None
+        raise EngramError(
+            f"{p} is not valid JSON ({exc.msg} at line {exc.lineno}); rebuild the engine folder"
+        ) from None
     if not isinstance(data, dict):
         raise EngramError(f"{p} does not hold a JSON object; rebuild the engine folder")
     from engram_trt.builder.manifest import MANIFEST_VERSION
 
     if data.get("manifest_version") != MANIFEST_VERSION:
-        raise EngramError(f"{p}: manifest version {data.get('manifest_version')} is not {MANIFEST_VERSION}; rebuild the engine folder with this engram-trt")
+        raise EngramError(
+            f"{p}: manifest version {data.get('manifest_version')} is not {MANIFEST_VERSION}; rebuild the engine folder with this engram-trt"
+        )
     return data
 
 
 def _in_folder(folder: Path, name: Any, what: str) -> Path:
     """A file the manifest names, which must lie inside the engine folder."""
     if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise EngramError(f"{folder / MANIFEST_NAME}: {what} {name!r} is not a file name inside the engine folder; rebuild it")
+        raise EngramError(
+            f"{folder / MANIFEST_NAME}: {what} {name!r} is not a file name inside the engine folder; rebuild it"
+        )
     return folder / name
 
 
@@ -199,7 +237,11 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
     try:
         architecture, config = read_model_config(m["model"], source=str(folder / MANIFEST_NAME))
         shapes = m["shapes"]
-        max_batch, max_seq_len, max_num_tokens = int(shapes["max_batch"]), int(shapes["max_seq_len"]), int(shapes["max_num_tokens"])
+        max_batch, max_seq_len, max_num_tokens = (
+            int(shapes["max_batch"]),
+            int(shapes["max_seq_len"]),
+            int(shapes["max_num_tokens"]),
+        )
         checkpoint = Path(m["checkpoint"])
     except (KeyError, TypeError, ValueError) as exc:
         raise EngramError(f"{folder / MANIFEST_NAME} lacks or garbles {exc}; rebuild the engine folder") from None
@@ -225,7 +267,9 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
         lookup = np.asarray(vocab.lookup, dtype=np.int64)
         layout = EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))
         if m.get("layout") and m["layout"] != layout.to_json_dict():
-            raise EngramError(f"{folder / MANIFEST_NAME}: the recorded layout differs from the one the config gives; rebuild the engine folder")
+            raise EngramError(
+                f"{folder / MANIFEST_NAME}: the recorded layout differs from the one the config gives; rebuild the engine folder"
+            )
     refs = [TableRef.from_json(t, folder) for t in m.get("tables") or []]
     built = EngramConfig.from_dict(m.get("engram_config") or {}, source=f"{folder / MANIFEST_NAME} engram_config")
     if override is not None:
@@ -239,9 +283,27 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
     plugins = m.get("plugins") or {}
     lib = (plugins.get("library") or {}).get("path")
     placement = built.placement
-    return ModelSource(folder, "engine", config, checkpoint, tokenizer, lookup, layout, refs, ecfg, max_batch, max_seq_len,
-                       max_num_tokens, engine_file, placement, None if lib is None else Path(lib),
-                       bool(plugins.get("embedded")), m.get("tensorrt"), m, architecture)
+    return ModelSource(
+        folder,
+        "engine",
+        config,
+        checkpoint,
+        tokenizer,
+        lookup,
+        layout,
+        refs,
+        ecfg,
+        max_batch,
+        max_seq_len,
+        max_num_tokens,
+        engine_file,
+        placement,
+        None if lib is None else Path(lib),
+        bool(plugins.get("embedded")),
+        m.get("tensorrt"),
+        m,
+        architecture,
+    )
 
 
 def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_weights: bool) -> ModelSource:
@@ -263,6 +325,19 @@ def _from_checkpoint(folder: Path, override: EngramConfig | None, allow_unused_w
     ecfg = override if override is not None else EngramConfig()
     ecfg.validate_for(config)
     max_seq_len = min(config.max_position_embeddings, 4096)
-    return ModelSource(folder, "checkpoint", config, folder, ckpt.tokenizer_json, lookup, layout, refs, ecfg,
-                       DEFAULT_MAX_BATCH, max_seq_len, min(DEFAULT_MAX_NUM_TOKENS, max_seq_len),
-                       placement="prefetch", architecture=ckpt.architecture)
+    return ModelSource(
+        folder,
+        "checkpoint",
+        config,
+        folder,
+        ckpt.tokenizer_json,
+        lookup,
+        layout,
+        refs,
+        ecfg,
+        DEFAULT_MAX_BATCH,
+        max_seq_len,
+        min(DEFAULT_MAX_NUM_TOKENS, max_seq_len),
+        placement="prefetch",
+        architecture=ckpt.architecture,
+    )

@@ -56,13 +56,15 @@ def inline_table(rows: Any, scales: Any, *, out: Any = None) -> Any:
     import torch
 
     if rows.dim() != 2 or scales.dim() != 2 or rows.shape[0] != scales.shape[0]:
-        raise EngramError(f"rows [N, head_dim] and scales [N, head_dim / quant_block] must share N "
-                          f"(got {tuple(rows.shape)} and {tuple(scales.shape)})")
+        raise EngramError(
+            f"rows [N, head_dim] and scales [N, head_dim / quant_block] must share N "
+            f"(got {tuple(rows.shape)} and {tuple(scales.shape)})"
+        )
     width = rows.shape[1] + scales.shape[1]
     if out is None:
         out = torch.empty((rows.shape[0], width), dtype=torch.uint8, device=rows.device)
     out[:, : rows.shape[1]].copy_(rows.view(torch.uint8))
-    out[:, rows.shape[1]:].copy_(scales.view(torch.uint8))
+    out[:, rows.shape[1] :].copy_(scales.view(torch.uint8))
     return out
 
 
@@ -92,8 +94,11 @@ class GatherPathChoice:
         return self.chosen[nearest]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"sizes": list(self.sizes), "seconds": self.seconds,
-                "chosen": {str(k): v for k, v in self.chosen.items()}}
+        return {
+            "sizes": list(self.sizes),
+            "seconds": self.seconds,
+            "chosen": {str(k): v for k, v in self.chosen.items()},
+        }
 
     def describe(self) -> str:
         parts = []
@@ -115,9 +120,20 @@ def _median_wall(fn: Callable[[int], Any], reps: int, sync: Callable[[], None]) 
     return statistics.median(times)
 
 
-def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_block: int = 32, layout: str = "split",
-                     uva_rows: Any = None, uva_scales: Any = None, sizes: tuple[int, ...] = DEFAULT_CALIBRATION_SIZES,
-                     num_cols: int = 24, reps: int = 5, seed: int = 0) -> GatherPathChoice:
+def calibrate_gather(
+    rows: Any,
+    scales: Any = None,
+    *,
+    gatherer: Any,
+    quant_block: int = 32,
+    layout: str = "split",
+    uva_rows: Any = None,
+    uva_scales: Any = None,
+    sizes: tuple[int, ...] = DEFAULT_CALIBRATION_SIZES,
+    num_cols: int = 24,
+    reps: int = 5,
+    seed: int = 0,
+) -> GatherPathChoice:
     """Time the host gather (``gatherer`` on ``rows`` / ``scales`` in ``layout``) and, if
     the table is GPU-readable, the UVA kernel, on uniform random ids at each size; return
     the path per size (:func:`faster_path`; logged).
@@ -134,8 +150,12 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
     from engram_trt.native import library as kernel_library
 
     device = gatherer.device
-    if uva_rows is None and layout == "split" and kernel_library.pointer_kind(rows) == "host" \
-            and (scales is None or kernel_library.pointer_kind(scales) == "host"):
+    if (
+        uva_rows is None
+        and layout == "split"
+        and kernel_library.pointer_kind(rows) == "host"
+        and (scales is None or kernel_library.pointer_kind(scales) == "host")
+    ):
         uva_rows, uva_scales = rows, scales
     num_rows = int(rows.shape[0])
     gen = torch.Generator().manual_seed(seed)
@@ -155,16 +175,32 @@ def calibrate_gather(rows: Any, scales: Any = None, *, gatherer: Any, quant_bloc
         # On the GPU too: the UVA kernel reads them, and so does the host gather's dequant
         # with the scales in HBM (as a step's hash kernel leaves them there).
         dev_ids = [i.to(device) for i in ids] if uva_rows is not None or layout == "hbm-scales" else None
-        choice.seconds[PATH_HOST].append(_median_wall(
-            lambda i: gatherer.gather(host_ids[i], rows, scales, quant_block=quant_block, out=out, layout=layout,
-                                      ids_dev=dev_ids[i] if layout == "hbm-scales" else None),
-            reps, sync))
+        choice.seconds[PATH_HOST].append(
+            _median_wall(
+                lambda i: gatherer.gather(
+                    host_ids[i],
+                    rows,
+                    scales,
+                    quant_block=quant_block,
+                    out=out,
+                    layout=layout,
+                    ids_dev=dev_ids[i] if layout == "hbm-scales" else None,
+                ),
+                reps,
+                sync,
+            )
+        )
         if uva_rows is not None:
-            choice.seconds[PATH_UVA].append(_median_wall(
-                lambda i: gather_kernels.gather(dev_ids[i], uva_rows, uva_scales, quant_block=quant_block, out=out),
-                reps, sync))
-        choice.chosen[n] = faster_path(choice.seconds[PATH_HOST][-1],
-                                       choice.seconds[PATH_UVA][-1] if uva_rows is not None else None)
+            choice.seconds[PATH_UVA].append(
+                _median_wall(
+                    lambda i: gather_kernels.gather(dev_ids[i], uva_rows, uva_scales, quant_block=quant_block, out=out),
+                    reps,
+                    sync,
+                )
+            )
+        choice.chosen[n] = faster_path(
+            choice.seconds[PATH_HOST][-1], choice.seconds[PATH_UVA][-1] if uva_rows is not None else None
+        )
     log.info("gather path calibration (%d-row table): %s", num_rows, choice.describe())
     return choice
 

@@ -105,9 +105,14 @@ class StepPhases:
             n = self.steps[kind]
             us = {p: (s / n * 1e6 if n else 0.0) for p, s in zip(PHASES, self.sums[kind])}
             total = sum(us.values())
-            out[kind] = {"steps": n, "tokens": self.tokens[kind], "us_per_step": us, "total_us": total,
-                         "host_us_without_forward": total - us["forward"] - us["gpu_wait"],
-                         "gpu_us": self.gpu_s[kind] / n * 1e6 if n else 0.0}
+            out[kind] = {
+                "steps": n,
+                "tokens": self.tokens[kind],
+                "us_per_step": us,
+                "total_us": total,
+                "host_us_without_forward": total - us["forward"] - us["gpu_wait"],
+                "gpu_us": self.gpu_s[kind] / n * 1e6 if n else 0.0,
+            }
         return out
 
 
@@ -115,8 +120,10 @@ def format_table(summary: dict[str, Any], kind: str = "decode") -> str:
     """The summary of one kind as a text table: microseconds per step and share."""
     s = summary[kind]
     total = s["total_us"] or 1.0
-    lines = [f"{kind} steps: {s['steps']} ({s['tokens']} tokens); host time per step by phase",
-             f"  {'phase':<10} {'us/step':>10} {'share':>7}"]
+    lines = [
+        f"{kind} steps: {s['steps']} ({s['tokens']} tokens); host time per step by phase",
+        f"  {'phase':<10} {'us/step':>10} {'share':>7}",
+    ]
     for p, v in s["us_per_step"].items():
         lines.append(f"  {p:<10} {v:>10.1f} {v / total:>6.1%}")
     lines.append(f"  {'total':<10} {s['total_us']:>10.1f}")

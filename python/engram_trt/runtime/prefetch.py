@@ -88,7 +88,6 @@ def _driver_supported(device: Any) -> bool:
         return False
 
 
-
 def bad_row_checker(device: Any) -> Any:
     """A device int64 counter for the gather kernels and a function that checks it every
     BAD_ROW_CHECK_EVERY calls (each call counts one step)."""
@@ -120,9 +119,17 @@ class Prefetcher:
     ``ENGRAM_TRT_JOB_STAGING=0``; see ``JOB_STAGING``).
     """
 
-    def __init__(self, layout: EngramLayout, tables: TableStore, device: Any, max_tokens: int,
-                 gather_policy: Callable[[int], str] | None = None, gather_driver: bool | None = None,
-                 hbm_scales: bool | None = None, job_staging: bool | None = None) -> None:
+    def __init__(
+        self,
+        layout: EngramLayout,
+        tables: TableStore,
+        device: Any,
+        max_tokens: int,
+        gather_policy: Callable[[int], str] | None = None,
+        gather_driver: bool | None = None,
+        hbm_scales: bool | None = None,
+        job_staging: bool | None = None,
+    ) -> None:
         self.layout = layout
         self.tables = tables
         self.device = torch.device(device)
@@ -134,8 +141,10 @@ class Prefetcher:
         # True: each step's StagedRows.info carries CUDA events (lookup start and end on
         # the side stream, the main stream's wait point) for timelines; off when serving.
         self.timing = False
-        self.staging = [torch.empty((self.max_tokens, self.cols, tables.head_dim(i)), dtype=torch.bfloat16,
-                                    device=self.device) for i in range(layout.num_layers)]
+        self.staging = [
+            torch.empty((self.max_tokens, self.cols, tables.head_dim(i)), dtype=torch.bfloat16, device=self.device)
+            for i in range(layout.num_layers)
+        ]
         self._ops = None
         self._stream = None
         self._driver: Any = None
@@ -174,8 +183,12 @@ class Prefetcher:
                     self._order = torch.cuda.Event()  # re-recorded each step: no event made per step
                     if HBM_SCALES if hbm_scales is None else hbm_scales:
                         self._hbm_scales = self._scales_to_hbm()
-                log.info("host gather: %s", "queued on its driver thread at submit (the engine thread never waits for "
-                         "it)" if driver else "run at each Engram layer's first read, on the engine thread")
+                log.info(
+                    "host gather: %s",
+                    "queued on its driver thread at submit (the engine thread never waits for it)"
+                    if driver
+                    else "run at each Engram layer's first read, on the engine thread",
+                )
 
     def _set_job_staging(self) -> None:
         """Size the gatherer's two job buffers for a step of max_tokens (fp8 tables only:
@@ -186,8 +199,10 @@ class Prefetcher:
         per_row = max(self.tables.head_dim(li) + self.tables.head_dim(li) // self.tables.quant_block for li in fp8)
         need = self.max_tokens * self.cols * per_row
         self._gatherer.set_options(job_staging_bytes=need)
-        log.info("host gather: a step's fp8 rows staged in 2 device buffers of %.1f MB (copies never wait for a "
-                 "dequant)", need / 1e6)
+        log.info(
+            "host gather: a step's fp8 rows staged in 2 device buffers of %.1f MB (copies never wait for a dequant)",
+            need / 1e6,
+        )
 
     def _scales_to_hbm(self) -> list[torch.Tensor] | None:
         """Each layer's scale bytes copied to the GPU, or None (bf16 tables, or the copy
@@ -198,12 +213,19 @@ class Prefetcher:
         need = sum(int(s.numel()) for s in scales)
         free, _ = torch.cuda.mem_get_info(self.device)
         if need > HBM_SCALES_MAX_FRACTION * free:
-            log.info("host gather: scale bytes stay in host memory (%.2f GiB would be over %.0f%% of the GPU's "
-                     "%.1f GiB free)", need / 2**30, 100 * HBM_SCALES_MAX_FRACTION, free / 2**30)
+            log.info(
+                "host gather: scale bytes stay in host memory (%.2f GiB would be over %.0f%% of the GPU's "
+                "%.1f GiB free)",
+                need / 2**30,
+                100 * HBM_SCALES_MAX_FRACTION,
+                free / 2**30,
+            )
             return None
         out = [s.to(self.device) for s in scales]
-        log.info("host gather: the tables' scale bytes copied to the GPU (%.2f GiB): the CPU threads copy the "
-                 "values alone", need / 2**30)
+        log.info(
+            "host gather: the tables' scale bytes copied to the GPU (%.2f GiB): the CPU threads copy the values alone",
+            need / 2**30,
+        )
         return out
 
     @property
@@ -230,8 +252,13 @@ class Prefetcher:
         # split table (the host scales, when the host gather's are in HBM).
         rows, scales, quant_block, layout = self._host_table(0)
         uva = {} if layout == "split" else {"uva_rows": rows, "uva_scales": self.tables.tensors(0)[1]}
-        choice = calibrate_gather(rows, scales, gatherer=self._gatherer, quant_block=quant_block, layout=layout,
-                                  num_cols=self.cols, **uva) if self.tables.gpu_readable else None
+        choice = (
+            calibrate_gather(
+                rows, scales, gatherer=self._gatherer, quant_block=quant_block, layout=layout, num_cols=self.cols, **uva
+            )
+            if self.tables.gpu_readable
+            else None
+        )
         if choice is not None:
             self.gather_policy = choice.path_for
             log.info("gather path by size (start-up calibration): %s", choice.describe())
@@ -259,7 +286,9 @@ class Prefetcher:
         CPU, when the rows are ready."""
         T = step.num_tokens
         if T > self.max_tokens:
-            raise EngramError(f"a step of {T} tokens exceeds the staging buffers' {self.max_tokens} tokens (max_num_tokens)")
+            raise EngramError(
+                f"a step of {T} tokens exceeds the staging buffers' {self.max_tokens} tokens (max_num_tokens)"
+            )
         views = [s[:T] for s in self.staging]
         path = self.path_for(T * self.cols)
         info = {"path": path, "rows": T * self.cols * self.layout.num_layers}
@@ -286,13 +315,25 @@ class Prefetcher:
         if path == "host" and self._driver is not None:
             return self._host_queued(step, cids, lookback, views, info)
         if path == "host":
-            return StagedRows(views, None, info, staging=self.staging,
-                              deferred=self._host_stager(step, cids, lookback, views, event, info))
+            return StagedRows(
+                views,
+                None,
+                info,
+                staging=self.staging,
+                deferred=self._host_stager(step, cids, lookback, views, event, info),
+            )
         self._stage(step, cids, lookback, views, path, event, info)
         return StagedRows(views, event, info, staging=self.staging)
 
-    def _host_stager(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor],
-                     last_event: Any, info: dict[str, Any]) -> Callable[[int], Any]:
+    def _host_stager(
+        self,
+        step: PackedStep,
+        cids: np.ndarray,
+        lookback: np.ndarray,
+        views: list[torch.Tensor],
+        last_event: Any,
+        info: dict[str, Any],
+    ) -> Callable[[int], Any]:
         """The host gather of one layer at a time, on the reader's thread: the ids are
         hashed at the first call; each layer's copies and dequant go on the side stream,
         ending in that layer's event (the last layer's is ``last_event``, the timeline's
@@ -326,8 +367,9 @@ class Prefetcher:
 
         return stage
 
-    def _host_queued(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor],
-                     info: dict[str, Any]) -> StagedRows:
+    def _host_queued(
+        self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor], info: dict[str, Any]
+    ) -> StagedRows:
         """The whole step's host lookup queued on the gather driver as one job (see
         engram_trt.native.gatherdriver): the engine thread only copies the step's compressed ids,
         bounds and lookback into pinned buffers; the driver thread hashes them on the GPU,
@@ -353,23 +395,26 @@ class Prefetcher:
         if self.timing:  # the engine thread's time in submit, by part
             # finish: the last job's; order: the streams ordered (and the timeline's start
             # event); queue: the ids into the step buffers and the C call
-            info["submit_us"] = {"finish": (t_finish - t0) * 1e6, "order": (t_order - t_finish) * 1e6,
-                                 "queue": (t_end - t_order) * 1e6}
+            info["submit_us"] = {
+                "finish": (t_finish - t0) * 1e6,
+                "order": (t_order - t_finish) * 1e6,
+                "queue": (t_end - t_order) * 1e6,
+            }
         self._account(info, t_end - t0)
 
         def wait(li: int, stream: Any) -> None:
             drv.wait_stream(tickets[li], stream)
 
-        return StagedRows(views, None, info, staging=self.staging, waiter=wait,
-                          finish=lambda: drv.finish(tickets[-1]))
+        return StagedRows(views, None, info, staging=self.staging, waiter=wait, finish=lambda: drv.finish(tickets[-1]))
 
     def _make_step_job(self) -> Any:
         """The step job's fixed part (engram_trt.native.gatherdriver.StepJob), made at the first
         host step: the step buffers, each layer's table and its whole staging buffer."""
         from engram_trt.native.gatherdriver import StepBuffers, StepJob
 
-        buffers = StepBuffers(self.max_tokens, self.layout.num_layers, self.cols, self.layout.max_ngram_size - 1,
-                              self.device)
+        buffers = StepBuffers(
+            self.max_tokens, self.layout.num_layers, self.cols, self.layout.max_ngram_size - 1, self.device
+        )
         tables = [self._host_table(li) for li in range(self.layout.num_layers)]
         return StepJob(self._driver, self.layout, buffers, tables, self.staging)
 
@@ -395,8 +440,9 @@ class Prefetcher:
         if T < GPU_HASH_MIN_TOKENS or self._ops is None:
             return torch.from_numpy(hash_batch_packed(cids, step.seq_starts, lookback, self.layout).astype(np.int32))
         if self._hash_host is None:
-            self._hash_host = torch.empty((self.max_tokens, self.layout.num_layers, self.cols), dtype=torch.int32,
-                                          pin_memory=True)
+            self._hash_host = torch.empty(
+                (self.max_tokens, self.layout.num_layers, self.cols), dtype=torch.int32, pin_memory=True
+            )
         ids = self._hash_on_gpu(step, cids, lookback)
         out = self._hash_host[:T]
         out.copy_(ids, non_blocking=True)
@@ -405,8 +451,16 @@ class Prefetcher:
         done.synchronize()
         return out
 
-    def _stage(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray, views: list[torch.Tensor], path: str,
-               event: Any, info: dict[str, Any]) -> None:
+    def _stage(
+        self,
+        step: PackedStep,
+        cids: np.ndarray,
+        lookback: np.ndarray,
+        views: list[torch.Tensor],
+        path: str,
+        event: Any,
+        info: dict[str, Any],
+    ) -> None:
         """The GPU lookup: everything enqueued on the side stream, then the event."""
         t0 = time.perf_counter()
         T = step.num_tokens
@@ -418,8 +472,9 @@ class Prefetcher:
             ids = self._hash_on_gpu(step, cids, lookback)
             for li, v in enumerate(views):
                 rows, scales = self.tables.tensors(li)
-                self._ops.kernels.gather(ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v,
-                                         bad_rows=self._bad_rows)
+                self._ops.kernels.gather(
+                    ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v, bad_rows=self._bad_rows
+                )
             info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
             event.record(self._stream)
             self._last_event = event

@@ -27,8 +27,14 @@ from engram_trt.models.step import PackedStep
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 BACKENDS = ("auto", "tensorrt", "torch")
 
 
@@ -63,9 +69,16 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     return d
 
 
-def select_backend(requested: str, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
-                   cuda_graphs: bool = True, engram_config: Any = None,
-                   tensor_parallel: Any = None) -> tuple[Backend, str]:
+def select_backend(
+    requested: str,
+    source: Any,
+    tables: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    cuda_graphs: bool = True,
+    engram_config: Any = None,
+    tensor_parallel: Any = None,
+) -> tuple[Backend, str]:
     """The backend to run and a one-line reason. ``requested`` 'tensorrt' fails with
     the reason TensorRT cannot run here; 'auto' falls back to torch with it.
     ``tensor_parallel``: this rank's :class:`~engram_trt.models.parallel.TensorParallel`
@@ -78,10 +91,13 @@ def select_backend(requested: str, source: Any, tables: Any, device: torch.devic
         from engram_trt.runtime.trt_backend import tensorrt_unusable_reason
 
         why = tensorrt_unusable_reason(source, device) or (
-            f"--tp {tp.size} shards the backbone's weights over the ranks, and a TensorRT engine holds the whole model")
+            f"--tp {tp.size} shards the backbone's weights over the ranks, and a TensorRT engine holds the whole model"
+        )
         if requested == "tensorrt":
-            raise EngramError(f"backend 'tensorrt' cannot run here: {why}; use --backend torch (or auto), which "
-                              f"reads each rank's slices from the checkpoint")
+            raise EngramError(
+                f"backend 'tensorrt' cannot run here: {why}; use --backend torch (or auto), which "
+                f"reads each rank's slices from the checkpoint"
+            )
         requested, reason = "torch", f"{why}: torch backend"
     if requested in ("auto", "tensorrt"):
         from engram_trt.runtime.trt_backend import TensorRTBackend, tensorrt_unusable_reason
@@ -97,19 +113,32 @@ def select_backend(requested: str, source: Any, tables: Any, device: torch.devic
         reason = f"{why}: torch backend"
     from engram_trt.runtime.torch_backend import TorchBackend
 
-    return TorchBackend(source, tables, device, dtype, cuda_graphs=cuda_graphs, engram_config=engram_config,
-                        tensor_parallel=tp), reason
+    return TorchBackend(
+        source, tables, device, dtype, cuda_graphs=cuda_graphs, engram_config=engram_config, tensor_parallel=tp
+    ), reason
 
 
 class ModelRunner:
     """See the module docstring. ``max_batch`` KV slots of ``max_seq_len`` tokens;
     a step holds at most ``max_num_tokens`` tokens."""
 
-    def __init__(self, source: ModelSource, *, backend: str = "auto", device: Any = "auto", dtype: Any = None,
-                 engram_config: EngramConfig | None = None, max_batch: int | None = None,
-                 max_seq_len: int | None = None, max_num_tokens: int | None = None, progress: bool = True,
-                 table_options: dict[str, Any] | None = None, engram_lookup: Any = None,
-                 cuda_graphs: bool = True, tensor_parallel: Any = None) -> None:
+    def __init__(
+        self,
+        source: ModelSource,
+        *,
+        backend: str = "auto",
+        device: Any = "auto",
+        dtype: Any = None,
+        engram_config: EngramConfig | None = None,
+        max_batch: int | None = None,
+        max_seq_len: int | None = None,
+        max_num_tokens: int | None = None,
+        progress: bool = True,
+        table_options: dict[str, Any] | None = None,
+        engram_lookup: Any = None,
+        cuda_graphs: bool = True,
+        tensor_parallel: Any = None,
+    ) -> None:
         from engram_trt.tables.store import open_tables, table_kind_for
 
         self.source = source
@@ -120,7 +149,9 @@ class ModelRunner:
         self.max_seq_len = _positive("max_seq_len", max_seq_len, source.max_seq_len)
         self.max_num_tokens = _positive("max_num_tokens", max_num_tokens, source.max_num_tokens)
         if self.max_seq_len > cfg.max_position_embeddings:
-            raise EngramError(f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
+            raise EngramError(
+                f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"
+            )
         self.engram_config = engram_config or source.engram_config
         self.engram_config.validate_for(cfg)
         self.vocab_size = cfg.vocab_size
@@ -138,30 +169,50 @@ class ModelRunner:
         # that holds only this rank's column slice and all-gathers the rows.
         self.engram_lookup = None
         if source.table_refs and engram_lookup is not None:
-            self.engram_lookup = engram_lookup(source=source, device=self.device, max_num_tokens=self.max_num_tokens,
-                                               engram_config=self.engram_config, progress=progress,
-                                               table_options=table_options)
+            self.engram_lookup = engram_lookup(
+                source=source,
+                device=self.device,
+                max_num_tokens=self.max_num_tokens,
+                engram_config=self.engram_config,
+                progress=progress,
+                table_options=table_options,
+            )
             self.table_kind = self.engram_lookup.table_kind
         elif source.table_refs:
             self.table_kind = table_kind_for(self.engram_config, self.device)
             # Engram tables, or an architecture's own (Qwen4Exp's PLE: bf16 rows, no quant block)
             quant_block = cfg.engram.quant_block if cfg.engram is not None else 32
-            self.tables = open_tables(source.table_refs, self.table_kind, quant_block=quant_block,
-                                      device=self.device, progress=progress, **(table_options or {}))
+            self.tables = open_tables(
+                source.table_refs,
+                self.table_kind,
+                quant_block=quant_block,
+                device=self.device,
+                progress=progress,
+                **(table_options or {}),
+            )
             self.table_kind = self.tables.kind  # a shared store may fall back to private memory
         # Hook (engram_trt.distributed): this rank's TensorParallel, the backbone sharded over the replica's TP ranks
         self.tensor_parallel = tensor_parallel
-        self.backend, self.backend_reason = select_backend(backend, source, self.tables, self.device, self.dtype,
-                                                            cuda_graphs=cuda_graphs, engram_config=self.engram_config,
-                                                            tensor_parallel=tensor_parallel)
+        self.backend, self.backend_reason = select_backend(
+            backend,
+            source,
+            self.tables,
+            self.device,
+            self.dtype,
+            cuda_graphs=cuda_graphs,
+            engram_config=self.engram_config,
+            tensor_parallel=tensor_parallel,
+        )
         log.info("backend: %s (%s)", self.backend.label, self.backend_reason)
         self.cache = self.backend.allocate_cache(self.max_batch, self.max_seq_len)
         self.prefetcher = None
         self.gather_calibration: GatherPathChoice | None = None  # the start-up calibration (host tables on a GPU)
         if self.engram_lookup is not None:
             if not self.backend.wants_staged_rows:
-                raise EngramError(f"the {self.backend.name} backend gathers Engram rows inside the engine, so a sharded lookup "
-                                  f"cannot feed it; build the engine with --engram-config.table_placement prefetch or use --backend torch")
+                raise EngramError(
+                    f"the {self.backend.name} backend gathers Engram rows inside the engine, so a sharded lookup "
+                    f"cannot feed it; build the engine with --engram-config.table_placement prefetch or use --backend torch"
+                )
             self.prefetcher = self.engram_lookup  # hook (engram_trt.distributed)
         elif self.tables is not None and self.backend.wants_staged_rows and source.layout is not None:
             # (no Engram layout: the model gathers its own rows from the store in the step)
@@ -206,8 +257,10 @@ class ModelRunner:
         (captures happen inside the first decode step of each new batch / context shape,
         which is why the steady decode rate leaves those steps out)."""
         graphs = self.backend.graphs
-        out = {"graph_captures": graphs.captures if graphs is not None else 0,
-               "graph_capture_s": round(float(graphs.capture_s), 6) if graphs is not None else 0.0}
+        out = {
+            "graph_captures": graphs.captures if graphs is not None else 0,
+            "graph_capture_s": round(float(graphs.capture_s), 6) if graphs is not None else 0.0,
+        }
         shapes = graphs.graphs if graphs is not None else {}
         if shapes and all(len(k) == 3 for k in shapes):  # DecodeGraphs' (sequences, context, mode) keys
             # which decode path each recorded shape took (sequences x context : lookup / staged / none):

@@ -43,7 +43,9 @@ class SamplingParams:
             raise bad(f"temperature must be >= 0 (got {self.temperature}); 0 is greedy")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
             raise bad(f"seed must be an integer in 0..2^63-1 or None (got {self.seed!r})")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
@@ -61,9 +63,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids), "ignore_eos": self.ignore_eos,
-                "skip_special_tokens": self.skip_special_tokens}
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop),
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
 
     @classmethod
     def coerce(cls, value: "SamplingParams | dict | None") -> "SamplingParams":

@@ -58,9 +58,11 @@ def steady_decode(token_times: list[float], warmup: int = WARMUP_DECODE_STEPS) -
     if gaps.size == 0:
         return {}
     steady = gaps[warmup:] if gaps.size > warmup else gaps
-    out = {"decode_warmup_s": round(float(gaps[:warmup].sum()) if gaps.size > warmup else 0.0, 6),
-           "steady_decode_steps": int(steady.size),
-           "steady_decode_tokens_per_s": _rate(steady)}
+    out = {
+        "decode_warmup_s": round(float(gaps[:warmup].sum()) if gaps.size > warmup else 0.0, 6),
+        "steady_decode_steps": int(steady.size),
+        "steady_decode_tokens_per_s": _rate(steady),
+    }
     if steady.size >= 10:  # the step time's spread: a fast p10 with a slow median says the host stalls now and then,
         # a slow p10 too says the whole process ran slower (how bench steady tells drift from a slower code path)
         p10, p90 = np.percentile(steady, [10, 90])
@@ -81,9 +83,11 @@ def _argmax_and_finite(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
 
 def nonfinite_message(position: int) -> str:
     """The one-line error of a request whose logits were NaN / Inf."""
-    return (f"the model's logits are NaN or Inf at output token {position}, so no token can be drawn: a weight "
-            f"or table holds non-finite values, or the activations overflowed the compute dtype; check the model with "
-            f"`engram-trt inspect` (a float32 --dtype rules out an overflow)")
+    return (
+        f"the model's logits are NaN or Inf at output token {position}, so no token can be drawn: a weight "
+        f"or table holds non-finite values, or the activations overflowed the compute dtype; check the model with "
+        f"`engram-trt inspect` (a float32 --dtype rules out an overflow)"
+    )
 
 
 def _rate(gaps: np.ndarray) -> float:
@@ -140,11 +144,21 @@ class Request:
             t["total_s"] = round(total, 6)
             t["tokens_per_s"] = round(len(self.output_ids) / max(total, 1e-9), 2)
             if self.first_token is not None and len(self.output_ids) > 1:
-                t["decode_tokens_per_s"] = round((len(self.output_ids) - 1) / max(self.finished_at - self.first_token, 1e-9), 2)
+                t["decode_tokens_per_s"] = round(
+                    (len(self.output_ids) - 1) / max(self.finished_at - self.first_token, 1e-9), 2
+                )
                 t.update(steady_decode(self.token_times))
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids),
-                             [CompletionOutput(0, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)],
-                             self.finished, delta_text, list(delta_ids or []), t, self.error)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(self.prompt_ids),
+            [CompletionOutput(0, self.text, list(self.output_ids), self.finish_reason, self.stop_reason)],
+            self.finished,
+            delta_text,
+            list(delta_ids or []),
+            t,
+            self.error,
+        )
 
 
 class StepRunner(Protocol):
@@ -193,12 +207,28 @@ class Scheduler:
         self._special_ids = special_token_ids(tokenizer)  # what skip_special_tokens leaves out of the text
         self._byte_ids = byte_fallback_ids(tokenizer)  # byte tokens whose trailing run a stream holds back
         self.phases: StepPhases | None = None  # host time per step by phase (bench serve --host-breakdown)
-        self.stats = {"steps": 0, "tokens": 0, "prefill_tokens": 0, "decode_tokens": 0, "requests_finished": 0,
-                      "max_step_seqs": 0, "last_step_seqs": 0, "last_step_tokens": 0, "step_s": 0.0}
+        self.stats = {
+            "steps": 0,
+            "tokens": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+            "requests_finished": 0,
+            "max_step_seqs": 0,
+            "last_step_seqs": 0,
+            "last_step_tokens": 0,
+            "step_s": 0.0,
+        }
 
     # -- admission (any thread) ---------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, *, prompt: str | None = None,
-               sink: Callable[[RequestOutput], None] | None = None, request_id: str | None = None) -> Request:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        sink: Callable[[RequestOutput], None] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
         if not prompt_ids:
             raise EngramError("the prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
@@ -207,8 +237,10 @@ class Scheduler:
             raise EngramError(f"token id {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_seq_len:
-            raise EngramError(f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} = {need} exceed the "
-                              f"runtime's max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens")
+            raise EngramError(
+                f"{len(prompt_ids)} prompt tokens + max_tokens {params.max_tokens} = {need} exceed the "
+                f"runtime's max_seq_len {self.max_seq_len}; shorten the prompt or lower max_tokens"
+            )
         req = Request(request_id or f"req-{next(_ids)}", prompt, [int(t) for t in prompt_ids], params, sink)
         if not params.greedy:
             req.generator = torch.Generator(device="cpu")
@@ -233,8 +265,12 @@ class Scheduler:
         """What a server exposes: running and waiting requests, slots in use, step sizes."""
         with self._cond:
             st = dict(self.stats)
-            st.update(running=len(self._running), waiting=len(self._waiting),
-                      kv_slots_in_use=self.max_slots - len(self._free_slots), kv_slots=self.max_slots)
+            st.update(
+                running=len(self._running),
+                waiting=len(self._waiting),
+                kv_slots_in_use=self.max_slots - len(self._free_slots),
+                kv_slots=self.max_slots,
+            )
         st["tokens_per_step"] = round(st["tokens"] / st["steps"], 2) if st["steps"] else 0.0
         return st
 
@@ -311,7 +347,7 @@ class Scheduler:
         for req in self._running:
             if req.prefilling and budget > 0:
                 n = min(len(req.prompt_ids) - req.processed, budget)
-                batch.append((req, req.prompt_ids[req.processed:req.processed + n]))
+                batch.append((req, req.prompt_ids[req.processed : req.processed + n]))
                 budget -= n
         return batch
 
@@ -327,8 +363,14 @@ class Scheduler:
         slots = [req.slot for req in reqs]
         slot_idx = np.array(slots, dtype=np.int64)
         lookback = self._lookback[slot_idx]  # a copy: the step (and its prefetch) keeps its own
-        step = PackedStep(torch.from_numpy(ids), seq_lens, [req.processed for req in reqs], slots,
-                          lookback=torch.from_numpy(lookback), engram_ids=torch.from_numpy(cids))
+        step = PackedStep(
+            torch.from_numpy(ids),
+            seq_lens,
+            [req.processed for req in reqs],
+            slots,
+            lookback=torch.from_numpy(lookback),
+            engram_ids=torch.from_numpy(cids),
+        )
         ph = self.phases
         try:
             if ph is not None:
@@ -385,8 +427,15 @@ class Scheduler:
             ph.mark(OUTPUT)
             ph.end(decode_only, len(ids))
 
-    def _advance_lookback(self, slots: list[int], slot_idx: np.ndarray, seq_lens: list[int], decode_only: bool,
-                          before: np.ndarray, cids: np.ndarray) -> None:
+    def _advance_lookback(
+        self,
+        slots: list[int],
+        slot_idx: np.ndarray,
+        seq_lens: list[int],
+        decode_only: bool,
+        before: np.ndarray,
+        cids: np.ndarray,
+    ) -> None:
         """Each slot's lookback becomes the last N-1 compressed ids of (its lookback ++
         this step's ids of its sequence); a decode-only step shifts all rows at once."""
         n = self._lookback.shape[1]
@@ -399,7 +448,7 @@ class Scheduler:
             return
         a = 0
         for slot, m in zip(slots, seq_lens):
-            self._lookback[slot] = np.concatenate([self._lookback[slot], cids[a:a + m]])[-n:]
+            self._lookback[slot] = np.concatenate([self._lookback[slot], cids[a : a + m]])[-n:]
             a += m
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> tuple[list[int], list[bool]]:
@@ -461,8 +510,9 @@ class Scheduler:
             self._emit(req)
 
     def _detokenizer(self, req: Request) -> IncrementalText:
-        return IncrementalText(self.tokenizer, req.output_ids, req.params.skip_special_tokens, self._special_ids,
-                               self._byte_ids)
+        return IncrementalText(
+            self.tokenizer, req.output_ids, req.params.skip_special_tokens, self._special_ids, self._byte_ids
+        )
 
     def _update_text(self, req: Request) -> bool:
         """``req.text`` of all its output ids, cut before the first stop string; True
@@ -511,8 +561,8 @@ class Scheduler:
                         hold = max(hold, k)
                         break
             upto = min(upto, len(text) - hold)
-        delta_text = text[req.sent_text:upto] if upto >= req.sent_text else ""
-        delta_ids = req.output_ids[req.sent_ids:]
+        delta_text = text[req.sent_text : upto] if upto >= req.sent_text else ""
+        delta_ids = req.output_ids[req.sent_ids :]
         req.sent_text, req.sent_ids = max(upto, req.sent_text), len(req.output_ids)
         if delta_text or delta_ids or req.finished:
             try:

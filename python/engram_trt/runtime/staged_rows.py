@@ -23,9 +23,16 @@ class StagedRows(EngramRows):
     layer needs them, so the gather of the second Engram layer's rows overlaps the
     first Engram layer on the GPU. :meth:`wait` runs and waits for every layer."""
 
-    def __init__(self, views: Sequence[torch.Tensor], event: Any = None, info: dict[str, Any] | None = None,
-                 staging: Sequence[torch.Tensor] | None = None, deferred: Callable[[int], Any] | None = None,
-                 waiter: Callable[[int, Any], None] | None = None, finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        views: Sequence[torch.Tensor],
+        event: Any = None,
+        info: dict[str, Any] | None = None,
+        staging: Sequence[torch.Tensor] | None = None,
+        deferred: Callable[[int], Any] | None = None,
+        waiter: Callable[[int, Any], None] | None = None,
+        finish: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(views)
         self.staging = list(staging) if staging is not None else None  # the whole fixed buffers (CUDA graphs bind them)
         if waiter is not None:  # a layer's wait is enqueued on the reader's stream: the same lazy protocol

@@ -24,20 +24,32 @@ class TorchBackend(Backend):
     name = "torch"
     wants_staged_rows = True
 
-    def __init__(self, source: Any, tables: Any, device: torch.device, dtype: torch.dtype,
-                 cuda_graphs: bool = True, engram_config: Any = None, tensor_parallel: Any = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        tables: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        cuda_graphs: bool = True,
+        engram_config: Any = None,
+        tensor_parallel: Any = None,
+    ) -> None:
         from engram_trt.checkpoint.checkpoint import Checkpoint
 
         self.device = device
         t0 = time.perf_counter()
         if not (source.checkpoint / "config.json").is_file():
-            raise EngramError(f"the torch backend reads its weights from the source checkpoint {source.checkpoint}, which is "
-                              f"not there; restore it, or rebuild the engine folder from where the checkpoint now lives")
+            raise EngramError(
+                f"the torch backend reads its weights from the source checkpoint {source.checkpoint}, which is "
+                f"not there; restore it, or rebuild the engine folder from where the checkpoint now lives"
+            )
         arch = source.architecture
         ckpt = Checkpoint.open(source.checkpoint, config_reader=lambda d, src: arch.read_config(d, src))
         if ckpt.config.to_dict() != source.config.to_dict():
-            raise EngramError(f"the checkpoint {source.checkpoint} no longer matches the engine folder's config "
-                              f"(config.json changed since the build); rebuild the engine folder")
+            raise EngramError(
+                f"the checkpoint {source.checkpoint} no longer matches the engine folder's config "
+                f"(config.json changed since the build); rebuild the engine folder"
+            )
         parallel = None
         if tensor_parallel is not None and tensor_parallel.size > 1:
             # this rank's share of the backbone (models.parallel): the modules at its sizes, its slices read
@@ -47,16 +59,28 @@ class TorchBackend(Backend):
         # ``tables``: the store the runner opened (the Engram tables, or the architecture's
         # own: Qwen4Exp's PLE shards), bound to the model; ``engram_config``: the runner's
         # (its hot_cache_fraction caches the PLE rows)
-        self.model = arch.load_model(ckpt, device=device, dtype=dtype, parallel=parallel,
-                                     engram_config=engram_config or source.engram_config,
-                                     compress_lookup=source.compress_lookup, layout=source.layout, tables=tables)
+        self.model = arch.load_model(
+            ckpt,
+            device=device,
+            dtype=dtype,
+            parallel=parallel,
+            engram_config=engram_config or source.engram_config,
+            compress_lookup=source.compress_lookup,
+            layout=source.layout,
+            tables=tables,
+        )
         self._ckpt = ckpt  # PLE rows may be read in place from its file maps
         self.use_graphs = cuda_graphs and device.type == "cuda" and self.model.supports_decode_graphs
         self.graphs: DecodeGraphRecorder | None = None
         self.lookup_policy = None  # the prefetcher's gather choice by row count (set by the runner)
         self.phases = None  # a runtime.phases.StepPhases while a benchmark times the steps
-        log.info("torch backend: weights of %s on %s (%s) in %.1f s", source.checkpoint, device, dtype,
-                 time.perf_counter() - t0)
+        log.info(
+            "torch backend: weights of %s on %s (%s) in %.1f s",
+            source.checkpoint,
+            device,
+            dtype,
+            time.perf_counter() - t0,
+        )
 
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
         if not self.use_graphs:
@@ -67,8 +91,14 @@ class TorchBackend(Backend):
         self.graphs = self.model.decode_graphs(cache, num_slots, scratch_slot=num_slots)  # its own recorder (Qwen4Exp)
         if self.graphs is not None:
             return cache
-        self.graphs = DecodeGraphs(self.model, cache, num_slots, scratch_slot=num_slots, tables=self.model.tables,
-                                   lookup_policy=lambda n: self.lookup_policy(n) if self.lookup_policy else "host")
+        self.graphs = DecodeGraphs(
+            self.model,
+            cache,
+            num_slots,
+            scratch_slot=num_slots,
+            tables=self.model.tables,
+            lookup_policy=lambda n: self.lookup_policy(n) if self.lookup_policy else "host",
+        )
         return cache
 
     def handles_lookup(self, step: Any) -> bool:

@@ -62,8 +62,10 @@ def tensorrt_unusable_reason(source: Any, device: torch.device) -> str | None:
         if not targets:
             targets = [t for t in tc.RTX_TARGETS if not t.startswith(("sm9", "sm10"))]
         if sm not in targets:
-            return (f"engine built for {','.join(targets)}, this GPU is {sm} (TensorRT-RTX compiles ahead of time and "
-                    f"has no {sm} target)")
+            return (
+                f"engine built for {','.join(targets)}, this GPU is {sm} (TensorRT-RTX compiles ahead of time and "
+                f"has no {sm} target)"
+            )
     return None
 
 
@@ -91,7 +93,9 @@ class TensorRTBackend(Backend):
         with torch.cuda.device(device):
             engine = runtime.deserialize_cuda_engine(source.engine_file.read_bytes())
         if engine is None:
-            raise EngramError(f"TensorRT could not deserialize {source.engine_file} (see the TensorRT log above); rebuild it on this machine")
+            raise EngramError(
+                f"TensorRT could not deserialize {source.engine_file} (see the TensorRT log above); rebuild it on this machine"
+            )
         self._runtime, self.engine = runtime, engine
         self.context = engine.create_execution_context()
         self.inputs, self.outputs = [], []
@@ -104,19 +108,28 @@ class TensorRTBackend(Backend):
         states = [n for n in self.inputs if n in own]
         if states:  # a Qwen4Exp / DeepSeek-V4 engine: its per-slot states and PLE inputs are not bound here yet
             arch = io.get("architecture") or source.architecture.title
-            raise EngramError(f"the tensorrt backend does not bind a {arch} engine's state inputs yet ({states[0]} and "
-                              f"{len(states) - 1} more); serve the engine folder with --backend torch")
+            raise EngramError(
+                f"the tensorrt backend does not bind a {arch} engine's state inputs yet ({states[0]} and "
+                f"{len(states) - 1} more); serve the engine folder with --backend torch"
+            )
         self.wants_staged_rows = any(n.startswith("engram_rows_") for n in self.inputs)
-        self._dtype = {t.DataType.BFLOAT16: torch.bfloat16, t.DataType.HALF: torch.float16,
-                       t.DataType.FLOAT: torch.float32}
+        self._dtype = {
+            t.DataType.BFLOAT16: torch.bfloat16,
+            t.DataType.HALF: torch.float16,
+            t.DataType.FLOAT: torch.float32,
+        }
         self._table_ptrs = self._scale_ptrs = None
         if "engram_table_ptrs" in self.inputs:
             if tables is None or not tables.gpu_readable:
-                raise EngramError("the engine gathers Engram rows in place (table_placement in_engine), which needs tables "
-                                  "the GPU can read (pinned, shared or device memory); this store is "
-                                  f"{'missing' if tables is None else tables.kind}")
+                raise EngramError(
+                    "the engine gathers Engram rows in place (table_placement in_engine), which needs tables "
+                    "the GPU can read (pinned, shared or device memory); this store is "
+                    f"{'missing' if tables is None else tables.kind}"
+                )
             rows = [tables.tensors(i)[0].data_ptr() for i in range(tables.num_layers)]
-            scales = [0 if tables.tensors(i)[1] is None else tables.tensors(i)[1].data_ptr() for i in range(tables.num_layers)]
+            scales = [
+                0 if tables.tensors(i)[1] is None else tables.tensors(i)[1].data_ptr() for i in range(tables.num_layers)
+            ]
             self._table_ptrs = torch.tensor(rows, dtype=torch.int64, device=device)
             self._scale_ptrs = torch.tensor(scales, dtype=torch.int64, device=device)
         from engram_trt.models.step import StepUploader
@@ -133,12 +146,20 @@ class TensorRTBackend(Backend):
     def allocate_cache(self, num_slots: int, max_len: int) -> KVCache:
         cfg = self.source.config
         if num_slots > self.source.max_batch or max_len > self.source.max_seq_len:
-            raise EngramError(f"the engine serves at most {self.source.max_batch} sequences of {self.source.max_seq_len} "
-                              f"tokens (got {num_slots} x {max_len}); rebuild it with larger --max-batch / --max-seq-len")
+            raise EngramError(
+                f"the engine serves at most {self.source.max_batch} sequences of {self.source.max_seq_len} "
+                f"tokens (got {num_slots} x {max_len}); rebuild it with larger --max-batch / --max-seq-len"
+            )
         name = "key_cache_0"
-        dtype = self._dtype.get(self.engine.get_tensor_dtype(name), torch.bfloat16) if name in self.inputs else torch.bfloat16
+        dtype = (
+            self._dtype.get(self.engine.get_tensor_dtype(name), torch.bfloat16)
+            if name in self.inputs
+            else torch.bfloat16
+        )
         # The engine's cache inputs are fixed at [max_batch, kvh, max_seq_len, hd].
-        return self.source.architecture.allocate_state(cfg, self.source.max_batch, self.source.max_seq_len, self.device, dtype)
+        return self.source.architecture.allocate_state(
+            cfg, self.source.max_batch, self.source.max_seq_len, self.device, dtype
+        )
 
     def execute(self, step: Any, cache: KVCache, rows: Any) -> torch.Tensor:
         ctx = self.context
@@ -146,7 +167,9 @@ class TensorRTBackend(Backend):
         i32 = torch.int32
         S = step.num_seqs
         arrays = step.device_arrays(dev, self._uploader)  # one copy of all step metadata
-        feeds: dict[str, torch.Tensor] = {k: arrays[k].to(i32) for k in ("input_ids", "seq_starts", "past_lens", "slots")}
+        feeds: dict[str, torch.Tensor] = {
+            k: arrays[k].to(i32) for k in ("input_ids", "seq_starts", "past_lens", "slots")
+        }
         if "engram_ids" in arrays:
             feeds["engram_ids"] = arrays["engram_ids"].to(i32)
         if "lookback" in arrays:
@@ -162,7 +185,9 @@ class TensorRTBackend(Backend):
             feeds[f"key_cache_{i}"], feeds[f"value_cache_{i}"] = cache.keys[i], cache.values[i]
         missing = [n for n in self.inputs if n not in feeds]
         if missing:
-            raise EngramError(f"the engine asks for inputs {missing} this runtime does not know; rebuild the engine folder with this engram-trt")
+            raise EngramError(
+                f"the engine asks for inputs {missing} this runtime does not know; rebuild the engine folder with this engram-trt"
+            )
         for name in self.inputs:
             t = feeds[name]
             ctx.set_input_shape(name, tuple(t.shape))
@@ -175,7 +200,9 @@ class TensorRTBackend(Backend):
                 i = int(name.rsplit("_", 1)[1])
                 ctx.set_tensor_address(name, (cache.keys if name.startswith("key") else cache.values)[i].data_ptr())
             else:
-                raise EngramError(f"the engine has an output {name!r} this runtime does not know; rebuild the engine folder")
+                raise EngramError(
+                    f"the engine has an output {name!r} this runtime does not know; rebuild the engine folder"
+                )
         stream = torch.cuda.current_stream(dev)
         if not ctx.execute_async_v3(stream.cuda_stream):
             raise EngramError("TensorRT failed to run the step (see the TensorRT log above)")

@@ -169,7 +169,9 @@ def clean_dead_temps(target: Path) -> list[Path]:
         if m.group("kind") == "old" and not target.exists() and entry.is_dir():
             os.rename(entry, target)
             Path(str(entry) + OWNER_SUFFIX).unlink(missing_ok=True)
-            log.warning("restored %s from %s, left by process %d that died while replacing it", target, entry.name, owner["pid"])
+            log.warning(
+                "restored %s from %s, left by process %d that died while replacing it", target, entry.name, owner["pid"]
+            )
         else:
             remove_temp(entry)
             log.warning("removed %s, left by process %d that died before finishing", entry, owner["pid"])
@@ -334,8 +336,10 @@ def locked(target: Path, what: str) -> Iterator[None]:
             if fd < 0 or not _is_our_lock(fd):
                 if fd >= 0:
                     os.close(fd)
-                raise EngramError(f"'{path}' exists and is not an engram-trt lock (engram-trt locks {target} "
-                                  f"with a file of that name); move it away, then run again")
+                raise EngramError(
+                    f"'{path}' exists and is not an engram-trt lock (engram-trt locks {target} "
+                    f"with a file of that name); move it away, then run again"
+                )
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -376,19 +380,25 @@ def writable_output(path: str | os.PathLike[str], flag: str) -> Path:
     if p.is_symlink():
         dest = p.resolve()
         if not dest.exists():
-            raise EngramError(f"{flag} '{p}' is a symbolic link to '{dest}', which does not exist; create that folder, "
-                              f"or pass a real folder")
+            raise EngramError(
+                f"{flag} '{p}' is a symbolic link to '{dest}', which does not exist; create that folder, "
+                f"or pass a real folder"
+            )
         log.info("%s %s is a symbolic link: writing the folder it names, %s", flag, p, dest)
         p = dest
     if p.is_dir() and os.path.ismount(p):
-        raise EngramError(f"{flag} '{p}' is a mount point: engram-trt writes a new folder beside it and swaps it in "
-                          f"whole, which a mount point cannot be; pass a folder inside it, e.g. '{p / 'model'}'")
+        raise EngramError(
+            f"{flag} '{p}' is a mount point: engram-trt writes a new folder beside it and swaps it in "
+            f"whole, which a mount point cannot be; pass a folder inside it, e.g. '{p / 'model'}'"
+        )
     holder = p.parent
     while not holder.exists() and holder != holder.parent:
         holder = holder.parent
     if holder.is_dir() and not os.access(holder, os.W_OK | os.X_OK):
-        raise EngramError(f"{flag} '{p}': this user cannot write in '{holder}' (engram-trt writes a new folder beside "
-                          f"{p.name} and swaps it in); choose a folder you can write to, or fix the permissions")
+        raise EngramError(
+            f"{flag} '{p}': this user cannot write in '{holder}' (engram-trt writes a new folder beside "
+            f"{p.name} and swaps it in); choose a folder you can write to, or fix the permissions"
+        )
     return p
 
 

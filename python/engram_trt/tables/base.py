@@ -37,8 +37,12 @@ log = logging.getLogger(__name__)
 TABLE_KINDS = ("memory", "device", "pinned", "shared", "file")
 LOAD_CHUNK = 64 * 1024 * 1024
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32",
-                torch.float8_e4m3fn: "fp8-table-scaled"}
+_DTYPE_NAMES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.float32: "f32",
+    torch.float8_e4m3fn: "fp8-table-scaled",
+}
 
 
 def _typed_rows(t: torch.Tensor, ref: TableRef) -> torch.Tensor:
@@ -94,8 +98,12 @@ class TableStore:
     kind = "memory"
     gpu_readable = False
 
-    def __init__(self, layers: Sequence[tuple[Any, torch.Tensor | None]], quant_block: int = 32,
-                 layer_ids: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        layers: Sequence[tuple[Any, torch.Tensor | None]],
+        quant_block: int = 32,
+        layer_ids: Sequence[int] | None = None,
+    ) -> None:
         self.quant_block = int(quant_block)
         self.layer_ids = list(layer_ids) if layer_ids is not None else list(range(len(layers)))
         self._rows: list[torch.Tensor | None] = []
@@ -110,10 +118,14 @@ class TableStore:
                     t = t.regions[0]  # the parts are one tensor in row order
                 else:
                     r0 = t.regions[0]
-                    if s is not None or any(r.ndim != 2 or r.dtype == torch.uint8 or r.shape[1] != r0.shape[1]
-                                            or r.dtype != r0.dtype for r in t.regions):
-                        raise EngramError(f"table {i}: a table in several parts must be 2-D rows of one width and one "
-                                          f"float (or table-scaled FP8) dtype, without scales")
+                    if s is not None or any(
+                        r.ndim != 2 or r.dtype == torch.uint8 or r.shape[1] != r0.shape[1] or r.dtype != r0.dtype
+                        for r in t.regions
+                    ):
+                        raise EngramError(
+                            f"table {i}: a table in several parts must be 2-D rows of one width and one "
+                            f"float (or table-scaled FP8) dtype, without scales"
+                        )
                     self._rows.append(None)
                     self._scales.append(None)
                     self._parts.append(t)
@@ -157,8 +169,10 @@ class TableStore:
         self._check_open()
         rows = self._rows[layer_idx]
         if rows is None:
-            raise EngramError(f"table {layer_idx} of the {self.kind} store is {len(self._parts[layer_idx].counts)} parts in "  # type: ignore[union-attr]
-                              f"separate regions (shards in place), not one tensor: gather with rows(), or read regions()")
+            raise EngramError(
+                f"table {layer_idx} of the {self.kind} store is {len(self._parts[layer_idx].counts)} parts in "  # type: ignore[union-attr]
+                f"separate regions (shards in place), not one tensor: gather with rows(), or read regions()"
+            )
         return rows, self._scales[layer_idx]
 
     def parts(self, layer_idx: int) -> list[tuple[int, torch.Tensor]]:
@@ -170,7 +184,7 @@ class TableStore:
             return [(0, self._rows[layer_idx])]  # type: ignore[list-item]
         out, at = [], 0
         for r, lo, n in zip(pt.region, pt.local, pt.counts):
-            out.append((at, pt.regions[r][lo:lo + n]))
+            out.append((at, pt.regions[r][lo : lo + n]))
             at += n
         return out
 
@@ -213,7 +227,9 @@ class TableStore:
             lo, hi = int(flat.min()), int(flat.max())
             if lo < 0 or hi >= n:
                 bad = lo if lo < 0 else hi
-                raise EngramError(f"row id {bad} is outside table {layer_idx} (rows 0..{n - 1}): the table does not cover the layout")
+                raise EngramError(
+                    f"row id {bad} is outside table {layer_idx} (rows 0..{n - 1}): the table does not cover the layout"
+                )
         if self._parts[layer_idx] is not None:
             return self._rows_of_parts(layer_idx, flat).to(ids.device).reshape(*ids.shape, self.head_dim(layer_idx))
         rows, scales = self.tensors(layer_idx)
@@ -245,19 +261,32 @@ class TableStore:
 
     def table_bytes(self) -> int:
         """Bytes of the tables themselves, wherever they are."""
-        return sum(sum(t.numel() * t.element_size() for t in self._tensors_of(i)) + (0 if s is None else s.numel())
-                   for i, s in enumerate(self._scales))
+        return sum(
+            sum(t.numel() * t.element_size() for t in self._tensors_of(i)) + (0 if s is None else s.numel())
+            for i, s in enumerate(self._scales)
+        )
 
     def where(self) -> str:
         """Where the tables live, in words (logged at load)."""
         return "host memory" if not self.on_device else f"GPU memory ({self._first(0).device})"
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "where": self.where(), "gpu_readable": self.gpu_readable,
-                "table_bytes": self.table_bytes(), "resident_bytes": self.nbytes(),
-                "layers": [{"layer_id": lid, "rows": self.num_rows(i), "head_dim": self.head_dim(i),
-                            "dtype": "fp8" if self.is_fp8(i) else _DTYPE_NAMES.get(self.row_dtype(i), str(self.row_dtype(i)))}
-                           for i, lid in enumerate(self.layer_ids)]}
+        return {
+            "kind": self.kind,
+            "where": self.where(),
+            "gpu_readable": self.gpu_readable,
+            "table_bytes": self.table_bytes(),
+            "resident_bytes": self.nbytes(),
+            "layers": [
+                {
+                    "layer_id": lid,
+                    "rows": self.num_rows(i),
+                    "head_dim": self.head_dim(i),
+                    "dtype": "fp8" if self.is_fp8(i) else _DTYPE_NAMES.get(self.row_dtype(i), str(self.row_dtype(i))),
+                }
+                for i, lid in enumerate(self.layer_ids)
+            ],
+        }
 
     # -- lifetime ----------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -280,11 +309,18 @@ class TableStore:
 
     # -- construction -------------------------------------------------------------------
     @classmethod
-    def from_tensors(cls, tables: Sequence[torch.Tensor], scales: Sequence[torch.Tensor | None], quant_block: int = 32,
-                     layer_ids: Sequence[int] | None = None) -> "TableStore":
+    def from_tensors(
+        cls,
+        tables: Sequence[torch.Tensor],
+        scales: Sequence[torch.Tensor | None],
+        quant_block: int = 32,
+        layer_ids: Sequence[int] | None = None,
+    ) -> "TableStore":
         """A store over tensors already in memory (tests, or weights loaded whole)."""
         if len(tables) != len(scales):
-            raise EngramError(f"{len(tables)} tables but {len(scales)} scale entries (one per Engram layer, None for bf16)")
+            raise EngramError(
+                f"{len(tables)} tables but {len(scales)} scale entries (one per Engram layer, None for bf16)"
+            )
         store = MemoryTables(list(zip(tables, scales)), quant_block, layer_ids)
         if store.on_device:
             store.kind, store.gpu_readable = "device", True  # type: ignore[misc]
@@ -327,8 +363,9 @@ class FileTables(TableStore):
             for rows_ref, scales_ref in pairs:
                 spans, where = _map_regions(rows_ref)
                 regions = [self._typed(rows_ref, torch.from_numpy(self._map(r))) for r in spans]
-                rows = PartedTable(regions, [w[0] for w in where], [w[1] for w in where],
-                                   [p.shape[0] for p in rows_ref.parts])
+                rows = PartedTable(
+                    regions, [w[0] for w in where], [w[1] for w in where], [p.shape[0] for p in rows_ref.parts]
+                )
                 scales = None if scales_ref is None else torch.from_numpy(self._map(scales_ref))
                 layers.append((rows, scales))
         super().__init__(layers, quant_block, [r.layer_id for r, _ in pairs])
@@ -378,10 +415,21 @@ def _map_regions(ref: TableRef) -> tuple[list[TableRef], list[tuple[int, int]]]:
         for i, p in items:
             if spans and start >= 0 and p.offset == end and p.row_bytes == ref.row_bytes:
                 last = spans[-1]
-                spans[-1] = TableRef(last.layer_id, last.layer_index, last.role, last.tensor, f, last.offset,
-                                     last.nbytes + p.nbytes, (last.shape[0] + p.shape[0], *last.shape[1:]), last.dtype)
+                spans[-1] = TableRef(
+                    last.layer_id,
+                    last.layer_index,
+                    last.role,
+                    last.tensor,
+                    f,
+                    last.offset,
+                    last.nbytes + p.nbytes,
+                    (last.shape[0] + p.shape[0], *last.shape[1:]),
+                    last.dtype,
+                )
             else:
-                spans.append(TableRef(p.layer_id, p.layer_index, p.role, p.tensor, f, p.offset, p.nbytes, p.shape, p.dtype))
+                spans.append(
+                    TableRef(p.layer_id, p.layer_index, p.role, p.tensor, f, p.offset, p.nbytes, p.shape, p.dtype)
+                )
                 start = p.offset
             where[i] = (len(spans) - 1, (p.offset - spans[-1].offset) // ref.row_bytes)
             end = p.offset + p.nbytes
@@ -397,7 +445,7 @@ def read_region_into(ref: TableRef, out: torch.Tensor, progress: Any = None) -> 
         raise EngramError(f"internal: buffer of {view.shape[0]} bytes for table {ref.tensor} of {ref.nbytes}")
     at = 0
     for part in ref.parts:
-        _read_one(part, view[at:at + part.nbytes], progress)
+        _read_one(part, view[at : at + part.nbytes], progress)
         at += part.nbytes
 
 
@@ -406,9 +454,11 @@ def _read_one(ref: TableRef, view: np.ndarray, progress: Any) -> None:
         f.seek(ref.offset)
         pos = 0
         while pos < ref.nbytes:
-            n = f.readinto(memoryview(view[pos:pos + LOAD_CHUNK]))
+            n = f.readinto(memoryview(view[pos : pos + LOAD_CHUNK]))
             if not n:
-                raise EngramError(f"{ref.file}: ended {ref.nbytes - pos} bytes before table {ref.tensor}'s end (the file is truncated; restore it or rebuild)")
+                raise EngramError(
+                    f"{ref.file}: ended {ref.nbytes - pos} bytes before table {ref.tensor}'s end (the file is truncated; restore it or rebuild)"
+                )
             pos += n
             if progress is not None:
                 progress.update(n)
@@ -419,24 +469,32 @@ def _load_progress(refs: Sequence[TableRef], kind: str, progress: bool) -> Any:
 
     total = sum(r.nbytes for r in refs)
     # Only multi-GiB loads are worth a bar; small test tables stay quiet.
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"load tables ({kind})", leave=False,
-                disable=not progress or total < (1 << 30))
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"load tables ({kind})",
+        leave=False,
+        disable=not progress or total < (1 << 30),
+    )
 
 
 def _shape_tensor(buf: torch.Tensor, ref: TableRef) -> torch.Tensor:
     return _typed_rows(buf.view(torch.uint8).reshape(ref.shape[0], ref.row_bytes), ref)
 
 
-def _load_layers(refs: Sequence[TableRef], kind: str, progress: bool,
-                 load_one: Callable[[TableRef, Any], torch.Tensor]) -> tuple[list, list[int]]:
+def _load_layers(
+    refs: Sequence[TableRef], kind: str, progress: bool, load_one: Callable[[TableRef, Any], torch.Tensor]
+) -> tuple[list, list[int]]:
     """Per layer (rows, scales or None) loaded by ``load_one(ref, bar)`` (one flat
     uint8 tensor of the ref's bytes), with one byte-counting progress bar."""
     pairs = layer_refs(refs)
     layers = []
     with _load_progress(refs, kind, progress) as bar:
         for rows_ref, scales_ref in pairs:
-            layers.append(tuple(None if ref is None else _shape_tensor(load_one(ref, bar), ref)
-                                for ref in (rows_ref, scales_ref)))
+            layers.append(
+                tuple(None if ref is None else _shape_tensor(load_one(ref, bar), ref) for ref in (rows_ref, scales_ref))
+            )
     return layers, [r.layer_id for r, _ in pairs]
 
 
@@ -450,8 +508,9 @@ def load_memory_tables(refs: Sequence[TableRef], quant_block: int, progress: boo
     return MemoryTables(layers, quant_block, ids)
 
 
-def load_device_tables(refs: Sequence[TableRef], quant_block: int, device: torch.device,
-                       progress: bool = True) -> DeviceTables:
+def load_device_tables(
+    refs: Sequence[TableRef], quant_block: int, device: torch.device, progress: bool = True
+) -> DeviceTables:
     """Tables copied to GPU memory through one reused pinned staging buffer: the host
     never holds a whole table (no OOM while loading a table larger than free RAM)."""
     staging = torch.empty(LOAD_CHUNK, dtype=torch.uint8, pin_memory=True)
@@ -464,10 +523,12 @@ def load_device_tables(refs: Sequence[TableRef], quant_block: int, device: torch
                 f.seek(part.offset)
                 pos = 0
                 while pos < part.nbytes:
-                    n = f.readinto(memoryview(staging.numpy()[:min(LOAD_CHUNK, part.nbytes - pos)]))
+                    n = f.readinto(memoryview(staging.numpy()[: min(LOAD_CHUNK, part.nbytes - pos)]))
                     if not n:
-                        raise EngramError(f"{part.file}: ended {part.nbytes - pos} bytes before table {part.tensor}'s end (the file is truncated)")
-                    dst[at + pos:at + pos + n].copy_(staging[:n], non_blocking=False)
+                        raise EngramError(
+                            f"{part.file}: ended {part.nbytes - pos} bytes before table {part.tensor}'s end (the file is truncated)"
+                        )
+                    dst[at + pos : at + pos + n].copy_(staging[:n], non_blocking=False)
                     pos += n
                     bar.update(n)
             at += part.nbytes

@@ -148,13 +148,17 @@ def map_giga_pages(nbytes: int) -> mmap.mmap:
     need = round_up(nbytes, GIGA_PAGE)
     free = giga_pages_free()
     if free * GIGA_PAGE < need:
-        raise EngramError(f"1 GiB huge pages: {need // GIGA_PAGE} needed, {free} free; reserve them "
-                          f"(echo {need // GIGA_PAGE} > {_GIGA_POOL}/nr_hugepages, as root) or use another huge_pages mode")
+        raise EngramError(
+            f"1 GiB huge pages: {need // GIGA_PAGE} needed, {free} free; reserve them "
+            f"(echo {need // GIGA_PAGE} > {_GIGA_POOL}/nr_hugepages, as root) or use another huge_pages mode"
+        )
     try:
         return mmap.mmap(-1, need, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB | _MAP_HUGE_1GB)
     except OSError as exc:
-        raise EngramError(f"MAP_HUGETLB | MAP_HUGE_1GB of {human_bytes(need)} failed ({exc.strerror}); "
-                          f"check {_GIGA_POOL}/free_hugepages") from None
+        raise EngramError(
+            f"MAP_HUGETLB | MAP_HUGE_1GB of {human_bytes(need)} failed ({exc.strerror}); "
+            f"check {_GIGA_POOL}/free_hugepages"
+        ) from None
 
 
 def thp_mode() -> str:
@@ -181,8 +185,11 @@ def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
     if nbytes <= 0:
         raise EngramError(f"internal: host buffer of {nbytes} bytes")
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    if huge_pages == "hugetlbfs-1g" or (huge_pages == "auto" and nbytes >= GIGA_PAGE // 2
-                                        and giga_pages_free() * GIGA_PAGE >= round_up(nbytes, GIGA_PAGE)):
+    if huge_pages == "hugetlbfs-1g" or (
+        huge_pages == "auto"
+        and nbytes >= GIGA_PAGE // 2
+        and giga_pages_free() * GIGA_PAGE >= round_up(nbytes, GIGA_PAGE)
+    ):
         try:
             mm = map_giga_pages(nbytes)
         except EngramError as exc:
@@ -204,10 +211,16 @@ def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
                 return HostBuffer(mm, 0, nbytes, pages)
             except OSError as exc:
                 if huge_pages == "hugetlbfs":
-                    raise EngramError(f"MAP_HUGETLB of {human_bytes(need)} failed ({exc.strerror}); reserve more huge pages (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'") from None
-                log.info("MAP_HUGETLB of %s failed (%s); trying transparent huge pages", human_bytes(need), exc.strerror)
+                    raise EngramError(
+                        f"MAP_HUGETLB of {human_bytes(need)} failed ({exc.strerror}); reserve more huge pages (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'"
+                    ) from None
+                log.info(
+                    "MAP_HUGETLB of %s failed (%s); trying transparent huge pages", human_bytes(need), exc.strerror
+                )
         elif huge_pages == "hugetlbfs":
-            raise EngramError(f"huge_pages='hugetlbfs' needs {human_bytes(need or nbytes)} of reserved huge pages but {human_bytes(free)} are free; reserve them (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'")
+            raise EngramError(
+                f"huge_pages='hugetlbfs' needs {human_bytes(need or nbytes)} of reserved huge pages but {human_bytes(free)} are free; reserve them (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'"
+            )
     if huge_pages in ("auto", "thp"):
         mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
         base = (-mapping_address(mm)) % HUGE_PAGE
@@ -278,7 +291,9 @@ def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """``(offset, length)`` pieces covering ``[0, nbytes)`` exactly once, each
     ``chunk_bytes`` long but the last."""
     if chunk_bytes <= 0 or chunk_bytes % PAGE:
-        raise EngramError(f"registration chunk of {chunk_bytes} bytes must be a positive multiple of the page size ({PAGE})")
+        raise EngramError(
+            f"registration chunk of {chunk_bytes} bytes must be a positive multiple of the page size ({PAGE})"
+        )
     return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, int(nbytes), int(chunk_bytes))]
 
 
@@ -293,8 +308,14 @@ class HostRegistration:
     chunks: list[tuple[int, int]] = field(default_factory=list)  # (address, length) registered
 
     @classmethod
-    def register(cls, registrar: Registrar, address: int, nbytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 what: str = "tables") -> "HostRegistration":
+    def register(
+        cls,
+        registrar: Registrar,
+        address: int,
+        nbytes: int,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        what: str = "tables",
+    ) -> "HostRegistration":
         """Register ``[address, address + nbytes)`` in chunks and check that the GPU sees
         each chunk at its host address (UVA). On any failure the chunks registered so
         far are unregistered and an EngramError names the chunk."""
@@ -310,21 +331,32 @@ class HostRegistration:
                     f"registering the {what}' host memory for the GPU failed at chunk {i + 1} of {len(pieces)} "
                     f"({human_bytes(length)} at offset {off}): {exc}; make sure the machine has "
                     f"{human_bytes(nbytes)} of free RAM (registered memory cannot be swapped), or use "
-                    f"--engram-config host_file_gather=true (no copy) or cpu_offload=false (GPU memory)") from None
+                    f"--engram-config host_file_gather=true (no copy) or cpu_offload=false (GPU memory)"
+                ) from None
             reg.chunks.append((at, length))
             try:
                 dev = registrar.device_pointer(at)
             except Exception as exc:  # noqa: BLE001
                 reg.release()
-                raise EngramError(f"cannot ask the CUDA driver where the GPU sees the {what}' host memory ({exc}); install cuda-python (pip install cuda-python) or use --engram-config cpu_offload=false") from None
+                raise EngramError(
+                    f"cannot ask the CUDA driver where the GPU sees the {what}' host memory ({exc}); install cuda-python (pip install cuda-python) or use --engram-config cpu_offload=false"
+                ) from None
             if int(dev) != at:
                 reg.release()
                 raise EngramError(
                     f"the GPU sees the {what}' registered host memory at {int(dev):#x}, not at its host address {at:#x}: "
                     f"this system has no unified virtual addressing (UVA), which reading host tables on the GPU needs; "
-                    f"use --engram-config cpu_offload=false (tables in GPU memory) or host_file_gather=true")
-        log.info("registered %s of %s for the GPU in %d chunk%s of %s through %s", human_bytes(nbytes), what,
-                 len(pieces), "s" if len(pieces) != 1 else "", human_bytes(chunk_bytes), registrar.name)
+                    f"use --engram-config cpu_offload=false (tables in GPU memory) or host_file_gather=true"
+                )
+        log.info(
+            "registered %s of %s for the GPU in %d chunk%s of %s through %s",
+            human_bytes(nbytes),
+            what,
+            len(pieces),
+            "s" if len(pieces) != 1 else "",
+            human_bytes(chunk_bytes),
+            registrar.name,
+        )
         return reg
 
     def release(self) -> None:
@@ -371,13 +403,25 @@ class CudaRegistrar:
 
                 self._kernels = kernel_library.load_library()
             except EngramError as exc:
-                raise EngramError(f"no CUDA binding can register host memory (PyTorch has no CUDA, cuda-python is not installed, and {exc})") from None
+                raise EngramError(
+                    f"no CUDA binding can register host memory (PyTorch has no CUDA, cuda-python is not installed, and {exc})"
+                ) from None
         if self._cuda_python is None:
             self._ctypes_rt = _loaded_cudart()
-        via = ("torch.cuda.cudart" if self._torch is not None else
-               self._cuda_python_name if self._cuda_python is not None else "the engram-trt kernel library")
-        ptr_via = (self._cuda_python_name if self._cuda_python is not None else
-                   "the process's libcudart" if self._ctypes_rt is not None else "nothing")
+        via = (
+            "torch.cuda.cudart"
+            if self._torch is not None
+            else self._cuda_python_name
+            if self._cuda_python is not None
+            else "the engram-trt kernel library"
+        )
+        ptr_via = (
+            self._cuda_python_name
+            if self._cuda_python is not None
+            else "the process's libcudart"
+            if self._ctypes_rt is not None
+            else "nothing"
+        )
         self.name = via if ptr_via == via else f"{via} (device pointers through {ptr_via})"
 
     def register(self, address: int, nbytes: int) -> None:
@@ -388,7 +432,9 @@ class CudaRegistrar:
                 _clear_cuda_error(self._ctypes_rt)
                 raise RuntimeError(f"cudaHostRegister: {rt.cudaGetErrorString(res)}")
         elif self._cuda_python is not None:
-            self._check(self._cuda_python.cudaHostRegister(int(address), int(nbytes), REGISTER_FLAGS), "cudaHostRegister")
+            self._check(
+                self._cuda_python.cudaHostRegister(int(address), int(nbytes), REGISTER_FLAGS), "cudaHostRegister"
+            )
         else:
             assert self._kernels is not None
             if self._kernels.engram_host_register(ctypes.c_void_p(int(address)), ctypes.c_size_t(int(nbytes))) != 0:
@@ -448,7 +494,11 @@ def _loaded_cudart() -> Any:
             path = line.split()[-1] if len(line.split()) >= 6 else ""
             if "libcudart.so" in Path(path).name:
                 lib = ctypes.CDLL(path)
-                lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
+                lib.cudaHostGetDevicePointer.argtypes = [
+                    ctypes.POINTER(ctypes.c_void_p),
+                    ctypes.c_void_p,
+                    ctypes.c_uint,
+                ]
                 lib.cudaHostGetDevicePointer.restype = ctypes.c_int
                 return lib
     except (OSError, AttributeError):

@@ -64,7 +64,9 @@ class HostResources:
             except BufferError:
                 # A caller still holds a tensor viewing the memory: it stays mapped
                 # (unregistered) until that tensor goes; never unmapped under a live view.
-                log.debug("a view of the tables' host memory is still referenced; unmapping it is left to the garbage collector")
+                log.debug(
+                    "a view of the tables' host memory is still referenced; unmapping it is left to the garbage collector"
+                )
             self.mm = None
 
 
@@ -74,8 +76,15 @@ class PinnedTables(TableStore):
     kind = "pinned"
     gpu_readable = True
 
-    def __init__(self, layers: Sequence[tuple[Any, Any]], quant_block: int, layer_ids: Sequence[int],
-                 resources: HostResources, buffer: HostBuffer, placed: Sequence[PlacedTable]) -> None:
+    def __init__(
+        self,
+        layers: Sequence[tuple[Any, Any]],
+        quant_block: int,
+        layer_ids: Sequence[int],
+        resources: HostResources,
+        buffer: HostBuffer,
+        placed: Sequence[PlacedTable],
+    ) -> None:
         super().__init__(layers, quant_block, layer_ids)
         self._resources = resources
         self._finalizer = weakref.finalize(self, resources.release)
@@ -88,10 +97,19 @@ class PinnedTables(TableStore):
         self.registrar_name = reg.registrar.name if reg is not None else None
 
     @classmethod
-    def load(cls, refs: Sequence[TableRef], quant_block: int = 32, *, progress: bool = True,
-             registrar: Registrar | None = None, allocator: Callable[[int], HostBuffer] | None = None,
-             reader: Reader | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, huge_pages: str = "auto",
-             drop_cache: bool = True) -> "PinnedTables":
+    def load(
+        cls,
+        refs: Sequence[TableRef],
+        quant_block: int = 32,
+        *,
+        progress: bool = True,
+        registrar: Registrar | None = None,
+        allocator: Callable[[int], HostBuffer] | None = None,
+        reader: Reader | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        huge_pages: str = "auto",
+        drop_cache: bool = True,
+    ) -> "PinnedTables":
         """Allocate, read every table's byte range, register, and return the store.
 
         The three steps are injectable so the whole path runs without a GPU:
@@ -114,8 +132,9 @@ class PinnedTables(TableStore):
             with _load_progress(refs, "pinned", progress) as bar:
                 fill_tables(views, placed, read, bar, drop_cache)
             reg = registrar if registrar is not None else CudaRegistrar()
-            resources.registration = HostRegistration.register(reg, buffer.address, buffer.nbytes, chunk_bytes,
-                                                               what="pinned tables")
+            resources.registration = HostRegistration.register(
+                reg, buffer.address, buffer.nbytes, chunk_bytes, what="pinned tables"
+            )
         except BaseException:
             views.clear()  # the views export the mapping; drop them so it can be unmapped
             resources.release()
@@ -128,8 +147,10 @@ class PinnedTables(TableStore):
 
     def where(self) -> str:
         n = len(self.chunks)
-        return (f"pinned host memory ({human_bytes(self.buffer_bytes)}, {self.pages}; registered for UVA in {n} "
-                f"chunk{'s' if n != 1 else ''} through {self.registrar_name})")
+        return (
+            f"pinned host memory ({human_bytes(self.buffer_bytes)}, {self.pages}; registered for UVA in {n} "
+            f"chunk{'s' if n != 1 else ''} through {self.registrar_name})"
+        )
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
@@ -143,13 +164,16 @@ class PinnedTables(TableStore):
         self.chunks = []
 
 
-def fill_tables(views: Sequence[tuple[Any, Any]], placed: Sequence[PlacedTable], read: Reader, bar: Any,
-                drop_cache: bool) -> None:
+def fill_tables(
+    views: Sequence[tuple[Any, Any]], placed: Sequence[PlacedTable], read: Reader, bar: Any, drop_cache: bool
+) -> None:
     """Read every placed table into its view (``tensors_over``'s result for the same
     placements), advancing ``bar`` by bytes."""
     import torch
 
-    by_key = {(li, role): t for li, (rows, scales) in enumerate(views) for role, t in (("rows", rows), ("scales", scales))}
+    by_key = {
+        (li, role): t for li, (rows, scales) in enumerate(views) for role, t in (("rows", rows), ("scales", scales))
+    }
     for p in placed:
         t = by_key[(p.ref.layer_index, p.ref.role)]
         read(p.ref, t.view(torch.uint8).reshape(-1), bar)

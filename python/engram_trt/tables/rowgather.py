@@ -68,10 +68,14 @@ class StoreGather:
         if flat.numel():
             lo, hi = int(flat.min()), int(flat.max())
             if lo < 0 or hi >= n:
-                raise EngramError(f"row id {lo if lo < 0 else hi} is outside table {layer_idx} (rows 0..{n - 1}): "
-                                  f"the table does not cover the hash layout")
+                raise EngramError(
+                    f"row id {lo if lo < 0 else hi} is outside table {layer_idx} (rows 0..{n - 1}): "
+                    f"the table does not cover the hash layout"
+                )
 
-    def gather(self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows ``ids`` (int, any shape) of layer ``layer_idx``: ``[*ids.shape, head_dim]``
         on this gather's device, in the stored dtype (FP8 dequantized to bf16).
 
@@ -91,8 +95,14 @@ class StoreGather:
             if checked or not flat.is_cuda:
                 self._check_ids(layer_idx, flat)
             rows, scales = self.store.tensors(layer_idx)
-            got = gather_kernels.gather(flat.to(self.device, torch.int32).reshape(-1, 1), rows, scales,
-                                 quant_block=self.store.quant_block, out=out, bad_rows=self._bad_counter())
+            got = gather_kernels.gather(
+                flat.to(self.device, torch.int32).reshape(-1, 1),
+                rows,
+                scales,
+                quant_block=self.store.quant_block,
+                out=out,
+                bad_rows=self._bad_counter(),
+            )
             return got.reshape(*ids.shape, hd)
         self._check_ids(layer_idx, flat)
         return self._host(layer_idx, flat.cpu().to(torch.int32)).reshape(*ids.shape, hd)
@@ -113,8 +123,10 @@ class StoreGather:
         device-to-host read: a sync, so callers do it every few hundred steps)."""
         bad = self._bad
         if bad is not None and int(bad.item()):
-            raise EngramError(f"{int(bad.item())} gathered row id(s) were outside their table: the table does not "
-                              f"cover the hash layout (rows read as zeros)")
+            raise EngramError(
+                f"{int(bad.item())} gathered row id(s) were outside their table: the table does not "
+                f"cover the hash layout (rows read as zeros)"
+            )
 
     def _host(self, layer_idx: int, flat: torch.Tensor) -> torch.Tensor:
         """The host gather of checked CPU int32 ids, shard by shard for a table in parts."""

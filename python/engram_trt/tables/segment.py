@@ -74,8 +74,14 @@ def layout_hash(refs: Sequence[TableRef]) -> str:
 
     items: list[dict[str, Any]] = []
     for r in ordered_refs(refs):
-        item: dict[str, Any] = {"tensor": r.tensor, "layer_id": r.layer_id, "role": r.role, "shape": list(r.shape),
-                                "dtype": r.dtype, "nbytes": r.nbytes}
+        item: dict[str, Any] = {
+            "tensor": r.tensor,
+            "layer_id": r.layer_id,
+            "role": r.role,
+            "shape": list(r.shape),
+            "dtype": r.dtype,
+            "nbytes": r.nbytes,
+        }
         if r.regions:  # a table in several shards: each shard's content (or file identity)
             item["parts"] = [_content_key(p) for p in r.regions]
         else:
@@ -90,8 +96,9 @@ def _content_key(r: TableRef) -> dict[str, Any]:
     if r.sha256:
         return {"sha256": r.sha256}
     st = os.stat(r.file)
-    return {"file": {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                     "offset": r.offset}}
+    return {
+        "file": {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "offset": r.offset}
+    }
 
 
 def segment_name(layout: str) -> str:
@@ -134,8 +141,19 @@ class SegmentHeader:
         desc = json.dumps({"tables": self.tables, "created_by": "engram-trt"}, separators=(",", ":")).encode()
         if len(desc) > MAX_DESCRIPTION:
             raise EngramError(f"internal: segment description of {len(desc)} bytes")
-        return HEADER.pack(MAGIC, self.version, READY if self.ready else 0, self.total_size, self.creator_pid,
-                           self.created_ns, len(desc), self.layout_hash.encode()) + desc
+        return (
+            HEADER.pack(
+                MAGIC,
+                self.version,
+                READY if self.ready else 0,
+                self.total_size,
+                self.creator_pid,
+                self.created_ns,
+                len(desc),
+                self.layout_hash.encode(),
+            )
+            + desc
+        )
 
     @property
     def header_bytes(self) -> int:
@@ -251,8 +269,9 @@ def lock_holder(path: Path) -> int | None:
 
 
 @contextmanager
-def segment_lock(directory: Path, name: str, blocking: bool = True,
-                 on_wait: Callable[[int | None], None] | None = None) -> Iterator[bool]:
+def segment_lock(
+    directory: Path, name: str, blocking: bool = True, on_wait: Callable[[int | None], None] | None = None
+) -> Iterator[bool]:
     """Hold the segment's creation lock (flock on ``<name>.lock``). Yields True once
     held; with ``blocking=False`` yields False at once when another process holds it.
     After each acquisition the lock file is checked to be the one at the path (a
@@ -343,7 +362,9 @@ def scan(directory: str | Path = DEFAULT_DIR) -> list[SegmentFile]:
     A file with our name but not our magic is listed as 'not ours' (and never removed)."""
     d = Path(directory)
     if not d.is_dir():
-        raise EngramError(f"shared-memory directory {d} does not exist or is not a directory; pass an existing one with --dir")
+        raise EngramError(
+            f"shared-memory directory {d} does not exist or is not a directory; pass an existing one with --dir"
+        )
     found: list[SegmentFile] = []
     for entry in sorted(os.scandir(d), key=lambda e: e.name):
         parsed = parse_name(entry.name)
@@ -354,9 +375,19 @@ def scan(directory: str | Path = DEFAULT_DIR) -> list[SegmentFile]:
         size = entry.stat(follow_symlinks=False).st_size
         if role == "lock":
             holder = lock_holder(path)
-            ours = path.read_bytes()[:len(LOCK_TAG)] == LOCK_TAG if size else True
-            found.append(SegmentFile(entry.name, path, role, seg, size, "lock" if ours else "not ours",
-                                     creator_pid=holder, creator_alive=pid_alive(holder) if holder else None))
+            ours = path.read_bytes()[: len(LOCK_TAG)] == LOCK_TAG if size else True
+            found.append(
+                SegmentFile(
+                    entry.name,
+                    path,
+                    role,
+                    seg,
+                    size,
+                    "lock" if ours else "not ours",
+                    creator_pid=holder,
+                    creator_alive=pid_alive(holder) if holder else None,
+                )
+            )
             continue
         hdr = read_header(path)
         if hdr is None:
@@ -366,16 +397,38 @@ def scan(directory: str | Path = DEFAULT_DIR) -> list[SegmentFile]:
                 state = "half-written" if lock_is_free(d, seg) else "being written"
             else:
                 state = "not ours"
-            found.append(SegmentFile(entry.name, path, role, seg, size, state, creator_pid=pid,
-                                     creator_alive=pid_alive(pid) if pid else None))
+            found.append(
+                SegmentFile(
+                    entry.name,
+                    path,
+                    role,
+                    seg,
+                    size,
+                    state,
+                    creator_pid=pid,
+                    creator_alive=pid_alive(pid) if pid else None,
+                )
+            )
             continue
         if role == "temp":
             state = "half-written" if lock_is_free(d, seg) else "being written"
         else:
             state = "ready" if hdr.ready and hdr.total_size == size and hdr.problem is None else "half-written"
-        found.append(SegmentFile(entry.name, path, role, seg, size, state, hdr.layout_hash, hdr.version,
-                                 hdr.creator_pid, pid_alive(hdr.creator_pid),
-                                 created=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(hdr.created_ns / 1e9))))
+        found.append(
+            SegmentFile(
+                entry.name,
+                path,
+                role,
+                seg,
+                size,
+                state,
+                hdr.layout_hash,
+                hdr.version,
+                hdr.creator_pid,
+                pid_alive(hdr.creator_pid),
+                created=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(hdr.created_ns / 1e9)),
+            )
+        )
     maps = mapped_by([f.path for f in found if f.role != "lock"])
     for f in found:
         f.mapped_by = maps.get(f.path, [])
@@ -389,8 +442,9 @@ class CleanResult:
     kept: list[str] = field(default_factory=list)  # ours, left in place (with the reason)
 
 
-def clean(directory: str | Path = DEFAULT_DIR, names: Sequence[str] = (), all_: bool = False,
-          force: bool = False) -> CleanResult:
+def clean(
+    directory: str | Path = DEFAULT_DIR, names: Sequence[str] = (), all_: bool = False, force: bool = False
+) -> CleanResult:
     """Remove our segments and leftovers from ``directory``.
 
     ``names``: those segments (their temp and lock files go with them); ``all_``: every
@@ -409,18 +463,27 @@ def clean(directory: str | Path = DEFAULT_DIR, names: Sequence[str] = (), all_: 
             f = by_name.get(base)
             if f is None:
                 if parse_name(base) is None:
-                    raise EngramError(f"{n!r} is not an engram-trt segment name (they look like engram-trt-<16 hex>.tables; `engram-trt shm list --dir {shlex.quote(str(d))}` shows them)")
-                raise EngramError(f"no segment {base} in {d} (`engram-trt shm list --dir {shlex.quote(str(d))}` shows what is there)")
+                    raise EngramError(
+                        f"{n!r} is not an engram-trt segment name (they look like engram-trt-<16 hex>.tables; `engram-trt shm list --dir {shlex.quote(str(d))}` shows them)"
+                    )
+                raise EngramError(
+                    f"no segment {base} in {d} (`engram-trt shm list --dir {shlex.quote(str(d))}` shows what is there)"
+                )
             if not f.ours:
-                raise EngramError(f"{f.path} has an engram-trt name but not its header: it is not ours, so shm clean leaves it; remove it yourself if nobody needs it")
+                raise EngramError(
+                    f"{f.path} has an engram-trt name but not its header: it is not ours, so shm clean leaves it; remove it yourself if nobody needs it"
+                )
             group = [g for g in files if g.segment == f.segment and g.ours] if f.role == "segment" else [f]
             targets.extend(g for g in group if g not in targets)
     elif all_:
         targets = [f for f in files if f.ours]
     else:
         live_segments = {f.segment for f in files if f.role != "lock" and f.state != "half-written"}
-        targets = [f for f in files if f.ours and (f.state == "half-written"
-                                                  or (f.role == "lock" and f.segment not in live_segments))]
+        targets = [
+            f
+            for f in files
+            if f.ours and (f.state == "half-written" or (f.role == "lock" and f.segment not in live_segments))
+        ]
     busy = []
     for f in targets:
         live = [p for p in f.mapped_by if pid_alive(p)]
@@ -429,7 +492,9 @@ def clean(directory: str | Path = DEFAULT_DIR, names: Sequence[str] = (), all_: 
         elif f.state == "being written":
             busy.append(f"{f.name} is being written by pid {f.creator_pid}")
     if busy and not force:
-        raise EngramError(f"not removed: {'; '.join(busy)} (stop those processes first, or pass --force: they keep their mapping until they exit)")
+        raise EngramError(
+            f"not removed: {'; '.join(busy)} (stop those processes first, or pass --force: they keep their mapping until they exit)"
+        )
     result = CleanResult()
     for f in targets:
         if f.role == "lock":
@@ -452,7 +517,7 @@ def clean(directory: str | Path = DEFAULT_DIR, names: Sequence[str] = (), all_: 
             if any(f.role == "lock" and f.segment == seg for f in targets):
                 result.kept.append(f"{lock.name} (its segment's files remain or a process holds it)")
             continue
-        if lock.read_bytes()[:len(LOCK_TAG)] in (LOCK_TAG, b""):
+        if lock.read_bytes()[: len(LOCK_TAG)] in (LOCK_TAG, b""):
             _unlink(lock, result)
     return result
 
@@ -465,5 +530,7 @@ def _unlink(path: Path, result: CleanResult) -> None:
         pass
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):
-            raise EngramError(f"cannot remove {path}: {exc.strerror} (it belongs to another user; run shm clean as that user)") from None
+            raise EngramError(
+                f"cannot remove {path}: {exc.strerror} (it belongs to another user; run shm clean as that user)"
+            ) from None
         raise

@@ -94,9 +94,18 @@ def expected_header(refs: Sequence[TableRef], layout: str) -> tuple[seg.SegmentH
 
 def _table_entry(p: PlacedTable) -> dict[str, Any]:
     r = p.ref
-    return {"tensor": r.tensor, "layer_id": r.layer_id, "layer_index": r.layer_index, "role": r.role,
-            "shape": list(r.shape), "dtype": r.dtype, "nbytes": r.nbytes, "offset": p.offset, "sha256": r.sha256,
-            "file": str(r.file)}
+    return {
+        "tensor": r.tensor,
+        "layer_id": r.layer_id,
+        "layer_index": r.layer_index,
+        "role": r.role,
+        "shape": list(r.shape),
+        "dtype": r.dtype,
+        "nbytes": r.nbytes,
+        "offset": p.offset,
+        "sha256": r.sha256,
+        "file": str(r.file),
+    }
 
 
 class _PauseHook:
@@ -119,7 +128,7 @@ class _PauseHook:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
             sys.stderr.write(f"engram-trt test hook: paused after {self.done} bytes writing {self.where}\n")
             sys.stderr.flush()
-            signal.sigtimedwait({signal.SIGUSR1}, self.seconds if self.seconds is not None else 10 ** 8)
+            signal.sigtimedwait({signal.SIGUSR1}, self.seconds if self.seconds is not None else 10**8)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
 
@@ -128,8 +137,16 @@ class SharedTables(TableStore):
 
     kind = "shared"
 
-    def __init__(self, layers: Sequence[tuple[Any, Any]], quant_block: int, layer_ids: Sequence[int],
-                 resources: HostResources, path: Path, header: seg.SegmentHeader, created: bool) -> None:
+    def __init__(
+        self,
+        layers: Sequence[tuple[Any, Any]],
+        quant_block: int,
+        layer_ids: Sequence[int],
+        resources: HostResources,
+        path: Path,
+        header: seg.SegmentHeader,
+        created: bool,
+    ) -> None:
         super().__init__(layers, quant_block, layer_ids)
         self._resources = resources
         self._finalizer = weakref.finalize(self, resources.release)
@@ -143,10 +160,19 @@ class SharedTables(TableStore):
 
     # -- opening -------------------------------------------------------------------
     @classmethod
-    def open(cls, refs: Sequence[TableRef], quant_block: int = 32, *, progress: bool = True, register: bool = False,
-             directory: str | Path = seg.DEFAULT_DIR, free_space: Callable[[Path], int] | None = None,
-             registrar: Registrar | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-             reader: Callable[[TableRef, Any, Any], None] | None = None) -> TableStore:
+    def open(
+        cls,
+        refs: Sequence[TableRef],
+        quant_block: int = 32,
+        *,
+        progress: bool = True,
+        register: bool = False,
+        directory: str | Path = seg.DEFAULT_DIR,
+        free_space: Callable[[Path], int] | None = None,
+        registrar: Registrar | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        reader: Callable[[TableRef, Any, Any], None] | None = None,
+    ) -> TableStore:
         """Attach to (or create) the segment holding ``refs``; see the module docstring.
 
         ``register``: register the mapping for UVA (with a GPU). ``directory``: where
@@ -156,7 +182,9 @@ class SharedTables(TableStore):
         memory store when the directory lacks room (a warning says so)."""
         d = Path(directory)
         if not d.is_dir():
-            raise EngramError(f"shared-memory directory {d} does not exist; create it or choose another directory for the shared tables")
+            raise EngramError(
+                f"shared-memory directory {d} does not exist; create it or choose another directory for the shared tables"
+            )
         pairs = layer_refs(refs)
         layer_ids = [r.layer_id for r, _ in pairs]
         layout = seg.layout_hash(refs)
@@ -165,14 +193,20 @@ class SharedTables(TableStore):
         path = d / name
 
         def attach(hdr: seg.SegmentHeader) -> "SharedTables":
-            return cls._attach(path, hdr, placed, quant_block, layer_ids, register, registrar, chunk_bytes, created=False)
+            return cls._attach(
+                path, hdr, placed, quant_block, layer_ids, register, registrar, chunk_bytes, created=False
+            )
 
         hdr = cls._check_existing(path, want)
         if hdr is not None and hdr.ready:
             return attach(hdr)
 
         def waiting(pid: int | None) -> None:
-            log.info("waiting for %s to finish creating the shared tables %s", f"pid {pid}" if pid else "another process", path)
+            log.info(
+                "waiting for %s to finish creating the shared tables %s",
+                f"pid {pid}" if pid else "another process",
+                path,
+            )
 
         with seg.segment_lock(d, name, on_wait=waiting):
             hdr = cls._check_existing(path, want)
@@ -181,14 +215,23 @@ class SharedTables(TableStore):
             cls._remove_leftovers(d, name, path, hdr)
             free = (free_space or statvfs_free)(d)
             if free < total:
-                return cls._fallback(refs, quant_block, progress, register, registrar, chunk_bytes, d,
-                                     f"{d} has {human_bytes(free)} free but the tables need {human_bytes(total)}")
+                return cls._fallback(
+                    refs,
+                    quant_block,
+                    progress,
+                    register,
+                    registrar,
+                    chunk_bytes,
+                    d,
+                    f"{d} has {human_bytes(free)} free but the tables need {human_bytes(total)}",
+                )
             try:
                 mm, hdr = cls._create(d, name, want, placed, refs, progress, reader or read_region_into)
             except _NoSpace as exc:
                 return cls._fallback(refs, quant_block, progress, register, registrar, chunk_bytes, d, str(exc))
-        return cls._attach(path, hdr, placed, quant_block, layer_ids, register, registrar, chunk_bytes,
-                           created=True, mm=mm)
+        return cls._attach(
+            path, hdr, placed, quant_block, layer_ids, register, registrar, chunk_bytes, created=True, mm=mm
+        )
 
     @staticmethod
     def _check_existing(path: Path, want: seg.SegmentHeader) -> seg.SegmentHeader | None:
@@ -203,18 +246,30 @@ class SharedTables(TableStore):
         hdr = seg.read_header(path)
         if hdr is None:
             if not os.access(path, os.R_OK):
-                raise EngramError(f"shared tables {path} exist but cannot be read (mode {st.st_mode & 0o777:o}, owner uid {st.st_uid}): run as that user or choose another directory for the shared tables")
-            raise EngramError(f"{path} does not start with an engram-trt segment header, so it is not ours and is left alone; remove or move it yourself, or choose another directory for the shared tables")
+                raise EngramError(
+                    f"shared tables {path} exist but cannot be read (mode {st.st_mode & 0o777:o}, owner uid {st.st_uid}): run as that user or choose another directory for the shared tables"
+                )
+            raise EngramError(
+                f"{path} does not start with an engram-trt segment header, so it is not ours and is left alone; remove or move it yourself, or choose another directory for the shared tables"
+            )
         if not hdr.ready:
             return hdr
         if hdr.version != want.version:
-            raise EngramError(f"shared tables {path} use segment format version {hdr.version}, this engram-trt reads version {want.version}: {fix}")
+            raise EngramError(
+                f"shared tables {path} use segment format version {hdr.version}, this engram-trt reads version {want.version}: {fix}"
+            )
         if hdr.layout_hash != want.layout_hash:
-            raise EngramError(f"shared tables {path} hold other tables (layout hash {hdr.layout_hash[:16]}... differs from {want.layout_hash[:16]}...): {fix}")
+            raise EngramError(
+                f"shared tables {path} hold other tables (layout hash {hdr.layout_hash[:16]}... differs from {want.layout_hash[:16]}...): {fix}"
+            )
         if hdr.problem or hdr.total_size != want.total_size or st.st_size != want.total_size:
-            why = hdr.problem or f"{st.st_size} bytes on disk, {hdr.total_size} in its header, {want.total_size} expected"
+            why = (
+                hdr.problem or f"{st.st_size} bytes on disk, {hdr.total_size} in its header, {want.total_size} expected"
+            )
             raise EngramError(f"shared tables {path} are damaged ({why}): {fix}")
-        if [(t["tensor"], t["offset"], t["nbytes"]) for t in hdr.tables] != [(t["tensor"], t["offset"], t["nbytes"]) for t in want.tables]:
+        if [(t["tensor"], t["offset"], t["nbytes"]) for t in hdr.tables] != [
+            (t["tensor"], t["offset"], t["nbytes"]) for t in want.tables
+        ]:
             raise EngramError(f"shared tables {path} place the tables differently than this engram-trt expects: {fix}")
         return hdr
 
@@ -222,8 +277,12 @@ class SharedTables(TableStore):
     def _remove_leftovers(d: Path, name: str, path: Path, hdr: seg.SegmentHeader | None) -> None:
         """Under the lock: whatever a killed creator left is stale; remove it, loudly."""
         if hdr is not None and not hdr.ready:
-            log.warning("shared tables %s were left without their ready flag by pid %d (%s): rebuilding them", path,
-                        hdr.creator_pid, "still running" if seg.pid_alive(hdr.creator_pid) else "gone")
+            log.warning(
+                "shared tables %s were left without their ready flag by pid %d (%s): rebuilding them",
+                path,
+                hdr.creator_pid,
+                "still running" if seg.pid_alive(hdr.creator_pid) else "gone",
+            )
             path.unlink()
         for f in sorted(d.glob(f"{name}.*.tmp")):
             parsed = seg.parse_name(f.name)
@@ -233,17 +292,30 @@ class SharedTables(TableStore):
                 log.warning("leaving %s alone: it has the name of a half-written segment but not our header", f)
                 continue
             pid = parsed[2]
-            log.warning("removing half-written shared tables %s: their creator (pid %s, %s) stopped before finishing; rebuilding them",
-                        f, pid, "still running but no longer holding the lock" if seg.pid_alive(pid) else "gone")
+            log.warning(
+                "removing half-written shared tables %s: their creator (pid %s, %s) stopped before finishing; rebuilding them",
+                f,
+                pid,
+                "still running but no longer holding the lock" if seg.pid_alive(pid) else "gone",
+            )
             f.unlink()
 
     @staticmethod
-    def _create(d: Path, name: str, want: seg.SegmentHeader, placed: Sequence[PlacedTable], refs: Sequence[TableRef],
-                progress: bool, read: Callable[[TableRef, Any, Any], None]) -> tuple[mmap.mmap, seg.SegmentHeader]:
+    def _create(
+        d: Path,
+        name: str,
+        want: seg.SegmentHeader,
+        placed: Sequence[PlacedTable],
+        refs: Sequence[TableRef],
+        progress: bool,
+        read: Callable[[TableRef, Any, Any], None],
+    ) -> tuple[mmap.mmap, seg.SegmentHeader]:
         """Write the segment under a temp name and rename it into place (lock held)."""
         pid = os.getpid()
         tmp = d / seg.temp_name(name, pid)
-        hdr = seg.SegmentHeader(want.version, False, want.total_size, pid, time.time_ns(), want.layout_hash, want.tables)
+        hdr = seg.SegmentHeader(
+            want.version, False, want.total_size, pid, time.time_ns(), want.layout_hash, want.tables
+        )
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         mm: mmap.mmap | None = None
         views: list[Any] = []
@@ -255,7 +327,9 @@ class SharedTables(TableStore):
                 os.posix_fallocate(fd, 0, hdr.total_size)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise _NoSpace(f"{d} ran out of space reserving {human_bytes(hdr.total_size)} ({exc.strerror})") from None
+                    raise _NoSpace(
+                        f"{d} ran out of space reserving {human_bytes(hdr.total_size)} ({exc.strerror})"
+                    ) from None
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
             mm = mmap.mmap(fd, hdr.total_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -267,7 +341,7 @@ class SharedTables(TableStore):
                 fill_tables(views, placed, read, _PauseHook(bar, hook, tmp) if hook else bar, drop_cache=True)
             views.clear()
             mm.flush()
-            mm[seg.READY_OFFSET:seg.READY_OFFSET + 4] = seg.READY.to_bytes(4, "little")  # last: the data is complete
+            mm[seg.READY_OFFSET : seg.READY_OFFSET + 4] = seg.READY.to_bytes(4, "little")  # last: the data is complete
             mm.flush()
             hdr.ready = True
             os.rename(tmp, d / name)
@@ -288,20 +362,37 @@ class SharedTables(TableStore):
         return mm, hdr
 
     @classmethod
-    def _attach(cls, path: Path, hdr: seg.SegmentHeader, placed: Sequence[PlacedTable], quant_block: int,
-                layer_ids: Sequence[int], register: bool, registrar: Registrar | None, chunk_bytes: int,
-                created: bool, mm: mmap.mmap | None = None) -> "SharedTables":
+    def _attach(
+        cls,
+        path: Path,
+        hdr: seg.SegmentHeader,
+        placed: Sequence[PlacedTable],
+        quant_block: int,
+        layer_ids: Sequence[int],
+        register: bool,
+        registrar: Registrar | None,
+        chunk_bytes: int,
+        created: bool,
+        mm: mmap.mmap | None = None,
+    ) -> "SharedTables":
         if mm is None:
             try:
                 fd = os.open(path, os.O_RDWR)
             except PermissionError:
-                raise EngramError(f"shared tables {path} belong to another user (mode 0600): run as that user or choose another directory for the shared tables") from None
+                raise EngramError(
+                    f"shared tables {path} belong to another user (mode 0600): run as that user or choose another directory for the shared tables"
+                ) from None
             try:
                 mm = mmap.mmap(fd, hdr.total_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(fd)
             _advise_huge(mm)
-            log.info("attached to shared tables %s (%s, created by pid %d)", path, human_bytes(hdr.total_size), hdr.creator_pid)
+            log.info(
+                "attached to shared tables %s (%s, created by pid %d)",
+                path,
+                human_bytes(hdr.total_size),
+                hdr.creator_pid,
+            )
         resources = HostResources(mm)
         views: list[Any] = []
         try:
@@ -309,9 +400,13 @@ class SharedTables(TableStore):
             if register:
                 from engram_trt.tables.hostmem import CudaRegistrar
 
-                resources.registration = HostRegistration.register(registrar or CudaRegistrar(), mapping_address(mm),
-                                                                   round_up(hdr.total_size, mmap.PAGESIZE), chunk_bytes,
-                                                                   what="shared tables")
+                resources.registration = HostRegistration.register(
+                    registrar or CudaRegistrar(),
+                    mapping_address(mm),
+                    round_up(hdr.total_size, mmap.PAGESIZE),
+                    chunk_bytes,
+                    what="shared tables",
+                )
         except BaseException:
             views.clear()
             resources.release()
@@ -319,11 +414,24 @@ class SharedTables(TableStore):
         return cls(views, quant_block, layer_ids, resources, path, hdr, created)
 
     @staticmethod
-    def _fallback(refs: Sequence[TableRef], quant_block: int, progress: bool, register: bool,
-                  registrar: Registrar | None, chunk_bytes: int, d: Path, why: str) -> TableStore:
+    def _fallback(
+        refs: Sequence[TableRef],
+        quant_block: int,
+        progress: bool,
+        register: bool,
+        registrar: Registrar | None,
+        chunk_bytes: int,
+        d: Path,
+        why: str,
+    ) -> TableStore:
         where = "private pinned memory" if register else "private host memory"
-        log.warning("%s: the shared tables go to %s instead (one copy per process); free space there "
-                    "(engram-trt shm list / shm clean --dir %s) or enlarge it (mount -o remount,size=...)", why, where, d)
+        log.warning(
+            "%s: the shared tables go to %s instead (one copy per process); free space there "
+            "(engram-trt shm list / shm clean --dir %s) or enlarge it (mount -o remount,size=...)",
+            why,
+            where,
+            d,
+        )
         if register:
             return PinnedTables.load(refs, quant_block, progress=progress, registrar=registrar, chunk_bytes=chunk_bytes)
         return load_memory_tables(refs, quant_block, progress)
@@ -334,14 +442,22 @@ class SharedTables(TableStore):
 
     def where(self) -> str:
         origin = "created by this process" if self.created else f"attached; created by pid {self.header.creator_pid}"
-        reg = (f"; registered for UVA in {len(self.chunks)} chunk{'s' if len(self.chunks) != 1 else ''} through {self.registrar_name}"
-               if self.chunks else "")
+        reg = (
+            f"; registered for UVA in {len(self.chunks)} chunk{'s' if len(self.chunks) != 1 else ''} through {self.registrar_name}"
+            if self.chunks
+            else ""
+        )
         return f"shared memory segment {self.path} ({human_bytes(self.header.total_size)}, {origin}{reg})"
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        d.update(segment=str(self.path), created=self.created, creator_pid=self.header.creator_pid,
-                 layout_hash=self.header.layout_hash, registered_chunks=len(self.chunks))
+        d.update(
+            segment=str(self.path),
+            created=self.created,
+            creator_pid=self.header.creator_pid,
+            layout_hash=self.header.layout_hash,
+            registered_chunks=len(self.chunks),
+        )
         return d
 
     def close(self) -> None:

@@ -63,7 +63,9 @@ def sha256_file_region(path: str | Path, offset: int, nbytes: int, progress: Any
         while left > 0:
             chunk = f.read(min(HASH_CHUNK, left))
             if not chunk:
-                raise EngramError(f"{path}: ended {left} bytes before the tensor's end (the file is truncated; re-copy it)")
+                raise EngramError(
+                    f"{path}: ended {left} bytes before the tensor's end (the file is truncated; re-copy it)"
+                )
             h.update(chunk)
             left -= len(chunk)
             if progress is not None:
@@ -149,21 +151,43 @@ class TableRef:
                 if not isinstance(blocks, list) or not all(isinstance(b, str) and _HEX64.match(b) for b in blocks):
                     raise ValueError("block_hashes must be a list of sha256 hex digests")
                 blocks = tuple(blocks)
-            ref = cls(int(d["layer_id"]), int(d["layer_index"]), role, str(d["tensor"]), f, int(d["offset"]),
-                      int(d["nbytes"]), shape, str(d["dtype"]), None if d.get("sha256") is None else str(d["sha256"]),
-                      block_bytes, blocks, int(d.get("part", 0)),
-                      table_scale=None if d.get("table_scale") is None else float(d["table_scale"]))
+            ref = cls(
+                int(d["layer_id"]),
+                int(d["layer_index"]),
+                role,
+                str(d["tensor"]),
+                f,
+                int(d["offset"]),
+                int(d["nbytes"]),
+                shape,
+                str(d["dtype"]),
+                None if d.get("sha256") is None else str(d["sha256"]),
+                block_bytes,
+                blocks,
+                int(d.get("part", 0)),
+                table_scale=None if d.get("table_scale") is None else float(d["table_scale"]),
+            )
             if ref.part < 0:
                 raise ValueError(f"part {ref.part}")
             if ref.table_scale is not None and not (ref.table_scale > 0 and ref.table_scale < float("inf")):
                 raise ValueError(f"table_scale {ref.table_scale}")
         except (KeyError, TypeError, ValueError) as exc:
-            raise EngramError(f"manifest table entry {str(dict(d))[:200]} is malformed ({exc}); rebuild the engine folder") from None
+            raise EngramError(
+                f"manifest table entry {str(dict(d))[:200]} is malformed ({exc}); rebuild the engine folder"
+            ) from None
         if ref.offset < 0 or ref.nbytes <= 0 or len(shape) != 2 or shape[0] * shape[1] * ref.itemsize != ref.nbytes:
-            raise EngramError(f"manifest table entry for {ref.tensor}: shape {list(shape)} x {ref.itemsize} bytes does not match nbytes={ref.nbytes}; rebuild the engine folder")
+            raise EngramError(
+                f"manifest table entry for {ref.tensor}: shape {list(shape)} x {ref.itemsize} bytes does not match nbytes={ref.nbytes}; rebuild the engine folder"
+            )
         if ref.block_hashes is not None:
-            if ref.block_bytes is None or ref.block_bytes < 1 or len(ref.block_hashes) != -(-ref.nbytes // ref.block_bytes):
-                raise EngramError(f"manifest table entry for {ref.tensor}: {len(ref.block_hashes)} block hashes do not cover {ref.nbytes} bytes in blocks of {ref.block_bytes}; rebuild the engine folder")
+            if (
+                ref.block_bytes is None
+                or ref.block_bytes < 1
+                or len(ref.block_hashes) != -(-ref.nbytes // ref.block_bytes)
+            ):
+                raise EngramError(
+                    f"manifest table entry for {ref.tensor}: {len(ref.block_hashes)} block hashes do not cover {ref.nbytes} bytes in blocks of {ref.block_bytes}; rebuild the engine folder"
+                )
         return ref
 
     @property
@@ -188,12 +212,17 @@ def checkpoint_table_refs(ckpt: Any) -> list[TableRef]:
             roles.append(("scales", names["scale"]))
         for role, name in roles:
             info = ckpt.info(name)
-            refs.append(TableRef(lid, li, role, name, info.file.resolve(), info.data_offset, info.nbytes, info.shape, info.st_dtype))
+            refs.append(
+                TableRef(
+                    lid, li, role, name, info.file.resolve(), info.data_offset, info.nbytes, info.shape, info.st_dtype
+                )
+            )
     return refs
 
 
-def hash_region(path: str | Path, offset: int, nbytes: int, block_bytes: int = BLOCK_BYTES,
-                progress: Any = None, whole: bool = True) -> tuple[str | None, tuple[str, ...]]:
+def hash_region(
+    path: str | Path, offset: int, nbytes: int, block_bytes: int = BLOCK_BYTES, progress: Any = None, whole: bool = True
+) -> tuple[str | None, tuple[str, ...]]:
     """``(sha256 of the region, sha256 of each block_bytes block)`` in one read: the block
     hasher runs on a second thread (hashlib releases the GIL), so recording the sampled
     check's hashes costs no extra pass over a table. ``whole=False``: blocks only (the
@@ -211,7 +240,9 @@ def hash_region(path: str | Path, offset: int, nbytes: int, block_bytes: int = B
             while in_block > 0:
                 chunk = f.read(min(HASH_CHUNK, in_block))
                 if not chunk:
-                    raise EngramError(f"{path}: ended {left} bytes before the tensor's end (the file is truncated; re-copy it)")
+                    raise EngramError(
+                        f"{path}: ended {left} bytes before the tensor's end (the file is truncated; re-copy it)"
+                    )
                 if full is None:
                     block.update(chunk)
                 else:
@@ -245,20 +276,34 @@ def join_parts(parts: Sequence[TableRef]) -> TableRef:
     parts = sorted(parts, key=lambda r: r.part)
     first = parts[0]
     if [r.part for r in parts] != list(range(len(parts))):
-        raise EngramError(f"table {first.tensor}: the listed parts are {[r.part for r in parts]}, not 0..{len(parts) - 1}; "
-                          f"rebuild the table list (a shard is missing)")
+        raise EngramError(
+            f"table {first.tensor}: the listed parts are {[r.part for r in parts]}, not 0..{len(parts) - 1}; "
+            f"rebuild the table list (a shard is missing)"
+        )
     if len(parts) == 1:
         return first
     for r in parts[1:]:
         if r.table_scale != first.table_scale:
-            raise EngramError(f"table part {r.tensor} has table_scale {r.table_scale} but part 0 ({first.tensor}) has "
-                              f"{first.table_scale}: one FP8 table has one scale")
+            raise EngramError(
+                f"table part {r.tensor} has table_scale {r.table_scale} but part 0 ({first.tensor}) has "
+                f"{first.table_scale}: one FP8 table has one scale"
+            )
         if r.dtype != first.dtype or r.shape[1:] != first.shape[1:]:
-            raise EngramError(f"table part {r.tensor} is {r.dtype} {list(r.shape)} but part 0 ({first.tensor}) is "
-                              f"{first.dtype} {list(first.shape)}: the shards of one table must share width and dtype")
+            raise EngramError(
+                f"table part {r.tensor} is {r.dtype} {list(r.shape)} but part 0 ({first.tensor}) is "
+                f"{first.dtype} {list(first.shape)}: the shards of one table must share width and dtype"
+            )
     rows = sum(r.shape[0] for r in parts)
-    return replace(first, nbytes=sum(r.nbytes for r in parts), shape=(rows, *first.shape[1:]), sha256=None,
-                   block_bytes=None, block_hashes=None, part=0, regions=tuple(parts))
+    return replace(
+        first,
+        nbytes=sum(r.nbytes for r in parts),
+        shape=(rows, *first.shape[1:]),
+        sha256=None,
+        block_bytes=None,
+        block_hashes=None,
+        part=0,
+        regions=tuple(parts),
+    )
 
 
 def layer_refs(refs: Sequence[TableRef]) -> list[tuple[TableRef, TableRef | None]]:
@@ -278,15 +323,21 @@ def layer_refs(refs: Sequence[TableRef]) -> list[tuple[TableRef, TableRef | None
         fp8 = rows.itemsize == 1
         if rows.table_scale is not None:
             if not fp8 or scales is not None:
-                raise EngramError(f"table {rows.tensor} has a table_scale but is {rows.dtype}"
-                                  f"{' with a scale table' if scales is not None else ''}: a table_scale scales FP8 "
-                                  f"rows that have no per-row scales; rebuild the engine folder")
+                raise EngramError(
+                    f"table {rows.tensor} has a table_scale but is {rows.dtype}"
+                    f"{' with a scale table' if scales is not None else ''}: a table_scale scales FP8 "
+                    f"rows that have no per-row scales; rebuild the engine folder"
+                )
             out.append((rows, None))
             continue
         if fp8 and scales is None:
-            raise EngramError(f"table {rows.tensor} is FP8 but no scale table is listed for it; rebuild the engine folder")
+            raise EngramError(
+                f"table {rows.tensor} is FP8 but no scale table is listed for it; rebuild the engine folder"
+            )
         if scales is not None and scales.shape[0] != rows.shape[0]:
-            raise EngramError(f"scale table {scales.tensor} has {scales.shape[0]} rows but {rows.tensor} has {rows.shape[0]}")
+            raise EngramError(
+                f"scale table {scales.tensor} has {scales.shape[0]} rows but {rows.tensor} has {rows.shape[0]}"
+            )
         out.append((rows, scales if fp8 else None))
     return out
 
@@ -304,7 +355,9 @@ def table_file_problems(refs: Sequence[TableRef]) -> list[str]:
             problems.append(f"{r.tensor}: file {r.file} cannot be read ({exc.strerror})")
             continue
         if size < r.offset + r.nbytes:
-            problems.append(f"{r.tensor}: file {r.file} holds {size} bytes, fewer than the table's end at {r.offset + r.nbytes}")
+            problems.append(
+                f"{r.tensor}: file {r.file} holds {size} bytes, fewer than the table's end at {r.offset + r.nbytes}"
+            )
     return problems
 
 
@@ -313,8 +366,11 @@ def check_table_files(refs: Sequence[TableRef]) -> None:
     range. One error names every table that fails, and the fix."""
     problems = table_file_problems(refs)
     if problems:
-        raise EngramError("Engram tables do not match the manifest: " + "; ".join(problems)
-                          + " (restore the files, or rebuild the engine folder from the checkpoint)")
+        raise EngramError(
+            "Engram tables do not match the manifest: "
+            + "; ".join(problems)
+            + " (restore the files, or rebuild the engine folder from the checkpoint)"
+        )
 
 
 def verify_table_hashes(refs: Sequence[TableRef], progress: bool = False) -> list[str]:
@@ -372,15 +428,19 @@ def sample_blocks(regions: Sequence[HashedRegion], budget_bytes: int, seed: int 
             problems.append(f"{reg.label}: {getattr(exc, 'strerror', None) or exc}")
             continue
         if got != reg.block_hashes[i]:
-            problems.append(f"{reg.label}: bytes {start}..{start + length} in {reg.file} changed since they were recorded "
-                            f"(sampled block {i} of {len(reg.block_hashes)}: sha256 differs)")
+            problems.append(
+                f"{reg.label}: bytes {start}..{start + length} in {reg.file} changed since they were recorded "
+                f"(sampled block {i} of {len(reg.block_hashes)}: sha256 differs)"
+            )
         if spent >= budget_bytes:
             break
     log.debug("sampled check: %d bytes of %d regions re-hashed, %d problem(s)", spent, len(regions), len(problems))
     return problems
 
 
-def sampled_check(refs: Sequence[TableRef], budget_bytes: int = DEFAULT_SAMPLE_BYTES, seed: int | None = None) -> list[str]:
+def sampled_check(
+    refs: Sequence[TableRef], budget_bytes: int = DEFAULT_SAMPLE_BYTES, seed: int | None = None
+) -> list[str]:
     """Problems found by re-hashing random recorded blocks of the tables, at most
     ``budget_bytes`` read. Cheap enough for every load: the default reads 256 MiB, a
     fraction of a second from the page cache; damage is found with the probability
@@ -389,6 +449,9 @@ def sampled_check(refs: Sequence[TableRef], budget_bytes: int = DEFAULT_SAMPLE_B
     without block hashes (manifests written before they existed) are skipped; sizes
     are :func:`check_table_files`' job. ``seed`` fixes the draw (tests); None draws
     from the OS."""
-    regions = [HashedRegion(r.tensor, r.file, r.offset, r.nbytes, r.block_bytes, r.block_hashes)
-               for r in refs if r.block_hashes and r.block_bytes]
+    regions = [
+        HashedRegion(r.tensor, r.file, r.offset, r.nbytes, r.block_bytes, r.block_hashes)
+        for r in refs
+        if r.block_hashes and r.block_bytes
+    ]
     return sample_blocks(regions, budget_bytes, seed)

@@ -11,8 +11,13 @@ from typing import Any, Sequence
 import torch
 
 from engram_trt.errors import EngramError
-from engram_trt.tables.base import (TABLE_KINDS, FileTables, TableStore, load_device_tables,  # noqa: F401
-                                    load_memory_tables)
+from engram_trt.tables.base import (
+    TABLE_KINDS,
+    FileTables,
+    TableStore,
+    load_device_tables,  # noqa: F401
+    load_memory_tables,
+)
 from engram_trt.tables.source import TableRef, check_table_files
 
 log = logging.getLogger(__name__)
@@ -26,7 +31,9 @@ def table_kind_for(engram_config: Any, device: torch.device) -> str:
         return "file"
     if device.type != "cuda":
         if not engram_config.cpu_offload:
-            raise EngramError("--engram-config cpu_offload=false puts the tables in GPU memory, but this runtime runs on a CPU; use a CUDA device or drop cpu_offload")
+            raise EngramError(
+                "--engram-config cpu_offload=false puts the tables in GPU memory, but this runtime runs on a CPU; use a CUDA device or drop cpu_offload"
+            )
         # No GPU reads the tables here, so a private copy buys nothing over the page
         # cache: map the files (nothing is loaded up front).
         return "shared" if engram_config.dp_shared_memory else "file"
@@ -35,8 +42,15 @@ def table_kind_for(engram_config: Any, device: torch.device) -> str:
     return "shared" if engram_config.dp_shared_memory else "pinned"
 
 
-def open_tables(refs: Sequence[TableRef], kind: str, *, quant_block: int = 32, device: Any = "cpu",
-                progress: bool = True, **options: Any) -> TableStore:
+def open_tables(
+    refs: Sequence[TableRef],
+    kind: str,
+    *,
+    quant_block: int = 32,
+    device: Any = "cpu",
+    progress: bool = True,
+    **options: Any,
+) -> TableStore:
     """Open the tables ``refs`` describe in a store of ``kind`` (one of
     :data:`TABLE_KINDS`). Checks every file's size first, so a short or missing file
     fails before anything is loaded. ``options`` go to the pinned / shared stores."""
@@ -45,13 +59,17 @@ def open_tables(refs: Sequence[TableRef], kind: str, *, quant_block: int = 32, d
     check_table_files(refs)
     device = torch.device(device)
     if kind in ("device", "pinned", "shared") and kind != "shared" and not torch.cuda.is_available():
-        raise EngramError(f"table storage '{kind}' needs a CUDA device (none is available here); use 'memory' or 'file'")
+        raise EngramError(
+            f"table storage '{kind}' needs a CUDA device (none is available here); use 'memory' or 'file'"
+        )
     if kind == "memory":
         store: TableStore = load_memory_tables(refs, quant_block, progress)
     elif kind == "file":
         store = FileTables(refs, quant_block)
     elif kind == "device":
-        store = load_device_tables(refs, quant_block, device if device.type == "cuda" else torch.device("cuda"), progress)
+        store = load_device_tables(
+            refs, quant_block, device if device.type == "cuda" else torch.device("cuda"), progress
+        )
     elif kind == "pinned":
         from engram_trt.tables.pinned import PinnedTables
 

@@ -25,14 +25,19 @@ def _body(inputs: dict[str, Any] | bytes) -> bytes:
     return inputs if isinstance(inputs, bytes) else json.dumps(inputs).encode()
 
 
-def generate(base_url: str, inputs: dict[str, Any] | bytes, *, timeout: float = 120.0,
-             model: str = MODEL_NAME) -> tuple[int, dict[str, Any]]:
+def generate(
+    base_url: str, inputs: dict[str, Any] | bytes, *, timeout: float = 120.0, model: str = MODEL_NAME
+) -> tuple[int, dict[str, Any]]:
     """(HTTP status, the JSON object) of one ``generate`` call; ``inputs`` is the JSON
     body (a dict, or raw bytes to send as is)."""
     conn, root = _conn(base_url, timeout)
     try:
-        conn.request("POST", f"{root}/v2/models/{model}/generate", body=_body(inputs),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            f"{root}/v2/models/{model}/generate",
+            body=_body(inputs),
+            headers={"Content-Type": "application/json"},
+        )
         r = conn.getresponse()
         return r.status, json.loads(r.read() or b"{}")
     finally:
@@ -43,11 +48,16 @@ class EventStream:
     """The events of one ``generate_stream`` call, as JSON objects, read as they arrive.
     ``close()`` drops the connection (the server then cancels the request)."""
 
-    def __init__(self, base_url: str, inputs: dict[str, Any] | bytes, *, timeout: float = 120.0,
-                 model: str = MODEL_NAME) -> None:
+    def __init__(
+        self, base_url: str, inputs: dict[str, Any] | bytes, *, timeout: float = 120.0, model: str = MODEL_NAME
+    ) -> None:
         self._conn, root = _conn(base_url, timeout)
-        self._conn.request("POST", f"{root}/v2/models/{model}/generate_stream", body=_body(inputs),
-                           headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+        self._conn.request(
+            "POST",
+            f"{root}/v2/models/{model}/generate_stream",
+            body=_body(inputs),
+            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        )
         self._resp = self._conn.getresponse()
         self.status = self._resp.status
 
@@ -86,8 +96,9 @@ class EventStream:
         self.close()
 
 
-def generate_stream(base_url: str, inputs: dict[str, Any] | bytes, *, timeout: float = 120.0,
-                    model: str = MODEL_NAME) -> list[dict[str, Any]]:
+def generate_stream(
+    base_url: str, inputs: dict[str, Any] | bytes, *, timeout: float = 120.0, model: str = MODEL_NAME
+) -> list[dict[str, Any]]:
     """Every event of one ``generate_stream`` call (waits for the last)."""
     with EventStream(base_url, inputs, timeout=timeout, model=model) as s:
         return list(s)

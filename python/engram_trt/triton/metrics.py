@@ -40,29 +40,60 @@ _SCHEDULER: tuple[tuple[str, MetricDef, tuple[tuple[str, str], ...]], ...] = (
     ("kv_slots", MetricDef("engram_kv_slots", GAUGE, "KV-cache slots in all (the runtime's max batch)"), ()),
     ("requests_finished", MetricDef("engram_requests_finished_total", COUNTER, "requests finished (any reason)"), ()),
     ("steps", MetricDef("engram_steps_total", COUNTER, "scheduler steps run"), ()),
-    ("prefill_tokens", MetricDef("engram_tokens_total", COUNTER, "tokens run through the model, by phase"), (("phase", "prefill"),)),
-    ("decode_tokens", MetricDef("engram_tokens_total", COUNTER, "tokens run through the model, by phase"), (("phase", "decode"),)),
+    (
+        "prefill_tokens",
+        MetricDef("engram_tokens_total", COUNTER, "tokens run through the model, by phase"),
+        (("phase", "prefill"),),
+    ),
+    (
+        "decode_tokens",
+        MetricDef("engram_tokens_total", COUNTER, "tokens run through the model, by phase"),
+        (("phase", "decode"),),
+    ),
     ("step_s", MetricDef("engram_step_seconds_total", COUNTER, "seconds spent running steps"), ()),
-    ("tokens_per_step", MetricDef("engram_step_tokens_mean", GAUGE, "mean tokens per step since start (batch size in tokens)"), ()),
+    (
+        "tokens_per_step",
+        MetricDef("engram_step_tokens_mean", GAUGE, "mean tokens per step since start (batch size in tokens)"),
+        (),
+    ),
     ("last_step_tokens", MetricDef("engram_step_tokens_last", GAUGE, "tokens in the last step"), ()),
     ("last_step_seqs", MetricDef("engram_step_sequences_last", GAUGE, "sequences in the last step (batch size)"), ()),
-    ("max_step_seqs", MetricDef("engram_step_sequences_max", GAUGE, "most sequences one step has held since start"), ()),
+    (
+        "max_step_seqs",
+        MetricDef("engram_step_sequences_max", GAUGE, "most sequences one step has held since start"),
+        (),
+    ),
 )
 
 # (stats["engram"] key, metric) of the lookup counters (engram_trt.runtime.prefetch).
 _LOOKUP: tuple[tuple[str, MetricDef], ...] = (
     ("rows", MetricDef("engram_lookup_rows_total", COUNTER, "Engram table rows looked up")),
-    ("bytes_from_host", MetricDef("engram_lookup_bytes_from_host_total", COUNTER, "bytes of Engram rows moved from host memory to the device")),
+    (
+        "bytes_from_host",
+        MetricDef(
+            "engram_lookup_bytes_from_host_total", COUNTER, "bytes of Engram rows moved from host memory to the device"
+        ),
+    ),
     ("lookup_s", MetricDef("engram_lookup_seconds_total", COUNTER, "seconds spent hashing and gathering Engram rows")),
     ("steps", MetricDef("engram_lookup_steps_total", COUNTER, "steps whose Engram rows were looked up")),
 )
 _PATHS = MetricDef("engram_lookup_path_steps_total", COUNTER, "steps by gather path (device, uva, host, reference)")
-_TABLE_BYTES = MetricDef("engram_table_bytes", GAUGE, "bytes of the Engram tables this instance serves, by storage kind")
-_RESIDENT_BYTES = MetricDef("engram_table_resident_bytes", GAUGE,
-                            "bytes of table memory this instance holds or maps (a shared segment counts in every instance attached to it)")
-_TP_RANKS = MetricDef("engram_tp_ranks", GAUGE, "ranks of the tensor-parallel group this instance leads (itself included)")
-_TP_RANKS_ALIVE = MetricDef("engram_tp_ranks_alive", GAUGE,
-                            "ranks of this instance's tensor-parallel group still running (below engram_tp_ranks: the group is broken)")
+_TABLE_BYTES = MetricDef(
+    "engram_table_bytes", GAUGE, "bytes of the Engram tables this instance serves, by storage kind"
+)
+_RESIDENT_BYTES = MetricDef(
+    "engram_table_resident_bytes",
+    GAUGE,
+    "bytes of table memory this instance holds or maps (a shared segment counts in every instance attached to it)",
+)
+_TP_RANKS = MetricDef(
+    "engram_tp_ranks", GAUGE, "ranks of the tensor-parallel group this instance leads (itself included)"
+)
+_TP_RANKS_ALIVE = MetricDef(
+    "engram_tp_ranks_alive",
+    GAUGE,
+    "ranks of this instance's tensor-parallel group still running (below engram_tp_ranks: the group is broken)",
+)
 _HOT_COUNTER_KEYS = {"hits", "misses", "lookups", "rows", "admissions", "evictions", "inserts"}
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -129,8 +160,15 @@ class MetricsExporter:
     stand-in with the same ``MetricFamily`` shape in tests); ``labels`` go on every
     metric (model, version, instance)."""
 
-    def __init__(self, pb_utils: Any, stats: Callable[[], Mapping[str, Any]], labels: Mapping[str, str], *,
-                 interval: float = 1.0, min_interval: float = 0.05) -> None:
+    def __init__(
+        self,
+        pb_utils: Any,
+        stats: Callable[[], Mapping[str, Any]],
+        labels: Mapping[str, str],
+        *,
+        interval: float = 1.0,
+        min_interval: float = 0.05,
+    ) -> None:
         self.pb = pb_utils
         self.stats = stats
         self.labels = dict(labels)

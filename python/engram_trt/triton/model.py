@@ -86,7 +86,9 @@ class ModelParams:
 
         engine_dir = text("engine_dir")
         if engine_dir is None:
-            raise EngramError("config.pbtxt has no 'engine_dir' parameter; write the repository with `engram-trt triton-repo`")
+            raise EngramError(
+                "config.pbtxt has no 'engine_dir' parameter; write the repository with `engram-trt triton-repo`"
+            )
         ecfg = None
         if (v := text("engram_config")) is not None:
             try:
@@ -101,19 +103,35 @@ class ModelParams:
         unused = (text("allow_unused_weights") or "false").lower()
         if unused not in ("true", "false"):
             raise EngramError(f"config.pbtxt parameter 'allow_unused_weights' must be true or false (got {unused!r})")
-        return cls(engine_dir=engine_dir, backend=text("backend") or "auto", device=text("device") or "auto",
-                   dtype=text("dtype"), engram_config=ecfg or None, max_batch_size=integer("max_batch_size"),
-                   max_seq_len=integer("max_seq_len"), max_num_tokens=integer("max_num_tokens"),
-                   default_max_tokens=integer("default_max_tokens") or 16,
-                   metrics_interval_s=float(interval) if interval else 1.0, tp=tp, dp=dp,
-                   tp_gpus=parse_tp_gpus(text("tp_gpus") or "", tp), group_timeout_s=float(timeout) if timeout else 600.0,
-                   allow_unused_weights=unused == "true")
+        return cls(
+            engine_dir=engine_dir,
+            backend=text("backend") or "auto",
+            device=text("device") or "auto",
+            dtype=text("dtype"),
+            engram_config=ecfg or None,
+            max_batch_size=integer("max_batch_size"),
+            max_seq_len=integer("max_seq_len"),
+            max_num_tokens=integer("max_num_tokens"),
+            default_max_tokens=integer("default_max_tokens") or 16,
+            metrics_interval_s=float(interval) if interval else 1.0,
+            tp=tp,
+            dp=dp,
+            tp_gpus=parse_tp_gpus(text("tp_gpus") or "", tp),
+            group_timeout_s=float(timeout) if timeout else 600.0,
+            allow_unused_weights=unused == "true",
+        )
 
     def llm_kwargs(self) -> dict[str, Any]:
         """The :class:`engram_trt.LLM` options besides the path, device and tables."""
-        return {"backend": self.backend, "dtype": self.dtype, "max_batch_size": self.max_batch_size,
-                "max_seq_len": self.max_seq_len, "max_num_tokens": self.max_num_tokens, "progress": False,
-                "allow_unused_weights": self.allow_unused_weights}
+        return {
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "max_batch_size": self.max_batch_size,
+            "max_seq_len": self.max_seq_len,
+            "max_num_tokens": self.max_num_tokens,
+            "progress": False,
+            "allow_unused_weights": self.allow_unused_weights,
+        }
 
 
 def parse_tp_gpus(text: str, tp: int) -> tuple[tuple[int, ...], ...]:
@@ -123,7 +141,9 @@ def parse_tp_gpus(text: str, tp: int) -> tuple[tuple[int, ...], ...]:
     try:
         groups = tuple(tuple(int(g) for g in part.split(",")) for part in text.split(";"))
     except ValueError:
-        raise EngramError(f"config.pbtxt parameter 'tp_gpus' must be GPU ids such as '0,1;2,3' (got {text!r})") from None
+        raise EngramError(
+            f"config.pbtxt parameter 'tp_gpus' must be GPU ids such as '0,1;2,3' (got {text!r})"
+        ) from None
     if any(len(g) != tp for g in groups):
         raise EngramError(f"config.pbtxt parameter 'tp_gpus' {text!r} must list {tp} GPUs (tp) per instance")
     return groups
@@ -149,7 +169,9 @@ class EngramTritonModel:
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
-            raise EngramError("engram_llm must be decoupled (model_transaction_policy { decoupled: true }) so tokens stream as they are generated")
+            raise EngramError(
+                "engram_llm must be decoupled (model_transaction_policy { decoupled: true }) so tokens stream as they are generated"
+            )
         self.params = p = ModelParams.from_model_config(config)
         self.instance = args.get("model_instance_name", "engram_llm_0")
         self.group: Any = None  # the TP group this instance leads (tp > 1)
@@ -167,10 +189,19 @@ class EngramTritonModel:
         if p.tp > 1:
             from engram_trt.distributed.serving import GroupSpec, start_serving_group
 
-            self.group = start_serving_group(GroupSpec(
-                p.engine_dir, p.tp, group_devices(p, instance_gpu), dp=p.dp, engram_config=p.engram_config,
-                llm_kwargs=p.llm_kwargs(), name=f"{self.instance}/tp{p.tp}", timeout_s=p.group_timeout_s,
-                start_timeout_s=p.group_timeout_s))
+            self.group = start_serving_group(
+                GroupSpec(
+                    p.engine_dir,
+                    p.tp,
+                    group_devices(p, instance_gpu),
+                    dp=p.dp,
+                    engram_config=p.engram_config,
+                    llm_kwargs=p.llm_kwargs(),
+                    name=f"{self.instance}/tp{p.tp}",
+                    timeout_s=p.group_timeout_s,
+                    start_timeout_s=p.group_timeout_s,
+                )
+            )
             return self.group.llm, self.group.sharing.warnings
         from engram_trt.llmapi.llm import LLM
 
@@ -187,17 +218,27 @@ class EngramTritonModel:
         pb_utils, p = self.pb, self.params
         for w in warnings:
             pb_utils.Logger.log_warn(f"engram_llm instance {self.instance}: {w}")
-        group = (f"; leads TP group {self.group.name} of {p.tp} ranks ({', '.join(self.group.spec.devices)}; "
-                 f"follower pids {self.group.follower_pids()}), tables {self.group.sharing.dp_mode}") if self.group else ""
+        group = (
+            (
+                f"; leads TP group {self.group.name} of {p.tp} ranks ({', '.join(self.group.spec.devices)}; "
+                f"follower pids {self.group.follower_pids()}), tables {self.group.sharing.dp_mode}"
+            )
+            if self.group
+            else ""
+        )
         pb_utils.Logger.log_info(
             f"engram_llm instance {self.instance}: {p.engine_dir} on {self.llm.device}, backend {self.llm.backend_label} "
             f"({self.llm.backend_reason}); tables {self.llm.storage.get('kind')}; "
-            f"{self.llm.runner.max_batch} KV slots of {self.llm.runner.max_seq_len} tokens{group}")
+            f"{self.llm.runner.max_batch} KV slots of {self.llm.runner.max_seq_len} tokens{group}"
+        )
         self._queue: queue.SimpleQueue[tuple[_Stream, Any] | None] = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="engram-triton-sender", daemon=True)
         self._sender.start()
-        labels = {"model": args.get("model_name", "engram_llm"), "version": str(args.get("model_version", "1")),
-                  "instance": self.instance}
+        labels = {
+            "model": args.get("model_name", "engram_llm"),
+            "version": str(args.get("model_version", "1")),
+            "instance": self.instance,
+        }
         if self.group is not None:
             labels["tp_group"] = self.group.name
         self._storage = self.llm.storage  # fixed for the instance's life
@@ -280,8 +321,10 @@ class EngramTritonModel:
             self._send_error(st.sender, "the request was cancelled: the server is shutting down")
         else:
             text, ids = (out.delta_text, out.delta_token_ids) if st.stream else (out.text, out.token_ids)
-            st.sender.send(pb.InferenceResponse(output_tensors=self._tensors(text, ids, out.finish_reason)),
-                           flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            st.sender.send(
+                pb.InferenceResponse(output_tensors=self._tensors(text, ids, out.finish_reason)),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
 
     def _give_up(self, st: _Stream) -> None:
         """The client is gone: stop generating; the 'cancelled' event sends the final flag."""
@@ -291,8 +334,10 @@ class EngramTritonModel:
 
     def _tensors(self, text: str, ids: list[int], finish_reason: str | None = None) -> list[Any]:
         pb = self.pb
-        out = [pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-               pb.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1))]
+        out = [
+            pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+            pb.Tensor("output_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1)),
+        ]
         if finish_reason is not None:
             out.append(pb.Tensor("finish_reason", np.array([[finish_reason.encode()]], dtype=np.object_)))
         return out
@@ -316,17 +361,21 @@ def group_devices(p: ModelParams, instance_gpu: str | None) -> tuple[str, ...]:
     ``tp`` CPU ranks (gloo)."""
     if instance_gpu is None:
         if p.device != "cpu":
-            raise EngramError(f"a KIND_CPU instance with tp {p.tp} runs its group on CPU, but the 'device' parameter is "
-                              f"{p.device!r}; write the repository with `engram-trt triton-repo --tp {p.tp} --gpus ...` to "
-                              "place the groups on GPUs, or --device cpu")
+            raise EngramError(
+                f"a KIND_CPU instance with tp {p.tp} runs its group on CPU, but the 'device' parameter is "
+                f"{p.device!r}; write the repository with `engram-trt triton-repo --tp {p.tp} --gpus ...` to "
+                "place the groups on GPUs, or --device cpu"
+            )
         return ("cpu",) * p.tp
     first = int(instance_gpu.split(":")[1])
     for g in p.tp_gpus:
         if g[0] == first:
             return tuple(f"cuda:{i}" for i in g)
-    raise EngramError(f"this instance runs on GPU {first}, which leads no group of the 'tp_gpus' parameter "
-                      f"({';'.join(','.join(map(str, g)) for g in p.tp_gpus) or 'empty'}); rewrite the repository with "
-                      "`engram-trt triton-repo --tp N --dp M`")
+    raise EngramError(
+        f"this instance runs on GPU {first}, which leads no group of the 'tp_gpus' parameter "
+        f"({';'.join(','.join(map(str, g)) for g in p.tp_gpus) or 'empty'}); rewrite the repository with "
+        "`engram-trt triton-repo --tp N --dp M`"
+    )
 
 
 __all__ = ["EngramTritonModel", "ModelParams"]

@@ -100,7 +100,9 @@ class RepoOptions:
     tp: int = 1  # ranks per instance (--tp)
     dp: int = 1  # instances (--dp)
     tp_groups: tuple[tuple[int, ...], ...] = ()  # per instance, its group's GPUs (resolve_parallel fills it)
-    allow_unused_weights: bool = False  # serve a checkpoint holding tensors the model does not read (--allow-unused-weights)
+    allow_unused_weights: bool = (
+        False  # serve a checkpoint holding tensors the model does not read (--allow-unused-weights)
+    )
 
     @property
     def parallel(self) -> bool:
@@ -133,12 +135,16 @@ def check_engine_dir(path: str | Path) -> Path:
     Light on purpose (no torch): the model's load does the full check."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise EngramError(f"engine folder '{p}' does not exist; build one with `engram-trt build CHECKPOINT --output DIR`")
+        raise EngramError(
+            f"engine folder '{p}' does not exist; build one with `engram-trt build CHECKPOINT --output DIR`"
+        )
     if not p.is_dir():
         raise EngramError(f"'{p}' is not a folder; pass an engine folder from `engram-trt build`")
     if not (p / "manifest.json").is_file() and not (p / "config.json").is_file():
-        raise EngramError(f"'{p}' is neither an engine folder (no manifest.json) nor a checkpoint (no config.json); "
-                          "build one with `engram-trt build CHECKPOINT --output DIR`")
+        raise EngramError(
+            f"'{p}' is neither an engine folder (no manifest.json) nor a checkpoint (no config.json); "
+            "build one with `engram-trt build CHECKPOINT --output DIR`"
+        )
     return p.resolve()
 
 
@@ -180,8 +186,10 @@ def resolve_parallel(opts: RepoOptions) -> RepoOptions:
     if not opts.parallel:
         return opts
     if opts.instances != 1:
-        raise EngramError(f"--instances {opts.instances} cannot be combined with --tp/--dp: there --dp M sets the instances "
-                          f"(each leading --tp N ranks); pass --dp {opts.instances} instead")
+        raise EngramError(
+            f"--instances {opts.instances} cannot be combined with --tp/--dp: there --dp M sets the instances "
+            f"(each leading --tp N ranks); pass --dp {opts.instances} instead"
+        )
     need = tp * dp
     layout = f"--tp {tp} x --dp {dp} needs {need} GPU(s), one per rank,"
     gpus = opts.gpus
@@ -190,33 +198,50 @@ def resolve_parallel(opts: RepoOptions) -> RepoOptions:
         if device == "cpu":
             return replace(opts, tp_groups=())
         if device.startswith("cuda:"):
-            raise EngramError(f"--device {device}: with --tp/--dp every rank takes its own GPU; pass --device cuda (or auto), "
-                              "or --gpus to choose them")
+            raise EngramError(
+                f"--device {device}: with --tp/--dp every rank takes its own GPU; pass --device cuda (or auto), "
+                "or --gpus to choose them"
+            )
         n = cuda_device_count()
         if n == 0 and device == "auto":
-            log.info("no CUDA device here: the %d instance(s) run their TP groups on CPU (gloo); pass --gpus to write a "
-                     "repository for GPUs elsewhere", dp)
+            log.info(
+                "no CUDA device here: the %d instance(s) run their TP groups on CPU (gloo); pass --gpus to write a "
+                "repository for GPUs elsewhere",
+                dp,
+            )
             return replace(opts, device="cpu", tp_groups=())
         if n < need:
-            raise EngramError(f"{layout} but this machine has {n} CUDA device(s); lower --tp/--dp, pass --gpus to write "
-                              "a repository for another machine, or --device cpu")
+            raise EngramError(
+                f"{layout} but this machine has {n} CUDA device(s); lower --tp/--dp, pass --gpus to write "
+                "a repository for another machine, or --device cpu"
+            )
         gpus = tuple(range(need))
     if len(gpus) < need:
-        raise EngramError(f"{layout} but --gpus lists {len(gpus)} ({','.join(map(str, gpus))}); list {need} GPU ids "
-                          "or lower --tp/--dp")
+        raise EngramError(
+            f"{layout} but --gpus lists {len(gpus)} ({','.join(map(str, gpus))}); list {need} GPU ids "
+            "or lower --tp/--dp"
+        )
     if len(gpus) > need:
-        log.warning("--gpus lists %d GPUs; --tp %d x --dp %d uses the first %d (%s)", len(gpus), tp, dp, need,
-                    ",".join(map(str, gpus[:need])))
-    groups = tuple(tuple(gpus[i * tp:(i + 1) * tp]) for i in range(dp))
+        log.warning(
+            "--gpus lists %d GPUs; --tp %d x --dp %d uses the first %d (%s)",
+            len(gpus),
+            tp,
+            dp,
+            need,
+            ",".join(map(str, gpus[:need])),
+        )
+    groups = tuple(tuple(gpus[i * tp : (i + 1) * tp]) for i in range(dp))
     return replace(opts, gpus=tuple(gpus[:need]), tp_groups=groups)
 
 
 def check_parallel_tables(opts: RepoOptions) -> None:
     """Refuse ``embedding_across_dp`` over several ``--dp`` instances (see the module docstring)."""
     if opts.parallel and opts.dp > 1 and opts.engram_config.embedding_across_dp:
-        raise EngramError(f"--engram-config embedding_across_dp shards the tables over replicas that step in lockstep, but "
-                          f"the --dp {opts.dp} Triton instances step independently; drop it (dp_shared_memory, the default "
-                          "with --dp > 1, keeps one /dev/shm copy per node) or serve --dp 1")
+        raise EngramError(
+            f"--engram-config embedding_across_dp shards the tables over replicas that step in lockstep, but "
+            f"the --dp {opts.dp} Triton instances step independently; drop it (dp_shared_memory, the default "
+            "with --dp > 1, keeps one /dev/shm copy per node) or serve --dp 1"
+        )
 
 
 def _q(text: str) -> str:
@@ -325,17 +350,23 @@ def _check_replaceable(out: Path, force: bool, flag: str = "--out") -> None:
     if not present and not any(out.iterdir()):
         return
     if not force:
-        raise EngramError(f"{flag} '{out}' exists and is not empty; choose a new folder, or pass --force to replace "
-                          "a repository engram-trt wrote there")
+        raise EngramError(
+            f"{flag} '{out}' exists and is not empty; choose a new folder, or pass --force to replace "
+            "a repository engram-trt wrote there"
+        )
     ours = _our_files(out)
     if not ours:
-        raise EngramError(f"{flag} '{out}' is not a model repository engram-trt wrote (no {MARKER}); refusing to "
-                          "replace it, even with --force; choose a new folder")
+        raise EngramError(
+            f"{flag} '{out}' is not a model repository engram-trt wrote (no {MARKER}); refusing to "
+            "replace it, even with --force; choose a new folder"
+        )
     for p in present:
         rel = p.relative_to(out).as_posix()
         if rel not in ours and "__pycache__" not in p.parts:
-            raise EngramError(f"{flag} '{out}' holds '{rel}', which engram-trt did not write; refusing to replace it; "
-                              "move it away or choose a new folder")
+            raise EngramError(
+                f"{flag} '{out}' holds '{rel}', which engram-trt did not write; refusing to replace it; "
+                "move it away or choose a new folder"
+            )
 
 
 def resolve_options(opts: RepoOptions) -> RepoOptions:
@@ -379,8 +410,13 @@ def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = 
         for rel, text in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_text(text)
-        marker = {"written_by": "engram-trt", "version": __version__, "model": MODEL_NAME,
-                  "engine_dir": str(opts.engine_dir), "files": sorted(files)}
+        marker = {
+            "written_by": "engram-trt",
+            "version": __version__,
+            "model": MODEL_NAME,
+            "engine_dir": str(opts.engine_dir),
+            "files": sorted(files),
+        }
         (tmp / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         os.chmod(tmp, 0o755)
         if out.exists() and any(out.iterdir()):
@@ -400,9 +436,16 @@ def write_model_repository(opts: RepoOptions, out: str | Path, *, force: bool = 
 
 def describe(opts: RepoOptions, repo: Path) -> dict[str, Any]:
     """What ``triton-repo --json`` prints (``opts`` as :func:`resolve_options` returns them)."""
-    return {"repo": str(repo), "model": MODEL_NAME, "engine_dir": str(opts.engine_dir),
-            "instances": opts.total_instances, "instance_kind": "KIND_GPU" if opts.gpus else "KIND_CPU",
-            "gpus": list(opts.gpus), "tp": opts.tp, "dp": opts.total_instances,
-            "tp_groups": [list(g) for g in opts.tp_groups],
-            "engram_config": json.loads(model_parameters(opts)["engram_config"] or "{}"),
-            "files": [f"{MODEL_NAME}/config.pbtxt", f"{MODEL_NAME}/1/model.py", MARKER]}
+    return {
+        "repo": str(repo),
+        "model": MODEL_NAME,
+        "engine_dir": str(opts.engine_dir),
+        "instances": opts.total_instances,
+        "instance_kind": "KIND_GPU" if opts.gpus else "KIND_CPU",
+        "gpus": list(opts.gpus),
+        "tp": opts.tp,
+        "dp": opts.total_instances,
+        "tp_groups": [list(g) for g in opts.tp_groups],
+        "engram_config": json.loads(model_parameters(opts)["engram_config"] or "{}"),
+        "files": [f"{MODEL_NAME}/config.pbtxt", f"{MODEL_NAME}/1/model.py", MARKER],
+    }

@@ -87,20 +87,33 @@ def find_tritonserver(explicit: str | None = None) -> TritonInstall:
         return TritonInstall(Path(on_path).resolve(), "PATH")
     root = _pytriton_root()
     if root is None or not (root / "tritonserver" / "bin" / "tritonserver").is_file():
-        raise EngramError(f"no tritonserver found: none on PATH and the nvidia-pytriton wheel (which ships one) is not "
-                          f"installed; install it with `{PIP_HINT}` (or `pip install 'engram-trt[serve]'`), or pass --tritonserver PATH")
+        raise EngramError(
+            f"no tritonserver found: none on PATH and the nvidia-pytriton wheel (which ships one) is not "
+            f"installed; install it with `{PIP_HINT}` (or `pip install 'engram-trt[serve]'`), or pass --tritonserver PATH"
+        )
     dist = root / "tritonserver"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
-        have = sorted(p.name for p in (dist / "python_backend_stubs").iterdir()) if (dist / "python_backend_stubs").is_dir() else []
-        raise EngramError(f"nvidia-pytriton ships Python-backend stubs for Python {', '.join(have) or 'no version'}, "
-                          f"not for this Python {version}; serve with one of those")
+        have = (
+            sorted(p.name for p in (dist / "python_backend_stubs").iterdir())
+            if (dist / "python_backend_stubs").is_dir()
+            else []
+        )
+        raise EngramError(
+            f"nvidia-pytriton ships Python-backend stubs for Python {', '.join(have) or 'no version'}, "
+            f"not for this Python {version}; serve with one of those"
+        )
     lib_dir = root.parent / "nvidia_pytriton.libs"
     if not lib_dir.is_dir():
         lib_dir = dist / "external_libs"  # an editable install of pytriton
-    return TritonInstall(dist / "bin" / "tritonserver", "nvidia-pytriton", dist / "backends" / "python", stub,
-                         lib_dir if lib_dir.is_dir() else None)
+    return TritonInstall(
+        dist / "bin" / "tritonserver",
+        "nvidia-pytriton",
+        dist / "backends" / "python",
+        stub,
+        lib_dir if lib_dir.is_dir() else None,
+    )
 
 
 def check_python_for(install: TritonInstall) -> None:
@@ -113,9 +126,11 @@ def check_python_for(install: TritonInstall) -> None:
     except (importlib.metadata.PackageNotFoundError, ValueError):
         return
     if major >= 2:
-        raise EngramError(f"the tritonserver of nvidia-pytriton runs its Python backend with NumPy 1 only, but this Python "
-                          f"has numpy {importlib.metadata.version('numpy')}; install `python3 -m pip install 'numpy<2'` "
-                          "(what nvidia-pytriton asks for), or serve with a tritonserver built for NumPy 2 (--tritonserver)")
+        raise EngramError(
+            f"the tritonserver of nvidia-pytriton runs its Python backend with NumPy 1 only, but this Python "
+            f"has numpy {importlib.metadata.version('numpy')}; install `python3 -m pip install 'numpy<2'` "
+            "(what nvidia-pytriton asks for), or serve with a tritonserver built for NumPy 2 (--tritonserver)"
+        )
 
 
 def prepare_backends(install: TritonInstall, workdir: Path) -> Path | None:
@@ -161,8 +176,10 @@ def pick_port(address: str, port: int, flag: str) -> int:
             s.bind((address, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise EngramError(f"{flag} {port}: the port is in use on {address}; pick another port "
-                                  "(0 picks a free one) or stop what holds it") from None
+                raise EngramError(
+                    f"{flag} {port}: the port is in use on {address}; pick another port "
+                    "(0 picks a free one) or stop what holds it"
+                ) from None
             raise EngramError(f"{flag} {port}: cannot bind {address}:{port} ({exc.strerror})") from None
         return int(s.getsockname()[1])
 
@@ -177,15 +194,17 @@ def check_address(address: str) -> None:
         infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         why = getattr(exc, "strerror", None) or str(exc)
-        raise EngramError(f"--address {address!r} is not an IP address or a host name this machine resolves ({why}); "
-                          f"{fix}") from None
+        raise EngramError(
+            f"--address {address!r} is not an IP address or a host name this machine resolves ({why}); {fix}"
+        ) from None
     family, _, _, _, sockaddr = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
             s.bind((sockaddr[0], 0))
         except OSError as exc:
-            raise EngramError(f"--address {address!r}: cannot listen there ({exc.strerror}: not an address of this "
-                              f"machine?); {fix}") from None
+            raise EngramError(
+                f"--address {address!r}: cannot listen there ({exc.strerror}: not an address of this machine?); {fix}"
+            ) from None
 
 
 def pick_ports(address: str, wanted: dict[str, int]) -> dict[str, int]:
@@ -231,9 +250,13 @@ class TritonServer:
     def endpoints(self) -> dict[str, str]:
         h = f"[{self.host}]" if ":" in self.host else self.host
         http = f"http://{h}:{self.ports['http']}"
-        return {"http": http, "grpc": f"{h}:{self.ports['grpc']}", "metrics": f"http://{h}:{self.ports['metrics']}/metrics",
-                "generate": f"{http}/v2/models/{MODEL_NAME}/generate",
-                "generate_stream": f"{http}/v2/models/{MODEL_NAME}/generate_stream"}
+        return {
+            "http": http,
+            "grpc": f"{h}:{self.ports['grpc']}",
+            "metrics": f"http://{h}:{self.ports['metrics']}/metrics",
+            "generate": f"{http}/v2/models/{MODEL_NAME}/generate",
+            "generate_stream": f"{http}/v2/models/{MODEL_NAME}/generate_stream",
+        }
 
     def _read(self, sink: TextIO | None) -> None:
         assert self.proc.stdout is not None
@@ -278,8 +301,10 @@ class TritonServer:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise EngramError(f"{MODEL_NAME} was not ready within {timeout:.0f} s (--ready-timeout); last server "
-                                  f"log line: {self.failure_reason()}")
+                raise EngramError(
+                    f"{MODEL_NAME} was not ready within {timeout:.0f} s (--ready-timeout); last server "
+                    f"log line: {self.failure_reason()}"
+                )
             time.sleep(0.25)
         return False
 
@@ -301,24 +326,46 @@ class TritonServer:
         return int(self.proc.returncode)
 
 
-def start_server(install: TritonInstall, repo: Path, workdir: Path, *, address: str, ports: dict[str, int],
-                 exit_timeout: int = 30, extra_args: Sequence[str] = (), log_sink: TextIO | None = None) -> TritonServer:
+def start_server(
+    install: TritonInstall,
+    repo: Path,
+    workdir: Path,
+    *,
+    address: str,
+    ports: dict[str, int],
+    exit_timeout: int = 30,
+    extra_args: Sequence[str] = (),
+    log_sink: TextIO | None = None,
+) -> TritonServer:
     """Start ``tritonserver`` on ``repo`` (its output goes to ``log_sink`` and a tail
     is kept for error messages); returns at once: call :meth:`TritonServer.wait_ready`."""
     backends = prepare_backends(install, workdir)
-    cmd = [str(install.binary), f"--model-repository={repo}",
-           f"--http-address={address}", f"--http-port={ports['http']}",
-           f"--grpc-address={address}", f"--grpc-port={ports['grpc']}",
-           f"--metrics-address={address}", f"--metrics-port={ports['metrics']}",
-           f"--exit-timeout-secs={exit_timeout}",
-           # One shared-memory prefix per server, so two servers on a node never collide.
-           f"--backend-config=python,shm-region-prefix-name=engram{os.getpid()}x{ports['http']}"]
+    cmd = [
+        str(install.binary),
+        f"--model-repository={repo}",
+        f"--http-address={address}",
+        f"--http-port={ports['http']}",
+        f"--grpc-address={address}",
+        f"--grpc-port={ports['grpc']}",
+        f"--metrics-address={address}",
+        f"--metrics-port={ports['metrics']}",
+        f"--exit-timeout-secs={exit_timeout}",
+        # One shared-memory prefix per server, so two servers on a node never collide.
+        f"--backend-config=python,shm-region-prefix-name=engram{os.getpid()}x{ports['http']}",
+    ]
     if backends is not None:
         cmd.append(f"--backend-directory={backends}")
     cmd += list(extra_args)
     log.info("starting %s", " ".join(cmd))
-    proc = subprocess.Popen(cmd, env=server_env(install), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        cmd,
+        env=server_env(install),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     server = TritonServer(proc, install, address, ports, repo)
     server._reader = threading.Thread(target=server._read, args=(log_sink,), name="tritonserver-log", daemon=True)
     server._reader.start()

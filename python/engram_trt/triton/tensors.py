@@ -34,21 +34,49 @@ class TensorSpec:
 
 INPUTS: tuple[TensorSpec, ...] = (
     TensorSpec("text_input", "TYPE_STRING", (1,), doc="the prompt, UTF-8 text"),
-    TensorSpec("max_tokens", "TYPE_INT32", (1,), True, "most new tokens (default: the model's default_max_tokens parameter)"),
+    TensorSpec(
+        "max_tokens", "TYPE_INT32", (1,), True, "most new tokens (default: the model's default_max_tokens parameter)"
+    ),
     TensorSpec("temperature", "TYPE_FP32", (1,), True, "0 or absent: greedy; > 0: sampling"),
     TensorSpec("top_p", "TYPE_FP32", (1,), True, "nucleus mass in (0, 1]; 0 or absent: no cut (as TensorRT-LLM)"),
     TensorSpec("random_seed", "TYPE_UINT64", (1,), True, "sampling seed, 0..2^63-1 (default 0)"),
-    TensorSpec("stop_words", "TYPE_STRING", (-1,), True, "strings that end generation (excluded from the text); empty strings are ignored"),
-    TensorSpec("stream", "TYPE_BOOL", (1,), True, "true: one response per new piece of text; false or absent: one response at the end"),
-    TensorSpec("bad_words", "TYPE_STRING", (-1,), True, "accepted for TensorRT-LLM clients only when empty (not supported)"),
+    TensorSpec(
+        "stop_words",
+        "TYPE_STRING",
+        (-1,),
+        True,
+        "strings that end generation (excluded from the text); empty strings are ignored",
+    ),
+    TensorSpec(
+        "stream",
+        "TYPE_BOOL",
+        (1,),
+        True,
+        "true: one response per new piece of text; false or absent: one response at the end",
+    ),
+    TensorSpec(
+        "bad_words", "TYPE_STRING", (-1,), True, "accepted for TensorRT-LLM clients only when empty (not supported)"
+    ),
     TensorSpec("top_k", "TYPE_INT32", (1,), True, "accepted for TensorRT-LLM clients only as 0 (off) or 1 (greedy)"),
-    TensorSpec("ignore_eos", "TYPE_BOOL", (1,), True, "engram-trt extension: true keeps generating past end-of-sequence ids"),
-    TensorSpec("skip_special_tokens", "TYPE_BOOL", (1,), True,
-               "true or absent: special tokens' text (an end token's, say) is left out of text_output; false keeps it"),
+    TensorSpec(
+        "ignore_eos", "TYPE_BOOL", (1,), True, "engram-trt extension: true keeps generating past end-of-sequence ids"
+    ),
+    TensorSpec(
+        "skip_special_tokens",
+        "TYPE_BOOL",
+        (1,),
+        True,
+        "true or absent: special tokens' text (an end token's, say) is left out of text_output; false keeps it",
+    ),
 )
 
 OUTPUTS: tuple[TensorSpec, ...] = (
-    TensorSpec("text_output", "TYPE_STRING", (-1,), doc="streaming: the new text of this response; otherwise: the whole generated text"),
+    TensorSpec(
+        "text_output",
+        "TYPE_STRING",
+        (-1,),
+        doc="streaming: the new text of this response; otherwise: the whole generated text",
+    ),
     TensorSpec("output_ids", "TYPE_INT32", (-1,), doc="streaming: the new token ids; otherwise: all generated ids"),
     TensorSpec("finish_reason", "TYPE_STRING", (-1,), doc="in the last response only: length, stop or eos"),
 )
@@ -68,8 +96,10 @@ class GenerateRequest:
 def _one(name: str, arr: np.ndarray) -> Any:
     """The single element of a scalar input (any shape holding one value)."""
     if arr.size != 1:
-        raise EngramError(f"input '{name}' must hold one value per request (got shape {list(arr.shape)}); "
-                          "send one prompt per request: concurrent requests are batched by the server")
+        raise EngramError(
+            f"input '{name}' must hold one value per request (got shape {list(arr.shape)}); "
+            "send one prompt per request: concurrent requests are batched by the server"
+        )
     return arr.reshape(-1)[0]
 
 
@@ -81,8 +111,10 @@ def _text(name: str, value: Any) -> str:
         try:
             return bytes(value).decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise EngramError(f"input '{name}' is not valid UTF-8 (byte 0x{bytes(value)[exc.start]:02x} at offset "
-                              f"{exc.start}); send UTF-8 text") from None
+            raise EngramError(
+                f"input '{name}' is not valid UTF-8 (byte 0x{bytes(value)[exc.start]:02x} at offset "
+                f"{exc.start}); send UTF-8 text"
+            ) from None
     raise EngramError(f"input '{name}' must be BYTES (text), got a {type(value).__name__} element")
 
 
@@ -149,13 +181,22 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
         if top_k == 1:
             temperature = 0.0
         elif top_k != 0:
-            raise EngramError(f"input 'top_k' {top_k} is not supported: send 0 (off) or 1 (greedy), and use top_p for nucleus sampling")
+            raise EngramError(
+                f"input 'top_k' {top_k} is not supported: send 0 (off) or 1 (greedy), and use top_p for nucleus sampling"
+            )
     if (arr := get("bad_words")) is not None and _words("bad_words", arr):
         raise EngramError("input 'bad_words' is not supported; send it empty or leave it out")
     stop = _words("stop_words", arr) if (arr := get("stop_words")) is not None else ()
     stream = _flag("stream", arr) if (arr := get("stream")) is not None else False
     ignore_eos = _flag("ignore_eos", arr) if (arr := get("ignore_eos")) is not None else False
     skip = _flag("skip_special_tokens", arr) if (arr := get("skip_special_tokens")) is not None else True
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                            ignore_eos=ignore_eos, skip_special_tokens=skip)
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        skip_special_tokens=skip,
+    )
     return GenerateRequest(prompt, params, stream)

@@ -27,8 +27,15 @@ import logging
 from typing import Any, Iterable, Mapping
 
 from engram_trt.models.base import ArchitectureBase
-from engram_trt.models.deepseek_v4.config import (CONTRACT, V4_ARCH, V4_TYPE, V41_ARCH, V41_TYPE, DeepseekV4Config,
-                                                  read_config)
+from engram_trt.models.deepseek_v4.config import (
+    CONTRACT,
+    V4_ARCH,
+    V4_TYPE,
+    V41_ARCH,
+    V41_TYPE,
+    DeepseekV4Config,
+    read_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +55,9 @@ class DeepseekV4Architecture(ArchitectureBase):
 
         return parallel_plan(config, tp, rank)
 
-    def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
-                    enforce_contract: bool = True) -> DeepseekV4Config:
+    def read_config(
+        self, d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True
+    ) -> DeepseekV4Config:
         return read_config(d, source, enforce_contract=enforce_contract)
 
     def weight_shapes(self, config: DeepseekV4Config) -> dict[str, tuple[int, ...]]:
@@ -86,8 +94,11 @@ class DeepseekV4Architecture(ArchitectureBase):
             else:
                 unused.append(n)
         if mtp:
-            log.info("%d multi-token-prediction tensor(s) (mtp.*) are not served (num_nextn_predict_layers=%d)", mtp,
-                     config.num_nextn_predict_layers)
+            log.info(
+                "%d multi-token-prediction tensor(s) (mtp.*) are not served (num_nextn_predict_layers=%d)",
+                mtp,
+                config.num_nextn_predict_layers,
+            )
         return sorted(unused, key=natural_key)
 
     def stored_formats(self, config: DeepseekV4Config, ckpt: Any) -> tuple[dict[str, Any], list[str], Any]:
@@ -112,8 +123,10 @@ class DeepseekV4Architecture(ArchitectureBase):
                 experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
         for layer, found in sorted(experts.items()):
             if layer < cfg.num_hidden_layers and len(found) != cfg.n_routed_experts:
-                out.append(f"layer {layer} holds {len(found)} routed experts (ids {min(found)}..{max(found)}) but the config's "
-                           f"n_routed_experts={cfg.n_routed_experts}; the config does not describe these weights")
+                out.append(
+                    f"layer {layer} holds {len(found)} routed experts (ids {min(found)}..{max(found)}) but the config's "
+                    f"n_routed_experts={cfg.n_routed_experts}; the config does not describe these weights"
+                )
                 break
         formats, problems, _names = self.stored_formats(cfg, ckpt)
         out.extend(problems)
@@ -122,8 +135,10 @@ class DeepseekV4Architecture(ArchitectureBase):
                 continue
             t = ckpt.get(f.name)
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= cfg.n_routed_experts):
-                out.append(f"tensor {f.name} routes to expert {int(t.max()) if int(t.min()) >= 0 else int(t.min())}, "
-                           f"outside 0..{cfg.n_routed_experts - 1} (n_routed_experts={cfg.n_routed_experts})")
+                out.append(
+                    f"tensor {f.name} routes to expert {int(t.max()) if int(t.min()) >= 0 else int(t.min())}, "
+                    f"outside 0..{cfg.n_routed_experts - 1} (n_routed_experts={cfg.n_routed_experts})"
+                )
         return out + self.table_problems(ckpt, layout)
 
     def weight_formats(self, ckpt: Any, dtype: Any = None) -> dict[str, tuple[str, int, int]]:
@@ -161,17 +176,26 @@ class DeepseekV4Architecture(ArchitectureBase):
                 continue
             shape, st = tuple(ckpt.shape(table)), ckpt.st_dtype(table)
             if len(shape) != 2 or shape[1] != spec.head_dim:
-                out.append(f"table {table} has shape {list(shape)} but engram_head_dim={spec.head_dim} needs [rows, {spec.head_dim}]")
+                out.append(
+                    f"table {table} has shape {list(shape)} but engram_head_dim={spec.head_dim} needs [rows, {spec.head_dim}]"
+                )
             elif shape[0] < need:
-                out.append(f"table {table} has {shape[0]} rows but the layout needs at least {need} (engram_vocab_size / primes)")
+                out.append(
+                    f"table {table} has {shape[0]} rows but the layout needs at least {need} (engram_vocab_size / primes)"
+                )
             elif spec.table_dtype == "bf16" and st not in BF16_TABLE_DTYPES:
                 out.append(f"table {table} is {st} but engram_table_dtype='bf16' (expected BF16)")
             elif spec.table_dtype == "fp8":
                 want = (shape[0], shape[1] // spec.quant_block)
                 if st not in FP8_TABLE_DTYPES:
-                    out.append(f"table {table} is {st} but engram_table_dtype='fp8' (expected F8_E4M3 with ue8m0 scales)")
-                elif names["scale"] not in ckpt or tuple(ckpt.shape(names["scale"])) != want \
-                        or ckpt.st_dtype(names["scale"]) not in FP8_SCALE_DTYPES:
+                    out.append(
+                        f"table {table} is {st} but engram_table_dtype='fp8' (expected F8_E4M3 with ue8m0 scales)"
+                    )
+                elif (
+                    names["scale"] not in ckpt
+                    or tuple(ckpt.shape(names["scale"])) != want
+                    or ckpt.st_dtype(names["scale"]) not in FP8_SCALE_DTYPES
+                ):
                     out.append(f"scale {names['scale']} must be F8_E8M0 of shape {list(want)} beside its FP8 table")
         return out
 
@@ -187,8 +211,13 @@ class DeepseekV4Architecture(ArchitectureBase):
 
         dev = torch.device(options.get("device", "cpu"))
         dtype = options.get("dtype") or torch.float32
-        model = DeepseekV4Model(config, device=dev, dtype=dtype, compress_lookup=options.get("compress_lookup"),
-                                layout=options.get("layout"))
+        model = DeepseekV4Model(
+            config,
+            device=dev,
+            dtype=dtype,
+            compress_lookup=options.get("compress_lookup"),
+            layout=options.get("layout"),
+        )
         source = TensorDict(weights)
         formats, problems, names = model_formats(model, config.quant, source)
         if problems:
@@ -197,8 +226,9 @@ class DeepseekV4Architecture(ArchitectureBase):
         load_into(model, source, dev, dtype, KEEP_FLOAT32, names)
         return model.eval()
 
-    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
-                   parallel: Any = None, **_: Any) -> Any:
+    def load_model(
+        self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None, parallel: Any = None, **_: Any
+    ) -> Any:
         """The model of an open checkpoint, loaded tensor by tensor (refused first when its
         weights do not fit the GPU); V4.1's table store bound when given (the runtime's:
         decode graphs then gather GPU-readable rows inside the graph, the prefetcher
@@ -234,9 +264,11 @@ class DeepseekV4Architecture(ArchitectureBase):
             m = PLUGIN_MULTIPLE["fp4"]
             D, I = cfg.hidden_size, cfg.moe_intermediate_size
             if (D % m or I % m) and any(f.kind == "fp4" for f in self.stored_formats(cfg, ckpt)[0].values()):
-                out.append(f"FP4 routed experts with hidden_size={D} and moe_intermediate_size={I}: the engine's "
-                           f"EngramRoutedExperts plugin takes FP4 experts whose two dims are multiples of {m}; serve "
-                           f"this checkpoint with the torch backend (engram-trt run / serve)")
+                out.append(
+                    f"FP4 routed experts with hidden_size={D} and moe_intermediate_size={I}: the engine's "
+                    f"EngramRoutedExperts plugin takes FP4 experts whose two dims are multiples of {m}; serve "
+                    f"this checkpoint with the torch backend (engram-trt run / serve)"
+                )
         return out + engine_limits(cfg, int(cfg.max_position_embeddings))
 
     def engine_fp8_weights(self, ckpt: Any) -> list[str]:

@@ -62,12 +62,25 @@ from engram_trt.models.deepseek_v4.compressors import (
 
 # Parameters the published model keeps in float32 whatever the compute dtype
 # (``_keep_in_fp32_modules_strict``); names relative to ``self_attn``.
-FP32_PARAMETERS = ("sinks", "q_a_norm.weight", "kv_norm.weight", "compressor.position_bias",
-                   "compressor.kv_norm.weight", "compressor.indexer.position_bias",
-                   "compressor.indexer.kv_norm.weight")
+FP32_PARAMETERS = (
+    "sinks",
+    "q_a_norm.weight",
+    "kv_norm.weight",
+    "compressor.position_bias",
+    "compressor.kv_norm.weight",
+    "compressor.indexer.position_bias",
+    "compressor.indexer.kv_norm.weight",
+)
 
-_INT_FIELDS = ("hidden_size", "num_attention_heads", "head_dim", "q_lora_rank", "sliding_window", "o_groups",
-               "o_lora_rank")
+_INT_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "head_dim",
+    "q_lora_rank",
+    "sliding_window",
+    "o_groups",
+    "o_lora_rank",
+)
 _CSA_FIELDS = ("index_n_heads", "index_head_dim", "index_topk")
 
 
@@ -129,8 +142,10 @@ class DeepseekV4Attention(nn.Module):
             _require_int(config, name, self.layer_type)
         h, d = config.num_attention_heads, config.head_dim
         if (h * d) % config.o_groups:
-            raise ConfigError(f"o_groups {config.o_groups} does not divide num_attention_heads x head_dim = {h * d}; "
-                              "the grouped output projection splits the heads evenly")
+            raise ConfigError(
+                f"o_groups {config.o_groups} does not divide num_attention_heads x head_dim = {h * d}; "
+                "the grouped output projection splits the heads evenly"
+            )
         self.rope = RopeTable(config, self.layer_type)
         self.rope_label = rope_label(self.layer_type)  # layers of one label share (cos, sin) within a step
         check_rope_fits(config, self.rope.rope_dim, self.layer_type)
@@ -181,8 +196,15 @@ class DeepseekV4Attention(nn.Module):
             shapes["indexer_gate"] = ((ring, 2 * config.index_head_dim), "compute")
         return shapes
 
-    def _check_step(self, x: Tensor, positions: Tensor, seq_starts: list[int], past_lens: list[int],
-                    slots: list[int], state: dict[str, Tensor]) -> int:
+    def _check_step(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        seq_starts: list[int],
+        past_lens: list[int],
+        slots: list[int],
+        state: dict[str, Tensor],
+    ) -> int:
         """Validate the step; returns the entry capacity of a slot (0 without compressor)."""
         t = x.shape[0]
         n_seq = len(seq_starts) - 1
@@ -194,8 +216,10 @@ class DeepseekV4Attention(nn.Module):
         if n_seq < 0 or seq_starts[0] != 0 or seq_starts[-1] != t or falling:
             raise EngramError(f"seq_starts {seq_starts} must rise from 0 to the token count {t}")
         if len(past_lens) != n_seq or len(slots) != n_seq:
-            raise EngramError(f"{n_seq} sequences but {len(past_lens)} past_lens and {len(slots)} slots; "
-                              "pass one of each per sequence")
+            raise EngramError(
+                f"{n_seq} sequences but {len(past_lens)} past_lens and {len(slots)} slots; "
+                "pass one of each per sequence"
+            )
         if len(set(slots)) != n_seq:
             raise EngramError(f"slots {slots} repeat; each sequence of a step owns its own slot")
         capacity = state["compressed_kv"].shape[1] if "compressed_kv" in state else 0
@@ -205,8 +229,10 @@ class DeepseekV4Attention(nn.Module):
         for name, (shape, _) in want.items():
             got = state.get(name)
             if got is None or tuple(got.shape[1:]) != shape or got.shape[0] != n_slots:
-                raise EngramError(f"state[{name!r}] has shape {None if got is None else tuple(got.shape)}; allocate "
-                                  f"[num_slots, *{shape}] (DeepseekV4Attention.state_shapes)")
+                raise EngramError(
+                    f"state[{name!r}] has shape {None if got is None else tuple(got.shape)}; allocate "
+                    f"[num_slots, *{shape}] (DeepseekV4Attention.state_shapes)"
+                )
         for s in range(n_seq):
             if not 0 <= slots[s] < n_slots:
                 raise EngramError(f"slot {slots[s]} is outside the state's {n_slots} slots")
@@ -214,15 +240,27 @@ class DeepseekV4Attention(nn.Module):
             if past_lens[s] < 0:
                 raise EngramError(f"past_lens[{s}] is {past_lens[s]}; a past length is >= 0")
             if self.compressor is not None and end // self.compressor.rate > capacity:
-                raise EngramError(f"sequence {s} would reach length {end} (past_len {past_lens[s]}); the state holds "
-                                  f"{capacity} compressed entries: allocate it with a larger max_len")
+                raise EngramError(
+                    f"sequence {s} would reach length {end} (past_len {past_lens[s]}); the state holds "
+                    f"{capacity} compressed entries: allocate it with a larger max_len"
+                )
         return capacity
 
     # ---- forward --------------------------------------------------------------
 
-    def forward(self, x: Tensor, positions: Tensor, seq_starts: list[int], past_lens: list[int], slots: list[int],
-                state: dict[str, Tensor], *, meta: Tensor | None = None,
-                rope: tuple[Tensor, Tensor] | None = None, static: bool = False) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        seq_starts: list[int],
+        past_lens: list[int],
+        slots: list[int],
+        state: dict[str, Tensor],
+        *,
+        meta: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+        static: bool = False,
+    ) -> Tensor:
         """Attend the step's tokens ``x [T, hidden]`` over their slots' state.
 
         Sequence ``s`` owns tokens ``seq_starts[s]:seq_starts[s + 1]`` at positions
@@ -260,18 +298,30 @@ class DeepseekV4Attention(nn.Module):
                 meta = attention_kernel.step_meta(seq_starts, past_lens, slots, x.device)
             out = attention_kernel.core(self, x, q, kv, q_residual, cos, sin, len(slots), meta, state)
         elif static:
-            raise EngramError(f"layer {self.layer_idx}'s attention core is not on the CUDA kernel "
-                              f"({attention_kernel.why_not_kernel(self, x, state) or 'backend torch'}); a recorded "
-                              "decode step cannot take the torch core, whose loop reads the lengths on the host")
+            raise EngramError(
+                f"layer {self.layer_idx}'s attention core is not on the CUDA kernel "
+                f"({attention_kernel.why_not_kernel(self, x, state) or 'backend torch'}); a recorded "
+                "decode step cannot take the torch core, whose loop reads the lengths on the host"
+            )
         else:
             out = self._core_torch(x, q, kv, q_residual, cos, sin, seq_starts, past_lens, slots, state)
         out = apply_rope(out, cos.unsqueeze(1), -sin.unsqueeze(1))
         grouped = self.o_a_proj(out.reshape(t, self.config.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 
-    def _core_torch(self, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor, cos: Tensor, sin: Tensor,
-                    seq_starts: list[int], past_lens: list[int], slots: list[int],
-                    state: dict[str, Tensor]) -> Tensor:
+    def _core_torch(
+        self,
+        x: Tensor,
+        q: Tensor,
+        kv: Tensor,
+        q_residual: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        seq_starts: list[int],
+        past_lens: list[int],
+        slots: list[int],
+        state: dict[str, Tensor],
+    ) -> Tensor:
         """The torch path of the core (the CPU's, and the kernel's reference): one
         sequence at a time, all its queries at once. ``[T, H, d]`` before the inverse RoPE."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
@@ -299,13 +349,27 @@ class DeepseekV4Attention(nn.Module):
             delta = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
             mask = (delta >= 0) & (delta < self.window)
             if comp is not None:
-                n_entries = comp.update(c_kv[a:b], c_gate[a:b], past, state["compressed_kv"][slot],
-                                        state["compressor_kv"][slot], state["compressor_gate"][slot], self.rope)
+                n_entries = comp.update(
+                    c_kv[a:b],
+                    c_gate[a:b],
+                    past,
+                    state["compressed_kv"][slot],
+                    state["compressor_kv"][slot],
+                    state["compressor_gate"][slot],
+                    self.rope,
+                )
                 entries = state["compressed_kv"][slot, :n_entries].to(kv.dtype)
                 visible = (q_pos + 1) // comp.rate
                 if isinstance(comp, CSACompressor):
-                    ix.update(i_kv[a:b], i_gate[a:b], past, state["index_keys"][slot], state["indexer_kv"][slot],
-                              state["indexer_gate"][slot], self.rope)
+                    ix.update(
+                        i_kv[a:b],
+                        i_gate[a:b],
+                        past,
+                        state["index_keys"][slot],
+                        state["indexer_kv"][slot],
+                        state["indexer_gate"][slot],
+                        self.rope,
+                    )
                     index_keys = state["index_keys"][slot, :n_entries].to(i_q.dtype)
                     entry_mask = ix.select(i_q[a:b], i_w[a:b], index_keys, visible)
                 else:
@@ -313,8 +377,9 @@ class DeepseekV4Attention(nn.Module):
                 keys = torch.cat((keys, entries))
                 mask = torch.cat((mask, entry_mask), dim=1)
             keep = min(n, self.window)
-            window[slot][torch.arange(past + n - keep, past + n, device=dev) % self.window] = \
-                kv[b - keep:b].to(window.dtype)
+            window[slot][torch.arange(past + n - keep, past + n, device=dev) % self.window] = kv[b - keep : b].to(
+                window.dtype
+            )
             out[a:b] = self._attend(q[a:b], keys, mask)
         return out
 

@@ -48,8 +48,9 @@ def library_unavailable() -> str | None:
 
 def check_backend(backend: str) -> str:
     if backend not in ATTENTION_BACKENDS:
-        raise EngramError(f"attention backend {backend!r} is not one of {list(ATTENTION_BACKENDS)}; "
-                          "use auto, kernels or torch")
+        raise EngramError(
+            f"attention backend {backend!r} is not one of {list(ATTENTION_BACKENDS)}; use auto, kernels or torch"
+        )
     return backend
 
 
@@ -70,8 +71,10 @@ def why_not_kernel(layer: Any, x: Tensor, state: dict[str, Tensor] | None) -> st
         bad = [k for k, t in state.items() if t.dtype != x.dtype or not t.is_cuda or not t.is_contiguous()]
         if bad:
             t = state[bad[0]]
-            return (f"state[{bad[0]!r}] is {t.dtype} on {t.device}; the kernel wants contiguous CUDA state in the "
-                    f"activations' dtype {x.dtype}")
+            return (
+                f"state[{bad[0]!r}] is {t.dtype} on {t.device}; the kernel wants contiguous CUDA state in the "
+                f"activations' dtype {x.dtype}"
+            )
     return library_unavailable()
 
 
@@ -82,8 +85,9 @@ def kernel_serves(layer: Any, x: Tensor, state: dict[str, Tensor] | None) -> boo
         return False
     why = why_not_kernel(layer, x, state)
     if why is not None and backend == "kernels":
-        raise EngramError(f"attention backend 'kernels' cannot run layer {layer.layer_idx}: {why}; "
-                          "use backend 'auto' or 'torch'")
+        raise EngramError(
+            f"attention backend 'kernels' cannot run layer {layer.layer_idx}: {why}; use backend 'auto' or 'torch'"
+        )
     return why is None
 
 
@@ -93,8 +97,20 @@ def step_meta(seq_starts: Sequence[int], past_lens: Sequence[int], slots: Sequen
     return torch.tensor([*seq_starts, *past_lens, *slots], dtype=torch.int32).to(device)
 
 
-def core(layer: Any, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor | None, cos: Tensor, sin: Tensor,
-         n_seqs: int, meta: Tensor, state: dict[str, Tensor], *, pre: dict[str, Tensor] | None = None) -> Tensor:
+def core(
+    layer: Any,
+    x: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    q_residual: Tensor | None,
+    cos: Tensor,
+    sin: Tensor,
+    n_seqs: int,
+    meta: Tensor,
+    state: dict[str, Tensor],
+    *,
+    pre: dict[str, Tensor] | None = None,
+) -> Tensor:
     """The attention core's output ``[T, H, d]`` (before the inverse RoPE) through one
     library call, ``state`` updated in place. ``meta`` as :func:`step_meta`. ``pre``: the
     compressor's / indexer's inputs already made (:mod:`.fused`: ``c_kv``, ``c_gate``,
@@ -104,28 +120,63 @@ def core(layer: Any, x: Tensor, q: Tensor, kv: Tensor, q_residual: Tensor | None
 
     pre = pre or {}
     S = n_seqs
-    inputs = [q.contiguous(), kv.contiguous(), layer.sinks.float().contiguous(), meta[:S + 1], meta[S + 1:2 * S + 1],
-              meta[2 * S + 1:3 * S + 1], state["window_kv"]]
+    inputs = [
+        q.contiguous(),
+        kv.contiguous(),
+        layer.sinks.float().contiguous(),
+        meta[: S + 1],
+        meta[S + 1 : 2 * S + 1],
+        meta[2 * S + 1 : 3 * S + 1],
+        state["window_kv"],
+    ]
     comp = layer.compressor
     if comp is not None:
         c_kv = pre["c_kv"] if "c_kv" in pre else comp.kv_proj(x)
         c_gate = pre["c_gate"] if "c_gate" in pre else comp.gate_proj(x)
-        inputs += [c_kv, c_gate, comp.position_bias.float().contiguous(),
-                   comp.kv_norm.weight.float().contiguous(), layer.rope.inv_freq_on(x.device),
-                   state["compressed_kv"], state["compressor_kv"], state["compressor_gate"]]
+        inputs += [
+            c_kv,
+            c_gate,
+            comp.position_bias.float().contiguous(),
+            comp.kv_norm.weight.float().contiguous(),
+            layer.rope.inv_freq_on(x.device),
+            state["compressed_kv"],
+            state["compressor_kv"],
+            state["compressor_gate"],
+        ]
         ix = comp.indexer
         if ix is not None:
             i_q, i_w = (pre["i_q"], pre["i_w"]) if "i_q" in pre else ix.queries(q_residual, x, cos, sin)
             i_kv = pre["i_kv"] if "i_kv" in pre else ix.kv_proj(x)
             i_gate = pre["i_gate"] if "i_gate" in pre else ix.gate_proj(x)
-            inputs += [i_q.contiguous(), i_w.float().contiguous(), i_kv, i_gate,
-                       ix.position_bias.float().contiguous(), ix.kv_norm.weight.float().contiguous(),
-                       state["index_keys"], state["indexer_kv"], state["indexer_gate"]]
-    return dsv4_attention(*inputs, layer_type=_TYPE_CODE[layer.layer_type], window=layer.window,
-                          compress_rate=comp.rate if comp is not None else 0,
-                          index_topk=comp.indexer.topk if comp is not None and comp.indexer is not None else 0,
-                          scaling=layer.scaling, eps=layer.eps, rope_scale=float(layer.rope.scale))
+            inputs += [
+                i_q.contiguous(),
+                i_w.float().contiguous(),
+                i_kv,
+                i_gate,
+                ix.position_bias.float().contiguous(),
+                ix.kv_norm.weight.float().contiguous(),
+                state["index_keys"],
+                state["indexer_kv"],
+                state["indexer_gate"],
+            ]
+    return dsv4_attention(
+        *inputs,
+        layer_type=_TYPE_CODE[layer.layer_type],
+        window=layer.window,
+        compress_rate=comp.rate if comp is not None else 0,
+        index_topk=comp.indexer.topk if comp is not None and comp.indexer is not None else 0,
+        scaling=layer.scaling,
+        eps=layer.eps,
+        rope_scale=float(layer.rope.scale),
+    )
 
 
-__all__ = ["ATTENTION_BACKENDS", "check_backend", "core", "kernel_serves", "library_unavailable", "step_meta",
-           "why_not_kernel"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "check_backend",
+    "core",
+    "kernel_serves",
+    "library_unavailable",
+    "step_meta",
+    "why_not_kernel",
+]

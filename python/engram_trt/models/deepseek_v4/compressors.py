@@ -48,6 +48,7 @@ RopeFn = Callable[[Tensor], tuple[Tensor, Tensor]]
 
 # ---- norms ----------------------------------------------------------------------
 
+
 def wide(t: Tensor) -> Tensor:
     """``t`` in float32, or in its own dtype when that is wider (float64)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -75,6 +76,7 @@ def unweighted_rms_norm(x: Tensor, eps: float) -> Tensor:
 
 
 # ---- RoPE -----------------------------------------------------------------------
+
 
 def rope_label(layer_type: str) -> str:
     """Which of the config's two RoPE settings a layer type uses."""
@@ -108,9 +110,13 @@ def _rope_params(config: Any, label: str) -> Mapping[str, Any]:
 def rope_setting(config: Any, layer_type: str) -> RopeSetting:
     """The resolved :class:`RopeSetting` a layer of ``layer_type`` rotates with."""
     label = rope_label(layer_type)
-    return parse_rope({"rope_parameters": dict(_rope_params(config, label))}, source=f"rope_parameters.{label}",
-                      max_position_embeddings=int(config.max_position_embeddings),
-                      head_dim=int(config.head_dim), partial_rotary=True)
+    return parse_rope(
+        {"rope_parameters": dict(_rope_params(config, label))},
+        source=f"rope_parameters.{label}",
+        max_position_embeddings=int(config.max_position_embeddings),
+        head_dim=int(config.head_dim),
+        partial_rotary=True,
+    )
 
 
 class RopeTable:
@@ -120,8 +126,10 @@ class RopeTable:
     def __init__(self, config: Any, layer_type: str) -> None:
         setting = rope_setting(config, layer_type)
         if setting.length_dependent:
-            raise ConfigError(f"rope_parameters.{rope_label(layer_type)}.rope_type {setting.rope_type!r} depends on "
-                              "the sequence length; DeepSeek-V4 serves default or yarn RoPE")
+            raise ConfigError(
+                f"rope_parameters.{rope_label(layer_type)}.rope_type {setting.rope_type!r} depends on "
+                "the sequence length; DeepSeek-V4 serves default or yarn RoPE"
+            )
         self.rope_dim = setting.rotary_dim(int(config.head_dim))
         self.inv_freq, self.scale = inv_freq_and_scale(setting, int(config.head_dim))
         self._device_freq: dict[Any, Tensor] = {}
@@ -152,13 +160,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     Pass ``-sin`` for the inverse rotation."""
     half = cos.shape[-1]
     c, s = wide(cos.to(x.dtype)), wide(sin.to(x.dtype))
-    rope = wide(x[..., x.shape[-1] - 2 * half:])
+    rope = wide(x[..., x.shape[-1] - 2 * half :])
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat((x[..., : x.shape[-1] - 2 * half], rotated), dim=-1)
 
 
 # ---- compressors ----------------------------------------------------------------
+
 
 def compress_rate(config: Any, layer_type: str) -> int:
     rates = config.compress_rates or {}
@@ -213,8 +222,16 @@ class PooledCompressor(nn.Module):
         cos, sin = rope(torch.arange(first, first + nw, device=kv.device) * r)
         return apply_rope(pooled, cos, sin)
 
-    def update(self, kv_new: Tensor, gate_new: Tensor, past: int, entries: Tensor, ring_kv: Tensor,
-               ring_gate: Tensor, rope: RopeFn) -> int:
+    def update(
+        self,
+        kv_new: Tensor,
+        gate_new: Tensor,
+        past: int,
+        entries: Tensor,
+        ring_kv: Tensor,
+        ring_gate: Tensor,
+        rope: RopeFn,
+    ) -> int:
         """Stream one sequence's ``n`` new tokens (positions ``past..``) through: emit
         the windows they complete into ``entries`` (one slot's view, in place), store
         their projections in the ring, and return the entry count after the call."""
@@ -231,8 +248,8 @@ class PooledCompressor(nn.Module):
             entries[n_old:n_tot] = self.pool(src_kv, src_gate, n_old, rope).to(entries.dtype)
         keep = min(n, big_r)
         slot_pos = torch.arange(end - keep, end, device=kv_new.device) % big_r
-        ring_kv[slot_pos] = kv_new[n - keep:].to(ring_kv.dtype)
-        ring_gate[slot_pos] = gate_new[n - keep:].to(ring_gate.dtype)
+        ring_kv[slot_pos] = kv_new[n - keep :].to(ring_kv.dtype)
+        ring_gate[slot_pos] = gate_new[n - keep :].to(ring_gate.dtype)
         return n_tot
 
 
@@ -318,16 +335,34 @@ def check_rope_fits(config: Any, rope_dim: int, layer_type: str) -> None:
     if layer_type == CSA:
         widths["index_head_dim"] = int(config.index_head_dim)
     if rope_dim < 2 or rope_dim % 2:
-        raise ConfigError(f"head_dim {config.head_dim} x partial_rotary_factor gives {rope_dim} rotary channels; "
-                          "it must be even and at least 2")
+        raise ConfigError(
+            f"head_dim {config.head_dim} x partial_rotary_factor gives {rope_dim} rotary channels; "
+            "it must be even and at least 2"
+        )
     for name, width in widths.items():
         if rope_dim > width:
-            raise ConfigError(f"{name} {width} is smaller than the {rope_dim} rotary channels; raise {name} or "
-                              "lower partial_rotary_factor")
+            raise ConfigError(
+                f"{name} {width} is smaller than the {rope_dim} rotary channels; raise {name} or "
+                "lower partial_rotary_factor"
+            )
 
 
 __all__ = [
-    "CSA", "HCA", "LAYER_TYPES", "CSACompressor", "HCACompressor", "LightningIndexer", "PooledCompressor",
-    "RMSNorm", "RopeTable", "wide", "apply_rope", "check_rope_fits", "compress_rate", "rope_label", "rope_setting",
-    "rope_tables", "unweighted_rms_norm",
+    "CSA",
+    "HCA",
+    "LAYER_TYPES",
+    "CSACompressor",
+    "HCACompressor",
+    "LightningIndexer",
+    "PooledCompressor",
+    "RMSNorm",
+    "RopeTable",
+    "wide",
+    "apply_rope",
+    "check_rope_fits",
+    "compress_rate",
+    "rope_label",
+    "rope_setting",
+    "rope_tables",
+    "unweighted_rms_norm",
 ]

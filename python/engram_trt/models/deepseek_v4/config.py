@@ -47,21 +47,71 @@ V41_ARCH = "DeepseekV41ForCausalLM"
 V4_TYPE = "deepseek_v4"
 V41_TYPE = "deepseek_v41"
 
-_MAX = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "num_hidden_layers": 1024, "heads": 4096, "head_dim": 4096,
-        "experts": 1 << 14, "intermediate": 1 << 20, "hc_mult": 64, "rank": 1 << 16, "iters": 1000,
-        "max_position_embeddings": 1 << 24, "window": 1 << 24, "rate": 1 << 16}
+_MAX = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "heads": 4096,
+    "head_dim": 4096,
+    "experts": 1 << 14,
+    "intermediate": 1 << 20,
+    "hc_mult": 64,
+    "rank": 1 << 16,
+    "iters": 1000,
+    "max_position_embeddings": 1 << 24,
+    "window": 1 << 24,
+    "rate": 1 << 16,
+}
 
-_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
-    "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "scoring_func", "routed_scaling_factor",
-    "max_position_embeddings", "rope_theta", "layer_types", "compress_rates", "compress_rope_theta", "hc_mult",
-    "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types", "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank",
-    "index_n_heads", "index_head_dim", "index_topk", "num_nextn_predict_layers", "rms_norm_eps", "bos_token_id",
-    "eos_token_id", "tie_word_embeddings", "rope_parameters", "rope_scaling", "partial_rotary_factor", "dtype",
-    "torch_dtype", "quantization_config", "expert_dtype",
-    # legacy spellings transformers folds in at __post_init__
-    "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
-})
+_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "moe_intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "head_dim",
+        "q_lora_rank",
+        "num_experts_per_tok",
+        "n_routed_experts",
+        "scoring_func",
+        "routed_scaling_factor",
+        "max_position_embeddings",
+        "rope_theta",
+        "layer_types",
+        "compress_rates",
+        "compress_rope_theta",
+        "hc_mult",
+        "hc_sinkhorn_iters",
+        "hc_eps",
+        "mlp_layer_types",
+        "swiglu_limit",
+        "sliding_window",
+        "o_groups",
+        "o_lora_rank",
+        "index_n_heads",
+        "index_head_dim",
+        "index_topk",
+        "num_nextn_predict_layers",
+        "rms_norm_eps",
+        "bos_token_id",
+        "eos_token_id",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_scaling",
+        "partial_rotary_factor",
+        "dtype",
+        "torch_dtype",
+        "quantization_config",
+        "expert_dtype",
+        # legacy spellings transformers folds in at __post_init__
+        "compress_ratios",
+        "compress_rate_csa",
+        "compress_rate_hca",
+        "num_hash_layers",
+        "qk_rope_head_dim",
+    }
+)
 
 CONTRACT = FieldContract(
     architecture="deepseek-v4",
@@ -69,14 +119,19 @@ CONTRACT = FieldContract(
     pinned={
         "hidden_act": Pinned(("silu",), "silu", "SwiGLU experts"),
         "num_key_value_heads": Pinned((1,), 1, "shared-KV multi-query attention: one K=V head"),
-        "n_shared_experts": Pinned((1,), 1, "transformers' DeepSeek-V4 builds one shared expert of moe_intermediate_size"),
-        "norm_topk_prob": Pinned((True,), True, "transformers' DeepSeek-V4 router always renormalizes the top-k weights"),
+        "n_shared_experts": Pinned(
+            (1,), 1, "transformers' DeepSeek-V4 builds one shared expert of moe_intermediate_size"
+        ),
+        "norm_topk_prob": Pinned(
+            (True,), True, "transformers' DeepSeek-V4 router always renormalizes the top-k weights"
+        ),
         "attention_bias": Pinned((False,), False, "projections without bias"),
         "mlp_bias": Pinned((False,), False, "shared-expert projections without bias"),
     },
     # Read by transformers' DeepSeek-V4 without effect on a forward pass at inference.
-    neutral=frozenset({"attention_dropout", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
-                       "router_jitter_noise"}),
+    neutral=frozenset(
+        {"attention_dropout", "pad_token_id", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"}
+    ),
     honoured_prefixes=("engram_",),
 )
 
@@ -162,8 +217,10 @@ class DeepseekV4Config:
         """The Engram spec the runtime's tables follow (None for V4), its row width required."""
         spec = self.engram
         if spec is not None and spec.head_dim is None:
-            raise ConfigError(f"config: missing field '{spec.field_name('head_dim')}' (expected the table row width, "
-                              f"a multiple of {spec.quant_block})")
+            raise ConfigError(
+                f"config: missing field '{spec.field_name('head_dim')}' (expected the table row width, "
+                f"a multiple of {spec.quant_block})"
+            )
         return spec
 
     def require_engram(self, what: str = "this operation") -> EngramSpec:
@@ -174,8 +231,14 @@ class DeepseekV4Config:
     def to_dict(self) -> dict[str, Any]:
         """The config as a config.json dict (the manifest's and the backend's record)."""
         d = dict(self.extra)
-        for k in ("compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
-                  "rope_scaling"):
+        for k in (
+            "compress_ratios",
+            "compress_rate_csa",
+            "compress_rate_hca",
+            "num_hash_layers",
+            "qk_rope_head_dim",
+            "rope_scaling",
+        ):
             d.pop(k, None)
         base = asdict(self)
         for k in ("engram", "extra", "architecture_name", "quant"):
@@ -198,8 +261,15 @@ def _where(source: str | None) -> str:
     return f"{source}: " if source else "config: "
 
 
-def _int(d: Mapping[str, Any], key: str, source: str | None, default: Any = ..., *, minimum: int = 1,
-         maximum: int | None = None) -> int:
+def _int(
+    d: Mapping[str, Any],
+    key: str,
+    source: str | None,
+    default: Any = ...,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+) -> int:
     if key not in d or d[key] is None:
         if default is ...:
             raise ConfigError(f"{_where(source)}missing field '{key}' (a DeepSeek-V4 config needs it)")
@@ -218,7 +288,9 @@ def _float(d: Mapping[str, Any], key: str, source: str | None, default: float, *
     if v is None:
         v = default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
-        raise ConfigError(f"{_where(source)}field '{key}' must be a {'positive ' if positive else ''}number (got {v!r:.60})")
+        raise ConfigError(
+            f"{_where(source)}field '{key}' must be a {'positive ' if positive else ''}number (got {v!r:.60})"
+        )
     return float(v)
 
 
@@ -227,27 +299,33 @@ def _compress_rates(d: Mapping[str, Any], source: str | None) -> dict[str, int]:
     if rates is None:
         rates = dict(DEFAULT_COMPRESS_RATES)
     if not isinstance(rates, Mapping):
-        raise ConfigError(f"{_where(source)}field 'compress_rates' must be an object such as "
-                          f"{{\"{CSA}\": 4, \"{HCA}\": 128}} (got {rates!r:.60})")
+        raise ConfigError(
+            f"{_where(source)}field 'compress_rates' must be an object such as "
+            f"{{\"{CSA}\": 4, \"{HCA}\": 128}} (got {rates!r:.60})"
+        )
     rates = dict(rates)
     for legacy, kind in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
         if d.get(legacy) is not None:
             rates[kind] = d[legacy]
     bad = sorted(set(rates) - {CSA, HCA})
     if bad:
-        raise ConfigError(f"{_where(source)}compress_rates names {bad[0]!r}, not a compressed layer type "
-                          f"(supported: {CSA}, {HCA})")
+        raise ConfigError(
+            f"{_where(source)}compress_rates names {bad[0]!r}, not a compressed layer type (supported: {CSA}, {HCA})"
+        )
     for kind in (CSA, HCA):
         v = rates.get(kind, DEFAULT_COMPRESS_RATES[kind])
         if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > _MAX["rate"]:
-            raise ConfigError(f"{_where(source)}compress_rates[{kind!r}]={v!r:.40} must be a positive integer "
-                              f"(a compressed entry every that many tokens; 0 would compress nothing)")
+            raise ConfigError(
+                f"{_where(source)}compress_rates[{kind!r}]={v!r:.40} must be a positive integer "
+                f"(a compressed entry every that many tokens; 0 would compress nothing)"
+            )
         rates[kind] = v
     return rates
 
 
-def _types(d: Mapping[str, Any], key: str, allowed: tuple[str, ...], default: list[str], n: int,
-           source: str | None) -> tuple[str, ...]:
+def _types(
+    d: Mapping[str, Any], key: str, allowed: tuple[str, ...], default: list[str], n: int, source: str | None
+) -> tuple[str, ...]:
     types = d.get(key)
     if types is None:
         types = default
@@ -255,7 +333,9 @@ def _types(d: Mapping[str, Any], key: str, allowed: tuple[str, ...], default: li
         raise ConfigError(f"{_where(source)}field '{key}' must be a list of type names (got {types!r:.60})")
     bad = [t for t in types if t not in allowed]
     if bad:
-        raise ConfigError(f"{_where(source)}{key} holds {bad[0]!r}, not a DeepSeek-V4 type (supported: {', '.join(allowed)})")
+        raise ConfigError(
+            f"{_where(source)}{key} holds {bad[0]!r}, not a DeepSeek-V4 type (supported: {', '.join(allowed)})"
+        )
     if len(types) != n and d.get(key) is not None:
         raise ConfigError(f"{_where(source)}{key} has {len(types)} entries but num_hidden_layers={n}")
     return tuple(types[:n])
@@ -265,7 +345,9 @@ def _layer_types(d: Mapping[str, Any], n: int, source: str | None) -> tuple[str,
     legacy = d.get("compress_ratios")
     if d.get("layer_types") is None and legacy is not None:
         if not isinstance(legacy, list) or any(r not in _RATIO_TO_TYPE or isinstance(r, bool) for r in legacy):
-            raise ConfigError(f"{_where(source)}field 'compress_ratios' must list 0, 4 or 128 per layer (got {legacy!r:.60})")
+            raise ConfigError(
+                f"{_where(source)}field 'compress_ratios' must list 0, 4 or 128 per layer (got {legacy!r:.60})"
+            )
         return _types({"layer_types": [_RATIO_TO_TYPE[r] for r in legacy]}, "layer_types", LAYER_TYPES, [], n, source)
     # transformers' default: two HCA layers, then CSA / HCA interleaved
     default = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
@@ -282,7 +364,9 @@ def _rope(d: Mapping[str, Any], head_dim: int, source: str | None) -> tuple[floa
         legacy = d.get("qk_rope_head_dim")
         if legacy is not None:
             if isinstance(legacy, bool) or not isinstance(legacy, int) or not 0 < legacy <= head_dim:
-                raise ConfigError(f"{_where(source)}field 'qk_rope_head_dim'={legacy!r:.40} must be in 1..head_dim={head_dim}")
+                raise ConfigError(
+                    f"{_where(source)}field 'qk_rope_head_dim'={legacy!r:.40} must be in 1..head_dim={head_dim}"
+                )
             factor = legacy / head_dim
         else:
             factor = 64 / 512
@@ -291,7 +375,9 @@ def _rope(d: Mapping[str, Any], head_dim: int, source: str | None) -> tuple[floa
     factor = float(factor)
     rope_dim = int(head_dim * factor)
     if rope_dim < 2 or rope_dim % 2:
-        raise ConfigError(f"{_where(source)}the rotary dims head_dim x partial_rotary_factor = {rope_dim} must be even and >= 2")
+        raise ConfigError(
+            f"{_where(source)}the rotary dims head_dim x partial_rotary_factor = {rope_dim} must be even and >= 2"
+        )
     rp = d.get("rope_parameters")
     if rp is None:
         rp = d.get("rope_scaling") or {}
@@ -314,11 +400,17 @@ def _rope(d: Mapping[str, Any], head_dim: int, source: str | None) -> tuple[floa
         rtype = p.get("rope_type", p.get("type", "default"))
         p["rope_type"] = rtype
         if rtype not in ("default", "yarn"):
-            raise ConfigError(f"{_where(source)}rope_parameters.{label}.rope_type={rtype!r} is not implemented by engram-trt's "
-                              f"deepseek-v4 (supported: \"default\", \"yarn\"); serving it would give a different model than "
-                              f"the checkpoint declares")
-        p["rope_theta"] = _float(p, "rope_theta", f"{_where(source)}rope_parameters.{label}".rstrip(": "),
-                                 theta if label == "main" else ctheta)
+            raise ConfigError(
+                f"{_where(source)}rope_parameters.{label}.rope_type={rtype!r} is not implemented by engram-trt's "
+                f"deepseek-v4 (supported: \"default\", \"yarn\"); serving it would give a different model than "
+                f"the checkpoint declares"
+            )
+        p["rope_theta"] = _float(
+            p,
+            "rope_theta",
+            f"{_where(source)}rope_parameters.{label}".rstrip(": "),
+            theta if label == "main" else ctheta,
+        )
         p.setdefault("partial_rotary_factor", factor)
         if rtype == "yarn":
             _float(p, "factor", f"{_where(source)}rope_parameters.{label}".rstrip(": "), 1.0)
@@ -340,22 +432,32 @@ def _engram(d: Mapping[str, Any], n_layers: int, vocab: int, arch: str, source: 
     declared = d.get("engram_layer_ids") not in (None, [])
     spec = None if arch == V4_ARCH and declared else parse_engram_spec(d, source)
     if arch == V4_ARCH and declared:
-        raise ConfigError(f"{_where(source)}engram_layer_ids is set but architectures names {V4_ARCH}, which has no Engram "
-                          f"layers; a DeepSeek-V4.1 checkpoint names architectures [\"{V41_ARCH}\"] (model_type \"{V41_TYPE}\")")
+        raise ConfigError(
+            f"{_where(source)}engram_layer_ids is set but architectures names {V4_ARCH}, which has no Engram "
+            f"layers; a DeepSeek-V4.1 checkpoint names architectures [\"{V41_ARCH}\"] (model_type \"{V41_TYPE}\")"
+        )
     if arch == V41_ARCH and spec is None:
-        raise ConfigError(f"{_where(source)}a {V41_ARCH} config needs its Engram fields (engram_layer_ids, engram_n_heads, ...); "
-                          f"without them it is DeepSeek-V4: name architectures [\"{V4_ARCH}\"]")
+        raise ConfigError(
+            f"{_where(source)}a {V41_ARCH} config needs its Engram fields (engram_layer_ids, engram_n_heads, ...); "
+            f"without them it is DeepSeek-V4: name architectures [\"{V4_ARCH}\"]"
+        )
     if spec is None:
         return None
     bad = [lid for lid in spec.layer_ids if lid >= n_layers]
     if bad:
-        raise ConfigError(f"{_where(source)}field 'engram_layer_ids' names layer {bad[0]} but num_hidden_layers={n_layers} "
-                          f"(expected ids in 0..{n_layers - 1})")
+        raise ConfigError(
+            f"{_where(source)}field 'engram_layer_ids' names layer {bad[0]} but num_hidden_layers={n_layers} "
+            f"(expected ids in 0..{n_layers - 1})"
+        )
     if spec.pad_token_id >= vocab:
-        raise ConfigError(f"{_where(source)}field 'engram_pad_token_id'={spec.pad_token_id} is not a token id (vocab_size={vocab})")
+        raise ConfigError(
+            f"{_where(source)}field 'engram_pad_token_id'={spec.pad_token_id} is not a token id (vocab_size={vocab})"
+        )
     if spec.head_dim is None:
-        raise ConfigError(f"{_where(source)}missing field 'engram_head_dim' (expected the table row width, a multiple of "
-                          f"{spec.quant_block})")
+        raise ConfigError(
+            f"{_where(source)}missing field 'engram_head_dim' (expected the table row width, a multiple of "
+            f"{spec.quant_block})"
+        )
     return spec
 
 
@@ -380,56 +482,89 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
     topk = _int(d, "num_experts_per_tok", source, 6, maximum=experts)
     o_groups = _int(d, "o_groups", source, 8, maximum=_MAX["heads"])
     if (heads * head_dim) % o_groups:
-        raise ConfigError(f"{_where(source)}o_groups={o_groups} does not divide num_attention_heads x head_dim = "
-                          f"{heads * head_dim} (the grouped output projection splits the heads into o_groups groups)")
+        raise ConfigError(
+            f"{_where(source)}o_groups={o_groups} does not divide num_attention_heads x head_dim = "
+            f"{heads * head_dim} (the grouped output projection splits the heads into o_groups groups)"
+        )
     if heads % o_groups:
         raise ConfigError(f"{_where(source)}o_groups={o_groups} does not divide num_attention_heads={heads}")
     scoring = d.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORING_FUNCS:
-        raise ConfigError(f"{_where(source)}scoring_func={scoring!r:.40} is not implemented by engram-trt's deepseek-v4 "
-                          f"(supported: {', '.join(SCORING_FUNCS)}, the router activations transformers' DeepSeek-V4 runs)")
+        raise ConfigError(
+            f"{_where(source)}scoring_func={scoring!r:.40} is not implemented by engram-trt's deepseek-v4 "
+            f"(supported: {', '.join(SCORING_FUNCS)}, the router activations transformers' DeepSeek-V4 runs)"
+        )
     tie = d.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise ConfigError(f"{_where(source)}field 'tie_word_embeddings' must be true or false (got {tie!r:.60})")
     layer_types = _layer_types(d, n, source)
     legacy_hash = d.get("num_hash_layers")
     n_hash = 3 if legacy_hash is None else _int(d, "num_hash_layers", source, minimum=0, maximum=1 << 16)
-    mlp_types = _types(d, "mlp_layer_types", MLP_LAYER_TYPES, ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash),
-                       n, source)
+    mlp_types = _types(
+        d, "mlp_layer_types", MLP_LAYER_TYPES, ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash), n, source
+    )
     factor, rope = _rope(d, head_dim, source)
     index_head_dim = _int(d, "index_head_dim", source, 128, maximum=_MAX["head_dim"])
     if CSA in layer_types and int(head_dim * factor) > index_head_dim:
-        raise ConfigError(f"{_where(source)}the rotary dims ({int(head_dim * factor)} = head_dim x partial_rotary_factor) do "
-                          f"not fit index_head_dim={index_head_dim} (the indexer's keys carry RoPE too)")
+        raise ConfigError(
+            f"{_where(source)}the rotary dims ({int(head_dim * factor)} = head_dim x partial_rotary_factor) do "
+            f"not fit index_head_dim={index_head_dim} (the indexer's keys carry RoPE too)"
+        )
     mtp = _int(d, "num_nextn_predict_layers", source, 1, minimum=0, maximum=64)
     cfg = DeepseekV4Config(
-        vocab_size=vocab, hidden_size=hidden,
+        vocab_size=vocab,
+        hidden_size=hidden,
         moe_intermediate_size=_int(d, "moe_intermediate_size", source, 2048, maximum=_MAX["intermediate"]),
-        num_hidden_layers=n, num_attention_heads=heads, head_dim=head_dim,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        head_dim=head_dim,
         q_lora_rank=_int(d, "q_lora_rank", source, 1024, maximum=_MAX["rank"]),
-        num_experts_per_tok=topk, n_routed_experts=experts, scoring_func=scoring,
+        num_experts_per_tok=topk,
+        n_routed_experts=experts,
+        scoring_func=scoring,
         routed_scaling_factor=_float(d, "routed_scaling_factor", source, 1.5),
-        max_position_embeddings=_int(d, "max_position_embeddings", source, 1048576, maximum=_MAX["max_position_embeddings"]),
-        rope_theta=_float(d, "rope_theta", source, 10000.0), layer_types=layer_types,
-        compress_rates=_compress_rates(d, source), compress_rope_theta=_float(d, "compress_rope_theta", source, 160000.0),
+        max_position_embeddings=_int(
+            d, "max_position_embeddings", source, 1048576, maximum=_MAX["max_position_embeddings"]
+        ),
+        rope_theta=_float(d, "rope_theta", source, 10000.0),
+        layer_types=layer_types,
+        compress_rates=_compress_rates(d, source),
+        compress_rope_theta=_float(d, "compress_rope_theta", source, 160000.0),
         hc_mult=_int(d, "hc_mult", source, 4, maximum=_MAX["hc_mult"]),
         hc_sinkhorn_iters=_int(d, "hc_sinkhorn_iters", source, 20, maximum=_MAX["iters"]),
-        hc_eps=_float(d, "hc_eps", source, 1e-6), mlp_layer_types=mlp_types,
+        hc_eps=_float(d, "hc_eps", source, 1e-6),
+        mlp_layer_types=mlp_types,
         swiglu_limit=_float(d, "swiglu_limit", source, 10.0),
         sliding_window=_int(d, "sliding_window", source, 128, maximum=_MAX["window"]),
-        o_groups=o_groups, o_lora_rank=_int(d, "o_lora_rank", source, 1024, maximum=_MAX["rank"]),
-        index_n_heads=_int(d, "index_n_heads", source, 64, maximum=_MAX["heads"]), index_head_dim=index_head_dim,
-        index_topk=_int(d, "index_topk", source, 512, maximum=1 << 24), num_nextn_predict_layers=mtp,
-        rms_norm_eps=_float(d, "rms_norm_eps", source, 1e-6), tie_word_embeddings=tie, partial_rotary_factor=factor,
-        rope_parameters=rope, eos_token_id=_eos(d, vocab, source),
+        o_groups=o_groups,
+        o_lora_rank=_int(d, "o_lora_rank", source, 1024, maximum=_MAX["rank"]),
+        index_n_heads=_int(d, "index_n_heads", source, 64, maximum=_MAX["heads"]),
+        index_head_dim=index_head_dim,
+        index_topk=_int(d, "index_topk", source, 512, maximum=1 << 24),
+        num_nextn_predict_layers=mtp,
+        rms_norm_eps=_float(d, "rms_norm_eps", source, 1e-6),
+        tie_word_embeddings=tie,
+        partial_rotary_factor=factor,
+        rope_parameters=rope,
+        eos_token_id=_eos(d, vocab, source),
         bos_token_id=_int(d, "bos_token_id", source, None, minimum=0, maximum=vocab - 1),
-        engram=_engram(d, n, vocab, arch, source), quant=read_quant_spec(d, source), architecture_name=arch,
-        extra=dict(d))
+        engram=_engram(d, n, vocab, arch, source),
+        quant=read_quant_spec(d, source),
+        architecture_name=arch,
+        extra=dict(d),
+    )
     if mtp:
-        log.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not served (transformers does not "
-                 "build them either); their mtp.* tensors are unused", source or "config", mtp)
+        log.info(
+            "%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not served (transformers does not "
+            "build them either); their mtp.* tensors are unused",
+            source or "config",
+            mtp,
+        )
     ignored = CONTRACT.ignored(d)
     if ignored:
-        log.info("%s: fields the model does not read (transformers' DeepSeek-V4 does not either): %s", source or "config",
-                 ", ".join(ignored))
+        log.info(
+            "%s: fields the model does not read (transformers' DeepSeek-V4 does not either): %s",
+            source or "config",
+            ", ".join(ignored),
+        )
     return cfg

@@ -75,8 +75,12 @@ def _stored_format(x: Tensor, mod: nn.Module) -> Tensor | None:
     must run (its backend, no CUDA kernel for it, ``ENGRAM_TRT_DSV4_QUANT_STATIC=0``)."""
     from engram_trt.quant.weight import QuantLinear
 
-    if not isinstance(mod, QuantLinear) or mod.bias is not None or mod.backend == "torch" \
-            or os.environ.get(QUANT_STATIC_ENV, "1") == "0":
+    if (
+        not isinstance(mod, QuantLinear)
+        or mod.bias is not None
+        or mod.backend == "torch"
+        or os.environ.get(QUANT_STATIC_ENV, "1") == "0"
+    ):
         return None
     from engram_trt.native import quant as native_quant
 
@@ -127,12 +131,13 @@ def _project_stored(x: Tensor, mods: list[nn.Module], qd: Any) -> list[Tensor] |
         if w is None:
             outs.append(mod(x))
             continue
-        out = torch.empty((x.shape[0], w.out_features if not isinstance(w, Tensor) else w.shape[0]), dtype=x.dtype,
-                          device=x.device)
+        out = torch.empty(
+            (x.shape[0], w.out_features if not isinstance(w, Tensor) else w.shape[0]), dtype=x.dtype, device=x.device
+        )
         segments.append((x, w, out))
         outs.append(out)
     for first in range(0, len(segments), qd.MAX_SEGMENTS):
-        qd.gemv_segments(segments[first:first + qd.MAX_SEGMENTS])
+        qd.gemv_segments(segments[first : first + qd.MAX_SEGMENTS])
     return outs
 
 
@@ -163,12 +168,13 @@ def project(x: Tensor, mods: list[nn.Module]) -> list[Tensor]:
             out = stored if stored is not None else mod(x)
         outs.append(out)
     for first in range(0, len(segments), decode.MAX_SEGMENTS):
-        decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS])
+        decode.gemv_segments(segments[first : first + decode.MAX_SEGMENTS])
     return outs
 
 
-def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta: Tensor,
-              state: dict[str, Tensor]) -> Tensor:
+def attention(
+    attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta: Tensor, state: dict[str, Tensor]
+) -> Tensor:
     """:meth:`~.attention.DeepseekV4Attention.forward` on the kernel core with the fused glue
     (module docstring): ``[T, hidden]``, the state updated in place."""
     from engram_trt.models.deepseek_v4 import attention_kernel
@@ -187,34 +193,60 @@ def attention(attn: Any, x: Tensor, cos: Tensor, sin: Tensor, n_seqs: int, meta:
     q_a, kv_raw = outs[0], outs[1]
     kv = torch.empty_like(kv_raw)
     Job = decode.NormRopeJob
-    kv_job = Job(kv_raw, kv, dim=d, norm=decode.NORM_WEIGHTED, weight=_f32(attn.kv_norm.weight), eps=attn.kv_norm.eps,
-                 rope_pairs=pairs, cos=cos, sin=sin)
+    kv_job = Job(
+        kv_raw,
+        kv,
+        dim=d,
+        norm=decode.NORM_WEIGHTED,
+        weight=_f32(attn.kv_norm.weight),
+        eps=attn.kv_norm.eps,
+        rope_pairs=pairs,
+        cos=cos,
+        sin=sin,
+    )
     q_mods: list[nn.Module] = [attn.q_b_proj] + ([ix.q_b_proj] if ix is not None else [])
     q_residual: Tensor | None = None
     late: list[Any] = []  # jobs for the launch after q_b's
     if _prologue_serves(q_a, q_mods):
         # q_a_norm inside q_b's GEMV (its prologue: the norm launch's bits); kv's norm + RoPE join the q heads' launch
         q_outs = [torch.empty((T, m.weight.shape[0]), dtype=x.dtype, device=x.device) for m in q_mods]
-        decode.gemv_segments([(q_a, m.weight, o) for m, o in zip(q_mods, q_outs)],
-                             prologue=decode.GemvPrologue(decode.PROLOGUE_RMSNORM, int(q_a.shape[1]),
-                                                          weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps))
+        decode.gemv_segments(
+            [(q_a, m.weight, o) for m, o in zip(q_mods, q_outs)],
+            prologue=decode.GemvPrologue(
+                decode.PROLOGUE_RMSNORM, int(q_a.shape[1]), weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps
+            ),
+        )
         late.append(kv_job)
     else:
         q_residual = torch.empty_like(q_a)
-        decode.norm_rope(Job(q_a, q_residual, dim=q_a.shape[1], norm=decode.NORM_WEIGHTED,
-                             weight=_f32(attn.q_a_norm.weight), eps=attn.q_a_norm.eps), kv_job)
+        decode.norm_rope(
+            Job(
+                q_a,
+                q_residual,
+                dim=q_a.shape[1],
+                norm=decode.NORM_WEIGHTED,
+                weight=_f32(attn.q_a_norm.weight),
+                eps=attn.q_a_norm.eps,
+            ),
+            kv_job,
+        )
         q_outs = project(q_residual, q_mods)
     q = torch.empty_like(q_outs[0])
-    jobs = [Job(q_outs[0], q, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=attn.eps, rope_pairs=pairs, cos=cos,
-                sin=sin), *late]
+    jobs = [
+        Job(
+            q_outs[0], q, dim=d, heads=H, norm=decode.NORM_UNWEIGHTED, eps=attn.eps, rope_pairs=pairs, cos=cos, sin=sin
+        ),
+        *late,
+    ]
     pre: dict[str, Tensor] = {}
     if comp is not None:
         pre["c_kv"], pre["c_gate"] = outs[2], outs[3]
     if ix is not None:
         i_q = torch.empty_like(q_outs[1])
         jobs.append(Job(q_outs[1], i_q, dim=ix.dim, heads=ix.heads, rope_pairs=pairs, cos=cos, sin=sin))
-        pre.update(i_kv=outs[4], i_gate=outs[5], i_q=i_q.view(T, ix.heads, ix.dim),
-                   i_w=outs[6].float() * ix.heads**-0.5)
+        pre.update(
+            i_kv=outs[4], i_gate=outs[5], i_q=i_q.view(T, ix.heads, ix.dim), i_w=outs[6].float() * ix.heads**-0.5
+        )
     decode.norm_rope(*jobs)
     # q_residual (None when q_b took the norm in its prologue) is read by the core only for the indexer's
     # queries, which pre always holds here
@@ -248,22 +280,26 @@ def _grouped_output(attn: Any, flat: Tensor, cos: Tensor, sin: Tensor, pairs: in
     groups = attn.config.o_groups
     per_in = flat.shape[1] // groups
     w = None if mod.stored_format else mod.weight  # a QuantGroupedLinear's is stored FP8: not taken here
-    inverse = decode.NormRopeJob(flat, flat, dim=d, heads=flat.shape[1] // d, rope_pairs=pairs, cos=cos, sin=sin,
-                                 rope_sign=-1)
+    inverse = decode.NormRopeJob(
+        flat, flat, dim=d, heads=flat.shape[1] // d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1
+    )
     if isinstance(w, Tensor) and w.dim() == 2 and w.dtype == flat.dtype and per_in % 8 == 0:
         rows = w.shape[0] // groups
         if (rows * per_in) % 8 == 0 and decode.gemv_fits(flat[:, :per_in], w[:rows]):  # bf16 alone
             prologue = None
             if per_in % d == 0 and d % 8 == 0 and os.environ.get(PROLOGUE_ENV, "1") != "0":
-                prologue = decode.GemvPrologue(decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin,
-                                               rope_sign=-1)
+                prologue = decode.GemvPrologue(
+                    decode.PROLOGUE_ROPE, d, rope_pairs=pairs, cos=cos, sin=sin, rope_sign=-1
+                )
             else:
                 decode.norm_rope(inverse)
             y = torch.empty((T, w.shape[0]), dtype=flat.dtype, device=flat.device)
-            segments = [(flat[:, g * per_in:(g + 1) * per_in], w[g * rows:(g + 1) * rows],
-                         y[:, g * rows:(g + 1) * rows]) for g in range(groups)]
+            segments = [
+                (flat[:, g * per_in : (g + 1) * per_in], w[g * rows : (g + 1) * rows], y[:, g * rows : (g + 1) * rows])
+                for g in range(groups)
+            ]
             for first in range(0, groups, decode.MAX_SEGMENTS):
-                decode.gemv_segments(segments[first:first + decode.MAX_SEGMENTS], prologue=prologue)
+                decode.gemv_segments(segments[first : first + decode.MAX_SEGMENTS], prologue=prologue)
             return y
     decode.norm_rope(inverse)
     stored = _grouped_stored(mod, flat, groups, per_in)  # a stored-format (FP8) o_a: its groups in one launch
@@ -284,17 +320,18 @@ def _grouped_stored(mod: nn.Module, flat: Tensor, groups: int, per_in: int) -> T
     parts = mod.group_weights()
     if parts is None:
         return None
-    xs = [flat[:, g * per_in:(g + 1) * per_in] for g in range(groups)]
+    xs = [flat[:, g * per_in : (g + 1) * per_in] for g in range(groups)]
     if any(qd.segment_reason(xg, w) is not None for xg, w in zip(xs, parts)):
         return None
     rows = parts[0].out_features
     y = torch.empty((flat.shape[0], rows * groups), dtype=flat.dtype, device=flat.device)
-    qd.gemv_segments([(xs[g], parts[g], y[:, g * rows:(g + 1) * rows]) for g in range(groups)])
+    qd.gemv_segments([(xs[g], parts[g], y[:, g * rows : (g + 1) * rows]) for g in range(groups)])
     return y
 
 
-def _moe_stored(mlp: Any, x: Tensor, ids: Tensor, weights: Tensor, stacks: Any, projections: list[Any],
-                limit: Any) -> Tensor | None:
+def _moe_stored(
+    mlp: Any, x: Tensor, ids: Tensor, weights: Tensor, stacks: Any, projections: list[Any], limit: Any
+) -> Tensor | None:
     """The routed experts and the shared expert through
     :func:`engram_trt.native.quant_decode.moe` (two launches), or None where it does not take them."""
     from engram_trt.quant.weight import QuantLinear
@@ -342,21 +379,31 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     limit = mlp.experts[0].limit
     shared = mlp.shared_experts
     projections: list[nn.Module] = [shared.gate_proj, shared.up_proj, shared.down_proj]
-    plain = not quantized and all(isinstance(m, nn.Linear) and m.bias is None for m in projections) \
-        and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections))) \
-        and x.is_contiguous() and shared.limit == limit and stacks[0].shape[1] % 8 == 0 \
-        and projections[0].weight.shape[0] % 8 == 0  # the experts kernel reads 16-byte vectors of I and I_s
+    plain = (
+        not quantized
+        and all(isinstance(m, nn.Linear) and m.bias is None for m in projections)
+        and all(w.dtype == x.dtype and w.is_contiguous() for w in (*stacks, *(m.weight for m in projections)))
+        and x.is_contiguous()
+        and shared.limit == limit
+        and stacks[0].shape[1] % 8 == 0
+        and projections[0].weight.shape[0] % 8 == 0
+    )  # the experts kernel reads 16-byte vectors of I and I_s
     if not plain and mlp.kernels_unavailable(x) is not None:
         return None  # neither the fused experts nor the library's stored-format product: the module's forms
     logits = torch.empty((T, router.num_experts), dtype=x.dtype, device=x.device)
     decode.gemv_segments([(x, router.weight, logits)])
     if bias is not None:
-        ids, weights = decode.moe_route(logits, top_k=router.top_k, score_fn=scoring, scaling=router.scaling,
-                                        bias=bias)
+        ids, weights = decode.moe_route(logits, top_k=router.top_k, score_fn=scoring, scaling=router.scaling, bias=bias)
     else:
         tokens = input_ids if input_ids.dtype == torch.int64 else input_ids.long()
-        ids, weights = decode.moe_route(logits, top_k=router.top_k, score_fn=scoring, scaling=router.scaling,
-                                        tid2eid=router.tid2eid, input_ids=tokens)
+        ids, weights = decode.moe_route(
+            logits,
+            top_k=router.top_k,
+            score_fn=scoring,
+            scaling=router.scaling,
+            tid2eid=router.tid2eid,
+            input_ids=tokens,
+        )
     if plain:
         return decode.moe_experts(x, ids, weights, *stacks, shared=tuple(m.weight for m in projections), limit=limit)
     fused = _moe_stored(mlp, x, ids, weights, stacks, projections, limit)
@@ -372,5 +419,13 @@ def moe(mlp: Any, x: Tensor, input_ids: Tensor) -> Tensor | None:
     return routed + project(h, projections[2:])[0]
 
 
-__all__ = ["FUSED_ENV", "PROLOGUE_ENV", "QUANT_FUSED_ENV", "QUANT_STATIC_ENV", "attention", "moe", "project",
-           "unavailable"]
+__all__ = [
+    "FUSED_ENV",
+    "PROLOGUE_ENV",
+    "QUANT_FUSED_ENV",
+    "QUANT_STATIC_ENV",
+    "attention",
+    "moe",
+    "project",
+    "unavailable",
+]

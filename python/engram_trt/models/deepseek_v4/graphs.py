@@ -68,7 +68,9 @@ def sync_free_moe(mlp: GroupedSparseMoE, x: Any) -> Iterator[None]:
 
     swap = None
     if x.is_cuda and mlp.form == "auto" and not mlp.quantized_experts:
-        probe = torch.empty((x.shape[0], mlp.gate.top_k), dtype=torch.int64, device="meta")  # choose_form reads its size
+        probe = torch.empty(
+            (x.shape[0], mlp.gate.top_k), dtype=torch.int64, device="meta"
+        )  # choose_form reads its size
         swap = decode_moe_form(mlp.choose_form(x, probe), x.shape[0], len(mlp.experts), DENSE_MAX_TOKEN_EXPERTS)
     if swap is None:
         yield
@@ -96,18 +98,26 @@ def graphs_unavailable(model: Any) -> str | None:
     probe = torch.empty(0, device=model.device, dtype=model.compute_dtype)
     for layer in model.model.layers:
         attn = layer.self_attn
-        why = "its attention backend is 'torch'" if check_backend(attn.backend) == "torch" else \
-            why_not_kernel(attn, probe, None)
+        why = (
+            "its attention backend is 'torch'"
+            if check_backend(attn.backend) == "torch"
+            else why_not_kernel(attn, probe, None)
+        )
         if why is not None:
-            return (f"layer {layer.index}'s attention core is not on the CUDA kernel ({why}), and the torch core's "
-                    "loop over sequences reads their lengths on the host")
+            return (
+                f"layer {layer.index}'s attention core is not on the CUDA kernel ({why}), and the torch core's "
+                "loop over sequences reads their lengths on the host"
+            )
         form = layer.mlp.form  # a GroupedSparseMoE: form and quantized_experts are declared
         if layer.mlp.quantized_experts and form in ("auto", "kernels"):
-            why = layer.mlp.kernels_unavailable(torch.empty((1, model.config.hidden_size), device=model.device,
-                                                            dtype=model.compute_dtype))
+            why = layer.mlp.kernels_unavailable(
+                torch.empty((1, model.config.hidden_size), device=model.device, dtype=model.compute_dtype)
+            )
             if why is not None:  # the float forms cannot take stored-format experts: only the loop would
-                return (f"layer {layer.index}'s quantized experts are not on the kernel library ({why}), and the "
-                        "loop over experts reads their counts on the host")
+                return (
+                    f"layer {layer.index}'s quantized experts are not on the kernel library ({why}), and the "
+                    "loop over experts reads their counts on the host"
+                )
         elif form in SYNCING_MOE_FORMS:
             return f"layer {layer.index}'s MoE form is {form!r}, which reads expert counts on the host; use 'auto'"
     return None

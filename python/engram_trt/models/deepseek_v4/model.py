@@ -43,8 +43,10 @@ from engram_trt.models.served import ServedModel
 log = logging.getLogger(__name__)
 
 # Kept in float32 whatever the serving dtype (transformers' _keep_in_fp32_modules_strict).
-KEEP_FLOAT32 = re.compile(r"(hc_attn_|hc_ffn_|hc_head\.|attn_sink$|\.ape$|\.gate\.bias$|q_norm\.|\.norm\.weight$|"
-                          r"attn_norm\.|ffn_norm\.)")
+KEEP_FLOAT32 = re.compile(
+    r"(hc_attn_|hc_ffn_|hc_head\.|attn_sink$|\.ape$|\.gate\.bias$|q_norm\.|\.norm\.weight$|"
+    r"attn_norm\.|ffn_norm\.)"
+)
 
 
 @dataclass
@@ -113,7 +115,9 @@ class _Modules(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
 
 def meta_modules(config: DeepseekV4Config) -> nn.Module:
@@ -137,8 +141,15 @@ class DeepseekV4Model(ServedModel, _Modules):
     # length (runtime.cuda_graphs.DecodeGraphs, graphs.py).
     decode_context_free = True
 
-    def __init__(self, config: DeepseekV4Config, *, device: Any = "cpu", dtype: torch.dtype = torch.float32,
-                 compress_lookup: Any = None, layout: Any = None) -> None:
+    def __init__(
+        self,
+        config: DeepseekV4Config,
+        *,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+        compress_lookup: Any = None,
+        layout: Any = None,
+    ) -> None:
         with torch.device("meta"):
             super().__init__(config)
         self._rebuild_host_tables()
@@ -154,8 +165,10 @@ class DeepseekV4Model(ServedModel, _Modules):
         self.tp: Any = None  # the TP group the backbone is split over (models.parallel; .parallel.shard_modules)
         if config.engram is not None:
             if compress_lookup is None or layout is None:
-                raise EngramError("a DeepSeek-V4.1 model needs the compressed-vocab lookup and the Engram layout "
-                                  "(load it with DeepseekV4Model.from_checkpoint, which builds both from tokenizer.json)")
+                raise EngramError(
+                    "a DeepSeek-V4.1 model needs the compressed-vocab lookup and the Engram layout "
+                    "(load it with DeepseekV4Model.from_checkpoint, which builds both from tokenizer.json)"
+                )
             lookup = torch.as_tensor(np.asarray(compress_lookup), dtype=torch.int64).reshape(-1)
             if lookup.numel() < config.vocab_size:
                 lookup = torch.cat([lookup, torch.full((config.vocab_size - lookup.numel(),), DEAD, dtype=torch.int64)])
@@ -174,8 +187,15 @@ class DeepseekV4Model(ServedModel, _Modules):
                     mod.rope = RopeTable(self.config, mod.layer_type)
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Any, *, device: Any = "cpu", dtype: torch.dtype | None = None,
-                        compressed_vocab: Any = None, parallel: Any = None) -> "DeepseekV4Model":
+    def from_checkpoint(
+        cls,
+        ckpt: Any,
+        *,
+        device: Any = "cpu",
+        dtype: torch.dtype | None = None,
+        compressed_vocab: Any = None,
+        parallel: Any = None,
+    ) -> "DeepseekV4Model":
         """The model of an open checkpoint: built on the meta device, its FP8 / FP4
         projections swapped for their stored-format modules and its expert stacks
         allocated, then filled tensor by tensor (:mod:`.weights`); refused first when the
@@ -202,8 +222,11 @@ class DeepseekV4Model(ServedModel, _Modules):
         formats, problems, names = model_formats(model, cfg.quant, ckpt)
         if problems:
             raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}")
-        check_fits(sum(f.gpu_bytes(dtype, KEEP_FLOAT32) for f in formats.values()), dev,
-                   f"the DeepSeek-V4 checkpoint {ckpt.path}")
+        check_fits(
+            sum(f.gpu_bytes(dtype, KEEP_FLOAT32) for f in formats.values()),
+            dev,
+            f"the DeepSeek-V4 checkpoint {ckpt.path}",
+        )
         prepare_model(model, formats, dev, dtype)
         load_into(model, ckpt, dev, dtype, KEEP_FLOAT32, names)
         model.eval()
@@ -272,11 +295,15 @@ class DeepseekV4Model(ServedModel, _Modules):
         for li in range(tables.num_layers):
             need = int(self.layout.table_rows[li])
             if tables.num_rows(li) < need:
-                raise EngramError(f"Engram table of layer {self.layout.layer_ids[li]} has {tables.num_rows(li)} rows but the "
-                                  f"layout needs at least {need}")
+                raise EngramError(
+                    f"Engram table of layer {self.layout.layer_ids[li]} has {tables.num_rows(li)} rows but the "
+                    f"layout needs at least {need}"
+                )
             if tables.head_dim(li) != spec.head_dim:
-                raise EngramError(f"Engram table of layer {self.layout.layer_ids[li]} has rows of width {tables.head_dim(li)} "
-                                  f"but engram_head_dim={spec.head_dim}")
+                raise EngramError(
+                    f"Engram table of layer {self.layout.layer_ids[li]} has rows of width {tables.head_dim(li)} "
+                    f"but engram_head_dim={spec.head_dim}"
+                )
         self.tables = tables
 
     def new_cache(self, num_slots: int = 1, max_len: int | None = None) -> DeepseekV4State:
@@ -316,12 +343,18 @@ class DeepseekV4Model(ServedModel, _Modules):
             return torch.full((step.num_seqs, n), DEAD, dtype=torch.int64, device=self._device)
         if self.uploader is not None and cache.lookback.device == self._device:
             return cache.lookback[step.device_arrays(self._device, self.uploader)["slots"]]
-        return cache.lookback[torch.tensor(step.slots, dtype=torch.int64, device=cache.lookback.device)].to(self._device)
+        return cache.lookback[torch.tensor(step.slots, dtype=torch.int64, device=cache.lookback.device)].to(
+            self._device
+        )
 
     def engram_hash(self, cids: torch.Tensor, seq_starts: Sequence[int], lookback: torch.Tensor) -> torch.Tensor:
         """Row ids ``[T, L, cols]`` of packed compressed ids, each sequence after its lookback row."""
-        return torch.cat([hash_ids_torch(cids[seq_starts[s]:seq_starts[s + 1]], self.layout, lookback[s])
-                          for s in range(len(seq_starts) - 1)])
+        return torch.cat(
+            [
+                hash_ids_torch(cids[seq_starts[s] : seq_starts[s + 1]], self.layout, lookback[s])
+                for s in range(len(seq_starts) - 1)
+            ]
+        )
 
     def gather_engram_rows(self, hash_ids: torch.Tensor) -> list[torch.Tensor]:
         if self.tables is None:
@@ -330,8 +363,9 @@ class DeepseekV4Model(ServedModel, _Modules):
 
     def prepare_step(self, step: PackedStep, cache: DeepseekV4State | None = None) -> list[torch.Tensor]:
         """The rows :meth:`forward_step` needs (the prefetch placement): pass them as ``engram_rows``."""
-        return self.gather_engram_rows(self.engram_hash(self.step_compressed_ids(step), step.seq_starts,
-                                                        self.step_lookback(step, cache)))
+        return self.gather_engram_rows(
+            self.engram_hash(self.step_compressed_ids(step), step.seq_starts, self.step_lookback(step, cache))
+        )
 
     # -- the step --------------------------------------------------------------------------
     def _check_step(self, step: PackedStep, state: DeepseekV4State) -> None:
@@ -339,17 +373,25 @@ class DeepseekV4Model(ServedModel, _Modules):
             if not 0 <= slot < state.num_slots:
                 raise EngramError(f"sequence {s} names slot {slot}, but the state has slots 0..{state.num_slots - 1}")
             if state.lengths[slot] != step.past_lens[s]:
-                raise EngramError(f"sequence {s} says {step.past_lens[s]} tokens are cached but slot {slot} holds "
-                                  f"{state.lengths[slot]}")
+                raise EngramError(
+                    f"sequence {s} says {step.past_lens[s]} tokens are cached but slot {slot} holds "
+                    f"{state.lengths[slot]}"
+                )
             if step.total_lens[s] > state.max_len:
-                raise EngramError(f"sequence {s} would hold {step.total_lens[s]} tokens, more than the state's max_len "
-                                  f"{state.max_len}")
+                raise EngramError(
+                    f"sequence {s} would hold {step.total_lens[s]} tokens, more than the state's max_len "
+                    f"{state.max_len}"
+                )
             if step.total_lens[s] > self.config.max_position_embeddings:
-                raise EngramError(f"positions up to {step.total_lens[s] - 1} exceed the model's max_position_embeddings="
-                                  f"{self.config.max_position_embeddings}")
+                raise EngramError(
+                    f"positions up to {step.total_lens[s] - 1} exceed the model's max_position_embeddings="
+                    f"{self.config.max_position_embeddings}"
+                )
         lo, hi = int(step.input_ids.min()), int(step.input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
-            raise EngramError(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary 0..{self.config.vocab_size - 1}")
+            raise EngramError(
+                f"token id {lo if lo < 0 else hi} is outside the model's vocabulary 0..{self.config.vocab_size - 1}"
+            )
 
     def _engram_inputs(self, step: PackedStep, cache: DeepseekV4State, engram_rows: Any) -> tuple[Any, Any, Any]:
         """``(rows per Engram layer, live [T], compressed ids [T])``, or Nones without Engram."""
@@ -365,12 +407,21 @@ class DeepseekV4Model(ServedModel, _Modules):
             shapes = row_shapes(engram_rows)
             want = (step.num_tokens, self.layout.n_hash_cols, int(self.config.engram.head_dim))
             if len(shapes) != self.layout.num_layers or any(tuple(s) != want for s in shapes):
-                raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
+                raise EngramError(
+                    f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)"
+                )
         return rows, cids >= 0, cids
 
     @torch.no_grad()
-    def forward_step(self, step: PackedStep, cache: DeepseekV4State, *, engram_rows: Any = None,
-                     all_logits: bool = False, capture: bool = False) -> torch.Tensor:
+    def forward_step(
+        self,
+        step: PackedStep,
+        cache: DeepseekV4State,
+        *,
+        engram_rows: Any = None,
+        all_logits: bool = False,
+        capture: bool = False,
+    ) -> torch.Tensor:
         """Logits (float32) ``[S, vocab]`` of each sequence's last token (``all_logits``:
         ``[T, vocab]``); the slots' per-layer state, lengths and lookback advance.
 
@@ -406,9 +457,21 @@ class DeepseekV4Model(ServedModel, _Modules):
         rows, live, cids = self._engram_inputs(step, cache, engram_rows)
         x = self.model.embed_tokens(ids).to(self.compute_dtype)
         streams = x.unsqueeze(1).expand(x.shape[0], cfg.hc_mult, x.shape[1]).contiguous()  # [T, hc, D]
-        return StepState(streams=streams, rows=rows, live=live, cids=cids, ids=ids, positions=positions, last=last,
-                         meta=meta, seq_starts=step.seq_starts, past_lens=step.past_lens, slots=step.slots,
-                         decode=step.is_decode_only, static=capture)
+        return StepState(
+            streams=streams,
+            rows=rows,
+            live=live,
+            cids=cids,
+            ids=ids,
+            positions=positions,
+            last=last,
+            meta=meta,
+            seq_starts=step.seq_starts,
+            past_lens=step.past_lens,
+            slots=step.slots,
+            decode=step.is_decode_only,
+            static=capture,
+        )
 
     @torch.no_grad()
     def step_layers(self, state: "StepState", cache: DeepseekV4State, begin: int, end: int) -> None:
@@ -431,17 +494,26 @@ class DeepseekV4Model(ServedModel, _Modules):
             if pending is None:
                 x, post, comb = layer.attn_hc.collapse_normed(streams, layer.input_layernorm)
             else:
-                streams, x, post, comb = layer.attn_hc.expand_collapse_normed(streams, *pending,
-                                                                              layer.input_layernorm)
+                streams, x, post, comb = layer.attn_hc.expand_collapse_normed(streams, *pending, layer.input_layernorm)
             attn = layer.self_attn
             rope = state.ropes.get(attn.rope_label)
             if rope is None:
                 rope = state.ropes[attn.rope_label] = attn.rope(state.positions)
-            y = attn(x, state.positions, state.seq_starts, state.past_lens, state.slots,
-                     cache.layers[i], meta=state.meta, rope=rope, static=state.static)
+            y = attn(
+                x,
+                state.positions,
+                state.seq_starts,
+                state.past_lens,
+                state.slots,
+                cache.layers[i],
+                meta=state.meta,
+                rope=rope,
+                static=state.static,
+            )
             y = reduce(y, self.tp)  # row-parallel wo_b: the ranks' partial sums
-            streams, x, post, comb = layer.ffn_hc.expand_collapse_normed(streams, y, post, comb,
-                                                                         layer.post_attention_layernorm)
+            streams, x, post, comb = layer.ffn_hc.expand_collapse_normed(
+                streams, y, post, comb, layer.post_attention_layernorm
+            )
             if state.decode:
                 with sync_free_moe(layer.mlp, x):
                     y = layer.mlp(x, state.ids)
@@ -456,15 +528,17 @@ class DeepseekV4Model(ServedModel, _Modules):
             state.streams = HyperConnection.expand(streams, *pending)
 
     @torch.no_grad()
-    def step_end(self, state: "StepState", step: PackedStep, cache: DeepseekV4State, all_logits: bool,
-                 capture: bool) -> torch.Tensor:
+    def step_end(
+        self, state: "StepState", step: PackedStep, cache: DeepseekV4State, all_logits: bool, capture: bool
+    ) -> torch.Tensor:
         """The hyper head, the final norm and the LM head (of each sequence's last token),
         then the host bookkeeping (none in a recording: the caller's)."""
         if state.pending is not None:
             y, post, comb = state.pending
             state.pending = None
-            hidden = self.model.hc_head.expand_forward_normed(state.streams, y, post, comb, self.model.norm,
-                                                              None if all_logits else state.last)
+            hidden = self.model.hc_head.expand_forward_normed(
+                state.streams, y, post, comb, self.model.norm, None if all_logits else state.last
+            )
         else:
             streams = state.streams if all_logits else state.streams[state.last]
             hidden = self.model.hc_head.forward_normed(streams, self.model.norm)
@@ -482,20 +556,30 @@ class DeepseekV4Model(ServedModel, _Modules):
             return  # a step that brings its own lookback: the caller (the runtime's scheduler) keeps them
         starts = step.seq_starts
         if step.num_tokens == step.num_seqs:  # decode: one token per slot, all slots at once
-            slots = torch.as_tensor(step.slots, dtype=torch.int64) if self.uploader is None else \
-                step.device_arrays(self._device, self.uploader)["slots"]
+            slots = (
+                torch.as_tensor(step.slots, dtype=torch.int64)
+                if self.uploader is None
+                else step.device_arrays(self._device, self.uploader)["slots"]
+            )
             slots = slots.to(cache.lookback.device)
             ext = torch.cat([cache.lookback[slots], cids.to(cache.lookback.device).unsqueeze(1)], dim=1)
             cache.lookback[slots] = ext[:, 1:]
             return
         for s, slot in enumerate(step.slots):
-            ext = torch.cat([cache.lookback[slot], cids[starts[s]:starts[s + 1]].to(cache.lookback.device)])
-            cache.lookback[slot] = ext[ext.shape[0] - n:]
+            ext = torch.cat([cache.lookback[slot], cids[starts[s] : starts[s + 1]].to(cache.lookback.device)])
+            cache.lookback[slot] = ext[ext.shape[0] - n :]
 
     # -- the single-sequence helper tests and scripts use ---------------------------------------
     @torch.no_grad()
-    def generate_greedy(self, prompt: Sequence[int], max_new_tokens: int, *, chunk: int | None = None,
-                        max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
+    def generate_greedy(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        chunk: int | None = None,
+        max_len: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[int]:
         """Greedy tokens of one sequence (prefill in chunks of ``chunk`` tokens, then one
         token per step): the scheduler's oracle."""
         return greedy_tokens(self, prompt, max_new_tokens, chunk=chunk, max_len=max_len, ignore_eos=ignore_eos)

@@ -53,8 +53,9 @@ def _mhc_library_unavailable() -> str | None:
     return native_mhc.unavailable("mHC CUDA kernels")
 
 
-def mhc_kernel_serves(owner: str, backend: str, streams: torch.Tensor, *tensors: torch.Tensor,
-                      floats: tuple[torch.Tensor, ...] = ()) -> bool:
+def mhc_kernel_serves(
+    owner: str, backend: str, streams: torch.Tensor, *tensors: torch.Tensor, floats: tuple[torch.Tensor, ...] = ()
+) -> bool:
     """Whether the mHC kernels take this call: ``backend`` ``auto`` (when they can),
     ``kernels`` (or an EngramError naming why not, ``owner`` the class) or ``torch``.
     ``tensors`` must share streams' dtype, ``floats`` (parameters, post / comb) be float32."""
@@ -88,8 +89,9 @@ def mhc_kernel_serves(owner: str, backend: str, streams: torch.Tensor, *tensors:
 MHC_FOLD_ENV = "ENGRAM_TRT_MHC_FOLD"  # "0": a sublayer boundary as expand + collapse (an A/B switch)
 
 
-def fold_serves(backend: str, streams: torch.Tensor, out: torch.Tensor, norm: Any,
-                floats: tuple[torch.Tensor, ...]) -> bool:
+def fold_serves(
+    backend: str, streams: torch.Tensor, out: torch.Tensor, norm: Any, floats: tuple[torch.Tensor, ...]
+) -> bool:
     """Whether a sublayer boundary (the expansion, then the next collapse with its norm)
     takes ``engram_mhc_fold``: the fused bf16 CUDA decode path (:mod:`.fused`), a float32
     RMSNorm weight, the mHC kernels serving ``backend`` (``kernels`` refuses with the
@@ -98,8 +100,12 @@ def fold_serves(backend: str, streams: torch.Tensor, out: torch.Tensor, norm: An
 
     from engram_trt.models.deepseek_v4 import fused
 
-    if os.environ.get(MHC_FOLD_ENV, "1") == "0" or not isinstance(norm, RMSNorm) \
-            or norm.weight.dtype != torch.float32 or fused.unavailable(streams) is not None:
+    if (
+        os.environ.get(MHC_FOLD_ENV, "1") == "0"
+        or not isinstance(norm, RMSNorm)
+        or norm.weight.dtype != torch.float32
+        or fused.unavailable(streams) is not None
+    ):
         return False
     return mhc_kernel_serves("HyperConnection", backend, streams, out, floats=floats)
 
@@ -173,19 +179,32 @@ class HyperConnection(nn.Module):
         if mhc_kernel_serves("HyperConnection", self.backend, streams, floats=(self.fn, self.base, self.scale)):
             from engram_trt.native import mhc as native_mhc
 
-            return native_mhc.mhc_pre(streams.contiguous(), self.fn, self.base, self.scale, sinkhorn_iters=self.iters,
-                                      hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+            return native_mhc.mhc_pre(
+                streams.contiguous(),
+                self.fn,
+                self.base,
+                self.scale,
+                sinkhorn_iters=self.iters,
+                hc_eps=self.hc_eps,
+                norm_eps=self.norm_eps,
+            )
         return self.collapse_torch(streams)
 
-    def collapse_normed(self, streams: torch.Tensor, norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def collapse_normed(
+        self, streams: torch.Tensor, norm: "RMSNorm"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(norm(sublayer input), post, comb)``: :meth:`collapse` and the RMSNorm after it
         (the layer's ``input_layernorm`` / ``post_attention_layernorm``). On the bf16 CUDA
         decode path (:mod:`.fused`) the norm runs in the collapse kernel's last launch
         (``engram_mhc_pre_norm``); elsewhere the two run as they are."""
         from engram_trt.models.deepseek_v4 import fused
 
-        if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and fused.unavailable(streams) is None \
-                and mhc_kernel_serves("HyperConnection", self.backend, streams, floats=(self.fn, self.base, self.scale)):
+        if (
+            isinstance(norm, RMSNorm)
+            and norm.weight.dtype == torch.float32
+            and fused.unavailable(streams) is None
+            and mhc_kernel_serves("HyperConnection", self.backend, streams, floats=(self.fn, self.base, self.scale))
+        ):
             return self.collapse_fused(streams, norm)
         h, post, comb = self.collapse(streams)
         return norm(h), post, comb
@@ -195,12 +214,21 @@ class HyperConnection(nn.Module):
         own so a profiler can time it apart from :meth:`collapse` and the norm)."""
         from engram_trt.native import mhc as native_mhc
 
-        return native_mhc.mhc_pre_norm(streams.contiguous(), self.fn, self.base, self.scale, norm.weight,
-                                       sinkhorn_iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
-                                       rms_eps=norm.eps)
+        return native_mhc.mhc_pre_norm(
+            streams.contiguous(),
+            self.fn,
+            self.base,
+            self.scale,
+            norm.weight,
+            sinkhorn_iters=self.iters,
+            hc_eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+            rms_eps=norm.eps,
+        )
 
-    def expand_collapse_normed(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                               norm: "RMSNorm") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def expand_collapse_normed(
+        self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, norm: "RMSNorm"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(new streams, norm(collapse input), post, comb)``: :meth:`expand` of the sublayer
         before (``out``, its ``post`` / ``comb``) then this connection's
         :meth:`collapse_normed` of the new streams. On the bf16 CUDA decode path the two are
@@ -209,10 +237,20 @@ class HyperConnection(nn.Module):
         if fold_serves(self.backend, streams, out, norm, (self.fn, self.base, self.scale, post, comb)):
             from engram_trt.native import mhc as native_mhc
 
-            new, x, p, c = native_mhc.mhc_fold(streams.contiguous(), out.contiguous(), post.contiguous(),
-                                               comb.contiguous(), self.fn, self.base, self.scale, norm.weight,
-                                               sinkhorn_iters=self.iters, hc_eps=self.hc_eps, norm_eps=self.norm_eps,
-                                               rms_eps=norm.eps)
+            new, x, p, c = native_mhc.mhc_fold(
+                streams.contiguous(),
+                out.contiguous(),
+                post.contiguous(),
+                comb.contiguous(),
+                self.fn,
+                self.base,
+                self.scale,
+                norm.weight,
+                sinkhorn_iters=self.iters,
+                hc_eps=self.hc_eps,
+                norm_eps=self.norm_eps,
+                rms_eps=norm.eps,
+            )
             return new, x, p, c
         # the class's functions, not an instance's (a profiler's wrappers time this call as one)
         new = _expand(streams, out, post, comb)
@@ -233,7 +271,9 @@ class HyperConnection(nn.Module):
     def expand_torch(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The PyTorch :meth:`expand` (the CPU's, and the kernel's reference)."""
         dtype = streams.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), streams
+        )
 
 
 def _expand(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -264,8 +304,9 @@ class HyperHead(nn.Module):
         if mhc_kernel_serves("HyperHead", self.backend, streams, floats=(self.hc_fn, self.hc_base, self.hc_scale)):
             from engram_trt.native import mhc as native_mhc
 
-            return native_mhc.mhc_head(streams.contiguous(), self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.eps,
-                                       norm_eps=self.norm_eps)
+            return native_mhc.mhc_head(
+                streams.contiguous(), self.hc_fn, self.hc_base, self.hc_scale, hc_eps=self.eps, norm_eps=self.norm_eps
+            )
         return self.forward_torch(streams)
 
     def forward_normed(self, streams: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
@@ -273,28 +314,48 @@ class HyperHead(nn.Module):
         bf16 CUDA decode path (``engram_mhc_head_norm``, as :meth:`HyperConnection.collapse_normed`)."""
         from engram_trt.models.deepseek_v4 import fused
 
-        if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.float32 and fused.unavailable(streams) is None \
-                and mhc_kernel_serves("HyperHead", self.backend, streams,
-                                      floats=(self.hc_fn, self.hc_base, self.hc_scale)):
+        if (
+            isinstance(norm, RMSNorm)
+            and norm.weight.dtype == torch.float32
+            and fused.unavailable(streams) is None
+            and mhc_kernel_serves("HyperHead", self.backend, streams, floats=(self.hc_fn, self.hc_base, self.hc_scale))
+        ):
             return self.forward_fused(streams, norm)
         return norm(self(streams))
 
-    def expand_forward_normed(self, streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                              norm: "RMSNorm", last: torch.Tensor | None = None) -> torch.Tensor:
+    def expand_forward_normed(
+        self,
+        streams: torch.Tensor,
+        out: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        norm: "RMSNorm",
+        last: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``norm(self(expanded[last]))`` with ``expanded`` = :meth:`HyperConnection.expand`
         of the last sublayer (``last`` None: every token): the last expansion folded into
         the head on the bf16 CUDA decode path (``engram_mhc_fold`` with ``head``, over
         every token, the rows of ``last`` taken after: the head is per token); elsewhere
         the expansion, the rows, then :meth:`forward_normed`."""
-        if fold_serves(HyperConnection.backend, streams, out, norm, (post, comb)) and \
-                mhc_kernel_serves("HyperHead", self.backend, streams,
-                                  floats=(self.hc_fn, self.hc_base, self.hc_scale)):
+        if fold_serves(HyperConnection.backend, streams, out, norm, (post, comb)) and mhc_kernel_serves(
+            "HyperHead", self.backend, streams, floats=(self.hc_fn, self.hc_base, self.hc_scale)
+        ):
             from engram_trt.native import mhc as native_mhc
 
-            _new, hidden, _p, _c = native_mhc.mhc_fold(streams.contiguous(), out.contiguous(), post.contiguous(),
-                                                       comb.contiguous(), self.hc_fn, self.hc_base, self.hc_scale,
-                                                       norm.weight, head=True, hc_eps=self.eps,
-                                                       norm_eps=self.norm_eps, rms_eps=norm.eps)
+            _new, hidden, _p, _c = native_mhc.mhc_fold(
+                streams.contiguous(),
+                out.contiguous(),
+                post.contiguous(),
+                comb.contiguous(),
+                self.hc_fn,
+                self.hc_base,
+                self.hc_scale,
+                norm.weight,
+                head=True,
+                hc_eps=self.eps,
+                norm_eps=self.norm_eps,
+                rms_eps=norm.eps,
+            )
             return hidden if last is None else hidden[last]
         new = _expand(streams, out, post, comb)
         return HyperHead.forward_normed(self, new if last is None else new[last], norm)
@@ -303,8 +364,16 @@ class HyperHead(nn.Module):
         """:meth:`forward_normed`'s kernel form (``engram_mhc_head_norm``)."""
         from engram_trt.native import mhc as native_mhc
 
-        return native_mhc.mhc_head_norm(streams.contiguous(), self.hc_fn, self.hc_base, self.hc_scale, norm.weight,
-                                        hc_eps=self.eps, norm_eps=self.norm_eps, rms_eps=norm.eps)
+        return native_mhc.mhc_head_norm(
+            streams.contiguous(),
+            self.hc_fn,
+            self.hc_base,
+            self.hc_scale,
+            norm.weight,
+            hc_eps=self.eps,
+            norm_eps=self.norm_eps,
+            rms_eps=norm.eps,
+        )
 
     def forward_torch(self, streams: torch.Tensor) -> torch.Tensor:
         """The PyTorch path (the CPU's, and the kernel's reference)."""
@@ -328,8 +397,16 @@ class QuantGroupedLinear(nn.Module):
     backend: str = "auto"
     stored_format: ClassVar[bool] = True  # GroupedLinear's is False: the fused glue tells the two kinds apart
 
-    def __init__(self, in_per_group: int, out_features: int, groups: int, kind: str, block: tuple[int, int],
-                 scale_fmt: str = "float", device: Any = None) -> None:
+    def __init__(
+        self,
+        in_per_group: int,
+        out_features: int,
+        groups: int,
+        kind: str,
+        block: tuple[int, int],
+        scale_fmt: str = "float",
+        device: Any = None,
+    ) -> None:
         super().__init__()
         from engram_trt.quant.formats import scale_grid
 
@@ -338,11 +415,17 @@ class QuantGroupedLinear(nn.Module):
         self.groups, self.in_per_group, self.out_features = groups, int(in_per_group), int(out_features)
         self.kind, self.block = kind, (int(block[0]), int(block[1]))
         data_shape = (out_features, in_per_group // 2) if kind == "fp4" else (out_features, in_per_group)
-        self.register_buffer("weight", torch.empty(data_shape, device=device,
-                                                   dtype=torch.int8 if kind == "fp4" else torch.float8_e4m3fn))
-        self.register_buffer("weight_scale_inv", torch.empty(
-            scale_grid(out_features, in_per_group, *self.block), device=device,
-            dtype=torch.float8_e8m0fnu if scale_fmt == "ue8m0" else torch.float32))
+        self.register_buffer(
+            "weight", torch.empty(data_shape, device=device, dtype=torch.int8 if kind == "fp4" else torch.float8_e4m3fn)
+        )
+        self.register_buffer(
+            "weight_scale_inv",
+            torch.empty(
+                scale_grid(out_features, in_per_group, *self.block),
+                device=device,
+                dtype=torch.float8_e8m0fnu if scale_fmt == "ue8m0" else torch.float32,
+            ),
+        )
 
     @classmethod
     def like(cls, grouped: nn.Module, kind: str, block: tuple[int, int], scale_fmt: str) -> "QuantGroupedLinear":
@@ -363,8 +446,15 @@ class QuantGroupedLinear(nn.Module):
         if rows % bn:
             return None
         srows = rows // bn
-        return [QuantWeight(self.weight[g * rows:(g + 1) * rows], self.weight_scale_inv[g * srows:(g + 1) * srows],
-                            self.kind, self.block) for g in range(self.groups)]
+        return [
+            QuantWeight(
+                self.weight[g * rows : (g + 1) * rows],
+                self.weight_scale_inv[g * srows : (g + 1) * srows],
+                self.kind,
+                self.block,
+            )
+            for g in range(self.groups)
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [n, groups, in_per_group]`` -> ``[n, groups, out_per_group]``."""
@@ -372,15 +462,18 @@ class QuantGroupedLinear(nn.Module):
 
         parts = self.group_weights() if x.is_cuda and self.backend != "torch" else None
         if parts is not None:
-            return torch.stack([quant_linear(x[:, g].contiguous(), parts[g], backend=self.backend)
-                                for g in range(self.groups)], dim=1)
+            return torch.stack(
+                [quant_linear(x[:, g].contiguous(), parts[g], backend=self.backend) for g in range(self.groups)], dim=1
+            )
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         w = self.qweight.dequantize(work).to(x.dtype)
         return torch.einsum("ngi,goi->ngo", x, w.reshape(self.groups, -1, w.shape[-1]))
 
     def extra_repr(self) -> str:
-        return (f"in_per_group={self.in_per_group}, out_features={self.out_features}, groups={self.groups}, "
-                f"{self.kind}, block={self.block[0]}x{self.block[1]}")
+        return (
+            f"in_per_group={self.in_per_group}, out_features={self.out_features}, groups={self.groups}, "
+            f"{self.kind}, block={self.block[0]}x{self.block[1]}"
+        )
 
 
 class ClampedSwiGLU(nn.Module):
@@ -478,8 +571,8 @@ class SparseMoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            sel = order[start:start + n]
-            tok = token_of[start:start + n]
+            sel = order[start : start + n]
+            tok = token_of[start : start + n]
             start += n
             y = self.experts[e](x[tok]) * w[sel].unsqueeze(-1).to(x.dtype)
             out.index_add_(0, tok, y.to(out.dtype))

@@ -124,13 +124,20 @@ class GroupedSparseMoE(SparseMoE):
             mods = [getattr(e, proj) for e in self.experts]
             first = mods[0]
             if isinstance(first, QuantLinear):
-                if any(not isinstance(m, QuantLinear) or m.kind != first.kind or m.weight.dtype != first.weight.dtype
-                       or m.weight_scale_inv.dtype != first.weight_scale_inv.dtype for m in mods):
+                if any(
+                    not isinstance(m, QuantLinear)
+                    or m.kind != first.kind
+                    or m.weight.dtype != first.weight.dtype
+                    or m.weight_scale_inv.dtype != first.weight_scale_inv.dtype
+                    for m in mods
+                ):
                     return
                 stack: Any = QuantWeight(
                     torch.empty((E, *first.weight.shape), dtype=first.weight.dtype, device=device),
                     torch.empty((E, *first.weight_scale_inv.shape), dtype=first.weight_scale_inv.dtype, device=device),
-                    first.kind, first.block)
+                    first.kind,
+                    first.block,
+                )
             else:
                 if any(isinstance(m, QuantLinear) for m in mods):
                     return
@@ -151,12 +158,23 @@ class GroupedSparseMoE(SparseMoE):
                 mods = [getattr(e, proj) for e in self.experts]
                 if isinstance(mods[0], QuantLinear):
                     first = mods[0]
-                    if any(not isinstance(m, QuantLinear) or m.kind != first.kind or m.block != first.block
-                           or m.weight_scale_inv.dtype != first.weight_scale_inv.dtype for m in mods):
-                        raise EngramError(f"layer {self.layer_index}'s routed experts' {proj} are stored in mixed "
-                                          f"formats; engram-trt stacks one layer's experts in one format")
-                    stack: Any = QuantWeight(torch.stack([m.weight for m in mods]),
-                                             torch.stack([m.weight_scale_inv for m in mods]), first.kind, first.block)
+                    if any(
+                        not isinstance(m, QuantLinear)
+                        or m.kind != first.kind
+                        or m.block != first.block
+                        or m.weight_scale_inv.dtype != first.weight_scale_inv.dtype
+                        for m in mods
+                    ):
+                        raise EngramError(
+                            f"layer {self.layer_index}'s routed experts' {proj} are stored in mixed "
+                            f"formats; engram-trt stacks one layer's experts in one format"
+                        )
+                    stack: Any = QuantWeight(
+                        torch.stack([m.weight for m in mods]),
+                        torch.stack([m.weight_scale_inv for m in mods]),
+                        first.kind,
+                        first.block,
+                    )
                 else:
                     stack = torch.stack([m.weight.detach() for m in mods])
                 stacks.append(stack)
@@ -180,7 +198,7 @@ class GroupedSparseMoE(SparseMoE):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            sel, tok = order[start:start + n], token_of[start:start + n]
+            sel, tok = order[start : start + n], token_of[start : start + n]
             start += n
             y = self.experts[e](x[tok]) * w[sel].unsqueeze(-1).to(x.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
@@ -231,8 +249,10 @@ class GroupedSparseMoE(SparseMoE):
         stacks = self.stack_experts()
         if any(isinstance(st, QuantWeight) for st in stacks):
             kinds = "/".join(sorted({st.kind for st in stacks if isinstance(st, QuantWeight)}))
-            raise EngramError(f"MoE form {form!r} reads float expert weights, but layer {self.layer_index}'s experts "
-                              f"are stored {kinds}; use form 'auto', 'loop' or 'kernels'")
+            raise EngramError(
+                f"MoE form {form!r} reads float expert weights, but layer {self.layer_index}'s experts "
+                f"are stored {kinds}; use form 'auto', 'loop' or 'kernels'"
+            )
         return stacks  # type: ignore[return-value]
 
     def kernels_unavailable(self, x: torch.Tensor) -> str | None:
@@ -256,8 +276,9 @@ class GroupedSparseMoE(SparseMoE):
         """The kernel library's routed-expert product over the stacks (module docstring)."""
         why = self.kernels_unavailable(x)
         if why is not None:
-            raise EngramError(f"MoE form 'kernels' cannot run layer {self.layer_index}: {why}; use form 'auto' or "
-                              f"'loop'")
+            raise EngramError(
+                f"MoE form 'kernels' cannot run layer {self.layer_index}: {why}; use form 'auto' or 'loop'"
+            )
         from engram_trt.native import quant as native_quant
 
         gate, up, down = self.stack_experts()

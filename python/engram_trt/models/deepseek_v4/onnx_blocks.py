@@ -149,8 +149,12 @@ class Blocks(GraphBlocks):
             sin = g.op("Unsqueeze", [sin, g.ints([1])], "rope_sin3")
         new_even = g.op("Sub", [g.op("Mul", [even, cos]), g.op("Mul", [odd, sin])], "rope_e")
         new_odd = g.op("Add", [g.op("Mul", [odd, cos]), g.op("Mul", [even, sin])], "rope_o")
-        both = g.op("Concat", [g.op("Unsqueeze", [new_even, g.ints([-1])]), g.op("Unsqueeze", [new_odd, g.ints([-1])])],
-                    "rope_pairs_out", axis=-1)
+        both = g.op(
+            "Concat",
+            [g.op("Unsqueeze", [new_even, g.ints([-1])]), g.op("Unsqueeze", [new_odd, g.ints([-1])])],
+            "rope_pairs_out",
+            axis=-1,
+        )
         rotated = self.act(g.op("Reshape", [both, g.ints([0, 0, rope_dim] if rank3 else [0, rope_dim])], "rope_rot"))
         out = rotated if keep is None else g.op("Concat", [keep, rotated], "rope_out", axis=-1)
         self._rank3[out] = rank3
@@ -180,13 +184,18 @@ class Blocks(GraphBlocks):
         base = self.host(f"{prefix}base")
         s = self.host(f"{prefix}scale")
         pre_b = g.const(f"{prefix}base.pre", np.ascontiguousarray(base[:hc]))
-        post_b = g.const(f"{prefix}base.post", np.ascontiguousarray(base[hc:2 * hc]))
-        comb_b = g.const(f"{prefix}base.comb", np.ascontiguousarray(base[2 * hc:].reshape(hc, hc)))
+        post_b = g.const(f"{prefix}base.post", np.ascontiguousarray(base[hc : 2 * hc]))
+        comb_b = g.const(f"{prefix}base.comb", np.ascontiguousarray(base[2 * hc :].reshape(hc, hc)))
         s0, s1, s2 = (g.const(f"{prefix}scale.{k}", np.asarray(s[k], np.float32)) for k in range(3))
         pre = g.op("Add", [g.op("Sigmoid", [g.op("Add", [g.op("Mul", [pre_w, s0]), pre_b])]), eps], "hc_pre")
-        post = g.op("Mul", [self.f32_scalar(2.0), g.op("Sigmoid", [g.op("Add", [g.op("Mul", [post_w, s1]), post_b])])],
-                    "hc_post")
-        comb = g.op("Add", [g.op("Mul", [g.op("Reshape", [comb_w, g.ints([0, hc, hc])]), s2]), comb_b], "hc_comb_logits")
+        post = g.op(
+            "Mul",
+            [self.f32_scalar(2.0), g.op("Sigmoid", [g.op("Add", [g.op("Mul", [post_w, s1]), post_b])])],
+            "hc_post",
+        )
+        comb = g.op(
+            "Add", [g.op("Mul", [g.op("Reshape", [comb_w, g.ints([0, hc, hc])]), s2]), comb_b], "hc_comb_logits"
+        )
         comb = g.op("Add", [g.op("Softmax", [comb], axis=-1), eps], "hc_comb")
         comb = self._normalize(comb, -2, eps)
         for _ in range(int(cfg.hc_sinkhorn_iters) - 1):
@@ -208,8 +217,11 @@ class Blocks(GraphBlocks):
         """:meth:`~.modules.HyperConnection.expand`: ``post * out + comb^T @ streams`` in
         the graph's dtype."""
         g = self.g
-        spread = g.op("Mul", [g.op("Unsqueeze", [self.act(post), g.ints([-1])]), g.op("Unsqueeze", [out, g.ints([1])])],
-                      "hc_spread")
+        spread = g.op(
+            "Mul",
+            [g.op("Unsqueeze", [self.act(post), g.ints([-1])]), g.op("Unsqueeze", [out, g.ints([1])])],
+            "hc_spread",
+        )
         mixed = g.op("MatMul", [g.op("Transpose", [self.act(comb)], perm=[0, 2, 1]), streams], "hc_mix")
         return g.op("Add", [spread, mixed], "streams")
 
@@ -260,35 +272,71 @@ class Blocks(GraphBlocks):
             ids = g.op("Gather", [g.const(f"{p}.tid2eid", table), "input_ids"], "hash_ids", axis=0)  # [T, k]
         else:
             bias = g.const(f"{m}.gate.e_score_correction_bias.f32", self.host(f"{m}.gate.e_score_correction_bias"))
-            _, ids = g.op("TopK", [g.op("Add", [self.f32(scores), bias]), g.ints([k])], "router_topk", n_out=2, axis=-1,
-                          largest=1, sorted=1)
+            _, ids = g.op(
+                "TopK",
+                [g.op("Add", [self.f32(scores), bias]), g.ints([k])],
+                "router_topk",
+                n_out=2,
+                axis=-1,
+                largest=1,
+                sorted=1,
+            )
         picked = g.op("GatherElements", [scores, ids], "router_picked", axis=1)  # [T, k]
         total = g.op("Add", [g.op("ReduceSum", [picked, g.ints([-1])], keepdims=1), self.act_scalar(1e-20)])
-        weights = g.op("Mul", [g.op("Div", [picked, total]), self.act_scalar(float(cfg.routed_scaling_factor))],
-                       "router_weights")
+        weights = g.op(
+            "Mul", [g.op("Div", [picked, total]), self.act_scalar(float(cfg.routed_scaling_factor))], "router_weights"
+        )
         names = [f"{m}.experts.{e}" for e in range(E)]
-        stored = {proj: [self.stored_expert(f"{n}.{proj}.weight") for n in names]
-                  for proj in ("gate_proj", "up_proj", "down_proj")}
+        stored = {
+            proj: [self.stored_expert(f"{n}.{proj}.weight") for n in names]
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
         if routed_experts_unavailable(stored["gate_proj"], stored["up_proj"], stored["down_proj"]) is None:
-            routed = routed_experts(g, x, ids, self.f32(weights), f"{p}.experts", stored["gate_proj"],
-                                    stored["up_proj"], stored["down_proj"], top_k=k,
-                                    limit=float(cfg.swiglu_limit))
+            routed = routed_experts(
+                g,
+                x,
+                ids,
+                self.f32(weights),
+                f"{p}.experts",
+                stored["gate_proj"],
+                stored["up_proj"],
+                stored["down_proj"],
+                top_k=k,
+                limit=float(cfg.swiglu_limit),
+            )
         else:
             experts = g.const(f"c_experts_{E}", np.arange(E, dtype=np.int64))
-            onehot = g.op("Cast", [g.op("Equal", [g.op("Unsqueeze", [ids, g.ints([-1])]), experts])], "router_onehot",
-                          to=self.elem)  # [T, k, E]
-            routing = g.op("ReduceSum", [g.op("Mul", [onehot, g.op("Unsqueeze", [weights, g.ints([-1])])]),
-                                         g.ints([1])], "routing", keepdims=0)  # [T, E]
+            onehot = g.op(
+                "Cast",
+                [g.op("Equal", [g.op("Unsqueeze", [ids, g.ints([-1])]), experts])],
+                "router_onehot",
+                to=self.elem,
+            )  # [T, k, E]
+            routing = g.op(
+                "ReduceSum",
+                [g.op("Mul", [onehot, g.op("Unsqueeze", [weights, g.ints([-1])])]), g.ints([1])],
+                "routing",
+                keepdims=0,
+            )  # [T, E]
 
             def floats(proj: str, axis: int) -> Any:
                 return lambda: np.concatenate([self._np(f"{n}.{proj}.weight", self.np_dt) for n in names], axis=axis).T
 
             routed = self.dense_experts(
-                x, routing, f"{p}.experts", (stored["gate_proj"], floats("gate_proj", 0)),
-                (stored["up_proj"], floats("up_proj", 0)), (stored["down_proj"], floats("down_proj", 1)),
-                self._swiglu_hidden, E, I)
+                x,
+                routing,
+                f"{p}.experts",
+                (stored["gate_proj"], floats("gate_proj", 0)),
+                (stored["up_proj"], floats("up_proj", 0)),
+                (stored["down_proj"], floats("down_proj", 1)),
+                self._swiglu_hidden,
+                E,
+                I,
+            )
         s = f"{m}.shared_experts"
-        sh = self._swiglu_hidden(self.linear(x, f"{s}.gate_proj", "shared_gate"), self.linear(x, f"{s}.up_proj", "shared_up"))
+        sh = self._swiglu_hidden(
+            self.linear(x, f"{s}.gate_proj", "shared_gate"), self.linear(x, f"{s}.up_proj", "shared_up")
+        )
         return g.op("Add", [routed, self.linear(sh, f"{s}.down_proj", "shared_down")], "moe")
 
     def _swiglu_hidden(self, gate: str, up: str) -> str:
@@ -300,8 +348,16 @@ class Blocks(GraphBlocks):
         return g.op("Mul", [self.silu(gate), up], "swiglu")
 
     # -- attention ------------------------------------------------------------------------
-    def attention(self, x: str, p: str, index: int, angles: tuple[str, str, str], table: Any,
-                  states: list[str], state_outs: list[str]) -> str:
+    def attention(
+        self,
+        x: str,
+        p: str,
+        index: int,
+        angles: tuple[str, str, str],
+        table: Any,
+        states: list[str],
+        state_outs: list[str],
+    ) -> str:
         """:class:`~.attention.DeepseekV4Attention` of the normed input ``x [T, D]``:
         the graph computes what the op contract (``EngramDsv4Attention``) leaves
         outside the node: low-rank queries (``q_a_proj``, ``q_a_norm``, ``q_b_proj``, a
@@ -333,25 +389,50 @@ class Blocks(GraphBlocks):
         if layer_type != "sliding_attention":
             rate = compress_rate(cfg, layer_type)
             c = f"{a}.compressor"
-            inputs += [self.linear(x, f"{c}.kv_proj", "c_kv"), self.linear(x, f"{c}.gate_proj", "c_gate"),
-                       g.const(f"{c}.position_bias.host", self.host(f"{c}.position_bias")),
-                       g.const(f"{c}.kv_norm.weight.host", self.host(f"{c}.kv_norm.weight")),
-                       g.const(f"rope_inv_freq_{layer_type}", table.inv_freq.numpy().astype(np.float32)), *states[1:4]]
+            inputs += [
+                self.linear(x, f"{c}.kv_proj", "c_kv"),
+                self.linear(x, f"{c}.gate_proj", "c_gate"),
+                g.const(f"{c}.position_bias.host", self.host(f"{c}.position_bias")),
+                g.const(f"{c}.kv_norm.weight.host", self.host(f"{c}.kv_norm.weight")),
+                g.const(f"rope_inv_freq_{layer_type}", table.inv_freq.numpy().astype(np.float32)),
+                *states[1:4],
+            ]
         if layer_type == "compressed_sparse_attention":
             ix = f"{a}.compressor.indexer"
             NI, di = cfg.index_n_heads, cfg.index_head_dim
-            iq = self.rope(self.heads(self.linear(q_res, f"{ix}.q_b_proj", "index_q"), NI, di, "index_q3"), di, rd,
-                           cos, sin)
-            iw = g.op("Mul", [self.f32(self.linear(x, f"{ix}.scorer.weights_proj", "index_w")),
-                              self.f32_scalar(float(NI) ** -0.5)], "index_w_scaled")
-            inputs += [iq, iw, self.linear(x, f"{ix}.kv_proj", "i_kv"), self.linear(x, f"{ix}.gate_proj", "i_gate"),
-                       g.const(f"{ix}.position_bias.host", self.host(f"{ix}.position_bias")),
-                       g.const(f"{ix}.kv_norm.weight.host", self.host(f"{ix}.kv_norm.weight")), *states[4:7]]
-        out = g.op(ATTENTION_OP, inputs, outputs=[g.name(f"dsv4_attn{index}"), *state_outs], domain=PLUGIN_DOMAIN,
-                   hint=f"dsv4_attn{index}",
-                   **plugin_fields(layer_type=LAYER_TYPE_CODES[layer_type], window=int(cfg.sliding_window),
-                             compress_rate=int(rate), index_topk=topk, scaling=float(d) ** -0.5,
-                             eps=float(cfg.rms_norm_eps), rope_scale=float(table.scale)))[0]  # [T, H, d]
+            iq = self.rope(
+                self.heads(self.linear(q_res, f"{ix}.q_b_proj", "index_q"), NI, di, "index_q3"), di, rd, cos, sin
+            )
+            iw = g.op(
+                "Mul",
+                [self.f32(self.linear(x, f"{ix}.scorer.weights_proj", "index_w")), self.f32_scalar(float(NI) ** -0.5)],
+                "index_w_scaled",
+            )
+            inputs += [
+                iq,
+                iw,
+                self.linear(x, f"{ix}.kv_proj", "i_kv"),
+                self.linear(x, f"{ix}.gate_proj", "i_gate"),
+                g.const(f"{ix}.position_bias.host", self.host(f"{ix}.position_bias")),
+                g.const(f"{ix}.kv_norm.weight.host", self.host(f"{ix}.kv_norm.weight")),
+                *states[4:7],
+            ]
+        out = g.op(
+            ATTENTION_OP,
+            inputs,
+            outputs=[g.name(f"dsv4_attn{index}"), *state_outs],
+            domain=PLUGIN_DOMAIN,
+            hint=f"dsv4_attn{index}",
+            **plugin_fields(
+                layer_type=LAYER_TYPE_CODES[layer_type],
+                window=int(cfg.sliding_window),
+                compress_rate=int(rate),
+                index_topk=topk,
+                scaling=float(d) ** -0.5,
+                eps=float(cfg.rms_norm_eps),
+                rope_scale=float(table.scale),
+            ),
+        )[0]  # [T, H, d]
         self._rank3[out] = True
         out = self.rope(out, d, rd, cos, nsin)  # the values carried the keys' rotation: undo it at the query's position
         G, R = int(cfg.o_groups), int(cfg.o_lora_rank)
@@ -361,15 +442,34 @@ class Blocks(GraphBlocks):
         if qw is not None:  # FP8: one DequantizeLinear product per group (its rows of the weight)
             from engram_trt.models.onnx_quant import quant_matmul, row_slice
 
-            pieces = g.op("Split", [g.op("Reshape", [out, g.ints([0, G, per])], "o_groups"), g.ints([1] * G)],
-                          "o_groups_split", n_out=G, axis=1)
+            pieces = g.op(
+                "Split",
+                [g.op("Reshape", [out, g.ints([0, G, per])], "o_groups"), g.ints([1] * G)],
+                "o_groups_split",
+                n_out=G,
+                axis=1,
+            )
             pieces = [pieces] if G == 1 else pieces
-            low = g.op("Concat", [quant_matmul(g, g.op("Squeeze", [piece, g.ints([1])], "o_group"), f"{wo_a}.group{i}",
-                                               row_slice(qw, i * R, (i + 1) * R), self.elem, "o_a")
-                                  for i, piece in enumerate(pieces)], "o_a_flat", axis=1)  # [T, G * R]
+            low = g.op(
+                "Concat",
+                [
+                    quant_matmul(
+                        g,
+                        g.op("Squeeze", [piece, g.ints([1])], "o_group"),
+                        f"{wo_a}.group{i}",
+                        row_slice(qw, i * R, (i + 1) * R),
+                        self.elem,
+                        "o_a",
+                    )
+                    for i, piece in enumerate(pieces)
+                ],
+                "o_a_flat",
+                axis=1,
+            )  # [T, G * R]
             return self.linear(low, f"{a}.o_b_proj", "o_b")
-        grouped = g.op("Transpose", [g.op("Reshape", [out, g.ints([0, G, per])], "o_groups")], "o_groups_t",
-                       perm=[1, 0, 2])  # [G, T, per]
+        grouped = g.op(
+            "Transpose", [g.op("Reshape", [out, g.ints([0, G, per])], "o_groups")], "o_groups_t", perm=[1, 0, 2]
+        )  # [G, T, per]
         w = self._np(f"{a}.o_a_proj.weight", self.np_dt).reshape(G, R, per).transpose(0, 2, 1)  # [G, per, R]
         low = g.op("MatMul", [grouped, g.const(f"{a}.o_a_proj.grouped", np.ascontiguousarray(w))], "o_a")  # [G, T, R]
         low = g.op("Reshape", [g.op("Transpose", [low], perm=[1, 0, 2]), g.ints([0, G * R])], "o_a_flat")
@@ -405,8 +505,13 @@ class Blocks(GraphBlocks):
         wt = self.np_dt if gate_dtype == "bf16" and self.elem == TensorProto.BFLOAT16 else np.float32
         qw = g.const(names["q_weight"] + f".{np.dtype(wt).name}", _np(self.get(names["q_weight"]), wt))
         kw = g.const(names["k_weight"] + f".{np.dtype(wt).name}", _np(self.get(names["k_weight"]), wt))
-        out = g.op("EngramGate", [hid, kv, qw, kw, live], f"engram_gate{j}", domain=PLUGIN_DOMAIN,
-                   **plugin_attributes(layout, cfg, "EngramGate"))
+        out = g.op(
+            "EngramGate",
+            [hid, kv, qw, kw, live],
+            f"engram_gate{j}",
+            domain=PLUGIN_DOMAIN,
+            **plugin_attributes(layout, cfg, "EngramGate"),
+        )
         if gate_elem != self.elem:
             out = g.op("Cast", [out], to=self.elem)
         return out

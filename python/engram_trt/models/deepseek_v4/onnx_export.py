@@ -48,8 +48,16 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from engram_trt.errors import EngramError
-from engram_trt.models.export import (DTYPES, EXTERNAL_DATA_THRESHOLD, GATE_IO_DTYPES, OPSET, PLUGIN_DOMAIN,
-                                      TABLE_DTYPE_CODES, ExportedModel, ExportOptions)
+from engram_trt.models.export import (
+    DTYPES,
+    EXTERNAL_DATA_THRESHOLD,
+    GATE_IO_DTYPES,
+    OPSET,
+    PLUGIN_DOMAIN,
+    TABLE_DTYPE_CODES,
+    ExportedModel,
+    ExportOptions,
+)
 
 # The attention kernel's limits (the op contract): the shared head and the indexer's keys.
 MAX_HEAD_DIM = 512
@@ -111,26 +119,38 @@ def engine_limits(config: Any, max_position: int) -> list[str]:
 
     out = []
     if config.head_dim > MAX_HEAD_DIM:
-        out.append(f"head_dim={config.head_dim}: the EngramDsv4Attention kernel takes head_dim <= {MAX_HEAD_DIM}; serve "
-                   f"the checkpoint with the torch backend (engram-trt run / serve)")
+        out.append(
+            f"head_dim={config.head_dim}: the EngramDsv4Attention kernel takes head_dim <= {MAX_HEAD_DIM}; serve "
+            f"the checkpoint with the torch backend (engram-trt run / serve)"
+        )
     types = {layer_type_of(config, i) for i in range(config.num_hidden_layers)}
     if "compressed_sparse_attention" in types and config.index_head_dim > MAX_INDEX_HEAD_DIM:
-        out.append(f"index_head_dim={config.index_head_dim}: the EngramDsv4Attention kernel takes index_head_dim <= "
-                   f"{MAX_INDEX_HEAD_DIM}; serve the checkpoint with the torch backend (engram-trt run / serve)")
+        out.append(
+            f"index_head_dim={config.index_head_dim}: the EngramDsv4Attention kernel takes index_head_dim <= "
+            f"{MAX_INDEX_HEAD_DIM}; serve the checkpoint with the torch backend (engram-trt run / serve)"
+        )
     for t in sorted(types - {"sliding_attention"}):
         rate = compress_rate(config, t)
         if max_position // rate < 1:
-            out.append(f"--max-seq-len {max_position} holds no {t} entry (compress rate {rate}); build with "
-                       f"--max-seq-len >= {rate}")
+            out.append(
+                f"--max-seq-len {max_position} holds no {t} entry (compress rate {rate}); build with "
+                f"--max-seq-len >= {rate}"
+            )
         elif t == "compressed_sparse_attention" and config.index_topk > max_position // rate:
-            out.append(f"index_topk={config.index_topk} exceeds the {max_position // rate} compressed entries "
-                       f"--max-seq-len {max_position} holds (rate {rate}); build with --max-seq-len >= "
-                       f"{config.index_topk * rate}")
+            out.append(
+                f"index_topk={config.index_topk} exceeds the {max_position // rate} compressed entries "
+                f"--max-seq-len {max_position} holds (rate {rate}); build with --max-seq-len >= "
+                f"{config.index_topk * rate}"
+            )
     return out
 
 
-def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any], layout: Any = None,
-                 options: ExportOptions | None = None) -> ExportedModel:
+def export_model(
+    config: Any,
+    weights: Mapping[str, Any] | Callable[[str], Any],
+    layout: Any = None,
+    options: ExportOptions | None = None,
+) -> ExportedModel:
     """The ONNX serving step of a DeepSeek-V4 / V4.1 model (the module docstring).
 
     ``weights``: checkpoint name -> tensor, or a callable (``Checkpoint.get``); only
@@ -164,8 +184,10 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     table_dtype, table_rows = "bf16", []
     if spec is not None:
         if layout is None:
-            raise EngramError("exporting a DeepSeek-V4.1 model needs its EngramLayout (EngramLayout.from_spec with the "
-                              "compressed pad id)")
+            raise EngramError(
+                "exporting a DeepSeek-V4.1 model needs its EngramLayout (EngramLayout.from_spec with the "
+                "compressed pad id)"
+            )
         if tuple(layout.layer_ids) != tuple(spec.layer_ids):
             raise EngramError(f"layout layers {list(layout.layer_ids)} differ from the config's {list(spec.layer_ids)}")
         table_dtype = opts.table_dtype or spec.table_dtype
@@ -173,25 +195,37 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
             raise EngramError(f"Engram table dtype {table_dtype!r} is not one of {', '.join(TABLE_DTYPE_CODES)}")
         table_rows = [int(r) for r in (opts.table_rows or layout.table_rows)]
         if len(table_rows) != layout.num_layers or any(r < int(n) for r, n in zip(table_rows, layout.table_rows)):
-            raise EngramError(f"table rows {table_rows} do not cover the layout's {layout.table_rows.tolist()} "
-                              f"(one per Engram layer)")
+            raise EngramError(
+                f"table rows {table_rows} do not cover the layout's {layout.table_rows.tolist()} (one per Engram layer)"
+            )
     g = _Graph()
     i32 = TensorProto.INT32
-    inputs: list[Any] = [helper.make_tensor_value_info("input_ids", i32, ["tokens"]),
-                         helper.make_tensor_value_info("seq_starts", i32, ["seqs_plus_1"]),
-                         helper.make_tensor_value_info("past_lens", i32, ["seqs"]),
-                         helper.make_tensor_value_info("slots", i32, ["seqs"])]
+    inputs: list[Any] = [
+        helper.make_tensor_value_info("input_ids", i32, ["tokens"]),
+        helper.make_tensor_value_info("seq_starts", i32, ["seqs_plus_1"]),
+        helper.make_tensor_value_info("past_lens", i32, ["seqs"]),
+        helper.make_tensor_value_info("slots", i32, ["seqs"]),
+    ]
     outputs: list[Any] = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["seqs", cfg.vocab_size])]
 
     # --- where each token sits (as engram-llama's graph) --------------------------------
     T = g.op("Squeeze", [g.op("Shape", ["input_ids"], "tokens")], "tokens_s")
     tok = g.op("Cast", [g.op("Range", [g.scalar(0), T, g.scalar(1)], "token_index64")], "token_index", to=i32)
     ends = g.op("Slice", ["seq_starts", g.ints([1]), g.ints([2**62])], "seq_ends")
-    after = g.op("LessOrEqual", [g.op("Unsqueeze", [ends, g.ints([0])]), g.op("Unsqueeze", [tok, g.ints([1])])],
-                 "token_after_seq")
+    after = g.op(
+        "LessOrEqual",
+        [g.op("Unsqueeze", [ends, g.ints([0])]), g.op("Unsqueeze", [tok, g.ints([1])])],
+        "token_after_seq",
+    )
     token_seq = g.op("ReduceSum", [g.op("Cast", [after], to=i32), g.ints([1])], "token_seq", keepdims=0)
-    token_pos = g.op("Add", [g.op("Gather", ["past_lens", token_seq], axis=0),
-                             g.op("Sub", [tok, g.op("Gather", ["seq_starts", token_seq], axis=0)])], "token_pos")
+    token_pos = g.op(
+        "Add",
+        [
+            g.op("Gather", ["past_lens", token_seq], axis=0),
+            g.op("Sub", [tok, g.op("Gather", ["seq_starts", token_seq], axis=0)]),
+        ],
+        "token_pos",
+    )
     last = g.op("Sub", [ends, g.const("c_i32_1", np.asarray(1, np.int32))], "last_token")
     b = Blocks(g, cfg, get, elem, np_dt, token_pos)
 
@@ -207,20 +241,38 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     if spec is not None:
         N1, L, cols = layout.max_ngram_size - 1, layout.num_layers, layout.n_hash_cols
         inputs.append(helper.make_tensor_value_info("engram_ids", i32, ["tokens"]))
-        live = g.op("Cast", [g.op("GreaterOrEqual", ["engram_ids", g.const("c_i32_0", np.asarray(0, np.int32))])],
-                    "engram_live", to=i32)
+        live = g.op(
+            "Cast",
+            [g.op("GreaterOrEqual", ["engram_ids", g.const("c_i32_0", np.asarray(0, np.int32))])],
+            "engram_live",
+            to=i32,
+        )
         if opts.placement == "in_engine":
             inputs.append(helper.make_tensor_value_info("engram_lookback", i32, ["seqs", N1]))
             inputs.append(helper.make_tensor_value_info("engram_table_ptrs", TensorProto.INT64, [L]))
             inputs.append(helper.make_tensor_value_info("engram_scale_ptrs", TensorProto.INT64, [L]))
-            hash_out = g.op("EngramHash", ["engram_ids", "seq_starts", "engram_lookback"], "engram_hash",
-                            domain=PLUGIN_DOMAIN, **plugin_attributes(layout, cfg, "EngramHash"))  # [T, L, cols]
+            hash_out = g.op(
+                "EngramHash",
+                ["engram_ids", "seq_starts", "engram_lookback"],
+                "engram_hash",
+                domain=PLUGIN_DOMAIN,
+                **plugin_attributes(layout, cfg, "EngramHash"),
+            )  # [T, L, cols]
         else:
             for j in range(L):
-                inputs.append(helper.make_tensor_value_info(f"engram_rows_{j}", TensorProto.BFLOAT16,
-                                                            ["tokens", cols, spec.head_dim]))
-        io.update(lookback=N1, engram_layers=L, cols=cols, head_dim=spec.head_dim, table_dtype=table_dtype,
-                  table_rows=list(table_rows))
+                inputs.append(
+                    helper.make_tensor_value_info(
+                        f"engram_rows_{j}", TensorProto.BFLOAT16, ["tokens", cols, spec.head_dim]
+                    )
+                )
+        io.update(
+            lookback=N1,
+            engram_layers=L,
+            cols=cols,
+            head_dim=spec.head_dim,
+            table_dtype=table_dtype,
+            table_rows=list(table_rows),
+        )
     gate_dt = opts.gate_dtype or (opts.dtype if opts.dtype in GATE_IO_DTYPES else GATE_IO_DTYPES[0])
 
     def engram_rows(j: int) -> str:
@@ -230,8 +282,13 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
         ptrs = [tptr]
         if table_dtype == "fp8":  # a bf16 table has no scales, and the plugin no scale input
             ptrs.append(g.op("Slice", ["engram_scale_ptrs", g.ints([j]), g.ints([j + 1])], f"scale_ptr{j}"))
-        return g.op("EngramGather", [hash_out, *ptrs], f"engram_rows{j}", domain=PLUGIN_DOMAIN,
-                    **plugin_attributes(layout, cfg, "EngramGather", j, table_dtype, table_rows[j]))
+        return g.op(
+            "EngramGather",
+            [hash_out, *ptrs],
+            f"engram_rows{j}",
+            domain=PLUGIN_DOMAIN,
+            **plugin_attributes(layout, cfg, "EngramGather", j, table_dtype, table_rows[j]),
+        )
 
     # --- RoPE: one table per label (main: sliding layers, compress: CSA / HCA) -------------
     tables: dict[str, Any] = {}
@@ -277,18 +334,36 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     g.op("Cast", [logits], outputs=["logits"], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, "deepseek_v4", inputs, outputs, g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
-                              producer_name="engram-trt",
-                              doc_string="DeepSeek-V4 serving step; Engram tables are bound at run time by address")
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
+        producer_name="engram-trt",
+        doc_string="DeepSeek-V4 serving step; Engram tables are bound at run time by address",
+    )
     model.ir_version = 10
     if g.init_bytes < EXTERNAL_DATA_THRESHOLD:
         onnx.checker.check_model(model)
-    io.update({
-        "architecture": "deepseek-v4", "vocab": cfg.vocab_size, "layers": cfg.num_hidden_layers, "max_position": max_pos,
-        "embed": embed_name,
-        "plugins": sorted({n.op_type for n in g.nodes if n.domain == PLUGIN_DOMAIN}),
-        "states": {name: {"shape": shape, "dtype": kind, "alias": alias_name(name)} for name, (shape, kind) in states.items()},
-    })
-    return ExportedModel(model=model, input_names=[v.name for v in inputs], output_names=[v.name for v in outputs],
-                         num_layers=cfg.num_hidden_layers, engram_layers=0 if spec is None else len(spec.layer_ids),
-                         dtype=opts.dtype, initializer_bytes=g.init_bytes, io=io)
+    io.update(
+        {
+            "architecture": "deepseek-v4",
+            "vocab": cfg.vocab_size,
+            "layers": cfg.num_hidden_layers,
+            "max_position": max_pos,
+            "embed": embed_name,
+            "plugins": sorted({n.op_type for n in g.nodes if n.domain == PLUGIN_DOMAIN}),
+            "states": {
+                name: {"shape": shape, "dtype": kind, "alias": alias_name(name)}
+                for name, (shape, kind) in states.items()
+            },
+        }
+    )
+    return ExportedModel(
+        model=model,
+        input_names=[v.name for v in inputs],
+        output_names=[v.name for v in outputs],
+        num_layers=cfg.num_hidden_layers,
+        engram_layers=0 if spec is None else len(spec.layer_ids),
+        dtype=opts.dtype,
+        initializer_bytes=g.init_bytes,
+        io=io,
+    )

@@ -59,8 +59,12 @@ def parallel_plan(config: Any, tp: int, rank: int) -> ParallelPlan:
     d, olr, idim = config.head_dim, config.o_lora_rank, config.index_head_dim
     s0, s1 = split_ranges(config.moe_intermediate_size, tp)[rank]
     v0, v1 = split_ranges(config.vocab_size, tp)[rank]
-    local = replace(config, num_attention_heads=h1 - h0, o_groups=g1 - g0,
-                    index_n_heads=(i1 - i0) if has_csa else config.index_n_heads)
+    local = replace(
+        config,
+        num_attention_heads=h1 - h0,
+        o_groups=g1 - g0,
+        index_n_heads=(i1 - i0) if has_csa else config.index_n_heads,
+    )
     rules = [
         Rule(re.compile(_LAYER + r"attn\.wq_b\.weight$"), rows_split("column", [(h0 * d, h1 * d)])),
         Rule(re.compile(_LAYER + r"attn\.attn_sink$"), rows_split("head", [(h0, h1)])),
@@ -71,11 +75,21 @@ def parallel_plan(config: Any, tp: int, rank: int) -> ParallelPlan:
         Rule(re.compile(r"^(model\.embed_tokens|embed|head)\.weight$"), rows_split("vocab", [(v0, v1)])),
     ]
     if has_csa:
-        rules += [Rule(re.compile(_LAYER + r"attn\.indexer\.wq_b\.weight$"),
-                       rows_split("column", [(i0 * idim, i1 * idim)])),
-                  Rule(re.compile(_LAYER + r"attn\.indexer\.weights_proj\.weight$"), rows_split("column", [(i0, i1)]))]
-    return ParallelPlan(FAMILY, tp, rank, config, local, tuple(rules), (e0, e1 - e0, config.n_routed_experts),
-                        (v0, v1), block_of=block_of(config))
+        rules += [
+            Rule(re.compile(_LAYER + r"attn\.indexer\.wq_b\.weight$"), rows_split("column", [(i0 * idim, i1 * idim)])),
+            Rule(re.compile(_LAYER + r"attn\.indexer\.weights_proj\.weight$"), rows_split("column", [(i0, i1)])),
+        ]
+    return ParallelPlan(
+        FAMILY,
+        tp,
+        rank,
+        config,
+        local,
+        tuple(rules),
+        (e0, e1 - e0, config.n_routed_experts),
+        (v0, v1),
+        block_of=block_of(config),
+    )
 
 
 def shard_modules(model: Any, plan: ParallelPlan) -> None:
@@ -101,7 +115,7 @@ def shard_modules(model: Any, plan: ParallelPlan) -> None:
             model.lm_head = nn.Linear(D, v1 - v0, bias=False)
         for layer in model.model.layers:
             mlp = layer.mlp
-            mlp.experts = nn.ModuleList(list(mlp.experts)[first:first + count])
+            mlp.experts = nn.ModuleList(list(mlp.experts)[first : first + count])
             mlp.expert_range = (first, count)
             mlp.shared_experts = ClampedSwiGLU(D, s1 - s0, mlp.shared_experts.limit)
     from engram_trt.models.deepseek_v4.attention import DeepseekV4Attention

@@ -37,8 +37,11 @@ from engram_trt.errors import EngramError
 
 _OP = "EngramDsv4Attention"
 SLIDING, CSA, HCA = 0, 1, 2
-LAYER_TYPE_NAMES = {SLIDING: "sliding_attention", CSA: "compressed_sparse_attention",
-                    HCA: "heavily_compressed_attention"}
+LAYER_TYPE_NAMES = {
+    SLIDING: "sliding_attention",
+    CSA: "compressed_sparse_attention",
+    HCA: "heavily_compressed_attention",
+}
 N_INPUTS = {SLIDING: 7, HCA: 15, CSA: 24}
 
 
@@ -112,8 +115,9 @@ def _round(x: np.ndarray, act: np.dtype | None) -> np.ndarray:
     return x if act is None else x.astype(act).astype(np.float64)
 
 
-def rope_cos_sin(positions: np.ndarray, inv_freq: np.ndarray, rope_scale: float,
-                 act: np.dtype | None) -> tuple[np.ndarray, np.ndarray]:
+def rope_cos_sin(
+    positions: np.ndarray, inv_freq: np.ndarray, rope_scale: float, act: np.dtype | None
+) -> tuple[np.ndarray, np.ndarray]:
     """cos / sin ``[n, rope_dim / 2]`` (one per interleaved pair) at ``positions``: the
     angle is a float32 product as in the table, the values rounded to act."""
     ang = (np.asarray(positions, dtype=np.float32).reshape(-1, 1) * inv_freq.astype(np.float32)).astype(np.float64)
@@ -126,14 +130,23 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     half = cos.shape[-1]
     out = x.copy()
     start = x.shape[-1] - 2 * half
-    even, odd = x[:, start::2], x[:, start + 1::2]
+    even, odd = x[:, start::2], x[:, start + 1 :: 2]
     out[:, start::2] = even * cos - odd * sin
-    out[:, start + 1::2] = odd * cos + even * sin
+    out[:, start + 1 :: 2] = odd * cos + even * sin
     return out
 
 
-def pool_window(kv: np.ndarray, gate: np.ndarray, dim: int, overlap: bool, norm: np.ndarray, eps: float,
-                cos: np.ndarray, sin: np.ndarray, act: np.dtype | None) -> np.ndarray:
+def pool_window(
+    kv: np.ndarray,
+    gate: np.ndarray,
+    dim: int,
+    overlap: bool,
+    norm: np.ndarray,
+    eps: float,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    act: np.dtype | None,
+) -> np.ndarray:
     """One entry ``[dim]`` from a window's rows (gate already biased): ``kv / gate
     [2r, 2 dim]`` with overlap (rows ``:r`` the predecessor window, whose ``[:dim]``
     channels are used; rows ``r:`` this window's ``[dim:]``; a missing predecessor has
@@ -153,9 +166,23 @@ def pool_window(kv: np.ndarray, gate: np.ndarray, dim: int, overlap: bool, norm:
     return _round(rotate(normed[None], cos, sin)[0], act)
 
 
-def _stream(kv_new: np.ndarray, gate_new: np.ndarray, bias: np.ndarray, past: int, dim: int, rate: int,
-            overlap: bool, entries: np.ndarray, ring_kv: np.ndarray, ring_gate: np.ndarray, norm: np.ndarray,
-            eps: float, inv_freq: np.ndarray, rope_scale: float, act: np.dtype | None) -> int:
+def _stream(
+    kv_new: np.ndarray,
+    gate_new: np.ndarray,
+    bias: np.ndarray,
+    past: int,
+    dim: int,
+    rate: int,
+    overlap: bool,
+    entries: np.ndarray,
+    ring_kv: np.ndarray,
+    ring_gate: np.ndarray,
+    norm: np.ndarray,
+    eps: float,
+    inv_freq: np.ndarray,
+    rope_scale: float,
+    act: np.dtype | None,
+) -> int:
     """One sequence's compressor step on one slot's state views (in place): emit the
     windows its tokens complete, then store the last R raw rows; returns the entry count."""
     n = kv_new.shape[0]
@@ -181,8 +208,9 @@ def _stream(kv_new: np.ndarray, gate_new: np.ndarray, bias: np.ndarray, past: in
                 rows_kv.append(kv_r)
                 rows_gate.append(g_r)
         cos, sin = rope_cos_sin(np.array([j * rate]), inv_freq, rope_scale, act)
-        entries[j] = pool_window(np.stack(rows_kv), np.stack(rows_gate), dim, overlap, norm, eps, cos, sin,
-                                 act).astype(entries.dtype)
+        entries[j] = pool_window(np.stack(rows_kv), np.stack(rows_gate), dim, overlap, norm, eps, cos, sin, act).astype(
+            entries.dtype
+        )
     keep = min(n, big_r)
     for pos in range(end - keep, end):
         ring_kv[pos % big_r] = kv_new[pos - past].astype(ring_kv.dtype)
@@ -202,8 +230,9 @@ def select_entries(scores: np.ndarray, topk: int) -> np.ndarray:
     return keep
 
 
-def _check_fields(layer_type: int, window: int, compress_rate: int, index_topk: int, scaling: float, eps: float,
-                  rope_scale: float) -> None:
+def _check_fields(
+    layer_type: int, window: int, compress_rate: int, index_topk: int, scaling: float, eps: float, rope_scale: float
+) -> None:
     if layer_type not in N_INPUTS:
         raise EngramError(f"{_OP}: layer_type {layer_type} must be 0 (sliding), 1 (CSA) or 2 (HCA)")
     if window < 1:
@@ -225,11 +254,25 @@ def _shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
         raise EngramError(f"{_OP}: {name} has shape {tuple(got)}; pass {list(want)}")
 
 
-def dsv4_attention_reference(q: Any, kv: Any, sinks: Any, seq_starts: Any, past_lens: Any, slots: Any,
-                             window_kv: Any, *, compressor: Dsv4CompressorInputs | None = None,
-                             indexer: Dsv4IndexerInputs | None = None, layer_type: int, window: int,
-                             compress_rate: int = 0, index_topk: int = 0, scaling: float, eps: float = 1e-6,
-                             rope_scale: float = 1.0) -> tuple[np.ndarray, ...]:
+def dsv4_attention_reference(
+    q: Any,
+    kv: Any,
+    sinks: Any,
+    seq_starts: Any,
+    past_lens: Any,
+    slots: Any,
+    window_kv: Any,
+    *,
+    compressor: Dsv4CompressorInputs | None = None,
+    indexer: Dsv4IndexerInputs | None = None,
+    layer_type: int,
+    window: int,
+    compress_rate: int = 0,
+    index_topk: int = 0,
+    scaling: float,
+    eps: float = 1e-6,
+    rope_scale: float = 1.0,
+) -> tuple[np.ndarray, ...]:
     """EngramDsv4Attention over one packed step.
 
     Returns ``(out [T, H, d] float64, window_kv, [entries, ring_kv, ring_gate, [keys,
@@ -279,7 +322,9 @@ def dsv4_attention_reference(q: Any, kv: Any, sinks: Any, seq_starts: Any, past_
         _shape("compressor_kv", c_ring_kv.shape, (n_slots, big_r, width))
         _shape("compressor_gate", c_ring_gate.shape, (n_slots, big_r, width))
         if 2 * inv_freq.shape[0] > d or inv_freq.shape[0] < 1:
-            raise EngramError(f"{_OP}: inv_freq has {inv_freq.shape[0]} pairs; rope_dim = 2 x that must fit head_dim {d}")
+            raise EngramError(
+                f"{_OP}: inv_freq has {inv_freq.shape[0]} pairs; rope_dim = 2 x that must fit head_dim {d}"
+            )
         capacity = entries.shape[1]
     if layer_type == CSA:
         ix = indexer
@@ -309,8 +354,10 @@ def dsv4_attention_reference(q: Any, kv: Any, sinks: Any, seq_starts: Any, past_
             raise EngramError(f"{_OP}: past_lens[{s}] is {pasts[s]}; a past length is >= 0")
         end = pasts[s] + starts[s + 1] - starts[s]
         if layer_type != SLIDING and end // rate > capacity:
-            raise EngramError(f"{_OP}: sequence {s} reaches length {end}; the state holds {capacity} compressed "
-                              "entries: allocate it with a larger max_len")
+            raise EngramError(
+                f"{_OP}: sequence {s} reaches length {end}; the state holds {capacity} compressed "
+                "entries: allocate it with a larger max_len"
+            )
 
     out = np.zeros((t_count, heads, d), dtype=np.float64)
     for s in range(n_seq):
@@ -320,18 +367,49 @@ def dsv4_attention_reference(q: Any, kv: Any, sinks: Any, seq_starts: Any, past_
             continue
         n_entries = 0
         if layer_type != SLIDING:
-            n_entries = _stream(c_kv[a:b], c_gate[a:b], c_bias, past, d, rate, overlap, entries[slot],
-                                c_ring_kv[slot], c_ring_gate[slot], c_norm, eps, inv_freq, rope_scale, act)
+            n_entries = _stream(
+                c_kv[a:b],
+                c_gate[a:b],
+                c_bias,
+                past,
+                d,
+                rate,
+                overlap,
+                entries[slot],
+                c_ring_kv[slot],
+                c_ring_gate[slot],
+                c_norm,
+                eps,
+                inv_freq,
+                rope_scale,
+                act,
+            )
             ent = entries[slot, :n_entries].astype(np.float64)
         if layer_type == CSA:
-            _stream(i_kv[a:b], i_gate[a:b], i_bias, past, di, rate, True, i_keys[slot], i_ring_kv[slot],
-                    i_ring_gate[slot], i_norm, eps, inv_freq, rope_scale, act)
+            _stream(
+                i_kv[a:b],
+                i_gate[a:b],
+                i_bias,
+                past,
+                di,
+                rate,
+                True,
+                i_keys[slot],
+                i_ring_kv[slot],
+                i_ring_gate[slot],
+                i_norm,
+                eps,
+                inv_freq,
+                rope_scale,
+                act,
+            )
             keys_i = i_keys[slot, :n_entries].astype(np.float64)
         for i in range(n):
             t, p = a + i, past + i
             lo = max(0, p - window + 1)
-            rows = [win[slot, k % window].astype(np.float64) if k < past else kva[a + k - past]
-                    for k in range(lo, p + 1)]
+            rows = [
+                win[slot, k % window].astype(np.float64) if k < past else kva[a + k - past] for k in range(lo, p + 1)
+            ]
             keys = np.stack(rows)
             visible = (p + 1) // rate if layer_type != SLIDING else 0
             if visible:
@@ -357,9 +435,16 @@ def dsv4_attention_reference(q: Any, kv: Any, sinks: Any, seq_starts: Any, past_
     return tuple(result)
 
 
-def dsv4_attention_reference_flat(*inputs: Any, layer_type: int, window: int, compress_rate: int = 0,
-                                  index_topk: int = 0, scaling: float, eps: float = 1e-6,
-                                  rope_scale: float = 1.0) -> tuple[np.ndarray, ...]:
+def dsv4_attention_reference_flat(
+    *inputs: Any,
+    layer_type: int,
+    window: int,
+    compress_rate: int = 0,
+    index_topk: int = 0,
+    scaling: float,
+    eps: float = 1e-6,
+    rope_scale: float = 1.0,
+) -> tuple[np.ndarray, ...]:
     """The same over the node's inputs in op order (7 / 15 / 24 of them by layer type),
     as the ReferenceEvaluator's OpRun receives them."""
     want = N_INPUTS.get(int(layer_type))
@@ -367,11 +452,31 @@ def dsv4_attention_reference_flat(*inputs: Any, layer_type: int, window: int, co
         raise EngramError(f"{_OP}: layer_type {layer_type} takes {want} inputs, got {len(inputs)}")
     comp = Dsv4CompressorInputs(*inputs[7:15]) if want > 7 else None
     index = Dsv4IndexerInputs(*inputs[15:24]) if want > 15 else None
-    return dsv4_attention_reference(*inputs[:7], compressor=comp, indexer=index, layer_type=layer_type,
-                                    window=window, compress_rate=compress_rate, index_topk=index_topk,
-                                    scaling=scaling, eps=eps, rope_scale=rope_scale)
+    return dsv4_attention_reference(
+        *inputs[:7],
+        compressor=comp,
+        indexer=index,
+        layer_type=layer_type,
+        window=window,
+        compress_rate=compress_rate,
+        index_topk=index_topk,
+        scaling=scaling,
+        eps=eps,
+        rope_scale=rope_scale,
+    )
 
 
-__all__ = ["CSA", "HCA", "SLIDING", "N_INPUTS", "Dsv4CompressorInputs", "Dsv4IndexerInputs",
-           "dsv4_attention_reference", "dsv4_attention_reference_flat", "pool_window", "rope_cos_sin", "rotate",
-           "select_entries"]
+__all__ = [
+    "CSA",
+    "HCA",
+    "SLIDING",
+    "N_INPUTS",
+    "Dsv4CompressorInputs",
+    "Dsv4IndexerInputs",
+    "dsv4_attention_reference",
+    "dsv4_attention_reference_flat",
+    "pool_window",
+    "rope_cos_sin",
+    "rotate",
+    "select_entries",
+]

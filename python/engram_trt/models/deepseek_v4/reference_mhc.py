@@ -69,34 +69,39 @@ def sinkhorn(comb: np.ndarray, iters: int, eps: float) -> np.ndarray:
     return comb
 
 
-def mhc_coefficients(streams: np.ndarray, params: MhcParams, *, iters: int, hc_eps: float,
-                     norm_eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def mhc_coefficients(
+    streams: np.ndarray, params: MhcParams, *, iters: int, hc_eps: float, norm_eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(pre [T, hc], post [T, hc], comb [T, hc, hc])`` in float64."""
     hc = np.asarray(streams).shape[1]
     n = (2 + hc) * hc
     if params.fn.shape[0] != n or params.base.shape != (n,) or params.scale.shape != (3,):
-        raise EngramError(f"an hc={hc} hyper-connection needs fn [{n}, hc*hidden], base [{n}], scale [3] (got "
-                          f"{params.fn.shape}, {params.base.shape}, {params.scale.shape})")
+        raise EngramError(
+            f"an hc={hc} hyper-connection needs fn [{n}, hc*hidden], base [{n}], scale [3] (got "
+            f"{params.fn.shape}, {params.base.shape}, {params.scale.shape})"
+        )
     m = _mixes(streams, params.fn, norm_eps)
     s, b = params.scale, params.base
     pre = _sigmoid(m[:, :hc] * s[0] + b[:hc]) + hc_eps
-    post = 2.0 * _sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
-    z = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).reshape(-1, hc, hc)
+    post = 2.0 * _sigmoid(m[:, hc : 2 * hc] * s[1] + b[hc : 2 * hc])
+    z = (m[:, 2 * hc :] * s[2] + b[2 * hc :]).reshape(-1, hc, hc)
     e = np.exp(z - z.max(axis=-1, keepdims=True))
     comb = e / e.sum(axis=-1, keepdims=True) + hc_eps
     return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
-def mhc_pre(streams: np.ndarray, params: MhcParams, *, iters: int, hc_eps: float,
-            norm_eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def mhc_pre(
+    streams: np.ndarray, params: MhcParams, *, iters: int, hc_eps: float, norm_eps: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(collapsed [T, D], post, comb)``: the sublayer's input and what :func:`mhc_post` needs."""
     pre, post, comb = mhc_coefficients(streams, params, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps)
     x = np.asarray(streams, dtype=np.float64)
     return np.einsum("tc,tcd->td", pre, x), post, comb
 
 
-def mhc_post(streams: np.ndarray, out: np.ndarray, post: np.ndarray, comb: np.ndarray, *,
-             round_to: Rounder | None = None) -> np.ndarray:
+def mhc_post(
+    streams: np.ndarray, out: np.ndarray, post: np.ndarray, comb: np.ndarray, *, round_to: Rounder | None = None
+) -> np.ndarray:
     """The streams after the sublayer: ``new[t, k] = post[t, k] out[t] + sum_j comb[t, j, k] streams[t, j]``."""
     x = np.asarray(streams, dtype=np.float64)
     p, c = np.asarray(post, dtype=np.float64), np.asarray(comb, dtype=np.float64)
@@ -109,7 +114,9 @@ def mhc_head(streams: np.ndarray, params: MhcParams, *, hc_eps: float, norm_eps:
     """The hyper head's collapse ``[T, D]``: ``pre = sigmoid(m s + b) + eps`` over ``fn [hc, hc*D]``."""
     hc = np.asarray(streams).shape[1]
     if params.fn.shape[0] != hc or params.base.shape != (hc,) or params.scale.shape != (1,):
-        raise EngramError(f"an hc={hc} hyper head needs fn [{hc}, hc*hidden], base [{hc}], scale [1] (got "
-                          f"{params.fn.shape}, {params.base.shape}, {params.scale.shape})")
+        raise EngramError(
+            f"an hc={hc} hyper head needs fn [{hc}, hc*hidden], base [{hc}], scale [1] (got "
+            f"{params.fn.shape}, {params.base.shape}, {params.scale.shape})"
+        )
     pre = _sigmoid(_mixes(streams, params.fn, norm_eps) * params.scale[0] + params.base) + hc_eps
     return np.einsum("tc,tcd->td", pre, np.asarray(streams, dtype=np.float64))

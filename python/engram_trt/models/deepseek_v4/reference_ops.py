@@ -22,11 +22,16 @@ def reference_ops() -> list[type]:
         def _run(self, *inputs, **kw):  # noqa: ANN002, ANN003
             from engram_trt.models.deepseek_v4.reference_attention import dsv4_attention_reference_flat
 
-            fields = {k: kw[k] for k in ("layer_type", "window", "compress_rate", "index_topk", "scaling", "eps",
-                                         "rope_scale") if kw.get(k) is not None}
+            fields = {
+                k: kw[k]
+                for k in ("layer_type", "window", "compress_rate", "index_topk", "scaling", "eps", "rope_scale")
+                if kw.get(k) is not None
+            }
             out, *new_states = dsv4_attention_reference_flat(*inputs, **fields)  # checks the input count
             where = (6, 12, 13, 14, 21, 22, 23)[: len(new_states)]  # the state inputs, in output order
-            return (np.asarray(out).astype(inputs[0].dtype),
-                    *(in_place(inputs[k], st) for k, st in zip(where, new_states)))
+            return (
+                np.asarray(out).astype(inputs[0].dtype),
+                *(in_place(inputs[k], st) for k, st in zip(where, new_states)),
+            )
 
     return [EngramDsv4Attention]

@@ -26,8 +26,16 @@ class DeepseekV4ReferenceRunner:
     rows as ml_dtypes or uint16, FP8 rows as uint8 with their ue8m0 scales);
     ``compress_lookup``: raw id -> compressed id (V4.1)."""
 
-    def __init__(self, exported: ExportedModel, config: Any, tables: Sequence[tuple[np.ndarray, np.ndarray | None]] = (),
-                 compress_lookup: Any = None, *, num_slots: int = 4, max_seq_len: int | None = None) -> None:
+    def __init__(
+        self,
+        exported: ExportedModel,
+        config: Any,
+        tables: Sequence[tuple[np.ndarray, np.ndarray | None]] = (),
+        compress_lookup: Any = None,
+        *,
+        num_slots: int = 4,
+        max_seq_len: int | None = None,
+    ) -> None:
         from onnx.reference import ReferenceEvaluator
 
         from engram_trt.models.deepseek_v4.onnx_export import resolve_dim
@@ -41,14 +49,17 @@ class DeepseekV4ReferenceRunner:
         limit = int(exported.io["max_position"])
         self.max_seq_len = int(max_seq_len or limit)
         if self.num_slots < 1 or not 1 <= self.max_seq_len <= limit:
-            raise EngramError(f"a runner needs num_slots >= 1 and max_seq_len in [1, {limit}] (got {num_slots}, {max_seq_len})")
+            raise EngramError(
+                f"a runner needs num_slots >= 1 and max_seq_len in [1, {limit}] (got {num_slots}, {max_seq_len})"
+            )
         self._tables = [(np.ascontiguousarray(t), None if s is None else np.ascontiguousarray(s)) for t, s in tables]
         n_engram = int(exported.io.get("engram_layers") or 0)
         if len(self._tables) != n_engram and "engram_table_ptrs" in exported.input_names:
             raise EngramError(f"the graph has {n_engram} Engram layers but {len(self._tables)} tables were given")
         self.table_ptrs = np.asarray([self.registry.register(t) for t, _ in self._tables], dtype=np.int64)
-        self.scale_ptrs = np.asarray([0 if s is None else self.registry.register(s) for _, s in self._tables],
-                                     dtype=np.int64)
+        self.scale_ptrs = np.asarray(
+            [0 if s is None else self.registry.register(s) for _, s in self._tables], dtype=np.int64
+        )
         self.lookup = None if compress_lookup is None else np.asarray(compress_lookup, dtype=np.int64).reshape(-1)
         if n_engram and self.lookup is None:
             raise EngramError("a DeepSeek-V4.1 graph needs the compressed vocab's lookup (compress_lookup)")
@@ -62,8 +73,9 @@ class DeepseekV4ReferenceRunner:
         """:meth:`step` on a :class:`~engram_trt.models.step.PackedStep`."""
         return self.step(step.input_ids, step.seq_starts, step.past_lens, step.slots, engram_rows=engram_rows)
 
-    def step(self, input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any, *,
-             engram_rows: Sequence[Any] | None = None) -> np.ndarray:
+    def step(
+        self, input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any, *, engram_rows: Sequence[Any] | None = None
+    ) -> np.ndarray:
         """One packed step: ``input_ids [T]`` of S sequences back to back (``seq_starts
         [S+1]``), each after ``past_lens[s]`` tokens held in slot ``slots[s]`` (a sequence
         with no past ignores what its slot holds); ``engram_rows`` only for a prefetch
@@ -73,8 +85,14 @@ class DeepseekV4ReferenceRunner:
         from engram_trt.engram.hashing import next_lookback
 
         feeds, (ids, starts, past, seq_slots) = packed_step_feeds(
-            input_ids, seq_starts, past_lens, slots, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
-            vocab_size=self.config.vocab_size)
+            input_ids,
+            seq_starts,
+            past_lens,
+            slots,
+            num_slots=self.num_slots,
+            max_seq_len=self.max_seq_len,
+            vocab_size=self.config.vocab_size,
+        )
         feeds.update(self.states)
         names = set(self.exported.input_names)
         cids = lookback = None
@@ -94,5 +112,5 @@ class DeepseekV4ReferenceRunner:
         n = self.lookback.shape[1]
         if cids is not None and n:
             for s in range(seq_slots.shape[0]):
-                self.lookback[seq_slots[s]] = next_lookback(lookback[s], cids[starts[s]:starts[s + 1]], n)
+                self.lookback[seq_slots[s]] = next_lookback(lookback[s], cids[starts[s] : starts[s + 1]], n)
         return out["logits"]

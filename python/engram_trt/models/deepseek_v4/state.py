@@ -61,9 +61,11 @@ def check_state_fits(config: Any, num_slots: int, max_len: int, device: Any, dty
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         if need > free:
-            raise EngramError(f"a DeepSeek-V4 state of {num_slots} slots x {max_len} tokens needs {need} bytes "
-                              f"({need / 2**30:.2f} GiB) on {dev} but only {free} bytes ({free / 2**30:.2f} GiB of "
-                              f"{total / 2**30:.2f} GiB) are free; lower --max-batch-size or --max-seq-len")
+            raise EngramError(
+                f"a DeepSeek-V4 state of {num_slots} slots x {max_len} tokens needs {need} bytes "
+                f"({need / 2**30:.2f} GiB) on {dev} but only {free} bytes ({free / 2**30:.2f} GiB of "
+                f"{total / 2**30:.2f} GiB) are free; lower --max-batch-size or --max-seq-len"
+            )
     return need
 
 
@@ -75,14 +77,19 @@ class DeepseekV4State:
     max_len: int
 
     @classmethod
-    def allocate(cls, config: Any, num_slots: int, max_len: int, device: Any = "cpu",
-                 dtype: torch.dtype = torch.float32) -> "DeepseekV4State":
+    def allocate(
+        cls, config: Any, num_slots: int, max_len: int, device: Any = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "DeepseekV4State":
         if num_slots < 1 or max_len < 1:
             raise EngramError(f"a DeepSeek-V4 state needs num_slots >= 1 and max_len >= 1 (got {num_slots}, {max_len})")
         check_state_fits(config, num_slots, max_len, device, dtype)  # refused before anything is allocated
-        layers = [{name: torch.zeros((num_slots, *shape), device=device, dtype=dt)
-                   for name, (shape, dt) in _layer_dtypes(config, i, max_len, dtype).items()}
-                  for i in range(config.num_hidden_layers)]
+        layers = [
+            {
+                name: torch.zeros((num_slots, *shape), device=device, dtype=dt)
+                for name, (shape, dt) in _layer_dtypes(config, i, max_len, dtype).items()
+            }
+            for i in range(config.num_hidden_layers)
+        ]
         n = config.engram.max_ngram_size - 1 if config.engram is not None else 0
         lookback = torch.full((num_slots, n), DEAD, dtype=torch.int64, device=device)
         return cls(layers, lookback, [0] * num_slots, max_len)

@@ -93,17 +93,32 @@ ROUTED_EXPERT = re.compile(r"^(?:model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.w[
 ENGRAM_TENSOR = re.compile(r"\.engram\.")
 SCALE_NAME = ".weight_scale_inv"  # the canonical name of a weight's block scales
 # The canonical names DeepSeek's published checkpoints store at the root under another spelling.
-_UPSTREAM_ROOT = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-                  "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
-                  "model.hc_head.hc_scale": "hc_head_scale"}
+_UPSTREAM_ROOT = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
 UPSTREAM, TRANSFORMERS = "upstream", "transformers"
 # Stored dtypes a weight's block scales may have, by scale_fmt (no conversion on load).
 SCALE_ST_DTYPES = {"ue8m0": ("F8_E8M0", "U8"), "float": ("F32",)}
 FLOAT_ST_DTYPES = ("F32", "BF16", "F16", "F64")
-_ST_OF_TORCH = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0",
-                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-                torch.bool: "BOOL"}
+_ST_OF_TORCH = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def checkpoint_name(module_name: str) -> str:
@@ -118,7 +133,7 @@ def upstream_name(canonical: str) -> str:
     """DeepSeek's published spelling of a canonical name: the backbone at the root."""
     if canonical in _UPSTREAM_ROOT:
         return _UPSTREAM_ROOT[canonical]
-    return canonical[len("model."):] if canonical.startswith("model.") else canonical
+    return canonical[len("model.") :] if canonical.startswith("model.") else canonical
 
 
 def checkpoint_names(canonical: str) -> tuple[str, ...]:
@@ -258,8 +273,9 @@ def _module_of(canonical: str) -> str:
     return canonical[: -len(".weight")] if canonical.endswith(".weight") else canonical
 
 
-def stored_formats(shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None, ckpt: Any,
-                   linears: Mapping[str, str]) -> tuple[dict[str, StoredFormat], list[str], StoredNames]:
+def stored_formats(
+    shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None, ckpt: Any, linears: Mapping[str, str]
+) -> tuple[dict[str, StoredFormat], list[str], StoredNames]:
     """``(canonical name -> StoredFormat of each weight the checkpoint holds, one line per
     problem, the resolved names)``. ``shapes``: every tensor the model reads (canonical,
     logical shapes); ``linears``: canonical weight name -> the model's module name of each
@@ -294,14 +310,19 @@ def stored_formats(shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None
             kind = "fp4"
         if kind is None:
             if st not in FLOAT_ST_DTYPES:
-                extra = " (packed FP4 is served for the routed experts' w1 / w2 / w3 only)" if st in FP4_WEIGHT_DTYPES \
+                extra = (
+                    " (packed FP4 is served for the routed experts' w1 / w2 / w3 only)"
+                    if st in FP4_WEIGHT_DTYPES
                     else ""
+                )
                 problems.append(f"tensor {n} is {st}, not a float weight{extra}")
             elif got != tuple(want):
                 problems.append(f"tensor {n} has shape {list(got)} but the config needs {list(want)}")
             elif s is not None:
-                problems.append(f"tensor {s} is a block scale beside {n}, which is stored {st}, not FP8 or FP4: "
-                                f"the checkpoint's formats are inconsistent")
+                problems.append(
+                    f"tensor {s} is a block scale beside {n}, which is stored {st}, not FP8 or FP4: "
+                    f"the checkpoint's formats are inconsistent"
+                )
             else:
                 formats[c] = StoredFormat(c, n, "float", st, tuple(want), nbytes)
             if expert is not None and st in FLOAT_ST_DTYPES:
@@ -319,10 +340,13 @@ def stored_formats(shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None
         if bad is None:
             fmt = "ue8m0" if kind == "fp4" else spec.scale_fmt
             if s_st not in SCALE_ST_DTYPES[fmt]:
-                what = "an FP4 weight's scales are ue8m0" if kind == "fp4" else \
-                    f"quantization_config.scale_fmt is {fmt!r}"
-                bad = (f"scale {s} is {s_st} but {what}: expected {' or '.join(SCALE_ST_DTYPES[fmt])} (one "
-                       f"{'power-of-two byte' if fmt == 'ue8m0' else 'float32'} per block)")
+                what = (
+                    "an FP4 weight's scales are ue8m0" if kind == "fp4" else f"quantization_config.scale_fmt is {fmt!r}"
+                )
+                bad = (
+                    f"scale {s} is {s_st} but {what}: expected {' or '.join(SCALE_ST_DTYPES[fmt])} (one "
+                    f"{'power-of-two byte' if fmt == 'ue8m0' else 'float32'} per block)"
+                )
         if bad is not None:
             problems.append(bad)
             continue
@@ -331,38 +355,53 @@ def stored_formats(shapes: Mapping[str, tuple[int, ...]], spec: QuantSpec | None
             expert_formats.setdefault(int(expert.group(1)), {})[(st, s_st)] = n
     for layer, kinds in sorted(expert_formats.items()):
         if len(kinds) > 1:
-            shown = ", ".join(f"{st}{'' if sc is None else ' + ' + sc + ' scales'} ({n})"
-                              for (st, sc), n in kinds.items())
-            problems.append(f"layer {layer}'s routed experts are stored in mixed formats: {shown}; engram-trt stacks "
-                            f"one layer's experts in one format (store them all alike)")
+            shown = ", ".join(
+                f"{st}{'' if sc is None else ' + ' + sc + ' scales'} ({n})" for (st, sc), n in kinds.items()
+            )
+            problems.append(
+                f"layer {layer}'s routed experts are stored in mixed formats: {shown}; engram-trt stacks "
+                f"one layer's experts in one format (store them all alike)"
+            )
     return formats, problems, names
 
 
-def _quant_contradiction(canonical: str, name: str, st: str, kind: str, spec: QuantSpec | None,
-                         linears: Mapping[str, str]) -> str | None:
+def _quant_contradiction(
+    canonical: str, name: str, st: str, kind: str, spec: QuantSpec | None, linears: Mapping[str, str]
+) -> str | None:
     """Why a weight stored quantized cannot be served as such (None: it can)."""
     if spec is None:
         if kind == "fp4":
-            return (f"tensor {name} is {st} (packed FP4 expert weights) but config.json declares no "
-                    f"quantization_config with expert_dtype \"fp4\"; add the checkpoint's quantization_config "
-                    f"(quant_method \"fp8\") and expert_dtype \"fp4\"")
-        return (f"tensor {name} is {st} but config.json declares no quantization_config; add the checkpoint's "
-                f"quantization_config (quant_method \"fp8\", weight_block_size, scale_fmt) to config.json")
+            return (
+                f"tensor {name} is {st} (packed FP4 expert weights) but config.json declares no "
+                f"quantization_config with expert_dtype \"fp4\"; add the checkpoint's quantization_config "
+                f"(quant_method \"fp8\") and expert_dtype \"fp4\""
+            )
+        return (
+            f"tensor {name} is {st} but config.json declares no quantization_config; add the checkpoint's "
+            f"quantization_config (quant_method \"fp8\", weight_block_size, scale_fmt) to config.json"
+        )
     if kind == "fp4" and spec.expert_dtype != "fp4":
-        return (f"tensor {name} is {st} (packed FP4) but the config's expert_dtype is {spec.expert_dtype!r}; set "
-                f"expert_dtype \"fp4\" if the routed experts are stored FP4")
+        return (
+            f"tensor {name} is {st} (packed FP4) but the config's expert_dtype is {spec.expert_dtype!r}; set "
+            f"expert_dtype \"fp4\" if the routed experts are stored FP4"
+        )
     if kind == "fp8" and ROUTED_EXPERT.match(canonical) and spec.expert_dtype == "fp4":
-        return (f"tensor {name} is F8_E4M3 but the config's expert_dtype is \"fp4\"; set expert_dtype \"fp8\" or "
-                f"store FP4")
+        return (
+            f"tensor {name} is F8_E4M3 but the config's expert_dtype is \"fp4\"; set expert_dtype \"fp8\" or store FP4"
+        )
     module = linears.get(canonical)
     if module is None:
-        return (f"tensor {name} is {st} but engram-trt serves FP8 / FP4 only for the linear projections (this tensor "
-                f"is read as a float weight); store it in 16 or 32 bits")
+        return (
+            f"tensor {name} is {st} but engram-trt serves FP8 / FP4 only for the linear projections (this tensor "
+            f"is read as a float weight); store it in 16 or 32 bits"
+        )
     for spelling in (module, _module_of(canonical), _module_of(name)):
         if spec.not_converted(spelling):
-            return (f"tensor {name} is {st} but quantization_config.modules_to_not_convert lists its module "
-                    f"({spelling}) as kept in 16 bits: the config contradicts the weights; remove it from the list "
-                    f"or store the module in 16 bits")
+            return (
+                f"tensor {name} is {st} but quantization_config.modules_to_not_convert lists its module "
+                f"({spelling}) as kept in 16 bits: the config contradicts the weights; remove it from the list "
+                f"or store the module in 16 bits"
+            )
     return None
 
 
@@ -373,8 +412,9 @@ def named_tensors(module: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Te
     QuantLinear's ``weight_scale_inv`` included)."""
     out: dict[str, tuple[nn.Module, str, torch.Tensor]] = {}
     for mod_name, mod in module.named_modules():
-        for attr, t in list(mod._parameters.items()) + [(k, v) for k, v in mod._buffers.items()
-                                                         if k not in mod._non_persistent_buffers_set]:
+        for attr, t in list(mod._parameters.items()) + [
+            (k, v) for k, v in mod._buffers.items() if k not in mod._non_persistent_buffers_set
+        ]:
             if t is None:
                 continue
             full = f"{mod_name}.{attr}" if mod_name else attr
@@ -419,16 +459,18 @@ def quantize_modules(module: nn.Module, formats: Mapping[str, StoredFormat]) -> 
     return swapped
 
 
-def model_formats(module: nn.Module, spec: QuantSpec | None, ckpt: Any
-                  ) -> tuple[dict[str, StoredFormat], list[str], StoredNames]:
+def model_formats(
+    module: nn.Module, spec: QuantSpec | None, ckpt: Any
+) -> tuple[dict[str, StoredFormat], list[str], StoredNames]:
     """:func:`stored_formats` of a model built on the meta device (before
     :func:`quantize_modules`: its tensors' shapes are the logical ones)."""
     shapes = {c: tuple(t.shape) for c, (_m, _a, t) in named_tensors(module).items()}
     return stored_formats(shapes, spec, ckpt, quantizable_linears(module))
 
 
-def prepare_model(module: nn.Module, formats: Mapping[str, StoredFormat], device: torch.device,
-                  dtype: torch.dtype) -> None:
+def prepare_model(
+    module: nn.Module, formats: Mapping[str, StoredFormat], device: torch.device, dtype: torch.dtype
+) -> None:
     """Before :func:`load_into`: the quantized projections swapped in, each MoE's expert
     stacks allocated on ``device`` (``allocate_stacks``; the experts' tensors views)."""
     from engram_trt.models.deepseek_v4.moe import GroupedSparseMoE
@@ -462,16 +504,24 @@ def check_fits(needed: int, device: torch.device, what: str) -> None:
         return
     free, total = torch.cuda.mem_get_info(device)
     if needed > free:
-        raise EngramError(f"{what} needs {needed / 2**30:.2f} GiB of weights on {device} but only {free / 2**30:.2f} GiB of "
-                          f"{total / 2**30:.2f} GiB is free; serve it on a larger GPU (or several), in a smaller dtype, or "
-                          f"on the CPU")
+        raise EngramError(
+            f"{what} needs {needed / 2**30:.2f} GiB of weights on {device} but only {free / 2**30:.2f} GiB of "
+            f"{total / 2**30:.2f} GiB is free; serve it on a larger GPU (or several), in a smaller dtype, or "
+            f"on the CPU"
+        )
 
 
 _STORED_AS_IS = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8, torch.uint8)
 
 
-def load_into(module: nn.Module, ckpt: Any, device: torch.device, dtype: torch.dtype,
-              keep_float32: re.Pattern[str] | None = None, names: StoredNames | None = None) -> None:
+def load_into(
+    module: nn.Module,
+    ckpt: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_float32: re.Pattern[str] | None = None,
+    names: StoredNames | None = None,
+) -> None:
     """Fill ``module`` (built on the meta device, its quantized projections swapped in and
     its expert stacks allocated) from ``ckpt`` tensor by tensor, shard by shard (module
     docstring). ``names`` maps the canonical names to the stored ones (default:
@@ -501,8 +551,9 @@ def load_into(module: nn.Module, ckpt: Any, device: torch.device, dtype: torch.d
         src = ckpt.get(names.stored[c])
         if meta.dtype in _STORED_AS_IS:
             if src.dtype not in _STORED_AS_IS or src.element_size() != meta.element_size():
-                raise EngramError(f"tensor {names.stored[c]} is {src.dtype}, not the {meta.dtype} bytes its module "
-                                  f"holds")
+                raise EngramError(
+                    f"tensor {names.stored[c]} is {src.dtype}, not the {meta.dtype} bytes its module holds"
+                )
             value = (src if src.dtype == meta.dtype else src.view(meta.dtype)).to(device)
         elif INTEGER_TENSORS.search(c):
             value = src.to(device=device, dtype=torch.int64)
@@ -519,7 +570,8 @@ def load_into(module: nn.Module, ckpt: Any, device: torch.device, dtype: torch.d
             mod._buffers[attr] = value
         del value
     # Non-persistent buffers the modules made on the meta device are recomputed by them.
-    leftover = [f"{m}.{b}" for m, mod in module.named_modules() for b, t in mod._buffers.items()
-                if t is not None and t.is_meta]
+    leftover = [
+        f"{m}.{b}" for m, mod in module.named_modules() for b, t in mod._buffers.items() if t is not None and t.is_meta
+    ]
     if leftover:
         raise EngramError(f"the model's buffer {leftover[0]} has no value after loading (a module must compute it)")

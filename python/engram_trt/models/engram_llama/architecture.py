@@ -31,8 +31,9 @@ class EngramLlamaArchitecture(ArchitectureBase):
 
         return parallel_plan(config, tp, rank)
 
-    def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
-                    enforce_contract: bool = True) -> ModelConfig:
+    def read_config(
+        self, d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True
+    ) -> ModelConfig:
         return read_config(d, source, enforce_contract=enforce_contract)
 
     def weight_shapes(self, config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -70,8 +71,18 @@ class EngramLlamaArchitecture(ArchitectureBase):
 
         return validate_checkpoint(ckpt, layout)
 
-    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, tables: Any = None,
-                   compress_lookup: Any = None, layout: Any = None, parallel: Any = None, **_: Any) -> Any:
+    def load_model(
+        self,
+        ckpt: Any,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        tables: Any = None,
+        compress_lookup: Any = None,
+        layout: Any = None,
+        parallel: Any = None,
+        **_: Any,
+    ) -> Any:
         """The torch module of an open checkpoint, its weights read tensor by tensor from
         their shards (FP8 linears kept in their stored form); ``tables``: a store the
         runtime opened (attached), else none (the runtime stages rows). The compressed
@@ -95,8 +106,15 @@ class EngramLlamaArchitecture(ArchitectureBase):
             config, source = parallel.local_config, ShardedCheckpoint(ckpt, parallel)
         else:
             parallel = None
-        model = EngramLlama(config, lazy_weights(source), compress_lookup=compress_lookup, layout=layout,
-                            device=device, dtype=dtype or torch.float32, parallel=parallel)
+        model = EngramLlama(
+            config,
+            lazy_weights(source),
+            compress_lookup=compress_lookup,
+            layout=layout,
+            device=device,
+            dtype=dtype or torch.float32,
+            parallel=parallel,
+        )
         if tables is not None:
             model.set_tables(tables)
         return model

@@ -51,7 +51,6 @@ class GenerateResult:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else float("inf")
 
 
-
 class UniformBatchAPI:
     """Mixed into EngramLlama (which provides forward_step, prepare_step, new_cache...)."""
 
@@ -77,15 +76,29 @@ class UniformBatchAPI:
         if engram_ids is not None:
             eids = torch.as_tensor(engram_ids, dtype=torch.int64).cpu()
             if eids.numel() != ids.numel():
-                raise EngramError(f"engram_ids has {eids.numel()} ids for {ids.numel()} tokens (expected one compressed id per token)")
-        return PackedStep(ids.reshape(-1), [T] * B, [past] * B, list(range(B)),
-                          lookback=None if lookback is None else torch.as_tensor(lookback).reshape(B, -1),
-                          engram_ids=None if eids is None else eids.reshape(-1))
+                raise EngramError(
+                    f"engram_ids has {eids.numel()} ids for {ids.numel()} tokens (expected one compressed id per token)"
+                )
+        return PackedStep(
+            ids.reshape(-1),
+            [T] * B,
+            [past] * B,
+            list(range(B)),
+            lookback=None if lookback is None else torch.as_tensor(lookback).reshape(B, -1),
+            engram_ids=None if eids is None else eids.reshape(-1),
+        )
 
     @torch.no_grad()
-    def forward(self, input_ids: Any, cache: KVCache | None = None, *, engram_ids: Any = None,
-                engram_rows: Sequence[torch.Tensor] | None = None, lookback: Any = None,
-                last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: Any,
+        cache: KVCache | None = None,
+        *,
+        engram_ids: Any = None,
+        engram_rows: Sequence[torch.Tensor] | None = None,
+        lookback: Any = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Logits (float32) ``[B, T, V]`` (``[T, V]`` for 1-D input; ``T`` dropped when
         ``last_only``) of sequences of one length continuing ``cache`` (slots 0..B-1; a
         fresh cache when None, after ``lookback [B, N-1]`` compressed ids).
@@ -101,14 +114,17 @@ class UniformBatchAPI:
         if engram_rows is not None and self.layout is not None:
             want = (B, T, self.layout.n_hash_cols, int(self.config.engram.head_dim))  # type: ignore[union-attr]
             if len(engram_rows) != self.layout.num_layers or any(tuple(r.shape) != want for r in engram_rows):
-                raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
+                raise EngramError(
+                    f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)"
+                )
             rows = [r.reshape(B * T, *r.shape[2:]) for r in engram_rows]
         logits = self.forward_step(step, cache, engram_rows=rows, all_logits=not last_only)
         logits = logits if last_only else logits.reshape(B, T, -1)
         return logits[0] if squeeze else logits
 
-    def prepare_engram(self, input_ids: Any, cache: KVCache | None = None, *, engram_ids: Any = None,
-                       lookback: Any = None) -> list[torch.Tensor]:
+    def prepare_engram(
+        self, input_ids: Any, cache: KVCache | None = None, *, engram_ids: Any = None, lookback: Any = None
+    ) -> list[torch.Tensor]:
         """Rows ``[B, T, cols, head_dim]`` per Engram layer that the next :meth:`forward`
         on ``input_ids`` needs (the prefetch placement; pass them as ``engram_rows``)."""
         ids, _ = self._as_batch(input_ids)
@@ -118,8 +134,15 @@ class UniformBatchAPI:
         step = self._batch_step(ids, cache, engram_ids, lookback)
         return [r.reshape(B, T, *r.shape[1:]) for r in self.prepare_step(step, cache)]
 
-    def prefill(self, input_ids: Any, cache: KVCache, *, chunk_size: int | None = None,
-                engram_ids: Any = None, last_only: bool = True) -> torch.Tensor:
+    def prefill(
+        self,
+        input_ids: Any,
+        cache: KVCache,
+        *,
+        chunk_size: int | None = None,
+        engram_ids: Any = None,
+        last_only: bool = True,
+    ) -> torch.Tensor:
         """Run a prompt into the cache, in chunks of ``chunk_size`` tokens if given.
         Returns the last position's logits (``[B, V]``) or, with ``last_only=False``, all."""
         ids, squeeze = self._as_batch(input_ids)
@@ -128,8 +151,15 @@ class UniformBatchAPI:
         if step < 1:
             raise EngramError(f"chunk_size must be >= 1 (got {chunk_size})")
         cids = None if engram_ids is None else torch.as_tensor(engram_ids, dtype=torch.int64).reshape(ids.shape)
-        outs = [self.forward(ids[:, a:a + step], cache, engram_ids=None if cids is None else cids[:, a:a + step],
-                             last_only=last_only) for a in range(0, T, step)]
+        outs = [
+            self.forward(
+                ids[:, a : a + step],
+                cache,
+                engram_ids=None if cids is None else cids[:, a : a + step],
+                last_only=last_only,
+            )
+            for a in range(0, T, step)
+        ]
         logits = outs[-1] if last_only else torch.cat(outs, dim=1)
         return logits[0] if squeeze else logits
 
@@ -145,9 +175,16 @@ class UniformBatchAPI:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def generate(self, prompt_ids: Any, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, eos: int | Sequence[int] | None = None,
-                 prefill_chunk: int | None = None) -> GenerateResult:
+    def generate(
+        self,
+        prompt_ids: Any,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos: int | Sequence[int] | None = None,
+        prefill_chunk: int | None = None,
+    ) -> GenerateResult:
         """Generate for one sequence, one token per step (the reference loop the runtime's
         scheduler is checked against): greedy when ``temperature == 0``, else
         temperature + top-p sampling from a CPU ``torch.Generator`` seeded with ``seed``.
@@ -159,11 +196,19 @@ class UniformBatchAPI:
         if max_new_tokens < 0:
             raise EngramError(f"max_new_tokens must be >= 0 (got {max_new_tokens})")
         if not (math.isfinite(temperature) and temperature >= 0) or not (0 < top_p <= 1):
-            raise EngramError(f"need temperature >= 0 and 0 < top_p <= 1 (got temperature={temperature}, top_p={top_p})")
-        stops = set(self.config.eos_token_ids) if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+            raise EngramError(
+                f"need temperature >= 0 and 0 < top_p <= 1 (got temperature={temperature}, top_p={top_p})"
+            )
+        stops = (
+            set(self.config.eos_token_ids)
+            if eos is None
+            else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
+        )
         limit = self.config.max_position_embeddings
         if prompt.numel() + max_new_tokens > limit:
-            raise EngramError(f"{prompt.numel()} prompt tokens + {max_new_tokens} new tokens exceed the model's max_position_embeddings={limit}")
+            raise EngramError(
+                f"{prompt.numel()} prompt tokens + {max_new_tokens} new tokens exceed the model's max_position_embeddings={limit}"
+            )
         gen = torch.Generator(device="cpu")
         gen.manual_seed(0 if seed is None else int(seed))
         cache = self.new_cache(1, prompt.numel() + max(1, max_new_tokens))

@@ -15,8 +15,13 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from engram_trt.checkpoint.checkpoint import (FP8_WEIGHT_DTYPE, Checkpoint, checkpoint_quant, engram_tensor_names,
-                                              fp8_weight_problem)
+from engram_trt.checkpoint.checkpoint import (
+    FP8_WEIGHT_DTYPE,
+    Checkpoint,
+    checkpoint_quant,
+    engram_tensor_names,
+    fp8_weight_problem,
+)
 from engram_trt.checkpoint.files import BF16_TABLE_DTYPES, FP8_SCALE_DTYPES, FP8_TABLE_DTYPES
 from engram_trt.config.model import EngramSpec, ModelConfig
 from engram_trt.errors import CheckpointError, ConfigError, EngramError
@@ -83,10 +88,14 @@ def float_or_fp8_problem(ckpt: Any, name: str, shape: tuple[int, ...], quant: An
     if st == FP8_WEIGHT_DTYPE and linear:
         return fp8_weight_problem(ckpt, name, shape, quant)
     if st == FP8_WEIGHT_DTYPE and quant is not None:
-        return (f"tensor {name} is {st}, but only linear weights are served in FP8 (embeddings, norms and gates are "
-                f"read as floats: expected one of {', '.join(BACKBONE_DTYPES)})")
-    return (f"tensor {name} is {st}, not a float weight (expected one of {', '.join(BACKBONE_DTYPES)}); "
-            f"dequantize the checkpoint first")
+        return (
+            f"tensor {name} is {st}, but only linear weights are served in FP8 (embeddings, norms and gates are "
+            f"read as floats: expected one of {', '.join(BACKBONE_DTYPES)})"
+        )
+    return (
+        f"tensor {name} is {st}, not a float weight (expected one of {', '.join(BACKBONE_DTYPES)}); "
+        f"dequantize the checkpoint first"
+    )
 
 
 def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
@@ -123,7 +132,9 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
     if spec is None:
         return problems
     if spec.head_dim is None:
-        problems.append(f"config has no {spec.field_name('head_dim')} (the table row width), so the tables cannot be checked")
+        problems.append(
+            f"config has no {spec.field_name('head_dim')} (the table row width), so the tables cannot be checked"
+        )
         return problems
     if layout is None:
         try:
@@ -145,32 +156,50 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
             else:
                 rows, width = tshape
                 if width != hd:
-                    problems.append(f"table {names['table']} has rows of width {width} but {spec.field_name('head_dim')}={hd}")
+                    problems.append(
+                        f"table {names['table']} has rows of width {width} but {spec.field_name('head_dim')}={hd}"
+                    )
                 declared = None if spec.num_embeddings is None else spec.num_embeddings[li]
                 if declared is not None and rows != declared:
-                    problems.append(f"table {names['table']} has {rows} rows but {spec.field_name('num_embeddings')}[{li}]={declared} (fix the config or the table)")
+                    problems.append(
+                        f"table {names['table']} has {rows} rows but {spec.field_name('num_embeddings')}[{li}]={declared} (fix the config or the table)"
+                    )
                 if rows < need:
-                    problems.append(f"table {names['table']} has {rows} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes (rebuild the tables or fix {spec.field_name('vocab_size')})")
+                    problems.append(
+                        f"table {names['table']} has {rows} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes (rebuild the tables or fix {spec.field_name('vocab_size')})"
+                    )
                 if spec.table_dtype == "fp8":
                     if st not in FP8_TABLE_DTYPES:
-                        problems.append(f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='fp8' (expected F8_E4M3 with ue8m0 scales)")
+                        problems.append(
+                            f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='fp8' (expected F8_E4M3 with ue8m0 scales)"
+                        )
                     sshape = shape_of(names["scale"])
                     want_s = (rows, width // spec.quant_block)
                     if sshape is None:
-                        problems.append(f"scale {names['scale']} is missing (an FP8 table needs [rows, width/{spec.quant_block}] = {list(want_s)})")
+                        problems.append(
+                            f"scale {names['scale']} is missing (an FP8 table needs [rows, width/{spec.quant_block}] = {list(want_s)})"
+                        )
                     else:
                         if sshape != want_s:
-                            problems.append(f"scale {names['scale']} has shape {list(sshape)} but its table needs {list(want_s)}")
+                            problems.append(
+                                f"scale {names['scale']} has shape {list(sshape)} but its table needs {list(want_s)}"
+                            )
                         if ckpt.st_dtype(names["scale"]) not in FP8_SCALE_DTYPES:
-                            problems.append(f"scale {names['scale']} is {ckpt.st_dtype(names['scale'])} (expected F8_E8M0 ue8m0 bytes)")
+                            problems.append(
+                                f"scale {names['scale']} is {ckpt.st_dtype(names['scale'])} (expected F8_E8M0 ue8m0 bytes)"
+                            )
                 elif st not in BF16_TABLE_DTYPES:
-                    problems.append(f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='bf16' (expected BF16)")
+                    problems.append(
+                        f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='bf16' (expected BF16)"
+                    )
         want_wkv = ((hc + 1) * D, layout.n_hash_cols * hd)
         got = shape_of(names["wkv"])
         if got is None:
             problems.append(f"tensor {names['wkv']} is missing (expected {list(want_wkv)})")
         elif got != want_wkv:
-            problems.append(f"tensor {names['wkv']} has shape {list(got)} but needs [(hc_mult+1)*hidden, n_hash_cols*head_dim] = {list(want_wkv)}")
+            problems.append(
+                f"tensor {names['wkv']} has shape {list(got)} but needs [(hc_mult+1)*hidden, n_hash_cols*head_dim] = {list(want_wkv)}"
+            )
         else:
             bad = float_or_fp8_problem(ckpt, names["wkv"], want_wkv, quant, linear=True)
             if bad is not None:
@@ -188,5 +217,9 @@ def require_valid(ckpt: Checkpoint, layout: Any = None) -> None:
     """Raise :class:`CheckpointError` with the first problem (and how many) if any."""
     problems = validate_checkpoint(ckpt, layout)
     if problems:
-        more = f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)" if len(problems) > 1 else ""
+        more = (
+            f" (and {len(problems) - 1} more problem(s); `engram-trt inspect {shlex.quote(str(ckpt.path))}` lists them)"
+            if len(problems) > 1
+            else ""
+        )
         raise CheckpointError(f"checkpoint '{ckpt.path}': {problems[0]}{more}")

@@ -21,12 +21,29 @@ log = logging.getLogger(__name__)
 
 CONTRACT = FieldContract(
     architecture="engram-llama",
-    honoured=frozenset({
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings", "hc_mult", "tie_word_embeddings",
-        "bos_token_id", "eos_token_id", "torch_dtype", "dtype", "rope_theta", "rope_scaling", "rope_parameters",
-        "quantization_config",
-    }),
+    honoured=frozenset(
+        {
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "hc_mult",
+            "tie_word_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+            "torch_dtype",
+            "dtype",
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+            "quantization_config",
+        }
+    ),
     honoured_prefixes=("engram_",),
     pinned={
         "hidden_act": Pinned(("silu",), "silu", "the MLP is SwiGLU"),
@@ -51,6 +68,9 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
         config = replace(config, quant=quant)
     ignored = CONTRACT.ignored(d)
     if ignored:
-        log.info("%s: fields the model does not read (transformers' Llama does not either): %s",
-                 source or "config", ", ".join(ignored))
+        log.info(
+            "%s: fields the model does not read (transformers' Llama does not either): %s",
+            source or "config",
+            ", ".join(ignored),
+        )
     return config

@@ -120,8 +120,13 @@ def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.T
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-def random_weights(config: ModelConfig, generator: torch.Generator, table_rows: list[int] | None = None,
-                   dtype: torch.dtype = torch.bfloat16, tables: bool = True) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: ModelConfig,
+    generator: torch.Generator,
+    table_rows: list[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    tables: bool = True,
+) -> dict[str, torch.Tensor]:
     """Random engram-llama weights with HF names, scaled so activations stay O(1).
 
     Projections are drawn with std ``1/sqrt(fan_in)`` (output projections further
@@ -143,15 +148,15 @@ def random_weights(config: ModelConfig, generator: torch.Generator, table_rows: 
         fan_in = shape[-1]
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             if name == "model.norm.weight" and config.tie_word_embeddings:
-                w = _normal(generator, shape, 2.0 / D ** 0.5)
+                w = _normal(generator, shape, 2.0 / D**0.5)
             else:
                 w = 1.0 + _normal(generator, shape, 0.1)
         elif name == "model.embed_tokens.weight":
             w = _normal(generator, shape, 1.0)
         elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            w = _normal(generator, shape, fan_in ** -0.5 * depth)
+            w = _normal(generator, shape, fan_in**-0.5 * depth)
         else:
-            w = _normal(generator, shape, fan_in ** -0.5)
+            w = _normal(generator, shape, fan_in**-0.5)
         out[name] = w.to(dtype)
     spec = config.engram
     if spec is None:
@@ -161,7 +166,9 @@ def random_weights(config: ModelConfig, generator: torch.Generator, table_rows: 
     hd, hc, cols = spec.head_dim, config.hc_mult, spec.n_hash_cols
     if tables and table_rows is None:
         if spec.num_embeddings is None:
-            raise EngramError(f"config has no {spec.field_name('num_embeddings')}: pass table_rows to size the random tables")
+            raise EngramError(
+                f"config has no {spec.field_name('num_embeddings')}: pass table_rows to size the random tables"
+            )
         table_rows = list(spec.num_embeddings)
     for li, layer_id in enumerate(spec.layer_ids):
         names = engram_tensor_names(layer_id, spec.prefix)
@@ -204,8 +211,9 @@ def _gaussian_code_pairs() -> np.ndarray:
     return (codes[pair & 0xFF] | (codes[pair >> 8] << 8)).astype(np.uint16)
 
 
-def demo_fp8_table_chunk(seed: int, layer_index: int, chunk_index: int, rows: int, head_dim: int,
-                         block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+def demo_fp8_table_chunk(
+    seed: int, layer_index: int, chunk_index: int, rows: int, head_dim: int, block: int = 32
+) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``[chunk_index * DEMO_TABLE_CHUNK_ROWS, ... + rows)`` of a demo table:
     (e4m3 bytes ``[rows, head_dim]``, ue8m0 bytes ``[rows, head_dim / block]``).
 
@@ -216,16 +224,19 @@ def demo_fp8_table_chunk(seed: int, layer_index: int, chunk_index: int, rows: in
     if head_dim % block or head_dim % 2:
         raise EngramError(f"demo tables need an even head_dim divisible by the quant block {block} (got {head_dim})")
     n, nb = rows * head_dim, rows * (head_dim // block)
-    words = np.random.PCG64(np.random.SeedSequence([int(seed), int(layer_index), int(chunk_index)])).random_raw((n + nb + 7) // 8)
+    words = np.random.PCG64(np.random.SeedSequence([int(seed), int(layer_index), int(chunk_index)])).random_raw(
+        (n + nb + 7) // 8
+    )
     raw = words.view(np.uint8)
     codes = _gaussian_code_pairs()[raw[:n].view(np.uint16)].view(np.uint8).reshape(rows, head_dim)
     biased = np.array([e + 127 for e in _DEMO_SCALE_EXPONENTS], dtype=np.uint8)
-    scales = biased[raw[n:n + nb] % len(biased)].reshape(rows, head_dim // block)
+    scales = biased[raw[n : n + nb] % len(biased)].reshape(rows, head_dim // block)
     return codes, scales
 
 
-def demo_fp8_table(seed: int, layer_index: int, rows: int, head_dim: int, block: int = 32,
-                   threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def demo_fp8_table(
+    seed: int, layer_index: int, rows: int, head_dim: int, block: int = 32, threads: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole demo table as torch tensors (``float8_e4m3fn`` rows, ``float8_e8m0fnu``
     scales), its chunks drawn on a few threads (NumPy's lookups release the GIL); the
     bytes do not depend on the thread count."""
@@ -238,7 +249,7 @@ def demo_fp8_table(seed: int, layer_index: int, rows: int, head_dim: int, block:
     def fill(chunk: int) -> None:
         lo = chunk * step
         n = min(step, rows - lo)
-        q[lo:lo + n], s[lo:lo + n] = demo_fp8_table_chunk(seed, layer_index, chunk, n, head_dim, block)
+        q[lo : lo + n], s[lo : lo + n] = demo_fp8_table_chunk(seed, layer_index, chunk, n, head_dim, block)
 
     n_chunks = -(-rows // step)
     _gaussian_code_pairs()  # built once, before the threads want it
@@ -299,15 +310,20 @@ def make_demo_checkpoint(out_dir: str | Path, seed: int = 0, max_shard_bytes: in
     for li, layer_id in enumerate(spec.layer_ids):
         names = engram_tensor_names(layer_id, spec.prefix)
         tensors[names["table"]], tensors[names["scale"]] = demo_fp8_table(
-            seed, li, int(spec.num_embeddings[li]), spec.head_dim, spec.quant_block)
+            seed, li, int(spec.num_embeddings[li]), spec.head_dim, spec.quant_block
+        )
     tok = default_tokenizer_json()
     out = write_checkpoint(out_dir, cfg_dict, tensors, tok, max_shard_bytes=max_shard_bytes)
     del tensors
     atomic.pause_point("demo:written")
     stamp = _stamp(cfg_dict, seed, tok) | {"files": _file_hashes(out)}
     (out / STAMP_NAME).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-    log.info("made demo checkpoint %s (seed %d) in %.1f s; its weights are random, its text meaningless",
-             out, seed, time.perf_counter() - t0)
+    log.info(
+        "made demo checkpoint %s (seed %d) in %.1f s; its weights are random, its text meaningless",
+        out,
+        seed,
+        time.perf_counter() - t0,
+    )
     return out
 
 
@@ -331,8 +347,10 @@ def _check_free_space(folder: Path) -> None:
     except OSError:
         return
     if free < need:
-        raise EngramError(f"the demo checkpoint needs {need / 1e9:.1f} GB of disk but {probe} has {free / 1e9:.1f} GB free; "
-                          f"free some space or set ENGRAM_TRT_CACHE to a folder on a larger disk")
+        raise EngramError(
+            f"the demo checkpoint needs {need / 1e9:.1f} GB of disk but {probe} has {free / 1e9:.1f} GB free; "
+            f"free some space or set ENGRAM_TRT_CACHE to a folder on a larger disk"
+        )
 
 
 def demo_checkpoint_problem(path: Path, seed: int) -> tuple[str, bool] | None:
@@ -414,7 +432,9 @@ def _clean_legacy_temps(target: Path) -> None:
         names = [p.name for p in entry.iterdir()]
         if all(is_checkpoint_file_name(n) or n == STAMP_NAME for n in names):
             shutil.rmtree(entry, ignore_errors=True)
-            log.warning("removed %s, left by process %s that died while writing the demo checkpoint", entry, m.group("pid"))
+            log.warning(
+                "removed %s, left by process %s that died while writing the demo checkpoint", entry, m.group("pid")
+            )
 
 
 def ensure_demo_checkpoint(path: str | Path | None = None, seed: int = 0) -> Path:
@@ -465,13 +485,17 @@ def write_demo_checkpoint(out: str | Path, seed: int = 0, force: bool = False) -
         raise EngramError(f"OUT '{out}' exists and is not a folder; choose a new folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         sample = sorted(p.name for p in out.iterdir())[0]
-        raise EngramError(f"OUT '{out}' is not empty (it holds {sample}, ...); choose a new or empty folder, or pass --force "
-                          f"to replace its checkpoint files (other files are kept)")
+        raise EngramError(
+            f"OUT '{out}' is not empty (it holds {sample}, ...); choose a new or empty folder, or pass --force "
+            f"to replace its checkpoint files (other files are kept)"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic.locked(out, "another demo-checkpoint"):
         atomic.clean_dead_temps(out)
         if out.is_dir() and any(out.iterdir()) and not force:  # filled while we waited
-            raise EngramError(f"OUT '{out}' is not empty (another process wrote it meanwhile); choose a new or empty folder, or pass --force")
+            raise EngramError(
+                f"OUT '{out}' is not empty (another process wrote it meanwhile); choose a new or empty folder, or pass --force"
+            )
         _check_free_space(out.parent)
         tmp = atomic.temp_sibling(out, "tmp")
         try:

@@ -44,9 +44,12 @@ class KernelEngramOps:
     def hash(self, cids: torch.Tensor, seq_starts: torch.Tensor, lookback: torch.Tensor | None) -> torch.Tensor:
         """int32 ``[T, L, cols]`` row ids of packed compressed ids ``[T]`` (one launch)."""
         lb = None if lookback is None else lookback.to(device=self.device, dtype=torch.int32).contiguous()
-        return self.hash_kernels.hash_packed(cids.to(device=self.device, dtype=torch.int32).contiguous(),
-                                             seq_starts.to(device=self.device, dtype=torch.int32).contiguous(), lb,
-                                             self.layout)
+        return self.hash_kernels.hash_packed(
+            cids.to(device=self.device, dtype=torch.int32).contiguous(),
+            seq_starts.to(device=self.device, dtype=torch.int32).contiguous(),
+            lb,
+            self.layout,
+        )
 
     def rows(self, tables: Any, layer_idx: int, hash_ids: torch.Tensor) -> torch.Tensor:
         """bf16 ``[T, cols, head_dim]`` rows of one layer from ``hash_ids [T, L, cols]``."""
@@ -54,17 +57,27 @@ class KernelEngramOps:
         flat = hash_ids.to(torch.int32).contiguous()
         rows, scales = tables.tensors(layer_idx)
         if tables.gpu_readable:
-            out = self.gather_kernels.gather(flat.to(self.device), rows, scales, layer=layer_idx,
-                                             quant_block=tables.quant_block)
+            out = self.gather_kernels.gather(
+                flat.to(self.device), rows, scales, layer=layer_idx, quant_block=tables.quant_block
+            )
         else:
-            out = self.hostgather.host_gather(flat.cpu(), rows, scales, layer=layer_idx, quant_block=tables.quant_block,
-                                           device=self.device)
+            out = self.hostgather.host_gather(
+                flat.cpu(), rows, scales, layer=layer_idx, quant_block=tables.quant_block, device=self.device
+            )
         return out.reshape(T, cols, rows.shape[1])
 
-    def gate(self, hidden: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-             live: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.gate_kernels.gate(hidden.contiguous(), kv.contiguous(), q_weight, k_weight, live.contiguous(),
-                                      eps=eps)
+    def gate(
+        self,
+        hidden: torch.Tensor,
+        kv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        live: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        return self.gate_kernels.gate(
+            hidden.contiguous(), kv.contiguous(), q_weight, k_weight, live.contiguous(), eps=eps
+        )
 
 
 class TorchBackboneOps:
@@ -82,15 +95,33 @@ class TorchBackboneOps:
             hs.add_(residual.unsqueeze(1))
         return norm(hs.mean(dim=1))
 
-    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Any, keys: torch.Tensor,
-                      values: torch.Tensor, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    def rope_kv_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: Any,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+    ) -> torch.Tensor:
         """Rotated q ``[T, H, hd]`` of a fused projection; its K/V into the cache."""
         from engram_trt.models.engram_llama.modules import rope_and_write
 
         T = qkv.shape[0]
         q, k, v = qkv.split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim], dim=-1)
-        return rope_and_write(q.reshape(T, n_heads, head_dim), k.reshape(T, n_kv, head_dim),
-                              v.reshape(T, n_kv, head_dim), cos, sin, plan, keys, values)
+        return rope_and_write(
+            q.reshape(T, n_heads, head_dim),
+            k.reshape(T, n_kv, head_dim),
+            v.reshape(T, n_kv, head_dim),
+            cos,
+            sin,
+            plan,
+            keys,
+            values,
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -131,8 +162,18 @@ class KernelBackboneOps:
     def norm(self, hs: torch.Tensor, residual: torch.Tensor | None, norm: Any) -> torch.Tensor:
         return self.backbone.hc_rms_norm(hs, norm.weight, norm.eps, residual)
 
-    def rope_kv_write(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: Any, keys: torch.Tensor,
-                      values: torch.Tensor, n_heads: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    def rope_kv_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: Any,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        n_heads: int,
+        n_kv: int,
+        head_dim: int,
+    ) -> torch.Tensor:
         slots, positions = plan.index32()
         return self.attention.rope_kv_cache_write(qkv, cos, sin, keys, values, slots, positions, n_heads)
 
@@ -155,8 +196,9 @@ class KernelBackboneOps:
 BACKBONE_BACKENDS = ("auto", "torch", "kernels")
 
 
-def select_backbone_ops(backend: str, device: torch.device, dtype: torch.dtype,
-                        fused: bool) -> KernelBackboneOps | None:
+def select_backbone_ops(
+    backend: str, device: torch.device, dtype: torch.dtype, fused: bool
+) -> KernelBackboneOps | None:
     """The decoder layers' ops: ``auto``: the kernel library on a CUDA device in bf16 with
     fused projections when it loads, else None (the modules' PyTorch ops); ``kernels``:
     the kernel library or a clear error; ``torch``: None. Logs the choice (once per model)."""
@@ -165,8 +207,10 @@ def select_backbone_ops(backend: str, device: torch.device, dtype: torch.dtype,
     ops = None
     usable = device.type == "cuda" and dtype == torch.bfloat16 and fused
     if backend == "kernels" and not usable:
-        raise EngramError(f"backbone_backend 'kernels' runs on a CUDA device in bfloat16 with fused projections "
-                          f"(got {device}, {dtype}, fuse_projections={fused}); use 'torch' or 'auto'")
+        raise EngramError(
+            f"backbone_backend 'kernels' runs on a CUDA device in bfloat16 with fused projections "
+            f"(got {device}, {dtype}, fuse_projections={fused}); use 'torch' or 'auto'"
+        )
     if backend != "torch" and usable:
         try:
             ops = KernelBackboneOps()
@@ -175,8 +219,13 @@ def select_backbone_ops(backend: str, device: torch.device, dtype: torch.dtype,
                 raise
             log.warning("decoder-layer CUDA kernels unavailable (%s); using the PyTorch ops", exc)
     if ops is not None:
-        log.info("decoder layers: fused q/k/v and gate/up GEMMs (the kernel library's GEMV up to %d tokens); "
-                 "norms, RoPE + KV write and SiLU in the kernel library (%s, %s)", ops.gemv_max_tokens, device, dtype)
+        log.info(
+            "decoder layers: fused q/k/v and gate/up GEMMs (the kernel library's GEMV up to %d tokens); "
+            "norms, RoPE + KV write and SiLU in the kernel library (%s, %s)",
+            ops.gemv_max_tokens,
+            device,
+            dtype,
+        )
     else:
         log.info("decoder layers: PyTorch ops (%s, %s%s)", device, dtype, ", fused projections" if fused else "")
     return ops

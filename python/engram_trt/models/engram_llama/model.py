@@ -96,12 +96,22 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
     ``kernels``: that or a clear error; ``torch``: the PyTorch ops.
     """
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor], *,
-                 tables: TableStore | None = None, compress_lookup: Any = None,
-                 layout: EngramLayout | None = None, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, engram_backend: str = "auto",
-                 attention: str | None = None, backbone_backend: str = "auto",
-                 fuse_projections: bool | None = None, parallel: Any = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        tables: TableStore | None = None,
+        compress_lookup: Any = None,
+        layout: EngramLayout | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        engram_backend: str = "auto",
+        attention: str | None = None,
+        backbone_backend: str = "auto",
+        fuse_projections: bool | None = None,
+        parallel: Any = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.engram_ops: KernelEngramOps | None = None
@@ -113,7 +123,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
         spec = config.require_model()
         with torch.device("meta"):
             self.model = Backbone(config)
-            self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = (
+                None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            )
         # Tensor parallelism (models.parallel): ``config`` is the rank's (local heads and
         # MLP channels), the vocabulary rows cut here; None: the whole model.
         self.tp = None if parallel is None else parallel.tp
@@ -151,16 +163,24 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
             self.register_buffer("compress_lookup", None, persistent=False)
             return
         if compress_lookup is None:
-            raise EngramError("an Engram model needs the compressed-vocab lookup (raw id -> compressed id); build it from the checkpoint's tokenizer.json (EngramLlama.from_checkpoint does)")
-        lookup = torch.as_tensor(np.asarray(compress_lookup) if not isinstance(compress_lookup, torch.Tensor) else compress_lookup,
-                                 dtype=torch.int64).reshape(-1)
+            raise EngramError(
+                "an Engram model needs the compressed-vocab lookup (raw id -> compressed id); build it from the checkpoint's tokenizer.json (EngramLlama.from_checkpoint does)"
+            )
+        lookup = torch.as_tensor(
+            np.asarray(compress_lookup) if not isinstance(compress_lookup, torch.Tensor) else compress_lookup,
+            dtype=torch.int64,
+        ).reshape(-1)
         if lookup.numel() == 0 or int(lookup.max()) >= spec.compressed_vocab_size or int(lookup.min()) < DEAD:
-            raise EngramError(f"the compressed-vocab lookup holds ids outside -1..{spec.compressed_vocab_size - 1} ({spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}): the tokenizer does not belong to this config")
+            raise EngramError(
+                f"the compressed-vocab lookup holds ids outside -1..{spec.compressed_vocab_size - 1} ({spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}): the tokenizer does not belong to this config"
+            )
         if lookup.numel() < config.vocab_size:
             # Ids the tokenizer does not know (vocab padding) have no text: dead for Engram.
             lookup = torch.cat([lookup, torch.full((config.vocab_size - lookup.numel(),), DEAD, dtype=torch.int64)])
         if spec.pad_token_id >= lookup.numel() or int(lookup[spec.pad_token_id]) < 0:
-            raise EngramError(f"{spec.field_name('pad_token_id')}={spec.pad_token_id} has no compressed id in the tokenizer")
+            raise EngramError(
+                f"{spec.field_name('pad_token_id')}={spec.pad_token_id} has no compressed id in the tokenizer"
+            )
         self.register_buffer("compress_lookup", lookup.to(dev), persistent=False)
         if layout is None:
             layout = EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))
@@ -175,8 +195,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
 
     # -- construction helpers ------------------------------------------------------
     @staticmethod
-    def _select_engram_ops(backend: str, layout: EngramLayout, device: torch.device,
-                           dtype: torch.dtype) -> KernelEngramOps | None:
+    def _select_engram_ops(
+        backend: str, layout: EngramLayout, device: torch.device, dtype: torch.dtype
+    ) -> KernelEngramOps | None:
         """``auto``: the kernel library on a CUDA device in bf16 when it loads, else the
         PyTorch path; ``kernels``: the kernel library or a clear error; ``torch``: PyTorch."""
         if backend == "torch":
@@ -184,7 +205,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
         usable = device.type == "cuda" and dtype == torch.bfloat16
         if not usable:
             if backend == "kernels":
-                raise EngramError(f"engram_backend 'kernels' runs on a CUDA device in bfloat16 (got {device}, {dtype}); use 'torch' or 'auto'")
+                raise EngramError(
+                    f"engram_backend 'kernels' runs on a CUDA device in bfloat16 (got {device}, {dtype}); use 'torch' or 'auto'"
+                )
             return None
         try:
             return KernelEngramOps(layout, device)
@@ -217,17 +240,28 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
         for li in range(tables.num_layers):
             need = int(self.layout.table_rows[li])
             if tables.num_rows(li) < need:
-                raise EngramError(f"Engram table of layer {self.layout.layer_ids[li]} has {tables.num_rows(li)} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes")
+                raise EngramError(
+                    f"Engram table of layer {self.layout.layer_ids[li]} has {tables.num_rows(li)} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes"
+                )
             if tables.head_dim(li) != spec.head_dim:
-                raise EngramError(f"Engram table of layer {self.layout.layer_ids[li]} has rows of width {tables.head_dim(li)} but {spec.field_name('head_dim')}={spec.head_dim}")
+                raise EngramError(
+                    f"Engram table of layer {self.layout.layer_ids[li]} has rows of width {tables.head_dim(li)} but {spec.field_name('head_dim')}={spec.head_dim}"
+                )
         self.tables = tables
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint | str, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32, table_storage: str | None = "memory",
-                        compressed_vocab: Any = None, engram_backend: str = "auto",
-                        attention: str | None = None, progress: bool = False,
-                        backbone_backend: str = "auto") -> "EngramLlama":
+    def from_checkpoint(
+        cls,
+        ckpt: Checkpoint | str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        table_storage: str | None = "memory",
+        compressed_vocab: Any = None,
+        engram_backend: str = "auto",
+        attention: str | None = None,
+        progress: bool = False,
+        backbone_backend: str = "auto",
+    ) -> "EngramLlama":
         """Build from a checkpoint: config, validated tensors, compressed vocab from its
         tokenizer.json (size checked against the config), tables in a store of kind
         ``table_storage`` (:data:`engram_trt.tables.TABLE_KINDS`; ``None``: none attached,
@@ -248,12 +282,33 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
         weights = lazy_weights(ckpt)
         tables = None
         if spec is not None and table_storage is not None:
-            tables = open_tables(checkpoint_table_refs(ckpt), table_storage, quant_block=spec.quant_block, device=device,
-                                 progress=progress)
-        model = cls(cfg, weights, tables=tables, compress_lookup=lookup, layout=layout, device=device, dtype=dtype,
-                    engram_backend=engram_backend, attention=attention, backbone_backend=backbone_backend)
-        log.info("loaded %s in %.1f s (device %s, %s, tables: %s)", ckpt.path, time.perf_counter() - t0,
-                 device, dtype, table_storage if spec is not None else "none")
+            tables = open_tables(
+                checkpoint_table_refs(ckpt),
+                table_storage,
+                quant_block=spec.quant_block,
+                device=device,
+                progress=progress,
+            )
+        model = cls(
+            cfg,
+            weights,
+            tables=tables,
+            compress_lookup=lookup,
+            layout=layout,
+            device=device,
+            dtype=dtype,
+            engram_backend=engram_backend,
+            attention=attention,
+            backbone_backend=backbone_backend,
+        )
+        log.info(
+            "loaded %s in %.1f s (device %s, %s, tables: %s)",
+            ckpt.path,
+            time.perf_counter() - t0,
+            device,
+            dtype,
+            table_storage if spec is not None else "none",
+        )
         return model
 
     # -- identity --------------------------------------------------------------------
@@ -271,8 +326,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
     def new_cache(self, num_slots: int = 1, max_len: int | None = None) -> KVCache:
         """A cache of ``num_slots`` sequences of up to ``max_len`` tokens (default:
         ``max_position_embeddings``)."""
-        return KVCache.allocate(self.config, num_slots, max_len or self.config.max_position_embeddings,
-                                self.device, self.compute_dtype)
+        return KVCache.allocate(
+            self.config, num_slots, max_len or self.config.max_position_embeddings, self.device, self.compute_dtype
+        )
 
     # -- Engram pieces (also used by the runtime's prefetch placement) --------------
     def compress(self, input_ids: Any) -> torch.Tensor:
@@ -290,11 +346,14 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
             raise EngramError("this model has no Engram layers")
         S = len(seq_starts) - 1
         if tuple(lookback.shape) != (S, self.layout.max_ngram_size - 1):
-            raise EngramError(f"lookback must be [S={S}, N-1={self.layout.max_ngram_size - 1}] (got {tuple(lookback.shape)})")
+            raise EngramError(
+                f"lookback must be [S={S}, N-1={self.layout.max_ngram_size - 1}] (got {tuple(lookback.shape)})"
+            )
         if self.engram_ops is not None:
             return self.engram_ops.hash(cids, torch.tensor(seq_starts, dtype=torch.int32), lookback)
-        return torch.cat([hash_ids_torch(cids[seq_starts[s]:seq_starts[s + 1]], self.layout, lookback[s])
-                          for s in range(S)])
+        return torch.cat(
+            [hash_ids_torch(cids[seq_starts[s] : seq_starts[s + 1]], self.layout, lookback[s]) for s in range(S)]
+        )
 
     def gather_engram_rows(self, hash_ids: torch.Tensor) -> list[torch.Tensor]:
         """Per Engram layer, bf16 rows ``[T, cols, head_dim]`` for ``hash_ids [T, L, cols]``."""
@@ -326,8 +385,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
     def prepare_step(self, step: PackedStep, cache: KVCache | None = None) -> list[torch.Tensor]:
         """The rows :meth:`forward_step` on ``step`` needs (prefetch placement): hash with
         the lookback and gather. Pass the result as ``engram_rows``."""
-        return self.gather_engram_rows(self.engram_hash(self.step_compressed_ids(step), step.seq_starts,
-                                                        self.step_lookback(step, cache)))
+        return self.gather_engram_rows(
+            self.engram_hash(self.step_compressed_ids(step), step.seq_starts, self.step_lookback(step, cache))
+        )
 
     # -- the forward -------------------------------------------------------------------
     def _check_step(self, step: PackedStep, cache: KVCache) -> None:
@@ -341,20 +401,36 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
             if lo < 0 or hi >= cfg.vocab_size:
                 bad = lo if lo < 0 else hi
                 raise EngramError(f"token id {bad} is outside the model's vocabulary 0..{cfg.vocab_size - 1}")
-        lengths, num_slots, max_len, max_pos = cache.lengths, cache.num_slots, cache.max_len, cfg.max_position_embeddings
+        lengths, num_slots, max_len, max_pos = (
+            cache.lengths,
+            cache.num_slots,
+            cache.max_len,
+            cfg.max_position_embeddings,
+        )
         for s, (slot, past, n) in enumerate(zip(step.slots, step.past_lens, step.seq_lens)):
             if not 0 <= slot < num_slots:
-                raise EngramError(f"sequence {s} names KV-cache slot {slot}, but the cache has slots 0..{num_slots - 1}")
+                raise EngramError(
+                    f"sequence {s} names KV-cache slot {slot}, but the cache has slots 0..{num_slots - 1}"
+                )
             if lengths[slot] != past:
                 raise EngramError(f"sequence {s} says slot {slot} holds {past} tokens, but it holds {lengths[slot]}")
             if past + n > max_len:
                 raise EngramError(f"{past + n} tokens exceed the cache's max_len={max_len}; allocate a longer cache")
             if past + n > max_pos:
-                raise EngramError(f"positions up to {past + n - 1} exceed the model's max_position_embeddings={max_pos}; shorten the prompt or the generation")
+                raise EngramError(
+                    f"positions up to {past + n - 1} exceed the model's max_position_embeddings={max_pos}; shorten the prompt or the generation"
+                )
 
     @torch.no_grad()
-    def forward_step(self, step: PackedStep, cache: KVCache, *, engram_rows: Sequence[torch.Tensor] | None = None,
-                     all_logits: bool = False, capture: bool = False) -> torch.Tensor:
+    def forward_step(
+        self,
+        step: PackedStep,
+        cache: KVCache,
+        *,
+        engram_rows: Sequence[torch.Tensor] | None = None,
+        all_logits: bool = False,
+        capture: bool = False,
+    ) -> torch.Tensor:
         """Logits (float32) of each sequence's last token ``[S, V]`` (``[T, V]`` with
         ``all_logits``). Writes the step's K/V into the cache slots in place and
         advances each slot's length and Engram lookback. ``engram_rows`` (per Engram
@@ -409,7 +485,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
                 shapes = row_shapes(engram_rows)
                 want = (T, self.layout.n_hash_cols, int(cfg.engram.head_dim))  # type: ignore[union-attr]
                 if len(shapes) != self.layout.num_layers or any(s != want for s in shapes):
-                    raise EngramError(f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)")
+                    raise EngramError(
+                        f"engram_rows must hold {self.layout.num_layers} tensors of shape {want} (one per Engram layer)"
+                    )
             live = cids >= 0
         plan = AttentionPlan.make(step, dev, self.attention_impl, self.uploader, graph_safe=capture)
         freqs = plan.positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -458,7 +536,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
             state.pending = reduce(layer.mlp(x, ops), self.tp)
             state.hs = hs
 
-    def step_end(self, state: "StepState", step: PackedStep, cache: KVCache, all_logits: bool, capture: bool) -> torch.Tensor:
+    def step_end(
+        self, state: "StepState", step: PackedStep, cache: KVCache, all_logits: bool, capture: bool
+    ) -> torch.Tensor:
         """Final norm and LM head (of each sequence's last token); the host bookkeeping."""
         if self.backbone_ops is not None:
             # The last MLP output is still pending: the norm adds it (every token; a row
@@ -492,5 +572,5 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
             return  # a step that brings its own lookback: the caller keeps lookbacks (the runtime does, on the host)
         starts = step.seq_starts
         for s, slot in enumerate(step.slots):
-            ext = torch.cat([cache.lookback[slot], cids[starts[s]:starts[s + 1]].to(cache.lookback.device)])
-            cache.lookback[slot] = ext[ext.shape[0] - n:]
+            ext = torch.cat([cache.lookback[slot], cids[starts[s] : starts[s + 1]].to(cache.lookback.device)])
+            cache.lookback[slot] = ext[ext.shape[0] - n :]

@@ -58,8 +58,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   plan: "AttentionPlan", keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def rope_and_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    plan: "AttentionPlan",
+    keys: torch.Tensor,
+    values: torch.Tensor,
+) -> torch.Tensor:
     """RoPE of ``q [T, H, hd]`` and ``k [T, kvh, hd]``, then the step's K/V into the cache
     at (slot, position); returns the rotated q. (The kernel library's
     ``engram_rope_kv_cache_write`` does this in one launch, rounding as these bf16 ops do.)"""
@@ -71,8 +79,9 @@ def rope_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     return q
 
 
-def fused_weight_of(stacked: torch.Tensor | QuantWeight | None, linears: Sequence[nn.Module]
-                    ) -> torch.Tensor | QuantWeight | None:
+def fused_weight_of(
+    stacked: torch.Tensor | QuantWeight | None, linears: Sequence[nn.Module]
+) -> torch.Tensor | QuantWeight | None:
     """The stack of ``linears``' weights (a tensor, or an FP8 :class:`QuantWeight` whose
     bytes and scales are each stacked) while their weights are still its row slices, else
     None (not fused, or a weight was replaced since: run them apart)."""
@@ -163,8 +172,9 @@ class AttentionPlan:
         return self._index32
 
     @classmethod
-    def make(cls, step: PackedStep, device: torch.device, impl: str, uploader: Any = None,
-             graph_safe: bool = False) -> "AttentionPlan":
+    def make(
+        cls, step: PackedStep, device: torch.device, impl: str, uploader: Any = None, graph_safe: bool = False
+    ) -> "AttentionPlan":
         """``graph_safe``: every data-dependent choice is read from device tensors (no
         in-place slot-range shortcut), so a captured CUDA graph replays it for any slots."""
         if impl not in ATTENTION_IMPLS:
@@ -183,8 +193,20 @@ class AttentionPlan:
             ds = [step.slots[s] for s in decode]
             if not graph_safe and ds == list(range(ds[0], ds[0] + len(ds))):
                 slot_range = (ds[0], ds[0] + len(ds))
-        return cls(step, arrays["token_slots"], arrays["positions"], impl, decode, prefill, d_slots, d_rows,
-                   d_mask, lmax, slot_range, graph_safe)
+        return cls(
+            step,
+            arrays["token_slots"],
+            arrays["positions"],
+            impl,
+            decode,
+            prefill,
+            d_slots,
+            d_rows,
+            d_mask,
+            lmax,
+            slot_range,
+            graph_safe,
+        )
 
 
 class Attention(nn.Module):
@@ -206,8 +228,16 @@ class Attention(nn.Module):
         """The stacked q / k / v weight, while the projections' weights are its views."""
         return fused_weight_of(self.qkv_weight, (self.q_proj, self.k_proj, self.v_proj))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
-                cache: KVCache, layer: int, ops: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: AttentionPlan,
+        cache: KVCache,
+        layer: int,
+        ops: Any = None,
+    ) -> torch.Tensor:
         """``x [T, D]`` -> ``[T, D]``; writes the step's K/V into the cache first, so the
         tokens of one chunk see each other. With ``ops`` (reference.kernel_ops) and fused
         weights: one GEMM for q / k / v, then RoPE and the KV write in ``ops``."""
@@ -215,8 +245,9 @@ class Attention(nn.Module):
         keys, values = cache.keys[layer], cache.values[layer]
         qkv_weight = None if ops is None else self.fused_weight()
         if qkv_weight is not None:
-            q = ops.rope_kv_write(ops.linear(x, qkv_weight), cos, sin, plan, keys, values, self.n_heads, self.n_kv,
-                                  self.head_dim)
+            q = ops.rope_kv_write(
+                ops.linear(x, qkv_weight), cos, sin, plan, keys, values, self.n_heads, self.n_kv, self.head_dim
+            )
         else:
             q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
             k = self.k_proj(x).view(T, self.n_kv, self.head_dim)
@@ -246,8 +277,9 @@ class Attention(nn.Module):
             from torch.nn.attention.bias import causal_lower_right
 
             mask = causal_lower_right(n, L) if n > 1 else None
-            o = F.scaled_dot_product_attention(qh[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask,
-                                               enable_gqa=groups > 1)[0]
+            o = F.scaled_dot_product_attention(
+                qh[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask, enable_gqa=groups > 1
+            )[0]
             return o.transpose(0, 1)
         kh = k.repeat_interleave(groups, dim=0)  # head h reads kv head h // groups
         vh = v.repeat_interleave(groups, dim=0)
@@ -258,8 +290,9 @@ class Attention(nn.Module):
         o = torch.matmul(torch.softmax(scores, dim=-1), vh.float()).to(q.dtype)
         return o.transpose(0, 1)
 
-    def _attend_decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                       plan: AttentionPlan) -> torch.Tensor:
+    def _attend_decode(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
         """All one-token sequences at once: ``q [G, H, hd]``; each reads its slot's keys
         up to its length (a key-padding mask over the longest)."""
         L = plan.decode_max_len
@@ -271,8 +304,9 @@ class Attention(nn.Module):
             # per layer.
             from engram_trt.native import attention as attention_kernels
 
-            if (IN_PLACE_WITH_WARP_KERNEL and attention_kernels.warp_kernel_serves(q, self.n_heads, self.n_kv)) \
-                    or G * self.n_kv * L * self.head_dim * keys.element_size() > IN_PLACE_DECODE_BYTES:
+            if (
+                IN_PLACE_WITH_WARP_KERNEL and attention_kernels.warp_kernel_serves(q, self.n_heads, self.n_kv)
+            ) or G * self.n_kv * L * self.head_dim * keys.element_size() > IN_PLACE_DECODE_BYTES:
                 return attention_kernels.attention_packed(q.contiguous(), keys, values, *plan.decode_index32())
         if plan.decode_slot_range is not None:  # the usual case: slots handed out lowest first
             a, b = plan.decode_slot_range
@@ -280,8 +314,9 @@ class Attention(nn.Module):
         else:
             k, v = keys[plan.decode_slots, :, :L], values[plan.decode_slots, :, :L]  # [G, kvh, L, hd] copies
         k, v = k.to(q.dtype), v.to(q.dtype)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.decode_bias(q.dtype),
-                                           enable_gqa=self.n_heads != self.n_kv)
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], k, v, attn_mask=plan.decode_bias(q.dtype), enable_gqa=self.n_heads != self.n_kv
+        )
         return o[:, :, 0, :]
 
 
@@ -321,8 +356,9 @@ class EngramModule(nn.Module):
         self.q_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
         self.k_weight = nn.Parameter(torch.empty(hc, D), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, ops: Any = None,
-                linear: Any = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rows: torch.Tensor, live: torch.Tensor, ops: Any = None, linear: Any = None
+    ) -> torch.Tensor:
         """hidden ``[T, hc, D]``, rows ``[T, cols, head_dim]``, live ``[T]`` bool; the gate
         runs in the kernel library when ``ops`` is given (bf16 only); ``linear(x, weight)``
         computes the wkv projection when given (the fused path's backbone ops)."""
@@ -360,5 +396,6 @@ class Backbone(nn.Module):
         prefix = config.engram.prefix if config.engram is not None else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, prefix if i in index else None) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, prefix if i in index else None) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

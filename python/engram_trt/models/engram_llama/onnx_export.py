@@ -53,11 +53,24 @@ from engram_trt.checkpoint.checkpoint import engram_tensor_names
 from engram_trt.config.model import ModelConfig
 from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
-from engram_trt.models.export import (ATTENTION_PLUGIN, DTYPES, EXTERNAL_DATA_THRESHOLD, GATE_IO_DTYPES, GATHER_OUT_DTYPE,
-                                     OPSET, PLUGIN_DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION, TABLE_DTYPE_CODES,
-                                     ExportedModel, ExportOptions, encode_multipliers)
+from engram_trt.models.export import (
+    ATTENTION_PLUGIN,
+    DTYPES,
+    EXTERNAL_DATA_THRESHOLD,
+    GATE_IO_DTYPES,
+    GATHER_OUT_DTYPE,
+    OPSET,
+    PLUGIN_DOMAIN,
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    TABLE_DTYPE_CODES,
+    ExportedModel,
+    ExportOptions,
+    encode_multipliers,
+)
 
 log = logging.getLogger(__name__)
+
 
 def _np(t: Any, np_dtype: Any) -> np.ndarray:
     """A torch tensor or array as a contiguous NumPy array of ``np_dtype`` (bf16 via ml_dtypes)."""
@@ -70,10 +83,13 @@ def _np(t: Any, np_dtype: Any) -> np.ndarray:
         if t.dtype == torch.bfloat16:
             arr = t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         elif t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) or (
-                t.dtype in (torch.int8, torch.uint8) and not np.issubdtype(np.dtype(np_dtype), np.integer)):
+            t.dtype in (torch.int8, torch.uint8) and not np.issubdtype(np.dtype(np_dtype), np.integer)
+        ):
             # a stored FP8 / FP4 weight goes through models/onnx_quant.py, never into a float initializer
-            raise EngramError(f"internal: a {t.dtype} tensor reached a float initializer (stored-format weights are "
-                              f"exported by models/onnx_quant.py)")
+            raise EngramError(
+                f"internal: a {t.dtype} tensor reached a float initializer (stored-format weights are "
+                f"exported by models/onnx_quant.py)"
+            )
         else:
             arr = t.numpy()
     else:
@@ -118,25 +134,43 @@ class _Graph:
     def scalar(self, value: int) -> str:
         return self.const(f"c_s64_{str(int(value)).replace('-', 'm')}", np.asarray(value, dtype=np.int64))
 
-    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, n_out: int = 1,
-           outputs: Sequence[str] | None = None, domain: str = "", **attrs: Any) -> Any:
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        hint: str | None = None,
+        n_out: int = 1,
+        outputs: Sequence[str] | None = None,
+        domain: str = "",
+        **attrs: Any,
+    ) -> Any:
         outs = list(outputs) if outputs is not None else [self.name(hint or op_type.lower()) for _ in range(n_out)]
         node_name = self.name("n_" + (hint or op_type))
         self.nodes.append(self.h.make_node(op_type, list(inputs), outs, name=node_name, domain=domain or None, **attrs))
         return outs[0] if len(outs) == 1 else outs
 
 
-def plugin_attributes(layout: EngramLayout | None, config: ModelConfig, op: str, layer_index: int = 0,
-                      table_dtype: str = "fp8", num_rows: int = 0) -> dict[str, Any]:
+def plugin_attributes(
+    layout: EngramLayout | None,
+    config: ModelConfig,
+    op: str,
+    layer_index: int = 0,
+    table_dtype: str = "fp8",
+    num_rows: int = 0,
+) -> dict[str, Any]:
     """The fields of each Engram plugin, as node attributes (the ONNX parser hands node
     attributes to the plugin creator as fields, converted to the types it declares).
     Names and meanings are the creators' field lists (plugins/engram*Plugin); the
     creators refuse unknown or missing fields, so a drift fails the build loudly."""
     if op == ATTENTION_PLUGIN:  # the one plugin every model has: no layout needed
-        return {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE,
-                "num_heads": int(config.num_attention_heads),
-                "num_kv_heads": int(config.num_key_value_heads), "head_dim": int(config.head_dim),
-                "scale": float(config.head_dim) ** -0.5}
+        return {
+            "plugin_version": PLUGIN_VERSION,
+            "plugin_namespace": PLUGIN_NAMESPACE,
+            "num_heads": int(config.num_attention_heads),
+            "num_kv_heads": int(config.num_key_value_heads),
+            "head_dim": int(config.head_dim),
+            "scale": float(config.head_dim) ** -0.5,
+        }
     spec = config.engram
     assert spec is not None and spec.head_dim is not None and layout is not None
     base: dict[str, Any] = {"plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
@@ -189,8 +223,12 @@ def rotary_tables(config: ModelConfig, max_position: int) -> tuple[np.ndarray, n
     return (freqs.cos() * scale).numpy(), (freqs.sin() * scale).numpy()
 
 
-def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str], Any],
-                 layout: EngramLayout | None = None, options: ExportOptions | None = None) -> ExportedModel:
+def export_model(
+    config: ModelConfig,
+    weights: Mapping[str, Any] | Callable[[str], Any],
+    layout: EngramLayout | None = None,
+    options: ExportOptions | None = None,
+) -> ExportedModel:
     """Build the ONNX serving graph of an engram-llama model (the module docstring).
 
     ``weights`` maps checkpoint names to tensors (or is a ``name -> tensor`` callable,
@@ -217,22 +255,28 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         if table_dtype not in TABLE_DTYPE_CODES:
             raise EngramError(f"table dtype {table_dtype!r} is not one of {', '.join(TABLE_DTYPE_CODES)}")
         if layout is None:
-            raise EngramError("exporting a model with Engram layers needs its layout (EngramLayout.from_spec with the compressed pad id)")
+            raise EngramError(
+                "exporting a model with Engram layers needs its layout (EngramLayout.from_spec with the compressed pad id)"
+            )
         if tuple(layout.layer_ids) != tuple(spec.layer_ids):
             raise EngramError(f"layout layers {list(layout.layer_ids)} differ from the config's {list(spec.layer_ids)}")
         table_rows = [int(r) for r in (opts.table_rows or layout.table_rows)]
         if len(table_rows) != layout.num_layers or any(r < int(n) for r, n in zip(table_rows, layout.table_rows)):
-            raise EngramError(f"table rows {table_rows} do not cover the layout's {layout.table_rows.tolist()} (one per Engram layer)")
+            raise EngramError(
+                f"table rows {table_rows} do not cover the layout's {layout.table_rows.tolist()} (one per Engram layer)"
+            )
     hc = config.hc_mult
     qh, kvh, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     max_pos = int(opts.max_position or config.max_position_embeddings)
     g = _Graph()
     cache_dims = ["num_slots", kvh, "max_seq_len", hd]
 
-    inputs: list[Any] = [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["tokens"]),
-                         helper.make_tensor_value_info("seq_starts", TensorProto.INT32, ["seqs_plus_1"]),
-                         helper.make_tensor_value_info("past_lens", TensorProto.INT32, ["seqs"]),
-                         helper.make_tensor_value_info("slots", TensorProto.INT32, ["seqs"])]
+    inputs: list[Any] = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["tokens"]),
+        helper.make_tensor_value_info("seq_starts", TensorProto.INT32, ["seqs_plus_1"]),
+        helper.make_tensor_value_info("past_lens", TensorProto.INT32, ["seqs"]),
+        helper.make_tensor_value_info("slots", TensorProto.INT32, ["seqs"]),
+    ]
     outputs: list[Any] = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["seqs", config.vocab_size])]
 
     # --- where each token sits: its sequence, position and KV slot ------------------------
@@ -240,14 +284,24 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
     T = g.op("Squeeze", [g.op("Shape", ["input_ids"], "tokens")], "tokens_s")  # scalar int64
     tok = g.op("Cast", [g.op("Range", [g.scalar(0), T, g.scalar(1)], "token_index64")], "token_index", to=i32)  # [T]
     ends = g.op("Slice", ["seq_starts", g.ints([1]), g.ints([2**62])], "seq_ends")  # [S]: seq_starts[1:]
-    after = g.op("LessOrEqual", [g.op("Unsqueeze", [ends, g.ints([0])]), g.op("Unsqueeze", [tok, g.ints([1])])],
-                 "token_after_seq")  # [T, S]: token t lies past the end of sequence s
+    after = g.op(
+        "LessOrEqual",
+        [g.op("Unsqueeze", [ends, g.ints([0])]), g.op("Unsqueeze", [tok, g.ints([1])])],
+        "token_after_seq",
+    )  # [T, S]: token t lies past the end of sequence s
     token_seq = g.op("ReduceSum", [g.op("Cast", [after], to=i32), g.ints([1])], "token_seq", keepdims=0)  # [T]
-    token_pos = g.op("Add", [g.op("Gather", ["past_lens", token_seq], axis=0),
-                             g.op("Sub", [tok, g.op("Gather", ["seq_starts", token_seq], axis=0)])], "token_pos")
+    token_pos = g.op(
+        "Add",
+        [
+            g.op("Gather", ["past_lens", token_seq], axis=0),
+            g.op("Sub", [tok, g.op("Gather", ["seq_starts", token_seq], axis=0)]),
+        ],
+        "token_pos",
+    )
     token_slot = g.op("Gather", ["slots", token_seq], "token_slot", axis=0)  # [T]
-    position_ids = g.op("Unsqueeze", [g.op("Cast", [token_pos], to=TensorProto.INT64), g.ints([1])],
-                        "position_ids")  # [T, 1]: each token a batch row of one position
+    position_ids = g.op(
+        "Unsqueeze", [g.op("Cast", [token_pos], to=TensorProto.INT64), g.ints([1])], "position_ids"
+    )  # [T, 1]: each token a batch row of one position
     last = g.op("Sub", [ends, g.const("c_i32_1", np.asarray(1, np.int32))], "last_token")  # [S]
 
     cos, sin = rotary_tables(config, max_pos)
@@ -273,7 +327,9 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
 
     def rmsnorm(x: str, name: str) -> str:
         # stash_type 1: float32 statistics whatever the compute dtype, as the reference.
-        return g.op("RMSNormalization", [x, w(name)], "rmsnorm", axis=-1, epsilon=float(config.rms_norm_eps), stash_type=1)
+        return g.op(
+            "RMSNormalization", [x, w(name)], "rmsnorm", axis=-1, epsilon=float(config.rms_norm_eps), stash_type=1
+        )
 
     def add_to_copies(h: str, x: str) -> str:
         return g.op("Add", [h, g.op("Unsqueeze", [x, g.ints([1])])], "residual")
@@ -292,21 +348,38 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         assert layout is not None and spec.head_dim is not None
         N1, L, cols = layout.max_ngram_size - 1, layout.num_layers, layout.n_hash_cols
         inputs.append(helper.make_tensor_value_info("engram_ids", TensorProto.INT32, ["tokens"]))
-        live = g.op("Cast", [g.op("GreaterOrEqual", ["engram_ids", g.const("c_i32_0", np.asarray(0, np.int32))])],
-                    "engram_live", to=i32)  # [T] 1 = live, 0 = dead
+        live = g.op(
+            "Cast",
+            [g.op("GreaterOrEqual", ["engram_ids", g.const("c_i32_0", np.asarray(0, np.int32))])],
+            "engram_live",
+            to=i32,
+        )  # [T] 1 = live, 0 = dead
         if opts.placement == "in_engine":
             inputs.append(helper.make_tensor_value_info("engram_lookback", TensorProto.INT32, ["seqs", N1]))
             inputs.append(helper.make_tensor_value_info("engram_table_ptrs", TensorProto.INT64, [L]))
             inputs.append(helper.make_tensor_value_info("engram_scale_ptrs", TensorProto.INT64, [L]))
-            hash_out = g.op("EngramHash", ["engram_ids", "seq_starts", "engram_lookback"], "engram_hash",
-                            domain=PLUGIN_DOMAIN, **plugin_attributes(layout, config, "EngramHash"))  # [T, L, cols] int32
+            hash_out = g.op(
+                "EngramHash",
+                ["engram_ids", "seq_starts", "engram_lookback"],
+                "engram_hash",
+                domain=PLUGIN_DOMAIN,
+                **plugin_attributes(layout, config, "EngramHash"),
+            )  # [T, L, cols] int32
         else:
             for j in range(L):
                 name = f"engram_rows_{j}"
-                inputs.append(helper.make_tensor_value_info(name, TensorProto.BFLOAT16, ["tokens", cols, spec.head_dim]))
+                inputs.append(
+                    helper.make_tensor_value_info(name, TensorProto.BFLOAT16, ["tokens", cols, spec.head_dim])
+                )
                 rows_inputs.append(name)
-        io.update(lookback=N1, engram_layers=L, cols=cols, head_dim=spec.head_dim, table_dtype=table_dtype,
-                  table_rows=list(table_rows))
+        io.update(
+            lookback=N1,
+            engram_layers=L,
+            cols=cols,
+            head_dim=spec.head_dim,
+            table_dtype=table_dtype,
+            table_rows=list(table_rows),
+        )
 
     if opts.gate_dtype is not None:
         gate_dt = opts.gate_dtype
@@ -323,8 +396,13 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
             ptrs = [tptr]
             if table_dtype == "fp8":  # a bf16 table has no scales, and the plugin no scale input
                 ptrs.append(g.op("Slice", ["engram_scale_ptrs", g.ints([j]), g.ints([j + 1])], f"scale_ptr{j}"))
-            rows = g.op("EngramGather", [hash_out, *ptrs], f"engram_rows{j}", domain=PLUGIN_DOMAIN,
-                        **plugin_attributes(layout, config, "EngramGather", j, table_dtype, table_rows[j]))  # [T, cols, head_dim] bf16
+            rows = g.op(
+                "EngramGather",
+                [hash_out, *ptrs],
+                f"engram_rows{j}",
+                domain=PLUGIN_DOMAIN,
+                **plugin_attributes(layout, config, "EngramGather", j, table_dtype, table_rows[j]),
+            )  # [T, cols, head_dim] bf16
         else:
             rows = rows_inputs[j]
         e = g.op("Reshape", [rows, g.ints([0, cols * spec.head_dim])], f"engram_e{j}")  # [T, cols * head_dim]
@@ -339,8 +417,13 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         # q/k weights: bf16 for a bf16 model, else float32 (the gate takes either with any I/O type).
         wt_np = np_dt if opts.dtype == "bf16" else np.float32
         qw, kw = w(names["q_weight"], dtype=wt_np), w(names["k_weight"], dtype=wt_np)
-        out = g.op("EngramGate", [hid, kv, qw, kw, live], f"engram_gate{j}", domain=PLUGIN_DOMAIN,
-                   **plugin_attributes(layout, config, "EngramGate"))  # [T, hc, D]
+        out = g.op(
+            "EngramGate",
+            [hid, kv, qw, kw, live],
+            f"engram_gate{j}",
+            domain=PLUGIN_DOMAIN,
+            **plugin_attributes(layout, config, "EngramGate"),
+        )  # [T, hc, D]
         if gate_dt != opts.dtype:
             out = g.op("Cast", [out], to=elem)
         return out
@@ -369,9 +452,14 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
         q = heads(f"{p}.self_attn.q_proj.weight", qh, f"q{i}", True)
         k = heads(f"{p}.self_attn.k_proj.weight", kvh, f"k{i}", True)
         v = heads(f"{p}.self_attn.v_proj.weight", kvh, f"v{i}", False)
-        att = g.op("EngramAttention", [q, k, v, f"key_cache_{i}", f"value_cache_{i}", token_slot, token_pos],
-                   outputs=[g.name(f"attn{i}"), f"key_cache_out_{i}", f"value_cache_out_{i}"], domain=PLUGIN_DOMAIN,
-                   hint=f"attn{i}", **plugin_attributes(layout, config, ATTENTION_PLUGIN))[0]  # [T, qh, hd]
+        att = g.op(
+            "EngramAttention",
+            [q, k, v, f"key_cache_{i}", f"value_cache_{i}", token_slot, token_pos],
+            outputs=[g.name(f"attn{i}"), f"key_cache_out_{i}", f"value_cache_out_{i}"],
+            domain=PLUGIN_DOMAIN,
+            hint=f"attn{i}",
+            **plugin_attributes(layout, config, ATTENTION_PLUGIN),
+        )[0]  # [T, qh, hd]
         att = g.op("Reshape", [att, g.ints([0, qh * hd])], f"attn{i}_flat")
         hs = add_to_copies(hs, linear(att, f"{p}.self_attn.o_proj.weight", f"o{i}"))
         xn2 = rmsnorm(mean_copies(hs), f"{p}.post_attention_layernorm.weight")
@@ -390,13 +478,23 @@ def export_model(config: ModelConfig, weights: Mapping[str, Any] | Callable[[str
 
     graph = helper.make_graph(g.nodes, "engram_llama", inputs, outputs, g.inits)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="engram-trt",
-                              doc_string="engram-llama serving step; Engram tables are bound at run time by address")
+    model = helper.make_model(
+        graph,
+        opset_imports=opsets,
+        producer_name="engram-trt",
+        doc_string="engram-llama serving step; Engram tables are bound at run time by address",
+    )
     model.ir_version = 10
     onnx.checker.check_model(model) if g.init_bytes < EXTERNAL_DATA_THRESHOLD else None
-    io.update(vocab=config.vocab_size, kv_heads=kvh, head_dim_attn=hd, layers=config.num_hidden_layers, max_position=max_pos,
-              plugins=sorted({n.op_type for n in g.nodes if n.domain == PLUGIN_DOMAIN}),
-              kv_cache={"shape": ["num_slots", kvh, "max_seq_len", hd], "aliases": aliases})
+    io.update(
+        vocab=config.vocab_size,
+        kv_heads=kvh,
+        head_dim_attn=hd,
+        layers=config.num_hidden_layers,
+        max_position=max_pos,
+        plugins=sorted({n.op_type for n in g.nodes if n.domain == PLUGIN_DOMAIN}),
+        kv_cache={"shape": ["num_slots", kvh, "max_seq_len", hd], "aliases": aliases},
+    )
     return ExportedModel(
         model=model,
         input_names=[i.name for i in inputs],

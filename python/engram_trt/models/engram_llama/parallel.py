@@ -13,8 +13,15 @@ from dataclasses import replace
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.models.parallel import (ParallelPlan, Rule, cols_split, head_range, kv_head_range, rows_split,
-                                        split_ranges)
+from engram_trt.models.parallel import (
+    ParallelPlan,
+    Rule,
+    cols_split,
+    head_range,
+    kv_head_range,
+    rows_split,
+    split_ranges,
+)
 
 FAMILY = "engram-llama"
 

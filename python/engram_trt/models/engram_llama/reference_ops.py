@@ -10,9 +10,16 @@ from engram_trt.errors import EngramError
 from engram_trt.models.export import PLUGIN_DOMAIN
 
 
-def engram_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, key_cache: np.ndarray,
-                               value_cache: np.ndarray, token_slot: np.ndarray, token_pos: np.ndarray,
-                               scale: float) -> np.ndarray:
+def engram_attention_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+    token_slot: np.ndarray,
+    token_pos: np.ndarray,
+    scale: float,
+) -> np.ndarray:
     """The EngramAttention plugin's contract in float64: token t's ``k / v [T, kvh, hd]``
     rows go into ``key_cache / value_cache [slots, kvh, max_seq_len, hd]`` at
     ``(token_slot[t], :, token_pos[t])`` (in place, in the caches' dtype), then every token
@@ -49,11 +56,27 @@ def reference_ops() -> list[type]:
     class EngramAttention(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, q, k, v, key_cache, value_cache, token_slot, token_pos, plugin_version=None,  # noqa: ANN001
-                 plugin_namespace=None, num_heads=None, num_kv_heads=None, head_dim=None, scale=None):
+        def _run(
+            self,
+            q,
+            k,
+            v,
+            key_cache,
+            value_cache,
+            token_slot,
+            token_pos,
+            plugin_version=None,  # noqa: ANN001
+            plugin_namespace=None,
+            num_heads=None,
+            num_kv_heads=None,
+            head_dim=None,
+            scale=None,
+        ):
             if q.shape[1:] != (int(num_heads), int(head_dim)) or key_cache.shape[1] != int(num_kv_heads):
-                raise EngramError(f"EngramAttention fields (num_heads {num_heads}, num_kv_heads {num_kv_heads}, head_dim "
-                                  f"{head_dim}) do not match q {q.shape} and key_cache {key_cache.shape}")
+                raise EngramError(
+                    f"EngramAttention fields (num_heads {num_heads}, num_kv_heads {num_kv_heads}, head_dim "
+                    f"{head_dim}) do not match q {q.shape} and key_cache {key_cache.shape}"
+                )
             out = engram_attention_reference(q, k, v, key_cache, value_cache, token_slot, token_pos, float(scale))
             return (out.astype(q.dtype), key_cache, value_cache)  # the caches themselves: aliased, in place
 

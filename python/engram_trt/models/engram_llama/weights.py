@@ -99,19 +99,29 @@ def stored_scale(weights: Mapping[str, torch.Tensor], scale_name: str) -> torch.
     raise CheckpointError(f"scale {scale_name} is {s.dtype} (expected F32 float scales, or F8_E8M0 ue8m0 bytes)")
 
 
-def read_fp8_weight(weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], quant: Any,
-                    scale: tuple[str, torch.Tensor] | None = None, block: tuple[int, int] | None = None) -> QuantWeight:
+def read_fp8_weight(
+    weights: Mapping[str, torch.Tensor],
+    name: str,
+    shape: tuple[int, ...],
+    quant: Any,
+    scale: tuple[str, torch.Tensor] | None = None,
+    block: tuple[int, int] | None = None,
+) -> QuantWeight:
     """The stored FP8 weight ``name`` of logical ``shape`` with its block scales (read from
     beside it, or ``scale`` = (its name, the tensor) in ``block`` where an architecture keeps
     them elsewhere), checked; one line naming the tensor when it cannot be served."""
     from engram_trt.checkpoint.checkpoint import listed_not_to_convert, module_of
 
     if quant is None:
-        raise CheckpointError(f"tensor {name} is F8_E4M3 but the config declares no quantization_config (an FP8 "
-                              f"checkpoint's config carries quantization_config with quant_method \"fp8\"); restore it")
+        raise CheckpointError(
+            f"tensor {name} is F8_E4M3 but the config declares no quantization_config (an FP8 "
+            f"checkpoint's config carries quantization_config with quant_method \"fp8\"); restore it"
+        )
     if listed_not_to_convert(module_of(name), quant) is not None:
-        raise CheckpointError(f"tensor {name} is F8_E4M3 but quantization_config.modules_to_not_convert lists "
-                              f"{module_of(name)} (kept in 16 bits): the checkpoint and its config disagree")
+        raise CheckpointError(
+            f"tensor {name} is F8_E4M3 but quantization_config.modules_to_not_convert lists "
+            f"{module_of(name)} (kept in 16 bits): the checkpoint and its config disagree"
+        )
     block = block or quant.block_for(shape)
     if scale is None:
         scale_name = find_scale(name, weights)
@@ -136,9 +146,17 @@ def quant_linear_of(linear: nn.Module, qw: QuantWeight, device: torch.device) ->
     return q
 
 
-def set_linear(model: nn.Module, module_name: str, weights: Mapping[str, torch.Tensor], name: str,
-               shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, quant: Any,
-               scale: Any = None) -> None:
+def set_linear(
+    model: nn.Module,
+    module_name: str,
+    weights: Mapping[str, torch.Tensor],
+    name: str,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    quant: Any,
+    scale: Any = None,
+) -> None:
     """Load the linear ``module_name`` of ``model`` from checkpoint tensor ``name``: a
     QuantLinear over the stored bytes when FP8 (``scale``: a callable giving ``((scale
     name, tensor), block)`` or None where an architecture keeps its scales elsewhere),
@@ -161,8 +179,9 @@ def _linear_names(model: nn.Module) -> set[str]:
     return {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def _fusable(weights: Mapping[str, torch.Tensor], names: list[str], expected: dict[str, tuple[int, ...]],
-             quant: Any) -> str | None:
+def _fusable(
+    weights: Mapping[str, torch.Tensor], names: list[str], expected: dict[str, tuple[int, ...]], quant: Any
+) -> str | None:
     """``"float"`` / ``"fp8"`` when the group ``names`` fuses (module docstring), else None."""
     kinds = {is_fp8(weights, n) for n in names}
     if kinds == {False}:
@@ -181,30 +200,51 @@ def _fusable(weights: Mapping[str, torch.Tensor], names: list[str], expected: di
     return "fp8" if len(scale_dtypes) == 1 else None
 
 
-def _fuse_fp8(model: nn.Module, module: nn.Module, attr: str, names: list[str], weights: Mapping[str, torch.Tensor],
-              expected: dict[str, tuple[int, ...]], device: torch.device, quant: Any) -> None:
+def _fuse_fp8(
+    model: nn.Module,
+    module: nn.Module,
+    attr: str,
+    names: list[str],
+    weights: Mapping[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    device: torch.device,
+    quant: Any,
+) -> None:
     """One FP8 group stacked: bytes and scales each one tensor by rows, the projections'
     QuantLinear buffers views of them."""
     parts = [read_fp8_weight(weights, n, expected[n], quant) for n in names]
-    data = torch.empty((sum(p.data.shape[0] for p in parts), parts[0].data.shape[1]), dtype=torch.float8_e4m3fn,
-                       device=device)
-    scale = torch.empty((sum(p.scale.shape[0] for p in parts), parts[0].scale.shape[1]), dtype=parts[0].scale.dtype,
-                        device=device)
+    data = torch.empty(
+        (sum(p.data.shape[0] for p in parts), parts[0].data.shape[1]), dtype=torch.float8_e4m3fn, device=device
+    )
+    scale = torch.empty(
+        (sum(p.scale.shape[0] for p in parts), parts[0].scale.shape[1]), dtype=parts[0].scale.dtype, device=device
+    )
     at = sat = 0
     for name, qw in zip(names, parts):
         n, sn = qw.data.shape[0], qw.scale.shape[0]
-        data[at:at + n].copy_(qw.data)
-        scale[sat:sat + sn].copy_(qw.scale)
+        data[at : at + n].copy_(qw.data)
+        scale[sat : sat + sn].copy_(qw.scale)
         owner_name, _, leaf = name[: -len(".weight")].rpartition(".")
         owner = model.get_submodule(owner_name)
-        setattr(owner, leaf, quant_linear_of(getattr(owner, leaf), QuantWeight(data[at:at + n], scale[sat:sat + sn],
-                                                                                "fp8", qw.block), device))
+        setattr(
+            owner,
+            leaf,
+            quant_linear_of(
+                getattr(owner, leaf), QuantWeight(data[at : at + n], scale[sat : sat + sn], "fp8", qw.block), device
+            ),
+        )
         at, sat = at + n, sat + sn
     setattr(module, attr, QuantWeight(data, scale, "fp8", parts[0].block))
 
 
-def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 fuse: bool, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+def load_weights(
+    model: nn.Module,
+    weights: Mapping[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    fuse: bool,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
     """Checks ``weights`` against the config and makes them ``model``'s parameters (on
     ``device`` in ``dtype``; FP8 linears as QuantLinear in their stored form), the
     projections of each layer fused when ``fuse`` (module docstring). Each tensor is read
@@ -219,7 +259,7 @@ def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], device: 
     params = dict(model.named_parameters())
     linears = _linear_names(model)
     groups = []
-    for module, attr, names in (fused_groups(model) if fuse else []):
+    for module, attr, names in fused_groups(model) if fuse else []:
         kind = _fusable(weights, names, expected, quant)
         if kind is not None:
             groups.append((module, attr, names, kind))
@@ -233,13 +273,17 @@ def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], device: 
             set_linear(model, name[: -len(".weight")], weights, name, want, device, dtype, quant)
             continue
         if is_fp8(weights, name):
-            raise CheckpointError(f"tensor {name} is F8_E4M3, but only linear weights are served in FP8 (embeddings "
-                                  f"and norms are read as floats)")
+            raise CheckpointError(
+                f"tensor {name} is F8_E4M3, but only linear weights are served in FP8 (embeddings "
+                f"and norms are read as floats)"
+            )
         t = weights[name]
         if tuple(t.shape) != want:
             raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)} but the config needs {list(want)}")
         owner_name, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner_name), leaf, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False))
+        setattr(
+            model.get_submodule(owner_name), leaf, nn.Parameter(t.to(device=device, dtype=dtype), requires_grad=False)
+        )
     for module, attr, names, kind in groups:
         if kind == "fp8":
             _fuse_fp8(model, module, attr, names, weights, expected, device, quant)
@@ -250,11 +294,12 @@ def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], device: 
             n = expected[name][0]
             t = weights[name]
             if tuple(t.shape) != expected[name]:
-                raise CheckpointError(f"tensor '{name}' has shape {list(t.shape)} but the config needs "
-                                      f"{list(expected[name])}")
-            buf[at:at + n].copy_(t)
+                raise CheckpointError(
+                    f"tensor '{name}' has shape {list(t.shape)} but the config needs {list(expected[name])}"
+                )
+            buf[at : at + n].copy_(t)
             owner_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner_name), leaf, nn.Parameter(buf[at:at + n], requires_grad=False))
+            setattr(model.get_submodule(owner_name), leaf, nn.Parameter(buf[at : at + n], requires_grad=False))
             at += n
         setattr(module, attr, buf)
     leftover = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]

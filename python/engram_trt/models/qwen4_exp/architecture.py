@@ -40,8 +40,9 @@ class Qwen4ExpArchitecture(ArchitectureBase):
 
         return parallel_plan(config, tp, rank)
 
-    def read_config(self, d: Mapping[str, Any], source: str | None = None, *,
-                    enforce_contract: bool = True) -> Qwen4ExpConfig:
+    def read_config(
+        self, d: Mapping[str, Any], source: str | None = None, *, enforce_contract: bool = True
+    ) -> Qwen4ExpConfig:
         return read_config(d, source, enforce_contract=enforce_contract)
 
     def weight_shapes(self, config: Qwen4ExpConfig) -> dict[str, tuple[int, ...]]:
@@ -110,8 +111,10 @@ class Qwen4ExpArchitecture(ArchitectureBase):
             elif name in fp8:
                 out.append(fp8[name])
             elif ckpt.st_dtype(name) == FP8_WEIGHT_DTYPE and name not in linears:
-                out.append(f"tensor {name} is {ckpt.st_dtype(name)}, but only linear weights are served in FP8 "
-                           f"(embeddings, norms, convolutions and the router are read as floats)")
+                out.append(
+                    f"tensor {name} is {ckpt.st_dtype(name)}, but only linear weights are served in FP8 "
+                    f"(embeddings, norms, convolutions and the router are read as floats)"
+                )
             elif not ckpt.dtype(name).is_floating_point:
                 out.append(f"tensor {name} is {ckpt.st_dtype(name)}, not a float weight")
         if cfg.ple is not None:
@@ -134,15 +137,25 @@ class Qwen4ExpArchitecture(ArchitectureBase):
             chunk = chunk_rows(int(layout.table_rows[li]), cfg.ple.split_parts)
             nbytes = sum(int(ckpt.nbytes(n)) for n in names)
             total += nbytes
-            layers.append({"ple_layer_id": layer + 1, "layout_rows": int(layout.table_rows[li]),
-                           "table_rows": sum(ckpt.shape(n)[0] for n in names), "shards": len(names),
-                           "split_ngram_parts": cfg.ple.split_parts,
-                           # torch.chunk's shards: this many rows each, the last what is left
-                           "chunk_rows": chunk[0] if chunk else None, "last_shard_rows": chunk[-1] if chunk else None,
-                           "width": cfg.ple.head_dim, "dtype": ckpt.st_dtype(names[0]) if names else None,
-                           "table_scale": scales[li], "bytes": nbytes})
-        return {"ple": {"layers": layers, "total_bytes": total, "heads": cfg.ple.n_heads,
-                        "ngram_size": cfg.ple.ngram_size}}
+            layers.append(
+                {
+                    "ple_layer_id": layer + 1,
+                    "layout_rows": int(layout.table_rows[li]),
+                    "table_rows": sum(ckpt.shape(n)[0] for n in names),
+                    "shards": len(names),
+                    "split_ngram_parts": cfg.ple.split_parts,
+                    # torch.chunk's shards: this many rows each, the last what is left
+                    "chunk_rows": chunk[0] if chunk else None,
+                    "last_shard_rows": chunk[-1] if chunk else None,
+                    "width": cfg.ple.head_dim,
+                    "dtype": ckpt.st_dtype(names[0]) if names else None,
+                    "table_scale": scales[li],
+                    "bytes": nbytes,
+                }
+            )
+        return {
+            "ple": {"layers": layers, "total_bytes": total, "heads": cfg.ple.n_heads, "ngram_size": cfg.ple.ngram_size}
+        }
 
     def table_report_lines(self, report: Mapping[str, Any]) -> list[str]:
         """``inspect``'s lines of :meth:`describe_tables`' PLE report: the totals, then one
@@ -152,12 +165,18 @@ class Qwen4ExpArchitecture(ArchitectureBase):
         ple = report.get("ple")
         if not ple:
             return []
-        lines = [(f"PLE          {len(ple['layers'])} layer(s), {ple['heads']} hashed heads of n-grams up to "
-                  f"{ple['ngram_size']}, {human_bytes(ple['total_bytes'])} of tables")]
+        lines = [
+            (
+                f"PLE          {len(ple['layers'])} layer(s), {ple['heads']} hashed heads of n-grams up to "
+                f"{ple['ngram_size']}, {human_bytes(ple['total_bytes'])} of tables"
+            )
+        ]
         for e in ple["layers"]:
-            lines.append(f"PLE layer {e['ple_layer_id']:>3}: {e['table_rows']} rows (the config's primes give "
-                         f"{e['layout_rows']}) x {e['width']} {e['dtype']} in {e['shards']} shard(s), "
-                         f"{human_bytes(e['bytes'])}")
+            lines.append(
+                f"PLE layer {e['ple_layer_id']:>3}: {e['table_rows']} rows (the config's primes give "
+                f"{e['layout_rows']}) x {e['width']} {e['dtype']} in {e['shards']} shard(s), "
+                f"{human_bytes(e['bytes'])}"
+            )
         return lines
 
     def engine_state_inputs(self, config: Qwen4ExpConfig) -> set[str]:
@@ -189,8 +208,18 @@ class Qwen4ExpArchitecture(ArchitectureBase):
 
         return [] if ckpt.config.ple is None else ple_table_refs(ckpt, ckpt.config, ple_layout(ckpt.config))
 
-    def load_model(self, ckpt: Any, *, device: Any = "cpu", dtype: Any = None, ple_table_kind: str | None = None,
-                   tables: Any = None, engram_config: Any = None, parallel: Any = None, **_: Any) -> Any:
+    def load_model(
+        self,
+        ckpt: Any,
+        *,
+        device: Any = "cpu",
+        dtype: Any = None,
+        ple_table_kind: str | None = None,
+        tables: Any = None,
+        engram_config: Any = None,
+        parallel: Any = None,
+        **_: Any,
+    ) -> Any:
         """The model of an open checkpoint, its PLE tables bound from the checkpoint's
         shards: ``tables``, a table store the runtime opened over :meth:`table_refs`
         (left to it to close), else a store of ``ple_table_kind`` or the kind
@@ -214,21 +243,33 @@ class Qwen4ExpArchitecture(ArchitectureBase):
         if cfg.ple is not None and tables is not None:
             from engram_trt.models.qwen4_exp.ple_tables import table_scales
 
-            ple = PLETables(tables, dev, owns_store=False, hot_cache_fraction=ecfg.hot_cache_fraction,
-                            table_scales=table_scales(ckpt, cfg))
+            ple = PLETables(
+                tables,
+                dev,
+                owns_store=False,
+                hot_cache_fraction=ecfg.hot_cache_fraction,
+                table_scales=table_scales(ckpt, cfg),
+            )
         elif cfg.ple is not None:
             from engram_trt.tables.store import table_kind_for
 
             kind = ple_table_kind or table_kind_for(ecfg, dev)
-            ple = PLETables.from_checkpoint(ckpt, cfg, ple_layout(cfg), kind=kind, device=dev,
-                                            hot_cache_fraction=ecfg.hot_cache_fraction)
+            ple = PLETables.from_checkpoint(
+                ckpt, cfg, ple_layout(cfg), kind=kind, device=dev, hot_cache_fraction=ecfg.hot_cache_fraction
+            )
         # each tensor read from its shard when the model takes it (FP8 scales included; the
         # PLE shards are the table store's)
         if parallel is not None and parallel.sharded:
             from engram_trt.models.parallel import ShardedCheckpoint
 
-            return Qwen4ExpModel(parallel.local_config, ShardedCheckpoint(ckpt, parallel).lazy(), ple_tables=ple,
-                                 device=dev, dtype=dtype, parallel=parallel)
+            return Qwen4ExpModel(
+                parallel.local_config,
+                ShardedCheckpoint(ckpt, parallel).lazy(),
+                ple_tables=ple,
+                device=dev,
+                dtype=dtype,
+                parallel=parallel,
+            )
         weights = ckpt.lazy()
         return Qwen4ExpModel(cfg, weights, ple_tables=ple, device=dev, dtype=dtype)
 
@@ -254,18 +295,24 @@ class Qwen4ExpArchitecture(ArchitectureBase):
                     continue
                 st = ckpt.st_dtype(name)
                 if st == "F8_E4M3":
-                    return [f"FP8 PLE tables are not built into engines yet: PLE table shard {name} is F8_E4M3 (an "
-                            f"FP8Embedding scaled per table, which the engine's EngramGather does not read); serve the "
-                            f"checkpoint folder with the torch backend (engram-trt run / serve CHECKPOINT)"]
+                    return [
+                        f"FP8 PLE tables are not built into engines yet: PLE table shard {name} is F8_E4M3 (an "
+                        f"FP8Embedding scaled per table, which the engine's EngramGather does not read); serve the "
+                        f"checkpoint folder with the torch backend (engram-trt run / serve CHECKPOINT)"
+                    ]
                 if st not in PLE_SHARD_DTYPES:
-                    return [f"PLE table shard {name} is {st}: an engine's EngramGather plugin reads "
-                            f"{' / '.join(PLE_SHARD_DTYPES)} rows; save the PLE shards in one of those to build, or "
-                            f"serve the checkpoint folder with the torch backend (engram-trt run / serve)"]
+                    return [
+                        f"PLE table shard {name} is {st}: an engine's EngramGather plugin reads "
+                        f"{' / '.join(PLE_SHARD_DTYPES)} rows; save the PLE shards in one of those to build, or "
+                        f"serve the checkpoint folder with the torch backend (engram-trt run / serve)"
+                    ]
                 seen.setdefault(st, name)
         if len(seen) > 1:
             (a, first), (b, other) = list(seen.items())[:2]
-            return [f"PLE table shards mix dtypes ({first} is {a}, {other} is {b}): an engine reads every PLE table "
-                    f"as one dtype; save all PLE shards as one of {' / '.join(PLE_SHARD_DTYPES)}"]
+            return [
+                f"PLE table shards mix dtypes ({first} is {a}, {other} is {b}): an engine reads every PLE table "
+                f"as one dtype; save all PLE shards as one of {' / '.join(PLE_SHARD_DTYPES)}"
+            ]
         return []
 
     def export_onnx(self, config: Qwen4ExpConfig, weights: Any, layout: Any, options: Any) -> Any:

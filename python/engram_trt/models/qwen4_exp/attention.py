@@ -205,9 +205,9 @@ class QSAIndexer(nn.Module):
             i = j
         return mask
 
-
-    def decode_mask(self, config: Any, q: Tensor, raw_keys: Tensor, positions: Tensor,
-                    seen_host: list[int] | None = None) -> Tensor:
+    def decode_mask(
+        self, config: Any, q: Tensor, raw_keys: Tensor, positions: Tensor, seen_host: list[int] | None = None
+    ) -> Tensor:
         """``[G, L]`` bool for a decode-only step: which of the first ``L`` cached
         positions of each of the ``G`` slots its one query (at ``positions[g]``, whose key
         is already in ``raw_keys [G, L, d]``) attends to, the causal limit included.
@@ -239,8 +239,10 @@ class QSAIndexer(nn.Module):
             allowed = torch.ones(G, n_blocks, dtype=torch.bool, device=raw_keys.device)
             for g, nb in enumerate(seen_host):
                 if nb > self.block_topk:
-                    chosen = scores[g:g + 1, :nb].topk(self.block_topk, dim=-1).indices  # [1, k], as selection_mask
-                    allowed[g, :nb] = torch.zeros(1, nb, dtype=torch.bool, device=raw_keys.device).scatter_(1, chosen, True)[0]
+                    chosen = scores[g : g + 1, :nb].topk(self.block_topk, dim=-1).indices  # [1, k], as selection_mask
+                    allowed[g, :nb] = torch.zeros(1, nb, dtype=torch.bool, device=raw_keys.device).scatter_(
+                        1, chosen, True
+                    )[0]
         tail = torch.ones(G, L - n_blocks * r, dtype=torch.bool, device=raw_keys.device)
         return causal & torch.cat([allowed.repeat_interleave(r, dim=1), tail], dim=1)
 
@@ -306,8 +308,14 @@ class GatedAttention(nn.Module):
 
         theta, _ = _rope_fields(self.config)
         ix = self.indexer
-        return QsaFields(compress_ratio=ix.compress_ratio, block_topk=ix.block_topk, rot_dim=rotary_dim(self.config),
-                         rope_theta=theta, eps=float(self.config.rms_norm_eps), scaling=float(self.scaling))
+        return QsaFields(
+            compress_ratio=ix.compress_ratio,
+            block_topk=ix.block_topk,
+            rot_dim=rotary_dim(self.config),
+            rope_theta=theta,
+            eps=float(self.config.rms_norm_eps),
+            scaling=float(self.scaling),
+        )
 
     def why_not_kernel(self, x: Tensor, key_cache: Tensor | None = None) -> str | None:
         """Why the decode core cannot run on the QSA kernel for activations like ``x``
@@ -329,8 +337,14 @@ class GatedAttention(nn.Module):
             return why
         try:
             qsa.check_fields(self.qsa_fields())
-            qsa.check_shape(self.num_heads, self.num_kv_heads, self.head_dim, self.indexer.query_heads,
-                            self.indexer.head_dim, rotary_dim(self.config))
+            qsa.check_shape(
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.indexer.query_heads,
+                self.indexer.head_dim,
+                rotary_dim(self.config),
+            )
         except EngramError as exc:
             return str(exc)
         return None
@@ -339,8 +353,9 @@ class GatedAttention(nn.Module):
         """Whether :meth:`forward_decode` takes the QSA kernel (``kernels``: or raises why not)."""
         why = self.why_not_kernel(x, key_cache)
         if why is not None and self.backend == "kernels":
-            raise EngramError(f"attention backend 'kernels' cannot run layer {self.layer_idx}: {why}; use backend "
-                              "'auto' or 'torch'")
+            raise EngramError(
+                f"attention backend 'kernels' cannot run layer {self.layer_idx}: {why}; use backend 'auto' or 'torch'"
+            )
         return why is None
 
     @staticmethod
@@ -450,9 +465,19 @@ class GatedAttention(nn.Module):
 
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def forward_decode(self, x: Tensor, positions: Tensor, slots: Tensor, context: int, key_cache: Tensor,
-                       value_cache: Tensor, index_key_cache: Tensor, seen_host: list[int] | None = None, *,
-                       meta: Tensor | None = None) -> Tensor:
+    def forward_decode(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        context: int,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        index_key_cache: Tensor,
+        seen_host: list[int] | None = None,
+        *,
+        meta: Tensor | None = None,
+    ) -> Tensor:
         """A decode-only step: token ``j`` of ``x [G, hidden]`` sits at ``positions[j]``
         of slot ``slots[j]`` (device tensors; distinct slots). All slots at once over
         their first ``context`` cache positions (>= every ``positions + 1``; later ones
@@ -476,10 +501,20 @@ class GatedAttention(nn.Module):
         if meta is not None and self.kernel_serves(x, key_cache):
             from engram_trt.native.qsa import qsa_attention
 
-            out = qsa_attention(query.contiguous(), key.contiguous(), value.contiguous(), index_q.contiguous(),
-                                index_raw.contiguous(), key_cache, value_cache, index_key_cache,
-                                self.indexer.k_layernorm.weight, meta[2 * G + 1:3 * G + 1], meta[G + 1:2 * G + 1],
-                                self.qsa_fields())
+            out = qsa_attention(
+                query.contiguous(),
+                key.contiguous(),
+                value.contiguous(),
+                index_q.contiguous(),
+                index_raw.contiguous(),
+                key_cache,
+                value_cache,
+                index_key_cache,
+                self.indexer.k_layernorm.weight,
+                meta[2 * G + 1 : 3 * G + 1],
+                meta[G + 1 : 2 * G + 1],
+                self.qsa_fields(),
+            )
             return self.o_proj(out * torch.sigmoid(gate))
         key_cache[slots, :, positions] = key.to(key_cache.dtype)
         value_cache[slots, :, positions] = value.to(value_cache.dtype)

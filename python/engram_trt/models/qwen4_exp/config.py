@@ -33,22 +33,68 @@ log = logging.getLogger(__name__)
 LAYER_TYPES = ("linear_attention", "indexed_attention")
 QSA_FIELDS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 # What a sane config stays below; past it a value is a typo or a hostile file.
-_MAX = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "num_hidden_layers": 1024, "heads": 4096, "head_dim": 4096,
-        "experts": 1 << 14, "intermediate": 1 << 20, "hc_count": 64, "kernel": 64, "ngram_size": 16,
-        "heads_per_ngram": 256, "ngram_vocab_size_base": 1 << 40, "split_ngram_parts": 1 << 16,
-        "max_position_embeddings": 1 << 24}
+_MAX = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "heads": 4096,
+    "head_dim": 4096,
+    "experts": 1 << 14,
+    "intermediate": 1 << 20,
+    "hc_count": 64,
+    "kernel": 64,
+    "ngram_size": 16,
+    "heads_per_ngram": 256,
+    "ngram_vocab_size_base": 1 << 40,
+    "split_ngram_parts": 1 << 16,
+    "max_position_embeddings": 1 << 24,
+}
 
-_TEXT_FIELDS = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta",
-    "partial_rotary_factor", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_num_key_heads", "linear_num_value_heads", "moe_intermediate_size", "shared_expert_intermediate_size",
-    "num_experts_per_tok", "num_experts", "norm_topk_prob", "layer_types", "full_attention_interval",
-    "bos_token_id", "eos_token_id", "hc_count", "hc_lowrank", "ple_layer_ids", "ple_embed_dim",
-    "ple_conv_kernel_size", "ngram_size", "heads_per_ngram", "ngram_vocab_size_base",
-    "make_ngram_vocab_size_divisible_by", "seed", "split_ngram_parts", *QSA_FIELDS, "output_gate_type",
-    "dtype", "torch_dtype",
-})
+_TEXT_FIELDS = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "rope_theta",
+        "partial_rotary_factor",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "num_experts_per_tok",
+        "num_experts",
+        "norm_topk_prob",
+        "layer_types",
+        "full_attention_interval",
+        "bos_token_id",
+        "eos_token_id",
+        "hc_count",
+        "hc_lowrank",
+        "ple_layer_ids",
+        "ple_embed_dim",
+        "ple_conv_kernel_size",
+        "ngram_size",
+        "heads_per_ngram",
+        "ngram_vocab_size_base",
+        "make_ngram_vocab_size_divisible_by",
+        "seed",
+        "split_ngram_parts",
+        *QSA_FIELDS,
+        "output_gate_type",
+        "dtype",
+        "torch_dtype",
+    }
+)
 
 CONTRACT = FieldContract(
     architecture="qwen4-exp",
@@ -58,9 +104,19 @@ CONTRACT = FieldContract(
         "attention_bias": Pinned((False,), False, "q/k/v/o projections without bias"),
     },
     # Read by transformers' Qwen4Exp without effect on a forward pass at inference.
-    neutral=frozenset({"attention_dropout", "pad_token_id", "output_router_logits", "router_aux_loss_coef",
-                       "number_of_conv_states", "image_token_id", "video_token_id", "vision_start_token_id",
-                       "vision_end_token_id"}),
+    neutral=frozenset(
+        {
+            "attention_dropout",
+            "pad_token_id",
+            "output_router_logits",
+            "router_aux_loss_coef",
+            "number_of_conv_states",
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+        }
+    ),
 )
 
 
@@ -151,7 +207,11 @@ class Qwen4ExpConfig:
     # -- the transformers-config view the modules read ---------------------------------
     @property
     def rope_parameters(self) -> dict[str, Any]:
-        return {"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": self.partial_rotary_factor}
+        return {
+            "rope_type": "default",
+            "rope_theta": self.rope_theta,
+            "partial_rotary_factor": self.partial_rotary_factor,
+        }
 
     def __getattr__(self, name: str) -> Any:
         # indexer_* and the PLE fields under their config.json names
@@ -191,8 +251,17 @@ class Qwen4ExpConfig:
         """The text config as a config.json dict (the manifest's and the backend's record)."""
         d = dict(self.extra)
         base = asdict(self)
-        for k in ("ple", "qsa", "extra", "engram", "weight_prefix", "architecture_name", "rope_theta",
-                  "partial_rotary_factor", "quant"):
+        for k in (
+            "ple",
+            "qsa",
+            "extra",
+            "engram",
+            "weight_prefix",
+            "architecture_name",
+            "rope_theta",
+            "partial_rotary_factor",
+            "quant",
+        ):
             base.pop(k)
         d.update(base)
         d["layer_types"] = list(self.layer_types)
@@ -203,13 +272,26 @@ class Qwen4ExpConfig:
         d["model_type"] = "qwen4_exp_text"
         if self.ple is not None:
             p = self.ple
-            d.update(ple_layer_ids=list(p.layer_ids), ple_embed_dim=p.embed_dim, ple_conv_kernel_size=p.conv_kernel_size,
-                     ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram, ngram_vocab_size_base=p.vocab_size_base,
-                     make_ngram_vocab_size_divisible_by=p.divisible_by, seed=p.seed, split_ngram_parts=p.split_parts)
+            d.update(
+                ple_layer_ids=list(p.layer_ids),
+                ple_embed_dim=p.embed_dim,
+                ple_conv_kernel_size=p.conv_kernel_size,
+                ngram_size=p.ngram_size,
+                heads_per_ngram=p.heads_per_ngram,
+                ngram_vocab_size_base=p.vocab_size_base,
+                make_ngram_vocab_size_divisible_by=p.divisible_by,
+                seed=p.seed,
+                split_ngram_parts=p.split_parts,
+            )
         if self.qsa is not None:
             q = self.qsa
-            d.update(indexer_n_heads=q.n_heads, indexer_kv_heads=q.kv_heads, indexer_head_dim=q.head_dim,
-                     indexer_budget=q.budget, indexer_compress_ratio=q.compress_ratio)
+            d.update(
+                indexer_n_heads=q.n_heads,
+                indexer_kv_heads=q.kv_heads,
+                indexer_head_dim=q.head_dim,
+                indexer_budget=q.budget,
+                indexer_compress_ratio=q.compress_ratio,
+            )
         if self.quant is not None:
             qd = self.quant.to_dict()
             if self.quant.modules_to_convert:
@@ -222,8 +304,15 @@ def _where(source: str | None) -> str:
     return f"{source}: " if source else "config: "
 
 
-def _int(d: Mapping[str, Any], key: str, source: str | None, default: Any = ..., *, minimum: int = 1,
-         maximum: int | None = None) -> int:
+def _int(
+    d: Mapping[str, Any],
+    key: str,
+    source: str | None,
+    default: Any = ...,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+) -> int:
     if key not in d or d[key] is None:
         if default is ...:
             raise ConfigError(f"{_where(source)}missing field '{key}' (a Qwen4Exp config needs it)")
@@ -257,17 +346,23 @@ def _rope(d: Mapping[str, Any], source: str | None) -> tuple[float, float]:
         raise ConfigError(f"{_where(source)}field 'rope_parameters' must be an object (got {rp!r:.60})")
     scaling = d.get("rope_scaling")
     if scaling not in (None, {}):
-        raise ConfigError(f"{_where(source)}field 'rope_scaling'={scaling!r:.60} is not implemented by engram-trt's qwen4-exp "
-                          f"(supported: RoPE type \"default\"); serving it would give a different model than the checkpoint declares")
+        raise ConfigError(
+            f"{_where(source)}field 'rope_scaling'={scaling!r:.60} is not implemented by engram-trt's qwen4-exp "
+            f"(supported: RoPE type \"default\"); serving it would give a different model than the checkpoint declares"
+        )
     rtype = rp.get("rope_type", rp.get("type", "default"))
     if rtype != "default":
-        raise ConfigError(f"{_where(source)}rope_parameters.rope_type={rtype!r} is not implemented by engram-trt's qwen4-exp "
-                          f"(supported: \"default\"); serving it would give a different model than the checkpoint declares")
+        raise ConfigError(
+            f"{_where(source)}rope_parameters.rope_type={rtype!r} is not implemented by engram-trt's qwen4-exp "
+            f"(supported: \"default\"); serving it would give a different model than the checkpoint declares"
+        )
     known = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
     unknown = sorted(set(rp) - known)
     if unknown:
-        raise ConfigError(f"{_where(source)}rope_parameters.{unknown[0]} is not implemented by engram-trt's qwen4-exp "
-                          f"(supported keys: {', '.join(sorted(known))})")
+        raise ConfigError(
+            f"{_where(source)}rope_parameters.{unknown[0]} is not implemented by engram-trt's qwen4-exp "
+            f"(supported keys: {', '.join(sorted(known))})"
+        )
     theta = _float(rp, "rope_theta", source, _float(d, "rope_theta", source, 10000.0))
     factor = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
@@ -286,45 +381,62 @@ def _layer_types(d: Mapping[str, Any], n_layers: int, source: str | None) -> tup
     types = ["indexed_attention" if t == "full_attention" else t for t in types]
     bad = sorted(set(types) - set(LAYER_TYPES))
     if bad:
-        raise ConfigError(f"{_where(source)}layer_types holds {bad[0]!r}, not a Qwen4Exp layer type "
-                          f"(supported: linear_attention, full_attention / indexed_attention)")
+        raise ConfigError(
+            f"{_where(source)}layer_types holds {bad[0]!r}, not a Qwen4Exp layer type "
+            f"(supported: linear_attention, full_attention / indexed_attention)"
+        )
     if len(types) != n_layers:
         raise ConfigError(f"{_where(source)}layer_types has {len(types)} entries but num_hidden_layers={n_layers}")
     return tuple(types)
 
 
-def _ple(d: Mapping[str, Any], types: tuple[str, ...], hidden: int, vocab: int, eos: Any,
-         source: str | None) -> PLESpec | None:
+def _ple(
+    d: Mapping[str, Any], types: tuple[str, ...], hidden: int, vocab: int, eos: Any, source: str | None
+) -> PLESpec | None:
     ids = d.get("ple_layer_ids")
     if ids in (None, []):
         return None
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise ConfigError(f"{_where(source)}field 'ple_layer_ids' must be a list of one-indexed layer ids (got {ids!r:.60})")
+        raise ConfigError(
+            f"{_where(source)}field 'ple_layer_ids' must be a list of one-indexed layer ids (got {ids!r:.60})"
+        )
     ids = sorted(set(ids))
     bad = [i for i in ids if not 1 <= i <= len(types)]
     if bad:
-        raise ConfigError(f"{_where(source)}ple_layer_ids holds {bad[0]}, outside the one-indexed layers 1..{len(types)}")
+        raise ConfigError(
+            f"{_where(source)}ple_layer_ids holds {bad[0]}, outside the one-indexed layers 1..{len(types)}"
+        )
     full = [i for i in ids if types[i - 1] != "linear_attention"]
     if full:
-        raise ConfigError(f"{_where(source)}ple_layer_ids holds {full[0]}, a {types[full[0] - 1]} layer; Qwen4Exp puts PLE "
-                          f"only on linear_attention layers (ids are one-indexed: layer {full[0]} is layer_types[{full[0] - 1}])")
+        raise ConfigError(
+            f"{_where(source)}ple_layer_ids holds {full[0]}, a {types[full[0] - 1]} layer; Qwen4Exp puts PLE "
+            f"only on linear_attention layers (ids are one-indexed: layer {full[0]} is layer_types[{full[0] - 1}])"
+        )
     if eos is None or eos == []:
-        raise ConfigError(f"{_where(source)}PLE layers need 'eos_token_id' (the n-gram history restarts after each EOS)")
+        raise ConfigError(
+            f"{_where(source)}PLE layers need 'eos_token_id' (the n-gram history restarts after each EOS)"
+        )
     n = _int(d, "ngram_size", source, 3, minimum=2, maximum=_MAX["ngram_size"])
     hpn = _int(d, "heads_per_ngram", source, 8, maximum=_MAX["heads_per_ngram"])
     embed = _int(d, "ple_embed_dim", source, hidden, maximum=_MAX["hidden_size"] * 16)
     heads = (n - 1) * hpn
     if embed % heads:
-        raise ConfigError(f"{_where(source)}ple_embed_dim={embed} is not divisible by the {heads} n-gram heads "
-                          f"((ngram_size-1) x heads_per_ngram = {n - 1} x {hpn})")
+        raise ConfigError(
+            f"{_where(source)}ple_embed_dim={embed} is not divisible by the {heads} n-gram heads "
+            f"((ngram_size-1) x heads_per_ngram = {n - 1} x {hpn})"
+        )
     base = _int(d, "ngram_vocab_size_base", source, 20_000_000, minimum=2, maximum=_MAX["ngram_vocab_size_base"])
     return PLESpec(
-        layer_ids=tuple(ids), embed_dim=embed,
+        layer_ids=tuple(ids),
+        embed_dim=embed,
         conv_kernel_size=_int(d, "ple_conv_kernel_size", source, 4, maximum=_MAX["kernel"]),
-        ngram_size=n, heads_per_ngram=hpn, vocab_size_base=base,
+        ngram_size=n,
+        heads_per_ngram=hpn,
+        vocab_size_base=base,
         divisible_by=_int(d, "make_ngram_vocab_size_divisible_by", source, 128, maximum=1 << 20),
         seed=_int(d, "seed", source, 1234, minimum=0, maximum=(1 << 63) - 1),
-        split_parts=_int(d, "split_ngram_parts", source, 512, maximum=_MAX["split_ngram_parts"]))
+        split_parts=_int(d, "split_ngram_parts", source, 512, maximum=_MAX["split_ngram_parts"]),
+    )
 
 
 def _qsa(d: Mapping[str, Any], head_dim: int, rotary_dim: int, source: str | None) -> QSASpec | None:
@@ -336,15 +448,26 @@ def _qsa(d: Mapping[str, Any], head_dim: int, rotary_dim: int, source: str | Non
         raise ConfigError(f"{_where(source)}the QSA indexer fields are all or none; '{missing[0]}' is missing")
     vals = {k: _int(d, k, source, maximum=1 << 20) for k in QSA_FIELDS}
     if vals["indexer_kv_heads"] != 1:
-        raise ConfigError(f"{_where(source)}indexer_kv_heads={vals['indexer_kv_heads']}: Qwen4Exp's QSA has one key head")
+        raise ConfigError(
+            f"{_where(source)}indexer_kv_heads={vals['indexer_kv_heads']}: Qwen4Exp's QSA has one key head"
+        )
     if vals["indexer_budget"] % vals["indexer_compress_ratio"]:
-        raise ConfigError(f"{_where(source)}indexer_budget={vals['indexer_budget']} is not a multiple of "
-                          f"indexer_compress_ratio={vals['indexer_compress_ratio']}")
+        raise ConfigError(
+            f"{_where(source)}indexer_budget={vals['indexer_budget']} is not a multiple of "
+            f"indexer_compress_ratio={vals['indexer_compress_ratio']}"
+        )
     if rotary_dim > vals["indexer_head_dim"]:
-        raise ConfigError(f"{_where(source)}the rotary dims ({rotary_dim} = head_dim x partial_rotary_factor) do not fit "
-                          f"indexer_head_dim={vals['indexer_head_dim']}")
-    return QSASpec(vals["indexer_n_heads"], vals["indexer_kv_heads"], vals["indexer_head_dim"], vals["indexer_budget"],
-                   vals["indexer_compress_ratio"])
+        raise ConfigError(
+            f"{_where(source)}the rotary dims ({rotary_dim} = head_dim x partial_rotary_factor) do not fit "
+            f"indexer_head_dim={vals['indexer_head_dim']}"
+        )
+    return QSASpec(
+        vals["indexer_n_heads"],
+        vals["indexer_kv_heads"],
+        vals["indexer_head_dim"],
+        vals["indexer_budget"],
+        vals["indexer_compress_ratio"],
+    )
 
 
 def _quant(d: Mapping[str, Any], source: str | None) -> QuantSpec | None:
@@ -353,9 +476,11 @@ def _quant(d: Mapping[str, Any], source: str | None) -> QuantSpec | None:
     FP8 (transformers' FP8Experts); FP4 experts are refused in one line."""
     quant = read_quant_spec(d, source)
     if quant is not None and quant.expert_dtype != "fp8":
-        raise ConfigError(f"{_where(source)}field 'quantization_config.expert_dtype'={quant.expert_dtype!r} is not "
-                          f"served for qwen4-exp (supported: \"fp8\": the experts stored F8_E4M3 with block scales, as "
-                          f"transformers' FP8 save writes them); FP4 experts are served for deepseek-v4 only")
+        raise ConfigError(
+            f"{_where(source)}field 'quantization_config.expert_dtype'={quant.expert_dtype!r} is not "
+            f"served for qwen4-exp (supported: \"fp8\": the experts stored F8_E4M3 with block scales, as "
+            f"transformers' FP8 save writes them); FP4 experts are served for deepseek-v4 only"
+        )
     return quant
 
 
@@ -366,8 +491,10 @@ def text_config_of(d: Mapping[str, Any], source: str | None = None) -> tuple[Map
     if d.get("model_type") == "qwen4_exp" or "Qwen4ExpForConditionalGeneration" in archs:
         text = d.get("text_config")
         if not isinstance(text, Mapping):
-            raise ConfigError(f"{_where(source)}a Qwen4ExpForConditionalGeneration config needs a 'text_config' object "
-                              f"(engram-trt serves its text model)")
+            raise ConfigError(
+                f"{_where(source)}a Qwen4ExpForConditionalGeneration config needs a 'text_config' object "
+                f"(engram-trt serves its text model)"
+            )
         merged = dict(text)
         if "tie_word_embeddings" in d and "tie_word_embeddings" not in text:
             merged["tie_word_embeddings"] = d["tie_word_embeddings"]
@@ -380,10 +507,12 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
     text, prefix, arch_name = text_config_of(d, source)
     twins = [k for k in RETIRED_PLE_TWINS if k in text]
     if twins:
-        raise ConfigError(f"{_where(source)}field '{twins[0]}' is not a Qwen4Exp field (an engram_* twin engram-trt once "
-                          f"invented): PLE is declared by ple_layer_ids, ple_embed_dim, ple_conv_kernel_size, ngram_size, "
-                          f"heads_per_ngram, ngram_vocab_size_base, make_ngram_vocab_size_divisible_by, seed and "
-                          f"split_ngram_parts; drop it")
+        raise ConfigError(
+            f"{_where(source)}field '{twins[0]}' is not a Qwen4Exp field (an engram_* twin engram-trt once "
+            f"invented): PLE is declared by ple_layer_ids, ple_embed_dim, ple_conv_kernel_size, ngram_size, "
+            f"heads_per_ngram, ngram_vocab_size_base, make_ngram_vocab_size_divisible_by, seed and "
+            f"split_ngram_parts; drop it"
+        )
     if enforce_contract:
         CONTRACT.check(d, source)
         if text is not d:
@@ -418,8 +547,10 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
         raise ConfigError(f"{_where(src)}the rotary dims head_dim x partial_rotary_factor = {rotary} must be even")
     qsa = _qsa(text, head_dim, rotary, src)
     if qsa is None and "indexed_attention" in types:
-        raise ConfigError(f"{_where(src)}layer_types has full-attention layers but the QSA indexer fields ({', '.join(QSA_FIELDS)}) "
-                          f"are unset; the published Qwen4Exp builds an indexer on every full-attention layer, so set them")
+        raise ConfigError(
+            f"{_where(src)}layer_types has full-attention layers but the QSA indexer fields ({', '.join(QSA_FIELDS)}) "
+            f"are unset; the published Qwen4Exp builds an indexer on every full-attention layer, so set them"
+        )
     tie = text.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise ConfigError(f"{_where(src)}field 'tie_word_embeddings' must be true or false (got {tie!r:.60})")
@@ -427,10 +558,18 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
     if not isinstance(ntp, bool):
         raise ConfigError(f"{_where(src)}field 'norm_topk_prob' must be true or false (got {ntp!r:.60})")
     cfg = Qwen4ExpConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=head_dim,
-        max_position_embeddings=_int(text, "max_position_embeddings", src, 32768, maximum=_MAX["max_position_embeddings"]),
-        rms_norm_eps=_float(text, "rms_norm_eps", src, 1e-6), tie_word_embeddings=tie, rope_theta=theta,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        max_position_embeddings=_int(
+            text, "max_position_embeddings", src, 32768, maximum=_MAX["max_position_embeddings"]
+        ),
+        rms_norm_eps=_float(text, "rms_norm_eps", src, 1e-6),
+        tie_word_embeddings=tie,
+        rope_theta=theta,
         partial_rotary_factor=factor,
         linear_conv_kernel_dim=_int(text, "linear_conv_kernel_dim", src, 4, maximum=_MAX["kernel"]),
         linear_key_head_dim=_int(text, "linear_key_head_dim", src, 128, maximum=_MAX["head_dim"]),
@@ -438,17 +577,34 @@ def read_config(d: Mapping[str, Any], source: str | None = None, *, enforce_cont
         linear_num_key_heads=_int(text, "linear_num_key_heads", src, 16, maximum=_MAX["heads"]),
         linear_num_value_heads=_int(text, "linear_num_value_heads", src, 32, maximum=_MAX["heads"]),
         moe_intermediate_size=_int(text, "moe_intermediate_size", src, 512, maximum=_MAX["intermediate"]),
-        shared_expert_intermediate_size=_int(text, "shared_expert_intermediate_size", src, 512, maximum=_MAX["intermediate"]),
-        num_experts=experts, num_experts_per_tok=topk, norm_topk_prob=ntp, layer_types=types,
-        hc_count=hc, hc_lowrank=_int(text, "hc_lowrank", src, 320, maximum=1 << 16), eos_token_id=eos,
-        bos_token_id=text.get("bos_token_id"), output_gate_type=gate,
-        ple=_ple(text, types, hidden, vocab, eos, src), qsa=qsa, quant=quant, weight_prefix=prefix,
-        architecture_name=arch_name)
+        shared_expert_intermediate_size=_int(
+            text, "shared_expert_intermediate_size", src, 512, maximum=_MAX["intermediate"]
+        ),
+        num_experts=experts,
+        num_experts_per_tok=topk,
+        norm_topk_prob=ntp,
+        layer_types=types,
+        hc_count=hc,
+        hc_lowrank=_int(text, "hc_lowrank", src, 320, maximum=1 << 16),
+        eos_token_id=eos,
+        bos_token_id=text.get("bos_token_id"),
+        output_gate_type=gate,
+        ple=_ple(text, types, hidden, vocab, eos, src),
+        qsa=qsa,
+        quant=quant,
+        weight_prefix=prefix,
+        architecture_name=arch_name,
+    )
     if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
-        raise ConfigError(f"{_where(src)}linear_num_value_heads={cfg.linear_num_value_heads} is not a multiple of "
-                          f"linear_num_key_heads={cfg.linear_num_key_heads}")
+        raise ConfigError(
+            f"{_where(src)}linear_num_value_heads={cfg.linear_num_value_heads} is not a multiple of "
+            f"linear_num_key_heads={cfg.linear_num_key_heads}"
+        )
     ignored = CONTRACT.ignored(text)
     if ignored:
-        log.info("%s: fields the model does not read (transformers' Qwen4Exp does not either): %s", src or "config",
-                 ", ".join(ignored))
+        log.info(
+            "%s: fields the model does not read (transformers' Qwen4Exp does not either): %s",
+            src or "config",
+            ", ".join(ignored),
+        )
     return cfg

@@ -74,8 +74,13 @@ class Qwen4ExpDecodeGraphs:
         return False  # no runtime-staged rows for this family
 
     def _fits(self, step: PackedStep) -> bool:
-        return (self.failed is None and step.is_decode_only and step.input_ids.numel() == step.num_seqs
-                and step.num_seqs <= self.max_batch and min(step.past_lens) > 0)
+        return (
+            self.failed is None
+            and step.is_decode_only
+            and step.input_ids.numel() == step.num_seqs
+            and step.num_seqs <= self.max_batch
+            and min(step.past_lens) > 0
+        )
 
     def _buffers(self, G: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[3 + n_ctx, G]`` int64: token id, position, slot, then the n-gram context."""
@@ -151,9 +156,11 @@ class Qwen4ExpDecodeGraphs:
         ple = model.config.ple is not None
         if ple and not self.lookup_in_graph:
             width = model.config.ple.embed_dim
-            entry["rows"] = [torch.zeros((G, width), dtype=model.compute_dtype, device=self.device)
-                             for _ in model.config.ple.layers]
+            entry["rows"] = [
+                torch.zeros((G, width), dtype=model.compute_dtype, device=self.device) for _ in model.config.ple.layers
+            ]
         try:
+
             def body() -> torch.Tensor:
                 views = model.decode_views(d[0], d[1], d[2])  # in the graph: the PLE kernel's meta from this step's d
                 rows = (self._lookup(d, G) if self.lookup_in_graph else entry["rows"]) if ple else []
@@ -182,6 +189,10 @@ class Qwen4ExpDecodeGraphs:
             self.captures += 1
             self.capture_s += time.perf_counter() - t0
         self.graphs[(G, L)] = entry
-        log.info("recorded a Qwen4Exp decode CUDA graph: %d sequences, context %d (PLE lookup %s)", G, L,
-                 "in the graph" if self.lookup_in_graph else "before the replay")
+        log.info(
+            "recorded a Qwen4Exp decode CUDA graph: %d sequences, context %d (PLE lookup %s)",
+            G,
+            L,
+            "in the graph" if self.lookup_in_graph else "before the replay",
+        )
         return entry

@@ -64,6 +64,7 @@ def _kernels_unavailable() -> str | None:
 
     return native_linear.unavailable("Gated DeltaNet CUDA kernels")
 
+
 # Tokens per chunk of the chunked form; the published layer's default, which keeps the
 # round-off of a prompt the same as its.
 CHUNK_SIZE = 64
@@ -77,8 +78,15 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor | None, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over one sequence, chunk by chunk.
 
     ``q, k [H, L, dk]`` (normalized, q scaled), ``v [H, L, dv]``, ``g, beta [H, L]``,
@@ -120,9 +128,9 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u_free, u_per_state = sol[..., :dv], sol[..., dv:]  # U = u_free - u_per_state @ S0
     attn = (q @ k.transpose(-1, -2)) * decay_tj
-    q_read = q * G.exp().unsqueeze(-1)                          # reads S0 decayed to t
-    k_write = k * (G[..., -1:] - G).exp().unsqueeze(-1)         # written, decayed to chunk end
-    chunk_decay = G[..., -1].exp()[..., None, None]             # [H, n, 1, 1]
+    q_read = q * G.exp().unsqueeze(-1)  # reads S0 decayed to t
+    k_write = k * (G[..., -1:] - G).exp().unsqueeze(-1)  # written, decayed to chunk end
+    chunk_decay = G[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
 
     S = torch.zeros(H, dk, dv, dtype=dtype, device=q.device) if state is None else state.to(dtype)
     out = torch.empty(H, n, chunk_size, dv, dtype=dtype, device=q.device)
@@ -133,8 +141,9 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return out.reshape(H, n * chunk_size, dv)[:, :L], S
 
 
-def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule for B sequences at once (a decode step).
 
     ``q, k [B, H, dk]`` (normalized, q scaled), ``v [B, H, dv]``, ``g, beta [B, H]``,
@@ -142,7 +151,7 @@ def recurrent_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     """
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     S = state.float() * g.exp()[..., None, None]
-    predicted = (S * k.unsqueeze(-1)).sum(-2)                    # S^T k  [B, H, dv]
+    predicted = (S * k.unsqueeze(-1)).sum(-2)  # S^T k  [B, H, dv]
     u = (v - predicted) * beta.unsqueeze(-1)
     S = S + k.unsqueeze(-1) * u.unsqueeze(-2)
     return (S * q.unsqueeze(-1)).sum(-2), S
@@ -170,8 +179,10 @@ class GatedDeltaNet(nn.Module):
         self.layer_idx = layer_idx
         layer_types = getattr(config, "layer_types", None)
         if layer_types is not None and layer_idx < len(layer_types) and layer_types[layer_idx] != "linear_attention":
-            raise ConfigError(f"layer_types[{layer_idx}] is {layer_types[layer_idx]!r}, not 'linear_attention': "
-                              "build this layer only where the config places linear attention")
+            raise ConfigError(
+                f"layer_types[{layer_idx}] is {layer_types[layer_idx]!r}, not 'linear_attention': "
+                "build this layer only where the config places linear attention"
+            )
         self.hidden_size = _config_int(config, "hidden_size")
         self.num_k_heads = _config_int(config, "linear_num_key_heads")
         self.num_v_heads = _config_int(config, "linear_num_value_heads")
@@ -179,16 +190,21 @@ class GatedDeltaNet(nn.Module):
         self.head_v_dim = _config_int(config, "linear_value_head_dim")
         self.kernel_size = _config_int(config, "linear_conv_kernel_dim")
         if self.num_v_heads % self.num_k_heads:
-            raise ConfigError(f"linear_num_value_heads = {self.num_v_heads} is not a multiple of linear_num_key_heads "
-                              f"= {self.num_k_heads}: each key head must serve a whole group of value heads")
+            raise ConfigError(
+                f"linear_num_value_heads = {self.num_v_heads} is not a multiple of linear_num_key_heads "
+                f"= {self.num_k_heads}: each key head must serve a whole group of value heads"
+            )
         act = getattr(config, "hidden_act", None)
         if act not in _CONV_ACTIVATIONS:
-            raise ConfigError(f"config field hidden_act = {act!r}: the linear attention's convolution supports "
-                              f"{sorted(_CONV_ACTIVATIONS)}")
+            raise ConfigError(
+                f"config field hidden_act = {act!r}: the linear attention's convolution supports "
+                f"{sorted(_CONV_ACTIVATIONS)}"
+            )
         gate_act = getattr(config, "output_gate_type", None) or act
         if gate_act not in _GATE_ACTIVATIONS:
-            raise ConfigError(f"config field output_gate_type = {gate_act!r}: the output gate supports "
-                              f"{list(_GATE_ACTIVATIONS)}")
+            raise ConfigError(
+                f"config field output_gate_type = {gate_act!r}: the output gate supports {list(_GATE_ACTIVATIONS)}"
+            )
         self.conv_activation = _CONV_ACTIVATIONS[act]
         self.conv_kernel_activation = _CONV_KERNEL_ACTIVATIONS.get(act)
         self.key_dim = self.num_k_heads * self.head_k_dim
@@ -214,12 +230,21 @@ class GatedDeltaNet(nn.Module):
         key_dim = _config_int(config, "linear_num_key_heads") * _config_int(config, "linear_key_head_dim")
         hv, dv = _config_int(config, "linear_num_value_heads"), _config_int(config, "linear_value_head_dim")
         conv_dim = 2 * key_dim + hv * dv
-        return {"conv": (conv_dim, _config_int(config, "linear_conv_kernel_dim") - 1),
-                "recurrent": (hv, _config_int(config, "linear_key_head_dim"), dv)}
+        return {
+            "conv": (conv_dim, _config_int(config, "linear_conv_kernel_dim") - 1),
+            "recurrent": (hv, _config_int(config, "linear_key_head_dim"), dv),
+        }
 
     # -- checks ---------------------------------------------------------------------------
-    def _check_step(self, x: torch.Tensor, seq_starts: list[int], past_lens: list[int], slots: list[int],
-                    conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> None:
+    def _check_step(
+        self,
+        x: torch.Tensor,
+        seq_starts: list[int],
+        past_lens: list[int],
+        slots: list[int],
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> None:
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise EngramError(f"linear attention input has shape {tuple(x.shape)}; pass [tokens, {self.hidden_size}]")
         S = len(seq_starts) - 1
@@ -228,8 +253,9 @@ class GatedDeltaNet(nn.Module):
         if any(b <= a for a, b in zip(seq_starts, seq_starts[1:])):
             raise EngramError(f"seq_starts {list(seq_starts)} must increase: every sequence brings at least one token")
         if len(past_lens) != S or len(slots) != S:
-            raise EngramError(f"a step of {S} sequences needs {S} past lengths and {S} slots "
-                              f"(got {len(past_lens)} and {len(slots)})")
+            raise EngramError(
+                f"a step of {S} sequences needs {S} past lengths and {S} slots (got {len(past_lens)} and {len(slots)})"
+            )
         if min(past_lens) < 0:
             raise EngramError(f"past lengths must be >= 0 (got {list(past_lens)})")
         num_slots = recurrent_state.shape[0]
@@ -238,10 +264,14 @@ class GatedDeltaNet(nn.Module):
         conv_shape = (num_slots, self.conv_dim, self.kernel_size - 1)
         rec_shape = (num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim)
         if tuple(conv_state.shape) != conv_shape or conv_state.dtype != x.dtype:
-            raise EngramError(f"conv_state is {tuple(conv_state.shape)} {conv_state.dtype}; allocate {conv_shape} {x.dtype}")
+            raise EngramError(
+                f"conv_state is {tuple(conv_state.shape)} {conv_state.dtype}; allocate {conv_shape} {x.dtype}"
+            )
         if tuple(recurrent_state.shape) != rec_shape or recurrent_state.dtype != torch.float32:
-            raise EngramError(f"recurrent_state is {tuple(recurrent_state.shape)} {recurrent_state.dtype}; "
-                              f"allocate {rec_shape} torch.float32")
+            raise EngramError(
+                f"recurrent_state is {tuple(recurrent_state.shape)} {recurrent_state.dtype}; "
+                f"allocate {rec_shape} torch.float32"
+            )
 
     # -- the kernel library ---------------------------------------------------------------
     def _kernel_serves(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> bool:
@@ -256,8 +286,10 @@ class GatedDeltaNet(nn.Module):
         elif x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             why = f"the activations are {x.dtype}, not bfloat16, float16 or float32"
         elif conv_state.dtype != x.dtype or recurrent_state.dtype != torch.float32:
-            why = (f"the states are {conv_state.dtype} / {recurrent_state.dtype}; allocate the conv state in "
-                   f"{x.dtype} and the recurrent state in float32")
+            why = (
+                f"the states are {conv_state.dtype} / {recurrent_state.dtype}; allocate the conv state in "
+                f"{x.dtype} and the recurrent state in float32"
+            )
         elif self.conv1d.weight.dtype not in (torch.float32, x.dtype):
             why = f"the conv weight is {self.conv1d.weight.dtype}, not float32 or {x.dtype}"
         elif self.conv_kernel_activation is None:
@@ -270,23 +302,43 @@ class GatedDeltaNet(nn.Module):
             raise EngramError(f"GatedDeltaNet backend 'kernels' cannot run: {why}; use backend 'auto' or 'torch'")
         return False
 
-    def _core_kernels(self, cols: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: torch.Tensor, S: int,
-                      conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+    def _core_kernels(
+        self,
+        cols: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        meta: torch.Tensor,
+        S: int,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
         """Conv then delta rule for every sequence of the step in two library calls, the
         states updated in place. ``meta``: int32 ``[seq_starts (S+1), past_lens (S),
         slots (S)]`` on the device. Returns ``o [T, Hv, dv]`` in the activations' dtype
         (the PyTorch path's float32 core rounded once, as it rounds it)."""
         from engram_trt.native import linear_attention as native_linear
 
-        starts, past, slots = meta[:S + 1], meta[S + 1:2 * S + 1], meta[2 * S + 1:]
-        mixed = native_linear.causal_conv1d(cols, self.conv1d.weight, conv_state, starts, past, slots,
-                                            activation=self.conv_kernel_activation)
+        starts, past, slots = meta[: S + 1], meta[S + 1 : 2 * S + 1], meta[2 * S + 1 :]
+        mixed = native_linear.causal_conv1d(
+            cols, self.conv1d.weight, conv_state, starts, past, slots, activation=self.conv_kernel_activation
+        )
         T = cols.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (t.reshape(T, self.num_k_heads, self.head_k_dim).contiguous() for t in (q, k))
         v = v.reshape(T, self.num_v_heads, self.head_v_dim).contiguous()
-        return native_linear.gated_delta_net(q, k, v, g.contiguous(), beta.contiguous(), recurrent_state, starts,
-                                             past, slots, l2norm_qk=True, scale=self.head_k_dim ** -0.5)
+        return native_linear.gated_delta_net(
+            q,
+            k,
+            v,
+            g.contiguous(),
+            beta.contiguous(),
+            recurrent_state,
+            starts,
+            past,
+            slots,
+            l2norm_qk=True,
+            scale=self.head_k_dim**-0.5,
+        )
 
     # -- pieces ---------------------------------------------------------------------------
     def _conv(self, cols: torch.Tensor, past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,19 +347,28 @@ class GatedDeltaNet(nn.Module):
         full = torch.cat([past.to(cols.dtype), cols], dim=-1)
         weight = self.conv1d.weight
         out = self.conv_activation(F.conv1d(full.to(weight.dtype), weight, groups=self.conv_dim))
-        return out.to(cols.dtype), full[..., full.shape[-1] - (self.kernel_size - 1):]
+        return out.to(cols.dtype), full[..., full.shape[-1] - (self.kernel_size - 1) :]
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Convolved ``[N, conv_dim]`` -> float32 q, k ``[N, Hv, dk]`` (normalized, key
         heads repeated to their value heads, q scaled) and v ``[N, Hv, dv]``."""
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
-        q, k = (l2_normalize(t.reshape(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(rep, dim=1)
-                for t in (q, k))
-        return q * self.head_k_dim ** -0.5, k, v.reshape(-1, self.num_v_heads, self.head_v_dim).float()
+        q, k = (
+            l2_normalize(t.reshape(-1, self.num_k_heads, self.head_k_dim).float()).repeat_interleave(rep, dim=1)
+            for t in (q, k)
+        )
+        return q * self.head_k_dim**-0.5, k, v.reshape(-1, self.num_v_heads, self.head_v_dim).float()
 
-    def _recurrent(self, cols: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot_ids: torch.Tensor,
-                   conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+    def _recurrent(
+        self,
+        cols: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        slot_ids: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
         """One token per slot ``slot_ids`` (a device tensor): the token-by-token form,
         states updated in place; returns ``o [B, Hv, dv]`` float32."""
         mixed, new_past = self._conv(cols.unsqueeze(-1), conv_state[slot_ids])
@@ -317,8 +378,9 @@ class GatedDeltaNet(nn.Module):
         recurrent_state[slot_ids] = new_state
         return o
 
-    def forward_decode(self, x: torch.Tensor, slot_ids: torch.Tensor, conv_state: torch.Tensor,
-                       recurrent_state: torch.Tensor) -> torch.Tensor:
+    def forward_decode(
+        self, x: torch.Tensor, slot_ids: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+    ) -> torch.Tensor:
         """A decode-only step: token ``j`` of ``x [B, hidden]`` continues the sequence in
         slot ``slot_ids[j]`` (a device tensor, distinct slots, each with a past). No host
         lists, no host syncs: the step the decode CUDA graphs record. Equal to
@@ -340,16 +402,27 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
 
     # -- the step -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, seq_starts: list[int], past_lens: list[int], slots: list[int],
-                conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        seq_starts: list[int],
+        past_lens: list[int],
+        slots: list[int],
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
         """One packed step (module docstring); ``conv_state`` / ``recurrent_state`` of the
         step's slots are overwritten in place with the states after its tokens."""
-        seq_starts, past_lens, slots = [int(s) for s in seq_starts], [int(p) for p in past_lens], [int(s) for s in slots]
+        seq_starts, past_lens, slots = (
+            [int(s) for s in seq_starts],
+            [int(p) for p in past_lens],
+            [int(s) for s in slots],
+        )
         self._check_step(x, seq_starts, past_lens, slots, conv_state, recurrent_state)
         T = x.shape[0]
-        cols = self.in_proj_qkv(x)                                        # [T, conv_dim]
+        cols = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()                  # [T, Hv]
+        beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         if self._kernel_serves(x, conv_state, recurrent_state):
             meta = torch.tensor([*seq_starts, *past_lens, *slots], dtype=torch.int32).to(x.device)
@@ -375,8 +448,14 @@ class GatedDeltaNet(nn.Module):
             mixed, new_past = self._conv(cols[a:b].T.unsqueeze(0), past.unsqueeze(0))
             conv_state[slot] = new_past[0]
             q, k, v = self._heads(mixed[0].T)
-            o, new_state = chunked_delta_rule(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              g[a:b].T, beta[a:b].T, None if fresh else recurrent_state[slot])
+            o, new_state = chunked_delta_rule(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                g[a:b].T,
+                beta[a:b].T,
+                None if fresh else recurrent_state[slot],
+            )
             recurrent_state[slot] = new_state
             core[a:b] = o.transpose(0, 1)
 

@@ -89,13 +89,15 @@ class _Modules(nn.Module):
         super().__init__()
         self.config = config
         self.model = TextModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     def checkpoint_params(self) -> dict[str, nn.Parameter]:
         prefix = self.config.weight_prefix
         out = {}
         for name, p in self.named_parameters():
-            out[prefix + name[len("model."):] if name.startswith("model.") else name] = p
+            out[prefix + name[len("model.") :] if name.startswith("model.") else name] = p
         return out
 
 
@@ -106,9 +108,17 @@ class Qwen4ExpModel(ServedModel, _Modules):
 
     supports_decode_graphs = True  # decode steps through graphs.Qwen4ExpDecodeGraphs (decode_graphs)
 
-    def __init__(self, config: Qwen4ExpConfig, weights: Mapping[str, torch.Tensor], *, ple_tables: Any = None,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, parallel: Any = None,
-                 **_: Any) -> None:
+    def __init__(
+        self,
+        config: Qwen4ExpConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        ple_tables: Any = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        parallel: Any = None,
+        **_: Any,
+    ) -> None:
         with torch.device("meta"):
             super().__init__(config)
         # Tensor parallelism (models.parallel): ``config`` is the rank's (local heads, experts,
@@ -123,8 +133,11 @@ class Qwen4ExpModel(ServedModel, _Modules):
         params = self.checkpoint_params()
         missing = [n for n in params if n not in weights]
         if missing:
-            raise EngramError(f"Qwen4Exp weights lack {missing[0]} (and {len(missing) - 1} more)" if len(missing) > 1
-                              else f"Qwen4Exp weights lack {missing[0]}")
+            raise EngramError(
+                f"Qwen4Exp weights lack {missing[0]} (and {len(missing) - 1} more)"
+                if len(missing) > 1
+                else f"Qwen4Exp weights lack {missing[0]}"
+            )
         # One tensor at a time (``weights`` may be a checkpoint's lazy mapping): each read,
         # put where it lives, dropped; linears stored FP8 kept so (QuantLinear).
         from engram_trt.models.engram_llama.weights import is_fp8, set_linear
@@ -134,17 +147,20 @@ class Qwen4ExpModel(ServedModel, _Modules):
         linears = linear_weight_names(self, prefix)
         scales = ExpertScales(weights)
         for name, _p in list(self.named_parameters()):
-            ck = prefix + name[len("model."):] if name.startswith("model.") else name
+            ck = prefix + name[len("model.") :] if name.startswith("model.") else name
             shape = tuple(params[ck].shape)
             if ck in linears:
+
                 def merged(ck: str = ck, shape: tuple[int, ...] = shape) -> Any:
                     return expert_weight_scale(weights, ck, shape, quant, config, scales)
 
                 set_linear(self, linears[ck], weights, ck, shape, dev, dtype, quant, merged)
                 continue
             if is_fp8(weights, ck):
-                raise CheckpointError(f"tensor {ck} is F8_E4M3, but only linear weights are served in FP8 (embeddings, "
-                                      f"norms, convolutions and the router are read as floats)")
+                raise CheckpointError(
+                    f"tensor {ck} is F8_E4M3, but only linear weights are served in FP8 (embeddings, "
+                    f"norms, convolutions and the router are read as floats)"
+                )
             t = weights[ck]
             if tuple(t.shape) != shape:
                 raise EngramError(f"tensor {ck} has shape {list(t.shape)} but the config needs {list(shape)}")
@@ -159,16 +175,24 @@ class Qwen4ExpModel(ServedModel, _Modules):
 
             p = config.ple
             self.ple_layout = PLEHashLayout.from_config(
-                vocab_size=config.vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
-                ngram_vocab_size_base=p.vocab_size_base, make_ngram_vocab_size_divisible_by=p.divisible_by,
-                seed=p.seed, eos_token_id=config.first_eos, num_layers=len(p.layers))
+                vocab_size=config.vocab_size,
+                ngram_size=p.ngram_size,
+                heads_per_ngram=p.heads_per_ngram,
+                ngram_vocab_size_base=p.vocab_size_base,
+                make_ngram_vocab_size_divisible_by=p.divisible_by,
+                seed=p.seed,
+                eos_token_id=config.first_eos,
+                num_layers=len(p.layers),
+            )
             if ple_tables is None:
                 raise EngramError("a Qwen4Exp model with PLE layers needs its PLE tables (ple_tables=)")
             short = [li for li in range(len(p.layers)) if ple_tables.num_rows(li) < int(self.ple_layout.table_rows[li])]
             if short:
                 li = short[0]
-                raise EngramError(f"PLE table {li} has {ple_tables.num_rows(li)} rows but the hash layout needs "
-                                  f"{int(self.ple_layout.table_rows[li])}: the tables do not match the config")
+                raise EngramError(
+                    f"PLE table {li} has {ple_tables.num_rows(li)} rows but the hash layout needs "
+                    f"{int(self.ple_layout.table_rows[li])}: the tables do not match the config"
+                )
         self.ple_index = {layer: i for i, layer in enumerate(config.ple.layers)} if config.ple else {}
         if dev.type == "cuda":
             for layer in self.model.layers:
@@ -184,8 +208,10 @@ class Qwen4ExpModel(ServedModel, _Modules):
 
     @property
     def backend_name(self) -> str:
-        return (f"torch (qwen4-exp, {self.compute_dtype}, {self._device.type}{self._linear_attention_label()}"
-                f"{self._qsa_label()})")
+        return (
+            f"torch (qwen4-exp, {self.compute_dtype}, {self._device.type}{self._linear_attention_label()}"
+            f"{self._qsa_label()})"
+        )
 
     def _qsa_layers(self) -> list[Any]:
         return [layer.self_attn for layer in self.model.layers if layer.kind != "linear_attention"]
@@ -261,7 +287,9 @@ class Qwen4ExpModel(ServedModel, _Modules):
                 # the gather reads none on the host, bad ones are counted on the GPU
                 rows = self.ple_tables.gather(li, on_gpu(ids_dev, starts, ctx_dev, self.ple_layout, li), checked=False)
             else:  # the host gather / reference read the ids on the host: hash them there (no device round trip)
-                rows_ids = torch.as_tensor(ple_hash_packed(ids, step.seq_starts, ctx, self.ple_layout, li), dtype=torch.int64)
+                rows_ids = torch.as_tensor(
+                    ple_hash_packed(ids, step.seq_starts, ctx, self.ple_layout, li), dtype=torch.int64
+                )
                 rows = self.ple_tables.gather(li, rows_ids)
             out.append(rows.reshape(rows.shape[0], -1).to(self._device, self.compute_dtype))
         self._advance_context(step, state, ctx, ids)
@@ -308,15 +336,20 @@ class Qwen4ExpModel(ServedModel, _Modules):
             if not 0 <= slot < state.num_slots:
                 raise EngramError(f"step slot {slot} is outside the state's {state.num_slots} slots")
             if step.past_lens[s] != state.lengths[slot]:
-                raise EngramError(f"sequence {s} says {step.past_lens[s]} tokens are cached but slot {slot} holds {state.lengths[slot]}")
+                raise EngramError(
+                    f"sequence {s} says {step.past_lens[s]} tokens are cached but slot {slot} holds {state.lengths[slot]}"
+                )
             if step.total_lens[s] > state.max_len:
-                raise EngramError(f"sequence {s} would hold {step.total_lens[s]} tokens, more than the state's max_len {state.max_len}")
+                raise EngramError(
+                    f"sequence {s} would hold {step.total_lens[s]} tokens, more than the state's max_len {state.max_len}"
+                )
         if int(step.input_ids.min()) < 0 or int(step.input_ids.max()) >= self.config.vocab_size:
             raise EngramError(f"token ids must be in [0, {self.config.vocab_size}) (vocab_size)")
 
     @torch.no_grad()
-    def forward_step(self, step: PackedStep, cache: Qwen4ExpState, *, engram_rows: Any = None,
-                     all_logits: bool = False) -> torch.Tensor:
+    def forward_step(
+        self, step: PackedStep, cache: Qwen4ExpState, *, engram_rows: Any = None, all_logits: bool = False
+    ) -> torch.Tensor:
         """Logits ``[S, vocab]`` of each sequence's last token (``all_logits``: ``[T, vocab]``)."""
         if engram_rows is not None:
             raise EngramError("Qwen4Exp takes no staged Engram rows (its PLE rows are gathered in the step)")
@@ -324,7 +357,12 @@ class Qwen4ExpModel(ServedModel, _Modules):
         self._check_step(step, cache)
         if cfg.ple is not None:
             self._maybe_check_bad_rows()
-        if not all_logits and step.is_decode_only and step.input_ids.numel() == step.num_seqs and min(step.past_lens) > 0:
+        if (
+            not all_logits
+            and step.is_decode_only
+            and step.input_ids.numel() == step.num_seqs
+            and min(step.past_lens) > 0
+        ):
             return self._forward_decode(step, cache)
         dev = self._device
         ids = step.input_ids.to(dev)
@@ -335,12 +373,16 @@ class Qwen4ExpModel(ServedModel, _Modules):
         for layer in self.model.layers:
             i = layer.index
             if layer.has_ple:
-                streams = streams + layer.ple(streams, ple_rows[self.ple_index[i]], starts, past, slots, cache.ple_conv[i])
+                streams = streams + layer.ple(
+                    streams, ple_rows[self.ple_index[i]], starts, past, slots, cache.ple_conv[i]
+                )
             x, w = layer.attn_hyper_connection.mix(streams)
             if layer.kind == "linear_attention":
                 y = layer.linear_attn(x, starts, past, slots, cache.conv[i], cache.recurrent[i])
             else:
-                y = layer.self_attn(x, positions, starts, past, slots, cache.keys[i], cache.values[i], cache.index_keys[i])
+                y = layer.self_attn(
+                    x, positions, starts, past, slots, cache.keys[i], cache.values[i], cache.index_keys[i]
+                )
             streams = GatedResidual.inject(streams, reduce(y, self.tp), w)  # row-parallel o_proj / out_proj
             x, w = layer.mlp_hyper_connection.mix(streams)
             streams = GatedResidual.inject(streams, reduce(layer.mlp(x), self.tp), w)
@@ -385,8 +427,14 @@ class Qwen4ExpModel(ServedModel, _Modules):
             cache.lengths[slot] = step.total_lens[s]
         return logits
 
-    def decode_core(self, d: dict[str, torch.Tensor], cache: Qwen4ExpState, context: int, ple_rows: Sequence[torch.Tensor],
-                    seen_host: list[int] | None = None) -> torch.Tensor:
+    def decode_core(
+        self,
+        d: dict[str, torch.Tensor],
+        cache: Qwen4ExpState,
+        context: int,
+        ple_rows: Sequence[torch.Tensor],
+        seen_host: list[int] | None = None,
+    ) -> torch.Tensor:
         """Logits ``[G, vocab]`` of a decode-only step from its device arrays
         (:meth:`decode_inputs`) and PLE rows: every module's decode form, the slots
         vectorized, no host value read (``context`` and ``seen_host`` aside), so a CUDA
@@ -398,14 +446,24 @@ class Qwen4ExpModel(ServedModel, _Modules):
         for layer in self.model.layers:
             i = layer.index
             if layer.has_ple:
-                streams = streams + layer.ple.forward_decode(streams, ple_rows[self.ple_index[i]], slots, meta,
-                                                             cache.ple_conv[i])
+                streams = streams + layer.ple.forward_decode(
+                    streams, ple_rows[self.ple_index[i]], slots, meta, cache.ple_conv[i]
+                )
             x, w = layer.attn_hyper_connection.mix(streams)
             if layer.kind == "linear_attention":
                 y = layer.linear_attn.forward_decode(x, slots, cache.conv[i], cache.recurrent[i])
             else:
-                y = layer.self_attn.forward_decode(x, positions, slots, context, cache.keys[i], cache.values[i],
-                                                   cache.index_keys[i], seen_host, meta=meta)
+                y = layer.self_attn.forward_decode(
+                    x,
+                    positions,
+                    slots,
+                    context,
+                    cache.keys[i],
+                    cache.values[i],
+                    cache.index_keys[i],
+                    seen_host,
+                    meta=meta,
+                )
             streams = GatedResidual.inject(streams, reduce(y, self.tp), w)
             x, w = layer.mlp_hyper_connection.mix(streams)
             streams = GatedResidual.inject(streams, reduce(layer.mlp(x, sync_free=sync_free), self.tp), w)
@@ -430,8 +488,15 @@ class Qwen4ExpModel(ServedModel, _Modules):
 
     # -- the uniform-batch helpers tests and scripts use --------------------------------------
     @torch.no_grad()
-    def generate_greedy(self, prompt: Sequence[int], max_new_tokens: int, *, chunk: int | None = None,
-                        max_len: int | None = None, ignore_eos: bool = False) -> list[int]:
+    def generate_greedy(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        *,
+        chunk: int | None = None,
+        max_len: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[int]:
         """Greedy tokens of one sequence (prefill in chunks of ``chunk`` tokens, then one
         token per step): the scheduler's oracle."""
         return greedy_tokens(self, prompt, max_new_tokens, chunk=chunk, max_len=max_len, ignore_eos=ignore_eos)

@@ -137,8 +137,11 @@ class SparseMoE(nn.Module):
         shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
         if sync_free:
             pairs = ids.numel()
-            routed = self.experts_gathered(x, weights, ids) if 2 * pairs < len(self.experts) else \
-                self.experts_dense(x, weights, ids)
+            routed = (
+                self.experts_gathered(x, weights, ids)
+                if 2 * pairs < len(self.experts)
+                else self.experts_dense(x, weights, ids)
+            )
             return routed + shared
         out = torch.zeros_like(x)
         # Tokens grouped by expert: one GEMM pair per expert that any token picked.
@@ -150,8 +153,8 @@ class SparseMoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            sel = order[start:start + n]
-            tok = token_of[start:start + n]
+            sel = order[start : start + n]
+            tok = token_of[start : start + n]
             start += n
             y = self.experts[e](x[tok]) * weights.reshape(-1)[sel].unsqueeze(-1)
             out.index_add_(0, tok, y.to(out.dtype))
@@ -192,8 +195,10 @@ class SparseMoE(nn.Module):
             mods = [getattr(e, kind) for e in self.experts]
             fp8 = {isinstance(m, QuantLinear) for m in mods}
             if len(fp8) > 1:
-                raise EngramError(f"the routed experts' {kind} weights are partly FP8 and partly float: one projection "
-                                  f"of a layer's experts is FP8 for all of them or for none")
+                raise EngramError(
+                    f"the routed experts' {kind} weights are partly FP8 and partly float: one projection "
+                    f"of a layer's experts is FP8 for all of them or for none"
+                )
             if fp8 == {True}:
                 data = torch.stack([m.weight for m in mods])
                 scale = torch.stack([m.weight_scale_inv for m in mods])
@@ -205,8 +210,12 @@ class SparseMoE(nn.Module):
                 for i, m in enumerate(mods):
                     m.weight = nn.Parameter(w[i], requires_grad=False)
                 stacks.append(w)
-        return stacks[0], stacks[1], stacks[2], int(stacks[0].shape[1] if isinstance(stacks[0], torch.Tensor)
-                                                    else stacks[0].data.shape[1])
+        return (
+            stacks[0],
+            stacks[1],
+            stacks[2],
+            int(stacks[0].shape[1] if isinstance(stacks[0], torch.Tensor) else stacks[0].data.shape[1]),
+        )
 
     def _stacks(self) -> tuple[Any, Any, Any, int]:
         self.stack_experts()
@@ -226,11 +235,15 @@ class SparseMoE(nn.Module):
                 return native_quant.experts(x, ids, weights.float(), gate, up, down, limit=None)
             if not getattr(SparseMoE, "_warned", False):
                 SparseMoE._warned = True  # type: ignore[attr-defined]
-                log.warning("FP8 experts: the kernel library cannot serve them (%s); dequantizing each layer's experts "
-                            "for its step", why)
+                log.warning(
+                    "FP8 experts: the kernel library cannot serve them (%s); dequantizing each layer's experts "
+                    "for its step",
+                    why,
+                )
         E, T, D = len(self.experts), x.shape[0], x.shape[1]
-        g, u, d = (w.dequantize(torch.float32).to(x.dtype) if isinstance(w, QuantWeight) else w
-                   for w in (gate, up, down))
+        g, u, d = (
+            w.dequantize(torch.float32).to(x.dtype) if isinstance(w, QuantWeight) else w for w in (gate, up, down)
+        )
         h = F.silu(F.linear(x, g.reshape(E * inter, D))) * F.linear(x, u.reshape(E * inter, D))
         h = (h.reshape(T, E, inter) * self._routing_matrix(weights, ids).unsqueeze(-1)).reshape(T, E * inter)
         return F.linear(h, d.permute(1, 0, 2).reshape(D, E * inter))
@@ -306,8 +319,15 @@ class PLEFusion(nn.Module):
         """Per slot: the last ``(kernel-1) * dilation`` normalized gated values."""
         return (config.hc_count * config.hidden_size, (config.ple.conv_kernel_size - 1) * config.ple.ngram_size)
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int], past_lens: Sequence[int],
-                slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        streams: torch.Tensor,
+        rows: torch.Tensor,
+        seq_starts: Sequence[int],
+        past_lens: Sequence[int],
+        slots: Sequence[int],
+        conv_state: torch.Tensor,
+    ) -> torch.Tensor:
         if self._kernel_serves(streams, conv_state):
             return self.forward_kernel(streams, rows, seq_starts, past_lens, slots, conv_state)
         return self.forward_torch(streams, rows, seq_starts, past_lens, slots, conv_state)
@@ -319,8 +339,9 @@ class PLEFusion(nn.Module):
         if self.backend == "torch":
             return False
         io = streams.dtype
-        weights = {p.dtype for p in (self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight,
-                                     self.conv1d.weight)}
+        weights = {
+            p.dtype for p in (self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight, self.conv1d.weight)
+        }
         why = None
         if not streams.is_cuda:
             why = f"the activations are on {streams.device}, not a CUDA device"
@@ -340,8 +361,15 @@ class PLEFusion(nn.Module):
             raise EngramError(f"PLEFusion backend 'kernels' cannot run: {why}; use backend 'auto' or 'torch'")
         return False
 
-    def forward_kernel(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int],
-                       past_lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
+    def forward_kernel(
+        self,
+        streams: torch.Tensor,
+        rows: torch.Tensor,
+        seq_starts: Sequence[int],
+        past_lens: Sequence[int],
+        slots: Sequence[int],
+        conv_state: torch.Tensor,
+    ) -> torch.Tensor:
         """The update through ``engram_ple_fusion``: the two projections here, the rest in
         one library call (three launches), the conv state updated in place."""
         from engram_trt.native import ple as native_ple
@@ -350,19 +378,44 @@ class PLEFusion(nn.Module):
         meta = torch.tensor([*seq_starts, *past_lens, *slots], dtype=torch.int32).to(streams.device)
         key = self.key_proj(rows).contiguous()
         value = self.value_proj(rows).contiguous()
-        return native_ple.ple_fusion(streams.contiguous(), key, value, self.norm_key.weight, self.norm_query.weight,
-                                     self.norm_conv.weight, self.conv1d.weight, conv_state, meta[:S + 1],
-                                     meta[S + 1:2 * S + 1], meta[2 * S + 1:], hc_count=self.hc,
-                                     dilation=self.dilation, eps=self.norm_conv.eps)
+        return native_ple.ple_fusion(
+            streams.contiguous(),
+            key,
+            value,
+            self.norm_key.weight,
+            self.norm_query.weight,
+            self.norm_conv.weight,
+            self.conv1d.weight,
+            conv_state,
+            meta[: S + 1],
+            meta[S + 1 : 2 * S + 1],
+            meta[2 * S + 1 :],
+            hc_count=self.hc,
+            dilation=self.dilation,
+            eps=self.norm_conv.eps,
+        )
 
-    def forward_torch(self, streams: torch.Tensor, rows: torch.Tensor, seq_starts: Sequence[int],
-                      past_lens: Sequence[int], slots: Sequence[int], conv_state: torch.Tensor) -> torch.Tensor:
+    def forward_torch(
+        self,
+        streams: torch.Tensor,
+        rows: torch.Tensor,
+        seq_starts: Sequence[int],
+        past_lens: Sequence[int],
+        slots: Sequence[int],
+        conv_state: torch.Tensor,
+    ) -> torch.Tensor:
         """The PyTorch path (the CPU's, and the kernel's reference)."""
         gated, normed = self._gated(streams, rows)
         return gated + F.silu(self._conv(normed, seq_starts, past_lens, slots, conv_state))
 
-    def forward_decode(self, streams: torch.Tensor, rows: torch.Tensor, slot_ids: torch.Tensor, meta: torch.Tensor,
-                       conv_state: torch.Tensor) -> torch.Tensor:
+    def forward_decode(
+        self,
+        streams: torch.Tensor,
+        rows: torch.Tensor,
+        slot_ids: torch.Tensor,
+        meta: torch.Tensor,
+        conv_state: torch.Tensor,
+    ) -> torch.Tensor:
         """A decode-only step (one token per slot ``slot_ids``, each with a past): the
         update with no host lists. ``meta``: the kernel's int32 ``[seq_starts (G+1),
         past_lens (G), slots (G)]`` on the device (built once per step, shared by every
@@ -373,10 +426,22 @@ class PLEFusion(nn.Module):
             G = slot_ids.shape[0]
             key = self.key_proj(rows).contiguous()
             value = self.value_proj(rows).contiguous()
-            return native_ple.ple_fusion(streams.contiguous(), key, value, self.norm_key.weight, self.norm_query.weight,
-                                         self.norm_conv.weight, self.conv1d.weight, conv_state, meta[:G + 1],
-                                         meta[G + 1:2 * G + 1], meta[2 * G + 1:], hc_count=self.hc,
-                                         dilation=self.dilation, eps=self.norm_conv.eps)
+            return native_ple.ple_fusion(
+                streams.contiguous(),
+                key,
+                value,
+                self.norm_key.weight,
+                self.norm_query.weight,
+                self.norm_conv.weight,
+                self.conv1d.weight,
+                conv_state,
+                meta[: G + 1],
+                meta[G + 1 : 2 * G + 1],
+                meta[2 * G + 1 :],
+                hc_count=self.hc,
+                dilation=self.dilation,
+                eps=self.norm_conv.eps,
+            )
         gated, normed = self._gated(streams, rows)
         w = self.conv1d.weight
         seq = torch.cat([conv_state[slot_ids].to(normed.dtype), normed.unsqueeze(-1)], dim=-1)  # [G, width, H + 1]
@@ -394,8 +459,14 @@ class PLEFusion(nn.Module):
         gated = (torch.sigmoid(score) * value.unsqueeze(-2)).flatten(-2)  # [T, width]
         return gated, self.norm_conv(gated)
 
-    def _conv(self, x: torch.Tensor, seq_starts: Sequence[int], past_lens: Sequence[int], slots: Sequence[int],
-              conv_state: torch.Tensor) -> torch.Tensor:
+    def _conv(
+        self,
+        x: torch.Tensor,
+        seq_starts: Sequence[int],
+        past_lens: Sequence[int],
+        slots: Sequence[int],
+        conv_state: torch.Tensor,
+    ) -> torch.Tensor:
         """The dilated causal convolution of each sequence's tokens after its stored
         history (zeros for a new sequence); the slots keep the new history."""
         w = self.conv1d.weight  # [width, 1, K]
@@ -406,5 +477,5 @@ class PLEFusion(nn.Module):
             past = conv_state[slot].to(x.dtype) if past_lens[s] > 0 else x.new_zeros(x.shape[1], H)
             seq = torch.cat([past, x[a:b].transpose(0, 1)], dim=1)  # [width, H + n]
             outs.append(F.conv1d(seq.unsqueeze(0), w, groups=w.shape[0], dilation=self.dilation)[0].transpose(0, 1))
-            conv_state[slot] = seq[:, seq.shape[1] - H:].to(conv_state.dtype)
+            conv_state[slot] = seq[:, seq.shape[1] - H :].to(conv_state.dtype)
         return torch.cat(outs, dim=0)

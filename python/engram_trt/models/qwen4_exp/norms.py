@@ -63,8 +63,18 @@ class OffsetRMSNorm(nn.Module):
         group = self.group_size or size
         flat = x.reshape(-1, size)
         out = torch.empty_like(flat)
-        decode.norm_rope(decode.NormRopeJob(flat, out, dim=group, heads=size // group, norm=decode.NORM_WEIGHTED,
-                                            weight=cached[1], eps=self.eps, weight_stride=group if group < size else 0))
+        decode.norm_rope(
+            decode.NormRopeJob(
+                flat,
+                out,
+                dim=group,
+                heads=size // group,
+                norm=decode.NORM_WEIGHTED,
+                weight=cached[1],
+                eps=self.eps,
+                weight_stride=group if group < size else 0,
+            )
+        )
         return out.view(x.shape)
 
 

@@ -72,8 +72,13 @@ class Blocks(GraphBlocks):
         at each token's position (each token its own batch row)."""
         g = self.g
         y = g.op("Reshape", [x, g.ints([0, heads, 1, dim])], "rope_in")
-        y = g.op("RotaryEmbedding", [y, self.cos, self.sin, self.position_ids], "rope", interleaved=0,
-                 rotary_embedding_dim=int(self.config.rotary_dim))
+        y = g.op(
+            "RotaryEmbedding",
+            [y, self.cos, self.sin, self.position_ids],
+            "rope",
+            interleaved=0,
+            rotary_embedding_dim=int(self.config.rotary_dim),
+        )
         return g.op("Reshape", [y, g.ints([0, heads, dim])], "rope_out")
 
     # -- hyper-connections ---------------------------------------------------------------
@@ -85,15 +90,19 @@ class Blocks(GraphBlocks):
         normed = self.offset_norm(streams, f"{prefix}.hc_norm.weight", D, groups=hc)  # [N, hc, D]
         flat = g.op("Reshape", [normed, g.ints([0, hc * D])], "hc_flat")
         down = self.linear(flat, f"{prefix}.input_mix_weight_down.weight", "hc_down")
-        up = self.linear(self.silu(g.op("Div", [down, self.act_scalar(float(hc))])), f"{prefix}.input_mix_weight_up.weight",
-                         "hc_up")
+        up = self.linear(
+            self.silu(g.op("Div", [down, self.act_scalar(float(hc))])), f"{prefix}.input_mix_weight_up.weight", "hc_up"
+        )
         w = g.op("Reshape", [g.op("Sigmoid", [up]), g.ints([0, hc, D])], "hc_w")
         mixed = g.op("ReduceMean", [g.op("Mul", [w, normed]), g.ints([1])], "hc_mixed", keepdims=0)
         if not inject:
             return mixed, None
         inj = self.linear(flat, f"{prefix}.block_inject_weight.weight", "hc_inject")
-        inj = g.op("Mul", [self.act_scalar(2.0), g.op("Sigmoid", [g.op("Div", [inj, self.act_scalar(float(hc))])])],
-                   "hc_inject_w")
+        inj = g.op(
+            "Mul",
+            [self.act_scalar(2.0), g.op("Sigmoid", [g.op("Div", [inj, self.act_scalar(float(hc))])])],
+            "hc_inject_w",
+        )
         return mixed, inj
 
     def inject(self, streams: str, out: str, weights: str) -> str:
@@ -129,26 +138,54 @@ class Blocks(GraphBlocks):
         if cfg.norm_topk_prob:
             vals = g.op("Div", [vals, g.op("ReduceSum", [vals, g.ints([-1])], keepdims=1)], "router_norm")
         names = [f"{p}.mlp.experts.{e}" for e in range(E)]
-        stored = {proj: [self._expert_fp8(f"{n}.{proj}.weight", shape) for n in names]
-                  for proj, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I)))}
+        stored = {
+            proj: [self._expert_fp8(f"{n}.{proj}.weight", shape) for n in names]
+            for proj, shape in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I)))
+        }
         if routed_experts_unavailable(stored["gate_proj"], stored["up_proj"], stored["down_proj"]) is None:
-            routed = routed_experts(g, x, ids, self.f32(self.act(vals)), f"{p}.mlp.experts", stored["gate_proj"],
-                                    stored["up_proj"], stored["down_proj"], top_k=k, limit=0.0)
+            routed = routed_experts(
+                g,
+                x,
+                ids,
+                self.f32(self.act(vals)),
+                f"{p}.mlp.experts",
+                stored["gate_proj"],
+                stored["up_proj"],
+                stored["down_proj"],
+                top_k=k,
+                limit=0.0,
+            )
         else:
-            zeros = g.op("ConstantOfShape", [g.op("Shape", [logits])], "router_zeros",
-                         value=g.h.make_tensor("value", self.elem, [1], [0]))
+            zeros = g.op(
+                "ConstantOfShape",
+                [g.op("Shape", [logits])],
+                "router_zeros",
+                value=g.h.make_tensor("value", self.elem, [1], [0]),
+            )
             routing = g.op("ScatterElements", [zeros, ids, self.act(vals)], "routing", axis=1)  # [T, E]
 
             def floats(proj: str, axis: int) -> Any:
                 return lambda: np.concatenate([self._np(f"{n}.{proj}.weight") for n in names], axis=axis).T
 
             routed = self.dense_experts(
-                x, routing, f"{p}.mlp.experts", (stored["gate_proj"], floats("gate_proj", 0)),
-                (stored["up_proj"], floats("up_proj", 0)), (stored["down_proj"], floats("down_proj", 1)),
-                lambda gate, up: g.op("Mul", [self.silu(gate), up]), E, I)
+                x,
+                routing,
+                f"{p}.mlp.experts",
+                (stored["gate_proj"], floats("gate_proj", 0)),
+                (stored["up_proj"], floats("up_proj", 0)),
+                (stored["down_proj"], floats("down_proj", 1)),
+                lambda gate, up: g.op("Mul", [self.silu(gate), up]),
+                E,
+                I,
+            )
         s = f"{p}.mlp.shared_expert"
-        sh = g.op("Mul", [self.silu(self.linear(x, f"{s}.gate_proj.weight", "shared_gate")),
-                          self.linear(x, f"{s}.up_proj.weight", "shared_up")])
+        sh = g.op(
+            "Mul",
+            [
+                self.silu(self.linear(x, f"{s}.gate_proj.weight", "shared_gate")),
+                self.linear(x, f"{s}.up_proj.weight", "shared_up"),
+            ],
+        )
         sh = self.linear(sh, f"{s}.down_proj.weight", "shared_down")
         sgate = g.op("Sigmoid", [self.linear(x, f"{p}.mlp.shared_expert_gate.weight", "shared_expert_gate")])
         return g.op("Add", [routed, g.op("Mul", [sh, sgate])], "moe")
@@ -186,30 +223,55 @@ class Blocks(GraphBlocks):
         states in place, then the gated RMSNorm and ``out_proj``."""
         g, cfg = self.g, self.config
         a = f"{p}.linear_attn"
-        Hk, Hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                          cfg.linear_value_head_dim)
+        Hk, Hv, dk, dv = (
+            cfg.linear_num_key_heads,
+            cfg.linear_num_value_heads,
+            cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim,
+        )
         key_dim, value_dim = Hk * dk, Hv * dv
         cols = self.linear(x, f"{a}.in_proj_qkv.weight", "gdn_qkv")
         z = self.linear(x, f"{a}.in_proj_z.weight", "gdn_z")
         beta = self.f32(g.op("Sigmoid", [self.linear(x, f"{a}.in_proj_b.weight", "gdn_b")], "gdn_beta"))
-        pre = g.op("Add", [self.f32(self.linear(x, f"{a}.in_proj_a.weight", "gdn_a")),
-                           g.const(f"{a}.dt_bias.f32", self.host(f"{a}.dt_bias"))], "gdn_pre")
-        soft = g.op("Add", [g.op("Relu", [pre]),
-                            g.op("Log", [g.op("Add", [self.f32_scalar(1.0), g.op("Exp", [g.op("Neg", [g.op("Abs", [pre])])])])])],
-                    "gdn_softplus")
+        pre = g.op(
+            "Add",
+            [
+                self.f32(self.linear(x, f"{a}.in_proj_a.weight", "gdn_a")),
+                g.const(f"{a}.dt_bias.f32", self.host(f"{a}.dt_bias")),
+            ],
+            "gdn_pre",
+        )
+        soft = g.op(
+            "Add",
+            [
+                g.op("Relu", [pre]),
+                g.op("Log", [g.op("Add", [self.f32_scalar(1.0), g.op("Exp", [g.op("Neg", [g.op("Abs", [pre])])])])]),
+            ],
+            "gdn_softplus",
+        )
         neg_a = -np.exp(self.host(f"{a}.A_log"))  # float32, as -A_log.float().exp()
         gate = g.op("Mul", [g.const(f"{a}.neg_exp_A", neg_a.astype(np.float32)), soft], "gdn_g")
         conv_w = self.weight(f"{a}.conv1d.weight")
-        mixed = g.op("EngramCausalConv1d", [cols, conv_w, conv_state, "seq_starts", "past_lens", "slots"],
-                     outputs=[g.name("gdn_conv"), conv_out], domain=PLUGIN_DOMAIN, hint="gdn_conv",
-                     **plugin_fields(kernel=int(cfg.linear_conv_kernel_dim), activation=1))[0]
+        mixed = g.op(
+            "EngramCausalConv1d",
+            [cols, conv_w, conv_state, "seq_starts", "past_lens", "slots"],
+            outputs=[g.name("gdn_conv"), conv_out],
+            domain=PLUGIN_DOMAIN,
+            hint="gdn_conv",
+            **plugin_fields(kernel=int(cfg.linear_conv_kernel_dim), activation=1),
+        )[0]
         q, k, v = g.op("Split", [mixed, g.ints([key_dim, key_dim, value_dim])], "gdn_split", n_out=3, axis=1)
         q = g.op("Reshape", [q, g.ints([0, Hk, dk])], "gdn_q")
         k = g.op("Reshape", [k, g.ints([0, Hk, dk])], "gdn_k")
         v = g.op("Reshape", [v, g.ints([0, Hv, dv])], "gdn_v")
-        core = g.op("EngramGatedDeltaNet", [q, k, v, gate, beta, rec_state, "seq_starts", "past_lens", "slots"],
-                    outputs=[g.name("gdn_core"), rec_out], domain=PLUGIN_DOMAIN, hint="gdn_core",
-                    **plugin_fields(l2norm_qk=1, scale=float(dk) ** -0.5))[0]  # [T, Hv, dv]
+        core = g.op(
+            "EngramGatedDeltaNet",
+            [q, k, v, gate, beta, rec_state, "seq_starts", "past_lens", "slots"],
+            outputs=[g.name("gdn_core"), rec_out],
+            domain=PLUGIN_DOMAIN,
+            hint="gdn_core",
+            **plugin_fields(l2norm_qk=1, scale=float(dk) ** -0.5),
+        )[0]  # [T, Hv, dv]
         # GatedRMSNorm: normalized in float32, rounded, times the weight in the graph's
         # dtype, times act(gate) in float32, rounded once more.
         normed = g.op("Mul", [self.act(self.rms(self.f32(core), dv)), self.weight(f"{a}.norm.weight")], "gdn_norm")
@@ -241,16 +303,35 @@ class Blocks(GraphBlocks):
         iq = self.rope(self.offset_norm(iq, f"{s}.indexer.q_layernorm.weight", di), ni, di)
         knorm = g.const(f"{s}.indexer.k_layernorm.weight.f32", self.host(f"{s}.indexer.k_layernorm.weight"))
         q = cfg.qsa
-        att = g.op("EngramQsaAttention", [query, key, value, iq, iraw, *caches, knorm, self.token_slot, self.token_pos],
-                   outputs=[g.name("qsa"), *cache_outs], domain=PLUGIN_DOMAIN, hint="qsa",
-                   **plugin_fields(compress_ratio=int(q.compress_ratio), block_topk=int(q.budget // q.compress_ratio),
-                             rot_dim=int(cfg.rotary_dim), rope_theta=float(cfg.rope_theta), eps=float(cfg.rms_norm_eps),
-                             scaling=float(hd) ** -0.5))[0]  # [T, h*hd]
+        att = g.op(
+            "EngramQsaAttention",
+            [query, key, value, iq, iraw, *caches, knorm, self.token_slot, self.token_pos],
+            outputs=[g.name("qsa"), *cache_outs],
+            domain=PLUGIN_DOMAIN,
+            hint="qsa",
+            **plugin_fields(
+                compress_ratio=int(q.compress_ratio),
+                block_topk=int(q.budget // q.compress_ratio),
+                rot_dim=int(cfg.rotary_dim),
+                rope_theta=float(cfg.rope_theta),
+                eps=float(cfg.rms_norm_eps),
+                scaling=float(hd) ** -0.5,
+            ),
+        )[0]  # [T, h*hd]
         return self.linear(g.op("Mul", [att, g.op("Sigmoid", [gate])], "attn_gated"), f"{s}.o_proj.weight", "attn_out")
 
     # -- PLE -----------------------------------------------------------------------------------
-    def ple(self, streams: str, p: str, j: int, layout: Any, table_rows: int, conv_state: str, conv_out: str,
-            table_dtype: str = "bf16") -> str:
+    def ple(
+        self,
+        streams: str,
+        p: str,
+        j: int,
+        layout: Any,
+        table_rows: int,
+        conv_state: str,
+        conv_out: str,
+        table_dtype: str = "bf16",
+    ) -> str:
         """PLE layer ``j`` (decoder layer prefix ``p``): EngramPleHash over the step's raw
         ids and each sequence's ``ple_context``, EngramGather of the rows from the table
         at ``ple_table_ptrs[j]`` (outside the engine, stored as ``table_dtype``: bf16, fp16
@@ -263,16 +344,37 @@ class Blocks(GraphBlocks):
         hc, D = cfg.hc_count, cfg.hidden_size
         ple = cfg.ple
         H, hd = ple.n_heads, ple.head_dim
-        ids = g.op("EngramPleHash", ["input_ids", "seq_starts", "ple_context"], f"ple_hash{j}", domain=PLUGIN_DOMAIN,
-                   **ple_hash_plugin_attributes(layout, j))  # [T, H] int32
+        ids = g.op(
+            "EngramPleHash",
+            ["input_ids", "seq_starts", "ple_context"],
+            f"ple_hash{j}",
+            domain=PLUGIN_DOMAIN,
+            **ple_hash_plugin_attributes(layout, j),
+        )  # [T, H] int32
         if table_rows < int(layout.table_rows[j]):
-            raise EngramError(f"PLE table {j} has {table_rows} rows but the hash layout needs {int(layout.table_rows[j])}")
+            raise EngramError(
+                f"PLE table {j} has {table_rows} rows but the hash layout needs {int(layout.table_rows[j])}"
+            )
         ptr = g.op("Slice", ["ple_table_ptrs", g.ints([j]), g.ints([j + 1])], f"ple_table_ptr{j}")
-        rows = g.op("EngramGather", [g.op("Unsqueeze", [ids, g.ints([1])], f"ple_ids{j}"), ptr], f"ple_rows{j}",
-                    domain=PLUGIN_DOMAIN,
-                    **plugin_fields(layer_index=0, n_layers=1, n_cols=H, head_dim=hd,
-                              table_dtype=FLOAT_TABLE_DTYPE_CODES[table_dtype], quant_block=32, num_rows=int(table_rows),
-                              bad_rows_input=0, column_begin=0, column_end=H, row_offset=0))
+        rows = g.op(
+            "EngramGather",
+            [g.op("Unsqueeze", [ids, g.ints([1])], f"ple_ids{j}"), ptr],
+            f"ple_rows{j}",
+            domain=PLUGIN_DOMAIN,
+            **plugin_fields(
+                layer_index=0,
+                n_layers=1,
+                n_cols=H,
+                head_dim=hd,
+                table_dtype=FLOAT_TABLE_DTYPE_CODES[table_dtype],
+                quant_block=32,
+                num_rows=int(table_rows),
+                bad_rows_input=0,
+                column_begin=0,
+                column_end=H,
+                row_offset=0,
+            ),
+        )
         rows = g.op("Reshape", [rows, g.ints([0, H * hd])], f"ple_e{j}")  # [T, ple_embed_dim] in the table's dtype
         if self.elem != DTYPES[table_dtype][0]:
             rows = g.op("Cast", [rows], f"ple_e{j}_cast", to=self.elem)
@@ -280,10 +382,30 @@ class Blocks(GraphBlocks):
         key = self.linear(rows, f"{f}.key_proj.weight", "ple_key")
         value = self.linear(rows, f"{f}.value_proj.weight", "ple_value")
         flat = g.op("Reshape", [streams, g.ints([0, hc * D])], "ple_streams")
-        upd = g.op("EngramPleFusion", [flat, key, value, self.weight(f"{f}.norm_key.weight"),
-                                       self.weight(f"{f}.norm_query.weight"), self.weight(f"{f}.norm_conv.weight"),
-                                       self.weight(f"{f}.conv1d.weight"), conv_state, "seq_starts", "past_lens", "slots"],
-                   outputs=[g.name("ple_update"), conv_out], domain=PLUGIN_DOMAIN, hint="ple_fusion",
-                   **plugin_fields(hc_count=int(hc), hidden=int(D), kernel=int(ple.conv_kernel_size),
-                             dilation=int(ple.ngram_size), eps=float(cfg.rms_norm_eps)))[0]
+        upd = g.op(
+            "EngramPleFusion",
+            [
+                flat,
+                key,
+                value,
+                self.weight(f"{f}.norm_key.weight"),
+                self.weight(f"{f}.norm_query.weight"),
+                self.weight(f"{f}.norm_conv.weight"),
+                self.weight(f"{f}.conv1d.weight"),
+                conv_state,
+                "seq_starts",
+                "past_lens",
+                "slots",
+            ],
+            outputs=[g.name("ple_update"), conv_out],
+            domain=PLUGIN_DOMAIN,
+            hint="ple_fusion",
+            **plugin_fields(
+                hc_count=int(hc),
+                hidden=int(D),
+                kernel=int(ple.conv_kernel_size),
+                dilation=int(ple.ngram_size),
+                eps=float(cfg.rms_norm_eps),
+            ),
+        )[0]
         return g.op("Add", [streams, g.op("Reshape", [upd, g.ints([0, hc, D])])], "streams")

@@ -96,8 +96,12 @@ def rope_tables(config: Any, max_position: int) -> tuple[np.ndarray, np.ndarray]
     return cos[:, :half].numpy(), sin[:, :half].numpy()
 
 
-def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any], layout: Any = None,
-                 options: ExportOptions | None = None) -> ExportedModel:
+def export_model(
+    config: Any,
+    weights: Mapping[str, Any] | Callable[[str], Any],
+    layout: Any = None,
+    options: ExportOptions | None = None,
+) -> ExportedModel:
     """The ONNX serving step of a Qwen4Exp text model (the module docstring).
 
     ``weights``: checkpoint name -> tensor, or a callable (``Checkpoint.get``); only
@@ -120,24 +124,30 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     cfg = config
     ple = cfg.ple
     if ple is not None and layout is None:
-        raise EngramError("exporting a Qwen4Exp model with PLE layers needs its PLEHashLayout (architecture.ple_layout(config))")
+        raise EngramError(
+            "exporting a Qwen4Exp model with PLE layers needs its PLEHashLayout (architecture.ple_layout(config))"
+        )
     table_rows: list[int] = []
     tdt = opts.table_dtype or "bf16"
     if ple is not None:
         if tdt not in PLE_TABLE_DTYPES:
-            raise EngramError(f"PLE tables stored as {tdt}: the EngramGather plugin reads {', '.join(PLE_TABLE_DTYPES)} "
-                              f"rows; save the PLE shards as BF16, F16 or F32 to build an engine (or serve the "
-                              f"checkpoint with the torch backend)")
+            raise EngramError(
+                f"PLE tables stored as {tdt}: the EngramGather plugin reads {', '.join(PLE_TABLE_DTYPES)} "
+                f"rows; save the PLE shards as BF16, F16 or F32 to build an engine (or serve the "
+                f"checkpoint with the torch backend)"
+            )
         table_rows = [int(r) for r in (opts.table_rows or layout.table_rows)]
         if len(table_rows) != len(ple.layers):
             raise EngramError(f"table rows {table_rows} are not one per PLE layer ({len(ple.layers)})")
     max_pos = int(opts.max_position or cfg.max_position_embeddings)
     g = _Graph()
     i32 = TensorProto.INT32
-    inputs: list[Any] = [helper.make_tensor_value_info("input_ids", i32, ["tokens"]),
-                         helper.make_tensor_value_info("seq_starts", i32, ["seqs_plus_1"]),
-                         helper.make_tensor_value_info("past_lens", i32, ["seqs"]),
-                         helper.make_tensor_value_info("slots", i32, ["seqs"])]
+    inputs: list[Any] = [
+        helper.make_tensor_value_info("input_ids", i32, ["tokens"]),
+        helper.make_tensor_value_info("seq_starts", i32, ["seqs_plus_1"]),
+        helper.make_tensor_value_info("past_lens", i32, ["seqs"]),
+        helper.make_tensor_value_info("slots", i32, ["seqs"]),
+    ]
     outputs: list[Any] = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["seqs", cfg.vocab_size])]
     if ple is not None:
         inputs.append(helper.make_tensor_value_info("ple_context", i32, ["seqs", ple.ngram_size - 1]))
@@ -147,18 +157,37 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     T = g.op("Squeeze", [g.op("Shape", ["input_ids"], "tokens")], "tokens_s")
     tok = g.op("Cast", [g.op("Range", [g.scalar(0), T, g.scalar(1)], "token_index64")], "token_index", to=i32)
     ends = g.op("Slice", ["seq_starts", g.ints([1]), g.ints([2**62])], "seq_ends")
-    after = g.op("LessOrEqual", [g.op("Unsqueeze", [ends, g.ints([0])]), g.op("Unsqueeze", [tok, g.ints([1])])],
-                 "token_after_seq")
+    after = g.op(
+        "LessOrEqual",
+        [g.op("Unsqueeze", [ends, g.ints([0])]), g.op("Unsqueeze", [tok, g.ints([1])])],
+        "token_after_seq",
+    )
     token_seq = g.op("ReduceSum", [g.op("Cast", [after], to=i32), g.ints([1])], "token_seq", keepdims=0)
-    token_pos = g.op("Add", [g.op("Gather", ["past_lens", token_seq], axis=0),
-                             g.op("Sub", [tok, g.op("Gather", ["seq_starts", token_seq], axis=0)])], "token_pos")
+    token_pos = g.op(
+        "Add",
+        [
+            g.op("Gather", ["past_lens", token_seq], axis=0),
+            g.op("Sub", [tok, g.op("Gather", ["seq_starts", token_seq], axis=0)]),
+        ],
+        "token_pos",
+    )
     token_slot = g.op("Gather", ["slots", token_seq], "token_slot", axis=0)
     position_ids = g.op("Unsqueeze", [g.op("Cast", [token_pos], to=TensorProto.INT64), g.ints([1])], "position_ids")
     last = g.op("Sub", [ends, g.const("c_i32_1", np.asarray(1, np.int32))], "last_token")
 
     cos, sin = rope_tables(cfg, max_pos)
-    b = Blocks(g, cfg, get, elem, np_dt, g.const("rope_cos", cos.astype(np_dt)), g.const("rope_sin", sin.astype(np_dt)),
-               position_ids, token_slot, token_pos)
+    b = Blocks(
+        g,
+        cfg,
+        get,
+        elem,
+        np_dt,
+        g.const("rope_cos", cos.astype(np_dt)),
+        g.const("rope_sin", sin.astype(np_dt)),
+        position_ids,
+        token_slot,
+        token_pos,
+    )
 
     # --- states ---------------------------------------------------------------------------
     states = state_shapes(cfg)
@@ -178,22 +207,29 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
         p = f"{prefix}layers.{i}"
         if i in ple_index:
             j = ple_index[i]
-            streams = b.ple(streams, p, j, layout, table_rows[j], f"ple_conv_state_{i}", f"ple_conv_state_out_{i}",
-                            table_dtype=tdt)
+            streams = b.ple(
+                streams, p, j, layout, table_rows[j], f"ple_conv_state_{i}", f"ple_conv_state_out_{i}", table_dtype=tdt
+            )
         x, w = b.mix(streams, f"{p}.attn_hyper_connection")
         if cfg.layer_types[i] == "linear_attention":
-            y = b.gated_delta_net(x, p, f"conv_state_{i}", f"conv_state_out_{i}", f"recurrent_state_{i}",
-                                  f"recurrent_state_out_{i}")
+            y = b.gated_delta_net(
+                x, p, f"conv_state_{i}", f"conv_state_out_{i}", f"recurrent_state_{i}", f"recurrent_state_out_{i}"
+            )
         else:
-            y = b.attention(x, p, (f"key_cache_{i}", f"value_cache_{i}", f"index_key_cache_{i}"),
-                            (f"key_cache_out_{i}", f"value_cache_out_{i}", f"index_key_cache_out_{i}"))
+            y = b.attention(
+                x,
+                p,
+                (f"key_cache_{i}", f"value_cache_{i}", f"index_key_cache_{i}"),
+                (f"key_cache_out_{i}", f"value_cache_out_{i}", f"index_key_cache_out_{i}"),
+            )
         streams = b.inject(streams, y, w)
         x, w = b.mix(streams, f"{p}.mlp_hyper_connection")
         streams = b.inject(streams, b.moe(x, p), w)
 
     # Only each sequence's last token goes on (the mixer and head are per token).
-    hidden, _ = b.mix(g.op("Gather", [streams, last], "last_streams", axis=0), f"{prefix}hyper_connection_mixer",
-                      inject=False)
+    hidden, _ = b.mix(
+        g.op("Gather", [streams, last], "last_streams", axis=0), f"{prefix}hyper_connection_mixer", inject=False
+    )
     if cfg.tie_word_embeddings:
         logits = g.op("MatMul", [hidden, g.op("Transpose", [embed], "lm_head_t", perm=[1, 0])], "lm_head")
     else:
@@ -201,20 +237,43 @@ def export_model(config: Any, weights: Mapping[str, Any] | Callable[[str], Any],
     g.op("Cast", [logits], outputs=["logits"], to=TensorProto.FLOAT)
 
     graph = helper.make_graph(g.nodes, "qwen4_exp", inputs, outputs, g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
-                              producer_name="engram-trt",
-                              doc_string="Qwen4Exp serving step; PLE tables are bound at run time by address")
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
+        producer_name="engram-trt",
+        doc_string="Qwen4Exp serving step; PLE tables are bound at run time by address",
+    )
     model.ir_version = 10
     if g.init_bytes < EXTERNAL_DATA_THRESHOLD:
         onnx.checker.check_model(model)
     io: dict[str, Any] = {
-        "architecture": "qwen4-exp", "vocab": cfg.vocab_size, "layers": cfg.num_hidden_layers, "max_position": max_pos,
+        "architecture": "qwen4-exp",
+        "vocab": cfg.vocab_size,
+        "layers": cfg.num_hidden_layers,
+        "max_position": max_pos,
         "plugins": sorted({n.op_type for n in g.nodes if n.domain == PLUGIN_DOMAIN}),
-        "states": {name: {"shape": shape, "dtype": kind, "alias": alias_name(name)} for name, (shape, kind) in states.items()},
-        "ple": None if ple is None else {"layers": len(ple.layers), "context": ple.ngram_size - 1, "table_rows": table_rows,
-                                         "head_dim": ple.head_dim, "heads": ple.n_heads, "table_dtype": tdt,
-                                         "eos_id": int(layout.eos_id)},
+        "states": {
+            name: {"shape": shape, "dtype": kind, "alias": alias_name(name)} for name, (shape, kind) in states.items()
+        },
+        "ple": None
+        if ple is None
+        else {
+            "layers": len(ple.layers),
+            "context": ple.ngram_size - 1,
+            "table_rows": table_rows,
+            "head_dim": ple.head_dim,
+            "heads": ple.n_heads,
+            "table_dtype": tdt,
+            "eos_id": int(layout.eos_id),
+        },
     }
-    return ExportedModel(model=model, input_names=[v.name for v in inputs], output_names=[v.name for v in outputs],
-                         num_layers=cfg.num_hidden_layers, engram_layers=0 if ple is None else len(ple.layers),
-                         dtype=opts.dtype, initializer_bytes=g.init_bytes, io=io)
+    return ExportedModel(
+        model=model,
+        input_names=[v.name for v in inputs],
+        output_names=[v.name for v in outputs],
+        num_layers=cfg.num_hidden_layers,
+        engram_layers=0 if ple is None else len(ple.layers),
+        dtype=opts.dtype,
+        initializer_bytes=g.init_bytes,
+        io=io,
+    )

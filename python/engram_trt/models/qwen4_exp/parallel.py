@@ -22,8 +22,15 @@ from dataclasses import replace
 from typing import Any
 
 from engram_trt.errors import EngramError
-from engram_trt.models.parallel import (ParallelPlan, Rule, cols_split, head_range, kv_head_range, rows_split,
-                                        split_ranges)
+from engram_trt.models.parallel import (
+    ParallelPlan,
+    Rule,
+    cols_split,
+    head_range,
+    kv_head_range,
+    rows_split,
+    split_ranges,
+)
 
 FAMILY = "Qwen4Exp"
 _LAYER = r"(^|\.)layers\.\d+\."
@@ -54,15 +61,21 @@ def parallel_plan(config: Any, tp: int, rank: int) -> ParallelPlan:
         h0, h1 = head_range(h, tp, rank, "num_attention_heads", FAMILY)
         k0, k1 = kv_head_range(config.num_key_value_heads, h, tp, rank, "num_key_value_heads", FAMILY)
         hd = config.head_dim
-        rules += [Rule(_at(r"self_attn\.q_proj\.weight$"), rows_split("column", [(2 * h0 * hd, 2 * h1 * hd)])),
-                  Rule(_at(r"self_attn\.[kv]_proj\.weight$"), rows_split("column", [(k0 * hd, k1 * hd)])),
-                  Rule(_at(r"self_attn\.o_proj\.weight$"), cols_split([(h0 * hd, h1 * hd)]))]
+        rules += [
+            Rule(_at(r"self_attn\.q_proj\.weight$"), rows_split("column", [(2 * h0 * hd, 2 * h1 * hd)])),
+            Rule(_at(r"self_attn\.[kv]_proj\.weight$"), rows_split("column", [(k0 * hd, k1 * hd)])),
+            Rule(_at(r"self_attn\.o_proj\.weight$"), cols_split([(h0 * hd, h1 * hd)])),
+        ]
         local.update(num_attention_heads=h1 - h0, num_key_value_heads=k1 - k0)
         if config.qsa is not None:
             ih, ihd = config.qsa.n_heads, config.qsa.head_dim
             i0, i1 = head_range(ih, tp, rank, "indexer_n_heads", FAMILY)
-            rules.append(Rule(_at(r"self_attn\.indexer\.index_qk_proj\.weight$"),
-                              rows_split("column", [(i0 * ihd, i1 * ihd), (ih * ihd, (ih + 1) * ihd)])))
+            rules.append(
+                Rule(
+                    _at(r"self_attn\.indexer\.index_qk_proj\.weight$"),
+                    rows_split("column", [(i0 * ihd, i1 * ihd), (ih * ihd, (ih + 1) * ihd)]),
+                )
+            )
             local["qsa"] = replace(config.qsa, n_heads=i1 - i0)
     if config.linear_layers:
         hv, hk = config.linear_num_value_heads, config.linear_num_key_heads
@@ -70,29 +83,47 @@ def parallel_plan(config: Any, tp: int, rank: int) -> ParallelPlan:
         v0, v1 = head_range(hv, tp, rank, "linear_num_value_heads", FAMILY)
         k0, k1 = kv_head_range(hk, hv, tp, rank, "linear_num_key_heads", FAMILY)
         key_dim = hk * dk
-        channels = [(k0 * dk, k1 * dk), (key_dim + k0 * dk, key_dim + k1 * dk),
-                    (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv)]
-        rules += [Rule(_at(r"linear_attn\.in_proj_qkv\.weight$"), rows_split("column", channels)),
-                  Rule(_at(r"linear_attn\.conv1d\.weight$"), rows_split("column", channels)),
-                  Rule(_at(r"linear_attn\.in_proj_z\.weight$"), rows_split("column", [(v0 * dv, v1 * dv)])),
-                  Rule(_at(r"linear_attn\.in_proj_[ab]\.weight$"), rows_split("column", [(v0, v1)])),
-                  Rule(_at(r"linear_attn\.(dt_bias|A_log)$"), rows_split("head", [(v0, v1)])),
-                  Rule(_at(r"linear_attn\.out_proj\.weight$"), cols_split([(v0 * dv, v1 * dv)]))]
+        channels = [
+            (k0 * dk, k1 * dk),
+            (key_dim + k0 * dk, key_dim + k1 * dk),
+            (2 * key_dim + v0 * dv, 2 * key_dim + v1 * dv),
+        ]
+        rules += [
+            Rule(_at(r"linear_attn\.in_proj_qkv\.weight$"), rows_split("column", channels)),
+            Rule(_at(r"linear_attn\.conv1d\.weight$"), rows_split("column", channels)),
+            Rule(_at(r"linear_attn\.in_proj_z\.weight$"), rows_split("column", [(v0 * dv, v1 * dv)])),
+            Rule(_at(r"linear_attn\.in_proj_[ab]\.weight$"), rows_split("column", [(v0, v1)])),
+            Rule(_at(r"linear_attn\.(dt_bias|A_log)$"), rows_split("head", [(v0, v1)])),
+            Rule(_at(r"linear_attn\.out_proj\.weight$"), cols_split([(v0 * dv, v1 * dv)])),
+        ]
         local.update(linear_num_value_heads=v1 - v0, linear_num_key_heads=k1 - k0)
     e0, e1 = head_range(config.num_experts, tp, rank, "num_experts", FAMILY)
-    for what, n in (("shared_expert_intermediate_size", config.shared_expert_intermediate_size),
-                    ("vocab_size", config.vocab_size)):
+    for what, n in (
+        ("shared_expert_intermediate_size", config.shared_expert_intermediate_size),
+        ("vocab_size", config.vocab_size),
+    ):
         if n < tp:
             raise EngramError(f"--tp {tp}: {FAMILY}'s {what}={n} is smaller than the {tp} ranks it would split over")
     s0, s1 = split_ranges(config.shared_expert_intermediate_size, tp)[rank]
     b0, b1 = split_ranges(config.vocab_size, tp)[rank]
-    rules += [Rule(_at(r"mlp\.experts\.(gate_up|down)_proj_scale_inv$"), rows_split("expert", [(e0, e1)])),
-              Rule(_at(r"mlp\.shared_expert\.(gate|up)_proj\.weight$"), rows_split("column", [(s0, s1)])),
-              Rule(_at(r"mlp\.shared_expert\.down_proj\.weight$"), cols_split([(s0, s1)])),
-              Rule(re.compile(r"(^|\.)embed_tokens\.weight$|^lm_head\.weight$"), rows_split("vocab", [(b0, b1)]))]
+    rules += [
+        Rule(_at(r"mlp\.experts\.(gate_up|down)_proj_scale_inv$"), rows_split("expert", [(e0, e1)])),
+        Rule(_at(r"mlp\.shared_expert\.(gate|up)_proj\.weight$"), rows_split("column", [(s0, s1)])),
+        Rule(_at(r"mlp\.shared_expert\.down_proj\.weight$"), cols_split([(s0, s1)])),
+        Rule(re.compile(r"(^|\.)embed_tokens\.weight$|^lm_head\.weight$"), rows_split("vocab", [(b0, b1)])),
+    ]
     local.update(num_experts=e1 - e0, shared_expert_intermediate_size=s1 - s0)
-    return ParallelPlan(FAMILY, tp, rank, config, replace(config, **local), tuple(rules),
-                        (e0, e1 - e0, config.num_experts), (b0, b1), block_of=block_of(config))
+    return ParallelPlan(
+        FAMILY,
+        tp,
+        rank,
+        config,
+        replace(config, **local),
+        tuple(rules),
+        (e0, e1 - e0, config.num_experts),
+        (b0, b1),
+        block_of=block_of(config),
+    )
 
 
 def shard_modules(model: Any, plan: ParallelPlan) -> None:

@@ -68,9 +68,15 @@ def _ple_layout(vocab_size: int, p: Any, eos: int) -> Any:
     from engram_trt.engram.ple_hash import PLEHashLayout
 
     return PLEHashLayout.from_config(
-        vocab_size=vocab_size, ngram_size=p.ngram_size, heads_per_ngram=p.heads_per_ngram,
-        ngram_vocab_size_base=p.vocab_size_base, make_ngram_vocab_size_divisible_by=p.divisible_by, seed=p.seed,
-        eos_token_id=eos, num_layers=len(p.layers))
+        vocab_size=vocab_size,
+        ngram_size=p.ngram_size,
+        heads_per_ngram=p.heads_per_ngram,
+        ngram_vocab_size_base=p.vocab_size_base,
+        make_ngram_vocab_size_divisible_by=p.divisible_by,
+        seed=p.seed,
+        eos_token_id=eos,
+        num_layers=len(p.layers),
+    )
 
 
 def chunk_rows(rows: int, parts: int) -> list[int]:
@@ -130,8 +136,11 @@ def table_scales(ckpt: Any, config: Any) -> list[float | None]:
 
 def buffer_names(prefix: str, layer: int) -> dict[str, str]:
     base = f"{prefix}layers.{layer}.ple.ple_embedding."
-    return {"multipliers": base + "layer_multipliers", "vocab_sizes": base + "ngram_heads_vocab_sizes",
-            "offsets": base + "ngram_heads_offsets"}
+    return {
+        "multipliers": base + "layer_multipliers",
+        "vocab_sizes": base + "ngram_heads_vocab_sizes",
+        "offsets": base + "ngram_heads_offsets",
+    }
 
 
 def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
@@ -144,70 +153,98 @@ def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
         want_rows = int(layout.table_rows[li])
         sizes = chunk_rows(want_rows, ple.split_parts)
         names = shard_names(config.weight_prefix, layer, ple.split_parts, want_rows)
-        how = (f"torch.chunk(table, split_ngram_parts={ple.split_parts}) writes {len(sizes)} shard(s) of "
-               f"{sizes[0]} rows{f' (the last {sizes[-1]})' if sizes[-1] != sizes[0] else ''}")
+        how = (
+            f"torch.chunk(table, split_ngram_parts={ple.split_parts}) writes {len(sizes)} shard(s) of "
+            f"{sizes[0]} rows{f' (the last {sizes[-1]})' if sizes[-1] != sizes[0] else ''}"
+        )
         stem = names[0].rsplit(".shard_", 1)[0] + ".shard_"
-        extra = sorted((n for n in ckpt.tensor_names() if n.startswith(stem) and n not in names),
-                       key=lambda n: (len(n), n))
+        extra = sorted(
+            (n for n in ckpt.tensor_names() if n.startswith(stem) and n not in names), key=lambda n: (len(n), n)
+        )
         rows = 0
         fp8 = fp8_declared(config, layer)
         if fp8:
             scale_name = table_scale_name(config.weight_prefix, layer)
             if scale_name not in ckpt:
-                out.append(f"scale {scale_name} of layer {layer + 1}'s FP8 PLE table is missing (an FP8Embedding "
-                           f"stores one float32 weight_scale per table)")
+                out.append(
+                    f"scale {scale_name} of layer {layer + 1}'s FP8 PLE table is missing (an FP8Embedding "
+                    f"stores one float32 weight_scale per table)"
+                )
             elif ckpt.st_dtype(scale_name) not in ("F32", "BF16", "F16") or tuple(ckpt.shape(scale_name)) not in ONE:
-                out.append(f"scale {scale_name} is {ckpt.st_dtype(scale_name)} {list(ckpt.shape(scale_name))} "
-                           f"(expected one float32 for the table, shape [1])")
+                out.append(
+                    f"scale {scale_name} is {ckpt.st_dtype(scale_name)} {list(ckpt.shape(scale_name))} "
+                    f"(expected one float32 for the table, shape [1])"
+                )
             else:
                 v = float(ckpt.get(scale_name).reshape(-1)[0])
                 if not 0 < v < float("inf"):
                     out.append(f"scale {scale_name} is {v} (expected a positive finite float)")
         if extra:
-            out.append(f"PLE table of layer {layer + 1} has a shard torch.chunk does not write: {extra[0]} ({how} of "
-                       f"its {want_rows}-row table: shards 0..{len(names) - 1})")
+            out.append(
+                f"PLE table of layer {layer + 1} has a shard torch.chunk does not write: {extra[0]} ({how} of "
+                f"its {want_rows}-row table: shards 0..{len(names) - 1})"
+            )
             names, rows = [], -1
         for name in names:
             if name not in ckpt:
-                out.append(f"PLE table shard {name} is missing ({how} of layer {layer + 1}'s {want_rows}-row table, "
-                           f"rows of width {ple.head_dim})")
+                out.append(
+                    f"PLE table shard {name} is missing ({how} of layer {layer + 1}'s {want_rows}-row table, "
+                    f"rows of width {ple.head_dim})"
+                )
                 rows = -1
                 break
             shape = ckpt.shape(name)
             if len(shape) != 2 or shape[1] != ple.head_dim:
-                out.append(f"PLE table shard {name} has shape {list(shape)} but rows of width ple_embed_dim / heads = "
-                           f"{ple.head_dim}")
+                out.append(
+                    f"PLE table shard {name} has shape {list(shape)} but rows of width ple_embed_dim / heads = "
+                    f"{ple.head_dim}"
+                )
                 rows = -1
                 break
             st = ckpt.st_dtype(name)
             if fp8 and st != "F8_E4M3":
-                out.append(f"PLE table shard {name} is {st} but quantization_config.modules_to_convert declares layer "
-                           f"{layer + 1}'s ngram_embedding FP8 (expected F8_E4M3 rows, one weight_scale per table)")
+                out.append(
+                    f"PLE table shard {name} is {st} but quantization_config.modules_to_convert declares layer "
+                    f"{layer + 1}'s ngram_embedding FP8 (expected F8_E4M3 rows, one weight_scale per table)"
+                )
             elif not fp8 and st not in _ROW_DTYPES:
-                hint = (" (an FP8 table is declared by quantization_config.modules_to_convert naming ngram_embedding, "
-                        "as transformers' FP8Embedding)" if st == "F8_E4M3" else "")
+                hint = (
+                    " (an FP8 table is declared by quantization_config.modules_to_convert naming ngram_embedding, "
+                    "as transformers' FP8Embedding)"
+                    if st == "F8_E4M3"
+                    else ""
+                )
                 out.append(f"PLE table shard {name} is {st} (expected BF16, F16 or F32 rows){hint}")
             rows += shape[0]
         if rows >= 0 and rows != want_rows:
-            out.append(f"PLE table of layer {layer + 1} has {rows} rows in its {len(names)} shards but the config's "
-                       f"primes (ngram_vocab_size_base={ple.vocab_size_base}, heads_per_ngram={ple.heads_per_ngram}, "
-                       f"make_ngram_vocab_size_divisible_by={ple.divisible_by}) give {want_rows}: the table and the config disagree")
+            out.append(
+                f"PLE table of layer {layer + 1} has {rows} rows in its {len(names)} shards but the config's "
+                f"primes (ngram_vocab_size_base={ple.vocab_size_base}, heads_per_ngram={ple.heads_per_ngram}, "
+                f"make_ngram_vocab_size_divisible_by={ple.divisible_by}) give {want_rows}: the table and the config disagree"
+            )
         elif rows >= 0:
             for name, size in zip(names, sizes):
                 got = ckpt.shape(name)[0]
                 if got != size:
-                    out.append(f"PLE table shard {name} has {got} rows but {how} of the {want_rows}-row table: "
-                               f"shard {names.index(name)} holds {size}; re-save the table as transformers does")
+                    out.append(
+                        f"PLE table shard {name} has {got} rows but {how} of the {want_rows}-row table: "
+                        f"shard {names.index(name)} holds {size}; re-save the table as transformers does"
+                    )
                     break
         for key, name in buffer_names(config.weight_prefix, layer).items():
             if name not in ckpt:
                 continue
             got = ckpt.get(name).to(torch.int64).numpy()
-            want = {"multipliers": layout.multipliers[li], "vocab_sizes": layout.head_vocab_sizes[li],
-                    "offsets": layout.head_offsets[li]}[key]
+            want = {
+                "multipliers": layout.multipliers[li],
+                "vocab_sizes": layout.head_vocab_sizes[li],
+                "offsets": layout.head_offsets[li],
+            }[key]
             if got.shape != np.shape(want) or not np.array_equal(got, want):
-                out.append(f"checkpoint buffer {name} = {got.tolist()[:6]} differs from the {key.replace('_', ' ')} the "
-                           f"config gives ({np.asarray(want).tolist()[:6]}): the table was hashed with other settings")
+                out.append(
+                    f"checkpoint buffer {name} = {got.tolist()[:6]} differs from the {key.replace('_', ' ')} the "
+                    f"config gives ({np.asarray(want).tolist()[:6]}): the table was hashed with other settings"
+                )
     return out
 
 
@@ -227,8 +264,21 @@ def ple_table_refs(ckpt: Any, config: Any, layout: Any = None) -> list[Any]:
     for li, layer in enumerate(ple.layers):
         for part, name in enumerate(table_shard_names(config, li, layout)):
             info = ckpt.info(name)
-            refs.append(TableRef(layer, li, "rows", name, info.file.resolve(), info.data_offset, info.nbytes,
-                                 tuple(info.shape), info.st_dtype, part=part, table_scale=scales[li]))
+            refs.append(
+                TableRef(
+                    layer,
+                    li,
+                    "rows",
+                    name,
+                    info.file.resolve(),
+                    info.data_offset,
+                    info.nbytes,
+                    tuple(info.shape),
+                    info.st_dtype,
+                    part=part,
+                    table_scale=scales[li],
+                )
+            )
     return refs
 
 
@@ -240,9 +290,15 @@ class PLETables:
     through a hot-row cache holding that share of each table in HBM (``cache_options``:
     :class:`~engram_trt.cache.storecache.CachedStoreGather`'s)."""
 
-    def __init__(self, store: Any, device: Any = "cpu", owns_store: bool = True, hot_cache_fraction: float = 0.0,
-                 cache_options: dict[str, Any] | None = None,
-                 table_scales: Sequence[float | None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        device: Any = "cpu",
+        owns_store: bool = True,
+        hot_cache_fraction: float = 0.0,
+        cache_options: dict[str, Any] | None = None,
+        table_scales: Sequence[float | None] | None = None,
+    ) -> None:
         from engram_trt.tables.rowgather import StoreGather
 
         self.store = store
@@ -254,16 +310,21 @@ class PLETables:
         for li, scale in enumerate(self.table_scales):
             fp8 = store.row_dtype(li) == torch.float8_e4m3fn
             if fp8 != (scale is not None):
-                raise EngramError(f"PLE table {li} is {store.row_dtype(li)} but its table scale is {scale}: FP8 rows "
-                                  f"come with their table's scale, float rows without one")
+                raise EngramError(
+                    f"PLE table {li} is {store.row_dtype(li)} but its table scale is {scale}: FP8 rows "
+                    f"come with their table's scale, float rows without one"
+                )
         if hot_cache_fraction and any(s is not None for s in self.table_scales):
-            raise EngramError("the hot-row cache does not hold FP8 PLE rows yet: serve this checkpoint with "
-                              "--engram-config.hot_cache_fraction 0")
+            raise EngramError(
+                "the hot-row cache does not hold FP8 PLE rows yet: serve this checkpoint with "
+                "--engram-config.hot_cache_fraction 0"
+            )
         if hot_cache_fraction:
             from engram_trt.cache.storecache import CachedStoreGather
 
             self._gather: StoreGather | CachedStoreGather = CachedStoreGather(
-                store, device, capacity_fraction=hot_cache_fraction, **(cache_options or {}))
+                store, device, capacity_fraction=hot_cache_fraction, **(cache_options or {})
+            )
         else:
             if cache_options:
                 raise EngramError("cache_options need a hot-row cache: pass hot_cache_fraction > 0 too")
@@ -271,8 +332,17 @@ class PLETables:
         self._owns_store = owns_store
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Any, config: Any, layout: Any, kind: str = "file", device: Any = "cpu",
-                        progress: bool = False, hot_cache_fraction: float = 0.0, **options: Any) -> "PLETables":
+    def from_checkpoint(
+        cls,
+        ckpt: Any,
+        config: Any,
+        layout: Any,
+        kind: str = "file",
+        device: Any = "cpu",
+        progress: bool = False,
+        hot_cache_fraction: float = 0.0,
+        **options: Any,
+    ) -> "PLETables":
         """Check the checkpoint's PLE tables, then open them in a ``kind`` store
         (``options``: the pinned / shared stores'; ``hot_cache_fraction``: see the class)."""
         from engram_trt.tables.store import open_tables
@@ -315,7 +385,9 @@ class PLETables:
     def nbytes(self) -> int:
         return self.store.table_bytes()
 
-    def gather(self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self, layer_idx: int, ids: torch.Tensor, checked: bool = True, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Rows ``ids`` (int64, any shape) of one layer's table: ``[*ids.shape, head_dim]``
         on ``ids``' device, in the table's dtype (an FP8 table's: float32, the rows times
         its scale, as transformers' FP8Embedding computes them). ``checked`` / ``out``: see

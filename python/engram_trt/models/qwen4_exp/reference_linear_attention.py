@@ -48,15 +48,17 @@ def _step(seq_starts: Any, past_lens: Any, slots: Any, num_tokens: int, op: str)
     slot = np.asarray(slots, dtype=np.int64).reshape(-1)
     S = starts.size - 1
     if S < 0 or past.size != S or slot.size != S:
-        raise EngramError(f"{op}: seq_starts has {starts.size} entries, past_lens {past.size}, slots {slot.size}; "
-                          "pass S + 1, S and S")
+        raise EngramError(
+            f"{op}: seq_starts has {starts.size} entries, past_lens {past.size}, slots {slot.size}; pass S + 1, S and S"
+        )
     if S > 0 and (np.any(np.diff(starts) < 0) or starts[0] < 0 or starts[-1] > num_tokens):
         raise EngramError(f"{op}: seq_starts {starts.tolist()} must be non-decreasing within [0, {num_tokens}]")
     return starts, past, slot
 
 
-def causal_conv1d_reference(x: Any, weight: Any, conv_state: Any, seq_starts: Any, past_lens: Any, slots: Any,
-                            activation: int) -> tuple[np.ndarray, np.ndarray]:
+def causal_conv1d_reference(
+    x: Any, weight: Any, conv_state: Any, seq_starts: Any, past_lens: Any, slots: Any, activation: int
+) -> tuple[np.ndarray, np.ndarray]:
     """EngramCausalConv1d: the depthwise causal convolution of a packed step.
 
     ``x [T, C]``, ``weight [C, K]`` or ``[C, 1, K]``, ``conv_state [num_slots, C, K-1]``
@@ -94,18 +96,29 @@ def causal_conv1d_reference(x: Any, weight: Any, conv_state: Any, seq_starts: An
         a, b = int(starts[s]), int(starts[s + 1])
         valid = 0 <= slot[s] < num_slots
         old = state[slot[s]] if valid and past[s] > 0 else np.zeros((C, K - 1))
-        full = np.concatenate([old, xs[a:b].T], axis=1)                 # [C, K-1 + n]
+        full = np.concatenate([old, xs[a:b].T], axis=1)  # [C, K-1 + n]
         for i in range(b - a):
-            y[a + i] = (full[:, i:i + K] * w).sum(axis=1)
+            y[a + i] = (full[:, i : i + K] * w).sum(axis=1)
         if valid:
-            new_state[slot[s]] = full[:, full.shape[1] - (K - 1):]
+            new_state[slot[s]] = full[:, full.shape[1] - (K - 1) :]
     if activation == ACTIVATION_SILU:
         y = y / (1.0 + np.exp(-y))
     return y, new_state
 
 
-def gated_delta_net_reference(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, seq_starts: Any, past_lens: Any,
-                              slots: Any, l2norm_qk: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+def gated_delta_net_reference(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    seq_starts: Any,
+    past_lens: Any,
+    slots: Any,
+    l2norm_qk: int,
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray]:
     """EngramGatedDeltaNet: the gated delta rule of a packed step, token by token.
 
     ``q, k [T, Hk, dk]``, ``v [T, Hv, dv]``, ``g`` (log decay) and ``beta [T, Hv]``,
@@ -137,7 +150,7 @@ def gated_delta_net_reference(q: Any, k: Any, v: Any, g: Any, beta: Any, state: 
         ks = ks / np.sqrt((ks * ks).sum(-1, keepdims=True) + L2_EPS)
     qs = qs * float(scale)
     rep = Hv // Hk
-    qs, ks = np.repeat(qs, rep, axis=1), np.repeat(ks, rep, axis=1)      # [T, Hv, dk]
+    qs, ks = np.repeat(qs, rep, axis=1), np.repeat(ks, rep, axis=1)  # [T, Hv, dk]
     num_slots = st.shape[0]
     new_state = st.copy()
     o = np.zeros((T, Hv, dv), dtype=np.float64)

@@ -28,23 +28,57 @@ def reference_ops() -> list[type]:
 
             n, hpn = int(kw["ngram_size"]), int(kw["heads_per_ngram"])
             primes = np.asarray(kw["primes"], dtype=np.int64).reshape(1, -1)
-            lay = PLEHashLayout(num_layers=1, ngram_size=n, heads_per_ngram=hpn, eos_id=int(kw["eos_id"]),
-                                vocab_size=int(kw["vocab_size"]), multipliers=decode_multipliers(kw["multipliers"]).reshape(1, n),
-                                head_vocab_sizes=primes, head_offsets=np.asarray(kw["offsets"], dtype=np.int64).reshape(1, -1),
-                                table_rows=np.asarray([int(kw["table_rows"])], dtype=np.int64))
-            rows = ple_hash_packed(np.asarray(ids, np.int64), np.asarray(seq_starts, np.int64),
-                                   np.asarray(context, np.int64), lay, 0)
+            lay = PLEHashLayout(
+                num_layers=1,
+                ngram_size=n,
+                heads_per_ngram=hpn,
+                eos_id=int(kw["eos_id"]),
+                vocab_size=int(kw["vocab_size"]),
+                multipliers=decode_multipliers(kw["multipliers"]).reshape(1, n),
+                head_vocab_sizes=primes,
+                head_offsets=np.asarray(kw["offsets"], dtype=np.int64).reshape(1, -1),
+                table_rows=np.asarray([int(kw["table_rows"])], dtype=np.int64),
+            )
+            rows = ple_hash_packed(
+                np.asarray(ids, np.int64), np.asarray(seq_starts, np.int64), np.asarray(context, np.int64), lay, 0
+            )
             return (np.asarray(rows).astype(np.int32),)
 
     class EngramPleFusion(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, streams, key, value, norm_key_w, norm_query_w, norm_conv_w, conv_w, conv_state,  # noqa: ANN001
-                 seq_starts, past_lens, slots, **kw):
-            out, new_state = ple_fusion_reference(streams, key, value, norm_key_w, norm_query_w, norm_conv_w, conv_w,
-                                                  conv_state, seq_starts, past_lens, slots, hc_count=int(kw["hc_count"]),
-                                                  hidden=int(kw["hidden"]), dilation=int(kw["dilation"]),
-                                                  eps=float(kw["eps"]))
+        def _run(
+            self,
+            streams,
+            key,
+            value,
+            norm_key_w,
+            norm_query_w,
+            norm_conv_w,
+            conv_w,
+            conv_state,  # noqa: ANN001
+            seq_starts,
+            past_lens,
+            slots,
+            **kw,
+        ):
+            out, new_state = ple_fusion_reference(
+                streams,
+                key,
+                value,
+                norm_key_w,
+                norm_query_w,
+                norm_conv_w,
+                conv_w,
+                conv_state,
+                seq_starts,
+                past_lens,
+                slots,
+                hc_count=int(kw["hc_count"]),
+                hidden=int(kw["hidden"]),
+                dilation=int(kw["dilation"]),
+                eps=float(kw["eps"]),
+            )
             return (out.astype(streams.dtype), in_place(conv_state, new_state))
 
     class EngramCausalConv1d(OpRun):
@@ -56,7 +90,9 @@ def reference_ops() -> list[type]:
             w = np.asarray(weight)
             if w.shape[-1] != int(kw["kernel"]):
                 raise EngramError(f"EngramCausalConv1d kernel {kw['kernel']} does not match its weight {w.shape}")
-            y, new_state = causal_conv1d_reference(x, w, conv_state, seq_starts, past_lens, slots, int(kw["activation"]))
+            y, new_state = causal_conv1d_reference(
+                x, w, conv_state, seq_starts, past_lens, slots, int(kw["activation"])
+            )
             return (np.asarray(y).astype(x.dtype), in_place(conv_state, new_state))
 
     class EngramGatedDeltaNet(OpRun):
@@ -65,32 +101,78 @@ def reference_ops() -> list[type]:
         def _run(self, q, k, v, g, beta, state, seq_starts, past_lens, slots, **kw):  # noqa: ANN001
             from engram_trt.models.qwen4_exp.reference_linear_attention import gated_delta_net_reference
 
-            o, new_state = gated_delta_net_reference(q, k, v, g, beta, state, seq_starts, past_lens, slots,
-                                                     int(kw["l2norm_qk"]), float(kw["scale"]))
+            o, new_state = gated_delta_net_reference(
+                q, k, v, g, beta, state, seq_starts, past_lens, slots, int(kw["l2norm_qk"]), float(kw["scale"])
+            )
             return (np.asarray(o).astype(q.dtype), in_place(state, new_state))
 
     class EngramQsaAttention(OpRun):
         op_domain = PLUGIN_DOMAIN
 
-        def _run(self, q, k, v, index_q, index_raw, key_cache, value_cache, index_key_cache, index_k_norm_weight,  # noqa: ANN001
-                 token_slot, token_pos, **kw):
+        def _run(
+            self,
+            q,
+            k,
+            v,
+            index_q,
+            index_raw,
+            key_cache,
+            value_cache,
+            index_key_cache,
+            index_k_norm_weight,  # noqa: ANN001
+            token_slot,
+            token_pos,
+            **kw,
+        ):
             from engram_trt.models.qwen4_exp.reference_qsa import qsa_attention_reference
 
             out, kc, vc, ikc = qsa_attention_reference(
-                q, k, v, index_q, index_raw, key_cache, value_cache, index_key_cache, index_k_norm_weight, token_slot,
-                token_pos, compress_ratio=int(kw["compress_ratio"]), block_topk=int(kw["block_topk"]),
-                rot_dim=int(kw["rot_dim"]), rope_theta=float(kw["rope_theta"]), eps=float(kw["eps"]),
-                scaling=float(kw["scaling"]))
-            return (np.asarray(out).astype(q.dtype), in_place(key_cache, kc), in_place(value_cache, vc),
-                    in_place(index_key_cache, ikc))
+                q,
+                k,
+                v,
+                index_q,
+                index_raw,
+                key_cache,
+                value_cache,
+                index_key_cache,
+                index_k_norm_weight,
+                token_slot,
+                token_pos,
+                compress_ratio=int(kw["compress_ratio"]),
+                block_topk=int(kw["block_topk"]),
+                rot_dim=int(kw["rot_dim"]),
+                rope_theta=float(kw["rope_theta"]),
+                eps=float(kw["eps"]),
+                scaling=float(kw["scaling"]),
+            )
+            return (
+                np.asarray(out).astype(q.dtype),
+                in_place(key_cache, kc),
+                in_place(value_cache, vc),
+                in_place(index_key_cache, ikc),
+            )
 
     return [EngramPleHash, EngramPleFusion, EngramCausalConv1d, EngramGatedDeltaNet, EngramQsaAttention]
 
 
-def ple_fusion_reference(streams: np.ndarray, key: np.ndarray, value: np.ndarray, norm_key_w: np.ndarray,
-                         norm_query_w: np.ndarray, norm_conv_w: np.ndarray, conv_w: np.ndarray, conv_state: np.ndarray,
-                         seq_starts: Any, past_lens: Any, slots: Any, *, hc_count: int, hidden: int, dilation: int,
-                         eps: float) -> tuple[np.ndarray, np.ndarray]:
+def ple_fusion_reference(
+    streams: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    norm_key_w: np.ndarray,
+    norm_query_w: np.ndarray,
+    norm_conv_w: np.ndarray,
+    conv_w: np.ndarray,
+    conv_state: np.ndarray,
+    seq_starts: Any,
+    past_lens: Any,
+    slots: Any,
+    *,
+    hc_count: int,
+    hidden: int,
+    dilation: int,
+    eps: float,
+) -> tuple[np.ndarray, np.ndarray]:
     """The EngramPleFusion plugin's contract in float64: :meth:`PLEFusion.forward_torch`
     (the module the plugin is tied to) run on the plugin's inputs, its two projections
     replaced by the slices of ``[key | value]``. Returns ``(update [T, W], new state)``."""
@@ -103,8 +185,12 @@ def ple_fusion_reference(streams: np.ndarray, key: np.ndarray, value: np.ndarray
     W = hc_count * hidden
     cw = np.asarray(conv_w, dtype=np.float64).reshape(W, 1, -1)
     kernel = cw.shape[-1]
-    cfg = SimpleNamespace(hc_count=hc_count, hidden_size=hidden, rms_norm_eps=eps,
-                          ple=SimpleNamespace(ngram_size=dilation, conv_kernel_size=kernel, embed_dim=1))
+    cfg = SimpleNamespace(
+        hc_count=hc_count,
+        hidden_size=hidden,
+        rms_norm_eps=eps,
+        ple=SimpleNamespace(ngram_size=dilation, conv_kernel_size=kernel, embed_dim=1),
+    )
     with torch.no_grad():
         m = PLEFusion(cfg).double()
         m.key_proj = _Columns(0, W)
@@ -114,9 +200,14 @@ def ple_fusion_reference(streams: np.ndarray, key: np.ndarray, value: np.ndarray
         m.conv1d.weight.copy_(torch.from_numpy(cw))
         rows = torch.from_numpy(np.concatenate([np.asarray(key, np.float64), np.asarray(value, np.float64)], axis=1))
         state = torch.from_numpy(np.asarray(conv_state, dtype=np.float64).copy())
-        out = m.forward_torch(torch.from_numpy(np.asarray(streams, np.float64)), rows,
-                              [int(s) for s in np.asarray(seq_starts)], [int(p) for p in np.asarray(past_lens)],
-                              [int(s) for s in np.asarray(slots)], state)
+        out = m.forward_torch(
+            torch.from_numpy(np.asarray(streams, np.float64)),
+            rows,
+            [int(s) for s in np.asarray(seq_starts)],
+            [int(p) for p in np.asarray(past_lens)],
+            [int(s) for s in np.asarray(slots)],
+            state,
+        )
     return out.numpy(), state.numpy()
 
 
@@ -131,7 +222,7 @@ def _columns_module() -> type:
             self.a, self.b = a, b
 
         def forward(self, x: "torch.Tensor") -> "torch.Tensor":
-            return x[:, self.a:self.b]
+            return x[:, self.a : self.b]
 
     return Columns
 
@@ -151,7 +242,7 @@ def _columns_module() -> type:
             self.a, self.b = a, b
 
         def forward(self, x: "torch.Tensor") -> "torch.Tensor":
-            return x[:, self.a:self.b]
+            return x[:, self.a : self.b]
 
     return Columns
 

@@ -55,8 +55,10 @@ class QsaFields:
         if self.block_topk < 1:
             raise EngramError(f"{_OP}: block_topk {self.block_topk} must be >= 1 (indexer_budget // compress_ratio)")
         if self.rot_dim < 0 or self.rot_dim % 2 or self.rot_dim > index_dim or self.rot_dim > head_dim:
-            raise EngramError(f"{_OP}: rot_dim {self.rot_dim} must be even and at most head_dim {head_dim} "
-                              f"and the indexer head dim {index_dim}")
+            raise EngramError(
+                f"{_OP}: rot_dim {self.rot_dim} must be even and at most head_dim {head_dim} "
+                f"and the indexer head dim {index_dim}"
+            )
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise EngramError(f"{_OP}: rope_theta {self.rope_theta} must be a positive finite number")
         if not (self.eps >= 0 and math.isfinite(self.eps)):
@@ -146,8 +148,9 @@ def select_blocks(scores: np.ndarray, block_topk: int) -> np.ndarray:
     return keep
 
 
-def visible_positions(pos: int, raw: np.ndarray, index_q: np.ndarray, norm_weight: np.ndarray, fields: QsaFields,
-                      act: np.dtype | None) -> np.ndarray:
+def visible_positions(
+    pos: int, raw: np.ndarray, index_q: np.ndarray, norm_weight: np.ndarray, fields: QsaFields, act: np.dtype | None
+) -> np.ndarray:
     """Bool ``[pos + 1]``: which of positions ``0..pos`` of its slot a query at ``pos``
     attends (its slot's raw keys ``raw [>= pos + 1, di]``, its indexer heads
     ``index_q [NI, di]``): the kept complete blocks plus the tail after them."""
@@ -161,10 +164,26 @@ def visible_positions(pos: int, raw: np.ndarray, index_q: np.ndarray, norm_weigh
     return mask
 
 
-def qsa_attention_reference(q: Any, k: Any, v: Any, index_q: Any, index_raw: Any, key_cache: Any, value_cache: Any,
-                            index_key_cache: Any, index_k_norm_weight: Any, token_slot: Any, token_pos: Any, *,
-                            compress_ratio: int, block_topk: int, rot_dim: int, rope_theta: float, eps: float,
-                            scaling: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def qsa_attention_reference(
+    q: Any,
+    k: Any,
+    v: Any,
+    index_q: Any,
+    index_raw: Any,
+    key_cache: Any,
+    value_cache: Any,
+    index_key_cache: Any,
+    index_k_norm_weight: Any,
+    token_slot: Any,
+    token_pos: Any,
+    *,
+    compress_ratio: int,
+    block_topk: int,
+    rot_dim: int,
+    rope_theta: float,
+    eps: float,
+    scaling: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """EngramQsaAttention over one packed step.
 
     ``q [T, H, hd]``, ``k / v [T, KVH, hd]``, ``index_q [T, NI, di]`` (normed and rotated
@@ -210,8 +229,9 @@ def qsa_attention_reference(q: Any, k: Any, v: Any, index_q: Any, index_raw: Any
         raise EngramError(f"{_OP}: index_k_norm_weight has {w.size} entries; pass [{di}]")
     if slots.shape != (T,) or pos.shape != (T,):
         raise EngramError(f"{_OP}: token_slot {slots.shape} / token_pos {pos.shape} must both be [{T}]")
-    fields = QsaFields(int(compress_ratio), int(block_topk), int(rot_dim), float(rope_theta), float(eps),
-                       float(scaling))
+    fields = QsaFields(
+        int(compress_ratio), int(block_topk), int(rot_dim), float(rope_theta), float(eps), float(scaling)
+    )
     fields.check(hd, di)
 
     valid = (slots >= 0) & (slots < num_slots) & (pos >= 0) & (pos < max_len)

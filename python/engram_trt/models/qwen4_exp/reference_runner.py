@@ -36,8 +36,10 @@ def ple_tables_of(ckpt: Any) -> list[np.ndarray]:
         parts = [ckpt.get(n) for n in table_shard_names(cfg, li)]  # the shards torch.chunk wrote
         kinds = {p.dtype for p in parts}
         if len(kinds) != 1 or not kinds <= {torch.bfloat16, torch.float16, torch.float32}:
-            raise EngramError(f"PLE shards of layer {layer + 1} are {sorted(map(str, kinds))}: the graph's gather reads "
-                              f"one of bfloat16 / float16 / float32 per table")
+            raise EngramError(
+                f"PLE shards of layer {layer + 1} are {sorted(map(str, kinds))}: the graph's gather reads "
+                f"one of bfloat16 / float16 / float32 per table"
+            )
         joined = torch.cat(parts, dim=0).contiguous()
         if joined.dtype == torch.bfloat16:
             out.append(joined.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy())
@@ -50,8 +52,15 @@ class Qwen4ExpReferenceRunner:
     """See the module docstring. ``tables``: per PLE layer its rows in the dtype the graph's gather reads
     (:func:`ple_tables_of`)."""
 
-    def __init__(self, exported: ExportedModel, config: Any, tables: Sequence[np.ndarray] = (), *, num_slots: int = 4,
-                 max_seq_len: int | None = None) -> None:
+    def __init__(
+        self,
+        exported: ExportedModel,
+        config: Any,
+        tables: Sequence[np.ndarray] = (),
+        *,
+        num_slots: int = 4,
+        max_seq_len: int | None = None,
+    ) -> None:
         from onnx.reference import ReferenceEvaluator
 
         self.exported = exported
@@ -62,8 +71,10 @@ class Qwen4ExpReferenceRunner:
         self.num_slots = int(num_slots)
         self.max_seq_len = int(max_seq_len or exported.io["max_position"])
         if self.num_slots < 1 or not 1 <= self.max_seq_len <= exported.io["max_position"]:
-            raise EngramError(f"a runner needs num_slots >= 1 and max_seq_len in [1, {exported.io['max_position']}] "
-                              f"(got {num_slots}, {max_seq_len})")
+            raise EngramError(
+                f"a runner needs num_slots >= 1 and max_seq_len in [1, {exported.io['max_position']}] "
+                f"(got {num_slots}, {max_seq_len})"
+            )
         ple = exported.io.get("ple")
         self._tables = [np.ascontiguousarray(t) for t in tables]  # keep the arrays (and their addresses) alive
         if ple is not None and len(self._tables) != ple["layers"]:
@@ -71,8 +82,10 @@ class Qwen4ExpReferenceRunner:
         self.table_ptrs = np.asarray([self.registry.register(t) for t in self._tables], dtype=np.int64)
         self.states: dict[str, np.ndarray] = {}
         for name, spec in exported.io["states"].items():
-            shape = [self.num_slots if d == "num_slots" else self.max_seq_len if d == "max_seq_len" else int(d)
-                     for d in spec["shape"]]
+            shape = [
+                self.num_slots if d == "num_slots" else self.max_seq_len if d == "max_seq_len" else int(d)
+                for d in spec["shape"]
+            ]
             self.states[name] = np.zeros(shape, dtype=self.np_dtype if spec["dtype"] == "act" else np.float32)
         n = 0 if ple is None else int(ple["context"])
         self.eos_id = 0 if ple is None else int(ple["eos_id"])
@@ -91,8 +104,14 @@ class Qwen4ExpReferenceRunner:
         from engram_trt.engram.ple_hash import next_context
 
         feeds, (ids, starts, past, seq_slots) = packed_step_feeds(
-            input_ids, seq_starts, past_lens, slots, num_slots=self.num_slots, max_seq_len=self.max_seq_len,
-            vocab_size=self.config.vocab_size)
+            input_ids,
+            seq_starts,
+            past_lens,
+            slots,
+            num_slots=self.num_slots,
+            max_seq_len=self.max_seq_len,
+            vocab_size=self.config.vocab_size,
+        )
         feeds.update(self.states)
         ctx = self.context[seq_slots].copy()
         ctx[past == 0] = self.eos_id  # a fresh sequence has no ids before it

@@ -46,8 +46,9 @@ class Qwen4ExpState:
     eos_id: int
 
     @classmethod
-    def allocate(cls, config: Any, num_slots: int, max_len: int, device: Any = "cpu",
-                 dtype: torch.dtype = torch.float32) -> "Qwen4ExpState":
+    def allocate(
+        cls, config: Any, num_slots: int, max_len: int, device: Any = "cpu", dtype: torch.dtype = torch.float32
+    ) -> "Qwen4ExpState":
         from engram_trt.models.qwen4_exp.attention import GatedAttention
         from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
         from engram_trt.models.qwen4_exp.modules import PLEFusion
@@ -82,8 +83,15 @@ class Qwen4ExpState:
         return self.num_slots
 
     def nbytes(self) -> int:
-        tensors = [*self.keys.values(), *self.values.values(), *self.index_keys.values(), *self.conv.values(),
-                   *self.recurrent.values(), *self.ple_conv.values(), self.context]
+        tensors = [
+            *self.keys.values(),
+            *self.values.values(),
+            *self.index_keys.values(),
+            *self.conv.values(),
+            *self.recurrent.values(),
+            *self.ple_conv.values(),
+            self.context,
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self, slot: int | None = None) -> None:

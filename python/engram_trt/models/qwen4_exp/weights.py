@@ -32,8 +32,11 @@ from engram_trt.errors import CheckpointError
 from engram_trt.quant.formats import scale_grid
 
 _EXPERT_RE = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-MERGED_SCALES = {"gate_proj": "gate_up_proj_scale_inv", "up_proj": "gate_up_proj_scale_inv",
-                 "down_proj": "down_proj_scale_inv"}
+MERGED_SCALES = {
+    "gate_proj": "gate_up_proj_scale_inv",
+    "up_proj": "gate_up_proj_scale_inv",
+    "down_proj": "down_proj_scale_inv",
+}
 
 
 def linear_weight_names(model: nn.Module, prefix: str) -> dict[str, str]:
@@ -44,7 +47,7 @@ def linear_weight_names(model: nn.Module, prefix: str) -> dict[str, str]:
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and not name.endswith(".mlp.gate"):
-            ck = prefix + name[len("model."):] if name.startswith("model.") else name
+            ck = prefix + name[len("model.") :] if name.startswith("model.") else name
             out[ck + ".weight"] = name
     return out
 
@@ -69,8 +72,9 @@ def merged_scale_shape(config: Any, proj: str, block: tuple[int, int]) -> tuple[
     return (E, *scale_grid(2 * I, H, *block))
 
 
-def expert_scale(merged: torch.Tensor, proj: str, e: int, rows: int, block: tuple[int, int]
-                 ) -> tuple[torch.Tensor, tuple[int, int]]:
+def expert_scale(
+    merged: torch.Tensor, proj: str, e: int, rows: int, block: tuple[int, int]
+) -> tuple[torch.Tensor, tuple[int, int]]:
     """Expert ``e``'s scales of ``proj`` (``rows`` output rows) from its layer's merged
     scale, and the block they are in (module docstring)."""
     bn, bk = block
@@ -79,7 +83,7 @@ def expert_scale(merged: torch.Tensor, proj: str, e: int, rows: int, block: tupl
         return m, block
     lo = 0 if proj == "gate_proj" else rows
     if rows % bn == 0:
-        return m[lo // bn:(lo + rows) // bn], block
+        return m[lo // bn : (lo + rows) // bn], block
     return m.index_select(0, (torch.arange(rows) + lo) // bn), (1, bk)
 
 
@@ -100,8 +104,9 @@ class ExpertScales:
         return t
 
 
-def expert_weight_scale(weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], quant: Any,
-                        config: Any, cache: ExpertScales) -> tuple[tuple[str, torch.Tensor], tuple[int, int]] | None:
+def expert_weight_scale(
+    weights: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], quant: Any, config: Any, cache: ExpertScales
+) -> tuple[tuple[str, torch.Tensor], tuple[int, int]] | None:
     """``((scale name, expert e's scales), block)`` of a routed expert's FP8 weight stored
     with transformers' merged scales (None: it has its own scale beside it, or none)."""
     from engram_trt.quant.names import find_scale
@@ -116,14 +121,17 @@ def expert_weight_scale(weights: Mapping[str, torch.Tensor], name: str, shape: t
     scales = cache.get(merged)
     want = merged_scale_shape(config, proj, block)
     if tuple(scales.shape) != want:
-        raise CheckpointError(f"scale {merged} has shape {list(scales.shape)} but {config.num_experts} experts in "
-                              f"{block[0]}x{block[1]} blocks need {list(want)}")
+        raise CheckpointError(
+            f"scale {merged} has shape {list(scales.shape)} but {config.num_experts} experts in "
+            f"{block[0]}x{block[1]} blocks need {list(want)}"
+        )
     part, part_block = expert_scale(scales, proj, e, shape[0], block)
     return (merged, part), part_block
 
 
-def fp8_problems(ckpt: Any, config: Any, linear_names: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]],
-                 quant: Any) -> dict[str, str]:
+def fp8_problems(
+    ckpt: Any, config: Any, linear_names: Mapping[str, str], shapes: Mapping[str, tuple[int, ...]], quant: Any
+) -> dict[str, str]:
     """Per FP8 weight with a problem, its one line (the weights stored F8_E4M3: a linear's,
     with its scales valid; one projection of a layer's experts all FP8 or all float)."""
     from engram_trt.checkpoint.checkpoint import fp8_weight_problem, listed_not_to_convert, module_of
@@ -141,26 +149,43 @@ def fp8_problems(ckpt: Any, config: Any, linear_names: Mapping[str, str], shapes
         if not fp8:
             continue
         merged = merged_scale_name(name)
-        if merged is not None and find_scale(name, ckpt) is None and merged in ckpt and quant is not None \
-                and listed_not_to_convert(module_of(name), quant) is None:
+        if (
+            merged is not None
+            and find_scale(name, ckpt) is None
+            and merged in ckpt
+            and quant is not None
+            and listed_not_to_convert(module_of(name), quant) is None
+        ):
             block = quant.block_for(shapes[name])
             want = merged_scale_shape(config, ex[2], block)  # type: ignore[index]
             got = tuple(ckpt.shape(merged))
             if ckpt.st_dtype(merged) not in SCALE_DTYPES:
-                out[name] = (f"scale {merged} of {name} is {ckpt.st_dtype(merged)} (expected F32 float scales, or "
-                             f"F8_E8M0 ue8m0 bytes)")
+                out[name] = (
+                    f"scale {merged} of {name} is {ckpt.st_dtype(merged)} (expected F32 float scales, or "
+                    f"F8_E8M0 ue8m0 bytes)"
+                )
             elif got != want:
-                out[name] = (f"scale {merged} has shape {list(got)} but {config.num_experts} experts in "
-                             f"{block[0]}x{block[1]} blocks need {list(want)}")
+                out[name] = (
+                    f"scale {merged} has shape {list(got)} but {config.num_experts} experts in "
+                    f"{block[0]}x{block[1]} blocks need {list(want)}"
+                )
             continue
         problem = fp8_weight_problem(ckpt, name, shapes[name], quant)
         if problem is not None:
             out[name] = problem
     for pattern, seen in kinds.items():
         if len(seen) > 1:
-            first = next(n for n in linear_names if n.startswith(pattern.split("*")[0]) and n.endswith(
-                pattern.split("*")[1] + ".weight") and n in ckpt and ckpt.st_dtype(n) != "F8_E4M3")
-            out[first] = (f"the routed experts' weights {pattern}.weight are stored partly F8_E4M3 and partly in 16 "
-                          f"bits ({first} is {ckpt.st_dtype(first)}): one projection of a layer's experts is FP8 "
-                          f"for all of them or for none, as transformers' save writes it")
+            first = next(
+                n
+                for n in linear_names
+                if n.startswith(pattern.split("*")[0])
+                and n.endswith(pattern.split("*")[1] + ".weight")
+                and n in ckpt
+                and ckpt.st_dtype(n) != "F8_E4M3"
+            )
+            out[first] = (
+                f"the routed experts' weights {pattern}.weight are stored partly F8_E4M3 and partly in 16 "
+                f"bits ({first} is {ckpt.st_dtype(first)}): one projection of a layer's experts is FP8 "
+                f"for all of them or for none, as transformers' save writes it"
+            )
     return out
