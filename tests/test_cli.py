@@ -556,7 +556,7 @@ def test_inspect_reports_weights_by_stored_dtype_and_the_load(capsys, tiny_ckpt)
     assert w["load"]["dtype"] == "bf16" and w["load"]["tensors"] == len(shapes)
     assert w["load"]["gpu_bytes"] == 2 * values and w["load"]["stored_bytes"] == sum(c.nbytes(n) for n in shapes)
     code, out, _ = run_cli(capsys, "inspect", str(tiny_ckpt), "--dtype", "fp32")
-    assert code == 0 and f"at --dtype fp32 (float " in out and "quantization none (float weights)" in out
+    assert code == 0 and "at --dtype fp32 (float " in out and "quantization none (float weights)" in out
 
 
 def test_printed_next_step_commands_quote_paths_with_spaces(capsys, tmp_path):

@@ -20,7 +20,6 @@ in float64 against float32, logits within 1e-4 relative (the issue's bound).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -166,7 +166,6 @@ def test_onnx_graph_with_one_float_gather_builds_an_engine(trt, tmp_path: Path, 
 def _reference_gather(table: np.ndarray, code: int, ids: np.ndarray) -> np.ndarray:
     """One EngramGather node of ``table_dtype`` ``code`` run by ONNX's ReferenceEvaluator
     with the builder's OpRuns, the table bound by address."""
-    import onnx
     from onnx import TensorProto, helper
     from onnx.reference import ReferenceEvaluator
 

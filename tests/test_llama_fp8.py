@@ -346,7 +346,7 @@ BAD: dict[str, tuple[Any, str]] = {
     ),
     "no-quantization-config": (
         lambda f: edit_config(f, quantization_config=None),
-        rf"tensor \S+_proj\.weight is F8_E4M3 but config\.json declares no quantization_config",
+        r"tensor \S+_proj\.weight is F8_E4M3 but config\.json declares no quantization_config",
     ),
     "listed-not-to-convert": (
         lambda f: edit_config(

@@ -289,7 +289,6 @@ def time_gathers(r: _Run, rng, table_gib: float, reps: int) -> None:
     from cases import COLS, GATHER_ROWS, HEAD_DIM, QUANT_BLOCK, fp8_tables, gather_bytes
     from engram_trt.native import gather as gather_kernels
     from engram_trt.native import hostgather
-    from engram_trt.native import library as kernel_library
 
     dev = torch.device("cuda")
     head_dim, cols = HEAD_DIM, COLS

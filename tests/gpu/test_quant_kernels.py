@@ -50,7 +50,6 @@ S = sum_k |a_k W_nk| of the float64 product):
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

@@ -32,9 +32,7 @@ from engram_trt.errors import EngramError
 from engram_trt.tables.source import (
     TableRef,
     checkpoint_table_refs,
-    hash_tables,
     sha256_file,  # noqa: F401
-    sha256_file_region,
     verify_table_hashes,
 )
 

@@ -46,16 +46,10 @@ import torch
 
 # Re-exported: callers import the file-level pieces from here too.
 from engram_trt.checkpoint.files import (
-    BF16_TABLE_DTYPES,
-    FP8_SCALE_DTYPES,
-    FP8_TABLE_DTYPES,
     MAX_HEADER_BYTES,  # noqa: F401
-    ST_DTYPES,
     TensorInfo,
     _tensor_infos,
-    checkpoint_boundary,
     confined_file,
-    read_safetensors_header,
 )
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.model import ArchitectureConfig, ModelConfig, read_config_dict
