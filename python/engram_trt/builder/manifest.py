@@ -28,11 +28,13 @@ from engram_trt.config.jsonfile import read_json_object
 from engram_trt.errors import EngramError
 
 # The table references and their hashing live with the stores that read them; the
-# builder records what they check.
+# builder records what they check (re-exported, marked by the redundant aliases: the build imports them from here).
 from engram_trt.tables.source import (
     TableRef,
     checkpoint_table_refs,
-    sha256_file,  # noqa: F401
+    hash_tables as hash_tables,
+    sha256_file as sha256_file,
+    sha256_file_region as sha256_file_region,
     verify_table_hashes,
 )
 
