@@ -221,7 +221,8 @@ def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
     p = Path(engine_dir) / MANIFEST_NAME
     if not p.is_file():
         raise EngramError(
-            f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output {shlex.quote(str(engine_dir))}`)"
+            f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output "
+            f"{shlex.quote(str(engine_dir))}`)"
         )
     try:
         data = read_json_object(p, MANIFEST_NAME)
@@ -229,7 +230,8 @@ def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
         raise EngramError(f"{exc} (the engine folder is damaged; rebuild it)") from None
     if data.get("manifest_version") != MANIFEST_VERSION:
         raise EngramError(
-            f"{p}: manifest version {str(data.get('manifest_version'))[:20]} is not {MANIFEST_VERSION}; rebuild the engine folder"
+            f"{p}: manifest version {str(data.get('manifest_version'))[:20]} is not "
+            f"{MANIFEST_VERSION}; rebuild the engine folder"
         )
     return data
 
