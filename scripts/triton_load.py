@@ -46,8 +46,8 @@ from engram_trt.triton import client as hc  # noqa: E402
 PROMPTS = [
     f"{w} number {i}: Engram layers look up n-grams in huge tables"
     for i, w in enumerate(
-        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon phi chi psi "
-        "omega one two three four five six seven eight".split()
+        "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau upsilon "
+        "phi chi psi omega one two three four five six seven eight".split()
     )
 ]
 

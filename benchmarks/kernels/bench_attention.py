@@ -125,8 +125,8 @@ def run(opts: AttentionOptions) -> int:
     device = require_cuda("attention")
     limits = measure_limits(device)
     say(
-        f"timing: bf16, 32 query / 8 KV heads of 128; SDPA on padded [B, H, S, hd] with enable_gqa; "
-        f"HBM copy {limits['hbm_GBps']:.0f} GB/s, bf16 matrix rate {limits['bf16_TFLOPs']:.0f} TFLOP/s (the floor's rates)"
+        "timing: bf16, 32 query / 8 KV heads of 128; SDPA on padded [B, H, S, hd] with enable_gqa; HBM copy "
+        f"{limits['hbm_GBps']:.0f} GB/s, bf16 matrix rate {limits['bf16_TFLOPs']:.0f} TFLOP/s (the floor's rates)"
     )
     rows = {label: time_case(label, device, opts.reps, limits) for label in opts.cases}
     print_timing(rows)

@@ -160,7 +160,8 @@ def time_gate_and_hash(r: _Run, rng) -> None:
         wall = eager_seconds(call)
         ok = np.array_equal(out.cpu().numpy().astype(np.int64), case.reference(layout))
         r.agree(
-            f"timing outputs agree (hash {HASH_TOKENS} tokens x {layout.num_layers} layers x {layout.n_hash_cols} columns, S={S})",
+            f"timing outputs agree (hash {HASH_TOKENS} tokens x {layout.num_layers} layers x "
+            f"{layout.n_hash_cols} columns, S={S})",
             ok,
         )
         hash_rows[f"S={S}"] = {"gpu_seconds": s, "eager_wall_seconds": wall}
@@ -274,8 +275,8 @@ def _sched_probe(calls: dict, n: int) -> dict:
             + " ".join(f"{x['return_us']:.0f}/{x['gpu_span_us']:.0f}/{x['wall_us']:.0f}" for x in runs)
         )
     say(
-        f"  probe over {span * 1e3:.1f} ms: this process's threads waited {summary['our_wait_ms']:.2f} ms on run queues "
-        f"(the most, one thread: {summary['our_max_wait_ms']:.2f} ms); busiest threads: "
+        f"  probe over {span * 1e3:.1f} ms: this process's threads waited {summary['our_wait_ms']:.2f} ms on run "
+        f"queues (the most, one thread: {summary['our_max_wait_ms']:.2f} ms); busiest threads: "
         + ", ".join(f"{x['name']}{'*' if x['ours'] else ''} {x['run_ms']:.1f} ms" for x in summary["busiest"])
     )
     return {"calls": per, "span_ms": span * 1e3, **summary}

@@ -138,13 +138,17 @@ def event_time_us(call: Callable[[], Any], iters: int = 10) -> float:
 
 def copy_rate() -> float:
     """Bytes read + written per second of a 2 GiB device-to-device copy."""
-    src = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    us = copy_time_us(2 * GIB)
+    torch.cuda.empty_cache()  # the buffers of copy_time_us, freed on its return
+    return 2 * 2 * GIB / (us * 1e-6)
+
+
+def copy_time_us(nbytes: int) -> float:
+    """Median time of one device-to-device copy of ``nbytes`` (buffers freed on return)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     src.fill_(1)
-    us = event_time_us(lambda: dst.copy_(src), iters=7)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * 2 * GIB / (us * 1e-6)
+    return event_time_us(lambda: dst.copy_(src), iters=7)
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -186,58 +190,62 @@ def kernel_weight(w: Any, stacked: bool):
 
 
 def bench_gemv(rate: float, shapes, rows_list, kinds) -> list[dict]:
+    out = []
+    for N, K in shapes:
+        for kind in kinds:
+            out += bench_gemv_weight(rate, N, K, kind, rows_list)
+            torch.cuda.empty_cache()  # the weight copies of bench_gemv_weight, freed on its return
+    return out
+
+
+def bench_gemv_weight(rate: float, N: int, K: int, kind: str, rows_list) -> list[dict]:
+    """bench_gemv's entries of one N x K ``kind`` weight (its copies freed on return)."""
     from engram_trt.native import backbone
     from engram_trt.native import quant_kernels as qk
 
     out = []
-    for N, K in shapes:
-        for kind in kinds:
-            one = make_weight(kind, (), N, K)
-            nbytes = weight_bytes(one)
-            copies = [one] + [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
-            ws = [kernel_weight(w, False) for w in copies]
-            for rows in rows_list:
-                adt = torch.float32 if kind == "fp8" else torch.bfloat16
-                a = torch.randn(rows, K, device="cuda").to(adt)
-                y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-                us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y), calls=2 * len(ws))
-                us_static = graph_time_us(
-                    lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True), calls=2 * len(ws)
-                )
-                floor = nbytes / rate * 1e6
-                entry = {
-                    "kind": kind,
-                    "N": N,
-                    "K": K,
-                    "rows": rows,
-                    "bytes": nbytes,
-                    "us": round(us, 2),
-                    "GBps": round(nbytes / us / 1e3, 1),
-                    "floor_us": round(floor, 2),
-                    "x_floor": round(us / floor, 3),
-                    "static_us": round(us_static, 2),
-                    "static_GBps": round(nbytes / us_static / 1e3, 1),
-                    "static_x_floor": round(us_static / floor, 3),
-                }
-                if kind == "bf16":
-                    xs = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
-                    t_us = graph_time_us(
-                        lambda i: torch.nn.functional.linear(xs, copies[i % len(copies)]), calls=2 * len(copies)
+    one = make_weight(kind, (), N, K)
+    nbytes = weight_bytes(one)
+    copies = [one] + [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
+    ws = [kernel_weight(w, False) for w in copies]
+    for rows in rows_list:
+        adt = torch.float32 if kind == "fp8" else torch.bfloat16
+        a = torch.randn(rows, K, device="cuda").to(adt)
+        y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+        us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y), calls=2 * len(ws))
+        us_static = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True), calls=2 * len(ws))
+        floor = nbytes / rate * 1e6
+        entry = {
+            "kind": kind,
+            "N": N,
+            "K": K,
+            "rows": rows,
+            "bytes": nbytes,
+            "us": round(us, 2),
+            "GBps": round(nbytes / us / 1e3, 1),
+            "floor_us": round(floor, 2),
+            "x_floor": round(us / floor, 3),
+            "static_us": round(us_static, 2),
+            "static_GBps": round(nbytes / us_static / 1e3, 1),
+            "static_x_floor": round(us_static / floor, 3),
+        }
+        if kind == "bf16":
+            xs = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+            t_us = graph_time_us(
+                lambda i: torch.nn.functional.linear(xs, copies[i % len(copies)]), calls=2 * len(copies)
+            )
+            entry["torch_linear_us"] = round(t_us, 2)
+            if rows <= backbone.GEMV_MAX_TOKENS:
+                for name, static in (("gemv_bf16_us", False), ("gemv_bf16_static_us", True)):
+                    entry[name] = round(
+                        graph_time_us(
+                            lambda i: backbone.gemv(xs, copies[i % len(copies)], out=y, weight_static=static),
+                            calls=2 * len(copies),
+                        ),
+                        2,
                     )
-                    entry["torch_linear_us"] = round(t_us, 2)
-                    if rows <= backbone.GEMV_MAX_TOKENS:
-                        for name, static in (("gemv_bf16_us", False), ("gemv_bf16_static_us", True)):
-                            entry[name] = round(
-                                graph_time_us(
-                                    lambda i: backbone.gemv(xs, copies[i % len(copies)], out=y, weight_static=static),
-                                    calls=2 * len(copies),
-                                ),
-                                2,
-                            )
-                out.append(entry)
-                print(json.dumps(entry), flush=True)
-            del copies, ws
-            torch.cuda.empty_cache()
+        out.append(entry)
+        print(json.dumps(entry), flush=True)
     return out
 
 
@@ -252,131 +260,149 @@ VARIANTS = [  # (name, environment) of the GEMV's knobs (quantGemvKernel.cu)
 def bench_variants(rate: float, N: int, K: int, rows_list, kinds) -> list[dict]:
     """The GEMV (weight_static) under each tuning knob of VARIANTS, the environment set
     while the graph is captured (the library reads it at each launch)."""
+    out = []
+    for kind in kinds:
+        out += bench_variants_weight(rate, N, K, kind, rows_list)
+        torch.cuda.empty_cache()  # the weight copies of bench_variants_weight, freed on its return
+    return out
+
+
+def bench_variants_weight(rate: float, N: int, K: int, kind: str, rows_list) -> list[dict]:
+    """bench_variants' entries of one ``kind`` weight (its copies freed on return)."""
     from engram_trt.native import quant_kernels as qk
 
     out = []
-    for kind in kinds:
-        one = make_weight(kind, (), N, K)
-        nbytes = weight_bytes(one)
-        copies = [one] + [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
-        ws = [kernel_weight(w, False) for w in copies]
-        floor = nbytes / rate * 1e6
-        for rows in rows_list:
-            adt = torch.float32 if kind == "fp8" else torch.bfloat16
-            a = torch.randn(rows, K, device="cuda").to(adt)
-            y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-            entry = {"kind": kind, "N": N, "K": K, "rows": rows, "floor_us": round(floor, 2)}
-            for name, env in VARIANTS:
-                if name == "unstaged" and rows != 1:
-                    continue
-                saved = {k_: os.environ.get(k_) for k_ in env}
-                os.environ.update(env)
-                try:
-                    us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True), calls=2 * len(ws))
-                finally:
-                    for k_, v_ in saved.items():
-                        if v_ is None:
-                            os.environ.pop(k_, None)
-                        else:
-                            os.environ[k_] = v_
-                entry[name] = {"us": round(us, 2), "x_floor": round(us / floor, 3)}
-            out.append(entry)
-            print(json.dumps(entry), flush=True)
-        del copies, ws
-        torch.cuda.empty_cache()
+    one = make_weight(kind, (), N, K)
+    nbytes = weight_bytes(one)
+    copies = [one] + [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
+    ws = [kernel_weight(w, False) for w in copies]
+    floor = nbytes / rate * 1e6
+    for rows in rows_list:
+        adt = torch.float32 if kind == "fp8" else torch.bfloat16
+        a = torch.randn(rows, K, device="cuda").to(adt)
+        y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+        entry = {"kind": kind, "N": N, "K": K, "rows": rows, "floor_us": round(floor, 2)}
+        for name, env in VARIANTS:
+            if name == "unstaged" and rows != 1:
+                continue
+            saved = {k_: os.environ.get(k_) for k_ in env}
+            os.environ.update(env)
+            try:
+                us = graph_time_us(lambda i: qk.gemv(a, ws[i % len(ws)], y, weight_static=True), calls=2 * len(ws))
+            finally:
+                for k_, v_ in saved.items():
+                    if v_ is None:
+                        os.environ.pop(k_, None)
+                    else:
+                        os.environ[k_] = v_
+            entry[name] = {"us": round(us, 2), "x_floor": round(us / floor, 3)}
+        out.append(entry)
+        print(json.dumps(entry), flush=True)
     return out
 
 
 def bench_linear_decode(rate: float, N: int, K: int, rows_list, kinds) -> list[dict]:
     """native.quant.linear (the GEMV quantizing x itself) against act_quant + the GEMV."""
+    out = []
+    for kind in kinds:
+        out += bench_linear_decode_weight(rate, N, K, kind, rows_list)
+        torch.cuda.empty_cache()  # the weight copies of bench_linear_decode_weight, freed on its return
+    return out
+
+
+def bench_linear_decode_weight(rate: float, N: int, K: int, kind: str, rows_list) -> list[dict]:
+    """bench_linear_decode's entries of one ``kind`` weight (its copies freed on return)."""
     from engram_trt.native import quant as nq
     from engram_trt.native import quant_kernels as qk
 
     out = []
-    for kind in kinds:
-        copies = [make_weight(kind, (), N, K)]
-        nbytes = weight_bytes(copies[0])
-        copies += [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
-        ws = [kernel_weight(w, False) for w in copies]
-        group, ue8m0 = nq.ACT_QUANT[kind]
-        floor = nbytes / rate * 1e6
-        for rows in rows_list:
-            x = torch.randn(rows, K, device="cuda").to(torch.bfloat16)
-            y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
-            fused = graph_time_us(
-                lambda i: nq.linear(x, copies[i % len(copies)], weight_static=True), calls=2 * len(copies)
-            )
+    copies = [make_weight(kind, (), N, K)]
+    nbytes = weight_bytes(copies[0])
+    copies += [make_weight(kind, (), N, K) for _ in range(max(0, L2_ROTATE_BYTES // nbytes))]
+    ws = [kernel_weight(w, False) for w in copies]
+    group, ue8m0 = nq.ACT_QUANT[kind]
+    floor = nbytes / rate * 1e6
+    for rows in rows_list:
+        x = torch.randn(rows, K, device="cuda").to(torch.bfloat16)
+        y = torch.empty(rows, N, device="cuda", dtype=torch.bfloat16)
+        fused = graph_time_us(
+            lambda i: nq.linear(x, copies[i % len(copies)], weight_static=True), calls=2 * len(copies)
+        )
 
-            def two(i):
-                deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
-                qk.gemv(deq, ws[i % len(ws)], y, weight_static=True)
+        def two(i):
+            deq = qk.act_quant(x, group, ue8m0, q=False, scale=False, deq_dtype=torch.float32)[2]
+            qk.gemv(deq, ws[i % len(ws)], y, weight_static=True)
 
-            two_us = graph_time_us(two, calls=2 * len(copies))
-            entry = {
-                "kind": kind,
-                "N": N,
-                "K": K,
-                "rows": rows,
-                "floor_us": round(floor, 2),
-                "linear_us": round(fused, 2),
-                "linear_x_floor": round(fused / floor, 3),
-                "act_quant_then_gemv_us": round(two_us, 2),
-                "two_launch_x_floor": round(two_us / floor, 3),
-            }
-            out.append(entry)
-            print(json.dumps(entry), flush=True)
-        del copies, ws
-        torch.cuda.empty_cache()
+        two_us = graph_time_us(two, calls=2 * len(copies))
+        entry = {
+            "kind": kind,
+            "N": N,
+            "K": K,
+            "rows": rows,
+            "floor_us": round(floor, 2),
+            "linear_us": round(fused, 2),
+            "linear_x_floor": round(fused / floor, 3),
+            "act_quant_then_gemv_us": round(two_us, 2),
+            "two_launch_x_floor": round(two_us / floor, 3),
+        }
+        out.append(entry)
+        print(json.dumps(entry), flush=True)
     return out
 
 
 def bench_experts(rate: float, kinds, E: int = 256, N: int = 2048, K: int = 7168, k: int = 6) -> list[dict]:
+    out = []
+    for kind in kinds:
+        out += bench_experts_weight(rate, kind, E, N, K, k)
+        torch.cuda.empty_cache()  # the expert stack of bench_experts_weight, freed on its return
+    return out
+
+
+def bench_experts_weight(rate: float, kind: str, E: int, N: int, K: int, k: int) -> list[dict]:
+    """bench_experts' entries of one ``kind`` expert stack (freed on return)."""
     from engram_trt.native import quant as nq
     from engram_trt.native import quant_kernels as qk
 
     out = []
-    for kind in kinds:
-        stack = make_weight(kind, (E,), N, K)
-        w = kernel_weight(stack, True)
-        per_expert = weight_bytes(stack) // E
-        for tokens in (1, 4, 8, 32):
-            plans, distinct = [], []
-            for seed in range(16):
-                g = torch.Generator(device="cuda").manual_seed(seed)
-                ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(tokens)])
-                plans.append(nq.moe_plan(ids.to(torch.int32), E))
-                distinct.append(len(set(ids.reshape(-1).tolist())))
-            adt = torch.float32 if kind == "fp8" else torch.bfloat16
-            a = torch.randn(tokens, K, device="cuda").to(adt)
-            y = torch.empty(tokens * k, N, device="cuda", dtype=torch.float32)
+    stack = make_weight(kind, (E,), N, K)
+    w = kernel_weight(stack, True)
+    per_expert = weight_bytes(stack) // E
+    for tokens in (1, 4, 8, 32):
+        plans, distinct = [], []
+        for seed in range(16):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            ids = torch.stack([torch.randperm(E, generator=g, device="cuda")[:k] for _ in range(tokens)])
+            plans.append(nq.moe_plan(ids.to(torch.int32), E))
+            distinct.append(len(set(ids.reshape(-1).tolist())))
+        adt = torch.float32 if kind == "fp8" else torch.bfloat16
+        a = torch.randn(tokens, K, device="cuda").to(adt)
+        y = torch.empty(tokens * k, N, device="cuda", dtype=torch.float32)
 
-            def call(i):
-                p = plans[i % len(plans)]
-                qk.gemv(a, w, y, row_index=p.row_token, offsets=p.offsets, slot_expert=p.slot_expert)
+        def call(i):
+            p = plans[i % len(plans)]
+            qk.gemv(a, w, y, row_index=p.row_token, offsets=p.offsets, slot_expert=p.slot_expert)
 
-            us = graph_time_us(call, calls=len(plans) * 2)
-            rows_per_expert = tokens * k / statistics.mean(distinct)
-            nbytes = statistics.mean(distinct) * per_expert
-            floor = nbytes / rate * 1e6
-            entry = {
-                "kind": kind,
-                "experts": E,
-                "N": N,
-                "K": K,
-                "tokens": tokens,
-                "top_k": k,
-                "active_experts": statistics.mean(distinct),
-                "rows_per_expert": round(rows_per_expert, 2),
-                "bytes": int(nbytes),
-                "us": round(us, 2),
-                "GBps": round(nbytes / us / 1e3, 1),
-                "floor_us": round(floor, 2),
-                "x_floor": round(us / floor, 3),
-            }
-            out.append(entry)
-            print(json.dumps(entry), flush=True)
-        del stack, w
-        torch.cuda.empty_cache()
+        us = graph_time_us(call, calls=len(plans) * 2)
+        rows_per_expert = tokens * k / statistics.mean(distinct)
+        nbytes = statistics.mean(distinct) * per_expert
+        floor = nbytes / rate * 1e6
+        entry = {
+            "kind": kind,
+            "experts": E,
+            "N": N,
+            "K": K,
+            "tokens": tokens,
+            "top_k": k,
+            "active_experts": statistics.mean(distinct),
+            "rows_per_expert": round(rows_per_expert, 2),
+            "bytes": int(nbytes),
+            "us": round(us, 2),
+            "GBps": round(nbytes / us / 1e3, 1),
+            "floor_us": round(floor, 2),
+            "x_floor": round(us / floor, 3),
+        }
+        out.append(entry)
+        print(json.dumps(entry), flush=True)
     return out
 
 
@@ -411,70 +437,76 @@ def scaled_mm_variants(M: int, N: int, K: int) -> dict[str, Callable[[], Any] | 
 
 
 def bench_gemm(Ms, shapes, quick: bool) -> list[dict]:
+    out = []
+    for N, K in shapes:
+        out += bench_gemm_shape(Ms, N, K, quick)
+        torch.cuda.empty_cache()  # the weights of bench_gemm_shape, freed on its return
+    return out
+
+
+def bench_gemm_shape(Ms, N: int, K: int, quick: bool) -> list[dict]:
+    """bench_gemm's entries of one N x K weight shape (its weights freed on return)."""
     from engram_trt.native import quant_kernels as qk
 
     out = []
-    for N, K in shapes:
-        fp8_qw = make_weight("fp8", (), N, K)
-        fp8w = kernel_weight(fp8_qw, False)
-        fp4w = kernel_weight(make_weight("fp4", (), N, K), False)
-        bfw = make_weight("bf16", (), N, K)
-        bfk = kernel_weight(bfw, False)
-        for M in Ms:
-            flops = 2.0 * M * N * K
-            x = torch.randn(M, K, device="cuda")
-            q, s, _ = qk.act_quant(x, 128, False)
-            xb = x.to(torch.bfloat16)
-            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            iters = 5 if quick else 10
-            t = {
-                "fp8_gemm": event_time_us(lambda: qk.fp8_gemm(q, s, fp8w, y), iters),
-                "fp4_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, fp4w, y), iters),
-                "bf16_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, bfk, y), iters),
-                "torch_bf16_matmul": event_time_us(lambda: torch.matmul(xb, bfw.t()), iters),
-            }
-            extra = {}
-            for name, fn in scaled_mm_variants(M, N, K).items():
-                if callable(fn):
-                    t[name] = event_time_us(fn, iters)
-                else:
-                    extra[name] = fn
-            bf16_rate = flops / (t["torch_bf16_matmul"] * 1e-6)
-            entry = {
-                "M": M,
-                "N": N,
-                "K": K,
-                "GFLOP": round(flops / 1e9, 2),
-                "us": {k_: round(v, 1) for k_, v in t.items()},
-                "TFLOPs": {k_: round(flops / (v * 1e-6) / 1e12, 1) for k_, v in t.items()},
-                # time / floor: the bf16 floor is torch's bf16 matmul here; the FP8 floor twice its rate
-                "x_bf16_floor": {k_: round(v / t["torch_bf16_matmul"], 3) for k_, v in t.items()},
-                "x_fp8_floor": {k_: round(v / (flops / (2 * bf16_rate) * 1e6), 3) for k_, v in t.items()},
-                **extra,
-            }
-            # a sanity check of the FP8 GEMM against torch on the dequantized operands
-            ref = (q.float() * s.repeat_interleave(128, 1)[:, :K]) @ qk.dequantize(fp8w)[0].t()
-            qk.fp8_gemm(q, s, fp8w, y)
-            entry["fp8_gemm_rel_err"] = float((y.float() - ref).norm() / ref.norm())
-            # native.quant.linear: act quant + the route it picks (torch's block-wise _scaled_mm or ours)
-            from engram_trt.native import quant as nq
+    fp8_qw = make_weight("fp8", (), N, K)
+    fp8w = kernel_weight(fp8_qw, False)
+    fp4w = kernel_weight(make_weight("fp4", (), N, K), False)
+    bfw = make_weight("bf16", (), N, K)
+    bfk = kernel_weight(bfw, False)
+    for M in Ms:
+        flops = 2.0 * M * N * K
+        x = torch.randn(M, K, device="cuda")
+        q, s, _ = qk.act_quant(x, 128, False)
+        xb = x.to(torch.bfloat16)
+        y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        iters = 5 if quick else 10
+        t = {
+            "fp8_gemm": event_time_us(lambda: qk.fp8_gemm(q, s, fp8w, y), iters),
+            "fp4_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, fp4w, y), iters),
+            "bf16_grouped_gemm": event_time_us(lambda: qk.grouped_gemm(xb, bfk, y), iters),
+            "torch_bf16_matmul": event_time_us(lambda: torch.matmul(xb, bfw.t()), iters),
+        }
+        extra = {}
+        for name, fn in scaled_mm_variants(M, N, K).items():
+            if callable(fn):
+                t[name] = event_time_us(fn, iters)
+            else:
+                extra[name] = fn
+        bf16_rate = flops / (t["torch_bf16_matmul"] * 1e-6)
+        entry = {
+            "M": M,
+            "N": N,
+            "K": K,
+            "GFLOP": round(flops / 1e9, 2),
+            "us": {k_: round(v, 1) for k_, v in t.items()},
+            "TFLOPs": {k_: round(flops / (v * 1e-6) / 1e12, 1) for k_, v in t.items()},
+            # time / floor: the bf16 floor is torch's bf16 matmul here; the FP8 floor twice its rate
+            "x_bf16_floor": {k_: round(v / t["torch_bf16_matmul"], 3) for k_, v in t.items()},
+            "x_fp8_floor": {k_: round(v / (flops / (2 * bf16_rate) * 1e6), 3) for k_, v in t.items()},
+            **extra,
+        }
+        # a sanity check of the FP8 GEMM against torch on the dequantized operands
+        ref = (q.float() * s.repeat_interleave(128, 1)[:, :K]) @ qk.dequantize(fp8w)[0].t()
+        qk.fp8_gemm(q, s, fp8w, y)
+        entry["fp8_gemm_rel_err"] = float((y.float() - ref).norm() / ref.norm())
+        # native.quant.linear: act quant + the route it picks (torch's block-wise _scaled_mm or ours)
+        from engram_trt.native import quant as nq
 
-            qw = fp8_qw
-            reason = nq.scaled_mm_reason(fp8w, x.device, torch.bfloat16)
-            entry["linear_route"] = "torch._scaled_mm" if reason is None else f"engram_fp8_gemm ({reason})"
-            t_lin = event_time_us(lambda: nq.linear(xb, qw), iters)
-            entry["us"]["linear_fp8"] = round(t_lin, 1)
-            entry["TFLOPs"]["linear_fp8"] = round(flops / (t_lin * 1e-6) / 1e12, 1)
-            yl = nq.linear(xb, qw)
-            reason = nq.scaled_mm_reason(fp8w, x.device, torch.bfloat16)  # a refusal seen in the call is recorded
-            entry["linear_route_after"] = "torch._scaled_mm" if reason is None else f"engram_fp8_gemm ({reason})"
-            qb, sb, _ = qk.act_quant(xb, 128, False)  # linear's own activations, through our GEMM
-            qk.fp8_gemm(qb, sb, fp8w, y)
-            entry["linear_vs_fp8_gemm_rel_err"] = float((yl.float() - y.float()).norm() / y.float().norm())
-            out.append(entry)
-            print(json.dumps(entry), flush=True)
-        del fp8w, fp4w, bfw, bfk, fp8_qw
-        torch.cuda.empty_cache()
+        qw = fp8_qw
+        reason = nq.scaled_mm_reason(fp8w, x.device, torch.bfloat16)
+        entry["linear_route"] = "torch._scaled_mm" if reason is None else f"engram_fp8_gemm ({reason})"
+        t_lin = event_time_us(lambda: nq.linear(xb, qw), iters)
+        entry["us"]["linear_fp8"] = round(t_lin, 1)
+        entry["TFLOPs"]["linear_fp8"] = round(flops / (t_lin * 1e-6) / 1e12, 1)
+        yl = nq.linear(xb, qw)
+        reason = nq.scaled_mm_reason(fp8w, x.device, torch.bfloat16)  # a refusal seen in the call is recorded
+        entry["linear_route_after"] = "torch._scaled_mm" if reason is None else f"engram_fp8_gemm ({reason})"
+        qb, sb, _ = qk.act_quant(xb, 128, False)  # linear's own activations, through our GEMM
+        qk.fp8_gemm(qb, sb, fp8w, y)
+        entry["linear_vs_fp8_gemm_rel_err"] = float((yl.float() - y.float()).norm() / y.float().norm())
+        out.append(entry)
+        print(json.dumps(entry), flush=True)
     return out
 
 

@@ -72,8 +72,9 @@ def measure_cases(table_gib: float, reps: int, child: bool) -> dict[str, dict[st
     t0 = time.perf_counter()
     rows, scales = pinned_fp8_table(rows_n)
     print(
-        f"table {rows_n:,} rows ready in {time.perf_counter() - t0:.1f} s; torch threads {torch.get_num_threads()}, "
-        f"affinity {len(os.sched_getaffinity(0))} CPUs, torch parallel info: {torch.__config__.parallel_info().splitlines()[:4]}",
+        f"table {rows_n:,} rows ready in {time.perf_counter() - t0:.1f} s; "
+        f"torch threads {torch.get_num_threads()}, affinity {len(os.sched_getaffinity(0))} CPUs, "
+        f"torch parallel info: {torch.__config__.parallel_info().splitlines()[:4]}",
         flush=True,
     )
     rng = np.random.default_rng(0)

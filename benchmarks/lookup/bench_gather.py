@@ -474,16 +474,16 @@ def _run_gpu(opts: GatherOptions, tables: Any, id_sets: dict[int, list[Any]]) ->
 
                         if call == "bound":
                             bound = g.bind(*table, quant_block=QUANT_BLOCK, layout=layout)
-                            one = lambda i: bound(sets[i], out, on_gpu(i))  # noqa: E731
+
+                            def one(i: int) -> Any:
+                                return bound(sets[i], out, on_gpu(i))
                         else:
-                            one = lambda i: g.gather(
-                                sets[i],
-                                *table,
-                                quant_block=QUANT_BLOCK,
-                                out=out,  # noqa: E731
-                                layout=layout,
-                                ids_dev=on_gpu(i),
-                            )
+
+                            def one(i: int) -> Any:
+                                return g.gather(
+                                    sets[i], *table, quant_block=QUANT_BLOCK, out=out, layout=layout, ids_dev=on_gpu(i)
+                                )
+
                         sec, _ = median_wall(
                             one,
                             opts.reps,

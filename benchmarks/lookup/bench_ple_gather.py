@@ -142,8 +142,8 @@ def run(opts: PleGatherOptions) -> int:
     cases = [("decode", n) for n in opts.decode] + [("prefill", n) for n in opts.prefill]
     results = {"limits": limits, "pages": opts.pages, "pages_got": pages, "thp_gib": huge_gib, "cases": []}
     print(
-        f"{'step':>8} {'tokens':>6} {'rows':>7} {'MB':>7} | {'UVA GB/s':>8} {'/link':>6} | {'host GB/s':>9} {'/link':>6}"
-        f" | {'HBM GB/s':>8} {'/link':>6} | UVA/host",
+        f"{'step':>8} {'tokens':>6} {'rows':>7} {'MB':>7} | {'UVA GB/s':>8} {'/link':>6} | {'host GB/s':>9} "
+        f"{'/link':>6} | {'HBM GB/s':>8} {'/link':>6} | UVA/host",
         flush=True,
     )
     for kind, n in cases:
@@ -174,9 +174,9 @@ def run(opts: PleGatherOptions) -> int:
             row[f"{name}_of_link"] = nbytes / t / 1e9 / h2d
         results["cases"].append(row)
         print(
-            f"{kind:>8} {n:>6} {flat.numel():>7} {nbytes / 1e6:>7.2f} | {row['uva_GBps']:>8.1f} {row['uva_of_link']:>6.2f} | "
-            f"{row['host_GBps']:>9.1f} {row['host_of_link']:>6.2f} | {row['hbm_GBps']:>8.1f} {row['hbm_of_link']:>6.2f} | "
-            f"{t_host / t_uva:>6.2f}x",
+            f"{kind:>8} {n:>6} {flat.numel():>7} {nbytes / 1e6:>7.2f} | {row['uva_GBps']:>8.1f} "
+            f"{row['uva_of_link']:>6.2f} | {row['host_GBps']:>9.1f} {row['host_of_link']:>6.2f} | "
+            f"{row['hbm_GBps']:>8.1f} {row['hbm_of_link']:>6.2f} | {t_host / t_uva:>6.2f}x",
             flush=True,
         )
     gatherer.close()

@@ -146,6 +146,13 @@ def measure_limits(device: torch.device) -> dict[str, float]:
     host-to-device link (a pinned 1 GiB copy)."""
     if device.type != "cuda":
         return {}
+    out = _timed_limits(device)
+    torch.cuda.empty_cache()  # the buffers of _timed_limits, freed on its return
+    return out
+
+
+def _timed_limits(device: torch.device) -> dict[str, float]:
+    """measure_limits' timings; the buffers they use are freed when it returns."""
     out: dict[str, float] = {}
     a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
@@ -157,8 +164,6 @@ def measure_limits(device: torch.device) -> dict[str, float]:
     h = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     t = time_fn(lambda: a.copy_(h, non_blocking=True), device, 2, 10)["median_s"]
     out["h2d_GBps"] = h.numel() / t / 1e9
-    del a, b, m, h
-    torch.cuda.empty_cache()
     return out
 
 

@@ -215,7 +215,8 @@ def _run_weights(opts: Dsv4StepOptions, weights: str, dev: Any, dtype: Any, limi
         gib = sum(r.numel() + s.numel() for r, s in tables) / 2**30
         out.setdefault("tables", {})[where] = {"gib": gib, "kind": store.kind, "where": store.where()}
         print(
-            f"{where}: tables {gib:.2f} GiB in {store.where()} ({store.kind}), made in {time.perf_counter() - t1:.0f} s",
+            f"{where}: tables {gib:.2f} GiB in {store.where()} ({store.kind}), "
+            f"made in {time.perf_counter() - t1:.0f} s",
             flush=True,
         )
         calibrated: dict[str, Any] = {}
@@ -420,8 +421,8 @@ def _print(results: dict[str, Any], opts: Dsv4StepOptions, lim: dict[str, float]
     """One weight format's tables (``weights`` names it when several ran)."""
     if lim and weights in (None, opts.weights[0]):
         print(
-            f"\nlimits measured now: HBM copy {lim['hbm_GBps']:.0f} GB/s, bf16 matmul {lim['bf16_TFLOPs']:.0f} TFLOP/s, "
-            f"pinned H2D {lim['h2d_GBps']:.1f} GB/s"
+            f"\nlimits measured now: HBM copy {lim['hbm_GBps']:.0f} GB/s, "
+            f"bf16 matmul {lim['bf16_TFLOPs']:.0f} TFLOP/s, pinned H2D {lim['h2d_GBps']:.1f} GB/s"
         )
     if weights is not None:
         what = results["model"]["quantization"] or "every weight " + results["model"]["dtype"]

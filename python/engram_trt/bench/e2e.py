@@ -546,7 +546,10 @@ def svg_plot(results: list[dict[str, Any]], title: str) -> str:
     ]
     pts = [p for _, s in series for p in s]
     if not pts:
-        return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}"><text x="10" y="20">no figures</text></svg>'
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}">'
+            '<text x="10" y="20">no figures</text></svg>'
+        )
     xs = [math.log2(n) for n, _ in pts]
     ys = [math.log2(v) for _, v in pts]
     x0, x1 = min(xs), max(max(xs), min(xs) + 1)

@@ -147,7 +147,8 @@ def run(opts: ServeOptions) -> int:
         for n, r in res["levels"].items():
             r["ratio_to_one"] = r["tokens_per_s"] / base if base else None
             print(
-                f"{n:>10} {r['tokens_per_s']:>12.1f} {(r['ratio_to_one'] or 0):>13.2f}x {r['mean_seqs_per_step']:>12.1f}"
+                f"{n:>10} {r['tokens_per_s']:>12.1f} {(r['ratio_to_one'] or 0):>13.2f}x "
+                f"{r['mean_seqs_per_step']:>12.1f}"
             )
         if breakdown:
             print_breakdown(res["levels"], format_table)
@@ -206,7 +207,8 @@ def print_breakdown(levels: dict[int, Any], format_table: Any) -> None:
     for n, r in levels.items():
         print(f"\n{n} concurrent: " + format_table(r["host_breakdown"], "decode"))
     print(
-        f"\n{'concurrent':>10} {'us/decode step':>15} {'host no fwd':>12} {'gpu_us':>8} {'us/token':>9} {'host no fwd':>12}"
+        f"\n{'concurrent':>10} {'us/decode step':>15} {'host no fwd':>12} {'gpu_us':>8} "
+        f"{'us/token':>9} {'host no fwd':>12}"
     )
     for n, r in levels.items():
         d = r["host_breakdown"]["decode"]

@@ -241,13 +241,15 @@ def run(opts: SteadyOptions) -> int:
         if name in res:
             r, q = res[name], res["ratios"][name]
             print(
-                f"{name:>5}: {r.get('steady_decode_tokens_per_s')} tokens/s steady ({r.get('backend')}, {r.get('device')}, "
-                f"{r.get('dtype')}; warm-up {r.get('decode_warmup_s')} s, capture {r.get('graph_capture_s', 0)} s); "
+                f"{name:>5}: {r.get('steady_decode_tokens_per_s')} tokens/s steady "
+                f"({r.get('backend')}, {r.get('device')}, {r.get('dtype')}; "
+                f"warm-up {r.get('decode_warmup_s')} s, capture {r.get('graph_capture_s', 0)} s); "
                 f"bench serve / {name} = {q['serve_over_steady']} (within {TARGET}x: {q['within_target']})"
             )
     print(
-        f"bench serve, one stream: {serve_one:.1f} tokens/s, steady "
-        f"{res['bench_serve'].get('one_stream_steady_decode_tokens_per_s')} tokens/s ({res['bench_serve'].get('backend')})"
+        f"bench serve, one stream: {serve_one:.1f} tokens/s, "
+        f"steady {res['bench_serve'].get('one_stream_steady_decode_tokens_per_s')} tokens/s "
+        f"({res['bench_serve'].get('backend')})"
         if serve_one
         else "bench serve, one stream: no figure"
     )

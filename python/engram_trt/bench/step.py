@@ -500,8 +500,8 @@ def _bound_ms(
 def _print(results: dict[str, Any], modes: list[str]) -> None:
     lim, info = results["limits"], results["model"]
     print(
-        f"limits measured now: HBM copy {lim.get('hbm_GBps', 0):.0f} GB/s, bf16 matmul {lim.get('bf16_TFLOPs', 0):.0f} TFLOP/s, "
-        f"pinned H2D {lim.get('h2d_GBps', 0):.1f} GB/s"
+        f"limits measured now: HBM copy {lim.get('hbm_GBps', 0):.0f} GB/s, "
+        f"bf16 matmul {lim.get('bf16_TFLOPs', 0):.0f} TFLOP/s, pinned H2D {lim.get('h2d_GBps', 0):.1f} GB/s"
     )
     if results.get("calibration"):
         print(f"pinned-auto: start-up calibration {results['calibration']}")
@@ -541,7 +541,10 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
                 print(
                     f"  A/B {m} / {row[m]['ab_base']} by round: "
                     + " ".join(f"{x:.3f}" for x in rr)
-                    + f" (better in {sum(x < 1 for x in rr)} of {len(rr)}; all steps {row[m]['step_ms'] / row[row[m]['ab_base']]['step_ms']:.3f})"
+                    + (
+                        f" (better in {sum(x < 1 for x in rr)} of {len(rr)}; "
+                        f"all steps {row[m]['step_ms'] / row[row[m]['ab_base']]['step_ms']:.3f})"
+                    )
                 )
         host = [f"{m} {row[m]['ratio_to_device']:.3f}x" for m in modes if row[m].get("ratio_to_device")]
         if host:
@@ -576,8 +579,8 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
             for li, layer in enumerate((tl or {}).get("layers", [])):
                 host = layer["host_gather_ms"]
                 print(
-                    f"    layer {li}: main stream at its read {layer['read_ms']:.3f} ms, rows ready {layer['ready_ms']:.3f} ms "
-                    f"(GPU clock)"
+                    f"    layer {li}: main stream at its read {layer['read_ms']:.3f} ms, "
+                    f"rows ready {layer['ready_ms']:.3f} ms (GPU clock)"
                     + ("" if host is None else f"; host gather call {host[0]:.3f}-{host[1]:.3f} ms after submit")
                 )
             sp = row[m].get("streams")
@@ -595,9 +598,9 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
                 idle = sp.get("main_idle")
                 if idle:
                     print(
-                        f"  {m}: main stream idle within the step ({sp['profiled_step_us']:.0f} us under the profiler): "
-                        f"{idle['lead_us']:.0f} us before its first kernel, {idle['gaps_us']:.0f} us between kernels, "
-                        f"{idle['tail_us']:.0f} us after its last; largest gaps: "
+                        f"  {m}: main stream idle within the step ({sp['profiled_step_us']:.0f} us under the "
+                        f"profiler): {idle['lead_us']:.0f} us before its first kernel, {idle['gaps_us']:.0f} us "
+                        f"between kernels, {idle['tail_us']:.0f} us after its last; largest gaps: "
                         + "; ".join(
                             f"{g['us']:.0f} us after {g['after'][:40]} before {g['before'][:40]}"
                             for g in idle["largest"][:3]
@@ -610,7 +613,8 @@ def _print(results: dict[str, Any], modes: list[str]) -> None:
                     + "; ".join(f"{r['function']} {r['own_us']:.0f} us ({r['calls_per_step']:g}x)" for r in hp["top"])
                 )
     print(
-        "ratios: step time / step time with the Engram layers removed; baseline/bound: the no-Engram step over its floor "
-        "(backbone weights + KV read for decode, FLOPs for prefill); floor ratio: the Engram step's floor (its wkv and gate "
-        "weights and staged rows read, or their FLOPs) over the backbone's, the least Engram can cost"
+        "ratios: step time / step time with the Engram layers removed; "
+        "baseline/bound: the no-Engram step over its floor "
+        "(backbone weights + KV read for decode, FLOPs for prefill); floor ratio: the Engram step's floor (its wkv "
+        "and gate weights and staged rows read, or their FLOPs) over the backbone's, the least Engram can cost"
     )

@@ -117,7 +117,8 @@ class BuildResult:
         lines = [f"engine folder: {self.output_dir}"]
         if self.engine_path is not None:
             lines.append(
-                f"engine: {self.engine_path.name} {self.engine_bytes / mb:.1f} MiB ({self.trt['flavour'] if self.trt else '?'} {self.trt['version'] if self.trt else ''}), "
+                f"engine: {self.engine_path.name} {self.engine_bytes / mb:.1f} MiB "
+                f"({self.trt['flavour'] if self.trt else '?'} {self.trt['version'] if self.trt else ''}), "
                 f"plugin layers: {len(self.plugin_layers)}"
             )
         else:
@@ -289,7 +290,8 @@ def build_engine(
         missing = [n for n in exported.io.get("plugins", PLUGIN_NAMES) if n not in registered]
         if missing:
             raise EngramError(
-                f"the plugin library '{plugin_library}' registers no creator for {', '.join(missing)}; rebuild it from this source tree (cmake --build build)"
+                f"the plugin library '{plugin_library}' registers no creator for {', '.join(missing)}; "
+                "rebuild it from this source tree (cmake --build build)"
             )
     network = tc.create_network(builder)
     parser = tc.onnx_parser(network)
@@ -418,7 +420,8 @@ def build(
             foreign = foreign_repack_files(ckpt, repack_dir)
             if foreign and not force:
                 raise EngramError(
-                    f"--repack-tables: '{foreign[0]}' exists and was not written by a re-pack; move it away, choose another folder, or pass --force to replace it"
+                    f"--repack-tables: '{foreign[0]}' exists and was not written by a re-pack; "
+                    "move it away, choose another folder, or pass --force to replace it"
                 )
         tmp = atomic.temp_sibling(out, "build")
         repacked: list[RepackedTables] = []  # filled by _build_into, committed or discarded here
@@ -504,7 +507,8 @@ def _build_into(
         atomic.pause_point("build:check")
         if spec is not None and ckpt.tokenizer_json is None:
             raise EngramError(
-                f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)"
+                f"checkpoint '{ckpt.path}' has no tokenizer.json, "
+                "which Engram needs for the compressed vocab (copy the model's tokenizer.json into it)"
             )
         arch = ckpt.architecture
         require_valid(ckpt)  # the tensors against the config (table shapes do not depend on the pad id)
@@ -519,7 +523,8 @@ def _build_into(
             check_compressed_size(vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))
             if spec.pad_token_id >= vocab.vocab_size:
                 raise EngramError(
-                    f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})"
+                    f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the "
+                    f"tokenizer (vocab {vocab.vocab_size})"
                 )
             layout = EngramLayout.from_spec(spec, pad_id=int(vocab.lookup[spec.pad_token_id]))
             arch.validate(ckpt, layout)  # the tables against the layout (DeepSeek-V4.1's are checked only here)
@@ -584,10 +589,16 @@ def _build_into(
         if not build_engine_if_possible:
             skipped = "engine build not requested"
         elif not tc.available():
-            skipped = f"no TensorRT builder is importable ({tc.NOT_INSTALLED_REASON.split(' (')[0]} and neither is tensorrt_rtx); the exported graph {ONNX_NAME} is the artifact: build it where TensorRT is installed"
+            skipped = (
+                f"no TensorRT builder is importable ({tc.NOT_INSTALLED_REASON.split(' (')[0]} and neither is "
+                f"tensorrt_rtx); the exported graph {ONNX_NAME} is the artifact: build it where TensorRT is installed"
+            )
             log.warning("%s", skipped)
         elif plugin_info is None:
-            skipped = "the plugin library libengram_trt_plugins.so was not found (build it with `cmake -S . -B build && cmake --build build -j2`, or pass --plugin-lib)"
+            skipped = (
+                "the plugin library libengram_trt_plugins.so was not found "
+                "(build it with `cmake -S . -B build && cmake --build build -j2`, or pass --plugin-lib)"
+            )
             log.warning("%s", skipped)
         else:
             trt_info = tc.describe()
@@ -732,5 +743,6 @@ def _check_engine_size(engine_bytes: int, tables_bytes: int, exported: Any, plug
     allowance = 2 * exported.initializer_bytes + lib + 64 * 1024 * 1024
     if tables_bytes and engine_bytes > allowance + tables_bytes // 2:
         raise EngramError(
-            f"internal: the engine ({engine_bytes} bytes) is larger than its backbone, kernels and plugins allow ({allowance} bytes): table bytes may have entered it"
+            f"internal: the engine ({engine_bytes} bytes) is larger than its backbone, "
+            f"kernels and plugins allow ({allowance} bytes): table bytes may have entered it"
         )

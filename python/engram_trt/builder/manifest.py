@@ -28,11 +28,13 @@ from engram_trt.config.jsonfile import read_json_object
 from engram_trt.errors import EngramError
 
 # The table references and their hashing live with the stores that read them; the
-# builder records what they check.
+# builder records what they check (re-exported, marked by the redundant aliases: the build imports them from here).
 from engram_trt.tables.source import (
     TableRef,
     checkpoint_table_refs,
-    sha256_file,  # noqa: F401
+    hash_tables as hash_tables,
+    sha256_file as sha256_file,
+    sha256_file_region as sha256_file_region,
     verify_table_hashes,
 )
 
@@ -219,7 +221,8 @@ def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
     p = Path(engine_dir) / MANIFEST_NAME
     if not p.is_file():
         raise EngramError(
-            f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output {shlex.quote(str(engine_dir))}`)"
+            f"'{engine_dir}' has no {MANIFEST_NAME} (build it with `engram-trt build CHECKPOINT --output "
+            f"{shlex.quote(str(engine_dir))}`)"
         )
     try:
         data = read_json_object(p, MANIFEST_NAME)
@@ -227,7 +230,8 @@ def read_manifest(engine_dir: str | Path) -> dict[str, Any]:
         raise EngramError(f"{exc} (the engine folder is damaged; rebuild it)") from None
     if data.get("manifest_version") != MANIFEST_VERSION:
         raise EngramError(
-            f"{p}: manifest version {str(data.get('manifest_version'))[:20]} is not {MANIFEST_VERSION}; rebuild the engine folder"
+            f"{p}: manifest version {str(data.get('manifest_version'))[:20]} is not "
+            f"{MANIFEST_VERSION}; rebuild the engine folder"
         )
     return data
 

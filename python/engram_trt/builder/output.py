@@ -45,11 +45,13 @@ def output_paths(
     home = checkpoint_boundary(ckpt.path)
     if atomic.is_within(out, home):
         raise EngramError(
-            f"--output '{out}' is inside the checkpoint folder '{home}': the build's files would mix with the model's; choose a folder outside it"
+            f"--output '{out}' is inside the checkpoint folder '{home}': "
+            "the build's files would mix with the model's; choose a folder outside it"
         )
     if atomic.is_within(home, out):
         raise EngramError(
-            f"the checkpoint '{home}' lies inside --output '{out}': rebuilding the output folder would move it; choose another --output"
+            f"the checkpoint '{home}' lies inside --output '{out}': "
+            "rebuilding the output folder would move it; choose another --output"
         )
     repack: Path | None = None
     if repack_tables_dir is not None:
@@ -65,7 +67,8 @@ def output_paths(
             )
         if atomic.is_within(repack, out):
             raise EngramError(
-                f"--repack-tables '{repack}' is inside --output '{out}', which a rebuild replaces whole; choose a folder beside it"
+                f"--repack-tables '{repack}' is inside --output '{out}', "
+                "which a rebuild replaces whole; choose a folder beside it"
             )
     return out, repack
 
@@ -111,14 +114,15 @@ def check_output_is_ours(out: Path, force: bool, warn: bool = True) -> set[str]:
     if before is None:
         if not force:
             raise EngramError(
-                f"--output '{out}' holds files engram-trt did not write (e.g. {names[0]}) and no manifest of an earlier build; {fix}"
+                f"--output '{out}' holds files engram-trt did not write (e.g. {names[0]}) "
+                f"and no manifest of an earlier build; {fix}"
             )
     else:
         clash = [n for n in names if n in OUTPUT_NAMES and n not in before]
         if clash and not force:
             raise EngramError(
-                f"--output '{out}': {clash[0]} there was not written by the earlier build, and this build writes that name; "
-                f"move it away, or {fix}"
+                f"--output '{out}': {clash[0]} there was not written by the earlier build, "
+                f"and this build writes that name; move it away, or {fix}"
             )
     replaced = [n for n in names if n in OUTPUT_NAMES]
     if force and replaced and warn:

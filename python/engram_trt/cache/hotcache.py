@@ -286,14 +286,14 @@ class HotRowCache:
     """De-duplicating, frequency-admitted device cache of a host table's rows.
 
     ``rows_host`` / ``scales_host``: the host table (split: fp8 rows + scales, or float
-    rows, bf16 / f16 / f32, with no scales, delivered in their own dtype; inline: fp8 ``[N, head_dim + head_dim / quant_block]`` with scales None;
-    hbm-scales: fp8 rows in host memory, their scales ``[N, head_dim / quant_block]`` on
-    ``device``).
+    rows, bf16 / f16 / f32, with no scales, delivered in their own dtype; inline: fp8
+    ``[N, head_dim + head_dim / quant_block]`` with scales None; hbm-scales: fp8 rows in
+    host memory, their scales ``[N, head_dim / quant_block]`` on ``device``).
     ``capacity_rows`` (default ``capacity_fraction`` of the table, 5%) cached rows live
     on ``device`` in the stored form, beside a miss area of ``max_step_rows`` rows.
     ``gather(ids)`` returns the rows of a step's ids (bf16 for fp8, else the table's
-    dtype), exactly what a plain gather of the same ids gives. Once the cache is full, replacements are tried every
-    ``admit_every`` steps (counting runs every step). ``initial_counts``: offline lookup
+    dtype), exactly what a plain gather of the same ids gives. Once the cache is full,
+    replacements are tried every ``admit_every`` steps (counting runs every step). ``initial_counts``: offline lookup
     counts per row (``[N]`` integers) to warm the cache from: its most frequent rows are
     loaded at construction (one host gather) and the counts seed the LFU. The host
     gather (``gatherer``) serves CUDA devices, where the policy runs fused kernels

@@ -44,12 +44,18 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 import torch
 
-# Re-exported: callers import the file-level pieces from here too.
+# Re-exported (the redundant aliases mark them so): callers import the file-level pieces from here too.
 from engram_trt.checkpoint.files import (
-    MAX_HEADER_BYTES,  # noqa: F401
+    BF16_TABLE_DTYPES as BF16_TABLE_DTYPES,
+    FP8_SCALE_DTYPES as FP8_SCALE_DTYPES,
+    FP8_TABLE_DTYPES as FP8_TABLE_DTYPES,
+    MAX_HEADER_BYTES as MAX_HEADER_BYTES,
+    ST_DTYPES as ST_DTYPES,
     TensorInfo,
     _tensor_infos,
+    checkpoint_boundary as checkpoint_boundary,
     confined_file,
+    read_safetensors_header as read_safetensors_header,
 )
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.model import ArchitectureConfig, ModelConfig, read_config_dict
@@ -132,7 +138,8 @@ class Checkpoint:
             )
         if not root.is_dir():
             raise CheckpointError(
-                f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, or make one with `engram-trt demo-checkpoint OUT`)"
+                f"checkpoint folder '{root}' does not exist (pass a folder holding config.json and *.safetensors, "
+                "or make one with `engram-trt demo-checkpoint OUT`)"
             )
         cfg_file = root / CONFIG_NAME
         if not cfg_file.is_file():
@@ -150,13 +157,15 @@ class Checkpoint:
                 missing = sorted(set(expected) - set(found), key=natural_key)
                 if missing:
                     raise CheckpointError(
-                        f"shard '{shard}' lacks tensor '{missing[0]}' that {INDEX_NAME} assigns to it ({len(missing)} missing): the shard is stale or the index is wrong; re-copy the checkpoint"
+                        f"shard '{shard}' lacks tensor '{missing[0]}' that {INDEX_NAME} assigns to it "
+                        f"({len(missing)} missing): the shard is stale or the index is wrong; re-copy the checkpoint"
                     )
                 found = {k: v for k, v in found.items() if k in expected}
             for name, info in found.items():
                 if name in infos:
                     raise CheckpointError(
-                        f"tensor '{name}' appears in both '{infos[name].file.name}' and '{shard.name}' (keep one copy; fix {INDEX_NAME})"
+                        f"tensor '{name}' appears in both '{infos[name].file.name}' and '{shard.name}' "
+                        f"(keep one copy; fix {INDEX_NAME})"
                     )
                 infos[name] = info
         tok = root / TOKENIZER_NAME
@@ -188,7 +197,8 @@ class Checkpoint:
             for f in sorted(by_file, key=lambda p: natural_key(p.name)):
                 if not f.is_file():
                     raise CheckpointError(
-                        f"checkpoint '{root}' is missing shard '{f.name}' named in {INDEX_NAME} ({len(by_file[f])} tensors live there): copy the missing file into the folder or re-download the checkpoint"
+                        f"checkpoint '{root}' is missing shard '{f.name}' named in {INDEX_NAME} ({len(by_file[f])} "
+                        "tensors live there): copy the missing file into the folder or re-download the checkpoint"
                     )
             return dict(by_file)
         single = root / SINGLE_NAME
@@ -197,7 +207,8 @@ class Checkpoint:
         stray = sorted(root.glob("*.safetensors"))
         if stray:
             raise CheckpointError(
-                f"checkpoint '{root}' has {stray[0].name} but no {INDEX_NAME} (add the index that maps tensor names to shards)"
+                f"checkpoint '{root}' has {stray[0].name} but no {INDEX_NAME} "
+                "(add the index that maps tensor names to shards)"
             )
         raise CheckpointError(
             f"checkpoint '{root}' holds no weights (expected {INDEX_NAME} with its shards, or {SINGLE_NAME})"
@@ -250,7 +261,8 @@ class Checkpoint:
                 h = safe_open(str(file), framework="pt", device="cpu")
             except Exception as exc:  # the library's own refusal (SafetensorError, OSError)
                 raise CheckpointError(
-                    f"{file}: the safetensors library cannot open it ({str(exc).splitlines()[0][:200]}); the file is damaged, re-copy it"
+                    f"{file}: the safetensors library cannot open it ({str(exc).splitlines()[0][:200]}); "
+                    "the file is damaged, re-copy it"
                 ) from None
             self._handles[file] = h
         return h
@@ -294,7 +306,8 @@ class Checkpoint:
         info = self.info(name)
         if len(info.shape) < 1 or info.shape[0] == 0:
             raise CheckpointError(
-                f"tensor '{name}' has shape {list(info.shape)}: rows can only be read from a tensor with a leading row dimension"
+                f"tensor '{name}' has shape {list(info.shape)}: "
+                "rows can only be read from a tensor with a leading row dimension"
             )
         rows = info.shape[0]
         row_bytes = info.nbytes // rows
@@ -423,7 +436,8 @@ def write_checkpoint(
         present = sorted(p.name for p in out.iterdir() if is_checkpoint_file_name(p.name))
         if present:
             raise CheckpointError(
-                f"'{out}' already holds a checkpoint ({present[0]}, ...): writing into it would replace its files; choose an empty folder (or pass overwrite=True)"
+                f"'{out}' already holds a checkpoint ({present[0]}, ...): writing into it would replace its files; "
+                "choose an empty folder (or pass overwrite=True)"
             )
     out.mkdir(parents=True, exist_ok=True)
     ModelConfig.from_dict(dict(config_dict), source="config to write")  # refuse a bad config before writing

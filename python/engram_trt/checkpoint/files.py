@@ -88,11 +88,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             (n,) = struct.unpack("<Q", head)
             if n > size - 8:
                 raise CheckpointError(
-                    f"{path}: header length {n} exceeds the file size {size}: the file is truncated or not safetensors (re-copy it)"
+                    f"{path}: header length {n} exceeds the file size {size}: "
+                    "the file is truncated or not safetensors (re-copy it)"
                 )
             if n > MAX_HEADER_BYTES:
                 raise CheckpointError(
-                    f"{path}: header of {n} bytes is larger than safetensors allows ({MAX_HEADER_BYTES}); the file is damaged or not safetensors (re-copy it)"
+                    f"{path}: header of {n} bytes is larger than safetensors allows ({MAX_HEADER_BYTES}); "
+                    "the file is damaged or not safetensors (re-copy it)"
                 )
             raw = f.read(n)
     except OSError as exc:
@@ -157,7 +159,8 @@ def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
         st_dtype = meta.get("dtype")
         if st_dtype not in ST_DTYPES:
             raise CheckpointError(
-                f"{path}: tensor '{shown}' has dtype {str(st_dtype)[:40]!r}, which engram-trt does not read (expected one of {sorted(ST_DTYPES)})"
+                f"{path}: tensor '{shown}' has dtype {str(st_dtype)[:40]!r}, "
+                f"which engram-trt does not read (expected one of {sorted(ST_DTYPES)})"
             )
         offsets, shape_list = meta.get("data_offsets"), meta.get("shape")
         if (
@@ -179,15 +182,18 @@ def _tensor_infos(path: Path) -> dict[str, TensorInfo]:
         want = count * ST_DTYPES[st_dtype][1]
         if overflow:
             raise CheckpointError(
-                f"{path}: tensor '{shown}' declares shape {list(shape)}, more bytes than a file can hold (the file is damaged; re-copy it)"
+                f"{path}: tensor '{shown}' declares shape {list(shape)}, "
+                "more bytes than a file can hold (the file is damaged; re-copy it)"
             )
         if end < begin or end - begin != want:
             raise CheckpointError(
-                f"{path}: tensor '{shown}' declares shape {list(shape)} ({want} bytes as {st_dtype}) but spans {end - begin} bytes (the file is damaged; re-copy it)"
+                f"{path}: tensor '{shown}' declares shape {list(shape)} ({want} bytes as {st_dtype}) "
+                f"but spans {end - begin} bytes (the file is damaged; re-copy it)"
             )
         if base + end > size:
             raise CheckpointError(
-                f"{path}: tensor '{shown}' ends at byte {base + end} but the file has {size} bytes: the file is truncated (re-copy it)"
+                f"{path}: tensor '{shown}' ends at byte {base + end} but the file has {size} bytes: "
+                "the file is truncated (re-copy it)"
             )
         out[name] = TensorInfo(name, path, st_dtype, shape, base + begin, end - begin)
         spans.append((begin, end, shown))
@@ -228,7 +234,8 @@ def confined_file(root: Path, rel: Any, what: str) -> Path:
     pr = PurePosixPath(rel)
     if pr.is_absolute() or ".." in pr.parts or rel.startswith("~"):
         raise CheckpointError(
-            f"{what}: '{rel[:120]}' points outside the checkpoint folder '{root}' (entries must be file names inside it; fix the entry)"
+            f"{what}: '{rel[:120]}' points outside the checkpoint folder '{root}' "
+            "(entries must be file names inside it; fix the entry)"
         )
     p = Path(root) / rel
     boundary = checkpoint_boundary(root)
@@ -240,6 +247,7 @@ def confined_file(root: Path, rel: Any, what: str) -> Path:
         ) from None
     if real != boundary and boundary not in real.parents:
         raise CheckpointError(
-            f"{what}: '{p}' is a link that leads out of the checkpoint folder (to '{real}'); copy the file into the folder, or open the folder it lives in"
+            f"{what}: '{p}' is a link that leads out of the checkpoint folder (to '{real}'); "
+            "copy the file into the folder, or open the folder it lives in"
         )
     return p

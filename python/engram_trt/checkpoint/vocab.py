@@ -25,7 +25,8 @@ def engram_lookup_and_layout(ckpt: Any, compressed_vocab: Any = None) -> tuple[n
     if compressed_vocab is None:
         if ckpt.tokenizer_json is None:
             raise CheckpointError(
-                f"checkpoint '{ckpt.path}' has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)"
+                f"checkpoint '{ckpt.path}' has no tokenizer.json, "
+                "which Engram needs to compress token ids (copy the model's tokenizer.json into the folder)"
             )
         compressed_vocab = build_compressed_vocab(ckpt.tokenizer_json)
     check_compressed_size(compressed_vocab, spec.compressed_vocab_size, spec.field_name("compressed_vocab_size"))

@@ -122,7 +122,8 @@ def check_generation_args(args: argparse.Namespace) -> None:
         raise EngramError(f"--temperature must be a number >= 0 (got {t})")
     if t > MAX_TEMPERATURE:
         raise EngramError(
-            f"--temperature {t} is larger than any useful value (at most {MAX_TEMPERATURE:g}; 1 samples the model's distribution)"
+            f"--temperature {t} is larger than any useful value "
+            f"(at most {MAX_TEMPERATURE:g}; 1 samples the model's distribution)"
         )
     if t < GREEDY_BELOW:
         args.temperature = 0.0  # -0.0 and subnormals: greedy
@@ -160,7 +161,8 @@ def resolve_device(name: str) -> Any:
             raise EngramError(f"--device {name}: no CUDA device is available here; use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise EngramError(
-                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})"
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
             )
     return dev
 

@@ -28,7 +28,9 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
         "-o",
         required=True,
         metavar="ENGINE_DIR",
-        help="engine folder to write (model.onnx, model.engine, manifest.json, compressed_vocab.npy, build_report.json)",
+        help=(
+            "engine folder to write (model.onnx, model.engine, manifest.json, compressed_vocab.npy, build_report.json)"
+        ),
     )
     add_engram_config_arguments(parser)
     parser.add_argument(
@@ -76,7 +78,10 @@ def add_build_arguments(parser: argparse.ArgumentParser) -> None:
         "--plugin-library",
         choices=PLUGIN_MODES,
         default="embed",
-        help="embed the Engram plugin library in the engine (default) or only record it in the manifest (the runtime loads it)",
+        help=(
+            "embed the Engram plugin library in the engine (default) "
+            "or only record it in the manifest (the runtime loads it)"
+        ),
     )
     parser.add_argument(
         "--plugin-lib",

@@ -149,7 +149,8 @@ def print_parallel(res: dict[str, Any]) -> None:
         return
     t = res["tables"]
     print(
-        f"ranks:   tp {res['tp']} x dp {res['dp']} on {res['device']}; backend: {res['backend']} ({res['backend_reason']})"
+        f"ranks:   tp {res['tp']} x dp {res['dp']} on {res['device']}; "
+        f"backend: {res['backend']} ({res['backend_reason']})"
     )
     print(f"tables:  {t['dp_mode']} ({t['reason']})")
     for w in t["warnings"]:
@@ -167,5 +168,6 @@ def print_parallel(res: dict[str, Any]) -> None:
             print(f"[{i}] error: {r['error']}")
         else:
             print(
-                f"[{i}] prompt: {r['prompt']!r}\n    output: {r['text']!r} ({len(r['token_ids'])} tokens, finish: {r['finish_reason']})"
+                f"[{i}] prompt: {r['prompt']!r}\n    output: {r['text']!r} "
+                f"({len(r['token_ids'])} tokens, finish: {r['finish_reason']})"
             )

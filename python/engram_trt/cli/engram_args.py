@@ -35,7 +35,10 @@ def add_engram_config_arguments(parser: argparse.ArgumentParser) -> None:
         "host_file_gather": "true: read rows straight from the checkpoint files through the page cache (no table copy)",
         "dp_shared_memory": "true: co-located processes share one table copy in /dev/shm",
         "embedding_across_dp": "true: shard hash heads across ranks (one table copy in total)",
-        "table_placement": "auto (default), in_engine (gather plugin reads tables through UVA) or prefetch (runtime gathers rows before the step)",
+        "table_placement": (
+            "auto (default), in_engine (gather plugin reads tables through UVA) "
+            "or prefetch (runtime gathers rows before the step)"
+        ),
     }
     for name in EngramConfig.field_names():
         group.add_argument(

@@ -126,7 +126,8 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
     pad = 0
     if ckpt.tokenizer_json is None:
         problems.append(
-            f"checkpoint has no tokenizer.json, which Engram needs to compress token ids (copy the model's tokenizer.json into '{ckpt.path}')"
+            "checkpoint has no tokenizer.json, which Engram needs to compress token ids "
+            f"(copy the model's tokenizer.json into '{ckpt.path}')"
         )
         report["compressed_vocab"] = {"built": None, "declared": spec.compressed_vocab_size}
     else:
@@ -139,13 +140,15 @@ def inspect_checkpoint(path: str, dtype: str = "bf16") -> dict[str, Any]:
             report["compressed_vocab"] = {"built": vocab.size, "declared": spec.compressed_vocab_size}
             if vocab.size != spec.compressed_vocab_size:
                 problems.append(
-                    f"tokenizer compresses to {vocab.size} ids but {spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}"
+                    f"tokenizer compresses to {vocab.size} ids but "
+                    f"{spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}"
                 )
             if spec.pad_token_id < vocab.vocab_size:
                 pad = int(vocab.compress([spec.pad_token_id])[0]) % spec.compressed_vocab_size
             else:
                 problems.append(
-                    f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the tokenizer (vocab {vocab.vocab_size})"
+                    f"{spec.field_name('pad_token_id')}={spec.pad_token_id} is not a token of the "
+                    f"tokenizer (vocab {vocab.vocab_size})"
                 )
     try:
         layout = EngramLayout.from_spec(spec, pad)
@@ -252,13 +255,15 @@ def _print_checkpoint(report: dict[str, Any]) -> None:
     print(f"checkpoint   {report['checkpoint']}")
     print(f"architecture {report['architecture']}")
     print(
-        f"backbone     {report['num_hidden_layers']} layers, hidden {report['hidden_size']}, hc_mult {report['hc_mult']}"
+        f"backbone     {report['num_hidden_layers']} layers, "
+        f"hidden {report['hidden_size']}, hc_mult {report['hc_mult']}"
     )
     if report.get("weights"):
         _print_weights(report["weights"])
     if report["ignored_fields"]:
         print(
-            f"ignored      config fields the model does not read (nor does transformers'): {', '.join(report['ignored_fields'])}"
+            "ignored      config fields the model does not read (nor does transformers'): "
+            f"{', '.join(report['ignored_fields'])}"
         )
     own = arch.table_report_lines(report)  # an architecture's own tables (Qwen4Exp's PLE)
     if own:
@@ -272,7 +277,8 @@ def _print_checkpoint(report: dict[str, Any]) -> None:
         for e in report["layers"]:
             rows = e.get("table_rows", "missing")
             print(
-                f"engram layer {e['layer_id']:>3}: table rows {rows} (layout needs {e['layout_rows']}), {human_bytes(e['bytes'])}"
+                f"engram layer {e['layer_id']:>3}: table rows {rows} "
+                f"(layout needs {e['layout_rows']}), {human_bytes(e['bytes'])}"
             )
         if "total_engram_bytes" in report:
             print(f"total Engram bytes  {report['total_engram_bytes']} ({human_bytes(report['total_engram_bytes'])})")

@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--pad-id",
         type=int_arg(0, INT32_MAX),
         default=None,
-        help="compressed pad id to report (default: from the tokenizer beside CONFIG, else 0; the layout does not depend on it)",
+        help=(
+            "compressed pad id to report (default: from the tokenizer beside CONFIG, else 0; "
+            "the layout does not depend on it)"
+        ),
     )
 
     p = add("hash", cmd_hash, "hash token ids to table row ids; prints JSON {\"hash_ids\": [position][layer][col]}")
@@ -85,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--ids",
         required=True,
         metavar="5,17,-1,3",
-        help="comma-separated token ids of one sequence from position 0; -1 marks a dead token, first too: --ids -1,5,17",
+        help=(
+            "comma-separated token ids of one sequence from position 0; -1 marks a dead token, first too: --ids -1,5,17"
+        ),
     )
     p.add_argument("--compressed", action="store_true", help="the ids are already compressed ids (no tokenizer needed)")
     p.add_argument(
@@ -135,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "run",
         cmd_run,
-        "generate text from an engine folder or a checkpoint through engram_trt.LLM; prints the backend and storage used",
+        "generate text from an engine folder or a checkpoint through engram_trt.LLM; "
+        "prints the backend and storage used",
         "Load PATH (an engine folder from `engram-trt build`, or a checkpoint folder) with engram_trt.LLM and generate "
         "from --prompt; prints the text, the backend that ran it and why, where the tables live, and timings.",
     )
@@ -272,7 +278,10 @@ def _os_error_line(exc: OSError) -> str:
     hint = {
         errno.ENOSPC: " (the disk is full: free space, or write to a larger disk; nothing half-written was kept)",
         errno.EDQUOT: " (the disk quota is used up: free space; nothing half-written was kept)",
-        errno.EFBIG: " (the file would pass the size this process may write: raise the limit, `ulimit -f`; nothing half-written was kept)",
+        errno.EFBIG: (
+            " (the file would pass the size this process may write: raise the limit, `ulimit -f`; "
+            "nothing half-written was kept)"
+        ),
         errno.EACCES: " (check the permissions)",
         errno.EROFS: " (the filesystem is read-only: choose a writable folder)",
     }.get(exc.errno or -1, "")

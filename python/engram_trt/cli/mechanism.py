@@ -124,7 +124,8 @@ def cmd_hash(args: argparse.Namespace) -> int:
     if args.compressed:
         if args.pad_id is None:
             raise EngramError(
-                "--compressed needs --pad-id N, the compressed id of the pad token (engram-trt hash without --compressed derives it from the tokenizer)"
+                "--compressed needs --pad-id N, the compressed id of the pad token "
+                "(engram-trt hash without --compressed derives it from the tokenizer)"
             )
         compressed = np.asarray(ids, dtype=np.int64)
         pad = args.pad_id
@@ -134,7 +135,8 @@ def cmd_hash(args: argparse.Namespace) -> int:
         tok = _tokenizer_beside(args.config)
         if tok is None:
             raise EngramError(
-                f"no tokenizer.json beside {args.config}: raw token ids need the checkpoint's tokenizer; pass a checkpoint folder, or --compressed --pad-id N for compressed ids"
+                f"no tokenizer.json beside {args.config}: raw token ids need the checkpoint's tokenizer; "
+                "pass a checkpoint folder, or --compressed --pad-id N for compressed ids"
             )
         vocab = _checked_vocab(tok, spec)
         raw = np.asarray(ids, dtype=np.int64)

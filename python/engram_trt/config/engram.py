@@ -74,7 +74,8 @@ class EngramConfig:
         """Build from a mapping; unknown fields and wrong types are refused."""
         if not isinstance(d, Mapping):
             raise EngramError(
-                f"{source}: expected a JSON object of fields (got {type(d).__name__}); valid fields: {', '.join(cls.field_names())}"
+                f"{source}: expected a JSON object of fields (got {type(d).__name__}); "
+                f"valid fields: {', '.join(cls.field_names())}"
             )
         return cls().with_overrides(d, source)
 
@@ -133,27 +134,33 @@ class EngramConfig:
         """Refuse combinations that contradict each other (model-independent)."""
         if self.host_file_gather and not self.cpu_offload:
             raise EngramError(
-                f"{FLAG}: host_file_gather reads rows from the checkpoint files on the host, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true or drop host_file_gather"
+                f"{FLAG}: host_file_gather reads rows from the checkpoint files on the host, which contradicts "
+                "cpu_offload=false (tables in GPU memory); set cpu_offload true or drop host_file_gather"
             )
         if self.host_file_gather and self.dp_shared_memory:
             raise EngramError(
-                f"{FLAG}: host_file_gather and dp_shared_memory both choose where the one host copy lives (the page cache of the checkpoint files vs /dev/shm); pick one"
+                f"{FLAG}: host_file_gather and dp_shared_memory both choose where the one host copy lives "
+                "(the page cache of the checkpoint files vs /dev/shm); pick one"
             )
         if self.host_file_gather and self.table_placement == "in_engine":
             raise EngramError(
-                f"{FLAG}: host_file_gather gathers rows on the host, so the lookup cannot run in the engine; use table_placement 'prefetch'"
+                f"{FLAG}: host_file_gather gathers rows on the host, so the lookup cannot run in the engine; "
+                "use table_placement 'prefetch'"
             )
         if self.dp_shared_memory and not self.cpu_offload:
             raise EngramError(
-                f"{FLAG}: dp_shared_memory shares a host copy of the tables in /dev/shm, which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true"
+                f"{FLAG}: dp_shared_memory shares a host copy of the tables in /dev/shm, "
+                "which contradicts cpu_offload=false (tables in GPU memory); set cpu_offload true"
             )
         if self.hot_cache_fraction and not self.cpu_offload:
             raise EngramError(
-                f"{FLAG}: hot_cache_fraction caches host-table rows in GPU memory, but cpu_offload=false puts the whole tables there already; drop hot_cache_fraction or set cpu_offload true"
+                f"{FLAG}: hot_cache_fraction caches host-table rows in GPU memory, but cpu_offload=false puts the "
+                "whole tables there already; drop hot_cache_fraction or set cpu_offload true"
             )
         if self.dp_shared_memory and self.embedding_across_dp:
             raise EngramError(
-                f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one"
+                f"{FLAG}: dp_shared_memory (every rank reads one shared full copy) "
+                "and embedding_across_dp (heads sharded across ranks) are two answers to the same question; pick one"
             )
 
     def validate_for(self, model_config: ArchitectureConfig) -> None:
@@ -201,7 +208,8 @@ def _load_json_object(text: str | Path) -> Any:
     if not is_file:
         shown = s if len(s) <= 80 else s[:77] + "..."
         raise EngramError(
-            f"{FLAG}: '{shown}' is neither a JSON object nor an existing file (pass '{{\"cpu_offload\": false}}' or a path to a .json file)"
+            f"{FLAG}: '{shown}' is neither a JSON object nor an existing file "
+            "(pass '{\"cpu_offload\": false}' or a path to a .json file)"
         )
     return read_json_file(p, f"{FLAG} file", max_bytes=1024 * 1024)
 
@@ -236,7 +244,8 @@ def _check_type(key: str, value: Any, source: str) -> Any:
     if key == "hot_cache_fraction":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
             raise EngramError(
-                f"{source}: field 'hot_cache_fraction' must be a number in [0, 1] (the share of each table's rows cached in GPU memory; 0 = off), got {_shown(value)}"
+                f"{source}: field 'hot_cache_fraction' must be a number in [0, 1] "
+                f"(the share of each table's rows cached in GPU memory; 0 = off), got {_shown(value)}"
             )
         return float(value)
     if key == "table_placement":

@@ -208,7 +208,8 @@ def _int_field(
         raise ConfigError(f"{_where(source)}field '{key}' must be an integer >= {minimum} (got {_short(value)})")
     if maximum is not None and value > maximum:
         raise ConfigError(
-            f"{_where(source)}field '{key}'={_short(value)} is larger than engram-trt supports (at most {maximum}); check the value"
+            f"{_where(source)}field '{key}'={_short(value)} is larger than engram-trt supports "
+            f"(at most {maximum}); check the value"
         )
     return value
 
@@ -228,11 +229,13 @@ def _int_list(
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             raise ConfigError(
-                f"{_where(source)}field '{key}' must hold integers >= {minimum} (got {_short(v)} in {_short(list(value))})"
+                f"{_where(source)}field '{key}' must hold integers >= {minimum} "
+                f"(got {_short(v)} in {_short(list(value))})"
             )
         if v > maximum:
             raise ConfigError(
-                f"{_where(source)}field '{key}' holds {_short(v)}, larger than engram-trt supports (at most {maximum}); check the value"
+                f"{_where(source)}field '{key}' holds {_short(v)}, "
+                f"larger than engram-trt supports (at most {maximum}); check the value"
             )
     return tuple(value)
 
@@ -262,7 +265,8 @@ def engram_prefix(d: Mapping[str, Any], source: str | None = None) -> str | None
     if stray:
         p = stray[0].split("_", 1)[0]
         raise ConfigError(
-            f"{_where(source)}'{stray[0]}' is set but '{p}_layer_ids' is missing or empty (expected a non-empty list of layer indices)"
+            f"{_where(source)}'{stray[0]}' is set but '{p}_layer_ids' is missing or empty "
+            "(expected a non-empty list of layer indices)"
         )
     return None
 
@@ -276,7 +280,8 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
     layer_ids = _int_list(d, k("layer_ids"), source, maximum=LIMITS["layer_ids"])
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError(
-            f"{_where(source)}field '{k('layer_ids')}' has repeated layers {_short(list(layer_ids))} (expected distinct layer indices)"
+            f"{_where(source)}field '{k('layer_ids')}' has repeated layers {_short(list(layer_ids))} "
+            "(expected distinct layer indices)"
         )
     n = _int_field(
         d,
@@ -290,13 +295,15 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
     slots = len(layer_ids) * (n - 1) * heads
     if slots > HASH_MAX_SLOTS:
         raise ConfigError(
-            f"{_where(source)}{len(layer_ids)} Engram layers x {n - 1} n-gram orders x {heads} heads = {slots} hash columns, "
-            f"more than the hash kernel's {HASH_MAX_SLOTS} (ENGRAM_HASH_MAX_SLOTS); lower {k('n_heads')} or {k('max_ngram_size')}"
+            f"{_where(source)}{len(layer_ids)} Engram layers x {n - 1} n-gram orders x {heads} heads = {slots} hash "
+            f"columns, more than the hash kernel's {HASH_MAX_SLOTS} (ENGRAM_HASH_MAX_SLOTS); "
+            f"lower {k('n_heads')} or {k('max_ngram_size')}"
         )
     if len(layer_ids) * n > HASH_MAX_MULTIPLIERS:
         raise ConfigError(
-            f"{_where(source)}{len(layer_ids)} Engram layers x {k('max_ngram_size')}={n} = {len(layer_ids) * n} multipliers, "
-            f"more than the hash kernel's {HASH_MAX_MULTIPLIERS} (ENGRAM_HASH_MAX_MULTIPLIERS); use fewer layers or a smaller N"
+            f"{_where(source)}{len(layer_ids)} Engram layers x {k('max_ngram_size')}={n} = {len(layer_ids) * n} "
+            f"multipliers, more than the hash kernel's {HASH_MAX_MULTIPLIERS} (ENGRAM_HASH_MAX_MULTIPLIERS); "
+            "use fewer layers or a smaller N"
         )
     raw_vocab = d.get(k("vocab_size"))
     if isinstance(raw_vocab, (list, tuple)):
@@ -305,7 +312,8 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
         )
         if len(vocab) != n - 1:
             raise ConfigError(
-                f"{_where(source)}field '{k('vocab_size')}' lists {len(vocab)} values but {k('max_ngram_size')}={n} needs {n - 1} (one per n-gram order 2..{n}) or a single integer"
+                f"{_where(source)}field '{k('vocab_size')}' lists {len(vocab)} values but {k('max_ngram_size')}={n} "
+                f"needs {n - 1} (one per n-gram order 2..{n}) or a single integer"
             )
     else:
         vocab = _int_field(d, k("vocab_size"), source, minimum=2, maximum=LIMITS["engram_vocab_size"])
@@ -314,8 +322,9 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
     least_rows = heads * (sum(vocab) if isinstance(vocab, tuple) else vocab * (n - 1))
     if least_rows > INT32_MAX:
         raise ConfigError(
-            f"{_where(source)}field '{k('vocab_size')}' with {k('n_heads')}={heads} and {k('max_ngram_size')}={n} needs tables of "
-            f"at least {least_rows} rows, over 2^31-1 (row ids are int32 on the GPU); lower {k('vocab_size')} or {k('n_heads')}"
+            f"{_where(source)}field '{k('vocab_size')}' with {k('n_heads')}={heads} and {k('max_ngram_size')}={n} "
+            f"needs tables of at least {least_rows} rows, over 2^31-1 (row ids are int32 on the GPU); "
+            f"lower {k('vocab_size')} or {k('n_heads')}"
         )
     cvocab = _int_field(d, k("compressed_vocab_size"), source, minimum=1, maximum=LIMITS["compressed_vocab_size"])
     pad = _int_field(d, k("pad_token_id"), source, minimum=0, maximum=LIMITS["pad_token_id"])
@@ -328,16 +337,19 @@ def parse_engram_spec(d: Mapping[str, Any], source: str | None = None) -> Engram
             num_emb = num_emb * len(layer_ids)
         if len(num_emb) != len(layer_ids):
             raise ConfigError(
-                f"{_where(source)}field '{k('num_embeddings')}' lists {len(num_emb)} values for {len(layer_ids)} layers in '{k('layer_ids')}' (expected one per layer or a single integer)"
+                f"{_where(source)}field '{k('num_embeddings')}' lists {len(num_emb)} values for {len(layer_ids)} "
+                f"layers in '{k('layer_ids')}' (expected one per layer or a single integer)"
             )
     table_dtype = d.get(k("table_dtype"), "fp8")
     if not isinstance(table_dtype, str) or table_dtype not in TABLE_DTYPES:
         raise ConfigError(
-            f"{_where(source)}field '{k('table_dtype')}' must be one of {list(TABLE_DTYPES)} (got {_short(table_dtype)})"
+            f"{_where(source)}field '{k('table_dtype')}' must be one of "
+            f"{list(TABLE_DTYPES)} (got {_short(table_dtype)})"
         )
     if table_dtype == "fp8" and head_dim is not None and head_dim % quant_block:
         raise ConfigError(
-            f"{_where(source)}field '{k('head_dim')}'={head_dim} must be a multiple of {k('quant_block')}={quant_block} for FP8 tables (one ue8m0 scale per block)"
+            f"{_where(source)}field '{k('head_dim')}'={head_dim} must be a multiple of "
+            f"{k('quant_block')}={quant_block} for FP8 tables (one ue8m0 scale per block)"
         )
     return EngramSpec(
         layer_ids=layer_ids,
@@ -416,7 +428,8 @@ class ModelConfig:
         if head_dim is None:
             if hidden % heads:
                 raise ConfigError(
-                    f"{_where(source)}hidden_size={hidden} is not a multiple of num_attention_heads={heads}; set 'head_dim'"
+                    f"{_where(source)}hidden_size={hidden} is not a multiple of "
+                    f"num_attention_heads={heads}; set 'head_dim'"
                 )
             head_dim = hidden // heads
         if head_dim % 2:
@@ -481,11 +494,13 @@ class ModelConfig:
             bad = [lid for lid in spec.layer_ids if lid >= layers]
             if bad:
                 raise ConfigError(
-                    f"{_where(source)}field '{spec.field_name('layer_ids')}' names layers {_short(bad)} but num_hidden_layers={layers} (expected ids in 0..{layers - 1})"
+                    f"{_where(source)}field '{spec.field_name('layer_ids')}' names layers {_short(bad)} but "
+                    f"num_hidden_layers={layers} (expected ids in 0..{layers - 1})"
                 )
             if spec.pad_token_id >= cfg.vocab_size:
                 raise ConfigError(
-                    f"{_where(source)}field '{spec.field_name('pad_token_id')}'={spec.pad_token_id} is not a token id (vocab_size={cfg.vocab_size})"
+                    f"{_where(source)}field '{spec.field_name('pad_token_id')}'={spec.pad_token_id} is not a token "
+                    f"id (vocab_size={cfg.vocab_size})"
                 )
         return cfg
 
@@ -500,7 +515,8 @@ class ModelConfig:
         spec = self.engram
         if spec is not None and spec.head_dim is None:
             raise ConfigError(
-                f"config: missing field '{spec.field_name('head_dim')}' (expected the table row width, a multiple of {spec.quant_block})"
+                f"config: missing field '{spec.field_name('head_dim')}' "
+                f"(expected the table row width, a multiple of {spec.quant_block})"
             )
         return spec
 

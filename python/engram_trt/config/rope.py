@@ -195,7 +195,8 @@ def _factor_list(r: _Reader, key: str, pairs: int) -> tuple[float, ...]:
     value = r.d.get(key)
     if value is None:
         raise r.fail(
-            f"missing field '{r.name(key)}' (rope_type 'longrope' needs a list of {pairs} positive numbers, one per rotated pair)"
+            f"missing field '{r.name(key)}' (rope_type 'longrope' needs a list of {pairs} positive "
+            "numbers, one per rotated pair)"
         )
     if not isinstance(value, (list, tuple)) or not all(_is_number(v) and v > 0 for v in value):
         raise r.fail(f"field '{r.name(key)}' must be a list of positive numbers (got {_short(value)})")

@@ -50,7 +50,8 @@ def resolve_device_kind(device: str | None, world: int) -> str:
     if d.startswith("cuda"):
         if d not in ("cuda",):
             raise EngramError(
-                f"--device {device}: with several ranks each rank takes its own GPU (cuda:LOCAL_RANK); pass --device cuda or auto"
+                f"--device {device}: with several ranks each rank takes its own GPU "
+                "(cuda:LOCAL_RANK); pass --device cuda or auto"
             )
         kind = "cuda"
     elif d == "cpu":

@@ -63,7 +63,8 @@ def usable_table_kind(kind: str) -> str:
     module = {"pinned": "engram_trt.tables.pinned", "shared": "engram_trt.tables.shared"}.get(kind)
     if module is not None and importlib.util.find_spec(module) is None:
         log.warning(
-            "the %s table store (%s) is not part of this installation: this rank's table slice goes to private host memory",
+            "the %s table store (%s) is not part of this installation: "
+            "this rank's table slice goes to private host memory",
             kind,
             module,
         )
@@ -103,7 +104,8 @@ class ShardedLookup:
         self.cuda = self.device.type == "cuda"
         if (tables is None) != self.shard.is_empty:
             raise EngramError(
-                f"internal: rank {plan.me} owns columns {self.shard.col_begin}..{self.shard.col_end} but its table slice is {tables!r}"
+                f"internal: rank {plan.me} owns columns {self.shard.col_begin}..{self.shard.col_end} "
+                f"but its table slice is {tables!r}"
             )
         if tables is not None:
             for li in range(layout.num_layers):
@@ -360,7 +362,8 @@ class ShardedLookup:
         )
         base.pop("layers", None)
         base["where"] = (
-            f"{base['where']}; columns {self.shard.col_begin}..{self.shard.col_end} of {self.cols} (rank {self.plan.me} of {self.plan.size})"
+            f"{base['where']}; columns {self.shard.col_begin}..{self.shard.col_end} of {self.cols} "
+            f"(rank {self.plan.me} of {self.plan.size})"
         )
         base.update(
             sharded=True,

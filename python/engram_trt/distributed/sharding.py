@@ -294,7 +294,8 @@ def slice_table_refs(refs: Sequence["TableRef"], shard: ColumnShard) -> list["Ta
         b, e = shard.row_begin[r.layer_index], shard.row_end[r.layer_index]
         if e > r.shape[0]:
             raise EngramError(
-                f"table {r.tensor} has {r.shape[0]} rows, fewer than the layout's {e}: the table does not cover the layout"
+                f"table {r.tensor} has {r.shape[0]} rows, fewer than the layout's {e}: "
+                "the table does not cover the layout"
             )
         if e == b:
             raise EngramError(f"internal: rank {shard.rank} owns no rows of {r.tensor}; an empty shard opens no tables")

@@ -79,7 +79,8 @@ def _prepare_lookback(lookback: Any, n: int, xp: Any, like: Any) -> Any:
     lb = lookback if xp is not np else np.asarray(lookback, dtype=np.int64)
     if tuple(lb.shape) != (n,):
         raise EngramError(
-            f"lookback must hold the N-1={n} compressed ids before the chunk (got shape {tuple(lb.shape)}); use -1 where there is no earlier token"
+            f"lookback must hold the N-1={n} compressed ids before the chunk (got shape {tuple(lb.shape)}); "
+            "use -1 where there is no earlier token"
         )
     return lb
 

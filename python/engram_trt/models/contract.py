@@ -133,7 +133,8 @@ class FieldContract:
                 note = f" ({rule.why})" if rule.why else ""
                 out.append(
                     f"{where}field '{name}'={_shown(value)} is not implemented by engram-trt's {self.architecture} "
-                    f"(supported: {supported}{note}); serving it would give a different model than the checkpoint declares"
+                    f"(supported: {supported}{note}); serving it would give a different "
+                    "model than the checkpoint declares"
                 )
         return out
 

@@ -53,7 +53,8 @@ class TableRegistry:
             return self._by_addr[int(addr)]
         except KeyError:
             raise EngramError(
-                f"table address {int(addr):#x} was never registered (feed the addresses TableRegistry.register returned)"
+                f"table address {int(addr):#x} was never registered "
+                "(feed the addresses TableRegistry.register returned)"
             ) from None
 
 

@@ -54,7 +54,8 @@ def resolve(d: Mapping[str, Any], source: str | None = None) -> ModelArchitectur
         not isinstance(archs, Sequence) or isinstance(archs, str) or not all(isinstance(a, str) for a in archs)
     ):
         raise ConfigError(
-            f"{_where(source)}field 'architectures' must be a list of class names such as [\"LlamaForCausalLM\"] (got {archs!r:.80})"
+            f"{_where(source)}field 'architectures' must be a list of class names such as "
+            f"[\"LlamaForCausalLM\"] (got {archs!r:.80})"
         )
     if model_type is not None and not isinstance(model_type, str):
         raise ConfigError(
@@ -73,7 +74,8 @@ def resolve(d: Mapping[str, Any], source: str | None = None) -> ModelArchitectur
         if found is None:
             types = ", ".join(sorted(t for arch in _registered() for t in arch.model_types))
             raise ConfigError(
-                f"{_where(source)}model_type '{model_type}' is not a model engram-trt serves (supported model types: {types})"
+                f"{_where(source)}model_type '{model_type}' is not a model engram-trt serves "
+                f"(supported model types: {types})"
             )
     else:
         raise ConfigError(

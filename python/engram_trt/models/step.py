@@ -94,7 +94,8 @@ class PackedStep:
             raise EngramError("a step needs at least one sequence")
         if len(self.past_lens) != S or len(self.slots) != S:
             raise EngramError(
-                f"a step of {S} sequences needs {S} past lengths and {S} slots (got {len(self.past_lens)} and {len(self.slots)})"
+                f"a step of {S} sequences needs {S} past lengths and {S} slots "
+                f"(got {len(self.past_lens)} and {len(self.slots)})"
             )
         if min(self.seq_lens) < 1:
             raise EngramError(f"every sequence in a step brings at least one token (seq_lens {self.seq_lens})")

@@ -122,7 +122,8 @@ def ensure_rtx_parser_link(force_cache: bool | None = None) -> Path | None:
     real = libs / f"{_RTX_LIB}.1"
     if not real.is_file():
         raise TensorRTUnavailable(
-            f"the TensorRT-RTX libs package at '{libs}' has no {real.name}; reinstall it: pip install --force-reinstall tensorrt-rtx-cu13-libs"
+            f"the TensorRT-RTX libs package at '{libs}' has no {real.name}; "
+            "reinstall it: pip install --force-reinstall tensorrt-rtx-cu13-libs"
         )
     beside = libs / _RTX_LIB
     if force_cache is None:
@@ -286,7 +287,8 @@ def load_plugin_library(path: str | Path) -> Any:
         return _loaded_plugin_libs[key]
     if not p.is_file():
         raise EngramError(
-            f"plugin library '{p}' does not exist (build it with `cmake -S . -B build && cmake --build build`, or set ENGRAM_TRT_PLUGIN_LIB)"
+            f"plugin library '{p}' does not exist "
+            "(build it with `cmake -S . -B build && cmake --build build`, or set ENGRAM_TRT_PLUGIN_LIB)"
         )
     if not _builders:
         create_builder()
@@ -294,7 +296,8 @@ def load_plugin_library(path: str | Path) -> Any:
     handle = t.get_plugin_registry().load_library(key)
     if handle is None:
         raise EngramError(
-            f"TensorRT could not load the plugin library '{p}' (see the TensorRT log above; it must export getCreators and setLoggerFinder)"
+            f"TensorRT could not load the plugin library '{p}' "
+            "(see the TensorRT log above; it must export getCreators and setLoggerFinder)"
         )
     _loaded_plugin_libs[key] = handle
     return handle
@@ -336,7 +339,8 @@ def parse_onnx_file(parser: Any, path: str | Path) -> None:
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         first = errors[0].splitlines()[0] if errors else "no error reported"
         raise EngramError(
-            f"the TensorRT ONNX parser refused '{path}': {first} ({len(errors)} error(s); if a custom op is unknown, the plugin library is not loaded)"
+            f"the TensorRT ONNX parser refused '{path}': {first} "
+            f"({len(errors)} error(s); if a custom op is unknown, the plugin library is not loaded)"
         )
 
 
@@ -354,7 +358,8 @@ def parse_targets(text: str | Sequence[str] | None) -> tuple[str, ...]:
             t = "sm" + t
         if t not in RTX_TARGETS:
             raise EngramError(
-                f"--target {raw.strip()!r} is not a TensorRT-RTX compute capability (expected a comma-separated list of {', '.join(RTX_TARGETS)})"
+                f"--target {raw.strip()!r} is not a TensorRT-RTX compute capability "
+                f"(expected a comma-separated list of {', '.join(RTX_TARGETS)})"
             )
         if t not in out:
             out.append(t)
@@ -373,7 +378,8 @@ def set_targets(config: Any, targets: Sequence[str]) -> None:
     trt_ = load()
     if not trt_.is_rtx:
         raise EngramError(
-            "--target is a TensorRT-RTX option; full TensorRT builds for the GPU it runs on (drop --target, or build with tensorrt_rtx)"
+            "--target is a TensorRT-RTX option; full TensorRT builds for the GPU it runs on "
+            "(drop --target, or build with tensorrt_rtx)"
         )
     cc = trt_.module.ComputeCapability
     config.num_compute_capabilities = len(targets)

@@ -99,7 +99,10 @@ def check_quant_tensors(
         what = "FP4 (two values a byte)" if kind == "fp4" else "FP8"
         return f"tensor {name} is {what} of shape {list(data_shape)} but the config needs {list(want)}"
     if scale_shape is None:
-        return f"scale of {name} is missing: an {kind.upper()} weight needs its block scales (<name>.weight_scale_inv or <name>.scale)"
+        return (
+            f"scale of {name} is missing: an {kind.upper()} weight needs its block scales "
+            "(<name>.weight_scale_inv or <name>.scale)"
+        )
     want_s = lead + scale_grid(N, K, *block)
     if tuple(scale_shape) != want_s:
         return (

@@ -216,7 +216,8 @@ def _read_manifest(folder: Path) -> dict[str, Any]:
 
     if data.get("manifest_version") != MANIFEST_VERSION:
         raise EngramError(
-            f"{p}: manifest version {data.get('manifest_version')} is not {MANIFEST_VERSION}; rebuild the engine folder with this engram-trt"
+            f"{p}: manifest version {data.get('manifest_version')} is not {MANIFEST_VERSION}; "
+            "rebuild the engine folder with this engram-trt"
         )
     return data
 
@@ -268,7 +269,8 @@ def _from_engine_folder(folder: Path, override: EngramConfig | None) -> ModelSou
         layout = EngramLayout.from_spec(spec, pad_id=int(lookup[spec.pad_token_id]))
         if m.get("layout") and m["layout"] != layout.to_json_dict():
             raise EngramError(
-                f"{folder / MANIFEST_NAME}: the recorded layout differs from the one the config gives; rebuild the engine folder"
+                f"{folder / MANIFEST_NAME}: the recorded layout differs from the one the config "
+                "gives; rebuild the engine folder"
             )
     refs = [TableRef.from_json(t, folder) for t in m.get("tables") or []]
     built = EngramConfig.from_dict(m.get("engram_config") or {}, source=f"{folder / MANIFEST_NAME} engram_config")

@@ -150,7 +150,8 @@ class ModelRunner:
         self.max_num_tokens = _positive("max_num_tokens", max_num_tokens, source.max_num_tokens)
         if self.max_seq_len > cfg.max_position_embeddings:
             raise EngramError(
-                f"max_seq_len {self.max_seq_len} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}"
+                f"max_seq_len {self.max_seq_len} exceeds the model's "
+                f"max_position_embeddings={cfg.max_position_embeddings}"
             )
         self.engram_config = engram_config or source.engram_config
         self.engram_config.validate_for(cfg)
@@ -210,8 +211,9 @@ class ModelRunner:
         if self.engram_lookup is not None:
             if not self.backend.wants_staged_rows:
                 raise EngramError(
-                    f"the {self.backend.name} backend gathers Engram rows inside the engine, so a sharded lookup "
-                    f"cannot feed it; build the engine with --engram-config.table_placement prefetch or use --backend torch"
+                    f"the {self.backend.name} backend gathers Engram rows inside the engine, "
+                    "so a sharded lookup cannot feed it; build the engine with --engram-config.table_placement "
+                    "prefetch or use --backend torch"
                 )
             self.prefetcher = self.engram_lookup  # hook (engram_trt.distributed)
         elif self.tables is not None and self.backend.wants_staged_rows and source.layout is not None:

@@ -94,7 +94,8 @@ class TensorRTBackend(Backend):
             engine = runtime.deserialize_cuda_engine(source.engine_file.read_bytes())
         if engine is None:
             raise EngramError(
-                f"TensorRT could not deserialize {source.engine_file} (see the TensorRT log above); rebuild it on this machine"
+                f"TensorRT could not deserialize {source.engine_file} "
+                "(see the TensorRT log above); rebuild it on this machine"
             )
         self._runtime, self.engine = runtime, engine
         self.context = engine.create_execution_context()
@@ -186,7 +187,8 @@ class TensorRTBackend(Backend):
         missing = [n for n in self.inputs if n not in feeds]
         if missing:
             raise EngramError(
-                f"the engine asks for inputs {missing} this runtime does not know; rebuild the engine folder with this engram-trt"
+                f"the engine asks for inputs {missing} this runtime does not know; "
+                "rebuild the engine folder with this engram-trt"
             )
         for name in self.inputs:
             t = feeds[name]

@@ -457,7 +457,8 @@ def _read_one(ref: TableRef, view: np.ndarray, progress: Any) -> None:
             n = f.readinto(memoryview(view[pos : pos + LOAD_CHUNK]))
             if not n:
                 raise EngramError(
-                    f"{ref.file}: ended {ref.nbytes - pos} bytes before table {ref.tensor}'s end (the file is truncated; restore it or rebuild)"
+                    f"{ref.file}: ended {ref.nbytes - pos} bytes before table {ref.tensor}'s end "
+                    "(the file is truncated; restore it or rebuild)"
                 )
             pos += n
             if progress is not None:
@@ -526,7 +527,8 @@ def load_device_tables(
                     n = f.readinto(memoryview(staging.numpy()[: min(LOAD_CHUNK, part.nbytes - pos)]))
                     if not n:
                         raise EngramError(
-                            f"{part.file}: ended {part.nbytes - pos} bytes before table {part.tensor}'s end (the file is truncated)"
+                            f"{part.file}: ended {part.nbytes - pos} bytes before table "
+                            f"{part.tensor}'s end (the file is truncated)"
                         )
                     dst[at + pos : at + pos + n].copy_(staging[:n], non_blocking=False)
                     pos += n

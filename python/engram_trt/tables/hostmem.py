@@ -212,14 +212,16 @@ def allocate_anonymous(nbytes: int, huge_pages: str = "auto") -> HostBuffer:
             except OSError as exc:
                 if huge_pages == "hugetlbfs":
                     raise EngramError(
-                        f"MAP_HUGETLB of {human_bytes(need)} failed ({exc.strerror}); reserve more huge pages (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'"
+                        f"MAP_HUGETLB of {human_bytes(need)} failed ({exc.strerror}); "
+                        "reserve more huge pages (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'"
                     ) from None
                 log.info(
                     "MAP_HUGETLB of %s failed (%s); trying transparent huge pages", human_bytes(need), exc.strerror
                 )
         elif huge_pages == "hugetlbfs":
             raise EngramError(
-                f"huge_pages='hugetlbfs' needs {human_bytes(need or nbytes)} of reserved huge pages but {human_bytes(free)} are free; reserve them (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'"
+                f"huge_pages='hugetlbfs' needs {human_bytes(need or nbytes)} of reserved huge pages but "
+                f"{human_bytes(free)} are free; reserve them (/proc/sys/vm/nr_hugepages) or use huge_pages='auto'"
             )
     if huge_pages in ("auto", "thp"):
         mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
@@ -339,14 +341,16 @@ class HostRegistration:
             except Exception as exc:  # noqa: BLE001
                 reg.release()
                 raise EngramError(
-                    f"cannot ask the CUDA driver where the GPU sees the {what}' host memory ({exc}); install cuda-python (pip install cuda-python) or use --engram-config cpu_offload=false"
+                    f"cannot ask the CUDA driver where the GPU sees the {what}' host memory ({exc}); "
+                    "install cuda-python (pip install cuda-python) or use --engram-config cpu_offload=false"
                 ) from None
             if int(dev) != at:
                 reg.release()
                 raise EngramError(
-                    f"the GPU sees the {what}' registered host memory at {int(dev):#x}, not at its host address {at:#x}: "
-                    f"this system has no unified virtual addressing (UVA), which reading host tables on the GPU needs; "
-                    f"use --engram-config cpu_offload=false (tables in GPU memory) or host_file_gather=true"
+                    f"the GPU sees the {what}' registered host memory at {int(dev):#x}, "
+                    f"not at its host address {at:#x}: this system has no unified virtual addressing (UVA), "
+                    "which reading host tables on the GPU needs; "
+                    "use --engram-config cpu_offload=false (tables in GPU memory) or host_file_gather=true"
                 )
         log.info(
             "registered %s of %s for the GPU in %d chunk%s of %s through %s",
@@ -404,7 +408,8 @@ class CudaRegistrar:
                 self._kernels = kernel_library.load_library()
             except EngramError as exc:
                 raise EngramError(
-                    f"no CUDA binding can register host memory (PyTorch has no CUDA, cuda-python is not installed, and {exc})"
+                    "no CUDA binding can register host memory (PyTorch has no CUDA, "
+                    f"cuda-python is not installed, and {exc})"
                 ) from None
         if self._cuda_python is None:
             self._ctypes_rt = _loaded_cudart()

@@ -65,7 +65,8 @@ class HostResources:
                 # A caller still holds a tensor viewing the memory: it stays mapped
                 # (unregistered) until that tensor goes; never unmapped under a live view.
                 log.debug(
-                    "a view of the tables' host memory is still referenced; unmapping it is left to the garbage collector"
+                    "a view of the tables' host memory is still referenced; "
+                    "unmapping it is left to the garbage collector"
                 )
             self.mm = None
 

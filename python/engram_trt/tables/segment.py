@@ -464,14 +464,16 @@ def clean(
             if f is None:
                 if parse_name(base) is None:
                     raise EngramError(
-                        f"{n!r} is not an engram-trt segment name (they look like engram-trt-<16 hex>.tables; `engram-trt shm list --dir {shlex.quote(str(d))}` shows them)"
+                        f"{n!r} is not an engram-trt segment name (they look like engram-trt-<16 hex>.tables; "
+                        f"`engram-trt shm list --dir {shlex.quote(str(d))}` shows them)"
                     )
                 raise EngramError(
                     f"no segment {base} in {d} (`engram-trt shm list --dir {shlex.quote(str(d))}` shows what is there)"
                 )
             if not f.ours:
                 raise EngramError(
-                    f"{f.path} has an engram-trt name but not its header: it is not ours, so shm clean leaves it; remove it yourself if nobody needs it"
+                    f"{f.path} has an engram-trt name but not its header: it is not ours, so shm clean leaves it; "
+                    "remove it yourself if nobody needs it"
                 )
             group = [g for g in files if g.segment == f.segment and g.ours] if f.role == "segment" else [f]
             targets.extend(g for g in group if g not in targets)
@@ -493,7 +495,8 @@ def clean(
             busy.append(f"{f.name} is being written by pid {f.creator_pid}")
     if busy and not force:
         raise EngramError(
-            f"not removed: {'; '.join(busy)} (stop those processes first, or pass --force: they keep their mapping until they exit)"
+            f"not removed: {'; '.join(busy)} (stop those processes first, or pass --force: "
+            "they keep their mapping until they exit)"
         )
     result = CleanResult()
     for f in targets:

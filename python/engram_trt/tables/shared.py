@@ -183,7 +183,8 @@ class SharedTables(TableStore):
         d = Path(directory)
         if not d.is_dir():
             raise EngramError(
-                f"shared-memory directory {d} does not exist; create it or choose another directory for the shared tables"
+                f"shared-memory directory {d} does not exist; create it or choose another "
+                "directory for the shared tables"
             )
         pairs = layer_refs(refs)
         layer_ids = [r.layer_id for r, _ in pairs]
@@ -242,25 +243,32 @@ class SharedTables(TableStore):
             st = path.stat()
         except FileNotFoundError:
             return None
-        fix = f"run `engram-trt shm clean {shlex.quote(path.name)} --dir {shlex.quote(str(path.parent))}` (after stopping the processes using it), then start again"
+        fix = (
+            f"run `engram-trt shm clean {shlex.quote(path.name)} --dir {shlex.quote(str(path.parent))}` "
+            "(after stopping the processes using it), then start again"
+        )
         hdr = seg.read_header(path)
         if hdr is None:
             if not os.access(path, os.R_OK):
                 raise EngramError(
-                    f"shared tables {path} exist but cannot be read (mode {st.st_mode & 0o777:o}, owner uid {st.st_uid}): run as that user or choose another directory for the shared tables"
+                    f"shared tables {path} exist but cannot be read (mode {st.st_mode & 0o777:o}, "
+                    f"owner uid {st.st_uid}): run as that user or choose another directory for the shared tables"
                 )
             raise EngramError(
-                f"{path} does not start with an engram-trt segment header, so it is not ours and is left alone; remove or move it yourself, or choose another directory for the shared tables"
+                f"{path} does not start with an engram-trt segment header, so it is not ours and is left alone; "
+                "remove or move it yourself, or choose another directory for the shared tables"
             )
         if not hdr.ready:
             return hdr
         if hdr.version != want.version:
             raise EngramError(
-                f"shared tables {path} use segment format version {hdr.version}, this engram-trt reads version {want.version}: {fix}"
+                f"shared tables {path} use segment format version {hdr.version}, "
+                f"this engram-trt reads version {want.version}: {fix}"
             )
         if hdr.layout_hash != want.layout_hash:
             raise EngramError(
-                f"shared tables {path} hold other tables (layout hash {hdr.layout_hash[:16]}... differs from {want.layout_hash[:16]}...): {fix}"
+                f"shared tables {path} hold other tables (layout hash {hdr.layout_hash[:16]}... differs from "
+                f"{want.layout_hash[:16]}...): {fix}"
             )
         if hdr.problem or hdr.total_size != want.total_size or st.st_size != want.total_size:
             why = (
@@ -293,7 +301,8 @@ class SharedTables(TableStore):
                 continue
             pid = parsed[2]
             log.warning(
-                "removing half-written shared tables %s: their creator (pid %s, %s) stopped before finishing; rebuilding them",
+                "removing half-written shared tables %s: their creator (pid %s, %s) "
+                "stopped before finishing; rebuilding them",
                 f,
                 pid,
                 "still running but no longer holding the lock" if seg.pid_alive(pid) else "gone",
@@ -380,7 +389,8 @@ class SharedTables(TableStore):
                 fd = os.open(path, os.O_RDWR)
             except PermissionError:
                 raise EngramError(
-                    f"shared tables {path} belong to another user (mode 0600): run as that user or choose another directory for the shared tables"
+                    f"shared tables {path} belong to another user (mode 0600): "
+                    "run as that user or choose another directory for the shared tables"
                 ) from None
             try:
                 mm = mmap.mmap(fd, hdr.total_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -443,7 +453,8 @@ class SharedTables(TableStore):
     def where(self) -> str:
         origin = "created by this process" if self.created else f"attached; created by pid {self.header.creator_pid}"
         reg = (
-            f"; registered for UVA in {len(self.chunks)} chunk{'s' if len(self.chunks) != 1 else ''} through {self.registrar_name}"
+            f"; registered for UVA in {len(self.chunks)} chunk{'s' if len(self.chunks) != 1 else ''} through "
+            f"{self.registrar_name}"
             if self.chunks
             else ""
         )

@@ -177,7 +177,8 @@ class TableRef:
             ) from None
         if ref.offset < 0 or ref.nbytes <= 0 or len(shape) != 2 or shape[0] * shape[1] * ref.itemsize != ref.nbytes:
             raise EngramError(
-                f"manifest table entry for {ref.tensor}: shape {list(shape)} x {ref.itemsize} bytes does not match nbytes={ref.nbytes}; rebuild the engine folder"
+                f"manifest table entry for {ref.tensor}: shape {list(shape)} x {ref.itemsize} bytes does not match "
+                f"nbytes={ref.nbytes}; rebuild the engine folder"
             )
         if ref.block_hashes is not None:
             if (
@@ -186,7 +187,8 @@ class TableRef:
                 or len(ref.block_hashes) != -(-ref.nbytes // ref.block_bytes)
             ):
                 raise EngramError(
-                    f"manifest table entry for {ref.tensor}: {len(ref.block_hashes)} block hashes do not cover {ref.nbytes} bytes in blocks of {ref.block_bytes}; rebuild the engine folder"
+                    f"manifest table entry for {ref.tensor}: {len(ref.block_hashes)} block hashes do not cover "
+                    f"{ref.nbytes} bytes in blocks of {ref.block_bytes}; rebuild the engine folder"
                 )
         return ref
 

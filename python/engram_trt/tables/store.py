@@ -32,7 +32,8 @@ def table_kind_for(engram_config: Any, device: torch.device) -> str:
     if device.type != "cuda":
         if not engram_config.cpu_offload:
             raise EngramError(
-                "--engram-config cpu_offload=false puts the tables in GPU memory, but this runtime runs on a CPU; use a CUDA device or drop cpu_offload"
+                "--engram-config cpu_offload=false puts the tables in GPU memory, but this runtime runs on a CPU; "
+                "use a CUDA device or drop cpu_offload"
             )
         # No GPU reads the tables here, so a private copy buys nothing over the page
         # cache: map the files (nothing is loaded up front).

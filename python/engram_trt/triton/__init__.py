@@ -11,14 +11,17 @@ scheduler's steps instead of waiting for each other.
 
 Modules:
 
-| module | what |
-| --- | --- |
-| :mod:`.tensors` | the tensor names and types (those of the TensorRT-LLM backend) and the parsing of one request's inputs into a prompt and :class:`~engram_trt.SamplingParams` |
-| :mod:`.repo` | writes the model repository (``config.pbtxt`` + ``1/model.py``), in a new folder renamed into place |
-| :mod:`.model` | the model that runs inside Triton: requests in, responses out |
-| :mod:`.metrics` | the Engram and scheduler counters as Triton custom metrics (Prometheus text on Triton's metrics port) |
-| :mod:`.server` | finds ``tritonserver`` (on PATH, or the one the ``nvidia-pytriton`` wheel ships), starts it, waits until the model is ready, stops it |
-| :mod:`.client` | minimal standard-library clients of the HTTP ``generate`` / ``generate_stream`` endpoints |
+- :mod:`.tensors`: the tensor names and types (those of the TensorRT-LLM backend) and the
+  parsing of one request's inputs into a prompt and :class:`~engram_trt.SamplingParams`;
+- :mod:`.repo`: writes the model repository (``config.pbtxt`` + ``1/model.py``), in a new
+  folder renamed into place;
+- :mod:`.model`: the model that runs inside Triton: requests in, responses out;
+- :mod:`.metrics`: the Engram and scheduler counters as Triton custom metrics (Prometheus
+  text on Triton's metrics port);
+- :mod:`.server`: finds ``tritonserver`` (on PATH, or the one the ``nvidia-pytriton`` wheel
+  ships), starts it, waits until the model is ready, stops it;
+- :mod:`.client`: minimal standard-library clients of the HTTP ``generate`` /
+  ``generate_stream`` endpoints.
 
 Nothing here imports torch or Triton at import time: the CLI's ``--help`` stays instant
 and the repository writer runs where neither is installed.

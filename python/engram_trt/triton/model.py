@@ -170,7 +170,8 @@ class EngramTritonModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise EngramError(
-                "engram_llm must be decoupled (model_transaction_policy { decoupled: true }) so tokens stream as they are generated"
+                "engram_llm must be decoupled (model_transaction_policy { decoupled: true }) "
+                "so tokens stream as they are generated"
             )
         self.params = p = ModelParams.from_model_config(config)
         self.instance = args.get("model_instance_name", "engram_llm_0")
@@ -227,8 +228,8 @@ class EngramTritonModel:
             else ""
         )
         pb_utils.Logger.log_info(
-            f"engram_llm instance {self.instance}: {p.engine_dir} on {self.llm.device}, backend {self.llm.backend_label} "
-            f"({self.llm.backend_reason}); tables {self.llm.storage.get('kind')}; "
+            f"engram_llm instance {self.instance}: {p.engine_dir} on {self.llm.device}, "
+            f"backend {self.llm.backend_label} ({self.llm.backend_reason}); tables {self.llm.storage.get('kind')}; "
             f"{self.llm.runner.max_batch} KV slots of {self.llm.runner.max_seq_len} tokens{group}"
         )
         self._queue: queue.SimpleQueue[tuple[_Stream, Any] | None] = queue.SimpleQueue()

@@ -88,8 +88,8 @@ def find_tritonserver(explicit: str | None = None) -> TritonInstall:
     root = _pytriton_root()
     if root is None or not (root / "tritonserver" / "bin" / "tritonserver").is_file():
         raise EngramError(
-            f"no tritonserver found: none on PATH and the nvidia-pytriton wheel (which ships one) is not "
-            f"installed; install it with `{PIP_HINT}` (or `pip install 'engram-trt[serve]'`), or pass --tritonserver PATH"
+            "no tritonserver found: none on PATH and the nvidia-pytriton wheel (which ships one) is not installed; "
+            f"install it with `{PIP_HINT}` (or `pip install 'engram-trt[serve]'`), or pass --tritonserver PATH"
         )
     dist = root / "tritonserver"
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -286,7 +286,10 @@ class TritonServer:
     def wait_ready(self, timeout: float, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Until the model answers ready (True) or ``should_stop()`` (False); refused when
         the server exits or time runs out."""
-        url = f"http://{'[' + self.host + ']' if ':' in self.host else self.host}:{self.ports['http']}/v2/models/{MODEL_NAME}/ready"
+        url = (
+            f"http://{'[' + self.host + ']' if ':' in self.host else self.host}:{self.ports['http']}"
+            f"/v2/models/{MODEL_NAME}/ready"
+        )
         deadline = time.monotonic() + timeout
         while not should_stop():
             rc = self.proc.poll()

@@ -182,7 +182,8 @@ def parse_request(get: Callable[[str], np.ndarray | None], default_max_tokens: i
             temperature = 0.0
         elif top_k != 0:
             raise EngramError(
-                f"input 'top_k' {top_k} is not supported: send 0 (off) or 1 (greedy), and use top_p for nucleus sampling"
+                f"input 'top_k' {top_k} is not supported: send 0 (off) or 1 (greedy), "
+                "and use top_p for nucleus sampling"
             )
     if (arr := get("bad_words")) is not None and _words("bad_words", arr):
         raise EngramError("input 'bad_words' is not supported; send it empty or leave it out")

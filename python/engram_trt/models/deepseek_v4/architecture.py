@@ -124,8 +124,8 @@ class DeepseekV4Architecture(ArchitectureBase):
         for layer, found in sorted(experts.items()):
             if layer < cfg.num_hidden_layers and len(found) != cfg.n_routed_experts:
                 out.append(
-                    f"layer {layer} holds {len(found)} routed experts (ids {min(found)}..{max(found)}) but the config's "
-                    f"n_routed_experts={cfg.n_routed_experts}; the config does not describe these weights"
+                    f"layer {layer} holds {len(found)} routed experts (ids {min(found)}..{max(found)}) but the "
+                    f"config's n_routed_experts={cfg.n_routed_experts}; the config does not describe these weights"
                 )
                 break
         formats, problems, _names = self.stored_formats(cfg, ckpt)
@@ -177,11 +177,13 @@ class DeepseekV4Architecture(ArchitectureBase):
             shape, st = tuple(ckpt.shape(table)), ckpt.st_dtype(table)
             if len(shape) != 2 or shape[1] != spec.head_dim:
                 out.append(
-                    f"table {table} has shape {list(shape)} but engram_head_dim={spec.head_dim} needs [rows, {spec.head_dim}]"
+                    f"table {table} has shape {list(shape)} but engram_head_dim={spec.head_dim} needs "
+                    f"[rows, {spec.head_dim}]"
                 )
             elif shape[0] < need:
                 out.append(
-                    f"table {table} has {shape[0]} rows but the layout needs at least {need} (engram_vocab_size / primes)"
+                    f"table {table} has {shape[0]} rows but the layout needs at least "
+                    f"{need} (engram_vocab_size / primes)"
                 )
             elif spec.table_dtype == "bf16" and st not in BF16_TABLE_DTYPES:
                 out.append(f"table {table} is {st} but engram_table_dtype='bf16' (expected BF16)")

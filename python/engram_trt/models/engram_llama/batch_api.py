@@ -207,7 +207,8 @@ class UniformBatchAPI:
         limit = self.config.max_position_embeddings
         if prompt.numel() + max_new_tokens > limit:
             raise EngramError(
-                f"{prompt.numel()} prompt tokens + {max_new_tokens} new tokens exceed the model's max_position_embeddings={limit}"
+                f"{prompt.numel()} prompt tokens + {max_new_tokens} new tokens exceed the model's "
+                f"max_position_embeddings={limit}"
             )
         gen = torch.Generator(device="cpu")
         gen.manual_seed(0 if seed is None else int(seed))

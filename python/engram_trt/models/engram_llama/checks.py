@@ -162,22 +162,27 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
                 declared = None if spec.num_embeddings is None else spec.num_embeddings[li]
                 if declared is not None and rows != declared:
                     problems.append(
-                        f"table {names['table']} has {rows} rows but {spec.field_name('num_embeddings')}[{li}]={declared} (fix the config or the table)"
+                        f"table {names['table']} has {rows} rows but "
+                        f"{spec.field_name('num_embeddings')}[{li}]={declared} (fix the config or the table)"
                     )
                 if rows < need:
                     problems.append(
-                        f"table {names['table']} has {rows} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes (rebuild the tables or fix {spec.field_name('vocab_size')})"
+                        f"table {names['table']} has {rows} rows but the layout needs at least {need}: "
+                        f"the checkpoint does not cover {spec.field_name('num_embeddings')}/primes "
+                        f"(rebuild the tables or fix {spec.field_name('vocab_size')})"
                     )
                 if spec.table_dtype == "fp8":
                     if st not in FP8_TABLE_DTYPES:
                         problems.append(
-                            f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='fp8' (expected F8_E4M3 with ue8m0 scales)"
+                            f"table {names['table']} is {st} but {spec.field_name('table_dtype')}='fp8' "
+                            "(expected F8_E4M3 with ue8m0 scales)"
                         )
                     sshape = shape_of(names["scale"])
                     want_s = (rows, width // spec.quant_block)
                     if sshape is None:
                         problems.append(
-                            f"scale {names['scale']} is missing (an FP8 table needs [rows, width/{spec.quant_block}] = {list(want_s)})"
+                            f"scale {names['scale']} is missing (an FP8 table needs [rows, "
+                            f"width/{spec.quant_block}] = {list(want_s)})"
                         )
                     else:
                         if sshape != want_s:
@@ -186,7 +191,8 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
                             )
                         if ckpt.st_dtype(names["scale"]) not in FP8_SCALE_DTYPES:
                             problems.append(
-                                f"scale {names['scale']} is {ckpt.st_dtype(names['scale'])} (expected F8_E8M0 ue8m0 bytes)"
+                                f"scale {names['scale']} is {ckpt.st_dtype(names['scale'])} "
+                                "(expected F8_E8M0 ue8m0 bytes)"
                             )
                 elif st not in BF16_TABLE_DTYPES:
                     problems.append(
@@ -198,7 +204,8 @@ def validate_checkpoint(ckpt: Checkpoint, layout: Any = None) -> list[str]:
             problems.append(f"tensor {names['wkv']} is missing (expected {list(want_wkv)})")
         elif got != want_wkv:
             problems.append(
-                f"tensor {names['wkv']} has shape {list(got)} but needs [(hc_mult+1)*hidden, n_hash_cols*head_dim] = {list(want_wkv)}"
+                f"tensor {names['wkv']} has shape {list(got)} but needs "
+                f"[(hc_mult+1)*hidden, n_hash_cols*head_dim] = {list(want_wkv)}"
             )
         else:
             bad = float_or_fp8_problem(ckpt, names["wkv"], want_wkv, quant, linear=True)

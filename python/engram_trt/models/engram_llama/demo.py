@@ -494,7 +494,8 @@ def write_demo_checkpoint(out: str | Path, seed: int = 0, force: bool = False) -
         atomic.clean_dead_temps(out)
         if out.is_dir() and any(out.iterdir()) and not force:  # filled while we waited
             raise EngramError(
-                f"OUT '{out}' is not empty (another process wrote it meanwhile); choose a new or empty folder, or pass --force"
+                f"OUT '{out}' is not empty (another process wrote it meanwhile); "
+                "choose a new or empty folder, or pass --force"
             )
         _check_free_space(out.parent)
         tmp = atomic.temp_sibling(out, "tmp")

@@ -164,7 +164,8 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
             return
         if compress_lookup is None:
             raise EngramError(
-                "an Engram model needs the compressed-vocab lookup (raw id -> compressed id); build it from the checkpoint's tokenizer.json (EngramLlama.from_checkpoint does)"
+                "an Engram model needs the compressed-vocab lookup (raw id -> compressed id); "
+                "build it from the checkpoint's tokenizer.json (EngramLlama.from_checkpoint does)"
             )
         lookup = torch.as_tensor(
             np.asarray(compress_lookup) if not isinstance(compress_lookup, torch.Tensor) else compress_lookup,
@@ -172,7 +173,9 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
         ).reshape(-1)
         if lookup.numel() == 0 or int(lookup.max()) >= spec.compressed_vocab_size or int(lookup.min()) < DEAD:
             raise EngramError(
-                f"the compressed-vocab lookup holds ids outside -1..{spec.compressed_vocab_size - 1} ({spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}): the tokenizer does not belong to this config"
+                f"the compressed-vocab lookup holds ids outside -1..{spec.compressed_vocab_size - 1} "
+                f"({spec.field_name('compressed_vocab_size')}={spec.compressed_vocab_size}): "
+                "the tokenizer does not belong to this config"
             )
         if lookup.numel() < config.vocab_size:
             # Ids the tokenizer does not know (vocab padding) have no text: dead for Engram.
@@ -206,7 +209,8 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
         if not usable:
             if backend == "kernels":
                 raise EngramError(
-                    f"engram_backend 'kernels' runs on a CUDA device in bfloat16 (got {device}, {dtype}); use 'torch' or 'auto'"
+                    "engram_backend 'kernels' runs on a CUDA device in bfloat16 "
+                    f"(got {device}, {dtype}); use 'torch' or 'auto'"
                 )
             return None
         try:
@@ -241,11 +245,14 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
             need = int(self.layout.table_rows[li])
             if tables.num_rows(li) < need:
                 raise EngramError(
-                    f"Engram table of layer {self.layout.layer_ids[li]} has {tables.num_rows(li)} rows but the layout needs at least {need}: the checkpoint does not cover {spec.field_name('num_embeddings')}/primes"
+                    f"Engram table of layer {self.layout.layer_ids[li]} has {tables.num_rows(li)} rows but the "
+                    f"layout needs at least {need}: the checkpoint does not cover "
+                    f"{spec.field_name('num_embeddings')}/primes"
                 )
             if tables.head_dim(li) != spec.head_dim:
                 raise EngramError(
-                    f"Engram table of layer {self.layout.layer_ids[li]} has rows of width {tables.head_dim(li)} but {spec.field_name('head_dim')}={spec.head_dim}"
+                    f"Engram table of layer {self.layout.layer_ids[li]} has rows of width {tables.head_dim(li)} but "
+                    f"{spec.field_name('head_dim')}={spec.head_dim}"
                 )
         self.tables = tables
 
@@ -418,7 +425,8 @@ class EngramLlama(UniformBatchAPI, ServedModel, nn.Module):
                 raise EngramError(f"{past + n} tokens exceed the cache's max_len={max_len}; allocate a longer cache")
             if past + n > max_pos:
                 raise EngramError(
-                    f"positions up to {past + n - 1} exceed the model's max_position_embeddings={max_pos}; shorten the prompt or the generation"
+                    f"positions up to {past + n - 1} exceed the model's max_position_embeddings={max_pos}; "
+                    "shorten the prompt or the generation"
                 )
 
     @torch.no_grad()

@@ -256,7 +256,8 @@ def export_model(
             raise EngramError(f"table dtype {table_dtype!r} is not one of {', '.join(TABLE_DTYPE_CODES)}")
         if layout is None:
             raise EngramError(
-                "exporting a model with Engram layers needs its layout (EngramLayout.from_spec with the compressed pad id)"
+                "exporting a model with Engram layers needs its layout "
+                "(EngramLayout.from_spec with the compressed pad id)"
             )
         if tuple(layout.layer_ids) != tuple(spec.layer_ids):
             raise EngramError(f"layout layers {list(layout.layer_ids)} differ from the config's {list(spec.layer_ids)}")

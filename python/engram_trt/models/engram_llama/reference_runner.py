@@ -55,7 +55,8 @@ class ReferenceRunner:
             raise EngramError(f"a runner needs num_slots >= 1 and max_seq_len >= 1 (got {num_slots}, {max_seq_len})")
         if self.max_seq_len > exported.io["max_position"]:
             raise EngramError(
-                f"max_seq_len {self.max_seq_len} exceeds the graph's rotary table ({exported.io['max_position']} positions)"
+                f"max_seq_len {self.max_seq_len} exceeds the graph's rotary table "
+                f"({exported.io['max_position']} positions)"
             )
         shape = (self.num_slots, config.num_key_value_heads, self.max_seq_len, config.head_dim)
         self.key_cache = [np.zeros(shape, dtype=self.np_dtype) for _ in range(config.num_hidden_layers)]

@@ -11,8 +11,9 @@ scheduler never hands out), the attention context the step's
 :func:`~.model.decode_context` (eager decode steps use the same, so replay and eager run
 the same kernels on the same shapes), or one graph per batch bucket when every QSA layer's
 decode core runs on the QSA kernel (``Qwen4ExpModel.decode_context_free``: the kernel reads
-each query's positions from the step's metadata, so no shape depends on the context); token ids, positions, slots and the PLE hash's
-n-gram context live in static device buffers, filled by one copy from a pinned buffer.
+each query's positions from the step's metadata, so no shape depends on the context);
+token ids, positions, slots and the PLE hash's n-gram context live in static device
+buffers, filled by one copy from a pinned buffer.
 
 The PLE lookup is recorded in the graph when every PLE layer's rows come from the GPU
 gather kernel (HBM or pinned / registered host tables: the hash kernel, then the UVA or

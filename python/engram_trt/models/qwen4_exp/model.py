@@ -337,11 +337,13 @@ class Qwen4ExpModel(ServedModel, _Modules):
                 raise EngramError(f"step slot {slot} is outside the state's {state.num_slots} slots")
             if step.past_lens[s] != state.lengths[slot]:
                 raise EngramError(
-                    f"sequence {s} says {step.past_lens[s]} tokens are cached but slot {slot} holds {state.lengths[slot]}"
+                    f"sequence {s} says {step.past_lens[s]} tokens are cached but slot "
+                    f"{slot} holds {state.lengths[slot]}"
                 )
             if step.total_lens[s] > state.max_len:
                 raise EngramError(
-                    f"sequence {s} would hold {step.total_lens[s]} tokens, more than the state's max_len {state.max_len}"
+                    f"sequence {s} would hold {step.total_lens[s]} tokens, "
+                    f"more than the state's max_len {state.max_len}"
                 )
         if int(step.input_ids.min()) < 0 or int(step.input_ids.max()) >= self.config.vocab_size:
             raise EngramError(f"token ids must be in [0, {self.config.vocab_size}) (vocab_size)")

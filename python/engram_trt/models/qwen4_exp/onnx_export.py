@@ -198,7 +198,7 @@ def export_model(
 
     # --- the layers -----------------------------------------------------------------------
     prefix = cfg.weight_prefix
-    hc, D = cfg.hc_count, cfg.hidden_size
+    hc = cfg.hc_count
     embed = b.weight(f"{prefix}embed_tokens.weight")
     x = g.op("Gather", [embed, "input_ids"], "embed", axis=0)
     streams = g.op("Expand", [g.op("Unsqueeze", [x, g.ints([1])]), g.ints([1, hc, 1])], "streams")  # [T, hc, D]

@@ -218,9 +218,10 @@ def table_problems(ckpt: Any, config: Any, layout: Any) -> list[str]:
             rows += shape[0]
         if rows >= 0 and rows != want_rows:
             out.append(
-                f"PLE table of layer {layer + 1} has {rows} rows in its {len(names)} shards but the config's "
-                f"primes (ngram_vocab_size_base={ple.vocab_size_base}, heads_per_ngram={ple.heads_per_ngram}, "
-                f"make_ngram_vocab_size_divisible_by={ple.divisible_by}) give {want_rows}: the table and the config disagree"
+                f"PLE table of layer {layer + 1} has {rows} rows in its {len(names)} shards but the config's primes "
+                f"(ngram_vocab_size_base={ple.vocab_size_base}, heads_per_ngram={ple.heads_per_ngram}, "
+                f"make_ngram_vocab_size_divisible_by={ple.divisible_by}) give {want_rows}: "
+                "the table and the config disagree"
             )
         elif rows >= 0:
             for name, size in zip(names, sizes):
