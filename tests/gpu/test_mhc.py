@@ -178,7 +178,7 @@ def test_fold_equals_post_then_collapse(rng, dname, ci) -> None:
     likewise; everything finite."""
     import torch
 
-    from engram_trt.builder import reference_mhc as ref
+    from engram_trt.models.deepseek_v4 import reference_mhc as ref
     from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RMSNorm
     from engram_trt.native import mhc
 
