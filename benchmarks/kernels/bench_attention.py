@@ -3,7 +3,7 @@
 """``python benchmarks/kernels/bench_attention.py``: the packed-attention kernel (engram_attention_step /
 _packed) against torch's scaled_dot_product_attention on the same data and against its
 floor (the K/V read at the HBM rate, or the math at the bf16 matrix rate), both measured
-in the same run (the shapes are ``ATTENTION_CASES`` of bench/gpucases.py;
+in the same run (the shapes are ``ATTENTION_CASES`` of tests/gpu/cases.py;
 tests/gpu/test_attention.py checks the kernel's outputs on them).
 
 Decode steps of 1, 64 and 256 sequences at a 4k context (and 64 at 256), and one 8k

@@ -6,7 +6,7 @@ DecodeGraphs, the fused decoder-layer path against the unfused one and its varia
 as a ratio to the step's weight-read bound (backbone weights + the K/V read once, at the
 HBM copy rate measured in the same run), with the kernels one replay launches and where
 the step's GPU time goes (the model and its variants are built by
-bench/gpucases.py; tests/gpu/test_backbone.py checks the variants' logits).
+tests/gpu/cases.py; tests/gpu/test_backbone.py checks the variants' logits).
 
 Variants beside the default fused step: the GEMM library's projections (the GEMV off, at
 batches the GEMV serves), no programmatic dependent launches (ENGRAM_TRT_PDL=0), and SDPA
