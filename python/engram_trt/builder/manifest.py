@@ -32,7 +32,9 @@ from engram_trt.errors import EngramError
 from engram_trt.tables.source import (
     TableRef,
     checkpoint_table_refs,
+    hash_tables,  # noqa: F401
     sha256_file,  # noqa: F401
+    sha256_file_region,  # noqa: F401
     verify_table_hashes,
 )
 

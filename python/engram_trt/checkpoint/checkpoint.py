@@ -45,11 +45,17 @@ import numpy as np
 import torch
 
 # Re-exported: callers import the file-level pieces from here too.
-from engram_trt.checkpoint.files import (
-    MAX_HEADER_BYTES,  # noqa: F401
+from engram_trt.checkpoint.files import (  # noqa: F401
+    BF16_TABLE_DTYPES,
+    FP8_SCALE_DTYPES,
+    FP8_TABLE_DTYPES,
+    MAX_HEADER_BYTES,
+    ST_DTYPES,
     TensorInfo,
     _tensor_infos,
+    checkpoint_boundary,
     confined_file,
+    read_safetensors_header,
 )
 from engram_trt.config.jsonfile import read_json_object
 from engram_trt.config.model import ArchitectureConfig, ModelConfig, read_config_dict
