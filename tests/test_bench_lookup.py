@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from benchmark_scripts import script
+from helpers.benchmark_scripts import script
 from engram_trt.cli.main import main
 from engram_trt.engram.hashing import hash_ids
 from engram_trt.errors import EngramError

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmark_scripts import SCRIPTS, script
+from helpers.benchmark_scripts import SCRIPTS, script
+from helpers.files import REPO
 from engram_trt.bench.options import opt
 from engram_trt.cli.bench import BENCH_COMMANDS, add_option_arguments, options_from, script_parser
 from engram_trt.cli.main import build_parser
 
-BENCH = Path(__file__).resolve().parents[1] / "python" / "engram_trt" / "bench"
+BENCH = REPO / "python" / "engram_trt" / "bench"
 REQUIRED = {"rowcounts": ["--out", "counts.npz"], "serve": ["ENGINE"]}
 GPU_ONLY_SCRIPTS = ["kernels", "attention", "backbone", "gathersweep", "contention", "cacheplan", "ple-gather"]
 GPU_ONLY = ["qwen4-step", "dsv4-step"]  # with GPU_ONLY_SCRIPTS: the former H200 timings

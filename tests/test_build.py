@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.files import file_sha256
+from helpers.files import REPO, file_sha256
 from engram_trt.native import trt_compat
 from engram_trt.builder.build import build
 from engram_trt.checkpoint.checkpoint import Checkpoint, engram_tensor_names, write_checkpoint
@@ -24,7 +24,6 @@ from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.engram.tokenizer import build_compressed_vocab
 
-REPO = Path(__file__).resolve().parents[1]
 RTX = trt_compat.module_available("tensorrt_rtx_bindings") or trt_compat.module_available("tensorrt_rtx")
 needs_rtx = pytest.mark.skipif(not RTX, reason="TensorRT-RTX is not installed")
 

@@ -21,6 +21,8 @@ import pytest
 from engram_trt.cache.policy import CachePolicy, top_rows
 from engram_trt.errors import EngramError
 
+from helpers.files import REPO
+
 
 def _draw(seed: int, step: int, k: int) -> int:
     """A step's admission draw as engramKernels.h specifies it, in NumPy uint64
@@ -620,6 +622,6 @@ def test_the_uva_share_a_step_call_binds(plugin_lib: Path) -> None:
     ):
         with pytest.raises(EngramError, match=re.escape(words)):
             ck._uva_share_for(*args)
-    header = (Path(__file__).resolve().parents[1] / "plugins" / "kernels" / "cacheKernels.h").read_text()
+    header = (REPO / "plugins" / "kernels" / "cacheKernels.h").read_text()
     assert re.search(rf"#define ENGRAM_CACHE_UVA_MIN_MISSES {ck.UVA_MIN_MISSES}\b", header)  # the library's own
     assert 0.0 < ck.DEFAULT_UVA_SHARE <= 1.0 and ck.DEFAULT_UVA_BLOCKS > 0

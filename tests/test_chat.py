@@ -20,7 +20,7 @@ pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads 
 pytest.importorskip("transformers", reason="'transformers' is the reference tokenizer")
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 
-from test_gguf_import import SMOL, _bpe_vocab, _spm_vocab, write_tiny_gguf  # noqa: E402
+from helpers.gguf import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf  # noqa: E402
 
 from engram_trt.checkpoint.gguf_import import import_gguf  # noqa: E402
 from engram_trt.errors import EngramError  # noqa: E402
@@ -42,9 +42,9 @@ TEXTS = ["Hello world", "hello the world", "  leading spaces\n\ttabs", "this is 
 def folders(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("chat")
     out = {"smollm2": import_gguf(SMOL, d / "smollm2", progress=False).out}
-    write_tiny_gguf(d / "spm.gguf", vocab=_spm_vocab(), untied=False)
+    write_tiny_gguf(d / "spm.gguf", vocab=spm_vocab(), untied=False)
     out["spm"] = import_gguf(d / "spm.gguf", d / "spm", progress=False).out
-    write_tiny_gguf(d / "bpe.gguf", vocab=dict(_bpe_vocab(), add_bos=True))
+    write_tiny_gguf(d / "bpe.gguf", vocab=dict(bpe_vocab(), add_bos=True))
     out["bpe-bos"] = import_gguf(d / "bpe.gguf", d / "bpe-bos", progress=False).out
     return out
 

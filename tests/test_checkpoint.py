@@ -34,35 +34,17 @@ from engram_trt.errors import CheckpointError, EngramError
 from engram_trt.engram.layout import EngramLayout
 from engram_trt.engram.quant import dequant_fp8_rows, quantize_fp8_rows
 
-SMALL_CONFIG = {
-    "architectures": ["EngramLlamaForCausalLM"],
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "vocab_size": 97,
-    "hc_mult": 2,
-    "tie_word_embeddings": False,
-    "engram_layer_ids": [0, 2],
-    "engram_max_ngram_size": 3,
-    "engram_n_heads": 2,
-    "engram_head_dim": 64,
-    "engram_vocab_size": 40,
-    "engram_compressed_vocab_size": 60,
-    "engram_pad_token_id": 1,
-}
+from helpers.checkpoints import SMALL_TABLES_CONFIG
 
 
 def small_layout(cfg: dict | None = None) -> EngramLayout:
-    spec = ModelConfig.from_dict(cfg or SMALL_CONFIG).engram
+    spec = ModelConfig.from_dict(cfg or SMALL_TABLES_CONFIG).engram
     assert spec is not None
     return EngramLayout.from_spec(spec, pad_id=1)
 
 
 def small_tensors(seed: int = 0, extra_rows: int = 5) -> dict[str, torch.Tensor]:
-    config = ModelConfig.from_dict(SMALL_CONFIG)
+    config = ModelConfig.from_dict(SMALL_TABLES_CONFIG)
     gen = torch.Generator().manual_seed(seed)
     rows = [int(r) + extra_rows for r in small_layout().table_rows]
     return random_weights(config, gen, table_rows=rows)
@@ -72,7 +54,7 @@ def small_tensors(seed: int = 0, extra_rows: int = 5) -> dict[str, torch.Tensor]
 def small_ckpt(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     tensors = small_tensors()
     # A small shard limit forces several shards, so the index is exercised.
-    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None, max_shard_bytes=8 * 1024)
+    write_checkpoint(tmp_path / "ck", SMALL_TABLES_CONFIG, tensors, None, max_shard_bytes=8 * 1024)
     return tmp_path / "ck", tensors
 
 
@@ -164,8 +146,8 @@ def test_locate_gives_the_tensor_bytes(small_ckpt: tuple[Path, dict[str, torch.T
 
 
 def test_write_is_deterministic(tmp_path: Path) -> None:
-    a = write_checkpoint(tmp_path / "a", SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
-    b = write_checkpoint(tmp_path / "b", SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
+    a = write_checkpoint(tmp_path / "a", SMALL_TABLES_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
+    b = write_checkpoint(tmp_path / "b", SMALL_TABLES_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
     files_a = sorted(p.name for p in a.iterdir())
     assert files_a == sorted(p.name for p in b.iterdir())
     for f in files_a:
@@ -174,13 +156,13 @@ def test_write_is_deterministic(tmp_path: Path) -> None:
 
 def test_rewrite_removes_stale_shards(tmp_path: Path) -> None:
     out = tmp_path / "ck"
-    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
+    write_checkpoint(out, SMALL_TABLES_CONFIG, small_tensors(), None, max_shard_bytes=8 * 1024)
     before = {p.name: file_sha256(p) for p in out.iterdir()}
     # Without overwrite=True an existing checkpoint is never written into.
     with pytest.raises(CheckpointError, match="already holds a checkpoint"):
-        write_checkpoint(out, SMALL_CONFIG, small_tensors(seed=1), None, max_shard_bytes=10**9)
+        write_checkpoint(out, SMALL_TABLES_CONFIG, small_tensors(seed=1), None, max_shard_bytes=10**9)
     assert {p.name: file_sha256(p) for p in out.iterdir()} == before
-    write_checkpoint(out, SMALL_CONFIG, small_tensors(), None, max_shard_bytes=10**9, overwrite=True)
+    write_checkpoint(out, SMALL_TABLES_CONFIG, small_tensors(), None, max_shard_bytes=10**9, overwrite=True)
     assert [p.name for p in out.glob("*.safetensors")] == ["model-00001-of-00001.safetensors"]
     Checkpoint.open(out)
 
@@ -203,7 +185,7 @@ def test_missing_config_and_missing_folder(small_ckpt: tuple[Path, dict[str, tor
         Checkpoint.open(tmp_path / "nope")
     empty = tmp_path / "empty"
     empty.mkdir()
-    (empty / "config.json").write_text(json.dumps(SMALL_CONFIG))
+    (empty / "config.json").write_text(json.dumps(SMALL_TABLES_CONFIG))
     with pytest.raises(EngramError, match="no weights"):
         Checkpoint.open(empty)
 
@@ -226,7 +208,7 @@ def test_tables_not_covering_layout_are_reported(tmp_path: Path) -> None:
     q, s = quantize_fp8_rows(torch.randn(short, 64, generator=torch.Generator().manual_seed(1)))
     tensors[names["table"]] = q.view(torch.float8_e4m3fn)
     tensors[names["scale"]] = s.view(torch.float8_e8m0fnu)
-    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None)
+    write_checkpoint(tmp_path / "ck", SMALL_TABLES_CONFIG, tensors, None)
     problems = validate_checkpoint(Checkpoint.open(tmp_path / "ck"), layout)
     assert len(problems) == 1, problems
     assert names["table"] in problems[0]
@@ -245,7 +227,7 @@ def test_shape_problems_are_reported(tmp_path: Path) -> None:
     q, s = quantize_fp8_rows(torch.randn(tensors[n2["table"]].shape[0], 32))
     tensors[n2["table"]] = q.view(torch.float8_e4m3fn)  # head_dim 32, config says 64
     del tensors["model.layers.1.mlp.down_proj.weight"]
-    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None)
+    write_checkpoint(tmp_path / "ck", SMALL_TABLES_CONFIG, tensors, None)
     problems = validate_checkpoint(Checkpoint.open(tmp_path / "ck"))
     text = "\n".join(problems)
     assert f"scale {n0['scale']} has shape [{rows - 1}, 2]" in text
@@ -263,7 +245,7 @@ def test_backbone_weights_must_be_floats(tmp_path: Path) -> None:
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = torch.zeros(tensors[name].shape, dtype=torch.int8)
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.bfloat16)  # a float dtype reads
-    write_checkpoint(tmp_path / "ck", SMALL_CONFIG, tensors, None)
+    write_checkpoint(tmp_path / "ck", SMALL_TABLES_CONFIG, tensors, None)
     problems = validate_checkpoint(Checkpoint.open(tmp_path / "ck"))
     assert problems == [
         f"tensor {name} is I8, not a float weight (expected one of F32, BF16, F16, F64); "

@@ -17,7 +17,7 @@ from engram_trt.cli.main import main
 from engram_trt.engram.tokenizer import default_tokenizer_json
 from engram_trt.errors import EngramError
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -452,7 +452,7 @@ def test_serve_allow_unused_weights_reaches_the_model(tmp_path):
     from engram_trt.llmapi.llm import LLM
     from engram_trt.triton.model import ModelParams
     from engram_trt.triton.repo import model_parameters, resolve_options
-    from test_llama_parity import save_llama
+    from helpers.llama import save_llama
 
     save_llama(tmp_path / "ck", seed=3)
     st = tmp_path / "ck" / "model.safetensors"

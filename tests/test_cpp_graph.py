@@ -32,7 +32,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
+
 TOPS = ("plugins", "runtime")
 INCLUDE_DIRS = ("plugins", "runtime")  # CMakeLists.txt: target_include_directories(engram_trt_plugins ...)
 SOURCES = {".cpp", ".cu"}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
+
 SPDX = (
     "// SPDX-License-Identifier: Apache-2.0",
     "// SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors",

@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from test_deepseek_v4_parity import save_v41  # noqa: E402
+from helpers.deepseek_v4 import save_v41  # noqa: E402
 
 from engram_trt.engram.fusion import engram_gate_reference  # noqa: E402
 from engram_trt.engram.hashing import DEAD, hash_batch_packed  # noqa: E402

@@ -39,8 +39,9 @@ import torch  # noqa: E402
 from helpers.cli import run_json  # noqa: E402
 from helpers.plugins import engine_skip_reason  # noqa: E402
 from helpers.serving import assert_served_tokens, require_tritonserver, start_serve, stop_serve  # noqa: E402
-import test_deepseek_v4_parity as parity  # noqa: E402
-from test_deepseek_v4_parity import CASES, NEW_TOKENS, PROMPTS, hf_greedy, save_v4, save_v41  # noqa: E402
+import helpers.deepseek_v4 as parity  # noqa: E402
+
+from helpers.deepseek_v4 import CASES, NEW_TOKENS, PROMPTS, hf_greedy, save_v4, save_v41  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 

@@ -24,11 +24,12 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from helpers.checkpoints import assert_bf16_logits_match, llm_greedy  # noqa: E402
-from test_deepseek_v4_parity import hf_greedy, save_v41  # noqa: E402
+from helpers.deepseek_v4 import hf_greedy, save_v41  # noqa: E402
+from helpers.files import DATA  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 
-TINY = Path(__file__).parent / "data" / "deepseek_v4_tiny"
+TINY = DATA / "deepseek_v4_tiny"
 
 
 @pytest.fixture(scope="module")

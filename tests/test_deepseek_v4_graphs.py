@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,7 +26,9 @@ torch = pytest.importorskip("torch")
 from engram_trt.errors import EngramError  # noqa: E402
 from engram_trt.models.step import PackedStep  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data" / "deepseek_v4_tiny"
+from helpers.files import DATA  # noqa: E402
+
+DATA = DATA / "deepseek_v4_tiny"
 
 
 def _v4() -> Any:

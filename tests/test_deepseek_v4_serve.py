@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from helpers.checkpoints import words  # noqa: E402
 from helpers.serving import assert_served_tokens, require_tritonserver, start_serve, stop_serve  # noqa: E402
-from test_deepseek_v4_parity import hf_greedy, save_v4, save_v41  # noqa: E402
+from helpers.deepseek_v4 import hf_greedy, save_v4, save_v41  # noqa: E402
 
 from engram_trt.triton import client as hc  # noqa: E402
 

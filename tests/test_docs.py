@@ -69,7 +69,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
+
 PACKAGE = REPO / "python" / "engram_trt"
 
 DOCS = [
@@ -259,7 +260,7 @@ def former_commands(doc: Path | None = None) -> dict[str, str]:
 
 def script_flags(script: str) -> set[str]:
     """The flags of a script under benchmarks/ (``benchmarks/<folder>/<name>.py``), from its ``OPTIONS``."""
-    from benchmark_scripts import module
+    from helpers.benchmark_scripts import module
     from engram_trt.cli.bench import script_parser
 
     folder, name = Path(script).parts[-2], Path(script).stem
@@ -336,7 +337,7 @@ def test_former_scripts_are_gone_and_replaced() -> None:
 def test_former_commands_are_gone_and_replaced() -> None:
     """The bench commands that moved to benchmarks/ are no commands; each one's script exists
     and takes the flags the runs docs/benchmarks.md records passed (checked with the command lines)."""
-    from benchmark_scripts import SCRIPTS
+    from helpers.benchmark_scripts import SCRIPTS
     from engram_trt.cli.bench import BENCH_COMMANDS
 
     former = former_commands()

@@ -20,8 +20,7 @@ import torch
 from engram_trt.errors import EngramError
 from engram_trt.native import dsv4_attention as dsv4
 
-from helpers.plugins import create_plugin, harness_path, harness_scripts
-from test_linear_attention_plugins import _build, _graph  # (the trt fixture: tests/conftest.py)
+from helpers.plugins import build_plugin_engine, create_plugin, harness_path, harness_scripts, write_plugin_graph
 
 HARNESS = harness_path()
 FIELDS = dict(layer_type=1, window=6, compress_rate=4, index_topk=2, scaling=0.125, eps=1e-6, rope_scale=1.0)
@@ -204,7 +203,7 @@ def test_onnx_graph_with_the_node_builds_an_engine(trt, tmp_path: Path, layer_ty
         "rope_scale": 1.0,
     }
     path = tmp_path / "dsv4.onnx"
-    _graph(path, "EngramDsv4Attention", inputs, outputs, attrs)
+    write_plugin_graph(path, "EngramDsv4Attention", inputs, outputs, attrs)
     shapes = {}
     for name, _, dims in inputs:
         if "T" in dims or "S" in dims or "S1" in dims:
@@ -213,7 +212,7 @@ def test_onnx_graph_with_the_node_builds_an_engine(trt, tmp_path: Path, layer_ty
                 return tuple(v if x in ("T", "S") else v + 1 if x == "S1" else x for x in dims)
 
             shapes[name] = (at(1), at(4), at(16)) if "T" in dims else (at(1), at(2), at(4))
-    network, engine = _build(trt, path, shapes, "EngramDsv4Attention")
+    network, engine = build_plugin_engine(trt, path, shapes, "EngramDsv4Attention")
     assert network.num_outputs == 1 + len(states)
     assert engine is not None and engine.nbytes > 1000
 

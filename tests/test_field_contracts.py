@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from helpers.checkpoints import TINY_CONFIG
+from helpers.files import DATA
 from engram_trt.errors import ConfigError
 from engram_trt.models.registry import _registered, resolve
 
-DATA = Path(__file__).parent / "data"
+DATA = DATA
 # A config each architecture serves: the tiny checkpoints transformers saved, and the
 # engram-llama tiny config of helpers.checkpoints.
 CONFIGS: dict[str, Any] = {

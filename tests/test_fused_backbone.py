@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +32,7 @@ from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
 from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
 from engram_trt.models.step import PackedStep
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_model import IDS, MODEL_CONFIG, PLAIN_CONFIG, build, close, np_forward  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers.engram_llama import IDS, MODEL_CONFIG, PLAIN_CONFIG, build, close, np_forward  # noqa: E402
 
 
 def fused_twin(model: EngramLlama, weights: dict, lookup, ops=None) -> EngramLlama:

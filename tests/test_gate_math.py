@@ -20,7 +20,8 @@ import pytest
 
 from engram_trt.engram.fusion import GATE_CLAMP, engram_gate_reference
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
+
 EPS = 1e-6
 
 

@@ -117,7 +117,7 @@ def _with_user_lock(out_name: str, content: str) -> Callable[[Path, str], str]:
 def _tiny_gguf(raw: dict | None = None) -> Callable[[Path, str], str]:
     def make(ws: Path, name: str) -> str:
         pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
-        from test_gguf_import import write_tiny_gguf
+        from helpers.gguf import write_tiny_gguf
 
         write_tiny_gguf(ws / name, raw_tensors=raw)
         return str(ws / name)

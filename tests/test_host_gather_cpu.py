@@ -29,7 +29,7 @@ from engram_trt.native import hostgather
 from engram_trt.native import gather as gather_kernels
 from engram_trt.errors import EngramError
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
 
 
 def _compiler() -> str | None:

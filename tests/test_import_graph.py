@@ -11,7 +11,8 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
+
 PACKAGE = REPO / "python" / "engram_trt"
 
 # Low to high; a module may import its own subpackage or any subpackage at or below

@@ -25,12 +25,12 @@ from engram_trt.native import linear_attention as la
 from engram_trt.native import trt_compat
 
 from helpers.plugins import (
+    build_plugin_engine,
     create_plugin,
     harness_path,
     harness_scripts,
-    parse_plugin_graph,
-    plugin_builder_config,
     serialized_twice,
+    write_plugin_graph,
 )
 
 NAMESPACE = "engram_trt"
@@ -191,47 +191,6 @@ def test_creators_accept_the_edge_of_each_range(trt) -> None:
 # --- engines -------------------------------------------------------------------------------------
 
 
-def _graph(
-    path: Path, op: str, inputs: list[tuple[str, int, list]], outputs: list[tuple[str, int, list]], attributes: dict
-) -> None:
-    import onnx
-    from onnx import helper
-
-    node = helper.make_node(
-        op,
-        [n for n, _, _ in inputs],
-        [n for n, _, _ in outputs],
-        name=op.lower(),
-        domain=NAMESPACE,
-        plugin_version="1",
-        plugin_namespace=NAMESPACE,
-        **attributes,
-    )
-    graph = helper.make_graph(
-        [node],
-        op,
-        [helper.make_tensor_value_info(*i) for i in inputs],
-        [helper.make_tensor_value_info(*o) for o in outputs],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(NAMESPACE, 1)])
-    onnx.save(model, str(path))
-
-
-def _build(trt, path: Path, shapes: dict[str, tuple[tuple, tuple, tuple]], name: str):
-    """The one-plugin graph at ``path`` (plugin ``name``) built with aliased I/O and the
-    ``shapes`` profile: (the network, the serialized engine or None)."""
-    builder, network, layer = parse_plugin_graph(trt, path)
-    layer.__class__ = trt.module.IPluginV3Layer
-    core = layer.plugin.get_capability_interface(trt.module.PluginCapabilityType.CORE)
-    assert (core.plugin_name, core.plugin_namespace, core.plugin_version) == (name, NAMESPACE, "1")
-    config = plugin_builder_config(trt, builder, aliased=True)
-    profile = builder.create_optimization_profile()
-    for tensor, (lo, opt, hi) in shapes.items():
-        profile.set_shape(tensor, lo, opt, hi)
-    config.add_optimization_profile(profile)
-    return network, builder.build_serialized_network(network, config)
-
-
 @pytest.mark.parametrize("io", ["bf16", "fp32"])
 def test_onnx_graph_with_a_causal_conv_node_builds_an_engine(trt, tmp_path: Path, io: str) -> None:
     """The node as models/qwen4_exp/onnx_blocks.py writes it (kernel, activation = 1, the
@@ -242,7 +201,7 @@ def test_onnx_graph_with_a_causal_conv_node_builds_an_engine(trt, tmp_path: Path
     C, K, slots = 96, 4, 4
     path = tmp_path / "conv.onnx"
     i32 = TensorProto.INT32
-    _graph(
+    write_plugin_graph(
         path,
         "EngramCausalConv1d",
         [
@@ -256,7 +215,7 @@ def test_onnx_graph_with_a_causal_conv_node_builds_an_engine(trt, tmp_path: Path
         [("y", elem, ["T", C]), ("conv_state_out", elem, [slots, C, K - 1])],
         {"kernel": K, "activation": 1},
     )
-    network, engine = _build(
+    network, engine = build_plugin_engine(
         trt,
         path,
         {
@@ -280,7 +239,7 @@ def test_onnx_graph_with_a_gated_delta_net_node_builds_an_engine(trt, tmp_path: 
     Hk, Hv, dk, dv, slots = 2, 4, 64, 96, 4
     path = tmp_path / "delta.onnx"
     f32, i32 = TensorProto.FLOAT, TensorProto.INT32
-    _graph(
+    write_plugin_graph(
         path,
         "EngramGatedDeltaNet",
         [
@@ -307,7 +266,7 @@ def test_onnx_graph_with_a_gated_delta_net_node_builds_an_engine(trt, tmp_path: 
         "past_lens": ((1,), (2,), (4,)),
         "slots": ((1,), (2,), (4,)),
     }
-    network, engine = _build(trt, path, shapes, "EngramGatedDeltaNet")
+    network, engine = build_plugin_engine(trt, path, shapes, "EngramGatedDeltaNet")
     want = {"bf16": trt.module.bfloat16, "fp32": trt.module.float32}[io]
     assert [network.get_output(i).dtype for i in range(2)] == [want, trt.module.float32]
     assert engine is not None and engine.nbytes > 1000

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers.checkpoints import words  # noqa: E402
 from helpers.serving import assert_served_tokens, require_tritonserver, start_serve, stop_serve  # noqa: E402
-from test_llama_parity import NEW_TOKENS, PROMPTS, SUPPORTED, hf_greedy, save_llama  # noqa: E402
+from helpers.llama import NEW_TOKENS, PROMPTS, SUPPORTED, hf_greedy, save_llama  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 

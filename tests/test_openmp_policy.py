@@ -7,9 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-PY = str(Path(__file__).resolve().parents[1] / "python")
+from helpers.files import REPO
+
+PY = str(REPO / "python")
 
 
 def _policy(code: str, **env: str) -> str:

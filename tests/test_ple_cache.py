@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,8 +35,10 @@ from engram_trt.errors import EngramError
 from engram_trt.tables.base import TableStore
 from engram_trt.tables.rowgather import StoreGather
 
+from helpers.files import DATA
+
 N, WIDTH = 3000, 24
-TINY = Path(__file__).resolve().parent / "data" / "qwen4_exp_tiny"
+TINY = DATA / "qwen4_exp_tiny"
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 

@@ -36,8 +36,8 @@ from engram_trt.errors import EngramError
 from engram_trt.engram.layout import EngramLayout
 
 from helpers.plugins import create_plugin, harness_path, harness_scripts, parse_plugin_graph, plugin_builder_config
+from helpers.files import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "engram_trt"  # the creators' plugin namespace (plugins/common/engramPluginBase.h)
 HEADER = REPO / "plugins" / "kernels" / "engramKernels.h"
 PLUGINS = {

@@ -31,7 +31,8 @@ from engram_trt.native import quant_kernels as qk
 from engram_trt.quant import formats
 from engram_trt.quant.weight import ACT_QUANT, QuantWeight, quant_linear
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
+
 HEADER = REPO / "plugins" / "kernels" / "quantKernels.h"
 
 

@@ -91,7 +91,7 @@ def _hf(model: Any) -> tuple[Callable, Callable]:
 
 
 def llama(name: str, root: Path) -> Made:
-    import test_llama_fp8 as t
+    import helpers.llama_fp8 as t
     from transformers import LlamaConfig, LlamaForCausalLM
 
     overrides, fp8 = t.CASES[name]
@@ -109,8 +109,8 @@ def llama(name: str, root: Path) -> Made:
 
 
 def qwen4(name: str, root: Path) -> Made:
-    import test_qwen4_exp_fp8 as t
-    from test_qwen4_exp_parity import randomized
+    import helpers.qwen4_exp_fp8 as t
+    from helpers.qwen4_exp import randomized
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     overrides, fp8 = t.CASES[name]
@@ -157,8 +157,8 @@ DS_CASES: dict[str, tuple[dict[str, Any], bool, bool]] = {
 
 
 def deepseek(name: str, root: Path) -> Made:
-    import test_deepseek_v4_quant as q
-    from test_deepseek_v4_parity import PROMPTS
+    import helpers.deepseek_v4_quant as q
+    from helpers.deepseek_v4 import PROMPTS
 
     overrides, v41, hub = DS_CASES[name]
     q.save_float_v4(root / "float", seed=len(name) + 11, **overrides)
@@ -194,7 +194,7 @@ def deepseek(name: str, root: Path) -> Made:
 def _fp8_experts(src: Path, folder: Path) -> None:
     """The routed experts of a hub-layout folder re-stored FP8 (ue8m0 128 x 128 blocks,
     ``.scale`` beside each) from the float folder, ``expert_dtype: "fp8"``."""
-    import test_deepseek_v4_quant as q
+    import helpers.deepseek_v4_quant as q
     from safetensors.torch import load_file, save_file
 
     from engram_trt.quant.formats import quantize_fp8
@@ -489,7 +489,7 @@ def test_fp8_engine_holds_the_stored_bytes(tmp_path: Path) -> None:
     stays outside the engines (--plugin-library reference), one target."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import test_llama_fp8 as t
+    import helpers.llama_fp8 as t
 
     why = engine_skip_reason(("EngramAttention",))
     if why:
@@ -536,7 +536,7 @@ def test_fp8_with_an_older_target_is_refused_in_one_line(
 def test_fp4_experts_the_plugin_cannot_take_are_refused_in_one_line(tmp_path: Path, capsys: Any) -> None:
     """FP4 experts of 48 inputs (a partial 32-group: the format allows it, the kernels'
     16-byte vectors do not): served by the torch backend, refused by build before any work."""
-    import test_deepseek_v4_quant as q
+    import helpers.deepseek_v4_quant as q
     from safetensors.torch import load_file, save_file
 
     from engram_trt.quant.formats import pack_fp4

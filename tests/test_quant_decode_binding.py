@@ -19,7 +19,8 @@ from engram_trt.native import quant_decode as qd
 from engram_trt.quant.formats import quantize_fp4, quantize_fp8
 from engram_trt.quant.weight import QuantWeight
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
+
 HEADER = REPO / "plugins" / "kernels" / "quantKernels.h"
 _C_TYPES = {
     "const void*": ctypes.c_void_p,

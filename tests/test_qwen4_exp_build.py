@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from helpers.cli import run_json  # noqa: E402
 from helpers.plugins import engine_skip_reason  # noqa: E402
 from helpers.serving import assert_served_tokens, require_tritonserver, start_serve, stop_serve  # noqa: E402
-from test_qwen4_exp_parity import CASES, EOS, NEW_TOKENS, PROMPTS, hf_greedy, save_qwen4  # noqa: E402
+from helpers.qwen4_exp import CASES, EOS, NEW_TOKENS, PROMPTS, hf_greedy, save_qwen4  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 

@@ -11,13 +11,14 @@ graphs record) against the general per-sequence path, on the CPU in float64 / fl
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
 from engram_trt.models.step import PackedStep
 
-DATA = Path(__file__).resolve().parent / "data" / "qwen4_exp_tiny"
+from helpers.files import DATA
+
+DATA = DATA / "qwen4_exp_tiny"
 
 
 def _model(dtype=torch.float32):

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers.checkpoints import words  # noqa: E402
 from helpers.serving import assert_served_tokens, require_tritonserver, start_serve, stop_serve  # noqa: E402
-from test_qwen4_exp_parity import CASES, EOS, hf_greedy, save_qwen4  # noqa: E402
+from helpers.qwen4_exp import CASES, EOS, hf_greedy, save_qwen4  # noqa: E402
 
 from engram_trt.triton import client as hc  # noqa: E402
 

@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from test_qwen4_exp_parity import CASES, NEW_TOKENS, PROMPTS, hf_greedy, save_qwen4  # noqa: E402
-from test_tables import FakeRegistrar  # noqa: E402
+from helpers.qwen4_exp import CASES, NEW_TOKENS, PROMPTS, hf_greedy, save_qwen4  # noqa: E402
+from helpers.tables import FakeRegistrar  # noqa: E402
 
 from engram_trt.cli.main import main  # noqa: E402
 from engram_trt.errors import EngramError  # noqa: E402

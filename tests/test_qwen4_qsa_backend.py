@@ -6,7 +6,6 @@ fields are the layer's (the ONNX export's EngramQsaAttention fields)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +13,9 @@ torch = pytest.importorskip("torch")
 
 from engram_trt.errors import EngramError  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data" / "qwen4_exp_tiny"
+from helpers.files import DATA  # noqa: E402
+
+DATA = DATA / "qwen4_exp_tiny"
 
 
 def _model():

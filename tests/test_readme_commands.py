@@ -4,9 +4,8 @@ README's test command (a drift once left CI without a package the tests import).
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.files import REPO
 
 
 def _readme_commands() -> list[str]:

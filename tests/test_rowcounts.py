@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmark_scripts import script
+from helpers.benchmark_scripts import script
 from engram_trt.errors import EngramError
 
 idstreams, rowcounts, bench_cache = script("idstream"), script("rowcounts"), script("cache")

@@ -22,6 +22,8 @@ from engram_trt.errors import EngramError
 from engram_trt.models.engram_llama.model import EngramLlama
 from engram_trt.models.step import PackedStep
 
+from helpers.files import REPO
+
 PROMPTS = [
     "Engram",
     "Engram layers look up n-grams in huge tables.",
@@ -277,7 +279,7 @@ def test_light_commands_import_neither_torch_nor_onnx(small_ckpt: Path) -> None:
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     code = (
         "import runpy, sys; sys.argv = ['engram-trt'] + sys.argv[1:]\n"
         "try:\n    runpy.run_module('engram_trt', run_name='__main__')\nexcept SystemExit:\n    pass\n"
@@ -300,7 +302,7 @@ def test_run_json_names_backend_storage_and_timings(small_engine: Path, ref: Eng
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     proc = subprocess.run(
         [
             sys.executable,

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from helpers.serving import descendants, segments_mapped_by
+from helpers.files import REPO
 from engram_trt.config.engram import EngramConfig
 from engram_trt.errors import EngramError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "Engram layers look up n-grams in",
     "The quick brown fox jumps over the lazy dog",
@@ -139,7 +139,7 @@ time.sleep(600)
 
 def test_a_killed_leaders_followers_exit(small_engine: Path) -> None:
     """SIGKILL on a leader (no finalize, no close): its follower is gone within 5 s."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
     leader = subprocess.Popen(
         [sys.executable, "-c", LEADER_SCRIPT, str(small_engine)],
         stdout=subprocess.PIPE,
@@ -173,7 +173,7 @@ time.sleep(600)
 def test_the_parent_watch_ends_a_follower_that_waits_on_nothing_else() -> None:
     """The watch alone (no collective to fail, unlike a follower's): a process sleeping
     under it is gone within 1.5 s of its parent's SIGKILL."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "python")}
     parent = subprocess.Popen(
         [sys.executable, "-c", WATCHED_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
     )
@@ -473,7 +473,7 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+        env={**os.environ, "PYTHONPATH": str(REPO / "python")},
     )
     made: set[str] = set()
     followers: list[int] = []
@@ -540,7 +540,7 @@ def test_serve_tp2_dp2_gives_the_tokens_of_llm_generate(small_engine: Path, refe
                 [sys.executable, "-m", "engram_trt", "shm", "clean", *sorted(made)],
                 capture_output=True,
                 text=True,
-                env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+                env={**os.environ, "PYTHONPATH": str(REPO / "python")},
             )
             assert r.returncode == 0, r.stderr
     assert rc == 0, proc.stderr.read()[-2000:]

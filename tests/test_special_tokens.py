@@ -27,7 +27,7 @@ pytest.importorskip("transformers", reason="'transformers' is the reference toke
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 
 from helpers.serving import require_tritonserver, start_serve, stop_serve  # noqa: E402
-from test_gguf_import import SMOL, _bpe_vocab, _spm_vocab, write_tiny_gguf  # noqa: E402
+from helpers.gguf import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf  # noqa: E402
 
 from engram_trt.checkpoint.gguf_import import import_gguf  # noqa: E402
 from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT  # noqa: E402
@@ -42,9 +42,9 @@ NEW = 16  # the answer is ~8 tokens and <|im_end|>
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("special")
     out = {"smollm2": import_gguf(SMOL, d / "smollm2", progress=False).out}
-    write_tiny_gguf(d / "bpe.gguf", vocab=_bpe_vocab())
+    write_tiny_gguf(d / "bpe.gguf", vocab=bpe_vocab())
     out["bpe"] = import_gguf(d / "bpe.gguf", d / "bpe", progress=False).out
-    write_tiny_gguf(d / "spm.gguf", vocab=_spm_vocab(), untied=False)
+    write_tiny_gguf(d / "spm.gguf", vocab=spm_vocab(), untied=False)
     out["spm"] = import_gguf(d / "spm.gguf", d / "spm", progress=False).out
     return out
 

@@ -52,11 +52,13 @@ from engram_trt.tables.shared import TEST_PAUSE_ENV, SharedTables, expected_head
 from engram_trt.tables.source import checkpoint_table_refs
 from engram_trt.tables.base import MemoryTables, TableStore
 from engram_trt.tables.store import open_tables
-from test_checkpoint import SMALL_CONFIG
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.checkpoints import SMALL_TABLES_CONFIG
+from helpers.tables import FakeRegistrar  # noqa: E402
+from helpers.files import REPO  # noqa: E402
+
 PYTHON_DIR = REPO / "python"
-CONFIG = SMALL_CONFIG  # the checkpoint tests' small model (two Engram layers, FP8 tables)
+CONFIG = SMALL_TABLES_CONFIG  # the checkpoint tests' small model (two Engram layers, FP8 tables)
 
 
 # ------------------------------------------------------------------ fixtures
@@ -134,33 +136,6 @@ def shm_dir(tmp_path: Path) -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
-
-
-class FakeRegistrar:
-    """Records registrations; ``fail_at`` makes the n-th register call fail, ``shift``
-    makes device pointers differ from host pointers (a system without UVA)."""
-
-    name = "fake registrar"
-
-    def __init__(self, fail_at: int | None = None, shift: int = 0) -> None:
-        self.registered: list[tuple[int, int]] = []
-        self.unregistered: list[int] = []
-        self.fail_at, self.shift = fail_at, shift
-
-    def register(self, address: int, nbytes: int) -> None:
-        if self.fail_at is not None and len(self.registered) == self.fail_at:
-            raise RuntimeError("cudaHostRegister: out of memory")
-        self.registered.append((address, nbytes))
-
-    def unregister(self, address: int) -> None:
-        self.unregistered.append(address)
-
-    def device_pointer(self, address: int) -> int:
-        return address + self.shift
-
-    @property
-    def live(self) -> set[int]:
-        return {a for a, _ in self.registered} - set(self.unregistered)
 
 
 def assert_same_tables(store: TableStore, ck: Checkpointed) -> None:

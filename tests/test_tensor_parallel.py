@@ -48,6 +48,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from helpers.checkpoints import transformers_fp8_save, transformers_greedy, without_stale_scales, word_tokenizer  # noqa: E402
+from helpers.qwen4_exp import QWEN_TP4  # noqa: E402
 
 NEW = 6  # greedy tokens per prompt
 TIMEOUT_S = 180.0
@@ -66,7 +67,7 @@ class Folder:
 
 
 def _llama(root: Path) -> Folder:
-    import test_llama_parity as lp
+    import helpers.llama as lp
 
     model = lp.save_llama(root / "llama", seed=11)
     prompts = lp.PROMPTS[:2]
@@ -84,7 +85,7 @@ DS_TP4 = dict(o_groups=4, index_n_heads=4, n_routed_experts=8)  # heads 4, group
 
 
 def _deepseek(root: Path) -> Folder:
-    import test_deepseek_v4_parity as dp
+    import helpers.deepseek_v4 as dp
 
     model = dp.save_v4(root / "dsv4", seed=12, **DS_TP4)
     prompts = dp.PROMPTS[:2]
@@ -93,11 +94,8 @@ def _deepseek(root: Path) -> Folder:
     )
 
 
-QWEN_TP4 = dict(num_attention_heads=4, indexer_n_heads=4, num_experts=8)  # kv 1, linear k heads 2 / v heads 4
-
-
 def _qwen(root: Path) -> Folder:
-    import test_qwen4_exp_parity as qp
+    import helpers.qwen4_exp as qp
 
     kw = dict(qp.CASES["hc2-ple1-qsa"], **QWEN_TP4)
     model = qp.save_qwen4(root / "qwen", seed=13, **kw)
@@ -117,7 +115,7 @@ def _llama_fp8(root: Path) -> Folder:
     shard holds whole 128-row / 128-column blocks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import test_llama_fp8 as lf
+    import helpers.llama_fp8 as lf
 
     torch.manual_seed(14)
     cfg = dict(lf.BASE, num_key_value_heads=4, intermediate_size=512)
@@ -134,7 +132,7 @@ def _llama_fp8(root: Path) -> Folder:
 def _deepseek_quant(root: Path) -> Folder:
     """The hub layout (FP8 linears, FP4 experts, root names): 2 heads of 128, indexer
     heads 4 x 64, output groups of 128, a shared expert of 256: whole blocks at --tp 2."""
-    import test_deepseek_v4_quant as dq
+    import helpers.deepseek_v4_quant as dq
 
     over, _v41, _partial = dq.CASES["v4-256-hc4-hash2"]
     dq.save_float_v4(root / "dsq-float", seed=15, **dict(over, moe_intermediate_size=256))
@@ -147,7 +145,7 @@ def _deepseek_quant(root: Path) -> Folder:
 
 
 def _deepseek_v41(root: Path) -> Folder:
-    import test_deepseek_v4_parity as dp
+    import helpers.deepseek_v4 as dp
 
     from helpers.checkpoints import llm_greedy
 

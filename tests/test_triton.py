@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from helpers.serving import require_tritonserver, segments_mapped_by, start_serve, stop_serve
+from helpers.files import REPO
 
 from engram_trt.errors import EngramError
 from engram_trt.triton import client as hc
@@ -38,7 +39,6 @@ from engram_trt.triton.metrics import MetricsExporter, flatten_stats
 from engram_trt.triton.repo import MARKER, RepoOptions, config_pbtxt, resolve_options, write_model_repository
 from engram_trt.triton.tensors import INPUTS, OUTPUTS, parse_request
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVER_LIMITS = {"max_batch_size": 16, "max_num_tokens": 64}
 PROMPTS = [
     "Engram layers look up n-grams",
@@ -292,7 +292,7 @@ def test_repo_writer_never_clobbers_a_users_folder(small_engine: Path, tmp_path:
 
 
 def _cli(*argv: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    e = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python"), **(env or {})}
+    e = {**os.environ, "PYTHONPATH": str(REPO / "python"), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "engram_trt", *argv], capture_output=True, text=True, env=e, timeout=timeout
     )
@@ -893,7 +893,7 @@ def test_two_instances_share_one_copy_of_the_tables(small_engine: Path, llm: Any
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")},
+        env={**os.environ, "PYTHONPATH": str(REPO / "python")},
     )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 240)

@@ -92,6 +92,29 @@ SMALL_CONFIG = {
 }
 
 
+# The checkpoint and table tests' small engram-llama: Engram on layers 0 and 2 (FP8 tables),
+# a 97-word vocabulary; written with write_checkpoint directly.
+SMALL_TABLES_CONFIG = {
+    "architectures": ["EngramLlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 97,
+    "hc_mult": 2,
+    "tie_word_embeddings": False,
+    "engram_layer_ids": [0, 2],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 64,
+    "engram_vocab_size": 40,
+    "engram_compressed_vocab_size": 60,
+    "engram_pad_token_id": 1,
+}
+
+
 def write_small_checkpoint(path: Path, seed: int = 0) -> Path:
     import torch
 

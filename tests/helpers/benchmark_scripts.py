@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-from pathlib import Path
 from types import ModuleType
+from helpers.files import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
 
 # each former `engram-trt bench` command: its script now (docs/benchmarks.md's table of former commands)
