@@ -4,7 +4,7 @@ scripts/h200_verify.py): only the rank's columns
 (global rows ``[row_offset, row_offset + num_rows)``, the slice tensor's first row at its
 address), with the global row ids of the hash.
 
-- CPU (``check_column_range_cpu``, also run by the CPU suite: tests/test_plugin_library.py):
+- CPU (``check_column_range_cpu``, also run by the CPU suite: tests/plugins/test_plugin_library.py):
   EngramGather's fields ``column_begin`` / ``column_end`` / ``row_offset`` set the output
   shape ``[T, column_end - column_begin, head_dim]``, are serialized (the values read
   back from getFieldsToSerialize, before and after a round trip), default to every column

@@ -18,7 +18,7 @@ EngramGatedDeltaNet) on a GPU.
   and the tap order whatever the chunking); padding tokens / a padding slot; T = 0.
 - the plugins' enqueue (build phase and runtime after a round trip; state aliased in place
   and in a separate output) = the binding, bit for bit; and check_plugin_cpu, shared with
-  the CPU suite (tests/test_linear_attention_plugins.py).
+  the CPU suite (tests/plugins/test_linear_attention_plugins.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DeepSeek-V4's mHC kernels (plugins/kernels/mhcKernel.cu through native/mhc.py) on a GPU
 against the PyTorch modules they replace (models/deepseek_v4/modules.HyperConnection /
 HyperHead, backend 'torch', on the same GPU) and the float64 NumPy reference
-(models/deepseek_v4/reference_mhc.py, tied to the modules on the CPU by tests/test_mhc_reference.py).
+(models/deepseek_v4/reference_mhc.py, tied to the modules on the CPU by tests/models/deepseek_v4/test_mhc_reference.py).
 
 Every parameter random (fn, base, scale: transformers' base 0 / scale 1 would let a
 swapped scale or bias pass), float32 as the model keeps them; streams / sublayer outputs

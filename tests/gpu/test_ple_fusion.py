@@ -1,6 +1,6 @@
 """Qwen4-Exp's PLE fusion kernel (plugins/kernels/pleFusionKernel.cu) and its plugin
 (EngramPleFusion) on a GPU against the PyTorch path, PLEFusion.forward_torch (itself tied
-to transformers' Qwen4ExpTextPLELayer by tests/test_qwen4_exp_parity.py).
+to transformers' Qwen4ExpTextPLELayer by tests/models/qwen4_exp/test_qwen4_exp_parity.py).
 
 The reference runs on the CPU in float32 on the very key / value rows the GPU module's
 projections produced (a reference module whose projections are exact identities, so its

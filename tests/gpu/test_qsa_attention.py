@@ -18,7 +18,7 @@ engram_trt.native.qsa) and its plugin (EngramQsaAttention) on a GPU.
   the lower block index (all indexer queries zero).
 - the plugin's enqueue (build phase, runtime after a round trip; caches aliased in place
   and in separate outputs) = the binding, bit for bit; check_plugin_cpu is shared with
-  the CPU suite (tests/test_qsa_plugin.py).
+  the CPU suite (tests/plugins/test_qsa_plugin.py).
 """
 
 from __future__ import annotations

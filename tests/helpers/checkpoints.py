@@ -1,7 +1,7 @@
 """Checkpoints the tests write and read against transformers: the word tokenizer, the tiny
 and small engram-llama checkpoints, transformers' greedy tokens and logits as references,
-and fine-grained FP8 folders as transformers writes them (tests/test_llama_fp8.py,
-tests/test_qwen4_exp_fp8.py, tests/test_quant_build.py)."""
+and fine-grained FP8 folders as transformers writes them (tests/quant/test_llama_fp8.py,
+tests/quant/test_qwen4_exp_fp8.py, tests/quant/test_quant_build.py)."""
 
 from __future__ import annotations
 

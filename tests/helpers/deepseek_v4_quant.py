@@ -176,7 +176,7 @@ def save_float_v4(folder: Path, seed: int, **overrides: Any) -> None:
 
 
 def add_engram(folder: Path, seed: int) -> None:
-    """The saved V4 folder turned V4.1 (as tests/test_deepseek_v4_parity.save_v41 does):
+    """The saved V4 folder turned V4.1 (as tests/helpers/deepseek_v4.save_v41 does):
     Engram fields, random float32 wkv / q / k, random bf16 tables."""
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.models.deepseek_v4.config import read_config

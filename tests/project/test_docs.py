@@ -585,7 +585,7 @@ def test_a_former_command_is_checked_against_its_script_in_the_benchmarks_doc_on
 def test_the_path_check_finds_what_it_should(tmp_path) -> None:
     doc = tmp_path / "x.md"
     doc.write_text(
-        "`runtime/step.py` and `models/step.py`; tests/test_docs.py::test_no_such_check and "
+        "`runtime/step.py` and `models/step.py`; tests/project/test_docs.py::test_no_such_check and "
         "test_cli.py; [spec](docs/engram-spec.md), [gone](nowhere.md); engram_trt.runtime.step.PackedStep\n"
     )
     found = [m.split(": ", 1)[1] for m in missing_paths([doc])]

@@ -1,5 +1,5 @@
 """``engram-trt build`` of DeepSeek-V4 / V4.1 (issue 31 items 2 and 4): transformers-saved
-tiny random checkpoints (tests/test_deepseek_v4_parity.py's ``save_v4`` / ``save_v41``,
+tiny random checkpoints (tests/helpers/deepseek_v4.py's ``save_v4`` / ``save_v41``,
 every parameter and buffer drawn at random) become one ONNX serving step and an engine
 folder.
 
@@ -12,7 +12,7 @@ folder.
   transformers' topk and the op's lower-index rule may pick differently);
 * V4.1 with real (random bf16) tables, both placements (EngramHash -> EngramGather in the
   graph, or the staged rows), equals the torch model in float64 with the same tables
-  (that model is tied to the spec's float64 pieces in tests/test_deepseek_v41_engram.py);
+  (that model is tied to the spec's float64 pieces in tests/models/deepseek_v4/test_deepseek_v41_engram.py);
 * TensorRT-RTX builds the engine on the CPU with every plugin in the network and the
   Engram tables outside it (recorded in the manifest with sha256 and block hashes);
 * the engine folder, through ``LLM``, ``engram-trt run`` and ``engram-trt serve`` (torch

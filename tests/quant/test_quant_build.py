@@ -124,7 +124,7 @@ def qwen4(name: str, root: Path) -> Made:
     return Made(folder, *_hf(model), t.PROMPTS)
 
 
-# name -> (DeepseekV4Config overrides over tests/test_deepseek_v4_parity's BASE, V4.1, hub names).
+# name -> (DeepseekV4Config overrides over tests/helpers/deepseek_v4.py's BASE, V4.1, hub names).
 # Eight indexer heads: no two compressed entries tie at a top-k cut (test_deepseek_v4_build).
 DS_CASES: dict[str, tuple[dict[str, Any], bool, bool]] = {
     # every FP8 dim under 128 (one partial block each), FP4 experts 32 x 32, root names + .scale

@@ -27,7 +27,7 @@ pytest.importorskip("transformers", reason="'transformers' is the reference toke
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 
 from helpers.serving import require_tritonserver, start_serve, stop_serve  # noqa: E402
-from helpers.gguf import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf  # noqa: E402
+from helpers.gguf_files import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf  # noqa: E402
 
 from engram_trt.checkpoint.gguf_import import import_gguf  # noqa: E402
 from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT  # noqa: E402

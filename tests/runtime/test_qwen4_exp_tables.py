@@ -1,6 +1,6 @@
 """Qwen4Exp's PLE tables in the Engram table stores (issue 30 item 3), on a CPU.
 
-A tiny random Qwen4Exp saved by transformers (tests/test_qwen4_exp_parity.py's
+A tiny random Qwen4Exp saved by transformers (tests/helpers/qwen4_exp.py's
 ``save_qwen4`` / CASES: two PLE layers of three shards each), then re-saved as two
 safetensors files that split each layer's shards between them, so a layer's table is
 three regions in two files. Each store (memory, file, shared in a temporary directory,

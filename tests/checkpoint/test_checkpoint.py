@@ -342,7 +342,7 @@ def test_ensure_demo_checkpoint_reuses_cache(
     # A damaged cache (a missing shard, and a truncated tokenizer.json, which made every
     # later demo fail) is remade with a warning rather than trusted; the remade one is
     # byte-identical, and the suite's own copy is untouched. (Each kind of damage alone
-    # is found by tests/test_damage.py; this is the one full remake.)
+    # is found by tests/checkpoint/test_damage.py; this is the one full remake.)
     shard.unlink()
     tok_bytes = (target / "tokenizer.json").read_bytes()
     (target / "tokenizer.json").unlink()  # break the hard link before writing

@@ -1,5 +1,5 @@
 """``engram-trt build`` of Qwen4Exp (issue 30 items 3, 5, 6): transformers-saved tiny
-random checkpoints (tests/test_qwen4_exp_parity.py's configs, every parameter drawn at
+random checkpoints (tests/helpers/qwen4_exp.py's configs, every parameter drawn at
 random; the PLE shards as save_pretrained writes them, F32, or converted to BF16 / F16:
 the engine's EngramGather reads each, rows of any width) become one ONNX serving step
 and an engine folder.

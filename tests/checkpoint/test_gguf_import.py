@@ -33,7 +33,7 @@ from engram_trt.checkpoint.gguf_import import (
 )
 from engram_trt.errors import CheckpointError, EngramError  # noqa: E402
 
-from helpers.gguf import (
+from helpers.gguf_files import (
     D,
     GGML,
     HD,

@@ -202,7 +202,7 @@ def test_nan_in_an_engram_llama_table(tmp_path: Path, tiny_ckpt: Path, capsys: p
 def test_nan_in_a_gguf_norm_is_refused_by_import_gguf(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
     from gguf import GGMLQuantizationType as GGML
-    from helpers.gguf import write_tiny_gguf
+    from helpers.gguf_files import write_tiny_gguf
 
     norm = np.ones(64, dtype=np.float32)
     norm[9] = np.nan

@@ -6,7 +6,7 @@ links, mount-point-like or someone else's lock. Each case: exit 2, exactly one
 traceback, and every file the case points at byte for byte as before (sha256 of each
 file, links by target), with no new entry beside them.
 
-In-process CLI calls (``main``), as tests/test_bad_inputs.py does for the older paths;
+In-process CLI calls (``main``), as tests/cli/test_bad_inputs.py does for the older paths;
 the workspace is made once per module and each case's inputs on first use.
 """
 
@@ -117,7 +117,7 @@ def _with_user_lock(out_name: str, content: str) -> Callable[[Path, str], str]:
 def _tiny_gguf(raw: dict | None = None) -> Callable[[Path, str], str]:
     def make(ws: Path, name: str) -> str:
         pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
-        from helpers.gguf import write_tiny_gguf
+        from helpers.gguf_files import write_tiny_gguf
 
         write_tiny_gguf(ws / name, raw_tensors=raw)
         return str(ws / name)

@@ -238,7 +238,7 @@ def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(
     FLOAT8E4M3FN initializer under a DequantizeLinear, the routed experts the stored bytes
     of one EngramRoutedExperts node per layer (where a projection was left float:
     dequantized stacks of the dense form), the FP8 targets recorded (the graph against
-    transformers and the engines: tests/test_quant_build.py)."""
+    transformers and the engines: tests/quant/test_quant_build.py)."""
     import onnx
     from onnx import TensorProto
 

@@ -30,7 +30,7 @@ References, all on the CPU in float32:
   comparisons; :func:`test_transformers_cpu_dequant_diverges_on_partial_blocks` shows
   the divergence.
 * V4.1 (Engram layers; transformers has no V4.1): our float path on that float folder
-  (tests/test_deepseek_v4_parity.py and tests/test_deepseek_v41_engram.py hold it to
+  (tests/models/deepseek_v4/test_deepseek_v4_parity.py and tests/models/deepseek_v4/test_deepseek_v41_engram.py hold it to
   transformers and to float64), tokens equal and logits within 1e-4.
 
 Memory: every quantized module holds its stored dtypes (no float copy), the routed

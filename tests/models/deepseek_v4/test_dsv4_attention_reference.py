@@ -1,6 +1,6 @@
 """models/deepseek_v4/reference_attention.py (the EngramDsv4Attention op's float64 reference)
 tied to our torch DeepSeek-V4 attention layer (models/deepseek_v4/attention.py, itself
-tied to transformers 5.25 in tests/test_deepseek_v4_attention.py).
+tied to transformers 5.25 in tests/models/deepseek_v4/test_deepseek_v4_attention.py).
 
 Each layer type (CSA with the indexer dropping entries, HCA, sliding) runs three packed
 steps over several slots: two prefills, then a chunked prefill continuing + a decode + a

@@ -1,7 +1,7 @@
 """DeepSeek-V4 / V4.1 checkpoint folders through the CLI's other commands, and the tiny
 transformers-saved checkpoint committed for the GPU tests.
 
-* ``engram-trt build``: the graph written (tests/test_deepseek_v4_build.py checks its
+* ``engram-trt build``: the graph written (tests/builder/test_deepseek_v4_build.py checks its
   numbers and the engine), V4.1's tables recorded with their hashes, the checkpoint
   folder untouched.
 * ``engram-trt inspect``: a good V4 and V4.1 folder exit 0, name the architecture and
@@ -44,7 +44,7 @@ def v41_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_build_writes_the_graph_and_leaves_the_checkpoint_alone(
     which: str, v41_folder: Path, tmp_path: Path, capsys: Any
 ) -> None:
-    """The build exports the serving step (tests/test_deepseek_v4_build.py checks its
+    """The build exports the serving step (tests/builder/test_deepseek_v4_build.py checks its
     numbers): exit 0, the graph's io names the architecture and every attention
     layer's state, V4.1's two tables are recorded with their hashes, the checkpoint
     folder is untouched."""

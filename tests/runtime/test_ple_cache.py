@@ -15,7 +15,7 @@
 * ``--engram-config.hot_cache_fraction``: parsed, bad values and contradictions refused
   in one line; an Engram (non-PLE) model refuses it.
 * The committed tiny Qwen4Exp (tests/data/qwen4_exp_tiny, f32 PLE rows; its recorded
-  tokens are transformers' greedy tokens, tests/test_qwen4_exp_parity.py) with the cache
+  tokens are transformers' greedy tokens, tests/models/qwen4_exp/test_qwen4_exp_parity.py) with the cache
   on gives the recorded tokens, through the model and through LLM, with hits counted.
 """
 

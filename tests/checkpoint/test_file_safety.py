@@ -615,7 +615,7 @@ def test_import_gguf_into_a_link_writes_where_it_points(tmp_path: Path, capsys) 
     whole import) and FILE LINK --force (once: the link replaced by a folder): the link
     stays a link, the folder it names gets the checkpoint, the user's file there is kept."""
     pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
-    from helpers.gguf import write_tiny_gguf
+    from helpers.gguf_files import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf")
     real = tmp_path / "real"

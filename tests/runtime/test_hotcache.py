@@ -7,7 +7,7 @@ cache's device, gathered there by the plan's device miss list); the CUDA path (h
 gather of raw rows, the fused plan / admission kernels, the gather kernel) makes the
 same decisions and runs on the H200 through
 tests/gpu/test_cache.py and `benchmarks/lookup/bench_cache.py`, which check it against the
-reference and its output against the plain host gather (tests/test_cachepolicy.py
+reference and its output against the plain host gather (tests/runtime/test_cachepolicy.py
 checks the reference against the policy's specification).
 """
 

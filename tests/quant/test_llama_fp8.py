@@ -232,7 +232,7 @@ def test_inspect_reports_no_problem_and_build_exports_the_stored_bytes(
     """build (graph only) writes the FP8 weights as they are stored: each F8_E4M3 tensor a
     FLOAT8E4M3FN initializer under a DequantizeLinear, the FP8 targets recorded, the
     checkpoint untouched (the graph against transformers and the engines:
-    tests/test_quant_build.py)."""
+    tests/quant/test_quant_build.py)."""
     import onnx
     from onnx import TensorProto
 
