@@ -358,7 +358,10 @@ def test_what_the_kernel_cannot_take_is_refused_in_one_line(tmp_path: Path, caps
         needle = "head_dim=520: the EngramDsv4Attention kernel takes head_dim <= 512"
     else:  # 5 tokens hold 2 CSA entries, fewer than index_topk's 3
         argv += ["--max-seq-len", "5", "--max-num-tokens", "5"]
-        needle = "index_topk=3 exceeds the 2 compressed entries --max-seq-len 5 holds (rate 2); build with --max-seq-len >= 6"
+        needle = (
+            "index_topk=3 exceeds the 2 compressed entries --max-seq-len 5 holds (rate 2); "
+            "build with --max-seq-len >= 6"
+        )
     capsys.readouterr()
     code = main(argv)
     err = capsys.readouterr().err.strip()

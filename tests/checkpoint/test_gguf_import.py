@@ -25,15 +25,15 @@ transformers = pytest.importorskip("transformers", reason="'transformers' is the
 
 import torch  # noqa: E402
 
-from engram_trt.checkpoint.gguf_import import (
+from engram_trt.checkpoint.gguf_import import (  # noqa: E402
     ImportResult,
     import_gguf,
-    is_import_file_name,  # noqa: E402
+    is_import_file_name,
     unpermute_rope_rows,
 )
 from engram_trt.errors import CheckpointError, EngramError  # noqa: E402
 
-from helpers.gguf_files import (
+from helpers.gguf_files import (  # noqa: E402
     D,
     GGML,
     HD,
@@ -45,7 +45,7 @@ from helpers.gguf_files import (
     llama_cpp_permute,
     spm_vocab,
     write_tiny_gguf,
-)  # noqa: E402
+)
 
 
 HF_KW = {"use_kernels": False}  # transformers' optional `kernels` package is not installed

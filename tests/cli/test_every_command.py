@@ -49,8 +49,8 @@ CASES: list[tuple[str, list[str], dict[str, Any]]] = [
     ("run", ["run", "{ckpt}", "--json", *GEN], ALL_OK),
     ("run-sampled", ["run", "{ckpt}", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", *GEN], ALL_OK),
     ("run-prompts-file", ["run", "{ckpt}", "--prompts-file", "{prompts}", *GEN], ALL_OK),
-    # (engram-llama's ranks: tests/distributed/test_distributed.py; every family's backbone at --tp 2 / 4 token for token
-    # against transformers: tests/distributed/test_tensor_parallel.py)
+    # (engram-llama's ranks: tests/distributed/test_distributed.py; every family's backbone at --tp 2 / 4
+    # token for token against transformers: tests/distributed/test_tensor_parallel.py)
     ("run-dp-2", ["run", "{ckpt}", "--dp", "2", "--prompts-file", "{prompts}", *GEN], NEW_FAMILIES_OK),
     ("run-tp-2", ["run", "{ckpt}", "--tp", "2", *GEN], NEW_FAMILIES_OK),
     (

@@ -35,7 +35,8 @@ def test_retired_ple_twins_are_refused_with_the_real_fields():
     carrying them gets one line naming Qwen4Exp's real PLE fields."""
     with pytest.raises(
         ConfigError,
-        match=r"'ple_max_ngram_size' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids'.*ngram_size.*heads_per_ngram",
+        match=r"'ple_max_ngram_size' is not a Qwen4Exp field: PLE is declared by 'ple_layer_ids'"
+        r".*ngram_size.*heads_per_ngram",
     ):
         ModelConfig.from_dict(BASE | {k.replace("engram_", "ple_"): v for k, v in ENGRAM.items()})
     # Qwen4Exp's own fields in an engram-llama config: PLE is not served silently dropped.

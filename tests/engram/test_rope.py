@@ -12,14 +12,14 @@ import pytest
 
 pytest.importorskip("transformers", reason="the RoPE tests compare against the transformers package")
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, Phi3Config  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
-from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding  # noqa: E402
+import torch
+from transformers import LlamaConfig, Phi3Config
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-from engram_trt.errors import ConfigError  # noqa: E402
-from engram_trt.config.rope import SUPPORTED_ROPE_TYPES, RopeSetting, parse_rope  # noqa: E402
-from engram_trt.models.rope import cos_sin, dynamic_inv_freq, inv_freq_and_scale  # noqa: E402
+from engram_trt.errors import ConfigError
+from engram_trt.config.rope import SUPPORTED_ROPE_TYPES, RopeSetting, parse_rope
+from engram_trt.models.rope import cos_sin, dynamic_inv_freq, inv_freq_and_scale
 
 
 def _longrope_factors(pairs: int, top: float) -> list[float]:

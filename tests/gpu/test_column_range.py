@@ -10,8 +10,9 @@ address), with the global row ids of the hash.
   back from getFieldsToSerialize, before and after a round trip), default to every column
   of the whole table (today's plugin), and out-of-range values are refused with one
   line naming the field and file:line.
-- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through ``native.gather.gather(columns=, row_offset=)``
-  (engram_gather_ex) and the plugin's enqueue (engram_gather_indirect_ex), fp8 and bf16:
+- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through
+  ``native.gather.gather(columns=, row_offset=)`` (engram_gather_ex) and the plugin's enqueue
+  (engram_gather_indirect_ex), fp8 and bf16:
   the rows equal, bit for bit, the Python reference and the full-table gather's
   corresponding columns; ids below ``row_offset`` (negative ones, INT32_MIN included) and
   past the slice give zero rows and are counted exactly, while ids outside the column

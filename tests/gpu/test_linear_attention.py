@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness  # noqa: F401 (Harness: the CPU suite)
+from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness  # (Harness: the CPU suite)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}

@@ -12,8 +12,9 @@ a prefill of 300 tokens (4 tokens per mix block) and widths needing several coll
 Bounds. post / comb come out in float32 from the same widened inputs on both paths:
 ``|kernel - torch| <= 2e-5 max|.|`` (float32 sums in another order). collapsed is one
 float32 sum rounded once on both paths: ``2 u |ref| + 2e-5 max|ref|`` (u = 2^-8 bf16,
-2^-11 fp16, 0 float32; 2 u: the two sums may round apart by one ulp). new streams: against the float64 reference fed the kernel's own post /
-comb rounded to the dtype (what the kernel documents), ``u |ref| + 1e-5 sum|terms|``; against
+2^-11 fp16, 0 float32; 2 u: the two sums may round apart by one ulp). new streams: against the
+float64 reference fed the kernel's own post / comb rounded to the dtype (what the kernel
+documents), ``u |ref| + 1e-5 sum|terms|``; against
 the torch module (which rounds the product, the matmul and their sum apart) ``4 u
 sum|terms| + 1e-5 max``. Beside: post in place = out of place bit for bit, two calls bit-identical, zero
 tokens, the tiny DeepSeek-V4 checkpoint's logits with the mHC kernels vs the PyTorch mHC,

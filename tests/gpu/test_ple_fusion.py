@@ -439,7 +439,7 @@ def test_plugin_gpu(rng, harness, dname, wname, phase_name) -> None:
     stream = torch.cuda.current_stream().cuda_stream
     dtype, wdtype = getattr(torch, dname), getattr(torch, wname)
     hc, D, E, K, n = CONFIGS[0]
-    W, H, S, slots_n = hc * D, (K - 1) * n, 3, 5
+    W, H, slots_n = hc * D, (K - 1) * n, 5
     km = random_module(torch, make_config(hc, D, E, K, n), seed=5)
     weights = [
         w.detach().to(dev, dtype).to(wdtype).contiguous()

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from engram_trt.quant.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8  # noqa: E402
-from helpers.deepseek_v4 import BASE, CSA, HCA, VOCAB  # noqa: E402
+from engram_trt.quant.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
+from helpers.deepseek_v4 import BASE, CSA, HCA, VOCAB
 
 from helpers.checkpoints import (
     word_tokenizer,

@@ -38,7 +38,8 @@ def golden_dir() -> Path:
         if (c / "engram_hash_public.json").is_file():
             return c
     raise FileNotFoundError(
-        f"golden vectors not found in {[str(c) for c in candidates]}; set ENGRAM_TRT_GOLDEN to the folder holding engram_hash_public.json"
+        f"golden vectors not found in {[str(c) for c in candidates]}; "
+        "set ENGRAM_TRT_GOLDEN to the folder holding engram_hash_public.json"
     )
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engram_trt.errors import EngramError  # noqa: E402
-from engram_trt.models.engram_llama.smollm2_demo import smollm2_gguf  # noqa: E402
+from engram_trt.errors import EngramError
+from engram_trt.models.engram_llama.smollm2_demo import smollm2_gguf
 
 gguf = pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads GGUF files")
 transformers = pytest.importorskip("transformers", reason="'transformers' is the reference GGUF loader")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.checkpoints import word_tokenizer  # noqa: E402
+from helpers.checkpoints import word_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import pytest
 
 from helpers.checkpoints import (
     folder_tensors,
-    save_folder_as,  # noqa: E402
+    save_folder_as,
 )
 
 transformers = pytest.importorskip("transformers")

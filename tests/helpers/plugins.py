@@ -197,7 +197,10 @@ def engine_skip_reason(plugins: tuple[str, ...]) -> str | None:
     have = {n for n, _ in tc.plugin_creator_names()}
     missing = [n for n in plugins if n not in have]
     if missing:
-        return f"the plugin library {lib} lacks {', '.join(missing)} (rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
+        return (
+            f"the plugin library {lib} lacks {', '.join(missing)} "
+            "(rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
+        )
     return None
 
 

@@ -411,7 +411,8 @@ def test_the_former_host_gather_cycle_is_found() -> None:
         "runtime/api.cpp": '#include "internal.h"\n// hostGather( in a comment is no use\n'
         "Gatherer::~Gatherer() { }\nextern \"C\" int engram_gather(Gatherer* g) {\n"
         "  return k::hostGather(g); }\n",
-        "plugins/kernels/fail.cpp": '#include "../../runtime/internal.h"\nnamespace k { int fail(int x) { return x; } }\n',
+        "plugins/kernels/fail.cpp": '#include "../../runtime/internal.h"\n'
+        "namespace k { int fail(int x) { return x; } }\n",
         "plugins/kernels/user.cpp": '#include "internal.h"\nstatic int hostGather(int) { return 0; }\n'
         "int use() { return CHECK(1) + hostGather(2); }\n",
     }

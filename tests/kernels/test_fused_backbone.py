@@ -32,7 +32,7 @@ from engram_trt.models.engram_llama.kernel_ops import TorchBackboneOps
 from engram_trt.models.engram_llama.model import EngramLlama, model_weight_shapes
 from engram_trt.models.step import PackedStep
 
-from helpers.engram_llama import IDS, MODEL_CONFIG, PLAIN_CONFIG, build, close, np_forward  # noqa: E402
+from helpers.engram_llama import IDS, MODEL_CONFIG, PLAIN_CONFIG, build, close, np_forward
 
 
 def fused_twin(model: EngramLlama, weights: dict, lookup, ops=None) -> EngramLlama:

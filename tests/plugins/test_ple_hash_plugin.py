@@ -280,7 +280,8 @@ MALFORMED = (
             set_field(
                 "table_rows", PF_INT64, pf_scalar(PF_INT64, OFFSET_LAST + int(LAYOUT.head_vocab_sizes[LAYER][-1]) - 1)
             ),
-            f"head 8 has prime {int(LAYOUT.head_vocab_sizes[LAYER][-1])}, offset {OFFSET_LAST}: its rows must lie in the "
+            f"head 8 has prime {int(LAYOUT.head_vocab_sizes[LAYER][-1])}, offset {OFFSET_LAST}: "
+            "its rows must lie in the "
             f"table's {OFFSET_LAST + int(LAYOUT.head_vocab_sizes[LAYER][-1]) - 1}",
             "engramPleHashPlugin.cpp",
         ),

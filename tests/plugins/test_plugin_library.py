@@ -1114,7 +1114,8 @@ def test_attention_enqueue_validates_then_launches(attention_harness) -> None:
     finally:
         h.lib.harness_destroy(plugin)
     assert "engram_kv_cache_write launch failed" in messages[0], messages[0]
-    copy = "copyUnlessAliased(outputs[state.output], inputs[state.input], bytes, stream) failed"  # the aliasing base's copy
+    # the aliasing base's copy
+    copy = "copyUnlessAliased(outputs[state.output], inputs[state.input], bytes, stream) failed"
     assert copy in messages[1], messages[1]
     assert "configurePlugin failed: EngramAttention: k must be [T, 2, 64], got [-1, 1, 64]" in messages[2], messages[2]
     assert "enqueue failed" in messages[3] and "token_pos must be [5], got [4]" in messages[3], messages[3]

@@ -30,8 +30,9 @@ References, all on the CPU in float32:
   comparisons; :func:`test_transformers_cpu_dequant_diverges_on_partial_blocks` shows
   the divergence.
 * V4.1 (Engram layers; transformers has no V4.1): our float path on that float folder
-  (tests/models/deepseek_v4/test_deepseek_v4_parity.py and tests/models/deepseek_v4/test_deepseek_v41_engram.py hold it to
-  transformers and to float64), tokens equal and logits within 1e-4.
+  (tests/models/deepseek_v4/test_deepseek_v4_parity.py and
+  tests/models/deepseek_v4/test_deepseek_v41_engram.py hold it to transformers and to float64),
+  tokens equal and logits within 1e-4.
 
 Memory: every quantized module holds its stored dtypes (no float copy), the routed
 experts' per-expert tensors are views of one stack per projection, the model's weight
@@ -57,17 +58,17 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (
+from helpers.checkpoints import (  # noqa: E402
     assert_fp32_logits_match,
     edit_config,
     llm_greedy,
-    transformers_greedy,  # noqa: E402
+    transformers_greedy,
 )
 from helpers.cli import assert_run_refused, run_json  # noqa: E402
 
 from engram_trt.quant.formats import dequantize_fp8, quantize_fp8  # noqa: E402
 
-from helpers.deepseek_v4_quant import (
+from helpers.deepseek_v4_quant import (  # noqa: E402
     CASES,
     FP8_LINEAR,
     PROMPTS,
@@ -77,7 +78,7 @@ from helpers.deepseek_v4_quant import (
     hf_load,
     quantize_folder,
     save_float_v4,
-)  # noqa: E402
+)
 
 NEW_TOKENS = 8
 

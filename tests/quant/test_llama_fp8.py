@@ -35,12 +35,12 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (
+from helpers.checkpoints import (  # noqa: E402
     dequantized_folder,
     edit_config,
     folder_tensors,
     llm_greedy,
-    save_folder_as,  # noqa: E402
+    save_folder_as,
     transformers_fp8_save,
     transformers_greedy,
     without_stale_scales,

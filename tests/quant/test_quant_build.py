@@ -46,11 +46,11 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (
+from helpers.checkpoints import (  # noqa: E402
     dequantized_folder,
     llm_greedy,
     transformers_fp8_save,
-    transformers_greedy,  # noqa: E402
+    transformers_greedy,
     without_stale_scales,
     word_tokenizer,
 )

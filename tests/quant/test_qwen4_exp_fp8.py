@@ -42,11 +42,11 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (
+from helpers.checkpoints import (  # noqa: E402
     assert_fp32_logits_match,
     dequantized_folder,
     edit_config,
-    folder_tensors,  # noqa: E402
+    folder_tensors,
     fp8_ple_folder,
     llm_greedy,
     packed_greedy,

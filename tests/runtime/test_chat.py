@@ -20,11 +20,11 @@ pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads 
 pytest.importorskip("transformers", reason="'transformers' is the reference tokenizer")
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 
-from helpers.gguf_files import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf  # noqa: E402
+from helpers.gguf_files import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf
 
-from engram_trt.checkpoint.gguf_import import import_gguf  # noqa: E402
-from engram_trt.errors import EngramError  # noqa: E402
-from engram_trt.llmapi.chat import read_tokenizer_settings, render_chat  # noqa: E402
+from engram_trt.checkpoint.gguf_import import import_gguf
+from engram_trt.errors import EngramError
+from engram_trt.llmapi.chat import read_tokenizer_settings, render_chat
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -251,7 +251,12 @@ def test_scheduler_outputs_equal_a_naive_scheduler(ds_tok: Any) -> None:
             prompt = [first] + [5 + (first * 7 + j) % 900 for j in range(plen - 1)]
             if i % 2 == 0:  # half streamed (text kept per token), half not (text decoded at the end)
                 streams[i] = []
-                sink = lambda out, i=i: (lock.acquire(), streams[i].append(out), lock.release())
+
+                def sink(out, i=i):
+                    lock.acquire()
+                    streams[i].append(out)
+                    lock.release()
+
             else:
                 sink = None
             handles.append(sched.submit(prompt, p, sink=sink))

@@ -26,13 +26,13 @@ pytest.importorskip("gguf", reason="the 'gguf' package (pip install gguf) reads 
 pytest.importorskip("transformers", reason="'transformers' is the reference tokenizer")
 pytest.importorskip("jinja2", reason="chat templates are Jinja")
 
-from helpers.serving import require_tritonserver, start_serve, stop_serve  # noqa: E402
-from helpers.gguf_files import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf  # noqa: E402
+from helpers.serving import require_tritonserver, start_serve, stop_serve
+from helpers.gguf_files import SMOL, bpe_vocab, spm_vocab, write_tiny_gguf
 
-from engram_trt.checkpoint.gguf_import import import_gguf  # noqa: E402
-from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT  # noqa: E402
-from engram_trt.errors import EngramError  # noqa: E402
-from engram_trt.runtime.sampling_params import SamplingParams  # noqa: E402
+from engram_trt.checkpoint.gguf_import import import_gguf
+from engram_trt.cli.generate import DEFAULT_CHAT_PROMPT
+from engram_trt.errors import EngramError
+from engram_trt.runtime.sampling_params import SamplingParams
 
 CHAT = [{"role": "user", "content": DEFAULT_CHAT_PROMPT}]
 NEW = 16  # the answer is ~8 tokens and <|im_end|>

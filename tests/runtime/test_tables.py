@@ -54,8 +54,8 @@ from engram_trt.tables.base import MemoryTables, TableStore
 from engram_trt.tables.store import open_tables
 
 from helpers.checkpoints import SMALL_TABLES_CONFIG
-from helpers.tables import FakeRegistrar  # noqa: E402
-from helpers.files import REPO  # noqa: E402
+from helpers.tables import FakeRegistrar
+from helpers.files import REPO
 
 PYTHON_DIR = REPO / "python"
 CONFIG = SMALL_TABLES_CONFIG  # the checkpoint tests' small model (two Engram layers, FP8 tables)

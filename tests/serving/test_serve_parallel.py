@@ -161,7 +161,8 @@ def test_a_killed_leaders_followers_exit(small_engine: Path) -> None:
 
 WATCHED_SCRIPT = r"""
 import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import sys, time; from engram_trt.distributed.serving import _watch_parent; "
+child = subprocess.Popen([sys.executable, "-c",
+                          "import sys, time; from engram_trt.distributed.serving import _watch_parent; "
                           "_watch_parent(int(sys.argv[1]), 'watched'); print('watching', flush=True); time.sleep(600)",
                           str(os.getpid())], stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline() == "watching\n"
@@ -362,21 +363,24 @@ def test_triton_repo_places_groups_on_this_machines_gpus(
         (["--dp", "0", "--device", "cpu"], "--dp must be >= 1 (got 0)"),
         (
             ["--tp", "2", "--dp", "2", "--gpus", "0,1,2"],
-            "--tp 2 x --dp 2 needs 4 GPU(s), one per rank, but --gpus lists 3 (0,1,2); list 4 GPU ids or lower --tp/--dp",
+            "--tp 2 x --dp 2 needs 4 GPU(s), one per rank, but --gpus lists 3 (0,1,2); "
+            "list 4 GPU ids or lower --tp/--dp",
         ),
         (
             ["--tp", "2", "--dp", "2", "--device", "cpu", "--engram-config.embedding_across_dp", "true"],
-            "--engram-config embedding_across_dp shards the tables over replicas that step in lockstep, but the --dp 2 Triton "
-            "instances step independently; drop it (dp_shared_memory, the default with --dp > 1, keeps one /dev/shm copy per node) "
-            "or serve --dp 1",
+            "--engram-config embedding_across_dp shards the tables over replicas that step in lockstep, "
+            "but the --dp 2 Triton instances step independently; drop it (dp_shared_memory, "
+            "the default with --dp > 1, keeps one /dev/shm copy per node) or serve --dp 1",
         ),
         (
             ["--tp", "2", "--instances", "2", "--device", "cpu"],
-            "--instances 2 cannot be combined with --tp/--dp: there --dp M sets the instances (each leading --tp N ranks); pass --dp 2 instead",
+            "--instances 2 cannot be combined with --tp/--dp: there --dp M sets the instances "
+            "(each leading --tp N ranks); pass --dp 2 instead",
         ),
         (
             ["--dp", "2", "--device", "cuda:1"],
-            "--device cuda:1: with --tp/--dp every rank takes its own GPU; pass --device cuda (or auto), or --gpus to choose them",
+            "--device cuda:1: with --tp/--dp every rank takes its own GPU; "
+            "pass --device cuda (or auto), or --gpus to choose them",
         ),
     ],
     ids=["tp-0", "dp-0", "too-few-gpus", "embedding-across-dp", "instances-and-dp", "one-cuda-device"],

@@ -22,11 +22,11 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (
+from helpers.checkpoints import (  # noqa: E402
     assert_fp32_logits_match,
     edit_config,
     llm_greedy,
-    packed_greedy,  # noqa: E402
+    packed_greedy,
 )
 from helpers.cli import assert_run_refused, run_json  # noqa: E402
 from helpers.deepseek_v4 import BASE, CASES, CSA, HCA, NEW_TOKENS, PROMPTS, VOCAB, hf_greedy, save_v4, save_v41  # noqa: E402

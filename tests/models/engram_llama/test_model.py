@@ -42,7 +42,7 @@ from helpers.engram_llama import (
     np_engram,
     np_forward,
     np_table_rows,
-)  # noqa: E402
+)
 
 
 @pytest.fixture(scope="module")

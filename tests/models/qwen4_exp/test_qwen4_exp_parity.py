@@ -22,11 +22,11 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from helpers.checkpoints import (
+from helpers.checkpoints import (  # noqa: E402
     assert_bf16_logits_match,
     assert_fp32_logits_match,
     edit_config,
-    llm_greedy,  # noqa: E402
+    llm_greedy,
     packed_greedy,
     word_tokenizer,
 )
