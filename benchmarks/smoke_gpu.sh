@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 K=benchmarks/kernels
 L=benchmarks/lookup
-# a token file without the tokenizer: a Zipf stream, as tests/test_bench_lookup.py makes one
+# a token file without the tokenizer: a Zipf stream, as tests/bench/test_bench_lookup.py makes one
 python3 - "$OUT/tokens.npz" <<'PY'
 import sys
 import numpy as np

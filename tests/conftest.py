@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# Tests run against the working tree's package when it is not installed.
-if str(REPO / "python") not in sys.path:
-    sys.path.insert(0, str(REPO / "python"))
+# Tests run against the working tree's package when it is not installed; tests/ itself is on
+# the path for every test folder (``helpers`` and ``gpu`` import from any subfolder).
+for _path in (REPO / "tests", REPO / "python"):  # python/ ends up first
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from helpers.checkpoints import make_tiny_checkpoint, write_small_checkpoint  # noqa: E402
 from helpers.files import golden_dir  # noqa: E402

@@ -3,7 +3,7 @@
 /*
  * The Engram gate's scalar math (engram-spec.md, "Fusion"), written once for the CUDA
  * kernel (gateKernel.cu) and for host programs: plugins/tests/gateMathTest.cpp runs it
- * on the CPU against the float64 reference (tests/test_gate_math.py), so the NaN and
+ * on the CPU against the float64 reference (tests/kernels/test_gate_math.py), so the NaN and
  * sign semantics are checked without a GPU.
  *
  * NaN semantics follow numpy and torch: sign(NaN) = NaN, maximum / clamp_min propagate

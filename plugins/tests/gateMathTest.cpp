@@ -2,7 +2,7 @@
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
  * The gate's scalar math (gateMath.h, the functions the CUDA kernel calls) run on the
- * host over whole tokens, so tests/test_gate_math.py can compare it with the float64
+ * host over whole tokens, so tests/kernels/test_gate_math.py can compare it with the float64
  * reference (engram_trt.engram.fusion.engram_gate_reference) on a machine without a
  * GPU: NaN propagation, sign(0), the clamp, masked tokens.
  *

@@ -3,7 +3,7 @@
 /*
  * CPU unit test of the host gather's CUDA-free parts: the thread pool (threadPool.h) and
  * the row copy loop (rowGather.h). Built by CMake with -DENGRAM_TRT_BUILD_TESTS=ON
- * (ctest), and by tests/test_host_gather_cpu.py with ThreadSanitizer where the compiler
+ * (ctest), and by tests/kernels/test_host_gather_cpu.py with ThreadSanitizer where the compiler
  * has it, which is what catches a pool that lets a worker touch a finished round.
  * Prints one line per check; exits 1 if any failed.
  */

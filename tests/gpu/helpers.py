@@ -164,7 +164,8 @@ def gate_ok(out, hidden, kv, qw, kw, mask_np, eps, reference) -> tuple[bool, str
     ok = bool(np.all(err <= bound)) and np.isfinite(got).all() and masked_exact
     return (
         ok,
-        f"max|err|={err.max():.3g} rel-norm={rel:.3g} worst err/bound={float((err / bound).max()):.3f} masked-exact={masked_exact}",
+        f"max|err|={err.max():.3g} rel-norm={rel:.3g} worst err/bound={float((err / bound).max()):.3f} "
+        f"masked-exact={masked_exact}",
     )
 
 

@@ -85,7 +85,8 @@ def probe(name: str, build_dir: Path) -> dict:
                 "name": f"probe {name}",
                 "provoked": False,
                 "ok": False,
-                "detail": f"the host gather into {'pageable host memory' if name == 'stale-error' else 'address 0x1000'} "
+                "detail": "the host gather into "
+                f"{'pageable host memory' if name == 'stale-error' else 'address 0x1000'} "
                 "reported success",
             }
         try:

@@ -17,11 +17,11 @@ from typing import Any
 
 import engram_trt  # noqa: F401 - before torch: sets torch's OpenMP wait policy (engram_trt/__init__.py)
 
-import torch  # noqa: E402
+import torch
 
-from engram_trt.checkpoint.checkpoint import Checkpoint  # noqa: E402
-from engram_trt.tables.source import checkpoint_table_refs  # noqa: E402
-from engram_trt.tables.store import open_tables  # noqa: E402
+from engram_trt.checkpoint.checkpoint import Checkpoint
+from engram_trt.tables.source import checkpoint_table_refs
+from engram_trt.tables.store import open_tables
 
 
 def pointer_attributes(address: int) -> tuple[str, int]:

@@ -4,14 +4,15 @@ scripts/h200_verify.py): only the rank's columns
 (global rows ``[row_offset, row_offset + num_rows)``, the slice tensor's first row at its
 address), with the global row ids of the hash.
 
-- CPU (``check_column_range_cpu``, also run by the CPU suite: tests/test_plugin_library.py):
+- CPU (``check_column_range_cpu``, also run by the CPU suite: tests/plugins/test_plugin_library.py):
   EngramGather's fields ``column_begin`` / ``column_end`` / ``row_offset`` set the output
   shape ``[T, column_end - column_begin, head_dim]``, are serialized (the values read
   back from getFieldsToSerialize, before and after a round trip), default to every column
   of the whole table (today's plugin), and out-of-range values are refused with one
   line naming the field and file:line.
-- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through ``native.gather.gather(columns=, row_offset=)``
-  (engram_gather_ex) and the plugin's enqueue (engram_gather_indirect_ex), fp8 and bf16:
+- GPU (``test_rank_share``, ``test_rank_share_top_of_int32``, ``test_explicit_defaults``): through
+  ``native.gather.gather(columns=, row_offset=)`` (engram_gather_ex) and the plugin's enqueue
+  (engram_gather_indirect_ex), fp8 and bf16:
   the rows equal, bit for bit, the Python reference and the full-table gather's
   corresponding columns; ids below ``row_offset`` (negative ones, INT32_MIN included) and
   past the slice give zero rows and are counted exactly, while ids outside the column

@@ -204,7 +204,6 @@ def _attention_inputs(
     """Random inputs of a decode step (one token a sequence, past lengths ``pasts``) in op order."""
     from engram_trt.native.dsv4_attention import CSA, SLIDING
 
-    dtype = getattr(torch, dname)
     S = len(pasts)
     T = S
     N = S + 1

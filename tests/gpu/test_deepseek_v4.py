@@ -1,6 +1,6 @@
 """DeepSeek-V4 on a GPU through the torch backend: the tiny checkpoint transformers 5.25
 saved (tests/data/deepseek_v4_tiny, whose recorded greedy tokens a CPU test,
-tests/test_deepseek_v4_folder.py, ties to transformers) run on CUDA.
+tests/models/deepseek_v4/test_deepseek_v4_folder.py, ties to transformers) run on CUDA.
 
   1. float32 on CUDA: every weight, buffer and state tensor on the GPU; the greedy tokens
      of each prompt (chunked prefill + decode, so the window rings, compressed entries

@@ -49,7 +49,7 @@ def folders(tmp_path_factory):
     from engram_trt.builder.build import build
 
     if importlib.util.find_spec("tensorrt") is None:
-        # TensorRT-RTX builds this graph on a CPU (tests/test_deepseek_v4_build.py) but has
+        # TensorRT-RTX builds this graph on a CPU (tests/builder/test_deepseek_v4_build.py) but has
         # no sm_90 target, so only full TensorRT can build and run an engine on an H200.
         pytest.skip(
             "needs the tensorrt module (full TensorRT) to build and run an engine on this GPU; "

@@ -310,7 +310,7 @@ def test_kernel_takes_a_state_shorter_than_index_topk() -> None:
 
 
 def _v41_folder(root: Path) -> Path:
-    """tests/data/deepseek_v4_tiny turned V4.1 (as tests/test_deepseek_v4_parity.save_v41 does,
+    """tests/data/deepseek_v4_tiny turned V4.1 (as tests/helpers/deepseek_v4.save_v41 does,
     without transformers): Engram on layers 0 and 2, random bf16 tables, wkv, q / k weights."""
     import torch
     from safetensors.torch import load_file, save_file

@@ -1,7 +1,7 @@
 """DeepSeek-V4 in its stored formats on a GPU (issue 40): a tiny folder in DeepSeek's
 published recipe (FP8 E4M3 linears with ue8m0 128x128 scales, FP4 routed experts, BF16 /
 F32 elsewhere), written here from random weights through the package's own quantizers
-(no transformers on the GPU machine; tests/test_deepseek_v4_quant.py ties the same
+(no transformers on the GPU machine; tests/quant/test_deepseek_v4_quant.py ties the same
 layout to transformers 5.25 on the CPU).
 
   1. Loading onto CUDA (bf16): the bytes the allocator holds afterwards are the bytes

@@ -10,7 +10,7 @@ native/dsv4_attention.py, and the plugin's enqueue through the harness):
 - the plugin's enqueue (build phase and after a round trip; states aliased in place and
   as separate outputs) equal to the binding bit for bit;
 - check_plugin_cpu: what TensorRT asks before any enqueue (shapes, types, aliasing, round
-  trip, refused fields), shared with tests/test_dsv4_attention_plugin.py.
+  trip, refused fields), shared with tests/plugins/test_dsv4_attention_plugin.py.
 """
 
 from __future__ import annotations

@@ -579,7 +579,7 @@ def test_mhc_norms_match_collapse_then_norm(rng, dname, hc, D, iters, T) -> None
     from engram_trt.models.deepseek_v4.modules import HyperConnection, HyperHead, RMSNorm
     from engram_trt.native import mhc
 
-    dtype, u = getattr(torch, dname), UNIT[dname]
+    u = UNIT[dname]
     cfg = SimpleNamespace(hc_mult=hc, hidden_size=D, hc_sinkhorn_iters=iters, hc_eps=1e-6, rms_norm_eps=1e-6)
     conn, head, norm = HyperConnection(cfg), HyperHead(cfg), RMSNorm(D, 1e-6)
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """Fine-grained FP8 checkpoints of engram-llama and Qwen4Exp on a GPU through the torch
 backend (issue 40 items 1, 2 and 5). The CPU suite holds the same folders to
-transformers (tests/test_llama_fp8.py, tests/test_qwen4_exp_fp8.py); here the CUDA
+transformers (tests/quant/test_llama_fp8.py, tests/quant/test_qwen4_exp_fp8.py); here the CUDA
 model is held to the CPU model. The folders are written here (no transformers on the
 GPU host needed): random float weights with dims multiples of 128 (the FP8 kernels' full
 blocks), every linear quantized per the formats note (quant.formats.quantize_fp8: E4M3,

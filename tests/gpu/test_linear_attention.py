@@ -18,7 +18,7 @@ EngramGatedDeltaNet) on a GPU.
   and the tap order whatever the chunking); padding tokens / a padding slot; T = 0.
 - the plugins' enqueue (build phase and runtime after a round trip; state aliased in place
   and in a separate output) = the binding, bit for bit; and check_plugin_cpu, shared with
-  the CPU suite (tests/test_linear_attention_plugins.py).
+  the CPU suite (tests/plugins/test_linear_attention_plugins.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness  # noqa: F401 (Harness: the CPU suite)
+from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness  # (Harness: the CPU suite)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 UNIT_ROUNDOFF = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}

@@ -1,7 +1,7 @@
 """DeepSeek-V4's mHC kernels (plugins/kernels/mhcKernel.cu through native/mhc.py) on a GPU
 against the PyTorch modules they replace (models/deepseek_v4/modules.HyperConnection /
 HyperHead, backend 'torch', on the same GPU) and the float64 NumPy reference
-(models/deepseek_v4/reference_mhc.py, tied to the modules on the CPU by tests/test_mhc_reference.py).
+(models/deepseek_v4/reference_mhc.py, tied to the modules on the CPU by tests/models/deepseek_v4/test_mhc_reference.py).
 
 Every parameter random (fn, base, scale: transformers' base 0 / scale 1 would let a
 swapped scale or bias pass), float32 as the model keeps them; streams / sublayer outputs
@@ -12,8 +12,9 @@ a prefill of 300 tokens (4 tokens per mix block) and widths needing several coll
 Bounds. post / comb come out in float32 from the same widened inputs on both paths:
 ``|kernel - torch| <= 2e-5 max|.|`` (float32 sums in another order). collapsed is one
 float32 sum rounded once on both paths: ``2 u |ref| + 2e-5 max|ref|`` (u = 2^-8 bf16,
-2^-11 fp16, 0 float32; 2 u: the two sums may round apart by one ulp). new streams: against the float64 reference fed the kernel's own post /
-comb rounded to the dtype (what the kernel documents), ``u |ref| + 1e-5 sum|terms|``; against
+2^-11 fp16, 0 float32; 2 u: the two sums may round apart by one ulp). new streams: against the
+float64 reference fed the kernel's own post / comb rounded to the dtype (what the kernel
+documents), ``u |ref| + 1e-5 sum|terms|``; against
 the torch module (which rounds the product, the matmul and their sum apart) ``4 u
 sum|terms| + 1e-5 max``. Beside: post in place = out of place bit for bit, two calls bit-identical, zero
 tokens, the tiny DeepSeek-V4 checkpoint's logits with the mHC kernels vs the PyTorch mHC,

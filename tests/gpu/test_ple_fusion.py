@@ -1,6 +1,6 @@
 """Qwen4-Exp's PLE fusion kernel (plugins/kernels/pleFusionKernel.cu) and its plugin
 (EngramPleFusion) on a GPU against the PyTorch path, PLEFusion.forward_torch (itself tied
-to transformers' Qwen4ExpTextPLELayer by tests/test_qwen4_exp_parity.py).
+to transformers' Qwen4ExpTextPLELayer by tests/models/qwen4_exp/test_qwen4_exp_parity.py).
 
 The reference runs on the CPU in float32 on the very key / value rows the GPU module's
 projections produced (a reference module whose projections are exact identities, so its
@@ -439,7 +439,7 @@ def test_plugin_gpu(rng, harness, dname, wname, phase_name) -> None:
     stream = torch.cuda.current_stream().cuda_stream
     dtype, wdtype = getattr(torch, dname), getattr(torch, wname)
     hc, D, E, K, n = CONFIGS[0]
-    W, H, S, slots_n = hc * D, (K - 1) * n, 3, 5
+    W, H, slots_n = hc * D, (K - 1) * n, 5
     km = random_module(torch, make_config(hc, D, E, K, n), seed=5)
     weights = [
         w.detach().to(dev, dtype).to(wdtype).contiguous()

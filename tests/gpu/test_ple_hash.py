@@ -1,6 +1,6 @@
 """The PLE hash kernel (plugins/kernels/pleHashKernel.cu) on a GPU against the Python
 reference, engram_trt.engram.ple_hash (itself tied to transformers' Qwen4-Exp module in
-tests/test_ple_hash.py): random packed steps with EOS runs (alone, consecutive, at a
+tests/engram/test_ple_hash.py): random packed steps with EOS runs (alone, consecutive, at a
 sequence's start and end, in the contexts), empty sequences, fresh and carried contexts,
 context=None, and the default config's layers (base 20,000,000, 16 heads). Bit-exact;
 the output is poisoned first. The EngramPleHash plugin's enqueue (plugins/engramPleHashPlugin,

@@ -18,7 +18,7 @@ engram_trt.native.qsa) and its plugin (EngramQsaAttention) on a GPU.
   the lower block index (all indexer queries zero).
 - the plugin's enqueue (build phase, runtime after a round trip; caches aliased in place
   and in separate outputs) = the binding, bit for bit; check_plugin_cpu is shared with
-  the CPU suite (tests/test_qsa_plugin.py).
+  the CPU suite (tests/plugins/test_qsa_plugin.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness, note, say  # noqa: F401 (Harness: CPU suite)
+from .helpers import DT, PF_FLOAT32, PF_INT32, PF_INT64, Checks, Harness, note, say  # (Harness: CPU suite)
 
 DTYPES = ["float32", "bfloat16", "float16"]
 TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2, "float16": 1e-2}
@@ -478,7 +478,7 @@ def test_plugin_gpu(harness, dname, wname, phase_name) -> None:
     want_caches = [c.clone() for c in caches0]
     want = qsa.qsa_attention(*acts, *want_caches, w, *meta, f)
     want_ws = qsa.workspace_size(T, L, f.compress_ratio, f.block_topk)
-    io, wt = DT[dname], DT[wname]
+    io = DT[dname]
     fields = plugin_fields(f.compress_ratio, f.block_topk, f.rot_dim, f.rope_theta, f.eps, f.scaling)
     make = {"build": lambda h: h, "runtime (round trip)": harness.roundtrip}[phase_name]
     base = harness.create("EngramQsaAttention", fields)

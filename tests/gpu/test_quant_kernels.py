@@ -1,6 +1,6 @@
 """The stored-format kernels (plugins/kernels/quantKernels.h through native/quant_kernels.py
 and native/quant.py) on a GPU against the float64 references of quant/formats.py
-(tied to ml_dtypes and float64 loops on the CPU by tests/test_quant_binding.py).
+(tied to ml_dtypes and float64 loops on the CPU by tests/kernels/test_quant_binding.py).
 
   act quant      engram_act_quant bit for bit formats.act_quant (q bytes, scales, deq),
                  x float32 / bf16 / fp16, groups 128 / 32 / 16, float and ue8m0 scales,

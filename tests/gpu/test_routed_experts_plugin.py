@@ -2,7 +2,7 @@
 
 - check_plugin_cpu: what TensorRT asks of the plugin before any enqueue (output shapes and
   types, the serialized fields, a round trip, refused fields and input types), no GPU
-  needed; shared with tests/test_routed_experts_plugin.py.
+  needed; shared with tests/plugins/test_routed_experts_plugin.py.
 - the enqueue (the build-phase plugin and its round trip) against
   ``engram_trt.native.quant.experts`` on the same inputs: the same kernels in the same
   order but the combine's float32 sum over a token's picks (the plugin adds them in pick

@@ -51,10 +51,10 @@ def _tiny(root: Path) -> dict[str, tuple[Path, list[list[int]]]]:
     """The tiny folders (part 1) and their prompts."""
     import torch
 
-    import test_deepseek_v4_parity as dp
-    import test_llama_parity as lp
-    import test_qwen4_exp_parity as qp
-    from test_tensor_parallel import QWEN_TP4
+    import helpers.deepseek_v4 as dp
+    import helpers.llama as lp
+    import helpers.qwen4_exp as qp
+    from helpers.qwen4_exp import QWEN_TP4
 
     lp.save_llama(root / "llama", seed=21)
     gen = torch.Generator().manual_seed(22)

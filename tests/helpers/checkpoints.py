@@ -1,7 +1,7 @@
 """Checkpoints the tests write and read against transformers: the word tokenizer, the tiny
 and small engram-llama checkpoints, transformers' greedy tokens and logits as references,
-and fine-grained FP8 folders as transformers writes them (tests/test_llama_fp8.py,
-tests/test_qwen4_exp_fp8.py, tests/test_quant_build.py)."""
+and fine-grained FP8 folders as transformers writes them (tests/quant/test_llama_fp8.py,
+tests/quant/test_qwen4_exp_fp8.py, tests/quant/test_quant_build.py)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,29 @@ SMALL_CONFIG = {
     "engram_head_dim": 32,
     "engram_vocab_size": 3000,
     "engram_compressed_vocab_size": 99092,
+    "engram_pad_token_id": 1,
+}
+
+
+# The checkpoint and table tests' small engram-llama: Engram on layers 0 and 2 (FP8 tables),
+# a 97-word vocabulary; written with write_checkpoint directly.
+SMALL_TABLES_CONFIG = {
+    "architectures": ["EngramLlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 97,
+    "hc_mult": 2,
+    "tie_word_embeddings": False,
+    "engram_layer_ids": [0, 2],
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 64,
+    "engram_vocab_size": 40,
+    "engram_compressed_vocab_size": 60,
     "engram_pad_token_id": 1,
 }
 

@@ -7,7 +7,9 @@ import hashlib
 import os
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the repository root
+TESTS = REPO / "tests"  # the tests' root (on sys.path: tests/conftest.py puts it there)
+DATA = TESTS / "data"  # the test data: golden vectors, tiny checkpoints (tests/data/README.md)
 
 
 def file_sha256(path: str | Path, offset: int = 0, nbytes: int | None = None) -> str:
@@ -31,12 +33,13 @@ def golden_dir() -> Path:
     """The golden vectors: the repository's own copy (``tests/data``, so a clone anywhere
     passes), or ``$ENGRAM_TRT_GOLDEN`` to test against another set."""
     env = os.environ.get("ENGRAM_TRT_GOLDEN")
-    candidates = [Path(env)] if env else [REPO / "tests" / "data"]
+    candidates = [Path(env)] if env else [DATA]
     for c in candidates:
         if (c / "engram_hash_public.json").is_file():
             return c
     raise FileNotFoundError(
-        f"golden vectors not found in {[str(c) for c in candidates]}; set ENGRAM_TRT_GOLDEN to the folder holding engram_hash_public.json"
+        f"golden vectors not found in {[str(c) for c in candidates]}; "
+        "set ENGRAM_TRT_GOLDEN to the folder holding engram_hash_public.json"
     )
 
 

@@ -120,6 +120,50 @@ def plugin_builder_config(trt, builder, aliased: bool):
     return config
 
 
+def write_plugin_graph(
+    path: Path, op: str, inputs: list[tuple[str, int, list]], outputs: list[tuple[str, int, list]], attributes: dict
+) -> None:
+    """An ONNX graph of one plugin node ``op`` (the engram_trt domain, version 1) written to ``path``."""
+    import onnx
+    from onnx import helper
+
+    node = helper.make_node(
+        op,
+        [n for n, _, _ in inputs],
+        [n for n, _, _ in outputs],
+        name=op.lower(),
+        domain=PLUGIN_NAMESPACE,
+        plugin_version="1",
+        plugin_namespace=PLUGIN_NAMESPACE,
+        **attributes,
+    )
+    graph = helper.make_graph(
+        [node],
+        op,
+        [helper.make_tensor_value_info(*i) for i in inputs],
+        [helper.make_tensor_value_info(*o) for o in outputs],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(PLUGIN_NAMESPACE, 1)]
+    )
+    onnx.save(model, str(path))
+
+
+def build_plugin_engine(trt, path: Path, shapes: dict[str, tuple[tuple, tuple, tuple]], name: str):
+    """The one-plugin graph at ``path`` (plugin ``name``) built with aliased I/O and the
+    ``shapes`` profile: (the network, the serialized engine or None)."""
+    builder, network, layer = parse_plugin_graph(trt, path)
+    layer.__class__ = trt.module.IPluginV3Layer
+    core = layer.plugin.get_capability_interface(trt.module.PluginCapabilityType.CORE)
+    assert (core.plugin_name, core.plugin_namespace, core.plugin_version) == (name, PLUGIN_NAMESPACE, "1")
+    config = plugin_builder_config(trt, builder, aliased=True)
+    profile = builder.create_optimization_profile()
+    for tensor, (lo, opt, hi) in shapes.items():
+        profile.set_shape(tensor, lo, opt, hi)
+    config.add_optimization_profile(profile)
+    return network, builder.build_serialized_network(network, config)
+
+
 def serialized_twice(harness, name: str, fields: list) -> tuple[list, list]:
     """Through the plugin harness: getFieldsToSerialize of plugin ``name`` made from
     ``fields``, and the same of the plugin rebuilt from those (the round trip an engine's
@@ -153,7 +197,10 @@ def engine_skip_reason(plugins: tuple[str, ...]) -> str | None:
     have = {n for n, _ in tc.plugin_creator_names()}
     missing = [n for n in plugins if n not in have]
     if missing:
-        return f"the plugin library {lib} lacks {', '.join(missing)} (rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
+        return (
+            f"the plugin library {lib} lacks {', '.join(missing)} "
+            "(rebuild it from this tree; ENGRAM_TRT_PLUGIN_LIB points at one)"
+        )
     return None
 
 

@@ -1,7 +1,7 @@
 """Qwen4-Exp PLE n-gram hash: raw token ids -> rows of each PLE layer's n-gram table.
 
 The one Python home of the formula (transformers 5.25.0, ``Qwen4ExpTextNGramEmbedding``
-is the published reference; ``tests/test_ple_hash.py`` holds this module to it bit for
+is the published reference; ``tests/engram/test_ple_hash.py`` holds this module to it bit for
 bit, and the CUDA kernel ``plugins/kernels/pleHashKernel.cu`` to this module).
 
 How it differs from the Engram hash (``engram/hashing.py``), which is why it is a module

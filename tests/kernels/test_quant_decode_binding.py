@@ -1,0 +1,243 @@
+"""The decode step's stored-format kernels (quantDecodeKernel.cu, declared in
+plugins/kernels/quantKernels.h) on a machine without a GPU: the ctypes structures are the
+header's (field order, types, size), ACT_QUANT is native/quant.py's, the C ABI refuses bad
+arguments in one line naming them before any CUDA call, and the Python bindings name the
+bad tensor before anything reaches the library (the GPU results: tests/gpu/test_quant_decode.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from engram_trt.errors import EngramError
+from engram_trt.native import quant as nq
+from engram_trt.native import quant_decode as qd
+from engram_trt.quant.formats import quantize_fp4, quantize_fp8
+from engram_trt.quant.weight import QuantWeight
+
+from helpers.files import REPO
+
+HEADER = REPO / "plugins" / "kernels" / "quantKernels.h"
+_C_TYPES = {
+    "const void*": ctypes.c_void_p,
+    "void*": ctypes.c_void_p,
+    "const int32_t*": ctypes.c_void_p,
+    "const float*": ctypes.c_void_p,
+    "float*": ctypes.c_void_p,
+    "int64_t": ctypes.c_int64,
+    "int32_t": ctypes.c_int32,
+    "float": ctypes.c_float,
+}
+
+
+def _header_struct(name: str) -> list[tuple[str, str]]:
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.DOTALL)
+    body = re.search(r"typedef struct " + name + r"\s*\{(.*?)\}\s*" + name + ";", text, flags=re.DOTALL)
+    assert body is not None, name
+    fields = []
+    for line in body.group(1).split(";"):
+        line = " ".join(line.split())
+        if line:
+            ctype, field = line.rsplit(" ", 1)
+            fields.append((field, ctype))
+    return fields
+
+
+def test_structures_are_the_headers() -> None:
+    for name, struct in qd.STRUCTS.items():
+        fields = _header_struct(name)
+        assert [f for f, _ in fields] == [f for f, _t in struct._fields_], name
+        for (field, ctype), (_f, pytype) in zip(fields, struct._fields_):
+            want = qd.STRUCTS.get(ctype, _C_TYPES.get(ctype))
+            assert want is pytype, (name, field, ctype)
+    assert ctypes.sizeof(qd._Segment) == 4 * 8 + 2 * 8 + 10 * 4
+    assert ctypes.sizeof(qd._MoeWeight) == 2 * 8 + 6 * 4
+
+
+def test_constants_are_the_headers() -> None:
+    text = HEADER.read_text()
+    assert int(re.search(r"#define ENGRAM_QSEG_MAX_SEGMENTS (\d+)", text).group(1)) == qd.MAX_SEGMENTS
+    assert int(re.search(r"#define ENGRAM_QSEG_MAX_TOKENS (\d+)", text).group(1)) == qd.MAX_TOKENS
+    assert qd.ACT_QUANT == nq.ACT_QUANT
+
+
+# --- the C ABI's refusals (no CUDA call reached) ------------------------------------------
+
+P16 = 256  # an aligned stand-in device pointer: the checks never dereference it
+
+
+def _segment(**change) -> qd._Segment:
+    f = dict(
+        x=P16,
+        w=P16,
+        w_scale=P16,
+        out=P16,
+        x_stride=256,
+        out_stride=256,
+        x_type=0,
+        out_type=0,
+        w_type=0,
+        scale_type=1,
+        bn=128,
+        bk=128,
+        out_features=200,
+        in_features=256,
+        act_group=128,
+        act_ue8m0=0,
+    )
+    f.update(change)
+    return qd._Segment(*[f[name] for name, _t in qd._Segment._fields_])
+
+
+def _refused(fn: str, *args) -> str:
+    lib = qd.library()
+    status = getattr(lib, fn)(*args)
+    assert status == 1, (fn, status)  # cudaErrorInvalidValue
+    return lib.engram_last_error().decode()
+
+
+def _one_line(msg: str, needle: str) -> None:
+    assert needle in msg and "\n" not in msg, msg
+
+
+def test_segments_abi_refusals(plugin_lib: Path) -> None:
+    cases = [
+        ({"w_type": 3}, "segment 0: w_type 3 is not FP8 (0), FP4 (1) or BF16 (2)"),
+        ({"in_features": 264, "x_stride": 264}, "in_features a positive multiple of 16"),
+        ({"w_type": 1, "in_features": 272, "x_stride": 272}, "in_features a positive multiple of 32"),
+        ({"out_features": 0}, "need out_features >= 1"),
+        ({"x_type": 2}, "x_type must be bf16 (0) or float32 (1)"),
+        ({"out_type": 7}, "out_type 7 is not bf16, float32 or float16"),
+        ({"x_stride": 260}, "x_stride must be >= in_features and a multiple of 8"),
+        ({"out_stride": 100}, "out_stride >= out_features"),
+        ({"act_group": 64}, "act_group must be 0, 32 or 128 (got 64)"),
+        ({"bk": 24}, "bk a multiple of 16"),
+        ({"w_scale": None}, "needs scales"),
+        ({"w": 264}, "segment 0.w must be a 16-byte aligned device pointer"),
+        ({"x": 264}, "x must be a 16-byte aligned device pointer"),
+    ]
+    for change, needle in cases:
+        segs = (qd._Segment * 2)(_segment(), _segment(**change))
+        msg = _refused("engram_quant_gemv_segments", ctypes.addressof(segs), 2, 1, 1, None)
+        _one_line(msg.replace("segment 1", "segment 0"), needle)
+    one = (qd._Segment * 1)(_segment())
+    _one_line(
+        _refused("engram_quant_gemv_segments", ctypes.addressof(one), 9, 1, 1, None),
+        "need 1 <= num_segments <= 8 (got 9)",
+    )
+    _one_line(
+        _refused("engram_quant_gemv_segments", ctypes.addressof(one), 1, 9, 1, None),
+        "num_tokens must be in [0, 8] (got 9)",
+    )
+    _one_line(_refused("engram_quant_gemv_segments", ctypes.addressof(one), 1, 1, 8, None), "unknown flags 0x8")
+    assert qd.library().engram_quant_gemv_segments(ctypes.addressof(one), 1, 0, 1, None) == 0  # 0 rows: nothing
+
+
+def _moe_args(**change) -> qd._Moe:
+    w = dict(w=P16, scale=P16, w_type=1, scale_type=1, bn=1, bk=32, act_group=32, act_ue8m0=1)
+    s = dict(w=P16, scale=P16, w_type=0, scale_type=1, bn=128, bk=128, act_group=128, act_ue8m0=0)
+    weights = {name: dict(w) for name in ("gate", "up", "down")}
+    weights.update({name: dict(s) for name in ("shared_gate", "shared_up", "shared_down")})
+    for key, value in list(change.items()):
+        if "." in key:
+            name, field = key.split(".")
+            weights[name][field] = value
+            del change[key]
+    f = dict(
+        x=P16,
+        ids=P16,
+        route_w=P16,
+        workspace=P16,
+        out=P16,
+        num_tokens=2,
+        workspace_bytes=1 << 20,
+        hidden=256,
+        top_k=2,
+        num_experts=4,
+        intermediate=128,
+        shared_intermediate=128,
+        clamp=1,
+        limit=7.0,
+        reserved=0,
+    )
+    f.update(change)
+    for name, fields in weights.items():
+        f[name] = qd._MoeWeight(*[fields[n] for n, _t in qd._MoeWeight._fields_])
+    return qd._Moe(*[f[name] for name, _t in qd._Moe._fields_])
+
+
+def test_moe_abi_refusals(plugin_lib: Path) -> None:
+    cases = [
+        ({"num_tokens": 9}, "0 <= num_tokens <= 8"),
+        ({"top_k": 17}, "1 <= top_k <= 16"),
+        ({"num_experts": 0}, "1 <= num_experts <= 4096"),
+        ({"clamp": 1, "limit": -1.0}, "limit must be >= 0 when clamp is set"),
+        ({"down.w_type": 5}, "down.w_type 5 is not FP8"),
+        ({"gate.w": 264}, "gate.w must be a 16-byte aligned device pointer"),
+        ({"hidden": 272}, "gate's in_features 272 must be a multiple of 32"),
+        ({"shared_down.bk": 24}, "shared_down needs scales"),
+        ({"up.act_group": 64}, "up.act_group must be 0, 32 or 128"),
+        ({"up.bk": 64}, "gate and up (and shared_gate and shared_up) must share"),
+        ({"workspace_bytes": 16}, "workspace holds 16 bytes"),
+        ({"x": 264}, "x and workspace must be 16-byte aligned"),
+    ]
+    for change, needle in cases:
+        args = _moe_args(**change)
+        _one_line(_refused("engram_quant_moe", ctypes.addressof(args), None), needle)
+    size = ctypes.c_size_t(0)
+    assert qd.library().engram_quant_moe_workspace_size(3, 2, 100, 130, ctypes.addressof(size)) == 0
+    assert size.value == 3 * 3 * 132 * 4  # T (k + 1) rows of the wider width rounded up to 4 floats
+    assert qd.library().engram_quant_moe(ctypes.addressof(_moe_args(num_tokens=0)), None) == 0
+
+
+# --- the Python bindings' refusals --------------------------------------------------------
+
+
+def _qw(kind: str, N: int, K: int) -> QuantWeight:
+    w = torch.randn(N, K)
+    if kind == "fp8":
+        q, s = quantize_fp8(w, (128, 128), "ue8m0")
+        return QuantWeight(q, s, "fp8", (128, 128))
+    q, s = quantize_fp4(w)
+    return QuantWeight(q, s, "fp4", (1, 32))
+
+
+def test_bindings_name_the_bad_argument() -> None:
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    w = _qw("fp8", 200, 256)
+    out = torch.zeros(2, 200, dtype=torch.bfloat16)
+    with pytest.raises(EngramError, match=r"segments\[0\]\.x must have dtype torch.bfloat16"):
+        qd.gemv_segments([(x.float(), w, out)])
+    with pytest.raises(EngramError, match=r"segments\[0\]\.out must be \[tokens, >= 200\]"):
+        qd.gemv_segments([(x, w, out[:, :100])])
+    with pytest.raises(EngramError, match=r"segments\[1\]: x and out must have 2 rows \(got 2, 1\)"):
+        qd.gemv_segments([(x, w, out), (x, w, out[:1])])
+    with pytest.raises(EngramError, match=r"segments\[0\]\.weight scale has shape"):
+        qd.gemv_segments([(x, QuantWeight(w.data, w.scale[:1], "fp8", (128, 128)), out)])
+    with pytest.raises(EngramError, match=r"segments\[0\]\.weight is a torch.float32 tensor"):
+        qd.gemv_segments([(x, torch.zeros(200, 256), out)])
+    with pytest.raises(EngramError, match=r"takes 1\.\.8 segments \(got 9\)"):
+        qd.gemv_segments([(x, w, out)] * 9)
+    with pytest.raises(EngramError, match=r"1 <= T <= 8"):
+        qd.gemv_segments([(torch.zeros(9, 256, dtype=torch.bfloat16), w, out)])
+    assert "CUDA" in qd.segment_reason(x, w)  # a CPU tensor: the fused glue keeps its path
+    g = _qw("fp4", 4 * 64, 256)
+    stack = QuantWeight(g.data.view(4, 64, 128), g.scale.view(4, 64, 8), "fp4", (1, 32))
+    down = _qw("fp4", 4 * 256, 64)
+    dstack = QuantWeight(down.data.view(4, 256, 32), down.scale.view(4, 256, 2), "fp4", (1, 32))
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    rw = torch.zeros(2, 2)
+    with pytest.raises(EngramError, match=r"down must be \[E, D, I\]|gate / up must be \[E, I, D\] and down"):
+        qd.moe(x, ids, rw, stack, stack, stack, shared=None, limit=None)
+    with pytest.raises(EngramError, match=r"ids must have dtype"):
+        qd.moe(x, ids.long(), rw, stack, stack, dstack, shared=None, limit=None)
+    with pytest.raises(EngramError, match=r"x \[T, D\], ids \[T, k\] and route_w \[T, k\] disagree"):
+        qd.moe(x, ids, rw[:1], stack, stack, dstack, shared=None, limit=None)
+    bad_shared = (_qw("fp8", 128, 256), _qw("fp8", 128, 256), _qw("fp8", 256, 256))
+    with pytest.raises(EngramError, match=r"the shared expert must be gate / up \[I_s, 256\] and down \[256, I_s\]"):
+        qd.moe(x, ids, rw, stack, stack, dstack, shared=bad_shared, limit=None)
+    assert "CUDA" in qd.moe_reason(x, 2, stack, stack, dstack, None)
