@@ -23,8 +23,9 @@ wall clock. The per-class figures of one step add up to the step's own span.
 Why instance wrappers and not a profiler: the classes are the model's own calls
 (methods of the layer instances, wrapped for the steps inside the ``with`` and put
 back after), so a class's time is exactly its calls' whatever kernels they launch; the
-one class-level call, ``HyperConnection.expand`` (a static method), is wrapped the same
-way and restored.
+class-level call ``HyperConnection.expand`` (a static method) and the mHC fold's binding
+(``native.mhc.mhc_fold``: a sublayer boundary of the bf16 CUDA decode step, one ``mhc``
+call) are wrapped the same way and restored.
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ class ModuleClock:
         timed = self._timed(expand.__func__, "mhc")
         modules.HyperConnection.expand = staticmethod(timed)  # type: ignore[method-assign]
         self._undo.append(lambda: setattr(modules.HyperConnection, "expand", expand))
+        # the bf16 CUDA decode path's sublayer boundary (an expansion, the next collapse and its
+        # norm in one engram_mhc_fold chain): one mhc call, looked up on the module at each call
+        from engram_trt.native import mhc as native_mhc
+
+        fold = native_mhc.mhc_fold
+        native_mhc.mhc_fold = self._timed(fold, "mhc")  # type: ignore[assignment]
+        self._undo.append(lambda: setattr(native_mhc, "mhc_fold", fold))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -122,10 +130,19 @@ class ModuleClock:
     def rows(self, staged: Any) -> Any:
         """The step's staged Engram rows, their first read per layer timed as ``engram.wait``
         (where the main stream waits for the prefetch)."""
+        from engram_trt.models.step import EngramRows, row_shapes
+
         clock = self
 
-        class _TimedRows:
-            shapes = staged.shapes
+        class _TimedRows(EngramRows):  # the models read its shapes without reading (waiting for) the rows
+            staging = getattr(staged, "staging", None)
+
+            def __init__(self) -> None:
+                super().__init__(())
+
+            @property
+            def shapes(self) -> list[tuple[int, ...]]:
+                return row_shapes(staged)
 
             def __len__(self) -> int:
                 return len(staged)

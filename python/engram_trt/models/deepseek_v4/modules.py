@@ -252,8 +252,8 @@ class HyperConnection(nn.Module):
                 rms_eps=norm.eps,
             )
             return new, x, p, c
-        # the class's functions, not an instance's (a profiler's wrappers time this call as one)
-        new = _expand(streams, out, post, comb)
+        # the class's static expand (a profiler's wrapper times it, bench/dsv4profile.py), then the collapse
+        new = HyperConnection.expand(streams, out, post, comb)
         return (new, *HyperConnection.collapse_normed(self, new, norm))
 
     def collapse_torch(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -357,7 +357,7 @@ class HyperHead(nn.Module):
                 rms_eps=norm.eps,
             )
             return hidden if last is None else hidden[last]
-        new = _expand(streams, out, post, comb)
+        new = HyperConnection.expand(streams, out, post, comb)
         return HyperHead.forward_normed(self, new if last is None else new[last], norm)
 
     def forward_fused(self, streams: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
