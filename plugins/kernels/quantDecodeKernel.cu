@@ -476,6 +476,7 @@ __device__ __forceinline__ void segmentBody(SegParams const& p, int s, int32_t l
 template <int MR>
 __global__ void __launch_bounds__(kThreads) quantSegmentsKernel(SegParams const p)
 {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (refused on the host)
     extern __shared__ float4 sAct[];
     int s = 0;
     auto const b = static_cast<int32_t>(blockIdx.x);
@@ -490,6 +491,7 @@ __global__ void __launch_bounds__(kThreads) quantSegmentsKernel(SegParams const 
     case ENGRAM_QWEIGHT_FP4_E2M1: segmentBody<ENGRAM_QWEIGHT_FP4_E2M1, MR>(p, s, local, sAct); break;
     default: segmentBody<ENGRAM_QWEIGHT_BF16, MR>(p, s, local, sAct); break;
     }
+#endif
 }
 
 // ------------------------------------------------------------------------------ MoE
@@ -655,6 +657,7 @@ __device__ __forceinline__ void sharedGateUp(MoeParams const& p, int32_t chunk, 
 template <int MR>
 __global__ void __launch_bounds__(kThreads) quantMoeGateUpKernel(MoeParams const p)
 {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (refused on the host)
     extern __shared__ float4 sAct[];
     auto const b = static_cast<int32_t>(blockIdx.x);
     if (b < p.routedBlocks)
@@ -677,6 +680,7 @@ __global__ void __launch_bounds__(kThreads) quantMoeGateUpKernel(MoeParams const
     case ENGRAM_QWEIGHT_FP4_E2M1: sharedGateUp<ENGRAM_QWEIGHT_FP4_E2M1, MR>(p, chunk, sAct); break;
     default: sharedGateUp<ENGRAM_QWEIGHT_BF16, MR>(p, chunk, sAct); break;
     }
+#endif
 }
 
 //! Launch 2's product of a warp's 2 output channels d0, d0 + 1 of weight w (expert e)
@@ -749,6 +753,7 @@ __device__ __forceinline__ void downDotAny(EngramQuantMoeWeight const& w, int64_
  */
 __global__ void __launch_bounds__(kThreads) quantMoeDownKernel(MoeParams const p)
 {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // no code for older GPUs (refused on the host)
     extern __shared__ float4 sAct[];
     EngramQuantMoe const& a = p.a;
     int const lane = threadIdx.x & 31;
@@ -806,6 +811,7 @@ __global__ void __launch_bounds__(kThreads) quantMoeDownKernel(MoeParams const p
         }
         __syncthreads(); // the next token restages
     }
+#endif
 }
 
 //! Sets a kernel's dynamic shared memory opt-in when it needs more than the default 48 KiB.
@@ -965,6 +971,13 @@ extern "C" ENGRAM_API int engram_quant_gemv_segments(
     {
         return 0;
     }
+    int const major = computeCapabilityMajor();
+    if (major >= 0 && major < 9)
+    {
+        return fail(cudaErrorNotSupported,
+            "%s: needs a GPU of compute capability 9.0 or later (this one is %d.x); use native.quant's kernels", fn,
+            major);
+    }
     int const mr = numTokens <= 1 ? 1 : (numTokens <= 2 ? 2 : (numTokens <= 4 ? 4 : 8));
     int64_t const shared = mostChunks * 16 * mr;
     void (*kernel)(SegParams) = nullptr;
@@ -1064,6 +1077,13 @@ extern "C" ENGRAM_API int engram_quant_moe(EngramQuantMoe const* args, cudaStrea
     if (a.num_tokens == 0)
     {
         return 0;
+    }
+    int const major = computeCapabilityMajor();
+    if (major >= 0 && major < 9)
+    {
+        return fail(cudaErrorNotSupported,
+            "%s: needs a GPU of compute capability 9.0 or later (this one is %d.x); use native.quant's kernels", fn,
+            major);
     }
     if (a.x == nullptr || !isAligned(a.x, 16) || a.ids == nullptr || a.route_w == nullptr || a.out == nullptr
         || a.workspace == nullptr || !isAligned(a.workspace, 16) || !isAligned(a.out, 2))
