@@ -44,17 +44,6 @@ struct Segments
     int32_t count;
 };
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint4 loadStreamingSeg(uint4 const* p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-#endif
-
 constexpr int kProNone = 0;
 constexpr int kProNorm = 1;
 constexpr int kProRope = 2;
@@ -178,7 +167,7 @@ __global__ void __launch_bounds__(kSegThreads)
         for (int u = 0; u < U; ++u)
         {
             int32_t const v = base + lane + 32 * u;
-            wr[u] = v < vectors ? loadStreamingSeg(wv + v) : make_uint4(0, 0, 0, 0);
+            wr[u] = v < vectors ? loadStreaming(wv + v) : make_uint4(0, 0, 0, 0);
         }
         if (weightStatic && base == 0)
         {

@@ -170,17 +170,6 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
 }
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint4 loadStreamingMoe(uint4 const* p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-#endif
-
 //! sum_k w[k] x[k] over one row of `vectors` 16-byte vectors, float32 lane sums in k
 //! order then a warp butterfly (gemvKernel.cu's product), in every lane.
 __device__ __forceinline__ float rowDot(uint4 const* w, uint4 const* x, int32_t vectors)
@@ -196,7 +185,7 @@ __device__ __forceinline__ float rowDot(uint4 const* w, uint4 const* x, int32_t 
         for (int u = 0; u < U; ++u)
         {
             int32_t const v = base + lane + 32 * u;
-            wr[u] = v < vectors ? loadStreamingMoe(w + v) : make_uint4(0, 0, 0, 0);
+            wr[u] = v < vectors ? loadStreaming(w + v) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u)

@@ -41,19 +41,6 @@ constexpr int kGemvThreads = 128;
 namespace
 {
 
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900 // used by the sm_90+ kernels only
-//! 16 bytes of W, read once: skip the L1 (ld.global.nc.L1::no_allocate).
-__device__ __forceinline__ uint4 loadStreaming(uint4 const* p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
-#endif
-
 //! M tokens; one row of W per warp, U = 4 16-byte vectors of it per lane per pass.
 template <int M>
 __global__ void __launch_bounds__(kGemvThreads) gemvBf16Kernel(__nv_bfloat16 const* __restrict__ x,

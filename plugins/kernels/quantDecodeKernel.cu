@@ -90,15 +90,6 @@ int64_t chunksPerRow(int64_t k, int vpv)
     return (vectors + 31) / 32 * 32 * (vpv / 4);
 }
 
-__device__ __forceinline__ uint4 loadStreaming(uint4 const* p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
 //! 4 consecutive activations as floats (float32 or bf16 by `bf16`; 8 / 16-byte aligned).
 __device__ __forceinline__ float4 loadAct4(void const* a, int64_t i, bool bf16)
 {
@@ -259,26 +250,6 @@ __device__ __forceinline__ void issueStep(WeightRows<R> const& rows, int32_t v0,
     }
 }
 
-//! Chunk c (8 values) of a weight vector as floats (FP4: times 2^-6, the scale carries 2^6).
-template <int WT>
-__device__ __forceinline__ void decode8(uint4 const& vec, int c, float (&wf)[8])
-{
-    uint32_t const words[4] = {vec.x, vec.y, vec.z, vec.w};
-    if constexpr (WT == ENGRAM_QWEIGHT_FP8_E4M3)
-    {
-        e4m3x4ToFloat(words[2 * c], wf);
-        e4m3x4ToFloat(words[2 * c + 1], wf + 4);
-    }
-    else if constexpr (WT == ENGRAM_QWEIGHT_FP4_E2M1)
-    {
-        e2m1x8ToFloatScaled(words[c], wf);
-    }
-    else
-    {
-        unpack8Pairs<__nv_bfloat162>(vec, wf);
-    }
-}
-
 /*
  * The R x MR dot products of a warp's R weight rows with MR staged rows (row m at
  * sAct + m * rowChunks), summed over the warp: every lane returns every sum. The first
@@ -346,7 +317,7 @@ __device__ __forceinline__ void dotRows(WeightRows<R> const& rows, int32_t vecto
 #pragma unroll
                 for (int r = 0; r < R; ++r)
                 {
-                    decode8<WT>(wc[r][u], c, wf[r]);
+                    decodeChunk<WT>(wc[r][u], c, wf[r]);
                 }
 #pragma unroll
                 for (int m = 0; m < MR; ++m)

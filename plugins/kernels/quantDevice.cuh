@@ -10,6 +10,8 @@
 #define ENGRAM_TRT_QUANT_DEVICE_CUH
 
 #include "engramKernelsCore.h"
+#include "quantKernels.h"
+#include "vecLoad.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -277,6 +279,30 @@ __device__ __forceinline__ void mmaE4m3(float (&d)[4], uint32_t const (&a)[4], u
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
+}
+
+/*
+ * Chunk c (8 consecutive values) of a weight vector as floats: FP8 bytes 8c .. 8c + 7
+ * (cvt.rn.f16x2.e4m3x2 on sm_89+, then widened); FP4 word c (times 2^-6); BF16 the
+ * vector itself (c = 0).
+ */
+template <int WT>
+__device__ __forceinline__ void decodeChunk(uint4 const& vec, int c, float (&wf)[8])
+{
+    uint32_t const words[4] = {vec.x, vec.y, vec.z, vec.w};
+    if constexpr (WT == ENGRAM_QWEIGHT_FP8_E4M3)
+    {
+        e4m3x4ToFloat(words[2 * c], wf);
+        e4m3x4ToFloat(words[2 * c + 1], wf + 4);
+    }
+    else if constexpr (WT == ENGRAM_QWEIGHT_FP4_E2M1)
+    {
+        e2m1x8ToFloatScaled(words[c], wf);
+    }
+    else
+    {
+        unpack8Pairs<__nv_bfloat162>(vec, wf);
+    }
 }
 
 } // namespace kernels

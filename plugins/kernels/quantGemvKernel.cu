@@ -147,46 +147,12 @@ struct QGemvParams
     int64_t oCol0;
 };
 
-//! 16 bytes of W, read once: skip the L1 (ld.global.nc.L1::no_allocate).
-__device__ __forceinline__ uint4 loadWeightVector(uint4 const* p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
 //! Values of one 16-byte vector of weight type WT.
 template <int WT>
 struct VectorValues
 {
     static constexpr int value = WT == ENGRAM_QWEIGHT_FP8_E4M3 ? 16 : (WT == ENGRAM_QWEIGHT_FP4_E2M1 ? 32 : 8);
 };
-
-/*
- * Chunk c (8 consecutive values) of a weight vector as floats: FP8 bytes 8c .. 8c + 7
- * (cvt.rn.f16x2.e4m3x2 on sm_89+, then widened); FP4 word c (times 2^-6); BF16 the
- * vector itself (c = 0).
- */
-template <int WT>
-__device__ __forceinline__ void decodeChunk(uint4 const& vec, int c, float (&wf)[8])
-{
-    uint32_t const words[4] = {vec.x, vec.y, vec.z, vec.w};
-    if constexpr (WT == ENGRAM_QWEIGHT_FP8_E4M3)
-    {
-        e4m3x4ToFloat(words[2 * c], wf);
-        e4m3x4ToFloat(words[2 * c + 1], wf + 4);
-    }
-    else if constexpr (WT == ENGRAM_QWEIGHT_FP4_E2M1)
-    {
-        e2m1x8ToFloatScaled(words[c], wf);
-    }
-    else
-    {
-        unpack8Pairs<__nv_bfloat162>(vec, wf);
-    }
-}
 
 //! 4 consecutive activations as floats from global memory (fp32 or bf16 by `bf16`).
 __device__ __forceinline__ float4 loadAct4Global(void const* a, int64_t i, bool bf16)
@@ -269,7 +235,7 @@ __device__ __forceinline__ void issueWeights(
         for (int u = 0; u < U; ++u)
         {
             int32_t const v = v0 + 32 * u;
-            wv[r][u] = v < vectors ? loadWeightVector(rows[r] + v) : make_uint4(0, 0, 0, 0);
+            wv[r][u] = v < vectors ? loadStreaming(rows[r] + v) : make_uint4(0, 0, 0, 0);
         }
     }
 }

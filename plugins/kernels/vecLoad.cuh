@@ -250,6 +250,16 @@ __device__ __forceinline__ float warpSum(float v)
     return v;
 }
 
+//! 16 bytes read once (weights streamed through): skip the L1 (ld.global.nc.L1::no_allocate).
+__device__ __forceinline__ uint4 loadStreaming(uint4 const* p)
+{
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 } // namespace kernels
 } // namespace engram_trt
 
