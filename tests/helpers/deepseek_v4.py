@@ -121,11 +121,19 @@ def hf_greedy(model: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
 def save_v41(folder: Path, table: Any, seed: int = 3) -> Any:
     """A saved V4 turned V4.1: Engram fields, random wkv / q / k, and bf16 tables
     made by ``table(rows, width)``. Returns the transformers V4 model."""
+    model = save_v4(folder, seed=seed)
+    add_v41_engram(folder, lambda rows, width, gen: table(rows, width), seed)
+    return model
+
+
+def add_v41_engram(folder: Path, table: Any, seed: int) -> None:
+    """The saved V4 folder turned V4.1 in place: the Engram fields in its config.json,
+    random float32 wkv / q / k (a generator seeded ``seed + 7``) and bf16 tables made by
+    ``table(rows, width, generator)`` (the same generator, drawn before each layer's wkv)."""
     from engram_trt.engram.layout import EngramLayout
     from engram_trt.models.deepseek_v4.config import read_config
     from safetensors.torch import load_file, save_file
 
-    model = save_v4(folder, seed=seed)
     d = json.loads((folder / "config.json").read_text())
     d.update(
         architectures=["DeepseekV41ForCausalLM"],
@@ -144,11 +152,11 @@ def save_v41(folder: Path, table: Any, seed: int = 3) -> Any:
     layout = EngramLayout.from_spec(cfg.engram, pad_id=0)
     tensors = load_file(str(folder / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed + 7)
+    D = d["hidden_size"]
     for li, lid in enumerate(cfg.engram.layer_ids):
         base = f"model.layers.{lid}.engram"
-        tensors[f"{base}.embed.weight"] = table(int(layout.table_rows[li]), 8).to(torch.bfloat16)
-        tensors[f"{base}.wkv.weight"] = torch.randn(3 * 32, layout.n_hash_cols * 8, generator=gen) * 0.3
-        tensors[f"{base}.q_weight"] = torch.randn(2, 32, generator=gen)
-        tensors[f"{base}.k_weight"] = torch.randn(2, 32, generator=gen)
+        tensors[f"{base}.embed.weight"] = table(int(layout.table_rows[li]), 8, gen).to(torch.bfloat16)
+        tensors[f"{base}.wkv.weight"] = torch.randn(3 * D, layout.n_hash_cols * 8, generator=gen) * 0.3
+        tensors[f"{base}.q_weight"] = torch.randn(2, D, generator=gen)
+        tensors[f"{base}.k_weight"] = torch.randn(2, D, generator=gen)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return model

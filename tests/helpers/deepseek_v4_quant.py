@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from engram_trt.quant.formats import dequantize_fp4, dequantize_fp8, quantize_fp4, quantize_fp8
-from helpers.deepseek_v4 import BASE, CSA, HCA, VOCAB
+from helpers.deepseek_v4 import BASE, CSA, HCA, VOCAB, add_v41_engram
 
 from helpers.checkpoints import (
     word_tokenizer,
@@ -176,38 +176,9 @@ def save_float_v4(folder: Path, seed: int, **overrides: Any) -> None:
 
 
 def add_engram(folder: Path, seed: int) -> None:
-    """The saved V4 folder turned V4.1 (as tests/helpers/deepseek_v4.save_v41 does):
-    Engram fields, random float32 wkv / q / k, random bf16 tables."""
-    from engram_trt.engram.layout import EngramLayout
-    from engram_trt.models.deepseek_v4.config import read_config
-    from safetensors.torch import load_file, save_file
-
-    d = json.loads((folder / "config.json").read_text())
-    d.update(
-        architectures=["DeepseekV41ForCausalLM"],
-        model_type="deepseek_v41",
-        engram_layer_ids=[0, 2],
-        engram_max_ngram_size=3,
-        engram_n_heads=2,
-        engram_head_dim=8,
-        engram_vocab_size=37,
-        engram_compressed_vocab_size=VOCAB,
-        engram_pad_token_id=0,
-        engram_table_dtype="bf16",
-    )
-    (folder / "config.json").write_text(json.dumps(d))
-    cfg = read_config(d)
-    layout = EngramLayout.from_spec(cfg.engram, pad_id=0)
-    tensors = load_file(str(folder / "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed + 7)
-    D = d["hidden_size"]
-    for li, lid in enumerate(cfg.engram.layer_ids):
-        base = f"model.layers.{lid}.engram"
-        tensors[f"{base}.embed.weight"] = torch.randn(int(layout.table_rows[li]), 8, generator=gen).to(torch.bfloat16)
-        tensors[f"{base}.wkv.weight"] = torch.randn(3 * D, layout.n_hash_cols * 8, generator=gen) * 0.3
-        tensors[f"{base}.q_weight"] = torch.randn(2, D, generator=gen)
-        tensors[f"{base}.k_weight"] = torch.randn(2, D, generator=gen)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    """The saved V4 folder turned V4.1 (tests/helpers/deepseek_v4.add_v41_engram, as
+    save_v41 does): Engram fields, random float32 wkv / q / k, random bf16 tables."""
+    add_v41_engram(folder, lambda rows, width, gen: torch.randn(rows, width, generator=gen), seed)
 
 
 def hub_name(name: str) -> str:
