@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers.benchmark_scripts import script
+from helpers.benchmark_scripts import script, zipf_stream
 from engram_trt.errors import EngramError
 
 idstreams, rowcounts, bench_cache = script("idstream"), script("rowcounts"), script("cache")
@@ -18,18 +18,7 @@ VOCAB = 5000
 
 
 def _stream(num_tokens: int, seed: int = 0) -> idstreams.TokenStream:
-    rng = np.random.default_rng(seed)
-    ids = (rng.zipf(1.3, size=num_tokens) % VOCAB).astype(np.int32)
-    return idstreams.TokenStream(
-        ids=ids,
-        compressed_vocab_size=VOCAB,
-        pad_id=1,
-        text_bytes=4 * num_tokens,
-        num_files=1,
-        python="3.x",
-        tokenizer_sha256="-",
-        files_sha256="-",
-    )
+    return zipf_stream(num_tokens, VOCAB, seed)
 
 
 def test_counts_are_the_lookups_per_row(monkeypatch) -> None:

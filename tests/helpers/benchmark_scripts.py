@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 from types import ModuleType
+from typing import Any
 from helpers.files import REPO
 
 BENCHMARKS = REPO / "benchmarks"
@@ -45,3 +46,22 @@ def script(command: str) -> ModuleType:
     """The script of the former ``engram-trt bench <command>``."""
     folder, _, file = SCRIPTS[command].partition("/")
     return module(folder, file.removesuffix(".py"))
+
+
+def zipf_stream(num_tokens: int, vocab: int, seed: int = 0) -> Any:
+    """A synthetic ``idstreams.TokenStream`` of ``num_tokens`` Zipf(1.3) ids below ``vocab``
+    (the lookup benchmarks' input, made without the real text)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.3, size=num_tokens) % vocab).astype(np.int32)
+    return script("idstream").TokenStream(
+        ids=ids,
+        compressed_vocab_size=vocab,
+        pad_id=1,
+        text_bytes=4 * num_tokens,
+        num_files=1,
+        python="3.x",
+        tokenizer_sha256="-",
+        files_sha256="-",
+    )
