@@ -522,7 +522,8 @@ __global__ void __launch_bounds__(kMhcThreads)
 //! new[k] of one vector of 8 channels (engram_mhc_post's sum): post[k] rounded to the io
 //! type times out, then each stream j times comb[j, k] rounded to the io type, in fp32
 //! (stream order); the post kernel and the fold's first phase share it, so both give the
-//! same bits.
+//! same bits: the product and the fused multiply-adds are explicit (__fmul_rn, __fmaf_rn),
+//! so no kernel's contraction choice can make them differ.
 template <typename IoT, int MaxHc>
 __device__ __forceinline__ void expandVector(float const (&s)[MaxHc][8], float const (&o)[8],
     float const* __restrict__ pt, float const* __restrict__ ct, int32_t hc, int k, float (&acc)[8])
@@ -531,7 +532,7 @@ __device__ __forceinline__ void expandVector(float const (&s)[MaxHc][8], float c
 #pragma unroll
     for (int i = 0; i < 8; ++i)
     {
-        acc[i] = p * o[i];
+        acc[i] = __fmul_rn(p, o[i]);
     }
 #pragma unroll
     for (int j = 0; j < MaxHc; ++j)
@@ -542,7 +543,7 @@ __device__ __forceinline__ void expandVector(float const (&s)[MaxHc][8], float c
 #pragma unroll
             for (int i = 0; i < 8; ++i)
             {
-                acc[i] += w * s[j][i];
+                acc[i] = __fmaf_rn(w, s[j][i], acc[i]);
             }
         }
     }

@@ -74,7 +74,7 @@ def _rel(a, b) -> float:
 
 
 def _excess(got, ref, bound) -> float:
-    return float(((got.double().cpu() - ref.double().cpu()).abs() - bound).max())
+    return float(((got.double().cpu() - ref.double().cpu()).abs() - bound.double().cpu()).max())
 
 
 @pytest.mark.parametrize("dname", DTYPES)

@@ -429,7 +429,7 @@ class Prefetcher:
         self._ids_dev[:T].copy_(self._ids_host[:T], non_blocking=True)
         lb = torch.from_numpy(np.ascontiguousarray(lookback, dtype=np.int32)).to(self.device, non_blocking=True)
         starts = torch.tensor(step.seq_starts, dtype=torch.int32).to(self.device, non_blocking=True)
-        return self._ops.kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
+        return self._ops.hash_kernels.hash_packed(self._ids_dev[:T], starts, lb, self.layout)
 
     def _host_row_ids(self, step: PackedStep, cids: np.ndarray, lookback: np.ndarray) -> torch.Tensor:
         """Row ids ``[T, L, cols]`` int32 on the host, for the host gather. A long step is
@@ -472,7 +472,7 @@ class Prefetcher:
             ids = self._hash_on_gpu(step, cids, lookback)
             for li, v in enumerate(views):
                 rows, scales = self.tables.tensors(li)
-                self._ops.kernels.gather(
+                self._ops.gather_kernels.gather(
                     ids, rows, scales, layer=li, quant_block=self.tables.quant_block, out=v, bad_rows=self._bad_rows
                 )
             info["bytes_from_host"] = 0 if path == "device" else T * self.cols * self.layout.num_layers * self.row_bytes
