@@ -126,20 +126,27 @@ ENGRAM_API int engram_gemv_segments_bf16_ex(const EngramGemvSegment* segments, i
 /* engram_moe_route: a MoE router's picks from its logits [T, E] (io_type, rows
  * logits_stride apart; transformers' DeepseekV4TopKRouter / HashRouter after F.linear).
  * Per token, with io() rounding to io_type: s[e] = io(sqrt(io(softplus(z)))) (score_fn
- * ENGRAM_MOE_SQRT_SOFTPLUS; softplus(z) = z above 20, else log1p(exp(z))) or io(sigmoid(z)).
+ * ENGRAM_MOE_SQRT_SOFTPLUS; softplus(z) = z above 20, else log1p(exp(z))) or io(sigmoid(z)),
+ * or the float32 softmax over the row, unrounded (ENGRAM_MOE_SOFTMAX and
+ * ENGRAM_MOE_SOFTMAX_TOPK: transformers' Qwen MoE routers, softmax in float32).
  * Top-k routing (bias [E] fp32): ids = the top_k e by s[e] + bias[e] (float32), larger
- * first, NaN above every number, equal keys by the lower e. Hash routing (tid2eid
+ * first, NaN above every number, equal keys by the lower e (the softmax functions may
+ * give neither bias nor tid2eid: by s[e] alone). Hash routing (tid2eid
  * [vocab, top_k] int64 with input_ids [T] int64): ids = tid2eid[input_ids[t]]; an id
  * outside [0, E) (or a token outside the vocabulary) becomes -1 with weight 0.
- * weights[t, j] = io(io(s[ids_j] / io(io(sum_j s[ids_j]) + 1e-20)) * scaling), float32
- * [T, top_k]; ids int32 [T, top_k].
+ * weights[t, j] = io(io(s[ids_j] / io(io(sum_j s[ids_j]) + 1e-20)) * scaling) for the
+ * first two; io((s[ids_j] / sum_j s[ids_j]) * scaling) for ENGRAM_MOE_SOFTMAX (the picks
+ * renormalized in float32, norm_topk_prob) and io(s[ids_j] * scaling) for
+ * ENGRAM_MOE_SOFTMAX_TOPK; float32 [T, top_k]; ids int32 [T, top_k].
  * Limits: 1 <= top_k <= min(E, ENGRAM_MOE_MAX_TOP_K), E <= ENGRAM_MOE_MAX_EXPERTS. */
 #define ENGRAM_MOE_MAX_EXPERTS 1024
 #define ENGRAM_MOE_MAX_TOP_K 16
 enum EngramMoeScore
 {
     ENGRAM_MOE_SQRT_SOFTPLUS = 0,
-    ENGRAM_MOE_SIGMOID = 1
+    ENGRAM_MOE_SIGMOID = 1,
+    ENGRAM_MOE_SOFTMAX = 2,
+    ENGRAM_MOE_SOFTMAX_TOPK = 3
 };
 ENGRAM_API int engram_moe_route(const void* logits, int32_t io_type, int64_t logits_stride, const float* bias,
     const int64_t* tid2eid, const int64_t* input_ids, int64_t vocab_size, int64_t num_tokens, int32_t num_experts,
@@ -152,9 +159,14 @@ ENGRAM_API int engram_moe_route(const void* logits, int32_t io_type, int64_t log
  *   g = bf(gate_e x), u = bf(up_e x) (float32 sums); with clamp: g = bf(min(g, limit)),
  *   u = bf(clamp(u, -limit, limit)); h = bf(bf(g / (1 + exp(-g))) * u);
  *   y_j = bf(bf(down_e h) * weights[t, j]);  routed = 0, then routed = bf(routed + y_j) over
- *   the picks in ascending e (ties by j);  out[t] = bf(routed + bf(shared_down h_shared)).
- * gate / up [E, I, D], down [E, D, I], shared_gate / shared_up [I_s, D], shared_down [D, I_s]
- * (I_s = shared_intermediate, 0: no shared expert), x / out [T, D], all bf16 row-major.
+ *   the picks in ascending e (ties by j);  out[t] = bf(routed + s) with the shared expert's
+ *   s = bf(shared_down h_shared), or with shared_scale (the shared expert's gate logits, bf16,
+ *   row t at shared_scale + t * shared_scale_stride: transformers' Qwen MoE
+ *   shared_expert_gate) s = bf(bf(shared_down h_shared) * bf(sigmoid(shared_scale[t]))).
+ * gate / up [E, I, D], shared_gate / shared_up [I_s, D], shared_down [D, I_s] (I_s =
+ * shared_intermediate, 0: no shared expert), x / out [T, D], all bf16 row-major; down's row
+ * d of expert e at down + e * down_expert_stride + d * down_row_stride elements (both 0:
+ * [E, D, I] packed, I and D * I; a [D, E * I] stack, the experts side by side: I and E * I).
  * A pick outside [0, E) adds nothing. workspace: engram_moe_experts_workspace_size bytes.
  * Limits: compute capability 9.0 or later; 0 <= T <= ENGRAM_MOE_DECODE_MAX_TOKENS; D, I,
  * I_s multiples of 8; x, weights' stacks and workspace 16-byte aligned; out apart from x
@@ -183,10 +195,50 @@ typedef struct EngramMoeExperts
     int32_t clamp; /* 1: clamp with limit; 0: no clamp */
     float limit;
     int32_t reserved;
+    const void* shared_scale;    /* bf16 gate logits of the shared expert, or NULL: unscaled */
+    int64_t shared_scale_stride; /* elements between tokens' shared_scale */
+    int64_t down_expert_stride;  /* elements; 0 (with down_row_stride 0): D * I */
+    int64_t down_row_stride;     /* elements; 0 (with down_expert_stride 0): I */
 } EngramMoeExperts;
 ENGRAM_API int engram_moe_experts_workspace_size(
     int64_t num_tokens, int32_t top_k, int32_t intermediate, int32_t shared_intermediate, size_t* bytes);
 ENGRAM_API int engram_moe_experts_bf16(const EngramMoeExperts* args, cudaStream_t stream);
+
+/* engram_hc_mix_bf16: the end of a Qwen4Exp hyper-connection's mix in one launch (the
+ * reference: models/qwen4_exp/modules.py GatedResidual.mix after its norm and its two
+ * products of the normed streams), bf16, with bf() rounding to bf16 and hc streams of
+ * hidden D. Per token t:
+ *   a = bf(silu(bf(down_out[t] / hc)))                        [rank]
+ *   w[h, d] = bf(sigmoid(bf(up[h * D + d] . a)))              (float32 sums)
+ *   mixed[t, d] = bf((sum_h bf(w[h, d] * normed[t, h * D + d])) * (1 / hc))  (h in order)
+ *   inject[t, h] = 2 * bf(sigmoid(bf(inject_logits[t, h] / hc)))   (when inject_logits)
+ * down_out [T, rank] (rows down_out_stride apart), up [hc * D, rank] row-major, normed
+ * [T, hc * D] (rows normed_stride apart), mixed [T, D] contiguous; inject_logits [T, hc]
+ * (rows inject_stride apart) and inject [T, hc] contiguous (both NULL: no injection).
+ * Limits: compute capability 9.0 or later; 0 <= T <= ENGRAM_HC_MIX_MAX_TOKENS; rank a
+ * positive multiple of 8 with T * rank <= ENGRAM_HC_MIX_MAX_ELEMENTS; 1 <= hc <= 16; up
+ * and down_out 16-byte aligned (down_out_stride a multiple of 8); mixed apart from the
+ * inputs. */
+#define ENGRAM_HC_MIX_MAX_TOKENS 16
+#define ENGRAM_HC_MIX_MAX_ELEMENTS 12288
+typedef struct EngramHcMix
+{
+    const void* down_out;
+    const void* up;
+    const void* normed;
+    const void* inject_logits;
+    void* mixed;
+    void* inject;
+    int64_t num_tokens;
+    int64_t down_out_stride;
+    int64_t normed_stride;
+    int64_t inject_stride;
+    int32_t hidden;
+    int32_t hc;
+    int32_t rank;
+    int32_t reserved;
+} EngramHcMix;
+ENGRAM_API int engram_hc_mix_bf16(const EngramHcMix* args, cudaStream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // SPDX-FileCopyrightText: Copyright (c) 2026 engram-trt contributors
 /*
- * A DeepSeek-V4 MoE layer of a decode step in three launches after its router's logits
- * (engramKernels.h states the contract; python/engram_trt/native/decode.py binds it;
- * the reference is models/deepseek_v4/modules.py's SparseMoE, transformers'
- * DeepseekV4SparseMoeBlock):
+ * A decode step's MoE layer in three launches after its router's logits (engramKernels.h
+ * states the contract; python/engram_trt/native/decode.py binds it; the references are
+ * models/deepseek_v4/modules.py's SparseMoE, transformers' DeepseekV4SparseMoeBlock, and
+ * Qwen4Exp's SparseMoE: a softmax router, a sigmoid-gated shared expert, the routed
+ * experts' down weights side by side in one [D, E * I] stack):
  *
  *   engram_moe_route:  per token, the score function of the logits, the top-k by score
  *                      + correction bias (or the hash table's picks), the picked scores
@@ -96,9 +97,31 @@ __global__ void __launch_bounds__(kRouteThreads)
     int64_t const t = blockIdx.x;
     int const lane = threadIdx.x;
     T const* const row = logits + t * logitsStride;
+    bool const softmax = scoreFn == ENGRAM_MOE_SOFTMAX || scoreFn == ENGRAM_MOE_SOFTMAX_TOPK;
+    float rowMax = -INFINITY;
+    float rowSum = 0.0F;
+    if (softmax)
+    {
+        // torch.softmax(logits, dtype=float32): exp(z - max) / sum, the sum in float32
+        for (int32_t e = lane; e < numExperts; e += 32)
+        {
+            rowMax = fmaxf(rowMax, toFloat(row[e]));
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+        {
+            rowMax = fmaxf(rowMax, __shfl_xor_sync(0xFFFFFFFFu, rowMax, offset));
+        }
+        for (int32_t e = lane; e < numExperts; e += 32)
+        {
+            rowSum += expf(toFloat(row[e]) - rowMax);
+        }
+        rowSum = warpSum(rowSum);
+    }
     for (int32_t e = lane; e < numExperts; e += 32)
     {
-        float const s = scoreOf<T>(toFloat(row[e]), scoreFn);
+        float const s
+            = softmax ? __fdiv_rn(expf(toFloat(row[e]) - rowMax), rowSum) : scoreOf<T>(toFloat(row[e]), scoreFn);
         scores[e] = s;
         keys[e] = bias != nullptr ? __fadd_rn(s, bias[e]) : s;
     }
@@ -157,15 +180,28 @@ __global__ void __launch_bounds__(kRouteThreads)
         float sum = 0.0F;
         for (int32_t j = 0; j < topK; ++j)
         {
-            sum += picked[j] >= 0 ? scores[picked[j]] : 0.0F;
+            sum = __fadd_rn(sum, picked[j] >= 0 ? scores[picked[j]] : 0.0F);
         }
-        float const denom = roundTo<T>(__fadd_rn(roundTo<T>(sum), 1e-20F));
+        float const denom = softmax ? sum : roundTo<T>(__fadd_rn(roundTo<T>(sum), 1e-20F));
         for (int32_t j = 0; j < topK; ++j)
         {
             int32_t const e = picked[j];
             float const w = e >= 0 ? scores[e] : 0.0F;
             ids[t * topK + j] = e;
-            weights[t * topK + j] = roundTo<T>(__fmul_rn(roundTo<T>(__fdiv_rn(w, denom)), scaling));
+            float weight = 0.0F;
+            if (scoreFn == ENGRAM_MOE_SOFTMAX)
+            {
+                weight = __fmul_rn(__fdiv_rn(w, denom), scaling); // the picks renormalized in float32
+            }
+            else if (scoreFn == ENGRAM_MOE_SOFTMAX_TOPK)
+            {
+                weight = __fmul_rn(w, scaling);
+            }
+            else
+            {
+                weight = __fmul_rn(roundTo<T>(__fdiv_rn(w, denom)), scaling);
+            }
+            weights[t * topK + j] = roundTo<T>(weight);
         }
     }
 }
@@ -280,7 +316,8 @@ __global__ void __launch_bounds__(kExpertThreads) moeGateUpKernel(EngramMoeExper
 /*
  * Launch 2: a warp per (token, output channel d).
  */
-__global__ void __launch_bounds__(kExpertThreads) moeDownKernel(EngramMoeExperts a, int64_t hStride)
+__global__ void __launch_bounds__(kExpertThreads)
+    moeDownKernel(EngramMoeExperts a, int64_t hStride, int64_t downExpertStride, int64_t downRowStride)
 {
     waitForPrimary(); // the activations come from launch 1
     allowDependents();
@@ -318,8 +355,8 @@ __global__ void __launch_bounds__(kExpertThreads) moeDownKernel(EngramMoeExperts
         }
         lastId = id;
         lastPick = pick;
-        auto const* const w
-            = static_cast<__nv_bfloat16 const*>(a.down) + (static_cast<int64_t>(id) * a.hidden + d) * a.intermediate;
+        auto const* const w = static_cast<__nv_bfloat16 const*>(a.down) + static_cast<int64_t>(id) * downExpertStride
+            + d * downRowStride;
         float const y = roundBf16(rowDot(reinterpret_cast<uint4 const*>(w),
             reinterpret_cast<uint4 const*>(hToken + static_cast<int64_t>(pick) * hStride), vectors));
         float const weighted = roundBf16(__fmul_rn(y, a.weights[t * a.top_k + pick]));
@@ -329,9 +366,16 @@ __global__ void __launch_bounds__(kExpertThreads) moeDownKernel(EngramMoeExperts
     if (a.shared_intermediate > 0)
     {
         auto const* const w = static_cast<__nv_bfloat16 const*>(a.shared_down) + d * a.shared_intermediate;
-        float const shared = roundBf16(rowDot(reinterpret_cast<uint4 const*>(w),
+        float shared = roundBf16(rowDot(reinterpret_cast<uint4 const*>(w),
             reinterpret_cast<uint4 const*>(hToken + static_cast<int64_t>(a.top_k) * hStride),
             a.shared_intermediate / 8));
+        if (a.shared_scale != nullptr)
+        {
+            // shared_expert(x) * sigmoid(shared_expert_gate(x)), each op rounded to bf16
+            float const z
+                = __bfloat162float(static_cast<__nv_bfloat16 const*>(a.shared_scale)[t * a.shared_scale_stride]);
+            shared = roundBf16(__fmul_rn(shared, roundBf16(1.0F / (1.0F + expf(-z)))));
+        }
         out = __fadd_rn(routed, shared);
     }
     if ((threadIdx.x & 31) == 0)
@@ -370,11 +414,16 @@ extern "C" ENGRAM_API int engram_moe_route(void const* logits, int32_t ioType, i
             "%s: need 1 <= num_experts <= %d and 1 <= top_k <= min(num_experts, %d) (got %d, %d)", fn,
             ENGRAM_MOE_MAX_EXPERTS, ENGRAM_MOE_MAX_TOP_K, numExperts, topK);
     }
-    if (scoreFn != ENGRAM_MOE_SQRT_SOFTPLUS && scoreFn != ENGRAM_MOE_SIGMOID)
+    if (scoreFn != ENGRAM_MOE_SQRT_SOFTPLUS && scoreFn != ENGRAM_MOE_SIGMOID && scoreFn != ENGRAM_MOE_SOFTMAX
+        && scoreFn != ENGRAM_MOE_SOFTMAX_TOPK)
     {
-        return fail(cudaErrorInvalidValue, "%s: score_fn %d is not sqrtsoftplus (0) or sigmoid (1)", fn, scoreFn);
+        return fail(cudaErrorInvalidValue,
+            "%s: score_fn %d is not sqrtsoftplus (0), sigmoid (1), softmax (2) or softmax_topk (3)", fn, scoreFn);
     }
-    if ((bias == nullptr) == (tid2eid == nullptr) || (tid2eid != nullptr && (inputIds == nullptr || vocabSize < 1)))
+    bool const softmaxFn = scoreFn == ENGRAM_MOE_SOFTMAX || scoreFn == ENGRAM_MOE_SOFTMAX_TOPK;
+    bool const neither = bias == nullptr && tid2eid == nullptr; // a softmax router's plain top-k
+    if ((bias != nullptr && tid2eid != nullptr) || (neither && !softmaxFn)
+        || (tid2eid != nullptr && (inputIds == nullptr || vocabSize < 1)))
     {
         return fail(cudaErrorInvalidValue,
             "%s: give exactly one of bias (top-k routing) and tid2eid (hash routing, with input_ids and vocab_size)",
@@ -510,6 +559,22 @@ extern "C" ENGRAM_API int engram_moe_experts_bf16(EngramMoeExperts const* args, 
         return fail(cudaErrorInvalidValue, "%s: workspace holds %lld bytes, %llu needed", fn, ll(a.workspace_bytes),
             static_cast<unsigned long long>(need));
     }
+    if ((a.down_expert_stride == 0) != (a.down_row_stride == 0) || a.down_expert_stride < 0 || a.down_row_stride < 0
+        || a.down_expert_stride % 8 != 0 || a.down_row_stride % 8 != 0
+        || (a.down_row_stride != 0 && a.down_row_stride < a.intermediate))
+    {
+        return fail(cudaErrorInvalidValue,
+            "%s: down_expert_stride and down_row_stride must both be 0 (a packed [E, D, I]) or both multiples of 8, "
+            "down_row_stride >= intermediate (got %lld, %lld)",
+            fn, ll(a.down_expert_stride), ll(a.down_row_stride));
+    }
+    if (a.shared_scale != nullptr && (!shared || a.shared_scale_stride < 1 || !isAligned(a.shared_scale, 2)))
+    {
+        return fail(cudaErrorInvalidValue,
+            "%s: shared_scale needs a shared expert (shared_intermediate > 0), shared_scale_stride >= 1 and a "
+            "2-byte aligned device pointer (got stride %lld)",
+            fn, ll(a.shared_scale_stride));
+    }
     int64_t const outBytes = a.num_tokens * a.hidden * 2;
     if (overlaps(a.out, outBytes, a.x, outBytes) || overlaps(a.out, outBytes, a.workspace, a.workspace_bytes)
         || overlaps(a.workspace, a.workspace_bytes, a.x, outBytes))
@@ -535,7 +600,10 @@ extern "C" ENGRAM_API int engram_moe_experts_bf16(EngramMoeExperts const* args, 
         return status;
     }
     resetLaunchError();
+    bool const packed = a.down_expert_stride == 0;
+    int64_t const downExpertStride = packed ? static_cast<int64_t>(a.hidden) * a.intermediate : a.down_expert_stride;
+    int64_t const downRowStride = packed ? static_cast<int64_t>(a.intermediate) : a.down_row_stride;
     launchDependent(moeDownKernel, dim3(static_cast<unsigned>((downWarps + warpsPerBlock - 1) / warpsPerBlock)),
-        dim3(kExpertThreads), 0, stream, a, hStride);
+        dim3(kExpertThreads), 0, stream, a, hStride, downExpertStride, downRowStride);
     return checkLaunch("engram_moe_experts_bf16 (down)");
 }

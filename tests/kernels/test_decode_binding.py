@@ -291,7 +291,8 @@ def _route(**change):
         ({"E": 1025}, "need 1 <= num_experts <= 1024 and 1 <= top_k <= min(num_experts, 16) (got 1025, 2)"),
         ({"k": 9}, "(got 8, 9)"),
         ({"k": 17, "E": 32, "stride": 32}, "(got 32, 17)"),
-        ({"score": 2}, "score_fn 2 is not sqrtsoftplus (0) or sigmoid (1)"),
+        ({"score": 4}, "score_fn 4 is not sqrtsoftplus (0), sigmoid (1), softmax (2) or softmax_topk (3)"),
+        ({"score": 2, "tid2eid": _FAKE * 5}, "give exactly one of bias"),
         (
             {"bias": None},
             "give exactly one of bias (top-k routing) and tid2eid (hash routing, with input_ids and vocab_size)",
@@ -379,6 +380,20 @@ def _experts(**change) -> decode._MoeExperts:
             "shared_intermediate > 0",
         ),
         ({"weights": None}, "ids, weights and out must be device pointers"),
+        (
+            {"down_expert_stride": 64},
+            "down_expert_stride and down_row_stride must both be 0 (a packed [E, D, I]) or both multiples of 8, "
+            "down_row_stride >= intermediate (got 64, 0)",
+        ),
+        ({"down_expert_stride": 64, "down_row_stride": 56}, "down_row_stride >= intermediate (got 64, 56)"),
+        ({"down_expert_stride": 60, "down_row_stride": 256}, "(got 60, 256)"),
+        (
+            {"shared_scale": _FAKE * 12, "shared_scale_stride": 1, "shared_intermediate": 0},
+            "shared_scale needs a shared expert (shared_intermediate > 0), shared_scale_stride >= 1 and a 2-byte "
+            "aligned device pointer (got stride 1)",
+        ),
+        ({"shared_scale": _FAKE * 12, "shared_scale_stride": 0}, "(got stride 0)"),
+        ({"shared_scale": _FAKE * 12 + 1, "shared_scale_stride": 1}, "2-byte aligned device pointer (got stride 1)"),
         ({"out": _FAKE + 64}, "out, x and workspace must not overlap"),
     ],
 )
@@ -470,8 +485,11 @@ def test_bindings_name_the_bad_argument(plugin_lib: Path) -> None:
         decode.gemv_segments([(x, w, torch.zeros(3, 16, dtype=bf))])
     _one_line(exc, "segments[0]: x and out must have 2 rows (got 2, 3)")
     with pytest.raises(EngramError) as exc:
-        decode.moe_route(torch.zeros(2, 8), top_k=2, score_fn="softmax", scaling=1.0, bias=torch.zeros(8))
-    _one_line(exc, "score_fn 'softmax' is not one of ['sigmoid', 'sqrtsoftplus']")
+        decode.moe_route(torch.zeros(2, 8), top_k=2, score_fn="argmax", scaling=1.0, bias=torch.zeros(8))
+    _one_line(exc, "score_fn 'argmax' is not one of ['sigmoid', 'softmax', 'softmax_topk', 'sqrtsoftplus']")
+    with pytest.raises(EngramError) as exc:
+        decode.moe_route(torch.zeros(2, 8), top_k=2, score_fn="sigmoid", scaling=1.0)
+    _one_line(exc, "give exactly one of bias (top-k routing) and tid2eid (hash routing)")
     with pytest.raises(EngramError) as exc:
         decode.moe_route(torch.zeros(2, 8), top_k=2, score_fn="sigmoid", scaling=1.0, bias=torch.zeros(7))
     _one_line(exc, "bias must be a contiguous [8] (got (7,))")

@@ -49,9 +49,11 @@ PROLOGUE_NONE, PROLOGUE_RMSNORM, PROLOGUE_ROPE = 0, 1, 2  # ENGRAM_GEMV_PROLOGUE
 MOE_MAX_EXPERTS = 1024  # ENGRAM_MOE_MAX_EXPERTS
 MOE_MAX_TOP_K = 16  # ENGRAM_MOE_MAX_TOP_K
 MOE_MAX_TOKENS = 16  # ENGRAM_MOE_DECODE_MAX_TOKENS
+HC_MIX_MAX_TOKENS = 16  # ENGRAM_HC_MIX_MAX_TOKENS
+HC_MIX_MAX_ELEMENTS = 12288  # ENGRAM_HC_MIX_MAX_ELEMENTS: tokens x rank
 MIN_CAPABILITY = 9  # the GEMV and the experts' products are built for sm_90+ (as engram_gemv_bf16)
 NORM_NONE, NORM_WEIGHTED, NORM_UNWEIGHTED = 0, 1, 2  # EngramNormKind
-SCORE_FNS = {"sqrtsoftplus": 0, "sigmoid": 1}  # EngramMoeScore
+SCORE_FNS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2, "softmax_topk": 3}  # EngramMoeScore
 GEMV_WEIGHT_STATIC = 1
 
 
@@ -111,6 +113,10 @@ class _MoeExperts(ctypes.Structure):
         ("clamp", ctypes.c_int32),
         ("limit", ctypes.c_float),
         ("reserved", ctypes.c_int32),
+        ("shared_scale", ctypes.c_void_p),
+        ("shared_scale_stride", ctypes.c_int64),
+        ("down_expert_stride", ctypes.c_int64),
+        ("down_row_stride", ctypes.c_int64),
     ]
 
 
@@ -126,6 +132,25 @@ class _GemvPrologue(ctypes.Structure):
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("cos_stride", ctypes.c_int64),
+    ]
+
+
+class _HcMix(ctypes.Structure):
+    _fields_ = [
+        ("down_out", ctypes.c_void_p),
+        ("up", ctypes.c_void_p),
+        ("normed", ctypes.c_void_p),
+        ("inject_logits", ctypes.c_void_p),
+        ("mixed", ctypes.c_void_p),
+        ("inject", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int64),
+        ("down_out_stride", ctypes.c_int64),
+        ("normed_stride", ctypes.c_int64),
+        ("inject_stride", ctypes.c_int64),
+        ("hidden", ctypes.c_int32),
+        ("hc", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
     ]
 
 
@@ -145,6 +170,7 @@ _ENTRY = EntryPoints(
         "engram_moe_route": [_vp, _i32, _i64, _vp, _vp, _vp, _i64, _i64, _i32, _i32, _i32, _f32, _vp, _vp, _vp],
         "engram_moe_experts_workspace_size": [_i64, _i32, _i32, _i32, ctypes.POINTER(ctypes.c_size_t)],
         "engram_moe_experts_bf16": [ctypes.POINTER(_MoeExperts), _vp],
+        "engram_hc_mix_bf16": [ctypes.POINTER(_HcMix), _vp],
     }
 )
 library = _ENTRY.library
@@ -287,9 +313,9 @@ def gemv_fits(x: Any, weight: Any) -> bool:
         and weight.device == x.device
         and (x.stride(1) == 1)
         and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
-        and x.dataptr() % 16 == 0
+        and x.data_ptr() % 16 == 0
         and weight.is_contiguous()
-        and weight.dataptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
         and gemv_capable(x.device)
     )
 
@@ -389,21 +415,25 @@ def moe_route(
 ) -> tuple[Any, Any]:
     """``(ids int32 [T, top_k], weights float32 [T, top_k])`` of a router's ``logits [T, E]``
     (bf16 / fp16 / float32, unit stride in a row): top-k by score + ``bias [E]`` (float32),
-    or hash routing by ``tid2eid [vocab, top_k]`` int64 at ``input_ids [T]`` int64."""
+    or hash routing by ``tid2eid [vocab, top_k]`` int64 at ``input_ids [T]`` int64.
+    ``score_fn``: DeepSeek-V4's ``sqrtsoftplus`` / ``sigmoid`` (the picks renormalized, then
+    scaled), or the float32 softmax of Qwen's routers: ``softmax`` (the picks renormalized,
+    ``norm_topk_prob``) or ``softmax_topk`` (the picked probabilities as they are)."""
     torch = torch_module()
     check_dtype("logits", logits, (torch.bfloat16, torch.float16, torch.float32))
     T, E = int(logits.shape[0]), int(logits.shape[1]) if logits.dim() == 2 else -1
     _rows, stride = _rows2d("logits", logits, logits.dtype, max(E, 1))
     if score_fn not in SCORE_FNS:
         raise EngramError(f"score_fn {score_fn!r} is not one of {sorted(SCORE_FNS)}")
-    if (bias is None) == (tid2eid is None):
+    softmax = score_fn in ("softmax", "softmax_topk")
+    if (bias is not None and tid2eid is not None) or (bias is None and tid2eid is None and not softmax):
         raise EngramError("give exactly one of bias (top-k routing) and tid2eid (hash routing)")
-    vocab = 0
+    vocab = 0  # neither bias nor tid2eid: a softmax router's top-k by the probabilities alone
     if bias is not None:
         check_dtype("bias", bias, (torch.float32,))
         if tuple(bias.shape) != (E,) or not bias.is_contiguous():
             raise EngramError(f"bias must be a contiguous [{E}] (got {tuple(bias.shape)})")
-    else:
+    elif tid2eid is not None:
         check_dtype("tid2eid", tid2eid, (torch.int64,))
         check_dtype("input_ids", input_ids, (torch.int64,))
         if (
@@ -466,12 +496,14 @@ def moe_experts(
     *,
     shared: tuple[Any, Any, Any] | None,
     limit: float | None,
+    shared_scale: Any = None,
 ) -> Any:
     """A decode step's MoE output ``[T, D]`` bf16 (engram_moe_experts_bf16): ``x [T, D]``,
     ``ids`` int32 / ``weights`` float32 ``[T, k]`` (:func:`moe_route`), the routed stacks
-    ``gate`` / ``up [E, I, D]``, ``down [E, D, I]`` and ``shared = (gate [I_s, D], up,
-    down [D, I_s])`` (or None), all bf16 and contiguous; ``limit`` the SwiGLU clamp (None:
-    none)."""
+    ``gate`` / ``up [E, I, D]``, ``down [E, D, I]`` (or ``[D, E * I]``: the experts side by
+    side, Qwen4Exp's stack) and ``shared = (gate [I_s, D], up, down [D, I_s])`` (or None), all
+    bf16 and contiguous; ``limit`` the SwiGLU clamp (None: none); ``shared_scale [T, 1]``
+    bf16: the shared expert's gate logits (its output times their sigmoid; None: unscaled)."""
     torch = torch_module()
     for name, t in (("x", x), ("gate", gate), ("up", up), ("down", down)):
         check(name, t, (torch.bfloat16,))
@@ -482,10 +514,11 @@ def moe_experts(
     T, D = int(x.shape[0]), int(x.shape[1])
     E, I = int(gate.shape[0]), int(gate.shape[1])
     k = int(ids.shape[1])
-    if tuple(up.shape) != (E, I, D) or tuple(down.shape) != (E, D, I) or tuple(gate.shape) != (E, I, D):
+    side_by_side = down.dim() == 2 and tuple(down.shape) == (D, E * I)
+    if tuple(up.shape) != (E, I, D) or (tuple(down.shape) != (E, D, I) and not side_by_side):
         raise EngramError(
-            f"gate / up must be [E, I, D] and down [E, D, I] = {(E, I, D)}, {(E, D, I)} (got "
-            f"{tuple(gate.shape)}, {tuple(up.shape)}, {tuple(down.shape)})"
+            f"gate / up must be [E, I, D] and down [E, D, I] or [D, E * I] = {(E, I, D)}, {(E, D, I)} / "
+            f"{(D, E * I)} (got {tuple(gate.shape)}, {tuple(up.shape)}, {tuple(down.shape)})"
         )
     if tuple(ids.shape) != (T, k) or tuple(weights.shape) != (T, k):
         raise EngramError(
@@ -503,7 +536,17 @@ def moe_experts(
                 f"the shared expert must be gate / up [I_s, {D}] and down [{D}, I_s] (got "
                 f"{tuple(sg.shape)}, {tuple(su.shape)}, {tuple(sd.shape)})"
             )
-    same_device(x.device, ids=ids, weights=weights, gate=gate, up=up, down=down, sg=sg, su=su, sd=sd)
+    scale_stride = 0
+    if shared_scale is not None:
+        if shared is None:
+            raise EngramError("shared_scale scales the shared expert: give shared as well")
+        check_dtype("shared_scale", shared_scale, (torch.bfloat16,))
+        if shared_scale.dim() != 2 or tuple(shared_scale.shape) != (T, 1):
+            raise EngramError(f"shared_scale must be [{T}, 1] (got {tuple(shared_scale.shape)})")
+        scale_stride = int(shared_scale.stride(0))
+    same_device(
+        x.device, ids=ids, weights=weights, gate=gate, up=up, down=down, sg=sg, su=su, sd=sd, shared_scale=shared_scale
+    )
     need = experts_workspace_size(T, k, I, Is)
     workspace = torch.empty(max(need // 2, 8), dtype=torch.bfloat16, device=x.device)
     out = torch.empty((T, D), dtype=torch.bfloat16, device=x.device)
@@ -529,10 +572,60 @@ def moe_experts(
         0 if limit is None else 1,
         0.0 if limit is None else float(limit),
         0,
+        ptr(shared_scale),
+        scale_stride,
+        I if side_by_side else 0,
+        E * I if side_by_side else 0,
     )
     with device_guard(x.device.index):
         _call("engram_moe_experts_bf16", ctypes.byref(args), stream_of(x.device))
     return out
+
+
+def hc_mix(down_out: Any, up: Any, normed: Any, inject_logits: Any, *, hc: int) -> tuple[Any, Any]:
+    """``(mixed [T, D], inject [T, hc] or None)`` bf16 (engram_hc_mix_bf16): the end of a
+    Qwen4Exp hyper-connection's mix from its normed streams ``normed [T, hc * D]``, their
+    low-rank product ``down_out [T, rank]`` and the gate's up weight ``up [hc * D, rank]``;
+    ``inject_logits [T, hc]`` (the block-inject product, or None) give the injection weights."""
+    torch = torch_module()
+    check_dtype("up", up, (torch.bfloat16,))
+    if up.dim() != 2 or not up.is_contiguous():
+        raise EngramError(f"up must be a contiguous [hc * hidden, rank] (got shape {tuple(up.shape)})")
+    width, rank = int(up.shape[0]), int(up.shape[1])
+    if hc < 1 or width % hc:
+        raise EngramError(f"up's {width} rows are not hc = {hc} streams of one width")
+    T, ds = _rows2d("down_out", down_out, torch.bfloat16, rank)
+    rows, ns = _rows2d("normed", normed, torch.bfloat16, width)
+    inject = None
+    inj_stride = 0
+    if inject_logits is not None:
+        lrows, inj_stride = _rows2d("inject_logits", inject_logits, torch.bfloat16, hc)
+        if lrows != T:
+            raise EngramError(f"inject_logits must have {T} rows (got {lrows})")
+        inject = torch.empty((T, hc), dtype=torch.bfloat16, device=up.device)
+    if rows != T:
+        raise EngramError(f"normed must have {T} rows like down_out (got {rows})")
+    _on_device(up.device, up=up, down_out=down_out, normed=normed, inject_logits=inject_logits)
+    mixed = torch.empty((T, width // hc), dtype=torch.bfloat16, device=up.device)
+    args = _HcMix(
+        ptr(down_out),
+        ptr(up),
+        ptr(normed),
+        ptr(inject_logits),
+        ptr(mixed),
+        ptr(inject),
+        T,
+        ds,
+        ns,
+        inj_stride,
+        width // hc,
+        int(hc),
+        rank,
+        0,
+    )
+    with device_guard(up.device.index):
+        _call("engram_hc_mix_bf16", ctypes.byref(args), stream_of(up.device))
+    return mixed, inject
 
 
 __all__ = [
@@ -551,6 +644,7 @@ __all__ = [
     "SCORE_FNS",
     "gemv_fits",
     "gemv_segments",
+    "hc_mix",
     "moe_experts",
     "moe_route",
     "norm_rope",

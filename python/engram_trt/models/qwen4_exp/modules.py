@@ -14,7 +14,8 @@ Parameter names equal the checkpoint's (``attn_hyper_connection.input_mix_weight
   Experts stored FP8 (QuantLinear) run in their stored form: one expert at a time
   (each dequantized for its product) on the per-expert path, and through the kernel
   library's grouped expert product (:func:`engram_trt.native.quant.experts`) on the
-  sync-free path of a CUDA decode step.
+  sync-free path of a CUDA decode step. A bf16 decode step on a GPU runs the MoE on the
+  kernel library's fused decode kernels (:mod:`.fused`).
 * PLE (:class:`PLEFusion`): the token's hashed n-gram rows (``[T, ple_embed_dim]``,
   gathered by the caller from tables outside the module) give a shared value and one
   key per stream; each stream's normalized activations gate the value through a
@@ -74,7 +75,14 @@ class GatedResidual(nn.Module):
         self.block_inject_weight = nn.Linear(width, self.hc, bias=False) if inject else None
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(sublayer input [T, hidden], injection weights [T, hc] or None)``."""
+        """``(sublayer input [T, hidden], injection weights [T, hc] or None)``; a bf16 decode
+        step on a GPU takes the kernel library's fused mix (:func:`.fused.mix`) where it serves."""
+        if streams.is_cuda:
+            from engram_trt.models.qwen4_exp import fused
+
+            out = fused.mix(self, streams)
+            if out is not None:
+                return out
         normed = self.hc_norm(streams)
         w = torch.sigmoid(self.input_mix_weight_up(F.silu(self.input_mix_weight_down(normed) / self.hc)))
         mixed = (w.unflatten(-1, (self.hc, self.hidden)) * normed.unflatten(-1, (self.hc, self.hidden))).mean(dim=-2)
@@ -132,7 +140,14 @@ class SparseMoE(nn.Module):
         """``sync_free``: no host sync and fixed shapes (what a decode CUDA graph records):
         the experts through :meth:`experts_dense` or :meth:`experts_gathered`, whichever
         reads fewer weight bytes; else one GEMM pair per expert some token picked (its
-        token counts read on the host: a sync)."""
+        token counts read on the host: a sync). A bf16 decode step on a GPU takes the
+        kernel library's fused MoE (:func:`.fused.moe`) where it serves."""
+        if sync_free:
+            from engram_trt.models.qwen4_exp import fused
+
+            out = fused.moe(self, x)
+            if out is not None:
+                return out
         weights, ids = self.route(x)
         shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
         if sync_free:

@@ -1,0 +1,144 @@
+"""The bf16 CUDA path of a Qwen4Exp decode step's glue: the MoE and the hyper-connections'
+mix in a few launches of the kernel library (:mod:`engram_trt.native.decode`) instead of
+the PyTorch forms' dozens of small kernels, which left a graphed decode step at 7.6x its
+weight-read floor (issue 41: the MoE 120 us a layer, a mix 43 us).
+
+* MoE (:func:`moe`, :class:`~.modules.SparseMoE`): ONE GEMV launch for the router's logits
+  and the shared expert's gate logit side by side, one for the picks and weights
+  (``moe_route``: the float32 softmax, top-k, renormalized when ``norm_topk_prob``), two
+  for the routed experts with the sigmoid-gated shared expert (``moe_experts``; the
+  experts' down weights read where :meth:`~.modules.SparseMoE.stack_experts` put them, the
+  ``[D, E * I]`` stack). The kernels round where the module's per-expert form rounds
+  (each expert's output weighted in bf16 and added in ascending expert id, then the
+  shared expert's), so this path differs from it by float32 sums' order only
+  (tests/gpu/test_qwen4_fused.py holds it to the module).
+
+* Hyper-connection mix (:func:`mix`, :class:`~.modules.GatedResidual`): the grouped norm
+  (one launch, :class:`~.norms.OffsetRMSNorm`), ONE GEMV launch for the low-rank gate's
+  down product and the block-inject product of the normed streams, and ONE launch
+  (``hc_mix``) for the gate's up product with its sigmoid, the streams' weighted mean and
+  the injection weights: three launches where the PyTorch form takes about twelve.
+
+Served: bf16 activations and weights (plain ``nn.Linear`` and the stacked experts) of 1 to
+``GEMV_EX_MAX_TOKENS`` tokens on a GPU of compute capability 9.0+, all experts on this
+rank. Otherwise (a prefill chunk, FP8 experts, a tensor-parallel rank, float32 models,
+CPUs, ``ENGRAM_TRT_QWEN4_FUSED=0``: the A/B switch) the module's own forms run.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+FUSED_ENV = "ENGRAM_TRT_QWEN4_FUSED"
+
+
+def unavailable(x: Tensor) -> str | None:
+    """Why the fused glue does not take activations like ``x`` (None: it does)."""
+    if os.environ.get(FUSED_ENV, "1") == "0":
+        return f"{FUSED_ENV}=0"
+    if not x.is_cuda:
+        return f"the activations are on {x.device}, not a CUDA device"
+    if x.dtype != torch.bfloat16:
+        return f"the activations are {x.dtype}, not bfloat16"
+    from engram_trt.native import decode
+
+    why = decode.unavailable()
+    if why is not None:
+        return why
+    if not decode.gemv_capable(x.device):
+        return "the GPU's compute capability is below 9.0"
+    return None
+
+
+def _plain(mod: Any, x: Tensor) -> bool:
+    """A bias-free ``nn.Linear`` with a contiguous weight of ``x``'s dtype."""
+    return type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == x.dtype and mod.weight.is_contiguous()
+
+
+def moe(mlp: Any, x: Tensor) -> Tensor | None:
+    """``mlp(x)`` (a :class:`~.modules.SparseMoE`, routed experts plus the gated shared
+    expert) on the fused kernels, or None where they do not serve it (the caller takes the
+    module's forms)."""
+    if unavailable(x) is not None or mlp.expert_range is not None:
+        return None
+    from engram_trt.native import decode
+
+    T = int(x.shape[0]) if x.dim() == 2 else 0
+    if not 1 <= T <= min(decode.GEMV_EX_MAX_TOKENS, decode.MOE_MAX_TOKENS) or not x.is_contiguous():
+        return None
+    E, k = len(mlp.experts), int(mlp.top_k)
+    if E > decode.MOE_MAX_EXPERTS or k > decode.MOE_MAX_TOP_K:
+        return None
+    gate, up, down, inter = mlp._stacks()
+    if not all(
+        isinstance(w, Tensor) and w.dtype == x.dtype and w.is_contiguous() and w.data_ptr() % 16 == 0
+        for w in (gate, up, down)
+    ):
+        return None  # FP8 experts: native.quant.experts, the module's sync-free form
+    shared = mlp.shared_expert
+    projections = (mlp.gate, mlp.shared_expert_gate, shared.gate_proj, shared.up_proj, shared.down_proj)
+    if not all(_plain(m, x) for m in projections):
+        return None
+    D = int(x.shape[1])
+    shared_inter = int(shared.gate_proj.weight.shape[0])
+    if inter % 8 or shared_inter % 8 or not decode.gemv_fits(x, mlp.gate.weight):
+        return None  # the experts kernel reads 16-byte vectors of D, I and I_s
+    if int(mlp.shared_expert_gate.weight.shape[0]) != 1:
+        return None
+    # the router's E logits and the shared expert's gate logit, one GEMV launch
+    logits = torch.empty((T, E + 1), dtype=x.dtype, device=x.device)
+    decode.gemv_segments(
+        [(x, mlp.gate.weight, logits[:, :E]), (x, mlp.shared_expert_gate.weight, logits[:, E:])],
+    )
+    ids, weights = decode.moe_route(
+        logits[:, :E], top_k=k, score_fn="softmax" if mlp.norm_topk_prob else "softmax_topk", scaling=1.0
+    )
+    return decode.moe_experts(
+        x,
+        ids,
+        weights,
+        gate.view(E, inter, D),
+        up.view(E, inter, D),
+        down,
+        shared=(shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight),
+        limit=None,
+        shared_scale=logits[:, E:],
+    )
+
+
+def mix(conn: Any, streams: Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """``conn.mix(streams)`` (a :class:`~.modules.GatedResidual`: the sublayer input
+    ``[T, hidden]`` and the injection weights ``[T, hc]`` or None) on the fused kernels, or
+    None where they do not serve it."""
+    if unavailable(streams) is not None or streams.dim() != 2 or not streams.is_contiguous():
+        return None
+    from engram_trt.native import decode
+
+    T = int(streams.shape[0])
+    down, up, inject = conn.input_mix_weight_down, conn.input_mix_weight_up, conn.block_inject_weight
+    rank, hc = int(down.weight.shape[0]), int(conn.hc)
+    if (
+        not 1 <= T <= min(decode.GEMV_EX_MAX_TOKENS, decode.HC_MIX_MAX_TOKENS)
+        or T * rank > decode.HC_MIX_MAX_ELEMENTS
+        or rank % 8
+        or hc > 16
+        or not all(_plain(m, streams) for m in (down, up) + ((inject,) if inject is not None else ()))
+        or not decode.gemv_fits(streams, down.weight)
+    ):
+        return None
+    normed = conn.hc_norm(streams)  # the grouped norm's one launch (OffsetRMSNorm.forward_kernel)
+    z = torch.empty((T, rank), dtype=streams.dtype, device=streams.device)
+    segments = [(normed, down.weight, z)]
+    logits = None
+    if inject is not None:
+        logits = torch.empty((T, hc), dtype=streams.dtype, device=streams.device)
+        segments.append((normed, inject.weight, logits))
+    decode.gemv_segments(segments)
+    return decode.hc_mix(z, up.weight, normed, logits, hc=hc)
+
+
+__all__ = ["FUSED_ENV", "mix", "moe", "unavailable"]

@@ -1,0 +1,150 @@
+"""The wiring of Qwen4Exp's fused decode MoE (models/qwen4_exp/fused.py) on a CPU: which
+tensor goes into which kernel with which arguments. The kernels need a GPU
+(tests/gpu/test_qwen4_fused.py holds each to the module it replaces); here each is
+replaced by a PyTorch emulation of its contract (decodeKernels.h: the GEMV segments, the
+softmax router, the experts over the ``[D, E * I]`` down stack with the sigmoid-gated
+shared expert) and the fused path, forced on for a float32 CPU module, must give
+``SparseMoE``'s per-expert form (float32 round-off), with and without ``norm_topk_prob``,
+for several widths and token counts; and it must step aside where the kernels do not
+serve (a tensor-parallel rank's experts, FP8 experts, more tokens than a decode step).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def _gemv_segments(segments, *, weight_static=True, prologue=None):
+    assert prologue is None
+    for x, w, out in segments:
+        out.copy_(F.linear(x, w))
+
+
+def _moe_route(logits, *, top_k, score_fn, scaling, bias=None, tid2eid=None, input_ids=None):
+    assert bias is None and tid2eid is None and score_fn in ("softmax", "softmax_topk")
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if score_fn == "softmax":
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), (w * scaling).to(logits.dtype).float()
+
+
+def _moe_experts(x, ids, weights, gate, up, down, *, shared, limit, shared_scale=None):
+    E, I, D = gate.shape
+    assert limit is None and tuple(down.shape) == (D, E * I), "Qwen's side-by-side down stack"
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: (int(ids[t, j]), j)):
+            e = int(ids[t, j])
+            h = F.silu(F.linear(x[t], gate[e])) * F.linear(x[t], up[e])
+            out[t] += F.linear(h, down[:, e * I : (e + 1) * I]) * weights[t, j].to(x.dtype)
+    sg, su, sd = shared
+    y = F.linear(F.silu(F.linear(x, sg)) * F.linear(x, su), sd)
+    return out + y * torch.sigmoid(shared_scale)
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    from engram_trt.models.qwen4_exp import fused
+    from engram_trt.native import decode
+
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def call(*a, **kw):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*a, **kw)
+
+        return call
+
+    monkeypatch.setattr(fused, "unavailable", lambda x: None)
+    monkeypatch.setattr(decode, "gemv_fits", lambda x, w: x.dim() == 2 and x.shape[1] == w.shape[1])
+    monkeypatch.setattr(decode, "gemv_segments", counted("gemv_segments", _gemv_segments))
+    monkeypatch.setattr(decode, "moe_route", counted("moe_route", _moe_route))
+    monkeypatch.setattr(decode, "moe_experts", counted("moe_experts", _moe_experts))
+    return calls
+
+
+def _moe(D, I, Is, E, k, norm, seed=0):
+    from engram_trt.models.qwen4_exp.modules import SparseMoE
+
+    torch.manual_seed(seed)
+    cfg = SimpleNamespace(
+        hidden_size=D,
+        num_experts=E,
+        num_experts_per_tok=k,
+        norm_topk_prob=norm,
+        moe_intermediate_size=I,
+        shared_expert_intermediate_size=Is,
+    )
+    m = SparseMoE(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+    m.stack_experts()
+    return m
+
+
+@pytest.mark.parametrize("T", [1, 3, 8])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("D,I,Is,E,k", [(32, 16, 24, 6, 2), (64, 40, 48, 10, 3)])
+def test_fused_moe_equals_the_module(emulated, D, I, Is, E, k, norm, T) -> None:
+    m = _moe(D, I, Is, E, k, norm)
+    x = torch.randn(T, D)
+    with torch.no_grad():
+        got = m(x, sync_free=True)
+        want = m(x, sync_free=False)
+    assert emulated == {"gemv_segments": 1, "moe_route": 1, "moe_experts": 1}, emulated
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_moe_steps_aside_where_the_kernels_do_not_serve(emulated) -> None:
+    from engram_trt.models.qwen4_exp import fused
+
+    m = _moe(32, 16, 24, 6, 2, True)
+    assert fused.moe(m, torch.randn(9, 32)) is None, "more tokens than a decode step's GEMV"
+    assert fused.moe(m, torch.randn(4, 64)[:, :32]) is None, "strided activations"
+    m.expert_range = (0, 3)
+    assert fused.moe(m, torch.randn(2, 32)) is None, "a tensor-parallel rank's experts"
+    m.expert_range = None
+    m5 = _moe(32, 12, 24, 6, 2, True)
+    assert fused.moe(m5, torch.randn(2, 32)) is None, "I not a multiple of 8"
+    assert emulated == {}, f"no kernel called where the fused path steps aside: {emulated}"
+    with torch.no_grad():
+        assert fused.moe(m, torch.randn(2, 32)) is not None
+
+
+def _hc_mix(down_out, up, normed, inject_logits, *, hc):
+    T, D = normed.shape[0], up.shape[0] // hc
+    w = torch.sigmoid(F.linear(F.silu(down_out / hc), up))
+    mixed = (w.view(T, hc, D) * normed.view(T, hc, D)).sum(1) * (1.0 / hc)
+    return mixed, None if inject_logits is None else 2 * torch.sigmoid(inject_logits / hc)
+
+
+@pytest.mark.parametrize("inject", [True, False])
+@pytest.mark.parametrize("T", [1, 5])
+def test_fused_mix_equals_the_module(monkeypatch, emulated, inject, T) -> None:
+    from engram_trt.models.qwen4_exp import fused
+    from engram_trt.models.qwen4_exp.modules import GatedResidual
+    from engram_trt.native import decode
+
+    monkeypatch.setattr(decode, "hc_mix", _hc_mix)
+    torch.manual_seed(1)
+    c = GatedResidual(SimpleNamespace(hc_count=3, hidden_size=40, rms_norm_eps=1e-6, hc_lowrank=16), inject=inject)
+    with torch.no_grad():
+        for p in c.parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5)
+        streams = torch.randn(T, 120)
+        got = fused.mix(c, streams)
+        want = c.mix(streams)  # a CPU tensor: the PyTorch form
+    assert emulated == {"gemv_segments": 1}, emulated
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    if inject:
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    else:
+        assert got[1] is None and want[1] is None
+    assert fused.mix(c, torch.randn(9, 120)) is None, "more tokens than a decode step's GEMV"
