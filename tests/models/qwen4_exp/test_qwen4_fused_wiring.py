@@ -148,3 +148,49 @@ def test_fused_mix_equals_the_module(monkeypatch, emulated, inject, T) -> None:
     else:
         assert got[1] is None and want[1] is None
     assert fused.mix(c, torch.randn(9, 120)) is None, "more tokens than a decode step's GEMV"
+
+
+def test_gated_delta_net_decode_projects_in_two_launches(emulated) -> None:
+    """GatedDeltaNet.forward_decode with the fused projections (four input projections in
+    one launch, the output projection in another) equals its module path on the same
+    states, and leaves the same states."""
+    from engram_trt.models.qwen4_exp import fused
+    from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
+
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    cfg = Qwen4ExpTextConfig(
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(2)
+    ours = GatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3 + (1.0 if p is ours.norm.weight else 0.0))
+    shapes = GatedDeltaNet.state_shapes(cfg)
+    x = torch.randn(3, cfg.hidden_size)
+    slots = torch.tensor([4, 0, 2])
+    conv_a, rec_a = torch.randn(5, *shapes["conv"]) * 0.5, torch.randn(5, *shapes["recurrent"]) * 0.5
+    conv_b, rec_b = conv_a.clone(), rec_a.clone()
+    with torch.no_grad():
+        got = ours.forward_decode(x, slots, conv_a, rec_a)
+    assert emulated == {"gemv_segments": 2}, emulated
+    real = fused.unavailable
+    try:
+        fused.unavailable = lambda x: "off"
+        with torch.no_grad():
+            want = ours.forward_decode(x, slots, conv_b, rec_b)
+    finally:
+        fused.unavailable = real
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(conv_a, conv_b)
+    torch.testing.assert_close(rec_a, rec_b, rtol=1e-5, atol=1e-6)
+    assert isinstance(ours, GatedDeltaNet)

@@ -19,6 +19,9 @@ weight-read floor (issue 41: the MoE 120 us a layer, a mix 43 us).
   (``hc_mix``) for the gate's up product with its sigmoid, the streams' weighted mean and
   the injection weights: three launches where the PyTorch form takes about twelve.
 
+* Projections (:func:`project`): the bias-free bf16 linears of one input in one GEMV launch
+  (a Gated DeltaNet layer's four input projections, its output projection).
+
 Served: bf16 activations and weights (plain ``nn.Linear`` and the stacked experts) of 1 to
 ``GEMV_EX_MAX_TOKENS`` tokens on a GPU of compute capability 9.0+, all experts on this
 rank. Otherwise (a prefill chunk, FP8 experts, a tensor-parallel rank, float32 models,
@@ -57,6 +60,20 @@ def unavailable(x: Tensor) -> str | None:
 def _plain(mod: Any, x: Tensor) -> bool:
     """A bias-free ``nn.Linear`` with a contiguous weight of ``x``'s dtype."""
     return type(mod) is nn.Linear and mod.bias is None and mod.weight.dtype == x.dtype and mod.weight.is_contiguous()
+
+
+def project(x: Tensor, mods: list[Any]) -> list[Tensor] | None:
+    """``[m(x) for m in mods]`` (bias-free bf16 ``nn.Linear``s of one input) in one GEMV
+    launch, or None where the GEMV does not serve them (the caller runs the modules)."""
+    if unavailable(x) is not None or x.dim() != 2:
+        return None
+    from engram_trt.native import decode
+
+    if len(mods) > decode.MAX_SEGMENTS or not all(_plain(m, x) and decode.gemv_fits(x, m.weight) for m in mods):
+        return None
+    outs = [torch.empty((x.shape[0], m.weight.shape[0]), dtype=x.dtype, device=x.device) for m in mods]
+    decode.gemv_segments([(x, m.weight, o) for m, o in zip(mods, outs)])
+    return outs
 
 
 def moe(mlp: Any, x: Tensor) -> Tensor | None:
@@ -141,4 +158,4 @@ def mix(conn: Any, streams: Tensor) -> tuple[Tensor, Tensor | None] | None:
     return decode.hc_mix(z, up.weight, normed, logits, hc=hc)
 
 
-__all__ = ["FUSED_ENV", "mix", "moe", "unavailable"]
+__all__ = ["FUSED_ENV", "mix", "moe", "project", "unavailable"]

@@ -384,11 +384,17 @@ class GatedDeltaNet(nn.Module):
         """A decode-only step: token ``j`` of ``x [B, hidden]`` continues the sequence in
         slot ``slot_ids[j]`` (a device tensor, distinct slots, each with a past). No host
         lists, no host syncs: the step the decode CUDA graphs record. Equal to
-        :meth:`forward` on such a step (its decode branch is this very code)."""
-        cols = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        beta = torch.sigmoid(self.in_proj_b(x)).float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        :meth:`forward` on such a step (its decode branch is this very code). A bf16 step on a
+        GPU takes the four input projections in one GEMV launch and the output projection in
+        another (:func:`.fused.project`) where the kernel library serves them."""
+        from engram_trt.models.qwen4_exp import fused
+
+        projected = fused.project(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        if projected is None:
+            projected = [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
+        cols, z, b, a = projected
+        beta = torch.sigmoid(b).float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if self._kernel_serves(x, conv_state, recurrent_state):
             # Sequence j is token j with a past (its length only needs to be > 0), in slot
             # slot_ids[j]: the step's metadata built on the device, so the graphs record it.
@@ -399,7 +405,9 @@ class GatedDeltaNet(nn.Module):
         else:
             core = self._recurrent(cols, g, beta, slot_ids, conv_state, recurrent_state)
         normed = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
+        normed = normed.reshape(x.shape[0], self.value_dim)
+        out = fused.project(normed, [self.out_proj])
+        return self.out_proj(normed) if out is None else out[0]
 
     # -- the step -------------------------------------------------------------------------
     def forward(
