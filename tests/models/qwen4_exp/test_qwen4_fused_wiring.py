@@ -194,3 +194,42 @@ def test_gated_delta_net_decode_projects_in_two_launches(emulated) -> None:
     assert torch.equal(conv_a, conv_b)
     torch.testing.assert_close(rec_a, rec_b, rtol=1e-5, atol=1e-6)
     assert isinstance(ours, GatedDeltaNet)
+
+
+def test_qsa_decode_projects_in_two_launches(emulated) -> None:
+    """GatedAttention.forward_decode (the tiny checkpoint's QSA layer, the PyTorch core)
+    with the fused projections (q, k, v and the indexer's in one launch, o_proj in another)
+    equals its module path, caches included."""
+    import json
+    from pathlib import Path
+
+    from engram_trt.models.qwen4_exp import fused
+    from engram_trt.models.qwen4_exp.attention import GatedAttention
+    from engram_trt.models.qwen4_exp.config import read_config
+
+    data = Path(__file__).resolve().parents[2] / "data" / "qwen4_exp_tiny" / "config.json"
+    cfg = read_config(json.loads(data.read_text()))
+    layer = cfg.layer_types.index("indexed_attention")
+    torch.manual_seed(3)
+    attn = GatedAttention(cfg, layer).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape) * p.shape[-1] ** -0.5)
+    shapes = GatedAttention.cache_shapes(cfg, 64)
+    caches = [torch.randn(3, *shapes[k]) for k in ("key", "value", "index_key")]
+    x = torch.randn(2, cfg.hidden_size)
+    positions, slots = torch.tensor([17, 40]), torch.tensor([2, 0])
+    got_caches = [c.clone() for c in caches]
+    with torch.no_grad():
+        got = attn.forward_decode(x, positions, slots, 48, *got_caches)
+    assert emulated == {"gemv_segments": 2}, emulated
+    real = fused.unavailable
+    try:
+        fused.unavailable = lambda x: "off"
+        with torch.no_grad():
+            want = attn.forward_decode(x, positions, slots, 48, *caches)
+    finally:
+        fused.unavailable = real
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_caches, caches):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -151,13 +151,14 @@ class QSAIndexer(nn.Module):
         """The query heads a block score sums over (every rank's)."""
         return self.n_heads * (self.tp.size if self.tp is not None else 1)
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, qk: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Queries ``[T, query_heads, d]`` (normalized, rotated; a tensor-parallel rank's
         gathered from the others) and raw keys ``[T, d]`` (what the cache keeps: pooling
-        comes before the key norm)."""
+        comes before the key norm). ``qk``: ``index_qk_proj(x)`` when the caller made it."""
         from engram_trt.models.parallel import gather_heads
 
-        qk = self.index_qk_proj(x)
+        if qk is None:
+            qk = self.index_qk_proj(x)
         q, raw_keys = qk.split([self.n_heads * self.head_dim, self.head_dim], dim=-1)
         q = self.q_layernorm(q.reshape(x.shape[0], self.n_heads, self.head_dim))
         return gather_heads(apply_partial_rope(q, cos, sin), self.tp, 1), raw_keys
@@ -492,12 +493,17 @@ class GatedAttention(nn.Module):
         if context > key_cache.shape[2]:
             raise EngramError(f"decode context {context} is longer than the cache's {key_cache.shape[2]} positions")
         cos, sin = rope_cos_sin(self.config, positions)
-        query, gate = self.q_proj(x).reshape(G, h, 2 * hd).chunk(2, dim=-1)
+        from engram_trt.models.qwen4_exp import fused
+
+        # a bf16 step on a GPU: the four projections of x in one GEMV launch (fused.project)
+        projected = fused.project(x, [self.q_proj, self.k_proj, self.v_proj, self.indexer.index_qk_proj])
+        q_out, k_out, v_out, qk = projected or (self.q_proj(x), self.k_proj(x), self.v_proj(x), None)
+        query, gate = q_out.reshape(G, h, 2 * hd).chunk(2, dim=-1)
         gate = gate.reshape(G, h * hd)
         query = apply_partial_rope(self.q_norm(query), cos, sin)
-        key = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(G, kvh, hd)), cos, sin)
-        value = self.v_proj(x).reshape(G, kvh, hd)
-        index_q, index_raw = self.indexer.project(x, cos, sin)
+        key = apply_partial_rope(self.k_norm(k_out.reshape(G, kvh, hd)), cos, sin)
+        value = v_out.reshape(G, kvh, hd)
+        index_q, index_raw = self.indexer.project(x, cos, sin, qk=qk)
         if meta is not None and self.kernel_serves(x, key_cache):
             from engram_trt.native.qsa import qsa_attention
 
@@ -515,7 +521,7 @@ class GatedAttention(nn.Module):
                 meta[G + 1 : 2 * G + 1],
                 self.qsa_fields(),
             )
-            return self.o_proj(out * torch.sigmoid(gate))
+            return self._output(out * torch.sigmoid(gate))
         key_cache[slots, :, positions] = key.to(key_cache.dtype)
         value_cache[slots, :, positions] = value.to(value_cache.dtype)
         index_key_cache[slots, positions] = index_raw.to(index_key_cache.dtype)
@@ -529,4 +535,11 @@ class GatedAttention(nn.Module):
         scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, v).reshape(G, h * hd)
-        return self.o_proj(out * torch.sigmoid(gate))
+        return self._output(out * torch.sigmoid(gate))
+
+    def _output(self, gated: Tensor) -> Tensor:
+        """``o_proj(gated)``: a bf16 decode step's through the GEMV (fused.project)."""
+        from engram_trt.models.qwen4_exp import fused
+
+        out = fused.project(gated, [self.o_proj])
+        return self.o_proj(gated) if out is None else out[0]
