@@ -429,12 +429,22 @@ def test_breakdown_times_every_module_kind_inside_the_graph(which: str) -> None:
     n = cfg["num_hidden_layers"]
     b = decode_breakdown(folder, device="cuda", dtype="bf16", prompt_tokens=8, reps=3)
     if which == "deepseek_v4_tiny":
+        import os
+
+        from engram_trt.models.deepseek_v4.modules import MHC_FOLD_ENV
+
         types = cfg["layer_types"]
+        # the mHC fold (default): each sublayer's expansion runs with the next collapse
+        # (mhc.post+pre+norm), the last one with the head's; without it 2n expansions
+        # and 2n collapses of their own
+        fold = os.environ.get(MHC_FOLD_ENV, "1") != "0"
+        mhc = {"mhc.pre+norm": 1, "mhc.post+pre+norm": 2 * n - 1}
+        if not fold:
+            mhc = {"mhc.pre+norm": 2 * n, "mhc.post": 2 * n}
         want = {
             "embed": 1,
             "head": 1,
-            "mhc.pre+norm": 2 * n,
-            "mhc.post": 2 * n,
+            **mhc,
             "moe": n,
             "attention.csa": types.count(C_),
             "attention.hca": types.count(H_),
