@@ -233,3 +233,49 @@ def test_qsa_decode_projects_in_two_launches(emulated) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_caches, caches):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gated_delta_net_decode_takes_the_steps_meta(monkeypatch) -> None:
+    """The step's int32 meta the model passes (``[0..B, past lengths, slots]``) reaches the
+    core as the layer would build it (past lengths only as > 0: each position >= 1), and
+    ``-exp(A_log)`` is made once and reused while A_log is unchanged."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+
+    from engram_trt.models.qwen4_exp.linear_attention import GatedDeltaNet
+
+    cfg = Qwen4ExpTextConfig(
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(4)
+    layer = GatedDeltaNet(cfg, 0).eval()
+    seen: list[torch.Tensor] = []
+
+    def core(cols, g, beta, meta, S, conv, rec):
+        seen.append(meta.clone())
+        return torch.zeros(cols.shape[0], layer.num_v_heads, layer.head_v_dim)
+
+    monkeypatch.setattr(layer, "_kernel_serves", lambda *a: True)
+    monkeypatch.setattr(layer, "_core_kernels", core)
+    shapes = GatedDeltaNet.state_shapes(cfg)
+    conv, rec = torch.zeros(4, *shapes["conv"]), torch.zeros(4, *shapes["recurrent"])
+    x, slots = torch.randn(3, 32), torch.tensor([2, 0, 3])
+    step_meta = torch.tensor([0, 1, 2, 3, 7, 1, 30, 2, 0, 3], dtype=torch.int32)
+    with torch.no_grad():
+        layer.forward_decode(x, slots, conv, rec)
+        layer.forward_decode(x, slots, conv, rec, meta=step_meta)
+    built, given = seen
+    assert torch.equal(given, step_meta)
+    assert torch.equal(built[:4], given[:4]) and torch.equal(built[7:], given[7:]), (built, given)
+    assert bool((built[4:7] > 0).all() and (given[4:7] > 0).all())
+    first = layer._neg_decay()
+    assert layer._neg_decay() is first and torch.equal(first, -layer.A_log.float().exp())
+    with torch.no_grad():
+        layer.A_log.add_(1.0)
+    assert torch.equal(layer._neg_decay(), -layer.A_log.float().exp()), "a changed A_log is read again"

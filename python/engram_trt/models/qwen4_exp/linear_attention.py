@@ -274,6 +274,18 @@ class GatedDeltaNet(nn.Module):
             )
 
     # -- the kernel library ---------------------------------------------------------------
+    def _neg_decay(self) -> torch.Tensor:
+        """``-exp(A_log)`` in float32: the same value every step, so made once (outside a CUDA
+        graph's capture, whose launches would fill it only at replay) and reused."""
+        key = (self.A_log.data_ptr(), self.A_log._version, self.A_log.device)
+        cached = getattr(self, "_neg_decay_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        value = -self.A_log.float().exp()
+        if not (value.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._neg_decay_cache = (key, value)
+        return value
+
     def _kernel_serves(self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> bool:
         """Whether the step's core takes the kernel library (see ``backend``)."""
         if self.backend not in LINEAR_ATTENTION_BACKENDS:
@@ -379,14 +391,22 @@ class GatedDeltaNet(nn.Module):
         return o
 
     def forward_decode(
-        self, x: torch.Tensor, slot_ids: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor
+        self,
+        x: torch.Tensor,
+        slot_ids: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        meta: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """A decode-only step: token ``j`` of ``x [B, hidden]`` continues the sequence in
         slot ``slot_ids[j]`` (a device tensor, distinct slots, each with a past). No host
         lists, no host syncs: the step the decode CUDA graphs record. Equal to
         :meth:`forward` on such a step (its decode branch is this very code). A bf16 step on a
         GPU takes the four input projections in one GEMV launch and the output projection in
-        another (:func:`.fused.project`) where the kernel library serves them."""
+        another (:func:`.fused.project`) where the kernel library serves them. ``meta``: the
+        step's int32 ``[seq_starts (B+1) = 0..B, past_lens (B), slots (B)]`` on the device when
+        the caller has it (``Qwen4ExpModel.decode_views``: one for every layer of the step; the
+        kernels read a past length only as > 0), else it is made here."""
         from engram_trt.models.qwen4_exp import fused
 
         projected = fused.project(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
@@ -394,13 +414,16 @@ class GatedDeltaNet(nn.Module):
             projected = [self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)]
         cols, z, b, a = projected
         beta = torch.sigmoid(b).float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = self._neg_decay() * F.softplus(a.float() + self.dt_bias.float())
         if self._kernel_serves(x, conv_state, recurrent_state):
             # Sequence j is token j with a past (its length only needs to be > 0), in slot
             # slot_ids[j]: the step's metadata built on the device, so the graphs record it.
             B = x.shape[0]
-            ones = torch.ones(B, dtype=torch.int32, device=x.device)
-            meta = torch.cat([torch.arange(B + 1, dtype=torch.int32, device=x.device), ones, slot_ids.to(torch.int32)])
+            if meta is None:
+                ones = torch.ones(B, dtype=torch.int32, device=x.device)
+                meta = torch.cat(
+                    [torch.arange(B + 1, dtype=torch.int32, device=x.device), ones, slot_ids.to(torch.int32)]
+                )
             core = self._core_kernels(cols, g, beta, meta, B, conv_state, recurrent_state)
         else:
             core = self._recurrent(cols, g, beta, slot_ids, conv_state, recurrent_state)
@@ -431,7 +454,7 @@ class GatedDeltaNet(nn.Module):
         cols = self.in_proj_qkv(x)  # [T, conv_dim]
         z = self.in_proj_z(x)
         beta = torch.sigmoid(self.in_proj_b(x)).float()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        g = self._neg_decay() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         if self._kernel_serves(x, conv_state, recurrent_state):
             meta = torch.tensor([*seq_starts, *past_lens, *slots], dtype=torch.int32).to(x.device)
             core = self._core_kernels(cols, g, beta, meta, len(slots), conv_state, recurrent_state)

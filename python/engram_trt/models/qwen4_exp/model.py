@@ -453,7 +453,7 @@ class Qwen4ExpModel(ServedModel, _Modules):
                 )
             x, w = layer.attn_hyper_connection.mix(streams)
             if layer.kind == "linear_attention":
-                y = layer.linear_attn.forward_decode(x, slots, cache.conv[i], cache.recurrent[i])
+                y = layer.linear_attn.forward_decode(x, slots, cache.conv[i], cache.recurrent[i], meta=meta)
             else:
                 y = layer.self_attn.forward_decode(
                     x,
