@@ -404,6 +404,76 @@ def test_moe_experts_checks_name_the_field(plugin_lib: Path, change, needle) -> 
     decode._call("engram_moe_experts_bf16", ctypes.byref(_experts(num_tokens=0)), None)
 
 
+def _hc_mix(**change) -> decode._HcMix:
+    base = dict(
+        down_out=_FAKE,
+        up=_FAKE * 2,
+        normed=_FAKE * 3,
+        inject_logits=_FAKE * 4,
+        mixed=_FAKE * 5,
+        inject=_FAKE * 6,
+        num_tokens=2,
+        down_out_stride=320,
+        normed_stride=4 * 64,
+        inject_stride=4,
+        hidden=64,
+        hc=4,
+        rank=320,
+        reserved=0,
+    )
+    base.update(change)
+    return decode._HcMix(**base)
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"num_tokens": 17}, "engram_hc_mix_bf16: num_tokens must be in [0, 16] (a decode step; got 17)"),
+        (
+            {"rank": 12, "down_out_stride": 16},
+            "need hidden >= 1, 1 <= hc <= 16, rank a positive multiple of 8 and num_tokens * rank <= 12288 "
+            "(got 64, 4, 12, 2 tokens)",
+        ),
+        ({"hc": 17, "normed_stride": 17 * 64, "inject_stride": 17}, "(got 64, 17, 320, 2 tokens)"),
+        ({"num_tokens": 16, "rank": 1024, "down_out_stride": 1024}, "(got 64, 4, 1024, 16 tokens)"),
+        ({"inject": None}, "give both inject_logits and inject, or neither"),
+        (
+            {"down_out_stride": 300},
+            "need down_out_stride >= rank and a multiple of 8, normed_stride >= hc * hidden, inject_stride >= hc "
+            "(got 300, 256, 4)",
+        ),
+        ({"normed_stride": 255}, "(got 320, 255, 4)"),
+        ({"inject_stride": 3}, "(got 320, 256, 3)"),
+        ({"up": _FAKE * 2 + 8}, "down_out and up must be 16-byte aligned device pointers"),
+        ({"mixed": None}, "normed, mixed, inject_logits and inject must be device pointers"),
+        ({"mixed": _FAKE * 3 + 64}, "mixed and inject must not overlap each other or the inputs"),
+        ({"inject": _FAKE * 5 + 2}, "mixed and inject must not overlap each other or the inputs"),
+    ],
+)
+def test_hc_mix_checks_name_the_field(plugin_lib: Path, change, needle) -> None:
+    with pytest.raises(EngramError) as exc:
+        decode._call("engram_hc_mix_bf16", ctypes.byref(_hc_mix(**change)), None)
+    _one_line(exc, needle)
+    decode._call("engram_hc_mix_bf16", ctypes.byref(_hc_mix(num_tokens=0)), None)
+
+
+def test_hc_mix_binding_checks_shapes(plugin_lib: Path) -> None:
+    bf = torch.bfloat16
+    up = torch.zeros(4 * 16, 8, dtype=bf)
+    with pytest.raises(EngramError) as exc:
+        decode.hc_mix(torch.zeros(2, 8, dtype=bf), up, torch.zeros(2, 64, dtype=bf), None, hc=3)
+    _one_line(exc, "up's 64 rows are not hc = 3 streams of one width")
+    with pytest.raises(EngramError) as exc:
+        decode.hc_mix(torch.zeros(2, 8, dtype=bf), up, torch.zeros(3, 64, dtype=bf), None, hc=4)
+    _one_line(exc, "normed must have 2 rows like down_out (got 3)")
+    with pytest.raises(EngramError) as exc:
+        decode.hc_mix(torch.zeros(2, 8, dtype=bf), up.float(), torch.zeros(2, 64, dtype=bf), None, hc=4)
+    _one_line(exc, "up must have dtype torch.bfloat16 (got torch.float32)")
+    with pytest.raises(EngramError) as exc:
+        decode.hc_mix(torch.zeros(2, 8, dtype=bf), up, torch.zeros(2, 64, dtype=bf), None, hc=4)
+    _one_line(exc, "up must be a CUDA tensor (got device cpu)")
+
+
 def test_mhc_norm_entry_points_check_the_norm_arguments(plugin_lib: Path) -> None:
     from engram_trt.native import mhc
 
