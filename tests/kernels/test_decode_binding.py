@@ -404,6 +404,41 @@ def test_moe_experts_checks_name_the_field(plugin_lib: Path, change, needle) -> 
     decode._call("engram_moe_experts_bf16", ctypes.byref(_experts(num_tokens=0)), None)
 
 
+class _ReportsCuda(torch.Tensor):
+    """A host tensor that says it is on a CUDA device: the predicates' CUDA branches run on
+    a CPU (the GPU tests alone reached them before, and a typo there raised on every GPU)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def _cudaish(t: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_ReportsCuda, t)
+
+
+def test_gemv_fits_predicate_on_tensors_that_report_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemv_fits' whole predicate: bf16, 1-8 rows, K a multiple of 8, unit stride in a row,
+    rows 16-byte aligned, a contiguous aligned weight, a capable GPU."""
+    monkeypatch.setattr(decode, "gemv_capable", lambda device: True)
+    bf = torch.bfloat16
+    w = torch.zeros(16, 64, dtype=bf)
+    assert decode.gemv_fits(_cudaish(torch.zeros(2, 64, dtype=bf)), w)
+    assert decode.gemv_fits(_cudaish(torch.zeros(8, 64, dtype=bf)), w)
+    assert not decode.gemv_fits(_cudaish(torch.zeros(9, 64, dtype=bf)), w), "more rows than the GEMV's 8"
+    assert not decode.gemv_fits(_cudaish(torch.zeros(2, 64)), w.float()), "float32"
+    assert not decode.gemv_fits(torch.zeros(2, 64, dtype=bf), w), "a host tensor"
+    wide = _cudaish(torch.zeros(2, 68, dtype=bf))
+    assert not decode.gemv_fits(wide[:, :64], w), "rows 136 bytes apart: not 16-byte aligned"
+    assert not decode.gemv_fits(_cudaish(torch.zeros(2, 72, dtype=bf))[:, 1:65], w), "a row start off 16 bytes"
+    assert not decode.gemv_fits(_cudaish(torch.zeros(2, 60, dtype=bf)), torch.zeros(16, 60, dtype=bf)), "K 60"
+    assert not decode.gemv_fits(_cudaish(torch.zeros(2, 64, dtype=bf)), torch.zeros(64, 16, dtype=bf).t()), (
+        "a transposed weight"
+    )
+    monkeypatch.setattr(decode, "gemv_capable", lambda device: False)
+    assert not decode.gemv_fits(_cudaish(torch.zeros(2, 64, dtype=bf)), w), "a GPU below compute capability 9.0"
+
+
 def _hc_mix(**change) -> decode._HcMix:
     base = dict(
         down_out=_FAKE,
