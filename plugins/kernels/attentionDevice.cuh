@@ -23,16 +23,6 @@ namespace engram_trt
 namespace kernels
 {
 
-__device__ __forceinline__ float warpMax(float v)
-{
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-    {
-        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
-    }
-    return v;
-}
-
 __device__ __forceinline__ bool inCache(int32_t slot, int32_t pos, int64_t numSlots, int64_t maxSeqLen)
 {
     return slot >= 0 && slot < numSlots && pos >= 0 && pos < maxSeqLen;

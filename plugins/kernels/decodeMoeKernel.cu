@@ -72,7 +72,7 @@ __device__ __forceinline__ float scoreOf(float z, int32_t scoreFn)
 {
     if (scoreFn == ENGRAM_MOE_SIGMOID)
     {
-        return roundTo<T>(1.0F / (1.0F + expf(-z)));
+        return roundTo<T>(sigmoidOf(z));
     }
     // F.softplus (beta 1, threshold 20), rounded to the I/O type, then its square root
     float const softplus = roundTo<T>(z > 20.0F ? z : log1pf(expf(z)));
@@ -107,11 +107,7 @@ __global__ void __launch_bounds__(kRouteThreads)
         {
             rowMax = fmaxf(rowMax, toFloat(row[e]));
         }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1)
-        {
-            rowMax = fmaxf(rowMax, __shfl_xor_sync(0xFFFFFFFFu, rowMax, offset));
-        }
+        rowMax = warpMax(rowMax);
         for (int32_t e = lane; e < numExperts; e += 32)
         {
             rowSum += expf(toFloat(row[e]) - rowMax);
@@ -374,7 +370,7 @@ __global__ void __launch_bounds__(kExpertThreads)
             // shared_expert(x) * sigmoid(shared_expert_gate(x)), each op rounded to bf16
             float const z
                 = __bfloat162float(static_cast<__nv_bfloat16 const*>(a.shared_scale)[t * a.shared_scale_stride]);
-            shared = roundBf16(__fmul_rn(shared, roundBf16(1.0F / (1.0F + expf(-z)))));
+            shared = roundBf16(__fmul_rn(shared, roundBf16(sigmoidOf(z))));
         }
         out = __fadd_rn(routed, shared);
     }

@@ -37,11 +37,6 @@ namespace
 constexpr int kMixThreads = 256;
 constexpr int kMixWarps = kMixThreads / 32;
 
-__device__ __forceinline__ float sigmoidOf(float z)
-{
-    return 1.0F / (1.0F + expf(-z));
-}
-
 __global__ void __launch_bounds__(kMixThreads) hcMixKernel(EngramHcMix a)
 {
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900

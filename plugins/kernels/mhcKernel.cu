@@ -68,11 +68,6 @@ constexpr int64_t kMhcTileTokens = 256;   // from this many tokens on, 4 tokens 
 constexpr int64_t kMhcSmallTokens = 8;    // up to this many tokens: the decode mix (a warp per fn row set)
 constexpr int kMhcMaxEntries = ENGRAM_MHC_MAX_HC * ENGRAM_MHC_MAX_HC;
 
-__device__ __forceinline__ float sigmoidOf(float x)
-{
-    return 1.0F / (1.0F + expf(-x));
-}
-
 /*
  * Kernel 1: blockIdx.x = token tile, blockIdx.y = split of K. MaxRows bounds rows (the
  * accumulators stay in registers); partial [splits, T, rows + 1]: rows dots, then sum x^2.

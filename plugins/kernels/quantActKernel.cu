@@ -55,16 +55,6 @@ int32_t floatTypeBytes(int32_t t)
     return t == ENGRAM_FLOAT_F32 ? 4 : 2;
 }
 
-__device__ __forceinline__ float warpMax(float v)
-{
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-    {
-        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFU, v, offset));
-    }
-    return v;
-}
-
 //! The source of the activation quantization: a float tensor, or the clamped SwiGLU of
 //! a fused gate / up product.
 struct ActSource

@@ -3,7 +3,7 @@
 /*
  * Device helpers shared by the kernels: eight consecutive elements loaded as floats
  * (one 16-byte load for bf16 / fp16, two for fp32) and stored back rounded once, bf16
- * rows of any width in vectors of 8, 4 or 1, and a warp-wide sum. One home, so the gate,
+ * rows of any width in vectors of 8, 4 or 1, a warp-wide sum and max, and the sigmoid. One home, so the gate,
  * the attention and the decoder-layer kernels cannot drift apart in how they read and
  * round their inputs; toFloat / fromFloat / roundTo, the per-element conversions every
  * kernel with bf16 / fp16 / fp32 I/O makes.
@@ -248,6 +248,23 @@ __device__ __forceinline__ float warpSum(float v)
         v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
     }
     return v;
+}
+
+//! The largest v over the 32 lanes of a warp, in every lane.
+__device__ __forceinline__ float warpMax(float v)
+{
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+    {
+        v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
+    }
+    return v;
+}
+
+//! torch.sigmoid's float32 formula, 1 / (1 + exp(-x)) (the caller rounds to its I/O type).
+__device__ __forceinline__ float sigmoidOf(float x)
+{
+    return 1.0F / (1.0F + expf(-x));
 }
 
 //! 16 bytes read once (weights streamed through): skip the L1 (ld.global.nc.L1::no_allocate).
