@@ -182,6 +182,27 @@ def unavailable(what: str = "decode glue CUDA kernels") -> str | None:
     return _ENTRY.unavailable(what)
 
 
+def glue_unavailable(x: Any, switch: str, what: str = "decode glue CUDA kernels") -> str | None:
+    """Why a model family's fused decode glue does not take activations like ``x`` (None: it
+    does): its A/B switch ``switch`` (an environment variable) set to ``0``, ``x`` not a
+    bf16 CUDA tensor, a library without these kernels, a GPU below compute capability 9.0."""
+    import os
+
+    if os.environ.get(switch, "1") == "0":
+        return f"{switch}=0"
+    if not x.is_cuda:
+        return f"the activations are on {x.device}, not a CUDA device"
+    torch = torch_module()
+    if x.dtype != torch.bfloat16:
+        return f"the activations are {x.dtype}, not bfloat16"
+    why = unavailable(what)
+    if why is not None:
+        return why
+    if not gemv_capable(x.device):
+        return "the GPU's compute capability is below 9.0"
+    return None
+
+
 def gemv_capable(device: Any) -> bool:
     """Whether the GEMV / experts kernels run on ``device`` (compute capability 9.0 or later)."""
     return capability_major(device.index) >= MIN_CAPABILITY

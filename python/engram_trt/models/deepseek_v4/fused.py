@@ -47,21 +47,11 @@ PROLOGUE_ENV = "ENGRAM_TRT_DSV4_PROLOGUE"  # "0": q_a_norm and the inverse RoPE 
 
 
 def unavailable(x: Tensor) -> str | None:
-    """Why the fused glue does not take activations like ``x`` (None: it does)."""
-    if os.environ.get(FUSED_ENV, "1") == "0":
-        return f"{FUSED_ENV}=0"
-    if not x.is_cuda:
-        return f"the activations are on {x.device}, not a CUDA device"
-    if x.dtype != torch.bfloat16:
-        return f"the activations are {x.dtype}, not bfloat16"
+    """Why the fused glue does not take activations like ``x`` (None: it does;
+    :func:`engram_trt.native.decode.glue_unavailable` with ``ENGRAM_TRT_DSV4_FUSED``)."""
     from engram_trt.native import decode
 
-    why = decode.unavailable()
-    if why is not None:
-        return why
-    if not decode.gemv_capable(x.device):
-        return "the GPU's compute capability is below 9.0"
-    return None
+    return decode.glue_unavailable(x, FUSED_ENV)
 
 
 def _f32(t: Tensor) -> Tensor:

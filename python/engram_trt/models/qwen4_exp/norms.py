@@ -17,7 +17,6 @@ per group) where the PyTorch form takes about nine; ``1 + w`` is made once per w
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +45,10 @@ class OffsetRMSNorm(nn.Module):
         self.group_size = group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == torch.bfloat16 and _fused_norms(x.device):
+        from engram_trt.models.qwen4_exp.fused import FUSED_ENV
+        from engram_trt.native import decode
+
+        if decode.glue_unavailable(x, FUSED_ENV, "Qwen4Exp fused norms") is None:  # bf16 on an sm_90+ GPU
             return self.forward_kernel(x)
         return offset_rms_norm(x, self.weight, self.eps, self.group_size)
 
@@ -76,18 +78,6 @@ class OffsetRMSNorm(nn.Module):
             )
         )
         return out.view(x.shape)
-
-
-def _fused_norms(device: torch.device) -> bool:
-    """Whether the kernel form serves (the library loads, ``ENGRAM_TRT_QWEN4_FUSED`` is not
-    ``0``, and the GPU is sm_90+ as the decode kernels are measured there)."""
-    if os.environ.get("ENGRAM_TRT_QWEN4_FUSED", "1") == "0":
-        return False
-    from engram_trt.native import decode
-
-    if decode.unavailable("Qwen4Exp fused norms") is not None:
-        return False
-    return decode.gemv_capable(device)
 
 
 class GatedRMSNorm(nn.Module):
